@@ -1,0 +1,88 @@
+"""`infc build`: spec (+ variant or model directory) -> generated/<model>/plan.json."""
+import json
+import time
+from pathlib import Path
+
+from .errors import ModelDirError, SpecError
+from .pipeline import compile_spec
+from .plan import dumps, emit_plan
+from .spec import Spec, find_architecture, find_variant, load_spec
+
+REPO = Path(__file__).resolve().parent.parent
+GENERATED = REPO / "generated"
+
+
+def read_config(model_dir: Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelDirError(f"{model_dir}: no config.json (is this an HF model directory?)") from None
+    except json.JSONDecodeError as e:
+        raise ModelDirError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
+
+
+def resolve(model: str | None = None, spec_path: str | None = None,
+            model_dir: str | None = None) -> tuple[Spec, dict, str, str]:
+    """(spec, config values, model name, where the config came from)."""
+    if model_dir is not None:
+        config = read_config(Path(model_dir))
+        spec = load_spec(spec_path) if spec_path else find_architecture(config.get("architectures", []))
+        return spec, config, model or Path(model_dir).name, str(Path(model_dir) / "config.json")
+    if model is None:
+        raise SpecError("name a model (--model NAME) or a model directory", None)
+    if spec_path is not None:
+        spec = load_spec(spec_path)
+        if model not in spec.variants:
+            raise SpecError(f"unknown variant '{model}' (this spec defines: "
+                            f"{', '.join(sorted(spec.variants)) or 'none'})", spec.path)
+        return spec, dict(spec.variants[model]), model, f"{spec.path} variant {model}"
+    spec, config = find_variant(model)
+    return spec, config, model, f"{spec.path} variant {model}"
+
+
+def compile_model(model=None, spec_path=None, model_dir=None, features=None, log=None):
+    """Returns (state, plan dict)."""
+    stages = []
+
+    def stage(name, t0):
+        dt = time.perf_counter() - t0
+        stages.append((name, dt))
+        if log:
+            log(f"  {name:<28} {dt * 1e3:8.1f} ms")
+
+    t0 = time.perf_counter()
+    spec, config, name, source = resolve(model, spec_path, model_dir)
+    stage("parse + validate spec", t0)
+    t0 = time.perf_counter()
+    env = spec.bind(config, source)
+    stage("bind config", t0)
+    timings = {}
+
+    def observe(pass_name, state, _t=[time.perf_counter()]):
+        now = time.perf_counter()
+        timings[pass_name] = now - _t[0]
+        _t[0] = now
+        if log:
+            log(f"  pass {pass_name:<23} {timings[pass_name] * 1e3:8.1f} ms")
+
+    state = compile_spec(spec, env, name, features, observe=observe)
+    t0 = time.perf_counter()
+    plan = emit_plan(state)
+    stage("emit plan", t0)
+    return state, plan
+
+
+def build(model=None, spec_path=None, model_dir=None, out=None, features=None, log=print) -> Path:
+    t_all = time.perf_counter()
+    if log:
+        log(f"infc build {model or model_dir}")
+    state, plan = compile_model(model, spec_path, model_dir, features, log)
+    out = Path(out) if out else GENERATED / state.model
+    t0 = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan.json").write_text(dumps(plan))
+    if log:
+        log(f"  {'write ' + str(out / 'plan.json'):<28} {(time.perf_counter() - t0) * 1e3:8.1f} ms")
+        log(f"built {state.model} in {time.perf_counter() - t_all:.2f} s -> {out}")
+    return out

@@ -1,0 +1,23 @@
+"""One error type for everything a user can get wrong in a spec or a model directory.
+
+It carries the file and line so the CLI can print `file:line: message` and exit 2, never a
+traceback.
+"""
+
+
+class SpecError(Exception):
+    def __init__(self, message: str, file: str | None = None, line: int | None = None):
+        super().__init__(message)
+        self.message = message
+        self.file = file
+        self.line = line
+
+    def __str__(self) -> str:
+        where = self.file or "<spec>"
+        if self.line is not None:
+            where += f":{self.line}"
+        return f"{where}: {self.message}"
+
+
+class ModelDirError(Exception):
+    """A model directory that does not match what the plan needs (names the file or tensor)."""

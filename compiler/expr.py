@@ -1,0 +1,94 @@
+"""The spec's expression language: Python expression syntax, evaluated without `eval`.
+
+Graph statements (`q, k = f(x, w, eps=eps)`), config defaults (`H // Hq`), shapes
+(`[T, Hq*D]`) and `requires` constraints all go through `ast`, so syntax errors come with a
+column and nothing in a spec can run code.
+"""
+import ast
+import operator
+
+from .errors import SpecError
+
+_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+           ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+           ast.Pow: operator.pow}
+_CMPOPS = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
+           ast.Gt: operator.gt, ast.GtE: operator.ge, ast.In: lambda a, b: a in b}
+_FUNCS = {"len": len, "min": min, "max": max, "int": int, "float": float}
+_CONSTS = {"true": True, "false": False, "none": None, "True": True, "False": False, "None": None}
+
+
+def parse_expr(text: str, file: str | None, line: int | None) -> ast.expr:
+    try:
+        return ast.parse(str(text).strip(), mode="eval").body
+    except SyntaxError as e:
+        raise SpecError(f"cannot parse expression '{text}': {e.msg}", file, line) from None
+
+
+def parse_statement(text: str, file: str | None, line: int | None) -> tuple[list[str], ast.expr]:
+    """`a, b = expr` -> (['a', 'b'], expr)."""
+    try:
+        tree = ast.parse(str(text).strip(), mode="exec")
+    except SyntaxError as e:
+        raise SpecError(f"cannot parse statement '{text}': {e.msg}", file, line) from None
+    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Assign) or len(tree.body[0].targets) != 1:
+        raise SpecError(f"a graph statement is 'name = op(...)' or 'a, b = op(...)', got '{text}'",
+                        file, line)
+    target = tree.body[0].targets[0]
+    elts = target.elts if isinstance(target, ast.Tuple) else [target]
+    names = []
+    for e in elts:
+        if not isinstance(e, ast.Name):
+            raise SpecError(f"assignment target must be a name in '{text}'", file, line)
+        names.append(e.id)
+    return names, tree.body[0].value
+
+
+class Unknown(Exception):
+    def __init__(self, name):
+        super().__init__(name)
+        self.name = name
+
+
+def evaluate(node: ast.expr, env: dict):
+    """Evaluate a restricted expression. Raises Unknown(name) for unbound names."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Name):
+        if node.id in env:
+            return env[node.id]
+        if node.id in _CONSTS:
+            return _CONSTS[node.id]
+        raise Unknown(node.id)
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+        return _BINOPS[type(node.op)](evaluate(node.left, env), evaluate(node.right, env))
+    if isinstance(node, ast.UnaryOp):
+        v = evaluate(node.operand, env)
+        if isinstance(node.op, ast.USub):
+            return -v
+        if isinstance(node.op, ast.Not):
+            return not v
+        if isinstance(node.op, ast.UAdd):
+            return v
+    if isinstance(node, ast.BoolOp):
+        vals = [evaluate(v, env) for v in node.values]
+        return all(vals) if isinstance(node.op, ast.And) else any(vals)
+    if isinstance(node, ast.Compare):
+        left = evaluate(node.left, env)
+        for op, comp in zip(node.ops, node.comparators):
+            right = evaluate(comp, env)
+            if type(op) not in _CMPOPS or not _CMPOPS[type(op)](left, right):
+                return False
+            left = right
+        return True
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [evaluate(e, env) for e in node.elts]
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _FUNCS:
+        return _FUNCS[node.func.id](*[evaluate(a, env) for a in node.args])
+    if isinstance(node, ast.Subscript):
+        return evaluate(node.value, env)[evaluate(node.slice, env)]
+    raise ValueError(f"unsupported expression '{ast.unparse(node)}'")
+
+
+def free_names(node: ast.expr) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and n.id not in _CONSTS}

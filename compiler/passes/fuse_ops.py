@@ -1,0 +1,171 @@
+"""Op fusion patterns. Each rewrite replaces a chain of spec ops by one fused op whose
+numpy reference is the chain's composition (see ops/fused.py).
+"""
+from ..ir import Graph, Node, Value
+
+
+def _single_user(g: Graph, value: str):
+    users = g.users(value)
+    if len(users) == 1 and users[0].inputs.count(value) == 1 and value not in g.outputs:
+        return users[0]
+    return None
+
+
+def _new(g, hint, line):
+    name = g.fresh(hint)
+    g.add_value(Value(name, "act", line=line))
+    return name
+
+
+def _later_uses(g: Graph, value: str, after: str) -> bool:
+    idx = g.order.index(after)
+    return any(value in g.nodes[n].inputs for n in g.order[idx + 1:]) or value in g.outputs
+
+
+def fuse_add_rms_norm(state):
+    """s = add(x, d); h = rms_norm(s, w)  ->  s, h = add_rms_norm(x, d, w), s written over x."""
+    for g in state.graph.walk():
+        for add in [n for n in g.ordered() if n.op == "add"]:
+            s = add.outputs[0]
+            norms = [u for u in g.users(s) if u.op == "rms_norm" and u.inputs[0] == s]
+            if not norms or _later_uses(g, add.inputs[0], add.id):
+                continue
+            norm = norms[0]
+            h = norm.outputs[0]
+            s2, h2 = _new(g, "x", add.line), _new(g, "h", norm.line)
+            fused = Node(g.new_node_id("add_rms_norm"), "add_rms_norm",
+                         [add.inputs[0], add.inputs[1], norm.inputs[1]], [s2, h2],
+                         {"eps": norm.attrs["eps"]}, norm.line, fused_from=["add", "rms_norm"])
+            g.add_node(fused, before=add.id)
+            g.replace_uses(s, s2)
+            g.replace_uses(h, h2)
+            g.remove_node(norm.id)
+            g.remove_node(add.id)
+            state.note("fuse_add_rms_norm", f"{g.name}: line {norm.line}")
+
+
+def _trace(g, value, ops):
+    """Walk producers back through `ops` (in order, each optional); returns (value, nodes)."""
+    nodes = {}
+    for op in ops:
+        p = g.producer(value)
+        if p is not None and p.op == op and _single_user(g, value) is not None:
+            nodes[op] = p
+            value = p.inputs[0]
+    return value, nodes
+
+
+def fuse_qk_norm_rope_cache(state):
+    """q/k: split -> view -> [rms_norm] -> rope, v: split -> view, into attention:
+    becomes qk_norm_rope_cache(qkv) writing the KV cache, then attention_cached."""
+    for g in state.graph.walk():
+        for att in [n for n in g.ordered() if n.op == "attention"]:
+            q, k, v = att.inputs
+            q_src, qn = _trace(g, q, ["rope", "rms_norm", "view"])
+            k_src, kn = _trace(g, k, ["rope", "rms_norm", "view"])
+            v_src, vn = _trace(g, v, ["view"])
+            if "rope" not in qn or "rope" not in kn or "view" not in qn or "view" not in kn \
+                    or "view" not in vn:
+                continue
+            split = g.producer(q_src)
+            if split is None or split.op != "split" or split.outputs != [q_src, k_src, v_src]:
+                continue
+            rq, rk = qn["rope"], kn["rope"]
+            if rq.attrs != rk.attrs:
+                continue
+            norms, eps = [], []
+            for nodes in (qn, kn):
+                if "rms_norm" in nodes:
+                    norms.append(nodes["rms_norm"].inputs[1])
+                    eps.append(nodes["rms_norm"].attrs["eps"])
+            if len(set(eps)) > 1:
+                continue
+            qt, kt = g.values[q].type, g.values[k].type
+            attrs = {"q_heads": qt.shape[1], "kv_heads": kt.shape[1], "head_dim": qt.shape[2],
+                     "eps": eps[0] if eps else 0.0, "theta": rq.attrs["theta"],
+                     "scaling": rq.attrs["scaling"], "q_norm": "rms_norm" in qn,
+                     "k_norm": "rms_norm" in kn}
+            qr, kv = _new(g, "q", att.line), _new(g, "kv", att.line)
+            chain = ["rms_norm", "rope"] if norms else ["rope"]
+            g.add_node(Node(g.new_node_id("qk_norm_rope_cache"), "qk_norm_rope_cache",
+                            [split.inputs[0]] + norms, [qr, kv], attrs, att.line,
+                            fused_from=chain * 2 + ["view"] * 3 + ["kv_write"]), before=att.id)
+            out = _new(g, "attn", att.line)
+            g.add_node(Node(g.new_node_id("attention_cached"), "attention_cached", [qr, kv], [out],
+                            {"scale": att.attrs.get("scale")}, att.line, fused_from=["attention"]),
+                       before=att.id)
+            g.replace_uses(att.outputs[0], out)
+            g.remove_node(att.id)
+            for nodes in (qn, kn, vn):
+                for n in nodes.values():
+                    g.remove_node(n.id)
+            g.remove_node(split.id)
+            state.note("fuse_qk_norm_rope_cache", f"{g.name}: line {att.line} "
+                                                  f"({'with' if norms else 'without'} q/k norm)")
+
+
+def fuse_silu_mul(state):
+    """mul(silu(g), u) with g, u the halves of one fused [gate | up] output -> silu_mul."""
+    for g in state.graph.walk():
+        for mul in [n for n in g.ordered() if n.op == "mul"]:
+            a, b = mul.inputs
+            act = g.producer(a)
+            if act is None or act.op != "silu" or _single_user(g, a) is None:
+                continue
+            split = g.producer(act.inputs[0])
+            if split is None or split.op != "split" or split.outputs != [act.inputs[0], b] \
+                    or len(set(split.attrs["sizes"])) != 1:
+                continue
+            if _single_user(g, act.inputs[0]) is None or _single_user(g, b) is None:
+                continue
+            out = _new(g, "act", mul.line)
+            g.add_node(Node(g.new_node_id("silu_mul"), "silu_mul", [split.inputs[0]], [out], {},
+                            mul.line, fused_from=["silu", "mul"]), before=mul.id)
+            g.replace_uses(mul.outputs[0], out)
+            for n in (mul, act, split):
+                g.remove_node(n.id)
+            state.note("fuse_silu_mul", f"{g.name}: line {mul.line}")
+
+
+def fuse_linear_prologue(state):
+    """linear(silu_mul(gu), w) -> linear_silu_mul(gu, w): the activation moves into the GEMM's
+    input load, so the [T, F] intermediate is never written."""
+    for g in state.graph.walk():
+        for lin in [n for n in g.ordered() if n.op == "linear"]:
+            act = g.producer(lin.inputs[0])
+            if act is None or act.op != "silu_mul" or _single_user(g, lin.inputs[0]) is None:
+                continue
+            out = _new(g, "y", lin.line)
+            g.add_node(Node(g.new_node_id("linear_silu_mul"), "linear_silu_mul",
+                            [act.inputs[0], lin.inputs[1]], [out], {}, lin.line,
+                            fused_from=act.fused_from + ["linear"]), before=lin.id)
+            g.replace_uses(lin.outputs[0], out)
+            g.remove_node(lin.id)
+            g.remove_node(act.id)
+            state.note("fuse_linear_prologue", f"{g.name}: line {lin.line}")
+
+
+def fuse_lm_head(state):
+    """linear(rms_norm(last([add](x, d))), w) -> lm_head_last: only each sequence's last token
+    goes through the final norm and the vocabulary projection."""
+    g = state.graph
+    for lin in [n for n in g.ordered() if n.op == "linear"]:
+        norm = g.producer(lin.inputs[0])
+        if norm is None or norm.op != "rms_norm" or _single_user(g, lin.inputs[0]) is None:
+            continue
+        last = g.producer(norm.inputs[0])
+        if last is None or last.op != "last" or _single_user(g, norm.inputs[0]) is None:
+            continue
+        add = g.producer(last.inputs[0])
+        residual = add is not None and add.op == "add" and _single_user(g, last.inputs[0]) is not None
+        xs = add.inputs if residual else [last.inputs[0]]
+        out = _new(g, "logits", lin.line)
+        fused_from = (["add"] if residual else []) + ["last", "rms_norm", "linear"]
+        g.add_node(Node(g.new_node_id("lm_head_last"), "lm_head_last",
+                        xs + [norm.inputs[1], lin.inputs[1]], [out],
+                        {"eps": norm.attrs["eps"], "residual": residual}, lin.line,
+                        fused_from=fused_from), before=lin.id)
+        g.replace_uses(lin.outputs[0], out)
+        for n in ([lin, norm, last] + ([add] if residual else [])):
+            g.remove_node(n.id)
+        state.note("fuse_lm_head", f"line {lin.line}{' with the pending residual add' if residual else ''}")

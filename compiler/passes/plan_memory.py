@@ -1,0 +1,142 @@
+"""Memory planning by liveness: every activation gets an offset in one arena.
+
+Sizes are linear in the step's token count T and sequence count B (bytes = t*T + b*B + c), so
+offsets are too; the runtime evaluates them at its max T and B. Views and in-place outputs
+share their source's memory; a loop-carried value keeps one buffer across all layers. Slots are
+reused first-fit once their last reader has run (B <= T, so a [B, ...] and a [T, ...] value may
+share when the coefficients allow).
+"""
+from ..ir import Graph
+
+ALIGN = 256
+DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "i32": 4}
+
+
+def _size(t) -> tuple[int, int, int]:
+    coef = {"T": 0, "B": 0, "": 1}
+    n, dyn = DTYPE_BYTES[t.dtype], []
+    for d in t.shape:
+        if isinstance(d, str):
+            dyn.append(d)
+        else:
+            n *= d
+    assert len(dyn) <= 1, f"at most one dynamic dim per tensor: {t}"
+    key = dyn[0] if dyn else ""
+    coef[key] = n
+    return tuple(-(-coef[k] // ALIGN) * ALIGN for k in ("T", "B", ""))
+
+
+class _UF:
+    def __init__(self):
+        self.p = {}
+
+    def find(self, a):
+        self.p.setdefault(a, a)
+        while self.p[a] != a:
+            self.p[a] = self.p[self.p[a]]
+            a = self.p[a]
+        return a
+
+    def union(self, a, b):
+        ra, rb = self.find(a), self.find(b)
+        if ra != rb:
+            self.p[rb] = ra
+
+
+def plan_memory(state):
+    top = state.graph
+    uf = _UF()
+    events = []                         # (index, key, "def"|"use")
+    values = {}                         # key -> Value
+    clock = [0]
+
+    def key(g: Graph, v: str):
+        return v                        # names are unique across the model's graphs
+
+    def visit(g: Graph):
+        for v in g.values.values():
+            if v.kind in ("act", "input") and v.type is not None:
+                values[key(g, v.name)] = v
+                if v.alias_of:
+                    uf.union(key(g, v.alias_of), key(g, v.name))
+        for n in g.ordered():
+            clock[0] += 1
+            if n.op == "layers":
+                b = n.body
+                for outer, inner in zip(n.inputs, b.inputs):
+                    uf.union(outer, inner)
+                for outer, inner in zip(n.outputs, b.outputs):
+                    uf.union(inner, outer)
+                for bo, bi in b.carried.items():
+                    uf.union(bi, bo)
+                for i in n.inputs:
+                    events.append((clock[0], i, "use"))
+                visit(b)
+                clock[0] += 1
+                for o in n.outputs:
+                    events.append((clock[0], o, "def"))
+                continue
+            for i in n.inputs:
+                events.append((clock[0], i, "use"))
+            for o in n.outputs:
+                events.append((clock[0], o, "def"))
+
+    for i in top.inputs:
+        events.append((0, i, "def"))
+    visit(top)
+    end = clock[0] + 1
+    for o in top.outputs:
+        events.append((end, o, "use"))
+
+    live: dict[str, list[int]] = {}
+    for t, k, _ in events:
+        if k not in values:
+            continue
+        r = uf.find(k)
+        iv = live.setdefault(r, [t, t])
+        iv[0], iv[1] = min(iv[0], t), max(iv[1], t)
+    for i in top.inputs:                # step inputs stay put for the whole step
+        live[uf.find(i)][1] = end
+
+    # size of a class: its largest member (views are never larger than their source)
+    size: dict[str, tuple] = {}
+    for k, v in values.items():
+        r = uf.find(k)
+        s = _size(v.type)
+        size[r] = tuple(max(a, b) for a, b in zip(size.get(r, (0, 0, 0)), s))
+
+    slots = []                          # [size, free_at]
+    slot_of = {}
+    for r in sorted(live, key=lambda r: (live[r][0], r)):
+        start, stop = live[r]
+        need = size[r]
+        best = None
+        for i, (ssize, free_at) in enumerate(slots):
+            if free_at < start:
+                grow = sum(max(0, a - b) for a, b in zip(need, ssize))
+                waste = sum(max(0, b - a) for a, b in zip(need, ssize))
+                cand = (grow, waste, i)
+                best = cand if best is None or cand < best else best
+        if best is None:
+            slots.append([need, stop])
+            slot_of[r] = len(slots) - 1
+        else:
+            i = best[2]
+            slots[i] = [tuple(max(a, b) for a, b in zip(need, slots[i][0])), stop]
+            slot_of[r] = i
+    offsets, acc = [], (0, 0, 0)
+    for s, _ in slots:
+        offsets.append(acc)
+        acc = tuple(a + b for a, b in zip(acc, s))
+    state.memory = {
+        "root": {k: uf.find(k) for k in values},
+        "slot_of": slot_of,
+        "slot_offsets": offsets,
+        "slot_sizes": [s for s, _ in slots],
+        "arena": acc,
+        "live": live,
+        "values": values,
+    }
+    naive = tuple(sum(_size(v.type)[i] for k, v in values.items() if uf.find(k) == k) for i in range(3))
+    state.note("plan_memory", f"{len(live)} buffers in {len(slots)} slots; arena bytes = "
+                              f"{acc[0]}*T + {acc[1]}*B + {acc[2]} (unshared: {naive[0]}*T + {naive[1]}*B + {naive[2]})")

@@ -1,0 +1,53 @@
+"""The compiler, as one visible list of named passes.
+
+Each pass takes the CompileState and rewrites it in place; after every rewrite the types are
+inferred again, so a pass that breaks a shape rule is caught at the pass that did it.
+"""
+import time
+
+from .lower import lower
+from .passes.eliminate_dead import eliminate_dead
+from .passes.fuse_ops import (fuse_add_rms_norm, fuse_linear_prologue, fuse_lm_head,
+                              fuse_qk_norm_rope_cache, fuse_silu_mul)
+from .passes.fuse_weights import fuse_weights
+from .passes.infer_types import infer_types
+from .passes.plan_memory import plan_memory
+from .passes.rotate_residual import rotate_residual
+from .passes.select_kernels import select_kernels
+from .spec import Spec
+from .state import CompileState
+
+PIPELINE = [
+    ("infer_types", infer_types),                  # shapes and dtypes of every value
+    ("fuse_weights", fuse_weights),                # q|k|v and gate|up concatenated at load time
+    ("rotate_residual", rotate_residual),          # carry the last residual add into the next layer
+    ("fuse_add_rms_norm", fuse_add_rms_norm),      # residual add + RMSNorm
+    ("fuse_qk_norm_rope_cache", fuse_qk_norm_rope_cache),  # q/k norm + RoPE + KV-cache write
+    ("fuse_silu_mul", fuse_silu_mul),              # SiLU(gate) x up
+    ("fuse_linear_prologue", fuse_linear_prologue),  # SiLU x mul into the down GEMM's input load
+    ("fuse_lm_head", fuse_lm_head),                # final add + norm + lm_head on last tokens only
+    ("eliminate_dead", eliminate_dead),
+    ("plan_memory", plan_memory),                  # liveness-based arena offsets
+    ("select_kernels", select_kernels),            # backend + template per launch and phase
+]
+REWRITES = {"fuse_weights", "rotate_residual", "fuse_add_rms_norm", "fuse_qk_norm_rope_cache",
+            "fuse_silu_mul", "fuse_linear_prologue", "fuse_lm_head", "eliminate_dead"}
+
+
+def compile_spec(spec: Spec, env: dict, model: str, features: dict | None = None,
+                 observe=None, stop_after: str | None = None) -> CompileState:
+    graph, weights = lower(spec, env)
+    state = CompileState(spec, env, graph, weights, model, features=dict(features or {}))
+    if observe:
+        observe("lower", state)
+    for name, run in PIPELINE:
+        t0 = time.perf_counter()
+        run(state)
+        if name in REWRITES:
+            infer_types(state)
+        state.note(name, f"done in {1e3 * (time.perf_counter() - t0):.1f} ms")
+        if observe:
+            observe(name, state)
+        if name == stop_after:
+            break
+    return state

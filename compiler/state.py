@@ -1,0 +1,26 @@
+"""What the pass pipeline threads through: the graph, the weights table, and each pass's log."""
+from dataclasses import dataclass, field
+
+from .errors import SpecError
+from .ir import Graph
+from .spec import Spec
+
+
+@dataclass
+class CompileState:
+    spec: Spec
+    env: dict
+    graph: Graph
+    weights: dict                    # weight name -> {"source": ..., "per_layer": bool}
+    model: str                       # variant or directory name the plan is for
+    backend: str = "triton"
+    features: dict = field(default_factory=dict)   # op -> backend override
+    log: list = field(default_factory=list)        # (pass, message)
+    memory: dict | None = None       # set by plan_memory
+    kernels: dict = field(default_factory=dict)    # phase -> node id -> (backend, template)
+
+    def note(self, pass_name: str, msg: str):
+        self.log.append((pass_name, msg))
+
+    def error(self, msg: str, line: int | None) -> SpecError:
+        return self.spec.err(msg, line)

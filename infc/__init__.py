@@ -1,0 +1,1 @@
+"""infc: an inference compiler for large language models."""

@@ -1,0 +1,96 @@
+"""Read safetensors files with numpy alone (bf16 included), memory-mapped.
+
+The safetensors package's numpy loader rejects bf16, and the runtime must not import torch, so
+this reads the format directly: an 8-byte little-endian header length, a JSON header of
+{name: {dtype, shape, data_offsets}}, then the raw bytes.
+"""
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from infc.compiler.errors import ModelDirError
+
+_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I32": np.int32,
+           "I64": np.int64, "U8": np.uint8, "I8": np.int8, "F64": np.float64, "BOOL": np.bool_}
+
+
+class SafetensorsFile:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                if n > 100 * 2**20:
+                    raise ValueError("header too large")
+                self.header = json.loads(f.read(n))
+        except (OSError, ValueError, struct.error) as e:
+            raise ModelDirError(f"{self.path}: not a readable safetensors file ({e})") from None
+        self.header.pop("__metadata__", None)
+        self.base = 8 + n
+        self._mm = None
+
+    def names(self) -> list[str]:
+        return list(self.header)
+
+    def info(self, name: str) -> tuple[str, tuple]:
+        h = self.header[name]
+        return h["dtype"], tuple(h["shape"])
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor as stored (bf16 as uint16 bits), a read-only view of the mapped file."""
+        if self._mm is None:
+            self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+        h = self.header[name]
+        if h["dtype"] not in _DTYPES:
+            raise ModelDirError(f"{self.path}: tensor '{name}' has unsupported dtype {h['dtype']}")
+        a, b = h["data_offsets"]
+        return self._mm[self.base + a: self.base + b].view(_DTYPES[h["dtype"]]).reshape(h["shape"])
+
+    def float32(self, name: str) -> np.ndarray:
+        x = self.raw(name)
+        if self.header[name]["dtype"] == "BF16":
+            return (x.astype(np.uint32) << 16).view(np.float32)
+        return x.astype(np.float32)
+
+
+class Checkpoint:
+    """All tensors of an HF model directory: one model.safetensors or shards with an index."""
+
+    def __init__(self, model_dir: Path):
+        self.dir = Path(model_dir)
+        index = self.dir / "model.safetensors.index.json"
+        self.where: dict[str, SafetensorsFile] = {}
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError) as e:
+                raise ModelDirError(f"{index}: invalid index ({e})") from None
+            files = {}
+            for name, shard in weight_map.items():
+                if shard not in files:
+                    p = self.dir / shard
+                    if not p.exists():
+                        raise ModelDirError(f"{index}: shard '{shard}' (for '{name}') is missing")
+                    files[shard] = SafetensorsFile(p)
+                self.where[name] = files[shard]
+        else:
+            shards = sorted(self.dir.glob("*.safetensors"))
+            if not shards:
+                raise ModelDirError(f"{self.dir}: no *.safetensors weights")
+            for p in shards:
+                f = SafetensorsFile(p)
+                for name in f.names():
+                    self.where[name] = f
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def shape(self, name: str) -> tuple:
+        return self.where[name].info(name)[1]
+
+    def float32(self, name: str) -> np.ndarray:
+        if name not in self.where:
+            raise ModelDirError(f"{self.dir}: tensor '{name}' is missing from the checkpoint")
+        return self.where[name].float32(name)
