@@ -41,7 +41,8 @@ def resolve(model: str | None = None, spec_path: str | None = None,
     return spec, config, model, f"{spec.path} variant {model}"
 
 
-def compile_model(model=None, spec_path=None, model_dir=None, features=None, log=None):
+def compile_model(model=None, spec_path=None, model_dir=None, features=None, log=None,
+                  observe=None):
     """Returns (state, plan dict)."""
     stages = []
 
@@ -59,14 +60,16 @@ def compile_model(model=None, spec_path=None, model_dir=None, features=None, log
     stage("bind config", t0)
     timings = {}
 
-    def observe(pass_name, state, _t=[time.perf_counter()]):
+    def timed(pass_name, state, _t=[time.perf_counter()]):
         now = time.perf_counter()
         timings[pass_name] = now - _t[0]
         _t[0] = now
         if log:
             log(f"  pass {pass_name:<23} {timings[pass_name] * 1e3:8.1f} ms")
+        if observe:
+            observe(pass_name, state)
 
-    state = compile_spec(spec, env, name, features, observe=observe)
+    state = compile_spec(spec, env, name, features, observe=timed)
     t0 = time.perf_counter()
     plan = emit_plan(state)
     stage("emit plan", t0)

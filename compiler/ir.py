@@ -41,6 +41,7 @@ class Node:
     line: int | None = None
     body: "Graph | None" = None
     fused_from: list[str] = field(default_factory=list)   # spec ops this node implements
+    made_by: str | None = None                            # the pass that created the node
 
 
 class Graph:

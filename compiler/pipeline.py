@@ -38,6 +38,7 @@ def compile_spec(spec: Spec, env: dict, model: str, features: dict | None = None
                  observe=None, stop_after: str | None = None) -> CompileState:
     graph, weights = lower(spec, env)
     state = CompileState(spec, env, graph, weights, model, features=dict(features or {}))
+    _stamp(state, "lower")
     if observe:
         observe("lower", state)
     for name, run in PIPELINE:
@@ -45,9 +46,18 @@ def compile_spec(spec: Spec, env: dict, model: str, features: dict | None = None
         run(state)
         if name in REWRITES:
             infer_types(state)
+        _stamp(state, name)
         state.note(name, f"done in {1e3 * (time.perf_counter() - t0):.1f} ms")
         if observe:
             observe(name, state)
         if name == stop_after:
             break
     return state
+
+
+def _stamp(state: CompileState, pass_name: str):
+    """Record which pass made each node, for the routing table in `infc inspect`."""
+    for g in state.graph.walk():
+        for n in g.ordered():
+            if n.made_by is None:
+                n.made_by = pass_name

@@ -95,7 +95,8 @@ def _launches(state, g: Graph, phase: str) -> list:
         name = lambda x: KV if g.values[x].kind == "marker" else x  # noqa: E731
         out.append({"op": n.op, "kernel": template, "backend": backend,
                     "inputs": [name(i) for i in n.inputs], "outputs": [name(o) for o in n.outputs],
-                    "attrs": _jsonable(n.attrs), "fuses": n.fused_from, "line": n.line})
+                    "attrs": _jsonable(n.attrs), "fuses": n.fused_from, "pass": n.made_by,
+                    "line": n.line})
     return out
 
 

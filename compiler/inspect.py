@@ -1,0 +1,116 @@
+"""`infc inspect`: the map from spec to kernel launch, generated from the compiler itself.
+
+Prints the graph before and after fusion, the pass log, the launches of each phase (with the
+count per layer), and the routing table op -> pass -> template -> launch.
+"""
+from collections import Counter
+
+from .build import compile_model
+from .ir import Graph
+
+
+def _graph_text(g: Graph, indent="") -> list[str]:
+    lines = []
+    for n in g.ordered():
+        if n.op == "layers":
+            lines.append(f"{indent}{', '.join(n.outputs)} = layers({', '.join(n.inputs)})  x{n.attrs['count']}")
+            lines.append(f"{indent}  layer({', '.join(n.body.inputs)}) -> ({', '.join(n.body.outputs)}):")
+            lines += _graph_text(n.body, indent + "    ")
+            continue
+        types = ", ".join(str(g.values[o].type) if g.values[o].type else "kv" for o in n.outputs)
+        lines.append(f"{indent}{'line ' + str(n.line) if n.line else '':>8}  {', '.join(n.outputs)} = "
+                     f"{n.op}({', '.join(n.inputs)})  -> {types}")
+    return lines
+
+
+def _launch_table(program: list, indent="  ") -> list[str]:
+    lines = []
+    for l in program:
+        if "repeat" in l:
+            lines.append(f"{indent}repeat {l['repeat']} x{l['count']}: {len(l['body'])} launches per layer")
+            lines += _launch_table(l["body"], indent + "    ")
+            continue
+        lines.append(f"{indent}{l['op']:<20} {l['backend']}:{l['kernel']:<22} "
+                     f"({', '.join(l['inputs'])}) -> ({', '.join(l['outputs'])})")
+    return lines
+
+
+def count_launches(program: list) -> tuple[int, int]:
+    """(launches per step, launches per layer)."""
+    total, per_layer = 0, 0
+    for l in program:
+        if "repeat" in l:
+            per_layer = len(l["body"])
+            total += l["count"] * per_layer
+        else:
+            total += 1
+    return total, per_layer
+
+
+def routing_table(plan: dict, phases=None) -> list[str]:
+    rows = Counter()
+    for phase in phases or list(plan["programs"]):
+        program = plan["programs"][phase]
+        def visit(prog, mult):
+            for l in prog:
+                if "repeat" in l:
+                    visit(l["body"], mult * l["count"])
+                    continue
+                key = ("+".join(l["fuses"]) or "-", l["pass"], l["op"], phase, f"{l['backend']}:{l['kernel']}")
+                rows[key] += mult
+        visit(program, 1)
+    head = f"  {'spec ops':<44} {'pass':<24} {'launch op':<20} {'phase':<8} {'template':<26} {'launches/step':>13}"
+    out = [head, "  " + "-" * (len(head) - 2)]
+    for (fuses, pss, op, phase, tmpl), n in rows.items():
+        out.append(f"  {fuses:<44} {pss:<24} {op:<20} {phase:<8} {tmpl:<26} {n:>13}")
+    return out
+
+
+def to_dot(plan: dict, phase: str = "decode") -> str:
+    lines = ["digraph plan {", "  rankdir=TB; node [shape=box, fontname=monospace];"]
+    producer = {}
+
+    def visit(prog, prefix):
+        for k, l in enumerate(prog):
+            if "repeat" in l:
+                lines.append(f"  subgraph cluster_layers {{ label=\"layer x{l['count']}\";")
+                visit(l["body"], prefix + "L")
+                lines.append("  }")
+                continue
+            nid = f"{prefix}{k}"
+            lines.append(f"  {nid} [label=\"{l['op']}\\n{l['backend']}:{l['kernel']}\"];")
+            for i in l["inputs"]:
+                if i in producer:
+                    lines.append(f"  {producer[i]} -> {nid} [label=\"{i}\"];")
+            for o in l["outputs"]:
+                producer[o] = nid
+
+    visit(plan["programs"][phase], "n")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def inspect(model=None, spec_path=None, model_dir=None, dot=None, phases=None) -> str:
+    snapshots = {}
+
+    state, plan = compile_model(model, spec_path, model_dir, observe=lambda name, st:
+                                snapshots.__setitem__(name, _graph_text(st.graph, "    ")))
+    out = [f"model {plan['model']}  (family {plan['family']}, spec {state.spec.path})",
+           "config: " + ", ".join(f"{k}={v}" for k, v in plan["config"].items()
+                                  if not isinstance(v, (dict, list))),
+           "", "== graph before fusion (after infer_types)"] + snapshots["infer_types"]
+    out += ["", "== passes"] + [f"  {p:<24} {m}" for p, m in state.log]
+    out += ["", "== graph after fusion"] + snapshots[list(snapshots)[-1]]
+    a = plan["arena"]
+    out += ["", f"== memory: arena = {a['bytes_per_token']}*T + {a['bytes_per_seq']}*B + {a['bytes']} bytes"]
+    for phase in phases or list(plan["programs"]):
+        total, per_layer = count_launches(plan["programs"][phase])
+        out += ["", f"== launches: {phase}  ({per_layer} per layer, {total} per step)"]
+        out += _launch_table(plan["programs"][phase])
+    out += ["", "== routing table: spec ops -> pass -> launch op -> template (launches per step)"]
+    out += routing_table(plan, phases)
+    if dot:
+        with open(dot, "w") as f:
+            f.write(to_dot(plan))
+        out += ["", f"wrote {dot}"]
+    return "\n".join(out)

@@ -1,0 +1,89 @@
+"""The `infc` command: build, inspect, generate.
+
+User errors (a bad spec, a broken model directory, bad flags) print `error: where: what` and
+exit 2; nothing a user can type ends in a traceback (INFC_DEBUG=1 shows it for developers).
+"""
+import argparse
+import os
+import sys
+import traceback
+
+from infc.compiler.errors import ModelDirError, SpecError
+
+
+def _build(args):
+    from infc.compiler.build import build
+    build(model=args.model, spec_path=args.spec, model_dir=args.model_path, out=args.out)
+
+
+def _inspect(args):
+    from infc.compiler.inspect import inspect
+    print(inspect(args.model, spec_path=args.spec, model_dir=args.model_path, dot=args.dot,
+                  phases=args.phase))
+
+
+def _generate(args):
+    from infc import LLM, SamplingParams
+    llm = LLM(args.model_path, device=args.device, spec=args.spec)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    for out in llm.generate(args.prompt, params):
+        print(f"{out.prompt}{out.text}")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="infc", description="LLM inference compiler")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    b = sub.add_parser("build", help="compile a model spec into generated/<model>/")
+    b.add_argument("--model", help="a variant name from specs/ (e.g. qwen3-4b)")
+    b.add_argument("--spec", help="a spec file (to build a spec from anywhere)")
+    b.add_argument("--model-path", help="an HF model directory: bind the spec to its config.json")
+    b.add_argument("--out", help="output directory (default generated/<model>)")
+    b.set_defaults(fn=_build)
+
+    i = sub.add_parser("inspect", help="print the graph, the launches and the routing table")
+    i.add_argument("model", nargs="?", help="a variant name")
+    i.add_argument("--spec")
+    i.add_argument("--model-path")
+    i.add_argument("--dot", help="write the fused graph as Graphviz DOT to this file")
+    i.add_argument("--phase", action="append", choices=["prefill", "decode", "mixed"],
+                   help="phases to list launches for (default: all)")
+    i.set_defaults(fn=_inspect)
+
+    g = sub.add_parser("generate", help="generate text from prompts")
+    g.add_argument("--model-path", required=True)
+    g.add_argument("--spec")
+    g.add_argument("--prompt", action="append", required=True)
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    g.set_defaults(fn=_generate)
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        args.fn(args)
+    except (SpecError, ModelDirError, ValueError) as e:
+        if os.environ.get("INFC_DEBUG"):
+            traceback.print_exc()
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # a bug in infc, not the user's input: still no traceback by default
+        if os.environ.get("INFC_DEBUG"):
+            traceback.print_exc()
+        print(f"internal error: {type(e).__name__}: {e} (set INFC_DEBUG=1 for the traceback)",
+              file=sys.stderr)
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

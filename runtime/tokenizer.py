@@ -1,0 +1,59 @@
+"""Tokenizer from an HF directory's tokenizer.json, with incremental detokenization that never
+emits half a UTF-8 character (a token that ends mid-character waits for the next one)."""
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from infc.compiler.errors import ModelDirError
+
+
+class Tokenizer:
+    def __init__(self, model_dir: Path):
+        path = Path(model_dir) / "tokenizer.json"
+        if not path.exists():
+            raise ModelDirError(f"{model_dir}: no tokenizer.json")
+        try:
+            self.tk = HFTokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises its own exception types
+            raise ModelDirError(f"{path}: cannot load tokenizer ({e})") from None
+        cfg_path = Path(model_dir) / "tokenizer_config.json"
+        self.config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        self.add_bos = bool(self.config.get("add_bos_token", False))
+        bos = self.config.get("bos_token")
+        self.bos_id = self.tk.token_to_id(bos["content"] if isinstance(bos, dict) else bos) if bos else None
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.tk.encode(text, add_special_tokens=False).ids
+        if self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
+            ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tk.get_vocab_size(with_added_tokens=True)
+
+
+class IncrementalDecoder:
+    """Feeds token ids, returns the new text each time (vLLM's prefix/read offset scheme)."""
+
+    def __init__(self, tok: Tokenizer, skip_special_tokens: bool = True):
+        self.tok, self.skip = tok, skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix = 0
+        self.read = 0
+        self.text = ""
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        before = self.tok.decode(self.ids[self.prefix:self.read], self.skip)
+        full = self.tok.decode(self.ids[self.prefix:], self.skip)
+        if full.endswith("\ufffd") or len(full) <= len(before):
+            return ""                      # an incomplete character: wait for more bytes
+        new = full[len(before):]
+        self.prefix, self.read = self.read, len(self.ids)
+        self.text += new
+        return new
