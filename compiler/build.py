@@ -42,7 +42,7 @@ def resolve(model: str | None = None, spec_path: str | None = None,
 
 
 def compile_model(model=None, spec_path=None, model_dir=None, features=None, log=None,
-                  observe=None):
+                  observe=None, skip=()):
     """Returns (state, plan dict)."""
     stages = []
 
@@ -69,7 +69,7 @@ def compile_model(model=None, spec_path=None, model_dir=None, features=None, log
         if observe:
             observe(pass_name, state)
 
-    state = compile_spec(spec, env, name, features, observe=timed)
+    state = compile_spec(spec, env, name, features, observe=timed, skip=skip)
     t0 = time.perf_counter()
     plan = emit_plan(state)
     stage("emit plan", t0)

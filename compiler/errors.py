@@ -3,6 +3,7 @@
 It carries the file and line so the CLI can print `file:line: message` and exit 2, never a
 traceback.
 """
+import difflib
 
 
 class SpecError(Exception):
@@ -13,10 +14,18 @@ class SpecError(Exception):
         self.line = line
 
     def __str__(self) -> str:
+        if self.file is None and self.line is None:
+            return self.message
         where = self.file or "<spec>"
         if self.line is not None:
             where += f":{self.line}"
         return f"{where}: {self.message}"
+
+
+def did_you_mean(name, choices) -> str:
+    """"; did you mean 'x'?" for the closest of `choices`, or "" when none is close."""
+    close = difflib.get_close_matches(str(name), [str(c) for c in choices], n=1)
+    return f"; did you mean '{close[0]}'?" if close else ""
 
 
 class ModelDirError(Exception):

@@ -50,8 +50,22 @@ class Unknown(Exception):
         self.name = name
 
 
+class EvalError(ValueError):
+    """An expression that cannot be evaluated: unsupported syntax, mismatched types, x // 0..."""
+
+
 def evaluate(node: ast.expr, env: dict):
-    """Evaluate a restricted expression. Raises Unknown(name) for unbound names."""
+    """Evaluate a restricted expression. Raises Unknown(name) for unbound names and EvalError
+    for anything else that goes wrong (the caller adds file and line)."""
+    try:
+        return _evaluate(node, env)
+    except (Unknown, EvalError):
+        raise
+    except (ArithmeticError, TypeError, ValueError, LookupError) as e:
+        raise EvalError(f"cannot evaluate '{ast.unparse(node)}': {e}") from None
+
+
+def _evaluate(node: ast.expr, env: dict):
     if isinstance(node, ast.Constant):
         return node.value
     if isinstance(node, ast.Name):
@@ -61,9 +75,9 @@ def evaluate(node: ast.expr, env: dict):
             return _CONSTS[node.id]
         raise Unknown(node.id)
     if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
-        return _BINOPS[type(node.op)](evaluate(node.left, env), evaluate(node.right, env))
+        return _BINOPS[type(node.op)](_evaluate(node.left, env), _evaluate(node.right, env))
     if isinstance(node, ast.UnaryOp):
-        v = evaluate(node.operand, env)
+        v = _evaluate(node.operand, env)
         if isinstance(node.op, ast.USub):
             return -v
         if isinstance(node.op, ast.Not):
@@ -71,23 +85,23 @@ def evaluate(node: ast.expr, env: dict):
         if isinstance(node.op, ast.UAdd):
             return v
     if isinstance(node, ast.BoolOp):
-        vals = [evaluate(v, env) for v in node.values]
+        vals = [_evaluate(v, env) for v in node.values]
         return all(vals) if isinstance(node.op, ast.And) else any(vals)
     if isinstance(node, ast.Compare):
-        left = evaluate(node.left, env)
+        left = _evaluate(node.left, env)
         for op, comp in zip(node.ops, node.comparators):
-            right = evaluate(comp, env)
+            right = _evaluate(comp, env)
             if type(op) not in _CMPOPS or not _CMPOPS[type(op)](left, right):
                 return False
             left = right
         return True
     if isinstance(node, (ast.List, ast.Tuple)):
-        return [evaluate(e, env) for e in node.elts]
+        return [_evaluate(e, env) for e in node.elts]
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _FUNCS:
-        return _FUNCS[node.func.id](*[evaluate(a, env) for a in node.args])
+        return _FUNCS[node.func.id](*[_evaluate(a, env) for a in node.args])
     if isinstance(node, ast.Subscript):
-        return evaluate(node.value, env)[evaluate(node.slice, env)]
-    raise ValueError(f"unsupported expression '{ast.unparse(node)}'")
+        return _evaluate(node.value, env)[_evaluate(node.slice, env)]
+    raise EvalError(f"unsupported expression '{ast.unparse(node)}'")
 
 
 def free_names(node: ast.expr) -> set[str]:

@@ -8,8 +8,8 @@ import ast
 
 import networkx as nx
 
-from .errors import SpecError
-from .expr import Unknown, evaluate, free_names
+from .errors import SpecError, did_you_mean
+from .expr import EvalError, Unknown, evaluate, free_names
 from .ir import DYNAMIC, Graph, Node, TensorType, Value
 from .ops import REGISTRY, REQUIRED
 from .spec import Spec, Statement
@@ -60,7 +60,10 @@ class _Lowerer:
             try:
                 v = evaluate(e, self.env)
             except Unknown as u:
-                raise self.err(f"{what}: unknown symbol '{u.name}' in shape", line) from None
+                raise self.err(f"{what}: unknown symbol '{u.name}' in shape"
+                               f"{did_you_mean(u.name, self.env)}", line) from None
+            except EvalError as x:
+                raise self.err(f"{what}: {x}", line) from None
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise self.err(f"{what}: shape dimension '{ast.unparse(e)}' = {v!r} is not a positive integer", line)
             dims.append(v)
@@ -71,9 +74,14 @@ class _Lowerer:
             when = False
             if d.when is not None:
                 if d.when not in self.env:
-                    raise self.err(f"weight '{key}': 'when' names unknown symbol '{d.when}'", d.line)
+                    raise self.err(f"weight '{key}': 'when' names unknown symbol '{d.when}'"
+                                   f"{did_you_mean(d.when, self.env)}", d.line)
                 when = bool(self.env[d.when])
             shape = self.shape(d.shape, d.line, f"weight '{key}'")
+            for dim in shape:
+                if isinstance(dim, str):
+                    raise self.err(f"weight '{key}': shape uses the dynamic dimension '{dim}' "
+                                   f"(tokens/sequences in a step); weight shapes are static", d.line)
             if d.experts is not None:
                 if d.experts not in self.env:
                     raise self.err(f"weight '{key}': 'experts' names unknown symbol '{d.experts}'", d.line)
@@ -83,9 +91,10 @@ class _Lowerer:
             if per_layer and "{i}" not in d.name:
                 raise self.err(f"layer weight '{key}' name has no {{i}} layer index", d.line)
             dtype = d.dtype or ACT_DTYPE
+            if d.tied_to is not None and d.tied_to not in sources:   # checked even when not tied
+                raise self.err(f"weight '{key}' is tied to unknown weight '{d.tied_to}'"
+                               f"{did_you_mean(d.tied_to, sources)}", d.line)
             if d.tied_to is not None and when:
-                if d.tied_to not in sources:
-                    raise self.err(f"weight '{key}' is tied to unknown weight '{d.tied_to}'", d.line)
                 source = {"tied": d.tied_to}
             else:
                 source = {"tensor": d.name}
@@ -95,7 +104,9 @@ class _Lowerer:
             sources[key] = {"source": source, "per_layer": per_layer}
 
     def statements(self, g: Graph, stmts: list[Statement], scope: dict):
-        for s in _order(stmts, set(scope), self.spec):
+        # Targets are checked before ordering: a target that shadows a weight or a config
+        # symbol would otherwise read as a forward reference and be reported as a cycle.
+        for s in stmts:
             if len(s.targets) != len(set(s.targets)):
                 raise self.err(f"duplicate name in targets of '{s.text}'", s.line)
             for t in s.targets:
@@ -103,6 +114,7 @@ class _Lowerer:
                     raise self.err(f"name '{t}' is already a config symbol", s.line)
                 if t in g.values and g.values[t].kind == "weight":
                     raise self.err(f"name '{t}' is already a weight", s.line)
+        for s in _order(stmts, set(scope), self.spec):
             outs = self.expr(g, s.expr, scope, s.line, len(s.targets), s.targets)
             for t, v in zip(s.targets, outs):
                 scope[t] = v
@@ -118,10 +130,18 @@ class _Lowerer:
                 return e.id
             if e.id in self.env:
                 raise self.err(f"{op_name}: '{param}' must be a tensor, but '{e.id}' is a config value", line)
-            raise self.err(f"{op_name}: unknown name '{e.id}'", line)
+            spec = self.spec
+            if g.is_body and e.id in spec.weights:
+                raise self.err(f"{op_name}: '{e.id}' is a top-level weight; layer.graph sees only "
+                               f"layer.weights and the values layers(...) carries", line)
+            if not g.is_body and e.id in spec.layer_weights:
+                raise self.err(f"{op_name}: '{e.id}' is a layer weight; only layer.graph can use it", line)
+            known = list(scope) + [n for n, v in g.values.items() if v.kind in ("weight", "input")]
+            raise self.err(f"{op_name}: unknown name '{e.id}' (not a declared weight, a step input "
+                           f"or an assigned value){did_you_mean(e.id, known)}", line)
         raise self.err(f"{op_name}: '{param}' must be a tensor name or an op call, got '{ast.unparse(e)}'", line)
 
-    def attr_arg(self, e, line, op_name, param):
+    def attr_arg(self, e, line, op_name, param, tensors=()):
         if param == "shape":
             if not isinstance(e, (ast.List, ast.Tuple)):
                 raise self.err(f"{op_name}: shape must be a list like [T, H]", line)
@@ -129,7 +149,11 @@ class _Lowerer:
         try:
             return evaluate(e, self.env)
         except Unknown as u:
-            raise self.err(f"{op_name}: unknown symbol '{u.name}'", line) from None
+            if u.name in tensors:
+                raise self.err(f"{op_name}: '{param}' must be a config value or a constant, but "
+                               f"'{u.name}' is a tensor", line) from None
+            raise self.err(f"{op_name}: unknown symbol '{u.name}'{did_you_mean(u.name, self.env)}",
+                           line) from None
         except (ValueError, TypeError) as x:
             raise self.err(f"{op_name}: bad attribute '{ast.unparse(e)}': {x}", line) from None
 
@@ -144,7 +168,8 @@ class _Lowerer:
             return self.layers(g, e, scope, line, n_targets)
         if name not in REGISTRY or REGISTRY[name].internal:
             known = sorted(n for n, d in REGISTRY.items() if not d.internal)
-            raise self.err(f"unknown op '{name}' (known ops: {', '.join(known)})", line)
+            raise self.err(f"unknown op '{name}'{did_you_mean(name, known + ['layers'])} "
+                           f"(known ops: {', '.join(known)}, layers)", line)
         op = REGISTRY[name]
         params = op.tensors + list(op.attrs)
         sig = f"{name}({', '.join(params)})"
@@ -162,7 +187,8 @@ class _Lowerer:
         if missing:
             raise self.err(f"{name} is missing argument(s) {', '.join(missing)}; signature {sig}", line)
         inputs = [self.tensor_arg(g, bound[p], scope, line, name, p) for p in op.tensors]
-        attrs = {a: (self.attr_arg(bound[a], line, name, a) if a in bound else dflt)
+        tensors = set(scope) | set(g.values)
+        attrs = {a: (self.attr_arg(bound[a], line, name, a, tensors) if a in bound else dflt)
                  for a, dflt in op.attrs.items()}
         n_out = op.n_outputs or 1
         if n_out != n_targets and n_targets != 1:

@@ -35,13 +35,17 @@ REWRITES = {"fuse_weights", "rotate_residual", "fuse_add_rms_norm", "fuse_qk_nor
 
 
 def compile_spec(spec: Spec, env: dict, model: str, features: dict | None = None,
-                 observe=None, stop_after: str | None = None) -> CompileState:
+                 observe=None, stop_after: str | None = None, skip=()) -> CompileState:
+    """Run the pipeline; `skip` leaves out optional rewrites (tests compare with and without)."""
     graph, weights = lower(spec, env)
     state = CompileState(spec, env, graph, weights, model, features=dict(features or {}))
     _stamp(state, "lower")
     if observe:
         observe("lower", state)
     for name, run in PIPELINE:
+        if name in skip:
+            assert name in REWRITES, f"pass {name} is required"
+            continue
         t0 = time.perf_counter()
         run(state)
         if name in REWRITES:

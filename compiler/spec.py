@@ -6,8 +6,8 @@ variant's values) into the concrete symbol table the compiler lowers with.
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import SpecError
-from .expr import Unknown, evaluate, parse_expr, parse_statement
+from .errors import SpecError, did_you_mean
+from .expr import EvalError, Unknown, evaluate, parse_expr, parse_statement
 from .yaml_lines import LDict, line_of, load_yaml
 
 SPECS_DIR = Path(__file__).resolve().parent.parent / "specs"
@@ -88,13 +88,19 @@ class Spec:
                 try:
                     value = evaluate(b.default, env)
                 except Unknown as e:
-                    raise self.err(f"default of {sym} uses unknown symbol '{e.name}'", b.line) from None
+                    raise self.err(f"default of {sym} uses unknown symbol '{e.name}'"
+                                   f"{did_you_mean(e.name, env)}", b.line) from None
+                except EvalError as e:
+                    raise self.err(f"default of {sym}: {e}", b.line) from None
             env[sym] = value
         for node, text, line in self.requires:
             try:
                 ok = evaluate(node, env)
             except Unknown as e:
-                raise self.err(f"requirement '{text}' uses unknown symbol '{e.name}'", line) from None
+                raise self.err(f"requirement '{text}' uses unknown symbol '{e.name}'"
+                               f"{did_you_mean(e.name, env)}", line) from None
+            except EvalError as e:
+                raise self.err(f"requirement '{text}': {e}", line) from None
             if not ok:
                 raise self.err(f"unsupported configuration{where}: requirement '{text}' does not hold", line)
         return env
@@ -119,9 +125,12 @@ def _weights(section, file, where) -> dict[str, WeightDecl]:
         line = section.key_lines.get(key) if isinstance(section, LDict) else None
         if not isinstance(decl, dict):
             raise SpecError(f"weight '{key}' must be a mapping with 'name' and 'shape'", file, line)
+        fields = decl.key_lines if isinstance(decl, LDict) else {}
         unknown = set(decl) - WEIGHT_KEYS
         if unknown:
-            raise SpecError(f"weight '{key}' has unknown field(s) {sorted(unknown)}", file, line)
+            first = sorted(unknown)[0]
+            raise SpecError(f"weight '{key}' has unknown field(s) {sorted(unknown)}"
+                            f"{did_you_mean(first, WEIGHT_KEYS)}", file, fields.get(first, line))
         if "name" not in decl:
             raise SpecError(f"weight '{key}' has no 'name'", file, line)
         if "shape" not in decl or not isinstance(decl["shape"], list) or not decl["shape"]:
@@ -129,7 +138,7 @@ def _weights(section, file, where) -> dict[str, WeightDecl]:
         dtype = decl.get("dtype")
         if dtype is not None and dtype not in WEIGHT_DTYPES:
             raise SpecError(f"weight '{key}' has unknown dtype '{dtype}' (one of {sorted(WEIGHT_DTYPES)})",
-                            file, line)
+                            file, fields.get("dtype", line))
         shape = [parse_expr(str(s), file, line) for s in decl["shape"]]
         out[key] = WeightDecl(key, str(decl["name"]), shape, line, decl.get("tied_to"),
                               decl.get("when"), decl.get("experts"), dtype)
@@ -150,6 +159,9 @@ def _statements(section, file, where) -> list[Statement]:
 
 
 def _binding(sym, text, file, line) -> Binding:
+    if not isinstance(text, str):
+        raise SpecError(f"symbol '{sym}' must name a config.json key, as in "
+                        f"'{sym}: key [| other.key] [= default]', got {text!r}", file, line)
     text = str(text)
     default = None
     if "=" in text and "==" not in text:
@@ -173,10 +185,13 @@ def load_spec(path: str | Path) -> Spec:
         raise SpecError("a spec is a YAML mapping with family, config, weights, layer, graph", file, 1)
     for key in doc:
         if key not in TOP_KEYS:
-            raise SpecError(f"unknown top-level key '{key}' (expected one of {sorted(TOP_KEYS)})",
-                            file, doc.key_lines.get(key))
+            raise SpecError(f"unknown top-level key '{key}'{did_you_mean(key, TOP_KEYS)} "
+                            f"(expected one of {sorted(TOP_KEYS)})", file, doc.key_lines.get(key))
     family = _require(doc, "family", str, file, 1)
     archs = doc.get("architectures", [])
+    if not isinstance(archs, list):
+        raise SpecError("'architectures' must be a list like [Qwen3ForCausalLM]", file,
+                        doc.key_lines.get("architectures"))
     cfg = _require(doc, "config", dict, file, 1)
     bindings = {sym: _binding(sym, v, file, cfg.key_lines.get(sym)) for sym, v in cfg.items()}
     for sym in DYNAMIC_SYMBOLS:
@@ -184,12 +199,19 @@ def load_spec(path: str | Path) -> Spec:
             raise SpecError(f"symbol '{sym}' is reserved (tokens/sequences in a step)", file,
                             cfg.key_lines.get(sym))
     requires = []
+    if not isinstance(doc.get("requires", []) or [], list):
+        raise SpecError("'requires' must be a list of conditions like '- act == \"silu\"'", file,
+                        doc.key_lines.get("requires"))
     for r in doc.get("requires", []) or []:
         requires.append((parse_expr(str(r), file, line_of(r)), str(r), line_of(r)))
     variants = doc.get("variants", {}) or {}
     if not isinstance(variants, dict):
         raise SpecError("'variants' must map a variant name to its config.json values", file,
-                        line_of(variants))
+                        line_of(variants, doc.key_lines.get("variants")))
+    for v, values in variants.items():
+        if not isinstance(values, dict):
+            raise SpecError(f"variant '{v}' must be a mapping of config.json keys to values, "
+                            f"got {values!r}", file, variants.key_lines.get(v))
     weights = _weights(_require(doc, "weights", dict, file, 1), file, "weights")
     layer = doc.get("layer")
     layer_weights, layer_graph = {}, []
@@ -234,3 +256,7 @@ def find_architecture(architectures: list[str]) -> Spec:
         if set(spec.architectures) & set(architectures or []):
             return spec
     raise SpecError(f"no spec in {SPECS_DIR} implements architectures {architectures}", "config.json")
+
+
+def all_variants() -> list[str]:
+    return sorted(v for f in spec_files() for v in load_spec(f).variants)

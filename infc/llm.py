@@ -65,7 +65,7 @@ class _Seq:
         self.id, self.prompt_ids, self.params = sid, list(prompt_ids), params
         self.out: list[int] = []
         self.logprobs = [] if params.logprobs is not None else None
-        self.decoder = IncrementalDecoder(tok, params.skip_special_tokens)
+        self.decoder = IncrementalDecoder(tok, params.skip_special_tokens) if tok else None
         self.rng = np.random.default_rng(params.seed)
         self.finish: str | None = None
         self.text = ""
@@ -80,12 +80,19 @@ class LLM:
         if not self.model_dir.is_dir():
             raise ModelDirError(f"{model}: not a directory")
         _, self.plan = compile_model(model_dir=str(self.model_dir), spec_path=spec)
-        self.tokenizer = Tokenizer(self.model_dir)
+        self._tokenizer = None
         self.weights = load_weights(self.plan, Checkpoint(self.model_dir))
         self.executor = ReferenceExecutor(self.plan, self.weights)
         self.eos = _eos_ids(self.model_dir)
         self.max_len = int(self.plan["config"].get("max_len") or 1 << 30)
         self._next_id = 0
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """Loaded on first use: a directory without tokenizer.json still runs token-id prompts."""
+        if self._tokenizer is None:
+            self._tokenizer = Tokenizer(self.model_dir)
+        return self._tokenizer
 
     def _step(self, seqs: list[_Seq], chunks: list[SeqChunk]):
         logits = self.executor.step(chunks)
@@ -103,7 +110,8 @@ class LLM:
                 s.logprobs.append({"token": tok, "logprob": float(lp[tok]),
                                    "top": [(int(t), float(lp[t])) for t in top]})
             s.out.append(tok)
-            s.text += s.decoder.push(tok)
+            if s.decoder is not None:
+                s.text += s.decoder.push(tok)
             self._check_stop(s, tok)
 
     def _check_stop(self, s: _Seq, tok: int):
@@ -140,7 +148,8 @@ class LLM:
                 p = params
                 if params.seed is not None and i:
                     p = SamplingParams(**{**params.__dict__, "seed": params.seed + i})
-                seqs.append(_Seq(self._next_id, ids, p, self.tokenizer))
+                tok = self.tokenizer if (isinstance(prompt, str) or (self.model_dir / "tokenizer.json").exists()) else None
+                seqs.append(_Seq(self._next_id, ids, p, tok))
                 self._next_id += 1
             requests.append((req, seqs))
         running = [s for _, seqs in requests for s in seqs]

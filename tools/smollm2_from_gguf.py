@@ -309,7 +309,7 @@ def build_tokenizer(reader):
                              "single_word": False, "special": ty == 3}
     bos, eos = tok_of("bos_token_id"), tok_of("eos_token_id")
     cfg = {
-        "tokenizer_class": "GPT2Tokenizer",
+        "tokenizer_class": "PreTrainedTokenizerFast",
         "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
         "add_eos_token": bool(_field(reader, "tokenizer.ggml.add_eos_token", False)),
         "add_prefix_space": bool(_field(reader, "tokenizer.ggml.add_space_prefix", False)),

@@ -16,8 +16,11 @@ def _infer(state, g: Graph):
             _infer(state, body)
             for bo, bi in body.carried.items():
                 if body.values[bo].type != body.values[bi].type:
+                    # Point at the layer statement that produced the changed value.
+                    where = f" (layers(...) at line {n.line} carries it unchanged)" if n.line else ""
                     raise state.error(f"layer changes carried value '{bi}' from "
-                                      f"{body.values[bi].type} to {body.values[bo].type}", n.line)
+                                      f"{body.values[bi].type} to {body.values[bo].type}{where}",
+                                      body.values[bo].line or n.line)
             for o, bo in zip(n.outputs, body.outputs):
                 g.values[o].type = body.values[bo].type
             continue
@@ -26,7 +29,8 @@ def _infer(state, g: Graph):
         try:
             outs = op.infer(types, n.attrs)
         except ShapeError as e:
-            raise state.error(f"{n.op}: {e}", n.line) from None
+            msg = str(e)   # op rules often name themselves already ("view: cannot view ...")
+            raise state.error(msg if msg.startswith(f"{n.op}") else f"{n.op}: {msg}", n.line) from None
         for k, (o, t) in enumerate(zip(n.outputs, outs)):
             v = g.values[o]
             v.type = t

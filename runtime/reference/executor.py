@@ -78,9 +78,10 @@ class ReferenceExecutor:
             if "row_stride" in b:
                 # a column slice of a wider buffer: address rows by the stride
                 itemsize = np.dtype(dtype).itemsize
-                rows = int(np.prod(shape[:-1]))
-                base = np.ndarray((rows, b["row_stride"]), dtype, arena, start, (b["row_stride"] * itemsize, itemsize))
-                views[name] = base[:, : shape[-1]].reshape(shape) if len(shape) == 2 else base[:, : shape[-1]]
+                width = int(np.prod(shape[1:]))
+                base = np.ndarray((shape[0], width), dtype, arena, start,
+                                  (b["row_stride"] * itemsize, itemsize))
+                views[name] = base.reshape(shape)   # splitting the last axis stays a view
             else:
                 views[name] = np.ndarray(shape, dtype, arena, start)
         return views

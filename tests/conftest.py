@@ -1,0 +1,60 @@
+"""Shared fixtures: tiny random HF models written by transformers itself, so the checkpoint
+names and config.json are exactly what HF produces; norms are randomized (HF inits them to 1,
+which would hide a missing or misplaced norm weight)."""
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+
+
+def _tiny(family: str):
+    import torch
+    from transformers import (LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+                              Qwen3MoeConfig, Qwen3MoeForCausalLM)
+    common = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=320, max_position_embeddings=1024, rms_norm_eps=1e-6)
+    if family == "qwen3":
+        return Qwen3ForCausalLM(Qwen3Config(**common, head_dim=24, intermediate_size=96,
+                                            tie_word_embeddings=True, rope_theta=10000.0))
+    if family == "llama":
+        return LlamaForCausalLM(LlamaConfig(
+            **common, intermediate_size=112, tie_word_embeddings=False, rope_theta=500000.0,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 16}))
+    if family == "qwen3_moe":
+        return Qwen3MoeForCausalLM(Qwen3MoeConfig(**common, head_dim=16, intermediate_size=96,
+                                                  moe_intermediate_size=40, num_experts=8,
+                                                  num_experts_per_tok=3, norm_topk_prob=True,
+                                                  tie_word_embeddings=False, rope_theta=10000.0))
+    raise ValueError(family)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """family -> (model directory, HF float32 model)."""
+    import torch
+    cache = {}
+
+    def get(family: str):
+        if family not in cache:
+            torch.manual_seed(1234)
+            m = _tiny(family).float().eval()
+            with torch.no_grad():
+                for name, p in m.named_parameters():
+                    if "norm" in name:
+                        p.copy_(1 + 0.2 * torch.randn_like(p))
+            d = tmp_path_factory.mktemp(f"tiny-{family}")
+            m.save_pretrained(d)
+            cache[family] = (d, m)
+        return cache[family]
+
+    return get
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)

@@ -1,0 +1,71 @@
+"""`infc build`: every variant builds, output is byte-deterministic, generated/ is current,
+and qwen3-4b's decode phase stays within 8 launches per layer."""
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from infc.compiler.build import GENERATED, build, compile_model
+from infc.compiler.inspect import count_launches
+from infc.compiler.plan import SCHEMA, dumps
+from infc.compiler.spec import all_variants
+
+VARIANTS = all_variants()
+
+
+def test_all_specs_have_their_variants():
+    assert {"qwen3-0.6b", "qwen3-4b", "qwen3-8b", "smollm2-135m", "llama-3.2-1b", "llama-3.2-3b",
+            "llama-3.1-8b", "qwen3-30b-a3b"} <= set(VARIANTS)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_variant_builds_deterministically_and_matches_generated(variant, tmp_path):
+    a = build(model=variant, out=tmp_path / "a", log=None)
+    b = build(model=variant, out=tmp_path / "b", log=None)
+    text = (a / "plan.json").read_bytes()
+    assert text == (b / "plan.json").read_bytes()
+    committed = GENERATED / variant / "plan.json"
+    assert committed.exists(), f"generated/{variant} is missing: run `make generated`"
+    assert committed.read_bytes() == text, f"generated/{variant} is stale: run `make generated`"
+
+
+def test_plan_schema_and_contents():
+    _, plan = compile_model("qwen3-4b")
+    assert plan["schema"] == SCHEMA
+    assert plan["config"]["H"] == 2560 and plan["config"]["L"] == 36
+    assert plan["weights"]["wqkv"]["shape"] == [6144, 2560]
+    assert plan["weights"]["lm_head"]["source"] == {"tied": "embed"}     # Qwen3-4B ties
+    assert plan["kv_cache"] == {"layers": 36, "kv_heads": 8, "head_dim": 128, "dtype": "bf16",
+                                "max_len": 40960}
+    _, plan8 = compile_model("qwen3-8b")
+    assert plan8["weights"]["lm_head"]["source"] == {"tensor": "lm_head.weight"}
+
+
+def test_qwen3_4b_decode_launches_per_layer():
+    _, plan = compile_model("qwen3-4b")
+    total, per_layer = count_launches(plan["programs"]["decode"])
+    assert per_layer <= 8
+    assert total == 36 * per_layer + 3
+
+
+def test_moe_plan_routes_and_stacks_experts():
+    _, plan = compile_model("qwen3-30b-a3b")
+    w = plan["weights"]["we_gate_up"]
+    assert w["shape"] == [128, 1536, 2048]
+    assert w["source"]["concat"][0] == {"stack": "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
+                                        "count": 128}
+    body = next(l for l in plan["programs"]["decode"] if "repeat" in l)["body"]
+    assert [l["op"] for l in body].count("moe_route") == 1
+    assert [l["op"] for l in body].count("moe_experts_gu") == 1
+
+
+def test_cli_build_qwen3_4b_under_30_s(tmp_path):
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "infc.cli", "build", "--model", "qwen3-4b",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    elapsed = time.perf_counter() - t0
+    assert r.returncode == 0, r.stderr
+    assert elapsed <= 30
+    assert (tmp_path / "plan.json").read_text() == dumps(compile_model("qwen3-4b")[1])
