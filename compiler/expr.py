@@ -53,6 +53,10 @@ class Unknown(Exception):
 class EvalError(ValueError):
     """An expression that cannot be evaluated: unsupported syntax, mismatched types, x // 0..."""
 
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason or message
+
 
 def evaluate(node: ast.expr, env: dict):
     """Evaluate a restricted expression. Raises Unknown(name) for unbound names and EvalError
@@ -62,7 +66,7 @@ def evaluate(node: ast.expr, env: dict):
     except (Unknown, EvalError):
         raise
     except (ArithmeticError, TypeError, ValueError, LookupError) as e:
-        raise EvalError(f"cannot evaluate '{ast.unparse(node)}': {e}") from None
+        raise EvalError(f"cannot evaluate '{ast.unparse(node)}': {e}", str(e)) from None
 
 
 def _evaluate(node: ast.expr, env: dict):

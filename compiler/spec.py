@@ -100,7 +100,7 @@ class Spec:
                 raise self.err(f"requirement '{text}' uses unknown symbol '{e.name}'"
                                f"{did_you_mean(e.name, env)}", line) from None
             except EvalError as e:
-                raise self.err(f"requirement '{text}': {e}", line) from None
+                raise self.err(f"requirement '{text}' cannot be evaluated: {e.reason}", line) from None
             if not ok:
                 raise self.err(f"unsupported configuration{where}: requirement '{text}' does not hold", line)
         return env
@@ -246,7 +246,8 @@ def find_variant(name: str) -> tuple[Spec, dict]:
         if name in spec.variants:
             return spec, dict(spec.variants[name])
         known += list(spec.variants)
-    raise SpecError(f"unknown variant '{name}' (known: {', '.join(sorted(known))})", "specs/")
+    raise SpecError(f"unknown variant '{name}'{did_you_mean(name, known)} "
+                    f"(known: {', '.join(sorted(known))})", "specs/")
 
 
 def find_architecture(architectures: list[str]) -> Spec:
