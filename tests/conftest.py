@@ -1,8 +1,14 @@
 """Shared fixtures: tiny random HF models written by transformers itself, so the checkpoint
 names and config.json are exactly what HF produces; norms are randomized (HF inits them to 1,
 which would hide a missing or misplaced norm weight)."""
+import os
 import sys
 from pathlib import Path
+
+# Kernels run under Triton's interpreter in this process; AOT compiles happen in subprocesses
+# that clear this variable before importing triton.
+os.environ["TRITON_INTERPRET"] = "1"
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 import numpy as np
 import pytest

@@ -58,7 +58,8 @@ def test_moe_plan_routes_and_stacks_experts():
                                         "count": 128}
     body = next(l for l in plan["programs"]["decode"] if "repeat" in l)["body"]
     assert [l["op"] for l in body].count("moe_route") == 1
-    assert [l["op"] for l in body].count("moe_experts_gu") == 1
+    assert [l["op"] for l in body].count("moe_gate_up") == 1
+    assert [l["op"] for l in body].count("moe_down") == 1
 
 
 def test_cli_build_qwen3_4b_under_30_s(tmp_path):

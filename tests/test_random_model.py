@@ -287,3 +287,18 @@ def test_cli_qwen3_0_6b(tmp_path):
     assert sum(p.numel() for p in model.parameters()) == 596_049_920
     tok = transformers.AutoTokenizer.from_pretrained(str(out))
     assert tok.eos_token_id == 151645
+
+
+def test_llama_smollm2_tokenizer(tmp_path):
+    if not (REPO / "tools" / "smollm2_from_gguf.py").exists():
+        pytest.skip("tools/smollm2_from_gguf.py not there yet")
+    pytest.importorskip("gguf")
+    spec, cfg = tiny_llama(vocab_size=49152)
+    info = mrm.write_random_model(spec, cfg, tmp_path, seed=0, tokenizer="auto")
+    assert info["tokenizer"] == "smollm2"
+    tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    assert len(tok) == 49152
+    ids = tok("Hello world", return_tensors="pt")["input_ids"]
+    model = load_hf(tmp_path)
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()

@@ -69,6 +69,11 @@ def gguf_file():
 
 
 @pytest.fixture(scope="session")
+def gguf_reader(gguf_file):
+    return gguf.GGUFReader(str(gguf_file))
+
+
+@pytest.fixture(scope="session")
 def converted(smollm2_dir):
     from safetensors.numpy import load_file
     return load_file(str(smollm2_dir / "model.safetensors"))
@@ -114,7 +119,7 @@ def test_bf16_safetensors(tmp_path):
     assert torch.equal(load_file(str(tmp_path / "y.safetensors"))["a"], torch.from_numpy(a))
 
 
-def test_converted_directory(smollm2_dir, converted, gguf_file):
+def test_converted_directory(smollm2_dir, converted, gguf_reader):
     files = {p.name for p in smollm2_dir.iterdir()}
     assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json",
             "tokenizer_config.json", sm.MARKER} <= files
@@ -130,8 +135,7 @@ def test_converted_directory(smollm2_dir, converted, gguf_file):
     assert gen == {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
     tcfg = json.loads((smollm2_dir / "tokenizer_config.json").read_text())
     assert (tcfg["bos_token"], tcfg["eos_token"], tcfg["pad_token"]) == ("<|im_start|>", "<|im_end|>", "<|im_end|>")
-    reader = gguf.GGUFReader(str(gguf_file))
-    assert tcfg["chat_template"] == reader.fields["tokenizer.chat_template"].contents()
+    assert tcfg["chat_template"] == gguf_reader.fields["tokenizer.chat_template"].contents()
     assert tcfg["add_bos_token"] is False
     # 30 layers x 9 tensors + embedding + final norm; tied, so no lm_head.
     assert len(converted) == 30 * 9 + 2 and "lm_head.weight" not in converted
@@ -149,8 +153,8 @@ def test_ensure_reuses_cache(smollm2_dir):
     assert (st.st_mtime_ns, st.st_ino) == (st2.st_mtime_ns, st2.st_ino)
 
 
-def test_tokenizer_json_matches_gguf_metadata(smollm2_dir, gguf_file):
-    reader = gguf.GGUFReader(str(gguf_file))
+def test_tokenizer_json_matches_gguf_metadata(smollm2_dir, gguf_reader):
+    reader = gguf_reader
     tokens = reader.fields["tokenizer.ggml.tokens"].contents()
     tok = tokenizers.Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
     assert tok.get_vocab_size() == len(tokens) == 49152

@@ -29,7 +29,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE_DIR = REPO / ".cache" / "qwen_tokenizer"
-BUILDER_VERSION = "1"   # bump when the produced tokenizer.json changes
+BUILDER_VERSION = "2"   # bump when the produced tokenizer.json changes
 
 # Qwen2's pre-tokenizer split (the same regex as its tokenizer.json and tiktoken file).
 PAT_STR = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
@@ -306,8 +306,8 @@ def tokenizer_config() -> dict:
             str(tid): {"content": content, "lstrip": False, "normalized": False,
                        "rstrip": False, "single_word": False, "special": special}
             for content, tid, special in ADDED_TOKENS},
-        "additional_special_tokens": [c for c, _, s in ADDED_TOKENS
-                                      if s and c != "<|endoftext|>"],
+        "additional_special_tokens": [c for c, tid, _ in ADDED_TOKENS
+                                      if 151644 <= tid <= 151656],   # as Qwen3 lists them
         "bos_token": None,
         "chat_template": CHAT_TEMPLATE,
         "clean_up_tokenization_spaces": False,
@@ -339,7 +339,12 @@ def tokenizer_json(tiktoken_path: Path | None = None, cache_dir: Path | None = C
         if cached.is_file():
             return cached.read_text(encoding="utf-8")
     tok, _, _ = build_tokenizer(load_ranks(path))
-    text = tok.to_str(pretty=True)
+    data = json.loads(tok.to_str())
+    # decoders.ByteLevel takes no options in Python and serializes its defaults; write the
+    # fields as Qwen's tokenizer.json has them (decoding is the same either way).
+    data["decoder"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
+                       "use_regex": False}
+    text = json.dumps(data, indent=2, ensure_ascii=False)
     if cached is not None:
         cached.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=cached.parent, suffix=".tmp")

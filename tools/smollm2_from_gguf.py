@@ -398,6 +398,7 @@ def ensure_smollm2(cache_root=None, dtype: str = "f32") -> Path:
             try:
                 convert(tmp, dtype=dtype, gguf_path=gguf_path)
                 (tmp / MARKER).write_text(want + "\n")
+                tmp.chmod(0o755)
                 if target.exists():
                     shutil.rmtree(target)
                 os.replace(tmp, target)

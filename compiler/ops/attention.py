@@ -54,6 +54,6 @@ def reference(ctx, q, k, v, causal=True, scale=None):
 
 op(name="attention", tensors=["q", "k", "v"], attrs={"causal": True, "scale": None},
    infer=infer, reference=reference,
-   templates={"triton": {"prefill": "attention_prefill", "mixed": "attention_prefill",
-                         "decode": "attention_decode"}},
+   # No kernel of its own: fuse_qk_norm_rope_cache turns it into the cache write + attention_cached.
+   templates={},
    doc="causal GQA attention; k/v are appended to the paged KV cache")

@@ -41,13 +41,6 @@ def experts_infer(types, attrs):
     return [x]
 
 
-def experts_gu_infer(types, attrs):
-    x, w, ids, gate_up, down = types
-    e, f2, h = gate_up.shape
-    return experts_infer([x, w, ids, tt((e, f2 // 2, h), gate_up.dtype),
-                          tt((e, f2 // 2, h), gate_up.dtype), down], attrs)
-
-
 def experts(ctx, x, w, ids, gate, up, down):
     y = np.zeros_like(x, dtype=np.float32)
     for e in np.unique(ids):
@@ -58,9 +51,38 @@ def experts(ctx, x, w, ids, gate, up, down):
     return y
 
 
-def experts_gu(ctx, x, w, ids, gate_up, down):
-    f = gate_up.shape[1] // 2
-    return experts(ctx, x, w, ids, gate_up[:, :f], gate_up[:, f:], down)
+# The experts split in two launches, because the down projection needs every column of the
+# activation: moe_gate_up(x, ids, gate_up[E, 2F, H]) -> act[T, k, F] = silu(g) * u per chosen
+# expert, then moe_down(act, weights, ids, down[E, H, F]) -> y[t] = sum_j w[t, j] down[e] act[t, j].
+def gate_up_infer(types, attrs):
+    x, ids, gu = types
+    expect(len(gu.shape) == 3 and gu.shape[2] == x.shape[-1] and gu.shape[1] % 2 == 0,
+           f"expert gate_up must be [E, 2F, H]: {gu}")
+    return [tt((x.shape[0], ids.shape[1], gu.shape[1] // 2), x.dtype)]
+
+
+def gate_up(ctx, x, ids, gu):
+    f = gu.shape[1] // 2
+    out = np.zeros((x.shape[0], ids.shape[1], f), np.float32)
+    for e in np.unique(ids):
+        rows, slot = np.nonzero(ids == e)
+        h = x[rows] @ gu[e].T
+        out[rows, slot] = silu(h[:, :f]) * h[:, f:]
+    return out
+
+
+def down_infer(types, attrs):
+    act, w, ids, down = types
+    expect(len(down.shape) == 3 and down.shape[2] == act.shape[2], f"expert down must be [E, H, F]: {down}")
+    return [tt((act.shape[0], down.shape[1]), act.dtype)]
+
+
+def down(ctx, act, w, ids, down_w):
+    y = np.zeros((act.shape[0], down_w.shape[1]), np.float32)
+    for e in np.unique(ids):
+        rows, slot = np.nonzero(ids == e)
+        y[rows] += (act[rows, slot] @ down_w[e].T) * w[rows, slot][:, None]
+    return y
 
 
 op(name="moe_route", tensors=["logits"], attrs={"k": REQUIRED, "normalize": False},
@@ -69,8 +91,10 @@ op(name="moe_route", tensors=["logits"], attrs={"k": REQUIRED, "normalize": Fals
 op(name="moe_experts", tensors=["x", "weights", "ids", "gate", "up", "down"],
    infer=experts_infer, reference=experts, templates={"triton": "moe_experts"},
    doc="grouped SwiGLU experts, weighted sum over the top-k")
-op(name="moe_experts_gu", tensors=["x", "weights", "ids", "gate_up", "down"],
-   infer=experts_gu_infer, reference=experts_gu, internal=True,
-   templates={"triton": {"prefill": "moe_grouped_gemm", "mixed": "moe_grouped_gemm",
-                         "decode": "moe_grouped_gemv"}},
-   doc="moe_experts with gate and up stacked in one weight [E, 2F, H]")
+op(name="moe_gate_up", tensors=["x", "ids", "gate_up"], infer=gate_up_infer, reference=gate_up,
+   internal=True, templates={"triton": {"prefill": "moe_gate_up", "mixed": "moe_gate_up",
+                                        "decode": "moe_gate_up"}},
+   doc="per chosen expert: silu(x gate^T) * (x up^T)")
+op(name="moe_down", tensors=["act", "weights", "ids", "down"], infer=down_infer, reference=down,
+   internal=True, templates={"triton": {"prefill": "moe_down", "mixed": "moe_down", "decode": "moe_down"}},
+   doc="per token: routing-weighted sum of the chosen experts' down projections")

@@ -62,4 +62,5 @@ def reference(ctx, x, theta, scaling=None):
 
 
 op(name="rope", tensors=["x"], attrs={"theta": REQUIRED, "scaling": None}, infer=infer,
-   reference=reference, templates={"triton": "rope"}, doc="rotary position embedding")
+   reference=reference, templates={},   # fused into qk_norm_rope_cache
+   doc="rotary position embedding")

@@ -1,5 +1,6 @@
 """Weight fusion: linears that read the same input become one linear over concatenated
-weights (q/k/v, gate/up), followed by a `split` view; MoE gate/up expert stacks likewise.
+weights (q/k/v, gate/up), followed by a `split` view; MoE experts get their gate/up stacks
+concatenated and run as two launches (gate_up + SwiGLU, then down + weighted combine).
 
 The concatenation is a load-time transform recorded in the weights table, so the checkpoint
 is read as published and the plan says how each fused weight is built.
@@ -68,8 +69,14 @@ def _fuse_experts(state, g):
         state.weights[fused] = {
             "source": {"concat": [state.weights[gate]["source"], state.weights[up]["source"]], "axis": 1},
             "per_layer": state.weights[gate]["per_layer"]}
-        n.op = "moe_experts_gu"
-        n.inputs = [x, w, ids, fused, down]
+        act = g.fresh("act")
+        g.add_value(Value(act, "act", line=n.line))
+        g.add_node(Node(g.new_node_id("moe_gate_up"), "moe_gate_up", [x, ids, fused], [act], {},
+                        n.line, fused_from=["moe_experts"]), before=n.id)
+        g.add_node(Node(g.new_node_id("moe_down"), "moe_down", [act, w, ids, down], list(n.outputs),
+                        {}, n.line, fused_from=["moe_experts"]), before=n.id)
+        g.order.remove(n.id)
+        del g.nodes[n.id]
         for old in (gate, up):
             del g.values[old]
             del state.weights[old]

@@ -30,7 +30,8 @@ def _infer(state, g: Graph):
             outs = op.infer(types, n.attrs)
         except ShapeError as e:
             msg = str(e)   # op rules often name themselves already ("view: cannot view ...")
-            raise state.error(msg if msg.startswith(f"{n.op}") else f"{n.op}: {msg}", n.line) from None
+            named = msg.startswith((f"{n.op}:", f"{n.op} "))
+            raise state.error(msg if named else f"{n.op}: {msg}", n.line) from None
         for k, (o, t) in enumerate(zip(n.outputs, outs)):
             v = g.values[o]
             v.type = t

@@ -1,0 +1,124 @@
+"""Render kernel templates for every launch of a plan and attach kernel ids to the launches.
+
+A template sees the launch: its op, phase, input/output shapes and dtypes, attributes, the
+model config, the KV cache layout, and the tuning parameters for this shape. Identical
+rendered sources are one kernel.
+"""
+import ast
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+
+TEMPLATES = Path(__file__).resolve().parent.parent.parent / "codegen_templates"
+EXT = {"triton": ".py", "cuda": ".cu", "tilelang": ".py"}
+TL_DTYPE = {"bf16": "tl.bfloat16", "f16": "tl.float16", "f32": "tl.float32", "i32": "tl.int32"}
+PTR = {"bf16": "*bf16", "f16": "*fp16", "f32": "*fp32", "i32": "*i32"}
+C_DTYPE = {"bf16": "__nv_bfloat16", "f16": "__half", "f32": "float", "i32": "int"}
+
+
+class TemplateError(Exception):
+    pass
+
+
+@dataclass
+class Kernel:
+    id: str
+    backend: str
+    template: str
+    source: str
+    meta: dict
+
+
+def _env() -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)),
+                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+                             trim_blocks=True, lstrip_blocks=True)
+    env.filters["tl"] = lambda d: TL_DTYPE[d]
+    env.filters["ptr"] = lambda d: PTR[d]
+    env.filters["ctype"] = lambda d: C_DTYPE[d]
+    env.filters["json"] = lambda v: json.dumps(v)
+    return env
+
+
+def parse_meta(source: str, backend: str) -> dict:
+    """META is a literal dict in the rendered source (a comment block `// META {...}` in C)."""
+    if backend == "cuda":
+        line = next((l for l in source.splitlines() if l.startswith("// META ")), None)
+        if line is None:
+            raise TemplateError("CUDA kernel source has no '// META {...}' line")
+        return json.loads(line[len("// META "):])
+    tree = ast.parse(source)
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "META" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise TemplateError("kernel source defines no META dict")
+
+
+def shape_key(phase: str, tensors: list[dict]) -> str:
+    return phase + "|" + ";".join("x".join(str(d) for d in t["shape"]) for t in tensors)
+
+
+def tune_for(table: dict, template: str, key: str) -> dict:
+    entry = table.get("templates", {}).get(template, {})
+    out = dict(entry.get("default", {}))
+    out.update(entry.get(key, {}))
+    return out
+
+
+def _tensor(plan: dict, name: str, layer_shape=False) -> dict:
+    if name == "kv_cache":
+        return {"name": name, "shape": [], "dtype": plan["kv_cache"].get("dtype", "bf16"), "kind": "kv"}
+    if name in plan["buffers"]:
+        b = plan["buffers"][name]
+        if "row_stride" in b:
+            raise TemplateError(f"buffer '{name}' is a strided view; kernels take contiguous tensors")
+        return {"name": name, "shape": b["shape"], "dtype": b["dtype"], "kind": "buffer"}
+    w = plan["weights"][name]
+    shape = w["shape"]
+    return {"name": name, "shape": shape, "dtype": w["dtype"], "kind": "weight"}
+
+
+def render_template(backend: str, template: str, ctx: dict, env=None) -> Kernel:
+    """Render one template with a launch context (see KERNELS.md for the keys)."""
+    env = env or _env()
+    path = f"{backend}/{template}{EXT[backend]}.j2"
+    try:
+        source = env.get_template(path).render(**ctx)
+    except jinja2.TemplateNotFound:
+        raise TemplateError(f"no template {TEMPLATES.name}/{path} for op '{ctx.get('op')}'") from None
+    except jinja2.UndefinedError as e:
+        raise TemplateError(f"{path}: {e}") from None
+    digest = hashlib.sha256(source.encode()).hexdigest()[:10]
+    return Kernel(f"{template}_{digest}", backend, template, source, parse_meta(source, backend))
+
+
+def launch_context(plan: dict, launch: dict, phase: str, tuning: dict, page_size: int) -> dict:
+    ins = [_tensor(plan, n) for n in launch["inputs"]]
+    outs = [_tensor(plan, n) for n in launch["outputs"]]
+    return {"op": launch["op"], "phase": phase, "inputs": ins, "outputs": outs,
+            "attrs": launch["attrs"], "config": plan["config"],
+            "kv": {**plan["kv_cache"], "page_size": page_size},
+            "tune": tune_for(tuning, launch["kernel"], shape_key(phase, ins + outs))}
+
+
+def render_plan(plan: dict, tuning: dict, page_size: int) -> dict[str, Kernel]:
+    """Render every launch's kernel; sets launch["kernel_id"]; returns id -> Kernel."""
+    env = _env()
+    kernels: dict[str, Kernel] = {}
+
+    def visit(program, phase):
+        for launch in program:
+            if "repeat" in launch:
+                visit(launch["body"], phase)
+                continue
+            ctx = launch_context(plan, launch, phase, tuning, page_size)
+            k = render_template(launch["backend"], launch["kernel"], ctx, env)
+            kernels.setdefault(k.id, k)
+            launch["kernel_id"] = k.id
+
+    for phase, program in plan["programs"].items():
+        visit(program, phase)
+    return kernels

@@ -1,0 +1,87 @@
+"""Run one rendered Triton kernel under TRITON_INTERPRET=1 with torch CPU tensors.
+
+`bindings` maps parameter sources ("in:0", "out:1", "meta:positions", "kv:k", ...) to tensors
+or ints; dims gives T and B; scratch is allocated zeroed from META. Kernels using tl.dot take
+a DOT_F32 constexpr: the interpreter's bf16 dot is wrong, so it is set True here.
+"""
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from infc.compiler.codegen.render import render_template
+from infc.runtime.bind import grid, launch_args, scratch_sizes
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py sets TRITON_INTERPRET=1"
+
+SRC_CACHE = Path(__file__).resolve().parents[2] / ".cache" / "interp_kernels"
+_modules = {}
+TORCH = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32, "f16": torch.float16}
+
+
+def load(kernel):
+    if kernel.id not in _modules:
+        SRC_CACHE.mkdir(parents=True, exist_ok=True)
+        path = SRC_CACHE / f"{kernel.id}.py"
+        path.write_text(kernel.source)
+        spec = importlib.util.spec_from_file_location(f"interp_{kernel.id}", path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod
+        spec.loader.exec_module(mod)
+        _modules[kernel.id] = mod
+    return _modules[kernel.id]
+
+
+def run(kernel, bindings: dict, dims: dict):
+    meta = kernel.meta
+    scratch = {n: torch.zeros(max(b, 4) // 4 + 1, dtype=torch.int32) for n, b in scratch_sizes(meta, dims).items()}
+
+    def resolve(kind, what, ty):
+        if kind == "dim":
+            return dims[what]
+        if kind == "scratch":
+            return scratch[what]
+        return bindings[f"{kind}:{what}"]
+
+    args = launch_args(meta, resolve)
+    consts = dict(meta["constexprs"])
+    if "DOT_F32" in consts:
+        consts["DOT_F32"] = True
+    fn = getattr(load(kernel), meta["entry"])
+    fn[grid(meta, dims)](*args, **consts)
+    for n, s in scratch.items():
+        assert int(s.abs().sum()) == 0 or not n.startswith("counter"), f"counter scratch '{n}' not reset"
+    return scratch
+
+
+def render(template, op, inputs, outputs, attrs=None, phase="decode", config=None, kv=None, tune=None,
+           backend="triton"):
+    def t(spec):
+        name, shape, dtype = spec[:3]
+        kind = spec[3] if len(spec) > 3 else "buffer"
+        return {"name": name, "shape": list(shape), "dtype": dtype, "kind": kind}
+    ctx = {"op": op, "phase": phase, "inputs": [t(s) for s in inputs], "outputs": [t(s) for s in outputs],
+           "attrs": attrs or {}, "config": config or {}, "kv": kv or {}, "tune": tune or {}}
+    return render_template(backend, template, ctx)
+
+
+def rand(shape, dtype="bf16", scale=1.0, gen=None):
+    gen = gen or np.random.default_rng(0)
+    return torch.from_numpy((gen.standard_normal(shape) * scale).astype(np.float32)).to(TORCH[dtype])
+
+
+def poison(shape, dtype="bf16"):
+    """An output buffer full of NaN (or a sentinel for ints): unwritten elements show up."""
+    if dtype == "i32":
+        return torch.full(shape, -7777, dtype=torch.int32)
+    return torch.full(shape, float("nan"), dtype=TORCH[dtype])
+
+
+def rel_err(got, want) -> float:
+    got = np.asarray(got, np.float64)
+    want = np.asarray(want, np.float64)
+    assert not np.isnan(got).any(), "NaN in output (unwritten or bad math)"
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
