@@ -35,7 +35,8 @@ def resolve(model: str | None = None, spec_path: str | None = None,
         spec = load_spec(spec_path)
         if model not in spec.variants:
             raise SpecError(f"unknown variant '{model}' (this spec defines: "
-                            f"{', '.join(sorted(spec.variants)) or 'none'})", spec.path)
+                            f"{', '.join(sorted(spec.variants)) or 'none'})", spec.path,
+                            spec.raw.key_lines.get("variants"))
         return spec, dict(spec.variants[model]), model, f"{spec.path} variant {model}"
     spec, config = find_variant(model)
     return spec, config, model, f"{spec.path} variant {model}"
@@ -78,9 +79,10 @@ def compile_model(model=None, spec_path=None, model_dir=None, features=None, log
 
 def build(model=None, spec_path=None, model_dir=None, out=None, features=None, log=print) -> Path:
     t_all = time.perf_counter()
+    state, plan = compile_model(model, spec_path, model_dir, features,
+                                (lambda m: None) if log is None else log)
     if log:
-        log(f"infc build {model or model_dir}")
-    state, plan = compile_model(model, spec_path, model_dir, features, log)
+        log(f"infc build {state.model}: compiled the spec")
     out = Path(out) if out else GENERATED / state.model
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
