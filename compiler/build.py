@@ -77,17 +77,70 @@ def compile_model(model=None, spec_path=None, model_dir=None, features=None, log
     return state, plan
 
 
-def build(model=None, spec_path=None, model_dir=None, out=None, features=None, log=print) -> Path:
+FEATURES = ("tilelang", "cuda")
+GPUS = ("h100", "h200")
+TUNING = REPO / "codegen_templates" / "tuning"
+
+
+def parse_features(text: str | None) -> list[str]:
+    feats = [f.strip() for f in (text or "").split(",") if f.strip()]
+    for f in feats:
+        if f not in FEATURES:
+            raise SpecError(f"unknown feature '{f}' (known: {', '.join(FEATURES)})", None)
+    return feats
+
+
+def load_tuning(gpu: str) -> dict:
+    if gpu not in GPUS:
+        raise SpecError(f"unknown gpu '{gpu}' (known: {', '.join(GPUS)})", None)
+    return json.loads((TUNING / f"{gpu}.json").read_text())
+
+
+def generate(plan: dict, out: Path, gpu: str = "h100", page_size: int = 16,
+             target: str = "sm_90") -> dict:
+    """Render every kernel into out/kernels/ and record them in the plan; returns id -> Kernel."""
+    from .codegen.render import EXT, render_plan
+    kernels = render_plan(plan, load_tuning(gpu), page_size)
+    kdir = out / "kernels"
+    kdir.mkdir(parents=True, exist_ok=True)
+    keep = set()
+    for kid, k in sorted(kernels.items()):
+        name = f"{kid}{EXT[k.backend]}"
+        keep.add(name)
+        path = kdir / name
+        if not path.exists() or path.read_text() != k.source:
+            path.write_text(k.source)
+    for stale in kdir.iterdir():
+        if stale.name not in keep:
+            stale.unlink()
+    plan["build"] = {"gpu": gpu, "target": target, "page_size": page_size}
+    plan["kernels"] = {kid: {"backend": k.backend, "template": k.template,
+                             "source": f"kernels/{kid}{EXT[k.backend]}", **k.meta}
+                       for kid, k in sorted(kernels.items())}
+    return kernels
+
+
+def build(model=None, spec_path=None, model_dir=None, out=None, features=None, log=print,
+          gpu="h100", target="sm_90", page_size=16, compile=True, jobs=None) -> Path:
+    from .codegen.aot import compile_kernels
     t_all = time.perf_counter()
+    if log and (model or model_dir):
+        log(f"infc build {model or model_dir}")
     state, plan = compile_model(model, spec_path, model_dir, features,
                                 (lambda m: None) if log is None else log)
-    if log:
-        log(f"infc build {state.model}: compiled the spec")
     out = Path(out) if out else GENERATED / state.model
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
+    kernels = generate(plan, out, gpu, page_size, target)
     (out / "plan.json").write_text(dumps(plan))
     if log:
-        log(f"  {'write ' + str(out / 'plan.json'):<28} {(time.perf_counter() - t0) * 1e3:8.1f} ms")
+        log(f"  {'render ' + str(len(kernels)) + ' kernels + write plan':<28} "
+            f"{(time.perf_counter() - t0) * 1e3:8.1f} ms")
+    if compile:
+        res = compile_kernels(kernels, out / "bin", target, jobs=jobs, progress=log is not None)
+        if log:
+            log(f"  {'compile (' + target + ')':<28} {res['seconds'] * 1e3:8.1f} ms  "
+                f"{len(res['compiled'])} compiled, {len(kernels) - len(res['compiled'])} cached")
+    if log:
         log(f"built {state.model} in {time.perf_counter() - t_all:.2f} s -> {out}")
     return out

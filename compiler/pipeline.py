@@ -34,11 +34,11 @@ REWRITES = {"fuse_weights", "rotate_residual", "fuse_add_rms_norm", "fuse_qk_nor
             "fuse_silu_mul", "fuse_linear_prologue", "fuse_lm_head", "eliminate_dead"}
 
 
-def compile_spec(spec: Spec, env: dict, model: str, features: dict | None = None,
+def compile_spec(spec: Spec, env: dict, model: str, features: list | None = None,
                  observe=None, stop_after: str | None = None, skip=()) -> CompileState:
     """Run the pipeline; `skip` leaves out optional rewrites (tests compare with and without)."""
     graph, weights = lower(spec, env)
-    state = CompileState(spec, env, graph, weights, model, features=dict(features or {}))
+    state = CompileState(spec, env, graph, weights, model, features=list(features or []))
     _stamp(state, "lower")
     if observe:
         observe("lower", state)

@@ -14,7 +14,7 @@ class CompileState:
     weights: dict                    # weight name -> {"source": ..., "per_layer": bool}
     model: str                       # variant or directory name the plan is for
     backend: str = "triton"
-    features: dict = field(default_factory=dict)   # op -> backend override
+    features: list = field(default_factory=list)   # extra backends, in order of preference
     log: list = field(default_factory=list)        # (pass, message)
     memory: dict | None = None       # set by plan_memory
     kernels: dict = field(default_factory=dict)    # phase -> node id -> (backend, template)

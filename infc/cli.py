@@ -8,12 +8,15 @@ import os
 import sys
 import traceback
 
+from infc.compiler.codegen.render import TemplateError
 from infc.compiler.errors import ModelDirError, SpecError
 
 
 def _build(args):
-    from infc.compiler.build import build
-    build(model=args.model, spec_path=args.spec, model_dir=args.model_path, out=args.out)
+    from infc.compiler.build import build, parse_features
+    build(model=args.model, spec_path=args.spec, model_dir=args.model_path, out=args.out,
+          features=parse_features(args.features), gpu=args.gpu, target=args.target,
+          page_size=args.page_size, compile=not args.no_compile, jobs=args.jobs)
 
 
 def _inspect(args):
@@ -40,6 +43,12 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--spec", help="a spec file (to build a spec from anywhere)")
     b.add_argument("--model-path", help="an HF model directory: bind the spec to its config.json")
     b.add_argument("--out", help="output directory (default generated/<model>)")
+    b.add_argument("--features", help="extra kernel backends, comma-separated: tilelang, cuda")
+    b.add_argument("--gpu", default="h100", choices=["h100", "h200"], help="tuning table to use")
+    b.add_argument("--target", default="sm_90", help="compute capability for the cubins")
+    b.add_argument("--page-size", type=int, default=16, help="KV cache page size in tokens")
+    b.add_argument("--no-compile", action="store_true", help="render kernels, skip the cubins")
+    b.add_argument("--jobs", type=int, help="parallel compile workers (default: all cores)")
     b.set_defaults(fn=_build)
 
     i = sub.add_parser("inspect", help="print the graph, the launches and the routing table")
@@ -69,13 +78,15 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     try:
         args.fn(args)
-    except (SpecError, ModelDirError, ValueError) as e:
+    except (SpecError, ModelDirError, TemplateError, ValueError) as e:
         if os.environ.get("INFC_DEBUG"):
             traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        return 0
     except Exception as e:  # a bug in infc, not the user's input: still no traceback by default
         if os.environ.get("INFC_DEBUG"):
             traceback.print_exc()

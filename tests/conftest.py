@@ -17,14 +17,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 
 
-def _tiny(family: str):
+def _tiny(family: str, **over):
     import torch
     from transformers import (LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM,
                               Qwen3MoeConfig, Qwen3MoeForCausalLM)
     common = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                   vocab_size=320, max_position_embeddings=1024, rms_norm_eps=1e-6)
+    common.update({k: v for k, v in over.items() if k in common})
     if family == "qwen3":
-        return Qwen3ForCausalLM(Qwen3Config(**common, head_dim=24, intermediate_size=96,
+        return Qwen3ForCausalLM(Qwen3Config(**common, head_dim=over.get("head_dim", 24),
+                                            intermediate_size=over.get("intermediate_size", 96),
                                             tie_word_embeddings=True, rope_theta=10000.0))
     if family == "llama":
         return LlamaForCausalLM(LlamaConfig(
@@ -45,18 +47,19 @@ def tiny_model(tmp_path_factory):
     import torch
     cache = {}
 
-    def get(family: str):
-        if family not in cache:
+    def get(family: str, **over):
+        key = (family, tuple(sorted(over.items())))
+        if key not in cache:
             torch.manual_seed(1234)
-            m = _tiny(family).float().eval()
+            m = _tiny(family, **over).float().eval()
             with torch.no_grad():
                 for name, p in m.named_parameters():
                     if "norm" in name:
                         p.copy_(1 + 0.2 * torch.randn_like(p))
             d = tmp_path_factory.mktemp(f"tiny-{family}")
             m.save_pretrained(d)
-            cache[family] = (d, m)
-        return cache[family]
+            cache[key] = (d, m)
+        return cache[key]
 
     return get
 

@@ -1,7 +1,7 @@
 """Kernel selection: for each launch and phase, the backend and template that implement it.
 
-Triton is the default and covers every op; `--features` moves ops to another backend where
-the op's home declares a template for it (and fails loudly where it does not).
+Triton is the default and covers every op; `--features tilelang,cuda` lets another backend
+take a launch wherever the op's home declares a template for that backend and phase.
 """
 from ..ops import REGISTRY
 
@@ -16,10 +16,12 @@ def select_kernels(state):
                 if n.op == "layers" or REGISTRY[n.op].view:
                     continue
                 op = REGISTRY[n.op]
-                backend = state.features.get(n.op, state.backend)
-                tmpl = op.template(backend, phase)
-                if tmpl is None and backend != state.backend:
-                    backend, tmpl = state.backend, op.template(state.backend, phase)
+                backend, tmpl = state.backend, None
+                for b in list(state.features) + [state.backend]:
+                    tmpl = op.template(b, phase)
+                    if tmpl is not None:
+                        backend = b
+                        break
                 # An op without a template (unfused attention, rope) still runs on the
                 # reference executor; code generation refuses it with the op and line.
                 table[n.id] = (backend, tmpl)

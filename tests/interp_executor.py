@@ -1,0 +1,101 @@
+"""Runs a built plan entirely through its generated Triton kernels under TRITON_INTERPRET=1,
+following the plan's launches, bindings and grids: the GPU runtime's job, on torch CPU tensors.
+Used by tests to check whole models against the numpy reference executor."""
+import numpy as np
+import torch
+
+from infc.compiler.codegen.render import Kernel
+from infc.runtime.bind import grid, launch_args, scratch_sizes
+from infc.runtime.step import Chunk, build_step
+
+from .kernels.harness import TORCH, load
+
+
+class InterpExecutor:
+    def __init__(self, plan: dict, weights: dict, page_size: int = 16, num_pages: int = 64):
+        self.plan, self.page_size = plan, page_size
+        self.kernels = {kid: Kernel(kid, k["backend"], k["template"], _source(plan, k), k)
+                        for kid, k in plan["kernels"].items()}
+        bf16 = lambda a: torch.from_numpy(np.ascontiguousarray(a, np.float32)).to(torch.bfloat16)  # noqa: E731
+        self.weights = {n: ([bf16(x) for x in w] if isinstance(w, list) else bf16(w))
+                        for n, w in weights.items()}
+        kv = plan["kv_cache"]
+        shape = (num_pages, page_size, kv["kv_heads"], kv["head_dim"])
+        self.k_cache = [torch.full(shape, float("nan"), dtype=torch.bfloat16) for _ in range(kv["layers"])]
+        self.v_cache = [torch.full(shape, float("nan"), dtype=torch.bfloat16) for _ in range(kv["layers"])]
+        self.free_pages = list(range(num_pages))
+        self.pages: dict[int, list[int]] = {}
+        self.scratch = {}
+
+    def ensure_pages(self, seq_id: int, tokens: int, shared: list[int] | None = None):
+        pages = self.pages.setdefault(seq_id, list(shared or []))
+        while len(pages) * self.page_size < tokens:
+            pages.append(self.free_pages.pop(len(self.free_pages) // 2))   # not in order: paging is real
+
+    def step(self, chunks: list[Chunk]) -> np.ndarray:
+        for c in chunks:
+            self.ensure_pages(c.seq_id, c.start + len(c.tokens))
+        meta = build_step(chunks, self.pages.__getitem__, self.page_size)
+        dims = {"T": meta.T, "B": meta.B}
+        a = self.plan["arena"]
+        arena = torch.full(((a["bytes_per_token"] * meta.T + a["bytes_per_seq"] * meta.B + a["bytes"]) // 2,),
+                           float("nan"), dtype=torch.bfloat16).view(torch.uint8)
+        views = {}
+        for name, b in self.plan["buffers"].items():
+            off = b["offset"]
+            start = off["T"] * meta.T + off["B"] * meta.B + off["bytes"]
+            shape = [dims.get(d, d) for d in b["shape"]]
+            n = int(np.prod(shape)) * torch.tensor([], dtype=TORCH[b["dtype"]]).element_size()
+            views[name] = arena[start:start + n].view(TORCH[b["dtype"]]).view(shape)
+        views["tokens"].copy_(torch.from_numpy(meta.tokens))
+        md = {k: torch.from_numpy(np.ascontiguousarray(getattr(meta, k))) for k in
+              ("positions", "seq_starts", "context_lens", "last_rows", "slot_mapping", "block_tables")}
+        md["max_pages"] = meta.max_pages
+        self._run(self.plan["programs"][meta.phase], views, md, dims, layer=0)
+        return views[self.plan["outputs"]["logits"]].float().numpy().copy()
+
+    def _run(self, program, views, md, dims, layer):
+        for launch in program:
+            if "repeat" in launch:
+                for i in range(launch["count"]):
+                    self._run(launch["body"], views, md, dims, i)
+                continue
+            k = self.kernels[launch["kernel_id"]]
+
+            def tensor(name):
+                if name == "kv_cache":
+                    return None
+                if name in views:
+                    return views[name]
+                w = self.weights[name]
+                return w[layer] if isinstance(w, list) else w
+
+            def resolve(kind, what, ty):
+                if kind in ("in", "out"):
+                    names = launch["inputs"] if kind == "in" else launch["outputs"]
+                    return tensor(names[int(what)])
+                if kind == "dim":
+                    return dims[what]
+                if kind == "meta":
+                    return md[what]
+                if kind == "kv":
+                    return (self.k_cache if what == "k" else self.v_cache)[layer]
+                if kind == "scratch":
+                    size = scratch_sizes(k.meta, dims)[what]
+                    buf = self.scratch.get((k.id, what))
+                    if buf is None or buf.numel() * 4 < size:
+                        buf = torch.zeros(size // 4 + 1, dtype=torch.int32)
+                        self.scratch[(k.id, what)] = buf
+                    return buf
+                raise ValueError(kind)
+
+            args = launch_args(k.meta, resolve)
+            consts = dict(k.meta["constexprs"])
+            if "DOT_F32" in consts:
+                consts["DOT_F32"] = True
+            getattr(load(k), k.meta["entry"])[grid(k.meta, dims)](*args, **consts)
+
+
+def _source(plan, k):
+    from pathlib import Path
+    return (Path(plan["_dir"]) / k["source"]).read_text()
