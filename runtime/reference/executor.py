@@ -2,7 +2,9 @@
 
 It is the oracle for kernels and passes and the CPU backend. It deliberately executes the plan
 as the GPU runtime will: every buffer is a view into one arena at the plan's offsets, so a
-wrong liveness plan corrupts logits here first. The KV cache is contiguous per sequence.
+wrong liveness plan corrupts logits here first. Its KV cache is either contiguous per
+sequence (`step`, the oracle) or paged like the GPU's (`step_paged`, driven by the same step
+metadata: slot mapping and block tables), which lets the engine share prefix pages on the CPU.
 """
 from dataclasses import dataclass
 
@@ -46,6 +48,34 @@ class StepContext:
 
     def kv_get(self, seq_id):
         return self.kv[(self.layer, seq_id)]
+
+
+class PagedStepContext(StepContext):
+    """The step's sequences are the batch rows b; KV lives in pages [P, page_size, Hkv, D]."""
+
+    def __init__(self, meta, k_pages, v_pages):
+        self.meta, self.k_pages, self.v_pages = meta, k_pages, v_pages
+        starts = meta.seq_starts
+        self.seqs = [(b, int(starts[b]), int(starts[b + 1] - starts[b]),
+                      int(meta.context_lens[b] - (starts[b + 1] - starts[b]))) for b in range(meta.B)]
+        self.positions = meta.positions.astype(np.int64)
+        self.last_rows = meta.last_rows.astype(np.int64)
+        self.T, self.B = meta.T, meta.B
+        self.layer = 0
+        self.page = k_pages[0].shape[1]
+
+    def kv_append(self, b, k, v):
+        start = int(self.meta.seq_starts[b])
+        slots = self.meta.slot_mapping[start:start + k.shape[0]]
+        kp, vp = self.k_pages[self.layer], self.v_pages[self.layer]
+        kp.reshape(-1, *kp.shape[2:])[slots] = k
+        vp.reshape(-1, *vp.shape[2:])[slots] = v
+
+    def kv_get(self, b):
+        n = int(self.meta.context_lens[b])
+        pages = self.meta.block_tables[b, : -(-n // self.page)]
+        kp, vp = self.k_pages[self.layer], self.v_pages[self.layer]
+        return (kp[pages].reshape(-1, *kp.shape[2:])[:n], vp[pages].reshape(-1, *vp.shape[2:])[:n])
 
 
 class ReferenceExecutor:
@@ -109,6 +139,20 @@ class ReferenceExecutor:
                 if name == KV or r is None:
                     continue
                 np.copyto(views[name], np.asarray(r).reshape(views[name].shape), casting="unsafe")
+
+    def allocate_pages(self, num_pages: int, page_size: int):
+        kv = self.plan["kv_cache"]
+        shape = (num_pages, page_size, kv["kv_heads"], kv["head_dim"])
+        self.k_pages = [np.zeros(shape, np.float32) for _ in range(kv["layers"])]
+        self.v_pages = [np.zeros(shape, np.float32) for _ in range(kv["layers"])]
+
+    def step_paged(self, meta) -> np.ndarray:
+        """One step over a runtime.step.StepMeta, KV in the paged cache (allocate_pages first)."""
+        ctx = PagedStepContext(meta, self.k_pages, self.v_pages)
+        views = self._arena(ctx)
+        views["tokens"][...] = meta.tokens
+        self._run(self.plan["programs"][meta.phase], views, ctx)
+        return np.array(views[self.plan["outputs"]["logits"]])
 
     def step(self, chunks: list[SeqChunk]) -> np.ndarray:
         """Run one step over the chunks; returns float32 logits [B, V] (one row per chunk)."""

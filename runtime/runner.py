@@ -1,0 +1,60 @@
+"""The seam between the engine and a backend: run one step, sample the rows that need it.
+
+A runner owns the weights, the paged KV cache and the kernels (or, on the CPU, the numpy
+reference executor). The engine owns everything else: which sequences run, their pages, their
+stop conditions. Both the CPU and the CUDA runner implement `execute`.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+from .sampling import SamplingParams, logprobs_of, sample
+from .step import StepMeta
+
+
+@dataclass
+class RowSampling:
+    params: SamplingParams
+    seed: int                 # the request's seed (the engine draws one when none was given)
+    step: int                 # index of the token being sampled: its randomness is (seed, step)
+    banned: tuple = ()        # token ids masked out (EOS/stop ids before min_tokens)
+
+
+@dataclass
+class Sample:
+    token: int
+    logprob: float | None = None
+    top: list | None = None   # [(token, logprob)] when logprobs were asked for
+
+
+class CPURunner:
+    """The numpy reference executor behind the runner interface (paged KV, float32)."""
+
+    def __init__(self, plan: dict, weights: dict, num_pages: int, page_size: int = 16):
+        from .reference.executor import ReferenceExecutor
+        self.plan, self.page_size, self.num_pages = plan, page_size, num_pages
+        self.vocab_size = plan["config"]["V"]
+        self.executor = ReferenceExecutor(plan, weights)
+        self.executor.allocate_pages(num_pages, page_size)
+
+    @staticmethod
+    def kv_bytes_per_page(plan: dict, page_size: int) -> int:
+        kv = plan["kv_cache"]
+        return 2 * kv["layers"] * page_size * kv["kv_heads"] * kv["head_dim"] * 4
+
+    def execute(self, meta: StepMeta, sampling: list[RowSampling | None]) -> list[Sample | None]:
+        logits = self.executor.step_paged(meta)
+        return [None if s is None else sample_row(logits[b], s) for b, s in enumerate(sampling)]
+
+
+def sample_row(logits: np.ndarray, s: RowSampling) -> Sample:
+    row = logits
+    if s.banned:
+        row = logits.copy()
+        row[[t for t in s.banned if 0 <= t < row.size]] = -np.inf
+    tok = sample(row, s.params, np.random.default_rng((s.seed, s.step)))
+    if s.params.logprobs is None:
+        return Sample(tok)
+    lp = logprobs_of(logits)
+    top = np.argsort(-lp, kind="stable")[: s.params.logprobs]
+    return Sample(tok, float(lp[tok]), [(int(t), float(lp[t])) for t in top])
