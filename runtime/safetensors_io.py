@@ -48,11 +48,26 @@ class SafetensorsFile:
         a, b = h["data_offsets"]
         return self._mm[self.base + a: self.base + b].view(_DTYPES[h["dtype"]]).reshape(h["shape"])
 
+    def bf16_bits(self, name: str) -> np.ndarray:
+        """The tensor as bf16 bit patterns (uint16): bf16 as stored, f32/f16 rounded to nearest even."""
+        x = self.raw(name)
+        dt = self.header[name]["dtype"]
+        if dt == "BF16":
+            return np.array(x)
+        return f32_to_bf16_bits(x.astype(np.float32))
+
     def float32(self, name: str) -> np.ndarray:
         x = self.raw(name)
         if self.header[name]["dtype"] == "BF16":
             return (x.astype(np.uint32) << 16).view(np.float32)
         return x.astype(np.float32)
+
+
+def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    u = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    rounded = u + (0x7FFF + ((u >> 16) & 1))
+    out = (rounded >> 16).astype(np.uint16)
+    return np.where(np.isnan(x), np.uint16(0x7FC0), out)
 
 
 class Checkpoint:
@@ -91,6 +106,12 @@ class Checkpoint:
         return self.where[name].info(name)[1]
 
     def float32(self, name: str) -> np.ndarray:
+        return self._file(name).float32(name)
+
+    def bf16_bits(self, name: str) -> np.ndarray:
+        return self._file(name).bf16_bits(name)
+
+    def _file(self, name: str) -> SafetensorsFile:
         if name not in self.where:
             raise ModelDirError(f"{self.dir}: tensor '{name}' is missing from the checkpoint")
-        return self.where[name].float32(name)
+        return self.where[name]

@@ -1,0 +1,151 @@
+"""A thin, checked layer over the CUDA driver API (cuda.bindings): context, stream, memory,
+modules, launches with pre-packed argument arrays, events and CUDA Graphs.
+
+Every call's result is checked; a failure raises CudaError naming the call. Launch arguments
+are packed once into ctypes storage, so a launch costs one cuLaunchKernel and no Python
+marshalling (and a graph replay costs none).
+"""
+import ctypes
+
+import numpy as np
+
+try:
+    from cuda.bindings import driver as cu
+except ImportError as e:          # the CPU backend never gets here
+    raise ImportError("the CUDA backend needs cuda-bindings (pip install 'infc[cuda]')") from e
+
+
+class CudaError(RuntimeError):
+    pass
+
+
+def check(result, what: str = "CUDA call"):
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        _, name = cu.cuGetErrorName(err)
+        raise CudaError(f"{what} failed: {name.decode() if isinstance(name, bytes) else name}")
+    if not rest:
+        return None
+    return rest[0] if len(rest) == 1 else tuple(rest)
+
+
+_CTYPE = {"i32": ctypes.c_int32, "u32": ctypes.c_uint32, "i64": ctypes.c_int64,
+          "fp32": ctypes.c_float, "f32": ctypes.c_float, "fp16": ctypes.c_uint16}
+
+
+class Context:
+    def __init__(self, device: int = 0):
+        try:
+            check(cu.cuInit(0), "cuInit")
+        except CudaError:
+            raise
+        except Exception as e:   # no driver: cuda.bindings raises instead of returning an error
+            raise CudaError(f"no CUDA driver: {e}") from None
+        self.device = check(cu.cuDeviceGet(device), "cuDeviceGet")
+        self.ctx = check(cu.cuDevicePrimaryCtxRetain(self.device), "cuDevicePrimaryCtxRetain")
+        check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+        self.stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        self.name = check(cu.cuDeviceGetName(256, self.device), "cuDeviceGetName").split(b"\0")[0].decode()
+        attr = cu.CUdevice_attribute
+        self.sm_count = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.device))
+        self.cc = (check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self.device)),
+                   check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self.device)))
+
+    def mem_info(self) -> tuple[int, int]:
+        free, total = check(cu.cuMemGetInfo(), "cuMemGetInfo")
+        return int(free), int(total)
+
+    def alloc(self, nbytes: int) -> int:
+        return int(check(cu.cuMemAlloc(max(int(nbytes), 1)), f"cuMemAlloc({nbytes})"))
+
+    def free(self, ptr: int):
+        check(cu.cuMemFree(ptr), "cuMemFree")
+
+    def memset(self, ptr: int, nbytes: int, value: int = 0):
+        check(cu.cuMemsetD8Async(ptr, value, nbytes, self.stream), "cuMemsetD8Async")
+
+    def htod(self, ptr: int, host: np.ndarray):
+        host = np.ascontiguousarray(host)
+        check(cu.cuMemcpyHtoDAsync(ptr, host.ctypes.data, host.nbytes, self.stream), "cuMemcpyHtoDAsync")
+        return host                # keep alive until the stream syncs
+
+    def dtoh(self, host: np.ndarray, ptr: int) -> np.ndarray:
+        check(cu.cuMemcpyDtoHAsync(host.ctypes.data, ptr, host.nbytes, self.stream), "cuMemcpyDtoHAsync")
+        return host
+
+    def dtod(self, dst: int, src: int, nbytes: int):
+        check(cu.cuMemcpyDtoDAsync(dst, src, nbytes, self.stream), "cuMemcpyDtoDAsync")
+
+    def sync(self):
+        check(cu.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+
+    def pinned(self, nbytes: int) -> np.ndarray:
+        ptr = check(cu.cuMemHostAlloc(nbytes, 0), "cuMemHostAlloc")
+        return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(int(ptr)))
+
+    def event(self) -> "Event":
+        return Event(self)
+
+
+class Event:
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+        self.ev = check(cu.cuEventCreate(0), "cuEventCreate")
+
+    def record(self):
+        check(cu.cuEventRecord(self.ev, self.ctx.stream), "cuEventRecord")
+
+    def ms_since(self, start: "Event") -> float:
+        check(cu.cuEventSynchronize(self.ev), "cuEventSynchronize")
+        return float(check(cu.cuEventElapsedTime(start.ev, self.ev), "cuEventElapsedTime"))
+
+
+class Module:
+    def __init__(self, cubin: bytes):
+        self.mod = check(cu.cuModuleLoadData(cubin), "cuModuleLoadData")
+
+    def function(self, name: str, shared: int = 0):
+        fn = check(cu.cuModuleGetFunction(self.mod, name.encode()), f"cuModuleGetFunction({name})")
+        if shared > 48 * 1024:
+            check(cu.cuFuncSetAttribute(
+                fn, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared),
+                f"cuFuncSetAttribute({name}, shared={shared})")
+        return fn
+
+
+class PackedArgs:
+    """Kernel arguments stored once in ctypes memory; `address` is the void** to launch with."""
+
+    def __init__(self, values: list, types: list[str]):
+        self.storage = []
+        for v, t in zip(values, types):
+            c = ctypes.c_void_p(int(v)) if t.startswith("*") or t == "ptr" else _CTYPE[t](v)
+            self.storage.append(c)
+        self.array = (ctypes.c_void_p * max(len(self.storage), 1))(
+            *[ctypes.cast(ctypes.pointer(c), ctypes.c_void_p) for c in self.storage])
+        self.address = ctypes.addressof(self.array)
+
+    def set(self, index: int, value):
+        self.storage[index].value = value
+
+
+def launch(ctx: Context, fn, grid, block, shared: int, args: PackedArgs):
+    check(cu.cuLaunchKernel(fn, grid[0], grid[1], grid[2], block[0], block[1], block[2], shared,
+                            ctx.stream, args.address, 0), "cuLaunchKernel")
+
+
+class Graph:
+    """Capture the launches `record()` issues on the context's stream; replay with `launch()`."""
+
+    def __init__(self, ctx: Context, record):
+        self.ctx = ctx
+        check(cu.cuStreamBeginCapture(ctx.stream, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+              "cuStreamBeginCapture")
+        try:
+            record()
+        finally:
+            self.graph = check(cu.cuStreamEndCapture(ctx.stream), "cuStreamEndCapture")
+        self.exec = check(cu.cuGraphInstantiate(self.graph, 0), "cuGraphInstantiate")
+
+    def launch(self):
+        check(cu.cuGraphLaunch(self.exec, self.ctx.stream), "cuGraphLaunch")
