@@ -8,7 +8,7 @@ from infc.compiler.codegen.render import Kernel
 from infc.runtime.bind import grid, launch_args, scratch_sizes
 from infc.runtime.step import Chunk, build_step
 
-from .kernels.harness import TORCH, load
+from kernels.harness import TORCH, load
 
 
 class InterpExecutor:

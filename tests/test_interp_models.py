@@ -14,10 +14,10 @@ from infc.runtime.safetensors_io import Checkpoint
 from infc.runtime.step import Chunk
 from infc.runtime.weights import load_weights
 
-from .interp_executor import InterpExecutor
+from interp_executor import InterpExecutor
 
 # power-of-two head dims (the kernels' tile shapes); hidden sizes that are not
-DIMS = dict(hidden_size=96, head_dim=32, intermediate_size=160)
+DIMS = dict(hidden_size=96, head_dim=32, intermediate_size=160, num_hidden_layers=2)
 
 
 def _rel(a, b):
