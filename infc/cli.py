@@ -34,6 +34,12 @@ def _generate(args):
         print(f"{out.prompt}{out.text}")
 
 
+def _bench(args):
+    import importlib
+    mod = importlib.import_module(f"infc.bench.{args.which}")
+    mod.main(args.rest)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="infc", description="LLM inference compiler")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -71,6 +77,11 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int)
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     g.set_defaults(fn=_generate)
+
+    bn = sub.add_parser("bench", help="benchmarks on a GPU (results go to bench/results/)")
+    bn.add_argument("which", choices=["latency"])
+    bn.add_argument("rest", nargs=argparse.REMAINDER)
+    bn.set_defaults(fn=_bench)
     return p
 
 

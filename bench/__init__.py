@@ -1,0 +1,1 @@
+"""Benchmarks (`infc bench ...`); their results are committed under bench/results/."""

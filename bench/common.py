@@ -1,0 +1,49 @@
+"""What every benchmark records: the GPU, the commit, the date, and the copy bandwidth measured
+in the same run (the floor of every latency is bytes over that bandwidth)."""
+import datetime
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def copy_bandwidth(ctx, nbytes: int = 2 << 30, reps: int = 10) -> float:
+    """Device-to-device copy, bytes read + written per second (median of reps)."""
+    a, b = ctx.alloc(nbytes), ctx.alloc(nbytes)
+    ctx.memset(a, nbytes, 1)
+    times = []
+    for _ in range(reps + 2):
+        e0, e1 = ctx.event(), ctx.event()
+        e0.record()
+        ctx.dtod(b, a, nbytes)
+        e1.record()
+        times.append(e1.ms_since(e0))
+    ctx.free(a)
+    ctx.free(b)
+    return 2 * nbytes / (float(np.median(times[2:])) * 1e-3)
+
+
+def header(ctx, model: str) -> dict:
+    return {"gpu": ctx.name, "commit": commit(),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "model": model}
+
+
+def save(name: str, data: dict, out: Path | None = None) -> Path:
+    out = Path(out or RESULTS)
+    out.mkdir(parents=True, exist_ok=True)
+    gpu = data.get("gpu", "gpu").replace(" ", "-").lower()
+    path = out / f"{name}-{data['model']}-{gpu}.json"
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return path

@@ -1,0 +1,122 @@
+"""`infc bench latency`: batch-1 decode TPOT and TTFT against the bandwidth floor, and HF
+transformers' fastest path (static cache + torch.compile) on the same GPU and prompts.
+
+floor_ms = (weight bytes + KV bytes read per step) / copy bandwidth; floor_ratio = floor/TPOT.
+"""
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _infc(artifact, model_dir, prompts, out_len, seed=0):
+    from infc.runtime.cuda.runner import CudaRunner
+    from infc.runtime.step import Chunk, build_step
+    from .common import copy_bandwidth, header
+    max_t = max(prompts) + 16
+    r = CudaRunner(artifact, model_dir, max_num_batched_tokens=max_t, max_num_seqs=8,
+                   buckets=[1, 2, 4, 8], num_pages=(max(prompts) + out_len) // 16 * 2 + 64)
+    res = header(r.ctx, r.plan["model"])
+    bw = copy_bandwidth(r.ctx)
+    kv = r.plan["kv_cache"]
+    kv_per_token = 2 * kv["layers"] * kv["kv_heads"] * kv["head_dim"] * 2
+    rng = np.random.default_rng(seed)
+    res.update({"copy_GBps": bw / 1e9, "weight_bytes": r.weights.bytes, "ttft_ms": {}, "tpot_ms_by_prompt": {},
+                "floor_ms_by_prompt": {}})
+    for n in prompts:
+        ttfts, tpots = [], []
+        for rep in range(3):
+            free = list(range(r.num_pages))
+            pages = {0: [free.pop() for _ in range(-(-(n + out_len) // r.page_size))]}
+            prompt = [int(t) for t in rng.integers(0, r.vocab_size, n)]
+            t0 = time.perf_counter()
+            lg = r.logits(build_step([Chunk(0, prompt, 0)], pages.__getitem__, r.page_size))
+            ttfts.append((time.perf_counter() - t0) * 1e3)
+            tok = int(np.argmax(lg[0]))
+            t0 = time.perf_counter()
+            for i in range(out_len):
+                lg = r.logits(build_step([Chunk(0, [tok], n + i)], pages.__getitem__, r.page_size))
+                tok = int(np.argmax(lg[0]))
+            tpots.append((time.perf_counter() - t0) * 1e3 / out_len)
+        avg_ctx = n + out_len / 2
+        floor = (r.weights.bytes + kv_per_token * avg_ctx) / bw * 1e3
+        res["ttft_ms"][str(n)] = float(np.median(ttfts))
+        res["tpot_ms_by_prompt"][str(n)] = float(np.median(tpots))
+        res["floor_ms_by_prompt"][str(n)] = floor
+        print(f"infc prompt {n}: TTFT {np.median(ttfts):.2f} ms, TPOT {np.median(tpots):.3f} ms, floor {floor:.3f} ms")
+    first = str(prompts[0])
+    res["tpot_ms"] = res["tpot_ms_by_prompt"][first]
+    res["floor_ms"] = res["floor_ms_by_prompt"][first]
+    res["floor_ratio"] = res["floor_ms"] / res["tpot_ms"]
+    return res
+
+
+def _hf(model_dir, prompts, out_len, seed=0):
+    import torch
+    from transformers import AutoModelForCausalLM
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    m.forward = torch.compile(m.forward, mode="reduce-overhead", fullgraph=True)
+    rng = np.random.default_rng(seed)
+    out = {"hf_ttft_ms": {}, "hf_tpot_ms_by_prompt": {}}
+    for n in prompts:
+        ids = torch.tensor([rng.integers(0, m.config.vocab_size, n)], device="cuda")
+        kw = dict(do_sample=False, cache_implementation="static", pad_token_id=0)
+        for _ in range(2):                                # compile + warm up, excluded
+            m.generate(ids, max_new_tokens=out_len, min_new_tokens=out_len, **kw)
+        def timed(k):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            m.generate(ids, max_new_tokens=k, min_new_tokens=k, **kw)
+            torch.cuda.synchronize()
+            return (time.perf_counter() - t0) * 1e3
+        t1 = float(np.median([timed(1) for _ in range(3)]))
+        tn = float(np.median([timed(out_len) for _ in range(3)]))
+        out["hf_ttft_ms"][str(n)] = t1
+        out["hf_tpot_ms_by_prompt"][str(n)] = (tn - t1) / (out_len - 1)
+        print(f"hf prompt {n}: TTFT {t1:.2f} ms, TPOT {(tn - t1) / (out_len - 1):.3f} ms")
+    out["hf_tpot_ms"] = out["hf_tpot_ms_by_prompt"][str(prompts[0])]
+    return out
+
+
+def plot(res: dict, path: Path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ks = list(res["tpot_ms_by_prompt"])
+    x = np.arange(len(ks))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar(x - 0.25, [res["floor_ms_by_prompt"][k] for k in ks], 0.25, label="floor (bytes / copy BW)")
+    ax.bar(x, [res["tpot_ms_by_prompt"][k] for k in ks], 0.25, label="infc")
+    if "hf_tpot_ms_by_prompt" in res:
+        ax.bar(x + 0.25, [res["hf_tpot_ms_by_prompt"][k] for k in ks], 0.25, label="HF static+compile")
+    ax.set_xticks(x, [f"prompt {k}" for k in ks])
+    ax.set_ylabel("ms per output token (batch 1)")
+    ax.set_title(f"{res['model']} on {res['gpu']} ({res['commit']}, {res['date']})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="infc bench latency")
+    ap.add_argument("--artifact", required=True)
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--prompts", default="32,1024,8192")
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--out")
+    a = ap.parse_args(argv)
+    from .common import save
+    prompts = [int(p) for p in a.prompts.split(",")]
+    res = _infc(a.artifact, a.model_path, prompts, a.output_len)
+    if not a.no_hf:
+        res.update(_hf(a.model_path, prompts, a.output_len))
+    path = save("latency", res, a.out)
+    plot(res, path.with_suffix(".png"))
+    print(f"wrote {path}")
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""Model directories and artifacts for the GPU suite: random weights made on the GPU machine
+(no hub, no copying gigabytes), artifacts built on the CPU machine (tests/gpu/prepare.py)."""
+import json
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools"))
+MODELS = Path(os.environ.get("INFC_GPU_MODELS", "/tmp/infc-models"))
+ARTIFACTS = {"qwen3-4b": REPO / "generated" / "qwen3-4b",
+             "llama-3.2-1b": REPO / "generated" / "llama-3.2-1b",
+             "tiny-moe": REPO / ".cache" / "gpu" / "tiny-moe-art"}
+
+
+def model_dir(name: str) -> Path:
+    """Random-weight HF directory at the model's exact shapes (made once per machine)."""
+    out = MODELS / name
+    if (out / "config.json").exists() and any(out.glob("*.safetensors")):
+        return out
+    from make_random_model import write_random_model
+    from infc.compiler.spec import find_architecture, find_variant
+    if name == "tiny-moe":
+        config = json.loads((REPO / ".cache" / "gpu" / "tiny-moe" / "config.json").read_text())
+        spec = find_architecture(config["architectures"])
+    else:
+        spec, config = find_variant(name)
+    write_random_model(spec, config, out, seed=0, dtype="bf16", tokenizer=None)
+    return out
+
+
+def artifact(name: str) -> Path:
+    a = ARTIFACTS[name]
+    if not (a / "bin").is_dir():
+        raise FileNotFoundError(f"{a}/bin missing: run tests/gpu/prepare.py and carry it")
+    return a

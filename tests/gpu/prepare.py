@@ -1,0 +1,37 @@
+"""Run HERE (no GPU) before a GPU session: build the artifacts the GPU suite needs, with cubins.
+
+    python tests/gpu/prepare.py          # then carry generated/*/bin and .cache/gpu to the GPU
+
+qwen3-4b and llama-3.2-1b are named variants (generated/<model>/); the tiny qwen3_moe exists
+only as a config here (.cache/gpu/tiny-moe/config.json) and its artifact is built beside it.
+"""
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools"))
+
+TINY_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+            "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128,
+            "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+            "head_dim": 64, "num_experts": 16, "num_experts_per_tok": 4, "norm_topk_prob": True,
+            "decoder_sparse_step": 1, "mlp_only_layers": [], "vocab_size": 4096,
+            "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+            "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False,
+            "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
+GPU_CACHE = REPO / ".cache" / "gpu"
+
+
+def main():
+    from infc.compiler.build import build
+    for model in ("qwen3-4b", "llama-3.2-1b"):
+        build(model=model)
+    cfg_dir = GPU_CACHE / "tiny-moe"
+    cfg_dir.mkdir(parents=True, exist_ok=True)
+    (cfg_dir / "config.json").write_text(json.dumps(TINY_MOE, indent=1))
+    build(model_dir=str(cfg_dir), out=GPU_CACHE / "tiny-moe-art")
+
+
+if __name__ == "__main__":
+    main()
