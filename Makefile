@@ -29,7 +29,7 @@ test: $(VENV)/.dev
 
 generated: $(VENV)/.run
 	for m in $$($(PY) -c "from infc.compiler.spec import all_variants; print(' '.join(all_variants()))"); do \
-	  $(VENV)/bin/infc build --model $$m || exit 1; done
+	  $(VENV)/bin/infc build --model $$m --no-compile || exit 1; done
 
 clean:
 	rm -rf $(VENV) .cache generated/*/bin

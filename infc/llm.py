@@ -1,21 +1,20 @@
 """`LLM`: the offline Python API. `LLM(model_dir, device="cpu").generate(prompts, params)`.
 
 On the CPU it compiles the directory's spec to a plan and runs it with the numpy reference
-executor; sequences are batched continuously (one prefill step for the new prompts, then
-decode steps for everything still running).
+executor behind the CPU runner, driven by the engine (continuous batching, chunked prefill,
+paged KV with a prefix cache) until every request is done.
 """
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from infc.compiler.build import compile_model
 from infc.compiler.errors import ModelDirError
-from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
+from infc.runtime.engine import Engine
+from infc.runtime.runner import CPURunner
 from infc.runtime.safetensors_io import Checkpoint
-from infc.runtime.sampling import SamplingParams, logprobs_of, sample
-from infc.runtime.tokenizer import IncrementalDecoder, Tokenizer
+from infc.runtime.sampling import SamplingParams
+from infc.runtime.tokenizer import Tokenizer
 from infc.runtime.weights import load_weights
 
 
@@ -24,7 +23,8 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None        # "stop" | "length"
+    finish_reason: str | None = None        # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
     logprobs: list | None = None
 
 
@@ -33,6 +33,8 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
+    num_cached_tokens: int = 0               # prompt tokens served from the prefix cache
+    metrics: dict | None = None
 
     @property
     def text(self) -> str:
@@ -60,19 +62,15 @@ def _eos_ids(model_dir: Path) -> set[int]:
     return ids
 
 
-class _Seq:
-    def __init__(self, sid, prompt_ids, params, tok):
-        self.id, self.prompt_ids, self.params = sid, list(prompt_ids), params
-        self.out: list[int] = []
-        self.logprobs = [] if params.logprobs is not None else None
-        self.decoder = IncrementalDecoder(tok, params.skip_special_tokens) if tok else None
-        self.rng = np.random.default_rng(params.seed)
-        self.finish: str | None = None
-        self.text = ""
-
-
 class LLM:
-    def __init__(self, model: str | Path, device: str = "cpu", spec: str | None = None):
+    """kv_cache_tokens sizes the paged KV cache (float32 on the CPU); a sequence never grows
+    past min(the model's context length, the cache). max_num_seqs and max_num_batched_tokens
+    bound one step, as in vLLM."""
+
+    def __init__(self, model: str | Path, device: str = "cpu", spec: str | None = None, *,
+                 kv_cache_tokens: int = 4096, page_size: int = 16, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
+                 enable_prefix_caching: bool = True):
         if device != "cpu":
             raise ValueError(f"device '{device}' is not available in this build: the CPU reference "
                              f"backend is (device='cpu')")
@@ -82,9 +80,15 @@ class LLM:
         _, self.plan = compile_model(model_dir=str(self.model_dir), spec_path=spec)
         self._tokenizer = None
         self.weights = load_weights(self.plan, Checkpoint(self.model_dir))
-        self.executor = ReferenceExecutor(self.plan, self.weights)
+        num_pages = -(-kv_cache_tokens // page_size)
+        self.runner = CPURunner(self.plan, self.weights, num_pages, page_size)
         self.eos = _eos_ids(self.model_dir)
-        self.max_len = int(self.plan["config"].get("max_len") or 1 << 30)
+        model_len = int(self.plan["config"].get("max_len") or 1 << 30)
+        self.max_len = min(max_model_len or model_len, model_len, num_pages * page_size)
+        tok = self.tokenizer if (self.model_dir / "tokenizer.json").exists() else None
+        self.engine = Engine(self.runner, tok, self.eos, self.max_len, max_num_seqs=max_num_seqs,
+                             max_num_batched_tokens=max_num_batched_tokens,
+                             enable_prefix_caching=enable_prefix_caching)
         self._next_id = 0
 
     @property
@@ -94,78 +98,32 @@ class LLM:
             self._tokenizer = Tokenizer(self.model_dir)
         return self._tokenizer
 
-    def _step(self, seqs: list[_Seq], chunks: list[SeqChunk]):
-        logits = self.executor.step(chunks)
-        for s, row in zip(seqs, logits):
-            p = s.params
-            if len(s.out) < p.min_tokens:     # too early to end: mask every ending token
-                row = row.copy()
-                for t in self.eos | set(p.stop_token_ids):
-                    if 0 <= t < row.size:
-                        row[t] = -np.inf
-            tok = sample(row, p, s.rng)
-            if s.logprobs is not None:
-                lp = logprobs_of(row)
-                top = np.argsort(-lp, kind="stable")[: max(p.logprobs, 1)]
-                s.logprobs.append({"token": tok, "logprob": float(lp[tok]),
-                                   "top": [(int(t), float(lp[t])) for t in top]})
-            s.out.append(tok)
-            if s.decoder is not None:
-                s.text += s.decoder.push(tok)
-            self._check_stop(s, tok)
-
-    def _check_stop(self, s: _Seq, tok: int):
-        p = s.params
-        if len(s.out) >= p.min_tokens:
-            if (tok in self.eos and not p.ignore_eos) or tok in p.stop_token_ids:
-                s.finish = "stop"
-                return
-            for stop in p.stop:
-                at = s.text.find(stop)
-                if at >= 0:
-                    s.text = s.text[:at]
-                    s.finish = "stop"
-                    return
-        if (p.max_tokens is not None and len(s.out) >= p.max_tokens) or \
-                len(s.prompt_ids) + len(s.out) >= self.max_len:
-            s.finish = "length"
-
     def generate(self, prompts, sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
         params = sampling_params or SamplingParams()
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        requests = []
-        for prompt in prompts:
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            if not ids:
-                raise ValueError("empty prompt")
-            if len(ids) >= self.max_len:
-                raise ValueError(f"prompt of {len(ids)} tokens: this model's maximum context "
-                                 f"length is {self.max_len} tokens")
-            req = RequestOutput(prompt if isinstance(prompt, str) else None, ids)
-            seqs = []
-            for i in range(params.n):
-                p = params
-                if params.seed is not None and i:
-                    p = SamplingParams(**{**params.__dict__, "seed": params.seed + i})
-                tok = self.tokenizer if (isinstance(prompt, str) or (self.model_dir / "tokenizer.json").exists()) else None
-                seqs.append(_Seq(self._next_id, ids, p, tok))
-                self._next_id += 1
-            requests.append((req, seqs))
-        running = [s for _, seqs in requests for s in seqs]
+        requests = {}
         try:
-            self._step(running, [SeqChunk(s.id, s.prompt_ids, 0) for s in running])
-            while True:
-                running = [s for s in running if s.finish is None]
-                if not running:
-                    break
-                self._step(running, [SeqChunk(s.id, [s.out[-1]], len(s.prompt_ids) + len(s.out) - 1)
-                                     for s in running])
+            for prompt in prompts:
+                ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                rid = f"llm-{self._next_id}"
+                self._next_id += 1
+                self.engine.add_request(ids, params, rid)
+                requests[rid] = RequestOutput(prompt if isinstance(prompt, str) else None, ids,
+                                              [CompletionOutput(i, "", []) for i in range(params.n)])
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    req = requests[out.request_id]
+                    c = req.outputs[out.index]
+                    c.text += out.text
+                    c.token_ids += out.token_ids
+                    if out.logprobs is not None:
+                        c.logprobs = (c.logprobs or []) + out.logprobs
+                    c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
+                    req.num_cached_tokens = max(req.num_cached_tokens, out.num_cached_tokens)
+                    if out.request_finished:
+                        req.metrics = out.metrics
         finally:
-            for _, seqs in requests:
-                for s in seqs:
-                    self.executor.free(s.id)
-        for req, seqs in requests:
-            req.outputs = [CompletionOutput(i, s.text, s.out, s.finish, s.logprobs)
-                           for i, s in enumerate(seqs)]
-        return [req for req, _ in requests]
+            for rid in requests:                 # an error or interrupt leaves nothing running
+                self.engine.abort(rid)
+        return list(requests.values())

@@ -1,0 +1,152 @@
+"""AsyncEngine: the one door in and out of the engine for the server.
+
+    engine = AsyncEngine(Engine(...))
+    async for out in engine.generate(prompt_ids, params, "req-1"):   # StepOutputs, as they come
+        ...
+    await engine.abort("req-1")
+
+One background thread owns the Engine and steps it while there is work; with none it sleeps on
+an event (no busy spin). Callers never touch the Engine: they queue commands (add, abort) that
+the thread applies between steps, and it hands outputs back to each caller's asyncio queue with
+loop.call_soon_threadsafe. A consumer that stops iterating, or is cancelled (a client
+disconnect), aborts its request, so its KV is freed at the next step boundary. If a step raises,
+the engine is dead: `healthy` turns False and every waiter gets EngineDeadError instead of
+hanging.
+"""
+import asyncio
+import threading
+
+from .engine import Engine, StepOutput
+from .sampling import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.healthy = True
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._commands: list[tuple] = []
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="infc-engine", daemon=True)
+        self._thread.start()
+
+    # -- the door -------------------------------------------------------------------------------
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str):
+        """Yield this request's StepOutputs until all its sequences are finished."""
+        self._raise_if_dead()
+        self.engine.check_request(prompt_ids, params)      # a bad request fails here, at once
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        with self._lock:
+            if request_id in self._queues:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._queues[request_id] = (loop, queue)
+        try:
+            self._raise_if_dead()                # it may have died since: nobody would tell us
+        except EngineDeadError:
+            with self._lock:
+                self._queues.pop(request_id, None)
+            raise
+        self._send(("add", list(prompt_ids), params, request_id))
+        done = False
+        try:
+            while not done:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    done = True
+                    raise out
+                done = out.request_finished
+                yield out
+        finally:
+            with self._lock:
+                self._queues.pop(request_id, None)
+            if not done:                 # the consumer left early: free the request's KV
+                self._send(("abort", request_id))
+
+    async def abort(self, request_id: str):
+        self._send(("abort", request_id))
+
+    def shutdown(self, timeout: float = 10.0):
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout)
+        self._fail_all(EngineDeadError("the engine was shut down"))
+
+    # -- the thread -----------------------------------------------------------------------------
+    def _send(self, cmd: tuple):
+        with self._lock:
+            self._commands.append(cmd)
+        self._wake.set()
+
+    def _raise_if_dead(self):
+        if not self.healthy:
+            raise EngineDeadError(f"the engine died: {self.error!r}") from self.error
+        if self._stop:
+            raise EngineDeadError("the engine was shut down")
+
+    def _loop(self):
+        try:
+            while not self._stop:
+                self._wake.clear()                # before draining: a later command sets it again
+                with self._lock:
+                    commands, self._commands = self._commands, []
+                for cmd in commands:
+                    self._apply(cmd)
+                if not self.engine.has_unfinished():
+                    self._wake.wait()
+                    continue
+                self._deliver(self.engine.step())
+        except BaseException as e:              # noqa: BLE001 - any failure kills the engine loudly
+            self.error = e
+            self.healthy = False
+            self._fail_all(EngineDeadError(f"the engine died: {e!r}"))
+
+    def _apply(self, cmd: tuple):
+        if cmd[0] == "abort":
+            self.engine.abort(cmd[1])
+            return
+        _, prompt_ids, params, request_id = cmd
+        with self._lock:
+            if request_id not in self._queues:    # its consumer already left
+                return
+        try:
+            self.engine.add_request(prompt_ids, params, request_id)
+        except ValueError as e:                 # one bad request, not a dead engine
+            self._put(request_id, e)
+
+    def _deliver(self, outputs: list[StepOutput]):
+        for out in outputs:
+            if not self._put(out.request_id, out):
+                self.engine.abort(out.request_id)     # nobody listens any more
+
+    def _put(self, request_id: str, item) -> bool:
+        with self._lock:
+            target = self._queues.get(request_id)
+        if target is None:
+            return False
+        loop, queue = target
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:                    # the caller's loop is closed
+            return False
+        return True
+
+    def _fail_all(self, error: BaseException):
+        with self._lock:
+            targets = list(self._queues.values())
+        for loop, queue in targets:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, error)
+            except RuntimeError:
+                pass
+
+    def stats(self) -> dict:
+        """A snapshot of the engine's metrics (read from another thread: gauges may be a step old)."""
+        m = self.engine.metrics
+        return {k: getattr(m, k) for k in m.__dataclass_fields__}

@@ -1,0 +1,152 @@
+"""Paged KV blocks: who holds which page, and the prefix cache over full blocks.
+
+A full block is named by a chained hash, sha256(parent block's hash + the block's token ids),
+so one hash stands for the whole prefix up to the block's end: two sequences whose hashes agree
+on block i agree on every token before it. A new sequence takes the longest chain of cached
+blocks (a reference each) and computes only the rest; its very last token is always computed,
+since the step must produce logits to sample from.
+
+Every page is either referenced (ref > 0) or in `free`, an LRU queue. A page freed with a hash
+stays findable there until an allocation takes it from the front and evicts its hash. A
+sequence's pages go back tail first, so its later (less shared) blocks are evicted first.
+"""
+import hashlib
+from collections import OrderedDict
+
+import numpy as np
+
+from .sequence import Sequence
+
+
+def block_hash(parent: bytes, tokens) -> bytes:
+    return hashlib.sha256(parent + np.asarray(tokens, np.int64).tobytes()).digest()
+
+
+class Block:
+    __slots__ = ("id", "ref", "hash")
+
+    def __init__(self, block_id: int):
+        self.id, self.ref, self.hash = block_id, 0, None
+
+
+class BlockManager:
+    def __init__(self, num_pages: int, page_size: int = 16, enable_prefix_caching: bool = True):
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"need num_pages >= 1 and page_size >= 1, got {num_pages}, {page_size}")
+        self.num_pages, self.page_size = num_pages, page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_pages)]
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_pages))
+        self.cached: dict[bytes, int] = {}        # hash -> page holding that block
+        self.query_tokens = 0                     # prompt tokens looked up at admission
+        self.hit_tokens = 0                       # of those, found in the cache
+
+    # -- accounting ---------------------------------------------------------------------------
+    @property
+    def num_free_pages(self) -> int:
+        """Pages not referenced by any sequence, cached-but-evictable ones included."""
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self.free) / self.num_pages
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    # -- hashes --------------------------------------------------------------------------------
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """The chained hashes of seq's first num_blocks full blocks (extended as tokens arrive)."""
+        hs, ps = seq.block_hashes, self.page_size
+        while len(hs) < num_blocks:
+            i = len(hs)
+            hs.append(block_hash(hs[-1] if hs else b"", seq.token_ids[i * ps:(i + 1) * ps]))
+        return hs[:num_blocks]
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        if not self.enable_prefix_caching:
+            return []
+        hits = []
+        for h in self._hashes(seq, (seq.num_tokens - 1) // self.page_size):
+            page = self.cached.get(h)
+            if page is None:
+                break
+            hits.append(page)
+        return hits
+
+    # -- allocation ----------------------------------------------------------------------------
+    def _take(self, page: int):
+        b = self.blocks[page]
+        if b.ref == 0:
+            del self.free[page]
+        b.ref += 1
+
+    def _new_page(self) -> int:
+        page, _ = self.free.popitem(last=False)   # least recently freed: evict its hash
+        b = self.blocks[page]
+        if b.hash is not None:
+            if self.cached.get(b.hash) == page:
+                del self.cached[b.hash]
+            b.hash = None
+        b.ref = 1
+        return page
+
+    def admit(self, seq: Sequence, budget: int) -> int:
+        """Give a sequence with no KV its cached prefix and pages for its first chunk (at most
+        `budget` tokens). Returns the chunk's token count, or 0 when the pages are not there."""
+        assert not seq.pages and seq.num_computed_tokens == 0, seq
+        hits = self._cached_prefix(seq)
+        cached = len(hits) * self.page_size
+        n = min(seq.num_tokens - cached, budget)
+        new = self.pages_for(cached + n) - len(hits)
+        revived = sum(1 for p in hits if self.blocks[p].ref == 0)   # evictable hits leave `free`
+        if n <= 0 or new + revived > len(self.free):
+            return 0
+        for p in hits:
+            self._take(p)
+        seq.pages = hits + [self._new_page() for _ in range(new)]
+        seq.num_computed_tokens = seq.num_cached_tokens = cached
+        seq.num_committed_blocks = len(hits)
+        self.query_tokens += seq.num_tokens
+        self.hit_tokens += cached
+        return n
+
+    def grow(self, seq: Sequence, n: int) -> bool:
+        """Pages for n more tokens of a running sequence; False when there are not enough."""
+        need = self.pages_for(seq.num_computed_tokens + n) - len(seq.pages)
+        if need > len(self.free):
+            return False
+        seq.pages += [self._new_page() for _ in range(need)]
+        return True
+
+    def commit(self, seq: Sequence):
+        """After a step: offer the sequence's newly full, computed blocks to the prefix cache."""
+        full = seq.num_computed_tokens // self.page_size
+        if not self.enable_prefix_caching or full <= seq.num_committed_blocks:
+            return
+        for i, h in enumerate(self._hashes(seq, full)[seq.num_committed_blocks:], seq.num_committed_blocks):
+            b = self.blocks[seq.pages[i]]
+            if h not in self.cached and b.hash is None:
+                self.cached[h] = b.id
+                b.hash = h
+        seq.num_committed_blocks = full
+
+    def release(self, seq: Sequence):
+        """Drop the sequence's references, each page once; its KV is gone from its view."""
+        for page in reversed(seq.pages):
+            b = self.blocks[page]
+            assert b.ref > 0, f"page {page} of {seq} has no reference"
+            b.ref -= 1
+            if b.ref == 0:
+                self.free[page] = None            # to the LRU tail; stays cached if hashed
+        seq.pages = []
+        seq.num_computed_tokens = 0
+        seq.num_committed_blocks = 0
+
+    def check(self):
+        """Invariants (tests): references are counted exactly, free pages are unreferenced."""
+        for b in self.blocks:
+            assert b.ref >= 0, b.id
+            assert (b.ref == 0) == (b.id in self.free), (b.id, b.ref)
+        for h, page in self.cached.items():
+            assert self.blocks[page].hash == h

@@ -1,0 +1,294 @@
+"""The engine: requests in, one step at a time, incremental outputs out.
+
+    engine = Engine(runner, tokenizer, eos_ids, max_model_len)
+    engine.add_request(prompt_ids, SamplingParams(...), "req-1")
+    while engine.has_unfinished():
+        for out in engine.step(): ...        # StepOutput: new tokens, text delta, finish reason
+
+It owns the requests, their stop conditions and detokenization; the scheduler decides what runs,
+the block manager where its KV lives, and the runner (CPU reference or GPU) computes the step
+and samples. Not thread-safe: AsyncEngine drives it from a single thread.
+"""
+import random
+import time
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .runner import RowSampling
+from .sampling import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence
+from .step import Chunk, build_step
+from .tokenizer import IncrementalDecoder
+
+_seeds = random.SystemRandom()
+
+
+@dataclass
+class StepOutput:
+    """What one step did for one sequence (completion `index` of request `request_id`)."""
+    request_id: str
+    index: int
+    token_ids: list[int]                   # new tokens
+    text: str                              # new text (held back while it may begin a stop string)
+    logprobs: list | None = None           # new entries: {"token", "logprob", "top"}
+    finish_reason: str | None = None       # "stop" | "length" | "abort" once this sequence ended
+    stop_reason: int | str | None = None
+    request_finished: bool = False         # all n sequences of the request ended
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    metrics: dict | None = None            # per-request latencies, on the request's last output
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Histogram:
+    def __init__(self, buckets):
+        self.buckets, self.counts, self.sum, self.count = list(buckets), [0] * len(buckets), 0.0, 0
+
+    def observe(self, v: float):
+        self.sum += v
+        self.count += 1
+        for i, b in enumerate(self.buckets):
+            if v <= b:
+                self.counts[i] += 1             # per bucket; Prometheus export makes them cumulative
+                break
+
+
+_LATENCY = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+
+@dataclass
+class Metrics:
+    """Counters, gauges and histograms, named as vLLM exports them (without the `vllm:`)."""
+    num_requests_running: int = 0
+    num_requests_waiting: int = 0
+    kv_cache_usage_perc: float = 0.0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    num_preemptions_total: int = 0
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
+    request_success_total: dict = field(default_factory=dict)          # finished_reason -> count
+    time_to_first_token_seconds: Histogram = field(default_factory=lambda: Histogram(
+        [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+         10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]))
+    inter_token_latency_seconds: Histogram = field(default_factory=lambda: Histogram(
+        [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+         20.0, 40.0, 80.0]))
+    e2e_request_latency_seconds: Histogram = field(default_factory=lambda: Histogram(_LATENCY))
+    request_queue_time_seconds: Histogram = field(default_factory=lambda: Histogram(_LATENCY))
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, seqs, arrival):
+        self.id, self.prompt_ids, self.params = request_id, prompt_ids, params
+        self.seqs: list[Sequence] = seqs
+        self.held: list[Sequence] = seqs[1:]   # n > 1: wait until seqs[0] has cached the prompt
+        self.arrival_time = arrival
+        self.first_token_time: float | None = None
+
+
+class Engine:
+    def __init__(self, runner, tokenizer=None, eos_ids=(), max_model_len: int = 1 << 30,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 enable_prefix_caching: bool = True):
+        self.runner, self.tokenizer = runner, tokenizer
+        self.eos_ids = set(eos_ids)
+        self.max_model_len = max_model_len
+        self.page_size = runner.page_size
+        self.bm = BlockManager(runner.num_pages, runner.page_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.bm, max_num_seqs, max_num_batched_tokens)
+        self.requests: dict[str, Request] = {}
+        self.metrics = Metrics()
+        self._next_seq = 0
+        self._next_request = 0
+
+    # -- requests in ----------------------------------------------------------------------------
+    def check_request(self, prompt_ids: list[int], params: SamplingParams):
+        """Raise ValueError for a request that can never run (pure: safe from any thread)."""
+        n = len(prompt_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        vocab = getattr(self.runner, "vocab_size", None)
+        if vocab is not None and not all(0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if n >= self.max_model_len:
+            raise ValueError(f"the prompt has {n} tokens: this model's maximum context length is "
+                             f"{self.max_model_len} tokens, and at least one must be generated")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this engine has none")
+        if params.logprobs is not None and params.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0, got {params.logprobs}")
+        longest = self.max_model_len if params.max_tokens is None else min(n + params.max_tokens, self.max_model_len)
+        kv = self.bm.num_pages * self.page_size
+        if self.bm.pages_for(longest - 1) > self.bm.num_pages:   # the last token never enters the KV
+            raise ValueError(f"a sequence of up to {longest} tokens ({n} prompt + "
+                             f"{'unbounded' if params.max_tokens is None else params.max_tokens} "
+                             f"new) can never fit in the KV cache of {kv} tokens: lower max_tokens")
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    arrival_time: float | None = None) -> str:
+        prompt_ids = [int(t) for t in prompt_ids]
+        self.check_request(prompt_ids, params)
+        if request_id is None:
+            request_id, self._next_request = f"req-{self._next_request}", self._next_request + 1
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        seqs = []
+        for i in range(params.n):
+            seed = params.seed + i if params.seed is not None else _seeds.getrandbits(63)
+            dec = IncrementalDecoder(self.tokenizer, params.skip_special_tokens) if self.tokenizer else None
+            seqs.append(Sequence(self._next_seq, request_id, i, prompt_ids, params, seed, dec, arrival))
+            self._next_seq += 1
+        self.requests[request_id] = Request(request_id, prompt_ids, params, seqs, arrival)
+        self.scheduler.add(seqs[0])
+        self._gauges()
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is; its pages are freed now. False if it is not here."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        for seq in req.seqs:
+            if not seq.finished:
+                self.scheduler.finish(seq, "abort")
+        self._count_finish(req, "abort")
+        self._gauges()
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step -------------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        batch = self.scheduler.schedule()
+        self.metrics.num_preemptions_total = self.scheduler.num_preemptions
+        if not batch:
+            if self.scheduler.has_work():
+                raise RuntimeError("the scheduler made no progress with work waiting (a bug)")
+            return []
+        now = time.monotonic()
+        chunks, rows = [], []
+        for seq, n in batch:
+            start = seq.num_computed_tokens
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+            chunks.append(Chunk(seq.seq_id, seq.token_ids[start:start + n], start))
+            samples_now = start + n == seq.num_tokens
+            rows.append(RowSampling(seq.params, seq.seed, seq.num_output_tokens, self._banned(seq))
+                        if samples_now else None)
+        pages = {seq.seq_id: seq.pages for seq, _ in batch}
+        meta = build_step(chunks, pages.__getitem__, self.page_size)
+        samples = self.runner.execute(meta, rows)
+
+        now = time.monotonic()
+        outputs = []
+        for (seq, n), sample in zip(batch, samples):
+            seq.num_computed_tokens += n
+            self.bm.commit(seq)
+            if sample is not None:
+                outputs.append(self._append(seq, sample, now))
+        self._gauges()
+        return outputs
+
+    def _banned(self, seq: Sequence) -> tuple:
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            return ()
+        return tuple(sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)))
+
+    def _append(self, seq: Sequence, sample, now: float) -> StepOutput:
+        req = self.requests[seq.request_id]
+        p = seq.params
+        tok = sample.token
+        seq.token_ids.append(tok)
+        m = self.metrics
+        m.generation_tokens_total += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            if req.first_token_time is None:
+                req.first_token_time = now
+                m.prompt_tokens_total += len(req.prompt_ids)
+                m.time_to_first_token_seconds.observe(now - req.arrival_time)
+                m.request_queue_time_seconds.observe(seq.first_scheduled_time - req.arrival_time)
+            if seq.index == 0 and req.held:      # the prompt's blocks are cached now: siblings go
+                for s in reversed(req.held):
+                    self.scheduler.add(s, front=True)
+                req.held = []
+        else:
+            m.inter_token_latency_seconds.observe(now - seq.last_token_time)
+        seq.last_token_time = now
+        new_lp = None
+        if seq.logprobs is not None:
+            new_lp = [{"token": tok, "logprob": sample.logprob, "top": sample.top}]
+            seq.logprobs += new_lp
+
+        reason = self._check_stop(seq, tok)
+        if reason is not None:
+            self._finish(seq, reason, now)
+        out = StepOutput(seq.request_id, seq.index, [tok], self._text_delta(seq), new_lp,
+                         seq.finish_reason, seq.stop_reason, num_prompt_tokens=seq.num_prompt_tokens,
+                         num_cached_tokens=seq.num_cached_tokens)
+        if seq.finished and all(s.finished for s in req.seqs):
+            del self.requests[req.id]
+            self._count_finish(req, reason)
+            m.e2e_request_latency_seconds.observe(now - req.arrival_time)
+            out.request_finished = True
+            out.metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
+                           "finish_time": now, "ttft": req.first_token_time - req.arrival_time,
+                           "e2e": now - req.arrival_time,
+                           "queue_time": min(s.first_scheduled_time for s in req.seqs) - req.arrival_time}
+        return out
+
+    def _check_stop(self, seq: Sequence, tok: int) -> str | None:
+        """Stop conditions after appending tok; detokenizes tok unless it is a stop token."""
+        p = seq.params
+        may_stop = seq.num_output_tokens > p.min_tokens     # the first min_tokens never stop
+        if may_stop and ((tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids):
+            seq.stop_reason = tok if tok in p.stop_token_ids else None
+            return "stop"                         # the stop token's text is not part of the output
+        if seq.decoder is not None:
+            before = len(seq.text)
+            seq.text += seq.decoder.push(tok)
+            if p.stop and may_stop:
+                longest = max(len(s) for s in p.stop)
+                window = max(0, before - longest + 1)      # a stop string may straddle tokens
+                hits = [(at, s) for s in p.stop if (at := seq.text.find(s, window)) >= 0]
+                if hits:
+                    at, s = min(hits)
+                    seq.text = seq.text[:at]
+                    seq.stop_reason = s
+                    return "stop"
+        if (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or \
+                seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _text_delta(self, seq: Sequence) -> str:
+        # While a stop string could still be completing, its first characters are held back.
+        hold = 0 if seq.finished or not seq.params.stop else max(len(s) for s in seq.params.stop) - 1
+        end = max(seq.sent, len(seq.text) - hold)
+        delta, seq.sent = seq.text[seq.sent:end], end
+        return delta
+
+    def _finish(self, seq: Sequence, reason: str, now: float):
+        self.scheduler.finish(seq, reason)
+        seq.finish_time = now
+
+    def _count_finish(self, req: Request, reason: str):
+        c = self.metrics.request_success_total
+        c[reason] = c.get(reason, 0) + 1
+
+    def _gauges(self):
+        m, s = self.metrics, self.scheduler
+        m.num_requests_running = len({q.request_id for q in s.running})
+        m.num_requests_waiting = len(self.requests) - m.num_requests_running
+        m.kv_cache_usage_perc = self.bm.usage
+        m.prefix_cache_queries_total = self.bm.query_tokens
+        m.prefix_cache_hits_total = self.bm.hit_tokens

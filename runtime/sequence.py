@@ -1,0 +1,69 @@
+"""One sequence: a request's prompt and one of its n completions, and where it stands.
+
+The KV cache holds `num_computed_tokens` of its `token_ids`; the last sampled token is never
+in it yet. A step computes `token_ids[num_computed_tokens:]` (or a chunk of it) and samples
+only when the chunk reaches the end, so a first prefill, a chunked prefill, a decode and the
+recompute after a preemption are one and the same thing.
+"""
+import enum
+import time
+
+from .sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, seq_id: int, request_id: str, index: int, prompt_ids: list[int],
+                 params: SamplingParams, seed: int, decoder=None, arrival_time: float | None = None):
+        self.seq_id, self.request_id, self.index = seq_id, request_id, index
+        self.token_ids = list(prompt_ids)          # prompt, then outputs
+        self.num_prompt_tokens = len(prompt_ids)
+        self.params, self.seed = params, seed
+        self.status = Status.WAITING
+        self.pages: list[int] = []
+        self.num_computed_tokens = 0               # tokens whose KV is in the cache
+        self.num_cached_tokens = 0                 # of those, prefix-cache hits at admission
+        self.block_hashes: list[bytes] = []        # chained hashes of its full blocks (lazily)
+        self.num_committed_blocks = 0              # full computed blocks offered to the cache
+        self.finish_reason: str | None = None      # "stop" | "length" | "abort"
+        self.stop_reason: int | str | None = None  # the stop token id or stop string matched
+        # detokenizer state: the decoder, the text so far, and how much of it was handed out
+        self.decoder = decoder
+        self.text = ""
+        self.sent = 0
+        self.logprobs: list | None = [] if params.logprobs is not None else None
+        # timestamps (time.monotonic) for the metrics
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.finish_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def __repr__(self):
+        return (f"Sequence({self.seq_id}, {self.request_id!r}#{self.index}, {self.status.value}, "
+                f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, pages={len(self.pages)})")

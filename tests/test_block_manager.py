@@ -1,0 +1,113 @@
+"""Block manager units: chained block hashes, prefix reuse with reference counts, LRU eviction of
+unreferenced cached blocks, and the accounting invariant after every sequence is released."""
+import pytest
+
+from infc.runtime.block_manager import BlockManager, block_hash
+from infc.runtime.sampling import SamplingParams
+from infc.runtime.sequence import Sequence
+
+PS = 4
+
+
+def seq(tokens, sid=0):
+    return Sequence(sid, f"r{sid}", 0, tokens, SamplingParams(), seed=0)
+
+
+def run(bm, s, budget=1 << 20):
+    """Admit s and pretend its whole chunk was computed (what the engine does after a step)."""
+    n = bm.admit(s, budget)
+    assert n > 0
+    s.num_computed_tokens += n
+    bm.commit(s)
+    return n
+
+
+def test_hashes_are_chained():
+    a = block_hash(b"", [1, 2, 3, 4])
+    assert a == block_hash(b"", [1, 2, 3, 4])
+    assert a != block_hash(b"", [1, 2, 3, 5])
+    # the same tokens after a different prefix are a different block
+    assert block_hash(a, [5, 6, 7, 8]) != block_hash(block_hash(b"", [0, 2, 3, 4]), [5, 6, 7, 8])
+
+
+def test_reuse_longest_cached_prefix_with_ref_counts():
+    bm = BlockManager(16, PS)
+    a = seq(list(range(10)), 0)                      # blocks [0..3] [4..7] + 2 tokens
+    run(bm, a)
+    assert a.num_cached_tokens == 0 and len(a.pages) == 3
+    b = seq(list(range(8)) + [50, 51, 52], 1)        # shares two full blocks, then differs
+    n = run(bm, b)
+    assert b.num_cached_tokens == 8 and n == 3
+    assert b.pages[:2] == a.pages[:2] and b.pages[2] != a.pages[2]
+    assert [bm.blocks[p].ref for p in a.pages] == [2, 2, 1]
+    c = seq(list(range(4)) + [9, 9, 9, 9, 9], 2)     # shares only the first block
+    run(bm, c)
+    assert c.num_cached_tokens == 4 and bm.blocks[a.pages[0]].ref == 3
+    assert bm.hit_tokens == 12 and bm.query_tokens == 10 + 11 + 9
+    for s in (a, b, c):
+        bm.release(s)
+        bm.check()
+    assert bm.num_free_pages == bm.num_pages and bm.usage == 0.0
+
+
+def test_last_token_is_always_computed():
+    bm = BlockManager(8, PS)
+    run(bm, seq(list(range(8)), 0))                   # two full cached blocks
+    again = seq(list(range(8)), 1)                     # the same 8 tokens: reuse 1 block, not 2
+    assert run(bm, again) == 4 and again.num_cached_tokens == 4
+    longer = seq(list(range(9)), 2)
+    assert run(bm, longer) == 1 and longer.num_cached_tokens == 8
+
+
+def test_cached_blocks_survive_release_until_evicted_lru():
+    bm = BlockManager(4, PS)
+    a = seq(list(range(12)) + [99], 0)               # 3 full blocks + 1 token: all 4 pages
+    run(bm, a)
+    bm.release(a)
+    assert bm.num_free_pages == 4 and len(bm.cached) == 3      # evictable, still findable
+    # a newcomer needing 2 pages evicts the LRU ones: a's pages went back tail first, so the
+    # partial page and a's last full block go, its first two blocks stay
+    other = seq([7] * 5, 1)
+    run(bm, other)
+    assert len(bm.cached) == 2 + 1                   # a's first two + other's one full block
+    back = seq(list(range(12)) + [99], 2)
+    n = bm.admit(back, 100)
+    assert n == 0                                    # needs 2 cached + 2 new pages, 2 free
+    bm.release(other)
+    assert run(bm, back) == 5 and back.num_cached_tokens == 8
+    bm.release(back)
+    bm.check()
+    assert bm.num_free_pages == 4
+
+
+def test_admit_counts_revived_cached_pages_and_fails_cleanly():
+    bm = BlockManager(3, PS)
+    a = seq(list(range(8)) + [1], 0)                 # 3 pages, 2 cached blocks
+    run(bm, a)
+    bm.release(a)
+    holder = seq([5, 5], 1)                          # takes the LRU page: a's partial page
+    run(bm, holder)
+    b = seq(list(range(8)) + [3, 4, 5, 6, 7], 2)     # 2 cached blocks, both unreferenced
+    assert bm.admit(b, 1) == 0                       # 2 revived + 1 new page > 2 free
+    assert not b.pages and b.num_computed_tokens == 0 and bm.num_free_pages == 2
+    bm.release(holder)
+    assert bm.admit(b, 100) == 0                     # 2 revived + 2 new > 3 free
+    assert bm.admit(b, 4) == 4                       # a smaller chunk fits: 2 revived + 1 new
+    assert b.num_cached_tokens == 8 and bm.num_free_pages == 0
+    bm.release(b)
+    bm.check()
+    assert bm.num_free_pages == 3
+
+
+def test_grow_and_no_prefix_cache():
+    bm = BlockManager(4, PS, enable_prefix_caching=False)
+    a = seq(list(range(8)), 0)
+    run(bm, a)
+    b = seq(list(range(8)) + [1], 1)
+    assert bm.admit(b, 1) == 1 and b.num_cached_tokens == 0 and not bm.cached
+    assert not bm.grow(a, 5) and bm.grow(a, 4) and len(a.pages) == 3
+    bm.release(a)
+    bm.release(b)
+    with pytest.raises(AssertionError):              # a second release finds no reference
+        b.pages = [0]
+        bm.release(b)
