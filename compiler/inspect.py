@@ -23,16 +23,29 @@ def _graph_text(g: Graph, indent="") -> list[str]:
     return lines
 
 
-def _launch_table(program: list, indent="  ") -> list[str]:
+def _launch_table(program: list, bin_dir=None, indent="  ") -> list[str]:
     lines = []
     for l in program:
         if "repeat" in l:
             lines.append(f"{indent}repeat {l['repeat']} x{l['count']}: {len(l['body'])} launches per layer")
-            lines += _launch_table(l["body"], indent + "    ")
+            lines += _launch_table(l["body"], bin_dir, indent + "    ")
             continue
-        lines.append(f"{indent}{l['op']:<20} {l['backend']}:{l['kernel']:<22} "
-                     f"({', '.join(l['inputs'])}) -> ({', '.join(l['outputs'])})")
+        kid = l.get("kernel_id", "-")
+        cubin = "-"
+        if bin_dir is not None and kid != "-":
+            p = bin_dir / f"{kid}.cubin"
+            cubin = _short(p) if p.exists() else "(not compiled: infc build)"
+        lines.append(f"{indent}{l['op']:<20} {l['backend']:<8} {kid:<32} "
+                     f"({', '.join(l['inputs'])}) -> ({', '.join(l['outputs'])})  cubin {cubin}")
     return lines
+
+
+def _short(p) -> str:
+    from .build import REPO
+    try:
+        return str(p.relative_to(REPO))
+    except ValueError:
+        return str(p)
 
 
 def count_launches(program: list) -> tuple[int, int]:
@@ -95,6 +108,12 @@ def inspect(model=None, spec_path=None, model_dir=None, dot=None, phases=None) -
 
     state, plan = compile_model(model, spec_path, model_dir, observe=lambda name, st:
                                 snapshots.__setitem__(name, _graph_text(st.graph, "    ")))
+    import tempfile
+    from pathlib import Path
+    from .build import GENERATED, generate
+    with tempfile.TemporaryDirectory() as tmp:
+        generate(plan, Path(tmp))                 # kernel ids, as `infc build` names them
+    bin_dir = GENERATED / state.model / "bin"
     out = [f"model {plan['model']}  (family {plan['family']}, spec {state.spec.path})",
            "config: " + ", ".join(f"{k}={v}" for k, v in plan["config"].items()
                                   if not isinstance(v, (dict, list))),
@@ -106,7 +125,7 @@ def inspect(model=None, spec_path=None, model_dir=None, dot=None, phases=None) -
     for phase in phases or list(plan["programs"]):
         total, per_layer = count_launches(plan["programs"][phase])
         out += ["", f"== launches: {phase}  ({per_layer} per layer, {total} per step)"]
-        out += _launch_table(plan["programs"][phase])
+        out += _launch_table(plan["programs"][phase], bin_dir)
     out += ["", "== routing table: spec ops -> pass -> launch op -> template (launches per step)"]
     out += routing_table(plan, phases)
     if dot:
