@@ -19,5 +19,7 @@ def reference(ctx, x, w):
 
 
 op(name="linear", tensors=["x", "weight"], infer=infer, reference=reference,
-   templates={"triton": {"prefill": "gemm", "mixed": "gemm", "decode": "gemv"}},
+   templates={"triton": {"prefill": "gemm", "mixed": "gemm", "decode": "gemv"},
+              "cuda": {"decode": "gemv"},
+              "tilelang": {"prefill": "gemm", "mixed": "gemm"}},
    doc="y = x W^T")
