@@ -67,7 +67,12 @@ def _compile_triton(source: str, meta: dict, target: str, workdir: Path) -> tupl
     fn = getattr(mod, meta["entry"])
     sig = {name: ty for name, ty, _ in meta["params"]}
     sig.update({k: "constexpr" for k in meta["constexprs"]})
-    compiled = triton.compile(ASTSource(fn, sig, constexprs=meta["constexprs"]),
+    # Every pointer the runtime passes is 16-byte aligned (cuMemAlloc'd, arena offsets are
+    # multiples of 256): telling Triton so turns 2-byte loads into 16-byte ones and enables
+    # cp.async pipelining.
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
+             for name, ty, _ in meta["params"] if ty.startswith("*")}
+    compiled = triton.compile(ASTSource(fn, sig, constexprs=meta["constexprs"], attrs=attrs),
                               target=GPUTarget("cuda", _arch_number(target), 32),
                               options={"num_warps": meta.get("num_warps", 4),
                                        "num_stages": meta.get("num_stages", 2)})
