@@ -19,6 +19,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("INFC_CACHE", REPO / ".cache" / "kernels"))
+# Bump when the way kernels are compiled changes (options, attributes): it is part of the key.
+AOT_REVISION = "2-ptr-align16"
 
 
 def _version(pkg: str) -> str:
@@ -38,7 +40,7 @@ def toolchain(backend: str) -> str:
 
 def cache_key(kernel, target: str) -> str:
     h = hashlib.sha256()
-    for part in (kernel.backend, toolchain(kernel.backend), target, kernel.source):
+    for part in (AOT_REVISION, kernel.backend, toolchain(kernel.backend), target, kernel.source):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()[:24]
