@@ -18,6 +18,32 @@ from infc.runtime.bind import grid, launch_args, scratch_sizes
 assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py sets TRITON_INTERPRET=1"
 
 SRC_CACHE = Path(__file__).resolve().parents[2] / ".cache" / "interp_kernels"
+
+
+def _round_to_nearest_bf16():
+    """Triton's interpreter converts fp32 -> bf16 by truncation (round toward zero); the GPU rounds
+    to nearest even (cvt.rn). Kernels that round intermediates to bf16 (as the unfused model
+    stores them) would show a biased, ~2x larger error here than on the GPU, so round as it does."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    truncate = builder.create_fp_trunc
+
+    def fp_trunc(self, src, dst_type):
+        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
+            return truncate(self, src, dst_type)
+        bits = np.asarray(src.data, np.float32).view(np.uint32).astype(np.uint64)
+        out = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        nan = np.isnan(np.asarray(src.data, np.float32))
+        out[nan] = ((bits[nan] >> 16) | 0x40).astype(np.uint16)
+        return interpreter.TensorHandle(out, tl.bfloat16)
+
+    builder.create_fp_trunc = fp_trunc
+
+
+_round_to_nearest_bf16()
+
 _modules = {}
 TORCH = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32, "f16": torch.float16}
 
