@@ -1,4 +1,4 @@
-"""The `infc` command: build, inspect, generate.
+"""The `infc` command: build, inspect, generate, serve, bench.
 
 User errors (a bad spec, a broken model directory, bad flags) print `error: where: what` and
 exit 2; nothing a user can type ends in a traceback (INFC_DEBUG=1 shows it for developers).
@@ -32,6 +32,11 @@ def _generate(args):
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     for out in llm.generate(args.prompt, params):
         print(f"{out.prompt}{out.text}")
+
+
+def _serve(args):
+    from infc.server.serve import serve_main
+    serve_main(args)
 
 
 def _bench(args):
@@ -78,8 +83,13 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     g.set_defaults(fn=_generate)
 
-    bn = sub.add_parser("bench", help="benchmarks on a GPU (results go to bench/results/)")
-    bn.add_argument("which", choices=["latency"])
+    s = sub.add_parser("serve", help="an OpenAI-compatible server (vLLM's flags)", allow_abbrev=False)
+    from infc.server.args import add_serve_args
+    add_serve_args(s)
+    s.set_defaults(fn=_serve)
+
+    bn = sub.add_parser("bench", help="benchmarks (results go to bench/results/)")
+    bn.add_argument("which", choices=["latency", "serve"])
     bn.add_argument("rest", nargs=argparse.REMAINDER)
     bn.set_defaults(fn=_bench)
     return p

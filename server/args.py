@@ -1,0 +1,68 @@
+"""`infc serve` flags, with vLLM's spellings and defaults. Light on imports: the `infc` command
+builds its parser from here on every run."""
+import argparse
+import os
+from pathlib import Path
+
+
+def add_serve_args(p: argparse.ArgumentParser):
+    p.add_argument("--model-path", required=True, help="an HF model directory (config.json, safetensors, tokenizer)")
+    p.add_argument("--model", help="the model (variant) name; default: detected from config.json")
+    p.add_argument("--spec", help="a spec file, instead of the one whose architectures match")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when a GPU is present, else cpu")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", nargs="+", help="names the API accepts (the first is reported); "
+                   "default: --model, else --model-path")
+    p.add_argument("--api-key", help="require Authorization: Bearer <key> (default: $INFC_API_KEY)")
+    p.add_argument("--max-model-len", type=int, help="context length (default: the model's, within the KV cache)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, help="tokens per step (default: 8192 cuda, 2048 cpu)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--block-size", type=int, default=16, help="KV cache page size in tokens")
+    p.add_argument("--num-gpu-blocks-override", type=int, help="number of KV pages (either device)")
+    p.add_argument("--kv-cache-memory-bytes", type=int, help="KV cache size on the cpu device (default 1 GiB)")
+    p.add_argument("--max-logprobs", type=int, default=20)
+    p.add_argument("--chat-template", help="a chat template file, or the template itself")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a chat_template field in requests")
+    p.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="sequences queued beyond --max-num-seqs before requests get 429 (SGLang's flag)")
+    p.add_argument("--max-request-body-bytes", type=int, default=16 << 20)
+    p.add_argument("--max-header-bytes", type=int, default=16 << 10)
+    p.add_argument("--max-n", type=int, default=128, help="completions per request (prompts x n)")
+    p.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p.add_argument("--disable-uvicorn-access-log", action="store_true")
+
+
+def config_from_args(args):
+    from .app import ServerConfig
+    for name in ("max_num_seqs", "max_logprobs", "max_n", "max_request_body_bytes", "max_header_bytes"):
+        if getattr(args, name) < (0 if name == "max_logprobs" else 1):
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.max_queued_requests < 0:
+        raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
+    if not 0 < args.port < 65536 and args.port != 0:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    template = args.chat_template
+    if template is not None and len(template) < 4096 and Path(template).is_file():
+        template = Path(template).read_text()
+    return ServerConfig(
+        served_model_names=args.served_model_name or [args.model or args.model_path],
+        api_key=args.api_key or os.environ.get("INFC_API_KEY") or None,
+        max_num_seqs=args.max_num_seqs, max_queued_requests=args.max_queued_requests,
+        max_logprobs=args.max_logprobs, max_n=args.max_n, max_request_body_bytes=args.max_request_body_bytes,
+        max_header_bytes=args.max_header_bytes,
+        chat_template=template, trust_request_chat_template=args.trust_request_chat_template,
+        root=args.model_path)
+
+
+def backend_kwargs(args) -> dict:
+    return dict(model=args.model, spec=args.spec, device=args.device, max_model_len=args.max_model_len,
+                gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                enable_prefix_caching=args.enable_prefix_caching, block_size=args.block_size,
+                num_gpu_blocks_override=args.num_gpu_blocks_override,
+                kv_cache_memory_bytes=args.kv_cache_memory_bytes)

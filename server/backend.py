@@ -1,0 +1,181 @@
+"""Building the engine behind the server: the one place that knows about devices.
+
+    backend = load_backend(model_dir, device="cpu", max_model_len=512, log=print)
+    backend.engine          # the AsyncEngine: the server's only door into the runtime
+
+The server above this is backend-agnostic: it sees an AsyncEngine, a tokenizer and a few numbers
+(context length, vocabulary, KV capacity). The CPU backend compiles the directory's spec to a plan
+and runs it on the numpy reference executor; the CUDA backend builds (or reuses) the artifact and
+loads it with the CUDA runner, imported only when asked for, so a machine without a GPU never
+touches cuda-python. Startup prints each stage with its time, the KV capacity in tokens and the
+maximum concurrency at full context, as vLLM does.
+"""
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from infc.compiler.errors import ModelDirError
+
+CPU_KV_CACHE_BYTES = 1 << 30          # the CPU backend's default KV budget (float32 pages)
+
+
+@dataclass
+class Backend:
+    engine: object                    # infc.runtime.async_engine.AsyncEngine
+    tokenizer: object | None          # infc.runtime.tokenizer.Tokenizer (None: token ids only)
+    model_dir: Path
+    model_name: str                   # the plan's model name (e.g. smollm2-135m)
+    device: str
+    max_model_len: int
+    vocab_size: int
+    kv_tokens: int                    # KV cache capacity in tokens
+    page_size: int
+    eos_ids: set = field(default_factory=set)
+    tokenizer_config: dict = field(default_factory=dict)
+    stages: list = field(default_factory=list)   # (name, seconds)
+
+    @property
+    def max_concurrency(self) -> float:
+        return self.kv_tokens / self.max_model_len
+
+
+def detect_device() -> str:
+    """cuda when an NVIDIA driver is present, else cpu. Never imports cuda-python: on a machine
+    without a driver, cuInit raises instead of returning an error."""
+    if Path("/proc/driver/nvidia/version").exists() or Path("/dev/nvidiactl").exists():
+        return "cuda"
+    return "cpu"
+
+
+def gpu_tuning() -> str:
+    """The build's tuning table for the GPU the driver reports (read from /proc, not cuda-python)."""
+    for info in sorted(Path("/proc/driver/nvidia/gpus").glob("*/information")):
+        try:
+            if "H200" in info.read_text():
+                return "h200"
+        except OSError:
+            pass
+    return "h100"
+
+
+def eos_ids(model_dir: Path) -> set[int]:
+    """generation_config.json's eos_token_id (else config.json's): one id or a list."""
+    for name in ("generation_config.json", "config.json"):
+        p = Path(model_dir) / name
+        if p.exists():
+            try:
+                e = json.loads(p.read_text()).get("eos_token_id")
+            except (OSError, ValueError):
+                continue
+            if e is not None:
+                return set(e if isinstance(e, list) else [e])
+    return set()
+
+
+class _Stages:
+    def __init__(self, log):
+        self.log, self.done, self.t_all = log, [], time.perf_counter()
+
+    def run(self, name, fn, *a, **kw):
+        t0 = time.perf_counter()
+        out = fn(*a, **kw)
+        dt = time.perf_counter() - t0
+        self.done.append((name, dt))
+        if self.log:
+            self.log(f"  {name:<32} {dt:8.2f} s")
+        return out
+
+
+def load_backend(model_dir, model: str | None = None, spec: str | None = None, device: str | None = None,
+                 max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
+                 enable_prefix_caching: bool = True, block_size: int = 16,
+                 num_gpu_blocks_override: int | None = None, kv_cache_memory_bytes: int | None = None,
+                 log=print) -> Backend:
+    from infc.runtime.async_engine import AsyncEngine
+    from infc.runtime.engine import Engine
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelDirError(f"{model_dir}: not a directory")
+    device = device or detect_device()
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be cpu or cuda, got {device!r}")
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = 8192 if device == "cuda" else 2048
+    for name, v in (("--max-num-seqs", max_num_seqs), ("--max-num-batched-tokens", max_num_batched_tokens),
+                    ("--block-size", block_size)):
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+    if max_model_len is not None and max_model_len < 2:
+        raise ValueError(f"--max-model-len must be >= 2, got {max_model_len}")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
+    st = _Stages(log)
+    if log:
+        log(f"infc serve: {model_dir} on {device}")
+
+    if device == "cpu":
+        from infc.compiler.build import compile_model
+        from infc.runtime.runner import CPURunner
+        from infc.runtime.safetensors_io import Checkpoint
+        from infc.runtime.weights import load_weights
+        state, plan = st.run("compile plan", compile_model, model=model, spec_path=spec,
+                             model_dir=str(model_dir))
+        name = state.model
+        weights = st.run("load weights", lambda: load_weights(plan, Checkpoint(model_dir)))
+        page_size = block_size
+        if num_gpu_blocks_override:
+            num_pages = num_gpu_blocks_override
+        else:
+            budget = kv_cache_memory_bytes or int(os.environ.get("INFC_CPU_KV_CACHE_BYTES", CPU_KV_CACHE_BYTES))
+            num_pages = budget // CPURunner.kv_bytes_per_page(plan, page_size)
+        if num_pages < 1:
+            raise ValueError("the KV cache budget holds no page: raise --kv-cache-memory-bytes")
+        runner = st.run("allocate KV cache", CPURunner, plan, weights, num_pages, page_size)
+        model_len = int(plan["config"].get("max_len") or 1 << 30)
+    else:
+        from infc.compiler.build import REPO, build
+        # Into the ignored cache, not generated/ (whose committed artifacts CI checks): the kernel
+        # cache makes an unchanged rebuild near-instant, so "built or reused" is the same call.
+        out = REPO / ".cache" / "artifacts" / (model or model_dir.name)
+        artifact = st.run("build artifact (cached)", build, model=model, spec_path=spec,
+                          model_dir=str(model_dir), out=out, page_size=block_size, gpu=gpu_tuning(), log=None)
+        from infc.runtime.cuda.runner import CudaRunner     # lazily: cuda-python only here
+        runner = st.run("load weights, KV cache, graphs", CudaRunner, artifact, model_dir,
+                        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                        max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+                        **({"num_pages": num_gpu_blocks_override} if num_gpu_blocks_override else {}))
+        plan = runner.plan
+        name = plan.get("model") or model or model_dir.name
+        model_len = int(getattr(runner, "max_model_len", None) or plan["config"].get("max_len") or 1 << 30)
+        page_size = runner.page_size
+
+    tokenizer, tok_config = None, {}
+    if (model_dir / "tokenizer.json").exists():
+        from infc.runtime.tokenizer import Tokenizer
+        tokenizer = st.run("load tokenizer", Tokenizer, model_dir)
+        tok_config = tokenizer.config
+    kv_tokens = runner.num_pages * runner.page_size
+    if max_model_len is not None and max_model_len > model_len:
+        raise ValueError(f"--max-model-len {max_model_len} is longer than the model's context "
+                         f"length ({model_len} tokens)")
+    limit = min(max_model_len or model_len, model_len)
+    if limit > kv_tokens:
+        if max_model_len is not None:
+            raise ValueError(f"--max-model-len {max_model_len} needs {max_model_len} tokens of KV cache, "
+                             f"but it holds {kv_tokens}: lower --max-model-len or give the cache more memory")
+        limit = kv_tokens                   # the model's own length does not fit: serve what does
+    eos = eos_ids(model_dir)
+    engine = st.run("start engine", lambda: AsyncEngine(Engine(
+        runner, tokenizer, eos, limit, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching)))
+    b = Backend(engine, tokenizer, model_dir, name, device, limit, int(runner.vocab_size), kv_tokens,
+                page_size, eos, tok_config, st.done)
+    if log:
+        log(f"  KV cache: {runner.num_pages} pages x {page_size} tokens = {kv_tokens} tokens; "
+            f"max model len {limit}")
+        log(f"  maximum concurrency for {limit} tokens per request: {b.max_concurrency:.2f}x")
+        log(f"ready in {time.perf_counter() - st.t_all:.2f} s")
+    return b

@@ -1,0 +1,61 @@
+"""/metrics: the engine's counters, gauges and histograms as Prometheus text, under vLLM's names
+(vllm:num_requests_running, vllm:time_to_first_token_seconds, ...) with a model_name label, so
+dashboards and benchmark tools built for vLLM read them unchanged."""
+
+GAUGES = {
+    "num_requests_running": "Number of requests in model execution batches.",
+    "num_requests_waiting": "Number of requests waiting to be processed.",
+    "kv_cache_usage_perc": "KV-cache usage. 1 means 100 percent usage.",
+}
+COUNTERS = {
+    "prompt_tokens": "Number of prefill tokens processed.",
+    "generation_tokens": "Number of generation tokens processed.",
+    "num_preemptions": "Cumulative number of preemptions from the engine.",
+    "prefix_cache_queries": "Prefix cache queries, in terms of number of queried tokens.",
+    "prefix_cache_hits": "Prefix cache hits, in terms of number of cached tokens.",
+}
+HISTOGRAMS = {
+    "time_to_first_token_seconds": "Histogram of time to first token in seconds.",
+    "inter_token_latency_seconds": "Histogram of inter-token latency in seconds.",
+    "e2e_request_latency_seconds": "Histogram of e2e request latency in seconds.",
+    "request_queue_time_seconds": "Histogram of time spent in WAITING phase for request.",
+}
+
+
+def _label(v: str) -> str:
+    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _num(v) -> str:
+    return repr(float(v))
+
+
+def render(stats: dict, model_name: str) -> str:
+    m = f'model_name="{_label(model_name)}"'
+    out = []
+    for name, doc in GAUGES.items():
+        out += [f"# HELP vllm:{name} {doc}", f"# TYPE vllm:{name} gauge",
+                f"vllm:{name}{{{m}}} {_num(stats.get(name, 0))}"]
+    for name, doc in COUNTERS.items():
+        out += [f"# HELP vllm:{name} {doc}", f"# TYPE vllm:{name} counter",
+                f"vllm:{name}_total{{{m}}} {_num(stats.get(name + '_total', 0))}"]
+    out += ["# HELP vllm:request_success Count of successfully processed requests.",
+            "# TYPE vllm:request_success counter"]
+    success = dict(stats.get("request_success_total") or {})
+    for reason in ("stop", "length", "abort"):
+        success.setdefault(reason, 0)
+    for reason, count in sorted(success.items()):
+        out.append(f'vllm:request_success_total{{finished_reason="{_label(str(reason))}",{m}}} {_num(count)}')
+    for name, doc in HISTOGRAMS.items():
+        h = stats.get(name)
+        out += [f"# HELP vllm:{name} {doc}", f"# TYPE vllm:{name} histogram"]
+        buckets, counts = (list(h.buckets), list(h.counts)) if h is not None else ([], [])
+        total, s = (h.count, h.sum) if h is not None else (0, 0.0)
+        acc = 0
+        for b, c in zip(buckets, counts):
+            acc += c                                # the engine keeps per-bucket counts
+            out.append(f'vllm:{name}_bucket{{le="{_num(b)}",{m}}} {_num(acc)}')
+        out.append(f'vllm:{name}_bucket{{le="+Inf",{m}}} {_num(total)}')
+        out.append(f"vllm:{name}_sum{{{m}}} {_num(s)}")
+        out.append(f"vllm:{name}_count{{{m}}} {_num(total)}")
+    return "\n".join(out) + "\n"

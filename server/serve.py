@@ -1,0 +1,96 @@
+"""`infc serve`: the command line (vLLM's flag spellings and defaults) and the uvicorn server.
+
+The HTTP port opens first and /health answers 503 while a thread builds the backend (stages and
+timings printed as they finish); it answers 200 once the engine is ready. Unknown flags are
+errors (argparse, with abbreviations off). Each accepted connection gets TCP_NODELAY, so an SSE
+event leaves when it is written rather than after the peer's delayed ACK (asyncio sets it too;
+this states it where it matters). Headers over --max-header-bytes are answered 431 (or 400 by
+h11, when an oversized block arrives in pieces).
+"""
+import socket
+import sys
+import threading
+import time
+
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from .app import ServerState, make_app
+from .args import backend_kwargs, config_from_args
+from .backend import load_backend
+
+
+class NoDelayH11Protocol(H11Protocol):
+    def connection_made(self, transport):
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+        super().connection_made(transport)
+
+
+def uvicorn_config(app, host="127.0.0.1", port=8000, log_level="info", access_log=True,
+                   max_header_bytes=16 << 10) -> uvicorn.Config:
+    return uvicorn.Config(app, host=host, port=port, http=NoDelayH11Protocol, lifespan="off",
+                          log_level=log_level, access_log=access_log,
+                          h11_max_incomplete_event_size=max_header_bytes, timeout_keep_alive=5)
+
+
+class ServerThread:
+    """uvicorn in a background thread (tests, benchmarks): start() returns once it listens."""
+
+    def __init__(self, app, host="127.0.0.1", port=0, log_level="warning", **kw):
+        self.server = uvicorn.Server(uvicorn_config(app, host, port, log_level, access_log=False, **kw))
+        self.thread = threading.Thread(target=self.server.run, name="infc-http", daemon=True)
+        self.host = host
+
+    def start(self, timeout: float = 30.0) -> "ServerThread":
+        self.thread.start()
+        t0 = time.monotonic()
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() - t0 > timeout:
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self, timeout: float = 10.0):
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+
+def serve_main(args):
+    config = config_from_args(args)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
+        print(f"warning: listening on {args.host} without an API key", file=sys.stderr)
+    state = ServerState(config)
+    server = uvicorn.Server(uvicorn_config(make_app(state), args.host, args.port, args.uvicorn_log_level,
+                                           not args.disable_uvicorn_access_log, args.max_header_bytes))
+
+    def load():
+        try:
+            while not server.started and not server.should_exit:
+                time.sleep(0.01)          # the port opens first: /health says 503 meanwhile
+            state.attach(load_backend(args.model_path, log=lambda s: print(s, flush=True),
+                                      **backend_kwargs(args)))
+            names = ", ".join(config.served_model_names)
+            print(f"serving {names} at http://{args.host}:{server.servers[0].sockets[0].getsockname()[1]}",
+                  flush=True)
+        except BaseException as e:  # noqa: BLE001 - reported by serve_main after the server stops
+            state.error = e
+            server.should_exit = True
+
+    threading.Thread(target=load, name="infc-load", daemon=True).start()
+    try:
+        server.run()
+    finally:
+        if state.backend is not None:
+            state.backend.engine.shutdown()
+    if state.error is not None:
+        raise state.error
