@@ -11,6 +11,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def commit() -> str:
+    import os
+    if os.environ.get("INFC_COMMIT"):          # the GPU machine gets a tree without .git
+        return os.environ["INFC_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=Path(__file__).parent).stdout.strip() or "unknown"

@@ -1,22 +1,31 @@
 """The CUDA runner: a compiled plan on the GPU behind the engine's runner interface.
 
-Memory: weights, one activation arena sized for max_num_batched_tokens / max_num_seqs (the
-plan's offsets are linear in T and B), the step metadata buffers, per-kernel scratch, and the
-paged KV cache from what gpu_memory_utilization leaves. Prefill and mixed steps launch eagerly
-from pre-packed arguments; decode steps replay a CUDA Graph captured per batch bucket, padded
-with rows that write only a reserved page.
+Memory: weights, one activation arena sized for max_num_batched_tokens / max_num_seqs, the
+step metadata buffers, per-kernel scratch, and the paged KV cache from what
+gpu_memory_utilization leaves. Buffers sit at the plan's offsets evaluated at the maximum T and
+B, so every pointer is fixed for the runner's life: each phase's launches are packed once and a
+step only rewrites the T/B scalars and the grid. Decode steps replay a CUDA Graph captured per
+batch bucket, padded with rows that write only a reserved page.
 """
 from pathlib import Path
 
 import numpy as np
 
-from ..bind import eval_int, grid, launch_args, scratch_sizes
+from ..bind import launch_args, scratch_sizes
 from ..runner import RowSampling, Sample, sample_row
 from ..step import StepMeta
 from .artifact import DTYPE_BYTES, DeviceWeights, load_kernels, load_plan
 from .driver import Context, Graph, PackedArgs, launch
 
 META_NAMES = ("positions", "seq_starts", "context_lens", "last_rows", "slot_mapping", "block_tables")
+
+
+GRID_FUNCS = {"cdiv": lambda a, b: -(-a // b), "max": max, "min": min}
+
+
+def grid_code(meta: dict) -> list:
+    g = list(meta["grid"]) + [1] * (3 - len(meta["grid"]))
+    return [compile(str(e), "<grid>", "eval") for e in g]
 
 
 def default_buckets(max_seqs: int) -> list[int]:
@@ -54,6 +63,8 @@ class CudaRunner:
         self._alloc_kv(gpu_memory_utilization, num_pages)
         self.logits_host = self.ctx.pinned(4 * self.max_seqs * self.vocab_size).view(np.float32)
         self.ctx.sync()
+        self.place = dims                          # where buffers live: fixed for every step
+        self.programs = {}                         # phase -> packed launches (bound once)
         self.graphs: dict[int, tuple] = {}
         self.buckets = sorted(buckets or default_buckets(self.max_seqs))
         if cuda_graphs:
@@ -85,12 +96,17 @@ class CudaRunner:
         return self.kv + (2 * layer + (0 if which == "k" else 1)) * self.kv_layer_bytes
 
     # -- binding --------------------------------------------------------------------------
-    def _buffer_ptr(self, name: str, dims: dict) -> int:
+    def _buffer_ptr(self, name: str, dims: dict | None = None) -> int:
         off = self.plan["buffers"][name]["offset"]
-        return self.arena + off["T"] * dims["T"] + off["B"] * dims["B"] + off["bytes"]
+        return self.arena + off["T"] * self.place["T"] + off["B"] * self.place["B"] + off["bytes"]
 
-    def bind(self, phase: str, dims: dict) -> list:
-        """The phase's program as [(KernelFn, grid, PackedArgs)], layers unrolled."""
+    def program(self, phase: str) -> list:
+        if phase not in self.programs:
+            self.programs[phase] = self.bind(phase)
+        return self.programs[phase]
+
+    def bind(self, phase: str, dims: dict | None = None) -> list:
+        """The phase's program as [(KernelFn, grid code, PackedArgs, dim slots)], layers unrolled."""
         out = []
 
         def visit(program, layer):
@@ -112,7 +128,7 @@ class CudaRunner:
                         names = l["inputs"] if kind == "in" else l["outputs"]
                         return tensor(names[int(what)])
                     if kind == "dim":
-                        return dims[what]
+                        return 0                        # rewritten each step
                     if kind == "meta":
                         return self.max_pages_per_seq + 1 if what == "max_pages" else self.meta[what]
                     if kind == "kv":
@@ -123,18 +139,22 @@ class CudaRunner:
 
                 values = launch_args(k.meta, resolve)
                 types = [ty for _, ty, _ in k.meta["params"]]
-                g = grid(k.meta, dims)
+                slots = [(i, src[4:]) for i, (_, _, src) in enumerate(k.meta["params"]) if src.startswith("dim:")]
                 values += [0] * k.hidden_args          # Triton's global/profile scratch pointers
                 types += ["*i8"] * k.hidden_args
                 if k.global_scratch:
                     raise RuntimeError(f"kernel {k.id} needs Triton global scratch: not supported yet")
-                out.append((k, g, PackedArgs(values, types)))
+                out.append((k, grid_code(k.meta), PackedArgs(values, types), slots))
 
         visit(self.plan["programs"][phase], 0)
         return out
 
-    def _launch_all(self, bound):
-        for k, g, args in bound:
+    def _launch_all(self, bound, dims: dict):
+        env = {**GRID_FUNCS, **dims}
+        for k, code, args, slots in bound:
+            for i, d in slots:
+                args.set(i, dims[d])
+            g = [int(eval(c, env)) for c in code]       # META grid formulas of our own templates
             if g[0] * g[1] * g[2] == 0:
                 continue
             launch(self.ctx, k.fn, g, k.block, k.shared, args)
@@ -142,15 +162,16 @@ class CudaRunner:
     def _capture(self, bucket: int):
         """Warm the bucket's decode program up on padding rows, then capture it."""
         dims = {"T": bucket, "B": bucket}
-        bound = self.bind("decode", dims)
+        bound = self.program("decode")
         z = np.zeros(0, np.int32)
         empty = StepMeta(0, 0, "decode", z, z, np.zeros(1, np.int32), z, z, z,
                          np.zeros((0, 1), np.int32), 1)
         self._upload(self._metadata(empty, bucket, bucket), dims)
-        self._launch_all(bound)
+        self._launch_all(bound, dims)
         self.ctx.sync()
-        graph = Graph(self.ctx, lambda: self._launch_all(bound))
-        self.graphs[bucket] = (graph, bound)
+        # the graph keeps the argument values of capture time: the packed args can move on
+        graph = Graph(self.ctx, lambda: self._launch_all(bound, dims))
+        self.graphs[bucket] = (graph, dims)
 
     # -- a step ---------------------------------------------------------------------------
     def _upload(self, arrays: dict, dims: dict) -> list:
@@ -189,7 +210,7 @@ class CudaRunner:
         if meta.phase == "decode" and T in self.graphs:
             self.graphs[T][0].launch()
         else:
-            self._launch_all(self.bind(meta.phase, dims))
+            self._launch_all(self.program(meta.phase), dims)
         self._keep = keep
         return T, B
 
