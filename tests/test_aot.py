@@ -28,6 +28,7 @@ def fresh_cache(tmp_path, monkeypatch):
     cache = tmp_path / "kcache"
     monkeypatch.setattr(aot, "CACHE", cache)
     monkeypatch.setenv("INFC_CACHE", str(cache))      # the spawned workers read it
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton-cache"))   # truly cold
     return cache
 
 
