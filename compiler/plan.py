@@ -36,7 +36,6 @@ def _jsonable(v):
 
 
 def _buffers(state) -> dict:
-    mem = state.memory
     out = {}
     for g in state.graph.walk():
         for n in g.ordered():
@@ -47,17 +46,12 @@ def _buffers(state) -> dict:
                 out[o] = _buffer(state, g, o)
         for i in g.inputs:          # step inputs, and a layer body's carried inputs
             out[i] = _buffer(state, g, i)
-    return {k: out[k] for k in sorted(out, key=lambda k: _first_index(state, k))}
-
-
-def _first_index(state, name):
+    # in the order values were declared (inputs, then each graph's values): stable and readable
     order = {}
-    i = 0
     for g in state.graph.walk():
         for v in g.values:
-            order.setdefault(v, i)
-            i += 1
-    return order.get(name, i)
+            order.setdefault(v, len(order))
+    return {k: out[k] for k in sorted(out, key=lambda k: order.get(k, len(order)))}
 
 
 def _buffer(state, g: Graph, name: str) -> dict:

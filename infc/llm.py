@@ -4,7 +4,6 @@ On the CPU it compiles the directory's spec to a plan and runs it with the numpy
 executor behind the CPU runner, driven by the engine (continuous batching, chunked prefill,
 paged KV with a prefix cache) until every request is done.
 """
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,7 +13,7 @@ from infc.runtime.engine import Engine
 from infc.runtime.runner import CPURunner
 from infc.runtime.safetensors_io import Checkpoint
 from infc.runtime.sampling import SamplingParams
-from infc.runtime.tokenizer import Tokenizer
+from infc.runtime.tokenizer import Tokenizer, eos_ids
 from infc.runtime.weights import load_weights
 
 
@@ -49,19 +48,6 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
 
-def _eos_ids(model_dir: Path) -> set[int]:
-    ids = set()
-    for name in ("generation_config.json", "config.json"):
-        p = model_dir / name
-        if p.exists():
-            e = json.loads(p.read_text()).get("eos_token_id")
-            if e is not None:
-                ids |= set(e if isinstance(e, list) else [e])
-            if ids:
-                break
-    return ids
-
-
 class LLM:
     """kv_cache_tokens sizes the paged KV cache (float32 on the CPU); a sequence never grows
     past min(the model's context length, the cache). max_num_seqs and max_num_batched_tokens
@@ -82,7 +68,7 @@ class LLM:
         self.weights = load_weights(self.plan, Checkpoint(self.model_dir))
         num_pages = -(-kv_cache_tokens // page_size)
         self.runner = CPURunner(self.plan, self.weights, num_pages, page_size)
-        self.eos = _eos_ids(self.model_dir)
+        self.eos = eos_ids(self.model_dir)
         model_len = int(self.plan["config"].get("max_len") or 1 << 30)
         self.max_len = min(max_model_len or model_len, model_len, num_pages * page_size)
         tok = self.tokenizer if (self.model_dir / "tokenizer.json").exists() else None

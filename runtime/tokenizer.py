@@ -57,3 +57,17 @@ class IncrementalDecoder:
         self.prefix, self.read = self.read, len(self.ids)
         self.text += new
         return new
+
+
+def eos_ids(model_dir: Path) -> set[int]:
+    """generation_config.json's eos_token_id (else config.json's): one id or a list."""
+    for name in ("generation_config.json", "config.json"):
+        p = Path(model_dir) / name
+        if p.exists():
+            try:
+                e = json.loads(p.read_text()).get("eos_token_id")
+            except (OSError, ValueError):
+                continue
+            if e is not None:
+                return set(e if isinstance(e, list) else [e])
+    return set()

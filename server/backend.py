@@ -10,13 +10,13 @@ loads it with the CUDA runner, imported only when asked for, so a machine withou
 touches cuda-python. Startup prints each stage with its time, the KV capacity in tokens and the
 maximum concurrency at full context, as vLLM does.
 """
-import json
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from infc.compiler.errors import ModelDirError
+from infc.runtime.tokenizer import eos_ids
 
 CPU_KV_CACHE_BYTES = 1 << 30          # the CPU backend's default KV budget (float32 pages)
 
@@ -58,20 +58,6 @@ def gpu_tuning() -> str:
         except OSError:
             pass
     return "h100"
-
-
-def eos_ids(model_dir: Path) -> set[int]:
-    """generation_config.json's eos_token_id (else config.json's): one id or a list."""
-    for name in ("generation_config.json", "config.json"):
-        p = Path(model_dir) / name
-        if p.exists():
-            try:
-                e = json.loads(p.read_text()).get("eos_token_id")
-            except (OSError, ValueError):
-                continue
-            if e is not None:
-                return set(e if isinstance(e, list) else [e])
-    return set()
 
 
 class _Stages:

@@ -50,15 +50,12 @@ def plan_memory(state):
     values = {}                         # key -> Value
     clock = [0]
 
-    def key(g: Graph, v: str):
-        return v                        # names are unique across the model's graphs
-
     def visit(g: Graph):
         for v in g.values.values():
             if v.kind in ("act", "input") and v.type is not None:
-                values[key(g, v.name)] = v
+                values[v.name] = v        # names are unique across the model's graphs
                 if v.alias_of:
-                    uf.union(key(g, v.alias_of), key(g, v.name))
+                    uf.union(v.alias_of, v.name)
         for n in g.ordered():
             clock[0] += 1
             if n.op == "layers":

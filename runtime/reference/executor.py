@@ -83,7 +83,6 @@ class ReferenceExecutor:
         self.plan = plan
         self.weights = weights
         self.kv: dict = {}
-        self.ops = {}
 
     def free(self, seq_id: int):
         for key in [k for k in self.kv if k[1] == seq_id]:
@@ -116,7 +115,7 @@ class ReferenceExecutor:
                 views[name] = np.ndarray(shape, dtype, arena, start)
         return views
 
-    def _arg(self, name, views, layer, per_layer):
+    def _arg(self, name, views, layer):
         if name == KV:
             return None
         if name in views:
@@ -132,7 +131,7 @@ class ReferenceExecutor:
                     self._run(launch["body"], views, ctx)
                 continue
             op = REGISTRY[launch["op"]]
-            args = [self._arg(n, views, ctx.layer, True) for n in launch["inputs"]]
+            args = [self._arg(n, views, ctx.layer) for n in launch["inputs"]]
             result = op.reference(ctx, *args, **launch["attrs"])
             results = result if isinstance(result, tuple) else (result,)
             for name, r in zip(launch["outputs"], results):
