@@ -48,6 +48,15 @@ class SafetensorsFile:
         a, b = h["data_offsets"]
         return self._mm[self.base + a: self.base + b].view(_DTYPES[h["dtype"]]).reshape(h["shape"])
 
+    def extent(self, name: str) -> tuple[str, int, int]:
+        """(dtype, byte offset in the file, byte length) of a tensor, for direct reads."""
+        h = self.header[name]
+        a, b = h["data_offsets"]
+        return h["dtype"], self.base + a, b - a
+
+    def close(self):
+        self._mm = None                 # drop the mapping: mapped pages count as resident
+
     def bf16_bits(self, name: str) -> np.ndarray:
         """The tensor as bf16 bit patterns (uint16): bf16 as stored, f32/f16 rounded to nearest even."""
         x = self.raw(name)
@@ -110,6 +119,15 @@ class Checkpoint:
 
     def bf16_bits(self, name: str) -> np.ndarray:
         return self._file(name).bf16_bits(name)
+
+    def locate(self, name: str) -> tuple[SafetensorsFile, str, int, int]:
+        """(file, dtype, byte offset, byte length) of a tensor."""
+        f = self._file(name)
+        return (f, *f.extent(name))
+
+    def close(self):
+        for f in set(self.where.values()):
+            f.close()
 
     def _file(self, name: str) -> SafetensorsFile:
         if name not in self.where:

@@ -64,10 +64,18 @@ class Context:
     def memset(self, ptr: int, nbytes: int, value: int = 0):
         check(cu.cuMemsetD8Async(ptr, value, nbytes, self.stream), "cuMemsetD8Async")
 
+    def memset32(self, ptr: int, count: int, value: int):
+        """count 32-bit words set to value (e.g. the bits of -inf)."""
+        check(cu.cuMemsetD32Async(ptr, value, count, self.stream), "cuMemsetD32Async")
+
     def htod(self, ptr: int, host: np.ndarray):
         host = np.ascontiguousarray(host)
         check(cu.cuMemcpyHtoDAsync(ptr, host.ctypes.data, host.nbytes, self.stream), "cuMemcpyHtoDAsync")
         return host                # keep alive until the stream syncs
+
+    def htod_raw(self, ptr: int, host_addr: int, nbytes: int):
+        """An async copy from host memory the caller keeps alive (pinned: truly async)."""
+        check(cu.cuMemcpyHtoDAsync(ptr, host_addr, nbytes, self.stream), "cuMemcpyHtoDAsync")
 
     def dtoh(self, host: np.ndarray, ptr: int) -> np.ndarray:
         check(cu.cuMemcpyDtoHAsync(host.ctypes.data, ptr, host.nbytes, self.stream), "cuMemcpyDtoHAsync")
@@ -83,6 +91,10 @@ class Context:
         ptr = check(cu.cuMemHostAlloc(nbytes, 0), "cuMemHostAlloc")
         return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(int(ptr)))
 
+    def free_pinned(self, host: np.ndarray):
+        """Give page-locked memory back (it counts in the process's resident memory)."""
+        check(cu.cuMemFreeHost(host.ctypes.data), "cuMemFreeHost")
+
     def event(self) -> "Event":
         return Event(self)
 
@@ -94,6 +106,9 @@ class Event:
 
     def record(self):
         check(cu.cuEventRecord(self.ev, self.ctx.stream), "cuEventRecord")
+
+    def wait(self):
+        check(cu.cuEventSynchronize(self.ev), "cuEventSynchronize")
 
     def ms_since(self, start: "Event") -> float:
         check(cu.cuEventSynchronize(self.ev), "cuEventSynchronize")

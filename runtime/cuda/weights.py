@@ -1,0 +1,164 @@
+"""The plan's weights onto the GPU, straight from the safetensors files.
+
+Every weight is laid out in one device allocation (256-byte aligned). A weight whose recipe is
+a bf16 tensor, or bf16 tensors stacked or concatenated along axis 0, is a run of file byte
+ranges laid end to end: those are read with pread (several threads, no page faults through a
+mapping) into one of two pinned staging buffers while the other one's copy to the device runs.
+Any other recipe (another dtype, another axis) is built in numpy and copied through the same
+buffers. The staging memory is given back at the end, so a loaded server's resident memory is
+the Python process, not the model.
+"""
+import bisect
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from infc.compiler.errors import ModelDirError
+
+from ..safetensors_io import Checkpoint
+from ..weights import _build
+
+ALIGN = 256
+STAGING = 256 << 20
+PIECE = 16 << 20                       # one pread
+
+
+def _runs(ckpt: Checkpoint, src: dict, layer: int):
+    """(file byte ranges, shape, what) when the weight is bf16 bytes laid end to end, else None."""
+    if "tensor" in src:
+        name = src["tensor"].replace("{i}", str(layer))
+        f, dtype, off, n = ckpt.locate(name)
+        if dtype != "BF16":
+            return None
+        return [(f, off, n)], tuple(ckpt.shape(name)), name
+    if "stack" in src:
+        parts = [_runs(ckpt, {"tensor": src["stack"].replace("{e}", str(e))}, layer) for e in range(src["count"])]
+        if any(p is None for p in parts) or len({p[1] for p in parts}) != 1:
+            return None               # numpy builds it (and names a shape mismatch)
+        return [r for p in parts for r in p[0]], (len(parts), *parts[0][1]), src["stack"].replace("{i}", str(layer))
+    if "concat" in src and src["axis"] == 0:
+        parts = [_runs(ckpt, s, layer) for s in src["concat"]]
+        if any(p is None for p in parts) or len({p[1][1:] for p in parts}) != 1:
+            return None
+        shape = (sum(p[1][0] for p in parts), *parts[0][1][1:])
+        return [r for p in parts for r in p[0]], shape, " + ".join(p[2] for p in parts)
+    return None
+
+
+class DeviceWeights:
+    """name -> device pointer (or a list of per-layer pointers); `bytes` is their total size."""
+
+    def __init__(self, ctx, plan: dict, model_dir: Path, progress: bool = True, threads: int = 8):
+        ckpt = Checkpoint(model_dir)
+        self.ptrs: dict = {}
+        self.bytes = 0
+        layers = plan["config"].get("L", 1)
+        items, tied = [], []           # (name, layer, runs | array)
+        for name, w in plan["weights"].items():
+            if "tied" in w["source"]:
+                tied.append((name, w["source"]["tied"]))
+                continue
+            if w["dtype"] != "bf16":
+                raise ModelDirError(f"weight '{name}': only bf16 weights are supported on the GPU")
+            for i in range(layers if w["per_layer"] else 1):
+                got = _runs(ckpt, w["source"], i)
+                if got is None:
+                    a, what = _build(ckpt, w["source"], i, ckpt.bf16_bits)
+                    data, shape = np.ascontiguousarray(a).view(np.uint8).reshape(-1), tuple(a.shape)
+                else:
+                    data, shape, what = got
+                if shape != tuple(w["shape"]):
+                    raise ModelDirError(f"{ckpt.dir}: tensor '{what}' has shape {list(shape)}, "
+                                        f"the plan expects {w['shape']} for weight '{name}'")
+                items.append((name, i if w["per_layer"] else None, data))
+
+        # layout: one allocation, each weight aligned; segments in device order
+        segs, placed, pos = [], [], 0          # segs: (dst offset, length, source)
+        for name, layer, data in items:
+            placed.append((name, layer, pos))
+            start = pos
+            for src in (data if isinstance(data, list) else [data]):
+                n = src[2] if isinstance(src, tuple) else src.nbytes
+                segs.append((pos, n, src))
+                pos += n
+            self.bytes += pos - start
+            pos = -(-pos // ALIGN) * ALIGN
+        self.base = ctx.alloc(max(pos, 1))
+        for name, layer, off in placed:
+            if layer is None:
+                self.ptrs[name] = self.base + off
+            else:
+                self.ptrs.setdefault(name, []).append(self.base + off)
+        for name, target in tied:
+            self.ptrs[name] = self.ptrs[target]
+        t0 = time.perf_counter()
+        try:
+            self._stream(ctx, segs, pos, threads, progress)
+        finally:
+            ckpt.close()
+        self.load_s = time.perf_counter() - t0
+
+    def _stream(self, ctx, segs, total: int, threads: int, progress: bool):
+        starts = [s[0] for s in segs]
+        size = min(STAGING, max(total, 1))
+        bufs = [ctx.pinned(size), ctx.pinned(size)]
+        done = [None, None]            # the event after each buffer's last copy
+        fds: dict = {}
+
+        def fd(f):
+            if f.path not in fds:
+                fds[f.path] = os.open(f.path, os.O_RDONLY)
+            return fds[f.path]
+
+        def read(job):
+            view, f, off = job
+            got = 0
+            while got < len(view):
+                n = os.preadv(fd(f), [view[got:]], off + got)
+                if n <= 0:
+                    raise ModelDirError(f"{f.path}: truncated (a tensor's bytes end past the file)")
+                got += n
+
+        t0 = time.perf_counter()
+        try:
+            with ThreadPoolExecutor(threads) as pool:
+                for k, lo in enumerate(range(0, total, size)):
+                    hi = min(lo + size, total)
+                    b = k % 2
+                    if done[b] is not None:
+                        done[b].wait()
+                    buf = memoryview(bufs[b])
+                    jobs = []
+                    i = max(bisect.bisect_right(starts, lo) - 1, 0)
+                    while i < len(segs) and segs[i][0] < hi:
+                        dst, n, src = segs[i]
+                        a, z = max(dst, lo), min(dst + n, hi)
+                        if a < z:
+                            if isinstance(src, tuple):
+                                f, off, _ = src
+                                for p in range(a, z, PIECE):
+                                    q = min(p + PIECE, z)
+                                    jobs.append((buf[p - lo: q - lo], f, off + (p - dst)))
+                            else:
+                                bufs[b][a - lo: z - lo] = src[a - dst: z - dst]
+                        i += 1
+                    list(pool.map(read, jobs))
+                    ctx.htod_raw(self.base + lo, bufs[b].ctypes.data, hi - lo)
+                    done[b] = ctx.event()
+                    done[b].record()
+                    if progress and sys.stderr.isatty():
+                        sys.stderr.write(f"\r  weights {hi / 2**30:6.2f} / {total / 2**30:.2f} GiB "
+                                         f"{time.perf_counter() - t0:5.1f} s")
+            ctx.sync()
+        finally:
+            for f in fds.values():
+                os.close(f)
+            ctx.sync()
+            for buf in bufs:
+                ctx.free_pinned(buf)
+        if progress and sys.stderr.isatty():
+            sys.stderr.write("\n")

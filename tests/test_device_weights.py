@@ -1,0 +1,118 @@
+"""runtime/cuda/weights.py without a GPU: a fake context whose device memory is a host byte
+array. The streamed bytes of every weight (direct preads, stacked experts, fused concatenations,
+f32 checkpoints converted in numpy, tiny staging buffers that split tensors) equal the plan's
+weights as the numpy loader builds them; staging memory is given back; a broken directory is a
+clear error."""
+import ctypes
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from infc.compiler.build import compile_model
+from infc.compiler.errors import ModelDirError
+from infc.runtime.cuda import weights as dw
+from infc.runtime.safetensors_io import Checkpoint
+from infc.runtime.weights import iter_weights
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tools"))
+
+
+class FakeEvent:
+    def record(self):
+        pass
+
+    def wait(self):
+        pass
+
+
+class FakeCtx:
+    def __init__(self):
+        self.mem = bytearray()
+        self.base = 1 << 20                      # device addresses start here
+        self.pinned_live = []
+        self.copies = 0
+
+    def alloc(self, n):
+        ptr = self.base + len(self.mem)
+        self.mem += b"\xab" * n                  # poison
+        return ptr
+
+    def pinned(self, n):
+        a = np.zeros(n, np.uint8)
+        self.pinned_live.append(a)
+        return a
+
+    def free_pinned(self, a):
+        self.pinned_live = [x for x in self.pinned_live if x is not a]
+
+    def htod_raw(self, ptr, host_addr, n):
+        self.mem[ptr - self.base: ptr - self.base + n] = ctypes.string_at(host_addr, n)
+        self.copies += 1
+
+    def event(self):
+        return FakeEvent()
+
+    def sync(self):
+        pass
+
+    def read(self, ptr, n):
+        return bytes(self.mem[ptr - self.base: ptr - self.base + n])
+
+
+def model(tmp_path, family, dtype="bf16", **over):
+    from make_random_model import write_random_model
+    from infc.compiler.spec import find_architecture
+    cfg = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, vocab_size=300, max_position_embeddings=256,
+               rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    arch = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "llama": "LlamaForCausalLM"}[family]
+    if family == "qwen3_moe":
+        cfg.update(moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2, norm_topk_prob=True,
+                   decoder_sparse_step=1, mlp_only_layers=[])
+    cfg.update(over)
+    cfg["architectures"] = [arch]
+    spec = find_architecture([arch])
+    write_random_model(spec, cfg, tmp_path, seed=1, dtype=dtype, tokenizer=None, max_shard_bytes=40_000)
+    _, plan = compile_model(model_dir=str(tmp_path))
+    return plan
+
+
+@pytest.mark.parametrize("family,dtype,staging", [("qwen3", "bf16", 4096), ("qwen3_moe", "bf16", 10_000),
+                                                  ("llama", "f32", 1 << 20), ("qwen3", "bf16", 1 << 20)])
+def test_streamed_weights_equal_the_plan(tmp_path, monkeypatch, family, dtype, staging):
+    plan = model(tmp_path, family, dtype, **({"tie_word_embeddings": True} if family == "llama" else {}))
+    monkeypatch.setattr(dw, "STAGING", staging)
+    monkeypatch.setattr(dw, "PIECE", 1000)          # many preads per buffer, unaligned
+    ctx = FakeCtx()
+    w = dw.DeviceWeights(ctx, plan, tmp_path, progress=False, threads=3)
+    ckpt = Checkpoint(tmp_path)
+    seen = 0
+    for name, layer, a in iter_weights(plan, ckpt, ckpt.bf16_bits):
+        if isinstance(a, str):
+            assert w.ptrs[name] == w.ptrs[a]
+            continue
+        ptr = w.ptrs[name] if layer is None else w.ptrs[name][layer]
+        assert ptr % dw.ALIGN == 0
+        assert ctx.read(ptr, a.nbytes) == np.ascontiguousarray(a).tobytes(), (name, layer)
+        seen += a.nbytes
+    assert seen == w.bytes > 0
+    assert ctx.pinned_live == []                    # staging given back
+    if staging < 1 << 20:
+        assert ctx.copies > 4                        # tensors really were split across buffers
+
+
+def test_broken_directories_name_the_tensor(tmp_path):
+    plan = model(tmp_path, "qwen3")
+    bad = dict(plan)
+    bad["weights"] = {**plan["weights"]}
+    wq = next(n for n in bad["weights"] if "q" in n and bad["weights"][n]["per_layer"])
+    bad["weights"][wq] = {**bad["weights"][wq], "shape": [7, 7]}
+    with pytest.raises(ModelDirError, match="expects"):
+        dw.DeviceWeights(FakeCtx(), bad, tmp_path, progress=False)
+    shard = sorted(tmp_path.glob("*.safetensors"))[-1]
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    with pytest.raises(ModelDirError, match="truncated|not a readable"):
+        dw.DeviceWeights(FakeCtx(), plan, tmp_path, progress=False)
