@@ -126,6 +126,9 @@ def inspect(model=None, spec_path=None, model_dir=None, dot=None, phases=None) -
         total, per_layer = count_launches(plan["programs"][phase])
         out += ["", f"== launches: {phase}  ({per_layer} per layer, {total} per step)"]
         out += _launch_table(plan["programs"][phase], bin_dir)
+    if plan.get("sampler"):
+        out += ["", "== sampler: after each step, on the logits, outside the decode graph (runtime/cuda/sampler.py)"]
+        out += [f"  {name:<12} {kid}" for name, kid in plan["sampler"].items()]
     out += ["", "== routing table: spec ops -> pass -> launch op -> template (launches per step)"]
     out += routing_table(plan, phases)
     if dot:

@@ -104,8 +104,29 @@ def launch_context(plan: dict, launch: dict, phase: str, tuning: dict, page_size
             "tune": tune_for(tuning, launch["kernel"], shape_key(phase, ins + outs))}
 
 
+# The runtime's sampler: launched after a step on the logits output (f32 [B, V]), outside the
+# graph, so the host receives B token ids (and only the logprob rows a request asked for) instead
+# of B x V logits. name in plan["sampler"] -> template.
+SAMPLER = {"sample": "sample", "argmax": "sample_argmax", "log_softmax": "log_softmax"}
+
+
+def render_sampler(plan: dict, tuning: dict, env=None) -> dict[str, Kernel]:
+    """Render the sampler kernels for the plan's vocabulary; sets plan["sampler"] (name -> id)."""
+    V = plan["buffers"][plan["outputs"]["logits"]]["shape"][-1]
+    out, plan["sampler"] = {}, {}
+    for name, template in SAMPLER.items():
+        ctx = {"op": template, "phase": "sample", "inputs": [], "outputs": [], "attrs": {},
+               "config": {**plan["config"], "V": V}, "kv": {},
+               "tune": tune_for(tuning, template, f"sample|V={V}")}
+        k = render_template("triton", template, ctx, env)
+        out[k.id] = k
+        plan["sampler"][name] = k.id
+    return out
+
+
 def render_plan(plan: dict, tuning: dict, page_size: int) -> dict[str, Kernel]:
-    """Render every launch's kernel; sets launch["kernel_id"]; returns id -> Kernel."""
+    """Render every launch's kernel and the sampler's; sets launch["kernel_id"] and
+    plan["sampler"]; returns id -> Kernel."""
     env = _env()
     kernels: dict[str, Kernel] = {}
 
@@ -121,4 +142,7 @@ def render_plan(plan: dict, tuning: dict, page_size: int) -> dict[str, Kernel]:
 
     for phase, program in plan["programs"].items():
         visit(program, phase)
+    if plan["outputs"].get("logits") in plan["buffers"]:
+        for kid, k in render_sampler(plan, tuning, env).items():
+            kernels.setdefault(kid, k)
     return kernels

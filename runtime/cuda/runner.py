@@ -14,8 +14,10 @@ import numpy as np
 from ..bind import launch_args, scratch_sizes
 from ..runner import RowSampling, Sample, sample_row
 from ..step import StepMeta
-from .artifact import DTYPE_BYTES, DeviceWeights, load_kernels, load_plan
+from .artifact import DTYPE_BYTES, load_kernels, load_plan
 from .driver import Context, Graph, PackedArgs, launch
+from .sampler import GpuSampler
+from .weights import DeviceWeights
 
 META_NAMES = ("positions", "seq_starts", "context_lens", "last_rows", "slot_mapping", "block_tables")
 
@@ -61,7 +63,9 @@ class CudaRunner:
                 self.ctx.memset(ptr, nbytes)
                 self.scratch[(kid, name)] = ptr
         self._alloc_kv(gpu_memory_utilization, num_pages)
-        self.logits_host = self.ctx.pinned(4 * self.max_seqs * self.vocab_size).view(np.float32)
+        self._logits_host = None                    # pinned on first `logits()` (tests, tools)
+        self.sampler = (GpuSampler(self.ctx, self.kernels, plan["sampler"], self.max_seqs, self.vocab_size)
+                        if plan.get("sampler") else None)
         self.ctx.sync()
         self.place = dims                          # where buffers live: fixed for every step
         self.programs = {}                         # phase -> packed launches (bound once)
@@ -99,6 +103,11 @@ class CudaRunner:
     def _buffer_ptr(self, name: str, dims: dict | None = None) -> int:
         off = self.plan["buffers"][name]["offset"]
         return self.arena + off["T"] * self.place["T"] + off["B"] * self.place["B"] + off["bytes"]
+
+    @property
+    def logits_device(self) -> int:
+        """The logits output (f32 [B, V]) on the device: fixed, like every buffer."""
+        return self._buffer_ptr(self.plan["outputs"]["logits"])
 
     def program(self, phase: str) -> list:
         if phase not in self.programs:
@@ -215,13 +224,19 @@ class CudaRunner:
         return T, B
 
     def logits(self, meta: StepMeta) -> np.ndarray:
+        """Run a step and copy its logits to the host (f32 [B, V])."""
         T, B = self._run_step(meta)
-        out = self.logits_host[: meta.B * self.vocab_size].reshape(meta.B, self.vocab_size)
+        if self._logits_host is None:
+            self._logits_host = self.ctx.pinned(4 * self.max_seqs * self.vocab_size).view(np.float32)
+        out = self._logits_host[: meta.B * self.vocab_size].reshape(meta.B, self.vocab_size)
         name = self.plan["outputs"]["logits"]
         self.ctx.dtoh(out, self._buffer_ptr(name, {"T": T, "B": B}))
         self.ctx.sync()
         return out
 
     def execute(self, meta: StepMeta, sampling: list[RowSampling | None]) -> list[Sample | None]:
-        logits = self.logits(meta)
+        if self.sampler is not None:
+            self._run_step(meta)
+            return self.sampler.sample(self.logits_device, list(sampling[: meta.B]))
+        logits = self.logits(meta)                  # an artifact built before the sampler kernels
         return [None if s is None else sample_row(logits[b], s) for b, s in enumerate(sampling)]

@@ -1,0 +1,116 @@
+"""Sampling on the GPU: the plan's sampler kernels (plan["sampler"]) on the step's logits.
+
+After a step the logits (f32 [B, V]) stay on the device; per row the host uploads the request's
+parameters (temperature, top-k, top-p, min-p, seed, step: a few bytes) and gets back one token
+id. Only rows that asked for logprobs copy a row back, of log-softmax values computed on the
+device. Tokens banned for a row (EOS and stop ids before min_tokens) are set to -inf in place
+after the log-softmax, so a logprob is always of the model's distribution, as on the CPU.
+
+All-greedy steps use the argmax kernel (one pass over V); any other row needs `sample`, which
+takes temperature 0 as greedy (lowest index on ties, the same token argmax gives).
+"""
+import numpy as np
+
+from ..bind import launch_args
+from ..runner import RowSampling, Sample
+from .driver import PackedArgs, launch
+
+NEG_INF_F32 = 0xFF800000
+SEED_MASK = (1 << 63) - 1          # the kernel's seed is an i64; a Python seed may be any int
+
+
+class GpuSampler:
+    def __init__(self, ctx, kernels: dict, sampler_ids: dict, max_seqs: int, vocab: int):
+        self.ctx, self.V, self.max_seqs = ctx, vocab, max_seqs
+        self.k = {name: kernels[kid] for name, kid in sampler_ids.items()}
+        n = max_seqs
+        self.dev = {"temperature": ctx.alloc(4 * n), "top_k": ctx.alloc(4 * n), "top_p": ctx.alloc(4 * n),
+                    "min_p": ctx.alloc(4 * n), "seed": ctx.alloc(8 * n), "step": ctx.alloc(4 * n),
+                    "token": ctx.alloc(4 * n), "logprobs": ctx.alloc(4 * n * vocab)}
+        self.tokens_host = ctx.pinned(4 * n).view(np.int32)
+        self.lp_host = None                     # pinned on first use: most runs never ask
+        self._args = {}
+
+    def _packed(self, name: str, logits_ptr: int) -> PackedArgs:
+        """Arguments bound once per (kernel, logits buffer); B is rewritten per call."""
+        key = (name, logits_ptr)
+        if key not in self._args:
+            k = self.k[name]
+            ins = [logits_ptr] + [self.dev[n] for n in ("temperature", "top_k", "top_p", "min_p", "seed", "step")]
+            outs = [self.dev["logprobs" if name == "log_softmax" else "token"]]
+
+            def resolve(kind, what, ty):
+                if kind == "in":
+                    return ins[int(what)]
+                if kind == "out":
+                    return outs[int(what)]
+                if kind == "dim":
+                    return 0
+                raise ValueError(f"sampler kernel {k.id}: unexpected parameter source {kind}:{what}")
+
+            values = launch_args(k.meta, resolve) + [0] * k.hidden_args
+            types = [ty for _, ty, _ in k.meta["params"]] + ["*i8"] * k.hidden_args
+            slot = next(i for i, (_, _, src) in enumerate(k.meta["params"]) if src == "dim:B")
+            self._args[key] = (PackedArgs(values, types), slot)
+        return self._args[key]
+
+    def _launch(self, name: str, logits_ptr: int, B: int):
+        k = self.k[name]
+        args, slot = self._packed(name, logits_ptr)
+        args.set(slot, B)
+        rows_per_program = int(k.meta["constexprs"].get("ROWS", 1))
+        launch(self.ctx, k.fn, (-(-B // rows_per_program), 1, 1), k.block, k.shared, args)
+
+    def sample(self, logits_ptr: int, rows: list[RowSampling | None]) -> list[Sample | None]:
+        B = len(rows)
+        if all(s is None for s in rows):           # only prefill chunks that sample nothing yet
+            return [None] * B
+        ctx, keep = self.ctx, []
+        want_lp = [b for b, s in enumerate(rows) if s is not None and s.params.logprobs is not None]
+        if want_lp:
+            self._launch("log_softmax", logits_ptr, B)
+        for b, s in enumerate(rows):
+            for t in (s.banned if s is not None else ()):
+                if 0 <= t < self.V:
+                    ctx.memset32(logits_ptr + 4 * (b * self.V + t), 1, NEG_INF_F32)
+        greedy = all(s is None or s.params.temperature == 0 or s.params.top_k == 1 for s in rows)
+        if greedy:
+            self._launch("argmax", logits_ptr, B)
+        else:
+            p = [s.params if s is not None else None for s in rows]
+            host = {
+                "temperature": np.array([x.temperature if x and x.top_k != 1 else 0.0 for x in p], np.float32),
+                "top_k": np.array([x.top_k if x else 0 for x in p], np.int32),
+                "top_p": np.array([x.top_p if x else 1.0 for x in p], np.float32),
+                "min_p": np.array([x.min_p if x else 0.0 for x in p], np.float32),
+                "seed": np.array([(s.seed & SEED_MASK) if s else 0 for s in rows], np.int64),
+                "step": np.array([s.step if s else 0 for s in rows], np.int32),
+            }
+            keep = [ctx.htod(self.dev[n], a) for n, a in host.items()]
+            self._launch("sample", logits_ptr, B)
+        tokens = self.tokens_host[:B]
+        ctx.dtoh(tokens, self.dev["token"])
+        lp_rows = {}
+        if want_lp:
+            if self.lp_host is None:
+                self.lp_host = ctx.pinned(4 * self.max_seqs * self.V).view(np.float32).reshape(self.max_seqs, self.V)
+            for b in want_lp:
+                ctx.dtoh(self.lp_host[b], self.dev["logprobs"] + 4 * b * self.V)
+                lp_rows[b] = self.lp_host[b]
+        ctx.sync()
+        del keep
+        out = []
+        for b, s in enumerate(rows):
+            if s is None:
+                out.append(None)
+                continue
+            tok = int(tokens[b])
+            if s.params.logprobs is None:
+                out.append(Sample(tok))
+                continue
+            lp = lp_rows[b]
+            k = s.params.logprobs
+            top = np.argpartition(-lp, k)[:k] if 0 < k < lp.size else np.arange(lp.size if k else 0)
+            top = top[np.lexsort((top, -lp[top]))]           # by logprob, then lower id first
+            out.append(Sample(tok, float(lp[tok]), [(int(t), float(lp[t])) for t in top]))
+        return out
