@@ -120,8 +120,21 @@ def generate(plan: dict, out: Path, gpu: str = "h100", page_size: int = 16,
     return kernels
 
 
+def _built_for(bin_dir: Path, kid: str, target: str) -> bool:
+    try:
+        info = json.loads((bin_dir / f"{kid}.json").read_text())
+    except (OSError, ValueError):
+        return False
+    built = str(info.get("target") or info.get("arch") or "")
+    return built.rstrip("a") == target.rstrip("a") and (bin_dir / f"{kid}.cubin").exists()
+
+
 def build(model=None, spec_path=None, model_dir=None, out=None, features=None, log=print,
-          gpu="h100", target="sm_90", page_size=16, compile=True, jobs=None) -> Path:
+          gpu="h100", target="sm_90", page_size=16, compile=True, jobs=None,
+          reuse_bins=False) -> Path:
+    """reuse_bins: when out/bin already holds a cubin for every kernel id (an id is the digest of
+    its source), compile nothing. The serving path uses it so that a machine with another (or no)
+    Triton runs the cubins built elsewhere rather than recompiling them."""
     from .codegen.aot import compile_kernels
     t_all = time.perf_counter()
     if log and (model or model_dir):
@@ -136,7 +149,11 @@ def build(model=None, spec_path=None, model_dir=None, out=None, features=None, l
     if log:
         log(f"  {'render ' + str(len(kernels)) + ' kernels + write plan':<28} "
             f"{(time.perf_counter() - t0) * 1e3:8.1f} ms")
-    if compile:
+    have = all(_built_for(out / "bin", kid, target) for kid in kernels)
+    if compile and reuse_bins and have:
+        if log:
+            log(f"  {'reuse ' + str(len(kernels)) + ' cubins':<28}")
+    elif compile:
         res = compile_kernels(kernels, out / "bin", target, jobs=jobs, progress=log is not None)
         if log:
             log(f"  {'compile (' + target + ')':<28} {res['seconds'] * 1e3:8.1f} ms  "

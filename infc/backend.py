@@ -1,7 +1,8 @@
-"""Building the engine behind the server: the one place that knows about devices.
+"""Building the engine for a model directory: the one place that knows about devices.
 
     backend = load_backend(model_dir, device="cpu", max_model_len=512, log=print)
     backend.engine          # the AsyncEngine: the server's only door into the runtime
+    load_backend(model_dir, device="cuda", asynchronous=False).engine   # a plain Engine (LLM)
 
 The server above this is backend-agnostic: it sees an AsyncEngine, a tokenizer and a few numbers
 (context length, vocabulary, KV capacity). The CPU backend compiles the directory's spec to a plan
@@ -23,7 +24,7 @@ CPU_KV_CACHE_BYTES = 1 << 30          # the CPU backend's default KV budget (flo
 
 @dataclass
 class Backend:
-    engine: object                    # infc.runtime.async_engine.AsyncEngine
+    engine: object                    # an AsyncEngine (the server's), or an Engine (asynchronous=False)
     tokenizer: object | None          # infc.runtime.tokenizer.Tokenizer (None: token ids only)
     model_dir: Path
     model_name: str                   # the plan's model name (e.g. smollm2-135m)
@@ -79,7 +80,7 @@ def load_backend(model_dir, model: str | None = None, spec: str | None = None, d
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, block_size: int = 16,
                  num_gpu_blocks_override: int | None = None, kv_cache_memory_bytes: int | None = None,
-                 log=print) -> Backend:
+                 asynchronous: bool = True, cuda_graphs: bool = True, log=print) -> Backend:
     from infc.runtime.async_engine import AsyncEngine
     from infc.runtime.engine import Engine
     model_dir = Path(model_dir)
@@ -127,12 +128,13 @@ def load_backend(model_dir, model: str | None = None, spec: str | None = None, d
         # cache makes an unchanged rebuild near-instant, so "built or reused" is the same call.
         out = REPO / ".cache" / "artifacts" / (model or model_dir.name)
         artifact = st.run("build artifact (cached)", build, model=model, spec_path=spec,
-                          model_dir=str(model_dir), out=out, page_size=block_size, gpu=gpu_tuning(), log=None)
+                          model_dir=str(model_dir), out=out, page_size=block_size, gpu=gpu_tuning(), log=None,
+                          reuse_bins=True)
         from infc.runtime.cuda.runner import CudaRunner     # lazily: cuda-python only here
         runner = st.run("load weights, KV cache, graphs", CudaRunner, artifact, model_dir,
                         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                         max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-                        **({"num_pages": num_gpu_blocks_override} if num_gpu_blocks_override else {}))
+                        cuda_graphs=cuda_graphs, **({"num_pages": num_gpu_blocks_override} if num_gpu_blocks_override else {}))
         plan = runner.plan
         name = plan.get("model") or model or model_dir.name
         model_len = int(getattr(runner, "max_model_len", None) or plan["config"].get("max_len") or 1 << 30)
@@ -154,9 +156,11 @@ def load_backend(model_dir, model: str | None = None, spec: str | None = None, d
                              f"but it holds {kv_tokens}: lower --max-model-len or give the cache more memory")
         limit = kv_tokens                   # the model's own length does not fit: serve what does
     eos = eos_ids(model_dir)
-    engine = st.run("start engine", lambda: AsyncEngine(Engine(
-        runner, tokenizer, eos, limit, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching)))
+    def start():
+        e = Engine(runner, tokenizer, eos, limit, max_num_seqs=max_num_seqs,
+                   max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching)
+        return AsyncEngine(e) if asynchronous else e
+    engine = st.run("start engine", start)
     b = Backend(engine, tokenizer, model_dir, name, device, limit, int(runner.vocab_size), kv_tokens,
                 page_size, eos, tok_config, st.done)
     if log:

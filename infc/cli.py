@@ -27,7 +27,7 @@ def _inspect(args):
 
 def _generate(args):
     from infc import LLM, SamplingParams
-    llm = LLM(args.model_path, device=args.device, spec=args.spec)
+    llm = LLM(args.model_path, device=args.device, spec=args.spec)   # device None: cuda if present
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     for out in llm.generate(args.prompt, params):
@@ -43,6 +43,26 @@ def _bench(args):
     import importlib
     mod = importlib.import_module(f"infc.bench.{args.which}")
     mod.main(args.rest)
+
+
+def _tune(args):
+    def _csv(text):
+        return [x.strip() for x in (text or "").split(",") if x.strip()] or None
+
+    if args.tune_cmd == "prepare":
+        from infc.compiler.build import parse_features
+        from infc.compiler.tune import prepare
+        prepare(model=args.model, gpu=args.gpu, out=args.out, phases=_csv(args.phases),
+                templates=_csv(args.templates), spec_path=args.spec, model_dir=args.model_path,
+                features=parse_features(args.features), page_size=args.page_size,
+                target=args.target, decode_batches=[int(b) for b in _csv(args.decode_batches)],
+                prefill_tokens=args.prefill_tokens, context_len=args.context_len,
+                compile=not args.no_compile, jobs=args.jobs)
+    else:
+        from infc.runtime.cuda.tune_run import run
+        run(args.dir, write=args.write, reps=args.reps, warmup=args.warmup,
+            threshold=args.threshold, results_dir=args.results_dir, any_gpu=args.any_gpu,
+            templates=_csv(args.templates))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -80,7 +100,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int)
-    g.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    g.add_argument("--device", choices=["cpu", "cuda"],
+                   help="default: cuda when an NVIDIA GPU is present, else cpu (the reference executor)")
     g.set_defaults(fn=_generate)
 
     s = sub.add_parser("serve", help="an OpenAI-compatible server (vLLM's flags)", allow_abbrev=False)
@@ -89,9 +110,38 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=_serve)
 
     bn = sub.add_parser("bench", help="benchmarks (results go to bench/results/)")
-    bn.add_argument("which", choices=["latency", "serve"])
+    bn.add_argument("which", choices=["latency", "throughput", "startup", "serve"])
     bn.add_argument("rest", nargs=argparse.REMAINDER)
     bn.set_defaults(fn=_bench)
+
+    tu = sub.add_parser("tune", help="fill codegen_templates/tuning/<gpu>.json from GPU timings")
+    tsub = tu.add_subparsers(dest="tune_cmd", required=True)
+    tp = tsub.add_parser("prepare", help="build machine: render + compile candidate kernels")
+    tp.add_argument("--model", help="a variant name from specs/ (e.g. qwen3-4b)")
+    tp.add_argument("--spec")
+    tp.add_argument("--model-path", help="an HF model directory: bind the spec to its config.json")
+    tp.add_argument("--gpu", default="h200", choices=["h100", "h200"], help="tuning table to fill")
+    tp.add_argument("--out", help="output folder (default .cache/tune/<model>-<gpu>)")
+    tp.add_argument("--phases", default="decode,prefill", help="comma-separated: prefill, decode, mixed")
+    tp.add_argument("--templates", help="comma-separated templates (default: the GEMVs, GEMMs, attention)")
+    tp.add_argument("--features", help="extra kernel backends, comma-separated: tilelang, cuda")
+    tp.add_argument("--decode-batches", default="1", help="decode batch sizes to time at (T = B)")
+    tp.add_argument("--prefill-tokens", type=int, default=1024, help="prefill step size (one sequence)")
+    tp.add_argument("--context-len", type=int, default=1024, help="KV length per sequence for attention")
+    tp.add_argument("--page-size", type=int, default=16)
+    tp.add_argument("--target", default="sm_90")
+    tp.add_argument("--no-compile", action="store_true", help="render the candidates, skip the cubins")
+    tp.add_argument("--jobs", type=int)
+    tr = tsub.add_parser("run", help="GPU machine: time the candidates, write the table")
+    tr.add_argument("--dir", required=True, help="the folder `infc tune prepare` wrote")
+    tr.add_argument("--write", help="tuning table to merge into (default <dir>/<gpu>.json)")
+    tr.add_argument("--reps", type=int, default=50, help="timed graph replays per candidate")
+    tr.add_argument("--warmup", type=int, default=10)
+    tr.add_argument("--threshold", type=float, default=0.03, help="store only wins above this fraction")
+    tr.add_argument("--results-dir", help="where tune-<model>-<gpu>.json goes (default bench/results)")
+    tr.add_argument("--templates", help="time only these templates (comma-separated)")
+    tr.add_argument("--any-gpu", action="store_true", help="time on a GPU that is not the table's")
+    tu.set_defaults(fn=_tune)
     return p
 
 

@@ -1,20 +1,16 @@
-"""`LLM`: the offline Python API. `LLM(model_dir, device="cpu").generate(prompts, params)`.
+"""`LLM`: the offline Python API. `LLM(model_dir, device="cuda").generate(prompts, params)`.
 
-On the CPU it compiles the directory's spec to a plan and runs it with the numpy reference
-executor behind the CPU runner, driven by the engine (continuous batching, chunked prefill,
-paged KV with a prefix cache) until every request is done.
+The engine is built exactly as `infc serve` builds it (infc/backend.py): on the CPU the
+directory's spec compiles to a plan run by the numpy reference executor; on "cuda" the artifact
+is built (or reused) and loaded by the CUDA runner. The engine (continuous batching, chunked
+prefill, paged KV with a prefix cache) is stepped here until every request is done.
 """
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infc.compiler.build import compile_model
 from infc.compiler.errors import ModelDirError
-from infc.runtime.engine import Engine
-from infc.runtime.runner import CPURunner
-from infc.runtime.safetensors_io import Checkpoint
 from infc.runtime.sampling import SamplingParams
-from infc.runtime.tokenizer import Tokenizer, eos_ids
-from infc.runtime.weights import load_weights
+from infc.runtime.tokenizer import Tokenizer
 
 
 @dataclass
@@ -49,32 +45,40 @@ class RequestOutput:
 
 
 class LLM:
-    """kv_cache_tokens sizes the paged KV cache (float32 on the CPU); a sequence never grows
-    past min(the model's context length, the cache). max_num_seqs and max_num_batched_tokens
-    bound one step, as in vLLM."""
+    """device: "cpu" (numpy reference, float32), "cuda", or None (cuda when a GPU is present).
+    kv_cache_tokens sizes the paged KV cache (default: 4096 tokens on the CPU; on the GPU what
+    gpu_memory_utilization leaves); a sequence never grows past min(the model's context length,
+    the cache). max_num_seqs and max_num_batched_tokens bound one step, as in vLLM."""
 
-    def __init__(self, model: str | Path, device: str = "cpu", spec: str | None = None, *,
-                 kv_cache_tokens: int = 4096, page_size: int = 16, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
-                 enable_prefix_caching: bool = True):
-        if device != "cpu":
-            raise ValueError(f"device '{device}' is not available in this build: the CPU reference "
-                             f"backend is (device='cpu')")
+    def __init__(self, model: str | Path, device: str | None = "cpu", spec: str | None = None, *,
+                 kv_cache_tokens: int | None = None, page_size: int = 16, max_num_seqs: int | None = None,
+                 max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
+                 enable_prefix_caching: bool = True, gpu_memory_utilization: float = 0.9,
+                 cuda_graphs: bool = True, log=None):
+        from infc.backend import detect_device, load_backend
+        device = device or detect_device()
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
         self.model_dir = Path(model)
         if not self.model_dir.is_dir():
             raise ModelDirError(f"{model}: not a directory")
-        _, self.plan = compile_model(model_dir=str(self.model_dir), spec_path=spec)
-        self._tokenizer = None
-        self.weights = load_weights(self.plan, Checkpoint(self.model_dir))
-        num_pages = -(-kv_cache_tokens // page_size)
-        self.runner = CPURunner(self.plan, self.weights, num_pages, page_size)
-        self.eos = eos_ids(self.model_dir)
-        model_len = int(self.plan["config"].get("max_len") or 1 << 30)
-        self.max_len = min(max_model_len or model_len, model_len, num_pages * page_size)
-        tok = self.tokenizer if (self.model_dir / "tokenizer.json").exists() else None
-        self.engine = Engine(self.runner, tok, self.eos, self.max_len, max_num_seqs=max_num_seqs,
-                             max_num_batched_tokens=max_num_batched_tokens,
-                             enable_prefix_caching=enable_prefix_caching)
+        if device == "cpu" and kv_cache_tokens is None:
+            kv_cache_tokens = 4096
+        pages = -(-kv_cache_tokens // page_size) if kv_cache_tokens else None
+        self.backend = load_backend(
+            self.model_dir, spec=spec, device=device, max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_num_seqs=max_num_seqs or (64 if device == "cpu" else 256),
+            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
+            block_size=page_size, num_gpu_blocks_override=pages, asynchronous=False,
+            cuda_graphs=cuda_graphs, log=log)
+        self.device = device
+        self.engine = self.backend.engine
+        self.runner = self.engine.runner
+        self.plan = self.runner.plan
+        self.eos = self.backend.eos_ids
+        self.max_len = self.backend.max_model_len
+        self._tokenizer = self.backend.tokenizer
         self._next_id = 0
 
     @property

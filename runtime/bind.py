@@ -4,7 +4,6 @@ Pure Python, no torch, no CUDA: the GPU runtime and the interpreter test executo
 each with its own way of producing pointers.
 """
 import ast
-import math
 import operator
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,

@@ -205,7 +205,6 @@ class Engine:
 
     def _append(self, seq: Sequence, sample, now: float) -> StepOutput:
         req = self.requests[seq.request_id]
-        p = seq.params
         tok = sample.token
         seq.token_ids.append(tok)
         m = self.metrics

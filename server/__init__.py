@@ -1,7 +1,7 @@
-"""infc.server: the OpenAI-compatible HTTP server over the engine handle (`infc serve`).
+"""infc.server: the OpenAI-compatible HTTP server over the engine handle (`infc serve`); the
+engine itself is built by infc/backend.py, shared with `LLM`.
 
     args.py      the command line: vLLM's flag spellings and defaults
-    backend.py   builds the engine for a device (cpu: reference executor; cuda: CUDA runner)
     app.py       FastAPI routes, SSE, errors, auth, limits, disconnects
     protocol.py  request bodies checked field by field; OpenAI-shaped errors
     chat.py      chat templates rendered as HF renders them

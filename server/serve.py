@@ -17,7 +17,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .app import ServerState, make_app
 from .args import backend_kwargs, config_from_args
-from .backend import load_backend
+from infc.backend import load_backend
 
 
 class NoDelayH11Protocol(H11Protocol):

@@ -1,17 +1,26 @@
-"""Shared by the server tests (no tests here): one real SmolLM2-135M CPU backend per test process,
-served on 127.0.0.1 by uvicorn in a thread, plus helpers to look inside its engine."""
+"""Shared by the server tests (no tests here): one backend per test process, served on 127.0.0.1
+by uvicorn in a thread, plus helpers to look inside its engine.
+
+The backend is the real SmolLM2-135M on the CPU (CI), or any model directory on any device:
+    INFC_SERVER_MODEL=/tmp/infc-models/qwen3-4b INFC_SERVER_DEVICE=cuda pytest tests/test_server.py
+(the GPU run, with random weights). What only a real model knows (a greedy " Paris") is asserted
+only when the model is SmolLM2; everything else the suite derives from the model's own outputs."""
 import http.client
 import json
+import os
 import threading
 import time
 
 import pytest
 
 from infc.server.app import ServerConfig, ServerState, make_app
-from infc.server.backend import load_backend
+from infc.backend import load_backend
 from infc.server.serve import ServerThread
 
 MAX_MODEL_LEN = 256
+MODEL_DIR = os.environ.get("INFC_SERVER_MODEL")
+DEVICE = os.environ.get("INFC_SERVER_DEVICE", "cpu")
+SMOLLM2 = MODEL_DIR is None                 # the real model: its greedy answers are known
 NAMES = ["smol", "smol-alias"]
 _lock = threading.Lock()
 _live = {}
@@ -41,9 +50,14 @@ class Live:
 def backend():
     with _lock:
         if "backend" not in _live:
-            from smollm2_from_gguf import ensure_smollm2
-            _live["backend"] = load_backend(ensure_smollm2(), device="cpu", max_model_len=MAX_MODEL_LEN,
-                                            max_num_seqs=64, kv_cache_memory_bytes=64 << 20, log=None)
+            if SMOLLM2:
+                from smollm2_from_gguf import ensure_smollm2
+                model_dir = ensure_smollm2()
+            else:
+                model_dir = MODEL_DIR
+            kv = {"kv_cache_memory_bytes": 64 << 20} if DEVICE == "cpu" else {"num_gpu_blocks_override": 2048}
+            _live["backend"] = load_backend(model_dir, device=DEVICE, max_model_len=MAX_MODEL_LEN,
+                                            max_num_seqs=64, log=None, **kv)
         return _live["backend"]
 
 

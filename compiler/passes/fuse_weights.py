@@ -44,7 +44,7 @@ def _fuse_linears(state, g):
         g.add_value(Value(y, "act", line=first.line))
         g.add_node(Node(g.new_node_id("linear"), "linear", [x, fused], [y], {}, first.line,
                         fused_from=["linear"] * len(nodes)), before=first.id)
-        parts = [g.fresh(f"part") for _ in nodes]
+        parts = [g.fresh("part") for _ in nodes]
         for p in parts:
             g.add_value(Value(p, "act", line=first.line))
         split = Node(g.new_node_id("split"), "split", [y], parts, {"sizes": sizes}, first.line)
