@@ -12,6 +12,8 @@ import numpy as np
 
 def _infc(artifact, model_dir, prompts, out_len, seed=0):
     from infc.runtime.cuda.runner import CudaRunner
+    from infc.runtime.runner import RowSampling
+    from infc.runtime.sampling import SamplingParams
     from infc.runtime.step import Chunk, build_step
     from .common import copy_bandwidth, header
     max_t = max(prompts) + 16
@@ -22,6 +24,7 @@ def _infc(artifact, model_dir, prompts, out_len, seed=0):
     kv = r.plan["kv_cache"]
     kv_per_token = 2 * kv["layers"] * kv["kv_heads"] * kv["head_dim"] * 2
     rng = np.random.default_rng(seed)
+    greedy = [RowSampling(SamplingParams(temperature=0.0), 0, 0)]
     res.update({"copy_GBps": bw / 1e9, "weight_bytes": r.weights.bytes, "ttft_ms": {}, "tpot_ms_by_prompt": {},
                 "floor_ms_by_prompt": {}})
     for n in prompts:
@@ -30,14 +33,14 @@ def _infc(artifact, model_dir, prompts, out_len, seed=0):
             free = list(range(r.num_pages))
             pages = {0: [free.pop() for _ in range(-(-(n + out_len) // r.page_size))]}
             prompt = [int(t) for t in rng.integers(0, r.vocab_size, n)]
+            # greedy on the GPU (the serving path): one token id comes back per step
             t0 = time.perf_counter()
-            lg = r.logits(build_step([Chunk(0, prompt, 0)], pages.__getitem__, r.page_size))
+            tok = r.execute(build_step([Chunk(0, prompt, 0)], pages.__getitem__, r.page_size), greedy)[0].token
             ttfts.append((time.perf_counter() - t0) * 1e3)
-            tok = int(np.argmax(lg[0]))
             t0 = time.perf_counter()
             for i in range(out_len):
-                lg = r.logits(build_step([Chunk(0, [tok], n + i)], pages.__getitem__, r.page_size))
-                tok = int(np.argmax(lg[0]))
+                tok = r.execute(build_step([Chunk(0, [tok], n + i)], pages.__getitem__, r.page_size),
+                                greedy)[0].token
             tpots.append((time.perf_counter() - t0) * 1e3 / out_len)
         avg_ctx = n + out_len / 2
         floor = (r.weights.bytes + kv_per_token * avg_ctx) / bw * 1e3

@@ -1,0 +1,124 @@
+"""`infc bench startup`: process start -> ready, and the resident memory of an idle server.
+
+Starts `infc serve` as users do (a fresh Python process) and times spawn -> the first 200 from
+/health, polled every 20 ms. The first start is not recorded: it puts the weights in the page
+cache (and builds the artifact if needed), as a restarted server finds them. The server's own
+stage timings are kept from its log. Idle RSS is VmRSS of the server process after it has been
+ready and idle for a few seconds. The copy bandwidth is measured in the same run, afterwards.
+"""
+import argparse
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+STAGE = re.compile(r"^\s{2}(\S.*?)\s{2,}(\d+\.\d+) s$")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def start_once(model_path: str, extra: list[str], idle_s: float, timeout_s: float) -> dict:
+    port = free_port()
+    cmd = [sys.executable, "-m", "infc.cli", "serve", "--model-path", model_path, "--port", str(port), *extra]
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        while not healthy(port):
+            if p.poll() is not None:
+                raise RuntimeError(f"infc serve exited with {p.returncode}:\n{p.stdout.read()[-3000:]}")
+            if time.perf_counter() - t0 > timeout_s:
+                raise RuntimeError(f"infc serve not ready after {timeout_s} s")
+            time.sleep(0.02)
+        ready = time.perf_counter() - t0
+        time.sleep(idle_s)
+        rss = rss_mb(p.pid)
+    finally:
+        p.terminate()
+        try:
+            out, _ = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+    stages = [(m.group(1), float(m.group(2))) for m in map(STAGE.match, out.splitlines()) if m]
+    return {"ready_s": ready, "idle_rss_mb": rss, "stages": stages}
+
+
+def plot(res: dict, path: Path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    run = res["runs"][res["median_run"]]
+    names = [n for n, _ in run["stages"]] + ["(python start, imports, HTTP up)"]
+    secs = [s for _, s in run["stages"]]
+    secs.append(max(run["ready_s"] - sum(secs), 0.0))
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.barh(names[::-1], secs[::-1])
+    ax.set_xlabel("seconds")
+    ax.set_title(f"{res['model']} on {res['gpu']}: ready in {res['ready_s']:.2f} s, idle RSS "
+                 f"{res['idle_rss_mb']:.0f} MB\n({res['commit']}, {res['date']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="infc bench startup")
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--idle-s", type=float, default=3.0)
+    ap.add_argument("--timeout-s", type=float, default=300.0)
+    ap.add_argument("--out")
+    ap.add_argument("serve_args", nargs="*", help="extra `infc serve` flags (after --)")
+    a = ap.parse_args(argv)
+    extra = ["--device", "cuda", *a.serve_args]
+    warm = start_once(a.model_path, extra, 0.5, a.timeout_s)          # page cache, artifact: not recorded
+    print(f"warm-up start: {warm['ready_s']:.2f} s")
+    runs = []
+    for i in range(a.reps):
+        r = start_once(a.model_path, extra, a.idle_s, a.timeout_s)
+        runs.append(r)
+        print(f"start {i + 1}: ready in {r['ready_s']:.2f} s, idle RSS {r['idle_rss_mb']:.0f} MB; "
+              + ", ".join(f"{n} {s:.2f}" for n, s in r["stages"]), flush=True)
+    from infc.runtime.cuda.driver import Context
+    from .common import copy_bandwidth, header, save
+    ctx = Context()
+    order = np.argsort([r["ready_s"] for r in runs])
+    res = header(ctx, Path(a.model_path).name)
+    res.update({"copy_GBps": copy_bandwidth(ctx) / 1e9, "serve_args": extra, "runs": runs,
+                "median_run": int(order[len(order) // 2]),
+                "ready_s": float(np.median([r["ready_s"] for r in runs])),
+                "idle_rss_mb": float(np.median([r["idle_rss_mb"] for r in runs])),
+                "warmup_ready_s": warm["ready_s"]})
+    path = save("startup", res, a.out)
+    plot(res, path.with_suffix(".png"))
+    print(f"ready in {res['ready_s']:.2f} s (median of {a.reps}), idle RSS {res['idle_rss_mb']:.0f} MB; wrote {path}")
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""`infc bench throughput`: offline throughput, 1024 tokens in / 128 out, at several concurrencies.
+
+One engine (the one `LLM` and `infc serve` build) serves every point; a point keeps exactly
+`concurrency` requests in flight (a finished one is replaced at once) until 2 x concurrency (at
+least 4) requests have finished. Per point: output tokens per second over the wall time of the
+point, mean TPOT per request ((finish - first token) / (tokens - 1)), TTFT, and the decode floor
+at that batch: (weight bytes + KV bytes read by one step) / copy bandwidth measured in this run.
+"""
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def run_point(engine, vocab: int, concurrency: int, in_len: int, out_len: int, rng, total: int | None = None):
+    from infc.runtime.sampling import SamplingParams
+    params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+    total = total or max(4, 2 * concurrency)
+    started, first, done, ntok = {}, {}, {}, {}
+    next_id = 0
+
+    def add():
+        nonlocal next_id
+        rid = f"t{concurrency}-{next_id}"
+        next_id += 1
+        engine.add_request(rng.integers(0, vocab, in_len).tolist(), params, rid)
+        started[rid] = time.perf_counter()
+
+    t0 = time.perf_counter()
+    for _ in range(min(concurrency, total)):
+        add()
+    while engine.has_unfinished():
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            first.setdefault(o.request_id, now)
+            ntok[o.request_id] = ntok.get(o.request_id, 0) + len(o.token_ids)
+            if o.request_finished:
+                done[o.request_id] = now
+                if next_id < total:
+                    add()
+    wall = time.perf_counter() - t0
+    tpot = [(done[r] - first[r]) / (ntok[r] - 1) * 1e3 for r in done if ntok[r] > 1]
+    ttft = [(first[r] - started[r]) * 1e3 for r in done]
+    return {"concurrency": concurrency, "requests": len(done), "wall_s": wall,
+            "output_tok_s": sum(ntok.values()) / wall, "mean_tpot_ms": float(np.mean(tpot)),
+            "median_ttft_ms": float(np.median(ttft)), "p99_ttft_ms": float(np.percentile(ttft, 99))}
+
+
+def plot(res: dict, path: Path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    pts = res["points"]
+    c = [p["concurrency"] for p in pts]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(c, [p["output_tok_s"] for p in pts], "o-", label="output tok/s")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("output tokens / s")
+    ax2 = ax.twinx()
+    ax2.plot(c, [p["mean_tpot_ms"] for p in pts], "s--", color="C1", label="mean TPOT (ms)")
+    ax2.plot(c, [p["floor_tpot_ms"] for p in pts], ":", color="C2", label="TPOT floor (ms)")
+    ax2.set_ylabel("ms per output token")
+    lines = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
+    ax.legend(lines, [h.get_label() for h in lines], loc="upper left")
+    ax.set_title(f"{res['model']} {res['input_len']} in / {res['output_len']} out on {res['gpu']}\n"
+                 f"({res['commit']}, {res['date']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="infc bench throughput")
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--model", help="variant name (default: detected from config.json)")
+    ap.add_argument("--concurrency", default="1,8,32,64,128,256")
+    ap.add_argument("--input-len", type=int, default=1024)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--out")
+    a = ap.parse_args(argv)
+    from infc.backend import load_backend
+    from .common import copy_bandwidth, header, save
+    conc = [int(c) for c in a.concurrency.split(",")]
+    b = load_backend(a.model_path, model=a.model, device="cuda", max_num_seqs=max(conc),
+                     max_num_batched_tokens=a.max_num_batched_tokens,
+                     max_model_len=a.input_len + a.output_len + 16,
+                     gpu_memory_utilization=a.gpu_memory_utilization, asynchronous=False)
+    engine, runner = b.engine, b.engine.runner
+    res = header(runner.ctx, runner.plan["model"])
+    bw = copy_bandwidth(runner.ctx)
+    kv = runner.plan["kv_cache"]
+    kv_per_token = 2 * kv["layers"] * kv["kv_heads"] * kv["head_dim"] * 2
+    res.update({"input_len": a.input_len, "output_len": a.output_len, "copy_GBps": bw / 1e9,
+                "weight_bytes": runner.weights.bytes, "kv_tokens": b.kv_tokens, "points": []})
+    rng = np.random.default_rng(0)
+    run_point(engine, b.vocab_size, 2, 64, 8, rng, total=2)          # warm-up, not recorded
+    for c in conc:
+        p = run_point(engine, b.vocab_size, c, a.input_len, a.output_len, rng)
+        ctx_avg = a.input_len + a.output_len / 2
+        p["floor_tpot_ms"] = (runner.weights.bytes + c * kv_per_token * ctx_avg) / bw * 1e3
+        p["preemptions_total"] = engine.metrics.num_preemptions_total
+        res["points"].append(p)
+        print(f"concurrency {c:4d}: {p['output_tok_s']:9.1f} output tok/s, mean TPOT {p['mean_tpot_ms']:7.2f} ms "
+              f"(floor {p['floor_tpot_ms']:.2f}), median TTFT {p['median_ttft_ms']:8.1f} ms, {p['wall_s']:.1f} s",
+              flush=True)
+        save("throughput", res, a.out)                    # every finished point survives a later failure
+    path = save("throughput", res, a.out)
+    plot(res, path.with_suffix(".png"))
+    print(f"wrote {path}")
+    return res
+
+
+if __name__ == "__main__":
+    main()
