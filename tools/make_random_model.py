@@ -241,6 +241,22 @@ def write_tokenizer(family: str, out_dir: Path, which: str = "auto") -> str | No
     return which
 
 
+def write_config(spec, config: dict, out_dir, dtype: str = "bf16"):
+    """config.json and generation_config.json as write_random_model writes them (no weights):
+    enough to build the model's artifact on a machine that will never hold its weights."""
+    if isinstance(spec, (str, Path)):
+        spec = _import_spec_module()[0].load_spec(spec)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = {"architectures": [spec.architectures[0]],
+           "model_type": MODEL_TYPES.get(spec.family, spec.family)}
+    cfg.update({k: v for k, v in config.items() if k not in ("architectures", "model_type")})
+    cfg["torch_dtype"] = TORCH_DTYPES[dtype]
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+
+
 def write_random_model(spec, config: dict, out_dir, seed: int = 0, dtype: str = "bf16",
                        tokenizer: str | None = "auto", max_shard_bytes: int = MAX_SHARD_BYTES,
                        workers: int | None = None) -> dict:
@@ -263,13 +279,7 @@ def write_random_model(spec, config: dict, out_dir, seed: int = 0, dtype: str = 
         if old.exists():        # a previous fixture's shards would mix with these
             old.unlink()
 
-    cfg = {"architectures": [spec.architectures[0]],
-           "model_type": MODEL_TYPES.get(spec.family, spec.family)}
-    cfg.update({k: v for k, v in config.items() if k not in ("architectures", "model_type")})
-    cfg["torch_dtype"] = TORCH_DTYPES[dtype]
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
-    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    write_config(spec, config, out, dtype)
 
     if len(groups) == 1:
         files = ["model.safetensors"]

@@ -13,11 +13,23 @@ ARTIFACTS = {"qwen3-4b": REPO / "generated" / "qwen3-4b",
              "tiny-moe": REPO / ".cache" / "gpu" / "tiny-moe-art"}
 
 
+QWEN_TOKENIZER = REPO / ".cache" / "gpu" / "qwen-tokenizer"     # made by prepare.py
+
+
 def model_dir(name: str) -> Path:
-    """Random-weight HF directory at the model's exact shapes (made once per machine)."""
+    """Random-weight HF directory at the model's exact shapes (made once per machine); the
+    qwen3 ones get the Qwen tokenizer (the server suite needs text)."""
     out = MODELS / name
-    if (out / "config.json").exists() and any(out.glob("*.safetensors")):
-        return out
+    if not ((out / "config.json").exists() and any(out.glob("*.safetensors"))):
+        _make(name, out)
+    if name.startswith("qwen3-") and QWEN_TOKENIZER.is_dir() and not (out / "tokenizer.json").exists():
+        import shutil
+        for f in QWEN_TOKENIZER.iterdir():
+            shutil.copyfile(f, out / f.name)
+    return out
+
+
+def _make(name: str, out: Path):
     from make_random_model import write_random_model
     from infc.compiler.spec import find_architecture, find_variant
     if name == "tiny-moe":
@@ -26,7 +38,6 @@ def model_dir(name: str) -> Path:
     else:
         spec, config = find_variant(name)
     write_random_model(spec, config, out, seed=0, dtype="bf16", tokenizer=None)
-    return out
 
 
 def artifact(name: str) -> Path:

@@ -1,9 +1,14 @@
 """Run HERE (no GPU) before a GPU session: build the artifacts the GPU suite needs, with cubins.
 
-    python tests/gpu/prepare.py          # then carry generated/*/bin and .cache/gpu to the GPU
+    python tests/gpu/prepare.py          # then carry generated/*/bin, .cache/gpu, .cache/artifacts
 
 qwen3-4b and llama-3.2-1b are named variants (generated/<model>/); the tiny qwen3_moe exists
 only as a config here (.cache/gpu/tiny-moe/config.json) and its artifact is built beside it.
+`LLM(device="cuda")` and `infc serve` build (or reuse) .cache/artifacts/<model dir name> from the
+directory's config.json: those are built here from the same config.json the GPU machine's random
+model directories get, for both tuning tables, so the GPU machine compiles nothing. The Qwen
+tokenizer files (tokenizer.json, tokenizer_config.json) go to .cache/gpu/qwen-tokenizer for the
+server suite on the GPU.
 """
 import json
 import sys
@@ -21,16 +26,26 @@ TINY_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
             "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False,
             "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
 GPU_CACHE = REPO / ".cache" / "gpu"
+SERVED = ("qwen3-4b", "llama-3.2-1b")          # model directories LLM / infc serve load on the GPU
 
 
 def main():
-    from infc.compiler.build import build
+    from infc.compiler.build import REPO as BUILD_REPO, build
+    from infc.compiler.spec import find_variant
+    from make_random_model import write_config, write_tokenizer
     for model in ("qwen3-4b", "llama-3.2-1b"):
         build(model=model)
     cfg_dir = GPU_CACHE / "tiny-moe"
     cfg_dir.mkdir(parents=True, exist_ok=True)
     (cfg_dir / "config.json").write_text(json.dumps(TINY_MOE, indent=1))
     build(model_dir=str(cfg_dir), out=GPU_CACHE / "tiny-moe-art")
+    for name in SERVED:
+        spec, config = find_variant(name)
+        d = GPU_CACHE / "configs" / name
+        write_config(spec, config, d)
+        for gpu in ("h100", "h200"):
+            build(model_dir=str(d), out=BUILD_REPO / ".cache" / "artifacts" / name, gpu=gpu, log=None)
+    write_tokenizer("qwen3", GPU_CACHE / "qwen-tokenizer", "qwen")
 
 
 if __name__ == "__main__":

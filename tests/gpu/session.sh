@@ -1,13 +1,62 @@
 #!/usr/bin/env bash
-# One GPU session in one call: install, make models, run the GPU suite and the latency bench.
-# Results under $OUT (pytest log, bench JSON + PNG). Bounded: each stage has a timeout.
+# One GPU session in one call, stage by stage, each bounded by its own timeout:
+#   STAGES="suite latency throughput" tests/gpu/session.sh OUT_DIR
+# Stages: suite (tests/gpu), latency, throughput, startup, server (the SDK suite with
+# --device cuda), serve (infc bench serve against infc serve), tune (infc tune run).
+# Needs what tests/gpu/prepare.py built here (carry generated/*/bin, .cache/gpu, .cache/artifacts)
+# and, for packages the GPU machine lacks, wheels in .whl/. Logs and results land in OUT_DIR.
 set -uo pipefail
-OUT=${OUT:-/tmp/infc-gpu-out}
+OUT=${1:-${OUT:-/tmp/infc-gpu-out}}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 1; }
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-timeout 120 python3 -c "import sys; sys.path.insert(0,'tests/gpu'); import models; [print(models.model_dir(m)) for m in ('qwen3-4b','llama-3.2-1b','tiny-moe')]" 2>&1 | tail -3
-timeout ${SUITE_S:-300} python3 -m pytest tests/gpu -q -s -p no:cacheprovider -k "${PYTEST_K:-not smoke}" 2>&1 | grep -vE "Loading weights|it/s\]" | tee "$OUT/pytest.log" | tail -25
-timeout ${BENCH_S:-240} python3 -m infc.cli bench latency --artifact generated/qwen3-4b --model-path /tmp/infc-models/qwen3-4b --out "$OUT" 2>&1 | grep -vE "Loading weights|it/s\]" | tail -12
+cd "$(dirname "$0")/../.."
+export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1 INFC_COMMIT=${INFC_COMMIT:-unknown}
+MODELS=${INFC_GPU_MODELS:-/tmp/infc-models}
+STAGES=${STAGES:-suite latency throughput startup server serve}
+t0=$(date +%s)
+say() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$OUT/session.log"; }
+quiet() { grep --line-buffered -vE "Loading weights|it/s\]|^\s*$"; }
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >"$OUT/wheels.log" 2>&1
+  export PYTHONPATH=/tmp/site
+fi
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv | tee "$OUT/gpu.txt"
+say "models"
+timeout 300 python3 -c "import sys; sys.path.insert(0,'tests/gpu'); import models; [models.model_dir(m) for m in ('qwen3-4b','llama-3.2-1b','tiny-moe')]" 2>&1 | tail -3
+say "models ready"
+
+for stage in $STAGES; do
+  say "stage $stage"
+  case $stage in
+    suite)
+      timeout ${SUITE_S:-330} python3 -m pytest tests/gpu -q -s -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | quiet \
+        | tee "$OUT/pytest-gpu.log" | grep -E "passed|failed|error|regret|KV exhaustion|^E " | tail -40 ;;
+    latency)
+      timeout ${LATENCY_S:-240} python3 -m infc.cli bench latency --artifact generated/qwen3-4b \
+        --model-path "$MODELS/qwen3-4b" --out "$OUT" 2>&1 | quiet | tail -12 ;;
+    throughput)
+      timeout ${THROUGHPUT_S:-240} python3 -m infc.cli bench throughput --model-path "$MODELS/qwen3-4b" \
+        --out "$OUT" 2>&1 | quiet | tail -12 ;;
+    startup)
+      timeout ${STARTUP_S:-150} python3 -m infc.cli bench startup --model-path "$MODELS/qwen3-4b" \
+        --out "$OUT" 2>&1 | quiet | tail -8 ;;
+    server)
+      INFC_SERVER_MODEL="$MODELS/qwen3-4b" INFC_SERVER_DEVICE=cuda timeout ${SERVER_S:-240} python3 -m pytest \
+        tests/test_server.py tests/test_server_disconnect.py tests/test_server_fuzz.py -q -p no:cacheprovider \
+        -o addopts="" 2>&1 | tee "$OUT/pytest-server-cuda.log" | tail -15 ;;
+    serve)
+      python3 -m infc.cli serve --model-path "$MODELS/qwen3-4b" --device cuda --port 8011 \
+        --disable-uvicorn-access-log >"$OUT/serve.log" 2>&1 &
+      pid=$!
+      for _ in $(seq 1 600); do curl -sf localhost:8011/health >/dev/null && break; sleep 0.1; done
+      timeout ${SERVE_S:-200} python3 -m infc.cli bench serve --base-url http://127.0.0.1:8011 \
+        --num-prompts ${SERVE_PROMPTS:-48} --out "$OUT" 2>&1 | tail -12
+      kill $pid; wait $pid 2>/dev/null ;;
+    tune)
+      timeout ${TUNE_S:-200} python3 -m infc.cli tune run --dir .cache/tune/qwen3-4b-h200 \
+        --write "$OUT/tuning-h200.json" 2>&1 | tail -40 ;;
+  esac
+done
+say "done"
 ls "$OUT"

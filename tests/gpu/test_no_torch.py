@@ -1,4 +1,5 @@
-"""The serving path never imports torch: load an artifact, generate, check sys.modules."""
+"""The serving path never imports torch: build/reuse the artifact and load it as `infc serve` does
+(infc.backend), import the server, generate through the async engine, check sys.modules."""
 import subprocess
 import sys
 
@@ -13,6 +14,18 @@ r = CudaRunner(artifact('llama-3.2-1b'), model_dir('llama-3.2-1b'), max_num_seqs
 p = Pages(r.num_pages, r.page_size)
 lg = step(r, p, [Chunk(0, [1, 2, 3], 0)])
 assert lg.shape[0] == 1
+import asyncio
+import infc.server.app, infc.server.serve
+from infc.backend import load_backend
+from infc.runtime.sampling import SamplingParams
+b = load_backend(model_dir('llama-3.2-1b'), device='cuda', max_model_len=512, num_gpu_blocks_override=64,
+                 max_num_seqs=4, log=None)
+async def go():
+    out = []
+    async for o in b.engine.generate([1, 2, 3], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), 'r'):
+        out += o.token_ids
+    return out
+assert len(asyncio.run(go())) == 4
 bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))
 print('TORCH_MODULES', bad)
 assert not bad
