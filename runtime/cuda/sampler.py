@@ -11,7 +11,7 @@ takes temperature 0 as greedy (lowest index on ties, the same token argmax gives
 """
 import numpy as np
 
-from ..bind import launch_args
+from ..bind import grid, launch_args
 from ..runner import RowSampling, Sample
 from .driver import PackedArgs, launch
 
@@ -50,16 +50,16 @@ class GpuSampler:
 
             values = launch_args(k.meta, resolve) + [0] * k.hidden_args
             types = [ty for _, ty, _ in k.meta["params"]] + ["*i8"] * k.hidden_args
-            slot = next(i for i, (_, _, src) in enumerate(k.meta["params"]) if src == "dim:B")
+            slot = next((i for i, (_, _, src) in enumerate(k.meta["params"]) if src == "dim:B"), None)
             self._args[key] = (PackedArgs(values, types), slot)
         return self._args[key]
 
     def _launch(self, name: str, logits_ptr: int, B: int):
         k = self.k[name]
         args, slot = self._packed(name, logits_ptr)
-        args.set(slot, B)
-        rows_per_program = int(k.meta["constexprs"].get("ROWS", 1))
-        launch(self.ctx, k.fn, (-(-B // rows_per_program), 1, 1), k.block, k.shared, args)
+        if slot is not None:                      # argmax and log_softmax take B from the grid only
+            args.set(slot, B)
+        launch(self.ctx, k.fn, grid(k.meta, {"B": B, "T": B}), k.block, k.shared, args)
 
     def sample(self, logits_ptr: int, rows: list[RowSampling | None]) -> list[Sample | None]:
         B = len(rows)
