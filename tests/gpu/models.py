@@ -1,5 +1,6 @@
 """Model directories and artifacts for the GPU suite: random weights made on the GPU machine
-(no hub, no copying gigabytes), artifacts built on the CPU machine (tests/gpu/prepare.py)."""
+(no hub, no copying gigabytes), one tiny model trained there (trained_model.py), artifacts
+built on the CPU machine (tests/gpu/prepare.py)."""
 import json
 import os
 import sys
@@ -10,7 +11,8 @@ sys.path.insert(0, str(REPO / "tools"))
 MODELS = Path(os.environ.get("INFC_GPU_MODELS", "/tmp/infc-models"))
 ARTIFACTS = {"qwen3-4b": REPO / "generated" / "qwen3-4b",
              "llama-3.2-1b": REPO / "generated" / "llama-3.2-1b",
-             "tiny-moe": REPO / ".cache" / "gpu" / "tiny-moe-art"}
+             "tiny-moe": REPO / ".cache" / "gpu" / "tiny-moe-art",
+             "skipgram": REPO / ".cache" / "gpu" / "skipgram-art"}
 
 
 QWEN_TOKENIZER = REPO / ".cache" / "gpu" / "qwen-tokenizer"     # made by prepare.py
@@ -30,6 +32,10 @@ def model_dir(name: str) -> Path:
 
 
 def _make(name: str, out: Path):
+    if name == "skipgram":
+        from trained_model import ensure_trained
+        ensure_trained(out)
+        return
     from make_random_model import write_random_model
     from infc.compiler.spec import find_architecture, find_variant
     if name == "tiny-moe":

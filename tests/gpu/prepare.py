@@ -2,8 +2,9 @@
 
     python tests/gpu/prepare.py          # then carry generated/*/bin, .cache/gpu, .cache/artifacts
 
-qwen3-4b and llama-3.2-1b are named variants (generated/<model>/); the tiny qwen3_moe exists
-only as a config here (.cache/gpu/tiny-moe/config.json) and its artifact is built beside it.
+qwen3-4b and llama-3.2-1b are named variants (generated/<model>/); the tiny qwen3_moe and the
+tiny trained Llama (tests/gpu/trained_model.py) exist only as configs here (.cache/gpu/<name>/)
+and their artifacts are built beside them.
 `LLM(device="cuda")` and `infc serve` build (or reuse) .cache/artifacts/<model dir name> from the
 directory's config.json: those are built here from the same config.json the GPU machine's random
 model directories get, for both tuning tables, so the GPU machine compiles nothing. The Qwen
@@ -39,6 +40,12 @@ def main():
     cfg_dir.mkdir(parents=True, exist_ok=True)
     (cfg_dir / "config.json").write_text(json.dumps(TINY_MOE, indent=1))
     build(model_dir=str(cfg_dir), out=GPU_CACHE / "tiny-moe-art")
+    sys.path.insert(0, str(REPO / "tests" / "gpu"))
+    from trained_model import CONFIG as SKIPGRAM          # trained on the GPU machine
+    cfg_dir = GPU_CACHE / "skipgram"
+    cfg_dir.mkdir(parents=True, exist_ok=True)
+    (cfg_dir / "config.json").write_text(json.dumps(SKIPGRAM, indent=1))
+    build(model_dir=str(cfg_dir), out=GPU_CACHE / "skipgram-art")
     for name in SERVED:
         spec, config = find_variant(name)
         d = GPU_CACHE / "configs" / name

@@ -2,7 +2,8 @@
 # One GPU session in one call, stage by stage, each bounded by its own timeout:
 #   STAGES="suite latency throughput" tests/gpu/session.sh OUT_DIR
 # Stages: suite (tests/gpu), latency, throughput, startup, server (the SDK suite with
-# --device cuda), serve (infc bench serve against infc serve), tune (infc tune run).
+# --device cuda), serve (infc bench serve against infc serve), generate (infc generate --device
+# cuda), tune (infc tune run).
 # Needs what tests/gpu/prepare.py built here (carry generated/*/bin, .cache/gpu, .cache/artifacts)
 # and, for packages the GPU machine lacks, wheels in .whl/. Logs and results land in OUT_DIR.
 set -uo pipefail
@@ -23,7 +24,7 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv | tee "$OUT/gpu.txt"
 say "models"
-timeout 300 python3 -c "import sys; sys.path.insert(0,'tests/gpu'); import models; [models.model_dir(m) for m in ('qwen3-4b','llama-3.2-1b','tiny-moe')]" 2>&1 | tail -3
+timeout 300 python3 -c "import sys; sys.path.insert(0,'tests/gpu'); import models; [models.model_dir(m) for m in ('qwen3-4b','llama-3.2-1b','tiny-moe','skipgram')]" 2>&1 | tail -12
 say "models ready"
 
 for stage in $STAGES; do
@@ -53,6 +54,9 @@ for stage in $STAGES; do
       timeout ${SERVE_S:-200} python3 -m infc.cli bench serve --base-url http://127.0.0.1:8011 \
         --num-prompts ${SERVE_PROMPTS:-48} --out "$OUT" 2>&1 | tail -12
       kill $pid; wait $pid 2>/dev/null ;;
+    generate)
+      timeout 120 python3 -m infc.cli generate --model-path "$MODELS/qwen3-4b" --device cuda \
+        --prompt "The capital of France is" --prompt "def fib(n):" --max-tokens 12 2>&1 | tee "$OUT/generate.log" | tail -4 ;;
     tune)
       timeout ${TUNE_S:-200} python3 -m infc.cli tune run --dir .cache/tune/qwen3-4b-h200 \
         --write "$OUT/tuning-h200.json" 2>&1 | tail -40 ;;

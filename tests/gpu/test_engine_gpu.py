@@ -94,26 +94,24 @@ def assert_all_free(e, start):
 
 
 def test_kv_exhaustion_all_complete_as_alone(model_dir, artifact):
-    """4x more concurrent demand than the KV holds: every request finishes with the tokens it
-    gets alone; the free-page count returns to its start."""
+    """4x more concurrent demand than the KV holds: every request finishes with exactly the tokens
+    it gets alone, those follow the model's learned rule (each reads the KV two positions back),
+    and the free-page count returns to its start. The tiny trained model (trained_model.py): on
+    random weights, near-tied logits flip between valid kernel paths (see its docstring)."""
+    from trained_model import follow, prompt
     rng = np.random.default_rng(7)
     out_len, n = 24, 16
-    prompts = [rng.integers(0, 128000, int(rng.integers(40, 160))).tolist() for _ in range(n)]
+    prompts = [prompt(rng, int(rng.integers(40, 160))) for _ in range(n)]
     demand = sum(-(-(len(p) + out_len) // 16) for p in prompts)
-    r = CudaRunner(artifact(MODEL), model_dir(MODEL), max_num_batched_tokens=1024, max_num_seqs=16,
+    r = CudaRunner(artifact("skipgram"), model_dir("skipgram"), max_num_batched_tokens=1024, max_num_seqs=16,
                    num_pages=demand // 4, buckets=[1, 2, 4, 8, 16])
-    params = SamplingParams(max_tokens=out_len, logprobs=2, **GREEDY)
-    want, margins = [], []
-    for i, p in enumerate(prompts):
+    params = SamplingParams(max_tokens=out_len, **GREEDY)
+    want = []
+    for p in prompts:
         alone = make_engine(r, enable_prefix_caching=False)
         alone.add_request(p, params, "x")
-        toks, lps = [], []
-        while alone.has_unfinished():
-            for o in alone.step():
-                toks += o.token_ids
-                lps += o.logprobs or []
-        want.append(toks)
-        margins.append(lps)
+        want.append(drain(alone)["x"])
+    assert all(w == follow(p, len(p) + out_len)[len(p):] for p, w in zip(prompts, want))
     e = make_engine(r, max_num_seqs=16, max_num_batched_tokens=512)
     start = e.bm.num_free_pages
     for i, p in enumerate(prompts):
@@ -122,12 +120,7 @@ def test_kv_exhaustion_all_complete_as_alone(model_dir, artifact):
     print(f"KV exhaustion: {r.num_pages} pages for a demand of {demand}, "
           f"{e.metrics.num_preemptions_total} preemptions")
     assert e.metrics.num_preemptions_total > 0
-    bad = [i for i in range(n) if outs[f"r{i}"] != want[i]]
-    detail = []
-    for i in bad:
-        j = next(k for k, (a, b) in enumerate(zip(outs[f"r{i}"], want[i])) if a != b)
-        detail.append((i, j, margins[i][j]))
-    assert not bad, f"differ from alone (request, first position, alone's top logprobs): {detail}"
+    assert [outs[f"r{i}"] for i in range(n)] == want
     assert_all_free(e, start)
 
 
