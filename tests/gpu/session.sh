@@ -50,9 +50,15 @@ for stage in $STAGES; do
       python3 -m infc.cli serve --model-path "$MODELS/qwen3-4b" --device cuda --port 8011 \
         --disable-uvicorn-access-log >"$OUT/serve.log" 2>&1 &
       pid=$!
-      for _ in $(seq 1 600); do curl -sf localhost:8011/health >/dev/null && break; sleep 0.1; done
+      python3 -c "
+import time, urllib.request
+for _ in range(600):
+    try:
+        urllib.request.urlopen('http://127.0.0.1:8011/health', timeout=1); break
+    except OSError:
+        time.sleep(0.1)"
       timeout ${SERVE_S:-200} python3 -m infc.cli bench serve --base-url http://127.0.0.1:8011 \
-        --num-prompts ${SERVE_PROMPTS:-48} --out "$OUT" 2>&1 | tail -12
+        --num-prompts ${SERVE_PROMPTS:-32} --out "$OUT" 2>&1 | tail -12
       kill $pid; wait $pid 2>/dev/null ;;
     generate)
       timeout 120 python3 -m infc.cli generate --model-path "$MODELS/qwen3-4b" --device cuda \
