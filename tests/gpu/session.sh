@@ -31,7 +31,7 @@ for stage in $STAGES; do
   say "stage $stage"
   case $stage in
     suite)
-      timeout ${SUITE_S:-330} python3 -m pytest tests/gpu -q -s -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | quiet \
+      timeout ${SUITE_S:-330} python3 -m pytest ${SUITE_PATHS:-tests/gpu} -q -s -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | quiet \
         | tee "$OUT/pytest-gpu.log" | grep -E "passed|failed|error|regret|KV exhaustion|^E " | tail -40 ;;
     latency)
       timeout ${LATENCY_S:-240} python3 -m infc.cli bench latency --artifact generated/qwen3-4b \
