@@ -1,0 +1,291 @@
+"""`infc tune prepare`: the build-machine half of filling codegen_templates/tuning/<gpu>.json.
+
+Cubins are compiled here (no GPU) and timed on a GPU machine that has no trusted compiler, so
+tuning is two commands joined by a folder:
+
+    infc tune prepare --model qwen3-4b --gpu h200     # here: -> .cache/tune/qwen3-4b-h200/
+    infc tune run --dir .cache/tune/qwen3-4b-h200 --write codegen_templates/tuning/h200.json
+
+prepare compiles the model's plan, walks the launches of the chosen phases and, for every
+distinct (template, shape key) of a template with a candidate grid below, renders one kernel per
+candidate tuning dict, compiles them all into <out>/bin/ and writes <out>/manifest.json: per
+entry the launch's tensors (symbolic shapes), the step sizes to time it at, and per candidate
+its tune dict, kernel id and META. `runtime/cuda/tune_run.py` needs nothing else.
+
+A shape key is symbolic in T and B (one key covers every batch size), so each is timed at
+representative sizes: decode at T = B = 1 (`--decode-batches 1,8` adds more; the score is the
+geometric mean), prefill at T = 1024 tokens of one sequence, mixed at T = 512 over 8 sequences;
+attention at `--context-len` cached keys per sequence.
+
+Candidates are overlays on what the build renders for a shape today with no per-shape entry
+(the table's template-level "default", normally {}): the first candidate is always {} (that
+baseline), a shape's current table entry is always a candidate too, and a tune dict whose kernel
+source equals an earlier candidate's is dropped (it would time the same kernel twice).
+"""
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+from .build import REPO, compile_model, load_tuning
+from .codegen.render import EXT, TemplateError, _env, launch_context, render_template, shape_key
+from .errors import SpecError
+
+MANIFEST_VERSION = 1
+DEFAULT_TEMPLATES = ("gemv", "gemv_silu_mul", "lm_head_last", "attention_decode",
+                     "gemm", "gemm_silu_mul", "attention_prefill")
+PHASES = ("prefill", "decode", "mixed")
+
+# --- candidate grids: only keys the template reads (tests check each against its source) -------
+
+# gemv.py.j2 (and gemv_silu_mul / lm_head_last, which include it). Rows <= FMA_T (1 by default)
+# take the CUDA-core path, more rows the tensor-core path: a grid varies the path it will time.
+# Lists are in priority order: when both paths are timed each contributes its first 5.
+_GEMV_FMA = [{"BLOCK_N": 16}, {"TARGET_CTAS": 528}, {"FMA_BLOCK_K": 128},
+             {"BLOCK_N": 16, "FMA_BLOCK_K": 512}, {"num_warps": 8}, {"BLOCK_N": 64, "FMA_BLOCK_K": 128},
+             {"TARGET_CTAS": 264}, {"TARGET_CTAS": 792}, {"SPLIT_K": 1}, {"num_warps": 2},
+             {"num_stages": 2}]
+_GEMV_DOT = [{"BLOCK_N_DOT": 128}, {"BLOCK_T": 16}, {"BLOCK_T": 32}, {"BLOCK_K": 128},
+             {"TARGET_CTAS_DOT": 528}, {"BLOCK_N_DOT": 32}, {"TARGET_CTAS_DOT": 132},
+             {"SPLIT_K_DOT": 1}, {"num_stages": 3}, {"num_warps": 8}]
+_GEMV_FMA_T = [{"FMA_T": 2, "FMA_BLOCK_K": 128}, {"FMA_T": 4, "BLOCK_N": 16, "FMA_BLOCK_K": 128}]
+# lm_head_last cannot split K (its norm scale closes the K loop) and has a huge N
+_LM_FMA = [{"BLOCK_N": 8}, {"BLOCK_N": 32, "FMA_BLOCK_K": 256}, {"FMA_BLOCK_K": 256},
+           {"FMA_BLOCK_K": 1024}, {"num_warps": 8}, {"num_warps": 2}, {"num_stages": 2},
+           {"num_stages": 4}]
+_LM_DOT = [{"BLOCK_N_DOT": 64}, {"BLOCK_N_DOT": 256}, {"BLOCK_T": 16}, {"BLOCK_K": 128},
+           {"num_warps": 8}, {"num_stages": 2}]
+_GEMM = [{"BLOCK_N": 128}, {"BLOCK_N": 256}, {"BLOCK_M": 64}, {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4},
+         {"BLOCK_K": 32}, {"BLOCK_K": 128, "BLOCK_N": 128, "num_stages": 2}, {"GROUP_M": 4},
+         {"GROUP_M": 16}, {"num_stages": 3}, {"num_stages": 4}, {"num_warps": 4}]
+_ATTN_DECODE = [{"BLOCK_N": 32}, {"BLOCK_N": 128}, {"NUM_SPLITS": 16}, {"NUM_SPLITS": 64},
+                {"TARGET_CTAS": 132}, {"TARGET_CTAS": 528}, {"MERGE_CHUNK": 4}, {"num_warps": 2},
+                {"num_warps": 8}, {"num_stages": 1}, {"num_stages": 3}]
+_ATTN_PREFILL = [{"BLOCK_M": 64}, {"BLOCK_N": 64}, {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4},
+                 {"BLOCK_M": 256, "BLOCK_N": 64}, {"num_warps": 4}, {"num_stages": 2},
+                 {"num_stages": 4}, {"BLOCK_B": 64}]
+_NORM = [{"num_warps": 2}, {"num_warps": 4}, {"num_warps": 8}, {"num_warps": 16}]
+_QK_ROPE = [{"BLOCK_H": 1}, {"BLOCK_H": 4}, {"BLOCK_H": 8}, {"BLOCK_T": 2}, {"BLOCK_T": 8},
+            {"num_warps": 1}, {"num_warps": 2}, {"num_warps": 4}]
+_CUDA_GEMV = [{"KS": 1}, {"KS": 2}, {"KS": 4}, {"MR": 2}, {"UNROLL": 2}, {"UNROLL": 4},
+              {"PIPE": 0}, {"PIPE": 1}, {"TT": 64}]
+
+
+def _gemv_grid(fma, dot, rows):
+    both = min(rows) <= 1 < max(rows)
+    out = []
+    if min(rows) <= 1:
+        out += fma[:5] if both else fma
+    if max(rows) > 1:
+        out += dot[:5] if both else dot
+        if any(1 < r <= 4 for r in rows):
+            out += _GEMV_FMA_T
+    return out
+
+
+GRIDS = {
+    ("triton", "gemv"): lambda rows: _gemv_grid(_GEMV_FMA, _GEMV_DOT, rows),
+    ("triton", "gemv_silu_mul"): lambda rows: _gemv_grid(_GEMV_FMA, _GEMV_DOT, rows),
+    ("triton", "lm_head_last"): lambda rows: _gemv_grid(_LM_FMA, _LM_DOT, rows),
+    ("triton", "gemm"): lambda rows: _GEMM,
+    ("triton", "gemm_silu_mul"): lambda rows: _GEMM,
+    ("triton", "attention_decode"): lambda rows: _ATTN_DECODE,
+    ("triton", "attention_prefill"): lambda rows: _ATTN_PREFILL,
+    ("triton", "add_rms_norm"): lambda rows: _NORM,
+    ("triton", "rms_norm"): lambda rows: _NORM,
+    ("triton", "qk_norm_rope_cache"): lambda rows: _QK_ROPE,
+    ("cuda", "gemv"): lambda rows: _CUDA_GEMV,
+}
+# which step dimension is a template's row count (the gemv family picks its path by it)
+ROWS_DIM = {"lm_head_last": "B"}
+
+
+def candidates(backend: str, template: str, rows=(1,)) -> list[dict]:
+    """The candidate tune dicts for a template timed at these row counts; {} (the baseline) first."""
+    grid = GRIDS.get((backend, template))
+    if grid is None:
+        return [{}]
+    out = [{}]
+    for c in grid(list(rows)):
+        if c not in out:
+            out.append(dict(c))
+    return out
+
+
+def phase_dims(phase: str, decode_batches=(1,), prefill_tokens=1024, mixed=(512, 8)) -> list[dict]:
+    """The step sizes a phase's shape keys are timed at."""
+    if phase == "decode":
+        return [{"T": int(b), "B": int(b)} for b in decode_batches]
+    if phase == "prefill":
+        return [{"T": int(prefill_tokens), "B": 1}]
+    if phase == "mixed":
+        T, B = int(mixed[0]), int(mixed[1])
+        if T <= B - 1:
+            raise SpecError(f"mixed step T={T} needs more tokens than its {B - 1} decode rows", None)
+        return [{"T": T, "B": B}]
+    raise SpecError(f"unknown phase '{phase}' (known: {', '.join(PHASES)})", None)
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=REPO).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def _int_high(name: str, launch_inputs: list[dict], config: dict) -> int:
+    """Exclusive upper bound for the random contents of an i32 input: token ids < V, expert ids
+    < the stacked experts' count; anything else gets zeros (a valid index everywhere)."""
+    if name == "tokens":
+        return int(config["V"])
+    experts = [t["shape"][0] for t in launch_inputs if t["kind"] == "weight" and len(t["shape"]) == 3]
+    return int(experts[0]) if experts else 1
+
+
+def collect(plan: dict, table: dict, phases, templates, page_size: int) -> list[dict]:
+    """One entry per distinct (template, shape key) of a tunable template in these phases."""
+    entries: dict[tuple, dict] = {}
+
+    def visit(program, phase, mult):
+        for launch in program:
+            if "repeat" in launch:
+                visit(launch["body"], phase, mult * launch["count"])
+                continue
+            tpl, backend = launch["kernel"], launch["backend"]
+            if tpl not in templates or (backend, tpl) not in GRIDS:
+                continue
+            ctx = launch_context(plan, launch, phase, table, page_size)
+            key = shape_key(phase, ctx["inputs"] + ctx["outputs"])
+            e = entries.get((tpl, key))
+            if e is None:
+                for t in ctx["inputs"]:
+                    if t["dtype"] == "i32" and t["kind"] == "buffer":
+                        t["high"] = _int_high(t["name"], ctx["inputs"], plan["config"])
+                e = entries[(tpl, key)] = {
+                    "template": tpl, "backend": backend, "op": launch["op"], "phase": phase,
+                    "shape_key": key, "launches_per_step": 0, "ctx": ctx,
+                    "inputs": ctx["inputs"], "outputs": ctx["outputs"]}
+            e["launches_per_step"] += mult
+
+    for phase in phases:
+        visit(plan["programs"].get(phase, []), phase, 1)
+    return list(entries.values())
+
+
+def prepare(model=None, gpu="h200", out=None, phases=("decode", "prefill"), templates=None,
+            spec_path=None, model_dir=None, features=None, page_size=16, target="sm_90",
+            decode_batches=(1,), prefill_tokens=1024, mixed=(512, 8), context_len=1024,
+            compile=True, jobs=None, log=print) -> Path:
+    """Render (and compile) every candidate kernel; write <out>/manifest.json. Returns out."""
+    log = log or (lambda *a: None)
+    for p in phases:
+        if p not in PHASES:
+            raise SpecError(f"unknown phase '{p}' (known: {', '.join(PHASES)})", None)
+    templates = tuple(templates or DEFAULT_TEMPLATES)
+    tunable = sorted({t for _, t in GRIDS})
+    for t in templates:
+        if t not in tunable:
+            raise SpecError(f"template '{t}' has no candidate grid (tunable: {', '.join(tunable)})", None)
+    if context_len < 1:
+        raise SpecError("--context-len must be at least 1", None)
+    table = load_tuning(gpu)
+    state, plan = compile_model(model, spec_path, model_dir, features)
+    out = Path(out) if out else REPO / ".cache" / "tune" / f"{state.model}-{gpu}"
+    dims = {p: phase_dims(p, decode_batches, prefill_tokens, mixed) for p in phases}
+    found = collect(plan, table, phases, templates, page_size)
+    if not found:
+        raise SpecError(f"no launch of {', '.join(templates)} in phases {', '.join(phases)} of "
+                        f"{state.model}", None)
+
+    env = _env()
+    kernels = {}
+    entries = []
+    for e in found:
+        tpl, backend = e["template"], e["backend"]
+        entry_table = table.get("templates", {}).get(tpl, {})
+        base = dict(entry_table.get("default", {}))
+        current = entry_table.get(e["shape_key"])
+        rows = [d[ROWS_DIM.get(tpl, "T")] for d in dims[e["phase"]]]
+        cands = [(c, "default" if not c else "grid") for c in candidates(backend, tpl, rows)]
+        if current and current not in [c for c, _ in cands]:
+            cands.insert(1, (dict(current), "current"))
+        rendered, skipped, seen = [], [], {}
+        for tune, label in cands:
+            ctx = dict(e["ctx"], tune={**base, **tune})
+            try:
+                k = render_template(backend, tpl, ctx, env)
+            except TemplateError as err:
+                if not tune:
+                    raise
+                skipped.append({"tune": tune, "why": f"render: {err}"})
+                continue
+            if k.id in seen:
+                skipped.append({"tune": tune, "why": f"same kernel as {seen[k.id]}"})
+                continue
+            seen[k.id] = json.dumps(tune, sort_keys=True)
+            kernels[k.id] = k
+            rendered.append({"tune": tune, "label": label, "kernel": k.id,
+                             "source": f"kernels/{k.id}{EXT[backend]}", "meta": k.meta})
+        entries.append({key: e[key] for key in ("template", "backend", "op", "phase", "shape_key",
+                                                  "launches_per_step", "inputs", "outputs")}
+                       | {"base_tune": base, "current_tune": current or {}, "dims": dims[e["phase"]],
+                          "candidates": rendered, "skipped": skipped})
+
+    for sub in ("kernels", "bin"):
+        shutil.rmtree(out / sub, ignore_errors=True)
+    (out / "kernels").mkdir(parents=True, exist_ok=True)
+    for kid, k in kernels.items():
+        (out / "kernels" / f"{kid}{EXT[k.backend]}").write_text(k.source)
+    n_cands = sum(len(e["candidates"]) for e in entries)
+    log(f"infc tune prepare {state.model} ({gpu}): {len(entries)} shape keys, {n_cands} candidates, "
+        f"{len(kernels)} kernels")
+    if compile:
+        failed = _compile(kernels, out / "bin", target, jobs, log)
+        for e in entries:
+            keep = []
+            for c in e["candidates"]:
+                if c["kernel"] in failed:
+                    if not c["tune"]:
+                        raise RuntimeError(f"the baseline kernel {c['kernel']} of {e['template']} "
+                                           f"failed to compile: {failed[c['kernel']]}")
+                    e["skipped"].append({"tune": c["tune"], "why": f"compile: {failed[c['kernel']]}"})
+                else:
+                    keep.append(c)
+            e["candidates"] = keep
+
+    manifest = {
+        "version": MANIFEST_VERSION, "model": state.model, "gpu": gpu, "target": target,
+        "page_size": page_size, "compiled": bool(compile), "commit": _commit(),
+        "kv": {**plan["kv_cache"], "page_size": page_size}, "config": plan["config"],
+        "context_len": int(context_len), "dims": dims,
+        "note": ("shape keys are symbolic in T and B, so one key covers every batch size; each is "
+                 "timed at the representative step sizes in 'dims' (decode T = B = batch, prefill "
+                 "T tokens of one sequence, mixed B-1 decode rows + one chunk), attention over "
+                 "context_len cached keys per sequence. Candidate tune dicts overlay base_tune "
+                 "(the table's template default); the first candidate, {}, is the baseline."),
+        "entries": entries,
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    log(f"wrote {out / 'manifest.json'}")
+    return out
+
+
+def _compile(kernels: dict, bin_dir: Path, target: str, jobs, log) -> dict:
+    """Compile all kernels; a candidate that fails to compile is dropped, not fatal. -> failures."""
+    from .codegen.aot import compile_kernels
+    try:
+        res = compile_kernels(kernels, bin_dir, target, jobs=jobs, progress=log is not None)
+        log(f"  compiled {len(res['compiled'])} kernels, {len(kernels) - len(res['compiled'])} "
+            f"cached, {res['seconds']:.1f} s")
+        return {}
+    except RuntimeError:
+        pass
+    failed = {}
+    for kid in sorted(kernels):          # one at a time (each cached) to find the bad ones
+        try:
+            compile_kernels({kid: kernels[kid]}, bin_dir, target, jobs=1, progress=False)
+        except RuntimeError as e:
+            failed[kid] = str(e).split(": ", 1)[-1][:300]
+            log(f"  dropped {kid}: {failed[kid]}")
+    return failed

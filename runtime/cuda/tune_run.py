@@ -1,0 +1,552 @@
+"""`infc tune run`: the GPU half of tuning. cuda-python and numpy only: never torch, never the
+compiler; everything comes from the folder `infc tune prepare` wrote (manifest.json, bin/).
+
+For each (template, shape key) of the manifest, at each of its step sizes:
+  * allocate the launch's tensors: activations with random bf16/f32 contents (i32 inputs within
+    their bound), weights and the paged KV cache in rotating copies that together pass 3x the L2
+    size, so every timed launch streams its weights (and KV) from HBM as a decode step does,
+    while activations stay in L2 as they do between launches; step metadata from
+    runtime/step.build_step (valid block tables, slots, positions); zeroed scratch per candidate;
+  * run every candidate once from a reset state and compare its outputs with the baseline's
+    ({} = what the build renders today) within bf16 tolerance: a candidate that disagrees, does
+    not load, or leaves its counter scratch non-zero is dropped, never chosen;
+  * time each survivor as a CUDA Graph of `inner` launches (cycling through the copies), the
+    median over `reps` event-timed replays, interleaved over the candidates in rounds so clock
+    drift hits them all alike.
+The per-candidate score is the geometric mean over step sizes. A shape gets a table entry only
+when its best candidate beats the baseline by more than `threshold` (3 %); otherwise its entry
+is removed. The pure parts (step_metadata, agree, select_best, merge_table) import no driver.
+"""
+import copy as _copy
+import datetime
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from ..bind import eval_int, grid as launch_grid, launch_args, scratch_sizes
+from ..step import Chunk, build_step
+
+DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "i32": 4}
+THRESHOLD = 0.03          # store an entry only when it beats the baseline by more than this
+ROUNDS = 5                # timing rounds, interleaved over candidates
+COLD_FACTOR = 3           # rotating weight/KV copies total at least this many L2 sizes
+TARGET_GRAPH_US = 500.0   # a timed graph replay lasts about this long
+_PERIOD = 1_048_573       # random data repeats with a prime period: never aligned with rows
+REPO = Path(__file__).resolve().parents[2]
+
+
+# --- pure helpers ----------------------------------------------------------------------------
+
+def step_metadata(phase: str, T: int, B: int, context_len: int, page_size: int, seed: int = 0):
+    """Valid metadata for a step of T tokens over B sequences: (arrays, num_pages, max_pages).
+
+    decode: B sequences of one new token each, KV lengths context_len, context_len - 3, ...;
+    prefill: T tokens split over B sequences with no cached prefix; mixed: B - 1 decode rows and
+    one chunk of T - B + 1 tokens after context_len cached ones. Pages are a random permutation
+    of 0 .. num_pages-1 (scattered, as after some serving); page num_pages is the spare that
+    pads block-table rows (the KV allocation holds num_pages + 1 pages, as in the runner)."""
+    if phase == "decode":
+        if T != B:
+            raise ValueError(f"a decode step has T == B (got T={T}, B={B})")
+        chunks = [(max(context_len - 3 * b, 1) - 1, 1) for b in range(B)]
+    elif phase == "prefill":
+        if T < B:
+            raise ValueError(f"a prefill step of {T} tokens cannot cover {B} sequences")
+        chunks = [(0, T // B + (1 if b < T % B else 0)) for b in range(B)]
+    elif phase == "mixed":
+        if T < B:
+            raise ValueError(f"a mixed step of {T} tokens cannot cover {B} sequences")
+        chunks = [(max(context_len - 3 * b, 1) - 1, 1) for b in range(B - 1)] + [(context_len, T - B + 1)]
+    else:
+        raise ValueError(f"unknown phase '{phase}'")
+    need = [-(-(s + n) // page_size) for s, n in chunks]
+    num_pages = sum(need)
+    perm = np.random.default_rng(seed).permutation(num_pages)
+    pages, at = {}, 0
+    for i, n in enumerate(need):
+        pages[i] = [int(p) for p in perm[at: at + n]]
+        at += n
+    width = max(need) + 1
+    m = build_step([Chunk(i, [0] * n, s) for i, (s, n) in enumerate(chunks)], pages.__getitem__,
+                   page_size, width)
+    bt = m.block_tables.copy()
+    for i, n in enumerate(need):
+        bt[i, n:] = num_pages                       # the spare page, as the runner pads
+    arrays = {"positions": m.positions, "seq_starts": m.seq_starts, "context_lens": m.context_lens,
+              "last_rows": m.last_rows, "slot_mapping": m.slot_mapping, "block_tables": bt}
+    return {k: np.ascontiguousarray(v, np.int32) for k, v in arrays.items()}, num_pages, width
+
+
+def to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bits (uint16), round to nearest even."""
+    b = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def from_bf16(u: np.ndarray) -> np.ndarray:
+    return (np.asarray(u, np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def host_data(t: dict, shape: list[int], seed: int) -> np.ndarray:
+    """Random contents for one tensor: activations N(0, 1), matrices N(0, 1/K) so outputs stay
+    O(1), 1-D weights (norm scales) 1 + N(0, 0.01); i32 inputs uniform in [0, t["high"])."""
+    n = int(np.prod(shape)) if shape else 1
+    rng = np.random.default_rng(seed)
+    if t["dtype"] == "i32":
+        return rng.integers(0, max(int(t.get("high", 1)), 1), n, dtype=np.int32)
+    base = rng.standard_normal(min(n, _PERIOD)).astype(np.float32)
+    if t["kind"] == "weight" and len(shape) == 1:
+        base = 1.0 + 0.1 * base
+    elif t["kind"] == "weight":
+        base = base / np.float32(math.sqrt(shape[-1]))
+    if t["dtype"] == "bf16":
+        base = to_bf16(base)
+    elif t["dtype"] == "f16":
+        base = base.astype(np.float16)
+    elif t["dtype"] != "f32":
+        raise ValueError(f"tensor '{t['name']}': no random fill for dtype {t['dtype']}")
+    return np.resize(base, n)
+
+
+def as_float(raw: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bf16":
+        return from_bf16(raw.view(np.uint16))
+    if dtype == "f16":
+        return raw.view(np.float16).astype(np.float32)
+    if dtype == "f32":
+        return raw.view(np.float32)
+    return raw.view(np.int32).astype(np.float64)
+
+
+def agree(got: np.ndarray, want: np.ndarray, rel_l2: float = 1e-2, rel_max: float = 5e-2):
+    """bf16 tolerance against the baseline: relative L2 error <= rel_l2 and no element off by more
+    than rel_max of the reference's largest |value|; any non-finite value fails. -> (ok, why)."""
+    g = np.asarray(got, np.float64).reshape(-1)
+    w = np.asarray(want, np.float64).reshape(-1)
+    if g.shape != w.shape:
+        return False, f"shape {g.shape} != {w.shape}"
+    if not np.isfinite(g).all():
+        return False, "non-finite output (unwritten or bad math)"
+    d = np.abs(g - w)
+    scale = max(float(np.abs(w).max(initial=0.0)), 1e-30)
+    err = float(np.linalg.norm(g - w) / max(float(np.linalg.norm(w)), 1e-30))
+    worst = float(d.max(initial=0.0)) / scale
+    ok = err <= rel_l2 and worst <= rel_max
+    return ok, f"rel L2 {err:.1e}, max {worst:.1e}"
+
+
+def select_best(results: dict, default, threshold: float = THRESHOLD):
+    """results: candidate -> {"us": float | None, "ok": bool}. The fastest correct candidate when
+    it beats the default by more than `threshold`, else the default (None if the default itself
+    has no time: nothing can be chosen)."""
+    base = results.get(default, {})
+    if not base.get("ok") or base.get("us") is None:
+        return None
+    good = [(r["us"], str(c), c) for c, r in results.items() if r.get("ok") and r.get("us") is not None]
+    us, _, best = min(good)
+    return best if us < base["us"] * (1.0 - threshold) else default
+
+
+def merge_table(table: dict, template: str, key: str, tune: dict | None, base_tune: dict | None = None) -> dict:
+    """A copy of the tuning table with `key`'s entry set to `tune` ({} or None: removed, the
+    shape keeps the template's default). base_tune is what the candidates were rendered on top
+    of: it must still be the table's template default, or the timings no longer apply."""
+    out = _copy.deepcopy(table)
+    tpls = out.setdefault("templates", {})
+    entry = tpls.setdefault(template, {})
+    if base_tune is not None and dict(entry.get("default", {})) != dict(base_tune):
+        raise ValueError(f"tuning table's default for '{template}' is {entry.get('default', {})}, "
+                         f"but the candidates were prepared on {base_tune}: run `infc tune prepare` again")
+    if tune:
+        entry[key] = dict(tune)
+    else:
+        entry.pop(key, None)
+    if not entry:
+        tpls.pop(template)
+    return out
+
+
+def dump_table(table: dict) -> str:
+    return json.dumps(table, indent=1, sort_keys=True) + "\n"
+
+
+def geomean(xs) -> float:
+    return float(math.exp(sum(math.log(x) for x in xs) / len(xs)))
+
+
+def _fmt_tune(t: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(t.items())) or "{}"
+
+
+# --- the GPU side ----------------------------------------------------------------------------
+
+class _Case:
+    """One manifest entry at one step size on the device: its tensors, metadata, KV cache."""
+
+    def __init__(self, drv, ctx, manifest: dict, entry: dict, dims: dict, l2_bytes: int, seed: int):
+        self.drv, self.ctx, self.entry, self.dims = drv, ctx, entry, dims
+        self.allocs = []
+        kv = manifest["kv"]
+        arrays, num_pages, self.width = step_metadata(entry["phase"], dims["T"], dims["B"],
+                                                      manifest["context_len"], kv["page_size"], seed)
+        self.meta = {}
+        for name, a in arrays.items():
+            self.meta[name] = self._alloc(a.nbytes)
+            ctx.htod(self.meta[name], a)
+            ctx.sync()
+        tensors = {}
+        for role, ts in (("in", entry["inputs"]), ("out", entry["outputs"])):
+            for t in ts:
+                rec = tensors.setdefault(t["name"], {"t": t, "roles": set()})
+                rec["roles"].add(role)
+        self.tensors = tensors
+        self.uses_kv = any(r["t"]["kind"] == "kv" for r in tensors.values()) or any(
+            src.startswith("kv:") for c in entry["candidates"] for _, _, src in c["meta"]["params"])
+        self.kv_written = "kv_cache" in tensors and "out" in tensors["kv_cache"]["roles"]
+        page_bytes = kv["page_size"] * kv["kv_heads"] * kv["head_dim"] * DTYPE_BYTES[kv["dtype"]]
+        self.kv_bytes = (num_pages + 1) * page_bytes
+        self.kv_dtype = kv["dtype"]
+        for rec in tensors.values():
+            t = rec["t"]
+            if t["kind"] == "kv":
+                continue
+            rec["shape"] = [eval_int(d, dims) for d in t["shape"]]
+            rec["nbytes"] = int(np.prod(rec["shape"])) * DTYPE_BYTES[t["dtype"]]
+        cold = sum(r["nbytes"] for r in tensors.values() if r["t"]["kind"] == "weight")
+        cold += 2 * self.kv_bytes if self.uses_kv else 0
+        self.copies = 1 if cold == 0 else max(1, min(64, -(-COLD_FACTOR * l2_bytes // cold)))
+        self.init = {}
+        for i, (name, rec) in enumerate(sorted(tensors.items())):
+            t = rec["t"]
+            if t["kind"] == "kv":
+                continue
+            if t["kind"] == "weight":
+                host = host_data(t, rec["shape"], seed + 1 + i)
+                rec["ptrs"] = [self._alloc(rec["nbytes"]) for _ in range(self.copies)]
+                ctx.htod(rec["ptrs"][0], host)
+                ctx.sync()
+                for p in rec["ptrs"][1:]:
+                    ctx.dtod(p, rec["ptrs"][0], rec["nbytes"])
+                continue
+            rec["ptrs"] = [self._alloc(rec["nbytes"])]
+            if "in" in rec["roles"]:
+                self.init[name] = host_data(t, rec["shape"], seed + 1 + i)
+        if self.uses_kv:
+            kvt = {"name": "kv_cache", "kind": "kv", "dtype": self.kv_dtype}
+            n = self.kv_bytes // DTYPE_BYTES[self.kv_dtype]
+            self.kv_init = [host_data(kvt, [n], seed + 101), host_data(kvt, [n], seed + 102)]
+            self.kv = [(self._alloc(self.kv_bytes), self._alloc(self.kv_bytes)) for _ in range(self.copies)]
+            for kp, vp in self.kv:
+                ctx.htod(kp, self.kv_init[0])
+                ctx.htod(vp, self.kv_init[1])
+                ctx.sync()
+        ctx.sync()
+
+    def _alloc(self, nbytes: int) -> int:
+        p = self.ctx.alloc(nbytes)
+        self.allocs.append(p)
+        return p
+
+    def reset(self):
+        """Inputs back to their initial contents, outputs poisoned (0xFF: NaN / -1)."""
+        keep = []
+        for name, rec in self.tensors.items():
+            if rec["t"]["kind"] in ("kv", "weight"):
+                continue
+            if name in self.init:
+                keep.append(self.ctx.htod(rec["ptrs"][0], self.init[name]))
+            else:
+                self.ctx.memset(rec["ptrs"][0], rec["nbytes"], 0xFF)
+        if self.uses_kv and self.kv_written:
+            keep.append(self.ctx.htod(self.kv[0][0], self.kv_init[0]))
+            keep.append(self.ctx.htod(self.kv[0][1], self.kv_init[1]))
+        self.ctx.sync()
+
+    def outputs(self) -> dict:
+        out = {}
+        for name, rec in self.tensors.items():
+            if "out" not in rec["roles"]:
+                continue
+            if rec["t"]["kind"] == "kv":
+                for which, p in (("k", self.kv[0][0]), ("v", self.kv[0][1])):
+                    raw = np.empty(self.kv_bytes, np.uint8)
+                    self.ctx.dtoh(raw, p)
+                    self.ctx.sync()
+                    out[f"kv:{which}"] = as_float(raw, self.kv_dtype)
+                continue
+            raw = np.empty(rec["nbytes"], np.uint8)
+            self.ctx.dtoh(raw, rec["ptrs"][0])
+            self.ctx.sync()
+            out[name] = as_float(raw, rec["t"]["dtype"])
+        return out
+
+    def values(self, meta: dict, scratch: dict, copy: int) -> list:
+        def resolve(kind, what, ty):
+            if kind in ("in", "out"):
+                t = (self.entry["inputs"] if kind == "in" else self.entry["outputs"])[int(what)]
+                if t["kind"] == "kv":
+                    raise ValueError(f"parameter source {kind}:{what} is the KV cache: use kv:k / kv:v")
+                ptrs = self.tensors[t["name"]]["ptrs"]
+                return ptrs[copy % len(ptrs)]
+            if kind == "dim":
+                return self.dims[what]
+            if kind == "meta":
+                return self.width if what == "max_pages" else self.meta[what]
+            if kind == "kv":
+                return self.kv[copy % self.copies][0 if what == "k" else 1]
+            if kind == "scratch":
+                return scratch[what]
+            if kind == "const":
+                return int(what)
+            raise ValueError(f"unknown parameter source {kind}:{what}")
+        return launch_args(meta, resolve)
+
+    def free(self):
+        self.ctx.sync()
+        for p in self.allocs:
+            self.ctx.free(p)
+        self.allocs = []
+
+
+class _Cand:
+    """One candidate kernel bound to a _Case: loaded, its scratch zeroed, args packed per copy."""
+
+    def __init__(self, drv, case: _Case, cand: dict, bin_dir: Path):
+        self.drv, self.case, self.cand = drv, case, cand
+        ctx, meta = case.ctx, cand["meta"]
+        kid = cand["kernel"]
+        info = json.loads((bin_dir / f"{kid}.json").read_text())
+        if int(info.get("global_scratch_size", 0)):
+            raise RuntimeError("needs Triton global scratch (not supported by the runtime)")
+        self.block = tuple(info.get("block") or meta.get("block") or [info["num_warps"] * 32, 1, 1])
+        self.shared = int(info["dynamic_shared"] if "dynamic_shared" in info else info.get("shared", 0))
+        hidden = int(info.get("hidden_args", 0))
+        self.fn = drv.Module((bin_dir / f"{kid}.cubin").read_bytes()).function(info["name"], self.shared)
+        self.grid = launch_grid(meta, case.dims)
+        if self.grid[0] * self.grid[1] * self.grid[2] == 0:
+            raise RuntimeError(f"empty grid {self.grid} at {case.dims}")
+        self.scratch, self.scratch_bytes = {}, {}
+        for name, nbytes in scratch_sizes(meta, case.dims).items():
+            self.scratch_bytes[name] = max(nbytes, 4)
+            self.scratch[name] = case._alloc(self.scratch_bytes[name])
+            ctx.memset(self.scratch[name], self.scratch_bytes[name], 0)
+        types = [ty for _, ty, _ in meta["params"]] + ["*i8"] * hidden
+        self.args = [drv.PackedArgs(case.values(meta, self.scratch, c) + [0] * hidden, types)
+                     for c in range(case.copies)]
+        self.samples: list[float] = []
+        self.graph = None
+        self.e0, self.e1 = ctx.event(), ctx.event()
+        ctx.sync()
+
+    def launch(self, copy: int = 0):
+        self.drv.launch(self.case.ctx, self.fn, self.grid, self.block, self.shared,
+                        self.args[copy % len(self.args)])
+
+    def counters_clear(self) -> bool:
+        """Scratch counters must be left zero (the kernel's contract: graphs replay it)."""
+        for name, p in self.scratch.items():
+            if "counter" not in name:
+                continue
+            raw = np.empty(self.scratch_bytes[name], np.uint8)
+            self.case.ctx.dtoh(raw, p)
+            self.case.ctx.sync()
+            if raw.any():
+                return False
+        return True
+
+    def warm(self, n: int) -> float:
+        """n eager launches; returns a rough per-launch time (us) to size the timed graph."""
+        self.e0.record()
+        for i in range(n):
+            self.launch(i)
+        self.e1.record()
+        return self.e1.ms_since(self.e0) * 1e3 / max(n, 1)
+
+    def capture(self, inner: int):
+        self.inner = inner
+        self.graph = self.drv.Graph(self.case.ctx, lambda: [self.launch(i) for i in range(inner)])
+        self.graph.launch()                 # one untimed replay
+        self.case.ctx.sync()
+
+    def sample(self, n: int):
+        for _ in range(n):
+            self.e0.record()
+            self.graph.launch()
+            self.e1.record()
+            self.samples.append(self.e1.ms_since(self.e0) * 1e3 / self.inner)
+
+
+def _l2_bytes(ctx) -> int:
+    if getattr(ctx, "l2_bytes", None):
+        return int(ctx.l2_bytes)
+    from cuda.bindings import driver as cu
+    from .driver import check
+    return int(check(cu.cuDeviceGetAttribute(
+        cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE, ctx.device), "cuDeviceGetAttribute(L2)"))
+
+
+def bench_entry(drv, ctx, manifest: dict, entry: dict, bin_dir: Path, reps: int, warmup: int,
+                l2: int, log=print) -> dict:
+    """Time every candidate of one entry at each of its step sizes.
+    -> {kernel id: {"tune", "label", "ok", "why", "us" (geomean), "us_by_dims"}}."""
+    res = {c["kernel"]: {"tune": c["tune"], "label": c["label"], "ok": True, "why": "",
+                         "us": None, "us_by_dims": {}} for c in entry["candidates"]}
+    default = entry["candidates"][0]["kernel"]
+    for di, dims in enumerate(entry["dims"]):
+        dkey = f"T={dims['T']},B={dims['B']}"
+        case = _Case(drv, ctx, manifest, entry, dims, l2, seed=1000 * di)
+        try:
+            ref, timed = None, []
+            for c in entry["candidates"]:
+                r = res[c["kernel"]]
+                if not r["ok"]:
+                    continue
+                try:
+                    k = _Cand(drv, case, c, bin_dir)
+                    case.reset()
+                    k.launch(0)
+                    ctx.sync()
+                    outs = case.outputs()
+                    if not k.counters_clear():
+                        raise RuntimeError("counter scratch left non-zero")
+                except (RuntimeError, OSError, ValueError, KeyError) as e:   # CudaError: RuntimeError
+                    r.update(ok=False, why=f"{dkey}: {type(e).__name__}: {e}"[:300])
+                    if c["kernel"] == default:
+                        return res
+                    continue
+                if c["kernel"] == default:
+                    bad = [n for n, a in outs.items() if not np.isfinite(a).all()]
+                    if bad:
+                        r.update(ok=False, why=f"{dkey}: baseline wrote non-finite values to {bad}")
+                        return res
+                    ref = outs
+                else:
+                    for n, a in outs.items():
+                        ok, why = agree(a, ref[n])
+                        if not ok:
+                            r.update(ok=False, why=f"{dkey}: {n}: {why}")
+                            break
+                    if not r["ok"]:
+                        continue
+                est = k.warm(max(warmup, case.copies))
+                inner = int(min(256, max(case.copies, math.ceil(TARGET_GRAPH_US / max(est, 0.5)))))
+                k.capture(inner)
+                timed.append(k)
+            per_round = max(1, reps // ROUNDS)
+            for _ in range(ROUNDS):
+                for k in timed:
+                    k.sample(per_round)
+            for k in timed:
+                r = res[k.cand["kernel"]]
+                if not k.counters_clear():
+                    r.update(ok=False, why=f"{dkey}: counter scratch non-zero after timing")
+                    continue
+                r["us_by_dims"][dkey] = float(np.median(k.samples))
+        finally:
+            case.free()
+    for r in res.values():
+        if r["ok"] and len(r["us_by_dims"]) == len(entry["dims"]):
+            r["us"] = geomean(r["us_by_dims"].values())
+        elif r["ok"]:
+            r.update(ok=False, why=r["why"] or "not timed")
+    return res
+
+
+def run(dir, write=None, reps: int = 50, warmup: int = 10, threshold: float = THRESHOLD,
+        results_dir=None, any_gpu: bool = False, templates=None, driver=None, log=print) -> dict:
+    """Time the prepared candidates on this GPU, write the results file and the tuning table."""
+    import importlib
+    log = log or (lambda *a: None)
+    drv = driver or importlib.import_module(".driver", __package__)
+    d = Path(dir)
+    try:
+        manifest = json.loads((d / "manifest.json").read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{d}: no manifest.json (run `infc tune prepare` first)") from None
+    if not manifest.get("compiled"):
+        raise ValueError(f"{d}: prepared with --no-compile; there are no cubins to time")
+    ctx = drv.Context()
+    tag = manifest["gpu"]
+    if tag.lower() not in ctx.name.lower() and not any_gpu:
+        raise ValueError(f"this GPU is '{ctx.name}', the manifest is for the {tag} table "
+                         f"(--any-gpu to time it here anyway)")
+    l2 = _l2_bytes(ctx)
+    log(f"infc tune run: {manifest['model']} on {ctx.name} (L2 {l2 / 2**20:.0f} MiB), "
+        f"{len(manifest['entries'])} shape keys, reps {reps}")
+    table_path = Path(write) if write else d / f"{tag}.json"
+    start = REPO / "codegen_templates" / "tuning" / f"{tag}.json"
+    src = table_path if table_path.exists() else start
+    table = json.loads(src.read_text()) if src.exists() else {"gpu": tag, "templates": {}}
+    if table.get("gpu", tag) != tag:
+        raise ValueError(f"{table_path} is the table of '{table.get('gpu')}', not {tag}")
+
+    from infc.bench.common import commit, save     # numpy only; the commit of this tree
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    now = commit()
+    note = (f"filled by `infc tune run` on {ctx.name}, {stamp}, commit "
+            f"{now if now != 'unknown' else manifest.get('commit', 'unknown')}")
+    data = {"gpu": ctx.name, "commit": now, "prepared_at_commit": manifest.get("commit"),
+            "date": stamp, "model": manifest["model"], "table": tag, "threshold": threshold,
+            "reps": reps, "rounds": ROUNDS, "context_len": manifest["context_len"],
+            "dims": manifest["dims"], "l2_bytes": l2,
+            "method": (f"per candidate: a CUDA Graph of N launches cycling through weight/KV copies "
+                       f"totalling >= {COLD_FACTOR}x L2 (weights stream from HBM, activations stay in "
+                       f"L2); median over reps event-timed replays / N, interleaved over candidates "
+                       f"in {ROUNDS} rounds; geometric mean over step sizes; outputs checked against "
+                       f"the baseline within bf16 tolerance"),
+            "note": manifest.get("note"), "entries": []}
+
+    def write_out():
+        # after every shape: a run cut short still leaves a valid table and its measurements
+        table["note"] = note
+        table_path.parent.mkdir(parents=True, exist_ok=True)
+        table_path.write_text(dump_table(table))
+        return save("tune", data, results_dir)
+
+    rows = []
+    for entry in manifest["entries"]:
+        if templates and entry["template"] not in templates:
+            continue
+        res = bench_entry(drv, ctx, manifest, entry, d / "bin", reps, warmup, l2, log)
+        default = entry["candidates"][0]["kernel"]
+        chosen = select_best(res, default, threshold)
+        base_us = res[default]["us"]
+        rec = {"template": entry["template"], "shape_key": entry["shape_key"], "phase": entry["phase"],
+               "launches_per_step": entry["launches_per_step"], "dims": entry["dims"],
+               "default_us": base_us, "candidates": [dict(r, kernel=k) for k, r in res.items()],
+               "skipped_at_prepare": entry.get("skipped", [])}
+        if chosen is None:
+            rec.update(best_us=None, best_tune=None, stored=False, error=res[default]["why"])
+            rows.append((entry, None, None, "baseline failed: " + res[default]["why"][:60]))
+        else:
+            best_us, best = min((r["us"], k) for k, r in res.items() if r["ok"] and r["us"] is not None)
+            tune = res[chosen]["tune"] if chosen != default else {}
+            rec.update(best_us=best_us, best_kernel=best, best_tune=res[best]["tune"],
+                       chosen_kernel=chosen, stored=bool(tune), stored_tune=tune)
+            table = merge_table(table, entry["template"], entry["shape_key"], tune, entry["base_tune"])
+            rows.append((entry, base_us, best_us,
+                         _fmt_tune(res[best]["tune"]) + ("" if tune else "  (kept default)")))
+        data["entries"].append(rec)
+        path = write_out()
+        b = f"{base_us:.2f}" if base_us is not None else "-"
+        log(f"  {entry['template']} {entry['shape_key']}: default {b} us, {rows[-1][3]}")
+    path = write_out()
+    log("")
+    log(f"{'template':<18} {'shape key':<50} {'default us':>10} {'best us':>9}  best tune")
+    for entry, base_us, best_us, text in rows:
+        b = f"{base_us:10.2f}" if base_us is not None else f"{'-':>10}"
+        s = f"{best_us:9.2f}" if best_us is not None else f"{'-':>9}"
+        log(f"{entry['template']:<18} {entry['shape_key']:<50} {b} {s}  {text}")
+    saved = {}
+    for rec in data["entries"]:
+        if rec.get("stored"):
+            chosen_us = next(c["us"] for c in rec["candidates"] if c["kernel"] == rec["chosen_kernel"])
+            saved[rec["phase"]] = saved.get(rec["phase"], 0.0) + \
+                (rec["default_us"] - chosen_us) * rec["launches_per_step"]
+    for phase, us in sorted(saved.items()):
+        log(f"{phase}: the stored entries save about {us:.1f} us per step at the timed sizes")
+    log(f"\nwrote {table_path} and {path}")
+    return {"table": table, "table_path": str(table_path), "results_path": str(path),
+            "entries": data["entries"]}

@@ -1,0 +1,397 @@
+"""`infc tune`: candidate grids, the prepare manifest, the selection/merge rules, valid random
+step metadata, and the whole `tune run` flow against a fake driver (no GPU here)."""
+import ctypes
+import json
+import re
+
+import numpy as np
+import pytest
+
+from infc.cli import main
+from infc.compiler import build as build_mod
+from infc.compiler.codegen.render import TEMPLATES, render_plan, shape_key
+from infc.compiler.tune import GRIDS, candidates, prepare
+from infc.runtime.cuda import tune_run
+from infc.runtime.cuda.tune_run import (agree, dump_table, merge_table, select_best,
+                                        step_metadata)
+
+MODEL = "qwen3-0.6b"
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tune") / "prep"
+    prepare(MODEL, "h200", out=out, compile=False, log=None)
+    return out, json.loads((out / "manifest.json").read_text())
+
+
+def _template_text(backend, template):
+    ext = {"triton": ".py", "cuda": ".cu", "tilelang": ".py"}[backend]
+    text = (TEMPLATES / backend / f"{template}{ext}.j2").read_text()
+    for inc in re.findall(r'{%\s*include\s+"([^"]+)"', text):
+        text += (TEMPLATES / inc).read_text()
+    return text
+
+
+@pytest.mark.parametrize("backend,template", sorted(GRIDS))
+def test_grids_nonempty_default_first_and_read_by_the_template(backend, template):
+    text = _template_text(backend, template)
+    for rows in ([1], [8], [1, 8, 64]):
+        cands = candidates(backend, template, rows)
+        assert cands[0] == {} and len(cands) >= 4, (template, rows, cands)
+        assert len(cands) <= 16
+        assert len({json.dumps(c, sort_keys=True) for c in cands}) == len(cands)
+        for c in cands:
+            for key in c:
+                assert f'tune.get("{key}"' in text, f"{template} never reads tune key {key}"
+
+
+def test_prepare_manifest_candidates_and_shapes(prepared):
+    out, m = prepared
+    _, plan = build_mod.compile_model(MODEL)
+    assert m["model"] == MODEL and m["gpu"] == "h200" and m["compiled"] is False
+    assert m["dims"]["decode"] == [{"T": 1, "B": 1}] and m["dims"]["prefill"] == [{"T": 1024, "B": 1}]
+    assert "symbolic" in m["note"]
+    # every launch key of the plan's tunable templates, per phase, is in the manifest once
+    want = set()
+
+    def visit(prog, phase):
+        for l in prog:
+            if "repeat" in l:
+                visit(l["body"], phase)
+            elif l["kernel"] in {e["template"] for e in m["entries"]}:
+                ts = [build_mod_tensor(plan, n) for n in l["inputs"] + l["outputs"]]
+                want.add((l["kernel"], shape_key(phase, ts)))
+    for phase in ("decode", "prefill"):
+        visit(plan["programs"][phase], phase)
+    got = [(e["template"], e["shape_key"]) for e in m["entries"]]
+    assert sorted(got) == sorted(want) and len(got) == len(set(got))
+    assert {"gemv", "gemv_silu_mul", "lm_head_last", "attention_decode", "gemm", "gemm_silu_mul",
+            "attention_prefill"} <= {t for t, _ in got}
+    for e in m["entries"]:
+        for t in e["inputs"] + e["outputs"]:
+            if t["kind"] == "buffer":
+                assert t["shape"] == plan["buffers"][t["name"]]["shape"] and t["dtype"] == plan["buffers"][t["name"]]["dtype"]
+            elif t["kind"] == "weight":
+                assert t["shape"] == plan["weights"][t["name"]]["shape"]
+        c0 = e["candidates"][0]
+        assert c0["tune"] == {} and c0["label"] == "default" and len(e["candidates"]) >= 4
+        sources = [(out / c["source"]).read_text() for c in e["candidates"]]
+        assert len(set(sources)) == len(sources), e["shape_key"]
+        assert len({c["kernel"] for c in e["candidates"]}) == len(sources)
+        for c, src in zip(e["candidates"], sources):
+            assert c["meta"]["params"] and c["meta"]["grid"] and "META = {" in src
+
+
+def build_mod_tensor(plan, name):
+    from infc.compiler.codegen.render import _tensor
+    return _tensor(plan, name)
+
+
+def test_select_best_rules():
+    r = {"d": {"us": 10.0, "ok": True}, "fast_wrong": {"us": 5.0, "ok": False},
+         "a": {"us": 9.0, "ok": True}, "b": {"us": 9.5, "ok": True}}
+    assert select_best(r, "d") == "a"
+    r["a"]["ok"] = False
+    assert select_best(r, "d") == "b"                         # 5 % better
+    r["b"]["us"] = 9.8
+    assert select_best(r, "d") == "d"                         # 2 %: within noise, keep default
+    r["b"]["us"] = 9.69
+    assert select_best(r, "d") == "b"
+    assert select_best({"d": {"us": None, "ok": False}, "a": {"us": 1.0, "ok": True}}, "d") is None
+    assert select_best({"d": {"us": 10.0, "ok": True}}, "d") == "d"
+
+
+def test_agree_bf16_tolerance():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal(4096).astype(np.float32)
+    bf = tune_run.from_bf16(tune_run.to_bf16(w))
+    assert agree(bf, w)[0]                                    # one bf16 rounding passes
+    bad = w.copy()
+    bad[7] += 3.0
+    assert not agree(bad, w)[0]                               # one wrong element fails
+    nan = w.copy()
+    nan[0] = np.nan
+    assert not agree(nan, w)[0]
+    assert not agree(w[:10], w)[0]
+
+
+def test_merge_writes_a_table_that_the_build_reads_and_renders(prepared, tmp_path, monkeypatch):
+    _, m = prepared
+    e = next(e for e in m["entries"] if e["template"] == "gemv" and e["phase"] == "decode")
+    cand = e["candidates"][2]
+    table = json.loads((build_mod.TUNING / "h200.json").read_text())
+    t1 = merge_table(table, "gemv", e["shape_key"], cand["tune"], e["base_tune"])
+    assert table.get("templates", {}).get("gemv") is None or e["shape_key"] not in table["templates"]["gemv"]
+    monkeypatch.setattr(build_mod, "TUNING", tmp_path)
+    (tmp_path / "h200.json").write_text(dump_table(t1))
+    loaded = build_mod.load_tuning("h200")
+    assert loaded["templates"]["gemv"][e["shape_key"]] == cand["tune"]
+    _, plan = build_mod.compile_model(MODEL)
+    ids = _kernel_ids(plan, render_plan(plan, loaded, 16), "decode", "gemv")
+    assert cand["kernel"] in ids and e["candidates"][0]["kernel"] not in ids
+    _, plan0 = build_mod.compile_model(MODEL)
+    ids0 = _kernel_ids(plan0, render_plan(plan0, table, 16), "decode", "gemv")
+    assert e["candidates"][0]["kernel"] in ids0 and cand["kernel"] not in ids0
+    # the default winning removes the entry again; an empty template disappears
+    t2 = merge_table(t1, "gemv", e["shape_key"], {}, e["base_tune"])
+    assert "gemv" not in t2["templates"]
+    with pytest.raises(ValueError, match="prepare"):
+        merge_table({"templates": {"gemv": {"default": {"num_warps": 8}}}}, "gemv", "k", {"x": 1}, {})
+
+
+def _kernel_ids(plan, kernels, phase, template):
+    ids = set()
+
+    def visit(prog):
+        for l in prog:
+            if "repeat" in l:
+                visit(l["body"])
+            elif l["kernel"] == template:
+                ids.add(l["kernel_id"])
+    visit(plan["programs"][phase])
+    return ids
+
+
+@pytest.mark.parametrize("phase,T,B,ctx", [("decode", 1, 1, 1024), ("decode", 8, 8, 37),
+                                           ("decode", 3, 3, 1), ("prefill", 1024, 1, 0),
+                                           ("prefill", 100, 3, 0), ("mixed", 40, 5, 50)])
+def test_step_metadata_is_valid(phase, T, B, ctx):
+    PS = 16
+    a, num_pages, width = step_metadata(phase, T, B, ctx, PS, seed=3)
+    bt, ss, cl, pos = a["block_tables"], a["seq_starts"], a["context_lens"], a["positions"]
+    assert bt.shape == (B, width) and a["positions"].shape == (T,) and a["slot_mapping"].shape == (T,)
+    assert ss.shape == (B + 1,) and ss[0] == 0 and ss[-1] == T and (np.diff(ss) >= 1).all()
+    assert (a["last_rows"] == ss[1:] - 1).all()
+    assert bt.min() >= 0 and bt.max() <= num_pages            # num_pages is the spare page
+    used = []
+    for b in range(B):
+        n = -(-int(cl[b]) // PS)
+        assert n <= width - 1                                  # a surplus column, like the runner
+        row = bt[b, :n]
+        assert (row < num_pages).all() and (bt[b, n:] == num_pages).all()
+        used += list(row)
+        for t in range(ss[b], ss[b + 1]):
+            p = int(pos[t])
+            assert p < cl[b]
+            assert a["slot_mapping"][t] == bt[b, p // PS] * PS + p % PS
+        assert pos[ss[b + 1] - 1] == cl[b] - 1                 # the last new token is the last key
+        if phase == "decode":
+            assert ss[b + 1] - ss[b] == 1
+    assert sorted(used) == list(range(num_pages))              # every page owned exactly once
+    assert len(set(a["slot_mapping"].tolist())) == T
+    assert (a["slot_mapping"] < (num_pages + 1) * PS).all()
+
+
+# --- `tune run` against a fake driver --------------------------------------------------------
+
+try:                        # the real argument packing (pure ctypes) when cuda-bindings is here
+    from infc.runtime.cuda.driver import PackedArgs as _Packed
+except ImportError:
+    class _Packed:
+        def __init__(self, values, types):
+            assert len(values) == len(types)
+            self.storage = [ctypes.c_int64(int(v)) for v in values]
+
+
+class _FakeCtx:
+    """Host memory behind fake device pointers; a virtual clock advanced by each launch."""
+
+    def __init__(self):
+        self.name, self.l2_bytes, self.mem, self.next = "NVIDIA H200 (fake)", 16 << 20, {}, 1 << 20
+        self.clock, self.capturing = 0.0, None
+
+    def alloc(self, n):
+        p = self.next
+        self.mem[p] = np.zeros(max(int(n), 1), np.uint8)
+        self.next += (max(int(n), 1) + 511) // 256 * 256
+        return p
+
+    def _at(self, ptr):
+        for base, a in self.mem.items():
+            if base <= ptr < base + a.size:
+                return a, ptr - base
+        raise AssertionError(f"bad pointer {ptr:#x}")
+
+    def free(self, p):
+        del self.mem[p]
+
+    def memset(self, p, n, v=0):
+        a, o = self._at(p)
+        a[o:o + n] = v
+
+    def htod(self, p, host):
+        host = np.ascontiguousarray(host)
+        a, o = self._at(p)
+        a[o:o + host.nbytes] = host.view(np.uint8).reshape(-1)
+        return host
+
+    def dtoh(self, host, p):
+        a, o = self._at(p)
+        host.view(np.uint8).reshape(-1)[:] = a[o:o + host.nbytes]
+        return host
+
+    def dtod(self, d, s, n):
+        a, o = self._at(s)
+        self.htod(d, a[o:o + n].copy())
+
+    def sync(self):
+        pass
+
+    def event(self):
+        return _FakeEvent(self)
+
+
+class _FakeEvent:
+    def __init__(self, ctx):
+        self.ctx, self.t = ctx, None
+
+    def record(self):
+        self.t = self.ctx.clock
+
+    def ms_since(self, start):
+        return self.t - start.t
+
+
+class _FakeDriver:
+    """The driver interface tune_run uses. A 'cubin' is JSON: the kernel's time, the value it
+    writes to every output (1.0 is right, anything else wrong) and its output parameters."""
+    PackedArgs = _Packed
+
+    def __init__(self):
+        self.launched = []
+        drv = self
+
+        class Module:
+            def __init__(self, cubin):
+                self.spec = json.loads(cubin)
+
+            def function(self, name, shared=0):
+                return dict(self.spec, name=name)
+
+        class Graph:
+            def __init__(self, ctx, record):
+                self.ctx = ctx
+                ctx.capturing = []
+                record()
+                self.calls, ctx.capturing = ctx.capturing, None
+
+            def launch(self):
+                for call in self.calls:
+                    drv._execute(*call)
+
+        self.Module, self.Graph = Module, Graph
+        self.Context = _FakeCtx
+
+    def launch(self, ctx, fn, grid, block, shared, args):
+        if ctx.capturing is not None:
+            ctx.capturing.append((ctx, fn, args))
+        else:
+            self._execute(ctx, fn, args)
+
+    def _execute(self, ctx, fn, args):
+        self.launched.append((fn["name"], tuple(int(a.value or 0) for a in args.storage)))
+        ctx.clock += fn["us"] / 1e3
+        for index, nbytes, dtype in fn["outs"]:
+            ptr = args.storage[index].value
+            n = nbytes // (4 if dtype == "f32" else 2)
+            vals = np.full(n, fn["value"], np.float32)
+            ctx.htod(ptr, vals if dtype == "f32" else tune_run.to_bf16(vals))
+
+
+def _fake_bins(out, m, speed):
+    """Write a fake cubin + info per candidate; speed(entry, index, candidate) -> (us, value)."""
+    (out / "bin").mkdir(exist_ok=True)
+    for e in m["entries"]:
+        for i, c in enumerate(e["candidates"]):
+            us, value = speed(e, i, c)
+            outs = []
+            for j, (_, _, src) in enumerate(c["meta"]["params"]):
+                if src.startswith("out:"):
+                    t = e["outputs"][int(src[4:])]
+                    d = m["dims"][e["phase"]][0]
+                    n = int(np.prod([d[s] if isinstance(s, str) else s for s in t["shape"]]))
+                    outs.append([j, n * (4 if t["dtype"] == "f32" else 2), t["dtype"]])
+            (out / "bin" / f"{c['kernel']}.cubin").write_text(json.dumps({"us": us, "value": value, "outs": outs}))
+            (out / "bin" / f"{c['kernel']}.json").write_text(json.dumps(
+                {"name": c["meta"]["entry"], "num_warps": 4, "shared": 0, "hidden_args": 2}))
+    m["compiled"] = True
+    (out / "manifest.json").write_text(json.dumps(m))
+
+
+def test_run_with_a_fake_driver_picks_the_fastest_correct_candidate(prepared, tmp_path, capsys):
+    src, m = prepared
+    import shutil
+    out = tmp_path / "prep"
+    shutil.copytree(src, out)
+    m = json.loads(json.dumps(m))
+    m["entries"] = [e for e in m["entries"] if e["template"] in ("gemv", "lm_head_last")
+                    and e["phase"] == "decode"]
+    gemv = [e for e in m["entries"] if e["template"] == "gemv"]
+    tuned, flat = gemv[0]["shape_key"], gemv[1]["shape_key"]
+
+    def speed(e, i, c):
+        if e["shape_key"] == tuned:   # 1: fastest but wrong; 2: 10 % faster; others slower
+            return {0: (10.0, 1.0), 1: (5.0, 2.0), 2: (9.0, 1.0)}.get(i, (11.0, 1.0))
+        if e["shape_key"] == flat:    # best is 2 % faster: within noise, default kept
+            return (10.0, 1.0) if i == 0 else (9.8, 1.0) if i == 3 else (12.0, 1.0)
+        if e["template"] == "lm_head_last":
+            return (20.0, 1.0) if i == 0 else (15.0, 1.0) if i == 1 else (30.0, 1.0)
+        return (10.0, 1.0)
+
+    _fake_bins(out, m, speed)
+    table_path = tmp_path / "h200.json"
+    table_path.write_text(json.dumps({"gpu": "h200", "templates": {"gemv": {flat: {"BLOCK_N": 16}}}}))
+    drv = _FakeDriver()
+    res = tune_run.run(out, write=table_path, reps=10, warmup=2, results_dir=tmp_path / "results",
+                       driver=drv)
+    printed = capsys.readouterr().out
+    table = json.loads(table_path.read_text())
+    by_key = {e["shape_key"]: e for e in res["entries"]}
+    assert table["templates"]["gemv"] == {tuned: gemv[0]["candidates"][2]["tune"]}   # flat's old entry removed
+    lm = next(e for e in m["entries"] if e["template"] == "lm_head_last")
+    assert table["templates"]["lm_head_last"] == {lm["shape_key"]: lm["candidates"][1]["tune"]}
+    assert by_key[tuned]["default_us"] == pytest.approx(10.0) and by_key[tuned]["best_us"] == pytest.approx(9.0)
+    wrong = [c for c in by_key[tuned]["candidates"] if c["kernel"] == gemv[0]["candidates"][1]["kernel"]][0]
+    assert not wrong["ok"] and "rel L2" in wrong["why"]
+    assert by_key[flat]["stored"] is False and by_key[flat]["best_us"] == pytest.approx(9.8)
+    assert "filled by `infc tune run` on NVIDIA H200 (fake)" in table["note"]
+    results = json.loads(open(res["results_path"]).read())
+    assert res["results_path"].endswith("tune-qwen3-0.6b-nvidia-h200-(fake).json")
+    assert results["gpu"] == "NVIDIA H200 (fake)" and results["model"] == MODEL and results["date"]
+    assert "commit" in results and "L2" in results["method"]
+    assert re.search(r"gemv\s+" + re.escape(tuned) + r"\s+10\.00\s+9\.00", printed), printed
+    # small weights rotate through copies (together >= 3x L2): one kernel, several argument sets
+    sets = {}
+    for name, values in drv.launched:
+        sets.setdefault(name, set()).add(values)
+    assert sets["gemv"] and max(len(v) for v in sets.values()) >= 3
+
+
+def test_run_refuses_another_gpu_and_an_uncompiled_manifest(prepared, tmp_path):
+    src, m = prepared
+    with pytest.raises(ValueError, match="no-compile"):
+        tune_run.run(src, driver=_FakeDriver())
+    d = tmp_path / "x"
+    d.mkdir()
+    (d / "manifest.json").write_text(json.dumps(dict(m, compiled=True, gpu="h100")))
+    with pytest.raises(ValueError, match="--any-gpu"):
+        tune_run.run(d, driver=_FakeDriver())
+
+
+def test_cli_tune(tmp_path, capsys):
+    out = tmp_path / "p"
+    assert main(["tune", "prepare", "--model", MODEL, "--gpu", "h100", "--out", str(out),
+                 "--phases", "decode", "--templates", "gemv,attention_decode", "--decode-batches", "1,8",
+                 "--no-compile"]) == 0
+    m = json.loads((out / "manifest.json").read_text())
+    assert {e["template"] for e in m["entries"]} == {"gemv", "attention_decode"}
+    assert m["dims"]["decode"] == [{"T": 1, "B": 1}, {"T": 8, "B": 8}]
+    # with 8 rows timed too, the gemv grid varies the tensor-core path's keys as well
+    g = next(e for e in m["entries"] if e["template"] == "gemv")
+    assert any("BLOCK_N_DOT" in c["tune"] for c in g["candidates"])
+    assert main(["tune", "prepare", "--model", MODEL, "--templates", "embedding", "--no-compile",
+                 "--out", str(out)]) == 2
+    assert "no candidate grid" in capsys.readouterr().err
+    assert main(["tune", "run", "--dir", str(tmp_path / "none")]) == 2
+    assert "no manifest.json" in capsys.readouterr().err
