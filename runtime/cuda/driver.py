@@ -6,6 +6,7 @@ are packed once into ctypes storage, so a launch costs one cuLaunchKernel and no
 marshalling (and a graph replay costs none).
 """
 import ctypes
+import threading
 
 import numpy as np
 
@@ -33,6 +34,9 @@ _CTYPE = {"i32": ctypes.c_int32, "u32": ctypes.c_uint32, "i64": ctypes.c_int64,
           "fp32": ctypes.c_float, "f32": ctypes.c_float, "fp16": ctypes.c_uint16}
 
 
+_current = threading.local()
+
+
 class Context:
     def __init__(self, device: int = 0):
         try:
@@ -50,6 +54,13 @@ class Context:
         self.sm_count = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.device))
         self.cc = (check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self.device)),
                    check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self.device)))
+
+    def ensure_current(self):
+        """Make the context current on the calling thread (the engine steps in its own thread;
+        launches name their stream, but allocations such as pinned memory need a current one)."""
+        if getattr(_current, "ctx", None) is not self.ctx:
+            check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
+            _current.ctx = self.ctx
 
     def mem_info(self) -> tuple[int, int]:
         free, total = check(cu.cuMemGetInfo(), "cuMemGetInfo")

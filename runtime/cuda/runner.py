@@ -209,6 +209,7 @@ class CudaRunner:
         return {k: v.astype(np.int32) for k, v in arr.items()}
 
     def _run_step(self, meta: StepMeta) -> tuple[int, int]:
+        self.ctx.ensure_current()
         if meta.phase == "decode" and self.graphs and meta.B <= self.buckets[-1]:
             bucket = next(b for b in self.buckets if b >= meta.B)
             T = B = bucket

@@ -9,8 +9,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
 MODELS = Path(os.environ.get("INFC_GPU_MODELS", "/tmp/infc-models"))
-ARTIFACTS = {"qwen3-4b": REPO / "generated" / "qwen3-4b",
-             "llama-3.2-1b": REPO / "generated" / "llama-3.2-1b",
+# qwen3-4b and llama-3.2-1b: the artifacts `infc serve` / LLM load (prepare.py builds them with
+# both tuning tables; plan.json is the H200 one), so the golden gate checks what is served.
+ARTIFACTS = {"qwen3-4b": REPO / ".cache" / "artifacts" / "qwen3-4b",
+             "llama-3.2-1b": REPO / ".cache" / "artifacts" / "llama-3.2-1b",
              "tiny-moe": REPO / ".cache" / "gpu" / "tiny-moe-art",
              "skipgram": REPO / ".cache" / "gpu" / "skipgram-art"}
 

@@ -1,8 +1,8 @@
 """Run HERE (no GPU) before a GPU session: build the artifacts the GPU suite needs, with cubins.
 
-    python tests/gpu/prepare.py          # then carry generated/*/bin, .cache/gpu, .cache/artifacts
+    python tests/gpu/prepare.py          # then carry .cache/gpu, .cache/artifacts (and .whl)
 
-qwen3-4b and llama-3.2-1b are named variants (generated/<model>/); the tiny qwen3_moe and the
+The tiny qwen3_moe and the
 tiny trained Llama (tests/gpu/trained_model.py) exist only as configs here (.cache/gpu/<name>/)
 and their artifacts are built beside them.
 `LLM(device="cuda")` and `infc serve` build (or reuse) .cache/artifacts/<model dir name> from the
@@ -34,8 +34,6 @@ def main():
     from infc.compiler.build import REPO as BUILD_REPO, build
     from infc.compiler.spec import find_variant
     from make_random_model import write_config, write_tokenizer
-    for model in ("qwen3-4b", "llama-3.2-1b"):
-        build(model=model)
     cfg_dir = GPU_CACHE / "tiny-moe"
     cfg_dir.mkdir(parents=True, exist_ok=True)
     (cfg_dir / "config.json").write_text(json.dumps(TINY_MOE, indent=1))

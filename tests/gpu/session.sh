@@ -4,7 +4,7 @@
 # Stages: suite (tests/gpu), latency, throughput, startup, server (the SDK suite with
 # --device cuda), serve (infc bench serve against infc serve), generate (infc generate --device
 # cuda), tune (infc tune run).
-# Needs what tests/gpu/prepare.py built here (carry generated/*/bin, .cache/gpu, .cache/artifacts)
+# Needs what tests/gpu/prepare.py built here (carry .cache/gpu, .cache/artifacts, .cache/tune)
 # and, for packages the GPU machine lacks, wheels in .whl/. Logs and results land in OUT_DIR.
 set -uo pipefail
 OUT=${1:-${OUT:-/tmp/infc-gpu-out}}
@@ -34,7 +34,7 @@ for stage in $STAGES; do
       timeout ${SUITE_S:-330} python3 -m pytest ${SUITE_PATHS:-tests/gpu} -q -s -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | quiet \
         | tee "$OUT/pytest-gpu.log" | grep -E "passed|failed|error|regret|KV exhaustion|^E " | tail -40 ;;
     latency)
-      timeout ${LATENCY_S:-240} python3 -m infc.cli bench latency --artifact generated/qwen3-4b \
+      timeout ${LATENCY_S:-240} python3 -m infc.cli bench latency --artifact .cache/artifacts/qwen3-4b \
         --model-path "$MODELS/qwen3-4b" --out "$OUT" 2>&1 | quiet | tail -12 ;;
     throughput)
       timeout ${THROUGHPUT_S:-240} python3 -m infc.cli bench throughput --model-path "$MODELS/qwen3-4b" \
@@ -64,8 +64,8 @@ for _ in range(600):
       timeout 120 python3 -m infc.cli generate --model-path "$MODELS/qwen3-4b" --device cuda \
         --prompt "The capital of France is" --prompt "def fib(n):" --max-tokens 12 2>&1 | tee "$OUT/generate.log" | tail -4 ;;
     tune)
-      timeout ${TUNE_S:-200} python3 -m infc.cli tune run --dir .cache/tune/qwen3-4b-h200 \
-        --write "$OUT/tuning-h200.json" 2>&1 | tail -40 ;;
+      timeout ${TUNE_S:-300} python3 -m infc.cli tune run --dir .cache/tune/qwen3-4b-h200 --results-dir "$OUT" \
+        --write "$OUT/h200.json" 2>&1 | tail -40 ;;
   esac
 done
 say "done"
