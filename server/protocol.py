@@ -369,6 +369,9 @@ def messages_for_template(v) -> list[dict]:
                 else:
                     raise bad(f"messages[{i}].content: only text parts are supported", "messages")
             content = "\n".join(parts)
+        elif content is None and role != "assistant":
+            # OpenAI's schema: only an assistant message (one carrying tool calls) may omit it
+            raise bad(f"messages[{i}].content is required for role '{role}'", "messages")
         elif content is not None and not isinstance(content, str):
             raise bad(f"messages[{i}].content must be a string, a list of text parts or null", "messages")
         if isinstance(content, str):

@@ -131,7 +131,9 @@ def test_n_and_seed_reproducibility(srv):
     batched with other requests take other kernel paths (bf16 rounding differs), and on a nearly
     flat random-weight distribution any rounding difference moves a draw."""
     c = srv.client()
-    kw = dict(model="smol", prompt="Once upon a time", max_tokens=4, temperature=1.0, extra_body={"ignore_eos": True})
+    # top_k: draws that tiny rounding cannot move (a flat 151k-token distribution's are not)
+    kw = dict(model="smol", prompt="Once upon a time", max_tokens=4, temperature=1.0,
+              extra_body={"ignore_eos": True, "top_k": 8})
     a = c.completions.create(seed=1234, **kw)
     b = c.completions.create(seed=1234, **kw)
     other = c.completions.create(seed=99, **kw)
@@ -159,8 +161,9 @@ def test_logprobs_completion_and_chat(srv):
                                           logprobs=True, top_logprobs=2, **GREEDY))
     lp = comp.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3
-    assert "".join(lp.tokens) == comp.choices[0].text
-    assert lp.text_offset == [0, len(lp.tokens[0]), len(lp.tokens[0]) + len(lp.tokens[1])]
+    if not any("\ufffd" in t for t in lp.tokens):     # a token may hold part of a character
+        assert "".join(lp.tokens) == comp.choices[0].text
+        assert lp.text_offset == [0, len(lp.tokens[0]), len(lp.tokens[0]) + len(lp.tokens[1])]
     for tok, l, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert l <= 0 and len(top) >= 3 and abs(max(top.values()) - l) < 1e-6   # greedy: the best one
     content = chat.choices[0].logprobs.content

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from test_server_support import MAX_MODEL_LEN, live, one_blas_thread, srv  # noqa: F401
+from test_server_support import MAX_MODEL_LEN, VOCAB_SIZE, live, one_blas_thread, srv  # noqa: F401
 
 COUNTS = {}
 SETTINGS = dict(deadline=None, database=None, derandomize=True, print_blob=True,
@@ -90,7 +90,7 @@ BAD_COMMON = {
     "stop": st.just("") | st.lists(st.text(max_size=3), min_size=17, max_size=20)
     | st.lists(present.filter(lambda v: not isinstance(v, str)), min_size=1, max_size=3) | st.just([""])
     | surrogate | st.integers() | st.dictionaries(st.text(max_size=3), scalars, max_size=2),
-    "stop_token_ids": st.lists(st.integers(min_value=49152) | st.integers(max_value=-1), min_size=1, max_size=3)
+    "stop_token_ids": st.lists(st.integers(min_value=VOCAB_SIZE) | st.integers(max_value=-1), min_size=1, max_size=3)
     | st.lists(not_int, min_size=1, max_size=3) | not_number.filter(lambda v: not isinstance(v, list)),
     "ignore_eos": not_bool, "skip_special_tokens": not_bool, "stream": not_bool,
     "min_tokens": st.integers(max_value=-1) | not_int,
@@ -109,7 +109,7 @@ BAD_COMMON = {
 BAD_COMPLETION = dict(BAD_COMMON, **{
     "prompt": st.just([]) | st.just("") | st.just([[]]) | surrogate | st.integers()
     | st.floats(allow_nan=False, allow_infinity=False)
-    | st.lists(st.integers(min_value=49152), min_size=1, max_size=3)
+    | st.lists(st.integers(min_value=VOCAB_SIZE), min_size=1, max_size=3)
     | st.lists(st.integers(max_value=-1), min_size=1, max_size=3)
     | st.lists(st.one_of(st.text(max_size=3), st.integers(0, 100)), min_size=2, max_size=4).filter(
         lambda xs: len({type(x) for x in xs}) > 1)
@@ -215,7 +215,7 @@ def test_fuzz_raw_bodies(srv, raw, path):
     st.fixed_dictionaries({"prompt": st.just("x"), "add_special_tokens": not_bool}),
     st.fixed_dictionaries({"messages": BAD_CHAT["messages"]}),
     st.fixed_dictionaries({"prompt": st.just("x"), "model": BAD_COMMON["model"]})),
-    tokens=st.lists(st.integers(min_value=49152) | st.integers(max_value=-1), min_size=1, max_size=3)
+    tokens=st.lists(st.integers(min_value=VOCAB_SIZE) | st.integers(max_value=-1), min_size=1, max_size=3)
     | present.filter(lambda v: not isinstance(v, list)) | st.lists(not_int, min_size=1, max_size=2))
 def test_fuzz_tokenizer_endpoints(srv, body, tokens):
     c = conn(srv.port)

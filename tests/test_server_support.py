@@ -10,6 +10,7 @@ import json
 import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -27,6 +28,8 @@ SMOLLM2 = MODEL_DIR is None                 # the real model: its greedy answers
 # random weights the suite sends compared requests one at a time and turns the prefix cache off
 # (the GPU suite covers both: prefix replays, 1000 requests with shared prefixes, 50 clients).
 SERIAL = not SMOLLM2
+# token ids at or above this are out of the vocabulary (the fuzz's bad ids)
+VOCAB_SIZE = 49152 if SMOLLM2 else json.loads((Path(MODEL_DIR) / "config.json").read_text())["vocab_size"]
 NAMES = ["smol", "smol-alias"]
 _lock = threading.Lock()
 _live = {}
