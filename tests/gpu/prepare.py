@@ -39,11 +39,13 @@ def main():
     (cfg_dir / "config.json").write_text(json.dumps(TINY_MOE, indent=1))
     build(model_dir=str(cfg_dir), out=GPU_CACHE / "tiny-moe-art")
     sys.path.insert(0, str(REPO / "tests" / "gpu"))
-    from trained_model import CONFIG as SKIPGRAM          # trained on the GPU machine
+    from trained_model import config_json                 # trained on the GPU machine
     cfg_dir = GPU_CACHE / "skipgram"
     cfg_dir.mkdir(parents=True, exist_ok=True)
-    (cfg_dir / "config.json").write_text(json.dumps(SKIPGRAM, indent=1))
+    (cfg_dir / "config.json").write_text(json.dumps(config_json(), indent=1))
     build(model_dir=str(cfg_dir), out=GPU_CACHE / "skipgram-art")
+    for gpu in ("h100", "h200"):                              # LLM(device="cuda") on it
+        build(model_dir=str(cfg_dir), out=BUILD_REPO / ".cache" / "artifacts" / "skipgram", gpu=gpu, log=None)
     for name in SERVED:
         spec, config = find_variant(name)
         d = GPU_CACHE / "configs" / name

@@ -156,15 +156,18 @@ def test_1000_requests_with_random_aborts(runner):
     assert_all_free(e, start)
 
 
-def test_llm_on_cuda_generates_like_the_engine(model_dir, artifact):
-    """LLM(device="cuda") builds (or reuses) its artifact like `infc serve` and generates."""
+def test_llm_on_cuda(model_dir):
+    """LLM(device="cuda") builds (or reuses) its artifact like `infc serve` and generates: on the
+    trained model, every continuation follows its rule, and two runs are identical."""
     from infc import LLM
-    llm = LLM(model_dir(MODEL), device="cuda", kv_cache_tokens=8192, max_num_seqs=8,
-              enable_prefix_caching=False)
+    from trained_model import follow, prompt
+    d = model_dir("skipgram")
+    llm = LLM(d, device="cuda", kv_cache_tokens=8192, max_num_seqs=8)
     rng = np.random.default_rng(3)
-    prompts = [rng.integers(0, 128000, int(n)).tolist() for n in (3, 30, 300)]
+    prompts = [prompt(rng, n) for n in (3, 30, 300)]
     params = SamplingParams(max_tokens=12, **GREEDY)
     a = [o.token_ids for o in llm.generate(prompts, params)]
-    b = [o.token_ids for o in llm.generate(prompts[::-1], params)][::-1]
-    assert a == b and all(len(t) == 12 for t in a)
+    b = [o.token_ids for o in llm.generate(prompts, params)]
+    assert a == b
+    assert all(t == follow(p, len(p) + 12)[len(p):] for p, t in zip(prompts, a))
     assert llm.runner.sampler is not None and not llm.engine.has_unfinished()

@@ -35,6 +35,17 @@ def prompt(rng, n: int) -> list[int]:
     return follow(rng.integers(0, CONFIG["vocab_size"], 2).tolist(), n)
 
 
+def config_json() -> dict:
+    """config.json as the trained model's directory holds it (prepare.py builds its serving
+    artifact from the same dict, so the GPU machine compiles nothing)."""
+    from transformers import LlamaConfig
+    cfg = {k: v for k, v in CONFIG.items() if k not in ("architectures", "model_type", "torch_dtype")}
+    out = LlamaConfig(**cfg).to_dict()
+    out.update({"architectures": CONFIG["architectures"], "torch_dtype": "bfloat16"})
+    out.pop("transformers_version", None)
+    return out
+
+
 def ensure_trained(out: Path, steps: int = 2000, log=print) -> Path:
     out = Path(out)
     if (out / "model.safetensors").exists():
@@ -81,7 +92,5 @@ def ensure_trained(out: Path, steps: int = 2000, log=print) -> Path:
     if acc < 0.999 or gap < 1.0:
         raise RuntimeError(f"the tiny model did not learn its task (accuracy {acc:.4f}, min gap {gap:.2f})")
     model.save_pretrained(out, safe_serialization=True)
-    cfg_out = json.loads((out / "config.json").read_text())
-    cfg_out.update({"architectures": CONFIG["architectures"], "torch_dtype": "bfloat16"})
-    (out / "config.json").write_text(json.dumps(cfg_out, indent=1))
+    (out / "config.json").write_text(json.dumps(config_json(), indent=1))
     return out
