@@ -50,3 +50,18 @@ def save(name: str, data: dict, out: Path | None = None) -> Path:
     path = out / f"{name}-{data['model']}-{gpu}.json"
     path.write_text(json.dumps(data, indent=1) + "\n")
     return path
+
+
+def figure(figsize=(7, 4)):
+    """A matplotlib figure drawn off-screen (the GPU machines have no display)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt.subplots(figsize=figsize)
+
+
+def finish(fig, ax, path: Path, title: str, res: dict):
+    """Every plot names what it measured, on which GPU, at which commit and when."""
+    ax.set_title(f"{title}\n({res['commit']}, {res['date']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)

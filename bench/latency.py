@@ -65,7 +65,7 @@ def _hf(model_dir, prompts, out_len, seed=0):
     rng = np.random.default_rng(seed)
     out = {"hf_ttft_ms": {}, "hf_tpot_ms_by_prompt": {}}
     for n in prompts:
-        ids = torch.tensor([rng.integers(0, m.config.vocab_size, n)], device="cuda")
+        ids = torch.from_numpy(rng.integers(0, m.config.vocab_size, (1, n))).cuda()
         kw = dict(do_sample=False, pad_token_id=0)
         for _ in range(2):                                # compile + warm up, excluded
             m.generate(ids, max_new_tokens=out_len, min_new_tokens=out_len, **kw)
@@ -85,22 +85,18 @@ def _hf(model_dir, prompts, out_len, seed=0):
 
 
 def plot(res: dict, path: Path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .common import figure, finish
     ks = list(res["tpot_ms_by_prompt"])
     x = np.arange(len(ks))
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = figure()
     ax.bar(x - 0.25, [res["floor_ms_by_prompt"][k] for k in ks], 0.25, label="floor (bytes / copy BW)")
     ax.bar(x, [res["tpot_ms_by_prompt"][k] for k in ks], 0.25, label="infc")
     if "hf_tpot_ms_by_prompt" in res:
         ax.bar(x + 0.25, [res["hf_tpot_ms_by_prompt"][k] for k in ks], 0.25, label="HF static+compile")
     ax.set_xticks(x, [f"prompt {k}" for k in ks])
     ax.set_ylabel("ms per output token (batch 1)")
-    ax.set_title(f"{res['model']} on {res['gpu']} ({res['commit']}, {res['date']})")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
+    finish(fig, ax, path, f"{res['model']} on {res['gpu']}", res)
 
 
 def main(argv=None):

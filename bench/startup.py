@@ -70,20 +70,16 @@ def start_once(model_path: str, extra: list[str], idle_s: float, timeout_s: floa
 
 
 def plot(res: dict, path: Path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .common import figure, finish
     run = res["runs"][res["median_run"]]
     names = [n for n, _ in run["stages"]] + ["(python start, imports, HTTP up)"]
     secs = [s for _, s in run["stages"]]
     secs.append(max(run["ready_s"] - sum(secs), 0.0))
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = figure((7, 3.5))
     ax.barh(names[::-1], secs[::-1])
     ax.set_xlabel("seconds")
-    ax.set_title(f"{res['model']} on {res['gpu']}: ready in {res['ready_s']:.2f} s, idle RSS "
-                 f"{res['idle_rss_mb']:.0f} MB\n({res['commit']}, {res['date']})", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path)
+    finish(fig, ax, path, f"{res['model']} on {res['gpu']}: ready in {res['ready_s']:.2f} s, idle RSS "
+           f"{res['idle_rss_mb']:.0f} MB", res)
 
 
 def main(argv=None):

@@ -49,12 +49,10 @@ def run_point(engine, vocab: int, concurrency: int, in_len: int, out_len: int, r
 
 
 def plot(res: dict, path: Path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .common import figure, finish
     pts = res["points"]
     c = [p["concurrency"] for p in pts]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = figure()
     ax.plot(c, [p["output_tok_s"] for p in pts], "o-", label="output tok/s")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrency")
@@ -65,10 +63,7 @@ def plot(res: dict, path: Path):
     ax2.set_ylabel("ms per output token")
     lines = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
     ax.legend(lines, [h.get_label() for h in lines], loc="upper left")
-    ax.set_title(f"{res['model']} {res['input_len']} in / {res['output_len']} out on {res['gpu']}\n"
-                 f"({res['commit']}, {res['date']})", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path)
+    finish(fig, ax, path, f"{res['model']} {res['input_len']} in / {res['output_len']} out on {res['gpu']}", res)
 
 
 def main(argv=None):
