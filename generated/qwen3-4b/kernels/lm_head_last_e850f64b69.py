@@ -1,9 +1,12 @@
-# gemv: y[t, n] = sum_k x[t, k] * w[n, k]  for t < T
-#   x [T, 2560] bf16, w [6144, 2560] bf16, y [T, 6144] bf16; fp32 accumulate.
+# lm_head_last: logits[b, v] = rstd_b * sum_k h[b, k] * w[v, k]  for b < B, in fp32, where
+#   r = last_rows[b],  s = bf16(x[r] + d[r]),  h[b, k] = bf16(s[k] * norm[k]),
+#   rstd_b = 1 / sqrt(mean_k(s^2) + eps)  (= rms_norm(s) @ w^T; the scale is applied to the fp32
+#   sums, so sum_k s^2 accumulates in the same K loop and no pass over the row precedes it).
+#   x [T, 2560] bf16, norm [2560], w [151936, 2560] bf16, logits f32 [B, 151936].
 #
 # Memory-bound: W is streamed once, in [BLOCK_N, *] tiles of 16-byte vector loads (evict_first, so
-# the small activations stay in L2). Grid (cdiv(T, BLOCK_T), N blocks, splits):
-#  * T <= FMA_T: CUDA-core path, N blocks of BLOCK_N rows (small: many programs, short
+# the small activations stay in L2). Grid (cdiv(B, BLOCK_T), N blocks, splits):
+#  * B <= FMA_T: CUDA-core path, N blocks of BLOCK_N rows (small: many programs, short
 #    GEMVs fill the GPU). Each program keeps one fp32 [BLOCK_N, FMA_BLOCK_K] partial product per
 #    row and reduces it once at the end (no per-iteration shuffles); the row's A chunk is loaded
 #    once as a vector and broadcast over the W tile's layout.
@@ -12,7 +15,7 @@
 #    the last block exit at once. Swap-AB: acc[n, t] += W_tile[BLOCK_N_DOT, BLOCK_K] @ A_tile^T,
 #    so W is the MMA's M side and up to BLOCK_T rows share every W tile, software-pipelined over
 #    num_stages buffers; row blocks of one W tile are adjacent in launch order, so the re-reads
-#    for T > BLOCK_T mostly hit L2.
+#    for B > BLOCK_T mostly hit L2.
 #  * split-K (SPLIT): program z of Z sums one K range; partials go to an fp32 scratch by atomics
 #    and the last program to arrive at a tile (a counter per tile) writes the output and leaves
 #    scratch and counter zero for the next launch.
@@ -33,16 +36,20 @@ def _ptr(base, offs):
 
 
 @triton.jit
-def _row_start(r, mask):
+def _row_start(rows_ptr, r, mask):
     """Element offset of each row's first element in the A operand: r [R] -> int64 [R]."""
-    return r.to(tl.int64) * 2560
+    return tl.load(rows_ptr + r, mask=mask, other=0).to(tl.int64) * 2560
 
 
 @triton.jit
-def _a_tile(a_ptr, row_off, k, mask):
+def _a_tile(a_ptr, d_ptr, norm_ptr, row_off, k, mask):
     """A operand a[row, k] as bf16 (and, for lm_head_last, s^2 as fp32):
     row_off [R, 1] and k [1, BK] -> [R, BK], or row_off [1] and k [BK] -> [BK]."""
-    return tl.load(_ptr(a_ptr, row_off + k), mask=mask, other=0.0)
+    s = tl.load(_ptr(a_ptr, row_off + k), mask=mask, other=0.0).to(tl.float32)
+    s = s + tl.load(_ptr(d_ptr, row_off + k), mask=mask, other=0.0).to(tl.float32)
+    s = s.to(tl.bfloat16).to(tl.float32)
+    nw = tl.load(_ptr(norm_ptr, k), mask=k < 2560, other=0.0).to(tl.float32)
+    return (s * nw).to(tl.bfloat16), s * s
 
 
 @triton.jit
@@ -75,7 +82,7 @@ def _finish(y_ptr, part_ptr, cnt_ptr, acc, offs, mask, tile, SPLIT: tl.constexpr
 
 
 @triton.jit
-def gemv(a_ptr, w_ptr, y_ptr, M, part_ptr, cnt_ptr,
+def lm_head_last(a_ptr, d_ptr, norm_ptr, w_ptr, y_ptr, M, rows_ptr,
         N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, FMA_BLOCK_K: tl.constexpr,
         FMA_T: tl.constexpr, BLOCK_N_DOT: tl.constexpr, BLOCK_K: tl.constexpr,
         BLOCK_T: tl.constexpr, KU: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr):
@@ -95,18 +102,21 @@ def gemv(a_ptr, w_ptr, y_ptr, M, part_ptr, cnt_ptr,
         w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * K
         r0 = tl.full([1], 0, tl.int32)
         ok0 = r0 < M
-        row0 = _row_start(r0, ok0)
+        row0 = _row_start(rows_ptr, r0, ok0)
         acc0 = tl.zeros([BLOCK_N, FMA_BLOCK_K], tl.float32)
+        ss0 = tl.zeros([FMA_BLOCK_K], tl.float32)
         for k0 in range(k_lo, k_hi, FMA_BLOCK_K):
             kf = k0 + tl.arange(0, FMA_BLOCK_K)
             wf = _w_tile(w_rows, kf[None, :]).to(tl.float32)
-            a0 = _a_tile(a_ptr, row0, kf, ok0 & (kf < K))
+            a0, sq0 = _a_tile(a_ptr, d_ptr, norm_ptr, row0, kf, ok0 & (kf < K))
+            ss0 += sq0
             acc0 += wf * a0.to(tl.float32)[None, :]
         rows = tl.arange(0, FMA_T)
         out = tl.zeros([FMA_T, BLOCK_N], tl.float32)
-        out = tl.where(rows[:, None] == 0, tl.sum(acc0, axis=1)[None, :], out)
+        rstd0 = 1.0 / tl.sqrt(tl.sum(ss0, axis=0) / K + 1e-06)
+        out = tl.where(rows[:, None] == 0, tl.sum(acc0, axis=1)[None, :] * rstd0, out)
         offs_f = rows.to(tl.int64)[:, None] * N + offs_n[None, :]
-        _finish(y_ptr, part_ptr, cnt_ptr, out, offs_f, (rows[:, None] < M) & n_mask[None, :], tile, SPLIT)
+        _finish(y_ptr, y_ptr, y_ptr, out, offs_f, (rows[:, None] < M) & n_mask[None, :], tile, SPLIT)
     elif pid_n * BLOCK_N_DOT < N:
         # ---- tensor-core path: rows pid_t*BLOCK_T .. +BLOCK_T, acc[n, t] = W @ A^T ----
         offs_nd = pid_n * BLOCK_N_DOT + tl.arange(0, BLOCK_N_DOT)
@@ -114,29 +124,30 @@ def gemv(a_ptr, w_ptr, y_ptr, M, part_ptr, cnt_ptr,
         w_rowsd = w_ptr + tl.minimum(offs_nd, N - 1).to(tl.int64)[:, None] * K
         offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
         t_mask = offs_t < M
-        row = _row_start(offs_t, t_mask)[:, None]
+        row = _row_start(rows_ptr, offs_t, t_mask)[:, None]
         acc = tl.zeros([BLOCK_N_DOT, BLOCK_T], tl.float32)
+        ss = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)[None, :]
             w = _w_tile(w_rowsd, k)
-            a = _a_tile(a_ptr, row, k, t_mask[:, None] & (k < K))
+            a, sq = _a_tile(a_ptr, d_ptr, norm_ptr, row, k, t_mask[:, None] & (k < K))
+            ss += sq
             if DOT_F32:
                 acc = tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), acc, input_precision="ieee")
             else:
                 acc = tl.dot(w, tl.trans(a), acc)
+        acc = acc * (1.0 / tl.sqrt(tl.sum(ss, axis=1) / K + 1e-06))[None, :]
         offs = offs_t.to(tl.int64)[None, :] * N + offs_nd[:, None]
-        _finish(y_ptr, part_ptr, cnt_ptr, acc, offs, t_mask[None, :] & n_maskd[:, None], tile, SPLIT)
+        _finish(y_ptr, y_ptr, y_ptr, acc, offs, t_mask[None, :] & n_maskd[:, None], tile, SPLIT)
 
 
 META = {
-    "entry": "gemv",
-    "params": [["a_ptr", "*bf16", "in:0"], ["w_ptr", "*bf16", "in:1"], ["y_ptr", "*bf16", "out:0"], ["M", "i32", "dim:T"], ["part_ptr", "*fp32", "scratch:partials"], ["cnt_ptr", "*i32", "scratch:counters"]],
-    "constexprs": {"N": 6144, "K": 2560, "BLOCK_N": 32, "FMA_BLOCK_K": 256,
-                   "FMA_T": 1, "BLOCK_N_DOT": 64, "BLOCK_K": 64,
-                   "BLOCK_T": 32, "KU": 256, "SPLIT": True, "DOT_F32": False},
-    "grid": ["cdiv(T, 32)", 192, "2 * max(0, min(1, 2 - T)) + max(1, 2 // cdiv(T, 32)) * (1 - max(0, min(1, 2 - T)))"],
-    "scratch": {"partials": "min(T, 32) * 24576",
-                "counters": "min(cdiv(T, 32), 1) * 768"},
+    "entry": "lm_head_last",
+    "params": [["a_ptr", "*bf16", "in:0"], ["d_ptr", "*bf16", "in:1"], ["norm_ptr", "*bf16", "in:2"], ["w_ptr", "*bf16", "in:3"], ["y_ptr", "*fp32", "out:0"], ["M", "i32", "dim:B"], ["rows_ptr", "*i32", "meta:last_rows"]],
+    "constexprs": {"N": 151936, "K": 2560, "BLOCK_N": 16, "FMA_BLOCK_K": 512,
+                   "FMA_T": 1, "BLOCK_N_DOT": 128, "BLOCK_K": 64,
+                   "BLOCK_T": 32, "KU": 512, "SPLIT": False, "DOT_F32": False},
+    "grid": ["cdiv(B, 32)", 9496, 1],
     "num_warps": 4,
-    "num_stages": 4,
+    "num_stages": 2,
 }
