@@ -2,7 +2,7 @@
 
 Every case uses random (never zero) inputs, NaN-poisoned outputs and shapes that the blocks do
 not cover (small tune overrides), and exercises each kernel path: the CUDA-core rows path and
-the tensor-core path of the GEMVs, split-K with its scratch left zero, masked edges of the GEMM.
+the tensor-core path of the GEMVs, split-K with its counters left zero, masked edges of the GEMM.
 """
 from types import SimpleNamespace
 
@@ -23,8 +23,11 @@ def f32(t):
 
 
 def check_scratch_zero(scratch):
+    """The split-K arrival counters are left zero for the next launch (the partial-sum slots are
+    overwritten by every split before they are read, so they may keep values)."""
     for name, s in scratch.items():
-        assert int(s.abs().sum()) == 0, f"scratch '{name}' not left zero"
+        if name == "counters":
+            assert int(s.abs().sum()) == 0, f"scratch '{name}' not left zero"
 
 
 # (T, N, K, tune, path): small blocks so that N and K are not multiples of them.
