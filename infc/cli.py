@@ -59,6 +59,9 @@ def _tune(args):
                 prefill_tokens=args.prefill_tokens, context_len=args.context_len,
                 compile=not args.no_compile, jobs=args.jobs)
     else:
+        from pathlib import Path
+        if not (Path(args.dir) / "manifest.json").exists():      # before cuda-python is imported
+            raise ValueError(f"{args.dir}: no manifest.json (run `infc tune prepare` first)")
         from infc.runtime.cuda.tune_run import run
         run(args.dir, write=args.write, reps=args.reps, warmup=args.warmup,
             threshold=args.threshold, results_dir=args.results_dir, any_gpu=args.any_gpu,
@@ -150,6 +153,11 @@ def main(argv=None) -> int:
     try:
         args.fn(args)
     except (SpecError, ModelDirError, TemplateError, ValueError) as e:
+        if os.environ.get("INFC_DEBUG"):
+            traceback.print_exc()
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ImportError as e:   # an optional backend not installed (e.g. infc[cuda]): say which
         if os.environ.get("INFC_DEBUG"):
             traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)

@@ -133,9 +133,13 @@ def test_merge_writes_a_table_that_the_build_reads_and_renders(prepared, tmp_pat
     _, plan0 = build_mod.compile_model(MODEL)
     ids0 = _kernel_ids(plan0, render_plan(plan0, table, 16), "decode", "gemv")
     assert e["candidates"][0]["kernel"] in ids0 and cand["kernel"] not in ids0
-    # the default winning removes the entry again; an empty template disappears
+    # the default winning removes the entry again (other shapes' entries stay); an empty
+    # template disappears
     t2 = merge_table(t1, "gemv", e["shape_key"], {}, e["base_tune"])
-    assert "gemv" not in t2["templates"]
+    assert e["shape_key"] not in t2["templates"].get("gemv", {})
+    assert t2["templates"].get("gemv", {}) == table.get("templates", {}).get("gemv", {})
+    alone = merge_table({"gpu": "h200", "templates": {}}, "gemv", e["shape_key"], cand["tune"], e["base_tune"])
+    assert "gemv" not in merge_table(alone, "gemv", e["shape_key"], {}, e["base_tune"])["templates"]
     with pytest.raises(ValueError, match="prepare"):
         merge_table({"templates": {"gemv": {"default": {"num_warps": 8}}}}, "gemv", "k", {"x": 1}, {})
 
