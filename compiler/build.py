@@ -149,8 +149,7 @@ def build(model=None, spec_path=None, model_dir=None, out=None, features=None, l
     if log:
         log(f"  {'render ' + str(len(kernels)) + ' kernels + write plan':<28} "
             f"{(time.perf_counter() - t0) * 1e3:8.1f} ms")
-    have = all(_built_for(out / "bin", kid, target) for kid in kernels)
-    if compile and reuse_bins and have:
+    if compile and reuse_bins and all(_built_for(out / "bin", kid, target) for kid in kernels):
         if log:
             log(f"  {'reuse ' + str(len(kernels)) + ' cubins':<28}")
     elif compile:
