@@ -1,7 +1,7 @@
 """`infc bench latency`: batch-1 decode TPOT and TTFT against the bandwidth floor, and HF
 transformers' fastest path (static cache + torch.compile) on the same GPU and prompts.
 
-floor_ms = (weight bytes + KV bytes read per step) / copy bandwidth; floor_ratio = floor/TPOT.
+floor_ms = (weight bytes + cache bytes read per step) / copy bandwidth; floor_ratio = floor/TPOT.
 """
 import argparse
 import time
@@ -11,6 +11,7 @@ import numpy as np
 
 
 def _infc(artifact, model_dir, prompts, out_len, seed=0):
+    from infc.runtime import caches
     from infc.runtime.cuda.runner import CudaRunner
     from infc.runtime.runner import RowSampling
     from infc.runtime.sampling import SamplingParams
@@ -21,8 +22,8 @@ def _infc(artifact, model_dir, prompts, out_len, seed=0):
                    buckets=[1, 2, 4, 8], num_pages=(max(prompts) + out_len) // 16 * 2 + 64)
     res = header(r.ctx, r.plan["model"])
     bw = copy_bandwidth(r.ctx)
-    kv = r.plan["kv_cache"]
-    kv_per_token = 2 * kv["layers"] * kv["kv_heads"] * kv["head_dim"] * 2
+    decl = caches.of_plan(r.plan)
+    kv_per_token, state_per_seq = caches.token_bytes(decl), caches.slot_bytes(decl)
     rng = np.random.default_rng(seed)
     greedy = [RowSampling(SamplingParams(temperature=0.0), 0, 0)]
     res.update({"copy_GBps": bw / 1e9, "weight_bytes": r.weights.bytes, "ttft_ms": {}, "tpot_ms_by_prompt": {},
@@ -43,7 +44,7 @@ def _infc(artifact, model_dir, prompts, out_len, seed=0):
                                 greedy)[0].token
             tpots.append((time.perf_counter() - t0) * 1e3 / out_len)
         avg_ctx = n + out_len / 2
-        floor = (r.weights.bytes + kv_per_token * avg_ctx) / bw * 1e3
+        floor = (r.weights.bytes + kv_per_token * avg_ctx + state_per_seq) / bw * 1e3
         res["ttft_ms"][str(n)] = float(np.median(ttfts))
         res["tpot_ms_by_prompt"][str(n)] = float(np.median(tpots))
         res["floor_ms_by_prompt"][str(n)] = floor

@@ -78,6 +78,7 @@ def main(argv=None):
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     from infc.backend import load_backend
+    from infc.runtime import caches
     from .common import copy_bandwidth, header, save
     conc = [int(c) for c in a.concurrency.split(",")]
     b = load_backend(a.model_path, model=a.model, device="cuda", max_num_seqs=max(conc),
@@ -87,8 +88,8 @@ def main(argv=None):
     engine, runner = b.engine, b.engine.runner
     res = header(runner.ctx, runner.plan["model"])
     bw = copy_bandwidth(runner.ctx)
-    kv = runner.plan["kv_cache"]
-    kv_per_token = 2 * kv["layers"] * kv["kv_heads"] * kv["head_dim"] * 2
+    decl = caches.of_plan(runner.plan)
+    kv_per_token, state_per_seq = caches.token_bytes(decl), caches.slot_bytes(decl)
     res.update({"input_len": a.input_len, "output_len": a.output_len, "copy_GBps": bw / 1e9,
                 "weight_bytes": runner.weights.bytes, "kv_tokens": b.kv_tokens, "points": []})
     rng = np.random.default_rng(0)
@@ -96,7 +97,7 @@ def main(argv=None):
     for c in conc:
         p = run_point(engine, b.vocab_size, c, a.input_len, a.output_len, rng)
         ctx_avg = a.input_len + a.output_len / 2
-        p["floor_tpot_ms"] = (runner.weights.bytes + c * kv_per_token * ctx_avg) / bw * 1e3
+        p["floor_tpot_ms"] = (runner.weights.bytes + c * (kv_per_token * ctx_avg + state_per_seq)) / bw * 1e3
         p["preemptions_total"] = engine.metrics.num_preemptions_total
         res["points"].append(p)
         print(f"concurrency {c:4d}: {p['output_tok_s']:9.1f} output tok/s, mean TPOT {p['mean_tpot_ms']:7.2f} ms "

@@ -6,7 +6,9 @@ from pathlib import Path
 from .errors import ModelDirError, SpecError
 from .pipeline import compile_spec
 from .plan import dumps, emit_plan
+from .checkpoint_check import check_model_dir
 from .spec import Spec, find_architecture, find_variant, load_spec
+from .spec_paths import json_key_line
 
 REPO = Path(__file__).resolve().parent.parent
 GENERATED = REPO / "generated"
@@ -23,12 +25,17 @@ def read_config(model_dir: Path) -> dict:
 
 
 def resolve(model: str | None = None, spec_path: str | None = None,
-            model_dir: str | None = None) -> tuple[Spec, dict, str, str]:
-    """(spec, config values, model name, where the config came from)."""
+            model_dir: str | None = None, spec_dirs=None) -> tuple[Spec, dict, str, str]:
+    """(spec, config values, model name, where the config came from). spec_dirs: extra spec
+    directories searched before specs/ (compiler/spec_paths.py)."""
     if model_dir is not None:
         config = read_config(Path(model_dir))
-        spec = load_spec(spec_path) if spec_path else find_architecture(config.get("architectures", []))
-        return spec, config, model or Path(model_dir).name, str(Path(model_dir) / "config.json")
+        cfg_path = Path(model_dir) / "config.json"
+        archs = config.get("architectures") or []
+        archs = [archs] if isinstance(archs, str) else list(archs)
+        spec = load_spec(spec_path) if spec_path else find_architecture(
+            archs, spec_dirs, str(cfg_path), json_key_line(cfg_path, "architectures"))
+        return spec, config, model or Path(model_dir).name, str(cfg_path)
     if model is None:
         raise SpecError("name a model (--model NAME) or a model directory", None)
     if spec_path is not None:
@@ -38,13 +45,18 @@ def resolve(model: str | None = None, spec_path: str | None = None,
                             f"{', '.join(sorted(spec.variants)) or 'none'})", spec.path,
                             spec.raw.key_lines.get("variants"))
         return spec, dict(spec.variants[model]), model, f"{spec.path} variant {model}"
-    spec, config = find_variant(model)
+    spec, config = find_variant(model, spec_dirs)
     return spec, config, model, f"{spec.path} variant {model}"
 
 
 def compile_model(model=None, spec_path=None, model_dir=None, features=None, log=None,
-                  observe=None, skip=()):
-    """Returns (state, plan dict)."""
+                  observe=None, skip=(), fuse=True, spec_dirs=None):
+    """Returns (state, plan dict). fuse=False skips every fusion pass (`--no-fuse`). With a
+    model_dir, the checkpoint's safetensors headers are checked against the plan's weights
+    (compiler/checkpoint_check.py); spec_dirs: extra spec directories (compiler/spec_paths.py)."""
+    if not fuse:
+        from .pipeline import FUSIONS
+        skip = tuple(skip) + tuple(sorted(FUSIONS))
     stages = []
 
     def stage(name, t0):
@@ -54,7 +66,7 @@ def compile_model(model=None, spec_path=None, model_dir=None, features=None, log
             log(f"  {name:<28} {dt * 1e3:8.1f} ms")
 
     t0 = time.perf_counter()
-    spec, config, name, source = resolve(model, spec_path, model_dir)
+    spec, config, name, source = resolve(model, spec_path, model_dir, spec_dirs)
     stage("parse + validate spec", t0)
     t0 = time.perf_counter()
     env = spec.bind(config, source)
@@ -74,6 +86,10 @@ def compile_model(model=None, spec_path=None, model_dir=None, features=None, log
     t0 = time.perf_counter()
     plan = emit_plan(state)
     stage("emit plan", t0)
+    if model_dir is not None:
+        t0 = time.perf_counter()
+        if check_model_dir(plan, spec, model_dir, log):
+            stage("check checkpoint tensors", t0)
     return state, plan
 
 
@@ -97,10 +113,10 @@ def load_tuning(gpu: str) -> dict:
 
 
 def generate(plan: dict, out: Path, gpu: str = "h100", page_size: int = 16,
-             target: str = "sm_90") -> dict:
+             target: str = "sm_90", spec_path: str | None = None) -> dict:
     """Render every kernel into out/kernels/ and record them in the plan; returns id -> Kernel."""
     from .codegen.render import EXT, render_plan
-    kernels = render_plan(plan, load_tuning(gpu), page_size)
+    kernels = render_plan(plan, load_tuning(gpu), page_size, spec_path)
     kdir = out / "kernels"
     kdir.mkdir(parents=True, exist_ok=True)
     keep = set()
@@ -131,7 +147,7 @@ def _built_for(bin_dir: Path, kid: str, target: str) -> bool:
 
 def build(model=None, spec_path=None, model_dir=None, out=None, features=None, log=print,
           gpu="h100", target="sm_90", page_size=16, compile=True, jobs=None,
-          reuse_bins=False) -> Path:
+          reuse_bins=False, fuse=True, spec_dirs=None) -> Path:
     """reuse_bins: when out/bin already holds a cubin for every kernel id (an id is the digest of
     its source), compile nothing. The serving path uses it so that a machine with another (or no)
     Triton runs the cubins built elsewhere rather than recompiling them."""
@@ -140,11 +156,12 @@ def build(model=None, spec_path=None, model_dir=None, out=None, features=None, l
     if log and (model or model_dir):
         log(f"infc build {model or model_dir}")
     state, plan = compile_model(model, spec_path, model_dir, features,
-                                (lambda m: None) if log is None else log)
+                                (lambda m: None) if log is None else log, fuse=fuse,
+                                spec_dirs=spec_dirs)
     out = Path(out) if out else GENERATED / state.model
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
-    kernels = generate(plan, out, gpu, page_size, target)
+    kernels = generate(plan, out, gpu, page_size, target, spec_path=state.spec.path)
     (out / "plan.json").write_text(dumps(plan))
     if log:
         log(f"  {'render ' + str(len(kernels)) + ' kernels + write plan':<28} "
@@ -160,3 +177,17 @@ def build(model=None, spec_path=None, model_dir=None, out=None, features=None, l
     if log:
         log(f"built {state.model} in {time.perf_counter() - t_all:.2f} s -> {out}")
     return out
+
+
+def build_variants(spec_path, out=None, **kw) -> list[Path]:
+    """`infc build --spec FILE` alone: validate FILE and build every variant it names, each into
+    out/<variant> (default generated/<variant>). A spec without variants is an error: it can
+    only be built against a checkpoint's config.json (--model-path)."""
+    spec = load_spec(spec_path)
+    if not spec.variants:
+        raise SpecError("this spec names no variants, so there is nothing to build by itself: build it "
+                        "against a checkpoint with --model-path DIR, or add a 'variants:' entry "
+                        "(a name and its config.json values)", spec.path,
+                        spec.raw.key_lines.get("variants") or 1)
+    return [build(model=v, spec_path=spec_path, out=Path(out) / v if out else None, **kw)
+            for v in spec.variants]

@@ -13,8 +13,18 @@ _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
            ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
            ast.Pow: operator.pow}
 _CMPOPS = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
-           ast.Gt: operator.gt, ast.GtE: operator.ge, ast.In: lambda a, b: a in b}
-_FUNCS = {"len": len, "min": min, "max": max, "int": int, "float": float}
+           ast.Gt: operator.gt, ast.GtE: operator.ge, ast.In: lambda a, b: a in b,
+           ast.NotIn: lambda a, b: a not in b, ast.Is: operator.is_, ast.IsNot: operator.is_not}
+def _bf16(x) -> float:
+    """x rounded to bfloat16 (nearest even): HF scales some activations by a bf16 constant
+    (Gemma's embedding normalizer sqrt(H))."""
+    import struct
+    bits = struct.unpack("<I", struct.pack("<f", float(x)))[0]
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
+
+
+_FUNCS = {"len": len, "min": min, "max": max, "int": int, "float": float, "bf16": _bf16}
 _CONSTS = {"true": True, "false": False, "none": None, "True": True, "False": False, "None": None}
 
 
@@ -95,7 +105,9 @@ def _evaluate(node: ast.expr, env: dict):
         left = _evaluate(node.left, env)
         for op, comp in zip(node.ops, node.comparators):
             right = _evaluate(comp, env)
-            if type(op) not in _CMPOPS or not _CMPOPS[type(op)](left, right):
+            if type(op) not in _CMPOPS:
+                raise EvalError(f"unsupported comparison in '{ast.unparse(node)}'")
+            if not _CMPOPS[type(op)](left, right):
                 return False
             left = right
         return True
@@ -105,6 +117,8 @@ def _evaluate(node: ast.expr, env: dict):
         return _FUNCS[node.func.id](*[_evaluate(a, env) for a in node.args])
     if isinstance(node, ast.Subscript):
         return _evaluate(node.value, env)[_evaluate(node.slice, env)]
+    if isinstance(node, ast.IfExp):         # `a if cond else b`: per-layer kinds, derived symbols
+        return _evaluate(node.body, env) if _evaluate(node.test, env) else _evaluate(node.orelse, env)
     raise EvalError(f"unsupported expression '{ast.unparse(node)}'")
 
 

@@ -5,8 +5,11 @@ count per layer), and the routing table op -> pass -> template -> launch.
 """
 from collections import Counter
 
+from infc.runtime.program import bodies, count_launches, is_repeat, launches, layer_counts
+
 from .build import compile_model
 from .ir import Graph
+
 
 
 def _graph_text(g: Graph, indent="") -> list[str]:
@@ -14,10 +17,13 @@ def _graph_text(g: Graph, indent="") -> list[str]:
     for n in g.ordered():
         if n.op == "layers":
             lines.append(f"{indent}{', '.join(n.outputs)} = layers({', '.join(n.inputs)})  x{n.attrs['count']}")
-            lines.append(f"{indent}  layer({', '.join(n.body.inputs)}) -> ({', '.join(n.body.outputs)}):")
-            lines += _graph_text(n.body, indent + "    ")
+            counts = Counter(n.attrs["schedule"])
+            for kind, body in n.bodies.items():
+                lines.append(f"{indent}  layer kind {kind} x{counts[kind]} ({', '.join(body.inputs)}) -> "
+                             f"({', '.join(body.outputs)}):")
+                lines += _graph_text(body, indent + "    ")
             continue
-        types = ", ".join(str(g.values[o].type) if g.values[o].type else "kv" for o in n.outputs)
+        types = ", ".join(str(g.values[o].type) if g.values[o].type else "cache" for o in n.outputs)
         lines.append(f"{indent}{'line ' + str(n.line) if n.line else '':>8}  {', '.join(n.outputs)} = "
                      f"{n.op}({', '.join(n.inputs)})  -> {types}")
     return lines
@@ -26,9 +32,12 @@ def _graph_text(g: Graph, indent="") -> list[str]:
 def _launch_table(program: list, bin_dir=None, indent="  ") -> list[str]:
     lines = []
     for l in program:
-        if "repeat" in l:
-            lines.append(f"{indent}repeat {l['repeat']} x{l['count']}: {len(l['body'])} launches per layer")
-            lines += _launch_table(l["body"], bin_dir, indent + "    ")
+        if is_repeat(l):
+            counts = layer_counts(l)
+            for kind, body in bodies(l).items():
+                lines.append(f"{indent}repeat {l['repeat']}, kind {kind} x{counts[kind]} layers: "
+                             f"{len(body)} launches per layer")
+                lines += _launch_table(body, bin_dir, indent + "    ")
             continue
         kid = l.get("kernel_id", "-")
         cubin = "-"
@@ -48,30 +57,12 @@ def _short(p) -> str:
         return str(p)
 
 
-def count_launches(program: list) -> tuple[int, int]:
-    """(launches per step, launches per layer)."""
-    total, per_layer = 0, 0
-    for l in program:
-        if "repeat" in l:
-            per_layer = len(l["body"])
-            total += l["count"] * per_layer
-        else:
-            total += 1
-    return total, per_layer
-
-
 def routing_table(plan: dict, phases=None) -> list[str]:
     rows = Counter()
     for phase in phases or list(plan["programs"]):
-        program = plan["programs"][phase]
-        def visit(prog, mult):
-            for l in prog:
-                if "repeat" in l:
-                    visit(l["body"], mult * l["count"])
-                    continue
-                key = ("+".join(l["fuses"]) or "-", l["pass"], l["op"], phase, f"{l['backend']}:{l['kernel']}")
-                rows[key] += mult
-        visit(program, 1)
+        for l, mult in launches(plan["programs"][phase]):
+            key = ("+".join(l["fuses"]) or "-", l["pass"], l["op"], phase, f"{l['backend']}:{l['kernel']}")
+            rows[key] += mult
     head = f"  {'spec ops':<44} {'pass':<24} {'launch op':<20} {'phase':<8} {'template':<26} {'launches/step':>13}"
     out = [head, "  " + "-" * (len(head) - 2)]
     for (fuses, pss, op, phase, tmpl), n in rows.items():
@@ -85,10 +76,12 @@ def to_dot(plan: dict, phase: str = "decode") -> str:
 
     def visit(prog, prefix):
         for k, l in enumerate(prog):
-            if "repeat" in l:
-                lines.append(f"  subgraph cluster_layers {{ label=\"layer x{l['count']}\";")
-                visit(l["body"], prefix + "L")
-                lines.append("  }")
+            if is_repeat(l):
+                counts = layer_counts(l)
+                for j, (kind, body) in enumerate(bodies(l).items()):
+                    lines.append(f"  subgraph cluster_{kind} {{ label=\"{kind} x{counts[kind]}\";")
+                    visit(body, f"{prefix}L{j}_")
+                    lines.append("  }")
                 continue
             nid = f"{prefix}{k}"
             lines.append(f"  {nid} [label=\"{l['op']}\\n{l['backend']}:{l['kernel']}\"];")
@@ -103,11 +96,12 @@ def to_dot(plan: dict, phase: str = "decode") -> str:
     return "\n".join(lines) + "\n"
 
 
-def inspect(model=None, spec_path=None, model_dir=None, dot=None, phases=None) -> str:
+def inspect(model=None, spec_path=None, model_dir=None, dot=None, phases=None, spec_dirs=None) -> str:
     snapshots = {}
 
     state, plan = compile_model(model, spec_path, model_dir, observe=lambda name, st:
-                                snapshots.__setitem__(name, _graph_text(st.graph, "    ")))
+                                snapshots.__setitem__(name, _graph_text(st.graph, "    ")),
+                                spec_dirs=spec_dirs)
     import tempfile
     from pathlib import Path
     from .build import GENERATED, generate

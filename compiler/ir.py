@@ -1,8 +1,9 @@
 """The graph IR: values (typed tensors) and op nodes in program order, on a networkx DiGraph.
 
-A `Graph` is one straight-line program. The `layers` node of the top graph holds the layer body
-as a nested Graph that the plan repeats L times; values named in `carried` flow from one
-iteration to the next (the residual stream).
+A `Graph` is one straight-line program. The `layers` node of the top graph holds one nested
+Graph per layer kind (a homogeneous model has one kind, "layer"); the plan runs layer i with the
+body of kind schedule[i]. Values named in `carried` flow from one layer to the next (the
+residual stream); every kind carries the same values.
 """
 from dataclasses import dataclass, field
 
@@ -39,14 +40,15 @@ class Node:
     outputs: list[str]
     attrs: dict = field(default_factory=dict)
     line: int | None = None
-    body: "Graph | None" = None
+    bodies: "dict[str, Graph] | None" = None               # layers: kind -> body
     fused_from: list[str] = field(default_factory=list)   # spec ops this node implements
     made_by: str | None = None                            # the pass that created the node
 
 
 class Graph:
-    def __init__(self, name: str, parent: "Graph | None" = None):
+    def __init__(self, name: str, parent: "Graph | None" = None, env: dict | None = None):
         self.name = name
+        self.env = env                   # a layer kind's config symbols (its overrides applied)
         # One counter per model, so names are unique across the top graph and layer body.
         self._counter = parent._counter if parent is not None else [0]
         self.output_names: list[str] = []
@@ -130,5 +132,5 @@ class Graph:
         """This graph and every nested body, outermost first."""
         yield self
         for n in self.ordered():
-            if n.body is not None:
-                yield from n.body.walk()
+            for b in (n.bodies or {}).values():
+                yield from b.walk()

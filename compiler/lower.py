@@ -12,7 +12,8 @@ from .errors import SpecError, did_you_mean
 from .expr import EvalError, Unknown, evaluate, free_names
 from .ir import DYNAMIC, Graph, Node, TensorType, Value
 from .ops import REGISTRY, REQUIRED
-from .spec import Spec, Statement
+from .ops.activation import resolve as resolve_activation
+from .spec import TRANSFORM_KEYS, LayerKind, Spec, Statement
 
 ACT_DTYPE = "bf16"
 STEP_INPUTS = {"tokens": TensorType(("T",), "i32")}
@@ -42,9 +43,14 @@ def _order(stmts: list[Statement], known: set[str], spec: Spec) -> list[Statemen
     raise spec.err(f"cycle in graph: {path} -> '{', '.join(lines[0].targets)}'", lines[0].line)
 
 
+# Ops whose tensor operands may be scalars (config expressions): lowered to affine(x, mul, add).
+SCALAR_OPERANDS = {"mul": "mul", "add": "add"}
+
+
 class _Lowerer:
     def __init__(self, spec: Spec, env: dict):
         self.spec, self.env = spec, env
+        self.absent: dict[str, str] = {}     # weight -> why it does not exist (its `when`)
 
     def err(self, msg, line) -> SpecError:
         return self.spec.err(msg, line)
@@ -69,7 +75,9 @@ class _Lowerer:
             dims.append(v)
         return tuple(dims)
 
-    def weights(self, g: Graph, decls: dict, per_layer: bool, sources: dict):
+    def weights(self, g: Graph, decls: dict, layers: list | None, sources: dict):
+        """Declare weights in g; layers: the global layer indices that have them (None: model-level)."""
+        per_layer = layers is not None
         for key, d in decls.items():
             when = False
             if d.when is not None:
@@ -77,6 +85,9 @@ class _Lowerer:
                     raise self.err(f"weight '{key}': 'when' names unknown symbol '{d.when}'"
                                    f"{did_you_mean(d.when, self.env)}", d.line)
                 when = bool(self.env[d.when])
+                if d.tied_to is None and not when:
+                    self.absent[key] = f"'when: {d.when}' is false for this config"
+                    continue
             shape = self.shape(d.shape, d.line, f"weight '{key}'")
             for dim in shape:
                 if isinstance(dim, str):
@@ -100,8 +111,63 @@ class _Lowerer:
                 source = {"tensor": d.name}
                 if d.experts is not None:
                     source = {"stack": d.name, "count": self.env[d.experts]}
-            g.add_value(Value(key, "weight", TensorType(shape, dtype), line=d.line))
-            sources[key] = {"source": source, "per_layer": per_layer}
+                source = self.transforms(key, d, source, shape)
+            t = TensorType(shape, dtype)
+            if key in sources:         # declared again in another kind's body
+                prev = sources[key]
+                if prev["type"] != t or prev["source"] != source:
+                    raise self.err(f"weight '{key}' differs between layer kinds ({prev['type']} vs "
+                                   f"{t}): a kind's symbols may not change a shared weight", d.line)
+                layers = sorted(set(prev["layers"] or []) | set(layers or []))
+            g.add_value(Value(key, "weight", t, line=d.line))
+            sources[key] = {"source": source, "layers": list(layers) if per_layer else None,
+                            "type": t, "line": d.line}
+
+    def transforms(self, key, d, source: dict, shape: tuple) -> dict:
+        """Wrap a checkpoint source in the declared load-time transforms, in TRANSFORM_KEYS order."""
+        if ("cols" in d.transforms or d.transforms.get("transpose")) and len(shape) != 2:
+            raise self.err(f"weight '{key}': cols/transpose apply to a 2-D weight, its shape "
+                           f"is {list(shape)}", d.line)
+        # the declared shape is the result: a slice's length must be that axis (after transpose)
+        stored = tuple(reversed(shape)) if d.transforms.get("transpose") else tuple(shape)
+        for t in TRANSFORM_KEYS:
+            if t not in d.transforms:
+                continue
+            v = d.transforms[t]
+            if t in ("rows", "cols"):
+                bounds = []
+                for e in v:
+                    try:
+                        b = evaluate(e, self.env)
+                    except (Unknown, EvalError) as x:
+                        name = f"unknown symbol '{x.name}'" if isinstance(x, Unknown) else str(x)
+                        raise self.err(f"weight '{key}': {t} bound {ast.unparse(e)}: {name}", d.line) from None
+                    if not isinstance(b, int) or isinstance(b, bool) or b < 0:
+                        raise self.err(f"weight '{key}': {t} bound '{ast.unparse(e)}' = {b!r} is not a "
+                                       f"non-negative integer", d.line)
+                    bounds.append(b)
+                if bounds[0] >= bounds[1]:
+                    raise self.err(f"weight '{key}': {t} [{bounds[0]}, {bounds[1]}] is empty", d.line)
+                axis = 0 if t == "rows" else 1
+                if bounds[1] - bounds[0] != stored[axis]:
+                    raise self.err(f"weight '{key}': {t} [{bounds[0]}, {bounds[1]}] holds "
+                                   f"{bounds[1] - bounds[0]} {t} but the declared shape "
+                                   f"{list(shape)} needs {stored[axis]}", d.line)
+                source = {"slice": source, "axis": 0 if t == "rows" else 1,
+                          "start": bounds[0], "stop": bounds[1]}
+            elif t == "transpose":
+                if v:
+                    source = {"transpose": source}
+            else:
+                try:
+                    by = evaluate(v, self.env)
+                except (Unknown, EvalError) as x:
+                    name = f"unknown symbol '{x.name}'" if isinstance(x, Unknown) else str(x)
+                    raise self.err(f"weight '{key}': {t}: {name}", d.line) from None
+                if not isinstance(by, (int, float)) or isinstance(by, bool):
+                    raise self.err(f"weight '{key}': {t} must be a number, got {by!r}", d.line)
+                source = {t: source, "by": float(by)}
+        return source
 
     def statements(self, g: Graph, stmts: list[Statement], scope: dict):
         # Targets are checked before ordering: a target that shadows a weight or a config
@@ -128,13 +194,17 @@ class _Lowerer:
                 return scope[e.id]
             if e.id in g.values and g.values[e.id].kind in ("weight", "input"):
                 return e.id
+            if e.id in self.absent:
+                raise self.err(f"{op_name}: weight '{e.id}' does not exist here ({self.absent[e.id]}); "
+                               f"only an optional argument such as a bias may name it", line)
             if e.id in self.env:
                 raise self.err(f"{op_name}: '{param}' must be a tensor, but '{e.id}' is a config value", line)
             spec = self.spec
             if g.is_body and e.id in spec.weights:
                 raise self.err(f"{op_name}: '{e.id}' is a top-level weight; layer.graph sees only "
                                f"layer.weights and the values layers(...) carries", line)
-            if not g.is_body and e.id in spec.layer_weights:
+            if not g.is_body and (e.id in spec.layer_weights
+                                  or any(e.id in k.weights for k in spec.layer_kinds.values())):
                 raise self.err(f"{op_name}: '{e.id}' is a layer weight; only layer.graph can use it", line)
             known = list(scope) + [n for n, v in g.values.items() if v.kind in ("weight", "input")]
             raise self.err(f"{op_name}: unknown name '{e.id}' (not a declared weight, a step input "
@@ -171,7 +241,7 @@ class _Lowerer:
             raise self.err(f"unknown op '{name}'{did_you_mean(name, known + ['layers'])} "
                            f"(known ops: {', '.join(known)}, layers)", line)
         op = REGISTRY[name]
-        params = op.tensors + list(op.attrs)
+        params = op.tensors + op.optional + list(op.attrs)
         sig = f"{name}({', '.join(params)})"
         if len(e.args) > len(params):
             raise self.err(f"{name} takes at most {len(params)} arguments {sig}, got {len(e.args)}", line)
@@ -186,10 +256,30 @@ class _Lowerer:
         missing += [a for a, dflt in op.attrs.items() if dflt is REQUIRED and a not in bound]
         if missing:
             raise self.err(f"{name} is missing argument(s) {', '.join(missing)}; signature {sig}", line)
+        if name in SCALAR_OPERANDS:
+            scalar = self.scalar_operand(g, name, bound, scope, line, names)
+            if scalar is not None:
+                return scalar
         inputs = [self.tensor_arg(g, bound[p], scope, line, name, p) for p in op.tensors]
         tensors = set(scope) | set(g.values)
-        attrs = {a: (self.attr_arg(bound[a], line, name, a, tensors) if a in bound else dflt)
-                 for a, dflt in op.attrs.items()}
+        attrs = {}
+        for p in op.optional:          # a bias naming a weight whose `when` is false is left out
+            e = bound.get(p)
+            present = e is not None and not (isinstance(e, ast.Name) and e.id in self.absent) \
+                and not (isinstance(e, ast.Constant) and e.value is None) \
+                and not (isinstance(e, ast.Name) and e.id in ("none", "None"))
+            if present:
+                inputs.append(self.tensor_arg(g, e, scope, line, name, p))
+            attrs[f"has_{p}"] = present
+        attrs.update({a: (self.attr_arg(bound[a], line, name, a, tensors) if a in bound else dflt)
+                      for a, dflt in op.attrs.items()})
+        fused_from = [name]
+        if name == "act":                # the config names the activation: lower to that op
+            try:
+                name = resolve_activation(attrs["fn"])
+            except ValueError as x:
+                raise self.err(f"act: {x}", line) from None
+            attrs, fused_from = {}, ["act"]
         n_out = op.n_outputs or 1
         if n_out != n_targets and n_targets != 1:
             raise self.err(f"{name} returns {n_out} value(s) but {n_targets} name(s) are assigned", line)
@@ -198,52 +288,137 @@ class _Lowerer:
         outs = [g.fresh(t) for t in (names or [name] * n_out)]
         for o in outs:
             g.add_value(Value(o, "act", line=line))
-        g.add_node(Node(g.new_node_id(name), name, inputs, outs, attrs, line, fused_from=[name]))
+        g.add_node(Node(g.new_node_id(name), name, inputs, outs, attrs, line, fused_from=fused_from))
         return outs
+
+    def is_tensor(self, g, e, scope) -> bool:
+        if isinstance(e, ast.Call):
+            return True
+        if isinstance(e, ast.Name):
+            return e.id in scope or (e.id in g.values and g.values[e.id].kind in ("weight", "input")) \
+                or e.id not in self.env and e.id not in ("none", "None", "true", "false")
+        return False
+
+    def scalar_operand(self, g, name, bound, scope, line, names):
+        """mul(x, c) / add(x, c) with c a config expression -> affine(x, mul=c) / affine(x, add=c)."""
+        a, b = bound["a"], bound["b"]
+        ta, tb = self.is_tensor(g, a, scope), self.is_tensor(g, b, scope)
+        if ta and tb:
+            return None
+        if not ta and not tb:
+            raise self.err(f"{name}: both operands are scalars; write the value as a config "
+                           f"symbol '= expression' instead", line)
+        x, c = (a, b) if ta else (b, a)
+        value = self.attr_arg(c, line, name, "b" if ta else "a", set(scope) | set(g.values))
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise self.err(f"{name}: scalar operand '{ast.unparse(c)}' = {value!r} is not a number", line)
+        xv = self.tensor_arg(g, x, scope, line, name, "a" if ta else "b")
+        attrs = {"mul": float(value), "add": 0.0} if name == "mul" else {"mul": 1.0, "add": float(value)}
+        out = g.fresh((names or [name])[0])
+        g.add_value(Value(out, "act", line=line))
+        g.add_node(Node(g.new_node_id("affine"), "affine", [xv], [out], attrs, line, fused_from=[name]))
+        return [out]
 
     def layers(self, g: Graph, e, scope, line, n_targets) -> list[str]:
         spec = self.spec
-        if not spec.layer_graph:
+        if not spec.layer_graph and not spec.layer_kinds:
             raise self.err("layers(...) is used but the spec has no 'layer' section", line)
         if e.keywords or not e.args or not all(isinstance(a, ast.Name) for a in e.args):
             raise self.err("layers(...) takes the names of the values carried through the layers", line)
         if n_targets != len(e.args):
             raise self.err(f"layers carries {len(e.args)} value(s) but {n_targets} are assigned", line)
         carried = [a.id for a in e.args]
-        body = Graph("layer", parent=g)
-        self.weights(body, spec.layer_weights, True, self.sources)
-        bscope = {}
         for c in carried:
-            outer = self.tensor_arg(g, ast.Name(c), scope, line, "layers", c)
-            body.add_value(Value(c, "input", line=line))
-            body.inputs.append(c)
-            bscope[c] = c
-            del outer
-        self.statements(body, spec.layer_graph, bscope)
-        body.outputs = [bscope[c] for c in carried]
-        for o, i in body.carried.items():
-            if o == i:
-                raise self.err(f"the layer graph never assigns carried value '{i}'", line)
+            self.tensor_arg(g, ast.Name(c), scope, line, "layers", c)
+        count = self.env.get("L")
+        schedule = self.schedule(count)
+        kinds = spec.layer_kinds or {"layer": LayerKind("layer", {}, {}, None, line)}
+        bodies = {}
+        top_env = self.env
+        for kind in dict.fromkeys(schedule):        # kinds in order of first use
+            k = kinds[kind]
+            self.env = self.kind_env(top_env, k)
+            body = Graph("layer" if kind == "layer" else f"layer.{kind}", parent=g, env=self.env)
+            self.weights(body, spec.layer_weights, list(range(count)), self.sources)
+            self.weights(body, k.weights, [i for i, s in enumerate(schedule) if s == kind], self.sources)
+            bscope = {}
+            for c in carried:
+                body.add_value(Value(c, "input", line=line))
+                body.inputs.append(c)
+                bscope[c] = c
+            self.statements(body, k.graph if k.graph is not None else spec.layer_graph, bscope)
+            self.drop_unread(body, [i for i, s in enumerate(schedule) if s == kind])
+            body.outputs = [bscope[c] for c in carried]
+            for o, i in body.carried.items():
+                if o == i:
+                    raise self.err(f"the layer graph{'' if kind == 'layer' else ' of kind ' + repr(kind)} "
+                                   f"never assigns carried value '{i}'", k.line if k.graph else line)
+            bodies[kind] = body
+        self.env = top_env
         outs = [g.fresh(c) for c in carried]
         for o in outs:
             g.add_value(Value(o, "act", line=line))
-        count = self.env.get("L")
         g.add_node(Node(g.new_node_id("layers"), "layers", [scope[c] for c in carried], outs,
-                        {"count": count}, line, body=body))
+                        {"count": count, "schedule": schedule}, line, bodies=bodies))
         return outs
+
+    def drop_unread(self, body: Graph, layers: list[int]):
+        """A layer weight this kind's graph never reads is not loaded for its layers (a shared
+        weight one kind skips; the checkpoint check then flags such a tensor if it exists)."""
+        read = {i for n in body.ordered() for i in n.inputs}
+        for name in [v.name for v in body.values.values() if v.kind == "weight" and v.name not in read]:
+            del body.values[name]
+            src = self.sources[name]
+            if src["layers"] is not None:
+                src["layers"] = [i for i in src["layers"] if i not in layers]
+                if not src["layers"]:
+                    del self.sources[name]
+
+    def schedule(self, count: int) -> list[str]:
+        """The kind of each layer: `layer.kind` evaluated at i = 0..L-1 (one kind when absent)."""
+        spec = self.spec
+        if spec.layer_kind is None:
+            return ["layer"] * count
+        expr, line = spec.layer_kind
+        out = []
+        for i in range(count):
+            try:
+                kind = evaluate(expr, {**self.env, "i": i})
+            except Unknown as u:
+                raise self.err(f"layer kind: unknown symbol '{u.name}'{did_you_mean(u.name, self.env)}",
+                               line) from None
+            except EvalError as x:
+                raise self.err(f"layer kind at layer {i}: {x}", line) from None
+            if kind not in spec.layer_kinds:
+                raise self.err(f"layer {i} has kind {kind!r}, which 'layer.kinds' does not define "
+                               f"(defined: {', '.join(spec.layer_kinds)})", line)
+            out.append(kind)
+        return out
+
+    def kind_env(self, env: dict, k: LayerKind) -> dict:
+        out = dict(env)
+        for sym, (e, line) in k.symbols.items():
+            try:
+                out[sym] = evaluate(e, env)
+            except Unknown as u:
+                raise self.err(f"layer kind '{k.name}': symbol {sym} uses unknown symbol '{u.name}'"
+                               f"{did_you_mean(u.name, env)}", line) from None
+            except EvalError as x:
+                raise self.err(f"layer kind '{k.name}': symbol {sym}: {x}", line) from None
+        return out
 
 
 def lower(spec: Spec, env: dict) -> tuple[Graph, dict]:
-    """Returns the top graph and the weight source table {name: {source, per_layer}}."""
+    """Returns the top graph and the weight source table {name: {source, layers, type, line}}."""
     lw = _Lowerer(spec, env)
     lw.sources = {}
     g = Graph("model")
     for name, t in STEP_INPUTS.items():
         g.add_value(Value(name, "input", t))
         g.inputs.append(name)
-    if "L" not in env and spec.layer_graph:
+    if "L" not in env and (spec.layer_graph or spec.layer_kinds):
         raise spec.err("a spec with a 'layer' section must bind the layer count symbol L", 1)
-    lw.weights(g, spec.weights, False, lw.sources)
+    lw.weights(g, spec.weights, None, lw.sources)
     scope = {n: n for n in STEP_INPUTS}
     lw.statements(g, spec.graph, scope)
     last = spec.graph[-1]

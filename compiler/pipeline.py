@@ -8,35 +8,45 @@ import time
 from .lower import lower
 from .passes.eliminate_dead import eliminate_dead
 from .passes.fuse_ops import (fuse_add_rms_norm, fuse_linear_prologue, fuse_lm_head,
-                              fuse_qk_norm_rope_cache, fuse_silu_mul)
+                              fuse_qk_norm_rope_cache, fuse_act_mul)
 from .passes.fuse_weights import fuse_weights
 from .passes.infer_types import infer_types
+from .passes.lower_experts import lower_experts
+from .passes.materialize_views import materialize_views
 from .passes.plan_memory import plan_memory
 from .passes.rotate_residual import rotate_residual
 from .passes.select_kernels import select_kernels
+from .passes.split_attention import split_attention
 from .spec import Spec
 from .state import CompileState
 
 PIPELINE = [
     ("infer_types", infer_types),                  # shapes and dtypes of every value
+    ("split_attention", split_attention),          # attention -> KV-cache write + cached attention
+    ("lower_experts", lower_experts),              # moe_experts -> gate|up launch + down launch
     ("fuse_weights", fuse_weights),                # q|k|v and gate|up concatenated at load time
     ("rotate_residual", rotate_residual),          # carry the last residual add into the next layer
     ("fuse_add_rms_norm", fuse_add_rms_norm),      # residual add + RMSNorm
     ("fuse_qk_norm_rope_cache", fuse_qk_norm_rope_cache),  # q/k norm + RoPE + KV-cache write
-    ("fuse_silu_mul", fuse_silu_mul),              # SiLU(gate) x up
-    ("fuse_linear_prologue", fuse_linear_prologue),  # SiLU x mul into the down GEMM's input load
+    ("fuse_act_mul", fuse_act_mul),                # act(gate) x up (SwiGLU, GeGLU, ...)
+    ("fuse_linear_prologue", fuse_linear_prologue),  # act x mul into the down GEMM's input load
     ("fuse_lm_head", fuse_lm_head),                # final add + norm + lm_head on last tokens only
     ("eliminate_dead", eliminate_dead),
+    ("materialize_views", materialize_views),      # copy strided views before kernels that need it
     ("plan_memory", plan_memory),                  # liveness-based arena offsets
     ("select_kernels", select_kernels),            # backend + template per launch and phase
 ]
-REWRITES = {"fuse_weights", "rotate_residual", "fuse_add_rms_norm", "fuse_qk_norm_rope_cache",
-            "fuse_silu_mul", "fuse_linear_prologue", "fuse_lm_head", "eliminate_dead"}
+# Optimizations: `infc build --no-fuse` skips them all, and the plan still runs (every op has a
+# generic kernel). The other passes are required lowerings.
+FUSIONS = {"fuse_weights", "rotate_residual", "fuse_add_rms_norm", "fuse_qk_norm_rope_cache",
+           "fuse_act_mul", "fuse_linear_prologue", "fuse_lm_head"}
+REWRITES = FUSIONS | {"split_attention", "lower_experts", "eliminate_dead", "materialize_views"}
 
 
 def compile_spec(spec: Spec, env: dict, model: str, features: list | None = None,
                  observe=None, stop_after: str | None = None, skip=()) -> CompileState:
-    """Run the pipeline; `skip` leaves out optional rewrites (tests compare with and without)."""
+    """Run the pipeline; `skip` leaves out optional rewrites (tests compare with and without;
+    skip=FUSIONS is `--no-fuse`)."""
     graph, weights = lower(spec, env)
     state = CompileState(spec, env, graph, weights, model, features=list(features or []))
     _stamp(state, "lower")
@@ -44,7 +54,7 @@ def compile_spec(spec: Spec, env: dict, model: str, features: list | None = None
         observe("lower", state)
     for name, run in PIPELINE:
         if name in skip:
-            assert name in REWRITES, f"pass {name} is required"
+            assert name in FUSIONS, f"pass {name} is required"
             continue
         t0 = time.perf_counter()
         run(state)

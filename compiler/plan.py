@@ -1,11 +1,14 @@
 """The plan: everything the runtime needs from the model, as versioned, byte-deterministic JSON.
 
     config      bound config symbols
-    weights     name -> shape, dtype, per_layer, source (how to build it from checkpoint tensors)
-    kv_cache    layers, kv heads, head dim, dtype
+    weights     name -> shape, dtype, layers (global layer indices, or null for a model-level
+                weight), source (how to build it from checkpoint tensors)
+    caches      name -> kind (paged per token | slot per sequence), shape, dtype, layers: the
+                per-sequence state the ops declare (runtime/caches.py lays it out)
     arena       bytes as bytes_per_token*T + bytes_per_seq*B + bytes
     buffers     value -> shape, dtype, offset {T, B, bytes} (views: col_offset, row_stride)
-    programs    phase -> ordered launches; {"repeat": "layers", ...} runs its body L times
+    programs    phase -> ordered launches; {"repeat": "layers", "schedule": [kind per layer],
+                "kinds": {kind: launches}} runs layer i with the launches of its kind
 """
 import json
 
@@ -13,8 +16,8 @@ from .ir import Graph
 from .ops import REGISTRY
 from .passes.plan_memory import DTYPE_BYTES
 
-SCHEMA = "infc.plan/1"
-KV = "kv_cache"
+SCHEMA = "infc.plan/2"
+MARKER = "cache"      # the value that orders a cache write before its reads: no buffer
 STEP_METADATA = {
     "positions": {"shape": ["T"], "dtype": "i32", "doc": "absolute position of each token"},
     "seq_starts": {"shape": ["B+1"], "dtype": "i32", "doc": "first token row of each sequence"},
@@ -74,24 +77,59 @@ def _buffer(state, g: Graph, name: str) -> dict:
     return entry
 
 
+def _node_caches(g: Graph, n) -> dict:
+    op = REGISTRY[n.op]
+    if op.caches is None:
+        return {}
+    return op.caches([g.values[i].type for i in n.inputs], n.attrs)
+
+
 def _launches(state, g: Graph, phase: str) -> list:
     out = []
     for n in g.ordered():
         if n.op == "layers":
+            first = next(iter(n.bodies.values()))
             out.append({"repeat": "layers", "count": n.attrs["count"],
-                        "carried": {o: i for o, i in n.body.carried.items()},
+                        "schedule": n.attrs["schedule"], "carried": list(first.inputs),
                         "inputs": n.inputs, "outputs": n.outputs,
-                        "body": _launches(state, n.body, phase)})
+                        "kinds": {k: _launches(state, b, phase) for k, b in n.bodies.items()}})
             continue
         if REGISTRY[n.op].view:
             continue
         backend, template = state.kernels[phase][n.id]
-        name = lambda x: KV if g.values[x].kind == "marker" else x  # noqa: E731
-        out.append({"op": n.op, "kernel": template, "backend": backend,
-                    "inputs": [name(i) for i in n.inputs], "outputs": [name(o) for o in n.outputs],
-                    "attrs": _jsonable(n.attrs), "fuses": n.fused_from, "pass": n.made_by,
-                    "line": n.line})
+        name = lambda x: MARKER if g.values[x].kind == "marker" else x  # noqa: E731
+        launch = {"op": n.op, "kernel": template, "backend": backend,
+                  "inputs": [name(i) for i in n.inputs], "outputs": [name(o) for o in n.outputs],
+                  "attrs": _jsonable(n.attrs), "fuses": n.fused_from, "pass": n.made_by,
+                  "line": n.line}
+        caches = _node_caches(g, n)
+        if caches:
+            launch["caches"] = sorted(caches)
+        out.append(launch)
     return out
+
+
+def _caches(state) -> dict:
+    """Every cache an op declares, with the global layers whose bodies hold that op."""
+    out: dict = {}
+    for n in state.graph.ordered():
+        if n.op != "layers":
+            for name in _node_caches(state.graph, n):
+                raise state.error(f"{n.op} keeps per-layer state (cache '{name}') but runs outside "
+                                  f"layers(...)", n.line)
+            continue
+        for kind, body in n.bodies.items():
+            layers = [i for i, k in enumerate(n.attrs["schedule"]) if k == kind]
+            for m in body.ordered():
+                for name, decl in _node_caches(body, m).items():
+                    decl = {k: _jsonable(v) for k, v in decl.items()}
+                    have = out.get(name)
+                    if have is not None and {k: v for k, v in have.items() if k != "layers"} != decl:
+                        raise state.error(f"cache '{name}' is declared twice with different layouts: "
+                                          f"{decl} vs {have}", m.line)
+                    entry = out.setdefault(name, {**decl, "layers": []})
+                    entry["layers"] = sorted(set(entry["layers"]) | set(layers))
+    return dict(sorted(out.items()))
 
 
 def emit_plan(state) -> dict:
@@ -102,21 +140,11 @@ def emit_plan(state) -> dict:
             if v.kind == "weight":
                 w = state.weights[v.name]
                 weights[v.name] = {"shape": list(v.type.shape), "dtype": v.type.dtype,
-                                   "per_layer": w["per_layer"], "source": w["source"]}
+                                   "layers": w["layers"], "source": w["source"]}
     buffers = _buffers(state)
     clash = set(buffers) & set(weights)
     assert not clash, f"buffer and weight names clash: {clash}"
     a = state.memory["arena"]
-    kv = {}
-    for g in state.graph.walk():
-        for n in g.ordered():
-            if n.op in ("qk_norm_rope_cache", "attention"):
-                qk = n.attrs if n.op == "qk_norm_rope_cache" else None
-                k_type = g.values[n.inputs[1]].type if n.op == "attention" else None
-                kv = {"layers": env.get("L", 1),
-                      "kv_heads": qk["kv_heads"] if qk else k_type.shape[1],
-                      "head_dim": qk["head_dim"] if qk else k_type.shape[2],
-                      "dtype": "bf16", "max_len": env.get("max_len")}
     g = state.graph
     return {
         "schema": SCHEMA,
@@ -128,7 +156,7 @@ def emit_plan(state) -> dict:
         "step_metadata": STEP_METADATA,
         "outputs": dict(zip(g.output_names, g.outputs)),
         "weights": weights,
-        "kv_cache": kv,
+        "caches": _caches(state),
         "arena": {"bytes_per_token": a[0], "bytes_per_seq": a[1], "bytes": a[2]},
         "buffers": buffers,
         "programs": {phase: _launches(state, g, phase) for phase in state.kernels},

@@ -6,15 +6,22 @@ variant's values) into the concrete symbol table the compiler lowers with.
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import spec_paths
 from .errors import SpecError, did_you_mean
 from .expr import EvalError, Unknown, evaluate, parse_expr, parse_statement
 from .yaml_lines import LDict, line_of, load_yaml
 
-SPECS_DIR = Path(__file__).resolve().parent.parent / "specs"
+SPECS_DIR = spec_paths.SPECS_DIR
 
 TOP_KEYS = {"family", "architectures", "config", "requires", "variants", "weights", "layer",
-            "graph", "description"}
-WEIGHT_KEYS = {"name", "shape", "tied_to", "when", "experts", "dtype"}
+            "graph", "description", "ignore"}
+WEIGHT_KEYS = {"name", "shape", "tied_to", "when", "experts", "dtype",
+               "rows", "cols", "transpose", "scale", "offset"}
+# Load-time transforms, applied in this order to the checkpoint tensor: a row slice, a column
+# slice (fused qkv_proj / gate_up_proj checkpoints), a transpose, then w * scale, then w + offset.
+TRANSFORM_KEYS = ("rows", "cols", "transpose", "scale", "offset")
+LAYER_KEYS = {"weights", "graph", "kind", "kinds"}
+KIND_KEYS = {"symbols", "weights", "graph"}
 WEIGHT_DTYPES = {"bf16", "f16", "f32"}
 # Names the compiler binds itself: the step's token count and sequence count.
 DYNAMIC_SYMBOLS = ("T", "B")
@@ -23,8 +30,8 @@ DYNAMIC_SYMBOLS = ("T", "B")
 @dataclass
 class Binding:
     symbol: str
-    keys: list[str]          # alternatives, each a dotted path into config.json
-    default: object | None   # ast of the default, or None when required
+    keys: list[str]          # alternatives, each a dotted path into config.json; [] = derived
+    default: object | None   # ast of the default (of the value, when derived), or None
     line: int
 
 
@@ -38,6 +45,7 @@ class WeightDecl:
     when: str | None = None
     experts: str | None = None
     dtype: str | None = None
+    transforms: dict = field(default_factory=dict)   # TRANSFORM_KEYS -> ast | [ast, ast] | bool
 
 
 @dataclass
@@ -45,6 +53,17 @@ class Statement:
     targets: list[str]
     expr: object             # ast.expr
     text: str
+    line: int
+
+
+@dataclass
+class LayerKind:
+    """One kind of layer: its config symbol overrides, extra weights, and graph (None: the
+    shared layer graph)."""
+    name: str
+    symbols: dict            # symbol -> (ast, line)
+    weights: dict
+    graph: list | None
     line: int
 
 
@@ -61,6 +80,11 @@ class Spec:
     layer_graph: list[Statement]
     graph: list[Statement]
     raw: dict = field(repr=False, default_factory=dict)
+    layer_kind: tuple | None = None                   # (ast over config symbols and i, line)
+    layer_kinds: dict = field(default_factory=dict)   # kind name -> LayerKind
+    # Glob patterns (fnmatch) of checkpoint tensors the spec deliberately does not use: any
+    # other tensor no weight reads fails the build (compiler/checkpoint_check.py).
+    ignore: list = field(default_factory=list)
 
     def err(self, msg, line=None) -> SpecError:
         return SpecError(msg, self.path, line)
@@ -71,7 +95,7 @@ class Spec:
         where = f" in {source}" if source else ""
         for sym, b in self.bindings.items():
             value, found = None, False
-            for key in b.keys:
+            for key in b.keys:      # a derived symbol has no keys: its default is its value
                 cur, ok = config, True
                 for part in key.split("."):
                     if isinstance(cur, dict) and part in cur:
@@ -85,13 +109,14 @@ class Spec:
             if not found:
                 if b.default is None:
                     raise self.err(f"config key '{b.keys[0]}' (symbol {sym}) is missing{where}", b.line)
+                what = "value" if not b.keys else "default"
                 try:
                     value = evaluate(b.default, env)
                 except Unknown as e:
-                    raise self.err(f"default of {sym} uses unknown symbol '{e.name}'"
+                    raise self.err(f"{what} of {sym} uses unknown symbol '{e.name}'"
                                    f"{did_you_mean(e.name, env)}", b.line) from None
                 except EvalError as e:
-                    raise self.err(f"default of {sym}: {e}", b.line) from None
+                    raise self.err(f"{what} of {sym}: {e}", b.line) from None
             env[sym] = value
         for node, text, line in self.requires:
             try:
@@ -140,8 +165,27 @@ def _weights(section, file, where) -> dict[str, WeightDecl]:
             raise SpecError(f"weight '{key}' has unknown dtype '{dtype}' (one of {sorted(WEIGHT_DTYPES)})",
                             file, fields.get("dtype", line))
         shape = [parse_expr(str(s), file, line) for s in decl["shape"]]
+        transforms = {}
+        for t in TRANSFORM_KEYS:
+            if t not in decl:
+                continue
+            tline = fields.get(t, line)
+            v = decl[t]
+            if t in ("rows", "cols"):
+                if not isinstance(v, list) or len(v) != 2:
+                    raise SpecError(f"weight '{key}': '{t}' must be [start, stop] (a slice of the "
+                                    f"checkpoint tensor's {'first' if t == 'rows' else 'second'} "
+                                    f"axis), got {v!r}", file, tline)
+                transforms[t] = [parse_expr(str(x), file, tline) for x in v]
+            elif t == "transpose":
+                if not isinstance(v, bool):
+                    raise SpecError(f"weight '{key}': 'transpose' must be true or false, got {v!r}",
+                                    file, tline)
+                transforms[t] = v
+            else:
+                transforms[t] = parse_expr(str(v), file, tline)
         out[key] = WeightDecl(key, str(decl["name"]), shape, line, decl.get("tied_to"),
-                              decl.get("when"), decl.get("experts"), dtype)
+                              decl.get("when"), decl.get("experts"), dtype, transforms)
     return out
 
 
@@ -164,13 +208,30 @@ def _binding(sym, text, file, line) -> Binding:
                         f"'{sym}: key [| other.key] [= default]', got {text!r}", file, line)
     text = str(text)
     default = None
-    if "=" in text and "==" not in text:
-        text, dflt = text.split("=", 1)
+    cut = _assign_at(text)
+    if cut is not None:
+        text, dflt = text[:cut], text[cut + 1:]
+        if not dflt.strip():
+            raise SpecError(f"symbol '{sym}': nothing after '='", file, line)
         default = parse_expr(dflt, file, line)
     keys = [k.strip() for k in text.split("|") if k.strip()]
-    if not keys:
-        raise SpecError(f"symbol '{sym}' names no config key", file, line)
+    if not keys and default is None:
+        raise SpecError(f"symbol '{sym}' names no config key (write '{sym}: key' or a derived "
+                        f"'{sym}: = expression')", file, line)
     return Binding(sym, keys, default, line)
+
+
+def _assign_at(text: str) -> int | None:
+    """Index of the '=' that starts a default, skipping ==, <=, >=, != inside expressions."""
+    for i, ch in enumerate(text):
+        if ch != "=":
+            continue
+        prev = text[i - 1] if i else ""
+        nxt = text[i + 1] if i + 1 < len(text) else ""
+        if nxt == "=" or (prev and prev in "=<>!"):
+            continue
+        return i
+    return None
 
 
 def load_spec(path: str | Path) -> Spec:
@@ -214,50 +275,135 @@ def load_spec(path: str | Path) -> Spec:
                             f"got {values!r}", file, variants.key_lines.get(v))
     weights = _weights(_require(doc, "weights", dict, file, 1), file, "weights")
     layer = doc.get("layer")
-    layer_weights, layer_graph = {}, []
+    layer_weights, layer_graph, layer_kind, layer_kinds = {}, [], None, {}
     if layer is not None:
         if not isinstance(layer, dict):
             raise SpecError("'layer' must be a mapping with 'weights' and 'graph'", file, line_of(layer))
         for key in layer:
-            if key not in ("weights", "graph"):
-                raise SpecError(f"unknown key '{key}' in 'layer' (expected weights, graph)", file,
-                                layer.key_lines.get(key))
-        layer_weights = _weights(_require(layer, "weights", dict, file, layer.line), file, "layer.weights")
-        layer_graph = _statements(_require(layer, "graph", list, file, layer.line), file, "layer.graph")
-    dup = set(weights) & set(layer_weights)
+            if key not in LAYER_KEYS:
+                raise SpecError(f"unknown key '{key}' in 'layer'{did_you_mean(key, LAYER_KEYS)} "
+                                f"(expected {', '.join(sorted(LAYER_KEYS))})", file, layer.key_lines.get(key))
+        layer_kind, layer_kinds = _kinds(layer, file)
+        if "weights" in layer or not layer_kinds:
+            layer_weights = _weights(_require(layer, "weights", dict, file, layer.line), file,
+                                     "layer.weights")
+        if "graph" in layer or not layer_kinds:
+            layer_graph = _statements(_require(layer, "graph", list, file, layer.line), file, "layer.graph")
+        for k in layer_kinds.values():
+            if k.graph is None and not layer_graph:
+                raise SpecError(f"layer kind '{k.name}' has no graph and 'layer' has no shared graph",
+                                file, k.line)
+    all_layer = dict(layer_weights)
+    for k in layer_kinds.values():
+        for name, w in k.weights.items():
+            if name in layer_weights:
+                raise SpecError(f"weight '{name}' of layer kind '{k.name}' is also a shared layer "
+                                f"weight (declare it once: under layer.weights, or per kind)", file, w.line)
+            all_layer.setdefault(name, w)   # several kinds may declare it; lowering checks they agree
+    dup = set(weights) & set(all_layer)
     if dup:
         name = sorted(dup)[0]
         raise SpecError(f"duplicate weight name '{name}' in weights and layer.weights", file,
-                        layer_weights[name].line)
+                        all_layer[name].line)
     graph = _statements(_require(doc, "graph", list, file, 1), file, "graph")
     return Spec(file, str(family), [str(a) for a in archs], bindings, requires, dict(variants),
-                weights, layer_weights, layer_graph, graph, doc)
+                weights, layer_weights, layer_graph, graph, doc, layer_kind, layer_kinds,
+                _ignore(doc, file))
 
 
-def spec_files() -> list[Path]:
-    return sorted(SPECS_DIR.glob("*.yaml"))
+def _ignore(doc, file) -> list[str]:
+    """`ignore: [glob, ...]`: checkpoint tensors no weight reads, on purpose."""
+    if "ignore" not in doc:
+        return []
+    section, line = doc["ignore"], doc.key_lines.get("ignore")
+    if not isinstance(section, list):
+        raise SpecError(f"'ignore' must be a list of glob patterns of checkpoint tensor names, "
+                        f"like ['model.layers.*.self_attn.rotary_emb.inv_freq'], got {section!r}",
+                        file, line_of(section, line))
+    for p in section:
+        if not isinstance(p, str) or not p.strip():
+            raise SpecError(f"'ignore' entries must be non-empty glob patterns (strings), got {p!r}",
+                            file, line_of(p, line_of(section, line)))
+    return [str(p) for p in section]
 
 
-def find_variant(name: str) -> tuple[Spec, dict]:
-    """The spec and config values of a named variant, searched across specs/."""
+def _kinds(layer, file) -> tuple:
+    """`kind: expr` (a kind name per layer index i) and `kinds: {name: {symbols, weights, graph}}`."""
+    has_kind, has_kinds = "kind" in layer, "kinds" in layer
+    if has_kind != has_kinds:
+        missing = "kinds" if has_kind else "kind"
+        raise SpecError(f"'layer' has '{'kind' if has_kind else 'kinds'}' but no '{missing}': "
+                        f"'kind' is an expression over config symbols and the layer index i that "
+                        f"names one of 'kinds'", file, layer.key_lines.get("kind" if has_kind else "kinds"))
+    if not has_kind:
+        return None, {}
+    kline = layer.key_lines.get("kind")
+    kind = (parse_expr(str(layer["kind"]), file, kline), kline)
+    section = layer["kinds"]
+    if not isinstance(section, dict) or not section:
+        raise SpecError("'layer.kinds' must map each kind name to {symbols, weights, graph}", file,
+                        layer.key_lines.get("kinds"))
+    out = {}
+    for name, body in section.items():
+        line = section.key_lines.get(name)
+        body = body if body is not None else LDict()
+        if not isinstance(body, dict):
+            raise SpecError(f"layer kind '{name}' must be a mapping with symbols, weights, graph "
+                            f"(any of them)", file, line)
+        for key in body:
+            if key not in KIND_KEYS:
+                raise SpecError(f"unknown key '{key}' in layer kind '{name}'"
+                                f"{did_you_mean(key, KIND_KEYS)} (expected {', '.join(sorted(KIND_KEYS))})",
+                                file, body.key_lines.get(key, line))
+        symbols = {}
+        syms = body.get("symbols", {}) or {}
+        if not isinstance(syms, dict):
+            raise SpecError(f"layer kind '{name}': 'symbols' must map a config symbol to an "
+                            f"expression", file, line_of(syms, line))
+        for sym, text in syms.items():
+            sline = syms.key_lines.get(sym, line)
+            symbols[sym] = (parse_expr(str(text), file, sline), sline)
+        weights = _weights(body["weights"], file, f"layer.kinds.{name}.weights") if "weights" in body else {}
+        graph = _statements(body["graph"], file, f"layer.kinds.{name}.graph") if "graph" in body else None
+        out[str(name)] = LayerKind(str(name), symbols, weights, graph, line)
+    return kind, out
+
+
+def spec_files(spec_dirs=None) -> list[Path]:
+    """Spec files on the search path: --spec-dir dirs, $INFC_SPEC_PATH, then specs/."""
+    return spec_paths.spec_files(spec_dirs)
+
+
+def find_variant(name: str, spec_dirs=None) -> tuple[Spec, dict]:
+    """The spec and config values of a named variant, searched along the spec path."""
     known = []
-    for f in spec_files():
+    for f in spec_files(spec_dirs):
         spec = load_spec(f)
         if name in spec.variants:
             return spec, dict(spec.variants[name])
         known += list(spec.variants)
     raise SpecError(f"unknown variant '{name}'{did_you_mean(name, known)} "
-                    f"(known: {', '.join(sorted(known))})", "specs/")
+                    f"(known: {', '.join(sorted(known))}; searched {spec_paths.describe(spec_dirs)}); "
+                    f"for a model of your own, {spec_paths.HOW_TO_POINT}", "specs/")
 
 
-def find_architecture(architectures: list[str]) -> Spec:
-    """The spec whose `architectures` names one of a config.json's architectures."""
-    for f in spec_files():
+def find_architecture(architectures: list[str], spec_dirs=None, where: str = "config.json",
+                      line: int | None = None) -> Spec:
+    """The spec whose `architectures` names one of a config.json's architectures (the first
+    on the search path). `where`/`line` locate the config.json for the error."""
+    known = []
+    for f in spec_files(spec_dirs):
         spec = load_spec(f)
         if set(spec.architectures) & set(architectures or []):
             return spec
-    raise SpecError(f"no spec in {SPECS_DIR} implements architectures {architectures}", "config.json")
+        known += spec.architectures
+    what = (f"no spec implements architectures {list(architectures)}" if architectures
+            else "names no 'architectures' to pick a spec by")
+    raise SpecError(f"{what}; known architectures: "
+                    f"{', '.join(sorted(set(known))) or 'none'} (searched {spec_paths.describe(spec_dirs)}). "
+                    f"To run this model, {spec_paths.HOW_TO_POINT}", where, line)
 
 
 def all_variants() -> list[str]:
-    return sorted(v for f in spec_files() for v in load_spec(f).variants)
+    """The built-in specs' variants (the committed generated/ artifacts), not the user's."""
+    return sorted(v for f in sorted(SPECS_DIR.glob("*.yaml")) for v in load_spec(f).variants)

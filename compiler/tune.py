@@ -27,18 +27,20 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from infc.runtime.program import launches
+
 from .build import REPO, compile_model, load_tuning
 from .codegen.render import EXT, TemplateError, _env, launch_context, render_template, shape_key
 from .errors import SpecError
 
-MANIFEST_VERSION = 1
-DEFAULT_TEMPLATES = ("gemv", "gemv_silu_mul", "lm_head_last", "attention_decode",
-                     "gemm", "gemm_silu_mul", "attention_prefill")
+MANIFEST_VERSION = 2            # 2: plan/2 caches (manifest caches, entry caches)
+DEFAULT_TEMPLATES = ("gemv", "gemv_act_mul", "lm_head_last", "attention_decode",
+                     "gemm", "gemm_act_mul", "attention_prefill")
 PHASES = ("prefill", "decode", "mixed")
 
 # --- candidate grids: only keys the template reads (tests check each against its source) -------
 
-# gemv.py.j2 (and gemv_silu_mul / lm_head_last, which include it). Rows <= FMA_T (1 by default)
+# gemv.py.j2 (and gemv_act_mul / lm_head_last, which include it). Rows <= FMA_T (1 by default)
 # take the CUDA-core path, more rows the tensor-core path: a grid varies the path it will time.
 # Lists are in priority order: when both paths are timed each contributes its first 5.
 _GEMV_FMA = [{"BLOCK_N": 16}, {"TARGET_CTAS": 528}, {"FMA_BLOCK_K": 128},
@@ -85,10 +87,10 @@ def _gemv_grid(fma, dot, rows):
 
 GRIDS = {
     ("triton", "gemv"): lambda rows: _gemv_grid(_GEMV_FMA, _GEMV_DOT, rows),
-    ("triton", "gemv_silu_mul"): lambda rows: _gemv_grid(_GEMV_FMA, _GEMV_DOT, rows),
+    ("triton", "gemv_act_mul"): lambda rows: _gemv_grid(_GEMV_FMA, _GEMV_DOT, rows),
     ("triton", "lm_head_last"): lambda rows: _gemv_grid(_LM_FMA, _LM_DOT, rows),
     ("triton", "gemm"): lambda rows: _GEMM,
-    ("triton", "gemm_silu_mul"): lambda rows: _GEMM,
+    ("triton", "gemm_act_mul"): lambda rows: _GEMM,
     ("triton", "attention_decode"): lambda rows: _ATTN_DECODE,
     ("triton", "attention_prefill"): lambda rows: _ATTN_PREFILL,
     ("triton", "add_rms_norm"): lambda rows: _NORM,
@@ -96,8 +98,16 @@ GRIDS = {
     ("triton", "qk_norm_rope_cache"): lambda rows: _QK_ROPE,
     ("cuda", "gemv"): lambda rows: _CUDA_GEMV,
 }
-# which step dimension is a template's row count (the gemv family picks its path by it)
+# which step dimension is a template's row count (the gemv family picks its path by it):
+# lm_head_last's rows are B; the others' are their input's leading dim (T, or B after last())
 ROWS_DIM = {"lm_head_last": "B"}
+
+
+def rows_dim(template: str, inputs: list[dict]) -> str:
+    if template in ROWS_DIM:
+        return ROWS_DIM[template]
+    lead = inputs[0]["shape"][0] if inputs and inputs[0]["shape"] else "T"
+    return "B" if lead == "B" else "T"
 
 
 def candidates(backend: str, template: str, rows=(1,)) -> list[dict]:
@@ -147,11 +157,8 @@ def collect(plan: dict, table: dict, phases, templates, page_size: int) -> list[
     """One entry per distinct (template, shape key) of a tunable template in these phases."""
     entries: dict[tuple, dict] = {}
 
-    def visit(program, phase, mult):
-        for launch in program:
-            if "repeat" in launch:
-                visit(launch["body"], phase, mult * launch["count"])
-                continue
+    def visit(program, phase):
+        for launch, mult in launches(program):
             tpl, backend = launch["kernel"], launch["backend"]
             if tpl not in templates or (backend, tpl) not in GRIDS:
                 continue
@@ -165,11 +172,12 @@ def collect(plan: dict, table: dict, phases, templates, page_size: int) -> list[
                 e = entries[(tpl, key)] = {
                     "template": tpl, "backend": backend, "op": launch["op"], "phase": phase,
                     "shape_key": key, "launches_per_step": 0, "ctx": ctx,
-                    "inputs": ctx["inputs"], "outputs": ctx["outputs"]}
+                    "inputs": ctx["inputs"], "outputs": ctx["outputs"],
+                    "caches": list(launch.get("caches", []))}
             e["launches_per_step"] += mult
 
     for phase in phases:
-        visit(plan["programs"].get(phase, []), phase, 1)
+        visit(plan["programs"].get(phase, []), phase)
     return list(entries.values())
 
 
@@ -206,7 +214,7 @@ def prepare(model=None, gpu="h200", out=None, phases=("decode", "prefill"), temp
         entry_table = table.get("templates", {}).get(tpl, {})
         base = dict(entry_table.get("default", {}))
         current = entry_table.get(e["shape_key"])
-        rows = [d[ROWS_DIM.get(tpl, "T")] for d in dims[e["phase"]]]
+        rows = [d[rows_dim(tpl, e["inputs"])] for d in dims[e["phase"]]]
         cands = [(c, "default" if not c else "grid") for c in candidates(backend, tpl, rows)]
         if current and current not in [c for c, _ in cands]:
             cands.insert(1, (dict(current), "current"))
@@ -228,7 +236,7 @@ def prepare(model=None, gpu="h200", out=None, phases=("decode", "prefill"), temp
             rendered.append({"tune": tune, "label": label, "kernel": k.id,
                              "source": f"kernels/{k.id}{EXT[backend]}", "meta": k.meta})
         entries.append({key: e[key] for key in ("template", "backend", "op", "phase", "shape_key",
-                                                  "launches_per_step", "inputs", "outputs")}
+                                                  "launches_per_step", "inputs", "outputs", "caches")}
                        | {"base_tune": base, "current_tune": current or {}, "dims": dims[e["phase"]],
                           "candidates": rendered, "skipped": skipped})
 
@@ -257,7 +265,7 @@ def prepare(model=None, gpu="h200", out=None, phases=("decode", "prefill"), temp
     manifest = {
         "version": MANIFEST_VERSION, "model": state.model, "gpu": gpu, "target": target,
         "page_size": page_size, "compiled": bool(compile), "commit": _commit(),
-        "kv": {**plan["kv_cache"], "page_size": page_size}, "config": plan["config"],
+        "caches": plan["caches"], "config": plan["config"],
         "context_len": int(context_len), "dims": dims,
         "note": ("shape keys are symbolic in T and B, so one key covers every batch size; each is "
                  "timed at the representative step sizes in 'dims' (decode T = B = batch, prefill "

@@ -65,7 +65,10 @@ def load_yaml(text: str, file: str):
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         line = mark.line + 1 if mark else None
-        raise SpecError(f"YAML syntax error: {e.problem or e.context}", file, line) from None
+        problem = e.problem or e.context
+        if "tag:yaml.org,2002:value" in str(problem):   # a bare `=`: YAML's "value" key
+            problem = "a lone '=' is YAML syntax: write the expression after it ('D: = H // Hq')"
+        raise SpecError(f"YAML syntax error: {problem}", file, line) from None
     except yaml.YAMLError as e:
         raise SpecError(f"YAML error: {e}", file) from None
 

@@ -80,7 +80,10 @@ def load_backend(model_dir, model: str | None = None, spec: str | None = None, d
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, block_size: int = 16,
                  num_gpu_blocks_override: int | None = None, kv_cache_memory_bytes: int | None = None,
-                 asynchronous: bool = True, cuda_graphs: bool = True, log=print) -> Backend:
+                 asynchronous: bool = True, cuda_graphs: bool = True, log=print,
+                 spec_dirs=None) -> Backend:
+    """spec_dirs: spec directories searched before specs/ (with $INFC_SPEC_PATH) for the spec
+    whose architectures match the directory's config.json."""
     from infc.runtime.async_engine import AsyncEngine
     from infc.runtime.engine import Engine
     model_dir = Path(model_dir)
@@ -109,7 +112,7 @@ def load_backend(model_dir, model: str | None = None, spec: str | None = None, d
         from infc.runtime.safetensors_io import Checkpoint
         from infc.runtime.weights import load_weights
         state, plan = st.run("compile plan", compile_model, model=model, spec_path=spec,
-                             model_dir=str(model_dir))
+                             model_dir=str(model_dir), spec_dirs=spec_dirs)
         name = state.model
         weights = st.run("load weights", lambda: load_weights(plan, Checkpoint(model_dir)))
         page_size = block_size
@@ -117,7 +120,7 @@ def load_backend(model_dir, model: str | None = None, spec: str | None = None, d
             num_pages = num_gpu_blocks_override
         else:
             budget = kv_cache_memory_bytes or int(os.environ.get("INFC_CPU_KV_CACHE_BYTES", CPU_KV_CACHE_BYTES))
-            num_pages = budget // CPURunner.kv_bytes_per_page(plan, page_size)
+            num_pages = CPURunner.pages_for_budget(plan, page_size, budget)
         if num_pages < 1:
             raise ValueError("the KV cache budget holds no page: raise --kv-cache-memory-bytes")
         runner = st.run("allocate KV cache", CPURunner, plan, weights, num_pages, page_size)
@@ -129,7 +132,7 @@ def load_backend(model_dir, model: str | None = None, spec: str | None = None, d
         out = REPO / ".cache" / "artifacts" / (model or model_dir.name)
         artifact = st.run("build artifact (cached)", build, model=model, spec_path=spec,
                           model_dir=str(model_dir), out=out, page_size=block_size, gpu=gpu_tuning(), log=None,
-                          reuse_bins=True)
+                          reuse_bins=True, spec_dirs=spec_dirs)
         from infc.runtime.cuda.runner import CudaRunner     # lazily: cuda-python only here
         runner = st.run("load weights, KV cache, graphs", CudaRunner, artifact, model_dir,
                         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,

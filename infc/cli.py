@@ -10,24 +10,30 @@ import traceback
 
 from infc.compiler.codegen.render import TemplateError
 from infc.compiler.errors import ModelDirError, SpecError
+from infc.compiler.spec_paths import add_spec_dir_arg
 
 
 def _build(args):
-    from infc.compiler.build import build, parse_features
-    build(model=args.model, spec_path=args.spec, model_dir=args.model_path, out=args.out,
-          features=parse_features(args.features), gpu=args.gpu, target=args.target,
-          page_size=args.page_size, compile=not args.no_compile, jobs=args.jobs)
+    from infc.compiler.build import build, build_variants, parse_features
+    kw = dict(out=args.out, features=parse_features(args.features), gpu=args.gpu, target=args.target,
+              page_size=args.page_size, compile=not args.no_compile, jobs=args.jobs,
+              fuse=not args.no_fuse)
+    if args.spec and args.model is None and args.model_path is None:
+        build_variants(args.spec, **kw)          # validate the file, build each of its variants
+        return
+    build(model=args.model, spec_path=args.spec, model_dir=args.model_path, spec_dirs=args.spec_dir, **kw)
 
 
 def _inspect(args):
     from infc.compiler.inspect import inspect
     print(inspect(args.model, spec_path=args.spec, model_dir=args.model_path, dot=args.dot,
-                  phases=args.phase))
+                  phases=args.phase, spec_dirs=args.spec_dir))
 
 
 def _generate(args):
     from infc import LLM, SamplingParams
-    llm = LLM(args.model_path, device=args.device, spec=args.spec)   # device None: cuda if present
+    llm = LLM(args.model_path, device=args.device, spec=args.spec,   # device None: cuda if present
+              spec_dirs=args.spec_dir)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     for out in llm.generate(args.prompt, params):
@@ -74,7 +80,10 @@ def parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("build", help="compile a model spec into generated/<model>/")
     b.add_argument("--model", help="a variant name from specs/ (e.g. qwen3-4b)")
-    b.add_argument("--spec", help="a spec file (to build a spec from anywhere)")
+    b.add_argument("--spec", help="a spec file (to build a spec from anywhere); alone, without "
+                   "--model/--model-path: validate it and build each of its variants into "
+                   "OUT/<variant> (default generated/<variant>)")
+    add_spec_dir_arg(b)
     b.add_argument("--model-path", help="an HF model directory: bind the spec to its config.json")
     b.add_argument("--out", help="output directory (default generated/<model>)")
     b.add_argument("--features", help="extra kernel backends, comma-separated: tilelang, cuda")
@@ -82,12 +91,15 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--target", default="sm_90", help="compute capability for the cubins")
     b.add_argument("--page-size", type=int, default=16, help="KV cache page size in tokens")
     b.add_argument("--no-compile", action="store_true", help="render kernels, skip the cubins")
+    b.add_argument("--no-fuse", action="store_true",
+                   help="skip every fusion pass: each op runs its generic kernel")
     b.add_argument("--jobs", type=int, help="parallel compile workers (default: all cores)")
     b.set_defaults(fn=_build)
 
     i = sub.add_parser("inspect", help="print the graph, the launches and the routing table")
     i.add_argument("model", nargs="?", help="a variant name")
     i.add_argument("--spec")
+    add_spec_dir_arg(i)
     i.add_argument("--model-path")
     i.add_argument("--dot", help="write the fused graph as Graphviz DOT to this file")
     i.add_argument("--phase", action="append", choices=["prefill", "decode", "mixed"],
@@ -97,6 +109,7 @@ def parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text from prompts")
     g.add_argument("--model-path", required=True)
     g.add_argument("--spec")
+    add_spec_dir_arg(g)
     g.add_argument("--prompt", action="append", required=True)
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)

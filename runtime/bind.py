@@ -1,7 +1,8 @@
 """Turning a kernel's META into launch arguments and a grid, for any launcher.
 
-Pure Python, no torch, no CUDA: the GPU runtime and the interpreter test executor both use it,
-each with its own way of producing pointers.
+Pure Python, no torch, no CUDA: the CUDA runner, the GPU sampler, the tuner, the interpreter
+test executor and the kernel test harness all resolve parameters through one `Resolver`, each
+with its own way of producing pointers (device addresses, torch tensors).
 """
 import ast
 import operator
@@ -39,17 +40,101 @@ def scratch_sizes(meta: dict, dims: dict) -> dict[str, int]:
     return {name: eval_int(expr, dims) for name, expr in meta.get("scratch", {}).items()}
 
 
+# Parameter sources (plan contract 5): in:N / out:N (the launch's N-th input / output), dim:T /
+# dim:B, meta:NAME (a step_metadata key, or max_pages), cache:NAME (this layer's storage of cache
+# NAME), scratch:NAME (the kernel's scratch, sized by META), const:INT.
+SOURCES = ("in", "out", "dim", "meta", "cache", "scratch", "const")
+# The value a launch lists among its inputs/outputs to order cache writes before reads: it has
+# no buffer, so no parameter may bind it.
+CACHE_MARKER = "cache"
+
+
 def split_source(source: str) -> tuple[str, str]:
     kind, _, what = source.partition(":")
-    if kind not in ("in", "out", "dim", "meta", "kv", "scratch", "const"):
+    if kind not in SOURCES:
         raise ValueError(f"unknown parameter source '{source}'")
     return kind, what
 
 
-def launch_args(meta: dict, resolve) -> list:
-    """resolve(kind, what, type) -> the value for each parameter, in order."""
-    out = []
-    for name, ty, source in meta["params"]:
-        kind, what = split_source(source)
-        out.append(resolve(kind, what, ty))
-    return out
+def param_types(meta: dict) -> list[str]:
+    return [ty for _, ty, _ in meta["params"]]
+
+
+def dim_slots(meta: dict) -> list[tuple[int, str]]:
+    """(parameter index, dim name) of every dim: parameter: what a launcher rewrites per step."""
+    return [(i, src[4:]) for i, (_, _, src) in enumerate(meta["params"]) if src.startswith("dim:")]
+
+
+def _missing(what):
+    def fail(*a):
+        raise ValueError(f"this launcher has no {what} to bind (arguments {a})")
+    return fail
+
+
+class Resolver:
+    """A kernel's META params -> argument values, from what a launcher supplies:
+        tensor(name, layer)    a buffer or weight (layer: global index; None outside the layers)
+        cache(name, layer)     that layer's storage of cache NAME
+        meta(name)             step metadata NAME (one of meta_names, or "max_pages")
+        scratch(kernel, name)  the kernel's scratch NAME (kernel: what the caller passes)
+        dim(name)              T or B (a launcher that rewrites dims per step returns 0 here)
+    A launcher leaves out what its kernels never take: asking for it anyway fails loud, as does
+    a meta name the plan does not declare or a parameter bound to the cache marker."""
+
+    def __init__(self, tensor=None, cache=None, meta=None, scratch=None, dim=None, meta_names=None):
+        self.tensor = tensor or _missing("tensors")
+        self.cache = cache or _missing("caches")
+        self.meta = meta or _missing("step metadata")
+        self.scratch = scratch or _missing("scratch")
+        self.dim = dim or _missing("dims")
+        self.meta_names = None if meta_names is None else set(meta_names) | {"max_pages"}
+
+    def values(self, kmeta: dict, inputs=(), outputs=(), layer=None, kernel=None) -> list:
+        out = []
+        for pname, ty, source in kmeta["params"]:
+            kind, what = split_source(source)
+            where = f"kernel {kernel or kmeta.get('entry')}: parameter {pname} ({source})"
+            if kind in ("in", "out"):
+                names = inputs if kind == "in" else outputs
+                i = int(what)
+                if i >= len(names):
+                    raise ValueError(f"{where}: the launch has only {len(names)} {kind}puts")
+                if names[i] == CACHE_MARKER:
+                    raise ValueError(f"{where} binds the cache marker: address a cache as cache:NAME")
+                out.append(self.tensor(names[i], layer))
+            elif kind == "cache":
+                out.append(self.cache(what, layer))
+            elif kind == "meta":
+                if self.meta_names is not None and what not in self.meta_names:
+                    raise ValueError(f"{where}: '{what}' is not step metadata of this plan "
+                                     f"({sorted(self.meta_names)})")
+                out.append(self.meta(what))
+            elif kind == "scratch":
+                out.append(self.scratch(kernel, what))
+            elif kind == "dim":
+                out.append(self.dim(what))
+            else:                                    # const
+                out.append(int(what))
+        return out
+
+
+class KernelInfo:
+    """A compiled kernel's launch shape, from its META and the build's <id>.json (no driver):
+    block, dynamic shared memory, and the hidden trailing pointer arguments recent Triton adds
+    (global and profile scratch) that every launcher must pass."""
+
+    def __init__(self, kid: str, meta: dict, info: dict):
+        self.id, self.meta, self.info = kid, meta, info
+        self.block = tuple(info.get("block") or meta.get("block") or [info["num_warps"] * 32, 1, 1])
+        # dynamic shared memory to launch with: Triton reports it as `shared`; the nvcc-built
+        # backends report static `shared` and `dynamic_shared` apart
+        self.shared = int(info["dynamic_shared"] if "dynamic_shared" in info else info.get("shared", 0))
+        self.hidden_args = int(info.get("hidden_args", 0))
+        self.global_scratch = int(info.get("global_scratch_size", 0))
+
+    def arg_lists(self, values: list) -> tuple[list, list]:
+        """(values, types) to pack: the META params', then the hidden pointers (null)."""
+        if self.global_scratch:
+            raise RuntimeError(f"kernel {self.id} needs Triton global scratch: not supported yet")
+        return (list(values) + [0] * self.hidden_args,
+                param_types(self.meta) + ["*i8"] * self.hidden_args)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import caches
 from .sampling import SamplingParams, logprobs_of, sample
 from .step import StepMeta
 
@@ -28,19 +29,19 @@ class Sample:
 
 
 class CPURunner:
-    """The numpy reference executor behind the runner interface (paged KV, float32)."""
+    """The numpy reference executor behind the runner interface (paged caches, float32)."""
 
     def __init__(self, plan: dict, weights: dict, num_pages: int, page_size: int = 16):
         from .reference.executor import ReferenceExecutor
         self.plan, self.page_size, self.num_pages = plan, page_size, num_pages
         self.vocab_size = plan["config"]["V"]
-        self.executor = ReferenceExecutor(plan, weights)
+        self.executor = ReferenceExecutor(plan, weights, page_size)
         self.executor.allocate_pages(num_pages, page_size)
 
     @staticmethod
-    def kv_bytes_per_page(plan: dict, page_size: int) -> int:
-        kv = plan["kv_cache"]
-        return 2 * kv["layers"] * page_size * kv["kv_heads"] * kv["head_dim"] * 4
+    def pages_for_budget(plan: dict, page_size: int, budget: int) -> int:
+        """Usable pages of the plan's caches (float32 on the CPU) within `budget` bytes."""
+        return caches.pages_for_budget(caches.of_plan(plan), page_size, budget, itemsize=4)
 
     def execute(self, meta: StepMeta, sampling: list[RowSampling | None]) -> list[Sample | None]:
         logits = self.executor.step_paged(meta)

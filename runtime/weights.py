@@ -1,56 +1,60 @@
-"""Build the plan's weights from a checkpoint by following each weight's `source` recipe:
-{"tensor": name} | {"tied": weight} | {"stack": name with {e}, "count": E} |
-{"concat": [sources], "axis": a}. Layer weights substitute {i}; shapes are checked against the
-plan and a mismatch names the tensor.
+"""Build the plan's weights from a checkpoint (float32, numpy) by following each weight's
+`source` recipe (runtime/weight_recipes.py). A per-layer weight (`layers`: the global layer
+indices that have it) is a list ordered like `layers`; `at(plan, weights, name, layer)` finds a
+layer's copy. Shapes are checked against the plan and a mismatch names the tensor.
 """
-import numpy as np
-
 from infc.compiler.errors import ModelDirError
 
-
-def _build(ckpt, src, layer, read):
-    if "tensor" in src:
-        name = src["tensor"].replace("{i}", str(layer))
-        return read(name), name
-    if "stack" in src:
-        names = [src["stack"].replace("{i}", str(layer)).replace("{e}", str(e)) for e in range(src["count"])]
-        parts = [read(n) for n in names]
-        if len({p.shape for p in parts}) != 1:
-            raise ModelDirError(f"{ckpt.dir}: experts of '{src['stack']}' differ in shape")
-        return np.stack(parts), src["stack"].replace("{i}", str(layer))
-    if "concat" in src:
-        parts = [_build(ckpt, s, layer, read) for s in src["concat"]]
-        names = " + ".join(n for _, n in parts)
-        try:
-            return np.concatenate([p for p, _ in parts], axis=src["axis"]), names
-        except ValueError:
-            shapes = ", ".join(f"{n} {list(p.shape)}" for p, n in parts)
-            raise ModelDirError(f"{ckpt.dir}: cannot concatenate {shapes}") from None
-    raise ValueError(f"unknown weight source {src}")
+from .weight_recipes import build
 
 
-def iter_weights(plan: dict, ckpt, read):
-    """Yields (name, layer or None, array) for every weight, tied ones as ("name", None, tied_to)."""
-    layers = plan["config"].get("L", 1)
+def layers_of(w: dict) -> list:
+    """[None] for a model-level weight, else its global layer indices (plan contract 1)."""
+    if "layers" not in w:
+        raise ValueError("plan weight has no 'layers' (a plan older than infc.plan/2? rebuild it)")
+    return [None] if w["layers"] is None else list(w["layers"])
+
+
+def at(plan: dict, weights: dict, name: str, layer):
+    """The array (or device pointer) of weight `name` at global layer `layer`; weights maps
+    name -> value or per-layer list (as load_weights / DeviceWeights make them)."""
+    w = weights[name]
+    if not isinstance(w, list):
+        return w
+    layers = plan["weights"][name]["layers"]
+    try:
+        return w[layers.index(layer)]
+    except ValueError:
+        raise KeyError(f"weight '{name}' has no copy for layer {layer} (its layers: {layers})") from None
+
+
+def check_shape(ckpt, name: str, w: dict, shape, what: str):
+    if tuple(shape) != tuple(w["shape"]):
+        raise ModelDirError(f"{ckpt.dir}: tensor '{what}' has shape {list(shape)}, "
+                            f"the plan expects {w['shape']} for weight '{name}'")
+
+
+def iter_weights(plan: dict, ckpt, read=None):
+    """Yields (name, layer or None, float32 array) for every weight, tied ones as
+    (name, None, the weight it is tied to). read(tensor name) defaults to ckpt.float32."""
+    read = read or ckpt.float32
     for name, w in plan["weights"].items():
         if "tied" in w["source"]:
             yield name, None, w["source"]["tied"]
             continue
-        for i in range(layers if w["per_layer"] else 1):
-            a, what = _build(ckpt, w["source"], i, read)
-            if tuple(a.shape) != tuple(w["shape"]):
-                raise ModelDirError(f"{ckpt.dir}: tensor '{what}' has shape {list(a.shape)}, "
-                                    f"the plan expects {w['shape']} for weight '{name}'")
-            yield name, (i if w["per_layer"] else None), a
+        for layer in layers_of(w):
+            a, what = build(w["source"], layer, read, str(ckpt.dir))
+            check_shape(ckpt, name, w, a.shape, what)
+            yield name, layer, a
 
 
 def load_weights(plan: dict, ckpt) -> dict:
-    """name -> array (float32), or a list of arrays (one per layer) for per-layer weights."""
+    """name -> array (float32), or a list of arrays ordered like the weight's `layers`."""
     out, tied = {}, []
-    for name, layer, a in iter_weights(plan, ckpt, ckpt.float32):
+    for name, layer, a in iter_weights(plan, ckpt):
         if layer is None and isinstance(a, str):
             tied.append((name, a))
-        elif layer is None:
+        elif plan["weights"][name]["layers"] is None:
             out[name] = a
         else:
             out.setdefault(name, []).append(a)

@@ -4,11 +4,14 @@ import argparse
 import os
 from pathlib import Path
 
+from infc.compiler.spec_paths import add_spec_dir_arg
+
 
 def add_serve_args(p: argparse.ArgumentParser):
     p.add_argument("--model-path", required=True, help="an HF model directory (config.json, safetensors, tokenizer)")
     p.add_argument("--model", help="the model (variant) name; default: detected from config.json")
     p.add_argument("--spec", help="a spec file, instead of the one whose architectures match")
+    add_spec_dir_arg(p)
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when a GPU is present, else cpu")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -60,7 +63,8 @@ def config_from_args(args):
 
 
 def backend_kwargs(args) -> dict:
-    return dict(model=args.model, spec=args.spec, device=args.device, max_model_len=args.max_model_len,
+    return dict(model=args.model, spec=args.spec, spec_dirs=getattr(args, "spec_dir", None),
+                device=args.device, max_model_len=args.max_model_len,
                 gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=args.enable_prefix_caching, block_size=args.block_size,

@@ -37,7 +37,9 @@ def _tiny(family: str, **over):
         return Qwen3MoeForCausalLM(Qwen3MoeConfig(**common, head_dim=16, intermediate_size=96,
                                                   moe_intermediate_size=40, num_experts=8,
                                                   num_experts_per_tok=3, norm_topk_prob=True,
-                                                  tie_word_embeddings=False, rope_theta=10000.0))
+                                                  tie_word_embeddings=False, rope_theta=10000.0,
+                                                  mlp_only_layers=over.get("mlp_only_layers", []),
+                                                  decoder_sparse_step=over.get("decoder_sparse_step", 1)))
     raise ValueError(family)
 
 
@@ -48,7 +50,7 @@ def tiny_model(tmp_path_factory):
     cache = {}
 
     def get(family: str, **over):
-        key = (family, tuple(sorted(over.items())))
+        key = (family, repr(sorted(over.items())))
         if key not in cache:
             torch.manual_seed(1234)
             m = _tiny(family, **over).float().eval()
@@ -60,6 +62,22 @@ def tiny_model(tmp_path_factory):
             m.save_pretrained(d)
             cache[key] = (d, m)
         return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def family_model(tmp_path_factory):
+    """family -> (model directory, HF float32 model): tests/families.py's tiny random models of
+    the spec families, norms and biases randomized."""
+    from families import make
+    cache = {}
+
+    def get(family: str):
+        if family not in cache:
+            d = tmp_path_factory.mktemp(f"family-{family}")
+            cache[family] = (d, make(family, d))
+        return cache[family]
 
     return get
 

@@ -5,10 +5,18 @@ import numpy as np
 import torch
 
 from infc.compiler.codegen.render import Kernel
-from infc.runtime.bind import grid, launch_args, scratch_sizes
+from infc.runtime import caches
+from infc.runtime.bind import Resolver, grid, scratch_sizes
+from infc.runtime.program import unrolled
 from infc.runtime.step import Chunk, build_step
+from infc.runtime.weights import at
 
 from kernels.harness import TORCH, load
+
+
+def _nan_storage(shape, dtype):
+    # poison: a kernel that reads a slot no launch wrote shows NaN in the logits
+    return torch.full(shape, float("nan"), dtype=TORCH[dtype])
 
 
 class InterpExecutor:
@@ -19,10 +27,7 @@ class InterpExecutor:
         bf16 = lambda a: torch.from_numpy(np.ascontiguousarray(a, np.float32)).to(torch.bfloat16)  # noqa: E731
         self.weights = {n: ([bf16(x) for x in w] if isinstance(w, list) else bf16(w))
                         for n, w in weights.items()}
-        kv = plan["kv_cache"]
-        shape = (num_pages, page_size, kv["kv_heads"], kv["head_dim"])
-        self.k_cache = [torch.full(shape, float("nan"), dtype=torch.bfloat16) for _ in range(kv["layers"])]
-        self.v_cache = [torch.full(shape, float("nan"), dtype=torch.bfloat16) for _ in range(kv["layers"])]
+        self.caches = caches.HostCaches(caches.of_plan(plan), page_size, num_pages, factory=_nan_storage)
         self.free_pages = list(range(num_pages))
         self.pages: dict[int, list[int]] = {}
         self.scratch = {}
@@ -48,52 +53,30 @@ class InterpExecutor:
             n = int(np.prod(shape)) * torch.tensor([], dtype=TORCH[b["dtype"]]).element_size()
             views[name] = arena[start:start + n].view(TORCH[b["dtype"]]).view(shape)
         views["tokens"].copy_(torch.from_numpy(meta.tokens))
-        md = {k: torch.from_numpy(np.ascontiguousarray(getattr(meta, k))) for k in
-              ("positions", "seq_starts", "context_lens", "last_rows", "slot_mapping", "block_tables")}
+        md = {k: torch.from_numpy(np.ascontiguousarray(getattr(meta, k))) for k in self.plan["step_metadata"]}
         md["max_pages"] = meta.max_pages
-        self._run(self.plan["programs"][meta.phase], views, md, dims, layer=0)
-        return views[self.plan["outputs"]["logits"]].float().numpy().copy()
 
-    def _run(self, program, views, md, dims, layer):
-        for launch in program:
-            if "repeat" in launch:
-                for i in range(launch["count"]):
-                    self._run(launch["body"], views, md, dims, i)
-                continue
+        def tensor(name, layer):
+            return views[name] if name in views else at(self.plan, self.weights, name, layer)
+
+        def scratch(k, name):
+            size = scratch_sizes(k.meta, dims)[name]
+            buf = self.scratch.get((k.id, name))
+            if buf is None or buf.numel() * 4 < size:
+                buf = torch.zeros(size // 4 + 1, dtype=torch.int32)
+                self.scratch[(k.id, name)] = buf
+            return buf
+
+        resolver = Resolver(tensor=tensor, cache=self.caches.get, meta=md.__getitem__, scratch=scratch,
+                            dim=dims.__getitem__, meta_names=self.plan["step_metadata"])
+        for launch, layer in unrolled(self.plan["programs"][meta.phase]):
             k = self.kernels[launch["kernel_id"]]
-
-            def tensor(name):
-                if name == "kv_cache":
-                    return None
-                if name in views:
-                    return views[name]
-                w = self.weights[name]
-                return w[layer] if isinstance(w, list) else w
-
-            def resolve(kind, what, ty):
-                if kind in ("in", "out"):
-                    names = launch["inputs"] if kind == "in" else launch["outputs"]
-                    return tensor(names[int(what)])
-                if kind == "dim":
-                    return dims[what]
-                if kind == "meta":
-                    return md[what]
-                if kind == "kv":
-                    return (self.k_cache if what == "k" else self.v_cache)[layer]
-                if kind == "scratch":
-                    size = scratch_sizes(k.meta, dims)[what]
-                    buf = self.scratch.get((k.id, what))
-                    if buf is None or buf.numel() * 4 < size:
-                        buf = torch.zeros(size // 4 + 1, dtype=torch.int32)
-                        self.scratch[(k.id, what)] = buf
-                    return buf
-                raise ValueError(kind)
-
-            args = launch_args(k.meta, resolve)
+            args = resolver.values(k.meta, launch["inputs"], launch["outputs"], layer, k)
             consts = dict(k.meta["constexprs"])
             if "DOT_F32" in consts:
                 consts["DOT_F32"] = True
             getattr(load(k), k.meta["entry"])[grid(k.meta, dims)](*args, **consts)
+        return views[self.plan["outputs"]["logits"]].float().numpy().copy()
 
 
 def _source(plan, k):

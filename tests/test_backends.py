@@ -49,9 +49,9 @@ def t(name, shape, dtype="bf16", kind="buffer"):
     return {"name": name, "shape": list(shape), "dtype": dtype, "kind": kind}
 
 
-def ctx(op, phase, inputs, outputs, attrs=None, kv=None, tune=None):
+def ctx(op, phase, inputs, outputs, attrs=None, caches=None, page_size=16, tune=None):
     return {"op": op, "phase": phase, "inputs": inputs, "outputs": outputs, "attrs": attrs or {},
-            "config": {}, "kv": kv or {}, "tune": tune or {}}
+            "config": {}, "caches": caches or {}, "page_size": page_size, "tune": tune or {}}
 
 
 def linear(phase, N, K):
@@ -65,10 +65,11 @@ def add_rms_norm(H, eps=1e-6):
 
 
 def attention(Hq, Hkv, D, page):
-    return ctx("attention_cached", "decode", [t("q", ["T", Hq, D]), t("kv_cache", [], kind="kv")],
-               [t("o", ["T", Hq, D])], {"scale": None},
-               kv={"layers": 36, "kv_heads": Hkv, "head_dim": D, "dtype": "bf16", "max_len": 40960,
-                   "page_size": page})
+    cache = {"kind": "paged", "shape": [Hkv, D], "dtype": "bf16", "layers": list(range(36)),
+             "page_size": page}
+    return ctx("attention_cached", "decode", [t("q", ["T", Hq, D]), t("cache", [], dtype="", kind="cache")],
+               [t("o", ["T", Hq, D])], {"kv_heads": Hkv, "scale": None, "window": None, "softcap": None},
+               caches={"k": cache, "v": cache}, page_size=page)
 
 
 # (case id, backend, template, launch context, SASS that must appear, SASS that must not).

@@ -11,6 +11,7 @@ from infc.compiler.build import GENERATED, build, compile_model
 from infc.compiler.inspect import count_launches
 from infc.compiler.plan import SCHEMA, dumps
 from infc.compiler.spec import all_variants
+from infc.runtime.program import bodies, repeats
 
 VARIANTS = all_variants()
 
@@ -45,8 +46,9 @@ def test_plan_schema_and_contents():
     assert plan["config"]["H"] == 2560 and plan["config"]["L"] == 36
     assert plan["weights"]["wqkv"]["shape"] == [6144, 2560]
     assert plan["weights"]["lm_head"]["source"] == {"tied": "embed"}     # Qwen3-4B ties
-    assert plan["kv_cache"] == {"layers": 36, "kv_heads": 8, "head_dim": 128, "dtype": "bf16",
-                                "max_len": 40960}
+    kv = {"kind": "paged", "shape": [8, 128], "dtype": "bf16", "layers": list(range(36))}
+    assert plan["caches"] == {"k": kv, "v": kv}
+    assert plan["weights"]["wqkv"]["layers"] == list(range(36)) and plan["weights"]["embed"]["layers"] is None
     _, plan8 = compile_model("qwen3-8b")
     assert plan8["weights"]["lm_head"]["source"] == {"tensor": "lm_head.weight"}
 
@@ -64,7 +66,7 @@ def test_moe_plan_routes_and_stacks_experts():
     assert w["shape"] == [128, 1536, 2048]
     assert w["source"]["concat"][0] == {"stack": "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
                                         "count": 128}
-    body = next(l for l in plan["programs"]["decode"] if "repeat" in l)["body"]
+    (body,) = bodies(repeats(plan["programs"]["decode"])[0]).values()
     assert [l["op"] for l in body].count("moe_route") == 1
     assert [l["op"] for l in body].count("moe_gate_up") == 1
     assert [l["op"] for l in body].count("moe_down") == 1

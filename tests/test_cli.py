@@ -77,10 +77,10 @@ def test_config_json_with_invalid_json(tmp_path, capsys):
 
 
 def test_config_json_of_unknown_architecture(tmp_path, capsys):
-    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    (tmp_path / "config.json").write_text('{"architectures": ["MambaForCausalLM"]}')
     assert main(["build", "--model-path", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert "GPT2LMHeadModel" in err and "Traceback" not in err
+    assert "MambaForCausalLM" in err and "Traceback" not in err
 
 
 def test_config_json_missing_a_key(tmp_path, capsys):

@@ -13,7 +13,7 @@ import pytest
 from infc.compiler.build import compile_model
 from infc.compiler.errors import ModelDirError
 from infc.runtime.cuda import weights as dw
-from infc.runtime.safetensors_io import Checkpoint
+from infc.runtime.safetensors_io import Checkpoint, f32_to_bf16_bits
 from infc.runtime.weights import iter_weights
 
 REPO = Path(__file__).resolve().parent.parent
@@ -90,14 +90,15 @@ def test_streamed_weights_equal_the_plan(tmp_path, monkeypatch, family, dtype, s
     w = dw.DeviceWeights(ctx, plan, tmp_path, progress=False, threads=3)
     ckpt = Checkpoint(tmp_path)
     seen = 0
-    for name, layer, a in iter_weights(plan, ckpt, ckpt.bf16_bits):
+    for name, layer, a in iter_weights(plan, ckpt):
         if isinstance(a, str):
             assert w.ptrs[name] == w.ptrs[a]
             continue
-        ptr = w.ptrs[name] if layer is None else w.ptrs[name][layer]
+        ptr = w.ptr(name, layer)
         assert ptr % dw.ALIGN == 0
-        assert ctx.read(ptr, a.nbytes) == np.ascontiguousarray(a).tobytes(), (name, layer)
-        seen += a.nbytes
+        bits = f32_to_bf16_bits(a)                  # the numpy loader's float32, rounded once
+        assert ctx.read(ptr, bits.nbytes) == bits.tobytes(), (name, layer)
+        seen += bits.nbytes
     assert seen == w.bytes > 0
     assert ctx.pinned_live == []                    # staging given back
     if staging < 1 << 20:
@@ -108,7 +109,7 @@ def test_broken_directories_name_the_tensor(tmp_path):
     plan = model(tmp_path, "qwen3")
     bad = dict(plan)
     bad["weights"] = {**plan["weights"]}
-    wq = next(n for n in bad["weights"] if "q" in n and bad["weights"][n]["per_layer"])
+    wq = next(n for n in bad["weights"] if "q" in n and bad["weights"][n]["layers"] is not None)
     bad["weights"][wq] = {**bad["weights"][wq], "shape": [7, 7]}
     with pytest.raises(ModelDirError, match="expects"):
         dw.DeviceWeights(FakeCtx(), bad, tmp_path, progress=False)

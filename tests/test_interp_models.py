@@ -24,10 +24,13 @@ def _rel(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "no-fuse"])
 @pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe"])
-def test_tiny_model_through_kernels(family, tiny_model, tmp_path, rng):
+def test_tiny_model_through_kernels(family, fuse, tiny_model, tmp_path, rng):
+    """fuse=False is `infc build --no-fuse`: every op through its generic kernel."""
     d, _ = tiny_model(family, **DIMS)
-    out = build(model_dir=str(d), out=tmp_path / "art", compile=False, log=None, page_size=16)
+    out = build(model_dir=str(d), out=tmp_path / "art", compile=False, log=None, page_size=16,
+                fuse=fuse)
     plan = json.loads((out / "plan.json").read_text())
     plan["_dir"] = str(out)
     weights = load_weights(plan, Checkpoint(d))

@@ -44,7 +44,7 @@ CASES = {
     "duplicate_weight": (42, "duplicate weight name 'final_norm' in weights and layer.weights"),
     "unknown_symbol_shape": (34, "weight 'wq': unknown symbol 'Dh' in shape; did you mean 'D'?"),
     "non_integer_shape": (34, "weight 'wq': shape dimension 'Hq * D / 3' = 21.333333333333332 is not a positive integer"),
-    "unsupported_expression": (34, "weight 'wq': unsupported expression 'Hq * D if tie else H'"),
+    "unsupported_expression": (34, "weight 'wq': unsupported expression 'Hq * D << 1'"),
     "dynamic_dim_weight": (28, "weight 'final_norm': shape uses the dynamic dimension 'T'"),
     "layer_weight_no_index": (34, "layer weight 'wq' name has no {i} layer index"),
     "when_unknown_symbol": (29, "weight 'lm_head': 'when' names unknown symbol 'tied'; did you mean 'tie'?"),
@@ -63,7 +63,7 @@ CASES = {
     "wrong_targets": (44, "view returns 1 value(s) but 2 name(s) are assigned"),
     "config_as_tensor": (47, "attention: 'v' must be a tensor, but 'H' is a config value"),
     "tensor_as_attr": (43, "rms_norm: 'eps' must be a config value or a constant, but 'x' is a tensor"),
-    "literal_as_tensor": (48, "add: 'a' must be a tensor name or an op call, got '1'"),
+    "literal_as_tensor": (48, "rms_norm: 'x' must be a tensor name or an op call, got '1'"),
     "duplicate_target": (44, "duplicate name in targets of 'q, q = view("),
     "assign_to_weight": (43, "name 'wq' is already a weight"),
     "assign_to_symbol": (43, "name 'eps' is already a config symbol"),
@@ -78,6 +78,22 @@ CASES = {
     "shape_mismatch": (48, "linear: input bf16[T, 64] has K=64 but weight bf16[64, 128] has K=128"),
     "view_element_count": (44, "view: cannot view bf16[T, 64] as [T, 2, 16] (element counts differ)"),
     "carried_changes_type": (50, "layer changes carried value 'x' from bf16[T, 64] to bf16[T, 128]"),
+    # checkpoint tensors the spec does not read on purpose (compiler/checkpoint_check.py)
+    "ignore_not_list": (57, "'ignore' must be a list of glob patterns of checkpoint tensor names"),
+    "ignore_entry_not_string": (58, "'ignore' entries must be non-empty glob patterns (strings), got 3"),
+    # load-time transforms, defaults, activations, layer kinds
+    "default_empty": (10, "symbol 'D': nothing after '='"),
+    "rows_not_pair": (34, "weight 'wq': 'rows' must be [start, stop] (a slice of the checkpoint "
+                          "tensor's first axis), got [0]"),
+    "rows_empty": (34, "weight 'wq': rows [8, 8] is empty"),
+    "rows_wrong_length": (34, "weight 'wq': rows [0, 32] holds 32 rows but the declared shape [64, 64] needs 64"),
+    "transpose_not_bool": (41, "weight 'wd': 'transpose' must be true or false, got 'yes'"),
+    "scale_unknown_symbol": (28, "weight 'final_norm': scale: unknown symbol 'sqrt_h'"),
+    "unknown_activation": (50, "act: unknown activation 'swishy' (known: gelu, gelu_new"),
+    "kind_undefined": (32, "layer 1 has kind 'wide', which 'layer.kinds' does not define (defined: narrow)"),
+    "kind_without_kinds": (32, "'layer' has 'kind' but no 'kinds'"),
+    "kind_unknown_key": (34, "unknown key 'symbol' in layer kind 'narrow'; did you mean 'symbols'?"),
+    "kind_symbol_unknown": (34, "layer kind 'narrow': symbol F uses unknown symbol 'G'"),
 }
 MODEL = {"variant_not_mapping": "tiny2"}
 

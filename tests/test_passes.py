@@ -6,12 +6,13 @@ import pytest
 from infc.compiler.lower import lower
 from infc.compiler.passes.eliminate_dead import eliminate_dead
 from infc.compiler.passes.fuse_ops import (fuse_add_rms_norm, fuse_linear_prologue, fuse_lm_head,
-                                           fuse_qk_norm_rope_cache, fuse_silu_mul)
+                                           fuse_act_mul, fuse_qk_norm_rope_cache)
 from infc.compiler.passes.fuse_weights import fuse_weights
 from infc.compiler.passes.infer_types import infer_types
 from infc.compiler.passes.plan_memory import plan_memory
 from infc.compiler.passes.rotate_residual import rotate_residual
 from infc.compiler.passes.select_kernels import select_kernels
+from infc.compiler.passes.split_attention import split_attention
 from infc.compiler.pipeline import compile_spec
 from infc.compiler.spec import find_variant, load_spec
 from infc.compiler.state import CompileState
@@ -58,18 +59,11 @@ TINY = textwrap.dedent("""\
 
 @pytest.fixture
 def state(tmp_path):
-    p = tmp_path / "tiny.yaml"
-    p.write_text(TINY)
-    spec = load_spec(p)
-    env = spec.bind(spec.variants["tiny"])
-    g, weights = lower(spec, env)
-    st = CompileState(spec, env, g, weights, "tiny")
-    infer_types(st)
-    return st
+    return _state(tmp_path, TINY)
 
 
 def body(st):
-    return next(n for n in st.graph.ordered() if n.op == "layers").body
+    return next(n for n in st.graph.ordered() if n.op == "layers").bodies["layer"]
 
 
 def ops(g):
@@ -132,20 +126,66 @@ def test_fuse_qk_norm_rope_cache_needs_fused_qkv(state):
     n = next(n for n in b.ordered() if n.op == "qk_norm_rope_cache")
     assert n.attrs["q_heads"] == 4 and n.attrs["kv_heads"] == 2 and n.attrs["head_dim"] == 8
     assert n.attrs["q_norm"] and n.attrs["k_norm"]
-    assert {"rope", "attention"}.isdisjoint(ops(b))
+    assert {"rope", "attention", "kv_write"}.isdisjoint(ops(b))
     assert ops(b).count("split") == 1              # only gate|up's split is left
     assert "attention_cached" in ops(b)
 
 
-def test_fuse_silu_mul_then_prologue(state):
+def _state(tmp_path, text):
+    p = tmp_path / "variant.yaml"
+    p.write_text(text)
+    spec = load_spec(p)
+    env = spec.bind(spec.variants["tiny"])
+    g, weights = lower(spec, env)
+    st = CompileState(spec, env, g, weights, "tiny")
+    infer_types(st)
+    split_attention(st)           # a required lowering: fusions see kv_write + attention_cached
+    infer_types(st)
+    return st
+
+
+SWIGLU = "mul(silu(linear(h, wg)), linear(h, wu))"
+
+
+def every_node(st):
+    return [n for g in st.graph.walk() for n in g.ordered()]
+
+
+@pytest.mark.parametrize("mlp,fn", [
+    (SWIGLU, "silu"),
+    ("mul(gelu_tanh(linear(h, wg)), linear(h, wu))", "gelu_tanh"),
+    ("mul(relu2(linear(h, wg)), linear(h, wu))", "relu2"),
+    ('mul(act(linear(h, wg), "gelu_pytorch_tanh"), linear(h, wu))', "gelu_tanh"),
+])
+def test_fuse_act_mul_then_prologue(tmp_path, mlp, fn):
+    state = _state(tmp_path, TINY.replace(SWIGLU, mlp))
     fuse_weights(state)
     infer_types(state)
-    fuse_silu_mul(state)
+    fuse_act_mul(state)
     infer_types(state)
-    assert "silu_mul" in ops(body(state)) and "silu" not in ops(body(state))
+    n = next(n for n in every_node(state) if n.op == "act_mul")
+    assert n.attrs == {"fn": fn} and "mul" not in [m.op for m in every_node(state)]
     fuse_linear_prologue(state)
     infer_types(state)
-    assert "linear_silu_mul" in ops(body(state)) and "silu_mul" not in ops(body(state))
+    n = next(n for n in every_node(state) if n.op == "linear_act_mul")
+    assert n.attrs == {"fn": fn, "has_bias": False}
+    assert "act_mul" not in [m.op for m in every_node(state)]
+
+
+def test_fuse_act_mul_operand_order(tmp_path):
+    """mul(u, act(g)) fuses too when g's projection comes first in the fused weight; when the
+    activation is on the split's second half it does not (act_mul activates the first half)."""
+    line = "    - x = add(x, linear(mul(silu(linear(h, wg)), linear(h, wu)), wd))\n"
+    for graph, fused in [("    - g = gelu(linear(h, wg))\n    - x = add(x, linear(mul(linear(h, wu), g), wd))\n", True),
+                         ("    - x = add(x, linear(mul(linear(h, wu), gelu(linear(h, wg))), wd))\n", False)]:
+        assert line in TINY
+        state = _state(tmp_path, TINY.replace(line, graph))
+        fuse_weights(state)
+        infer_types(state)
+        fuse_act_mul(state)
+        infer_types(state)
+        got = [m for m in every_node(state) if m.op == "act_mul"]
+        assert bool(got) == fused and all(m.attrs == {"fn": "gelu"} for m in got)
 
 
 def test_fuse_lm_head(state):
@@ -155,6 +195,23 @@ def test_fuse_lm_head(state):
     assert "last" not in ops(state.graph)
     n = state.graph.ordered()[-1]
     assert n.attrs["residual"] is False          # no rotation ran: no pending add to absorb
+    assert n.attrs["softcap"] is None and n.attrs["has_bias"] is False
+
+
+def test_fuse_lm_head_with_bias_and_softcap(tmp_path):
+    head = "  lm_head: {name: head, shape: [V, H]}\n"
+    assert head in TINY
+    text = TINY.replace(head, head + "  head_b: {name: head_b, shape: [V]}\n")
+    text = text.replace("  - logits = linear(rms_norm(last(x), final_norm, eps), lm_head)",
+                        "  - logits = softcap(linear(rms_norm(last(x), final_norm, eps), lm_head, head_b), 30.0)")
+    state = _state(tmp_path, text)
+    fuse_lm_head(state)
+    infer_types(state)
+    n = state.graph.ordered()[-1]
+    assert n.op == "lm_head_last" and {"softcap", "linear", "last"}.isdisjoint(ops(state.graph))
+    assert n.attrs["softcap"] == 30.0 and n.attrs["has_bias"] is True
+    assert n.inputs[-2:] == ["lm_head", "head_b"]
+    assert state.graph.outputs == n.outputs
 
 
 def test_eliminate_dead(state, tmp_path):

@@ -14,6 +14,7 @@ from infc.compiler.tune import GRIDS, candidates, prepare
 from infc.runtime.cuda import tune_run
 from infc.runtime.cuda.tune_run import (agree, dump_table, merge_table, select_best,
                                         step_metadata)
+from infc.runtime.program import launches
 
 MODEL = "qwen3-0.6b"
 
@@ -55,18 +56,14 @@ def test_prepare_manifest_candidates_and_shapes(prepared):
     # every launch key of the plan's tunable templates, per phase, is in the manifest once
     want = set()
 
-    def visit(prog, phase):
-        for l in prog:
-            if "repeat" in l:
-                visit(l["body"], phase)
-            elif l["kernel"] in {e["template"] for e in m["entries"]}:
+    for phase in ("decode", "prefill"):
+        for l, _ in launches(plan["programs"][phase]):
+            if l["kernel"] in {e["template"] for e in m["entries"]}:
                 ts = [build_mod_tensor(plan, n) for n in l["inputs"] + l["outputs"]]
                 want.add((l["kernel"], shape_key(phase, ts)))
-    for phase in ("decode", "prefill"):
-        visit(plan["programs"][phase], phase)
     got = [(e["template"], e["shape_key"]) for e in m["entries"]]
     assert sorted(got) == sorted(want) and len(got) == len(set(got))
-    assert {"gemv", "gemv_silu_mul", "lm_head_last", "attention_decode", "gemm", "gemm_silu_mul",
+    assert {"gemv", "gemv_act_mul", "lm_head_last", "attention_decode", "gemm", "gemm_act_mul",
             "attention_prefill"} <= {t for t, _ in got}
     for e in m["entries"]:
         for t in e["inputs"] + e["outputs"]:
@@ -85,7 +82,7 @@ def test_prepare_manifest_candidates_and_shapes(prepared):
 
 def build_mod_tensor(plan, name):
     from infc.compiler.codegen.render import _tensor
-    return _tensor(plan, name)
+    return _tensor(plan, name, True)       # shape keys read shapes only
 
 
 def test_select_best_rules():
@@ -145,16 +142,7 @@ def test_merge_writes_a_table_that_the_build_reads_and_renders(prepared, tmp_pat
 
 
 def _kernel_ids(plan, kernels, phase, template):
-    ids = set()
-
-    def visit(prog):
-        for l in prog:
-            if "repeat" in l:
-                visit(l["body"])
-            elif l["kernel"] == template:
-                ids.add(l["kernel_id"])
-    visit(plan["programs"][phase])
-    return ids
+    return {l["kernel_id"] for l, _ in launches(plan["programs"][phase]) if l["kernel"] == template}
 
 
 @pytest.mark.parametrize("phase,T,B,ctx", [("decode", 1, 1, 1024), ("decode", 8, 8, 37),
@@ -370,6 +358,28 @@ def test_run_with_a_fake_driver_picks_the_fastest_correct_candidate(prepared, tm
     for name, values in drv.launched:
         sets.setdefault(name, set()).add(values)
     assert sets["gemv"] and max(len(v) for v in sets.values()) >= 3
+
+
+def test_run_binds_the_launch_caches_one_layer_per_copy(prepared, tmp_path):
+    src, m = prepared
+    import shutil
+    out = tmp_path / "prep"
+    shutil.copytree(src, out)
+    m = json.loads(json.dumps(m))
+    m["entries"] = [e for e in m["entries"] if e["template"] == "attention_decode"]
+    assert m["entries"] and all(e["caches"] == ["k", "v"] for e in m["entries"])
+    assert set(m["caches"]) == {"k", "v"} and m["page_size"] == 16
+    _fake_bins(out, m, lambda e, i, c: (10.0 + i, 1.0))
+    drv = _FakeDriver()
+    res = tune_run.run(out, write=tmp_path / "h200.json", reps=5, warmup=1, results_dir=tmp_path / "r",
+                       driver=drv, log=None)
+    assert all(c["ok"] for e in res["entries"] for c in e["candidates"]), res["entries"]
+    c0 = m["entries"][0]["candidates"][0]["meta"]
+    at = {src: i for i, (_, _, src) in enumerate(c0["params"])}
+    args = [vals for name, vals in drv.launched if name == c0["entry"]]
+    ks, vs = {a[at["cache:k"]] for a in args}, {a[at["cache:v"]] for a in args}
+    # k and v are distinct regions; the copies rotate, so the timed launches stream from HBM
+    assert ks and vs and not ks & vs and len(ks) == len(vs) >= 2
 
 
 def test_run_refuses_another_gpu_and_an_uncompiled_manifest(prepared, tmp_path):

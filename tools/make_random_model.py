@@ -84,38 +84,59 @@ def _kind(decl, shape) -> str:
 
 def plan_tensors(spec, config: dict, dtype: str = "bf16") -> list[Tensor]:
     """Every tensor the checkpoint holds, in file order: embedding-like top-level weights,
-    then layer by layer (experts in order), then the remaining top-level weights."""
-    _, expr = _import_spec_module()
+    then layer by layer (experts in order), then the remaining top-level weights.
+
+    Read off the compiled plan's weight recipes, so layer kinds, `when` and load-time slices
+    come out as the checkpoint stores them: a tensor sliced into several weights (a fused
+    qkv_proj) is written once, as large as its largest slice reaches."""
+    _import_spec_module()
+    from infc.compiler.lower import lower
     env = spec.bind(config)
+    _, sources = lower(spec, env)
+    decls = {**spec.weights, **spec.layer_weights,
+             **{k: w for kind in spec.layer_kinds.values() for k, w in kind.weights.items()}}
+    shapes: dict[str, list] = {}
+    meta: dict[str, tuple] = {}
 
-    def present(decl) -> bool:
-        if decl.when is not None:
-            return not bool(env[decl.when])
-        return decl.tied_to is None     # tied without a condition: shares the target's data
+    def walk(src, shape, layer, key):
+        """Record the checkpoint tensors behind `src` (which yields `shape`)."""
+        if "tensor" in src:
+            name = src["tensor"].replace("{i}", str(layer))
+            have = shapes.get(name)
+            shapes[name] = list(shape) if have is None else [max(a, b) for a, b in zip(have, shape)]
+            meta.setdefault(name, (key, layer))
+        elif "stack" in src:
+            for e in range(src["count"]):
+                walk({"tensor": src["stack"].replace("{e}", str(e))}, shape[1:], layer, key)
+        elif "slice" in src:
+            full = list(shape)
+            full[src["axis"]] = src["stop"]
+            walk(src["slice"], full, layer, key)
+        elif "transpose" in src:
+            walk(src["transpose"], list(reversed(shape)), layer, key)
+        elif "scale" in src or "offset" in src:
+            walk(src.get("scale", src.get("offset")), shape, layer, key)
+        elif "concat" in src:
+            raise ValueError("concatenated sources appear only after fusion")
 
-    def tensor(decl, name) -> Tensor:
-        shape = [int(expr.evaluate(s, env)) for s in decl.shape]
-        if any(d <= 0 for d in shape):
-            raise ValueError(f"weight {name} has shape {shape}")
-        return Tensor(name, shape, _kind(decl, shape), decl.dtype or dtype)
+    for key, w in sources.items():
+        if "tied" in w["source"]:
+            continue
+        shape = [int(d) for d in w["type"].shape]
+        for layer in (w["layers"] if w["layers"] is not None else [None]):
+            walk(w["source"], shape, layer, key)
 
-    top = [d for d in spec.weights.values() if present(d)]
-    first = [d for d in top if "embed" in (d.key + d.name)]
-    rest = [d for d in top if d not in first]
-    out = [tensor(d, d.name) for d in first]
-    for i in range(int(env["L"])):
-        for d in spec.layer_weights.values():
-            if not present(d):
-                continue
-            if d.experts is not None:
-                for e in range(int(env[d.experts])):
-                    out.append(tensor(d, d.name.replace("{i}", str(i)).replace("{e}", str(e))))
-            else:
-                out.append(tensor(d, d.name.replace("{i}", str(i))))
-    out += [tensor(d, d.name) for d in rest]
-    names = [t.name for t in out]
-    if len(set(names)) != len(names):
-        raise ValueError("the spec's weight names are not unique per layer/expert")
+    def order(name):
+        key, layer = meta[name]
+        if layer is None:
+            return (0 if "embed" in (key + name) else 2, 0, 0)
+        return (1, layer, 0)
+
+    out = []
+    for name in sorted(shapes, key=order):          # stable: declaration order within a group
+        key, _ = meta[name]
+        d = decls[key]
+        out.append(Tensor(name, shapes[name], _kind(d, shapes[name]), d.dtype or dtype))
     return out
 
 

@@ -68,14 +68,17 @@ def tune_for(table: dict, template: str, key: str) -> dict:
     return out
 
 
-def _tensor(plan: dict, name: str, layer_shape=False) -> dict:
-    if name == "kv_cache":
-        return {"name": name, "shape": [], "dtype": plan["kv_cache"].get("dtype", "bf16"), "kind": "kv"}
+def _tensor(plan: dict, name: str, strided_ok: bool) -> dict:
+    if name == "cache":
+        return {"name": name, "shape": [], "dtype": "", "kind": "cache"}
     if name in plan["buffers"]:
         b = plan["buffers"][name]
+        out = {"name": name, "shape": b["shape"], "dtype": b["dtype"], "kind": "buffer"}
         if "row_stride" in b:
-            raise TemplateError(f"buffer '{name}' is a strided view; kernels take contiguous tensors")
-        return {"name": name, "shape": b["shape"], "dtype": b["dtype"], "kind": "buffer"}
+            # materialize_views copies strided views before ops that cannot read them
+            assert strided_ok, f"buffer '{name}' is a strided view feeding a contiguous-only kernel"
+            out["row_stride"] = b["row_stride"]
+        return out
     w = plan["weights"][name]
     shape = w["shape"]
     return {"name": name, "shape": shape, "dtype": w["dtype"], "kind": "weight"}
@@ -96,11 +99,14 @@ def render_template(backend: str, template: str, ctx: dict, env=None) -> Kernel:
 
 
 def launch_context(plan: dict, launch: dict, phase: str, tuning: dict, page_size: int) -> dict:
-    ins = [_tensor(plan, n) for n in launch["inputs"]]
-    outs = [_tensor(plan, n) for n in launch["outputs"]]
+    from ..ops import REGISTRY
+    strided = REGISTRY[launch["op"]].strided
+    ins = [_tensor(plan, n, strided) for n in launch["inputs"]]
+    outs = [_tensor(plan, n, False) for n in launch["outputs"]]
+    caches = {n: {**c, "page_size": page_size} for n, c in plan.get("caches", {}).items()}
     return {"op": launch["op"], "phase": phase, "inputs": ins, "outputs": outs,
-            "attrs": launch["attrs"], "config": plan["config"],
-            "kv": {**plan["kv_cache"], "page_size": page_size},
+            "attrs": launch["attrs"], "config": plan["config"], "caches": caches,
+            "page_size": page_size,
             "tune": tune_for(tuning, launch["kernel"], shape_key(phase, ins + outs))}
 
 
@@ -124,24 +130,23 @@ def render_sampler(plan: dict, tuning: dict, env=None) -> dict[str, Kernel]:
     return out
 
 
-def render_plan(plan: dict, tuning: dict, page_size: int) -> dict[str, Kernel]:
+def render_plan(plan: dict, tuning: dict, page_size: int, spec_path: str | None = None) -> dict[str, Kernel]:
     """Render every launch's kernel and the sampler's; sets launch["kernel_id"] and
     plan["sampler"]; returns id -> Kernel."""
     env = _env()
     kernels: dict[str, Kernel] = {}
 
-    def visit(program, phase):
-        for launch in program:
-            if "repeat" in launch:
-                visit(launch["body"], phase)
-                continue
+    from infc.runtime.program import launches
+    for phase, program in plan["programs"].items():
+        for launch, _ in launches(program):
             ctx = launch_context(plan, launch, phase, tuning, page_size)
-            k = render_template(launch["backend"], launch["kernel"], ctx, env)
+            try:
+                k = render_template(launch["backend"], launch["kernel"], ctx, env)
+            except TemplateError as e:     # name the spec statement, not the kernel alone
+                raise TemplateError(f"{spec_path or 'spec'}:{launch.get('line')}: {launch['op']} "
+                                    f"({phase}): {e}") from None
             kernels.setdefault(k.id, k)
             launch["kernel_id"] = k.id
-
-    for phase, program in plan["programs"].items():
-        visit(program, phase)
     if plan["outputs"].get("logits") in plan["buffers"]:
         for kid, k in render_sampler(plan, tuning, env).items():
             kernels.setdefault(kid, k)

@@ -1,3 +1,6 @@
 """The op vocabulary. Importing this package registers every op; each file is one op's home."""
-from . import attention, elementwise, embedding, fused, last, linear, moe, rms_norm, rope, view  # noqa: F401
+from . import activation, attention, copy, elementwise, embedding, fused, last, layer_norm, linear, moe, rms_norm, rope, scalar, view  # noqa: F401
+from . import gated, lm_head  # noqa: F401
+from . import qk_norm_rope_cache  # noqa: F401
+from . import pos_embedding  # noqa: F401
 from .base import REGISTRY, REQUIRED, OpDef, ShapeError  # noqa: F401

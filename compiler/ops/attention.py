@@ -1,44 +1,82 @@
-"""attention(q[T, Hq, D], k[T, Hkv, D], v[T, Hkv, D]) -> [T, Hq, D], causal, GQA.
+"""Causal GQA attention over the paged KV cache: the spec op and the two ops it lowers into.
 
-The new k/v rows join their sequence's KV cache first; each query then attends over its
-sequence's cached prefix plus the new tokens up to itself:
-    o[i, h] = sum_j softmax_j(q[i, h] . K[j, h // (Hq/Hkv)] * scale) V[j, h // (Hq/Hkv)]
-with j <= cached_len + i. scale defaults to 1/sqrt(D).
+attention(q[T, Hq, D], k[T, Hkv, D], v[T, Hkv, D], causal=True, scale=None, window=None, softcap=None)
+  is what a spec writes; the required pass split_attention lowers it into
+kv_write(k, v) -> cache            the new rows join their sequence's paged caches `k` and `v`
+attention_cached(q, cache, ...)    each query attends over its sequence's cache, up to itself
+(the fused path writes the cache from qk_norm_rope_cache instead of kv_write).
+
+For query i of a sequence with `cached` tokens before this step (position p = cached + i) and its
+cached keys j = 0 .. cached + n - 1 (K[j] = k_cache[block_tables[b, j // page], j % page]):
+    s_j = (q . K[j, h // G]) * scale                 scale defaults to 1/sqrt(D), G = Hq / Hkv
+    s_j = softcap * tanh(s_j / softcap)               when softcap is set (Gemma 2's attention
+                                                      logit softcapping), before masking
+    key j is visible iff j <= p and (window is None or p - j < window)
+                                                      (HF's sliding_window overlay:
+                                                      kv_idx > q_idx - sliding_window)
+    o = sum_j softmax_j(s) V[j, h // G]
 """
 import numpy as np
 
-from .base import expect, op
+from .base import REQUIRED, expect, op
 
 
-def infer(types, attrs):
-    q, k, v = types
-    expect(len(q.shape) == 3 and len(k.shape) == 3 and k.shape == v.shape,
-           f"attention expects q[T, Hq, D], k/v[T, Hkv, D]; got {q}, {k}, {v}")
-    expect(q.shape[2] == k.shape[2], f"q head_dim {q.shape[2]} != k head_dim {k.shape[2]}")
-    expect(q.shape[1] % k.shape[1] == 0, f"q heads {q.shape[1]} not a multiple of kv heads {k.shape[1]}")
-    return [q]
+def _kv_caches(kv_heads, head_dim):
+    entry = {"kind": "paged", "shape": [kv_heads, head_dim], "dtype": "bf16"}
+    return {"k": dict(entry), "v": dict(entry)}
 
 
-def write_cache(ctx, k, v):
-    """Append each sequence's new k/v rows to this layer's cache."""
-    for seq_id, start, n, cached in ctx.seqs:
-        ctx.kv_append(seq_id, k[start:start + n], v[start:start + n])
+def _check_attrs(attrs):
+    scale, window, softcap = attrs.get("scale"), attrs.get("window"), attrs.get("softcap")
+    expect(scale is None or scale > 0, f"attention scale must be positive, got {scale}")
+    expect(window is None or (int(window) == window and window >= 1),
+           f"attention window must be a positive integer (HF's sliding_window), got {window}")
+    expect(softcap is None or softcap > 0, f"attention softcap must be positive, got {softcap}")
 
 
-def attend_cached(ctx, q, scale=None):
+# -- references (float32 numpy, over the reference executor's paged caches) -------------------
+
+def write_kv(ctx, k, v):
+    """Paged write: row t of k / v goes to slot slot_mapping[t] (rows with a slot < 0 are padding)."""
+    slots = np.asarray(ctx.meta.slot_mapping[: k.shape[0]], np.int64)
+    ok = slots >= 0
+    for name, x in (("k", k), ("v", v)):
+        cache = ctx.cache(name)
+        ps = cache.shape[1]
+        cache[slots[ok] // ps, slots[ok] % ps] = np.asarray(x, np.float32)[ok]
+
+
+def read_kv(ctx, b, n):
+    """The first n cached keys and values of batch row b: [n, Hkv, D] each."""
+    out = []
+    for name in ("k", "v"):
+        cache = ctx.cache(name)
+        ps = cache.shape[1]
+        pages = np.asarray(ctx.meta.block_tables[b, : -(-n // ps)], np.int64)
+        out.append(cache[pages].reshape(-1, *cache.shape[2:])[:n])
+    return out
+
+
+def attend_cached(ctx, q, scale=None, window=None, softcap=None):
     """Causal GQA attention of q over each sequence's cache (float32)."""
     T, hq, d = q.shape
     scale = scale if scale is not None else 1.0 / np.sqrt(d)
-    out = np.empty(q.shape, dtype=np.float32)
-    for seq_id, start, n, cached in ctx.seqs:
-        K, V = ctx.kv_get(seq_id)
+    out = np.zeros(q.shape, dtype=np.float32)
+    for b, start, n, cached in ctx.seqs:
+        L = cached + n
+        K, V = read_kv(ctx, b, L)
         group = hq // K.shape[1]
-        Kh = np.repeat(K, group, axis=1)           # [S, Hq, D]
+        Kh = np.repeat(K, group, axis=1)           # [L, Hq, D]
         Vh = np.repeat(V, group, axis=1)
-        s = np.einsum("ihd,jhd->hij", q[start:start + n], Kh) * scale
+        s = np.einsum("ihd,jhd->hij", np.asarray(q[start:start + n], np.float32), Kh) * np.float32(scale)
+        if softcap is not None:
+            s = np.float32(softcap) * np.tanh(s / np.float32(softcap))
         qpos = cached + np.arange(n)[:, None]
-        mask = np.arange(K.shape[0])[None, :] > qpos
-        s = np.where(mask[None], -np.inf, s)
+        kpos = np.arange(L)[None, :]
+        hidden = kpos > qpos
+        if window is not None:
+            hidden |= qpos - kpos >= window
+        s = np.where(hidden[None], -np.inf, s)
         s = s - s.max(-1, keepdims=True)
         p = np.exp(s)
         p /= p.sum(-1, keepdims=True)
@@ -46,14 +84,68 @@ def attend_cached(ctx, q, scale=None):
     return out
 
 
-def reference(ctx, q, k, v, causal=True, scale=None):
+# -- attention (spec op) ------------------------------------------------------------------------
+
+def infer(types, attrs):
+    q, k, v = types
+    expect(len(q.shape) == 3 and len(k.shape) == 3 and k.shape == v.shape,
+           f"attention expects q[T, Hq, D], k/v[T, Hkv, D]; got {q}, {k}, {v}")
+    expect(q.shape[2] == k.shape[2], f"q head_dim {q.shape[2]} != k head_dim {k.shape[2]}")
+    expect(q.shape[1] % k.shape[1] == 0, f"q heads {q.shape[1]} not a multiple of kv heads {k.shape[1]}")
+    expect(attrs.get("causal", True), "only causal attention is implemented (causal=false given)")
+    _check_attrs(attrs)
+    return [q]
+
+
+def reference(ctx, q, k, v, causal=True, scale=None, window=None, softcap=None):
     assert causal, "only causal attention is implemented"
-    write_cache(ctx, k, v)
-    return attend_cached(ctx, q, scale)
+    write_kv(ctx, k, v)
+    return attend_cached(ctx, q, scale, window, softcap)
 
 
-op(name="attention", tensors=["q", "k", "v"], attrs={"causal": True, "scale": None},
+op(name="attention", tensors=["q", "k", "v"],
+   attrs={"causal": True, "scale": None, "window": None, "softcap": None},
    infer=infer, reference=reference,
-   # No kernel of its own: fuse_qk_norm_rope_cache turns it into the cache write + attention_cached.
-   templates={},
-   doc="causal GQA attention; k/v are appended to the paged KV cache")
+   caches=lambda types, attrs: _kv_caches(types[1].shape[1], types[1].shape[2]),
+   templates={},   # no kernel of its own: split_attention lowers it to kv_write + attention_cached
+   doc="causal GQA attention (optional scale, sliding window, logit softcap) over the paged KV cache")
+
+
+# -- kv_write(k[T, Hkv, D], v[T, Hkv, D]) -> cache marker ---------------------------------------
+
+def kv_write_infer(types, attrs):
+    k, v = types
+    expect(len(k.shape) == 3 and k.shape == v.shape, f"kv_write expects k, v [T, Hkv, D]; got {k}, {v}")
+    return [None]
+
+
+op(name="kv_write", tensors=["k", "v"], internal=True, infer=kv_write_infer,
+   reference=lambda ctx, k, v: write_kv(ctx, k, v),
+   caches=lambda types, attrs: _kv_caches(types[0].shape[1], types[0].shape[2]),
+   templates={"triton": "kv_write"}, strided=True,
+   doc="write the step's k/v rows into the paged caches k, v at their slots")
+
+
+# -- attention_cached(q[T, Hq, D], cache) -> [T, Hq, D] over the caches `cache` marks as written --
+
+def attention_cached_infer(types, attrs):
+    q = types[0]
+    expect(len(q.shape) == 3, f"attention_cached expects q[T, Hq, D], got {q}")
+    expect(isinstance(attrs.get("kv_heads"), int),
+           "attention_cached needs attrs kv_heads (the k/v head count; the pass that makes it sets it)")
+    expect(q.shape[1] % attrs["kv_heads"] == 0,
+           f"q heads {q.shape[1]} not a multiple of kv heads {attrs['kv_heads']}")
+    _check_attrs(attrs)
+    return [q]
+
+
+op(name="attention_cached", tensors=["q", "cache"], internal=True,
+   attrs={"kv_heads": REQUIRED, "scale": None, "window": None, "softcap": None},
+   infer=attention_cached_infer,
+   reference=lambda ctx, q, cache, kv_heads, scale=None, window=None, softcap=None:
+       attend_cached(ctx, q, scale, window, softcap),
+   caches=lambda types, attrs: _kv_caches(attrs["kv_heads"], types[0].shape[2]),
+   templates={"triton": {"prefill": "attention_prefill", "mixed": "attention_prefill",
+                         "decode": "attention_decode"},
+              "tilelang": {"decode": "attention_decode"}},
+   doc="causal GQA attention over the paged KV cache (scale, sliding window, logit softcap)")

@@ -20,6 +20,9 @@ class ShapeError(Exception):
 class OpDef:
     name: str
     tensors: list[str]                     # positional tensor parameters
+    optional: list[str] = field(default_factory=list)  # optional tensors after them (bias, ...):
+                                           # a present one follows the required inputs and sets
+                                           # attrs["has_<name>"] = True
     attrs: dict = field(default_factory=dict)   # attribute name -> default (REQUIRED if none)
     infer: Callable = None                 # (types: list[TensorType], attrs) -> list[TensorType]
     reference: Callable = None             # (ctx, *arrays, **attrs) -> array | tuple
@@ -28,6 +31,10 @@ class OpDef:
     view: bool = False                     # a view launches nothing: it aliases its input
     inplace: dict = field(default_factory=dict)  # output index -> input index it overwrites
     internal: bool = False                 # made by passes, not written in specs
+    strided: bool = False                  # its kernels read row-strided inputs (split views);
+                                           # other ops get a `copy` inserted before them
+    caches: Callable = None                # (types, attrs) -> {cache name: {kind, shape, dtype}}
+                                           # the per-sequence state it writes or reads
     doc: str = ""
 
     def template(self, backend: str, phase: str) -> str | None:

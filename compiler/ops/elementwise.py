@@ -1,4 +1,4 @@
-"""Elementwise ops: add(a, b), mul(a, b), silu(x) = x * sigmoid(x)."""
+"""Elementwise ops: add(a, b), mul(a, b). (Activations: activation.py.)"""
 import numpy as np
 
 from .base import expect, op
@@ -14,13 +14,7 @@ def one(types, attrs):
     return [types[0]]
 
 
-def silu(x):
-    return x / (1.0 + np.exp(-x))
-
-
 op(name="add", tensors=["a", "b"], infer=same, reference=lambda ctx, a, b: a + b,
    templates={"triton": "add"}, doc="a + b")
 op(name="mul", tensors=["a", "b"], infer=same, reference=lambda ctx, a, b: a * b,
    templates={"triton": "mul"}, doc="a * b")
-op(name="silu", tensors=["x"], infer=one, reference=lambda ctx, x: silu(x),
-   templates={"triton": "silu"}, doc="x * sigmoid(x)")

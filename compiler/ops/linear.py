@@ -1,25 +1,36 @@
-"""linear(x[..., K], w[N, K]) -> x @ w.T, fp32 accumulate.
+"""linear(x[..., K], w[N, K], b[N] optional) -> x @ w.T (+ b), fp32 accumulate.
+
+The rows are whatever x's leading dims are: [T, K] tokens, [B, K] after last(), or
+[T, n, K] (T * n rows). The output is bf16, or f32 when it is the model's logits. A bias is
+added in fp32 in the kernel's epilogue, before the one rounding to the output dtype: torch's
+addmm (what HF's nn.Linear runs on the GPU) adds it inside the GEMM the same way.
 
 Decode steps have few rows, so they stream the weight with a split-K GEMV; prefill uses tiled
-GEMM. The choice is per phase, made by the select_kernels pass.
+GEMM. The choice is per phase, made by the select_kernels pass. The cuda gemv and the tilelang
+gemm take no bias.
 """
 from .base import expect, op, tt
 
 
 def infer(types, attrs):
-    x, w = types
+    x, w = types[:2]
     expect(len(w.shape) == 2, f"linear weight must be 2-D [N, K], got {w}")
     expect(x.shape[-1] == w.shape[1], f"linear: input {x} has K={x.shape[-1]} but weight {w} "
                                       f"has K={w.shape[1]}")
+    if attrs.get("has_bias"):
+        expect(len(types) == 3 and types[2].shape == (w.shape[0],),
+               f"linear: bias must be [{w.shape[0]}] (one per output column), got {types[2:]}")
     return [tt(x.shape[:-1] + (w.shape[0],), x.dtype)]
 
 
-def reference(ctx, x, w):
-    return x @ w.T
+def reference(ctx, x, w, *bias, has_bias=False):
+    y = x @ w.T
+    return y + bias[0] if has_bias else y
 
 
-op(name="linear", tensors=["x", "weight"], infer=infer, reference=reference,
+# attrs["has_bias"] is set by whoever makes the node (lowering, passes), as for every optional
+op(name="linear", tensors=["x", "weight"], optional=["bias"], infer=infer, reference=reference,
    templates={"triton": {"prefill": "gemm", "mixed": "gemm", "decode": "gemv"},
               "cuda": {"decode": "gemv"},
               "tilelang": {"prefill": "gemm", "mixed": "gemm"}},
-   doc="y = x W^T")
+   doc="y = x W^T (+ b)")

@@ -9,7 +9,7 @@ moe_experts(x[T, H], weights, ids, gate[E, F, H], up[E, F, H], down[E, H, F]) ->
 import numpy as np
 
 from .base import REQUIRED, expect, op, tt
-from .elementwise import silu
+from .activation import silu
 
 
 def route_infer(types, attrs):

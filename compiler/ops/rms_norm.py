@@ -1,4 +1,7 @@
-"""rms_norm(x[..., N], w[N], eps) -> x / sqrt(mean(x^2) + eps) * w over the last axis."""
+"""rms_norm(x[..., N], w[N], eps) -> x / sqrt(mean(x^2) + eps) * w over the last axis.
+
+Any leading shape: [T, H], [B, H], [T, heads, D] (per-head q/k norm). The kernel reads a
+row-strided x (a column slice of a fused projection) directly, so it needs no copy."""
 import numpy as np
 
 from .base import REQUIRED, expect, op
@@ -22,4 +25,4 @@ def reference(ctx, x, w, eps):
 
 
 op(name="rms_norm", tensors=["x", "weight"], attrs={"eps": REQUIRED}, infer=infer,
-   reference=reference, templates={"triton": "rms_norm"}, doc="RMSNorm over the last axis")
+   reference=reference, templates={"triton": "rms_norm"}, strided=True, doc="RMSNorm over the last axis")

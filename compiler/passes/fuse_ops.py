@@ -2,6 +2,8 @@
 numpy reference is the chain's composition (see ops/fused.py).
 """
 from ..ir import Graph, Node, Value
+from ..ops import REGISTRY
+from ..ops.activation import ACTIVATIONS, resolve
 
 
 def _single_user(g: Graph, value: str):
@@ -56,11 +58,15 @@ def _trace(g, value, ops):
 
 
 def fuse_qk_norm_rope_cache(state):
-    """q/k: split -> view -> [rms_norm] -> rope, v: split -> view, into attention:
+    """q/k: split -> view -> [rms_norm] -> rope, v: split -> view, into kv_write + attention_cached:
     becomes qk_norm_rope_cache(qkv) writing the KV cache, then attention_cached."""
+    fused_attrs = REGISTRY["qk_norm_rope_cache"].attrs
     for g in state.graph.walk():
-        for att in [n for n in g.ordered() if n.op == "attention"]:
-            q, k, v = att.inputs
+        for kvw in [n for n in g.ordered() if n.op == "kv_write"]:
+            att = next((u for u in g.users(kvw.outputs[0]) if u.op == "attention_cached"), None)
+            if att is None or g.uses(kvw.outputs[0]) != 1:
+                continue
+            q, k, v = att.inputs[0], kvw.inputs[0], kvw.inputs[1]
             q_src, qn = _trace(g, q, ["rope", "rms_norm", "view"])
             k_src, kn = _trace(g, k, ["rope", "rms_norm", "view"])
             v_src, vn = _trace(g, v, ["view"])
@@ -71,7 +77,8 @@ def fuse_qk_norm_rope_cache(state):
             if split is None or split.op != "split" or split.outputs != [q_src, k_src, v_src]:
                 continue
             rq, rk = qn["rope"], kn["rope"]
-            if rq.attrs != rk.attrs:
+            if rq.attrs != rk.attrs or any(a not in fused_attrs and val is not None
+                                           for a, val in rq.attrs.items()):
                 continue
             norms, eps = [], []
             for nodes in (qn, kn):
@@ -81,21 +88,19 @@ def fuse_qk_norm_rope_cache(state):
             if len(set(eps)) > 1:
                 continue
             qt, kt = g.values[q].type, g.values[k].type
+            # the rope's attributes the fused op declares (any other is None here, e.g. rope's
+            # interleaved: rotate-half)
+            rope_attrs = {a: val for a, val in rq.attrs.items() if a in fused_attrs}
             attrs = {"q_heads": qt.shape[1], "kv_heads": kt.shape[1], "head_dim": qt.shape[2],
-                     "eps": eps[0] if eps else 0.0, "theta": rq.attrs["theta"],
-                     "scaling": rq.attrs["scaling"], "q_norm": "rms_norm" in qn,
+                     "eps": eps[0] if eps else 0.0, **rope_attrs, "q_norm": "rms_norm" in qn,
                      "k_norm": "rms_norm" in kn}
-            qr, kv = _new(g, "q", att.line), _new(g, "kv", att.line)
+            qr, kv = _new(g, "q", att.line), _new(g, "cache", att.line)
             chain = ["rms_norm", "rope"] if norms else ["rope"]
             g.add_node(Node(g.new_node_id("qk_norm_rope_cache"), "qk_norm_rope_cache",
                             [split.inputs[0]] + norms, [qr, kv], attrs, att.line,
-                            fused_from=chain * 2 + ["view"] * 3 + ["kv_write"]), before=att.id)
-            out = _new(g, "attn", att.line)
-            g.add_node(Node(g.new_node_id("attention_cached"), "attention_cached", [qr, kv], [out],
-                            {"scale": att.attrs.get("scale")}, att.line, fused_from=["attention"]),
-                       before=att.id)
-            g.replace_uses(att.outputs[0], out)
-            g.remove_node(att.id)
+                            fused_from=chain * 2 + ["view"] * 3 + ["kv_write"]), before=kvw.id)
+            att.inputs = [qr, kv]
+            g.remove_node(kvw.id)
             for nodes in (qn, kn, vn):
                 for n in nodes.values():
                     g.remove_node(n.id)
@@ -104,40 +109,56 @@ def fuse_qk_norm_rope_cache(state):
                                                   f"({'with' if norms else 'without'} q/k norm)")
 
 
-def fuse_silu_mul(state):
-    """mul(silu(g), u) with g, u the halves of one fused [gate | up] output -> silu_mul."""
+def _activation(node):
+    """The activation a node applies (our name, e.g. "gelu_tanh"), or None: an activation op
+    (silu, gelu, ...) or act(x, fn) with fn an HF hidden_act spelling."""
+    if node is None:
+        return None
+    if node.op in ACTIVATIONS:
+        return node.op
+    if node.op == "act":
+        return resolve(node.attrs["fn"])
+    return None
+
+
+def fuse_act_mul(state):
+    """mul(ACT(g), u) (either operand order) with g, u the first and second halves of one fused
+    [gate | up] output -> act_mul(gate_up, fn=ACT): SwiGLU, GeGLU, ReGLU, ..."""
     for g in state.graph.walk():
-        for mul in [n for n in g.ordered() if n.op == "mul"]:
-            a, b = mul.inputs
-            act = g.producer(a)
-            if act is None or act.op != "silu" or _single_user(g, a) is None:
-                continue
-            split = g.producer(act.inputs[0])
-            if split is None or split.op != "split" or split.outputs != [act.inputs[0], b] \
-                    or len(set(split.attrs["sizes"])) != 1:
-                continue
-            if _single_user(g, act.inputs[0]) is None or _single_user(g, b) is None:
-                continue
-            out = _new(g, "act", mul.line)
-            g.add_node(Node(g.new_node_id("silu_mul"), "silu_mul", [split.inputs[0]], [out], {},
-                            mul.line, fused_from=["silu", "mul"]), before=mul.id)
-            g.replace_uses(mul.outputs[0], out)
-            for n in (mul, act, split):
-                g.remove_node(n.id)
-            state.note("fuse_silu_mul", f"{g.name}: line {mul.line}")
+        for mul in [n for n in g.ordered() if n.op == "mul" and len(n.inputs) == 2]:
+            for a, b in (mul.inputs, mul.inputs[::-1]):
+                act = g.producer(a)
+                fn = _activation(act)
+                if fn is None or _single_user(g, a) is None:
+                    continue
+                split = g.producer(act.inputs[0])
+                if split is None or split.op != "split" or split.outputs != [act.inputs[0], b] \
+                        or len(set(split.attrs["sizes"])) != 1:
+                    continue
+                if _single_user(g, act.inputs[0]) is None or _single_user(g, b) is None:
+                    continue
+                out = _new(g, "act", mul.line)
+                g.add_node(Node(g.new_node_id("act_mul"), "act_mul", [split.inputs[0]], [out],
+                                {"fn": fn}, mul.line, fused_from=[act.op, "mul"]), before=mul.id)
+                g.replace_uses(mul.outputs[0], out)
+                for n in (mul, act, split):
+                    g.remove_node(n.id)
+                state.note("fuse_act_mul", f"{g.name}: line {mul.line} ({fn})")
+                break
 
 
 def fuse_linear_prologue(state):
-    """linear(silu_mul(gu), w) -> linear_silu_mul(gu, w): the activation moves into the GEMM's
-    input load, so the [T, F] intermediate is never written."""
+    """linear(act_mul(gu), w[, b]) -> linear_act_mul(gu, w[, b]): the activation moves into the
+    GEMM's input load, so the [T, F] intermediate is never written."""
     for g in state.graph.walk():
         for lin in [n for n in g.ordered() if n.op == "linear"]:
             act = g.producer(lin.inputs[0])
-            if act is None or act.op != "silu_mul" or _single_user(g, lin.inputs[0]) is None:
+            if act is None or act.op != "act_mul" or _single_user(g, lin.inputs[0]) is None:
                 continue
             out = _new(g, "y", lin.line)
-            g.add_node(Node(g.new_node_id("linear_silu_mul"), "linear_silu_mul",
-                            [act.inputs[0], lin.inputs[1]], [out], {}, lin.line,
+            attrs = {"fn": act.attrs["fn"], "has_bias": bool(lin.attrs.get("has_bias"))}
+            g.add_node(Node(g.new_node_id("linear_act_mul"), "linear_act_mul",
+                            [act.inputs[0]] + lin.inputs[1:], [out], attrs, lin.line,
                             fused_from=act.fused_from + ["linear"]), before=lin.id)
             g.replace_uses(lin.outputs[0], out)
             g.remove_node(lin.id)
@@ -146,8 +167,9 @@ def fuse_linear_prologue(state):
 
 
 def fuse_lm_head(state):
-    """linear(rms_norm(last([add](x, d))), w) -> lm_head_last: only each sequence's last token
-    goes through the final norm and the vocabulary projection."""
+    """[softcap](linear(rms_norm(last([add](x, d))), w[, b])) -> lm_head_last: only each
+    sequence's last token goes through the final norm and the vocabulary projection; the bias and
+    the final logit softcap (Gemma2) run in its epilogue."""
     g = state.graph
     for lin in [n for n in g.ordered() if n.op == "linear"]:
         norm = g.producer(lin.inputs[0])
@@ -158,14 +180,21 @@ def fuse_lm_head(state):
             continue
         add = g.producer(last.inputs[0])
         residual = add is not None and add.op == "add" and _single_user(g, last.inputs[0]) is not None
+        cap = _single_user(g, lin.outputs[0])
+        cap = cap if cap is not None and cap.op == "softcap" else None
         xs = add.inputs if residual else [last.inputs[0]]
         out = _new(g, "logits", lin.line)
-        fused_from = (["add"] if residual else []) + ["last", "rms_norm", "linear"]
+        fused_from = (["add"] if residual else []) + ["last", "rms_norm", "linear"] + \
+            (["softcap"] if cap else [])
+        has_bias = bool(lin.attrs.get("has_bias"))
         g.add_node(Node(g.new_node_id("lm_head_last"), "lm_head_last",
-                        xs + [norm.inputs[1], lin.inputs[1]], [out],
-                        {"eps": norm.attrs["eps"], "residual": residual}, lin.line,
-                        fused_from=fused_from), before=lin.id)
-        g.replace_uses(lin.outputs[0], out)
-        for n in ([lin, norm, last] + ([add] if residual else [])):
+                        xs + [norm.inputs[1]] + lin.inputs[1:], [out],
+                        {"eps": norm.attrs["eps"], "residual": residual,
+                         "softcap": cap.attrs["cap"] if cap else None, "has_bias": has_bias},
+                        lin.line, fused_from=fused_from), before=lin.id)
+        g.replace_uses((cap or lin).outputs[0], out)
+        for n in ([lin, norm, last] + ([add] if residual else []) + ([cap] if cap else [])):
             g.remove_node(n.id)
-        state.note("fuse_lm_head", f"line {lin.line}{' with the pending residual add' if residual else ''}")
+        extras = [w for w, on in (("the pending residual add", residual), ("bias", has_bias),
+                                  ("softcap", cap)) if on]
+        state.note("fuse_lm_head", f"line {lin.line}{' with ' + ', '.join(extras) if extras else ''}")

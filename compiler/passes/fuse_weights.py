@@ -1,9 +1,10 @@
 """Weight fusion: linears that read the same input become one linear over concatenated
-weights (q/k/v, gate/up), followed by a `split` view; MoE experts get their gate/up stacks
-concatenated and run as two launches (gate_up + SwiGLU, then down + weighted combine).
+weights (q/k/v, gate/up), followed by a `split` view. Biases concatenate the same way (a linear
+without one contributes zeros when the others have one).
 
 The concatenation is a load-time transform recorded in the weights table, so the checkpoint
-is read as published and the plan says how each fused weight is built.
+is read as published and the plan says how each fused weight is built. A weight that several
+layer kinds share fuses the same way in each of their bodies.
 """
 from ..ir import Node, TensorType, Value
 
@@ -19,7 +20,12 @@ def fused_name(wnames: list[str]) -> str:
     return "_".join(wnames)
 
 
-def _fuse_linears(state, g):
+def _register(state, g, fused: str, t: TensorType, source: dict, layers, line=None):
+    g.add_value(Value(fused, "weight", t, line=line))
+    state.weights[fused] = {"source": source, "layers": layers, "type": t, "line": line}
+
+
+def _fuse_linears(state, g, dropped: set):
     groups: dict[tuple, list] = {}
     for n in g.ordered():
         if n.op != "linear":
@@ -27,23 +33,36 @@ def _fuse_linears(state, g):
         w = g.values[n.inputs[1]]
         if w.kind != "weight" or g.uses(w.name) != 1:
             continue
-        key = (n.inputs[0], w.type.shape[1], w.type.dtype)
+        if n.attrs.get("has_bias") and (g.values[n.inputs[2]].kind != "weight" or g.uses(n.inputs[2]) != 1):
+            continue
+        meta = state.weights[w.name]
+        key = (n.inputs[0], w.type.shape[1], w.type.dtype, tuple(meta["layers"] or ()))
         groups.setdefault(key, []).append(n)
-    for (x, k, dtype), nodes in groups.items():
+    for (x, k, dtype, _), nodes in groups.items():
         if len(nodes) < 2:
             continue
         wnames = [n.inputs[1] for n in nodes]
         sizes = [g.values[w].type.shape[0] for w in wnames]
         fused = fused_name(wnames)
-        g.add_value(Value(fused, "weight", TensorType((sum(sizes), k), dtype)))
-        state.weights[fused] = {
-            "source": {"concat": [state.weights[w]["source"] for w in wnames], "axis": 0},
-            "per_layer": state.weights[wnames[0]]["per_layer"]}
+        layers = state.weights[wnames[0]]["layers"]
+        _register(state, g, fused, TensorType((sum(sizes), k), dtype),
+                  {"concat": [state.weights[w]["source"] for w in wnames], "axis": 0}, layers)
+        inputs = [x, fused]
+        has_bias = any(n.attrs.get("has_bias") for n in nodes)
+        if has_bias:
+            bnames = [n.inputs[2] if n.attrs.get("has_bias") else None for n in nodes]
+            bsrc = [state.weights[b]["source"] if b else {"zeros": [s]} for b, s in zip(bnames, sizes)]
+            bdtype = next(g.values[b].type.dtype for b in bnames if b)
+            bfused = fused_name([b for b in bnames if b]) + "_fused" if None in bnames else \
+                fused_name(bnames)
+            _register(state, g, bfused, TensorType((sum(sizes),), bdtype), {"concat": bsrc, "axis": 0}, layers)
+            inputs.append(bfused)
+            wnames += [b for b in bnames if b]
         first = nodes[0]
         y = g.fresh(fused[1:] if fused.startswith("w") else fused)
         g.add_value(Value(y, "act", line=first.line))
-        g.add_node(Node(g.new_node_id("linear"), "linear", [x, fused], [y], {}, first.line,
-                        fused_from=["linear"] * len(nodes)), before=first.id)
+        g.add_node(Node(g.new_node_id("linear"), "linear", inputs, [y], {"has_bias": has_bias},
+                        first.line, fused_from=["linear"] * len(nodes)), before=first.id)
         parts = [g.fresh("part") for _ in nodes]
         for p in parts:
             g.add_value(Value(p, "act", line=first.line))
@@ -54,36 +73,14 @@ def _fuse_linears(state, g):
             g.remove_node(n.id)
         for w in wnames:
             del g.values[w]
-            del state.weights[w]
+            dropped.add(w)
         state.note("fuse_weights", f"{g.name}: {' + '.join(wnames)} -> {fused} {sizes}")
 
 
-def _fuse_experts(state, g):
-    for n in g.ordered():
-        if n.op != "moe_experts":
-            continue
-        x, w, ids, gate, up, down = n.inputs
-        gt = g.values[gate].type
-        fused = fused_name([gate, up])
-        g.add_value(Value(fused, "weight", TensorType((gt.shape[0], 2 * gt.shape[1], gt.shape[2]), gt.dtype)))
-        state.weights[fused] = {
-            "source": {"concat": [state.weights[gate]["source"], state.weights[up]["source"]], "axis": 1},
-            "per_layer": state.weights[gate]["per_layer"]}
-        act = g.fresh("act")
-        g.add_value(Value(act, "act", line=n.line))
-        g.add_node(Node(g.new_node_id("moe_gate_up"), "moe_gate_up", [x, ids, fused], [act], {},
-                        n.line, fused_from=["moe_experts"]), before=n.id)
-        g.add_node(Node(g.new_node_id("moe_down"), "moe_down", [act, w, ids, down], list(n.outputs),
-                        {}, n.line, fused_from=["moe_experts"]), before=n.id)
-        g.order.remove(n.id)
-        del g.nodes[n.id]
-        for old in (gate, up):
-            del g.values[old]
-            del state.weights[old]
-        state.note("fuse_weights", f"{g.name}: {gate} + {up} -> {fused} (experts)")
-
-
 def fuse_weights(state):
+    dropped: set = set()
     for g in state.graph.walk():
-        _fuse_linears(state, g)
-        _fuse_experts(state, g)
+        _fuse_linears(state, g, dropped)
+    used = {v.name for g in state.graph.walk() for v in g.values.values() if v.kind == "weight"}
+    for w in dropped - used:          # still read somewhere else (another kind's body): keep
+        del state.weights[w]

@@ -10,19 +10,19 @@ from ..ir import Graph, TensorType
 def _infer(state, g: Graph):
     for n in g.ordered():
         if n.op == "layers":
-            body = n.body
-            for bi, outer in zip(body.inputs, n.inputs):
-                body.values[bi].type = g.values[outer].type
-            _infer(state, body)
-            for bo, bi in body.carried.items():
-                if body.values[bo].type != body.values[bi].type:
-                    # Point at the layer statement that produced the changed value.
-                    where = f" (layers(...) at line {n.line} carries it unchanged)" if n.line else ""
-                    raise state.error(f"layer changes carried value '{bi}' from "
-                                      f"{body.values[bi].type} to {body.values[bo].type}{where}",
-                                      body.values[bo].line or n.line)
-            for o, bo in zip(n.outputs, body.outputs):
-                g.values[o].type = body.values[bo].type
+            for body in n.bodies.values():
+                for bi, outer in zip(body.inputs, n.inputs):
+                    body.values[bi].type = g.values[outer].type
+                _infer(state, body)
+                for bo, bi in body.carried.items():
+                    if body.values[bo].type != body.values[bi].type:
+                        # Point at the layer statement that produced the changed value.
+                        where = f" (layers(...) at line {n.line} carries it unchanged)" if n.line else ""
+                        raise state.error(f"layer changes carried value '{bi}' from "
+                                          f"{body.values[bi].type} to {body.values[bo].type}{where}",
+                                          body.values[bo].line or n.line)
+                for o, bo in zip(n.outputs, body.outputs):
+                    g.values[o].type = body.values[bo].type
             continue
         op = REGISTRY[n.op]
         types = [g.values[i].type for i in n.inputs]

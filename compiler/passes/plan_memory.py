@@ -53,22 +53,28 @@ def plan_memory(state):
     def visit(g: Graph):
         for v in g.values.values():
             if v.kind in ("act", "input") and v.type is not None:
+                if sum(isinstance(d, str) for d in v.type.shape) > 1:
+                    raise state.error(f"'{v.name.split('.')[0]}' has shape {v.type}: a value may have "
+                                      f"at most one dynamic dimension (T or B)", v.line)
                 values[v.name] = v        # names are unique across the model's graphs
                 if v.alias_of:
                     uf.union(v.alias_of, v.name)
         for n in g.ordered():
             clock[0] += 1
             if n.op == "layers":
-                b = n.body
-                for outer, inner in zip(n.inputs, b.inputs):
-                    uf.union(outer, inner)
-                for outer, inner in zip(n.outputs, b.outputs):
-                    uf.union(inner, outer)
-                for bo, bi in b.carried.items():
-                    uf.union(bi, bo)
                 for i in n.inputs:
                     events.append((clock[0], i, "use"))
-                visit(b)
+                # Kinds run one layer at a time, so their bodies take turns on the timeline:
+                # a body's own values may share slots with another kind's; carried values are
+                # one buffer across every kind.
+                for b in n.bodies.values():
+                    for outer, inner in zip(n.inputs, b.inputs):
+                        uf.union(outer, inner)
+                    for outer, inner in zip(n.outputs, b.outputs):
+                        uf.union(inner, outer)
+                    for bo, bi in b.carried.items():
+                        uf.union(bi, bo)
+                    visit(b)
                 clock[0] += 1
                 for o in n.outputs:
                     events.append((clock[0], o, "def"))

@@ -17,7 +17,14 @@ def select_kernels(state):
                     continue
                 op = REGISTRY[n.op]
                 backend, tmpl = state.backend, None
-                for b in list(state.features) + [state.backend]:
+                # The feature backends implement each op's plain form: a launch with an optional
+                # tensor (a bias) stays on the default backend, which covers every form.
+                # They also assume bf16 outputs over the step's T rows.
+                plain = not any(n.attrs.get(f"has_{p}") for p in op.optional) \
+                    and all(g.values[o].type is None or g.values[o].type.dtype == "bf16" for o in n.outputs) \
+                    and (not n.inputs or g.values[n.inputs[0]].type.shape[:1] == ("T",))
+                features = list(state.features) if plain else []
+                for b in features + [state.backend]:
                     tmpl = op.template(b, phase)
                     if tmpl is not None:
                         backend = b

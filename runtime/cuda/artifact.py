@@ -3,23 +3,24 @@ functions with their launch shapes. (The weights: weights.py.)"""
 import json
 from pathlib import Path
 
-
 from infc.compiler.errors import ModelDirError
 
-from .driver import Module
+from ..bind import KernelInfo
+from .driver import Module, PackedArgs
 
 DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "i32": 4}
 
 
-class KernelFn:
+class KernelFn(KernelInfo):
+    """A loaded kernel: its launch shape (bind.KernelInfo) and function handle."""
+
     def __init__(self, kid: str, meta: dict, info: dict, fn):
-        self.id, self.meta, self.info, self.fn = kid, meta, info, fn
-        self.block = tuple(info.get("block") or meta.get("block") or [info["num_warps"] * 32, 1, 1])
-        # dynamic shared memory to launch with: Triton reports it as `shared`; the nvcc-built
-        # backends report static `shared` and `dynamic_shared` apart
-        self.shared = int(info["dynamic_shared"] if "dynamic_shared" in info else info.get("shared", 0))
-        self.hidden_args = int(info.get("hidden_args", 0))
-        self.global_scratch = int(info.get("global_scratch_size", 0))
+        super().__init__(kid, meta, info)
+        self.fn = fn
+
+    def pack(self, values: list) -> PackedArgs:
+        """The resolved META params (bind.Resolver) packed once, with Triton's hidden pointers."""
+        return PackedArgs(*self.arg_lists(values))
 
 
 def load_plan(artifact: Path) -> dict:

@@ -49,6 +49,11 @@ class Context:
         self.ctx = check(cu.cuDevicePrimaryCtxRetain(self.device), "cuDevicePrimaryCtxRetain")
         check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
         self.stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        # What this context handed out, so close() gives it all back (a server keeps one for its
+        # life; tests and tools make several runners in one process).
+        self._device: set[int] = set()
+        self._host: dict[int, np.ndarray] = {}
+        self._graphs: list = []
         self.name = check(cu.cuDeviceGetName(256, self.device), "cuDeviceGetName").split(b"\0")[0].decode()
         attr = cu.CUdevice_attribute
         self.sm_count = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.device))
@@ -67,9 +72,12 @@ class Context:
         return int(free), int(total)
 
     def alloc(self, nbytes: int) -> int:
-        return int(check(cu.cuMemAlloc(max(int(nbytes), 1)), f"cuMemAlloc({nbytes})"))
+        ptr = int(check(cu.cuMemAlloc(max(int(nbytes), 1)), f"cuMemAlloc({nbytes})"))
+        self._device.add(ptr)
+        return ptr
 
     def free(self, ptr: int):
+        self._device.discard(ptr)
         check(cu.cuMemFree(ptr), "cuMemFree")
 
     def memset(self, ptr: int, nbytes: int, value: int = 0):
@@ -100,11 +108,30 @@ class Context:
 
     def pinned(self, nbytes: int) -> np.ndarray:
         ptr = check(cu.cuMemHostAlloc(nbytes, 0), "cuMemHostAlloc")
-        return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(int(ptr)))
+        host = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(int(ptr)))
+        self._host[int(ptr)] = host
+        return host
 
     def free_pinned(self, host: np.ndarray):
         """Give page-locked memory back (it counts in the process's resident memory)."""
+        self._host.pop(host.ctypes.data, None)
         check(cu.cuMemFreeHost(host.ctypes.data), "cuMemFreeHost")
+
+    def close(self):
+        """Free every device and pinned allocation and graph made through this context, and its
+        stream. Nothing made through it may be used afterwards."""
+        self.ensure_current()
+        self.sync()
+        for g in self._graphs:
+            check(cu.cuGraphExecDestroy(g.exec), "cuGraphExecDestroy")
+            check(cu.cuGraphDestroy(g.graph), "cuGraphDestroy")
+        for ptr in list(self._device):
+            check(cu.cuMemFree(ptr), "cuMemFree")
+        for addr in list(self._host):
+            check(cu.cuMemFreeHost(addr), "cuMemFreeHost")
+        self._graphs, self._device, self._host = [], set(), {}
+        check(cu.cuStreamDestroy(self.stream), "cuStreamDestroy")
+        self.stream = None
 
     def event(self) -> "Event":
         return Event(self)
@@ -172,6 +199,7 @@ class Graph:
         finally:
             self.graph = check(cu.cuStreamEndCapture(ctx.stream), "cuStreamEndCapture")
         self.exec = check(cu.cuGraphInstantiate(self.graph, 0), "cuGraphInstantiate")
+        ctx._graphs.append(self)
 
     def launch(self):
         check(cu.cuGraphLaunch(self.exec, self.ctx.stream), "cuGraphLaunch")

@@ -1,8 +1,8 @@
 """The CUDA runner: a compiled plan on the GPU behind the engine's runner interface.
 
 Memory: weights, one activation arena sized for max_num_batched_tokens / max_num_seqs, the
-step metadata buffers, per-kernel scratch, and the paged KV cache from what
-gpu_memory_utilization leaves. Buffers sit at the plan's offsets evaluated at the maximum T and
+step metadata buffers (plan["step_metadata"]), per-kernel scratch, and the plan's caches
+(runtime/caches.py lays them out) from what gpu_memory_utilization leaves. Buffers sit at the plan's offsets evaluated at the maximum T and
 B, so every pointer is fixed for the runner's life: each phase's launches are packed once and a
 step only rewrites the T/B scalars and the grid. Decode steps replay a CUDA Graph captured per
 batch bucket, padded with rows that write only a reserved page.
@@ -11,15 +11,19 @@ from pathlib import Path
 
 import numpy as np
 
-from ..bind import launch_args, scratch_sizes
+from .. import caches
+from ..bind import Resolver, dim_slots, eval_int, scratch_sizes
+from ..program import unrolled
 from ..runner import RowSampling, Sample, sample_row
 from ..step import StepMeta
 from .artifact import DTYPE_BYTES, load_kernels, load_plan
-from .driver import Context, Graph, PackedArgs, launch
+from .driver import Context, Graph, launch
 from .sampler import GpuSampler
 from .weights import DeviceWeights
 
-META_NAMES = ("positions", "seq_starts", "context_lens", "last_rows", "slot_mapping", "block_tables")
+# the step metadata this runner builds from a StepMeta (`_metadata`); the plan's step_metadata
+# must be among them
+PRODUCED = ("positions", "seq_starts", "context_lens", "last_rows", "slot_mapping", "block_tables")
 
 
 GRID_FUNCS = {"cdiv": lambda a, b: -(-a // b), "max": max, "min": min}
@@ -55,7 +59,10 @@ class CudaRunner:
         a = plan["arena"]
         self.arena_bytes = a["bytes_per_token"] * dims["T"] + a["bytes_per_seq"] * dims["B"] + a["bytes"]
         self.arena = self.ctx.alloc(self.arena_bytes)
-        self.meta = {n: self.ctx.alloc(4 * self._meta_len(n)) for n in META_NAMES}
+        unknown = sorted(set(plan["step_metadata"]) - set(PRODUCED))
+        if unknown:
+            raise ValueError(f"the plan's step metadata {unknown} is not built by this runner")
+        self.meta = {n: self.ctx.alloc(self._meta_bytes(m)) for n, m in plan["step_metadata"].items()}
         self.scratch = {}
         for kid, k in self.kernels.items():
             for name, nbytes in scratch_sizes(k.meta, dims).items():
@@ -75,32 +82,36 @@ class CudaRunner:
             for b in self.buckets:
                 self._capture(b)
 
+    def close(self):
+        """Give back the device memory (weights, arena, caches, scratch, sampler, graphs): a
+        process that makes several runners (tests, tools) must not keep them all."""
+        if self.ctx.stream is not None:
+            self.ctx.close()
+        self.graphs, self.programs = {}, {}
+
     # -- memory ---------------------------------------------------------------------------
-    def _meta_len(self, name: str) -> int:
-        if name == "block_tables":
-            return (self.max_seqs + 1) * (self.max_pages_per_seq + 1)
-        return (self.max_seqs + 1) if name in ("seq_starts", "context_lens", "last_rows") else self.max_tokens
+    def _meta_bytes(self, m: dict) -> int:
+        # B + 1 rows: a bucket's pad rows never outnumber max_seqs, but keep one spare
+        dims = {"T": self.max_tokens, "B": self.max_seqs + 1, "max_pages": self.max_pages_per_seq + 1}
+        n = 1
+        for d in m["shape"]:
+            n *= eval_int(d, dims)
+        return n * DTYPE_BYTES[m["dtype"]]
 
     def _alloc_kv(self, utilization: float, num_pages: int | None):
-        kv = self.plan["kv_cache"]
-        self.kv_layers = kv["layers"]
-        page_bytes = self.page_size * kv["kv_heads"] * kv["head_dim"] * DTYPE_BYTES[kv["dtype"]]
+        decl = caches.of_plan(self.plan)
         free, total = self.ctx.mem_info()
         if num_pages is None:
             budget = int(total * utilization) - (total - free)
-            num_pages = budget // (2 * self.kv_layers * page_bytes) - 1
+            num_pages = caches.pages_for_budget(decl, self.page_size, budget)
         if num_pages < 2:
             raise MemoryError(f"no room for the KV cache: {free / 2**30:.1f} GiB free of {total / 2**30:.1f}")
         self.num_pages = num_pages                 # usable pages; page num_pages is the padding page
-        self.page_bytes = page_bytes
-        self.kv_layer_bytes = (num_pages + 1) * page_bytes
-        self.kv = self.ctx.alloc(2 * self.kv_layers * self.kv_layer_bytes)
-
-    def kv_ptr(self, which: str, layer: int) -> int:
-        return self.kv + (2 * layer + (0 if which == "k" else 1)) * self.kv_layer_bytes
+        self.caches = caches.DeviceCaches(self.ctx, decl, self.page_size, num_pages)
 
     # -- binding --------------------------------------------------------------------------
     def _buffer_ptr(self, name: str, dims: dict | None = None) -> int:
+        # dims is unused: buffers sit at their offsets for the maximum T and B (self.place)
         off = self.plan["buffers"][name]["offset"]
         return self.arena + off["T"] * self.place["T"] + off["B"] * self.place["B"] + off["bytes"]
 
@@ -114,48 +125,24 @@ class CudaRunner:
             self.programs[phase] = self.bind(phase)
         return self.programs[phase]
 
-    def bind(self, phase: str, dims: dict | None = None) -> list:
+    def bind(self, phase: str) -> list:
         """The phase's program as [(KernelFn, grid code, PackedArgs, dim slots)], layers unrolled."""
+        def tensor(name, layer):
+            if name in self.plan["buffers"]:
+                return self._buffer_ptr(name)
+            return self.weights.ptr(name, layer)
+
+        resolver = Resolver(
+            tensor=tensor, cache=self.caches.ptr,
+            meta=lambda n: self.max_pages_per_seq + 1 if n == "max_pages" else self.meta[n],
+            scratch=lambda kid, n: self.scratch[(kid, n)],
+            dim=lambda d: 0,                        # rewritten each step
+            meta_names=self.plan["step_metadata"])
         out = []
-
-        def visit(program, layer):
-            for l in program:
-                if "repeat" in l:
-                    for i in range(l["count"]):
-                        visit(l["body"], i)
-                    continue
-                k = self.kernels[l["kernel_id"]]
-
-                def tensor(name):
-                    if name in self.plan["buffers"]:
-                        return self._buffer_ptr(name, dims)
-                    p = self.weights.ptrs[name]
-                    return p[layer] if isinstance(p, list) else p
-
-                def resolve(kind, what, ty):
-                    if kind in ("in", "out"):
-                        names = l["inputs"] if kind == "in" else l["outputs"]
-                        return tensor(names[int(what)])
-                    if kind == "dim":
-                        return 0                        # rewritten each step
-                    if kind == "meta":
-                        return self.max_pages_per_seq + 1 if what == "max_pages" else self.meta[what]
-                    if kind == "kv":
-                        return self.kv_ptr(what, layer)
-                    if kind == "scratch":
-                        return self.scratch[(k.id, what)]
-                    raise ValueError(kind)
-
-                values = launch_args(k.meta, resolve)
-                types = [ty for _, ty, _ in k.meta["params"]]
-                slots = [(i, src[4:]) for i, (_, _, src) in enumerate(k.meta["params"]) if src.startswith("dim:")]
-                values += [0] * k.hidden_args          # Triton's global/profile scratch pointers
-                types += ["*i8"] * k.hidden_args
-                if k.global_scratch:
-                    raise RuntimeError(f"kernel {k.id} needs Triton global scratch: not supported yet")
-                out.append((k, grid_code(k.meta), PackedArgs(values, types), slots))
-
-        visit(self.plan["programs"][phase], 0)
+        for launch, layer in unrolled(self.plan["programs"][phase]):
+            k = self.kernels[launch["kernel_id"]]
+            values = resolver.values(k.meta, launch["inputs"], launch["outputs"], layer, k.id)
+            out.append((k, grid_code(k.meta), k.pack(values), dim_slots(k.meta)))
         return out
 
     def _launch_all(self, bound, dims: dict):

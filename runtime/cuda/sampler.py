@@ -11,7 +11,7 @@ takes temperature 0 as greedy (lowest index on ties, the same token argmax gives
 """
 import numpy as np
 
-from ..bind import grid, launch_args
+from ..bind import Resolver, dim_slots, grid
 from ..runner import RowSampling, Sample
 from .driver import PackedArgs, launch
 
@@ -36,22 +36,13 @@ class GpuSampler:
         key = (name, logits_ptr)
         if key not in self._args:
             k = self.k[name]
-            ins = [logits_ptr] + [self.dev[n] for n in ("temperature", "top_k", "top_p", "min_p", "seed", "step")]
-            outs = [self.dev["logprobs" if name == "log_softmax" else "token"]]
-
-            def resolve(kind, what, ty):
-                if kind == "in":
-                    return ins[int(what)]
-                if kind == "out":
-                    return outs[int(what)]
-                if kind == "dim":
-                    return 0
-                raise ValueError(f"sampler kernel {k.id}: unexpected parameter source {kind}:{what}")
-
-            values = launch_args(k.meta, resolve) + [0] * k.hidden_args
-            types = [ty for _, ty, _ in k.meta["params"]] + ["*i8"] * k.hidden_args
-            slot = next((i for i, (_, _, src) in enumerate(k.meta["params"]) if src == "dim:B"), None)
-            self._args[key] = (PackedArgs(values, types), slot)
+            ptrs = dict(self.dev, logits=logits_ptr)
+            ins = ["logits", "temperature", "top_k", "top_p", "min_p", "seed", "step"]
+            outs = ["logprobs" if name == "log_softmax" else "token"]
+            resolver = Resolver(tensor=lambda n, layer: ptrs[n], dim=lambda d: 0)
+            values = resolver.values(k.meta, ins, outs, kernel=k.id)
+            slot = next((i for i, d in dim_slots(k.meta) if d == "B"), None)
+            self._args[key] = (k.pack(values), slot)
         return self._args[key]
 
     def _launch(self, name: str, logits_ptr: int, B: int):

@@ -3,7 +3,8 @@ compiler; everything comes from the folder `infc tune prepare` wrote (manifest.j
 
 For each (template, shape key) of the manifest, at each of its step sizes:
   * allocate the launch's tensors: activations with random bf16/f32 contents (i32 inputs within
-    their bound), weights and the paged KV cache in rotating copies that together pass 3x the L2
+    their bound), weights and the caches the launch names (one layer of each, laid out by
+    runtime/caches.py) in rotating copies that together pass 3x the L2
     size, so every timed launch streams its weights (and KV) from HBM as a decode step does,
     while activations stay in L2 as they do between launches; step metadata from
     runtime/step.build_step (valid block tables, slots, positions); zeroed scratch per candidate;
@@ -25,10 +26,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ..bind import eval_int, grid as launch_grid, launch_args, scratch_sizes
+from .. import caches
+from ..bind import CACHE_MARKER, KernelInfo, Resolver, eval_int, grid as launch_grid, scratch_sizes
 from ..step import Chunk, build_step
 
 DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "i32": 4}
+MANIFEST_VERSION = 2      # compiler/tune.py writes it; 2: plan/2 caches
 THRESHOLD = 0.03          # store an entry only when it beats the baseline by more than this
 ROUNDS = 5                # timing rounds, interleaved over candidates
 COLD_FACTOR = 3           # rotating weight/KV copies total at least this many L2 sizes
@@ -46,7 +49,7 @@ def step_metadata(phase: str, T: int, B: int, context_len: int, page_size: int, 
     prefill: T tokens split over B sequences with no cached prefix; mixed: B - 1 decode rows and
     one chunk of T - B + 1 tokens after context_len cached ones. Pages are a random permutation
     of 0 .. num_pages-1 (scattered, as after some serving); page num_pages is the spare that
-    pads block-table rows (the KV allocation holds num_pages + 1 pages, as in the runner)."""
+    pads block-table rows (cache storage holds num_pages + 1 pages, as in the runner)."""
     if phase == "decode":
         if T != B:
             raise ValueError(f"a decode step has T == B (got T={T}, B={B})")
@@ -182,15 +185,19 @@ def _fmt_tune(t: dict) -> str:
 
 # --- the GPU side ----------------------------------------------------------------------------
 
+def _is_marker(t: dict) -> bool:
+    return t["name"] == CACHE_MARKER or t["kind"] in ("cache", "kv")
+
+
 class _Case:
-    """One manifest entry at one step size on the device: its tensors, metadata, KV cache."""
+    """One manifest entry at one step size on the device: its tensors, metadata, caches."""
 
     def __init__(self, drv, ctx, manifest: dict, entry: dict, dims: dict, l2_bytes: int, seed: int):
         self.drv, self.ctx, self.entry, self.dims = drv, ctx, entry, dims
         self.allocs = []
-        kv = manifest["kv"]
+        page_size = manifest["page_size"]
         arrays, num_pages, self.width = step_metadata(entry["phase"], dims["T"], dims["B"],
-                                                      manifest["context_len"], kv["page_size"], seed)
+                                                      manifest["context_len"], page_size, seed)
         self.meta = {}
         for name, a in arrays.items():
             self.meta[name] = self._alloc(a.nbytes)
@@ -199,29 +206,29 @@ class _Case:
         tensors = {}
         for role, ts in (("in", entry["inputs"]), ("out", entry["outputs"])):
             for t in ts:
+                if _is_marker(t):
+                    continue
                 rec = tensors.setdefault(t["name"], {"t": t, "roles": set()})
                 rec["roles"].add(role)
         self.tensors = tensors
-        self.uses_kv = any(r["t"]["kind"] == "kv" for r in tensors.values()) or any(
-            src.startswith("kv:") for c in entry["candidates"] for _, _, src in c["meta"]["params"])
-        self.kv_written = "kv_cache" in tensors and "out" in tensors["kv_cache"]["roles"]
-        page_bytes = kv["page_size"] * kv["kv_heads"] * kv["head_dim"] * DTYPE_BYTES[kv["dtype"]]
-        self.kv_bytes = (num_pages + 1) * page_bytes
-        self.kv_dtype = kv["dtype"]
+        # the caches the launch names (and any a candidate addresses), layer 0 of each
+        names = list(entry.get("caches", []))
+        for c in entry["candidates"]:
+            for _, _, src in c["meta"]["params"]:
+                if src.startswith("cache:") and src[6:] not in names:
+                    names.append(src[6:])
+        self.cache_decl = caches.select(manifest["caches"], names, layers=[0])
+        self.cache_written = any(_is_marker(t) for t in entry["outputs"])
+        self.cache_bytes = caches.Layout(self.cache_decl, page_size, num_pages).nbytes if names else 0
         for rec in tensors.values():
             t = rec["t"]
-            if t["kind"] == "kv":
-                continue
             rec["shape"] = [eval_int(d, dims) for d in t["shape"]]
             rec["nbytes"] = int(np.prod(rec["shape"])) * DTYPE_BYTES[t["dtype"]]
-        cold = sum(r["nbytes"] for r in tensors.values() if r["t"]["kind"] == "weight")
-        cold += 2 * self.kv_bytes if self.uses_kv else 0
+        cold = sum(r["nbytes"] for r in tensors.values() if r["t"]["kind"] == "weight") + self.cache_bytes
         self.copies = 1 if cold == 0 else max(1, min(64, -(-COLD_FACTOR * l2_bytes // cold)))
         self.init = {}
         for i, (name, rec) in enumerate(sorted(tensors.items())):
             t = rec["t"]
-            if t["kind"] == "kv":
-                continue
             if t["kind"] == "weight":
                 host = host_data(t, rec["shape"], seed + 1 + i)
                 rec["ptrs"] = [self._alloc(rec["nbytes"]) for _ in range(self.copies)]
@@ -233,15 +240,17 @@ class _Case:
             rec["ptrs"] = [self._alloc(rec["nbytes"])]
             if "in" in rec["roles"]:
                 self.init[name] = host_data(t, rec["shape"], seed + 1 + i)
-        if self.uses_kv:
-            kvt = {"name": "kv_cache", "kind": "kv", "dtype": self.kv_dtype}
-            n = self.kv_bytes // DTYPE_BYTES[self.kv_dtype]
-            self.kv_init = [host_data(kvt, [n], seed + 101), host_data(kvt, [n], seed + 102)]
-            self.kv = [(self._alloc(self.kv_bytes), self._alloc(self.kv_bytes)) for _ in range(self.copies)]
-            for kp, vp in self.kv:
-                ctx.htod(kp, self.kv_init[0])
-                ctx.htod(vp, self.kv_init[1])
-                ctx.sync()
+        self.caches, self.cache_init = [], {}
+        if names:
+            self.caches = [caches.DeviceCaches(ctx, self.cache_decl, page_size, num_pages, alloc=self._alloc,
+                                               zero=False) for _ in range(self.copies)]
+            for j, r in enumerate(self.caches[0].layout.regions.values()):
+                t = {"name": f"cache:{r.name}", "kind": "cache", "dtype": r.dtype}
+                self.cache_init[r.name] = host_data(t, [int(np.prod(r.shape))], seed + 101 + j)
+            for dev in self.caches:
+                for name, host in self.cache_init.items():
+                    ctx.htod(dev.ptr(name, 0), host)
+                    ctx.sync()
         ctx.sync()
 
     def _alloc(self, nbytes: int) -> int:
@@ -253,15 +262,15 @@ class _Case:
         """Inputs back to their initial contents, outputs poisoned (0xFF: NaN / -1)."""
         keep = []
         for name, rec in self.tensors.items():
-            if rec["t"]["kind"] in ("kv", "weight"):
+            if rec["t"]["kind"] == "weight":
                 continue
             if name in self.init:
                 keep.append(self.ctx.htod(rec["ptrs"][0], self.init[name]))
             else:
                 self.ctx.memset(rec["ptrs"][0], rec["nbytes"], 0xFF)
-        if self.uses_kv and self.kv_written:
-            keep.append(self.ctx.htod(self.kv[0][0], self.kv_init[0]))
-            keep.append(self.ctx.htod(self.kv[0][1], self.kv_init[1]))
+        if self.caches and self.cache_written:
+            for name, host in self.cache_init.items():
+                keep.append(self.ctx.htod(self.caches[0].ptr(name, 0), host))
         self.ctx.sync()
 
     def outputs(self) -> dict:
@@ -269,39 +278,30 @@ class _Case:
         for name, rec in self.tensors.items():
             if "out" not in rec["roles"]:
                 continue
-            if rec["t"]["kind"] == "kv":
-                for which, p in (("k", self.kv[0][0]), ("v", self.kv[0][1])):
-                    raw = np.empty(self.kv_bytes, np.uint8)
-                    self.ctx.dtoh(raw, p)
-                    self.ctx.sync()
-                    out[f"kv:{which}"] = as_float(raw, self.kv_dtype)
-                continue
             raw = np.empty(rec["nbytes"], np.uint8)
             self.ctx.dtoh(raw, rec["ptrs"][0])
             self.ctx.sync()
             out[name] = as_float(raw, rec["t"]["dtype"])
+        if self.caches and self.cache_written:
+            for name in self.cache_init:
+                ptr, nbytes = self.caches[0].region(name, 0)
+                raw = np.empty(nbytes, np.uint8)
+                self.ctx.dtoh(raw, ptr)
+                self.ctx.sync()
+                out[f"cache:{name}"] = as_float(raw, self.cache_decl[name]["dtype"])
         return out
 
-    def values(self, meta: dict, scratch: dict, copy: int) -> list:
-        def resolve(kind, what, ty):
-            if kind in ("in", "out"):
-                t = (self.entry["inputs"] if kind == "in" else self.entry["outputs"])[int(what)]
-                if t["kind"] == "kv":
-                    raise ValueError(f"parameter source {kind}:{what} is the KV cache: use kv:k / kv:v")
-                ptrs = self.tensors[t["name"]]["ptrs"]
-                return ptrs[copy % len(ptrs)]
-            if kind == "dim":
-                return self.dims[what]
-            if kind == "meta":
-                return self.width if what == "max_pages" else self.meta[what]
-            if kind == "kv":
-                return self.kv[copy % self.copies][0 if what == "k" else 1]
-            if kind == "scratch":
-                return scratch[what]
-            if kind == "const":
-                return int(what)
-            raise ValueError(f"unknown parameter source {kind}:{what}")
-        return launch_args(meta, resolve)
+    def values(self, meta: dict, scratch: dict, copy: int, kid: str) -> list:
+        def tensor(name, layer):
+            ptrs = self.tensors[name]["ptrs"]
+            return ptrs[copy % len(ptrs)]
+
+        resolver = Resolver(
+            tensor=tensor, cache=lambda name, layer: self.caches[copy % self.copies].ptr(name, 0),
+            meta=lambda n: self.width if n == "max_pages" else self.meta[n],
+            scratch=lambda k, n: scratch[n], dim=self.dims.__getitem__)
+        return resolver.values(meta, [t["name"] for t in self.entry["inputs"]],
+                               [t["name"] for t in self.entry["outputs"]], kernel=kid)
 
     def free(self):
         self.ctx.sync()
@@ -317,13 +317,11 @@ class _Cand:
         self.drv, self.case, self.cand = drv, case, cand
         ctx, meta = case.ctx, cand["meta"]
         kid = cand["kernel"]
-        info = json.loads((bin_dir / f"{kid}.json").read_text())
-        if int(info.get("global_scratch_size", 0)):
+        k = KernelInfo(kid, meta, info=json.loads((bin_dir / f"{kid}.json").read_text()))
+        if k.global_scratch:
             raise RuntimeError("needs Triton global scratch (not supported by the runtime)")
-        self.block = tuple(info.get("block") or meta.get("block") or [info["num_warps"] * 32, 1, 1])
-        self.shared = int(info["dynamic_shared"] if "dynamic_shared" in info else info.get("shared", 0))
-        hidden = int(info.get("hidden_args", 0))
-        self.fn = drv.Module((bin_dir / f"{kid}.cubin").read_bytes()).function(info["name"], self.shared)
+        self.block, self.shared = k.block, k.shared
+        self.fn = drv.Module((bin_dir / f"{kid}.cubin").read_bytes()).function(k.info["name"], self.shared)
         self.grid = launch_grid(meta, case.dims)
         if self.grid[0] * self.grid[1] * self.grid[2] == 0:
             raise RuntimeError(f"empty grid {self.grid} at {case.dims}")
@@ -332,8 +330,7 @@ class _Cand:
             self.scratch_bytes[name] = max(nbytes, 4)
             self.scratch[name] = case._alloc(self.scratch_bytes[name])
             ctx.memset(self.scratch[name], self.scratch_bytes[name], 0)
-        types = [ty for _, ty, _ in meta["params"]] + ["*i8"] * hidden
-        self.args = [drv.PackedArgs(case.values(meta, self.scratch, c) + [0] * hidden, types)
+        self.args = [drv.PackedArgs(*k.arg_lists(case.values(meta, self.scratch, c, kid)))
                      for c in range(case.copies)]
         self.samples: list[float] = []
         self.graph = None
@@ -465,6 +462,9 @@ def run(dir, write=None, reps: int = 50, warmup: int = 10, threshold: float = TH
         manifest = json.loads((d / "manifest.json").read_text())
     except FileNotFoundError:
         raise ValueError(f"{d}: no manifest.json (run `infc tune prepare` first)") from None
+    if manifest.get("version") != MANIFEST_VERSION:
+        raise ValueError(f"{d}: manifest version {manifest.get('version')}, this infc reads "
+                         f"{MANIFEST_VERSION}: run `infc tune prepare` again")
     if not manifest.get("compiled"):
         raise ValueError(f"{d}: prepared with --no-compile; there are no cubins to time")
     ctx = drv.Context()

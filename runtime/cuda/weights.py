@@ -1,12 +1,14 @@
 """The plan's weights onto the GPU, straight from the safetensors files.
 
-Every weight is laid out in one device allocation (256-byte aligned). A weight whose recipe is
-a bf16 tensor, or bf16 tensors stacked or concatenated along axis 0, is a run of file byte
-ranges laid end to end: those are read with pread (several threads, no page faults through a
-mapping) into one of two pinned staging buffers while the other one's copy to the device runs.
-Any other recipe (another dtype, another axis) is built in numpy and copied through the same
-buffers. The staging memory is given back at the end, so a loaded server's resident memory is
-the Python process, not the model.
+Every weight is laid out in one device allocation (256-byte aligned); a per-layer weight has one
+copy per entry of its `layers`, in that order. A weight whose recipe is a bf16 tensor, bf16
+tensors stacked or concatenated along axis 0, or rows (axis 0) sliced from such, is a run of file
+byte ranges laid end to end: those are read with pread (several threads, no page faults through
+a mapping) into one of two pinned staging buffers while the other one's copy to the device runs.
+Any other recipe (another dtype, another axis, transpose, scale, offset, zeros) is built on the
+host by the recipe registry (runtime/weight_recipes.py) in float32, rounded once to bf16 (to
+nearest even) and copied through the same buffers. The staging memory is given back at the end,
+so a loaded server's resident memory is the Python process, not the model.
 """
 import bisect
 import os
@@ -19,33 +21,53 @@ import numpy as np
 
 from infc.compiler.errors import ModelDirError
 
-from ..safetensors_io import Checkpoint
-from ..weights import _build
+from ..safetensors_io import Checkpoint, f32_to_bf16_bits
+from ..weight_recipes import build, name_at
+from ..weights import check_shape, layers_of
 
 ALIGN = 256
 STAGING = 256 << 20
 PIECE = 16 << 20                       # one pread
 
 
-def _runs(ckpt: Checkpoint, src: dict, layer: int):
+def _cut(runs: list, lo: int, hi: int) -> list:
+    """The byte ranges [lo, hi) of a run list read end to end."""
+    out, pos = [], 0
+    for f, off, n in runs:
+        a, b = max(lo, pos), min(hi, pos + n)
+        if a < b:
+            out.append((f, off + a - pos, b - a))
+        pos += n
+    return out
+
+
+def _runs(ckpt: Checkpoint, src: dict, layer):
     """(file byte ranges, shape, what) when the weight is bf16 bytes laid end to end, else None."""
     if "tensor" in src:
-        name = src["tensor"].replace("{i}", str(layer))
+        name = name_at(src["tensor"], layer)
         f, dtype, off, n = ckpt.locate(name)
         if dtype != "BF16":
             return None
         return [(f, off, n)], tuple(ckpt.shape(name)), name
     if "stack" in src:
-        parts = [_runs(ckpt, {"tensor": src["stack"].replace("{e}", str(e))}, layer) for e in range(src["count"])]
+        parts = [_runs(ckpt, {"tensor": name_at(src["stack"], layer, e)}, None) for e in range(src["count"])]
         if any(p is None for p in parts) or len({p[1] for p in parts}) != 1:
             return None               # numpy builds it (and names a shape mismatch)
-        return [r for p in parts for r in p[0]], (len(parts), *parts[0][1]), src["stack"].replace("{i}", str(layer))
+        return [r for p in parts for r in p[0]], (len(parts), *parts[0][1]), name_at(src["stack"], layer)
     if "concat" in src and src["axis"] == 0:
         parts = [_runs(ckpt, s, layer) for s in src["concat"]]
         if any(p is None for p in parts) or len({p[1][1:] for p in parts}) != 1:
             return None
         shape = (sum(p[1][0] for p in parts), *parts[0][1][1:])
         return [r for p in parts for r in p[0]], shape, " + ".join(p[2] for p in parts)
+    if "slice" in src and src["axis"] == 0:
+        got = _runs(ckpt, src["slice"], layer)
+        if got is None or not 0 <= src["start"] < src["stop"] <= got[1][0]:
+            return None               # numpy builds it (and names a bad range)
+        runs, shape, what = got
+        row = 2 * int(np.prod(shape[1:], dtype=np.int64))
+        return (_cut(runs, src["start"] * row, src["stop"] * row), (src["stop"] - src["start"], *shape[1:]),
+                f"{what}[{src['start']}:{src['stop']}]")
     return None
 
 
@@ -56,7 +78,7 @@ class DeviceWeights:
         ckpt = Checkpoint(model_dir)
         self.ptrs: dict = {}
         self.bytes = 0
-        layers = plan["config"].get("L", 1)
+        self.layers = {}               # per-layer weight -> its global layer indices
         items, tied = [], []           # (name, layer, runs | array)
         for name, w in plan["weights"].items():
             if "tied" in w["source"]:
@@ -64,17 +86,17 @@ class DeviceWeights:
                 continue
             if w["dtype"] != "bf16":
                 raise ModelDirError(f"weight '{name}': only bf16 weights are supported on the GPU")
-            for i in range(layers if w["per_layer"] else 1):
-                got = _runs(ckpt, w["source"], i)
+            if w["layers"] is not None:
+                self.layers[name] = list(w["layers"])
+            for layer in layers_of(w):
+                got = _runs(ckpt, w["source"], layer)
                 if got is None:
-                    a, what = _build(ckpt, w["source"], i, ckpt.bf16_bits)
-                    data, shape = np.ascontiguousarray(a).view(np.uint8).reshape(-1), tuple(a.shape)
+                    a, what = build(w["source"], layer, ckpt.float32, str(ckpt.dir))
+                    data, shape = f32_to_bf16_bits(a).view(np.uint8).reshape(-1), tuple(a.shape)
                 else:
                     data, shape, what = got
-                if shape != tuple(w["shape"]):
-                    raise ModelDirError(f"{ckpt.dir}: tensor '{what}' has shape {list(shape)}, "
-                                        f"the plan expects {w['shape']} for weight '{name}'")
-                items.append((name, i if w["per_layer"] else None, data))
+                check_shape(ckpt, name, w, shape, what)
+                items.append((name, layer, data))
 
         # layout: one allocation, each weight aligned; segments in device order
         segs, placed, pos = [], [], 0          # segs: (dst offset, length, source)
@@ -95,12 +117,25 @@ class DeviceWeights:
                 self.ptrs.setdefault(name, []).append(self.base + off)
         for name, target in tied:
             self.ptrs[name] = self.ptrs[target]
+            if target in self.layers:
+                self.layers[name] = self.layers[target]
         t0 = time.perf_counter()
         try:
             self._stream(ctx, segs, pos, threads, progress)
         finally:
             ckpt.close()
         self.load_s = time.perf_counter() - t0
+
+    def ptr(self, name: str, layer) -> int:
+        """Device pointer of weight `name` at global layer `layer` (ignored for model-level ones)."""
+        p = self.ptrs[name]
+        if not isinstance(p, list):
+            return p
+        try:
+            return p[self.layers[name].index(layer)]
+        except ValueError:
+            raise KeyError(f"weight '{name}' has no copy for layer {layer} "
+                           f"(its layers: {self.layers[name]})") from None
 
     def _stream(self, ctx, segs, total: int, threads: int, progress: bool):
         starts = [s[0] for s in segs]

@@ -2,95 +2,118 @@
 
 It is the oracle for kernels and passes and the CPU backend. It deliberately executes the plan
 as the GPU runtime will: every buffer is a view into one arena at the plan's offsets, so a
-wrong liveness plan corrupts logits here first. Its KV cache is either contiguous per
-sequence (`step`, the oracle) or paged like the GPU's (`step_paged`, driven by the same step
-metadata: slot mapping and block tables), which lets the engine share prefix pages on the CPU.
+wrong liveness plan corrupts logits here first, and its caches are paged like the GPU's
+(runtime/caches.py lays them out, float32 here), addressed through the same step metadata (slot
+mapping, block tables). `step_paged` takes the engine's metadata (its pages; prefix pages shared
+on the CPU as on the GPU); `step(chunks)`, the oracle API of the tests, keeps its own pages per
+seq_id (`SeqPages`) so a caller only names sequences and how many tokens they have cached.
 """
-from dataclasses import dataclass
-
 import numpy as np
 
 from infc.compiler.ops import REGISTRY
 
-KV = "kv_cache"
+from .. import caches as cache_layout
+from ..bind import CACHE_MARKER
+from ..program import unrolled
+from ..step import Chunk, StepMeta, build_step
+from ..weights import at
+
 # The arena is laid out in the plan's dtypes (bf16 = 2 bytes); float32 here needs twice that.
 SCALE = 2
+SeqChunk = Chunk          # the oracle's chunk: (seq_id, new tokens, tokens already cached)
+METADATA = ("positions", "seq_starts", "context_lens", "last_rows", "slot_mapping", "block_tables")
 
 
-@dataclass
-class SeqChunk:
-    seq_id: int
-    tokens: list[int]      # new tokens this step
-    start: int             # tokens already in the cache
+class Metadata(dict):
+    """The step's metadata arrays, by key or attribute: ctx.meta["slot_mapping"] or
+    ctx.meta.slot_mapping."""
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
 
 
 class StepContext:
-    def __init__(self, chunks: list[SeqChunk], kv: dict):
-        self.seqs, self.positions, rows, last = [], [], 0, []
-        for c in chunks:
-            self.seqs.append((c.seq_id, rows, len(c.tokens), c.start))
-            self.positions += range(c.start, c.start + len(c.tokens))
-            rows += len(c.tokens)
-            last.append(rows - 1)
-        self.positions = np.asarray(self.positions, dtype=np.int64)
-        self.last_rows = np.asarray(last, dtype=np.int64)
-        self.T, self.B = rows, len(chunks)
-        self.kv = kv
-        self.layer = 0
+    """What op references receive as `ctx` (see the session contract):
+    T, B, positions [T], last_rows [B], seqs = [(b, first row, new tokens, cached before)],
+    layer (global index), meta (seq_starts, context_lens, slot_mapping, block_tables, ...),
+    cache(name) -> this layer's float32 storage of cache `name`, page_size, dim(d)."""
+
+    def __init__(self, meta: StepMeta, storage: cache_layout.HostCaches):
+        self.meta = Metadata({n: np.asarray(getattr(meta, n)) for n in METADATA}, max_pages=meta.max_pages)
+        self.storage = storage
+        self.page_size = storage.page_size
+        starts = self.meta.seq_starts
+        self.seqs = [(b, int(starts[b]), int(starts[b + 1] - starts[b]),
+                      int(meta.context_lens[b] - (starts[b + 1] - starts[b]))) for b in range(meta.B)]
+        self.positions = np.asarray(meta.positions, np.int64)
+        self.last_rows = np.asarray(meta.last_rows, np.int64)
+        self.T, self.B = meta.T, meta.B
+        self.layer = None
 
     def dim(self, d):
         return {"T": self.T, "B": self.B}.get(d, d) if isinstance(d, str) else d
 
-    def kv_append(self, seq_id, k, v):
-        key = (self.layer, seq_id)
-        K, V = self.kv.get(key, (np.zeros((0,) + k.shape[1:], np.float32),) * 2)
-        self.kv[key] = (np.concatenate([K, k]), np.concatenate([V, v]))
-
-    def kv_get(self, seq_id):
-        return self.kv[(self.layer, seq_id)]
+    def cache(self, name: str) -> np.ndarray:
+        return self.storage.get(name, self.layer)
 
 
-class PagedStepContext(StepContext):
-    """The step's sequences are the batch rows b; KV lives in pages [P, page_size, Hkv, D]."""
+class SeqPages:
+    """The oracle's page allocator: pages per seq_id, storage grown on demand."""
 
-    def __init__(self, meta, k_pages, v_pages):
-        self.meta, self.k_pages, self.v_pages = meta, k_pages, v_pages
-        starts = meta.seq_starts
-        self.seqs = [(b, int(starts[b]), int(starts[b + 1] - starts[b]),
-                      int(meta.context_lens[b] - (starts[b + 1] - starts[b]))) for b in range(meta.B)]
-        self.positions = meta.positions.astype(np.int64)
-        self.last_rows = meta.last_rows.astype(np.int64)
-        self.T, self.B = meta.T, meta.B
-        self.layer = 0
-        self.page = k_pages[0].shape[1]
+    def __init__(self, decl: dict, page_size: int = 16, num_pages: int = 64):
+        self.storage = cache_layout.HostCaches(decl, page_size, num_pages)
+        self.page_size = page_size
+        self.pages: dict[int, list[int]] = {}
+        self.lens: dict[int, int] = {}
+        self.free_pages = list(range(num_pages))
 
-    def kv_append(self, b, k, v):
-        start = int(self.meta.seq_starts[b])
-        slots = self.meta.slot_mapping[start:start + k.shape[0]]
-        kp, vp = self.k_pages[self.layer], self.v_pages[self.layer]
-        kp.reshape(-1, *kp.shape[2:])[slots] = k
-        vp.reshape(-1, *vp.shape[2:])[slots] = v
+    def step(self, chunks: list[Chunk]) -> StepMeta:
+        for c in chunks:
+            have = self.lens.get(c.seq_id, 0)
+            if c.start > have:         # fewer is fine: the chunk rewrites from there
+                raise ValueError(f"sequence {c.seq_id} has {have} tokens cached, the chunk says {c.start}")
+            pages = self.pages.setdefault(c.seq_id, [])
+            while len(pages) * self.page_size < c.start + len(c.tokens):
+                if not self.free_pages:
+                    n = self.storage.num_pages
+                    self.storage.grow(2 * n)
+                    self.free_pages = list(range(n, 2 * n))
+                pages.append(self.free_pages.pop(0))
+        meta = build_step(chunks, self.pages.__getitem__, self.page_size)
+        for c in chunks:
+            self.lens[c.seq_id] = c.start + len(c.tokens)
+        return meta
 
-    def kv_get(self, b):
-        n = int(self.meta.context_lens[b])
-        pages = self.meta.block_tables[b, : -(-n // self.page)]
-        kp, vp = self.k_pages[self.layer], self.v_pages[self.layer]
-        return (kp[pages].reshape(-1, *kp.shape[2:])[:n], vp[pages].reshape(-1, *vp.shape[2:])[:n])
+    def context(self, chunks: list[Chunk], layer: int = 0) -> StepContext:
+        """A step's ctx over these pages (for op and kernel tests), at `layer`."""
+        ctx = StepContext(self.step(chunks), self.storage)
+        ctx.layer = layer
+        return ctx
+
+    def free(self, seq_id: int):
+        self.free_pages += self.pages.pop(seq_id, [])
+        self.lens.pop(seq_id, None)
+
+    def cached_len(self, seq_id: int) -> int:
+        return self.lens.get(seq_id, 0)
 
 
 class ReferenceExecutor:
-    def __init__(self, plan: dict, weights: dict):
+    def __init__(self, plan: dict, weights: dict, page_size: int = 16):
         self.plan = plan
         self.weights = weights
-        self.kv: dict = {}
+        self.decl = cache_layout.of_plan(plan)
+        self.oracle = SeqPages(self.decl, page_size)
+        self.paged = None                       # storage for step_paged (allocate_pages)
 
     def free(self, seq_id: int):
-        for key in [k for k in self.kv if k[1] == seq_id]:
-            del self.kv[key]
+        self.oracle.free(seq_id)
 
     def cached_len(self, seq_id: int) -> int:
-        got = self.kv.get((0, seq_id))
-        return 0 if got is None else got[0].shape[0]
+        return self.oracle.cached_len(seq_id)
 
     # -- buffers --------------------------------------------------------------------------
     def _arena(self, ctx):
@@ -116,53 +139,38 @@ class ReferenceExecutor:
         return views
 
     def _arg(self, name, views, layer):
-        if name == KV:
+        if name == CACHE_MARKER:
             return None
         if name in views:
             return views[name]
-        w = self.weights[name]
-        return w[layer] if isinstance(w, list) else w
+        return at(self.plan, self.weights, name, layer)
 
-    def _run(self, launches, views, ctx):
-        for launch in launches:
-            if "repeat" in launch:
-                for i in range(launch["count"]):
-                    ctx.layer = i
-                    self._run(launch["body"], views, ctx)
-                continue
+    def _run(self, program, views, ctx):
+        for launch, layer in unrolled(program):
+            ctx.layer = layer
             op = REGISTRY[launch["op"]]
-            args = [self._arg(n, views, ctx.layer) for n in launch["inputs"]]
+            args = [self._arg(n, views, layer) for n in launch["inputs"]]
             result = op.reference(ctx, *args, **launch["attrs"])
             results = result if isinstance(result, tuple) else (result,)
             for name, r in zip(launch["outputs"], results):
-                if name == KV or r is None:
+                if name == CACHE_MARKER or r is None:
                     continue
                 np.copyto(views[name], np.asarray(r).reshape(views[name].shape), casting="unsafe")
 
-    def allocate_pages(self, num_pages: int, page_size: int):
-        kv = self.plan["kv_cache"]
-        shape = (num_pages, page_size, kv["kv_heads"], kv["head_dim"])
-        self.k_pages = [np.zeros(shape, np.float32) for _ in range(kv["layers"])]
-        self.v_pages = [np.zeros(shape, np.float32) for _ in range(kv["layers"])]
-
-    def step_paged(self, meta) -> np.ndarray:
-        """One step over a runtime.step.StepMeta, KV in the paged cache (allocate_pages first)."""
-        ctx = PagedStepContext(meta, self.k_pages, self.v_pages)
+    def _execute(self, meta: StepMeta, storage) -> np.ndarray:
+        ctx = StepContext(meta, storage)
         views = self._arena(ctx)
         views["tokens"][...] = meta.tokens
         self._run(self.plan["programs"][meta.phase], views, ctx)
         return np.array(views[self.plan["outputs"]["logits"]])
 
-    def step(self, chunks: list[SeqChunk]) -> np.ndarray:
+    def allocate_pages(self, num_pages: int, page_size: int, num_slots: int = 0):
+        self.paged = cache_layout.HostCaches(self.decl, page_size, num_pages, num_slots)
+
+    def step_paged(self, meta: StepMeta) -> np.ndarray:
+        """One step over a runtime.step.StepMeta, caches paged by the engine (allocate_pages first)."""
+        return self._execute(meta, self.paged)
+
+    def step(self, chunks: list[Chunk]) -> np.ndarray:
         """Run one step over the chunks; returns float32 logits [B, V] (one row per chunk)."""
-        ctx = StepContext(chunks, self.kv)
-        views = self._arena(ctx)
-        views["tokens"][...] = np.concatenate([np.asarray(c.tokens, np.int32) for c in chunks])
-        if all(c.start == 0 for c in chunks):
-            phase = "prefill"
-        elif all(len(c.tokens) == 1 for c in chunks):
-            phase = "decode"
-        else:
-            phase = "mixed"
-        self._run(self.plan["programs"][phase], views, ctx)
-        return np.array(views[self.plan["outputs"]["logits"]])
+        return self._execute(self.oracle.step(chunks), self.oracle.storage)

@@ -1,6 +1,6 @@
 """Run one rendered Triton kernel under TRITON_INTERPRET=1 with torch CPU tensors.
 
-`bindings` maps parameter sources ("in:0", "out:1", "meta:positions", "kv:k", ...) to tensors
+`bindings` maps parameter sources ("in:0", "out:1", "meta:positions", "cache:k", ...) to tensors
 or ints; dims gives T and B; scratch is allocated zeroed from META. Kernels using tl.dot take
 a DOT_F32 constexpr: the interpreter's bf16 dot is wrong, so it is set True here.
 """
@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from infc.compiler.codegen.render import render_template
-from infc.runtime.bind import grid, launch_args, scratch_sizes
+from infc.runtime.bind import Resolver, grid, scratch_sizes
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py sets TRITON_INTERPRET=1"
 
@@ -65,14 +65,12 @@ def run(kernel, bindings: dict, dims: dict):
     meta = kernel.meta
     scratch = {n: torch.zeros(max(b, 4) // 4 + 1, dtype=torch.int32) for n, b in scratch_sizes(meta, dims).items()}
 
-    def resolve(kind, what, ty):
-        if kind == "dim":
-            return dims[what]
-        if kind == "scratch":
-            return scratch[what]
-        return bindings[f"{kind}:{what}"]
-
-    args = launch_args(meta, resolve)
+    # the launch's inputs/outputs are named by their sources here: bindings["in:0"] is input 0
+    n = len(meta["params"])
+    resolver = Resolver(tensor=lambda name, layer: bindings[name], cache=lambda name, layer: bindings[f"cache:{name}"],
+                        meta=lambda name: bindings[f"meta:{name}"], scratch=lambda k, name: scratch[name],
+                        dim=dims.__getitem__)
+    args = resolver.values(meta, [f"in:{i}" for i in range(n)], [f"out:{i}" for i in range(n)], kernel=kernel.id)
     consts = dict(meta["constexprs"])
     if "DOT_F32" in consts:
         consts["DOT_F32"] = True
@@ -83,14 +81,19 @@ def run(kernel, bindings: dict, dims: dict):
     return scratch
 
 
-def render(template, op, inputs, outputs, attrs=None, phase="decode", config=None, kv=None, tune=None,
-           backend="triton"):
+def render(template, op, inputs, outputs, attrs=None, phase="decode", config=None, caches=None, page_size=16,
+           tune=None, backend="triton"):
+    """Render with a launch context built from (name, shape, dtype[, kind[, extra keys]]) tensor
+    specs (extra keys: e.g. {"row_stride": n}); caches as the plan declares them (page_size is
+    added to each entry, as launch_context does)."""
     def t(spec):
         name, shape, dtype = spec[:3]
         kind = spec[3] if len(spec) > 3 else "buffer"
-        return {"name": name, "shape": list(shape), "dtype": dtype, "kind": kind}
+        return {"name": name, "shape": list(shape), "dtype": dtype, "kind": kind, **(spec[4] if len(spec) > 4 else {})}
     ctx = {"op": op, "phase": phase, "inputs": [t(s) for s in inputs], "outputs": [t(s) for s in outputs],
-           "attrs": attrs or {}, "config": config or {}, "kv": kv or {}, "tune": tune or {}}
+           "attrs": attrs or {}, "config": config or {},
+           "caches": {n: {**c, "page_size": page_size} for n, c in (caches or {}).items()},
+           "page_size": page_size, "tune": tune or {}}
     return render_template(backend, template, ctx)
 
 

@@ -2,7 +2,8 @@
 
 Every case uses random (never zero) inputs, NaN-poisoned outputs and shapes that the blocks do
 not cover (small tune overrides), and exercises each kernel path: the CUDA-core rows path and
-the tensor-core path of the GEMVs, split-K with its counters left zero, masked edges of the GEMM.
+the tensor-core path of the GEMVs, split-K with its counters left zero, masked edges of the GEMM;
+with and without a bias, T or B rows, bf16 or f32 outputs, and every gated activation.
 """
 from types import SimpleNamespace
 
@@ -12,6 +13,7 @@ import torch
 
 from infc.compiler.codegen.render import TemplateError
 from infc.compiler.ops import REGISTRY
+from infc.compiler.ops.activation import ACTIVATIONS
 
 from .harness import poison, rand, rel_err, render, run
 
@@ -76,57 +78,171 @@ def test_gemm(T, N, K, tune):
     assert rel_err(f32(y), want) <= TOL
 
 
-def _silu_mul_case(template, phase, T, N, F, tune):
-    gen = np.random.default_rng(T * 1000 + N + F)
-    gu, w = rand((T, 2 * F), gen=gen, scale=2.0), rand((N, F), gen=gen, scale=F ** -0.5)
-    k = render(template, "linear_silu_mul", [("gu", ["T", 2 * F], "bf16"), ("w", [N, F], "bf16", "weight")],
-               [("y", ["T", N], "bf16")], phase=phase, tune=tune)
-    y = poison((T, N))
-    scratch = run(k, {"in:0": gu, "in:1": w, "out:0": y}, {"T": T, "B": 1})
+ACTS = sorted(ACTIVATIONS)
+
+
+# (rows symbol, rows, out dtype, bias): a bias (bf16 or f32) added once in the fp32 epilogue,
+# B-row inputs (linear after last()), f32 outputs (logits of an unfused lm_head).
+VARIANTS = [("T", "bf16", "bf16"), ("B", "f32", None), ("B", "bf16", "f32"), ("T", "f32", "bf16")]
+
+
+def _linear_case(template, phase, T, N, K, tune, sym, out_dtype, bias, path=""):
+    gen = np.random.default_rng(T * 1000 + N + K)
+    x, w = rand((T, K), gen=gen), rand((N, K), gen=gen, scale=K ** -0.5)
+    inputs = [("x", [sym, K], "bf16"), ("w", [N, K], "bf16", "weight")]
+    arrays = [x, w]
+    if bias:
+        inputs.append(("b", [N], bias, "weight"))
+        arrays.append(rand((N,), bias, gen=gen))   # as large as y: a missing or doubled b shows
+    attrs = {"has_bias": bool(bias)}
+    k = render(template, "linear", inputs, [("y", [sym, N], out_dtype)], attrs=attrs, phase=phase, tune=tune)
+    assert ("b_ptr" in k.source) == bool(bias) and f'"dim:{sym}"' in k.source
+    y = poison((T, N), out_dtype)
+    dims = {"T": T if sym == "T" else T + 5, "B": T if sym == "B" else 1}
+    scratch = run(k, {f"in:{i}": a for i, a in enumerate(arrays)} | {"out:0": y}, dims)
     check_scratch_zero(scratch)
-    want = REGISTRY["linear_silu_mul"].reference(None, f32(gu), f32(w))
+    if path:
+        assert (len(scratch) > 0) == ("split" in path)
+    want = REGISTRY["linear"].reference(None, *[f32(a) for a in arrays], **attrs)
     assert rel_err(f32(y), want) <= TOL
 
 
-@pytest.mark.parametrize("T,N,F,tune", [
-    (1, 100, 72, {"BLOCK_N": 16, "BLOCK_K": 16, "FMA_BLOCK_K": 32, "SPLIT_K": 2}),
-    (3, 100, 72, {"BLOCK_N": 32, "BLOCK_K": 16, "FMA_BLOCK_K": 16, "BLOCK_T": 16, "FMA_T": 4}),
+@pytest.mark.parametrize("sym,out_dtype,bias", VARIANTS)
+@pytest.mark.parametrize("T,N,K,tune,path", GEMV_CASES, ids=[c[-1] for c in GEMV_CASES])
+def test_gemv_bias_rows_dtypes(T, N, K, tune, path, sym, out_dtype, bias):
+    _linear_case("gemv", "decode", T, N, K, tune, sym, out_dtype, bias, path)
+
+
+@pytest.mark.parametrize("sym,out_dtype,bias", VARIANTS)
+@pytest.mark.parametrize("T,N,K,tune", GEMM_CASES)
+def test_gemm_bias_rows_dtypes(T, N, K, tune, sym, out_dtype, bias):
+    _linear_case("gemm", "prefill", T, N, K, tune, sym, out_dtype, bias)
+
+
+@pytest.mark.parametrize("template,phase,tune", [
+    ("gemv", "decode", {"BLOCK_N": 16, "BLOCK_K": 16, "FMA_BLOCK_K": 32, "SPLIT_K": 2}),
+    ("gemv", "decode", {"BLOCK_N_DOT": 16, "BLOCK_K": 16, "BLOCK_T": 16}),
+    ("gemm", "prefill", {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16}),
+])
+@pytest.mark.parametrize("T", [1, 7])
+def test_linear_rows_times_static_dims(template, phase, tune, T):
+    """x [T, 3, K]: 3 T rows of one matrix (the kernel scales its row count, the grid too)."""
+    gen = np.random.default_rng(T)
+    N, K = 40, 48
+    x, w, b = rand((T, 3, K), gen=gen), rand((N, K), gen=gen, scale=K ** -0.5), rand((N,), gen=gen)
+    k = render(template, "linear", [("x", ["T", 3, K], "bf16"), ("w", [N, K], "bf16", "weight"),
+                                    ("b", [N], "bf16", "weight")],
+               [("y", ["T", 3, N], "bf16")], attrs={"has_bias": True}, phase=phase, tune=tune)
+    assert "T * 3" in k.meta["grid"][0]
+    y = poison((T, 3, N))
+    scratch = run(k, {"in:0": x, "in:1": w, "in:2": b, "out:0": y}, {"T": T, "B": 1})
+    check_scratch_zero(scratch)
+    want = REGISTRY["linear"].reference(None, f32(x), f32(w), f32(b), has_bias=True)
+    assert rel_err(f32(y), want) <= TOL
+
+
+def test_linear_rows_must_be_a_step_symbol():
+    with pytest.raises(TemplateError, match="rows_must_be"):
+        render("gemv", "linear", [("x", [4, 64], "bf16"), ("w", [32, 64], "bf16", "weight")],
+               [("y", [4, 32], "bf16")])
+
+
+def _act_mul_case(template, phase, T, N, F, tune, fn, bias):
+    gen = np.random.default_rng(T * 1000 + N + F)
+    gu, w = rand((T, 2 * F), gen=gen, scale=2.0), rand((N, F), gen=gen, scale=F ** -0.5)
+    inputs = [("gu", ["T", 2 * F], "bf16"), ("w", [N, F], "bf16", "weight")]
+    arrays = [gu, w]
+    if bias:
+        inputs.append(("b", [N], "bf16", "weight"))
+        arrays.append(rand((N,), gen=gen, scale=0.3))
+    attrs = {"fn": fn, "has_bias": bias}
+    k = render(template, "linear_act_mul", inputs, [("y", ["T", N], "bf16")], attrs=attrs, phase=phase,
+               tune=tune)
+    assert k.meta["entry"].endswith(f"_{fn}_mul")
+    y = poison((T, N))
+    scratch = run(k, {f"in:{i}": a for i, a in enumerate(arrays)} | {"out:0": y}, {"T": T, "B": 1})
+    check_scratch_zero(scratch)
+    want = REGISTRY["linear_act_mul"].reference(None, *[f32(a) for a in arrays], **attrs)
+    assert rel_err(f32(y), want) <= TOL
+
+
+@pytest.mark.parametrize("fn", ACTS)
+@pytest.mark.parametrize("T,N,F,tune,bias", [
+    (1, 100, 72, {"BLOCK_N": 16, "BLOCK_K": 16, "FMA_BLOCK_K": 32, "SPLIT_K": 2}, True),
+    (3, 100, 72, {"BLOCK_N": 32, "BLOCK_K": 16, "FMA_BLOCK_K": 16, "BLOCK_T": 16, "FMA_T": 4}, False),
     (17, 100, 72, {"BLOCK_N": 32, "BLOCK_N_DOT": 32, "BLOCK_K": 32, "FMA_BLOCK_K": 32, "BLOCK_T": 16,
-                   "SPLIT_K_DOT": 2}),
+                   "SPLIT_K_DOT": 2}, True),
 ])
-def test_gemv_silu_mul(T, N, F, tune):
-    _silu_mul_case("gemv_silu_mul", "decode", T, N, F, tune)
+def test_gemv_act_mul(T, N, F, tune, bias, fn):
+    _act_mul_case("gemv_act_mul", "decode", T, N, F, tune, fn, bias)
 
 
-@pytest.mark.parametrize("T,N,F,tune", [
-    (1, 100, 72, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32}),
-    (17, 100, 72, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}),
-    (40, 130, 200, {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64}),
+@pytest.mark.parametrize("fn", ACTS)
+@pytest.mark.parametrize("T,N,F,tune,bias", [
+    (1, 100, 72, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32}, False),
+    (17, 100, 72, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}, True),
+    (40, 130, 200, {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64}, False),
 ])
-def test_gemm_silu_mul(T, N, F, tune):
-    _silu_mul_case("gemm_silu_mul", "prefill", T, N, F, tune)
+def test_gemm_act_mul(T, N, F, tune, bias, fn):
+    _act_mul_case("gemm_act_mul", "prefill", T, N, F, tune, fn, bias)
 
 
-# (T, B, V, H, residual, tune)
+@pytest.mark.parametrize("fn", ACTS)
+@pytest.mark.parametrize("shape,sym,block", [((1, 2), "T", None), ((3, 200), "T", None),
+                                             ((2, 5200), "B", 1024), ((2, 3, 70), "T", 32)])
+def test_act_mul(shape, sym, block, fn):
+    gen = np.random.default_rng(sum(shape))
+    gu = rand(shape, scale=2.0, gen=gen)
+    out_shape = shape[:-1] + (shape[-1] // 2,)
+    syms = [sym] + list(shape[1:])
+    k = render("act_mul", "act_mul", [("gu", syms, "bf16")], [("y", syms[:-1] + [out_shape[-1]], "bf16")],
+               attrs={"fn": fn}, tune={"BLOCK": block} if block else None)
+    out = poison(out_shape)
+    run(k, {"in:0": gu, "out:0": out}, {"T": shape[0], "B": shape[0]})
+    want = REGISTRY["act_mul"].reference(None, f32(gu), fn=fn)
+    assert rel_err(f32(out), want) < 1e-2
+    assert np.abs(f32(out) - want).max() <= 2 ** -8 * np.abs(want).max() + 1e-6
+
+
+def test_gelu_tanh_defines_its_tanh_helper_only_when_used():
+    args = ([("gu", ["T", 64], "bf16"), ("w", [32, 32], "bf16", "weight")], [("y", ["T", 32], "bf16")])
+    for template in ("gemv_act_mul", "gemm_act_mul"):
+        assert "def _tanh" in render(template, "linear_act_mul", *args, attrs={"fn": "gelu_tanh"}).source
+        assert "def _tanh" not in render(template, "linear_act_mul", *args, attrs={"fn": "gelu"}).source
+
+
+# (T, B, V, H, residual, bias, softcap, tune)
 LM_HEAD_CASES = [
-    (5, 1, 100, 72, True, {"BLOCK_N": 16, "BLOCK_K": 16, "FMA_BLOCK_K": 32}),
-    (9, 3, 100, 72, False, {"BLOCK_N": 32, "BLOCK_K": 16, "FMA_BLOCK_K": 16, "BLOCK_T": 16, "FMA_T": 4}),
-    (40, 17, 100, 72, True, {"BLOCK_N": 32, "BLOCK_N_DOT": 32, "BLOCK_K": 32, "FMA_BLOCK_K": 32, "BLOCK_T": 16}),
-    (6, 2, 90, 136, True, {}),
+    (5, 1, 100, 72, True, False, None, {"BLOCK_N": 16, "BLOCK_K": 16, "FMA_BLOCK_K": 32}),
+    (9, 3, 100, 72, False, False, None, {"BLOCK_N": 32, "BLOCK_K": 16, "FMA_BLOCK_K": 16, "BLOCK_T": 16,
+                                        "FMA_T": 4}),
+    (40, 17, 100, 72, True, False, None, {"BLOCK_N": 32, "BLOCK_N_DOT": 32, "BLOCK_K": 32,
+                                          "FMA_BLOCK_K": 32, "BLOCK_T": 16}),
+    (6, 2, 90, 136, True, False, None, {}),
+    (5, 1, 100, 72, True, True, 1.5, {"BLOCK_N": 16, "BLOCK_K": 16, "FMA_BLOCK_K": 32}),
+    (9, 3, 100, 72, False, True, None, {"BLOCK_N": 32, "BLOCK_K": 16, "FMA_BLOCK_K": 16, "BLOCK_T": 16,
+                                        "FMA_T": 4}),
+    (40, 17, 100, 72, True, True, 2.0, {"BLOCK_N": 32, "BLOCK_N_DOT": 32, "BLOCK_K": 32,
+                                        "FMA_BLOCK_K": 32, "BLOCK_T": 16}),
+    (6, 2, 90, 136, False, False, 1.0, {}),
+    (20, 18, 90, 136, True, True, 30, {}),
 ]
 
 
-@pytest.mark.parametrize("T,B,V,H,residual,tune", LM_HEAD_CASES)
-def test_lm_head_last(T, B, V, H, residual, tune):
+@pytest.mark.parametrize("T,B,V,H,residual,bias,softcap,tune", LM_HEAD_CASES)
+def test_lm_head_last(T, B, V, H, residual, bias, softcap, tune):
     gen = np.random.default_rng(T * 100 + B)
     x, d = rand((T, H), gen=gen), rand((T, H), gen=gen)
     norm, w = rand((H,), gen=gen, scale=0.3) + 1.0, rand((V, H), gen=gen, scale=H ** -0.5)
     last = np.sort(gen.choice(T, size=B, replace=False)).astype(np.int32)
     inputs = [("x", ["T", H], "bf16")] + ([("d", ["T", H], "bf16")] if residual else [])
     inputs += [("norm", [H], "bf16", "weight"), ("w", [V, H], "bf16", "weight")]
-    attrs = {"eps": 1e-6, "residual": residual}
-    k = render("lm_head_last", "lm_head_last", inputs, [("logits", ["B", V], "f32")], attrs=attrs, tune=tune)
     arrays = [x] + ([d] if residual else []) + [norm, w]
+    if bias:
+        inputs.append(("b", [V], "bf16", "weight"))
+        arrays.append(rand((V,), gen=gen))
+    attrs = {"eps": 1e-6, "residual": residual, "softcap": softcap, "has_bias": bias}
+    k = render("lm_head_last", "lm_head_last", inputs, [("logits", ["B", V], "f32")], attrs=attrs, tune=tune)
     out = poison((B, V), "f32")
     bindings = {f"in:{i}": a for i, a in enumerate(arrays)}
     bindings.update({"out:0": out, "meta:last_rows": torch.from_numpy(last)})
@@ -135,6 +251,8 @@ def test_lm_head_last(T, B, V, H, residual, tune):
     ctx = SimpleNamespace(last_rows=last.astype(np.int64))
     want = REGISTRY["lm_head_last"].reference(ctx, *[f32(a) for a in arrays], **attrs)
     assert rel_err(out.numpy(), want) <= TOL
+    if softcap:
+        assert np.abs(out.numpy()).max() <= softcap
 
 
 def test_lm_head_last_refuses_split_k():

@@ -1,0 +1,61 @@
+"""Gated MLP activations on a fused [gate | up] buffer (ops that only fusion passes create).
+
+    act_mul(gu[..., 2F], fn)            = act(gu[..., :F]) * gu[..., F:]     (SwiGLU when fn = silu,
+                                                                             GeGLU when fn = gelu*)
+    linear_act_mul(gu, w[N, F], [b], fn) = act_mul(gu, fn) @ w.T (+ b)
+
+`fn` is one of activation.ACTIVATIONS (the passes store our name, not HF's spelling). Each
+reference is the composition of the spec ops it replaces, so the fusion is correct exactly when
+the reference executor's logits do not move.
+"""
+from .activation import ACTIVATIONS, resolve
+from .base import REQUIRED, expect, op, tt
+
+
+def _fn(attrs, who):
+    try:
+        return resolve(attrs["fn"])
+    except ValueError as e:
+        expect(False, f"{who}: {e}")
+
+
+def act_mul_infer(types, attrs):
+    (gu,) = types
+    _fn(attrs, "act_mul")
+    expect(gu.shape[-1] % 2 == 0, f"act_mul needs an even last dim, got {gu}")
+    return [tt(gu.shape[:-1] + (gu.shape[-1] // 2,), gu.dtype)]
+
+
+def act_mul(ctx, gu, fn):
+    f = gu.shape[-1] // 2
+    return ACTIVATIONS[resolve(fn)](gu[..., :f]) * gu[..., f:]
+
+
+op(name="act_mul", tensors=["gate_up"], attrs={"fn": REQUIRED}, infer=act_mul_infer,
+   reference=act_mul, internal=True, templates={"triton": "act_mul"},
+   doc="gated activation act(gate) * up on a [gate | up] buffer")
+
+
+def linear_act_mul_infer(types, attrs):
+    gu, w = types[:2]
+    _fn(attrs, "linear_act_mul")
+    expect(gu.shape[-1] == 2 * w.shape[1], f"gate_up width {gu.shape[-1]} != 2 x weight K {w.shape[1]}")
+    if attrs.get("has_bias"):
+        expect(len(types) == 3 and types[2].shape == (w.shape[0],),
+               f"linear_act_mul bias must be [{w.shape[0]}], got {types[2:]}")
+    return [tt(gu.shape[:-1] + (w.shape[0],), gu.dtype)]
+
+
+def linear_act_mul(ctx, gu, w, *bias, fn, has_bias=False):
+    y = act_mul(ctx, gu, fn) @ w.T
+    return y + bias[0] if has_bias else y
+
+
+# The activation runs in the GEMM/GEMV's A-operand load: the [rows, F] intermediate is never
+# written. A bias (mlp_bias models) is added in the epilogue like linear's.
+op(name="linear_act_mul", tensors=["gate_up", "weight"], optional=["bias"],
+   attrs={"fn": REQUIRED, "has_bias": False}, infer=linear_act_mul_infer,
+   reference=linear_act_mul, internal=True,
+   templates={"triton": {"prefill": "gemm_act_mul", "mixed": "gemm_act_mul",
+                         "decode": "gemv_act_mul"}},
+   doc="down projection with the gated activation fused into its input load")

@@ -1,0 +1,39 @@
+"""moe_experts -> moe_gate_up + moe_down: the experts' generic implementation (not a fusion).
+
+The down projection needs every column of the activation, so the experts run as two launches:
+gate|up (stacks concatenated at load time) with the activation, then down with the routing
+weights' combine.
+"""
+from ..ir import Node, TensorType, Value
+from .fuse_weights import fused_name
+
+
+def lower_experts(state):
+    replaced = set()
+    for g in state.graph.walk():
+        for n in [n for n in g.ordered() if n.op == "moe_experts"]:
+            x, w, ids, gate, up, down = n.inputs
+            gt = g.values[gate].type
+            fused = fused_name([gate, up])
+            if fused not in g.values:
+                t = TensorType((gt.shape[0], 2 * gt.shape[1], gt.shape[2]), gt.dtype)
+                g.add_value(Value(fused, "weight", t))
+                state.weights[fused] = {
+                    "source": {"concat": [state.weights[gate]["source"], state.weights[up]["source"]],
+                               "axis": 1},
+                    "layers": state.weights[gate]["layers"], "type": t, "line": None}
+            act = g.fresh("act")
+            g.add_value(Value(act, "act", line=n.line))
+            g.add_node(Node(g.new_node_id("moe_gate_up"), "moe_gate_up", [x, ids, fused], [act], {},
+                            n.line, fused_from=["moe_experts"]), before=n.id)
+            g.add_node(Node(g.new_node_id("moe_down"), "moe_down", [act, w, ids, down], list(n.outputs),
+                            {}, n.line, fused_from=["moe_experts"]), before=n.id)
+            g.order.remove(n.id)
+            del g.nodes[n.id]
+            for old in (gate, up):
+                del g.values[old]
+                replaced.add(old)
+            state.note("lower_experts", f"{g.name}: {gate} + {up} -> {fused} (experts)")
+    used = {v.name for g in state.graph.walk() for v in g.values.values() if v.kind == "weight"}
+    for w in replaced - used:
+        del state.weights[w]

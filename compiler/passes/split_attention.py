@@ -1,0 +1,27 @@
+"""attention(q, k, v) -> kv_write(k, v) then attention_cached(q, cache): the generic
+implementation (not a fusion). The new rows must be in the cache before any query attends, so
+the write and the attention are two launches; the `cache` marker value orders them.
+"""
+from ..ir import Node, Value
+
+
+def split_attention(state):
+    for g in state.graph.walk():
+        for att in [n for n in g.ordered() if n.op == "attention"]:
+            q, k, v = att.inputs
+            if not att.attrs.get("causal", True):
+                raise state.error("attention: only causal attention is implemented "
+                                  "(causal=false is not supported)", att.line)
+            marker = g.fresh("cache")
+            g.add_value(Value(marker, "act", line=att.line))
+            g.add_node(Node(g.new_node_id("kv_write"), "kv_write", [k, v], [marker], {}, att.line,
+                            fused_from=["attention"]), before=att.id)
+            out = g.fresh("attn")
+            g.add_value(Value(out, "act", line=att.line))
+            attrs = {"kv_heads": g.values[k].type.shape[1],
+                     **{a: att.attrs.get(a) for a in ("scale", "window", "softcap")}}
+            g.add_node(Node(g.new_node_id("attention_cached"), "attention_cached", [q, marker], [out],
+                            attrs, att.line, fused_from=["attention"]), before=att.id)
+            g.replace_uses(att.outputs[0], out)
+            g.remove_node(att.id)
+            state.note("split_attention", f"{g.name}: line {att.line}")

@@ -1,0 +1,260 @@
+"""Caches: the per-sequence state a plan declares in plan["caches"], and the ONLY module that
+knows how it is laid out (tests/test_cache_layout.py checks that nothing else does).
+
+    caches[name] = {"kind": "paged" | "slot", "shape": [...], "dtype": "bf16" | "f32",
+                    "layers": [global layer indices]}
+
+A paged cache holds `shape` per token; each layer's storage is [num_pages + 1, page_size, *shape]
+(page num_pages is the padding page that CUDA-graph pad rows write to). A slot cache holds `shape`
+per sequence; each layer's storage is [num_slots + 1, *shape] (slot num_slots pads likewise).
+Standard attention declares two paged caches, k and v, of shape [Hkv, D].
+
+On the device every (cache, layer) is one region of one allocation, 256-byte aligned, in
+plan order (cache by cache, layer by layer). Host storage (the numpy reference and CPU runner,
+float32; the interpreter's torch tensors through a factory) is one array per (cache, layer).
+copy_pages / copy_slot move whole pages / slots across every cache and layer: the primitives of
+prefix sharing, host offload and forks.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+
+DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4}
+KINDS = ("paged", "slot")
+ALIGN = 256
+
+
+def check(caches: dict) -> dict:
+    """Validates a plan's caches section; returns it."""
+    for name, c in caches.items():
+        if c.get("kind") not in KINDS:
+            raise ValueError(f"cache '{name}': kind {c.get('kind')!r} is not one of {KINDS}")
+        if c.get("dtype") not in DTYPE_BYTES:
+            raise ValueError(f"cache '{name}': dtype {c.get('dtype')!r} is not one of {list(DTYPE_BYTES)}")
+        if not all(isinstance(d, int) and d > 0 for d in c.get("shape", [None])):
+            raise ValueError(f"cache '{name}': shape {c.get('shape')} must be positive integers")
+        if not isinstance(c.get("layers"), list) or len(set(c["layers"])) != len(c["layers"]):
+            raise ValueError(f"cache '{name}': layers must be a list of distinct layer indices")
+    return caches
+
+
+def of_plan(plan: dict) -> dict:
+    if "caches" not in plan:
+        raise ValueError("the plan has no 'caches' section (a plan older than infc.plan/2? rebuild it)")
+    return check(plan["caches"])
+
+
+def select(caches: dict, names, layers=None) -> dict:
+    """A sub-declaration: only `names`, and (when given) only `layers` of each (e.g. [0] to
+    time one launch's caches in isolation)."""
+    out = {}
+    for n in names:
+        if n not in caches:
+            raise KeyError(f"no cache '{n}' (the plan declares {sorted(caches)})")
+        out[n] = dict(caches[n], layers=list(layers) if layers is not None else list(caches[n]["layers"]))
+    return out
+
+
+def _itemsize(c: dict, itemsize) -> int:
+    return itemsize or DTYPE_BYTES[c["dtype"]]
+
+
+def unit_elems(c: dict) -> int:
+    """Elements of one token (paged) or one sequence (slot) in one layer."""
+    return int(np.prod(c["shape"], dtype=np.int64))
+
+
+def storage_shape(c: dict, page_size: int, num_pages: int, num_slots: int = 0) -> tuple:
+    if c["kind"] == "paged":
+        return (num_pages + 1, page_size, *c["shape"])
+    return (num_slots + 1, *c["shape"])
+
+
+def page_bytes(caches: dict, page_size: int, itemsize: int | None = None) -> int:
+    """Bytes of one page: every paged cache, every one of its layers."""
+    return sum(page_size * unit_elems(c) * _itemsize(c, itemsize) * len(c["layers"])
+               for c in caches.values() if c["kind"] == "paged")
+
+
+def slot_bytes(caches: dict, itemsize: int | None = None) -> int:
+    """Bytes of one slot: every slot cache, every one of its layers."""
+    return sum(unit_elems(c) * _itemsize(c, itemsize) * len(c["layers"])
+               for c in caches.values() if c["kind"] == "slot")
+
+
+def token_bytes(caches: dict, itemsize: int | None = None) -> int:
+    """Bytes of paged cache per token of context, all layers: what a decode step reads per cached
+    token (the bandwidth floor's cache term)."""
+    return page_bytes(caches, 1, itemsize)
+
+
+def pages_for_budget(caches: dict, page_size: int, budget: int, num_slots: int = 0,
+                     itemsize: int | None = None) -> int:
+    """Usable pages whose storage (plus the padding page, plus num_slots + 1 slots, plus each
+    region's alignment) fits in `budget` bytes. 0 or less: nothing fits. A plan with no paged
+    cache needs no pages: 0."""
+    per_page = page_bytes(caches, page_size, itemsize)
+    if per_page == 0:
+        return 0
+    slots = (num_slots + 1) * slot_bytes(caches, itemsize)
+    padding = ALIGN * sum(len(c["layers"]) for c in caches.values())
+    return (budget - slots - padding) // per_page - 1
+
+
+def storage_bytes(caches: dict, page_size: int, num_pages: int, num_slots: int = 0,
+                  itemsize: int | None = None) -> int:
+    """Bytes of all storage, unaligned (host arrays); Layout.nbytes is the aligned device size."""
+    return (num_pages + 1) * page_bytes(caches, page_size, itemsize) + \
+        (num_slots + 1) * slot_bytes(caches, itemsize)
+
+
+@dataclass(frozen=True)
+class Region:
+    name: str
+    layer: int
+    offset: int          # bytes from the allocation's start
+    nbytes: int
+    shape: tuple         # storage shape
+    dtype: str
+    stride: int          # bytes of one page (paged) or one slot (slot) of this region
+
+
+class Layout:
+    """Where each (cache, layer) lives in one allocation."""
+
+    def __init__(self, caches: dict, page_size: int, num_pages: int, num_slots: int = 0,
+                 itemsize: int | None = None, align: int = ALIGN):
+        check(caches)
+        self.caches, self.page_size, self.num_pages, self.num_slots = caches, page_size, num_pages, num_slots
+        self.regions: dict[tuple[str, int], Region] = {}
+        pos = 0
+        for name, c in caches.items():
+            shape = storage_shape(c, page_size, num_pages, num_slots)
+            size = _itemsize(c, itemsize)
+            stride = int(np.prod(shape[1:], dtype=np.int64)) * size
+            for layer in c["layers"]:
+                n = shape[0] * stride
+                self.regions[(name, layer)] = Region(name, layer, pos, n, shape, c["dtype"], stride)
+                pos = -(-(pos + n) // align) * align
+        self.nbytes = pos
+
+    def region(self, name: str, layer: int) -> Region:
+        try:
+            return self.regions[(name, layer)]
+        except KeyError:
+            if name not in self.caches:
+                raise KeyError(f"no cache '{name}' (the plan declares {sorted(self.caches)})") from None
+            raise KeyError(f"cache '{name}' has no layer {layer} (its layers: "
+                           f"{self.caches[name]['layers']})") from None
+
+    def of_kind(self, kind: str) -> list[Region]:
+        return [r for (n, _), r in self.regions.items() if self.caches[n]["kind"] == kind]
+
+
+def _pairs(src, dst) -> tuple[np.ndarray, np.ndarray]:
+    """Page ids as arrays; the two sides must not share a page (the device copies them one run
+    at a time, so a page both read and written would give order-dependent results)."""
+    s = np.asarray([src] if isinstance(src, (int, np.integer)) else list(src), np.int64)
+    d = np.asarray([dst] if isinstance(dst, (int, np.integer)) else list(dst), np.int64)
+    if s.shape != d.shape:
+        raise ValueError(f"copy_pages: {s.size} source pages, {d.size} destination pages")
+    if set(s.tolist()) & set(d.tolist()):
+        raise ValueError("copy_pages: a page is both a source and a destination")
+    return s, d
+
+
+def _numpy_zeros(shape, dtype):
+    return np.zeros(shape, np.float32)
+
+
+class HostCaches:
+    """One host array per (cache, layer): numpy float32 by default (the reference executor, the
+    CPU runner), or whatever factory(shape, dtype) makes (the interpreter: torch bf16 tensors).
+    Any array type with numpy-style fancy-index assignment works for the copies."""
+
+    def __init__(self, caches: dict, page_size: int, num_pages: int, num_slots: int = 0, factory=None):
+        check(caches)
+        self.caches, self.page_size, self.num_pages, self.num_slots = caches, page_size, num_pages, num_slots
+        self.factory = factory or _numpy_zeros
+        self.arrays = {(name, layer): self.factory(storage_shape(c, page_size, num_pages, num_slots), c["dtype"])
+                       for name, c in caches.items() for layer in c["layers"]}
+
+    def get(self, name: str, layer: int):
+        try:
+            return self.arrays[(name, layer)]
+        except KeyError:
+            if name not in self.caches:
+                raise KeyError(f"no cache '{name}' (the plan declares {sorted(self.caches)})") from None
+            raise KeyError(f"cache '{name}' has no layer {layer}") from None
+
+    def _of_kind(self, kind):
+        return [a for (n, _), a in self.arrays.items() if self.caches[n]["kind"] == kind]
+
+    def copy_pages(self, src, dst):
+        """Page src[i] -> page dst[i] in every paged cache and layer."""
+        s, d = _pairs(src, dst)
+        for a in self._of_kind("paged"):
+            a[d] = a[s]
+
+    def copy_slot(self, src: int, dst: int):
+        if src == dst:
+            return
+        for a in self._of_kind("slot"):
+            a[dst] = a[src]
+
+    def grow(self, num_pages: int):
+        """More pages (page contents kept at their ids; the padding page moves to the end)."""
+        if num_pages <= self.num_pages:
+            return
+        old, n = self.arrays, self.num_pages
+        self.__init__(self.caches, self.page_size, num_pages, self.num_slots, self.factory)
+        for key, a in old.items():
+            if self.caches[key[0]]["kind"] == "paged":
+                self.arrays[key][:n] = a[:n]
+            else:
+                self.arrays[key][...] = a
+
+
+class DeviceCaches:
+    """All caches in one device allocation. ctx: the runtime's driver context (alloc, dtod,
+    memset) or anything with the same methods; alloc overrides ctx.alloc (to track frees)."""
+
+    def __init__(self, ctx, caches: dict, page_size: int, num_pages: int, num_slots: int = 0,
+                 alloc=None, zero: bool = True):
+        self.ctx = ctx
+        self.layout = Layout(caches, page_size, num_pages, num_slots)
+        self.num_pages, self.num_slots, self.page_size = num_pages, num_slots, page_size
+        self.nbytes = self.layout.nbytes
+        self.base = (alloc or ctx.alloc)(max(self.nbytes, 1))
+        if zero and self.nbytes:
+            ctx.memset(self.base, self.nbytes)
+
+    def ptr(self, name: str, layer: int) -> int:
+        return self.base + self.layout.region(name, layer).offset
+
+    def region(self, name: str, layer: int) -> tuple[int, int]:
+        """(device pointer, bytes) of one (cache, layer)'s storage."""
+        r = self.layout.region(name, layer)
+        return self.base + r.offset, r.nbytes
+
+    def copy_pages(self, src, dst):
+        """Page src[i] -> page dst[i] in every paged cache and layer (async, on the context's
+        stream). Runs of consecutive ids on both sides are one copy each."""
+        s, d = _pairs(src, dst)
+        runs = []
+        for a, b in zip(s.tolist(), d.tolist()):
+            if runs and runs[-1][0] + runs[-1][2] == a and runs[-1][1] + runs[-1][2] == b:
+                runs[-1][2] += 1
+            else:
+                runs.append([a, b, 1])
+        for r in self.layout.of_kind("paged"):
+            at = self.base + r.offset
+            for a, b, n in runs:
+                self.ctx.dtod(at + b * r.stride, at + a * r.stride, n * r.stride)
+
+    def copy_slot(self, src: int, dst: int):
+        if src == dst:
+            return
+        for r in self.layout.of_kind("slot"):
+            at = self.base + r.offset
+            self.ctx.dtod(at + dst * r.stride, at + src * r.stride, r.stride)

@@ -1,0 +1,113 @@
+"""Weight recipes: how a plan weight's `source` builds it from checkpoint tensors (plan contract 2).
+
+One registry, recipe kind -> builder on numpy arrays, serves the numpy loader (runtime/weights.py,
+float32) and the device loader (runtime/cuda/weights.py, which streams plain bf16 runs straight
+from the files and builds everything else here, then rounds once to bf16):
+
+    {"tensor": name}                         a checkpoint tensor ({i} layer, {e} expert)
+    {"tied": weight}                         the same storage as another plan weight (loaders alias it)
+    {"stack": name, "count": E}              E tensors ({e} = 0..E-1) stacked on a new axis 0
+    {"concat": [src, ...], "axis": a}        sources concatenated along axis a
+    {"slice": src, "axis": a, "start": s, "stop": e}   rows (axis 0) or columns (axis 1) s:e
+    {"transpose": src}                       a 2-D transpose
+    {"scale": src, "by": x}                  w * x
+    {"offset": src, "by": x}                 w + x (RMSNorm weights stored for x * (1 + w))
+    {"zeros": [shape...]}                    zeros (a bias a fused concat needs but the model lacks)
+
+build(src, layer, read) returns (array, what): `what` names the checkpoint tensors for errors.
+read(name) -> float32 array. A recipe that does arithmetic (scale, offset) computes in float32.
+"""
+import numpy as np
+
+from infc.compiler.errors import ModelDirError
+
+RECIPES: dict = {}
+
+
+def recipe(kind: str):
+    def register(fn):
+        RECIPES[kind] = fn
+        return fn
+    return register
+
+
+def kind_of(src: dict) -> str:
+    kinds = [k for k in src if k in RECIPES]
+    if len(kinds) != 1:
+        raise ValueError(f"weight source {src}: expected exactly one recipe of {sorted(RECIPES)}")
+    return kinds[0]
+
+
+def name_at(pattern: str, layer, expert=None) -> str:
+    """A checkpoint tensor name with {i} (layer) and {e} (expert) substituted."""
+    name = pattern if layer is None else pattern.replace("{i}", str(layer))
+    return name if expert is None else name.replace("{e}", str(expert))
+
+
+def build(src: dict, layer, read, where: str = "checkpoint") -> tuple[np.ndarray, str]:
+    return RECIPES[kind_of(src)](src, layer, read, where)
+
+
+@recipe("tensor")
+def _tensor(src, layer, read, where):
+    name = name_at(src["tensor"], layer)
+    return read(name), name
+
+
+@recipe("tied")
+def _tied(src, layer, read, where):
+    raise ValueError(f"a tied weight shares '{src['tied']}': loaders alias it, nothing is built")
+
+
+@recipe("stack")
+def _stack(src, layer, read, where):
+    parts = [read(name_at(src["stack"], layer, e)) for e in range(src["count"])]
+    if len({p.shape for p in parts}) != 1:
+        raise ModelDirError(f"{where}: experts of '{src['stack']}' differ in shape")
+    return np.stack(parts), name_at(src["stack"], layer)
+
+
+@recipe("concat")
+def _concat(src, layer, read, where):
+    parts = [build(s, layer, read, where) for s in src["concat"]]
+    try:
+        return np.concatenate([p for p, _ in parts], axis=src["axis"]), " + ".join(n for _, n in parts)
+    except (ValueError, np.exceptions.AxisError):
+        shapes = ", ".join(f"{n} {list(p.shape)}" for p, n in parts)
+        raise ModelDirError(f"{where}: cannot concatenate {shapes} on axis {src['axis']}") from None
+
+
+@recipe("slice")
+def _slice(src, layer, read, where):
+    a, what = build(src["slice"], layer, read, where)
+    axis, start, stop = src["axis"], src["start"], src["stop"]
+    if not (0 <= axis < a.ndim and 0 <= start < stop <= a.shape[axis]):
+        raise ModelDirError(f"{where}: cannot take [{start}:{stop}] of axis {axis} of {what} {list(a.shape)}")
+    index = [slice(None)] * a.ndim
+    index[axis] = slice(start, stop)
+    return np.ascontiguousarray(a[tuple(index)]), f"{what}[{'..., ' * axis}{start}:{stop}]"
+
+
+@recipe("transpose")
+def _transpose(src, layer, read, where):
+    a, what = build(src["transpose"], layer, read, where)
+    if a.ndim != 2:
+        raise ModelDirError(f"{where}: cannot transpose {what} {list(a.shape)} (2-D only)")
+    return np.ascontiguousarray(a.T), f"{what}.T"
+
+
+@recipe("scale")
+def _scale(src, layer, read, where):
+    a, what = build(src["scale"], layer, read, where)
+    return a.astype(np.float32) * np.float32(src["by"]), f"{what} * {src['by']}"
+
+
+@recipe("offset")
+def _offset(src, layer, read, where):
+    a, what = build(src["offset"], layer, read, where)
+    return a.astype(np.float32) + np.float32(src["by"]), f"{what} + {src['by']}"
+
+
+@recipe("zeros")
+def _zeros(src, layer, read, where):
+    return np.zeros(src["zeros"], np.float32), f"zeros{list(src['zeros'])}"

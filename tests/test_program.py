@@ -1,0 +1,107 @@
+"""runtime/program.py (the one walker of plan programs) and runtime/bind.py's Resolver (the one
+kernel-argument resolver), on hand-written plan fragments."""
+import pytest
+
+from infc.runtime.bind import CACHE_MARKER, KernelInfo, Resolver, dim_slots
+from infc.runtime.program import bodies, count_launches, launches, layer_counts, repeats, unrolled
+
+
+def L(op):
+    return {"op": op, "inputs": [], "outputs": []}
+
+
+def program():
+    # 4 layers: attention, attention, mamba, attention (a hybrid model's schedule)
+    return [L("embed"),
+            {"repeat": "layers", "count": 4, "schedule": ["attn", "attn", "ssm", "attn"],
+             "kinds": {"attn": [L("qkv"), L("attention"), L("mlp")], "ssm": [L("conv"), L("scan")]},
+             "carried": {}, "inputs": ["x"], "outputs": ["x"]},
+            L("lm_head")]
+
+
+def test_unrolled_runs_each_layer_with_its_kind_in_order():
+    got = [(l["op"], layer) for l, layer in unrolled(program())]
+    assert got == [("embed", None),
+                   ("qkv", 0), ("attention", 0), ("mlp", 0),
+                   ("qkv", 1), ("attention", 1), ("mlp", 1),
+                   ("conv", 2), ("scan", 2),
+                   ("qkv", 3), ("attention", 3), ("mlp", 3),
+                   ("lm_head", None)]
+
+
+def test_launches_counts_and_bodies():
+    p = program()
+    runs = {l["op"]: n for l, n in launches(p)}
+    assert runs == {"embed": 1, "qkv": 3, "attention": 3, "mlp": 3, "conv": 1, "scan": 1, "lm_head": 1}
+    assert sum(runs.values()) == len(list(unrolled(p)))
+    assert count_launches(p) == (13, 3)                 # per layer: the most common kind ("attn")
+    (r,) = repeats(p)
+    assert list(bodies(r)) == ["attn", "ssm"] and layer_counts(r) == {"attn": 3, "ssm": 1}
+    assert count_launches([L("a"), L("b")]) == (2, 0)
+    # a kind's launch dict is shared by its layers: walking it once per kind is what render needs
+    assert len({id(l) for l, _ in launches(p)}) == 7
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"schedule": ["attn"]}, "schedule names 1 layers"),
+    ({"schedule": ["attn", "attn", "moe", "attn"]}, "unknown kinds"),
+    ({"kinds": None}, "infc.plan/2"),
+])
+def test_malformed_repeats_fail_loud(bad, match):
+    p = program()
+    p[1].update(bad)
+    with pytest.raises(ValueError, match=match):
+        list(unrolled(p))
+
+
+def test_old_plan_body_is_refused():
+    old = [{"repeat": "layers", "count": 2, "body": [L("x")]}]
+    with pytest.raises(ValueError, match="plan/2"):
+        list(unrolled(old))
+
+
+# -- the resolver ----------------------------------------------------------------------------
+
+META = {"entry": "k", "params": [
+    ["x", "*bf16", "in:0"], ["w", "*bf16", "in:1"], ["y", "*bf16", "out:0"],
+    ["kc", "*bf16", "cache:k"], ["vc", "*bf16", "cache:v"], ["slots", "*i32", "meta:slot_mapping"],
+    ["mp", "i32", "meta:max_pages"], ["T", "i32", "dim:T"], ["B", "i32", "dim:B"],
+    ["ws", "*i32", "scratch:partials"], ["c", "i32", "const:7"]]}
+
+
+def resolver(**over):
+    kw = dict(tensor=lambda n, layer: f"{n}@{layer}", cache=lambda n, layer: f"cache {n}@{layer}",
+              meta=lambda n: f"meta {n}", scratch=lambda k, n: f"{k}.{n}", dim={"T": 5, "B": 2}.__getitem__,
+              meta_names=["slot_mapping", "block_tables"])
+    kw.update(over)
+    return Resolver(**kw)
+
+
+def test_resolver_binds_every_source_kind():
+    got = resolver().values(META, ["h", "wq"], ["q", CACHE_MARKER], layer=3, kernel="kid")
+    assert got == ["h@3", "wq@3", "q@3", "cache k@3", "cache v@3", "meta slot_mapping", "meta max_pages",
+                   5, 2, "kid.partials", 7]
+    assert dim_slots(META) == [(7, "T"), (8, "B")]
+
+
+def test_resolver_fails_loud():
+    with pytest.raises(ValueError, match="cache marker"):
+        resolver().values(META, [CACHE_MARKER, "w"], ["q"], 0, "kid")
+    with pytest.raises(ValueError, match="only 1 inputs"):
+        resolver().values(META, ["h"], ["q"], 0, "kid")
+    with pytest.raises(ValueError, match="not step metadata"):
+        resolver(meta_names=["positions"]).values(META, ["h", "w"], ["q"], 0, "kid")
+    with pytest.raises(ValueError, match="no caches"):
+        Resolver(tensor=lambda n, layer: 0, meta=lambda n: 0, dim=lambda d: 0).values(META, ["h", "w"], ["q"])
+    with pytest.raises(ValueError, match="unknown parameter source"):
+        resolver().values({"params": [["p", "*i8", "kv:x"]]}, [], [])
+
+
+def test_kernel_info_appends_the_hidden_pointers():
+    k = KernelInfo("kid", {"params": [["x", "*bf16", "in:0"], ["n", "i32", "dim:T"]]},
+                   {"name": "e", "num_warps": 4, "shared": 128, "hidden_args": 2})
+    assert k.block == (128, 1, 1) and k.shared == 128
+    assert k.arg_lists([11, 3]) == ([11, 3, 0, 0], ["*bf16", "i32", "*i8", "*i8"])
+    g = KernelInfo("kid", {"params": []}, {"name": "e", "num_warps": 4, "global_scratch_size": 64})
+    with pytest.raises(RuntimeError, match="global scratch"):
+        g.arg_lists([])
