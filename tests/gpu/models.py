@@ -1,6 +1,7 @@
 """Model directories and artifacts for the GPU suite: random weights made on the GPU machine
 (no hub, no copying gigabytes), one tiny model trained there (trained_model.py), artifacts
-built on the CPU machine (tests/gpu/prepare.py)."""
+built on the CPU machine (tests/gpu/prepare.py). The new families' directories are made by
+transformers itself on the GPU (gpu_families.py)."""
 import json
 import os
 import sys
@@ -8,13 +9,21 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import gpu_families  # noqa: E402
+
 MODELS = Path(os.environ.get("INFC_GPU_MODELS", "/tmp/infc-models"))
 # qwen3-4b and llama-3.2-1b: the artifacts `infc serve` / LLM load (prepare.py builds them with
 # both tuning tables; plan.json is the H200 one), so the golden gate checks what is served.
 ARTIFACTS = {"qwen3-4b": REPO / ".cache" / "artifacts" / "qwen3-4b",
              "llama-3.2-1b": REPO / ".cache" / "artifacts" / "llama-3.2-1b",
              "tiny-moe": REPO / ".cache" / "gpu" / "tiny-moe-art",
-             "skipgram": REPO / ".cache" / "gpu" / "skipgram-art"}
+             "skipgram": REPO / ".cache" / "gpu" / "skipgram-art",
+             # qwen3-4b built with --no-fuse (every op its generic kernel), same weights
+             "qwen3-4b-nofuse": REPO / ".cache" / "gpu" / "qwen3-4b-nofuse-art",
+             **{f: gpu_families.artifact_dir(f) for f in gpu_families.FAMILIES}}
+SAME_WEIGHTS = {"qwen3-4b-nofuse": "qwen3-4b"}     # an artifact name -> the model it runs
 
 
 QWEN_TOKENIZER = REPO / ".cache" / "gpu" / "qwen-tokenizer"     # made by prepare.py
@@ -23,6 +32,7 @@ QWEN_TOKENIZER = REPO / ".cache" / "gpu" / "qwen-tokenizer"     # made by prepar
 def model_dir(name: str) -> Path:
     """Random-weight HF directory at the model's exact shapes (made once per machine); the
     qwen3 ones get the Qwen tokenizer (the server suite needs text)."""
+    name = SAME_WEIGHTS.get(name, name)
     out = MODELS / name
     if not ((out / "config.json").exists() and any(out.glob("*.safetensors"))):
         _make(name, out)
@@ -38,6 +48,9 @@ def _make(name: str, out: Path):
         from trained_model import ensure_trained
         ensure_trained(out)
         return
+    if name in gpu_families.FAMILIES:
+        gpu_families.make_model(name, out)
+        return
     from make_random_model import write_random_model
     from infc.compiler.spec import find_architecture, find_variant
     if name == "tiny-moe":
@@ -46,6 +59,14 @@ def _make(name: str, out: Path):
     else:
         spec, config = find_variant(name)
     write_random_model(spec, config, out, seed=0, dtype="bf16", tokenizer=None)
+
+
+def remove(name: str):
+    """Delete a family's model directory once its tests are done (disk: the default families
+    weigh ~30 GiB); INFC_GPU_KEEP_MODELS=1 keeps them for another run in the same session."""
+    if name in gpu_families.FAMILIES and not os.environ.get("INFC_GPU_KEEP_MODELS"):
+        import shutil
+        shutil.rmtree(MODELS / name, ignore_errors=True)
 
 
 def artifact(name: str) -> Path:

@@ -1,6 +1,12 @@
 """Run HERE (no GPU) before a GPU session: build the artifacts the GPU suite needs, with cubins.
 
-    python tests/gpu/prepare.py          # then carry .cache/gpu, .cache/artifacts (and .whl)
+    python tests/gpu/prepare.py [PART ...]   # then carry .cache/gpu, .cache/artifacts (and .whl)
+
+PART: base (the served qwen3-4b / llama-3.2-1b, tiny-moe, skipgram, the Qwen tokenizer), nofuse
+(qwen3-4b built with --no-fuse into .cache/gpu/qwen3-4b-nofuse-art, from the same config.json as
+the served qwen3-4b), families (each family of gpu_families.selected(): its config.json as
+transformers writes it into .cache/gpu/configs/<name>/, the artifact into .cache/gpu/<name>-art;
+INFC_GPU_FAMILIES picks them, the same variable the GPU suite reads). Default: all three.
 
 The tiny qwen3_moe and the
 tiny trained Llama (tests/gpu/trained_model.py) exist only as configs here (.cache/gpu/<name>/)
@@ -28,12 +34,65 @@ TINY_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
             "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
 GPU_CACHE = REPO / ".cache" / "gpu"
 SERVED = ("qwen3-4b", "llama-3.2-1b")          # model directories LLM / infc serve load on the GPU
+PARTS = ("base", "nofuse", "families")
 
 
-def main():
-    from infc.compiler.build import REPO as BUILD_REPO, build
+def _size(d: Path) -> str:
+    return f"{sum(f.stat().st_size for f in d.rglob('*') if f.is_file()) / 2**20:.1f} MiB"
+
+
+def _both_tunings(what: str, out: Path, **kw):
+    """Build for the H100 then the H200 table into one directory (bin/ keeps both kernels'
+    cubins where the tables differ; plan.json is the H200 one), and say what it took."""
+    import shutil
+    import time
+    from infc.compiler.build import build
+    t0 = time.time()
+    shutil.rmtree(out, ignore_errors=True)        # no stale cubins carried (they come from the cache)
+    for gpu in ("h100", "h200"):
+        build(out=out, gpu=gpu, log=None, **kw)
+    print(f"[prepare] {what}: {time.time() - t0:.1f} s, {_size(out)} -> {out}", flush=True)
+
+
+def main(parts=PARTS):
+    for p in parts:
+        if p not in PARTS:
+            raise SystemExit(f"unknown part '{p}' (known: {', '.join(PARTS)})")
+    if "base" in parts:
+        base()
+    if "nofuse" in parts:
+        nofuse()
+    if "families" in parts:
+        families()
+
+
+def served_config(name: str) -> Path:
+    """The config.json the GPU machine's random model directory of `name` gets."""
     from infc.compiler.spec import find_variant
-    from make_random_model import write_config, write_tokenizer
+    from make_random_model import write_config
+    spec, config = find_variant(name)
+    d = GPU_CACHE / "configs" / name
+    write_config(spec, config, d)
+    return d
+
+
+def nofuse():
+    _both_tunings("qwen3-4b --no-fuse", GPU_CACHE / "qwen3-4b-nofuse-art",
+                  model_dir=str(served_config("qwen3-4b")), fuse=False)
+
+
+def families():
+    sys.path.insert(0, str(REPO / "tests" / "gpu"))
+    import gpu_families
+    for name in gpu_families.selected():
+        d = gpu_families.write_config(name)
+        _both_tunings(f"{name} ({gpu_families.FAMILIES[name][0]})", gpu_families.artifact_dir(name),
+                      model_dir=str(d))
+
+
+def base():
+    from infc.compiler.build import REPO as BUILD_REPO, build
+    from make_random_model import write_tokenizer
     cfg_dir = GPU_CACHE / "tiny-moe"
     cfg_dir.mkdir(parents=True, exist_ok=True)
     (cfg_dir / "config.json").write_text(json.dumps(TINY_MOE, indent=1))
@@ -47,13 +106,11 @@ def main():
     for gpu in ("h100", "h200"):                              # LLM(device="cuda") on it
         build(model_dir=str(cfg_dir), out=BUILD_REPO / ".cache" / "artifacts" / "skipgram", gpu=gpu, log=None)
     for name in SERVED:
-        spec, config = find_variant(name)
-        d = GPU_CACHE / "configs" / name
-        write_config(spec, config, d)
+        d = served_config(name)
         for gpu in ("h100", "h200"):
             build(model_dir=str(d), out=BUILD_REPO / ".cache" / "artifacts" / name, gpu=gpu, log=None)
     write_tokenizer("qwen3", GPU_CACHE / "qwen-tokenizer", "qwen")
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:] or PARTS)

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # One GPU session in one call, stage by stage, each bounded by its own timeout:
 #   STAGES="suite latency throughput" tests/gpu/session.sh OUT_DIR
-# Stages: suite (tests/gpu), latency, throughput, startup, server (the SDK suite with
-# --device cuda), serve (infc bench serve against infc serve), generate (infc generate --device
-# cuda), tune (infc tune run).
+# Stages: suite (tests/gpu: golden gate of every model incl. qwen3-4b --no-fuse and the new
+# families, engine, no torch), families (only the new families' golden gate), baseline (a
+# baseline commit's qwen3-4b latency on the same card: tools/prepare_baseline.sh), latency,
+# throughput, startup, server (the SDK suite with --device cuda), serve (infc bench serve
+# against infc serve), generate (infc generate --device cuda), tune (infc tune run).
+# INFC_GPU_FAMILIES=a,b|all|none picks the families (default: gpu_families.DEFAULT; prepare.py must
+# have built the same ones).
 # Needs what tests/gpu/prepare.py built here (carry .cache/gpu, .cache/artifacts, .cache/tune)
 # and, for packages the GPU machine lacks, wheels in .whl/. Logs and results land in OUT_DIR.
 set -uo pipefail
@@ -23,19 +27,38 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv | tee "$OUT/gpu.txt"
-say "models"
-timeout 300 python3 -c "import sys; sys.path.insert(0,'tests/gpu'); import models; [models.model_dir(m) for m in ('qwen3-4b','llama-3.2-1b','tiny-moe','skipgram')]" 2>&1 | tail -12
-say "models ready"
+if [ -n "$(echo " $STAGES " | sed 's/ families / /g' | tr -d ' ')" ]; then   # a stage besides families
+  say "models"
+  timeout 300 python3 -c "import sys; sys.path.insert(0,'tests/gpu'); import models; [models.model_dir(m) for m in ('qwen3-4b','llama-3.2-1b','tiny-moe','skipgram')]" 2>&1 | tail -12
+  say "models ready"
+fi
+# the families' models are made inside pytest, one at a time, and deleted after their tests
 
 for stage in $STAGES; do
   say "stage $stage"
   case $stage in
     suite)
-      timeout ${SUITE_S:-330} python3 -m pytest ${SUITE_PATHS:-tests/gpu} -q -s -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | quiet \
-        | tee "$OUT/pytest-gpu.log" | grep -E "passed|failed|error|regret|KV exhaustion|^E " | tail -40 ;;
+      timeout ${SUITE_S:-510} python3 -m pytest ${SUITE_PATHS:-tests/gpu} -q -s -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | quiet \
+        | tee "$OUT/pytest-gpu.log" | grep -E "passed|failed|error|regret|KV exhaustion|made and saved|^E " | tail -80 ;;
+    families)
+      timeout ${FAMILIES_S:-420} python3 -m pytest tests/gpu/test_golden.py -m families -q -s -p no:cacheprovider \
+        ${PYTEST_ARGS:-} 2>&1 | quiet | tee "$OUT/pytest-families.log" \
+        | grep -E "passed|failed|error|regret|made and saved|^E " | tail -60 ;;
+    baseline)
+      # the baseline commit's qwen3-4b (tools/prepare_baseline.sh COMMIT built it here), timed on
+      # this card with the baseline's own code, beside the tree's `latency` stage. Its package
+      # is laid out as infc.{compiler,runtime,...} by links, first on the path (the tree's
+      # editable install is a meta-path finder, consulted after the path).
+      shim=/tmp/infc-baseline-shim; rm -rf $shim; mkdir -p $shim
+      cp -r .cache/baseline/infc $shim/infc
+      for d in compiler runtime server bench; do ln -s "$PWD/.cache/baseline/$d" $shim/infc/$d; done
+      mkdir -p "$OUT/baseline"
+      (cd $shim && INFC_COMMIT=$(cat "$OLDPWD/.cache/baseline-art/commit" 2>/dev/null || echo baseline) PYTHONPATH=$shim:${PYTHONPATH:-} timeout ${BASELINE_S:-150} python3 -m infc.cli \
+        bench latency --artifact "$OLDPWD/.cache/baseline-art/qwen3-4b" --model-path "$MODELS/qwen3-4b" \
+        --no-hf --out "$OUT/baseline") 2>&1 | quiet | tail -6 ;;
     latency)
       timeout ${LATENCY_S:-240} python3 -m infc.cli bench latency --artifact .cache/artifacts/qwen3-4b \
-        --model-path "$MODELS/qwen3-4b" --out "$OUT" 2>&1 | quiet | tail -12 ;;
+        --model-path "$MODELS/qwen3-4b" --out "$OUT" ${LATENCY_ARGS:-} 2>&1 | quiet | tail -12 ;;
     throughput)
       timeout ${THROUGHPUT_S:-240} python3 -m infc.cli bench throughput --model-path "$MODELS/qwen3-4b" \
         --out "$OUT" 2>&1 | quiet | tail -12 ;;

@@ -3,17 +3,32 @@
 At every position: argmax regret <= 0.2 nat (HF's logprob of its own argmax minus its logprob of
 infc's argmax); over infc's top-8 tokens |delta logprob| mean <= 0.06 and p99 <= 0.2. 32+
 sequences with prompts of 1..1024 tokens and 16 teacher-forced decode steps, in eager batch 1,
-batched (9 sequences), CUDA Graph buckets straddled (5 and 9), and prefix-cached replays."""
+batched (9 sequences), CUDA Graph buckets straddled (5 and 9), and prefix-cached replays.
+
+Models: qwen3-4b and llama-3.2-1b (the serving artifacts), a tiny qwen3_moe, qwen3-4b built with
+--no-fuse (every op its generic kernel, same weights), and the new families (gpu_families.py:
+a real checkpoint's shapes, weights drawn by transformers on this GPU; marked `families`, so
+`-m families` runs only them). A family with a sliding window longer than the 1024-token prompts
+(phi-3-mini 2047, gemma-2 and starcoder2 4096) gets two more sequences: a prompt 8 tokens short
+of the window (its decode steps cross the window's edge) and one 100 tokens past it (prefill
+beyond the window); gemma-3's 512-token window is crossed by the common lengths (511-513,
+600-1024). Each runner gives its device memory back when its test ends (CudaRunner.close)."""
+from contextlib import closing
+
 import numpy as np
 import pytest
 import torch
 
+import gpu_families
+import models
 from driver_loop import Pages, step
 from infc.runtime.cuda.runner import CudaRunner
 from infc.runtime.step import Chunk
 
-MODELS = ["qwen3-4b", "llama-3.2-1b", "tiny-moe"]
+MODELS = ["qwen3-4b", "llama-3.2-1b", "tiny-moe", "qwen3-4b-nofuse"] + [
+    pytest.param(f, marks=pytest.mark.families, id=f) for f in gpu_families.selected()]
 DECODE = 16
+LONGEST_WINDOW = 4096      # windows up to this get prompts past them (see the docstring)
 rng = np.random.default_rng(0)
 LENS = [1, 2, 7, 16, 17, 31, 64, 100, 127, 128, 129, 200, 255, 256, 300, 333, 400, 511, 512, 513,
         600, 640, 700, 768, 800, 900, 960, 1000, 1023, 1024, 15, 48]
@@ -41,16 +56,21 @@ def setup(request, model_dir, artifact):
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).cuda().eval()
     V = hf.config.vocab_size
-    seqs = [[int(t) for t in rng.integers(0, V, n + DECODE)] for n in LENS]
+    lens = list(LENS)
+    window = getattr(hf.config, "sliding_window", None)     # None where unused (qwen2's default)
+    if window and max(LENS) < window <= LONGEST_WINDOW:
+        lens += [window - 8, window + 100]                  # after LENS: the indices below stay
+    seqs = [[int(t) for t in rng.integers(0, V, n + DECODE)] for n in lens]
     want = []
     with torch.no_grad():
         for s in seqs:
-            lg = hf(torch.tensor([s], device="cuda")).logits[0].float().cpu().numpy()
             n = len(s) - DECODE
-            want.append(lg[n - 1: n - 1 + DECODE + 1][:DECODE])   # logits after prompt, then each forced token
-    del hf
+            lg = hf(torch.tensor([s], device="cuda")).logits[0]
+            want.append(lg[n - 1: n - 1 + DECODE].float().cpu().numpy())   # after the prompt, then each forced token
+    del hf, lg
     torch.cuda.empty_cache()
-    return name, d, art, seqs, want
+    yield name, d, art, seqs, want
+    models.remove(name)
 
 
 def run(runner, seqs, batch: int):
@@ -78,9 +98,9 @@ def test_golden(setup, mode):
     name, d, art, seqs, want = setup
     graphs = mode.startswith("graph")
     batch = {"eager-b1": 1, "graph-b9": 9, "graph-b5": 5}[mode]
-    runner = CudaRunner(art, d, max_num_batched_tokens=16384, max_num_seqs=16, cuda_graphs=graphs,
-                        buckets=[1, 2, 4, 8, 16], num_pages=2048)
-    got = run(runner, seqs, batch)
+    with closing(CudaRunner(art, d, max_num_batched_tokens=16384, max_num_seqs=16, cuda_graphs=graphs,
+                            buckets=[1, 2, 4, 8, 16], num_pages=2048)) as runner:
+        got = run(runner, seqs, batch)
     worst = [gate(g, w) for g, w in zip(got, want)]
     regret = max(w[0] for w in worst)
     mean = float(np.mean([w[1] for w in worst]))
@@ -91,17 +111,17 @@ def test_golden(setup, mode):
 
 def test_prefix_replay_and_determinism(setup):
     name, d, art, seqs, want = setup
-    runner = CudaRunner(art, d, max_num_batched_tokens=4096, max_num_seqs=8, cuda_graphs=True,
-                        buckets=[1, 2, 4, 8], num_pages=1024)
-    pages = Pages(runner.num_pages, runner.page_size)
-    s = seqs[27]                                   # a 1000-token prompt
-    n = len(s) - DECODE
-    cold = step(runner, pages, [Chunk(0, s[:n], 0)])
-    again = step(runner, pages, [Chunk(1, s[:n], 0)])          # two identical runs: bit-identical
+    with closing(CudaRunner(art, d, max_num_batched_tokens=4096, max_num_seqs=8, cuda_graphs=True,
+                            buckets=[1, 2, 4, 8], num_pages=1024)) as runner:
+        pages = Pages(runner.num_pages, runner.page_size)
+        s = seqs[27]                                   # a 1000-token prompt
+        n = len(s) - DECODE
+        cold = step(runner, pages, [Chunk(0, s[:n], 0)])
+        again = step(runner, pages, [Chunk(1, s[:n], 0)])          # two identical runs: bit-identical
+        full = (n - 1) // runner.page_size
+        pages.ensure(2, n, shared=pages.of[0][:full])               # reuse the cached prefix pages
+        warm = step(runner, pages, [Chunk(2, s[full * runner.page_size: n], full * runner.page_size)])
     assert np.array_equal(cold, again)
-    full = (n - 1) // runner.page_size
-    pages.ensure(2, n, shared=pages.of[0][:full])               # reuse the cached prefix pages
-    warm = step(runner, pages, [Chunk(2, s[full * runner.page_size: n], full * runner.page_size)])
     lc, lw = logprobs(cold), logprobs(warm)
     assert np.abs(lc - lw).max() < 0.05, np.abs(lc - lw).max()
     assert lc.argmax() == lw.argmax()
@@ -112,9 +132,9 @@ def test_decode_is_bit_identical(setup):
     GEMVs add their partial sums in a fixed order (batch 9: tensor-core path in graph bucket 16;
     batch 1: the CUDA-core path in bucket 1)."""
     name, d, art, seqs, want = setup
-    runner = CudaRunner(art, d, max_num_batched_tokens=16384, max_num_seqs=16, cuda_graphs=True,
-                        buckets=[1, 2, 4, 8, 16], num_pages=2048)
-    for group in (seqs[:9], seqs[20:21]):
-        a = run(runner, group, len(group))
-        b = run(runner, group, len(group))
+    with closing(CudaRunner(art, d, max_num_batched_tokens=16384, max_num_seqs=16, cuda_graphs=True,
+                            buckets=[1, 2, 4, 8, 16], num_pages=2048)) as runner:
+        runs = [(run(runner, group, len(group)), run(runner, group, len(group)))
+                for group in (seqs[:9], seqs[20:21])]
+    for a, b in runs:
         assert all(np.array_equal(x, y) for x, y in zip(a, b)), name

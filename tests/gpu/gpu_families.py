@@ -1,0 +1,181 @@
+"""The new model families' golden-gate fixtures, in one place for both machines.
+
+A family's config is a published checkpoint's config.json values (its spec's `variant:`),
+turned into the HF config object by transformers itself:
+  - prepare.py (build machine, no GPU) writes that config's config.json to
+    .cache/gpu/configs/<name>/ and builds the artifact from it: .cache/gpu/<name>-art;
+  - models.py (GPU machine) builds the HF model from the same config on the GPU with random
+    weights, save_pretrained's it, and checks that the config.json HF wrote binds the spec's
+    symbols exactly as the carried one did (else the artifact's plan is another model's).
+
+Weights (redraw): every matrix and embedding normal * 0.02, every bias 0.02 * normal, every
+norm weight random around what HF initializes it to: 1 + 0.1 * normal where the norm computes
+x * w (HF inits w to 1: Llama-style RMSNorm, LayerNorm), 0.1 * normal where it computes
+x * (1 + w) (HF inits w to 0: Gemma's RMSNorm). Nemotron's LayerNorm1P computes x * (1 + w) but
+HF inits w to 1, so it gets 1 + 0.1 * normal: an effective scale of ~2, still random and non-zero.
+No norm stays constant, so a missing, misplaced or mis-offset norm weight fails the gate.
+
+INFC_GPU_FAMILIES selects the families (comma list, "all" or "none"; default DEFAULT) on both machines.
+"""
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+GPU_CACHE = REPO / ".cache" / "gpu"
+
+# test name: (spec variant, config.json overrides). Each is the real checkpoint's exact shapes
+# (widths, heads, head_dim, vocab, windows); a layer cut is said in its comment.
+FAMILIES = {
+    # qwen2: q/k/v biases, tied embeddings, GQA 14:2, head_dim 64, no sliding window in use
+    "qwen2.5-0.5b": ("qwen2.5-0.5b-instruct", {}),
+    # gemma3: (1 + w) norms, per-head q/k norms, sqrt(H) embedding scale, 5 local layers
+    # (window 512, RoPE 10k) per global layer (RoPE 1M), MQA, head_dim 256, vocab 262144
+    "gemma-3-1b": ("gemma-3-1b-it", {}),
+    # gemma2: attention logit soft cap 50 and final soft cap 30, alternating window 4096
+    "gemma-2-2b": ("gemma-2-2b-it", {}),
+    # granite: embedding / residual / attention / logits multipliers, tied, 40 layers
+    "granite-3-2b": ("granite-3.0-2b-instruct", {}),
+    # phi3: fused qkv_proj and gate_up_proj (row slices at load time), window 2047
+    "phi-3-mini": ("phi-3-mini-4k-instruct", {}),
+    # starcoder2: LayerNorm with bias, bias on every projection, plain GELU-tanh MLP, window 4096
+    "starcoder2-3b": ("starcoder2-3b", {}),
+    # olmo2: post-sublayer norms, q/k RMSNorm over all heads together. Layer cut: 8 of the 7B's
+    # 32 layers (widths, heads and vocab are the 7B's), so it is made and loaded in seconds.
+    "olmo-2-7b-l8": ("olmo-2-1124-7b", {"num_hidden_layers": 8}),
+    # stablelm: LayerNorm with bias, 25 % partial rotary, q/k/v biases
+    "stablelm-2-1.6b": ("stablelm-2-1_6b", {}),
+    # phi (phi-2): parallel attention + MLP, LayerNorm, 40 % partial rotary, gelu_new, lm_head bias
+    "phi-2": ("phi-2", {}),
+    # nemotron: LayerNorm1P (x * (1 + w) + b), squared-ReLU MLP, 50 % partial rotary. Layer cut:
+    # 16 of 32 layers.
+    "minitron-4b-l16": ("minitron-4b-base", {"num_hidden_layers": 16}),
+    # gemma: (1 + w) norms, MQA, head_dim 256, exact GELU, vocab 256000
+    "gemma-2b": ("gemma-2b", {}),
+}
+# What the suite runs by default: seven families, one of each new mechanism (biases, soft caps,
+# windows below and above the 1024-token prompts, multipliers, load-time slices, LayerNorm,
+# post-norms), about 17 B parameters in all.
+DEFAULT = ["qwen2.5-0.5b", "gemma-3-1b", "gemma-2-2b", "granite-3-2b", "phi-3-mini",
+           "starcoder2-3b", "olmo-2-7b-l8"]
+
+
+def selected() -> list[str]:
+    pick = os.environ.get("INFC_GPU_FAMILIES", "").strip()
+    if not pick:
+        return list(DEFAULT)
+    if pick == "all":
+        return list(FAMILIES)
+    if pick == "none":                  # the base models alone
+        return []
+    names = [n.strip() for n in pick.split(",") if n.strip()]
+    for n in names:
+        if n not in FAMILIES:
+            raise ValueError(f"INFC_GPU_FAMILIES: unknown family '{n}' (known: {', '.join(FAMILIES)})")
+    return names
+
+
+def config_dir(name: str) -> Path:
+    return GPU_CACHE / "configs" / name
+
+
+def artifact_dir(name: str) -> Path:
+    return GPU_CACHE / f"{name}-art"
+
+
+def _spec_and_values(name: str):
+    from infc.compiler.spec import find_variant
+    variant, overrides = FAMILIES[name]
+    spec, values = find_variant(variant)
+    values = {**values, **overrides}
+    # the published dtype (gemma-2-2b-it: float32, phi-2: float16) is not the one we make
+    for k in ("torch_dtype", "dtype", "architectures", "model_type", "transformers_version"):
+        values.pop(k, None)
+    return spec, values
+
+
+def hf_config(name: str, **extra):
+    """The family's HF config object (bf16, `architectures` set). `extra` overrides values
+    (tests/test_gpu_families.py shrinks a family with it; the GPU suite never passes any)."""
+    import transformers
+    spec, values = _spec_and_values(name)
+    arch = spec.architectures[0]
+    cfg = getattr(transformers, arch).config_class(**{**values, **extra})
+    cfg.architectures = [arch]
+    cfg.dtype = "bfloat16"
+    return cfg
+
+
+def write_config(name: str, out: Path | None = None) -> Path:
+    """config.json exactly as HF's save_pretrained writes it for this config (build machine)."""
+    out = Path(out or config_dir(name))
+    out.mkdir(parents=True, exist_ok=True)
+    hf_config(name).save_pretrained(out)
+    return out
+
+
+def redraw(model, seed: int = 0):
+    """Re-draw every parameter in place (see the module docstring): random, non-zero norms and
+    biases. Raises on a 1-D weight HF initialized to neither all ones nor all zeros."""
+    import torch
+    dev = next(model.parameters()).device
+    g = torch.Generator(device=dev)
+    g.manual_seed(seed)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():          # tied weights appear once
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02, generator=g)
+            elif pname.endswith("bias"):
+                p.normal_(0.0, 0.02, generator=g)
+            elif bool((p == 1).all()):
+                p.normal_(1.0, 0.1, generator=g)
+            elif bool((p == 0).all()):
+                p.normal_(0.0, 0.1, generator=g)
+            else:
+                raise ValueError(f"{pname}: a 1-D weight that HF initializes to neither 1 nor 0; "
+                                 f"say in tests/gpu/gpu_families.py how to randomize it")
+
+
+def make_model(name: str, out: Path, device: str = "cuda", seed: int = 0, **extra) -> Path:
+    """Random-weight HF directory for family `name`, made with transformers on `device` in bf16
+    and saved with save_pretrained (safetensors). Checks the written config.json against the
+    carried one (prepare.py's), through the spec's bindings."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    t0 = time.time()
+    out = Path(out)
+    tmp = out.with_name(out.name + ".partial")       # a killed run leaves no half directory
+    shutil.rmtree(tmp, ignore_errors=True)
+    cfg = hf_config(name, **extra)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    redraw(model, seed)
+    model.save_pretrained(tmp)
+    n = sum(p.numel() for p in model.parameters())
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    if not extra:
+        check_config(name, tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    print(f"[families] {name}: {n / 1e9:.2f} B params made and saved in {time.time() - t0:.1f} s")
+    return out
+
+
+def check_config(name: str, model_dir: Path):
+    """The plan was built from config_dir(name)/config.json (prepare.py); the model directory's
+    config.json is what this machine's transformers wrote. They must bind the spec identically."""
+    carried = config_dir(name) / "config.json"
+    if not carried.exists():
+        return                 # no artifact either: models.artifact() says to run prepare.py
+    spec, _ = _spec_and_values(name)
+    ours = json.loads((Path(model_dir) / "config.json").read_text())
+    theirs = json.loads(carried.read_text())
+    a, b = spec.bind(ours), spec.bind(theirs)
+    diff = {k: (a.get(k), b.get(k)) for k in set(a) | set(b) if a.get(k) != b.get(k)}
+    if diff:
+        raise RuntimeError(f"{name}: {model_dir}/config.json binds {spec.path} differently from the "
+                           f"config the artifact was built from ({carried}): {diff}")
