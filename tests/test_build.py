@@ -11,7 +11,7 @@ from infc.compiler.build import GENERATED, build, compile_model
 from infc.compiler.inspect import count_launches
 from infc.compiler.plan import SCHEMA, dumps
 from infc.compiler.spec import all_variants
-from infc.runtime.program import bodies, repeats
+from infc.runtime.program import bodies, launches, repeats
 
 VARIANTS = all_variants()
 
@@ -58,6 +58,31 @@ def test_qwen3_4b_decode_launches_per_layer():
     total, per_layer = count_launches(plan["programs"]["decode"])
     assert per_layer <= 8
     assert total == 36 * per_layer + 3
+
+
+# Decode launches per layer of the fused plans before the compiler went general (b7e8e1b): the
+# generic lowering (split_attention, lower_experts) and the fusions together must give them back.
+FUSED_PER_LAYER = {"qwen3-4b": 8, "qwen3-8b": 8, "qwen3-0.6b": 8, "llama-3.2-1b": 8,
+                   "llama-3.1-8b": 8, "smollm2-135m": 8, "qwen3-30b-a3b": 10}
+
+
+@pytest.mark.parametrize("model", sorted(FUSED_PER_LAYER))
+def test_fused_launch_counts_kept(model):
+    _, plan = compile_model(model)
+    L = plan["config"]["L"]
+    for phase in ("prefill", "decode", "mixed"):
+        total, per_layer = count_launches(plan["programs"][phase])
+        assert (per_layer, total) == (FUSED_PER_LAYER[model], L * FUSED_PER_LAYER[model] + 3), phase
+
+
+def test_no_fuse_runs_every_op_on_its_generic_kernel():
+    """--no-fuse: no fused op and no fusion pass in the plan; qwen3-4b's layer is 19 launches."""
+    _, plan = compile_model("qwen3-4b", fuse=False)
+    total, per_layer = count_launches(plan["programs"]["decode"])
+    assert per_layer == 19
+    ops = {l["op"] for l, _ in launches(plan["programs"]["decode"])}
+    assert ops.isdisjoint({"add_rms_norm", "qk_norm_rope_cache", "act_mul", "linear_act_mul", "lm_head_last"})
+    assert {"kv_write", "attention_cached", "rope", "rms_norm", "silu", "mul"} <= ops
 
 
 def test_moe_plan_routes_and_stacks_experts():

@@ -89,7 +89,7 @@ op(name="moe_route", tensors=["logits"], attrs={"k": REQUIRED, "normalize": Fals
    infer=route_infer, reference=route, n_outputs=2, templates={"triton": "moe_route"},
    doc="softmax top-k router")
 op(name="moe_experts", tensors=["x", "weights", "ids", "gate", "up", "down"],
-   infer=experts_infer, reference=experts, templates={"triton": "moe_experts"},
+   infer=experts_infer, reference=experts,   # no kernel of its own: lower_experts splits it
    doc="grouped SwiGLU experts, weighted sum over the top-k")
 op(name="moe_gate_up", tensors=["x", "ids", "gate_up"], infer=gate_up_infer, reference=gate_up,
    internal=True, templates={"triton": {"prefill": "moe_gate_up", "mixed": "moe_gate_up",
