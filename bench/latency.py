@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 
-def _infc(artifact, model_dir, prompts, out_len, seed=0):
+def _infc(artifact, model_dir, prompts, out_len, seed=0, load_format="auto"):
     from infc.runtime import caches
     from infc.runtime.cuda.runner import CudaRunner
     from infc.runtime.runner import RowSampling
@@ -19,14 +19,16 @@ def _infc(artifact, model_dir, prompts, out_len, seed=0):
     from .common import copy_bandwidth, header
     max_t = max(prompts) + 16
     r = CudaRunner(artifact, model_dir, max_num_batched_tokens=max_t, max_num_seqs=8,
-                   buckets=[1, 2, 4, 8], num_pages=(max(prompts) + out_len) // 16 * 2 + 64)
+                   buckets=[1, 2, 4, 8], num_pages=(max(prompts) + out_len) // 16 * 2 + 64,
+                   load_format=load_format)
     res = header(r.ctx, r.plan["model"])
     bw = copy_bandwidth(r.ctx)
     decl = caches.of_plan(r.plan)
     kv_per_token, state_per_seq = caches.token_bytes(decl), caches.slot_bytes(decl)
     rng = np.random.default_rng(seed)
     greedy = [RowSampling(SamplingParams(temperature=0.0), 0, 0)]
-    res.update({"copy_GBps": bw / 1e9, "weight_bytes": r.weights.bytes, "ttft_ms": {}, "tpot_ms_by_prompt": {},
+    res.update({"copy_GBps": bw / 1e9, "weight_bytes": r.weights.bytes, "load_format": load_format,
+                "ttft_ms": {}, "tpot_ms_by_prompt": {},
                 "floor_ms_by_prompt": {}})
     for n in prompts:
         ttfts, tpots = [], []
@@ -56,10 +58,15 @@ def _infc(artifact, model_dir, prompts, out_len, seed=0):
     return res
 
 
-def _hf(model_dir, prompts, out_len, seed=0):
+def _hf(model_dir, prompts, out_len, seed=0, load_format="auto"):
     import torch
-    from transformers import AutoModelForCausalLM
-    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    from transformers import AutoConfig, AutoModelForCausalLM
+    if load_format == "dummy":     # no checkpoint: HF's own random init, made on the GPU (the
+        with torch.device("cuda"):  # timing of a forward pass does not depend on the values)
+            m = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir),
+                                                 dtype=torch.bfloat16).eval()
+    else:
+        m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
     # HF's fastest path: a static cache, which makes generate() torch.compile the decode step
     # itself (with CUDA graphs); compile time is excluded by the warm-up runs below.
     m.generation_config.cache_implementation = "static"
@@ -108,14 +115,16 @@ def main(argv=None):
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--out")
+    from infc.server.args import add_load_format_arg
+    add_load_format_arg(ap)
     a = ap.parse_args(argv)
     from .common import save
     prompts = [int(p) for p in a.prompts.split(",")]
-    res = _infc(a.artifact, a.model_path, prompts, a.output_len)
+    res = _infc(a.artifact, a.model_path, prompts, a.output_len, load_format=a.load_format)
     path = save("latency", res, a.out)          # infc's numbers survive an HF failure
     if not a.no_hf:
         try:
-            res.update(_hf(a.model_path, prompts, a.output_len))
+            res.update(_hf(a.model_path, prompts, a.output_len, load_format=a.load_format))
         except Exception as e:  # record why HF has no number rather than losing the run
             res["hf_error"] = f"{type(e).__name__}: {str(e)[:300]}"
             print("HF baseline failed:", res["hf_error"])

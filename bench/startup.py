@@ -89,9 +89,11 @@ def main(argv=None):
     ap.add_argument("--idle-s", type=float, default=3.0)
     ap.add_argument("--timeout-s", type=float, default=300.0)
     ap.add_argument("--out")
+    from infc.server.args import add_load_format_arg
+    add_load_format_arg(ap)       # dummy: ready time without the read (the fill is on the device)
     ap.add_argument("serve_args", nargs="*", help="extra `infc serve` flags (after --)")
     a = ap.parse_args(argv)
-    extra = ["--device", "cuda", *a.serve_args]
+    extra = ["--device", "cuda", "--load-format", a.load_format, *a.serve_args]
     warm = start_once(a.model_path, extra, 0.5, a.timeout_s)          # page cache, artifact: not recorded
     print(f"warm-up start: {warm['ready_s']:.2f} s")
     runs = []

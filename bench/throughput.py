@@ -76,6 +76,8 @@ def main(argv=None):
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--out")
+    from infc.server.args import add_load_format_arg
+    add_load_format_arg(ap)
     a = ap.parse_args(argv)
     from infc.backend import load_backend
     from infc.runtime import caches
@@ -84,13 +86,15 @@ def main(argv=None):
     b = load_backend(a.model_path, model=a.model, device="cuda", max_num_seqs=max(conc),
                      max_num_batched_tokens=a.max_num_batched_tokens,
                      max_model_len=a.input_len + a.output_len + 16,
-                     gpu_memory_utilization=a.gpu_memory_utilization, asynchronous=False)
+                     gpu_memory_utilization=a.gpu_memory_utilization, asynchronous=False,
+                     load_format=a.load_format)
     engine, runner = b.engine, b.engine.runner
     res = header(runner.ctx, runner.plan["model"])
     bw = copy_bandwidth(runner.ctx)
     decl = caches.of_plan(runner.plan)
     kv_per_token, state_per_seq = caches.token_bytes(decl), caches.slot_bytes(decl)
     res.update({"input_len": a.input_len, "output_len": a.output_len, "copy_GBps": bw / 1e9,
+                "load_format": a.load_format,
                 "weight_bytes": runner.weights.bytes, "kv_tokens": b.kv_tokens, "points": []})
     rng = np.random.default_rng(0)
     run_point(engine, b.vocab_size, 2, 64, 8, rng, total=2)          # warm-up, not recorded

@@ -50,10 +50,12 @@ def resolve(model: str | None = None, spec_path: str | None = None,
 
 
 def compile_model(model=None, spec_path=None, model_dir=None, features=None, log=None,
-                  observe=None, skip=(), fuse=True, spec_dirs=None):
+                  observe=None, skip=(), fuse=True, spec_dirs=None, check_checkpoint=True,
+                  parallel=None):
     """Returns (state, plan dict). fuse=False skips every fusion pass (`--no-fuse`). With a
     model_dir, the checkpoint's safetensors headers are checked against the plan's weights
-    (compiler/checkpoint_check.py); spec_dirs: extra spec directories (compiler/spec_paths.py)."""
+    (compiler/checkpoint_check.py) unless check_checkpoint is False (--load-format dummy: no
+    checkpoint is read); spec_dirs: extra spec directories (compiler/spec_paths.py)."""
     if not fuse:
         from .pipeline import FUSIONS
         skip = tuple(skip) + tuple(sorted(FUSIONS))
@@ -82,11 +84,17 @@ def compile_model(model=None, spec_path=None, model_dir=None, features=None, log
         if observe:
             observe(pass_name, state)
 
-    state = compile_spec(spec, env, name, features, observe=timed, skip=skip)
+    # parallel: {"world", "rank", "tp", "ep"}, one rank's share (compiler/parallel.py)
+    state = compile_spec(spec, env, name, features, observe=timed, skip=skip, parallel=parallel)
     t0 = time.perf_counter()
     plan = emit_plan(state)
+    if parallel:
+        plan["parallel"] = {k: parallel[k] for k in ("world", "rank", "tp", "ep")}
     stage("emit plan", t0)
-    if model_dir is not None:
+    if model_dir is not None and not check_checkpoint:
+        if log:
+            log(f"  load format dummy: checkpoint in {model_dir} not read, not checked")
+    elif model_dir is not None:
         t0 = time.perf_counter()
         if check_model_dir(plan, spec, model_dir, log):
             stage("check checkpoint tensors", t0)
@@ -147,17 +155,24 @@ def _built_for(bin_dir: Path, kid: str, target: str) -> bool:
 
 def build(model=None, spec_path=None, model_dir=None, out=None, features=None, log=print,
           gpu="h100", target="sm_90", page_size=16, compile=True, jobs=None,
-          reuse_bins=False, fuse=True, spec_dirs=None) -> Path:
+          reuse_bins=False, fuse=True, spec_dirs=None, check_checkpoint=True,
+          tensor_parallel_size=1, enable_expert_parallel=False) -> Path:
     """reuse_bins: when out/bin already holds a cubin for every kernel id (an id is the digest of
     its source), compile nothing. The serving path uses it so that a machine with another (or no)
-    Triton runs the cubins built elsewhere rather than recompiling them."""
+    Triton runs the cubins built elsewhere rather than recompiling them.
+    tensor_parallel_size > 1 (and enable_expert_parallel): one plan per rank (compiler/parallel.py)."""
+    from .parallel import build_ranks, settings
+    par = settings(tensor_parallel_size, enable_expert_parallel)
+    if par is not None:
+        return build_ranks(par, model, spec_path, model_dir, out, features, log, gpu, target,
+                           page_size, compile, jobs, fuse, spec_dirs, check_checkpoint=check_checkpoint)
     from .codegen.aot import compile_kernels
     t_all = time.perf_counter()
     if log and (model or model_dir):
         log(f"infc build {model or model_dir}")
     state, plan = compile_model(model, spec_path, model_dir, features,
                                 (lambda m: None) if log is None else log, fuse=fuse,
-                                spec_dirs=spec_dirs)
+                                spec_dirs=spec_dirs, check_checkpoint=check_checkpoint)
     out = Path(out) if out else GENERATED / state.model
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)

@@ -96,12 +96,40 @@ def to_dot(plan: dict, phase: str = "decode") -> str:
     return "\n".join(lines) + "\n"
 
 
-def inspect(model=None, spec_path=None, model_dir=None, dot=None, phases=None, spec_dirs=None) -> str:
+def collectives(plan: dict, phases=None) -> list[str]:
+    """The launches that move data between ranks, per phase (with --tensor-parallel-size)."""
+    out = []
+    for phase in phases or list(plan["programs"]):
+        rows = Counter()
+        for l, mult in launches(plan["programs"][phase]):
+            if l["backend"] == "nccl":
+                rows[(l["op"], l.get("line"), ", ".join(l["inputs"]), ", ".join(l["outputs"]))] += mult
+        out.append(f"  {phase}: {sum(rows.values())} per step")
+        for (op, line, ins, outs), n in rows.items():
+            out.append(f"    {op:<12} line {str(line):<5} ({ins}) -> ({outs})  x{n}")
+    return out
+
+
+def inspect(model=None, spec_path=None, model_dir=None, dot=None, phases=None, spec_dirs=None,
+            tensor_parallel_size=1, enable_expert_parallel=False, rank=None) -> str:
+    from .parallel import settings
+    par = settings(tensor_parallel_size, enable_expert_parallel)
+    if par is None:
+        return _inspect_one(model, spec_path, model_dir, dot, phases, spec_dirs)
+    ranks = range(par["world"]) if rank is None else [rank]
+    if rank is not None and not 0 <= rank < par["world"]:
+        raise ValueError(f"--rank {rank}: the ranks are 0..{par['world'] - 1}")
+    return "\n\n".join(f"######## rank {r} of {par['world']} (tp {par['tp']}, ep {par['ep']})\n" +
+                       _inspect_one(model, spec_path, model_dir, dot if r == ranks[0] else None,
+                                    phases, spec_dirs, {**par, "rank": r}) for r in ranks)
+
+
+def _inspect_one(model, spec_path, model_dir, dot, phases, spec_dirs, parallel=None) -> str:
     snapshots = {}
 
     state, plan = compile_model(model, spec_path, model_dir, observe=lambda name, st:
                                 snapshots.__setitem__(name, _graph_text(st.graph, "    ")),
-                                spec_dirs=spec_dirs)
+                                spec_dirs=spec_dirs, parallel=parallel)
     import tempfile
     from pathlib import Path
     from .build import GENERATED, generate
@@ -123,6 +151,12 @@ def inspect(model=None, spec_path=None, model_dir=None, dot=None, phases=None, s
     if plan.get("sampler"):
         out += ["", "== sampler: after each step, on the logits, outside the decode graph (runtime/cuda/sampler.py)"]
         out += [f"  {name:<12} {kid}" for name, kid in plan["sampler"].items()]
+    if plan.get("weight_init"):
+        out += ["", "== weight init: --load-format dummy fills each weight on the device, before the first step"]
+        out += [f"  {'fill_random':<12} {plan['weight_init']}"]
+    if parallel:
+        out += ["", "== collectives (backend nccl: the runtime's communicator, no kernel)"]
+        out += collectives(plan, phases)
     out += ["", "== routing table: spec ops -> pass -> launch op -> template (launches per step)"]
     out += routing_table(plan, phases)
     if dot:

@@ -16,6 +16,7 @@ from .passes.materialize_views import materialize_views
 from .passes.plan_memory import plan_memory
 from .passes.rotate_residual import rotate_residual
 from .passes.select_kernels import select_kernels
+from .passes.shard_ranks import shard_ranks
 from .passes.split_attention import split_attention
 from .spec import Spec
 from .state import CompileState
@@ -23,6 +24,8 @@ from .state import CompileState
 PIPELINE = [
     ("infer_types", infer_types),                  # shapes and dtypes of every value
     ("split_attention", split_attention),          # attention -> KV-cache write + cached attention
+    ("shard_ranks", shard_ranks),                  # --tensor-parallel-size / --enable-expert-parallel:
+                                                   # rank r's weight slices + collectives (no-op alone)
     ("lower_experts", lower_experts),              # moe_experts -> gate|up launch + down launch
     ("fuse_weights", fuse_weights),                # q|k|v and gate|up concatenated at load time
     ("rotate_residual", rotate_residual),          # carry the last residual add into the next layer
@@ -40,15 +43,19 @@ PIPELINE = [
 # generic kernel). The other passes are required lowerings.
 FUSIONS = {"fuse_weights", "rotate_residual", "fuse_add_rms_norm", "fuse_qk_norm_rope_cache",
            "fuse_act_mul", "fuse_linear_prologue", "fuse_lm_head"}
-REWRITES = FUSIONS | {"split_attention", "lower_experts", "eliminate_dead", "materialize_views"}
+REWRITES = FUSIONS | {"split_attention", "shard_ranks", "lower_experts", "eliminate_dead",
+                      "materialize_views"}
 
 
 def compile_spec(spec: Spec, env: dict, model: str, features: list | None = None,
-                 observe=None, stop_after: str | None = None, skip=()) -> CompileState:
+                 observe=None, stop_after: str | None = None, skip=(),
+                 parallel: dict | None = None) -> CompileState:
     """Run the pipeline; `skip` leaves out optional rewrites (tests compare with and without;
-    skip=FUSIONS is `--no-fuse`)."""
+    skip=FUSIONS is `--no-fuse`); `parallel` = {"world", "rank", "tp", "ep"} compiles rank
+    r's plan (compiler/parallel.py)."""
     graph, weights = lower(spec, env)
-    state = CompileState(spec, env, graph, weights, model, features=list(features or []))
+    state = CompileState(spec, env, graph, weights, model, features=list(features or []),
+                         parallel=dict(parallel) if parallel else None)
     _stamp(state, "lower")
     if observe:
         observe("lower", state)

@@ -9,6 +9,9 @@
     buffers     value -> shape, dtype, offset {T, B, bytes} (views: col_offset, row_stride)
     programs    phase -> ordered launches; {"repeat": "layers", "schedule": [kind per layer],
                 "kinds": {kind: launches}} runs layer i with the launches of its kind
+    parallel    (rank plans of `--tensor-parallel-size N` only) {world, rank, tp, ep}: this plan
+                is rank `rank`'s share (compiler/parallel.py); its collective launches have
+                backend "nccl" and no kernel
 """
 import json
 

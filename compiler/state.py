@@ -18,6 +18,7 @@ class CompileState:
     log: list = field(default_factory=list)        # (pass, message)
     memory: dict | None = None       # set by plan_memory
     kernels: dict = field(default_factory=dict)    # phase -> node id -> (backend, template)
+    parallel: dict | None = None     # {"world", "rank", "tp", "ep"}: this plan is rank r's share
 
     def note(self, pass_name: str, msg: str):
         self.log.append((pass_name, msg))

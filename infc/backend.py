@@ -81,9 +81,12 @@ def load_backend(model_dir, model: str | None = None, spec: str | None = None, d
                  enable_prefix_caching: bool = True, block_size: int = 16,
                  num_gpu_blocks_override: int | None = None, kv_cache_memory_bytes: int | None = None,
                  asynchronous: bool = True, cuda_graphs: bool = True, log=print,
-                 spec_dirs=None) -> Backend:
+                 spec_dirs=None, load_format: str = "auto") -> Backend:
     """spec_dirs: spec directories searched before specs/ (with $INFC_SPEC_PATH) for the spec
-    whose architectures match the directory's config.json."""
+    whose architectures match the directory's config.json. load_format: "auto" reads the
+    directory's safetensors; "dummy" (vLLM's spelling) makes random weights of the plan's shapes
+    (on the GPU, on the device), so config.json alone is enough (runtime/dummy_weights.py)."""
+    from infc.runtime.dummy_weights import check_load_format
     from infc.runtime.async_engine import AsyncEngine
     from infc.runtime.engine import Engine
     model_dir = Path(model_dir)
@@ -92,6 +95,7 @@ def load_backend(model_dir, model: str | None = None, spec: str | None = None, d
     device = device or detect_device()
     if device not in ("cpu", "cuda"):
         raise ValueError(f"--device must be cpu or cuda, got {device!r}")
+    dummy = check_load_format(load_format) == "dummy"
     if max_num_batched_tokens is None:
         max_num_batched_tokens = 8192 if device == "cuda" else 2048
     for name, v in (("--max-num-seqs", max_num_seqs), ("--max-num-batched-tokens", max_num_batched_tokens),
@@ -105,6 +109,8 @@ def load_backend(model_dir, model: str | None = None, spec: str | None = None, d
     st = _Stages(log)
     if log:
         log(f"infc serve: {model_dir} on {device}")
+        if dummy:
+            log("  load format dummy: random weights, no checkpoint read or checked")
 
     if device == "cpu":
         from infc.compiler.build import compile_model
@@ -112,9 +118,13 @@ def load_backend(model_dir, model: str | None = None, spec: str | None = None, d
         from infc.runtime.safetensors_io import Checkpoint
         from infc.runtime.weights import load_weights
         state, plan = st.run("compile plan", compile_model, model=model, spec_path=spec,
-                             model_dir=str(model_dir), spec_dirs=spec_dirs)
+                             model_dir=str(model_dir), spec_dirs=spec_dirs, check_checkpoint=not dummy)
         name = state.model
-        weights = st.run("load weights", lambda: load_weights(plan, Checkpoint(model_dir)))
+        if dummy:
+            from infc.runtime.dummy_weights import dummy_weights
+            weights = st.run("make random weights", dummy_weights, plan)
+        else:
+            weights = st.run("load weights", lambda: load_weights(plan, Checkpoint(model_dir)))
         page_size = block_size
         if num_gpu_blocks_override:
             num_pages = num_gpu_blocks_override
@@ -132,12 +142,13 @@ def load_backend(model_dir, model: str | None = None, spec: str | None = None, d
         out = REPO / ".cache" / "artifacts" / (model or model_dir.name)
         artifact = st.run("build artifact (cached)", build, model=model, spec_path=spec,
                           model_dir=str(model_dir), out=out, page_size=block_size, gpu=gpu_tuning(), log=None,
-                          reuse_bins=True, spec_dirs=spec_dirs)
+                          reuse_bins=True, spec_dirs=spec_dirs, check_checkpoint=not dummy)
         from infc.runtime.cuda.runner import CudaRunner     # lazily: cuda-python only here
         runner = st.run("load weights, KV cache, graphs", CudaRunner, artifact, model_dir,
                         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                         max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-                        cuda_graphs=cuda_graphs, **({"num_pages": num_gpu_blocks_override} if num_gpu_blocks_override else {}))
+                        cuda_graphs=cuda_graphs, load_format=load_format,
+                        **({"num_pages": num_gpu_blocks_override} if num_gpu_blocks_override else {}))
         plan = runner.plan
         name = plan.get("model") or model or model_dir.name
         model_len = int(getattr(runner, "max_model_len", None) or plan["config"].get("max_len") or 1 << 30)

@@ -18,6 +18,8 @@ def _build(args):
     kw = dict(out=args.out, features=parse_features(args.features), gpu=args.gpu, target=args.target,
               page_size=args.page_size, compile=not args.no_compile, jobs=args.jobs,
               fuse=not args.no_fuse)
+    kw.update(tensor_parallel_size=args.tensor_parallel_size,      # one plan per rank
+              enable_expert_parallel=args.enable_expert_parallel)
     if args.spec and args.model is None and args.model_path is None:
         build_variants(args.spec, **kw)          # validate the file, build each of its variants
         return
@@ -27,13 +29,15 @@ def _build(args):
 def _inspect(args):
     from infc.compiler.inspect import inspect
     print(inspect(args.model, spec_path=args.spec, model_dir=args.model_path, dot=args.dot,
-                  phases=args.phase, spec_dirs=args.spec_dir))
+                  phases=args.phase, spec_dirs=args.spec_dir,
+                  tensor_parallel_size=args.tensor_parallel_size,
+                  enable_expert_parallel=args.enable_expert_parallel, rank=args.rank))
 
 
 def _generate(args):
     from infc import LLM, SamplingParams
     llm = LLM(args.model_path, device=args.device, spec=args.spec,   # device None: cuda if present
-              spec_dirs=args.spec_dir)
+              spec_dirs=args.spec_dir, load_format=args.load_format)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     for out in llm.generate(args.prompt, params):
@@ -74,6 +78,16 @@ def _tune(args):
             templates=_csv(args.templates))
 
 
+def _add_parallel_args(p):
+    """vLLM's spellings; compiler/parallel.py turns them into one plan per rank."""
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks: attention heads and MLP features split across them, an "
+                        "all_reduce after each sublayer (one plan per rank)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="with --tensor-parallel-size N: partition the experts across the N ranks "
+                        "(tokens dispatched to their experts' rank and back) instead of splitting each")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="infc", description="LLM inference compiler")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -94,6 +108,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--no-fuse", action="store_true",
                    help="skip every fusion pass: each op runs its generic kernel")
     b.add_argument("--jobs", type=int, help="parallel compile workers (default: all cores)")
+    _add_parallel_args(b)
     b.set_defaults(fn=_build)
 
     i = sub.add_parser("inspect", help="print the graph, the launches and the routing table")
@@ -104,6 +119,8 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("--dot", help="write the fused graph as Graphviz DOT to this file")
     i.add_argument("--phase", action="append", choices=["prefill", "decode", "mixed"],
                    help="phases to list launches for (default: all)")
+    _add_parallel_args(i)
+    i.add_argument("--rank", type=int, help="with --tensor-parallel-size: show only this rank")
     i.set_defaults(fn=_inspect)
 
     g = sub.add_parser("generate", help="generate text from prompts")
@@ -118,6 +135,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int)
     g.add_argument("--device", choices=["cpu", "cuda"],
                    help="default: cuda when an NVIDIA GPU is present, else cpu (the reference executor)")
+    from infc.server.args import add_load_format_arg     # vLLM's --load-format, as serve has it
+    add_load_format_arg(g)
     g.set_defaults(fn=_generate)
 
     s = sub.add_parser("serve", help="an OpenAI-compatible server (vLLM's flags)", allow_abbrev=False)
@@ -126,7 +145,7 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=_serve)
 
     bn = sub.add_parser("bench", help="benchmarks (results go to bench/results/)")
-    bn.add_argument("which", choices=["latency", "throughput", "startup", "serve"])
+    bn.add_argument("which", choices=["latency", "throughput", "startup", "serve", "profile"])
     bn.add_argument("rest", nargs=argparse.REMAINDER)
     bn.set_defaults(fn=_bench)
 

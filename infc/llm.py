@@ -50,13 +50,15 @@ class LLM:
     gpu_memory_utilization leaves); a sequence never grows past min(the model's context length,
     the cache). max_num_seqs and max_num_batched_tokens bound one step, as in vLLM.
     spec: a spec file; spec_dirs: directories of specs searched before specs/ (also
-    $INFC_SPEC_PATH) for the one whose architectures match the model's config.json."""
+    $INFC_SPEC_PATH) for the one whose architectures match the model's config.json.
+    load_format: "auto" (the directory's safetensors) or "dummy" (random weights of the right
+    shapes, vLLM's spelling: a directory with config.json alone runs)."""
 
     def __init__(self, model: str | Path, device: str | None = "cpu", spec: str | None = None, *,
                  kv_cache_tokens: int | None = None, page_size: int = 16, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, gpu_memory_utilization: float = 0.9,
-                 cuda_graphs: bool = True, log=None, spec_dirs=None):
+                 cuda_graphs: bool = True, log=None, spec_dirs=None, load_format: str = "auto"):
         from infc.backend import detect_device, load_backend
         device = device or detect_device()
         if device not in ("cpu", "cuda"):
@@ -73,7 +75,7 @@ class LLM:
             max_num_seqs=max_num_seqs or (64 if device == "cpu" else 256),
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
             block_size=page_size, num_gpu_blocks_override=pages, asynchronous=False,
-            cuda_graphs=cuda_graphs, log=log, spec_dirs=spec_dirs)
+            cuda_graphs=cuda_graphs, log=log, spec_dirs=spec_dirs, load_format=load_format)
         self.device = device
         self.engine = self.backend.engine
         self.runner = self.engine.runner

@@ -42,8 +42,9 @@ def scratch_sizes(meta: dict, dims: dict) -> dict[str, int]:
 
 # Parameter sources (plan contract 5): in:N / out:N (the launch's N-th input / output), dim:T /
 # dim:B, meta:NAME (a step_metadata key, or max_pages), cache:NAME (this layer's storage of cache
-# NAME), scratch:NAME (the kernel's scratch, sized by META), const:INT.
-SOURCES = ("in", "out", "dim", "meta", "cache", "scratch", "const")
+# NAME), scratch:NAME (the kernel's scratch, sized by META), const:INT, arg:NAME (a scalar the
+# launcher passes by name: the weight fill's seed, scale and offset, which are no dim).
+SOURCES = ("in", "out", "dim", "meta", "cache", "scratch", "const", "arg")
 # The value a launch lists among its inputs/outputs to order cache writes before reads: it has
 # no buffer, so no parameter may bind it.
 CACHE_MARKER = "cache"
@@ -78,15 +79,17 @@ class Resolver:
         meta(name)             step metadata NAME (one of meta_names, or "max_pages")
         scratch(kernel, name)  the kernel's scratch NAME (kernel: what the caller passes)
         dim(name)              T or B (a launcher that rewrites dims per step returns 0 here)
+        arg(name)              a named scalar (arg:NAME)
     A launcher leaves out what its kernels never take: asking for it anyway fails loud, as does
     a meta name the plan does not declare or a parameter bound to the cache marker."""
 
-    def __init__(self, tensor=None, cache=None, meta=None, scratch=None, dim=None, meta_names=None):
+    def __init__(self, tensor=None, cache=None, meta=None, scratch=None, dim=None, meta_names=None, arg=None):
         self.tensor = tensor or _missing("tensors")
         self.cache = cache or _missing("caches")
         self.meta = meta or _missing("step metadata")
         self.scratch = scratch or _missing("scratch")
         self.dim = dim or _missing("dims")
+        self.arg = arg or _missing("named arguments")
         self.meta_names = None if meta_names is None else set(meta_names) | {"max_pages"}
 
     def values(self, kmeta: dict, inputs=(), outputs=(), layer=None, kernel=None) -> list:
@@ -113,6 +116,8 @@ class Resolver:
                 out.append(self.scratch(kernel, what))
             elif kind == "dim":
                 out.append(self.dim(what))
+            elif kind == "arg":
+                out.append(self.arg(what))
             else:                                    # const
                 out.append(int(what))
         return out

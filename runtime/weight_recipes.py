@@ -79,7 +79,14 @@ def _concat(src, layer, read, where):
 
 @recipe("slice")
 def _slice(src, layer, read, where):
-    a, what = build(src["slice"], layer, read, where)
+    inner = src["slice"]
+    if "stack" in inner and src["axis"] == 0 and 0 <= src["start"] < src["stop"] <= inner["count"]:
+        # a rank's experts (expert parallelism): read only those checkpoint tensors
+        parts = [read(name_at(inner["stack"], layer, e)) for e in range(src["start"], src["stop"])]
+        if len({p.shape for p in parts}) != 1:
+            raise ModelDirError(f"{where}: experts of '{inner['stack']}' differ in shape")
+        return np.stack(parts), f"{name_at(inner['stack'], layer)}[{src['start']}:{src['stop']}]"
+    a, what = build(inner, layer, read, where)
     axis, start, stop = src["axis"], src["start"], src["stop"]
     if not (0 <= axis < a.ndim and 0 <= start < stop <= a.shape[axis]):
         raise ModelDirError(f"{where}: cannot take [{start}:{stop}] of axis {axis} of {what} {list(a.shape)}")

@@ -7,12 +7,25 @@ from pathlib import Path
 from infc.compiler.spec_paths import add_spec_dir_arg
 
 
+LOAD_FORMATS = ("auto", "dummy")          # runtime/dummy_weights.py checks the same names
+
+
+def add_load_format_arg(p: argparse.ArgumentParser):
+    """vLLM's --load-format: auto reads the safetensors; dummy makes random weights of the right
+    shapes (on the GPU, on the device), so a directory with config.json alone runs. An unknown
+    value is argparse's usage error (exit 2)."""
+    p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
+                   help="auto: the directory's safetensors; dummy: random weights, no checkpoint "
+                   "needed (config.json, + tokenizer files for text)")
+
+
 def add_serve_args(p: argparse.ArgumentParser):
     p.add_argument("--model-path", required=True, help="an HF model directory (config.json, safetensors, tokenizer)")
     p.add_argument("--model", help="the model (variant) name; default: detected from config.json")
     p.add_argument("--spec", help="a spec file, instead of the one whose architectures match")
     add_spec_dir_arg(p)
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when a GPU is present, else cpu")
+    add_load_format_arg(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", nargs="+", help="names the API accepts (the first is reported); "
@@ -69,4 +82,5 @@ def backend_kwargs(args) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=args.enable_prefix_caching, block_size=args.block_size,
                 num_gpu_blocks_override=args.num_gpu_blocks_override,
-                kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+                kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                load_format=getattr(args, "load_format", "auto"))

@@ -130,15 +130,31 @@ def render_sampler(plan: dict, tuning: dict, env=None) -> dict[str, Kernel]:
     return out
 
 
+# --load-format dummy: random weights made on the device (runtime/dummy_weights.py), one launch
+# per weight region before the first step. Every GPU weight is bf16 (runtime/cuda/weights.py).
+WEIGHT_INIT = "fill_random"
+
+
+def render_weight_init(plan: dict, env=None) -> Kernel:
+    """Render the weight fill kernel; sets plan["weight_init"] (its id)."""
+    ctx = {"op": WEIGHT_INIT, "phase": "weight_init", "inputs": [], "outputs": [], "attrs": {},
+           "config": {"dtype": "bf16"}, "tune": {}}
+    k = render_template("triton", WEIGHT_INIT, ctx, env)
+    plan["weight_init"] = k.id
+    return k
+
+
 def render_plan(plan: dict, tuning: dict, page_size: int, spec_path: str | None = None) -> dict[str, Kernel]:
-    """Render every launch's kernel and the sampler's; sets launch["kernel_id"] and
-    plan["sampler"]; returns id -> Kernel."""
+    """Render every launch's kernel, the sampler's and the weight fill; sets launch["kernel_id"],
+    plan["sampler"] and plan["weight_init"]; returns id -> Kernel."""
     env = _env()
     kernels: dict[str, Kernel] = {}
 
     from infc.runtime.program import launches
     for phase, program in plan["programs"].items():
         for launch, _ in launches(program):
+            if launch["backend"] == "nccl":      # a collective: the runtime's communicator runs it
+                continue
             ctx = launch_context(plan, launch, phase, tuning, page_size)
             try:
                 k = render_template(launch["backend"], launch["kernel"], ctx, env)
@@ -150,4 +166,6 @@ def render_plan(plan: dict, tuning: dict, page_size: int, spec_path: str | None 
     if plan["outputs"].get("logits") in plan["buffers"]:
         for kid, k in render_sampler(plan, tuning, env).items():
             kernels.setdefault(kid, k)
+    k = render_weight_init(plan, env)
+    kernels.setdefault(k.id, k)
     return kernels

@@ -3,4 +3,5 @@ from . import activation, attention, copy, elementwise, embedding, fused, last, 
 from . import gated, lm_head  # noqa: F401
 from . import qk_norm_rope_cache  # noqa: F401
 from . import pos_embedding  # noqa: F401
+from . import collectives  # noqa: F401
 from .base import REGISTRY, REQUIRED, OpDef, ShapeError  # noqa: F401

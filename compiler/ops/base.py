@@ -35,6 +35,8 @@ class OpDef:
                                            # other ops get a `copy` inserted before them
     caches: Callable = None                # (types, attrs) -> {cache name: {kind, shape, dtype}}
                                            # the per-sequence state it writes or reads
+    collective: bool = False               # moves data between ranks (ops/collectives.py): its
+                                           # reference reads ctx.exchange; launched by NCCL
     doc: str = ""
 
     def template(self, backend: str, phase: str) -> str | None:

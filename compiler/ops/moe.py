@@ -81,7 +81,9 @@ def down(ctx, act, w, ids, down_w):
     y = np.zeros((act.shape[0], down_w.shape[1]), np.float32)
     for e in np.unique(ids):
         rows, slot = np.nonzero(ids == e)
-        y[rows] += (act[rows, slot] @ down_w[e].T) * w[rows, slot][:, None]
+        # add.at: a token may name an expert twice (ep_dispatch gives the slots of other ranks'
+        # experts local id 0 and weight 0), and y[rows] += would keep only one of them
+        np.add.at(y, rows, (act[rows, slot] @ down_w[e].T) * w[rows, slot][:, None])
     return y
 
 

@@ -16,6 +16,9 @@ def select_kernels(state):
                 if n.op == "layers" or REGISTRY[n.op].view:
                     continue
                 op = REGISTRY[n.op]
+                if op.collective:        # between ranks: NCCL on the runner's stream, no template
+                    table[n.id] = ("nccl", None)
+                    continue
                 backend, tmpl = state.backend, None
                 # The feature backends implement each op's plain form: a launch with an optional
                 # tensor (a bias) stays on the default backend, which covers every form.

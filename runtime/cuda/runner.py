@@ -43,7 +43,10 @@ class CudaRunner:
     def __init__(self, artifact: str | Path, model_dir: str | Path, max_num_batched_tokens: int = 8192,
                  max_num_seqs: int = 256, max_model_len: int | None = None,
                  gpu_memory_utilization: float = 0.9, cuda_graphs: bool = True,
-                 buckets: list[int] | None = None, num_pages: int | None = None):
+                 buckets: list[int] | None = None, num_pages: int | None = None,
+                 load_format: str = "auto"):
+        """load_format: "auto" reads model_dir's safetensors; "dummy" fills random weights on the
+        device (runtime/dummy_weights.py), so model_dir needs only config.json."""
         self.ctx = Context()
         self.artifact = Path(artifact)
         self.plan = plan = load_plan(self.artifact)
@@ -54,7 +57,8 @@ class CudaRunner:
         self.max_model_len = min(max_model_len or plan["config"]["max_len"], plan["config"]["max_len"])
         self.max_pages_per_seq = -(-self.max_model_len // self.page_size)
         self.kernels = load_kernels(self.artifact, plan)
-        self.weights = DeviceWeights(self.ctx, plan, Path(model_dir))
+        fill = self.kernels.get(plan.get("weight_init"))       # absent from older artifacts
+        self.weights = DeviceWeights(self.ctx, plan, Path(model_dir), load_format=load_format, fill=fill)
         dims = {"T": self.max_tokens, "B": self.max_seqs}
         a = plan["arena"]
         self.arena_bytes = a["bytes_per_token"] * dims["T"] + a["bytes_per_seq"] * dims["B"] + a["bytes"]
@@ -145,7 +149,13 @@ class CudaRunner:
             out.append((k, grid_code(k.meta), k.pack(values), dim_slots(k.meta)))
         return out
 
-    def _launch_all(self, bound, dims: dict):
+    def _launch_all(self, bound, dims: dict, on_launch=None):
+        """Launch a bound program at dims. on_launch(index, kernel, fire): a profiler's hook
+        around each launch that is not skipped (index into `bound`; the hook must call fire()
+        once, e.g. between two event records). None, as everywhere but bench/profile.py: the
+        plain loop below, untouched."""
+        if on_launch is not None:
+            return self._launch_hooked(bound, dims, on_launch)
         env = {**GRID_FUNCS, **dims}
         for k, code, args, slots in bound:
             for i, d in slots:
@@ -154,6 +164,16 @@ class CudaRunner:
             if g[0] * g[1] * g[2] == 0:
                 continue
             launch(self.ctx, k.fn, g, k.block, k.shared, args)
+
+    def _launch_hooked(self, bound, dims: dict, on_launch):
+        env = {**GRID_FUNCS, **dims}
+        for index, (k, code, args, slots) in enumerate(bound):
+            for i, d in slots:
+                args.set(i, dims[d])
+            g = [int(eval(c, env)) for c in code]
+            if g[0] * g[1] * g[2] == 0:
+                continue
+            on_launch(index, k, lambda k=k, g=g, args=args: launch(self.ctx, k.fn, g, k.block, k.shared, args))
 
     def _capture(self, bucket: int):
         """Warm the bucket's decode program up on padding rows, then capture it."""

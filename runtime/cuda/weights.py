@@ -9,8 +9,14 @@ Any other recipe (another dtype, another axis, transpose, scale, offset, zeros) 
 host by the recipe registry (runtime/weight_recipes.py) in float32, rounded once to bf16 (to
 nearest even) and copied through the same buffers. The staging memory is given back at the end,
 so a loaded server's resident memory is the Python process, not the model.
+
+With load_format="dummy" no file is read: the same layout is allocated and each weight region is
+filled on the device by the plan's fill_random kernel (plan["weight_init"]; values and seeds:
+runtime/dummy_weights.py), so a model is benchmarked without its checkpoint and without any
+host staging.
 """
 import bisect
+import math
 import os
 import sys
 import time
@@ -21,6 +27,8 @@ import numpy as np
 
 from infc.compiler.errors import ModelDirError
 
+from ..bind import Resolver, grid
+from ..dummy_weights import check_load_format, chunks, rule, seed_of
 from ..safetensors_io import Checkpoint, f32_to_bf16_bits
 from ..weight_recipes import build, name_at
 from ..weights import check_shape, layers_of
@@ -74,8 +82,14 @@ def _runs(ckpt: Checkpoint, src: dict, layer):
 class DeviceWeights:
     """name -> device pointer (or a list of per-layer pointers); `bytes` is their total size."""
 
-    def __init__(self, ctx, plan: dict, model_dir: Path, progress: bool = True, threads: int = 8):
-        ckpt = Checkpoint(model_dir)
+    def __init__(self, ctx, plan: dict, model_dir: Path, progress: bool = True, threads: int = 8,
+                 load_format: str = "auto", fill=None, seed: int = 0):
+        """fill: the loaded weight_init kernel, needed for load_format="dummy"."""
+        dummy = check_load_format(load_format) == "dummy"
+        if dummy and fill is None:
+            raise ModelDirError("--load-format dummy needs the artifact's weight fill kernel "
+                                "(plan['weight_init']): rebuild the artifact with this infc")
+        ckpt = None if dummy else Checkpoint(model_dir)
         self.ptrs: dict = {}
         self.bytes = 0
         self.layers = {}               # per-layer weight -> its global layer indices
@@ -89,6 +103,9 @@ class DeviceWeights:
             if w["layers"] is not None:
                 self.layers[name] = list(w["layers"])
             for layer in layers_of(w):
+                if dummy:                       # bytes only: filled on the device below
+                    items.append((name, layer, 2 * math.prod(w["shape"])))
+                    continue
                 got = _runs(ckpt, w["source"], layer)
                 if got is None:
                     a, what = build(w["source"], layer, ckpt.float32, str(ckpt.dir))
@@ -104,7 +121,7 @@ class DeviceWeights:
             placed.append((name, layer, pos))
             start = pos
             for src in (data if isinstance(data, list) else [data]):
-                n = src[2] if isinstance(src, tuple) else src.nbytes
+                n = src if isinstance(src, int) else src[2] if isinstance(src, tuple) else src.nbytes
                 segs.append((pos, n, src))
                 pos += n
             self.bytes += pos - start
@@ -120,10 +137,13 @@ class DeviceWeights:
             if target in self.layers:
                 self.layers[name] = self.layers[target]
         t0 = time.perf_counter()
-        try:
-            self._stream(ctx, segs, pos, threads, progress)
-        finally:
-            ckpt.close()
+        if dummy:
+            self._fill(ctx, plan, placed, fill, seed)
+        else:
+            try:
+                self._stream(ctx, segs, pos, threads, progress)
+            finally:
+                ckpt.close()
         self.load_s = time.perf_counter() - t0
 
     def ptr(self, name: str, layer) -> int:
@@ -136,6 +156,19 @@ class DeviceWeights:
         except ValueError:
             raise KeyError(f"weight '{name}' has no copy for layer {layer} "
                            f"(its layers: {self.layers[name]})") from None
+
+    def _fill(self, ctx, plan: dict, placed: list, kernel, seed: int):
+        """One fill launch per weight region (per 2^30-element chunk of a larger one)."""
+        for name, layer, off in placed:
+            w = plan["weights"][name]
+            scale, offset = rule(w)
+            for start, n, c in chunks(math.prod(w["shape"])):
+                named = {"seed": seed_of(name, layer, c, seed), "scale": scale, "offset": offset}
+                ptr = self.base + off + 2 * start
+                values = Resolver(tensor=lambda *_: ptr, dim={"N": n}.__getitem__,
+                                  arg=named.__getitem__).values(kernel.meta, outputs=[name], kernel=kernel.id)
+                _launch(ctx, kernel, grid(kernel.meta, {"N": n}), kernel.pack(values))
+        ctx.sync()
 
     def _stream(self, ctx, segs, total: int, threads: int, progress: bool):
         starts = [s[0] for s in segs]
@@ -197,3 +230,8 @@ class DeviceWeights:
                 ctx.free_pinned(buf)
         if progress and sys.stderr.isatty():
             sys.stderr.write("\n")
+
+
+def _launch(ctx, kernel, g, args):
+    from .driver import launch             # cuda-python only when a GPU fill really runs
+    launch(ctx, kernel.fn, g, kernel.block, kernel.shared, args)

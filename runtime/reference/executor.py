@@ -39,7 +39,8 @@ class StepContext:
     """What op references receive as `ctx` (see the session contract):
     T, B, positions [T], last_rows [B], seqs = [(b, first row, new tokens, cached before)],
     layer (global index), meta (seq_starts, context_lens, slot_mapping, block_tables, ...),
-    cache(name) -> this layer's float32 storage of cache `name`, page_size, dim(d)."""
+    cache(name) -> this layer's float32 storage of cache `name`, page_size, dim(d),
+    rank, world, exchange (compiler/ops/collectives.py)."""
 
     def __init__(self, meta: StepMeta, storage: cache_layout.HostCaches):
         self.meta = Metadata({n: np.asarray(getattr(meta, n)) for n in METADATA}, max_pages=meta.max_pages)
@@ -52,6 +53,9 @@ class StepContext:
         self.last_rows = np.asarray(meta.last_rows, np.int64)
         self.T, self.B = meta.T, meta.B
         self.layer = None
+        # ranks (runtime/reference/ranks.py sets them): a collective's reference reads every
+        # rank's inputs through `exchange`; alone, a plan is rank 0 of 1 and collectives are identity
+        self.rank, self.world, self.exchange = 0, 1, None
 
     def dim(self, d):
         return {"T": self.T, "B": self.B}.get(d, d) if isinstance(d, str) else d

@@ -4,8 +4,10 @@
 # Stages: suite (tests/gpu: golden gate of every model incl. qwen3-4b --no-fuse and the new
 # families, engine, no torch), families (only the new families' golden gate), baseline (a
 # baseline commit's qwen3-4b latency on the same card: tools/prepare_baseline.sh), latency,
-# throughput, startup, server (the SDK suite with --device cuda), serve (infc bench serve
-# against infc serve), generate (infc generate --device cuda), tune (infc tune run).
+# profile (per-launch GPU times of a short prefill, a prefix hit, a 256-sequence mixed step and
+# batch-1 decode: bench/profile.py), throughput, startup, server (the SDK suite with --device
+# cuda), serve (infc bench serve against infc serve), generate (infc generate --device cuda),
+# tune (infc tune run).
 # INFC_GPU_FAMILIES=a,b|all|none picks the families (default: gpu_families.DEFAULT; prepare.py must
 # have built the same ones).
 # Needs what tests/gpu/prepare.py built here (carry .cache/gpu, .cache/artifacts, .cache/tune)
@@ -59,6 +61,9 @@ for stage in $STAGES; do
     latency)
       timeout ${LATENCY_S:-240} python3 -m infc.cli bench latency --artifact .cache/artifacts/qwen3-4b \
         --model-path "$MODELS/qwen3-4b" --out "$OUT" ${LATENCY_ARGS:-} 2>&1 | quiet | tail -12 ;;
+    profile)
+      timeout ${PROFILE_S:-150} python3 -m infc.cli bench profile --artifact .cache/artifacts/qwen3-4b \
+        --model-path "$MODELS/qwen3-4b" --out "$OUT" ${PROFILE_ARGS:-} 2>&1 | quiet | tail -150 ;;
     throughput)
       timeout ${THROUGHPUT_S:-240} python3 -m infc.cli bench throughput --model-path "$MODELS/qwen3-4b" \
         --out "$OUT" 2>&1 | quiet | tail -12 ;;

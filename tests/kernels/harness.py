@@ -69,7 +69,7 @@ def run(kernel, bindings: dict, dims: dict):
     n = len(meta["params"])
     resolver = Resolver(tensor=lambda name, layer: bindings[name], cache=lambda name, layer: bindings[f"cache:{name}"],
                         meta=lambda name: bindings[f"meta:{name}"], scratch=lambda k, name: scratch[name],
-                        dim=dims.__getitem__)
+                        dim=dims.__getitem__, arg=lambda name: bindings[f"arg:{name}"])
     args = resolver.values(meta, [f"in:{i}" for i in range(n)], [f"out:{i}" for i in range(n)], kernel=kernel.id)
     consts = dict(meta["constexprs"])
     if "DOT_F32" in consts:

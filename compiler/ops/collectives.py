@@ -1,0 +1,118 @@
+"""Collectives: the ops that move data between ranks (tensor and expert parallelism).
+
+The parallel transform (compiler/passes/shard_ranks.py) inserts them; specs never write them.
+Their numpy references simulate the ranks: the simulated-rank executor
+(runtime/reference/ranks.py) runs every rank's plan launch by launch and, for a collective
+launch, hands each rank's reference `ctx.exchange`, whose `inputs(i)` is the list of every
+rank's i-th input of this launch (rank order). A single-rank context (ctx.world == 1, no
+exchange) makes every collective the identity, so a rank plan also runs alone.
+
+all_reduce(x) -> sum over ranks of x, summed in rank order (the same bits on every rank)
+all_gather(x, axis) -> the ranks' x concatenated along `axis` in rank order
+ep_dispatch(x[T, H], weights[T, k], ids[T, k], experts_per_rank)
+    -> (xr[T, H], wr f32[T, k], idr i32[T, k]): the rows of the tokens that chose one of this
+    rank's experts (rank r owns experts r*E/N .. (r+1)*E/N - 1), sent by the token's owner rank
+    (token t is owned by rank t % N: each row crosses the wire once); slots whose expert lives
+    on another rank get weight 0 and local id 0, and a token none of whose experts are local
+    gets a zero row, so the local experts add nothing for them.
+ep_combine(y[T, H]) -> [T, H]: each rank's partial expert sums go back to the tokens' owner
+    ranks, which add them (rank order), and the owners' rows are shared with every rank again
+    (attention is replicated, so every rank needs every token): a reduce-scatter by owner
+    followed by an all-gather.
+
+GPU kernels are not templates: select_kernels gives collective launches the backend "nccl"
+and no template, and code generation skips them (the runtime issues them on its stream).
+"""
+import numpy as np
+
+from .base import REQUIRED, expect, op, tt
+
+
+def _ranks(ctx, i, x):
+    """Every rank's input i of this launch, or [x] alone."""
+    ex = getattr(ctx, "exchange", None)
+    return [x] if ex is None else ex.inputs(i)
+
+
+def _world(ctx) -> int:
+    return getattr(ctx, "world", 1) or 1
+
+
+def _rank(ctx) -> int:
+    return getattr(ctx, "rank", 0) or 0
+
+
+def all_reduce(ctx, x):
+    parts = _ranks(ctx, 0, x)
+    out = np.array(parts[0], np.float32)
+    for p in parts[1:]:
+        out += p
+    return out
+
+
+def all_gather(ctx, x, axis):
+    return np.concatenate([np.asarray(p, np.float32) for p in _ranks(ctx, 0, x)], axis=axis)
+
+
+def _gather_infer(types, attrs):
+    (x,) = types
+    axis, world = attrs["axis"], attrs["world"]
+    expect(0 <= axis < len(x.shape) and isinstance(x.shape[axis], int),
+           f"all_gather: axis {axis} of {x} is not a static axis")
+    shape = list(x.shape)
+    shape[axis] *= world
+    return [tt(shape, x.dtype)]
+
+
+def _owned(ctx, T):
+    """The rank that owns each token row (sends it out, collects its result)."""
+    return np.arange(T) % _world(ctx)
+
+
+def ep_dispatch(ctx, x, w, ids, experts_per_rank):
+    rank, world = _rank(ctx), _world(ctx)
+    ids = np.asarray(ids, np.int64)
+    local = ids // experts_per_rank == rank
+    xs = _ranks(ctx, 0, x)
+    owner = _owned(ctx, x.shape[0])
+    recv = np.stack([xs[owner[t]][t] for t in range(x.shape[0])]) if x.shape[0] else np.zeros_like(x)
+    need = local.any(axis=1)
+    xr = np.where(need[:, None], recv, 0).astype(np.float32)
+    wr = np.where(local, w, 0).astype(np.float32)
+    idr = np.where(local, ids - rank * experts_per_rank, 0).astype(np.int32)
+    assert world == len(xs), (world, len(xs))
+    return xr, wr, idr
+
+
+def ep_combine(ctx, y):
+    # token t's owner (t % N) receives every rank's partial row and adds them in rank order;
+    # the all-gather then gives each rank the owners' rows: the sum, the same bits everywhere
+    parts = _ranks(ctx, 0, y)
+    out = np.array(parts[0], np.float32)
+    for p in parts[1:]:
+        out += p
+    return out
+
+
+def _dispatch_infer(types, attrs):
+    x, w, ids = types
+    expect(len(x.shape) == 2, f"ep_dispatch expects x[T, H], got {x}")
+    expect(w.shape == ids.shape and ids.shape[0] == x.shape[0],
+           f"ep_dispatch: routing weights {w} / ids {ids} do not match x {x}")
+    expect(isinstance(attrs["experts_per_rank"], int) and attrs["experts_per_rank"] > 0,
+           f"ep_dispatch: experts_per_rank must be a positive integer, got {attrs['experts_per_rank']}")
+    return [x, tt(w.shape, "f32"), tt(ids.shape, "i32")]
+
+
+NCCL = {"nccl": None}     # no template: the runtime's communicator runs it
+op(name="all_reduce", tensors=["x"], infer=lambda types, attrs: [types[0]], reference=all_reduce,
+   internal=True, collective=True, templates=NCCL, doc="sum over ranks")
+op(name="all_gather", tensors=["x"], attrs={"axis": REQUIRED, "world": REQUIRED}, infer=_gather_infer,
+   reference=all_gather, internal=True, collective=True, templates=NCCL,
+   doc="concatenate the ranks' tensors along an axis")
+op(name="ep_dispatch", tensors=["x", "weights", "ids"], attrs={"experts_per_rank": REQUIRED},
+   infer=_dispatch_infer, reference=ep_dispatch, n_outputs=3, internal=True, collective=True,
+   templates=NCCL, doc="all-to-all: each token's row to the ranks of its experts")
+op(name="ep_combine", tensors=["y"], infer=lambda types, attrs: [types[0]], reference=ep_combine,
+   internal=True, collective=True, templates=NCCL,
+   doc="all-to-all back: the experts' partial rows summed at each token's owner, then shared")

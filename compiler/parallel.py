@@ -1,0 +1,101 @@
+"""Ranks at build time: `--tensor-parallel-size N [--enable-expert-parallel]` -> one plan per rank.
+
+The settings follow vLLM: N ranks; attention and dense MLPs tensor-parallel over them; experts
+tensor-parallel too (F/N of every expert), or with --enable-expert-parallel partitioned across
+the same N ranks (E/N whole experts each). `expert_parallel_only` (Python API) keeps attention
+and dense MLPs replicated and partitions only the experts (data-parallel attention, which would
+give each rank its own tokens, is not built).
+
+Each rank's plan is the single-GPU plan of its share: the pipeline's shard_ranks pass
+(compiler/passes/shard_ranks.py) rewrites the graph with rank r's weight slices (`slice`
+recipes of the checkpoint tensors, so a rank reads only its rows/columns) and the collectives
+(compiler/ops/collectives.py). One plan per rank, rather than one plan with a ranks section:
+every executor and loader runs a rank plan unchanged, and the ranks' launches are identical
+(same shapes, same kernels), so they share one kernels/ directory. The plans carry
+`parallel: {world, rank, tp, ep}`.
+
+Layout of a parallel build: out/plan.rank<r>.json for each rank, out/kernels/, out/bin/.
+"""
+import time
+from pathlib import Path
+
+from .errors import SpecError
+
+
+def settings(tensor_parallel_size: int = 1, enable_expert_parallel: bool = False,
+             expert_parallel_only: int = 0) -> dict | None:
+    """{"world", "tp", "ep"}, or None for the single-GPU plan."""
+    if expert_parallel_only:
+        n = expert_parallel_only
+        if not isinstance(n, int) or n < 1:
+            raise SpecError(f"expert parallel size must be a positive integer, got {n!r}", None)
+        if tensor_parallel_size not in (1, None):
+            raise SpecError("expert_parallel_only keeps attention replicated: do not also give "
+                            "--tensor-parallel-size", None)
+        return None if n == 1 else {"world": n, "tp": 1, "ep": n}
+    n = tensor_parallel_size
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise SpecError(f"--tensor-parallel-size must be a positive integer, got {n!r}", None)
+    if n == 1:
+        if enable_expert_parallel:
+            raise SpecError("--enable-expert-parallel partitions the experts across the "
+                            "--tensor-parallel-size ranks: give --tensor-parallel-size N > 1", None)
+        return None
+    return {"world": n, "tp": n, "ep": n if enable_expert_parallel else 1}
+
+
+def _check_used(state, par):
+    """Refuse settings that shard nothing they were asked to: EP on a model without experts."""
+    if par["ep"] > 1 and not any(n.op in ("moe_experts", "moe_gate_up")
+                                 for g in state.graph.walk() for n in g.ordered()):
+        raise state.error("--enable-expert-parallel: this model has no experts (moe_experts) "
+                          "to partition", None)
+
+
+def compile_ranks(par: dict, **kw) -> list[tuple]:
+    """[(state, plan)] for rank 0..world-1; kw as compiler.build.compile_model takes."""
+    from .build import compile_model
+    out = []
+    for rank in range(par["world"]):
+        state, plan = compile_model(**kw, parallel={**par, "rank": rank})
+        if rank == 0:
+            _check_used(state, par)
+        out.append((state, plan))
+    return out
+
+
+def rank_plan_path(out: Path, rank: int) -> Path:
+    return Path(out) / f"plan.rank{rank}.json"
+
+
+def build_ranks(par: dict, model=None, spec_path=None, model_dir=None, out=None, features=None,
+                log=print, gpu="h100", target="sm_90", page_size=16, compile=True, jobs=None,
+                fuse=True, spec_dirs=None, **kw) -> Path:
+    """`infc build --tensor-parallel-size N`: every rank's plan, their kernels rendered once."""
+    from .build import GENERATED, generate
+    from .codegen.aot import compile_kernels
+    from .plan import dumps
+    t_all = time.perf_counter()
+    ranks = compile_ranks(par, model=model, spec_path=spec_path, model_dir=model_dir,
+                          features=features, log=(lambda m: None) if log is None else log, fuse=fuse,
+                          spec_dirs=spec_dirs, **kw)
+    state = ranks[0][0]
+    tag = f"tp{par['tp']}" if par["tp"] > 1 else ""
+    tag += f"{'-' if tag else ''}ep{par['ep']}" if par["ep"] > 1 else ""
+    out = Path(out) if out else GENERATED / f"{state.model}-{tag}"
+    out.mkdir(parents=True, exist_ok=True)
+    kernels = {}
+    for rank, (_, plan) in enumerate(ranks):
+        mine = generate(plan, out, gpu, page_size, target, spec_path=state.spec.path)
+        # the ranks' launches differ only in the weights they read: one kernels/ serves all
+        assert not kernels or set(mine) == set(kernels), f"rank {rank} needs other kernels than rank 0"
+        kernels.update(mine)
+        rank_plan_path(out, rank).write_text(dumps(plan))
+    if compile:
+        res = compile_kernels(kernels, out / "bin", target, jobs=jobs, progress=log is not None)
+        if log:
+            log(f"  {'compile (' + target + ')':<28} {res['seconds'] * 1e3:8.1f} ms")
+    if log:
+        log(f"built {state.model} on {par['world']} ranks (tp {par['tp']}, ep {par['ep']}) in "
+            f"{time.perf_counter() - t_all:.2f} s -> {out}/plan.rank{{0..{par['world'] - 1}}}.json")
+    return out

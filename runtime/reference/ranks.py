@@ -1,0 +1,110 @@
+"""Simulated ranks: the N rank plans of a parallel build (compiler/parallel.py) run in one process.
+
+Each rank has its own ReferenceExecutor state (its plan, its weight slices, its arena, its paged
+caches: page ids are the same on every rank, as on the GPUs). A step runs launch by launch, and
+each launch rank by rank; for a collective launch every rank's inputs are copied into the
+`RankExchange` first, then each rank's reference reads them all through `ctx.exchange` (the
+shared numpy state that stands in for NCCL) and writes its own output. The ranks must run the
+same launches in the same order, as NCCL requires; a plan pair that does not is refused.
+"""
+import numpy as np
+
+from infc.compiler.ops import REGISTRY
+
+from ..program import unrolled
+from ..step import Chunk
+from .executor import ReferenceExecutor, StepContext
+
+
+class RankExchange:
+    """The collective in flight: inputs(i) -> [rank 0's input i, rank 1's, ...]."""
+
+    def __init__(self, world: int):
+        self.world = world
+        self.current: list | None = None
+
+    def inputs(self, i: int) -> list:
+        if self.current is None:
+            raise RuntimeError("a collective's reference ran outside a collective launch")
+        return [args[i] for args in self.current]
+
+
+class RankExecutor:
+    """step(chunks) -> rank 0's logits [B, V]; `logits` holds every rank's after a step."""
+
+    def __init__(self, plans: list[dict], weights: list[dict], page_size: int = 16):
+        world = len(plans)
+        for r, p in enumerate(plans):
+            par = p.get("parallel") or {"world": 1, "rank": 0}
+            if par["world"] != world or par["rank"] != r:
+                raise ValueError(f"plan {r} is rank {par['rank']} of {par['world']}, expected rank "
+                                 f"{r} of {world}")
+        self.ranks = [ReferenceExecutor(p, w, page_size) for p, w in zip(plans, weights)]
+        self.world = world
+        self.exchange = RankExchange(world)
+        self.logits: list[np.ndarray] = []
+
+    def free(self, seq_id: int):
+        for ex in self.ranks:
+            ex.free(seq_id)
+
+    def step(self, chunks: list[Chunk]) -> np.ndarray:
+        """The oracle API: each rank keeps its own pages per seq_id (the same ids everywhere)."""
+        return self._execute([(ex.oracle.step(chunks), ex.oracle.storage) for ex in self.ranks])
+
+    def allocate_pages(self, num_pages: int, page_size: int, num_slots: int = 0):
+        for ex in self.ranks:
+            ex.allocate_pages(num_pages, page_size, num_slots)
+
+    def step_paged(self, meta) -> np.ndarray:
+        """One engine step: rank 0's metadata, broadcast to every rank (page ids are shared)."""
+        return self._execute([(meta, ex.paged) for ex in self.ranks])
+
+    def _execute(self, steps: list) -> np.ndarray:
+        ctxs, views, programs = [], [], []
+        for r, (ex, (meta, storage)) in enumerate(zip(self.ranks, steps)):
+            ctx = StepContext(meta, storage)
+            ctx.rank, ctx.world, ctx.exchange = r, self.world, self.exchange
+            v = ex._arena(ctx)
+            v["tokens"][...] = meta.tokens
+            ctxs.append(ctx)
+            views.append(v)
+            programs.append(unrolled(ex.plan["programs"][meta.phase]))
+        for step in zip(*programs, strict=True):
+            (launch, layer) = step[0]
+            if any(l["op"] != launch["op"] or y != layer for l, y in step):
+                raise ValueError(f"ranks diverge: {[l['op'] for l, _ in step]} at layer {layer}")
+            op = REGISTRY[launch["op"]]
+            args = []
+            for r, (l, _) in enumerate(step):
+                ctxs[r].layer = layer
+                a = [self.ranks[r]._arg(n, views[r], layer) for n in l["inputs"]]
+                args.append([None if x is None else np.array(x) for x in a] if op.collective else a)
+            self.exchange.current = args if op.collective else None
+            for r, (l, _) in enumerate(step):
+                result = op.reference(ctxs[r], *args[r], **l["attrs"])
+                results = result if isinstance(result, tuple) else (result,)
+                for name, out in zip(l["outputs"], results):
+                    if out is None or name not in views[r]:
+                        continue
+                    np.copyto(views[r][name], np.asarray(out).reshape(views[r][name].shape),
+                              casting="unsafe")
+            self.exchange.current = None
+        self.logits = [np.array(v[ex.plan["outputs"]["logits"]]) for v, ex in zip(views, self.ranks)]
+        return self.logits[0]
+
+
+
+def rank_runner(plans: list[dict], weights: list[dict], num_pages: int, page_size: int = 16):
+    """The engine's CPU runner (runtime/runner.py) over simulated ranks; rank 0's logits are
+    sampled, as rank 0 owns the sampler on the GPUs."""
+    from ..runner import CPURunner
+
+    class RankRunner(CPURunner):
+        def __init__(self):
+            self.plan, self.page_size, self.num_pages = plans[0], page_size, num_pages
+            self.vocab_size = plans[0]["config"]["V"]
+            self.executor = RankExecutor(plans, weights, page_size)
+            self.executor.allocate_pages(num_pages, page_size)
+
+    return RankRunner()
