@@ -1,0 +1,271 @@
+"""bench/profile.py without a GPU: launch sites follow the runner's bound order, per-launch times
+group by (layer-kind launch index, op, template) and sum over layers, the tables add up, and the
+whole step loop (the runner's real metadata, upload and `_launch_all` hook) runs on a fake driver
+whose events read a virtual clock that each launch advances by a known time. `infc bench
+profile` is registered."""
+import importlib
+import json
+import re
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from infc.bench import profile as prof
+from infc.runtime.program import unrolled
+
+PLAN = json.loads((Path(__file__).resolve().parent.parent / "generated" / "qwen3-4b" / "plan.json").read_text())
+L = PLAN["config"]["L"]
+
+
+def test_cli_registers_bench_profile(capsys):
+    from infc.cli import parser
+    a = parser().parse_args(["bench", "profile", "--artifact", "A", "--model-path", "M"])
+    assert a.which == "profile" and a.rest == ["--artifact", "A", "--model-path", "M"]
+    assert importlib.import_module(f"infc.bench.{a.which}").main is prof.main
+    with pytest.raises(SystemExit) as e:
+        prof.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--artifact", "--model-path", "--out", "--reps", "--steps"):
+        assert flag in out
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode", "mixed"])
+def test_launch_sites_follow_the_runners_order(phase):
+    sites = prof.launch_sites(PLAN, phase)
+    order = list(unrolled(PLAN["programs"][phase]))         # what CudaRunner.bind walks
+    assert len(sites) == len(order)
+    for s, (launch, layer) in zip(sites, order):
+        assert (s["op"], s["kernel_id"], s["layer"]) == (launch["op"], launch["kernel_id"], layer)
+        assert s["template"] == PLAN["kernels"][launch["kernel_id"]]["template"]
+    keys = {}
+    for s in sites:
+        keys[s["key"]] = keys.get(s["key"], 0) + 1
+    layer_keys = [k for k in keys if k.startswith("layer.")]
+    assert len(layer_keys) == 8 and all(keys[k] == L for k in layer_keys)          # 8 launches per layer
+    assert all(n == 1 for k, n in keys.items() if k.startswith("top."))
+    c = PLAN["config"]
+    qkv = next(s for s in sites if s["weights"] == ["wqkv"])
+    assert qkv["weight_bytes"] == (c["Hq"] + 2 * c["Hkv"]) * c["D"] * c["H"] * 2
+    att = next(s for s in sites if s["op"] == "attention_cached")
+    assert att["kv_token_bytes"] == 2 * c["Hkv"] * c["D"] * 2 and att["weight_bytes"] == 0
+    emb = next(s for s in sites if s["op"] == "embedding")
+    assert emb["weight_bytes"] == 0                                                  # a gather
+
+
+def _fake_us(site) -> float:
+    """A known per-launch time: 50 µs outside the layers, (index + 1) * 3 µs + layer / 10 inside."""
+    if site["layer"] is None:
+        return 50.0
+    return (site["index"] + 1) * 3.0 + site["layer"] / 10
+
+
+def test_grouping_sums_over_layers_and_the_tables_add_up():
+    sites = prof.launch_sites(PLAN, "prefill")
+    skipped = next(i for i, s in enumerate(sites) if s["op"] == "fill_zero")
+    samples = []
+    for rep in range(5):        # rep 2 is an outlier everywhere; the median drops it
+        samples.append([None if i == skipped else _fake_us(s) / 1e3 * (10 if rep == 2 else 1)
+                        for i, s in enumerate(sites)])
+    bw = 4e12
+    groups = prof.group_launches(sites, samples, context_tokens=32, bandwidth=bw)
+    by_key = {g["key"]: g for g in groups}
+    assert sites[skipped]["key"] not in by_key                       # never launched: no row
+    assert [g["key"] for g in groups] == list(dict.fromkeys(s["key"] for i, s in enumerate(sites) if i != skipped))
+    for j in range(8):
+        g = by_key[f"layer.{j}"]
+        assert g["runs"] == L
+        assert g["us"] == pytest.approx(sum((j + 1) * 3.0 + layer / 10 for layer in range(L)))
+        assert g["us_per_run"] == pytest.approx(g["us"] / L)
+        want = sum(s["weight_bytes"] + 32 * s["kv_token_bytes"] for s in sites if s["key"] == f"layer.{j}")
+        assert g["floor_us"] == pytest.approx(want / bw * 1e6)
+    assert sum(g["share"] for g in groups) == pytest.approx(1.0)
+    ksum = sum(_fake_us(s) for i, s in enumerate(sites) if i != skipped)
+
+    plain = {"wall": [9.0, 10.0, 11.0], "gpu": [7.0, 8.0, 30.0], "meta": [0.1] * 3, "issue": [5.0] * 3,
+             "sync": [3.0] * 3, "sample": []}
+    step = prof.summarize("prefill_32", "a 32-token prompt", "prefill", "eager", 32, 1, plain,
+                          {"wall": [20.0], "gpu": [19.0]}, groups)
+    assert step["wall_ms"] == 10.0 and step["gpu_ms"] == 8.0 and step["host_ms"] == pytest.approx(2.0)
+    assert step["sample_ms"] is None and step["instrumented_gpu_ms"] == 19.0
+    assert step["kernel_sum_ms"] == pytest.approx(ksum / 1e3)
+    assert step["gaps_ms"] == pytest.approx(8.0 - ksum / 1e3)
+    assert step["launches_per_step"] == len(sites) - 1
+    assert step["floor_ms"] == pytest.approx(sum(g["floor_us"] for g in groups) / 1e3)
+    assert sum(g["share_of_gpu"] for g in groups) == pytest.approx(ksum / 1e3 / 8.0)
+
+    for top in (3, 12, 100):
+        text = prof.step_table(step, top=top)
+        rows = [r for r in text.splitlines() if r.startswith("| ") and not r.startswith("| #") and "---" not in r]
+        cells = [[c.strip() for c in r.strip("|").split("|")] for r in rows]
+        body, total = cells[:-1], cells[-1]
+        assert total[1] == "all launches" and float(total[6]) == pytest.approx(ksum, abs=0.05)
+        assert sum(float(c[6]) for c in body) == pytest.approx(ksum, abs=0.05 * len(body))
+        assert sum(int(c[5]) for c in body) == len(sites) - 1 == int(total[5])
+        assert sum(float(c[8].rstrip(" %")) for c in body) == pytest.approx(100, abs=0.05 * len(body))
+        assert (body[-1][1] == f"rest ({len(groups) - top} groups)") == (top < len(groups))
+        ranked = [float(c[6]) for c in body if c[0]]
+        assert ranked == sorted(ranked, reverse=True)
+        assert body[0][1] == "layer.7" and float(body[0][7]) == pytest.approx(24 + 3.5 / 2, abs=0.01)  # 36 runs
+    graph = prof.summarize("decode_b1_graph", "x", "decode", "graph", 1, 1, plain, None, None, "decode_b1")
+    assert "see decode_b1" in prof.step_table(graph)
+    res = {"model": "qwen3-4b", "gpu": "fake", "commit": "c", "date": "d", "copy_GBps": 4000.0,
+           "weight_bytes": 8e9, "steps": [step, graph]}
+    text = prof.report(res)
+    summary = [r for r in text.splitlines() if r.startswith("| prefill_32 ")][0]
+    assert f"| {len(sites) - 1} |" in summary and "| 8.00 | 2.00 |" in summary
+    assert "| decode_b1_graph | decode (graph) |" in text
+
+
+def test_pages_needed_and_page_table():
+    n = prof.pages_needed(16)
+    assert n == 3 + 64 + 1 + 255 * 65 + 16 + 16
+    pt = prof.PageTable(n, 16)
+    a = pt.ensure(1, 1024)
+    b = pt.ensure(2, 1040, shared=a[:64])
+    assert b[:64] == a and len(b) == 65 and b[64] not in a
+
+
+# -- the step loop on a fake driver -------------------------------------------------------------
+@pytest.fixture
+def runner_mod():
+    """infc.runtime.cuda.runner, importable here with a stand-in cuda.bindings when the machine
+    has none (the driver module only touches it inside calls); the modules imported for this test
+    are dropped afterwards."""
+    try:
+        import cuda.bindings.driver  # noqa: F401
+        have = True
+    except ImportError:
+        have = False
+    before = set(sys.modules)
+    if not have:
+        cuda, bindings, drv = (types.ModuleType(n) for n in ("cuda", "cuda.bindings", "cuda.bindings.driver"))
+        cuda.bindings, bindings.driver = bindings, drv
+        sys.modules.update({"cuda": cuda, "cuda.bindings": bindings, "cuda.bindings.driver": drv})
+    try:
+        yield importlib.import_module("infc.runtime.cuda.runner")
+    finally:
+        if not have:
+            for name in sorted(set(sys.modules) - before, reverse=True):
+                mod = sys.modules.pop(name)
+                parent, _, child = name.rpartition(".")
+                if parent in sys.modules and getattr(sys.modules[parent], child, None) is mod:
+                    delattr(sys.modules[parent], child)
+
+
+class _Ctx:
+    def __init__(self):
+        self.clock, self.synced, self.events = 0.0, 0, 0
+
+    def ensure_current(self):
+        pass
+
+    def htod(self, ptr, host):
+        return np.ascontiguousarray(host)
+
+    def sync(self):
+        self.synced += 1
+
+    def event(self):
+        self.events += 1
+        return _Event(self)
+
+
+class _Event:
+    def __init__(self, ctx):
+        self.ctx, self.t = ctx, None
+
+    def record(self):
+        self.t = self.ctx.clock
+
+    def ms_since(self, start):
+        return self.t - start.t
+
+
+class _Args:
+    def __init__(self):
+        self.values = {}
+
+    def set(self, i, v):
+        self.values[i] = v
+
+
+class _Kernel:
+    def __init__(self, site):
+        self.fn, self.block, self.shared = site, (128, 1, 1), 0
+
+
+def _fake_runner(runner_mod, monkeypatch, graph_ms=2.5):
+    """A CudaRunner without __init__: the plan's metadata/upload/launch code for real, launches
+    that advance a virtual clock by _fake_us of their site (a zero grid is skipped)."""
+    r = object.__new__(runner_mod.CudaRunner)
+    r.ctx, r.plan, r.page_size, r.num_pages = _Ctx(), PLAN, 16, 64
+    r.max_pages_per_seq, r.max_tokens, r.max_seqs = 8, 64, 8
+    r.arena, r.place, r.sampler = 1 << 20, {"T": 64, "B": 8}, None
+    r.meta = {n: (2 + i) << 20 for i, n in enumerate(PLAN["step_metadata"])}
+    launched = []
+
+    def launch(ctx, fn, grid, block, shared, args):
+        launched.append((fn["key"], tuple(grid)))
+        ctx.clock += _fake_us(fn) / 1e3
+
+    monkeypatch.setattr(runner_mod, "launch", launch)
+    r.programs = {}
+    for phase in PLAN["programs"]:
+        bound = []
+        for s in prof.launch_sites(PLAN, phase):
+            g = ["0"] if s["op"] == "fill_zero" else ["T", "B", 1]          # fill_zero: a zero grid
+            bound.append((_Kernel(s), runner_mod.grid_code({"grid": g}), _Args(), [(0, "T"), (1, "B")]))
+        r.programs[phase] = bound
+
+    class Graph:
+        def launch(self):
+            r.ctx.clock += graph_ms
+
+    r.graphs, r.buckets = {1: (Graph(), {"T": 1, "B": 1})}, [1]
+    return r, launched
+
+
+def test_profiler_steps_on_a_fake_driver(runner_mod, monkeypatch, capsys):
+    from infc.runtime.step import Chunk
+    r, launched = _fake_runner(runner_mod, monkeypatch)
+    p = prof.Profiler(r, reps=4, warmup=2, bandwidth=4e12)
+    pages = prof.PageTable(r.num_pages, 16)
+    pages.ensure(0, 33)
+    sites = prof.launch_sites(PLAN, "prefill")
+    want_ms = sum(_fake_us(s) for s in sites if s["op"] != "fill_zero") / 1e3
+
+    s = p.step("prefill_32", "a 32-token prompt", [Chunk(0, list(range(32)), 0)], pages)
+    assert (s["phase"], s["T"], s["B"], s["reps"]) == ("prefill", 32, 1, 4)
+    assert s["gpu_ms"] == pytest.approx(want_ms) and s["instrumented_gpu_ms"] == pytest.approx(want_ms)
+    assert s["kernel_sum_ms"] == pytest.approx(want_ms) and s["gaps_ms"] == pytest.approx(0, abs=1e-9)
+    assert s["host_ms"] == pytest.approx(s["wall_ms"] - s["gpu_ms"])
+    assert s["launches_per_step"] == len(sites) - 1
+    # (2 + 4) plain + (2 + 4) instrumented steps, each launching all but the zero grid, at T=32, B=1
+    assert len(launched) == 12 * (len(sites) - 1) and set(g for _, g in launched) == {(32, 1, 1)}
+    ab = r.programs["prefill"][1][2].values
+    assert ab == {0: 32, 1: 1}                                     # the dims were written before
+    # the plain loop is the same launches, in the same order, as the hooked one
+    assert [k for k, _ in launched[: len(sites) - 1]] == [k for k, _ in launched[-(len(sites) - 1):]]
+    by_key = {g["key"]: g for g in s["launches"]}
+    assert by_key["layer.7"]["us"] == pytest.approx(sum(24.0 + layer / 10 for layer in range(L)))
+
+    n_events = r.ctx.events
+    pages.ensure(3, 40, shared=pages.of[0][:2])                     # a prefix hit on 2 pages
+    d = p.step("prefix_like", "8 new tokens after 32", [Chunk(3, list(range(8)), 32)], pages)
+    assert d["phase"] == "mixed" and d["T"] == 8
+    assert r.ctx.events == n_events                                # event pairs are reused
+    ctx_tokens = 40
+    mixed = prof.launch_sites(PLAN, "mixed")
+    assert d["floor_ms"] == pytest.approx(sum(x["weight_bytes"] + ctx_tokens * x["kv_token_bytes"]
+                                              for x in mixed if x["op"] != "fill_zero") / 4e12 * 1e3)
+
+    e = p.step("decode_b1", "eager", [Chunk(0, [5], 32)], pages)
+    g = p.step("decode_b1_graph", "graph", [Chunk(0, [5], 32)], pages, mode="graph", launches_from="decode_b1")
+    assert e["phase"] == g["phase"] == "decode"
+    assert g["gpu_ms"] == pytest.approx(2.5) and "launches" not in g and g["floor_ms"] == e["floor_ms"]
+    out = capsys.readouterr().out
+    assert re.search(r"decode_b1_graph: wall [\d.]+ ms, GPU 2\.500 ms", out)
