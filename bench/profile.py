@@ -4,6 +4,8 @@ On the GPU, with the CUDA runner and its own bound programs, each of these steps
 repeated (median of --reps):
 
     prefill_32      a 32-token prompt, one sequence (phase prefill): the TTFT of a short prompt
+                    (steps of at most plan["short_tokens"] tokens run, and report, the program
+                    "short": runtime/program.py program_name)
     decode_b1       one decode token at batch 1 after it, eager (the bound decode program)
     decode_b1_graph the same step replayed from the CUDA Graph of bucket 1 (what serving runs)
     prefill_1024    a 1024-token prompt (the cold side of the prefix hit below)
@@ -37,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from infc.runtime import caches
-from infc.runtime.program import bodies, is_repeat
+from infc.runtime.program import bodies, is_repeat, program_name
 
 WEIGHT_BYTES = {"bf16": 2, "f16": 2, "fp16": 2, "f32": 4, "fp32": 4, "i32": 4, "u8": 1, "i8": 1}
 GATHERS = ("embedding",)              # ops that read a few rows of their weight, not all of it
@@ -233,7 +235,7 @@ class Profiler:
         if mode == "graph":
             r.graphs[T][0].launch()
         else:
-            r._launch_all(r.program(meta.phase), dims, on_launch=hook)
+            r._launch_all(r.program(program_name(r.plan, meta.phase, T)), dims, on_launch=hook)
         self.e1.record()
         t2 = time.perf_counter()
         r.ctx.sync()
@@ -263,7 +265,7 @@ class Profiler:
         meta = o["meta_obj"]
         instrumented = groups = None
         if mode == "eager":
-            phase = meta.phase
+            phase = program_name(r.plan, meta.phase, meta.T)     # "short" for a short prefill/mixed
             if phase not in self.sites:
                 self.sites[phase] = launch_sites(r.plan, phase)
             sites = self.sites[phase]
@@ -291,7 +293,7 @@ class Profiler:
                 instrumented["wall"].append(o["wall"])
                 instrumented["gpu"].append(o["gpu"])
             groups = group_launches(sites, samples, int(meta.context_lens.sum()), self.bw)
-        step = summarize(name, what, meta.phase, mode, meta.T, meta.B, plain, instrumented, groups, launches_from)
+        step = summarize(name, what, program_name(r.plan, meta.phase, meta.T), mode, meta.T, meta.B, plain, instrumented, groups, launches_from)
         if launches_from:                          # a graph replay: the eager step's floor
             step["floor_ms"] = self.floor_of.get(launches_from)
         self.floor_of[name] = step.get("floor_ms")

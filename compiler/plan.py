@@ -9,6 +9,8 @@
     buffers     value -> shape, dtype, offset {T, B, bytes} (views: col_offset, row_stride)
     programs    phase -> ordered launches; {"repeat": "layers", "schedule": [kind per layer],
                 "kinds": {kind: launches}} runs layer i with the launches of its kind
+    short_tokens  a prefill or mixed step of at most this many tokens runs programs["short"]
+                (runtime/program.py `program_name`)
     parallel    (rank plans of `--tensor-parallel-size N` only) {world, rank, tp, ep}: this plan
                 is rank `rank`'s share (compiler/parallel.py); its collective launches have
                 backend "nccl" and no kernel
@@ -18,6 +20,7 @@ import json
 from .ir import Graph
 from .ops import REGISTRY
 from .passes.plan_memory import DTYPE_BYTES
+from .passes.select_kernels import SHORT_TOKENS
 
 SCHEMA = "infc.plan/2"
 MARKER = "cache"      # the value that orders a cache write before its reads: no buffer
@@ -163,6 +166,7 @@ def emit_plan(state) -> dict:
         "arena": {"bytes_per_token": a[0], "bytes_per_seq": a[1], "bytes": a[2]},
         "buffers": buffers,
         "programs": {phase: _launches(state, g, phase) for phase in state.kernels},
+        **({"short_tokens": SHORT_TOKENS} if "short" in state.kernels else {}),
     }
 
 

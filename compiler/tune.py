@@ -14,7 +14,9 @@ its tune dict, kernel id and META. `runtime/cuda/tune_run.py` needs nothing else
 
 A shape key is symbolic in T and B (one key covers every batch size), so each is timed at
 representative sizes: decode at T = B = 1 (`--decode-batches 1,8` adds more; the score is the
-geometric mean), prefill at T = 1024 tokens of one sequence, mixed at T = 512 over 8 sequences;
+geometric mean), prefill at T = 1024 tokens of one sequence, mixed at T = 512 over 8 sequences,
+short (a prefill of at most plan["short_tokens"] tokens on the decode GEMVs) at T = 32 tokens of
+one sequence; a short shape has no table entry until one is tuned, so it renders the defaults;
 attention at `--context-len` cached keys per sequence.
 
 Candidates are overlays on what the build renders for a shape today with no per-shape entry
@@ -36,7 +38,7 @@ from .errors import SpecError
 MANIFEST_VERSION = 2            # 2: plan/2 caches (manifest caches, entry caches)
 DEFAULT_TEMPLATES = ("gemv", "gemv_act_mul", "lm_head_last", "attention_decode",
                      "gemm", "gemm_act_mul", "attention_prefill")
-PHASES = ("prefill", "decode", "mixed")
+PHASES = ("prefill", "decode", "mixed", "short")
 
 # --- candidate grids: only keys the template reads (tests check each against its source) -------
 
@@ -122,8 +124,13 @@ def candidates(backend: str, template: str, rows=(1,)) -> list[dict]:
     return out
 
 
+SHORT_DIMS = {"T": 32, "B": 1}     # the short prompt bench/profile.py's prefill_32 times
+
+
 def phase_dims(phase: str, decode_batches=(1,), prefill_tokens=1024, mixed=(512, 8)) -> list[dict]:
     """The step sizes a phase's shape keys are timed at."""
+    if phase == "short":
+        return [dict(SHORT_DIMS)]
     if phase == "decode":
         return [{"T": int(b), "B": int(b)} for b in decode_batches]
     if phase == "prefill":

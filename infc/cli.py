@@ -117,7 +117,7 @@ def parser() -> argparse.ArgumentParser:
     add_spec_dir_arg(i)
     i.add_argument("--model-path")
     i.add_argument("--dot", help="write the fused graph as Graphviz DOT to this file")
-    i.add_argument("--phase", action="append", choices=["prefill", "decode", "mixed"],
+    i.add_argument("--phase", action="append", choices=["prefill", "decode", "mixed", "short"],
                    help="phases to list launches for (default: all)")
     _add_parallel_args(i)
     i.add_argument("--rank", type=int, help="with --tensor-parallel-size: show only this rank")
@@ -157,7 +157,7 @@ def parser() -> argparse.ArgumentParser:
     tp.add_argument("--model-path", help="an HF model directory: bind the spec to its config.json")
     tp.add_argument("--gpu", default="h200", choices=["h100", "h200"], help="tuning table to fill")
     tp.add_argument("--out", help="output folder (default .cache/tune/<model>-<gpu>)")
-    tp.add_argument("--phases", default="decode,prefill", help="comma-separated: prefill, decode, mixed")
+    tp.add_argument("--phases", default="decode,prefill", help="comma-separated: prefill, decode, mixed, short")
     tp.add_argument("--templates", help="comma-separated templates (default: the GEMVs, GEMMs, attention)")
     tp.add_argument("--features", help="extra kernel backends, comma-separated: tilelang, cuda")
     tp.add_argument("--decode-batches", default="1", help="decode batch sizes to time at (T = B)")

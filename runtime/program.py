@@ -76,3 +76,13 @@ def count_launches(program: list) -> tuple[int, int]:
         kind, _ = layer_counts(r).most_common(1)[0] if r["count"] else (None, 0)
         per_layer = len(bodies(r)[kind]) if kind is not None else 0
     return total, per_layer
+
+
+def program_name(plan: dict, phase: str, T: int) -> str:
+    """The program a step of this phase and T tokens runs: "short" for a prefill or mixed step of
+    at most plan["short_tokens"] tokens (its linears stream the weights with the decode GEMVs; see
+    compiler/passes/select_kernels.py), else the phase's own. A plan built before the short phase
+    has neither key and runs every step as its phase."""
+    if phase in ("prefill", "mixed") and T <= plan.get("short_tokens", 0) and "short" in plan["programs"]:
+        return "short"
+    return phase

@@ -7,7 +7,7 @@ import torch
 from infc.compiler.codegen.render import Kernel
 from infc.runtime import caches
 from infc.runtime.bind import Resolver, grid, scratch_sizes
-from infc.runtime.program import unrolled
+from infc.runtime.program import program_name, unrolled
 from infc.runtime.step import Chunk, build_step
 from infc.runtime.weights import at
 
@@ -69,8 +69,11 @@ class InterpExecutor:
 
         resolver = Resolver(tensor=tensor, cache=self.caches.get, meta=md.__getitem__, scratch=scratch,
                             dim=dims.__getitem__, meta_names=self.plan["step_metadata"])
-        for launch, layer in unrolled(self.plan["programs"][meta.phase]):
+        self.program = program_name(self.plan, meta.phase, meta.T)     # what this step ran (tests)
+        self.templates = []                                            # its launches' templates
+        for launch, layer in unrolled(self.plan["programs"][self.program]):
             k = self.kernels[launch["kernel_id"]]
+            self.templates.append((launch["op"], launch["kernel"]))
             args = resolver.values(k.meta, launch["inputs"], launch["outputs"], layer, k)
             consts = dict(k.meta["constexprs"])
             if "DOT_F32" in consts:

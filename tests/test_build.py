@@ -70,9 +70,24 @@ FUSED_PER_LAYER = {"qwen3-4b": 8, "qwen3-8b": 8, "qwen3-0.6b": 8, "llama-3.2-1b"
 def test_fused_launch_counts_kept(model):
     _, plan = compile_model(model)
     L = plan["config"]["L"]
-    for phase in ("prefill", "decode", "mixed"):
+    for phase in ("prefill", "decode", "mixed", "short"):
         total, per_layer = count_launches(plan["programs"][phase])
         assert (per_layer, total) == (FUSED_PER_LAYER[model], L * FUSED_PER_LAYER[model] + 3), phase
+
+
+def test_short_program_is_mixed_with_gemv_linears():
+    """The short phase: mixed's launches one for one, the linears on the decode GEMVs (the tuned
+    prefill GEMMs are what short steps avoid), attention still attention_prefill."""
+    _, plan = compile_model("qwen3-4b")
+    assert plan["short_tokens"] == 64
+    short, mixed = (list(launches(plan["programs"][p])) for p in ("short", "mixed"))
+    assert len(short) == len(mixed) and count_launches(plan["programs"]["short"]) == \
+        count_launches(plan["programs"]["mixed"])
+    gemv = {"linear": "gemv", "linear_act_mul": "gemv_act_mul"}
+    for (s, ns), (m, nm) in zip(short, mixed):
+        assert (s["op"], s["inputs"], s["outputs"], ns) == (m["op"], m["inputs"], m["outputs"], nm)
+        assert s["kernel"] == gemv.get(s["op"], m["kernel"]), s["op"]
+    assert {l["kernel"] for l, _ in short if l["op"] == "attention_cached"} == {"attention_prefill"}
 
 
 def test_no_fuse_runs_every_op_on_its_generic_kernel():

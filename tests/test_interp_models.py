@@ -2,7 +2,8 @@
 
 Each family runs a prefill of two sequences of different lengths, the second sharing the
 first one's leading KV pages (a cached prefix), then 4 batched decode steps, with page size 16,
-every launch following the plan: its kernel, bindings and grid."""
+every launch following the plan: its kernel, bindings and grid. The second sequence's 9 new
+tokens are a short step (runtime/program.py program_name): its linears run the decode GEMVs."""
 import json
 
 import numpy as np
@@ -33,6 +34,10 @@ def test_tiny_model_through_kernels(family, fuse, tiny_model, tmp_path, rng):
                 fuse=fuse)
     plan = json.loads((out / "plan.json").read_text())
     plan["_dir"] = str(out)
+    assert plan["short_tokens"] == 64 and "short" in plan["programs"]
+    # 37 tokens would be a short step too: a lower threshold keeps the first prefill on the
+    # prefill program (the GEMMs) and the 9-token prefix hit on the short one (the GEMVs)
+    plan["short_tokens"] = 16
     weights = load_weights(plan, Checkpoint(d))
     ref = ReferenceExecutor(plan, weights)
     run = InterpExecutor(plan, weights, page_size=16)
@@ -43,11 +48,17 @@ def test_tiny_model_through_kernels(family, fuse, tiny_model, tmp_path, rng):
     # sequence 0 prefills; sequence 1 reuses its first two pages and prefills only its tail
     got = run.step([Chunk(0, a, 0)])
     want = ref.step([SeqChunk(0, a, 0)])
+    assert run.program == "prefill"
     assert _rel(got, want) < 2e-2
     run.ensure_pages(1, len(b), shared=run.pages[0][:2])
     ref.step([SeqChunk(1, b[:shared], 0)])       # the reference has no paging: give it the prefix
     got = run.step([Chunk(1, b[shared:], shared)])
     want = ref.step([SeqChunk(1, b[shared:], shared)])
+    # a mixed step of 9 tokens (T > B = 1): the short program, its linears on the decode GEMVs
+    assert run.program == "short"
+    linears = {t for op, t in run.templates if op in ("linear", "linear_act_mul")}
+    assert "gemv" in linears and linears <= {"gemv", "gemv_act_mul"}, linears
+    assert "attention_prefill" in {t for _, t in run.templates}
     assert _rel(got, want) < 2e-2
     toks = [int(np.argmax(want[0]))] * 2
     lens = [len(a), len(b)]

@@ -33,7 +33,7 @@ def test_cli_registers_bench_profile(capsys):
         assert flag in out
 
 
-@pytest.mark.parametrize("phase", ["prefill", "decode", "mixed"])
+@pytest.mark.parametrize("phase", ["prefill", "decode", "mixed", "short"])
 def test_launch_sites_follow_the_runners_order(phase):
     sites = prof.launch_sites(PLAN, phase)
     order = list(unrolled(PLAN["programs"][phase]))         # what CudaRunner.bind walks
@@ -235,18 +235,20 @@ def test_profiler_steps_on_a_fake_driver(runner_mod, monkeypatch, capsys):
     p = prof.Profiler(r, reps=4, warmup=2, bandwidth=4e12)
     pages = prof.PageTable(r.num_pages, 16)
     pages.ensure(0, 33)
-    sites = prof.launch_sites(PLAN, "prefill")
+    # a 32-token prompt and an 8-token prefix hit are short steps: the short program runs
+    assert PLAN["short_tokens"] >= 32
+    sites = prof.launch_sites(PLAN, "short")
     want_ms = sum(_fake_us(s) for s in sites if s["op"] != "fill_zero") / 1e3
 
     s = p.step("prefill_32", "a 32-token prompt", [Chunk(0, list(range(32)), 0)], pages)
-    assert (s["phase"], s["T"], s["B"], s["reps"]) == ("prefill", 32, 1, 4)
+    assert (s["phase"], s["T"], s["B"], s["reps"]) == ("short", 32, 1, 4)
     assert s["gpu_ms"] == pytest.approx(want_ms) and s["instrumented_gpu_ms"] == pytest.approx(want_ms)
     assert s["kernel_sum_ms"] == pytest.approx(want_ms) and s["gaps_ms"] == pytest.approx(0, abs=1e-9)
     assert s["host_ms"] == pytest.approx(s["wall_ms"] - s["gpu_ms"])
     assert s["launches_per_step"] == len(sites) - 1
     # (2 + 4) plain + (2 + 4) instrumented steps, each launching all but the zero grid, at T=32, B=1
     assert len(launched) == 12 * (len(sites) - 1) and set(g for _, g in launched) == {(32, 1, 1)}
-    ab = r.programs["prefill"][1][2].values
+    ab = r.programs["short"][1][2].values
     assert ab == {0: 32, 1: 1}                                     # the dims were written before
     # the plain loop is the same launches, in the same order, as the hooked one
     assert [k for k, _ in launched[: len(sites) - 1]] == [k for k, _ in launched[-(len(sites) - 1):]]
@@ -256,10 +258,10 @@ def test_profiler_steps_on_a_fake_driver(runner_mod, monkeypatch, capsys):
     n_events = r.ctx.events
     pages.ensure(3, 40, shared=pages.of[0][:2])                     # a prefix hit on 2 pages
     d = p.step("prefix_like", "8 new tokens after 32", [Chunk(3, list(range(8)), 32)], pages)
-    assert d["phase"] == "mixed" and d["T"] == 8
+    assert d["phase"] == "short" and d["T"] == 8
     assert r.ctx.events == n_events                                # event pairs are reused
     ctx_tokens = 40
-    mixed = prof.launch_sites(PLAN, "mixed")
+    mixed = prof.launch_sites(PLAN, "short")
     assert d["floor_ms"] == pytest.approx(sum(x["weight_bytes"] + ctx_tokens * x["kv_token_bytes"]
                                               for x in mixed if x["op"] != "fill_zero") / 4e12 * 1e3)
 

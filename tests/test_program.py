@@ -3,7 +3,8 @@ kernel-argument resolver), on hand-written plan fragments."""
 import pytest
 
 from infc.runtime.bind import CACHE_MARKER, KernelInfo, Resolver, dim_slots
-from infc.runtime.program import bodies, count_launches, launches, layer_counts, repeats, unrolled
+from infc.runtime.program import (bodies, count_launches, launches, layer_counts, program_name, repeats,
+                                  unrolled)
 
 
 def L(op):
@@ -52,6 +53,21 @@ def test_malformed_repeats_fail_loud(bad, match):
     p[1].update(bad)
     with pytest.raises(ValueError, match=match):
         list(unrolled(p))
+
+
+def test_program_name_picks_short_for_few_token_prefill_and_mixed():
+    plan = {"short_tokens": 64, "programs": {p: [] for p in ("prefill", "decode", "mixed", "short")}}
+    assert program_name(plan, "prefill", 1) == "short"
+    assert program_name(plan, "prefill", 64) == "short"
+    assert program_name(plan, "prefill", 65) == "prefill"
+    assert program_name(plan, "mixed", 9) == "short"
+    assert program_name(plan, "mixed", 511) == "mixed"
+    assert program_name(plan, "decode", 8) == "decode"          # decode keeps its graphs' program
+    # a plan built before the short phase (no short_tokens, no program) runs every phase as itself
+    old = {"programs": {p: [] for p in ("prefill", "decode", "mixed")}}
+    assert program_name(old, "prefill", 4) == "prefill" and program_name(old, "mixed", 4) == "mixed"
+    assert program_name({"short_tokens": 64, "programs": old["programs"]}, "prefill", 4) == "prefill"
+    assert program_name({**plan, "short_tokens": 0}, "prefill", 1) == "prefill"
 
 
 def test_old_plan_body_is_refused():

@@ -141,13 +141,26 @@ def test_merge_writes_a_table_that_the_build_reads_and_renders(prepared, tmp_pat
         merge_table({"templates": {"gemv": {"default": {"num_warps": 8}}}}, "gemv", "k", {"x": 1}, {})
 
 
+def test_prepare_short_phase_times_the_gemvs_at_a_short_prompt(tmp_path):
+    """The short phase: its linears are GEMV entries (no table entry yet: the defaults), timed at
+    a 32-token prompt of one sequence."""
+    out = prepare(MODEL, "h200", out=tmp_path / "s", phases=("short",), templates=("gemv", "gemv_act_mul"),
+                  compile=False, log=None)
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["dims"] == {"short": [{"T": 32, "B": 1}]}
+    assert m["entries"] and {e["template"] for e in m["entries"]} == {"gemv", "gemv_act_mul"}
+    for e in m["entries"]:
+        assert e["phase"] == "short" and e["shape_key"].startswith("short|") and e["current_tune"] == {}
+
+
 def _kernel_ids(plan, kernels, phase, template):
     return {l["kernel_id"] for l, _ in launches(plan["programs"][phase]) if l["kernel"] == template}
 
 
 @pytest.mark.parametrize("phase,T,B,ctx", [("decode", 1, 1, 1024), ("decode", 8, 8, 37),
                                            ("decode", 3, 3, 1), ("prefill", 1024, 1, 0),
-                                           ("prefill", 100, 3, 0), ("mixed", 40, 5, 50)])
+                                           ("prefill", 100, 3, 0), ("mixed", 40, 5, 50),
+                                           ("short", 32, 1, 0)])
 def test_step_metadata_is_valid(phase, T, B, ctx):
     PS = 16
     a, num_pages, width = step_metadata(phase, T, B, ctx, PS, seed=3)

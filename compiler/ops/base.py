@@ -11,6 +11,11 @@ from ..ir import TensorType
 
 REGISTRY: dict[str, "OpDef"] = {}
 
+# A phase that runs as another one except where an op names it: a short step (prefill or mixed of
+# at most SHORT_TOKENS tokens, compiler/passes/select_kernels.py) is a mixed step whose linears
+# stream their weights with the decode GEMVs.
+PHASE_PARENT = {"short": "mixed"}
+
 
 class ShapeError(Exception):
     """An op's inputs do not fit its rule; the caller adds file and line."""
@@ -39,11 +44,20 @@ class OpDef:
                                            # reference reads ctx.exchange; launched by NCCL
     doc: str = ""
 
-    def template(self, backend: str, phase: str) -> str | None:
+    def template(self, backend: str, phase: str, inherit: bool = True) -> str | None:
+        """The template for this backend and phase: the phase's entry, else (inherit) the entry
+        of the phase it derives from (short -> mixed), else "default"; a plain string serves
+        every phase. inherit=False: a phase that derives from another takes only its own entry
+        (or "default"): select_kernels asks the feature backends that way."""
         t = self.templates.get(backend)
-        if isinstance(t, dict):
-            return t.get(phase) or t.get("default")
-        return t
+        if not isinstance(t, dict):
+            return t
+        p = phase
+        while p is not None:
+            if t.get(p):
+                return t[p]
+            p = PHASE_PARENT.get(p) if inherit else None
+        return t.get("default")
 
 
 REQUIRED = object()

@@ -57,5 +57,5 @@ op(name="linear_act_mul", tensors=["gate_up", "weight"], optional=["bias"],
    attrs={"fn": REQUIRED, "has_bias": False}, infer=linear_act_mul_infer,
    reference=linear_act_mul, internal=True,
    templates={"triton": {"prefill": "gemm_act_mul", "mixed": "gemm_act_mul",
-                         "decode": "gemv_act_mul"}},
+                         "decode": "gemv_act_mul", "short": "gemv_act_mul"}},
    doc="down projection with the gated activation fused into its input load")

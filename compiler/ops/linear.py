@@ -5,8 +5,9 @@ The rows are whatever x's leading dims are: [T, K] tokens, [B, K] after last(), 
 added in fp32 in the kernel's epilogue, before the one rounding to the output dtype: torch's
 addmm (what HF's nn.Linear runs on the GPU) adds it inside the GEMM the same way.
 
-Decode steps have few rows, so they stream the weight with a split-K GEMV; prefill uses tiled
-GEMM. The choice is per phase, made by the select_kernels pass. The cuda gemv and the tilelang
+Decode steps have few rows, so they stream the weight with a split-K GEMV, and so do short
+prefill/mixed steps (T <= SHORT_TOKENS, the "short" phase); prefill uses tiled GEMM. The choice is
+per phase, made by the select_kernels pass. The cuda gemv and the tilelang
 gemm take no bias.
 """
 from .base import expect, op, tt
@@ -30,7 +31,7 @@ def reference(ctx, x, w, *bias, has_bias=False):
 
 # attrs["has_bias"] is set by whoever makes the node (lowering, passes), as for every optional
 op(name="linear", tensors=["x", "weight"], optional=["bias"], infer=infer, reference=reference,
-   templates={"triton": {"prefill": "gemm", "mixed": "gemm", "decode": "gemv"},
+   templates={"triton": {"prefill": "gemm", "mixed": "gemm", "decode": "gemv", "short": "gemv"},
               "cuda": {"decode": "gemv"},
               "tilelang": {"prefill": "gemm", "mixed": "gemm"}},
    doc="y = x W^T (+ b)")

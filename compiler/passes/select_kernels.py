@@ -5,7 +5,13 @@ take a launch wherever the op's home declares a template for that backend and ph
 """
 from ..ops import REGISTRY
 
-PHASES = ("prefill", "decode", "mixed")
+PHASES = ("prefill", "decode", "mixed", "short")
+# A prefill or mixed step of at most this many tokens runs the "short" program (runtime/program.py
+# `program_name`; recorded as plan["short_tokens"]): its linears take the decode GEMV templates,
+# which stream the weight once at any row count, where the prefill GEMM's long-prompt tiles
+# waste most of their work on a few dozen rows. Attention stays attention_prefill (several
+# tokens per sequence); every other op runs as in mixed (OpDef.template: short -> mixed).
+SHORT_TOKENS = 64
 
 
 def select_kernels(state):
@@ -28,7 +34,9 @@ def select_kernels(state):
                     and (not n.inputs or g.values[n.inputs[0]].type.shape[:1] == ("T",))
                 features = list(state.features) if plain else []
                 for b in features + [state.backend]:
-                    tmpl = op.template(b, phase)
+                    # a feature backend takes a short launch only where it names the phase
+                    # (its mixed GEMM is what short replaces)
+                    tmpl = op.template(b, phase, inherit=b == state.backend)
                     if tmpl is not None:
                         backend = b
                         break

@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import caches
 from ..bind import Resolver, dim_slots, eval_int, scratch_sizes
-from ..program import unrolled
+from ..program import program_name, unrolled
 from ..runner import RowSampling, Sample, sample_row
 from ..step import StepMeta
 from .artifact import DTYPE_BYTES, load_kernels, load_plan
@@ -125,6 +125,7 @@ class CudaRunner:
         return self._buffer_ptr(self.plan["outputs"]["logits"])
 
     def program(self, phase: str) -> list:
+        """The bound launches of plan["programs"][phase] ("short" included: program_name picks it)."""
         if phase not in self.programs:
             self.programs[phase] = self.bind(phase)
         return self.programs[phase]
@@ -227,7 +228,7 @@ class CudaRunner:
         if meta.phase == "decode" and T in self.graphs:
             self.graphs[T][0].launch()
         else:
-            self._launch_all(self.program(meta.phase), dims)
+            self._launch_all(self.program(program_name(self.plan, meta.phase, T)), dims)
         self._keep = keep
         return T, B
 

@@ -54,7 +54,7 @@ def step_metadata(phase: str, T: int, B: int, context_len: int, page_size: int, 
         if T != B:
             raise ValueError(f"a decode step has T == B (got T={T}, B={B})")
         chunks = [(max(context_len - 3 * b, 1) - 1, 1) for b in range(B)]
-    elif phase == "prefill":
+    elif phase in ("prefill", "short"):     # short: a prefill of few tokens (compiler/tune.py)
         if T < B:
             raise ValueError(f"a prefill step of {T} tokens cannot cover {B} sequences")
         chunks = [(0, T // B + (1 if b < T % B else 0)) for b in range(B)]

@@ -14,7 +14,7 @@ from infc.compiler.ops import REGISTRY
 
 from .. import caches as cache_layout
 from ..bind import CACHE_MARKER
-from ..program import unrolled
+from ..program import program_name, unrolled
 from ..step import Chunk, StepMeta, build_step
 from ..weights import at
 
@@ -165,7 +165,8 @@ class ReferenceExecutor:
         ctx = StepContext(meta, storage)
         views = self._arena(ctx)
         views["tokens"][...] = meta.tokens
-        self._run(self.plan["programs"][meta.phase], views, ctx)
+        # the short program where the GPU runs it: the same ops, so the same references
+        self._run(self.plan["programs"][program_name(self.plan, meta.phase, meta.T)], views, ctx)
         return np.array(views[self.plan["outputs"]["logits"]])
 
     def allocate_pages(self, num_pages: int, page_size: int, num_slots: int = 0):

@@ -11,7 +11,7 @@ import numpy as np
 
 from infc.compiler.ops import REGISTRY
 
-from ..program import unrolled
+from ..program import program_name, unrolled
 from ..step import Chunk
 from .executor import ReferenceExecutor, StepContext
 
@@ -69,7 +69,7 @@ class RankExecutor:
             v["tokens"][...] = meta.tokens
             ctxs.append(ctx)
             views.append(v)
-            programs.append(unrolled(ex.plan["programs"][meta.phase]))
+            programs.append(unrolled(ex.plan["programs"][program_name(ex.plan, meta.phase, meta.T)]))
         for step in zip(*programs, strict=True):
             (launch, layer) = step[0]
             if any(l["op"] != launch["op"] or y != layer for l, y in step):

@@ -122,9 +122,13 @@ def test_prefix_replay_and_determinism(setup):
         pages.ensure(2, n, shared=pages.of[0][:full])               # reuse the cached prefix pages
         warm = step(runner, pages, [Chunk(2, s[full * runner.page_size: n], full * runner.page_size)])
     assert np.array_equal(cold, again)
-    lc, lw = logprobs(cold), logprobs(warm)
-    assert np.abs(lc - lw).max() < 0.05, np.abs(lc - lw).max()
-    assert lc.argmax() == lw.argmax()
+    # The warm replay's suffix is a short step (T <= plan short_tokens: the decode GEMVs), the
+    # cold prefill runs the prefill GEMMs: two valid kernel paths, each held to the golden gate
+    # against HF at the prompt's last position (a wrong prefix page would be far outside it).
+    for what, got in (("cold", cold), ("warm", warm)):
+        regret, mean, p99 = gate(got, want[27][:1])
+        print(f"{name} prefix replay {what}: regret {regret:.3f} mean {mean:.4f} p99 {p99:.3f}")
+        assert regret <= 0.2 and mean <= 0.06 and p99 <= 0.2, what
 
 
 def test_decode_is_bit_identical(setup):

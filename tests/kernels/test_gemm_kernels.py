@@ -177,6 +177,60 @@ def test_gemv_act_mul(T, N, F, tune, bias, fn):
     _act_mul_case("gemv_act_mul", "decode", T, N, F, tune, fn, bias)
 
 
+# The short phase (prefill/mixed steps of T <= SHORT_TOKENS) runs the decode GEMVs with T > B:
+# rows come from dim:T only, never from B or the sequence metadata. Defaults (what a short shape
+# renders until it is tuned) and tilings whose launch splits K (grid z > 1) over one or two row
+# blocks; B < T, and 2 rows <= FMA_T put the CUDA-core rows path in play too.
+SHORT_CASES = [(2, 1, {}), (17, 3, {}), (64, 5, {}),
+               (2, 1, {"FMA_T": 2, "FMA_BLOCK_K": 32, "BLOCK_N": 16, "SPLIT_K": 2}),
+               (17, 3, {"BLOCK_N_DOT": 32, "BLOCK_K": 32, "FMA_BLOCK_K": 32, "BLOCK_T": 16, "SPLIT_K_DOT": 4}),
+               (64, 5, {"BLOCK_N_DOT": 32, "BLOCK_K": 32, "FMA_BLOCK_K": 32, "BLOCK_T": 32, "SPLIT_K_DOT": 4})]
+
+
+def _short_grid_splits(k, T, B, tune):
+    from infc.runtime.bind import grid
+    assert (grid(k.meta, {"T": T, "B": B})[2] > 1) == bool(tune)
+
+
+def test_short_phase_selects_the_gemvs():
+    assert REGISTRY["linear"].template("triton", "short") == "gemv"
+    assert REGISTRY["linear_act_mul"].template("triton", "short") == "gemv_act_mul"
+    assert REGISTRY["linear"].template("tilelang", "short", inherit=False) is None   # mixed's GEMM
+    assert REGISTRY["moe_down"].template("triton", "short") == "moe_down"            # via mixed
+
+
+@pytest.mark.parametrize("T,B,tune", SHORT_CASES)
+def test_gemv_short_rows(T, B, tune):
+    gen = np.random.default_rng(T * 10 + B)
+    N, K = 100, 136
+    x, w = rand((T, K), gen=gen), rand((N, K), gen=gen, scale=K ** -0.5)
+    k = render("gemv", "linear", [("x", ["T", K], "bf16"), ("w", [N, K], "bf16", "weight")],
+               [("y", ["T", N], "bf16")], phase="short", tune=tune)
+    assert '"dim:T"' in k.source and "meta:" not in k.source
+    _short_grid_splits(k, T, B, tune)
+    y = poison((T, N))
+    scratch = run(k, {"in:0": x, "in:1": w, "out:0": y}, {"T": T, "B": B})
+    check_scratch_zero(scratch)
+    assert rel_err(f32(y), REGISTRY["linear"].reference(None, f32(x), f32(w))) <= TOL
+
+
+@pytest.mark.parametrize("fn", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("T,B,tune", SHORT_CASES)
+def test_gemv_act_mul_short_rows(T, B, tune, fn):
+    gen = np.random.default_rng(T * 10 + B + 1)
+    N, F = 100, 136
+    gu, w = rand((T, 2 * F), gen=gen, scale=2.0), rand((N, F), gen=gen, scale=F ** -0.5)
+    k = render("gemv_act_mul", "linear_act_mul", [("gu", ["T", 2 * F], "bf16"), ("w", [N, F], "bf16", "weight")],
+               [("y", ["T", N], "bf16")], attrs={"fn": fn, "has_bias": False}, phase="short", tune=tune)
+    assert '"dim:T"' in k.source and "meta:" not in k.source
+    _short_grid_splits(k, T, B, tune)
+    y = poison((T, N))
+    scratch = run(k, {"in:0": gu, "in:1": w, "out:0": y}, {"T": T, "B": B})
+    check_scratch_zero(scratch)
+    want = REGISTRY["linear_act_mul"].reference(None, f32(gu), f32(w), fn=fn)
+    assert rel_err(f32(y), want) <= TOL
+
+
 @pytest.mark.parametrize("fn", ACTS)
 @pytest.mark.parametrize("T,N,F,tune,bias", [
     (1, 100, 72, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32}, False),
