@@ -14,6 +14,7 @@ from infc.compiler.build import compile_model
 from infc.compiler.errors import SpecError
 from infc.compiler.ops import REGISTRY
 from infc.compiler.parallel import compile_ranks, settings
+from infc.runtime.caches import unit_elems
 from infc.runtime.program import unrolled
 from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
 from infc.runtime.reference.ranks import RankExchange, RankExecutor
@@ -96,7 +97,7 @@ def test_rank_plans_shard_weights_and_caches(case, tiny_model):
     for r, p in enumerate(plans):
         assert p["parallel"] == {"world": n, "rank": r, "tp": par["tensor_parallel_size"],
                                  "ep": n if par.get("enable_expert_parallel") else 1}
-        assert p["caches"]["k"]["shape"][0] * n == whole["caches"]["k"]["shape"][0]   # kv heads
+        assert unit_elems(p["caches"]["k"]) * n == unit_elems(whole["caches"]["k"])   # kv heads split
         assert p["weights"]["wqkv"]["shape"][0] * n == whole["weights"]["wqkv"]["shape"][0]
         wo = p["weights"]["wo"]["source"]             # row-parallel: rank r's columns
         assert wo["slice"] and wo["axis"] == 1 and wo["start"] == r * p["weights"]["wo"]["shape"][1]
