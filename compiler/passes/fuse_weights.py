@@ -20,9 +20,17 @@ def fused_name(wnames: list[str]) -> str:
     return "_".join(wnames)
 
 
-def _register(state, g, fused: str, t: TensorType, source: dict, layers, line=None):
+def register_weight(state, g, fused: str, t: TensorType, source: dict, layers, line=None):
+    """Declare a weight a pass builds at load time (a concatenation) in g and the weights table."""
     g.add_value(Value(fused, "weight", t, line=line))
     state.weights[fused] = {"source": source, "layers": layers, "type": t, "line": line}
+
+
+def forget_unread(state, replaced: set):
+    """Drop replaced weights from the table unless some graph (another kind's body) still reads them."""
+    used = {v.name for g in state.graph.walk() for v in g.values.values() if v.kind == "weight"}
+    for w in replaced - used:
+        del state.weights[w]
 
 
 def _fuse_linears(state, g, dropped: set):
@@ -45,7 +53,7 @@ def _fuse_linears(state, g, dropped: set):
         sizes = [g.values[w].type.shape[0] for w in wnames]
         fused = fused_name(wnames)
         layers = state.weights[wnames[0]]["layers"]
-        _register(state, g, fused, TensorType((sum(sizes), k), dtype),
+        register_weight(state, g, fused, TensorType((sum(sizes), k), dtype),
                   {"concat": [state.weights[w]["source"] for w in wnames], "axis": 0}, layers)
         inputs = [x, fused]
         has_bias = any(n.attrs.get("has_bias") for n in nodes)
@@ -55,7 +63,7 @@ def _fuse_linears(state, g, dropped: set):
             bdtype = next(g.values[b].type.dtype for b in bnames if b)
             bfused = fused_name([b for b in bnames if b]) + "_fused" if None in bnames else \
                 fused_name(bnames)
-            _register(state, g, bfused, TensorType((sum(sizes),), bdtype), {"concat": bsrc, "axis": 0}, layers)
+            register_weight(state, g, bfused, TensorType((sum(sizes),), bdtype), {"concat": bsrc, "axis": 0}, layers)
             inputs.append(bfused)
             wnames += [b for b in bnames if b]
         first = nodes[0]
@@ -81,6 +89,4 @@ def fuse_weights(state):
     dropped: set = set()
     for g in state.graph.walk():
         _fuse_linears(state, g, dropped)
-    used = {v.name for g in state.graph.walk() for v in g.values.values() if v.kind == "weight"}
-    for w in dropped - used:          # still read somewhere else (another kind's body): keep
-        del state.weights[w]
+    forget_unread(state, dropped)

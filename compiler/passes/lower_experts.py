@@ -5,7 +5,7 @@ gate|up (stacks concatenated at load time) with the activation, then down with t
 weights' combine.
 """
 from ..ir import Node, TensorType, Value
-from .fuse_weights import fused_name
+from .fuse_weights import forget_unread, fused_name, register_weight
 
 
 def lower_experts(state):
@@ -16,12 +16,11 @@ def lower_experts(state):
             gt = g.values[gate].type
             fused = fused_name([gate, up])
             if fused not in g.values:
-                t = TensorType((gt.shape[0], 2 * gt.shape[1], gt.shape[2]), gt.dtype)
-                g.add_value(Value(fused, "weight", t))
-                state.weights[fused] = {
-                    "source": {"concat": [state.weights[gate]["source"], state.weights[up]["source"]],
-                               "axis": 1},
-                    "layers": state.weights[gate]["layers"], "type": t, "line": None}
+                register_weight(state, g, fused,
+                                TensorType((gt.shape[0], 2 * gt.shape[1], gt.shape[2]), gt.dtype),
+                                {"concat": [state.weights[gate]["source"], state.weights[up]["source"]],
+                                 "axis": 1},
+                                state.weights[gate]["layers"])
             act = g.fresh("act")
             g.add_value(Value(act, "act", line=n.line))
             g.add_node(Node(g.new_node_id("moe_gate_up"), "moe_gate_up", [x, ids, fused], [act], {},
@@ -34,6 +33,4 @@ def lower_experts(state):
                 del g.values[old]
                 replaced.add(old)
             state.note("lower_experts", f"{g.name}: {gate} + {up} -> {fused} (experts)")
-    used = {v.name for g in state.graph.walk() for v in g.values.values() if v.kind == "weight"}
-    for w in replaced - used:
-        del state.weights[w]
+    forget_unread(state, replaced)
