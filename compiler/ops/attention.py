@@ -145,7 +145,8 @@ op(name="attention_cached", tensors=["q", "cache"], internal=True,
    reference=lambda ctx, q, cache, kv_heads, scale=None, window=None, softcap=None:
        attend_cached(ctx, q, scale, window, softcap),
    caches=lambda types, attrs: _kv_caches(attrs["kv_heads"], types[0].shape[2]),
-   templates={"triton": {"prefill": "attention_prefill", "mixed": "attention_prefill",
-                         "decode": "attention_decode"},
+   # mixed and short: flash tiles for long chunks, split-KV for decode rows and short suffixes
+   templates={"triton": {"prefill": "attention_prefill", "mixed": "attention_mixed",
+                         "short": "attention_mixed", "decode": "attention_decode"},
               "tilelang": {"decode": "attention_decode"}},
    doc="causal GQA attention over the paged KV cache (scale, sliding window, logit softcap)")

@@ -92,6 +92,26 @@ class Context:
         check(cu.cuMemcpyHtoDAsync(ptr, host.ctypes.data, host.nbytes, self.stream), "cuMemcpyHtoDAsync")
         return host                # keep alive until the stream syncs
 
+    def htod_rows(self, ptr: int, pitch: int, host: np.ndarray):
+        """host [rows, w] into the first w columns of a device matrix whose rows are `pitch` bytes
+        apart: only the columns a step uses cross the bus, the rest keep what they held."""
+        host = np.ascontiguousarray(host)
+        rows, row_bytes = host.shape[0], host.nbytes // max(host.shape[0], 1)
+        if host.nbytes == 0:
+            return host
+        assert row_bytes <= pitch, (row_bytes, pitch)
+        c = cu.CUDA_MEMCPY2D()
+        c.srcMemoryType = cu.CUmemorytype.CU_MEMORYTYPE_HOST
+        c.srcHost = host.ctypes.data
+        c.srcPitch = row_bytes
+        c.dstMemoryType = cu.CUmemorytype.CU_MEMORYTYPE_DEVICE
+        c.dstDevice = ptr
+        c.dstPitch = pitch
+        c.WidthInBytes = row_bytes
+        c.Height = rows
+        check(cu.cuMemcpy2DAsync(c, self.stream), "cuMemcpy2DAsync")
+        return host                # keep alive until the stream syncs
+
     def htod_raw(self, ptr: int, host_addr: int, nbytes: int):
         """An async copy from host memory the caller keeps alive (pinned: truly async)."""
         check(cu.cuMemcpyHtoDAsync(ptr, host_addr, nbytes, self.stream), "cuMemcpyHtoDAsync")

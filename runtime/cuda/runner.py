@@ -194,15 +194,25 @@ class CudaRunner:
     def _upload(self, arrays: dict, dims: dict) -> list:
         arrays = dict(arrays)
         keep = [self.ctx.htod(self._buffer_ptr("tokens", dims), arrays.pop("tokens"))]
+        if "block_tables" in arrays:
+            # only the columns the step's longest sequence needs: the kernels' row stride stays
+            # max_pages (fixed in every bound program and graph), and no kernel reads a page past
+            # its sequence's context
+            keep.append(self.ctx.htod_rows(self.meta["block_tables"], 4 * (self.max_pages_per_seq + 1),
+                                           arrays.pop("block_tables")))
         keep += [self.ctx.htod(self.meta[n], a) for n, a in arrays.items()]
         return keep
 
     def _metadata(self, meta: StepMeta, T: int, B: int) -> dict:
-        """Host arrays for a step padded to T tokens / B sequences (pad rows use the spare page)."""
+        """Host arrays for a step padded to T tokens / B sequences (pad rows use the spare page).
+        block_tables is [B, the step's widest table]: _upload writes those columns only."""
         pad_t, pad_b = T - meta.T, B - meta.B
         assert pad_t == pad_b and pad_t >= 0
         spare = self.num_pages
-        width = self.max_pages_per_seq + 1
+        width = max(1, meta.block_tables.shape[1])
+        if width > self.max_pages_per_seq + 1:
+            raise ValueError(f"a block table of {width} pages is wider than max_model_len allows "
+                             f"({self.max_pages_per_seq} pages)")
         bt = np.full((B, width), spare, np.int32)
         bt[: meta.B, : meta.block_tables.shape[1]] = meta.block_tables
         arr = {
@@ -214,7 +224,7 @@ class CudaRunner:
             "slot_mapping": np.concatenate([meta.slot_mapping, np.full(pad_t, spare * self.page_size, np.int32)]),
             "block_tables": bt,
         }
-        return {k: v.astype(np.int32) for k, v in arr.items()}
+        return {k: v if v.dtype == np.int32 else v.astype(np.int32) for k, v in arr.items()}
 
     def _run_step(self, meta: StepMeta) -> tuple[int, int]:
         self.ctx.ensure_current()

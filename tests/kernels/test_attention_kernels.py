@@ -499,6 +499,48 @@ def test_attention_prefill(hq, hkv, d, specs, share, tune, extra):
     assert _attention("attention_prefill", "mixed", page, hq, d, tune, dims, q_scale=q_scale, **extra) <= TOL
 
 
+MIXED_CASES = [
+    # hq, hkv, d, (cached, q_len) per sequence, phase, tune, extra attrs. attention_mixed: flash
+    # tiles for sequences of more than QMAX new tokens, split-KV programs (merged in-launch) for
+    # the rest; TARGET_CTAS small enough that some steps split and some do not
+    (8, 2, 64, [(69, 1), (0, 15), (14, 20), (5, 1), (300, 1)], "mixed",
+     {"BLOCK_M": 16, "BLOCK_N": 16, "SPLIT_BLOCK_N": 16, "NUM_SPLITS": 4, "TARGET_CTAS": 64}, {}),
+    (8, 2, 64, [(69, 1), (0, 15), (300, 1)], "mixed", {"BLOCK_M": 16, "BLOCK_N": 16}, {}),  # defaults
+    (4, 4, 64, [(250, 16), (0, 9), (40, 3), (123, 17)], "short",                            # G = 1
+     {"BLOCK_M": 16, "BLOCK_N": 16, "SPLIT_BLOCK_N": 32, "NUM_SPLITS": 8}, {}),
+    (8, 2, 128, [(500, 16), (33, 5)], "short", {"SPLIT_BLOCK_N": 16, "NUM_SPLITS": 8}, {}),  # 16 over a long prefix
+    (6, 2, 96, [(200, 7), (0, 30)], "short", {"BLOCK_M": 32, "BLOCK_N": 16, "QMAX": 8}, {"scale": 0.05}),
+    (4, 2, 64, [(300, 5), (60, 1), (0, 40), (45, 30)], "short",
+     {"BLOCK_M": 16, "BLOCK_N": 16, "SPLIT_BLOCK_N": 16, "NUM_SPLITS": 4}, {"window": 21}),
+    (4, 2, 64, [(90, 3), (33, 1), (10, 19)], "short",
+     {"BLOCK_M": 16, "BLOCK_N": 16, "SPLIT_BLOCK_N": 16, "NUM_SPLITS": 4}, {"softcap": 5.0}),
+    (2, 1, 128, [(150, 4), (50, 9)], "mixed", {"BLOCK_M": 16, "BLOCK_N": 32, "QMAX": 4, "NUM_SPLITS": 2},
+     {"softcap": 50.0, "window": 48, "scale": 0.1}),                                          # Gemma 2-like
+]
+
+
+@pytest.mark.parametrize("hq,hkv,d,specs,phase,tune,extra", MIXED_CASES)
+def test_attention_mixed(hq, hkv, d, specs, phase, tune, extra):
+    gen = np.random.default_rng(len(specs) * 10 + d)
+    page = Paged(gen, specs, hkv, d)
+    if extra.get("window"):
+        page.hide_below_window(extra["window"])
+    dims = {"T": page.T, "B": page.B}
+    q_scale = 4.0 if extra.get("softcap") == 5.0 else 1.0
+    assert _attention("attention_mixed", phase, page, hq, d, tune, dims, q_scale=q_scale, **extra) <= TOL
+
+
+def test_attention_mixed_splits_and_leaves_counters_zero():
+    """The split role really splits (one program per split would not read the whole prefix) and
+    leaves its scratch counters zero for the next launch: run the same launch twice."""
+    gen = np.random.default_rng(3)
+    page = Paged(gen, [(400, 16), (0, 20)], 2, 64)
+    tune = {"SPLIT_BLOCK_N": 16, "NUM_SPLITS": 8, "BLOCK_M": 16, "BLOCK_N": 16}
+    dims = {"T": page.T, "B": page.B}
+    for _ in range(2):
+        assert _attention("attention_mixed", "short", page, 8, 64, tune, dims) <= TOL
+
+
 def test_attention_refuses_bad_attrs():
     from infc.compiler.ir import TensorType
     q, k = TensorType(("T", 4, 64), "bf16"), TensorType(("T", 2, 64), "bf16")
