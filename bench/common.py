@@ -38,9 +38,26 @@ def copy_bandwidth(ctx, nbytes: int = 2 << 30, reps: int = 10) -> float:
 
 
 def header(ctx, model: str) -> dict:
-    return {"gpu": ctx.name, "commit": commit(),
+    """ctx: the CUDA context (its device name is recorded), or the name itself where there is none
+    (the CPU backend, or a benchmark that only talks to a server)."""
+    return {"gpu": ctx if isinstance(ctx, str) else ctx.name, "commit": commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "model": model}
+
+
+PERCENTILES = (50, 90, 95, 99)
+
+
+def latency_stats(xs, percentiles=PERCENTILES) -> dict:
+    """Latencies in seconds -> mean, std and percentiles in ms (None and non-finite dropped)."""
+    import math
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    if not xs:
+        return {}
+    a = np.asarray(xs) * 1e3
+    d = {"mean_ms": float(a.mean()), "std_ms": float(a.std())}
+    d.update({f"p{p}_ms": float(np.percentile(a, p)) for p in percentiles})
+    return d
 
 
 def save(name: str, data: dict, out: Path | None = None) -> Path:

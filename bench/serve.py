@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-PERCENTILES = (50, 90, 95, 99)
+from .common import PERCENTILES, latency_stats
 
 
 # -- a minimal streaming HTTP client --------------------------------------------------------------
@@ -118,13 +118,7 @@ async def one_request(url, body, headers, timeout) -> dict:
 
 
 def _stats(xs) -> dict:
-    xs = [x for x in xs if x is not None and math.isfinite(x)]
-    if not xs:
-        return {}
-    a = np.asarray(xs) * 1e3
-    d = {"mean_ms": float(a.mean()), "std_ms": float(a.std())}
-    d.update({f"p{p}_ms": float(np.percentile(a, p)) for p in PERCENTILES})
-    return d
+    return latency_stats(xs, PERCENTILES)
 
 
 async def run_rate(url, make_body, headers, rate, num, input_len, timeout, seed, max_concurrency=None) -> dict:

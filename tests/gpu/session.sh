@@ -6,8 +6,9 @@
 # baseline commit's qwen3-4b latency on the same card: tools/prepare_baseline.sh), latency,
 # profile (per-launch GPU times of a short prefill, a prefix hit, a 256-sequence mixed step and
 # batch-1 decode: bench/profile.py), throughput, startup, server (the SDK suite with --device
-# cuda), serve (infc bench serve against infc serve), generate (infc generate --device cuda),
-# tune (infc tune run).
+# cuda), serve (infc bench serve against infc serve), prefix (TTFT cold vs warm prefix hit at
+# 1k-32k tokens, in-process engine and through a spawned infc serve: bench/prefix.py; PREFIX_ARGS
+# adds flags, e.g. --load-format dummy), generate (infc generate --device cuda), tune (infc tune run).
 # INFC_GPU_FAMILIES=a,b|all|none picks the families (default: gpu_families.DEFAULT; prepare.py must
 # have built the same ones).
 # Needs what tests/gpu/prepare.py built here (carry .cache/gpu, .cache/artifacts, .cache/tune)
@@ -88,6 +89,9 @@ for _ in range(600):
       timeout ${SERVE_S:-200} python3 -m infc.cli bench serve --base-url http://127.0.0.1:8011 \
         --num-prompts ${SERVE_PROMPTS:-32} --out "$OUT" 2>&1 | tail -12
       kill $pid; wait $pid 2>/dev/null ;;
+    prefix)
+      timeout ${PREFIX_S:-480} python3 -m infc.cli bench prefix --model-path "$MODELS/qwen3-4b" \
+        --out "$OUT" ${PREFIX_ARGS:-} 2>&1 | quiet | tail -24 ;;
     generate)
       timeout 120 python3 -m infc.cli generate --model-path "$MODELS/qwen3-4b" --device cuda \
         --prompt "The capital of France is" --prompt "def fib(n):" --max-tokens 12 2>&1 | tee "$OUT/generate.log" | tail -4 ;;

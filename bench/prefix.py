@@ -1,0 +1,514 @@
+"""`infc bench prefix`: time to first token with the prompt cold, and with its prefix cached.
+
+    infc bench prefix --model-path DIR [--load-format dummy] [--path engine|serve|both]
+
+For each input length L (default 1k, 4k, 16k, 32k; lengths that do not fit the model's context
+are clipped to the longest whole-page length that does, with a note):
+  cold  a fresh random prompt of L + --new-tokens tokens, never seen before (0 cached tokens);
+  warm  one L-token random prefix is sent once (untimed, it fills the prefix cache with its full
+        pages), then each repetition sends that prefix + --new-tokens fresh tokens: the engine
+        finds L // page_size full pages cached and computes only the new tokens.
+TTFT is the time to the first generated token (every request asks for exactly one, greedy).
+Before the timed repetitions of each L, one cold and one warm request run untimed.
+
+Two paths, each with its own p50 / p99 / mean / n per L and mode:
+  engine  the engine `LLM` and `infc serve` build (infc.backend.load_backend), in this process:
+          add_request, then step() until the request's token comes back;
+  serve   `infc serve` spawned as users start it (or --base-url), streaming /v1/completions:
+          from opening the connection to the first streamed choice, the tokenizer and HTTP
+          included. The prompt goes as text when the directory has a tokenizer.json (words that
+          are one token each, so the token count is exact and the prefix tokenizes the same
+          alone and extended), else as token ids. With text, tokenize_ms per L is what the
+          same tokenizer takes for the whole prompt in this process: the tokenizer's share of
+          every serve TTFT (the whole prompt is tokenized, cached prefix or not).
+The prefix cache is checked, not assumed: per request the cached-token count (the engine's
+StepOutput.num_cached_tokens; through the server, the change of /metrics'
+vllm:prefix_cache_hits_total around the request) goes into the JSON, and a warm request that did
+not find its whole prefix cached, or a cold one that found anything, stops the benchmark.
+
+The serve path runs first: its server process owns the GPU until it exits, then the engine path
+loads its own. On the GPU the engine path also measures the copy bandwidth, and records the floor
+of a warm hit: (weight bytes + KV bytes of L + new tokens) / bandwidth.
+
+Output: bench/results/prefix-<model>-<gpu>.json, saved after every length so a later failure
+keeps what was measured, and a .png beside it where matplotlib is installed (TTFT p50 and p99
+against L, log-log: cold and warm, engine and serve).
+"""
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+LENGTHS = "1024,4096,16384,32768"
+LONG = 4096                     # above this, cold repetitions default to 3 (each is a long prefill)
+
+
+# -- prompts ----------------------------------------------------------------------------------
+class IdPrompts:
+    """Random token ids above the low ids (where special tokens live), as bench/serve.py draws."""
+    kind = "ids"
+
+    def __init__(self, vocab: int, rng):
+        self.lo, self.hi, self.rng = min(1000, vocab // 4), vocab, rng
+
+    def make(self, n: int, start: bool = True) -> list[int]:
+        return self.rng.integers(self.lo, self.hi, n).tolist()
+
+
+class TextPrompts:
+    """Random text whose tokenization is known: words that are one token each with their leading
+    space (" river"), so n words are n tokens (+ the BOS the tokenizer adds at the start), and a
+    prefix tokenizes the same alone and with more words after it (pre-tokenizers split at the
+    space). Built from the tokenizer's own vocabulary and checked against it."""
+    kind = "text"
+    WORD = re.compile(r"^[a-z]{2,12}$")
+
+    def __init__(self, tokenizer, rng, pool: int = 4096, scan: int = 40000):
+        self.tok, self.rng = tokenizer, rng
+        self.bos = 1 if (tokenizer.add_bos and tokenizer.bos_id is not None) else 0
+        tk = tokenizer.tk
+        n = tk.get_vocab_size(with_added_tokens=False)
+        seen, pieces = set(), []
+        for t in rng.permutation(n)[:scan].tolist():
+            w = tk.decode([t]).strip()
+            if self.WORD.match(w) and w not in seen:
+                seen.add(w)
+                pieces.append(" " + w)
+        enc = tk.encode_batch(pieces, add_special_tokens=False) if pieces else []
+        self.words = [p for p, e in zip(pieces, enc) if len(e.ids) == 1][:pool]
+        if len(self.words) < 64:
+            raise ValueError(f"the tokenizer has only {len(self.words)} one-token words")
+        probe = self.make(512)                    # the property everything here relies on
+        if len(tokenizer.encode(probe)) != 512:
+            raise ValueError("random one-token words do not tokenize one token each")
+
+    def make(self, n: int, start: bool = True) -> str:
+        k = n - (self.bos if start else 0)
+        return "".join(self.words[i] for i in self.rng.integers(0, len(self.words), k))
+
+    def encode_ms(self, text: str, reps: int = 3) -> float:
+        """The median time the server's tokenizer (the same class, here) takes for this text."""
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            self.tok.encode(text)
+            times.append((time.perf_counter() - t0) * 1e3)
+        return float(np.median(times))
+
+    def check_prefix(self, prefix: str, full: str, n_prefix: int, n_full: int):
+        a, b = self.tok.encode(prefix), self.tok.encode(full)
+        if len(a) != n_prefix or len(b) != n_full or b[:n_prefix] != a:
+            raise RuntimeError(f"text prompts: the prefix tokenizes to {len(a)} tokens (want {n_prefix}), the "
+                               f"prompt to {len(b)} (want {n_full}), prefix kept: {b[:n_prefix] == a}")
+
+
+# -- the sweep, shared by both paths ----------------------------------------------------------
+def clip_lengths(lengths: list[int], new: int, max_model_len: int, page_size: int) -> tuple[list[int], list[str]]:
+    """Lengths L with L + new + 1 <= max_model_len (the prompt plus the one generated token);
+    those that do not fit become the longest whole-page length that does, once."""
+    top = (max_model_len - new - 1) // page_size * page_size
+    keep, notes = [], []
+    for L in lengths:
+        if L < page_size:
+            raise ValueError(f"input length {L} is shorter than one page ({page_size} tokens): nothing to cache")
+        if L + new + 1 <= max_model_len:
+            keep.append(L)
+        else:
+            notes.append(f"input length {L} + {new} new tokens does not fit max_model_len {max_model_len}: "
+                         f"clipped to {top}")
+            if top >= page_size:
+                keep.append(top)
+    return sorted(set(keep)), notes
+
+
+def cold_reps_for(L: int, reps: int, cold_reps: int | None) -> int:
+    return cold_reps if cold_reps is not None else (reps if L <= LONG else min(reps, 3))
+
+
+def stats(ttfts: list[float]) -> dict:
+    from .common import latency_stats
+    return {"n": len(ttfts), **latency_stats(ttfts, (50, 90, 99))}
+
+
+def sweep(submit, prompts, lengths, new, reps, cold_reps, page_size, label, on_length=None) -> dict:
+    """submit(prompt, n_tokens) -> {"ttft": s, "cached": tokens}; returns per str(L) the cold and
+    warm statistics, samples and cached-token counts. Raises on a warm miss or a cold hit."""
+    out = {}
+    for L in lengths:
+        want = L // page_size * page_size
+        n_cold = cold_reps_for(L, reps, cold_reps)
+        submit(prompts.make(L + new), L + new)                          # untimed
+        cold = [submit(prompts.make(L + new), L + new) for _ in range(n_cold)]
+        prefix = prompts.make(L)
+        submit(prefix, L)                                               # fills the cache
+        tokenize_ms = None
+        if isinstance(prompts, TextPrompts):
+            full = prefix + prompts.make(new, start=False)
+            prompts.check_prefix(prefix, full, L, L + new)
+            tokenize_ms = prompts.encode_ms(full)
+        warm = [submit(prefix + prompts.make(new, start=False), L + new) for _ in range(reps + 1)][1:]
+        for mode, rs, ok in (("cold", cold, lambda c: c == 0), ("warm", warm, lambda c: c == want)):
+            bad = [r["cached"] for r in rs if not ok(r["cached"])]
+            if bad:
+                raise RuntimeError(f"{label}: {mode} requests at L={L} found {bad} cached tokens, expected "
+                                   f"{0 if mode == 'cold' else want} ({len(bad)} of {len(rs)}): "
+                                   f"{'the prefix cache was not hit' if mode == 'warm' else 'not cold'}")
+        out[str(L)] = {"expected_cached_tokens": want, "prompt_tokens": L + new}
+        if tokenize_ms is not None:           # part of every serve TTFT with text prompts
+            out[str(L)]["tokenize_ms"] = tokenize_ms
+        for mode, rs in (("cold", cold), ("warm", warm)):
+            out[str(L)][mode] = {**stats([r["ttft"] for r in rs]),
+                                 "samples_ms": [r["ttft"] * 1e3 for r in rs],
+                                 "cached_tokens": [r["cached"] for r in rs]}
+        c, w = out[str(L)]["cold"], out[str(L)]["warm"]
+        print(f"{label} L={L:6d}: cold p50 {c['p50_ms']:9.2f} p99 {c['p99_ms']:9.2f} ms (n={c['n']}), "
+              f"warm +{new} p50 {w['p50_ms']:7.2f} p99 {w['p99_ms']:7.2f} ms (n={w['n']}, {want} cached)"
+              + (f"; tokenizing the prompt alone: {tokenize_ms:.2f} ms" if tokenize_ms is not None else ""),
+              flush=True)
+        if on_length:
+            on_length(out)
+    return out
+
+
+# -- engine path ------------------------------------------------------------------------------
+def run_engine(a, lengths, rec: dict, save_point):
+    """Fills rec (the JSON's paths.engine) as it goes."""
+    from infc.backend import load_backend
+    from infc.runtime import caches
+    from infc.runtime.sampling import SamplingParams
+    from .common import copy_bandwidth
+    kw = {} if a.max_num_batched_tokens is None else {"max_num_batched_tokens": a.max_num_batched_tokens}
+    b = load_backend(a.model_path, model=a.model, device=a.device, max_num_seqs=a.max_num_seqs,
+                     gpu_memory_utilization=a.gpu_memory_utilization, asynchronous=False,
+                     load_format=a.load_format, enable_prefix_caching=True, block_size=a.page_size, **kw)
+    engine, runner = b.engine, b.engine.runner
+    if not engine.bm.enable_prefix_caching:      # e.g. a model with per-sequence state (slot caches)
+        raise ValueError(f"{a.model_path}: the engine runs this model without prefix caching: no warm hit to time")
+    rec.update({"device": b.device, "plan_model": b.model_name, "max_model_len": b.max_model_len,
+                "page_size": b.page_size, "kv_tokens": b.kv_tokens, "max_num_seqs": a.max_num_seqs,
+                "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens})
+    ctx = getattr(runner, "ctx", None)
+    bw = None
+    if ctx is not None:
+        rec["device_name"] = ctx.name
+        try:
+            bw = copy_bandwidth(ctx)
+        except Exception as e:  # noqa: BLE001 - the KV cache may leave too little room: no floor then
+            rec["copy_error"] = f"{type(e).__name__}: {e}"
+        rec["copy_GBps"] = bw / 1e9 if bw else None
+        rec["weight_bytes"] = runner.weights.bytes
+    lengths, notes = clip_lengths(lengths, a.new_tokens, b.max_model_len, b.page_size)
+    rec.update(lengths=lengths, notes=notes)
+    for n in notes:
+        print(f"engine: {n}")
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    count = iter(range(1 << 62))
+
+    def submit(prompt, n):
+        assert len(prompt) == n, (len(prompt), n)
+        rid = f"prefix-{next(count)}"
+        t0 = time.perf_counter()
+        engine.add_request(prompt, params, rid)
+        got = None
+        while got is None:
+            for o in engine.step():
+                if o.request_id == rid:
+                    got = (time.perf_counter() - t0, o.num_cached_tokens)
+        while engine.has_unfinished():          # max_tokens=1: it finished with its token
+            engine.step()
+        return {"ttft": got[0], "cached": got[1]}
+
+    prompts = IdPrompts(b.vocab_size, np.random.default_rng(a.seed))
+    submit(prompts.make(32), 32)                # the engine's first step, untimed
+    rec["results"] = {}
+
+    def on_length(res):
+        rec["results"] = res
+        save_point()
+
+    sweep(submit, prompts, lengths, a.new_tokens, a.reps, a.cold_reps, b.page_size, "engine", on_length)
+    if bw:
+        kv = caches.token_bytes(caches.of_plan(runner.plan))
+        for L, r in rec["results"].items():
+            r["warm_floor_ms"] = (runner.weights.bytes + kv * (int(L) + a.new_tokens)) / bw * 1e3
+    close = getattr(runner, "close", None)
+    if close:
+        close()
+
+
+# -- serve path -------------------------------------------------------------------------------
+def _get(url: str, timeout: float = 10) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read()
+
+
+def prefix_cache_hits(base: str) -> float:
+    """vllm:prefix_cache_hits_total (cached prompt tokens, all requests so far) from /metrics."""
+    m = re.search(r"^vllm:prefix_cache_hits_total(?:\{[^}]*\})? (\S+)$", _get(f"{base}/metrics").decode(), re.M)
+    if m is None:
+        raise RuntimeError(f"{base}/metrics has no vllm:prefix_cache_hits_total")
+    return float(m.group(1))
+
+
+@contextmanager
+def spawned_server(a, timeout_s: float):
+    """`infc serve` in a fresh process on a free port; yields its base URL and command."""
+    from .startup import free_port, healthy
+    port = free_port()
+    cmd = [sys.executable, "-m", "infc.cli", "serve", "--model-path", a.model_path, "--port", str(port),
+           "--load-format", a.load_format, "--gpu-memory-utilization", str(a.gpu_memory_utilization),
+           "--block-size", str(a.page_size),
+           "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log"]
+    cmd += ["--device", a.device] if a.device else []
+    cmd += ["--model", a.model] if a.model else []
+    if a.max_num_batched_tokens is not None:
+        cmd += ["--max-num-batched-tokens", str(a.max_num_batched_tokens)]
+    cmd += a.serve_args
+    log = tempfile.TemporaryFile("w+")        # a file, not a pipe: a full pipe would block the server
+    # `timeout` (tests/gpu/session.sh) sends SIGTERM, which ends Python without `finally`: make it
+    # an exception while the server runs, so the server never outlives us holding the GPU
+    restore, p, ready = None, None, False
+
+    def tail():
+        log.seek(0)
+        return log.read()[-3000:]
+
+    try:
+        if threading.current_thread() is threading.main_thread():
+            restore = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        t0 = time.perf_counter()
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
+                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        while not healthy(port):
+            if p.poll() is not None:
+                raise RuntimeError(f"infc serve exited with {p.returncode}:\n{tail()}")
+            if time.perf_counter() - t0 > timeout_s:
+                raise RuntimeError(f"infc serve not ready after {timeout_s} s:\n{tail()}")
+            time.sleep(0.05)
+        print(f"serve: infc serve ready in {time.perf_counter() - t0:.1f} s on port {port}", flush=True)
+        ready = True
+        yield f"http://127.0.0.1:{port}", cmd[3:]
+    except BaseException:
+        if ready:                               # what the server said, beside the client's error
+            print(f"infc serve's log:\n{tail()}", file=sys.stderr)
+        raise
+    finally:
+        if p is not None and p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
+        log.close()
+        if restore is not None:
+            signal.signal(signal.SIGTERM, restore)
+
+
+def _stream_ttft(url: str, body: dict, timeout: float) -> tuple[float, dict | None]:
+    from .serve import post_stream
+
+    async def go():
+        t0 = time.perf_counter()
+        first, usage = None, None
+        async for t, data in post_stream(url, body, {}, timeout):
+            if data == b"[DONE]":
+                break
+            ev = json.loads(data)
+            if "error" in ev:
+                raise RuntimeError(f"{url}: {ev['error'].get('message')}")
+            if first is None and ev.get("choices"):
+                first = t                       # the one token's chunk (sent even when its text is empty)
+            if ev.get("usage"):
+                usage = ev["usage"]
+        if first is None:
+            raise RuntimeError(f"{url}: the stream ended without a token")
+        return first - t0, usage
+
+    return asyncio.run(go())
+
+
+def _vocab(base: str, model_path: str) -> int:
+    """Token ids below this are valid: the model's vocabulary (config.json), within the
+    tokenizer's where the server has one."""
+    sizes = []
+    cfg = Path(model_path) / "config.json"
+    if cfg.exists():
+        c = json.loads(cfg.read_text())
+        v = c.get("vocab_size") or (c.get("text_config") or {}).get("vocab_size")
+        sizes += [int(v)] if v else []
+    try:
+        sizes.append(int(json.loads(_get(f"{base}/tokenizer_info"))["vocab_size"]))
+    except Exception:  # noqa: BLE001 - no tokenizer: token ids only
+        pass
+    if not sizes:
+        raise ValueError(f"no vocabulary size: {cfg} has none and the server has no tokenizer")
+    return min(sizes)
+
+
+def run_serve(a, lengths, rec: dict, save_point):
+    """Fills rec (the JSON's paths.serve) as it goes."""
+    from contextlib import nullcontext
+    server = nullcontext((a.base_url.rstrip("/").removesuffix("/v1"), None)) if a.base_url \
+        else spawned_server(a, a.timeout_s)
+    with server as (base, cmd):
+        card = json.loads(_get(f"{base}/v1/models"))["data"][0]
+        max_model_len = int(card.get("max_model_len") or 1 << 30)
+        rec.update({"base_url": base, "serve_args": cmd, "model_name": card["id"],
+                    "max_model_len": max_model_len, "page_size": a.page_size})
+        rng = np.random.default_rng(a.seed + 1)
+        prompts, why = None, None
+        if a.prompt_format in ("auto", "text"):
+            from infc.compiler.errors import ModelDirError
+            from infc.runtime.tokenizer import Tokenizer
+            try:
+                prompts = TextPrompts(Tokenizer(Path(a.model_path)), rng)
+            except (ModelDirError, ValueError) as e:
+                if a.prompt_format == "text":
+                    raise ValueError(f"--prompt-format text: {e}") from None
+                why = f"prompts as token ids: {e}"
+        if prompts is None:
+            prompts = IdPrompts(_vocab(base, a.model_path), rng)
+        rec["prompt_format"] = prompts.kind
+        lengths, notes = clip_lengths(lengths, a.new_tokens, max_model_len, a.page_size)
+        notes = ([why] if why else []) + notes
+        rec.update(lengths=lengths, notes=notes)
+        for n in notes:
+            print(f"serve: {n}")
+        url = f"{base}/v1/completions"
+
+        def submit(prompt, n):
+            body = {"model": card["id"], "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            before = prefix_cache_hits(base)
+            ttft, usage = _stream_ttft(url, body, a.timeout_s)
+            cached = prefix_cache_hits(base) - before
+            got = (usage or {}).get("prompt_tokens")
+            if got != n:
+                raise RuntimeError(f"serve: a {prompts.kind} prompt meant as {n} tokens was {got} tokens to the server")
+            return {"ttft": ttft, "cached": int(cached)}
+
+        submit(prompts.make(32), 32)            # the server's first request, untimed
+        rec["results"] = {}
+
+        def on_length(res):
+            rec["results"] = res
+            save_point()
+
+        sweep(submit, prompts, lengths, a.new_tokens, a.reps, a.cold_reps, a.page_size, "serve", on_length)
+
+
+# -- output -----------------------------------------------------------------------------------
+def plot(res: dict, path: Path) -> bool:
+    """False where matplotlib is not installed (as bench/serve.py: the JSON is the result)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    from .common import figure, finish
+    fig, ax = figure()
+    style = {"engine": "-", "serve": "--"}
+    p99_shown = False
+    for name, rec in res["paths"].items():
+        rows = rec.get("results") or {}
+        xs = [int(L) for L in rows]
+        for mode, color in (("cold", "C0"), ("warm", "C1")):
+            if not xs:
+                continue
+            ax.plot(xs, [rows[L][mode]["p50_ms"] for L in rows], style[name], marker="o", color=color,
+                    label=f"{name} {mode}" + (f" (+{res['settings']['new_tokens']} new)" if mode == "warm" else "")
+                    + " p50")
+            ax.plot(xs, [rows[L][mode]["p99_ms"] for L in rows], "x", color=color, alpha=0.6,
+                    label=None if p99_shown else "p99")
+            p99_shown = True
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ticks = sorted({int(L) for rec in res["paths"].values() for L in rec.get("results") or {}})
+    ax.set_xticks(ticks, [f"{L // 1024}k" if L % 1024 == 0 else str(L) for L in ticks])
+    ax.set_xticks([], minor=True)
+    ax.set_xlabel("input tokens (cached prefix when warm)")
+    ax.set_ylabel("TTFT (ms)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    finish(fig, ax, path, f"{res['model']} on {res['gpu']}: TTFT, cold vs prefix cached", res)
+    return True
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="infc bench prefix", allow_abbrev=False)
+    ap.add_argument("--model-path", required=True)
+    ap.add_argument("--model", help="variant name (default: detected from config.json)")
+    ap.add_argument("--path", choices=["engine", "serve", "both"], default="both")
+    ap.add_argument("--lengths", default=LENGTHS, help="input lengths L, comma-separated (clipped to the "
+                    "model's max_model_len)")
+    ap.add_argument("--new-tokens", type=int, default=16, help="fresh tokens after the cached prefix")
+    ap.add_argument("--reps", type=int, default=10, help="timed warm repetitions per L")
+    ap.add_argument("--cold-reps", type=int, help=f"timed cold repetitions per L (default: --reps up to {LONG} "
+                    "tokens, 3 beyond)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when a GPU is present, else cpu")
+    from infc.server.args import add_load_format_arg
+    add_load_format_arg(ap)
+    ap.add_argument("--max-num-seqs", type=int, default=8, help="engine path (the server keeps its default)")
+    ap.add_argument("--max-num-batched-tokens", type=int, help="both paths (default: the device's)")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--block-size", dest="page_size", type=int, default=16,
+                    help="KV page size in tokens, both paths (with --base-url: the running server's)")
+    ap.add_argument("--prompt-format", choices=["auto", "text", "ids"], default="auto",
+                    help="serve path: text needs the directory's tokenizer.json (auto: text if it has one)")
+    ap.add_argument("--base-url", help="serve path: a running server instead of spawning `infc serve`")
+    ap.add_argument("--timeout-s", type=float, default=600.0, help="server start, and each request")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gpu", help="the GPU's name for the record (default: nvidia-smi's on cuda, else cpu)")
+    ap.add_argument("--out", help="results directory (default bench/results)")
+    ap.add_argument("serve_args", nargs="*", help="extra `infc serve` flags (after --)")
+    a = ap.parse_args(argv)
+    lengths = [int(x) for x in a.lengths.split(",") if x.strip()]
+    if not lengths or a.new_tokens < 1 or a.reps < 1 or (a.cold_reps is not None and a.cold_reps < 1):
+        ap.error("--lengths, --new-tokens, --reps and --cold-reps must be positive")
+    if a.base_url and a.serve_args:
+        ap.error("extra `infc serve` flags need a spawned server, not --base-url")
+    from infc.backend import detect_device
+    from .common import header, save
+    from .serve import gpu_name
+    a.device = a.device or detect_device()
+    res = header(a.gpu or (gpu_name() if a.device == "cuda" else "cpu"), a.model or Path(a.model_path).name)
+    res.update({"load_format": a.load_format, "device": a.device,
+                "settings": {"lengths_requested": lengths, "new_tokens": a.new_tokens, "reps": a.reps,
+                             "cold_reps": {str(L): cold_reps_for(L, a.reps, a.cold_reps) for L in lengths},
+                             "max_new_tokens": 1, "seed": a.seed},
+                "paths": {}})
+    out = {"path": None}
+
+    def save_point():
+        out["path"] = save("prefix", res, a.out)
+
+    order = ["serve", "engine"] if a.path == "both" else [a.path]    # the server exits before the engine loads
+    for name in order:
+        rec = res["paths"][name] = {}
+        (run_serve if name == "serve" else run_engine)(a, lengths, rec, save_point)
+        if "copy_GBps" in rec:
+            res["copy_GBps"] = rec["copy_GBps"]
+        save_point()
+    res["paths"] = {k: res["paths"][k] for k in ("engine", "serve") if k in res["paths"]}
+    path = save("prefix", res, a.out)
+    if plot(res, path.with_suffix(".png")):
+        print(f"wrote {path} and {path.with_suffix('.png').name}")
+    else:
+        print(f"wrote {path} (no PNG: matplotlib is not installed)")
+    return res
+
+
+if __name__ == "__main__":
+    main()

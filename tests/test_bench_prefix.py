@@ -1,0 +1,151 @@
+"""`infc bench prefix` on the CPU: a config-only tiny Qwen3 (--load-format dummy) with a small
+word-level tokenizer, through the engine in-process and through a spawned `infc serve`. The JSON
+has per-length cold and warm statistics, every warm request found its whole prefix (its full
+pages) in the prefix cache and every cold one nothing, lengths past the model's context are
+clipped with a note, and a warm request that misses the cache stops the benchmark."""
+import importlib
+import importlib.util
+import itertools
+import json
+import string
+from pathlib import Path
+
+import pytest
+
+from infc.bench import prefix as bench
+
+PNG = importlib.util.find_spec("matplotlib") is not None       # the plot is skipped without it
+
+TINY = dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=64, intermediate_size=96,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300,
+            max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True,
+            bos_token_id=1, eos_token_id=2)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """config.json (random weights: --load-format dummy) and a word-level tokenizer.json whose
+    words are the ids 1..299 (id 0 is [UNK])."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    d = tmp_path_factory.mktemp("prefix-model") / "tiny-prefix"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(TINY))
+    words = ["".join(p) for p in itertools.product(string.ascii_lowercase, repeat=2)][: TINY["vocab_size"] - 1]
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["[UNK]"] + words)}, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.save(str(d / "tokenizer.json"))
+    return d
+
+
+@pytest.fixture
+def small_cpu(monkeypatch):
+    """One BLAS thread and a small KV cache, here and in a spawned server (shared cores)."""
+    for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.setenv(k, "1")
+    monkeypatch.setenv("INFC_CPU_KV_CACHE_BYTES", str(16 << 20))
+
+
+def check_path(rec: dict, lengths: list[int], reps: int, cold_reps: int, new: int = 16):
+    assert rec["lengths"] == lengths and list(rec["results"]) == [str(L) for L in lengths]
+    for L in lengths:
+        r = rec["results"][str(L)]
+        assert r["expected_cached_tokens"] == L // 16 * 16 == L and r["prompt_tokens"] == L + new
+        for mode, n, cached in (("cold", cold_reps, 0), ("warm", reps, L)):
+            m = r[mode]
+            assert m["n"] == n == len(m["samples_ms"]) == len(m["cached_tokens"]), (L, mode)
+            assert m["cached_tokens"] == [cached] * n, (L, mode, m["cached_tokens"])   # the cache, checked
+            assert 0 < m["p50_ms"] <= m["p99_ms"] <= max(m["samples_ms"]) + 1e-9
+            assert min(m["samples_ms"]) <= m["mean_ms"] <= max(m["samples_ms"])
+
+
+def test_cli_registers_bench_prefix(capsys):
+    from infc.cli import parser
+    a = parser().parse_args(["bench", "prefix", "--model-path", "M", "--path", "engine"])
+    assert a.which == "prefix" and a.rest == ["--model-path", "M", "--path", "engine"]
+    assert importlib.import_module(f"infc.bench.{a.which}").main is bench.main
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--lengths", "--new-tokens", "--reps", "--cold-reps", "--path", "--load-format", "--out"):
+        assert flag in out
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--model-path", "M", "--load-format", "pt"])
+    assert e.value.code == 2
+
+
+def test_clip_lengths():
+    assert bench.clip_lengths([1024, 4096, 16384, 32768], 16, 40960, 16) == ([1024, 4096, 16384, 32768], [])
+    kept, notes = bench.clip_lengths([1024, 4096, 16384, 32768], 16, 8192, 16)
+    assert kept == [1024, 4096, 8160] and len(notes) == 2 and "clipped to 8160" in notes[0]
+    with pytest.raises(ValueError, match="shorter than one page"):
+        bench.clip_lengths([8], 16, 8192, 16)
+
+
+def test_engine_path_on_cpu(model_dir, tmp_path, small_cpu):
+    res = bench.main(["--model-path", str(model_dir), "--load-format", "dummy", "--device", "cpu",
+                      "--path", "engine", "--lengths", "32,64,1024", "--reps", "3", "--cold-reps", "2",
+                      "--out", str(tmp_path)])
+    path = tmp_path / "prefix-tiny-prefix-cpu.json"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name] + [path.with_suffix(".png").name] * PNG
+    saved = json.loads(path.read_text())
+    assert saved == json.loads(json.dumps(res))
+    for key in ("gpu", "commit", "date", "model", "load_format", "device", "settings", "paths"):
+        assert key in saved, key
+    assert saved["gpu"] == "cpu" and saved["load_format"] == "dummy" and list(saved["paths"]) == ["engine"]
+    s = saved["settings"]
+    assert s["lengths_requested"] == [32, 64, 1024] and s["new_tokens"] == 16 and s["reps"] == 3
+    rec = saved["paths"]["engine"]
+    assert rec["max_model_len"] == 256 and rec["page_size"] == 16 and rec["device"] == "cpu"
+    top = (256 - 17) // 16 * 16                                   # 1024 + 16 + 1 do not fit in 256
+    assert any(f"clipped to {top}" in n for n in rec["notes"])
+    check_path(rec, [32, 64, top], reps=3, cold_reps=2)
+
+
+def test_a_warm_miss_fails_loudly(model_dir, tmp_path, small_cpu, monkeypatch):
+    import infc.backend
+    argv = ["--model-path", str(model_dir), "--load-format", "dummy", "--device", "cpu", "--path", "engine",
+            "--lengths", "32", "--reps", "2", "--out", str(tmp_path)]
+    real = infc.backend.load_backend
+
+    def no_cache(*a, **kw):                     # an engine without prefix caching: said up front
+        return real(*a, **{**kw, "enable_prefix_caching": False})
+
+    monkeypatch.setattr(infc.backend, "load_backend", no_cache)
+    with pytest.raises(ValueError, match="without prefix caching"):
+        bench.main(argv)
+
+    def forgetful(*a, **kw):                    # caching on, but the cache never finds a block
+        b = real(*a, **kw)
+        b.engine.bm._cached_prefix = lambda seq: []
+        return b
+
+    monkeypatch.setattr(infc.backend, "load_backend", forgetful)
+    with pytest.raises(RuntimeError, match="warm requests at L=32 found .* cached tokens, expected 32"):
+        bench.main(argv)
+
+
+def test_serve_path_against_infc_serve_on_cpu(model_dir, tmp_path, small_cpu):
+    res = bench.main(["--model-path", str(model_dir), "--load-format", "dummy", "--device", "cpu",
+                      "--path", "serve", "--lengths", "32,64", "--reps", "3", "--cold-reps", "2",
+                      "--timeout-s", "120", "--out", str(tmp_path), "--", "--max-num-seqs", "4"])
+    saved = json.loads((tmp_path / "prefix-tiny-prefix-cpu.json").read_text())
+    assert (tmp_path / "prefix-tiny-prefix-cpu.png").exists() == PNG and list(saved["paths"]) == ["serve"]
+    rec = saved["paths"]["serve"]
+    assert rec["prompt_format"] == "text"               # the tokenizer runs in the server
+    assert "--max-num-seqs" in rec["serve_args"] and "--load-format" in rec["serve_args"]
+    assert rec["max_model_len"] == 256 and rec["notes"] == []
+    check_path(rec, [32, 64], reps=3, cold_reps=2)
+    assert all(r["tokenize_ms"] > 0 for r in rec["results"].values())      # text: its tokenizer's share
+    assert res["paths"]["serve"]["results"]["64"]["warm"]["cached_tokens"] == [64] * 3
+
+
+def test_text_prompts_keep_their_prefix(model_dir):
+    import numpy as np
+    from infc.runtime.tokenizer import Tokenizer
+    tok = Tokenizer(Path(model_dir))
+    p = bench.TextPrompts(tok, np.random.default_rng(0))
+    prefix = p.make(48)
+    full = prefix + p.make(16, start=False)
+    p.check_prefix(prefix, full, 48, 64)
+    assert tok.encode(full)[:48] == tok.encode(prefix) and len(tok.encode(full)) == 64
