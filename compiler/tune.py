@@ -37,7 +37,7 @@ from .errors import SpecError
 
 MANIFEST_VERSION = 2            # 2: plan/2 caches (manifest caches, entry caches)
 DEFAULT_TEMPLATES = ("gemv", "gemv_act_mul", "lm_head_last", "attention_decode",
-                     "gemm", "gemm_act_mul", "attention_prefill")
+                     "gemm", "gemm_act_mul", "attention_prefill", "attention_mixed")
 PHASES = ("prefill", "decode", "mixed", "short")
 
 # --- candidate grids: only keys the template reads (tests check each against its source) -------
@@ -68,6 +68,11 @@ _ATTN_DECODE = [{"BLOCK_N": 32}, {"BLOCK_N": 128}, {"NUM_SPLITS": 16}, {"NUM_SPL
 _ATTN_PREFILL = [{"BLOCK_M": 64}, {"BLOCK_N": 64}, {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4},
                  {"BLOCK_M": 256, "BLOCK_N": 64}, {"num_warps": 4}, {"num_stages": 2},
                  {"num_stages": 4}, {"BLOCK_B": 64}]
+# attention_mixed: the flash role's tiles and the split role's (SPLIT_*, NUM_SPLITS, TARGET_CTAS)
+_ATTN_MIXED = [{"SPLIT_BLOCK_N": 32}, {"SPLIT_BLOCK_N": 128}, {"SPLIT_MIN_KEYS": 64},
+               {"SPLIT_MIN_KEYS": 1024}, {"num_warps": 4}, {"num_warps": 4, "SPLIT_BLOCK_N": 128},
+               {"num_stages": 2}, {"num_stages": 1}, {"TARGET_CTAS": 528}, {"NUM_SPLITS": 64},
+               {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4}]
 _NORM = [{"num_warps": 2}, {"num_warps": 4}, {"num_warps": 8}, {"num_warps": 16}]
 _QK_ROPE = [{"BLOCK_H": 1}, {"BLOCK_H": 4}, {"BLOCK_H": 8}, {"BLOCK_T": 2}, {"BLOCK_T": 8},
             {"num_warps": 1}, {"num_warps": 2}, {"num_warps": 4}]
@@ -95,6 +100,7 @@ GRIDS = {
     ("triton", "gemm_act_mul"): lambda rows: _GEMM,
     ("triton", "attention_decode"): lambda rows: _ATTN_DECODE,
     ("triton", "attention_prefill"): lambda rows: _ATTN_PREFILL,
+    ("triton", "attention_mixed"): lambda rows: _ATTN_MIXED,
     ("triton", "add_rms_norm"): lambda rows: _NORM,
     ("triton", "rms_norm"): lambda rows: _NORM,
     ("triton", "qk_norm_rope_cache"): lambda rows: _QK_ROPE,

@@ -28,10 +28,14 @@ def prepared(tmp_path_factory):
 
 def _template_text(backend, template):
     ext = {"triton": ".py", "cuda": ".cu", "tilelang": ".py"}[backend]
-    text = (TEMPLATES / backend / f"{template}{ext}.j2").read_text()
-    for inc in re.findall(r'{%\s*include\s+"([^"]+)"', text):
-        text += (TEMPLATES / inc).read_text()
-    return text
+    text, seen = (TEMPLATES / backend / f"{template}{ext}.j2").read_text(), set()
+    while True:                                  # includes of includes too
+        todo = set(re.findall(r'{%\s*include\s+"([^"]+)"', text)) - seen
+        if not todo:
+            return text
+        for inc in sorted(todo):
+            seen.add(inc)
+            text += (TEMPLATES / inc).read_text()
 
 
 @pytest.mark.parametrize("backend,template", sorted(GRIDS))
