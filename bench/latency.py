@@ -2,6 +2,9 @@
 transformers' fastest path (static cache + torch.compile) on the same GPU and prompts.
 
 floor_ms = (weight bytes + cache bytes read per step) / copy bandwidth; floor_ratio = floor/TPOT.
+The cache bytes of a batch-1 decode step: the paged KV of the context (read), and a hybrid plan's
+slot caches (caches.slot_bytes: conv + recurrent state, read and written back every step, so
+counted twice: the copy bandwidth counts bytes read + written).
 """
 import argparse
 import time
@@ -28,6 +31,7 @@ def _infc(artifact, model_dir, prompts, out_len, seed=0, load_format="auto"):
     rng = np.random.default_rng(seed)
     greedy = [RowSampling(SamplingParams(temperature=0.0), 0, 0)]
     res.update({"copy_GBps": bw / 1e9, "weight_bytes": r.weights.bytes, "load_format": load_format,
+                "kv_bytes_per_token": kv_per_token, "state_bytes_per_seq": state_per_seq,
                 "ttft_ms": {}, "tpot_ms_by_prompt": {},
                 "floor_ms_by_prompt": {}})
     for n in prompts:
@@ -46,7 +50,7 @@ def _infc(artifact, model_dir, prompts, out_len, seed=0, load_format="auto"):
                                 greedy)[0].token
             tpots.append((time.perf_counter() - t0) * 1e3 / out_len)
         avg_ctx = n + out_len / 2
-        floor = (r.weights.bytes + kv_per_token * avg_ctx + state_per_seq) / bw * 1e3
+        floor = (r.weights.bytes + kv_per_token * avg_ctx + 2 * state_per_seq) / bw * 1e3
         res["ttft_ms"][str(n)] = float(np.median(ttfts))
         res["tpot_ms_by_prompt"][str(n)] = float(np.median(tpots))
         res["floor_ms_by_prompt"][str(n)] = floor

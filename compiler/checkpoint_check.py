@@ -31,6 +31,7 @@ from pathlib import Path
 
 from .errors import SpecError, did_you_mean
 from .expr import EvalError, Unknown, evaluate
+from .spec import weight_name
 
 READABLE_DTYPES = ("BF16", "F16", "F32", "F64")     # what runtime/safetensors_io.py turns into floats
 
@@ -116,7 +117,7 @@ class Checker:
                 self.decls.append((d, kind))
         self.by_pattern: dict = {}
         for d, kind in self.decls:
-            self.by_pattern.setdefault(d.name, []).append((d, kind))
+            self.by_pattern.setdefault(self.pattern(d), []).append((d, kind))
 
     # ---------------------------------------------------------------- where errors point
 
@@ -170,6 +171,13 @@ class Checker:
             return list(range(int(self.env.get("L", 1))))
         return [None]
 
+    def pattern(self, decl) -> str:
+        """A declaration's name pattern as the plan's recipes hold it: config fields filled in."""
+        try:
+            return weight_name(decl.name, self.env)
+        except SpecError:
+            return decl.name
+
     @staticmethod
     def subst(pattern: str, subs: dict) -> str:
         for k, v in subs.items():
@@ -207,15 +215,19 @@ class Checker:
             return None if shapes[0] is None else (count, *shapes[0])
         if "concat" in src:
             return self.concat(src, want, subs, wname, w)
+        if "reshape" in src:
+            s = self.shape_of(src["reshape"], tuple(src["from"]), subs, wname, w)
+            return None if s is None else tuple(src["to"])
         if "slice" in src:
             axis, start, stop = int(src["axis"]), int(src["start"]), int(src["stop"])
+            groups = int(src.get("groups", 1))
             inner_want = None
             if want is not None:
                 inner_want = tuple(None if k == axis else d for k, d in enumerate(want))
             outer, self.slicing = self.slicing, (axis, start, stop)
             try:
                 if "tensor" in src["slice"]:
-                    s = self.leaf(src["slice"]["tensor"], inner_want, subs, wname, {axis: stop})
+                    s = self.leaf(src["slice"]["tensor"], inner_want, subs, wname, {axis: stop * groups})
                 else:
                     s = self.shape_of(src["slice"], inner_want, subs, wname, w)
                 name, decl = self.leaf_name(src["slice"], subs, wname)
@@ -223,13 +235,14 @@ class Checker:
                 self.slicing = outer
             if s is None:
                 return None
-            if axis >= len(s) or s[axis] < stop:
+            if axis >= len(s) or s[axis] % groups or s[axis] // groups < stop:
                 what = "rows" if axis == 0 else "columns" if axis == 1 else f"axis {axis}"
                 have = s[axis] if axis < len(s) else "no"
-                self.fail(f"{self.who(decl, wname)}: the spec takes {what} [{start}, {stop}) of "
+                each = f" of each of {groups} equal row groups" if groups > 1 else ""
+                self.fail(f"{self.who(decl, wname)}: the spec takes {what} [{start}, {stop}){each} of "
                           f"checkpoint tensor '{name}', but it has {have} {what} (shape {_fmt(s)}) "
                           f"in {self.where}", decl)
-            out = tuple(stop - start if k == axis else d for k, d in enumerate(s))
+            out = tuple(groups * (stop - start) if k == axis else d for k, d in enumerate(s))
             if want is not None and not _fits(out, want):      # the spec contradicts itself
                 self.fail(f"{self.who(decl, wname)}: the slice [{start}, {stop}) of '{name}' gives "
                           f"shape {_fmt(out)}, but the declared shape is {_fmt(want)}", decl)
@@ -238,7 +251,7 @@ class Checker:
             inner = None if want is None else tuple(reversed(want))
             s = self.shape_of(src["transpose"], inner, subs, wname, w)
             return None if s is None else tuple(reversed(s))
-        for op in ("scale", "offset"):
+        for op in ("exp", "scale", "offset"):
             if op in src:
                 return self.shape_of(src[op], want, subs, wname, w)
         if "zeros" in src:
@@ -336,7 +349,7 @@ class Checker:
         decl, _ = self.decl_by_key(wname)
         if decl is None:
             return
-        name = self.subst(decl.name, subs)
+        name = self.subst(self.pattern(decl), subs)
         if name not in self.tensors:
             return
         self.used.add(name)
@@ -361,7 +374,7 @@ class Checker:
             more += f" and {len(left) - 4} more" if len(left) > 4 else ""
         L = self.env.get("L")
         for d, _ in self.decls:
-            m = _pattern_regex(d.name).match(name)
+            m = _pattern_regex(self.pattern(d)).match(name)
             if not m:
                 continue
             if d.when and not self.env.get(d.when):

@@ -7,13 +7,14 @@ true cycle is reported with the lines on it.
 import ast
 
 import networkx as nx
+import numpy as np
 
 from .errors import SpecError, did_you_mean
 from .expr import EvalError, Unknown, evaluate, free_names
 from .ir import DYNAMIC, Graph, Node, TensorType, Value
 from .ops import REGISTRY, REQUIRED
 from .ops.activation import resolve as resolve_activation
-from .spec import TRANSFORM_KEYS, LayerKind, Spec, Statement
+from .spec import TRANSFORM_KEYS, LayerKind, Spec, Statement, weight_name
 
 ACT_DTYPE = "bf16"
 STEP_INPUTS = {"tokens": TensorType(("T",), "i32")}
@@ -108,9 +109,10 @@ class _Lowerer:
             if d.tied_to is not None and when:
                 source = {"tied": d.tied_to}
             else:
-                source = {"tensor": d.name}
+                name = weight_name(d.name, self.env, self.spec.path, d.line)
+                source = {"tensor": name}
                 if d.experts is not None:
-                    source = {"stack": d.name, "count": self.env[d.experts]}
+                    source = {"stack": name, "count": self.env[d.experts]}
                 source = self.transforms(key, d, source, shape)
             t = TensorType(shape, dtype)
             if key in sources:         # declared again in another kind's body
@@ -130,11 +132,27 @@ class _Lowerer:
                            f"is {list(shape)}", d.line)
         # the declared shape is the result: a slice's length must be that axis (after transpose)
         stored = tuple(reversed(shape)) if d.transforms.get("transpose") else tuple(shape)
+        groups = 1
+        if "groups" in d.transforms:
+            groups = self.transform_int(key, d, "groups", d.transforms["groups"], low=1)
         for t in TRANSFORM_KEYS:
-            if t not in d.transforms:
+            if t not in d.transforms or t == "groups":
                 continue
             v = d.transforms[t]
-            if t in ("rows", "cols"):
+            if t == "stored_shape":
+                full = [self.transform_int(key, d, t, e, low=1) for e in v]
+                if len(full) < len(stored):
+                    raise self.err(f"weight '{key}': stored_shape {full} has fewer dims than the "
+                                   f"declared shape {list(shape)} (only trailing dims are flattened)", d.line)
+                r = len(stored)
+                to = full[:r - 1] + [int(np.prod(full[r - 1:]))]
+                sliced = {0} if "rows" in d.transforms else set()
+                sliced |= {1} if "cols" in d.transforms else set()
+                if any(to[k] != stored[k] for k in range(r) if k not in sliced):
+                    raise self.err(f"weight '{key}': stored_shape {full} flattens to {to}, which the "
+                                   f"declared shape {list(shape)} cannot come from", d.line)
+                source = {"reshape": source, "from": full, "to": to}
+            elif t in ("rows", "cols"):
                 bounds = []
                 for e in v:
                     try:
@@ -149,15 +167,22 @@ class _Lowerer:
                 if bounds[0] >= bounds[1]:
                     raise self.err(f"weight '{key}': {t} [{bounds[0]}, {bounds[1]}] is empty", d.line)
                 axis = 0 if t == "rows" else 1
-                if bounds[1] - bounds[0] != stored[axis]:
-                    raise self.err(f"weight '{key}': {t} [{bounds[0]}, {bounds[1]}] holds "
-                                   f"{bounds[1] - bounds[0]} {t} but the declared shape "
+                g = groups if t == "rows" else 1
+                if g * (bounds[1] - bounds[0]) != stored[axis]:
+                    each = f" in each of {g} groups" if g > 1 else ""
+                    raise self.err(f"weight '{key}': {t} [{bounds[0]}, {bounds[1]}]{each} holds "
+                                   f"{g * (bounds[1] - bounds[0])} {t} but the declared shape "
                                    f"{list(shape)} needs {stored[axis]}", d.line)
                 source = {"slice": source, "axis": 0 if t == "rows" else 1,
                           "start": bounds[0], "stop": bounds[1]}
+                if g > 1:
+                    source["groups"] = g
             elif t == "transpose":
                 if v:
                     source = {"transpose": source}
+            elif t == "exp":
+                if v:
+                    source = {"exp": source}
             else:
                 try:
                     by = evaluate(v, self.env)
@@ -168,6 +193,18 @@ class _Lowerer:
                     raise self.err(f"weight '{key}': {t} must be a number, got {by!r}", d.line)
                 source = {t: source, "by": float(by)}
         return source
+
+    def transform_int(self, key, d, t, e, low=0) -> int:
+        """A transform's integer parameter (a config expression) >= low."""
+        try:
+            v = evaluate(e, self.env)
+        except (Unknown, EvalError) as x:
+            name = f"unknown symbol '{x.name}'" if isinstance(x, Unknown) else str(x)
+            raise self.err(f"weight '{key}': {t} {ast.unparse(e)}: {name}", d.line) from None
+        if not isinstance(v, int) or isinstance(v, bool) or v < low:
+            raise self.err(f"weight '{key}': {t} '{ast.unparse(e)}' = {v!r} is not an integer >= {low}",
+                           d.line)
+        return v
 
     def statements(self, g: Graph, stmts: list[Statement], scope: dict):
         # Targets are checked before ordering: a target that shadows a weight or a config
@@ -281,6 +318,8 @@ class _Lowerer:
                 raise self.err(f"act: {x}", line) from None
             attrs, fused_from = {}, ["act"]
         n_out = op.n_outputs or 1
+        if op.n_outputs is None:          # variadic (split): one output per assigned name
+            n_out = n_targets
         if n_out != n_targets and n_targets != 1:
             raise self.err(f"{name} returns {n_out} value(s) but {n_targets} name(s) are assigned", line)
         if n_out != n_targets:

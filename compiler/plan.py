@@ -32,6 +32,17 @@ STEP_METADATA = {
     "slot_mapping": {"shape": ["T"], "dtype": "i32", "doc": "KV slot each new token writes"},
     "block_tables": {"shape": ["B", "max_pages"], "dtype": "i32", "doc": "KV pages per sequence"},
 }
+# Only in a plan that declares a slot cache (its kernels read it; plans without one are unchanged)
+STATE_SLOTS = {"state_slots": {"shape": ["B"], "dtype": "i32",
+                               "doc": "slot of each sequence in the slot caches (conv, recurrent state)"}}
+
+
+def step_metadata(caches: dict) -> dict:
+    """The step metadata the plan's kernels read: STEP_METADATA, plus state_slots when a cache
+    keeps one entry per sequence (kind "slot")."""
+    if any(c["kind"] == "slot" for c in caches.values()):
+        return {**STEP_METADATA, **STATE_SLOTS}
+    return STEP_METADATA
 
 
 def _jsonable(v):
@@ -148,6 +159,7 @@ def emit_plan(state) -> dict:
                 weights[v.name] = {"shape": list(v.type.shape), "dtype": v.type.dtype,
                                    "layers": w["layers"], "source": w["source"]}
     buffers = _buffers(state)
+    caches = _caches(state)
     clash = set(buffers) & set(weights)
     assert not clash, f"buffer and weight names clash: {clash}"
     a = state.memory["arena"]
@@ -159,10 +171,10 @@ def emit_plan(state) -> dict:
         "architectures": state.spec.architectures,
         "config": _jsonable({k: v for k, v in env.items()}),
         "inputs": {i: buffers[i] for i in g.inputs},
-        "step_metadata": STEP_METADATA,
+        "step_metadata": step_metadata(caches),
         "outputs": dict(zip(g.output_names, g.outputs)),
         "weights": weights,
-        "caches": _caches(state),
+        "caches": caches,
         "arena": {"bytes_per_token": a[0], "bytes_per_seq": a[1], "bytes": a[2]},
         "buffers": buffers,
         "programs": {phase: _launches(state, g, phase) for phase in state.kernels},

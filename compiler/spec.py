@@ -3,6 +3,7 @@
 A spec is data: `Spec` holds its parsed pieces; `bind()` turns a config.json (or a named
 variant's values) into the concrete symbol table the compiler lowers with.
 """
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,10 +17,14 @@ SPECS_DIR = spec_paths.SPECS_DIR
 TOP_KEYS = {"family", "architectures", "config", "requires", "variants", "weights", "layer",
             "graph", "description", "ignore"}
 WEIGHT_KEYS = {"name", "shape", "tied_to", "when", "experts", "dtype",
-               "rows", "cols", "transpose", "scale", "offset"}
-# Load-time transforms, applied in this order to the checkpoint tensor: a row slice, a column
-# slice (fused qkv_proj / gate_up_proj checkpoints), a transpose, then w * scale, then w + offset.
-TRANSFORM_KEYS = ("rows", "cols", "transpose", "scale", "offset")
+               "stored_shape", "rows", "groups", "cols", "transpose", "exp", "scale", "offset"}
+# Load-time transforms, applied in this order to the checkpoint tensor: a reshape (stored_shape:
+# the checkpoint's shape, whose trailing dims are flattened to the declared rank, e.g. a depthwise
+# conv weight [C, 1, K] read as [C, K]), a row slice (with `groups: G`, the rows are G equal
+# groups, e.g. one per head, and the slice is taken in each: a per-head interleaved projection),
+# a column slice (fused qkv_proj / gate_up_proj checkpoints), a transpose, then exp(w) (exp:
+# true), w * scale, w + offset.
+TRANSFORM_KEYS = ("stored_shape", "rows", "groups", "cols", "transpose", "exp", "scale", "offset")
 LAYER_KEYS = {"weights", "graph", "kind", "kinds"}
 KIND_KEYS = {"symbols", "weights", "graph"}
 WEIGHT_DTYPES = {"bf16", "f16", "f32"}
@@ -131,6 +136,28 @@ class Spec:
         return env
 
 
+_NAME_FIELD = re.compile(r"\{(\w+)\}")
+
+
+def weight_name(pattern: str, env: dict, file: str | None = None, line: int | None = None) -> str:
+    """A weight's checkpoint name with its config fields filled in: `{prefix}layers.{i}.mlp...`
+    reads string/integer symbol `prefix` (one spec for checkpoints that nest the same weights
+    under different prefixes); {i} (layer) and {e} (expert) stay for the loaders."""
+    def fill(m):
+        sym = m.group(1)
+        if sym in ("i", "e"):
+            return m.group(0)
+        if sym not in env:
+            raise SpecError(f"weight name '{pattern}' uses unknown symbol '{sym}'"
+                            f"{did_you_mean(sym, env)}", file, line)
+        v = env[sym]
+        if isinstance(v, bool) or not isinstance(v, (str, int)):
+            raise SpecError(f"weight name '{pattern}': symbol '{sym}' is {v!r}, not a string or "
+                            f"integer", file, line)
+        return str(v)
+    return _NAME_FIELD.sub(fill, pattern)
+
+
 def _require(d, key, kind, file, line):
     if key not in d:
         raise SpecError(f"missing required key '{key}'", file, line)
@@ -171,15 +198,23 @@ def _weights(section, file, where) -> dict[str, WeightDecl]:
                 continue
             tline = fields.get(t, line)
             v = decl[t]
-            if t in ("rows", "cols"):
+            if t == "stored_shape":
+                if not isinstance(v, list) or not v:
+                    raise SpecError(f"weight '{key}': 'stored_shape' must be the checkpoint tensor's "
+                                    f"shape, a list like [C, 1, K], got {v!r}", file, tline)
+                transforms[t] = [parse_expr(str(x), file, tline) for x in v]
+            elif t == "groups" and "rows" not in decl:
+                raise SpecError(f"weight '{key}': 'groups' divides the rows that 'rows' slices; "
+                                f"give 'rows' too", file, tline)
+            elif t in ("rows", "cols"):
                 if not isinstance(v, list) or len(v) != 2:
                     raise SpecError(f"weight '{key}': '{t}' must be [start, stop] (a slice of the "
                                     f"checkpoint tensor's {'first' if t == 'rows' else 'second'} "
                                     f"axis), got {v!r}", file, tline)
                 transforms[t] = [parse_expr(str(x), file, tline) for x in v]
-            elif t == "transpose":
+            elif t in ("transpose", "exp"):
                 if not isinstance(v, bool):
-                    raise SpecError(f"weight '{key}': 'transpose' must be true or false, got {v!r}",
+                    raise SpecError(f"weight '{key}': '{t}' must be true or false, got {v!r}",
                                     file, tline)
                 transforms[t] = v
             else:

@@ -130,10 +130,10 @@ def load_backend(model_dir, model: str | None = None, spec: str | None = None, d
             num_pages = num_gpu_blocks_override
         else:
             budget = kv_cache_memory_bytes or int(os.environ.get("INFC_CPU_KV_CACHE_BYTES", CPU_KV_CACHE_BYTES))
-            num_pages = CPURunner.pages_for_budget(plan, page_size, budget)
+            num_pages = CPURunner.pages_for_budget(plan, page_size, budget, max_num_seqs)
         if num_pages < 1:
             raise ValueError("the KV cache budget holds no page: raise --kv-cache-memory-bytes")
-        runner = st.run("allocate KV cache", CPURunner, plan, weights, num_pages, page_size)
+        runner = st.run("allocate KV cache", CPURunner, plan, weights, num_pages, page_size, max_num_seqs)
         model_len = int(plan["config"].get("max_len") or 1 << 30)
     else:
         from infc.compiler.build import REPO, build
@@ -172,7 +172,8 @@ def load_backend(model_dir, model: str | None = None, spec: str | None = None, d
     eos = eos_ids(model_dir)
     def start():
         e = Engine(runner, tokenizer, eos, limit, max_num_seqs=max_num_seqs,
-                   max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching)
+                   max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
+                   log=log)
         return AsyncEngine(e) if asynchronous else e
     engine = st.run("start engine", start)
     b = Backend(engine, tokenizer, model_dir, name, device, limit, int(runner.vocab_size), kv_tokens,

@@ -9,6 +9,11 @@ since the step must produce logits to sample from.
 Every page is either referenced (ref > 0) or in `free`, an LRU queue. A page freed with a hash
 stays findable there until an allocation takes it from the front and evicts its hash. A
 sequence's pages go back tail first, so its later (less shared) blocks are evicted first.
+
+State slots (plans with slot caches: conv and recurrent state, one entry per sequence): with
+num_slots > 0 a sequence also takes a free slot at admission (no slot, no admission) and gives it
+back with its pages (finish, abort, preemption). A preempted sequence is recomputed from token 0,
+and kernels treat a sequence with nothing cached as zero state, so a slot needs no reset.
 """
 import hashlib
 from collections import OrderedDict
@@ -30,7 +35,8 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_pages: int, page_size: int = 16, enable_prefix_caching: bool = True):
+    def __init__(self, num_pages: int, page_size: int = 16, enable_prefix_caching: bool = True,
+                 num_slots: int = 0):
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"need num_pages >= 1 and page_size >= 1, got {num_pages}, {page_size}")
         self.num_pages, self.page_size = num_pages, page_size
@@ -40,6 +46,8 @@ class BlockManager:
         self.cached: dict[bytes, int] = {}        # hash -> page holding that block
         self.query_tokens = 0                     # prompt tokens looked up at admission
         self.hit_tokens = 0                       # of those, found in the cache
+        self.num_slots = num_slots
+        self.free_slots: list[int] = list(range(num_slots - 1, -1, -1))   # pop() gives slot 0 first
 
     # -- accounting ---------------------------------------------------------------------------
     @property
@@ -50,6 +58,10 @@ class BlockManager:
     @property
     def usage(self) -> float:
         return 1.0 - len(self.free) / self.num_pages
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self.free_slots)
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -100,8 +112,10 @@ class BlockManager:
         n = min(seq.num_tokens - cached, budget)
         new = self.pages_for(cached + n) - len(hits)
         revived = sum(1 for p in hits if self.blocks[p].ref == 0)   # evictable hits leave `free`
-        if n <= 0 or new + revived > len(self.free):
+        if n <= 0 or new + revived > len(self.free) or (self.num_slots and not self.free_slots):
             return 0
+        if self.num_slots:
+            seq.slot = self.free_slots.pop()
         for p in hits:
             self._take(p)
         seq.pages = hits + [self._new_page() for _ in range(new)]
@@ -142,6 +156,9 @@ class BlockManager:
         seq.pages = []
         seq.num_computed_tokens = 0
         seq.num_committed_blocks = 0
+        if seq.slot is not None:                  # its state is dropped with its KV
+            self.free_slots.append(seq.slot)
+            seq.slot = None
 
     def check(self):
         """Invariants (tests): references are counted exactly, free pages are unreferenced."""
@@ -150,3 +167,5 @@ class BlockManager:
             assert (b.ref == 0) == (b.id in self.free), (b.id, b.ref)
         for h, page in self.cached.items():
             assert self.blocks[page].hash == h
+        assert len(set(self.free_slots)) == len(self.free_slots), self.free_slots
+        assert all(0 <= s < self.num_slots for s in self.free_slots), self.free_slots

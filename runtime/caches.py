@@ -76,6 +76,12 @@ def page_bytes(caches: dict, page_size: int, itemsize: int | None = None) -> int
                for c in caches.values() if c["kind"] == "paged")
 
 
+def has_slots(caches: dict) -> bool:
+    """Whether any cache keeps one entry per sequence: a plan that needs state slots (and step
+    metadata `state_slots`), one per running sequence."""
+    return any(c["kind"] == "slot" for c in caches.values())
+
+
 def slot_bytes(caches: dict, itemsize: int | None = None) -> int:
     """Bytes of one slot: every slot cache, every one of its layers."""
     return sum(unit_elems(c) * _itemsize(c, itemsize) * len(c["layers"])

@@ -6,6 +6,9 @@ one rule for both backends, chosen to keep activations finite through many layer
     matrices (2-D and up: projections, embeddings, stacked experts)   0.02 * z
     1-D weights read from a `*bias` tensor                            0.02 * z
     other 1-D weights (norm scales, after any load-time offset)       1 + 0.02 * z
+    1-D weights built as exp(w) * s (Qwen3.5's A = -exp(A_log))       s + 0.02 * z (a decay rate:
+                                                                      positive ones would grow the
+                                                                      linear-attention state)
 
 z is a counter-based hash of (seed, element index) with mean 0 and std 1 (bounded by 3.47): the
 GPU fills each weight on the device with the fill_random kernel (plan["weight_init"]), the CPU
@@ -48,8 +51,11 @@ def _first_tensor(src: dict) -> str | None:
 
 def rule(w: dict) -> tuple[float, float]:
     """(scale, offset) of a plan weight: out = z * scale + offset."""
-    if len(w["shape"]) >= 2 or (_first_tensor(w["source"]) or "").endswith("bias"):
+    src = w["source"]
+    if len(w["shape"]) >= 2 or (_first_tensor(src) or "").endswith("bias"):
         return STD, 0.0
+    if "scale" in src and "exp" in src["scale"]:
+        return STD, float(src["by"])     # exp(w) * s: near s, with s's sign
     return STD, 1.0                      # a norm scale: near 1, as trained ones are
 
 

@@ -95,12 +95,25 @@ class Request:
 class Engine:
     def __init__(self, runner, tokenizer=None, eos_ids=(), max_model_len: int = 1 << 30,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, log=None):
+        """log(line): where startup notes go (infc/backend.py passes its printer)."""
         self.runner, self.tokenizer = runner, tokenizer
         self.eos_ids = set(eos_ids)
         self.max_model_len = max_model_len
         self.page_size = runner.page_size
-        self.bm = BlockManager(runner.num_pages, runner.page_size, enable_prefix_caching)
+        # A runner whose plan keeps per-sequence state (slot caches: a hybrid model's conv and
+        # recurrent state) has num_slots of them; each running sequence holds one.
+        self.num_slots = getattr(runner, "num_slots", 0)
+        if self.num_slots and enable_prefix_caching:
+            # Decision (issue 12): no prefix reuse for plans with slot caches. A KV-page hit
+            # restores the attention layers' keys and values but not the linear-attention layers'
+            # state after those tokens, so the suffix would run from the wrong state. Snapshots of
+            # the slot state at page boundaries, stored with the cached blocks, are future work.
+            enable_prefix_caching = False
+            if log:
+                log("  prefix caching disabled: this model keeps per-sequence state (slot caches) "
+                    "that a cached KV prefix cannot restore")
+        self.bm = BlockManager(runner.num_pages, runner.page_size, enable_prefix_caching, self.num_slots)
         self.scheduler = Scheduler(self.bm, max_num_seqs, max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
         self.metrics = Metrics()
@@ -184,7 +197,9 @@ class Engine:
             rows.append(RowSampling(seq.params, seq.seed, seq.num_output_tokens, self._banned(seq))
                         if samples_now else None)
         pages = {seq.seq_id: seq.pages for seq, _ in batch}
-        meta = build_step(chunks, pages.__getitem__, self.page_size)
+        slots = {seq.seq_id: seq.slot for seq, _ in batch} if self.num_slots else None
+        meta = build_step(chunks, pages.__getitem__, self.page_size,
+                          slot_of=slots.__getitem__ if slots else None)
         samples = self.runner.execute(meta, rows)
 
         now = time.monotonic()

@@ -31,17 +31,24 @@ class Sample:
 class CPURunner:
     """The numpy reference executor behind the runner interface (paged caches, float32)."""
 
-    def __init__(self, plan: dict, weights: dict, num_pages: int, page_size: int = 16):
+    def __init__(self, plan: dict, weights: dict, num_pages: int, page_size: int = 16,
+                 max_num_seqs: int = 256):
+        """max_num_seqs: state slots to allocate when the plan has slot caches (one per running
+        sequence; `num_slots`, 0 for a plan without them), as the CUDA runner does."""
         from .reference.executor import ReferenceExecutor
         self.plan, self.page_size, self.num_pages = plan, page_size, num_pages
         self.vocab_size = plan["config"]["V"]
+        self.num_slots = max_num_seqs if caches.has_slots(caches.of_plan(plan)) else 0
         self.executor = ReferenceExecutor(plan, weights, page_size)
-        self.executor.allocate_pages(num_pages, page_size)
+        self.executor.allocate_pages(num_pages, page_size, self.num_slots)
 
     @staticmethod
-    def pages_for_budget(plan: dict, page_size: int, budget: int) -> int:
-        """Usable pages of the plan's caches (float32 on the CPU) within `budget` bytes."""
-        return caches.pages_for_budget(caches.of_plan(plan), page_size, budget, itemsize=4)
+    def pages_for_budget(plan: dict, page_size: int, budget: int, max_num_seqs: int = 0) -> int:
+        """Usable pages of the plan's caches (float32 on the CPU) within `budget` bytes, after
+        the state slots of max_num_seqs sequences (plans with slot caches)."""
+        decl = caches.of_plan(plan)
+        slots = max_num_seqs if caches.has_slots(decl) else 0
+        return caches.pages_for_budget(decl, page_size, budget, slots, itemsize=4)
 
     def execute(self, meta: StepMeta, sampling: list[RowSampling | None]) -> list[Sample | None]:
         logits = self.executor.step_paged(meta)

@@ -84,7 +84,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is Status.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
-        if seq.pages:
+        if seq.pages or seq.slot is not None:
             self.bm.release(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason

@@ -26,6 +26,8 @@ class Sequence:
         self.params, self.seed = params, seed
         self.status = Status.WAITING
         self.pages: list[int] = []
+        self.slot: int | None = None               # its state slot (plans with slot caches), held
+                                                   # from admission until finish / abort / preemption
         self.num_computed_tokens = 0               # tokens whose KV is in the cache
         self.num_cached_tokens = 0                 # of those, prefix-cache hits at admission
         self.block_hashes: list[bytes] = []        # chained hashes of its full blocks (lazily)

@@ -25,6 +25,8 @@ class StepMeta:
     slot_mapping: np.ndarray   # [T] i32
     block_tables: np.ndarray   # [B, max_pages] i32
     max_pages: int
+    state_slots: np.ndarray | None = None   # [B] i32: each sequence's slot in the slot caches
+                                            # (conv / recurrent state; read by plans with one)
 
 
 def phase_of(chunks: list[Chunk]) -> str:
@@ -35,8 +37,10 @@ def phase_of(chunks: list[Chunk]) -> str:
     return "mixed"
 
 
-def build_step(chunks: list[Chunk], pages_of, page_size: int, max_pages: int | None = None) -> StepMeta:
-    """pages_of(seq_id) -> the sequence's page list, already covering start + len(tokens)."""
+def build_step(chunks: list[Chunk], pages_of, page_size: int, max_pages: int | None = None,
+               slot_of=None) -> StepMeta:
+    """pages_of(seq_id) -> the sequence's page list, already covering start + len(tokens);
+    slot_of(seq_id) -> its state slot (plans with slot caches; None: every row slot 0)."""
     tokens, positions, starts, ctx, last, slots = [], [], [0], [], [], []
     tables = []
     for c in chunks:
@@ -58,4 +62,5 @@ def build_step(chunks: list[Chunk], pages_of, page_size: int, max_pages: int | N
         bt[i, : len(t)] = t
     i32 = lambda x: np.asarray(x, np.int32)  # noqa: E731
     return StepMeta(len(tokens), len(chunks), phase_of(chunks), i32(tokens), i32(positions),
-                    i32(starts), i32(ctx), i32(last), i32(slots), bt, width)
+                    i32(starts), i32(ctx), i32(last), i32(slots), bt, width,
+                    i32([slot_of(c.seq_id) if slot_of else 0 for c in chunks]))

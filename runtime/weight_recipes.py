@@ -9,6 +9,10 @@ from the files and builds everything else here, then rounds once to bf16):
     {"stack": name, "count": E}              E tensors ({e} = 0..E-1) stacked on a new axis 0
     {"concat": [src, ...], "axis": a}        sources concatenated along axis a
     {"slice": src, "axis": a, "start": s, "stop": e}   rows (axis 0) or columns (axis 1) s:e
+    {"slice": ..., "axis": 0, "groups": G, ...}   the rows as G equal groups, s:e of each
+                                             (a per-head interleaved projection's parts)
+    {"reshape": src, "from": [...], "to": [...]}   a tensor of shape `from` read as `to`
+    {"exp": src}                             exp(w) (Qwen3.5's A = -exp(A_log): exp, then scale -1)
     {"transpose": src}                       a 2-D transpose
     {"scale": src, "by": x}                  w * x
     {"offset": src, "by": x}                 w + x (RMSNorm weights stored for x * (1 + w))
@@ -80,7 +84,8 @@ def _concat(src, layer, read, where):
 @recipe("slice")
 def _slice(src, layer, read, where):
     inner = src["slice"]
-    if "stack" in inner and src["axis"] == 0 and 0 <= src["start"] < src["stop"] <= inner["count"]:
+    if "stack" in inner and src["axis"] == 0 and src.get("groups", 1) == 1 \
+            and 0 <= src["start"] < src["stop"] <= inner["count"]:
         # a rank's experts (expert parallelism): read only those checkpoint tensors
         parts = [read(name_at(inner["stack"], layer, e)) for e in range(src["start"], src["stop"])]
         if len({p.shape for p in parts}) != 1:
@@ -88,11 +93,34 @@ def _slice(src, layer, read, where):
         return np.stack(parts), f"{name_at(inner['stack'], layer)}[{src['start']}:{src['stop']}]"
     a, what = build(inner, layer, read, where)
     axis, start, stop = src["axis"], src["start"], src["stop"]
+    groups = src.get("groups", 1)
+    if groups > 1:
+        if axis != 0 or a.ndim < 1 or a.shape[0] % groups or not 0 <= start < stop <= a.shape[0] // groups:
+            raise ModelDirError(f"{where}: cannot take rows [{start}:{stop}] of each of {groups} "
+                                f"row groups of {what} {list(a.shape)}")
+        g = a.reshape(groups, a.shape[0] // groups, *a.shape[1:])[:, start:stop]
+        return (np.ascontiguousarray(g.reshape(groups * (stop - start), *a.shape[1:])),
+                f"{what}[{start}:{stop} of each of {groups} row groups]")
     if not (0 <= axis < a.ndim and 0 <= start < stop <= a.shape[axis]):
         raise ModelDirError(f"{where}: cannot take [{start}:{stop}] of axis {axis} of {what} {list(a.shape)}")
     index = [slice(None)] * a.ndim
     index[axis] = slice(start, stop)
     return np.ascontiguousarray(a[tuple(index)]), f"{what}[{'..., ' * axis}{start}:{stop}]"
+
+
+@recipe("reshape")
+def _reshape(src, layer, read, where):
+    a, what = build(src["reshape"], layer, read, where)
+    if list(a.shape) != list(src["from"]):
+        raise ModelDirError(f"{where}: {what} has shape {list(a.shape)}, the spec reads it as "
+                            f"{src['from']} (its stored_shape)")
+    return a.reshape(src["to"]), what
+
+
+@recipe("exp")
+def _exp(src, layer, read, where):
+    a, what = build(src["exp"], layer, read, where)
+    return np.exp(a.astype(np.float32)), f"exp({what})"
 
 
 @recipe("transpose")

@@ -177,6 +177,21 @@ def _cohere():
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}))
 
 
+def _qwen3_5():
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    # Qwen3.5's hybrid: Gated DeltaNet linear attention (2 q/k heads of 16, 4 v heads of 24: the
+    # grouped value heads; a width-4 causal conv) and gated full attention (head_dim 32, RoPE on
+    # 8 of its 32 dims) in layers lin, full, lin, full; x * (1 + w) norms (randomized as any norm)
+    return Qwen3_5ForCausalLM(Qwen3_5TextConfig(
+        **BASE, hidden_size=96, intermediate_size=160, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=24, linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                         "mrope_section": [1, 1, 2], "mrope_interleaved": True}))
+
+
 # Families whose config.json is rewritten into the published (transformers 4.x) form after
 # saving: rope_theta / partial_rotary_factor / rope_scaling at the top level instead of
 # transformers 5's rope_parameters, and (gemma3) no layer_types, rope_local_base_freq and
@@ -207,7 +222,8 @@ def _legacy(cfg: dict) -> dict:
 BUILDERS = {"qwen2": _qwen2, "gemma": _gemma, "gemma2": _gemma2, "gemma3": _gemma3,
             "phi3": _phi3, "phi": _phi, "olmo2": _olmo2, "granite": _granite,
             "nemotron": _nemotron, "starcoder2": _starcoder2, "stablelm": _stablelm,
-            "smollm3": _smollm3, "falcon": _falcon, "gpt2": _gpt2, "cohere": _cohere}
+            "smollm3": _smollm3, "falcon": _falcon, "gpt2": _gpt2, "cohere": _cohere,
+            "qwen3_5": _qwen3_5}
 FAMILIES = list(BUILDERS)
 
 # Extra tensors written into a family's checkpoint that its spec must `ignore:` (checkpoints

@@ -27,9 +27,14 @@ class InterpExecutor:
         bf16 = lambda a: torch.from_numpy(np.ascontiguousarray(a, np.float32)).to(torch.bfloat16)  # noqa: E731
         self.weights = {n: ([bf16(x) for x in w] if isinstance(w, list) else bf16(w))
                         for n, w in weights.items()}
-        self.caches = caches.HostCaches(caches.of_plan(plan), page_size, num_pages, factory=_nan_storage)
+        decl = caches.of_plan(plan)
+        # a state slot per seq_id (plans with slot caches), as the engine hands them out
+        num_slots = num_pages if caches.has_slots(decl) else 0
+        self.caches = caches.HostCaches(decl, page_size, num_pages, num_slots, factory=_nan_storage)
         self.free_pages = list(range(num_pages))
         self.pages: dict[int, list[int]] = {}
+        self.slots: dict[int, int] = {}
+        self.free_slots = list(range(num_slots))
         self.scratch = {}
 
     def ensure_pages(self, seq_id: int, tokens: int, shared: list[int] | None = None):
@@ -40,7 +45,10 @@ class InterpExecutor:
     def step(self, chunks: list[Chunk]) -> np.ndarray:
         for c in chunks:
             self.ensure_pages(c.seq_id, c.start + len(c.tokens))
-        meta = build_step(chunks, self.pages.__getitem__, self.page_size)
+            if self.free_slots and c.seq_id not in self.slots:
+                self.slots[c.seq_id] = self.free_slots.pop(len(self.free_slots) // 2)
+        meta = build_step(chunks, self.pages.__getitem__, self.page_size,
+                          slot_of=self.slots.__getitem__ if self.slots else None)
         dims = {"T": meta.T, "B": meta.B}
         a = self.plan["arena"]
         arena = torch.full(((a["bytes_per_token"] * meta.T + a["bytes_per_seq"] * meta.B + a["bytes"]) // 2,),

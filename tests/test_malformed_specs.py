@@ -94,6 +94,14 @@ CASES = {
     "kind_without_kinds": (32, "'layer' has 'kind' but no 'kinds'"),
     "kind_unknown_key": (34, "unknown key 'symbol' in layer kind 'narrow'; did you mean 'symbols'?"),
     "kind_symbol_unknown": (34, "layer kind 'narrow': symbol F uses unknown symbol 'G'"),
+    # weight names with config fields, row groups, stored shapes, a spec's split (issue 12)
+    "name_unknown_symbol": (34, "weight name '{pfx}layers.{i}.self_attn.q_proj.weight' uses unknown symbol 'pfx'"),
+    "groups_without_rows": (34, "weight 'wq': 'groups' divides the rows that 'rows' slices; give 'rows' too"),
+    "groups_wrong_length": (34, "weight 'wq': rows [0, 8] in each of 4 groups holds 32 rows but the "
+                                "declared shape [64, 64] needs 64"),
+    "stored_shape_mismatch": (41, "weight 'wd': stored_shape [64, 2, 128] flattens to [64, 256], which "
+                                  "the declared shape [64, 128] cannot come from"),
+    "split_not_2d": (44, "split takes a 2-D x [rows, N] (its parts are row-strided views), got bf16[T, 4, 16]"),
 }
 MODEL = {"variant_not_mapping": "tiny2"}
 

@@ -81,6 +81,12 @@ PLAN = {"weights": {
     "bias_qk": W([8], {"concat": [{"zeros": [6]}, {"slice": {"tensor": "l.{i}.norm"}, "axis": 0,
                                                   "start": 2, "stop": 4}], "axis": 0}),
     "f32_rows": W([2, 3], {"slice": {"tensor": "l.{i}.f32"}, "axis": 0, "start": 1, "stop": 3}),
+    # Qwen3.5's: q_proj rows interleaved per head (rows 1:3 of each of 2 groups of 5), a conv
+    # weight read in another shape, A = -exp(A_log)
+    "qkv_grouped": W([4, 4], {"slice": {"tensor": "l.{i}.qkv"}, "axis": 0, "start": 1, "stop": 3,
+                              "groups": 2}),
+    "norm_2d": W([2, 2], {"reshape": {"tensor": "l.{i}.norm"}, "from": [4], "to": [2, 2]}),
+    "neg_exp": W([4], {"scale": {"exp": {"tensor": "l.{i}.norm"}}, "by": -1.0}),
     "only_odd": W([6, 4], T, layers=[1]),                      # a weight of one layer kind
     "sparse": W([2, 4], {"tensor": "l.{i}.k"}, layers=[0, 2]),
 }}
@@ -97,6 +103,8 @@ def expected(name, i, t):
         "wq_scaled": q * np.float32(0.125), "norm1p": norm + np.float32(1.0),
         "bias_qk": np.concatenate([np.zeros(6, np.float32), norm[2:4]]),
         "f32_rows": t[f"l.{i}.f32"][1:3],
+        "qkv_grouped": np.concatenate([qkv[1:3], qkv[6:8]]), "norm_2d": norm.reshape(2, 2),
+        "neg_exp": -np.exp(norm),
     }[name]
 
 
@@ -163,6 +171,9 @@ def test_fast_path_covers_plain_bf16_runs_only(ckpt_dir):
     ({"slice": {"tensor": "l.{i}.q"}, "axis": 0, "start": 4, "stop": 9}, "cannot take"),
     ({"slice": {"tensor": "l.{i}.q"}, "axis": 2, "start": 0, "stop": 1}, "cannot take"),
     ({"transpose": {"stack": "l.{i}.e.{e}", "count": 2}}, "2-D only"),
+    ({"slice": {"tensor": "l.{i}.qkv"}, "axis": 0, "start": 3, "stop": 6, "groups": 2}, "row groups"),
+    ({"slice": {"tensor": "l.{i}.qkv"}, "axis": 0, "start": 0, "stop": 1, "groups": 3}, "row groups"),
+    ({"reshape": {"tensor": "l.{i}.q"}, "from": [4, 6], "to": [24]}, "stored_shape"),
     ({"concat": [{"tensor": "l.{i}.q"}, {"tensor": "l.{i}.f32"}], "axis": 0}, "cannot concatenate"),
 ])
 def test_bad_recipes_name_the_tensors(ckpt_dir, src, match):

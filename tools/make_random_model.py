@@ -110,12 +110,14 @@ def plan_tensors(spec, config: dict, dtype: str = "bf16") -> list[Tensor]:
                 walk({"tensor": src["stack"].replace("{e}", str(e))}, shape[1:], layer, key)
         elif "slice" in src:
             full = list(shape)
-            full[src["axis"]] = src["stop"]
+            full[src["axis"]] = src["stop"] * src.get("groups", 1)
             walk(src["slice"], full, layer, key)
+        elif "reshape" in src:
+            walk(src["reshape"], list(src["from"]), layer, key)
         elif "transpose" in src:
             walk(src["transpose"], list(reversed(shape)), layer, key)
-        elif "scale" in src or "offset" in src:
-            walk(src.get("scale", src.get("offset")), shape, layer, key)
+        elif "scale" in src or "offset" in src or "exp" in src:
+            walk(src.get("scale", src.get("offset", src.get("exp"))), shape, layer, key)
         elif "concat" in src:
             raise ValueError("concatenated sources appear only after fusion")
 

@@ -6,6 +6,8 @@
     gelu_tanh(x) = x/2 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3)))
     relu(x)      = max(x, 0)
     relu2(x)     = max(x, 0)^2
+    sigmoid(x)   = 1 / (1 + exp(-x))                       (gates: Qwen3.5's attention output gate, beta)
+    softplus(x)  = log(1 + exp(x)), x above 20             (torch's softplus, threshold 20)
 """
 import math
 
@@ -61,10 +63,22 @@ def relu2(x):
     return np.square(np.maximum(x, 0.0))
 
 
-ACTIVATIONS = {"silu": silu, "gelu": gelu, "gelu_tanh": gelu_tanh, "relu": relu, "relu2": relu2}
+def sigmoid(x):
+    with np.errstate(over="ignore"):            # exp(-x) = inf far below 0: sigmoid 0, as torch
+        return 1.0 / (1.0 + np.exp(-x))
+
+
+def softplus(x):
+    x = np.asarray(x)
+    return np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0)))).astype(x.dtype)
+
+
+ACTIVATIONS = {"silu": silu, "gelu": gelu, "gelu_tanh": gelu_tanh, "relu": relu, "relu2": relu2,
+               "sigmoid": sigmoid, "softplus": softplus}
 # HF `hidden_act` / `hidden_activation` spellings -> our name
 HF_NAMES = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
-            "gelu_new": "gelu_tanh", "gelu_tanh": "gelu_tanh", "relu": "relu", "relu2": "relu2"}
+            "gelu_new": "gelu_tanh", "gelu_tanh": "gelu_tanh", "relu": "relu", "relu2": "relu2",
+            "sigmoid": "sigmoid", "softplus": "softplus"}
 
 
 def resolve(fn) -> str:

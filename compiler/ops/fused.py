@@ -1,4 +1,5 @@
-"""Ops that only passes create: views that split fused weights' outputs, and fused kernels.
+"""Ops that passes create: views that split fused weights' outputs (`split`, which specs may
+write too: `q, k, v = split(conv, [Kd, Kd, Vd])`), and fused kernels.
 
 Each fused op's reference is the composition of the spec ops it replaces, so a fusion pass is
 correct exactly when the reference executor's logits do not move.
@@ -9,10 +10,18 @@ from .base import REQUIRED, expect, op, tt
 from .rms_norm import rms
 
 
-# split(x[..., N], sizes) -> views x[..., a:b] for consecutive sizes (outputs of a fused linear).
+# split(x[rows, N], sizes) -> views x[:, a:b] for consecutive sizes (outputs of a fused linear, or
+# a spec's split of one projection into parts): row-strided views, so x must be 2-D (its rows the
+# tokens); view a part as [T, heads, D] afterwards.
 def split_infer(types, attrs):
     (x,) = types
-    expect(sum(attrs["sizes"]) == x.shape[-1], f"split sizes {attrs['sizes']} do not sum to {x.shape[-1]}")
+    sizes = attrs["sizes"]
+    expect(isinstance(sizes, list) and sizes and all(isinstance(n, int) and not isinstance(n, bool)
+                                                     and n > 0 for n in sizes),
+           f"split sizes must be a list of positive integers, got {sizes!r}")
+    expect(len(x.shape) == 2, f"split takes a 2-D x [rows, N] (its parts are row-strided views), "
+                              f"got {x}: split before viewing the heads")
+    expect(sum(sizes) == x.shape[-1], f"split sizes {sizes} do not sum to {x.shape[-1]}")
     return [tt(x.shape[:-1] + (n,), x.dtype) for n in attrs["sizes"]]
 
 
@@ -22,7 +31,7 @@ def split(ctx, x, sizes):
 
 
 op(name="split", tensors=["x"], attrs={"sizes": REQUIRED}, infer=split_infer, reference=split,
-   n_outputs=None, view=True, internal=True, doc="views of consecutive column ranges")
+   n_outputs=None, view=True, doc="views of consecutive column ranges (as many as sizes)")
 
 
 # fill_zero(like) -> zeros shaped like `like` (the first layer's pending residual delta).

@@ -32,6 +32,9 @@ def _infer(state, g: Graph):
             msg = str(e)   # op rules often name themselves already ("view: cannot view ...")
             named = msg.startswith((f"{n.op}:", f"{n.op} "))
             raise state.error(msg if named else f"{n.op}: {msg}", n.line) from None
+        if len(outs) != len(n.outputs):       # a variadic op (split): its rule says how many
+            raise state.error(f"{n.op} returns {len(outs)} value(s) here but {len(n.outputs)} "
+                              f"name(s) are assigned", n.line)
         for k, (o, t) in enumerate(zip(n.outputs, outs)):
             v = g.values[o]
             v.type = t

@@ -23,7 +23,9 @@ from .weights import DeviceWeights
 
 # the step metadata this runner builds from a StepMeta (`_metadata`); the plan's step_metadata
 # must be among them
-PRODUCED = ("positions", "seq_starts", "context_lens", "last_rows", "slot_mapping", "block_tables")
+# (state_slots only for a plan with slot caches: its step_metadata names it)
+PRODUCED = ("positions", "seq_starts", "context_lens", "last_rows", "slot_mapping", "block_tables",
+            "state_slots")
 
 
 GRID_FUNCS = {"cdiv": lambda a, b: -(-a // b), "max": max, "min": min}
@@ -104,14 +106,17 @@ class CudaRunner:
 
     def _alloc_kv(self, utilization: float, num_pages: int | None):
         decl = caches.of_plan(self.plan)
+        # one state slot per running sequence (max_num_seqs; the engine hands them out), and slot
+        # num_slots the spare that CUDA-graph pad rows write
+        self.num_slots = self.max_seqs if caches.has_slots(decl) else 0
         free, total = self.ctx.mem_info()
         if num_pages is None:
             budget = int(total * utilization) - (total - free)
-            num_pages = caches.pages_for_budget(decl, self.page_size, budget)
+            num_pages = caches.pages_for_budget(decl, self.page_size, budget, self.num_slots)
         if num_pages < 2:
             raise MemoryError(f"no room for the KV cache: {free / 2**30:.1f} GiB free of {total / 2**30:.1f}")
         self.num_pages = num_pages                 # usable pages; page num_pages is the padding page
-        self.caches = caches.DeviceCaches(self.ctx, decl, self.page_size, num_pages)
+        self.caches = caches.DeviceCaches(self.ctx, decl, self.page_size, num_pages, self.num_slots)
 
     # -- binding --------------------------------------------------------------------------
     def _buffer_ptr(self, name: str, dims: dict | None = None) -> int:
@@ -224,6 +229,9 @@ class CudaRunner:
             "slot_mapping": np.concatenate([meta.slot_mapping, np.full(pad_t, spare * self.page_size, np.int32)]),
             "block_tables": bt,
         }
+        if "state_slots" in self.meta:              # pad rows use the spare slot
+            slots = meta.state_slots if meta.state_slots is not None else np.zeros(meta.B, np.int32)
+            arr["state_slots"] = np.concatenate([slots, np.full(pad_b, self.num_slots, np.int32)])
         return {k: v if v.dtype == np.int32 else v.astype(np.int32) for k, v in arr.items()}
 
     def _run_step(self, meta: StepMeta) -> tuple[int, int]:

@@ -68,7 +68,7 @@ def _runs(ckpt: Checkpoint, src: dict, layer):
             return None
         shape = (sum(p[1][0] for p in parts), *parts[0][1][1:])
         return [r for p in parts for r in p[0]], shape, " + ".join(p[2] for p in parts)
-    if "slice" in src and src["axis"] == 0:
+    if "slice" in src and src["axis"] == 0 and src.get("groups", 1) == 1:
         got = _runs(ckpt, src["slice"], layer)
         if got is None or not 0 <= src["start"] < src["stop"] <= got[1][0]:
             return None               # numpy builds it (and names a bad range)

@@ -21,7 +21,11 @@ from ..weights import at
 # The arena is laid out in the plan's dtypes (bf16 = 2 bytes); float32 here needs twice that.
 SCALE = 2
 SeqChunk = Chunk          # the oracle's chunk: (seq_id, new tokens, tokens already cached)
-METADATA = ("positions", "seq_starts", "context_lens", "last_rows", "slot_mapping", "block_tables")
+METADATA = ("positions", "seq_starts", "context_lens", "last_rows", "slot_mapping", "block_tables",
+            "state_slots")
+# state slots the oracle (SeqPages) gives sequences of plans with slot caches: one per seq_id
+# until it is freed
+ORACLE_SLOTS = 64
 
 
 class Metadata(dict):
@@ -43,7 +47,10 @@ class StepContext:
     rank, world, exchange (compiler/ops/collectives.py)."""
 
     def __init__(self, meta: StepMeta, storage: cache_layout.HostCaches):
-        self.meta = Metadata({n: np.asarray(getattr(meta, n)) for n in METADATA}, max_pages=meta.max_pages)
+        arrays = {n: getattr(meta, n) for n in METADATA}
+        if arrays["state_slots"] is None:          # a StepMeta built without slots: row b, slot 0
+            arrays["state_slots"] = np.zeros(meta.B, np.int32)
+        self.meta = Metadata({n: np.asarray(a) for n, a in arrays.items()}, max_pages=meta.max_pages)
         self.storage = storage
         self.page_size = storage.page_size
         starts = self.meta.seq_starts
@@ -65,20 +72,28 @@ class StepContext:
 
 
 class SeqPages:
-    """The oracle's page allocator: pages per seq_id, storage grown on demand."""
+    """The oracle's page allocator: pages per seq_id, storage grown on demand; for a plan with
+    slot caches, a state slot per seq_id from its first step until `free` (num_slots of them)."""
 
-    def __init__(self, decl: dict, page_size: int = 16, num_pages: int = 64):
-        self.storage = cache_layout.HostCaches(decl, page_size, num_pages)
+    def __init__(self, decl: dict, page_size: int = 16, num_pages: int = 64, num_slots: int = ORACLE_SLOTS):
+        self.has_slots = cache_layout.has_slots(decl)
+        num_slots = num_slots if self.has_slots else 0
+        self.storage = cache_layout.HostCaches(decl, page_size, num_pages, num_slots)
         self.page_size = page_size
         self.pages: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}
         self.free_pages = list(range(num_pages))
+        self.slots: dict[int, int] = {}
+        self.free_slots = list(range(num_slots))
 
     def step(self, chunks: list[Chunk]) -> StepMeta:
         for c in chunks:
             have = self.lens.get(c.seq_id, 0)
             if c.start > have:         # fewer is fine: the chunk rewrites from there
                 raise ValueError(f"sequence {c.seq_id} has {have} tokens cached, the chunk says {c.start}")
+            if self.has_slots and 0 < c.start < have:   # its state slot holds all `have` tokens
+                raise ValueError(f"sequence {c.seq_id}: a plan with state slots cannot rewind from "
+                                 f"{have} cached tokens to {c.start} (only to 0)")
             pages = self.pages.setdefault(c.seq_id, [])
             while len(pages) * self.page_size < c.start + len(c.tokens):
                 if not self.free_pages:
@@ -86,7 +101,13 @@ class SeqPages:
                     self.storage.grow(2 * n)
                     self.free_pages = list(range(n, 2 * n))
                 pages.append(self.free_pages.pop(0))
-        meta = build_step(chunks, self.pages.__getitem__, self.page_size)
+            if self.has_slots and c.seq_id not in self.slots:
+                if not self.free_slots:
+                    raise ValueError(f"the oracle's {self.storage.num_slots} state slots are all held: "
+                                     f"free() finished sequences")
+                self.slots[c.seq_id] = self.free_slots.pop(0)
+        meta = build_step(chunks, self.pages.__getitem__, self.page_size,
+                          slot_of=self.slots.__getitem__ if self.has_slots else None)
         for c in chunks:
             self.lens[c.seq_id] = c.start + len(c.tokens)
         return meta
@@ -100,6 +121,8 @@ class SeqPages:
     def free(self, seq_id: int):
         self.free_pages += self.pages.pop(seq_id, [])
         self.lens.pop(seq_id, None)
+        if seq_id in self.slots:
+            self.free_slots.append(self.slots.pop(seq_id))
 
     def cached_len(self, seq_id: int) -> int:
         return self.lens.get(seq_id, 0)

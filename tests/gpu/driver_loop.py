@@ -6,10 +6,24 @@ from infc.runtime.step import Chunk, build_step
 
 
 class Pages:
+    """Pages per sequence, and for a plan with slot caches (a hybrid model's conv / recurrent
+    state) a state slot per sequence, the lowest free one, held until release (as the engine's
+    block manager does): sequences batched together never share a slot."""
+
     def __init__(self, num_pages: int, page_size: int):
         self.free = list(range(num_pages))[::-1]
         self.page_size = page_size
         self.of: dict[int, list[int]] = {}
+        self.slots: dict[int, int] = {}
+
+    def slot(self, seq: int, num_slots: int) -> int:
+        if seq not in self.slots:
+            used = set(self.slots.values())
+            free = [s for s in range(num_slots) if s not in used]
+            if not free:
+                raise RuntimeError(f"all {num_slots} state slots are held (raise max_num_seqs)")
+            self.slots[seq] = free[0]
+        return self.slots[seq]
 
     def ensure(self, seq: int, tokens: int, shared: list[int] | None = None):
         pages = self.of.setdefault(seq, list(shared or []))
@@ -19,10 +33,13 @@ class Pages:
     def release(self, seq: int, keep: int = 0):
         for p in self.of.pop(seq)[keep:]:
             self.free.append(p)
+        self.slots.pop(seq, None)
 
 
 def step(runner, pages: Pages, chunks: list[Chunk]) -> np.ndarray:
     for c in chunks:
         pages.ensure(c.seq_id, c.start + len(c.tokens))
-    meta = build_step(chunks, pages.of.__getitem__, pages.page_size)
+    n = getattr(runner, "num_slots", 0)        # plans with slot caches: one slot per sequence
+    meta = build_step(chunks, pages.of.__getitem__, pages.page_size,
+                      slot_of=(lambda seq: pages.slot(seq, n)) if n else None)
     return runner.logits(meta).copy()

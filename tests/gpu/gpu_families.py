@@ -14,6 +14,14 @@ x * w (HF inits w to 1: Llama-style RMSNorm, LayerNorm), 0.1 * normal where it c
 x * (1 + w) (HF inits w to 0: Gemma's RMSNorm). Nemotron's LayerNorm1P computes x * (1 + w) but
 HF inits w to 1, so it gets 1 + 0.1 * normal: an effective scale of ~2, still random and non-zero.
 No norm stays constant, so a missing, misplaced or mis-offset norm weight fails the gate.
+A family whose spec has 1-D weights that are not norms or biases (Qwen3.5's linear attention:
+A_log, dt_bias) or whose HF init would leave a weight degenerate gets explicit rules by name
+(REDRAW, keyed by the spec's family), applied before the generic ones and independent of how this
+machine's transformers happens to initialize them.
+
+A variant written as a multimodal checkpoint's config.json (Qwen3.5: the text model's values under
+text_config) is made as the spec's first architecture (the text-only Qwen3_5ForCausalLM) from the
+text config's values, so the directory holds only the language model (weights under model.).
 
 INFC_GPU_FAMILIES selects the families (comma list, "all" or "none"; default DEFAULT) on both machines.
 """
@@ -54,7 +62,21 @@ FAMILIES = {
     "minitron-4b-l16": ("minitron-4b-base", {"num_hidden_layers": 16}),
     # gemma: (1 + w) norms, MQA, head_dim 256, exact GELU, vocab 256000
     "gemma-2b": ("gemma-2b", {}),
+    # qwen3_5 (issue 12): hybrid Gated DeltaNet linear attention (conv + recurrent state slots) and
+    # gated full attention (partial RoPE 64 of 256, output gate interleaved in q_proj), (1 + w)
+    # norms but a plain-w gated norm, tied embeddings, vocab 248320. Layer cut: 8 of the 4B's 32
+    # layers, the 3 linear : 1 full pattern kept (layers 3 and 7 full attention). Made as the
+    # text-only Qwen3_5ForCausalLM. Not in DEFAULT (its prompts go to 4k: LONG_PROMPTS).
+    "qwen3.5-4b-l8": ("qwen3.5-4b", {"num_hidden_layers": 8, "full_attention_interval": 4,
+                                     "layer_types": ["linear_attention"] * 3 + ["full_attention"]
+                                     + ["linear_attention"] * 3 + ["full_attention"]}),
 }
+# Longer prompts for a family (test_golden.py adds them after its common lengths): the hybrid
+# model's recurrent state and chunked delta rule over 2k-4k tokens (chunk edges at 64, pages at 16).
+LONG_PROMPTS = {"qwen3.5-4b-l8": [2049, 3000, 4096]}
+# Full-depth configs for the latency benchmark only (dummy weights, no golden gate): prepare.py
+# writes config_dir(name) and builds artifact_dir(name); made exactly as the families are.
+LATENCY = {"qwen3.5-4b": ("qwen3.5-4b", {})}
 # What the suite runs by default: seven families, one of each new mechanism (biases, soft caps,
 # windows below and above the 1024-token prompts, multipliers, load-time slices, LayerNorm,
 # post-norms), about 17 B parameters in all.
@@ -87,8 +109,10 @@ def artifact_dir(name: str) -> Path:
 
 def _spec_and_values(name: str):
     from infc.compiler.spec import find_variant
-    variant, overrides = FAMILIES[name]
+    variant, overrides = {**FAMILIES, **LATENCY}[name]
     spec, values = find_variant(variant)
+    if isinstance(values.get("text_config"), dict):       # a multimodal config.json: its text model
+        values = {**{k: v for k, v in values.items() if k != "text_config"}, **values["text_config"]}
     values = {**values, **overrides}
     # the published dtype (gemma-2-2b-it: float32, phi-2: float16) is not the one we make
     for k in ("torch_dtype", "dtype", "architectures", "model_type", "transformers_version"):
@@ -102,6 +126,12 @@ def hf_config(name: str, **extra):
     import transformers
     spec, values = _spec_and_values(name)
     arch = spec.architectures[0]
+    missing = hf_missing(name)
+    if missing:
+        raise RuntimeError(missing)
+    if "num_hidden_layers" in extra and "layer_types" in values and "layer_types" not in extra:
+        # a layer cut of a hybrid family: HF's own rule (every interval-th layer full attention)
+        values = {k: v for k, v in values.items() if k != "layer_types"}
     cfg = getattr(transformers, arch).config_class(**{**values, **extra})
     cfg.architectures = [arch]
     cfg.dtype = "bfloat16"
@@ -116,15 +146,62 @@ def write_config(name: str, out: Path | None = None) -> Path:
     return out
 
 
-def redraw(model, seed: int = 0):
+def hf_missing(name: str) -> str | None:
+    """Why this machine's transformers cannot make family `name` (one line), or None."""
+    import transformers
+    spec, _ = _spec_and_values(name)
+    arch = spec.architectures[0]
+    try:
+        getattr(transformers, arch)
+    except (AttributeError, ImportError) as e:
+        return (f"{name}: transformers {transformers.__version__} has no {arch} ({type(e).__name__}: "
+                f"{str(e).splitlines()[0][:200] if str(e) else ''}); this family needs a transformers "
+                f"with {spec.family} (transformers.models.{spec.family})")
+    return None
+
+
+def _qwen3_5_rule(pname, p, g) -> bool:
+    """Qwen3.5 (transformers' modeling_qwen3_5.py): the linear attention's gated norm computes
+    w * norm(x) * silu(z) (init 1); every other RMSNorm x * (1 + w) (init 0). A = exp(A_log) is drawn
+    log-uniform over HF's own range [0.01, 16] (HF: uniform), so half the heads have A < 0.4 and a
+    decay exp(-A * softplus(a + dt_bias)) that keeps the state over many tokens (a state dropped or
+    read from the wrong slot moves the logits), the rest forget within a few tokens. dt_bias is
+    1 + noise (init 1). The depthwise conv1d weight [C, 1, 4] gets std 0.3 (about PyTorch's own
+    Conv1d init for fan-in 4) rather than the matrices' 0.02: the conv then mixes its 4 taps at a
+    real scale and its SiLU works outside its linear range."""
+    import math
+    if pname.endswith("linear_attn.norm.weight"):
+        p.normal_(1.0, 0.1, generator=g)
+    elif pname.endswith("norm.weight") or pname.endswith("layernorm.weight"):
+        p.normal_(0.0, 0.1, generator=g)
+    elif pname.endswith("linear_attn.dt_bias"):
+        p.normal_(1.0, 0.1, generator=g)
+    elif pname.endswith("linear_attn.A_log"):
+        p.uniform_(math.log(0.01), math.log(16.0), generator=g)
+    elif pname.endswith("linear_attn.conv1d.weight"):
+        p.normal_(0.0, 0.3, generator=g)
+    else:
+        return False
+    return True
+
+
+# spec family -> rule(parameter name, parameter, generator) -> True where it drew the parameter
+REDRAW = {"qwen3_5": _qwen3_5_rule}
+
+
+def redraw(model, seed: int = 0, family: str | None = None):
     """Re-draw every parameter in place (see the module docstring): random, non-zero norms and
-    biases. Raises on a 1-D weight HF initialized to neither all ones nor all zeros."""
+    biases; `family` (the spec's) picks explicit rules by name first (REDRAW). Raises on a 1-D
+    weight HF initialized to neither all ones nor all zeros that no rule covers."""
     import torch
     dev = next(model.parameters()).device
     g = torch.Generator(device=dev)
     g.manual_seed(seed)
+    rule = REDRAW.get(family)
     with torch.no_grad():
         for pname, p in model.named_parameters():          # tied weights appear once
+            if rule is not None and rule(pname, p, g):
+                continue
             if p.dim() >= 2:
                 p.normal_(0.0, 0.02, generator=g)
             elif pname.endswith("bias"):
@@ -151,7 +228,7 @@ def make_model(name: str, out: Path, device: str = "cuda", seed: int = 0, **extr
     cfg = hf_config(name, **extra)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    redraw(model, seed)
+    redraw(model, seed, family=_spec_and_values(name)[0].family)
     model.save_pretrained(tmp)
     n = sum(p.numel() for p in model.parameters())
     del model

@@ -6,7 +6,12 @@ PART: base (the served qwen3-4b / llama-3.2-1b, tiny-moe, skipgram, the Qwen tok
 (qwen3-4b built with --no-fuse into .cache/gpu/qwen3-4b-nofuse-art, from the same config.json as
 the served qwen3-4b), families (each family of gpu_families.selected(): its config.json as
 transformers writes it into .cache/gpu/configs/<name>/, the artifact into .cache/gpu/<name>-art;
-INFC_GPU_FAMILIES picks them, the same variable the GPU suite reads). Default: all three.
+INFC_GPU_FAMILIES picks them, the same variable the GPU suite reads), qwen35 (the full 32-layer
+Qwen3.5-4B for session.sh's `qwen35` latency stage with dummy weights: its config.json as
+transformers writes it for the text-only Qwen3_5ForCausalLM into .cache/gpu/configs/qwen3.5-4b/,
+the artifact into .cache/gpu/qwen3.5-4b-art, and qwen3-4b's config-only directory
+.cache/gpu/configs/qwen3-4b/ for the same benchmark beside it, whose artifact base builds).
+Default: base, nofuse and families.
 
 The tiny qwen3_moe and the
 tiny trained Llama (tests/gpu/trained_model.py) exist only as configs here (.cache/gpu/<name>/)
@@ -34,7 +39,8 @@ TINY_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
             "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
 GPU_CACHE = REPO / ".cache" / "gpu"
 SERVED = ("qwen3-4b", "llama-3.2-1b")          # model directories LLM / infc serve load on the GPU
-PARTS = ("base", "nofuse", "families")
+PARTS = ("base", "nofuse", "families", "qwen35")
+DEFAULT_PARTS = ("base", "nofuse", "families")
 
 
 def _size(d: Path) -> str:
@@ -54,7 +60,7 @@ def _both_tunings(what: str, out: Path, **kw):
     print(f"[prepare] {what}: {time.time() - t0:.1f} s, {_size(out)} -> {out}", flush=True)
 
 
-def main(parts=PARTS):
+def main(parts=DEFAULT_PARTS):
     for p in parts:
         if p not in PARTS:
             raise SystemExit(f"unknown part '{p}' (known: {', '.join(PARTS)})")
@@ -64,6 +70,8 @@ def main(parts=PARTS):
         nofuse()
     if "families" in parts:
         families()
+    if "qwen35" in parts:
+        qwen35()
 
 
 def served_config(name: str) -> Path:
@@ -90,6 +98,15 @@ def families():
                       model_dir=str(d))
 
 
+def qwen35():
+    sys.path.insert(0, str(REPO / "tests" / "gpu"))
+    import gpu_families
+    d = gpu_families.write_config("qwen3.5-4b")         # gpu_families.LATENCY
+    _both_tunings("qwen3.5-4b (32 layers, latency with dummy weights)",
+                  gpu_families.artifact_dir("qwen3.5-4b"), model_dir=str(d))
+    served_config("qwen3-4b")                           # its artifact: base's .cache/artifacts/qwen3-4b
+
+
 def base():
     from infc.compiler.build import REPO as BUILD_REPO, build
     from make_random_model import write_tokenizer
@@ -113,4 +130,4 @@ def base():
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or PARTS)
+    main(sys.argv[1:] or DEFAULT_PARTS)

@@ -8,7 +8,10 @@
 # batch-1 decode: bench/profile.py), throughput, startup, server (the SDK suite with --device
 # cuda), serve (infc bench serve against infc serve), prefix (TTFT cold vs warm prefix hit at
 # 1k-32k tokens, in-process engine and through a spawned infc serve: bench/prefix.py; PREFIX_ARGS
-# adds flags, e.g. --load-format dummy), generate (infc generate --device cuda), tune (infc tune run).
+# adds flags, e.g. --load-format dummy), generate (infc generate --device cuda), tune (infc tune run),
+# qwen35 (batch-1 TPOT / TTFT at 32, 1k, 8k of the full 32-layer Qwen3.5-4B with dummy weights,
+# floor = weights + KV + state bytes, then qwen3-4b the same way on the same card: prepare.py
+# qwen35 (and base for qwen3-4b's artifact); QWEN35_ARGS adds flags to both).
 # INFC_GPU_FAMILIES=a,b|all|none picks the families (default: gpu_families.DEFAULT; prepare.py must
 # have built the same ones).
 # Needs what tests/gpu/prepare.py built here (carry .cache/gpu, .cache/artifacts, .cache/tune)
@@ -30,7 +33,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv | tee "$OUT/gpu.txt"
-if [ -n "$(echo " $STAGES " | sed 's/ families / /g' | tr -d ' ')" ]; then   # a stage besides families
+if [ -n "$(echo " $STAGES " | sed -e 's/ families / /g' -e 's/ qwen35 / /g' | tr -d ' ')" ]; then   # a stage besides families / qwen35
   say "models"
   timeout 300 python3 -c "import sys; sys.path.insert(0,'tests/gpu'); import models; [models.model_dir(m) for m in ('qwen3-4b','llama-3.2-1b','tiny-moe','skipgram')]" 2>&1 | tail -12
   say "models ready"
@@ -95,6 +98,18 @@ for _ in range(600):
     generate)
       timeout 120 python3 -m infc.cli generate --model-path "$MODELS/qwen3-4b" --device cuda \
         --prompt "The capital of France is" --prompt "def fib(n):" --max-tokens 12 2>&1 | tee "$OUT/generate.log" | tail -4 ;;
+    qwen35)
+      # config-only directories (no checkpoint, no tokenizer): weights filled on the device
+      timeout ${QWEN35_S:-300} python3 -m infc.cli bench latency --artifact .cache/gpu/qwen3.5-4b-art \
+        --model-path .cache/gpu/configs/qwen3.5-4b --load-format dummy --no-hf --out "$OUT" \
+        ${QWEN35_ARGS:-} 2>&1 | quiet | tail -12
+      if [ -d .cache/artifacts/qwen3-4b/bin ] && [ -f .cache/gpu/configs/qwen3-4b/config.json ]; then
+        timeout ${QWEN35_S:-300} python3 -m infc.cli bench latency --artifact .cache/artifacts/qwen3-4b \
+          --model-path .cache/gpu/configs/qwen3-4b --load-format dummy --no-hf --out "$OUT" \
+          ${QWEN35_ARGS:-} 2>&1 | quiet | tail -12
+      else
+        say "qwen35: no qwen3-4b artifact or config here (prepare.py base qwen35): qwen3-4b not timed"
+      fi ;;
     tune)
       timeout ${TUNE_S:-300} python3 -m infc.cli tune run --dir .cache/tune/qwen3-4b-h200 --results-dir "$OUT" \
         --write "$OUT/h200.json" 2>&1 | tail -40 ;;

@@ -1,0 +1,74 @@
+"""The spec-language additions Qwen3.5 needed, on their own (issue 12): add / mul with a second
+operand broadcast over the first's leading dims (and f32 promotion), the sigmoid / softplus
+activations' references at the edges, and the shape rules of split and the broadcast.
+
+The add / mul kernels run under the interpreter against the ops' numpy references; the
+activations' kernels are covered with every other activation in test_generic_kernels.py.
+"""
+import numpy as np
+import pytest
+import torch
+
+from infc.compiler.ir import TensorType
+from infc.compiler.ops import REGISTRY, ShapeError
+from infc.compiler.ops.activation import softplus
+
+from .harness import poison, rand, render, run
+
+
+@pytest.mark.parametrize("name", ["add", "mul"])
+@pytest.mark.parametrize("a_shape,b_shape,a_dtype,b_dtype,out_dtype", [
+    (("T", 37), (37,), "bf16", "bf16", "bf16"),          # a per-head vector over [T, H]
+    (("T", 5, 24), (5, 24), "bf16", "f32", "f32"),        # promoted: f32 weight, f32 result
+    (("T", 5, 24), (24,), "f32", "bf16", "f32"),
+])
+def test_broadcast_add_mul(name, a_shape, b_shape, a_dtype, b_dtype, out_dtype):
+    T = 13
+    gen = np.random.default_rng(len(a_shape) + len(b_shape))
+    a = rand((T,) + a_shape[1:], a_dtype, gen=gen)
+    b = rand(b_shape, b_dtype, gen=gen)
+    op = REGISTRY[name]
+    (t,) = op.infer([TensorType(a_shape, a_dtype), TensorType(b_shape, b_dtype)], {})
+    assert t == TensorType(a_shape, out_dtype)
+    k = render(name, name, [("a", a_shape, a_dtype), ("b", b_shape, b_dtype)], [("c", a_shape, out_dtype)],
+               tune={"BLOCK": 64})
+    out = poison((T,) + a_shape[1:], out_dtype)
+    run(k, {"in:0": a, "in:1": b, "out:0": out}, {"T": T, "B": T})
+    want = op.reference(None, a.float().numpy(), b.float().numpy())
+    got = out.float().numpy()
+    if out_dtype == "bf16":
+        want = torch.from_numpy(want.astype(np.float32)).to(torch.bfloat16).float().numpy()
+        assert np.array_equal(got, want)
+    else:
+        assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max()
+
+
+def test_same_shape_render_is_unchanged():
+    """Without broadcasting the kernel source has no trace of it (committed plans unchanged)."""
+    k = render("add", "add", [("a", ["T", 8], "bf16"), ("b", ["T", 8], "bf16")], [("c", ["T", 8], "bf16")])
+    assert "%" not in k.source.split("META")[0] and "broadcast" not in k.source
+
+
+@pytest.mark.parametrize("b_shape", [(5,), ("T", 24), (2, 5, 24), (5, 23)])
+def test_broadcast_rule_refuses_other_shapes(b_shape):
+    with pytest.raises(ShapeError, match="operands differ in shape"):
+        REGISTRY["mul"].infer([TensorType(("T", 5, 24), "bf16"), TensorType(b_shape, "bf16")], {})
+
+
+def test_softplus_and_sigmoid_references():
+    x = np.array([-100.0, -30.0, -1.0, 0.0, 1.0, 19.9, 20.0, 20.5, 80.0], np.float32)
+    want = torch.nn.functional.softplus(torch.from_numpy(x)).numpy()
+    assert np.allclose(softplus(x), want, rtol=1e-6, atol=0) and softplus(x).dtype == np.float32
+    sig = REGISTRY["sigmoid"].reference(None, x)
+    assert np.allclose(sig, torch.sigmoid(torch.from_numpy(x)).numpy(), rtol=1e-6, atol=1e-30)
+
+
+def test_split_rule():
+    split = REGISTRY["split"]
+    assert not split.internal                       # specs may write it
+    parts = split.infer([TensorType(("T", 10), "bf16")], {"sizes": [4, 4, 2]})
+    assert [p.shape for p in parts] == [("T", 4), ("T", 4), ("T", 2)]
+    with pytest.raises(ShapeError, match="2-D"):
+        split.infer([TensorType(("T", 2, 10), "bf16")], {"sizes": [4, 6]})
+    with pytest.raises(ShapeError, match="do not sum"):
+        split.infer([TensorType(("T", 10), "bf16")], {"sizes": [4, 4]})
