@@ -43,6 +43,9 @@ from infc.runtime.program import bodies, is_repeat, program_name
 
 WEIGHT_BYTES = {"bf16": 2, "f16": 2, "fp16": 2, "f32": 4, "fp32": 4, "i32": 4, "u8": 1, "i8": 1}
 GATHERS = ("embedding",)              # ops that read a few rows of their weight, not all of it
+# MoE expert launches read only the chosen experts' weights: at most min(E, T * k) of the E
+# stacked experts (exact at batch 1: k of them); the floor counts that fraction
+EXPERTS = {"moe_gate_up": 1, "moe_down": 2}   # op -> index of its ids [T, k] input
 
 
 # -- pure: launch sites, grouping, tables (tests/test_profile.py runs these on fake timings) ----
@@ -66,9 +69,13 @@ def launch_sites(plan: dict, phase: str) -> list[dict]:
         if launch["op"].startswith("attention") and layer is not None:
             kv = sum(caches.unit_elems(c) * caches.DTYPE_BYTES[c["dtype"]] for c in decl.values()
                      if c["kind"] == "paged" and layer in c["layers"])
+        experts = None
+        if launch["op"] in EXPERTS and weights:
+            ids = plan["buffers"][launch["inputs"][EXPERTS[launch["op"]]]]
+            experts = (int(plan["weights"][weights[0]]["shape"][0]), int(ids["shape"][1]))
         return {"key": f"{kind}.{index}", "kind": kind, "index": index, "op": launch["op"],
                 "template": plan["kernels"][kid]["template"], "kernel_id": kid, "layer": layer,
-                "weights": weights, "weight_bytes": wbytes, "kv_token_bytes": kv}
+                "weights": weights, "weight_bytes": wbytes, "kv_token_bytes": kv, "experts": experts}
 
     for pos, entry in enumerate(plan["programs"][phase]):
         if not is_repeat(entry):
@@ -82,7 +89,7 @@ def launch_sites(plan: dict, phase: str) -> list[dict]:
 
 
 def group_launches(sites: list[dict], samples: list[list], context_tokens: int = 0,
-                   bandwidth: float | None = None) -> list[dict]:
+                   bandwidth: float | None = None, tokens: int | None = None) -> list[dict]:
     """samples[rep][i]: launch i's GPU time in ms in that repetition (None: not launched, e.g. a
     zero grid). Per launch the median over reps, then summed per group key: one row per group, in
     program order, with runs (launches per step), us (per step), us_per_run and the floor."""
@@ -98,7 +105,11 @@ def group_launches(sites: list[dict], samples: list[list], context_tokens: int =
             g.update(runs=0, us=0.0, bytes=0)
         g["runs"] += 1
         g["us"] += float(np.median(times)) * 1e3
-        g["bytes"] += s["weight_bytes"] + s["kv_token_bytes"] * context_tokens
+        wbytes = s["weight_bytes"]
+        if s.get("experts") and tokens is not None:        # the chosen experts' share (EXPERTS)
+            e, k = s["experts"]
+            wbytes = wbytes * min(e, tokens * k) // e
+        g["bytes"] += wbytes + s["kv_token_bytes"] * context_tokens
     rows = list(groups.values())
     total = sum(g["us"] for g in rows)
     for g in rows:
@@ -292,7 +303,7 @@ class Profiler:
                 samples.append(times)
                 instrumented["wall"].append(o["wall"])
                 instrumented["gpu"].append(o["gpu"])
-            groups = group_launches(sites, samples, int(meta.context_lens.sum()), self.bw)
+            groups = group_launches(sites, samples, int(meta.context_lens.sum()), self.bw, tokens=meta.T)
         step = summarize(name, what, program_name(r.plan, meta.phase, meta.T), mode, meta.T, meta.B, plain, instrumented, groups, launches_from)
         if launches_from:                          # a graph replay: the eager step's floor
             step["floor_ms"] = self.floor_of.get(launches_from)

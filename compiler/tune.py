@@ -37,7 +37,8 @@ from .errors import SpecError
 
 MANIFEST_VERSION = 2            # 2: plan/2 caches (manifest caches, entry caches)
 DEFAULT_TEMPLATES = ("gemv", "gemv_act_mul", "lm_head_last", "attention_decode",
-                     "gemm", "gemm_act_mul", "attention_prefill", "attention_mixed")
+                     "gemm", "gemm_act_mul", "attention_prefill", "attention_mixed",
+                     "moe_gate_up", "moe_down", "moe_gate_up_grouped", "moe_down_grouped")
 PHASES = ("prefill", "decode", "mixed", "short")
 
 # --- candidate grids: only keys the template reads (tests check each against its source) -------
@@ -79,6 +80,42 @@ _QK_ROPE = [{"BLOCK_H": 1}, {"BLOCK_H": 4}, {"BLOCK_H": 8}, {"BLOCK_T": 2}, {"BL
 _CUDA_GEMV = [{"KS": 1}, {"KS": 2}, {"KS": 4}, {"MR": 2}, {"UNROLL": 2}, {"UNROLL": 4},
               {"PIPE": 0}, {"PIPE": 1}, {"TT": 64}]
 
+# MoE (compiler/ops/moe.py). Decode: per distinct chosen expert, CUDA-core rows (<= FMA_T tokens of
+# an expert: batch 1) or tensor-core tiles (several tokens of an expert: larger batches).
+_MOE_GU_FMA = [{"BLOCK_F": 32}, {"FMA_BLOCK_K": 128}, {"FMA_BLOCK_K": 512}, {"num_warps": 8},
+               {"BLOCK_F": 32, "FMA_BLOCK_K": 128}, {"num_stages": 1}, {"num_stages": 2},
+               {"num_warps": 2}, {"PC": 64}]
+_MOE_GU_DOT = [{"FMA_T": 2}, {"BLOCK_T": 32}, {"BLOCK_K": 128}, {"BLOCK_F": 32, "BLOCK_K": 128},
+               {"FMA_T": 4, "FMA_BLOCK_K": 128}, {"TC": 64}]
+_MOE_DOWN_FMA = [{"BLOCK_H": 32, "num_warps": 4}, {"BLOCK_H": 32}, {"FMA_BLOCK_K": 256},
+                 {"BLOCK_H": 128}, {"BLOCK_H": 16, "num_warps": 4}, {"num_warps": 4},
+                 {"FMA_BLOCK_K": 64}, {"num_stages": 1}, {"num_stages": 2}]
+_MOE_DOWN_DOT = [{"FMA_T": 2}, {"BLOCK_T": 32}, {"BLOCK_K": 128}, {"BLOCK_H": 32, "BLOCK_K": 128},
+                 {"FMA_T": 4, "FMA_BLOCK_K": 64}, {"TC": 64}]
+# Prefill/mixed grouped GEMMs; short and small mixed steps (a few tokens per expert) try small
+# BLOCK_M first.
+_MOE_GU_GROUPED = [{"BLOCK_M": 64}, {"BLOCK_F": 64}, {"BLOCK_M": 64, "BLOCK_F": 64, "num_warps": 4},
+                   {"BLOCK_K": 32}, {"num_stages": 4}, {"num_stages": 2}, {"GROUP_M": 1},
+                   {"GROUP_M": 16}, {"num_warps": 4},
+                   {"BLOCK_M": 64, "BLOCK_F": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}]
+_MOE_DOWN_GROUPED = [{"BLOCK_M": 64}, {"BLOCK_H": 256, "num_stages": 3}, {"BLOCK_H": 64},
+                     {"BLOCK_M": 64, "BLOCK_H": 128, "num_warps": 4}, {"BLOCK_K": 32},
+                     {"BLOCK_K": 128, "num_stages": 3}, {"num_stages": 3}, {"GROUP_M": 1},
+                     {"GROUP_M": 16}, {"num_warps": 4}]
+_MOE_SMALL_M = [{"BLOCK_M": 16, "num_warps": 4}, {"BLOCK_M": 32, "num_warps": 4},
+                {"BLOCK_M": 16, "num_warps": 4, "num_stages": 2}]
+_MOE_ALIGN = [{"TB": 16}, {"TB": 32}, {"TB": 128}, {"num_warps": 8}, {"num_warps": 2}]
+_MOE_ROUTE = [{"num_warps": 1}, {"num_warps": 2}, {"num_warps": 8}]
+
+
+def _moe_decode_grid(fma, dot, rows):
+    """Batch 1 runs the CUDA-core path only; larger batches both (one token per expert is common)."""
+    return fma if max(rows) <= 1 else fma[:6] + dot
+
+
+def _moe_grouped_grid(grid, rows):
+    return _MOE_SMALL_M + grid[:9] if max(rows) <= 64 else grid + _MOE_SMALL_M[:1]
+
 
 def _gemv_grid(fma, dot, rows):
     both = min(rows) <= 1 < max(rows)
@@ -105,7 +142,17 @@ GRIDS = {
     ("triton", "rms_norm"): lambda rows: _NORM,
     ("triton", "qk_norm_rope_cache"): lambda rows: _QK_ROPE,
     ("cuda", "gemv"): lambda rows: _CUDA_GEMV,
+    ("triton", "moe_gate_up"): lambda rows: _moe_decode_grid(_MOE_GU_FMA, _MOE_GU_DOT, rows),
+    ("triton", "moe_down"): lambda rows: _moe_decode_grid(_MOE_DOWN_FMA, _MOE_DOWN_DOT, rows),
+    ("triton", "moe_gate_up_grouped"): lambda rows: _moe_grouped_grid(_MOE_GU_GROUPED, rows),
+    ("triton", "moe_down_grouped"): lambda rows: _moe_grouped_grid(_MOE_DOWN_GROUPED, rows),
+    ("triton", "moe_align"): lambda rows: _MOE_ALIGN,
+    ("triton", "moe_route"): lambda rows: _MOE_ROUTE,
 }
+# i32 inputs whose contents must agree with another input's rather than be random: the grouped
+# MoE kernels' per-expert token lists (moe_align's outputs) follow the launch's routing ids.
+# op -> (index of the ids input, {input index: which moe_align output})
+DERIVED = {"moe_gate_up": (1, {3: "rows", 4: "counts"}), "moe_down": (2, {4: "rows", 5: "counts"})}
 # which step dimension is a template's row count (the gemv family picks its path by it):
 # lm_head_last's rows are B; the others' are their input's leading dim (T, or B after last())
 ROWS_DIM = {"lm_head_last": "B"}
@@ -182,6 +229,12 @@ def collect(plan: dict, table: dict, phases, templates, page_size: int) -> list[
                 for t in ctx["inputs"]:
                     if t["dtype"] == "i32" and t["kind"] == "buffer":
                         t["high"] = _int_high(t["name"], ctx["inputs"], plan["config"])
+                ids_at, derived = DERIVED.get(launch["op"], (None, {}))
+                ins = ctx["inputs"]
+                for i, part in derived.items():
+                    if i < len(ins):
+                        ins[i]["derive"] = {"moe_align": part, "ids": ins[ids_at]["name"],
+                                            "experts": int(ins[i]["shape"][0])}
                 e = entries[(tpl, key)] = {
                     "template": tpl, "backend": backend, "op": launch["op"], "phase": phase,
                     "shape_key": key, "launches_per_step": 0, "ctx": ctx,

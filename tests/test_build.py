@@ -107,7 +107,8 @@ def test_moe_plan_routes_and_stacks_experts():
     assert w["source"]["concat"][0] == {"stack": "model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
                                         "count": 128}
     (body,) = bodies(repeats(plan["programs"]["decode"])[0]).values()
-    assert [l["op"] for l in body].count("moe_route") == 1
+    assert [l["op"] for l in body].count("moe_route_align") == 1   # routing + grouping by expert
+    assert "moe_route" not in [l["op"] for l in body] and "moe_align" not in [l["op"] for l in body]
     assert [l["op"] for l in body].count("moe_gate_up") == 1
     assert [l["op"] for l in body].count("moe_down") == 1
 

@@ -5,6 +5,22 @@ moe_route(logits[T, E], k, normalize) -> (weights f32[T, k], ids i32[T, k]):
     renormalized to sum 1 when `normalize`.
 moe_experts(x[T, H], weights, ids, gate[E, F, H], up[E, F, H], down[E, H, F]) -> [T, H]:
     y[t] = sum_j weights[t, j] * down[e] @ (silu(gate[e] @ x[t]) * up[e] @ x[t]), e = ids[t, j].
+
+Lowered (compiler/passes/lower_experts.py) into internal ops:
+moe_align(ids[T, k], experts=E) -> (rows i32[E, T], counts i32[E]): the tokens grouped by expert,
+    for the grouped GEMMs of prefill: counts[e] = how many tokens chose e (a token naming e in
+    several slots, as ep_dispatch's zero-weight slots do, counts once), rows[e, :counts[e]] those
+    tokens. The reference lists them in token order; the kernel in arrival order (each token's
+    result does not depend on its place in the list, so the outputs are the same bits).
+moe_route_align(logits, k, normalize, experts) -> (weights, ids, rows, counts): moe_route then
+    moe_align in one launch (compiler/passes/fuse_moe.py); its decode kernel routes only (the
+    decode kernels group the few tokens themselves and never read rows/counts).
+moe_gate_up(x, ids, gate_up, rows, counts) / moe_down(act, weights, ids, down, rows, counts): the
+    two expert launches; rows/counts are read by the prefill/mixed kernels only. The kernels
+    compute each (token, expert) once: a token that names an expert in several slots gets the
+    same act row in each (moe_gate_up), and moe_down reads the act row of the slot of largest
+    weight for all of them, which equals the reference whenever the other slots weigh 0 (the one
+    way a token repeats an expert: ep_dispatch's slots of other ranks' experts, id 0, weight 0).
 """
 import numpy as np
 
@@ -55,13 +71,16 @@ def experts(ctx, x, w, ids, gate, up, down):
 # activation: moe_gate_up(x, ids, gate_up[E, 2F, H]) -> act[T, k, F] = silu(g) * u per chosen
 # expert, then moe_down(act, weights, ids, down[E, H, F]) -> y[t] = sum_j w[t, j] down[e] act[t, j].
 def gate_up_infer(types, attrs):
-    x, ids, gu = types
+    x, ids, gu = types[:3]
+    _check_grouping(types[3:], ids, gu.shape[0])
     expect(len(gu.shape) == 3 and gu.shape[2] == x.shape[-1] and gu.shape[1] % 2 == 0,
            f"expert gate_up must be [E, 2F, H]: {gu}")
     return [tt((x.shape[0], ids.shape[1], gu.shape[1] // 2), x.dtype)]
 
 
-def gate_up(ctx, x, ids, gu):
+def gate_up(ctx, x, ids, gu, expert_rows=None, expert_counts=None):
+    # rows/counts (moe_align's grouping) only tell the prefill kernels where to look: the result
+    # is defined by ids alone
     f = gu.shape[1] // 2
     out = np.zeros((x.shape[0], ids.shape[1], f), np.float32)
     for e in np.unique(ids):
@@ -72,12 +91,13 @@ def gate_up(ctx, x, ids, gu):
 
 
 def down_infer(types, attrs):
-    act, w, ids, down = types
+    act, w, ids, down = types[:4]
+    _check_grouping(types[4:], ids, down.shape[0])
     expect(len(down.shape) == 3 and down.shape[2] == act.shape[2], f"expert down must be [E, H, F]: {down}")
     return [tt((act.shape[0], down.shape[1]), act.dtype)]
 
 
-def down(ctx, act, w, ids, down_w):
+def down(ctx, act, w, ids, down_w, expert_rows=None, expert_counts=None):
     y = np.zeros((act.shape[0], down_w.shape[1]), np.float32)
     for e in np.unique(ids):
         rows, slot = np.nonzero(ids == e)
@@ -87,16 +107,67 @@ def down(ctx, act, w, ids, down_w):
     return y
 
 
+def _check_grouping(types, ids, experts):
+    """moe_gate_up / moe_down's trailing rows[E, T] and counts[E] (moe_align's outputs)."""
+    expect(len(types) == 2, f"expected moe_align's rows and counts after the weights, got {len(types)} tensors")
+    rows, counts = types
+    expect(tuple(rows.shape) == (experts, ids.shape[0]) and rows.dtype == "i32",
+           f"expert rows must be i32 [{experts}, {ids.shape[0]}], got {rows}")
+    expect(tuple(counts.shape) == (experts,) and counts.dtype == "i32",
+           f"expert counts must be i32 [{experts}], got {counts}")
+
+
+def align_infer(types, attrs):
+    (ids,) = types
+    e = attrs["experts"]
+    expect(len(ids.shape) == 2 and ids.dtype == "i32", f"moe_align ids must be i32 [T, k], got {ids}")
+    expect(isinstance(e, int) and e > 0, f"moe_align experts must be a positive int, got {e}")
+    return [tt((e, ids.shape[0]), "i32"), tt((e,), "i32")]
+
+
+def align(ctx, ids, experts):
+    ids = np.asarray(ids, np.int64)
+    T = ids.shape[0]
+    rows = np.zeros((experts, T), np.int32)
+    counts = np.zeros(experts, np.int32)
+    for e in range(experts):
+        toks = np.nonzero((ids == e).any(axis=1))[0]
+        counts[e] = len(toks)
+        rows[e, :len(toks)] = toks
+    return rows, counts
+
+
+def route_align_infer(types, attrs):
+    w, ids = route_infer(types, attrs)
+    return [w, ids] + align_infer([ids], attrs)
+
+
+def route_align(ctx, logits, k, normalize=False, experts=None):
+    w, ids = route(ctx, logits, k, normalize)
+    return (w, ids) + align(ctx, ids, experts if experts is not None else logits.shape[1])
+
+
 op(name="moe_route", tensors=["logits"], attrs={"k": REQUIRED, "normalize": False},
    infer=route_infer, reference=route, n_outputs=2, templates={"triton": "moe_route"},
    doc="softmax top-k router")
 op(name="moe_experts", tensors=["x", "weights", "ids", "gate", "up", "down"],
    infer=experts_infer, reference=experts,   # no kernel of its own: lower_experts splits it
    doc="grouped SwiGLU experts, weighted sum over the top-k")
-op(name="moe_gate_up", tensors=["x", "ids", "gate_up"], infer=gate_up_infer, reference=gate_up,
-   internal=True, templates={"triton": {"prefill": "moe_gate_up", "mixed": "moe_gate_up",
+op(name="moe_align", tensors=["ids"], attrs={"experts": REQUIRED}, infer=align_infer, reference=align,
+   n_outputs=2, internal=True, templates={"triton": "moe_align"},
+   doc="tokens grouped by expert (counts, per-expert token lists) for the grouped expert GEMMs")
+op(name="moe_route_align", tensors=["logits"], attrs={"k": REQUIRED, "normalize": False, "experts": REQUIRED},
+   infer=route_align_infer, reference=route_align, n_outputs=4, internal=True,
+   templates={"triton": "moe_route"},
+   doc="moe_route + moe_align in one launch (prefill/mixed; decode routes only)")
+# decode (a few tokens): one program per (distinct chosen expert, row block), a GEMV over the
+# expert's rows for the tokens that chose it; prefill/mixed (and short, through mixed): grouped
+# tensor-core GEMMs over moe_align's per-expert token lists
+op(name="moe_gate_up", tensors=["x", "ids", "gate_up", "rows", "counts"], infer=gate_up_infer, reference=gate_up,
+   internal=True, templates={"triton": {"prefill": "moe_gate_up_grouped", "mixed": "moe_gate_up_grouped",
                                         "decode": "moe_gate_up"}},
    doc="per chosen expert: silu(x gate^T) * (x up^T)")
-op(name="moe_down", tensors=["act", "weights", "ids", "down"], infer=down_infer, reference=down,
-   internal=True, templates={"triton": {"prefill": "moe_down", "mixed": "moe_down", "decode": "moe_down"}},
+op(name="moe_down", tensors=["act", "weights", "ids", "down", "rows", "counts"], infer=down_infer, reference=down,
+   internal=True, templates={"triton": {"prefill": "moe_down_grouped", "mixed": "moe_down_grouped",
+                                        "decode": "moe_down"}},
    doc="per token: routing-weighted sum of the chosen experts' down projections")

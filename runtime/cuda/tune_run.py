@@ -78,7 +78,8 @@ def step_metadata(phase: str, T: int, B: int, context_len: int, page_size: int, 
     for i, n in enumerate(need):
         bt[i, n:] = num_pages                       # the spare page, as the runner pads
     arrays = {"positions": m.positions, "seq_starts": m.seq_starts, "context_lens": m.context_lens,
-              "last_rows": m.last_rows, "slot_mapping": m.slot_mapping, "block_tables": bt}
+              "last_rows": m.last_rows, "slot_mapping": m.slot_mapping, "block_tables": bt,
+              "state_slots": np.arange(B)}          # slot caches: one slot per sequence (B of them)
     return {k: np.ascontiguousarray(v, np.int32) for k, v in arrays.items()}, num_pages, width
 
 
@@ -111,6 +112,19 @@ def host_data(t: dict, shape: list[int], seed: int) -> np.ndarray:
     elif t["dtype"] != "f32":
         raise ValueError(f"tensor '{t['name']}': no random fill for dtype {t['dtype']}")
     return np.resize(base, n)
+
+
+def moe_grouping(ids: np.ndarray, experts: int) -> dict:
+    """moe_align's outputs for routing ids [T, k] (compiler/ops/moe.py): rows i32 [E, T] (expert
+    e's tokens first, in token order) and counts i32 [E]; what the grouped MoE kernels read."""
+    T = ids.shape[0]
+    rows = np.zeros((experts, T), np.int32)
+    counts = np.zeros(experts, np.int32)
+    for e in range(experts):
+        toks = np.nonzero((ids == e).any(axis=1))[0]
+        counts[e] = len(toks)
+        rows[e, :len(toks)] = toks
+    return {"rows": rows, "counts": counts}
 
 
 def as_float(raw: np.ndarray, dtype: str) -> np.ndarray:
@@ -219,7 +233,8 @@ class _Case:
                     names.append(src[6:])
         self.cache_decl = caches.select(manifest["caches"], names, layers=[0])
         self.cache_written = any(_is_marker(t) for t in entry["outputs"])
-        self.cache_bytes = caches.Layout(self.cache_decl, page_size, num_pages).nbytes if names else 0
+        self.cache_bytes = caches.Layout(self.cache_decl, page_size, num_pages,
+                                         dims["B"]).nbytes if names else 0
         for rec in tensors.values():
             t = rec["t"]
             rec["shape"] = [eval_int(d, dims) for d in t["shape"]]
@@ -240,10 +255,15 @@ class _Case:
             rec["ptrs"] = [self._alloc(rec["nbytes"])]
             if "in" in rec["roles"]:
                 self.init[name] = host_data(t, rec["shape"], seed + 1 + i)
+        for name, rec in tensors.items():
+            if "derive" in rec["t"] and name in self.init:
+                d = rec["t"]["derive"]
+                self.init[name] = moe_grouping(self.init[d["ids"]].reshape(tensors[d["ids"]]["shape"]),
+                                               d["experts"])[d["moe_align"]].reshape(-1)
         self.caches, self.cache_init = [], {}
         if names:
-            self.caches = [caches.DeviceCaches(ctx, self.cache_decl, page_size, num_pages, alloc=self._alloc,
-                                               zero=False) for _ in range(self.copies)]
+            self.caches = [caches.DeviceCaches(ctx, self.cache_decl, page_size, num_pages, dims["B"],
+                                               alloc=self._alloc, zero=False) for _ in range(self.copies)]
             for j, r in enumerate(self.caches[0].layout.regions.values()):
                 t = {"name": f"cache:{r.name}", "kind": "cache", "dtype": r.dtype}
                 self.cache_init[r.name] = host_data(t, [int(np.prod(r.shape))], seed + 101 + j)

@@ -196,7 +196,7 @@ def test_short_phase_selects_the_gemvs():
     assert REGISTRY["linear"].template("triton", "short") == "gemv"
     assert REGISTRY["linear_act_mul"].template("triton", "short") == "gemv_act_mul"
     assert REGISTRY["linear"].template("tilelang", "short", inherit=False) is None   # mixed's GEMM
-    assert REGISTRY["moe_down"].template("triton", "short") == "moe_down"            # via mixed
+    assert REGISTRY["moe_down"].template("triton", "short") == "moe_down_grouped"    # via mixed
 
 
 @pytest.mark.parametrize("T,B,tune", SHORT_CASES)
@@ -319,7 +319,7 @@ def test_lm_head_last_refuses_split_k():
 # (T, KT, E, H, F, tune_gate_up, tune_down)
 MOE_CASES = [
     (1, 3, 5, 72, 40, {"BLOCK_F": 16, "BLOCK_K": 32}, {"BLOCK_H": 16, "BLOCK_F": 16}),
-    (3, 2, 4, 64, 24, {"BLOCK_F": 16, "BLOCK_K": 16}, {"BLOCK_H": 8, "BLOCK_F": 16}),
+    (3, 2, 4, 64, 24, {"BLOCK_F": 16, "BLOCK_K": 16}, {"BLOCK_H": 16, "FMA_BLOCK_K": 16}),
     (5, 8, 10, 72, 40, {"BLOCK_F": 32}, {}),
     (17, 2, 3, 40, 24, {"BLOCK_F": 32, "BLOCK_K": 32}, {"BLOCK_H": 32, "BLOCK_F": 16}),
 ]
@@ -342,7 +342,7 @@ def test_moe_gate_up(T, KT, E, H, F, tune, _):
                                               ("gate_up", [E, 2 * F, H], "bf16", "weight")],
                [("act", ["T", KT, F], "bf16")], tune=tune)
     act = poison((T, KT, F))
-    run(k, {"in:0": x, "in:1": ids, "in:2": gu, "out:0": act}, {"T": T, "B": 1})
+    run(k, {"in:0": x, "in:1": ids, "in:2": gu, "out:0": act}, {"T": T, "B": T})   # decode: T == B
     want = REGISTRY["moe_gate_up"].reference(None, f32(x), ids.numpy(), f32(gu))
     assert rel_err(f32(act), want) <= TOL
 
@@ -355,6 +355,6 @@ def test_moe_down(T, KT, E, H, F, _, tune):
                                         ("ids", ["T", KT], "i32"), ("down", [E, H, F], "bf16", "weight")],
                [("y", ["T", H], "bf16")], tune=tune)
     y = poison((T, H))
-    run(k, {"in:0": act, "in:1": rw, "in:2": ids, "in:3": down, "out:0": y}, {"T": T, "B": 1})
+    run(k, {"in:0": act, "in:1": rw, "in:2": ids, "in:3": down, "out:0": y}, {"T": T, "B": T})   # decode: T == B
     want = REGISTRY["moe_down"].reference(None, f32(act), rw.numpy(), ids.numpy(), f32(down))
     assert rel_err(f32(y), want) <= TOL

@@ -9,8 +9,8 @@ import triton.language as tl
 
 
 @triton.jit
-def moe_route(logits_ptr, w_ptr, ids_ptr, E: tl.constexpr, K: tl.constexpr, BLOCK_E: tl.constexpr,
-              BLOCK_K: tl.constexpr, NORMALIZE: tl.constexpr):
+def moe_route(logits_ptr, w_ptr, ids_ptr, E: tl.constexpr,
+              K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NORMALIZE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     l = tl.load(logits_ptr + t * E + e, mask=e < E, other=float("-inf")).to(tl.float32)

@@ -1,0 +1,214 @@
+"""MoE templates under the interpreter, against their ops' numpy references.
+
+Decode (moe_gate_up, moe_down: per distinct chosen expert, CUDA-core and tensor-core paths, the
+deterministic slot-order combine), the token grouping (moe_align, moe_route_align) and the
+prefill/mixed grouped GEMMs (moe_gate_up_grouped, moe_down_grouped). Small shapes that no block
+divides (H=48, F=40, E=10 experts), T in {1, 3, 37} tokens, k in {1, 2, 8} slots, and the
+expert-parallel case where a token names expert 0 in several zero-weight slots.
+"""
+import numpy as np
+import pytest
+import torch
+
+from infc.compiler.ops import REGISTRY
+
+from .harness import poison, rand, rel_err, render, run
+
+TOL = 1e-2
+H, F, E = 48, 40, 10
+
+
+def f32(t):
+    return t.float().numpy()
+
+
+def routing(T, KT, E, gen, ep=False):
+    """ids i32 [T, KT] (distinct experts per token) and weights f32 [T, KT]; ep: as ep_dispatch
+    leaves them, slots of experts on other ranks get id 0 and weight 0 (so 0 repeats in a row)."""
+    ids = np.stack([gen.choice(E, size=KT, replace=False) for _ in range(T)]).astype(np.int32)
+    w = (gen.random((T, KT)) + 0.1).astype(np.float32)
+    if ep:
+        far = gen.random((T, KT)) < 0.4
+        far[0, :] = True                                 # a token with no local expert at all
+        ids[far], w[far] = 0, 0.0
+    return torch.from_numpy(ids), torch.from_numpy(w)
+
+
+def weights(E, H, F, gen):
+    return rand((E, 2 * F, H), gen=gen, scale=H ** -0.5), rand((E, H, F), gen=gen, scale=F ** -0.5)
+
+
+def gate_up_inputs(KT):
+    spec = [("x", ["T", H], "bf16"), ("ids", ["T", KT], "i32"), ("gate_up", [E, 2 * F, H], "bf16", "weight"),
+            ("rows", [E, "T"], "i32"), ("counts", [E], "i32")]
+    return spec, [("act", ["T", KT, F], "bf16")]
+
+
+def down_inputs(KT):
+    spec = [("act", ["T", KT, F], "bf16"), ("weights", ["T", KT], "f32"), ("ids", ["T", KT], "i32"),
+            ("down", [E, H, F], "bf16", "weight"), ("rows", [E, "T"], "i32"), ("counts", [E], "i32")]
+    return spec, [("y", ["T", H], "bf16")]
+
+
+def zero_counters(scratch):
+    for name, s in scratch.items():
+        if name.startswith("counter"):
+            assert int(s.abs().sum()) == 0, f"scratch '{name}' not left zero"
+
+
+# (T, KT, ep, tune): T=1 and few tokens take the CUDA-core path, 37 tokens over 10 experts the
+# tensor-core path (several BLOCK_T groups per expert); FMA_T=2 mixes both in one launch.
+DECODE = [
+    (1, 1, False, {}),
+    (1, 8, False, {}),
+    (1, 8, True, {}),
+    (3, 2, False, {}),
+    (3, 2, False, {"FMA_T": 2}),
+    (3, 8, True, {"TC": 16}),
+    (37, 8, False, {"BLOCK_T": 16, "TC": 16, "PC": 64}),
+    (37, 2, True, {"FMA_T": 4, "BLOCK_K": 32}),
+    (37, 1, False, {}),
+]
+
+
+@pytest.mark.parametrize("T,KT,ep,tune", DECODE)
+def test_moe_gate_up_decode(T, KT, ep, tune):
+    gen = np.random.default_rng(T * 100 + KT)
+    ids, _ = routing(T, KT, E, gen, ep)
+    x = rand((T, H), gen=gen)
+    gu, _ = weights(E, H, F, gen)
+    ins, outs = gate_up_inputs(KT)
+    k = render("moe_gate_up", "moe_gate_up", ins, outs, tune=tune)
+    act = poison((T, KT, F))
+    run(k, {"in:0": x, "in:1": ids, "in:2": gu, "out:0": act}, {"T": T, "B": T})
+    want = REGISTRY["moe_gate_up"].reference(None, f32(x), ids.numpy(), f32(gu))
+    assert rel_err(f32(act), want) <= TOL
+
+
+@pytest.mark.parametrize("T,KT,ep,tune", DECODE)
+def test_moe_down_decode(T, KT, ep, tune):
+    gen = np.random.default_rng(T * 100 + KT + 7)
+    ids, rw = routing(T, KT, E, gen, ep)
+    act = rand((T, KT, F), gen=gen, scale=0.5)
+    _, down = weights(E, H, F, gen)
+    ins, outs = down_inputs(KT)
+    k = render("moe_down", "moe_down", ins, outs, tune={**tune, "BLOCK_H": 16} if tune else {})
+    y = poison((T, H))
+    bindings = {"in:0": act, "in:1": rw, "in:2": ids, "in:3": down, "out:0": y}
+    zero_counters(run(k, bindings, {"T": T, "B": T}))
+    want = REGISTRY["moe_down"].reference(None, f32(act), rw.numpy(), ids.numpy(), f32(down))
+    assert rel_err(f32(y), want) <= TOL
+    # deterministic: a second launch (the counters were left zero) gives the same bits
+    y2 = poison((T, H))
+    run(k, {**bindings, "out:0": y2}, {"T": T, "B": T})
+    assert torch.equal(y.view(torch.int16), y2.view(torch.int16))
+
+
+def check_grouping(rows, counts, ids, E):
+    """counts exact; each expert's list holds its tokens once each (any order)."""
+    want_rows, want_counts = REGISTRY["moe_align"].reference(None, ids, experts=E)
+    assert np.array_equal(counts, want_counts)
+    for e in range(E):
+        assert sorted(rows[e, :counts[e]].tolist()) == want_rows[e, :want_counts[e]].tolist(), e
+
+
+@pytest.mark.parametrize("T,KT,ep,tb", [(1, 1, False, 64), (1, 8, True, 64), (3, 2, False, 2),
+                                        (37, 8, False, 8), (37, 8, True, 16), (37, 1, False, 64)])
+def test_moe_align(T, KT, ep, tb):
+    ids, _ = routing(T, KT, E, np.random.default_rng(T + KT), ep)
+    k = render("moe_align", "moe_align", [("ids", ["T", KT], "i32")],
+               [("rows", [E, "T"], "i32"), ("counts", [E], "i32")], {"experts": E}, phase="prefill",
+               tune={"TB": tb})
+    for _ in range(2):                       # the cursors are left zero for the next launch
+        rows, counts = poison((E, T), "i32"), poison((E,), "i32")
+        zero_counters(run(k, {"in:0": ids, "out:0": rows, "out:1": counts}, {"T": T, "B": 1}))
+        check_grouping(rows.numpy(), counts.numpy(), ids.numpy(), E)
+
+
+@pytest.mark.parametrize("phase", ["prefill", "mixed", "decode"])
+@pytest.mark.parametrize("T,KT", [(1, 2), (37, 8)])
+def test_moe_route_align(T, KT, phase):
+    from .test_norm_kernels import router_logits
+    gen = np.random.default_rng(T)
+    logits = router_logits(T, E, gen, ties=[(KT - 1, KT), (0, 1)])
+    k = render("moe_route", "moe_route_align", [("logits", ["T", E], "bf16")],
+               [("w", ["T", KT], "f32"), ("ids", ["T", KT], "i32"), ("rows", [E, "T"], "i32"),
+                ("counts", [E], "i32")], {"k": KT, "normalize": True, "experts": E}, phase=phase)
+    w, ids = poison((T, KT), "f32"), poison((T, KT), "i32")
+    rows, counts = poison((E, T), "i32"), poison((E,), "i32")
+    zero_counters(run(k, {"in:0": logits, "out:0": w, "out:1": ids, "out:2": rows, "out:3": counts},
+                      {"T": T, "B": T if phase == "decode" else 1}))
+    w_ref, ids_ref, rows_ref, counts_ref = REGISTRY["moe_route_align"].reference(
+        None, logits.float().numpy(), k=KT, normalize=True, experts=E)
+    assert np.array_equal(ids.numpy(), ids_ref)
+    assert np.allclose(w.numpy(), w_ref, rtol=1e-5, atol=1e-7)
+    if phase == "decode":                    # decode routes only: the grouping is left alone
+        assert (counts.numpy() == -7777).all() and (rows.numpy() == -7777).all()
+    else:
+        check_grouping(rows.numpy(), counts.numpy(), ids.numpy(), E)
+
+
+def grouping(ids, E, gen):
+    """moe_align's outputs as the kernel may leave them: each expert's list in a random order and
+    the unused tail of the lists garbage."""
+    rows, counts = REGISTRY["moe_align"].reference(None, ids.numpy(), experts=E)
+    rows = rows.copy()
+    for e in range(E):
+        rows[e, :counts[e]] = gen.permutation(rows[e, :counts[e]])
+        rows[e, counts[e]:] = 99999
+    return torch.from_numpy(rows), torch.from_numpy(counts)
+
+
+# (T, KT, ep, tune): blocks smaller than an expert's tokens (several row blocks per expert, a
+# partial last one), GROUP_M orderings, column tiles that F and H do not fill
+GROUPED = [
+    (1, 1, False, {"BLOCK_M": 16, "BLOCK_F": 16, "BLOCK_H": 16, "BLOCK_K": 16}),
+    (1, 8, True, {"BLOCK_M": 16, "BLOCK_F": 32, "BLOCK_H": 32, "BLOCK_K": 32}),
+    (3, 2, False, {"BLOCK_M": 16, "BLOCK_F": 16, "BLOCK_H": 16, "BLOCK_K": 32, "GROUP_M": 1}),
+    (37, 8, False, {"BLOCK_M": 16, "BLOCK_F": 32, "BLOCK_H": 32, "BLOCK_K": 16, "GROUP_M": 4}),
+    (37, 8, True, {"BLOCK_M": 32, "BLOCK_F": 16, "BLOCK_H": 16, "BLOCK_K": 32, "GROUP_M": 2}),
+    (37, 2, False, {"BLOCK_M": 16, "BLOCK_F": 64, "BLOCK_H": 64, "BLOCK_K": 64}),
+    (37, 1, True, {}),
+]
+
+
+@pytest.mark.parametrize("T,KT,ep,tune", GROUPED)
+def test_moe_gate_up_grouped(T, KT, ep, tune):
+    gen = np.random.default_rng(T * 100 + KT + 1)
+    ids, _ = routing(T, KT, E, gen, ep)
+    rows, counts = grouping(ids, E, gen)
+    x = rand((T, H), gen=gen)
+    gu, _ = weights(E, H, F, gen)
+    ins, outs = gate_up_inputs(KT)
+    k = render("moe_gate_up_grouped", "moe_gate_up", ins, outs, phase="prefill",
+               tune={k: v for k, v in tune.items() if k != "BLOCK_H"})
+    act = poison((T, KT, F))
+    run(k, {"in:0": x, "in:1": ids, "in:2": gu, "in:3": rows, "in:4": counts, "out:0": act}, {"T": T, "B": 1})
+    want = REGISTRY["moe_gate_up"].reference(None, f32(x), ids.numpy(), f32(gu))
+    assert rel_err(f32(act), want) <= TOL
+    # another order of the lists: the same bits
+    rows2, _ = grouping(ids, E, gen)
+    act2 = poison((T, KT, F))
+    run(k, {"in:0": x, "in:1": ids, "in:2": gu, "in:3": rows2, "in:4": counts, "out:0": act2}, {"T": T, "B": 1})
+    assert torch.equal(act.view(torch.int16), act2.view(torch.int16))
+
+
+@pytest.mark.parametrize("T,KT,ep,tune", GROUPED)
+def test_moe_down_grouped(T, KT, ep, tune):
+    gen = np.random.default_rng(T * 100 + KT + 2)
+    ids, rw = routing(T, KT, E, gen, ep)
+    rows, counts = grouping(ids, E, gen)
+    act = rand((T, KT, F), gen=gen, scale=0.5)
+    _, down = weights(E, H, F, gen)
+    ins, outs = down_inputs(KT)
+    k = render("moe_down_grouped", "moe_down", ins, outs, phase="prefill",
+               tune={k: v for k, v in tune.items() if k != "BLOCK_F"})
+    y = poison((T, H))
+    bindings = {"in:0": act, "in:1": rw, "in:2": ids, "in:3": down, "in:4": rows, "in:5": counts, "out:0": y}
+    zero_counters(run(k, bindings, {"T": T, "B": 1}))
+    want = REGISTRY["moe_down"].reference(None, f32(act), rw.numpy(), ids.numpy(), f32(down))
+    assert rel_err(f32(y), want) <= TOL
+    rows2, _ = grouping(ids, E, gen)
+    y2 = poison((T, H))
+    zero_counters(run(k, {**bindings, "in:4": rows2, "out:0": y2}, {"T": T, "B": 1}))
+    assert torch.equal(y.view(torch.int16), y2.view(torch.int16))
