@@ -322,7 +322,8 @@ def pages_needed(page_size: int, short=32, prefix=1024, new=16, decodes=255, con
 
 
 def run(artifact, model_dir, reps=20, warmup=3, short=32, prefix=1024, new=16, decodes=255,
-        context=1024, chunk=256, steps=None, max_model_len=None, bandwidth=True, seed=0) -> dict:
+        context=1024, chunk=256, steps=None, max_model_len=None, bandwidth=True, seed=0,
+        load_format="auto") -> dict:
     from infc.runtime.cuda.artifact import load_plan
     from infc.runtime.cuda.runner import CudaRunner
     from infc.runtime.step import Chunk
@@ -334,7 +335,8 @@ def run(artifact, model_dir, reps=20, warmup=3, short=32, prefix=1024, new=16, d
     want = lambda name: steps is None or name in steps  # noqa: E731
     rng = np.random.default_rng(seed)
     r = CudaRunner(artifact, model_dir, max_num_batched_tokens=max(short, prefix, new, decodes + chunk),
-                   max_num_seqs=decodes + 1, max_model_len=max_model_len, buckets=[1], num_pages=num_pages)
+                   max_num_seqs=decodes + 1, max_model_len=max_model_len, buckets=[1], num_pages=num_pages,
+                   load_format=load_format)
     try:
         res = header(r.ctx, r.plan["model"])
         bw = copy_bandwidth(r.ctx) if bandwidth else None
@@ -403,6 +405,8 @@ def main(argv=None):
     ap.add_argument("--mixed-chunk", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, help="default: the plan's (block tables are this wide)")
     ap.add_argument("--no-bandwidth", action="store_true", help="skip the copy-bandwidth run (no floors)")
+    from infc.server.args import add_load_format_arg
+    add_load_format_arg(ap)
     a = ap.parse_args(argv)
     if a.reps < 1:
         ap.error("--reps must be at least 1")
@@ -410,7 +414,8 @@ def main(argv=None):
     steps = set(a.steps.split(",")) if a.steps else None
     res = run(a.artifact, a.model_path, reps=a.reps, warmup=a.warmup, short=a.short_prompt, prefix=a.prefix_tokens,
               new=a.prefix_new, decodes=a.mixed_decodes, context=a.mixed_context, chunk=a.mixed_chunk,
-              steps=steps, max_model_len=a.max_model_len, bandwidth=not a.no_bandwidth)
+              steps=steps, max_model_len=a.max_model_len, bandwidth=not a.no_bandwidth,
+              load_format=a.load_format)
     path = save("profile", res, a.out)
     text = report(res, a.top)
     path.with_suffix(".md").write_text(text)

@@ -77,7 +77,8 @@ def test_fused_launch_counts_kept(model):
 
 def test_short_program_is_mixed_with_gemv_linears():
     """The short phase: mixed's launches one for one, the linears on the decode GEMVs (the tuned
-    prefill GEMMs are what short steps avoid), attention still attention_prefill."""
+    prefill GEMMs are what short steps avoid), attention attention_mixed like mixed's (rendered
+    with a wider split role: QMAX 16 new tokens, mixed's 1)."""
     _, plan = compile_model("qwen3-4b")
     assert plan["short_tokens"] == 64
     short, mixed = (list(launches(plan["programs"][p])) for p in ("short", "mixed"))
@@ -87,7 +88,7 @@ def test_short_program_is_mixed_with_gemv_linears():
     for (s, ns), (m, nm) in zip(short, mixed):
         assert (s["op"], s["inputs"], s["outputs"], ns) == (m["op"], m["inputs"], m["outputs"], nm)
         assert s["kernel"] == gemv.get(s["op"], m["kernel"]), s["op"]
-    assert {l["kernel"] for l, _ in short if l["op"] == "attention_cached"} == {"attention_prefill"}
+    assert {l["kernel"] for l, _ in short if l["op"] == "attention_cached"} == {"attention_mixed"}
 
 
 def test_no_fuse_runs_every_op_on_its_generic_kernel():

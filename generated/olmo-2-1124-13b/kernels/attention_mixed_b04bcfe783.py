@@ -1,11 +1,11 @@
-# attention_prefill: variable-length causal GQA attention over the paged KV cache, Hq=32,
-# Hkv=8 (group G=4), D=128. Sequence b's new tokens are q rows seq_starts[b] ..
+# attention_prefill: variable-length causal GQA attention over the paged KV cache, Hq=40,
+# Hkv=40 (group G=1), D=128. Sequence b's new tokens are q rows seq_starts[b] ..
 # seq_starts[b+1]-1 (q_len of them) and the last q_len of its L = context_lens[b] cached keys, so
 # new token i sits at position P + i, P = L - q_len (a cached prefix, maybe shared, comes first):
 #   s_j = q[t, h] . K[b, j, h // G] * scale
 #   o[t, h] = sum_j softmax_j(s) V[b, j, h // G],  j <= P + i
 # K[b, j] = k_cache[block_tables[b, j // 16], j % 16], scale = 0.08838834764831845.
-# Flash attention: a program owns BLOCK_M=128 rows = TOK=32 consecutive tokens x the G query
+# Flash attention: a program owns BLOCK_M=128 rows = TOK=128 consecutive tokens x the G query
 # heads of one kv head (GQA packing: K/V tiles are loaded once for the group, and a decode token
 # in a mixed step fills G rows, not 1), and streams BLOCK_N=128-key tiles gathered through
 # the block table with an online softmax (exp2 of log2-scaled scores). Tiles entirely below the
@@ -20,9 +20,11 @@ import triton.language as tl
 # Split-KV role (sequences with q_len <= QMAX=1): one program per (sequence b, kv head, split),
 # ns = min(NUM_SPLITS=32, max(1, cdiv(TARGET_CTAS=264, B * Hkv))) splits. Its rows are
 # r = i * G + g for new token i < q_len (position P + i, P = L - q_len) and query head kvh * G + g
-# (QMAX * G = 4 rows, padded to 16 for tl.dot), so the K/V of a split are read once for all of them.
-# Split s owns keys [s * kps, (s + 1) * kps), kps = ceil(ceil(L / ns) / BLOCK_N) * BLOCK_N; row r
-# sees keys j <= P + i.
+# (QMAX * G = 1 rows, padded to 16 for tl.dot), so the K/V of a split are read once for all of them.
+# A split takes at least SPLIT_MIN_KEYS=256 keys: below that, its partials and the merge cost more than
+# the keys it saves the others.
+# Split s owns keys [s * kps, (s + 1) * kps), kps = max(ceil(ceil(L / ns) / BLOCK_N) * BLOCK_N, MIN) (MIN =
+# SPLIT_MIN_KEYS rounded up to BLOCK_N); only the cdiv(L, kps) non-empty splits run; row r sees keys j <= P + i.
 # Each split runs the online softmax; with more than one non-empty split, the partial (acc, m, l)
 # go to scratch and the split that arrives last merges them (attention_decode's protocol: a CTA
 # barrier, one acq_rel atomic on the (b, kv head) counter, .cg loads, counter back to 0):
@@ -34,16 +36,16 @@ import triton.language as tl
 @triton.jit
 def _attend_split(pid, q_ptr, k_cache, v_cache, o_ptr, block_tables, context_lens, seq_starts,
                   max_pages, B, part_o, part_ml, counter, DOT_F32: tl.constexpr):
-    HQ: tl.constexpr = 32
-    HKV: tl.constexpr = 8
-    G: tl.constexpr = 4
+    HQ: tl.constexpr = 40
+    HKV: tl.constexpr = 40
+    G: tl.constexpr = 1
     D: tl.constexpr = 128
     BLOCK_D: tl.constexpr = 128
     PS: tl.constexpr = 16
     BLOCK_N: tl.constexpr = 64
-    ROWS: tl.constexpr = 4
+    ROWS: tl.constexpr = 1
     M: tl.constexpr = 16
-    MM: tl.constexpr = 4
+    MM: tl.constexpr = 2
     CHUNK: tl.constexpr = 8
     ns = tl.minimum(32, tl.maximum(1, tl.cdiv(264, B * HKV)))
     bh = pid // ns
@@ -59,7 +61,7 @@ def _attend_split(pid, q_ptr, k_cache, v_cache, o_ptr, block_tables, context_len
     L = tl.load(context_lens + b)
     P = L - q_len
     lo0 = 0
-    kps = tl.maximum(tl.cdiv(tl.cdiv(L - lo0, ns), BLOCK_N) * BLOCK_N, BLOCK_N)
+    kps = tl.maximum(tl.cdiv(tl.cdiv(L - lo0, ns), BLOCK_N) * BLOCK_N, 256)
     n_act = tl.cdiv(L - lo0, kps)
     if s >= tl.maximum(n_act, 1):
         return
@@ -263,13 +265,13 @@ META = {
         ["part_ml", "*fp32", "scratch:partial_ml"],
         ["counter", "*i32", "scratch:counter"],
     ],
-    "constexprs": {"HQ": 32, "HKV": 8, "G": 4, "D": 128, "BLOCK_D": 128,
-                   "PS": 16, "BLOCK_M": 128, "TOK": 32, "BLOCK_N": 128,
+    "constexprs": {"HQ": 40, "HKV": 40, "G": 1, "D": 128, "BLOCK_D": 128,
+                   "PS": 16, "BLOCK_M": 128, "TOK": 128, "BLOCK_N": 128,
                    "BLOCK_B": 256, "QK_SCALE": 0.12751743082459868,
                    "DOT_F32": False},
-    "grid": ["(cdiv(T, 32) + B) * 8 + B * 8 * min(32, max(1, cdiv(264, B * 8)))", 1, 1],
-    "scratch": {"partial_o": "1081344",
-                "partial_ml": "16896",
+    "grid": ["(cdiv(T, 128) + B) * 40 + B * 40 * min(32, max(1, cdiv(264, B * 40)))", 1, 1],
+    "scratch": {"partial_o": "270336",
+                "partial_ml": "4224",
                 "counter": "1056"},
     "num_warps": 8,
     "num_stages": 3,
