@@ -177,22 +177,28 @@ def candidates(backend: str, template: str, rows=(1,)) -> list[dict]:
     return out
 
 
-SHORT_DIMS = {"T": 32, "B": 1}     # the short prompt bench/profile.py's prefill_32 times
+# short steps: the 32-token prompt bench/profile.py's prefill_32 times, and a 16-token suffix over
+# the cached context (its prefix_hit: attention_mixed's split role)
+SHORT_DIMS = ({"T": 32, "B": 1}, {"T": 16, "B": 1})
 
 
 def phase_dims(phase: str, decode_batches=(1,), prefill_tokens=1024, mixed=(512, 8)) -> list[dict]:
     """The step sizes a phase's shape keys are timed at."""
     if phase == "short":
-        return [dict(SHORT_DIMS)]
+        return [dict(d) for d in SHORT_DIMS]
     if phase == "decode":
         return [{"T": int(b), "B": int(b)} for b in decode_batches]
     if phase == "prefill":
         return [{"T": int(prefill_tokens), "B": 1}]
     if phase == "mixed":
-        T, B = int(mixed[0]), int(mixed[1])
-        if T <= B - 1:
-            raise SpecError(f"mixed step T={T} needs more tokens than its {B - 1} decode rows", None)
-        return [{"T": T, "B": B}]
+        # one (T, B) or several: B - 1 decode rows and one chunk of the rest
+        steps = [mixed] if isinstance(mixed[0], (int, str)) else list(mixed)
+        out = []
+        for T, B in ((int(t), int(b)) for t, b in steps):
+            if T <= B - 1:
+                raise SpecError(f"mixed step T={T} needs more tokens than its {B - 1} decode rows", None)
+            out.append({"T": T, "B": B})
+        return out
     raise SpecError(f"unknown phase '{phase}' (known: {', '.join(PHASES)})", None)
 
 

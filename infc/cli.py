@@ -67,6 +67,7 @@ def _tune(args):
                 features=parse_features(args.features), page_size=args.page_size,
                 target=args.target, decode_batches=[int(b) for b in _csv(args.decode_batches)],
                 prefill_tokens=args.prefill_tokens, context_len=args.context_len,
+                mixed=[tuple(m.split("x")) for m in _csv(args.mixed)],
                 compile=not args.no_compile, jobs=args.jobs)
     else:
         from pathlib import Path
@@ -162,6 +163,8 @@ def parser() -> argparse.ArgumentParser:
     tp.add_argument("--features", help="extra kernel backends, comma-separated: tilelang, cuda")
     tp.add_argument("--decode-batches", default="1", help="decode batch sizes to time at (T = B)")
     tp.add_argument("--prefill-tokens", type=int, default=1024, help="prefill step size (one sequence)")
+    tp.add_argument("--mixed", default="512x8", help="mixed step sizes TxB, comma-separated (B - 1 "
+                    "decode rows and one chunk; e.g. 512x8,511x256)")
     tp.add_argument("--context-len", type=int, default=1024, help="KV length per sequence for attention")
     tp.add_argument("--page-size", type=int, default=16)
     tp.add_argument("--target", default="sm_90")

@@ -151,7 +151,7 @@ def test_prepare_short_phase_times_the_gemvs_at_a_short_prompt(tmp_path):
     out = prepare(MODEL, "h200", out=tmp_path / "s", phases=("short",), templates=("gemv", "gemv_act_mul"),
                   compile=False, log=None)
     m = json.loads((out / "manifest.json").read_text())
-    assert m["dims"] == {"short": [{"T": 32, "B": 1}]}
+    assert m["dims"] == {"short": [{"T": 32, "B": 1}, {"T": 16, "B": 1}]}
     assert m["entries"] and {e["template"] for e in m["entries"]} == {"gemv", "gemv_act_mul"}
     for e in m["entries"]:
         assert e["phase"] == "short" and e["shape_key"].startswith("short|") and e["current_tune"] == {}

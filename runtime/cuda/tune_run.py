@@ -46,7 +46,9 @@ def step_metadata(phase: str, T: int, B: int, context_len: int, page_size: int, 
     """Valid metadata for a step of T tokens over B sequences: (arrays, num_pages, max_pages).
 
     decode: B sequences of one new token each, KV lengths context_len, context_len - 3, ...;
-    prefill: T tokens split over B sequences with no cached prefix; mixed: B - 1 decode rows and
+    prefill: T tokens split over B sequences with no cached prefix; short: the same after
+    context_len cached tokens each (a prefix hit, what a short step's split attention serves);
+    mixed: B - 1 decode rows and
     one chunk of T - B + 1 tokens after context_len cached ones. Pages are a random permutation
     of 0 .. num_pages-1 (scattered, as after some serving); page num_pages is the spare that
     pads block-table rows (cache storage holds num_pages + 1 pages, as in the runner)."""
@@ -54,10 +56,11 @@ def step_metadata(phase: str, T: int, B: int, context_len: int, page_size: int, 
         if T != B:
             raise ValueError(f"a decode step has T == B (got T={T}, B={B})")
         chunks = [(max(context_len - 3 * b, 1) - 1, 1) for b in range(B)]
-    elif phase in ("prefill", "short"):     # short: a prefill of few tokens (compiler/tune.py)
+    elif phase in ("prefill", "short"):     # short: few tokens (compiler/tune.py SHORT_DIMS)
         if T < B:
             raise ValueError(f"a prefill step of {T} tokens cannot cover {B} sequences")
-        chunks = [(0, T // B + (1 if b < T % B else 0)) for b in range(B)]
+        cached = context_len if phase == "short" else 0
+        chunks = [(cached, T // B + (1 if b < T % B else 0)) for b in range(B)]
     elif phase == "mixed":
         if T < B:
             raise ValueError(f"a mixed step of {T} tokens cannot cover {B} sequences")
