@@ -154,6 +154,8 @@ def _inspect_one(model, spec_path, model_dir, dot, phases, spec_dirs, parallel=N
     if plan.get("weight_init"):
         out += ["", "== weight init: --load-format dummy fills each weight on the device, before the first step"]
         out += [f"  {'fill_random':<12} {plan['weight_init']}"]
+        if plan.get("weight_init_f32"):
+            out += [f"  {'fill (f32)':<12} {plan['weight_init_f32']}"]
     if parallel:
         out += ["", "== collectives (backend nccl: the runtime's communicator, no kernel)"]
         out += collectives(plan, phases)

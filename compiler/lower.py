@@ -14,7 +14,7 @@ from .expr import EvalError, Unknown, evaluate, free_names
 from .ir import DYNAMIC, Graph, Node, TensorType, Value
 from .ops import REGISTRY, REQUIRED
 from .ops.activation import resolve as resolve_activation
-from .spec import TRANSFORM_KEYS, LayerKind, Spec, Statement, weight_name
+from .spec import TRANSFORM_KEYS, WEIGHT_DTYPES, LayerKind, Spec, Statement, weight_name
 
 ACT_DTYPE = "bf16"
 STEP_INPUTS = {"tokens": TensorType(("T",), "i32")}
@@ -253,6 +253,8 @@ class _Lowerer:
             if not isinstance(e, (ast.List, ast.Tuple)):
                 raise self.err(f"{op_name}: shape must be a list like [T, H]", line)
             return list(self.shape(e.elts, line, op_name))
+        if param == "dtype" and isinstance(e, ast.Name) and e.id in WEIGHT_DTYPES and e.id not in self.env:
+            return e.id                  # an output dtype written bare: l2_norm(x, dtype=f32)
         try:
             return evaluate(e, self.env)
         except Unknown as u:

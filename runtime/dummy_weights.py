@@ -13,7 +13,8 @@ one rule for both backends, chosen to keep activations finite through many layer
 z is a counter-based hash of (seed, element index) with mean 0 and std 1 (bounded by 3.47): the
 GPU fills each weight on the device with the fill_random kernel (plan["weight_init"]), the CPU
 backend computes the same hash here in numpy (`values`), so both backends load the same bf16
-numbers (bit for bit, but for a double rounding in the fma emulation below at a rate of ~2^-29).
+numbers (bit for bit, but for a double rounding in the fma emulation below at a rate of ~2^-29);
+a weight the plan declares f32 keeps the float32 values unrounded (plan["weight_init_f32"]).
 Every (weight, layer) gets its own seed, and a weight is filled in chunks of at most 2^30
 elements (int32 indices in the kernel), each with its own seed.
 """
@@ -93,12 +94,15 @@ def chunks(n: int):
 
 
 def weight_values(name: str, w: dict, layer, seed: int = 0) -> np.ndarray:
-    """One weight's values as the GPU loads them (bf16-rounded), in float32 and its shape."""
+    """One weight's values as the GPU loads them (bf16-rounded, unless the weight is f32), in
+    float32 and its shape."""
     n = math.prod(w["shape"])
     scale, offset = rule(w)
     out = np.empty(n, np.float32)
     for start, length, c in chunks(n):
         out[start: start + length] = values(length, seed_of(name, layer, c, seed), scale, offset)
+    if w.get("dtype") == "f32":
+        return out.reshape(w["shape"])
     bits = f32_to_bf16_bits(out).astype(np.uint32) << 16
     return bits.view(np.float32).reshape(w["shape"])
 

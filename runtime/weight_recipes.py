@@ -2,7 +2,8 @@
 
 One registry, recipe kind -> builder on numpy arrays, serves the numpy loader (runtime/weights.py,
 float32) and the device loader (runtime/cuda/weights.py, which streams plain bf16 runs straight
-from the files and builds everything else here, then rounds once to bf16):
+from the files and builds everything else here, then rounds once to bf16, or keeps float32 for
+a weight the plan declares f32):
 
     {"tensor": name}                         a checkpoint tensor ({i} layer, {e} expert)
     {"tied": weight}                         the same storage as another plan weight (loaders alias it)

@@ -24,8 +24,10 @@ class InterpExecutor:
         self.plan, self.page_size = plan, page_size
         self.kernels = {kid: Kernel(kid, k["backend"], k["template"], _source(plan, k), k)
                         for kid, k in plan["kernels"].items()}
-        bf16 = lambda a: torch.from_numpy(np.ascontiguousarray(a, np.float32)).to(torch.bfloat16)  # noqa: E731
-        self.weights = {n: ([bf16(x) for x in w] if isinstance(w, list) else bf16(w))
+        def dev(a, name):            # the plan's dtype (bf16, or f32 where the spec says so)
+            return torch.from_numpy(np.ascontiguousarray(a, np.float32)).to(
+                TORCH[plan["weights"].get(name, {}).get("dtype", "bf16")])
+        self.weights = {n: ([dev(x, n) for x in w] if isinstance(w, list) else dev(w, n))
                         for n, w in weights.items()}
         decl = caches.of_plan(plan)
         # a state slot per seq_id (plans with slot caches), as the engine hands them out

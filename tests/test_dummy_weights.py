@@ -50,8 +50,8 @@ class FakeCtx:
 class FakeKernel:
     """The real rendered kernel's META; `pack` keeps the resolved values for the fake launch."""
 
-    def __init__(self):
-        k = render_weight_init({})
+    def __init__(self, dtype="bf16"):
+        k = render_weight_init({}, dtype=dtype)
         self.id, self.meta, self.fn, self.block, self.shared = k.id, k.meta, None, (128, 1, 1), 0
 
     def pack(self, values):
@@ -104,6 +104,48 @@ def test_device_fill_covers_every_weight_once(tmp_path, monkeypatch, family, chu
         assert all(p + 2 * k == q for (p, k), (q, _) in zip(mine, mine[1:]))
     if chunk:
         assert len(launches) > len(regions)
+
+
+def test_f32_weights_fill_with_the_f32_kernel(tmp_path, monkeypatch):
+    """A plan's f32 weights (a spec's `dtype: f32`) are filled by plan["weight_init_f32"], 4 bytes an
+    element, unrounded, as the CPU backend makes them; bf16 ones as before. Plans without f32
+    weights carry no f32 fill kernel."""
+    from infc.compiler.codegen.render import render_plan
+    d = config_only(tmp_path / "m")
+    _, plain = compile_model(model_dir=str(d), check_checkpoint=False)
+    render_plan(plain, {}, 16)
+    assert "weight_init" in plain and "weight_init_f32" not in plain
+    plan = {"weights": {
+        "w": {"shape": [5, 4], "dtype": "bf16", "layers": None, "source": {"tensor": "w"}},
+        "A": {"shape": [6], "dtype": "f32", "layers": [0, 2],
+              "source": {"scale": {"exp": {"tensor": "l.{i}.A_log"}}, "by": -1.0}},
+        "b": {"shape": [3], "dtype": "f32", "layers": None, "source": {"tensor": "dt_bias"}}}}
+    ctx, kernels = FakeCtx(), {"bf16": FakeKernel(), "f32": FakeKernel("f32")}
+    assert kernels["f32"].id != kernels["bf16"].id
+
+    def fake_launch(c, k, g, args):
+        ptr, n, seed, scale, offset = args
+        v = dwv.values(n, seed, scale, offset)
+        data = v.tobytes() if k is kernels["f32"] else f32_to_bf16_bits(v).tobytes()
+        ctx.mem[ptr - ctx.base: ptr - ctx.base + len(data)] = data
+
+    monkeypatch.setattr(dw, "_launch", fake_launch)
+    w = dw.DeviceWeights(ctx, plan, d, progress=False, load_format="dummy", fill=kernels)
+    cpu = dwv.dummy_weights(plan)
+    got = np.frombuffer(ctx.mem, np.uint16, 20, w.ptr("w", None) - ctx.base)
+    assert np.array_equal(got, f32_to_bf16_bits(cpu["w"]).reshape(-1))
+    for name, layers in (("A", [0, 2]), ("b", [None])):
+        for i, layer in enumerate(layers):
+            want = cpu[name][i] if layer is not None else cpu[name]
+            n = want.size
+            got = np.frombuffer(ctx.mem, np.float32, n, w.ptr(name, layer) - ctx.base)
+            assert np.array_equal(got, want), (name, layer)
+    a = cpu["A"][0]
+    as_bf16 = dwv.weight_values("A", {**plan["weights"]["A"], "dtype": "bf16"}, 0)
+    assert abs(a.mean() + 1) < 0.05 and not np.array_equal(a, as_bf16)
+    assert w.bytes == 2 * 20 + 4 * (6 + 6 + 3)
+    with pytest.raises(ModelDirError, match="f32 weight fill kernel"):
+        dw.DeviceWeights(FakeCtx(), plan, d, load_format="dummy", fill=kernels["bf16"])
 
 
 def test_value_rules():

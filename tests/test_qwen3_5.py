@@ -34,6 +34,7 @@ from infc.compiler.build import build, compile_model
 from infc.runtime import caches
 from infc.runtime.block_manager import BlockManager
 from infc.runtime.engine import Engine
+from infc.runtime.program import launches as _launches
 from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
 from infc.runtime.runner import CPURunner, sample_row
 from infc.runtime.safetensors_io import Checkpoint
@@ -261,6 +262,17 @@ def test_build_variant_no_compile(tmp_path):
     assert caches.storage_shape(slot["recurrent"], 16, 1, 2) == (3, 32, 128, 128)
     assert caches.storage_shape(slot["conv"], 16, 1, 2) == (3, 3, 2 * 16 * 128 + 32 * 128)
     assert plan["weights"]["wq_wk_wv_wgate"]["shape"][0] == 2 * 16 * 256 + 2 * 4 * 256
+    # as HF: g = -exp(A_log) * softplus(a + dt_bias) entirely in f32 (f32 weights, f32 promotion),
+    # q and k l2-normalized into f32, beta = sigmoid(b) rounded to bf16; the f32 weights' fill kernel
+    assert plan["weights"]["A"]["dtype"] == plan["weights"]["dt_bias"]["dtype"] == "f32"
+    assert plan["weight_init_f32"] and plan["weight_init_f32"] != plan["weight_init"]
+    rule = next(ln for ln, _ in _launches(plan["programs"]["decode"]) if ln["op"] == "gated_delta_rule")
+    q, k, _, g, beta = (plan["buffers"][n]["dtype"] for n in rule["inputs"])
+    assert (q, k, g, beta) == ("f32", "f32", "f32", "bf16")
+    chain = [ln for ln, _ in _launches(plan["programs"]["decode"])
+             if "dt_bias" in ln["inputs"] or ln["op"] == "softplus"]
+    assert [ln["op"] for ln in chain] == ["add", "softplus"]
+    assert all(plan["buffers"][ln["outputs"][0]]["dtype"] == "f32" for ln in chain)
 
 
 def test_dummy_weights_keep_the_state_decaying(models):

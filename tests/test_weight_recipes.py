@@ -60,8 +60,8 @@ def ckpt_dir(tmp_path):
     return tmp_path, {n: x for n, (x, _) in t.items()}
 
 
-def W(shape, source, layers=(0, 1, 2)):
-    return {"shape": list(shape), "dtype": "bf16", "layers": None if layers is None else list(layers),
+def W(shape, source, layers=(0, 1, 2), dtype="bf16"):
+    return {"shape": list(shape), "dtype": dtype, "layers": None if layers is None else list(layers),
             "source": source}
 
 
@@ -87,6 +87,10 @@ PLAN = {"weights": {
                               "groups": 2}),
     "norm_2d": W([2, 2], {"reshape": {"tensor": "l.{i}.norm"}, "from": [4], "to": [2, 2]}),
     "neg_exp": W([4], {"scale": {"exp": {"tensor": "l.{i}.norm"}}, "by": -1.0}),
+    # f32 weights (a spec's `dtype: f32`: Qwen3.5's A and dt_bias): exp and scale computed in
+    # float32 and kept so on the device, a plain bf16 tensor widened to float32
+    "neg_exp_f32": W([4], {"scale": {"exp": {"tensor": "l.{i}.norm"}}, "by": -1.0}, dtype="f32"),
+    "norm_f32": W([4], {"tensor": "l.{i}.norm"}, dtype="f32"),
     "only_odd": W([6, 4], T, layers=[1]),                      # a weight of one layer kind
     "sparse": W([2, 4], {"tensor": "l.{i}.k"}, layers=[0, 2]),
 }}
@@ -104,7 +108,7 @@ def expected(name, i, t):
         "bias_qk": np.concatenate([np.zeros(6, np.float32), norm[2:4]]),
         "f32_rows": t[f"l.{i}.f32"][1:3],
         "qkv_grouped": np.concatenate([qkv[1:3], qkv[6:8]]), "norm_2d": norm.reshape(2, 2),
-        "neg_exp": -np.exp(norm),
+        "neg_exp": -np.exp(norm), "neg_exp_f32": -np.exp(norm), "norm_f32": norm,
     }[name]
 
 
@@ -151,7 +155,7 @@ def test_device_loader_holds_the_same_values_in_bf16(ckpt_dir, monkeypatch):
         if isinstance(a, str):
             assert dev.ptrs[name] == dev.ptrs[a]
             continue
-        bits = f32_to_bf16_bits(a)
+        bits = a.astype(np.float32) if PLAN["weights"][name]["dtype"] == "f32" else f32_to_bf16_bits(a)
         assert ctx.read(dev.ptr(name, layer), bits.nbytes) == bits.tobytes(), (name, layer)
         total += bits.nbytes
     assert dev.bytes == total
@@ -163,7 +167,7 @@ def test_fast_path_covers_plain_bf16_runs_only(ckpt_dir):
     d, _ = ckpt_dir
     ck = Checkpoint(d)
     fast = {n for n, w in PLAN["weights"].items()
-            if "tied" not in w["source"] and dw._runs(ck, w["source"], 1) is not None}
+            if "tied" not in w["source"] and w["dtype"] == "bf16" and dw._runs(ck, w["source"], 1) is not None}
     assert fast == {"embed", "wq", "experts", "wqk", "wk_rows", "only_odd", "sparse"}
 
 
@@ -193,3 +197,23 @@ def test_unknown_recipes_and_shape_mismatches(ckpt_dir):
     with pytest.raises(ModelDirError, match=r"'l.0.q\[2:4\]' has shape \[2, 4\], the plan expects \[3, 4\]"):
         load_weights({"weights": {"x": W([3, 4], {"slice": T, "axis": 0, "start": 2, "stop": 4})}},
                      Checkpoint(d))
+
+
+def test_f32_weights_keep_float32_exp_and_scale(ckpt_dir):
+    """A weight the plan declares f32 is built in float32 (exp, then scale) and stored unrounded;
+    the same recipe declared bf16 is rounded once."""
+    d, t = ckpt_dir
+    ctx = FakeCtx()
+    dev = dw.DeviceWeights(ctx, PLAN, d, progress=False, threads=2)
+    for i in range(3):
+        want = -np.exp(t[f"l.{i}.norm"].astype(np.float32))
+        got = np.frombuffer(ctx.read(dev.ptr("neg_exp_f32", i), 16), np.float32)
+        np.testing.assert_array_equal(got, want)
+        rounded = np.frombuffer(ctx.read(dev.ptr("neg_exp", i), 8), np.uint16)
+        np.testing.assert_array_equal(rounded, f32_to_bf16_bits(want))
+        assert not np.array_equal(_bf16(want), want)        # the rounding is visible here
+        np.testing.assert_array_equal(np.frombuffer(ctx.read(dev.ptr("norm_f32", i), 16), np.float32),
+                                      t[f"l.{i}.norm"])
+    bad = {"weights": {"x": W([4], {"tensor": "l.{i}.norm"}, dtype="f16")}}
+    with pytest.raises(ModelDirError, match="only bf16 and f32 weights"):
+        dw.DeviceWeights(FakeCtx(), bad, d, progress=False)

@@ -131,16 +131,23 @@ def render_sampler(plan: dict, tuning: dict, env=None) -> dict[str, Kernel]:
 
 
 # --load-format dummy: random weights made on the device (runtime/dummy_weights.py), one launch
-# per weight region before the first step. Every GPU weight is bf16 (runtime/cuda/weights.py).
+# per weight region before the first step. GPU weights are bf16 (plan["weight_init"] fills them)
+# or, where the spec says `dtype: f32`, f32 (plan["weight_init_f32"], only in plans that have
+# such weights, so the others' plans stay as they were; runtime/cuda/weights.py).
 WEIGHT_INIT = "fill_random"
 
 
-def render_weight_init(plan: dict, env=None) -> Kernel:
-    """Render the weight fill kernel; sets plan["weight_init"] (its id)."""
+def _render_fill(dtype: str, env=None) -> Kernel:
     ctx = {"op": WEIGHT_INIT, "phase": "weight_init", "inputs": [], "outputs": [], "attrs": {},
-           "config": {"dtype": "bf16"}, "tune": {}}
-    k = render_template("triton", WEIGHT_INIT, ctx, env)
-    plan["weight_init"] = k.id
+           "config": {"dtype": dtype}, "tune": {}}
+    return render_template("triton", WEIGHT_INIT, ctx, env)
+
+
+def render_weight_init(plan: dict, env=None, dtype: str = "bf16") -> Kernel:
+    """Render the weight fill kernel for `dtype`; sets plan["weight_init"] (bf16, its id) or
+    plan["weight_init_f32"]."""
+    k = _render_fill(dtype, env)
+    plan["weight_init" if dtype == "bf16" else f"weight_init_{dtype}"] = k.id
     return k
 
 
@@ -168,4 +175,7 @@ def render_plan(plan: dict, tuning: dict, page_size: int, spec_path: str | None 
             kernels.setdefault(kid, k)
     k = render_weight_init(plan, env)
     kernels.setdefault(k.id, k)
+    if any(w.get("dtype") == "f32" for w in plan.get("weights", {}).values()):
+        k = render_weight_init(plan, env, "f32")
+        kernels.setdefault(k.id, k)
     return kernels

@@ -3,8 +3,10 @@
 Semantics are transformers' modeling_qwen3_5.py (Qwen3_5GatedDeltaNet and the functions it
 calls); tests/kernels/test_linear_attention.py checks each reference against them.
 
-l2_norm(x[..., D], eps=1e-6) -> x * rsqrt(sum(x^2) + eps) over the last axis, fp32 math (HF's
-    l2norm, which FLA matches; note it is not x / max(||x||, eps)).
+l2_norm(x[..., D], eps=1e-6, dtype=None) -> x * rsqrt(sum(x^2) + eps) over the last axis, fp32 math
+    (HF's l2norm, which FLA matches; note it is not x / max(||x||, eps)). The output is x's dtype
+    unless dtype names another: HF normalizes Qwen3.5's q and k in fp32 inside the delta rule and
+    never rounds them to bf16, so its spec asks for dtype=f32.
 gated_rms_norm(x[..., D], z[..., D], weight[D], eps=1e-6) -> HF's Qwen3_5RMSNormGated:
     w * (x * rsqrt(mean(x^2) + eps)) * silu(z), with plain w (initialized to ones, NOT the
     (1 + w) form of Qwen3.5's other norms). HF's order of roundings in a bf16 model:
@@ -22,7 +24,8 @@ gated_delta_rule(q[T, Hk, Dk], k[T, Hk, Dk], v[T, Hv, Dv], g[T, Hv], beta[T, Hv]
         S = S * exp(g_t)                                  decay
         S = S + k_t^T (beta_t * (v_t - k_t S))            delta-rule update (k_t S: the decayed read)
         o_t = (q_t * scale) S                             readout after the update
-    scale defaults to 1/sqrt(Dk). q and k arrive l2-normalized (the spec applies l2_norm). The
+    scale defaults to 1/sqrt(Dk). q and k arrive l2-normalized (the spec applies l2_norm), in
+    any float dtype (Qwen3.5's are f32, as HF's; the kernels compute in fp32 either way). The
     initial S is the sequence's slot of cache `recurrent` [Hv, Dk, Dv] (f32) when it has tokens
     cached before this step, else zeros; the final S is written back.
 
@@ -47,21 +50,27 @@ def _slot(ctx, b) -> int:
 
 # -- l2_norm ---------------------------------------------------------------------------------
 
+OUT_DTYPES = ("bf16", "f16", "f32")
+
+
 def l2_norm_infer(types, attrs):
     (x,) = types
     expect(len(x.shape) >= 1, f"l2_norm needs at least one axis, got {x}")
     expect(attrs.get("eps", 1e-6) >= 0, f"l2_norm eps must be >= 0, got {attrs.get('eps')}")
-    return [x]
+    dtype = attrs.get("dtype")
+    expect(dtype is None or dtype in OUT_DTYPES,
+           f"l2_norm dtype must be one of {', '.join(OUT_DTYPES)}, got {dtype!r}")
+    return [tt(x.shape, dtype or x.dtype)]
 
 
-def l2_norm(ctx, x, eps=1e-6):
+def l2_norm(ctx, x, eps=1e-6, dtype=None):
     x = np.asarray(x, np.float32)
     return x * (1.0 / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + np.float32(eps)))
 
 
-op(name="l2_norm", tensors=["x"], attrs={"eps": 1e-6}, infer=l2_norm_infer, reference=l2_norm,
-   templates={"triton": "l2_norm"}, strided=True,
-   doc="x * rsqrt(sum(x^2) + eps) over the last axis (HF/FLA l2norm)")
+op(name="l2_norm", tensors=["x"], attrs={"eps": 1e-6, "dtype": None}, infer=l2_norm_infer,
+   reference=l2_norm, templates={"triton": "l2_norm"}, strided=True,
+   doc="x * rsqrt(sum(x^2) + eps) over the last axis (HF/FLA l2norm); output dtype: x's, or dtype")
 
 
 # -- gated_rms_norm ----------------------------------------------------------------------------

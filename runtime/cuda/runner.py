@@ -59,7 +59,8 @@ class CudaRunner:
         self.max_model_len = min(max_model_len or plan["config"]["max_len"], plan["config"]["max_len"])
         self.max_pages_per_seq = -(-self.max_model_len // self.page_size)
         self.kernels = load_kernels(self.artifact, plan)
-        fill = self.kernels.get(plan.get("weight_init"))       # absent from older artifacts
+        fill = {"bf16": self.kernels.get(plan.get("weight_init")),       # absent from older artifacts
+                "f32": self.kernels.get(plan.get("weight_init_f32"))}    # only where f32 weights are
         self.weights = DeviceWeights(self.ctx, plan, Path(model_dir), load_format=load_format, fill=fill)
         dims = {"T": self.max_tokens, "B": self.max_seqs}
         a = plan["arena"]

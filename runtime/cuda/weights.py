@@ -7,13 +7,15 @@ byte ranges laid end to end: those are read with pread (several threads, no page
 a mapping) into one of two pinned staging buffers while the other one's copy to the device runs.
 Any other recipe (another dtype, another axis, transpose, scale, offset, zeros) is built on the
 host by the recipe registry (runtime/weight_recipes.py) in float32, rounded once to bf16 (to
-nearest even) and copied through the same buffers. The staging memory is given back at the end,
-so a loaded server's resident memory is the Python process, not the model.
+nearest even) and copied through the same buffers. A weight the plan declares f32 (a spec's
+`dtype: f32`, e.g. Qwen3.5's A = -exp(A_log)) is always built that way and kept in float32.
+The staging memory is given back at the end, so a loaded server's resident memory is the
+Python process, not the model.
 
 With load_format="dummy" no file is read: the same layout is allocated and each weight region is
-filled on the device by the plan's fill_random kernel (plan["weight_init"]; values and seeds:
-runtime/dummy_weights.py), so a model is benchmarked without its checkpoint and without any
-host staging.
+filled on the device by the plan's fill_random kernel (plan["weight_init"], and
+plan["weight_init_f32"] for f32 weights; values and seeds: runtime/dummy_weights.py), so a model
+is benchmarked without its checkpoint and without any host staging.
 """
 import bisect
 import math
@@ -34,6 +36,7 @@ from ..weight_recipes import build, name_at
 from ..weights import check_shape, layers_of
 
 ALIGN = 256
+DTYPE_BYTES = {"bf16": 2, "f32": 4}    # the weight dtypes the GPU path stores
 STAGING = 256 << 20
 PIECE = 16 << 20                       # one pread
 
@@ -84,11 +87,16 @@ class DeviceWeights:
 
     def __init__(self, ctx, plan: dict, model_dir: Path, progress: bool = True, threads: int = 8,
                  load_format: str = "auto", fill=None, seed: int = 0):
-        """fill: the loaded weight_init kernel, needed for load_format="dummy"."""
+        """fill: the loaded weight_init kernel (or {dtype: kernel}: plan["weight_init"] for bf16,
+        plan["weight_init_f32"] for f32), needed for load_format="dummy"."""
         dummy = check_load_format(load_format) == "dummy"
-        if dummy and fill is None:
-            raise ModelDirError("--load-format dummy needs the artifact's weight fill kernel "
-                                "(plan['weight_init']): rebuild the artifact with this infc")
+        fills = fill if isinstance(fill, dict) else {"bf16": fill}
+        if dummy:
+            for dtype in sorted({w["dtype"] for w in plan["weights"].values() if "tied" not in w["source"]}):
+                if dtype in DTYPE_BYTES and fills.get(dtype) is None:   # others: refused below
+                    key = "weight_init" if dtype == "bf16" else f"weight_init_{dtype}"
+                    raise ModelDirError(f"--load-format dummy needs the artifact's {dtype} weight fill "
+                                        f"kernel (plan['{key}']): rebuild the artifact with this infc")
         ckpt = None if dummy else Checkpoint(model_dir)
         self.ptrs: dict = {}
         self.bytes = 0
@@ -98,18 +106,21 @@ class DeviceWeights:
             if "tied" in w["source"]:
                 tied.append((name, w["source"]["tied"]))
                 continue
-            if w["dtype"] != "bf16":
-                raise ModelDirError(f"weight '{name}': only bf16 weights are supported on the GPU")
+            if w["dtype"] not in DTYPE_BYTES:
+                raise ModelDirError(f"weight '{name}': only bf16 and f32 weights are supported on the "
+                                    f"GPU, not {w['dtype']}")
+            f32 = w["dtype"] == "f32"
             if w["layers"] is not None:
                 self.layers[name] = list(w["layers"])
             for layer in layers_of(w):
                 if dummy:                       # bytes only: filled on the device below
-                    items.append((name, layer, 2 * math.prod(w["shape"])))
+                    items.append((name, layer, DTYPE_BYTES[w["dtype"]] * math.prod(w["shape"])))
                     continue
-                got = _runs(ckpt, w["source"], layer)
+                got = None if f32 else _runs(ckpt, w["source"], layer)
                 if got is None:
                     a, what = build(w["source"], layer, ckpt.float32, str(ckpt.dir))
-                    data, shape = f32_to_bf16_bits(a).view(np.uint8).reshape(-1), tuple(a.shape)
+                    bits = np.ascontiguousarray(a, np.float32) if f32 else f32_to_bf16_bits(a)
+                    data, shape = bits.view(np.uint8).reshape(-1), tuple(a.shape)
                 else:
                     data, shape, what = got
                 check_shape(ckpt, name, w, shape, what)
@@ -138,7 +149,7 @@ class DeviceWeights:
                 self.layers[name] = self.layers[target]
         t0 = time.perf_counter()
         if dummy:
-            self._fill(ctx, plan, placed, fill, seed)
+            self._fill(ctx, plan, placed, fills, seed)
         else:
             try:
                 self._stream(ctx, segs, pos, threads, progress)
@@ -157,14 +168,16 @@ class DeviceWeights:
             raise KeyError(f"weight '{name}' has no copy for layer {layer} "
                            f"(its layers: {self.layers[name]})") from None
 
-    def _fill(self, ctx, plan: dict, placed: list, kernel, seed: int):
-        """One fill launch per weight region (per 2^30-element chunk of a larger one)."""
+    def _fill(self, ctx, plan: dict, placed: list, fills: dict, seed: int):
+        """One fill launch per weight region (per 2^30-element chunk of a larger one), with the
+        fill kernel of the weight's dtype."""
         for name, layer, off in placed:
             w = plan["weights"][name]
+            kernel, size = fills[w["dtype"]], DTYPE_BYTES[w["dtype"]]
             scale, offset = rule(w)
             for start, n, c in chunks(math.prod(w["shape"])):
                 named = {"seed": seed_of(name, layer, c, seed), "scale": scale, "offset": offset}
-                ptr = self.base + off + 2 * start
+                ptr = self.base + off + size * start
                 values = Resolver(tensor=lambda *_: ptr, dim={"N": n}.__getitem__,
                                   arg=named.__getitem__).values(kernel.meta, outputs=[name], kernel=kernel.id)
                 _launch(ctx, kernel, grid(kernel.meta, {"N": n}), kernel.pack(values))

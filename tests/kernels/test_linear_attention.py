@@ -18,7 +18,7 @@ import torch
 from infc.compiler.ir import TensorType
 from infc.compiler.ops import REGISTRY, ShapeError
 
-from .harness import poison, rand, rel_err, render, run
+from .harness import TORCH, poison, rand, rel_err, render, run
 
 EPS = 1e-6
 NSLOTS = 6                         # usable slots; index NSLOTS is the padding slot
@@ -219,6 +219,35 @@ def test_l2_norm_kernel(shape, stride, rows):
     assert rel_err(got, want) < 4e-3
 
 
+@pytest.mark.parametrize("shape,stride", [((7, 3, 20), None), ((5, 2, 32), 2 * 32 + 24)])
+def test_l2_norm_kernel_f32_output(shape, stride):
+    """l2_norm(x, dtype=f32): bf16 x in, the fp32 result stored unrounded (HF's q/k l2norm)."""
+    gen = np.random.default_rng(sum(shape) + 7)
+    extra = {"row_stride": stride} if stride else {}
+    sym = ["T"] + list(shape[1:])
+    k = render("l2_norm", "l2_norm", [("x", sym, "bf16", "buffer", extra)], [("y", sym, "f32")],
+               {"eps": EPS, "dtype": "f32"})
+    assert '"out_ptr", "*fp32"' in k.source
+    T = shape[0]
+    wide = rand((T, stride or int(np.prod(shape[1:]))), scale=2.0, gen=gen)
+    x = wide[:, : int(np.prod(shape[1:]))].reshape(shape)
+    out = poison(shape, "f32")
+    run(k, {"in:0": wide, "out:0": out}, {"T": T, "B": 1})
+    want = REGISTRY["l2_norm"].reference(None, x.float().numpy(), eps=EPS)
+    got = out.numpy()
+    assert not np.array_equal(got, bf16(got)), "rounded to bf16"
+    assert np.abs(got - want).max() <= 1e-6
+
+
+def test_l2_norm_output_dtype_rule():
+    rule = REGISTRY["l2_norm"]
+    x = TensorType(("T", 4, 8), "bf16")
+    assert rule.infer([x], {"eps": EPS, "dtype": None}) == [x]
+    assert rule.infer([x], {"eps": EPS, "dtype": "f32"}) == [TensorType(("T", 4, 8), "f32")]
+    with pytest.raises(ShapeError, match="dtype must be one of"):
+        rule.infer([x], {"eps": EPS, "dtype": "f64"})
+
+
 @pytest.mark.parametrize("shape,xs,zs", [((7, 3, 20), None, None), ((6, 4, 32), None, 4 * 32 + 8 + 2 * 32),
                                          ((3, 48), 80, 48 + 16)])
 def test_gated_rms_norm_kernel(shape, xs, zs):
@@ -376,8 +405,8 @@ def test_causal_conv1d_two_steps_equal_one_and_decode():
 # ---------------------------------------------------------------------------------------------
 # gated_delta_rule kernels
 
-def _rule_launch(phase, hk, hv, dk, dv, tune=None, gdtype="f32"):
-    ins = [("q", ["T", hk, dk], "bf16"), ("k", ["T", hk, dk], "bf16"), ("v", ["T", hv, dv], "bf16"),
+def _rule_launch(phase, hk, hv, dk, dv, tune=None, gdtype="f32", qk=("bf16", "bf16")):
+    ins = [("q", ["T", hk, dk], qk[0]), ("k", ["T", hk, dk], qk[1]), ("v", ["T", hv, dv], "bf16"),
            ("g", ["T", hv], gdtype), ("beta", ["T", hv], gdtype)]
     caches = {"recurrent": {"kind": "slot", "shape": [hv, dk, dv], "dtype": "f32", "layers": [0]}}
     template = "gated_delta_rule_decode" if phase == "decode" else "gated_delta_rule_chunk"
@@ -386,18 +415,19 @@ def _rule_launch(phase, hk, hv, dk, dv, tune=None, gdtype="f32"):
                   caches=caches, tune=tune)
 
 
-def _rule_inputs(gen, T, hk, hv, dk, dv, gdtype="f32"):
+def _rule_inputs(gen, T, hk, hv, dk, dv, gdtype="f32", qk=("bf16", "bf16")):
+    """qk: the dtypes of q and k (Qwen3.5's spec gives f32 ones, l2_norm(..., dtype=f32), as HF)."""
     q, k, v, g, beta = _delta_inputs(gen, T, hk, hv, dk, dv)
-    tb = lambda a: torch.from_numpy(a).to(torch.bfloat16)  # noqa: E731
-    tg = lambda a: torch.from_numpy(a).to(torch.float32 if gdtype == "f32" else torch.bfloat16)  # noqa: E731
-    return tb(q), tb(k), tb(v), tg(g), tg(beta)
+    to = lambda a, d: torch.from_numpy(a).to(TORCH[d])  # noqa: E731
+    return to(q, qk[0]), to(k, qk[1]), to(v, "bf16"), to(g, gdtype), to(beta, gdtype)
 
 
 def _rule_step(specs, slots, inputs, store, ref, phase="prefill", tune=None):
     q, k, v, g, beta = inputs
     hk, dk = q.shape[1:]
     hv, dv = v.shape[1:]
-    kern = _rule_launch(phase, hk, hv, dk, dv, tune, "f32" if g.dtype == torch.float32 else "bf16")
+    dt = lambda a: "f32" if a.dtype == torch.float32 else "bf16"  # noqa: E731
+    kern = _rule_launch(phase, hk, hv, dk, dv, tune, dt(g), (dt(q), dt(k)))
     T = q.shape[0]
     out = poison((T, hv, dv))
     run(kern, {"in:0": q, "in:1": k, "in:2": v, "in:3": g, "in:4": beta, "out:0": out, "cache:recurrent": store,
@@ -416,16 +446,23 @@ def _check_rule(got, want, store, ref, specs, slots, tol=1e-2):
     assert np.isnan(rest).all(), "wrote a slot no sequence of the step owns"
 
 
-@pytest.mark.parametrize("hk,hv,dk,dv,tune,specs,slots,gdtype", [
-    (2, 4, 24, 20, {"BT": 16}, [(0, 70), (0, 7), (0, 1)], [3, 0, 5], "f32"),             # prefill, 5 chunks
-    (2, 4, 24, 20, {}, [(0, 70), (12, 1), (3, 7)], [1, 4, 2], "f32"),                   # mixed, BT = 64
-    (1, 2, 32, 32, {"BT": 32, "BV": 16}, [(5, 40), (0, 1), (9, 2), (0, 33)], [5, 2, 0, 3], "bf16"),  # 2 v blocks
-    (3, 3, 16, 24, {"BT": 16, "BV": 16}, [(30, 17), (1, 1)], [0, 1], "f32"),             # Hv = Hk, Dv blocks masked
+F32_QK = ("f32", "f32")
+
+
+@pytest.mark.parametrize("hk,hv,dk,dv,tune,specs,slots,gdtype,qk", [
+    (2, 4, 24, 20, {"BT": 16}, [(0, 70), (0, 7), (0, 1)], [3, 0, 5], "f32", ("bf16", "bf16")),  # prefill, 5 chunks
+    (2, 4, 24, 20, {}, [(0, 70), (12, 1), (3, 7)], [1, 4, 2], "f32", ("bf16", "bf16")),        # mixed, BT = 64
+    (1, 2, 32, 32, {"BT": 32, "BV": 16}, [(5, 40), (0, 1), (9, 2), (0, 33)], [5, 2, 0, 3], "bf16",
+     ("bf16", "bf16")),                                                                       # 2 v blocks
+    (3, 3, 16, 24, {"BT": 16, "BV": 16}, [(30, 17), (1, 1)], [0, 1], "f32", ("bf16", "bf16")),  # Hv = Hk, Dv masked
+    # f32 q, k (Qwen3.5: l2_norm(..., dtype=f32)), and q, k of different dtypes
+    (2, 4, 24, 20, {"BT": 16}, [(0, 40), (5, 7), (0, 1)], [3, 0, 5], "f32", F32_QK),
+    (1, 2, 16, 20, {"BT": 16}, [(0, 19), (2, 3)], [1, 4], "f32", ("f32", "bf16")),
 ])
-def test_gated_delta_rule_chunk(hk, hv, dk, dv, tune, specs, slots, gdtype):
+def test_gated_delta_rule_chunk(hk, hv, dk, dv, tune, specs, slots, gdtype, qk):
     gen = np.random.default_rng(hk * 100 + dk + len(specs))
     T = sum(n for _, n in specs)
-    inputs = _rule_inputs(gen, T, hk, hv, dk, dv, gdtype)
+    inputs = _rule_inputs(gen, T, hk, hv, dk, dv, gdtype, qk)
     store, ref = poisoned_slots((hv, dk, dv), specs, slots, gen, torch.float32)
     got, want = _rule_step(specs, slots, inputs, store, ref, tune=tune,
                            phase="prefill" if all(c == 0 for c, _ in specs) else "mixed")
@@ -491,6 +528,22 @@ def test_gated_delta_rule_two_steps_equal_one_then_decode():
     assert np.array_equal(out[:-1].float().numpy(), got)
     assert np.array_equal(store[slots].numpy(), one[slots].numpy())
     assert torch.isfinite(store[NSLOTS]).all()
+
+
+def test_gated_delta_rule_decode_f32_qk():
+    """The decode kernel with f32 q, k (Qwen3.5's, as HF's): new and continuing sequences, and the
+    chunk kernel on the same one-token step gives the same."""
+    gen = np.random.default_rng(21)
+    hk, hv, dk, dv = 2, 4, 24, 20
+    specs, slots = [(5, 1), (0, 1), (12, 1)], [2, 5, 0]
+    d_in = _rule_inputs(gen, len(specs), hk, hv, dk, dv, qk=F32_QK)
+    store, ref = poisoned_slots((hv, dk, dv), specs, slots, gen, torch.float32)
+    store2, ref2 = store.clone(), ref.copy()
+    got, want = _rule_step(specs, slots, d_in, store, ref, phase="decode")
+    assert '"q_ptr", "*fp32"' in _rule_launch("decode", hk, hv, dk, dv, qk=F32_QK).source
+    _check_rule(got, want, store, ref, specs, slots)
+    got_c, _ = _rule_step(specs, slots, d_in, store2, ref2, phase="mixed", tune={"BT": 16})
+    assert np.abs(got_c - got).max() <= 2 ** -7 * np.abs(got).max()
 
 
 def test_references_through_the_oracle_context():

@@ -1,4 +1,4 @@
-# mul: out = a * b elementwise over [T, 32], fp32 math, one rounding to bf16.
+# add: out = a + b elementwise over [T, 32], fp32 math, one rounding to f32.
 # b is [32], the trailing dims of a: element i of the flattened a pairs with
 # element i % 32 of b (broadcast over the leading dims).
 # One program per BLOCK elements of the flattened tensor; int64 offsets.
@@ -7,19 +7,19 @@ import triton.language as tl
 
 
 @triton.jit
-def mul(a_ptr, b_ptr, out_ptr, T, ROW: tl.constexpr, BLOCK: tl.constexpr):
+def add(a_ptr, b_ptr, out_ptr, T, ROW: tl.constexpr, BLOCK: tl.constexpr):
     n = T.to(tl.int64) * ROW
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     a = tl.load(a_ptr + offs, mask=mask).to(tl.float32)
     b = tl.load(b_ptr + offs % 32, mask=mask).to(tl.float32)
-    tl.store(out_ptr + offs, (a * b).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + offs, (a + b).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 META = {
-    "entry": "mul",
-    "params": [["a_ptr", "*bf16", "in:0"], ["b_ptr", "*bf16", "in:1"],
-               ["out_ptr", "*bf16", "out:0"], ["T", "i32", "dim:T"]],
+    "entry": "add",
+    "params": [["a_ptr", "*bf16", "in:0"], ["b_ptr", "*fp32", "in:1"],
+               ["out_ptr", "*fp32", "out:0"], ["T", "i32", "dim:T"]],
     "constexprs": {"ROW": 32, "BLOCK": 1024},
     "grid": ["cdiv(T * 32, 1024)", 1, 1],
     "num_warps": 4,

@@ -1,5 +1,5 @@
 # l2_norm over the last axis of x [T, 16, 128] (bf16), fp32 math, as HF's / FLA's l2norm:
-#   out = x * rsqrt(sum(x^2) + eps)        (eps = 1e-06; one rounding to bf16)
+#   out = x * rsqrt(sum(x^2) + eps)        (eps = 1e-06; one rounding to f32)
 # ROWS=16 rows of N=128 per program (BLOCK=128 columns, masked).
 # x may be a row-strided view: its first dim's rows are STRIDE = 8192 elements apart, each holding
 # INNER = 16 norm rows (heads) of N contiguous elements; out is contiguous.
@@ -22,7 +22,7 @@ def l2_norm(x_ptr, out_ptr, n0, N: tl.constexpr, INNER: tl.constexpr, STRIDE: tl
 
 META = {
     "entry": "l2_norm",
-    "params": [["x_ptr", "*bf16", "in:0"], ["out_ptr", "*bf16", "out:0"], ["n0", "i32", "dim:T"]],
+    "params": [["x_ptr", "*bf16", "in:0"], ["out_ptr", "*fp32", "out:0"], ["n0", "i32", "dim:T"]],
     "constexprs": {"N": 128, "INNER": 16, "STRIDE": 8192, "EPS": 1e-06,
                    "BLOCK": 128, "ROWS": 16},
     "grid": ["cdiv(T * 16, 16)", 1, 1],

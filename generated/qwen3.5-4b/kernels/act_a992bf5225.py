@@ -1,5 +1,5 @@
 # softplus elementwise over [T, 32]: out = tl.where(x > 20.0, x, tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x))))
-# fp32 math, one rounding to bf16. One program per BLOCK elements of the flattened
+# fp32 math, one rounding to f32. One program per BLOCK elements of the flattened
 # tensor; int64 offsets.
 import triton
 import triton.language as tl
@@ -16,8 +16,8 @@ def softplus(x_ptr, out_ptr, T, ROW: tl.constexpr, BLOCK: tl.constexpr):
 
 META = {
     "entry": "softplus",
-    "params": [["x_ptr", "*bf16", "in:0"],
-               ["out_ptr", "*bf16", "out:0"], ["T", "i32", "dim:T"]],
+    "params": [["x_ptr", "*fp32", "in:0"],
+               ["out_ptr", "*fp32", "out:0"], ["T", "i32", "dim:T"]],
     "constexprs": {"ROW": 32, "BLOCK": 1024},
     "grid": ["cdiv(T * 32, 1024)", 1, 1],
     "num_warps": 4,

@@ -47,10 +47,10 @@ def gated_delta_rule_decode(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state, 
 META = {
     "entry": "gated_delta_rule_decode",
     "params": [
-        ["q_ptr", "*bf16", "in:0"],
-        ["k_ptr", "*bf16", "in:1"],
+        ["q_ptr", "*fp32", "in:0"],
+        ["k_ptr", "*fp32", "in:1"],
         ["v_ptr", "*bf16", "in:2"],
-        ["g_ptr", "*bf16", "in:3"],
+        ["g_ptr", "*fp32", "in:3"],
         ["beta_ptr", "*bf16", "in:4"],
         ["o_ptr", "*bf16", "out:0"],
         ["state", "*fp32", "cache:recurrent"],

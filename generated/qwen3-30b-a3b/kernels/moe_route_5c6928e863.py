@@ -38,6 +38,6 @@ META = {
                ["ids_ptr", "*i32", "out:1"]],
     "constexprs": {"E": 128, "K": 8, "BLOCK_E": 128, "BLOCK_K": 8, "NORMALIZE": True},
     "grid": ["T", 1, 1],
-    "num_warps": 4,
+    "num_warps": 1,
     "num_stages": 1,
 }

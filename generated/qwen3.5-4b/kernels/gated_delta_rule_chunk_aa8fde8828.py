@@ -15,7 +15,8 @@
 #   S   = exp(G_last) S0 + (k exp(G_last - G))^T V'
 # Rows past the sequence's end are zeros (k = v = beta = g = 0): they change nothing.
 # Grid (B, Hv, cdiv(Dv, BV=64)): a program carries S [BK=128, BV] in registers across its sequence's chunks
-# (the v columns are independent). k/q dots take the bf16 inputs; fp32 operand dots use input_precision tf32.
+# (the v columns are independent). k/q dots take q, k as they come (f32, f32);
+# fp32 operand dots use input_precision tf32.
 import triton
 import triton.language as tl
 
@@ -62,7 +63,7 @@ def gated_delta_rule_chunk(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state, s
         G = tl.cumsum(g, 0)
         D = tl.exp(tl.where(causal, G[:, None] - G[None, :], float("-inf")))
         # A^T (At[j, i] = A[i, j]) so that row i of A comes out indexed along axis 0
-        kkt = tl.dot(k, tl.trans(k))
+        kkt = tl.dot(k, tl.trans(k), input_precision="tf32")
         At = tl.where(r[:, None] < r[None, :], tl.trans(kkt * D) * beta[None, :], 0.0)
         X = eye
         for i in range(1, tl.minimum(n - c0, BT)):
@@ -74,7 +75,7 @@ def gated_delta_rule_chunk(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state, s
         W = tl.dot(X, kf * (beta * eG)[:, None], input_precision="tf32")          # [BT, BK]
         U = tl.dot(X, v * beta[:, None], input_precision="tf32")                  # [BT, BV]
         vn = U - tl.dot(W, S, input_precision="tf32")
-        qkt = tl.dot(q, tl.trans(k)) * D
+        qkt = tl.dot(q, tl.trans(k), input_precision="tf32") * D
         o = tl.dot(q.to(tl.float32) * eG[:, None], S, input_precision="tf32") + \
             tl.dot(qkt, vn, input_precision="tf32")
         tl.store(o_ptr + row[:, None] * (HV * DV) + h * DV + vv[None, :], (o * SCALE).to(o_ptr.dtype.element_ty),
@@ -89,10 +90,10 @@ def gated_delta_rule_chunk(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state, s
 META = {
     "entry": "gated_delta_rule_chunk",
     "params": [
-        ["q_ptr", "*bf16", "in:0"],
-        ["k_ptr", "*bf16", "in:1"],
+        ["q_ptr", "*fp32", "in:0"],
+        ["k_ptr", "*fp32", "in:1"],
         ["v_ptr", "*bf16", "in:2"],
-        ["g_ptr", "*bf16", "in:3"],
+        ["g_ptr", "*fp32", "in:3"],
         ["beta_ptr", "*bf16", "in:4"],
         ["o_ptr", "*bf16", "out:0"],
         ["state", "*fp32", "cache:recurrent"],
