@@ -15,7 +15,7 @@ greedy tokens as generate(), the same logits from a chunked prefill (chunks of 7
 one shot, and two sequences of different lengths batched the same logits as each alone.
 
 The runtime: a sequence holds a state slot from admission to finish / abort / preemption (block
-manager, scheduler, 200 random aborts through the engine on the CPU runner with preemptions), a
+manager, scheduler, 1,000 random aborts through the engine on the CPU runner with preemptions), a
 plan with slot caches never gets a prefix-cache hit (the engine turns prefix caching off, says so
 once, and a repeated prompt gives the same logits), the CUDA runner pads a step's state_slots
 with the spare slot, and plans without slot caches carry no state_slots metadata.
@@ -395,7 +395,7 @@ def test_cpu_backend_sizes_slots_by_max_num_seqs(models):
 
 
 def test_engine_random_aborts_and_preemptions_free_every_slot(models):
-    """200 aborts at random moments (waiting, mid-prefill, mid-decode) among requests that also
+    """1,000 aborts at random moments (issue 12's count) (waiting, mid-prefill, mid-decode) among requests that also
     finish and get preempted (few pages): afterwards every slot and page is free again, and the
     survivors' slots were never shared."""
     plan, weights = _plan(models["causal"][0])
@@ -403,7 +403,7 @@ def test_engine_random_aborts_and_preemptions_free_every_slot(models):
     e = Engine(runner, max_model_len=40, max_num_seqs=4, max_num_batched_tokens=24)
     rng = np.random.default_rng(0)
     live, aborted, submitted = [], 0, 0
-    while aborted < 200:
+    while aborted < 1000:
         for _ in range(int(rng.integers(1, 4))):
             rid = e.add_request([int(t) for t in rng.integers(0, VOCAB, int(rng.integers(2, 12)))],
                                 SamplingParams(max_tokens=int(rng.integers(1, 10)), temperature=0))
