@@ -5,4 +5,5 @@ from . import qk_norm_rope_cache  # noqa: F401
 from . import pos_embedding  # noqa: F401
 from . import collectives  # noqa: F401
 from . import linear_attention  # noqa: F401
+from . import latent_attention  # noqa: F401
 from .base import REGISTRY, REQUIRED, OpDef, ShapeError  # noqa: F401
