@@ -280,7 +280,7 @@ class _Lowerer:
             raise self.err(f"unknown op '{name}'{did_you_mean(name, known + ['layers'])} "
                            f"(known ops: {', '.join(known)}, layers)", line)
         op = REGISTRY[name]
-        params = op.tensors + op.optional + list(op.attrs)
+        params = op.tensors + op.optional + list(op.attrs) + list(op.extra_attrs)
         sig = f"{name}({', '.join(params)})"
         if len(e.args) > len(params):
             raise self.err(f"{name} takes at most {len(params)} arguments {sig}, got {len(e.args)}", line)
@@ -312,6 +312,7 @@ class _Lowerer:
             attrs[f"has_{p}"] = present
         attrs.update({a: (self.attr_arg(bound[a], line, name, a, tensors) if a in bound else dflt)
                       for a, dflt in op.attrs.items()})
+        attrs.update({a: self.attr_arg(bound[a], line, name, a, tensors) for a in op.extra_attrs if a in bound})
         fused_from = [name]
         if name == "act":                # the config names the activation: lower to that op
             try:

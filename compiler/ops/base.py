@@ -29,6 +29,9 @@ class OpDef:
                                            # a present one follows the required inputs and sets
                                            # attrs["has_<name>"] = True
     attrs: dict = field(default_factory=dict)   # attribute name -> default (REQUIRED if none)
+    extra_attrs: dict = field(default_factory=dict)  # attrs added later (name -> default): a node
+                                           # carries one only where its spec gives it, so the
+                                           # plans of specs that don't are unchanged
     infer: Callable = None                 # (types: list[TensorType], attrs) -> list[TensorType]
     reference: Callable = None             # (ctx, *arrays, **attrs) -> array | tuple
     templates: dict = field(default_factory=dict)   # backend -> template or {phase: template}

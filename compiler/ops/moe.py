@@ -1,8 +1,20 @@
 """Mixture of experts: softmax top-k routing, then a grouped SwiGLU over the chosen experts.
 
-moe_route(logits[T, E], k, normalize) -> (weights f32[T, k], ids i32[T, k]):
+moe_route(logits[T, E], k, normalize, groups=1, topk_groups=1, scale=1.0) -> (weights f32[T, k], ids i32[T, k]):
     p = softmax(logits); ids = top-k of p (ties: lower expert id first); weights = p[ids],
-    renormalized to sum 1 when `normalize`.
+    renormalized to sum 1 when `normalize`, then times `scale`.
+    groups > 1 (DeepSeek-V2's group_limited_greedy, n_group / topk_group): the E experts form
+    `groups` groups of E / groups consecutive ids; a group scores the largest p among its experts;
+    only the `topk_groups` best groups are kept (ties: lower group id first), the other experts'
+    p become 0 -- as in transformers they stay eligible, with weight 0, should k exceed the kept
+    experts -- and the top-k is taken over that. `scale` (routed_scaling_factor) multiplies the
+    final weights, as transformers' DeepseekV2TopkRouter does last. (Transformers 5.x's
+    DeepSeek-V2 router never normalizes -- it ignores norm_topk_prob -- so its specs pass
+    normalize false; with normalize, the scale follows the normalization, as in DeepSeek-V3.)
+    Ties: transformers takes torch.topk(sorted=False), which promises no order among equal
+    scores; here (reference and kernel alike) the lower id wins, for groups and experts.
+    groups, topk_groups and scale are extra attrs (base.OpDef.extra_attrs): a node carries them
+    only where its spec gives them, so the plans of specs that don't are unchanged.
 moe_experts(x[T, H], weights, ids, gate[E, F, H], up[E, F, H], down[E, H, F]) -> [T, H]:
     y[t] = sum_j weights[t, j] * down[e] @ (silu(gate[e] @ x[t]) * up[e] @ x[t]), e = ids[t, j].
 
@@ -33,17 +45,34 @@ def route_infer(types, attrs):
     k = attrs["k"]
     expect(len(logits.shape) == 2, f"router logits must be [T, E], got {logits}")
     expect(isinstance(k, int) and 0 < k <= logits.shape[1], f"top-k {k} not in 1..{logits.shape[1]}")
+    groups, topk_groups = attrs.get("groups", 1), attrs.get("topk_groups", 1)
+    expect(isinstance(groups, int) and groups > 0 and logits.shape[1] % groups == 0,
+           f"moe_route groups {groups} must be a positive int dividing the {logits.shape[1]} experts")
+    expect(isinstance(topk_groups, int) and 0 < topk_groups <= groups,
+           f"moe_route topk_groups {topk_groups} not in 1..{groups} (groups)")
+    scale = attrs.get("scale", 1.0)
+    expect(isinstance(scale, (int, float)) and not isinstance(scale, bool),
+           f"moe_route scale must be a number, got {scale!r}")
     return [tt((logits.shape[0], k), "f32"), tt((logits.shape[0], k), "i32")]
 
 
-def route(ctx, logits, k, normalize=False):
+def route(ctx, logits, k, normalize=False, groups=1, topk_groups=1, scale=1.0):
     logits = logits.astype(np.float32)
     p = np.exp(logits - logits.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
+    if groups > 1:                   # group_limited_greedy: experts of the dropped groups score 0
+        T, E = p.shape
+        best = p.reshape(T, groups, E // groups).max(-1)
+        kept = np.argsort(-best, axis=-1, kind="stable")[:, :topk_groups]
+        keep = np.zeros((T, groups), bool)
+        np.put_along_axis(keep, kept, True, axis=-1)
+        p = np.where(np.repeat(keep, E // groups, axis=1), p, np.float32(0))
     ids = np.argsort(-p, axis=-1, kind="stable")[:, :k].astype(np.int32)
     w = np.take_along_axis(p, ids, axis=-1)
     if normalize:
         w = w / w.sum(-1, keepdims=True)
+    if scale != 1.0:
+        w = w.astype(np.float32) * np.float32(scale)
     return w.astype(np.float32), ids
 
 
@@ -142,12 +171,13 @@ def route_align_infer(types, attrs):
     return [w, ids] + align_infer([ids], attrs)
 
 
-def route_align(ctx, logits, k, normalize=False, experts=None):
-    w, ids = route(ctx, logits, k, normalize)
+def route_align(ctx, logits, k, normalize=False, experts=None, groups=1, topk_groups=1, scale=1.0):
+    w, ids = route(ctx, logits, k, normalize, groups, topk_groups, scale)
     return (w, ids) + align(ctx, ids, experts if experts is not None else logits.shape[1])
 
 
-op(name="moe_route", tensors=["logits"], attrs={"k": REQUIRED, "normalize": False},
+ROUTE_EXTRA = {"groups": 1, "topk_groups": 1, "scale": 1.0}
+op(name="moe_route", tensors=["logits"], attrs={"k": REQUIRED, "normalize": False}, extra_attrs=ROUTE_EXTRA,
    infer=route_infer, reference=route, n_outputs=2, templates={"triton": "moe_route"},
    doc="softmax top-k router")
 op(name="moe_experts", tensors=["x", "weights", "ids", "gate", "up", "down"],
@@ -157,6 +187,7 @@ op(name="moe_align", tensors=["ids"], attrs={"experts": REQUIRED}, infer=align_i
    n_outputs=2, internal=True, templates={"triton": "moe_align"},
    doc="tokens grouped by expert (counts, per-expert token lists) for the grouped expert GEMMs")
 op(name="moe_route_align", tensors=["logits"], attrs={"k": REQUIRED, "normalize": False, "experts": REQUIRED},
+   extra_attrs=ROUTE_EXTRA,
    infer=route_align_infer, reference=route_align, n_outputs=4, internal=True,
    templates={"triton": "moe_route"},
    doc="moe_route + moe_align in one launch (prefill/mixed; decode routes only)")

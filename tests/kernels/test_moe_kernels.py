@@ -212,3 +212,52 @@ def test_moe_down_grouped(T, KT, ep, tune):
     y2 = poison((T, H))
     zero_counters(run(k, {**bindings, "in:4": rows2, "out:0": y2}, {"T": T, "B": 1}))
     assert torch.equal(y.view(torch.int16), y2.view(torch.int16))
+
+
+# DeepSeek-V2 routing (ops/moe.py): group-limited top-k (groups / topk_groups) and the routed
+# scaling factor, E not a power of two; (12, 3, 1, 5): k exceeds the kept group's 4 experts, so a
+# dropped expert (p = 0, the lowest such id) fills the last slot with weight 0, as in transformers.
+@pytest.mark.parametrize("T", [1, 5, 37])
+@pytest.mark.parametrize("E_,groups,topk_groups,K,normalize,scale", [
+    (16, 4, 2, 3, False, 1.0), (16, 4, 2, 3, True, 2.5), (12, 3, 2, 2, False, 16.0), (12, 3, 1, 5, False, 1.0),
+    (12, 1, 1, 3, False, 0.7)])
+def test_moe_route_grouped(T, E_, groups, topk_groups, K, normalize, scale):
+    from .test_norm_kernels import router_logits
+    gen = np.random.default_rng(T * 31 + E_ + K)
+    logits = router_logits(T, E_, gen, ties=[(0, 1), (K - 1, K)])
+    attrs = {"k": K, "normalize": normalize, "groups": groups, "topk_groups": topk_groups, "scale": scale}
+    k = render("moe_route", "moe_route", [("logits", ["T", E_], "bf16")],
+               [("w", ["T", K], "f32"), ("ids", ["T", K], "i32")], attrs)
+    w, ids = poison((T, K), "f32"), poison((T, K), "i32")
+    run(k, {"in:0": logits, "out:0": w, "out:1": ids}, {"T": T, "B": 1})
+    w_ref, ids_ref = REGISTRY["moe_route"].reference(None, logits.float().numpy(), **attrs)
+    assert np.array_equal(ids.numpy(), ids_ref)
+    assert np.allclose(w.numpy(), w_ref, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_moe_route_align_grouped(phase):
+    from .test_norm_kernels import router_logits
+    T, E_, KT = 37, 16, 3
+    logits = router_logits(T, E_, np.random.default_rng(5), ties=[(0, 1), (KT - 1, KT)])
+    attrs = {"k": KT, "normalize": True, "experts": E_, "groups": 4, "topk_groups": 2, "scale": 2.5}
+    k = render("moe_route", "moe_route_align", [("logits", ["T", E_], "bf16")],
+               [("w", ["T", KT], "f32"), ("ids", ["T", KT], "i32"), ("rows", [E_, "T"], "i32"),
+                ("counts", [E_], "i32")], attrs, phase=phase)
+    w, ids = poison((T, KT), "f32"), poison((T, KT), "i32")
+    rows, counts = poison((E_, T), "i32"), poison((E_,), "i32")
+    zero_counters(run(k, {"in:0": logits, "out:0": w, "out:1": ids, "out:2": rows, "out:3": counts},
+                      {"T": T, "B": T if phase == "decode" else 1}))
+    w_ref, ids_ref, _, _ = REGISTRY["moe_route_align"].reference(None, logits.float().numpy(), **attrs)
+    assert np.array_equal(ids.numpy(), ids_ref)
+    assert np.allclose(w.numpy(), w_ref, rtol=1e-5, atol=1e-7)
+    if phase != "decode":
+        check_grouping(rows.numpy(), counts.numpy(), ids.numpy(), E_)
+
+
+def test_moe_route_default_attrs_render_unchanged():
+    """groups=1, topk_groups=1, scale=1.0 given explicitly render the kernel of no attrs."""
+    ins, outs = [("logits", ["T", 10], "bf16")], [("w", ["T", 2], "f32"), ("ids", ["T", 2], "i32")]
+    base = {"k": 2, "normalize": True}
+    assert render("moe_route", "moe_route", ins, outs, base).source == \
+        render("moe_route", "moe_route", ins, outs, {**base, "groups": 1, "topk_groups": 1, "scale": 1.0}).source
