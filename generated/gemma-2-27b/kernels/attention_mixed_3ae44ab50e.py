@@ -1,15 +1,17 @@
 # attention_prefill: variable-length causal GQA attention over the paged KV cache, Hq=32,
-# Hkv=8 (group G=4), D=128. Sequence b's new tokens are q rows seq_starts[b] ..
+# Hkv=16 (group G=2), D=128. Sequence b's new tokens are q rows seq_starts[b] ..
 # seq_starts[b+1]-1 (q_len of them) and the last q_len of its L = context_lens[b] cached keys, so
 # new token i sits at position P + i, P = L - q_len (a cached prefix, maybe shared, comes first):
-#   s_j = q[t, h] . K[b, j, h // G] * scale
-#   o[t, h] = sum_j softmax_j(s) V[b, j, h // G],  j <= P + i
-# K[b, j] = k_cache[block_tables[b, j // 16], j % 16], scale = 0.08838834764831845.
-# Flash attention: a program owns BLOCK_M=64 rows = TOK=16 consecutive tokens x the G query
+#   s_j = q[t, h] . K[b, j, h // G] * scale,  s_j = softcap * tanh(s_j / softcap)  (softcap = 50.0)
+#   o[t, h] = sum_j softmax_j(s) V[b, j, h // G],  j <= P + i and P + i - j < window (window = 4096, HF's sliding window)
+# K[b, j] = k_cache[block_tables[b, j // 16], j % 16], scale = 0.08333333333333333.
+# Flash attention: a program owns BLOCK_M=128 rows = TOK=64 consecutive tokens x the G query
 # heads of one kv head (GQA packing: K/V tiles are loaded once for the group, and a decode token
-# in a mixed step fills G rows, not 1), and streams BLOCK_N=64-key tiles gathered through
+# in a mixed step fills G rows, not 1), and streams BLOCK_N=128-key tiles gathered through
 # the block table with an online softmax (exp2 of log2-scaled scores). Tiles entirely below the
-# block's first position need no mask; the rest are masked causally.
+# block's first position and at or above its last position's window start need no mask; the
+# tiles before (window) and after (causal) them are masked, and keys below the first position's
+# window start are never read (their tiles are not visited, nor loaded in the first visited one).
 # attention_mixed (the short phase): one launch, two roles. Programs [0, (cdiv(T, TOK) + B) * Hkv)
 # are the flash role above, program p on kv head p % Hkv and block p // Hkv, for the sequences of
 # more than QMAX=16 new tokens only (sequence b has cdiv(q_len_b, TOK) blocks if q_len_b > QMAX,
@@ -17,14 +19,27 @@
 # them are the split-KV role below, for the sequences of at most QMAX new tokens.
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _tanh(x):
+    a = tl.abs(x)
+    e = tl.exp(-2.0 * a)
+    big = (1.0 - e) / (1.0 + e)
+    s = tl.minimum(a, 0.125)             # the series' argument, kept small where it is not used
+    s2 = s * s
+    small = s * (1.0 + s2 * (-0.3333333333333333 + s2 * (0.13333333333333333 + s2 * -0.05396825396825397)))
+    t = tl.where(a < 0.125, small, big)
+    return tl.where(x >= 0, t, -t)
+
 # Split-KV role (sequences with q_len <= QMAX=16): one program per (sequence b, kv head, split),
 # ns = min(NUM_SPLITS=32, max(1, cdiv(TARGET_CTAS=264, B * Hkv))) splits. Its rows are
 # r = i * G + g for new token i < q_len (position P + i, P = L - q_len) and query head kvh * G + g
-# (QMAX * G = 64 rows, padded to 64 for tl.dot), so the K/V of a split are read once for all of them.
+# (QMAX * G = 32 rows, padded to 32 for tl.dot), so the K/V of a split are read once for all of them.
 # A split takes at least SPLIT_MIN_KEYS=256 keys: below that, its partials and the merge cost more than
 # the keys it saves the others.
-# Split s owns keys [s * kps, (s + 1) * kps), kps = max(ceil(ceil(L / ns) / BLOCK_N) * BLOCK_N, MIN) (MIN =
-# SPLIT_MIN_KEYS rounded up to BLOCK_N); only the cdiv(L, kps) non-empty splits run; row r sees keys j <= P + i.
+# Keys from lo0 = floor(lo / BLOCK_N) * BLOCK_N, lo = max(P - WINDOW + 1, 0) (the first row's window
+# start); split s owns lo0 + [s * kps, (s + 1) * kps); row r sees P + i - WINDOW < j <= P + i.
 # Each split runs the online softmax; with more than one non-empty split, the partial (acc, m, l)
 # go to scratch and the split that arrives last merges them (attention_decode's protocol: a CTA
 # barrier, one acq_rel atomic on the (b, kv head) counter, .cg loads, counter back to 0):
@@ -37,15 +52,15 @@ import triton.language as tl
 def _attend_split(pid, q_ptr, k_cache, v_cache, o_ptr, block_tables, context_lens, seq_starts,
                   max_pages, B, part_o, part_ml, counter, DOT_F32: tl.constexpr):
     HQ: tl.constexpr = 32
-    HKV: tl.constexpr = 8
-    G: tl.constexpr = 4
+    HKV: tl.constexpr = 16
+    G: tl.constexpr = 2
     D: tl.constexpr = 128
     BLOCK_D: tl.constexpr = 128
     PS: tl.constexpr = 16
     BLOCK_N: tl.constexpr = 64
-    ROWS: tl.constexpr = 64
-    M: tl.constexpr = 64
-    MM: tl.constexpr = 64
+    ROWS: tl.constexpr = 32
+    M: tl.constexpr = 32
+    MM: tl.constexpr = 32
     CHUNK: tl.constexpr = 2
     ns = tl.minimum(32, tl.maximum(1, tl.cdiv(264, B * HKV)))
     bh = pid // ns
@@ -60,7 +75,8 @@ def _attend_split(pid, q_ptr, k_cache, v_cache, o_ptr, block_tables, context_len
         return                                                     # the flash role's
     L = tl.load(context_lens + b)
     P = L - q_len
-    lo0 = 0
+    lo = tl.maximum(P - 4096 + 1, 0)
+    lo0 = (lo // BLOCK_N) * BLOCK_N
     kps = tl.maximum(tl.cdiv(tl.cdiv(L - lo0, ns), BLOCK_N) * BLOCK_N, 256)
     n_act = tl.cdiv(L - lo0, kps)
     if s >= tl.maximum(n_act, 1):
@@ -85,7 +101,7 @@ def _attend_split(pid, q_ptr, k_cache, v_cache, o_ptr, block_tables, context_len
     acc = tl.zeros([M, BLOCK_D], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         jj = n0 + tl.arange(0, BLOCK_N)
-        jm = jj < end
+        jm = (jj < end) & (jj >= lo)                               # no row sees a key below lo
         page = tl.load(bt + jj // PS, mask=jm, other=0).to(tl.int64)
         kv_off = (((page * PS + jj % PS) * HKV + kvh) * D)[:, None] + d[None, :]
         kv_m = jm[:, None] & dm[None, :]
@@ -94,8 +110,8 @@ def _attend_split(pid, q_ptr, k_cache, v_cache, o_ptr, block_tables, context_len
         if DOT_F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        sc = tl.dot(q, tl.trans(k)) * 0.12751743082459868            # log2 units
-        seen = jm[None, :] & (jj[None, :] <= qpos[:, None])
+        sc = _tanh(tl.dot(q, tl.trans(k)) * 0.0016666666666666666) * 72.13475204444816
+        seen = jm[None, :] & (jj[None, :] <= qpos[:, None]) & (jj[None, :] > qpos[:, None] - 4096)
         sc = tl.where(seen, sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -155,6 +171,8 @@ def attention_mixed(q_ptr, k_cache, v_cache, o_ptr, block_tables, context_lens, 
                       HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                       BLOCK_D: tl.constexpr, PS: tl.constexpr, BLOCK_M: tl.constexpr, TOK: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, QK_SCALE: tl.constexpr,
+                      WINDOW: tl.constexpr,
+                      CAP_LOG2: tl.constexpr,
                       DOT_F32: tl.constexpr):
     pid = tl.program_id(0)
     n_flash = (tl.cdiv(T, TOK) + B) * HKV
@@ -205,28 +223,18 @@ def attention_mixed(q_ptr, k_cache, v_cache, o_ptr, block_tables, context_lens, 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # keys every row of the block sees: [0, prefix + t0]; the block's last token sees up to kv_end - 1
-    full_end = ((prefix + t0 + 1) // BLOCK_N) * BLOCK_N
+    # positions of the block's rows: [prefix + t0, kv_end - 1]. Keys every row sees: [kv_end - WINDOW,
+    # prefix + t0] (unmasked tiles [mid_lo, full_end)); below, back to the first row's window start
+    # prefix + t0 - WINDOW + 1, and above, up to kv_end - 1, tiles are masked
     kv_end = prefix + tl.minimum(t0 + TOK, q_len)
-    for n0 in range(0, full_end, BLOCK_N):
+    full_end = ((prefix + t0 + 1) // BLOCK_N) * BLOCK_N
+    full_lo = tl.cdiv(tl.maximum(kv_end - WINDOW, 0), BLOCK_N) * BLOCK_N
+    mid_lo = tl.minimum(full_lo, full_end)
+    lo = tl.maximum(prefix + t0 - WINDOW + 1, 0)
+    lo_tile = (lo // BLOCK_N) * BLOCK_N
+    for n0 in range(lo_tile, mid_lo, BLOCK_N):
         jj = n0 + tl.arange(0, BLOCK_N)
-        page = tl.load(bt + jj // PS).to(tl.int64)
-        kv_off = (((page * PS + jj % PS) * HKV + kvh) * D)[:, None] + d[None, :]
-        k = tl.load(k_cache + kv_off, mask=dm[None, :], other=0.0)
-        v = tl.load(v_cache + kv_off, mask=dm[None, :], other=0.0)
-        if DOT_F32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        sc = tl.dot(q, tl.trans(k)) * QK_SCALE
-        m_new = tl.maximum(m_i, tl.max(sc, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(sc - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    for n0 in range(full_end, kv_end, BLOCK_N):
-        jj = n0 + tl.arange(0, BLOCK_N)
-        jm = jj < kv_end
+        jm = (jj < kv_end) & (jj >= lo)                              # keys below lo: no row sees them
         page = tl.load(bt + jj // PS, mask=jm, other=0).to(tl.int64)
         kv_off = (((page * PS + jj % PS) * HKV + kvh) * D)[:, None] + d[None, :]
         kv_m = jm[:, None] & dm[None, :]
@@ -235,8 +243,45 @@ def attention_mixed(q_ptr, k_cache, v_cache, o_ptr, block_tables, context_lens, 
         if DOT_F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        sc = tl.dot(q, tl.trans(k)) * QK_SCALE
-        sc = tl.where(jm[None, :] & (jj[None, :] <= qpos[:, None]), sc, float("-inf"))
+        sc = _tanh(tl.dot(q, tl.trans(k)) * QK_SCALE) * CAP_LOG2     # cap tanh(s scale / cap), log2 units
+        sc = tl.where(jm[None, :] & (jj[None, :] <= qpos[:, None]) & (jj[None, :] > qpos[:, None] - WINDOW),
+                      sc, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(sc - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    for n0 in range(mid_lo, full_end, BLOCK_N):
+        jj = n0 + tl.arange(0, BLOCK_N)
+        page = tl.load(bt + jj // PS).to(tl.int64)
+        kv_off = (((page * PS + jj % PS) * HKV + kvh) * D)[:, None] + d[None, :]
+        k = tl.load(k_cache + kv_off, mask=dm[None, :], other=0.0)
+        v = tl.load(v_cache + kv_off, mask=dm[None, :], other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        sc = _tanh(tl.dot(q, tl.trans(k)) * QK_SCALE) * CAP_LOG2     # cap tanh(s scale / cap), log2 units
+        m_new = tl.maximum(m_i, tl.max(sc, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(sc - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    for n0 in range(full_end, kv_end, BLOCK_N):
+        jj = n0 + tl.arange(0, BLOCK_N)
+        jm = (jj < kv_end) & (jj >= lo)                              # keys below lo: no row sees them
+        page = tl.load(bt + jj // PS, mask=jm, other=0).to(tl.int64)
+        kv_off = (((page * PS + jj % PS) * HKV + kvh) * D)[:, None] + d[None, :]
+        kv_m = jm[:, None] & dm[None, :]
+        k = tl.load(k_cache + kv_off, mask=kv_m, other=0.0)
+        v = tl.load(v_cache + kv_off, mask=kv_m, other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        sc = _tanh(tl.dot(q, tl.trans(k)) * QK_SCALE) * CAP_LOG2     # cap tanh(s scale / cap), log2 units
+        sc = tl.where(jm[None, :] & (jj[None, :] <= qpos[:, None]) & (jj[None, :] > qpos[:, None] - WINDOW),
+                      sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(sc - m_new[:, None])
@@ -265,14 +310,16 @@ META = {
         ["part_ml", "*fp32", "scratch:partial_ml"],
         ["counter", "*i32", "scratch:counter"],
     ],
-    "constexprs": {"HQ": 32, "HKV": 8, "G": 4, "D": 128, "BLOCK_D": 128,
-                   "PS": 16, "BLOCK_M": 64, "TOK": 16, "BLOCK_N": 64,
-                   "BLOCK_B": 256, "QK_SCALE": 0.12751743082459868,
+    "constexprs": {"HQ": 32, "HKV": 16, "G": 2, "D": 128, "BLOCK_D": 128,
+                   "PS": 16, "BLOCK_M": 128, "TOK": 64, "BLOCK_N": 128,
+                   "BLOCK_B": 256, "QK_SCALE": 0.0016666666666666666,
+                   "WINDOW": 4096,
+                   "CAP_LOG2": 72.13475204444816,
                    "DOT_F32": False},
-    "grid": ["(cdiv(T, 16) + B) * 8 + B * 8 * min(32, max(1, cdiv(264, B * 8)))", 1, 1],
-    "scratch": {"partial_o": "17301504",
-                "partial_ml": "270336",
+    "grid": ["(cdiv(T, 64) + B) * 16 + B * 16 * min(32, max(1, cdiv(264, B * 16)))", 1, 1],
+    "scratch": {"partial_o": "8650752",
+                "partial_ml": "135168",
                 "counter": "1056"},
-    "num_warps": 4,
+    "num_warps": 8,
     "num_stages": 3,
 }

@@ -4,10 +4,10 @@
 # new token i sits at position P + i, P = L - q_len (a cached prefix, maybe shared, comes first):
 #   s_j = q[t, h] . K[b, j, h // G] * scale
 #   o[t, h] = sum_j softmax_j(s) V[b, j, h // G],  j <= P + i
-# K[b, j] = k_cache[block_tables[b, j // 16], j % 16], scale = 0.08838834764831845.
-# Flash attention: a program owns BLOCK_M=64 rows = TOK=16 consecutive tokens x the G query
+# K[b, j] = k_cache[block_tables[b, j // 16], j % 16], scale = 0.0078125.
+# Flash attention: a program owns BLOCK_M=128 rows = TOK=32 consecutive tokens x the G query
 # heads of one kv head (GQA packing: K/V tiles are loaded once for the group, and a decode token
-# in a mixed step fills G rows, not 1), and streams BLOCK_N=64-key tiles gathered through
+# in a mixed step fills G rows, not 1), and streams BLOCK_N=128-key tiles gathered through
 # the block table with an online softmax (exp2 of log2-scaled scores). Tiles entirely below the
 # block's first position need no mask; the rest are masked causally.
 # attention_mixed (the short phase): one launch, two roles. Programs [0, (cdiv(T, TOK) + B) * Hkv)
@@ -94,7 +94,7 @@ def _attend_split(pid, q_ptr, k_cache, v_cache, o_ptr, block_tables, context_len
         if DOT_F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        sc = tl.dot(q, tl.trans(k)) * 0.12751743082459868            # log2 units
+        sc = tl.dot(q, tl.trans(k)) * 0.011271055006945026            # log2 units
         seen = jm[None, :] & (jj[None, :] <= qpos[:, None])
         sc = tl.where(seen, sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))
@@ -266,13 +266,13 @@ META = {
         ["counter", "*i32", "scratch:counter"],
     ],
     "constexprs": {"HQ": 32, "HKV": 8, "G": 4, "D": 128, "BLOCK_D": 128,
-                   "PS": 16, "BLOCK_M": 64, "TOK": 16, "BLOCK_N": 64,
-                   "BLOCK_B": 256, "QK_SCALE": 0.12751743082459868,
+                   "PS": 16, "BLOCK_M": 128, "TOK": 32, "BLOCK_N": 128,
+                   "BLOCK_B": 256, "QK_SCALE": 0.011271055006945026,
                    "DOT_F32": False},
-    "grid": ["(cdiv(T, 16) + B) * 8 + B * 8 * min(32, max(1, cdiv(264, B * 8)))", 1, 1],
+    "grid": ["(cdiv(T, 32) + B) * 8 + B * 8 * min(32, max(1, cdiv(264, B * 8)))", 1, 1],
     "scratch": {"partial_o": "17301504",
                 "partial_ml": "270336",
                 "counter": "1056"},
-    "num_warps": 4,
+    "num_warps": 8,
     "num_stages": 3,
 }
