@@ -248,9 +248,11 @@ class Checker:
                           f"shape {_fmt(out)}, but the declared shape is {_fmt(want)}", decl)
             return out
         if "transpose" in src:
-            inner = None if want is None else tuple(reversed(want))
+            def flip(t):               # 2-D: reversed; 3-D (per head): the last two swapped
+                return (t[0], t[2], t[1]) if src.get("per_head") and len(t) == 3 else tuple(reversed(t))
+            inner = None if want is None else flip(want)
             s = self.shape_of(src["transpose"], inner, subs, wname, w)
-            return None if s is None else tuple(reversed(s))
+            return None if s is None else flip(s)
         for op in ("exp", "scale", "offset"):
             if op in src:
                 return self.shape_of(src[op], want, subs, wname, w)

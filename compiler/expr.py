@@ -5,6 +5,7 @@ Graph statements (`q, k = f(x, w, eps=eps)`), config defaults (`H // Hq`), shape
 column and nothing in a spec can run code.
 """
 import ast
+import math
 import operator
 
 from .errors import SpecError
@@ -24,7 +25,8 @@ def _bf16(x) -> float:
     return struct.unpack("<f", struct.pack("<I", bits))[0]
 
 
-_FUNCS = {"len": len, "min": min, "max": max, "int": int, "float": float, "bf16": _bf16}
+_FUNCS = {"len": len, "min": min, "max": max, "int": int, "float": float, "bf16": _bf16,
+          "log": math.log}   # log: natural log (DeepSeek's YaRN mscale, 0.1 m ln(s) + 1)
 _CONSTS = {"true": True, "false": False, "none": None, "True": True, "False": False, "None": None}
 
 

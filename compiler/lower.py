@@ -115,23 +115,34 @@ class _Lowerer:
                     source = {"stack": name, "count": self.env[d.experts]}
                 source = self.transforms(key, d, source, shape)
             t = TensorType(shape, dtype)
+            have = layers
             if key in sources:         # declared again in another kind's body
                 prev = sources[key]
                 if prev["type"] != t or prev["source"] != source:
                     raise self.err(f"weight '{key}' differs between layer kinds ({prev['type']} vs "
                                    f"{t}): a kind's symbols may not change a shared weight", d.line)
-                layers = sorted(set(prev["layers"] or []) | set(layers or []))
+                # (its own variable: the next weights of this kind keep this kind's layers)
+                have = sorted(set(prev["layers"] or []) | set(layers or []))
             g.add_value(Value(key, "weight", t, line=d.line))
-            sources[key] = {"source": source, "layers": list(layers) if per_layer else None,
+            sources[key] = {"source": source, "layers": list(have) if per_layer else None,
                             "type": t, "line": d.line}
 
     def transforms(self, key, d, source: dict, shape: tuple) -> dict:
         """Wrap a checkpoint source in the declared load-time transforms, in TRANSFORM_KEYS order."""
-        if ("cols" in d.transforms or d.transforms.get("transpose")) and len(shape) != 2:
+        heads = None
+        if "heads" in d.transforms:
+            heads = self.transform_int(key, d, "heads", d.transforms["heads"], low=1)
+            if len(shape) != 3 or shape[0] != heads:
+                raise self.err(f"weight '{key}': heads: {heads} gives per-head matrices [{heads}, n, K]; "
+                               f"the declared shape {list(shape)} must be 3-D with {heads} first", d.line)
+        elif ("cols" in d.transforms or d.transforms.get("transpose")) and len(shape) != 2:
             raise self.err(f"weight '{key}': cols/transpose apply to a 2-D weight, its shape "
                            f"is {list(shape)}", d.line)
         # the declared shape is the result: a slice's length must be that axis (after transpose)
         stored = tuple(reversed(shape)) if d.transforms.get("transpose") else tuple(shape)
+        if heads is not None:      # the 2-D tensor the heads are cut from: [G * n, K]
+            inner = tuple(reversed(shape[1:])) if d.transforms.get("transpose") else tuple(shape[1:])
+            stored = (heads * inner[0], inner[1])
         groups = 1
         if "groups" in d.transforms:
             groups = self.transform_int(key, d, "groups", d.transforms["groups"], low=1)
@@ -139,6 +150,10 @@ class _Lowerer:
             if t not in d.transforms or t == "groups":
                 continue
             v = d.transforms[t]
+            if t == "heads":
+                source = {"reshape": source, "from": list(stored),
+                          "to": [heads, stored[0] // heads, stored[1]]}
+                continue
             if t == "stored_shape":
                 full = [self.transform_int(key, d, t, e, low=1) for e in v]
                 if len(full) < len(stored):
@@ -179,7 +194,7 @@ class _Lowerer:
                     source["groups"] = g
             elif t == "transpose":
                 if v:
-                    source = {"transpose": source}
+                    source = {"transpose": source, **({"per_head": True} if heads is not None else {})}
             elif t == "exp":
                 if v:
                     source = {"exp": source}

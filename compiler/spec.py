@@ -17,14 +17,16 @@ SPECS_DIR = spec_paths.SPECS_DIR
 TOP_KEYS = {"family", "architectures", "config", "requires", "variants", "weights", "layer",
             "graph", "description", "ignore"}
 WEIGHT_KEYS = {"name", "shape", "tied_to", "when", "experts", "dtype",
-               "stored_shape", "rows", "groups", "cols", "transpose", "exp", "scale", "offset"}
+               "stored_shape", "rows", "groups", "cols", "heads", "transpose", "exp", "scale", "offset"}
 # Load-time transforms, applied in this order to the checkpoint tensor: a reshape (stored_shape:
 # the checkpoint's shape, whose trailing dims are flattened to the declared rank, e.g. a depthwise
 # conv weight [C, 1, K] read as [C, K]), a row slice (with `groups: G`, the rows are G equal
 # groups, e.g. one per head, and the slice is taken in each: a per-head interleaved projection),
-# a column slice (fused qkv_proj / gate_up_proj checkpoints), a transpose, then exp(w) (exp:
+# a column slice (fused qkv_proj / gate_up_proj checkpoints), `heads: G` (the 2-D [G*n, K] result
+# read as G per-head matrices [G, n, K]: a 3-D declared shape), a transpose (of each head's matrix
+# when `heads` is given: [G, K, n]; DeepSeek MLA's W_uk / W_uv from kv_b_proj), then exp(w) (exp:
 # true), w * scale, w + offset.
-TRANSFORM_KEYS = ("stored_shape", "rows", "groups", "cols", "transpose", "exp", "scale", "offset")
+TRANSFORM_KEYS = ("stored_shape", "rows", "groups", "cols", "heads", "transpose", "exp", "scale", "offset")
 LAYER_KEYS = {"weights", "graph", "kind", "kinds"}
 KIND_KEYS = {"symbols", "weights", "graph"}
 WEIGHT_DTYPES = {"bf16", "f16", "f32"}

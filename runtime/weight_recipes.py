@@ -15,6 +15,7 @@ a weight the plan declares f32):
     {"reshape": src, "from": [...], "to": [...]}   a tensor of shape `from` read as `to`
     {"exp": src}                             exp(w) (Qwen3.5's A = -exp(A_log): exp, then scale -1)
     {"transpose": src}                       a 2-D transpose
+    {"transpose": src, "per_head": true}     each [n, K] matrix of a 3-D [G, n, K] (-> [G, K, n])
     {"scale": src, "by": x}                  w * x
     {"offset": src, "by": x}                 w + x (RMSNorm weights stored for x * (1 + w))
     {"zeros": [shape...]}                    zeros (a bias a fused concat needs but the model lacks)
@@ -127,8 +128,10 @@ def _exp(src, layer, read, where):
 @recipe("transpose")
 def _transpose(src, layer, read, where):
     a, what = build(src["transpose"], layer, read, where)
+    if src.get("per_head") and a.ndim == 3:     # spec `heads: G` with `transpose: true`
+        return np.ascontiguousarray(a.transpose(0, 2, 1)), f"{what} (each head's matrix transposed)"
     if a.ndim != 2:
-        raise ModelDirError(f"{where}: cannot transpose {what} {list(a.shape)} (2-D only)")
+        raise ModelDirError(f"{where}: cannot transpose {what} {list(a.shape)} (2-D only; 3-D with per_head)")
     return np.ascontiguousarray(a.T), f"{what}.T"
 
 
