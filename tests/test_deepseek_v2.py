@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from infc.compiler.build import compile_model
+from infc.runtime import caches
 from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
 from infc.runtime.safetensors_io import Checkpoint
 from infc.runtime.weights import load_weights
@@ -90,7 +91,7 @@ def test_layer_kinds_and_latent_cache(models):
         repeat = next(e for e in plan["programs"]["decode"] if "repeat" in e)
         suffix = "_qlora" if kind == "qlora" else ""
         assert repeat["schedule"] == ["dense" + suffix, "moe" + suffix, "moe" + suffix], kind
-        assert plan["caches"]["latent"]["shape"] == [32 + 8]
+        assert caches.unit_elems(caches.of_plan(plan)["latent"]) == 32 + 8     # the latent + rope key
         assert "k" not in plan["caches"] and "v" not in plan["caches"]
 
 
@@ -196,4 +197,6 @@ def test_build_variant_no_compile(tmp_path):
     plan = json.loads((tmp_path / "a" / "plan.json").read_text())
     repeat = next(e for e in plan["programs"]["decode"] if "repeat" in e)
     assert repeat["schedule"] == ["dense"] + ["moe"] * 26
-    assert plan["caches"]["latent"]["shape"] == [512 + 64]
+    assert caches.unit_elems(caches.of_plan(plan)["latent"]) == 512 + 64   # 576 values a token
+    # a layer's bytes per token: 1,152 (bf16), against 16 heads x (192 + 128) x 2 = 10,240 expanded
+    assert caches.token_bytes(caches.select(caches.of_plan(plan), ["latent"], [0])) == 576 * 2
