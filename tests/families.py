@@ -14,9 +14,22 @@ A few configs deliberately set hidden_act to another activation than the publish
 (stablelm: gelu, granite: relu) so that every activation the spec language has is exercised
 through a real architecture's act(x, hidden_act).
 """
+import numpy as np
 import torch
 
 VOCAB = 320
+
+
+def reference_greedy(plan, weights, prompt, n) -> list[int]:
+    """n greedy tokens after `prompt` from the reference executor, one decode step each: what
+    the tests compare with HF's generate()."""
+    from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
+    ex = ReferenceExecutor(plan, weights)
+    logits, out = ex.step([SeqChunk(0, prompt, 0)])[0], []
+    for _ in range(n):
+        out.append(int(np.argmax(logits)))
+        logits = ex.step([SeqChunk(0, [out[-1]], len(prompt) + len(out) - 1)])[0]
+    return out
 BASE = dict(vocab_size=VOCAB, max_position_embeddings=256, initializer_range=0.05)
 
 

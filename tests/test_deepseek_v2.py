@@ -28,6 +28,8 @@ from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
 from infc.runtime.safetensors_io import Checkpoint
 from infc.runtime.weights import load_weights
 
+from families import reference_greedy
+
 VOCAB = 320
 TOL = 1e-4
 PROMPT = [int(t) for t in np.random.default_rng(13).integers(0, VOCAB, 24)]
@@ -157,13 +159,7 @@ def test_greedy_16_tokens_match_hf(models, kind):
                            min_new_tokens=16, do_sample=False,       # or generate masks it as padding
                            pad_token_id=VOCAB - 1)[0, len(PROMPT):].tolist()
     plan, weights = _plan(d)
-    ex = ReferenceExecutor(plan, weights)
-    logits = ex.step([SeqChunk(0, PROMPT, 0)])[0]
-    got = []
-    for _ in range(16):
-        got.append(int(np.argmax(logits)))
-        logits = ex.step([SeqChunk(0, [got[-1]], len(PROMPT) + len(got) - 1)])[0]
-    assert got == want
+    assert reference_greedy(plan, weights, PROMPT, 16) == want
 
 
 def test_softmax_scale_carries_yarn_mscale(models):

@@ -22,7 +22,7 @@ from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
 from infc.runtime.safetensors_io import Checkpoint
 from infc.runtime.weights import load_weights
 
-from families import FAMILIES, VOCAB
+from families import FAMILIES, VOCAB, reference_greedy
 
 TOL = 1e-4
 SPECS = Path(__file__).resolve().parent.parent / "specs"
@@ -81,13 +81,7 @@ def test_greedy_16_tokens_match_hf(family, family_model):
         want = hf.generate(torch.tensor([PROMPT]), max_new_tokens=16, min_new_tokens=16,
                            do_sample=False, pad_token_id=0)[0, len(PROMPT):].tolist()
     plan, weights = _plan_and_weights(d)
-    ex = ReferenceExecutor(plan, weights)
-    logits = ex.step([SeqChunk(0, PROMPT, 0)])[0]
-    got = []
-    for _ in range(16):
-        got.append(int(np.argmax(logits)))
-        logits = ex.step([SeqChunk(0, [got[-1]], len(PROMPT) + len(got) - 1)])[0]
-    assert got == want
+    assert reference_greedy(plan, weights, PROMPT, 16) == want
 
 
 def test_ignore_is_what_lets_stablelm_build(family_model, tmp_path):

@@ -44,6 +44,8 @@ from infc.runtime.sequence import Sequence
 from infc.runtime.step import Chunk, build_step
 from infc.runtime.weights import load_weights
 
+from families import reference_greedy
+
 VOCAB = 320
 TOL = 1e-4
 PROMPT = [int(t) for t in np.random.default_rng(11).integers(0, VOCAB, 40)]
@@ -199,13 +201,7 @@ def test_greedy_16_tokens_match_hf(models, kind):
         want = hf.generate(input_ids=torch.tensor([PROMPT]), max_new_tokens=16, min_new_tokens=16,
                            do_sample=False, pad_token_id=0)[0, len(PROMPT):].tolist()
     plan, weights = _plan(d)
-    ex = ReferenceExecutor(plan, weights)
-    logits = ex.step([SeqChunk(0, PROMPT, 0)])[0]
-    got = []
-    for _ in range(16):
-        got.append(int(np.argmax(logits)))
-        logits = ex.step([SeqChunk(0, [got[-1]], len(PROMPT) + len(got) - 1)])[0]
-    assert got == want
+    assert reference_greedy(plan, weights, PROMPT, 16) == want
 
 
 @pytest.mark.parametrize("chunk", [7, 16])
@@ -431,13 +427,6 @@ def test_engine_random_aborts_and_preemptions_free_every_slot(models):
     e.bm.check()
 
 
-def _greedy_alone(plan, weights, prompt, n):
-    ex = ReferenceExecutor(plan, weights)
-    logits, out = ex.step([SeqChunk(0, prompt, 0)])[0], []
-    for _ in range(n):
-        out.append(int(np.argmax(logits)))
-        logits = ex.step([SeqChunk(0, [out[-1]], len(prompt) + len(out) - 1)])[0]
-    return out
 
 
 def test_engine_outputs_through_preemption_match_each_alone(models):
@@ -456,7 +445,7 @@ def test_engine_outputs_through_preemption_match_each_alone(models):
             got[o.request_id] += o.token_ids
     assert e.scheduler.num_preemptions > 0
     for rid, p in zip(ids, prompts):
-        assert got[rid] == _greedy_alone(plan, weights, p, 8), rid
+        assert got[rid] == reference_greedy(plan, weights, p, 8), rid
     assert e.bm.num_free_slots == 4
 
 
