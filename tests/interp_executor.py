@@ -11,7 +11,7 @@ from infc.runtime.program import program_name, unrolled
 from infc.runtime.step import Chunk, build_step
 from infc.runtime.weights import at
 
-from kernels.harness import TORCH, load
+from kernels.harness import TORCH, interpreter_constexprs, load
 
 
 def _nan_storage(shape, dtype):
@@ -85,9 +85,7 @@ class InterpExecutor:
             k = self.kernels[launch["kernel_id"]]
             self.templates.append((launch["op"], launch["kernel"]))
             args = resolver.values(k.meta, launch["inputs"], launch["outputs"], layer, k)
-            consts = dict(k.meta["constexprs"])
-            if "DOT_F32" in consts:
-                consts["DOT_F32"] = True
+            consts = interpreter_constexprs(k.meta)
             getattr(load(k), k.meta["entry"])[grid(k.meta, dims)](*args, **consts)
         return views[self.plan["outputs"]["logits"]].float().numpy().copy()
 

@@ -222,7 +222,7 @@ def _fake_runner(runner_mod, monkeypatch, graph_ms=2.5):
         bound = []
         for s in prof.launch_sites(PLAN, phase):
             g = ["0"] if s["op"] == "fill_zero" else ["T", "B", 1]          # fill_zero: a zero grid
-            bound.append((_Kernel(s), runner_mod.grid_code({"grid": g}), _Args(), [(0, "T"), (1, "B")]))
+            bound.append((_Kernel(s), runner_mod.grid_code({"grid": g}), _Args(), [(0, "T"), (1, "B")], None))   # no dependent launch
         r.programs[phase] = bound
 
     class Graph:

@@ -207,6 +207,30 @@ def launch(ctx: Context, fn, grid, block, shared: int, args: PackedArgs):
                             ctx.stream, args.address, 0), "cuLaunchKernel")
 
 
+class DependentLaunch:
+    """One bound launch made a programmatic dependent of the kernel before it on the stream
+    (Hopper's PDL, kept by stream capture as a programmatic graph edge): it may start while that
+    kernel drains, and its kernel must wait (griddepcontrol.wait, codegen_templates/triton/_pdl.j2)
+    before it reads what earlier kernels wrote. The config is built once; a launch rewrites only
+    the grid."""
+
+    def __init__(self, ctx: Context, block, shared: int):
+        self.config = c = cu.CUlaunchConfig()
+        c.blockDimX, c.blockDimY, c.blockDimZ = block
+        c.sharedMemBytes = shared
+        c.hStream = ctx.stream
+        attr = cu.CUlaunchAttribute()
+        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        c.attrs = [attr]
+        c.numAttrs = 1
+
+    def __call__(self, fn, grid, args: PackedArgs):
+        c = self.config
+        c.gridDimX, c.gridDimY, c.gridDimZ = grid
+        check(cu.cuLaunchKernelEx(c, fn, args.address, 0), "cuLaunchKernelEx")
+
+
 class Graph:
     """Capture the launches `record()` issues on the context's stream; replay with `launch()`."""
 

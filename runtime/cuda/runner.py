@@ -7,6 +7,7 @@ B, so every pointer is fixed for the runner's life: each phase's launches are pa
 step only rewrites the T/B scalars and the grid. Decode steps replay a CUDA Graph captured per
 batch bucket, padded with rows that write only a reserved page.
 """
+import os
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ from ..program import program_name, unrolled
 from ..runner import RowSampling, Sample, sample_row
 from ..step import StepMeta
 from .artifact import DTYPE_BYTES, load_kernels, load_plan
-from .driver import Context, Graph, launch
+from .driver import Context, DependentLaunch, Graph, launch
 from .sampler import GpuSampler
 from .weights import DeviceWeights
 
@@ -46,9 +47,12 @@ class CudaRunner:
                  max_num_seqs: int = 256, max_model_len: int | None = None,
                  gpu_memory_utilization: float = 0.9, cuda_graphs: bool = True,
                  buckets: list[int] | None = None, num_pages: int | None = None,
-                 load_format: str = "auto"):
+                 load_format: str = "auto", pdl: bool | None = None):
         """load_format: "auto" reads model_dir's safetensors; "dummy" fills random weights on the
-        device (runtime/dummy_weights.py), so model_dir needs only config.json."""
+        device (runtime/dummy_weights.py), so model_dir needs only config.json.
+        pdl: launch the kernels whose META allows it as programmatic dependents of the kernel
+        before them (driver.DependentLaunch); default on, INFC_PDL=0 turns it off (A/B timing)."""
+        self.pdl = os.environ.get("INFC_PDL", "1") != "0" if pdl is None else pdl
         self.ctx = Context()
         self.artifact = Path(artifact)
         self.plan = plan = load_plan(self.artifact)
@@ -137,7 +141,8 @@ class CudaRunner:
         return self.programs[phase]
 
     def bind(self, phase: str) -> list:
-        """The phase's program as [(KernelFn, grid code, PackedArgs, dim slots)], layers unrolled."""
+        """The phase's program as [(KernelFn, grid code, PackedArgs, dim slots, DependentLaunch or
+        None)], layers unrolled."""
         def tensor(name, layer):
             if name in self.plan["buffers"]:
                 return self._buffer_ptr(name)
@@ -153,7 +158,8 @@ class CudaRunner:
         for launch, layer in unrolled(self.plan["programs"][phase]):
             k = self.kernels[launch["kernel_id"]]
             values = resolver.values(k.meta, launch["inputs"], launch["outputs"], layer, k.id)
-            out.append((k, grid_code(k.meta), k.pack(values), dim_slots(k.meta)))
+            dep = DependentLaunch(self.ctx, k.block, k.shared) if self.pdl and k.meta.get("pdl") else None
+            out.append((k, grid_code(k.meta), k.pack(values), dim_slots(k.meta), dep))
         return out
 
     def _launch_all(self, bound, dims: dict, on_launch=None):
@@ -164,17 +170,23 @@ class CudaRunner:
         if on_launch is not None:
             return self._launch_hooked(bound, dims, on_launch)
         env = {**GRID_FUNCS, **dims}
-        for k, code, args, slots in bound:
+        after_kernel = False     # a dependent launch only behind a kernel, never behind a copy
+        for k, code, args, slots, dep in bound:
             for i, d in slots:
                 args.set(i, dims[d])
             g = [int(eval(c, env)) for c in code]       # META grid formulas of our own templates
             if g[0] * g[1] * g[2] == 0:
                 continue
-            launch(self.ctx, k.fn, g, k.block, k.shared, args)
+            if dep is not None and after_kernel:
+                dep(k.fn, g, args)
+            else:
+                launch(self.ctx, k.fn, g, k.block, k.shared, args)
+            after_kernel = True
 
     def _launch_hooked(self, bound, dims: dict, on_launch):
         env = {**GRID_FUNCS, **dims}
-        for index, (k, code, args, slots) in enumerate(bound):
+        # plain launches: the hook's events between launches would cut any overlap anyway
+        for index, (k, code, args, slots, _) in enumerate(bound):
             for i, d in slots:
                 args.set(i, dims[d])
             g = [int(eval(c, env)) for c in code]

@@ -2,7 +2,8 @@
 
 `bindings` maps parameter sources ("in:0", "out:1", "meta:positions", "cache:k", ...) to tensors
 or ints; dims gives T and B; scratch is allocated zeroed from META. Kernels using tl.dot take
-a DOT_F32 constexpr: the interpreter's bf16 dot is wrong, so it is set True here.
+a DOT_F32 constexpr: the interpreter's bf16 dot is wrong, so it is set True here; and a PDL
+constexpr (griddepcontrol, which the interpreter lacks) is set False (`interpreter_constexprs`).
 """
 import importlib.util
 import os
@@ -71,14 +72,23 @@ def run(kernel, bindings: dict, dims: dict):
                         meta=lambda name: bindings[f"meta:{name}"], scratch=lambda k, name: scratch[name],
                         dim=dims.__getitem__, arg=lambda name: bindings[f"arg:{name}"])
     args = resolver.values(meta, [f"in:{i}" for i in range(n)], [f"out:{i}" for i in range(n)], kernel=kernel.id)
-    consts = dict(meta["constexprs"])
-    if "DOT_F32" in consts:
-        consts["DOT_F32"] = True
+    consts = interpreter_constexprs(meta)
     fn = getattr(load(kernel), meta["entry"])
     fn[grid(meta, dims)](*args, **consts)
     for n, s in scratch.items():
         assert int(s.abs().sum()) == 0 or not n.startswith("counter"), f"counter scratch '{n}' not reset"
     return scratch
+
+
+def interpreter_constexprs(meta: dict) -> dict:
+    """META's constexprs as the interpreter must run them: fp32 dots (its bf16 dot is wrong)
+    and no programmatic dependent launch (it has no griddepcontrol)."""
+    consts = dict(meta["constexprs"])
+    if "DOT_F32" in consts:
+        consts["DOT_F32"] = True
+    if "PDL" in consts:
+        consts["PDL"] = False
+    return consts
 
 
 def render(template, op, inputs, outputs, attrs=None, phase="decode", config=None, caches=None, page_size=16,
