@@ -8,62 +8,94 @@ later passes then fuse the shards exactly as they fuse whole weights (q|k|v of r
 concat of rank r's q, k and v slices). Nothing happens at one rank.
 
 Tensor parallelism (Megatron): a linear whose input is computed, through ops that work head by
-head or element by element (view, per-head norm, rope, attention, activations, mul), only from
-other linears is row-parallel; those linears are column-parallel. Column linears keep a block
-of output features (whole heads: Hq/N query heads, Hkv/N kv heads), the row linear the matching
-block of input features, and an all_reduce after it sums the ranks' partial outputs: one per
-sublayer. Every other linear (the router, lm_head) and the embedding stay replicated, so every
-rank holds the full residual stream and the full logits (the sampler needs no gather).
-Experts under TP keep F/N of each expert's intermediate features, with an all_reduce after.
+head or element by element, only from other linears is row-parallel; those linears are
+column-parallel. Which ops those are, and how each passes rank r's block (the inputs that carry
+it, the inputs every head shares, per-head weights to cut, attributes to resize), is the table in
+shard_rules.py: views, per-head norms, rope, concat, head_linear, attention, latent_attention,
+activations, mul. Column linears keep a block of output features (whole heads: Hq/N query heads,
+Hkv/N kv heads), the row linear the matching block of input features, and an all_reduce after it
+sums the ranks' partial outputs: one per sublayer (where two row-parallel branches meet at an add,
+their partial sums are added first and reduced once). Every other linear (the router, lm_head)
+and the embedding stay replicated, so every rank holds the full residual stream and the full
+logits (the sampler needs no gather). Experts under TP keep F/N of each expert's intermediate
+features, with an all_reduce after.
 
-Expert parallelism: rank r keeps experts r*E/N .. (r+1)*E/N - 1 (a slice of each expert stack);
-ep_dispatch sends each token's row to its experts' ranks and ep_combine brings the partial
+Multi-head latent attention (DeepSeek-V2) falls out of the same rules, as vLLM shards it: the
+query projections (q_proj, or q_b_proj after the replicated q_a_proj + its norm) are
+column-parallel by heads, the absorbed per-head W_uk / W_uv [H, N, K] are cut to the rank's heads,
+o_proj is row-parallel. The latent projection kv_a (c_kv + k_pe) and its norm feed every head
+(latent_attention's kv input is shared, not walked): they stay replicated, and every rank keeps
+the whole latent cache.
+
+Expert parallelism: rank r keeps routed experts r*E/N .. (r+1)*E/N - 1 (a slice of each expert
+stack); routing (greedy or group-limited top-k) runs on every rank over the full router logits,
+then ep_dispatch sends each token's row to its experts' ranks and ep_combine brings the partial
 sums back. Attention and dense MLPs stay replicated unless tensor parallelism shards them too.
+DeepSeek's shared experts are a dense SwiGLU in the spec, so they follow the TP rule, as in vLLM
+(its DeepseekV2MLP for shared_experts is column/row-parallel over the TP group, with or without
+--enable-expert-parallel): sharded F/N under --tensor-parallel-size N, replicated when only the
+experts are partitioned (expert_parallel_only).
 """
 from ..ir import Node, TensorType, Value
-from ..ops import REGISTRY
-
-# ops a column-parallel block passes through: they work per head (the last axis stays whole)
-# or per element, so rank r's block of heads/features maps to the same block of the output
-PER_HEAD = {"rms_norm", "layer_norm", "rope"}          # over the last axis: need [T, heads, D]
-ELEMENTWISE = {"view", "mul", "add", "affine", "softcap", "copy", "kv_write", "attention_cached"}
+from .shard_rules import rule
 
 
-def _elementwise_ops():
-    from ..ops.activation import ACTIVATIONS
-    return ELEMENTWISE | set(ACTIVATIONS)
+class _Blocked:
+    """Where a block's walk stopped (node None: at a value no op computes), and why."""
 
-
-class _Blocked(Exception):
     def __init__(self, node, why):
-        super().__init__(why)
         self.node, self.why = node, why
 
 
-def _region(g, value, ops, nodes: dict, columns: dict):
-    """Walk back from `value` to the linears it is computed from; nodes/columns collect the
-    ops in between and those linears. Raises _Blocked at an op that mixes the sharded axis."""
+def _region(g, value, nodes: dict, columns: dict, blocked: list):
+    """Walk back from `value` to the linears it is computed from, through ops with a sharding
+    rule (shard_rules.py); nodes/columns collect the ops in between and those linears, blocked
+    the ops that mix the sharded axis (the walk stops there but goes on along other inputs, so
+    that an attention further up still makes the block one that must shard)."""
     p = g.producer(value)
     if p is None:
-        raise _Blocked(None, f"'{value}' is not computed by a linear")
+        blocked.append(_Blocked(None, f"'{value}' is not computed by a linear"))
+        return
     if p.op == "linear":
         columns[p.id] = p
         return
     if p.id in nodes:
         return
-    if p.op in PER_HEAD:
-        if len(g.values[p.inputs[0]].type.shape) < 3:
-            raise _Blocked(p, f"{p.op} works across the whole feature axis of "
-                              f"{g.values[p.inputs[0]].type}, mixing the heads the ranks split "
-                              f"(it shards only head by head, on [T, heads, D])")
-        nodes[p.id] = p
-        _region(g, p.inputs[0], ops, nodes, columns)
+    r = rule(p.op)
+    if r is None:
+        blocked.append(_Blocked(p, f"{p.op} is not an op the tensor-parallel transform can shard"))
         return
-    if p.op not in ops:
-        raise _Blocked(p, f"{p.op} is not an op the tensor-parallel transform can shard")
+    walked = r.walked(p)
+    if r.per_head:
+        flat = [g.values[p.inputs[i]].type for i in walked if len(g.values[p.inputs[i]].type.shape) < 3]
+        if flat:
+            blocked.append(_Blocked(p, f"{p.op} works across the whole feature axis of {flat[0]}, "
+                                       f"mixing the heads the ranks split (it shards only head by "
+                                       f"head, on [T, heads, D])"))
+            return
+    for i in r.weights:
+        if g.values[p.inputs[i]].kind != "weight":
+            blocked.append(_Blocked(p, f"{p.op}: its per-head input '{p.inputs[i]}' is not a weight "
+                                       f"(only weights are cut to the rank's heads)"))
+            return
     nodes[p.id] = p
-    for i in p.inputs:
-        _region(g, i, ops, nodes, columns)
+    for i in walked:
+        _region(g, p.inputs[i], nodes, columns, blocked)
+
+
+def _check_closed(state, g, world, row, nodes, columns):
+    """Every value of the block is read only inside it, through an input that carries the block:
+    a sharded value that escapes (or feeds an input every head shares) would be read whole."""
+    for nid in list(nodes) + list(columns):
+        m = g.nodes[nid]
+        for o in m.outputs:
+            for u in g.users(o):
+                at = [i for i, x in enumerate(u.inputs) if x == o]
+                carried = [0] if u.id == row.id else rule(u.op).walked(u) if u.id in nodes else []
+                if not set(at) <= set(carried):
+                    raise state.error(f"--tensor-parallel-size {world}: '{o}' ({m.op}, line {m.line}) "
+                                      f"feeds both the sharded block of the linear at line {row.line} "
+                                      f"and {u.op} at line {u.line}", u.line)
 
 
 def _shard_weight(state, g, name, axis, rank, world, what, line):
@@ -120,75 +152,62 @@ def _insert_after(g, node, op, attrs, hint):
 
 
 def _tensor_parallel(state, g, rank, world):
-    ops = _elementwise_ops()
+    flag = f"--tensor-parallel-size {world}"
     plans = []
     for n in g.ordered():
         if n.op != "linear":
             continue
-        nodes, columns = {}, {}
-        try:
-            _region(g, n.inputs[0], ops, nodes, columns)
-        except _Blocked as b:
-            # blocked after reaching a linear or an attention: a block that must shard and cannot
-            # (an attention's heads, e.g. a q norm over all heads at once); else n reads the
-            # replicated stream (wq after the layer norm, the router, lm_head): replicated
-            if columns or any(m.op == "attention_cached" for m in nodes.values()):
+        nodes, columns, blocked = {}, {}, []
+        _region(g, n.inputs[0], nodes, columns, blocked)
+        if blocked:
+            # an attention reached, or linears reached past an op that mixes the split axis: a
+            # block that must shard and cannot (an attention's heads, e.g. a q norm over all
+            # heads at once); else n reads the replicated stream (wq after the layer norm, the
+            # router, lm_head, a linear of the residual sum): replicated
+            mixing = [b for b in blocked if b.node is not None]
+            if any(rule(m.op).attention for m in nodes.values()) or (columns and mixing):
+                b = (mixing or blocked)[0]
                 where = b.node.line if b.node is not None else n.line
-                raise state.error(f"--tensor-parallel-size {world}: cannot shard the block that ends in "
-                                  f"the linear at line {n.line} (heads/features split across ranks): "
-                                  f"{b.why}", where) from None
+                raise state.error(f"{flag}: cannot shard the block that ends in the linear at line "
+                                  f"{n.line} (heads/features split across ranks): {b.why}", where)
             continue                                   # not fed by linears: replicated
         plans.append((n, nodes, columns))
+    sharded = {m for _, nodes, _ in plans for m in nodes}
+    for m in g.ordered():
+        if rule(m.op) is not None and rule(m.op).attention and m.id not in sharded:
+            raise state.error(f"{flag}: this {m.op} feeds no row-parallel linear through ops that "
+                              f"keep its heads apart, so its heads cannot be split across ranks", m.line)
     rows = {row.id for row, _, _ in plans}
     for row, nodes, columns in plans:
         both = sorted(c.line for c in columns.values() if c.id in rows)
         if both:
-            raise state.error(f"--tensor-parallel-size {world}: the linear at line {both[0]} reads one "
-                              f"sharded block and feeds another (three linears in a chain); only "
-                              f"column -> row pairs are sharded", both[0])
-        inside = set(nodes) | set(columns) | {row.id}
-        for nid in list(nodes) + list(columns):
-            m = g.nodes[nid]
-            for o in m.outputs:
-                for u in g.users(o):
-                    if u.id not in inside:
-                        raise state.error(f"--tensor-parallel-size {world}: '{o}' ({m.op}, line {m.line}) "
-                                          f"feeds both the sharded block of the linear at line {row.line} "
-                                          f"and {u.op} at line {u.line}", u.line)
+            raise state.error(f"{flag}: the linear at line {both[0]} reads one sharded block and "
+                              f"feeds another (three linears in a chain); only column -> row pairs "
+                              f"are sharded", both[0])
+        _check_closed(state, g, world, row, nodes, columns)
         # heads first: a head count the ranks do not divide is the error to report, not the
-        # views around it
-        for m in sorted(nodes.values(), key=lambda m: m.op != "attention_cached"):
-            if m.op == "attention_cached":
-                hq, hkv = g.values[m.inputs[0]].type.shape[1], m.attrs["kv_heads"]
-                if hq % world:
-                    raise state.error(f"--tensor-parallel-size {world} does not divide the {hq} query "
-                                      f"heads of this attention", m.line)
-                if hkv % world:
-                    raise state.error(f"--tensor-parallel-size {world} does not divide the {hkv} kv heads "
-                                      f"of this attention (replicating kv heads across ranks is not "
-                                      f"supported)", m.line)
-                m.attrs["kv_heads"] = hkv // world
-            elif m.op == "view":
-                shape = list(m.attrs["shape"])
-                rows_in = g.values[m.inputs[0]].type.shape[0]
-                if len(shape) < 2 or shape[0] != rows_in or not isinstance(shape[1], int) \
-                        or shape[1] % world:
-                    raise state.error(f"--tensor-parallel-size {world}: cannot split view {shape} into "
-                                      f"{world} blocks of its axis 1", m.line)
-                shape[1] //= world
-                m.attrs["shape"] = shape
+        # views or per-head weights around it
+        for m in sorted(nodes.values(), key=lambda m: not rule(m.op).attention):
+            r = rule(m.op)
+            if r.resize:
+                r.resize(state, g, m, world)
+            for i, axis in r.weights.items():
+                _shard_weight(state, g, m.inputs[i], axis, rank, world,
+                              f"{flag}: the heads of {m.op}'s weight at line {m.line}", m.line)
         for c in columns.values():
-            what = f"--tensor-parallel-size {world}: the output features of the linear at line {c.line}"
+            what = f"{flag}: the output features of the linear at line {c.line}"
             _shard_weight(state, g, c.inputs[1], 0, rank, world, what, c.line)
             if c.attrs.get("has_bias"):
                 _shard_weight(state, g, c.inputs[2], 0, rank, world, what, c.line)
-        what = f"--tensor-parallel-size {world}: the input features of the linear at line {row.line}"
+        what = f"{flag}: the input features of the linear at line {row.line}"
         _shard_weight(state, g, row.inputs[1], 1, rank, world, what, row.line)
         if row.attrs.get("has_bias"):
             _rank0_bias(state, row.inputs[2], rank)
         _insert_after(g, row, "all_reduce", {}, "reduced")
+        heads = [f"{g.nodes[m].inputs[i]}" for m in nodes for i in rule(g.nodes[m].op).weights]
         state.note("shard_ranks", f"{g.name}: line {row.line} row-parallel over "
-                                  f"{sorted(c.inputs[1] for c in columns.values())} + all_reduce")
+                                  f"{sorted(c.inputs[1] for c in columns.values())}"
+                                  f"{' and heads of ' + str(sorted(heads)) if heads else ''} + all_reduce")
     for n in [n for n in g.ordered() if n.op == "moe_experts"]:
         if state.parallel["ep"] > 1:
             continue
@@ -207,7 +226,8 @@ def _expert_parallel(state, g, rank, world):
         E = g.values[gate].type.shape[0]
         if E % world:
             raise state.error(f"--enable-expert-parallel over {world} ranks: {E} experts are not "
-                              f"divisible by {world}", n.line)
+                              f"divisible by {world} (each rank holds E/{world} whole routed "
+                              f"experts)", n.line)
         for wname in (gate, up, down):
             _shard_weight(state, g, wname, 0, rank, world, "experts", n.line)
         outs = [g.fresh(h) for h in ("dispatched", "weights", "ids")]
@@ -221,6 +241,26 @@ def _expert_parallel(state, g, rank, world):
                                   f"{(rank + 1) * E // world - 1} of {E} on rank {rank} + dispatch/combine")
 
 
+def _merge_reductions(state, g):
+    """add(all_reduce(a), all_reduce(b)) -> all_reduce(add(a, b)): a sum of partial sums needs one
+    collective where two row-parallel branches meet (DeepSeek's shared + routed experts under TP,
+    as vLLM reduces them once; a parallel attention + MLP block). The ranks' partial rows are
+    added before the reduction instead of after: the same sum, rounded in another order."""
+    for n in list(g.ordered()):
+        if n.op != "add":
+            continue
+        ps = [g.producer(i) for i in n.inputs]
+        if ps[0] is ps[1] or not all(p is not None and p.op == "all_reduce" and g.uses(p.outputs[0]) == 1
+                                     for p in ps):
+            continue
+        n.inputs = [p.inputs[0] for p in ps]
+        for p in ps:
+            g.remove_node(p.id)
+        _insert_after(g, n, "all_reduce", {}, "reduced")
+        state.note("shard_ranks", f"{g.name}: line {n.line} one all_reduce after the add of two "
+                                  f"partial sums")
+
+
 def shard_ranks(state):
     par = state.parallel
     if not par or par["world"] == 1:
@@ -229,5 +269,6 @@ def shard_ranks(state):
     for g in state.graph.walk():
         if par["tp"] > 1:
             _tensor_parallel(state, g, rank, world)
+            _merge_reductions(state, g)
         if par["ep"] > 1:
             _expert_parallel(state, g, rank, world)
