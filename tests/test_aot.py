@@ -49,6 +49,17 @@ def test_cold_build_rebuild_and_template_edit(tmp_path, fresh_cache, monkeypatch
     t0 = time.perf_counter()
     res = aot.compile_kernels(build_mod.generate(plan, out), out / "bin", progress=False)
     assert res["compiled"] == [] and time.perf_counter() - t0 <= 5
+    # on a machine without this cache (the GPU's, whose Triton differs), re-rendering the
+    # artifact reuses the cubins it holds for the target, and only those
+    monkeypatch.setattr(aot, "CACHE", tmp_path / "empty-cache")
+    res = aot.compile_kernels(build_mod.generate(plan, out), out / "bin", progress=False)
+    assert res["compiled"] == [] and not (tmp_path / "empty-cache").exists()
+    stale = sorted(plan["kernels"])[0]
+    info = json.loads((out / "bin" / f"{stale}.json").read_text())
+    (out / "bin" / f"{stale}.json").write_text(json.dumps({**info, "aot_revision": "older"}))
+    monkeypatch.setattr(aot, "CACHE", fresh_cache)
+    res = aot.compile_kernels(build_mod.generate(plan, out), out / "bin", progress=False)
+    assert res["compiled"] == [] and json.loads((out / "bin" / f"{stale}.json").read_text()) == info
     # edit one template (a copy): only the kernels rendered from it recompile
     templates = tmp_path / "templates"
     shutil.copytree(render.TEMPLATES, templates)
