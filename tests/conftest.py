@@ -85,3 +85,12 @@ def family_model(tmp_path_factory):
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+@pytest.fixture
+def fake_driver(monkeypatch):
+    """tests/fake_cuda.py's FakeDriver installed as infc.runtime.cuda.driver for one test (no GPU,
+    no cuda-python needed); import infc.runtime.cuda.runner & co. inside the test."""
+    import fake_cuda
+    with fake_cuda.cuda_modules():
+        yield fake_cuda.install(monkeypatch)

@@ -23,6 +23,8 @@ import pytest
 
 from infc.runtime import caches as C
 
+from fake_cuda import FakeContext
+
 REPO = Path(__file__).resolve().parent.parent
 ROOTS = ("compiler", "runtime", "infc", "bench", "server", "tests")
 ALLOWED = {"runtime/caches.py", "tests/test_cache_layout.py"}
@@ -227,54 +229,31 @@ def test_torch_storage_through_a_factory():
     assert (k[4] == 1.5).all() and torch.isnan(k[3]).all()
 
 
-class ByteCtx:
-    """Device memory as a host byte array: alloc / memset / dtod like runtime/cuda/driver.Context."""
-
-    def __init__(self):
-        self.mem, self.base, self.copies = bytearray(), 1 << 16, 0
-
-    def alloc(self, n):
-        ptr = self.base + len(self.mem)
-        self.mem += b"\xcd" * n
-        return ptr
-
-    def memset(self, ptr, n, value=0):
-        self.mem[ptr - self.base: ptr - self.base + n] = bytes([value]) * n
-
-    def dtod(self, dst, src, n):
-        s = ptr = src - self.base
-        self.mem[dst - self.base: dst - self.base + n] = bytes(self.mem[ptr: s + n])
-        self.copies += 1
-
-    def view(self, ptr, n):
-        return memoryview(self.mem)[ptr - self.base: ptr - self.base + n]
-
-
 NATIVE = {"bf16": np.uint16, "f32": np.float32}
 
 
 def test_device_copies_move_the_same_bytes_as_the_host_ones():
-    ctx = ByteCtx()
+    ctx = FakeContext()                                   # tests/fake_cuda.py
     dev = C.DeviceCaches(ctx, DECL, PS, num_pages=12, num_slots=4)
-    assert bytes(ctx.view(dev.base, dev.nbytes)) == bytes(dev.nbytes)           # zeroed
+    assert ctx.read(dev.base, dev.nbytes) == bytes(dev.nbytes)                  # zeroed
     host = C.HostCaches(DECL, PS, 12, 4, factory=lambda shape, d: np.zeros(shape, NATIVE[d]))
     rng = np.random.default_rng(1)
     for (name, layer), a in host.arrays.items():
         a.view(np.uint8)[...] = rng.integers(0, 256, a.nbytes, dtype=np.uint8).reshape(a.view(np.uint8).shape)
         ptr, n = dev.region(name, layer)
         assert n == a.nbytes and ptr == dev.ptr(name, layer)
-        ctx.view(ptr, n)[:] = a.tobytes()
+        ctx.view(ptr, n)[:] = a.reshape(-1).view(np.uint8)
 
     src, dst = [3, 4, 5, 9, 0], [6, 7, 8, 1, 11]         # a run of three, then single pages
     host.copy_pages(src, dst)
-    ctx.copies = 0
+    ctx.num_copies = 0
     dev.copy_pages(src, dst)
-    assert ctx.copies == 3 * 6                           # runs [3..5]->[6..8], 9->1, 0->11; 6 regions
+    assert ctx.num_copies == 3 * 6                           # runs [3..5]->[6..8], 9->1, 0->11; 6 regions
     host.copy_slot(2, 0)
     dev.copy_slot(2, 0)
     for (name, layer), a in host.arrays.items():
         ptr, n = dev.region(name, layer)
-        assert bytes(ctx.view(ptr, n)) == a.tobytes(), (name, layer)
+        assert ctx.read(ptr, n) == a.tobytes(), (name, layer)
 
 
 def test_reference_context_reads_and_writes_through_the_contract():

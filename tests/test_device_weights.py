@@ -1,13 +1,11 @@
-"""runtime/cuda/weights.py without a GPU: a fake context whose device memory is a host byte
-array. The streamed bytes of every weight (direct preads, stacked experts, fused concatenations,
-f32 checkpoints converted in numpy, tiny staging buffers that split tensors) equal the plan's
-weights as the numpy loader builds them; staging memory is given back; a broken directory is a
-clear error."""
-import ctypes
+"""runtime/cuda/weights.py without a GPU: a fake context (tests/fake_cuda.py) whose device memory
+is host bytes. The streamed bytes of every weight (direct preads, stacked experts, fused
+concatenations, f32 checkpoints converted in numpy, tiny staging buffers that split tensors)
+equal the plan's weights as the numpy loader builds them; staging memory is given back; a broken
+directory is a clear error."""
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from infc.compiler.build import compile_model
@@ -16,50 +14,10 @@ from infc.runtime.cuda import weights as dw
 from infc.runtime.safetensors_io import Checkpoint, f32_to_bf16_bits
 from infc.runtime.weights import iter_weights
 
+from fake_cuda import FakeContext
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
-
-
-class FakeEvent:
-    def record(self):
-        pass
-
-    def wait(self):
-        pass
-
-
-class FakeCtx:
-    def __init__(self):
-        self.mem = bytearray()
-        self.base = 1 << 20                      # device addresses start here
-        self.pinned_live = []
-        self.copies = 0
-
-    def alloc(self, n):
-        ptr = self.base + len(self.mem)
-        self.mem += b"\xab" * n                  # poison
-        return ptr
-
-    def pinned(self, n):
-        a = np.zeros(n, np.uint8)
-        self.pinned_live.append(a)
-        return a
-
-    def free_pinned(self, a):
-        self.pinned_live = [x for x in self.pinned_live if x is not a]
-
-    def htod_raw(self, ptr, host_addr, n):
-        self.mem[ptr - self.base: ptr - self.base + n] = ctypes.string_at(host_addr, n)
-        self.copies += 1
-
-    def event(self):
-        return FakeEvent()
-
-    def sync(self):
-        pass
-
-    def read(self, ptr, n):
-        return bytes(self.mem[ptr - self.base: ptr - self.base + n])
 
 
 def model(tmp_path, family, dtype="bf16", **over):
@@ -86,7 +44,7 @@ def test_streamed_weights_equal_the_plan(tmp_path, monkeypatch, family, dtype, s
     plan = model(tmp_path, family, dtype, **({"tie_word_embeddings": True} if family == "llama" else {}))
     monkeypatch.setattr(dw, "STAGING", staging)
     monkeypatch.setattr(dw, "PIECE", 1000)          # many preads per buffer, unaligned
-    ctx = FakeCtx()
+    ctx = FakeContext()
     w = dw.DeviceWeights(ctx, plan, tmp_path, progress=False, threads=3)
     ckpt = Checkpoint(tmp_path)
     seen = 0
@@ -102,7 +60,7 @@ def test_streamed_weights_equal_the_plan(tmp_path, monkeypatch, family, dtype, s
     assert seen == w.bytes > 0
     assert ctx.pinned_live == []                    # staging given back
     if staging < 1 << 20:
-        assert ctx.copies > 4                        # tensors really were split across buffers
+        assert ctx.num_copies > 4                        # tensors really were split across buffers
 
 
 def test_broken_directories_name_the_tensor(tmp_path):
@@ -112,8 +70,8 @@ def test_broken_directories_name_the_tensor(tmp_path):
     wq = next(n for n in bad["weights"] if "q" in n and bad["weights"][n]["layers"] is not None)
     bad["weights"][wq] = {**bad["weights"][wq], "shape": [7, 7]}
     with pytest.raises(ModelDirError, match="expects"):
-        dw.DeviceWeights(FakeCtx(), bad, tmp_path, progress=False)
+        dw.DeviceWeights(FakeContext(), bad, tmp_path, progress=False)
     shard = sorted(tmp_path.glob("*.safetensors"))[-1]
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     with pytest.raises(ModelDirError, match="truncated|not a readable"):
-        dw.DeviceWeights(FakeCtx(), plan, tmp_path, progress=False)
+        dw.DeviceWeights(FakeContext(), plan, tmp_path, progress=False)

@@ -1,7 +1,8 @@
 """--load-format dummy without a GPU: the device loader fills every weight region exactly once
-with the fill kernel (a fake device whose memory is a host byte array) and loads the numbers the
-CPU backend makes; a directory with only config.json runs `LLM`, `infc generate` and `infc serve`,
-deterministically, with its checkpoint (even a broken one) neither read nor checked."""
+with the fill kernel (on tests/fake_cuda.py's fake driver, whose memory is host bytes) and loads
+the numbers the CPU backend makes; a directory with only config.json runs `LLM`, `infc generate`
+and `infc serve`, deterministically, with its checkpoint (even a broken one) neither read nor
+checked."""
 import json
 import math
 import os
@@ -21,6 +22,8 @@ from infc.runtime import dummy_weights as dwv
 from infc.runtime.cuda import weights as dw
 from infc.runtime.safetensors_io import f32_to_bf16_bits
 
+from fake_cuda import FakeContext
+
 ROOT = Path(__file__).resolve().parent.parent
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=300, max_position_embeddings=256,
@@ -33,34 +36,21 @@ def config_only(d: Path, arch="Qwen3ForCausalLM", **over) -> Path:
     return d
 
 
-class FakeCtx:
-    def __init__(self):
-        self.mem = bytearray()
-        self.base = 1 << 20
-
-    def alloc(self, n):
-        ptr = self.base + len(self.mem)
-        self.mem += b"\xab" * n                  # poison: an unfilled byte shows
-        return ptr
-
-    def sync(self):
-        pass
+def fill_kernel(drv, dtype="bf16"):
+    """The real rendered fill kernel loaded on the fake driver (tests/fake_cuda.py): its "cubin"
+    is its Triton source, so a launch can also run it under the interpreter."""
+    from infc.runtime.cuda.artifact import KernelFn
+    k = render_weight_init({}, dtype=dtype)
+    return KernelFn(k.id, k.meta, {"num_warps": 4}, drv.Module(k.source.encode()).function(k.meta["entry"]))
 
 
-class FakeKernel:
-    """The real rendered kernel's META; `pack` keeps the resolved values for the fake launch."""
-
-    def __init__(self, dtype="bf16"):
-        k = render_weight_init({}, dtype=dtype)
-        self.id, self.meta, self.fn, self.block, self.shared = k.id, k.meta, None, (128, 1, 1), 0
-
-    def pack(self, values):
-        return list(values)
-
-
-@pytest.mark.parametrize("family,chunk", [("Qwen3ForCausalLM", None), ("LlamaForCausalLM", 1000),
-                                          ("Qwen3MoeForCausalLM", None)])
-def test_device_fill_covers_every_weight_once(tmp_path, monkeypatch, family, chunk):
+@pytest.mark.parametrize("family,chunk,run", [("Qwen3ForCausalLM", None, "mirror"),
+                                              ("LlamaForCausalLM", 1000, "mirror"),
+                                              ("Qwen3MoeForCausalLM", None, "mirror"),
+                                              ("LlamaForCausalLM", 1000, "interpreted")])
+def test_device_fill_covers_every_weight_once(tmp_path, monkeypatch, fake_driver, family, chunk, run):
+    """Each fill launch writes its region with the kernel's numpy mirror, or ("interpreted") the
+    rendered kernel itself runs under Triton's interpreter on the fake device."""
     over = {"tie_word_embeddings": family == "LlamaForCausalLM"}
     if family == "Qwen3MoeForCausalLM":
         over.update(moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2, norm_topk_prob=True,
@@ -70,17 +60,22 @@ def test_device_fill_covers_every_weight_once(tmp_path, monkeypatch, family, chu
     _, plan = compile_model(model_dir=str(d), check_checkpoint=False)
     if chunk:
         monkeypatch.setattr(dwv, "CHUNK", chunk)   # weights split into several launches
-    ctx, kernel, launches = FakeCtx(), FakeKernel(), []
+    ctx, kernel = fake_driver.Context(), fill_kernel(fake_driver)
+    if run == "mirror":
 
-    def fake_launch(c, k, g, args):
-        ptr, n, seed, scale, offset = args                          # META's parameter order
-        assert c is ctx and k is kernel and g == (math.ceil(n / 1024), 1, 1) and 0 < n <= dwv.CHUNK
-        launches.append((ptr, n))
-        bits = f32_to_bf16_bits(dwv.values(n, seed, scale, offset))
-        ctx.mem[ptr - ctx.base: ptr - ctx.base + 2 * n] = bits.tobytes()
+        def mirror(launch):
+            ptr, n, seed, scale, offset = launch.values
+            ctx.view(ptr, n, np.uint16)[:] = f32_to_bf16_bits(dwv.values(n, seed, scale, offset))
 
-    monkeypatch.setattr(dw, "_launch", fake_launch)
+        fake_driver.on_launch = mirror
+    # else no callback: the fake driver runs the kernel's Triton source under the interpreter
     w = dw.DeviceWeights(ctx, plan, d, progress=False, load_format="dummy", fill=kernel)
+    launches = []
+    for launch in fake_driver.launches:
+        ptr, n, seed, scale, offset = launch.values                  # META's parameter order
+        assert launch.ctx is ctx and launch.fn is kernel.fn and 0 < n <= dwv.CHUNK
+        assert launch.grid == (math.ceil(n / 1024), 1, 1) and launch.block == kernel.block
+        launches.append((ptr, n))
     cpu = dwv.dummy_weights(plan)                                   # what the CPU backend loads
     regions = []
     for name, spec in plan["weights"].items():
@@ -92,7 +87,7 @@ def test_device_fill_covers_every_weight_once(tmp_path, monkeypatch, family, chu
             assert ptr % dw.ALIGN == 0
             regions.append((ptr, n))
             want = cpu[name] if spec["layers"] is None else cpu[name][i]
-            got = np.frombuffer(ctx.mem, np.uint16, n, ptr - ctx.base)
+            got = ctx.view(ptr, n, np.uint16)
             assert np.array_equal(got, f32_to_bf16_bits(want).reshape(-1)), (name, layer)
     # every region filled by launches that tile it exactly, no launch outside a region
     covered = sorted(launches)
@@ -106,7 +101,7 @@ def test_device_fill_covers_every_weight_once(tmp_path, monkeypatch, family, chu
         assert len(launches) > len(regions)
 
 
-def test_f32_weights_fill_with_the_f32_kernel(tmp_path, monkeypatch):
+def test_f32_weights_fill_with_the_f32_kernel(tmp_path, fake_driver):
     """A plan's f32 weights (a spec's `dtype: f32`) are filled by plan["weight_init_f32"], 4 bytes an
     element, unrounded, as the CPU backend makes them; bf16 ones as before. Plans without f32
     weights carry no f32 fill kernel."""
@@ -120,32 +115,33 @@ def test_f32_weights_fill_with_the_f32_kernel(tmp_path, monkeypatch):
         "A": {"shape": [6], "dtype": "f32", "layers": [0, 2],
               "source": {"scale": {"exp": {"tensor": "l.{i}.A_log"}}, "by": -1.0}},
         "b": {"shape": [3], "dtype": "f32", "layers": None, "source": {"tensor": "dt_bias"}}}}
-    ctx, kernels = FakeCtx(), {"bf16": FakeKernel(), "f32": FakeKernel("f32")}
+    ctx = fake_driver.Context()
+    kernels = {"bf16": fill_kernel(fake_driver), "f32": fill_kernel(fake_driver, "f32")}
     assert kernels["f32"].id != kernels["bf16"].id
 
-    def fake_launch(c, k, g, args):
-        ptr, n, seed, scale, offset = args
+    def fake_launch(launch):
+        ptr, n, seed, scale, offset = launch.values
         v = dwv.values(n, seed, scale, offset)
-        data = v.tobytes() if k is kernels["f32"] else f32_to_bf16_bits(v).tobytes()
-        ctx.mem[ptr - ctx.base: ptr - ctx.base + len(data)] = data
+        data = v if launch.fn is kernels["f32"].fn else f32_to_bf16_bits(v)
+        ctx.view(ptr, n, data.dtype)[:] = data
 
-    monkeypatch.setattr(dw, "_launch", fake_launch)
+    fake_driver.on_launch = fake_launch
     w = dw.DeviceWeights(ctx, plan, d, progress=False, load_format="dummy", fill=kernels)
     cpu = dwv.dummy_weights(plan)
-    got = np.frombuffer(ctx.mem, np.uint16, 20, w.ptr("w", None) - ctx.base)
+    got = ctx.view(w.ptr("w", None), 20, np.uint16)
     assert np.array_equal(got, f32_to_bf16_bits(cpu["w"]).reshape(-1))
     for name, layers in (("A", [0, 2]), ("b", [None])):
         for i, layer in enumerate(layers):
             want = cpu[name][i] if layer is not None else cpu[name]
             n = want.size
-            got = np.frombuffer(ctx.mem, np.float32, n, w.ptr(name, layer) - ctx.base)
+            got = ctx.view(w.ptr(name, layer), n, np.float32)
             assert np.array_equal(got, want), (name, layer)
     a = cpu["A"][0]
     as_bf16 = dwv.weight_values("A", {**plan["weights"]["A"], "dtype": "bf16"}, 0)
     assert abs(a.mean() + 1) < 0.05 and not np.array_equal(a, as_bf16)
     assert w.bytes == 2 * 20 + 4 * (6 + 6 + 3)
     with pytest.raises(ModelDirError, match="f32 weight fill kernel"):
-        dw.DeviceWeights(FakeCtx(), plan, d, load_format="dummy", fill=kernels["bf16"])
+        dw.DeviceWeights(FakeContext(), plan, d, load_format="dummy", fill=kernels["bf16"])
 
 
 def test_value_rules():
@@ -170,9 +166,9 @@ def test_dummy_needs_the_fill_kernel_and_a_known_format(tmp_path):
     d = config_only(tmp_path / "m")
     _, plan = compile_model(model_dir=str(d), check_checkpoint=False)
     with pytest.raises(ModelDirError, match="weight fill kernel"):
-        dw.DeviceWeights(FakeCtx(), plan, d, load_format="dummy")
+        dw.DeviceWeights(FakeContext(), plan, d, load_format="dummy")
     with pytest.raises(ValueError, match="--load-format must be one of auto, dummy"):
-        dw.DeviceWeights(FakeCtx(), plan, d, load_format="npz")
+        dw.DeviceWeights(FakeContext(), plan, d, load_format="npz")
 
 
 def test_llm_runs_a_config_only_directory(tmp_path):

@@ -6,8 +6,6 @@ profile` is registered."""
 import importlib
 import json
 import re
-import sys
-import types
 from pathlib import Path
 
 import numpy as np
@@ -129,113 +127,44 @@ def test_pages_needed_and_page_table():
     assert b[:64] == a and len(b) == 65 and b[64] not in a
 
 
-# -- the step loop on a fake driver -------------------------------------------------------------
-@pytest.fixture
-def runner_mod():
-    """infc.runtime.cuda.runner, importable here with a stand-in cuda.bindings when the machine
-    has none (the driver module only touches it inside calls); the modules imported for this test
-    are dropped afterwards."""
-    try:
-        import cuda.bindings.driver  # noqa: F401
-        have = True
-    except ImportError:
-        have = False
-    before = set(sys.modules)
-    if not have:
-        cuda, bindings, drv = (types.ModuleType(n) for n in ("cuda", "cuda.bindings", "cuda.bindings.driver"))
-        cuda.bindings, bindings.driver = bindings, drv
-        sys.modules.update({"cuda": cuda, "cuda.bindings": bindings, "cuda.bindings.driver": drv})
-    try:
-        yield importlib.import_module("infc.runtime.cuda.runner")
-    finally:
-        if not have:
-            for name in sorted(set(sys.modules) - before, reverse=True):
-                mod = sys.modules.pop(name)
-                parent, _, child = name.rpartition(".")
-                if parent in sys.modules and getattr(sys.modules[parent], child, None) is mod:
-                    delattr(sys.modules[parent], child)
-
-
-class _Ctx:
-    def __init__(self):
-        self.clock, self.synced, self.events = 0.0, 0, 0
-
-    def ensure_current(self):
-        pass
-
-    def htod(self, ptr, host):
-        return np.ascontiguousarray(host)
-
-    def htod_rows(self, ptr, pitch, host):
-        assert host.nbytes // max(host.shape[0], 1) <= pitch
-        return np.ascontiguousarray(host)
-
-    def sync(self):
-        self.synced += 1
-
-    def event(self):
-        self.events += 1
-        return _Event(self)
-
-
-class _Event:
-    def __init__(self, ctx):
-        self.ctx, self.t = ctx, None
-
-    def record(self):
-        self.t = self.ctx.clock
-
-    def ms_since(self, start):
-        return self.t - start.t
-
-
-class _Args:
-    def __init__(self):
-        self.values = {}
-
-    def set(self, i, v):
-        self.values[i] = v
-
-
+# -- the step loop on a fake driver (tests/fake_cuda.py) ----------------------------------------
 class _Kernel:
     def __init__(self, site):
         self.fn, self.block, self.shared = site, (128, 1, 1), 0
 
 
-def _fake_runner(runner_mod, monkeypatch, graph_ms=2.5):
-    """A CudaRunner without __init__: the plan's metadata/upload/launch code for real, launches
-    that advance a virtual clock by _fake_us of their site (a zero grid is skipped)."""
+def _fake_runner(drv):
+    """A CudaRunner without __init__ on the fake driver: the plan's metadata/upload/launch code
+    for real (metadata and arena in fake device memory), launches that advance the virtual clock
+    by _fake_us of their site (a zero grid is skipped), and the bucket-1 decode graph captured by
+    the runner's own _capture."""
+    from infc.runtime.cuda import runner as runner_mod
     r = object.__new__(runner_mod.CudaRunner)
-    r.ctx, r.plan, r.page_size, r.num_pages = _Ctx(), PLAN, 16, 64
+    r.ctx, r.plan, r.page_size, r.num_pages = drv.Context(), PLAN, 16, 64
     r.max_pages_per_seq, r.max_tokens, r.max_seqs = 8, 64, 8
-    r.arena, r.place, r.sampler = 1 << 20, {"T": 64, "B": 8}, None
-    r.meta = {n: (2 + i) << 20 for i, n in enumerate(PLAN["step_metadata"])}
-    launched = []
-
-    def launch(ctx, fn, grid, block, shared, args):
-        launched.append((fn["key"], tuple(grid)))
-        ctx.clock += _fake_us(fn) / 1e3
-
-    monkeypatch.setattr(runner_mod, "launch", launch)
+    r.place, r.sampler = {"T": 64, "B": 8}, None
+    a = PLAN["arena"]
+    r.arena = r.ctx.alloc(a["bytes_per_token"] * 64 + a["bytes_per_seq"] * 8 + a["bytes"])
+    r.meta = {n: r.ctx.alloc(r._meta_bytes(m)) for n, m in PLAN["step_metadata"].items()}
+    drv.on_launch = lambda launch: _fake_us(launch.fn)
     r.programs = {}
     for phase in PLAN["programs"]:
         bound = []
         for s in prof.launch_sites(PLAN, phase):
             g = ["0"] if s["op"] == "fill_zero" else ["T", "B", 1]          # fill_zero: a zero grid
-            bound.append((_Kernel(s), runner_mod.grid_code({"grid": g}), _Args(), [(0, "T"), (1, "B")], None))   # no dependent launch
+            bound.append((_Kernel(s), runner_mod.grid_code({"grid": g}), drv.PackedArgs([0, 0], ["i32", "i32"]),
+                          [(0, "T"), (1, "B")], None))   # no dependent launch
         r.programs[phase] = bound
-
-    class Graph:
-        def launch(self):
-            r.ctx.clock += graph_ms
-
-    r.graphs, r.buckets = {1: (Graph(), {"T": 1, "B": 1})}, [1]
-    return r, launched
+    r.graphs, r.buckets = {}, [1]
+    r._capture(1)
+    del drv.launches[:]                                  # the capture's warm-up launches
+    return r
 
 
-def test_profiler_steps_on_a_fake_driver(runner_mod, monkeypatch, capsys):
+def test_profiler_steps_on_a_fake_driver(fake_driver, capsys):
     from infc.runtime.step import Chunk
-    r, launched = _fake_runner(runner_mod, monkeypatch)
+    r = _fake_runner(fake_driver)
+    launched = fake_driver.launches
     p = prof.Profiler(r, reps=4, warmup=2, bandwidth=4e12)
     pages = prof.PageTable(r.num_pages, 16)
     pages.ensure(0, 33)
@@ -251,27 +180,39 @@ def test_profiler_steps_on_a_fake_driver(runner_mod, monkeypatch, capsys):
     assert s["host_ms"] == pytest.approx(s["wall_ms"] - s["gpu_ms"])
     assert s["launches_per_step"] == len(sites) - 1
     # (2 + 4) plain + (2 + 4) instrumented steps, each launching all but the zero grid, at T=32, B=1
-    assert len(launched) == 12 * (len(sites) - 1) and set(g for _, g in launched) == {(32, 1, 1)}
-    ab = r.programs["short"][1][2].values
-    assert ab == {0: 32, 1: 1}                                     # the dims were written before
+    assert len(launched) == 12 * (len(sites) - 1) and set(x.grid for x in launched) == {(32, 1, 1)}
+    ab = [c.value for c in r.programs["short"][1][2].storage]
+    assert ab == [32, 1]                                           # the dims were written before
+    assert all(x.values == (32, 1) for x in launched)
     # the plain loop is the same launches, in the same order, as the hooked one
-    assert [k for k, _ in launched[: len(sites) - 1]] == [k for k, _ in launched[-(len(sites) - 1):]]
+    keys = [x.fn["key"] for x in launched]
+    assert keys[: len(sites) - 1] == keys[-(len(sites) - 1):]
     by_key = {g["key"]: g for g in s["launches"]}
     assert by_key["layer.7"]["us"] == pytest.approx(sum(24.0 + layer / 10 for layer in range(L)))
+    # the step's metadata reached the fake device: the prompt's tokens and positions
+    tokens = r.ctx.view(r._buffer_ptr("tokens"), 32, np.int32)
+    assert tokens.tolist() == list(range(32))
+    assert r.ctx.view(r.meta["positions"], 32, np.int32).tolist() == list(range(32))
 
-    n_events = r.ctx.events
+    n_events = r.ctx.num_events
     pages.ensure(3, 40, shared=pages.of[0][:2])                     # a prefix hit on 2 pages
     d = p.step("prefix_like", "8 new tokens after 32", [Chunk(3, list(range(8)), 32)], pages)
     assert d["phase"] == "short" and d["T"] == 8
-    assert r.ctx.events == n_events                                # event pairs are reused
+    assert r.ctx.num_events == n_events                            # event pairs are reused
     ctx_tokens = 40
     mixed = prof.launch_sites(PLAN, "short")
     assert d["floor_ms"] == pytest.approx(sum(x["weight_bytes"] + ctx_tokens * x["kv_token_bytes"]
                                               for x in mixed if x["op"] != "fill_zero") / 4e12 * 1e3)
 
+    # the graph: the decode program at T = B = 1 as the runner captured it, replayed
+    decode_ms = sum(_fake_us(x) for x in prof.launch_sites(PLAN, "decode") if x["op"] != "fill_zero") / 1e3
+    assert [c.fn for c in r.graphs[1][0].calls] == [k.fn for k, *_ in r.programs["decode"] if k.fn["op"] != "fill_zero"]
     e = p.step("decode_b1", "eager", [Chunk(0, [5], 32)], pages)
+    n = len(launched)
     g = p.step("decode_b1_graph", "graph", [Chunk(0, [5], 32)], pages, mode="graph", launches_from="decode_b1")
     assert e["phase"] == g["phase"] == "decode"
-    assert g["gpu_ms"] == pytest.approx(2.5) and "launches" not in g and g["floor_ms"] == e["floor_ms"]
+    assert e["gpu_ms"] == pytest.approx(decode_ms)
+    assert g["gpu_ms"] == pytest.approx(decode_ms) and "launches" not in g and g["floor_ms"] == e["floor_ms"]
+    assert all(x.replay for x in launched[n:]) and len(launched) - n == 6 * len(r.graphs[1][0].calls)
     out = capsys.readouterr().out
-    assert re.search(r"decode_b1_graph: wall [\d.]+ ms, GPU 2\.500 ms", out)
+    assert re.search(r"decode_b1_graph: wall [\d.]+ ms, GPU " + re.escape(f"{decode_ms:.3f}") + " ms", out)

@@ -20,7 +20,6 @@ plan with slot caches never gets a prefix-cache hit (the engine turns prefix cac
 once, and a repeated prompt gives the same logits), the CUDA runner pads a step's state_slots
 with the spare slot, and plans without slot caches carry no state_slots metadata.
 """
-import importlib
 import json
 import subprocess
 import sys
@@ -449,28 +448,10 @@ def test_engine_outputs_through_preemption_match_each_alone(models):
     assert e.bm.num_free_slots == 4
 
 
-# -- the CUDA runner's metadata (no GPU: a stand-in cuda.bindings) --------------------------------
+# -- the CUDA runner's metadata (no GPU: tests/fake_cuda.py's driver) ----------------------------
 
-@pytest.fixture
-def runner_mod():
-    try:
-        import cuda.bindings.driver  # noqa: F401
-        have = True
-    except ImportError:
-        have = False
-    before = set(sys.modules)
-    if not have:
-        cuda, bindings, drv = (types.ModuleType(n) for n in ("cuda", "cuda.bindings", "cuda.bindings.driver"))
-        cuda.bindings, bindings.driver = bindings, drv
-        sys.modules.update({"cuda": cuda, "cuda.bindings": bindings, "cuda.bindings.driver": drv})
-    try:
-        yield importlib.import_module("infc.runtime.cuda.runner")
-    finally:
-        for name in set(sys.modules) - before:
-            del sys.modules[name]
-
-
-def test_cuda_runner_pads_state_slots_with_the_spare_slot(runner_mod, models):
+def test_cuda_runner_pads_state_slots_with_the_spare_slot(fake_driver, models):
+    from infc.runtime.cuda import runner as runner_mod
     plan, _ = _plan(models["causal"][0])
     assert "state_slots" in runner_mod.PRODUCED
     r = object.__new__(runner_mod.CudaRunner)

@@ -1,6 +1,5 @@
 """`infc tune`: candidate grids, the prepare manifest, the selection/merge rules, valid random
 step metadata, and the whole `tune run` flow against a fake driver (no GPU here)."""
-import ctypes
 import json
 import re
 
@@ -192,120 +191,18 @@ def test_step_metadata_is_valid(phase, T, B, ctx):
     assert (a["slot_mapping"] < (num_pages + 1) * PS).all()
 
 
-# --- `tune run` against a fake driver --------------------------------------------------------
+# --- `tune run` against a fake driver (tests/fake_cuda.py) ------------------------------------
 
-try:                        # the real argument packing (pure ctypes) when cuda-bindings is here
-    from infc.runtime.cuda.driver import PackedArgs as _Packed
-except ImportError:
-    class _Packed:
-        def __init__(self, values, types):
-            assert len(values) == len(types)
-            self.storage = [ctypes.c_int64(int(v)) for v in values]
-
-
-class _FakeCtx:
-    """Host memory behind fake device pointers; a virtual clock advanced by each launch."""
-
-    def __init__(self):
-        self.name, self.l2_bytes, self.mem, self.next = "NVIDIA H200 (fake)", 16 << 20, {}, 1 << 20
-        self.clock, self.capturing = 0.0, None
-
-    def alloc(self, n):
-        p = self.next
-        self.mem[p] = np.zeros(max(int(n), 1), np.uint8)
-        self.next += (max(int(n), 1) + 511) // 256 * 256
-        return p
-
-    def _at(self, ptr):
-        for base, a in self.mem.items():
-            if base <= ptr < base + a.size:
-                return a, ptr - base
-        raise AssertionError(f"bad pointer {ptr:#x}")
-
-    def free(self, p):
-        del self.mem[p]
-
-    def memset(self, p, n, v=0):
-        a, o = self._at(p)
-        a[o:o + n] = v
-
-    def htod(self, p, host):
-        host = np.ascontiguousarray(host)
-        a, o = self._at(p)
-        a[o:o + host.nbytes] = host.view(np.uint8).reshape(-1)
-        return host
-
-    def dtoh(self, host, p):
-        a, o = self._at(p)
-        host.view(np.uint8).reshape(-1)[:] = a[o:o + host.nbytes]
-        return host
-
-    def dtod(self, d, s, n):
-        a, o = self._at(s)
-        self.htod(d, a[o:o + n].copy())
-
-    def sync(self):
-        pass
-
-    def event(self):
-        return _FakeEvent(self)
-
-
-class _FakeEvent:
-    def __init__(self, ctx):
-        self.ctx, self.t = ctx, None
-
-    def record(self):
-        self.t = self.ctx.clock
-
-    def ms_since(self, start):
-        return self.t - start.t
-
-
-class _FakeDriver:
-    """The driver interface tune_run uses. A 'cubin' is JSON: the kernel's time, the value it
-    writes to every output (1.0 is right, anything else wrong) and its output parameters."""
-    PackedArgs = _Packed
-
-    def __init__(self):
-        self.launched = []
-        drv = self
-
-        class Module:
-            def __init__(self, cubin):
-                self.spec = json.loads(cubin)
-
-            def function(self, name, shared=0):
-                return dict(self.spec, name=name)
-
-        class Graph:
-            def __init__(self, ctx, record):
-                self.ctx = ctx
-                ctx.capturing = []
-                record()
-                self.calls, ctx.capturing = ctx.capturing, None
-
-            def launch(self):
-                for call in self.calls:
-                    drv._execute(*call)
-
-        self.Module, self.Graph = Module, Graph
-        self.Context = _FakeCtx
-
-    def launch(self, ctx, fn, grid, block, shared, args):
-        if ctx.capturing is not None:
-            ctx.capturing.append((ctx, fn, args))
-        else:
-            self._execute(ctx, fn, args)
-
-    def _execute(self, ctx, fn, args):
-        self.launched.append((fn["name"], tuple(int(a.value or 0) for a in args.storage)))
-        ctx.clock += fn["us"] / 1e3
-        for index, nbytes, dtype in fn["outs"]:
-            ptr = args.storage[index].value
-            n = nbytes // (4 if dtype == "f32" else 2)
-            vals = np.full(n, fn["value"], np.float32)
-            ctx.htod(ptr, vals if dtype == "f32" else tune_run.to_bf16(vals))
+def _fake_kernel(launch):
+    """A fake 'cubin' is JSON: the kernel's time, the value it writes to every output (1.0 is
+    right, anything else wrong) and its output parameters (index, bytes, dtype)."""
+    spec = json.loads(launch.fn.cubin)
+    for index, nbytes, dtype in spec["outs"]:
+        n = nbytes // (4 if dtype == "f32" else 2)
+        vals = np.full(n, spec["value"], np.float32)
+        out = launch.ctx.view(launch.values[index], n, np.float32 if dtype == "f32" else np.uint16)
+        out[:] = vals if dtype == "f32" else tune_run.to_bf16(vals)
+    return spec["us"]
 
 
 def _fake_bins(out, m, speed):
@@ -328,7 +225,7 @@ def _fake_bins(out, m, speed):
     (out / "manifest.json").write_text(json.dumps(m))
 
 
-def test_run_with_a_fake_driver_picks_the_fastest_correct_candidate(prepared, tmp_path, capsys):
+def test_run_with_a_fake_driver_picks_the_fastest_correct_candidate(prepared, tmp_path, capsys, fake_driver):
     src, m = prepared
     import shutil
     out = tmp_path / "prep"
@@ -351,7 +248,8 @@ def test_run_with_a_fake_driver_picks_the_fastest_correct_candidate(prepared, tm
     _fake_bins(out, m, speed)
     table_path = tmp_path / "h200.json"
     table_path.write_text(json.dumps({"gpu": "h200", "templates": {"gemv": {flat: {"BLOCK_N": 16}}}}))
-    drv = _FakeDriver()
+    drv = fake_driver
+    drv.on_launch = _fake_kernel
     res = tune_run.run(out, write=table_path, reps=10, warmup=2, results_dir=tmp_path / "results",
                        driver=drv)
     printed = capsys.readouterr().out
@@ -372,12 +270,12 @@ def test_run_with_a_fake_driver_picks_the_fastest_correct_candidate(prepared, tm
     assert re.search(r"gemv\s+" + re.escape(tuned) + r"\s+10\.00\s+9\.00", printed), printed
     # small weights rotate through copies (together >= 3x L2): one kernel, several argument sets
     sets = {}
-    for name, values in drv.launched:
-        sets.setdefault(name, set()).add(values)
+    for launch in drv.launches:
+        sets.setdefault(launch.fn.name, set()).add(launch.values)
     assert sets["gemv"] and max(len(v) for v in sets.values()) >= 3
 
 
-def test_run_binds_the_launch_caches_one_layer_per_copy(prepared, tmp_path):
+def test_run_binds_the_launch_caches_one_layer_per_copy(prepared, tmp_path, fake_driver):
     src, m = prepared
     import shutil
     out = tmp_path / "prep"
@@ -387,27 +285,28 @@ def test_run_binds_the_launch_caches_one_layer_per_copy(prepared, tmp_path):
     assert m["entries"] and all(e["caches"] == ["k", "v"] for e in m["entries"])
     assert set(m["caches"]) == {"k", "v"} and m["page_size"] == 16
     _fake_bins(out, m, lambda e, i, c: (10.0 + i, 1.0))
-    drv = _FakeDriver()
+    drv = fake_driver
+    drv.on_launch = _fake_kernel
     res = tune_run.run(out, write=tmp_path / "h200.json", reps=5, warmup=1, results_dir=tmp_path / "r",
                        driver=drv, log=None)
     assert all(c["ok"] for e in res["entries"] for c in e["candidates"]), res["entries"]
     c0 = m["entries"][0]["candidates"][0]["meta"]
     at = {src: i for i, (_, _, src) in enumerate(c0["params"])}
-    args = [vals for name, vals in drv.launched if name == c0["entry"]]
+    args = [launch.values for launch in drv.launches if launch.fn.name == c0["entry"]]
     ks, vs = {a[at["cache:k"]] for a in args}, {a[at["cache:v"]] for a in args}
     # k and v are distinct regions; the copies rotate, so the timed launches stream from HBM
     assert ks and vs and not ks & vs and len(ks) == len(vs) >= 2
 
 
-def test_run_refuses_another_gpu_and_an_uncompiled_manifest(prepared, tmp_path):
+def test_run_refuses_another_gpu_and_an_uncompiled_manifest(prepared, tmp_path, fake_driver):
     src, m = prepared
     with pytest.raises(ValueError, match="no-compile"):
-        tune_run.run(src, driver=_FakeDriver())
+        tune_run.run(src, driver=fake_driver)
     d = tmp_path / "x"
     d.mkdir()
     (d / "manifest.json").write_text(json.dumps(dict(m, compiled=True, gpu="h100")))
     with pytest.raises(ValueError, match="--any-gpu"):
-        tune_run.run(d, driver=_FakeDriver())
+        tune_run.run(d, driver=fake_driver)
 
 
 def test_cli_tune(tmp_path, capsys):

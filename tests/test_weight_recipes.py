@@ -17,7 +17,7 @@ from infc.runtime.safetensors_io import Checkpoint, f32_to_bf16_bits
 from infc.runtime.weight_recipes import RECIPES, build
 from infc.runtime.weights import at, iter_weights, load_weights
 
-from test_device_weights import FakeCtx
+from fake_cuda import FakeContext
 
 
 def _bf16(x):
@@ -148,7 +148,7 @@ def test_device_loader_holds_the_same_values_in_bf16(ckpt_dir, monkeypatch):
     d, _ = ckpt_dir
     monkeypatch.setattr(dw, "STAGING", 512)                  # tensors split across staging buffers
     monkeypatch.setattr(dw, "PIECE", 100)
-    ctx = FakeCtx()
+    ctx = FakeContext()
     dev = dw.DeviceWeights(ctx, PLAN, d, progress=False, threads=2)
     total = 0
     for name, layer, a in iter_weights(PLAN, Checkpoint(d)):
@@ -187,7 +187,7 @@ def test_bad_recipes_name_the_tensors(ckpt_dir, src, match):
         build(src, 0, ck.float32, str(d))
     plan = {"weights": {"x": W([1], src)}}
     with pytest.raises(ModelDirError, match=match):
-        dw.DeviceWeights(FakeCtx(), plan, d, progress=False)
+        dw.DeviceWeights(FakeContext(), plan, d, progress=False)
 
 
 def test_unknown_recipes_and_shape_mismatches(ckpt_dir):
@@ -203,7 +203,7 @@ def test_f32_weights_keep_float32_exp_and_scale(ckpt_dir):
     """A weight the plan declares f32 is built in float32 (exp, then scale) and stored unrounded;
     the same recipe declared bf16 is rounded once."""
     d, t = ckpt_dir
-    ctx = FakeCtx()
+    ctx = FakeContext()
     dev = dw.DeviceWeights(ctx, PLAN, d, progress=False, threads=2)
     for i in range(3):
         want = -np.exp(t[f"l.{i}.norm"].astype(np.float32))
@@ -216,4 +216,4 @@ def test_f32_weights_keep_float32_exp_and_scale(ckpt_dir):
                                       t[f"l.{i}.norm"])
     bad = {"weights": {"x": W([4], {"tensor": "l.{i}.norm"}, dtype="f16")}}
     with pytest.raises(ModelDirError, match="only bf16 and f32 weights"):
-        dw.DeviceWeights(FakeCtx(), bad, d, progress=False)
+        dw.DeviceWeights(FakeContext(), bad, d, progress=False)
