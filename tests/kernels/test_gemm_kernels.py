@@ -15,6 +15,8 @@ from infc.compiler.codegen.render import TemplateError
 from infc.compiler.ops import REGISTRY
 from infc.compiler.ops.activation import ACTIVATIONS
 
+from infc.runtime.bind import grid
+
 from .harness import poison, rand, rel_err, render, run
 
 TOL = 1e-2
@@ -58,22 +60,29 @@ def test_gemv(T, N, K, tune, path):
     assert rel_err(f32(y), want) <= TOL
 
 
+# (T, N, K, tune, splits): splits is the grid's z, the K ranges a tile is summed over (split-K
+# when the tiles are few and T <= SPLIT_ROWS; K ranges ragged against BLOCK_K included)
 GEMM_CASES = [
-    (1, 100, 72, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32}),
-    (17, 100, 72, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}),
-    (70, 130, 200, {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 2}),
-    (37, 130, 200, {}),
+    (1, 100, 72, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32}, 3),
+    (17, 100, 72, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}, 1),   # many column tiles: no split
+    (70, 130, 200, {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 2}, 4),
+    (37, 130, 200, {}, 4),
+    (50, 100, 300, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 3, "TARGET_CTAS": 1000}, 3),
+    (50, 100, 300, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 3, "TARGET_CTAS": 40}, 2),
+    (40, 100, 300, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 3, "SPLIT_ROWS": 32}, 1),
+    (40, 100, 300, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 1}, 1),
 ]
 
 
-@pytest.mark.parametrize("T,N,K,tune", GEMM_CASES)
-def test_gemm(T, N, K, tune):
+@pytest.mark.parametrize("T,N,K,tune,splits", GEMM_CASES)
+def test_gemm(T, N, K, tune, splits):
     gen = np.random.default_rng(T * 1000 + N + 1)
     x, w = rand((T, K), gen=gen), rand((N, K), gen=gen, scale=K ** -0.5)
     k = render("gemm", "linear", [("x", ["T", K], "bf16"), ("w", [N, K], "bf16", "weight")],
                [("y", ["T", N], "bf16")], phase="prefill", tune=tune)
+    assert grid(k.meta, {"T": T, "B": 1})[1] == splits
     y = poison((T, N))
-    run(k, {"in:0": x, "in:1": w, "out:0": y}, {"T": T, "B": 1})
+    run(k, {"in:0": x, "in:1": w, "out:0": y}, {"T": T, "B": 1})   # (run checks the counters reset)
     want = REGISTRY["linear"].reference(None, f32(x), f32(w))
     assert rel_err(f32(y), want) <= TOL
 
@@ -114,7 +123,7 @@ def test_gemv_bias_rows_dtypes(T, N, K, tune, path, sym, out_dtype, bias):
 
 
 @pytest.mark.parametrize("sym,out_dtype,bias", VARIANTS)
-@pytest.mark.parametrize("T,N,K,tune", GEMM_CASES)
+@pytest.mark.parametrize("T,N,K,tune", [c[:4] for c in GEMM_CASES])
 def test_gemm_bias_rows_dtypes(T, N, K, tune, sym, out_dtype, bias):
     _linear_case("gemm", "prefill", T, N, K, tune, sym, out_dtype, bias)
 
