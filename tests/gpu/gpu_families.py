@@ -70,13 +70,27 @@ FAMILIES = {
     "qwen3.5-4b-l8": ("qwen3.5-4b", {"num_hidden_layers": 8, "full_attention_interval": 4,
                                      "layer_types": ["linear_attention"] * 3 + ["full_attention"]
                                      + ["linear_attention"] * 3 + ["full_attention"]}),
+    # deepseek_v2 (issue 13): multi-head latent attention (the paged cache holds only the latent
+    # c_kv, kv_lora_rank 512, and the shared rope key, 64, a token: 576 values; decode in the
+    # absorbed form), YaRN (factor 40, mscale = mscale_all_dim = 0.707: the softmax scale carries
+    # mscale ** 2), DeepSeekMoE (64 routed experts, softmax greedy top-6, routed_scaling_factor 1,
+    # 2 shared experts always on, layer 0 dense with intermediate 10944), no q_lora, vocab 102400.
+    # Layer cut: 8 of V2-Lite's 27 layers (1 dense + 7 MoE). Not in DEFAULT (prompts to 2k:
+    # LONG_PROMPTS). Every value is specs/deepseek_v2.yaml's variant `deepseek-v2-lite`, which
+    # issue 13 gives as the published config.json; where each was checked (DeepseekV2Config's own
+    # defaults, a transformers 5.7 dump of DeepSeek-V2-Lite-Chat's config.json with its 15,706,484,224
+    # parameters, tests/test_deepseek_v2.py's expectations) is tests/test_deepseek_v2_gpu_fixture.py.
+    "deepseek-v2-lite-l8": ("deepseek-v2-lite", {"num_hidden_layers": 8}),
 }
 # Longer prompts for a family (test_golden.py adds them after its common lengths): the hybrid
 # model's recurrent state and chunked delta rule over 2k-4k tokens (chunk edges at 64, pages at 16).
-LONG_PROMPTS = {"qwen3.5-4b-l8": [2049, 3000, 4096]}
+# DeepSeek-V2-Lite's 8-layer cut: prompts to 2k, the latent cache over up to 129 pages of 16.
+LONG_PROMPTS = {"qwen3.5-4b-l8": [2049, 3000, 4096], "deepseek-v2-lite-l8": [1537, 2048]}
 # Full-depth configs for the latency benchmark only (dummy weights, no golden gate): prepare.py
 # writes config_dir(name) and builds artifact_dir(name); made exactly as the families are.
-LATENCY = {"qwen3.5-4b": ("qwen3.5-4b", {})}
+# deepseek-v2-lite: all 27 layers (session.sh's `deepseek` stage: TPOT against the active-bytes
+# floor, bench/active_floor.py).
+LATENCY = {"qwen3.5-4b": ("qwen3.5-4b", {}), "deepseek-v2-lite": ("deepseek-v2-lite", {})}
 # What the suite runs by default: seven families, one of each new mechanism (biases, soft caps,
 # windows below and above the 1024-token prompts, multipliers, load-time slices, LayerNorm,
 # post-norms), about 17 B parameters in all.
@@ -120,6 +134,14 @@ def _spec_and_values(name: str):
     return spec, values
 
 
+# spec family -> {config key: the key whose value it takes}, applied after `extra`: a structural
+# equality the spec requires, kept when a test shrinks the family. MLA has no grouped K/V
+# (specs/deepseek_v2.yaml requires num_key_value_heads == num_attention_heads; the published
+# configs have both 16), so a shrink to 4 heads with 2 K/V heads (tests/test_gpu_families.py's
+# TINY) makes 4 and 4. At a family's own values this changes nothing.
+FOLLOW = {"deepseek_v2": {"num_key_value_heads": "num_attention_heads"}}
+
+
 def hf_config(name: str, **extra):
     """The family's HF config object (bf16, `architectures` set). `extra` overrides values
     (tests/test_gpu_families.py shrinks a family with it; the GPU suite never passes any)."""
@@ -132,7 +154,10 @@ def hf_config(name: str, **extra):
     if "num_hidden_layers" in extra and "layer_types" in values and "layer_types" not in extra:
         # a layer cut of a hybrid family: HF's own rule (every interval-th layer full attention)
         values = {k: v for k, v in values.items() if k != "layer_types"}
-    cfg = getattr(transformers, arch).config_class(**{**values, **extra})
+    values = {**values, **extra}
+    for key, leader in FOLLOW.get(spec.family, {}).items():
+        values[key] = values[leader]
+    cfg = getattr(transformers, arch).config_class(**values)
     cfg.architectures = [arch]
     cfg.dtype = "bfloat16"
     return cfg
