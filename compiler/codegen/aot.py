@@ -187,6 +187,7 @@ def compile_kernels(kernels: dict, bin_dir: Path, target: str = "sm_90", jobs: i
         shutil.copyfile(src / "kernel.cubin", bin_dir / f"{kid}.cubin")
         info = json.loads((src / "kernel.json").read_text())
         info["cache_key"] = keys[kid]
+        info["aot_revision"] = AOT_REVISION     # the key holds it: entries older than the field too
         (bin_dir / f"{kid}.json").write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
         infos[kid] = info
     return {"kernels": infos, "compiled": sorted(todo), "seconds": time.perf_counter() - t0}

@@ -63,14 +63,14 @@ def test_gemv(T, N, K, tune, path):
 # (T, N, K, tune, splits): splits is the grid's z, the K ranges a tile is summed over (split-K
 # when the tiles are few and T <= SPLIT_ROWS; K ranges ragged against BLOCK_K included)
 GEMM_CASES = [
-    (1, 100, 72, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32}, 3),
-    (17, 100, 72, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}, 1),   # many column tiles: no split
-    (70, 130, 200, {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 2}, 4),
-    (37, 130, 200, {}, 4),
+    (1, 100, 72, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32}, 1),
+    (17, 100, 72, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}, 1),
+    (70, 130, 200, {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 2}, 1),
+    (37, 130, 200, {}, 1),
+    (1, 100, 72, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 4}, 3),
     (50, 100, 300, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 3, "TARGET_CTAS": 1000}, 3),
     (50, 100, 300, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 3, "TARGET_CTAS": 40}, 2),
     (40, 100, 300, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 3, "SPLIT_ROWS": 32}, 1),
-    (40, 100, 300, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 1}, 1),
 ]
 
 
@@ -244,7 +244,8 @@ def test_gemv_act_mul_short_rows(T, B, tune, fn):
 @pytest.mark.parametrize("T,N,F,tune,bias", [
     (1, 100, 72, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32}, False),
     (17, 100, 72, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}, True),
-    (40, 130, 200, {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64}, False),
+    (40, 130, 200, {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64}, False),    # split-K by default
+    (17, 100, 72, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "SPLIT_K": 3}, True),   # the bias once
 ])
 def test_gemm_act_mul(T, N, F, tune, bias, fn):
     _act_mul_case("gemm_act_mul", "prefill", T, N, F, tune, fn, bias)
@@ -367,3 +368,16 @@ def test_moe_down(T, KT, E, H, F, _, tune):
     run(k, {"in:0": act, "in:1": rw, "in:2": ids, "in:3": down, "out:0": y}, {"T": T, "B": T})   # decode: T == B
     want = REGISTRY["moe_down"].reference(None, f32(act), rw.numpy(), ids.numpy(), f32(down))
     assert rel_err(f32(y), want) <= TOL
+
+
+def test_split_k_where_the_tiles_are_few():
+    """Qwen3-4B's down projection (N 2560, K 9728) at a 511-row mixed step has 40 tiles of
+    128 x 256: gemm_act_mul splits K 4 ways there, not past SPLIT_ROWS; the plain GEMM (o_proj,
+    N 2560, K 4096) does not split by default."""
+    down = render("gemm_act_mul", "linear_act_mul", [("gu", ["T", 2 * 9728], "bf16"), ("w", [2560, 9728], "bf16", "weight")],
+                  [("y", ["T", 2560], "bf16")], attrs={"fn": "silu", "has_bias": False}, phase="mixed")
+    assert [grid(down.meta, {"T": t, "B": 1})[1] for t in (64, 511, 1024, 2048)] == [4, 4, 3, 1]
+    assert int(down.meta["scratch"]["partials"]) == 4 * 1024 * 2560 * 4
+    wo = render("gemm", "linear", [("x", ["T", 4096], "bf16"), ("w", [2560, 4096], "bf16", "weight")],
+                [("y", ["T", 2560], "bf16")], phase="mixed")
+    assert grid(wo.meta, {"T": 511, "B": 1})[1] == 1 and "scratch" not in wo.meta
