@@ -1,6 +1,6 @@
 """`infc bench prefix`: time to first token with the prompt cold, and with its prefix cached.
 
-    infc bench prefix --model-path DIR [--load-format dummy] [--path engine|serve|both]
+    infc bench prefix --model-path DIR [--load-format dummy] [--path engine|serve|both|tokenizer]
 
 For each input length L (default 1k, 4k, 16k, 32k; lengths that do not fit the model's context
 are clipped to the longest whole-page length that does, with a note):
@@ -18,9 +18,19 @@ Two paths, each with its own p50 / p99 / mean / n per L and mode:
           from opening the connection to the first streamed choice, the tokenizer and HTTP
           included. The prompt goes as text when the directory has a tokenizer.json (words that
           are one token each, so the token count is exact and the prefix tokenizes the same
-          alone and extended), else as token ids. With text, tokenize_ms per L is what the
-          same tokenizer takes for the whole prompt in this process: the tokenizer's share of
-          every serve TTFT (the whole prompt is tokenized, cached prefix or not).
+          alone and extended), else as token ids. With text, the server's tokenizer (the same
+          class, timed in this process) per L, its share of the serve TTFTs:
+            tokenize_ms        a warm request's prompt: its prefix was tokenized before (by the
+                               request that filled the prefix cache), its new words are fresh, as
+                               the server's Tokenizer sees it (fast_tokenize reuses the ids of
+                               text it has seen, and encodes the rest split across threads);
+            tokenize_cold_ms   a prompt never seen (a cold request): split across threads only;
+            tokenize_plain_ms  the tokenizers library's one `encode` call for the same prompt
+                               (what the server did before fast_tokenize);
+            tokenize_{cold,plain}_cpu_ms  their CPU time, all threads: above the wall time
+                               where the pieces were encoded in parallel.
+  tokenizer  (--path tokenizer) only those three times per L, with no engine and no server:
+          what the tokenizer costs on this host's CPU.
 The prefix cache is checked, not assumed: per request the cached-token count (the engine's
 StepOutput.num_cached_tokens; through the server, the change of /metrics'
 vllm:prefix_cache_hits_total around the request) goes into the JSON, and a warm request that did
@@ -98,14 +108,32 @@ class TextPrompts:
         k = n - (self.bos if start else 0)
         return "".join(self.words[i] for i in self.rng.integers(0, len(self.words), k))
 
-    def encode_ms(self, text: str, reps: int = 3) -> float:
-        """The median time the server's tokenizer (the same class, here) takes for this text."""
-        times = []
+    def tokenize_times(self, prefix: str, new: int, reps: int = 5) -> dict:
+        """Median ms of the server's tokenizer (the same class, here) on prefix + `new` fresh
+        words: warm (the prefix was tokenized before, as the server did for the request that
+        filled its prefix cache), cold (nothing seen before) and the library's plain call."""
+        fast = getattr(self.tok, "fast", None)
+
+        def timed(f, text, cpu=None):
+            t0, c0 = time.perf_counter(), time.process_time()
+            f(text)
+            if cpu is not None:                 # all threads' CPU time: > wall when they ran in parallel
+                cpu.append((time.process_time() - c0) * 1e3)
+            return (time.perf_counter() - t0) * 1e3
+
+        warm, cold, plain, cold_cpu, plain_cpu = [], [], [], [], []
         for _ in range(reps):
-            t0 = time.perf_counter()
-            self.tok.encode(text)
-            times.append((time.perf_counter() - t0) * 1e3)
-        return float(np.median(times))
+            if fast is not None:
+                fast.clear_cache()
+            cold.append(timed(self.tok.encode, prefix + self.make(new, start=False), cold_cpu))
+            self.tok.encode(prefix)                                 # the request that filled the cache
+            warm.append(timed(self.tok.encode, prefix + self.make(new, start=False)))
+            plain.append(timed(lambda t: self.tok.tk.encode(t, add_special_tokens=False).ids,
+                               prefix + self.make(new, start=False), plain_cpu))
+        return {"tokenize_ms": float(np.median(warm)), "tokenize_cold_ms": float(np.median(cold)),
+                "tokenize_plain_ms": float(np.median(plain)), "tokenize_cold_cpu_ms": float(np.median(cold_cpu)),
+                "tokenize_plain_cpu_ms": float(np.median(plain_cpu)),
+                "tokenize_fast_path": bool(fast is not None and fast.enabled)}
 
     def check_prefix(self, prefix: str, full: str, n_prefix: int, n_full: int):
         a, b = self.tok.encode(prefix), self.tok.encode(full)
@@ -153,11 +181,11 @@ def sweep(submit, prompts, lengths, new, reps, cold_reps, page_size, label, on_l
         cold = [submit(prompts.make(L + new), L + new) for _ in range(n_cold)]
         prefix = prompts.make(L)
         submit(prefix, L)                                               # fills the cache
-        tokenize_ms = None
+        tok_times = None
         if isinstance(prompts, TextPrompts):
             full = prefix + prompts.make(new, start=False)
             prompts.check_prefix(prefix, full, L, L + new)
-            tokenize_ms = prompts.encode_ms(full)
+            tok_times = prompts.tokenize_times(prefix, new)
         warm = [submit(prefix + prompts.make(new, start=False), L + new) for _ in range(reps + 1)][1:]
         for mode, rs, ok in (("cold", cold, lambda c: c == 0), ("warm", warm, lambda c: c == want)):
             bad = [r["cached"] for r in rs if not ok(r["cached"])]
@@ -166,8 +194,8 @@ def sweep(submit, prompts, lengths, new, reps, cold_reps, page_size, label, on_l
                                    f"{0 if mode == 'cold' else want} ({len(bad)} of {len(rs)}): "
                                    f"{'the prefix cache was not hit' if mode == 'warm' else 'not cold'}")
         out[str(L)] = {"expected_cached_tokens": want, "prompt_tokens": L + new}
-        if tokenize_ms is not None:           # part of every serve TTFT with text prompts
-            out[str(L)]["tokenize_ms"] = tokenize_ms
+        if tok_times is not None:             # part of every serve TTFT with text prompts
+            out[str(L)].update(tok_times)
         for mode, rs in (("cold", cold), ("warm", warm)):
             out[str(L)][mode] = {**stats([r["ttft"] for r in rs]),
                                  "samples_ms": [r["ttft"] * 1e3 for r in rs],
@@ -175,7 +203,9 @@ def sweep(submit, prompts, lengths, new, reps, cold_reps, page_size, label, on_l
         c, w = out[str(L)]["cold"], out[str(L)]["warm"]
         print(f"{label} L={L:6d}: cold p50 {c['p50_ms']:9.2f} p99 {c['p99_ms']:9.2f} ms (n={c['n']}), "
               f"warm +{new} p50 {w['p50_ms']:7.2f} p99 {w['p99_ms']:7.2f} ms (n={w['n']}, {want} cached)"
-              + (f"; tokenizing the prompt alone: {tokenize_ms:.2f} ms" if tokenize_ms is not None else ""),
+              + (f"; tokenizing the prompt alone: {tok_times['tokenize_ms']:.2f} ms warm, "
+                 f"{tok_times['tokenize_cold_ms']:.2f} cold, {tok_times['tokenize_plain_ms']:.2f} plain"
+                 if tok_times is not None else ""),
               flush=True)
         if on_length:
             on_length(out)
@@ -410,6 +440,29 @@ def run_serve(a, lengths, rec: dict, save_point):
         sweep(submit, prompts, lengths, a.new_tokens, a.reps, a.cold_reps, a.page_size, "serve", on_length)
 
 
+# -- tokenizer path ---------------------------------------------------------------------------
+def run_tokenizer(a, lengths) -> dict:
+    """--path tokenizer: the server's tokenizer alone on this host's CPU (no engine, no server):
+    per L, the warm / cold / plain times of TextPrompts.tokenize_times, medians of --reps."""
+    from infc.runtime.tokenizer import Tokenizer
+    tok = Tokenizer(Path(a.model_path))
+    prompts = TextPrompts(tok, np.random.default_rng(a.seed + 1))
+    rec = {"cpu_count": os.cpu_count(), "fast_path": tok.fast.rule, "fast_path_off_reason": tok.fast.reason,
+           "chunk_chars": tok.fast.chunk_chars, "results": {}}
+    print(f"tokenizer: {os.cpu_count()} CPUs, fast path {tok.fast.rule or 'off: ' + str(tok.fast.reason)}")
+    for L in lengths:
+        prefix = prompts.make(L)
+        full = prefix + prompts.make(a.new_tokens, start=False)
+        prompts.check_prefix(prefix, full, L, L + a.new_tokens)
+        if tok.fast.encode(full) != tok.fast.plain(full):
+            raise RuntimeError(f"tokenizer: the fast path differs from the plain call at L={L}")
+        r = rec["results"][str(L)] = {"chars": len(full), **prompts.tokenize_times(prefix, a.new_tokens, a.reps)}
+        print(f"tokenizer L={L:6d} ({len(full)} chars): warm {r['tokenize_ms']:8.2f} ms, cold "
+              f"{r['tokenize_cold_ms']:8.2f} ms (CPU {r['tokenize_cold_cpu_ms']:.1f} ms), plain "
+              f"{r['tokenize_plain_ms']:8.2f} ms (CPU {r['tokenize_plain_cpu_ms']:.1f} ms)", flush=True)
+    return rec
+
+
 # -- output -----------------------------------------------------------------------------------
 def plot(res: dict, path: Path) -> bool:
     """False where matplotlib is not installed (as bench/serve.py: the JSON is the result)."""
@@ -450,7 +503,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="infc bench prefix", allow_abbrev=False)
     ap.add_argument("--model-path", required=True)
     ap.add_argument("--model", help="variant name (default: detected from config.json)")
-    ap.add_argument("--path", choices=["engine", "serve", "both"], default="both")
+    ap.add_argument("--path", choices=["engine", "serve", "both", "tokenizer"], default="both",
+                    help="tokenizer: only the server's tokenizer on this CPU (no engine, no server)")
     ap.add_argument("--lengths", default=LENGTHS, help="input lengths L, comma-separated (clipped to the "
                     "model's max_model_len)")
     ap.add_argument("--new-tokens", type=int, default=16, help="fresh tokens after the cached prefix")
@@ -479,8 +533,14 @@ def main(argv=None):
         ap.error("--lengths, --new-tokens, --reps and --cold-reps must be positive")
     if a.base_url and a.serve_args:
         ap.error("extra `infc serve` flags need a spawned server, not --base-url")
-    from infc.backend import detect_device
     from .common import header, save
+    if a.path == "tokenizer":
+        res = header("cpu", a.model or Path(a.model_path).name)
+        res.update({"settings": {"lengths": lengths, "new_tokens": a.new_tokens, "reps": a.reps, "seed": a.seed},
+                    "paths": {"tokenizer": run_tokenizer(a, lengths)}})
+        print(f"wrote {save('prefix-tokenizer', res, a.out)}")
+        return res
+    from infc.backend import detect_device
     from .serve import gpu_name
     a.device = a.device or detect_device()
     res = header(a.gpu or (gpu_name() if a.device == "cuda" else "cpu"), a.model or Path(a.model_path).name)

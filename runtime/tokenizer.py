@@ -1,11 +1,15 @@
 """Tokenizer from an HF directory's tokenizer.json, with incremental detokenization that never
-emits half a UTF-8 character (a token that ends mid-character waits for the next one)."""
+emits half a UTF-8 character (a token that ends mid-character waits for the next one). Long texts
+are encoded by fast_tokenize.FastEncoder: the same ids as the library's own `encode`, split at
+proven boundaries across threads, with the ids of recently seen text reused."""
 import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
 from infc.compiler.errors import ModelDirError
+
+from .fast_tokenize import FastEncoder
 
 
 class Tokenizer:
@@ -22,9 +26,14 @@ class Tokenizer:
         self.add_bos = bool(self.config.get("add_bos_token", False))
         bos = self.config.get("bos_token")
         self.bos_id = self.tk.token_to_id(bos["content"] if isinstance(bos, dict) else bos) if bos else None
+        self.fast = FastEncoder(self.tk)
+
+    def encode_text(self, text: str) -> list[int]:
+        """Exactly self.tk.encode(text, add_special_tokens=False).ids (no BOS), fast on long texts."""
+        return self.fast.encode(text)
 
     def encode(self, text: str) -> list[int]:
-        ids = self.tk.encode(text, add_special_tokens=False).ids
+        ids = self.fast.encode(text)
         if self.add_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
             ids = [self.bos_id] + ids
         return ids

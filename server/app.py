@@ -607,7 +607,7 @@ def make_app(state: ServerState) -> FastAPI:
                     raise bad("'prompt' (a string) or 'messages' is required", "prompt")
                 special = f.bool("add_special_tokens", True)
             try:
-                ids = tok.encode(text) if special else tok.tk.encode(text, add_special_tokens=False).ids
+                ids = tok.encode(text) if special else tok.encode_text(text)
             except Exception as e:  # noqa: BLE001
                 raise bad(f"cannot tokenize: {e}") from None
             out = {"count": len(ids), "max_model_len": b.max_model_len, "tokens": ids, "token_strs": None}

@@ -449,7 +449,7 @@ def parse_chat(body: dict, lim: Limits, tokenizer, template: str | None, special
         raise bad("'echo' is not supported on chat completions", "echo")
     text = render_chat(body, template, tokenizer, special, trust_request_template)
     try:
-        ids = tokenizer.tk.encode(text, add_special_tokens=False).ids    # the template has them
+        ids = tokenizer.encode_text(text)    # no BOS: the template has the special tokens
     except Exception as e:  # noqa: BLE001
         raise bad(f"the rendered chat cannot be tokenized: {e}", "messages") from None
     if not ids:
