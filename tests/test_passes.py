@@ -264,3 +264,19 @@ def test_select_kernels_per_phase(state):
     lin = next(n for n in body(state).ordered() if n.op == "linear")
     assert state.kernels["decode"][lin.id] == ("triton", "gemv")
     assert state.kernels["prefill"][lin.id] == ("triton", "gemm")
+
+
+def test_a_gated_pair_fuses_apart_from_other_linears_on_its_input(tmp_path):
+    """DeepSeek-V2's router, shared gate and shared up read one input: gate | up fuse alone, so
+    the SwiGLU folds into the shared down projection (linear_act_mul) and the router stays its
+    own linear, instead of one fused output whose strided slices took copies and two launches."""
+    import json
+
+    from infc.compiler.build import build
+    plan = json.loads((build(model="deepseek-v2-lite", out=tmp_path / "ds", log=None, compile=False)
+                       / "plan.json").read_text())
+    from infc.runtime.program import unrolled
+    ops = [launch["op"] for launch, layer in unrolled(plan["programs"]["decode"])]
+    assert "ws_gate_up" in plan["weights"] and not any("router_ws" in w for w in plan["weights"])
+    assert ops.count("linear_act_mul") == 27          # the dense layer's MLP and 26 shared experts
+    assert "mul" not in ops and "silu" not in ops

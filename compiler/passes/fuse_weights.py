@@ -1,6 +1,9 @@
 """Weight fusion: linears that read the same input become one linear over concatenated
 weights (q/k/v, gate/up), followed by a `split` view. Biases concatenate the same way (a linear
-without one contributes zeros when the others have one).
+without one contributes zeros when the others have one). A gated pair (act(gate) * up) fuses
+on its own, [gate | up] and nothing else, so fuse_act_mul finds it whole: DeepSeek's router,
+shared gate and shared up read one input, and fused as one they left the gated activation four
+launches over a strided slice.
 
 The concatenation is a load-time transform recorded in the weights table, so the checkpoint
 is read as published and the plan says how each fused weight is built. A weight that several
@@ -33,6 +36,22 @@ def forget_unread(state, replaced: set):
         del state.weights[w]
 
 
+def _gated_pair(g, nodes: list) -> list | None:
+    """[gate, up] of `nodes` when some two of them feed only mul(ACT(gate), up), else None."""
+    from .fuse_ops import _activation
+    out = {n.outputs[0]: n for n in nodes}
+    for mul in g.ordered():
+        if mul.op != "mul" or len(mul.inputs) != 2:
+            continue
+        for a, b in (mul.inputs, mul.inputs[::-1]):
+            act = g.producer(a)
+            if _activation(act) is None or act.inputs[0] not in out or b not in out:
+                continue
+            if g.uses(act.inputs[0]) == 1 and g.uses(b) == 1 and g.uses(a) == 1:
+                return [out[act.inputs[0]], out[b]]
+    return None
+
+
 def _fuse_linears(state, g, dropped: set):
     groups: dict[tuple, list] = {}
     for n in g.ordered():
@@ -46,43 +65,49 @@ def _fuse_linears(state, g, dropped: set):
         meta = state.weights[w.name]
         key = (n.inputs[0], w.type.shape[1], w.type.dtype, tuple(meta["layers"] or ()))
         groups.setdefault(key, []).append(n)
-    for (x, k, dtype, _), nodes in groups.items():
-        if len(nodes) < 2:
-            continue
-        wnames = [n.inputs[1] for n in nodes]
-        sizes = [g.values[w].type.shape[0] for w in wnames]
-        fused = fused_name(wnames)
-        layers = state.weights[wnames[0]]["layers"]
-        register_weight(state, g, fused, TensorType((sum(sizes), k), dtype),
-                  {"concat": [state.weights[w]["source"] for w in wnames], "axis": 0}, layers)
-        inputs = [x, fused]
-        has_bias = any(n.attrs.get("has_bias") for n in nodes)
-        if has_bias:
-            bnames = [n.inputs[2] if n.attrs.get("has_bias") else None for n in nodes]
-            bsrc = [state.weights[b]["source"] if b else {"zeros": [s]} for b, s in zip(bnames, sizes)]
-            bdtype = next(g.values[b].type.dtype for b in bnames if b)
-            bfused = fused_name([b for b in bnames if b]) + "_fused" if None in bnames else \
-                fused_name(bnames)
-            register_weight(state, g, bfused, TensorType((sum(sizes),), bdtype), {"concat": bsrc, "axis": 0}, layers)
-            inputs.append(bfused)
-            wnames += [b for b in bnames if b]
-        first = nodes[0]
-        y = g.fresh(fused[1:] if fused.startswith("w") else fused)
-        g.add_value(Value(y, "act", line=first.line))
-        g.add_node(Node(g.new_node_id("linear"), "linear", inputs, [y], {"has_bias": has_bias},
-                        first.line, fused_from=["linear"] * len(nodes)), before=first.id)
-        parts = [g.fresh("part") for _ in nodes]
-        for p in parts:
-            g.add_value(Value(p, "act", line=first.line))
-        split = Node(g.new_node_id("split"), "split", [y], parts, {"sizes": sizes}, first.line)
-        g.add_node(split, before=first.id)
-        for n, p in zip(nodes, parts):
-            g.replace_uses(n.outputs[0], p)
-            g.remove_node(n.id)
-        for w in wnames:
-            del g.values[w]
-            dropped.add(w)
-        state.note("fuse_weights", f"{g.name}: {' + '.join(wnames)} -> {fused} {sizes}")
+    for (x, k, dtype, _), members in groups.items():
+        pair = _gated_pair(g, members) if len(members) > 2 else None
+        split_off = [pair, [n for n in members if n not in pair]] if pair else [members]
+        for nodes in split_off:
+            if len(nodes) >= 2:
+                _fuse_group(state, g, x, k, dtype, nodes, dropped)
+
+
+def _fuse_group(state, g, x, k, dtype, nodes: list, dropped: set):
+    wnames = [n.inputs[1] for n in nodes]
+    sizes = [g.values[w].type.shape[0] for w in wnames]
+    fused = fused_name(wnames)
+    layers = state.weights[wnames[0]]["layers"]
+    register_weight(state, g, fused, TensorType((sum(sizes), k), dtype),
+              {"concat": [state.weights[w]["source"] for w in wnames], "axis": 0}, layers)
+    inputs = [x, fused]
+    has_bias = any(n.attrs.get("has_bias") for n in nodes)
+    if has_bias:
+        bnames = [n.inputs[2] if n.attrs.get("has_bias") else None for n in nodes]
+        bsrc = [state.weights[b]["source"] if b else {"zeros": [s]} for b, s in zip(bnames, sizes)]
+        bdtype = next(g.values[b].type.dtype for b in bnames if b)
+        bfused = fused_name([b for b in bnames if b]) + "_fused" if None in bnames else \
+            fused_name(bnames)
+        register_weight(state, g, bfused, TensorType((sum(sizes),), bdtype), {"concat": bsrc, "axis": 0}, layers)
+        inputs.append(bfused)
+        wnames += [b for b in bnames if b]
+    first = nodes[0]
+    y = g.fresh(fused[1:] if fused.startswith("w") else fused)
+    g.add_value(Value(y, "act", line=first.line))
+    g.add_node(Node(g.new_node_id("linear"), "linear", inputs, [y], {"has_bias": has_bias},
+                    first.line, fused_from=["linear"] * len(nodes)), before=first.id)
+    parts = [g.fresh("part") for _ in nodes]
+    for p in parts:
+        g.add_value(Value(p, "act", line=first.line))
+    split = Node(g.new_node_id("split"), "split", [y], parts, {"sizes": sizes}, first.line)
+    g.add_node(split, before=first.id)
+    for n, p in zip(nodes, parts):
+        g.replace_uses(n.outputs[0], p)
+        g.remove_node(n.id)
+    for w in wnames:
+        del g.values[w]
+        dropped.add(w)
+    state.note("fuse_weights", f"{g.name}: {' + '.join(wnames)} -> {fused} {sizes}")
 
 
 def fuse_weights(state):
