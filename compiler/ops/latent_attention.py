@@ -110,5 +110,5 @@ def head_linear_reference(ctx, x, w):
 
 
 op(name="head_linear", tensors=["x", "w"], infer=head_linear_infer, reference=head_linear_reference,
-   templates={"triton": "head_linear"},
+   templates={"triton": "head_linear"}, strided=True,
    doc="per-head linear y[t, h] = w[h] @ x[t, h] (MLA's absorbed W_uk / W_uv)")

@@ -133,6 +133,22 @@ def test_head_linear(rows, h, n, kd, tune):
     assert rel_err(y.float().numpy(), want) <= TOL
 
 
+def test_head_linear_reads_a_column_slice_in_place():
+    """x as the first columns of a wider fused row (MLA's q_nope inside q | q_pe | kv_a): the
+    kernel reads it at its row stride, nothing copies it."""
+    rows, h, n, kd, extra = 5, 3, 40, 24, 37
+    gen = np.random.default_rng(9)
+    wide, w = rand((rows, h * kd + extra), gen=gen), rand((h, n, kd), gen=gen)
+    k = render("head_linear", "head_linear",
+               [("x", ["T", h, kd], "bf16", "buffer", {"row_stride": h * kd + extra}), ("w", [h, n, kd], "bf16", "weight")],
+               [("y", ["T", h, n], "bf16")], phase="decode", tune={"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16})
+    y = poison((rows, h, n))
+    run(k, {"in:0": wide, "in:1": w, "out:0": y}, {"T": rows, "B": 1})
+    x = wide[:, : h * kd].reshape(rows, h, kd)
+    want = REGISTRY["head_linear"].reference(None, x.float().numpy(), w.float().numpy())
+    assert rel_err(y.float().numpy(), want) <= TOL
+
+
 def test_infer_rules():
     la, hl = REGISTRY["latent_attention"], REGISTRY["head_linear"]
     q, kv = TensorType(("T", 4, 576), "bf16"), TensorType(("T", 576), "bf16")
