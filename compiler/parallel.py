@@ -74,6 +74,7 @@ def build_ranks(par: dict, model=None, spec_path=None, model_dir=None, out=None,
     """`infc build --tensor-parallel-size N`: every rank's plan, their kernels rendered once."""
     from .build import GENERATED, generate
     from .codegen.aot import compile_kernels
+    from .codegen.rank_kernels import attach_rank_kernels
     from .plan import dumps
     t_all = time.perf_counter()
     ranks = compile_ranks(par, model=model, spec_path=spec_path, model_dir=model_dir,
@@ -87,6 +88,7 @@ def build_ranks(par: dict, model=None, spec_path=None, model_dir=None, out=None,
     kernels = {}
     for rank, (_, plan) in enumerate(ranks):
         mine = generate(plan, out, gpu, page_size, target, spec_path=state.spec.path)
+        mine.update(attach_rank_kernels(plan, out))      # the collectives' helper kernels
         # the ranks' launches differ only in the weights they read: one kernels/ serves all
         assert not kernels or set(mine) == set(kernels), f"rank {rank} needs other kernels than rank 0"
         kernels.update(mine)

@@ -192,7 +192,7 @@ def test_collective_references_simulate_the_ranks(rng):
         c = Ctx()
         c.rank, c.world, c.exchange = r, 3, ex
         assert np.allclose(REGISTRY["all_reduce"].reference(c, xs[r]), xs[0] + xs[1] + xs[2])
-        got = REGISTRY["all_gather"].reference(c, xs[r], axis=1)
+        got = REGISTRY["all_gather"].reference(c, xs[r], axis=1, world=3)   # the attrs a launch carries
         assert np.array_equal(got, np.concatenate(xs, axis=1))
     alone = Ctx()          # one rank: collectives are the identity
     alone.exchange = None

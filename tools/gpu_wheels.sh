@@ -3,6 +3,9 @@
 # (git-ignored; carry it with the device call). tests/gpu/session.sh installs them from there.
 # The versions are the ones the dev venv resolves (pyproject pins fastapi/uvicorn; fastapi
 # imports opentelemetry-api for its telemetry hooks).
+# NCCL is not carried (the nvidia-nccl-cu13 wheel is ~300 MB): the GPU machine's torch installed
+# the nvidia-nccl wheel of its CUDA, whose site-packages/nvidia/nccl/lib/libnccl.so.2
+# runtime/cuda/nccl.py finds on sys.path (INFC_NCCL_LIB names another).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl

@@ -50,7 +50,7 @@ def all_reduce(ctx, x):
     return out
 
 
-def all_gather(ctx, x, axis):
+def all_gather(ctx, x, axis, world=None):
     return np.concatenate([np.asarray(p, np.float32) for p in _ranks(ctx, 0, x)], axis=axis)
 
 

@@ -18,6 +18,7 @@ from ..program import program_name, unrolled
 from ..runner import RowSampling, Sample, sample_row
 from ..step import StepMeta
 from .artifact import DTYPE_BYTES, load_kernels, load_plan
+from .collectives import bind_collective
 from .driver import Context, DependentLaunch, Graph, launch
 from .sampler import GpuSampler
 from .weights import DeviceWeights
@@ -47,15 +48,20 @@ class CudaRunner:
                  max_num_seqs: int = 256, max_model_len: int | None = None,
                  gpu_memory_utilization: float = 0.9, cuda_graphs: bool = True,
                  buckets: list[int] | None = None, num_pages: int | None = None,
-                 load_format: str = "auto", pdl: bool | None = None):
+                 load_format: str = "auto", pdl: bool | None = None, ctx: Context | None = None,
+                 plan: dict | None = None, collectives=None):
         """load_format: "auto" reads model_dir's safetensors; "dummy" fills random weights on the
         device (runtime/dummy_weights.py), so model_dir needs only config.json.
         pdl: launch the kernels whose META allows it as programmatic dependents of the kernel
-        before them (driver.DependentLaunch); default on, INFC_PDL=0 turns it off (A/B timing)."""
+        before them (driver.DependentLaunch); default on, INFC_PDL=0 turns it off (A/B timing).
+        A rank of a parallel artifact (runtime/cuda/ranks.py): `plan` (its plan.rank<r>.json),
+        `collectives` (runtime/cuda/collectives.py: NCCL, or device copies between the runners
+        of one process, which then share `ctx`)."""
         self.pdl = os.environ.get("INFC_PDL", "1") != "0" if pdl is None else pdl
-        self.ctx = Context()
+        self.ctx = ctx if ctx is not None else Context()
         self.artifact = Path(artifact)
-        self.plan = plan = load_plan(self.artifact)
+        self.plan = plan = plan if plan is not None else load_plan(self.artifact)
+        self.collectives = collectives
         self.page_size = plan["build"]["page_size"]
         self.vocab_size = plan["config"]["V"]
         self.max_tokens = max(max_num_batched_tokens, max_num_seqs)
@@ -142,7 +148,7 @@ class CudaRunner:
 
     def bind(self, phase: str) -> list:
         """The phase's program as [(KernelFn, grid code, PackedArgs, dim slots, DependentLaunch or
-        None)], layers unrolled."""
+        None)], layers unrolled; a collective launch is (None, fire(dims), None, (), None)."""
         def tensor(name, layer):
             if name in self.plan["buffers"]:
                 return self._buffer_ptr(name)
@@ -156,6 +162,9 @@ class CudaRunner:
             meta_names=self.plan["step_metadata"])
         out = []
         for launch, layer in unrolled(self.plan["programs"][phase]):
+            if launch["backend"] == "nccl":     # between ranks: runtime/cuda/collectives.py issues it
+                out.append((None, bind_collective(self, launch, layer), None, (), None))
+                continue
             k = self.kernels[launch["kernel_id"]]
             values = resolver.values(k.meta, launch["inputs"], launch["outputs"], layer, k.id)
             dep = DependentLaunch(self.ctx, k.block, k.shared) if self.pdl and k.meta.get("pdl") else None
@@ -172,6 +181,10 @@ class CudaRunner:
         env = {**GRID_FUNCS, **dims}
         after_kernel = False     # a dependent launch only behind a kernel, never behind a copy
         for k, code, args, slots, dep in bound:
+            if k is None:                       # a collective: copies or NCCL on the stream
+                code(dims)
+                after_kernel = False
+                continue
             for i, d in slots:
                 args.set(i, dims[d])
             g = [int(eval(c, env)) for c in code]       # META grid formulas of our own templates
@@ -187,6 +200,9 @@ class CudaRunner:
         env = {**GRID_FUNCS, **dims}
         # plain launches: the hook's events between launches would cut any overlap anyway
         for index, (k, code, args, slots, _) in enumerate(bound):
+            if k is None:                       # a collective: not a kernel of the plan's
+                code(dims)
+                continue
             for i, d in slots:
                 args.set(i, dims[d])
             g = [int(eval(c, env)) for c in code]

@@ -10,7 +10,15 @@ INFC_GPU_FAMILIES picks them, the same variable the GPU suite reads), qwen35 (th
 Qwen3.5-4B for session.sh's `qwen35` latency stage with dummy weights: its config.json as
 transformers writes it for the text-only Qwen3_5ForCausalLM into .cache/gpu/configs/qwen3.5-4b/,
 the artifact into .cache/gpu/qwen3.5-4b-art, and qwen3-4b's config-only directory
-.cache/gpu/configs/qwen3-4b/ for the same benchmark beside it, whose artifact base builds).
+.cache/gpu/configs/qwen3-4b/ for the same benchmark beside it, whose artifact base builds), ranks
+(tests/gpu/test_ranks_gpu.py, session.sh's `ranks` stage: a tiny qwen3 and a tiny qwen3_moe,
+their configs in .cache/gpu/ranks/configs/<name>/, each built whole, with
+--tensor-parallel-size 2, and for the MoE also with --enable-expert-parallel (TP x EP) and
+expert-parallel only, plus one-rank plans (world 1) that still carry the collectives, for the
+one-rank NCCL path: ranks_artifact()), deepseek (issue 13, session.sh's `families` stage with
+INFC_GPU_FAMILIES=deepseek-v2-lite-l8 and its `deepseek` stage: the 8-layer cut of DeepSeek-V2-Lite
+for the golden gate and the full 27 layers for latency with dummy weights, each config.json as
+transformers writes it into .cache/gpu/configs/<name>/ and its artifact in .cache/gpu/<name>-art).
 Default: base, nofuse and families.
 
 The tiny qwen3_moe and the
@@ -39,7 +47,7 @@ TINY_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
             "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
 GPU_CACHE = REPO / ".cache" / "gpu"
 SERVED = ("qwen3-4b", "llama-3.2-1b")          # model directories LLM / infc serve load on the GPU
-PARTS = ("base", "nofuse", "families", "qwen35")
+PARTS = ("base", "nofuse", "families", "qwen35", "ranks", "deepseek")
 DEFAULT_PARTS = ("base", "nofuse", "families")
 
 
@@ -72,6 +80,10 @@ def main(parts=DEFAULT_PARTS):
         families()
     if "qwen35" in parts:
         qwen35()
+    if "ranks" in parts:
+        ranks()
+    if "deepseek" in parts:
+        deepseek()
 
 
 def served_config(name: str) -> Path:
@@ -105,6 +117,94 @@ def qwen35():
     _both_tunings("qwen3.5-4b (32 layers, latency with dummy weights)",
                   gpu_families.artifact_dir("qwen3.5-4b"), model_dir=str(d))
     served_config("qwen3-4b")                           # its artifact: base's .cache/artifacts/qwen3-4b
+
+
+DEEPSEEK = {"deepseek-v2-lite-l8": "8 layers, golden gate",                 # gpu_families.FAMILIES
+            "deepseek-v2-lite": "27 layers, latency with dummy weights"}   # gpu_families.LATENCY
+
+
+def deepseek():
+    sys.path.insert(0, str(REPO / "tests" / "gpu"))
+    import gpu_families
+    for name, what in DEEPSEEK.items():
+        d = gpu_families.write_config(name)
+        _both_tunings(f"{name} ({what})", gpu_families.artifact_dir(name), model_dir=str(d))
+
+
+TINY_QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 256,
+              "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
+              "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 4096,
+              "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+              "tie_word_embeddings": True, "hidden_act": "silu", "attention_bias": False,
+              "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
+RANKS = GPU_CACHE / "ranks"
+# (model, tag) -> the settings of compiler/parallel.py; "whole" is the single-GPU plan, "tp1" / "ep1"
+# one-rank plans with the collectives in (one_rank_plan)
+RANK_CONFIGS = {"tiny-qwen3": TINY_QWEN3, "tiny-moe": TINY_MOE}
+RANK_BUILDS = {("tiny-qwen3", "whole"): None, ("tiny-qwen3", "tp2"): dict(tensor_parallel_size=2),
+               ("tiny-moe", "whole"): None, ("tiny-moe", "tp2"): dict(tensor_parallel_size=2),
+               ("tiny-moe", "tp2ep2"): dict(tensor_parallel_size=2, enable_expert_parallel=True),
+               ("tiny-moe", "ep2"): dict(expert_parallel_only=2),
+               ("tiny-moe", "tp1"): "tp", ("tiny-moe", "ep1"): "ep"}
+
+
+def ranks_config(name: str) -> Path:
+    return RANKS / "configs" / name
+
+
+def ranks_artifact(name: str, tag: str) -> Path:
+    return RANKS / f"{name}-{tag}"
+
+
+def one_rank_plan(model_dir: Path, out: Path, mode: str, gpu: str = "h100", target: str = "sm_90"):
+    """A world-1 plan that still has its collectives, as a rank of an N-rank build would: the
+    tensor-parallel transform ("tp": an all_reduce after every row-parallel linear and after the
+    experts) or the expert-parallel one ("ep": ep_dispatch / ep_combine around the experts) applied
+    at world 1, where shard_ranks itself leaves the graph alone. Its collectives are identities, so
+    the one-rank NCCL path must give the whole plan's logits."""
+    from infc.compiler.build import compile_model, generate
+    from infc.compiler.codegen.aot import compile_kernels
+    from infc.compiler.codegen.rank_kernels import attach_rank_kernels
+    from infc.compiler.passes import shard_ranks as sr
+    from infc.compiler.plan import dumps
+    from infc.runtime.program import unrolled
+
+    def observe(name, state):            # after split_attention, where shard_ranks would run
+        if name == "split_attention":
+            for g in state.graph.walk():
+                (sr._tensor_parallel if mode == "tp" else sr._expert_parallel)(state, g, 0, 1)
+
+    state, plan = compile_model(model_dir=str(model_dir), observe=observe,
+                                parallel={"world": 1, "rank": 0, "tp": 1, "ep": 1})
+    ops = {l["op"] for l, _ in unrolled(plan["programs"]["decode"])}
+    want = {"all_reduce"} if mode == "tp" else {"ep_dispatch", "ep_combine"}
+    assert want <= ops, f"one-rank {mode} plan without {want - ops}"
+    out.mkdir(parents=True, exist_ok=True)
+    kernels = generate(plan, out, gpu, 16, target, spec_path=state.spec.path)
+    kernels.update(attach_rank_kernels(plan, out))
+    (out / "plan.json").write_text(dumps(plan))
+    compile_kernels(kernels, out / "bin", target, progress=False)
+
+
+def ranks():
+    import shutil
+    import time
+    from infc.compiler.build import build
+    from infc.compiler.parallel import build_ranks, settings
+    for name, config in RANK_CONFIGS.items():
+        d = ranks_config(name)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "config.json").write_text(json.dumps(config, indent=1))
+    for (name, tag), how in RANK_BUILDS.items():
+        t0, out, d = time.time(), ranks_artifact(name, tag), ranks_config(name)
+        shutil.rmtree(out, ignore_errors=True)
+        if how is None:
+            build(model_dir=str(d), out=out, log=None)
+        elif isinstance(how, str):
+            one_rank_plan(d, out, how)
+        else:
+            build_ranks(settings(**how), model_dir=str(d), out=out, log=None)
+        print(f"[prepare] ranks {name} {tag}: {time.time() - t0:.1f} s, {_size(out)} -> {out}", flush=True)
 
 
 def base():

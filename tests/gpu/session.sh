@@ -11,7 +11,16 @@
 # adds flags, e.g. --load-format dummy), generate (infc generate --device cuda), tune (infc tune run),
 # qwen35 (batch-1 TPOT / TTFT at 32, 1k, 8k of the full 32-layer Qwen3.5-4B with dummy weights,
 # floor = weights + KV + state bytes, then qwen3-4b the same way on the same card: prepare.py
-# qwen35 (and base for qwen3-4b's artifact); QWEN35_ARGS adds flags to both).
+# qwen35 (and base for qwen3-4b's artifact); QWEN35_ARGS adds flags to both), ranks (TP=2 / EP=2
+# plans of a tiny qwen3 and a tiny qwen3_moe with every rank on this GPU and the collectives done
+# by device copies, against the whole plan; the one-rank NCCL path: tests/gpu/test_ranks_gpu.py,
+# after prepare.py ranks; it makes its own tiny model directories), deepseek (issue 13: batch-1 TPOT /
+# TTFT at 32 and 1k of the full 27-layer DeepSeek-V2-Lite with dummy weights, then
+# bench/active_floor.py on that run: the floor of the bytes a step reads (embedding row, attention,
+# dense layer 0, router + shared + top-6 routed experts, lm_head, latent KV) over the copy bandwidth
+# measured in the run, and the latent KV bytes per token beside a non-latent layout's: prepare.py
+# deepseek; DEEPSEEK_ARGS adds flags to bench latency; its golden gate is the families stage with
+# INFC_GPU_FAMILIES=deepseek-v2-lite-l8).
 # INFC_GPU_FAMILIES=a,b|all|none picks the families (default: gpu_families.DEFAULT; prepare.py must
 # have built the same ones).
 # Needs what tests/gpu/prepare.py built here (carry .cache/gpu, .cache/artifacts, .cache/tune)
@@ -33,7 +42,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv | tee "$OUT/gpu.txt"
-if [ -n "$(echo " $STAGES " | sed -e 's/ families / /g' -e 's/ qwen35 / /g' | tr -d ' ')" ]; then   # a stage besides families / qwen35
+if [ -n "$(echo " $STAGES " | sed -e 's/ families / /g' -e 's/ qwen35 / /g' -e 's/ ranks / /g' -e 's/ deepseek / /g' | tr -d ' ')" ]; then   # a stage besides families / qwen35 / ranks / deepseek
   say "models"
   timeout 300 python3 -c "import sys; sys.path.insert(0,'tests/gpu'); import models; [models.model_dir(m) for m in ('qwen3-4b','llama-3.2-1b','tiny-moe','skipgram')]" 2>&1 | tail -12
   say "models ready"
@@ -123,6 +132,32 @@ for _ in range(600):
       else
         say "qwen35: no qwen3-4b artifact or config here (prepare.py base qwen35): qwen3-4b not timed"
       fi ;;
+    ranks)
+      timeout ${RANKS_S:-420} python3 -m pytest tests/gpu/test_ranks_gpu.py -q -s -p no:cacheprovider -rs \
+        ${PYTEST_ARGS:-} 2>&1 | quiet | tee "$OUT/pytest-ranks.log" \
+        | grep -E "passed|failed|error|skipped|SKIPPED|\[ranks\]|^E " | tail -60 ;;
+    deepseek)
+      # config-only directory (no checkpoint, no tokenizer): weights filled on the device. The
+      # artifact's plan.json is the H200 table's (prepare.py builds both tables' cubins): on another
+      # card it is re-rendered with that card's table first, compiling nothing, as for qwen3-4b above.
+      art=.cache/gpu/deepseek-v2-lite-art cfg=.cache/gpu/configs/deepseek-v2-lite
+      python3 - "$art" "$cfg" <<'PY' 2>&1 | tail -2
+import json, sys
+from pathlib import Path
+from infc.backend import gpu_tuning
+from infc.compiler.build import build
+art, cfg, gpu = Path(sys.argv[1]), sys.argv[2], gpu_tuning()
+if json.loads((art / "plan.json").read_text())["build"]["gpu"] != gpu:
+    build(model_dir=cfg, out=art, gpu=gpu, log=None)
+    print(f"[session] {art} re-rendered with the {gpu} tuning table")
+PY
+      rm -rf "$OUT/deepseek"; mkdir -p "$OUT/deepseek"
+      timeout ${DEEPSEEK_S:-240} python3 -m infc.cli bench latency --artifact $art --model-path $cfg \
+        --load-format dummy --no-hf --prompts 32,1024 --output-len 128 --out "$OUT/deepseek" \
+        ${DEEPSEEK_ARGS:-} 2>&1 | quiet | tail -12
+      for f in "$OUT"/deepseek/latency-deepseek*.json; do     # bench latency's result
+        [ -f "$f" ] && python3 -m infc.bench.active_floor --artifact $art --latency "$f" --output-len 128 2>&1 | tail -8
+      done ;;
     tune)
       timeout ${TUNE_S:-300} python3 -m infc.cli tune run --dir .cache/tune/qwen3-4b-h200 --results-dir "$OUT" \
         --write "$OUT/h200.json" 2>&1 | tail -40 ;;

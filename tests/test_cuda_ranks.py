@@ -1,0 +1,583 @@
+"""The CUDA runtime's ranks without a GPU (runtime/cuda/nccl.py, collectives.py, ranks.py).
+
+- NCCL: the loader's error names every place it tried; with the nvidia-nccl wheel installed, the
+  real library loads here (no GPU needed): version, unique ids, NCCL's own error strings, and a
+  communicator that cannot start without a GPU fails with NCCL's message.
+- The collectives' helper kernels (rendered by the build, run under TRITON_INTERPRET on a fake
+  device memory) and copies equal the numpy references of compiler/ops/collectives.py BIT FOR
+  BIT: DeviceCopyGroup for 2 and 3 ranks, and NcclCollectives' own packing around a fake
+  communicator (threads, one per rank) for ep_dispatch / all_gather.
+- The lockstep driver (DeviceCopyRanks) runs every rank's CudaRunner, its real binding, upload
+  and launch code, on the fake device with every kernel of the TP=2 and TP x EP=2 plans
+  interpreted: every collective of every step equals its numpy reference on its inputs (bit
+  for bit), every rank ends with the same logits bits, and the logits are the numpy simulated
+  ranks' (runtime/reference/ranks.py) within bf16 tolerance, through prefill, eager decode and
+  the decode "graph" (a fake Graph that replays what was captured).
+"""
+import ctypes
+import importlib
+import importlib.metadata
+import inspect
+import os
+import sys
+import threading
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import triton  # noqa: F401  (imported before cuda_mods records sys.modules: never dropped)
+from kernels.harness import load
+
+from infc.compiler.ops import REGISTRY
+from infc.compiler.parallel import build_ranks, settings
+from infc.runtime.reference.ranks import RankExchange
+
+BASE = 1 << 32                               # fake device addresses start here
+TORCH_PTR = {"*bf16": torch.bfloat16, "*fp32": torch.float32, "*i32": torch.int32,
+             "*fp16": torch.float16, "*i8": torch.int8, "*u8": torch.uint8, "*i64": torch.int64}
+NP = {"bf16": None, "f32": np.float32, "i32": np.int32}
+
+
+@pytest.fixture
+def cuda_mods():
+    """runtime.cuda.{collectives,ranks,runner,driver} importable with a stand-in cuda.bindings
+    when this machine has none (the driver touches it only inside calls); those modules are
+    dropped afterwards."""
+    try:
+        import cuda.bindings.driver  # noqa: F401
+        have = True
+    except ImportError:
+        have = False
+    before = set(sys.modules)
+    if not have:
+        cuda, bindings, drv = (types.ModuleType(n) for n in ("cuda", "cuda.bindings", "cuda.bindings.driver"))
+        cuda.bindings, bindings.driver = bindings, drv
+        sys.modules.update({"cuda": cuda, "cuda.bindings": bindings, "cuda.bindings.driver": drv})
+    try:
+        yield types.SimpleNamespace(**{m: importlib.import_module(f"infc.runtime.cuda.{m}")
+                                       for m in ("driver", "collectives", "ranks", "runner", "artifact")})
+    finally:
+        if not have:        # only what was bound to the stand-in (torch, triton... stay loaded)
+            for name in sorted(set(sys.modules) - before, reverse=True):
+                if not (name == "cuda" or name.startswith(("cuda.", "infc.runtime.cuda."))):
+                    continue
+                mod = sys.modules.pop(name)
+                parent, _, child = name.rpartition(".")
+                if parent in sys.modules and getattr(sys.modules[parent], child, None) is mod:
+                    delattr(sys.modules[parent], child)
+
+
+# -- NCCL ---------------------------------------------------------------------------------------
+def test_nccl_loader_names_what_it_tried(monkeypatch, tmp_path):
+    from infc.runtime.cuda import nccl
+    monkeypatch.setattr(nccl, "_lib", None)
+    monkeypatch.setenv("INFC_NCCL_LIB", str(tmp_path))                # a directory: its libnccl.so.2
+    assert nccl.candidates() == [str(tmp_path / "libnccl.so.2")]
+    with pytest.raises(nccl.NcclError) as e:
+        nccl.library()
+    assert str(tmp_path / "libnccl.so.2") in str(e.value) and "INFC_NCCL_LIB" in str(e.value)
+    bogus = tmp_path / "libnccl.so.2"
+    bogus.write_text("not a library")
+    monkeypatch.setenv("INFC_NCCL_LIB", str(bogus))
+    with pytest.raises(nccl.NcclError, match="cannot load NCCL"):
+        nccl.library()
+    monkeypatch.delenv("INFC_NCCL_LIB")
+    # without the variable: the wheels' nvidia/nccl/lib on sys.path first, the system loader last
+    fake_site = tmp_path / "site"
+    (fake_site / "nvidia" / "nccl" / "lib").mkdir(parents=True)
+    (fake_site / "nvidia" / "nccl" / "lib" / "libnccl.so.2").write_bytes(b"")
+    monkeypatch.setattr(sys, "path", [str(fake_site)] + sys.path)
+    got = nccl.candidates()
+    assert got[0] == str(fake_site / "nvidia" / "nccl" / "lib" / "libnccl.so.2") and got[-1] == "libnccl.so.2"
+
+
+def _wheel_nccl():
+    for dist in ("nvidia-nccl-cu13", "nvidia-nccl-cu12"):
+        try:
+            importlib.metadata.version(dist)
+            return dist
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return None
+
+
+@pytest.mark.skipif(_wheel_nccl() is None, reason="no nvidia-nccl wheel installed")
+def test_nccl_library_without_a_gpu(monkeypatch):
+    from infc.runtime.cuda import nccl
+    monkeypatch.setattr(nccl, "_lib", None)
+    monkeypatch.delenv("INFC_NCCL_LIB", raising=False)
+    lib = nccl.library()
+    assert "nvidia/nccl/lib" in lib.path or "torch/lib" in lib.path
+    major, minor, patch = nccl.version()
+    want = importlib.metadata.version(_wheel_nccl()).split(".")
+    assert (major, minor, patch) == tuple(int(x) for x in want[:3])
+    a, b = nccl.unique_id(), nccl.unique_id()
+    assert len(a) == nccl.UNIQUE_ID_BYTES and a != b
+    assert "invalid usage" in lib.error_string(5) and "invalid argument" in lib.error_string(4)
+    with pytest.raises(nccl.NcclError, match=r"ncclAllReduce failed: invalid argument.*\(ncclResult_t 4\)"):
+        lib.check(4, "ncclAllReduce")
+    lib.check(0, "fine")
+    with pytest.raises(nccl.NcclError, match="rank 2 is not in a world of 2"):
+        nccl.Communicator(2, 2, a)
+    with pytest.raises(nccl.NcclError, match="128 bytes"):
+        nccl.Communicator(1, 0, a[:16])
+    with pytest.raises(nccl.NcclError, match="no data type for 'q4'"):
+        nccl._dtype("q4")
+    if not os.path.exists("/dev/nvidiactl"):               # no GPU: NCCL says why it cannot start
+        with pytest.raises(nccl.NcclError, match=r"ncclCommInitRank\(world 1, rank 0\) failed: "):
+            nccl.Communicator(1, 0, a)
+
+
+# -- a fake device: one torch byte tensor, kernels under the Triton interpreter ---------------------
+class FakeEvent:
+    def record(self):
+        pass
+
+    def wait(self):
+        pass
+
+
+class FakeCtx:
+    """The driver Context's methods over host memory; device pointers are BASE + offset."""
+
+    def __init__(self, nbytes=48 << 20):
+        self.mem = torch.zeros(nbytes, dtype=torch.uint8)
+        self.top = 0
+        self.stream = "fake-stream"
+        self.copies = 0
+
+    def _at(self, ptr, n):
+        off = int(ptr) - BASE
+        assert 0 <= off and off + n <= self.top, (hex(ptr), n)
+        return self.mem[off: off + n]
+
+    def alloc(self, n):
+        ptr = BASE + self.top
+        self.top += -(-max(int(n), 1) // 256) * 256
+        assert self.top <= self.mem.numel(), "fake device memory exhausted"
+        self.mem[ptr - BASE: self.top] = 0xAB                # poison
+        return ptr
+
+    def free(self, ptr):
+        pass
+
+    def memset(self, ptr, n, value=0):
+        self._at(ptr, n).fill_(value)
+
+    def memset32(self, ptr, count, value):
+        self._at(ptr, 4 * count).view(torch.int32).fill_(np.int32(np.uint32(value).view(np.int32)))
+
+    def htod(self, ptr, host):
+        host = np.ascontiguousarray(host)
+        self._at(ptr, host.nbytes).copy_(torch.from_numpy(host.reshape(-1).view(np.uint8).copy()))
+        return host
+
+    def htod_rows(self, ptr, pitch, host):
+        host = np.ascontiguousarray(host)
+        for i, row in enumerate(host):
+            self.htod(ptr + i * pitch, row)
+        return host
+
+    def htod_raw(self, ptr, host_addr, n):
+        self._at(ptr, n).copy_(torch.frombuffer(bytearray(ctypes.string_at(host_addr, n)), dtype=torch.uint8))
+
+    def dtoh(self, host, ptr):
+        host.reshape(-1).view(np.uint8)[:] = self._at(ptr, host.nbytes).numpy()
+        return host
+
+    def dtod(self, dst, src, n):
+        self._at(dst, n).copy_(self._at(src, n).clone())
+        self.copies += 1
+
+    def pinned(self, n):
+        return np.zeros(n, np.uint8)
+
+    def free_pinned(self, host):
+        pass
+
+    def event(self):
+        return FakeEvent()
+
+    def sync(self):
+        pass
+
+    def ensure_current(self):
+        pass
+
+    def mem_info(self):
+        return self.mem.numel() - self.top, self.mem.numel()
+
+    def close(self):
+        self.stream = None
+
+    # test helpers
+    def put(self, ptr, a: np.ndarray, dtype: str):
+        self.htod(ptr, _bits(a, dtype))
+
+    def get(self, ptr, shape, dtype: str) -> np.ndarray:
+        """f32 (bf16/f32 buffers) or i32 values."""
+        n = int(np.prod(shape))
+        t = self._at(ptr, n * (2 if dtype == "bf16" else 4))
+        if dtype == "bf16":
+            return t.view(torch.bfloat16).float().numpy().reshape(shape)
+        return t.view(torch.float32 if dtype == "f32" else torch.int32).numpy().reshape(shape).copy()
+
+
+def _bits(a, dtype):
+    if dtype == "bf16":
+        return torch.from_numpy(np.asarray(a, np.float32)).to(torch.bfloat16).view(torch.int16).numpy()
+    return np.asarray(a, NP[dtype])
+
+
+def _memcpy2d(ctx, dst, dpitch, src, spitch, width, height):
+    for i in range(height):
+        ctx.dtod(dst + i * dpitch, src + i * spitch, width)
+
+
+class FakeFn:
+    """A kernel 'function': runs the rendered source under the interpreter on the fake memory."""
+    lock = threading.Lock()
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __call__(self, ctx, grid, args):
+        meta = self.kernel.meta
+        vals = []
+        for (name, ty, _), c in zip(meta["params"], args.storage):
+            v = c.value
+            if ty.startswith("*"):
+                off = int(v) - BASE
+                isz = torch.tensor([], dtype=TORCH_PTR[ty]).element_size()
+                n = (ctx.mem.numel() - off) // isz * isz
+                vals.append(ctx.mem[off: off + n].view(TORCH_PTR[ty]))
+            else:
+                vals.append(v)
+        consts = dict(meta["constexprs"])
+        consts.update({k: v for k, v in (("DOT_F32", True), ("PDL", False)) if k in consts})
+        with self.lock:
+            getattr(load(self.kernel), meta["entry"])[tuple(grid)](*vals, **consts)
+
+
+def fake_launch(ctx, fn, grid, block, shared, args):
+    fn(ctx, grid, args)
+
+
+def kernel_fns(cuda_mods, artifact, plan):
+    from infc.compiler.codegen.render import Kernel
+    out = {}
+    for kid, meta in plan["kernels"].items():
+        src = (Path(artifact) / meta["source"]).read_text()
+        k = Kernel(kid, meta["backend"], meta["template"], src, meta)
+        out[kid] = cuda_mods.artifact.KernelFn(kid, meta, {"num_warps": meta.get("num_warps", 4)}, FakeFn(k))
+    return out
+
+
+@pytest.fixture
+def fake_device(cuda_mods, monkeypatch):
+    monkeypatch.setenv("INFC_PDL", "0")
+    monkeypatch.setattr(cuda_mods.collectives, "launch", fake_launch)
+    monkeypatch.setattr(cuda_mods.collectives, "_memcpy2d", _memcpy2d)
+    monkeypatch.setattr(cuda_mods.runner, "launch", fake_launch)
+    monkeypatch.setattr(cuda_mods.runner, "load_kernels",
+                        lambda artifact, plan: kernel_fns(cuda_mods, artifact, plan))
+    return cuda_mods
+
+
+@pytest.fixture(scope="module")
+def artifacts(tiny_model, tmp_path_factory):
+    """Parallel artifacts of the conftest's tiny models, kernels rendered (no cubins)."""
+    cache = {}
+
+    def get(family, **par):
+        key = (family, tuple(sorted(par.items())))
+        if key not in cache:
+            d, _ = tiny_model(family)
+            out = tmp_path_factory.mktemp(f"ranks-{family}")
+            build_ranks(settings(**par), model_dir=str(d), out=out, compile=False, log=None)
+            cache[key] = (d, out)
+        return cache[key]
+
+    return get
+
+
+def _ref(op, xs_per_rank, attrs, world):
+    """Every rank's numpy reference output(s) for the ranks' inputs (compiler/ops/collectives.py)."""
+    ex = RankExchange(world)
+    ex.current = xs_per_rank
+    outs = []
+    for r in range(world):
+        ctx = types.SimpleNamespace(rank=r, world=world, exchange=ex)
+        fn = REGISTRY[op].reference
+        takes = inspect.signature(fn).parameters            # all_gather's `world` is for its shape rule
+        res = fn(ctx, *xs_per_rank[r], **{k: v for k, v in attrs.items() if k in takes})
+        outs.append(res if isinstance(res, tuple) else (res,))
+    return outs
+
+
+def _assert_bits(got, want, dtype, what):
+    want = np.asarray(want)
+    if dtype == "bf16":      # the reference's f32 result, rounded once to the buffer's bf16
+        want = torch.from_numpy(np.asarray(want, np.float32)).to(torch.bfloat16).float().numpy()
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    assert np.array_equal(got.astype(np.float64), np.asarray(want, np.float64)), \
+        f"{what}: max diff {np.abs(got.astype(np.float64) - want).max()}"
+
+
+# -- helper kernels and copies against the references ----------------------------------------------
+H, K = 40, 3                     # a row of 40 (not a power of 2), top-3 routing
+
+
+def synthetic_plan(world: int) -> dict:
+    """A rank plan with one launch of each collective (the shapes a model's would have), for
+    compiler/codegen/rank_kernels.py to render the helpers of."""
+    buffers = {"x": (["T", H], "bf16"), "w": (["T", K], "f32"), "ids": (["T", K], "i32"),
+               "sum": (["T", H], "bf16"), "comb": (["T", H], "bf16"), "xr": (["T", H], "bf16"),
+               "wr": (["T", K], "f32"), "idr": (["T", K], "i32"), "g0": (["T", H], "bf16"),
+               "g1": (["T", H * world], "bf16")}
+    launches = [("all_reduce", ["x"], ["sum"], {}), ("ep_combine", ["x"], ["comb"], {}),
+                ("ep_dispatch", ["x", "w", "ids"], ["xr", "wr", "idr"], {"experts_per_rank": 2}),
+                ("all_gather", ["x"], ["g0"], {"axis": 0, "world": world}),
+                ("all_gather", ["x"], ["g1"], {"axis": 1, "world": world})]
+    return {"parallel": {"world": world, "rank": 0, "tp": world, "ep": world},
+            "buffers": {n: {"shape": s, "dtype": d} for n, (s, d) in buffers.items()},
+            "programs": {"prefill": [{"op": op, "backend": "nccl", "kernel": None, "inputs": i,
+                                      "outputs": o, "attrs": a} for op, i, o, a in launches]}}
+
+
+def collective_launches(cuda_mods, ctx, world, T):
+    """[launch][rank] -> CollectiveLaunch over fresh fake buffers (all_gather's axis-0 output is
+    world * T rows), with the helpers rendered for this world."""
+    from infc.compiler.codegen.rank_kernels import render_rank_kernels
+    C = cuda_mods.collectives
+    plan = synthetic_plan(world)
+    kernels = render_rank_kernels(plan)
+    fns = {kid: cuda_mods.artifact.KernelFn(kid, k.meta, {"num_warps": 4}, FakeFn(k)) for kid, k in kernels.items()}
+    out = []
+    for launch in plan["programs"]["prefill"]:
+        per_rank = []
+        for r in range(world):
+            def buf(name, rows=T):
+                b = plan["buffers"][name]
+                n = rows * int(np.prod(b["shape"][1:])) * (2 if b["dtype"] == "bf16" else 4)
+                return C.Buffer(name, ctx.alloc(n), list(b["shape"]), b["dtype"])
+            outs = [buf(n, world * T if n == "g0" else T) for n in launch["outputs"]]
+            per_rank.append(C.CollectiveLaunch(launch["op"], launch["attrs"], [buf(n) for n in launch["inputs"]],
+                                               outs, {m: fns[k] for m, k in launch.get("helpers", {}).items()},
+                                               0, {"T": T, "B": T}, launch["op"]))
+        out.append(per_rank)
+    return out
+
+
+def fill_inputs(ctx, rng, cls, T, world):
+    """Random inputs, different on every rank (so the owner's row is the one that must arrive);
+    ids over all world * 2 experts. Returns what the device holds, per rank."""
+    vals = []
+    for c in cls:
+        mine = []
+        for b in c.inputs:
+            shape = [T if d == "T" else d for d in b.shape]
+            a = rng.integers(0, 2 * world, shape).astype(np.int32) if b.dtype == "i32" else \
+                rng.standard_normal(shape).astype(np.float32)
+            ctx.put(b.ptr, a, b.dtype)
+            mine.append(ctx.get(b.ptr, shape, b.dtype))
+        vals.append(mine)
+    return vals
+
+
+def check_outputs(ctx, cls, ins, T):
+    world = len(cls)
+    want = _ref(cls[0].op, ins, cls[0].attrs, world)
+    for r, c in enumerate(cls):
+        for i, o in enumerate(c.outputs):
+            rows = world * T if (c.op == "all_gather" and c.attrs["axis"] == 0) else T
+            shape = [rows if d == "T" else d for d in o.shape]
+            _assert_bits(ctx.get(o.ptr, shape, o.dtype), want[r][i], o.dtype, f"{c.op} {c.attrs} rank {r} out {i}")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_device_copy_collectives_are_the_references(fake_device, world, rng):
+    C = fake_device.collectives
+    ctx, T = FakeCtx(4 << 20), 7                 # 7 tokens: the owners (t % world) hold unequal shares
+    group = C.DeviceCopyGroup(ctx, world)
+    seen = []
+    group.observe = lambda op, cls, dims: seen.append(op)
+    for cls in collective_launches(fake_device, ctx, world, T):
+        ins = fill_inputs(ctx, rng, cls, T, world)
+        fires = [group.member(r).bind(c) for r, c in enumerate(cls)]
+        n = len(seen)
+        for f in fires[:-1]:
+            f({"T": T, "B": T})
+        assert len(seen) == n and len(group.waiting) == world - 1    # issued by the last rank only
+        fires[-1]({"T": T, "B": T})
+        assert len(seen) == n + 1 and not group.waiting
+        check_outputs(ctx, cls, ins, T)
+    assert seen == ["all_reduce", "ep_combine", "ep_dispatch", "all_gather", "all_gather"]
+
+
+def test_device_copy_group_refuses_ranks_out_of_step(fake_device):
+    C = fake_device.collectives
+    ctx = FakeCtx(1 << 20)
+    group = C.DeviceCopyGroup(ctx, 2)
+    (ar, _, disp, _, _) = collective_launches(fake_device, ctx, 2, 4)
+    f1 = group.member(1).bind(ar[1])
+    with pytest.raises(RuntimeError, match="out of lockstep: rank 1"):
+        f1({"T": 4, "B": 4})
+    group.member(0).bind(ar[0])({"T": 4, "B": 4})
+    with pytest.raises(RuntimeError, match="ranks diverge"):
+        group.member(1).bind(disp[1])({"T": 4, "B": 4})
+    no_helper = C.CollectiveLaunch("all_reduce", {}, ar[0].inputs, ar[0].outputs, {}, 0, {}, "all_reduce (layer 0)")
+    with pytest.raises(RuntimeError, match="no 'device_copy' helper kernel.*rebuild"):
+        group.member(0).bind(no_helper)
+
+
+class FakeComms:
+    """NCCL's semantics for N ranks in threads over the fake memory (sum in rank order)."""
+
+    def __init__(self, ctx, world):
+        self.ctx, self.world = ctx, world
+        self.barrier = threading.Barrier(world, timeout=60)
+        self.slots = [None] * world
+        self.calls = []
+
+    def comm(self, rank):
+        return types.SimpleNamespace(world=self.world, rank=rank,
+                                     all_gather=lambda *a: self.all_gather(rank, *a),
+                                     all_reduce=lambda *a: self.all_reduce(rank, *a))
+
+    def all_gather(self, rank, send, recv, count, dtype, stream):
+        nb = count * (2 if dtype == "bf16" else 4)
+        self.calls.append(("all_gather", rank, count))
+        self.slots[rank] = self.ctx._at(send, nb).clone()
+        self.barrier.wait()
+        for q in range(self.world):
+            self.ctx._at(recv + q * nb, nb).copy_(self.slots[q])
+        self.barrier.wait()
+
+    def all_reduce(self, rank, send, recv, count, dtype, stream):
+        self.calls.append(("all_reduce", rank, count))
+        self.slots[rank] = self.ctx.get(send, [count], dtype)
+        self.barrier.wait()
+        acc = np.array(self.slots[0], np.float32)
+        for q in range(1, self.world):
+            acc += self.slots[q]
+        self.barrier.wait()
+        self.ctx.put(recv, acc, dtype)
+
+
+@pytest.mark.parametrize("world,T", [(2, 7), (3, 7), (3, 2), (1, 5)])
+def test_nccl_collectives_pack_the_owners_rows(fake_device, world, T, rng):
+    """NcclCollectives around a communicator: ep_dispatch's pack / all_gather / unpack gives the
+    owners' rows (T not a multiple of the world, fewer tokens than ranks, one rank), all_gather
+    along axis 1 lands every rank's columns in place."""
+    C = fake_device.collectives
+    ctx = FakeCtx(4 << 20)
+    comms = FakeComms(ctx, world)
+    colls = [C.NcclCollectives(comms.comm(r), ctx) for r in range(world)]
+    for cls in collective_launches(fake_device, ctx, world, T):
+        ins = fill_inputs(ctx, rng, cls, T, world)
+        fires = [c.bind(cl) for c, cl in zip(colls, cls)]
+        errors = []
+
+        def run(f):
+            try:
+                f({"T": T, "B": T})
+            except BaseException as e:       # noqa: BLE001 - re-raised below
+                errors.append(e)
+                comms.barrier.abort()
+
+        threads = [threading.Thread(target=run, args=(f,)) for f in fires]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        check_outputs(ctx, cls, ins, T)
+    # ep_dispatch gathered ceil(T / world) rows of H per rank; all_reduce / ep_combine T * H
+    m = -(-T // world)
+    assert ("all_gather", 0, m * H) in comms.calls and ("all_reduce", 0, T * H) in comms.calls
+
+
+# -- the lockstep driver over whole rank plans -------------------------------------------------------
+class FakeGraph:
+    """A 'captured' graph: records nothing at capture, replays the recording function on launch
+    (the dims and pointers are the capture's, as a real graph's are)."""
+    captured = []
+    replays = 0
+
+    def __init__(self, ctx, record):
+        self.record = record
+        FakeGraph.captured.append(self)
+
+    def launch(self):
+        FakeGraph.replays += 1
+        self.record()
+
+
+def _read(ctx, b: "object", dims):
+    shape = [dims[d] if isinstance(d, str) else d for d in b.shape]
+    return ctx.get(b.ptr, shape, b.dtype)
+
+
+@pytest.mark.parametrize("family,par", [("qwen3", dict(tensor_parallel_size=2)),
+                                        ("qwen3_moe", dict(tensor_parallel_size=2, enable_expert_parallel=True))],
+                         ids=["qwen3-tp2", "qwen3_moe-tp2-ep2"])
+def test_lockstep_ranks_on_a_fake_device(fake_device, artifacts, monkeypatch, family, par, rng):
+    from infc.runtime.reference.ranks import RankExecutor
+    from infc.runtime.safetensors_io import Checkpoint
+    from infc.runtime.step import Chunk, build_step
+    from infc.runtime.weights import load_weights
+    monkeypatch.setattr(fake_device.driver, "Graph", FakeGraph)
+    d, art = artifacts(family, **par)
+    ctx = FakeCtx(24 << 20)
+    ranks = fake_device.ranks.DeviceCopyRanks(art, d, num_pages=8, max_num_batched_tokens=16,
+                                              max_num_seqs=2, buckets=[1, 2], ctx=ctx)
+    assert ranks.world == 2 and [r.plan["parallel"]["rank"] for r in ranks.runners] == [0, 1]
+    assert len(FakeGraph.captured) >= 2 and ranks.graphs.keys() == {1, 2}
+    checked = []
+
+    def observe(op, cls, dims):     # every collective of every step: the numpy reference's bits
+        ins = [[_read(ctx, b, dims) for b in c.inputs] for c in cls]
+        want = _ref(op, ins, cls[0].attrs, len(cls))
+        for r, c in enumerate(cls):
+            for i, o in enumerate(c.outputs):
+                _assert_bits(_read(ctx, o, dims), want[r][i], o.dtype, f"{c.where} rank {r}")
+        checked.append(op)
+
+    ranks.group.observe = observe
+    plans = [r.plan for r in ranks.runners]
+    ref = RankExecutor(plans, [load_weights(p, Checkpoint(d)) for p in plans])
+    pages, page_size = {}, ranks.page_size
+    free = list(range(ranks.num_pages))
+
+    def run(chunks):
+        for c in chunks:
+            need = -(-(c.start + len(c.tokens)) // page_size)
+            pages.setdefault(c.seq_id, [])
+            while len(pages[c.seq_id]) < need:
+                pages[c.seq_id].append(free.pop())
+        got = ranks.logits(build_step(chunks, pages.__getitem__, page_size)).copy()
+        want = ref.step(chunks)
+        assert np.array_equal(ranks.rank_logits[1], ranks.rank_logits[0])   # the same bits on every rank
+        err = float(np.abs(got - want).max())
+        print(f"step {[(c.seq_id, len(c.tokens), c.start) for c in chunks]}: max |logit| "
+              f"{float(np.abs(want).max()):.3f}, max err {err:.4f}")
+        assert err <= 0.02 * float(np.abs(want).max()) + 1e-3, (err, float(np.abs(want).max()))   # bf16
+        return got
+
+    prompt = [int(t) for t in rng.integers(0, 320, 9)]
+    run([Chunk(0, prompt, 0)])                                 # prefill (the short program)
+    n_eager = len(checked)
+    assert n_eager >= 6 and "all_reduce" in checked
+    if family == "qwen3_moe":
+        assert {"ep_dispatch", "ep_combine"} <= set(checked)
+    replays = FakeGraph.replays
+    for pos in range(9, 12):                                   # decode: the bucket-1 graph replays
+        run([Chunk(0, [int(rng.integers(0, 320))], pos)])
+    assert FakeGraph.replays == replays + 3 and len(checked) == 4 * n_eager
+    run([Chunk(0, [5], 12), Chunk(1, [int(t) for t in rng.integers(0, 320, 4)], 0)])     # mixed
+    ranks.close()
+    assert ctx.stream is None
