@@ -160,13 +160,21 @@ def grouping(ids, E, gen):
 
 
 # (T, KT, ep, tune): blocks smaller than an expert's tokens (several row blocks per expert, a
-# partial last one), GROUP_M orderings, column tiles that F and H do not fill
+# partial last one), GROUP_M orderings, column tiles that F and H do not fill, K loops that H=48
+# and F=40 fill (BLOCK_K 16: unmasked) or not (32, 64: masked), gate_up's interleaved single dot
+# (PAIR 1, the default) and its two dots (PAIR 0), moe_down's combine of the completed rows in
+# chunks of COMBINE_ROWS (2: many chunks, the last one partial; the interpreter runs the programs
+# in order, so the last expert's block completes nearly all of its rows)
 GROUPED = [
     (1, 1, False, {"BLOCK_M": 16, "BLOCK_F": 16, "BLOCK_H": 16, "BLOCK_K": 16}),
     (1, 8, True, {"BLOCK_M": 16, "BLOCK_F": 32, "BLOCK_H": 32, "BLOCK_K": 32}),
     (3, 2, False, {"BLOCK_M": 16, "BLOCK_F": 16, "BLOCK_H": 16, "BLOCK_K": 32, "GROUP_M": 1}),
     (37, 8, False, {"BLOCK_M": 16, "BLOCK_F": 32, "BLOCK_H": 32, "BLOCK_K": 16, "GROUP_M": 4}),
+    (37, 8, False, {"BLOCK_M": 16, "BLOCK_F": 16, "BLOCK_H": 16, "BLOCK_K": 16, "PAIR": 0,
+                    "COMBINE_ROWS": 2}),
     (37, 8, True, {"BLOCK_M": 32, "BLOCK_F": 16, "BLOCK_H": 16, "BLOCK_K": 32, "GROUP_M": 2}),
+    (37, 8, True, {"BLOCK_M": 32, "BLOCK_F": 32, "BLOCK_H": 64, "BLOCK_K": 16, "PAIR": 0,
+                   "COMBINE_ROWS": 4}),
     (37, 2, False, {"BLOCK_M": 16, "BLOCK_F": 64, "BLOCK_H": 64, "BLOCK_K": 64}),
     (37, 1, True, {}),
 ]
@@ -261,3 +269,79 @@ def test_moe_route_default_attrs_render_unchanged():
     base = {"k": 2, "normalize": True}
     assert render("moe_route", "moe_route", ins, outs, base).source == \
         render("moe_route", "moe_route", ins, outs, {**base, "groups": 1, "topk_groups": 1, "scale": 1.0}).source
+
+
+def skewed_routing(T, KT, E, hot, gen):
+    """Every token chooses KT distinct experts among the few `hot` ones: the others get no token
+    (no row block at all), the hot ones several blocks each, with a partial last one."""
+    ids = np.stack([gen.choice(hot, size=KT, replace=False) for _ in range(T)]).astype(np.int32)
+    w = (gen.random((T, KT)) + 0.1).astype(np.float32)
+    return torch.from_numpy(ids), torch.from_numpy(w)
+
+
+# (T, KT, hot experts, tune): 3 or 4 of 10 experts take all tokens (the others have none), T not a
+# multiple of any tile; the tiles are smaller than a hot expert's tokens. HALF_TAIL (the default
+# from BLOCK_M 32 up): ~40 tokens an expert in blocks of 32 leave tails of <= 16 rows, which run the
+# half-height tile, and (75, 2) tails of more, which run the full one
+SKEWED = [
+    (70, 2, [2, 5, 7], {"BLOCK_M": 16, "BLOCK_F": 16, "BLOCK_H": 32, "BLOCK_K": 16, "COMBINE_ROWS": 8}),
+    (53, 3, [0, 4, 6, 9], {"BLOCK_M": 16, "BLOCK_F": 32, "BLOCK_H": 16, "BLOCK_K": 32, "PAIR": 0, "GROUP_M": 2}),
+    (60, 2, [1, 3, 8], {"BLOCK_M": 32, "BLOCK_F": 16, "BLOCK_H": 16, "BLOCK_K": 16, "COMBINE_ROWS": 4}),
+    (75, 2, [1, 3, 8], {"BLOCK_M": 32, "BLOCK_F": 32, "BLOCK_H": 32, "BLOCK_K": 32, "PAIR": 0}),
+]
+
+
+@pytest.mark.parametrize("T,KT,hot,tune", SKEWED)
+def test_moe_grouped_skewed_routing(T, KT, hot, tune):
+    """gate_up then down on their own outputs, as the plan runs them, when most experts are idle
+    and the hot ones span several row blocks."""
+    gen = np.random.default_rng(T + KT)
+    ids, rw = skewed_routing(T, KT, E, hot, gen)
+    rows, counts = grouping(ids, E, gen)
+    c = counts.numpy()
+    assert (c == 0).sum() == E - len(hot) and c.max() > tune["BLOCK_M"]
+    x = rand((T, H), gen=gen)
+    gu, down = weights(E, H, F, gen)
+    ins, outs = gate_up_inputs(KT)
+    kg = render("moe_gate_up_grouped", "moe_gate_up", ins, outs, phase="prefill", tune=tune)
+    act = poison((T, KT, F))
+    run(kg, {"in:0": x, "in:1": ids, "in:2": gu, "in:3": rows, "in:4": counts, "out:0": act}, {"T": T, "B": 1})
+    want = REGISTRY["moe_gate_up"].reference(None, f32(x), ids.numpy(), f32(gu))
+    assert rel_err(f32(act), want) <= TOL
+    ins, outs = down_inputs(KT)
+    kd = render("moe_down_grouped", "moe_down", ins, outs, phase="prefill", tune=tune)
+    y = poison((T, H))
+    bindings = {"in:0": act, "in:1": rw, "in:2": ids, "in:3": down, "in:4": rows, "in:5": counts, "out:0": y}
+    zero_counters(run(kd, bindings, {"T": T, "B": 1}))
+    want = REGISTRY["moe_down"].reference(None, f32(act), rw.numpy(), ids.numpy(), f32(down))
+    assert rel_err(f32(y), want) <= TOL
+    rows2, _ = grouping(ids, E, gen)
+    y2 = poison((T, H))
+    zero_counters(run(kd, {**bindings, "in:4": rows2, "out:0": y2}, {"T": T, "B": 1}))
+    assert torch.equal(y.view(torch.int16), y2.view(torch.int16))
+
+
+def test_moe_grouped_defaults_at_qwen3_30b_shapes():
+    """The defaults the build renders at qwen3-30b-a3b's shapes (H=2048, F=768, 128 experts, top-8):
+    unmasked K loops, gate_up's interleaved single dot, moe_down's 128 x 256 tiles; and the
+    grids' bound on the row blocks covers the worst case (every expert's last block partial)."""
+    from infc.runtime.bind import grid
+    Hq, Fq, Eq, KTq = 2048, 768, 128, 8
+    gu = render("moe_gate_up_grouped", "moe_gate_up",
+                [("x", ["T", Hq], "bf16"), ("ids", ["T", KTq], "i32"), ("gate_up", [Eq, 2 * Fq, Hq], "bf16", "weight"),
+                 ("rows", [Eq, "T"], "i32"), ("counts", [Eq], "i32")], [("act", ["T", KTq, Fq], "bf16")],
+                phase="prefill")
+    dn = render("moe_down_grouped", "moe_down",
+                [("act", ["T", KTq, Fq], "bf16"), ("weights", ["T", KTq], "f32"), ("ids", ["T", KTq], "i32"),
+                 ("down", [Eq, Hq, Fq], "bf16", "weight"), ("rows", [Eq, "T"], "i32"), ("counts", [Eq], "i32")],
+                [("y", ["T", Hq], "bf16")], phase="prefill")
+    c = gu.meta["constexprs"]
+    assert (c["BLOCK_M"], c["BLOCK_F"], c["BLOCK_K"], c["PAIR"], c["EVEN_K"]) == (128, 128, 64, 1, True)
+    c = dn.meta["constexprs"]
+    assert (c["BLOCK_M"], c["BLOCK_H"], c["BLOCK_K"], c["EVEN_K"], c["NB"]) == (128, 256, 64, True, 8)
+    for T in (1, 5, 1024, 8191):
+        # the tokens' KT * T slots over the experts: sum_e cdiv(n_e, 128) <= T * KT / 128 + the
+        # number of experts with a token, which the grid's bound covers
+        for k, tiles in ((gu, Fq // 128), (dn, Hq // 256)):
+            blocks, rem = divmod(grid(k.meta, {"T": T, "B": 1})[0], tiles)
+            assert rem == 0 and blocks == -(-T * KTq // 128) + min(Eq, T * KTq), (T, blocks)
