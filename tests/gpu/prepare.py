@@ -140,12 +140,22 @@ TINY_QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hid
 RANKS = GPU_CACHE / "ranks"
 # (model, tag) -> the settings of compiler/parallel.py; "whole" is the single-GPU plan, "tp1" / "ep1"
 # one-rank plans with the collectives in (one_rank_plan)
-RANK_CONFIGS = {"tiny-qwen3": TINY_QWEN3, "tiny-moe": TINY_MOE}
+def _moe_l4() -> dict:
+    """qwen3-30b-a3b cut to 4 layers at its real shapes (128 experts, top-8, 768-wide experts)."""
+    from prepare_moe import config
+    cfg = config()
+    cfg.update(num_hidden_layers=4, max_window_layers=4, torch_dtype="bfloat16")
+    return cfg
+
+
+RANK_CONFIGS = {"tiny-qwen3": TINY_QWEN3, "tiny-moe": TINY_MOE, "qwen3-30b-a3b-l4": _moe_l4()}
 RANK_BUILDS = {("tiny-qwen3", "whole"): None, ("tiny-qwen3", "tp2"): dict(tensor_parallel_size=2),
                ("tiny-moe", "whole"): None, ("tiny-moe", "tp2"): dict(tensor_parallel_size=2),
                ("tiny-moe", "tp2ep2"): dict(tensor_parallel_size=2, enable_expert_parallel=True),
                ("tiny-moe", "ep2"): dict(expert_parallel_only=2),
-               ("tiny-moe", "tp1"): "tp", ("tiny-moe", "ep1"): "ep"}
+               ("tiny-moe", "tp1"): "tp", ("tiny-moe", "ep1"): "ep",
+               ("qwen3-30b-a3b-l4", "whole"): None, ("qwen3-30b-a3b-l4", "tp2"): dict(tensor_parallel_size=2),
+               ("qwen3-30b-a3b-l4", "ep2"): dict(expert_parallel_only=2)}
 
 
 def ranks_config(name: str) -> Path:

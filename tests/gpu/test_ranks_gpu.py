@@ -33,7 +33,8 @@ from infc.runtime.step import Chunk, build_step
 KW = dict(max_num_batched_tokens=1024, max_num_seqs=8, num_pages=256, buckets=[1, 2, 4, 8])
 LENS = [1, 7, 16, 33, 100, 255]
 DECODE = 8
-CASES = [("tiny-qwen3", "tp2"), ("tiny-moe", "tp2"), ("tiny-moe", "tp2ep2"), ("tiny-moe", "ep2")]
+CASES = [("tiny-qwen3", "tp2"), ("tiny-moe", "tp2"), ("tiny-moe", "tp2ep2"), ("tiny-moe", "ep2"),
+         ("qwen3-30b-a3b-l4", "tp2"), ("qwen3-30b-a3b-l4", "ep2")]     # issue 11: the 4-layer cut at real shapes
 
 
 def artifact(name: str, tag: str):
@@ -112,8 +113,10 @@ def test_device_copy_ranks_give_the_whole_logits(name, tag):
             for rr in (ranks, eager):          # logits() left every rank's in rank_logits
                 for r in range(1, rr.world):
                     assert np.array_equal(rr.rank_logits[r], rr.rank_logits[0]), f"{label}: rank {r} differs"
-            assert np.array_equal(out["ranks"], out["eager"]), \
-                f"{label}: graph replay != eager ({np.abs(out['ranks'] - out['eager']).max()})"
+            # graph replay and eager are each held to the whole plan, not to each other: the
+            # bucket pads B (6 -> 8 rows) and at qwen3-30b-a3b's shapes that changed the bits
+            # (max 0.014 in the logits at decode 0, H100), as the golden gate allows one rank
+            compare(out["eager"], out["whole"], f"{name} {tag} {label} (eager)")
             got = compare(out["ranks"], out["whole"], f"{name} {tag} {label}")
             for k, v in got.items():
                 worst[k] = max(worst.get(k, 0.0), v)
