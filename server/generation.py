@@ -1,0 +1,239 @@
+"""One request's way through the engine and its OpenAI rendering: the engine requests of its
+prompts and choices merged into one stream, prompt logprobs for echo, and the completion / chat
+responses, whole or as SSE chunks."""
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from infc.runtime.async_engine import EngineDeadError
+
+from . import protocol, scoring
+from .http import sse
+from .protocol import APIError, bad
+from .state import ServerState
+
+
+# -- the engine's outputs -----------------------------------------------------------------------
+async def merged(engine, jobs):
+    """(job index, StepOutput) from several engine requests at once; cancelling the consumer
+    cancels every request (each aborts in the engine)."""
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(k, ids, params, rid):
+        try:
+            async for out in engine.generate(ids, params, rid):
+                q.put_nowait((k, out))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:   # noqa: BLE001 - handed to the consumer
+            q.put_nowait((k, e))
+            return
+        q.put_nowait((k, None))
+
+    tasks = [asyncio.create_task(pump(k, ids, params, rid)) for k, ids, params, rid in jobs]
+    try:
+        left = len(tasks)
+        while left:
+            k, item = await q.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield k, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def run_all(*coros):
+    """Run coroutines together; the first failure cancels the rest and is raised as itself."""
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for c in coros:
+                tg.create_task(c)
+    except BaseExceptionGroup as eg:           # noqa: F821 - builtin in 3.11
+        first = eg.exceptions[0]
+        while isinstance(first, BaseExceptionGroup):  # noqa: F821
+            first = first.exceptions[0]
+        raise first from None
+
+
+def engine_error(e: BaseException) -> APIError:
+    if isinstance(e, EngineDeadError):
+        return APIError(503, f"the engine is not running: {e}", "server_error", code="engine_dead",
+                        headers={"Retry-After": "5"})
+    if isinstance(e, ValueError):
+        return bad(str(e))
+    return APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+
+
+@dataclass
+class _Choice:
+    text: str = ""
+    token_ids: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class Generation:
+    """One checked request on its way through the engine, and its OpenAI rendering."""
+
+    def __init__(self, state: ServerState, req: protocol.GenRequest, model: str):
+        self.state, self.req, self.model = state, req, model
+        self.b = state.backend
+        self.engine = self.b.engine
+        self.chat = req.kind == "chat"
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.object = "chat.completion" if self.chat else "text_completion"
+        self.prompt_logprobs: list = [None] * len(req.prompts)
+        self.prompt_tokens = sum(len(p) for p in req.prompts)
+
+    # engine requests
+    def jobs(self):
+        if self.req.params is None:
+            return []
+        return [(k, ids, self.req.params, f"{self.id}-{k}") for k, ids in enumerate(self.req.prompts)]
+
+    def index(self, k: int, i: int) -> int:
+        return k * self.req.n + i
+
+    async def score_prompts(self):
+        """Prompt logprobs for echo: entry 0 has no context, so no logprob."""
+        if not (self.req.echo and self.req.logprobs is not None):
+            return
+
+        async def one(k, ids):
+            lps = await scoring.prompt_logprobs(self.engine, ids, self.req.logprobs, self.b.vocab_size,
+                                                f"{self.id}-{k}")
+            lps[0] = {"token": ids[0], "logprob": None, "top": None}
+            self.prompt_logprobs[k] = lps
+
+        await run_all(*(one(k, ids) for k, ids in enumerate(self.req.prompts)))
+
+    def echo_text(self, k: int) -> str:
+        t = self.req.texts[k]
+        if t is None:
+            t = self.b.tokenizer.decode(self.req.prompts[k], skip_special_tokens=False)
+        return t
+
+    def usage(self, completion_tokens: int) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": self.prompt_tokens + completion_tokens}
+
+    # logprobs, as the two endpoints spell them
+    def completion_logprobs(self, entries: list, offset: int) -> tuple[dict, int]:
+        tokens, lps, tops, offsets = [], [], [], []
+        for e in entries:
+            s = self.state.token_str(e["token"])
+            tokens.append(s)
+            lps.append(e["logprob"])
+            if e["top"] is None:
+                tops.append(None)
+            else:
+                d = {self.state.token_str(t): lp for t, lp in e["top"]}
+                d.setdefault(s, e["logprob"])
+                tops.append(d)
+            offsets.append(offset)
+            offset += len(s)
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}, offset
+
+    def chat_logprobs(self, entries: list) -> dict:
+        def item(t, lp):
+            s = self.state.token_str(t)
+            return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8", "replace"))}
+        return {"content": [dict(item(e["token"], e["logprob"]),
+                                 top_logprobs=[item(t, lp) for t, lp in (e["top"] or [])])
+                            for e in entries]}
+
+    # non-streaming
+    async def collect(self) -> dict:
+        choices = {(k, i): _Choice() for k in range(len(self.req.prompts)) for i in range(self.req.n)}
+
+        async def gen():
+            async for k, out in merged(self.engine, self.jobs()):
+                c = choices[(k, out.index)]
+                c.text += out.text
+                c.token_ids += out.token_ids
+                if out.logprobs:
+                    c.logprobs += out.logprobs
+                if out.finished:
+                    c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
+
+        await run_all(gen(), self.score_prompts())
+        out = []
+        for (k, i), c in choices.items():
+            idx = self.index(k, i)
+            finish = c.finish_reason or "length"
+            if self.chat:
+                out.append({"index": idx, "message": {"role": "assistant", "content": c.text},
+                            "logprobs": self.chat_logprobs(c.logprobs) if self.req.logprobs is not None else None,
+                            "finish_reason": finish, "stop_reason": c.stop_reason})
+                continue
+            text, lp = c.text, None
+            if self.req.echo:
+                text = self.echo_text(k) + text
+            if self.req.logprobs is not None:
+                entries = (self.prompt_logprobs[k] or []) + c.logprobs
+                lp, _ = self.completion_logprobs(entries, 0)
+            out.append({"index": idx, "text": text, "logprobs": lp, "finish_reason": finish,
+                        "stop_reason": c.stop_reason})
+        out.sort(key=lambda c: c["index"])
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": out, "usage": self.usage(sum(len(c.token_ids) for c in choices.values()))}
+
+    # streaming
+    def chunk(self, choices: list, usage: dict | None = None) -> bytes:
+        obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+               "created": self.created, "model": self.model, "choices": choices}
+        if usage is not None:
+            obj["usage"] = usage
+        return sse(obj)
+
+    async def stream(self):
+        req, done_tokens = self.req, 0
+        offsets: dict[int, int] = {}
+        try:
+            live = self.usage(0) if req.continuous_usage else None
+            if self.chat:
+                yield self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                   "logprobs": None, "finish_reason": None} for i in range(req.n)], live)
+            elif req.echo:
+                await self.score_prompts()
+                first = []
+                for k in range(len(req.prompts)):
+                    for i in range(req.n):
+                        lp = None
+                        if req.logprobs is not None:
+                            lp, offsets[self.index(k, i)] = self.completion_logprobs(self.prompt_logprobs[k], 0)
+                        first.append({"index": self.index(k, i), "text": self.echo_text(k), "logprobs": lp,
+                                      "finish_reason": None if req.params else "length", "stop_reason": None})
+                yield self.chunk(first, live)
+            async for k, out in merged(self.engine, self.jobs()):
+                idx = self.index(k, out.index)
+                done_tokens += len(out.token_ids)
+                if not (out.text or out.finished or (req.logprobs is not None and out.logprobs)):
+                    continue
+                if self.chat:
+                    c = {"index": idx, "delta": {"content": out.text} if out.text else {},
+                         "logprobs": self.chat_logprobs(out.logprobs or []) if req.logprobs is not None else None,
+                         "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+                else:
+                    lp = None
+                    if req.logprobs is not None:
+                        lp, offsets[idx] = self.completion_logprobs(out.logprobs or [], offsets.get(idx, 0))
+                    c = {"index": idx, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason,
+                         "stop_reason": out.stop_reason}
+                yield self.chunk([c], self.usage(done_tokens) if req.continuous_usage else None)
+            if req.include_usage:
+                yield self.chunk([], self.usage(done_tokens))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a failure mid-stream is an error event, then [DONE]
+            err = e if isinstance(e, APIError) else engine_error(e)
+            yield sse(err.body())
+        yield b"data: [DONE]\n\n"

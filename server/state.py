@@ -1,0 +1,54 @@
+"""The server's configuration and state: the limits it enforces, and the backend it serves once
+attached (until then /health answers 503), with the chat template and token strings it renders."""
+import time
+from dataclasses import dataclass, field
+
+from . import chat, protocol
+
+
+@dataclass
+class ServerConfig:
+    served_model_names: list = field(default_factory=lambda: ["model"])
+    api_key: str | None = None
+    max_num_seqs: int = 256
+    max_queued_requests: int = 1024          # sequences waiting beyond max_num_seqs before 429
+    max_logprobs: int = 20
+    max_n: int = 128
+    max_request_body_bytes: int = 16 << 20
+    max_header_bytes: int = 16 << 10         # all request headers together; more is a 431
+    chat_template: str | None = None         # overrides the model's
+    trust_request_chat_template: bool = False
+    root: str | None = None                  # shown as the model's root in /v1/models
+
+
+class ServerState:
+    def __init__(self, config: ServerConfig, backend=None):
+        self.config = config
+        self.backend = None
+        self.error: BaseException | None = None     # the startup failure, if any
+        self.inflight_seqs = 0                        # sequences of requests being served
+        self.created = int(time.time())
+        self.template, self.special, self.limits = None, {}, None
+        self._token_str: dict[int, str] = {}
+        if backend is not None:
+            self.attach(backend)
+
+    def attach(self, backend):
+        c = self.config
+        self.template = c.chat_template or chat.find_template(backend.tokenizer_config, backend.model_dir)
+        self.special = chat.special_tokens(backend.tokenizer_config)
+        self.limits = protocol.Limits(backend.max_model_len, backend.vocab_size, c.max_logprobs, c.max_n)
+        self.backend = backend                        # last: from here on the server is ready
+
+    @property
+    def ready(self) -> bool:
+        return self.backend is not None and self.backend.engine.healthy
+
+    def token_str(self, t: int) -> str:
+        s = self._token_str.get(t)
+        if s is None:
+            tok = self.backend.tokenizer
+            s = tok.decode([t], skip_special_tokens=False) if tok is not None else f"token_id:{t}"
+            if len(self._token_str) < 1 << 18:
+                self._token_str[t] = s
+        return s
