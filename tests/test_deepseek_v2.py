@@ -57,18 +57,24 @@ def _randomize(model):
                 p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
 
 
+def make(kind: str, d, **over):
+    """The tiny random model of this VARIANTS kind (BASE's fields replaced by over: the server
+    suite's takes its real tokenizer's vocab_size), saved into d; returns the HF float32 model."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+    torch.manual_seed(4321)
+    model = DeepseekV2ForCausalLM(DeepseekV2Config(**{**BASE, **VARIANTS[kind], **over})).float().eval()
+    model.set_attn_implementation("eager")
+    _randomize(model)
+    model.save_pretrained(d)
+    return model
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
     out = {}
-    for kind, extra in VARIANTS.items():
-        torch.manual_seed(4321)
-        model = DeepseekV2ForCausalLM(DeepseekV2Config(**BASE, **extra)).float().eval()
-        model.set_attn_implementation("eager")
-        _randomize(model)
+    for kind in VARIANTS:
         d = tmp_path_factory.mktemp(f"deepseek_v2-{kind}")
-        model.save_pretrained(d)
-        out[kind] = (d, model)
+        out[kind] = (d, make(kind, d))
     return out
 
 

@@ -76,10 +76,11 @@ def _randomize(model):
                 p.copy_(torch.log(0.05 + 1.45 * torch.rand(p.shape, generator=gen)))
 
 
-def _causal():
+def _causal(**over):
+    """over: TEXT's fields replaced (the server suite's model: vocab_size of its real tokenizer)."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
     return Qwen3_5ForCausalLM(Qwen3_5TextConfig(
-        **TEXT, tie_word_embeddings=False,
+        **{**TEXT, **over}, tie_word_embeddings=False,
         layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"]))
 
 

@@ -1,9 +1,13 @@
-"""The OpenAI-compatible server end to end, driven by the real `openai` SDK (on the CPU backend with
-the real SmolLM2-135M in CI; on any model and device through test_server_support's variables): completions and chat, streaming with and without usage, n > 1, logprobs,
-echo with prompt logprobs, stop strings and ids, seeds, the error cases (400 / 404 / 401 / 413 /
-429 and the context length), /tokenize, /detokenize, /tokenizer_info, /metrics, /health through
-loading and engine death, valid UTF-8 on the wire, and TCP_NODELAY. Generations are a few tokens
-each: a numpy decode step of SmolLM2 takes tens to hundreds of ms on CI."""
+"""The OpenAI-compatible server end to end, driven by the real `openai` SDK (in CI on the CPU backend,
+once per model: the real SmolLM2-135M, a tiny random Qwen3.5 (hybrid: state slots, no prefix cache)
+and a tiny random DeepSeek-V2 (latent KV cache), the two with the real Qwen tokenizer; on any model
+and device through test_server_support's variables): completions and chat, streaming with and
+without usage, n > 1, logprobs, echo with prompt logprobs, stop strings and ids, seeds, the error
+cases (400 / 404 / 401 / 413 / 429 and the context length), /tokenize, /detokenize,
+/tokenizer_info, /metrics, /health through loading and engine death, valid UTF-8 on the wire,
+TCP_NODELAY, and a long prompt replayed (over cached prefix pages where the engine keeps them).
+Generations are a few tokens each: a numpy decode step of SmolLM2 takes tens to hundreds of ms on
+CI (the tiny models' suites take ~10 s each)."""
 import json
 import socket
 import threading
@@ -17,11 +21,16 @@ from infc.runtime.runner import Sample
 from infc.server.app import ServerConfig, ServerState, make_app
 from infc.backend import Backend
 from infc.server.serve import ServerThread
-from test_server_support import (DEVICE, MAX_MODEL_LEN, NAMES, SERIAL, SMOLLM2, assert_clean, backend,  # noqa: F401
-                                 live, one_blas_thread, request, srv)
+from test_server_support import (DEVICE, MAX_MODEL_LEN, MODELS, NAMES, assert_clean, backend, current,  # noqa: F401
+                                 live, one_blas_thread, per_model_srv, request)
 
 PROMPT = "The capital of France is"
 GREEDY = dict(temperature=0)
+
+
+# every test taking the server runs once per model of test_server_support.MODELS (SmolLM2, and the
+# tiny random Qwen3.5 and DeepSeek-V2 on the CPU; `-k qwen3_5` selects one)
+srv = per_model_srv(MODELS)
 
 
 def n_prompt() -> int:
@@ -50,8 +59,8 @@ def first_stop(tokens: list[str], start: int = 0):
 
 def parallel(*fns):
     """Run SDK calls at once (they share engine steps); return their results in order. One at a
-    time when SERIAL (a random-weight model: see test_server_support)."""
-    if SERIAL:
+    time when current().serial (a random-weight model: see test_server_support)."""
+    if current().serial:
         return [f() for f in fns]
     out, errs = [None] * len(fns), []
 
@@ -80,7 +89,7 @@ def test_completion_prompt_forms_agree(srv):
         lambda: c.completions.create(model="smol-alias", prompt=ids, max_tokens=3, **GREEDY),
         lambda: c.completions.create(model="smol", prompt=[ids, backend().tokenizer.encode("Hello")], max_tokens=3, **GREEDY))
     assert one.object == "text_completion" and one.model == "smol" and as_ids.model == "smol-alias"
-    if SMOLLM2:
+    if current().real:
         assert one.choices[0].text.startswith(" Paris")
     assert as_ids.choices[0].text == one.choices[0].text == batch.choices[0].text
     assert [ch.index for ch in batch.choices] == [0, 1]
@@ -151,6 +160,10 @@ def test_n_and_seed_reproducibility(srv):
             texts[x.index] = texts.get(x.index, "") + x.text
     assert texts == {i: many.choices[i].text for i in range(3)}
     assert streamed[-1].usage.completion_tokens == 12
+    if not current().serial:         # n > 1 greedy: each sequence (its own pages, its own state slot) as one alone
+        one, three = [c.completions.create(model="smol", prompt="Once upon a time", max_tokens=4, n=k, **GREEDY,
+                                           extra_body={"ignore_eos": True}) for k in (1, 3)]
+        assert [ch.text for ch in three.choices] == [one.choices[0].text] * 3
 
 
 def test_logprobs_completion_and_chat(srv):
@@ -190,7 +203,7 @@ def test_echo_with_prompt_logprobs(srv):
     assert len(lp.tokens) == n_echo + 2 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     # the prompt's last token (" Paris") is scored exactly as generation scored it, when the text
     # re-tokenizes to the prompt's ids + the generated one (always for SmolLM2 here)
-    if SMOLLM2 or tok.encode(PROMPT + paris.tokens[0])[:n] == tok.encode(PROMPT) and n_echo == n + 1:
+    if current().real or tok.encode(PROMPT + paris.tokens[0])[:n] == tok.encode(PROMPT) and n_echo == n + 1:
         assert n_echo == n + 1 and lp.tokens[n] == paris.tokens[0]
         tol = 1e-4 if DEVICE == "cpu" else 0.05          # bf16 on a GPU: other kernels score it
         assert abs(lp.token_logprobs[n] - paris.token_logprobs[0]) < tol
@@ -201,8 +214,36 @@ def test_echo_with_prompt_logprobs(srv):
     assert z.text == PROMPT and z.logprobs.token_logprobs[0] is None and len(z.logprobs.tokens) == n
     assert zero.usage.completion_tokens == 0
     assert "".join(ch.choices[0].text for ch in streamed if ch.choices).startswith(PROMPT + paris.tokens[0])
-    if SMOLLM2:
+    if current().real:
         assert paris.tokens[0] == " Paris"
+    assert_clean(srv)
+
+
+def test_long_prompt_replayed(srv):
+    """A prompt of several full pages sent again, then echoed: the same greedy tokens and, within
+    rounding, the same logprobs, whether the engine serves it again from cached prefix pages
+    (SmolLM2's KV, DeepSeek-V2's latent c_kv | k_pe pages) or recomputes it: a plan with state
+    slots (Qwen3.5) never gets a prefix hit, since cached KV cannot restore its recurrent state."""
+    c, e = srv.client(), srv.engine
+    prompt = "The quick brown fox jumps over the lazy dog. " * 4
+    hits = e.bm.hit_tokens
+    first, again, echoed = [c.completions.create(model="smol", prompt=prompt, max_tokens=4, logprobs=1, echo=echo,
+                                                 **GREEDY) for echo in (False, False, True)]
+    tol = 1e-4 if DEVICE == "cpu" else 0.05
+    n = len(backend().tokenizer.encode(prompt))
+    assert n > 2 * backend().page_size
+    assert again.choices[0].text == first.choices[0].text and echoed.choices[0].text.startswith(prompt)
+    want, runs = first.choices[0].logprobs.token_logprobs, [again]
+    if not current().serial:         # (on a GPU, prompt logprobs' prefill is another kernel path)
+        assert echoed.choices[0].text == prompt + first.choices[0].text
+        runs.append(echoed)
+    for run in runs:
+        got = run.choices[0].logprobs.token_logprobs[-4:]
+        assert max(abs(a - b) for a, b in zip(got, want)) < tol, (got, want)
+    if e.num_slots:
+        assert not e.bm.enable_prefix_caching and e.bm.hit_tokens == 0
+    elif e.bm.enable_prefix_caching:
+        assert e.bm.hit_tokens - hits >= backend().page_size       # the replay reused full pages
     assert_clean(srv)
 
 
@@ -210,7 +251,7 @@ def test_stop_strings_and_ids(srv):
     c = srv.client()
     base = c.completions.create(model="smol", prompt=PROMPT, max_tokens=6, logprobs=1, **GREEDY).choices[0]
     k, stop, stop_id = first_stop(base.logprobs.tokens, start=1)
-    if SMOLLM2:
+    if current().real:
         assert (k, stop) == (1, ".")                                 # " Paris.\n\n..."
     other = "zz" if "zz" not in base.text else "\x01zz"
     stopped, streamed, by_id = parallel(
@@ -245,7 +286,7 @@ def test_sampling_fields_reach_the_engine(srv):
         lambda: c.completions.create(model="smol", prompt=PROMPT, max_tokens=6, **GREEDY,
                                      logprobs=1, extra_body={"stop_token_ids": [dot], "min_tokens": 6}))
     assert topk1.choices[0].text == greedy.choices[0].text == minp.choices[0].text == first.text
-    if SMOLLM2:
+    if current().real:
         assert greedy.choices[0].text.startswith(" Paris.") and k == 1
     assert stop_at_dot.choices[0].finish_reason == "stop" and stop_at_dot.usage.completion_tokens == k + 1
     assert held.choices[0].finish_reason == "length" and held.usage.completion_tokens == 6
@@ -380,7 +421,7 @@ def test_chat_template_kwargs_and_errors(srv):
             c.chat.completions.create(model="smol", messages=[{"role": "user", "content": "x"}], max_tokens=1,
                                       extra_body={"chat_template": bad_tpl})
         assert word in e.value.message
-    if SMOLLM2:
+    if current().real:
         with pytest.raises(openai.BadRequestError) as e:     # SmolLM2's template concatenates content
             c.chat.completions.create(model="smol", messages=[{"role": "assistant", "content": None}], max_tokens=1)
         assert "template" in e.value.message

@@ -1,16 +1,29 @@
-"""Shared by the server tests (no tests here): one backend per test process, served on 127.0.0.1
-by uvicorn in a thread, plus helpers to look inside its engine.
+"""Shared by the server tests (no tests here): one backend per model per test process, served on
+127.0.0.1 by uvicorn in a thread, plus helpers to look inside its engine.
 
-The backend is the real SmolLM2-135M on the CPU (CI), or any model directory on any device:
+Without variables the suite's models are the real SmolLM2-135M (the default: what test_server_fuzz,
+test_server_disconnect and test_server_cli serve) and two tiny random models of the families whose
+engines differ, each with the real Qwen tokenizer (tools/qwen_tokenizer.py) and vocab_size its
+size: a Qwen3_5ForCausalLM (tests/test_qwen3_5.py's: Gated DeltaNet layers with per-sequence state
+slots; the engine turns prefix caching off) and a DeepSeek-V2 with q_lora and group-limited routing
+(tests/test_deepseek_v2.py's "qlora": the latent KV cache), all on the CPU. test_server.py runs
+once per model (its `srv` fixture is parametrized over MODELS; `-k qwen3_5` selects one).
+Or any one model directory on any device:
     INFC_SERVER_MODEL=/tmp/infc-models/qwen3-4b INFC_SERVER_DEVICE=cuda pytest tests/test_server.py
 (the GPU run, with random weights). What only a real model knows (a greedy " Paris") is asserted
-only when the model is SmolLM2; everything else the suite derives from the model's own outputs."""
+only when the model is SmolLM2 (current().real); everything else the suite derives from the
+model's own outputs."""
+import atexit
 import http.client
 import json
 import os
+import shutil
+import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -21,15 +34,8 @@ from infc.server.serve import ServerThread
 MAX_MODEL_LEN = 256
 MODEL_DIR = os.environ.get("INFC_SERVER_MODEL")
 DEVICE = os.environ.get("INFC_SERVER_DEVICE", "cpu")
-SMOLLM2 = MODEL_DIR is None                 # the real model: its greedy answers are known
-# Outputs compared across requests stay equal under concurrency only with a confident model: on a
-# GPU a row batched with others, or over cached prefix pages, takes another kernel path, and a
-# random-weight model's near-tied logits (gaps of 0.005-0.07 nat) flip with the rounding. With
-# random weights the suite sends compared requests one at a time and turns the prefix cache off
-# (the GPU suite covers both: prefix replays, 1000 requests with shared prefixes, 50 clients).
-SERIAL = not SMOLLM2
-# token ids at or above this are out of the vocabulary (the fuzz's bad ids)
-VOCAB_SIZE = 49152 if SMOLLM2 else json.loads((Path(MODEL_DIR) / "config.json").read_text())["vocab_size"]
+# token ids at or above this are out of the default model's vocabulary (the fuzz's bad ids)
+VOCAB_SIZE = 49152 if MODEL_DIR is None else json.loads((Path(MODEL_DIR) / "config.json").read_text())["vocab_size"]
 NAMES = ["smol", "smol-alias"]
 _lock = threading.Lock()
 _live = {}
@@ -56,23 +62,111 @@ class Live:
         self.thread.stop()
 
 
-def backend():
+@dataclass(frozen=True)
+class ServerModel:
+    name: str
+    real: bool                   # SmolLM2's real weights: its greedy answers are known
+    serial: bool                 # compared requests one at a time, prefix cache off (see MODELS)
+    make: Callable[[], Path]     # -> the model directory (made once per process)
+
+
+def _qwen_tokenizer_into(d: Path) -> int:
+    """The repo's Qwen tokenizer (tokenizer.json, tokenizer_config.json) written into d; returns
+    its size (the tiny model's vocab_size)."""
+    from test_qwen_tokenizer import qt
+    qt.write_qwen_tokenizer(d)
+    return max(tid for _, tid, _ in qt.ADDED_TOKENS) + 1
+
+
+def _qwen_token_ids(d: Path):
+    """After save_pretrained: config.json's and generation_config.json's token ids those of a Qwen3
+    chat model's tokenizer, not the HF class defaults (DeepSeek-V2's eos 100001)."""
+    from test_qwen_tokenizer import qt
+    im_end, endoftext = qt.SPECIAL_TOKENS["<|im_end|>"], qt.SPECIAL_TOKENS["<|endoftext|>"]
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(eos_token_id=im_end, bos_token_id=None, pad_token_id=endoftext)
+    (d / "config.json").write_text(json.dumps(cfg, indent=2))
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [im_end, endoftext],
+                                                          "pad_token_id": endoftext}))
+
+
+def _tmp_dir(name: str) -> Path:
+    d = Path(tempfile.mkdtemp(prefix=f"infc-server-{name}-"))
+    atexit.register(shutil.rmtree, d, True)
+    return d
+
+
+def _smollm2() -> Path:
+    from smollm2_from_gguf import ensure_smollm2
+    return ensure_smollm2()
+
+
+def _tiny_qwen3_5() -> Path:
+    import torch
+    from test_qwen3_5 import _causal, _randomize
+    d = _tmp_dir("qwen3_5")
+    vocab = _qwen_tokenizer_into(d)
+    torch.manual_seed(1234)
+    model = _causal(vocab_size=vocab).float().eval()
+    _randomize(model)
+    model.save_pretrained(d)
+    _qwen_token_ids(d)
+    return d
+
+
+def _tiny_deepseek_v2() -> Path:
+    from test_deepseek_v2 import make
+    d = _tmp_dir("deepseek_v2")
+    make("qlora", d, vocab_size=_qwen_tokenizer_into(d))
+    _qwen_token_ids(d)
+    return d
+
+
+# serial: outputs compared across requests stay equal under concurrency only with a confident model:
+# on a GPU a row batched with others, or over cached prefix pages, takes another kernel path, and a
+# random-weight model's near-tied logits (gaps of 0.005-0.07 nat) flip with the rounding. With
+# random weights from INFC_SERVER_MODEL the suite sends compared requests one at a time and turns
+# the prefix cache off (the GPU suite covers both: prefix replays, 1000 requests with shared
+# prefixes, 50 clients). The tiny models run float32 numpy on the CPU, where a row's logits do not
+# move with its batch (their flat 151k-token distributions included): their requests share steps
+# (and DeepSeek-V2's cached latent pages), as SmolLM2's do.
+if MODEL_DIR is None:
+    MODELS = {m.name: m for m in (
+        ServerModel("smollm2", real=True, serial=False, make=_smollm2),
+        ServerModel("qwen3_5", real=False, serial=DEVICE != "cpu", make=_tiny_qwen3_5),
+        ServerModel("deepseek_v2", real=False, serial=DEVICE != "cpu", make=_tiny_deepseek_v2))}
+else:
+    MODELS = {Path(MODEL_DIR).name: ServerModel(Path(MODEL_DIR).name, real=False, serial=True,
+                                                make=lambda: Path(MODEL_DIR))}
+DEFAULT = next(iter(MODELS))
+_current = [DEFAULT]
+
+
+def use_model(name: str | None):
+    """backend(), live() and current() serve this model from now on (None: the default)."""
+    _current[0] = name or DEFAULT
+
+
+def current() -> ServerModel:
+    return MODELS[_current[0]]
+
+
+def backend(name: str | None = None):
+    """The backend of this model (default: the current one), loaded once per process."""
+    m = MODELS[name or _current[0]]
     with _lock:
-        if "backend" not in _live:
-            if SMOLLM2:
-                from smollm2_from_gguf import ensure_smollm2
-                model_dir = ensure_smollm2()
-            else:
-                model_dir = MODEL_DIR
+        key = ("backend", m.name)
+        if key not in _live:
             kv = {"kv_cache_memory_bytes": 64 << 20} if DEVICE == "cpu" else {"num_gpu_blocks_override": 2048}
-            _live["backend"] = load_backend(model_dir, device=DEVICE, max_model_len=MAX_MODEL_LEN,
-                                            max_num_seqs=64, enable_prefix_caching=not SERIAL, log=None, **kv)
-        return _live["backend"]
+            _live[key] = load_backend(m.make(), device=DEVICE, max_model_len=MAX_MODEL_LEN, max_num_seqs=64,
+                                      enable_prefix_caching=not m.serial, log=None, **kv)
+        return _live[key]
 
 
 def live(**config) -> Live:
-    """The shared server (default config), or a new one over the same backend with this config."""
-    key = tuple(sorted(config.items()))
+    """The current model's shared server (default config), or a new one over the same backend with
+    this config."""
+    key = (_current[0],) + tuple(sorted(config.items()))
     with _lock:
         have = _live.get(key)
     if have is None:
@@ -82,6 +176,17 @@ def live(**config) -> Live:
         with _lock:
             _live[key] = have
     return have
+
+
+def per_model_srv(names):
+    """A module's `srv` fixture over these models of MODELS: each test taking it runs once per
+    model (pytest groups a module's tests by model, so each backend and server starts once)."""
+    @pytest.fixture(scope="module", params=list(names))
+    def srv(request):
+        use_model(request.param)
+        yield live()
+        use_model(None)
+    return srv
 
 
 def wait_idle(engine, timeout=60.0):
@@ -103,6 +208,7 @@ def assert_clean(live_server: Live, timeout=60.0):
     assert not e.requests and not e.scheduler.running and not e.scheduler.waiting
     assert all(b.ref == 0 for b in e.bm.blocks), [b.id for b in e.bm.blocks if b.ref]
     assert e.bm.num_free_pages == e.bm.num_pages
+    assert e.bm.num_free_slots == e.bm.num_slots, (e.bm.num_free_slots, e.bm.num_slots)   # state slots (hybrid)
     e.bm.check()
     assert live_server.state.inflight_seqs == 0
 
@@ -132,4 +238,6 @@ def one_blas_thread():
 
 @pytest.fixture(scope="module")
 def srv():
+    """The default model's server (test_server.py's own `srv` runs over every model in MODELS)."""
+    use_model(None)
     return live()
