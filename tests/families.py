@@ -33,6 +33,22 @@ def reference_greedy(plan, weights, prompt, n) -> list[int]:
 BASE = dict(vocab_size=VOCAB, max_position_embeddings=256, initializer_range=0.05)
 
 
+def engine_greedy(runner, prompts: list, max_tokens: int) -> dict:
+    """request id -> the greedy tokens the engine generates for each prompt over `runner`, all
+    requests in flight together (r0, r1, ...)."""
+    from infc.runtime.engine import Engine
+    from infc.runtime.sampling import SamplingParams
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    engine = Engine(runner, max_model_len=1024)
+    for i, p in enumerate(prompts):
+        engine.add_request(p, params, f"r{i}")
+    toks: dict = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            toks.setdefault(o.request_id, []).extend(o.token_ids)
+    return toks
+
+
 def _qwen2():
     from transformers import Qwen2Config, Qwen2ForCausalLM
     # Qwen2.5 long-context recipe: YaRN, factor 4 over the original context (tiny here: 32 ->

@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 import torch
 import triton  # noqa: F401  (imported before cuda_mods records sys.modules: never dropped)
+from fake_cuda import cuda_modules
 from kernels.harness import load
 
 from infc.compiler.ops import REGISTRY
@@ -43,30 +44,10 @@ NP = {"bf16": None, "f32": np.float32, "i32": np.int32}
 @pytest.fixture
 def cuda_mods():
     """runtime.cuda.{collectives,ranks,runner,driver} importable with a stand-in cuda.bindings
-    when this machine has none (the driver touches it only inside calls); those modules are
-    dropped afterwards."""
-    try:
-        import cuda.bindings.driver  # noqa: F401
-        have = True
-    except ImportError:
-        have = False
-    before = set(sys.modules)
-    if not have:
-        cuda, bindings, drv = (types.ModuleType(n) for n in ("cuda", "cuda.bindings", "cuda.bindings.driver"))
-        cuda.bindings, bindings.driver = bindings, drv
-        sys.modules.update({"cuda": cuda, "cuda.bindings": bindings, "cuda.bindings.driver": drv})
-    try:
+    when this machine has none (fake_cuda.cuda_modules); those modules are dropped afterwards."""
+    with cuda_modules():
         yield types.SimpleNamespace(**{m: importlib.import_module(f"infc.runtime.cuda.{m}")
                                        for m in ("driver", "collectives", "ranks", "runner", "artifact")})
-    finally:
-        if not have:        # only what was bound to the stand-in (torch, triton... stay loaded)
-            for name in sorted(set(sys.modules) - before, reverse=True):
-                if not (name == "cuda" or name.startswith(("cuda.", "infc.runtime.cuda."))):
-                    continue
-                mod = sys.modules.pop(name)
-                parent, _, child = name.rpartition(".")
-                if parent in sys.modules and getattr(sys.modules[parent], child, None) is mod:
-                    delattr(sys.modules[parent], child)
 
 
 # -- NCCL ---------------------------------------------------------------------------------------

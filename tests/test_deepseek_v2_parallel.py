@@ -150,24 +150,13 @@ def test_expert_parallel_alone_keeps_attention_and_shared_experts_whole(models):
 def test_engine_on_simulated_ranks_generates_the_single_rank_tokens(models, rng):
     """The engine (paged latent cache, batching) over TP x EP ranks of the group-limited q_lora
     model: rank 0's step metadata serves every rank, rank 0 samples."""
-    from infc.runtime.engine import Engine
+    from families import engine_greedy
     from infc.runtime.runner import CPURunner
-    from infc.runtime.sampling import SamplingParams
     d, _ = models["qlora"]
     runners = [CPURunner(*_single(d), 32),
                rank_runner(*_ranks(d, tensor_parallel_size=2, enable_expert_parallel=True), 32)]
     prompts = [[int(t) for t in rng.integers(0, VOCAB, n)] for n in (11, 4, 19)]
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    outs = []
-    for runner in runners:
-        engine = Engine(runner, max_model_len=1024)
-        for i, p in enumerate(prompts):
-            engine.add_request(p, params, f"r{i}")
-        toks = {}
-        while engine.has_unfinished():
-            for o in engine.step():
-                toks.setdefault(o.request_id, []).extend(o.token_ids)
-        outs.append(toks)
+    outs = [engine_greedy(runner, prompts, 8) for runner in runners]
     assert outs[0] == outs[1] and all(len(t) == 8 for t in outs[0].values())
     assert len({tuple(t) for t in outs[0].values()}) == 3          # three different continuations
 

@@ -149,10 +149,9 @@ def test_expert_parallel_rank_reads_only_its_experts(tiny_model):
 def test_engine_on_simulated_ranks_generates_the_single_rank_tokens(tiny_model, rng):
     """The engine (paged caches, prefix cache, batching) over TP x EP ranks: rank 0's metadata
     serves every rank (page ids are the same on every rank), rank 0 samples."""
-    from infc.runtime.engine import Engine
+    from families import engine_greedy
     from infc.runtime.reference.ranks import rank_runner
     from infc.runtime.runner import CPURunner
-    from infc.runtime.sampling import SamplingParams
     d, _ = tiny_model("qwen3_moe")
     _, plan = compile_model(model_dir=str(d))
     plans = [p for _, p in compile_ranks(settings(tensor_parallel_size=2, enable_expert_parallel=True),
@@ -160,17 +159,7 @@ def test_engine_on_simulated_ranks_generates_the_single_rank_tokens(tiny_model, 
     runners = [CPURunner(plan, load_weights(plan, Checkpoint(d)), 32),
                rank_runner(plans, [load_weights(p, Checkpoint(d)) for p in plans], 32)]
     prompts = [[int(t) for t in rng.integers(0, 320, n)] for n in (11, 4, 19)]
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    outs = []
-    for runner in runners:
-        engine = Engine(runner, max_model_len=1024)
-        for i, p in enumerate(prompts):
-            engine.add_request(p, params, f"r{i}")
-        toks = {}
-        while engine.has_unfinished():
-            for o in engine.step():
-                toks.setdefault(o.request_id, []).extend(o.token_ids)
-        outs.append(toks)
+    outs = [engine_greedy(runner, prompts, 8) for runner in runners]
     assert outs[0] == outs[1] and all(len(t) == 8 for t in outs[0].values())
 
 
