@@ -81,11 +81,15 @@ def load_backend(model_dir, model: str | None = None, spec: str | None = None, d
                  enable_prefix_caching: bool = True, block_size: int = 16,
                  num_gpu_blocks_override: int | None = None, kv_cache_memory_bytes: int | None = None,
                  asynchronous: bool = True, cuda_graphs: bool = True, log=print,
-                 spec_dirs=None, load_format: str = "auto") -> Backend:
+                 spec_dirs=None, load_format: str = "auto", tensor_parallel_size: int = 1,
+                 enable_expert_parallel: bool = False) -> Backend:
     """spec_dirs: spec directories searched before specs/ (with $INFC_SPEC_PATH) for the spec
     whose architectures match the directory's config.json. load_format: "auto" reads the
     directory's safetensors; "dummy" (vLLM's spelling) makes random weights of the plan's shapes
-    (on the GPU, on the device), so config.json alone is enough (runtime/dummy_weights.py)."""
+    (on the GPU, on the device), so config.json alone is enough (runtime/dummy_weights.py).
+    tensor_parallel_size > 1 (and enable_expert_parallel): one rank plan per process
+    (runtime/rank_workers.py), rank 0 here with the engine; on cpu the numpy references exchange
+    through rank 0, on cuda rank r runs on GPU r over NCCL."""
     from infc.runtime.dummy_weights import check_load_format
     from infc.runtime.async_engine import AsyncEngine
     from infc.runtime.engine import Engine
@@ -112,7 +116,17 @@ def load_backend(model_dir, model: str | None = None, spec: str | None = None, d
         if dummy:
             log("  load format dummy: random weights, no checkpoint read or checked")
 
-    if device == "cpu":
+    par = None
+    if tensor_parallel_size != 1 or enable_expert_parallel:
+        from infc.compiler.parallel import settings
+        par = settings(tensor_parallel_size, enable_expert_parallel)
+    if par is not None:
+        runner, plan, name, model_len = _rank_processes(
+            st, par, device, model_dir, model, spec, spec_dirs, dummy, load_format, block_size,
+            num_gpu_blocks_override, kv_cache_memory_bytes, max_num_seqs, max_num_batched_tokens,
+            max_model_len, gpu_memory_utilization, cuda_graphs)
+        page_size = runner.page_size
+    elif device == "cpu":
         from infc.compiler.build import compile_model
         from infc.runtime.runner import CPURunner
         from infc.runtime.safetensors_io import Checkpoint
@@ -184,3 +198,63 @@ def load_backend(model_dir, model: str | None = None, spec: str | None = None, d
         log(f"  maximum concurrency for {limit} tokens per request: {b.max_concurrency:.2f}x")
         log(f"ready in {time.perf_counter() - st.t_all:.2f} s")
     return b
+
+
+def _rank_processes(st, par, device, model_dir, model, spec, spec_dirs, dummy, load_format,
+                    block_size, num_gpu_blocks_override, kv_cache_memory_bytes, max_num_seqs,
+                    max_num_batched_tokens, max_model_len, gpu_memory_utilization, cuda_graphs):
+    """(runner, rank 0's plan, model name, model length) of a parallel build, one process per
+    rank (runtime/rank_workers.py: MultiProcessRunner)."""
+    import json
+    import tempfile
+    from infc.runtime.rank_workers import MultiProcessRunner
+    world = par["world"]
+    if device == "cpu":
+        from infc.compiler.parallel import compile_ranks
+        from infc.runtime.runner import CPURunner
+        if dummy:
+            raise ValueError("--load-format dummy with --tensor-parallel-size runs on cuda only")
+        ranks = st.run("compile rank plans", compile_ranks, par, model=model, spec_path=spec,
+                       model_dir=str(model_dir), spec_dirs=spec_dirs)
+        plans = [p for _, p in ranks]
+        where = Path(tempfile.mkdtemp(prefix="infc-ranks-"))
+        paths = []
+        for r, p in enumerate(plans):
+            paths.append(str(where / f"plan.rank{r}.json"))
+            Path(paths[-1]).write_text(json.dumps(p))
+        if num_gpu_blocks_override:
+            num_pages = num_gpu_blocks_override
+        else:
+            budget = kv_cache_memory_bytes or int(os.environ.get("INFC_CPU_KV_CACHE_BYTES", CPU_KV_CACHE_BYTES))
+            num_pages = CPURunner.pages_for_budget(plans[0], block_size, budget, max_num_seqs)
+        if num_pages < 1:
+            raise ValueError("the KV cache budget holds no page: raise --kv-cache-memory-bytes")
+        try:
+            runner = st.run(f"start {world} rank processes", MultiProcessRunner,
+                            "infc.runtime.rank_workers:reference_rank_runner",
+                            {"plans": paths, "model_dir": str(model_dir), "num_pages": num_pages,
+                             "page_size": block_size, "max_num_seqs": max_num_seqs}, world)
+        finally:                                    # every rank has read its plan once started
+            import shutil
+            shutil.rmtree(where, ignore_errors=True)
+        plan = plans[0]
+        return runner, plan, ranks[0][0].model, int(plan["config"].get("max_len") or 1 << 30)
+    from infc.compiler.build import REPO, build
+    tag = f"tp{par['tp']}" + (f"-ep{par['ep']}" if par["ep"] > 1 else "")
+    out = REPO / ".cache" / "artifacts" / f"{model or model_dir.name}-{tag}"
+    artifact = st.run("build rank artifacts", build, model=model, spec_path=spec,
+                      model_dir=str(model_dir), out=out, page_size=block_size, gpu=gpu_tuning(),
+                      log=None, spec_dirs=spec_dirs, check_checkpoint=not dummy,
+                      tensor_parallel_size=par["tp"], enable_expert_parallel=par["ep"] > 1)
+    config = dict(artifact=str(artifact), model_dir=str(model_dir),
+                  max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                  max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+                  cuda_graphs=cuda_graphs, load_format=load_format)
+    if num_gpu_blocks_override:
+        config["num_pages"] = num_gpu_blocks_override
+    runner = st.run(f"start {world} rank processes (NCCL)", MultiProcessRunner,
+                    "infc.runtime.rank_workers:nccl_rank_runner", config, world)
+    plan = runner.plan
+    r0 = runner.runner
+    model_len = int(getattr(r0, "max_model_len", None) or plan["config"].get("max_len") or 1 << 30)
+    return runner, plan, plan.get("model") or model or model_dir.name, model_len

@@ -38,6 +38,10 @@ def add_serve_args(p: argparse.ArgumentParser):
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--block-size", type=int, default=16, help="KV cache page size in tokens")
     p.add_argument("--num-gpu-blocks-override", type=int, help="number of KV pages (either device)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks (one process each, rank 0 serves): heads and linears split per rank")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="with --tensor-parallel-size N: partition the experts across the N ranks")
     p.add_argument("--kv-cache-memory-bytes", type=int, help="KV cache size on the cpu device (default 1 GiB)")
     p.add_argument("--max-logprobs", type=int, default=20)
     p.add_argument("--chat-template", help="a chat template file, or the template itself")
@@ -83,4 +87,6 @@ def backend_kwargs(args) -> dict:
                 enable_prefix_caching=args.enable_prefix_caching, block_size=args.block_size,
                 num_gpu_blocks_override=args.num_gpu_blocks_override,
                 kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                load_format=getattr(args, "load_format", "auto"))
+                load_format=getattr(args, "load_format", "auto"),
+                tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+                enable_expert_parallel=getattr(args, "enable_expert_parallel", False))

@@ -1,0 +1,234 @@
+"""The wire between rank 0 and its worker processes (one process per GPU): each step's StepMeta,
+frees, stop, acknowledgements, errors and (CPU tests) a collective's arrays, with no pickle.
+
+A frame is a fixed header and a list of named items; numpy arrays travel as their raw bytes,
+their dtype and shape in the item header:
+
+    frame  := magic b"INFC" | u16 version | u16 kind | u32 item count | item*
+    item   := u8 tag | u8 name length | name (ascii) | payload
+        tag INT:  i64
+        tag STR:  u32 length | utf-8 bytes
+        tag NONE: (nothing)
+        tag ARR:  u8 dtype code | u8 ndim | i64 * ndim shape | raw bytes (C order, little-endian)
+
+On a stream socket every frame is prefixed by its u64 length. Decoding checks every length, code
+and name and raises ChannelError (a ValueError) with what was wrong; a StepMeta frame must carry
+exactly StepMeta's fields. Only ints, strings and raw array bytes cross: no Python objects.
+"""
+import dataclasses
+import math
+import select
+import socket
+import struct
+import time
+
+import numpy as np
+
+from .step import StepMeta
+
+MAGIC = b"INFC"
+VERSION = 1
+_HEAD = struct.Struct("<4sHHI")
+_LEN = struct.Struct("<Q")
+MAX_FRAME = 1 << 34                  # 16 GiB: a corrupt length prefix is refused, not allocated
+
+# kinds
+STEP, FREE, STOP, ACK, ERROR, HELLO, ARRAYS, BYTES = range(1, 9)
+KIND_NAMES = {STEP: "step", FREE: "free", STOP: "stop", ACK: "ack", ERROR: "error",
+              HELLO: "hello", ARRAYS: "arrays", BYTES: "bytes"}
+
+# item tags
+_INT, _STR, _NONE, _ARR = range(1, 5)
+_DTYPES = {1: np.dtype("<i4"), 2: np.dtype("<i8"), 3: np.dtype("<f4"), 4: np.dtype("<f2"),
+           5: np.dtype("<f8"), 6: np.dtype("u1"), 7: np.dtype("?"), 8: np.dtype("<u4"),
+           9: np.dtype("<i2")}
+_CODES = {d: c for c, d in _DTYPES.items()}
+
+
+class ChannelError(ValueError):
+    """A malformed frame, or a frame of the wrong kind or fields."""
+
+
+class PeerGone(ConnectionError):
+    """The other end closed (a worker or rank 0 exited or was killed), or did not answer in time."""
+
+
+# -- frames -----------------------------------------------------------------------------------
+def encode(kind: int, items: list[tuple[str, object]]) -> bytes:
+    """items: [(name, int | str | None | np.ndarray)] -> one frame."""
+    if kind not in KIND_NAMES:
+        raise ChannelError(f"unknown frame kind {kind}")
+    parts = [_HEAD.pack(MAGIC, VERSION, kind, len(items))]
+    for name, v in items:
+        nb = name.encode("ascii")
+        if len(nb) > 255:
+            raise ChannelError(f"item name {name!r} is longer than 255 bytes")
+        if isinstance(v, np.ndarray):
+            a = np.ascontiguousarray(v)
+            code = _CODES.get(a.dtype.newbyteorder("<"))
+            if code is None:
+                raise ChannelError(f"{name}: dtype {a.dtype} cannot go on the channel "
+                                   f"(one of {sorted(str(d) for d in _CODES)})")
+            if a.ndim > 255:
+                raise ChannelError(f"{name}: {a.ndim} dimensions")
+            a = a.astype(_DTYPES[code], copy=False)
+            parts += [struct.pack("<BB", _ARR, len(nb)), nb, struct.pack("<BB", code, a.ndim),
+                      struct.pack(f"<{a.ndim}q", *a.shape), a.tobytes()]
+        elif v is None:
+            parts += [struct.pack("<BB", _NONE, len(nb)), nb]
+        elif isinstance(v, (bool, int, np.integer)):
+            parts += [struct.pack("<BB", _INT, len(nb)), nb, struct.pack("<q", int(v))]
+        elif isinstance(v, str):
+            sb = v.encode("utf-8")
+            parts += [struct.pack("<BB", _STR, len(nb)), nb, struct.pack("<I", len(sb)), sb]
+        else:
+            raise ChannelError(f"{name}: a {type(v).__name__} cannot go on the channel "
+                               f"(int, str, None or a numpy array)")
+    return b"".join(parts)
+
+
+def decode(frame) -> tuple[int, list[tuple[str, object]]]:
+    """One frame -> (kind, items); arrays are fresh, writable copies."""
+    buf = memoryview(frame).cast("B")
+    n = len(buf)
+    if n < _HEAD.size:
+        raise ChannelError(f"a frame of {n} bytes is shorter than the {_HEAD.size}-byte header")
+    magic, version, kind, count = _HEAD.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise ChannelError(f"bad magic {bytes(magic)!r}: not an infc step-channel frame")
+    if version != VERSION:
+        raise ChannelError(f"step-channel version {version}, this side speaks {VERSION}")
+    if kind not in KIND_NAMES:
+        raise ChannelError(f"unknown frame kind {kind}")
+    pos = _HEAD.size
+
+    def take(k: int, what: str) -> memoryview:
+        nonlocal pos
+        if k < 0 or pos + k > n:
+            raise ChannelError(f"truncated frame: {what} needs {k} bytes at offset {pos}, "
+                               f"the frame has {n}")
+        out = buf[pos: pos + k]
+        pos += k
+        return out
+
+    items = []
+    for i in range(count):
+        tag, ln = struct.unpack("<BB", take(2, f"item {i}'s header"))
+        try:
+            name = bytes(take(ln, f"item {i}'s name")).decode("ascii")
+        except UnicodeDecodeError:
+            raise ChannelError(f"item {i}: its name is not ascii") from None
+        if tag == _INT:
+            (v,) = struct.unpack("<q", take(8, name))
+        elif tag == _STR:
+            (ls,) = struct.unpack("<I", take(4, name))
+            try:
+                v = bytes(take(ls, name)).decode("utf-8")
+            except UnicodeDecodeError:
+                raise ChannelError(f"{name}: not utf-8") from None
+        elif tag == _NONE:
+            v = None
+        elif tag == _ARR:
+            code, ndim = struct.unpack("<BB", take(2, f"{name}'s dtype"))
+            if code not in _DTYPES:
+                raise ChannelError(f"{name}: unknown dtype code {code}")
+            shape = struct.unpack(f"<{ndim}q", take(8 * ndim, f"{name}'s shape"))
+            if any(s < 0 for s in shape):
+                raise ChannelError(f"{name}: negative shape {shape}")
+            dt = _DTYPES[code]
+            size = math.prod(shape) * dt.itemsize
+            if size > n:
+                raise ChannelError(f"{name}: shape {shape} of {dt} needs {size} bytes, the frame "
+                                   f"has {n}")
+            v = np.frombuffer(take(size, f"{name}'s data"), dt).reshape(shape).copy()
+        else:
+            raise ChannelError(f"item {i} ({name!r}): unknown tag {tag}")
+        items.append((name, v))
+    if pos != n:
+        raise ChannelError(f"{n - pos} trailing bytes after {count} items")
+    return kind, items
+
+
+# -- steps ------------------------------------------------------------------------------------
+_META_FIELDS = [f.name for f in dataclasses.fields(StepMeta)]
+_META_OPTIONAL = {f.name for f in dataclasses.fields(StepMeta) if f.default is None}
+_META_TYPES = {f.name: (np.ndarray if "ndarray" in str(f.type) else f.type)
+               for f in dataclasses.fields(StepMeta)}
+
+
+def encode_step(meta: StepMeta, step: int = 0) -> bytes:
+    """A STEP frame: the step's index, then every StepMeta field by name."""
+    return encode(STEP, [("step", step)] + [(f, getattr(meta, f)) for f in _META_FIELDS])
+
+
+def decode_step(frame) -> tuple[int, StepMeta]:
+    kind, items = decode(frame)
+    return meta_of(kind, items)
+
+
+def meta_of(kind: int, items: list) -> tuple[int, StepMeta]:
+    if kind != STEP:
+        raise ChannelError(f"expected a step frame, got {KIND_NAMES[kind]}")
+    names = [k for k, _ in items]
+    if names != ["step"] + _META_FIELDS:
+        raise ChannelError(f"a step frame with fields {names}; StepMeta has {_META_FIELDS} "
+                           f"(rank 0 and this worker run different infc versions?)")
+    d = dict(items)
+    for f in _META_FIELDS:
+        v, want = d[f], _META_TYPES[f]
+        if not (isinstance(v, want) or (v is None and f in _META_OPTIONAL)):
+            raise ChannelError(f"step field {f}: got {type(v).__name__}, StepMeta wants "
+                               f"{want.__name__}{' or None' if f in _META_OPTIONAL else ''}")
+    return d.pop("step"), StepMeta(**d)
+
+
+# -- sockets ----------------------------------------------------------------------------------
+def send_frame(sock: socket.socket, frame: bytes, what: str = "peer"):
+    try:
+        if len(frame) < 65536:
+            sock.sendall(_LEN.pack(len(frame)) + frame)
+        else:                               # no copy of a large frame
+            sock.sendall(_LEN.pack(len(frame)))
+            sock.sendall(frame)
+    except OSError as e:               # BrokenPipe, ConnectionReset: the peer is gone
+        raise PeerGone(f"{what}: the connection is closed ({e.__class__.__name__}: {e})") from None
+
+
+def _recv_exact(sock: socket.socket, k: int, deadline: float | None, what: str,
+                watch=()) -> bytearray:
+    out = bytearray(k)
+    view = memoryview(out)
+    got = 0
+    while got < k:
+        wait = None if deadline is None else deadline - time.monotonic()
+        if wait is not None and wait <= 0:
+            raise PeerGone(f"{what}: no answer within the timeout")
+        r, _, _ = select.select([sock, *watch], [], [], wait)
+        if not r:
+            raise PeerGone(f"{what}: no answer within the timeout")
+        if sock not in r:                   # a watched sentinel fired: that process exited
+            raise PeerGone(f"{what}: the process exited")
+        try:
+            m = sock.recv_into(view[got:], k - got)
+        except OSError as e:
+            raise PeerGone(f"{what}: the connection is broken ({e})") from None
+        if m == 0:
+            raise PeerGone(f"{what}: the connection closed (the process exited or was killed)")
+        got += m
+    return out
+
+
+def recv_frame(sock: socket.socket, timeout: float | None = None, what: str = "peer",
+               watch=()) -> bytearray:
+    """The next frame's bytes. timeout: seconds for the whole frame (None: wait forever);
+    watch: file descriptors (process sentinels) whose readiness means the peer died."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size, deadline, what, watch))
+    if n > MAX_FRAME:
+        raise ChannelError(f"{what}: a frame length of {n} bytes (corrupt stream)")
+    return _recv_exact(sock, n, deadline, what, watch)
+
+
+def recv(sock: socket.socket, timeout: float | None = None, what: str = "peer", watch=()):
+    """(kind, items) of the next frame."""
+    return decode(recv_frame(sock, timeout, what, watch))
