@@ -36,12 +36,14 @@ def _inspect(args):
 
 def _generate(args):
     from infc import LLM, SamplingParams
-    llm = LLM(args.model_path, device=args.device, spec=args.spec,   # device None: cuda if present
-              spec_dirs=args.spec_dir, load_format=args.load_format)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    for out in llm.generate(args.prompt, params):
-        print(f"{out.prompt}{out.text}")
+    with LLM(args.model_path, device=args.device, spec=args.spec,   # device None: cuda if present
+             spec_dirs=args.spec_dir, load_format=args.load_format,
+             tensor_parallel_size=args.tensor_parallel_size,
+             enable_expert_parallel=args.enable_expert_parallel) as llm:
+        for out in llm.generate(args.prompt, params):
+            print(f"{out.prompt}{out.text}")
 
 
 def _serve(args):
@@ -136,8 +138,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int)
     g.add_argument("--device", choices=["cpu", "cuda"],
                    help="default: cuda when an NVIDIA GPU is present, else cpu (the reference executor)")
-    from infc.server.args import add_load_format_arg     # vLLM's --load-format, as serve has it
+    from infc.server.args import add_load_format_arg, add_parallel_args   # as serve has them
     add_load_format_arg(g)
+    add_parallel_args(g)
     g.set_defaults(fn=_generate)
 
     s = sub.add_parser("serve", help="an OpenAI-compatible server (vLLM's flags)", allow_abbrev=False)

@@ -52,13 +52,16 @@ class LLM:
     spec: a spec file; spec_dirs: directories of specs searched before specs/ (also
     $INFC_SPEC_PATH) for the one whose architectures match the model's config.json.
     load_format: "auto" (the directory's safetensors) or "dummy" (random weights of the right
-    shapes, vLLM's spelling: a directory with config.json alone runs)."""
+    shapes, vLLM's spelling: a directory with config.json alone runs).
+    tensor_parallel_size / enable_expert_parallel: one process per rank (runtime/rank_workers.py),
+    as vLLM's flags; `close()` (or `with LLM(...) as llm:`) stops them."""
 
     def __init__(self, model: str | Path, device: str | None = "cpu", spec: str | None = None, *,
                  kv_cache_tokens: int | None = None, page_size: int = 16, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, gpu_memory_utilization: float = 0.9,
-                 cuda_graphs: bool = True, log=None, spec_dirs=None, load_format: str = "auto"):
+                 cuda_graphs: bool = True, log=None, spec_dirs=None, load_format: str = "auto",
+                 tensor_parallel_size: int = 1, enable_expert_parallel: bool = False):
         from infc.backend import detect_device, load_backend
         device = device or detect_device()
         if device not in ("cpu", "cuda"):
@@ -75,7 +78,8 @@ class LLM:
             max_num_seqs=max_num_seqs or (64 if device == "cpu" else 256),
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
             block_size=page_size, num_gpu_blocks_override=pages, asynchronous=False,
-            cuda_graphs=cuda_graphs, log=log, spec_dirs=spec_dirs, load_format=load_format)
+            cuda_graphs=cuda_graphs, log=log, spec_dirs=spec_dirs, load_format=load_format,
+            tensor_parallel_size=tensor_parallel_size, enable_expert_parallel=enable_expert_parallel)
         self.device = device
         self.engine = self.backend.engine
         self.runner = self.engine.runner
@@ -84,6 +88,18 @@ class LLM:
         self.max_len = self.backend.max_model_len
         self._tokenizer = self.backend.tokenizer
         self._next_id = 0
+
+    def close(self):
+        """Give back what the runner holds: the device memory, or the rank processes."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
     @property
     def tokenizer(self) -> Tokenizer:

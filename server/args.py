@@ -10,6 +10,14 @@ from infc.compiler.spec_paths import add_spec_dir_arg
 LOAD_FORMATS = ("auto", "dummy")          # runtime/dummy_weights.py checks the same names
 
 
+def add_parallel_args(p: argparse.ArgumentParser):
+    """vLLM's --tensor-parallel-size / --enable-expert-parallel (serve and generate)."""
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks (one process each, rank 0 serves): heads and linears split per rank")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="with --tensor-parallel-size N: partition the experts across the N ranks")
+
+
 def add_load_format_arg(p: argparse.ArgumentParser):
     """vLLM's --load-format: auto reads the safetensors; dummy makes random weights of the right
     shapes (on the GPU, on the device), so a directory with config.json alone runs. An unknown
@@ -38,10 +46,7 @@ def add_serve_args(p: argparse.ArgumentParser):
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--block-size", type=int, default=16, help="KV cache page size in tokens")
     p.add_argument("--num-gpu-blocks-override", type=int, help="number of KV pages (either device)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="ranks (one process each, rank 0 serves): heads and linears split per rank")
-    p.add_argument("--enable-expert-parallel", action="store_true",
-                   help="with --tensor-parallel-size N: partition the experts across the N ranks")
+    add_parallel_args(p)
     p.add_argument("--kv-cache-memory-bytes", type=int, help="KV cache size on the cpu device (default 1 GiB)")
     p.add_argument("--max-logprobs", type=int, default=20)
     p.add_argument("--chat-template", help="a chat template file, or the template itself")

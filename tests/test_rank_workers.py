@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from families import engine_greedy
 
 from infc.compiler.build import compile_model
 from infc.compiler.parallel import compile_ranks, settings
@@ -213,20 +214,6 @@ def test_two_processes_give_the_simulated_and_single_rank_logits(tiny_model, tmp
     assert all(p.exitcode == 0 for p in runner.procs.values())
 
 
-def _greedy(runner, prompts, max_tokens=6):
-    from infc.runtime.engine import Engine
-    from infc.runtime.sampling import SamplingParams
-    engine = Engine(runner, max_model_len=1024)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(p, params, f"r{i}")
-    toks = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            toks.setdefault(o.request_id, []).extend(o.token_ids)
-    return toks
-
-
 @pytest.mark.parametrize("fam,par", [("qwen3", dict(tensor_parallel_size=2)),
                                      ("qwen3_moe", dict(expert_parallel_only=2))],
                          ids=["qwen3-tp2", "qwen3_moe-ep2"])
@@ -237,11 +224,11 @@ def test_engine_over_two_processes_generates_the_single_rank_tokens(fam, par, ti
     d, _ = tiny_model(fam)
     _, plan = compile_model(model_dir=str(d))
     prompts = [[int(t) for t in rng.integers(0, 320, n)] for n in (11, 4, 19)]
-    want = _greedy(CPURunner(plan, load_weights(plan, Checkpoint(d)), 32), prompts)
+    want = engine_greedy(CPURunner(plan, load_weights(plan, Checkpoint(d)), 32), prompts, 6)
     _, paths = write_plans(d, tmp_path, **par)
     runner = processes(d, paths)
     try:
-        assert _greedy(runner, prompts) == want
+        assert engine_greedy(runner, prompts, 6) == want
     finally:
         runner.close()
 
@@ -444,3 +431,22 @@ def test_server_over_rank_processes_then_a_dead_worker_is_health_503(tiny_model)
         t.stop()
         b.engine.shutdown()
         runner.close()
+
+
+def test_llm_with_tensor_parallel_size_runs_the_rank_processes(tiny_model, rng):
+    """LLM(tensor_parallel_size=2) on the cpu device: the same greedy tokens as one rank, and
+    close() stops the rank process (vLLM's LLM takes the same argument)."""
+    from infc import LLM, SamplingParams
+    d, _ = tiny_model("qwen3")
+    prompt = [int(t) for t in rng.integers(0, 320, 13)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    with LLM(d, device="cpu") as one:
+        want = one.generate([prompt], params)[0].token_ids
+    with LLM(d, device="cpu", tensor_parallel_size=2) as two:
+        procs = list(two.runner.procs.values())          # rank 1's process
+        assert len(procs) == 1 and procs[0].is_alive()
+        assert two.generate([prompt], params)[0].token_ids == want
+    for p in procs:
+        p.join(timeout=10)
+        assert not p.is_alive()
+
