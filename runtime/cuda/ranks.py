@@ -27,6 +27,7 @@ from ..program import program_name, unrolled
 from ..runner import RowSampling, Sample, sample_row
 from ..step import StepMeta
 from .collectives import DeviceCopyGroup, NcclCollectives
+from .runner import padding_step, step_shape
 
 
 def load_rank_plans(artifact) -> list[dict]:
@@ -126,11 +127,8 @@ class DeviceCopyRanks:
     def _capture(self, bucket: int):
         from .driver import Graph
         dims = {"T": bucket, "B": bucket}
-        z = np.zeros(0, np.int32)
-        empty = StepMeta(0, 0, "decode", z, z, np.zeros(1, np.int32), z, z, z,
-                         np.zeros((0, 1), np.int32), 1)
         for r in self.runners:
-            r._upload(r._metadata(empty, bucket, bucket), dims)
+            r._upload(r._metadata(padding_step(), bucket, bucket), dims)
         self._lockstep("decode", dims)
         self.ctx.sync()
         graph = Graph(self.ctx, lambda: self._lockstep("decode", dims))
@@ -138,10 +136,7 @@ class DeviceCopyRanks:
 
     def _run_step(self, meta: StepMeta) -> tuple[int, int]:
         self.ctx.ensure_current()
-        if meta.phase == "decode" and self.graphs and meta.B <= self.buckets[-1]:
-            T = B = next(b for b in self.buckets if b >= meta.B)
-        else:
-            T, B = meta.T, meta.B
+        T, B = step_shape(meta, self.buckets, self.graphs)
         dims = {"T": T, "B": B}
         self._keep = [r._upload(r._metadata(meta, T, B), dims) for r in self.runners]
         if meta.phase == "decode" and T in self.graphs:

@@ -38,6 +38,21 @@ def grid_code(meta: dict) -> list:
     return [compile(str(e), "<grid>", "eval") for e in g]
 
 
+def padding_step() -> StepMeta:
+    """A decode step with no sequences: the metadata a graph is warmed up and captured on (every
+    row a padding row, writing only the spare page)."""
+    z = np.zeros(0, np.int32)
+    return StepMeta(0, 0, "decode", z, z, np.zeros(1, np.int32), z, z, z, np.zeros((0, 1), np.int32), 1)
+
+
+def step_shape(meta: StepMeta, buckets: list[int], graphs: dict) -> tuple[int, int]:
+    """(T, B) a step runs at: a decode step that a captured bucket holds is padded to it."""
+    if meta.phase == "decode" and graphs and meta.B <= buckets[-1]:
+        bucket = next(b for b in buckets if b >= meta.B)
+        return bucket, bucket
+    return meta.T, meta.B
+
+
 def default_buckets(max_seqs: int) -> list[int]:
     b = [1, 2, 4, 8] + list(range(16, 257, 8))
     return [x for x in b if x <= max_seqs] or [max_seqs]
@@ -176,48 +191,41 @@ class CudaRunner:
         around each launch that is not skipped (index into `bound`; the hook must call fire()
         once, e.g. between two event records). None, as everywhere but bench/profile.py: the
         plain loop below, untouched."""
-        if on_launch is not None:
-            return self._launch_hooked(bound, dims, on_launch)
-        env = {**GRID_FUNCS, **dims}
         after_kernel = False     # a dependent launch only behind a kernel, never behind a copy
-        for k, code, args, slots, dep in bound:
+        for index, k, g, args, dep in self._issued(bound, dims):
             if k is None:                       # a collective: copies or NCCL on the stream
-                code(dims)
+                args(dims)
                 after_kernel = False
+            elif on_launch is not None:         # plain: the hook's events would cut any overlap
+                on_launch(index, k, lambda k=k, g=g, args=args: launch(self.ctx, k.fn, g, k.block, k.shared, args))
+            elif dep is not None and after_kernel:
+                dep(k.fn, g, args)
+                after_kernel = True
+            else:
+                launch(self.ctx, k.fn, g, k.block, k.shared, args)
+                after_kernel = True
+
+    @staticmethod
+    def _issued(bound, dims: dict):
+        """(index, kernel, grid, args, dependent launch) of each launch to issue at dims, its T/B
+        scalars set; launches with an empty grid skipped; a collective as (index, None, None,
+        fire, None)."""
+        env = {**GRID_FUNCS, **dims}
+        for index, (k, code, args, slots, dep) in enumerate(bound):
+            if k is None:
+                yield index, None, None, code, None
                 continue
             for i, d in slots:
                 args.set(i, dims[d])
             g = [int(eval(c, env)) for c in code]       # META grid formulas of our own templates
-            if g[0] * g[1] * g[2] == 0:
-                continue
-            if dep is not None and after_kernel:
-                dep(k.fn, g, args)
-            else:
-                launch(self.ctx, k.fn, g, k.block, k.shared, args)
-            after_kernel = True
-
-    def _launch_hooked(self, bound, dims: dict, on_launch):
-        env = {**GRID_FUNCS, **dims}
-        # plain launches: the hook's events between launches would cut any overlap anyway
-        for index, (k, code, args, slots, _) in enumerate(bound):
-            if k is None:                       # a collective: not a kernel of the plan's
-                code(dims)
-                continue
-            for i, d in slots:
-                args.set(i, dims[d])
-            g = [int(eval(c, env)) for c in code]
-            if g[0] * g[1] * g[2] == 0:
-                continue
-            on_launch(index, k, lambda k=k, g=g, args=args: launch(self.ctx, k.fn, g, k.block, k.shared, args))
+            if g[0] * g[1] * g[2] != 0:
+                yield index, k, g, args, dep
 
     def _capture(self, bucket: int):
         """Warm the bucket's decode program up on padding rows, then capture it."""
         dims = {"T": bucket, "B": bucket}
         bound = self.program("decode")
-        z = np.zeros(0, np.int32)
-        empty = StepMeta(0, 0, "decode", z, z, np.zeros(1, np.int32), z, z, z,
-                         np.zeros((0, 1), np.int32), 1)
-        self._upload(self._metadata(empty, bucket, bucket), dims)
+        self._upload(self._metadata(padding_step(), bucket, bucket), dims)
         self._launch_all(bound, dims)
         self.ctx.sync()
         # the graph keeps the argument values of capture time: the packed args can move on
@@ -265,11 +273,7 @@ class CudaRunner:
 
     def _run_step(self, meta: StepMeta) -> tuple[int, int]:
         self.ctx.ensure_current()
-        if meta.phase == "decode" and self.graphs and meta.B <= self.buckets[-1]:
-            bucket = next(b for b in self.buckets if b >= meta.B)
-            T = B = bucket
-        else:
-            T, B = meta.T, meta.B
+        T, B = step_shape(meta, self.buckets, self.graphs)
         dims = {"T": T, "B": B}
         keep = self._upload(self._metadata(meta, T, B), dims)
         if meta.phase == "decode" and T in self.graphs:
