@@ -5,6 +5,11 @@ floor_ms = (weight bytes + cache bytes read per step) / copy bandwidth; floor_ra
 The cache bytes of a batch-1 decode step: the paged KV of the context (read), and a hybrid plan's
 slot caches (caches.slot_bytes: conv + recurrent state, read and written back every step, so
 counted twice: the copy bandwidth counts bytes read + written).
+
+--tensor-parallel-size N [--enable-expert-parallel]: --artifact is a parallel build (plan.rank<r>.json),
+run one process per GPU over NCCL (runtime/rank_workers.py, rank r on GPU r), rank 0 sampling. The
+floor is then rank 0's: its weight shard and its share of the KV over the copy bandwidth of its GPU
+(the ranks read their shards at once; the collectives' time is what the ranks add above it).
 """
 import argparse
 import time
@@ -13,24 +18,54 @@ from pathlib import Path
 import numpy as np
 
 
-def _infc(artifact, model_dir, prompts, out_len, seed=0, load_format="auto"):
+def open_runner(artifact, model_dir, par: dict | None = None, **kw):
+    """A CudaRunner of the artifact, or with par ({"world", "tp", "ep"}: compiler.parallel.settings)
+    its ranks, one process per GPU over NCCL (a MultiProcessRunner: rank 0's runner is `.runner`).
+    kw: CudaRunner arguments (JSON-able for the ranks)."""
+    if par is None:
+        from infc.runtime.cuda.runner import CudaRunner
+        return CudaRunner(artifact, model_dir, **kw)
+    from infc.runtime.rank_workers import MultiProcessRunner
+    return MultiProcessRunner("infc.runtime.rank_workers:nccl_rank_runner",
+                              {"artifact": str(artifact), "model_dir": str(model_dir), **kw}, par["world"])
+
+
+def parallel_tag(par: dict | None) -> str:
+    """'' for one GPU, else '-tp2', '-tp2-ep2', ... (results of a parallel run are named apart)."""
+    if par is None:
+        return ""
+    return f"-tp{par['tp']}" + (f"-ep{par['ep']}" if par["ep"] > 1 else "")
+
+
+def _infc(artifact, model_dir, prompts, out_len, seed=0, load_format="auto", par=None):
+    max_t = max(prompts) + 16
+    r = open_runner(artifact, model_dir, par, max_num_batched_tokens=max_t, max_num_seqs=8,
+                    buckets=[1, 2, 4, 8], num_pages=(max(prompts) + out_len) // 16 * 2 + 64,
+                    load_format=load_format)
+    try:
+        return _timed(r, getattr(r, "runner", r), prompts, out_len, seed, load_format, par)
+    finally:
+        if par is not None:
+            r.close()
+
+
+def _timed(r, r0, prompts, out_len, seed, load_format, par):
+    """r: the runner the steps go to; r0: rank 0's CudaRunner (r itself on one GPU)."""
     from infc.runtime import caches
-    from infc.runtime.cuda.runner import CudaRunner
     from infc.runtime.runner import RowSampling
     from infc.runtime.sampling import SamplingParams
     from infc.runtime.step import Chunk, build_step
     from .common import copy_bandwidth, header
-    max_t = max(prompts) + 16
-    r = CudaRunner(artifact, model_dir, max_num_batched_tokens=max_t, max_num_seqs=8,
-                   buckets=[1, 2, 4, 8], num_pages=(max(prompts) + out_len) // 16 * 2 + 64,
-                   load_format=load_format)
-    res = header(r.ctx, r.plan["model"])
-    bw = copy_bandwidth(r.ctx)
-    decl = caches.of_plan(r.plan)
+    res = header(r0.ctx, r0.plan["model"] + parallel_tag(par))
+    bw = copy_bandwidth(r0.ctx)
+    decl = caches.of_plan(r0.plan)
     kv_per_token, state_per_seq = caches.token_bytes(decl), caches.slot_bytes(decl)
     rng = np.random.default_rng(seed)
     greedy = [RowSampling(SamplingParams(temperature=0.0), 0, 0)]
-    res.update({"copy_GBps": bw / 1e9, "weight_bytes": r.weights.bytes, "load_format": load_format,
+    if par is not None:
+        res.update({"tensor_parallel_size": par["tp"], "expert_parallel_size": par["ep"],
+                    "world": par["world"], "floor_of": "rank 0 (its weight shard and KV share)"})
+    res.update({"copy_GBps": bw / 1e9, "weight_bytes": r0.weights.bytes, "load_format": load_format,
                 "kv_bytes_per_token": kv_per_token, "state_bytes_per_seq": state_per_seq,
                 "ttft_ms": {}, "tpot_ms_by_prompt": {},
                 "floor_ms_by_prompt": {}})
@@ -50,7 +85,7 @@ def _infc(artifact, model_dir, prompts, out_len, seed=0, load_format="auto"):
                                 greedy)[0].token
             tpots.append((time.perf_counter() - t0) * 1e3 / out_len)
         avg_ctx = n + out_len / 2
-        floor = (r.weights.bytes + kv_per_token * avg_ctx + 2 * state_per_seq) / bw * 1e3
+        floor = (r0.weights.bytes + kv_per_token * avg_ctx + 2 * state_per_seq) / bw * 1e3
         res["ttft_ms"][str(n)] = float(np.median(ttfts))
         res["tpot_ms_by_prompt"][str(n)] = float(np.median(tpots))
         res["floor_ms_by_prompt"][str(n)] = floor
@@ -119,12 +154,15 @@ def main(argv=None):
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--out")
-    from infc.server.args import add_load_format_arg
+    from infc.server.args import add_load_format_arg, add_parallel_args
     add_load_format_arg(ap)
+    add_parallel_args(ap)
     a = ap.parse_args(argv)
+    from infc.compiler.parallel import settings
     from .common import save
+    par = settings(a.tensor_parallel_size, a.enable_expert_parallel)
     prompts = [int(p) for p in a.prompts.split(",")]
-    res = _infc(a.artifact, a.model_path, prompts, a.output_len, load_format=a.load_format)
+    res = _infc(a.artifact, a.model_path, prompts, a.output_len, load_format=a.load_format, par=par)
     path = save("latency", res, a.out)          # infc's numbers survive an HF failure
     if not a.no_hf:
         try:

@@ -5,6 +5,9 @@ One engine (the one `LLM` and `infc serve` build) serves every point; a point ke
 least 4) requests have finished. Per point: output tokens per second over the wall time of the
 point, mean TPOT per request ((finish - first token) / (tokens - 1)), TTFT, and the decode floor
 at that batch: (weight bytes + KV bytes read by one step) / copy bandwidth measured in this run.
+
+--tensor-parallel-size N [--enable-expert-parallel]: the engine over N rank processes, one GPU each
+(NCCL), as `infc serve` runs them; the floor is rank 0's (its weight shard and its share of the KV).
 """
 import argparse
 import time
@@ -76,25 +79,43 @@ def main(argv=None):
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--out")
-    from infc.server.args import add_load_format_arg
+    from infc.server.args import add_load_format_arg, add_parallel_args
     add_load_format_arg(ap)
+    add_parallel_args(ap)
     a = ap.parse_args(argv)
     from infc.backend import load_backend
-    from infc.runtime import caches
-    from .common import copy_bandwidth, header, save
+    from infc.compiler.parallel import settings
+    from .latency import parallel_tag
     conc = [int(c) for c in a.concurrency.split(",")]
+    par = settings(a.tensor_parallel_size, a.enable_expert_parallel)
     b = load_backend(a.model_path, model=a.model, device="cuda", max_num_seqs=max(conc),
                      max_num_batched_tokens=a.max_num_batched_tokens,
                      max_model_len=a.input_len + a.output_len + 16,
                      gpu_memory_utilization=a.gpu_memory_utilization, asynchronous=False,
-                     load_format=a.load_format)
-    engine, runner = b.engine, b.engine.runner
-    res = header(runner.ctx, runner.plan["model"])
+                     load_format=a.load_format, tensor_parallel_size=a.tensor_parallel_size,
+                     enable_expert_parallel=a.enable_expert_parallel)
+    try:
+        return _sweep(a, b, conc, par, parallel_tag(par))
+    finally:
+        close = getattr(b.engine.runner, "close", None)
+        if par is not None and close is not None:
+            close()                                 # stop the rank processes
+
+
+def _sweep(a, b, conc, par, tag):
+    from infc.runtime import caches
+    from .common import copy_bandwidth, header, save
+    engine = b.engine
+    runner = getattr(engine.runner, "runner", engine.runner)   # rank 0's CudaRunner under ranks
+    res = header(runner.ctx, runner.plan["model"] + tag)
     bw = copy_bandwidth(runner.ctx)
     decl = caches.of_plan(runner.plan)
     kv_per_token, state_per_seq = caches.token_bytes(decl), caches.slot_bytes(decl)
+    if par is not None:
+        res.update({"tensor_parallel_size": par["tp"], "expert_parallel_size": par["ep"],
+                    "world": par["world"], "floor_of": "rank 0 (its weight shard and KV share)"})
     res.update({"input_len": a.input_len, "output_len": a.output_len, "copy_GBps": bw / 1e9,
-                "load_format": a.load_format,
+                "load_format": a.load_format, "max_num_batched_tokens": a.max_num_batched_tokens,
                 "weight_bytes": runner.weights.bytes, "kv_tokens": b.kv_tokens, "points": []})
     rng = np.random.default_rng(0)
     run_point(engine, b.vocab_size, 2, 64, 8, rng, total=2)          # warm-up, not recorded

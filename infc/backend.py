@@ -190,6 +190,8 @@ def load_backend(model_dir, model: str | None = None, spec: str | None = None, d
                    log=log)
         return AsyncEngine(e) if asynchronous else e
     engine = st.run("start engine", start)
+    if par is not None and asynchronous:
+        runner.on_failure = engine.fail     # a rank that dies while idle: /health fails at once
     b = Backend(engine, tokenizer, model_dir, name, device, limit, int(runner.vocab_size), kv_tokens,
                 page_size, eos, tok_config, st.done)
     if log:

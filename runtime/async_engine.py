@@ -78,6 +78,17 @@ class AsyncEngine:
         self._thread.join(timeout)
         self._fail_all(EngineDeadError("the engine was shut down"))
 
+    def fail(self, error: BaseException):
+        """Mark the engine dead from outside its thread: what its runner saw fail while no step
+        ran (a rank process that died while the server was idle). Waiters get EngineDeadError."""
+        if not self.healthy:
+            return
+        self.error = error
+        self.healthy = False
+        self._stop = True
+        self._wake.set()
+        self._fail_all(EngineDeadError(f"the engine died: {error!r}"))
+
     # -- the thread -----------------------------------------------------------------------------
     def _send(self, cmd: tuple):
         with self._lock:

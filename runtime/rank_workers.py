@@ -18,7 +18,10 @@ and for the CPU exchange). Worker processes get only strings and ints (spawn con
 Failures: a worker that dies (its socket closes, its process sentinel fires), raises, or does not
 answer within step_timeout makes rank 0's current or next step raise RankError naming the rank
 and why; the runner is dead from then on (the server's /health reports the engine's death). A
-worker whose rank 0 goes away exits.
+worker that dies while no step runs (an idle server) is seen by the watchdog at once: the ranks
+go down and `on_failure(RankError)` is called (the backend marks the engine dead with it, so
+/health fails and `infc serve` exits without waiting for a request). A worker whose rank 0 goes
+away exits.
 """
 import importlib
 import json
@@ -217,6 +220,8 @@ class MultiProcessRunner:
         self._said: dict[int, str] = {}           # rank -> the traceback its worker sent
         self._in_step: float | None = None         # when rank 0's current step began
         self._aborted: str | None = None           # why the watchdog aborted rank 0's runner
+        self._busy = threading.Lock()              # held by a step (or a free) on rank 0
+        self.on_failure = None                     # on_failure(RankError): a death seen while idle
         cfg = json.dumps(config)
         token = secrets.token_hex(16)
         self._listener = socket.create_server((host, 0))
@@ -267,6 +272,8 @@ class MultiProcessRunner:
             since = self._in_step
             for f in fired:
                 sentinels.pop(f)                # seen once; the step path reports it
+            if fired and since is None and self._idle_death():
+                return
             reason = None
             if since is not None and (fired or not all(p.exitcode is None for p in self.procs.values())):
                 reason = "a worker died during the step"
@@ -281,6 +288,25 @@ class MultiProcessRunner:
                     abort()
                 except Exception:
                     pass
+
+    def _idle_death(self) -> bool:
+        """A worker died while no step ran: take the ranks down now and say so (on_failure), so
+        an idle server does not answer /health 200 over a dead rank. False when a step holds the
+        runner (that step reports the death) or the ranks are down already."""
+        if not self._busy.acquire(blocking=False):
+            return False
+        try:
+            if self.error is not None:
+                return True
+            err = self._down(ch.PeerGone("a worker exited while the ranks were idle"))
+        finally:
+            self._busy.release()
+        if self.on_failure is not None:
+            try:
+                self.on_failure(err)
+            except Exception:
+                pass
+        return True
 
     # -- startup ------------------------------------------------------------------------------
     def _accept(self, token: str, timeout: float):
@@ -342,6 +368,10 @@ class MultiProcessRunner:
         self._acked = self._step - 1
 
     def _run(self, meta, fn):
+        with self._busy:
+            return self._run_locked(meta, fn)
+
+    def _run_locked(self, meta, fn):
         if self.error is not None:
             raise RankError(f"the ranks are down: {self.error}")
         self._in_step = time.monotonic()
@@ -371,6 +401,10 @@ class MultiProcessRunner:
 
     def free(self, seq_id: int):
         """Forward a sequence's free to every rank (runners that keep per-sequence state)."""
+        with self._busy:
+            self._free_locked(seq_id)
+
+    def _free_locked(self, seq_id: int):
         if self.error is not None:
             raise RankError(f"the ranks are down: {self.error}")
         frame = ch.encode(ch.FREE, [("seq_ids", np.asarray([seq_id], np.int64))])

@@ -6,6 +6,11 @@ errors (argparse, with abbreviations off). Each accepted connection gets TCP_NOD
 event leaves when it is written rather than after the peer's delayed ACK (asyncio sets it too;
 this states it where it matters). Headers over --max-header-bytes are answered 431 (or 400 by
 h11, when an oversized block arrives in pieces).
+
+If the engine dies (a step raised; a rank process died, seen at once even while idle), /health
+answers 503 with the cause, requests get 503, and after DEAD_GRACE_S the server stops and the
+process exits with status 1 and one line saying why, as vLLM's API server does when its engine
+core is gone: a supervisor restarts it rather than routing to a server that can only fail.
 """
 import socket
 import sys
@@ -18,6 +23,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from .app import ServerState, make_app
 from .args import backend_kwargs, config_from_args
 from infc.backend import load_backend
+
+DEAD_GRACE_S = 2.0       # /health and in-flight requests see the 503 before the port closes
 
 
 class NoDelayH11Protocol(H11Protocol):
@@ -86,7 +93,22 @@ def serve_main(args):
             state.error = e
             server.should_exit = True
 
+    died: list[BaseException] = []
+
+    def watch():
+        while not server.should_exit:
+            b = state.backend
+            if b is not None and not b.engine.healthy:
+                died.append(b.engine.error)
+                print(f"infc serve: the engine died ({b.engine.error}); stopping in "
+                      f"{DEAD_GRACE_S:.0f} s", file=sys.stderr, flush=True)
+                time.sleep(DEAD_GRACE_S)
+                server.should_exit = True
+                return
+            time.sleep(0.1)
+
     threading.Thread(target=load, name="infc-load", daemon=True).start()
+    threading.Thread(target=watch, name="infc-watch", daemon=True).start()
     try:
         server.run()
     finally:
@@ -94,3 +116,6 @@ def serve_main(args):
             state.backend.engine.shutdown()
     if state.error is not None:
         raise state.error
+    if died:
+        print(f"error: infc serve exits: the engine died: {died[0]}", file=sys.stderr, flush=True)
+        raise SystemExit(1)

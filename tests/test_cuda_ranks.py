@@ -562,3 +562,70 @@ def test_lockstep_ranks_on_a_fake_device(fake_device, artifacts, monkeypatch, fa
     run([Chunk(0, [5], 12), Chunk(1, [int(t) for t in rng.integers(0, 320, 4)], 0)])     # mixed
     ranks.close()
     assert ctx.stream is None
+
+
+# -- one process per GPU: what each rank's runner agrees on and gives back ----------------------
+class MinComms(FakeComms):
+    """FakeComms with all_reduce's `op` (the page agreement's "min"), and abort."""
+
+    def comm(self, rank):
+        c = super().comm(rank)
+        c.all_reduce = lambda *a, op="sum": self.all_reduce_op(rank, op, *a)
+        c.aborted = False
+
+        def abort():
+            c.aborted = True
+        c.abort = abort
+        return c
+
+    def all_reduce_op(self, rank, op, send, recv, count, dtype, stream):
+        if op == "sum":
+            return self.all_reduce(rank, send, recv, count, dtype, stream)
+        assert op == "min" and dtype == "i32"
+        self.slots[rank] = self.ctx.get(send, [count], dtype).copy()
+        self.barrier.wait()
+        low = np.minimum.reduce([np.asarray(s) for s in self.slots])
+        self.barrier.wait()
+        self.ctx.put(recv, low, dtype)
+
+
+def test_ranks_agree_on_the_smallest_page_count(fake_device):
+    """Each process sizes its KV cache from its own GPU's free memory (a few MB apart between
+    GPUs); every rank must hold the same page ids, so they take the smallest (agreed_min)."""
+    ctx = FakeCtx(1 << 20)
+    comms = MinComms(ctx, 3)
+    mine = {0: 5000, 1: 4987, 2: 5003}
+    got = {}
+
+    def run(r):
+        got[r] = fake_device.ranks.agreed_min(comms.comm(r), ctx, mine[r])
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == {0: 4987, 1: 4987, 2: 4987}
+
+
+def test_a_rank_runner_sizes_its_cache_by_agreement_and_aborts_its_communicator(fake_device, artifacts, rng):
+    """CudaRunner(agree_num_pages=...) allocates the agreed page count, not its own; close()
+    releases the communicator with abort (never destroy: that would wait for the other ranks)."""
+    import json
+    d, art = artifacts("qwen3", tensor_parallel_size=2)
+    plan = json.loads((art / "plan.rank0.json").read_text())
+    ctx = FakeCtx(24 << 20)
+    comm = MinComms(ctx, 1).comm(0)
+    comm.world, comm.rank = 2, 0                   # rank 0 of 2; the agreement is the hook's
+    seen = []
+
+    def agree(n):
+        seen.append(n)
+        return n - 7
+    r = fake_device.runner.CudaRunner(art, d, max_num_batched_tokens=16, max_num_seqs=2,
+                                      cuda_graphs=False, ctx=ctx, plan=plan,
+                                      collectives=fake_device.collectives.NcclCollectives(comm, ctx),
+                                      agree_num_pages=agree)
+    assert len(seen) == 1 and seen[0] > 7 and r.num_pages == seen[0] - 7
+    assert r.caches.num_pages == r.num_pages
+    r.close()
+    assert comm.aborted and ctx.stream is None

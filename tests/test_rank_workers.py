@@ -433,6 +433,108 @@ def test_server_over_rank_processes_then_a_dead_worker_is_health_503(tiny_model)
         runner.close()
 
 
+def test_a_worker_dying_while_idle_fails_health_without_a_request(tiny_model):
+    """The watchdog sees the death with no step in flight: /health turns 503 naming the rank
+    within about a second, before any request would have found out."""
+    from infc.backend import load_backend
+    from infc.server.app import ServerConfig, ServerState, make_app
+    from infc.server.serve import ServerThread
+    from test_server_support import request
+    d, _ = tiny_model("qwen3")
+    b = load_backend(d, device="cpu", log=None, max_model_len=256, num_gpu_blocks_override=64,
+                     tensor_parallel_size=2)
+    runner = b.engine.engine.runner
+    t = ServerThread(make_app(ServerState(ServerConfig(served_model_names=["m"]), b))).start()
+    try:
+        assert request(t.port, "GET", "/health")[0] == 200
+        runner.procs[1].kill()
+        t0 = time.monotonic()
+        while request(t.port, "GET", "/health")[0] == 200:
+            assert time.monotonic() - t0 < 5, "/health still 200 five seconds after rank 1 died"
+            time.sleep(0.05)
+        s, _, raw = request(t.port, "GET", "/health")
+        assert s == 503 and b"rank 1" in raw and b"SIGKILL" in raw, raw
+        assert not b.engine.healthy and runner.error is not None
+    finally:
+        t.stop()
+        b.engine.shutdown()
+        runner.close()
+
+
+def _spawned_ranks(pid: int) -> list[int]:
+    """The multiprocessing-spawned children of `pid` (its rank workers, not the resource tracker)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid and b"spawn_main" in cmd:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def test_infc_serve_exits_with_a_clear_message_when_a_rank_dies(tiny_model):
+    """`infc serve --tensor-parallel-size 2`: a killed rank process makes /health fail and the
+    server exit with status 1 and a line naming the rank, instead of serving 503s forever.
+    A tiny qwen3 on the CPU; on a GPU machine the server tests' variables pick the model, device
+    and ranks (INFC_SERVER_MODEL, INFC_SERVER_DEVICE=cuda, INFC_SERVER_TP, INFC_SERVER_EP)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import urllib.error
+    import urllib.request
+    from test_server_support import DEVICE, MODEL_DIR, PARALLEL
+    d = MODEL_DIR or tiny_model("qwen3")[0]
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    ranks = ["--tensor-parallel-size", str(max(2, PARALLEL["tensor_parallel_size"]))]
+    if PARALLEL["enable_expert_parallel"]:
+        ranks.append("--enable-expert-parallel")
+    proc = subprocess.Popen([sys.executable, "-m", "infc.cli", "serve", "--model-path", str(d),
+                             "--device", DEVICE, *ranks, "--port", str(port), "--max-model-len", "256",
+                             "--num-gpu-blocks-override", "64" if DEVICE == "cpu" else "2048",
+                             "--disable-uvicorn-access-log"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def health():
+        try:
+            return urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except OSError:
+            return None                             # not listening (yet, or any more)
+    try:
+        t0 = time.monotonic()
+        while health() != 200:
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() - t0 < 300, "infc serve did not become ready"
+            time.sleep(0.2)
+        workers = _spawned_ranks(proc.pid)
+        assert len(workers) == int(ranks[1]) - 1, workers
+        os.kill(workers[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        seen = set()
+        while proc.poll() is None:
+            seen.add(health())
+            assert time.monotonic() - t0 < 30, "infc serve still running 30 s after rank 1 died"
+            time.sleep(0.05)
+        out, err = proc.communicate(timeout=10)
+        assert proc.returncode == 1, (proc.returncode, err[-2000:])
+        assert 503 in seen, seen                     # /health failed before the port closed
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("error: infc serve exits: the engine died") and "rank 1" in last \
+            and "SIGKILL" in last, err[-2000:]
+        assert "Traceback" not in err, err[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
 def test_llm_with_tensor_parallel_size_runs_the_rank_processes(tiny_model, rng):
     """LLM(tensor_parallel_size=2) on the cpu device: the same greedy tokens as one rank, and
     close() stops the rank process (vLLM's LLM takes the same argument)."""

@@ -10,7 +10,8 @@ slots; the engine turns prefix caching off) and a DeepSeek-V2 with q_lora and gr
 once per model (its `srv` fixture is parametrized over MODELS; `-k qwen3_5` selects one).
 Or any one model directory on any device:
     INFC_SERVER_MODEL=/tmp/infc-models/qwen3-4b INFC_SERVER_DEVICE=cuda pytest tests/test_server.py
-(the GPU run, with random weights). What only a real model knows (a greedy " Paris") is asserted
+(the GPU run, with random weights), over rank processes with INFC_SERVER_TP=N (vLLM's
+--tensor-parallel-size) and INFC_SERVER_EP=1 (--enable-expert-parallel). What only a real model knows (a greedy " Paris") is asserted
 only when the model is SmolLM2 (current().real); everything else the suite derives from the
 model's own outputs."""
 import atexit
@@ -34,6 +35,8 @@ from infc.server.serve import ServerThread
 MAX_MODEL_LEN = 256
 MODEL_DIR = os.environ.get("INFC_SERVER_MODEL")
 DEVICE = os.environ.get("INFC_SERVER_DEVICE", "cpu")
+PARALLEL = dict(tensor_parallel_size=int(os.environ.get("INFC_SERVER_TP", "1")),
+                enable_expert_parallel=os.environ.get("INFC_SERVER_EP", "0") == "1")
 # token ids at or above this are out of the default model's vocabulary (the fuzz's bad ids)
 VOCAB_SIZE = 49152 if MODEL_DIR is None else json.loads((Path(MODEL_DIR) / "config.json").read_text())["vocab_size"]
 NAMES = ["smol", "smol-alias"]
@@ -159,7 +162,7 @@ def backend(name: str | None = None):
         if key not in _live:
             kv = {"kv_cache_memory_bytes": 64 << 20} if DEVICE == "cpu" else {"num_gpu_blocks_override": 2048}
             _live[key] = load_backend(m.make(), device=DEVICE, max_model_len=MAX_MODEL_LEN, max_num_seqs=64,
-                                      enable_prefix_caching=not m.serial, log=None, **kv)
+                                      enable_prefix_caching=not m.serial, log=None, **kv, **PARALLEL)
         return _live[key]
 
 

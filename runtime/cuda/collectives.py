@@ -167,6 +167,12 @@ class NcclCollectives(Collectives):
         self.world, self.rank = comm.world, comm.rank
         self._staging: dict[str, tuple[int, int]] = {}
 
+    def close(self):
+        """Release the communicator with ncclCommAbort, not ncclCommDestroy: destroy finalizes
+        with every rank (a rank whose peer died, or that closes before its peers, would wait on
+        them), abort only frees this rank's resources and never blocks."""
+        self.comm.abort()
+
     def _alloc(self, role: str, nbytes: int) -> int:
         """A staging buffer of at least nbytes, shared by every launch (of every phase and layer)
         that uses `role`: the collectives run one after another on the stream."""

@@ -13,8 +13,9 @@ DeviceCopyRanks: every rank on ONE GPU in one process (testing the partitioned k
     (execute, page_size, num_pages, num_slots).
 
 nccl_runner: one rank of the artifact in this process (one process per GPU) over an NCCL
-    communicator on the runner's stream; its own CUDA Graphs capture the collectives. The runner
-    keeps the communicator as `.comm`: destroy it after closing the runner.
+    communicator on the runner's stream; its own CUDA Graphs capture the collectives. The ranks
+    size their KV caches alike (the smallest rank's page count: agreed_min). The runner keeps the
+    communicator as `.comm`; closing the runner releases it (ncclCommAbort: collectives.py says why).
 """
 import json
 from pathlib import Path
@@ -183,9 +184,25 @@ def nccl_runner(artifact, model_dir, rank: int = 0, uid: bytes | None = None, **
     comm = nccl.Communicator(world, rank, uid)
     try:
         runner = CudaRunner(artifact, model_dir, ctx=ctx, plan=plans[rank],
-                            collectives=NcclCollectives(comm, ctx), **kw)
+                            collectives=NcclCollectives(comm, ctx),
+                            agree_num_pages=lambda n: agreed_min(comm, ctx, n), **kw)
     except BaseException:
         comm.destroy()
         raise
     runner.comm = comm
     return runner
+
+
+def agreed_min(comm, ctx, n: int) -> int:
+    """The smallest of every rank's n (an NCCL all-reduce of one int32 on ctx's stream)."""
+    buf = ctx.alloc(4)
+    try:
+        keep = ctx.htod(buf, np.asarray([n], np.int32))
+        comm.all_reduce(buf, buf, 1, "i32", ctx.stream, op="min")
+        out = np.empty(1, np.int32)
+        ctx.dtoh(out, buf)
+        ctx.sync()
+        del keep
+        return int(out[0])
+    finally:
+        ctx.free(buf)

@@ -64,14 +64,16 @@ class CudaRunner:
                  gpu_memory_utilization: float = 0.9, cuda_graphs: bool = True,
                  buckets: list[int] | None = None, num_pages: int | None = None,
                  load_format: str = "auto", pdl: bool | None = None, ctx: Context | None = None,
-                 plan: dict | None = None, collectives=None):
+                 plan: dict | None = None, collectives=None, agree_num_pages=None):
         """load_format: "auto" reads model_dir's safetensors; "dummy" fills random weights on the
         device (runtime/dummy_weights.py), so model_dir needs only config.json.
         pdl: launch the kernels whose META allows it as programmatic dependents of the kernel
         before them (driver.DependentLaunch); default on, INFC_PDL=0 turns it off (A/B timing).
         A rank of a parallel artifact (runtime/cuda/ranks.py): `plan` (its plan.rank<r>.json),
         `collectives` (runtime/cuda/collectives.py: NCCL, or device copies between the runners
-        of one process, which then share `ctx`)."""
+        of one process, which then share `ctx`). agree_num_pages(n) -> the page count every rank
+        uses: one process per GPU sizes its cache from its own free memory, which differs by a few
+        MB between GPUs, while every rank must hold the same page ids (nccl_runner: the minimum)."""
         self.pdl = os.environ.get("INFC_PDL", "1") != "0" if pdl is None else pdl
         self.ctx = ctx if ctx is not None else Context()
         self.artifact = Path(artifact)
@@ -101,7 +103,7 @@ class CudaRunner:
                 ptr = self.ctx.alloc(nbytes)
                 self.ctx.memset(ptr, nbytes)
                 self.scratch[(kid, name)] = ptr
-        self._alloc_kv(gpu_memory_utilization, num_pages)
+        self._alloc_kv(gpu_memory_utilization, num_pages, agree_num_pages)
         self._logits_host = None                    # pinned on first `logits()` (tests, tools)
         self.sampler = (GpuSampler(self.ctx, self.kernels, plan["sampler"], self.max_seqs, self.vocab_size)
                         if plan.get("sampler") else None)
@@ -116,7 +118,11 @@ class CudaRunner:
 
     def close(self):
         """Give back the device memory (weights, arena, caches, scratch, sampler, graphs): a
-        process that makes several runners (tests, tools) must not keep them all."""
+        process that makes several runners (tests, tools) must not keep them all. Its
+        collectives' own resources (an NCCL communicator) go first."""
+        close = getattr(self.collectives, "close", None)
+        if close is not None:
+            close()
         if self.ctx.stream is not None:
             self.ctx.close()
         self.graphs, self.programs = {}, {}
@@ -130,7 +136,7 @@ class CudaRunner:
             n *= eval_int(d, dims)
         return n * DTYPE_BYTES[m["dtype"]]
 
-    def _alloc_kv(self, utilization: float, num_pages: int | None):
+    def _alloc_kv(self, utilization: float, num_pages: int | None, agree=None):
         decl = caches.of_plan(self.plan)
         # one state slot per running sequence (max_num_seqs; the engine hands them out), and slot
         # num_slots the spare that CUDA-graph pad rows write
@@ -139,6 +145,8 @@ class CudaRunner:
         if num_pages is None:
             budget = int(total * utilization) - (total - free)
             num_pages = caches.pages_for_budget(decl, self.page_size, budget, self.num_slots)
+        if agree is not None:
+            num_pages = agree(num_pages)
         if num_pages < 2:
             raise MemoryError(f"no room for the KV cache: {free / 2**30:.1f} GiB free of {total / 2**30:.1f}")
         self.num_pages = num_pages                 # usable pages; page num_pages is the padding page

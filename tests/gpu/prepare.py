@@ -18,7 +18,11 @@ expert-parallel only, plus one-rank plans (world 1) that still carry the collect
 one-rank NCCL path: ranks_artifact()), deepseek (issue 13, session.sh's `families` stage with
 INFC_GPU_FAMILIES=deepseek-v2-lite-l8 and its `deepseek` stage: the 8-layer cut of DeepSeek-V2-Lite
 for the golden gate and the full 27 layers for latency with dummy weights, each config.json as
-transformers writes it into .cache/gpu/configs/<name>/ and its artifact in .cache/gpu/<name>-art).
+transformers writes it into .cache/gpu/configs/<name>/ and its artifact in .cache/gpu/<name>-art),
+twogpu (issue 14, tests/gpu/test_two_gpus.py and session.sh's `twogpu` stage: the parallel builds
+one process per GPU runs, named as `infc serve --tensor-parallel-size 2 [--enable-expert-parallel]`
+names them for the GPU machine's model directories, in .cache/artifacts/<dir name>-tp2[-ep2]
+(TWOGPU), with the one-GPU builds of the same configs beside them for the same-commit baselines).
 Default: base, nofuse and families.
 
 The tiny qwen3_moe and the
@@ -47,7 +51,7 @@ TINY_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
             "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
 GPU_CACHE = REPO / ".cache" / "gpu"
 SERVED = ("qwen3-4b", "llama-3.2-1b")          # model directories LLM / infc serve load on the GPU
-PARTS = ("base", "nofuse", "families", "qwen35", "ranks", "deepseek")
+PARTS = ("base", "nofuse", "families", "qwen35", "ranks", "deepseek", "twogpu")
 DEFAULT_PARTS = ("base", "nofuse", "families")
 
 
@@ -84,6 +88,8 @@ def main(parts=DEFAULT_PARTS):
         ranks()
     if "deepseek" in parts:
         deepseek()
+    if "twogpu" in parts:
+        twogpu()
 
 
 def served_config(name: str) -> Path:
@@ -215,6 +221,67 @@ def ranks():
         else:
             build_ranks(settings(**how), model_dir=str(d), out=out, log=None)
         print(f"[prepare] ranks {name} {tag}: {time.time() - t0:.1f} s, {_size(out)} -> {out}", flush=True)
+
+
+# issue 14: artifact name (.cache/artifacts/<name>: what load_backend builds for a model directory
+# of that base name on the GPU machine) -> (config directory maker, tensor_parallel_size,
+# enable_expert_parallel). The golden gates' directories: /tmp/infc-models/qwen3-4b (models.py),
+# ranks-qwen3-30b-a3b-l4 (test_ranks_gpu.py), deepseek-v2-lite-l8 (gpu_families); the benchmarks'
+# config-only ones (--load-format dummy): .cache/gpu/configs/qwen3-30b-a3b and deepseek-v2-lite.
+def _moe_full() -> Path:
+    from prepare_moe import config
+    d = GPU_CACHE / "configs" / "qwen3-30b-a3b"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(config(), indent=1))
+    return d
+
+
+def _family_config(name: str) -> Path:
+    sys.path.insert(0, str(REPO / "tests" / "gpu"))
+    import gpu_families
+    return gpu_families.write_config(name)
+
+
+TWOGPU = {
+    "qwen3-4b": (lambda: served_config("qwen3-4b"), 1, False),
+    "qwen3-4b-tp2": (lambda: served_config("qwen3-4b"), 2, False),
+    "ranks-qwen3-30b-a3b-l4-tp2-ep2": (lambda: _ranks_config_written("qwen3-30b-a3b-l4"), 2, True),
+    "deepseek-v2-lite-l8-tp2-ep2": (lambda: _family_config("deepseek-v2-lite-l8"), 2, True),
+    "qwen3-30b-a3b": (_moe_full, 1, False),
+    "qwen3-30b-a3b-tp2-ep2": (_moe_full, 2, True),
+    "deepseek-v2-lite": (lambda: _family_config("deepseek-v2-lite"), 1, False),
+    "deepseek-v2-lite-tp2-ep2": (lambda: _family_config("deepseek-v2-lite"), 2, True),
+}
+# test_two_gpus.py's golden cases -> their artifact names above
+TWOGPU_CASES = {"qwen3-4b-tp2": "qwen3-4b-tp2",
+                "qwen3-30b-a3b-l4-tp2-ep2": "ranks-qwen3-30b-a3b-l4-tp2-ep2",
+                "deepseek-v2-lite-l8-tp2-ep2": "deepseek-v2-lite-l8-tp2-ep2"}
+
+
+def twogpu_artifact(case: str) -> Path:
+    from infc.compiler.build import REPO as BUILD_REPO
+    return BUILD_REPO / ".cache" / "artifacts" / TWOGPU_CASES.get(case, case)
+
+
+def _ranks_config_written(name: str) -> Path:
+    d = ranks_config(name)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(RANK_CONFIGS[name], indent=1))
+    return d
+
+
+def twogpu():
+    from make_random_model import write_tokenizer
+    for name, (config, tp, ep) in TWOGPU.items():
+        d, out = config(), twogpu_artifact(name)
+        _both_tunings(f"twogpu {name}", out, model_dir=str(d), tensor_parallel_size=tp,
+                      enable_expert_parallel=ep)
+        # how to re-render it for the GPU machine's table (tests/gpu/rerender.py)
+        (out / "built_from.json").write_text(json.dumps(
+            {"config": str(d.relative_to(REPO)), "tensor_parallel_size": tp,
+             "enable_expert_parallel": ep}, indent=1) + "\n")
+    if not (GPU_CACHE / "qwen-tokenizer" / "tokenizer.json").exists():
+        write_tokenizer("qwen3", GPU_CACHE / "qwen-tokenizer", "qwen")
 
 
 def base():

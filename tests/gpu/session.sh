@@ -21,6 +21,15 @@
 # measured in the run, and the latent KV bytes per token beside a non-latent layout's: prepare.py
 # deepseek; DEEPSEEK_ARGS adds flags to bench latency; its golden gate is the families stage with
 # INFC_GPU_FAMILIES=deepseek-v2-lite-l8).
+# twogpu, twogpu-server, twogpu-bench (issue 14, two GPUs, one process each over NCCL, after
+# prepare.py twogpu): twogpu records the interconnect (nvidia-smi topo -m, NCCL's version) and runs
+# tests/gpu/test_two_gpus.py (golden gates of qwen3-4b TP=2 and the qwen3-30b-a3b / DeepSeek-V2-Lite
+# cuts with TP=2 + EP, a rank killed mid-stream); twogpu-server the openai SDK suite through a
+# server over the rank processes (qwen3-4b TP=2, the qwen3-30b-a3b cut TP=2 + EP) and `infc serve`
+# exiting when a rank is killed; twogpu-bench batch-1 TPOT / TTFT (bench latency) and 1024/128
+# throughput at TWOGPU_CONCURRENCY (default 64,256) of qwen3-4b (TP=2), qwen3-30b-a3b (48 layers,
+# TP=2 + EP) and DeepSeek-V2-Lite (27 layers, TP=2 + EP), each beside one GPU of the same machine,
+# dummy weights (TWOGPU_BENCH picks some of: latency throughput moe-latency moe-throughput deepseek).
 # INFC_GPU_FAMILIES=a,b|all|none picks the families (default: gpu_families.DEFAULT; prepare.py must
 # have built the same ones).
 # Needs what tests/gpu/prepare.py built here (carry .cache/gpu, .cache/artifacts, .cache/tune)
@@ -30,6 +39,7 @@ OUT=${1:-${OUT:-/tmp/infc-gpu-out}}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1 INFC_COMMIT=${INFC_COMMIT:-unknown}
+export NCCL_NVLS_ENABLE=0           # NVLink multicast stays off on these machines (device README)
 MODELS=${INFC_GPU_MODELS:-/tmp/infc-models}
 STAGES=${STAGES:-suite latency throughput startup server serve}
 t0=$(date +%s)
@@ -42,7 +52,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv | tee "$OUT/gpu.txt"
-if [ -n "$(echo " $STAGES " | sed -e 's/ families / /g' -e 's/ qwen35 / /g' -e 's/ ranks / /g' -e 's/ deepseek / /g' | tr -d ' ')" ]; then   # a stage besides families / qwen35 / ranks / deepseek
+if [ -n "$(echo " $STAGES " | sed -e 's/ families / /g' -e 's/ qwen35 / /g' -e 's/ ranks / /g' -e 's/ deepseek / /g' -e 's/ twogpu[a-z-]* / /g' -e 's/ twogpu[a-z-]* / /g' | tr -d ' ')" ]; then   # a stage besides families / qwen35 / ranks / deepseek / twogpu*
   say "models"
   timeout 300 python3 -c "import sys; sys.path.insert(0,'tests/gpu'); import models; [models.model_dir(m) for m in ('qwen3-4b','llama-3.2-1b','tiny-moe','skipgram')]" 2>&1 | tail -12
   say "models ready"
@@ -157,6 +167,46 @@ PY
         ${DEEPSEEK_ARGS:-} 2>&1 | quiet | tail -12
       for f in "$OUT"/deepseek/latency-deepseek*.json; do     # bench latency's result
         [ -f "$f" ] && python3 -m infc.bench.active_floor --artifact $art --latency "$f" --output-len 128 2>&1 | tail -8
+      done ;;
+    twogpu)
+      nvidia-smi topo -m | tee "$OUT/topo.txt"
+      python3 -c "from infc.runtime.cuda import nccl; print('NCCL', '.'.join(map(str, nccl.version())), nccl.library().path)" | tee -a "$OUT/topo.txt"
+      python3 tests/gpu/rerender.py .cache/artifacts/*-tp2* 2>&1 | tail -8
+      timeout ${TWOGPU_S:-540} python3 -m pytest tests/gpu/test_two_gpus.py -q -s -p no:cacheprovider -rs \
+        ${PYTEST_ARGS:-} 2>&1 | quiet | tee "$OUT/pytest-two-gpus.log" \
+        | grep -E "passed|failed|error|skipped|\[two-gpu\]|made and saved|^E " | tail -60 ;;
+    twogpu-server)
+      timeout 300 python3 -c "import sys; sys.path.insert(0,'tests/gpu'); import models, test_ranks_gpu; models.model_dir('qwen3-4b'); test_ranks_gpu.model_dir('qwen3-30b-a3b-l4')" 2>&1 | tail -3
+      cp .cache/gpu/qwen-tokenizer/* "$MODELS/ranks-qwen3-30b-a3b-l4/"
+      for run in "qwen3-4b 2 0" "ranks-qwen3-30b-a3b-l4 2 1"; do
+        set -- $run
+        say "server suite: $1 TP=$2 EP=$3"
+        INFC_SERVER_MODEL="$MODELS/$1" INFC_SERVER_DEVICE=cuda INFC_SERVER_TP=$2 INFC_SERVER_EP=$3 \
+          timeout ${SERVER_S:-300} python3 -m pytest tests/test_server.py tests/test_server_disconnect.py \
+          "tests/test_rank_workers.py::test_infc_serve_exits_with_a_clear_message_when_a_rank_dies" \
+          -q -p no:cacheprovider -o addopts="" 2>&1 | tee "$OUT/pytest-server-$1-tp$2-ep$3.log" | tail -6
+      done ;;
+    twogpu-bench)
+      cfg=.cache/gpu/configs art=.cache/artifacts
+      python3 tests/gpu/rerender.py $art/qwen3-4b $art/qwen3-30b-a3b $art/deepseek-v2-lite 2>&1 | tail -4
+      mkdir -p "$OUT/bench"
+      for what in ${TWOGPU_BENCH:-latency throughput moe-latency moe-throughput deepseek}; do
+        for ranks in "" "--tensor-parallel-size 2"; do
+          case $what in
+            latency|throughput) m=qwen3-4b; tag=${ranks:+-tp2}; x=$ranks ;;
+            moe-*) m=qwen3-30b-a3b; tag=${ranks:+-tp2-ep2}; x=${ranks:+$ranks --enable-expert-parallel} ;;
+            deepseek) m=deepseek-v2-lite; tag=${ranks:+-tp2-ep2}; x=${ranks:+$ranks --enable-expert-parallel} ;;
+          esac
+          say "bench $what $m${tag:- (one GPU)}"
+          case $what in
+            latency|moe-latency|deepseek)
+              timeout ${LATENCY_S:-240} python3 -m infc.cli bench latency --artifact $art/$m$tag --model-path $cfg/$m \
+                --load-format dummy --no-hf --prompts 32,1024 --output-len 128 --out "$OUT/bench" $x 2>&1 | quiet | tail -4 ;;
+            throughput|moe-throughput)
+              timeout ${THROUGHPUT_S:-300} python3 -m infc.cli bench throughput --model-path $cfg/$m --load-format dummy \
+                --concurrency ${TWOGPU_CONCURRENCY:-64,256} --out "$OUT/bench" $x 2>&1 | quiet | tail -4 ;;
+          esac
+        done
       done ;;
     tune)
       timeout ${TUNE_S:-300} python3 -m infc.cli tune run --dir .cache/tune/qwen3-4b-h200 --results-dir "$OUT" \
