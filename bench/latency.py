@@ -39,9 +39,11 @@ def parallel_tag(par: dict | None) -> str:
 
 def _infc(artifact, model_dir, prompts, out_len, seed=0, load_format="auto", par=None):
     max_t = max(prompts) + 16
+    t0 = time.perf_counter()
     r = open_runner(artifact, model_dir, par, max_num_batched_tokens=max_t, max_num_seqs=8,
                     buckets=[1, 2, 4, 8], num_pages=(max(prompts) + out_len) // 16 * 2 + 64,
                     load_format=load_format)
+    print(f"infc runner{parallel_tag(par)} ready in {time.perf_counter() - t0:.1f} s", flush=True)
     try:
         return _timed(r, getattr(r, "runner", r), prompts, out_len, seed, load_format, par)
     finally:

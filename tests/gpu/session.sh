@@ -27,7 +27,7 @@
 # cuts with TP=2 + EP, a rank killed mid-stream); twogpu-server the openai SDK suite through a
 # server over the rank processes (qwen3-4b TP=2, the qwen3-30b-a3b cut TP=2 + EP) and `infc serve`
 # exiting when a rank is killed; twogpu-bench batch-1 TPOT / TTFT (bench latency) and 1024/128
-# throughput at TWOGPU_CONCURRENCY (default 64,256) of qwen3-4b (TP=2), qwen3-30b-a3b (48 layers,
+# throughput at TWOGPU_CONCURRENCY (default 256) of qwen3-4b (TP=2), qwen3-30b-a3b (48 layers,
 # TP=2 + EP) and DeepSeek-V2-Lite (27 layers, TP=2 + EP), each beside one GPU of the same machine,
 # dummy weights (TWOGPU_BENCH picks some of: latency throughput moe-latency moe-throughput deepseek).
 # INFC_GPU_FAMILIES=a,b|all|none picks the families (default: gpu_families.DEFAULT; prepare.py must
@@ -201,10 +201,12 @@ PY
           case $what in
             latency|moe-latency|deepseek)
               timeout ${LATENCY_S:-240} python3 -m infc.cli bench latency --artifact $art/$m$tag --model-path $cfg/$m \
-                --load-format dummy --no-hf --prompts 32,1024 --output-len 128 --out "$OUT/bench" $x 2>&1 | quiet | tail -4 ;;
+                --load-format dummy --no-hf --prompts 32,1024 --output-len 128 --out "$OUT/bench" $x 2>&1 | quiet \
+                | tee "$OUT/bench/$what-$m$tag.log" | tail -4 ;;
             throughput|moe-throughput)
               timeout ${THROUGHPUT_S:-300} python3 -m infc.cli bench throughput --model-path $cfg/$m --load-format dummy \
-                --concurrency ${TWOGPU_CONCURRENCY:-64,256} --out "$OUT/bench" $x 2>&1 | quiet | tail -4 ;;
+                --concurrency ${TWOGPU_CONCURRENCY:-256} --out "$OUT/bench" $x 2>&1 | quiet \
+                | tee "$OUT/bench/$what-$m$tag.log" | grep -E "start|ready|concurrency|wrote|rror" | tail -8 ;;
           esac
         done
       done ;;
