@@ -37,7 +37,7 @@ def parallel_tag(par: dict | None) -> str:
     return f"-tp{par['tp']}" + (f"-ep{par['ep']}" if par["ep"] > 1 else "")
 
 
-def _infc(artifact, model_dir, prompts, out_len, seed=0, load_format="auto", par=None):
+def _infc(artifact, model_dir, prompts, out_len, seed=0, load_format="auto", par=None, out=None):
     max_t = max(prompts) + 16
     t0 = time.perf_counter()
     r = open_runner(artifact, model_dir, par, max_num_batched_tokens=max_t, max_num_seqs=8,
@@ -45,7 +45,10 @@ def _infc(artifact, model_dir, prompts, out_len, seed=0, load_format="auto", par
                     load_format=load_format)
     print(f"infc runner{parallel_tag(par)} ready in {time.perf_counter() - t0:.1f} s", flush=True)
     try:
-        return _timed(r, getattr(r, "runner", r), prompts, out_len, seed, load_format, par)
+        res = _timed(r, getattr(r, "runner", r), prompts, out_len, seed, load_format, par)
+        from .common import save
+        save("latency", res, out)               # before the ranks are stopped
+        return res
     finally:
         if par is not None:
             r.close()
@@ -164,7 +167,8 @@ def main(argv=None):
     from .common import save
     par = settings(a.tensor_parallel_size, a.enable_expert_parallel)
     prompts = [int(p) for p in a.prompts.split(",")]
-    res = _infc(a.artifact, a.model_path, prompts, a.output_len, load_format=a.load_format, par=par)
+    res = _infc(a.artifact, a.model_path, prompts, a.output_len, load_format=a.load_format, par=par,
+                out=a.out)
     path = save("latency", res, a.out)          # infc's numbers survive an HF failure
     if not a.no_hf:
         try:

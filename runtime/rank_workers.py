@@ -143,6 +143,7 @@ def worker_main(host: str, port: int, token: str, rank: int, world: int, factory
     coll = _connect(host, port, token, rank, "coll", timeout)
     link = RankLink(rank, world, {0: step}, {0: coll}, timeout)
     runner = None
+    stopped = False                    # a STOP from rank 0: every rank closes together
     try:
         runner = _load(factory)(rank, world, json.loads(config), link)
         ch.send_frame(step, ch.encode(ch.ACK, [("step", -1)] + _shape_of(runner)), "rank 0")
@@ -161,6 +162,7 @@ def worker_main(host: str, port: int, token: str, rank: int, world: int, factory
                     if free is not None:
                         free(int(sid))
             elif kind == ch.STOP:
+                stopped = True
                 return
             else:
                 raise ch.ChannelError(f"a worker got a {ch.KIND_NAMES[kind]} frame from rank 0")
@@ -179,11 +181,19 @@ def worker_main(host: str, port: int, token: str, rank: int, world: int, factory
         close = getattr(runner, "close", None)
         if close is not None:
             try:
-                close()
+                close(stopped) if _takes_graceful(close) else close()
             except Exception:
                 pass
         step.close()
         coll.close()
+
+
+def _takes_graceful(close) -> bool:
+    import inspect
+    try:
+        return "graceful" in inspect.signature(close).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _shape_of(runner) -> list:
@@ -451,14 +461,16 @@ class MultiProcessRunner:
         self._stop_workers(graceful=False)
         return self.error
 
+    def _send_stop(self):
+        frame = ch.encode(ch.STOP, [])
+        for r, s in self.step_socks.items():
+            try:
+                ch.send_frame(s, frame, f"rank {r}")
+            except ch.PeerGone:
+                pass
+
     def _stop_workers(self, graceful: bool = True, timeout: float = 10.0):
-        if graceful:
-            frame = ch.encode(ch.STOP, [])
-            for r, s in self.step_socks.items():
-                try:
-                    ch.send_frame(s, frame, f"rank {r}")
-                except ch.PeerGone:
-                    pass
+        """graceful: wait up to `timeout` s for the workers (told to stop) to exit; then kill."""
         deadline = time.monotonic() + (timeout if graceful else 0)
         for p in self.procs.values():
             p.join(max(0.0, deadline - time.monotonic()))
@@ -472,18 +484,24 @@ class MultiProcessRunner:
                 pass
 
     def close(self):
-        """Stop the workers (after their last step) and close rank 0's runner."""
+        """Stop the workers (after their last step) and close rank 0's runner. A graceful close
+        tells the workers to stop, closes rank 0's runner meanwhile (every rank releases its
+        communicator at once: ncclCommDestroy), then waits for them; after a failure rank 0's
+        communicator is aborted."""
         if self.error is None:
             try:
                 self._acks()
             except BaseException as e:
                 self._down(e)
-        if self.error is None:
+        graceful = self.error is None
+        if graceful:
             self.error = RankError("closed")
-            self._stop_workers(graceful=True)
+            self._send_stop()
         close = getattr(self.runner, "close", None)
         if close is not None:
-            close()
+            close(graceful) if _takes_graceful(close) else close()
+        if graceful:
+            self._stop_workers(graceful=True)
 
 
 # -- factories --------------------------------------------------------------------------------

@@ -571,11 +571,11 @@ class MinComms(FakeComms):
     def comm(self, rank):
         c = super().comm(rank)
         c.all_reduce = lambda *a, op="sum": self.all_reduce_op(rank, op, *a)
-        c.aborted = False
+        c.released = None
 
-        def abort():
-            c.aborted = True
-        c.abort = abort
+        def release(how):
+            c.released = how
+        c.abort, c.destroy = (lambda: release("abort")), (lambda: release("destroy"))
         return c
 
     def all_reduce_op(self, rank, op, send, recv, count, dtype, stream):
@@ -609,7 +609,7 @@ def test_ranks_agree_on_the_smallest_page_count(fake_device):
 
 def test_a_rank_runner_sizes_its_cache_by_agreement_and_aborts_its_communicator(fake_device, artifacts, rng):
     """CudaRunner(agree_num_pages=...) allocates the agreed page count, not its own; close()
-    releases the communicator with abort (never destroy: that would wait for the other ranks)."""
+    destroys the communicator when the ranks close together, aborts it after a failure."""
     import json
     d, art = artifacts("qwen3", tensor_parallel_size=2)
     plan = json.loads((art / "plan.rank0.json").read_text())
@@ -628,4 +628,7 @@ def test_a_rank_runner_sizes_its_cache_by_agreement_and_aborts_its_communicator(
     assert len(seen) == 1 and seen[0] > 7 and r.num_pages == seen[0] - 7
     assert r.caches.num_pages == r.num_pages
     r.close()
-    assert comm.aborted and ctx.stream is None
+    assert comm.released == "destroy" and ctx.stream is None
+    coll = fake_device.collectives.NcclCollectives(comm, ctx)
+    coll.close(graceful=False)
+    assert comm.released == "abort"

@@ -181,8 +181,8 @@ def _latency_result(plan, bw=2.0e12, out_len=128, prompts=(32, 1024)):
 def test_bench_latency_still_has_those_terms():
     src = (REPO / "bench" / "latency.py").read_text()
     assert "avg_ctx = n + out_len / 2" in src
-    assert "floor = (r.weights.bytes + kv_per_token * avg_ctx + 2 * state_per_seq) / bw * 1e3" in src
-    assert '"copy_GBps": bw / 1e9' in src and '"weight_bytes": r.weights.bytes' in src
+    assert "floor = (r0.weights.bytes + kv_per_token * avg_ctx + 2 * state_per_seq) / bw * 1e3" in src
+    assert '"copy_GBps": bw / 1e9' in src and '"weight_bytes": r0.weights.bytes' in src
 
 
 def test_floor_arithmetic(tiny_plan, tmp_path):

@@ -167,11 +167,32 @@ class NcclCollectives(Collectives):
         self.world, self.rank = comm.world, comm.rank
         self._staging: dict[str, tuple[int, int]] = {}
 
-    def close(self):
-        """Release the communicator with ncclCommAbort, not ncclCommDestroy: destroy finalizes
-        with every rank (a rank whose peer died, or that closes before its peers, would wait on
-        them), abort only frees this rank's resources and never blocks."""
-        self.comm.abort()
+    def close(self, graceful: bool = True, timeout: float = 10.0):
+        """Release the communicator: ncclCommDestroy when every rank closes together (graceful),
+        ncclCommAbort when a peer is gone or failed. Either runs in a daemon thread waited on for
+        `timeout` s: a teardown that waits on a peer which never comes (the first two-GPU runs
+        saw closes take over 80 s) is left behind with a warning rather than hanging the caller."""
+        import sys
+        import threading
+        import time
+        comm = self.comm
+        done = threading.Event()
+
+        def release():
+            try:
+                (comm.destroy if graceful else comm.abort)()
+            except Exception as e:           # noqa: BLE001 - reported, the close goes on
+                sys.stderr.write(f"infc rank {self.rank}: NCCL {'destroy' if graceful else 'abort'} "
+                                 f"failed: {e}\n")
+            done.set()
+        t0 = time.monotonic()
+        threading.Thread(target=release, name="infc-nccl-release", daemon=True).start()
+        if not done.wait(timeout):
+            sys.stderr.write(f"infc rank {self.rank}: NCCL {'destroy' if graceful else 'abort'} did "
+                             f"not finish in {timeout:.0f} s; left behind\n")
+        elif time.monotonic() - t0 > 1.0:
+            sys.stderr.write(f"infc rank {self.rank}: NCCL {'destroy' if graceful else 'abort'} took "
+                             f"{time.monotonic() - t0:.1f} s\n")
 
     def _alloc(self, role: str, nbytes: int) -> int:
         """A staging buffer of at least nbytes, shared by every launch (of every phase and layer)

@@ -116,15 +116,21 @@ class CudaRunner:
             for b in self.buckets:
                 self._capture(b)
 
-    def close(self):
+    def close(self, graceful: bool = True):
         """Give back the device memory (weights, arena, caches, scratch, sampler, graphs): a
         process that makes several runners (tests, tools) must not keep them all. Its
-        collectives' own resources (an NCCL communicator) go first."""
+        collectives' own resources (an NCCL communicator) go first; graceful=False: the other
+        ranks are gone or failed (their communicators are aborted, not destroyed together)."""
+        import sys
+        import time
         close = getattr(self.collectives, "close", None)
         if close is not None:
-            close()
+            close(graceful)
+        t0 = time.monotonic()
         if self.ctx.stream is not None:
             self.ctx.close()
+        if time.monotonic() - t0 > 1.0:
+            sys.stderr.write(f"infc: giving back the device memory took {time.monotonic() - t0:.1f} s\n")
         self.graphs, self.programs = {}, {}
 
     # -- memory ---------------------------------------------------------------------------
