@@ -29,7 +29,8 @@
 # exiting when a rank is killed; twogpu-bench batch-1 TPOT / TTFT (bench latency) and 1024/128
 # throughput at TWOGPU_CONCURRENCY (default 256) of qwen3-4b (TP=2), qwen3-30b-a3b (48 layers,
 # TP=2 + EP) and DeepSeek-V2-Lite (27 layers, TP=2 + EP), each beside one GPU of the same machine,
-# dummy weights (TWOGPU_BENCH picks some of: latency throughput moe-latency moe-throughput deepseek).
+# dummy weights (TWOGPU_BENCH picks some of: latency throughput moe-latency moe-throughput deepseek;
+# TWOGPU_SKIP_ONE=1 runs only the two-rank side; TWOGPU_SERVER_RUNS="dir:TP:EP ..." the server runs).
 # INFC_GPU_FAMILIES=a,b|all|none picks the families (default: gpu_families.DEFAULT; prepare.py must
 # have built the same ones).
 # Needs what tests/gpu/prepare.py built here (carry .cache/gpu, .cache/artifacts, .cache/tune)
@@ -176,10 +177,15 @@ PY
         ${PYTEST_ARGS:-} 2>&1 | quiet | tee "$OUT/pytest-two-gpus.log" \
         | grep -E "passed|failed|error|skipped|\[two-gpu\]|made and saved|^E " | tail -60 ;;
     twogpu-server)
-      timeout 300 python3 -c "import sys; sys.path.insert(0,'tests/gpu'); import models, test_ranks_gpu; models.model_dir('qwen3-4b'); test_ranks_gpu.model_dir('qwen3-30b-a3b-l4')" 2>&1 | tail -3
-      cp .cache/gpu/qwen-tokenizer/* "$MODELS/ranks-qwen3-30b-a3b-l4/"
-      for run in "qwen3-4b 2 0" "ranks-qwen3-30b-a3b-l4 2 1"; do
-        set -- $run
+      runs=${TWOGPU_SERVER_RUNS:-qwen3-4b:2:0 ranks-qwen3-30b-a3b-l4:2:1}     # model dir:TP:EP
+      for run in $runs; do
+        set -- ${run//:/ }
+        t=$(date +%s)
+        timeout 300 python3 -c "import sys; sys.path.insert(0,'tests/gpu'); import models, test_ranks_gpu
+name = '$1'
+test_ranks_gpu.model_dir(name[len('ranks-'):]) if name.startswith('ranks-') else models.model_dir(name)" 2>&1 | tail -3
+        cp .cache/gpu/qwen-tokenizer/* "$MODELS/$1/"
+        say "model $1 ready ($(( $(date +%s) - t )) s)"
         say "server suite: $1 TP=$2 EP=$3"
         INFC_SERVER_MODEL="$MODELS/$1" INFC_SERVER_DEVICE=cuda INFC_SERVER_TP=$2 INFC_SERVER_EP=$3 \
           timeout ${SERVER_S:-300} python3 -m pytest tests/test_server.py tests/test_server_disconnect.py \
@@ -188,10 +194,12 @@ PY
       done ;;
     twogpu-bench)
       cfg=.cache/gpu/configs art=.cache/artifacts
-      python3 tests/gpu/rerender.py $art/qwen3-4b $art/qwen3-30b-a3b $art/deepseek-v2-lite 2>&1 | tail -4
+      python3 tests/gpu/rerender.py $art/qwen3-4b* $art/qwen3-30b-a3b* $art/deepseek-v2-lite* 2>&1 | tail -8
       mkdir -p "$OUT/bench"
       for what in ${TWOGPU_BENCH:-latency throughput moe-latency moe-throughput deepseek}; do
-        for ranks in "" "--tensor-parallel-size 2"; do
+        variants=("" "--tensor-parallel-size 2")          # one GPU, then the two ranks
+        [ -n "${TWOGPU_SKIP_ONE:-}" ] && variants=("--tensor-parallel-size 2")
+        for ranks in "${variants[@]}"; do
           case $what in
             latency|throughput) m=qwen3-4b; tag=${ranks:+-tp2}; x=$ranks ;;
             moe-*) m=qwen3-30b-a3b; tag=${ranks:+-tp2-ep2}; x=${ranks:+$ranks --enable-expert-parallel} ;;
