@@ -280,9 +280,8 @@ class MultiProcessRunner:
             if not sentinels:
                 time.sleep(0.1)
             since = self._in_step
-            for f in fired:
-                sentinels.pop(f)                # seen once; the step path reports it
-            if fired and since is None and self._idle_death():
+            dead = [sentinels.pop(f) for f in fired]      # seen once; a step path reports it
+            if dead and since is None and self._idle_death(dead):
                 return
             reason = None
             if since is not None and (fired or not all(p.exitcode is None for p in self.procs.values())):
@@ -299,7 +298,7 @@ class MultiProcessRunner:
                 except Exception:
                     pass
 
-    def _idle_death(self) -> bool:
+    def _idle_death(self, ranks: list[int]) -> bool:
         """A worker died while no step ran: take the ranks down now and say so (on_failure), so
         an idle server does not answer /health 200 over a dead rank. False when a step holds the
         runner (that step reports the death) or the ranks are down already."""
@@ -308,7 +307,8 @@ class MultiProcessRunner:
         try:
             if self.error is not None:
                 return True
-            err = self._down(ch.PeerGone("a worker exited while the ranks were idle"))
+            who = ", ".join(f"rank {r} (pid {self.procs[r].pid})" for r in ranks)
+            err = self._down(ch.PeerGone(f"{who} exited while the ranks were idle"))
         finally:
             self._busy.release()
         if self.on_failure is not None:

@@ -404,7 +404,9 @@ def test_serve_flags_reach_the_backend():
     assert kw["tensor_parallel_size"] == 1 and kw["enable_expert_parallel"] is False
 
 
-def test_server_over_rank_processes_then_a_dead_worker_is_health_503(tiny_model):
+@pytest.fixture
+def rank_server(tiny_model):
+    """(server thread, backend, runner): a tiny qwen3 served over two CPU rank processes."""
     from infc.backend import load_backend
     from infc.server.app import ServerConfig, ServerState, make_app
     from infc.server.serve import ServerThread
@@ -416,49 +418,42 @@ def test_server_over_rank_processes_then_a_dead_worker_is_health_503(tiny_model)
     t = ServerThread(make_app(ServerState(ServerConfig(served_model_names=["m"]), b))).start()
     try:
         assert request(t.port, "GET", "/health")[0] == 200
-        body = {"model": "m", "prompt": [5, 9, 31, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-        s, _, raw = request(t.port, "POST", "/v1/completions", body)
-        assert s == 200 and json.loads(raw)["usage"]["completion_tokens"] == 4, raw
-        runner.procs[1].kill()
-        runner.procs[1].join(5)
-        t0 = time.monotonic()
-        s, _, raw = request(t.port, "POST", "/v1/completions", body, timeout=20)
-        assert s in (500, 503) and b"rank 1" in raw, raw
-        s, h, raw = request(t.port, "GET", "/health")
-        assert s == 503 and b"rank 1" in raw and b"SIGKILL" in raw, raw
-        assert time.monotonic() - t0 < 10
+        yield t, b, runner
     finally:
         t.stop()
         b.engine.shutdown()
         runner.close()
 
 
-def test_a_worker_dying_while_idle_fails_health_without_a_request(tiny_model):
+def test_server_over_rank_processes_then_a_dead_worker_is_health_503(rank_server):
+    from test_server_support import request
+    t, b, runner = rank_server
+    body = {"model": "m", "prompt": [5, 9, 31, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    s, _, raw = request(t.port, "POST", "/v1/completions", body)
+    assert s == 200 and json.loads(raw)["usage"]["completion_tokens"] == 4, raw
+    runner.procs[1].kill()
+    runner.procs[1].join(5)
+    t0 = time.monotonic()
+    s, _, raw = request(t.port, "POST", "/v1/completions", body, timeout=20)
+    assert s in (500, 503) and b"rank 1" in raw, raw
+    s, h, raw = request(t.port, "GET", "/health")
+    assert s == 503 and b"rank 1" in raw and b"SIGKILL" in raw, raw
+    assert time.monotonic() - t0 < 10
+
+
+def test_a_worker_dying_while_idle_fails_health_without_a_request(rank_server):
     """The watchdog sees the death with no step in flight: /health turns 503 naming the rank
     within about a second, before any request would have found out."""
-    from infc.backend import load_backend
-    from infc.server.app import ServerConfig, ServerState, make_app
-    from infc.server.serve import ServerThread
     from test_server_support import request
-    d, _ = tiny_model("qwen3")
-    b = load_backend(d, device="cpu", log=None, max_model_len=256, num_gpu_blocks_override=64,
-                     tensor_parallel_size=2)
-    runner = b.engine.engine.runner
-    t = ServerThread(make_app(ServerState(ServerConfig(served_model_names=["m"]), b))).start()
-    try:
-        assert request(t.port, "GET", "/health")[0] == 200
-        runner.procs[1].kill()
-        t0 = time.monotonic()
-        while request(t.port, "GET", "/health")[0] == 200:
-            assert time.monotonic() - t0 < 5, "/health still 200 five seconds after rank 1 died"
-            time.sleep(0.05)
-        s, _, raw = request(t.port, "GET", "/health")
-        assert s == 503 and b"rank 1" in raw and b"SIGKILL" in raw, raw
-        assert not b.engine.healthy and runner.error is not None
-    finally:
-        t.stop()
-        b.engine.shutdown()
-        runner.close()
+    t, b, runner = rank_server
+    runner.procs[1].kill()
+    t0 = time.monotonic()
+    while request(t.port, "GET", "/health")[0] == 200:
+        assert time.monotonic() - t0 < 5, "/health still 200 five seconds after rank 1 died"
+        time.sleep(0.05)
+    s, _, raw = request(t.port, "GET", "/health")
+    assert s == 503 and b"rank 1" in raw and b"SIGKILL" in raw, raw
+    assert not b.engine.healthy and runner.error is not None
 
 
 def _spawned_ranks(pid: int) -> list[int]:
