@@ -575,6 +575,7 @@ class MinComms(FakeComms):
 
         def release(how):
             c.released = how
+            c.stream_at_release = self.ctx.stream
         c.abort, c.destroy = (lambda: release("abort")), (lambda: release("destroy"))
         return c
 
@@ -609,7 +610,8 @@ def test_ranks_agree_on_the_smallest_page_count(fake_device):
 
 def test_a_rank_runner_sizes_its_cache_by_agreement_and_aborts_its_communicator(fake_device, artifacts, rng):
     """CudaRunner(agree_num_pages=...) allocates the agreed page count, not its own; close()
-    destroys the communicator when the ranks close together, aborts it after a failure."""
+    destroys the communicator when the ranks close together, aborts it after a failure; the
+    context (the graphs that captured NCCL calls) is closed before the communicator."""
     import json
     d, art = artifacts("qwen3", tensor_parallel_size=2)
     plan = json.loads((art / "plan.rank0.json").read_text())
@@ -629,6 +631,7 @@ def test_a_rank_runner_sizes_its_cache_by_agreement_and_aborts_its_communicator(
     assert r.caches.num_pages == r.num_pages
     r.close()
     assert comm.released == "destroy" and ctx.stream is None
+    assert comm.stream_at_release is None      # the graphs (and all else) were given back first
     coll = fake_device.collectives.NcclCollectives(comm, ctx)
     coll.close(graceful=False)
     assert comm.released == "abort"
