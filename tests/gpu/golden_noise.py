@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_families  # noqa: E402
 import models  # noqa: E402
-from test_golden import DECODE, LENS, gate, run  # noqa: E402
+from test_golden import DECODE, LENS, gate, hf_logits, run  # noqa: E402
 from infc.runtime.cuda.runner import CudaRunner  # noqa: E402
 
 
@@ -42,13 +42,7 @@ def main(names, out):
         for dtype in ("bf16", "fp32"):
             if dtype == "fp32":
                 hf = hf.float()
-            outs = []
-            with torch.no_grad():
-                for s in seqs:
-                    n = len(s) - DECODE
-                    lg = hf(torch.tensor([s], device="cuda")).logits[0]
-                    outs.append(lg[n - 1: n - 1 + DECODE].float().cpu().numpy())
-            want[dtype] = outs
+            want[dtype] = hf_logits(hf, seqs)
         del hf
         torch.cuda.empty_cache()
         with closing(CudaRunner(art, d, max_num_batched_tokens=16384, max_num_seqs=16, cuda_graphs=False,

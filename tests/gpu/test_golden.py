@@ -48,6 +48,17 @@ def logprobs(x):
     return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
 
 
+def hf_logits(hf, seqs, device="cuda") -> list[np.ndarray]:
+    """HF's logits (f32 [DECODE, V]) of each sequence after its prompt and then each forced token."""
+    want = []
+    with torch.no_grad():
+        for s in seqs:
+            n = len(s) - DECODE
+            lg = hf(torch.tensor([s], device=device)).logits[0]
+            want.append(lg[n - 1: n - 1 + DECODE].float().cpu().numpy())
+    return want
+
+
 def gate(ours: np.ndarray, theirs: np.ndarray):
     lo, lt = logprobs(ours), logprobs(theirs)
     pick = lo.argmax(-1)
@@ -74,13 +85,8 @@ def setup(request, model_dir, artifact):
         lens += [window - 8, window + 100]                  # after LENS: the indices below stay
     lens += gpu_families.LONG_PROMPTS.get(name, [])
     seqs = [[int(t) for t in rng.integers(0, V, n + DECODE)] for n in lens]
-    want = []
-    with torch.no_grad():
-        for s in seqs:
-            n = len(s) - DECODE
-            lg = hf(torch.tensor([s], device="cuda")).logits[0]
-            want.append(lg[n - 1: n - 1 + DECODE].float().cpu().numpy())   # after the prompt, then each forced token
-    del hf, lg
+    want = hf_logits(hf, seqs)
+    del hf
     torch.cuda.empty_cache()
     yield name, d, art, seqs, want
     models.remove(name)

@@ -31,7 +31,7 @@ import torch
 import gpu_families
 import models
 import prepare
-from test_golden import DECODE, LENS, gate, run
+from test_golden import DECODE, LENS, gate, hf_logits, run
 
 
 def gpu_count() -> int:
@@ -85,13 +85,8 @@ def case(request):
     V = hf.config.vocab_size
     rng = np.random.default_rng(0)
     seqs = [[int(t) for t in rng.integers(0, V, n + DECODE)] for n in LENS + extra]
-    want = []
-    with torch.no_grad():
-        for s in seqs:
-            n = len(s) - DECODE
-            lg = hf(torch.tensor([s], device="cuda:0")).logits[0]
-            want.append(lg[n - 1: n - 1 + DECODE].float().cpu().numpy())
-    del hf, lg
+    want = hf_logits(hf, seqs, "cuda:0")
+    del hf
     torch.cuda.empty_cache()
     yield request.param, d, art, seqs, want
 
