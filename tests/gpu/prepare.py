@@ -207,10 +207,8 @@ def ranks():
     import time
     from infc.compiler.build import build
     from infc.compiler.parallel import build_ranks, settings
-    for name, config in RANK_CONFIGS.items():
-        d = ranks_config(name)
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "config.json").write_text(json.dumps(config, indent=1))
+    for name in RANK_CONFIGS:
+        _ranks_config_written(name)
     for (name, tag), how in RANK_BUILDS.items():
         t0, out, d = time.time(), ranks_artifact(name, tag), ranks_config(name)
         shutil.rmtree(out, ignore_errors=True)
@@ -229,11 +227,8 @@ def ranks():
 # ranks-qwen3-30b-a3b-l4 (test_ranks_gpu.py), deepseek-v2-lite-l8 (gpu_families); the benchmarks'
 # config-only ones (--load-format dummy): .cache/gpu/configs/qwen3-30b-a3b and deepseek-v2-lite.
 def _moe_full() -> Path:
-    from prepare_moe import config
-    d = GPU_CACHE / "configs" / "qwen3-30b-a3b"
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "config.json").write_text(json.dumps(config(), indent=1))
-    return d
+    from prepare_moe import write_config
+    return write_config("qwen3-30b-a3b")
 
 
 def _family_config(name: str) -> Path:
@@ -252,15 +247,11 @@ TWOGPU = {
     "deepseek-v2-lite": (lambda: _family_config("deepseek-v2-lite"), 1, False),
     "deepseek-v2-lite-tp2-ep2": (lambda: _family_config("deepseek-v2-lite"), 2, True),
 }
-# test_two_gpus.py's golden cases -> their artifact names above
-TWOGPU_CASES = {"qwen3-4b-tp2": "qwen3-4b-tp2",
-                "qwen3-30b-a3b-l4-tp2-ep2": "ranks-qwen3-30b-a3b-l4-tp2-ep2",
-                "deepseek-v2-lite-l8-tp2-ep2": "deepseek-v2-lite-l8-tp2-ep2"}
 
 
-def twogpu_artifact(case: str) -> Path:
+def twogpu_artifact(name: str) -> Path:
     from infc.compiler.build import REPO as BUILD_REPO
-    return BUILD_REPO / ".cache" / "artifacts" / TWOGPU_CASES.get(case, case)
+    return BUILD_REPO / ".cache" / "artifacts" / name
 
 
 def _ranks_config_written(name: str) -> Path:

@@ -22,14 +22,20 @@ def config() -> dict:
     return cfg
 
 
+def write_config(name: str) -> Path:
+    """.cache/gpu/configs/<name>/config.json for a cut of CUTS."""
+    cfg, layers = config(), CUTS[name]
+    if layers:
+        cfg.update(num_hidden_layers=layers, max_window_layers=layers)
+    d = GPU_CACHE / "configs" / name
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(cfg, indent=1))
+    return d
+
+
 def main():
-    for name, layers in CUTS.items():
-        cfg = config()
-        if layers:
-            cfg.update(num_hidden_layers=layers, max_window_layers=layers)
-        d = GPU_CACHE / "configs" / name
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "config.json").write_text(json.dumps(cfg, indent=1))
+    for name in CUTS:
+        d = write_config(name)
         from infc.cli import main as cli          # in-process: the infc this script imports
         if cli(["build", "--model-path", str(d), "--out", str(GPU_CACHE / f"{name}-art")]) != 0:
             raise SystemExit(f"building {name} failed")

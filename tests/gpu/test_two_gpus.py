@@ -56,11 +56,11 @@ def _family_model(name):
     return out
 
 
-# case -> (model directory maker, artifact, extra prompt lengths)
+# case -> (model directory maker, artifact (prepare.TWOGPU), extra prompt lengths)
 CASES = {
     "qwen3-4b-tp2": (lambda: models.model_dir("qwen3-4b"), prepare.twogpu_artifact("qwen3-4b-tp2"), []),
     "qwen3-30b-a3b-l4-tp2-ep2": (lambda: _ranks_model("qwen3-30b-a3b-l4"),
-                                 prepare.twogpu_artifact("qwen3-30b-a3b-l4-tp2-ep2"), []),
+                                 prepare.twogpu_artifact("ranks-qwen3-30b-a3b-l4-tp2-ep2"), []),
     "deepseek-v2-lite-l8-tp2-ep2": (lambda: _family_model("deepseek-v2-lite-l8"),
                                     prepare.twogpu_artifact("deepseek-v2-lite-l8-tp2-ep2"),
                                     gpu_families.LONG_PROMPTS["deepseek-v2-lite-l8"]),
