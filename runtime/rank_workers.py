@@ -13,7 +13,8 @@ the GPUs; on the CPU, tests' numpy references exchange their inputs through rank
 The worker's runner is pluggable: `factory` names a function "module:function" called in every
 rank's process as factory(rank, world, config, link) -> runner (config: the JSON-able dict given
 to MultiProcessRunner; link: RankLink, for data rank 0 shares at startup, such as the NCCL id,
-and for the CPU exchange). Worker processes get only strings and ints (spawn context).
+and for the CPU exchange). A runner may have close(graceful): graceful when every rank closes
+together, False after a failure. Worker processes get only strings and ints (spawn context).
 
 Failures: a worker that dies (its socket closes, its process sentinel fires), raises, or does not
 answer within step_timeout makes rank 0's current or next step raise RankError naming the rank
@@ -181,19 +182,11 @@ def worker_main(host: str, port: int, token: str, rank: int, world: int, factory
         close = getattr(runner, "close", None)
         if close is not None:
             try:
-                close(stopped) if _takes_graceful(close) else close()
+                close(stopped)
             except Exception:
                 pass
         step.close()
         coll.close()
-
-
-def _takes_graceful(close) -> bool:
-    import inspect
-    try:
-        return "graceful" in inspect.signature(close).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 def _shape_of(runner) -> list:
@@ -502,7 +495,7 @@ class MultiProcessRunner:
             self._send_stop()
         close = getattr(self.runner, "close", None)
         if close is not None:
-            close(graceful) if _takes_graceful(close) else close()
+            close(graceful)
         if graceful:
             self._stop_workers(graceful=True)
 
