@@ -37,7 +37,16 @@ def parallel_tag(par: dict | None) -> str:
     return f"-tp{par['tp']}" + (f"-ep{par['ep']}" if par["ep"] > 1 else "")
 
 
+def parallel_fields(par: dict | None) -> dict:
+    """What a parallel run's result records about its ranks ({} for one GPU)."""
+    if par is None:
+        return {}
+    return {"tensor_parallel_size": par["tp"], "expert_parallel_size": par["ep"], "world": par["world"],
+            "floor_of": "rank 0 (its weight shard and KV share)"}
+
+
 def _infc(artifact, model_dir, prompts, out_len, seed=0, load_format="auto", par=None, out=None):
+    """(result, the path it was saved to): saved here, before the ranks are stopped."""
     max_t = max(prompts) + 16
     t0 = time.perf_counter()
     r = open_runner(artifact, model_dir, par, max_num_batched_tokens=max_t, max_num_seqs=8,
@@ -47,8 +56,7 @@ def _infc(artifact, model_dir, prompts, out_len, seed=0, load_format="auto", par
     try:
         res = _timed(r, getattr(r, "runner", r), prompts, out_len, seed, load_format, par)
         from .common import save
-        save("latency", res, out)               # before the ranks are stopped
-        return res
+        return res, save("latency", res, out)
     finally:
         if par is not None:
             r.close()
@@ -67,9 +75,7 @@ def _timed(r, r0, prompts, out_len, seed, load_format, par):
     kv_per_token, state_per_seq = caches.token_bytes(decl), caches.slot_bytes(decl)
     rng = np.random.default_rng(seed)
     greedy = [RowSampling(SamplingParams(temperature=0.0), 0, 0)]
-    if par is not None:
-        res.update({"tensor_parallel_size": par["tp"], "expert_parallel_size": par["ep"],
-                    "world": par["world"], "floor_of": "rank 0 (its weight shard and KV share)"})
+    res.update(parallel_fields(par))
     res.update({"copy_GBps": bw / 1e9, "weight_bytes": r0.weights.bytes, "load_format": load_format,
                 "kv_bytes_per_token": kv_per_token, "state_bytes_per_seq": state_per_seq,
                 "ttft_ms": {}, "tpot_ms_by_prompt": {},
@@ -167,9 +173,9 @@ def main(argv=None):
     from .common import save
     par = settings(a.tensor_parallel_size, a.enable_expert_parallel)
     prompts = [int(p) for p in a.prompts.split(",")]
-    res = _infc(a.artifact, a.model_path, prompts, a.output_len, load_format=a.load_format, par=par,
-                out=a.out)
-    path = save("latency", res, a.out)          # infc's numbers survive an HF failure
+    # infc's numbers are saved first: they survive an HF failure
+    res, path = _infc(a.artifact, a.model_path, prompts, a.output_len, load_format=a.load_format,
+                      par=par, out=a.out)
     if not a.no_hf:
         try:
             res.update(_hf(a.model_path, prompts, a.output_len, load_format=a.load_format))

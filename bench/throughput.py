@@ -105,15 +105,14 @@ def main(argv=None):
 def _sweep(a, b, conc, par, tag):
     from infc.runtime import caches
     from .common import copy_bandwidth, header, save
+    from .latency import parallel_fields
     engine = b.engine
     runner = getattr(engine.runner, "runner", engine.runner)   # rank 0's CudaRunner under ranks
     res = header(runner.ctx, runner.plan["model"] + tag)
     bw = copy_bandwidth(runner.ctx)
     decl = caches.of_plan(runner.plan)
     kv_per_token, state_per_seq = caches.token_bytes(decl), caches.slot_bytes(decl)
-    if par is not None:
-        res.update({"tensor_parallel_size": par["tp"], "expert_parallel_size": par["ep"],
-                    "world": par["world"], "floor_of": "rank 0 (its weight shard and KV share)"})
+    res.update(parallel_fields(par))
     res.update({"input_len": a.input_len, "output_len": a.output_len, "copy_GBps": bw / 1e9,
                 "load_format": a.load_format, "max_num_batched_tokens": a.max_num_batched_tokens,
                 "weight_bytes": runner.weights.bytes, "kv_tokens": b.kv_tokens, "points": []})
