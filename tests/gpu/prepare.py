@@ -59,16 +59,19 @@ def _size(d: Path) -> str:
     return f"{sum(f.stat().st_size for f in d.rglob('*') if f.is_file()) / 2**20:.1f} MiB"
 
 
-def _both_tunings(what: str, out: Path, **kw):
+def _both_tunings(what: str, out: Path, model_dir: str, **kw):
     """Build for the H100 then the H200 table into one directory (bin/ keeps both kernels'
-    cubins where the tables differ; plan.json is the H200 one), and say what it took."""
+    cubins where the tables differ; plan.json is the H200 one), and say what it took. The build's
+    arguments go to out/built_from.json, for tests/gpu/rerender.py on the GPU machine."""
     import shutil
     import time
     from infc.compiler.build import build
     t0 = time.time()
     shutil.rmtree(out, ignore_errors=True)        # no stale cubins carried (they come from the cache)
     for gpu in ("h100", "h200"):
-        build(out=out, gpu=gpu, log=None, **kw)
+        build(out=out, gpu=gpu, log=None, model_dir=model_dir, **kw)
+    (Path(out) / "built_from.json").write_text(json.dumps(
+        {"model_dir": str(Path(model_dir).resolve().relative_to(REPO)), **kw}, indent=1) + "\n")
     print(f"[prepare] {what}: {time.time() - t0:.1f} s, {_size(out)} -> {out}", flush=True)
 
 
@@ -264,13 +267,8 @@ def _ranks_config_written(name: str) -> Path:
 def twogpu():
     from make_random_model import write_tokenizer
     for name, (config, tp, ep) in TWOGPU.items():
-        d, out = config(), twogpu_artifact(name)
-        _both_tunings(f"twogpu {name}", out, model_dir=str(d), tensor_parallel_size=tp,
-                      enable_expert_parallel=ep)
-        # how to re-render it for the GPU machine's table (tests/gpu/rerender.py)
-        (out / "built_from.json").write_text(json.dumps(
-            {"config": str(d.relative_to(REPO)), "tensor_parallel_size": tp,
-             "enable_expert_parallel": ep}, indent=1) + "\n")
+        _both_tunings(f"twogpu {name}", twogpu_artifact(name), model_dir=str(config()),
+                      tensor_parallel_size=tp, enable_expert_parallel=ep)
     if not (GPU_CACHE / "qwen-tokenizer" / "tokenizer.json").exists():
         write_tokenizer("qwen3", GPU_CACHE / "qwen-tokenizer", "qwen")
 
@@ -288,12 +286,11 @@ def base():
     cfg_dir.mkdir(parents=True, exist_ok=True)
     (cfg_dir / "config.json").write_text(json.dumps(config_json(), indent=1))
     build(model_dir=str(cfg_dir), out=GPU_CACHE / "skipgram-art")
-    for gpu in ("h100", "h200"):                              # LLM(device="cuda") on it
-        build(model_dir=str(cfg_dir), out=BUILD_REPO / ".cache" / "artifacts" / "skipgram", gpu=gpu, log=None)
+    _both_tunings("skipgram (LLM(device=\"cuda\") on it)", BUILD_REPO / ".cache" / "artifacts" / "skipgram",
+                  model_dir=str(cfg_dir))
     for name in SERVED:
-        d = served_config(name)
-        for gpu in ("h100", "h200"):
-            build(model_dir=str(d), out=BUILD_REPO / ".cache" / "artifacts" / name, gpu=gpu, log=None)
+        _both_tunings(f"{name} (served)", BUILD_REPO / ".cache" / "artifacts" / name,
+                      model_dir=str(served_config(name)))
     write_tokenizer("qwen3", GPU_CACHE / "qwen-tokenizer", "qwen")
 
 

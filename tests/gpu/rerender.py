@@ -6,7 +6,8 @@ prepare.py builds each artifact for the H100 table, then the H200 one, into one 
 holds both tables' cubins and the plan is the H200 table's. A benchmark or test that loads an
 artifact directly (not through load_backend, which renders for the GPU it finds) would run the
 H200 plan on an H100: this re-renders the plan for this GPU, from the config recorded in
-built_from.json, compiling nothing (every cubin is already there).
+built_from.json (prepare.py writes it beside every artifact it builds for both tables),
+compiling nothing (every cubin is already there).
 """
 import json
 import sys
@@ -15,17 +16,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def rerender(art: Path) -> str:
+def rerender(art: Path, gpu: str | None = None) -> str:
+    """Re-render `art` for `gpu` (default: this machine's table) if its plan is another table's."""
     from infc.backend import gpu_tuning
     from infc.compiler.build import build
     plan = art / "plan.json" if (art / "plan.json").exists() else art / "plan.rank0.json"
-    gpu = gpu_tuning()
+    if not plan.exists():
+        return f"{art}: no plan (not carried?)"
+    gpu = gpu or gpu_tuning()
     built = json.loads(plan.read_text())["build"]["gpu"]
     if built == gpu:
         return f"{art.name}: {gpu} plan already"
-    how = json.loads((art / "built_from.json").read_text())
-    build(model_dir=str(REPO / how["config"]), out=art, gpu=gpu, log=None,
-          tensor_parallel_size=how["tensor_parallel_size"], enable_expert_parallel=how["enable_expert_parallel"])
+    how = json.loads((art / "built_from.json").read_text())     # prepare.py's _both_tunings
+    build(out=art, gpu=gpu, log=None, **{**how, "model_dir": str(REPO / how["model_dir"])})
     return f"{art.name}: re-rendered {built} -> {gpu}"
 
 

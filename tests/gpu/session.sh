@@ -60,16 +60,7 @@ if [ -n "$(echo " $STAGES " | sed -e 's/ families / /g' -e 's/ qwen35 / /g' -e '
   # prepare.py leaves .cache/artifacts/qwen3-4b rendered with the last table it built (h200); the
   # stages that time that plan directly (latency, profile) must run this GPU's table, as
   # LLM(device="cuda") does. Both tables' cubins are there: this compiles nothing.
-  python3 - "$MODELS/qwen3-4b" <<'PY' 2>&1 | tail -2
-import json, sys
-from pathlib import Path
-from infc.backend import gpu_tuning
-from infc.compiler.build import build
-art, gpu = Path(".cache/artifacts/qwen3-4b"), gpu_tuning()
-if (art / "plan.json").exists() and json.loads((art / "plan.json").read_text())["build"]["gpu"] != gpu:
-    build(model_dir=sys.argv[1], out=art, gpu=gpu, log=None)
-    print(f"[session] .cache/artifacts/qwen3-4b re-rendered with the {gpu} tuning table")
-PY
+  python3 tests/gpu/rerender.py .cache/artifacts/qwen3-4b 2>&1 | tail -2
 fi
 # the families' models are made inside pytest, one at a time, and deleted after their tests
 
@@ -152,16 +143,7 @@ for _ in range(600):
       # artifact's plan.json is the H200 table's (prepare.py builds both tables' cubins): on another
       # card it is re-rendered with that card's table first, compiling nothing, as for qwen3-4b above.
       art=.cache/gpu/deepseek-v2-lite-art cfg=.cache/gpu/configs/deepseek-v2-lite
-      python3 - "$art" "$cfg" <<'PY' 2>&1 | tail -2
-import json, sys
-from pathlib import Path
-from infc.backend import gpu_tuning
-from infc.compiler.build import build
-art, cfg, gpu = Path(sys.argv[1]), sys.argv[2], gpu_tuning()
-if json.loads((art / "plan.json").read_text())["build"]["gpu"] != gpu:
-    build(model_dir=cfg, out=art, gpu=gpu, log=None)
-    print(f"[session] {art} re-rendered with the {gpu} tuning table")
-PY
+      python3 tests/gpu/rerender.py $art 2>&1 | tail -2
       rm -rf "$OUT/deepseek"; mkdir -p "$OUT/deepseek"
       timeout ${DEEPSEEK_S:-240} python3 -m infc.cli bench latency --artifact $art --model-path $cfg \
         --load-format dummy --no-hf --prompts 32,1024 --output-len 128 --out "$OUT/deepseek" \
