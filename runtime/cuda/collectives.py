@@ -175,24 +175,22 @@ class NcclCollectives(Collectives):
         import sys
         import threading
         import time
-        comm = self.comm
+        what, release = ("destroy", self.comm.destroy) if graceful else ("abort", self.comm.abort)
         done = threading.Event()
 
-        def release():
+        def run():
             try:
-                (comm.destroy if graceful else comm.abort)()
+                release()
             except Exception as e:           # noqa: BLE001 - reported, the close goes on
-                sys.stderr.write(f"infc rank {self.rank}: NCCL {'destroy' if graceful else 'abort'} "
-                                 f"failed: {e}\n")
+                sys.stderr.write(f"infc rank {self.rank}: NCCL {what} failed: {e}\n")
             done.set()
         t0 = time.monotonic()
-        threading.Thread(target=release, name="infc-nccl-release", daemon=True).start()
+        threading.Thread(target=run, name="infc-nccl-release", daemon=True).start()
         if not done.wait(timeout):
-            sys.stderr.write(f"infc rank {self.rank}: NCCL {'destroy' if graceful else 'abort'} did "
-                             f"not finish in {timeout:.0f} s; left behind\n")
+            sys.stderr.write(f"infc rank {self.rank}: NCCL {what} did not finish in {timeout:.0f} s; "
+                             f"left behind\n")
         elif time.monotonic() - t0 > 1.0:
-            sys.stderr.write(f"infc rank {self.rank}: NCCL {'destroy' if graceful else 'abort'} took "
-                             f"{time.monotonic() - t0:.1f} s\n")
+            sys.stderr.write(f"infc rank {self.rank}: NCCL {what} took {time.monotonic() - t0:.1f} s\n")
 
     def _alloc(self, role: str, nbytes: int) -> int:
         """A staging buffer of at least nbytes, shared by every launch (of every phase and layer)
