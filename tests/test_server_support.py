@@ -11,9 +11,9 @@ once per model (its `srv` fixture is parametrized over MODELS; `-k qwen3_5` sele
 Or any one model directory on any device:
     INFC_SERVER_MODEL=/tmp/infc-models/qwen3-4b INFC_SERVER_DEVICE=cuda pytest tests/test_server.py
 (the GPU run, with random weights), over rank processes with INFC_SERVER_TP=N (vLLM's
---tensor-parallel-size) and INFC_SERVER_EP=1 (--enable-expert-parallel). What only a real model knows (a greedy " Paris") is asserted
-only when the model is SmolLM2 (current().real); everything else the suite derives from the
-model's own outputs."""
+--tensor-parallel-size) and INFC_SERVER_EP=1 (--enable-expert-parallel). What only a real model
+knows (a greedy " Paris") is asserted only when the model is SmolLM2 (current().real); everything
+else the suite derives from the model's own outputs."""
 import atexit
 import http.client
 import json

@@ -163,7 +163,7 @@ def test_nccl_one_rank_runs_the_plans_collectives(tag):
             print(f"[ranks] NCCL world 1 {tag} ({len(ops)} collectives a step) vs whole: "
                   + ", ".join(f"{k} {v:.4f}" for k, v in worst.items()), flush=True)
         finally:
-            one.close()                         # aborts the communicator too
+            one.close()                         # releases the communicator too
 
 
 def test_nccl_communicator_and_strided_copies():
