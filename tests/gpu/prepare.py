@@ -70,8 +70,9 @@ def _both_tunings(what: str, out: Path, model_dir: str, **kw):
     shutil.rmtree(out, ignore_errors=True)        # no stale cubins carried (they come from the cache)
     for gpu in ("h100", "h200"):
         build(out=out, gpu=gpu, log=None, model_dir=model_dir, **kw)
+    d = Path(model_dir).resolve()              # relative to the repo where it is in it (carried)
     (Path(out) / "built_from.json").write_text(json.dumps(
-        {"model_dir": str(Path(model_dir).resolve().relative_to(REPO)), **kw}, indent=1) + "\n")
+        {"model_dir": str(d.relative_to(REPO) if d.is_relative_to(REPO) else d), **kw}, indent=1) + "\n")
     print(f"[prepare] {what}: {time.time() - t0:.1f} s, {_size(out)} -> {out}", flush=True)
 
 
