@@ -37,12 +37,18 @@ def parallel_tag(par: dict | None) -> str:
     return f"-tp{par['tp']}" + (f"-ep{par['ep']}" if par["ep"] > 1 else "")
 
 
-def parallel_fields(par: dict | None) -> dict:
-    """What a parallel run's result records about its ranks ({} for one GPU)."""
+def parallel_fields(par: dict | None, runner=None) -> dict:
+    """What a parallel run's result records about its ranks ({} for one GPU): with rank 0's
+    runner, which collectives it ran (P2PCollectives: small all-reduces one-shot over the mapped
+    peers, runtime/cuda/p2p.py; NcclCollectives: NCCL only)."""
     if par is None:
         return {}
-    return {"tensor_parallel_size": par["tp"], "expert_parallel_size": par["ep"], "world": par["world"],
-            "floor_of": "rank 0 (its weight shard and KV share)"}
+    out = {"tensor_parallel_size": par["tp"], "expert_parallel_size": par["ep"], "world": par["world"],
+           "floor_of": "rank 0 (its weight shard and KV share)"}
+    coll = getattr(runner, "collectives", None)
+    if coll is not None:
+        out["collectives"] = type(coll).__name__
+    return out
 
 
 def _infc(artifact, model_dir, prompts, out_len, seed=0, load_format="auto", par=None, out=None):
@@ -75,7 +81,7 @@ def _timed(r, r0, prompts, out_len, seed, load_format, par):
     kv_per_token, state_per_seq = caches.token_bytes(decl), caches.slot_bytes(decl)
     rng = np.random.default_rng(seed)
     greedy = [RowSampling(SamplingParams(temperature=0.0), 0, 0)]
-    res.update(parallel_fields(par))
+    res.update(parallel_fields(par, r0))
     res.update({"copy_GBps": bw / 1e9, "weight_bytes": r0.weights.bytes, "load_format": load_format,
                 "kv_bytes_per_token": kv_per_token, "state_bytes_per_seq": state_per_seq,
                 "ttft_ms": {}, "tpot_ms_by_prompt": {},

@@ -112,7 +112,7 @@ def _sweep(a, b, conc, par, tag):
     bw = copy_bandwidth(runner.ctx)
     decl = caches.of_plan(runner.plan)
     kv_per_token, state_per_seq = caches.token_bytes(decl), caches.slot_bytes(decl)
-    res.update(parallel_fields(par))
+    res.update(parallel_fields(par, runner))
     res.update({"input_len": a.input_len, "output_len": a.output_len, "copy_GBps": bw / 1e9,
                 "load_format": a.load_format, "max_num_batched_tokens": a.max_num_batched_tokens,
                 "weight_bytes": runner.weights.bytes, "kv_tokens": b.kv_tokens, "points": []})

@@ -515,7 +515,7 @@ def nccl_rank_runner(rank: int, world: int, config: dict, link: RankLink):
     ctx = Context(devices[rank])            # current before NCCL picks its device
     uid = link.share(nccl.unique_id() if rank == 0 else None)
     runner = nccl_runner(artifact, model_dir, rank=rank, uid=uid, ctx=ctx, **kw)
-    runner.abort = runner.comm.abort          # the watchdog's way out of a collective with a dead rank
+    runner.abort = runner.collectives.abort   # the watchdog's way out of a collective with a dead rank
     return runner
 
 

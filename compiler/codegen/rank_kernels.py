@@ -6,6 +6,8 @@ runtime's Collectives (runtime/cuda/collectives.py), which does some of it with 
 
     all_reduce, ep_combine   device_copy: rank_sum over the N ranks' buffers on one GPU (fp32,
                              rank order: the numpy reference's bits on every rank)
+                             p2p: peer_sum, the one-shot all-reduce over the ranks' mapped
+                             regions (runtime/cuda/p2p.py), the same sum and bits
     ep_dispatch              device_copy: ep_dispatch reading each row from its owner rank's
                              buffer; nccl: ep_dispatch over the owners' rows gathered by NCCL
     all_gather               copies only
@@ -16,6 +18,9 @@ the kernels join plan["kernels"] (so the runner loads them with the others).
 from pathlib import Path
 
 from .render import EXT, Kernel, _env, _tensor, render_template
+
+# peer_sum's most programs per call; runtime/cuda/p2p.py sizes each rank's flag words by it
+P2P_MAX_PROGRAMS = 32
 
 
 def _render(env, template: str, ins: list, outs: list, attrs: dict) -> Kernel:
@@ -41,6 +46,8 @@ def render_rank_kernels(plan: dict) -> dict[str, Kernel]:
             helpers = {}
             if launch["op"] in ("all_reduce", "ep_combine"):
                 helpers["device_copy"] = _render(env, "rank_sum", ins[:1] * world, outs[:1] * world, {})
+                helpers["p2p"] = _render(env, "peer_sum", ins[:1], outs[:1],
+                                         {"world": world, "max_programs": P2P_MAX_PROGRAMS})
             elif launch["op"] == "ep_dispatch":
                 for mode, sources in (("device_copy", world), ("nccl", 1)):
                     attrs = {"sources": sources, "world": world,

@@ -26,6 +26,8 @@ DeviceCopyCollectives: the N ranks' runners in ONE process on ONE GPU, sharing o
       ep_dispatch              the ep_dispatch kernel (mode "device_copy") per rank, reading each
                                row from its owner's buffer
     Exactly the numpy references (compiler/ops/collectives.py), owner convention included.
+P2PCollectives (runtime/cuda/p2p.py): NcclCollectives whose small all_reduce / ep_combine are a
+    one-shot sum over the ranks' memory mapped into each other (CUDA IPC), the reference's bits.
 """
 from dataclasses import dataclass
 
@@ -166,6 +168,11 @@ class NcclCollectives(Collectives):
         self.comm, self.ctx = comm, ctx
         self.world, self.rank = comm.world, comm.rank
         self._staging: dict[str, tuple[int, int]] = {}
+
+    def abort(self):
+        """Abort the communicator now (the rank watchdog's way out of a collective waiting for a
+        dead rank: runtime/rank_workers.py)."""
+        self.comm.abort()
 
     def close(self, graceful: bool = True, timeout: float = 10.0):
         """Release the communicator: ncclCommDestroy when every rank closes together (graceful),

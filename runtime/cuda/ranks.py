@@ -13,7 +13,9 @@ DeviceCopyRanks: every rank on ONE GPU in one process (testing the partitioned k
     (execute, page_size, num_pages, num_slots).
 
 nccl_runner: one rank of the artifact in this process (one process per GPU) over an NCCL
-    communicator on the runner's stream; its own CUDA Graphs capture the collectives. The ranks
+    communicator on the runner's stream; its own CUDA Graphs capture the collectives. Small
+    all-reduces take the one-shot P2P path (runtime/cuda/p2p.py) where the GPUs can map each
+    other's memory. The ranks
     size their KV caches alike (the smallest rank's page count: agreed_min). The runner keeps the
     communicator as `.comm`; closing the runner releases it (NcclCollectives.close: destroyed
     when the ranks close together, aborted after a failure).
@@ -28,7 +30,8 @@ from infc.compiler.errors import ModelDirError
 from ..program import program_name, unrolled
 from ..runner import RowSampling, Sample, sample_row
 from ..step import StepMeta
-from .collectives import DeviceCopyGroup, NcclCollectives
+from .collectives import DeviceCopyGroup
+from .p2p import p2p_collectives
 from .runner import padding_step, step_shape
 
 
@@ -183,12 +186,16 @@ def nccl_runner(artifact, model_dir, rank: int = 0, uid: bytes | None = None, **
         uid = nccl.unique_id()
     ctx = kw.pop("ctx", None) or Context()          # current before NCCL picks its device
     comm = nccl.Communicator(world, rank, uid)
+    coll = None
     try:
-        runner = CudaRunner(artifact, model_dir, ctx=ctx, plan=plans[rank],
-                            collectives=NcclCollectives(comm, ctx),
+        coll = p2p_collectives(comm, ctx)
+        runner = CudaRunner(artifact, model_dir, ctx=ctx, plan=plans[rank], collectives=coll,
                             agree_num_pages=lambda n: agreed_min(comm, ctx, n), **kw)
     except BaseException:
-        comm.destroy()
+        if coll is not None:
+            coll.close(graceful=True)
+        else:
+            comm.destroy()
         raise
     runner.comm = comm
     return runner

@@ -30,7 +30,10 @@
 # throughput at TWOGPU_CONCURRENCY (default 256) of qwen3-4b (TP=2), qwen3-30b-a3b (48 layers,
 # TP=2 + EP) and DeepSeek-V2-Lite (27 layers, TP=2 + EP), each beside one GPU of the same machine,
 # dummy weights (TWOGPU_BENCH picks some of: latency throughput moe-latency moe-throughput deepseek;
-# TWOGPU_SKIP_ONE=1 runs only the two-rank side; TWOGPU_SERVER_RUNS="dir:TP:EP ..." the server runs).
+# TWOGPU_SKIP_ONE=1 runs only the two-rank side; TWOGPU_NCCL_ONLY=1 runs the two ranks again with
+# INFC_P2P=0, NCCL for every collective, into bench/nccl-only; TWOGPU_SERVER_RUNS="dir:TP:EP ..."
+# the server runs). p2p: peer_sum, the one-shot all-reduce, with two ranks on this one GPU
+# (tests/gpu/test_peer_sum_gpu.py, after prepare.py ranks).
 # INFC_GPU_FAMILIES=a,b|all|none picks the families (default: gpu_families.DEFAULT; prepare.py must
 # have built the same ones).
 # Needs what tests/gpu/prepare.py built here (carry .cache/gpu, .cache/artifacts, .cache/tune)
@@ -53,7 +56,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv | tee "$OUT/gpu.txt"
-if [ -n "$(echo " $STAGES " | sed -e 's/ families / /g' -e 's/ qwen35 / /g' -e 's/ ranks / /g' -e 's/ deepseek / /g' -e 's/ twogpu[a-z-]* / /g' -e 's/ twogpu[a-z-]* / /g' | tr -d ' ')" ]; then   # a stage besides families / qwen35 / ranks / deepseek / twogpu*
+if [ -n "$(echo " $STAGES " | sed -e 's/ families / /g' -e 's/ qwen35 / /g' -e 's/ ranks / /g' -e 's/ p2p / /g' -e 's/ deepseek / /g' -e 's/ twogpu[a-z-]* / /g' -e 's/ twogpu[a-z-]* / /g' | tr -d ' ')" ]; then   # a stage besides families / qwen35 / ranks / deepseek / twogpu*
   say "models"
   timeout 300 python3 -c "import sys; sys.path.insert(0,'tests/gpu'); import models; [models.model_dir(m) for m in ('qwen3-4b','llama-3.2-1b','tiny-moe','skipgram')]" 2>&1 | tail -12
   say "models ready"
@@ -151,6 +154,9 @@ for _ in range(600):
       for f in "$OUT"/deepseek/latency-deepseek*.json; do     # bench latency's result
         [ -f "$f" ] && python3 -m infc.bench.active_floor --artifact $art --latency "$f" --output-len 128 2>&1 | tail -8
       done ;;
+    p2p)
+      timeout ${P2P_S:-180} python3 -m pytest tests/gpu/test_peer_sum_gpu.py -q -s -p no:cacheprovider -rs \
+        2>&1 | quiet | tee "$OUT/pytest-peer-sum.log" | grep -E "passed|failed|error|skipped|^E " | tail -30 ;;
     twogpu)
       nvidia-smi topo -m | tee "$OUT/topo.txt"
       python3 -c "from infc.runtime.cuda import nccl; print('NCCL', '.'.join(map(str, nccl.version())), nccl.library().path)" | tee -a "$OUT/topo.txt"
@@ -181,7 +187,12 @@ test_ranks_gpu.model_dir(name[len('ranks-'):]) if name.startswith('ranks-') else
       for what in ${TWOGPU_BENCH:-latency throughput moe-latency moe-throughput deepseek}; do
         variants=("" "--tensor-parallel-size 2")          # one GPU, then the two ranks
         [ -n "${TWOGPU_SKIP_ONE:-}" ] && variants=("--tensor-parallel-size 2")
+        [ -n "${TWOGPU_NCCL_ONLY:-}" ] && variants+=("nccl-only")     # the ranks again, INFC_P2P=0
         for ranks in "${variants[@]}"; do
+          out="$OUT/bench" p2p=1
+          if [ "$ranks" = nccl-only ]; then ranks="--tensor-parallel-size 2" out="$OUT/bench/nccl-only" p2p=0; fi
+          mkdir -p "$out"
+          export INFC_P2P=$p2p
           case $what in
             latency|throughput) m=qwen3-4b; tag=${ranks:+-tp2}; x=$ranks ;;
             moe-*) m=qwen3-30b-a3b; tag=${ranks:+-tp2-ep2}; x=${ranks:+$ranks --enable-expert-parallel} ;;
@@ -191,15 +202,16 @@ test_ranks_gpu.model_dir(name[len('ranks-'):]) if name.startswith('ranks-') else
           case $what in
             latency|moe-latency|deepseek)
               timeout ${LATENCY_S:-240} python3 -m infc.cli bench latency --artifact $art/$m$tag --model-path $cfg/$m \
-                --load-format dummy --no-hf --prompts 32,1024 --output-len 128 --out "$OUT/bench" $x 2>&1 | quiet \
-                | tee "$OUT/bench/$what-$m$tag.log" | tail -4 ;;
+                --load-format dummy --no-hf --prompts 32,1024 --output-len 128 --out "$out" $x 2>&1 | quiet \
+                | tee "$out/$what-$m$tag.log" | tail -4 ;;
             throughput|moe-throughput)
               timeout ${THROUGHPUT_S:-300} python3 -m infc.cli bench throughput --model-path $cfg/$m --load-format dummy \
-                --concurrency ${TWOGPU_CONCURRENCY:-256} --out "$OUT/bench" $x 2>&1 | quiet \
-                | tee "$OUT/bench/$what-$m$tag.log" | grep -E "start|ready|concurrency|wrote|rror" | tail -8 ;;
+                --concurrency ${TWOGPU_CONCURRENCY:-256} --out "$out" $x 2>&1 | quiet \
+                | tee "$out/$what-$m$tag.log" | grep -E "start|ready|concurrency|wrote|rror" | tail -8 ;;
           esac
         done
-      done ;;
+      done
+      unset INFC_P2P ;;
     tune)
       timeout ${TUNE_S:-300} python3 -m infc.cli tune run --dir .cache/tune/qwen3-4b-h200 --results-dir "$OUT" \
         --write "$OUT/h200.json" 2>&1 | tail -40 ;;
