@@ -1,7 +1,8 @@
 """Two GPUs, one process per GPU over NCCL (issue 14): the rank plans of a parallel build run by
 rank 0's MultiProcessRunner (runtime/rank_workers.py: rank 0 here on GPU 0 with the steps, rank 1
-spawned on GPU 1, each a CudaRunner whose collectives are NCCL calls on its stream, captured in
-its decode graphs), held to HF transformers in bf16 on GPU 0 by the golden gate of
+spawned on GPU 1, each a CudaRunner whose collectives run on its stream and are captured in its
+decode graphs: small all-reduces one-shot over the peers' mapped memory (runtime/cuda/p2p.py,
+INFC_P2P=0 for NCCL alone), the rest NCCL calls), held to HF transformers in bf16 on GPU 0 by the golden gate of
 test_golden.py (argmax regret <= 0.2 nat, top-8 |delta logprob| mean <= 0.06, p99 <= 0.2):
 
   qwen3-4b            --tensor-parallel-size 2 (heads and linears split, an all-reduce a sublayer)
@@ -13,7 +14,8 @@ test_golden.py (argmax regret <= 0.2 nat, top-8 |delta logprob| mean <= 0.06, p9
 
 in eager batch 1 and across graph buckets (batches of 9 and 5), decode bit-identical over two runs,
 and a rank killed in the middle of a decode stream: an error naming the rank within seconds
-(NCCL's communicator aborted by the watchdog), not a hang.
+(the watchdog aborts rank 0's collectives: a waiting one-shot all-reduce is let go, NCCL's
+communicator aborted), not a hang.
 
 Needs two GPUs and `python tests/gpu/prepare.py twogpu` on the build machine (artifacts with
 cubins; session.sh's `twogpu` stage runs this file). Skipped with fewer than two GPUs.
@@ -91,30 +93,35 @@ def case(request):
     yield request.param, d, art, seqs, want
 
 
-def _gate(name, mode, got, want):
+def _gate(name, mode, got, want) -> list:
+    """The golden gate's bounds; [] when they hold, else what missed (printed either way)."""
     worst = [gate(g, w) for g, w in zip(got, want)]
     regret, mean, p99 = max(w[0] for w in worst), float(np.mean([w[1] for w in worst])), max(w[2] for w in worst)
     print(f"[two-gpu] {name} {mode}: regret {regret:.3f} mean {mean:.4f} p99 {p99:.3f}", flush=True)
-    assert regret <= 0.2 and mean <= 0.06 and p99 <= 0.2, (name, mode, regret, mean, p99)
+    return [] if regret <= 0.2 and mean <= 0.06 and p99 <= 0.2 else [(name, mode, regret, mean, p99)]
 
 
 def test_golden_eager_batch_1(case):
     name, d, art, seqs, want = case
     with closing(ranks(art, d, cuda_graphs=False)) as r:
         assert not r.runner.graphs
-        _gate(name, "eager-b1", run(r, seqs, 1), want)
+        assert not _gate(name, "eager-b1", run(r, seqs, 1), want)
 
 
 def test_golden_graph_buckets_and_bit_identical_decode(case):
     """Batches of 9 and 5 straddle the 8 and 16 buckets (their decode steps replay the graphs,
-    NCCL calls inside); the batch-9 run twice gives the same bits at every step."""
+    collectives inside); the batch-9 run twice gives the same bits at every step. Every check
+    runs before the test fails on any."""
     name, d, art, seqs, want = case
     with closing(ranks(art, d, cuda_graphs=True)) as r:
         assert r.runner.graphs and r.num_pages == KW["num_pages"]
-        _gate(name, "graph-b9", run(r, seqs, 9), want)
-        _gate(name, "graph-b5", run(r, seqs, 5), want)
+        missed = _gate(name, "graph-b9", run(r, seqs, 9), want)
+        missed += _gate(name, "graph-b5", run(r, seqs, 5), want)
         a, b = run(r, seqs[:9], 9), run(r, seqs[:9], 9)
-        assert all(np.array_equal(x, y) for x, y in zip(a, b)), f"{name}: two identical runs differ"
+        same = all(np.array_equal(x, y) for x, y in zip(a, b))
+        print(f"[two-gpu] {name} decode bit-identical across two runs: {same}", flush=True)
+    assert same, f"{name}: two identical runs differ"
+    assert not missed, missed
 
 
 def test_a_rank_killed_mid_stream_is_a_clear_error():
