@@ -149,7 +149,7 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=_serve)
 
     bn = sub.add_parser("bench", help="benchmarks (results go to bench/results/)")
-    bn.add_argument("which", choices=["latency", "throughput", "startup", "serve", "profile", "prefix"])
+    bn.add_argument("which", choices=["latency", "throughput", "startup", "serve", "profile", "prefix", "allreduce"])
     bn.add_argument("rest", nargs=argparse.REMAINDER)
     bn.set_defaults(fn=_bench)
 

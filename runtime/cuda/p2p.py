@@ -32,7 +32,7 @@ import sys
 
 import numpy as np
 
-from .collectives import NcclCollectives, run_helper
+from .collectives import NcclCollectives, bound_helper
 from .driver import check, cu
 
 HANDLE_BYTES = 64                    # CU_IPC_HANDLE_SIZE
@@ -174,7 +174,7 @@ class P2PCollectives(NcclCollectives):
         ins = [x.ptr, self.local + L.stage, *[r + L.stage for r in self.regions],
                self.local + L.flags, *[r + L.flags for r in self.regions],
                self.local + L.counter, self.local + L.err]
-        args = {"rank": self.rank, "slot_elems": slot}
+        peer_sum = bound_helper(self.ctx, kernel, ins, [out.ptr], {"rank": self.rank, "slot_elems": slot})
 
         def fire(dims):
             n = x.numel(dims)
@@ -184,7 +184,7 @@ class P2PCollectives(NcclCollectives):
                 nccl_fire(dims)                  # every rank sees the same n: the same choice
                 return
             self.peer_calls += 1
-            run_helper(self.ctx, kernel, ins, [out.ptr], dims, args)
+            peer_sum(dims)
         return fire
 
     def abort(self):

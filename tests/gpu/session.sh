@@ -32,7 +32,8 @@
 # dummy weights (TWOGPU_BENCH picks some of: latency throughput moe-latency moe-throughput deepseek;
 # TWOGPU_SKIP_ONE=1 runs only the two-rank side; TWOGPU_NCCL_ONLY=1 runs the two ranks again with
 # INFC_P2P=0, NCCL for every collective, into bench/nccl-only; TWOGPU_SERVER_RUNS="dir:TP:EP ..."
-# the server runs). p2p: peer_sum, the one-shot all-reduce, with two ranks on this one GPU
+# the server runs); twogpu-allreduce one all-reduce's time, NCCL against peer_sum, over message sizes
+# (bench/allreduce.py). p2p: peer_sum, the one-shot all-reduce, with two ranks on this one GPU
 # (tests/gpu/test_peer_sum_gpu.py, after prepare.py ranks).
 # INFC_GPU_FAMILIES=a,b|all|none picks the families (default: gpu_families.DEFAULT; prepare.py must
 # have built the same ones).
@@ -164,6 +165,10 @@ for _ in range(600):
       timeout ${TWOGPU_S:-540} python3 -m pytest tests/gpu/test_two_gpus.py -q -s -p no:cacheprovider -rs \
         ${PYTEST_ARGS:-} 2>&1 | quiet | tee "$OUT/pytest-two-gpus.log" \
         | grep -E "passed|failed|error|skipped|\[two-gpu\]|made and saved|^E " | tail -60 ;;
+    twogpu-allreduce)
+      python3 tests/gpu/rerender.py .cache/artifacts/qwen3-4b-tp2 2>&1 | tail -2
+      timeout ${ALLREDUCE_S:-200} python3 -m infc.cli bench allreduce --artifact .cache/artifacts/qwen3-4b-tp2 \
+        --out "$OUT/bench" 2>&1 | quiet | tee "$OUT/allreduce.log" | tail -16 ;;
     twogpu-server)
       runs=${TWOGPU_SERVER_RUNS:-qwen3-4b:2:0 ranks-qwen3-30b-a3b-l4:2:1}     # model dir:TP:EP
       for run in $runs; do
