@@ -26,8 +26,9 @@ DeviceCopyCollectives: the N ranks' runners in ONE process on ONE GPU, sharing o
       ep_dispatch              the ep_dispatch kernel (mode "device_copy") per rank, reading each
                                row from its owner's buffer
     Exactly the numpy references (compiler/ops/collectives.py), owner convention included.
-P2PCollectives (runtime/cuda/p2p.py): NcclCollectives whose small all_reduce / ep_combine are a
-    one-shot sum over the ranks' memory mapped into each other (CUDA IPC), the reference's bits.
+P2PCollectives (runtime/cuda/p2p.py): NcclCollectives whose small all_reduce / ep_combine (up to
+    64 KiB) are a one-shot sum over the ranks' memory mapped into each other (CUDA IPC), the
+    reference's bits.
 """
 from dataclasses import dataclass
 

@@ -1,7 +1,14 @@
 """P2P collectives: a one-shot all-reduce over the ranks' own memory, mapped into each other's
-address space (CUDA IPC; NVLink between the GPUs), for the small messages where NCCL's fixed
-cost per call dominates: a decode step's sublayer outputs (qwen3-4b at TP=2: 72 all-reduces of
-5 KB a token; the first two-GPU runs measured no batch-1 gain from halving the weights).
+address space (CUDA IPC; NVLink between the GPUs), for small messages: a batch-1 decode step's
+sublayer outputs (qwen3-4b at TP=2: 72 all-reduces of 5 KB a token).
+
+Measured on 2 x H100 (NV18, NCCL 2.28.9, bench/allreduce.py, in CUDA Graphs): one all-reduce costs
+6.8-7.5 us through NCCL up to 160 KB and 6.9-7.3 us through peer_sum up to 80 KB; above that NCCL
+wins (1.3 MB: 15.3 vs 18.5 us, 7.8 MB: 45 vs 78 us). So the slots hold 64 KiB by default and larger
+messages go to NCCL. In qwen3-4b's TP=2 decode peer_sum gave 3.21-3.23 ms against 3.35-3.36 ms
+with NCCL alone; in qwen3-30b-a3b's TP2 x EP2 decode no gain (bench/NOTES.md, issue 14). What it
+brings besides: the rank-ordered sum (the numpy reference's bits), and a Triton kernel that later
+fusions (the residual add and RMSNorm after the all-reduce) can grow from.
 
 Each rank allocates one region and shares its IPC handle (an NCCL all-gather of 64 bytes):
 
@@ -13,9 +20,9 @@ Each rank allocates one region and shares its IPC handle (an NCCL all-gather of 
 An all_reduce or ep_combine whose message fits a slot runs the `peer_sum` helper (codegen_templates/
 triton/peer_sum.py.j2 has the protocol): each rank stages its rows, raises its flag in every
 region, waits for every rank's flag and sums the ranks' staged rows in rank order in fp32, rounded
-once: the numpy reference's bits, the same on every rank. Larger messages (long prefill chunks)
-go to NCCL, whose bandwidth-optimal algorithms win there; the choice depends only on the
-message size, so every rank makes the same one. all_gather and ep_dispatch stay on NCCL.
+once: the numpy reference's bits, the same on every rank. Larger messages go to NCCL; the choice
+depends only on the message size, so every rank makes the same one. all_gather and ep_dispatch
+stay on NCCL.
 
 A rank whose peer died waits in peer_sum as it would in NCCL. `abort()` (the rank watchdog's way
 out, runtime/rank_workers.py) raises every flag of this rank's region from a side stream, so a
@@ -24,7 +31,7 @@ wait also gives up by itself after SPIN_LIMIT polls (minutes), setting err, whic
 
 If any rank cannot map a peer's region (no peer access between the GPUs), every rank falls back
 to NCCL alone (the ranks agree: an NCCL min over their answers). INFC_P2P=0 turns P2P off (A/B runs);
-INFC_P2P_BYTES sets the slot capacity (default 8 MiB).
+INFC_P2P_BYTES sets the slot capacity (default 64 KiB).
 """
 import ctypes
 import os
@@ -38,7 +45,7 @@ from .driver import check, cu
 HANDLE_BYTES = 64                    # CU_IPC_HANDLE_SIZE
 MAX_PROGRAMS = 64                    # flag rows per region: peer_sum's grid never exceeds it
 ALIGN = 256
-DEFAULT_CAPACITY = 8 << 20
+DEFAULT_CAPACITY = 64 << 10           # where peer_sum stops beating NCCL (see above)
 
 
 def _up(n: int, a: int = ALIGN) -> int:
