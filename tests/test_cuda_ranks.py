@@ -414,6 +414,26 @@ def test_device_copy_group_refuses_ranks_out_of_step(fake_device):
         group.member(0).bind(no_helper)
 
 
+def in_rank_threads(comms, fns: list):
+    """Run fns[r] (rank r's part) in a thread each; the first error aborts the others' barrier
+    (no rank waits for a dead one) and is raised here."""
+    errors = []
+
+    def run(fn):
+        try:
+            fn()
+        except BaseException as e:           # noqa: BLE001 - re-raised below
+            errors.append(e)
+            comms.barrier.abort()
+    threads = [threading.Thread(target=run, args=(fn,)) for fn in fns]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
 class FakeComms:
     """NCCL's semantics for N ranks in threads over the fake memory (sum in rank order)."""
 
@@ -460,22 +480,7 @@ def test_nccl_collectives_pack_the_owners_rows(fake_device, world, T, rng):
     for cls in collective_launches(fake_device, ctx, world, T):
         ins = fill_inputs(ctx, rng, cls, T, world)
         fires = [c.bind(cl) for c, cl in zip(colls, cls)]
-        errors = []
-
-        def run(f):
-            try:
-                f({"T": T, "B": T})
-            except BaseException as e:       # noqa: BLE001 - re-raised below
-                errors.append(e)
-                comms.barrier.abort()
-
-        threads = [threading.Thread(target=run, args=(f,)) for f in fires]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        in_rank_threads(comms, [lambda f=f: f({"T": T, "B": T}) for f in fires])
         check_outputs(ctx, cls, ins, T)
     # ep_dispatch gathered ceil(T / world) rows of H per rank; all_reduce / ep_combine T * H
     m = -(-T // world)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from test_cuda_ranks import (FakeCtx, MinComms, _assert_bits, _ref, collective_launches, cuda_mods,  # noqa: F401
-                             fake_device, fill_inputs)
+                             fake_device, fill_inputs, in_rank_threads)
 
 H = 40
 
@@ -141,22 +141,12 @@ def test_ranks_share_regions_or_all_fall_back(p2p, monkeypatch, capsys, fail_ran
         return ptr + 0                      # a mapping of the peer's region
     monkeypatch.setattr(p2p, "ipc_open", ipc_open)
     monkeypatch.setattr(p2p, "ipc_close", closed.append)
-    got, errors = {}, []
+    got = {}
 
     def run(r):
         local.rank = r
-        try:
-            got[r] = p2p.p2p_collectives(comms.comm(r), ctx, capacity=4096)
-        except BaseException as e:         # noqa: BLE001 - re-raised below
-            errors.append(e)
-            comms.barrier.abort()
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+        got[r] = p2p.p2p_collectives(comms.comm(r), ctx, capacity=4096)
+    in_rank_threads(comms, [lambda r=r: run(r) for r in range(world)])
     if fail_rank is None:
         assert all(isinstance(c, p2p.P2PCollectives) for c in got.values())
         locals_ = [got[r].local for r in range(world)]

@@ -7,6 +7,8 @@ rounded once (the numpy reference's bits); a peer that never arrives ends the wa
 instead of a hang. The concurrent case (two ranks really waiting on each other) runs on the GPU:
 tests/gpu/test_peer_sum_gpu.py.
 """
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -54,8 +56,9 @@ class Regions:
 
 
 def reference(xs):
-    return REGISTRY["all_reduce"].reference(type("Ex", (), {"exchange": type("E", (), {
-        "inputs": staticmethod(lambda i: [x.float().numpy() for x in xs])})()})(), None)
+    """The numpy all_reduce with every rank's input (as the simulated ranks hand it over)."""
+    exchange = SimpleNamespace(inputs=lambda i: [x.float().numpy() for x in xs])
+    return REGISTRY["all_reduce"].reference(SimpleNamespace(exchange=exchange), None)
 
 
 @pytest.mark.parametrize("world,rank,T,H", [(2, 0, 13, 40), (2, 1, 13, 40), (3, 2, 5, 100), (2, 1, 1, 24)])
