@@ -92,7 +92,7 @@ def main(argv=None):
     ap.add_argument("--rows", default=",".join(map(str, ROWS)), help="message rows (B) to time")
     a = ap.parse_args(argv)
     import multiprocessing as mp
-    from .common import commit, save
+    from .common import header, save
     rows = [int(r) for r in a.rows.split(",")]
     sp = mp.get_context("spawn")
     uid_q, out_q = sp.Queue(), sp.Queue()
@@ -110,10 +110,7 @@ def main(argv=None):
     if not res.pop("ok"):
         print(f"error: infc bench allreduce: {res.get('error')}", file=sys.stderr)
         return 1
-    import datetime
-    out = {"gpu": res["gpu"], "commit": commit(),
-           "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-           "model": Path(a.artifact).name, "world": 2, "calls_per_graph": CALLS, "replays": REPS,
+    out = {**header(res["gpu"], Path(a.artifact).name), "world": 2, "calls_per_graph": CALLS, "replays": REPS,
            "hidden": res["H"], "dtype": "bf16", "rows": res["rows"], "peer_sum_errors": res["errors"],
            "nvls": os.environ.get("NCCL_NVLS_ENABLE", "unset")}
     print(f"{'rows':>6} {'bytes':>9} {'NCCL us':>9} {'peer_sum us':>12}")

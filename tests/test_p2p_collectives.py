@@ -166,3 +166,17 @@ def test_p2p_off_by_environment_or_alone(p2p, monkeypatch):
     assert type(p2p.p2p_collectives(comm, FakeCtx(1 << 16))).__name__ == "NcclCollectives"
     monkeypatch.setenv("INFC_P2P", "1")
     assert type(p2p.p2p_collectives(RecordingComm(1, 0), FakeCtx(1 << 16))).__name__ == "NcclCollectives"
+
+
+def test_a_peer_sum_that_could_outrun_the_flag_rows_is_refused(p2p, fake_device):
+    """The regions hold flags for p2p.MAX_PROGRAMS programs; a kernel whose META allows more
+    (an artifact built with another bound) is an error at bind, not a write past the flags."""
+    ctx = FakeCtx(4 << 20)
+    layout, regions = _regions(p2p, ctx, 2, capacity=4096)
+    coll = p2p.P2PCollectives(RecordingComm(2, 0), ctx, layout, regions[0], regions, free_local=False)
+    ar = collective_launches(fake_device, ctx, 2, 3)[0]
+    assert ar[0].helpers["p2p"].meta["max_programs"] <= p2p.MAX_PROGRAMS
+    coll.bind(ar[0])
+    ar[0].helpers["p2p"].meta["max_programs"] = p2p.MAX_PROGRAMS + 1
+    with pytest.raises(ValueError, match="flags for 64.*rebuild"):
+        coll.bind(ar[0])

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from .render import EXT, Kernel, _env, _tensor, render_template
 
-# peer_sum's most programs per call; runtime/cuda/p2p.py sizes each rank's flag words by it
+# peer_sum's most programs per call (its META's max_programs); runtime/cuda/p2p.py's regions have
+# flag words for up to p2p.MAX_PROGRAMS and refuse a kernel that could run more
 P2P_MAX_PROGRAMS = 32
 
 

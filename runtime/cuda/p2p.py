@@ -176,6 +176,10 @@ class P2PCollectives(NcclCollectives):
     def _peer_sum(self, cl, nccl_fire):
         x, out = cl.inputs[0], cl.outputs[0]
         kernel = cl.helper("p2p")
+        if kernel.meta.get("max_programs", MAX_PROGRAMS + 1) > MAX_PROGRAMS:
+            raise ValueError(f"{cl.where}: peer_sum kernel {kernel.id} may run "
+                             f"{kernel.meta.get('max_programs', 'unbounded')} programs; the regions "
+                             f"have flags for {MAX_PROGRAMS} (rebuild the artifact)")
         L = self.layout
         slot = L.slot_elems(x.itemsize)
         ins = [x.ptr, self.local + L.stage, *[r + L.stage for r in self.regions],

@@ -17,14 +17,9 @@ import numpy as np
 import pytest
 
 import prepare
+from infc.runtime.safetensors_io import f32_to_bf16_bits as bf16_bits
 
 T_MAX = 96
-
-
-def bf16_bits(x: np.ndarray) -> np.ndarray:
-    """float32 -> bf16 bits, round to nearest even (as cvt.rn does)."""
-    b = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
-    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
 
 
 def bf16_float(bits: np.ndarray) -> np.ndarray:
