@@ -15,10 +15,9 @@ DeviceCopyRanks: every rank on ONE GPU in one process (testing the partitioned k
 nccl_runner: one rank of the artifact in this process (one process per GPU) over an NCCL
     communicator on the runner's stream; its own CUDA Graphs capture the collectives. Small
     all-reduces take the one-shot P2P path (runtime/cuda/p2p.py) where the GPUs can map each
-    other's memory. The ranks
-    size their KV caches alike (the smallest rank's page count: agreed_min). The runner keeps the
-    communicator as `.comm`; closing the runner releases it (NcclCollectives.close: destroyed
-    when the ranks close together, aborted after a failure).
+    other's memory. The ranks size their KV caches alike (the smallest rank's page count:
+    agreed_min). The runner keeps the communicator as `.comm`; closing the runner releases it
+    (NcclCollectives.close: destroyed when the ranks close together, aborted after a failure).
 """
 import json
 from pathlib import Path
