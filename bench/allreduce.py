@@ -4,7 +4,7 @@ over the message sizes a plan's all-reduces have, inside CUDA Graphs as decode r
     python3 -m infc.bench.allreduce --artifact .cache/artifacts/qwen3-4b-tp2 --out OUT
 
 One process per GPU (spawned here, rank r on GPU r). Each rank binds the artifact's first decode
-all_reduce ([B, H] bf16) twice: through NcclCollectives (NCCL alone) and through P2PCollectives
+all_reduce ([B, H] fp32 partials, bf16 out) twice: through NcclCollectives (NCCL alone) and through P2PCollectives
 (peer_sum); for each B it captures CALLS back-to-back calls of each in one graph and times REPS
 replays with CUDA events on rank 0; the time per call is the median replay over CALLS. Both ranks
 replay in step (each replay waits for the other rank's), so a call's time includes the barrier,
@@ -24,7 +24,7 @@ ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 1536]
 def _rank(rank: int, world: int, artifact: str, rows: list, uid_q, out_q):
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     from infc.runtime.cuda import nccl
-    from infc.runtime.cuda.artifact import load_kernels
+    from infc.runtime.cuda.artifact import DTYPE_BYTES, load_kernels
     from infc.runtime.cuda.collectives import Buffer, CollectiveLaunch, NcclCollectives
     from infc.runtime.cuda.driver import Context, Graph
     from infc.runtime.cuda.p2p import P2PCollectives, p2p_collectives
@@ -45,23 +45,28 @@ def _rank(rank: int, world: int, artifact: str, rows: list, uid_q, out_q):
         plain = NcclCollectives(comm, ctx)
         plan = load_rank_plans(artifact)[rank]
         ar = next(l for l, _ in launches(plan["programs"]["decode"]) if l["op"] == "all_reduce")
-        kernel = load_kernels(artifact, plan)[ar["helpers"]["p2p"]]
+        kernels = load_kernels(artifact, plan)
+        helpers = {mode: kernels[kid] for mode, kid in ar["helpers"].items()}
         shape = plan["buffers"][ar["inputs"][0]]["shape"]
+        # the plan's dtypes: fp32 partials in, bf16 out (the row linears' partial sums)
+        x_dtype, y_dtype = (plan["buffers"][ar[k][0]]["dtype"] for k in ("inputs", "outputs"))
         dim = next(d for d in shape if isinstance(d, str))
         H = shape[1]
-        n_max = max(rows) * H * 2
+        n_max = max(rows) * H * 4
         x, y = ctx.alloc(n_max), ctx.alloc(n_max)
-        ctx.memset(x, n_max, 0x3C)                        # bf16 0x3C3C: about 0.011, not zero
+        ctx.memset(x, n_max, 0x3C)         # 0x3C3C... is about 0.011 in bf16, 0.0115 in f32: not zero
         place = {"T": max(rows), "B": max(rows)}
 
-        def launch(helpers):
-            return CollectiveLaunch("all_reduce", {}, [Buffer("x", x, shape, "bf16")],
-                                    [Buffer("y", y, shape, "bf16")], helpers, 0, place, "bench")
-        fires = {"nccl": plain.bind(launch({})), "peer_sum": p2p.bind(launch({"p2p": kernel}))}
+        def launch(modes):
+            return CollectiveLaunch("all_reduce", {}, [Buffer("x", x, shape, x_dtype)],
+                                    [Buffer("y", y, shape, y_dtype)],
+                                    {m: helpers[m] for m in modes if m in helpers}, 0, place, "bench")
+        fires = {"nccl": plain.bind(launch(["cast"])), "peer_sum": p2p.bind(launch(["p2p", "cast"]))}
         results = []
+        isz = DTYPE_BYTES[x_dtype]
         for B in rows:
             dims = {dim: B, "T": B, "B": B}
-            row = {"rows": B, "bytes": B * H * 2}
+            row = {"rows": B, "bytes": B * H * isz}
             for name, fire in fires.items():
                 g = Graph(ctx, lambda f=fire: [f(dims) for _ in range(CALLS)])
                 g.launch()
@@ -80,7 +85,8 @@ def _rank(rank: int, world: int, artifact: str, rows: list, uid_q, out_q):
         ctx.close()
         p2p.close(graceful=True)
         if rank == 0:
-            out_q.put({"ok": True, "gpu": ctx.name, "H": H, "rows": results, "errors": errors})
+            out_q.put({"ok": True, "gpu": ctx.name, "H": H, "rows": results, "errors": errors,
+                       "dtype": f"{x_dtype} partials -> {y_dtype}"})
     except BaseException as e:               # noqa: BLE001 - the parent reports it
         out_q.put({"ok": False, "rank": rank, "error": f"{type(e).__name__}: {e}"})
 
@@ -111,7 +117,7 @@ def main(argv=None):
         print(f"error: infc bench allreduce: {res.get('error')}", file=sys.stderr)
         return 1
     out = {**header(res["gpu"], Path(a.artifact).name), "world": 2, "calls_per_graph": CALLS, "replays": REPS,
-           "hidden": res["H"], "dtype": "bf16", "rows": res["rows"], "peer_sum_errors": res["errors"],
+           "hidden": res["H"], "dtype": res["dtype"], "rows": res["rows"], "peer_sum_errors": res["errors"],
            "nvls": os.environ.get("NCCL_NVLS_ENABLE", "unset")}
     print(f"{'rows':>6} {'bytes':>9} {'NCCL us':>9} {'peer_sum us':>12}")
     for r in out["rows"]:

@@ -16,6 +16,43 @@ from pathlib import Path
 import numpy as np
 
 
+class StepClock:
+    """Times the runner's execute (upload, launches, sync, sampling: the GPU's share of a step) of
+    every engine step while it is installed, by phase: where a point's wall time goes, besides
+    the host's scheduling and bookkeeping (wall - execute). Over ranks, rank 0's execute includes
+    waiting for the other ranks at each collective."""
+
+    def __init__(self, engine):
+        self.runner = engine.runner
+        self.inner = engine.runner.execute
+        self.own = "execute" in vars(engine.runner)   # an instance attribute to put back
+        self.steps: dict[str, list] = {}        # phase -> [(T, B, seconds)]
+
+    def __enter__(self):
+        def timed(meta, rows):
+            t0 = time.perf_counter()
+            out = self.inner(meta, rows)
+            self.steps.setdefault(meta.phase, []).append((meta.T, meta.B, time.perf_counter() - t0))
+            return out
+        self.runner.execute = timed
+        return self
+
+    def __exit__(self, *exc):
+        if self.own:
+            self.runner.execute = self.inner
+        else:
+            del self.runner.execute               # the class's method again
+
+    def summary(self, wall: float) -> dict:
+        phases = {ph: {"steps": len(v), "tokens": sum(t for t, _, _ in v),
+                       "mean_seqs": float(np.mean([b for _, b, _ in v])),
+                       "execute_s": sum(s for _, _, s in v),
+                       "us_per_token": 1e6 * sum(s for _, _, s in v) / max(1, sum(t for t, _, _ in v))}
+                  for ph, v in sorted(self.steps.items())}
+        execute = sum(p["execute_s"] for p in phases.values())
+        return {"execute_s": execute, "host_s": wall - execute, "phases": phases}
+
+
 def run_point(engine, vocab: int, concurrency: int, in_len: int, out_len: int, rng, total: int | None = None):
     from infc.runtime.sampling import SamplingParams
     params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
@@ -33,22 +70,24 @@ def run_point(engine, vocab: int, concurrency: int, in_len: int, out_len: int, r
     t0 = time.perf_counter()
     for _ in range(min(concurrency, total)):
         add()
-    while engine.has_unfinished():
-        outs = engine.step()
-        now = time.perf_counter()
-        for o in outs:
-            first.setdefault(o.request_id, now)
-            ntok[o.request_id] = ntok.get(o.request_id, 0) + len(o.token_ids)
-            if o.request_finished:
-                done[o.request_id] = now
-                if next_id < total:
-                    add()
+    with StepClock(engine) as clock:
+        while engine.has_unfinished():
+            outs = engine.step()
+            now = time.perf_counter()
+            for o in outs:
+                first.setdefault(o.request_id, now)
+                ntok[o.request_id] = ntok.get(o.request_id, 0) + len(o.token_ids)
+                if o.request_finished:
+                    done[o.request_id] = now
+                    if next_id < total:
+                        add()
     wall = time.perf_counter() - t0
     tpot = [(done[r] - first[r]) / (ntok[r] - 1) * 1e3 for r in done if ntok[r] > 1]
     ttft = [(first[r] - started[r]) * 1e3 for r in done]
     return {"concurrency": concurrency, "requests": len(done), "wall_s": wall,
             "output_tok_s": sum(ntok.values()) / wall, "mean_tpot_ms": float(np.mean(tpot)),
-            "median_ttft_ms": float(np.median(ttft)), "p99_ttft_ms": float(np.percentile(ttft, 99))}
+            "median_ttft_ms": float(np.median(ttft)), "p99_ttft_ms": float(np.percentile(ttft, 99)),
+            "steps": clock.summary(wall)}
 
 
 def plot(res: dict, path: Path):
@@ -127,6 +166,10 @@ def _sweep(a, b, conc, par, tag):
         print(f"concurrency {c:4d}: {p['output_tok_s']:9.1f} output tok/s, mean TPOT {p['mean_tpot_ms']:7.2f} ms "
               f"(floor {p['floor_tpot_ms']:.2f}), median TTFT {p['median_ttft_ms']:8.1f} ms, {p['wall_s']:.1f} s",
               flush=True)
+        st = p["steps"]
+        print(f"  execute {st['execute_s']:.2f} s, host {st['host_s']:.2f} s; " + "; ".join(
+            f"{ph}: {v['steps']} steps, {v['tokens']} tokens, {v['us_per_token']:.1f} us/token"
+            for ph, v in st["phases"].items()), flush=True)
         save("throughput", res, a.out)                    # every finished point survives a later failure
     path = save("throughput", res, a.out)
     plot(res, path.with_suffix(".png"))

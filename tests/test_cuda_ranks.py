@@ -317,11 +317,13 @@ def synthetic_plan(world: int) -> dict:
     buffers = {"x": (["T", H], "bf16"), "w": (["T", K], "f32"), "ids": (["T", K], "i32"),
                "sum": (["T", H], "bf16"), "comb": (["T", H], "bf16"), "xr": (["T", H], "bf16"),
                "wr": (["T", K], "f32"), "idr": (["T", K], "i32"), "g0": (["T", H], "bf16"),
-               "g1": (["T", H * world], "bf16")}
+               "g1": (["T", H * world], "bf16"), "xf": (["T", H], "f32"), "sumf": (["T", H], "bf16")}
     launches = [("all_reduce", ["x"], ["sum"], {}), ("ep_combine", ["x"], ["comb"], {}),
                 ("ep_dispatch", ["x", "w", "ids"], ["xr", "wr", "idr"], {"experts_per_rank": 2}),
                 ("all_gather", ["x"], ["g0"], {"axis": 0, "world": world}),
-                ("all_gather", ["x"], ["g1"], {"axis": 1, "world": world})]
+                ("all_gather", ["x"], ["g1"], {"axis": 1, "world": world}),
+                # a row-parallel linear's fp32 partials, summed and rounded once to bf16
+                ("all_reduce", ["xf"], ["sumf"], {"dtype": "bf16"})]
     return {"parallel": {"world": world, "rank": 0, "tp": world, "ep": world},
             "buffers": {n: {"shape": s, "dtype": d} for n, (s, d) in buffers.items()},
             "programs": {"prefill": [{"op": op, "backend": "nccl", "kernel": None, "inputs": i,
@@ -395,14 +397,14 @@ def test_device_copy_collectives_are_the_references(fake_device, world, rng):
         fires[-1]({"T": T, "B": T})
         assert len(seen) == n + 1 and not group.waiting
         check_outputs(ctx, cls, ins, T)
-    assert seen == ["all_reduce", "ep_combine", "ep_dispatch", "all_gather", "all_gather"]
+    assert seen == ["all_reduce", "ep_combine", "ep_dispatch", "all_gather", "all_gather", "all_reduce"]
 
 
 def test_device_copy_group_refuses_ranks_out_of_step(fake_device):
     C = fake_device.collectives
     ctx = FakeCtx(1 << 20)
     group = C.DeviceCopyGroup(ctx, 2)
-    (ar, _, disp, _, _) = collective_launches(fake_device, ctx, 2, 4)
+    (ar, _, disp, _, _, _) = collective_launches(fake_device, ctx, 2, 4)
     f1 = group.member(1).bind(ar[1])
     with pytest.raises(RuntimeError, match="out of lockstep: rank 1"):
         f1({"T": 4, "B": 4})
@@ -485,6 +487,8 @@ def test_nccl_collectives_pack_the_owners_rows(fake_device, world, T, rng):
     # ep_dispatch gathered ceil(T / world) rows of H per rank; all_reduce / ep_combine T * H
     m = -(-T // world)
     assert ("all_gather", 0, m * H) in comms.calls and ("all_reduce", 0, T * H) in comms.calls
+    # all_reduce, ep_combine and the fp32 partials (reduced in fp32, then rounded by the cast helper)
+    assert sum(c == ("all_reduce", 0, T * H) for c in comms.calls) == 3
 
 
 # -- the lockstep driver over whole rank plans -------------------------------------------------------

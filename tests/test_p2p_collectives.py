@@ -52,17 +52,21 @@ class RecordingComm:
 
 @pytest.mark.parametrize("world,rank,T", [(2, 0, 7), (2, 1, 7), (3, 1, 5), (3, 2, 1)])
 def test_peer_sum_launch_binds_this_ranks_regions(p2p, fake_device, world, rank, T, rng):
-    """Rank `rank`'s all_reduce and ep_combine, twice each (slots 1, 0, 1, 0): the rank-ordered
-    sum's bits, its own rows staged in its region, its flags raised in every region."""
+    """Rank `rank`'s all_reduce, ep_combine and all_reduce of fp32 partials into bf16, twice
+    each (slots 1, 0, 1, 0, 1, 0): the rank-ordered sum's bits, its own rows staged in its region
+    (in the partials' dtype), its flags raised in every region."""
     ctx = FakeCtx(8 << 20)
-    layout, regions = _regions(p2p, ctx, world, capacity=T * H * 2 + 1000)
+    layout, regions = _regions(p2p, ctx, world, capacity=T * H * 4 + 1000)
     coll = p2p.P2PCollectives(RecordingComm(world, rank), ctx, layout, regions[rank], regions,
                               free_local=False)
     programs = 1                                  # T * H <= 2048: one program
-    slot = layout.slot_elems(2)
     epoch = 0
+    launches = collective_launches(fake_device, ctx, world, T)
     for _ in range(2):
-        for cls in collective_launches(fake_device, ctx, world, T)[:2]:   # all_reduce, ep_combine
+        for cls in [launches[0], launches[1], launches[5]]:   # all_reduce, ep_combine, fp32 partials
+            x_dtype, out_dtype = cls[rank].inputs[0].dtype, cls[rank].outputs[0].dtype
+            isz = 2 if x_dtype == "bf16" else 4
+            slot = layout.slot_elems(isz)
             for c in cls:
                 c.helpers["p2p"].meta["constexprs"]["SPIN_LIMIT"] = 200      # a wrong binding fails fast
             ins = fill_inputs(ctx, rng, cls, T, world)
@@ -70,20 +74,20 @@ def test_peer_sum_launch_binds_this_ranks_regions(p2p, fake_device, world, rank,
             for q in range(world):                 # the others have arrived
                 if q == rank:
                     continue
-                base = regions[q] + layout.stage + (epoch % 2) * slot * 2
-                ctx.put(base, ins[q][0], "bf16")
+                base = regions[q] + layout.stage + (epoch % 2) * slot * isz
+                ctx.put(base, ins[q][0], x_dtype)
                 for g in range(programs):
                     _put_i64(ctx, regions[rank] + layout.flags + (g * world + q) * 8, epoch)
             coll.bind(cls[rank])({"T": T, "B": T})
             want = _ref(cls[0].op, ins, cls[0].attrs, world)[rank][0]
-            got = ctx.get(cls[rank].outputs[0].ptr, [T, H], "bf16")
-            _assert_bits(got, want, "bf16", f"{cls[0].op} rank {rank} epoch {epoch}")
-            mine = ctx.get(regions[rank] + layout.stage + (epoch % 2) * slot * 2, [T, H], "bf16")
+            got = ctx.get(cls[rank].outputs[0].ptr, [T, H], out_dtype)
+            _assert_bits(got, want, out_dtype, f"{cls[0].op} {x_dtype} rank {rank} epoch {epoch}")
+            mine = ctx.get(regions[rank] + layout.stage + (epoch % 2) * slot * isz, [T, H], x_dtype)
             assert np.array_equal(np.asarray(mine), np.asarray(ins[rank][0]))
             for q in range(world):
                 assert _get_i64(ctx, regions[q] + layout.flags + rank * 8) == epoch
             assert _get_i64(ctx, regions[rank] + layout.counter) == epoch
-    assert coll.peer_calls == 4 and coll.errors() == 0 and not coll.comm.calls
+    assert coll.peer_calls == 6 and coll.errors() == 0 and not coll.comm.calls
 
 
 def test_large_messages_and_old_artifacts_go_to_nccl(p2p, fake_device, rng):

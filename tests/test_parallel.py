@@ -108,6 +108,17 @@ def test_rank_plans_shard_weights_and_caches(case, tiny_model):
         for l, _ in unrolled(p["programs"]["decode"]):
             if REGISTRY[l["op"]].collective:
                 assert l["backend"] == "nccl" and l["kernel"] is None
+        # the row linears (wo, the dense down projections) write fp32 partial sums; the
+        # all_reduce after each rounds the ranks' sum once, to the stream's bf16
+        producer = {o: l for l, _ in unrolled(p["programs"]["decode"]) for o in l["outputs"]}
+        for l, _ in unrolled(p["programs"]["decode"]):
+            if l["op"] != "all_reduce":
+                continue
+            x, y = (p["buffers"][l[k][0]]["dtype"] for k in ("inputs", "outputs"))
+            src = producer[l["inputs"][0]]["op"]
+            assert y == "bf16" and x == ("f32" if src in ("linear", "linear_act_mul") else "bf16"), (src, x, y)
+        assert any(p["buffers"][producer[l["inputs"][0]]["outputs"][0]]["dtype"] == "f32"
+                   for l, _ in unrolled(p["programs"]["decode"]) if l["op"] == "all_reduce")
         if "we_down" in p["weights"]:
             E = whole["weights"]["we_down"]["shape"][0]
             down = p["weights"]["we_down"]

@@ -7,7 +7,9 @@ launch, hands each rank's reference `ctx.exchange`, whose `inputs(i)` is the lis
 rank's i-th input of this launch (rank order). A single-rank context (ctx.world == 1, no
 exchange) makes every collective the identity, so a rank plan also runs alone.
 
-all_reduce(x) -> sum over ranks of x, summed in rank order (the same bits on every rank)
+all_reduce(x, dtype) -> sum over ranks of x, summed in rank order (the same bits on every rank),
+    in `dtype` (default x's): the row-parallel linears write their partials in fp32 and the
+    all_reduce rounds the sum once to the activations' dtype
 all_gather(x, axis) -> the ranks' x concatenated along `axis` in rank order
 ep_dispatch(x[T, H], weights[T, k], ids[T, k], experts_per_rank)
     -> (xr[T, H], wr f32[T, k], idr i32[T, k]): the rows of the tokens that chose one of this
@@ -42,7 +44,7 @@ def _rank(ctx) -> int:
     return getattr(ctx, "rank", 0) or 0
 
 
-def all_reduce(ctx, x):
+def all_reduce(ctx, x, dtype=None):
     parts = _ranks(ctx, 0, x)
     out = np.array(parts[0], np.float32)
     for p in parts[1:]:
@@ -105,7 +107,14 @@ def _dispatch_infer(types, attrs):
 
 
 NCCL = {"nccl": None}     # no template: the runtime's communicator runs it
-op(name="all_reduce", tensors=["x"], infer=lambda types, attrs: [types[0]], reference=all_reduce,
+def _reduce_infer(types, attrs):
+    (x,) = types
+    dtype = attrs.get("dtype") or x.dtype
+    expect(dtype in ("bf16", "f32"), f"all_reduce: dtype must be bf16 or f32, got {dtype!r}")
+    return [tt(x.shape, dtype)]
+
+
+op(name="all_reduce", tensors=["x"], infer=_reduce_infer, reference=all_reduce,
    internal=True, collective=True, templates=NCCL, doc="sum over ranks")
 op(name="all_gather", tensors=["x"], attrs={"axis": REQUIRED, "world": REQUIRED}, infer=_gather_infer,
    reference=all_gather, internal=True, collective=True, templates=NCCL,

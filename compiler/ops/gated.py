@@ -10,6 +10,7 @@ the reference executor's logits do not move.
 """
 from .activation import ACTIVATIONS, resolve
 from .base import REQUIRED, expect, op, tt
+from .linear import out_dtype
 
 
 def _fn(attrs, who):
@@ -43,10 +44,10 @@ def linear_act_mul_infer(types, attrs):
     if attrs.get("has_bias"):
         expect(len(types) == 3 and types[2].shape == (w.shape[0],),
                f"linear_act_mul bias must be [{w.shape[0]}], got {types[2:]}")
-    return [tt(gu.shape[:-1] + (w.shape[0],), gu.dtype)]
+    return [tt(gu.shape[:-1] + (w.shape[0],), out_dtype(gu, attrs))]
 
 
-def linear_act_mul(ctx, gu, w, *bias, fn, has_bias=False):
+def linear_act_mul(ctx, gu, w, *bias, fn, has_bias=False, out_dtype=None):
     y = act_mul(ctx, gu, fn) @ w.T
     return y + bias[0] if has_bias else y
 

@@ -1,7 +1,9 @@
 """linear(x[..., K], w[N, K], b[N] optional) -> x @ w.T (+ b), fp32 accumulate.
 
 The rows are whatever x's leading dims are: [T, K] tokens, [B, K] after last(), or
-[T, n, K] (T * n rows). The output is bf16, or f32 when it is the model's logits. A bias is
+[T, n, K] (T * n rows). The output is x's dtype, or f32 when it is the model's logits or when
+attrs["out_dtype"] says so: a row-parallel linear (compiler/passes/shard_ranks.py) writes its
+partial sum in fp32, and the all_reduce after it rounds the ranks' sum once. A bias is
 added in fp32 in the kernel's epilogue, before the one rounding to the output dtype: torch's
 addmm (what HF's nn.Linear runs on the GPU) adds it inside the GEMM the same way.
 
@@ -21,10 +23,17 @@ def infer(types, attrs):
     if attrs.get("has_bias"):
         expect(len(types) == 3 and types[2].shape == (w.shape[0],),
                f"linear: bias must be [{w.shape[0]}] (one per output column), got {types[2:]}")
-    return [tt(x.shape[:-1] + (w.shape[0],), x.dtype)]
+    return [tt(x.shape[:-1] + (w.shape[0],), out_dtype(x, attrs))]
 
 
-def reference(ctx, x, w, *bias, has_bias=False):
+def out_dtype(x, attrs) -> str:
+    """x's dtype, unless a pass set attrs["out_dtype"] (fp32 partial sums of a row-parallel linear)."""
+    d = attrs.get("out_dtype") or x.dtype
+    expect(d in ("bf16", "f32"), f"linear: out_dtype must be bf16 or f32, got {d!r}")
+    return d
+
+
+def reference(ctx, x, w, *bias, has_bias=False, out_dtype=None):
     y = x @ w.T
     return y + bias[0] if has_bias else y
 

@@ -157,6 +157,8 @@ def fuse_linear_prologue(state):
                 continue
             out = _new(g, "y", lin.line)
             attrs = {"fn": act.attrs["fn"], "has_bias": bool(lin.attrs.get("has_bias"))}
+            if lin.attrs.get("out_dtype"):               # a row-parallel linear's fp32 partials
+                attrs["out_dtype"] = lin.attrs["out_dtype"]
             g.add_node(Node(g.new_node_id("linear_act_mul"), "linear_act_mul",
                             [act.inputs[0]] + lin.inputs[1:], [out], attrs, lin.line,
                             fused_from=act.fused_from + ["linear"]), before=lin.id)

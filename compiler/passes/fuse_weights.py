@@ -63,9 +63,11 @@ def _fuse_linears(state, g, dropped: set):
         if n.attrs.get("has_bias") and (g.values[n.inputs[2]].kind != "weight" or g.uses(n.inputs[2]) != 1):
             continue
         meta = state.weights[w.name]
-        key = (n.inputs[0], w.type.shape[1], w.type.dtype, tuple(meta["layers"] or ()))
+        # linears fuse only where their outputs share a dtype (a row-parallel linear writes fp32)
+        key = (n.inputs[0], w.type.shape[1], w.type.dtype, tuple(meta["layers"] or ()),
+               n.attrs.get("out_dtype"))
         groups.setdefault(key, []).append(n)
-    for (x, k, dtype, _), members in groups.items():
+    for (x, k, dtype, _, _), members in groups.items():
         pair = _gated_pair(g, members) if len(members) > 2 else None
         split_off = [pair, [n for n in members if n not in pair]] if pair else [members]
         for nodes in split_off:
@@ -94,7 +96,10 @@ def _fuse_group(state, g, x, k, dtype, nodes: list, dropped: set):
     first = nodes[0]
     y = g.fresh(fused[1:] if fused.startswith("w") else fused)
     g.add_value(Value(y, "act", line=first.line))
-    g.add_node(Node(g.new_node_id("linear"), "linear", inputs, [y], {"has_bias": has_bias},
+    attrs = {"has_bias": has_bias}
+    if first.attrs.get("out_dtype"):
+        attrs["out_dtype"] = first.attrs["out_dtype"]
+    g.add_node(Node(g.new_node_id("linear"), "linear", inputs, [y], attrs,
                     first.line, fused_from=["linear"] * len(nodes)), before=first.id)
     parts = [g.fresh("part") for _ in nodes]
     for p in parts:

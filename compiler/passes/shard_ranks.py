@@ -14,7 +14,8 @@ it, the inputs every head shares, per-head weights to cut, attributes to resize)
 shard_rules.py: views, per-head norms, rope, concat, head_linear, attention, latent_attention,
 activations, mul. Column linears keep a block of output features (whole heads: Hq/N query heads,
 Hkv/N kv heads), the row linear the matching block of input features, and an all_reduce after it
-sums the ranks' partial outputs: one per sublayer (where two row-parallel branches meet at an add,
+sums the ranks' partial outputs (written in fp32 by the row linear, rounded once by the
+all_reduce to the activations' dtype): one per sublayer (where two row-parallel branches meet at an add,
 their partial sums are added first and reduced once). Every other linear (the router, lm_head)
 and the embedding stay replicated, so every rank holds the full residual stream and the full
 logits (the sampler needs no gather). Experts under TP keep F/N of each expert's intermediate
@@ -203,7 +204,12 @@ def _tensor_parallel(state, g, rank, world):
         _shard_weight(state, g, row.inputs[1], 1, rank, world, what, row.line)
         if row.attrs.get("has_bias"):
             _rank0_bias(state, row.inputs[2], rank)
-        _insert_after(g, row, "all_reduce", {}, "reduced")
+        # the partial sum leaves the GEMM in fp32 and is rounded once, after the ranks' sum:
+        # rounding each rank's half to bf16 first made TP=2's logits drift past the golden gate
+        # (argmax regret 0.22 nat on 2 x H200 where one GPU gives 0.19)
+        dtype = g.values[row.outputs[0]].type.dtype
+        row.attrs["out_dtype"] = "f32"
+        _insert_after(g, row, "all_reduce", {"dtype": dtype}, "reduced")
         heads = [f"{g.nodes[m].inputs[i]}" for m in nodes for i in rule(g.nodes[m].op).weights]
         state.note("shard_ranks", f"{g.name}: line {row.line} row-parallel over "
                                   f"{sorted(c.inputs[1] for c in columns.values())}"
@@ -216,7 +222,7 @@ def _tensor_parallel(state, g, rank, world):
         _shard_weight(state, g, gate, 1, rank, world, what, n.line)
         _shard_weight(state, g, up, 1, rank, world, what, n.line)
         _shard_weight(state, g, down, 2, rank, world, what, n.line)
-        _insert_after(g, n, "all_reduce", {}, "reduced")
+        _insert_after(g, n, "all_reduce", {"dtype": g.values[n.outputs[0]].type.dtype}, "reduced")
         state.note("shard_ranks", f"{g.name}: line {n.line} experts split F/{world} + all_reduce")
 
 
@@ -254,9 +260,10 @@ def _merge_reductions(state, g):
                                      for p in ps):
             continue
         n.inputs = [p.inputs[0] for p in ps]
+        dtype = g.values[n.outputs[0]].type.dtype
         for p in ps:
             g.remove_node(p.id)
-        _insert_after(g, n, "all_reduce", {}, "reduced")
+        _insert_after(g, n, "all_reduce", {"dtype": dtype}, "reduced")
         state.note("shard_ranks", f"{g.name}: line {n.line} one all_reduce after the add of two "
                                   f"partial sums")
 

@@ -10,7 +10,8 @@ NcclCollectives: one communicator per process and GPU (runtime/cuda/nccl.py), ev
     enqueued on the runner's stream, so a CUDA Graph captured there records it.
       all_reduce, ep_combine   ncclAllReduce (the sum at the token's owner shared with every rank
                                is the all-reduce; NCCL picks the order of the sum, every rank
-                               gets the same bits)
+                               gets the same bits); fp32 partials with a bf16 output are
+                               reduced in place and rounded by the `cast` helper
       all_gather               ncclAllGather (axis 0), or into a staging buffer and then
                                strided copies into place (another axis)
       ep_dispatch              each rank's own rows (token t is owned by rank t % N) packed,
@@ -226,11 +227,20 @@ class NcclCollectives(Collectives):
     def bind(self, cl: CollectiveLaunch):
         if cl.op in ("all_reduce", "ep_combine"):
             x, out = cl.inputs[0], cl.outputs[0]
+            # fp32 partials, bf16 out: NCCL sums in fp32 in place (x is read by nothing else),
+            # then the cast helper rounds once
+            cast = bound_helper(self.ctx, cl.helper("cast"), [x.ptr], [out.ptr]) \
+                if x.dtype != out.dtype else None
 
             def fire(dims):
                 n = x.numel(dims)
-                if n:
+                if not n:
+                    return
+                if cast is None:
                     self.comm.all_reduce(x.ptr, out.ptr, n, x.dtype, self.ctx.stream)
+                else:
+                    self.comm.all_reduce(x.ptr, x.ptr, n, x.dtype, self.ctx.stream)
+                    cast(dims)
             return fire
         if cl.op == "all_gather":
             return self._all_gather(cl)

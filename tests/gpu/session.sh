@@ -212,7 +212,7 @@ test_ranks_gpu.model_dir(name[len('ranks-'):]) if name.startswith('ranks-') else
             throughput|moe-throughput)
               timeout ${THROUGHPUT_S:-300} python3 -m infc.cli bench throughput --model-path $cfg/$m --load-format dummy \
                 --concurrency ${TWOGPU_CONCURRENCY:-256} --out "$out" $x 2>&1 | quiet \
-                | tee "$out/$what-$m$tag.log" | grep -E "start|ready|concurrency|wrote|rror" | tail -8 ;;
+                | tee "$out/$what-$m$tag.log" | grep -E "start|ready|concurrency|execute|wrote|rror" | tail -8 ;;
           esac
         done
       done

@@ -156,7 +156,7 @@ def test_linear_rows_must_be_a_step_symbol():
                [("y", [4, 32], "bf16")])
 
 
-def _act_mul_case(template, phase, T, N, F, tune, fn, bias):
+def _act_mul_case(template, phase, T, N, F, tune, fn, bias, out_dtype="bf16"):
     gen = np.random.default_rng(T * 1000 + N + F)
     gu, w = rand((T, 2 * F), gen=gen, scale=2.0), rand((N, F), gen=gen, scale=F ** -0.5)
     inputs = [("gu", ["T", 2 * F], "bf16"), ("w", [N, F], "bf16", "weight")]
@@ -165,10 +165,10 @@ def _act_mul_case(template, phase, T, N, F, tune, fn, bias):
         inputs.append(("b", [N], "bf16", "weight"))
         arrays.append(rand((N,), gen=gen, scale=0.3))
     attrs = {"fn": fn, "has_bias": bias}
-    k = render(template, "linear_act_mul", inputs, [("y", ["T", N], "bf16")], attrs=attrs, phase=phase,
+    k = render(template, "linear_act_mul", inputs, [("y", ["T", N], out_dtype)], attrs=attrs, phase=phase,
                tune=tune)
     assert k.meta["entry"].endswith(f"_{fn}_mul")
-    y = poison((T, N))
+    y = poison((T, N), out_dtype)
     scratch = run(k, {f"in:{i}": a for i, a in enumerate(arrays)} | {"out:0": y}, {"T": T, "B": 1})
     check_scratch_zero(scratch)
     want = REGISTRY["linear_act_mul"].reference(None, *[f32(a) for a in arrays], **attrs)
@@ -249,6 +249,17 @@ def test_gemv_act_mul_short_rows(T, B, tune, fn):
 ])
 def test_gemm_act_mul(T, N, F, tune, bias, fn):
     _act_mul_case("gemm_act_mul", "prefill", T, N, F, tune, fn, bias)
+
+
+# A row-parallel down projection (tensor parallelism) writes its partial sums in fp32
+@pytest.mark.parametrize("template,phase,T,tune", [
+    ("gemv_act_mul", "decode", 1, {"BLOCK_N": 16, "BLOCK_K": 16, "FMA_BLOCK_K": 32, "SPLIT_K": 2}),
+    ("gemv_act_mul", "decode", 17, {"BLOCK_N_DOT": 32, "BLOCK_K": 32, "BLOCK_T": 16, "SPLIT_K_DOT": 2}),
+    ("gemm_act_mul", "prefill", 40, {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64}),
+    ("gemm_act_mul", "prefill", 17, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "SPLIT_K": 3}),
+])
+def test_linear_act_mul_f32_partials(template, phase, T, tune):
+    _act_mul_case(template, phase, T, 100, 72, tune, "silu", False, out_dtype="f32")
 
 
 @pytest.mark.parametrize("fn", ACTS)
