@@ -218,8 +218,10 @@ def test_expert_dispatch_and_combine_equal_all_experts(rng):
         c = Ctx()
         c.rank, c.world, c.exchange = r, N, ex
         xr, wr, idr = REGISTRY["ep_dispatch"].reference(c, x, w, ids, experts_per_rank=E // N)
-        assert idr.min() >= 0 and idr.max() < E // N
-        assert np.all((wr != 0) == (ids // (E // N) == r))      # only this rank's experts count
+        mine = ids // (E // N) == r
+        assert idr.max() < E // N and np.all((idr >= 0) == (mine | ~mine.any(1)[:, None] & (np.arange(k) == 0)))
+        assert np.all(idr[~mine.any(1), 0] == 0)                # a token with none here: slot 0, expert 0
+        assert np.all((wr != 0) == mine)                        # only this rank's experts count
         s = slice(r * E // N, (r + 1) * E // N)
         partial.append(moe.down(None, moe.gate_up(None, xr, idr, gu[s]), wr, idr, dn[s]))
     ex.current = [[p] for p in partial]

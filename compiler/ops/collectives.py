@@ -15,8 +15,9 @@ ep_dispatch(x[T, H], weights[T, k], ids[T, k], experts_per_rank)
     -> (xr[T, H], wr f32[T, k], idr i32[T, k]): the rows of the tokens that chose one of this
     rank's experts (rank r owns experts r*E/N .. (r+1)*E/N - 1), sent by the token's owner rank
     (token t is owned by rank t % N: each row crosses the wire once); slots whose expert lives
-    on another rank get weight 0 and local id 0, and a token none of whose experts are local
-    gets a zero row, so the local experts add nothing for them.
+    on another rank get weight 0 and id -1 (no expert: the rank computes only its own experts'
+    rows), and a token none of whose experts are local gets a zero row, weight 0 and local id 0
+    in slot 0 (so that expert 0 writes its output row: zeros), -1 in the others.
 ep_combine(y[T, H]) -> [T, H]: each rank's partial expert sums go back to the tokens' owner
     ranks, which add them (rank order), and the owners' rows are shared with every rank again
     (attention is replicated, so every rank needs every token): a reduce-scatter by owner
@@ -81,7 +82,8 @@ def ep_dispatch(ctx, x, w, ids, experts_per_rank):
     need = local.any(axis=1)
     xr = np.where(need[:, None], recv, 0).astype(np.float32)
     wr = np.where(local, w, 0).astype(np.float32)
-    idr = np.where(local, ids - rank * experts_per_rank, 0).astype(np.int32)
+    idr = np.where(local, ids - rank * experts_per_rank, -1).astype(np.int32)
+    idr[~need, 0] = 0
     assert world == len(xs), (world, len(xs))
     return xr, wr, idr
 

@@ -17,11 +17,13 @@ moe_route(logits[T, E], k, normalize, groups=1, topk_groups=1, scale=1.0) -> (we
     only where its spec gives them, so the plans of specs that don't are unchanged.
 moe_experts(x[T, H], weights, ids, gate[E, F, H], up[E, F, H], down[E, H, F]) -> [T, H]:
     y[t] = sum_j weights[t, j] * down[e] @ (silu(gate[e] @ x[t]) * up[e] @ x[t]), e = ids[t, j].
+    A slot of id -1 names no expert and adds nothing: expert parallelism's ep_dispatch gives the
+    slots of other ranks' experts id -1 (ops/collectives.py), so a rank computes only its own.
 
 Lowered (compiler/passes/lower_experts.py) into internal ops:
 moe_align(ids[T, k], experts=E) -> (rows i32[E, T], counts i32[E]): the tokens grouped by expert,
     for the grouped GEMMs of prefill: counts[e] = how many tokens chose e (a token naming e in
-    several slots, as ep_dispatch's zero-weight slots do, counts once), rows[e, :counts[e]] those
+    several slots counts once; slots of id -1 count nowhere), rows[e, :counts[e]] those
     tokens. The reference lists them in token order; the kernel in arrival order (each token's
     result does not depend on its place in the list, so the outputs are the same bits).
 moe_route_align(logits, k, normalize, experts) -> (weights, ids, rows, counts): moe_route then
@@ -32,7 +34,9 @@ moe_gate_up(x, ids, gate_up, rows, counts) / moe_down(act, weights, ids, down, r
     compute each (token, expert) once: a token that names an expert in several slots gets the
     same act row in each (moe_gate_up), and moe_down reads the act row of the slot of largest
     weight for all of them, which equals the reference whenever the other slots weigh 0 (the one
-    way a token repeats an expert: ep_dispatch's slots of other ranks' experts, id 0, weight 0).
+    way a token repeats an expert: ep_dispatch's zero-weight slot 0, id 0, of a token that has no
+    expert on the rank, see ops/collectives.py). A slot of id -1 has no act row (moe_gate_up
+    leaves it unwritten; the reference, zero) and no part in y.
 """
 import numpy as np
 
@@ -86,9 +90,14 @@ def experts_infer(types, attrs):
     return [x]
 
 
+def _chosen(ids):
+    """The experts the slots name (id -1: none)."""
+    return [e for e in np.unique(ids) if e >= 0]
+
+
 def experts(ctx, x, w, ids, gate, up, down):
     y = np.zeros_like(x, dtype=np.float32)
-    for e in np.unique(ids):
+    for e in _chosen(ids):
         rows, slot = np.nonzero(ids == e)
         xe = x[rows]
         h = silu(xe @ gate[e].T) * (xe @ up[e].T)
@@ -112,7 +121,7 @@ def gate_up(ctx, x, ids, gu, expert_rows=None, expert_counts=None):
     # is defined by ids alone
     f = gu.shape[1] // 2
     out = np.zeros((x.shape[0], ids.shape[1], f), np.float32)
-    for e in np.unique(ids):
+    for e in _chosen(ids):
         rows, slot = np.nonzero(ids == e)
         h = x[rows] @ gu[e].T
         out[rows, slot] = silu(h[:, :f]) * h[:, f:]
@@ -128,10 +137,9 @@ def down_infer(types, attrs):
 
 def down(ctx, act, w, ids, down_w, expert_rows=None, expert_counts=None):
     y = np.zeros((act.shape[0], down_w.shape[1]), np.float32)
-    for e in np.unique(ids):
+    for e in _chosen(ids):
         rows, slot = np.nonzero(ids == e)
-        # add.at: a token may name an expert twice (ep_dispatch gives the slots of other ranks'
-        # experts local id 0 and weight 0), and y[rows] += would keep only one of them
+        # add.at: a token may name an expert twice, and y[rows] += would keep only one of them
         np.add.at(y, rows, (act[rows, slot] @ down_w[e].T) * w[rows, slot][:, None])
     return y
 

@@ -1,8 +1,8 @@
 """Run one rendered Triton kernel under TRITON_INTERPRET=1 with torch CPU tensors.
 
 `bindings` maps parameter sources ("in:0", "out:1", "meta:positions", "cache:k", ...) to tensors
-or ints; dims gives T and B; scratch is allocated zeroed from META. Kernels using tl.dot take
-a DOT_F32 constexpr: the interpreter's bf16 dot is wrong, so it is set True here; and a PDL
+or ints; dims gives T and B; scratch is allocated from META: counters zeroed, the rest NaN.
+Kernels using tl.dot take a DOT_F32 constexpr: the interpreter's bf16 dot is wrong, so it is set True here; and a PDL
 constexpr (griddepcontrol, which the interpreter lacks) is set False (`interpreter_constexprs`).
 """
 import importlib.util
@@ -62,9 +62,17 @@ def load(kernel):
     return _modules[kernel.id]
 
 
+def _nan_bits(n, dtype):
+    return torch.full((n,), -1, dtype=dtype)         # 0xFFFFFFFF: NaN as f32, NaN pairs as bf16
+
+
 def run(kernel, bindings: dict, dims: dict):
     meta = kernel.meta
-    scratch = {n: torch.zeros(max(b, 4) // 4 + 1, dtype=torch.int32) for n, b in scratch_sizes(meta, dims).items()}
+    # counters start zero (the runtime zeroes them once; kernels leave them zero); any other
+    # scratch (partial sums) holds what earlier launches left there: NaN bits here, so that a
+    # kernel reading a partial it never wrote fails
+    scratch = {n: (torch.zeros if n.startswith("counter") else _nan_bits)(max(b, 4) // 4 + 1, dtype=torch.int32)
+               for n, b in scratch_sizes(meta, dims).items()}
 
     # the launch's inputs/outputs are named by their sources here: bindings["in:0"] is input 0
     n = len(meta["params"])
