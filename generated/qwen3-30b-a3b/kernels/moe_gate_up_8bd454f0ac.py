@@ -15,7 +15,8 @@
 #    row and token, reduced once at the end;
 #  * more: tensor cores, swap-AB: acc[f, t] += W_tile[BLOCK_F, BLOCK_K] @ X^T over BLOCK_T
 #    gathered token rows at a time (more than BLOCK_T tokens re-read the tile, from L2).
-# A token that names e in two slots (ep_dispatch's zero-weight slots) gets the same row in both.
+# A token that names e in two slots gets the same row in both; a slot of id -1 (another rank's
+# expert, ep_dispatch) names none and its act row is left unwritten.
 # The path depends only on how many tokens chose e, and each token's sums are its own: the
 # same bits from run to run.
 import triton
@@ -37,13 +38,14 @@ def _ptr(base, offs):
 @triton.jit
 def _expert_of(ids_ptr, u, P, BLOCK_E: tl.constexpr, PC: tl.constexpr):
     """The u-th smallest expert id among the P = T * KT chosen slots, and how many slots chose it
-    (0 when fewer than u + 1 distinct experts were chosen): a histogram of the ids, then a scan."""
+    (0 when fewer than u + 1 distinct experts were chosen): a histogram of the ids (-1, no
+    expert, left out), then a scan."""
     ex = tl.arange(0, BLOCK_E)
     hist = tl.zeros([BLOCK_E], tl.int32)
     for p0 in range(0, P, PC):
         p = p0 + tl.arange(0, PC)
-        ids = tl.load(ids_ptr + p, mask=p < P, other=0)
-        hist += tl.histogram(ids, BLOCK_E, mask=p < P)
+        ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
+        hist += tl.histogram(ids, BLOCK_E, mask=(p < P) & (ids >= 0))
     present = (hist > 0).to(tl.int32)
     sel = (present > 0) & (tl.cumsum(present, 0) == u + 1)
     return tl.sum(tl.where(sel, ex, 0), 0), tl.sum(tl.where(sel, hist, 0), 0)
@@ -76,7 +78,8 @@ def _tokens_of(ids_ptr, e, T, start, KT: tl.constexpr, KTP: tl.constexpr, TC: tl
 @triton.jit
 def _mine(ids_ptr, toks, ok, e, KT: tl.constexpr, KTP: tl.constexpr):
     """Token rows' ids [NT, KTP] (-1 past KT or where not ok), which slots name expert e, the first
-    of them and whether any row names e more than once (ep_dispatch's zero-weight slots)."""
+    of them and whether any row names e more than once (moe_route's ids never do; ids made
+    otherwise may, with the extra slots weighing 0)."""
     j = tl.arange(0, KTP)
     idt = tl.load(ids_ptr + toks.to(tl.int64)[:, None] * KT + j[None, :],
                   mask=ok[:, None] & (j[None, :] < KT), other=-1)

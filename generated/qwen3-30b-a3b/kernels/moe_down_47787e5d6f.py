@@ -7,7 +7,7 @@
 # streams e's row block once for all of them (moe_gate_up.py.j2's two paths: CUDA cores for at
 # most FMA_T = 1 tokens, else swap-AB tensor-core tiles of BLOCK_T tokens); the A operand
 # of token t is act[t, j] for the slot j that chose e (of largest weight if several did: the
-# others are ep_dispatch's zero-weight slots).
+# others weigh 0: ids not made by moe_route). Slots of id -1 name no expert.
 # Combine, deterministic: each program parks r[t, j] * (its sums) in an fp32 scratch [B, 8, 2048]
 # for every slot j of t that chose e and counts itself in at the tile (t, b); the program that
 # completes the token's distinct experts adds the token's 8 partials in slot order and writes
@@ -31,13 +31,14 @@ def _ptr(base, offs):
 @triton.jit
 def _expert_of(ids_ptr, u, P, BLOCK_E: tl.constexpr, PC: tl.constexpr):
     """The u-th smallest expert id among the P = T * KT chosen slots, and how many slots chose it
-    (0 when fewer than u + 1 distinct experts were chosen): a histogram of the ids, then a scan."""
+    (0 when fewer than u + 1 distinct experts were chosen): a histogram of the ids (-1, no
+    expert, left out), then a scan."""
     ex = tl.arange(0, BLOCK_E)
     hist = tl.zeros([BLOCK_E], tl.int32)
     for p0 in range(0, P, PC):
         p = p0 + tl.arange(0, PC)
-        ids = tl.load(ids_ptr + p, mask=p < P, other=0)
-        hist += tl.histogram(ids, BLOCK_E, mask=p < P)
+        ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
+        hist += tl.histogram(ids, BLOCK_E, mask=(p < P) & (ids >= 0))
     present = (hist > 0).to(tl.int32)
     sel = (present > 0) & (tl.cumsum(present, 0) == u + 1)
     return tl.sum(tl.where(sel, ex, 0), 0), tl.sum(tl.where(sel, hist, 0), 0)
@@ -70,7 +71,8 @@ def _tokens_of(ids_ptr, e, T, start, KT: tl.constexpr, KTP: tl.constexpr, TC: tl
 @triton.jit
 def _mine(ids_ptr, toks, ok, e, KT: tl.constexpr, KTP: tl.constexpr):
     """Token rows' ids [NT, KTP] (-1 past KT or where not ok), which slots name expert e, the first
-    of them and whether any row names e more than once (ep_dispatch's zero-weight slots)."""
+    of them and whether any row names e more than once (moe_route's ids never do; ids made
+    otherwise may, with the extra slots weighing 0)."""
     j = tl.arange(0, KTP)
     idt = tl.load(ids_ptr + toks.to(tl.int64)[:, None] * KT + j[None, :],
                   mask=ok[:, None] & (j[None, :] < KT), other=-1)
@@ -84,8 +86,8 @@ def _mine(ids_ptr, toks, ok, e, KT: tl.constexpr, KTP: tl.constexpr):
 def _main_slot(ids_ptr, rw_ptr, toks, ok, e, KT: tl.constexpr):
     """For each token t that chose expert e, the slot j whose act row the down projection reads:
     the one of largest routing weight among the slots naming e (the first on ties). A token names
-    an expert in several slots only as ep_dispatch leaves it: the extra slots weigh 0, so they add
-    nothing whichever row they are given."""
+    an expert in several slots only where its ids were not moe_route's; the extra slots weigh 0
+    and add nothing whichever row they are given."""
     best = tl.zeros_like(toks)
     best_r = tl.full(toks.shape, -1.0, tl.float32)
     for jj in tl.static_range(KT):
@@ -107,7 +109,7 @@ def _down_finish(acc, toks, ok, e, offs_h, nb, ids_ptr, rw_ptr, y_ptr, part_ptr,
     (PDT: fp32 or bf16 scratch [T, KT, H]), then counts the expert in at the token's tile (t, nb);
     the program that brings the count to the token's number of distinct experts sums the token's
     KT partials in slot order j = 0 .. KT-1 (a fixed order: the same bits whatever order the
-    experts arrive in), writes y[t] and leaves the counter zero."""
+    experts arrive in; slots of id -1 have none), writes y[t] and leaves the counter zero."""
     j = tl.arange(0, KTP)
     t64 = toks.to(tl.int64)
     h_mask = offs_h < H
@@ -128,15 +130,17 @@ def _down_finish(acc, toks, ok, e, offs_h, nb, ids_ptr, rw_ptr, y_ptr, part_ptr,
     for jj in tl.static_range(KT):
         ej = tl.sum(tl.where(j[None, :] == jj, idt, 0), 1)
         seen = tl.max(((j[None, :] < jj) & (idt == ej[:, None])).to(tl.int32), 1)
-        experts += (ok & (seen == 0)).to(tl.int32)
+        experts += (ok & (seen == 0) & (ej >= 0)).to(tl.int32)
     tl.debug_barrier()   # every thread's partials are issued before the release below
     arrived = tl.atomic_add(cnt_ptr + t64 * NB + nb, 1, mask=ok, sem="acq_rel")
     last = ok & (arrived == experts - 1)
     tl.debug_barrier()   # the whole program reads after the acquire above
     total = tl.zeros_like(acc)
     for jj in range(KT):     # a loop, not unrolled: one slot's tile in registers at a time
+        # a slot of id -1 (no expert on this rank) has no partial: its scratch is stale
+        named = last & (tl.load(ids_ptr + t64 * KT + jj, mask=last, other=-1) >= 0)
         got = tl.load(pp + (t64 * KT + jj)[:, None] * H + offs_h[None, :],
-                      mask=last[:, None] & h_mask[None, :], other=0.0, cache_modifier=".cg")
+                      mask=named[:, None] & h_mask[None, :], other=0.0, cache_modifier=".cg")
         total += got.to(tl.float32)
     tl.store(y_ptr + t64[:, None] * H + offs_h[None, :], total.to(y_ptr.dtype.element_ty),
              mask=last[:, None] & h_mask[None, :])

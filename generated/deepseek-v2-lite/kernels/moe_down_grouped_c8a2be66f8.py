@@ -1,20 +1,20 @@
 # moe_down (grouped): y[t, h] = bf16(sum_j bf16(r[t, j] * sum_f act[t, j, f] * w[e, h, f])),  e = ids[t, j]
-#   act [T, 8, 768] bf16, r f32 [T, 8], ids i32 [T, 8], w [128, 2048, 768] bf16,
-#   rows i32 [128, T] / counts i32 [128] (moe_align: the tokens of each expert), y [T, 2048] bf16;
+#   act [T, 6, 1408] bf16, r f32 [T, 6], ids i32 [T, 6], w [64, 2048, 1408] bf16,
+#   rows i32 [64, T] / counts i32 [64] (moe_align: the tokens of each expert), y [T, 2048] bf16;
 #   fp32 sums; each slot's weighted sum is rounded to bf16 once, then the slots are added in fp32
-#   in slot order j = 0 .. 7.
+#   in slot order j = 0 .. 5.
 #
 # Grouped GEMM (moe_gate_up_grouped.py.j2's row blocks: BLOCK_M = 128 tokens of one expert, their act
 # rows gathered: token t's act[t, j] for the slot j that chose e, of largest weight if several
 # did) times 8 column tiles of BLOCK_H = 256 output features, a K loop of BLOCK_K = 64 over
-# F = 768 (unmasked), software-pipelined over num_stages buffers; GROUP_M = 8 ordering.
+# F = 1408 (unmasked), software-pipelined over num_stages buffers; GROUP_M = 8 ordering.
 # An expert's last block of at most 64 tokens runs a 64-row tile (a second copy of the tile).
 # Epilogue and combine, deterministic without float atomics: the routing weight multiplies the
-# fp32 tile, each (token, slot) row is parked once as bf16 in a scratch [T, 8, 2048], and the
+# fp32 tile, each (token, slot) row is parked once as bf16 in a scratch [T, 6, 2048], and the
 # program counts itself in at each token's tile (t, column tile) with an acq_rel atomic; the
-# program that completes a token's distinct experts adds its 8 partials in slot order and writes
+# program that completes a token's distinct experts adds its 6 partials in slot order and writes
 # y[t] (the same bits whatever order the experts finish in), leaving the counter zero. Those
-# rows are compacted COMBINE_ROWS = 16 at a time, so a chunk's 8 partial tiles are loaded together
+# rows are compacted COMBINE_ROWS = 16 at a time, so a chunk's 6 partial tiles are loaded together
 # (one memory round trip per chunk, not one per slot).
 import triton
 import triton.language as tl
@@ -83,8 +83,8 @@ def _slot_rw(rw_ptr, toks, ok, KT: tl.constexpr, KTP: tl.constexpr):
 def _main_slot(idt, rwt, ok, e, KTP: tl.constexpr):
     """For each token row that chose expert e, the slot whose act row the down projection reads:
     the one of largest routing weight among the slots naming e (the first on ties); 0 in the rows
-    that are not ok. A token names an expert in several slots only as ep_dispatch leaves it: the
-    extra slots weigh 0, so they add nothing whichever row they are given."""
+    that are not ok. A token names an expert in several slots only where its ids were not
+    moe_route's; the extra slots weigh 0 and add nothing whichever row they are given."""
     j = tl.arange(0, KTP)
     mine = idt == e
     best = tl.max(tl.where(mine, rwt, -1.0), 1)
@@ -117,15 +117,16 @@ def _park(pp, acc, toks, ok, idt, rwt, e, offs_h, H: tl.constexpr, KT: tl.conste
     for jj in tl.static_range(KT):
         ej = _col(idt, jj, KTP)
         seen = tl.max(((j[None, :] < jj) & (idt == ej[:, None])).to(tl.int32), 1)
-        n += (ok & (seen == 0)).to(tl.int32)
+        n += (ok & (seen == 0) & (ej >= 0)).to(tl.int32)
     return n
 
 
 @triton.jit
-def _combine(pp, y_ptr, cnt_ptr, toks, last, offs_h, nb, H: tl.constexpr, KT: tl.constexpr,
+def _combine(pp, y_ptr, cnt_ptr, ids_ptr, toks, last, offs_h, nb, H: tl.constexpr, KT: tl.constexpr,
              NB: tl.constexpr, CR: tl.constexpr, BLOCK_H: tl.constexpr):
     """For the rows whose token this program completed (last): y[t] = bf16(sum over j = 0 .. KT-1
-    of the parked partials, in fp32, in slot order: the same bits whichever expert came last), and
+    of the parked partials, in fp32, in slot order: the same bits whichever expert came last; a
+    slot of id -1, no expert on this rank, has none: its scratch is stale and is not read), and
     the tile's counter back to 0. The last rows are compacted CR at a time (on average BLOCK_M /
     KT of them, all of them in the last experts' blocks), so the KT partial tiles of a chunk are
     loaded together, unrolled: one memory round trip per CR rows instead of KT per block."""
@@ -141,8 +142,9 @@ def _combine(pp, y_ptr, cnt_ptr, toks, last, offs_h, nb, H: tl.constexpr, KT: tl
         m2 = live[:, None] & h_mask[None, :]
         total = tl.zeros([CR, BLOCK_H], tl.float32)
         for jj in tl.static_range(KT):
-            total += tl.load(pp + (tk * KT + jj)[:, None] * H + offs_h[None, :], mask=m2, other=0.0,
-                             cache_modifier=".cg").to(tl.float32)
+            named = tl.load(ids_ptr + tk * KT + jj, mask=live, other=-1) >= 0
+            total += tl.load(pp + (tk * KT + jj)[:, None] * H + offs_h[None, :],
+                             mask=m2 & named[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
         tl.store(y_ptr + tk[:, None] * H + offs_h[None, :], total.to(y_ptr.dtype.element_ty), mask=m2)
         tl.store(cnt_ptr + tk * NB + nb, 0, mask=live)
 
@@ -183,7 +185,7 @@ def _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr,
     arrived = tl.atomic_add(cnt_ptr + t64 * NB + nb, 1, mask=ok, sem="acq_rel")
     last = ok & (arrived == experts - 1)
     tl.debug_barrier()   # the whole program reads after the acquires above
-    _combine(pp, y_ptr, cnt_ptr, toks, last, offs_h, nb, H, KT, NB, CR, BLOCK_H)
+    _combine(pp, y_ptr, cnt_ptr, ids_ptr, toks, last, offs_h, nb, H, KT, NB, CR, BLOCK_H)
 
 
 @triton.jit
@@ -216,12 +218,12 @@ META = {
                ["rows_ptr", "*i32", "in:4"], ["counts_ptr", "*i32", "in:5"],
                ["y_ptr", "*bf16", "out:0"], ["T", "i32", "dim:T"],
                ["part_ptr", "*bf16", "scratch:partials"], ["cnt_ptr", "*i32", "scratch:counters"]],
-    "constexprs": {"H": 2048, "F": 768, "KT": 8, "KTP": 8, "E": 128,
-                   "BLOCK_E": 128, "BLOCK_M": 128, "BLOCK_H": 256,
+    "constexprs": {"H": 2048, "F": 1408, "KT": 6, "KTP": 8, "E": 64,
+                   "BLOCK_E": 64, "BLOCK_M": 128, "BLOCK_H": 256,
                    "BLOCK_K": 64, "GROUP_M": 8, "NB": 8, "CR": 16,
                    "HALF_TAIL": 1, "EVEN_K": True, "DOT_F32": False},
-    "grid": ["(cdiv(T * 8, 128) + min(128, T * 8)) * 8", 1, 1],
-    "scratch": {"partials": "T * 32768", "counters": "T * 32"},
+    "grid": ["(cdiv(T * 6, 128) + min(64, T * 6)) * 8", 1, 1],
+    "scratch": {"partials": "T * 24576", "counters": "T * 32"},
     "num_warps": 8,
     "num_stages": 3,
 }

@@ -94,8 +94,8 @@ def _store_act(act_ptr, a, toks, ok, idt, e, offs_f, F: tl.constexpr, KT: tl.con
                KTP: tl.constexpr):
     """a [BLOCK_M, BF]: expert e's activations of tokens toks (where ok), columns offs_f ->
     act[t, j, f] for every slot j of t that names e: one store to the first such slot and, only
-    where a row names e twice (ep_dispatch's zero-weight slots of other ranks' experts, id 0), a
-    pass over the other slots (such a token gets the same row in each)."""
+    where a row names e twice (ids not made by moe_route, the extra slots weighing 0), a pass
+    over the other slots (such a token gets the same row in each)."""
     j = tl.arange(0, KTP)
     mine = idt == e
     first = tl.min(tl.where(mine, j[None, :], KTP), 1)
