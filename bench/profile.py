@@ -13,6 +13,10 @@ repeated (median of --reps):
                     with 16 new tokens (phase mixed: start > 0, more than one token)
     mixed_256       255 sequences decoding one token each at 1024 tokens of context, plus one
                     256-token prefill chunk (phase mixed, T = 511, B = 256)
+    decode_wide     the same 255 decodes alone (phase decode, T = B = 255): a saturated
+                    server's decode step
+    decode_wide_mixed  the 255 decodes and a 2-token chunk (phase mixed, T = 257): the same
+                    work through the prefill/mixed kernels (MoE: the grouped GEMMs), to compare
 
 Per step, two passes:
   plain         host perf_counter around the step (build_step + the runner's padded metadata,
@@ -374,15 +378,26 @@ def run(artifact, model_dir, reps=20, warmup=3, short=32, prefix=1024, new=16, d
             out.append(prof.step("prefix_hit", f"{new} new tokens after {prefix} cached ({len(shared)} shared "
                                  "pages)", [Chunk(2, toks(new), prefix)], pages))
         # 3. a mixed step: one-token decodes at `context` tokens each, then one prefill chunk
+        decoding = []
+        for s in range(10, 10 + decodes):
+            pages.ensure(s, context + 1)
+            decoding.append(Chunk(s, toks(1), context))
         if want("mixed_256"):
-            chunks = []
-            for s in range(10, 10 + decodes):
-                pages.ensure(s, context + 1)
-                chunks.append(Chunk(s, toks(1), context))
             pages.ensure(9, chunk)
-            chunks.append(Chunk(9, toks(chunk), 0))          # decodes first, as the scheduler orders them
+            # decodes first, as the scheduler orders them
             out.append(prof.step("mixed_256", f"{decodes} decodes at {context} tokens of context + one "
-                                 f"{chunk}-token prefill chunk", chunks, pages))
+                                 f"{chunk}-token prefill chunk", decoding + [Chunk(9, toks(chunk), 0)], pages))
+        # 4. the same decodes alone: a saturated server's decode step (the decode program), and
+        # with a 2-token chunk beside them, which makes it a mixed step of nearly the same T: the
+        # prefill/mixed kernels (grouped MoE GEMMs) on a decode-sized batch, to compare
+        if want("decode_wide"):
+            out.append(prof.step("decode_wide", f"{decodes} decodes at {context} tokens of context "
+                                 "(phase decode), eager", decoding, pages))
+        if want("decode_wide_mixed"):
+            pages.ensure(8, 2)
+            out.append(prof.step("decode_wide_mixed", f"{decodes} decodes at {context} tokens of context "
+                                 "+ a 2-token chunk (phase mixed), eager", decoding + [Chunk(8, toks(2), 0)],
+                                 pages))
         return res
     finally:
         r.close()

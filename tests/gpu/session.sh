@@ -5,7 +5,8 @@
 # families, engine, no torch), families (only the new families' golden gate), baseline (a
 # baseline commit's qwen3-4b latency on the same card: tools/prepare_baseline.sh), latency,
 # profile (per-launch GPU times of a short prefill, a prefix hit, a 256-sequence mixed step and
-# batch-1 decode: bench/profile.py), throughput, startup, server (the SDK suite with --device
+# batch-1 decode: bench/profile.py), profile-moe (the same for qwen3-30b-a3b with dummy weights:
+# batch-1 decode, 255 decodes alone and beside a 2-token chunk, the mixed step), throughput, startup, server (the SDK suite with --device
 # cuda), serve (infc bench serve against infc serve), prefix (TTFT cold vs warm prefix hit at
 # 1k-32k tokens, in-process engine and through a spawned infc serve: bench/prefix.py; PREFIX_ARGS
 # adds flags, e.g. --load-format dummy), generate (infc generate --device cuda), tune (infc tune run),
@@ -57,7 +58,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv | tee "$OUT/gpu.txt"
-if [ -n "$(echo " $STAGES " | sed -e 's/ families / /g' -e 's/ qwen35 / /g' -e 's/ ranks / /g' -e 's/ p2p / /g' -e 's/ deepseek / /g' -e 's/ twogpu[a-z-]* / /g' -e 's/ twogpu[a-z-]* / /g' | tr -d ' ')" ]; then   # a stage besides families / qwen35 / ranks / deepseek / twogpu*
+if [ -n "$(echo " $STAGES " | sed -e 's/ families / /g' -e 's/ qwen35 / /g' -e 's/ ranks / /g' -e 's/ p2p / /g' -e 's/ deepseek / /g' -e 's/ profile-moe / /g' -e 's/ twogpu[a-z-]* / /g' -e 's/ twogpu[a-z-]* / /g' | tr -d ' ')" ]; then   # a stage besides families / qwen35 / ranks / deepseek / profile-moe / twogpu*
   say "models"
   timeout 300 python3 -c "import sys; sys.path.insert(0,'tests/gpu'); import models; [models.model_dir(m) for m in ('qwen3-4b','llama-3.2-1b','tiny-moe','skipgram')]" 2>&1 | tail -12
   say "models ready"
@@ -96,6 +97,12 @@ for stage in $STAGES; do
     profile)
       timeout ${PROFILE_S:-150} python3 -m infc.cli bench profile --artifact .cache/artifacts/qwen3-4b \
         --model-path "$MODELS/qwen3-4b" --out "$OUT" ${PROFILE_ARGS:-} 2>&1 | quiet | tail -150 ;;
+    profile-moe)
+      python3 tests/gpu/rerender.py .cache/artifacts/qwen3-30b-a3b 2>&1 | tail -2
+      timeout ${PROFILE_S:-240} python3 -m infc.cli bench profile --artifact .cache/artifacts/qwen3-30b-a3b \
+        --model-path .cache/gpu/configs/qwen3-30b-a3b --load-format dummy --out "$OUT" \
+        --steps ${PROFILE_STEPS:-decode_b1,decode_wide,decode_wide_mixed,mixed_256} --reps 10 \
+        ${PROFILE_ARGS:-} 2>&1 | quiet | tail -150 ;;
     throughput)
       timeout ${THROUGHPUT_S:-240} python3 -m infc.cli bench throughput --model-path "$MODELS/qwen3-4b" \
         --out "$OUT" 2>&1 | quiet | tail -12 ;;
