@@ -11,6 +11,8 @@
                 "kinds": {kind: launches}} runs layer i with the launches of its kind
     short_tokens  a prefill or mixed step of at most this many tokens runs programs["short"]
                 (runtime/program.py `program_name`)
+    wide_tokens   (plans with experts) a decode step of at least this many tokens runs
+                programs["wide"]: the experts' grouped GEMMs (select_kernels.WIDE_TOKENS_PER_EXPERT)
     parallel    (rank plans of `--tensor-parallel-size N` only) {world, rank, tp, ep}: this plan
                 is rank `rank`'s share (compiler/parallel.py); its collective launches have
                 backend "nccl" and no kernel
@@ -179,6 +181,7 @@ def emit_plan(state) -> dict:
         "buffers": buffers,
         "programs": {phase: _launches(state, g, phase) for phase in state.kernels},
         **({"short_tokens": SHORT_TOKENS} if "short" in state.kernels else {}),
+        **({"wide_tokens": state.wide_tokens} if "wide" in state.kernels else {}),
     }
 
 

@@ -24,6 +24,30 @@ def test_router_launch_groups_the_tokens():
     assert plan["buffers"][rows]["shape"] == [128, "T"] and plan["buffers"][counts]["shape"] == [128]
 
 
+def test_wide_decode_runs_the_grouped_experts(tiny_model):
+    """A decode step of at least wide_tokens (8 tokens per expert: 8 * 128 / 8) runs the wide
+    program: the decode program with the experts' grouped GEMMs fed by the router's token lists;
+    every other launch is the decode program's. A dense model has no wide program; an EP rank
+    counts the whole model's experts."""
+    from infc.runtime.program import program_name
+    _, plan = compile_model("qwen3-30b-a3b")
+    assert plan["wide_tokens"] == 128
+    assert [program_name(plan, "decode", T) for T in (1, 127, 128, 256)] == ["decode", "decode", "wide", "wide"]
+    assert program_name(plan, "mixed", 256) == "mixed"
+    wide = _moe(plan, "wide")
+    assert [(o, k) for o, k, _, _ in wide] == [("moe_route_align", "moe_route"), ("moe_gate_up", "moe_gate_up_grouped"),
+                                               ("moe_down", "moe_down_grouped")]
+    other = lambda phase: [(l["op"], l["kernel"]) for l, _ in launches(plan["programs"][phase])  # noqa: E731
+                           if not l["op"].startswith("moe")]
+    assert other("wide") == other("decode")
+    _, dense = compile_model("qwen3-4b")
+    assert "wide" not in dense["programs"] and "wide_tokens" not in dense
+    d, _ = tiny_model("qwen3_moe")
+    _, whole = compile_model(model_dir=str(d))
+    for _, rank in compile_ranks(settings(expert_parallel_only=2), model_dir=str(d)):
+        assert rank["wide_tokens"] == whole["wide_tokens"]
+
+
 def test_no_fuse_and_expert_parallel_keep_the_generic_align(tiny_model):
     _, plan = compile_model("qwen3-30b-a3b", fuse=False)
     assert [o for o, *_ in _moe(plan, "decode")] == ["moe_route", "moe_align", "moe_gate_up", "moe_down"]

@@ -70,6 +70,25 @@ def test_program_name_picks_short_for_few_token_prefill_and_mixed():
     assert program_name({**plan, "short_tokens": 0}, "prefill", 1) == "prefill"
 
 
+def test_program_name_picks_wide_for_many_token_decode_and_graphs_capture_it(fake_driver):
+    plan = {"wide_tokens": 96, "programs": {p: [] for p in ("prefill", "decode", "mixed", "short", "wide")}}
+    assert [program_name(plan, "decode", T) for T in (1, 95, 96, 256)] == ["decode", "decode", "wide", "wide"]
+    assert program_name(plan, "mixed", 300) == "mixed" and program_name(plan, "prefill", 300) == "prefill"
+    assert program_name({**plan, "programs": {p: [] for p in ("decode", "mixed")}}, "decode", 256) == "decode"
+    # the runner captures each decode bucket's graph over the program its steps would run
+    from infc.runtime.cuda import runner as runner_mod
+    r = object.__new__(runner_mod.CudaRunner)
+    r.ctx, r.plan, r.graphs = fake_driver.Context(), plan, {}
+    ran = []
+    r.program = lambda name: name
+    r._upload = lambda arrays, dims: []
+    r._metadata = lambda meta, T, B: {}
+    r._launch_all = lambda bound, dims: ran.append((bound, dims["T"]))
+    for bucket in (64, 128):
+        r._capture(bucket)
+    assert ran == [("decode", 64), ("decode", 64), ("wide", 128), ("wide", 128)]   # warm-up, capture
+
+
 def test_old_plan_body_is_refused():
     old = [{"repeat": "layers", "count": 2, "body": [L("x")]}]
     with pytest.raises(ValueError, match="plan/2"):

@@ -13,8 +13,9 @@ REGISTRY: dict[str, "OpDef"] = {}
 
 # A phase that runs as another one except where an op names it: a short step (prefill or mixed of
 # at most SHORT_TOKENS tokens, compiler/passes/select_kernels.py) is a mixed step whose linears
-# stream their weights with the decode GEMVs.
-PHASE_PARENT = {"short": "mixed"}
+# stream their weights with the decode GEMVs; a wide step (a decode step of many sequences, in a
+# model with experts) is a decode step whose experts run the grouped GEMMs of prefill.
+PHASE_PARENT = {"short": "mixed", "wide": "decode"}
 
 
 class ShapeError(Exception):
@@ -49,7 +50,7 @@ class OpDef:
 
     def template(self, backend: str, phase: str, inherit: bool = True) -> str | None:
         """The template for this backend and phase: the phase's entry, else (inherit) the entry
-        of the phase it derives from (short -> mixed), else "default"; a plain string serves
+        of the phase it derives from (short -> mixed, wide -> decode), else "default"; a plain string serves
         every phase. inherit=False: a phase that derives from another takes only its own entry
         (or "default"): select_kernels asks the feature backends that way."""
         t = self.templates.get(backend)

@@ -198,15 +198,16 @@ op(name="moe_route_align", tensors=["logits"], attrs={"k": REQUIRED, "normalize"
    extra_attrs=ROUTE_EXTRA,
    infer=route_align_infer, reference=route_align, n_outputs=4, internal=True,
    templates={"triton": "moe_route"},
-   doc="moe_route + moe_align in one launch (prefill/mixed; decode routes only)")
+   doc="moe_route + moe_align in one launch (prefill/mixed/wide; decode routes only)")
 # decode (a few tokens): one program per (distinct chosen expert, row block), a GEMV over the
-# expert's rows for the tokens that chose it; prefill/mixed (and short, through mixed): grouped
+# expert's rows for the tokens that chose it; prefill/mixed (and short, through mixed) and wide
+# decode steps (many sequences: compiler/passes/select_kernels.py WIDE_TOKENS_PER_EXPERT): grouped
 # tensor-core GEMMs over moe_align's per-expert token lists
 op(name="moe_gate_up", tensors=["x", "ids", "gate_up", "rows", "counts"], infer=gate_up_infer, reference=gate_up,
    internal=True, templates={"triton": {"prefill": "moe_gate_up_grouped", "mixed": "moe_gate_up_grouped",
-                                        "decode": "moe_gate_up"}},
+                                        "decode": "moe_gate_up", "wide": "moe_gate_up_grouped"}},
    doc="per chosen expert: silu(x gate^T) * (x up^T)")
 op(name="moe_down", tensors=["act", "weights", "ids", "down", "rows", "counts"], infer=down_infer, reference=down,
    internal=True, templates={"triton": {"prefill": "moe_down_grouped", "mixed": "moe_down_grouped",
-                                        "decode": "moe_down"}},
+                                        "decode": "moe_down", "wide": "moe_down_grouped"}},
    doc="per token: routing-weighted sum of the chosen experts' down projections")

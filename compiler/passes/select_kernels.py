@@ -5,13 +5,21 @@ take a launch wherever the op's home declares a template for that backend and ph
 """
 from ..ops import REGISTRY
 
-PHASES = ("prefill", "decode", "mixed", "short")
+PHASES = ("prefill", "decode", "mixed", "short", "wide")
 # A prefill or mixed step of at most this many tokens runs the "short" program (runtime/program.py
 # `program_name`; recorded as plan["short_tokens"]): its linears take the decode GEMV templates,
 # which stream the weight once at any row count, where the prefill GEMM's long-prompt tiles
 # waste most of their work on a few dozen rows. Attention stays attention_prefill (several
 # tokens per sequence); every other op runs as in mixed (OpDef.template: short -> mixed).
 SHORT_TOKENS = 64
+# A decode step whose experts get at least this many tokens each on average (T * k / E, E the
+# whole model's routed experts) runs the "wide" program (plan["wide_tokens"] = the T where that
+# starts): the decode program with the experts' grouped GEMMs (moe_align's lists, one tensor-core
+# tile per expert and column block) in place of the per-expert GEMVs, whose cost grows with the
+# tokens each expert serves. Measured on qwen3-30b-a3b (H100, bench/NOTES.md): at 64 decodes the
+# two are even, at 128 the grouped GEMMs take 3.8 ms less a step, at 200 11 ms less.
+# Plans without experts have no wide program.
+WIDE_TOKENS_PER_EXPERT = 8
 
 
 def select_kernels(state):
@@ -44,4 +52,25 @@ def select_kernels(state):
                 # reference executor; code generation refuses it with the op and line.
                 table[n.id] = (backend, tmpl)
         state.kernels[phase] = table
+    if state.kernels["wide"] == state.kernels["decode"]:
+        del state.kernels["wide"]                 # nothing runs differently: no program of its own
+    else:
+        state.wide_tokens = wide_tokens(state)
     state.note("select_kernels", ", ".join(f"{p}: {len(t)} launches" for p, t in state.kernels.items()))
+
+
+def wide_tokens(state) -> int:
+    """The fewest decode tokens that give every routed expert WIDE_TOKENS_PER_EXPERT tokens on
+    average, over the model's MoE layers (the largest such T). Under expert parallelism a rank
+    holds E / ep of the experts, and the ids name the whole model's: E is the model's."""
+    par = state.parallel or {}
+    ep = par.get("ep", 1) if par.get("world", 1) > 1 else 1
+    need = []
+    for g in state.graph.walk():
+        for n in g.ordered():
+            if n.op == "moe_gate_up":
+                E = g.values[n.inputs[2]].type.shape[0] * ep
+                k = g.values[n.inputs[1]].type.shape[1]
+                need.append(-(-WIDE_TOKENS_PER_EXPERT * E // k))
+    assert need, "a wide program without experts"
+    return max(need)

@@ -133,9 +133,10 @@ class DeviceCopyRanks:
         dims = {"T": bucket, "B": bucket}
         for r in self.runners:
             r._upload(r._metadata(padding_step(), bucket, bucket), dims)
-        self._lockstep("decode", dims)
+        program = program_name(self.plan, "decode", bucket)      # "wide" for a wide bucket
+        self._lockstep(program, dims)
         self.ctx.sync()
-        graph = Graph(self.ctx, lambda: self._lockstep("decode", dims))
+        graph = Graph(self.ctx, lambda: self._lockstep(program, dims))
         self.graphs[bucket] = (graph, dims)
 
     def _run_step(self, meta: StepMeta) -> tuple[int, int]:

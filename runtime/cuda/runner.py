@@ -235,9 +235,10 @@ class CudaRunner:
                 yield index, k, g, args, dep
 
     def _capture(self, bucket: int):
-        """Warm the bucket's decode program up on padding rows, then capture it."""
+        """Warm the bucket's decode program (the wide one for a wide bucket) up on padding rows,
+        then capture it."""
         dims = {"T": bucket, "B": bucket}
-        bound = self.program("decode")
+        bound = self.program(program_name(self.plan, "decode", bucket))
         self._upload(self._metadata(padding_step(), bucket, bucket), dims)
         self._launch_all(bound, dims)
         self.ctx.sync()
