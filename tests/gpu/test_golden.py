@@ -3,7 +3,9 @@
 At every position: argmax regret <= 0.2 nat (HF's logprob of its own argmax minus its logprob of
 infc's argmax); over infc's top-8 tokens |delta logprob| mean <= 0.06 and p99 <= 0.2. 32+
 sequences with prompts of 1..1024 tokens and 16 teacher-forced decode steps, in eager batch 1,
-batched (9 sequences), CUDA Graph buckets straddled (5 and 9), and prefix-cached replays.
+batched (9 sequences), CUDA Graph buckets straddled (5 and 9), and prefix-cached replays. A plan
+with experts also runs batch 9 with its wide program (the decode program with the experts on the
+grouped GEMMs) in every graph bucket from 4 tokens (graph-b9-wide).
 
 Models: qwen3-4b and llama-3.2-1b (the serving artifacts), a tiny qwen3_moe, qwen3-4b built with
 --no-fuse (every op its generic kernel, same weights), and the new families (gpu_families.py:
@@ -21,7 +23,10 @@ the state), so their prefix replay expects no hit: the warm step continues the s
 second sequence that computed the prefix itself (its own pages and state slot), the same suffix
 step as a hit's, with the state read from the slot. A family that this machine's transformers
 cannot make fails with one line saying so."""
+import json
+import shutil
 from contextlib import closing
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -112,11 +117,26 @@ def run(runner, seqs, batch: int):
     return [np.stack(g) for g in got]
 
 
-@pytest.mark.parametrize("mode", ["eager-b1", "graph-b9", "graph-b5"])
-def test_golden(setup, mode):
+def wide_at(art, tokens: int, tmp: Path) -> Path:
+    """A copy of the artifact whose plan runs its wide program (the experts' grouped GEMMs) from
+    `tokens` decode tokens on: the test models' batches are far below a real wide_tokens."""
+    out = tmp / f"{Path(art).name}-wide{tokens}"
+    shutil.copytree(art, out)
+    plan = json.loads((out / "plan.json").read_text())
+    plan["wide_tokens"] = tokens
+    (out / "plan.json").write_text(json.dumps(plan))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["eager-b1", "graph-b9", "graph-b5", "graph-b9-wide"])
+def test_golden(setup, mode, tmp_path):
     name, d, art, seqs, want = setup
     graphs = mode.startswith("graph")
-    batch = {"eager-b1": 1, "graph-b9": 9, "graph-b5": 5}[mode]
+    batch = {"eager-b1": 1, "graph-b9": 9, "graph-b5": 5, "graph-b9-wide": 9}[mode]
+    if mode.endswith("-wide"):
+        if "wide" not in json.loads((Path(art) / "plan.json").read_text())["programs"]:
+            pytest.skip("no experts: the plan has no wide program")
+        art = wide_at(art, 4, tmp_path)          # buckets 4, 8, 16 capture the wide program
     with closing(CudaRunner(art, d, max_num_batched_tokens=16384, max_num_seqs=16, cuda_graphs=graphs,
                             buckets=[1, 2, 4, 8, 16], num_pages=2048)) as runner:
         got = run(runner, seqs, batch)
