@@ -448,7 +448,8 @@ class FakeComms:
     def comm(self, rank):
         return types.SimpleNamespace(world=self.world, rank=rank,
                                      all_gather=lambda *a: self.all_gather(rank, *a),
-                                     all_reduce=lambda *a: self.all_reduce(rank, *a))
+                                     all_reduce=lambda *a: self.all_reduce(rank, *a),
+                                     reduce_scatter=lambda *a: self.reduce_scatter(rank, *a))
 
     def all_gather(self, rank, send, recv, count, dtype, stream):
         nb = count * (2 if dtype == "bf16" else 4)
@@ -458,6 +459,17 @@ class FakeComms:
         for q in range(self.world):
             self.ctx._at(recv + q * nb, nb).copy_(self.slots[q])
         self.barrier.wait()
+
+    def reduce_scatter(self, rank, send, recv, count, dtype, stream):
+        """recv[:count] = the rank-ordered sum of every rank's block `rank` of send."""
+        self.calls.append(("reduce_scatter", rank, count))
+        self.slots[rank] = self.ctx.get(send, [self.world * count], dtype)
+        self.barrier.wait()
+        acc = np.array(self.slots[0][rank * count:(rank + 1) * count], np.float32)
+        for q in range(1, self.world):
+            acc += self.slots[q][rank * count:(rank + 1) * count]
+        self.barrier.wait()
+        self.ctx.put(recv, acc, dtype)
 
     def all_reduce(self, rank, send, recv, count, dtype, stream):
         self.calls.append(("all_reduce", rank, count))
@@ -470,15 +482,20 @@ class FakeComms:
         self.ctx.put(recv, acc, dtype)
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["all-reduce", "reduce-scatter"])
 @pytest.mark.parametrize("world,T", [(2, 7), (3, 7), (3, 2), (1, 5)])
-def test_nccl_collectives_pack_the_owners_rows(fake_device, world, T, rng):
+def test_nccl_collectives_pack_the_owners_rows(fake_device, world, T, split, rng):
     """NcclCollectives around a communicator: ep_dispatch's pack / all_gather / unpack gives the
     owners' rows (T not a multiple of the world, fewer tokens than ranks, one rank), all_gather
-    along axis 1 lands every rank's columns in place."""
+    along axis 1 lands every rank's columns in place; fp32 partials summed and rounded once, by
+    one all-reduce or (split: every size past rs_ag_bytes) by reduce-scatter + all-gather where
+    the ranks split T * H evenly (T * H = 280: two ranks and one, not three)."""
     C = fake_device.collectives
     ctx = FakeCtx(4 << 20)
     comms = FakeComms(ctx, world)
     colls = [C.NcclCollectives(comms.comm(r), ctx) for r in range(world)]
+    for c in colls:
+        c.rs_ag_bytes = 0 if split else c.rs_ag_bytes
     for cls in collective_launches(fake_device, ctx, world, T):
         ins = fill_inputs(ctx, rng, cls, T, world)
         fires = [c.bind(cl) for c, cl in zip(colls, cls)]
@@ -487,8 +504,11 @@ def test_nccl_collectives_pack_the_owners_rows(fake_device, world, T, rng):
     # ep_dispatch gathered ceil(T / world) rows of H per rank; all_reduce / ep_combine T * H
     m = -(-T // world)
     assert ("all_gather", 0, m * H) in comms.calls and ("all_reduce", 0, T * H) in comms.calls
-    # all_reduce, ep_combine and the fp32 partials (reduced in fp32, then rounded by the cast helper)
-    assert sum(c == ("all_reduce", 0, T * H) for c in comms.calls) == 3
+    # all_reduce, ep_combine and the fp32 partials (reduced in fp32, then rounded by the cast
+    # helper), or the partials by reduce-scatter
+    rs = split and (T * H) % world == 0
+    assert sum(c == ("all_reduce", 0, T * H) for c in comms.calls) == (2 if rs else 3)
+    assert (("reduce_scatter", 0, T * H // world) in comms.calls) == rs
 
 
 # -- the lockstep driver over whole rank plans -------------------------------------------------------

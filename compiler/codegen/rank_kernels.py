@@ -6,8 +6,9 @@ runtime's Collectives (runtime/cuda/collectives.py), which does some of it with 
 
     all_reduce, ep_combine   device_copy: rank_sum over the N ranks' buffers on one GPU (fp32,
                              rank order: the numpy reference's bits on every rank)
-                             cast: rank_sum of one buffer, where the partials are fp32 and the
-                             output bf16 (NCCL reduces in fp32 in place, this rounds once)
+                             cast: rank_sum of one flat buffer of T elements, where the
+                             partials are fp32 and the output bf16 (NCCL reduces in fp32, this
+                             rounds once: runtime/cuda/collectives.py)
                              p2p: peer_sum, the one-shot all-reduce over the ranks' mapped
                              regions (runtime/cuda/p2p.py), the same sum and bits
     ep_dispatch              device_copy: ep_dispatch reading each row from its owner rank's
@@ -52,8 +53,10 @@ def render_rank_kernels(plan: dict) -> dict[str, Kernel]:
                 helpers["p2p"] = _render(env, "peer_sum", ins[:1], outs[:1],
                                          {"world": world, "max_programs": P2P_MAX_PROGRAMS})
                 if ins[0]["dtype"] != outs[0]["dtype"]:
-                    # NCCL sums in the partials' dtype (fp32) in place; this rounds the sum once
-                    helpers["cast"] = _render(env, "rank_sum", ins[:1], outs[:1], {})
+                    # NCCL sums in the partials' dtype (fp32); this rounds the sum (or a rank's
+                    # share of it) once: flat, T elements, T any count
+                    flat = lambda t: {**t, "shape": ["T"]}  # noqa: E731
+                    helpers["cast"] = _render(env, "rank_sum", [flat(ins[0])], [flat(outs[0])], {})
             elif launch["op"] == "ep_dispatch":
                 for mode, sources in (("device_copy", world), ("nccl", 1)):
                     attrs = {"sources": sources, "world": world,
