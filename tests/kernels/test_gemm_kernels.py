@@ -262,6 +262,35 @@ def test_linear_act_mul_f32_partials(template, phase, T, tune):
     _act_mul_case(template, phase, T, 100, 72, tune, "silu", False, out_dtype="f32")
 
 
+@pytest.mark.parametrize("template", ["gemv", "gemv_act_mul"])
+@pytest.mark.parametrize("tune", [{}, {"FMA_T": 4, "BLOCK_N": 16, "BLOCK_K": 32, "FMA_BLOCK_K": 32, "SPLIT_K": 2}])
+def test_gemv_f32_partials_are_batch_invariant(template, tune):
+    """A row-parallel linear's fp32 partials (attrs out_dtype f32): a row's bits are the same
+    alone and in batches of any size (every row count takes the tensor-core path); a plain f32
+    GEMV (the CUDA-core path for few rows) need not be, which is why."""
+    gen = np.random.default_rng(5)
+    N, K = 96, 136
+    op = "linear_act_mul" if template == "gemv_act_mul" else "linear"
+    a = rand((40, 2 * K if op == "linear_act_mul" else K), gen=gen)
+    w = rand((N, K), gen=gen, scale=K ** -0.5)
+    attrs = {"has_bias": False, **({"fn": "silu"} if op == "linear_act_mul" else {})}
+    rows = {}
+    for partial in (True, False):
+        k = render(template, op, [("a", ["T", a.shape[1]], "bf16"), ("w", [N, K], "bf16", "weight")],
+                   [("y", ["T", N], "f32")], attrs={**attrs, **({"out_dtype": "f32"} if partial else {})},
+                   phase="decode", tune=tune)
+        for T in (1, 3, 17, 40):
+            y = poison((T, N), "f32")
+            run(k, {"in:0": a[:T].contiguous(), "in:1": w, "out:0": y}, {"T": T, "B": T})
+            want = REGISTRY[op].reference(None, f32(a[:T]), f32(w), **attrs)
+            assert rel_err(f32(y), want) <= TOL
+            rows[partial, T] = y[0].numpy().copy()
+    for T in (3, 17, 40):
+        assert np.array_equal(rows[True, T], rows[True, 1]), T
+    # the plain GEMV's single row (CUDA cores) and batched row (tensor cores) differ in low bits
+    assert not np.array_equal(rows[False, 17], rows[False, 1])
+
+
 @pytest.mark.parametrize("fn", ACTS)
 @pytest.mark.parametrize("shape,sym,block", [((1, 2), "T", None), ((3, 200), "T", None),
                                              ((2, 5200), "B", 1024), ((2, 3, 70), "T", 32)])
