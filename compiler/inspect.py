@@ -59,7 +59,7 @@ def _short(p) -> str:
 
 def routing_table(plan: dict, phases=None) -> list[str]:
     rows = Counter()
-    for phase in phases or list(plan["programs"]):
+    for phase in list(plan["programs"]) if phases is None else phases:
         for l, mult in launches(plan["programs"][phase]):
             key = ("+".join(l["fuses"]) or "-", l["pass"], l["op"], phase, f"{l['backend']}:{l['kernel']}")
             rows[key] += mult
@@ -99,7 +99,7 @@ def to_dot(plan: dict, phase: str = "decode") -> str:
 def collectives(plan: dict, phases=None) -> list[str]:
     """The launches that move data between ranks, per phase (with --tensor-parallel-size)."""
     out = []
-    for phase in phases or list(plan["programs"]):
+    for phase in list(plan["programs"]) if phases is None else phases:
         rows = Counter()
         for l, mult in launches(plan["programs"][phase]):
             if l["backend"] == "nccl":
@@ -144,7 +144,12 @@ def _inspect_one(model, spec_path, model_dir, dot, phases, spec_dirs, parallel=N
     out += ["", "== graph after fusion"] + snapshots[list(snapshots)[-1]]
     a = plan["arena"]
     out += ["", f"== memory: arena = {a['bytes_per_token']}*T + {a['bytes_per_seq']}*B + {a['bytes']} bytes"]
-    for phase in phases or list(plan["programs"]):
+    absent = [p for p in phases or [] if p not in plan["programs"]]
+    for p in absent:          # "wide" and "short" exist only where they run differently
+        out += ["", f"== launches: {p}  (none: this plan has no {p} program; its steps run "
+                    f"{'decode' if p == 'wide' else 'mixed / prefill'})"]
+    phases = [p for p in phases if p in plan["programs"]] if phases else list(plan["programs"])
+    for phase in phases:
         total, per_layer = count_launches(plan["programs"][phase])
         out += ["", f"== launches: {phase}  ({per_layer} per layer, {total} per step)"]
         out += _launch_table(plan["programs"][phase], bin_dir)

@@ -120,8 +120,8 @@ def parser() -> argparse.ArgumentParser:
     add_spec_dir_arg(i)
     i.add_argument("--model-path")
     i.add_argument("--dot", help="write the fused graph as Graphviz DOT to this file")
-    i.add_argument("--phase", action="append", choices=["prefill", "decode", "mixed", "short"],
-                   help="phases to list launches for (default: all)")
+    i.add_argument("--phase", action="append", choices=["prefill", "decode", "mixed", "short", "wide"],
+                   help="phases to list launches for (default: all; wide: models with experts)")
     _add_parallel_args(i)
     i.add_argument("--rank", type=int, help="with --tensor-parallel-size: show only this rank")
     i.set_defaults(fn=_inspect)

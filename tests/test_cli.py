@@ -54,6 +54,19 @@ def test_inspect_decode_launches_per_layer(capsys):
     assert re.search(r"launches: decode\s+\(8 per layer", out), out
 
 
+def test_inspect_wide_phase(capsys):
+    """The wide program (decode steps of many sequences in a model with experts) is listed like
+    any phase; a plan without one says so instead of failing."""
+    assert main(["inspect", "qwen3-30b-a3b", "--phase", "wide"]) == 0
+    out = capsys.readouterr().out
+    assert "== launches: wide  (10 per layer" in out and "triton:moe_gate_up_grouped" in out
+    assert "== launches: decode" not in out
+    assert main(["inspect", "qwen3-4b", "--phase", "wide"]) == 0
+    out = capsys.readouterr().out
+    assert "== launches: wide  (none: this plan has no wide program" in out
+    assert "triton:gemv" not in out                  # no other phase's routing rows either
+
+
 def test_inspect_writes_dot(tmp_path, capsys):
     dot = tmp_path / "f.dot"
     assert main(["inspect", "qwen3-4b", "--dot", str(dot)]) == 0
