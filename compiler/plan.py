@@ -22,7 +22,7 @@ import json
 from .ir import Graph
 from .ops import REGISTRY
 from .passes.plan_memory import DTYPE_BYTES
-from .passes.select_kernels import SHORT_TOKENS
+from .passes.select_kernels import SHORT_TOKENS, wide_tokens
 
 SCHEMA = "infc.plan/2"
 MARKER = "cache"      # the value that orders a cache write before its reads: no buffer
@@ -181,7 +181,7 @@ def emit_plan(state) -> dict:
         "buffers": buffers,
         "programs": {phase: _launches(state, g, phase) for phase in state.kernels},
         **({"short_tokens": SHORT_TOKENS} if "short" in state.kernels else {}),
-        **({"wide_tokens": state.wide_tokens} if "wide" in state.kernels else {}),
+        **({"wide_tokens": wide_tokens(state)} if "wide" in state.kernels else {}),
     }
 
 

@@ -19,7 +19,6 @@ class CompileState:
     memory: dict | None = None       # set by plan_memory
     kernels: dict = field(default_factory=dict)    # phase -> node id -> (backend, template)
     parallel: dict | None = None     # {"world", "rank", "tp", "ep"}: this plan is rank r's share
-    wide_tokens: int | None = None   # set by select_kernels where the plan has a wide program
 
     def note(self, pass_name: str, msg: str):
         self.log.append((pass_name, msg))

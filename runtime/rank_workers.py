@@ -431,7 +431,6 @@ class MultiProcessRunner:
         for r, p in self.procs.items():
             if p.exitcode is None and select.select([p.sentinel], [], [], 0)[0]:
                 p.join(5)                # exited (its pipes closed); a GPU process takes a while to be reaped
-
             said = self._said.get(r, "").strip().splitlines()[-1:]
             said = said[0] if said else ""
             s = self.step_socks.get(r)

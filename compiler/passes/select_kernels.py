@@ -54,8 +54,6 @@ def select_kernels(state):
         state.kernels[phase] = table
     if state.kernels["wide"] == state.kernels["decode"]:
         del state.kernels["wide"]                 # nothing runs differently: no program of its own
-    else:
-        state.wide_tokens = wide_tokens(state)
     state.note("select_kernels", ", ".join(f"{p}: {len(t)} launches" for p, t in state.kernels.items()))
 
 

@@ -260,7 +260,7 @@ def _merge_reductions(state, g):
                                      for p in ps):
             continue
         n.inputs = [p.inputs[0] for p in ps]
-        dtype = g.values[n.outputs[0]].type.dtype
+        dtype = ps[0].attrs["dtype"]          # the reduced sum's (its value is not typed yet)
         for p in ps:
             g.remove_node(p.id)
         _insert_after(g, n, "all_reduce", {"dtype": dtype}, "reduced")
