@@ -1,13 +1,15 @@
-"""Issue 11, MoE prefill: the grouped expert GEMMs (moe_gate_up_grouped, moe_down_grouped) at
-qwen3-30b-a3b's shapes (H=2048, 128 experts, top-8, F=768, bf16), timed on the GPU from cubins
-built here, against the op references.
+"""Issue 11, MoE prefill and decode: the expert kernels at qwen3-30b-a3b's shapes (H=2048, 128
+experts, top-8, F=768, bf16), timed on the GPU from cubins built here, against the op references:
+in prefill the grouped GEMMs (moe_gate_up_grouped, moe_down_grouped), in decode (--phase decode)
+the per-expert GEMVs (moe_gate_up, moe_down).
 
 Two halves, as `infc tune`: cubins are compiled here (no GPU), timed there (no compiler, no torch:
 cuda-python + numpy, launched as runtime/cuda launches them: META params bound by bind.Resolver,
 packed once, cuLaunchKernel, CUDA Graphs for timing as runtime/cuda/tune_run.py does).
 
-    here:  python bench/experiments/moe_grouped.py prep      # -> .cache/bench/moe_grouped/
-    GPU:   python3 bench/experiments/moe_grouped.py run --out OUT_DIR   (carry .cache/bench/moe_grouped)
+    here:  python bench/experiments/moe_grouped.py prep [--phase decode]   # -> .cache/bench/moe_<phase>/
+    GPU:   python3 bench/experiments/moe_grouped.py run --dir .cache/bench/moe_<phase> --out OUT_DIR
+           (carry .cache/bench/moe_<phase>)
 
 prep renders, from the qwen3-30b-a3b plan's first prefill launches of moe_route_align,
 moe_gate_up and moe_down (with the h100 tuning table, so "default" is exactly the kernel
@@ -23,6 +25,12 @@ and % of the 989 TFLOP/s bf16 dense peak on the active FLOPs (2 T k H 2F for gat
 for down: the tokens' chosen experts only, no padding), the weight-streaming floor (weight bytes /
 copy bandwidth measured in the same run), and the whole MoE block (route+align, gate_up, down in
 one graph). Results: OUT_DIR/exp-moe-grouped-qwen3-30b-a3b-<gpu>.json.
+
+Decode (--phase decode, default --tokens 1,4,16,64): the same from the decode program's launches
+(moe_route without the grouping, the per-expert GEMVs), every pass on other token rows (PASSES
+sets of random logits, so the chosen experts' weights are not L2-resident from the pass
+before, as in a model where each layer has its own experts), and the floor is the bytes of the
+experts the pass chose over the copy bandwidth: the % printed is of that floor, not of peak.
 """
 import argparse
 import importlib.util
@@ -40,7 +48,29 @@ PAGE = 16
 PEAK = 989e12                     # H100 SXM dense bf16 (no sparsity), FLOP/s
 BASELINE = "dc4f1a2"              # the grouped templates before the rewrite (issue 11's first MoE kernels)
 OPS = ("moe_route_align", "moe_gate_up", "moe_down")
+PASSES = {"prefill": 1, "decode": 16}   # token-row sets cycled through when timing (see above)
 # tile variants timed beside the default (tune keys the templates read)
+DECODE_VARIANTS = {
+    "moe_gate_up": [
+        ("tensor_cores", {"FMA_T": 0}),
+        ("tc_k128", {"FMA_T": 0, "BLOCK_K": 128}),
+        ("tc_f32_k128", {"FMA_T": 0, "BLOCK_F": 32, "BLOCK_K": 128}),
+        ("tc_stages2", {"FMA_T": 0, "num_stages": 2}),
+        ("f32", {"BLOCK_F": 32}),
+        ("warps8", {"num_warps": 8}),
+        ("k512", {"FMA_BLOCK_K": 512}),
+        ("stages1", {"num_stages": 1}),
+    ],
+    "moe_down": [
+        ("tensor_cores", {"FMA_T": 0}),
+        ("tc_h32", {"FMA_T": 0, "BLOCK_H": 32}),
+        ("tc_k128", {"FMA_T": 0, "BLOCK_K": 128}),
+        ("h32", {"BLOCK_H": 32}),
+        ("h32_w4", {"BLOCK_H": 32, "num_warps": 4}),
+        ("k256", {"FMA_BLOCK_K": 256}),
+        ("stages1", {"num_stages": 1}),
+    ],
+}
 VARIANTS = {
     "moe_gate_up": [
         ("dots2", {"PAIR": 0}),
@@ -109,7 +139,7 @@ def _git_env(commit: str):
     return env
 
 
-def prep(out: Path, gpu: str, baseline: str | None, jobs: int | None):
+def prep(out: Path, gpu: str, baseline: str | None, jobs: int | None, phase: str = "prefill"):
     from infc.compiler.build import compile_model, load_tuning
     from infc.compiler.codegen.aot import compile_kernels
     from infc.compiler.codegen.render import EXT, launch_context, render_plan, render_template
@@ -120,18 +150,19 @@ def prep(out: Path, gpu: str, baseline: str | None, jobs: int | None):
     table = load_tuning(gpu)
     render_plan(plan, table, PAGE)               # launch["kernel_id"]: what `infc build` makes
     found = {}
-    for launch, _ in launches(plan["programs"]["prefill"]):
+    for launch, _ in launches(plan["programs"][phase]):
         if launch["op"] in OPS and launch["op"] not in found:
             found[launch["op"]] = launch
     missing = [op for op in OPS if op not in found]
     if missing:
-        raise SystemExit(f"{MODEL}'s prefill program has no launch of {missing}")
+        raise SystemExit(f"{MODEL}'s {phase} program has no launch of {missing}")
     benv = _git_env(baseline) if baseline else None
+    variants_of = DECODE_VARIANTS if phase == "decode" else VARIANTS
     kernels, ops = {}, {}
     for op, launch in found.items():
-        ctx = launch_context(plan, launch, "prefill", table, PAGE)
+        ctx = launch_context(plan, launch, phase, table, PAGE)
         variants = []
-        for name, tune in [("default", {})] + VARIANTS.get(op, []):
+        for name, tune in [("default", {})] + variants_of.get(op, []):
             k = render_template("triton", launch["kernel"], dict(ctx, tune={**ctx["tune"], **tune}))
             if name == "default":
                 assert k.id == launch["kernel_id"], (op, k.id, launch["kernel_id"])
@@ -151,11 +182,11 @@ def prep(out: Path, gpu: str, baseline: str | None, jobs: int | None):
     (out / "kernels").mkdir(parents=True, exist_ok=True)
     for kid, k in kernels.items():
         (out / "kernels" / f"{kid}{EXT[k.backend]}").write_text(k.source)
-    print(f"[moe_grouped] {len(kernels)} kernels rendered; compiling for sm_90 ...", flush=True)
+    print(f"[moe_grouped] {phase}: {len(kernels)} kernels rendered; compiling for sm_90 ...", flush=True)
     compile_kernels(kernels, out / "bin", "sm_90", jobs)
     c = plan["config"]
     from infc.bench.common import commit
-    manifest = {"model": MODEL, "table": gpu, "commit": commit(), "baseline": baseline,
+    manifest = {"model": MODEL, "table": gpu, "commit": commit(), "baseline": baseline, "phase": phase,
                 "config": {"H": c["H"], "F": c["Fe"], "E": c["E"], "K": c["K"]}, "ops": ops}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     for op, o in ops.items():
@@ -235,24 +266,29 @@ class Bench:
                  "act": tmax * K * F * 2, "y": tmax * H * 2}
         self.ptr = {n: ctx.alloc(b) for n, b in sizes.items()}
         self.nbytes = sizes
+        # bytes a token row takes in each per-token tensor (a pass over other rows binds them shifted)
+        self.row_bytes = {"logits": E * 2, "topw": K * 4, "topi": K * 4, "x": H * 2, "act": K * F * 2, "y": H * 2}
+        self.decode = man.get("phase", "prefill") == "decode"
         for n, host in (("w_gu", self.w_gu), ("w_down", self.w_down), ("x", self.x), ("logits", self.logits)):
             ctx.htod(self.ptr[n], host)
             ctx.sync()
         print(f"[moe_grouped] data made and copied in {time.perf_counter() - t0:.1f} s", flush=True)
 
     # binding and launching, as the runtime does
-    def bind(self, kern: Kern, T: int):
+    def bind(self, kern: Kern, T: int, row0: int = 0):
+        """A launch of `kern` over token rows row0 .. row0 + T - 1 (decode steps have B = T)."""
         from infc.runtime.bind import Resolver, grid, scratch_sizes
         op = next(o for o, ks in self.kern.items() if kern in ks)
         ins, outs = ROLES[op]
+        dims = {"T": T, "B": T if self.decode else 1}
         scratch = {}
-        for name, nbytes in scratch_sizes(kern.meta, {"T": T, "B": 1}).items():
+        for name, nbytes in scratch_sizes(kern.meta, dims).items():
             scratch[name] = (self.ctx.alloc(max(nbytes, 4)), max(nbytes, 4))
             self.ctx.memset(scratch[name][0], scratch[name][1], 0)
-        res = Resolver(tensor=lambda n, layer: self.ptr[n], scratch=lambda k, n: scratch[n][0],
-                       dim={"T": T, "B": 1}.__getitem__)
+        res = Resolver(tensor=lambda n, layer: self.ptr[n] + row0 * self.row_bytes.get(n, 0),
+                       scratch=lambda k, n: scratch[n][0], dim=dims.__getitem__)
         args = self.drv.PackedArgs(*kern.k.arg_lists(res.values(kern.meta, ins, outs, kernel=kern.k.id)))
-        g = grid(kern.meta, {"T": T, "B": 1})
+        g = grid(kern.meta, dims)
 
         def launch():
             self.drv.launch(self.ctx, kern.fn, g, kern.k.block, kern.k.shared, args)
@@ -324,7 +360,9 @@ def run(d: Path, tokens, out: Path | None, reps: int, subset: int, seed: int, dr
     except ZeroDivisionError:            # a stand-in driver whose copies take no time
         bw = float("nan")
     print(f"[moe_grouped] copy bandwidth {bw / 1e12:.2f} TB/s (read + write)", flush=True)
-    b = Bench(drv, ctx, d, man, max(tokens), seed)
+    phase = man.get("phase", "prefill")
+    decode, P = phase == "decode", PASSES[man.get("phase", "prefill")]
+    b = Bench(drv, ctx, d, man, max(tokens) * P, seed)
     H, F, E, K = b.H, b.F, b.E, b.K
     for op, ks in b.kern.items():
         for k in ks:
@@ -347,8 +385,10 @@ def run(d: Path, tokens, out: Path | None, reps: int, subset: int, seed: int, dr
         fl_gu, fl_down = 2.0 * T * K * H * 2 * F, 2.0 * T * K * F * H
         # route + align: the plan's kernel, checked against the reference
         route = b.kern["moe_route_align"][0]
-        rl = b.bind(route, T)
-        rl()
+        rls = [b.bind(route, T, i * T) for i in range(P)]
+        rl = rls[0]
+        for f in rls:
+            f()
         ctx.sync()
         if not b.counters_zero(rl):
             fail(f"T={T} moe_route_align left its counters non-zero")
@@ -362,17 +402,26 @@ def run(d: Path, tokens, out: Path | None, reps: int, subset: int, seed: int, dr
             fail(f"T={T} route ids differ from the reference in {int((ids != ids_ref).any(1).sum())} rows")
         if not np.allclose(w, w_ref, rtol=1e-5, atol=1e-7):
             fail(f"T={T} route weights differ from the reference")
-        if not np.array_equal(counts, counts_ref) or any(
-                sorted(rows[e, :counts[e]].tolist()) != rows_ref[e, :counts_ref[e]].tolist() for e in range(E)):
+        if not decode and (not np.array_equal(counts, counts_ref) or any(
+                sorted(rows[e, :counts[e]].tolist()) != rows_ref[e, :counts_ref[e]].tolist() for e in range(E))):
             fail(f"T={T} moe_align grouping differs from the reference")
-        route_us = b.time([rl], reps)
+        route_us = b.time(rls, reps) / P
+        for f in rls[1:]:
+            b.free_scratch(f)
+        if decode:      # the experts each pass chose: what its expert kernels must read
+            ids_all = b.read("topi", (P * T * K,), np.int32)[: P * T * K].reshape(P, T, K)
+            distinct = float(np.mean([len(np.unique(i[i >= 0])) for i in ids_all]))
+            counts = np.bincount(ids[ids >= 0], minlength=E)
         print(f"  moe_route_align  {route_us:9.1f} us   (experts: {int(counts.min())}..{int(counts.max())} "
-              f"tokens, mean {counts.mean():.0f})", flush=True)
+              f"tokens, mean {counts.mean():.0f}" + (f"; {distinct:.1f} distinct a pass)" if decode else ")"),
+              flush=True)
         res["runs"].append({"T": T, "op": "moe_route_align", "variant": "default", "us": route_us,
                             "counts_min": int(counts.min()), "counts_max": int(counts.max())})
         x32 = from_bf16(b.x[sub])
         act_ref = ref.gate_up(None, x32, ids[sub], gu_w)
         floors = {"moe_gate_up": b.w_gu.nbytes / (bw / 2), "moe_down": b.w_down.nbytes / (bw / 2)}
+        if decode:      # the chosen experts' bytes at the copy bandwidth, as bench latency's floor
+            floors = {op: distinct * w.nbytes / E / bw for op, w in (("moe_gate_up", b.w_gu), ("moe_down", b.w_down))}
         best = {}
         act_default, y_ref = None, None
         for op, flops in (("moe_gate_up", fl_gu), ("moe_down", fl_down)):
@@ -413,11 +462,15 @@ def run(d: Path, tokens, out: Path | None, reps: int, subset: int, seed: int, dr
                 if err > 1e-2:
                     fail(f"{tag}: rel. L2 error {err:.2e} against the reference (> 1e-2)")
                     ok = False
-                us = b.time([lf], reps)
-                if op == "moe_down" and not b.counters_zero(lf):
+                if op == "moe_down" and decode and k is b.kern[op][0]:
+                    _gate_up_passes(b, T, P)     # the other passes' act rows, for their down launches
+                timed = [lf] + [b.bind(k, T, i * T) for i in range(1, P)]
+                us = b.time(timed, reps) / P
+                if op == "moe_down" and not all(b.counters_zero(f) for f in timed):
                     fail(f"{tag}: counters non-zero after timing")
                     ok = False
-                b.free_scratch(lf)
+                for f in timed:
+                    b.free_scratch(f)
                 pct = flops / (us * 1e-6) / PEAK * 100
                 floor_pct = floors[op] * 1e6 / us * 100
                 print(f"  {op:<16} {k.name:<20} {us:9.1f} us  {flops / us / 1e6:6.0f} TFLOP/s  {pct:5.1f} % of peak"
@@ -425,49 +478,68 @@ def run(d: Path, tokens, out: Path | None, reps: int, subset: int, seed: int, dr
                       flush=True)
                 res["runs"].append({"T": T, "op": op, "variant": k.name, "kernel": k.v["kernel"], "tune": k.v["tune"],
                                     "us": us, "tflops": flops / us / 1e6, "pct_peak": pct, "rel_err": err,
+                                    "pct_floor": floor_pct,
                                     "weight_floor_us": floors[op] * 1e6, "ok": ok, "regs": k.regs,
                                     "ctas_per_sm": k.blocks_per_sm})
                 if ok and not k.name.startswith("before") and (op not in best or us < best[op][1]):
                     best[op] = (k, us)
         # the whole MoE block in one graph: default kernels, then the best variants
         for label, pick in (("default", lambda op: b.kern[op][0]), ("best", lambda op: best.get(op, (b.kern[op][0],))[0])):
-            ls = [b.bind(b.kern["moe_route_align"][0], T), b.bind(pick("moe_gate_up"), T), b.bind(pick("moe_down"), T)]
-            us = b.time(ls, reps)
+            ls = [b.bind(kern, T, i * T) for i in range(P)
+                  for kern in (b.kern["moe_route_align"][0], pick("moe_gate_up"), pick("moe_down"))]
+            us = b.time(ls, reps) / P
             for lf in ls:
                 b.free_scratch(lf)
             pct = (fl_gu + fl_down) / (us * 1e-6) / PEAK * 100
+            floor_pct = (floors["moe_gate_up"] + floors["moe_down"]) * 1e6 / us * 100
             names = f"{pick('moe_gate_up').name} + {pick('moe_down').name}"
-            print(f"  MoE block ({label}: route_align + {names}) {us:9.1f} us  {pct:5.1f} % of peak", flush=True)
+            print(f"  MoE block ({label}: route_align + {names}) {us:9.1f} us  {pct:5.1f} % of peak  "
+                  f"{floor_pct:5.1f} % of the weight floor", flush=True)
             res["runs"].append({"T": T, "op": "moe_block", "variant": label, "kernels": names, "us": us,
-                                "pct_peak": pct})
-    print("\n[moe_grouped] summary: % of bf16 peak on the active FLOPs (us)")
+                                "pct_peak": pct, "pct_floor": floor_pct})
+    metric = "pct_floor" if decode else "pct_peak"
+    print("\n[moe_grouped] summary: % of " + ("the chosen experts' weight floor" if decode else
+                                           "bf16 peak on the active FLOPs") + " (us)")
     print(f"  {'T':>6}  {'gate_up':>16}  {'down':>16}  {'MoE block':>16}  {'best block':>16}  {'before: gate_up, down':>24}")
     for T in tokens:
         def cell(op, variant):
             r = next((r for r in res["runs"] if r["T"] == T and r["op"] == op and r["variant"] == variant), None)
-            return f"{r['pct_peak']:5.1f} ({r['us']:7.1f})" if r else "-"
+            return f"{r[metric]:5.1f} ({r['us']:7.1f})" if r else "-"
         before = f"before@{man['baseline']}"
         print(f"  {T:>6}  {cell('moe_gate_up', 'default'):>16}  {cell('moe_down', 'default'):>16}  "
               f"{cell('moe_block', 'default'):>16}  {cell('moe_block', 'best'):>16}  "
               f"{cell('moe_gate_up', before) + ', ' + cell('moe_down', before):>24}")
     if out:
-        path = save("exp-moe-grouped", res, out)
+        res["phase"] = phase
+        path = save("exp-moe-grouped" if not decode else "exp-moe-decode", res, out)
         print(f"\n[moe_grouped] wrote {path}")
     print(f"[moe_grouped] {'all checks passed' if not fails else str(len(fails)) + ' FAILURES'}")
     return 1 if fails else 0
+
+
+def _gate_up_passes(b, T: int, P: int):
+    """Run the default moe_gate_up over every pass's rows, so each pass's moe_down reads real act."""
+    ls = [b.bind(b.kern["moe_gate_up"][0], T, i * T) for i in range(P)]
+    for f in ls:
+        f()
+    b.ctx.sync()
+    for f in ls:
+        b.free_scratch(f)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prep", help="render + compile the kernels (here, no GPU)")
-    p.add_argument("--out", default=str(REPO / ".cache" / "bench" / "moe_grouped"))
+    p.add_argument("--phase", default="prefill", choices=["prefill", "decode"])
+    p.add_argument("--out", help="default .cache/bench/moe_grouped (prefill), .cache/bench/moe_decode (decode)")
     p.add_argument("--gpu", default="h100", help="tuning table the defaults are rendered with")
-    p.add_argument("--baseline", default=BASELINE, help="commit whose templates are timed beside ('' for none)")
+    p.add_argument("--baseline", default=BASELINE,
+                   help="commit whose templates are timed beside ('' for none; prefill only)")
     p.add_argument("--jobs", type=int, default=None)
     r = sub.add_parser("run", help="check and time on the GPU")
     r.add_argument("--dir", default=str(REPO / ".cache" / "bench" / "moe_grouped"))
-    r.add_argument("--tokens", default="1024,4096,8192")
+    r.add_argument("--tokens", help="default 1024,4096,8192 (prefill), 1,4,16,64 (decode)")
     r.add_argument("--out", default=None, help="folder for the results json")
     r.add_argument("--reps", type=int, default=20)
     r.add_argument("--subset", type=int, default=96, help="tokens checked against the numpy reference")
@@ -475,9 +547,12 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.cmd == "prep":
         _import_infc()
-        prep(Path(a.out), a.gpu, a.baseline or None, a.jobs)
+        out = a.out or str(REPO / ".cache" / "bench" / ("moe_decode" if a.phase == "decode" else "moe_grouped"))
+        prep(Path(out), a.gpu, (a.baseline or None) if a.phase == "prefill" else None, a.jobs, a.phase)
         return 0
-    return run(Path(a.dir), [int(t) for t in a.tokens.split(",")], Path(a.out) if a.out else None,
+    phase = json.loads((Path(a.dir) / "manifest.json").read_text()).get("phase", "prefill")
+    tokens = a.tokens or ("1,4,16,64" if phase == "decode" else "1024,4096,8192")
+    return run(Path(a.dir), [int(t) for t in tokens.split(",")], Path(a.out) if a.out else None,
                a.reps, a.subset, a.seed)
 
 

@@ -66,11 +66,14 @@ def zero_counters(scratch):
 
 
 # (T, KT, ep, tune): T=1 and few tokens take the CUDA-core path, 37 tokens over 10 experts the
-# tensor-core path (several BLOCK_T groups per expert); FMA_T=2 mixes both in one launch.
+# tensor-core path (several BLOCK_T groups per expert); FMA_T=2 mixes both in one launch; FMA_T=0
+# puts every token count, batch 1 included, on tensor cores.
 DECODE = [
     (1, 1, False, {}),
     (1, 8, False, {}),
     (1, 8, True, {}),
+    (1, 8, True, {"FMA_T": 0}),
+    (3, 8, "dup", {"FMA_T": 0, "TC": 16}),
     (3, 2, False, {}),
     (3, 2, False, {"FMA_T": 2}),
     (3, 8, True, {"TC": 16}),
