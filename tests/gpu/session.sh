@@ -34,7 +34,7 @@
 # TWOGPU_SKIP_ONE=1 runs only the two-rank side; TWOGPU_NCCL_ONLY=1 runs the two ranks again with
 # INFC_P2P=0, NCCL for every collective, into bench/nccl-only; TWOGPU_SERVER_RUNS="dir:TP:EP ..."
 # the server runs); twogpu-allreduce one all-reduce's time, NCCL against peer_sum, over message sizes
-# (bench/allreduce.py). p2p: peer_sum, the one-shot all-reduce, with two ranks on this one GPU
+# (bench/allreduce.py); twogpu-nccl-env the same over NCCL settings (NCCL_ENVS). p2p: peer_sum, the one-shot all-reduce, with two ranks on this one GPU
 # (tests/gpu/test_peer_sum_gpu.py, after prepare.py ranks).
 # INFC_GPU_FAMILIES=a,b|all|none picks the families (default: gpu_families.DEFAULT; prepare.py must
 # have built the same ones).
@@ -176,6 +176,19 @@ for _ in range(600):
       python3 tests/gpu/rerender.py .cache/artifacts/qwen3-4b-tp2 2>&1 | tail -2
       timeout ${ALLREDUCE_S:-200} python3 -m infc.cli bench allreduce --artifact .cache/artifacts/qwen3-4b-tp2 \
         --out "$OUT/bench" 2>&1 | quiet | tee "$OUT/allreduce.log" | tail -16 ;;
+    twogpu-nccl-env)
+      # NCCL settings swept through `bench allreduce` at the sizes of prefill steps (issue 14: the
+      # mixed steps' all-reduces): each entry of NCCL_ENVS is a comma-separated VAR=VALUE list
+      # ("default": none), results into bench/nccl-env/<entry>/
+      python3 tests/gpu/rerender.py .cache/artifacts/qwen3-4b-tp2 2>&1 | tail -2
+      for entry in ${NCCL_ENVS:-default NCCL_MIN_NCHANNELS=32 NCCL_PROTO=Simple NCCL_MIN_NCHANNELS=32,NCCL_PROTO=Simple NCCL_BUFFSIZE=16777216}; do
+        say "allreduce with $entry"
+        envs=(); [ "$entry" != default ] && IFS=, read -ra envs <<< "$entry"
+        mkdir -p "$OUT/bench/nccl-env/$entry"
+        env "${envs[@]}" timeout ${ALLREDUCE_S:-120} python3 -m infc.cli bench allreduce --artifact .cache/artifacts/qwen3-4b-tp2 \
+          --rows ${ALLREDUCE_ROWS:-64,256,1024,4096,8192} --out "$OUT/bench/nccl-env/$entry" 2>&1 | quiet \
+          | tee "$OUT/bench/nccl-env/$entry/allreduce.log" | tail -7
+      done ;;
     twogpu-server)
       runs=${TWOGPU_SERVER_RUNS:-qwen3-4b:2:0 ranks-qwen3-30b-a3b-l4:2:1}     # model dir:TP:EP
       for run in $runs; do
