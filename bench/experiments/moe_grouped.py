@@ -361,7 +361,7 @@ def run(d: Path, tokens, out: Path | None, reps: int, subset: int, seed: int, dr
         bw = float("nan")
     print(f"[moe_grouped] copy bandwidth {bw / 1e12:.2f} TB/s (read + write)", flush=True)
     phase = man.get("phase", "prefill")
-    decode, P = phase == "decode", PASSES[man.get("phase", "prefill")]
+    decode, P = phase == "decode", PASSES[phase]
     b = Bench(drv, ctx, d, man, max(tokens) * P, seed)
     H, F, E, K = b.H, b.F, b.E, b.K
     for op, ks in b.kern.items():
