@@ -133,15 +133,17 @@ def main(argv=None):
                      gpu_memory_utilization=a.gpu_memory_utilization, asynchronous=False,
                      load_format=a.load_format, tensor_parallel_size=a.tensor_parallel_size,
                      enable_expert_parallel=a.enable_expert_parallel)
+    from infc.runtime.gc_freeze import freeze_startup
+    frozen = freeze_startup()                       # as `infc serve` does once it is loaded
     try:
-        return _sweep(a, b, conc, par, parallel_tag(par))
+        return _sweep(a, b, conc, par, parallel_tag(par), frozen)
     finally:
         close = getattr(b.engine.runner, "close", None)
         if par is not None and close is not None:
             close()                                 # stop the rank processes
 
 
-def _sweep(a, b, conc, par, tag):
+def _sweep(a, b, conc, par, tag, gc_frozen: bool = False):
     from infc.runtime import caches
     from .common import copy_bandwidth, header, save
     from .latency import parallel_fields
@@ -154,7 +156,8 @@ def _sweep(a, b, conc, par, tag):
     res.update(parallel_fields(par, runner))
     res.update({"input_len": a.input_len, "output_len": a.output_len, "copy_GBps": bw / 1e9,
                 "load_format": a.load_format, "max_num_batched_tokens": a.max_num_batched_tokens,
-                "weight_bytes": runner.weights.bytes, "kv_tokens": b.kv_tokens, "points": []})
+                "weight_bytes": runner.weights.bytes, "kv_tokens": b.kv_tokens, "gc_frozen": gc_frozen,
+                "points": []})
     rng = np.random.default_rng(0)
     run_point(engine, b.vocab_size, 2, 64, 8, rng, total=2)          # warm-up, not recorded
     for c in conc:

@@ -40,6 +40,7 @@ import traceback
 import numpy as np
 
 from . import step_channel as ch
+from .gc_freeze import freeze_startup
 
 
 class RankError(RuntimeError):
@@ -147,6 +148,7 @@ def worker_main(host: str, port: int, token: str, rank: int, world: int, factory
     stopped = False                    # a STOP from rank 0: every rank closes together
     try:
         runner = _load(factory)(rank, world, json.loads(config), link)
+        freeze_startup()                # its steps' collections skip what loading made
         ch.send_frame(step, ch.encode(ch.ACK, [("step", -1)] + _shape_of(runner)), "rank 0")
         while True:
             try:

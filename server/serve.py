@@ -23,6 +23,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from .app import ServerState, make_app
 from .args import backend_kwargs, config_from_args
 from infc.backend import load_backend
+from infc.runtime.gc_freeze import freeze_startup
 
 DEAD_GRACE_S = 2.0       # /health and in-flight requests see the 503 before the port closes
 
@@ -86,6 +87,7 @@ def serve_main(args):
                 time.sleep(0.01)          # the port opens first: /health says 503 meanwhile
             state.attach(load_backend(args.model_path, log=lambda s: print(s, flush=True),
                                       **backend_kwargs(args)))
+            freeze_startup()              # the steps' collections then skip what loading made
             names = ", ".join(config.served_model_names)
             print(f"serving {names} at http://{args.host}:{server.servers[0].sockets[0].getsockname()[1]}",
                   flush=True)
