@@ -1,6 +1,7 @@
 """One step's metadata, built from the sequences' chunks: what every kernel reads besides
 activations (see `step_metadata` in the plan and codegen_templates/KERNELS.md)."""
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
@@ -40,27 +41,37 @@ def phase_of(chunks: list[Chunk]) -> str:
 def build_step(chunks: list[Chunk], pages_of, page_size: int, max_pages: int | None = None,
                slot_of=None) -> StepMeta:
     """pages_of(seq_id) -> the sequence's page list, already covering start + len(tokens);
-    slot_of(seq_id) -> its state slot (plans with slot caches; None: every row slot 0)."""
-    tokens, positions, starts, ctx, last, slots = [], [], [0], [], [], []
-    tables = []
-    for c in chunks:
-        pages = pages_of(c.seq_id)
-        n = len(c.tokens)
-        end = c.start + n
-        if len(pages) * page_size < end:
-            raise ValueError(f"sequence {c.seq_id}: {len(pages)} pages cannot hold {end} tokens")
-        tokens += c.tokens
-        positions += range(c.start, end)
-        slots += [pages[p // page_size] * page_size + p % page_size for p in range(c.start, end)]
-        starts.append(starts[-1] + n)
-        ctx.append(end)
-        last.append(starts[-1] - 1)
-        tables.append(pages)
-    width = max_pages or max(len(t) for t in tables)
-    bt = np.zeros((len(chunks), width), np.int32)
-    for i, t in enumerate(tables):
-        bt[i, : len(t)] = t
+    slot_of(seq_id) -> its state slot (plans with slot caches; None: every row slot 0).
+
+    The per-token arrays are computed by numpy from the block tables, so the host's work per step
+    is one pass over the chunks, not over their tokens or pages (a 256-sequence decode step and an
+    8k-token prefill chunk cost the same few Python loops)."""
+    B = len(chunks)
+    tables = [pages_of(c.seq_id) for c in chunks]
+    lens = np.fromiter((len(c.tokens) for c in chunks), np.int64, B)
+    begins = np.fromiter((c.start for c in chunks), np.int64, B)
+    npages = np.fromiter((len(t) for t in tables), np.int64, B)
+    ends = begins + lens
+    short = np.flatnonzero(npages * page_size < ends)
+    if short.size:
+        i = int(short[0])
+        raise ValueError(f"sequence {chunks[i].seq_id}: {npages[i]} pages cannot hold {ends[i]} tokens")
+    width = max_pages or int(npages.max())
+    if npages.max() > width:
+        i = int(np.argmax(npages))
+        raise ValueError(f"sequence {chunks[i].seq_id}: {npages[i]} pages, more than the "
+                         f"{width} a block table row holds")
+    bt = np.zeros((B, width), np.int32)
+    bt[np.arange(width)[None, :] < npages[:, None]] = np.fromiter(
+        chain.from_iterable(tables), np.int32, int(npages.sum()))        # row by row, as listed
+    starts = np.zeros(B + 1, np.int64)
+    np.cumsum(lens, out=starts[1:])
+    T = int(starts[-1])
+    row = np.repeat(np.arange(B), lens)                  # each token's sequence
+    positions = np.arange(T) - starts[row] + begins[row]
+    slots = bt[row, positions // page_size].astype(np.int64) * page_size + positions % page_size
+    tokens = np.fromiter(chain.from_iterable(c.tokens for c in chunks), np.int32, T)
     i32 = lambda x: np.asarray(x, np.int32)  # noqa: E731
-    return StepMeta(len(tokens), len(chunks), phase_of(chunks), i32(tokens), i32(positions),
-                    i32(starts), i32(ctx), i32(last), i32(slots), bt, width,
+    return StepMeta(T, B, phase_of(chunks), tokens, i32(positions), i32(starts), i32(ends),
+                    i32(starts[1:] - 1), i32(slots), bt, width,
                     i32([slot_of(c.seq_id) if slot_of else 0 for c in chunks]))
