@@ -127,7 +127,7 @@ class Engine:
         if n == 0:
             raise ValueError("the prompt is empty")
         vocab = getattr(self.runner, "vocab_size", None)
-        if vocab is not None and not all(0 <= t < vocab for t in prompt_ids):
+        if vocab is not None and (min(prompt_ids) < 0 or max(prompt_ids) >= vocab):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if n >= self.max_model_len:
             raise ValueError(f"the prompt has {n} tokens: this model's maximum context length is "
@@ -145,7 +145,7 @@ class Engine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     arrival_time: float | None = None) -> str:
-        prompt_ids = [int(t) for t in prompt_ids]
+        prompt_ids = list(map(int, prompt_ids))
         self.check_request(prompt_ids, params)
         if request_id is None:
             request_id, self._next_request = f"req-{self._next_request}", self._next_request + 1

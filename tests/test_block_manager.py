@@ -30,6 +30,22 @@ def test_hashes_are_chained():
     assert block_hash(a, [5, 6, 7, 8]) != block_hash(block_hash(b"", [0, 2, 3, 4]), [5, 6, 7, 8])
 
 
+def test_block_hashes_extend_as_the_chain_of_block_hash():
+    """The manager hashes a sequence's new blocks in one batch; the chain is block_hash's, block by
+    block, whether the blocks come at once or as the sequence grows."""
+    bm = BlockManager(64, PS)
+    s = seq(list(range(100, 137)))                   # 9 full blocks and 1 token
+    want, parent = [], b""
+    for i in range(9):
+        parent = block_hash(parent, s.token_ids[i * PS:(i + 1) * PS])
+        want.append(parent)
+    assert bm._hashes(s, 3) == want[:3]
+    assert bm._hashes(s, 9) == want                  # extends the three already made
+    s.token_ids += [7, 8, 9]                         # block 9 fills
+    assert bm._hashes(s, 10) == want + [block_hash(want[-1], [136, 7, 8, 9])]
+    assert bm._hashes(s, 2) == want[:2]
+
+
 def test_reuse_longest_cached_prefix_with_ref_counts():
     bm = BlockManager(16, PS)
     a = seq(list(range(10)), 0)                      # blocks [0..3] [4..7] + 2 tokens

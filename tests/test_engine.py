@@ -161,6 +161,17 @@ def test_max_tokens_and_max_model_len():
     assert outs[-1].finish_reason == "length"
 
 
+def test_prompt_ids_outside_the_vocabulary_are_refused():
+    e = scripted(SCRIPT)
+    vocab = e.runner.vocab_size
+    for bad in ([1, vocab], [-1, 2], [vocab + 5]):
+        with pytest.raises(ValueError, match=rf"prompt token ids must be in \[0, {vocab}\)"):
+            e.add_request(bad, G(max_tokens=1))
+    assert not e.has_unfinished()                     # nothing half-added
+    e.add_request([vocab - 1, 0], G(max_tokens=1))    # the edges of the range are ids
+    assert e.has_unfinished()
+
+
 def test_stop_strings_without_a_tokenizer_are_refused():
     with pytest.raises(ValueError, match="tokenizer"):
         scripted(SCRIPT, tokenizer=None).add_request(PROMPT, G(stop=["x"]))
