@@ -34,3 +34,26 @@ def test_tiny_family_model(name, tmp_path):
 def test_real_config_binds(name, tmp_path):
     from infc.compiler.build import compile_model
     compile_model(model_dir=str(gpu_families.write_config(name, tmp_path)))
+
+
+@pytest.mark.parametrize("name", list(gpu_families.SERVER))
+def test_server_build_differs_from_the_gate_only_where_said(name, tmp_path):
+    """The SDK suite's directory of a family (gpu_families.SERVER) binds its spec as the gate's cut
+    does except for its overrides, and its vocabulary holds every id of the Qwen tokenizer the
+    suite's text goes through."""
+    import json
+    spec, _ = gpu_families._spec_and_values(name)
+    gate = spec.bind(json.loads((gpu_families.write_config(name, tmp_path / "gate") / "config.json").read_text()))
+    extra = gpu_families.SERVER[name]
+    srv = spec.bind(json.loads((gpu_families.write_config(name, tmp_path / "srv", **extra)
+                                / "config.json").read_text()))
+    differ = {k for k in set(gate) | set(srv) if gate.get(k) != srv.get(k)}
+    assert len(differ) == len(extra) and all(srv[k] in extra.values() for k in differ), differ
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from make_random_model import write_tokenizer
+    write_tokenizer("qwen3", tmp_path / "tok", "qwen")
+    ids = json.loads((tmp_path / "tok" / "tokenizer.json").read_text())
+    top = max(max(ids["model"]["vocab"].values()), max(t["id"] for t in ids["added_tokens"]))
+    vocab = json.loads((tmp_path / "srv" / "config.json").read_text())
+    vocab = vocab.get("vocab_size") or vocab["text_config"]["vocab_size"]
+    assert top < vocab, (top, vocab)

@@ -91,6 +91,18 @@ LONG_PROMPTS = {"qwen3.5-4b-l8": [2049, 3000, 4096], "deepseek-v2-lite-l8": [153
 # deepseek-v2-lite: all 27 layers (session.sh's `deepseek` stage: TPOT against the active-bytes
 # floor, bench/active_floor.py).
 LATENCY = {"qwen3.5-4b": ("qwen3.5-4b", {}), "deepseek-v2-lite": ("deepseek-v2-lite", {})}
+# The openai SDK suite over the new families (issues 12 and 13: `infc serve` answers it; session
+# stage `server-families`), at the golden gate's cuts. The suite sends text, so the directories get
+# the Qwen tokenizer, and DeepSeek-V2-Lite's 102,400-id vocabulary is widened to the tokenizer's
+# 151,936 ids; every other value is the cut's. name -> config.json overrides; the directory (and
+# its artifact, prepare.py part `server`) is server_dir_name(name).
+SERVER = {"qwen3.5-4b-l8": {}, "deepseek-v2-lite-l8": {"vocab_size": 151936}}
+
+
+def server_dir_name(name: str) -> str:
+    return f"{name}-server"
+
+
 # What the suite runs by default: seven families, one of each new mechanism (biases, soft caps,
 # windows below and above the 1024-token prompts, multipliers, load-time slices, LayerNorm,
 # post-norms), about 17 B parameters in all.
@@ -163,11 +175,12 @@ def hf_config(name: str, **extra):
     return cfg
 
 
-def write_config(name: str, out: Path | None = None) -> Path:
-    """config.json exactly as HF's save_pretrained writes it for this config (build machine)."""
+def write_config(name: str, out: Path | None = None, **extra) -> Path:
+    """config.json exactly as HF's save_pretrained writes it for this config (build machine);
+    `extra` as hf_config's (SERVER's overrides)."""
     out = Path(out or config_dir(name))
     out.mkdir(parents=True, exist_ok=True)
-    hf_config(name).save_pretrained(out)
+    hf_config(name, **extra).save_pretrained(out)
     return out
 
 
@@ -261,16 +274,19 @@ def make_model(name: str, out: Path, device: str = "cuda", seed: int = 0, **extr
         torch.cuda.empty_cache()
     if not extra:
         check_config(name, tmp)
+    elif extra == SERVER.get(name):               # the SDK suite's build of the family
+        check_config(name, tmp, config_dir(server_dir_name(name)))
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     print(f"[families] {name}: {n / 1e9:.2f} B params made and saved in {time.time() - t0:.1f} s")
     return out
 
 
-def check_config(name: str, model_dir: Path):
-    """The plan was built from config_dir(name)/config.json (prepare.py); the model directory's
-    config.json is what this machine's transformers wrote. They must bind the spec identically."""
-    carried = config_dir(name) / "config.json"
+def check_config(name: str, model_dir: Path, carried_dir: Path | None = None):
+    """The plan was built from config_dir(name)/config.json (prepare.py; carried_dir for another
+    build of the family, as SERVER's); the model directory's config.json is what this machine's
+    transformers wrote. They must bind the spec identically."""
+    carried = Path(carried_dir or config_dir(name)) / "config.json"
     if not carried.exists():
         return                 # no artifact either: models.artifact() says to run prepare.py
     spec, _ = _spec_and_values(name)

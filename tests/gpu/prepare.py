@@ -22,7 +22,10 @@ transformers writes it into .cache/gpu/configs/<name>/ and its artifact in .cach
 twogpu (issue 14, tests/gpu/test_two_gpus.py and session.sh's `twogpu` stage: the parallel builds
 one process per GPU runs, named as `infc serve --tensor-parallel-size 2 [--enable-expert-parallel]`
 names them for the GPU machine's model directories, in .cache/artifacts/<dir name>-tp2[-ep2]
-(TWOGPU), with the one-GPU builds of the same configs beside them for the same-commit baselines).
+(TWOGPU), with the one-GPU builds of the same configs beside them for the same-commit baselines),
+server (session.sh's `server-families` stage: the openai SDK suite over the Qwen3.5 and
+DeepSeek-V2-Lite cuts, gpu_families.SERVER: their configs in .cache/gpu/configs/<name>-server, the
+artifacts `infc serve` reuses in .cache/artifacts/<name>-server).
 Default: base, nofuse and families.
 
 The tiny qwen3_moe and the
@@ -51,7 +54,7 @@ TINY_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
             "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
 GPU_CACHE = REPO / ".cache" / "gpu"
 SERVED = ("qwen3-4b", "llama-3.2-1b")          # model directories LLM / infc serve load on the GPU
-PARTS = ("base", "nofuse", "families", "qwen35", "ranks", "deepseek", "twogpu")
+PARTS = ("base", "nofuse", "families", "qwen35", "ranks", "deepseek", "twogpu", "server")
 DEFAULT_PARTS = ("base", "nofuse", "families")
 
 
@@ -94,6 +97,8 @@ def main(parts=DEFAULT_PARTS):
         deepseek()
     if "twogpu" in parts:
         twogpu()
+    if "server" in parts:
+        server()
 
 
 def served_config(name: str) -> Path:
@@ -270,6 +275,22 @@ def twogpu():
     for name, (config, tp, ep) in TWOGPU.items():
         _both_tunings(f"twogpu {name}", twogpu_artifact(name), model_dir=str(config()),
                       tensor_parallel_size=tp, enable_expert_parallel=ep)
+    if not (GPU_CACHE / "qwen-tokenizer" / "tokenizer.json").exists():
+        write_tokenizer("qwen3", GPU_CACHE / "qwen-tokenizer", "qwen")
+
+
+def server():
+    """The SDK suite's model directories of the new families (gpu_families.SERVER): config.json
+    into .cache/gpu/configs/<dir>, the artifact `infc serve` reuses into .cache/artifacts/<dir>."""
+    from infc.compiler.build import REPO as BUILD_REPO
+    from make_random_model import write_tokenizer
+    sys.path.insert(0, str(REPO / "tests" / "gpu"))
+    import gpu_families
+    for name, extra in gpu_families.SERVER.items():
+        dir_name = gpu_families.server_dir_name(name)
+        d = gpu_families.write_config(name, GPU_CACHE / "configs" / dir_name, **extra)
+        _both_tunings(f"{dir_name} (the SDK suite)", BUILD_REPO / ".cache" / "artifacts" / dir_name,
+                      model_dir=str(d))
     if not (GPU_CACHE / "qwen-tokenizer" / "tokenizer.json").exists():
         write_tokenizer("qwen3", GPU_CACHE / "qwen-tokenizer", "qwen")
 

@@ -22,6 +22,8 @@
 # measured in the run, and the latent KV bytes per token beside a non-latent layout's: prepare.py
 # deepseek; DEEPSEEK_ARGS adds flags to bench latency; its golden gate is the families stage with
 # INFC_GPU_FAMILIES=deepseek-v2-lite-l8).
+# server-families (the openai SDK suite over the Qwen3.5 and DeepSeek-V2-Lite cuts, after prepare.py
+# server; SERVER_FAMILIES picks them).
 # twogpu, twogpu-server, twogpu-bench (issue 14, two GPUs, one process each over NCCL, after
 # prepare.py twogpu): twogpu records the interconnect (nvidia-smi topo -m, NCCL's version) and runs
 # tests/gpu/test_two_gpus.py (golden gates of qwen3-4b TP=2 and the qwen3-30b-a3b / DeepSeek-V2-Lite
@@ -58,7 +60,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv | tee "$OUT/gpu.txt"
-if [ -n "$(echo " $STAGES " | sed -e 's/ families / /g' -e 's/ qwen35 / /g' -e 's/ ranks / /g' -e 's/ p2p / /g' -e 's/ deepseek / /g' -e 's/ profile-moe / /g' -e 's/ twogpu[a-z-]* / /g' -e 's/ twogpu[a-z-]* / /g' | tr -d ' ')" ]; then   # a stage besides families / qwen35 / ranks / deepseek / profile-moe / twogpu*
+if [ -n "$(echo " $STAGES " | sed -e 's/ families / /g' -e 's/ qwen35 / /g' -e 's/ ranks / /g' -e 's/ p2p / /g' -e 's/ deepseek / /g' -e 's/ profile-moe / /g' -e 's/ server-families / /g' -e 's/ twogpu[a-z-]* / /g' -e 's/ twogpu[a-z-]* / /g' | tr -d ' ')" ]; then   # a stage besides families / qwen35 / ranks / deepseek / profile-moe / server-families / twogpu*
   say "models"
   timeout 300 python3 -c "import sys; sys.path.insert(0,'tests/gpu'); import models; [models.model_dir(m) for m in ('qwen3-4b','llama-3.2-1b','tiny-moe','skipgram')]" 2>&1 | tail -12
   say "models ready"
@@ -176,6 +178,22 @@ for _ in range(600):
       python3 tests/gpu/rerender.py .cache/artifacts/qwen3-4b-tp2 2>&1 | tail -2
       timeout ${ALLREDUCE_S:-200} python3 -m infc.cli bench allreduce --artifact .cache/artifacts/qwen3-4b-tp2 \
         --out "$OUT/bench" 2>&1 | quiet | tee "$OUT/allreduce.log" | tail -16 ;;
+    server-families)
+      # issues 12 and 13: the openai SDK suite through a server over the Qwen3.5 / DeepSeek-V2-Lite
+      # cuts at real shapes (random weights made here, the Qwen tokenizer; gpu_families.SERVER),
+      # after prepare.py server
+      for name in ${SERVER_FAMILIES:-qwen3.5-4b-l8 deepseek-v2-lite-l8}; do
+        dir="$MODELS/$name-server"
+        t=$(date +%s)
+        timeout 300 python3 -c "import sys; sys.path.insert(0, 'tests/gpu'); import gpu_families as g
+g.make_model('$name', '$dir', **g.SERVER['$name'])" 2>&1 | tail -3
+        cp .cache/gpu/qwen-tokenizer/* "$dir/"
+        say "model $name-server ready ($(( $(date +%s) - t )) s); server suite"
+        INFC_SERVER_MODEL="$dir" INFC_SERVER_DEVICE=cuda timeout ${SERVER_S:-300} python3 -m pytest \
+          tests/test_server.py tests/test_server_disconnect.py -q -p no:cacheprovider -o addopts="" 2>&1 \
+          | tee "$OUT/pytest-server-$name.log" | tail -6
+        rm -rf "$dir"
+      done ;;
     twogpu-nccl-env)
       # NCCL settings swept through `bench allreduce` at the sizes of prefill steps (issue 14: the
       # mixed steps' all-reduces): each entry of NCCL_ENVS is a comma-separated VAR=VALUE list
