@@ -24,7 +24,12 @@ from .sequence import Sequence
 
 
 def block_hash(parent: bytes, tokens) -> bytes:
-    return hashlib.sha256(parent + np.asarray(tokens, np.int64).tobytes()).digest()
+    return _chain(parent, np.asarray(tokens, np.int64).tobytes())
+
+
+def _chain(parent: bytes, block: bytes) -> bytes:
+    """The hash of a block whose tokens are `block` (int64 bytes) after the prefix `parent` names."""
+    return hashlib.sha256(parent + block).digest()
 
 
 class Block:
@@ -78,7 +83,7 @@ class BlockManager:
             width = ps * 8
             parent = hs[-1] if hs else b""
             for j in range(num_blocks - first):
-                parent = hashlib.sha256(parent + raw[j * width:(j + 1) * width]).digest()
+                parent = _chain(parent, raw[j * width:(j + 1) * width])
                 hs.append(parent)
         return hs[:num_blocks]
 

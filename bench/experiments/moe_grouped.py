@@ -419,9 +419,10 @@ def run(d: Path, tokens, out: Path | None, reps: int, subset: int, seed: int, dr
                             "counts_min": int(counts.min()), "counts_max": int(counts.max())})
         x32 = from_bf16(b.x[sub])
         act_ref = ref.gate_up(None, x32, ids[sub], gu_w)
-        floors = {"moe_gate_up": b.w_gu.nbytes / (bw / 2), "moe_down": b.w_down.nbytes / (bw / 2)}
         if decode:      # the chosen experts' bytes at the copy bandwidth, as bench latency's floor
             floors = {op: distinct * w.nbytes / E / bw for op, w in (("moe_gate_up", b.w_gu), ("moe_down", b.w_down))}
+        else:
+            floors = {"moe_gate_up": b.w_gu.nbytes / (bw / 2), "moe_down": b.w_down.nbytes / (bw / 2)}
         best = {}
         act_default, y_ref = None, None
         for op, flops in (("moe_gate_up", fl_gu), ("moe_down", fl_down)):
