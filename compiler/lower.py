@@ -102,7 +102,12 @@ class _Lowerer:
                     raise self.err(f"weight '{key}' has 'experts' but its name has no {{e}}", d.line)
             if per_layer and "{i}" not in d.name:
                 raise self.err(f"layer weight '{key}' name has no {{i}} layer index", d.line)
-            dtype = d.dtype or ACT_DTYPE
+            # An offset weight is HF's `offset + w.float()` (Gemma's and Qwen3.5's x * (1 + w)
+            # RMSNorms): kept f32, since 1 + w rounded to bf16 is off by up to 2^-8 of itself, the
+            # same for every token (measured on a Qwen3.5: more than all of HF bf16's own drift
+            # from fp32). An f32 norm weight also multiplies in fp32 before the one rounding, as
+            # torch promotes it (codegen_templates/triton/rms_norm.py.j2).
+            dtype = d.dtype or ("f32" if "offset" in d.transforms else ACT_DTYPE)
             if d.tied_to is not None and d.tied_to not in sources:   # checked even when not tied
                 raise self.err(f"weight '{key}' is tied to unknown weight '{d.tied_to}'"
                                f"{did_you_mean(d.tied_to, sources)}", d.line)

@@ -317,6 +317,36 @@ def test_qk_norm_rope_cache(hq, hkv, d, q_norm, k_norm, scaling, rot, tune, seqs
         assert torch.equal(q[..., int(r):], src)
 
 
+@pytest.mark.parametrize("wdtype", ["bf16", "f32"])
+def test_qk_norm_order_of_roundings_follows_the_weight_dtype(wdtype):
+    """HF's q/k RMSNorm: a bf16 weight multiplies the bf16-rounded normalized head (Qwen3's
+    `w * n.to(dtype)`), an f32 weight (the 1 + w.float() of Gemma3 and Qwen3.5, which the compiler
+    keeps f32) multiplies in fp32 before one rounding. Checked exactly on the pass-through dims
+    (normed, not rotated: rotary_dim 32 of 64), which the kernel stores as the norm left them."""
+    from .test_norm_kernels import assert_hf_order, hf_scale, norm_weight, other_order
+    gen = np.random.default_rng(11)
+    hq, hkv, d, rot = 4, 2, 64, 32
+    attrs = {"q_heads": hq, "kv_heads": hkv, "head_dim": d, "eps": 1e-6, "theta": 1e6, "scaling": None,
+             "rotary_dim": rot, "q_norm": True, "k_norm": True}
+    k = render("qk_norm_rope_cache", "qk_norm_rope_cache",
+               [("qkv", ["T", (hq + 2 * hkv) * d], "bf16"), ("q_norm", [d], wdtype, "weight"),
+                ("k_norm", [d], wdtype, "weight")],
+               [("q", ["T", hq, d], "bf16"), ("cache", [], "", "cache")], attrs=attrs,
+               caches=kv_caches(hkv, d))
+    T = 9
+    qkv = rand((T, (hq + 2 * hkv) * d), gen=gen, scale=3.0)
+    wq, wk = norm_weight(d, wdtype, gen), norm_weight(d, wdtype, gen)
+    k_cache, v_cache = poison((4, PS, hkv, d)), poison((4, PS, hkv, d))
+    q = poison((T, hq, d))
+    run(k, {"in:0": qkv, "in:1": wq, "in:2": wk, "out:0": q, "cache:k": k_cache, "cache:v": v_cache,
+            "meta:positions": torch.arange(T, dtype=torch.int32),
+            "meta:slot_mapping": torch.arange(T, dtype=torch.int32)}, {"T": T, "B": 1})
+    x = qkv[:, :hq * d].float().numpy().astype(np.float64).reshape(T, hq, d)
+    normed = x / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-6)
+    want = hf_scale(normed, wq)[..., rot:]
+    assert_hf_order(q.float().numpy()[..., rot:], want, other_order(normed, wq)[..., rot:])
+
+
 def test_rope_positions_beyond_4096_are_not_aliased():
     """A position table of 4096 would wrap; the rotation at 70000 must differ from 70000 % 4096."""
     gen = np.random.default_rng(7)

@@ -1,7 +1,9 @@
 """Norm, elementwise, gather and router kernels under the interpreter, against numpy references.
 
-add_rms_norm is also checked against a bf16 emulation of HF's order of operations (the residual
-sum rounded to bf16 before the norm; the normalized value rounded before the weight multiply).
+add_rms_norm and rms_norm are also checked against a bf16 emulation of HF's order of operations
+(the residual sum rounded to bf16 before the norm; with a bf16 weight the normalized value rounded
+before the weight multiply, Llama's order; with an f32 weight, Gemma's and Qwen3.5's 1 + w.float(),
+the product rounded once).
 The exact bf16 comparisons rely on harness.py making the interpreter round fp32 -> bf16 to
 nearest even, as the GPU does (Triton's interpreter truncates).
 """
@@ -21,22 +23,56 @@ def bf16(a):
     return torch.as_tensor(np.asarray(a, np.float32)).to(torch.bfloat16).float().numpy()
 
 
+def hf_scale(n, w):
+    """HF's RMSNorm weight multiply on the normalized rows n (float64): a bf16 weight multiplies
+    bf16(n), rounded again (Llama, Qwen3: `w * n.to(dtype)`); an f32 weight multiplies n in fp32,
+    rounded once (Gemma, Qwen3.5: `(n * (1 + w.float())).to(dtype)`)."""
+    if w.dtype == torch.float32:
+        return bf16(n * w.numpy())
+    return bf16(bf16(n) * w.float().numpy())
+
+
 def hf_add_rms_norm(x, d, w, eps):
-    """HF Qwen3/Llama: residual = bf16(x + d); h = w * bf16(s * rsqrt(mean(s^2) + eps))."""
+    """HF: residual = bf16(x + d); h = hf_scale(s * rsqrt(mean(s^2) + eps), w)."""
     s = bf16(x.float().numpy() + d.float().numpy())
     var = np.mean(s.astype(np.float64) ** 2, axis=-1, keepdims=True)
-    n = bf16(s / np.sqrt(var + eps))
-    return s, bf16(n * w.float().numpy())
+    return s, hf_scale(s / np.sqrt(var + eps), w)
+
+
+def norm_weight(n, wdtype, gen):
+    """A norm weight around 1 (bf16), or 1 + w with w bf16 kept f32 (the offset form's load)."""
+    if wdtype == "f32":
+        w = torch.from_numpy(0.2 * gen.standard_normal(n).astype(np.float32)).to(torch.bfloat16)
+        return 1.0 + w.float()
+    return torch.from_numpy(1 + 0.2 * gen.standard_normal(n).astype(np.float32)).to(torch.bfloat16)
+
+
+def other_order(n, w):
+    """The order of roundings the other weight dtype would give (the test's counterfactual)."""
+    if w.dtype == torch.float32:
+        return bf16(bf16(n) * w.numpy())
+    return bf16(n * w.float().numpy())
+
+
+def assert_hf_order(got, want, counterfactual):
+    """bf16 outputs differ from the emulation by at most one bf16 rounding step, and rarely (the
+    kernel's fp32 sum of squares is not numpy's), while the other order of roundings would make
+    many elements differ: the test tells the two orders apart."""
+    assert np.abs(got - want).max() <= 2 ** -7 * np.abs(want).max() + 1e-6
+    assert (got == want).mean() >= 0.99
+    if got.size >= 100:
+        assert (got == counterfactual).mean() < 0.95
 
 
 @pytest.mark.parametrize("T,H,block", [(1, 1, None), (3, 100, None), (5, 2600, None), (4, 1000, 256),
                                        (2, 9000, None)])
-def test_add_rms_norm_in_place(T, H, block):
+@pytest.mark.parametrize("wdtype", ["bf16", "f32"])
+def test_add_rms_norm_in_place(T, H, block, wdtype):
     gen = np.random.default_rng(H)
     x, d = rand((T, H), gen=gen), rand((T, H), scale=0.5, gen=gen)
-    w = torch.from_numpy(1 + 0.2 * gen.standard_normal(H).astype(np.float32)).to(torch.bfloat16)
+    w = norm_weight(H, wdtype, gen)
     k = render("add_rms_norm", "add_rms_norm",
-               [("x", ["T", H], "bf16"), ("d", ["T", H], "bf16"), ("w", [H], "bf16", "weight")],
+               [("x", ["T", H], "bf16"), ("d", ["T", H], "bf16"), ("w", [H], wdtype, "weight")],
                [("x", ["T", H], "bf16"), ("h", ["T", H], "bf16")], {"eps": EPS},
                tune={"BLOCK": block} if block else None)
     x_in = x.clone()
@@ -46,11 +82,9 @@ def test_add_rms_norm_in_place(T, H, block):
     s_hf, h_hf = hf_add_rms_norm(x_in, d, w, EPS)
     assert np.array_equal(x.float().numpy(), s_hf), "residual sum is not bf16(x + d), written in place"
     assert rel_err(h.float(), h_hf) < 1e-2
-    # bf16 outputs differ from the emulation by at most one bf16 rounding step, and rarely (the
-    # kernel's fp32 sum of squares is not numpy's): without HF's intermediate rounding of the
-    # normalized value, about a quarter of the elements would differ
-    assert np.abs(h.float().numpy() - h_hf).max() <= 2 ** -7 * np.abs(h_hf).max() + 1e-6
-    assert (h.float().numpy() == h_hf).mean() >= 0.99
+    s64 = s_hf.astype(np.float64)
+    n = s64 / np.sqrt(np.mean(s64 * s64, -1, keepdims=True) + EPS)
+    assert_hf_order(h.float().numpy(), h_hf, other_order(n, w))
     s_ref, h_ref = REGISTRY["add_rms_norm"].reference(None, x_in.float().numpy(), d.float().numpy(),
                                                       w.float().numpy(), eps=EPS)
     assert rel_err(x.float(), s_ref) < 1e-2 and rel_err(h.float(), h_ref) < 1e-2
@@ -58,21 +92,22 @@ def test_add_rms_norm_in_place(T, H, block):
 
 @pytest.mark.parametrize("shape,block", [((1, 1), None), ((7, 100), None), ((3, 4, 128), None),
                                          ((2, 2600), None), ((3, 1000), 256)])
-def test_rms_norm(shape, block):
+@pytest.mark.parametrize("wdtype", ["bf16", "f32"])
+def test_rms_norm(shape, block, wdtype):
     gen = np.random.default_rng(sum(shape))
     n = shape[-1]
     x = rand(shape, scale=2.0, gen=gen)
-    w = torch.from_numpy(1 + 0.2 * gen.standard_normal(n).astype(np.float32)).to(torch.bfloat16)
+    w = norm_weight(n, wdtype, gen)
     sym = ["T"] + list(shape[1:])
-    k = render("rms_norm", "rms_norm", [("x", sym, "bf16"), ("w", [n], "bf16", "weight")],
+    k = render("rms_norm", "rms_norm", [("x", sym, "bf16"), ("w", [n], wdtype, "weight")],
                [("y", sym, "bf16")], {"eps": EPS}, tune={"BLOCK": block} if block else None)
     out = poison(shape)
     run(k, {"in:0": x, "in:1": w, "out:0": out}, {"T": shape[0], "B": 1})
     want = REGISTRY["rms_norm"].reference(None, x.float().numpy(), w.float().numpy(), eps=EPS)
     assert rel_err(out.float(), want) < 1e-2
     xf = x.float().numpy().astype(np.float64)
-    hf = bf16(bf16(xf / np.sqrt(np.mean(xf * xf, -1, keepdims=True) + EPS)) * w.float().numpy())
-    assert np.abs(out.float().numpy() - hf).max() <= 2 ** -7 * np.abs(hf).max() + 1e-6
+    normed = xf / np.sqrt(np.mean(xf * xf, -1, keepdims=True) + EPS)
+    assert_hf_order(out.float().numpy(), hf_scale(normed, w), other_order(normed, w))
 
 
 ELEMENTWISE_SHAPES = [((1, 1), None), ((5, 1000), None), ((3, 2600), 512), ((2, 3, 50), None)]
