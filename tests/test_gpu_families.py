@@ -57,3 +57,16 @@ def test_server_build_differs_from_the_gate_only_where_said(name, tmp_path):
     vocab = json.loads((tmp_path / "srv" / "config.json").read_text())
     vocab = vocab.get("vocab_size") or vocab["text_config"]["vocab_size"]
     assert top < vocab, (top, vocab)
+
+
+def test_prepare_stamps_the_commit(tmp_path, monkeypatch):
+    """prepare.py leaves the commit it built from beside the carried configs, where session.sh
+    reads it (a hash typed into a GPU command was once wrong)."""
+    import subprocess
+    import prepare
+    monkeypatch.setattr(prepare, "GPU_CACHE", tmp_path)
+    prepare.stamp_commit()
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=prepare.REPO, capture_output=True,
+                          text=True).stdout.strip()
+    got = (tmp_path / "configs" / "COMMIT").read_text().strip()
+    assert head and got in (head, head + "-dirty")

@@ -79,10 +79,27 @@ def _both_tunings(what: str, out: Path, model_dir: str, **kw):
     print(f"[prepare] {what}: {time.time() - t0:.1f} s, {_size(out)} -> {out}", flush=True)
 
 
+def stamp_commit():
+    """.cache/gpu/configs/COMMIT: the commit these artifacts were built from ("-dirty" when the
+    tree had changes). session.sh records it when INFC_COMMIT is unset and warns when a given
+    INFC_COMMIT differs (the GPU machine's copy has no usable git metadata, and a hash typed into
+    a command can be wrong: one was, on 2026-11-27)."""
+    import subprocess
+    git = lambda *a: subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True)  # noqa: E731
+    head = git("rev-parse", "--short", "HEAD").stdout.strip()
+    if not head:
+        return
+    dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+    out = GPU_CACHE / "configs" / "COMMIT"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(head + ("-dirty" if dirty else "") + "\n")
+
+
 def main(parts=DEFAULT_PARTS):
     for p in parts:
         if p not in PARTS:
             raise SystemExit(f"unknown part '{p}' (known: {', '.join(PARTS)})")
+    stamp_commit()
     if "base" in parts:
         base()
     if "nofuse" in parts:

@@ -46,7 +46,12 @@ set -uo pipefail
 OUT=${1:-${OUT:-/tmp/infc-gpu-out}}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/../.."
-export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1 INFC_COMMIT=${INFC_COMMIT:-unknown}
+# the commit: INFC_COMMIT, else the stamp prepare.py left beside the carried configs
+stamp=$(cat .cache/gpu/configs/COMMIT 2>/dev/null)
+if [ -n "${INFC_COMMIT:-}" ] && [ -n "$stamp" ] && [ "${stamp%-dirty}" != "$INFC_COMMIT" ]; then
+  echo "WARNING: INFC_COMMIT=$INFC_COMMIT but the carried artifacts were prepared at $stamp" | tee -a "$OUT/session.log"
+fi
+export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1 INFC_COMMIT=${INFC_COMMIT:-${stamp:-unknown}}
 export NCCL_NVLS_ENABLE=0           # NVLink multicast stays off on these machines (device README)
 MODELS=${INFC_GPU_MODELS:-/tmp/infc-models}
 STAGES=${STAGES:-suite latency throughput startup server serve}

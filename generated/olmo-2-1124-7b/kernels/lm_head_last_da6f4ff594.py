@@ -2,7 +2,7 @@
 #   r = last_rows[b],  s = bf16(x[r] + d[r]),  h[b, k] = bf16(s[k] * norm[k]),
 #   rstd_b = 1 / sqrt(mean_k(s^2) + eps)  (= rms_norm(s) @ w^T; the scale is applied to the fp32
 #   sums, so sum_k s^2 accumulates in the same K loop and no pass over the row precedes it).
-#   x [T, 5120] bf16, norm [5120], w [100352, 5120] bf16, logits f32 [B, 100352].
+#   x [T, 4096] bf16, norm [4096], w [100352, 4096] bf16, logits f32 [B, 100352].
 #
 # Memory-bound: W is streamed once, in [BLOCK_N, *] tiles of 16-byte vector loads (evict_first, so
 # the small activations stay in L2). Grid (cdiv(B, BLOCK_T), N blocks, splits):
@@ -41,7 +41,7 @@ def _ptr(base, offs):
 @triton.jit
 def _row_start(rows_ptr, r, mask):
     """Element offset of each row's first element in the A operand: r [R] -> int64 [R]."""
-    return tl.load(rows_ptr + r, mask=mask, other=0).to(tl.int64) * 5120
+    return tl.load(rows_ptr + r, mask=mask, other=0).to(tl.int64) * 4096
 
 
 @triton.jit
@@ -51,14 +51,14 @@ def _a_tile(a_ptr, d_ptr, norm_ptr, row_off, k, mask):
     s = tl.load(_ptr(a_ptr, row_off + k), mask=mask, other=0.0).to(tl.float32)
     s = s + tl.load(_ptr(d_ptr, row_off + k), mask=mask, other=0.0).to(tl.float32)
     s = s.to(tl.bfloat16).to(tl.float32)
-    nw = tl.load(_ptr(norm_ptr, k), mask=k < 5120, other=0.0).to(tl.float32)
+    nw = tl.load(_ptr(norm_ptr, k), mask=k < 4096, other=0.0).to(tl.float32)
     return (s * nw).to(tl.bfloat16), s * s
 
 
 @triton.jit
 def _w_tile(w_rows, k):
     """W[n, k] tile; w_rows [BN, 1] row pointers (rows clamped in range), k [1, BK]."""
-    return tl.load(_ptr(w_rows, k), mask=k < 5120, other=0.0, eviction_policy="evict_first")
+    return tl.load(_ptr(w_rows, k), mask=k < 4096, other=0.0, eviction_policy="evict_first")
 
 
 @triton.jit
@@ -160,8 +160,8 @@ def lm_head_last(a_ptr, d_ptr, norm_ptr, w_ptr, y_ptr, M, rows_ptr,
 
 META = {
     "entry": "lm_head_last",
-    "params": [["a_ptr", "*bf16", "in:0"], ["d_ptr", "*bf16", "in:1"], ["norm_ptr", "*bf16", "in:2"], ["w_ptr", "*bf16", "in:3"], ["y_ptr", "*fp32", "out:0"], ["M", "i32", "dim:B"], ["rows_ptr", "*i32", "meta:last_rows"]],
-    "constexprs": {"N": 100352, "K": 5120, "BLOCK_N": 16, "FMA_BLOCK_K": 512,
+    "params": [["a_ptr", "*bf16", "in:0"], ["d_ptr", "*bf16", "in:1"], ["norm_ptr", "*fp32", "in:2"], ["w_ptr", "*bf16", "in:3"], ["y_ptr", "*fp32", "out:0"], ["M", "i32", "dim:B"], ["rows_ptr", "*i32", "meta:last_rows"]],
+    "constexprs": {"N": 100352, "K": 4096, "BLOCK_N": 16, "FMA_BLOCK_K": 512,
                    "FMA_T": 1, "FMA_ROWS": 1, "BLOCK_N_DOT": 128, "BLOCK_K": 64,
                    "BLOCK_T": 32, "KU": 512, "SPLIT": False, "SLOT": 100352,
                    "ZMAX": 1,

@@ -51,7 +51,7 @@ def layer_norm(x_ptr, w_ptr, b_ptr, out_ptr, N: tl.constexpr, INNER: tl.constexp
 
 META = {
     "entry": "layer_norm",
-    "params": [["x_ptr", "*bf16", "in:0"], ["w_ptr", "*fp32", "in:1"],
+    "params": [["x_ptr", "*bf16", "in:0"], ["w_ptr", "*bf16", "in:1"],
                ["b_ptr", "*bf16", "in:2"],
                ["out_ptr", "*bf16", "out:0"]],
     "constexprs": {"N": 3072, "INNER": 1, "STRIDE": 3072, "EPS": 1e-05, "BLOCK": 4096, "CHUNKS": 1},
