@@ -305,7 +305,27 @@ def test_act_mul(shape, sym, block, fn):
     run(k, {"in:0": gu, "out:0": out}, {"T": shape[0], "B": shape[0]})
     want = REGISTRY["act_mul"].reference(None, f32(gu), fn=fn)
     assert rel_err(f32(out), want) < 1e-2
-    assert np.abs(f32(out) - want).max() <= 2 ** -8 * np.abs(want).max() + 1e-6
+    assert np.abs(f32(out) - want).max() <= 2 ** -7 * np.abs(want).max() + 1e-6
+    # HF's order of roundings: act(gate) is a bf16 tensor before the product rounds again
+    hf, once = hf_gated(f32(gu), fn)
+    # (>= 0.97: the fp32 GELUs lose relative precision in their negative tails, where float64's
+    # value rounds the other way now and then; one rounding matches 68-90 % of elements)
+    assert (f32(out) == hf).mean() >= 0.97
+    if out.numel() >= 100 and fn != "relu":       # relu(g) is exact in bf16: both orders agree
+        assert (f32(out) == once).mean() < 0.92
+
+
+def bf16(a):
+    return torch.as_tensor(np.asarray(a, np.float32)).to(torch.bfloat16).float().numpy()
+
+
+def hf_gated(gu, fn):
+    """(HF's bf16(bf16(act(g)) * u), one rounding bf16(act(g) * u)) of a [.., 2F] gate|up array,
+    act in float64."""
+    f = gu.shape[-1] // 2
+    g, u = gu[..., :f].astype(np.float64), gu[..., f:].astype(np.float64)
+    a = ACTIVATIONS[fn](g)
+    return bf16(bf16(a) * u), bf16(a * u)
 
 
 def test_gelu_tanh_defines_its_tanh_helper_only_when_used():
