@@ -60,8 +60,12 @@ FAMILIES = {
     # nemotron: LayerNorm1P (x * (1 + w) + b), squared-ReLU MLP, 50 % partial rotary. Layer cut:
     # 16 of 32 layers.
     "minitron-4b-l16": ("minitron-4b-base", {"num_hidden_layers": 16}),
-    # gemma: (1 + w) norms, MQA, head_dim 256, exact GELU, vocab 256000
-    "gemma-2b": ("gemma-2b", {}),
+    # gemma: (1 + w) norms, MQA, head_dim 256, vocab 256000, GELU (tanh). The published config says
+    # hidden_act "gelu", which transformers 5.23 (here) rewrites to "gelu_pytorch_tanh" and 5.17
+    # (the GPU machine) writes back as "gelu", so the two config.json bound `act` differently and
+    # check_config refused the directory; hidden_activation, which both write and the spec reads
+    # first, settles it
+    "gemma-2b": ("gemma-2b", {"hidden_activation": "gelu_pytorch_tanh"}),
     # qwen3_5 (issue 12): hybrid Gated DeltaNet linear attention (conv + recurrent state slots) and
     # gated full attention (partial RoPE 64 of 256, output gate interleaved in q_proj), (1 + w)
     # norms but a plain-w gated norm, tied embeddings, vocab 248320. Layer cut: 8 of the 4B's 32
