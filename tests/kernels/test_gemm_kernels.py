@@ -306,13 +306,13 @@ def test_act_mul(shape, sym, block, fn):
     want = REGISTRY["act_mul"].reference(None, f32(gu), fn=fn)
     assert rel_err(f32(out), want) < 1e-2
     assert np.abs(f32(out) - want).max() <= 2 ** -7 * np.abs(want).max() + 1e-6
-    # HF's order of roundings: act(gate) is a bf16 tensor before the product rounds again
+    # one rounding of act(g) * u, not HF's bf16(bf16(act(g)) * u) (act_mul.py.j2 says why)
     hf, once = hf_gated(f32(gu), fn)
     # (>= 0.97: the fp32 GELUs lose relative precision in their negative tails, where float64's
-    # value rounds the other way now and then; one rounding matches 68-90 % of elements)
-    assert (f32(out) == hf).mean() >= 0.97
+    # value rounds the other way now and then; the other order matches 68-90 % of elements)
+    assert (f32(out) == once).mean() >= 0.97
     if out.numel() >= 100 and fn != "relu":       # relu(g) is exact in bf16: both orders agree
-        assert (f32(out) == once).mean() < 0.92
+        assert (f32(out) == hf).mean() < 0.92
 
 
 def bf16(a):
