@@ -105,7 +105,6 @@ def assert_gated_order(act, x, ids, gu):
     silu(g) * u, where HF rounds silu(g) too (act_mul.py.j2 says why). Emulated in float64 (the
     kernel's fp32 sums round the other way now and then), against HF's order, which matches far
     fewer elements."""
-    import torch
     bf = lambda a: torch.as_tensor(np.asarray(a, np.float32)).to(torch.bfloat16).float().numpy()  # noqa: E731
     i = ids.numpy()
     t, j = np.nonzero(i >= 0)
