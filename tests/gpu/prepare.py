@@ -288,10 +288,16 @@ def _ranks_config_written(name: str) -> Path:
 
 
 def twogpu():
-    from make_random_model import write_tokenizer
     for name, (config, tp, ep) in TWOGPU.items():
         _both_tunings(f"twogpu {name}", twogpu_artifact(name), model_dir=str(config()),
                       tensor_parallel_size=tp, enable_expert_parallel=ep)
+    qwen_tokenizer()
+
+
+def qwen_tokenizer():
+    """The Qwen tokenizer's files in .cache/gpu/qwen-tokenizer (the parts whose servers get text),
+    written once."""
+    from make_random_model import write_tokenizer
     if not (GPU_CACHE / "qwen-tokenizer" / "tokenizer.json").exists():
         write_tokenizer("qwen3", GPU_CACHE / "qwen-tokenizer", "qwen")
 
@@ -300,7 +306,6 @@ def server():
     """The SDK suite's model directories of the new families (gpu_families.SERVER): config.json
     into .cache/gpu/configs/<dir>, the artifact `infc serve` reuses into .cache/artifacts/<dir>."""
     from infc.compiler.build import REPO as BUILD_REPO
-    from make_random_model import write_tokenizer
     sys.path.insert(0, str(REPO / "tests" / "gpu"))
     import gpu_families
     for name, extra in gpu_families.SERVER.items():
@@ -308,8 +313,7 @@ def server():
         d = gpu_families.write_config(name, GPU_CACHE / "configs" / dir_name, **extra)
         _both_tunings(f"{dir_name} (the SDK suite)", BUILD_REPO / ".cache" / "artifacts" / dir_name,
                       model_dir=str(d))
-    if not (GPU_CACHE / "qwen-tokenizer" / "tokenizer.json").exists():
-        write_tokenizer("qwen3", GPU_CACHE / "qwen-tokenizer", "qwen")
+    qwen_tokenizer()
 
 
 def base():

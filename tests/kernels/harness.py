@@ -127,6 +127,11 @@ def poison(shape, dtype="bf16"):
     return torch.full(shape, float("nan"), dtype=TORCH[dtype])
 
 
+def bf16(a):
+    """Round to bf16 (round to nearest even, as torch and the GPU do), back to float32 numpy."""
+    return torch.as_tensor(np.asarray(a, np.float32)).to(torch.bfloat16).float().numpy()
+
+
 def rel_err(got, want) -> float:
     got = np.asarray(got, np.float64)
     want = np.asarray(want, np.float64)

@@ -17,7 +17,7 @@ from infc.compiler.ops.activation import ACTIVATIONS
 
 from infc.runtime.bind import grid
 
-from .harness import poison, rand, rel_err, render, run
+from .harness import bf16, poison, rand, rel_err, render, run
 
 TOL = 1e-2
 
@@ -313,10 +313,6 @@ def test_act_mul(shape, sym, block, fn):
     assert (f32(out) == once).mean() >= 0.97
     if out.numel() >= 100 and fn != "relu":       # relu(g) is exact in bf16: both orders agree
         assert (f32(out) == hf).mean() < 0.92
-
-
-def bf16(a):
-    return torch.as_tensor(np.asarray(a, np.float32)).to(torch.bfloat16).float().numpy()
 
 
 def hf_gated(gu, fn):

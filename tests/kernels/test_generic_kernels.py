@@ -16,14 +16,9 @@ from infc.compiler.codegen.render import TEMPLATES, _env, render_template
 from infc.compiler.ops import REGISTRY
 from infc.compiler.ops.activation import ACTIVATIONS, HF_NAMES, erf
 
-from .harness import TORCH, poison, rand, rel_err, render, run
+from .harness import TORCH, bf16, poison, rand, rel_err, render, run
 
 EPS = 1e-5
-
-
-def bf16(a):
-    """Round to bf16 (nearest even, as torch and the GPU do), back to float32 numpy."""
-    return torch.as_tensor(np.asarray(a, np.float32)).to(torch.bfloat16).float().numpy()
 
 
 def check(out, want, dtype, roundings=1):

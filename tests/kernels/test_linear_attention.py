@@ -18,14 +18,10 @@ import torch
 from infc.compiler.ir import TensorType
 from infc.compiler.ops import REGISTRY, ShapeError
 
-from .harness import TORCH, poison, rand, rel_err, render, run
+from .harness import TORCH, bf16, poison, rand, rel_err, render, run
 
 EPS = 1e-6
 NSLOTS = 6                         # usable slots; index NSLOTS is the padding slot
-
-
-def bf16(a):
-    return torch.as_tensor(np.asarray(a, np.float32)).to(torch.bfloat16).float().numpy()
 
 
 def i32(x):

@@ -13,14 +13,9 @@ import torch
 
 from infc.compiler.ops import REGISTRY
 
-from .harness import poison, rand, rel_err, render, run
+from .harness import bf16, poison, rand, rel_err, render, run
 
 EPS = 1e-6
-
-
-def bf16(a):
-    """Round to bf16 (round to nearest even, as torch and the GPU do), back to float32 numpy."""
-    return torch.as_tensor(np.asarray(a, np.float32)).to(torch.bfloat16).float().numpy()
 
 
 def hf_scale(n, w):
