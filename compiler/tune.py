@@ -36,14 +36,14 @@ from .codegen.render import EXT, TemplateError, _env, launch_context, render_tem
 from .errors import SpecError
 
 MANIFEST_VERSION = 2            # 2: plan/2 caches (manifest caches, entry caches)
-DEFAULT_TEMPLATES = ("gemv", "gemv_act_mul", "lm_head_last", "attention_decode",
-                     "gemm", "gemm_act_mul", "attention_prefill", "attention_mixed",
+DEFAULT_TEMPLATES = ("gemv", "gemv_act_mul", "gemv_gated", "lm_head_last", "attention_decode",
+                     "gemm", "gemm_act_mul", "gemm_gated", "attention_prefill", "attention_mixed",
                      "moe_gate_up", "moe_down", "moe_gate_up_grouped", "moe_down_grouped")
 PHASES = ("prefill", "decode", "mixed", "short")
 
 # --- candidate grids: only keys the template reads (tests check each against its source) -------
 
-# gemv.py.j2 (and gemv_act_mul / lm_head_last, which include it). Rows <= FMA_T (1 by default)
+# gemv.py.j2 (and gemv_act_mul / gemv_gated / lm_head_last, which include it). Rows <= FMA_T (1 by default)
 # take the CUDA-core path, more rows the tensor-core path: a grid varies the path it will time.
 # Lists are in priority order: when both paths are timed each contributes its first 5.
 _GEMV_FMA = [{"BLOCK_N": 16}, {"TARGET_CTAS": 528}, {"FMA_BLOCK_K": 128},
@@ -135,9 +135,11 @@ def _gemv_grid(fma, dot, rows):
 GRIDS = {
     ("triton", "gemv"): lambda rows: _gemv_grid(_GEMV_FMA, _GEMV_DOT, rows),
     ("triton", "gemv_act_mul"): lambda rows: _gemv_grid(_GEMV_FMA, _GEMV_DOT, rows),
+    ("triton", "gemv_gated"): lambda rows: _gemv_grid(_GEMV_FMA, _GEMV_DOT, rows),
     ("triton", "lm_head_last"): lambda rows: _gemv_grid(_LM_FMA, _LM_DOT, rows),
     ("triton", "gemm"): lambda rows: _GEMM,
     ("triton", "gemm_act_mul"): lambda rows: _GEMM,
+    ("triton", "gemm_gated"): lambda rows: _GEMM,
     ("triton", "attention_decode"): lambda rows: _ATTN_DECODE,
     ("triton", "attention_prefill"): lambda rows: _ATTN_PREFILL,
     ("triton", "attention_mixed"): lambda rows: _ATTN_MIXED,

@@ -84,7 +84,7 @@ def test_short_program_is_mixed_with_gemv_linears():
     short, mixed = (list(launches(plan["programs"][p])) for p in ("short", "mixed"))
     assert len(short) == len(mixed) and count_launches(plan["programs"]["short"]) == \
         count_launches(plan["programs"]["mixed"])
-    gemv = {"linear": "gemv", "linear_act_mul": "gemv_act_mul"}
+    gemv = {"linear": "gemv", "linear_act_mul": "gemv_act_mul", "linear_gated": "gemv_gated"}
     for (s, ns), (m, nm) in zip(short, mixed):
         assert (s["op"], s["inputs"], s["outputs"], ns) == (m["op"], m["inputs"], m["outputs"], nm)
         assert s["kernel"] == gemv.get(s["op"], m["kernel"]), s["op"]
@@ -97,7 +97,8 @@ def test_no_fuse_runs_every_op_on_its_generic_kernel():
     total, per_layer = count_launches(plan["programs"]["decode"])
     assert per_layer == 19
     ops = {l["op"] for l, _ in launches(plan["programs"]["decode"])}
-    assert ops.isdisjoint({"add_rms_norm", "qk_norm_rope_cache", "act_mul", "linear_act_mul", "lm_head_last"})
+    assert ops.isdisjoint({"add_rms_norm", "qk_norm_rope_cache", "act_mul", "linear_act_mul", "linear_gated",
+                           "lm_head_last"})
     assert {"kv_write", "attention_cached", "rope", "rms_norm", "silu", "mul"} <= ops
 
 

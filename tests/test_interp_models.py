@@ -56,8 +56,8 @@ def test_tiny_model_through_kernels(family, fuse, tiny_model, tmp_path, rng):
     want = ref.step([SeqChunk(1, b[shared:], shared)])
     # a mixed step of 9 tokens (T > B = 1): the short program, its linears on the decode GEMVs
     assert run.program == "short"
-    linears = {t for op, t in run.templates if op in ("linear", "linear_act_mul")}
-    assert "gemv" in linears and linears <= {"gemv", "gemv_act_mul"}, linears
+    linears = {t for op, t in run.templates if op in ("linear", "linear_act_mul", "linear_gated")}
+    assert "gemv" in linears and linears <= {"gemv", "gemv_act_mul", "gemv_gated"}, linears
     # attention: the 9-token suffix over the cached prefix takes attention_mixed's split-KV role
     assert "attention_mixed" in {t for _, t in run.templates}
     assert _rel(got, want) < 2e-2

@@ -172,6 +172,43 @@ def test_fuse_act_mul_then_prologue(tmp_path, mlp, fn):
     assert "act_mul" not in [m.op for m in every_node(state)]
 
 
+@pytest.mark.parametrize("mlp,fn", [(SWIGLU, "silu"), ("mul(gelu_tanh(linear(h, wg)), linear(h, wu))", "gelu_tanh")])
+def test_fuse_linear_epilogue_takes_the_act_before_the_prologue(tmp_path, mlp, fn):
+    """The whole pipeline: gate|up becomes linear_gated (act in its epilogue) and the down
+    projection stays a plain linear; nothing is left for fuse_linear_prologue."""
+    from infc.compiler.pipeline import compile_spec
+    p = tmp_path / "variant.yaml"
+    p.write_text(TINY.replace(SWIGLU, mlp))
+    spec = load_spec(p)
+    state = compile_spec(spec, spec.bind(spec.variants["tiny"]), "tiny")
+    nodes = every_node(state)
+    gated = [n for n in nodes if n.op == "linear_gated"]
+    assert len(gated) == 1 and gated[0].attrs == {"fn": fn, "has_bias": False}
+    assert gated[0].fused_from[-2:] == [fn, "mul"] and gated[0].made_by == "fuse_linear_epilogue"
+    assert not {"act_mul", "linear_act_mul", "mul", fn} & {n.op for n in nodes}
+    assert any(n.op == "linear" and gated[0].outputs[0] in n.inputs for n in nodes)   # the down projection
+
+
+def test_fuse_linear_epilogue_leaves_fp32_partials_to_the_prologue(tmp_path):
+    """A linear writing fp32 partial sums (row-parallel) must be all-reduced before its
+    activation, so the epilogue pass leaves it and the prologue pass takes the act_mul."""
+    from infc.compiler.passes.fuse_ops import fuse_linear_epilogue
+    state = _state(tmp_path, TINY)
+    fuse_weights(state)
+    infer_types(state)
+    fuse_act_mul(state)
+    infer_types(state)
+    act = next(n for n in every_node(state) if n.op == "act_mul")
+    gate_up = next(n for n in every_node(state) if n.outputs[0] == act.inputs[0])
+    gate_up.attrs["out_dtype"] = "f32"
+    fuse_linear_epilogue(state)
+    assert "linear_gated" not in [n.op for n in every_node(state)]
+    gate_up.attrs.pop("out_dtype")
+    fuse_linear_epilogue(state)
+    infer_types(state)
+    assert [n.op for n in every_node(state)].count("linear_gated") == 1
+
+
 def test_fuse_act_mul_operand_order(tmp_path):
     """mul(u, act(g)) fuses too when g's projection comes first in the fused weight; when the
     activation is on the split's second half it does not (act_mul activates the first half)."""
@@ -268,8 +305,9 @@ def test_select_kernels_per_phase(state):
 
 def test_a_gated_pair_fuses_apart_from_other_linears_on_its_input(tmp_path):
     """DeepSeek-V2's router, shared gate and shared up read one input: gate | up fuse alone, so
-    the SwiGLU folds into the shared down projection (linear_act_mul) and the router stays its
-    own linear, instead of one fused output whose strided slices took copies and two launches."""
+    the SwiGLU folds into the shared gate|up projection's epilogue (linear_gated) and the router
+    stays its own linear, instead of one fused output whose strided slices took copies and two
+    launches."""
     import json
 
     from infc.compiler.build import build
@@ -278,5 +316,6 @@ def test_a_gated_pair_fuses_apart_from_other_linears_on_its_input(tmp_path):
     from infc.runtime.program import unrolled
     ops = [launch["op"] for launch, layer in unrolled(plan["programs"]["decode"])]
     assert "ws_gate_up" in plan["weights"] and not any("router_ws" in w for w in plan["weights"])
-    assert ops.count("linear_act_mul") == 27          # the dense layer's MLP and 26 shared experts
+    assert ops.count("linear_gated") == 27            # the dense layer's MLP and 26 shared experts
+    assert "linear_act_mul" not in ops and "act_mul" not in ops
     assert "mul" not in ops and "silu" not in ops

@@ -66,7 +66,7 @@ def test_prepare_manifest_candidates_and_shapes(prepared):
                 want.add((l["kernel"], shape_key(phase, ts)))
     got = [(e["template"], e["shape_key"]) for e in m["entries"]]
     assert sorted(got) == sorted(want) and len(got) == len(set(got))
-    assert {"gemv", "gemv_act_mul", "lm_head_last", "attention_decode", "gemm", "gemm_act_mul",
+    assert {"gemv", "gemv_gated", "lm_head_last", "attention_decode", "gemm", "gemm_gated",
             "attention_prefill"} <= {t for t, _ in got}
     for e in m["entries"]:
         for t in e["inputs"] + e["outputs"]:
@@ -147,11 +147,11 @@ def test_merge_writes_a_table_that_the_build_reads_and_renders(prepared, tmp_pat
 def test_prepare_short_phase_times_the_gemvs_at_a_short_prompt(tmp_path):
     """The short phase: its linears are GEMV entries (no table entry yet: the defaults), timed at
     a 32-token prompt of one sequence."""
-    out = prepare(MODEL, "h200", out=tmp_path / "s", phases=("short",), templates=("gemv", "gemv_act_mul"),
+    out = prepare(MODEL, "h200", out=tmp_path / "s", phases=("short",), templates=("gemv", "gemv_gated"),
                   compile=False, log=None)
     m = json.loads((out / "manifest.json").read_text())
     assert m["dims"] == {"short": [{"T": 32, "B": 1}, {"T": 16, "B": 1}]}
-    assert m["entries"] and {e["template"] for e in m["entries"]} == {"gemv", "gemv_act_mul"}
+    assert m["entries"] and {e["template"] for e in m["entries"]} == {"gemv", "gemv_gated"}
     for e in m["entries"]:
         assert e["phase"] == "short" and e["shape_key"].startswith("short|") and e["current_tune"] == {}
 

@@ -147,6 +147,28 @@ def fuse_act_mul(state):
                 break
 
 
+def fuse_linear_epilogue(state):
+    """act_mul(linear(x, w_gate_up[, b])) -> linear_gated(x, w_gate_up[, b]): the gated activation
+    moves into the gate|up GEMM's epilogue, so the down projection after it stays a plain linear
+    (fuse_linear_prologue then finds no act_mul to take). A linear with fp32 partial sums (a
+    row-parallel one) is left alone: its activation must wait for the all-reduce."""
+    for g in state.graph.walk():
+        for act in [n for n in g.ordered() if n.op == "act_mul"]:
+            lin = g.producer(act.inputs[0])
+            if lin is None or lin.op != "linear" or lin.attrs.get("out_dtype") \
+                    or _single_user(g, act.inputs[0]) is None:
+                continue
+            out = _new(g, "act", act.line)
+            attrs = {"fn": act.attrs["fn"], "has_bias": bool(lin.attrs.get("has_bias"))}
+            g.add_node(Node(g.new_node_id("linear_gated"), "linear_gated", list(lin.inputs), [out],
+                            attrs, lin.line, fused_from=lin.fused_from + act.fused_from),
+                       before=lin.id)
+            g.replace_uses(act.outputs[0], out)
+            g.remove_node(act.id)
+            g.remove_node(lin.id)
+            state.note("fuse_linear_epilogue", f"{g.name}: line {lin.line}")
+
+
 def fuse_linear_prologue(state):
     """linear(act_mul(gu), w[, b]) -> linear_act_mul(gu, w[, b]): the activation moves into the
     GEMM's input load, so the [T, F] intermediate is never written."""
