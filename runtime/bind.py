@@ -135,11 +135,23 @@ class KernelInfo:
         # backends report static `shared` and `dynamic_shared` apart
         self.shared = int(info["dynamic_shared"] if "dynamic_shared" in info else info.get("shared", 0))
         self.hidden_args = int(info.get("hidden_args", 0))
+        # bytes of Triton's global scratch per program (e.g. TMA descriptors made on the device)
         self.global_scratch = int(info.get("global_scratch_size", 0))
 
-    def arg_lists(self, values: list) -> tuple[list, list]:
-        """(values, types) to pack: the META params', then the hidden pointers (null)."""
-        if self.global_scratch:
-            raise RuntimeError(f"kernel {self.id} needs Triton global scratch: not supported yet")
-        return (list(values) + [0] * self.hidden_args,
-                param_types(self.meta) + ["*i8"] * self.hidden_args)
+    def global_scratch_bytes(self, dims: dict) -> int:
+        """The global scratch a launch at these step dims needs: one slot per program (0 if none).
+        Allocate it for the largest dims: a grid only shrinks with T and B."""
+        if not self.global_scratch:
+            return 0
+        gx, gy, gz = grid(self.meta, dims)
+        return self.global_scratch * gx * gy * gz
+
+    def arg_lists(self, values: list, global_scratch: int = 0) -> tuple[list, list]:
+        """(values, types) to pack: the META params', then the hidden pointers: the global scratch
+        (Triton's first hidden argument; a device address from global_scratch_bytes), the rest
+        null."""
+        if self.global_scratch and not global_scratch:
+            raise RuntimeError(f"kernel {self.id} needs its Triton global scratch "
+                               f"({self.global_scratch} bytes a program): pass global_scratch")
+        hidden = ([global_scratch] + [0] * (self.hidden_args - 1)) if self.hidden_args else []
+        return (list(values) + hidden, param_types(self.meta) + ["*i8"] * self.hidden_args)

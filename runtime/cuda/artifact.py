@@ -18,9 +18,10 @@ class KernelFn(KernelInfo):
         super().__init__(kid, meta, info)
         self.fn = fn
 
-    def pack(self, values: list) -> PackedArgs:
-        """The resolved META params (bind.Resolver) packed once, with Triton's hidden pointers."""
-        return PackedArgs(*self.arg_lists(values))
+    def pack(self, values: list, global_scratch: int = 0) -> PackedArgs:
+        """The resolved META params (bind.Resolver) packed once, with Triton's hidden pointers
+        (global_scratch: the kernel's global scratch address, if it has one)."""
+        return PackedArgs(*self.arg_lists(values, global_scratch))
 
 
 def load_plan(artifact: Path) -> dict:

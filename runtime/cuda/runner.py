@@ -98,11 +98,14 @@ class CudaRunner:
             raise ValueError(f"the plan's step metadata {unknown} is not built by this runner")
         self.meta = {n: self.ctx.alloc(self._meta_bytes(m)) for n, m in plan["step_metadata"].items()}
         self.scratch = {}
+        self.global_scratch = {}                   # kernel id -> Triton's global scratch
         for kid, k in self.kernels.items():
             for name, nbytes in scratch_sizes(k.meta, dims).items():
                 ptr = self.ctx.alloc(nbytes)
                 self.ctx.memset(ptr, nbytes)
                 self.scratch[(kid, name)] = ptr
+            if k.global_scratch:
+                self.global_scratch[kid] = self.ctx.alloc(k.global_scratch_bytes(dims))
         self._alloc_kv(gpu_memory_utilization, num_pages, agree_num_pages)
         self._logits_host = None                    # pinned on first `logits()` (tests, tools)
         self.sampler = (GpuSampler(self.ctx, self.kernels, plan["sampler"], self.max_seqs, self.vocab_size)
@@ -196,7 +199,8 @@ class CudaRunner:
             k = self.kernels[launch["kernel_id"]]
             values = resolver.values(k.meta, launch["inputs"], launch["outputs"], layer, k.id)
             dep = DependentLaunch(self.ctx, k.block, k.shared) if self.pdl and k.meta.get("pdl") else None
-            out.append((k, grid_code(k.meta), k.pack(values), dim_slots(k.meta), dep))
+            out.append((k, grid_code(k.meta), k.pack(values, self.global_scratch.get(k.id, 0)),
+                        dim_slots(k.meta), dep))
         return out
 
     def _launch_all(self, bound, dims: dict, on_launch=None):

@@ -337,8 +337,6 @@ class _Cand:
         ctx, meta = case.ctx, cand["meta"]
         kid = cand["kernel"]
         k = KernelInfo(kid, meta, info=json.loads((bin_dir / f"{kid}.json").read_text()))
-        if k.global_scratch:
-            raise RuntimeError("needs Triton global scratch (not supported by the runtime)")
         self.block, self.shared = k.block, k.shared
         self.fn = drv.Module((bin_dir / f"{kid}.cubin").read_bytes()).function(k.info["name"], self.shared)
         self.grid = launch_grid(meta, case.dims)
@@ -349,7 +347,8 @@ class _Cand:
             self.scratch_bytes[name] = max(nbytes, 4)
             self.scratch[name] = case._alloc(self.scratch_bytes[name])
             ctx.memset(self.scratch[name], self.scratch_bytes[name], 0)
-        self.args = [drv.PackedArgs(*k.arg_lists(case.values(meta, self.scratch, c, kid)))
+        gscratch = case._alloc(k.global_scratch_bytes(case.dims)) if k.global_scratch else 0
+        self.args = [drv.PackedArgs(*k.arg_lists(case.values(meta, self.scratch, c, kid), gscratch))
                      for c in range(case.copies)]
         self.samples: list[float] = []
         self.graph = None

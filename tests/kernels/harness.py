@@ -45,6 +45,16 @@ def _round_to_nearest_bf16():
 
 _round_to_nearest_bf16()
 
+
+def _host_allocator():
+    """Kernels that make TMA descriptors on the device (the GEMM's) keep them in Triton's global
+    scratch; under the interpreter that is host memory from this allocator."""
+    import triton
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8))
+
+
+_host_allocator()
+
 _modules = {}
 TORCH = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32, "f16": torch.float16}
 

@@ -94,6 +94,17 @@ def test_gemm_gated(T, F, K, tune, splits, bias, fn):
     assert grid(k.meta, {"T": T, "B": 1})[1] == splits
 
 
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("over,loop", [({"NUM_SMS": 3}, "tma persistent"), ({"PERSISTENT": 0}, "tma"),
+                                       ({"TMA": 0}, "pointers")])
+def test_gemm_gated_tile_loops(over, loop, bias):
+    """The gated tile (gate rows, then their up rows) through each form of the tile loop: a TMA
+    box of W seen as [2, F, K], persistent or not, and pointer loads."""
+    k, _ = _case("gemm_gated", "prefill", 45, 70, 96, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, **over},
+                 "silu", bias)
+    assert ("make_tensor_descriptor" in k.source) == (loop != "pointers")
+
+
 @pytest.mark.parametrize("fn", ACTS)
 def test_gemm_gated_every_activation(fn):
     _case("gemm_gated", "prefill", 17, 50, 72, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32}, fn, True)

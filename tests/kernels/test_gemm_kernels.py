@@ -87,6 +87,46 @@ def test_gemm(T, N, K, tune, splits):
     assert rel_err(f32(y), want) <= TOL
 
 
+# The tile loop's three forms: TMA descriptors with persistent programs (the default where the
+# rows are 16-byte aligned), TMA with a program per tile, pointer loads. NUM_SMS 3 makes each
+# persistent program take several tiles; K = 300 is not 16-byte aligned (pointer loads).
+TILE_LOOPS = [({"NUM_SMS": 3}, "tma persistent"), ({"PERSISTENT": 0}, "tma"), ({"TMA": 0}, "pointers")]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("over,loop", TILE_LOOPS, ids=[c[1] for c in TILE_LOOPS])
+@pytest.mark.parametrize("T,N,K", [(70, 130, 200), (37, 100, 72), (1, 40, 64)])
+def test_gemm_tile_loops(T, N, K, over, loop, bias):
+    gen = np.random.default_rng(T + N + K)
+    arrays = [rand((T, K), gen=gen), rand((N, K), gen=gen, scale=K ** -0.5)]
+    inputs = [("x", ["T", K], "bf16"), ("w", [N, K], "bf16", "weight")]
+    if bias:
+        arrays.append(rand((N,), gen=gen, scale=0.3))
+        inputs.append(("b", [N], "bf16", "weight"))
+    k = render("gemm", "linear", inputs, [("y", ["T", N], "bf16")], attrs={"has_bias": bias}, phase="prefill",
+               tune={"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2, **over})
+    assert ("make_tensor_descriptor" in k.source) == (loop != "pointers")
+    assert ("flatten=True" in k.source) == (loop == "tma persistent")
+    tiles = -(-T // 32) * -(-N // 32)
+    assert grid(k.meta, {"T": T, "B": 1})[0] == (min(3, tiles) if loop == "tma persistent" else tiles)
+    y = poison((T, N))
+    run(k, {f"in:{i}": a for i, a in enumerate(arrays)} | {"out:0": y}, {"T": T, "B": 1})
+    want = REGISTRY["linear"].reference(None, *[f32(a) for a in arrays], has_bias=bias)
+    assert rel_err(f32(y), want) <= TOL
+
+
+def test_gemm_keeps_pointer_loads_where_tma_cannot_go():
+    """Rows not 16-byte aligned (K = 300), and split-K, load through pointers."""
+    x, w = [("x", ["T", 300], "bf16"), ("w", [64, 300], "bf16", "weight")], [("y", ["T", 64], "bf16")]
+    assert "make_tensor_descriptor" not in render("gemm", "linear", x, w, phase="prefill").source
+    split = render("gemm", "linear", [("x", ["T", 256], "bf16"), ("w", [64, 256], "bf16", "weight")], w,
+                   phase="prefill", tune={"SPLIT_K": 2})
+    assert "make_tensor_descriptor" not in split.source and "part_ptr" in split.source
+    aligned = render("gemm", "linear", [("x", ["T", 256], "bf16"), ("w", [64, 256], "bf16", "weight")], w,
+                     phase="prefill")
+    assert "make_tensor_descriptor" in aligned.source
+
+
 ACTS = sorted(ACTIVATIONS)
 
 
