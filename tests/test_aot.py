@@ -70,3 +70,25 @@ def test_cold_build_rebuild_and_template_edit(tmp_path, fresh_cache, monkeypatch
     kernels = build_mod.generate(plan2, tmp_path / "edited")
     res = aot.compile_kernels(kernels, tmp_path / "edited" / "bin", progress=False)
     assert res["compiled"] and all(k.startswith("fill_zero_") for k in res["compiled"])
+
+
+def test_a_kernel_past_the_shared_memory_limit_is_refused_at_build():
+    """A kernel that compiles but needs more shared memory than one block may have would fail
+    only on the GPU (cuFuncSetAttribute); the build names it instead."""
+    aot.check_shared({"shared": 232448}, "sm_90", "fits")
+    with pytest.raises(RuntimeError, match=r"gemm .*278552 bytes.*sm_90's 232448"):
+        aot.check_shared({"shared": 278552}, "sm_90", "gemm (triton, k)")
+    with pytest.raises(RuntimeError, match="166912"):
+        aot.check_shared({"dynamic_shared": 200000, "shared": 0}, "sm_80", "a cuda kernel")
+
+
+def test_fp32_output_gemms_take_one_program_per_tile():
+    """A persistent GEMM cannot reuse its pipeline buffers for the epilogue: with an fp32 output
+    tile (logits, row-parallel partials) that passed the limit (278 KB on an H100), so those
+    launch one program per tile; bf16 outputs stay persistent."""
+    from kernels.harness import render as render_kernel
+    args = [("x", ["T", 2560], "bf16"), ("w", [151936, 2560], "bf16", "weight")]
+    f32 = render_kernel("gemm", "linear", args, [("y", ["T", 151936], "f32")], phase="prefill")
+    bf16 = render_kernel("gemm", "linear", args, [("y", ["T", 151936], "bf16")], phase="prefill")
+    assert "make_tensor_descriptor" in f32.source and "flatten=True" not in f32.source
+    assert "flatten=True" in bf16.source and f32.meta["grid"][0].startswith("cdiv(")

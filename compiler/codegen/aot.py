@@ -46,6 +46,18 @@ def cache_key(kernel, target: str) -> str:
     return h.hexdigest()[:24]
 
 
+# The most shared memory one block may use, by architecture (the opt-in maximum): a kernel past
+# it compiles but cannot launch (cuFuncSetAttribute fails on the GPU), so the build refuses it.
+MAX_SHARED = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
+
+
+def check_shared(info: dict, target: str, what: str):
+    limit = MAX_SHARED.get(_arch_number(target))
+    if limit is not None and int(info.get("dynamic_shared", info.get("shared", 0))) > limit:
+        raise RuntimeError(f"{what}: needs {info.get('dynamic_shared', info.get('shared'))} bytes of shared "
+                           f"memory, past {target}'s {limit}: smaller tiles or fewer stages (its tune)")
+
+
 def _arch_number(target: str) -> int:
     m = re.fullmatch(r"sm_(\d+)a?", target)
     if not m:
@@ -98,7 +110,9 @@ def compile_one(backend: str, source: str, meta: dict, target: str, key: str) ->
     out = CACHE / key
     done = out / "kernel.json"
     if done.exists():
-        return json.loads(done.read_text())
+        info = json.loads(done.read_text())
+        check_shared(info, target, f"{meta.get('entry', 'kernel')} ({backend}, {key})")
+        return info
     tmp = CACHE / f"{key}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -113,6 +127,7 @@ def compile_one(backend: str, source: str, meta: dict, target: str, key: str) ->
         cubin, info = compile_tilelang(source, meta, target, tmp)
     else:
         raise ValueError(f"unknown backend '{backend}'")
+    check_shared(info, target, f"{meta.get('entry', 'kernel')} ({backend}, {key})")
     info["compile_s"] = round(time.perf_counter() - t0, 2)
     info["aot_revision"] = AOT_REVISION
     (tmp / "kernel.cubin").write_bytes(cubin)
