@@ -62,7 +62,10 @@ _LM_DOT = [{"BLOCK_N_DOT": 64}, {"BLOCK_N_DOT": 256}, {"BLOCK_T": 16}, {"BLOCK_K
            {"num_warps": 8}, {"num_stages": 2}]
 _GEMM = [{"BLOCK_N": 128}, {"BLOCK_N": 256}, {"BLOCK_M": 64}, {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4},
          {"BLOCK_K": 32}, {"BLOCK_K": 128, "BLOCK_N": 128, "num_stages": 2}, {"GROUP_M": 4},
-         {"GROUP_M": 16}, {"num_stages": 3}, {"num_stages": 4}, {"num_warps": 4}]
+         {"GROUP_M": 16}, {"num_stages": 3}, {"num_stages": 4}, {"num_warps": 4},
+         # the tile loop (TMA persistent by default): bench/experiments/gemm_tma.py found one
+         # program per tile faster for the narrow down projection at T = 1024
+         {"PERSISTENT": 0}, {"TMA": 0}, {"BLOCK_N": 256, "PERSISTENT": 0}]
 _ATTN_DECODE = [{"BLOCK_N": 32}, {"BLOCK_N": 128}, {"NUM_SPLITS": 16}, {"NUM_SPLITS": 64},
                 {"TARGET_CTAS": 132}, {"TARGET_CTAS": 528}, {"MERGE_CHUNK": 4}, {"num_warps": 2},
                 {"num_warps": 8}, {"num_stages": 1}, {"num_stages": 3}]
@@ -74,6 +77,11 @@ _ATTN_MIXED = [{"SPLIT_BLOCK_N": 32}, {"SPLIT_BLOCK_N": 128}, {"SPLIT_MIN_KEYS":
                {"SPLIT_MIN_KEYS": 1024}, {"num_warps": 4}, {"num_warps": 4, "SPLIT_BLOCK_N": 128},
                {"num_stages": 2}, {"num_stages": 1}, {"TARGET_CTAS": 528}, {"NUM_SPLITS": 64},
                {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4}]
+# latent_attention_decode (DeepSeek's absorbed MLA over the latent cache): 33.6 us a layer at
+# 1k cached tokens on an H100 (bench/NOTES.md issue 13), its 32 splits merged by one program
+_LATENT_DECODE = [{"NUM_SPLITS": 8}, {"NUM_SPLITS": 16}, {"NUM_SPLITS": 64}, {"BLOCK_N": 64},
+                  {"TARGET_CTAS": 132}, {"TARGET_CTAS": 528}, {"MERGE_CHUNK": 4}, {"MERGE_CHUNK": 16},
+                  {"num_warps": 4}, {"num_stages": 3}]
 _NORM = [{"num_warps": 2}, {"num_warps": 4}, {"num_warps": 8}, {"num_warps": 16}]
 _QK_ROPE = [{"BLOCK_H": 1}, {"BLOCK_H": 4}, {"BLOCK_H": 8}, {"BLOCK_T": 2}, {"BLOCK_T": 8},
             {"num_warps": 1}, {"num_warps": 2}, {"num_warps": 4}]
@@ -141,6 +149,7 @@ GRIDS = {
     ("triton", "gemm_act_mul"): lambda rows: _GEMM,
     ("triton", "gemm_gated"): lambda rows: _GEMM,
     ("triton", "attention_decode"): lambda rows: _ATTN_DECODE,
+    ("triton", "latent_attention_decode"): lambda rows: _LATENT_DECODE,
     ("triton", "attention_prefill"): lambda rows: _ATTN_PREFILL,
     ("triton", "attention_mixed"): lambda rows: _ATTN_MIXED,
     ("triton", "add_rms_norm"): lambda rows: _NORM,
