@@ -21,6 +21,12 @@ def _fn(attrs, who):
         expect(False, f"{who}: {e}")
 
 
+def _bias(types, attrs, n: int, who: str):
+    """An optional bias (attrs has_bias, the input after the weight) must be [n]."""
+    if attrs.get("has_bias"):
+        expect(len(types) == 3 and types[2].shape == (n,), f"{who} bias must be [{n}], got {types[2:]}")
+
+
 def act_mul_infer(types, attrs):
     (gu,) = types
     _fn(attrs, "act_mul")
@@ -42,9 +48,7 @@ def linear_act_mul_infer(types, attrs):
     gu, w = types[:2]
     _fn(attrs, "linear_act_mul")
     expect(gu.shape[-1] == 2 * w.shape[1], f"gate_up width {gu.shape[-1]} != 2 x weight K {w.shape[1]}")
-    if attrs.get("has_bias"):
-        expect(len(types) == 3 and types[2].shape == (w.shape[0],),
-               f"linear_act_mul bias must be [{w.shape[0]}], got {types[2:]}")
+    _bias(types, attrs, w.shape[0], "linear_act_mul")
     return [tt(gu.shape[:-1] + (w.shape[0],), out_dtype(gu, attrs))]
 
 
@@ -70,9 +74,7 @@ def linear_gated_infer(types, attrs):
            f"linear_gated weight must be [2F, K] (gate rows, then up rows), got {w}")
     expect(x.shape[-1] == w.shape[1], f"linear_gated: input {x} has K={x.shape[-1]} but weight {w} "
                                       f"has K={w.shape[1]}")
-    if attrs.get("has_bias"):
-        expect(len(types) == 3 and types[2].shape == (w.shape[0],),
-               f"linear_gated bias must be [{w.shape[0]}], got {types[2:]}")
+    _bias(types, attrs, w.shape[0], "linear_gated")
     return [tt(x.shape[:-1] + (w.shape[0] // 2,), x.dtype)]
 
 

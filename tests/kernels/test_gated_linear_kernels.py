@@ -15,6 +15,7 @@ from infc.compiler.ops.activation import ACTIVATIONS
 
 from .harness import bf16, poison, rand, rel_err, render, run
 from .test_gemm_kernels import ACTS, check_scratch_zero, f32
+from .test_gemm_kernels import GEMV_CASES as GEMM_GEMV_CASES
 
 TOL = 1e-2
 
@@ -42,16 +43,9 @@ def _case(template, phase, T, F, K, tune, fn, bias, B=1):
     return k, scratch
 
 
-# (T, F, K, tune, path): F and K not multiples of the blocks
-GEMV_CASES = [
-    (1, 50, 72, {"BLOCK_N": 16, "BLOCK_K": 16, "FMA_BLOCK_K": 32, "SPLIT_K": 3}, "fma+split"),
-    (3, 50, 72, {"BLOCK_N": 32, "BLOCK_K": 16, "FMA_BLOCK_K": 16, "BLOCK_T": 16, "FMA_T": 4}, "fma rows"),
-    (5, 48, 136, {"BLOCK_N": 16, "BLOCK_N_DOT": 32, "BLOCK_K": 32, "FMA_BLOCK_K": 32, "BLOCK_T": 16,
-                  "SPLIT_K_DOT": 4}, "dot+split"),
-    (17, 50, 136, {"BLOCK_N": 32, "BLOCK_N_DOT": 16, "BLOCK_K": 32, "FMA_BLOCK_K": 16, "BLOCK_T": 16,
-                   "SPLIT_K_DOT": 4}, "dot 2 row blocks+split"),
-    (2, 65, 256, {}, "defaults"),
-]
+# test_gemm_kernels' GEMV cases (T, N, K, tune, path) with F = N / 2 output columns: F and K are
+# not multiples of the blocks, and every GEMV path is taken
+GEMV_CASES = [(T, N // 2, K, tune, path) for T, N, K, tune, path in GEMM_GEMV_CASES]
 
 
 @pytest.mark.parametrize("fn", ["silu", "gelu_tanh"])
