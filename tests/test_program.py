@@ -137,6 +137,41 @@ def test_kernel_info_appends_the_hidden_pointers():
                    {"name": "e", "num_warps": 4, "shared": 128, "hidden_args": 2})
     assert k.block == (128, 1, 1) and k.shared == 128
     assert k.arg_lists([11, 3]) == ([11, 3, 0, 0], ["*bf16", "i32", "*i8", "*i8"])
-    g = KernelInfo("kid", {"params": []}, {"name": "e", "num_warps": 4, "global_scratch_size": 64})
+    g = KernelInfo("kid", {"params": [["n", "i32", "dim:T"]], "grid": ["min(132, cdiv(T, 128) * 3)", 2, 1]},
+                   {"name": "e", "num_warps": 4, "global_scratch_size": 256, "hidden_args": 2})
     with pytest.raises(RuntimeError, match="global scratch"):
-        g.arg_lists([])
+        g.arg_lists([5])
+    # TMA descriptors live there: one 256-byte slot per program of the grid at the given dims
+    assert g.global_scratch_bytes({"T": 200, "B": 1}) == 256 * 6 * 2
+    assert g.global_scratch_bytes({"T": 8192, "B": 1}) == 256 * 132 * 2
+    assert k.global_scratch_bytes({"T": 8192, "B": 1}) == 0
+    # the address is Triton's first hidden argument, the profile scratch stays null
+    assert g.arg_lists([5], global_scratch=0xABC0) == ([5, 0xABC0, 0], ["i32", "*i8", "*i8"])
+
+
+def test_the_runner_binds_each_kernels_global_scratch():
+    """A kernel with Triton global scratch (the TMA GEMM) is packed with its own allocation as the
+    first hidden argument; the others with null."""
+    from infc.runtime.cuda import runner as runner_mod
+
+    packed = {}
+
+    class Kernel(KernelInfo):
+        def pack(self, values, global_scratch=0):
+            packed[self.id] = self.arg_lists(values, global_scratch)
+            return self.id
+
+    meta = {"params": [["x", "*bf16", "in:0"]], "grid": ["min(132, cdiv(T, 128))", 1, 1]}
+    kernels = {"tma": Kernel("tma", meta, {"name": "a", "num_warps": 8, "global_scratch_size": 256,
+                                            "hidden_args": 2}),
+               "plain": Kernel("plain", meta, {"name": "b", "num_warps": 4, "hidden_args": 2})}
+    r = object.__new__(runner_mod.CudaRunner)
+    r.plan = {"buffers": {"h": {}}, "step_metadata": {},
+              "programs": {"prefill": [{"op": "linear", "kernel_id": k, "backend": "triton", "inputs": ["h"],
+                                        "outputs": []} for k in kernels]}}
+    r.kernels, r.pdl, r.meta, r.max_pages_per_seq = kernels, False, {}, 1
+    r.caches = type("NoCaches", (), {"ptr": staticmethod(lambda name, layer: 0)})()
+    r.global_scratch, r.scratch = {"tma": 0x7000}, {}
+    r._buffer_ptr = lambda name: 0x100
+    assert [b[2] for b in r.bind("prefill")] == ["tma", "plain"]
+    assert packed["tma"][0] == [0x100, 0x7000, 0] and packed["plain"][0] == [0x100, 0, 0]
