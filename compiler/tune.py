@@ -52,14 +52,19 @@ _GEMV_FMA = [{"BLOCK_N": 16}, {"TARGET_CTAS": 528}, {"FMA_BLOCK_K": 128},
              {"num_stages": 2}]
 _GEMV_DOT = [{"BLOCK_N_DOT": 128}, {"BLOCK_T": 16}, {"BLOCK_T": 32}, {"BLOCK_K": 128},
              {"TARGET_CTAS_DOT": 528}, {"BLOCK_N_DOT": 32}, {"TARGET_CTAS_DOT": 132},
-             {"SPLIT_K_DOT": 1}, {"num_stages": 3}, {"num_warps": 8}]
+             {"SPLIT_K_DOT": 1}, {"num_stages": 3}, {"num_warps": 8},
+             # a saturated server's decode (~250 rows): every BLOCK_T-row block streams W again,
+             # from HBM once W passes L2 (gate|up's 100 MB at 255 rows took 113 us on an H100)
+             {"BLOCK_T": 64}, {"BLOCK_T": 128, "num_warps": 8}]
 _GEMV_FMA_T = [{"FMA_T": 2, "FMA_BLOCK_K": 128}, {"FMA_T": 4, "BLOCK_N": 16, "FMA_BLOCK_K": 128}]
 # lm_head_last cannot split K (its norm scale closes the K loop) and has a huge N
 _LM_FMA = [{"BLOCK_N": 8}, {"BLOCK_N": 32, "FMA_BLOCK_K": 256}, {"FMA_BLOCK_K": 256},
            {"FMA_BLOCK_K": 1024}, {"num_warps": 8}, {"num_warps": 2}, {"num_stages": 2},
            {"num_stages": 4}]
 _LM_DOT = [{"BLOCK_N_DOT": 64}, {"BLOCK_N_DOT": 256}, {"BLOCK_T": 16}, {"BLOCK_K": 128},
-           {"num_warps": 8}, {"num_stages": 2}]
+           {"num_warps": 8}, {"num_stages": 2},
+           # 255 rows re-read the 778 MB vocabulary matrix per 32-row block: 1.2 ms on an H100
+           {"BLOCK_T": 64}, {"BLOCK_T": 128}]
 _GEMM = [{"BLOCK_N": 128}, {"BLOCK_N": 256}, {"BLOCK_M": 64}, {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4},
          {"BLOCK_K": 32}, {"BLOCK_K": 128, "BLOCK_N": 128, "num_stages": 2}, {"GROUP_M": 4},
          {"GROUP_M": 16}, {"num_stages": 3}, {"num_stages": 4}, {"num_warps": 4},
