@@ -149,7 +149,7 @@ def test_kernel_info_appends_the_hidden_pointers():
     assert g.arg_lists([5], global_scratch=0xABC0) == ([5, 0xABC0, 0], ["i32", "*i8", "*i8"])
 
 
-def test_the_runner_binds_each_kernels_global_scratch():
+def test_the_runner_binds_each_kernels_global_scratch(fake_driver):
     """A kernel with Triton global scratch (the TMA GEMM) is packed with its own allocation as the
     first hidden argument; the others with null."""
     from infc.runtime.cuda import runner as runner_mod
