@@ -140,7 +140,7 @@ class KernelInfo:
 
     def global_scratch_bytes(self, dims: dict) -> int:
         """The global scratch a launch at these step dims needs: one slot per program (0 if none).
-        Allocate it for the largest dims: a grid only shrinks with T and B."""
+        Allocate it for the largest dims: no grid grows as T and B shrink."""
         if not self.global_scratch:
             return 0
         gx, gy, gz = grid(self.meta, dims)
