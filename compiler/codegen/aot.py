@@ -109,9 +109,10 @@ def compile_one(backend: str, source: str, meta: dict, target: str, key: str) ->
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     out = CACHE / key
     done = out / "kernel.json"
+    what = f"{meta.get('entry', 'kernel')} ({backend}, {key})"
     if done.exists():
         info = json.loads(done.read_text())
-        check_shared(info, target, f"{meta.get('entry', 'kernel')} ({backend}, {key})")
+        check_shared(info, target, what)
         return info
     tmp = CACHE / f"{key}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -127,7 +128,7 @@ def compile_one(backend: str, source: str, meta: dict, target: str, key: str) ->
         cubin, info = compile_tilelang(source, meta, target, tmp)
     else:
         raise ValueError(f"unknown backend '{backend}'")
-    check_shared(info, target, f"{meta.get('entry', 'kernel')} ({backend}, {key})")
+    check_shared(info, target, what)
     info["compile_s"] = round(time.perf_counter() - t0, 2)
     info["aot_revision"] = AOT_REVISION
     (tmp / "kernel.cubin").write_bytes(cubin)
