@@ -146,8 +146,9 @@ class BlockManager:
         return True
 
     def commit(self, seq: Sequence):
-        """After a step: offer the sequence's newly full, computed blocks to the prefix cache."""
-        full = seq.num_computed_tokens // self.page_size
+        """After a step: offer the sequence's newly full, computed blocks to the prefix cache (those
+        whose token ids are all known: a pending token's block waits for it)."""
+        full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.page_size
         if not self.enable_prefix_caching or full <= seq.num_committed_blocks:
             return
         for i, h in enumerate(self._hashes(seq, full)[seq.num_committed_blocks:], seq.num_committed_blocks):

@@ -8,7 +8,18 @@
 It owns the requests, their stop conditions and detokenization; the scheduler decides what runs,
 the block manager where its KV lives, and the runner (CPU reference or GPU) computes the step
 and samples. Not thread-safe: AsyncEngine drives it from a single thread.
+
+Overlapped steps (a runner with `can_overlap`; INFC_OVERLAP=0 turns it off): step() schedules and
+launches step N + 1 before it reads step N's samples back, so the host's work between steps
+(scheduling, building the metadata, appending tokens, stop checks, detokenizing) runs while the
+GPU computes. A sequence that samples in step N is scheduled in step N + 1 with its new token
+still on the device (`Sequence.pending`; the runner copies it into the step's token ids there),
+and step() returns step N's outputs. A sequence that stops at step N has computed one token too
+many in step N + 1, which is dropped; one whose next token is its last (max_tokens, the context
+length) is not scheduled again (`Sequence.final`). A step whose rows ask for logprobs is read
+back at once (its rows are copied whole).
 """
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -95,9 +106,15 @@ class Request:
 class Engine:
     def __init__(self, runner, tokenizer=None, eos_ids=(), max_model_len: int = 1 << 30,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 enable_prefix_caching: bool = True, log=None):
-        """log(line): where startup notes go (infc/backend.py passes its printer)."""
+                 enable_prefix_caching: bool = True, log=None, overlap: bool | None = None):
+        """log(line): where startup notes go (infc/backend.py passes its printer).
+        overlap: overlapped steps (see above); default on where the runner can, unless
+        INFC_OVERLAP=0."""
         self.runner, self.tokenizer = runner, tokenizer
+        if overlap is None:
+            overlap = os.environ.get("INFC_OVERLAP", "1") != "0"
+        self.overlap = bool(overlap and getattr(runner, "can_overlap", False))
+        self.in_flight = None                    # overlapped: (batch, rows, the runner's handle)
         self.eos_ids = set(eos_ids)
         self.max_model_len = max_model_len
         self.page_size = runner.page_size
@@ -180,36 +197,74 @@ class Engine:
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        """Run a step; the outputs of the step (overlapped: of the step before) that sampled."""
         batch = self.scheduler.schedule()
         self.metrics.num_preemptions_total = self.scheduler.num_preemptions
-        if not batch:
+        if not batch and self.in_flight is None:
             if self.scheduler.has_work():
                 raise RuntimeError("the scheduler made no progress with work waiting (a bug)")
             return []
+        launched = self._launch(batch) if batch else None
+        outputs = self._collect(*self.in_flight) if self.in_flight is not None else []
+        self.in_flight = launched
+        if launched is not None and (not self.overlap or getattr(launched[2], "blocking", False)):
+            outputs += self._collect(*launched)
+            self.in_flight = None
+        self._gauges()
+        return outputs
+
+    def _launch(self, batch) -> tuple:
+        """Issue a step (overlapped: its tokens not read yet): (batch, rows, handle)."""
         now = time.monotonic()
-        chunks, rows = [], []
+        chunks, rows, feed = [], [], []
+        at = 0                                      # the chunk's first row among the step's tokens
         for seq, n in batch:
             start = seq.num_computed_tokens
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
-            chunks.append(Chunk(seq.seq_id, seq.token_ids[start:start + n], start))
+            tokens = seq.token_ids[start:start + n]
+            if len(tokens) < n:                     # its last token is still on the device
+                assert seq.pending == 1 and len(tokens) == n - 1, seq
+                feed.append((at + n - 1, seq.pending_row))
+                tokens.append(0)
+            chunks.append(Chunk(seq.seq_id, tokens, start))
             samples_now = start + n == seq.num_tokens
             rows.append(RowSampling(seq.params, seq.seed, seq.num_output_tokens, self._banned(seq))
                         if samples_now else None)
+            at += n
         pages = {seq.seq_id: seq.pages for seq, _ in batch}
         slots = {seq.seq_id: seq.slot for seq, _ in batch} if self.num_slots else None
         meta = build_step(chunks, pages.__getitem__, self.page_size,
                           slot_of=slots.__getitem__ if slots else None)
-        samples = self.runner.execute(meta, rows)
+        if self.overlap:
+            handle = self.runner.launch(meta, rows, feed)
+        else:
+            handle = self.runner.execute(meta, rows)
+        for b, ((seq, n), row) in enumerate(zip(batch, rows)):
+            seq.num_computed_tokens += n
+            if row is not None:
+                seq.pending += 1
+                seq.pending_row = b
+                p = seq.params
+                seq.final = ((p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens)
+                             or seq.num_tokens >= self.max_model_len)
+        return batch, rows, handle
 
+    def _collect(self, batch, rows, handle) -> list[StepOutput]:
+        """Read a launched step's samples back; append them, check stops, offer full blocks."""
+        samples = self.runner.collect(handle) if self.overlap else handle
         now = time.monotonic()
         outputs = []
         for (seq, n), sample in zip(batch, samples):
-            seq.num_computed_tokens += n
+            if sample is not None:
+                seq.pending -= 1
+            if seq.finished:                        # stopped at the step before, or aborted
+                continue
+            if sample is not None:
+                seq.token_ids.append(sample.token)
             self.bm.commit(seq)
             if sample is not None:
                 outputs.append(self._append(seq, sample, now))
-        self._gauges()
         return outputs
 
     def _banned(self, seq: Sequence) -> tuple:
@@ -219,9 +274,9 @@ class Engine:
         return tuple(sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)))
 
     def _append(self, seq: Sequence, sample, now: float) -> StepOutput:
+        """Account for a token just appended to seq.token_ids."""
         req = self.requests[seq.request_id]
         tok = sample.token
-        seq.token_ids.append(tok)
         m = self.metrics
         m.generation_tokens_total += 1
         if seq.first_token_time is None:
@@ -263,7 +318,8 @@ class Engine:
     def _check_stop(self, seq: Sequence, tok: int) -> str | None:
         """Stop conditions after appending tok; detokenizes tok unless it is a stop token."""
         p = seq.params
-        may_stop = seq.num_output_tokens > p.min_tokens     # the first min_tokens never stop
+        outputs = len(seq.token_ids) - seq.num_prompt_tokens   # read back so far (not pending)
+        may_stop = outputs > p.min_tokens     # the first min_tokens never stop
         if may_stop and ((tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids):
             seq.stop_reason = tok if tok in p.stop_token_ids else None
             return "stop"                         # the stop token's text is not part of the output
@@ -279,8 +335,8 @@ class Engine:
                     seq.text = seq.text[:at]
                     seq.stop_reason = s
                     return "stop"
-        if (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or \
-                seq.num_tokens >= self.max_model_len:
+        if (p.max_tokens is not None and outputs >= p.max_tokens) or \
+                len(seq.token_ids) >= self.max_model_len:
             return "length"
         return None
 

@@ -2,8 +2,11 @@
 
 A runner owns the weights, the paged KV cache and the kernels (or, on the CPU, the numpy
 reference executor). The engine owns everything else: which sequences run, their pages, their
-stop conditions. Both the CPU and the CUDA runner implement `execute`.
+stop conditions. Both the CPU and the CUDA runner implement `execute`, and `launch` / `collect`
+(`can_overlap`): a step issued now whose samples are read later, so that the engine prepares
+the next step while this one runs (engine.Engine, overlap).
 """
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,7 +31,42 @@ class Sample:
     top: list | None = None   # [(token, logprob)] when logprobs were asked for
 
 
-class CPURunner:
+@dataclass
+class ComputedStep:
+    """A step ComputedAtLaunch ran at launch: its samples and how long that took."""
+    meta: StepMeta
+    samples: list
+    seconds: float
+
+    def gpu_ms(self) -> float:
+        return self.seconds * 1e3
+
+
+class ComputedAtLaunch:
+    """The overlapped interface (launch / collect) over `execute`, computed at once: the engine's
+    bookkeeping for overlapped steps (tokens fed from the step before, samples read one step
+    late) then runs on the CPU exactly as on the GPU, where tests check it against `execute`."""
+    can_overlap = True
+    _last = None
+
+    def launch(self, meta: StepMeta, sampling: list, feed=()) -> ComputedStep:
+        """feed: (row, prev_row) pairs: token `row` is what the launch before sampled in its row
+        prev_row (the engine has not read it yet and put a placeholder there)."""
+        if feed:
+            meta.tokens = meta.tokens.copy()
+            for row, prev in feed:
+                meta.tokens[row] = self._last.samples[prev].token
+        t0 = time.perf_counter()
+        samples = self.execute(meta, sampling)
+        self._last = ComputedStep(meta, samples, time.perf_counter() - t0)
+        return self._last
+
+    @staticmethod
+    def collect(step: ComputedStep) -> list:
+        return step.samples
+
+
+class CPURunner(ComputedAtLaunch):
     """The numpy reference executor behind the runner interface (paged caches, float32)."""
 
     def __init__(self, plan: dict, weights: dict, num_pages: int, page_size: int = 16,

@@ -46,8 +46,8 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: s.num_uncomputed > 1):   # decodes first
             if budget == 0:
                 break
-            if seq.status is not Status.RUNNING:   # preempted earlier in this loop
-                continue
+            if seq.status is not Status.RUNNING or seq.final:   # preempted earlier in this loop, or
+                continue                                     # its last token is still in flight
             n = min(seq.num_uncomputed, budget)
             while not self.bm.grow(seq, n):
                 victim = self.running[-1]

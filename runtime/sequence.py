@@ -4,6 +4,10 @@ The KV cache holds `num_computed_tokens` of its `token_ids`; the last sampled to
 in it yet. A step computes `token_ids[num_computed_tokens:]` (or a chunk of it) and samples
 only when the chunk reaches the end, so a first prefill, a chunked prefill, a decode and the
 recompute after a preemption are one and the same thing.
+
+With overlapped steps (engine.Engine) a sampled token may still be on the device: `pending`
+counts it in `num_tokens` (the scheduler runs it as the next decode, its id fed on the device),
+and it joins `token_ids` when its step is collected.
 """
 import enum
 import time
@@ -32,6 +36,9 @@ class Sequence:
         self.num_cached_tokens = 0                 # of those, prefix-cache hits at admission
         self.block_hashes: list[bytes] = []        # chained hashes of its full blocks (lazily)
         self.num_committed_blocks = 0              # full computed blocks offered to the cache
+        self.pending = 0                           # sampled by a step in flight, not read back yet
+        self.pending_row = -1                      # that step's row for this sequence
+        self.final = False                         # its pending token is its last: schedule no more
         self.finish_reason: str | None = None      # "stop" | "length" | "abort"
         self.stop_reason: int | str | None = None  # the stop token id or stop string matched
         # detokenizer state: the decoder, the text so far, and how much of it was handed out
@@ -48,7 +55,7 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + self.pending
 
     @property
     def output_ids(self) -> list[int]:
@@ -56,11 +63,12 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        """Outputs sampled so far, pending ones included."""
+        return self.num_tokens - self.num_prompt_tokens
 
     @property
     def num_uncomputed(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return self.num_tokens - self.num_computed_tokens
 
     @property
     def finished(self) -> bool:

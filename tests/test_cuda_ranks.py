@@ -119,6 +119,9 @@ class FakeEvent:
     def wait(self):
         pass
 
+    def ms_since(self, start):
+        return 0.0
+
 
 class FakeCtx:
     """The driver Context's methods over host memory; device pointers are BASE + offset."""

@@ -11,7 +11,7 @@ import pytest
 
 from infc.runtime.async_engine import AsyncEngine, EngineDeadError
 from infc.runtime.engine import Engine
-from infc.runtime.runner import CPURunner
+from infc.runtime.runner import ComputedAtLaunch, CPURunner
 from infc.runtime.sampling import SamplingParams
 from infc.runtime.tokenizer import Tokenizer
 from test_scheduler import FakeRunner, assert_all_free, drain, make_engine, solo, tiny_plan  # noqa: F401
@@ -19,7 +19,7 @@ from test_scheduler import FakeRunner, assert_all_free, drain, make_engine, solo
 GREEDY = dict(temperature=0, ignore_eos=True)
 
 
-class Recording:
+class Recording(ComputedAtLaunch):
     """A runner wrapper that records each step's phase."""
 
     def __init__(self, runner):

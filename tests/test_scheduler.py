@@ -13,7 +13,7 @@ import pytest
 from infc.compiler.build import compile_model
 from infc.runtime.block_manager import BlockManager
 from infc.runtime.engine import Engine
-from infc.runtime.runner import CPURunner, Sample
+from infc.runtime.runner import ComputedAtLaunch, CPURunner, Sample
 from infc.runtime.safetensors_io import Checkpoint
 from infc.runtime.sampling import SamplingParams
 from infc.runtime.scheduler import Scheduler
@@ -21,7 +21,7 @@ from infc.runtime.sequence import Sequence
 from infc.runtime.weights import load_weights
 
 
-class FakeRunner:
+class FakeRunner(ComputedAtLaunch):
     def __init__(self, num_pages: int, page_size: int = 4, vocab_size: int = 97, next_token=None):
         self.num_pages, self.page_size, self.vocab_size = num_pages, page_size, vocab_size
         self.kv_tok = np.full(num_pages * page_size, -1, np.int64)

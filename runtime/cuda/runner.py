@@ -8,6 +8,7 @@ step only rewrites the T/B scalars and the grid. Decode steps replay a CUDA Grap
 batch bucket, padded with rows that write only a reserved page.
 """
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,8 @@ from ..step import StepMeta
 from .artifact import DTYPE_BYTES, load_kernels, load_plan
 from .collectives import bind_collective
 from .driver import Context, DependentLaunch, Graph, launch
-from .sampler import GpuSampler
+from .sampler import GpuSampler, SamplerPending
+from .staging import Staging
 from .weights import DeviceWeights
 
 # the step metadata this runner builds from a StepMeta (`_metadata`); the plan's step_metadata
@@ -51,6 +53,32 @@ def step_shape(meta: StepMeta, buckets: list[int], graphs: dict) -> tuple[int, i
         bucket = next(b for b in buckets if b >= meta.B)
         return bucket, bucket
     return meta.T, meta.B
+
+
+@dataclass
+class InFlight:
+    """A step issued by CudaRunner.launch whose samples have not been read back yet."""
+    meta: StepMeta
+    sampled: SamplerPending | None      # None: no row of the step samples
+    start: object                       # events around the step on the stream
+    end: object
+    blocking: bool = False              # rows want logprobs: read it back before the next launch
+
+    def gpu_ms(self) -> float:
+        """The step's time on the stream, from its first upload to its sampled tokens' copy."""
+        return self.end.ms_since(self.start)
+
+
+def feed_runs(feed) -> list[tuple[int, int, int]]:
+    """(row, prev_row) pairs -> (row, prev_row, count) runs of consecutive rows on both sides:
+    a decode batch in the same order as the step before is one copy."""
+    runs = []
+    for dst, src in sorted(feed):
+        if runs and runs[-1][0] + runs[-1][2] == dst and runs[-1][1] + runs[-1][2] == src:
+            runs[-1][2] += 1
+        else:
+            runs.append([dst, src, 1])
+    return [tuple(r) for r in runs]
 
 
 def default_buckets(max_seqs: int) -> list[int]:
@@ -97,6 +125,9 @@ class CudaRunner:
         if unknown:
             raise ValueError(f"the plan's step metadata {unknown} is not built by this runner")
         self.meta = {n: self.ctx.alloc(self._meta_bytes(m)) for n, m in plan["step_metadata"].items()}
+        # a step's uploads: tokens, the metadata, the sampler's parameters (and alignment)
+        self.staging = Staging(self.ctx, 4 * self.max_tokens + sum(map(self._meta_bytes, plan["step_metadata"].values()))
+                               + 32 * (self.max_seqs + 1) + 64 * 24)
         self.scratch = {}
         self.global_scratch = {}                   # kernel id -> Triton's global scratch
         for kid, k in self.kernels.items():
@@ -108,8 +139,10 @@ class CudaRunner:
                 self.global_scratch[kid] = self.ctx.alloc(k.global_scratch_bytes(dims))
         self._alloc_kv(gpu_memory_utilization, num_pages, agree_num_pages)
         self._logits_host = None                    # pinned on first `logits()` (tests, tools)
-        self.sampler = (GpuSampler(self.ctx, self.kernels, plan["sampler"], self.max_seqs, self.vocab_size)
-                        if plan.get("sampler") else None)
+        self.sampler = (GpuSampler(self.ctx, self.kernels, plan["sampler"], self.max_seqs, self.vocab_size,
+                                   self.staging) if plan.get("sampler") else None)
+        self._events = [self.ctx.event() for _ in range(4)]      # start / end of two steps in flight
+        self._launched = 0
         self.ctx.sync()
         self.place = dims                          # where buffers live: fixed for every step
         self.programs = {}                         # phase -> packed launches (bound once)
@@ -252,7 +285,9 @@ class CudaRunner:
 
     # -- a step ---------------------------------------------------------------------------
     def _upload(self, arrays: dict, dims: dict) -> list:
-        arrays = dict(arrays)
+        """A step's host arrays to their buffers, through page-locked staging (staging.py)."""
+        self.staging.begin()
+        arrays = {n: self.staging.put(a) for n, a in arrays.items()}
         keep = [self.ctx.htod(self._buffer_ptr("tokens", dims), arrays.pop("tokens"))]
         if "block_tables" in arrays:
             # only the columns the step's longest sequence needs: the kernels' row stride stays
@@ -289,11 +324,16 @@ class CudaRunner:
             arr["state_slots"] = np.concatenate([slots, np.full(pad_b, self.num_slots, np.int32)])
         return {k: v if v.dtype == np.int32 else v.astype(np.int32) for k, v in arr.items()}
 
-    def _run_step(self, meta: StepMeta) -> tuple[int, int]:
+    def _run_step(self, meta: StepMeta, feed=()) -> tuple[int, int]:
+        """feed: (row, prev_row) pairs, see launch."""
         self.ctx.ensure_current()
         T, B = step_shape(meta, self.buckets, self.graphs)
         dims = {"T": T, "B": B}
         keep = self._upload(self._metadata(meta, T, B), dims)
+        if feed:
+            tokens, sampled = self._buffer_ptr("tokens", dims), self.sampler.dev["token"]
+            for row, prev, n in feed_runs(feed):     # after the upload, in stream order
+                self.ctx.dtod(tokens + 4 * row, sampled + 4 * prev, 4 * n)
         if meta.phase == "decode" and T in self.graphs:
             self.graphs[T][0].launch()
         else:
@@ -318,3 +358,32 @@ class CudaRunner:
             return self.sampler.sample(self.logits_device, list(sampling[: meta.B]))
         logits = self.logits(meta)                  # an artifact built before the sampler kernels
         return [None if s is None else sample_row(logits[b], s) for b, s in enumerate(sampling)]
+
+    # -- overlapped steps (engine.Engine with overlap): issue now, read the samples later ---------
+    @property
+    def can_overlap(self) -> bool:
+        """One GPU with the sampler kernels. (Ranks run each step in lockstep: rank 0 broadcasts it
+        and waits; an artifact without sampler kernels samples on the host.)"""
+        return self.sampler is not None and self.collectives is None
+
+    def launch(self, meta: StepMeta, sampling: list[RowSampling | None], feed=()) -> InFlight:
+        """Issue a step and its sampling without waiting for either. feed: (row, prev_row) pairs,
+        token `row` of this step being the token that the step launched before this one samples
+        in its row `prev_row` (the engine schedules a sequence's next token before it has read
+        the last one back): copied on the device, after this step's upload. At most two steps are
+        in flight: collect the one before the last before launching (staging and the sampled
+        tokens' host buffer alternate between two)."""
+        start, end = self._events[2 * (self._launched % 2): 2 * (self._launched % 2) + 2]
+        self._launched += 1
+        start.record()
+        self._run_step(meta, feed)
+        sampled = self.sampler.start(self.logits_device, list(sampling[: meta.B]))
+        end.record()
+        return InFlight(meta, sampled, start, end, blocking=sampled is not None and bool(sampled.lp_rows))
+
+    def collect(self, step: InFlight) -> list[Sample | None]:
+        """The samples of a launched step, once it has finished (waits for it, not for later ones)."""
+        step.end.wait()
+        if step.sampled is None:
+            return [None] * step.meta.B
+        return self.sampler.finish(step.sampled)

@@ -9,6 +9,8 @@ after the log-softmax, so a logprob is always of the model's distribution, as on
 All-greedy steps use the argmax kernel (one pass over V); any other row needs `sample`, which
 takes temperature 0 as greedy (lowest index on ties, the same token argmax gives).
 """
+from dataclasses import dataclass
+
 import numpy as np
 
 from ..bind import Resolver, dim_slots, grid
@@ -19,15 +21,28 @@ NEG_INF_F32 = 0xFF800000
 SEED_MASK = (1 << 63) - 1          # the kernel's seed is an i64; a Python seed may be any int
 
 
+@dataclass
+class SamplerPending:
+    """Sampling issued on the stream (GpuSampler.start), its tokens not read yet."""
+    rows: list
+    tokens: np.ndarray          # page-locked: where the copy of the sampled ids lands
+    lp_rows: dict               # row -> its page-locked log-softmax row (rows that asked)
+    keep: list                  # host arrays the stream still reads
+
+
 class GpuSampler:
-    def __init__(self, ctx, kernels: dict, sampler_ids: dict, max_seqs: int, vocab: int):
-        self.ctx, self.V, self.max_seqs = ctx, vocab, max_seqs
+    def __init__(self, ctx, kernels: dict, sampler_ids: dict, max_seqs: int, vocab: int, staging=None):
+        """staging: the runner's page-locked upload buffers (staging.py) for the sampling
+        parameters; None: copies from ordinary host memory (then sample() only)."""
+        self.ctx, self.V, self.max_seqs, self.staging = ctx, vocab, max_seqs, staging
         self.k = {name: kernels[kid] for name, kid in sampler_ids.items()}
         n = max_seqs
         self.dev = {"temperature": ctx.alloc(4 * n), "top_k": ctx.alloc(4 * n), "top_p": ctx.alloc(4 * n),
                     "min_p": ctx.alloc(4 * n), "seed": ctx.alloc(8 * n), "step": ctx.alloc(4 * n),
                     "token": ctx.alloc(4 * n), "logprobs": ctx.alloc(4 * n * vocab)}
-        self.tokens_host = ctx.pinned(4 * n).view(np.int32)
+        # two: a step's tokens land in one while the other step's are still to be read
+        self.tokens_host = [ctx.pinned(4 * n).view(np.int32), ctx.pinned(4 * n).view(np.int32)]
+        self._started = 0
         self.lp_host = None                     # pinned on first use: most runs never ask
         self._args = {}
 
@@ -53,9 +68,19 @@ class GpuSampler:
         launch(self.ctx, k.fn, grid(k.meta, {"B": B, "T": B}), k.block, k.shared, args)
 
     def sample(self, logits_ptr: int, rows: list[RowSampling | None]) -> list[Sample | None]:
+        """Sample the rows and wait for the tokens."""
+        pending = self.start(logits_ptr, rows)
+        if pending is None:
+            return [None] * len(rows)
+        self.ctx.sync()
+        return self.finish(pending)
+
+    def start(self, logits_ptr: int, rows: list[RowSampling | None]) -> SamplerPending | None:
+        """Issue the sampling of the rows and the copy of their tokens to the host; None if no
+        row samples (prefill chunks that do not reach their prompt's end)."""
         B = len(rows)
         if all(s is None for s in rows):           # only prefill chunks that sample nothing yet
-            return [None] * B
+            return None
         ctx, keep = self.ctx, []
         want_lp = [b for b, s in enumerate(rows) if s is not None and s.params.logprobs is not None]
         if want_lp:
@@ -77,9 +102,12 @@ class GpuSampler:
                 "seed": np.array([(s.seed & SEED_MASK) if s else 0 for s in rows], np.int64),
                 "step": np.array([s.step if s else 0 for s in rows], np.int32),
             }
+            if self.staging is not None:
+                host = {n: self.staging.put(a) for n, a in host.items()}
             keep = [ctx.htod(self.dev[n], a) for n, a in host.items()]
             self._launch("sample", logits_ptr, B)
-        tokens = self.tokens_host[:B]
+        tokens = self.tokens_host[self._started % 2][:B]
+        self._started += 1
         ctx.dtoh(tokens, self.dev["token"])
         lp_rows = {}
         if want_lp:
@@ -88,10 +116,13 @@ class GpuSampler:
             for b in want_lp:
                 ctx.dtoh(self.lp_host[b], self.dev["logprobs"] + 4 * b * self.V)
                 lp_rows[b] = self.lp_host[b]
-        ctx.sync()
-        del keep
+        return SamplerPending(list(rows), tokens, lp_rows, keep)
+
+    def finish(self, pending: SamplerPending) -> list[Sample | None]:
+        """The samples of started sampling whose copies have completed (the caller waited)."""
+        tokens, lp_rows = pending.tokens, pending.lp_rows
         out = []
-        for b, s in enumerate(rows):
+        for b, s in enumerate(pending.rows):
             if s is None:
                 out.append(None)
                 continue

@@ -156,6 +156,30 @@ def test_1000_requests_with_random_aborts(runner):
     assert_all_free(e, start)
 
 
+def test_overlapped_steps_give_the_synchronous_outputs(runner):
+    """The engine's overlapped steps (the default: step N + 1 launched before step N's tokens are
+    read, its pending tokens copied on the device) against synchronous steps, on the same
+    requests: greedy and seeded (top-p) sampling, shared prefixes, chunked prefill."""
+    rng = np.random.default_rng(21)
+    stem = rng.integers(0, 128000, 40).tolist()
+    reqs = []
+    for i in range(24):
+        prompt = (stem if i % 2 else []) + rng.integers(0, 128000, int(rng.integers(1, 90))).tolist()
+        kw = dict(max_tokens=int(rng.integers(2, 20)), **GREEDY)
+        if i % 3 == 1:
+            kw.update(temperature=0.9, top_p=0.9, seed=100 + i)
+        reqs.append((prompt, SamplingParams(**kw)))
+    got = {}
+    for overlap in (False, True):
+        e = make_engine(runner, max_num_seqs=32, max_num_batched_tokens=256, overlap=overlap)
+        assert e.overlap == overlap
+        for i, (p, sp) in enumerate(reqs):
+            e.add_request(p, sp, f"r{i}")
+        got[overlap] = drain(e)
+    assert got[True] == got[False]
+    assert [len(got[True][f"r{i}"]) for i in range(24)] == [sp.max_tokens for _, sp in reqs]
+
+
 def test_llm_on_cuda(model_dir):
     """LLM(device="cuda") builds (or reuses) its artifact like `infc serve` and generates: on the
     trained model, every continuation follows its rule, and two runs are identical."""

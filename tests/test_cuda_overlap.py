@@ -1,0 +1,78 @@
+"""Overlapped steps on the CUDA runner, on a fake device (tests/test_cuda_ranks.py's: host memory,
+the plan's kernels under the Triton interpreter, graphs replayed by re-issuing): a step launched
+with its pending tokens fed on the device from the step before computes what the synchronous
+runner computes, through eager programs and decode graphs, greedy and seeded sampling."""
+import sys
+
+import numpy as np
+import pytest
+
+from infc.compiler.build import build
+from infc.runtime.engine import Engine
+from infc.runtime.sampling import SamplingParams
+from test_cuda_ranks import FakeCtx, FakeGraph, cuda_mods, fake_device, fake_launch  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny_model, tmp_path_factory):
+    d, _ = tiny_model("qwen3")
+    out = tmp_path_factory.mktemp("overlap-qwen3")
+    build(model_dir=str(d), out=out, compile=False, log=None)
+    return d, out
+
+
+def engine(fake_device, artifact, monkeypatch, overlap):
+    monkeypatch.setattr(fake_device.runner, "Graph", FakeGraph)
+    monkeypatch.setattr(sys.modules["infc.runtime.cuda.sampler"], "launch", fake_launch)
+    d, art = artifact
+    r = fake_device.runner.CudaRunner(art, d, max_num_batched_tokens=24, max_num_seqs=4,
+                                      num_pages=24, buckets=[1, 2, 4], ctx=FakeCtx(40 << 20))
+    return Engine(r, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=24, overlap=overlap)
+
+
+def test_cuda_runner_overlapped_steps_give_the_synchronous_tokens(fake_device, artifact, monkeypatch, rng):
+    prompts = [rng.integers(0, 320, n).tolist() for n in (9, 30, 3)]
+    params = [SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=4, temperature=0.9, seed=7, ignore_eos=True),
+              SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)]
+    got = {}
+    for overlap in (False, True):
+        e = engine(fake_device, artifact, monkeypatch, overlap)
+        assert e.overlap == overlap
+        fed = []
+        if overlap:
+            launch = e.runner.launch
+            e.runner.launch = lambda meta, rows, feed=(): fed.append(list(feed)) or launch(meta, rows, feed)
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            e.add_request(p, sp, f"r{i}")
+        outs = {}
+        replays = FakeGraph.replays
+        while e.has_unfinished():
+            for o in e.step():
+                outs.setdefault(o.request_id, []).extend(o.token_ids)
+        assert FakeGraph.replays > replays                  # decode steps ran from graphs
+        got[overlap] = outs
+        if overlap:
+            assert sum(map(len, fed)) >= 8
+        e.runner.close()
+    assert got[True] == got[False]
+    assert [len(got[True][f"r{i}"]) for i in range(3)] == [5, 4, 6]
+
+
+def test_the_runner_refuses_uploads_past_its_staging():
+    from infc.runtime.cuda.staging import Staging
+
+    class Ctx:
+        def pinned(self, n):
+            return np.zeros(n, np.uint8)
+    s = Staging(Ctx(), 256)
+    s.begin()
+    a = s.put(np.arange(10, dtype=np.int32))
+    assert a.tolist() == list(range(10)) and a.ctypes.data == s.buffers[1].ctypes.data
+    b = s.put(np.ones((3, 4), np.int64))
+    assert b.shape == (3, 4) and b.ctypes.data - a.ctypes.data == 64          # 64-byte aligned
+    with pytest.raises(ValueError, match="more than the 256 bytes of staging"):
+        s.put(np.zeros(40, np.int32))
+    s.begin()                                               # the other buffer, empty again
+    c = s.put(np.zeros(40, np.int32))
+    assert c.ctypes.data != a.ctypes.data
