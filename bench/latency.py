@@ -12,6 +12,7 @@ floor is then rank 0's: its weight shard and its share of the KV over the copy b
 (the ranks read their shards at once; the collectives' time is what the ranks add above it).
 """
 import argparse
+import os
 import time
 from pathlib import Path
 
@@ -86,20 +87,34 @@ def _timed(r, r0, prompts, out_len, seed, load_format, par):
                 "kv_bytes_per_token": kv_per_token, "state_bytes_per_seq": state_per_seq,
                 "ttft_ms": {}, "tpot_ms_by_prompt": {},
                 "floor_ms_by_prompt": {}})
+    # decode as the engine runs it: overlapped steps where the runner can (INFC_OVERLAP=0: not)
+    overlap = getattr(r, "can_overlap", False) and os.environ.get("INFC_OVERLAP", "1") != "0"
+    res["overlap"] = overlap
     for n in prompts:
         ttfts, tpots = [], []
         for rep in range(3):
             free = list(range(r.num_pages))
             pages = {0: [free.pop() for _ in range(-(-(n + out_len) // r.page_size))]}
             prompt = [int(t) for t in rng.integers(0, r.vocab_size, n)]
+
+            def step(tokens, start):
+                return build_step([Chunk(0, tokens, start)], pages.__getitem__, r.page_size)
             # greedy on the GPU (the serving path): one token id comes back per step
             t0 = time.perf_counter()
-            tok = r.execute(build_step([Chunk(0, prompt, 0)], pages.__getitem__, r.page_size), greedy)[0].token
+            tok = r.execute(step(prompt, 0), greedy)[0].token
             ttfts.append((time.perf_counter() - t0) * 1e3)
             t0 = time.perf_counter()
-            for i in range(out_len):
-                tok = r.execute(build_step([Chunk(0, [tok], n + i)], pages.__getitem__, r.page_size),
-                                greedy)[0].token
+            if overlap:
+                # step i + 1 is issued before step i's token is read; its token is fed on the device
+                last = r.launch(step([tok], n), greedy)
+                for i in range(1, out_len):
+                    nxt = r.launch(step([0], n + i), greedy, feed=[(0, 0)])
+                    tok = r.collect(last)[0].token
+                    last = nxt
+                tok = r.collect(last)[0].token
+            else:
+                for i in range(out_len):
+                    tok = r.execute(step([tok], n + i), greedy)[0].token
             tpots.append((time.perf_counter() - t0) * 1e3 / out_len)
         avg_ctx = n + out_len / 2
         floor = (r0.weights.bytes + kv_per_token * avg_ctx + 2 * state_per_seq) / bw * 1e3

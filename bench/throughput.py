@@ -17,31 +17,44 @@ import numpy as np
 
 
 class StepClock:
-    """Times the runner's execute (upload, launches, sync, sampling: the GPU's share of a step) of
-    every engine step while it is installed, by phase: where a point's wall time goes, besides
-    the host's scheduling and bookkeeping (wall - execute). Over ranks, rank 0's execute includes
-    waiting for the other ranks at each collective."""
+    """Times every engine step while it is installed, by phase: where a point's wall time goes,
+    besides the host's work that the GPU waits for (wall - execute).
+
+    Synchronous steps (runner.execute): a step's execute is its wall time in execute (upload,
+    launches, sync, sampling). Overlapped steps (runner.launch / collect, engine.Engine): the
+    engine prepares the next step while the GPU runs this one, so a step's execute is its time on
+    the stream, read from the events around it when it is collected. Over ranks, rank 0's
+    execute includes waiting for the other ranks at each collective."""
 
     def __init__(self, engine):
         self.runner = engine.runner
-        self.inner = engine.runner.execute
-        self.own = "execute" in vars(engine.runner)   # an instance attribute to put back
+        self.name = "collect" if engine.overlap else "execute"
+        self.inner = getattr(self.runner, self.name)
+        self.own = self.name in vars(self.runner)   # an instance attribute to put back
         self.steps: dict[str, list] = {}        # phase -> [(T, B, seconds)]
 
+    def _add(self, meta, seconds):
+        self.steps.setdefault(meta.phase, []).append((meta.T, meta.B, seconds))
+
     def __enter__(self):
-        def timed(meta, rows):
+        def executed(meta, rows):
             t0 = time.perf_counter()
             out = self.inner(meta, rows)
-            self.steps.setdefault(meta.phase, []).append((meta.T, meta.B, time.perf_counter() - t0))
+            self._add(meta, time.perf_counter() - t0)
             return out
-        self.runner.execute = timed
+
+        def collected(step):
+            out = self.inner(step)
+            self._add(step.meta, step.gpu_ms() / 1e3)
+            return out
+        setattr(self.runner, self.name, collected if self.name == "collect" else executed)
         return self
 
     def __exit__(self, *exc):
         if self.own:
-            self.runner.execute = self.inner
+            setattr(self.runner, self.name, self.inner)
         else:
-            del self.runner.execute               # the class's method again
+            delattr(self.runner, self.name)          # the class's method again
 
     def summary(self, wall: float) -> dict:
         phases = {ph: {"steps": len(v), "tokens": sum(t for t, _, _ in v),
@@ -51,7 +64,6 @@ class StepClock:
                   for ph, v in sorted(self.steps.items())}
         execute = sum(p["execute_s"] for p in phases.values())
         return {"execute_s": execute, "host_s": wall - execute, "phases": phases}
-
 
 def run_point(engine, vocab: int, concurrency: int, in_len: int, out_len: int, rng, total: int | None = None):
     from infc.runtime.sampling import SamplingParams
@@ -157,7 +169,7 @@ def _sweep(a, b, conc, par, tag, gc_frozen: bool = False):
     res.update({"input_len": a.input_len, "output_len": a.output_len, "copy_GBps": bw / 1e9,
                 "load_format": a.load_format, "max_num_batched_tokens": a.max_num_batched_tokens,
                 "weight_bytes": runner.weights.bytes, "kv_tokens": b.kv_tokens, "gc_frozen": gc_frozen,
-                "points": []})
+                "overlap": engine.overlap, "points": []})
     rng = np.random.default_rng(0)
     run_point(engine, b.vocab_size, 2, 64, 8, rng, total=2)          # warm-up, not recorded
     for c in conc:
@@ -170,7 +182,8 @@ def _sweep(a, b, conc, par, tag, gc_frozen: bool = False):
               f"(floor {p['floor_tpot_ms']:.2f}), median TTFT {p['median_ttft_ms']:8.1f} ms, {p['wall_s']:.1f} s",
               flush=True)
         st = p["steps"]
-        print(f"  execute {st['execute_s']:.2f} s, host {st['host_s']:.2f} s; " + "; ".join(
+        print(f"  execute {st['execute_s']:.2f} s, host {st['host_s']:.2f} s"
+              f"{' (GPU idle; steps overlapped)' if engine.overlap else ''}; " + "; ".join(
             f"{ph}: {v['steps']} steps, {v['tokens']} tokens, {v['us_per_token']:.1f} us/token"
             for ph, v in st["phases"].items()), flush=True)
         save("throughput", res, a.out)                    # every finished point survives a later failure
