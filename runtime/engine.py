@@ -242,6 +242,10 @@ class Engine:
             handle = self.runner.execute(meta, rows)
         for b, ((seq, n), row) in enumerate(zip(batch, rows)):
             seq.num_computed_tokens += n
+            # blocks whose ids are all known are offered now, as the synchronous engine does
+            # before it schedules the next step: a request admitted then finds them (it runs
+            # after this step on the stream). A block with the pending token waits for _collect.
+            self.bm.commit(seq)
             if row is not None:
                 seq.pending += 1
                 seq.pending_row = b
