@@ -146,6 +146,7 @@ def _fake_runner(drv):
     a = PLAN["arena"]
     r.arena = r.ctx.alloc(a["bytes_per_token"] * 64 + a["bytes_per_seq"] * 8 + a["bytes"])
     r.meta = {n: r.ctx.alloc(r._meta_bytes(m)) for n, m in PLAN["step_metadata"].items()}
+    r.staging = runner_mod.Staging(r.ctx, 1 << 16)
     drv.on_launch = lambda launch: _fake_us(launch.fn)
     r.programs = {}
     for phase in PLAN["programs"]:
