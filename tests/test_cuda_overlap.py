@@ -59,12 +59,25 @@ def test_cuda_runner_overlapped_steps_give_the_synchronous_tokens(fake_device, a
     assert [len(got[True][f"r{i}"]) for i in range(3)] == [5, 4, 6]
 
 
-def test_the_runner_refuses_uploads_past_its_staging():
+def test_staging_alternates_two_buffers_and_waits_for_their_copies():
+    """Each step writes the other buffer, 64-byte aligned, refuses more than it holds, and waits
+    for the copies from a buffer (its event) before it writes that buffer again."""
     from infc.runtime.cuda.staging import Staging
+    waits = []
+
+    class Event:
+        def record(self):
+            self.at = len(waits)
+
+        def wait(self):
+            waits.append(self)
 
     class Ctx:
         def pinned(self, n):
             return np.zeros(n, np.uint8)
+
+        def event(self):
+            return Event()
     s = Staging(Ctx(), 256)
     s.begin()
     a = s.put(np.arange(10, dtype=np.int32))
@@ -73,6 +86,10 @@ def test_the_runner_refuses_uploads_past_its_staging():
     assert b.shape == (3, 4) and b.ctypes.data - a.ctypes.data == 64          # 64-byte aligned
     with pytest.raises(ValueError, match="more than the 256 bytes of staging"):
         s.put(np.zeros(40, np.int32))
-    s.begin()                                               # the other buffer, empty again
+    s.done()
+    s.begin()                                  # buffer 0: never used, nothing to wait for
     c = s.put(np.zeros(40, np.int32))
-    assert c.ctypes.data != a.ctypes.data
+    assert c.ctypes.data == s.buffers[0].ctypes.data and waits == []
+    s.done()
+    s.begin()                                  # buffer 1 again: step 1's copies first
+    assert waits == [s.copied[1]]

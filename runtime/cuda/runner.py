@@ -296,6 +296,7 @@ class CudaRunner:
             keep.append(self.ctx.htod_rows(self.meta["block_tables"], 4 * (self.max_pages_per_seq + 1),
                                            arrays.pop("block_tables")))
         keep += [self.ctx.htod(self.meta[n], a) for n, a in arrays.items()]
+        self.staging.done()
         return keep
 
     def _metadata(self, meta: StepMeta, T: int, B: int) -> dict:

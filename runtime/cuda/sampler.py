@@ -105,6 +105,8 @@ class GpuSampler:
             if self.staging is not None:
                 host = {n: self.staging.put(a) for n, a in host.items()}
             keep = [ctx.htod(self.dev[n], a) for n, a in host.items()]
+            if self.staging is not None:
+                self.staging.done()
             self._launch("sample", logits_ptr, B)
         tokens = self.tokens_host[self._started % 2][:B]
         self._started += 1
