@@ -16,8 +16,7 @@ GPU computes. A sequence that samples in step N is scheduled in step N + 1 with 
 still on the device (`Sequence.pending`; the runner copies it into the step's token ids there),
 and step() returns step N's outputs. A sequence that stops at step N has computed one token too
 many in step N + 1, which is dropped; one whose next token is its last (max_tokens, the context
-length) is not scheduled again (`Sequence.final`). A step whose rows ask for logprobs is read
-back at once (its rows are copied whole).
+length) is not scheduled again (`Sequence.final`).
 """
 import os
 import random
@@ -207,7 +206,7 @@ class Engine:
         launched = self._launch(batch) if batch else None
         outputs = self._collect(*self.in_flight) if self.in_flight is not None else []
         self.in_flight = launched
-        if launched is not None and (not self.overlap or getattr(launched[2], "blocking", False)):
+        if launched is not None and not self.overlap:
             outputs += self._collect(*launched)
             self.in_flight = None
         self._gauges()

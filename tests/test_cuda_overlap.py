@@ -31,10 +31,11 @@ def engine(fake_device, artifact, monkeypatch, overlap):
 
 
 def test_cuda_runner_overlapped_steps_give_the_synchronous_tokens(fake_device, artifact, monkeypatch, rng):
-    prompts = [rng.integers(0, 320, n).tolist() for n in (9, 30, 3)]
+    prompts = [rng.integers(0, 320, n).tolist() for n in (9, 30, 3, 5)]
     params = [SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
               SamplingParams(max_tokens=4, temperature=0.9, seed=7, ignore_eos=True),
-              SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)]
+              SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=3)]
     got = {}
     for overlap in (False, True):
         e = engine(fake_device, artifact, monkeypatch, overlap)
@@ -45,18 +46,22 @@ def test_cuda_runner_overlapped_steps_give_the_synchronous_tokens(fake_device, a
             e.runner.launch = lambda meta, rows, feed=(): fed.append(list(feed)) or launch(meta, rows, feed)
         for i, (p, sp) in enumerate(zip(prompts, params)):
             e.add_request(p, sp, f"r{i}")
-        outs = {}
+        outs, lps = {}, {}
         replays = FakeGraph.replays
         while e.has_unfinished():
             for o in e.step():
                 outs.setdefault(o.request_id, []).extend(o.token_ids)
+                if o.logprobs:
+                    lps.setdefault(o.request_id, []).extend(o.logprobs)
         assert FakeGraph.replays > replays                  # decode steps ran from graphs
-        got[overlap] = outs
-        if overlap:
-            assert sum(map(len, fed)) >= 8
+        got[overlap] = outs, lps
+        if overlap:                            # the logprobs request's steps overlap too
+            assert sum(map(len, fed)) >= 12
         e.runner.close()
     assert got[True] == got[False]
-    assert [len(got[True][f"r{i}"]) for i in range(3)] == [5, 4, 6]
+    assert [len(got[True][0][f"r{i}"]) for i in range(4)] == [5, 4, 6, 4]
+    assert list(got[True][1]) == ["r3"] and len(got[True][1]["r3"]) == 4
+    assert all(len(lp["top"]) == 3 for lp in got[True][1]["r3"])
 
 
 def test_staging_alternates_two_buffers_and_waits_for_their_copies():
@@ -93,3 +98,19 @@ def test_staging_alternates_two_buffers_and_waits_for_their_copies():
     s.done()
     s.begin()                                  # buffer 1 again: step 1's copies first
     assert waits == [s.copied[1]]
+
+
+def test_logprob_rows_alternate_by_step_and_grow_to_the_most_asked(fake_driver):
+    """Two steps in flight may both ask for logprobs: each parity has its own page-locked rows,
+    packed (only the rows asked for), grown when a step asks for more, the old ones given back."""
+    from infc.runtime.cuda.sampler import GpuSampler
+    s = object.__new__(GpuSampler)
+    s.ctx, s.V, s.max_seqs = fake_driver.Context(), 50, 8
+    s.lp_host, s._lp_pinned = [None, None], [None, None]
+    a = s._lp_rows(0, 1)
+    b = s._lp_rows(1, 2)
+    assert a.shape == (1, 50) and b.shape == (2, 50) and len(s.ctx.pinned_live) == 2
+    assert s._lp_rows(0, 1) is a                            # enough rows: the same buffer
+    c = s._lp_rows(0, 3)
+    assert c.shape == (3, 50) and len(s.ctx.pinned_live) == 2        # a's given back
+    assert s._lp_rows(0, 20).shape == (8, 50)               # never more than max_num_seqs

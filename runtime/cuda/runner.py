@@ -62,7 +62,6 @@ class InFlight:
     sampled: SamplerPending | None      # None: no row of the step samples
     start: object                       # events around the step on the stream
     end: object
-    blocking: bool = False              # rows want logprobs: read it back before the next launch
 
     def gpu_ms(self) -> float:
         """The step's time on the stream, from its first upload to its sampled tokens' copy."""
@@ -380,7 +379,7 @@ class CudaRunner:
         self._run_step(meta, feed)
         sampled = self.sampler.start(self.logits_device, list(sampling[: meta.B]))
         end.record()
-        return InFlight(meta, sampled, start, end, blocking=sampled is not None and bool(sampled.lp_rows))
+        return InFlight(meta, sampled, start, end)
 
     def collect(self, step: InFlight) -> list[Sample | None]:
         """The samples of a launched step, once it has finished (waits for it, not for later ones)."""

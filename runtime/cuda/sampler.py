@@ -43,7 +43,10 @@ class GpuSampler:
         # two: a step's tokens land in one while the other step's are still to be read
         self.tokens_host = [ctx.pinned(4 * n).view(np.int32), ctx.pinned(4 * n).view(np.int32)]
         self._started = 0
-        self.lp_host = None                     # pinned on first use: most runs never ask
+        # per step parity, the page-locked rows the asked-for log-softmax rows are copied into,
+        # packed: made on first use (most runs never ask) and grown to the most rows asked
+        self.lp_host = [None, None]
+        self._lp_pinned = [None, None]          # their allocations (to give back when grown)
         self._args = {}
 
     def _packed(self, name: str, logits_ptr: int) -> PackedArgs:
@@ -108,17 +111,29 @@ class GpuSampler:
             if self.staging is not None:
                 self.staging.done()
             self._launch("sample", logits_ptr, B)
-        tokens = self.tokens_host[self._started % 2][:B]
+        parity = self._started % 2
         self._started += 1
+        tokens = self.tokens_host[parity][:B]
         ctx.dtoh(tokens, self.dev["token"])
         lp_rows = {}
         if want_lp:
-            if self.lp_host is None:
-                self.lp_host = ctx.pinned(4 * self.max_seqs * self.V).view(np.float32).reshape(self.max_seqs, self.V)
-            for b in want_lp:
-                ctx.dtoh(self.lp_host[b], self.dev["logprobs"] + 4 * b * self.V)
-                lp_rows[b] = self.lp_host[b]
+            host = self._lp_rows(parity, len(want_lp))
+            for i, b in enumerate(want_lp):
+                ctx.dtoh(host[i], self.dev["logprobs"] + 4 * b * self.V)
+                lp_rows[b] = host[i]
         return SamplerPending(list(rows), tokens, lp_rows, keep)
+
+    def _lp_rows(self, parity: int, n: int) -> np.ndarray:
+        """At least n page-locked rows of V floats for this parity's step. The step two launches
+        back, the last to use them, has been read (launch / collect keep two in flight)."""
+        host = self.lp_host[parity]
+        if host is None or host.shape[0] < n:
+            if host is not None:
+                self.ctx.free_pinned(self._lp_pinned[parity])
+            rows = min(self.max_seqs, max(n, 2 * (0 if host is None else host.shape[0])))
+            self._lp_pinned[parity] = self.ctx.pinned(4 * rows * self.V)
+            host = self.lp_host[parity] = self._lp_pinned[parity].view(np.float32).reshape(rows, self.V)
+        return host
 
     def finish(self, pending: SamplerPending) -> list[Sample | None]:
         """The samples of started sampling whose copies have completed (the caller waited)."""
