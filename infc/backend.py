@@ -82,14 +82,15 @@ def load_backend(model_dir, model: str | None = None, spec: str | None = None, d
                  num_gpu_blocks_override: int | None = None, kv_cache_memory_bytes: int | None = None,
                  asynchronous: bool = True, cuda_graphs: bool = True, log=print,
                  spec_dirs=None, load_format: str = "auto", tensor_parallel_size: int = 1,
-                 enable_expert_parallel: bool = False) -> Backend:
+                 enable_expert_parallel: bool = False, overlap: bool | None = None) -> Backend:
     """spec_dirs: spec directories searched before specs/ (with $INFC_SPEC_PATH) for the spec
     whose architectures match the directory's config.json. load_format: "auto" reads the
     directory's safetensors; "dummy" (vLLM's spelling) makes random weights of the plan's shapes
     (on the GPU, on the device), so config.json alone is enough (runtime/dummy_weights.py).
     tensor_parallel_size > 1 (and enable_expert_parallel): one rank plan per process
     (runtime/rank_workers.py), rank 0 here with the engine; on cpu the numpy references exchange
-    through rank 0, on cuda rank r runs on GPU r over NCCL."""
+    through rank 0, on cuda rank r runs on GPU r over NCCL. overlap: the engine's overlapped
+    steps (runtime/engine.py; None: on where the runner can, unless INFC_OVERLAP=0)."""
     from infc.runtime.dummy_weights import check_load_format
     from infc.runtime.async_engine import AsyncEngine
     from infc.runtime.engine import Engine
@@ -187,7 +188,9 @@ def load_backend(model_dir, model: str | None = None, spec: str | None = None, d
     def start():
         e = Engine(runner, tokenizer, eos, limit, max_num_seqs=max_num_seqs,
                    max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
-                   log=log)
+                   log=log, overlap=overlap)
+        if log:
+            log(f"  steps {'overlapped: the next is prepared while the device runs this one' if e.overlap else 'synchronous'}")
         return AsyncEngine(e) if asynchronous else e
     engine = st.run("start engine", start)
     if par is not None and asynchronous:

@@ -44,6 +44,9 @@ def add_serve_args(p: argparse.ArgumentParser):
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, help="tokens per step (default: 8192 cuda, 2048 cpu)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="run each step to its end before the next is scheduled (default: the next "
+                        "step is prepared while the GPU runs this one; also INFC_OVERLAP=0)")
     p.add_argument("--block-size", type=int, default=16, help="KV cache page size in tokens")
     p.add_argument("--num-gpu-blocks-override", type=int, help="number of KV pages (either device)")
     add_parallel_args(p)
@@ -94,4 +97,5 @@ def backend_kwargs(args) -> dict:
                 kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                 load_format=getattr(args, "load_format", "auto"),
                 tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
-                enable_expert_parallel=getattr(args, "enable_expert_parallel", False))
+                enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
+                overlap=False if getattr(args, "disable_overlap_schedule", False) else None)

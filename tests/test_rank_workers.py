@@ -377,6 +377,7 @@ def test_cpu_backend_with_tensor_parallel_size_runs_rank_processes(tiny_model, r
                          num_gpu_blocks_override=64, **kw)
         try:
             assert isinstance(b.engine.runner, MultiProcessRunner) == bool(kw)
+            assert b.engine.overlap == (not kw)          # ranks step in lockstep
             for i, p in enumerate(prompts):
                 b.engine.add_request(p, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), f"r{i}")
             toks = {}
@@ -389,6 +390,10 @@ def test_cpu_backend_with_tensor_parallel_size_runs_rank_processes(tiny_model, r
             if close and kw:
                 close()
     assert outs[0] == outs[1]
+    lines = []
+    b = load_backend(d, device="cpu", asynchronous=False, log=lines.append, max_model_len=256,
+                     num_gpu_blocks_override=64, overlap=False)
+    assert not b.engine.overlap and "  steps synchronous" in lines
 
 
 def test_serve_flags_reach_the_backend():

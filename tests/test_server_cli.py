@@ -32,6 +32,7 @@ def test_serve_flags_and_defaults(monkeypatch):
     assert a.enable_prefix_caching is False and a.served_model_name == ["a", "b"] and a.max_model_len == 512
     kw = backend_kwargs(a)
     assert kw["enable_prefix_caching"] is False and kw["max_num_batched_tokens"] == 64 and kw["device"] == "cpu"
+    assert kw["overlap"] is None and backend_kwargs(parse("--disable-overlap-schedule"))["overlap"] is False
     cfg = config_from_args(a)
     assert cfg.served_model_names == ["a", "b"] and cfg.api_key == "k"
     monkeypatch.setenv("INFC_API_KEY", "from-env")
