@@ -4,6 +4,11 @@ them over runtime/step_channel.py (raw frames on local sockets, no pickle). Ever
 same step on its own runner; the collectives inside the step keep the ranks in lockstep (NCCL on
 the GPUs; on the CPU, tests' numpy references exchange their inputs through rank 0).
 
+Overlapped steps (engine.Engine; opt-in here, INFC_RANK_OVERLAP=1, until measured on several
+GPUs): rank 0 launches step N + 1 before it reads step N's tokens, so the workers get a LAUNCH
+frame, the step and its rows' sampling; every rank samples every row (the ranks' logits are the
+same bits, so are the tokens) and feeds the next step's pending tokens on its own device.
+
     runner = MultiProcessRunner("infc.runtime.rank_workers:nccl_rank_runner",
                                 {"artifact": ..., "model_dir": ..., "num_pages": ...}, world=2)
     engine = Engine(runner, ...)        # the runner interface: execute, page_size, num_pages, ...
@@ -158,6 +163,12 @@ def worker_main(host: str, port: int, token: str, rank: int, world: int, factory
             if kind == ch.STEP:
                 k, meta = ch.meta_of(kind, items)
                 runner.execute(meta, [None] * meta.B)   # rank 0 samples; this rank computes
+                ch.send_frame(step, ch.encode(ch.ACK, [("step", k)]), "rank 0")
+            elif kind == ch.LAUNCH:
+                # an overlapped step: this rank samples every row as rank 0 does (the same
+                # logits), for the tokens the next step is fed on this rank's device; never read
+                k, meta, sampling, feed = ch.launch_of(kind, items)
+                runner.launch(meta, sampling, feed)
                 ch.send_frame(step, ch.encode(ch.ACK, [("step", k)]), "rank 0")
             elif kind == ch.FREE:
                 free = getattr(runner, "free", None)
@@ -372,18 +383,19 @@ class MultiProcessRunner:
                                       f"ack of step {self._step - 1}")
         self._acked = self._step - 1
 
-    def _run(self, meta, fn):
+    def _run(self, meta, fn, frame=None):
         with self._busy:
-            return self._run_locked(meta, fn)
+            return self._run_locked(meta, fn, frame)
 
-    def _run_locked(self, meta, fn):
+    def _run_locked(self, meta, fn, frame=None):
+        """frame(step index) -> the frame the workers get (default: the STEP frame of meta)."""
         if self.error is not None:
             raise RankError(f"the ranks are down: {self.error}")
         self._in_step = time.monotonic()
         try:
             self._check_alive()
             self._acks()
-            frame = ch.encode_step(meta, self._step)
+            frame = frame(self._step) if frame is not None else ch.encode_step(meta, self._step)
             for r, s in self.step_socks.items():
                 ch.send_frame(s, frame, f"rank {r}")
             self._step += 1
@@ -399,6 +411,35 @@ class MultiProcessRunner:
 
     def execute(self, meta, sampling):
         return self._run(meta, lambda: self.runner.execute(meta, sampling))
+
+    # -- overlapped steps (engine.Engine): opt-in over ranks until measured on several GPUs ----
+    @property
+    def can_overlap(self) -> bool:
+        """INFC_RANK_OVERLAP=1 and a rank runner with launch / collect. Every rank then samples
+        each row as rank 0 does (a LAUNCH frame carries the rows; the ranks' logits are the same
+        bits), so that each can feed the next step's pending tokens on its own device."""
+        return os.environ.get("INFC_RANK_OVERLAP") == "1" and callable(getattr(self.runner, "launch", None))
+
+    def launch(self, meta, sampling, feed=()):
+        return self._run(meta, lambda: self.runner.launch(meta, sampling, feed),
+                         lambda k: ch.encode_launch(meta, k, sampling, feed))
+
+    def collect(self, handle):
+        """Rank 0's samples of a launched step. The wait is a step's as far as the watchdog is
+        concerned: a worker that dies meanwhile aborts it (a collective would wait forever)."""
+        with self._busy:
+            if self.error is not None:
+                raise RankError(f"the ranks are down: {self.error}")
+            self._in_step = time.monotonic()
+            try:
+                out = self.runner.collect(handle)
+                if self._aborted:
+                    raise RankError(f"rank 0's runner was aborted: {self._aborted}")
+                return out
+            except BaseException as e:
+                raise self._down(e) from None
+            finally:
+                self._in_step = None
 
     def logits(self, meta):
         """Run a step; rank 0's logits (runners that have `logits`)."""

@@ -1,5 +1,6 @@
-"""The wire between rank 0 and its worker processes (one process per GPU): each step's StepMeta,
-frees, stop, acknowledgements, errors and (CPU tests) a collective's arrays, with no pickle.
+"""The wire between rank 0 and its worker processes (one process per GPU): each step's StepMeta
+(with, for overlapped steps, its rows' sampling and the tokens fed from the step before), frees,
+stop, acknowledgements, errors and (CPU tests) a collective's arrays, with no pickle.
 
 A frame is a fixed header and a list of named items; numpy arrays travel as their raw bytes,
 their dtype and shape in the item header:
@@ -33,9 +34,9 @@ _LEN = struct.Struct("<Q")
 MAX_FRAME = 1 << 34                  # 16 GiB: a corrupt length prefix is refused, not allocated
 
 # kinds
-STEP, FREE, STOP, ACK, ERROR, HELLO, ARRAYS, BYTES = range(1, 9)
+STEP, FREE, STOP, ACK, ERROR, HELLO, ARRAYS, BYTES, LAUNCH = range(1, 10)
 KIND_NAMES = {STEP: "step", FREE: "free", STOP: "stop", ACK: "ack", ERROR: "error",
-              HELLO: "hello", ARRAYS: "arrays", BYTES: "bytes"}
+              HELLO: "hello", ARRAYS: "arrays", BYTES: "bytes", LAUNCH: "launch"}
 
 # item tags
 _INT, _STR, _NONE, _ARR = range(1, 5)
@@ -167,7 +168,9 @@ def decode_step(frame) -> tuple[int, StepMeta]:
 
 
 def meta_of(kind: int, items: list) -> tuple[int, StepMeta]:
-    if kind != STEP:
+    if kind == LAUNCH:
+        items = items[:1 + len(_META_FIELDS)]
+    elif kind != STEP:
         raise ChannelError(f"expected a step frame, got {KIND_NAMES[kind]}")
     names = [k for k, _ in items]
     if names != ["step"] + _META_FIELDS:
@@ -180,6 +183,56 @@ def meta_of(kind: int, items: list) -> tuple[int, StepMeta]:
             raise ChannelError(f"step field {f}: got {type(v).__name__}, StepMeta wants "
                                f"{want.__name__}{' or None' if f in _META_OPTIONAL else ''}")
     return d.pop("step"), StepMeta(**d)
+
+
+# -- overlapped steps: a step, its rows' sampling and its fed tokens ---------------------------
+_ROW_FIELDS = [("row", "<i4"), ("temperature", "<f8"), ("top_k", "<i4"), ("top_p", "<f8"),
+               ("min_p", "<f8"), ("sample_step", "<i4"), ("banned_n", "<i4"), ("banned", "<i8"),
+               ("feed", "<i4")]
+
+
+def encode_launch(meta: StepMeta, step: int, sampling: list, feed) -> bytes:
+    """A LAUNCH frame: the STEP frame's items, then what a rank needs to sample every row as rank
+    0 does (its logits are the same bits, so its tokens are too): each sampling row's index,
+    temperature, top-k, top-p, min-p, seed (a decimal string: any Python int), step and banned
+    ids; then `feed`, the (row, prev_row) pairs whose tokens come from the step before."""
+    rows = [(b, s) for b, s in enumerate(sampling) if s is not None]
+    p = [s.params for _, s in rows]
+    arrays = {
+        "row": [b for b, _ in rows], "temperature": [x.temperature for x in p],
+        "top_k": [x.top_k for x in p], "top_p": [x.top_p for x in p], "min_p": [x.min_p for x in p],
+        "sample_step": [s.step for _, s in rows], "banned_n": [len(s.banned) for _, s in rows],
+        "banned": [t for _, s in rows for t in s.banned], "feed": [list(f) for f in feed]}
+    items = [("step", step)] + [(f, getattr(meta, f)) for f in _META_FIELDS]
+    items += [(n, np.asarray(arrays[n], dt).reshape((-1, 2) if n == "feed" else (-1,))) for n, dt in _ROW_FIELDS]
+    items.append(("seeds", ",".join(str(s.seed) for _, s in rows)))
+    return encode(LAUNCH, items)
+
+
+def launch_of(kind: int, items: list) -> tuple[int, StepMeta, list, list]:
+    """A LAUNCH frame's items -> (step, meta, sampling rows [RowSampling | None] * B, feed)."""
+    from .runner import RowSampling
+    from .sampling import SamplingParams
+    k, meta = meta_of(kind, items)
+    rest = items[1 + len(_META_FIELDS):]
+    names = [n for n, _ in rest]
+    if kind != LAUNCH or names != [n for n, _ in _ROW_FIELDS] + ["seeds"]:
+        raise ChannelError(f"a launch frame with sampling fields {names}")
+    d = dict(rest)
+    seeds = [int(x) for x in d["seeds"].split(",")] if d["seeds"] else []
+    n = len(d["row"])
+    if not all(len(d[f]) == n for f in ("temperature", "top_k", "top_p", "min_p", "sample_step", "banned_n")) \
+            or len(seeds) != n or int(d["banned_n"].sum()) != len(d["banned"]):
+        raise ChannelError("a launch frame whose sampling fields disagree in length")
+    sampling, at = [None] * meta.B, 0
+    for i, b in enumerate(d["row"].tolist()):
+        banned = tuple(d["banned"][at:at + int(d["banned_n"][i])].tolist())
+        at += len(banned)
+        params = SamplingParams(max_tokens=None, temperature=float(d["temperature"][i]),
+                                top_k=int(d["top_k"][i]), top_p=float(d["top_p"][i]),
+                                min_p=float(d["min_p"][i]))
+        sampling[b] = RowSampling(params, seeds[i], int(d["sample_step"][i]), banned)
+    return k, meta, sampling, [tuple(f) for f in d["feed"].tolist()]
 
 
 # -- sockets ----------------------------------------------------------------------------------

@@ -72,6 +72,30 @@ def test_empty_and_large_steps_round_trip(rng):
     assert_same(big, ch.decode_step(frame)[1])
 
 
+def test_launch_frames_carry_the_rows_sampling_and_the_fed_tokens(rng):
+    from infc.runtime.runner import RowSampling
+    from infc.runtime.sampling import SamplingParams
+    meta = random_meta(rng, 5, True)
+    rows = [None, RowSampling(SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, logprobs=2),
+                              (1 << 70) + 3, 4, (2, 9)),
+            None, RowSampling(SamplingParams(temperature=0), 7, 0), None]
+    k, items = ch.decode(ch.encode_launch(meta, 12, rows, [(3, 1), (4, 3)]))
+    step, back, sampling, feed = ch.launch_of(k, items)
+    assert step == 12 and feed == [(3, 1), (4, 3)]
+    assert_same(meta, back)
+    assert [s is None for s in sampling] == [True, False, True, False, True]
+    a, b = sampling[1], sampling[3]
+    assert (a.seed, a.step, a.banned) == ((1 << 70) + 3, 4, (2, 9)) and (b.seed, b.banned) == (7, ())
+    p = a.params                    # what picks the token, exactly; logprobs stay on rank 0
+    assert (p.temperature, p.top_k, p.top_p, p.min_p, p.logprobs) == (0.7, 5, 0.9, 0.05, None)
+    assert ch.meta_of(k, items)[0] == 12                          # the step half alone
+    bad = [(n, v[:1] if n == "top_k" else v) for n, v in items]
+    with pytest.raises(ch.ChannelError, match="disagree in length"):
+        ch.launch_of(k, bad)
+    with pytest.raises(ch.ChannelError, match="sampling fields"):
+        ch.launch_of(k, items[:-1])
+
+
 def test_round_trip_over_a_socket(rng):
     a, b = socket.socketpair()
     try:
@@ -229,6 +253,52 @@ def test_engine_over_two_processes_generates_the_single_rank_tokens(fam, par, ti
     runner = processes(d, paths)
     try:
         assert engine_greedy(runner, prompts, 6) == want
+    finally:
+        runner.close()
+
+
+@pytest.mark.parametrize("fam,par", [("qwen3", dict(tensor_parallel_size=2)),
+                                     ("qwen3_moe", dict(tensor_parallel_size=2, enable_expert_parallel=True))],
+                         ids=["qwen3-tp2", "qwen3_moe-tp2-ep2"])
+def test_overlapped_steps_over_two_processes(fam, par, tiny_model, tmp_path, rng, monkeypatch):
+    """INFC_RANK_OVERLAP=1: each step goes to the worker as a LAUNCH frame with its rows'
+    sampling; the worker samples as rank 0 does and feeds the pending tokens itself. Greedy and
+    seeded sampling give the tokens of synchronous steps over the same ranks, bit for bit."""
+    from infc.runtime.engine import Engine
+    from infc.runtime.rank_workers import MultiProcessRunner
+    from infc.runtime.sampling import SamplingParams
+    d, _ = tiny_model(fam)
+    _, paths = write_plans(d, tmp_path, **par)
+    prompts = [[int(t) for t in rng.integers(0, 320, n)] for n in (11, 4, 19, 7)]
+    params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=5, temperature=0.8, seed=5, ignore_eos=True),
+              SamplingParams(max_tokens=7, temperature=1.0, top_k=20, seed=9, ignore_eos=True),
+              SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)]
+    got, launched = {}, []
+    launch = MultiProcessRunner.launch
+    monkeypatch.setattr(MultiProcessRunner, "launch",
+                        lambda self, *a: launched.append(1) or launch(self, *a))
+    monkeypatch.setenv("INFC_RANK_OVERLAP", "1")
+    for overlap in (False, True):
+        runner = processes(d, paths)
+        try:
+            e = Engine(runner, max_model_len=1024, max_num_batched_tokens=16, overlap=overlap)
+            assert e.overlap == overlap
+            for i, (p, sp) in enumerate(zip(prompts, params)):
+                e.add_request(p, sp, f"r{i}")
+            toks = {}
+            while e.has_unfinished():
+                for o in e.step():
+                    toks.setdefault(o.request_id, []).extend(o.token_ids)
+            got[overlap] = toks
+        finally:
+            runner.close()
+    assert got[True] == got[False] and len(launched) >= 7      # every step launched
+    assert [len(got[True][f"r{i}"]) for i in range(4)] == [6, 5, 7, 4]
+    monkeypatch.delenv("INFC_RANK_OVERLAP")
+    runner = processes(d, paths)
+    try:
+        assert not Engine(runner, max_model_len=1024).overlap        # opt-in over ranks
     finally:
         runner.close()
 
