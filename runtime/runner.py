@@ -68,6 +68,9 @@ class ComputedAtLaunch:
 
 class CPURunner(ComputedAtLaunch):
     """The numpy reference executor behind the runner interface (paged caches, float32)."""
+    # Computed at launch, an overlapped step would only hand its tokens out one step later: the
+    # engine steps synchronously over it (tests' runners built on ComputedAtLaunch overlap).
+    can_overlap = False
 
     def __init__(self, plan: dict, weights: dict, num_pages: int, page_size: int = 16,
                  max_num_seqs: int = 256):

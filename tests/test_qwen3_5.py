@@ -390,13 +390,21 @@ def test_cpu_backend_sizes_slots_by_max_num_seqs(models):
     assert e.bm.num_free_slots == 3
 
 
-def test_engine_random_aborts_and_preemptions_free_every_slot(models):
+class OverlappedCPURunner(CPURunner):
+    """The CPU runner under overlapped engine steps (each step's tokens read one step late), as the
+    CUDA runner runs them: the slot caches' bookkeeping must hold either way."""
+    can_overlap = True
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_engine_random_aborts_and_preemptions_free_every_slot(models, overlap):
     """1,000 aborts at random moments (issue 12's count) (waiting, mid-prefill, mid-decode) among requests that also
     finish and get preempted (few pages): afterwards every slot and page is free again, and the
     survivors' slots were never shared."""
     plan, weights = _plan(models["causal"][0])
-    runner = CPURunner(plan, weights, num_pages=10, page_size=4, max_num_seqs=4)
+    runner = (OverlappedCPURunner if overlap else CPURunner)(plan, weights, num_pages=10, page_size=4, max_num_seqs=4)
     e = Engine(runner, max_model_len=40, max_num_seqs=4, max_num_batched_tokens=24)
+    assert e.overlap == overlap
     rng = np.random.default_rng(0)
     live, aborted, submitted = [], 0, 0
     while aborted < 1000:
@@ -429,12 +437,13 @@ def test_engine_random_aborts_and_preemptions_free_every_slot(models):
 
 
 
-def test_engine_outputs_through_preemption_match_each_alone(models):
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_engine_outputs_through_preemption_match_each_alone(models, overlap):
     """Four requests on 8 pages of 4 tokens: they preempt each other (recomputed from token 0, no
     prefix reuse), chunked prefills share steps with decodes, and each one's greedy tokens are
     still the ones it gets alone."""
     plan, weights = _plan(models["causal"][0])
-    runner = CPURunner(plan, weights, num_pages=8, page_size=4, max_num_seqs=4)
+    runner = (OverlappedCPURunner if overlap else CPURunner)(plan, weights, num_pages=8, page_size=4, max_num_seqs=4)
     e = Engine(runner, max_model_len=32, max_num_seqs=4, max_num_batched_tokens=12)
     rng = np.random.default_rng(3)
     prompts = [[int(t) for t in rng.integers(0, VOCAB, n)] for n in (10, 7, 12, 5)]
