@@ -36,12 +36,20 @@ BASE = dict(vocab_size=VOCAB, max_position_embeddings=256, initializer_range=0.0
 def engine_greedy(runner, prompts: list, max_tokens: int) -> dict:
     """request id -> the greedy tokens the engine generates for each prompt over `runner`, all
     requests in flight together (r0, r1, ...)."""
-    from infc.runtime.engine import Engine
     from infc.runtime.sampling import SamplingParams
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    engine = Engine(runner, max_model_len=1024)
-    for i, p in enumerate(prompts):
-        engine.add_request(p, params, f"r{i}")
+    return engine_tokens(runner, prompts, [params] * len(prompts), max_model_len=1024)
+
+
+def engine_tokens(runner, prompts: list, params: list, **engine_kw) -> dict:
+    """request id -> the tokens an Engine(runner, **engine_kw) generates for prompt i with
+    params[i], all requests in flight together (r0, r1, ...); asserts engine_kw's overlap took."""
+    from infc.runtime.engine import Engine
+    engine = Engine(runner, **engine_kw)
+    if "overlap" in engine_kw:
+        assert engine.overlap == engine_kw["overlap"]
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(p, sp, f"r{i}")
     toks: dict = {}
     while engine.has_unfinished():
         for o in engine.step():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from families import engine_greedy
+from families import engine_greedy, engine_tokens
 
 from infc.compiler.build import compile_model
 from infc.compiler.parallel import compile_ranks, settings
@@ -282,15 +282,8 @@ def test_overlapped_steps_over_two_processes(fam, par, tiny_model, tmp_path, rng
     for overlap in (False, True):
         runner = processes(d, paths)
         try:
-            e = Engine(runner, max_model_len=1024, max_num_batched_tokens=16, overlap=overlap)
-            assert e.overlap == overlap
-            for i, (p, sp) in enumerate(zip(prompts, params)):
-                e.add_request(p, sp, f"r{i}")
-            toks = {}
-            while e.has_unfinished():
-                for o in e.step():
-                    toks.setdefault(o.request_id, []).extend(o.token_ids)
-            got[overlap] = toks
+            got[overlap] = engine_tokens(runner, prompts, params, max_model_len=1024,
+                                         max_num_batched_tokens=16, overlap=overlap)
         finally:
             runner.close()
     assert got[True] == got[False] and len(launched) >= 7      # every step launched

@@ -160,7 +160,7 @@ def test_overlapped_steps_over_two_gpus_give_the_synchronous_tokens(name, monkey
     rank samples every row itself (the ranks' logits must be the same bits) and feeds the pending
     tokens on its own GPU. Greedy and seeded sampling over the same ranks give the tokens of
     synchronous steps; a rank whose logits differed would diverge and fail this."""
-    from infc.runtime.engine import Engine
+    from families import engine_tokens
     from infc.runtime.sampling import SamplingParams
     make, art, _ = CASES[name]
     d = make()
@@ -173,15 +173,8 @@ def test_overlapped_steps_over_two_gpus_give_the_synchronous_tokens(name, monkey
     got = {}
     for overlap in (False, True):
         with closing(ranks(art, d, cuda_graphs=True)) as r:
-            e = Engine(r, max_model_len=2048, max_num_seqs=16, max_num_batched_tokens=256, overlap=overlap)
-            assert e.overlap == overlap
-            for i, (p, sp) in enumerate(zip(prompts, params)):
-                e.add_request(p, sp, f"r{i}")
-            toks = {}
-            while e.has_unfinished():
-                for o in e.step():
-                    toks.setdefault(o.request_id, []).extend(o.token_ids)
-            got[overlap] = toks
+            got[overlap] = engine_tokens(r, prompts, params, max_model_len=2048, max_num_seqs=16,
+                                         max_num_batched_tokens=256, overlap=overlap)
     same = got[True] == got[False]
     print(f"[two-gpu] {name} overlapped steps over the ranks give the synchronous tokens: {same}", flush=True)
     assert same
