@@ -248,9 +248,7 @@ class Engine:
             if row is not None:
                 seq.pending += 1
                 seq.pending_row = b
-                p = seq.params
-                seq.final = ((p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens)
-                             or seq.num_tokens >= self.max_model_len)
+                seq.final = self._at_length(seq, seq.num_tokens)
         return batch, rows, handle
 
     def _collect(self, batch, rows, handle) -> list[StepOutput]:
@@ -338,10 +336,16 @@ class Engine:
                     seq.text = seq.text[:at]
                     seq.stop_reason = s
                     return "stop"
-        if (p.max_tokens is not None and outputs >= p.max_tokens) or \
-                len(seq.token_ids) >= self.max_model_len:
+        if self._at_length(seq, len(seq.token_ids)):
             return "length"
         return None
+
+    def _at_length(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether a sequence of num_tokens tokens (prompt included) has reached max_tokens or the
+        context length: the finish "length" once read back, `final` while still pending."""
+        p = seq.params
+        return ((p.max_tokens is not None and num_tokens - seq.num_prompt_tokens >= p.max_tokens)
+                or num_tokens >= self.max_model_len)
 
     def _text_delta(self, seq: Sequence) -> str:
         # While a stop string could still be completing, its first characters are held back.

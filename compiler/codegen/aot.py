@@ -53,9 +53,10 @@ MAX_SHARED = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 
 def check_shared(info: dict, target: str, what: str):
     limit = MAX_SHARED.get(_arch_number(target))
-    if limit is not None and int(info.get("dynamic_shared", info.get("shared", 0))) > limit:
-        raise RuntimeError(f"{what}: needs {info.get('dynamic_shared', info.get('shared'))} bytes of shared "
-                           f"memory, past {target}'s {limit}: smaller tiles or fewer stages (its tune)")
+    need = int(info.get("dynamic_shared", info.get("shared", 0)))
+    if limit is not None and need > limit:
+        raise RuntimeError(f"{what}: needs {need} bytes of shared memory, past {target}'s {limit}: "
+                           f"smaller tiles or fewer stages (its tune)")
 
 
 def _arch_number(target: str) -> int:
