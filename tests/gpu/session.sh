@@ -34,7 +34,7 @@
 # throughput at TWOGPU_CONCURRENCY (default 256) of qwen3-4b (TP=2), qwen3-30b-a3b (48 layers,
 # TP=2 + EP) and DeepSeek-V2-Lite (27 layers, TP=2 + EP), each beside one GPU of the same machine,
 # dummy weights (TWOGPU_BENCH picks some of: latency throughput moe-latency moe-throughput deepseek;
-# TWOGPU_SKIP_ONE=1 runs only the two-rank side; TWOGPU_NCCL_ONLY=1 runs the two ranks again with
+# TWOGPU_SKIP_ONE=1 runs only the two-rank side, TWOGPU_ONLY_ONE=1 only the one-GPU side; TWOGPU_NCCL_ONLY=1 runs the two ranks again with
 # INFC_P2P=0, NCCL for every collective, into bench/nccl-only; TWOGPU_RANK_OVERLAP=1 runs them again
 # with overlapped steps (INFC_RANK_OVERLAP=1) into bench/rank-overlap; TWOGPU_SERVER_RUNS="dir:TP:EP ..."
 # the server runs); twogpu-allreduce one all-reduce's time, NCCL against peer_sum, over message sizes
@@ -237,6 +237,7 @@ test_ranks_gpu.model_dir(name[len('ranks-'):]) if name.startswith('ranks-') else
       for what in ${TWOGPU_BENCH:-latency throughput moe-latency moe-throughput deepseek}; do
         variants=("" "--tensor-parallel-size 2")          # one GPU, then the two ranks
         [ -n "${TWOGPU_SKIP_ONE:-}" ] && variants=("--tensor-parallel-size 2")
+        [ -n "${TWOGPU_ONLY_ONE:-}" ] && variants=("")     # one GPU only (another job has the other)
         [ -n "${TWOGPU_NCCL_ONLY:-}" ] && variants+=("nccl-only")     # the ranks again, INFC_P2P=0
         [ -n "${TWOGPU_RANK_OVERLAP:-}" ] && variants+=("rank-overlap")  # again, INFC_RANK_OVERLAP=1
         for ranks in "${variants[@]}"; do
