@@ -11,8 +11,9 @@
                 "kinds": {kind: launches}} runs layer i with the launches of its kind
     short_tokens  a prefill or mixed step of at most this many tokens runs programs["short"]
                 (runtime/program.py `program_name`)
-    wide_tokens   (plans with experts) a decode step of at least this many tokens runs
-                programs["wide"]: the experts' grouped GEMMs (select_kernels.WIDE_TOKENS_PER_EXPERT)
+    wide_tokens   a decode step of at least this many tokens runs programs["wide"]: the GEMVs'
+                row tiles for many sequences, the experts' grouped GEMMs
+                (select_kernels.WIDE_TOKENS_PER_EXPERT, WIDE_DENSE_TOKENS without experts)
     parallel    (rank plans of `--tensor-parallel-size N` only) {world, rank, tp, ep}: this plan
                 is rank `rank`'s share (compiler/parallel.py); its collective launches have
                 backend "nccl" and no kernel

@@ -14,7 +14,7 @@ its tune dict, kernel id and META. `runtime/cuda/tune_run.py` needs nothing else
 
 A shape key is symbolic in T and B (one key covers every batch size), so each is timed at
 representative sizes: decode at T = B = 1 (`--decode-batches 1,8` adds more; the score is the
-geometric mean), prefill at T = 1024 tokens of one sequence, mixed at T = 512 over 8 sequences,
+geometric mean), wide (decode steps of many sequences) at T = B = 128 and 256 (`--wide-batches`), prefill at T = 1024 tokens of one sequence, mixed at T = 512 over 8 sequences,
 short (a prefill of at most plan["short_tokens"] tokens on the decode GEMVs) at T = 32 tokens of
 one sequence; a short shape has no table entry until one is tuned, so it renders the defaults;
 attention at `--context-len` cached keys per sequence.
@@ -39,7 +39,7 @@ MANIFEST_VERSION = 2            # 2: plan/2 caches (manifest caches, entry cache
 DEFAULT_TEMPLATES = ("gemv", "gemv_act_mul", "gemv_gated", "lm_head_last", "attention_decode",
                      "gemm", "gemm_act_mul", "gemm_gated", "attention_prefill", "attention_mixed",
                      "moe_gate_up", "moe_down", "moe_gate_up_grouped", "moe_down_grouped")
-PHASES = ("prefill", "decode", "mixed", "short")
+PHASES = ("prefill", "decode", "mixed", "short", "wide")
 
 # --- candidate grids: only keys the template reads (tests check each against its source) -------
 
@@ -56,6 +56,13 @@ _GEMV_DOT = [{"BLOCK_N_DOT": 128}, {"BLOCK_T": 16}, {"BLOCK_T": 32}, {"BLOCK_K":
              # a saturated server's decode (~250 rows): every BLOCK_T-row block streams W again,
              # from HBM once W passes L2 (gate|up's 100 MB at 255 rows took 113 us on an H100)
              {"BLOCK_T": 64}, {"BLOCK_T": 128, "num_warps": 8}]
+# the wide program's decode steps (128-256 rows; its default BLOCK_T is 64): each row block reads
+# W once, each column block A once. On qwen3-4b (H100) 128-row blocks won for gate|up, 64 for the
+# rest; 256-row blocks lost everywhere (A re-read per 64-column block, 40-100 % slower)
+_GEMV_WIDE = [{"BLOCK_T": 128, "num_warps": 8}, {"BLOCK_T": 128, "num_warps": 8, "num_stages": 3},
+              {"BLOCK_N_DOT": 128}, {"num_warps": 8}, {"BLOCK_K": 128}, {"TARGET_CTAS_DOT": 132},
+              {"TARGET_CTAS_DOT": 528}, {"BLOCK_T": 32}, {"BLOCK_T": 128, "BLOCK_N_DOT": 32},
+              {"num_stages": 3}, {"SPLIT_K_DOT": 1}]
 _GEMV_FMA_T = [{"FMA_T": 2, "FMA_BLOCK_K": 128}, {"FMA_T": 4, "BLOCK_N": 16, "FMA_BLOCK_K": 128}]
 # lm_head_last cannot split K (its norm scale closes the K loop) and has a huge N
 _LM_FMA = [{"BLOCK_N": 8}, {"BLOCK_N": 32, "FMA_BLOCK_K": 256}, {"FMA_BLOCK_K": 256},
@@ -64,7 +71,8 @@ _LM_FMA = [{"BLOCK_N": 8}, {"BLOCK_N": 32, "FMA_BLOCK_K": 256}, {"FMA_BLOCK_K": 
 _LM_DOT = [{"BLOCK_N_DOT": 64}, {"BLOCK_N_DOT": 256}, {"BLOCK_T": 16}, {"BLOCK_K": 128},
            {"num_warps": 8}, {"num_stages": 2},
            # 255 rows re-read the 778 MB vocabulary matrix per 32-row block: 1.2 ms on an H100
-           {"BLOCK_T": 64}, {"BLOCK_T": 128}]
+           {"BLOCK_T": 64}, {"BLOCK_T": 128},
+           {"BLOCK_T": 64, "num_warps": 8}, {"BLOCK_T": 128, "num_warps": 8}]
 _GEMM = [{"BLOCK_N": 128}, {"BLOCK_N": 256}, {"BLOCK_M": 64}, {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4},
          {"BLOCK_K": 32}, {"BLOCK_K": 128, "BLOCK_N": 128, "num_stages": 2}, {"GROUP_M": 4},
          {"GROUP_M": 16}, {"num_stages": 3}, {"num_stages": 4}, {"num_warps": 4},
@@ -73,7 +81,12 @@ _GEMM = [{"BLOCK_N": 128}, {"BLOCK_N": 256}, {"BLOCK_M": 64}, {"BLOCK_M": 64, "B
          {"PERSISTENT": 0}, {"TMA": 0}, {"BLOCK_N": 256, "PERSISTENT": 0}]
 _ATTN_DECODE = [{"BLOCK_N": 32}, {"BLOCK_N": 128}, {"NUM_SPLITS": 16}, {"NUM_SPLITS": 64},
                 {"TARGET_CTAS": 132}, {"TARGET_CTAS": 528}, {"MERGE_CHUNK": 4}, {"num_warps": 2},
-                {"num_warps": 8}, {"num_stages": 1}, {"num_stages": 3}]
+                {"num_warps": 8}, {"num_stages": 1}, {"num_stages": 3},
+                # a saturated server's decode (B ~ 64-256, no splits): each program streams ~1k
+                # keys, so the bytes in flight per program decide the bandwidth (66 % of copy at
+                # B = 255 on an H100, bench/NOTES.md issue 10)
+                {"BLOCK_N": 128, "num_stages": 3}, {"BLOCK_N": 128, "num_warps": 8},
+                {"num_stages": 4}, {"TARGET_CTAS": 1056}]
 _ATTN_PREFILL = [{"BLOCK_M": 64}, {"BLOCK_N": 64}, {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4},
                  {"BLOCK_M": 256, "BLOCK_N": 64}, {"num_warps": 4}, {"num_stages": 2},
                  {"num_stages": 4}, {"BLOCK_B": 64}]
@@ -81,7 +94,8 @@ _ATTN_PREFILL = [{"BLOCK_M": 64}, {"BLOCK_N": 64}, {"BLOCK_M": 64, "BLOCK_N": 64
 _ATTN_MIXED = [{"SPLIT_BLOCK_N": 32}, {"SPLIT_BLOCK_N": 128}, {"SPLIT_MIN_KEYS": 64},
                {"SPLIT_MIN_KEYS": 1024}, {"num_warps": 4}, {"num_warps": 4, "SPLIT_BLOCK_N": 128},
                {"num_stages": 2}, {"num_stages": 1}, {"TARGET_CTAS": 528}, {"NUM_SPLITS": 64},
-               {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4}]
+               {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4},
+               {"SPLIT_BLOCK_N": 128, "num_stages": 3}, {"num_stages": 4}]
 # latent_attention_decode (DeepSeek's absorbed MLA over the latent cache): 33.6 us a layer at
 # 1k cached tokens on an H100 (bench/NOTES.md issue 13), its 32 splits merged by one program
 _LATENT_DECODE = [{"NUM_SPLITS": 8}, {"NUM_SPLITS": 16}, {"NUM_SPLITS": 64}, {"BLOCK_N": 64},
@@ -133,7 +147,9 @@ def _moe_grouped_grid(grid, rows):
     return _MOE_SMALL_M + grid[:9] if max(rows) <= 64 else grid + _MOE_SMALL_M[:1]
 
 
-def _gemv_grid(fma, dot, rows):
+def _gemv_grid(fma, dot, rows, wide=_GEMV_WIDE):
+    if min(rows) >= 128:
+        return wide
     both = min(rows) <= 1 < max(rows)
     out = []
     if min(rows) <= 1:
@@ -149,7 +165,7 @@ GRIDS = {
     ("triton", "gemv"): lambda rows: _gemv_grid(_GEMV_FMA, _GEMV_DOT, rows),
     ("triton", "gemv_act_mul"): lambda rows: _gemv_grid(_GEMV_FMA, _GEMV_DOT, rows),
     ("triton", "gemv_gated"): lambda rows: _gemv_grid(_GEMV_FMA, _GEMV_DOT, rows),
-    ("triton", "lm_head_last"): lambda rows: _gemv_grid(_LM_FMA, _LM_DOT, rows),
+    ("triton", "lm_head_last"): lambda rows: _gemv_grid(_LM_FMA, _LM_DOT, rows, _LM_DOT),
     ("triton", "gemm"): lambda rows: _GEMM,
     ("triton", "gemm_act_mul"): lambda rows: _GEMM,
     ("triton", "gemm_gated"): lambda rows: _GEMM,
@@ -201,8 +217,11 @@ def candidates(backend: str, template: str, rows=(1,)) -> list[dict]:
 SHORT_DIMS = ({"T": 32, "B": 1}, {"T": 16, "B": 1})
 
 
-def phase_dims(phase: str, decode_batches=(1,), prefill_tokens=1024, mixed=(512, 8)) -> list[dict]:
+def phase_dims(phase: str, decode_batches=(1,), prefill_tokens=1024, mixed=(512, 8),
+               wide_batches=(128, 256)) -> list[dict]:
     """The step sizes a phase's shape keys are timed at."""
+    if phase == "wide":             # decode steps of many sequences (the plan's wide program)
+        return [{"T": int(b), "B": int(b)} for b in wide_batches]
     if phase == "short":
         return [dict(d) for d in SHORT_DIMS]
     if phase == "decode":
@@ -275,7 +294,7 @@ def collect(plan: dict, table: dict, phases, templates, page_size: int) -> list[
 def prepare(model=None, gpu="h200", out=None, phases=("decode", "prefill"), templates=None,
             spec_path=None, model_dir=None, features=None, page_size=16, target="sm_90",
             decode_batches=(1,), prefill_tokens=1024, mixed=(512, 8), context_len=1024,
-            compile=True, jobs=None, log=print) -> Path:
+            compile=True, jobs=None, log=print, wide_batches=(128, 256)) -> Path:
     """Render (and compile) every candidate kernel; write <out>/manifest.json. Returns out."""
     log = log or (lambda *a: None)
     for p in phases:
@@ -291,7 +310,7 @@ def prepare(model=None, gpu="h200", out=None, phases=("decode", "prefill"), temp
     table = load_tuning(gpu)
     state, plan = compile_model(model, spec_path, model_dir, features)
     out = Path(out) if out else REPO / ".cache" / "tune" / f"{state.model}-{gpu}"
-    dims = {p: phase_dims(p, decode_batches, prefill_tokens, mixed) for p in phases}
+    dims = {p: phase_dims(p, decode_batches, prefill_tokens, mixed, wide_batches) for p in phases}
     found = collect(plan, table, phases, templates, page_size)
     if not found:
         raise SpecError(f"no launch of {', '.join(templates)} in phases {', '.join(phases)} of "

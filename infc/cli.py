@@ -70,7 +70,8 @@ def _tune(args):
                 target=args.target, decode_batches=[int(b) for b in _csv(args.decode_batches)],
                 prefill_tokens=args.prefill_tokens, context_len=args.context_len,
                 mixed=[tuple(m.split("x")) for m in _csv(args.mixed)],
-                compile=not args.no_compile, jobs=args.jobs)
+                compile=not args.no_compile, jobs=args.jobs,
+                wide_batches=[int(b) for b in _csv(args.wide_batches)])
     else:
         from pathlib import Path
         if not (Path(args.dir) / "manifest.json").exists():      # before cuda-python is imported
@@ -121,7 +122,7 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("--model-path")
     i.add_argument("--dot", help="write the fused graph as Graphviz DOT to this file")
     i.add_argument("--phase", action="append", choices=["prefill", "decode", "mixed", "short", "wide"],
-                   help="phases to list launches for (default: all; wide: models with experts)")
+                   help="phases to list launches for (default: all; wide: decode steps of many sequences)")
     _add_parallel_args(i)
     i.add_argument("--rank", type=int, help="with --tensor-parallel-size: show only this rank")
     i.set_defaults(fn=_inspect)
@@ -161,10 +162,11 @@ def parser() -> argparse.ArgumentParser:
     tp.add_argument("--model-path", help="an HF model directory: bind the spec to its config.json")
     tp.add_argument("--gpu", default="h200", choices=["h100", "h200"], help="tuning table to fill")
     tp.add_argument("--out", help="output folder (default .cache/tune/<model>-<gpu>)")
-    tp.add_argument("--phases", default="decode,prefill", help="comma-separated: prefill, decode, mixed, short")
+    tp.add_argument("--phases", default="decode,prefill", help="comma-separated: prefill, decode, mixed, short, wide")
     tp.add_argument("--templates", help="comma-separated templates (default: the GEMVs, GEMMs, attention)")
     tp.add_argument("--features", help="extra kernel backends, comma-separated: tilelang, cuda")
     tp.add_argument("--decode-batches", default="1", help="decode batch sizes to time at (T = B)")
+    tp.add_argument("--wide-batches", default="128,256", help="wide decode batch sizes to time at (T = B)")
     tp.add_argument("--prefill-tokens", type=int, default=1024, help="prefill step size (one sequence)")
     tp.add_argument("--mixed", default="512x8", help="mixed step sizes TxB, comma-separated (B - 1 "
                     "decode rows and one chunk; e.g. 512x8,511x256)")

@@ -40,7 +40,7 @@ def _template_text(backend, template):
 @pytest.mark.parametrize("backend,template", sorted(GRIDS))
 def test_grids_nonempty_default_first_and_read_by_the_template(backend, template):
     text = _template_text(backend, template)
-    for rows in ([1], [8], [1, 8, 64]):
+    for rows in ([1], [8], [1, 8, 64], [128, 256]):
         cands = candidates(backend, template, rows)
         assert cands[0] == {} and len(cands) >= 4, (template, rows, cands)
         assert len(cands) <= 16

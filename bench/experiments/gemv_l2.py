@@ -65,7 +65,12 @@ def plan_gemv(weight: str):
 
 def launcher(mod, meta, x, w, y):
     env = {"cdiv": triton.cdiv, "max": max, "min": min, "T": 1, "B": 1}
-    scratch = {n: torch.zeros(max(1, int(eval(str(e), env))), dtype=torch.uint8, device="cuda")
+    # scratch sizes are bytes; each buffer gets its parameter's element type (counters are i32:
+    # Triton's atomics refuse uint8)
+    types = {s[len("scratch:"):]: t for _, t, s in meta["params"] if s.startswith("scratch:")}
+    dt = {"*i32": torch.int32, "*fp32": torch.float32, "*u8": torch.uint8}
+    scratch = {n: torch.zeros(max(4, -(-int(eval(str(e), env)) // 4) * 4), dtype=torch.uint8,
+                              device="cuda").view(dt.get(types.get(n), torch.uint8))
                for n, e in meta.get("scratch", {}).items()}
     src = {"in:0": x, "in:1": w, "out:0": y}
     args = [1 if s.startswith("dim:") else scratch[s[len("scratch:"):]] if s.startswith("scratch:") else src[s]

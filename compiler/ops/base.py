@@ -13,8 +13,9 @@ REGISTRY: dict[str, "OpDef"] = {}
 
 # A phase that runs as another one except where an op names it: a short step (prefill or mixed of
 # at most SHORT_TOKENS tokens, compiler/passes/select_kernels.py) is a mixed step whose linears
-# stream their weights with the decode GEMVs; a wide step (a decode step of many sequences, in a
-# model with experts) is a decode step whose experts run the grouped GEMMs of prefill.
+# stream their weights with the decode GEMVs; a wide step (a decode step of many sequences) is a
+# decode step whose GEMVs tile their rows for many sequences and whose experts (in a model with
+# them) run the grouped GEMMs of prefill.
 PHASE_PARENT = {"short": "mixed", "wide": "decode"}
 
 

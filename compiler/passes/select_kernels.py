@@ -18,8 +18,16 @@ SHORT_TOKENS = 64
 # tile per expert and column block) in place of the per-expert GEMVs, whose cost grows with the
 # tokens each expert serves. Measured on qwen3-30b-a3b (H100, bench/NOTES.md): at 64 decodes the
 # two are even, at 128 the grouped GEMMs take 3.8 ms less a step, at 200 11 ms less.
-# Plans without experts have no wide program.
 WIDE_TOKENS_PER_EXPERT = 8
+# The decode GEMVs tile their rows (BLOCK_T): each row block streams W again, so a block of 32
+# rows, right for a few sequences, reads gate|up 8 times at 255 decodes (115 us against a 33 us
+# floor, H100). Their wide launches are the same templates with the wide phase's own row tiles
+# (the template's wide defaults, then the tuning table's "wide|..." entries): every plan with
+# such a launch has a wide program. Without experts it starts at WIDE_DENSE_TOKENS decodes,
+# where the measured tiles part (bench/NOTES.md, "wide decode steps": at 64 decodes the two are
+# even, at 128 the wide tiles take 3.5 ms less a step on qwen3-4b).
+ROW_TILED = frozenset({"gemv", "gemv_act_mul", "gemv_gated", "lm_head_last"})
+WIDE_DENSE_TOKENS = 128
 
 
 def select_kernels(state):
@@ -54,15 +62,17 @@ def select_kernels(state):
                 # reference executor; code generation refuses it with the op and line.
                 table[n.id] = (backend, tmpl)
         state.kernels[phase] = table
-    if state.kernels["wide"] == state.kernels["decode"]:
+    if state.kernels["wide"] == state.kernels["decode"] and \
+            not any(t in ROW_TILED for _, t in state.kernels["wide"].values()):
         del state.kernels["wide"]                 # nothing runs differently: no program of its own
     state.note("select_kernels", ", ".join(f"{p}: {len(t)} launches" for p, t in state.kernels.items()))
 
 
 def wide_tokens(state) -> int:
     """The fewest decode tokens that give every routed expert WIDE_TOKENS_PER_EXPERT tokens on
-    average, over the model's MoE layers (the largest such T). Under expert parallelism a rank
-    holds E / ep of the experts, and the ids name the whole model's: E is the model's."""
+    average, over the model's MoE layers (the largest such T); WIDE_DENSE_TOKENS without experts.
+    Under expert parallelism a rank holds E / ep of the experts, and the ids name the whole
+    model's: E is the model's."""
     par = state.parallel or {}
     ep = par.get("ep", 1) if par.get("world", 1) > 1 else 1
     need = []
@@ -72,5 +82,4 @@ def wide_tokens(state) -> int:
                 E = g.values[n.inputs[2]].type.shape[0] * ep
                 k = g.values[n.inputs[1]].type.shape[1]
                 need.append(-(-WIDE_TOKENS_PER_EXPERT * E // k))
-    assert need, "a wide program without experts"
-    return max(need)
+    return max(need) if need else WIDE_DENSE_TOKENS

@@ -96,6 +96,7 @@ class CudaRunner:
         device (runtime/dummy_weights.py), so model_dir needs only config.json.
         pdl: launch the kernels whose META allows it as programmatic dependents of the kernel
         before them (driver.DependentLaunch); default on, INFC_PDL=0 turns it off (A/B timing).
+        INFC_WIDE=0 runs wide decode steps on the decode program (A/B timing).
         A rank of a parallel artifact (runtime/cuda/ranks.py): `plan` (its plan.rank<r>.json),
         `collectives` (runtime/cuda/collectives.py: NCCL, or device copies between the runners
         of one process, which then share `ctx`). agree_num_pages(n) -> the page count every rank
@@ -104,7 +105,11 @@ class CudaRunner:
         self.pdl = os.environ.get("INFC_PDL", "1") != "0" if pdl is None else pdl
         self.ctx = ctx if ctx is not None else Context()
         self.artifact = Path(artifact)
-        self.plan = plan = plan if plan is not None else load_plan(self.artifact)
+        plan = plan if plan is not None else load_plan(self.artifact)
+        if os.environ.get("INFC_WIDE", "1") == "0" and "wide" in plan["programs"]:
+            # A/B timing: every decode step on the decode program
+            plan = dict(plan, programs={p: v for p, v in plan["programs"].items() if p != "wide"})
+        self.plan = plan
         self.collectives = collectives
         self.page_size = plan["build"]["page_size"]
         self.vocab_size = plan["config"]["V"]

@@ -24,7 +24,8 @@
 # INFC_GPU_FAMILIES=deepseek-v2-lite-l8).
 # server-families (the openai SDK suite over the Qwen3.5 and DeepSeek-V2-Lite cuts, after prepare.py
 # server; SERVER_FAMILIES picks them).
-# overlap-ab (overlapped engine steps against INFC_OVERLAP=0, alternating: latency and throughput).
+# overlap-ab (overlapped engine steps against INFC_OVERLAP=0, alternating: latency and throughput);
+# ab the same for the switch AB_ENV names (INFC_WIDE: wide decode steps).
 # twogpu, twogpu-server, twogpu-bench (issue 14, two GPUs, one process each over NCCL, after
 # prepare.py twogpu): twogpu records the interconnect (nvidia-smi topo -m, NCCL's version) and runs
 # tests/gpu/test_two_gpus.py (golden gates of qwen3-4b TP=2 and the qwen3-30b-a3b / DeepSeek-V2-Lite
@@ -265,16 +266,21 @@ test_ranks_gpu.model_dir(name[len('ranks-'):]) if name.startswith('ranks-') else
         done
       done
       unset INFC_P2P INFC_RANK_OVERLAP ;;
-    overlap-ab)
-      # overlapped steps (the default) against synchronous ones (INFC_OVERLAP=0) on this card,
-      # alternating, AB_RUNS times: qwen3-4b bench latency and bench throughput at AB_CONCURRENCY
+    overlap-ab|ab)
+      # a runtime switch's default (on) against off on this card, alternating, AB_RUNS times:
+      # qwen3-4b bench latency (AB_LATENCY=0 skips it) and bench throughput at AB_CONCURRENCY.
+      # overlap-ab: INFC_OVERLAP (overlapped steps); ab: AB_ENV, e.g. INFC_WIDE (wide decode steps)
+      var=INFC_OVERLAP; [ "$stage" = ab ] && var=${AB_ENV:?ab needs AB_ENV}
       for run in $(seq ${AB_RUNS:-2}); do
         for ov in 0 1; do
-          d="$OUT/overlap-ab/overlap$ov-run$run"; mkdir -p "$d"
-          say "overlap-ab: INFC_OVERLAP=$ov, run $run"
-          INFC_OVERLAP=$ov timeout ${LATENCY_S:-240} python3 -m infc.cli bench latency --artifact .cache/artifacts/qwen3-4b \
-            --model-path "$MODELS/qwen3-4b" --no-hf --out "$d" 2>&1 | quiet | tail -4
-          INFC_OVERLAP=$ov timeout ${THROUGHPUT_S:-240} python3 -m infc.cli bench throughput --model-path "$MODELS/qwen3-4b" \
+          d="$OUT/$stage/$var$ov-run$run"; [ "$stage" = overlap-ab ] && d="$OUT/overlap-ab/overlap$ov-run$run"
+          mkdir -p "$d"
+          say "$stage: $var=$ov, run $run"
+          if [ "${AB_LATENCY:-1}" != 0 ]; then
+            env $var=$ov timeout ${LATENCY_S:-240} python3 -m infc.cli bench latency --artifact .cache/artifacts/qwen3-4b \
+              --model-path "$MODELS/qwen3-4b" --no-hf --out "$d" 2>&1 | quiet | tail -4
+          fi
+          env $var=$ov timeout ${THROUGHPUT_S:-240} python3 -m infc.cli bench throughput --model-path "$MODELS/qwen3-4b" \
             --concurrency ${AB_CONCURRENCY:-64,256} --out "$d" 2>&1 | quiet | grep -E "concurrency|execute" | tail -6
         done
       done ;;

@@ -195,3 +195,32 @@ def test_llm_on_cuda(model_dir):
     assert a == b
     assert all(t == follow(p, len(p) + 12)[len(p):] for p, t in zip(prompts, a))
     assert llm.runner.sampler is not None and not llm.engine.has_unfinished()
+
+
+def test_wide_decode_steps_follow_the_trained_rules(model_dir):
+    """Decode steps of many sequences run the wide program (the GEMVs' 64- and 128-row tiles): on
+    the trained model, 160 prompts decoded together continue by their rules, as they do on the
+    decode program (INFC_WIDE=0)."""
+    import os
+    from infc import LLM
+    from infc.runtime.program import program_name
+    from trained_model import follow, prompt
+    d = model_dir("skipgram")
+    rng = np.random.default_rng(5)
+    prompts = [prompt(rng, int(n)) for n in rng.integers(3, 60, 160)]
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    outs = {}
+    for wide in ("1", "0"):
+        os.environ["INFC_WIDE"] = wide
+        try:
+            llm = LLM(d, device="cuda", kv_cache_tokens=32768, max_num_seqs=256)
+        finally:
+            os.environ.pop("INFC_WIDE")
+        plan = llm.runner.plan
+        assert ("wide" in plan["programs"]) == (wide == "1")
+        if wide == "1":
+            assert program_name(plan, "decode", len(prompts)) == "wide"
+        outs[wide] = [o.token_ids for o in llm.generate(prompts, params)]
+        llm.close()
+    for got in outs.values():
+        assert all(t == follow(p, len(p) + 8)[len(p):] for p, t in zip(prompts, got))
