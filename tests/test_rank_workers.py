@@ -261,7 +261,8 @@ def test_engine_over_two_processes_generates_the_single_rank_tokens(fam, par, ti
                                      ("qwen3_moe", dict(tensor_parallel_size=2, enable_expert_parallel=True))],
                          ids=["qwen3-tp2", "qwen3_moe-tp2-ep2"])
 def test_overlapped_steps_over_two_processes(fam, par, tiny_model, tmp_path, rng, monkeypatch):
-    """INFC_RANK_OVERLAP=1: each step goes to the worker as a LAUNCH frame with its rows'
+    """Overlapped steps over ranks (INFC_RANK_OVERLAP=1 forces them on these CPU ranks; GPU
+    ranks overlap by default): each step goes to the worker as a LAUNCH frame with its rows'
     sampling; the worker samples as rank 0 does and feeds the pending tokens itself. Greedy and
     seeded sampling give the tokens of synchronous steps over the same ranks, bit for bit."""
     from infc.runtime.engine import Engine
@@ -288,10 +289,16 @@ def test_overlapped_steps_over_two_processes(fam, par, tiny_model, tmp_path, rng
             runner.close()
     assert got[True] == got[False] and len(launched) >= 7      # every step launched
     assert [len(got[True][f"r{i}"]) for i in range(4)] == [6, 5, 7, 4]
-    monkeypatch.delenv("INFC_RANK_OVERLAP")
     runner = processes(d, paths)
     try:
-        assert not Engine(runner, max_model_len=1024).overlap        # opt-in over ranks
+        monkeypatch.setenv("INFC_RANK_OVERLAP", "0")
+        assert not Engine(runner, max_model_len=1024).overlap
+        monkeypatch.delenv("INFC_RANK_OVERLAP")
+        # by default only ranks whose runners do not compute at launch (GPUs) overlap
+        assert not Engine(runner, max_model_len=1024).overlap
+        own, runner.runner = runner.runner, type("DeviceRunner", (), {"launch": lambda *a: None})()
+        assert runner.can_overlap
+        runner.runner = own
     finally:
         runner.close()
 

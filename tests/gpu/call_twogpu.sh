@@ -39,7 +39,7 @@ a=$!
 b=$!
 wait $a $b
 mkdir -p "$OUT/ranks"
-STAGES="twogpu-bench" TWOGPU_BENCH=moe-throughput TWOGPU_CONCURRENCY=$conc TWOGPU_SKIP_ONE=1 TWOGPU_RANK_OVERLAP=1 \
+STAGES="twogpu-bench" TWOGPU_BENCH=moe-throughput TWOGPU_CONCURRENCY=$conc TWOGPU_SKIP_ONE=1 TWOGPU_RANK_SYNC=1 \
   bash tests/gpu/session.sh "$OUT/ranks" >"$OUT/ranks/console.log" 2>&1 || true
 STAGES=twogpu PYTEST_ARGS="-k overlapped" TWOGPU_S=120 bash tests/gpu/session.sh "$OUT/overlap-test" \
   >"$OUT/overlap-test.log" 2>&1

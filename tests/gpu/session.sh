@@ -36,8 +36,8 @@
 # TP=2 + EP) and DeepSeek-V2-Lite (27 layers, TP=2 + EP), each beside one GPU of the same machine,
 # dummy weights (TWOGPU_BENCH picks some of: latency throughput moe-latency moe-throughput deepseek;
 # TWOGPU_SKIP_ONE=1 runs only the two-rank side, TWOGPU_ONLY_ONE=1 only the one-GPU side; TWOGPU_NCCL_ONLY=1 runs the two ranks again with
-# INFC_P2P=0, NCCL for every collective, into bench/nccl-only; TWOGPU_RANK_OVERLAP=1 runs them again
-# with overlapped steps (INFC_RANK_OVERLAP=1) into bench/rank-overlap; TWOGPU_SERVER_RUNS="dir:TP:EP ..."
+# INFC_P2P=0, NCCL for every collective, into bench/nccl-only; TWOGPU_RANK_SYNC=1 runs them again
+# with synchronous steps (INFC_RANK_OVERLAP=0; overlapped is the default) into bench/rank-sync; TWOGPU_SERVER_RUNS="dir:TP:EP ..."
 # the server runs); twogpu-allreduce one all-reduce's time, NCCL against peer_sum, over message sizes
 # (bench/allreduce.py); twogpu-nccl-env the same over NCCL settings (NCCL_ENVS). p2p: peer_sum, the one-shot all-reduce, with two ranks on this one GPU
 # (tests/gpu/test_peer_sum_gpu.py, after prepare.py ranks).
@@ -240,11 +240,11 @@ test_ranks_gpu.model_dir(name[len('ranks-'):]) if name.startswith('ranks-') else
         [ -n "${TWOGPU_SKIP_ONE:-}" ] && variants=("--tensor-parallel-size 2")
         [ -n "${TWOGPU_ONLY_ONE:-}" ] && variants=("")     # one GPU only (another job has the other)
         [ -n "${TWOGPU_NCCL_ONLY:-}" ] && variants+=("nccl-only")     # the ranks again, INFC_P2P=0
-        [ -n "${TWOGPU_RANK_OVERLAP:-}" ] && variants+=("rank-overlap")  # again, INFC_RANK_OVERLAP=1
+        [ -n "${TWOGPU_RANK_SYNC:-}" ] && variants+=("rank-sync")  # again, INFC_RANK_OVERLAP=0
         for ranks in "${variants[@]}"; do
-          out="$OUT/bench" p2p=1 rov=0
+          out="$OUT/bench" p2p=1 rov=1
           if [ "$ranks" = nccl-only ]; then ranks="--tensor-parallel-size 2" out="$OUT/bench/nccl-only" p2p=0; fi
-          if [ "$ranks" = rank-overlap ]; then ranks="--tensor-parallel-size 2" out="$OUT/bench/rank-overlap" rov=1; fi
+          if [ "$ranks" = rank-sync ]; then ranks="--tensor-parallel-size 2" out="$OUT/bench/rank-sync" rov=0; fi
           mkdir -p "$out"
           export INFC_P2P=$p2p INFC_RANK_OVERLAP=$rov
           case $what in

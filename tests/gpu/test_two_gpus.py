@@ -156,7 +156,7 @@ def test_a_rank_killed_mid_stream_is_a_clear_error():
 
 @pytest.mark.parametrize("name", ["qwen3-4b-tp2", "qwen3-30b-a3b-l4-tp2-ep2"])
 def test_overlapped_steps_over_two_gpus_give_the_synchronous_tokens(name, monkeypatch):
-    """INFC_RANK_OVERLAP=1 (opt-in): the engine launches step N + 1 before it reads step N; each
+    """Overlapped steps over ranks (the default): the engine launches step N + 1 before it reads step N; each
     rank samples every row itself (the ranks' logits must be the same bits) and feeds the pending
     tokens on its own GPU. Greedy and seeded sampling over the same ranks give the tokens of
     synchronous steps; a rank whose logits differed would diverge and fail this."""
@@ -169,7 +169,7 @@ def test_overlapped_steps_over_two_gpus_give_the_synchronous_tokens(name, monkey
     params = [SamplingParams(max_tokens=int(rng.integers(4, 24)), ignore_eos=True,
                              **({"temperature": 0.9, "seed": i} if i % 2 else {"temperature": 0}))
               for i in range(len(prompts))]
-    monkeypatch.setenv("INFC_RANK_OVERLAP", "1")
+    monkeypatch.delenv("INFC_RANK_OVERLAP", raising=False)
     got = {}
     for overlap in (False, True):
         with closing(ranks(art, d, cuda_graphs=True)) as r:
