@@ -303,15 +303,20 @@ def test_overlapped_steps_over_two_processes(fam, par, tiny_model, tmp_path, rng
         runner.close()
 
 
-def test_a_killed_worker_is_a_clear_error_at_the_next_step(tiny_model, tmp_path, rng):
+@pytest.mark.parametrize("overlap", ["0", "1"], ids=["synchronous", "overlapped"])
+def test_a_killed_worker_is_a_clear_error_at_the_next_step(overlap, tiny_model, tmp_path, rng, monkeypatch):
+    """Synchronous or overlapped steps (a GPU's default over ranks: the error then comes from a
+    LAUNCH frame or the collect of the step in flight)."""
     from infc.runtime.engine import Engine
     from infc.runtime.rank_workers import RankError
     from infc.runtime.sampling import SamplingParams
     d, _ = tiny_model("qwen3")
     _, paths = write_plans(d, tmp_path, tensor_parallel_size=2)
+    monkeypatch.setenv("INFC_RANK_OVERLAP", overlap)
     runner = processes(d, paths, step_timeout=30)
     try:
         engine = Engine(runner, max_model_len=1024)
+        assert engine.overlap == (overlap == "1")
         engine.add_request([int(t) for t in rng.integers(0, 320, 9)],
                            SamplingParams(max_tokens=50, temperature=0, ignore_eos=True), "r")
         for _ in range(3):
