@@ -50,12 +50,14 @@ _GEMV_FMA = [{"BLOCK_N": 16}, {"TARGET_CTAS": 528}, {"FMA_BLOCK_K": 128},
              {"BLOCK_N": 16, "FMA_BLOCK_K": 512}, {"num_warps": 8}, {"BLOCK_N": 64, "FMA_BLOCK_K": 128},
              {"TARGET_CTAS": 264}, {"TARGET_CTAS": 792}, {"SPLIT_K": 1}, {"num_warps": 2},
              {"num_stages": 2}]
-_GEMV_DOT = [{"BLOCK_N_DOT": 128}, {"BLOCK_T": 16}, {"BLOCK_T": 32}, {"BLOCK_K": 128},
-             {"TARGET_CTAS_DOT": 528}, {"BLOCK_N_DOT": 32}, {"TARGET_CTAS_DOT": 132},
+# first the two that won at 64 rows on qwen3-4b (H100, 2026-11-27: down 25.9 -> 22.1 us with
+# BLOCK_K 128, gate|up 42.6 -> 39.0 with 64-row blocks, which read W once there)
+_GEMV_DOT = [{"BLOCK_K": 128}, {"BLOCK_T": 64}, {"BLOCK_N_DOT": 128}, {"BLOCK_T": 16},
+             {"TARGET_CTAS_DOT": 528}, {"BLOCK_T": 32}, {"BLOCK_N_DOT": 32}, {"TARGET_CTAS_DOT": 132},
              {"SPLIT_K_DOT": 1}, {"num_stages": 3}, {"num_warps": 8},
              # a saturated server's decode (~250 rows): every BLOCK_T-row block streams W again,
              # from HBM once W passes L2 (gate|up's 100 MB at 255 rows took 113 us on an H100)
-             {"BLOCK_T": 64}, {"BLOCK_T": 128, "num_warps": 8}]
+             {"BLOCK_T": 128, "num_warps": 8}]
 # the wide program's decode steps (128-256 rows; its default BLOCK_T is 64): each row block reads
 # W once, each column block A once. On qwen3-4b (H100) 128-row blocks won for gate|up, 64 for the
 # rest; 256-row blocks lost everywhere (A re-read per 64-column block, 40-100 % slower)
