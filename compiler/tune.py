@@ -14,7 +14,8 @@ its tune dict, kernel id and META. `runtime/cuda/tune_run.py` needs nothing else
 
 A shape key is symbolic in T and B (one key covers every batch size), so each is timed at
 representative sizes: decode at T = B = 1 (`--decode-batches 1,8` adds more; the score is the
-geometric mean), wide (decode steps of many sequences) at T = B = 128 and 256 (`--wide-batches`), prefill at T = 1024 tokens of one sequence, mixed at T = 512 over 8 sequences,
+geometric mean), wide (decode steps of many sequences) at T = B = 128 and 256
+(`--wide-batches`), prefill at T = 1024 tokens of one sequence, mixed at T = 512 over 8 sequences,
 short (a prefill of at most plan["short_tokens"] tokens on the decode GEMVs) at T = 32 tokens of
 one sequence; a short shape has no table entry until one is tuned, so it renders the defaults;
 attention at `--context-len` cached keys per sequence.
@@ -84,9 +85,9 @@ _GEMM = [{"BLOCK_N": 128}, {"BLOCK_N": 256}, {"BLOCK_M": 64}, {"BLOCK_M": 64, "B
 _ATTN_DECODE = [{"BLOCK_N": 32}, {"BLOCK_N": 128}, {"NUM_SPLITS": 16}, {"NUM_SPLITS": 64},
                 {"TARGET_CTAS": 132}, {"TARGET_CTAS": 528}, {"MERGE_CHUNK": 4}, {"num_warps": 2},
                 {"num_warps": 8}, {"num_stages": 1}, {"num_stages": 3},
-                # a saturated server's decode (B ~ 64-256, no splits): each program streams ~1k
-                # keys, so the bytes in flight per program decide the bandwidth (66 % of copy at
-                # B = 255 on an H100, bench/NOTES.md issue 10)
+                # a saturated server's decode (B ~ 64-256, no splits; each program streams ~1k
+                # keys). Timed on an H100 (2026-11-27): none beat the default, which streams the
+                # KV at ~97 % of the copy bandwidth there
                 {"BLOCK_N": 128, "num_stages": 3}, {"BLOCK_N": 128, "num_warps": 8},
                 {"num_stages": 4}, {"TARGET_CTAS": 1056}]
 _ATTN_PREFILL = [{"BLOCK_M": 64}, {"BLOCK_N": 64}, {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4},

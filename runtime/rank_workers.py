@@ -4,10 +4,11 @@ them over runtime/step_channel.py (raw frames on local sockets, no pickle). Ever
 same step on its own runner; the collectives inside the step keep the ranks in lockstep (NCCL on
 the GPUs; on the CPU, tests' numpy references exchange their inputs through rank 0).
 
-Overlapped steps (engine.Engine; default on, INFC_RANK_OVERLAP=0 or INFC_OVERLAP=0 turns them
-off; measured +10-12 % on two H100s, bench/NOTES.md): rank 0 launches step N + 1 before it reads step N's tokens, so the workers get a LAUNCH
-frame, the step and its rows' sampling; every rank samples every row (the ranks' logits are the
-same bits, so are the tokens) and feeds the next step's pending tokens on its own device.
+Overlapped steps (engine.Engine; on for GPU ranks, INFC_RANK_OVERLAP=0 or INFC_OVERLAP=0 turns
+them off; +10-12 % on two H100s, bench/NOTES.md): rank 0 launches step N + 1 before it reads step
+N's tokens, so the workers get a LAUNCH frame, the step and its rows' sampling; every rank samples
+every row (the ranks' logits are the same bits, so are the tokens) and feeds the next step's
+pending tokens on its own device.
 
     runner = MultiProcessRunner("infc.runtime.rank_workers:nccl_rank_runner",
                                 {"artifact": ..., "model_dir": ..., "num_pages": ...}, world=2)

@@ -24,8 +24,8 @@ WIDE_TOKENS_PER_EXPERT = 8
 # floor, H100). Their wide launches are the same templates with the wide phase's own row tiles
 # (the template's wide defaults, then the tuning table's "wide|..." entries): every plan with
 # such a launch has a wide program. Without experts it starts at WIDE_DENSE_TOKENS decodes,
-# where the measured tiles part (bench/NOTES.md, "wide decode steps": at 64 decodes the two are
-# even, at 128 the wide tiles take 3.5 ms less a step on qwen3-4b).
+# where the measured tiles part (bench/NOTES.md, "wide decode steps", qwen3-4b on an H100: at 64
+# decodes the two are even, the wide GEMVs take ~1.4 ms less a step at 128 and ~3.5 ms at 256).
 ROW_TILED = frozenset({"gemv", "gemv_act_mul", "gemv_gated", "lm_head_last"})
 WIDE_DENSE_TOKENS = 128
 
