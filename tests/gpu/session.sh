@@ -21,7 +21,8 @@
 # dense layer 0, router + shared + top-6 routed experts, lm_head, latent KV) over the copy bandwidth
 # measured in the run, and the latent KV bytes per token beside a non-latent layout's: prepare.py
 # deepseek; DEEPSEEK_ARGS adds flags to bench latency; its golden gate is the families stage with
-# INFC_GPU_FAMILIES=deepseek-v2-lite-l8).
+# INFC_GPU_FAMILIES=deepseek-v2-lite-l8); moe the same for the full 48-layer qwen3-30b-a3b (issue 11:
+# prepare.py twogpu builds .cache/artifacts/qwen3-30b-a3b).
 # server-families (the openai SDK suite over the Qwen3.5 and DeepSeek-V2-Lite cuts, after prepare.py
 # server; SERVER_FAMILIES picks them).
 # overlap-ab (overlapped engine steps against INFC_OVERLAP=0, alternating: latency and throughput);
@@ -68,7 +69,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv | tee "$OUT/gpu.txt"
-if [ -n "$(echo " $STAGES " | sed -e 's/ families / /g' -e 's/ qwen35 / /g' -e 's/ ranks / /g' -e 's/ p2p / /g' -e 's/ deepseek / /g' -e 's/ profile-moe / /g' -e 's/ server-families / /g' -e 's/ twogpu[a-z-]* / /g' -e 's/ twogpu[a-z-]* / /g' | tr -d ' ')" ]; then   # a stage besides families / qwen35 / ranks / deepseek / profile-moe / server-families / twogpu*
+if [ -n "$(echo " $STAGES " | sed -e 's/ families / /g' -e 's/ qwen35 / /g' -e 's/ ranks / /g' -e 's/ p2p / /g' -e 's/ deepseek / /g' -e "s/ moe / /g" -e 's/ profile-moe / /g' -e 's/ server-families / /g' -e 's/ twogpu[a-z-]* / /g' -e 's/ twogpu[a-z-]* / /g' | tr -d ' ')" ]; then   # a stage besides families / qwen35 / ranks / deepseek / profile-moe / server-families / twogpu*
   say "models"
   timeout 300 python3 -c "import sys; sys.path.insert(0,'tests/gpu'); import models; [models.model_dir(m) for m in ('qwen3-4b','llama-3.2-1b','tiny-moe','skipgram')]" 2>&1 | tail -12
   say "models ready"
@@ -159,17 +160,19 @@ for _ in range(600):
       timeout ${RANKS_S:-420} python3 -m pytest tests/gpu/test_ranks_gpu.py -q -s -p no:cacheprovider -rs \
         ${PYTEST_ARGS:-} 2>&1 | quiet | tee "$OUT/pytest-ranks.log" \
         | grep -E "passed|failed|error|skipped|SKIPPED|\[ranks\]|^E " | tail -60 ;;
-    deepseek)
+    deepseek|moe)
       # config-only directory (no checkpoint, no tokenizer): weights filled on the device. The
       # artifact's plan.json is the H200 table's (prepare.py builds both tables' cubins): on another
       # card it is re-rendered with that card's table first, compiling nothing, as for qwen3-4b above.
-      art=.cache/gpu/deepseek-v2-lite-art cfg=.cache/gpu/configs/deepseek-v2-lite
+      # deepseek: DeepSeek-V2-Lite, 27 layers (issue 13); moe: qwen3-30b-a3b, 48 layers (issue 11)
+      if [ "$stage" = deepseek ]; then art=.cache/gpu/deepseek-v2-lite-art cfg=.cache/gpu/configs/deepseek-v2-lite
+      else art=.cache/artifacts/qwen3-30b-a3b cfg=.cache/gpu/configs/qwen3-30b-a3b; fi
       python3 tests/gpu/rerender.py $art 2>&1 | tail -2
-      rm -rf "$OUT/deepseek"; mkdir -p "$OUT/deepseek"
+      rm -rf "$OUT/$stage"; mkdir -p "$OUT/$stage"
       timeout ${DEEPSEEK_S:-240} python3 -m infc.cli bench latency --artifact $art --model-path $cfg \
-        --load-format dummy --no-hf --prompts 32,1024 --output-len 128 --out "$OUT/deepseek" \
+        --load-format dummy --no-hf --prompts 32,1024 --output-len 128 --out "$OUT/$stage" \
         ${DEEPSEEK_ARGS:-} 2>&1 | quiet | tail -12
-      for f in "$OUT"/deepseek/latency-deepseek*.json; do     # bench latency's result
+      for f in "$OUT/$stage"/latency-*.json; do     # bench latency's result
         [ -f "$f" ] && python3 -m infc.bench.active_floor --artifact $art --latency "$f" --output-len 128 2>&1 | tail -8
       done ;;
     p2p)
