@@ -226,14 +226,15 @@ def test_kv_bytes_per_token_latent_vs_non_latent(tmp_path):
 
 def test_session_stage_names_the_prepared_directories():
     src = (REPO / "tests" / "gpu" / "session.sh").read_text()
-    stage = src[src.index("    deepseek)"):]
+    stage = src[src.index("    deepseek|moe)"):]           # one stage, two models (moe: issue 11's)
     stage = stage[: stage.index(";;")]
     art, cfg = (p.relative_to(REPO).as_posix() for p in (gpu_families.artifact_dir(FULL), gpu_families.config_dir(FULL)))
     assert f"art={art} cfg={cfg}" in stage
     assert "--load-format dummy" in stage and "--prompts 32,1024" in stage
     assert stage.count("--output-len 128") == 2                 # bench latency and active_floor agree
     assert "infc.bench.active_floor" in stage
-    assert "-e 's/ deepseek / /g'" in src                       # no served models made for it
+    assert "-e 's/ deepseek / /g'" in src and '-e "s/ moe / /g"' in src   # no served models made for them
+    assert "art=.cache/artifacts/qwen3-30b-a3b cfg=.cache/gpu/configs/qwen3-30b-a3b" in stage
 
 
 def test_prepare_part_builds_both_artifacts_with_cubins(tmp_path, monkeypatch):
