@@ -61,17 +61,28 @@ def _tune(args):
     def _csv(text):
         return [x.strip() for x in (text or "").split(",") if x.strip()] or None
 
+    def _batches(text, flag):
+        out = []
+        for b in _csv(text) or []:
+            if not b.isdigit() or int(b) < 1:
+                raise ValueError(f"{flag}: '{b}' is not a batch size (whole numbers >= 1, "
+                                 f"comma-separated)")
+            out.append(int(b))
+        if not out:
+            raise ValueError(f"{flag}: no batch size given")
+        return out
+
     if args.tune_cmd == "prepare":
         from infc.compiler.build import parse_features
         from infc.compiler.tune import prepare
         prepare(model=args.model, gpu=args.gpu, out=args.out, phases=_csv(args.phases),
                 templates=_csv(args.templates), spec_path=args.spec, model_dir=args.model_path,
                 features=parse_features(args.features), page_size=args.page_size,
-                target=args.target, decode_batches=[int(b) for b in _csv(args.decode_batches)],
+                target=args.target, decode_batches=_batches(args.decode_batches, "--decode-batches"),
                 prefill_tokens=args.prefill_tokens, context_len=args.context_len,
                 mixed=[tuple(m.split("x")) for m in _csv(args.mixed)],
                 compile=not args.no_compile, jobs=args.jobs,
-                wide_batches=[int(b) for b in _csv(args.wide_batches)])
+                wide_batches=_batches(args.wide_batches, "--wide-batches"))
     else:
         from pathlib import Path
         if not (Path(args.dir) / "manifest.json").exists():      # before cuda-python is imported

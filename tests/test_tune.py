@@ -325,3 +325,13 @@ def test_cli_tune(tmp_path, capsys):
     assert "no candidate grid" in capsys.readouterr().err
     assert main(["tune", "run", "--dir", str(tmp_path / "none")]) == 2
     assert "no manifest.json" in capsys.readouterr().err
+    # the wide program's keys, timed at the wide batches given
+    assert main(["tune", "prepare", "--model", MODEL, "--gpu", "h100", "--out", str(out), "--phases", "wide",
+                 "--templates", "gemv_gated", "--wide-batches", "160,256", "--no-compile"]) == 0
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["dims"]["wide"] == [{"T": 160, "B": 160}, {"T": 256, "B": 256}]
+    assert [e["shape_key"].split("|")[0] for e in m["entries"]] == ["wide"]
+    for flag, bad in (("--wide-batches", "0"), ("--wide-batches", "12x"), ("--decode-batches", "")):
+        assert main(["tune", "prepare", "--model", MODEL, "--no-compile", "--out", str(out), flag, bad]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {flag}: ") and "Traceback" not in err
