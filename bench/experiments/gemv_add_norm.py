@@ -21,19 +21,16 @@ by up to ~1 us a launch). Outputs are checked against torch.
     python3 bench/experiments/gemv_add_norm.py OUT_DIR     # on the GPU (torch + triton there)
     TRITON_INTERPRET=1 python3 bench/experiments/gemv_add_norm.py --check   # the kernel, on a CPU
 """
-import ast
-import importlib.util
 import json
 import os
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
+from plan_kernels import plain_launch, plan_kernel
 
-REPO = Path(__file__).resolve().parents[2]
 SHAPES = {"o_proj": ("wo", 4096, 2560), "down": ("wd", 9728, 2560)}
 LAYERS, REPS, EPS = 24, 50, 1e-6
 
@@ -145,54 +142,21 @@ def check(device="cpu"):
     print("gemv_add_norm: the fused kernel matches torch (interpreter)")
 
 
-def _plan_kernel(pred):
-    """The committed qwen3-4b decode program's first layer launch matching pred: (module, META, launch)."""
-    kdir = REPO / "generated/qwen3-4b"
-    plan = json.loads((kdir / "plan.json").read_text())
-    layer = next(l for l in plan["programs"]["decode"] if "kinds" in l)["kinds"]["layer"]
-    launch = next(l for l in layer if pred(l))
-    f = kdir / "kernels" / f"{launch['kernel_id']}.py"
-    meta = next(ast.literal_eval(n.value) for n in ast.parse(f.read_text()).body
-                if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == "META")
-    spec = importlib.util.spec_from_file_location(f"plan_{f.stem}", f)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod, meta
-
-
-def _launch(mod, meta, src: dict):
-    """A plain launch of a plan kernel at T = B = 1 with its scratch (zeroed, typed)."""
-    env = {"cdiv": triton.cdiv, "max": max, "min": min, "T": 1, "B": 1}
-    types = {s[len("scratch:"):]: t for _, t, s in meta["params"] if s.startswith("scratch:")}
-    dt = {"*i32": torch.int32, "*fp32": torch.float32}
-    scratch = {n: torch.zeros(max(4, -(-int(eval(str(e), env)) // 4) * 4), dtype=torch.uint8,
-                              device="cuda").view(dt.get(types.get(n), torch.uint8))
-               for n, e in meta.get("scratch", {}).items()}
-    args = [1 if s.startswith("dim:") else scratch[s[len("scratch:"):]] if s.startswith("scratch:") else src[s]
-            for _, _, s in meta["params"]]
-    grid = tuple(int(eval(str(g), env)) for g in meta["grid"])
-    kw = dict(meta["constexprs"], num_warps=meta["num_warps"], num_stages=meta["num_stages"])
-    if "PDL" in kw:
-        kw["PDL"] = False
-    fn = getattr(mod, meta["entry"])
-    return lambda: fn[grid](*args, **kw)
-
-
 def main(out: Path):
     out.mkdir(parents=True, exist_ok=True)
-    norm_mod, norm_meta = _plan_kernel(lambda l: l["op"] == "add_rms_norm")
+    norm_mod, norm_meta = plan_kernel(lambda l: l["op"] == "add_rms_norm")
     res = {"gpu": torch.cuda.get_device_name(), "triton": triton.__version__, "layers": LAYERS,
            "reps": REPS, "runs": []}
     for name, (weight, K, N) in SHAPES.items():
-        gmod, gmeta = _plan_kernel(lambda l: l["op"] == "linear" and l["inputs"][1] == weight)
+        gmod, gmeta = plan_kernel(lambda l: l["op"] == "linear" and l["inputs"][1] == weight)
         torch.manual_seed(0)
         a = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
         ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5 for _ in range(LAYERS)]
         x0 = torch.randn(1, N, device="cuda", dtype=torch.bfloat16)
         nw = (torch.rand(N, device="cuda") + 0.5).to(torch.bfloat16)
         x, y, h = x0.clone(), torch.empty(1, N, device="cuda", dtype=torch.bfloat16), torch.empty_like(x0)
-        plan_g = [_launch(gmod, gmeta, {"in:0": a, "in:1": w, "out:0": y}) for w in ws]
-        plan_n = _launch(norm_mod, norm_meta, {"in:0": x, "in:1": y, "in:2": nw, "out:0": x, "out:1": h})
+        plan_g = [plain_launch(gmod, gmeta, {"in:0": a, "in:1": w, "out:0": y}) for w in ws]
+        plan_n = plain_launch(norm_mod, norm_meta, {"in:0": x, "in:1": y, "in:2": nw, "out:0": x, "out:1": h})
         e_plain, e_fused = Exp(K, N, False, "cuda"), Exp(K, N, True, "cuda")
         bodies = {
             "plan": lambda: [(g(), plan_n()) for g in plan_g],

@@ -14,8 +14,6 @@ REPS, each sequence timed by CUDA events after a 256 MB write has flushed L2:
 Checks each GEMV's output against torch. Run on the GPU:
 python3 bench/experiments/gemv_l2.py OUT_DIR  (torch + triton there).
 """
-import ast
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -23,8 +21,8 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+from plan_kernels import plain_launch, plan_kernel
 
-REPO = Path(__file__).resolve().parents[2]
 SHAPES = {"qkv": ("wqkv", 2560, 6144), "o_proj": ("wo", 4096, 2560), "down": ("wd", 9728, 2560)}
 REPS, BUSY_US = 200, 11.0
 
@@ -50,37 +48,11 @@ def prefetch(w_ptr, sink_ptr, n, BLOCK: tl.constexpr):
 
 def plan_gemv(weight: str):
     """The committed qwen3-4b decode program's GEMV for this weight: (module, META)."""
-    kdir = REPO / "generated/qwen3-4b"
-    plan = json.loads((kdir / "plan.json").read_text())
-    layer = next(l for l in plan["programs"]["decode"] if "kinds" in l)["kinds"]["layer"]
-    kid = next(l["kernel_id"] for l in layer if l["op"] == "linear" and l["inputs"][1] == weight)
-    f = kdir / "kernels" / f"{kid}.py"
-    meta = next(ast.literal_eval(n.value) for n in ast.parse(f.read_text()).body
-                if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == "META")
-    spec = importlib.util.spec_from_file_location(f"plan_{f.stem}", f)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod, meta
+    return plan_kernel(lambda l: l["op"] == "linear" and l["inputs"][1] == weight)
 
 
 def launcher(mod, meta, x, w, y):
-    env = {"cdiv": triton.cdiv, "max": max, "min": min, "T": 1, "B": 1}
-    # scratch sizes are bytes; each buffer gets its parameter's element type (counters are i32:
-    # Triton's atomics refuse uint8)
-    types = {s[len("scratch:"):]: t for _, t, s in meta["params"] if s.startswith("scratch:")}
-    dt = {"*i32": torch.int32, "*fp32": torch.float32, "*u8": torch.uint8}
-    scratch = {n: torch.zeros(max(4, -(-int(eval(str(e), env)) // 4) * 4), dtype=torch.uint8,
-                              device="cuda").view(dt.get(types.get(n), torch.uint8))
-               for n, e in meta.get("scratch", {}).items()}
-    src = {"in:0": x, "in:1": w, "out:0": y}
-    args = [1 if s.startswith("dim:") else scratch[s[len("scratch:"):]] if s.startswith("scratch:") else src[s]
-            for _, _, s in meta["params"]]
-    grid = tuple(int(eval(str(g), env)) for g in meta["grid"])
-    kw = dict(meta["constexprs"], num_warps=meta["num_warps"], num_stages=meta["num_stages"])
-    if "PDL" in kw:
-        kw["PDL"] = False                  # a plain launch here (no programmatic dependency)
-    fn = getattr(mod, meta["entry"])
-    return lambda: fn[grid](*args, **kw)
+    return plain_launch(mod, meta, {"in:0": x, "in:1": w, "out:0": y})
 
 
 def main(out: Path):

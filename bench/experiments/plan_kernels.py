@@ -1,0 +1,49 @@
+"""The committed qwen3-4b plan's kernels for the experiments that time them beside variants:
+a layer launch's generated Triton source as a module, and a plain launch of it on torch tensors
+(JIT-compiled by the GPU machine's Triton)."""
+import ast
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+import triton
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def plan_kernel(pred, model: str = "qwen3-4b"):
+    """The first launch of the decode program's layer body matching pred: (module, META)."""
+    kdir = REPO / "generated" / model
+    plan = json.loads((kdir / "plan.json").read_text())
+    layer = next(l for l in plan["programs"]["decode"] if "kinds" in l)["kinds"]["layer"]
+    kid = next(l["kernel_id"] for l in layer if pred(l))
+    f = kdir / "kernels" / f"{kid}.py"
+    meta = next(ast.literal_eval(n.value) for n in ast.parse(f.read_text()).body
+                if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == "META")
+    spec = importlib.util.spec_from_file_location(f"plan_{f.stem}", f)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod, meta
+
+
+def plain_launch(mod, meta, src: dict, T: int = 1, B: int = 1):
+    """A launch of a plan kernel at (T, B) with its own zeroed scratch, no programmatic dependency:
+    src maps the META params' sources ("in:0", "out:1", ...) to tensors. -> a no-argument call."""
+    env = {"cdiv": triton.cdiv, "max": max, "min": min, "T": T, "B": B}
+    # scratch sizes are bytes; each buffer gets its parameter's element type (counters are i32:
+    # Triton's atomics refuse uint8)
+    types = {s[len("scratch:"):]: t for _, t, s in meta["params"] if s.startswith("scratch:")}
+    dt = {"*i32": torch.int32, "*fp32": torch.float32}
+    scratch = {n: torch.zeros(max(4, -(-int(eval(str(e), env)) // 4) * 4), dtype=torch.uint8,
+                              device="cuda").view(dt.get(types.get(n), torch.uint8))
+               for n, e in meta.get("scratch", {}).items()}
+    args = [env[s[len("dim:"):]] if s.startswith("dim:") else
+            scratch[s[len("scratch:"):]] if s.startswith("scratch:") else src[s]
+            for _, _, s in meta["params"]]
+    grid = tuple(int(eval(str(g), env)) for g in meta["grid"])
+    kw = dict(meta["constexprs"], num_warps=meta["num_warps"], num_stages=meta["num_stages"])
+    if "PDL" in kw:
+        kw["PDL"] = False
+    fn = getattr(mod, meta["entry"])
+    return lambda: fn[grid](*args, **kw)
