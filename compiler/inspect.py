@@ -151,7 +151,9 @@ def _inspect_one(model, spec_path, model_dir, dot, phases, spec_dirs, parallel=N
     phases = [p for p in phases if p in plan["programs"]] if phases else list(plan["programs"])
     for phase in phases:
         total, per_layer = count_launches(plan["programs"][phase])
-        out += ["", f"== launches: {phase}  ({per_layer} per layer, {total} per step)"]
+        when = {"short": f"; prefill / mixed steps of <= {plan.get('short_tokens')} tokens",
+                "wide": f"; decode steps of >= {plan.get('wide_tokens')} sequences"}.get(phase, "")
+        out += ["", f"== launches: {phase}  ({per_layer} per layer, {total} per step{when})"]
         out += _launch_table(plan["programs"][phase], bin_dir)
     if plan.get("sampler"):
         out += ["", "== sampler: after each step, on the logits, outside the decode graph (runtime/cuda/sampler.py)"]

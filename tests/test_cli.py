@@ -64,6 +64,7 @@ def test_inspect_wide_phase(capsys):
     assert main(["inspect", "qwen3-4b", "--phase", "wide"]) == 0
     out = capsys.readouterr().out
     assert "== launches: wide  (" in out and "triton:gemv_gated" in out and "triton:lm_head_last" in out
+    assert "per step; decode steps of >= 128 sequences)" in out
     assert "== launches: decode" not in out and "moe_" not in out
 
 
