@@ -385,28 +385,32 @@ class MultiProcessRunner:
         self._acked = self._step - 1
 
     def _run(self, meta, fn, frame=None):
+        """Send the step to the workers, then fn() on rank 0's runner. frame(step index) -> the
+        frame the workers get (default: the STEP frame of meta)."""
+        def step():
+            self._check_alive()
+            self._acks()
+            f = frame(self._step) if frame is not None else ch.encode_step(meta, self._step)
+            for r, s in self.step_socks.items():
+                ch.send_frame(s, f, f"rank {r}")
+            self._step += 1
+            return fn()
         with self._busy:
-            return self._run_locked(meta, fn, frame)
+            return self._guarded(step)
 
-    def _run_locked(self, meta, fn, frame=None):
-        """frame(step index) -> the frame the workers get (default: the STEP frame of meta)."""
+    def _guarded(self, fn):
+        """fn() as a step as far as the watchdog is concerned (a worker that dies meanwhile aborts
+        rank 0's wait: a collective would wait forever); any failure takes the ranks down."""
         if self.error is not None:
             raise RankError(f"the ranks are down: {self.error}")
         self._in_step = time.monotonic()
         try:
-            self._check_alive()
-            self._acks()
-            frame = frame(self._step) if frame is not None else ch.encode_step(meta, self._step)
-            for r, s in self.step_socks.items():
-                ch.send_frame(s, frame, f"rank {r}")
-            self._step += 1
             out = fn()
             if self._aborted:
                 raise RankError(f"rank 0's runner was aborted: {self._aborted}")
             return out
         except BaseException as e:
-            err = self._down(e)
-            raise err from None
+            raise self._down(e) from None
         finally:
             self._in_step = None
 
@@ -432,21 +436,9 @@ class MultiProcessRunner:
                          lambda k: ch.encode_launch(meta, k, sampling, feed))
 
     def collect(self, handle):
-        """Rank 0's samples of a launched step. The wait is a step's as far as the watchdog is
-        concerned: a worker that dies meanwhile aborts it (a collective would wait forever)."""
+        """Rank 0's samples of a launched step, its wait guarded as a step's."""
         with self._busy:
-            if self.error is not None:
-                raise RankError(f"the ranks are down: {self.error}")
-            self._in_step = time.monotonic()
-            try:
-                out = self.runner.collect(handle)
-                if self._aborted:
-                    raise RankError(f"rank 0's runner was aborted: {self._aborted}")
-                return out
-            except BaseException as e:
-                raise self._down(e) from None
-            finally:
-                self._in_step = None
+            return self._guarded(lambda: self.runner.collect(handle))
 
     def logits(self, meta):
         """Run a step; rank 0's logits (runners that have `logits`)."""
