@@ -259,13 +259,11 @@ class Engine:
         for (seq, n), sample in zip(batch, samples):
             if sample is not None:
                 seq.pending -= 1
-            if seq.finished:                        # stopped at the step before, or aborted
-                continue
-            if sample is not None:
-                seq.token_ids.append(sample.token)
-            self.bm.commit(seq)
-            if sample is not None:
-                outputs.append(self._append(seq, sample, now))
+            if seq.finished or sample is None:      # stopped at the step before, aborted, or a
+                continue                            # prefill chunk (its blocks offered at launch)
+            seq.token_ids.append(sample.token)
+            self.bm.commit(seq)                     # the block its pending token completes
+            outputs.append(self._append(seq, sample, now))
         return outputs
 
     def _banned(self, seq: Sequence) -> tuple:
