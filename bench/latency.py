@@ -12,7 +12,6 @@ floor is then rank 0's: its weight shard and its share of the KV over the copy b
 (the ranks read their shards at once; the collectives' time is what the ranks add above it).
 """
 import argparse
-import os
 import time
 from pathlib import Path
 
@@ -72,6 +71,7 @@ def _infc(artifact, model_dir, prompts, out_len, seed=0, load_format="auto", par
 def _timed(r, r0, prompts, out_len, seed, load_format, par):
     """r: the runner the steps go to; r0: rank 0's CudaRunner (r itself on one GPU)."""
     from infc.runtime import caches
+    from infc.runtime.engine import overlaps
     from infc.runtime.runner import RowSampling
     from infc.runtime.sampling import SamplingParams
     from infc.runtime.step import Chunk, build_step
@@ -88,7 +88,7 @@ def _timed(r, r0, prompts, out_len, seed, load_format, par):
                 "ttft_ms": {}, "tpot_ms_by_prompt": {},
                 "floor_ms_by_prompt": {}})
     # decode as the engine runs it: overlapped steps where the runner can (INFC_OVERLAP=0: not)
-    overlap = getattr(r, "can_overlap", False) and os.environ.get("INFC_OVERLAP", "1") != "0"
+    overlap = overlaps(r)
     res["overlap"] = overlap
     for n in prompts:
         ttfts, tpots = [], []

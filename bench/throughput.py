@@ -65,6 +65,7 @@ class StepClock:
         execute = sum(p["execute_s"] for p in phases.values())
         return {"execute_s": execute, "host_s": wall - execute, "phases": phases}
 
+
 def run_point(engine, vocab: int, concurrency: int, in_len: int, out_len: int, rng, total: int | None = None):
     from infc.runtime.sampling import SamplingParams
     params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)

@@ -102,6 +102,14 @@ class Request:
         self.first_token_time: float | None = None
 
 
+def overlaps(runner, overlap: bool | None = None) -> bool:
+    """Whether steps over this runner overlap: asked for (None: unless INFC_OVERLAP=0) and the
+    runner can (`can_overlap`)."""
+    if overlap is None:
+        overlap = os.environ.get("INFC_OVERLAP", "1") != "0"
+    return bool(overlap and getattr(runner, "can_overlap", False))
+
+
 class Engine:
     def __init__(self, runner, tokenizer=None, eos_ids=(), max_model_len: int = 1 << 30,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
@@ -110,9 +118,7 @@ class Engine:
         overlap: overlapped steps (see above); default on where the runner can, unless
         INFC_OVERLAP=0."""
         self.runner, self.tokenizer = runner, tokenizer
-        if overlap is None:
-            overlap = os.environ.get("INFC_OVERLAP", "1") != "0"
-        self.overlap = bool(overlap and getattr(runner, "can_overlap", False))
+        self.overlap = overlaps(runner, overlap)
         self.in_flight = None                    # overlapped: (batch, rows, the runner's handle)
         self.eos_ids = set(eos_ids)
         self.max_model_len = max_model_len
