@@ -197,11 +197,10 @@ def test_llm_on_cuda(model_dir):
     assert llm.runner.sampler is not None and not llm.engine.has_unfinished()
 
 
-def test_wide_decode_steps_follow_the_trained_rules(model_dir):
+def test_wide_decode_steps_follow_the_trained_rules(model_dir, monkeypatch):
     """Decode steps of many sequences run the wide program (the GEMVs' 64- and 128-row tiles): on
     the trained model, 160 prompts decoded together continue by their rules, as they do on the
     decode program (INFC_WIDE=0)."""
-    import os
     from infc import LLM
     from infc.runtime.program import program_name
     from trained_model import follow, prompt
@@ -211,11 +210,8 @@ def test_wide_decode_steps_follow_the_trained_rules(model_dir):
     params = SamplingParams(max_tokens=8, **GREEDY)
     outs = {}
     for wide in ("1", "0"):
-        os.environ["INFC_WIDE"] = wide
-        try:
-            llm = LLM(d, device="cuda", kv_cache_tokens=32768, max_num_seqs=256)
-        finally:
-            os.environ.pop("INFC_WIDE")
+        monkeypatch.setenv("INFC_WIDE", wide)
+        llm = LLM(d, device="cuda", kv_cache_tokens=32768, max_num_seqs=256)
         plan = llm.runner.plan
         assert ("wide" in plan["programs"]) == (wide == "1")
         if wide == "1":

@@ -156,8 +156,8 @@ def test_a_rank_killed_mid_stream_is_a_clear_error():
 
 @pytest.mark.parametrize("name", ["qwen3-4b-tp2", "qwen3-30b-a3b-l4-tp2-ep2"])
 def test_overlapped_steps_over_two_gpus_give_the_synchronous_tokens(name, monkeypatch):
-    """Overlapped steps over ranks (the default): the engine launches step N + 1 before it reads step N; each
-    rank samples every row itself (the ranks' logits must be the same bits) and feeds the pending
+    """Overlapped steps over ranks (the default): the engine launches step N + 1 before it reads
+    step N; each rank samples every row itself (the ranks' logits must be the same bits) and feeds the pending
     tokens on its own GPU. Greedy and seeded sampling over the same ranks give the tokens of
     synchronous steps; a rank whose logits differed would diverge and fail this."""
     from families import engine_tokens
