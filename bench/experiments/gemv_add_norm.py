@@ -78,10 +78,10 @@ def gemv_add_norm(a_ptr, w_ptr, y_ptr, x_ptr, nw_ptr, h_ptr, part_ptr, cnt_ptr, 
             if seen == tl.num_programs(0) - 1:
                 cols = tl.arange(0, HB)
                 cm = cols < N
-                s = tl.load(x_ptr + cols, mask=cm, other=0.0, cache_modifier=".cg").to(tl.float32)
-                rstd = tl.math.rsqrt(tl.sum(s * s, 0) / N + EPS)
+                row = tl.load(x_ptr + cols, mask=cm, other=0.0, cache_modifier=".cg").to(tl.float32)
+                rstd = tl.math.rsqrt(tl.sum(row * row, 0) / N + EPS)
                 nw = tl.load(nw_ptr + cols, mask=cm, other=0.0).to(tl.float32)
-                h = ((s * rstd).to(h_ptr.dtype.element_ty).to(tl.float32) * nw).to(h_ptr.dtype.element_ty)
+                h = ((row * rstd).to(h_ptr.dtype.element_ty).to(tl.float32) * nw).to(h_ptr.dtype.element_ty)
                 tl.store(h_ptr + cols, h, mask=cm)
                 tl.atomic_xchg(row_cnt_ptr, 0, sem="relaxed", scope="gpu")
         else:
