@@ -320,13 +320,18 @@ def synthetic_plan(world: int) -> dict:
     buffers = {"x": (["T", H], "bf16"), "w": (["T", K], "f32"), "ids": (["T", K], "i32"),
                "sum": (["T", H], "bf16"), "comb": (["T", H], "bf16"), "xr": (["T", H], "bf16"),
                "wr": (["T", K], "f32"), "idr": (["T", K], "i32"), "g0": (["T", H], "bf16"),
-               "g1": (["T", H * world], "bf16"), "xf": (["T", H], "f32"), "sumf": (["T", H], "bf16")}
+               "g1": (["T", H * world], "bf16"), "xf": (["T", H], "f32"), "sumf": (["T", H], "bf16"),
+               "xl": (["T", H], "bf16"), "xrl": (["T", H], "bf16"), "wrl": (["T", K], "f32"),
+               "idrl": (["T", K], "i32")}
     launches = [("all_reduce", ["x"], ["sum"], {}), ("ep_combine", ["x"], ["comb"], {}),
                 ("ep_dispatch", ["x", "w", "ids"], ["xr", "wr", "idr"], {"experts_per_rank": 2}),
                 ("all_gather", ["x"], ["g0"], {"axis": 0, "world": world}),
                 ("all_gather", ["x"], ["g1"], {"axis": 1, "world": world}),
                 # a row-parallel linear's fp32 partials, summed and rounded once to bf16
-                ("all_reduce", ["xf"], ["sumf"], {"dtype": "bf16"})]
+                ("all_reduce", ["xf"], ["sumf"], {"dtype": "bf16"}),
+                # every rank holds the same rows (the parallel modes built so far): no traffic
+                ("ep_dispatch", ["xl", "w", "ids"], ["xrl", "wrl", "idrl"],
+                 {"experts_per_rank": 2, "replicated": True})]
     return {"parallel": {"world": world, "rank": 0, "tp": world, "ep": world},
             "buffers": {n: {"shape": s, "dtype": d} for n, (s, d) in buffers.items()},
             "programs": {"prefill": [{"op": op, "backend": "nccl", "kernel": None, "inputs": i,
@@ -358,15 +363,18 @@ def collective_launches(cuda_mods, ctx, world, T):
 
 
 def fill_inputs(ctx, rng, cls, T, world):
-    """Random inputs, different on every rank (so the owner's row is the one that must arrive);
-    ids over all world * 2 experts. Returns what the device holds, per rank."""
-    vals = []
+    """Random inputs, different on every rank (so the owner's row is the one that must arrive),
+    but the same rows on every rank for a replicated dispatch's x; ids over all world * 2 experts.
+    Returns what the device holds, per rank."""
+    vals, shared = [], {}
     for c in cls:
         mine = []
-        for b in c.inputs:
+        for i, b in enumerate(c.inputs):
             shape = [T if d == "T" else d for d in b.shape]
             a = rng.integers(0, 2 * world, shape).astype(np.int32) if b.dtype == "i32" else \
                 rng.standard_normal(shape).astype(np.float32)
+            if c.attrs.get("replicated") and i == 0:
+                a = shared.setdefault(b.name, a)
             ctx.put(b.ptr, a, b.dtype)
             mine.append(ctx.get(b.ptr, shape, b.dtype))
         vals.append(mine)
@@ -400,14 +408,33 @@ def test_device_copy_collectives_are_the_references(fake_device, world, rng):
         fires[-1]({"T": T, "B": T})
         assert len(seen) == n + 1 and not group.waiting
         check_outputs(ctx, cls, ins, T)
-    assert seen == ["all_reduce", "ep_combine", "ep_dispatch", "all_gather", "all_gather", "all_reduce"]
+    assert seen == ["all_reduce", "ep_combine", "ep_dispatch", "all_gather", "all_gather", "all_reduce",
+                    "ep_dispatch"]
+
+
+def test_a_replicated_dispatch_checks_that_the_ranks_rows_agree(rng):
+    """The reference of a dispatch that moves nothing refuses ranks whose rows differ: the local
+    selection would then compute each rank's experts on other inputs."""
+    T = 5
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    w = rng.random((T, K)).astype(np.float32)
+    ids = rng.integers(0, 4, (T, K)).astype(np.int32)
+    attrs = {"experts_per_rank": 2, "replicated": True}
+    same = _ref("ep_dispatch", [(x, w, ids), (x.copy(), w, ids)], attrs, 2)
+    moved = _ref("ep_dispatch", [(x, w, ids), (x.copy(), w, ids)], {"experts_per_rank": 2}, 2)
+    for a, b in zip(same, moved):
+        assert all(np.array_equal(p, q) for p, q in zip(a, b))
+    other = x.copy()
+    other[3, 7] += 1.0
+    with pytest.raises(AssertionError, match="rank 1's token rows differ"):
+        _ref("ep_dispatch", [(x, w, ids), (other, w, ids)], attrs, 2)
 
 
 def test_device_copy_group_refuses_ranks_out_of_step(fake_device):
     C = fake_device.collectives
     ctx = FakeCtx(1 << 20)
     group = C.DeviceCopyGroup(ctx, 2)
-    (ar, _, disp, _, _, _) = collective_launches(fake_device, ctx, 2, 4)
+    ar, _, disp = collective_launches(fake_device, ctx, 2, 4)[:3]
     f1 = group.member(1).bind(ar[1])
     with pytest.raises(RuntimeError, match="out of lockstep: rank 1"):
         f1({"T": 4, "B": 4})
@@ -504,12 +531,15 @@ def test_nccl_collectives_pack_the_owners_rows(fake_device, world, T, split, rng
         fires = [c.bind(cl) for c, cl in zip(colls, cls)]
         in_rank_threads(comms, [lambda f=f: f({"T": T, "B": T}) for f in fires])
         check_outputs(ctx, cls, ins, T)
-    # ep_dispatch gathered ceil(T / world) rows of H per rank; all_reduce / ep_combine T * H
+    # ep_dispatch gathered ceil(T / world) rows of H per rank; all_reduce / ep_combine T * H;
+    # the replicated dispatch moved nothing: rank 0 gathered for the other dispatch, both
+    # all_gathers and a split partials' sum, not once more
     m = -(-T // world)
+    rs = split and (T * H) % world == 0
     assert ("all_gather", 0, m * H) in comms.calls and ("all_reduce", 0, T * H) in comms.calls
+    assert sum(c[:2] == ("all_gather", 0) for c in comms.calls) == 3 + rs
     # all_reduce, ep_combine and the fp32 partials (reduced in fp32, then rounded by the cast
     # helper), or the partials by reduce-scatter
-    rs = split and (T * H) % world == 0
     assert sum(c == ("all_reduce", 0, T * H) for c in comms.calls) == (2 if rs else 3)
     assert (("reduce_scatter", 0, T * H // world) in comms.calls) == rs
 

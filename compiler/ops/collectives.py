@@ -18,6 +18,11 @@ ep_dispatch(x[T, H], weights[T, k], ids[T, k], experts_per_rank)
     on another rank get weight 0 and id -1 (no expert: the rank computes only its own experts'
     rows), and a token none of whose experts are local gets a zero row, weight 0 and local id 0
     in slot 0 (so that expert 0 writes its output row: zeros), -1 in the others.
+    `replicated`: every rank already holds every token's row, the same bits (tensor parallelism
+    all-reduces the residual stream; expert parallelism alone replicates attention): the owner's
+    row is this rank's own, so nothing crosses the wire (the reference checks that the ranks'
+    rows agree). Every parallel mode built so far replicates the tokens; attention
+    data-parallelism (issue 14) would not.
 ep_combine(y[T, H]) -> [T, H]: each rank's partial expert sums go back to the tokens' owner
     ranks, which add them (rank order), and the owners' rows are shared with every rank again
     (attention is replicated, so every rank needs every token): a reduce-scatter by owner
@@ -72,11 +77,17 @@ def _owned(ctx, T):
     return np.arange(T) % _world(ctx)
 
 
-def ep_dispatch(ctx, x, w, ids, experts_per_rank):
+def ep_dispatch(ctx, x, w, ids, experts_per_rank, replicated=False):
     rank, world = _rank(ctx), _world(ctx)
     ids = np.asarray(ids, np.int64)
     local = ids // experts_per_rank == rank
     xs = _ranks(ctx, 0, x)
+    if replicated:
+        # a local dispatch is right only where the ranks' rows are the same bits
+        for r, p in enumerate(xs):
+            if not np.array_equal(np.asarray(p), np.asarray(xs[0])):
+                raise AssertionError(f"ep_dispatch(replicated): rank {r}'s token rows differ from "
+                                     f"rank 0's (max diff {np.abs(np.asarray(p) - xs[0]).max()})")
     owner = _owned(ctx, x.shape[0])
     recv = np.stack([xs[owner[t]][t] for t in range(x.shape[0])]) if x.shape[0] else np.zeros_like(x)
     need = local.any(axis=1)
@@ -121,7 +132,7 @@ op(name="all_reduce", tensors=["x"], infer=_reduce_infer, reference=all_reduce,
 op(name="all_gather", tensors=["x"], attrs={"axis": REQUIRED, "world": REQUIRED}, infer=_gather_infer,
    reference=all_gather, internal=True, collective=True, templates=NCCL,
    doc="concatenate the ranks' tensors along an axis")
-op(name="ep_dispatch", tensors=["x", "weights", "ids"], attrs={"experts_per_rank": REQUIRED},
+op(name="ep_dispatch", tensors=["x", "weights", "ids"], attrs={"experts_per_rank": REQUIRED, "replicated": False},
    infer=_dispatch_infer, reference=ep_dispatch, n_outputs=3, internal=True, collective=True,
    templates=NCCL, doc="all-to-all: each token's row to the ranks of its experts")
 op(name="ep_combine", tensors=["y"], infer=lambda types, attrs: [types[0]], reference=ep_combine,

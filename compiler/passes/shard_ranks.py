@@ -239,8 +239,11 @@ def _expert_parallel(state, g, rank, world):
         outs = [g.fresh(h) for h in ("dispatched", "weights", "ids")]
         for o in outs:
             g.add_value(Value(o, "act", line=n.line))
+        # every rank holds every token here (attention tensor-parallel and all-reduced, or
+        # replicated): the dispatch selects locally, nothing crosses the wire
         g.add_node(Node(g.new_node_id("ep_dispatch"), "ep_dispatch", [x, w, ids], outs,
-                        {"experts_per_rank": E // world}, n.line, fused_from=[]), before=n.id)
+                        {"experts_per_rank": E // world, "replicated": True}, n.line, fused_from=[]),
+                   before=n.id)
         n.inputs = outs + [gate, up, down]
         _insert_after(g, n, "ep_combine", {}, "combined")
         state.note("shard_ranks", f"{g.name}: line {n.line} experts {rank * E // world}.."

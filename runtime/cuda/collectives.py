@@ -15,9 +15,11 @@ NcclCollectives: one communicator per process and GPU (runtime/cuda/nccl.py), ev
                                ones as reduce-scatter, cast, all-gather of the bf16 shares)
       all_gather               ncclAllGather (axis 0), or into a staging buffer and then
                                strided copies into place (another axis)
-      ep_dispatch              each rank's own rows (token t is owned by rank t % N) packed,
-                               ncclAllGather, unpacked into a [T, H] of the owners' rows, then
-                               the ep_dispatch kernel (mode "nccl") selects and masks
+      ep_dispatch              replicated (every mode built so far): the ep_dispatch kernel
+                               (mode "nccl") selects and masks this rank's own x, no traffic;
+                               otherwise each rank's own rows (token t is owned by rank t % N)
+                               packed, ncclAllGather, unpacked into a [T, H] of the owners'
+                               rows, then that kernel
 DeviceCopyCollectives: the N ranks' runners in ONE process on ONE GPU, sharing one Context (one
     stream), each rank one member of a DeviceCopyGroup. A rank's fire() only hands its buffers in;
     when the last rank has arrived (the lockstep driver, runtime/cuda/ranks.py, runs the ranks
@@ -297,6 +299,15 @@ class NcclCollectives(Collectives):
         x, w, ids = cl.inputs
         N, rank = self.world, self.rank
         kernel = cl.helper("nccl")
+        if cl.attrs.get("replicated"):
+            # every rank holds every row (compiler/ops/collectives.py): select from x, no gather
+            local = bound_helper(self.ctx, kernel, [x.ptr, w.ptr, ids.ptr], [o.ptr for o in cl.outputs],
+                                 {"rank": rank})
+
+            def fire_local(dims):
+                if eval_int(x.shape[0], dims):
+                    local(dims)
+            return fire_local
         row = x.numel(cl.place, 1) * x.itemsize
         t_max = eval_int(x.shape[0], cl.place)
         m_max = -(-t_max // N)
