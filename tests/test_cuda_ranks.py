@@ -512,9 +512,10 @@ class FakeComms:
         self.ctx.put(recv, acc, dtype)
 
 
+@pytest.mark.parametrize("gather", [False, True], ids=["local", "INFC_EP_GATHER"])
 @pytest.mark.parametrize("split", [False, True], ids=["all-reduce", "reduce-scatter"])
 @pytest.mark.parametrize("world,T", [(2, 7), (3, 7), (3, 2), (1, 5)])
-def test_nccl_collectives_pack_the_owners_rows(fake_device, world, T, split, rng):
+def test_nccl_collectives_pack_the_owners_rows(fake_device, world, T, split, gather, rng, monkeypatch):
     """NcclCollectives around a communicator: ep_dispatch's pack / all_gather / unpack gives the
     owners' rows (T not a multiple of the world, fewer tokens than ranks, one rank), all_gather
     along axis 1 lands every rank's columns in place; fp32 partials summed and rounded once, by
@@ -523,6 +524,8 @@ def test_nccl_collectives_pack_the_owners_rows(fake_device, world, T, split, rng
     C = fake_device.collectives
     ctx = FakeCtx(4 << 20)
     comms = FakeComms(ctx, world)
+    if gather:
+        monkeypatch.setenv("INFC_EP_GATHER", "1")
     colls = [C.NcclCollectives(comms.comm(r), ctx) for r in range(world)]
     for c in colls:
         c.rs_ag_bytes = 0 if split else c.rs_ag_bytes
@@ -532,12 +535,12 @@ def test_nccl_collectives_pack_the_owners_rows(fake_device, world, T, split, rng
         in_rank_threads(comms, [lambda f=f: f({"T": T, "B": T}) for f in fires])
         check_outputs(ctx, cls, ins, T)
     # ep_dispatch gathered ceil(T / world) rows of H per rank; all_reduce / ep_combine T * H;
-    # the replicated dispatch moved nothing: rank 0 gathered for the other dispatch, both
-    # all_gathers and a split partials' sum, not once more
+    # the replicated dispatch moved nothing (unless INFC_EP_GATHER): rank 0 gathered for the
+    # other dispatch, both all_gathers and a split partials' sum, not once more
     m = -(-T // world)
     rs = split and (T * H) % world == 0
     assert ("all_gather", 0, m * H) in comms.calls and ("all_reduce", 0, T * H) in comms.calls
-    assert sum(c[:2] == ("all_gather", 0) for c in comms.calls) == 3 + rs
+    assert sum(c[:2] == ("all_gather", 0) for c in comms.calls) == 3 + rs + gather
     # all_reduce, ep_combine and the fp32 partials (reduced in fp32, then rounded by the cast
     # helper), or the partials by reduce-scatter
     assert sum(c == ("all_reduce", 0, T * H) for c in comms.calls) == (2 if rs else 3)

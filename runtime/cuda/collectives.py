@@ -34,6 +34,7 @@ P2PCollectives (runtime/cuda/p2p.py): NcclCollectives whose small all_reduce / e
     64 KiB) are a one-shot sum over the ranks' memory mapped into each other (CUDA IPC), the
     reference's bits.
 """
+import os
 from dataclasses import dataclass
 
 from ..bind import Resolver, dim_slots, eval_int, grid
@@ -299,8 +300,9 @@ class NcclCollectives(Collectives):
         x, w, ids = cl.inputs
         N, rank = self.world, self.rank
         kernel = cl.helper("nccl")
-        if cl.attrs.get("replicated"):
+        if cl.attrs.get("replicated") and os.environ.get("INFC_EP_GATHER") != "1":
             # every rank holds every row (compiler/ops/collectives.py): select from x, no gather
+            # (INFC_EP_GATHER=1 gathers the owners' rows anyway: the A/B switch)
             local = bound_helper(self.ctx, kernel, [x.ptr, w.ptr, ids.ptr], [o.ptr for o in cl.outputs],
                                  {"rank": rank})
 

@@ -16,6 +16,9 @@ mkdir -p "$OUT"
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "card: $card" | tee "$OUT/card.txt"
 conc=${MOE_CONCURRENCY:-256,1024}
+if [ "${ONE_GPU:-1}" = 0 ] && [[ $card != *H200* ]]; then
+  echo "ONE_GPU=0 on $card: phase A skipped"
+else
 ( export CUDA_VISIBLE_DEVICES=0
   mkdir -p "$OUT/moe-one"
   STAGES=twogpu-bench TWOGPU_BENCH=moe-throughput TWOGPU_CONCURRENCY=$conc TWOGPU_ONLY_ONE=1 \
@@ -33,11 +36,13 @@ a=$!
   ) &
 b=$!
 wait $a $b
+fi
 mkdir -p "$OUT/ranks"
-# the ranks overlap their steps by default; RANK_SYNC=1 times them synchronous too, TWOGPU_TEST=1
-# runs the two-GPU test file (golden gates, overlapped tokens, a killed rank)
+# the ranks overlap their steps by default; RANK_SYNC=1 times them synchronous too, EP_GATHER=1
+# with the dispatch's all-gather back (INFC_EP_GATHER), TWOGPU_TEST=1 runs the two-GPU test file
+# (golden gates, overlapped tokens, a killed rank); ONE_GPU=0 skips phase A
 STAGES="twogpu-bench" TWOGPU_BENCH=moe-throughput TWOGPU_CONCURRENCY=$conc TWOGPU_SKIP_ONE=1 \
-  TWOGPU_RANK_SYNC=${RANK_SYNC:-} bash tests/gpu/session.sh "$OUT/ranks" >"$OUT/ranks/console.log" 2>&1 || true
+  TWOGPU_RANK_SYNC=${RANK_SYNC:-} TWOGPU_EP_GATHER=${EP_GATHER:-} bash tests/gpu/session.sh "$OUT/ranks" >"$OUT/ranks/console.log" 2>&1 || true
 if [ -n "${TWOGPU_TEST:-}" ]; then
   STAGES=twogpu TWOGPU_S=240 bash tests/gpu/session.sh "$OUT/twogpu-test" >"$OUT/twogpu-test.log" 2>&1
 fi

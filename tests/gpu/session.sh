@@ -244,12 +244,14 @@ test_ranks_gpu.model_dir(name[len('ranks-'):]) if name.startswith('ranks-') else
         [ -n "${TWOGPU_ONLY_ONE:-}" ] && variants=("")     # one GPU only (another job has the other)
         [ -n "${TWOGPU_NCCL_ONLY:-}" ] && variants+=("nccl-only")     # the ranks again, INFC_P2P=0
         [ -n "${TWOGPU_RANK_SYNC:-}" ] && variants+=("rank-sync")  # again, INFC_RANK_OVERLAP=0
+        [ -n "${TWOGPU_EP_GATHER:-}" ] && variants+=("ep-gather")  # again, INFC_EP_GATHER=1
         for ranks in "${variants[@]}"; do
-          out="$OUT/bench" p2p=1 rov=1
+          out="$OUT/bench" p2p=1 rov=1 gather=0
           if [ "$ranks" = nccl-only ]; then ranks="--tensor-parallel-size 2" out="$OUT/bench/nccl-only" p2p=0; fi
           if [ "$ranks" = rank-sync ]; then ranks="--tensor-parallel-size 2" out="$OUT/bench/rank-sync" rov=0; fi
+          if [ "$ranks" = ep-gather ]; then ranks="--tensor-parallel-size 2" out="$OUT/bench/ep-gather" gather=1; fi
           mkdir -p "$out"
-          export INFC_P2P=$p2p INFC_RANK_OVERLAP=$rov
+          export INFC_P2P=$p2p INFC_RANK_OVERLAP=$rov INFC_EP_GATHER=$gather
           case $what in
             latency|throughput) m=qwen3-4b; tag=${ranks:+-tp2}; x=$ranks ;;
             moe-*) m=qwen3-30b-a3b; tag=${ranks:+-tp2-ep2}; x=${ranks:+$ranks --enable-expert-parallel} ;;
@@ -268,7 +270,7 @@ test_ranks_gpu.model_dir(name[len('ranks-'):]) if name.startswith('ranks-') else
           esac
         done
       done
-      unset INFC_P2P INFC_RANK_OVERLAP ;;
+      unset INFC_P2P INFC_RANK_OVERLAP INFC_EP_GATHER ;;
     overlap-ab|ab)
       # a runtime switch's default (on) against off on this card, alternating, AB_RUNS times:
       # qwen3-4b bench latency (AB_LATENCY=0 skips it) and bench throughput at AB_CONCURRENCY.
