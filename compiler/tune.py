@@ -47,7 +47,13 @@ PHASES = ("prefill", "decode", "mixed", "short", "wide")
 # gemv.py.j2 (and gemv_act_mul / gemv_gated / lm_head_last, which include it). Rows <= FMA_T (1 by default)
 # take the CUDA-core path, more rows the tensor-core path: a grid varies the path it will time.
 # Lists are in priority order: when both paths are timed each contributes its first 5.
-_GEMV_FMA = [{"BLOCK_N": 16}, {"TARGET_CTAS": 528}, {"FMA_BLOCK_K": 128},
+# more programs in flight for batch 1 without a split-K merge (BLOCK_N 8 / 4, one split): a kernel
+# that only reads W needs ~1000 programs to stream o_proj's 21 MB at its best on an H100
+# (experiments/gemv_yardstick.py); more K splits were slower (their merge). These won at batch 1
+# (o_proj 10.0 -> 9.7 us, the MoE router 3.4 -> 2.9) but lost at 8 and 64 rows, whose K tiles
+# they share (bench/NOTES.md, 2026-11-27 evening)
+_GEMV_FMA = [{"BLOCK_N": 16}, {"TARGET_CTAS": 528}, {"BLOCK_N": 8, "SPLIT_K": 1, "FMA_BLOCK_K": 512},
+             {"BLOCK_N": 4, "SPLIT_K": 1, "FMA_BLOCK_K": 1024}, {"FMA_BLOCK_K": 128},
              {"BLOCK_N": 16, "FMA_BLOCK_K": 512}, {"num_warps": 8}, {"BLOCK_N": 64, "FMA_BLOCK_K": 128},
              {"TARGET_CTAS": 264}, {"TARGET_CTAS": 792}, {"SPLIT_K": 1}, {"num_warps": 2},
              {"num_stages": 2}]
