@@ -89,7 +89,7 @@ def compile_model(model=None, spec_path=None, model_dir=None, features=None, log
     t0 = time.perf_counter()
     plan = emit_plan(state)
     if parallel:
-        plan["parallel"] = {k: parallel[k] for k in ("world", "rank", "tp", "ep")}
+        plan["parallel"] = {k: parallel[k] for k in ("world", "rank", "tp", "ep", "dp") if k in parallel}
     stage("emit plan", t0)
     if model_dir is not None and not check_checkpoint:
         if log:

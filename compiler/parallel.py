@@ -3,8 +3,14 @@
 The settings follow vLLM: N ranks; attention and dense MLPs tensor-parallel over them; experts
 tensor-parallel too (F/N of every expert), or with --enable-expert-parallel partitioned across
 the same N ranks (E/N whole experts each). `expert_parallel_only` (Python API) keeps attention
-and dense MLPs replicated and partitions only the experts (data-parallel attention, which would
-give each rank its own tokens, is not built).
+and dense MLPs replicated and partitions only the experts, every rank computing every token.
+`data_parallel_size` N with expert parallelism (vLLM's `--data-parallel-size N
+--enable-expert-parallel`, SGLang's DP attention) gives each rank its own sequences instead:
+attention and dense layers replicated and run on the rank's tokens only, the experts
+partitioned and run on every rank's tokens (dp_dispatch gathers them, dp_combine sends the
+partial sums back: compiler/ops/collectives.py). Its plans run on the reference executor's
+simulated ranks; GPU kernels over the gathered rows (G = world * T) are not built yet, so
+`build_ranks` refuses them.
 
 Each rank's plan is the single-GPU plan of its share: the pipeline's shard_ranks pass
 (compiler/passes/shard_ranks.py) rewrites the graph with rank r's weight slices (`slice`
@@ -23,8 +29,21 @@ from .errors import SpecError
 
 
 def settings(tensor_parallel_size: int = 1, enable_expert_parallel: bool = False,
-             expert_parallel_only: int = 0) -> dict | None:
-    """{"world", "tp", "ep"}, or None for the single-GPU plan."""
+             expert_parallel_only: int = 0, data_parallel_size: int = 1) -> dict | None:
+    """{"world", "tp", "ep"} (and "dp" for data-parallel attention), or None for the
+    single-GPU plan."""
+    if data_parallel_size not in (1, None):
+        n = data_parallel_size
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise SpecError(f"--data-parallel-size must be a positive integer, got {n!r}", None)
+        if not enable_expert_parallel:
+            raise SpecError("--data-parallel-size without --enable-expert-parallel would be "
+                            f"{n} independent replicas, which share nothing to compile: start {n} "
+                            "servers instead", None)
+        if tensor_parallel_size not in (1, None) or expert_parallel_only:
+            raise SpecError("--data-parallel-size with --tensor-parallel-size (attention "
+                            "data-parallel across tensor-parallel groups) is not built", None)
+        return {"world": n, "tp": 1, "ep": n, "dp": n}
     if expert_parallel_only:
         n = expert_parallel_only
         if not isinstance(n, int) or n < 1:
@@ -72,6 +91,10 @@ def build_ranks(par: dict, model=None, spec_path=None, model_dir=None, out=None,
                 log=print, gpu="h100", target="sm_90", page_size=16, compile=True, jobs=None,
                 fuse=True, spec_dirs=None, **kw) -> Path:
     """`infc build --tensor-parallel-size N`: every rank's plan, their kernels rendered once."""
+    if par.get("dp"):
+        raise SpecError(f"--data-parallel-size {par['dp']}: data-parallel attention plans run on "
+                        "the reference executor's simulated ranks only; the GPU kernels over every "
+                        "rank's gathered tokens are not built yet", None)
     from .build import GENERATED, generate
     from .codegen.aot import compile_kernels
     from .codegen.rank_kernels import attach_rank_kernels

@@ -27,6 +27,15 @@ ep_combine(y[T, H]) -> [T, H]: each rank's partial expert sums go back to the to
     ranks, which add them (rank order), and the owners' rows are shared with every rank again
     (attention is replicated, so every rank needs every token): a reduce-scatter by owner
     followed by an all-gather.
+dp_dispatch(x[T, H], weights[T, k], ids[T, k], experts_per_rank)
+    -> (xg[G, H], wg f32[G, k], idg i32[G, k]), G = world * T: attention data-parallelism, where
+    each rank runs attention over its own sequences (T tokens, the same T on every rank: the
+    runtime pads the ranks' steps to the longest) and the experts over every rank's tokens.
+    Row r * T + t is rank r's token t (an all-gather, rank order), masked to this rank's experts
+    as ep_dispatch masks them (weight 0 / id -1 elsewhere; a token with no local expert: a zero
+    row, id 0 and weight 0 in slot 0).
+dp_combine(y[G, H]) -> [T, H]: this rank's rows r * T .. r * T + T - 1 of every rank's partial
+    expert sums, added in rank order (a reduce-scatter).
 
 GPU kernels are not templates: select_kernels gives collective launches the backend "nccl"
 and no template, and code generation skips them (the runtime issues them on its stream).
@@ -79,8 +88,6 @@ def _owned(ctx, T):
 
 def ep_dispatch(ctx, x, w, ids, experts_per_rank, replicated=False):
     rank, world = _rank(ctx), _world(ctx)
-    ids = np.asarray(ids, np.int64)
-    local = ids // experts_per_rank == rank
     xs = _ranks(ctx, 0, x)
     if replicated:
         # a local dispatch is right only where the ranks' rows are the same bits
@@ -90,13 +97,8 @@ def ep_dispatch(ctx, x, w, ids, experts_per_rank, replicated=False):
                                      f"rank 0's (max diff {np.abs(np.asarray(p) - xs[0]).max()})")
     owner = _owned(ctx, x.shape[0])
     recv = np.stack([xs[owner[t]][t] for t in range(x.shape[0])]) if x.shape[0] else np.zeros_like(x)
-    need = local.any(axis=1)
-    xr = np.where(need[:, None], recv, 0).astype(np.float32)
-    wr = np.where(local, w, 0).astype(np.float32)
-    idr = np.where(local, ids - rank * experts_per_rank, -1).astype(np.int32)
-    idr[~need, 0] = 0
     assert world == len(xs), (world, len(xs))
-    return xr, wr, idr
+    return _mask_local(rank, experts_per_rank, recv, w, ids)
 
 
 def ep_combine(ctx, y):
@@ -107,6 +109,61 @@ def ep_combine(ctx, y):
     for p in parts[1:]:
         out += p
     return out
+
+
+def _equal_tokens(ctx, parts, what):
+    rows = {np.asarray(p).shape[0] for p in parts}
+    if len(rows) > 1:
+        raise AssertionError(f"{what}: the ranks' steps have {sorted(rows)} tokens; data-parallel "
+                             f"ranks run steps padded to the same T")
+
+
+def _mask_local(rank, experts_per_rank, x, w, ids):
+    """ep_dispatch's masking of rows to this rank's experts (the rows already gathered)."""
+    ids = np.asarray(ids, np.int64)
+    local = ids // experts_per_rank == rank
+    need = local.any(axis=1)
+    xr = np.where(need[:, None], x, 0).astype(np.float32)
+    wr = np.where(local, w, 0).astype(np.float32)
+    idr = np.where(local, ids - rank * experts_per_rank, -1).astype(np.int32)
+    idr[~need, 0] = 0
+    return xr, wr, idr
+
+
+def dp_dispatch(ctx, x, w, ids, experts_per_rank):
+    xs, ws, idss = (_ranks(ctx, i, a) for i, a in enumerate((x, w, ids)))
+    _equal_tokens(ctx, xs, "dp_dispatch")
+    gather = lambda parts: np.concatenate([np.asarray(p) for p in parts], axis=0)  # noqa: E731
+    return _mask_local(_rank(ctx), experts_per_rank, gather(xs).astype(np.float32), gather(ws), gather(idss))
+
+
+def dp_combine(ctx, y):
+    parts = _ranks(ctx, 0, y)
+    world, rank = len(parts), _rank(ctx)
+    G = np.asarray(parts[0]).shape[0]
+    if G % world:
+        raise AssertionError(f"dp_combine: {G} rows are not {world} ranks' equal shares")
+    T = G // world
+    out = np.array(parts[0][rank * T:(rank + 1) * T], np.float32)
+    for p in parts[1:]:
+        out += p[rank * T:(rank + 1) * T]
+    return out
+
+
+def _dp_dispatch_infer(types, attrs):
+    x, w, ids = types
+    expect(len(x.shape) == 2 and x.shape[0] == "T", f"dp_dispatch expects x[T, H], got {x}")
+    expect(w.shape == ids.shape and ids.shape[0] == "T",
+           f"dp_dispatch: routing weights {w} / ids {ids} do not match x {x}")
+    expect(isinstance(attrs["experts_per_rank"], int) and attrs["experts_per_rank"] > 0,
+           f"dp_dispatch: experts_per_rank must be a positive integer, got {attrs['experts_per_rank']}")
+    return [tt(("G", x.shape[1]), x.dtype), tt(("G", w.shape[1]), "f32"), tt(("G", ids.shape[1]), "i32")]
+
+
+def _dp_combine_infer(types, attrs):
+    (y,) = types
+    expect(len(y.shape) == 2 and y.shape[0] == "G", f"dp_combine expects every rank's rows y[G, H], got {y}")
+    return [tt(("T", y.shape[1]), y.dtype)]
 
 
 def _dispatch_infer(types, attrs):
@@ -135,6 +192,11 @@ op(name="all_gather", tensors=["x"], attrs={"axis": REQUIRED, "world": REQUIRED}
 op(name="ep_dispatch", tensors=["x", "weights", "ids"], attrs={"experts_per_rank": REQUIRED, "replicated": False},
    infer=_dispatch_infer, reference=ep_dispatch, n_outputs=3, internal=True, collective=True,
    templates=NCCL, doc="all-to-all: each token's row to the ranks of its experts")
+op(name="dp_dispatch", tensors=["x", "weights", "ids"], attrs={"experts_per_rank": REQUIRED},
+   infer=_dp_dispatch_infer, reference=dp_dispatch, n_outputs=3, internal=True, collective=True,
+   templates=NCCL, doc="all-gather of every data-parallel rank's token rows, masked to this rank's experts")
+op(name="dp_combine", tensors=["y"], infer=_dp_combine_infer, reference=dp_combine, internal=True,
+   collective=True, templates=NCCL, doc="reduce-scatter of the experts' partial rows back to their ranks")
 op(name="ep_combine", tensors=["y"], infer=lambda types, attrs: [types[0]], reference=ep_combine,
    internal=True, collective=True, templates=NCCL,
    doc="all-to-all back: the experts' partial rows summed at each token's owner, then shared")

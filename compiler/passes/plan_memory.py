@@ -1,6 +1,7 @@
 """Memory planning by liveness: every activation gets an offset in one arena.
 
-Sizes are linear in the step's token count T and sequence count B (bytes = t*T + b*B + c), so
+Sizes are linear in the step's token count T and sequence count B (bytes = t*T + b*B + c; a
+data-parallel plan's G = world * T rows count as T), so
 offsets are too; the runtime evaluates them at its max T and B. Views and in-place outputs
 share their source's memory; a loop-carried value keeps one buffer across all layers. Slots are
 reused first-fit once their last reader has run (B <= T, so a [B, ...] and a [T, ...] value may
@@ -12,7 +13,9 @@ ALIGN = 256
 DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "i32": 4}
 
 
-def _size(t) -> tuple[int, int, int]:
+def _size(t, world: int = 1) -> tuple[int, int, int]:
+    """(bytes per T, per B, fixed). G (a data-parallel plan's rows of every rank: world * T) is
+    counted as T rows times the world."""
     coef = {"T": 0, "B": 0, "": 1}
     n, dyn = DTYPE_BYTES[t.dtype], []
     for d in t.shape:
@@ -22,6 +25,8 @@ def _size(t) -> tuple[int, int, int]:
             n *= d
     assert len(dyn) <= 1, f"at most one dynamic dim per tensor: {t}"
     key = dyn[0] if dyn else ""
+    if key == "G":
+        key, n = "T", n * world
     coef[key] = n
     return tuple(-(-coef[k] // ALIGN) * ALIGN for k in ("T", "B", ""))
 
@@ -45,6 +50,7 @@ class _UF:
 
 def plan_memory(state):
     top = state.graph
+    world = (state.parallel or {}).get("world", 1)
     uf = _UF()
     events = []                         # (index, key, "def"|"use")
     values = {}                         # key -> Value
@@ -55,7 +61,7 @@ def plan_memory(state):
             if v.kind in ("act", "input") and v.type is not None:
                 if sum(isinstance(d, str) for d in v.type.shape) > 1:
                     raise state.error(f"'{v.name.split('.')[0]}' has shape {v.type}: a value may have "
-                                      f"at most one dynamic dimension (T or B)", v.line)
+                                      f"at most one dynamic dimension (T, B or G)", v.line)
                 values[v.name] = v        # names are unique across the model's graphs
                 if v.alias_of:
                     uf.union(v.alias_of, v.name)
@@ -105,7 +111,7 @@ def plan_memory(state):
     size: dict[str, tuple] = {}
     for k, v in values.items():
         r = uf.find(k)
-        s = _size(v.type)
+        s = _size(v.type, world)
         size[r] = tuple(max(a, b) for a, b in zip(size.get(r, (0, 0, 0)), s))
 
     slots = []                          # [size, free_at]
@@ -140,6 +146,6 @@ def plan_memory(state):
         "live": live,
         "values": values,
     }
-    naive = tuple(sum(_size(v.type)[i] for k, v in values.items() if uf.find(k) == k) for i in range(3))
+    naive = tuple(sum(_size(v.type, world)[i] for k, v in values.items() if uf.find(k) == k) for i in range(3))
     state.note("plan_memory", f"{len(live)} buffers in {len(slots)} slots; arena bytes = "
                               f"{acc[0]}*T + {acc[1]}*B + {acc[2]} (unshared: {naive[0]}*T + {naive[1]}*B + {naive[2]})")

@@ -28,6 +28,11 @@ o_proj is row-parallel. The latent projection kv_a (c_kv + k_pe) and its norm fe
 (latent_attention's kv input is shared, not walked): they stay replicated, and every rank keeps
 the whole latent cache.
 
+Attention data-parallelism (`dp` in the settings, with EP): attention and dense layers stay
+replicated and each rank runs them on its own tokens; the expert block becomes dp_dispatch (every
+rank's rows, G = world * T of them) -> the rank's experts -> dp_combine (each rank's rows summed
+back), so the experts' launches run over G rows.
+
 Expert parallelism: rank r keeps routed experts r*E/N .. (r+1)*E/N - 1 (a slice of each expert
 stack); routing (greedy or group-limited top-k) runs on every rank over the full router logits,
 then ep_dispatch sends each token's row to its experts' ranks and ep_combine brings the partial
@@ -226,7 +231,7 @@ def _tensor_parallel(state, g, rank, world):
         state.note("shard_ranks", f"{g.name}: line {n.line} experts split F/{world} + all_reduce")
 
 
-def _expert_parallel(state, g, rank, world):
+def _expert_parallel(state, g, rank, world, data_parallel=False):
     for n in [n for n in g.ordered() if n.op == "moe_experts"]:
         x, w, ids, gate, up, down = n.inputs
         E = g.values[gate].type.shape[0]
@@ -239,13 +244,19 @@ def _expert_parallel(state, g, rank, world):
         outs = [g.fresh(h) for h in ("dispatched", "weights", "ids")]
         for o in outs:
             g.add_value(Value(o, "act", line=n.line))
-        # every rank holds every token here (attention tensor-parallel and all-reduced, or
-        # replicated): the dispatch selects locally, nothing crosses the wire
-        g.add_node(Node(g.new_node_id("ep_dispatch"), "ep_dispatch", [x, w, ids], outs,
-                        {"experts_per_rank": E // world, "replicated": True}, n.line, fused_from=[]),
-                   before=n.id)
+        if data_parallel:
+            # each rank holds its own tokens: the experts run over every rank's (G = world * T
+            # rows), and each rank gets its rows' sums back
+            g.add_node(Node(g.new_node_id("dp_dispatch"), "dp_dispatch", [x, w, ids], outs,
+                            {"experts_per_rank": E // world}, n.line, fused_from=[]), before=n.id)
+        else:
+            # every rank holds every token here (attention tensor-parallel and all-reduced, or
+            # replicated): the dispatch selects locally, nothing crosses the wire
+            g.add_node(Node(g.new_node_id("ep_dispatch"), "ep_dispatch", [x, w, ids], outs,
+                            {"experts_per_rank": E // world, "replicated": True}, n.line, fused_from=[]),
+                       before=n.id)
         n.inputs = outs + [gate, up, down]
-        _insert_after(g, n, "ep_combine", {}, "combined")
+        _insert_after(g, n, "dp_combine" if data_parallel else "ep_combine", {}, "combined")
         state.note("shard_ranks", f"{g.name}: line {n.line} experts {rank * E // world}.."
                                   f"{(rank + 1) * E // world - 1} of {E} on rank {rank} + dispatch/combine")
 
@@ -281,4 +292,4 @@ def shard_ranks(state):
             _tensor_parallel(state, g, rank, world)
             _merge_reductions(state, g)
         if par["ep"] > 1:
-            _expert_parallel(state, g, rank, world)
+            _expert_parallel(state, g, rank, world, data_parallel=par.get("dp", 1) > 1)

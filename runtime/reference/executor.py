@@ -65,7 +65,8 @@ class StepContext:
         self.rank, self.world, self.exchange = 0, 1, None
 
     def dim(self, d):
-        return {"T": self.T, "B": self.B}.get(d, d) if isinstance(d, str) else d
+        # G: a data-parallel plan's rows of every rank (world * T, the ranks' T being equal)
+        return {"T": self.T, "B": self.B, "G": self.world * self.T}.get(d, d) if isinstance(d, str) else d
 
     def cache(self, name: str) -> np.ndarray:
         return self.storage.get(name, self.layer)

@@ -6,14 +6,22 @@ each launch rank by rank; for a collective launch every rank's inputs are copied
 `RankExchange` first, then each rank's reference reads them all through `ctx.exchange` (the
 shared numpy state that stands in for NCCL) and writes its own output. The ranks must run the
 same launches in the same order, as NCCL requires; a plan pair that does not is refused.
+
+Data-parallel plans (compiler/parallel.py, `dp`): each rank runs its own sequences, so each has
+its own step (`step_ranks`, `step_paged_ranks`). The ranks' steps are made alike first, as the
+GPU runtime will make them: padded to the longest rank's T with pad rows (one token each, a
+sequence of its own, outputs dropped), and run under one program (the phase they share, else
+"mixed", which runs any chunks).
 """
 import numpy as np
 
 from infc.compiler.ops import REGISTRY
 
 from ..program import program_name, unrolled
-from ..step import Chunk
+from ..step import Chunk, StepMeta
 from .executor import ReferenceExecutor, StepContext
+
+PAD_SEQ = -1         # the oracle's pad rows are sequences PAD_SEQ, PAD_SEQ - 1, ...
 
 
 class RankExchange:
@@ -60,7 +68,40 @@ class RankExecutor:
         """One engine step: rank 0's metadata, broadcast to every rank (page ids are shared)."""
         return self._execute([(meta, ex.paged) for ex in self.ranks])
 
-    def _execute(self, steps: list) -> np.ndarray:
+    # -- data-parallel ranks: a step each ---------------------------------------------------------
+    def step_ranks(self, chunks_per_rank: list[list[Chunk]]) -> list[np.ndarray]:
+        """The oracle API for data-parallel plans: rank r runs chunks_per_rank[r] (an empty list:
+        pad rows only) over its own pages; returns each rank's logits for its own chunks."""
+        if len(chunks_per_rank) != self.world:
+            raise ValueError(f"{len(chunks_per_rank)} ranks' chunks for {self.world} ranks")
+        T = max(1, max(sum(len(c.tokens) for c in cs) for cs in chunks_per_rank))
+        steps, pads = [], []
+        for ex, cs in zip(self.ranks, chunks_per_rank):
+            pad = [Chunk(PAD_SEQ - i, [0], 0) for i in range(T - sum(len(c.tokens) for c in cs))]
+            steps.append((ex.oracle.step(list(cs) + pad), ex.oracle.storage))
+            pads.append(pad)
+        logits = self._execute(self._alike(steps), all_ranks=True)
+        for ex, pad in zip(self.ranks, pads):
+            for c in pad:
+                ex.oracle.free(c.seq_id)
+        return [lg[:len(cs)] for lg, cs in zip(logits, chunks_per_rank)]
+
+    def step_paged_ranks(self, metas: list[StepMeta]) -> list[np.ndarray]:
+        """One engine step of data-parallel ranks: rank r's metadata over its own pages, the ranks'
+        T already equal (padded by the runtime); each rank's logits."""
+        return self._execute(self._alike([(m, ex.paged) for m, ex in zip(metas, self.ranks)]), all_ranks=True)
+
+    def _alike(self, steps: list) -> list:
+        """The ranks' steps under one program: the same T (else refused), the phase they share,
+        else "mixed"."""
+        Ts = {m.T for m, _ in steps}
+        if len(Ts) > 1:
+            raise ValueError(f"data-parallel ranks' steps must have the same T (pad them), got {sorted(Ts)}")
+        phases = {m.phase for m, _ in steps}
+        phase = phases.pop() if len(phases) == 1 else "mixed"
+        return [(m if m.phase == phase else StepMeta(**{**vars(m), "phase": phase}), s) for m, s in steps]
+
+    def _execute(self, steps: list, all_ranks: bool = False):
         ctxs, views, programs = [], [], []
         for r, (ex, (meta, storage)) in enumerate(zip(self.ranks, steps)):
             ctx = StepContext(meta, storage)
@@ -91,7 +132,7 @@ class RankExecutor:
                               casting="unsafe")
             self.exchange.current = None
         self.logits = [np.array(v[ex.plan["outputs"]["logits"]]) for v, ex in zip(views, self.ranks)]
-        return self.logits[0]
+        return self.logits if all_ranks else self.logits[0]
 
 
 

@@ -1,0 +1,143 @@
+"""Attention data-parallelism with expert parallelism (compiler/parallel.py `data_parallel_size`),
+checked on the CPU with simulated ranks: each rank runs its own sequences (attention and dense
+layers replicated), the experts run over every rank's tokens (dp_dispatch / dp_combine), and
+every rank's logits for its own sequences must equal the single-rank plan's (float32, 1e-4),
+with the ranks' steps of different lengths and phases padded alike (runtime/reference/ranks.py).
+"""
+import numpy as np
+import pytest
+
+from infc.compiler.errors import SpecError
+from infc.compiler.parallel import build_ranks, compile_ranks, settings
+from infc.runtime.reference.executor import SeqChunk
+from infc.runtime.step import build_step
+from test_cuda_ranks import _ref
+from test_parallel import ranked, single
+
+TOL = 1e-4
+
+
+def dp(world):
+    return dict(data_parallel_size=world, enable_expert_parallel=True)
+
+
+def _check(many, one, per_rank):
+    """Run the ranks' chunks on the DP ranks and all of them in one single-rank step."""
+    got = many.step_ranks(per_rank)
+    flat = [c for cs in per_rank for c in cs]
+    want = one.step(flat) if flat else np.zeros((0, 1))
+    worst, i = 0.0, 0
+    for r, cs in enumerate(per_rank):
+        assert got[r].shape[0] == len(cs)
+        if cs:
+            worst = max(worst, float(np.abs(got[r] - want[i:i + len(cs)]).max()))
+        i += len(cs)
+    return worst
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_each_rank_gets_the_single_rank_logits_for_its_own_sequences(world, tiny_model, rng):
+    d, _ = tiny_model("qwen3_moe")
+    one, (many, plans) = single(d), ranked(d, **dp(world))
+    assert [p["parallel"] for p in plans] == [{"world": world, "rank": r, "tp": 1, "ep": world, "dp": world}
+                                              for r in range(world)]
+    lens = [9, 5, 0, 3][:world]               # rank 2 idle: pad rows only
+    prompts = {r: [int(t) for t in rng.integers(0, 320, n)] for r, n in enumerate(lens)}
+    worst = _check(many, one, [[SeqChunk(r, prompts[r], 0)] if prompts[r] else [] for r in range(world)])
+    cached = {r: len(p) for r, p in prompts.items() if p}
+    for step in range(4):
+        per_rank = []
+        for r in range(world):
+            cs = [SeqChunk(r, [int(rng.integers(0, 320))], cached[r])] if r in cached else []
+            if step == 1 and r == 0:          # rank 0 starts another prompt while every rank decodes
+                cs.append(SeqChunk(100, [int(t) for t in rng.integers(0, 320, 6)], 0))
+            if step == 2 and r == 0:
+                cs.append(SeqChunk(100, [int(rng.integers(0, 320))], 6))
+            per_rank.append(cs)
+        worst = max(worst, _check(many, one, per_rank))
+        for r in cached:
+            cached[r] += 1
+    assert worst <= TOL, worst
+
+
+def test_data_parallel_rank_plans(tiny_model):
+    """Attention and dense weights whole on every rank, a quarter of the experts each; the expert
+    block between dp_dispatch and dp_combine over G = world * T rows."""
+    d, _ = tiny_model("qwen3_moe")
+    (_, base), = compile_ranks({"world": 1, "rank": 0, "tp": 1, "ep": 1}, model_dir=str(d))
+    ranks = compile_ranks(settings(**dp(4)), model_dir=str(d))
+    for r, (_, p) in enumerate(ranks):
+        whole = [n for n, w in p["weights"].items() if len(w["shape"]) < 3]
+        assert len(whole) >= 8 and all(p["weights"][n]["shape"] == base["weights"][n]["shape"] for n in whole)
+        ops = [l["op"] for prog in p["programs"].values() for l in _all(prog)]
+        assert "dp_dispatch" in ops and "dp_combine" in ops and "ep_dispatch" not in ops
+        g = [b for b in p["buffers"].values() if b["shape"][:1] == ["G"]]
+        assert g, "no buffer over every rank's rows"
+        stacks = [w for w in p["weights"].values() if len(w["shape"]) == 3]
+        base_stacks = [w for w in base["weights"].values() if len(w["shape"]) == 3]
+        assert stacks and all(w["shape"][0] * 4 == b["shape"][0] for w, b in zip(stacks, base_stacks))
+
+
+def _all(program):
+    for launch in program:
+        if "kinds" in launch:
+            for body in launch["kinds"].values():
+                yield from body
+        else:
+            yield launch
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(data_parallel_size=2), "independent replicas"),
+    (dict(data_parallel_size=2, enable_expert_parallel=True, tensor_parallel_size=2), "not built"),
+    (dict(data_parallel_size=0, enable_expert_parallel=True), "positive integer"),
+    (dict(data_parallel_size="2", enable_expert_parallel=True), "positive integer"),
+])
+def test_malformed_data_parallel_settings(kw, message):
+    with pytest.raises(SpecError, match=message):
+        settings(**kw)
+
+
+def test_a_data_parallel_build_for_the_gpu_is_refused_clearly(tiny_model, tmp_path):
+    d, _ = tiny_model("qwen3_moe")
+    with pytest.raises(SpecError, match="reference executor's simulated ranks only"):
+        build_ranks(settings(**dp(2)), model_dir=str(d), out=tmp_path / "x", compile=False, log=None)
+
+
+def test_ranks_steps_of_unequal_length_are_refused(tiny_model, rng):
+    d, _ = tiny_model("qwen3_moe")
+    many, plans = ranked(d, **dp(2))
+    many.allocate_pages(8, 16)
+    metas = [build_step([SeqChunk(0, [1, 2, 3], 0)], lambda s: [0], 16),
+             build_step([SeqChunk(0, [1, 2], 0)], lambda s: [0], 16)]
+    with pytest.raises(ValueError, match="same T"):
+        many.step_paged_ranks(metas)
+
+
+def test_dp_collective_references(rng):
+    """dp_dispatch: every rank's rows in rank order, masked to this rank's experts; dp_combine:
+    this rank's rows of every rank's partials, summed in rank order; unequal T refused."""
+    world, T, H, K, epr = 3, 4, 6, 2, 2
+    xs = [rng.standard_normal((T, H)).astype(np.float32) for _ in range(world)]
+    ws = [rng.random((T, K)).astype(np.float32) for _ in range(world)]
+    ids = [rng.integers(0, world * epr, (T, K)).astype(np.int32) for _ in range(world)]
+    out = _ref("dp_dispatch", [(x, w, i) for x, w, i in zip(xs, ws, ids)], {"experts_per_rank": epr}, world)
+    allx, allw, alli = np.concatenate(xs), np.concatenate(ws), np.concatenate(ids)
+    for r, (xg, wg, ig) in enumerate(out):
+        local = alli // epr == r
+        need = local.any(axis=1)
+        assert xg.shape == (world * T, H)
+        assert np.array_equal(xg[need], allx[need]) and not xg[~need].any()
+        assert np.array_equal(wg, np.where(local, allw, 0))
+        assert np.array_equal(ig[local], (alli - r * epr)[local])
+        assert (ig[~local & need[:, None]] == -1).all() and (ig[~need, 0] == 0).all()
+    ys = [rng.standard_normal((world * T, H)).astype(np.float32) for _ in range(world)]
+    comb = _ref("dp_combine", [(y,) for y in ys], {}, world)
+    for r, (c,) in enumerate(comb):
+        want = ys[0][r * T:(r + 1) * T].copy()
+        for y in ys[1:]:
+            want += y[r * T:(r + 1) * T]
+        assert np.array_equal(c, want)
+    with pytest.raises(AssertionError, match="padded to the same T"):
+        _ref("dp_dispatch", [(xs[0], ws[0], ids[0]), (xs[1][:3], ws[1][:3], ids[1][:3]), (xs[2], ws[2], ids[2])],
+             {"experts_per_rank": epr}, world)
