@@ -9,8 +9,8 @@ and dense MLPs replicated and partitions only the experts, every rank computing 
 attention and dense layers replicated and run on the rank's tokens only, the experts
 partitioned and run on every rank's tokens (dp_dispatch gathers them, dp_combine sends the
 partial sums back: compiler/ops/collectives.py). Its plans run on the reference executor's
-simulated ranks; GPU kernels over the gathered rows (G = world * T) are not built yet, so
-`build_ranks` refuses them.
+simulated ranks and on one GPU's device-copy ranks (runtime/cuda/ranks.py logits_ranks); the
+engine does not schedule data-parallel ranks yet (each rank's own sequences, pages and steps).
 
 Each rank's plan is the single-GPU plan of its share: the pipeline's shard_ranks pass
 (compiler/passes/shard_ranks.py) rewrites the graph with rank r's weight slices (`slice`
@@ -91,10 +91,6 @@ def build_ranks(par: dict, model=None, spec_path=None, model_dir=None, out=None,
                 log=print, gpu="h100", target="sm_90", page_size=16, compile=True, jobs=None,
                 fuse=True, spec_dirs=None, **kw) -> Path:
     """`infc build --tensor-parallel-size N`: every rank's plan, their kernels rendered once."""
-    if par.get("dp"):
-        raise SpecError(f"--data-parallel-size {par['dp']}: data-parallel attention plans run on "
-                        "the reference executor's simulated ranks only; the GPU kernels over every "
-                        "rank's gathered tokens are not built yet", None)
     from .build import GENERATED, generate
     from .codegen.aot import compile_kernels
     from .codegen.rank_kernels import attach_rank_kernels
@@ -104,7 +100,7 @@ def build_ranks(par: dict, model=None, spec_path=None, model_dir=None, out=None,
                           features=features, log=(lambda m: None) if log is None else log, fuse=fuse,
                           spec_dirs=spec_dirs, **kw)
     state = ranks[0][0]
-    tag = f"tp{par['tp']}" if par["tp"] > 1 else ""
+    tag = f"dp{par['dp']}" if par.get("dp", 1) > 1 else f"tp{par['tp']}" if par["tp"] > 1 else ""
     tag += f"{'-' if tag else ''}ep{par['ep']}" if par["ep"] > 1 else ""
     out = Path(out) if out else GENERATED / f"{state.model}-{tag}"
     out.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,15 @@ _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
 _FUNCS = {"cdiv": lambda a, b: -(-a // b), "max": max, "min": min}
 
 
+def step_dims(plan: dict, T: int, B: int) -> dict:
+    """The dims a step's launches resolve: T tokens, B sequences, and for a data-parallel plan G,
+    every rank's rows (world * T: the ranks' steps are padded to the same T)."""
+    par = plan.get("parallel") or {}
+    if par.get("dp", 1) > 1:
+        return {"T": T, "B": B, "G": par["world"] * T}
+    return {"T": T, "B": B}
+
+
 def eval_int(expr, dims: dict) -> int:
     """Evaluate a grid/scratch expression such as "cdiv(T * 2560, 1024)" over dims."""
     if isinstance(expr, int):

@@ -56,8 +56,8 @@ def build_step(chunks: list[Chunk], pages_of, page_size: int, max_pages: int | N
     if short.size:
         i = int(short[0])
         raise ValueError(f"sequence {chunks[i].seq_id}: {npages[i]} pages cannot hold {ends[i]} tokens")
-    width = max_pages or int(npages.max())
-    if npages.max() > width:
+    width = max_pages or int(npages.max(initial=1))      # B = 0: a data-parallel rank's empty step
+    if npages.max(initial=0) > width:
         i = int(np.argmax(npages))
         raise ValueError(f"sequence {chunks[i].seq_id}: {npages[i]} pages, more than the "
                          f"{width} a block table row holds")
@@ -75,3 +75,39 @@ def build_step(chunks: list[Chunk], pages_of, page_size: int, max_pages: int | N
     return StepMeta(T, B, phase_of(chunks), tokens, i32(positions), i32(starts), i32(ends),
                     i32(starts[1:] - 1), i32(slots), bt, width,
                     i32([slot_of(c.seq_id) if slot_of else 0 for c in chunks]))
+
+
+def pad_step(meta: StepMeta, T: int, page: int, page_size: int, slot: int = 0) -> StepMeta:
+    """meta with T - meta.T pad rows appended: each a one-token sequence of its own at position
+    0, writing only `page` (and state slot `slot`), its outputs never read. Data-parallel ranks
+    pad their steps to the longest rank's T this way (the collectives need the same T on every
+    rank); a pad row is a valid row for every phase's kernels."""
+    pad = T - meta.T
+    if pad < 0:
+        raise ValueError(f"cannot pad a step of {meta.T} tokens to {T}")
+    if pad == 0:
+        return meta
+    i32 = lambda x: np.asarray(x, np.int32)  # noqa: E731
+    bt = np.zeros((meta.B + pad, meta.max_pages), np.int32)
+    bt[:meta.B] = meta.block_tables
+    bt[meta.B:, 0] = page
+    slots = None if meta.state_slots is None else i32(np.concatenate([meta.state_slots, np.full(pad, slot)]))
+    return StepMeta(T, meta.B + pad, meta.phase,
+                    i32(np.concatenate([meta.tokens, np.zeros(pad)])),
+                    i32(np.concatenate([meta.positions, np.zeros(pad)])),
+                    i32(np.concatenate([meta.seq_starts, meta.T + np.arange(1, pad + 1)])),
+                    i32(np.concatenate([meta.context_lens, np.ones(pad)])),
+                    i32(np.concatenate([meta.last_rows, meta.T + np.arange(pad)])),
+                    i32(np.concatenate([meta.slot_mapping, np.full(pad, page * page_size)])),
+                    bt, meta.max_pages, slots)
+
+
+def common_phase(metas: list[StepMeta]) -> list[StepMeta]:
+    """Data-parallel ranks' steps (the same T) under one program: the phase they share, else
+    "mixed", whose kernels run any chunks."""
+    Ts = {m.T for m in metas}
+    if len(Ts) > 1:
+        raise ValueError(f"data-parallel ranks' steps must have the same T (pad them), got {sorted(Ts)}")
+    phases = {m.phase for m in metas}
+    phase = phases.pop() if len(phases) == 1 else "mixed"
+    return [m if m.phase == phase else StepMeta(**{**vars(m), "phase": phase}) for m in metas]

@@ -322,7 +322,10 @@ def synthetic_plan(world: int) -> dict:
                "wr": (["T", K], "f32"), "idr": (["T", K], "i32"), "g0": (["T", H], "bf16"),
                "g1": (["T", H * world], "bf16"), "xf": (["T", H], "f32"), "sumf": (["T", H], "bf16"),
                "xl": (["T", H], "bf16"), "xrl": (["T", H], "bf16"), "wrl": (["T", K], "f32"),
-               "idrl": (["T", K], "i32")}
+               "idrl": (["T", K], "i32"),
+               # data-parallel ranks: every rank's rows (G = world * T) and each rank's back
+               "xg": (["G", H], "bf16"), "wg": (["G", K], "f32"), "idg": (["G", K], "i32"),
+               "yg": (["G", H], "bf16"), "yc": (["T", H], "bf16")}
     launches = [("all_reduce", ["x"], ["sum"], {}), ("ep_combine", ["x"], ["comb"], {}),
                 ("ep_dispatch", ["x", "w", "ids"], ["xr", "wr", "idr"], {"experts_per_rank": 2}),
                 ("all_gather", ["x"], ["g0"], {"axis": 0, "world": world}),
@@ -331,11 +334,21 @@ def synthetic_plan(world: int) -> dict:
                 ("all_reduce", ["xf"], ["sumf"], {"dtype": "bf16"}),
                 # every rank holds the same rows (the parallel modes built so far): no traffic
                 ("ep_dispatch", ["xl", "w", "ids"], ["xrl", "wrl", "idrl"],
-                 {"experts_per_rank": 2, "replicated": True})]
+                 {"experts_per_rank": 2, "replicated": True}),
+                ("dp_dispatch", ["x", "w", "ids"], ["xg", "wg", "idg"], {"experts_per_rank": 2}),
+                ("dp_combine", ["yg"], ["yc"], {})]
     return {"parallel": {"world": world, "rank": 0, "tp": world, "ep": world},
             "buffers": {n: {"shape": s, "dtype": d} for n, (s, d) in buffers.items()},
             "programs": {"prefill": [{"op": op, "backend": "nccl", "kernel": None, "inputs": i,
                                       "outputs": o, "attrs": a} for op, i, o, a in launches]}}
+
+
+def step_dims(T, world):
+    return {"T": T, "B": T, "G": world * T}
+
+
+def _rows(d, T, world):
+    return T if d == "T" else world * T if d == "G" else d
 
 
 def collective_launches(cuda_mods, ctx, world, T):
@@ -350,14 +363,15 @@ def collective_launches(cuda_mods, ctx, world, T):
     for launch in plan["programs"]["prefill"]:
         per_rank = []
         for r in range(world):
-            def buf(name, rows=T):
+            def buf(name, rows=None):
                 b = plan["buffers"][name]
+                rows = rows or _rows(b["shape"][0], T, world)
                 n = rows * int(np.prod(b["shape"][1:])) * (2 if b["dtype"] == "bf16" else 4)
                 return C.Buffer(name, ctx.alloc(n), list(b["shape"]), b["dtype"])
-            outs = [buf(n, world * T if n == "g0" else T) for n in launch["outputs"]]
+            outs = [buf(n, world * T if n == "g0" else None) for n in launch["outputs"]]
             per_rank.append(C.CollectiveLaunch(launch["op"], launch["attrs"], [buf(n) for n in launch["inputs"]],
                                                outs, {m: fns[k] for m, k in launch.get("helpers", {}).items()},
-                                               0, {"T": T, "B": T}, launch["op"]))
+                                               0, step_dims(T, world), launch["op"]))
         out.append(per_rank)
     return out
 
@@ -370,7 +384,7 @@ def fill_inputs(ctx, rng, cls, T, world):
     for c in cls:
         mine = []
         for i, b in enumerate(c.inputs):
-            shape = [T if d == "T" else d for d in b.shape]
+            shape = [_rows(d, T, world) for d in b.shape]
             a = rng.integers(0, 2 * world, shape).astype(np.int32) if b.dtype == "i32" else \
                 rng.standard_normal(shape).astype(np.float32)
             if c.attrs.get("replicated") and i == 0:
@@ -387,7 +401,7 @@ def check_outputs(ctx, cls, ins, T):
     for r, c in enumerate(cls):
         for i, o in enumerate(c.outputs):
             rows = world * T if (c.op == "all_gather" and c.attrs["axis"] == 0) else T
-            shape = [rows if d == "T" else d for d in o.shape]
+            shape = [rows if d == "T" else _rows(d, T, world) for d in o.shape]
             _assert_bits(ctx.get(o.ptr, shape, o.dtype), want[r][i], o.dtype, f"{c.op} {c.attrs} rank {r} out {i}")
 
 
@@ -403,13 +417,13 @@ def test_device_copy_collectives_are_the_references(fake_device, world, rng):
         fires = [group.member(r).bind(c) for r, c in enumerate(cls)]
         n = len(seen)
         for f in fires[:-1]:
-            f({"T": T, "B": T})
+            f(step_dims(T, world))
         assert len(seen) == n and len(group.waiting) == world - 1    # issued by the last rank only
-        fires[-1]({"T": T, "B": T})
+        fires[-1](step_dims(T, world))
         assert len(seen) == n + 1 and not group.waiting
         check_outputs(ctx, cls, ins, T)
     assert seen == ["all_reduce", "ep_combine", "ep_dispatch", "all_gather", "all_gather", "all_reduce",
-                    "ep_dispatch"]
+                    "ep_dispatch", "dp_dispatch", "dp_combine"]
 
 
 def test_a_replicated_dispatch_checks_that_the_ranks_rows_agree(rng):
@@ -532,7 +546,7 @@ def test_nccl_collectives_pack_the_owners_rows(fake_device, world, T, split, gat
     for cls in collective_launches(fake_device, ctx, world, T):
         ins = fill_inputs(ctx, rng, cls, T, world)
         fires = [c.bind(cl) for c, cl in zip(colls, cls)]
-        in_rank_threads(comms, [lambda f=f: f({"T": T, "B": T}) for f in fires])
+        in_rank_threads(comms, [lambda f=f: f(step_dims(T, world)) for f in fires])
         check_outputs(ctx, cls, ins, T)
     # ep_dispatch gathered ceil(T / world) rows of H per rank; all_reduce / ep_combine T * H;
     # the replicated dispatch moved nothing (unless INFC_EP_GATHER): rank 0 gathered for the
@@ -540,11 +554,14 @@ def test_nccl_collectives_pack_the_owners_rows(fake_device, world, T, split, gat
     m = -(-T // world)
     rs = split and (T * H) % world == 0
     assert ("all_gather", 0, m * H) in comms.calls and ("all_reduce", 0, T * H) in comms.calls
-    assert sum(c[:2] == ("all_gather", 0) for c in comms.calls) == 3 + rs + gather
+    # dp_dispatch gathers x, weights and ids (T rows of each a rank); dp_combine reduce-scatters
+    assert sum(c[:2] == ("all_gather", 0) for c in comms.calls) == 3 + rs + gather + 3
+    assert ("all_gather", 0, T * K) in comms.calls and ("reduce_scatter", 0, T * H) in comms.calls
     # all_reduce, ep_combine and the fp32 partials (reduced in fp32, then rounded by the cast
     # helper), or the partials by reduce-scatter
     assert sum(c == ("all_reduce", 0, T * H) for c in comms.calls) == (2 if rs else 3)
-    assert (("reduce_scatter", 0, T * H // world) in comms.calls) == rs
+    # ... and dp_combine's
+    assert sum(c[:2] == ("reduce_scatter", 0) for c in comms.calls) == rs + 1
 
 
 # -- the lockstep driver over whole rank plans -------------------------------------------------------
@@ -627,6 +644,73 @@ def test_lockstep_ranks_on_a_fake_device(fake_device, artifacts, monkeypatch, fa
     run([Chunk(0, [5], 12), Chunk(1, [int(t) for t in rng.integers(0, 320, 4)], 0)])     # mixed
     ranks.close()
     assert ctx.stream is None
+
+
+def test_data_parallel_ranks_on_a_fake_device(fake_device, artifacts, monkeypatch, rng):
+    """Attention data-parallel ranks (each its own sequences, the experts over every rank's
+    rows): the rendered kernels over G = 2 * T rows and the device-copy dp_dispatch / dp_combine,
+    step by step against the reference ranks (runtime/reference/ranks.py) on the same padded
+    steps; the ranks' steps differ in sequences, B and phase."""
+    from infc.runtime.reference.ranks import RankExecutor
+    from infc.runtime.safetensors_io import Checkpoint
+    from infc.runtime.step import Chunk, build_step, pad_step
+    from infc.runtime.weights import load_weights
+    monkeypatch.setattr(fake_device.driver, "Graph", FakeGraph)
+    d, art = artifacts("qwen3_moe", data_parallel_size=2, enable_expert_parallel=True)
+    ctx = FakeCtx(24 << 20)
+    ranks = fake_device.ranks.DeviceCopyRanks(art, d, num_pages=8, max_num_batched_tokens=16,
+                                              max_num_seqs=4, buckets=[1, 2], ctx=ctx)
+    assert [r.plan["parallel"]["dp"] for r in ranks.runners] == [2, 2]
+    checked = []
+
+    def observe(op, cls, dims):
+        ins = [[_read(ctx, b, dims) for b in c.inputs] for c in cls]
+        want = _ref(op, ins, cls[0].attrs, len(cls))
+        for r, c in enumerate(cls):
+            for i, o in enumerate(c.outputs):
+                _assert_bits(_read(ctx, o, dims), want[r][i], o.dtype, f"{c.where} rank {r}")
+        checked.append(op)
+
+    ranks.group.observe = observe
+    plans = [r.plan for r in ranks.runners]
+    ref = RankExecutor(plans, [load_weights(p, Checkpoint(d)) for p in plans])
+    ref.allocate_pages(ranks.num_pages + 1, ranks.page_size)
+    spare = ranks.num_pages                       # pad rows write the spare page, as graph pads do
+    page_size = ranks.page_size
+    pages = [{}, {}]
+    free = [list(range(ranks.num_pages)), list(range(ranks.num_pages))]
+
+    def run(per_rank):
+        metas = []
+        for r, chunks in enumerate(per_rank):
+            for c in chunks:
+                need = -(-(c.start + len(c.tokens)) // page_size)
+                pages[r].setdefault(c.seq_id, [])
+                while len(pages[r][c.seq_id]) < need:
+                    pages[r][c.seq_id].append(free[r].pop())
+            metas.append(build_step(chunks, pages[r].__getitem__, page_size, max_pages=4))
+        T = max(m.T for m in metas)
+        metas = [pad_step(m, T, spare, page_size) for m in metas]
+        got = [g.copy() for g in ranks.logits_ranks(metas)]
+        want = ref.step_paged_ranks(metas)
+        for r, chunks in enumerate(per_rank):
+            if not chunks:
+                continue
+            g, w = got[r][:len(chunks)], want[r][:len(chunks)]
+            err = float(np.abs(g - w).max())
+            assert err <= 0.02 * float(np.abs(w).max()) + 1e-3, (r, err, float(np.abs(w).max()))   # bf16
+
+    a = [int(t) for t in rng.integers(0, 320, 9)]
+    b = [int(t) for t in rng.integers(0, 320, 4)]
+    run([[Chunk(0, a, 0)], [Chunk(0, b, 0)]])                       # prefill 9 / 4 (+5 pad rows)
+    assert {"dp_dispatch", "dp_combine"} <= set(checked)
+    replays = FakeGraph.replays
+    run([[Chunk(0, [5], 9)], [Chunk(0, [6], 4)]])                   # decode: the bucket-1 graph
+    assert FakeGraph.replays == replays + 1
+    run([[Chunk(0, [7], 10)], [Chunk(0, [8], 5), Chunk(1, [1, 2, 3], 0)]])   # decode | mixed
+    run([[], [Chunk(0, [9], 6), Chunk(1, [4], 3)]])                 # rank 0 idle: pad rows only
+    assert checked.count("dp_dispatch") == checked.count("dp_combine") >= 4
+    ranks.close()
 
 
 # -- one process per GPU: what each rank's runner agrees on and gives back ----------------------

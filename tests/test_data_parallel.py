@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from infc.compiler.errors import SpecError
-from infc.compiler.parallel import build_ranks, compile_ranks, settings
+from infc.compiler.parallel import compile_ranks, settings
 from infc.runtime.reference.executor import SeqChunk
 from infc.runtime.step import build_step
 from test_cuda_ranks import _ref
@@ -98,12 +98,6 @@ def test_malformed_data_parallel_settings(kw, message):
         settings(**kw)
 
 
-def test_a_data_parallel_build_for_the_gpu_is_refused_clearly(tiny_model, tmp_path):
-    d, _ = tiny_model("qwen3_moe")
-    with pytest.raises(SpecError, match="reference executor's simulated ranks only"):
-        build_ranks(settings(**dp(2)), model_dir=str(d), out=tmp_path / "x", compile=False, log=None)
-
-
 def test_ranks_steps_of_unequal_length_are_refused(tiny_model, rng):
     d, _ = tiny_model("qwen3_moe")
     many, plans = ranked(d, **dp(2))
@@ -141,3 +135,20 @@ def test_dp_collective_references(rng):
     with pytest.raises(AssertionError, match="padded to the same T"):
         _ref("dp_dispatch", [(xs[0], ws[0], ids[0]), (xs[1][:3], ws[1][:3], ids[1][:3]), (xs[2], ws[2], ids[2])],
              {"experts_per_rank": epr}, world)
+
+
+def test_pad_step_appends_one_token_rows_on_the_given_page():
+    from infc.runtime.step import build_step, common_phase, pad_step
+    m = build_step([SeqChunk(3, [5, 6, 7], 0), SeqChunk(4, [8], 16)], {3: [2], 4: [0, 1]}.__getitem__, 16)
+    p = pad_step(m, 7, page=9, page_size=16)
+    assert (p.T, p.B, p.phase) == (7, 5, "mixed")
+    assert list(p.tokens[4:]) == [0, 0, 0] and list(p.positions[4:]) == [0, 0, 0]
+    assert list(p.seq_starts) == [0, 3, 4, 5, 6, 7] and list(p.last_rows) == [2, 3, 4, 5, 6]
+    assert list(p.context_lens[2:]) == [1, 1, 1] and list(p.slot_mapping[4:]) == [144] * 3
+    assert (p.block_tables[2:, 0] == 9).all() and (p.block_tables[:2] == m.block_tables).all()
+    assert pad_step(m, 4, 9, 16) is m
+    with pytest.raises(ValueError, match="cannot pad"):
+        pad_step(m, 3, 9, 16)
+    d = build_step([SeqChunk(1, [2], 5)], lambda s: [0], 16)
+    assert [x.phase for x in common_phase([pad_step(d, 4, 9, 16), pad_step(m, 4, 9, 16)])] == ["mixed", "mixed"]
+    assert [x.phase for x in common_phase([pad_step(d, 2, 9, 16), pad_step(d, 2, 9, 16)])] == ["decode", "decode"]

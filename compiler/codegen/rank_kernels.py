@@ -14,6 +14,10 @@ runtime's Collectives (runtime/cuda/collectives.py), which does some of it with 
     ep_dispatch              device_copy: ep_dispatch reading each row from its owner rank's
                              buffer; nccl: ep_dispatch over the owners' rows gathered by NCCL
     all_gather               copies only
+    dp_dispatch              select: ep_dispatch's kernel (one source) over every rank's rows,
+                             gathered into staging buffers (G rows) by NCCL or device copies
+    dp_combine               device_copy: rank_sum of the ranks' row blocks r (T rows each);
+                             nccl: none (ncclReduceScatter)
 
 Each collective launch records its helpers' kernel ids as launch["helpers"] = {mode: id}, and
 the kernels join plan["kernels"] (so the runner loads them with the others).
@@ -57,6 +61,14 @@ def render_rank_kernels(plan: dict) -> dict[str, Kernel]:
                     # share of it) once: flat, T elements, T any count
                     flat = lambda t: {**t, "shape": ["T"]}  # noqa: E731
                     helpers["cast"] = _render(env, "rank_sum", [flat(ins[0])], [flat(outs[0])], {})
+            elif launch["op"] == "dp_dispatch":
+                # the gathered inputs: G rows of x, weights and ids, in the inputs' dtypes
+                gathered = [{**o, "dtype": i["dtype"]} for i, o in zip(ins, outs)]
+                attrs = {"sources": 1, "world": world, "experts_per_rank": launch["attrs"]["experts_per_rank"]}
+                helpers["select"] = _render(env, "ep_dispatch", gathered, outs, attrs)
+            elif launch["op"] == "dp_combine":
+                share = {**outs[0], "dtype": ins[0]["dtype"]}            # one rank's block: T rows
+                helpers["device_copy"] = _render(env, "rank_sum", [share] * world, outs[:1] * world, {})
             elif launch["op"] == "ep_dispatch":
                 for mode, sources in (("device_copy", world), ("nccl", 1)):
                     attrs = {"sources": sources, "world": world,

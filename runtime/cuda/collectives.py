@@ -15,6 +15,9 @@ NcclCollectives: one communicator per process and GPU (runtime/cuda/nccl.py), ev
                                ones as reduce-scatter, cast, all-gather of the bf16 shares)
       all_gather               ncclAllGather (axis 0), or into a staging buffer and then
                                strided copies into place (another axis)
+      dp_dispatch              ncclAllGather of x, weights and ids into G-row staging buffers,
+                               then the `select` helper masks them to this rank's experts
+      dp_combine               ncclReduceScatter: rank r's block of every rank's G rows, summed
       ep_dispatch              replicated (every mode built so far): the ep_dispatch kernel
                                (mode "nccl") selects and masks this rank's own x, no traffic;
                                otherwise each rank's own rows (token t is owned by rank t % N)
@@ -29,6 +32,9 @@ DeviceCopyCollectives: the N ranks' runners in ONE process on ONE GPU, sharing o
       all_gather               device-to-device copies (strided for an axis other than 0)
       ep_dispatch              the ep_dispatch kernel (mode "device_copy") per rank, reading each
                                row from its owner's buffer
+      dp_dispatch              every rank's x, weights and ids copied into one G-row staging set,
+                               then the `select` helper per rank
+      dp_combine               rank_sum per rank r over every rank's block r (rank order)
     Exactly the numpy references (compiler/ops/collectives.py), owner convention included.
 P2PCollectives (runtime/cuda/p2p.py): NcclCollectives whose small all_reduce / ep_combine (up to
     64 KiB) are a one-shot sum over the ranks' memory mapped into each other (CUDA IPC), the
@@ -248,6 +254,16 @@ class NcclCollectives(Collectives):
             return self._all_gather(cl)
         if cl.op == "ep_dispatch":
             return self._dispatch(cl)
+        if cl.op == "dp_dispatch":
+            return self._dp_dispatch(cl)
+        if cl.op == "dp_combine":
+            y, out = cl.inputs[0], cl.outputs[0]
+
+            def fire_combine(dims):
+                n = out.numel(dims)              # this rank's T rows; y holds world * T
+                if n:
+                    self.comm.reduce_scatter(y.ptr, out.ptr, n, y.dtype, self.ctx.stream)
+            return fire_combine
         raise NotImplementedError(f"{cl.where}: no NCCL implementation of collective '{cl.op}'")
 
     def _reduce_and_round(self, cl):
@@ -296,6 +312,22 @@ class NcclCollectives(Collectives):
                 copy_2d(self.ctx, out.ptr + r * row, N * row, staging + r * rows * row, row, row, rows)
         return fire
 
+    def _dp_dispatch(self, cl):
+        """Every rank's rows of x, weights and ids gathered (rank r's at rows r * T ..), then
+        masked to this rank's experts by the select helper."""
+        N = self.world
+        stages = [self._alloc(f"dp-{i}", N * b.nbytes(cl.place)) for i, b in enumerate(cl.inputs)]
+        select = bound_helper(self.ctx, cl.helper("select"), stages, [o.ptr for o in cl.outputs],
+                              {"rank": self.rank})
+
+        def fire(dims):
+            if not eval_int(cl.inputs[0].shape[0], dims):
+                return
+            for b, stage in zip(cl.inputs, stages):
+                self.comm.all_gather(b.ptr, stage, b.numel(dims), b.dtype, self.ctx.stream)
+            select(dims)
+        return fire
+
     def _dispatch(self, cl):
         x, w, ids = cl.inputs
         N, rank = self.world, self.rank
@@ -341,7 +373,17 @@ class DeviceCopyGroup:
         self.ctx, self.world = ctx, world
         self.waiting: list[tuple] = []
         self.issued = 0                   # collectives issued (tests)
+        self.stages: list[list] = []       # dp_dispatch's gathered x, weights, ids: [ptr, bytes]
         self.observe = None               # observe(op, [CollectiveLaunch per rank], dims): tests
+
+    def stage(self, i: int, nbytes: int) -> int:
+        """dp_dispatch's staging buffer for input i, shared by every layer's launch (they run one
+        after another) and grown to the largest asked for."""
+        while len(self.stages) <= i:
+            self.stages.append([0, -1])
+        if self.stages[i][1] < nbytes:
+            self.stages[i] = [self.ctx.alloc(max(int(nbytes), 1)), nbytes]
+        return self.stages[i][0]
 
     def member(self, rank: int) -> "DeviceCopyCollectives":
         return DeviceCopyCollectives(self, rank)
@@ -353,7 +395,10 @@ class DeviceCopyGroup:
                                f"must run segment by segment: runtime/cuda/ranks.py)")
         if self.waiting:
             first, d0 = self.waiting[0]
-            if (cl.op, cl.attrs, cl.layer) != (first.op, first.attrs, first.layer) or dims != d0:
+            # data-parallel ranks run their own sequences: the same T (padded), their own B
+            same = (lambda a, b: {k: v for k, v in a.items() if k != "B"} == {k: v for k, v in b.items() if k != "B"}) \
+                if cl.op.startswith("dp_") else (lambda a, b: a == b)
+            if (cl.op, cl.attrs, cl.layer) != (first.op, first.attrs, first.layer) or not same(dims, d0):
                 raise RuntimeError(f"ranks diverge: rank 0 is at {first.where} {d0}, rank {rank} at "
                                    f"{cl.where} {dims}")
         self.waiting.append((cl, dict(dims)))
@@ -374,6 +419,20 @@ class DeviceCopyGroup:
                 run_helper(self.ctx, c.helper("device_copy"),
                            [d.inputs[0].ptr for d in cls] + [c.inputs[1].ptr, c.inputs[2].ptr],
                            [o.ptr for o in c.outputs], dims, {"rank": r})
+        elif op == "dp_dispatch":
+            stages = [s for s, _ in self.stages[:len(cls[0].inputs)]]
+            for i, stage in enumerate(stages):        # rank q's rows at rows q * T ..
+                for q, c in enumerate(cls):
+                    n = c.inputs[i].nbytes(dims)
+                    self.ctx.dtod(stage + q * n, c.inputs[i].ptr, n)
+            for r, c in enumerate(cls):
+                run_helper(self.ctx, c.helper("select"), stages, [o.ptr for o in c.outputs], dims, {"rank": r})
+        elif op == "dp_combine":
+            T = dims["T"]
+            for r, c in enumerate(cls):               # rank r's block of every rank's rows
+                share = c.outputs[0].nbytes(dims) // c.outputs[0].itemsize * cls[0].inputs[0].itemsize
+                run_helper(self.ctx, c.helper("device_copy"), [d.inputs[0].ptr + r * share for d in cls],
+                           [c.outputs[0].ptr] * self.world, {"T": T})
         else:
             raise NotImplementedError(f"{cls[0].where}: no device-copy implementation of '{op}'")
         self.issued += 1
@@ -395,6 +454,10 @@ class DeviceCopyCollectives(Collectives):
         self.group, self.rank, self.world = group, rank, group.world
 
     def bind(self, cl: CollectiveLaunch):
-        if cl.op in ("all_reduce", "ep_combine", "ep_dispatch"):
+        if cl.op in ("all_reduce", "ep_combine", "ep_dispatch", "dp_combine"):
             cl.helper("device_copy")             # an artifact without it fails at bind, not mid-step
+        if cl.op == "dp_dispatch":
+            cl.helper("select")
+            for i, b in enumerate(cl.inputs):        # laid out for the max T, before any capture
+                self.group.stage(i, self.world * b.nbytes(cl.place))
         return lambda dims: self.group.arrive(self.rank, cl, dims)

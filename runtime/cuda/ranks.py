@@ -26,9 +26,10 @@ import numpy as np
 
 from infc.compiler.errors import ModelDirError
 
+from ..bind import step_dims
 from ..program import program_name, unrolled
 from ..runner import RowSampling, Sample, sample_row
-from ..step import StepMeta
+from ..step import StepMeta, common_phase
 from .collectives import DeviceCopyGroup
 from .p2p import p2p_collectives
 from .runner import padding_step, step_shape
@@ -121,16 +122,18 @@ class DeviceCopyRanks:
             self.segments[phase] = segs
         return self.segments[phase]
 
-    def _lockstep(self, phase: str, dims: dict):
+    def _lockstep(self, phase: str, dims):
+        """dims: one dict for every rank, or a list of them (data-parallel ranks: each its B)."""
         segs = self._segmented(phase)
+        per_rank = dims if isinstance(dims, list) else [dims] * self.world
         for i in range(len(segs[0])):
             for r, runner in enumerate(self.runners):
-                runner._launch_all(segs[r][i], dims)
+                runner._launch_all(segs[r][i], per_rank[r])
         assert not self.group.waiting, "a collective was left half issued"
 
     def _capture(self, bucket: int):
         from .driver import Graph
-        dims = {"T": bucket, "B": bucket}
+        dims = step_dims(self.plan, bucket, bucket)
         for r in self.runners:
             r._upload(r._metadata(padding_step(), bucket, bucket), dims)
         program = program_name(self.plan, "decode", bucket)      # "wide" for a wide bucket
@@ -142,13 +145,36 @@ class DeviceCopyRanks:
     def _run_step(self, meta: StepMeta) -> tuple[int, int]:
         self.ctx.ensure_current()
         T, B = step_shape(meta, self.buckets, self.graphs)
-        dims = {"T": T, "B": B}
+        dims = step_dims(self.plan, T, B)
         self._keep = [r._upload(r._metadata(meta, T, B), dims) for r in self.runners]
         if meta.phase == "decode" and T in self.graphs:
             self.graphs[T][0].launch()
         else:
             self._lockstep(program_name(self.plan, meta.phase, T), dims)
         return T, B
+
+    def logits_ranks(self, metas: list[StepMeta]) -> list[np.ndarray]:
+        """A data-parallel step: rank r runs metas[r] (its own sequences and pages; the ranks'
+        T already equal, runtime/step.py pad_step); every rank's logits [B_r, V]."""
+        if not (self.plan.get("parallel") or {}).get("dp"):
+            raise ValueError("logits_ranks runs data-parallel plans; this one shares every step")
+        self.ctx.ensure_current()
+        metas = common_phase(metas)
+        shapes = [step_shape(m, self.buckets, self.graphs) for m in metas]
+        dims = [step_dims(self.plan, T, B) for T, B in shapes]
+        self._keep = [r._upload(r._metadata(m, T, B), d) for r, m, (T, B), d in zip(self.runners, metas, shapes, dims)]
+        T = shapes[0][0]
+        if metas[0].phase == "decode" and T in self.graphs:
+            self.graphs[T][0].launch()
+        else:
+            self._lockstep(program_name(self.plan, metas[0].phase, T), dims)
+        out = []
+        for r, m in zip(self.runners, metas):
+            out.append(np.empty((m.B, self.vocab_size), np.float32))
+            self.ctx.dtoh(out[-1], r.logits_device)
+        self.ctx.sync()
+        self.rank_logits = out
+        return out
 
     def logits(self, meta: StepMeta) -> np.ndarray:
         """Run a step; every rank's logits in rank_logits, rank 0's returned (f32 [B, V])."""

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import caches
-from ..bind import Resolver, dim_slots, eval_int, scratch_sizes
+from ..bind import Resolver, dim_slots, eval_int, scratch_sizes, step_dims
 from ..program import program_name, unrolled
 from ..runner import RowSampling, Sample, sample_row
 from ..step import StepMeta
@@ -121,7 +121,7 @@ class CudaRunner:
         fill = {"bf16": self.kernels.get(plan.get("weight_init")),       # absent from older artifacts
                 "f32": self.kernels.get(plan.get("weight_init_f32"))}    # only where f32 weights are
         self.weights = DeviceWeights(self.ctx, plan, Path(model_dir), load_format=load_format, fill=fill)
-        dims = {"T": self.max_tokens, "B": self.max_seqs}
+        dims = step_dims(plan, self.max_tokens, self.max_seqs)
         a = plan["arena"]
         self.arena_bytes = a["bytes_per_token"] * dims["T"] + a["bytes_per_seq"] * dims["B"] + a["bytes"]
         self.arena = self.ctx.alloc(self.arena_bytes)
@@ -278,7 +278,7 @@ class CudaRunner:
     def _capture(self, bucket: int):
         """Warm the bucket's decode program (the wide one for a wide bucket) up on padding rows,
         then capture it."""
-        dims = {"T": bucket, "B": bucket}
+        dims = step_dims(self.plan, bucket, bucket)
         bound = self.program(program_name(self.plan, "decode", bucket))
         self._upload(self._metadata(padding_step(), bucket, bucket), dims)
         self._launch_all(bound, dims)
@@ -333,7 +333,7 @@ class CudaRunner:
         """feed: (row, prev_row) pairs, see launch."""
         self.ctx.ensure_current()
         T, B = step_shape(meta, self.buckets, self.graphs)
-        dims = {"T": T, "B": B}
+        dims = step_dims(self.plan, T, B)
         keep = self._upload(self._metadata(meta, T, B), dims)
         if feed:
             tokens, sampled = self._buffer_ptr("tokens", dims), self.sampler.dev["token"]
@@ -353,7 +353,7 @@ class CudaRunner:
             self._logits_host = self.ctx.pinned(4 * self.max_seqs * self.vocab_size).view(np.float32)
         out = self._logits_host[: meta.B * self.vocab_size].reshape(meta.B, self.vocab_size)
         name = self.plan["outputs"]["logits"]
-        self.ctx.dtoh(out, self._buffer_ptr(name, {"T": T, "B": B}))
+        self.ctx.dtoh(out, self._buffer_ptr(name, step_dims(self.plan, T, B)))
         self.ctx.sync()
         return out
 

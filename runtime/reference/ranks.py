@@ -18,7 +18,7 @@ import numpy as np
 from infc.compiler.ops import REGISTRY
 
 from ..program import program_name, unrolled
-from ..step import Chunk, StepMeta
+from ..step import Chunk, StepMeta, common_phase
 from .executor import ReferenceExecutor, StepContext
 
 PAD_SEQ = -1         # the oracle's pad rows are sequences PAD_SEQ, PAD_SEQ - 1, ...
@@ -92,14 +92,8 @@ class RankExecutor:
         return self._execute(self._alike([(m, ex.paged) for m, ex in zip(metas, self.ranks)]), all_ranks=True)
 
     def _alike(self, steps: list) -> list:
-        """The ranks' steps under one program: the same T (else refused), the phase they share,
-        else "mixed"."""
-        Ts = {m.T for m, _ in steps}
-        if len(Ts) > 1:
-            raise ValueError(f"data-parallel ranks' steps must have the same T (pad them), got {sorted(Ts)}")
-        phases = {m.phase for m, _ in steps}
-        phase = phases.pop() if len(phases) == 1 else "mixed"
-        return [(m if m.phase == phase else StepMeta(**{**vars(m), "phase": phase}), s) for m, s in steps]
+        """The ranks' steps under one program (runtime/step.py common_phase)."""
+        return list(zip(common_phase([m for m, _ in steps]), [s for _, s in steps]))
 
     def _execute(self, steps: list, all_ranks: bool = False):
         ctxs, views, programs = [], [], []

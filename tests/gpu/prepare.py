@@ -187,7 +187,10 @@ RANK_BUILDS = {("tiny-qwen3", "whole"): None, ("tiny-qwen3", "tp2"): dict(tensor
                ("tiny-moe", "ep2"): dict(expert_parallel_only=2),
                ("tiny-moe", "tp1"): "tp", ("tiny-moe", "ep1"): "ep",
                ("qwen3-30b-a3b-l4", "whole"): None, ("qwen3-30b-a3b-l4", "tp2"): dict(tensor_parallel_size=2),
-               ("qwen3-30b-a3b-l4", "ep2"): dict(expert_parallel_only=2)}
+               ("qwen3-30b-a3b-l4", "ep2"): dict(expert_parallel_only=2),
+               # attention data-parallel with EP (issue 14): each rank its own sequences
+               ("tiny-moe", "dp2"): dict(data_parallel_size=2, enable_expert_parallel=True),
+               ("qwen3-30b-a3b-l4", "dp2"): dict(data_parallel_size=2, enable_expert_parallel=True)}
 
 
 def ranks_config(name: str) -> Path:

@@ -135,6 +135,61 @@ def test_device_copy_ranks_give_the_whole_logits(name, tag):
         assert [s.token for s in ranks.execute(meta, rows)] == want.tolist()
 
 
+@pytest.mark.parametrize("name", ["tiny-moe", "qwen3-30b-a3b-l4"])
+def test_data_parallel_ranks_give_the_whole_logits(name):
+    """Attention data-parallel ranks on this GPU (issue 14): rank 0 runs half the prompts and
+    rank 1 the other half, each step padded to the longer rank's T (runtime/step.py pad_step,
+    the spare page); the experts run over both ranks' rows (dp_dispatch / dp_combine by device
+    copies). Each rank's rows against the whole plan running the same sequences: the golden
+    gate's bounds; decode steps replay the ranks' graph."""
+    from infc.runtime.cuda.ranks import DeviceCopyRanks
+    from infc.runtime.cuda.runner import CudaRunner
+    from infc.runtime.step import pad_step
+    md = model_dir(name)
+    with closing(CudaRunner(artifact(name, "whole"), md, **KW)) as whole, \
+            closing(DeviceCopyRanks(artifact(name, "dp2"), md, **KW)) as ranks:
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(0, whole.vocab_size, n).tolist() for n in LENS]
+        mine = [list(range(0, len(LENS), 2)), list(range(1, len(LENS), 2))]     # rank -> prompt ids
+        pw = Pages(whole.num_pages, whole.page_size)
+        pr = [Pages(ranks.num_pages, ranks.page_size) for _ in range(2)]
+        spare, worst = ranks.num_pages, {}
+
+        def run(per_rank):
+            metas = []
+            for r, chunks in enumerate(per_rank):
+                for c in chunks:
+                    pr[r].ensure(c.seq_id, c.start + len(c.tokens))
+                metas.append(build_step(chunks, pr[r].of.__getitem__, ranks.page_size))
+            T = max(m.T for m in metas)
+            got = ranks.logits_ranks([pad_step(m, T, spare, ranks.page_size) for m in metas])
+            flat = [c for cs in per_rank for c in cs]
+            want = step(whole, pw, flat)
+            i = 0
+            for r, chunks in enumerate(per_rank):
+                if chunks:
+                    for k, v in compare(got[r][:len(chunks)], want[i:i + len(chunks)],
+                                        f"{name} dp2 rank {r} T={T}").items():
+                        worst[k] = max(worst.get(k, 0.0), v)
+                i += len(chunks)
+            return want
+
+        nxt = {}
+        for j in range(len(mine[0])):             # one prompt of each rank a step (9 vs 16, ...)
+            per_rank = [[Chunk(m[j], prompts[m[j]], 0)] for m in mine]
+            want = run(per_rank)
+            for i, c in enumerate(c for cs in per_rank for c in cs):
+                nxt[c.seq_id] = int(want[i].argmax())
+        for s in range(DECODE):
+            per_rank = [[Chunk(i, [nxt[i]], len(prompts[i]) + s) for i in m] for m in mine]
+            want = run(per_rank)
+            for i, c in enumerate(c for cs in per_rank for c in cs):
+                nxt[c.seq_id] = int(want[i].argmax())
+        assert ranks.graphs, "no decode graph was captured for the ranks"
+        print(f"\n[ranks] {name} dp2 vs whole over {len(LENS)} prompts + {DECODE} decode steps: "
+              + ", ".join(f"{k} {v:.4f}" for k, v in worst.items()), flush=True)
+
+
 @pytest.mark.parametrize("tag", ["tp1", "ep1"])
 def test_nccl_one_rank_runs_the_plans_collectives(tag):
     """A one-rank plan with the TP collectives (all_reduce) or the EP ones (ep_dispatch: the
