@@ -77,29 +77,56 @@ def build_step(chunks: list[Chunk], pages_of, page_size: int, max_pages: int | N
                     i32([slot_of(c.seq_id) if slot_of else 0 for c in chunks]))
 
 
-def pad_step(meta: StepMeta, T: int, page: int, page_size: int, slot: int = 0) -> StepMeta:
-    """meta with T - meta.T pad rows appended: each a one-token sequence of its own at position
-    0, writing only `page` (and state slot `slot`), its outputs never read. Data-parallel ranks
-    pad their steps to the longest rank's T this way (the collectives need the same T on every
-    rank); a pad row is a valid row for every phase's kernels."""
+def pad_step(meta: StepMeta, T: int, page: int, page_size: int, rows: bool = False,
+             slot: int = 0) -> StepMeta:
+    """meta padded to T tokens with outputs nobody reads, writing only `page` (and state slot
+    `slot`): rows=True appends T - meta.T one-token sequences (a decode step stays a decode
+    step: use it where T is another rank's decode batch, so B stays within the runner's), else
+    one sequence of T - meta.T tokens whose every page is `page` (its attention reads garbage
+    that it wrote itself; its rows are finite and dropped). Data-parallel ranks pad their steps
+    to the longest rank's T this way (pad_ranks): the collectives need the same T on every rank."""
     pad = T - meta.T
     if pad < 0:
         raise ValueError(f"cannot pad a step of {meta.T} tokens to {T}")
     if pad == 0:
         return meta
     i32 = lambda x: np.asarray(x, np.int32)  # noqa: E731
-    bt = np.zeros((meta.B + pad, meta.max_pages), np.int32)
-    bt[:meta.B] = meta.block_tables
-    bt[meta.B:, 0] = page
-    slots = None if meta.state_slots is None else i32(np.concatenate([meta.state_slots, np.full(pad, slot)]))
-    return StepMeta(T, meta.B + pad, meta.phase,
+    n = pad if rows else 1                                   # new sequences
+    need = 1 if rows else -(-pad // page_size)               # their block table width
+    width = max(meta.max_pages, need)
+    bt = np.zeros((meta.B + n, width), np.int32)
+    bt[:meta.B, :meta.block_tables.shape[1]] = meta.block_tables
+    bt[meta.B:, :need] = page
+    slots = None if meta.state_slots is None else i32(np.concatenate([meta.state_slots, np.full(n, slot)]))
+    if rows:
+        positions, starts = np.zeros(pad), meta.T + np.arange(1, pad + 1)
+        lens, last = np.ones(pad), meta.T + np.arange(pad)
+    else:
+        positions, starts, lens, last = np.arange(pad), [T], [pad], [T - 1]
+    phase = ("decode" if meta.B == 0 else meta.phase) if rows else phase_of_padded(meta)
+    return StepMeta(T, meta.B + n, phase,
                     i32(np.concatenate([meta.tokens, np.zeros(pad)])),
-                    i32(np.concatenate([meta.positions, np.zeros(pad)])),
-                    i32(np.concatenate([meta.seq_starts, meta.T + np.arange(1, pad + 1)])),
-                    i32(np.concatenate([meta.context_lens, np.ones(pad)])),
-                    i32(np.concatenate([meta.last_rows, meta.T + np.arange(pad)])),
-                    i32(np.concatenate([meta.slot_mapping, np.full(pad, page * page_size)])),
-                    bt, meta.max_pages, slots)
+                    i32(np.concatenate([meta.positions, positions])),
+                    i32(np.concatenate([meta.seq_starts, starts])),
+                    i32(np.concatenate([meta.context_lens, lens])),
+                    i32(np.concatenate([meta.last_rows, last])),
+                    i32(np.concatenate([meta.slot_mapping, page * page_size + np.arange(pad) % page_size])),
+                    bt, width, slots)
+
+
+def phase_of_padded(meta: StepMeta) -> str:
+    """The phase of meta with a prompt-like pad sequence appended."""
+    return "prefill" if meta.B == 0 or meta.phase == "prefill" else "mixed"
+
+
+def pad_ranks(metas: list[StepMeta], page, page_size: int, slot: int = 0) -> list[StepMeta]:
+    """Data-parallel ranks' steps made alike: padded to the longest T (one-token rows where every
+    rank decodes, so each stays a decode step of at most the longest rank's B; else one pad
+    sequence a rank) and under one phase (common_phase). page: the pad page, or each rank's."""
+    T = max(1, max(m.T for m in metas))
+    decode = all(m.phase == "decode" or m.B == 0 for m in metas)
+    pages = page if isinstance(page, (list, tuple)) else [page] * len(metas)
+    return common_phase([pad_step(m, T, p, page_size, rows=decode, slot=slot) for m, p in zip(metas, pages)])
 
 
 def common_phase(metas: list[StepMeta]) -> list[StepMeta]:

@@ -653,7 +653,7 @@ def test_data_parallel_ranks_on_a_fake_device(fake_device, artifacts, monkeypatc
     steps; the ranks' steps differ in sequences, B and phase."""
     from infc.runtime.reference.ranks import RankExecutor
     from infc.runtime.safetensors_io import Checkpoint
-    from infc.runtime.step import Chunk, build_step, pad_step
+    from infc.runtime.step import Chunk, build_step, pad_ranks
     from infc.runtime.weights import load_weights
     monkeypatch.setattr(fake_device.driver, "Graph", FakeGraph)
     d, art = artifacts("qwen3_moe", data_parallel_size=2, enable_expert_parallel=True)
@@ -689,8 +689,7 @@ def test_data_parallel_ranks_on_a_fake_device(fake_device, artifacts, monkeypatc
                 while len(pages[r][c.seq_id]) < need:
                     pages[r][c.seq_id].append(free[r].pop())
             metas.append(build_step(chunks, pages[r].__getitem__, page_size, max_pages=4))
-        T = max(m.T for m in metas)
-        metas = [pad_step(m, T, spare, page_size) for m in metas]
+        metas = pad_ranks(metas, spare, page_size)
         got = [g.copy() for g in ranks.logits_ranks(metas)]
         want = ref.step_paged_ranks(metas)
         for r, chunks in enumerate(per_rank):
@@ -702,7 +701,7 @@ def test_data_parallel_ranks_on_a_fake_device(fake_device, artifacts, monkeypatc
 
     a = [int(t) for t in rng.integers(0, 320, 9)]
     b = [int(t) for t in rng.integers(0, 320, 4)]
-    run([[Chunk(0, a, 0)], [Chunk(0, b, 0)]])                       # prefill 9 / 4 (+5 pad rows)
+    run([[Chunk(0, a, 0)], [Chunk(0, b, 0)]])                       # prefill 9 / 4 (+ a 5-token pad)
     assert {"dp_dispatch", "dp_combine"} <= set(checked)
     replays = FakeGraph.replays
     run([[Chunk(0, [5], 9)], [Chunk(0, [6], 4)]])                   # decode: the bucket-1 graph

@@ -137,18 +137,31 @@ def test_dp_collective_references(rng):
              {"experts_per_rank": epr}, world)
 
 
-def test_pad_step_appends_one_token_rows_on_the_given_page():
-    from infc.runtime.step import build_step, common_phase, pad_step
+def test_pad_step_rows_or_one_sequence_on_the_given_page():
+    from infc.runtime.step import build_step, pad_ranks, pad_step
     m = build_step([SeqChunk(3, [5, 6, 7], 0), SeqChunk(4, [8], 16)], {3: [2], 4: [0, 1]}.__getitem__, 16)
-    p = pad_step(m, 7, page=9, page_size=16)
-    assert (p.T, p.B, p.phase) == (7, 5, "mixed")
-    assert list(p.tokens[4:]) == [0, 0, 0] and list(p.positions[4:]) == [0, 0, 0]
-    assert list(p.seq_starts) == [0, 3, 4, 5, 6, 7] and list(p.last_rows) == [2, 3, 4, 5, 6]
-    assert list(p.context_lens[2:]) == [1, 1, 1] and list(p.slot_mapping[4:]) == [144] * 3
-    assert (p.block_tables[2:, 0] == 9).all() and (p.block_tables[:2] == m.block_tables).all()
+    r = pad_step(m, 7, page=9, page_size=16, rows=True)             # one-token rows
+    assert (r.T, r.B, r.phase) == (7, 5, "mixed")
+    assert list(r.tokens[4:]) == [0, 0, 0] and list(r.positions[4:]) == [0, 0, 0]
+    assert list(r.seq_starts) == [0, 3, 4, 5, 6, 7] and list(r.last_rows) == [2, 3, 4, 5, 6]
+    assert list(r.context_lens[2:]) == [1, 1, 1] and list(r.slot_mapping[4:]) == [144, 145, 146]
+    assert (r.block_tables[2:, 0] == 9).all() and (r.block_tables[:2] == m.block_tables).all()
+    s = pad_step(m, 40, page=9, page_size=16)                       # one sequence of 36 pad tokens
+    assert (s.T, s.B, s.phase, s.max_pages) == (40, 3, "mixed", 3)
+    assert list(s.positions[4:]) == list(range(36)) and list(s.seq_starts) == [0, 3, 4, 40]
+    assert s.context_lens[2] == 36 and s.last_rows[2] == 39 and list(s.block_tables[2]) == [9, 9, 9]
+    assert (s.slot_mapping[4:] // 16 == 9).all() and (s.block_tables[:2, :2] == m.block_tables).all()
     assert pad_step(m, 4, 9, 16) is m
     with pytest.raises(ValueError, match="cannot pad"):
         pad_step(m, 3, 9, 16)
     d = build_step([SeqChunk(1, [2], 5)], lambda s: [0], 16)
-    assert [x.phase for x in common_phase([pad_step(d, 4, 9, 16), pad_step(m, 4, 9, 16)])] == ["mixed", "mixed"]
-    assert [x.phase for x in common_phase([pad_step(d, 2, 9, 16), pad_step(d, 2, 9, 16)])] == ["decode", "decode"]
+    d2 = build_step([SeqChunk(1, [2], 5), SeqChunk(2, [3], 7)], lambda s: [0], 16)
+    idle = build_step([], lambda s: [0], 16)
+    # every rank decodes (or idles): one-token rows, still decode steps of the longest B
+    out = pad_ranks([d, d2, idle], [7, 8, 9], 16)
+    assert [(x.T, x.B, x.phase) for x in out] == [(2, 2, "decode")] * 3 and out[2].block_tables[0, 0] == 9
+    # a prompt on one rank: one pad sequence on the others, all under the mixed program
+    out = pad_ranks([d, m], 9, 16)
+    assert [(x.T, x.B, x.phase) for x in out] == [(4, 2, "mixed"), (4, 2, "mixed")]
+    p = build_step([SeqChunk(1, [2, 3], 0)], lambda s: [0], 16)
+    assert [x.phase for x in pad_ranks([p, idle], 9, 16)] == ["prefill", "prefill"]

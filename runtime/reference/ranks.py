@@ -9,19 +9,18 @@ same launches in the same order, as NCCL requires; a plan pair that does not is 
 
 Data-parallel plans (compiler/parallel.py, `dp`): each rank runs its own sequences, so each has
 its own step (`step_ranks`, `step_paged_ranks`). The ranks' steps are made alike first, as the
-GPU runtime will make them: padded to the longest rank's T with pad rows (one token each, a
-sequence of its own, outputs dropped), and run under one program (the phase they share, else
-"mixed", which runs any chunks).
+GPU runtime makes them (runtime/step.py pad_ranks): padded to the longest rank's T with rows
+whose outputs are dropped, and run under one program (the phase they share, else "mixed").
 """
 import numpy as np
 
 from infc.compiler.ops import REGISTRY
 
 from ..program import program_name, unrolled
-from ..step import Chunk, StepMeta, common_phase
+from ..step import Chunk, StepMeta, common_phase, pad_ranks
 from .executor import ReferenceExecutor, StepContext
 
-PAD_SEQ = -1         # the oracle's pad rows are sequences PAD_SEQ, PAD_SEQ - 1, ...
+PAD_SEQ = -1         # the oracle's pad page is this sequence's (runtime/step.py pad_ranks)
 
 
 class RankExchange:
@@ -74,16 +73,14 @@ class RankExecutor:
         pad rows only) over its own pages; returns each rank's logits for its own chunks."""
         if len(chunks_per_rank) != self.world:
             raise ValueError(f"{len(chunks_per_rank)} ranks' chunks for {self.world} ranks")
-        T = max(1, max(sum(len(c.tokens) for c in cs) for cs in chunks_per_rank))
-        steps, pads = [], []
-        for ex, cs in zip(self.ranks, chunks_per_rank):
-            pad = [Chunk(PAD_SEQ - i, [0], 0) for i in range(T - sum(len(c.tokens) for c in cs))]
-            steps.append((ex.oracle.step(list(cs) + pad), ex.oracle.storage))
-            pads.append(pad)
-        logits = self._execute(self._alike(steps), all_ranks=True)
-        for ex, pad in zip(self.ranks, pads):
-            for c in pad:
-                ex.oracle.free(c.seq_id)
+        pad_pages = []
+        for ex in self.ranks:                     # a page of the rank's own, for pad rows
+            if PAD_SEQ not in ex.oracle.pages:
+                ex.oracle.step([Chunk(PAD_SEQ, [0], 0)])
+            pad_pages.append(ex.oracle.pages[PAD_SEQ][0])
+        metas = pad_ranks([ex.oracle.step(list(cs)) for ex, cs in zip(self.ranks, chunks_per_rank)],
+                          pad_pages, self.ranks[0].oracle.page_size)
+        logits = self._execute([(m, ex.oracle.storage) for m, ex in zip(metas, self.ranks)], all_ranks=True)
         return [lg[:len(cs)] for lg, cs in zip(logits, chunks_per_rank)]
 
     def step_paged_ranks(self, metas: list[StepMeta]) -> list[np.ndarray]:

@@ -138,13 +138,13 @@ def test_device_copy_ranks_give_the_whole_logits(name, tag):
 @pytest.mark.parametrize("name", ["tiny-moe", "qwen3-30b-a3b-l4"])
 def test_data_parallel_ranks_give_the_whole_logits(name):
     """Attention data-parallel ranks on this GPU (issue 14): rank 0 runs half the prompts and
-    rank 1 the other half, each step padded to the longer rank's T (runtime/step.py pad_step,
+    rank 1 the other half, each step padded to the longer rank's T (runtime/step.py pad_ranks,
     the spare page); the experts run over both ranks' rows (dp_dispatch / dp_combine by device
     copies). Each rank's rows against the whole plan running the same sequences: the golden
     gate's bounds; decode steps replay the ranks' graph."""
     from infc.runtime.cuda.ranks import DeviceCopyRanks
     from infc.runtime.cuda.runner import CudaRunner
-    from infc.runtime.step import pad_step
+    from infc.runtime.step import pad_ranks
     md = model_dir(name)
     with closing(CudaRunner(artifact(name, "whole"), md, **KW)) as whole, \
             closing(DeviceCopyRanks(artifact(name, "dp2"), md, **KW)) as ranks:
@@ -161,8 +161,9 @@ def test_data_parallel_ranks_give_the_whole_logits(name):
                 for c in chunks:
                     pr[r].ensure(c.seq_id, c.start + len(c.tokens))
                 metas.append(build_step(chunks, pr[r].of.__getitem__, ranks.page_size))
-            T = max(m.T for m in metas)
-            got = ranks.logits_ranks([pad_step(m, T, spare, ranks.page_size) for m in metas])
+            metas = pad_ranks(metas, spare, ranks.page_size)
+            T = metas[0].T
+            got = ranks.logits_ranks(metas)
             flat = [c for cs in per_rank for c in cs]
             want = step(whole, pw, flat)
             i = 0
