@@ -9,6 +9,12 @@ It owns the requests, their stop conditions and detokenization; the scheduler de
 the block manager where its KV lives, and the runner (CPU reference or GPU) computes the step
 and samples. Not thread-safe: AsyncEngine drives it from a single thread.
 
+Data-parallel ranks (a runner with `dp_world` N > 1: attention data-parallel plans, compiler/
+parallel.py): every sequence lives on one rank, chosen at admission (the least loaded), with its
+pages in that rank's block manager and its steps in that rank's scheduler; a step is every
+rank's batch at once, padded alike (runtime/step.py pad_ranks) and run by
+`runner.execute_ranks`, each rank sampling its own rows. Synchronous steps only, for now.
+
 Overlapped steps (a runner with `can_overlap`; INFC_OVERLAP=0 turns it off): step() schedules and
 launches step N + 1 before it reads step N's samples back, so the host's work between steps
 (scheduling, building the metadata, appending tokens, stop checks, detokenizing) runs while the
@@ -28,7 +34,7 @@ from .runner import RowSampling
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .step import Chunk, build_step
+from .step import Chunk, build_step, pad_ranks
 from .tokenizer import IncrementalDecoder
 
 _seeds = random.SystemRandom()
@@ -118,7 +124,8 @@ class Engine:
         overlap: overlapped steps (see above); default on where the runner can, unless
         INFC_OVERLAP=0."""
         self.runner, self.tokenizer = runner, tokenizer
-        self.overlap = overlaps(runner, overlap)
+        self.dp = int(getattr(runner, "dp_world", 1) or 1)
+        self.overlap = overlaps(runner, overlap) and self.dp == 1
         self.in_flight = None                    # overlapped: (batch, rows, the runner's handle)
         self.eos_ids = set(eos_ids)
         self.max_model_len = max_model_len
@@ -135,8 +142,11 @@ class Engine:
             if log:
                 log("  prefix caching disabled: this model keeps per-sequence state (slot caches) "
                     "that a cached KV prefix cannot restore")
-        self.bm = BlockManager(runner.num_pages, runner.page_size, enable_prefix_caching, self.num_slots)
-        self.scheduler = Scheduler(self.bm, max_num_seqs, max_num_batched_tokens)
+        # one block manager and scheduler a data-parallel rank (each its own pages and budget)
+        self.bms = [BlockManager(runner.num_pages, runner.page_size, enable_prefix_caching, self.num_slots)
+                    for _ in range(self.dp)]
+        self.schedulers = [Scheduler(bm, max_num_seqs, max_num_batched_tokens) for bm in self.bms]
+        self.bm, self.scheduler = self.bms[0], self.schedulers[0]
         self.requests: dict[str, Request] = {}
         self.metrics = Metrics()
         self._next_seq = 0
@@ -180,10 +190,21 @@ class Engine:
             dec = IncrementalDecoder(self.tokenizer, params.skip_special_tokens) if self.tokenizer else None
             seqs.append(Sequence(self._next_seq, request_id, i, prompt_ids, params, seed, dec, arrival))
             self._next_seq += 1
+        rank = self._least_loaded()
+        for s in seqs:                    # siblings share the prompt's cached blocks: one rank
+            s.rank = rank
         self.requests[request_id] = Request(request_id, prompt_ids, params, seqs, arrival)
-        self.scheduler.add(seqs[0])
+        self.schedulers[rank].add(seqs[0])
         self._gauges()
         return request_id
+
+    def _least_loaded(self) -> int:
+        """The data-parallel rank with the fewest sequences waiting or running (lowest first)."""
+        loads = [len(s.waiting) + len(s.running) for s in self.schedulers]
+        return loads.index(min(loads))
+
+    def _sched(self, seq: Sequence) -> Scheduler:
+        return self.schedulers[seq.rank]
 
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is; its pages are freed now. False if it is not here."""
@@ -192,7 +213,7 @@ class Engine:
             return False
         for seq in req.seqs:
             if not seq.finished:
-                self.scheduler.finish(seq, "abort")
+                self._sched(seq).finish(seq, "abort")
         self._count_finish(req, "abort")
         self._gauges()
         return True
@@ -203,6 +224,8 @@ class Engine:
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """Run a step; the outputs of the step (overlapped: of the step before) that sampled."""
+        if self.dp > 1:
+            return self._step_ranks()
         batch = self.scheduler.schedule()
         self.metrics.num_preemptions_total = self.scheduler.num_preemptions
         if not batch and self.in_flight is None:
@@ -218,8 +241,37 @@ class Engine:
         self._gauges()
         return outputs
 
+    def _step_ranks(self) -> list[StepOutput]:
+        """A data-parallel step: every rank's batch, padded alike, run together."""
+        batches = [s.schedule() for s in self.schedulers]
+        self.metrics.num_preemptions_total = sum(s.num_preemptions for s in self.schedulers)
+        if not any(batches):
+            if any(s.has_work() for s in self.schedulers):
+                raise RuntimeError("the schedulers made no progress with work waiting (a bug)")
+            return []
+        built = [self._chunks(b) for b in batches]
+        metas = pad_ranks([m for m, _, _ in built], self.runner.num_pages, self.page_size)
+        rows = [r + [None] * (m.B - len(r)) for (_, r, _), m in zip(built, metas)]   # pad rows sample nothing
+        samples = self.runner.execute_ranks(metas, rows)
+        outputs = []
+        for batch, (_, r, _), s in zip(batches, built, samples):
+            self._launched(batch, r)
+            outputs += self._collect(batch, r, s[:len(batch)])
+        self._gauges()
+        return outputs
+
     def _launch(self, batch) -> tuple:
         """Issue a step (overlapped: its tokens not read yet): (batch, rows, handle)."""
+        meta, rows, feed = self._chunks(batch)
+        if self.overlap:
+            handle = self.runner.launch(meta, rows, feed)
+        else:
+            handle = self.runner.execute(meta, rows)
+        self._launched(batch, rows)
+        return batch, rows, handle
+
+    def _chunks(self, batch) -> tuple:
+        """A batch's step: (StepMeta, rows' sampling, feed of pending tokens)."""
         now = time.monotonic()
         chunks, rows, feed = [], [], []
         at = 0                                      # the chunk's first row among the step's tokens
@@ -241,21 +293,20 @@ class Engine:
         slots = {seq.seq_id: seq.slot for seq, _ in batch} if self.num_slots else None
         meta = build_step(chunks, pages.__getitem__, self.page_size,
                           slot_of=slots.__getitem__ if slots else None)
-        if self.overlap:
-            handle = self.runner.launch(meta, rows, feed)
-        else:
-            handle = self.runner.execute(meta, rows)
+        return meta, rows, feed
+
+    def _launched(self, batch, rows):
+        """The batch's sequences after their step was issued."""
         for b, ((seq, n), row) in enumerate(zip(batch, rows)):
             seq.num_computed_tokens += n
             # blocks whose ids are all known are offered now, as the synchronous engine does
             # before it schedules the next step: a request admitted then finds them (it runs
             # after this step on the stream). A block with the pending token waits for _collect.
-            self.bm.commit(seq)
+            self.bms[seq.rank].commit(seq)
             if row is not None:
                 seq.pending += 1
                 seq.pending_row = b
                 seq.final = self._at_length(seq, seq.num_tokens)
-        return batch, rows, handle
 
     def _collect(self, batch, rows, handle) -> list[StepOutput]:
         """Read a launched step's samples back; append them, check stops, offer full blocks."""
@@ -268,7 +319,7 @@ class Engine:
             if seq.finished or sample is None:      # stopped at the step before, aborted, or a
                 continue                            # prefill chunk (its blocks offered at launch)
             seq.token_ids.append(sample.token)
-            self.bm.commit(seq)                     # the block its pending token completes
+            self.bms[seq.rank].commit(seq)          # the block its pending token completes
             outputs.append(self._append(seq, sample, now))
         return outputs
 
@@ -293,7 +344,7 @@ class Engine:
                 m.request_queue_time_seconds.observe(seq.first_scheduled_time - req.arrival_time)
             if seq.index == 0 and req.held:      # the prompt's blocks are cached now: siblings go
                 for s in reversed(req.held):
-                    self.scheduler.add(s, front=True)
+                    self._sched(s).add(s, front=True)
                 req.held = []
         else:
             m.inter_token_latency_seconds.observe(now - seq.last_token_time)
@@ -359,7 +410,7 @@ class Engine:
         return delta
 
     def _finish(self, seq: Sequence, reason: str, now: float):
-        self.scheduler.finish(seq, reason)
+        self._sched(seq).finish(seq, reason)
         seq.finish_time = now
 
     def _count_finish(self, req: Request, reason: str):
@@ -367,9 +418,9 @@ class Engine:
         c[reason] = c.get(reason, 0) + 1
 
     def _gauges(self):
-        m, s = self.metrics, self.scheduler
-        m.num_requests_running = len({q.request_id for q in s.running})
+        m = self.metrics
+        m.num_requests_running = len({q.request_id for s in self.schedulers for q in s.running})
         m.num_requests_waiting = len(self.requests) - m.num_requests_running
-        m.kv_cache_usage_perc = self.bm.usage
-        m.prefix_cache_queries_total = self.bm.query_tokens
-        m.prefix_cache_hits_total = self.bm.hit_tokens
+        m.kv_cache_usage_perc = sum(bm.usage for bm in self.bms) / len(self.bms)
+        m.prefix_cache_queries_total = sum(bm.query_tokens for bm in self.bms)
+        m.prefix_cache_hits_total = sum(bm.hit_tokens for bm in self.bms)

@@ -176,6 +176,17 @@ class DeviceCopyRanks:
         self.rank_logits = out
         return out
 
+    @property
+    def dp_world(self) -> int:
+        """N for a data-parallel plan's ranks (the engine then schedules each rank's sequences)."""
+        return (self.plan.get("parallel") or {}).get("dp", 1)
+
+    def execute_ranks(self, metas: list[StepMeta], sampling: list[list]) -> list[list]:
+        """A data-parallel step (engine.Engine): each rank's rows sampled from its own logits."""
+        logits = self.logits_ranks(metas)
+        return [[None if s is None else sample_row(lg[b], s) for b, s in enumerate(rows)]
+                for lg, rows in zip(logits, sampling)]
+
     def logits(self, meta: StepMeta) -> np.ndarray:
         """Run a step; every rank's logits in rank_logits, rank 0's returned (f32 [B, V])."""
         self._run_step(meta)

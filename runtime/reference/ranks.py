@@ -130,13 +130,21 @@ class RankExecutor:
 def rank_runner(plans: list[dict], weights: list[dict], num_pages: int, page_size: int = 16):
     """The engine's CPU runner (runtime/runner.py) over simulated ranks; rank 0's logits are
     sampled, as rank 0 owns the sampler on the GPUs."""
-    from ..runner import CPURunner
+    from ..runner import CPURunner, sample_row
 
     class RankRunner(CPURunner):
         def __init__(self):
             self.plan, self.page_size, self.num_pages = plans[0], page_size, num_pages
             self.vocab_size = plans[0]["config"]["V"]
             self.executor = RankExecutor(plans, weights, page_size)
-            self.executor.allocate_pages(num_pages, page_size)
+            # one page past num_pages: data-parallel pad rows write it (runtime/step.py pad_ranks)
+            self.executor.allocate_pages(num_pages + 1, page_size)
+            self.dp_world = (plans[0].get("parallel") or {}).get("dp", 1)
+
+        def execute_ranks(self, metas, sampling):
+            """A data-parallel step (engine.Engine): each rank's samples from its own logits."""
+            logits = self.executor.step_paged_ranks(metas)
+            return [[None if s is None else sample_row(lg[b], s) for b, s in enumerate(rows)]
+                    for lg, rows in zip(logits, sampling)]
 
     return RankRunner()
