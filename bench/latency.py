@@ -34,7 +34,8 @@ def parallel_tag(par: dict | None) -> str:
     """'' for one GPU, else '-tp2', '-tp2-ep2', ... (results of a parallel run are named apart)."""
     if par is None:
         return ""
-    return f"-tp{par['tp']}" + (f"-ep{par['ep']}" if par["ep"] > 1 else "")
+    lead = f"-dp{par['dp']}" if par.get("dp") else f"-tp{par['tp']}"
+    return lead + (f"-ep{par['ep']}" if par["ep"] > 1 else "")
 
 
 def parallel_fields(par: dict | None, runner=None) -> dict:
@@ -44,6 +45,7 @@ def parallel_fields(par: dict | None, runner=None) -> dict:
     if par is None:
         return {}
     out = {"tensor_parallel_size": par["tp"], "expert_parallel_size": par["ep"], "world": par["world"],
+           "data_parallel_size": par.get("dp", 1),
            "floor_of": "rank 0 (its weight shard and KV share)"}
     coll = getattr(runner, "collectives", None)
     if coll is not None:
@@ -192,7 +194,10 @@ def main(argv=None):
     a = ap.parse_args(argv)
     from infc.compiler.parallel import settings
     from .common import save
-    par = settings(a.tensor_parallel_size, a.enable_expert_parallel)
+    par = settings(a.tensor_parallel_size, a.enable_expert_parallel, data_parallel_size=a.data_parallel_size)
+    if par and par.get("dp"):
+        ap.error("--data-parallel-size: batch-1 latency runs one sequence on one rank; time "
+                 "data-parallel ranks with `infc bench throughput`")
     prompts = [int(p) for p in a.prompts.split(",")]
     # infc's numbers are saved first: they survive an HF failure
     res, path = _infc(a.artifact, a.model_path, prompts, a.output_len, load_format=a.load_format,

@@ -139,13 +139,13 @@ def main(argv=None):
     from infc.compiler.parallel import settings
     from .latency import parallel_tag
     conc = [int(c) for c in a.concurrency.split(",")]
-    par = settings(a.tensor_parallel_size, a.enable_expert_parallel)
+    par = settings(a.tensor_parallel_size, a.enable_expert_parallel, data_parallel_size=a.data_parallel_size)
     b = load_backend(a.model_path, model=a.model, device="cuda", max_num_seqs=max(conc),
                      max_num_batched_tokens=a.max_num_batched_tokens,
                      max_model_len=a.input_len + a.output_len + 16,
                      gpu_memory_utilization=a.gpu_memory_utilization, asynchronous=False,
                      load_format=a.load_format, tensor_parallel_size=a.tensor_parallel_size,
-                     enable_expert_parallel=a.enable_expert_parallel)
+                     enable_expert_parallel=a.enable_expert_parallel, data_parallel_size=a.data_parallel_size)
     from infc.runtime.gc_freeze import freeze_startup
     frozen = freeze_startup()                       # as `infc serve` does once it is loaded
     try:

@@ -156,13 +156,14 @@ def _built_for(bin_dir: Path, kid: str, target: str) -> bool:
 def build(model=None, spec_path=None, model_dir=None, out=None, features=None, log=print,
           gpu="h100", target="sm_90", page_size=16, compile=True, jobs=None,
           reuse_bins=False, fuse=True, spec_dirs=None, check_checkpoint=True,
-          tensor_parallel_size=1, enable_expert_parallel=False) -> Path:
+          tensor_parallel_size=1, enable_expert_parallel=False, data_parallel_size=1) -> Path:
     """reuse_bins: when out/bin already holds a cubin for every kernel id (an id is the digest of
     its source), compile nothing. The serving path uses it so that a machine with another (or no)
     Triton runs the cubins built elsewhere rather than recompiling them.
-    tensor_parallel_size > 1 (and enable_expert_parallel): one plan per rank (compiler/parallel.py)."""
+    tensor_parallel_size > 1 (and enable_expert_parallel), or data_parallel_size > 1 with
+    enable_expert_parallel: one plan per rank (compiler/parallel.py)."""
     from .parallel import build_ranks, settings
-    par = settings(tensor_parallel_size, enable_expert_parallel)
+    par = settings(tensor_parallel_size, enable_expert_parallel, data_parallel_size=data_parallel_size)
     if par is not None:
         return build_ranks(par, model, spec_path, model_dir, out, features, log, gpu, target,
                            page_size, compile, jobs, fuse, spec_dirs, check_checkpoint=check_checkpoint)

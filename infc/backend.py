@@ -82,14 +82,17 @@ def load_backend(model_dir, model: str | None = None, spec: str | None = None, d
                  num_gpu_blocks_override: int | None = None, kv_cache_memory_bytes: int | None = None,
                  asynchronous: bool = True, cuda_graphs: bool = True, log=print,
                  spec_dirs=None, load_format: str = "auto", tensor_parallel_size: int = 1,
-                 enable_expert_parallel: bool = False, overlap: bool | None = None) -> Backend:
+                 enable_expert_parallel: bool = False, overlap: bool | None = None,
+                 data_parallel_size: int = 1) -> Backend:
     """spec_dirs: spec directories searched before specs/ (with $INFC_SPEC_PATH) for the spec
     whose architectures match the directory's config.json. load_format: "auto" reads the
     directory's safetensors; "dummy" (vLLM's spelling) makes random weights of the plan's shapes
     (on the GPU, on the device), so config.json alone is enough (runtime/dummy_weights.py).
     tensor_parallel_size > 1 (and enable_expert_parallel): one rank plan per process
     (runtime/rank_workers.py), rank 0 here with the engine; on cpu the numpy references exchange
-    through rank 0, on cuda rank r runs on GPU r over NCCL. overlap: the engine's overlapped
+    through rank 0, on cuda rank r runs on GPU r over NCCL. data_parallel_size > 1 with
+    enable_expert_parallel: each rank its own sequences (the engine schedules every rank,
+    runtime/engine.py). overlap: the engine's overlapped
     steps (runtime/engine.py; None: on where the runner can, unless INFC_OVERLAP=0)."""
     from infc.runtime.dummy_weights import check_load_format
     from infc.runtime.async_engine import AsyncEngine
@@ -118,9 +121,9 @@ def load_backend(model_dir, model: str | None = None, spec: str | None = None, d
             log("  load format dummy: random weights, no checkpoint read or checked")
 
     par = None
-    if tensor_parallel_size != 1 or enable_expert_parallel:
+    if tensor_parallel_size != 1 or enable_expert_parallel or data_parallel_size != 1:
         from infc.compiler.parallel import settings
-        par = settings(tensor_parallel_size, enable_expert_parallel)
+        par = settings(tensor_parallel_size, enable_expert_parallel, data_parallel_size=data_parallel_size)
     if par is not None:
         runner, plan, name, model_len = _rank_processes(
             st, par, device, model_dir, model, spec, spec_dirs, dummy, load_format, block_size,
@@ -245,12 +248,13 @@ def _rank_processes(st, par, device, model_dir, model, spec, spec_dirs, dummy, l
         plan = plans[0]
         return runner, plan, ranks[0][0].model, int(plan["config"].get("max_len") or 1 << 30)
     from infc.compiler.build import REPO, build
-    tag = f"tp{par['tp']}" + (f"-ep{par['ep']}" if par["ep"] > 1 else "")
+    tag = (f"dp{par['dp']}" if par.get("dp") else f"tp{par['tp']}") + (f"-ep{par['ep']}" if par["ep"] > 1 else "")
     out = REPO / ".cache" / "artifacts" / f"{model or model_dir.name}-{tag}"
     artifact = st.run("build rank artifacts", build, model=model, spec_path=spec,
                       model_dir=str(model_dir), out=out, page_size=block_size, gpu=gpu_tuning(),
                       log=None, spec_dirs=spec_dirs, check_checkpoint=not dummy,
-                      tensor_parallel_size=par["tp"], enable_expert_parallel=par["ep"] > 1)
+                      tensor_parallel_size=par["tp"], enable_expert_parallel=par["ep"] > 1,
+                      data_parallel_size=par.get("dp", 1))
     config = dict(artifact=str(artifact), model_dir=str(model_dir),
                   max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                   max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,

@@ -19,7 +19,8 @@ def _build(args):
               page_size=args.page_size, compile=not args.no_compile, jobs=args.jobs,
               fuse=not args.no_fuse)
     kw.update(tensor_parallel_size=args.tensor_parallel_size,      # one plan per rank
-              enable_expert_parallel=args.enable_expert_parallel)
+              enable_expert_parallel=args.enable_expert_parallel,
+              data_parallel_size=args.data_parallel_size)
     if args.spec and args.model is None and args.model_path is None:
         build_variants(args.spec, **kw)          # validate the file, build each of its variants
         return
@@ -31,7 +32,8 @@ def _inspect(args):
     print(inspect(args.model, spec_path=args.spec, model_dir=args.model_path, dot=args.dot,
                   phases=args.phase, spec_dirs=args.spec_dir,
                   tensor_parallel_size=args.tensor_parallel_size,
-                  enable_expert_parallel=args.enable_expert_parallel, rank=args.rank))
+                  enable_expert_parallel=args.enable_expert_parallel, rank=args.rank,
+                  data_parallel_size=args.data_parallel_size))
 
 
 def _generate(args):
@@ -41,7 +43,8 @@ def _generate(args):
     with LLM(args.model_path, device=args.device, spec=args.spec,   # device None: cuda if present
              spec_dirs=args.spec_dir, load_format=args.load_format,
              tensor_parallel_size=args.tensor_parallel_size,
-             enable_expert_parallel=args.enable_expert_parallel) as llm:
+             enable_expert_parallel=args.enable_expert_parallel,
+             data_parallel_size=args.data_parallel_size) as llm:
         for out in llm.generate(args.prompt, params):
             print(f"{out.prompt}{out.text}")
 
@@ -101,6 +104,9 @@ def _add_parallel_args(p):
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="with --tensor-parallel-size N: partition the experts across the N ranks "
                         "(tokens dispatched to their experts' rank and back) instead of splitting each")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="with --enable-expert-parallel: N ranks, each running attention over its "
+                        "own sequences, the experts partitioned across them (DP attention)")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -61,7 +61,8 @@ class LLM:
                  max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, gpu_memory_utilization: float = 0.9,
                  cuda_graphs: bool = True, log=None, spec_dirs=None, load_format: str = "auto",
-                 tensor_parallel_size: int = 1, enable_expert_parallel: bool = False):
+                 tensor_parallel_size: int = 1, enable_expert_parallel: bool = False,
+                 data_parallel_size: int = 1):
         from infc.backend import detect_device, load_backend
         device = device or detect_device()
         if device not in ("cpu", "cuda"):
@@ -79,7 +80,8 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
             block_size=page_size, num_gpu_blocks_override=pages, asynchronous=False,
             cuda_graphs=cuda_graphs, log=log, spec_dirs=spec_dirs, load_format=load_format,
-            tensor_parallel_size=tensor_parallel_size, enable_expert_parallel=enable_expert_parallel)
+            tensor_parallel_size=tensor_parallel_size, enable_expert_parallel=enable_expert_parallel,
+            data_parallel_size=data_parallel_size)
         self.device = device
         self.engine = self.backend.engine
         self.runner = self.engine.runner

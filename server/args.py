@@ -16,6 +16,9 @@ def add_parallel_args(p: argparse.ArgumentParser):
                    help="ranks (one process each, rank 0 serves): heads and linears split per rank")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="with --tensor-parallel-size N: partition the experts across the N ranks")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="with --enable-expert-parallel: N ranks, each serving its own sequences' "
+                        "attention, the experts partitioned across them")
 
 
 def add_load_format_arg(p: argparse.ArgumentParser):
@@ -98,4 +101,5 @@ def backend_kwargs(args) -> dict:
                 load_format=getattr(args, "load_format", "auto"),
                 tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                 enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
+                data_parallel_size=getattr(args, "data_parallel_size", 1),
                 overlap=False if getattr(args, "disable_overlap_schedule", False) else None)

@@ -205,3 +205,27 @@ def test_engine_schedules_each_rank_its_own_sequences(tiny_model, rng):
     assert toks[("r0", 0)] == want["r0"][:3] and toks[("r1", 0)] == want["r1"][:3]
     assert toks[("pair", 0)] == toks[("pair", 1)] == want["r3"][:3]
     assert all(bm.usage == 0 for bm in engine.bms)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--data-parallel-size", "2", "--enable-expert-parallel"], None),
+    (["--data-parallel-size", "2"], "independent replicas"),
+    (["--data-parallel-size", "2", "--enable-expert-parallel", "--tensor-parallel-size", "2"], "not built"),
+])
+def test_build_and_inspect_flags(flags, message, tiny_model, tmp_path, capsys):
+    """`infc build --data-parallel-size N --enable-expert-parallel`: one plan per rank, each with
+    its dp; bad combinations exit 2 with a message; `infc inspect` shows the dp collectives."""
+    import json
+    from infc.cli import main
+    from infc.compiler.inspect import inspect
+    d, _ = tiny_model("qwen3_moe")
+    rc = main(["build", "--model-path", str(d), "--no-compile", "--out", str(tmp_path / "o"), *flags])
+    err = capsys.readouterr().err
+    if message is not None:
+        assert rc == 2 and message in err and "Traceback" not in err, err
+        return
+    assert rc == 0, err
+    plans = sorted((tmp_path / "o").glob("plan.rank*.json"))
+    assert [json.loads(p.read_text())["parallel"]["dp"] for p in plans] == [2, 2]
+    text = inspect(model_dir=str(d), phases=["decode"], data_parallel_size=2, enable_expert_parallel=True)
+    assert "rank 1 of 2 (tp 1, ep 2, dp 2)" in text and "dp_dispatch" in text and "dp_combine" in text
