@@ -10,6 +10,15 @@ N's tokens, so the workers get a LAUNCH frame, the step and its rows' sampling; 
 every row (the ranks' logits are the same bits, so are the tokens) and feeds the next step's
 pending tokens on its own device.
 
+Data-parallel steps (plans with `parallel.dp` > 1: attention data-parallelism with expert
+parallelism; `dp_world`): each rank runs its own sequences over its own pages, so each gets its
+own StepMeta, all padded by the caller to the same T (runtime/step.py pad_ranks; pad rows write
+the spare page `num_pages`), and the experts' collectives (dp_dispatch / dp_combine) run over
+every rank's rows. `execute_ranks(metas, sampling)` sends worker r a DP_STEP frame with its step
+and its rows' sampling; each rank samples its own rows and the worker's ACK carries its samples,
+which rank 0 reads before returning (a data-parallel step is never acknowledged lazily). A
+sequence lives on one rank: `free_on(rank, seq_id)` frees it there only.
+
     runner = MultiProcessRunner("infc.runtime.rank_workers:nccl_rank_runner",
                                 {"artifact": ..., "model_dir": ..., "num_pages": ...}, world=2)
     engine = Engine(runner, ...)        # the runner interface: execute, page_size, num_pages, ...
@@ -165,6 +174,11 @@ def worker_main(host: str, port: int, token: str, rank: int, world: int, factory
                 k, meta = ch.meta_of(kind, items)
                 runner.execute(meta, [None] * meta.B)   # rank 0 samples; this rank computes
                 ch.send_frame(step, ch.encode(ch.ACK, [("step", k)]), "rank 0")
+            elif kind == ch.DP_STEP:
+                # this rank's own sequences: it samples them itself, rank 0 gets the samples
+                k, meta, sampling = ch.dp_step_of(kind, items)
+                samples = runner.execute(meta, sampling)
+                ch.send_frame(step, ch.encode_samples(k, samples), "rank 0")
             elif kind == ch.LAUNCH:
                 # an overlapped step: this rank samples every row as rank 0 does (the same
                 # logits), for the tokens the next step is fed on this rank's device; never read
@@ -444,23 +458,90 @@ class MultiProcessRunner:
         """Run a step; rank 0's logits (runners that have `logits`)."""
         return self._run(meta, lambda: self.runner.logits(meta))
 
+    # -- data-parallel steps ----------------------------------------------------------------------
+    @property
+    def dp_world(self) -> int:
+        """N for data-parallel rank plans (`parallel.dp` = N > 1: each rank its own step, by
+        execute_ranks), else 1 (every rank runs the same step)."""
+        par = (getattr(self.runner, "plan", None) or {}).get("parallel") or {}
+        dp = int(par.get("dp") or 1)
+        return dp if dp > 1 else 1
+
+    def execute_ranks(self, metas: list, sampling: list) -> list:
+        """One data-parallel step: rank r runs metas[r] (its own sequences and pages; every rank's
+        T the same: runtime/step.py pad_ranks) and samples its own rows by sampling[r]
+        ([RowSampling | None] * metas[r].B). Returns every rank's samples, [[Sample | None]] per
+        rank. Rank 0 samples locally; each worker sends its samples in the step's ACK, which is
+        read here: unlike `execute`, nothing of this step is left to acknowledge later."""
+        self._check_ranks(metas, sampling)
+
+        def step():
+            self._check_alive()
+            self._acks()                        # a lazily acknowledged `execute` before this one
+            k = self._step
+            for r, s in self.step_socks.items():
+                ch.send_frame(s, ch.encode_dp_step(metas[r], k, sampling[r]), f"rank {r}")
+            self._step += 1
+            # rank 0 runs its step first: the workers wait in its collectives until it does
+            mine = self.runner.execute(metas[0], sampling[0])
+            theirs = [self._samples(r, k, metas[r].B) for r in range(1, self.world)]
+            self._acked = k
+            return [list(mine)] + theirs
+        with self._busy:
+            return self._guarded(step)
+
+    def _check_ranks(self, metas: list, sampling: list):
+        """Refuse a malformed data-parallel step before any rank sees it (the ranks stay up)."""
+        if self.dp_world == 1:
+            raise ValueError("execute_ranks runs data-parallel rank plans (parallel.dp > 1); these "
+                             "ranks share every step: use execute")
+        if len(metas) != self.world or len(sampling) != self.world:
+            raise ValueError(f"{len(metas)} steps and {len(sampling)} sampling lists for "
+                             f"{self.world} ranks")
+        Ts = [m.T for m in metas]
+        if len(set(Ts)) > 1:
+            raise ValueError(f"data-parallel ranks' steps must have the same T (pad them: "
+                             f"runtime/step.py pad_ranks), got {Ts}")
+        for r, (m, rows) in enumerate(zip(metas, sampling)):
+            if len(rows) != m.B:
+                raise ValueError(f"rank {r}: {len(rows)} sampling rows for a step of {m.B} sequences")
+
+    def _samples(self, r: int, k: int, B: int) -> list:
+        """Worker r's samples of data-parallel step k, from its ACK."""
+        kind, items = self._recv(r, self.step_timeout)
+        step, samples = ch.samples_of(kind, items)
+        if step != k or len(samples) != B:
+            raise ch.ChannelError(f"rank {r} answered with {len(samples)} samples of step {step}, "
+                                  f"expected {B} of step {k}")
+        return samples
+
+    # -- frees ------------------------------------------------------------------------------------
     def free(self, seq_id: int):
         """Forward a sequence's free to every rank (runners that keep per-sequence state)."""
         with self._busy:
-            self._free_locked(seq_id)
+            self._free_locked(seq_id, range(self.world))
 
-    def _free_locked(self, seq_id: int):
+    def free_on(self, rank: int, seq_id: int):
+        """Free a sequence on the one rank that runs it (data-parallel ranks: each its own
+        sequences, their ids not shared)."""
+        if not 0 <= rank < self.world:
+            raise ValueError(f"rank {rank} of {self.world}")
+        with self._busy:
+            self._free_locked(seq_id, [rank])
+
+    def _free_locked(self, seq_id: int, ranks):
         if self.error is not None:
             raise RankError(f"the ranks are down: {self.error}")
         frame = ch.encode(ch.FREE, [("seq_ids", np.asarray([seq_id], np.int64))])
         try:
             self._check_alive()
-            for r, s in self.step_socks.items():
-                ch.send_frame(s, frame, f"rank {r}")
+            for r in ranks:
+                if r != 0:
+                    ch.send_frame(self.step_socks[r], frame, f"rank {r}")
         except BaseException as e:
             raise self._down(e) from None
         free = getattr(self.runner, "free", None)
-        if free is not None:
+        if free is not None and 0 in ranks:
             free(seq_id)
 
     # -- failure and shutdown -----------------------------------------------------------------
@@ -564,7 +645,9 @@ def reference_rank_runner(rank: int, world: int, config: dict, link: RankLink):
     """The numpy reference executor of rank `rank`'s plan (CPU, float32), its collectives over
     link.exchange(): N processes reproduce runtime/reference/ranks.py's simulated ranks.
     config: plans (rank plan JSON paths, or `artifact` with plan.rank<r>.json), model_dir,
-    num_pages, page_size (16), max_num_seqs (256)."""
+    num_pages, page_size (16), max_num_seqs (256). The caches hold one page more than num_pages:
+    data-parallel ranks' pad rows write page num_pages (runtime/step.py pad_ranks), which no
+    sequence owns."""
     from . import caches
     from .runner import CPURunner
     from .safetensors_io import Checkpoint
@@ -584,7 +667,7 @@ def reference_rank_runner(rank: int, world: int, config: dict, link: RankLink):
     runner.num_slots = config.get("max_num_seqs", 256) if caches.has_slots(caches.of_plan(plan)) else 0
     runner.executor = RankReferenceExecutor(plan, load_weights(plan, Checkpoint(config["model_dir"])),
                                             page_size, rank, world, link.exchange())
-    runner.executor.allocate_pages(runner.num_pages, page_size, runner.num_slots)
+    runner.executor.allocate_pages(runner.num_pages + 1, page_size, runner.num_slots)
     runner.logits = runner.executor.step_paged
     return runner
 
@@ -602,6 +685,12 @@ def _rank_executor_class():
         def __init__(self, plan, weights, page_size, rank, world, exchange):
             super().__init__(plan, weights, page_size)
             self.rank, self.world, self.exchange = rank, world, exchange
+
+        def _arena(self, ctx):
+            # the buffers over every rank's rows (G = world * T: data-parallel plans) are sized
+            # by ctx.world, so the step's context is this rank's before its arena is laid out
+            ctx.rank, ctx.world, ctx.exchange = self.rank, self.world, self.exchange
+            return super()._arena(ctx)
 
         def _run(self, program, views, ctx):
             ctx.rank, ctx.world, ctx.exchange = self.rank, self.world, self.exchange

@@ -15,6 +15,22 @@ their dtype and shape in the item header:
 On a stream socket every frame is prefixed by its u64 length. Decoding checks every length, code
 and name and raises ChannelError (a ValueError) with what was wrong; a StepMeta frame must carry
 exactly StepMeta's fields. Only ints, strings and raw array bytes cross: no Python objects.
+
+Kinds (rank 0 -> worker unless said):
+
+    STEP     step index, StepMeta's fields: run the step, rank 0 samples (encode_step / meta_of)
+    LAUNCH   a STEP's items, its rows' sampling and fed tokens: an overlapped step, every rank
+             samples every row (encode_launch / launch_of)
+    DP_STEP  a STEP's items and its rows' sampling, logprobs included: a data-parallel rank's
+             own step, which that rank samples (encode_dp_step / dp_step_of)
+    FREE     seq_ids i64 [n]: forget these sequences
+    STOP     (nothing): every rank closes together
+    ACK      worker -> rank 0: step index (startup: -1 and the runner's shape); a DP_STEP's
+             also carries the rank's samples (encode_samples / samples_of)
+    ERROR    worker -> rank 0: message, the worker's traceback
+    HELLO    worker -> rank 0 on connecting: token, rank, role
+    ARRAYS   either way: a collective's inputs (the CPU exchange)
+    BYTES    data: what rank 0 shares at startup (the NCCL id)
 """
 import dataclasses
 import math
@@ -34,9 +50,10 @@ _LEN = struct.Struct("<Q")
 MAX_FRAME = 1 << 34                  # 16 GiB: a corrupt length prefix is refused, not allocated
 
 # kinds
-STEP, FREE, STOP, ACK, ERROR, HELLO, ARRAYS, BYTES, LAUNCH = range(1, 10)
+STEP, FREE, STOP, ACK, ERROR, HELLO, ARRAYS, BYTES, LAUNCH, DP_STEP = range(1, 11)
 KIND_NAMES = {STEP: "step", FREE: "free", STOP: "stop", ACK: "ack", ERROR: "error",
-              HELLO: "hello", ARRAYS: "arrays", BYTES: "bytes", LAUNCH: "launch"}
+              HELLO: "hello", ARRAYS: "arrays", BYTES: "bytes", LAUNCH: "launch",
+              DP_STEP: "data-parallel step"}
 
 # item tags
 _INT, _STR, _NONE, _ARR = range(1, 5)
@@ -168,7 +185,7 @@ def decode_step(frame) -> tuple[int, StepMeta]:
 
 
 def meta_of(kind: int, items: list) -> tuple[int, StepMeta]:
-    if kind == LAUNCH:
+    if kind in (LAUNCH, DP_STEP):                 # a step frame with the rows' sampling after it
         items = items[:1 + len(_META_FIELDS)]
     elif kind != STEP:
         raise ChannelError(f"expected a step frame, got {KIND_NAMES[kind]}")
@@ -189,6 +206,51 @@ def meta_of(kind: int, items: list) -> tuple[int, StepMeta]:
 _ROW_FIELDS = [("row", "<i4"), ("temperature", "<f8"), ("top_k", "<i4"), ("top_p", "<f8"),
                ("min_p", "<f8"), ("sample_step", "<i4"), ("banned_n", "<i4"), ("banned", "<i8"),
                ("feed", "<i4")]
+# a data-parallel rank samples its own rows for the engine: logprobs too (-1: none), no feed
+_DP_ROW_FIELDS = [f for f in _ROW_FIELDS if f[0] != "feed"] + [("logprobs", "<i4")]
+
+
+def _row_items(sampling: list, fields: list, feed=()) -> list:
+    """The rows' sampling as arrays (one entry per row that samples), then their seeds as one
+    decimal string (a seed is any Python int)."""
+    rows = [(b, s) for b, s in enumerate(sampling) if s is not None]
+    p = [s.params for _, s in rows]
+    arrays = {
+        "row": [b for b, _ in rows], "temperature": [x.temperature for x in p],
+        "top_k": [x.top_k for x in p], "top_p": [x.top_p for x in p], "min_p": [x.min_p for x in p],
+        "sample_step": [s.step for _, s in rows], "banned_n": [len(s.banned) for _, s in rows],
+        "banned": [t for _, s in rows for t in s.banned], "feed": [list(f) for f in feed],
+        "logprobs": [-1 if x.logprobs is None else x.logprobs for x in p]}
+    items = [(n, np.asarray(arrays[n], dt).reshape((-1, 2) if n == "feed" else (-1,))) for n, dt in fields]
+    return items + [("seeds", ",".join(str(s.seed) for _, s in rows))]
+
+
+def _rows_of(what: str, rest: list, fields: list, B: int) -> tuple[list, dict]:
+    """The items after a frame's StepMeta -> (sampling rows [RowSampling | None] * B, the arrays)."""
+    from .runner import RowSampling
+    from .sampling import SamplingParams
+    names = [n for n, _ in rest]
+    if names != [n for n, _ in fields] + ["seeds"]:
+        raise ChannelError(f"a {what} frame with sampling fields {names}")
+    d = dict(rest)
+    seeds = [int(x) for x in d["seeds"].split(",")] if d["seeds"] else []
+    n = len(d["row"])
+    per_row = [f for f, _ in fields if f not in ("row", "banned", "feed")]
+    if not all(len(d[f]) == n for f in per_row) or len(seeds) != n \
+            or int(d["banned_n"].sum()) != len(d["banned"]):
+        raise ChannelError(f"a {what} frame whose sampling fields disagree in length")
+    if n and (d["row"].min() < 0 or d["row"].max() >= B):
+        raise ChannelError(f"a {what} frame samples rows {d['row'].tolist()} of a {B}-row step")
+    sampling, at = [None] * B, 0
+    for i, b in enumerate(d["row"].tolist()):
+        banned = tuple(d["banned"][at:at + int(d["banned_n"][i])].tolist())
+        at += len(banned)
+        top = int(d["logprobs"][i]) if "logprobs" in d else -1
+        params = SamplingParams(max_tokens=None, temperature=float(d["temperature"][i]),
+                                top_k=int(d["top_k"][i]), top_p=float(d["top_p"][i]),
+                                min_p=float(d["min_p"][i]), logprobs=None if top < 0 else top)
+        sampling[b] = RowSampling(params, seeds[i], int(d["sample_step"][i]), banned)
+    return sampling, d
 
 
 def encode_launch(meta: StepMeta, step: int, sampling: list, feed) -> bytes:
@@ -196,43 +258,93 @@ def encode_launch(meta: StepMeta, step: int, sampling: list, feed) -> bytes:
     0 does (its logits are the same bits, so its tokens are too): each sampling row's index,
     temperature, top-k, top-p, min-p, seed (a decimal string: any Python int), step and banned
     ids; then `feed`, the (row, prev_row) pairs whose tokens come from the step before."""
-    rows = [(b, s) for b, s in enumerate(sampling) if s is not None]
-    p = [s.params for _, s in rows]
-    arrays = {
-        "row": [b for b, _ in rows], "temperature": [x.temperature for x in p],
-        "top_k": [x.top_k for x in p], "top_p": [x.top_p for x in p], "min_p": [x.min_p for x in p],
-        "sample_step": [s.step for _, s in rows], "banned_n": [len(s.banned) for _, s in rows],
-        "banned": [t for _, s in rows for t in s.banned], "feed": [list(f) for f in feed]}
     items = [("step", step)] + [(f, getattr(meta, f)) for f in _META_FIELDS]
-    items += [(n, np.asarray(arrays[n], dt).reshape((-1, 2) if n == "feed" else (-1,))) for n, dt in _ROW_FIELDS]
-    items.append(("seeds", ",".join(str(s.seed) for _, s in rows)))
-    return encode(LAUNCH, items)
+    return encode(LAUNCH, items + _row_items(sampling, _ROW_FIELDS, feed))
 
 
 def launch_of(kind: int, items: list) -> tuple[int, StepMeta, list, list]:
     """A LAUNCH frame's items -> (step, meta, sampling rows [RowSampling | None] * B, feed)."""
-    from .runner import RowSampling
-    from .sampling import SamplingParams
     k, meta = meta_of(kind, items)
-    rest = items[1 + len(_META_FIELDS):]
-    names = [n for n, _ in rest]
-    if kind != LAUNCH or names != [n for n, _ in _ROW_FIELDS] + ["seeds"]:
-        raise ChannelError(f"a launch frame with sampling fields {names}")
-    d = dict(rest)
-    seeds = [int(x) for x in d["seeds"].split(",")] if d["seeds"] else []
-    n = len(d["row"])
-    if not all(len(d[f]) == n for f in ("temperature", "top_k", "top_p", "min_p", "sample_step", "banned_n")) \
-            or len(seeds) != n or int(d["banned_n"].sum()) != len(d["banned"]):
-        raise ChannelError("a launch frame whose sampling fields disagree in length")
-    sampling, at = [None] * meta.B, 0
-    for i, b in enumerate(d["row"].tolist()):
-        banned = tuple(d["banned"][at:at + int(d["banned_n"][i])].tolist())
-        at += len(banned)
-        params = SamplingParams(max_tokens=None, temperature=float(d["temperature"][i]),
-                                top_k=int(d["top_k"][i]), top_p=float(d["top_p"][i]),
-                                min_p=float(d["min_p"][i]))
-        sampling[b] = RowSampling(params, seeds[i], int(d["sample_step"][i]), banned)
+    if kind != LAUNCH:
+        raise ChannelError(f"expected a launch frame, got {KIND_NAMES[kind]}")
+    sampling, d = _rows_of("launch", items[1 + len(_META_FIELDS):], _ROW_FIELDS, meta.B)
     return k, meta, sampling, [tuple(f) for f in d["feed"].tolist()]
+
+
+# -- data-parallel steps: each rank its own step, sampled by that rank ---------------------------
+def encode_dp_step(meta: StepMeta, step: int, sampling: list) -> bytes:
+    """A DP_STEP frame: the STEP frame's items, then the rows' sampling as in a LAUNCH frame plus
+    each row's logprobs (-1: none), without fed tokens. sampling: [RowSampling | None] * meta.B."""
+    if len(sampling) != meta.B:
+        raise ChannelError(f"{len(sampling)} sampling rows for a step of {meta.B} sequences")
+    items = [("step", step)] + [(f, getattr(meta, f)) for f in _META_FIELDS]
+    return encode(DP_STEP, items + _row_items(sampling, _DP_ROW_FIELDS))
+
+
+def dp_step_of(kind: int, items: list) -> tuple[int, StepMeta, list]:
+    """A DP_STEP frame's items -> (step, meta, sampling rows [RowSampling | None] * B)."""
+    if kind != DP_STEP:
+        raise ChannelError(f"expected a data-parallel step frame, got {KIND_NAMES[kind]}")
+    k, meta = meta_of(kind, items)
+    sampling, _ = _rows_of("data-parallel step", items[1 + len(_META_FIELDS):], _DP_ROW_FIELDS, meta.B)
+    return k, meta, sampling
+
+
+_SAMPLE_FIELDS = ["step", "token", "logprob", "top_n", "top_token", "top_logprob"]
+_I32_MAX = np.iinfo(np.int32).max
+
+
+def encode_samples(step: int, samples: list) -> bytes:
+    """The ACK of a DP_STEP: the step index and the rank's samples [Sample | None] * B as arrays:
+    token i32 [B] (-1: no sample), logprob f64 [B] (NaN: none), top_n i32 [B] (-1: no top list),
+    and the top lists flattened in row order, top_token i32 and top_logprob f64 [sum of top_n]."""
+    B = len(samples)
+    token = np.full(B, -1, np.int32)
+    logprob = np.full(B, np.nan, np.float64)
+    top_n = np.full(B, -1, np.int32)
+    tops = []
+    for b, s in enumerate(samples):
+        if s is None:
+            continue
+        if not 0 <= s.token <= _I32_MAX:           # -1 says "no sample": a real id never is
+            raise ChannelError(f"row {b}: token id {s.token} cannot go on the channel")
+        token[b] = s.token
+        if s.logprob is not None:
+            logprob[b] = s.logprob
+        if s.top is not None:
+            top_n[b] = len(s.top)
+            tops += s.top
+    top_token = np.asarray([t for t, _ in tops], np.int32)
+    top_logprob = np.asarray([lp for _, lp in tops], np.float64)
+    return encode(ACK, [("step", step), ("token", token), ("logprob", logprob), ("top_n", top_n),
+                        ("top_token", top_token), ("top_logprob", top_logprob)])
+
+
+def samples_of(kind: int, items: list) -> tuple[int, list]:
+    """A DP_STEP's ACK -> (step, samples [Sample | None] * B)."""
+    from .runner import Sample
+    names = [n for n, _ in items]
+    if kind != ACK or names != _SAMPLE_FIELDS:
+        raise ChannelError(f"expected the ack of a data-parallel step with {_SAMPLE_FIELDS}, got "
+                           f"{KIND_NAMES[kind]} with {names}")
+    d = dict(items)
+    token, logprob, top_n = d["token"], d["logprob"], d["top_n"]
+    B = len(token)
+    if len(logprob) != B or len(top_n) != B or len(d["top_token"]) != len(d["top_logprob"]) \
+            or int(top_n[top_n > 0].sum()) != len(d["top_token"]):
+        raise ChannelError("an ack whose sample fields disagree in length")
+    if (top_n < -1).any() or (top_n[token < 0] != -1).any():
+        raise ChannelError(f"an ack with top list lengths {top_n.tolist()} for tokens {token.tolist()}")
+    samples, at = [None] * B, 0
+    for b in np.flatnonzero(token >= 0).tolist():
+        top = None
+        if top_n[b] >= 0:
+            n = int(top_n[b])
+            top = list(zip(d["top_token"][at:at + n].tolist(), d["top_logprob"][at:at + n].tolist()))
+            at += n
+        lp = float(logprob[b])
+        samples[b] = Sample(int(token[b]), None if np.isnan(lp) else lp, top)
+    return d["step"], samples
 
 
 # -- sockets ----------------------------------------------------------------------------------

@@ -451,11 +451,13 @@ def test_cpu_backend_with_tensor_parallel_size_runs_rank_processes(tiny_model, r
     d, _ = tiny_model("qwen3_moe")
     prompts = [[int(t) for t in rng.integers(0, 320, n)] for n in (6, 13)]
     outs = []
-    for kw in ({}, dict(tensor_parallel_size=2, enable_expert_parallel=True)):
+    for kw in ({}, dict(tensor_parallel_size=2, enable_expert_parallel=True),
+               dict(data_parallel_size=2, enable_expert_parallel=True)):     # each rank its own sequences
         b = load_backend(d, device="cpu", asynchronous=False, log=None, max_model_len=256,
                          num_gpu_blocks_override=64, **kw)
         try:
             assert isinstance(b.engine.runner, MultiProcessRunner) == bool(kw)
+            assert b.engine.dp == kw.get("data_parallel_size", 1)
             assert not b.engine.overlap       # the CPU computes at launch: nothing to overlap
             for i, p in enumerate(prompts):
                 b.engine.add_request(p, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), f"r{i}")
@@ -468,7 +470,7 @@ def test_cpu_backend_with_tensor_parallel_size_runs_rank_processes(tiny_model, r
             close = getattr(b.engine.runner, "close", None)
             if close and kw:
                 close()
-    assert outs[0] == outs[1]
+    assert outs[0] == outs[1] == outs[2]
     lines = []
     b = load_backend(d, device="cpu", asynchronous=False, log=lines.append, max_model_len=256,
                      num_gpu_blocks_override=64, overlap=False)
@@ -486,6 +488,9 @@ def test_serve_flags_reach_the_backend():
     assert kw["tensor_parallel_size"] == 2 and kw["enable_expert_parallel"] is True
     kw = backend_kwargs(p.parse_args(["--model-path", "x"]))
     assert kw["tensor_parallel_size"] == 1 and kw["enable_expert_parallel"] is False
+    assert kw["data_parallel_size"] == 1
+    kw = backend_kwargs(p.parse_args(["--model-path", "x", "--data-parallel-size", "2", "--enable-expert-parallel"]))
+    assert kw["data_parallel_size"] == 2 and kw["enable_expert_parallel"] is True
 
 
 @pytest.fixture

@@ -38,11 +38,12 @@ b=$!
 wait $a $b
 fi
 mkdir -p "$OUT/ranks"
-# the ranks overlap their steps by default; RANK_SYNC=1 times them synchronous too, EP_GATHER=1
+# the ranks overlap their steps by default; RANK_SYNC=1 times them synchronous too, DP=1 the
+# attention data-parallel ranks (--data-parallel-size 2 --enable-expert-parallel), EP_GATHER=1
 # with the dispatch's all-gather back (INFC_EP_GATHER), TWOGPU_TEST=1 runs the two-GPU test file
 # (golden gates, overlapped tokens, a killed rank); ONE_GPU=0 skips phase A
 STAGES="twogpu-bench" TWOGPU_BENCH=moe-throughput TWOGPU_CONCURRENCY=$conc TWOGPU_SKIP_ONE=1 \
-  TWOGPU_RANK_SYNC=${RANK_SYNC:-} TWOGPU_EP_GATHER=${EP_GATHER:-} bash tests/gpu/session.sh "$OUT/ranks" >"$OUT/ranks/console.log" 2>&1 || true
+  TWOGPU_RANK_SYNC=${RANK_SYNC:-} TWOGPU_EP_GATHER=${EP_GATHER:-} TWOGPU_DP=${DP:-} bash tests/gpu/session.sh "$OUT/ranks" >"$OUT/ranks/console.log" 2>&1 || true
 if [ -n "${TWOGPU_TEST:-}" ]; then
   STAGES=twogpu TWOGPU_S=240 bash tests/gpu/session.sh "$OUT/twogpu-test" >"$OUT/twogpu-test.log" 2>&1
 fi

@@ -252,7 +252,7 @@ def ranks():
 
 # issue 14: artifact name (.cache/artifacts/<name>: what load_backend builds for a model directory
 # of that base name on the GPU machine) -> (config directory maker, tensor_parallel_size,
-# enable_expert_parallel). The golden gates' directories: /tmp/infc-models/qwen3-4b (models.py),
+# enable_expert_parallel[, data_parallel_size]). The golden gates' directories: /tmp/infc-models/qwen3-4b (models.py),
 # ranks-qwen3-30b-a3b-l4 (test_ranks_gpu.py), deepseek-v2-lite-l8 (gpu_families); the benchmarks'
 # config-only ones (--load-format dummy): .cache/gpu/configs/qwen3-30b-a3b and deepseek-v2-lite.
 def _moe_full() -> Path:
@@ -275,6 +275,8 @@ TWOGPU = {
     "qwen3-30b-a3b-tp2-ep2": (_moe_full, 2, True),
     "deepseek-v2-lite": (lambda: _family_config("deepseek-v2-lite"), 1, False),
     "deepseek-v2-lite-tp2-ep2": (lambda: _family_config("deepseek-v2-lite"), 2, True),
+    # attention data-parallel + EP: (config, tp, ep, dp)
+    "qwen3-30b-a3b-dp2-ep2": (_moe_full, 1, True, 2),
 }
 
 
@@ -291,9 +293,10 @@ def _ranks_config_written(name: str) -> Path:
 
 
 def twogpu():
-    for name, (config, tp, ep) in TWOGPU.items():
+    for name, (config, tp, ep, *dp) in TWOGPU.items():
+        extra = {"data_parallel_size": dp[0]} if dp else {}
         _both_tunings(f"twogpu {name}", twogpu_artifact(name), model_dir=str(config()),
-                      tensor_parallel_size=tp, enable_expert_parallel=ep)
+                      tensor_parallel_size=tp, enable_expert_parallel=ep, **extra)
     qwen_tokenizer()
 
 

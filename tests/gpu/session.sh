@@ -245,16 +245,20 @@ test_ranks_gpu.model_dir(name[len('ranks-'):]) if name.startswith('ranks-') else
         [ -n "${TWOGPU_NCCL_ONLY:-}" ] && variants+=("nccl-only")     # the ranks again, INFC_P2P=0
         [ -n "${TWOGPU_RANK_SYNC:-}" ] && variants+=("rank-sync")  # again, INFC_RANK_OVERLAP=0
         [ -n "${TWOGPU_EP_GATHER:-}" ] && variants+=("ep-gather")  # again, INFC_EP_GATHER=1
+        [ -n "${TWOGPU_DP:-}" ] && variants+=("dp")                # attention data-parallel + EP (MoE)
         for ranks in "${variants[@]}"; do
           out="$OUT/bench" p2p=1 rov=1 gather=0
           if [ "$ranks" = nccl-only ]; then ranks="--tensor-parallel-size 2" out="$OUT/bench/nccl-only" p2p=0; fi
           if [ "$ranks" = rank-sync ]; then ranks="--tensor-parallel-size 2" out="$OUT/bench/rank-sync" rov=0; fi
           if [ "$ranks" = ep-gather ]; then ranks="--tensor-parallel-size 2" out="$OUT/bench/ep-gather" gather=1; fi
+          dp=""
+          if [ "$ranks" = dp ]; then ranks="" dp="--data-parallel-size 2 --enable-expert-parallel" out="$OUT/bench/dp"; fi
           mkdir -p "$out"
           export INFC_P2P=$p2p INFC_RANK_OVERLAP=$rov INFC_EP_GATHER=$gather
           case $what in
             latency|throughput) m=qwen3-4b; tag=${ranks:+-tp2}; x=$ranks ;;
-            moe-*) m=qwen3-30b-a3b; tag=${ranks:+-tp2-ep2}; x=${ranks:+$ranks --enable-expert-parallel} ;;
+            moe-*) m=qwen3-30b-a3b; tag=${ranks:+-tp2-ep2}; x=${ranks:+$ranks --enable-expert-parallel}
+                   [ -n "$dp" ] && { tag=-dp2-ep2; x=$dp; } ;;
             deepseek) m=deepseek-v2-lite; tag=${ranks:+-tp2-ep2}; x=${ranks:+$ranks --enable-expert-parallel} ;;
           esac
           say "bench $what $m${tag:- (one GPU)}"

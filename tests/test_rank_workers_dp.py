@@ -1,0 +1,305 @@
+"""Data-parallel steps over rank processes on the CPU (runtime/rank_workers.py execute_ranks):
+each rank runs its own padded step and samples its own rows; the workers' samples come back in
+their ACK frames (runtime/step_channel.py DP_STEP / encode_samples, no pickle), checked against
+the in-process simulated ranks (runtime/reference/ranks.py step_paged_ranks) on the same steps."""
+import json
+import time
+
+import numpy as np
+import pytest
+
+from infc.compiler.parallel import compile_ranks, settings
+from infc.runtime import step_channel as ch
+from infc.runtime.runner import RowSampling, Sample, sample_row
+from infc.runtime.sampling import SamplingParams
+from infc.runtime.step import Chunk, build_step, pad_ranks
+
+FACTORY = "infc.runtime.rank_workers:reference_rank_runner"
+NUM_PAGES, PAGE_SIZE = 32, 16
+
+
+def _meta(rng, B: int):
+    chunks = [Chunk(10 + b, [int(t) for t in rng.integers(0, 320, n)], 0)
+              for b, n in enumerate(rng.integers(1, 9, B))]
+    return build_step(chunks, lambda s: [s], PAGE_SIZE)
+
+
+def _same_meta(a, b):
+    for f in a.__dataclass_fields__:
+        x, y = getattr(a, f), getattr(b, f)
+        if isinstance(x, np.ndarray):
+            assert x.dtype == y.dtype and np.array_equal(x, y), f
+        else:
+            assert x == y, f
+
+
+# -- the frames -------------------------------------------------------------------------------
+def test_dp_step_frames_carry_the_rows_sampling_with_logprobs(rng):
+    meta = _meta(rng, 4)
+    rows = [RowSampling(SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, logprobs=3),
+                        (1 << 70) + 3, 4, (2, 9)),
+            None, RowSampling(SamplingParams(temperature=0.0), 1, 0), None]
+    kind, items = ch.decode(ch.encode_dp_step(meta, 17, rows))
+    assert kind == ch.DP_STEP
+    k, back, sampling = ch.dp_step_of(kind, items)
+    assert k == 17 and ch.meta_of(kind, items)[0] == 17
+    _same_meta(meta, back)
+    assert [s is None for s in sampling] == [False, True, False, True]
+    a, b = sampling[0], sampling[2]
+    assert (a.seed, a.step, a.banned) == ((1 << 70) + 3, 4, (2, 9))
+    assert (a.params.temperature, a.params.top_k, a.params.top_p, a.params.min_p, a.params.logprobs) \
+        == (0.7, 5, 0.9, 0.05, 3)
+    assert (b.seed, b.step, b.banned, b.params.temperature, b.params.logprobs) == (1, 0, (), 0.0, None)
+    # an idle rank's rows, all pad: nothing samples
+    k, back, sampling = ch.dp_step_of(*ch.decode(ch.encode_dp_step(meta, 3, [None] * 4)))
+    assert sampling == [None] * 4
+    with pytest.raises(ch.ChannelError, match="3 sampling rows for a step of 4"):
+        ch.encode_dp_step(meta, 0, rows[:3])
+    with pytest.raises(ch.ChannelError, match="disagree in length"):
+        ch.dp_step_of(kind, [(n, v[:0] if n == "logprobs" else v) for n, v in items])
+    with pytest.raises(ch.ChannelError, match="sampling fields"):
+        ch.dp_step_of(kind, items[:-1])
+    with pytest.raises(ch.ChannelError, match="samples rows"):
+        ch.dp_step_of(kind, [(n, v + 9 if n == "row" else v) for n, v in items])
+    with pytest.raises(ch.ChannelError, match="expected a data-parallel step"):
+        ch.dp_step_of(*ch.decode(ch.encode_launch(meta, 0, rows, [])))
+    with pytest.raises(ch.ChannelError, match="expected a launch frame"):
+        ch.launch_of(kind, items)
+
+
+def test_samples_round_trip_in_an_ack():
+    samples = [Sample(5), None, Sample(319, -0.25, [(319, -0.25), (7, -1.5), (0, -np.inf)]),
+               Sample(0, -3.0, []), None, Sample(2 ** 31 - 1, -1e-9, None)]
+    kind, items = ch.decode(ch.encode_samples(12, samples))
+    assert kind == ch.ACK and dict(items)["token"].dtype == np.int32
+    step, back = ch.samples_of(kind, items)
+    assert step == 12 and back == samples          # float64 logprobs: the same values exactly
+    assert ch.samples_of(*ch.decode(ch.encode_samples(0, [])))[1] == []
+    assert ch.samples_of(*ch.decode(ch.encode_samples(1, [None, None])))[1] == [None, None]
+    with pytest.raises(ch.ChannelError, match="token id -1"):
+        ch.encode_samples(0, [Sample(-1)])
+    with pytest.raises(ch.ChannelError, match="ack of a data-parallel step"):
+        ch.samples_of(ch.ACK, [("step", 3)])               # a plain ack: no samples
+    with pytest.raises(ch.ChannelError, match="disagree in length"):
+        ch.samples_of(kind, [(n, v[:-1] if n == "top_token" else v) for n, v in items])
+    with pytest.raises(ch.ChannelError, match="top list lengths"):
+        ch.samples_of(kind, [(n, np.where(v == -1, 0, v) if n == "top_n" else v) for n, v in items])
+
+
+# -- rank processes ---------------------------------------------------------------------------
+def write_plans(d, tmp_path) -> tuple[list, list[str]]:
+    plans = [p for _, p in compile_ranks(settings(data_parallel_size=2, enable_expert_parallel=True),
+                                         model_dir=str(d))]
+    paths = []
+    for r, p in enumerate(plans):
+        path = tmp_path / f"plan.rank{r}.json"
+        path.write_text(json.dumps(p))
+        paths.append(str(path))
+    return plans, paths
+
+
+def processes(d, paths, factory=FACTORY, **kw):
+    from infc.runtime.rank_workers import MultiProcessRunner
+    return MultiProcessRunner(factory, {"plans": paths, "model_dir": str(d), "num_pages": NUM_PAGES},
+                              world=len(paths), step_timeout=kw.pop("step_timeout", 60),
+                              startup_timeout=120, **kw)
+
+
+class Ranks:
+    """Each rank's own pages (a free list and seq_id -> pages) and the steps built over them."""
+
+    def __init__(self, world: int):
+        self.free = [list(range(NUM_PAGES)) for _ in range(world)]
+        self.pages = [{} for _ in range(world)]
+
+    def metas(self, per_rank: list[list[Chunk]]):
+        metas = []
+        for r, chunks in enumerate(per_rank):
+            for c in chunks:
+                own = self.pages[r].setdefault(c.seq_id, [])
+                while len(own) * PAGE_SIZE < c.start + len(c.tokens):
+                    own.append(self.free[r].pop())
+            metas.append(build_step(chunks, self.pages[r].__getitem__, PAGE_SIZE))
+        # pad rows write page NUM_PAGES, the rank runners' spare page
+        return pad_ranks(metas, page=NUM_PAGES, page_size=PAGE_SIZE)
+
+
+def greedy(logprobs=None):
+    return RowSampling(SamplingParams(temperature=0.0, logprobs=logprobs), seed=1, step=0)
+
+
+def test_each_rank_samples_its_own_sequences(tiny_model, tmp_path, rng):
+    """Rank 0 and rank 1 prefill prompts of different lengths, decode, then rank 1 runs two
+    sequences (one decoding, one prefilling) while rank 0 decodes one, then rank 0 idles: each
+    rank's greedy tokens (and one row's logprobs) are those of the in-process simulated ranks."""
+    from infc.runtime.reference.ranks import RankExecutor
+    from infc.runtime.safetensors_io import Checkpoint
+    from infc.runtime.weights import load_weights
+    d, _ = tiny_model("qwen3_moe")
+    plans, paths = write_plans(d, tmp_path)
+    sim = RankExecutor(plans, [load_weights(p, Checkpoint(d)) for p in plans])
+    sim.allocate_pages(NUM_PAGES + 1, PAGE_SIZE)
+    ranks = Ranks(2)
+    a = [int(t) for t in rng.integers(0, 320, 9)]
+    b = [int(t) for t in rng.integers(0, 320, 4)]
+    c = [int(t) for t in rng.integers(0, 320, 3)]
+    runner = processes(d, paths)
+    try:
+        assert runner.dp_world == 2 and runner.num_pages == NUM_PAGES
+        last = {}                                     # (rank, seq) -> (its next token, its length)
+
+        def step(per_rank, logprobs_on=None):
+            metas = ranks.metas(per_rank)
+            sampling = []
+            for r, (m, chunks) in enumerate(zip(metas, per_rank)):
+                rows = [greedy(3 if (r, ch_.seq_id) == logprobs_on else None) for ch_ in chunks]
+                sampling.append(rows + [None] * (m.B - len(chunks)))       # pad rows: no samples
+            got = runner.execute_ranks(metas, sampling)
+            want = sim.step_paged_ranks(metas)
+            assert [len(g) for g in got] == [m.B for m in metas]
+            for r, chunks in enumerate(per_rank):
+                assert got[r][len(chunks):] == [None] * (metas[r].B - len(chunks))
+                for i, chunk in enumerate(chunks):
+                    s = got[r][i]
+                    assert s.token == int(np.argmax(want[r][i])), (r, chunk.seq_id)
+                    if (r, chunk.seq_id) == logprobs_on:
+                        w = sample_row(want[r][i], sampling[r][i])
+                        assert s.token == w.token and len(s.top) == 3
+                        assert abs(s.logprob - w.logprob) <= 1e-5
+                        assert [t for t, _ in s.top] == [t for t, _ in w.top]
+                        np.testing.assert_allclose([lp for _, lp in s.top], [lp for _, lp in w.top],
+                                                   atol=1e-5)
+                    else:
+                        assert s.logprob is None and s.top is None
+                    last[r, chunk.seq_id] = (s.token, chunk.start + len(chunk.tokens))
+            return metas
+
+        def decode(r, seq):
+            tok, n = last[r, seq]
+            return Chunk(seq, [tok], n)
+
+        metas = step([[Chunk(0, a, 0)], [Chunk(1, b, 0)]], logprobs_on=(1, 1))    # prefill 9 | 4
+        assert [(m.T, m.phase) for m in metas] == [(9, "prefill")] * 2
+        for _ in range(2):
+            metas = step([[decode(0, 0)], [decode(1, 1)]])
+            assert [(m.T, m.phase) for m in metas] == [(1, "decode")] * 2
+        metas = step([[decode(0, 0)], [decode(1, 1), Chunk(2, c, 0)]], logprobs_on=(0, 0))
+        assert [(m.T, m.B) for m in metas] == [(4, 2), (4, 2)] and metas[0].phase == "mixed"
+        metas = step([[], [decode(1, 1), decode(1, 2)]])                           # rank 0 idle
+        assert [(m.T, m.B) for m in metas] == [(2, 2), (2, 2)]
+        runner.free_on(1, 2)
+        runner.free_on(0, 0)
+        metas = step([[], [decode(1, 1)]])
+        assert [(m.T, m.B) for m in metas] == [(1, 1), (1, 1)]
+    finally:
+        runner.close()
+    assert all(p.exitcode == 0 for p in runner.procs.values())
+
+
+# -- rank runners without a model: frees and the acknowledgement bookkeeping ----------------------
+class _Counting:
+    """A data-parallel rank runner whose samples say which rank sampled and how many sequences
+    it was told to free."""
+    num_pages, page_size, num_slots, vocab_size = 8, 16, 0, 10
+
+    def __init__(self, rank, world):
+        self.rank, self.freed = rank, []
+        self.plan = {"parallel": {"world": world, "rank": rank, "dp": world}}
+
+    def execute(self, meta, sampling):
+        return [None if s is None else Sample(100 * self.rank + 10 * len(self.freed) + b,
+                                              -0.5 * self.rank, [(self.rank, -0.5)] * self.rank)
+                for b, s in enumerate(sampling)]
+
+    def free(self, seq_id):
+        self.freed.append(seq_id)
+
+
+def counting_factory(rank, world, config, link):
+    return _Counting(rank, world)
+
+
+def test_free_on_reaches_one_rank_and_steps_of_both_kinds_interleave():
+    from infc.runtime.rank_workers import MultiProcessRunner
+    runner = MultiProcessRunner("test_rank_workers_dp:counting_factory", {}, world=3,
+                                step_timeout=30, startup_timeout=120)
+    try:
+        assert runner.dp_world == 3
+        one = build_step([Chunk(0, [1], 0)], lambda s: [0], 16)
+        two = build_step([Chunk(0, [1], 0), Chunk(1, [2], 0)], lambda s: [0, 1], 16)
+        row = RowSampling(SamplingParams(temperature=0.0), 1, 0)
+
+        def dp_step():
+            return runner.execute_ranks([two, two, two], [[row, None], [None, row], [row, row]])
+
+        assert dp_step() == [[Sample(0, -0.0, []), None], [None, Sample(101, -0.5, [(1, -0.5)])],
+                             [Sample(200, -1.0, [(2, -0.5)] * 2), Sample(201, -1.0, [(2, -0.5)] * 2)]]
+        runner.free_on(2, 7)
+        runner.free_on(0, 8)
+        # a shared step (acknowledged lazily), then data-parallel steps: the acks stay in order
+        assert runner.execute(one, [row]) == [Sample(10, -0.0, [])]
+        got = dp_step()
+        assert [s.token for s in got[0] + got[2] if s] == [10, 210, 211] and got[1][1].token == 101
+        runner.free(9)                                                        # every rank
+        assert runner.execute(one, [row]) == [Sample(20, -0.0, [])]
+        assert runner.execute(one, [row]) == [Sample(20, -0.0, [])]
+        got = dp_step()
+        assert [got[0][0].token, got[1][1].token, got[2][0].token] == [20, 111, 220]
+        with pytest.raises(ValueError, match="same T"):
+            runner.execute_ranks([one, two, two], [[row], [row, row], [row, row]])
+        with pytest.raises(ValueError, match="rank 1: 1 sampling rows for a step of 2"):
+            runner.execute_ranks([two] * 3, [[row, row], [row], [row, row]])
+        with pytest.raises(ValueError, match="for 3 ranks"):
+            runner.execute_ranks([two] * 2, [[row, row]] * 2)
+        with pytest.raises(ValueError, match="rank 3 of 3"):
+            runner.free_on(3, 1)
+        own = runner.runner.plan
+        runner.runner.plan = {"parallel": {"world": 3, "rank": 0, "tp": 3}}
+        assert runner.dp_world == 1
+        with pytest.raises(ValueError, match="use execute"):
+            dp_step()
+        runner.runner.plan = own
+        assert runner.error is None and dp_step()[1][1].token == 111       # still up
+    finally:
+        runner.close()
+    assert all(p.exitcode == 0 for p in runner.procs.values())
+
+
+# -- failures ---------------------------------------------------------------------------------
+def raising_factory(rank, world, config, link):
+    """The reference rank runner, whose rank 1 raises in its second data-parallel step."""
+    from infc.runtime.rank_workers import reference_rank_runner
+    runner = reference_rank_runner(rank, world, config, link)
+    execute, calls = runner.execute, []
+
+    def flaky(meta, sampling):
+        calls.append(1)
+        if rank == 1 and len(calls) == 2:
+            raise RuntimeError("rank 1 lost its experts")
+        return execute(meta, sampling)
+    runner.execute = flaky
+    return runner
+
+
+def test_a_worker_that_raises_in_a_data_parallel_step_is_a_rank_error(tiny_model, tmp_path, rng):
+    from infc.runtime.rank_workers import RankError
+    d, _ = tiny_model("qwen3_moe")
+    _, paths = write_plans(d, tmp_path)
+    runner = processes(d, paths, factory="test_rank_workers_dp:raising_factory", step_timeout=30)
+    ranks = Ranks(2)
+    try:
+        metas = ranks.metas([[Chunk(0, [1, 2, 3], 0)], [Chunk(0, [4, 5], 0)]])
+        got = runner.execute_ranks(metas, [[greedy()], [greedy(), None]])
+        assert got[0][0] is not None and got[1][0] is not None and got[1][1] is None
+        metas = ranks.metas([[Chunk(0, [got[0][0].token], 3)], [Chunk(0, [got[1][0].token], 2)]])
+        t = time.monotonic()
+        said = r"rank 1 \(pid \d+\) failed: RuntimeError: rank 1 lost its experts"
+        with pytest.raises(RankError, match=said):
+            runner.execute_ranks(metas, [[greedy()], [greedy()]])
+        assert time.monotonic() - t < 10
+        with pytest.raises(RankError, match="the ranks are down"):
+            runner.execute_ranks(metas, [[greedy()], [greedy()]])
+        with pytest.raises(RankError, match="the ranks are down"):
+            runner.free_on(1, 0)
+    finally:
+        runner.close()
