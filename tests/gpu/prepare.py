@@ -276,6 +276,7 @@ TWOGPU = {
     "deepseek-v2-lite": (lambda: _family_config("deepseek-v2-lite"), 1, False),
     "deepseek-v2-lite-tp2-ep2": (lambda: _family_config("deepseek-v2-lite"), 2, True),
     # attention data-parallel + EP: (config, tp, ep, dp)
+    "ranks-qwen3-30b-a3b-l4-dp2-ep2": (lambda: _ranks_config_written("qwen3-30b-a3b-l4"), 1, True, 2),
     "qwen3-30b-a3b-dp2-ep2": (_moe_full, 1, True, 2),
 }
 

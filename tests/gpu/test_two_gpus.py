@@ -154,6 +154,82 @@ def test_a_rank_killed_mid_stream_is_a_clear_error():
     assert os.environ.get("NCCL_NVLS_ENABLE") == "0", "NVLink multicast must stay off here"
 
 
+def run_data_parallel(runner, seqs, batch: int) -> list:
+    """run()'s steps over data-parallel ranks: sequences alternate between the two ranks, each
+    rank prefills its `batch` of a group then decodes them forced, every step padded alike
+    (runtime/step.py pad_ranks). Each row samples greedily with its top-8 logprobs, which is what
+    the gate reads: -> per sequence, per position, [(token, logprob)] best first."""
+    from driver_loop import Pages
+    from infc.runtime.runner import RowSampling
+    from infc.runtime.sampling import SamplingParams
+    from infc.runtime.step import Chunk, build_step, pad_ranks
+    pages = [Pages(runner.num_pages, runner.page_size) for _ in range(2)]
+    row = RowSampling(SamplingParams(temperature=0, logprobs=8), seed=0, step=0)
+    got = [[] for _ in seqs]
+
+    def step(per_rank):
+        metas = []
+        for r, chunks in enumerate(per_rank):
+            for c in chunks:
+                pages[r].ensure(c.seq_id, c.start + len(c.tokens))
+            metas.append(build_step(chunks, pages[r].of.__getitem__, runner.page_size))
+        metas = pad_ranks(metas, runner.num_pages, runner.page_size)
+        rows = [[row] * len(cs) + [None] * (m.B - len(cs)) for cs, m in zip(per_rank, metas)]
+        for cs, samples in zip(per_rank, runner.execute_ranks(metas, rows)):
+            for c, s in zip(cs, samples):
+                got[c.seq_id].append(s.top)
+
+    for g in range(0, len(seqs), 2 * batch):
+        idx = list(range(g, min(g + 2 * batch, len(seqs))))
+        mine = [idx[0::2], idx[1::2]]
+        prompts = {i: seqs[i][: len(seqs[i]) - DECODE] for i in idx}
+        step([[Chunk(i, prompts[i], 0) for i in m] for m in mine])
+        for t in range(DECODE - 1):
+            step([[Chunk(i, [seqs[i][len(prompts[i]) + t]], len(prompts[i]) + t) for i in m] for m in mine])
+        for r, m in enumerate(mine):
+            for i in m:
+                pages[r].release(i)
+    return got
+
+
+def _gate_top(name, mode, got, want) -> list:
+    """The golden gate from each row's top-8 (token, logprob): regret of the top token under
+    HF's logprobs, |delta logprob| over those 8 tokens."""
+    from test_golden import logprobs
+    regrets, deltas = [], []
+    for tops, w in zip(got, want):
+        lt = logprobs(w)
+        for top, ref in zip(tops, lt):
+            toks = [t for t, _ in top]
+            regrets.append(float(ref.max() - ref[toks[0]]))
+            deltas += [abs(lp - ref[t]) for t, lp in top]
+    regret, mean, p99 = max(regrets), float(np.mean(deltas)), float(np.quantile(deltas, 0.99))
+    print(f"[two-gpu] {name} {mode}: regret {regret:.3f} mean {mean:.4f} p99 {p99:.3f}", flush=True)
+    return [] if regret <= 0.2 and mean <= 0.06 and p99 <= 0.2 else [(name, mode, regret, mean, p99)]
+
+
+def test_data_parallel_ranks_pass_the_golden_gate():
+    """Attention data-parallel ranks with EP over two GPUs (--data-parallel-size 2
+    --enable-expert-parallel): the qwen3-30b-a3b 4-layer cut at real shapes, each rank its own
+    sequences, the experts over both ranks' rows by NCCL (all-gathers, reduce-scatter), the
+    decode steps in CUDA Graphs; against HF bf16 on GPU 0, in batches of 1 and 5 a rank."""
+    from transformers import AutoModelForCausalLM
+    make, _, _ = CASES["qwen3-30b-a3b-l4-tp2-ep2"]
+    d = make()
+    art = prepare.twogpu_artifact("ranks-qwen3-30b-a3b-l4-dp2-ep2")
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).to("cuda:0").eval()
+    rng = np.random.default_rng(0)
+    seqs = [[int(t) for t in rng.integers(0, hf.config.vocab_size, n + DECODE)] for n in LENS]
+    want = hf_logits(hf, seqs, "cuda:0")
+    del hf
+    torch.cuda.empty_cache()
+    with closing(ranks(art, d, cuda_graphs=True)) as r:
+        assert r.dp_world == 2 and r.runner.graphs
+        missed = _gate_top("qwen3-30b-a3b-l4-dp2-ep2", "b1", run_data_parallel(r, seqs, 1), want)
+        missed += _gate_top("qwen3-30b-a3b-l4-dp2-ep2", "b5", run_data_parallel(r, seqs, 5), want)
+    assert not missed, missed
+
+
 @pytest.mark.parametrize("name", ["qwen3-4b-tp2", "qwen3-30b-a3b-l4-tp2-ep2"])
 def test_overlapped_steps_over_two_gpus_give_the_synchronous_tokens(name, monkeypatch):
     """Overlapped steps over ranks (the default): the engine launches step N + 1 before it reads
