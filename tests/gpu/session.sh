@@ -181,7 +181,7 @@ for _ in range(600):
     twogpu)
       nvidia-smi topo -m | tee "$OUT/topo.txt"
       python3 -c "from infc.runtime.cuda import nccl; print('NCCL', '.'.join(map(str, nccl.version())), nccl.library().path)" | tee -a "$OUT/topo.txt"
-      python3 tests/gpu/rerender.py .cache/artifacts/*-tp2* 2>&1 | tail -8
+      python3 tests/gpu/rerender.py .cache/artifacts/*-tp2* .cache/artifacts/*-dp2* 2>&1 | tail -8
       timeout ${TWOGPU_S:-540} python3 -m pytest tests/gpu/test_two_gpus.py -q -s -p no:cacheprovider -rs \
         ${PYTEST_ARGS:-} 2>&1 | quiet | tee "$OUT/pytest-two-gpus.log" \
         | grep -E "passed|failed|error|skipped|\[two-gpu\]|made and saved|^E " | tail -60 ;;
