@@ -28,7 +28,9 @@ class StepClock:
 
     def __init__(self, engine):
         self.runner = engine.runner
-        self.name = "collect" if engine.overlap else "execute"
+        # data-parallel ranks run every rank's step in one execute_ranks (rank 0's meta is timed:
+        # the ranks' T and phase are the same)
+        self.name = "collect" if engine.overlap else "execute_ranks" if engine.dp > 1 else "execute"
         self.inner = getattr(self.runner, self.name)
         self.own = self.name in vars(self.runner)   # an instance attribute to put back
         self.steps: dict[str, list] = {}        # phase -> [(T, B, seconds)]
@@ -40,7 +42,7 @@ class StepClock:
         def executed(meta, rows):
             t0 = time.perf_counter()
             out = self.inner(meta, rows)
-            self._add(meta, time.perf_counter() - t0)
+            self._add(meta[0] if isinstance(meta, list) else meta, time.perf_counter() - t0)
             return out
 
         def collected(step):
