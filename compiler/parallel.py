@@ -117,6 +117,7 @@ def build_ranks(par: dict, model=None, spec_path=None, model_dir=None, out=None,
         if log:
             log(f"  {'compile (' + target + ')':<28} {res['seconds'] * 1e3:8.1f} ms")
     if log:
-        log(f"built {state.model} on {par['world']} ranks (tp {par['tp']}, ep {par['ep']}) in "
+        dp = f", dp {par['dp']}" if par.get("dp") else ""
+        log(f"built {state.model} on {par['world']} ranks (tp {par['tp']}, ep {par['ep']}{dp}) in "
             f"{time.perf_counter() - t_all:.2f} s -> {out}/plan.rank{{0..{par['world'] - 1}}}.json")
     return out
