@@ -13,7 +13,8 @@ Data-parallel ranks (a runner with `dp_world` N > 1: attention data-parallel pla
 parallel.py): every sequence lives on one rank, chosen at admission (the least loaded), with its
 pages in that rank's block manager and its steps in that rank's scheduler; a step is every
 rank's batch at once, padded alike (runtime/step.py pad_ranks) and run by
-`runner.execute_ranks`, each rank sampling its own rows. Synchronous steps only, for now.
+`runner.execute_ranks`, each rank sampling its own rows; overlapped where the runner has
+`launch_ranks` / `collect_ranks` (each rank feeding its own pending tokens).
 
 Overlapped steps (a runner with `can_overlap`; INFC_OVERLAP=0 turns it off): step() schedules and
 launches step N + 1 before it reads step N's samples back, so the host's work between steps
@@ -125,7 +126,7 @@ class Engine:
         INFC_OVERLAP=0."""
         self.runner, self.tokenizer = runner, tokenizer
         self.dp = int(getattr(runner, "dp_world", 1) or 1)
-        self.overlap = overlaps(runner, overlap) and self.dp == 1
+        self.overlap = overlaps(runner, overlap) and (self.dp == 1 or callable(getattr(runner, "launch_ranks", None)))
         self.in_flight = None                    # overlapped: (batch, rows, the runner's handle)
         self.eos_ids = set(eos_ids)
         self.max_model_len = max_model_len
@@ -242,22 +243,40 @@ class Engine:
         return outputs
 
     def _step_ranks(self) -> list[StepOutput]:
-        """A data-parallel step: every rank's batch, padded alike, run together."""
+        """A data-parallel step: every rank's batch, padded alike, run together (overlapped: the
+        outputs of the step before)."""
         batches = [s.schedule() for s in self.schedulers]
         self.metrics.num_preemptions_total = sum(s.num_preemptions for s in self.schedulers)
-        if not any(batches):
+        if not any(batches) and self.in_flight is None:
             if any(s.has_work() for s in self.schedulers):
                 raise RuntimeError("the schedulers made no progress with work waiting (a bug)")
             return []
+        launched = self._launch_ranks(batches) if any(batches) else None
+        outputs = self._collect_ranks(*self.in_flight) if self.in_flight is not None else []
+        self.in_flight = launched
+        if launched is not None and not self.overlap:
+            outputs += self._collect_ranks(*launched)
+            self.in_flight = None
+        self._gauges()
+        return outputs
+
+    def _launch_ranks(self, batches) -> tuple:
         built = [self._chunks(b) for b in batches]
         metas = pad_ranks([m for m, _, _ in built], self.runner.num_pages, self.page_size)
         rows = [r + [None] * (m.B - len(r)) for (_, r, _), m in zip(built, metas)]   # pad rows sample nothing
-        samples = self.runner.execute_ranks(metas, rows)
-        outputs = []
-        for batch, (_, r, _), s in zip(batches, built, samples):
+        if self.overlap:
+            handle = self.runner.launch_ranks(metas, rows, [f for _, _, f in built])
+        else:
+            handle = self.runner.execute_ranks(metas, rows)
+        for batch, (_, r, _) in zip(batches, built):
             self._launched(batch, r)
-            outputs += self._collect(batch, r, s[:len(batch)])
-        self._gauges()
+        return batches, [r for _, r, _ in built], handle
+
+    def _collect_ranks(self, batches, rows, handle) -> list[StepOutput]:
+        samples = self.runner.collect_ranks(handle) if self.overlap else handle
+        outputs = []
+        for batch, r, s in zip(batches, rows, samples):
+            outputs += self._collect(batch, r, s[:len(batch)], read=False)
         return outputs
 
     def _launch(self, batch) -> tuple:
@@ -308,9 +327,10 @@ class Engine:
                 seq.pending_row = b
                 seq.final = self._at_length(seq, seq.num_tokens)
 
-    def _collect(self, batch, rows, handle) -> list[StepOutput]:
-        """Read a launched step's samples back; append them, check stops, offer full blocks."""
-        samples = self.runner.collect(handle) if self.overlap else handle
+    def _collect(self, batch, rows, handle, read: bool = True) -> list[StepOutput]:
+        """Read a launched step's samples back (read=False: handle is the samples); append them,
+        check stops, offer full blocks."""
+        samples = self.runner.collect(handle) if self.overlap and read else handle
         now = time.monotonic()
         outputs = []
         for (seq, n), sample in zip(batch, samples):

@@ -229,3 +229,30 @@ def test_build_and_inspect_flags(flags, message, tiny_model, tmp_path, capsys):
     assert [json.loads(p.read_text())["parallel"]["dp"] for p in plans] == [2, 2]
     text = inspect(model_dir=str(d), phases=["decode"], data_parallel_size=2, enable_expert_parallel=True)
     assert "rank 1 of 2 (tp 1, ep 2, dp 2)" in text and "dp_dispatch" in text and "dp_combine" in text
+
+
+def test_overlapped_data_parallel_steps_give_the_synchronous_tokens(tiny_model, rng):
+    """Overlapped steps over data-parallel ranks (runtime/engine.py): step N + 1 is launched
+    before step N is read, each rank's fed rows taking the tokens that rank sampled (here the
+    simulated ranks compute at launch, as ComputedAtLaunch does on one rank). Greedy and seeded
+    sampling give the synchronous steps' tokens."""
+    from families import engine_tokens
+    from infc.runtime.reference.ranks import rank_runner
+    from infc.runtime.safetensors_io import Checkpoint
+    from infc.runtime.sampling import SamplingParams
+    from infc.runtime.weights import load_weights
+    d, _ = tiny_model("qwen3_moe")
+    plans = [p for _, p in compile_ranks(settings(**dp(2)), model_dir=str(d))]
+    weights = [load_weights(p, Checkpoint(d)) for p in plans]
+    prompts = [[int(t) for t in rng.integers(0, 320, n)] for n in (9, 3, 14, 5, 1)]
+    params = [SamplingParams(max_tokens=int(rng.integers(3, 9)), ignore_eos=True,
+                             **({"temperature": 0.9, "seed": i} if i % 2 else {"temperature": 0}))
+              for i in range(len(prompts))]
+    got = {}
+    for overlap in (False, True):
+        runner = rank_runner(plans, weights, 32)
+        runner.can_overlap = True
+        got[overlap] = engine_tokens(runner, prompts, params, max_model_len=256, max_num_seqs=4,
+                                     max_num_batched_tokens=16, overlap=overlap)
+    assert got[True] == got[False]
+    assert [len(got[True][f"r{i}"]) for i in range(len(prompts))] == [p.max_tokens for p in params]

@@ -140,11 +140,29 @@ def rank_runner(plans: list[dict], weights: list[dict], num_pages: int, page_siz
             # one page past num_pages: data-parallel pad rows write it (runtime/step.py pad_ranks)
             self.executor.allocate_pages(num_pages + 1, page_size)
             self.dp_world = (plans[0].get("parallel") or {}).get("dp", 1)
+            self._last_ranks = None
 
         def execute_ranks(self, metas, sampling):
             """A data-parallel step (engine.Engine): each rank's samples from its own logits."""
             logits = self.executor.step_paged_ranks(metas)
             return [[None if s is None else sample_row(lg[b], s) for b, s in enumerate(rows)]
                     for lg, rows in zip(logits, sampling)]
+
+        def launch_ranks(self, metas, sampling, feeds):
+            """execute_ranks computed at launch (ComputedAtLaunch's way, a rank at a time): each
+            rank's fed rows take the tokens that rank sampled in the step launched before."""
+            last = self._last_ranks
+            metas = list(metas)
+            for r, feed in enumerate(feeds):
+                if feed:
+                    metas[r] = StepMeta(**{**vars(metas[r]), "tokens": metas[r].tokens.copy()})
+                    for row, prev in feed:
+                        metas[r].tokens[row] = last[r][prev].token
+            self._last_ranks = self.execute_ranks(metas, sampling)
+            return self._last_ranks
+
+        @staticmethod
+        def collect_ranks(samples):
+            return samples
 
     return RankRunner()
