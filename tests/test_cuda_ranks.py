@@ -585,6 +585,23 @@ def _read(ctx, b: "object", dims):
     return ctx.get(b.ptr, shape, b.dtype)
 
 
+def _check_every_collective(ctx, group) -> list:
+    """Hold every collective the group issues (each step's, graph replays included) to the numpy
+    reference's bits; -> the list of the ops checked so far."""
+    checked = []
+
+    def observe(op, cls, dims):
+        ins = [[_read(ctx, b, dims) for b in c.inputs] for c in cls]
+        want = _ref(op, ins, cls[0].attrs, len(cls))
+        for r, c in enumerate(cls):
+            for i, o in enumerate(c.outputs):
+                _assert_bits(_read(ctx, o, dims), want[r][i], o.dtype, f"{c.where} rank {r}")
+        checked.append(op)
+
+    group.observe = observe
+    return checked
+
+
 @pytest.mark.parametrize("family,par", [("qwen3", dict(tensor_parallel_size=2)),
                                         ("qwen3_moe", dict(tensor_parallel_size=2, enable_expert_parallel=True))],
                          ids=["qwen3-tp2", "qwen3_moe-tp2-ep2"])
@@ -600,17 +617,7 @@ def test_lockstep_ranks_on_a_fake_device(fake_device, artifacts, monkeypatch, fa
                                               max_num_seqs=2, buckets=[1, 2], ctx=ctx)
     assert ranks.world == 2 and [r.plan["parallel"]["rank"] for r in ranks.runners] == [0, 1]
     assert len(FakeGraph.captured) >= 2 and ranks.graphs.keys() == {1, 2}
-    checked = []
-
-    def observe(op, cls, dims):     # every collective of every step: the numpy reference's bits
-        ins = [[_read(ctx, b, dims) for b in c.inputs] for c in cls]
-        want = _ref(op, ins, cls[0].attrs, len(cls))
-        for r, c in enumerate(cls):
-            for i, o in enumerate(c.outputs):
-                _assert_bits(_read(ctx, o, dims), want[r][i], o.dtype, f"{c.where} rank {r}")
-        checked.append(op)
-
-    ranks.group.observe = observe
+    checked = _check_every_collective(ctx, ranks.group)
     plans = [r.plan for r in ranks.runners]
     ref = RankExecutor(plans, [load_weights(p, Checkpoint(d)) for p in plans])
     pages, page_size = {}, ranks.page_size
@@ -661,17 +668,7 @@ def test_data_parallel_ranks_on_a_fake_device(fake_device, artifacts, monkeypatc
     ranks = fake_device.ranks.DeviceCopyRanks(art, d, num_pages=8, max_num_batched_tokens=16,
                                               max_num_seqs=4, buckets=[1, 2], ctx=ctx)
     assert [r.plan["parallel"]["dp"] for r in ranks.runners] == [2, 2]
-    checked = []
-
-    def observe(op, cls, dims):
-        ins = [[_read(ctx, b, dims) for b in c.inputs] for c in cls]
-        want = _ref(op, ins, cls[0].attrs, len(cls))
-        for r, c in enumerate(cls):
-            for i, o in enumerate(c.outputs):
-                _assert_bits(_read(ctx, o, dims), want[r][i], o.dtype, f"{c.where} rank {r}")
-        checked.append(op)
-
-    ranks.group.observe = observe
+    checked = _check_every_collective(ctx, ranks.group)
     plans = [r.plan for r in ranks.runners]
     ref = RankExecutor(plans, [load_weights(p, Checkpoint(d)) for p in plans])
     ref.allocate_pages(ranks.num_pages + 1, ranks.page_size)

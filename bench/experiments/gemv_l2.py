@@ -21,19 +21,12 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
-from plan_kernels import plain_launch, plan_kernel
+from plan_kernels import busy, plain_launch, plan_kernel
 
 SHAPES = {"qkv": ("wqkv", 2560, 6144), "o_proj": ("wo", 4096, 2560), "down": ("wd", 9728, 2560)}
 REPS, BUSY_US = 200, 11.0
 
 
-@triton.jit
-def busy(out_ptr, iters, BLOCK: tl.constexpr):
-    """Registers only: iters dependent FMAs per lane, one store at the end."""
-    x = tl.arange(0, BLOCK).to(tl.float32)
-    for _ in range(iters):
-        x = x * 0.999 + 0.5
-    tl.store(out_ptr + tl.program_id(0) * BLOCK + tl.arange(0, BLOCK), x)
 
 
 @triton.jit

@@ -23,15 +23,17 @@ checked against torch in every variant.
     python3 bench/experiments/gemv_prefetch.py OUT_DIR     # on the GPU (torch + triton there)
 """
 import json
+from functools import partial
 import sys
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
-from plan_kernels import plain_launch, plan_kernel
+from plan_kernels import busy, graph_us as time_layers, plain_launch, plan_kernel
 
 LAYERS, REPS, BUSY, CHUNK, NEXT_MB = 24, 30, 32, 16384, 16
+graph_us = partial(time_layers, layers=LAYERS, reps=REPS)     # us a layer
 
 # one lane a 128-byte line; predicated off past the end
 LINE_ASM = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2::evict_last [$1]; }"
@@ -41,13 +43,6 @@ BULK_ASM = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $3, 0; @p cp.async.bulk.
             " mov.u32 $0, 0;")
 
 
-@triton.jit
-def busy(out_ptr, iters, BLOCK: tl.constexpr):
-    """Registers only: iters dependent FMAs per lane, one store at the end."""
-    x = tl.arange(0, BLOCK).to(tl.float32)
-    for _ in range(iters):
-        x = x * 0.999 + 0.5
-    tl.store(out_ptr + tl.program_id(0) * BLOCK + tl.arange(0, BLOCK), x)
 
 
 @triton.jit
@@ -109,21 +104,6 @@ def main(out: Path):
            "chunk": CHUNK, "next_mb": NEXT_MB, "l2_bytes": torch.cuda.get_device_properties(0).L2_cache_size,
            "runs": []}
 
-    def graph_us(body):
-        body()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            body()
-        ts = []
-        for _ in range(REPS):
-            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t0.record()
-            g.replay()
-            t1.record()
-            torch.cuda.synchronize()
-            ts.append(t0.elapsed_time(t1) * 1e3 / LAYERS)
-        return sorted(ts)[len(ts) // 2]
 
     # the busy stand-in's iteration count for ~target us
     def calibrate(target):

@@ -15,15 +15,17 @@ kernel ~1.5 us below the plan for o_proj: the floor at these sizes is the ramp, 
     python3 bench/experiments/gemv_yardstick.py OUT_DIR    # on the GPU (torch + triton there)
 """
 import json
+from functools import partial
 import sys
 from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
-from plan_kernels import plain_launch, plan_kernel
+from plan_kernels import graph_us as time_layers, plain_launch, plan_kernel
 
 LAYERS, REPS = 24, 30
+graph_us = partial(time_layers, layers=LAYERS, reps=REPS)     # us a layer
 # weight name in the plan -> (K, N); gate_up is the gated GEMV ([gate | up] rows, F outputs)
 LINEARS = {"wqkv": "qkv", "wo": "o_proj", "wgu": "gate_up", "wd": "down"}
 
@@ -36,22 +38,6 @@ def read_w(w_ptr, sink_ptr, n, BLOCK: tl.constexpr):
         acc += tl.load(w_ptr + offs, mask=offs < n, other=0.0, eviction_policy="evict_first").to(tl.float32)
     tl.store(sink_ptr + tl.program_id(0), tl.sum(acc, 0))
 
-
-def graph_us(body):
-    body()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        body()
-    ts = []
-    for _ in range(REPS):
-        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0.record()
-        g.replay()
-        t1.record()
-        torch.cuda.synchronize()
-        ts.append(t0.elapsed_time(t1) * 1e3 / LAYERS)
-    return sorted(ts)[len(ts) // 2]
 
 
 def main(out: Path):

@@ -1,6 +1,6 @@
 """The committed qwen3-4b plan's kernels for the experiments that time them beside variants:
 a layer launch's generated Triton source as a module, and a plain launch of it on torch tensors
-(JIT-compiled by the GPU machine's Triton)."""
+(JIT-compiled by the GPU machine's Triton); and what those experiments time them with."""
 import ast
 import importlib.util
 import json
@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 import triton
+import triton.language as tl
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -47,3 +48,32 @@ def plain_launch(mod, meta, src: dict, T: int = 1, B: int = 1):
         kw["PDL"] = False
     fn = getattr(mod, meta["entry"])
     return lambda: fn[grid](*args, **kw)
+
+
+def graph_us(body, layers: int, reps: int) -> float:
+    """body() (a pass over `layers` layers) captured in one CUDA Graph: the median of `reps`
+    replays, us a layer."""
+    body()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        body()
+    ts = []
+    for _ in range(reps):
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        g.replay()
+        t1.record()
+        torch.cuda.synchronize()
+        ts.append(t0.elapsed_time(t1) * 1e3 / layers)
+    return sorted(ts)[len(ts) // 2]
+
+
+@triton.jit
+def busy(out_ptr, iters, BLOCK: tl.constexpr):
+    """Registers only: iters dependent FMAs per lane, one store at the end (a stand-in for a
+    kernel that keeps SMs busy without HBM traffic, such as batch-1 attention)."""
+    x = tl.arange(0, BLOCK).to(tl.float32)
+    for _ in range(iters):
+        x = x * 0.999 + 0.5
+    tl.store(out_ptr + tl.program_id(0) * BLOCK + tl.arange(0, BLOCK), x)

@@ -2,7 +2,7 @@
 runner directly (the engine adds scheduling, prefix caching and stop handling on top)."""
 import numpy as np
 
-from infc.runtime.step import Chunk, build_step
+from infc.runtime.step import Chunk, build_step, pad_ranks
 
 
 class Pages:
@@ -43,3 +43,14 @@ def step(runner, pages: Pages, chunks: list[Chunk]) -> np.ndarray:
     meta = build_step(chunks, pages.of.__getitem__, pages.page_size,
                       slot_of=(lambda seq: pages.slot(seq, n)) if n else None)
     return runner.logits(meta).copy()
+
+
+def rank_steps(pages: list[Pages], per_rank: list[list[Chunk]], spare: int) -> list:
+    """Data-parallel ranks' steps: rank r's chunks over its own pages, every step padded alike
+    (runtime/step.py pad_ranks; pad rows write page `spare`, the runner's spare page)."""
+    metas = []
+    for p, chunks in zip(pages, per_rank):
+        for c in chunks:
+            p.ensure(c.seq_id, c.start + len(c.tokens))
+        metas.append(build_step(chunks, p.of.__getitem__, p.page_size))
+    return pad_ranks(metas, spare, pages[0].page_size)

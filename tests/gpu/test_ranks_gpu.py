@@ -27,7 +27,7 @@ import pytest
 
 import models
 import prepare
-from driver_loop import Pages, step
+from driver_loop import Pages, rank_steps, step
 from infc.runtime.step import Chunk, build_step
 
 KW = dict(max_num_batched_tokens=1024, max_num_seqs=8, num_pages=256, buckets=[1, 2, 4, 8])
@@ -144,7 +144,6 @@ def test_data_parallel_ranks_give_the_whole_logits(name):
     gate's bounds; decode steps replay the ranks' graph."""
     from infc.runtime.cuda.ranks import DeviceCopyRanks
     from infc.runtime.cuda.runner import CudaRunner
-    from infc.runtime.step import pad_ranks
     md = model_dir(name)
     with closing(CudaRunner(artifact(name, "whole"), md, **KW)) as whole, \
             closing(DeviceCopyRanks(artifact(name, "dp2"), md, **KW)) as ranks:
@@ -156,12 +155,7 @@ def test_data_parallel_ranks_give_the_whole_logits(name):
         spare, worst = ranks.num_pages, {}
 
         def run(per_rank):
-            metas = []
-            for r, chunks in enumerate(per_rank):
-                for c in chunks:
-                    pr[r].ensure(c.seq_id, c.start + len(c.tokens))
-                metas.append(build_step(chunks, pr[r].of.__getitem__, ranks.page_size))
-            metas = pad_ranks(metas, spare, ranks.page_size)
+            metas = rank_steps(pr, per_rank, spare)
             T = metas[0].T
             got = ranks.logits_ranks(metas)
             flat = [c for cs in per_rank for c in cs]

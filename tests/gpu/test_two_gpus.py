@@ -159,21 +159,16 @@ def run_data_parallel(runner, seqs, batch: int) -> list:
     rank prefills its `batch` of a group then decodes them forced, every step padded alike
     (runtime/step.py pad_ranks). Each row samples greedily with its top-8 logprobs, which is what
     the gate reads: -> per sequence, per position, [(token, logprob)] best first."""
-    from driver_loop import Pages
+    from driver_loop import Pages, rank_steps
     from infc.runtime.runner import RowSampling
     from infc.runtime.sampling import SamplingParams
-    from infc.runtime.step import Chunk, build_step, pad_ranks
+    from infc.runtime.step import Chunk
     pages = [Pages(runner.num_pages, runner.page_size) for _ in range(2)]
     row = RowSampling(SamplingParams(temperature=0, logprobs=8), seed=0, step=0)
     got = [[] for _ in seqs]
 
     def step(per_rank):
-        metas = []
-        for r, chunks in enumerate(per_rank):
-            for c in chunks:
-                pages[r].ensure(c.seq_id, c.start + len(c.tokens))
-            metas.append(build_step(chunks, pages[r].of.__getitem__, runner.page_size))
-        metas = pad_ranks(metas, runner.num_pages, runner.page_size)
+        metas = rank_steps(pages, per_rank, runner.num_pages)
         rows = [[row] * len(cs) + [None] * (m.B - len(cs)) for cs, m in zip(per_rank, metas)]
         for cs, samples in zip(per_rank, runner.execute_ranks(metas, rows)):
             for c, s in zip(cs, samples):
