@@ -31,3 +31,24 @@ def test_the_step_clock_reads_synchronous_steps_too():
     assert sum(v["tokens"] for v in steps["phases"].values()) == 8 * 40 + 8 * 5
     assert sum(v["steps"] for v in steps["phases"].values()) == len(runner.steps)
     assert "execute" not in vars(runner)
+
+
+def test_the_step_clock_reads_data_parallel_steps(tiny_model):
+    """Data-parallel ranks run a step as execute_ranks: the clock times those (rank 0's padded
+    step: every rank's has its T), and every token computed lands in a phase."""
+    from infc.compiler.parallel import compile_ranks, settings
+    from infc.runtime.engine import Engine
+    from infc.runtime.reference.ranks import rank_runner
+    from infc.runtime.safetensors_io import Checkpoint
+    from infc.runtime.weights import load_weights
+    d, _ = tiny_model("qwen3_moe")
+    plans = [p for _, p in compile_ranks(settings(data_parallel_size=2, enable_expert_parallel=True),
+                                         model_dir=str(d))]
+    runner = rank_runner(plans, [load_weights(p, Checkpoint(d)) for p in plans], 64)
+    engine = Engine(runner, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
+    p = run_point(engine, runner.vocab_size, 2, 12, 3, np.random.default_rng(0), total=4)
+    steps = p["steps"]
+    assert p["requests"] == 4 and steps["execute_s"] > 0
+    # each step is counted once at the padded T: at least the two ranks' share of 4 x (12 + 2)
+    assert sum(v["tokens"] for v in steps["phases"].values()) >= 2 * (12 + 2)
+    assert "execute_ranks" not in vars(runner)
