@@ -19,6 +19,25 @@ and its rows' sampling; each rank samples its own rows and the worker's ACK carr
 which rank 0 reads before returning (a data-parallel step is never acknowledged lazily). A
 sequence lives on one rank: `free_on(rank, seq_id)` frees it there only.
 
+Overlapped data-parallel steps (`can_overlap`, the same rule as above): the engine calls
+`handle = launch_ranks(metas, sampling, feeds)` for step k + 1 before `collect_ranks(handle of
+step k)`, or collect_ranks(k) alone when it has nothing to launch; steps are collected in launch
+order, each once, and at most two are uncollected. feeds[r]: rank r's (row, prev_row) pairs, the
+rows whose token is what rank r sampled in row prev_row of its step before (a runner's `launch`
+feed). Each worker keeps at most one launched step pending and answers every frame once, in
+order:
+
+    DP_LAUNCH(k)   launch k (runner.launch); if step j is pending, collect it and answer with
+                   an ACK carrying j's samples, else with a bare ACK of k; k is now pending
+    DP_COLLECT(k)  k must be pending: answer with its samples; nothing is pending
+
+Rank 0 sends DP_LAUNCH, launches its own step and keeps its handle, and notes the answer each
+worker owes; collect_ranks(k) sends DP_COLLECT(k) only when no later step was launched, then
+reads each worker's owed answers in order up to the one with k's samples (bare ACKs are
+consumed; any other answer is a ChannelError) and collects rank 0's own. A shared or synchronous
+step (execute, launch, logits, execute_ranks) while such a step is uncollected is refused
+(RuntimeError, the ranks stay up); close() collects what is in flight first.
+
     runner = MultiProcessRunner("infc.runtime.rank_workers:nccl_rank_runner",
                                 {"artifact": ..., "model_dir": ..., "num_pages": ...}, world=2)
     engine = Engine(runner, ...)        # the runner interface: execute, page_size, num_pages, ...
@@ -39,6 +58,7 @@ go down and `on_failure(RankError)` is called (the backend marks the engine dead
 /health fails and `infc serve` exits without waiting for a request). A worker whose rank 0 goes
 away exits.
 """
+import collections
 import importlib
 import json
 import multiprocessing
@@ -161,6 +181,7 @@ def worker_main(host: str, port: int, token: str, rank: int, world: int, factory
     link = RankLink(rank, world, {0: step}, {0: coll}, timeout)
     runner = None
     stopped = False                    # a STOP from rank 0: every rank closes together
+    pending = None                     # (step, handle): a launched data-parallel step, uncollected
     try:
         runner = _load(factory)(rank, world, json.loads(config), link)
         freeze_startup()                # its steps' collections skip what loading made
@@ -170,6 +191,9 @@ def worker_main(host: str, port: int, token: str, rank: int, world: int, factory
                 kind, items = ch.recv(step, None, "rank 0")
             except ch.PeerGone:
                 return                                  # rank 0 exited: nothing left to serve
+            if pending is not None and kind not in (ch.DP_LAUNCH, ch.DP_COLLECT, ch.FREE, ch.STOP):
+                raise ch.ChannelError(f"a {ch.KIND_NAMES[kind]} frame while data-parallel step "
+                                      f"{pending[0]} is launched and uncollected")
             if kind == ch.STEP:
                 k, meta = ch.meta_of(kind, items)
                 runner.execute(meta, [None] * meta.B)   # rank 0 samples; this rank computes
@@ -178,6 +202,26 @@ def worker_main(host: str, port: int, token: str, rank: int, world: int, factory
                 # this rank's own sequences: it samples them itself, rank 0 gets the samples
                 k, meta, sampling = ch.dp_step_of(kind, items)
                 samples = runner.execute(meta, sampling)
+                ch.send_frame(step, ch.encode_samples(k, samples), "rank 0")
+            elif kind == ch.DP_LAUNCH:
+                # an overlapped data-parallel step: launch it (its fed tokens are this rank's
+                # samples of the step launched before), then answer with the samples of that step
+                # if rank 0 has not collected it yet (it waits for them), else with none
+                k, meta, sampling, feed = ch.dp_launch_of(kind, items)
+                handle = runner.launch(meta, sampling, feed)
+                if pending is not None:
+                    frame = ch.encode_samples(pending[0], runner.collect(pending[1]))
+                else:
+                    frame = ch.encode(ch.ACK, [("step", k)])
+                pending = (k, handle)
+                ch.send_frame(step, frame, "rank 0")
+            elif kind == ch.DP_COLLECT:
+                k = ch.dp_collect_of(kind, items)
+                if pending is None or pending[0] != k:
+                    raise ch.ChannelError(f"rank 0 collects data-parallel step {k}, this rank has "
+                                          f"{'none' if pending is None else pending[0]} launched")
+                samples = runner.collect(pending[1])
+                pending = None
                 ch.send_frame(step, ch.encode_samples(k, samples), "rank 0")
             elif kind == ch.LAUNCH:
                 # an overlapped step: this rank samples every row as rank 0 does (the same
@@ -252,6 +296,11 @@ class MultiProcessRunner:
         self._in_step: float | None = None         # when rank 0's current step began
         self._aborted: str | None = None           # why the watchdog aborted rank 0's runner
         self._busy = threading.Lock()              # held by a step (or a free) on rank 0
+        # overlapped data-parallel steps (launch_ranks / collect_ranks)
+        self._dp_flight: collections.deque = collections.deque()   # LaunchedRanks, launch order
+        self._dp_owed: collections.deque = collections.deque()     # every worker's answers owed:
+                                                   # (step, carries its samples)
+        self._dp_pending: int | None = None        # the step the workers hold, not asked for yet
         self.on_failure = None                     # on_failure(RankError): a death seen while idle
         cfg = json.dumps(config)
         token = secrets.token_hex(16)
@@ -410,7 +459,16 @@ class MultiProcessRunner:
             self._step += 1
             return fn()
         with self._busy:
+            self._refuse_in_flight()
             return self._guarded(step)
+
+    def _refuse_in_flight(self):
+        """A shared or synchronous step while an overlapped data-parallel step is uncollected is
+        a caller's error: refused before any rank sees it (the ranks stay up)."""
+        if self._dp_flight and self.error is None:
+            raise RuntimeError(f"data-parallel step {self._dp_flight[0].step} was launched by "
+                               f"launch_ranks and is not collected: collect_ranks it before "
+                               f"running another kind of step")
 
     def _guarded(self, fn):
         """fn() as a step as far as the watchdog is concerned (a worker that dies meanwhile aborts
@@ -438,7 +496,9 @@ class MultiProcessRunner:
         would only hand its tokens out a step later), unless INFC_RANK_OVERLAP=0;
         INFC_RANK_OVERLAP=1 overlaps any rank runner (tests of the frames). Every rank then samples
         each row as rank 0 does (a LAUNCH frame carries the rows; the ranks' logits are the same
-        bits), so that each can feed the next step's pending tokens on its own device."""
+        bits), so that each can feed the next step's pending tokens on its own device. The same
+        rule holds for data-parallel ranks (launch_ranks / collect_ranks), where each rank
+        samples and feeds its own rows."""
         from .runner import ComputedAtLaunch
         setting = os.environ.get("INFC_RANK_OVERLAP", "")
         if setting == "0" or not callable(getattr(self.runner, "launch", None)):
@@ -488,13 +548,14 @@ class MultiProcessRunner:
             self._acked = k
             return [list(mine)] + theirs
         with self._busy:
+            self._refuse_in_flight()
             return self._guarded(step)
 
     def _check_ranks(self, metas: list, sampling: list):
         """Refuse a malformed data-parallel step before any rank sees it (the ranks stay up)."""
         if self.dp_world == 1:
-            raise ValueError("execute_ranks runs data-parallel rank plans (parallel.dp > 1); these "
-                             "ranks share every step: use execute")
+            raise ValueError("execute_ranks and launch_ranks run data-parallel rank plans "
+                             "(parallel.dp > 1); these ranks share every step: use execute")
         if len(metas) != self.world or len(sampling) != self.world:
             raise ValueError(f"{len(metas)} steps and {len(sampling)} sampling lists for "
                              f"{self.world} ranks")
@@ -513,6 +574,99 @@ class MultiProcessRunner:
         if step != k or len(samples) != B:
             raise ch.ChannelError(f"rank {r} answered with {len(samples)} samples of step {step}, "
                                   f"expected {B} of step {k}")
+        return samples
+
+    # -- overlapped data-parallel steps ----------------------------------------------------------
+    def launch_ranks(self, metas: list, sampling: list, feeds: list) -> "LaunchedRanks":
+        """Launch a data-parallel step whose samples collect_ranks reads later (the engine
+        launches step k + 1 before it collects step k). metas, sampling: as execute_ranks;
+        feeds[r]: rank r's (row, prev_row) pairs, the rows of metas[r] whose token is what rank r
+        sampled in row prev_row of the step launched before (their token ids are placeholders),
+        as a runner's launch takes them. Each worker gets a DP_LAUNCH frame and launches the
+        step on its runner; rank 0 launches its own. At most two steps are uncollected at once.
+        Returns the step's handle for collect_ranks."""
+        self._check_ranks(metas, sampling)
+        if len(feeds) != self.world:
+            raise ValueError(f"{len(feeds)} feeds for {self.world} ranks")
+        with self._busy:
+            if len(self._dp_flight) >= 2 and self.error is None:
+                raise RuntimeError(f"data-parallel steps {[h.step for h in self._dp_flight]} are "
+                                   f"launched and uncollected: collect_ranks step "
+                                   f"{self._dp_flight[0].step} before launching another")
+
+            def step():
+                self._check_alive()
+                self._acks()                    # a lazily acknowledged `execute` before this one
+                k = self._step
+                frames = {r: ch.encode_dp_launch(metas[r], k, sampling[r], feeds[r])
+                          for r in self.step_socks}
+                for r, s in self.step_socks.items():
+                    ch.send_frame(s, frames[r], f"rank {r}")
+                self._step += 1
+                self._acked = k                 # its answers are read by collect_ranks
+                # a worker answers a DP_LAUNCH with the samples of the step it holds launched
+                # (collected there now), else with a bare ACK of this step
+                self._dp_owed.append((k, False) if self._dp_pending is None else (self._dp_pending, True))
+                self._dp_pending = k
+                handle = LaunchedRanks(self, k, [m.B for m in metas])
+                self._dp_flight.append(handle)
+                handle.mine = self.runner.launch(metas[0], sampling[0], feeds[0])
+                return handle
+            return self._guarded(step)
+
+    def collect_ranks(self, handle: "LaunchedRanks") -> list:
+        """Every rank's samples of a step launch_ranks launched, [[Sample | None] * metas[r].B]
+        per rank; steps are collected in launch order, each once. The workers' samples come in
+        the answer to the next step's DP_LAUNCH, or, when no later step was launched, to a
+        DP_COLLECT sent now; rank 0's from its runner's collect."""
+        with self._busy:
+            if not isinstance(handle, LaunchedRanks) or handle.owner is not self:
+                raise ValueError("collect_ranks takes a handle this runner's launch_ranks returned")
+            if handle.collected:
+                raise RuntimeError(f"data-parallel step {handle.step} was collected already")
+            if self.error is None and (not self._dp_flight or self._dp_flight[0] is not handle):
+                first = self._dp_flight[0].step if self._dp_flight else None
+                raise RuntimeError(f"data-parallel steps are collected in launch order: step "
+                                   f"{first} before step {handle.step}")
+
+            def step():
+                self._check_alive()
+                k = handle.step
+                if self._dp_pending == k:       # no later step launched: ask for this one's samples
+                    frame = ch.encode_dp_collect(k)
+                    for r, s in self.step_socks.items():
+                        ch.send_frame(s, frame, f"rank {r}")
+                    self._dp_owed.append((k, True))
+                    self._dp_pending = None
+                mine = self.runner.collect(handle.mine)
+                theirs = {}
+                while True:                     # the answers owed before this step's samples
+                    if not self._dp_owed:
+                        raise ch.ChannelError(f"no answer owed carries data-parallel step {k}'s samples")
+                    want, has = self._dp_owed.popleft()
+                    if has and want != k:
+                        raise ch.ChannelError(f"the samples of data-parallel step {want} are owed "
+                                              f"before those of step {k} (collected out of order)")
+                    for r in self.procs:
+                        samples = self._dp_reply(r, want, has, handle.B[r])
+                        if has:
+                            theirs[r] = samples
+                    if has:
+                        break
+                self._dp_flight.popleft()
+                handle.collected = True
+                return [list(mine)] + [theirs[r] for r in range(1, self.world)]
+            return self._guarded(step)
+
+    def _dp_reply(self, r: int, step: int, has: bool, B: int):
+        """Worker r's next answer to a DP_LAUNCH / DP_COLLECT: step's samples (has), else the
+        bare ACK of launched step `step`."""
+        kind, items = self._recv(r, self.step_timeout)
+        got, samples = ch.dp_reply_of(kind, items)
+        if got != step or (samples is not None) != has or (has and len(samples) != B):
+            said = "no samples" if samples is None else f"{len(samples)} samples"
+            raise ch.ChannelError(f"rank {r} answered with {said} of step {got}, expected "
+                                  f"{f'{B} samples' if has else 'no samples'} of step {step}")
         return samples
 
     # -- frees ------------------------------------------------------------------------------------
@@ -608,6 +762,8 @@ class MultiProcessRunner:
         communicator is aborted."""
         if self.error is None:
             try:
+                while self._dp_flight:          # launched data-parallel steps: finish them first
+                    self.collect_ranks(self._dp_flight[0])
                 self._acks()
             except BaseException as e:
                 self._down(e)
@@ -620,6 +776,19 @@ class MultiProcessRunner:
             close(graceful)
         if graceful:
             self._stop_workers(graceful=True)
+
+
+class LaunchedRanks:
+    """A data-parallel step launch_ranks launched: the handle collect_ranks takes."""
+    __slots__ = ("owner", "step", "B", "mine", "collected")
+
+    def __init__(self, owner, step: int, B: list):
+        self.owner, self.step, self.B = owner, step, B      # B: each rank's rows
+        self.mine = None                                    # rank 0's runner's handle
+        self.collected = False
+
+    def __repr__(self):
+        return f"LaunchedRanks(step={self.step}, B={self.B}{', collected' if self.collected else ''})"
 
 
 # -- factories --------------------------------------------------------------------------------

@@ -23,10 +23,20 @@ Kinds (rank 0 -> worker unless said):
              samples every row (encode_launch / launch_of)
     DP_STEP  a STEP's items and its rows' sampling, logprobs included: a data-parallel rank's
              own step, which that rank samples (encode_dp_step / dp_step_of)
+    DP_LAUNCH
+             a DP_STEP's items and its fed tokens (as LAUNCH's): an overlapped data-parallel
+             step, launched on that rank; the ACK answering it carries the samples of the step
+             that rank launched before if that is still uncollected, else none
+             (encode_dp_launch / dp_launch_of)
+    DP_COLLECT
+             step index: collect that launched data-parallel step (the last one launched); its
+             ACK carries its samples (encode_dp_collect / dp_collect_of)
     FREE     seq_ids i64 [n]: forget these sequences
     STOP     (nothing): every rank closes together
     ACK      worker -> rank 0: step index (startup: -1 and the runner's shape); a DP_STEP's
-             also carries the rank's samples (encode_samples / samples_of)
+             also carries the rank's samples (encode_samples / samples_of); a DP_LAUNCH's or
+             DP_COLLECT's carries the samples of the step its index names, or (a DP_LAUNCH with
+             no step pending) the launched step's index alone (dp_reply_of)
     ERROR    worker -> rank 0: message, the worker's traceback
     HELLO    worker -> rank 0 on connecting: token, rank, role
     ARRAYS   either way: a collective's inputs (the CPU exchange)
@@ -50,10 +60,11 @@ _LEN = struct.Struct("<Q")
 MAX_FRAME = 1 << 34                  # 16 GiB: a corrupt length prefix is refused, not allocated
 
 # kinds
-STEP, FREE, STOP, ACK, ERROR, HELLO, ARRAYS, BYTES, LAUNCH, DP_STEP = range(1, 11)
+STEP, FREE, STOP, ACK, ERROR, HELLO, ARRAYS, BYTES, LAUNCH, DP_STEP, DP_LAUNCH, DP_COLLECT = range(1, 13)
 KIND_NAMES = {STEP: "step", FREE: "free", STOP: "stop", ACK: "ack", ERROR: "error",
               HELLO: "hello", ARRAYS: "arrays", BYTES: "bytes", LAUNCH: "launch",
-              DP_STEP: "data-parallel step"}
+              DP_STEP: "data-parallel step", DP_LAUNCH: "data-parallel launch",
+              DP_COLLECT: "data-parallel collect"}
 
 # item tags
 _INT, _STR, _NONE, _ARR = range(1, 5)
@@ -185,7 +196,7 @@ def decode_step(frame) -> tuple[int, StepMeta]:
 
 
 def meta_of(kind: int, items: list) -> tuple[int, StepMeta]:
-    if kind in (LAUNCH, DP_STEP):                 # a step frame with the rows' sampling after it
+    if kind in (LAUNCH, DP_STEP, DP_LAUNCH):      # a step frame with the rows' sampling after it
         items = items[:1 + len(_META_FIELDS)]
     elif kind != STEP:
         raise ChannelError(f"expected a step frame, got {KIND_NAMES[kind]}")
@@ -208,6 +219,8 @@ _ROW_FIELDS = [("row", "<i4"), ("temperature", "<f8"), ("top_k", "<i4"), ("top_p
                ("feed", "<i4")]
 # a data-parallel rank samples its own rows for the engine: logprobs too (-1: none), no feed
 _DP_ROW_FIELDS = [f for f in _ROW_FIELDS if f[0] != "feed"] + [("logprobs", "<i4")]
+# an overlapped data-parallel step: those and the fed tokens
+_DP_LAUNCH_FIELDS = _DP_ROW_FIELDS + [("feed", "<i4")]
 
 
 def _row_items(sampling: list, fields: list, feed=()) -> list:
@@ -288,6 +301,51 @@ def dp_step_of(kind: int, items: list) -> tuple[int, StepMeta, list]:
     k, meta = meta_of(kind, items)
     sampling, _ = _rows_of("data-parallel step", items[1 + len(_META_FIELDS):], _DP_ROW_FIELDS, meta.B)
     return k, meta, sampling
+
+
+# -- overlapped data-parallel steps: launched on each rank, their samples read a step later -------
+def encode_dp_launch(meta: StepMeta, step: int, sampling: list, feed) -> bytes:
+    """A DP_LAUNCH frame: a DP_STEP frame's items (the rows' sampling, logprobs included), then
+    `feed` as a LAUNCH frame has it: the (row, prev_row) pairs whose tokens are what this rank
+    sampled in row prev_row of the step it launched before."""
+    if len(sampling) != meta.B:
+        raise ChannelError(f"{len(sampling)} sampling rows for a step of {meta.B} sequences")
+    items = [("step", step)] + [(f, getattr(meta, f)) for f in _META_FIELDS]
+    return encode(DP_LAUNCH, items + _row_items(sampling, _DP_LAUNCH_FIELDS, feed))
+
+
+def dp_launch_of(kind: int, items: list) -> tuple[int, StepMeta, list, list]:
+    """A DP_LAUNCH frame's items -> (step, meta, sampling rows [RowSampling | None] * B, feed)."""
+    if kind != DP_LAUNCH:
+        raise ChannelError(f"expected a data-parallel launch frame, got {KIND_NAMES[kind]}")
+    k, meta = meta_of(kind, items)
+    sampling, d = _rows_of("data-parallel launch", items[1 + len(_META_FIELDS):], _DP_LAUNCH_FIELDS,
+                           meta.B)
+    feed = [tuple(f) for f in d["feed"].tolist()]
+    if any(not 0 <= row < meta.T or prev < 0 for row, prev in feed):
+        raise ChannelError(f"a data-parallel launch frame feeds {feed} into a step of {meta.T} tokens")
+    return k, meta, sampling, feed
+
+
+def encode_dp_collect(step: int) -> bytes:
+    """A DP_COLLECT frame: collect launched data-parallel step `step`."""
+    return encode(DP_COLLECT, [("step", step)])
+
+
+def dp_collect_of(kind: int, items: list) -> int:
+    """A DP_COLLECT frame's items -> the step to collect."""
+    if kind != DP_COLLECT or [n for n, _ in items] != ["step"] or not isinstance(items[0][1], int):
+        raise ChannelError(f"expected a data-parallel collect frame with its step, got "
+                           f"{KIND_NAMES[kind]} with {[n for n, _ in items]}")
+    return items[0][1]
+
+
+def dp_reply_of(kind: int, items: list) -> tuple[int, list | None]:
+    """A worker's answer to DP_LAUNCH / DP_COLLECT -> (step, samples [Sample | None] * B), or
+    (the launched step, None) for a DP_LAUNCH's ACK that carries no samples."""
+    if kind == ACK and [n for n, _ in items] == ["step"]:
+        return items[0][1], None
+    return samples_of(kind, items)
 
 
 _SAMPLE_FIELDS = ["step", "token", "logprob", "top_n", "top_token", "top_logprob"]

@@ -2,6 +2,7 @@
 each rank runs its own padded step and samples its own rows; the workers' samples come back in
 their ACK frames (runtime/step_channel.py DP_STEP / encode_samples, no pickle), checked against
 the in-process simulated ranks (runtime/reference/ranks.py step_paged_ranks) on the same steps."""
+import collections
 import json
 import time
 
@@ -303,3 +304,346 @@ def test_a_worker_that_raises_in_a_data_parallel_step_is_a_rank_error(tiny_model
             runner.free_on(1, 0)
     finally:
         runner.close()
+
+
+# -- overlapped data-parallel steps (launch_ranks / collect_ranks) -----------------------------
+def test_dp_launch_and_collect_frames_round_trip(rng):
+    meta = _meta(rng, 4)
+    rows = [RowSampling(SamplingParams(temperature=0.5, top_k=3, top_p=0.8, min_p=0.1, logprobs=2),
+                        (1 << 65) + 1, 6, (4,)),
+            None, greedy(), None]
+    feed = [(int(meta.last_rows[0]), 2), (int(meta.last_rows[2]), 0)]
+    kind, items = ch.decode(ch.encode_dp_launch(meta, 23, rows, feed))
+    assert kind == ch.DP_LAUNCH and ch.KIND_NAMES[kind] == "data-parallel launch"
+    k, back, sampling, got_feed = ch.dp_launch_of(kind, items)
+    assert k == 23 and got_feed == feed and ch.meta_of(kind, items)[0] == 23
+    _same_meta(meta, back)
+    assert [s is None for s in sampling] == [False, True, False, True]
+    a = sampling[0]
+    assert (a.seed, a.step, a.banned) == ((1 << 65) + 1, 6, (4,))
+    assert (a.params.temperature, a.params.top_k, a.params.top_p, a.params.min_p, a.params.logprobs) \
+        == (0.5, 3, 0.8, 0.1, 2)                  # logprobs too: the rank samples for the engine
+    assert sampling[2].params.logprobs is None
+    k, back, sampling, got_feed = ch.dp_launch_of(*ch.decode(ch.encode_dp_launch(meta, 0, [None] * 4, [])))
+    assert sampling == [None] * 4 and got_feed == []                        # an idle rank's step
+    with pytest.raises(ch.ChannelError, match="3 sampling rows for a step of 4"):
+        ch.encode_dp_launch(meta, 0, rows[:3], feed)
+    with pytest.raises(ch.ChannelError, match="feeds"):
+        ch.dp_launch_of(*ch.decode(ch.encode_dp_launch(meta, 0, rows, [(meta.T, 0)])))
+    with pytest.raises(ch.ChannelError, match="sampling fields"):
+        ch.dp_launch_of(kind, items[:-1])
+    with pytest.raises(ch.ChannelError, match="expected a data-parallel launch"):
+        ch.dp_launch_of(*ch.decode(ch.encode_dp_step(meta, 0, rows)))
+    with pytest.raises(ch.ChannelError, match="expected a data-parallel step"):
+        ch.dp_step_of(kind, items)
+    # DP_COLLECT: the step index alone
+    kind, items = ch.decode(ch.encode_dp_collect(41))
+    assert kind == ch.DP_COLLECT and ch.dp_collect_of(kind, items) == 41
+    with pytest.raises(ch.ChannelError, match="data-parallel collect"):
+        ch.dp_collect_of(ch.ACK, items)
+    with pytest.raises(ch.ChannelError, match="data-parallel collect"):
+        ch.dp_collect_of(kind, [("step", "41")])
+    # the workers' answers: a bare ACK (nothing collected) or a step's samples
+    assert ch.dp_reply_of(*ch.decode(ch.encode(ch.ACK, [("step", 7)]))) == (7, None)
+    samples = [Sample(3, -0.5, [(3, -0.5)]), None]
+    assert ch.dp_reply_of(*ch.decode(ch.encode_samples(6, samples))) == (6, samples)
+    with pytest.raises(ch.ChannelError, match="ack of a data-parallel step"):
+        ch.dp_reply_of(ch.ACK, [("step", 7), ("num_pages", 3)])
+
+
+def drive(runner, ranks, schedule, overlapped: bool, base: int, frees=None) -> tuple[dict, list]:
+    """Run `schedule` as an engine would: each entry is a step, every rank's items (a new
+    sequence: (name, prompt); a decoding one: its name; every chunk samples its next token), or
+    None: collect the step in flight alone. Overlapped: step k + 1 is launched before step k is
+    collected, a sequence whose last token is in flight is fed it (`feed`, a 0 in its row);
+    else execute_ranks with the real tokens. frees: {schedule index: names} freed (free_on)
+    right after that step is launched. -> ({name: its sampled tokens}, the launched handles)."""
+    seqs, out, handles, in_flight = {}, {}, [], None
+
+    def take(step, metas, names, samples):
+        assert [len(s) for s in samples] == [m.B for m in metas]
+        for r, rank_names in enumerate(names):
+            for b, name in enumerate(rank_names):
+                s = seqs[name]
+                s["toks"].append(samples[r][b].token)
+                out[name].append(samples[r][b].token)
+                if s["pending"] == (step, b):
+                    s["pending"] = None
+            assert samples[r][len(rank_names):] == [None] * (len(samples[r]) - len(rank_names))
+
+    for i, plan in enumerate(schedule):
+        launched = None
+        if plan is not None:
+            per_rank, feeds, names = [], [], []
+            for r, items in enumerate(plan):
+                chunks, feed, rank_names, at = [], [], [], 0
+                for it in items:
+                    if isinstance(it, tuple):
+                        name, prompt = it
+                        seqs[name] = {"rank": r, "id": base + len(seqs), "toks": list(prompt), "n": 0,
+                                      "pending": None}
+                        out[name] = []
+                    else:
+                        name = it
+                    s = seqs[name]
+                    tokens = s["toks"][s["n"]:]
+                    if s["pending"] is not None:          # its token is still in flight
+                        assert overlapped and not tokens and s["pending"][0] == handles[-1].step
+                        feed.append((at, s["pending"][1]))
+                        tokens = [0]
+                    chunks.append(Chunk(s["id"], tokens, s["n"]))
+                    s["n"] += len(tokens)
+                    rank_names.append(name)
+                    at += len(tokens)
+                per_rank.append(chunks)
+                feeds.append(feed)
+                names.append(rank_names)
+            metas = ranks.metas(per_rank)
+            sampling = [[greedy()] * len(c) + [None] * (m.B - len(c)) for c, m in zip(per_rank, metas)]
+            if overlapped:
+                h = runner.launch_ranks(metas, sampling, feeds)
+                handles.append(h)
+                launched = (h, metas, names)
+                for r, rank_names in enumerate(names):
+                    for b, name in enumerate(rank_names):
+                        seqs[name]["pending"] = (h.step, b)
+            else:
+                assert not any(feeds)
+                take(None, metas, names, runner.execute_ranks(metas, sampling))
+            for name in (frees or {}).get(i, ()):
+                runner.free_on(seqs[name]["rank"], seqs[name]["id"])
+        if overlapped and in_flight is not None:
+            h, metas, names = in_flight
+            take(h.step, metas, names, runner.collect_ranks(h))
+        in_flight = launched
+    assert in_flight is None
+    return out, handles
+
+
+def test_overlapped_data_parallel_steps_give_the_synchronous_tokens(tiny_model, tmp_path, rng, monkeypatch):
+    """Steps launched one ahead of their collect (launch_ranks / collect_ranks over DP_LAUNCH and
+    DP_COLLECT frames), sequences decoding with their tokens fed from the step before on their
+    own rank, an idle rank, a sequence freed while steps are in flight, a step collected alone,
+    then a launch after that: every rank's greedy tokens are those of the same steps run
+    synchronously by execute_ranks with the real tokens."""
+    monkeypatch.setenv("INFC_RANK_OVERLAP", "1")
+    d, _ = tiny_model("qwen3_moe")
+    _, paths = write_plans(d, tmp_path)
+    a, b, c, e = ([int(t) for t in rng.integers(0, 320, n)] for n in (9, 4, 3, 6))
+    schedule = [
+        [[("A", a)], [("B", b)]],             # 0: prefills
+        [["A"], ["B"]],                       # 1: decodes, fed from step 0 (launched before its collect)
+        [["A"], ["B", ("C", c)]],             # 2: rank 1 decodes B and prefills C
+        [[], ["B", "C"]],                     # 3: rank 0 idles
+        [[("D", e)], ["B"]],                  # 4: rank 0 prefills D; C is freed (after this launch)
+        None,                                 # step 4 collected alone: DP_COLLECT
+        [["D"], ["B"]],                       # 5: launched with nothing in flight, the real tokens
+        [["D"], []],                          # 6: rank 1 idles
+        None,
+    ]
+    collected_alone = []
+    encode_dp_collect = ch.encode_dp_collect
+    monkeypatch.setattr(ch, "encode_dp_collect",
+                        lambda k: collected_alone.append(k) or encode_dp_collect(k))
+    runner = processes(d, paths)
+    ranks = Ranks(2)
+    try:
+        assert runner.can_overlap and runner.dp_world == 2
+        got, handles = drive(runner, ranks, schedule, True, 0, frees={4: ["C"]})
+        assert [h.step for h in handles] == list(range(7)) and all(h.collected for h in handles)
+        assert collected_alone == [4, 6]
+        assert not runner._dp_flight and not runner._dp_owed and runner._dp_pending is None
+        want, _ = drive(runner, ranks, schedule, False, 100)          # execute_ranks after launches
+        assert {k: len(v) for k, v in got.items()} == {"A": 3, "B": 6, "C": 2, "D": 3}
+        assert got == want
+        # overlapped again after synchronous steps; closed with that step in flight
+        more, _ = drive(runner, ranks, [[[("E", b)], [("F", a)]], [["E"], ["F"]], None], True, 200)
+        assert more == {"E": want["B"][:2], "F": want["A"][:2]}   # the same prompts, the same tokens
+        h = runner.launch_ranks(*_one_step(ranks))
+        assert not h.collected
+    finally:
+        runner.close()
+    assert h.collected and not runner._dp_flight                       # close collected it
+    assert all(p.exitcode == 0 for p in runner.procs.values())
+
+
+def _one_step(ranks):
+    metas = ranks.metas([[Chunk(300, [5, 6], 0)], [Chunk(301, [7], 0)]])
+    return metas, [[greedy()] + [None] * (m.B - 1) for m in metas], [[], []]
+
+
+def counting_launch_factory(rank, world, config, link):
+    """_Counting with the overlapped interface (computed at launch, as the CPU runner's)."""
+    from infc.runtime.runner import ComputedAtLaunch
+
+    class CountingLaunch(ComputedAtLaunch, _Counting):
+        pass
+    return CountingLaunch(rank, world)
+
+
+def test_overlapped_data_parallel_steps_are_collected_in_order_and_not_interleaved(monkeypatch):
+    """launch_ranks / collect_ranks' bookkeeping over three ranks: two steps in flight at most,
+    collected in launch order and once; any other step while one is in flight is refused with
+    the ranks still up; frees go through meanwhile; close() collects what is in flight."""
+    from infc.runtime.rank_workers import MultiProcessRunner
+    monkeypatch.setenv("INFC_RANK_OVERLAP", "1")
+    runner = MultiProcessRunner("test_rank_workers_dp:counting_launch_factory", {}, world=3,
+                                step_timeout=30, startup_timeout=120)
+    try:
+        assert runner.can_overlap and runner.dp_world == 3
+        one = build_step([Chunk(0, [1], 0)], lambda s: [0], 16)
+        two = build_step([Chunk(0, [1], 0), Chunk(1, [2], 0)], lambda s: [0, 1], 16)
+        row = RowSampling(SamplingParams(temperature=0.0), 1, 0)
+        rows = [[row, None], [None, row], [row, row]]
+
+        def launch():
+            return runner.launch_ranks([two, two, two], rows, [[], [], []])
+
+        h0, h1 = launch(), launch()
+        with pytest.raises(RuntimeError, match=r"steps \[0, 1\] are launched and uncollected: "
+                                               r"collect_ranks step 0 before launching another"):
+            launch()
+        in_flight = "data-parallel step 0 was launched by launch_ranks and is not collected"
+        with pytest.raises(RuntimeError, match=in_flight):
+            runner.execute_ranks([two] * 3, rows)
+        with pytest.raises(RuntimeError, match=in_flight):
+            runner.execute(one, [row])
+        with pytest.raises(RuntimeError, match=in_flight):
+            runner.launch(one, [row])
+        with pytest.raises(RuntimeError, match="launch order: step 0 before step 1"):
+            runner.collect_ranks(h1)
+        with pytest.raises(ValueError, match="a handle this runner's launch_ranks returned"):
+            runner.collect_ranks(object())
+        runner.free_on(2, 7)                                  # no answer owed: between the others'
+        assert runner.collect_ranks(h0) == [
+            [Sample(0, -0.0, []), None], [None, Sample(101, -0.5, [(1, -0.5)])],
+            [Sample(200, -1.0, [(2, -0.5)] * 2), Sample(201, -1.0, [(2, -0.5)] * 2)]]
+        with pytest.raises(RuntimeError, match="step 0 was collected already"):
+            runner.collect_ranks(h0)
+        assert runner.collect_ranks(h1)[2][0].token == 200    # computed at its launch: before the free
+        assert runner.collect_ranks(launch())[2][0].token == 210      # alone: DP_COLLECT
+        assert runner.error is None and not runner._dp_owed
+        # the other kinds of steps again, then overlapped steps after a lazily acknowledged one
+        assert runner.execute_ranks([two] * 3, rows)[2][1].token == 211
+        assert runner.execute(one, [row]) == [Sample(0, -0.0, [])]
+        with pytest.raises(ValueError, match="2 feeds for 3 ranks"):
+            runner.launch_ranks([two] * 3, rows, [[], []])
+        with pytest.raises(ValueError, match="rank 1: 1 sampling rows for a step of 2"):
+            runner.launch_ranks([two] * 3, [[row, row], [row], [row, row]], [[]] * 3)
+        h3 = launch()
+        assert runner.collect_ranks(h3)[1][1].token == 101
+        h4, h5 = launch(), launch()
+    finally:
+        runner.close()
+    assert h4.collected and h5.collected                      # close collected them
+    assert all(p.exitcode == 0 for p in runner.procs.values())
+
+
+def _raising_in(where: str):
+    def factory(rank, world, config, link):
+        """The reference rank runner, whose rank 1 raises in its second launch or first collect."""
+        from infc.runtime.rank_workers import reference_rank_runner
+        runner = reference_rank_runner(rank, world, config, link)
+        fn, calls = getattr(runner, where), []
+
+        def flaky(*a):
+            calls.append(1)
+            if rank == 1 and len(calls) == (2 if where == "launch" else 1):
+                raise RuntimeError(f"rank 1 lost its experts in {where}")
+            return fn(*a)
+        setattr(runner, where, flaky)
+        return runner
+    return factory
+
+
+raising_launch_factory = _raising_in("launch")
+raising_collect_factory = _raising_in("collect")
+
+
+@pytest.mark.parametrize("where", ["launch", "collect"])
+def test_a_worker_that_raises_in_an_overlapped_data_parallel_step_is_a_rank_error(
+        where, tiny_model, tmp_path, monkeypatch):
+    """Rank 1 raises launching step 1 (rank 0's launch_ranks fails: its collectives lose rank 1)
+    or collecting step 0 while it launches step 1 (rank 0's collect_ranks of step 0 reads the
+    error instead of the samples): a RankError naming rank 1 and its error, and the ranks down."""
+    from infc.runtime.rank_workers import RankError
+    monkeypatch.setenv("INFC_RANK_OVERLAP", "1")
+    d, _ = tiny_model("qwen3_moe")
+    _, paths = write_plans(d, tmp_path)
+    runner = processes(d, paths, factory=f"test_rank_workers_dp:raising_{where}_factory", step_timeout=30)
+    ranks = Ranks(2)
+    try:
+        metas = ranks.metas([[Chunk(0, [1, 2, 3], 0)], [Chunk(0, [4, 5], 0)]])
+        h0 = runner.launch_ranks(metas, [[greedy()], [greedy(), None]], [[], []])
+        metas = ranks.metas([[Chunk(0, [0], 3)], [Chunk(0, [0], 2)]])
+        step1 = (metas, [[greedy()], [greedy()]], [[(0, 0)], [(0, 0)]])
+        said = rf"rank 1 \(pid \d+\) failed: RuntimeError: rank 1 lost its experts in {where}"
+        t = time.monotonic()
+        if where == "launch":
+            with pytest.raises(RankError, match=said):
+                runner.launch_ranks(*step1)
+        else:
+            h1 = runner.launch_ranks(*step1)
+            with pytest.raises(RankError, match=said):
+                runner.collect_ranks(h0)
+            with pytest.raises(RankError, match="the ranks are down"):
+                runner.collect_ranks(h1)
+        assert time.monotonic() - t < 10
+        with pytest.raises(RankError, match="the ranks are down"):
+            runner.collect_ranks(h0)
+        with pytest.raises(RankError, match="the ranks are down"):
+            runner.launch_ranks(*step1)
+        with pytest.raises(RankError, match="the ranks are down"):
+            runner.execute_ranks(*step1[:2])
+    finally:
+        runner.close()
+    assert runner.procs[1].exitcode == 1
+
+
+def test_a_worker_killed_between_launch_and_collect_is_a_rank_error(monkeypatch):
+    """A worker that dies while a launched data-parallel step waits to be collected: the
+    watchdog (or the collect, whichever sees it first) takes the ranks down, and collect_ranks
+    raises a RankError naming the rank."""
+    from infc.runtime.rank_workers import MultiProcessRunner, RankError
+    monkeypatch.setenv("INFC_RANK_OVERLAP", "1")
+    runner = MultiProcessRunner("test_rank_workers_dp:counting_launch_factory", {}, world=2,
+                                step_timeout=30, startup_timeout=120)
+    try:
+        two = build_step([Chunk(0, [1], 0), Chunk(1, [2], 0)], lambda s: [0, 1], 16)
+        row = RowSampling(SamplingParams(temperature=0.0), 1, 0)
+        h0 = runner.launch_ranks([two, two], [[row, row], [row, None]], [[], []])
+        h1 = runner.launch_ranks([two, two], [[row, row], [row, None]], [[(0, 0)], [(0, 0)]])
+        assert runner.collect_ranks(h0)[1] == [Sample(100, -0.5, [(1, -0.5)]), None]
+        runner.procs[1].kill()
+        t = time.monotonic()
+        with pytest.raises(RankError, match=r"rank 1 \(pid \d+\) died \(killed by SIGKILL\)"):
+            runner.collect_ranks(h1)
+        assert time.monotonic() - t < 10
+    finally:
+        runner.close()
+
+
+def test_the_engine_overlaps_data_parallel_steps_over_rank_processes(tiny_model, rng, monkeypatch):
+    """The engine over two CPU rank processes of a data-parallel plan (load_backend, as `infc
+    serve --data-parallel-size 2 --enable-expert-parallel` starts them), overlapped steps forced
+    on (INFC_RANK_OVERLAP=1): the tokens of synchronous steps, greedy and seeded."""
+    from families import engine_tokens
+    from infc.backend import load_backend
+    from infc.runtime.sampling import SamplingParams
+    d, _ = tiny_model("qwen3_moe")
+    prompts = [[int(t) for t in rng.integers(0, 320, n)] for n in (6, 13, 2, 9)]
+    params = [SamplingParams(max_tokens=5, ignore_eos=True,
+                             **({"temperature": 0.8, "seed": i} if i % 2 else {"temperature": 0}))
+              for i in range(len(prompts))]
+    monkeypatch.setenv("INFC_RANK_OVERLAP", "1")
+    got = {}
+    for overlap in (False, True):
+        b = load_backend(d, device="cpu", asynchronous=False, log=None, max_model_len=256,
+                         num_gpu_blocks_override=64, data_parallel_size=2, enable_expert_parallel=True)
+        try:
+            assert b.engine.dp == 2
+            got[overlap] = engine_tokens(b.engine.runner, prompts, params, max_model_len=256,
+                                         max_num_batched_tokens=8, overlap=overlap)
+        finally:
+            b.engine.runner.close()
+    assert got[True] == got[False] and all(len(v) == 5 for v in got[True].values())
