@@ -6,7 +6,9 @@
     caches      name -> kind (paged per token | slot per sequence), shape, dtype, layers: the
                 per-sequence state the ops declare (runtime/caches.py lays it out)
     arena       bytes as bytes_per_token*T + bytes_per_seq*B + bytes
-    buffers     value -> shape, dtype, offset {T, B, bytes} (views: col_offset, row_stride)
+    buffers     value -> shape, dtype, offset {T, B, bytes} (views: col_offset, row_stride);
+                a data-parallel plan's buffers over every rank's rows have the dim G = world * T
+                (counted in the offsets' T coefficient; runtime/bind.py step_dims)
     programs    phase -> ordered launches; {"repeat": "layers", "schedule": [kind per layer],
                 "kinds": {kind: launches}} runs layer i with the launches of its kind
     short_tokens  a prefill or mixed step of at most this many tokens runs programs["short"]
@@ -14,9 +16,12 @@
     wide_tokens   a decode step of at least this many tokens runs programs["wide"]: the GEMVs'
                 row tiles for many sequences, the experts' grouped GEMMs
                 (select_kernels.WIDE_TOKENS_PER_EXPERT, WIDE_DENSE_TOKENS without experts)
-    parallel    (rank plans of `--tensor-parallel-size N` only) {world, rank, tp, ep}: this plan
-                is rank `rank`'s share (compiler/parallel.py); its collective launches have
-                backend "nccl" and no kernel
+    parallel    (rank plans of `--tensor-parallel-size N` / `--data-parallel-size N` only)
+                {world, rank, tp, ep[, dp]}: this plan is rank `rank`'s share (compiler/parallel.py);
+                its collective launches have backend "nccl" and no kernel. With dp, each rank runs
+                its own sequences over its own pages, its own step metadata (DESIGN.md's "rank 0
+                broadcasts each step's metadata; page ids are the same on every rank" holds for
+                tp / ep plans only)
 """
 import json
 
