@@ -98,6 +98,10 @@ class BlockManager:
             hits.append(page)
         return hits
 
+    def cached_blocks(self, seq: Sequence) -> int:
+        """How many of seq's leading full blocks this cache holds now (what admission would hit)."""
+        return len(self._cached_prefix(seq))
+
     # -- allocation ----------------------------------------------------------------------------
     def _take(self, page: int):
         b = self.blocks[page]

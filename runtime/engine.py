@@ -10,7 +10,8 @@ the block manager where its KV lives, and the runner (CPU reference or GPU) comp
 and samples. Not thread-safe: AsyncEngine drives it from a single thread.
 
 Data-parallel ranks (a runner with `dp_world` N > 1: attention data-parallel plans, compiler/
-parallel.py): every sequence lives on one rank, chosen at admission (the least loaded), with its
+parallel.py): every sequence lives on one rank, chosen at admission (the one whose prefix cache
+holds most of its prompt, else the least loaded), with its
 pages in that rank's block manager and its steps in that rank's scheduler; a step is every
 rank's batch at once, padded alike (runtime/step.py pad_ranks) and run by
 `runner.execute_ranks`, each rank sampling its own rows; overlapped where the runner has
@@ -191,7 +192,7 @@ class Engine:
             dec = IncrementalDecoder(self.tokenizer, params.skip_special_tokens) if self.tokenizer else None
             seqs.append(Sequence(self._next_seq, request_id, i, prompt_ids, params, seed, dec, arrival))
             self._next_seq += 1
-        rank = self._least_loaded()
+        rank = self._rank_for(seqs[0])
         for s in seqs:                    # siblings share the prompt's cached blocks: one rank
             s.rank = rank
         self.requests[request_id] = Request(request_id, prompt_ids, params, seqs, arrival)
@@ -199,10 +200,15 @@ class Engine:
         self._gauges()
         return request_id
 
-    def _least_loaded(self) -> int:
-        """The data-parallel rank with the fewest sequences waiting or running (lowest first)."""
-        loads = [len(s.waiting) + len(s.running) for s in self.schedulers]
-        return loads.index(min(loads))
+    def _rank_for(self, seq: Sequence) -> int:
+        """The data-parallel rank a new sequence runs on: the one whose prefix cache holds most of
+        its prompt (a prefix is cached on the rank that computed it), then the one with the fewest
+        sequences waiting or running, then the lowest."""
+        if self.dp == 1:
+            return 0
+        score = [(-bm.cached_blocks(seq), len(s.waiting) + len(s.running), r)
+                 for r, (bm, s) in enumerate(zip(self.bms, self.schedulers))]
+        return min(score)[2]
 
     def _sched(self, seq: Sequence) -> Scheduler:
         return self.schedulers[seq.rank]

@@ -256,3 +256,32 @@ def test_overlapped_data_parallel_steps_give_the_synchronous_tokens(tiny_model, 
                                      max_num_batched_tokens=16, overlap=overlap)
     assert got[True] == got[False]
     assert [len(got[True][f"r{i}"]) for i in range(len(prompts))] == [p.max_tokens for p in params]
+
+
+def test_a_repeated_prompt_goes_to_the_rank_that_cached_it(tiny_model, rng):
+    """A prefix is cached on the rank that computed it: a request whose prompt another rank holds
+    goes there (and hits), even when that rank is the busier one."""
+    from infc.runtime.engine import Engine
+    from infc.runtime.reference.ranks import rank_runner
+    from infc.runtime.safetensors_io import Checkpoint
+    from infc.runtime.sampling import SamplingParams
+    from infc.runtime.weights import load_weights
+    d, _ = tiny_model("qwen3_moe")
+    plans = [p for _, p in compile_ranks(settings(**dp(2)), model_dir=str(d))]
+    engine = Engine(rank_runner(plans, [load_weights(p, Checkpoint(d)) for p in plans], 32),
+                    max_model_len=256)
+    shared = [int(t) for t in rng.integers(0, 320, 40)]
+    sp = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    engine.add_request(shared + [1], sp, "first")                   # rank 0 (both idle)
+    while engine.has_unfinished():
+        engine.step()
+    engine.add_request([int(t) for t in rng.integers(0, 320, 9)], sp, "busy")   # rank 0: least loaded
+    engine.add_request(shared + [2], sp, "again")                   # rank 0 again: its cache has 2 blocks
+    assert [engine.requests[r].seqs[0].rank for r in ("busy", "again")] == [0, 0]
+    engine.add_request([int(t) for t in rng.integers(0, 320, 9)], sp, "other")  # no hit: rank 1
+    assert engine.requests["other"].seqs[0].rank == 1
+    done = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            done[o.request_id] = o
+    assert done["again"].num_cached_tokens == 32 and done["other"].num_cached_tokens == 0
