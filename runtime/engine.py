@@ -230,38 +230,21 @@ class Engine:
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        """Run a step; the outputs of the step (overlapped: of the step before) that sampled."""
-        if self.dp > 1:
-            return self._step_ranks()
-        batch = self.scheduler.schedule()
-        self.metrics.num_preemptions_total = self.scheduler.num_preemptions
-        if not batch and self.in_flight is None:
-            if self.scheduler.has_work():
-                raise RuntimeError("the scheduler made no progress with work waiting (a bug)")
-            return []
-        launched = self._launch(batch) if batch else None
-        outputs = self._collect(*self.in_flight) if self.in_flight is not None else []
-        self.in_flight = launched
-        if launched is not None and not self.overlap:
-            outputs += self._collect(*launched)
-            self.in_flight = None
-        self._gauges()
-        return outputs
-
-    def _step_ranks(self) -> list[StepOutput]:
-        """A data-parallel step: every rank's batch, padded alike, run together (overlapped: the
-        outputs of the step before)."""
+        """Run a step; the outputs of the step (overlapped: of the step before) that sampled. With
+        data-parallel ranks, a step is every rank's batch, padded alike, run together."""
         batches = [s.schedule() for s in self.schedulers]
         self.metrics.num_preemptions_total = sum(s.num_preemptions for s in self.schedulers)
         if not any(batches) and self.in_flight is None:
             if any(s.has_work() for s in self.schedulers):
-                raise RuntimeError("the schedulers made no progress with work waiting (a bug)")
+                raise RuntimeError("the scheduler made no progress with work waiting (a bug)")
             return []
-        launched = self._launch_ranks(batches) if any(batches) else None
-        outputs = self._collect_ranks(*self.in_flight) if self.in_flight is not None else []
+        launch, collect = (self._launch_ranks, self._collect_ranks) if self.dp > 1 else \
+            (lambda bs: self._launch(bs[0]), self._collect)
+        launched = launch(batches) if any(batches) else None
+        outputs = collect(*self.in_flight) if self.in_flight is not None else []
         self.in_flight = launched
         if launched is not None and not self.overlap:
-            outputs += self._collect_ranks(*launched)
+            outputs += collect(*launched)
             self.in_flight = None
         self._gauges()
         return outputs

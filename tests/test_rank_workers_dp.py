@@ -2,18 +2,16 @@
 each rank runs its own padded step and samples its own rows; the workers' samples come back in
 their ACK frames (runtime/step_channel.py DP_STEP / encode_samples, no pickle), checked against
 the in-process simulated ranks (runtime/reference/ranks.py step_paged_ranks) on the same steps."""
-import collections
-import json
 import time
 
 import numpy as np
 import pytest
 
-from infc.compiler.parallel import compile_ranks, settings
 from infc.runtime import step_channel as ch
 from infc.runtime.runner import RowSampling, Sample, sample_row
 from infc.runtime.sampling import SamplingParams
 from infc.runtime.step import Chunk, build_step, pad_ranks
+from test_rank_workers import write_plans as write_rank_plans
 
 FACTORY = "infc.runtime.rank_workers:reference_rank_runner"
 NUM_PAGES, PAGE_SIZE = 32, 16
@@ -89,14 +87,8 @@ def test_samples_round_trip_in_an_ack():
 
 # -- rank processes ---------------------------------------------------------------------------
 def write_plans(d, tmp_path) -> tuple[list, list[str]]:
-    plans = [p for _, p in compile_ranks(settings(data_parallel_size=2, enable_expert_parallel=True),
-                                         model_dir=str(d))]
-    paths = []
-    for r, p in enumerate(plans):
-        path = tmp_path / f"plan.rank{r}.json"
-        path.write_text(json.dumps(p))
-        paths.append(str(path))
-    return plans, paths
+    """The DP=2 rank plans of d, written for the rank processes."""
+    return write_rank_plans(d, tmp_path, data_parallel_size=2, enable_expert_parallel=True)
 
 
 def processes(d, paths, factory=FACTORY, **kw):
