@@ -1,8 +1,9 @@
 """Paged KV blocks: who holds which page, and the prefix cache over full blocks.
 
-A full block is named by a chained hash, sha256(parent block's hash + the block's token ids),
-so one hash stands for the whole prefix up to the block's end: two sequences whose hashes agree
-on block i agree on every token before it. A new sequence takes the longest chain of cached
+A full block is named by the hash of the whole prefix up to its end, sha256 of the token ids
+(int64) from token 0, so two sequences whose hashes agree on block i agree on every token before
+it. A sequence keeps the running hasher, so each token is hashed once (a 16k-token prompt in
+~0.35 ms: chaining sha256(parent hash + block) a block at a time cost 3x that). A new sequence takes the longest chain of cached
 blocks (a reference each) and computes only the rest; its very last token is always computed,
 since the step must produce logits to sample from.
 
@@ -23,13 +24,9 @@ import numpy as np
 from .sequence import Sequence
 
 
-def block_hash(parent: bytes, tokens) -> bytes:
-    return _chain(parent, np.asarray(tokens, np.int64).tobytes())
-
-
-def _chain(parent: bytes, block: bytes) -> bytes:
-    """The hash of a block whose tokens are `block` (int64 bytes) after the prefix `parent` names."""
-    return hashlib.sha256(parent + block).digest()
+def prefix_hash(tokens) -> bytes:
+    """The name of the block that ends the prefix `tokens` (every token from the first)."""
+    return hashlib.sha256(np.asarray(tokens, np.int64).tobytes()).digest()
 
 
 class Block:
@@ -73,18 +70,19 @@ class BlockManager:
 
     # -- hashes --------------------------------------------------------------------------------
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
-        """The chained hashes of seq's first num_blocks full blocks (extended as tokens arrive):
-        block_hash's bytes, with the new blocks' tokens converted in one numpy call rather than
-        one per block (a 16k-token prompt is 1,024 blocks at admission)."""
+        """The prefix hashes of seq's first num_blocks full blocks (extended as tokens arrive):
+        prefix_hash's bytes, the new blocks' tokens converted in one numpy call and fed to the
+        sequence's running hasher (a 16k-token prompt is 1,024 blocks at admission)."""
         hs, ps = seq.block_hashes, self.page_size
         first = len(hs)
         if first < num_blocks:
-            raw = np.asarray(seq.token_ids[first * ps:num_blocks * ps], np.int64).tobytes()
+            raw = memoryview(np.asarray(seq.token_ids[first * ps:num_blocks * ps], np.int64).tobytes())
             width = ps * 8
-            parent = hs[-1] if hs else b""
+            h = seq.block_hasher or hashlib.sha256()
             for j in range(num_blocks - first):
-                parent = _chain(parent, raw[j * width:(j + 1) * width])
-                hs.append(parent)
+                h.update(raw[j * width:(j + 1) * width])
+                hs.append(h.copy().digest())
+            seq.block_hasher = h
         return hs[:num_blocks]
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:

@@ -34,7 +34,8 @@ class Sequence:
                                                    # from admission until finish / abort / preemption
         self.num_computed_tokens = 0               # tokens whose KV is in the cache
         self.num_cached_tokens = 0                 # of those, prefix-cache hits at admission
-        self.block_hashes: list[bytes] = []        # chained hashes of its full blocks (lazily)
+        self.block_hashes: list[bytes] = []        # prefix hashes of its full blocks (lazily)
+        self.block_hasher = None                   # sha256 of the tokens hashed so far
         self.num_committed_blocks = 0              # full computed blocks offered to the cache
         self.pending = 0                           # sampled by a step in flight, not read back yet
         self.pending_row = -1                      # that step's row for this sequence

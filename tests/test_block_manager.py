@@ -2,7 +2,7 @@
 unreferenced cached blocks, and the accounting invariant after every sequence is released."""
 import pytest
 
-from infc.runtime.block_manager import BlockManager, block_hash
+from infc.runtime.block_manager import BlockManager, prefix_hash
 from infc.runtime.sampling import SamplingParams
 from infc.runtime.sequence import Sequence
 
@@ -22,27 +22,25 @@ def run(bm, s, budget=1 << 20):
     return n
 
 
-def test_hashes_are_chained():
-    a = block_hash(b"", [1, 2, 3, 4])
-    assert a == block_hash(b"", [1, 2, 3, 4])
-    assert a != block_hash(b"", [1, 2, 3, 5])
+def test_a_block_is_named_by_its_whole_prefix():
+    a = prefix_hash([1, 2, 3, 4])
+    assert a == prefix_hash([1, 2, 3, 4])
+    assert a != prefix_hash([1, 2, 3, 5])
     # the same tokens after a different prefix are a different block
-    assert block_hash(a, [5, 6, 7, 8]) != block_hash(block_hash(b"", [0, 2, 3, 4]), [5, 6, 7, 8])
+    assert prefix_hash([1, 2, 3, 4, 5, 6, 7, 8]) != prefix_hash([0, 2, 3, 4, 5, 6, 7, 8])
 
 
-def test_block_hashes_extend_as_the_chain_of_block_hash():
-    """The manager hashes a sequence's new blocks in one batch; the chain is block_hash's, block by
-    block, whether the blocks come at once or as the sequence grows."""
+def test_block_hashes_extend_as_the_sequence_grows():
+    """The manager hashes a sequence's new blocks in one batch through its running hasher; block
+    i is prefix_hash of the tokens up to its end, whether the blocks come at once or as the
+    sequence grows."""
     bm = BlockManager(64, PS)
     s = seq(list(range(100, 137)))                   # 9 full blocks and 1 token
-    want, parent = [], b""
-    for i in range(9):
-        parent = block_hash(parent, s.token_ids[i * PS:(i + 1) * PS])
-        want.append(parent)
+    want = [prefix_hash(s.token_ids[:(i + 1) * PS]) for i in range(9)]
     assert bm._hashes(s, 3) == want[:3]
     assert bm._hashes(s, 9) == want                  # extends the three already made
     s.token_ids += [7, 8, 9]                         # block 9 fills
-    assert bm._hashes(s, 10) == want + [block_hash(want[-1], [136, 7, 8, 9])]
+    assert bm._hashes(s, 10) == want + [prefix_hash(s.token_ids[:10 * PS])]
     assert bm._hashes(s, 2) == want[:2]
 
 
