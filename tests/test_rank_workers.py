@@ -493,20 +493,26 @@ def test_serve_flags_reach_the_backend():
     assert kw["data_parallel_size"] == 2 and kw["enable_expert_parallel"] is True
 
 
-@pytest.fixture
-def rank_server(tiny_model):
-    """(server thread, backend, runner): a tiny qwen3 served over two CPU rank processes."""
+SERVED_RANKS = {"tp2": ("qwen3", dict(tensor_parallel_size=2)),
+                # attention data-parallel: each rank its own sequences, the engine steps them all
+                "dp2-ep2": ("qwen3_moe", dict(data_parallel_size=2, enable_expert_parallel=True))}
+
+
+@pytest.fixture(params=list(SERVED_RANKS))
+def rank_server(tiny_model, request):
+    """(server thread, backend, runner): a tiny model served over two CPU rank processes, tensor-
+    or data-parallel."""
     from infc.backend import load_backend
     from infc.server.app import ServerConfig, ServerState, make_app
     from infc.server.serve import ServerThread
-    from test_server_support import request
-    d, _ = tiny_model("qwen3")
-    b = load_backend(d, device="cpu", log=None, max_model_len=256, num_gpu_blocks_override=64,
-                     tensor_parallel_size=2)
+    from test_server_support import request as http
+    family, par = SERVED_RANKS[request.param]
+    d, _ = tiny_model(family)
+    b = load_backend(d, device="cpu", log=None, max_model_len=256, num_gpu_blocks_override=64, **par)
     runner = b.engine.engine.runner
     t = ServerThread(make_app(ServerState(ServerConfig(served_model_names=["m"]), b))).start()
     try:
-        assert request(t.port, "GET", "/health")[0] == 200
+        assert http(t.port, "GET", "/health")[0] == 200
         yield t, b, runner
     finally:
         t.stop()
