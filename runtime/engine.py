@@ -11,11 +11,11 @@ and samples. Not thread-safe: AsyncEngine drives it from a single thread.
 
 Data-parallel ranks (a runner with `dp_world` N > 1: attention data-parallel plans, compiler/
 parallel.py): every sequence lives on one rank, chosen at admission (the one whose prefix cache
-holds most of its prompt, else the least loaded), with its
-pages in that rank's block manager and its steps in that rank's scheduler; a step is every
-rank's batch at once, padded alike (runtime/step.py pad_ranks) and run by
-`runner.execute_ranks`, each rank sampling its own rows; overlapped where the runner has
-`launch_ranks` / `collect_ranks` (each rank feeding its own pending tokens).
+holds most of its prompt, else the least loaded), with its pages in that rank's block manager and
+its steps in that rank's scheduler. A step is every rank's batch at once, padded alike
+(runtime/step.py pad_ranks) and run by `runner.execute_ranks`, each rank sampling its own rows;
+overlapped where the runner has `launch_ranks` / `collect_ranks` (each rank feeding its own
+pending tokens).
 
 Overlapped steps (a runner with `can_overlap`; INFC_OVERLAP=0 turns it off): step() schedules and
 launches step N + 1 before it reads step N's samples back, so the host's work between steps
@@ -127,7 +127,8 @@ class Engine:
         INFC_OVERLAP=0."""
         self.runner, self.tokenizer = runner, tokenizer
         self.dp = int(getattr(runner, "dp_world", 1) or 1)
-        self.overlap = overlaps(runner, overlap) and (self.dp == 1 or callable(getattr(runner, "launch_ranks", None)))
+        self.overlap = overlaps(runner, overlap) and (
+            self.dp == 1 or callable(getattr(runner, "launch_ranks", None)))
         self.in_flight = None                    # overlapped: (batch, rows, the runner's handle)
         self.eos_ids = set(eos_ids)
         self.max_model_len = max_model_len
