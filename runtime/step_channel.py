@@ -185,9 +185,14 @@ _META_TYPES = {f.name: (np.ndarray if "ndarray" in str(f.type) else f.type)
                for f in dataclasses.fields(StepMeta)}
 
 
+def _step_items(meta: StepMeta, step: int) -> list:
+    """What every step frame starts with: the step's index, then every StepMeta field by name."""
+    return [("step", step)] + [(f, getattr(meta, f)) for f in _META_FIELDS]
+
+
 def encode_step(meta: StepMeta, step: int = 0) -> bytes:
     """A STEP frame: the step's index, then every StepMeta field by name."""
-    return encode(STEP, [("step", step)] + [(f, getattr(meta, f)) for f in _META_FIELDS])
+    return encode(STEP, _step_items(meta, step))
 
 
 def decode_step(frame) -> tuple[int, StepMeta]:
@@ -271,8 +276,7 @@ def encode_launch(meta: StepMeta, step: int, sampling: list, feed) -> bytes:
     0 does (its logits are the same bits, so its tokens are too): each sampling row's index,
     temperature, top-k, top-p, min-p, seed (a decimal string: any Python int), step and banned
     ids; then `feed`, the (row, prev_row) pairs whose tokens come from the step before."""
-    items = [("step", step)] + [(f, getattr(meta, f)) for f in _META_FIELDS]
-    return encode(LAUNCH, items + _row_items(sampling, _ROW_FIELDS, feed))
+    return encode(LAUNCH, _step_items(meta, step) + _row_items(sampling, _ROW_FIELDS, feed))
 
 
 def launch_of(kind: int, items: list) -> tuple[int, StepMeta, list, list]:
@@ -285,13 +289,17 @@ def launch_of(kind: int, items: list) -> tuple[int, StepMeta, list, list]:
 
 
 # -- data-parallel steps: each rank its own step, sampled by that rank ---------------------------
+def _rank_step_items(meta: StepMeta, step: int, sampling: list) -> list:
+    """A data-parallel rank's step frame's first items; every row of its step has a sampling entry."""
+    if len(sampling) != meta.B:
+        raise ChannelError(f"{len(sampling)} sampling rows for a step of {meta.B} sequences")
+    return _step_items(meta, step)
+
+
 def encode_dp_step(meta: StepMeta, step: int, sampling: list) -> bytes:
     """A DP_STEP frame: the STEP frame's items, then the rows' sampling as in a LAUNCH frame plus
     each row's logprobs (-1: none), without fed tokens. sampling: [RowSampling | None] * meta.B."""
-    if len(sampling) != meta.B:
-        raise ChannelError(f"{len(sampling)} sampling rows for a step of {meta.B} sequences")
-    items = [("step", step)] + [(f, getattr(meta, f)) for f in _META_FIELDS]
-    return encode(DP_STEP, items + _row_items(sampling, _DP_ROW_FIELDS))
+    return encode(DP_STEP, _rank_step_items(meta, step, sampling) + _row_items(sampling, _DP_ROW_FIELDS))
 
 
 def dp_step_of(kind: int, items: list) -> tuple[int, StepMeta, list]:
@@ -308,10 +316,8 @@ def encode_dp_launch(meta: StepMeta, step: int, sampling: list, feed) -> bytes:
     """A DP_LAUNCH frame: a DP_STEP frame's items (the rows' sampling, logprobs included), then
     `feed` as a LAUNCH frame has it: the (row, prev_row) pairs whose tokens are what this rank
     sampled in row prev_row of the step it launched before."""
-    if len(sampling) != meta.B:
-        raise ChannelError(f"{len(sampling)} sampling rows for a step of {meta.B} sequences")
-    items = [("step", step)] + [(f, getattr(meta, f)) for f in _META_FIELDS]
-    return encode(DP_LAUNCH, items + _row_items(sampling, _DP_LAUNCH_FIELDS, feed))
+    return encode(DP_LAUNCH, _rank_step_items(meta, step, sampling)
+                  + _row_items(sampling, _DP_LAUNCH_FIELDS, feed))
 
 
 def dp_launch_of(kind: int, items: list) -> tuple[int, StepMeta, list, list]:
