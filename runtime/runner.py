@@ -42,6 +42,16 @@ class ComputedStep:
         return self.seconds * 1e3
 
 
+def feed_tokens(meta: StepMeta, feed, samples: list):
+    """Put the fed tokens in meta (a copy of its token ids): row `row` takes the token that
+    samples[prev] holds, for each (row, prev) pair of feed (what an overlapped step's engine
+    left as placeholders, the launch before's samples not read yet)."""
+    if feed:
+        meta.tokens = meta.tokens.copy()
+        for row, prev in feed:
+            meta.tokens[row] = samples[prev].token
+
+
 class ComputedAtLaunch:
     """The overlapped interface (launch / collect) over `execute`, computed at once: the engine's
     bookkeeping for overlapped steps (tokens fed from the step before, samples read one step
@@ -52,10 +62,7 @@ class ComputedAtLaunch:
     def launch(self, meta: StepMeta, sampling: list, feed=()) -> ComputedStep:
         """feed: (row, prev_row) pairs: token `row` is what the launch before sampled in its row
         prev_row (the engine has not read it yet and put a placeholder there)."""
-        if feed:
-            meta.tokens = meta.tokens.copy()
-            for row, prev in feed:
-                meta.tokens[row] = self._last.samples[prev].token
+        feed_tokens(meta, feed, self._last.samples if feed else None)
         t0 = time.perf_counter()
         samples = self.execute(meta, sampling)
         self._last = ComputedStep(meta, samples, time.perf_counter() - t0)

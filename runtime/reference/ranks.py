@@ -130,7 +130,7 @@ class RankExecutor:
 def rank_runner(plans: list[dict], weights: list[dict], num_pages: int, page_size: int = 16):
     """The engine's CPU runner (runtime/runner.py) over simulated ranks; rank 0's logits are
     sampled, as rank 0 owns the sampler on the GPUs."""
-    from ..runner import CPURunner, sample_row
+    from ..runner import CPURunner, feed_tokens, sample_row
 
     class RankRunner(CPURunner):
         def __init__(self):
@@ -151,13 +151,8 @@ def rank_runner(plans: list[dict], weights: list[dict], num_pages: int, page_siz
         def launch_ranks(self, metas, sampling, feeds):
             """execute_ranks computed at launch (ComputedAtLaunch's way, a rank at a time): each
             rank's fed rows take the tokens that rank sampled in the step launched before."""
-            last = self._last_ranks
-            metas = list(metas)
-            for r, feed in enumerate(feeds):
-                if feed:
-                    metas[r] = StepMeta(**{**vars(metas[r]), "tokens": metas[r].tokens.copy()})
-                    for row, prev in feed:
-                        metas[r].tokens[row] = last[r][prev].token
+            for r, (meta, feed) in enumerate(zip(metas, feeds)):
+                feed_tokens(meta, feed, self._last_ranks[r] if feed else None)
             self._last_ranks = self.execute_ranks(metas, sampling)
             return self._last_ranks
 
