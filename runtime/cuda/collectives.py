@@ -365,6 +365,12 @@ class NcclCollectives(Collectives):
         return fire
 
 
+def _shared_dims(op: str, dims: dict) -> dict:
+    """The dims every rank's launch of collective `op` agrees on: all of them, but a data-parallel
+    rank runs its own sequences (the same T, padded; its own B)."""
+    return {k: v for k, v in dims.items() if k != "B"} if op.startswith("dp_") else dims
+
+
 class DeviceCopyGroup:
     """The N ranks of a parallel plan on one GPU in one process: collectives by device copies and
     the helper kernels, issued once every rank has handed its buffers in (rank order)."""
@@ -395,10 +401,8 @@ class DeviceCopyGroup:
                                f"must run segment by segment: runtime/cuda/ranks.py)")
         if self.waiting:
             first, d0 = self.waiting[0]
-            # data-parallel ranks run their own sequences: the same T (padded), their own B
-            same = (lambda a, b: {k: v for k, v in a.items() if k != "B"} == {k: v for k, v in b.items() if k != "B"}) \
-                if cl.op.startswith("dp_") else (lambda a, b: a == b)
-            if (cl.op, cl.attrs, cl.layer) != (first.op, first.attrs, first.layer) or not same(dims, d0):
+            if (cl.op, cl.attrs, cl.layer) != (first.op, first.attrs, first.layer) or \
+                    _shared_dims(cl.op, dims) != _shared_dims(cl.op, d0):
                 raise RuntimeError(f"ranks diverge: rank 0 is at {first.where} {d0}, rank {rank} at "
                                    f"{cl.where} {dims}")
         self.waiting.append((cl, dict(dims)))
@@ -428,11 +432,10 @@ class DeviceCopyGroup:
             for r, c in enumerate(cls):
                 run_helper(self.ctx, c.helper("select"), stages, [o.ptr for o in c.outputs], dims, {"rank": r})
         elif op == "dp_combine":
-            T = dims["T"]
             for r, c in enumerate(cls):               # rank r's block of every rank's rows
-                share = c.outputs[0].nbytes(dims) // c.outputs[0].itemsize * cls[0].inputs[0].itemsize
+                share = c.outputs[0].numel(dims) * cls[0].inputs[0].itemsize
                 run_helper(self.ctx, c.helper("device_copy"), [d.inputs[0].ptr + r * share for d in cls],
-                           [c.outputs[0].ptr] * self.world, {"T": T})
+                           [c.outputs[0].ptr] * self.world, dims)
         else:
             raise NotImplementedError(f"{cls[0].where}: no device-copy implementation of '{op}'")
         self.issued += 1

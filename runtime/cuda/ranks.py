@@ -122,13 +122,13 @@ class DeviceCopyRanks:
             self.segments[phase] = segs
         return self.segments[phase]
 
-    def _lockstep(self, phase: str, dims):
-        """dims: one dict for every rank, or a list of them (data-parallel ranks: each its B)."""
+    def _lockstep(self, phase: str, dims: list[dict]):
+        """Every rank's program of `phase`, segment by segment; dims[r]: rank r's (data-parallel
+        ranks: each its own B)."""
         segs = self._segmented(phase)
-        per_rank = dims if isinstance(dims, list) else [dims] * self.world
         for i in range(len(segs[0])):
             for r, runner in enumerate(self.runners):
-                runner._launch_all(segs[r][i], per_rank[r])
+                runner._launch_all(segs[r][i], dims[r])
         assert not self.group.waiting, "a collective was left half issued"
 
     def _capture(self, bucket: int):
@@ -137,29 +137,19 @@ class DeviceCopyRanks:
         for r in self.runners:
             r._upload(r._metadata(padding_step(), bucket, bucket), dims)
         program = program_name(self.plan, "decode", bucket)      # "wide" for a wide bucket
-        self._lockstep(program, dims)
+        self._lockstep(program, [dims] * self.world)
         self.ctx.sync()
-        graph = Graph(self.ctx, lambda: self._lockstep(program, dims))
+        graph = Graph(self.ctx, lambda: self._lockstep(program, [dims] * self.world))
         self.graphs[bucket] = (graph, dims)
 
-    def _run_step(self, meta: StepMeta) -> tuple[int, int]:
-        self.ctx.ensure_current()
-        T, B = step_shape(meta, self.buckets, self.graphs)
-        dims = step_dims(self.plan, T, B)
-        self._keep = [r._upload(r._metadata(meta, T, B), dims) for r in self.runners]
-        if meta.phase == "decode" and T in self.graphs:
-            self.graphs[T][0].launch()
-        else:
-            self._lockstep(program_name(self.plan, meta.phase, T), dims)
-        return T, B
+    def _run_step(self, meta: StepMeta):
+        """Every rank runs meta (tensor / expert parallel: the same step on every rank)."""
+        self._run_ranks([meta] * self.world)
 
-    def logits_ranks(self, metas: list[StepMeta]) -> list[np.ndarray]:
-        """A data-parallel step: rank r runs metas[r] (its own sequences and pages; the ranks'
-        T already equal, runtime/step.py pad_step); every rank's logits [B_r, V]."""
-        if not (self.plan.get("parallel") or {}).get("dp"):
-            raise ValueError("logits_ranks runs data-parallel plans; this one shares every step")
+    def _run_ranks(self, metas: list[StepMeta]):
+        """Rank r runs metas[r] (the same T on every rank): the decode bucket's graph, or the
+        phase's program in lockstep, each rank at its own dims."""
         self.ctx.ensure_current()
-        metas = common_phase(metas)
         shapes = [step_shape(m, self.buckets, self.graphs) for m in metas]
         dims = [step_dims(self.plan, T, B) for T, B in shapes]
         self._keep = [r._upload(r._metadata(m, T, B), d) for r, m, (T, B), d in zip(self.runners, metas, shapes, dims)]
@@ -168,13 +158,24 @@ class DeviceCopyRanks:
             self.graphs[T][0].launch()
         else:
             self._lockstep(program_name(self.plan, metas[0].phase, T), dims)
-        out = []
+
+    def _read_logits(self, metas: list[StepMeta]) -> list[np.ndarray]:
+        """Every rank's logits of the step just run (f32 [B_r, V]), also kept in rank_logits."""
+        self.rank_logits = []
         for r, m in zip(self.runners, metas):
-            out.append(np.empty((m.B, self.vocab_size), np.float32))
-            self.ctx.dtoh(out[-1], r.logits_device)
+            self.rank_logits.append(np.empty((m.B, self.vocab_size), np.float32))
+            self.ctx.dtoh(self.rank_logits[-1], r.logits_device)
         self.ctx.sync()
-        self.rank_logits = out
-        return out
+        return self.rank_logits
+
+    def logits_ranks(self, metas: list[StepMeta]) -> list[np.ndarray]:
+        """A data-parallel step: rank r runs metas[r] (its own sequences and pages; the ranks'
+        T already equal, runtime/step.py pad_ranks); every rank's logits [B_r, V]."""
+        if not (self.plan.get("parallel") or {}).get("dp"):
+            raise ValueError("logits_ranks runs data-parallel plans; this one shares every step")
+        metas = common_phase(metas)
+        self._run_ranks(metas)
+        return self._read_logits(metas)
 
     @property
     def dp_world(self) -> int:
@@ -190,14 +191,7 @@ class DeviceCopyRanks:
     def logits(self, meta: StepMeta) -> np.ndarray:
         """Run a step; every rank's logits in rank_logits, rank 0's returned (f32 [B, V])."""
         self._run_step(meta)
-        V = self.vocab_size
-        self.rank_logits = []
-        for r in self.runners:
-            out = np.empty((meta.B, V), np.float32)
-            self.ctx.dtoh(out, r.logits_device)
-            self.rank_logits.append(out)
-        self.ctx.sync()
-        return self.rank_logits[0]
+        return self._read_logits([meta] * self.world)[0]
 
     def execute(self, meta: StepMeta, sampling: list[RowSampling | None]) -> list[Sample | None]:
         r0 = self.runners[0]
