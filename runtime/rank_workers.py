@@ -544,7 +544,7 @@ class MultiProcessRunner:
             self._step += 1
             # rank 0 runs its step first: the workers wait in its collectives until it does
             mine = self.runner.execute(metas[0], sampling[0])
-            theirs = [self._samples(r, k, metas[r].B) for r in range(1, self.world)]
+            theirs = [self._dp_reply(r, k, True, metas[r].B) for r in range(1, self.world)]
             self._acked = k
             return [list(mine)] + theirs
         with self._busy:
@@ -566,15 +566,6 @@ class MultiProcessRunner:
         for r, (m, rows) in enumerate(zip(metas, sampling)):
             if len(rows) != m.B:
                 raise ValueError(f"rank {r}: {len(rows)} sampling rows for a step of {m.B} sequences")
-
-    def _samples(self, r: int, k: int, B: int) -> list:
-        """Worker r's samples of data-parallel step k, from its ACK."""
-        kind, items = self._recv(r, self.step_timeout)
-        step, samples = ch.samples_of(kind, items)
-        if step != k or len(samples) != B:
-            raise ch.ChannelError(f"rank {r} answered with {len(samples)} samples of step {step}, "
-                                  f"expected {B} of step {k}")
-        return samples
 
     # -- overlapped data-parallel steps ----------------------------------------------------------
     def launch_ranks(self, metas: list, sampling: list, feeds: list) -> "LaunchedRanks":
@@ -659,8 +650,8 @@ class MultiProcessRunner:
             return self._guarded(step)
 
     def _dp_reply(self, r: int, step: int, has: bool, B: int):
-        """Worker r's next answer to a DP_LAUNCH / DP_COLLECT: step's samples (has), else the
-        bare ACK of launched step `step`."""
+        """Worker r's next answer to a DP_STEP / DP_LAUNCH / DP_COLLECT: step's samples (has),
+        else the bare ACK of launched step `step`."""
         kind, items = self._recv(r, self.step_timeout)
         got, samples = ch.dp_reply_of(kind, items)
         if got != step or (samples is not None) != has or (has and len(samples) != B):
