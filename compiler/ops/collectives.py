@@ -111,7 +111,7 @@ def ep_combine(ctx, y):
     return out
 
 
-def _equal_tokens(ctx, parts, what):
+def _equal_tokens(parts, what):
     rows = {np.asarray(p).shape[0] for p in parts}
     if len(rows) > 1:
         raise AssertionError(f"{what}: the ranks' steps have {sorted(rows)} tokens; data-parallel "
@@ -132,7 +132,7 @@ def _mask_local(rank, experts_per_rank, x, w, ids):
 
 def dp_dispatch(ctx, x, w, ids, experts_per_rank):
     xs, ws, idss = (_ranks(ctx, i, a) for i, a in enumerate((x, w, ids)))
-    _equal_tokens(ctx, xs, "dp_dispatch")
+    _equal_tokens(xs, "dp_dispatch")
     gather = lambda parts: np.concatenate([np.asarray(p) for p in parts], axis=0)  # noqa: E731
     return _mask_local(_rank(ctx), experts_per_rank, gather(xs).astype(np.float32), gather(ws), gather(idss))
 
@@ -151,13 +151,9 @@ def dp_combine(ctx, y):
 
 
 def _dp_dispatch_infer(types, attrs):
-    x, w, ids = types
-    expect(len(x.shape) == 2 and x.shape[0] == "T", f"dp_dispatch expects x[T, H], got {x}")
-    expect(w.shape == ids.shape and ids.shape[0] == "T",
-           f"dp_dispatch: routing weights {w} / ids {ids} do not match x {x}")
-    expect(isinstance(attrs["experts_per_rank"], int) and attrs["experts_per_rank"] > 0,
-           f"dp_dispatch: experts_per_rank must be a positive integer, got {attrs['experts_per_rank']}")
-    return [tt(("G", x.shape[1]), x.dtype), tt(("G", w.shape[1]), "f32"), tt(("G", ids.shape[1]), "i32")]
+    """ep_dispatch's outputs over every rank's rows: G for T."""
+    expect(types[0].shape[:1] == ("T",), f"dp_dispatch expects x[T, H], got {types[0]}")
+    return [tt(("G",) + t.shape[1:], t.dtype) for t in _dispatch_infer(types, attrs, "dp_dispatch")]
 
 
 def _dp_combine_infer(types, attrs):
@@ -166,13 +162,13 @@ def _dp_combine_infer(types, attrs):
     return [tt(("T", y.shape[1]), y.dtype)]
 
 
-def _dispatch_infer(types, attrs):
+def _dispatch_infer(types, attrs, op="ep_dispatch"):
     x, w, ids = types
-    expect(len(x.shape) == 2, f"ep_dispatch expects x[T, H], got {x}")
+    expect(len(x.shape) == 2, f"{op} expects x[T, H], got {x}")
     expect(w.shape == ids.shape and ids.shape[0] == x.shape[0],
-           f"ep_dispatch: routing weights {w} / ids {ids} do not match x {x}")
+           f"{op}: routing weights {w} / ids {ids} do not match x {x}")
     expect(isinstance(attrs["experts_per_rank"], int) and attrs["experts_per_rank"] > 0,
-           f"ep_dispatch: experts_per_rank must be a positive integer, got {attrs['experts_per_rank']}")
+           f"{op}: experts_per_rank must be a positive integer, got {attrs['experts_per_rank']}")
     return [x, tt(w.shape, "f32"), tt(ids.shape, "i32")]
 
 
