@@ -846,14 +846,12 @@ def _rank_executor_class():
             super().__init__(plan, weights, page_size)
             self.rank, self.world, self.exchange = rank, world, exchange
 
-        def _arena(self, ctx):
-            # the buffers over every rank's rows (G = world * T: data-parallel plans) are sized
-            # by ctx.world, so the step's context is this rank's before its arena is laid out
+        def _context(self, meta, storage):
+            ctx = super()._context(meta, storage)
             ctx.rank, ctx.world, ctx.exchange = self.rank, self.world, self.exchange
-            return super()._arena(ctx)
+            return ctx
 
         def _run(self, program, views, ctx):
-            ctx.rank, ctx.world, ctx.exchange = self.rank, self.world, self.exchange
             for launch, layer in unrolled(program):
                 ctx.layer = layer
                 op = REGISTRY[launch["op"]]

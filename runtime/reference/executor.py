@@ -185,8 +185,13 @@ class ReferenceExecutor:
                     continue
                 np.copyto(views[name], np.asarray(r).reshape(views[name].shape), casting="unsafe")
 
+    def _context(self, meta: StepMeta, storage) -> StepContext:
+        """The step's ctx (a rank's executor names its rank, world and exchange here, before the
+        arena is laid out: a data-parallel plan's buffers span world * T rows)."""
+        return StepContext(meta, storage)
+
     def _execute(self, meta: StepMeta, storage) -> np.ndarray:
-        ctx = StepContext(meta, storage)
+        ctx = self._context(meta, storage)
         views = self._arena(ctx)
         views["tokens"][...] = meta.tokens
         # the short program where the GPU runs it: the same ops, so the same references
