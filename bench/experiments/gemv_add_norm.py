@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
-from plan_kernels import plain_launch, plan_kernel
+from plan_kernels import graph_us, plain_launch, plan_kernel
 
 SHAPES = {"o_proj": ("wo", 4096, 2560), "down": ("wd", 9728, 2560)}
 LAYERS, REPS, EPS = 24, 50, 1e-6
@@ -176,22 +176,8 @@ def main(out: Path):
         e_fused(a, ws[0], y, x, nw, h)
         torch.cuda.synchronize()
         row["fused_err"] = [float((x.float() - s_ref.float()).abs().max()), float((h.float() - h_ref.float()).abs().max())]
-        for what, body in bodies.items():
-            body()                                   # compile, warm
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                body()
-            ts = []
-            for _ in range(REPS):
-                x.copy_(x0)                          # keep the residual stream finite
-                t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                t0.record()
-                g.replay()
-                t1.record()
-                torch.cuda.synchronize()
-                ts.append(t0.elapsed_time(t1) * 1e3 / LAYERS)
-            row["us_per_layer"][what] = sorted(ts)[len(ts) // 2]
+        for what, body in bodies.items():          # x reset before each replay: the residual stays finite
+            row["us_per_layer"][what] = graph_us(body, LAYERS, REPS, before=lambda: x.copy_(x0))
         u = row["us_per_layer"]
         row["norm_launch_us"] = u["plan"] - u["plan_gemv"]
         row["fold_cost_us"] = u["exp_fused"] - u["exp_gemv"]

@@ -50,9 +50,9 @@ def plain_launch(mod, meta, src: dict, T: int = 1, B: int = 1):
     return lambda: fn[grid](*args, **kw)
 
 
-def graph_us(body, layers: int, reps: int) -> float:
+def graph_us(body, layers: int, reps: int, before=None) -> float:
     """body() (a pass over `layers` layers) captured in one CUDA Graph: the median of `reps`
-    replays, us a layer."""
+    replays, us a layer; before() runs ahead of each replay, untimed."""
     body()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -60,6 +60,8 @@ def graph_us(body, layers: int, reps: int) -> float:
         body()
     ts = []
     for _ in range(reps):
+        if before is not None:
+            before()
         t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t0.record()
         g.replay()
