@@ -24,16 +24,19 @@ class StepClock:
     launches, sync, sampling). Overlapped steps (runner.launch / collect, engine.Engine): the
     engine prepares the next step while the GPU runs this one, so a step's execute is its time on
     the stream, read from the events around it when it is collected. Over ranks, rank 0's
-    execute includes waiting for the other ranks at each collective."""
+    execute includes waiting for the other ranks at each collective. Data-parallel ranks run
+    every rank's step in one execute_ranks / launch_ranks + collect_ranks: rank 0's is timed
+    (the ranks' T and phase are the same)."""
 
     def __init__(self, engine):
         self.runner = engine.runner
-        # data-parallel ranks run every rank's step in one execute_ranks (rank 0's meta is timed:
-        # the ranks' T and phase are the same)
-        self.name = "collect" if engine.overlap else "execute_ranks" if engine.dp > 1 else "execute"
+        ranks = "_ranks" if engine.dp > 1 else ""
+        self.name = ("collect" if engine.overlap else "execute") + ranks
         self.inner = getattr(self.runner, self.name)
         self.own = self.name in vars(self.runner)   # an instance attribute to put back
         self.steps: dict[str, list] = {}        # phase -> [(T, B, seconds)]
+        # INFC_COLLECTIVE_CLOCK=1 on ranks: rank 0's time in its collectives (eager steps)
+        self.collectives = getattr(getattr(self.runner, "runner", self.runner), "collective_clock", None)
 
     def _add(self, meta, seconds):
         self.steps.setdefault(meta.phase, []).append((meta.T, meta.B, seconds))
@@ -47,9 +50,12 @@ class StepClock:
 
         def collected(step):
             out = self.inner(step)
-            self._add(step.meta, step.gpu_ms() / 1e3)
+            mine = getattr(step, "mine", step)       # data-parallel: rank 0's launched step
+            self._add(mine.meta, mine.gpu_ms() / 1e3)
             return out
-        setattr(self.runner, self.name, collected if self.name == "collect" else executed)
+        setattr(self.runner, self.name, collected if self.name.startswith("collect") else executed)
+        if self.collectives is not None:
+            self.collectives.report()            # from this point's first step on
         return self
 
     def __exit__(self, *exc):
@@ -65,7 +71,10 @@ class StepClock:
                        "us_per_token": 1e6 * sum(s for _, _, s in v) / max(1, sum(t for t, _, _ in v))}
                   for ph, v in sorted(self.steps.items())}
         execute = sum(p["execute_s"] for p in phases.values())
-        return {"execute_s": execute, "host_s": wall - execute, "phases": phases}
+        out = {"execute_s": execute, "host_s": wall - execute, "phases": phases}
+        if self.collectives is not None:
+            out["collectives"] = self.collectives.report()
+        return out
 
 
 def run_point(engine, vocab: int, concurrency: int, in_len: int, out_len: int, rng, total: int | None = None):
@@ -189,6 +198,9 @@ def _sweep(a, b, conc, par, tag, gc_frozen: bool = False):
               f"{' (GPU idle; steps overlapped)' if engine.overlap else ''}; " + "; ".join(
             f"{ph}: {v['steps']} steps, {v['tokens']} tokens, {v['us_per_token']:.1f} us/token"
             for ph, v in st["phases"].items()), flush=True)
+        for program, ops in st.get("collectives", {}).items():
+            print(f"  collectives in {program} steps (rank 0's stream): " + ", ".join(
+                f"{op} {v['ms'] / 1e3:.2f} s over {v['launches']}" for op, v in ops.items()), flush=True)
         save("throughput", res, a.out)                    # every finished point survives a later failure
     path = save("throughput", res, a.out)
     plot(res, path.with_suffix(".png"))

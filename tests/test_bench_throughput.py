@@ -52,3 +52,52 @@ def test_the_step_clock_reads_data_parallel_steps(tiny_model):
     # each step is counted once at the padded T: at least the two ranks' share of 4 x (12 + 2)
     assert sum(v["tokens"] for v in steps["phases"].values()) >= 2 * (12 + 2)
     assert "execute_ranks" not in vars(runner)
+
+
+class _Launched:
+    """A data-parallel step's handle as MultiProcessRunner returns it: rank 0's step in `mine`."""
+
+    def __init__(self, metas, samples):
+        self.mine, self.samples = _RankStep(metas[0]), samples
+
+
+class _RankStep:
+    def __init__(self, meta):
+        self.meta = meta
+
+    def gpu_ms(self) -> float:
+        return 2.0
+
+
+class _OverlappedRanks:
+    """Two data-parallel ranks whose steps are launched and collected (overlapped), each taking
+    2 ms on rank 0's stream; every row samples token 1."""
+    can_overlap, dp_world = True, 2
+
+    def __init__(self, num_pages=1024, page_size=16):
+        self.num_pages, self.page_size, self.vocab_size = num_pages, page_size, 97
+        self.Ts = []
+
+    def launch_ranks(self, metas, sampling, feeds):
+        from infc.runtime.runner import Sample
+        self.Ts.append(metas[0].T)
+        return _Launched(metas, [[None if s is None else Sample(1) for s in rows] for rows in sampling])
+
+    def collect_ranks(self, handle):
+        return handle.samples
+
+
+def test_the_step_clock_reads_overlapped_data_parallel_steps():
+    """Overlapped data-parallel steps are collected by collect_ranks: the clock reads rank 0's
+    launched step (its meta and its time on the stream) from each handle, once a step."""
+    from infc.runtime.engine import Engine
+    runner = _OverlappedRanks()
+    engine = Engine(runner, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64)
+    assert engine.overlap
+    p = run_point(engine, runner.vocab_size, 4, 40, 6, np.random.default_rng(0))
+    steps = p["steps"]
+    assert p["requests"] == 8
+    assert sum(v["steps"] for v in steps["phases"].values()) == len(runner.Ts)
+    assert sum(v["tokens"] for v in steps["phases"].values()) == sum(runner.Ts)
+    assert abs(steps["execute_s"] - 2e-3 * len(runner.Ts)) < 1e-9
+    assert "collect_ranks" not in vars(runner)

@@ -19,6 +19,7 @@ from ..program import program_name, unrolled
 from ..runner import RowSampling, Sample, sample_row
 from ..step import StepMeta
 from .artifact import DTYPE_BYTES, load_kernels, load_plan
+from .collective_clock import CollectiveClock, enabled as collective_clock_enabled
 from .collectives import bind_collective
 from .driver import Context, DependentLaunch, Graph, launch
 from .sampler import GpuSampler, SamplerPending
@@ -111,6 +112,9 @@ class CudaRunner:
             plan = dict(plan, programs={p: v for p, v in plan["programs"].items() if p != "wide"})
         self.plan = plan
         self.collectives = collectives
+        # INFC_COLLECTIVE_CLOCK=1: each collective's time on this rank's stream (collective_clock.py)
+        self.collective_clock = (CollectiveClock(self.ctx) if collectives is not None
+                                 and collective_clock_enabled() else None)
         self.page_size = plan["build"]["page_size"]
         self.vocab_size = plan["config"]["V"]
         self.max_tokens = max(max_num_batched_tokens, max_num_seqs)
@@ -231,7 +235,10 @@ class CudaRunner:
         out = []
         for launch, layer in unrolled(self.plan["programs"][phase]):
             if launch["backend"] == "nccl":     # between ranks: runtime/cuda/collectives.py issues it
-                out.append((None, bind_collective(self, launch, layer), None, (), None))
+                fire = bind_collective(self, launch, layer)
+                if self.collective_clock is not None:
+                    fire = self.collective_clock.wrap(launch["op"], fire)
+                out.append((None, fire, None, (), None))
                 continue
             k = self.kernels[launch["kernel_id"]]
             values = resolver.values(k.meta, launch["inputs"], launch["outputs"], layer, k.id)
@@ -342,7 +349,12 @@ class CudaRunner:
         if meta.phase == "decode" and T in self.graphs:
             self.graphs[T][0].launch()
         else:
-            self._launch_all(self.program(program_name(self.plan, meta.phase, T)), dims)
+            name = program_name(self.plan, meta.phase, T)
+            if self.collective_clock is not None:
+                self.collective_clock.phase = name
+            self._launch_all(self.program(name), dims)
+            if self.collective_clock is not None:
+                self.collective_clock.phase = None
         self._keep = keep
         return T, B
 
