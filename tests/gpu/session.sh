@@ -38,7 +38,8 @@
 # dummy weights (TWOGPU_BENCH picks some of: latency throughput moe-latency moe-throughput deepseek;
 # TWOGPU_SKIP_ONE=1 runs only the two-rank side, TWOGPU_ONLY_ONE=1 only the one-GPU side; TWOGPU_NCCL_ONLY=1 runs the two ranks again with
 # INFC_P2P=0, NCCL for every collective, into bench/nccl-only; TWOGPU_RANK_SYNC=1 runs them again
-# with synchronous steps (INFC_RANK_OVERLAP=0; overlapped is the default) into bench/rank-sync; TWOGPU_SERVER_RUNS="dir:TP:EP ..."
+# with synchronous steps (INFC_RANK_OVERLAP=0; overlapped is the default) into bench/rank-sync; TWOGPU_DP=1 adds the
+# attention data-parallel ranks with EP into bench/dp (TWOGPU_ONLY_DP=1: only those); TWOGPU_SERVER_RUNS="dir:TP:EP ..."
 # the server runs); twogpu-allreduce one all-reduce's time, NCCL against peer_sum, over message sizes
 # (bench/allreduce.py); twogpu-nccl-env the same over NCCL settings (NCCL_ENVS). p2p: peer_sum, the one-shot all-reduce, with two ranks on this one GPU
 # (tests/gpu/test_peer_sum_gpu.py, after prepare.py ranks).
@@ -246,6 +247,7 @@ test_ranks_gpu.model_dir(name[len('ranks-'):]) if name.startswith('ranks-') else
         [ -n "${TWOGPU_RANK_SYNC:-}" ] && variants+=("rank-sync")  # again, INFC_RANK_OVERLAP=0
         [ -n "${TWOGPU_EP_GATHER:-}" ] && variants+=("ep-gather")  # again, INFC_EP_GATHER=1
         [ -n "${TWOGPU_DP:-}" ] && variants+=("dp")                # attention data-parallel + EP (MoE)
+        [ -n "${TWOGPU_ONLY_DP:-}" ] && variants=("dp")            # only those (a concurrency sweep)
         for ranks in "${variants[@]}"; do
           out="$OUT/bench" p2p=1 rov=1 gather=0
           if [ "$ranks" = nccl-only ]; then ranks="--tensor-parallel-size 2" out="$OUT/bench/nccl-only" p2p=0; fi
