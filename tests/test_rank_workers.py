@@ -569,7 +569,8 @@ def test_infc_serve_exits_with_a_clear_message_when_a_rank_dies(tiny_model):
     """`infc serve --tensor-parallel-size 2`: a killed rank process makes /health fail and the
     server exit with status 1 and a line naming the rank, instead of serving 503s forever.
     A tiny qwen3 on the CPU; on a GPU machine the server tests' variables pick the model, device
-    and ranks (INFC_SERVER_MODEL, INFC_SERVER_DEVICE=cuda, INFC_SERVER_TP, INFC_SERVER_EP)."""
+    and ranks (INFC_SERVER_MODEL, INFC_SERVER_DEVICE=cuda, INFC_SERVER_TP, INFC_SERVER_EP,
+    INFC_SERVER_DP)."""
     import os
     import signal
     import subprocess
@@ -581,9 +582,12 @@ def test_infc_serve_exits_with_a_clear_message_when_a_rank_dies(tiny_model):
     with socket.socket() as sk:
         sk.bind(("127.0.0.1", 0))
         port = sk.getsockname()[1]
-    ranks = ["--tensor-parallel-size", str(max(2, PARALLEL["tensor_parallel_size"]))]
-    if PARALLEL["enable_expert_parallel"]:
-        ranks.append("--enable-expert-parallel")
+    if PARALLEL["data_parallel_size"] > 1:       # attention data-parallel ranks (with EP)
+        ranks = ["--data-parallel-size", str(PARALLEL["data_parallel_size"]), "--enable-expert-parallel"]
+    else:
+        ranks = ["--tensor-parallel-size", str(max(2, PARALLEL["tensor_parallel_size"]))]
+        if PARALLEL["enable_expert_parallel"]:
+            ranks.append("--enable-expert-parallel")
     proc = subprocess.Popen([sys.executable, "-m", "infc.cli", "serve", "--model-path", str(d),
                              "--device", DEVICE, *ranks, "--port", str(port), "--max-model-len", "256",
                              "--num-gpu-blocks-override", "64" if DEVICE == "cpu" else "2048",

@@ -11,7 +11,8 @@ once per model (its `srv` fixture is parametrized over MODELS; `-k qwen3_5` sele
 Or any one model directory on any device:
     INFC_SERVER_MODEL=/tmp/infc-models/qwen3-4b INFC_SERVER_DEVICE=cuda pytest tests/test_server.py
 (the GPU run, with random weights), over rank processes with INFC_SERVER_TP=N (vLLM's
---tensor-parallel-size) and INFC_SERVER_EP=1 (--enable-expert-parallel). What only a real model
+--tensor-parallel-size), INFC_SERVER_EP=1 (--enable-expert-parallel) and INFC_SERVER_DP=N
+(--data-parallel-size, with EP: attention data-parallel ranks). What only a real model
 knows (a greedy " Paris") is asserted only when the model is SmolLM2 (current().real); everything
 else the suite derives from the model's own outputs."""
 import atexit
@@ -36,7 +37,8 @@ MAX_MODEL_LEN = 256
 MODEL_DIR = os.environ.get("INFC_SERVER_MODEL")
 DEVICE = os.environ.get("INFC_SERVER_DEVICE", "cpu")
 PARALLEL = dict(tensor_parallel_size=int(os.environ.get("INFC_SERVER_TP", "1")),
-                enable_expert_parallel=os.environ.get("INFC_SERVER_EP", "0") == "1")
+                enable_expert_parallel=os.environ.get("INFC_SERVER_EP", "0") == "1",
+                data_parallel_size=int(os.environ.get("INFC_SERVER_DP", "1")))
 # token ids at or above this are out of the default model's vocabulary (the fuzz's bad ids)
 VOCAB_SIZE = 49152 if MODEL_DIR is None else json.loads((Path(MODEL_DIR) / "config.json").read_text())["vocab_size"]
 NAMES = ["smol", "smol-alias"]

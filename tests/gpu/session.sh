@@ -220,20 +220,21 @@ g.make_model('$name', '$dir', **g.SERVER['$name'])" 2>&1 | tail -3
           | tee "$OUT/bench/nccl-env/$entry/allreduce.log" | tail -7
       done ;;
     twogpu-server)
-      runs=${TWOGPU_SERVER_RUNS:-qwen3-4b:2:0 ranks-qwen3-30b-a3b-l4:2:1}     # model dir:TP:EP
+      # model dir:TP:EP[:DP] (DP 2: --data-parallel-size 2 --enable-expert-parallel)
+      runs=${TWOGPU_SERVER_RUNS:-qwen3-4b:2:0 ranks-qwen3-30b-a3b-l4:2:1 ranks-qwen3-30b-a3b-l4:1:1:2}
       for run in $runs; do
-        set -- ${run//:/ }
+        set -- ${run//:/ } 1
         t=$(date +%s)
         timeout 300 python3 -c "import sys; sys.path.insert(0,'tests/gpu'); import models, test_ranks_gpu
 name = '$1'
 test_ranks_gpu.model_dir(name[len('ranks-'):]) if name.startswith('ranks-') else models.model_dir(name)" 2>&1 | tail -3
         cp .cache/gpu/qwen-tokenizer/* "$MODELS/$1/"
         say "model $1 ready ($(( $(date +%s) - t )) s)"
-        say "server suite: $1 TP=$2 EP=$3"
-        INFC_SERVER_MODEL="$MODELS/$1" INFC_SERVER_DEVICE=cuda INFC_SERVER_TP=$2 INFC_SERVER_EP=$3 \
+        say "server suite: $1 TP=$2 EP=$3 DP=$4"
+        INFC_SERVER_MODEL="$MODELS/$1" INFC_SERVER_DEVICE=cuda INFC_SERVER_TP=$2 INFC_SERVER_EP=$3 INFC_SERVER_DP=$4 \
           timeout ${SERVER_S:-300} python3 -m pytest tests/test_server.py tests/test_server_disconnect.py \
           "tests/test_rank_workers.py::test_infc_serve_exits_with_a_clear_message_when_a_rank_dies" \
-          -q -p no:cacheprovider -o addopts="" 2>&1 | tee "$OUT/pytest-server-$1-tp$2-ep$3.log" | tail -6
+          -q -p no:cacheprovider -o addopts="" 2>&1 | tee "$OUT/pytest-server-$1-tp$2-ep$3-dp$4.log" | tail -6
       done ;;
     twogpu-bench)
       cfg=.cache/gpu/configs art=.cache/artifacts
