@@ -179,6 +179,15 @@ def step_table(step: dict, top: int = 12) -> str:
              "| share of GPU | floor µs |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     rows = sorted(step["launches"], key=lambda g: -g["us"])
+    if step.get("isolated"):
+        in_step = {g["key"]: g["us_per_run"] for g in step["launches"]}
+        iso = ["", "Issued again alone after the step, on its data (the first layer's launch):", "",
+               "| launch | op | template | µs/run in the step | µs alone | µs back to back |",
+               "| --- | --- | --- | --- | --- | --- |"]
+        iso += [f"| {x['key']} | {x['op']} | {x['template']} | {_f(in_step.get(x['key']))} | "
+                f"{x['alone_us']:.2f} | {x['back_to_back_us']:.2f} |" for x in step["isolated"]]
+    else:
+        iso = []
     for i, g in enumerate(rows[:top], 1):
         lines.append(f"| {i} | {g['key']} | {g['op']} | {g['template']} | {','.join(g['weights']) or '-'} | {g['runs']} "
                      f"| {g['us']:.1f} | {g['us_per_run']:.2f} | {100 * g['share']:.1f} % "
@@ -193,7 +202,7 @@ def step_table(step: dict, top: int = 12) -> str:
     lines.append(f"| | all launches | | | | {step['launches_per_step']} | {1e3 * step['kernel_sum_ms']:.1f} | "
                  f"| 100.0 % | {100 * step['kernel_sum_ms'] / step['gpu_ms']:.1f} % "
                  f"| {_f(None if step['floor_ms'] is None else 1e3 * step['floor_ms'], '{:.1f}')} |")
-    return "\n".join(lines)
+    return "\n".join(lines + iso)
 
 
 def report(res: dict, top: int = 12) -> str:
@@ -221,10 +230,12 @@ class PageTable:
 
 
 class Profiler:
-    def __init__(self, runner, reps: int, warmup: int, bandwidth: float | None):
+    def __init__(self, runner, reps: int, warmup: int, bandwidth: float | None, isolate=()):
+        """isolate: ops whose first launch of each group an eager step re-times alone (`_isolate`)."""
         from infc.runtime.runner import RowSampling
         from infc.runtime.sampling import SamplingParams
         self.r, self.reps, self.warmup, self.bw = runner, reps, warmup, bandwidth
+        self.isolate = set(isolate or ())
         self.e0, self.e1 = runner.ctx.event(), runner.ctx.event()
         self.pairs: list = []                  # event pairs, one per launch, reused
         self.greedy = RowSampling(SamplingParams(temperature=0.0), 0, 0)
@@ -309,12 +320,50 @@ class Profiler:
                 instrumented["gpu"].append(o["gpu"])
             groups = group_launches(sites, samples, int(meta.context_lens.sum()), self.bw, tokens=meta.T)
         step = summarize(name, what, program_name(r.plan, meta.phase, meta.T), mode, meta.T, meta.B, plain, instrumented, groups, launches_from)
+        if mode == "eager" and self.isolate:
+            step["isolated"] = self._isolate(phase, {"T": meta.T, "B": meta.B}, sites)
         if launches_from:                          # a graph replay: the eager step's floor
             step["floor_ms"] = self.floor_of.get(launches_from)
         self.floor_of[name] = step.get("floor_ms")
         print(f"{name}: wall {step['wall_ms']:.3f} ms, GPU {step['gpu_ms']:.3f} ms, host {step['host_ms']:.3f} ms"
               + (f", kernels {step['kernel_sum_ms']:.3f} ms" if "kernel_sum_ms" in step else ""), flush=True)
         return step
+
+
+    def _isolate(self, phase: str, dims: dict, sites: list) -> list[dict]:
+        """Each launch group of an op in `isolate`, its first launch (the first layer's) issued
+        again alone, right after the step, on the step's own buffers and metadata: `reps` times
+        between an event pair each (alone_us, median) and `reps` times back to back between one
+        pair (back_to_back_us, mean). Beside the in-step time (us_per_run) it tells a kernel slow
+        on this step's data from one slowed by the launches around it. The launches re-run must be
+        idempotent for their output (attention, GEMVs: they are; a residual add is not, which only
+        changes the values the step already used)."""
+        r = self.r
+        out, seen = [], set()
+        for index, entry in enumerate(r.program(phase)):
+            site = sites[index]
+            if entry[0] is None or site["op"] not in self.isolate or site["key"] in seen:
+                continue
+            seen.add(site["key"])
+
+            def fire(one=[entry]):                 # the runner's own launch path, one launch
+                r._launch_all(one, dims)
+            for _ in range(self.warmup):
+                fire()
+            alone = []
+            for _ in range(self.reps):
+                self.e0.record()
+                fire()
+                self.e1.record()
+                alone.append(self.e1.ms_since(self.e0))
+            self.e0.record()
+            for _ in range(self.reps):
+                fire()
+            self.e1.record()
+            out.append({"key": site["key"], "op": site["op"], "template": site["template"],
+                        "layer": site["layer"], "alone_us": float(np.median(alone)) * 1e3,
+                        "back_to_back_us": self.e1.ms_since(self.e0) / self.reps * 1e3})
+        return out
 
 
 def pages_needed(page_size: int, short=32, prefix=1024, new=16, decodes=255, context=1024, chunk=256) -> int:
@@ -327,7 +376,7 @@ def pages_needed(page_size: int, short=32, prefix=1024, new=16, decodes=255, con
 
 def run(artifact, model_dir, reps=20, warmup=3, short=32, prefix=1024, new=16, decodes=255,
         context=1024, chunk=256, steps=None, max_model_len=None, bandwidth=True, seed=0,
-        load_format="auto") -> dict:
+        load_format="auto", isolate=()) -> dict:
     from infc.runtime.cuda.artifact import load_plan
     from infc.runtime.cuda.runner import CudaRunner
     from infc.runtime.step import Chunk
@@ -349,7 +398,7 @@ def run(artifact, model_dir, reps=20, warmup=3, short=32, prefix=1024, new=16, d
                     "reps": reps, "warmup": warmup, "steps": []})
         print(f"{res['gpu']}, {res['commit']}: weights {r.weights.bytes / 1e9:.2f} GB, "
               f"copy {_f(res['copy_GBps'], '{:.0f}')} GB/s, {num_pages} pages of {page_size}", flush=True)
-        prof = Profiler(r, reps, warmup, bw)
+        prof = Profiler(r, reps, warmup, bw, isolate)
         pages = PageTable(r.num_pages, page_size)
         toks = lambda n: [int(t) for t in rng.integers(0, r.vocab_size, n)]  # noqa: E731
         out = res["steps"]
@@ -420,6 +469,8 @@ def main(argv=None):
     ap.add_argument("--mixed-chunk", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, help="default: the plan's (block tables are this wide)")
     ap.add_argument("--no-bandwidth", action="store_true", help="skip the copy-bandwidth run (no floors)")
+    ap.add_argument("--isolate", help="comma list of ops (e.g. attention_cached,linear): each eager step "
+                    "re-times its first launch of each of their groups alone, after the step, on its data")
     from infc.server.args import add_load_format_arg
     add_load_format_arg(ap)
     a = ap.parse_args(argv)
@@ -430,7 +481,7 @@ def main(argv=None):
     res = run(a.artifact, a.model_path, reps=a.reps, warmup=a.warmup, short=a.short_prompt, prefix=a.prefix_tokens,
               new=a.prefix_new, decodes=a.mixed_decodes, context=a.mixed_context, chunk=a.mixed_chunk,
               steps=steps, max_model_len=a.max_model_len, bandwidth=not a.no_bandwidth,
-              load_format=a.load_format)
+              load_format=a.load_format, isolate=a.isolate.split(",") if a.isolate else ())
     path = save("profile", res, a.out)
     text = report(res, a.top)
     path.with_suffix(".md").write_text(text)

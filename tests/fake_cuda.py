@@ -391,6 +391,14 @@ def cuda_modules():
                     delattr(sys.modules[parent], child)
 
 
+def _from_fake(obj) -> bool:
+    """Whether obj is an earlier FakeDriver's name: a module first imported while one was installed
+    (where cuda-python is present, cuda_modules keeps it) bound that driver's names, which no
+    monkeypatch undoes; the next test's driver must replace them."""
+    return (isinstance(getattr(obj, "__self__", None), FakeDriver) or obj in (FakeEvent, FakeModule)
+            or getattr(obj, "__qualname__", "").startswith("FakeDriver.__init__."))
+
+
 def install(monkeypatch, **kw) -> FakeDriver:
     """A FakeDriver(**kw) in place of infc.runtime.cuda.driver's PATCHED names, there and in every
     loaded infc module that imported them; then infc.runtime.cuda.runner (and what it imports) is
@@ -400,7 +408,8 @@ def install(monkeypatch, **kw) -> FakeDriver:
     originals = {name: getattr(real, name) for name in PATCHED if hasattr(real, name)}
     for mod in [m for n, m in sys.modules.items() if n.startswith("infc.")]:
         for attr, orig in originals.items():
-            if mod is real or getattr(mod, attr, None) is orig:
+            cur = getattr(mod, attr, None)
+            if mod is real or cur is orig or _from_fake(cur):
                 monkeypatch.setattr(mod, attr, getattr(drv, attr))
     importlib.import_module("infc.runtime.cuda.runner")
     return drv

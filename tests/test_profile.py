@@ -217,3 +217,37 @@ def test_profiler_steps_on_a_fake_driver(fake_driver, capsys):
     assert all(x.replay for x in launched[n:]) and len(launched) - n == 6 * len(r.graphs[1][0].calls)
     out = capsys.readouterr().out
     assert re.search(r"decode_b1_graph: wall [\d.]+ ms, GPU " + re.escape(f"{decode_ms:.3f}") + " ms", out)
+
+
+def test_isolated_launches_are_retimed_alone_and_back_to_back(fake_driver):
+    """--isolate: after an eager step, the first launch of each group of the named ops is issued
+    again on its own; on the fake clock its alone and back-to-back times are its site's, and only
+    those launches run."""
+    from infc.runtime.step import Chunk
+    r = _fake_runner(fake_driver)
+    launched = fake_driver.launches
+    p = prof.Profiler(r, reps=3, warmup=1, bandwidth=None, isolate=["attention_cached", "add_rms_norm"])
+    pages = prof.PageTable(r.num_pages, 16)
+    pages.ensure(0, 33)
+    sites = prof.launch_sites(PLAN, "short")
+    n_step = 2 * (1 + 3) * (len(sites) - 1)                  # plain and instrumented passes
+    s = p.step("prefill_32", "a 32-token prompt", [Chunk(0, list(range(32)), 0)], pages)
+    iso = s["isolated"]
+    want = {}
+    for x in sites:
+        if x["op"] in ("attention_cached", "add_rms_norm") and x["key"] not in want:
+            want[x["key"]] = x
+    assert [x["key"] for x in iso] == list(want)             # program order, one per group
+    for x in iso:
+        site = want[x["key"]]
+        assert x["layer"] == site["layer"] == 0 and x["op"] == site["op"]
+        assert x["alone_us"] == pytest.approx(_fake_us(site))
+        assert x["back_to_back_us"] == pytest.approx(_fake_us(site))
+    extra = launched[n_step:]
+    assert len(extra) == len(want) * (1 + 3 + 3)            # warm-up, alone, back to back
+    assert {e.fn["key"] for e in extra} == set(want) and all(e.values == (32, 1) for e in extra)
+    text = prof.step_table(s)
+    assert "Issued again alone" in text and text.count("| attention_cached |") >= 2
+    # a step without --isolate records nothing of the kind
+    q = prof.Profiler(r, reps=1, warmup=0, bandwidth=None)
+    assert "isolated" not in q.step("again", "the same", [Chunk(0, list(range(32)), 0)], pages)
