@@ -329,7 +329,6 @@ class Profiler:
               + (f", kernels {step['kernel_sum_ms']:.3f} ms" if "kernel_sum_ms" in step else ""), flush=True)
         return step
 
-
     def _isolate(self, phase: str, dims: dict, sites: list) -> list[dict]:
         """Each launch group of an op in `isolate`, its first launch (the first layer's) issued
         again alone, right after the step, on the step's own buffers and metadata: `reps` times
@@ -346,7 +345,7 @@ class Profiler:
                 continue
             seen.add(site["key"])
 
-            def fire(one=[entry]):                 # the runner's own launch path, one launch
+            def fire(one=(entry,)):                # the runner's own launch path, one launch
                 r._launch_all(one, dims)
             for _ in range(self.warmup):
                 fire()
