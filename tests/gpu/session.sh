@@ -39,7 +39,7 @@
 # TWOGPU_SKIP_ONE=1 runs only the two-rank side, TWOGPU_ONLY_ONE=1 only the one-GPU side; TWOGPU_NCCL_ONLY=1 runs the two ranks again with
 # INFC_P2P=0, NCCL for every collective, into bench/nccl-only; TWOGPU_RANK_SYNC=1 runs them again
 # with synchronous steps (INFC_RANK_OVERLAP=0; overlapped is the default) into bench/rank-sync; TWOGPU_DP=1 adds the
-# attention data-parallel ranks with EP into bench/dp (TWOGPU_ONLY_DP=1: only those); TWOGPU_SERVER_RUNS="dir:TP:EP ..."
+# attention data-parallel ranks with EP into bench/dp (TWOGPU_ONLY_DP=1: only those); TWOGPU_SERVER_RUNS="dir:TP:EP[:DP] ..."
 # the server runs); twogpu-allreduce one all-reduce's time, NCCL against peer_sum, over message sizes
 # (bench/allreduce.py); twogpu-nccl-env the same over NCCL settings (NCCL_ENVS). p2p: peer_sum, the one-shot all-reduce, with two ranks on this one GPU
 # (tests/gpu/test_peer_sum_gpu.py, after prepare.py ranks).
