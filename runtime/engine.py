@@ -11,7 +11,7 @@ and samples. Not thread-safe: AsyncEngine drives it from a single thread.
 
 Data-parallel ranks (a runner with `dp_world` N > 1: attention data-parallel plans, compiler/
 parallel.py): every sequence lives on one rank, chosen at admission (the one whose prefix cache
-holds most of its prompt, else the least loaded), with its pages in that rank's block manager and
+holds most of its prompt, else the one with the fewest tokens left to compute), with its pages in that rank's block manager and
 its steps in that rank's scheduler. A step is every rank's batch at once, padded alike
 (runtime/step.py pad_ranks) and run by `runner.execute_ranks`, each rank sampling its own rows;
 overlapped where the runner has `launch_ranks` / `collect_ranks` (each rank feeding its own
@@ -204,12 +204,15 @@ class Engine:
     def _rank_for(self, seq: Sequence) -> int:
         """The data-parallel rank a new sequence runs on: the one whose prefix cache holds most of
         its prompt (a prefix is cached on the rank that computed it), then the one with the fewest
-        sequences waiting or running, then the lowest."""
+        tokens left to compute (Scheduler.load), then the fewest sequences, then the lowest.
+        Every rank's step is padded to the longest rank's T, so balancing tokens rather than
+        requests is what keeps the ranks' prefills together (bench/NOTES.md: padding fell from
+        31 to 25 % of the tokens computed at 256 concurrent ShareGPT-like requests)."""
         if self.dp == 1:
             return 0
-        score = [(-bm.cached_blocks(seq), len(s.waiting) + len(s.running), r)
+        score = [(-bm.cached_blocks(seq), s.load(), len(s.waiting) + len(s.running), r)
                  for r, (bm, s) in enumerate(zip(self.bms, self.schedulers))]
-        return min(score)[2]
+        return min(score)[-1]
 
     def _sched(self, seq: Sequence) -> Scheduler:
         return self.schedulers[seq.rank]

@@ -30,10 +30,21 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []         # in admission order
         self.num_preemptions = 0
+        # the tokens left to compute (`load`): the waiting sequences', kept as they come and go,
+        # and the running ones' prefill left after the step just scheduled, counted by schedule()
+        self.waiting_tokens = 0
+        self.running_tokens = 0
+
+    def load(self) -> int:
+        """Prompt tokens this scheduler has yet to compute (the waiting sequences', and the
+        running ones' as of the last schedule): what data-parallel ranks balance new requests by,
+        a long prompt weighing as much as many short ones."""
+        return self.waiting_tokens + self.running_tokens
 
     def add(self, seq: Sequence, front: bool = False):
         seq.status = Status.WAITING
         (self.waiting.appendleft if front else self.waiting.append)(seq)
+        self.waiting_tokens += seq.num_uncomputed
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -62,14 +73,18 @@ class Scheduler:
         # A step that had to preempt admits nobody: the pages just freed are for the running.
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            queued = seq.num_uncomputed               # before admit() counts its cached prefix
             n = self.bm.admit(seq, budget)
             if n == 0:
                 break
             self.waiting.popleft()
+            self.waiting_tokens -= queued
             seq.status = Status.RUNNING
             self.running.append(seq)
             batch[seq] = n
             budget -= n
+        # a decode's token (scheduled, or in flight for a `final` one) is not prefill left
+        self.running_tokens = sum(u for s in self.running if (u := s.num_uncomputed - batch.get(s, 0)) > 1)
         return list(batch.items())
 
     def _preempt(self, seq: Sequence):
@@ -82,8 +97,11 @@ class Scheduler:
         """Take a sequence out (done or aborted, waiting or running) and free its pages."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
+            if not self.running:
+                self.running_tokens = 0
         elif seq.status is Status.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
+            self.waiting_tokens -= seq.num_uncomputed
         if seq.pages or seq.slot is not None:
             self.bm.release(seq)
         seq.status = Status.FINISHED
