@@ -38,10 +38,15 @@ class AsyncEngine:
         self._thread.start()
 
     # -- the door -------------------------------------------------------------------------------
-    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str):
-        """Yield this request's StepOutputs until all its sequences are finished."""
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                       checked: bool = False):
+        """Yield this request's StepOutputs until all its sequences are finished. checked: the
+        caller ran engine.check_request on these ids (a list of int) and params already (the
+        server does, for every prompt of a request before it replies)."""
         self._raise_if_dead()
-        self.engine.check_request(prompt_ids, params)      # a bad request fails here, at once
+        if not checked:
+            prompt_ids = list(map(int, prompt_ids))
+            self.engine.check_request(prompt_ids, params)  # a bad request fails here, at once
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         with self._lock:
             if request_id in self._queues:
@@ -127,7 +132,7 @@ class AsyncEngine:
             if request_id not in self._queues:    # its consumer already left
                 return
         try:
-            self.engine.add_request(prompt_ids, params, request_id)
+            self.engine.add_request(prompt_ids, params, request_id, checked=True)   # at the door
         except ValueError as e:                 # one bad request, not a dead engine
             self._put(request_id, e)
 

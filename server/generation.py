@@ -17,12 +17,14 @@ from .state import ServerState
 # -- the engine's outputs -----------------------------------------------------------------------
 async def merged(engine, jobs):
     """(job index, StepOutput) from several engine requests at once; cancelling the consumer
-    cancels every request (each aborts in the engine)."""
+    cancels every request (each aborts in the engine). jobs: Generation.jobs, whose prompts and
+    params app.serve has checked (engine.check_request)."""
     q: asyncio.Queue = asyncio.Queue()
 
     async def pump(k, ids, params, rid):
         try:
-            async for out in engine.generate(ids, params, rid):
+            # app.serve checked every prompt of the request with its params before replying
+            async for out in engine.generate(ids, params, rid, checked=True):
                 q.put_nowait((k, out))
         except asyncio.CancelledError:
             raise

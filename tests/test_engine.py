@@ -372,6 +372,36 @@ def test_async_engine_death_is_an_error_not_a_hang():
         ae.shutdown()
 
 
+def test_a_request_is_checked_once_on_its_way_in(monkeypatch):
+    """The int conversion and vocabulary check of a long prompt cost ~0.5 ms each at 16k tokens:
+    AsyncEngine.generate runs check_request once and the engine thread trusts it; a caller that
+    checked already (the server, for every prompt before it replies) says so and nobody checks
+    again. A numpy prompt still works through the door, and a bad one still fails there."""
+    from infc.runtime.engine import Engine
+    r = FakeRunner(64)
+    ae = AsyncEngine(make_engine(r, max_num_seqs=2))
+    calls = []
+    check = Engine.check_request
+    monkeypatch.setattr(Engine, "check_request", lambda self, ids, p: (calls.append(len(ids)), check(self, ids, p))[1])
+    sp = SamplingParams(max_tokens=3, **GREEDY)
+
+    async def main():
+        a = [o async for o in ae.generate(np.array([5, 6, 7], np.int64), sp, "door")]
+        b = [o async for o in ae.generate([5, 6, 7], sp, "server", checked=True)]
+        with pytest.raises(ValueError, match="must be in"):
+            async for _ in ae.generate([5, 500], sp, "bad"):
+                pass
+        return a, b
+
+    a, b = run_async(main())
+    ae.shutdown()
+    assert calls == [3, 2]                       # the door's two checks; none for "server"
+    assert [t for o in a for t in o.token_ids] == [t for o in b for t in o.token_ids] == solo(r, [5, 6, 7], 3)
+    e = make_engine(FakeRunner(64))
+    e.add_request(np.array([1, 2]), sp, "plain")                 # Engine alone still checks
+    assert calls == [3, 2, 2] and all(type(t) is int for t in e.requests["plain"].prompt_ids)
+
+
 def test_async_bad_request_and_shutdown():
     ae = AsyncEngine(make_engine(SlowFake(4)))
 
