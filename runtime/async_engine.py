@@ -16,7 +16,7 @@ hanging.
 import asyncio
 import threading
 
-from .engine import Engine, StepOutput
+from .engine import Engine, StepOutput, token_array
 from .sampling import SamplingParams
 
 
@@ -45,8 +45,9 @@ class AsyncEngine:
         server does, for every prompt of a request before it replies)."""
         self._raise_if_dead()
         if not checked:
-            prompt_ids = list(map(int, prompt_ids))
-            self.engine.check_request(prompt_ids, params)  # a bad request fails here, at once
+            ids = token_array(prompt_ids)
+            self.engine.check_request(ids, params)         # a bad request fails here, at once
+            prompt_ids = ids.tolist()
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         with self._lock:
             if request_id in self._queues:

@@ -31,6 +31,8 @@ import random
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .block_manager import BlockManager
 from .runner import RowSampling
 from .sampling import SamplingParams
@@ -110,6 +112,15 @@ class Request:
         self.first_token_time: float | None = None
 
 
+def token_array(prompt_ids) -> np.ndarray:
+    """A prompt's ids as int64, in one C loop (a 16k-token list: ~0.3 ms, where a Python min and
+    max over it took 0.6 ms and converting it with int() 0.5 ms). ValueError for what is not ids."""
+    try:
+        return np.fromiter(prompt_ids, np.int64, len(prompt_ids))
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError("prompt token ids must be integers") from None
+
+
 def overlaps(runner, overlap: bool | None = None) -> bool:
     """Whether steps over this runner overlap: asked for (None: unless INFC_OVERLAP=0) and the
     runner can (`can_overlap`)."""
@@ -156,14 +167,17 @@ class Engine:
         self._next_request = 0
 
     # -- requests in ----------------------------------------------------------------------------
-    def check_request(self, prompt_ids: list[int], params: SamplingParams):
-        """Raise ValueError for a request that can never run (pure: safe from any thread)."""
+    def check_request(self, prompt_ids, params: SamplingParams):
+        """Raise ValueError for a request that can never run (pure: safe from any thread).
+        prompt_ids: a list of int, or the int64 array token_array made of one."""
         n = len(prompt_ids)
         if n == 0:
             raise ValueError("the prompt is empty")
         vocab = getattr(self.runner, "vocab_size", None)
-        if vocab is not None and (min(prompt_ids) < 0 or max(prompt_ids) >= vocab):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if vocab is not None:
+            ids = prompt_ids if isinstance(prompt_ids, np.ndarray) else token_array(prompt_ids)
+            if ids.min() < 0 or ids.max() >= vocab:
+                raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if n >= self.max_model_len:
             raise ValueError(f"the prompt has {n} tokens: this model's maximum context length is "
                              f"{self.max_model_len} tokens, and at least one must be generated")
@@ -184,8 +198,9 @@ class Engine:
         params (AsyncEngine.generate's door, or the server's before it): at 16k tokens, the int
         conversion and the vocabulary check cost ~0.5 ms each, once per request is enough."""
         if not checked:
-            prompt_ids = list(map(int, prompt_ids))
-            self.check_request(prompt_ids, params)
+            ids = token_array(prompt_ids)
+            self.check_request(ids, params)
+            prompt_ids = ids.tolist()
         if request_id is None:
             request_id, self._next_request = f"req-{self._next_request}", self._next_request + 1
         if request_id in self.requests:

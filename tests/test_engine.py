@@ -400,6 +400,9 @@ def test_a_request_is_checked_once_on_its_way_in(monkeypatch):
     e = make_engine(FakeRunner(64))
     e.add_request(np.array([1, 2]), sp, "plain")                 # Engine alone still checks
     assert calls == [3, 2, 2] and all(type(t) is int for t in e.requests["plain"].prompt_ids)
+    for bad in ([1, None], [1, 1 << 70], [[1, 2]]):              # not ids: a ValueError that says so
+        with pytest.raises(ValueError, match="must be integers"):
+            e.add_request(bad, sp)
 
 
 def test_async_bad_request_and_shutdown():
