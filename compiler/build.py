@@ -114,17 +114,24 @@ def parse_features(text: str | None) -> list[str]:
     return feats
 
 
-def load_tuning(gpu: str) -> dict:
+def load_tuning(gpu: str, overlay: dict | None = None) -> dict:
+    """The GPU's tuning table, with `overlay` ({template: {shape key or "default": {tunable:
+    value}}}) laid over it: an experiment's variant of a kernel built without editing the table."""
     if gpu not in GPUS:
         raise SpecError(f"unknown gpu '{gpu}' (known: {', '.join(GPUS)})", None)
-    return json.loads((TUNING / f"{gpu}.json").read_text())
+    table = json.loads((TUNING / f"{gpu}.json").read_text())
+    for template, keys in (overlay or {}).items():
+        entries = table.setdefault("templates", {}).setdefault(template, {})
+        for key, tune in keys.items():
+            entries[key] = {**entries.get(key, {}), **tune}
+    return table
 
 
 def generate(plan: dict, out: Path, gpu: str = "h100", page_size: int = 16,
-             target: str = "sm_90", spec_path: str | None = None) -> dict:
+             target: str = "sm_90", spec_path: str | None = None, tuning_overlay: dict | None = None) -> dict:
     """Render every kernel into out/kernels/ and record them in the plan; returns id -> Kernel."""
     from .codegen.render import EXT, render_plan
-    kernels = render_plan(plan, load_tuning(gpu), page_size, spec_path)
+    kernels = render_plan(plan, load_tuning(gpu, tuning_overlay), page_size, spec_path)
     kdir = out / "kernels"
     kdir.mkdir(parents=True, exist_ok=True)
     keep = set()
@@ -137,7 +144,8 @@ def generate(plan: dict, out: Path, gpu: str = "h100", page_size: int = 16,
     for stale in kdir.iterdir():
         if stale.name not in keep:
             stale.unlink()
-    plan["build"] = {"gpu": gpu, "target": target, "page_size": page_size}
+    plan["build"] = {"gpu": gpu, "target": target, "page_size": page_size,
+                     **({"tuning_overlay": tuning_overlay} if tuning_overlay else {})}
     plan["kernels"] = {kid: {"backend": k.backend, "template": k.template,
                              "source": f"kernels/{kid}{EXT[k.backend]}", **k.meta}
                        for kid, k in sorted(kernels.items())}
@@ -156,14 +164,19 @@ def _built_for(bin_dir: Path, kid: str, target: str) -> bool:
 def build(model=None, spec_path=None, model_dir=None, out=None, features=None, log=print,
           gpu="h100", target="sm_90", page_size=16, compile=True, jobs=None,
           reuse_bins=False, fuse=True, spec_dirs=None, check_checkpoint=True,
-          tensor_parallel_size=1, enable_expert_parallel=False, data_parallel_size=1) -> Path:
+          tensor_parallel_size=1, enable_expert_parallel=False, data_parallel_size=1,
+          tuning_overlay=None) -> Path:
     """reuse_bins: when out/bin already holds a cubin for every kernel id (an id is the digest of
     its source), compile nothing. The serving path uses it so that a machine with another (or no)
     Triton runs the cubins built elsewhere rather than recompiling them.
     tensor_parallel_size > 1 (and enable_expert_parallel), or data_parallel_size > 1 with
-    enable_expert_parallel: one plan per rank (compiler/parallel.py)."""
+    enable_expert_parallel: one plan per rank (compiler/parallel.py).
+    tuning_overlay: laid over the GPU's tuning table (load_tuning), recorded in plan["build"]:
+    a one-GPU experiment's kernel variants (tests/gpu/prepare.py's attnvar)."""
     from .parallel import build_ranks, settings
     par = settings(tensor_parallel_size, enable_expert_parallel, data_parallel_size=data_parallel_size)
+    if par is not None and tuning_overlay:
+        raise SpecError("a tuning overlay applies to one-GPU builds only", None)
     if par is not None:
         return build_ranks(par, model, spec_path, model_dir, out, features, log, gpu, target,
                            page_size, compile, jobs, fuse, spec_dirs, check_checkpoint=check_checkpoint)
@@ -177,7 +190,8 @@ def build(model=None, spec_path=None, model_dir=None, out=None, features=None, l
     out = Path(out) if out else GENERATED / state.model
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
-    kernels = generate(plan, out, gpu, page_size, target, spec_path=state.spec.path)
+    kernels = generate(plan, out, gpu, page_size, target, spec_path=state.spec.path,
+                       tuning_overlay=tuning_overlay)
     (out / "plan.json").write_text(dumps(plan))
     if log:
         log(f"  {'render ' + str(len(kernels)) + ' kernels + write plan':<28} "

@@ -1,5 +1,6 @@
 """`infc build`: every variant builds, output is byte-deterministic, generated/ is current,
 and qwen3-4b's decode phase stays within 8 launches per layer."""
+import json
 import subprocess
 import sys
 import time
@@ -123,3 +124,27 @@ def test_cli_build_qwen3_4b_under_30_s(tmp_path):
     assert r.returncode == 0, r.stderr
     assert elapsed <= 30
     assert (tmp_path / "plan.json").read_bytes() == (GENERATED / "qwen3-4b" / "plan.json").read_bytes()
+
+
+def test_a_tuning_overlay_changes_only_its_kernels_and_is_recorded(tmp_path):
+    """build(tuning_overlay=...) lays an experiment's tunables over the GPU's table: only the
+    named template's kernels change, the plan records the overlay (rerender.py rebuilds from it),
+    and a parallel build refuses one."""
+    from infc.compiler.build import load_tuning
+    from infc.compiler.errors import SpecError
+    overlay = {"attention_mixed": {"default": {"SPLIT_MIN_KEYS": 64, "SPLIT_MERGE_CHUNK": 1}}}
+    table = load_tuning("h200", overlay)
+    assert table["templates"]["attention_mixed"]["default"]["SPLIT_MIN_KEYS"] == 64
+    assert "SPLIT_MIN_KEYS" not in load_tuning("h200")["templates"].get("attention_mixed", {}).get("default", {})
+    a = json.loads((build(model="qwen3-4b", out=tmp_path / "a", log=None, compile=False, gpu="h200")
+                    / "plan.json").read_text())
+    b = json.loads((build(model="qwen3-4b", out=tmp_path / "b", log=None, compile=False, gpu="h200",
+                          tuning_overlay=overlay) / "plan.json").read_text())
+    assert b["build"]["tuning_overlay"] == overlay and "tuning_overlay" not in a["build"]
+    changed = set(a["kernels"]) ^ set(b["kernels"])
+    assert changed and {k.rsplit("_", 1)[0] for k in changed} == {"attention_mixed"}
+    src = next((tmp_path / "b" / "kernels").glob("attention_mixed_*.py")).read_text()
+    assert "CHUNK: tl.constexpr = 1" in src
+    with pytest.raises(SpecError, match="one-GPU"):
+        build(model="qwen3-30b-a3b", out=tmp_path / "c", log=None, compile=False,
+              tensor_parallel_size=2, tuning_overlay=overlay)

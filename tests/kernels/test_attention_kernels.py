@@ -539,6 +539,10 @@ MIXED_CASES = [
     (4, 4, 64, [(250, 16), (0, 9), (40, 3), (123, 17)], "short",                            # G = 1
      {"BLOCK_M": 16, "BLOCK_N": 16, "SPLIT_BLOCK_N": 32, "NUM_SPLITS": 8}, {}),
     (8, 2, 128, [(500, 16), (33, 5)], "short", {"SPLIT_BLOCK_N": 16, "NUM_SPLITS": 8}, {}),  # 16 over a long prefix
+    (8, 2, 128, [(500, 16), (33, 5)], "short",                                                # merged a split a pass
+     {"SPLIT_BLOCK_N": 16, "NUM_SPLITS": 8, "SPLIT_MIN_KEYS": 16, "SPLIT_MERGE_CHUNK": 1}, {}),
+    (8, 2, 128, [(500, 16), (33, 5)], "short",                                                # ... or 4 (7 splits)
+     {"SPLIT_BLOCK_N": 16, "NUM_SPLITS": 8, "SPLIT_MIN_KEYS": 16, "SPLIT_MERGE_CHUNK": 4}, {}),
     (6, 2, 96, [(200, 7), (0, 30)], "short", {"BLOCK_M": 32, "BLOCK_N": 16, "QMAX": 8}, {"scale": 0.05}),
     (4, 2, 64, [(300, 5), (60, 1), (0, 40), (45, 30)], "short",
      {"BLOCK_M": 16, "BLOCK_N": 16, "SPLIT_BLOCK_N": 16, "NUM_SPLITS": 4}, {"window": 21}),
