@@ -25,7 +25,9 @@ names them for the GPU machine's model directories, in .cache/artifacts/<dir nam
 (TWOGPU), with the one-GPU builds of the same configs beside them for the same-commit baselines),
 server (session.sh's `server-families` stage: the openai SDK suite over the Qwen3.5 and
 DeepSeek-V2-Lite cuts, gpu_families.SERVER: their configs in .cache/gpu/configs/<name>-server, the
-artifacts `infc serve` reuses in .cache/artifacts/<name>-server).
+artifacts `infc serve` reuses in .cache/artifacts/<name>-server), attnvar (issue 10: qwen3-4b with
+variants of attention_mixed's split-role tunables laid over the tables, ATTN_VARIANTS, into
+.cache/artifacts/qwen3-4b-attn-<name>, for tests/gpu/call_attn_variants.sh).
 Default: base, nofuse and families.
 
 The tiny qwen3_moe and the
@@ -54,7 +56,7 @@ TINY_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
             "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
 GPU_CACHE = REPO / ".cache" / "gpu"
 SERVED = ("qwen3-4b", "llama-3.2-1b")          # model directories LLM / infc serve load on the GPU
-PARTS = ("base", "nofuse", "families", "qwen35", "ranks", "deepseek", "twogpu", "server")
+PARTS = ("base", "nofuse", "families", "qwen35", "ranks", "deepseek", "twogpu", "server", "attnvar")
 DEFAULT_PARTS = ("base", "nofuse", "families")
 
 
@@ -116,6 +118,8 @@ def main(parts=DEFAULT_PARTS):
         twogpu()
     if "server" in parts:
         server()
+    if "attnvar" in parts:
+        attnvar()
 
 
 def served_config(name: str) -> Path:
@@ -126,6 +130,30 @@ def served_config(name: str) -> Path:
     d = GPU_CACHE / "configs" / name
     write_config(spec, config, d)
     return d
+
+
+# issue 10's prefix-hit attention (attention_mixed's split role in the short program): variants of
+# its tunables, each a qwen3-4b artifact built with the overlay (build's tuning_overlay), for
+# tests/gpu/call_attn_variants.sh to profile side by side (bench profile --isolate)
+ATTN_VARIANTS = {
+    "minkeys64": {"SPLIT_MIN_KEYS": 64},              # 1-tile splits (17 at 1k): more programs
+    "minkeys2048": {"SPLIT_MIN_KEYS": 2048},          # one split at 1k: no merge at all
+    "minkeys128": {"SPLIT_MIN_KEYS": 128},            # 2-tile splits (9 at 1k)
+    "chunk1": {"SPLIT_MERGE_CHUNK": 1},               # the merge in 2-D tiles, a split a pass
+    "blockn128": {"SPLIT_BLOCK_N": 128},
+    # not num_warps 4: the kernel spills then (cuobjdump: 768 bytes of stack)
+}
+
+
+def attn_variant_dir(name: str) -> Path:
+    return REPO / ".cache" / "artifacts" / f"qwen3-4b-attn-{name}"
+
+
+def attnvar():
+    d = str(served_config("qwen3-4b"))
+    for name, tune in ATTN_VARIANTS.items():
+        _both_tunings(f"qwen3-4b, attention_mixed {tune}", attn_variant_dir(name), model_dir=d,
+                      tuning_overlay={"attention_mixed": {"default": tune}})
 
 
 def nofuse():

@@ -5,7 +5,7 @@
 # families, engine, no torch), families (only the new families' golden gate), baseline (a
 # baseline commit's qwen3-4b latency on the same card: tools/prepare_baseline.sh), latency,
 # profile (per-launch GPU times of a short prefill, a prefix hit, a 256-sequence mixed step and
-# batch-1 decode: bench/profile.py), profile-moe (the same for qwen3-30b-a3b with dummy weights:
+# batch-1 decode: bench/profile.py; PROFILE_ARTIFACT another qwen3-4b artifact), profile-moe (the same for qwen3-30b-a3b with dummy weights:
 # batch-1 decode, 255 decodes alone and beside a 2-token chunk, the mixed step), throughput, startup, server (the SDK suite with --device
 # cuda), serve (infc bench serve against infc serve), prefix (TTFT cold vs warm prefix hit at
 # 1k-32k tokens, in-process engine and through a spawned infc serve: bench/prefix.py; PREFIX_ARGS
@@ -107,7 +107,7 @@ for stage in $STAGES; do
       timeout ${LATENCY_S:-240} python3 -m infc.cli bench latency --artifact .cache/artifacts/qwen3-4b \
         --model-path "$MODELS/qwen3-4b" --out "$OUT" ${LATENCY_ARGS:-} 2>&1 | quiet | tail -12 ;;
     profile)
-      timeout ${PROFILE_S:-150} python3 -m infc.cli bench profile --artifact .cache/artifacts/qwen3-4b \
+      timeout ${PROFILE_S:-150} python3 -m infc.cli bench profile --artifact ${PROFILE_ARTIFACT:-.cache/artifacts/qwen3-4b} \
         --model-path "$MODELS/qwen3-4b" --out "$OUT" ${PROFILE_ARGS:-} 2>&1 | quiet | tail -150 ;;
     profile-moe)
       python3 tests/gpu/rerender.py .cache/artifacts/qwen3-30b-a3b 2>&1 | tail -2
