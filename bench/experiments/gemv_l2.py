@@ -20,23 +20,12 @@ from pathlib import Path
 
 import torch
 import triton
-import triton.language as tl
-from plan_kernels import busy, plain_launch, plan_kernel
+from plan_kernels import busy, plain_launch, plan_kernel, read_weights
 
 SHAPES = {"qkv": ("wqkv", 2560, 6144), "o_proj": ("wo", 4096, 2560), "down": ("wd", 9728, 2560)}
 REPS, BUSY_US = 200, 11.0
 
 
-
-
-@triton.jit
-def prefetch(w_ptr, sink_ptr, n, BLOCK: tl.constexpr):
-    """Read n bf16 of W into L2 (evict_last), a sum as the only write."""
-    acc = tl.zeros([BLOCK], tl.float32)
-    for i in range(tl.program_id(0) * BLOCK, n, tl.num_programs(0) * BLOCK):
-        offs = i + tl.arange(0, BLOCK)
-        acc += tl.load(w_ptr + offs, mask=offs < n, other=0.0, eviction_policy="evict_last").to(tl.float32)
-    tl.store(sink_ptr + tl.program_id(0), tl.sum(acc, 0))
 
 
 def plan_gemv(weight: str):
@@ -92,7 +81,7 @@ def main(out: Path):
         gemv()
         torch.cuda.synchronize()
         err = float((y.float() - x.float() @ w.float().T).abs().max())
-        pf = lambda: prefetch[(264,)](w, sink, w.numel(), BLOCK=2048)   # noqa: E731
+        pf = lambda: read_weights[(264,)](w, sink, w.numel(), BLOCK=2048, EVICT="evict_last")   # noqa: E731
         bz = lambda: busy[(64,)](busy_out, iters, BLOCK=128)             # noqa: E731
 
         def overlap(a):

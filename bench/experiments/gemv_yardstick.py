@@ -21,23 +21,12 @@ from pathlib import Path
 
 import torch
 import triton
-import triton.language as tl
-from plan_kernels import graph_us as time_layers, plain_launch, plan_kernel
+from plan_kernels import graph_us as time_layers, plain_launch, plan_kernel, read_weights
 
 LAYERS, REPS = 24, 30
 graph_us = partial(time_layers, layers=LAYERS, reps=REPS)     # us a layer
 # weight name in the plan -> (K, N); gate_up is the gated GEMV ([gate | up] rows, F outputs)
 LINEARS = {"wqkv": "qkv", "wo": "o_proj", "wgu": "gate_up", "wd": "down"}
-
-
-@triton.jit
-def read_w(w_ptr, sink_ptr, n, BLOCK: tl.constexpr):
-    acc = tl.zeros([BLOCK], tl.float32)
-    for i in range(tl.program_id(0) * BLOCK, n, tl.num_programs(0) * BLOCK):
-        offs = i + tl.arange(0, BLOCK)
-        acc += tl.load(w_ptr + offs, mask=offs < n, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    tl.store(sink_ptr + tl.program_id(0), tl.sum(acc, 0))
-
 
 
 def main(out: Path):
@@ -67,7 +56,8 @@ def main(out: Path):
         for progs in (sms, 2 * sms, 4 * sms, 8 * sms):
             n = rows * K
             row["us_per_layer"][f"read_{progs}"] = graph_us(
-                lambda: [read_w[(progs,)](w, sink, n, BLOCK=2048, num_warps=8) for w in ws])
+                lambda: [read_weights[(progs,)](w, sink, n, BLOCK=2048, EVICT="evict_first", num_warps=8)
+                         for w in ws])
         u = row["us_per_layer"]
         row["read_best"] = min(v for k, v in u.items() if k.startswith("read_"))
         row["GBps"] = {k: nbytes / (v * 1e-6) / 1e9 for k, v in u.items()}

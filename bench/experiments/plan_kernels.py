@@ -79,3 +79,15 @@ def busy(out_ptr, iters, BLOCK: tl.constexpr):
     for _ in range(iters):
         x = x * 0.999 + 0.5
     tl.store(out_ptr + tl.program_id(0) * BLOCK + tl.arange(0, BLOCK), x)
+
+
+@triton.jit
+def read_weights(w_ptr, sink_ptr, n, BLOCK: tl.constexpr, EVICT: tl.constexpr):
+    """Stream n bf16 of W with the EVICT eviction policy, their sum per program as the only write:
+    a kernel that only reads the weights ("evict_first": the GEMVs' yardstick, gemv_yardstick.py)
+    or pulls them into L2 ahead of their GEMV ("evict_last": gemv_l2.py's prefetch)."""
+    acc = tl.zeros([BLOCK], tl.float32)
+    for i in range(tl.program_id(0) * BLOCK, n, tl.num_programs(0) * BLOCK):
+        offs = i + tl.arange(0, BLOCK)
+        acc += tl.load(w_ptr + offs, mask=offs < n, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    tl.store(sink_ptr + tl.program_id(0), tl.sum(acc, 0))
