@@ -12,10 +12,10 @@ and samples. Not thread-safe: AsyncEngine drives it from a single thread.
 Data-parallel ranks (a runner with `dp_world` N > 1: attention data-parallel plans, compiler/
 parallel.py): every sequence lives on one rank, chosen at admission (the one whose prefix cache
 holds most of its prompt, else the one with the fewest tokens left to compute), with its pages
-in that rank's block manager and its steps in that rank's scheduler. A step is every rank's batch at once, padded alike
-(runtime/step.py pad_ranks) and run by `runner.execute_ranks`, each rank sampling its own rows;
-overlapped where the runner has `launch_ranks` / `collect_ranks` (each rank feeding its own
-pending tokens).
+in that rank's block manager and its steps in that rank's scheduler. A step is every rank's
+batch at once, padded alike (runtime/step.py pad_ranks) and run by `runner.execute_ranks`, each
+rank sampling its own rows; overlapped where the runner has `launch_ranks` / `collect_ranks`
+(each rank feeding its own pending tokens).
 
 Overlapped steps (a runner with `can_overlap`; INFC_OVERLAP=0 turns it off): step() schedules and
 launches step N + 1 before it reads step N's samples back, so the host's work between steps

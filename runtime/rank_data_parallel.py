@@ -10,13 +10,13 @@ and its rows' sampling; each rank samples its own rows and the worker's ACK carr
 which rank 0 reads before returning (a data-parallel step is never acknowledged lazily). A
 sequence lives on one rank: `free_on(rank, seq_id)` frees it there only.
 
-Overlapped data-parallel steps (`can_overlap`, MultiProcessRunner's rule for its overlapped steps): the engine calls
-`handle = launch_ranks(metas, sampling, feeds)` for step k + 1 before `collect_ranks(handle of
-step k)`, or collect_ranks(k) alone when it has nothing to launch; steps are collected in launch
-order, each once, and at most two are uncollected. feeds[r]: rank r's (row, prev_row) pairs, the
-rows whose token is what rank r sampled in row prev_row of its step before (a runner's `launch`
-feed). Each worker keeps at most one launched step pending and answers every frame once, in
-order:
+Overlapped data-parallel steps (`can_overlap`, MultiProcessRunner's rule for its overlapped
+steps): the engine calls `handle = launch_ranks(metas, sampling, feeds)` for step k + 1 before
+`collect_ranks(handle of step k)`, or collect_ranks(k) alone when it has nothing to launch;
+steps are collected in launch order, each once, and at most two are uncollected. feeds[r]: rank
+r's (row, prev_row) pairs, the rows whose token is what rank r sampled in row prev_row of its
+step before (a runner's `launch` feed). Each worker keeps at most one launched step pending and
+answers every frame once, in order:
 
     DP_LAUNCH(k)   launch k (runner.launch); if step j is pending, collect it and answer with
                    an ACK carrying j's samples, else with a bare ACK of k; k is now pending

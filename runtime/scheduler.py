@@ -30,16 +30,19 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []         # in admission order
         self.num_preemptions = 0
-        # the tokens left to compute (`load`): the waiting sequences', kept as they come and go,
-        # and the running ones' prefill left after the step just scheduled, counted by schedule()
+        # the tokens left to compute (`load`): the waiting sequences', kept as they come and go;
+        # the running ones', counted when asked and kept until the running set changes
         self.waiting_tokens = 0
-        self.running_tokens = 0
+        self._running_left: int | None = None
 
     def load(self) -> int:
-        """Prompt tokens this scheduler has yet to compute (the waiting sequences', and the
-        running ones' as of the last schedule): what data-parallel ranks balance new requests by,
-        a long prompt weighing as much as many short ones."""
-        return self.waiting_tokens + self.running_tokens
+        """Prompt tokens this scheduler has yet to compute, between steps: what data-parallel
+        ranks balance new requests by, a long prompt weighing as much as many short ones. A
+        running sequence counts its prefill left (a decode's one token, scheduled or in flight,
+        does not)."""
+        if self._running_left is None:
+            self._running_left = sum(u for s in self.running if (u := s.num_uncomputed) > 1)
+        return self.waiting_tokens + self._running_left
 
     def add(self, seq: Sequence, front: bool = False):
         seq.status = Status.WAITING
@@ -83,8 +86,7 @@ class Scheduler:
             self.running.append(seq)
             batch[seq] = n
             budget -= n
-        # a decode's token (scheduled, or in flight for a `final` one) is not prefill left
-        self.running_tokens = sum(u for s in self.running if (u := s.num_uncomputed - batch.get(s, 0)) > 1)
+        self._running_left = None                 # the step changes what is left
         return list(batch.items())
 
     def _preempt(self, seq: Sequence):
@@ -97,8 +99,7 @@ class Scheduler:
         """Take a sequence out (done or aborted, waiting or running) and free its pages."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
-            if not self.running:
-                self.running_tokens = 0
+            self._running_left = None
         elif seq.status is Status.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
             self.waiting_tokens -= seq.num_uncomputed
