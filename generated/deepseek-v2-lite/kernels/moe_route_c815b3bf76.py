@@ -10,6 +10,7 @@
 # program to finish copies the cursors out as the counts and leaves its scratch zero.
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -37,7 +38,11 @@ def _align_close(cur_ptr, counts_ptr, E: tl.constexpr, BLOCK_E: tl.constexpr):
 @triton.jit
 def moe_route(logits_ptr, w_ptr, ids_ptr, rows_ptr, counts_ptr, T, cur_ptr, E: tl.constexpr,
               K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NORMALIZE: tl.constexpr,
-              EX: tl.constexpr, BLOCK_EX: tl.constexpr):
+              EX: tl.constexpr, BLOCK_EX: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()
+    if PDL:
+        gdc_wait()   # earlier kernels' writes are visible from here on
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     l = tl.load(logits_ptr + t * E + e, mask=e < E, other=float("-inf")).to(tl.float32)
@@ -68,7 +73,8 @@ META = {
                ["rows_ptr", "*i32", "out:2"], ["counts_ptr", "*i32", "out:3"], ["T", "i32", "dim:T"],
                ["cur_ptr", "*i32", "scratch:counters"]],
     "constexprs": {"E": 64, "K": 6, "BLOCK_E": 64, "BLOCK_K": 8, "NORMALIZE": False,
-                   "EX": 64, "BLOCK_EX": 64},
+                   "EX": 64, "BLOCK_EX": 64, "PDL": True},
+    "pdl": True,
     "grid": ["T", 1, 1],
     "scratch": {"counters": "260"},
     "num_warps": 4,

@@ -6,11 +6,16 @@
 # (max, lowest index holding it, knock it out).
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
 def moe_route(logits_ptr, w_ptr, ids_ptr, E: tl.constexpr,
-              K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NORMALIZE: tl.constexpr):
+              K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, NORMALIZE: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()
+    if PDL:
+        gdc_wait()   # earlier kernels' writes are visible from here on
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     l = tl.load(logits_ptr + t * E + e, mask=e < E, other=float("-inf")).to(tl.float32)
@@ -36,7 +41,8 @@ META = {
     "entry": "moe_route",
     "params": [["logits_ptr", "*bf16", "in:0"], ["w_ptr", "*fp32", "out:0"],
                ["ids_ptr", "*i32", "out:1"]],
-    "constexprs": {"E": 128, "K": 8, "BLOCK_E": 128, "BLOCK_K": 8, "NORMALIZE": True},
+    "constexprs": {"E": 128, "K": 8, "BLOCK_E": 128, "BLOCK_K": 8, "NORMALIZE": True, "PDL": True},
+    "pdl": True,
     "grid": ["T", 1, 1],
     "num_warps": 1,
     "num_stages": 1,

@@ -1,11 +1,11 @@
 # moe_gate_up: act[t, j, f] = bf16(silu(g) * u),  e = ids[t, j],
-#   g = bf16(sum_k x[t, k] * w[e, f, k]),  u = bf16(sum_k x[t, k] * w[e, 1408 + f, k]),
+#   g = bf16(sum_k x[t, k] * w[e, f, k]),  u = bf16(sum_k x[t, k] * w[e, 768 + f, k]),
 #   silu(g) = g / (1 + exp(-g)) in fp32 (g and u rounded to bf16 as the unfused model stores them).
-#   x [T, 2048] bf16, ids i32 [T, 6], w [64, 2816, 2048] bf16 (rows 0..1407 gate,
-#   1408..2815 up), act [T, 6, 1408] bf16; fp32 accumulate.
+#   x [T, 2048] bf16, ids i32 [T, 8], w [128, 1536, 2048] bf16 (rows 0..767 gate,
+#   768..1535 up), act [T, 8, 768] bf16; fp32 accumulate.
 #
-# Decode: a few tokens, each naming 6 experts, so the step reads only the chosen experts'
-# rows, and each of them once. Grid (min(64, T * 6) distinct-expert slots, 88 blocks of
+# Decode: a few tokens, each naming 8 experts, so the step reads only the chosen experts'
+# rows, and each of them once. Grid (min(128, T * 8) distinct-expert slots, 48 blocks of
 # BLOCK_F = 16 gate rows and the matching up rows): program (u, b) takes the u-th smallest
 # chosen expert e (a histogram of the step's ids; slots past the number of distinct experts exit),
 # finds the tokens that chose e (in token order), and runs a GEMV over its row block for them,
@@ -21,6 +21,7 @@
 # same bits from run to run.
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -122,7 +123,11 @@ def moe_gate_up(x_ptr, ids_ptr, w_ptr, act_ptr, T,
                 H: tl.constexpr, F: tl.constexpr, KT: tl.constexpr, KTP: tl.constexpr,
                 BLOCK_E: tl.constexpr, BLOCK_F: tl.constexpr, FMA_BLOCK_K: tl.constexpr,
                 FMA_T: tl.constexpr, FMA_TP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                PC: tl.constexpr, TC: tl.constexpr, DOT_F32: tl.constexpr):
+                PC: tl.constexpr, TC: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()
+    if PDL:
+        gdc_wait()   # earlier kernels' writes are visible from here on
     u = tl.program_id(0)
     pid_f = tl.program_id(1)
     e, slots = _expert_of(ids_ptr, u, T * KT, BLOCK_E, PC)
@@ -181,11 +186,12 @@ META = {
     "params": [["x_ptr", "*bf16", "in:0"], ["ids_ptr", "*i32", "in:1"],
                ["w_ptr", "*bf16", "in:2"], ["act_ptr", "*bf16", "out:0"],
                ["T", "i32", "dim:T"]],
-    "constexprs": {"H": 2048, "F": 1408, "KT": 6, "KTP": 8, "BLOCK_E": 64,
+    "constexprs": {"H": 2048, "F": 768, "KT": 8, "KTP": 8, "BLOCK_E": 128,
                    "BLOCK_F": 16, "FMA_BLOCK_K": 256, "FMA_T": 1,
                    "FMA_TP": 1, "BLOCK_K": 64, "BLOCK_T": 16,
-                   "PC": 256, "TC": 32, "DOT_F32": False},
-    "grid": ["min(64, T * 6)", 88, 1],
+                   "PC": 256, "TC": 32, "DOT_F32": False, "PDL": True},
+    "pdl": True,
+    "grid": ["min(128, T * 8)", 48, 1],
     "num_warps": 4,
     "num_stages": 4,
 }

@@ -14,6 +14,7 @@
 # y[t] (the same bits whatever order the experts finish in), leaving the counter zero.
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -152,7 +153,11 @@ def moe_down(act_ptr, rw_ptr, ids_ptr, w_ptr, y_ptr, T, part_ptr, cnt_ptr,
              H: tl.constexpr, F: tl.constexpr, KT: tl.constexpr, KTP: tl.constexpr,
              BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, FMA_BLOCK_K: tl.constexpr,
              FMA_T: tl.constexpr, FMA_TP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
-             PC: tl.constexpr, TC: tl.constexpr, NB: tl.constexpr, DOT_F32: tl.constexpr):
+             PC: tl.constexpr, TC: tl.constexpr, NB: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()
+    if PDL:
+        gdc_wait()   # earlier kernels' writes are visible from here on
     u = tl.program_id(0)
     nb = tl.program_id(1)
     e, slots = _expert_of(ids_ptr, u, T * KT, BLOCK_E, PC)
@@ -205,7 +210,8 @@ META = {
     "constexprs": {"H": 2048, "F": 768, "KT": 8, "KTP": 8, "BLOCK_E": 128,
                    "BLOCK_H": 64, "FMA_BLOCK_K": 128, "FMA_T": 1,
                    "FMA_TP": 1, "BLOCK_K": 64, "BLOCK_T": 16,
-                   "PC": 256, "TC": 32, "NB": 32, "DOT_F32": False},
+                   "PC": 256, "TC": 32, "NB": 32, "DOT_F32": False, "PDL": True},
+    "pdl": True,
     "grid": ["min(128, T * 8)", 32, 1],
     "scratch": {"partials": "B * 65536", "counters": "B * 128"},
     "num_warps": 8,
