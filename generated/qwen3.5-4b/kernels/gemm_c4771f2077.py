@@ -69,7 +69,7 @@ def gemm(a_ptr, w_ptr, y_ptr, T,        N: tl.constexpr, K: tl.constexpr, A_STRI
     a_desc = tl.make_tensor_descriptor(a_ptr, shape=[T, K], strides=[A_STRIDE, 1], block_shape=[BLOCK_M, BLOCK_K])
     w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
     num_m = tl.cdiv(T, BLOCK_M)
-    num_n: tl.constexpr = 20
+    num_n: tl.constexpr = 10
     for t in tl.range(tl.program_id(0), num_m * num_n, 132, flatten=True):
         pid_m, pid_n = _tile_of(t, num_m, num_n, GROUP_M)
         _tma_tile(a_desc, w_desc, y_ptr, bias_ptr, T, pid_m, pid_n, N, K, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
@@ -80,9 +80,9 @@ META = {
     "params": [["a_ptr", "*bf16", "in:0"], ["w_ptr", "*bf16", "in:1"],
                ["y_ptr", "*bf16", "out:0"], ["T", "i32", "dim:T"]],
     "constexprs": {"N": 2560, "K": 4096, "A_STRIDE": 4096, "BLOCK_M": 128,
-                   "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8,
+                   "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8,
                    "SPLIT": False, "ZMAX": 1, "SLOT": 2621440, "DOT_F32": False},
-    "grid": ["min(132, cdiv(T, 128) * 20)", 1, 1],
+    "grid": ["min(132, cdiv(T, 128) * 10)", 1, 1],
     "num_warps": 8,
-    "num_stages": 4,
+    "num_stages": 3,
 }
