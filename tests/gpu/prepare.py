@@ -27,8 +27,7 @@ server (session.sh's `server-families` stage: the openai SDK suite over the Qwen
 DeepSeek-V2-Lite cuts, gpu_families.SERVER: their configs in .cache/gpu/configs/<name>-server, the
 artifacts `infc serve` reuses in .cache/artifacts/<name>-server), attnvar (issue 10: qwen3-4b with
 variants of attention_mixed's split-role tunables laid over the tables, ATTN_VARIANTS, into
-.cache/artifacts/qwen3-4b-attn-<name>, for tests/gpu/call_attn_variants.sh), gemvpf (qwen3-4b with the decode GEMVs' L2 prefetch under PDL,
-GEMV_PREFETCH, into .cache/artifacts/qwen3-4b-gemv-<name>, for tests/gpu/call_gemv_prefetch.sh).
+.cache/artifacts/qwen3-4b-attn-<name>, for tests/gpu/call_attn_variants.sh).
 Default: base, nofuse and families.
 
 The tiny qwen3_moe and the
@@ -57,7 +56,7 @@ TINY_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
             "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
 GPU_CACHE = REPO / ".cache" / "gpu"
 SERVED = ("qwen3-4b", "llama-3.2-1b")          # model directories LLM / infc serve load on the GPU
-PARTS = ("base", "nofuse", "families", "qwen35", "ranks", "deepseek", "twogpu", "server", "attnvar", "gemvpf")
+PARTS = ("base", "nofuse", "families", "qwen35", "ranks", "deepseek", "twogpu", "server", "attnvar")
 DEFAULT_PARTS = ("base", "nofuse", "families")
 
 
@@ -121,8 +120,6 @@ def main(parts=DEFAULT_PARTS):
         server()
     if "attnvar" in parts:
         attnvar()
-    if "gemvpf" in parts:
-        gemvpf()
 
 
 def served_config(name: str) -> Path:
@@ -157,24 +154,6 @@ def attnvar():
     for name, tune in ATTN_VARIANTS.items():
         _both_tunings(f"qwen3-4b, attention_mixed {tune}", attn_variant_dir(name), model_dir=d,
                       tuning_overlay={"attention_mixed": {"default": tune}})
-
-
-# the decode GEMVs with W sent to L2 before their programmatic-launch wait (gemv.py.j2
-# PREFETCH_K): how many columns of each program's W rows, for every gemv / gemv_gated launch.
-# Built beside the base artifact for tests/gpu/call_gemv_prefetch.sh (bench latency, each in turn)
-GEMV_PREFETCH = {"pf512": 512, "pf2048": 2048, "pfall": 1 << 16}
-
-
-def gemv_prefetch_dir(name: str) -> Path:
-    return REPO / ".cache" / "artifacts" / f"qwen3-4b-gemv-{name}"
-
-
-def gemvpf():
-    d = str(served_config("qwen3-4b"))
-    for name, cols in GEMV_PREFETCH.items():
-        tune = {"default": {"PREFETCH_K": cols}}
-        _both_tunings(f"qwen3-4b, gemv PREFETCH_K={cols}", gemv_prefetch_dir(name), model_dir=d,
-                      tuning_overlay={"gemv": tune, "gemv_gated": tune})
 
 
 def nofuse():
