@@ -6,12 +6,8 @@
 # ARTS: directories under .cache/artifacts (carried with tests/gpu/carry.sh, with gpu/configs);
 # CFG: the model directory (config only: weights made on the device, --load-format dummy);
 # PROMPTS (32), ROUNDS (2), PROFILE (1: profile each build; 0: not).
-set -uo pipefail
-OUT=${1:?OUT}
-cd "$(dirname "$0")/../.."
-bash tests/gpu/carry.sh --unpack
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1 NCCL_NVLS_ENABLE=0
+. "$(dirname "$0")/call_start.sh" "$@"
+export TRITON_DEFAULT_FP_FUSION=1 NCCL_NVLS_ENABLE=0
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv | tee "$OUT/gpu.txt"
 CFG=${CFG:?CFG}

@@ -7,12 +7,7 @@
 #   tests/gpu/carry.sh gpu/configs artifacts/qwen3-4b $(cd .cache && ls -d artifacts/qwen3-4b-attn-*)
 #   (device) bash tests/gpu/call_attn_variants.sh $OUT
 # VARIANTS / LENGTHS narrow it; ~20 s a profile.
-set -uo pipefail
-OUT=${1:?OUT}
-cd "$(dirname "$0")/../.."
-bash tests/gpu/carry.sh --unpack
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
+. "$(dirname "$0")/call_start.sh" "$@"
 # installs the package, makes the random qwen3-4b directory, re-renders qwen3-4b: the first profile
 STAGES=profile PROFILE_ARGS="--steps prefix_hit,decode_b1 --isolate attention_cached,linear --reps 10" \
   bash tests/gpu/session.sh "$OUT/base-1024" > "$OUT/base-1024.log" 2>&1

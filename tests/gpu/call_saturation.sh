@@ -7,11 +7,7 @@
 #   tests/gpu/carry.sh gpu/configs artifacts/qwen3-30b-a3b artifacts/qwen3-30b-a3b-dp2-ep2
 #   (device) bash tests/gpu/call_saturation.sh $OUT
 # ONE=... / DP=...: the concurrencies of each side ("" skips it); ~5 minutes with the defaults.
-set -uo pipefail
-OUT=${1:?OUT}
-cd "$(dirname "$0")/../.."
-bash tests/gpu/carry.sh --unpack
-mkdir -p "$OUT"
+. "$(dirname "$0")/call_start.sh" "$@"
 nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
 one=${ONE-1024,2048}
 dp=${DP-1024,1536,2048}

@@ -5,12 +5,7 @@
 # each table into the same .cache/artifacts/qwen3-4b), so nothing compiles here.
 #   BASE_TABLE=.cache/tuning-base/h200.json bash tests/gpu/call_table_ab.sh $OUT
 # CONCURRENCY (64,256), ROUNDS (2), LATENCY (0: skip; 1: bench latency --no-hf too).
-set -uo pipefail
-OUT=${1:?OUT}
-cd "$(dirname "$0")/../.."
-bash tests/gpu/carry.sh --unpack
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
+. "$(dirname "$0")/call_start.sh" "$@"
 BASE_TABLE=${BASE_TABLE:?BASE_TABLE}
 gpu=$(basename "$BASE_TABLE" .json)
 cp "codegen_templates/tuning/$gpu.json" /tmp/table-new.json

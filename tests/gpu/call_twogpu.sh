@@ -8,11 +8,7 @@
 # Carry: gpu/configs gpu/ranks/configs gpu/tiny-moe gpu/skipgram gpu/qwen-tokenizer gpu/deepseek-v2-lite-art
 #   artifacts/{qwen3-4b,qwen3-4b-tp2,qwen3-30b-a3b,qwen3-30b-a3b-tp2-ep2,
 #   ranks-qwen3-30b-a3b-l4-tp2-ep2,deepseek-v2-lite-l8-tp2-ep2}
-set -uo pipefail
-OUT=${1:?OUT}
-cd "$(dirname "$0")/../.."
-bash tests/gpu/carry.sh --unpack
-mkdir -p "$OUT"
+. "$(dirname "$0")/call_start.sh" "$@"
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "card: $card" | tee "$OUT/card.txt"
 conc=${MOE_CONCURRENCY:-256,1024}
