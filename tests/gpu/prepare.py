@@ -27,8 +27,8 @@ server (session.sh's `server-families` stage: the openai SDK suite over the Qwen
 DeepSeek-V2-Lite cuts, gpu_families.SERVER: their configs in .cache/gpu/configs/<name>-server, the
 artifacts `infc serve` reuses in .cache/artifacts/<name>-server), attnvar (issue 10: qwen3-4b with
 variants of attention_mixed's split-role tunables laid over the tables, ATTN_VARIANTS, into
-.cache/artifacts/qwen3-4b-attn-<name>, for tests/gpu/call_attn_variants.sh), moevar (issue 11: qwen3-30b-a3b
-with the H100 tuner's decode entries the H200 table lacks, MOE_H100_ENTRIES, into
+.cache/artifacts/qwen3-4b-attn-<name>, for tests/gpu/call_attn_variants.sh), moevar (issue 11:
+qwen3-30b-a3b with the H100 tuner's decode entries the H200 table lacks, MOE_H100_ENTRIES, into
 .cache/artifacts/qwen3-30b-a3b-h100moe, for tests/gpu/call_ab_latency.sh).
 Default: base, nofuse and families.
 
@@ -172,7 +172,8 @@ MOE_H100_ENTRIES = {
 
 
 def moevar():
-    _both_tunings("qwen3-30b-a3b with the H100 tuner's decode entries", REPO / ".cache" / "artifacts" / "qwen3-30b-a3b-h100moe",
+    _both_tunings("qwen3-30b-a3b with the H100 tuner's decode entries",
+                  REPO / ".cache" / "artifacts" / "qwen3-30b-a3b-h100moe",
                   model_dir=str(_moe_full()), tuning_overlay=MOE_H100_ENTRIES)
 
 
