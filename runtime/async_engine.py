@@ -16,7 +16,7 @@ hanging.
 import asyncio
 import threading
 
-from .engine import Engine, StepOutput, token_array
+from .engine import Engine, StepOutput
 from .sampling import SamplingParams
 
 
@@ -45,9 +45,7 @@ class AsyncEngine:
         server does, for every prompt of a request before it replies)."""
         self._raise_if_dead()
         if not checked:
-            ids = token_array(prompt_ids)
-            self.engine.check_request(ids, params)         # a bad request fails here, at once
-            prompt_ids = ids.tolist()
+            prompt_ids = self.engine.checked_ids(prompt_ids, params)   # a bad request fails here, at once
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         with self._lock:
             if request_id in self._queues:

@@ -192,15 +192,20 @@ class Engine:
                              f"{'unbounded' if params.max_tokens is None else params.max_tokens} "
                              f"new) can never fit in the KV cache of {kv} tokens: lower max_tokens")
 
+    def checked_ids(self, prompt_ids, params: SamplingParams) -> list[int]:
+        """The prompt as a list of int, once check_request has accepted it with these params
+        (ValueError otherwise): one conversion serves both."""
+        ids = token_array(prompt_ids)
+        self.check_request(ids, params)
+        return ids.tolist()
+
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     arrival_time: float | None = None, checked: bool = False) -> str:
         """checked: prompt_ids is a list of int that check_request already accepted with these
         params (AsyncEngine.generate's door, or the server's before it): at 16k tokens, the int
         conversion and the vocabulary check cost ~0.5 ms each, once per request is enough."""
         if not checked:
-            ids = token_array(prompt_ids)
-            self.check_request(ids, params)
-            prompt_ids = ids.tolist()
+            prompt_ids = self.checked_ids(prompt_ids, params)
         if request_id is None:
             request_id, self._next_request = f"req-{self._next_request}", self._next_request + 1
         if request_id in self.requests:

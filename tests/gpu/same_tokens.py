@@ -44,7 +44,7 @@ def run(artifact: str, model_dir: str, prompts: list[list[int]], n_out: int) -> 
 def r_page(artifact: str) -> int:
     import json
     from pathlib import Path
-    return int(json.loads((Path(artifact) / "plan.json").read_text()).get("page_size", 16))
+    return int(json.loads((Path(artifact) / "plan.json").read_text())["build"]["page_size"])
 
 
 def main(argv=None) -> int:
