@@ -14,11 +14,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def plan_kernel(pred, model: str = "qwen3-4b"):
-    """The first launch of the decode program's layer body matching pred: (module, META)."""
+    """The first launch of the decode program's layer bodies (any kind) matching pred: (module, META)."""
     kdir = REPO / "generated" / model
     plan = json.loads((kdir / "plan.json").read_text())
-    layer = next(l for l in plan["programs"]["decode"] if "kinds" in l)["kinds"]["layer"]
-    kid = next(l["kernel_id"] for l in layer if pred(l))
+    kinds = next(l for l in plan["programs"]["decode"] if "kinds" in l)["kinds"]
+    # a layer body by its kind ("layer" in dense plans, "sparse" in qwen3_moe's, ...)
+    kid = next(l["kernel_id"] for body in kinds.values() for l in body if pred(l))
     f = kdir / "kernels" / f"{kid}.py"
     meta = next(ast.literal_eval(n.value) for n in ast.parse(f.read_text()).body
                 if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == "META")
