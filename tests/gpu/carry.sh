@@ -5,17 +5,34 @@
 #   bash tests/gpu/carry.sh --unpack; STAGES=... bash tests/gpu/session.sh $OUT/s1
 #   tests/gpu/carry.sh PATH...       # paths under .cache/gpu or .cache/artifacts, e.g.
 #   tests/gpu/carry.sh gpu/configs gpu/ranks/configs artifacts/qwen3-4b
+# Artifacts' cubins go into one pool (.cache/carry/binpool, each file once: a cubin's name holds
+# its source hash), so builds that differ in a few kernels (an A/B, leave-one-out variants) cost
+# only those kernels; each artifact keeps the list of its bin/ (bin.list) to be rebuilt from it.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 if [ "${1:-}" = --unpack ]; then        # on the GPU machine: put the pieces where prepare.py left them
   mkdir -p .cache/gpu .cache/artifacts
-  cp -r .cache/carry/. .cache/
+  (cd .cache/carry && find . -path ./binpool -prune -o -type f -print) | while read -r f; do
+    mkdir -p ".cache/$(dirname "$f")"
+    if [ "$(basename "$f")" = bin.list ]; then
+      b=".cache/$(dirname "$f")/bin"; mkdir -p "$b"
+      while read -r k; do cp .cache/carry/binpool/"$k" "$b/$k"; done < ".cache/carry/$f"
+    else
+      cp ".cache/carry/$f" ".cache/$f"
+    fi
+  done
   exit 0
 fi
 rm -rf .cache/carry
+mkdir -p .cache/carry/binpool
 for p in "$@"; do
   [ -e ".cache/$p" ] || { echo "carry.sh: .cache/$p does not exist (run tests/gpu/prepare.py first)" >&2; exit 1; }
   mkdir -p ".cache/carry/$(dirname "$p")"
   cp -r ".cache/$p" ".cache/carry/$p"
+  find ".cache/carry/$p" -type d -name bin | while read -r b; do
+    ls "$b" > "$(dirname "$b")/bin.list"
+    cp -n "$b"/* .cache/carry/binpool/ 2>/dev/null || true
+    rm -rf "$b"
+  done
 done
 du -sh .cache/carry
