@@ -45,3 +45,26 @@ def test_through_kernels(models, kind, tmp_path):  # noqa: F811
         got, want = run.step([Chunk(0, [tok], n)]), ref.step([SeqChunk(0, [tok], n)])
         assert _rel(got, want) < tol, (f"decode {step}", _rel(got, want))
         tok, n = int(np.argmax(want[0])), n + 1
+
+
+
+# the absorbed decode kernel's split protocol: a 40-token context in 16-key tiles over 4 splits
+# (3 run; the last to arrive merges), over 2 (two run), over 1 (nothing to merge)
+@pytest.mark.parametrize("splits", [4, 2, 1])
+def test_latent_decode_splits(models, splits, tmp_path):  # noqa: F811
+    d, _ = models["plain"]
+    out = build(model_dir=str(d), out=tmp_path / "art", compile=False, log=None, page_size=PAGE,
+                tuning_overlay={"latent_attention_decode": {"default": {"BLOCK_N": 16, "NUM_SPLITS": splits}}})
+    plan = json.loads((out / "plan.json").read_text())
+    src = "".join(p.read_text() for p in (out / "kernels").glob("latent_attention_decode_*.py"))
+    assert f"min({splits}, max(1, cdiv(" in src
+    plan["_dir"] = str(out)
+    weights = load_weights(plan, Checkpoint(d))
+    ref, run = ReferenceExecutor(plan, weights), InterpExecutor(plan, weights, page_size=PAGE)
+    a = [int(t) for t in np.random.default_rng(5).integers(0, VOCAB, 40)]
+    run.step([Chunk(0, a, 0)]), ref.step([SeqChunk(0, a, 0)])
+    tok, n = 7, len(a)
+    for step in range(2):
+        got, want = run.step([Chunk(0, [tok], n)]), ref.step([SeqChunk(0, [tok], n)])
+        assert _rel(got, want) < 2e-2, (f"decode {step}", _rel(got, want))
+        tok, n = int(np.argmax(want[0])), n + 1
