@@ -29,7 +29,9 @@ artifacts `infc serve` reuses in .cache/artifacts/<name>-server), attnvar (issue
 variants of attention_mixed's split-role tunables laid over the tables, ATTN_VARIANTS, into
 .cache/artifacts/qwen3-4b-attn-<name>, for tests/gpu/call_attn_variants.sh), moevar (issue 11:
 qwen3-30b-a3b with the H100 tuner's decode entries the H200 table lacks, MOE_H100_ENTRIES, into
-.cache/artifacts/qwen3-30b-a3b-h100moe, for tests/gpu/call_ab_latency.sh).
+.cache/artifacts/qwen3-30b-a3b-h100moe, for tests/gpu/call_ab_latency.sh), hlvar (issue 13:
+DeepSeek-V2-Lite with smaller head_linear blocks, HL_VARIANTS, into
+.cache/artifacts/deepseek-v2-lite-<name>, beside deepseek-v2-lite, for call_ab_latency.sh).
 Default: base, nofuse and families.
 
 The tiny qwen3_moe and the
@@ -58,7 +60,8 @@ TINY_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
             "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
 GPU_CACHE = REPO / ".cache" / "gpu"
 SERVED = ("qwen3-4b", "llama-3.2-1b")          # model directories LLM / infc serve load on the GPU
-PARTS = ("base", "nofuse", "families", "qwen35", "ranks", "deepseek", "twogpu", "server", "attnvar", "moevar")
+PARTS = ("base", "nofuse", "families", "qwen35", "ranks", "deepseek", "twogpu", "server", "attnvar", "moevar",
+         "hlvar")
 DEFAULT_PARTS = ("base", "nofuse", "families")
 
 
@@ -124,6 +127,8 @@ def main(parts=DEFAULT_PARTS):
         attnvar()
     if "moevar" in parts:
         moevar()
+    if "hlvar" in parts:
+        hlvar()
 
 
 def served_config(name: str) -> Path:
@@ -175,6 +180,24 @@ def moevar():
     _both_tunings("qwen3-30b-a3b with the H100 tuner's decode entries",
                   REPO / ".cache" / "artifacts" / "qwen3-30b-a3b-h100moe",
                   model_dir=str(_moe_full()), tuning_overlay=MOE_H100_ENTRIES)
+
+
+# issue 13: DeepSeek-V2-Lite's absorbed head_linear launches at batch 1 (w_uv: 16 heads x 2 blocks of 64
+# outputs = 32 programs, each streaming 64 KB), with smaller N blocks, into
+# .cache/artifacts/deepseek-v2-lite-<name>, for tests/gpu/call_ab_latency.sh against deepseek-v2-lite
+HL_UV, HL_UK = "decode|Tx16x512;16x128x512;Tx16x128", "decode|Tx16x128;16x512x128;Tx16x512"
+HL_VARIANTS = {"uv16": {HL_UV: {"BLOCK_N": 16}}, "uv32": {HL_UV: {"BLOCK_N": 32}},
+               "uv16k128": {HL_UV: {"BLOCK_N": 16, "BLOCK_K": 128}},
+               "uk32uv16": {HL_UV: {"BLOCK_N": 16}, HL_UK: {"BLOCK_N": 32}}}
+
+
+def hlvar():
+    cfg = str(_family_config("deepseek-v2-lite"))
+    A = REPO / ".cache" / "artifacts"
+    _both_tunings("deepseek-v2-lite", A / "deepseek-v2-lite", model_dir=cfg)
+    for name, ov in HL_VARIANTS.items():
+        _both_tunings(f"deepseek-v2-lite head_linear {name}", A / f"deepseek-v2-lite-{name}",
+                      model_dir=cfg, tuning_overlay={"head_linear": ov})
 
 
 def nofuse():
