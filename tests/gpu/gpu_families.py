@@ -87,7 +87,8 @@ FAMILIES = {
     "deepseek-v2-lite-l8": ("deepseek-v2-lite", {"num_hidden_layers": 8}),
     # qwen3_moe (issue 11): qwen3-30b-a3b cut to 4 of its 48 layers at its real shapes (128 experts,
     # top-8 normalized, 768-wide experts, GQA 32:4, head_dim 128, 151,936 ids). Not in DEFAULT: its
-    # random HF directory is ~5 GB (the whole model's golden gate is this cut's).
+    # random HF directory is ~5 GB (the whole model's golden gate is this cut's). Its config and
+    # artifact directories are the ones tests/gpu/prepare_moe.py writes for the same cut.
     "qwen3-30b-a3b-l4": ("qwen3-30b-a3b", {"num_hidden_layers": 4}),
 }
 # Longer prompts for a family (test_golden.py adds them after its common lengths): the hybrid

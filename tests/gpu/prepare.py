@@ -28,8 +28,9 @@ DeepSeek-V2-Lite cuts, gpu_families.SERVER: their configs in .cache/gpu/configs/
 artifacts `infc serve` reuses in .cache/artifacts/<name>-server), attnvar (issue 10: qwen3-4b with
 variants of attention_mixed's split-role tunables laid over the tables, ATTN_VARIANTS, into
 .cache/artifacts/qwen3-4b-attn-<name>, for tests/gpu/call_attn_variants.sh), moevar (issue 11:
-qwen3-30b-a3b with the H100 tuner's decode entries the H200 table lacks, MOE_H100_ENTRIES, into
-.cache/artifacts/qwen3-30b-a3b-h100moe, for tests/gpu/call_ab_latency.sh), hlvar (issue 13:
+qwen3-30b-a3b with the H100 tuner's decode entries the H200 table lacked, MOE_H100_ENTRIES, into
+.cache/artifacts/qwen3-30b-a3b-h100moe, for tests/gpu/call_ab_latency.sh; the H200 table has them
+since that A/B, 2026-11-27), hlvar (issue 13:
 DeepSeek-V2-Lite with smaller head_linear blocks, HL_VARIANTS, into
 .cache/artifacts/deepseek-v2-lite-<name>, beside deepseek-v2-lite, for call_ab_latency.sh).
 Default: base, nofuse and families.
