@@ -8,7 +8,7 @@ import pytest
 
 from infc.cli import main
 from infc.compiler import build as build_mod
-from infc.compiler.codegen.render import TEMPLATES, render_plan, shape_key
+from infc.compiler.codegen.render import TEMPLATES, render_plan, tuning_key
 from infc.compiler.tune import GRIDS, candidates, prepare
 from infc.runtime.cuda import tune_run
 from infc.runtime.cuda.tune_run import (agree, dump_table, merge_table, select_best,
@@ -62,8 +62,7 @@ def test_prepare_manifest_candidates_and_shapes(prepared):
     for phase in ("decode", "prefill"):
         for l, _ in launches(plan["programs"][phase]):
             if l["kernel"] in {e["template"] for e in m["entries"]}:
-                ts = [build_mod_tensor(plan, n) for n in l["inputs"] + l["outputs"]]
-                want.add((l["kernel"], shape_key(phase, ts)))
+                want.add((l["kernel"], tuning_key(plan, l, phase)))
     got = [(e["template"], e["shape_key"]) for e in m["entries"]]
     assert sorted(got) == sorted(want) and len(got) == len(set(got))
     assert {"gemv", "gemv_gated", "lm_head_last", "attention_decode", "gemm", "gemm_gated",
@@ -83,9 +82,17 @@ def test_prepare_manifest_candidates_and_shapes(prepared):
             assert c["meta"]["params"] and c["meta"]["grid"] and "META = {" in src
 
 
-def build_mod_tensor(plan, name):
-    from infc.compiler.codegen.render import _tensor
-    return _tensor(plan, name, True)       # shape keys read shapes only
+def test_attention_keys_name_the_kv_layout():
+    """qwen3-4b (8 KV heads) and qwen3-30b-a3b (4) share their query heads (32 x 128): an attention
+    entry tuned on one must not reach the other through the tuning key."""
+    keys = {}
+    for model in ("qwen3-4b", "qwen3-30b-a3b"):
+        _, plan = build_mod.compile_model(model)
+        layer = next(l for l in plan["programs"]["decode"] if "kinds" in l)["kinds"]
+        att = next(l for body in layer.values() for l in body if l["kernel"] == "attention_decode")
+        keys[model] = tuning_key(plan, att, "decode")
+    assert keys == {"qwen3-4b": "decode|Tx32x128;8x128;Tx32x128",
+                    "qwen3-30b-a3b": "decode|Tx32x128;4x128;Tx32x128"}
 
 
 def test_select_best_rules():

@@ -98,11 +98,29 @@ def render_template(backend: str, template: str, ctx: dict, env=None) -> Kernel:
     return Kernel(f"{template}_{digest}", backend, template, source, parse_meta(source, backend))
 
 
-def launch_context(plan: dict, launch: dict, phase: str, tuning: dict, page_size: int) -> dict:
+def launch_tensors(plan: dict, launch: dict) -> tuple[list[dict], list[dict]]:
+    """A launch's input and output tensors as its template sees them."""
     from ..ops import REGISTRY
     strided = REGISTRY[launch["op"]].strided
     ins = [_tensor(plan, n, strided) for n in launch["inputs"]]
     outs = [_tensor(plan, n, False) for n in launch["outputs"]]
+    for t in ins + outs:
+        if t["kind"] == "cache" and launch.get("caches"):
+            # the paged cache's per-token layout (KV heads x head_dim) in the tuning key: two models
+            # with the same query heads but other KV heads are other kernels' timings (an H200
+            # attention_decode entry tuned on qwen3-30b-a3b's 4 KV heads cost qwen3-4b's 8 0.15 ms)
+            t["shape"] = list(plan["caches"][launch["caches"][0]]["shape"])
+    return ins, outs
+
+
+def tuning_key(plan: dict, launch: dict, phase: str) -> str:
+    """The key of a launch in the tuning tables: the phase and its tensors' shapes."""
+    ins, outs = launch_tensors(plan, launch)
+    return shape_key(phase, ins + outs)
+
+
+def launch_context(plan: dict, launch: dict, phase: str, tuning: dict, page_size: int) -> dict:
+    ins, outs = launch_tensors(plan, launch)
     caches = {n: {**c, "page_size": page_size} for n, c in plan.get("caches", {}).items()}
     return {"op": launch["op"], "phase": phase, "inputs": ins, "outputs": outs,
             "attrs": launch["attrs"], "config": plan["config"], "caches": caches,

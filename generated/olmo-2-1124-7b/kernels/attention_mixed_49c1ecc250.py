@@ -1,13 +1,13 @@
 # attention_prefill: variable-length causal GQA attention over the paged KV cache, Hq=32,
-# Hkv=4 (group G=8), D=128. Sequence b's new tokens are q rows seq_starts[b] ..
+# Hkv=32 (group G=1), D=128. Sequence b's new tokens are q rows seq_starts[b] ..
 # seq_starts[b+1]-1 (q_len of them) and the last q_len of its L = context_lens[b] cached keys, so
 # new token i sits at position P + i, P = L - q_len (a cached prefix, maybe shared, comes first):
 #   s_j = q[t, h] . K[b, j, h // G] * scale
 #   o[t, h] = sum_j softmax_j(s) V[b, j, h // G],  j <= P + i
 # K[b, j] = k_cache[block_tables[b, j // 16], j % 16], scale = 0.08838834764831845.
-# Flash attention: a program owns BLOCK_M=64 rows = TOK=8 consecutive tokens x the G query
+# Flash attention: a program owns BLOCK_M=128 rows = TOK=128 consecutive tokens x the G query
 # heads of one kv head (GQA packing: K/V tiles are loaded once for the group, and a decode token
-# in a mixed step fills G rows, not 1), and streams BLOCK_N=64-key tiles gathered through
+# in a mixed step fills G rows, not 1), and streams BLOCK_N=128-key tiles gathered through
 # the block table with an online softmax (exp2 of log2-scaled scores). Tiles entirely below the
 # block's first position need no mask; the rest are masked causally.
 # attention_mixed (the mixed phase): one launch, two roles. Programs [0, (cdiv(T, TOK) + B) * Hkv)
@@ -20,7 +20,7 @@ import triton.language as tl
 # Split-KV role (sequences with q_len <= QMAX=1): one program per (sequence b, kv head, split),
 # ns = min(NUM_SPLITS=32, max(1, cdiv(TARGET_CTAS=264, B * Hkv))) splits. Its rows are
 # r = i * G + g for new token i < q_len (position P + i, P = L - q_len) and query head kvh * G + g
-# (QMAX * G = 8 rows, padded to 16 for tl.dot), so the K/V of a split are read once for all of them.
+# (QMAX * G = 1 rows, padded to 16 for tl.dot), so the K/V of a split are read once for all of them.
 # A split takes at least SPLIT_MIN_KEYS=256 keys: below that, its partials and the merge cost more than
 # the keys it saves the others.
 # Split s owns keys [s * kps, (s + 1) * kps), kps = max(ceil(ceil(L / ns) / BLOCK_N) * BLOCK_N, MIN) (MIN =
@@ -37,16 +37,16 @@ import triton.language as tl
 def _attend_split(pid, q_ptr, k_cache, v_cache, o_ptr, block_tables, context_lens, seq_starts,
                   max_pages, B, part_o, part_ml, counter, DOT_F32: tl.constexpr):
     HQ: tl.constexpr = 32
-    HKV: tl.constexpr = 4
-    G: tl.constexpr = 8
+    HKV: tl.constexpr = 32
+    G: tl.constexpr = 1
     D: tl.constexpr = 128
     BLOCK_D: tl.constexpr = 128
     PS: tl.constexpr = 16
     BLOCK_N: tl.constexpr = 64
-    ROWS: tl.constexpr = 8
+    ROWS: tl.constexpr = 1
     M: tl.constexpr = 16
-    MM: tl.constexpr = 8
-    CHUNK: tl.constexpr = 4
+    MM: tl.constexpr = 2
+    CHUNK: tl.constexpr = 8
     ns = tl.minimum(32, tl.maximum(1, tl.cdiv(264, B * HKV)))
     bh = pid // ns
     s = pid % ns
@@ -265,14 +265,14 @@ META = {
         ["part_ml", "*fp32", "scratch:partial_ml"],
         ["counter", "*i32", "scratch:counter"],
     ],
-    "constexprs": {"HQ": 32, "HKV": 4, "G": 8, "D": 128, "BLOCK_D": 128,
-                   "PS": 16, "BLOCK_M": 64, "TOK": 8, "BLOCK_N": 64,
+    "constexprs": {"HQ": 32, "HKV": 32, "G": 1, "D": 128, "BLOCK_D": 128,
+                   "PS": 16, "BLOCK_M": 128, "TOK": 128, "BLOCK_N": 128,
                    "BLOCK_B": 256, "QK_SCALE": 0.12751743082459868,
                    "DOT_F32": False},
-    "grid": ["(cdiv(T, 8) + B) * 4 + B * 4 * min(32, max(1, cdiv(264, B * 4)))", 1, 1],
-    "scratch": {"partial_o": "2162688",
-                "partial_ml": "33792",
+    "grid": ["(cdiv(T, 128) + B) * 32 + B * 32 * min(32, max(1, cdiv(264, B * 32)))", 1, 1],
+    "scratch": {"partial_o": "270336",
+                "partial_ml": "4224",
                 "counter": "1056"},
-    "num_warps": 4,
+    "num_warps": 8,
     "num_stages": 3,
 }

@@ -5,9 +5,9 @@
 #   s_j = q[t, h] . K[b, j, h // G] * scale,  s_j = softcap * tanh(s_j / softcap)  (softcap = 50.0)
 #   o[t, h] = sum_j softmax_j(s) V[b, j, h // G],  j <= P + i and P + i - j < window (window = 4096, HF's sliding window)
 # K[b, j] = k_cache[block_tables[b, j // 16], j % 16], scale = 0.08333333333333333.
-# Flash attention: a program owns BLOCK_M=64 rows = TOK=32 consecutive tokens x the G query
+# Flash attention: a program owns BLOCK_M=128 rows = TOK=64 consecutive tokens x the G query
 # heads of one kv head (GQA packing: K/V tiles are loaded once for the group, and a decode token
-# in a mixed step fills G rows, not 1), and streams BLOCK_N=64-key tiles gathered through
+# in a mixed step fills G rows, not 1), and streams BLOCK_N=128-key tiles gathered through
 # the block table with an online softmax (exp2 of log2-scaled scores). Tiles entirely below the
 # block's first position and at or above its last position's window start need no mask; the
 # tiles before (window) and after (causal) them are masked, and keys below the first position's
@@ -311,15 +311,15 @@ META = {
         ["counter", "*i32", "scratch:counter"],
     ],
     "constexprs": {"HQ": 32, "HKV": 16, "G": 2, "D": 128, "BLOCK_D": 128,
-                   "PS": 16, "BLOCK_M": 64, "TOK": 32, "BLOCK_N": 64,
+                   "PS": 16, "BLOCK_M": 128, "TOK": 64, "BLOCK_N": 128,
                    "BLOCK_B": 256, "QK_SCALE": 0.0016666666666666666,
                    "WINDOW": 4096,
                    "CAP_LOG2": 72.13475204444816,
                    "DOT_F32": False},
-    "grid": ["(cdiv(T, 32) + B) * 16 + B * 16 * min(32, max(1, cdiv(264, B * 16)))", 1, 1],
+    "grid": ["(cdiv(T, 64) + B) * 16 + B * 16 * min(32, max(1, cdiv(264, B * 16)))", 1, 1],
     "scratch": {"partial_o": "540672",
                 "partial_ml": "8448",
                 "counter": "1056"},
-    "num_warps": 4,
+    "num_warps": 8,
     "num_stages": 3,
 }

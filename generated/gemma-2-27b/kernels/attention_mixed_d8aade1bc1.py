@@ -1,13 +1,13 @@
 # attention_prefill: variable-length causal GQA attention over the paged KV cache, Hq=32,
-# Hkv=32 (group G=1), D=128. Sequence b's new tokens are q rows seq_starts[b] ..
+# Hkv=16 (group G=2), D=128. Sequence b's new tokens are q rows seq_starts[b] ..
 # seq_starts[b+1]-1 (q_len of them) and the last q_len of its L = context_lens[b] cached keys, so
 # new token i sits at position P + i, P = L - q_len (a cached prefix, maybe shared, comes first):
-#   s_j = q[t, h] . K[b, j, h // G] * scale
+#   s_j = q[t, h] . K[b, j, h // G] * scale,  s_j = softcap * tanh(s_j / softcap)  (softcap = 50.0)
 #   o[t, h] = sum_j softmax_j(s) V[b, j, h // G],  j <= P + i
-# K[b, j] = k_cache[block_tables[b, j // 16], j % 16], scale = 0.08838834764831845.
-# Flash attention: a program owns BLOCK_M=64 rows = TOK=64 consecutive tokens x the G query
+# K[b, j] = k_cache[block_tables[b, j // 16], j % 16], scale = 0.08333333333333333.
+# Flash attention: a program owns BLOCK_M=128 rows = TOK=64 consecutive tokens x the G query
 # heads of one kv head (GQA packing: K/V tiles are loaded once for the group, and a decode token
-# in a mixed step fills G rows, not 1), and streams BLOCK_N=64-key tiles gathered through
+# in a mixed step fills G rows, not 1), and streams BLOCK_N=128-key tiles gathered through
 # the block table with an online softmax (exp2 of log2-scaled scores). Tiles entirely below the
 # block's first position need no mask; the rest are masked causally.
 # attention_mixed (the mixed phase): one launch, two roles. Programs [0, (cdiv(T, TOK) + B) * Hkv)
@@ -17,10 +17,23 @@
 # them are the split-KV role below, for the sequences of at most QMAX new tokens.
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _tanh(x):
+    a = tl.abs(x)
+    e = tl.exp(-2.0 * a)
+    big = (1.0 - e) / (1.0 + e)
+    s = tl.minimum(a, 0.125)             # the series' argument, kept small where it is not used
+    s2 = s * s
+    small = s * (1.0 + s2 * (-0.3333333333333333 + s2 * (0.13333333333333333 + s2 * -0.05396825396825397)))
+    t = tl.where(a < 0.125, small, big)
+    return tl.where(x >= 0, t, -t)
+
 # Split-KV role (sequences with q_len <= QMAX=1): one program per (sequence b, kv head, split),
 # ns = min(NUM_SPLITS=32, max(1, cdiv(TARGET_CTAS=264, B * Hkv))) splits. Its rows are
 # r = i * G + g for new token i < q_len (position P + i, P = L - q_len) and query head kvh * G + g
-# (QMAX * G = 1 rows, padded to 16 for tl.dot), so the K/V of a split are read once for all of them.
+# (QMAX * G = 2 rows, padded to 16 for tl.dot), so the K/V of a split are read once for all of them.
 # A split takes at least SPLIT_MIN_KEYS=256 keys: below that, its partials and the merge cost more than
 # the keys it saves the others.
 # Split s owns keys [s * kps, (s + 1) * kps), kps = max(ceil(ceil(L / ns) / BLOCK_N) * BLOCK_N, MIN) (MIN =
@@ -37,13 +50,13 @@ import triton.language as tl
 def _attend_split(pid, q_ptr, k_cache, v_cache, o_ptr, block_tables, context_lens, seq_starts,
                   max_pages, B, part_o, part_ml, counter, DOT_F32: tl.constexpr):
     HQ: tl.constexpr = 32
-    HKV: tl.constexpr = 32
-    G: tl.constexpr = 1
+    HKV: tl.constexpr = 16
+    G: tl.constexpr = 2
     D: tl.constexpr = 128
     BLOCK_D: tl.constexpr = 128
     PS: tl.constexpr = 16
     BLOCK_N: tl.constexpr = 64
-    ROWS: tl.constexpr = 1
+    ROWS: tl.constexpr = 2
     M: tl.constexpr = 16
     MM: tl.constexpr = 2
     CHUNK: tl.constexpr = 8
@@ -94,7 +107,7 @@ def _attend_split(pid, q_ptr, k_cache, v_cache, o_ptr, block_tables, context_len
         if DOT_F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        sc = tl.dot(q, tl.trans(k)) * 0.12751743082459868            # log2 units
+        sc = _tanh(tl.dot(q, tl.trans(k)) * 0.0016666666666666666) * 72.13475204444816
         seen = jm[None, :] & (jj[None, :] <= qpos[:, None])
         sc = tl.where(seen, sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))
@@ -155,6 +168,7 @@ def attention_mixed(q_ptr, k_cache, v_cache, o_ptr, block_tables, context_lens, 
                       HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                       BLOCK_D: tl.constexpr, PS: tl.constexpr, BLOCK_M: tl.constexpr, TOK: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, QK_SCALE: tl.constexpr,
+                      CAP_LOG2: tl.constexpr,
                       DOT_F32: tl.constexpr):
     pid = tl.program_id(0)
     n_flash = (tl.cdiv(T, TOK) + B) * HKV
@@ -217,7 +231,7 @@ def attention_mixed(q_ptr, k_cache, v_cache, o_ptr, block_tables, context_lens, 
         if DOT_F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        sc = tl.dot(q, tl.trans(k)) * QK_SCALE
+        sc = _tanh(tl.dot(q, tl.trans(k)) * QK_SCALE) * CAP_LOG2     # cap tanh(s scale / cap), log2 units
         m_new = tl.maximum(m_i, tl.max(sc, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(sc - m_new[:, None])
@@ -235,7 +249,7 @@ def attention_mixed(q_ptr, k_cache, v_cache, o_ptr, block_tables, context_lens, 
         if DOT_F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        sc = tl.dot(q, tl.trans(k)) * QK_SCALE
+        sc = _tanh(tl.dot(q, tl.trans(k)) * QK_SCALE) * CAP_LOG2     # cap tanh(s scale / cap), log2 units
         sc = tl.where(jm[None, :] & (jj[None, :] <= qpos[:, None]), sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -265,14 +279,15 @@ META = {
         ["part_ml", "*fp32", "scratch:partial_ml"],
         ["counter", "*i32", "scratch:counter"],
     ],
-    "constexprs": {"HQ": 32, "HKV": 32, "G": 1, "D": 128, "BLOCK_D": 128,
-                   "PS": 16, "BLOCK_M": 64, "TOK": 64, "BLOCK_N": 64,
-                   "BLOCK_B": 256, "QK_SCALE": 0.12751743082459868,
+    "constexprs": {"HQ": 32, "HKV": 16, "G": 2, "D": 128, "BLOCK_D": 128,
+                   "PS": 16, "BLOCK_M": 128, "TOK": 64, "BLOCK_N": 128,
+                   "BLOCK_B": 256, "QK_SCALE": 0.0016666666666666666,
+                   "CAP_LOG2": 72.13475204444816,
                    "DOT_F32": False},
-    "grid": ["(cdiv(T, 64) + B) * 32 + B * 32 * min(32, max(1, cdiv(264, B * 32)))", 1, 1],
-    "scratch": {"partial_o": "270336",
-                "partial_ml": "4224",
+    "grid": ["(cdiv(T, 64) + B) * 16 + B * 16 * min(32, max(1, cdiv(264, B * 16)))", 1, 1],
+    "scratch": {"partial_o": "540672",
+                "partial_ml": "8448",
                 "counter": "1056"},
-    "num_warps": 4,
+    "num_warps": 8,
     "num_stages": 3,
 }
