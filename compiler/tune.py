@@ -110,6 +110,11 @@ _ATTN_MIXED = [{"SPLIT_BLOCK_N": 32}, {"SPLIT_BLOCK_N": 128}, {"SPLIT_MIN_KEYS":
 _LATENT_DECODE = [{"NUM_SPLITS": 8}, {"NUM_SPLITS": 16}, {"NUM_SPLITS": 64}, {"BLOCK_N": 64},
                   {"TARGET_CTAS": 132}, {"TARGET_CTAS": 528}, {"MERGE_CHUNK": 4}, {"MERGE_CHUNK": 16},
                   {"num_warps": 4}, {"num_stages": 3}]
+# head_linear (MLA's absorbed W_uk / W_uv, a GEMM per head): at batch 1 W_uv's launch is 16 heads x
+# 2 blocks of 64 outputs = 32 programs, each streaming 64 KB of its head's 128 x 512 (bench/NOTES.md,
+# 2026-11-27): smaller N blocks give it more programs
+_HEAD_LINEAR = [{"BLOCK_N": 16}, {"BLOCK_N": 32}, {"BLOCK_N": 16, "BLOCK_K": 128}, {"BLOCK_K": 128},
+                {"BLOCK_N": 128}, {"num_warps": 2}, {"num_warps": 8}, {"num_stages": 3}]
 _NORM = [{"num_warps": 2}, {"num_warps": 4}, {"num_warps": 8}, {"num_warps": 16}]
 _QK_ROPE = [{"BLOCK_H": 1}, {"BLOCK_H": 4}, {"BLOCK_H": 8}, {"BLOCK_T": 2}, {"BLOCK_T": 8},
             {"num_warps": 1}, {"num_warps": 2}, {"num_warps": 4}]
@@ -180,6 +185,7 @@ GRIDS = {
     ("triton", "gemm_gated"): lambda rows: _GEMM,
     ("triton", "attention_decode"): lambda rows: _ATTN_DECODE,
     ("triton", "latent_attention_decode"): lambda rows: _LATENT_DECODE,
+    ("triton", "head_linear"): lambda rows: _HEAD_LINEAR,
     ("triton", "attention_prefill"): lambda rows: _ATTN_PREFILL,
     ("triton", "attention_mixed"): lambda rows: _ATTN_MIXED,
     ("triton", "add_rms_norm"): lambda rows: _NORM,
