@@ -9,6 +9,7 @@ from .lower import lower
 from .passes.eliminate_dead import eliminate_dead
 from .passes.fuse_ops import (fuse_add_rms_norm, fuse_linear_epilogue, fuse_linear_prologue,
                               fuse_lm_head, fuse_qk_norm_rope_cache, fuse_act_mul)
+from .passes.fuse_latent import fuse_latent_prologue
 from .passes.fuse_weights import fuse_weights
 from .passes.fuse_moe import fuse_route_align
 from .passes.infer_types import infer_types
@@ -32,6 +33,7 @@ PIPELINE = [
     ("rotate_residual", rotate_residual),          # carry the last residual add into the next layer
     ("fuse_add_rms_norm", fuse_add_rms_norm),      # residual add + RMSNorm
     ("fuse_qk_norm_rope_cache", fuse_qk_norm_rope_cache),  # q/k norm + RoPE + KV-cache write
+    ("fuse_latent_prologue", fuse_latent_prologue),  # MLA: [q_lat | rope q_pe], [norm c_kv | rope k_pe]
     ("fuse_act_mul", fuse_act_mul),                # act(gate) x up (SwiGLU, GeGLU, ...)
     ("fuse_linear_epilogue", fuse_linear_epilogue),  # act x mul into the gate|up GEMM's epilogue
     ("fuse_linear_prologue", fuse_linear_prologue),  # else into the down GEMM's input load
@@ -44,7 +46,7 @@ PIPELINE = [
 ]
 # Optimizations: `infc build --no-fuse` skips them all, and the plan still runs (every op has a
 # generic kernel). The other passes are required lowerings.
-FUSIONS = {"fuse_weights", "rotate_residual", "fuse_add_rms_norm", "fuse_qk_norm_rope_cache",
+FUSIONS = {"fuse_weights", "rotate_residual", "fuse_add_rms_norm", "fuse_qk_norm_rope_cache", "fuse_latent_prologue",
            "fuse_act_mul", "fuse_linear_epilogue", "fuse_linear_prologue", "fuse_lm_head", "fuse_route_align"}
 REWRITES = FUSIONS | {"split_attention", "shard_ranks", "lower_experts", "eliminate_dead",
                       "materialize_views"}

@@ -319,3 +319,23 @@ def test_a_gated_pair_fuses_apart_from_other_linears_on_its_input(tmp_path):
     assert ops.count("linear_gated") == 27            # the dense layer's MLP and 26 shared experts
     assert "linear_act_mul" not in ops and "act_mul" not in ops
     assert "mul" not in ops and "silu" not in ops
+
+
+def test_fuse_latent_prologue_on_deepseek_v2():
+    """MLA's two ropes, the latent norm and both concats become one latent_prologue a layer; with
+    the fusions skipped (--no-fuse) the five ops stay."""
+    from infc.compiler.build import compile_model
+    from infc.compiler.pipeline import FUSIONS
+
+    def layer_ops(plan):
+        kinds = next(l for l in plan["programs"]["decode"] if "kinds" in l)["kinds"]
+        return {k: [l["op"] for l in body] for k, body in kinds.items()}
+
+    _, fused = compile_model("deepseek-v2-lite")
+    _, plain = compile_model("deepseek-v2-lite", skip=FUSIONS)
+    for kind, got in layer_ops(fused).items():
+        assert got.count("latent_prologue") == 1, kind
+        assert {"rope", "concat", "rms_norm"}.isdisjoint(got), (kind, got)
+        assert got.index("latent_prologue") < got.index("latent_attention")
+    for kind, got in layer_ops(plain).items():
+        assert "latent_prologue" not in got and got.count("rope") == 2 and got.count("concat") == 2, kind
