@@ -59,6 +59,11 @@ def _itemsize(c: dict, itemsize) -> int:
     return itemsize or DTYPE_BYTES[c["dtype"]]
 
 
+def unit_shape(c: dict) -> list:
+    """One token's (paged) or one sequence's (slot) shape in one layer, e.g. [KV heads, head_dim]."""
+    return list(c["shape"])
+
+
 def unit_elems(c: dict) -> int:
     """Elements of one token (paged) or one sequence (slot) in one layer."""
     return int(np.prod(c["shape"], dtype=np.int64))

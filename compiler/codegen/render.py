@@ -100,6 +100,7 @@ def render_template(backend: str, template: str, ctx: dict, env=None) -> Kernel:
 
 def launch_tensors(plan: dict, launch: dict) -> tuple[list[dict], list[dict]]:
     """A launch's input and output tensors as its template sees them."""
+    from infc.runtime import caches
     from ..ops import REGISTRY
     strided = REGISTRY[launch["op"]].strided
     ins = [_tensor(plan, n, strided) for n in launch["inputs"]]
@@ -109,7 +110,7 @@ def launch_tensors(plan: dict, launch: dict) -> tuple[list[dict], list[dict]]:
             # the paged cache's per-token layout (KV heads x head_dim) in the tuning key: two models
             # with the same query heads but other KV heads are other kernels' timings (an H200
             # attention_decode entry tuned on qwen3-30b-a3b's 4 KV heads cost qwen3-4b's 8 0.15 ms)
-            t["shape"] = list(plan["caches"][launch["caches"][0]]["shape"])
+            t["shape"] = caches.unit_shape(caches.of_plan(plan)[launch["caches"][0]])
     return ins, outs
 
 
