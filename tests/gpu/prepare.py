@@ -27,10 +27,7 @@ server (session.sh's `server-families` stage: the openai SDK suite over the Qwen
 DeepSeek-V2-Lite cuts, gpu_families.SERVER: their configs in .cache/gpu/configs/<name>-server, the
 artifacts `infc serve` reuses in .cache/artifacts/<name>-server), attnvar (issue 10: qwen3-4b with
 variants of attention_mixed's split-role tunables laid over the tables, ATTN_VARIANTS, into
-.cache/artifacts/qwen3-4b-attn-<name>, for tests/gpu/call_attn_variants.sh), moevar (issue 11:
-qwen3-30b-a3b with the H100 tuner's decode entries the H200 table lacked, MOE_H100_ENTRIES, into
-.cache/artifacts/qwen3-30b-a3b-h100moe, for tests/gpu/call_ab_latency.sh; the H200 table has them
-since that A/B, 2026-11-27), hlvar (issue 13:
+.cache/artifacts/qwen3-4b-attn-<name>, for tests/gpu/call_attn_variants.sh), hlvar (issue 13:
 DeepSeek-V2-Lite with smaller head_linear blocks, HL_VARIANTS, into
 .cache/artifacts/deepseek-v2-lite-<name>, beside deepseek-v2-lite, for call_ab_latency.sh).
 Default: base, nofuse and families.
@@ -61,8 +58,7 @@ TINY_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
             "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
 GPU_CACHE = REPO / ".cache" / "gpu"
 SERVED = ("qwen3-4b", "llama-3.2-1b")          # model directories LLM / infc serve load on the GPU
-PARTS = ("base", "nofuse", "families", "qwen35", "ranks", "deepseek", "twogpu", "server", "attnvar", "moevar",
-         "hlvar")
+PARTS = ("base", "nofuse", "families", "qwen35", "ranks", "deepseek", "twogpu", "server", "attnvar", "hlvar")
 DEFAULT_PARTS = ("base", "nofuse", "families")
 
 
@@ -126,8 +122,6 @@ def main(parts=DEFAULT_PARTS):
         server()
     if "attnvar" in parts:
         attnvar()
-    if "moevar" in parts:
-        moevar()
     if "hlvar" in parts:
         hlvar()
 
@@ -164,23 +158,6 @@ def attnvar():
     for name, tune in ATTN_VARIANTS.items():
         _both_tunings(f"qwen3-4b, attention_mixed {tune}", attn_variant_dir(name), model_dir=d,
                       tuning_overlay={"attention_mixed": {"default": tune}})
-
-
-# issue 11: qwen3-30b-a3b's decode entries that `infc tune run` found on an H100 (bbff922: the router
-# GEMV 3.55 -> 3.01 us, the route 3.01 -> 2.26 us, and qkv's GEMV) and the H200 table lacks,
-# laid over it, into .cache/artifacts/qwen3-30b-a3b-h100moe, for tests/gpu/call_ab_latency.sh
-# against .cache/artifacts/qwen3-30b-a3b (prepare.py twogpu builds that)
-MOE_H100_ENTRIES = {
-    "moe_route": {"decode|Tx128;Tx8;Tx8;128xT;128": {"num_warps": 1}},
-    "gemv": {"decode|Tx2048;128x2048;Tx128": {"BLOCK_N": 16, "FMA_BLOCK_K": 512},
-             "decode|Tx2048;5120x2048;Tx5120": {"BLOCK_N": 16, "FMA_BLOCK_K": 512}},
-}
-
-
-def moevar():
-    _both_tunings("qwen3-30b-a3b with the H100 tuner's decode entries",
-                  REPO / ".cache" / "artifacts" / "qwen3-30b-a3b-h100moe",
-                  model_dir=str(_moe_full()), tuning_overlay=MOE_H100_ENTRIES)
 
 
 # issue 13: DeepSeek-V2-Lite's absorbed head_linear launches at batch 1 (w_uv: 16 heads x 2 blocks of 64
