@@ -9,7 +9,9 @@ token at batch 1). The active bytes of one batch-1 decode step, read off the pla
 (each launch of each layer, layer kind by layer kind, program.unrolled):
   - the embedding table: one row (one token's), not the table;
   - an experts weight (stacked [E, ...] from E experts' tensors, an input of the moe_* launches):
-    k of its E experts' slices, k and E from that layer's routing launch (attrs k, experts);
+    k of its E experts' slices, k and E from that layer's routing launch (attrs k, experts); a
+    stack with the shared experts folded in (compiler/passes/fold_shared_experts.py: attr shared
+    = n, the stack's last n entries, every token's) reads k + n of its E;
   - every other weight a launch reads (attention, the dense layers' MLP, the router, the shared
     experts, the norms, lm_head): all of it, once per layer that reads it (a tied lm_head reads
     the whole embedding table, so the table then counts in full);
@@ -69,11 +71,11 @@ def active_bytes(plan: dict) -> dict:
         src = weights[name]["source"]
         return src["tied"] if "tied" in src else name
 
-    route = {}                              # layer -> (k, experts) of its routing launch
+    route = {}                              # layer -> (k, experts, shared) of its routing launch
     for launch, layer in unrolled(plan["programs"]["decode"]):
         a = launch.get("attrs", {})
         if launch["op"].startswith("moe_route"):
-            route[layer] = (int(a["k"]), int(a["experts"]))
+            route[layer] = (int(a["k"]), int(a["experts"]), int(a.get("shared", 0)))
     share = {}                              # (weight, layer) -> the fraction of it read
     for launch, layer in unrolled(plan["programs"]["decode"]):
         for name in launch.get("inputs", []):
@@ -88,10 +90,11 @@ def active_bytes(plan: dict) -> dict:
                 if layer not in route:
                     raise ValueError(f"layer {layer}: '{name}' is an experts weight but the layer has "
                                      f"no moe_route launch to say how many experts a token reads")
-                k, e = route[layer]
-                if e != experts or w["shape"][0] != experts:
-                    raise ValueError(f"'{name}': {w['shape'][0]} stacked experts, routing over {e}")
-                frac = k / e
+                k, e, n = route[layer]
+                if e != experts + n or w["shape"][0] != e:
+                    raise ValueError(f"'{name}': {w['shape'][0]} stacked experts ({experts} from the "
+                                     f"checkpoint), routing over {e} ({n} shared)")
+                frac = (k + n) / e
             else:
                 frac = 1.0
             key = (name, layer)

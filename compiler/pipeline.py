@@ -9,6 +9,7 @@ from .lower import lower
 from .passes.eliminate_dead import eliminate_dead
 from .passes.fuse_ops import (fuse_add_rms_norm, fuse_linear_epilogue, fuse_linear_prologue,
                               fuse_lm_head, fuse_qk_norm_rope_cache, fuse_act_mul)
+from .passes.fold_shared_experts import fold_shared_experts
 from .passes.fuse_latent import fuse_latent_prologue
 from .passes.fuse_weights import fuse_weights
 from .passes.fuse_moe import fuse_route_align
@@ -28,6 +29,7 @@ PIPELINE = [
     ("split_attention", split_attention),          # attention -> KV-cache write + cached attention
     ("shard_ranks", shard_ranks),                  # --tensor-parallel-size / --enable-expert-parallel:
                                                    # rank r's weight slices + collectives (no-op alone)
+    ("fold_shared_experts", fold_shared_experts),  # shared experts -> always-on routed experts
     ("lower_experts", lower_experts),              # moe_experts -> gate|up launch + down launch
     ("fuse_weights", fuse_weights),                # q|k|v and gate|up concatenated at load time
     ("rotate_residual", rotate_residual),          # carry the last residual add into the next layer
@@ -46,7 +48,7 @@ PIPELINE = [
 ]
 # Optimizations: `infc build --no-fuse` skips them all, and the plan still runs (every op has a
 # generic kernel). The other passes are required lowerings.
-FUSIONS = {"fuse_weights", "rotate_residual", "fuse_add_rms_norm", "fuse_qk_norm_rope_cache", "fuse_latent_prologue",
+FUSIONS = {"fold_shared_experts", "fuse_weights", "rotate_residual", "fuse_add_rms_norm", "fuse_qk_norm_rope_cache", "fuse_latent_prologue",
            "fuse_act_mul", "fuse_linear_epilogue", "fuse_linear_prologue", "fuse_lm_head", "fuse_route_align"}
 REWRITES = FUSIONS | {"split_attention", "shard_ranks", "lower_experts", "eliminate_dead",
                       "materialize_views"}

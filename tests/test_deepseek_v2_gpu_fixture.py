@@ -148,7 +148,8 @@ def test_active_bytes_by_hand(tiny_plan):
     got = af.active_bytes(tiny_plan)
     assert sum(got.values()) == want
     assert got["embed"] == 2 * H                                      # one row
-    assert got["we_gate_up"] == 2 * 2 * K * 2 * Fe * H               # 2 MoE layers, k of E
+    # 2 MoE layers, k of E routed experts and the S shared ones folded into the stack (S of its E + S)
+    assert got["wes_gate_up"] == 2 * 2 * (K + S) * 2 * Fe * H and not any(w.startswith("ws_") for w in got)
     assert got["lm_head"] == 2 * V * H
     stored = 2 * (V * H + 3 * attn + dense + 2 * (E * H + 3 * S * Fe * H + E * 3 * Fe * H) + H + V * H)
     assert af.weight_bytes(tiny_plan) == stored

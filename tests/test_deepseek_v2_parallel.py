@@ -10,6 +10,8 @@ all_reduce) and keeps kv_a, its norm and the whole latent cache on every rank; E
 routed experts after routing on the full router logits; the shared experts are TP-sharded under
 TP and replicated under EP alone (vLLM's choice, compiler/passes/shard_ranks.py).
 """
+import json
+
 import numpy as np
 import pytest
 
@@ -135,8 +137,14 @@ def test_expert_parallel_alone_keeps_attention_and_shared_experts_whole(models):
     plans = [p for _, p in compile_ranks(settings(expert_parallel_only=4), model_dir=str(d))]
     for r, p in enumerate(plans):
         w = p["weights"]
-        for name in ("w_uk", "w_uv", "wo", "ws_down", "kv_norm"):
+        for name in ("w_uk", "w_uv", "wo", "kv_norm"):
             assert w[name] == whole["weights"][name], name
+        # the whole plan folds the shared experts into its expert stacks (fold_shared_experts);
+        # after an EP dispatch they stay a dense MLP, whole on every rank, read as the whole
+        # plan's stack reads them
+        assert w["ws_down"]["shape"] == [BASE["hidden_size"], BASE["n_shared_experts"] * BASE["moe_intermediate_size"]]
+        assert "ws_down" not in whole["weights"]
+        assert json.dumps(w["ws_down"]["source"]) in json.dumps(whole["weights"]["wes_down"]["source"])
         down = w["we_down"]
         assert down["shape"][0] == 2 and (down["source"]["start"], down["source"]["stop"]) == (2 * r, 2 * r + 2)
         ops = [l["op"] for l, _ in unrolled(p["programs"]["decode"])]

@@ -77,6 +77,18 @@ def test_group_ties_lower_id():
     assert ids[0].tolist() == [1, 3]
 
 
+@pytest.mark.parametrize("normalize,scale", [(False, 1.0), (True, 2.5), (False, 16.0)])
+def test_shared_slots_follow_the_routed_ones(normalize, scale):
+    """shared = n (fold_shared_experts): the routed slots as without it, then experts E .. E+n-1
+    at weight 1 exactly, whatever the normalization and scale."""
+    l = np.random.default_rng(2).standard_normal((5, 12)).astype(np.float32)
+    w0, i0 = ROUTE(None, l, k=3, normalize=normalize, scale=scale, groups=4, topk_groups=2)
+    w, ids = ROUTE(None, l, k=3, normalize=normalize, scale=scale, groups=4, topk_groups=2, shared=2)
+    assert w.shape == ids.shape == (5, 5) and ids.dtype == np.int32 and ids.flags.c_contiguous
+    assert np.array_equal(ids[:, :3], i0) and np.array_equal(w[:, :3], w0)
+    assert (ids[:, 3:] == [12, 13]).all() and (w[:, 3:] == 1.0).all()
+
+
 def test_normalize_then_scale():
     l = np.random.default_rng(1).standard_normal((3, 8)).astype(np.float32)
     w, _ = ROUTE(None, l, k=2, normalize=True, scale=2.0)
@@ -90,9 +102,14 @@ def test_spec_keyword_attrs():
     from infc.compiler.ops.moe import route_infer
     from infc.compiler.ir import TensorType
     op = REGISTRY["moe_route"]
-    assert op.extra_attrs == {"groups": 1, "topk_groups": 1, "scale": 1.0}
+    assert op.extra_attrs == {"groups": 1, "topk_groups": 1, "scale": 1.0, "shared": 0}
     lt = TensorType((4, 12), "f32")
     route_infer([lt], {"k": 2, "groups": 3, "topk_groups": 2, "scale": 16.0})
+    w, ids = route_infer([lt], {"k": 2, "shared": 3})
+    assert w.shape == ids.shape == (4, 5)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ShapeError):
+            route_infer([lt], {"k": 2, "shared": bad})
     with pytest.raises(ShapeError):
         route_infer([lt], {"k": 2, "groups": 5})
     with pytest.raises(ShapeError):

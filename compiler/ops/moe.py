@@ -1,6 +1,7 @@
 """Mixture of experts: softmax top-k routing, then a grouped SwiGLU over the chosen experts.
 
-moe_route(logits[T, E], k, normalize, groups=1, topk_groups=1, scale=1.0) -> (weights f32[T, k], ids i32[T, k]):
+moe_route(logits[T, E], k, normalize, groups=1, topk_groups=1, scale=1.0, shared=0)
+        -> (weights f32[T, k + shared], ids i32[T, k + shared]):
     p = softmax(logits); ids = top-k of p (ties: lower expert id first); weights = p[ids],
     renormalized to sum 1 when `normalize`, then times `scale`.
     groups > 1 (DeepSeek-V2's group_limited_greedy, n_group / topk_group): the E experts form
@@ -11,9 +12,12 @@ moe_route(logits[T, E], k, normalize, groups=1, topk_groups=1, scale=1.0) -> (we
     final weights, as transformers' DeepseekV2TopkRouter does last. (Transformers 5.x's
     DeepSeek-V2 router never normalizes -- it ignores norm_topk_prob -- so its specs pass
     normalize false; with normalize, the scale follows the normalization, as in DeepSeek-V3.)
+    shared > 0 (compiler/passes/fold_shared_experts.py sets it): every token also
+    names the always-on experts E .. E + shared - 1 (a model's shared experts, stacked after the
+    routed ones), in slots k .. k + shared - 1, with weight 1 (unscaled, unnormalized).
     Ties: transformers takes torch.topk(sorted=False), which promises no order among equal
     scores; here (reference and kernel alike) the lower id wins, for groups and experts.
-    groups, topk_groups and scale are extra attrs (base.OpDef.extra_attrs): a node carries them
+    groups, topk_groups, scale and shared are extra attrs (base.OpDef.extra_attrs): a node carries them
     only where its spec gives them, so the plans of specs that don't are unchanged.
 moe_experts(x[T, H], weights, ids, gate[E, F, H], up[E, F, H], down[E, H, F]) -> [T, H]:
     y[t] = sum_j weights[t, j] * down[e] @ (silu(gate[e] @ x[t]) * up[e] @ x[t]), e = ids[t, j].
@@ -57,10 +61,13 @@ def route_infer(types, attrs):
     scale = attrs.get("scale", 1.0)
     expect(isinstance(scale, (int, float)) and not isinstance(scale, bool),
            f"moe_route scale must be a number, got {scale!r}")
-    return [tt((logits.shape[0], k), "f32"), tt((logits.shape[0], k), "i32")]
+    shared = attrs.get("shared", 0)
+    expect(isinstance(shared, int) and not isinstance(shared, bool) and shared >= 0,
+           f"moe_route shared must be a non-negative int, got {shared!r}")
+    return [tt((logits.shape[0], k + shared), "f32"), tt((logits.shape[0], k + shared), "i32")]
 
 
-def route(ctx, logits, k, normalize=False, groups=1, topk_groups=1, scale=1.0):
+def route(ctx, logits, k, normalize=False, groups=1, topk_groups=1, scale=1.0, shared=0):
     logits = logits.astype(np.float32)
     p = np.exp(logits - logits.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)
@@ -77,7 +84,11 @@ def route(ctx, logits, k, normalize=False, groups=1, topk_groups=1, scale=1.0):
         w = w / w.sum(-1, keepdims=True)
     if scale != 1.0:
         w = w.astype(np.float32) * np.float32(scale)
-    return w.astype(np.float32), ids
+    if shared:
+        T, E = p.shape
+        w = np.concatenate([w, np.ones((T, shared), np.float32)], axis=1)
+        ids = np.concatenate([ids, np.broadcast_to(np.arange(E, E + shared, dtype=np.int32), (T, shared))], axis=1)
+    return w.astype(np.float32), np.ascontiguousarray(ids)
 
 
 def experts_infer(types, attrs):
@@ -179,12 +190,12 @@ def route_align_infer(types, attrs):
     return [w, ids] + align_infer([ids], attrs)
 
 
-def route_align(ctx, logits, k, normalize=False, experts=None, groups=1, topk_groups=1, scale=1.0):
-    w, ids = route(ctx, logits, k, normalize, groups, topk_groups, scale)
+def route_align(ctx, logits, k, normalize=False, experts=None, groups=1, topk_groups=1, scale=1.0, shared=0):
+    w, ids = route(ctx, logits, k, normalize, groups, topk_groups, scale, shared)
     return (w, ids) + align(ctx, ids, experts if experts is not None else logits.shape[1])
 
 
-ROUTE_EXTRA = {"groups": 1, "topk_groups": 1, "scale": 1.0}
+ROUTE_EXTRA = {"groups": 1, "topk_groups": 1, "scale": 1.0, "shared": 0}
 op(name="moe_route", tensors=["logits"], attrs={"k": REQUIRED, "normalize": False}, extra_attrs=ROUTE_EXTRA,
    infer=route_infer, reference=route, n_outputs=2, templates={"triton": "moe_route"},
    doc="softmax top-k router")

@@ -297,11 +297,41 @@ def test_moe_route_align_grouped(phase):
 
 
 def test_moe_route_default_attrs_render_unchanged():
-    """groups=1, topk_groups=1, scale=1.0 given explicitly render the kernel of no attrs."""
+    """groups=1, topk_groups=1, scale=1.0, shared=0 given explicitly render the kernel of no attrs."""
     ins, outs = [("logits", ["T", 10], "bf16")], [("w", ["T", 2], "f32"), ("ids", ["T", 2], "i32")]
     base = {"k": 2, "normalize": True}
     assert render("moe_route", "moe_route", ins, outs, base).source == \
-        render("moe_route", "moe_route", ins, outs, {**base, "groups": 1, "topk_groups": 1, "scale": 1.0}).source
+        render("moe_route", "moe_route", ins, outs,
+               {**base, "groups": 1, "topk_groups": 1, "scale": 1.0, "shared": 0}).source
+
+
+# fold_shared_experts: the router appends the always-on experts E .. E+S-1 at weight 1; with the
+# grouping (prefill) they join every token's lists. K + S = 8 fills BLOCK_K exactly (6 + 2, as
+# DeepSeek-V2-Lite), 3 + 2 leaves padding lanes.
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+@pytest.mark.parametrize("T,K,S,normalize,scale", [(1, 6, 2, False, 1.0), (37, 6, 2, False, 16.0),
+                                                   (5, 3, 2, True, 2.5), (9, 2, 1, False, 1.0)])
+def test_moe_route_shared(phase, T, K, S, normalize, scale):
+    from .test_norm_kernels import router_logits
+    E_ = 16
+    logits = router_logits(T, E_, np.random.default_rng(T + K), ties=[(0, 1), (K - 1, K)])
+    attrs = {"k": K, "normalize": normalize, "experts": E_ + S, "groups": 4, "topk_groups": 2,
+             "scale": scale, "shared": S}
+    KS = K + S
+    k = render("moe_route", "moe_route_align", [("logits", ["T", E_], "bf16")],
+               [("w", ["T", KS], "f32"), ("ids", ["T", KS], "i32"), ("rows", [E_ + S, "T"], "i32"),
+                ("counts", [E_ + S], "i32")], attrs, phase=phase)
+    w, ids = poison((T, KS), "f32"), poison((T, KS), "i32")
+    rows, counts = poison((E_ + S, T), "i32"), poison((E_ + S,), "i32")
+    zero_counters(run(k, {"in:0": logits, "out:0": w, "out:1": ids, "out:2": rows, "out:3": counts},
+                      {"T": T, "B": T if phase == "decode" else 1}))
+    w_ref, ids_ref, _, _ = REGISTRY["moe_route_align"].reference(None, logits.float().numpy(), **attrs)
+    assert (ids_ref[:, K:] == np.arange(E_, E_ + S)).all() and (w_ref[:, K:] == 1).all()
+    assert np.array_equal(ids.numpy(), ids_ref)
+    assert np.allclose(w.numpy(), w_ref, rtol=1e-5, atol=1e-7)
+    if phase != "decode":
+        check_grouping(rows.numpy(), counts.numpy(), ids.numpy(), E_ + S)
+        assert (counts.numpy()[E_:] == T).all()
 
 
 def skewed_routing(T, KT, E, hot, gen):

@@ -1,19 +1,19 @@
 # moe_gate_up (grouped): act[t, j, f] = bf16(silu(g) * u),  e = ids[t, j],
 #   g = bf16(sum_k x[t, k] * w[e, f, k]),  u = bf16(sum_k x[t, k] * w[e, 1408 + f, k]),
 #   silu(g) = g / (1 + exp(-g)) in fp32 (g and u rounded to bf16 as the unfused model stores them).
-#   x [T, 2048] bf16, ids i32 [T, 6], w [64, 2816, 2048] bf16 (rows 0..1407 gate,
-#   1408..2815 up), rows i32 [64, T] / counts i32 [64] (moe_align: the tokens of each
-#   expert), act [T, 6, 1408] bf16; fp32 accumulate.
+#   x [T, 2048] bf16, ids i32 [T, 8], w [66, 2816, 2048] bf16 (rows 0..1407 gate,
+#   1408..2815 up), rows i32 [66, T] / counts i32 [66] (moe_align: the tokens of each
+#   expert), act [T, 8, 1408] bf16; fp32 accumulate.
 #
 # Grouped GEMM over the tokens sorted by expert (vLLM's and SGLang's fused_moe): every expert's
 # token list, cut in blocks of BLOCK_M = 128, makes the row blocks of one GEMM (expert 0's blocks
-# first; a program finds its expert and block from a prefix sum over the 64 counts, so an expert
+# first; a program finds its expert and block from a prefix sum over the 66 counts, so an expert
 # with no tokens has no block and a partial last block is masked). One program per [BLOCK_M tokens,
 # BLOCK_F = 128 gate columns + the matching up columns] tile: the token rows of x are gathered
 # (each a contiguous 16-byte-aligned run), the expert's gate and up rows stream through a K loop
 # of BLOCK_K = 64 steps (unmasked: 64 divides 2048) that the compiler software-pipelines over num_stages
 # shared-memory buffers (cp.async + async wgmma on sm_90); one dot per step over the interleaved
-# gate/up rows. Grid: cdiv(T * 6, 128) + min(64, T * 6)
+# gate/up rows. Grid: cdiv(T * 8, 128) + min(66, T * 8)
 # row blocks (a bound on the experts' blocks; programs past the last exit) times 11 column
 # tiles, in groups of GROUP_M = 8 row blocks per column sweep. An expert's last block of at most
 # 64 tokens runs a 64-row tile (a second copy of the tile in the kernel). Each token's
@@ -187,12 +187,12 @@ META = {
                ["w_ptr", "*bf16", "in:2"], ["rows_ptr", "*i32", "in:3"],
                ["counts_ptr", "*i32", "in:4"], ["act_ptr", "*bf16", "out:0"],
                ["T", "i32", "dim:T"]],
-    "constexprs": {"H": 2048, "F": 1408, "KT": 6, "KTP": 8, "E": 64, "BLOCK_E": 64,
+    "constexprs": {"H": 2048, "F": 1408, "KT": 8, "KTP": 8, "E": 66, "BLOCK_E": 128,
                    "BLOCK_M": 128, "BLOCK_F": 128, "BLOCK_K": 64,
                    "GROUP_M": 8, "NF": 11, "PAIR": 1, "HALF_TAIL": 1,
                    "EVEN_K": True,
                    "DOT_F32": False},
-    "grid": ["(cdiv(T * 6, 128) + min(64, T * 6)) * 11", 1, 1],
+    "grid": ["(cdiv(T * 8, 128) + min(66, T * 8)) * 11", 1, 1],
     "num_warps": 8,
     "num_stages": 3,
 }

@@ -1,16 +1,16 @@
 # moe_down: y[t, h] = bf16(sum_j r[t, j] * sum_f act[t, j, f] * w[e, h, f]),  e = ids[t, j]
-#   act [T, 6, 1408] bf16, r f32 [T, 6], ids i32 [T, 6], w [64, 2048, 1408] bf16,
+#   act [T, 8, 1408] bf16, r f32 [T, 8], ids i32 [T, 8], w [66, 2048, 1408] bf16,
 #   y [T, 2048] bf16; fp32 sums, one rounding.
 #
-# Decode: grid (min(64, T * 6) distinct-expert slots, 32 blocks of BLOCK_H = 64 output
+# Decode: grid (min(66, T * 8) distinct-expert slots, 32 blocks of BLOCK_H = 64 output
 # rows): program (u, b) takes the u-th smallest chosen expert e and the tokens that chose it, and
 # streams e's row block once for all of them (moe_gate_up.py.j2's two paths: CUDA cores for at
 # most FMA_T = 1 tokens, else swap-AB tensor-core tiles of BLOCK_T tokens); the A operand
 # of token t is act[t, j] for the slot j that chose e (of largest weight if several did: the
 # others weigh 0: ids not made by moe_route). Slots of id -1 name no expert.
-# Combine, deterministic: each program parks r[t, j] * (its sums) in an fp32 scratch [B, 6, 2048]
+# Combine, deterministic: each program parks r[t, j] * (its sums) in an fp32 scratch [B, 8, 2048]
 # for every slot j of t that chose e and counts itself in at the tile (t, b); the program that
-# completes the token's distinct experts adds the token's 6 partials in slot order and writes
+# completes the token's distinct experts adds the token's 8 partials in slot order and writes
 # y[t] (the same bits whatever order the experts finish in), leaving the counter zero.
 import triton
 import triton.language as tl
@@ -207,13 +207,13 @@ META = {
                ["ids_ptr", "*i32", "in:2"], ["w_ptr", "*bf16", "in:3"],
                ["y_ptr", "*bf16", "out:0"], ["T", "i32", "dim:T"],
                ["part_ptr", "*fp32", "scratch:partials"], ["cnt_ptr", "*i32", "scratch:counters"]],
-    "constexprs": {"H": 2048, "F": 1408, "KT": 6, "KTP": 8, "BLOCK_E": 64,
+    "constexprs": {"H": 2048, "F": 1408, "KT": 8, "KTP": 8, "BLOCK_E": 128,
                    "BLOCK_H": 64, "FMA_BLOCK_K": 128, "FMA_T": 1,
                    "FMA_TP": 1, "BLOCK_K": 64, "BLOCK_T": 16,
                    "PC": 256, "TC": 32, "NB": 32, "DOT_F32": False, "PDL": True},
     "pdl": True,
-    "grid": ["min(64, T * 6)", 32, 1],
-    "scratch": {"partials": "B * 49152", "counters": "B * 128"},
+    "grid": ["min(66, T * 8)", 32, 1],
+    "scratch": {"partials": "B * 65536", "counters": "B * 128"},
     "num_warps": 8,
     "num_stages": 4,
 }

@@ -1,7 +1,8 @@
-# moe_route: router logits [T, 64] (bf16) -> weights f32 [T, 6], ids i32 [T, 6]:
+# moe_route: router logits [T, 64] (bf16) -> weights f32 [T, 8], ids i32 [T, 8]:
 #   p = softmax(logits[t])                       (fp32)
 #   ids[t] = the 6 experts of largest p, in descending p; ties: lower expert id first
 #   w[t] = p[ids[t]]
+#   then the 2 shared experts, always on: ids[t, 6 + s] = 64 + s, w[t, 6 + s] = 1
 # One program per token: the row of E = 64 experts sits in registers; top-k is K rounds of
 # (max, lowest index holding it, knock it out).
 import triton
@@ -33,8 +34,11 @@ def moe_route(logits_ptr, w_ptr, ids_ptr, E: tl.constexpr,
         cand = tl.where(e == idx, -1.0, cand)
     if NORMALIZE:
         w = w / tl.sum(w, axis=0)
-    tl.store(w_ptr + t * K + kk, w, mask=kk < K)
-    tl.store(ids_ptr + t * K + kk, ids, mask=kk < K)
+    shared = (kk >= K) & (kk < K + 2)
+    w = tl.where(shared, 1.0, w)
+    ids = tl.where(shared, E + kk - K, ids)
+    tl.store(w_ptr + t * 8 + kk, w, mask=kk < 8)
+    tl.store(ids_ptr + t * 8 + kk, ids, mask=kk < 8)
 
 
 META = {

@@ -1,9 +1,10 @@
-# moe_route: router logits [T, 64] (bf16) -> weights f32 [T, 6], ids i32 [T, 6]:
+# moe_route: router logits [T, 64] (bf16) -> weights f32 [T, 8], ids i32 [T, 8]:
 #   p = softmax(logits[t])                       (fp32)
 #   ids[t] = the 6 experts of largest p, in descending p; ties: lower expert id first
 #   w[t] = p[ids[t]]
+#   then the 2 shared experts, always on: ids[t, 6 + s] = 64 + s, w[t, 6 + s] = 1
 #   and, as moe_align: counts[e] = tokens that chose e, rows[e, 0 .. counts[e]-1] = those tokens
-#   (rows i32 [64, T], counts i32 [64]; arrival order).
+#   (rows i32 [66, T], counts i32 [66]; arrival order).
 # One program per token: the row of E = 64 experts sits in registers; top-k is K rounds of
 # (max, lowest index holding it, knock it out).
 # Then the token joins each chosen expert's list at the place an atomic cursor gives it; the last
@@ -60,9 +61,12 @@ def moe_route(logits_ptr, w_ptr, ids_ptr, rows_ptr, counts_ptr, T, cur_ptr, E: t
         cand = tl.where(e == idx, -1.0, cand)
     if NORMALIZE:
         w = w / tl.sum(w, axis=0)
-    tl.store(w_ptr + t * K + kk, w, mask=kk < K)
-    tl.store(ids_ptr + t * K + kk, ids, mask=kk < K)
-    _align_add(ids, kk < K, t.to(tl.int32), rows_ptr, cur_ptr, T)   # a token's top-k ids are distinct
+    shared = (kk >= K) & (kk < K + 2)
+    w = tl.where(shared, 1.0, w)
+    ids = tl.where(shared, E + kk - K, ids)
+    tl.store(w_ptr + t * 8 + kk, w, mask=kk < 8)
+    tl.store(ids_ptr + t * 8 + kk, ids, mask=kk < 8)
+    _align_add(ids, kk < 8, t.to(tl.int32), rows_ptr, cur_ptr, T)   # a token's ids are distinct
     _align_close(cur_ptr, counts_ptr, EX, BLOCK_EX)
 
 
@@ -73,10 +77,10 @@ META = {
                ["rows_ptr", "*i32", "out:2"], ["counts_ptr", "*i32", "out:3"], ["T", "i32", "dim:T"],
                ["cur_ptr", "*i32", "scratch:counters"]],
     "constexprs": {"E": 64, "K": 6, "BLOCK_E": 64, "BLOCK_K": 8, "NORMALIZE": False,
-                   "EX": 64, "BLOCK_EX": 64, "PDL": True},
+                   "EX": 66, "BLOCK_EX": 128, "PDL": True},
     "pdl": True,
     "grid": ["T", 1, 1],
-    "scratch": {"counters": "260"},
+    "scratch": {"counters": "516"},
     "num_warps": 4,
     "num_stages": 1,
 }

@@ -1,11 +1,11 @@
 # moe_gate_up: act[t, j, f] = bf16(silu(g) * u),  e = ids[t, j],
 #   g = bf16(sum_k x[t, k] * w[e, f, k]),  u = bf16(sum_k x[t, k] * w[e, 1408 + f, k]),
 #   silu(g) = g / (1 + exp(-g)) in fp32 (g and u rounded to bf16 as the unfused model stores them).
-#   x [T, 2048] bf16, ids i32 [T, 6], w [64, 2816, 2048] bf16 (rows 0..1407 gate,
-#   1408..2815 up), act [T, 6, 1408] bf16; fp32 accumulate.
+#   x [T, 2048] bf16, ids i32 [T, 8], w [66, 2816, 2048] bf16 (rows 0..1407 gate,
+#   1408..2815 up), act [T, 8, 1408] bf16; fp32 accumulate.
 #
-# Decode: a few tokens, each naming 6 experts, so the step reads only the chosen experts'
-# rows, and each of them once. Grid (min(64, T * 6) distinct-expert slots, 88 blocks of
+# Decode: a few tokens, each naming 8 experts, so the step reads only the chosen experts'
+# rows, and each of them once. Grid (min(66, T * 8) distinct-expert slots, 88 blocks of
 # BLOCK_F = 16 gate rows and the matching up rows): program (u, b) takes the u-th smallest
 # chosen expert e (a histogram of the step's ids; slots past the number of distinct experts exit),
 # finds the tokens that chose e (in token order), and runs a GEMV over its row block for them,
@@ -186,12 +186,12 @@ META = {
     "params": [["x_ptr", "*bf16", "in:0"], ["ids_ptr", "*i32", "in:1"],
                ["w_ptr", "*bf16", "in:2"], ["act_ptr", "*bf16", "out:0"],
                ["T", "i32", "dim:T"]],
-    "constexprs": {"H": 2048, "F": 1408, "KT": 6, "KTP": 8, "BLOCK_E": 64,
+    "constexprs": {"H": 2048, "F": 1408, "KT": 8, "KTP": 8, "BLOCK_E": 128,
                    "BLOCK_F": 16, "FMA_BLOCK_K": 256, "FMA_T": 1,
                    "FMA_TP": 1, "BLOCK_K": 64, "BLOCK_T": 16,
                    "PC": 256, "TC": 32, "DOT_F32": False, "PDL": True},
     "pdl": True,
-    "grid": ["min(64, T * 6)", 88, 1],
+    "grid": ["min(66, T * 8)", 88, 1],
     "num_warps": 4,
     "num_stages": 4,
 }

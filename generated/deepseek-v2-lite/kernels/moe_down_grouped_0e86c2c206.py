@@ -1,8 +1,8 @@
 # moe_down (grouped): y[t, h] = bf16(sum_j bf16(r[t, j] * sum_f act[t, j, f] * w[e, h, f])),  e = ids[t, j]
-#   act [T, 6, 1408] bf16, r f32 [T, 6], ids i32 [T, 6], w [64, 2048, 1408] bf16,
-#   rows i32 [64, T] / counts i32 [64] (moe_align: the tokens of each expert), y [T, 2048] bf16;
+#   act [T, 8, 1408] bf16, r f32 [T, 8], ids i32 [T, 8], w [66, 2048, 1408] bf16,
+#   rows i32 [66, T] / counts i32 [66] (moe_align: the tokens of each expert), y [T, 2048] bf16;
 #   fp32 sums; each slot's weighted sum is rounded to bf16 once, then the slots are added in fp32
-#   in slot order j = 0 .. 5.
+#   in slot order j = 0 .. 7.
 #
 # Grouped GEMM (moe_gate_up_grouped.py.j2's row blocks: BLOCK_M = 128 tokens of one expert, their act
 # rows gathered: token t's act[t, j] for the slot j that chose e, of largest weight if several
@@ -10,11 +10,11 @@
 # F = 1408 (unmasked), software-pipelined over num_stages buffers; GROUP_M = 8 ordering.
 # An expert's last block of at most 64 tokens runs a 64-row tile (a second copy of the tile).
 # Epilogue and combine, deterministic without float atomics: the routing weight multiplies the
-# fp32 tile, each (token, slot) row is parked once as bf16 in a scratch [T, 6, 2048], and the
+# fp32 tile, each (token, slot) row is parked once as bf16 in a scratch [T, 8, 2048], and the
 # program counts itself in at each token's tile (t, column tile) with an acq_rel atomic; the
-# program that completes a token's distinct experts adds its 6 partials in slot order and writes
+# program that completes a token's distinct experts adds its 8 partials in slot order and writes
 # y[t] (the same bits whatever order the experts finish in), leaving the counter zero. Those
-# rows are compacted COMBINE_ROWS = 16 at a time, so a chunk's 6 partial tiles are loaded together
+# rows are compacted COMBINE_ROWS = 16 at a time, so a chunk's 8 partial tiles are loaded together
 # (one memory round trip per chunk, not one per slot).
 import triton
 import triton.language as tl
@@ -218,12 +218,12 @@ META = {
                ["rows_ptr", "*i32", "in:4"], ["counts_ptr", "*i32", "in:5"],
                ["y_ptr", "*bf16", "out:0"], ["T", "i32", "dim:T"],
                ["part_ptr", "*bf16", "scratch:partials"], ["cnt_ptr", "*i32", "scratch:counters"]],
-    "constexprs": {"H": 2048, "F": 1408, "KT": 6, "KTP": 8, "E": 64,
-                   "BLOCK_E": 64, "BLOCK_M": 128, "BLOCK_H": 256,
+    "constexprs": {"H": 2048, "F": 1408, "KT": 8, "KTP": 8, "E": 66,
+                   "BLOCK_E": 128, "BLOCK_M": 128, "BLOCK_H": 256,
                    "BLOCK_K": 64, "GROUP_M": 8, "NB": 8, "CR": 16,
                    "HALF_TAIL": 1, "EVEN_K": True, "DOT_F32": False},
-    "grid": ["(cdiv(T * 6, 128) + min(64, T * 6)) * 8", 1, 1],
-    "scratch": {"partials": "T * 24576", "counters": "T * 32"},
+    "grid": ["(cdiv(T * 8, 128) + min(66, T * 8)) * 8", 1, 1],
+    "scratch": {"partials": "T * 32768", "counters": "T * 32"},
     "num_warps": 8,
     "num_stages": 3,
 }
