@@ -28,7 +28,7 @@ DeepSeek-V2-Lite cuts, gpu_families.SERVER: their configs in .cache/gpu/configs/
 artifacts `infc serve` reuses in .cache/artifacts/<name>-server), attnvar (issue 10: qwen3-4b with
 variants of attention_mixed's split-role tunables laid over the tables, ATTN_VARIANTS, into
 .cache/artifacts/qwen3-4b-attn-<name>, for tests/gpu/call_attn_variants.sh), hlvar (issue 13:
-DeepSeek-V2-Lite with smaller head_linear blocks, HL_VARIANTS, into
+DeepSeek-V2-Lite with other head_linear blocks, HL_VARIANTS, into
 .cache/artifacts/deepseek-v2-lite-<name>, beside deepseek-v2-lite, for call_ab_latency.sh).
 Default: base, nofuse and families.
 
@@ -160,13 +160,14 @@ def attnvar():
                       tuning_overlay={"attention_mixed": {"default": tune}})
 
 
-# issue 13: DeepSeek-V2-Lite's absorbed head_linear launches at batch 1 (w_uv: 16 heads x 2 blocks of 64
-# outputs = 32 programs, each streaming 64 KB), with smaller N blocks, into
-# .cache/artifacts/deepseek-v2-lite-<name>, for tests/gpu/call_ab_latency.sh against deepseek-v2-lite
+# issue 13: DeepSeek-V2-Lite's absorbed head_linear launches at batch 1, as overlays on the tables
+# (which since 2026-11-27 give w_uv 16 x 128 blocks: 64 programs, not the defaults' 32 of 64 x 64),
+# into .cache/artifacts/deepseek-v2-lite-<name>, for tests/gpu/call_ab_latency.sh against
+# deepseek-v2-lite: nouv (the template defaults: the table entry's own A/B), uv32 (32-wide blocks),
+# uk32 (w_uk on 32-wide blocks besides)
 HL_UV, HL_UK = "decode|Tx16x512;16x128x512;Tx16x128", "decode|Tx16x128;16x512x128;Tx16x512"
-HL_VARIANTS = {"uv16": {HL_UV: {"BLOCK_N": 16}}, "uv32": {HL_UV: {"BLOCK_N": 32}},
-               "uv16k128": {HL_UV: {"BLOCK_N": 16, "BLOCK_K": 128}},
-               "uk32uv16": {HL_UV: {"BLOCK_N": 16}, HL_UK: {"BLOCK_N": 32}}}
+HL_VARIANTS = {"nouv": {HL_UV: {"BLOCK_N": 64, "BLOCK_K": 64}}, "uv32": {HL_UV: {"BLOCK_N": 32}},
+               "uk32": {HL_UK: {"BLOCK_N": 32}}}
 
 
 def hlvar():

@@ -1,0 +1,56 @@
+"""Run HERE (no GPU): build an artifact with the compiler of an earlier commit, for an A/B against
+HEAD's build of the same model directory (tests/gpu/call_ab_latency.sh).
+
+    python tests/gpu/build_at.py COMMIT MODEL_DIR NAME     # -> .cache/artifacts/NAME and NAME-h100
+
+The commit is checked out as a git worktree under /tmp, and its packages are imported from there:
+the editable install maps infc.compiler etc. to this checkout, so a plain sys.path entry would
+mix the two. NAME holds the H200 table's plan (both tables' cubins), NAME-h100 the H100 table's.
+Neither has a built_from.json: tests/gpu/rerender.py would re-render them with HEAD's compiler,
+so the device command picks NAME or NAME-h100 by the card that came.
+"""
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGES = {"compiler": "compiler", "runtime": "runtime", "server": "server", "bench": "bench"}
+
+
+def package_root(tree: Path) -> Path:
+    """A directory whose infc/ package is `tree`'s, laid out as pyproject's package-dir maps it."""
+    root = Path(f"/tmp/infc-pkg-{tree.name}")
+    pkg = root / "infc"
+    pkg.mkdir(parents=True, exist_ok=True)
+    for f in (tree / "infc").iterdir():
+        link = pkg / f.name
+        if not link.exists():
+            link.symlink_to(f)
+    for name, src in PACKAGES.items():
+        link = pkg / name
+        if not link.exists():
+            link.symlink_to(tree / src)
+    return root
+
+
+def main(commit: str, model_dir: str, name: str):
+    tree = Path(f"/tmp/infc-at-{commit}")
+    if not tree.exists():
+        subprocess.run(["git", "worktree", "add", "--detach", str(tree), commit], cwd=REPO, check=True)
+    model_dir = str(Path(model_dir).resolve())
+    code = (f"import sys, shutil; sys.path.insert(0, {str(package_root(tree))!r})\n"
+            "from infc.compiler.build import build\n"
+            f"for out, gpus in (({name!r}, ('h100', 'h200')), ({name + '-h100'!r}, ('h100',))):\n"
+            f"    out = {str(REPO / '.cache' / 'artifacts')!r} + '/' + out\n"
+            "    shutil.rmtree(out, ignore_errors=True)\n"
+            "    for g in gpus:\n"
+            f"        build(out=out, gpu=g, log=None, model_dir={model_dir!r})\n"
+            "    print('[build_at]', out)\n")
+    # run from the worktree, in a fresh interpreter (the build's process pool imports infc again)
+    subprocess.run([sys.executable, "-c", code], cwd=tree, check=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 4:
+        raise SystemExit(__doc__)
+    main(*sys.argv[1:])
