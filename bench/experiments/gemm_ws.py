@@ -68,6 +68,9 @@ from pathlib import Path
 import triton
 import triton.language as tl
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gemm_tma import _tile_of  # noqa: E402  (the grouped tile order, as the plan's kernel has it)
+
 PEAK = 989.0                 # H100 / H200 SXM dense bf16 TFLOP/s
 TOL = 2e-2
 REPS, WARMUP = 20, 3
@@ -96,14 +99,6 @@ EXTRA_COMPILE = {
     "ws_tile_nosplit": dict(_WS, WS_TILE=True, SPLIT=False, shapes=("gate_up",)),  # 3.6: pass fails
     "ws_tile_s4": dict(_WS, WS_TILE=True, stages=4),                       # > 227 KB shared at 128x256
 }
-
-
-@triton.jit
-def _tile_of(t, num_m, num_n, GROUP_M: tl.constexpr):
-    group = t // (GROUP_M * num_n)
-    first_m = group * GROUP_M
-    size = tl.minimum(num_m - first_m, GROUP_M)
-    return first_m + (t % (GROUP_M * num_n)) % size, (t % (GROUP_M * num_n)) // size
 
 
 @triton.jit
