@@ -33,6 +33,8 @@ def test_plan_reads_the_shared_experts_through_the_stacks(models, kind):
     assert w["wes_gate_up"]["shape"] == [E + N, 2 * FE, H] and w["wes_down"]["shape"] == [E + N, H, FE]
     routes = [l for l, _ in unrolled(plan["programs"]["decode"]) if l["op"].startswith("moe_route")]
     assert routes and all(r["attrs"]["shared"] == N and r["attrs"]["experts"] == E + N for r in routes)
+    # the wide program still starts where each routed expert gets 8 tokens on average
+    assert plan["wide_tokens"] == unfolded["wide_tokens"] == -(-8 * E // BASE["num_experts_per_tok"])
     assert len(routes) == BASE["num_hidden_layers"] - BASE["first_k_dense_replace"]
     # per MoE layer: the shared gate|up GEMV, the shared down GEMV and the add are gone
     for phase in ("decode", "prefill"):

@@ -21,14 +21,9 @@ Fe. Anything else (a gated shared expert as Qwen2-MoE's, a tensor-parallel rank'
 is left as written.
 """
 from ..ir import TensorType
+from .fuse_latent import _only
 from .fuse_ops import _activation, _single_user
 from .fuse_weights import forget_unread, register_weight
-
-
-def _only(g, value, op):
-    """The producer of `value` if it is `op` and `value` has no other user."""
-    p = g.producer(value)
-    return p if p is not None and p.op == op and _single_user(g, value) is not None else None
 
 
 def _plain_linear(n) -> bool:

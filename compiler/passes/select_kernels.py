@@ -79,7 +79,11 @@ def wide_tokens(state) -> int:
     for g in state.graph.walk():
         for n in g.ordered():
             if n.op == "moe_gate_up":
-                E = g.values[n.inputs[2]].type.shape[0] * ep
-                k = g.values[n.inputs[1]].type.shape[1]
+                # shared experts folded in as always-on ones (fold_shared_experts) get every token:
+                # the rule counts the routed experts and their slots only
+                route = g.producer(n.inputs[1])
+                shared = route.attrs.get("shared", 0) if route is not None and route.op.startswith("moe_route") else 0
+                E = (g.values[n.inputs[2]].type.shape[0] - shared) * ep
+                k = g.values[n.inputs[1]].type.shape[1] - shared
                 need.append(-(-WIDE_TOKENS_PER_EXPERT * E // k))
     return max(need) if need else WIDE_DENSE_TOKENS
