@@ -69,6 +69,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import child_runs  # noqa: E402
 from gemm_tma import _tile_of  # noqa: E402  (the grouped tile order, as the plan's kernel has it)
 
 PEAK = 989.0                 # H100 / H200 SXM dense bf16 TFLOP/s
@@ -283,48 +284,14 @@ def run_child(name, todo, part: Path):
 
 def run_variant(name, out: Path):
     """Parent side: runs the variant's combinations in child processes, a fresh child after a crash."""
-    parts = out / "gemm_ws_parts"
-    part, log = parts / f"{name}.json", parts / f"{name}.log"
-    current = part.with_suffix(".current")
-    for f in (part, log, current):
-        f.unlink(missing_ok=True)
-    todo = combos(VARIANTS[name])
-    for _ in range(len(todo) + 1):
-        why = None
-        current.unlink(missing_ok=True)
-        try:
-            with open(log, "a") as err:
-                p = subprocess.run([sys.executable, __file__, str(out), "--child", name,
-                                    ",".join(f"{T}:{s}" for T, s in todo)], stderr=err, timeout=CHILD_TIMEOUT_S)
-            why = f"child exited with {p.returncode}" if p.returncode else None
-        except subprocess.TimeoutExpired:
-            why = f"child killed after {CHILD_TIMEOUT_S} s"
-        rows = json.loads(part.read_text()) if part.exists() else []
-        have = {(r["T"], r["linear"]) for r in rows}
-        todo = [c for c in todo if c not in have]
-        if not todo or not why:
-            break
-        # the combination that was running when the child died, if it left no row: record it
-        cur = current.read_text().split() if current.exists() else None
-        cur = (int(cur[0]), cur[1]) if cur else None
-        if cur in todo:
-            tail = " ".join(log.read_text()[-400:].split()) if log.exists() else ""
-            K, N, gated = SHAPES[cur[1]]
-            rows.append({"variant": name, "T": cur[0], "linear": cur[1], "K": K, "N": N, "gated": gated,
-                         "us": None, "tflops": None, "error": f"{why}; stderr tail: {tail}"})
-            part.write_text(json.dumps(rows, indent=1))
-            print(f"  {name:14s} T={cur[0]:5d} {cur[1]:8s} CRASH ({why})", flush=True)
-            todo.remove(cur)
-        if not todo:
-            break
-    rows = json.loads(part.read_text()) if part.exists() else []
+    def failed(c, why):
+        K, N, gated = SHAPES[c[1]]
+        return {"variant": name, "T": c[0], "linear": c[1], "K": K, "N": N, "gated": gated,
+                "us": None, "tflops": None, "error": why}
+    rows = child_runs.run(Path(__file__), out, out / "gemm_ws_parts" / f"{name}.json", name,
+                          combos(VARIANTS[name]), lambda r: (r["T"], r["linear"]), failed, CHILD_TIMEOUT_S)
     have = {(r["T"], r["linear"]) for r in rows}
-    for T, sname in combos(VARIANTS[name]):
-        if (T, sname) not in have:
-            K, N, gated = SHAPES[sname]
-            rows.append({"variant": name, "T": T, "linear": sname, "K": K, "N": N, "gated": gated, "us": None,
-                         "tflops": None, "error": "not run (child failures)"})
-    return rows
+    return rows + [failed(c, "not run (child failures)") for c in combos(VARIANTS[name]) if c not in have]
 
 
 def main(out: Path, only=None):

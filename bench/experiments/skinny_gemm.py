@@ -59,7 +59,6 @@ Here, without a GPU:
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 import traceback
@@ -73,6 +72,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import child_runs  # noqa: E402
 
 LINEARS = {"qkv": ("wqkv", 2560, 6144, False), "o_proj": ("wo", 4096, 2560, False),
            "gate_up": ("wgu", 2560, 9728, True), "down": ("wd", 9728, 2560, False)}  # plan weight, K, N, gated
@@ -368,45 +368,15 @@ def run_child(lin, todo, part: Path):
 
 
 def run_linear(lin, out: Path, sms):
-    """Parent side: the linear's combinations in child processes, a fresh child after a crash."""
-    parts = out / "skinny_gemm_parts"
-    part, log = parts / f"{lin}.json", parts / f"{lin}.log"
-    current = part.with_suffix(".current")
-    for f in (part, log, current):
-        f.unlink(missing_ok=True)
+    """Parent side: the linear's combinations in child processes, a fresh child after a crash (a
+    child killed for time ends the linear)."""
+    def failed(c, why):
+        return {"linear": lin, "M": c[0], "variant": c[1], "us": None, "error": why}
     allc = variants_of(lin, sms)
-    todo = list(allc)
-    for _ in range(len(todo) + 1):
-        why = None
-        current.unlink(missing_ok=True)
-        try:
-            with open(log, "a") as err:
-                p = subprocess.run([sys.executable, __file__, str(out), "--child", lin,
-                                    ",".join(f"{M}:{v}" for M, v in todo)], stderr=err, timeout=CHILD_TIMEOUT_S)
-            why = f"child exited with {p.returncode}" if p.returncode else None
-        except subprocess.TimeoutExpired:
-            why = f"child killed after {CHILD_TIMEOUT_S} s"
-        rows = json.loads(part.read_text()) if part.exists() else []
-        have = {(r["M"], r["variant"]) for r in rows}
-        todo = [c for c in todo if c not in have]
-        if not todo or not why:
-            break
-        cur = current.read_text().split() if current.exists() else None
-        cur = (int(cur[0]), cur[1]) if cur else None
-        if cur in todo:
-            tail = " ".join(log.read_text()[-400:].split()) if log.exists() else ""
-            rows.append({"linear": lin, "M": cur[0], "variant": cur[1], "us": None,
-                         "error": f"{why}; stderr tail: {tail}"})
-            part.write_text(json.dumps(rows, indent=1))
-            print(f"  {lin:8s} M={cur[0]:4d} {cur[1]:30s} CRASH ({why})", flush=True)
-            todo.remove(cur)
-        if not todo or why.startswith("child killed"):
-            break
-    rows = json.loads(part.read_text()) if part.exists() else []
+    rows = child_runs.run(Path(__file__), out, out / "skinny_gemm_parts" / f"{lin}.json", lin, allc,
+                          lambda r: (r["M"], r["variant"]), failed, CHILD_TIMEOUT_S, stop_after_timeout=True)
     have = {(r["M"], r["variant"]) for r in rows}
-    rows += [{"linear": lin, "M": M, "variant": v, "us": None, "error": "not run (child failures or timeout)"}
-             for M, v in allc if (M, v) not in have]
-    return rows
+    return rows + [failed(c, "not run (child failures or timeout)") for c in allc if c not in have]
 
 
 def copy_bandwidth(nbytes=1 << 30, reps=10):

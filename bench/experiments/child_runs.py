@@ -1,0 +1,51 @@
+"""The parent side of an experiment that runs its combinations in child processes, so a crash, a
+hang or a lost CUDA context costs one combination and not the run (gemm_ws.py, skinny_gemm.py).
+
+The protocol: the child, `python3 SCRIPT OUT --child NAME a:b,c:d,...`, runs the combinations
+(a, b) it is given in order; before each it writes "a b" to PART.current, and after each it
+rewrites PART (a JSON list of rows) with the row added. The parent reruns a fresh child on what is
+left after a crash; the combination the dead child was on, if it left no row, gets failed_row's
+row with the reason and the tail of the children's stderr (PART.log), and is not run again.
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def run(script: Path, out: Path, part: Path, name: str, todo: list, key, failed_row, timeout: float,
+        stop_after_timeout: bool = False) -> list:
+    """Rows for the combinations todo [(int, str)] of `name`; key(row) -> its (int, str);
+    failed_row(combination, why) -> the row of one that killed its child. stop_after_timeout: a
+    child killed for time ends the run (what is left would likely hang too)."""
+    log, current = part.with_suffix(".log"), part.with_suffix(".current")
+    part.parent.mkdir(parents=True, exist_ok=True)
+    for f in (part, log, current):
+        f.unlink(missing_ok=True)
+    todo = list(todo)
+    for _ in range(len(todo) + 1):
+        why = None
+        current.unlink(missing_ok=True)
+        try:
+            with open(log, "a") as err:
+                p = subprocess.run([sys.executable, str(script), str(out), "--child", name,
+                                    ",".join(f"{a}:{b}" for a, b in todo)], stderr=err, timeout=timeout)
+            why = f"child exited with {p.returncode}" if p.returncode else None
+        except subprocess.TimeoutExpired:
+            why = f"child killed after {timeout} s"
+        rows = json.loads(part.read_text()) if part.exists() else []
+        have = {key(r) for r in rows}
+        todo = [c for c in todo if c not in have]
+        if not todo or not why:
+            break
+        cur = current.read_text().split() if current.exists() else None
+        cur = (int(cur[0]), cur[1]) if cur else None
+        if cur in todo:
+            tail = " ".join(log.read_text()[-400:].split()) if log.exists() else ""
+            rows.append(failed_row(cur, f"{why}; stderr tail: {tail}"))
+            part.write_text(json.dumps(rows, indent=1))
+            print(f"  {name} {cur[0]} {cur[1]} CRASH ({why})", flush=True)
+            todo.remove(cur)
+        if not todo or (stop_after_timeout and why.startswith("child killed")):
+            break
+    return json.loads(part.read_text()) if part.exists() else []
