@@ -57,3 +57,30 @@ def test_a_hang_is_killed_and_can_end_the_run(tmp_path):
     rows = _run(tmp_path, todo, timeout=3, stop_after_timeout=True)
     assert {(r["a"], r["b"]) for r in rows} == {(1, "ok"), (2, "hang")}
     assert json.loads((tmp_path / "parts" / "x.json").read_text()) == rows
+
+
+def test_child_side_failure_and_keep(tmp_path):
+    """failure() records a combination's error in its row; keep() adds the row and rewrites PART;
+    where the context is lost too (sync raises), the row is written and the child exits 3."""
+    import subprocess
+    import sys
+    part = tmp_path / "p.json"
+    rows, row = [], {"a": 1, "error": None}
+    child_runs.failure(ValueError("no  such\n kernel"), row, rows, part, sync=lambda: None)
+    assert row["error"] == "ValueError: no such kernel" and not part.exists()
+    child_runs.keep(row, rows, part)
+    assert json.loads(part.read_text()) == [row]
+    code = textwrap.dedent(f'''
+        import importlib.util, sys
+        from pathlib import Path
+        spec = importlib.util.spec_from_file_location("c", {str(REPO / "bench" / "experiments" / "child_runs.py")!r})
+        c = importlib.util.module_from_spec(spec); spec.loader.exec_module(c)
+        def lost():
+            raise RuntimeError("illegal address")
+        c.failure(KeyError("x"), {{"a": 2, "error": None}}, [{{"a": 1}}], Path({str(part)!r}), sync=lost)
+        print("not reached")
+    ''')
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 3 and "not reached" not in p.stdout
+    got = json.loads(part.read_text())
+    assert got[0] == {"a": 1} and got[1]["a"] == 2 and "context lost: illegal address" in got[1]["error"]

@@ -8,6 +8,7 @@ left after a crash; the combination the dead child was on, if it left no row, ge
 row with the reason and the tail of the children's stderr (PART.log), and is not run again.
 """
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -49,3 +50,25 @@ def run(script: Path, out: Path, part: Path, name: str, todo: list, key, failed_
         if not todo or (stop_after_timeout and why.startswith("child killed")):
             break
     return json.loads(part.read_text()) if part.exists() else []
+
+
+def keep(row: dict, rows: list, part: Path):
+    """Child side: the finished combination's row added, PART rewritten (the parent reads it)."""
+    rows.append(row)
+    part.write_text(json.dumps(rows, indent=1))
+
+
+def failure(e: Exception, row: dict, rows: list, part: Path, sync=None):
+    """Child side, in the except of a combination: its compile or run failure recorded in its row,
+    not raised. If the CUDA context is lost as well (a sticky error: sync raises), the row is
+    written and the child exits, for the parent to start a fresh one on the rest."""
+    row["error"] = f"{type(e).__name__}: {' '.join(str(e).split())[-600:]}"
+    if sync is None:
+        import torch
+        sync = torch.cuda.synchronize
+    try:
+        sync()
+    except Exception as e2:
+        row["error"] += f" | context lost: {str(e2)[:200]}"
+        part.write_text(json.dumps(rows + [row], indent=1))
+        os._exit(3)

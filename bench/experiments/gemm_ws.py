@@ -263,15 +263,8 @@ def run_child(name, todo, part: Path):
             row["tflops"] = 2 * T * K * (2 * N if gated else N) / us / 1e6
             row["pct_peak"] = 100 * row["tflops"] / PEAK
         except Exception as e:           # a compile or run failure of this variant: recorded, not raised
-            row["error"] = f"{type(e).__name__}: {' '.join(str(e).split())[-600:]}"
-            try:
-                torch.cuda.synchronize()
-            except Exception as e2:      # a sticky CUDA error: the parent restarts a fresh child
-                row["error"] += f" | context lost: {str(e2)[:200]}"
-                part.write_text(json.dumps(rows + [row], indent=1))
-                os._exit(3)
-        rows.append(row)
-        part.write_text(json.dumps(rows, indent=1))
+            child_runs.failure(e, row, rows, part)
+        child_runs.keep(row, rows, part)
         r = row
         if r["us"] is not None:
             bad = "" if r["ok"] is not False else " MISMATCH"

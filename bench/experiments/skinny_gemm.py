@@ -348,15 +348,8 @@ def run_child(lin, todo, part: Path):
                 row["max_rel_err_after"] = err2
                 row["ok"] = row["ok"] and err2 <= TOL
         except Exception as e:           # a compile or run failure of this variant: recorded, not raised
-            row["error"] = f"{type(e).__name__}: {' '.join(str(e).split())[-600:]}"
-            try:
-                torch.cuda.synchronize()
-            except Exception as e2:      # a sticky CUDA error: the parent restarts a fresh child
-                row["error"] += f" | context lost: {str(e2)[:200]}"
-                part.write_text(json.dumps(rows + [row], indent=1))
-                os._exit(3)
-        rows.append(row)
-        part.write_text(json.dumps(rows, indent=1))
+            child_runs.failure(e, row, rows, part)
+        child_runs.keep(row, rows, part)
         r = row
         if r["us"] is not None:
             bad = "" if r["ok"] is not False else " MISMATCH"
