@@ -48,8 +48,9 @@ PIPELINE = [
 ]
 # Optimizations: `infc build --no-fuse` skips them all, and the plan still runs (every op has a
 # generic kernel). The other passes are required lowerings.
-FUSIONS = {"fold_shared_experts", "fuse_weights", "rotate_residual", "fuse_add_rms_norm", "fuse_qk_norm_rope_cache", "fuse_latent_prologue",
-           "fuse_act_mul", "fuse_linear_epilogue", "fuse_linear_prologue", "fuse_lm_head", "fuse_route_align"}
+FUSIONS = {"fold_shared_experts", "fuse_weights", "rotate_residual", "fuse_add_rms_norm",
+           "fuse_qk_norm_rope_cache", "fuse_latent_prologue", "fuse_act_mul", "fuse_linear_epilogue",
+           "fuse_linear_prologue", "fuse_lm_head", "fuse_route_align"}
 REWRITES = FUSIONS | {"split_attention", "shard_ranks", "lower_experts", "eliminate_dead",
                       "materialize_views"}
 

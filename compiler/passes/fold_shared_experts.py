@@ -21,8 +21,7 @@ Fe. Anything else (a gated shared expert as Qwen2-MoE's, a tensor-parallel rank'
 is left as written.
 """
 from ..ir import TensorType
-from .fuse_latent import _only
-from .fuse_ops import _activation, _single_user
+from .fuse_ops import _activation, _only, _single_user
 from .fuse_weights import forget_unread, register_weight
 
 
@@ -34,23 +33,16 @@ def _plain_linear(n) -> bool:
 def _shared_mlp(g, value, h):
     """[down, mul, act, gate, up] nodes of a SwiGLU of `h` producing `value`, or None."""
     down = _only(g, value, "linear")
-    if not _plain_linear(down):
-        return None
-    mul = g.producer(down.inputs[0])
-    if mul is None or mul.op != "mul" or len(mul.inputs) != 2 or _single_user(g, down.inputs[0]) is None:
+    mul = down and _only(g, down.inputs[0], "mul")
+    if not _plain_linear(down) or mul is None or len(mul.inputs) != 2:
         return None
     for a, b in (mul.inputs, mul.inputs[::-1]):
         act = g.producer(a)
         if _activation(act) != "silu" or _single_user(g, a) is None:
             continue
-        gate, up = g.producer(act.inputs[0]), g.producer(b)
-        if not (_plain_linear(gate) and _plain_linear(up)) or gate is up:
-            continue
-        if gate.inputs[0] != h or up.inputs[0] != h:
-            continue
-        if _single_user(g, act.inputs[0]) is None or _single_user(g, b) is None:
-            continue
-        return [down, mul, act, gate, up]
+        gate, up = _only(g, act.inputs[0], "linear"), _only(g, b, "linear")
+        if _plain_linear(gate) and _plain_linear(up) and gate is not up and gate.inputs[0] == up.inputs[0] == h:
+            return [down, mul, act, gate, up]
     return None
 
 

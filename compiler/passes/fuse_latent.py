@@ -9,13 +9,7 @@ an H200: bench/NOTES.md, the drop-launch bounds). The rewrite needs every interm
 and the two ropes alike; anything else is left as written.
 """
 from ..ir import Node
-from .fuse_ops import _new, _single_user
-
-
-def _only(g, value, op):
-    """The producer of `value` if it is `op` and `value` has no other user."""
-    p = g.producer(value)
-    return p if p is not None and p.op == op and _single_user(g, value) is not None else None
+from .fuse_ops import _new, _only, _single_user
 
 
 def _match(g, q_cat, kv_cat):

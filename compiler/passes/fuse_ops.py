@@ -13,6 +13,12 @@ def _single_user(g: Graph, value: str):
     return None
 
 
+def _only(g: Graph, value: str, op: str):
+    """The producer of `value` if it is `op` and `value` has no other user, else None."""
+    p = g.producer(value)
+    return p if p is not None and p.op == op and _single_user(g, value) is not None else None
+
+
 def _new(g, hint, line):
     name = g.fresh(hint)
     g.add_value(Value(name, "act", line=line))
@@ -50,8 +56,8 @@ def _trace(g, value, ops):
     """Walk producers back through `ops` (in order, each optional); returns (value, nodes)."""
     nodes = {}
     for op in ops:
-        p = g.producer(value)
-        if p is not None and p.op == op and _single_user(g, value) is not None:
+        p = _only(g, value, op)
+        if p is not None:
             nodes[op] = p
             value = p.inputs[0]
     return value, nodes
