@@ -11,24 +11,25 @@ so the device command picks NAME or NAME-h100 by the card that came.
 """
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGES = {"compiler": "compiler", "runtime": "runtime", "server": "server", "bench": "bench"}
 
 
 def package_root(tree: Path) -> Path:
-    """A directory whose infc/ package is `tree`'s, laid out as pyproject's package-dir maps it."""
+    """A directory whose infc package is `tree`'s, laid out as that commit's pyproject package-dir
+    maps it (infc.compiler -> compiler/, ...)."""
+    dirs = tomllib.loads((tree / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
     root = Path(f"/tmp/infc-pkg-{tree.name}")
     pkg = root / "infc"
     pkg.mkdir(parents=True, exist_ok=True)
-    for f in (tree / "infc").iterdir():
-        link = pkg / f.name
-        if not link.exists():
-            link.symlink_to(f)
-    for name, src in PACKAGES.items():
-        link = pkg / name
-        if not link.exists():
+    for f in (tree / dirs["infc"]).iterdir():
+        if not (pkg / f.name).exists():
+            (pkg / f.name).symlink_to(f)
+    for name, src in dirs.items():
+        link = root / Path(*name.split("."))
+        if name != "infc" and not link.exists():
             link.symlink_to(tree / src)
     return root
 
