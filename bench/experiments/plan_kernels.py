@@ -13,11 +13,11 @@ import triton.language as tl
 REPO = Path(__file__).resolve().parents[2]
 
 
-def plan_kernel(pred, model: str = "qwen3-4b"):
-    """The first launch of the decode program's layer bodies (any kind) matching pred: (module, META)."""
+def plan_kernel(pred, model: str = "qwen3-4b", program: str = "decode"):
+    """The first launch of a program's layer bodies (any kind) matching pred: (module, META)."""
     kdir = REPO / "generated" / model
     plan = json.loads((kdir / "plan.json").read_text())
-    kinds = next(l for l in plan["programs"]["decode"] if "kinds" in l)["kinds"]
+    kinds = next(l for l in plan["programs"][program] if "kinds" in l)["kinds"]
     # a layer body by its kind ("layer" in dense plans, "sparse" in qwen3_moe's, ...)
     kid = next(l["kernel_id"] for body in kinds.values() for l in body if pred(l))
     f = kdir / "kernels" / f"{kid}.py"
