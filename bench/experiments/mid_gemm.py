@@ -174,8 +174,8 @@ def variants(lin, M, sms):
     bms = (64,) if M <= 64 else (64, 128)
     for bm in bms:
         w = 4 if bm == 64 else 8
-        for bn in (128, 256):
-            add(bm, bn, w=w, s=4 if bn == 128 else 3)
+        for bn in ((64, 128, 256) if M <= 64 else (128, 256)):
+            add(bm, bn, w=w, s=4 if bn <= 128 else 3)
         add(bm, 128, bk=128, w=w, s=3)
         for z in (1, 2, 4, 8):
             add(bm, 128, z=z, w=w, s=4)
