@@ -119,6 +119,72 @@ def tsplit(a_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, T, N: tl.constexpr, K: tl.con
 
 
 @triton.jit
+def tstream(a_ptr, w_ptr, y_ptr, part_ptr, cnt_ptr, T, N: tl.constexpr, K: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
+            MAXC: tl.constexpr, DOT_F32: tl.constexpr):
+    """Stream-K: P programs share the U = tiles x K-steps units evenly (program p takes units
+    [p U / P, (p + 1) U / P), tile by tile, K-steps in order). A tile one program covers whole is
+    written directly; a tile shared by n programs gets each one's fp32 partial in slot j (its rank
+    among them) and the last to arrive sums slots 0 .. n-1 in order and writes it."""
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    H: tl.constexpr = BLOCK_N // 2
+    NB: tl.constexpr = (N + H - 1) // H if GATED else (N + BLOCK_N - 1) // BLOCK_N
+    KS: tl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+    num_m = tl.cdiv(T, BLOCK_M)
+    U = num_m * NB * KS
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[T, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
+    if GATED:
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[2, N, K], strides=[N * K, K, 1],
+                                           block_shape=[2, H, BLOCK_K])
+    else:
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
+    u = (pid.to(tl.int64) * U // P).to(tl.int32)
+    u_end = ((pid.to(tl.int64) + 1) * U // P).to(tl.int32)
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_c = tl.arange(0, BLOCK_N)
+    while u < u_end:
+        t = u // KS
+        ks0 = u % KS
+        ks1 = tl.minimum(KS, ks0 + (u_end - u))
+        pid_m = t % num_m
+        pid_n = t // num_m
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for ks in tl.range(ks0, ks1):
+            a = a_desc.load([pid_m * BLOCK_M, ks * BLOCK_K])
+            if GATED:
+                w = tl.reshape(w_desc.load([0, pid_n * H, ks * BLOCK_K]), [BLOCK_N, BLOCK_K])
+            else:
+                w = w_desc.load([pid_n * BLOCK_N, ks * BLOCK_K])
+            if DOT_F32:
+                acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(w), acc)
+        offs_m = pid_m * BLOCK_M + offs_r
+        if (ks0 == 0) & (ks1 == KS):
+            _write(y_ptr, acc, offs_m, pid_n, T, N, BLOCK_M, BLOCK_N, GATED)
+        else:
+            # the programs that share tile t: owner(u) = ((u + 1) P - 1) // U
+            first = ((t.to(tl.int64) * KS + 1) * P - 1) // U
+            last = (((t.to(tl.int64) + 1) * KS) * P - 1) // U
+            n = (last - first + 1).to(tl.int32)
+            j = (pid - first).to(tl.int32)
+            slot = part_ptr + (t.to(tl.int64) * MAXC) * (BLOCK_M * BLOCK_N)
+            offs_p = offs_r[:, None] * BLOCK_N + offs_c[None, :]
+            tl.store(slot + j * (BLOCK_M * BLOCK_N) + offs_p, acc)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel")
+            if arrived == n - 1:
+                tl.debug_barrier()
+                acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                for jj in range(0, n):
+                    acc += tl.load(slot + jj * (BLOCK_M * BLOCK_N) + offs_p, cache_modifier=".cg")
+                _write(y_ptr, acc, offs_m, pid_n, T, N, BLOCK_M, BLOCK_N, GATED)
+                tl.store(cnt_ptr + t, 0)
+        u += ks1 - ks0
+
+
+@triton.jit
 def _write(y_ptr, acc, offs_m, pid_n, T, N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
            GATED: tl.constexpr):
     if GATED:
@@ -159,7 +225,16 @@ def z_eff(K, z, bk):
 
 
 def name_of(c):
+    if "P" in c:
+        return f"s_m{c['BM']}_n{c['BN']}_k{c['BK']}_p{c['P']}_w{c['W']}_s{c['S']}"
     return f"t_m{c['BM']}_n{c['BN']}_k{c['BK']}_z{c['Z']}_w{c['W']}_s{c['S']}"
+
+
+def maxc(M, K, N, gated, c):
+    """The most stream-K programs one tile can be shared by (each owns >= floor(U / P) units)."""
+    t, _ = tiles(M, N, gated, c["BM"], c["BN"])
+    ks = triton.cdiv(K, c["BK"])
+    return min(ks, triton.cdiv(ks, max(1, t * ks // min(c["P"], t * ks))) + 1)
 
 
 def variants(lin, M, sms):
@@ -181,12 +256,28 @@ def variants(lin, M, sms):
             add(bm, 128, z=z, w=w, s=4)
     if M > 128:
         add(256, 128, w=8, s=3)
+
+    def stream(bm, bn, p, bk=64, w=4, s=4):
+        c = dict(BM=bm, BN=bn, BK=bk, P=p, W=w, S=s)
+        out.setdefault(name_of(c), c)
+    for bm in bms:
+        w = 4 if bm == 64 else 8
+        for bn in (64, 128):
+            for p in (sms, 2 * sms):
+                stream(bm, bn, p, w=w)
     return out
 
 
 def launch(cfg, x, w, y, part, cnt, M, K, N, gated):
-    """-> a no-argument call of tsplit on these buffers."""
+    """-> a no-argument call of tsplit or tstream on these buffers."""
     t, _ = tiles(M, N, gated, cfg["BM"], cfg["BN"])
+    if "P" in cfg:
+        kw = dict(N=N, K=K, BLOCK_M=cfg["BM"], BLOCK_N=cfg["BN"], BLOCK_K=cfg["BK"], GATED=gated,
+                  MAXC=maxc(M, K, N, gated, cfg), DOT_F32=cfg.get("F32", False),
+                  num_warps=cfg["W"], num_stages=cfg["S"])
+        # every program must own at least one unit (the sharing count assumes no empty ranges)
+        grid = (min(cfg["P"], t * triton.cdiv(K, cfg["BK"])),)
+        return lambda: tstream[grid](x, w, y, part, cnt, M, **kw)
     nb = tiles(M, N, gated, cfg["BM"], cfg["BN"])[1]
     kw = dict(N=N, K=K, BLOCK_M=cfg["BM"], BLOCK_N=cfg["BN"], BLOCK_K=cfg["BK"], GATED=gated,
               SLOT=M * nb * cfg["BN"], ZMAX=cfg["Z"], DOT_F32=cfg.get("F32", False),
@@ -195,9 +286,11 @@ def launch(cfg, x, w, y, part, cnt, M, K, N, gated):
     return lambda: tsplit[grid](x, w, y, part, cnt, M, **kw)
 
 
-def scratch(cfg, M, N, gated, device):
-    _, nb = tiles(M, N, gated, cfg["BM"], cfg["BN"])
-    t, _ = tiles(M, N, gated, cfg["BM"], cfg["BN"])
+def scratch(cfg, M, N, gated, device, K=None):
+    t, nb = tiles(M, N, gated, cfg["BM"], cfg["BN"])
+    if "P" in cfg:
+        part = torch.zeros(t * maxc(M, K, N, gated, cfg) * cfg["BM"] * cfg["BN"], dtype=torch.float32, device=device)
+        return part, torch.zeros(t, dtype=torch.int32, device=device)
     part = torch.zeros(max(1, cfg["Z"] * M * nb * cfg["BN"]), dtype=torch.float32, device=device)
     cnt = torch.zeros(t, dtype=torch.int32, device=device)
     return part, cnt
@@ -205,7 +298,10 @@ def scratch(cfg, M, N, gated, device):
 
 # ------------------------------------------------------------------------------------------ GPU run
 def variants_of(lin, sms):
-    return [(M, v) for M in MS for v in ["plan", "cublas"] + list(variants(lin, M, sms))]
+    """[(M, name)] run for this linear; $MID_ONLY (comma-separated name prefixes) narrows the list."""
+    only = tuple(p for p in os.environ.get("MID_ONLY", "").split(",") if p)
+    return [(M, v) for M in MS for v in ["plan", "cublas"] + list(variants(lin, M, sms))
+            if not only or v.startswith(only)]
 
 
 def run_child(lin, todo, part_file: Path):
@@ -244,9 +340,9 @@ def run_child(lin, todo, part_file: Path):
             else:
                 cfg = variants(lin, M, sms)[v]
                 y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-                part, cnt = scratch(cfg, M, N, gated, "cuda")
+                part, cnt = scratch(cfg, M, N, gated, "cuda", K)
                 fns = [launch(cfg, x, w, y, part, cnt, M, K, N, gated) for w in ws]
-                row["config"] = dict(cfg, programs=tiles(M, N, gated, cfg["BM"], cfg["BN"])[0] * cfg["Z"])
+                row["config"] = dict(cfg, programs=cfg.get("P") or tiles(M, N, gated, cfg["BM"], cfg["BN"])[0] * cfg["Z"])
             fns[0]()
             torch.cuda.synchronize()
             if not (v == "cublas" and gated):
@@ -306,7 +402,7 @@ def main(out: Path):
         for lin in LINEARS:
             rs = [r for r in res["runs"] if r["linear"] == lin and r["M"] == M]
             by = {r["variant"]: r for r in rs}
-            ts = [r for r in rs if r["variant"].startswith("t_") and r.get("us") and r.get("ok") is not False]
+            ts = [r for r in rs if r["variant"][:2] in ("t_", "s_") and r.get("us") and r.get("ok") is not False]
             best = min(ts, key=lambda r: r["us"]) if ts else None
             for k, r in (("plan", by.get("plan")), ("best", best), ("cublas", by.get("cublas"))):
                 sums.setdefault((M, k), 0.0)
@@ -336,10 +432,14 @@ def check():
         for M in (5, 33, 70):
             x = torch.randn(M, K).to(torch.bfloat16)
             ref = reference(x, w, N, gated)
-            for bm, bn in ((16, 32), (64, 64)):
-                for z in (1, 2, 3):
-                    cfg = dict(BM=bm, BN=bn, BK=32, Z=z_eff(K, z, 32), W=4, S=2, F32=True)
-                    part, cnt = scratch(cfg, M, N, gated, "cpu")
+            cfgs = [dict(BM=bm, BN=bn, BK=32, Z=z_eff(K, z, 32), W=4, S=2, F32=True)
+                    for bm, bn in ((16, 32), (64, 64)) for z in (1, 2, 3)]
+            cfgs += [dict(BM=bm, BN=bn, BK=32, P=p, W=4, S=2, F32=True)
+                     for bm, bn in ((16, 32), (64, 64)) for p in (3, 7, 13, 40)]
+            for cfg in cfgs:
+                bm, bn = cfg["BM"], cfg["BN"]
+                if True:
+                    part, cnt = scratch(cfg, M, N, gated, "cpu", K)
                     y = torch.full((M, N), float("nan")).to(torch.bfloat16)
                     try:
                         fn = launch(cfg, x, w, y, part, cnt, M, K, N, gated)
@@ -356,7 +456,7 @@ def check():
                     except Exception as e:
                         okk, msg = False, f"{type(e).__name__}: {' '.join(str(e).split())[-200:]}"
                     bad += not okk
-                    print(f"{'ok ' if okk else 'BAD'} gated={gated!s:5s} M={M:2d} bm={bm} bn={bn} z={cfg['Z']} {msg}",
+                    print(f"{'ok ' if okk else 'BAD'} gated={gated!s:5s} M={M:2d} {name_of(cfg)} {msg}",
                           flush=True)
     print(f"{bad} bad")
     return bad == 0
@@ -372,8 +472,10 @@ def compile_only():
         for M in MS:
             for name, c in variants(lin, M, 132).items():
                 _, nb = tiles(M, N, gated, c["BM"], c["BN"])
-                ce = dict(N=N, K=K, BLOCK_M=c["BM"], BLOCK_N=c["BN"], BLOCK_K=c["BK"], GATED=gated,
-                          SLOT=M * nb * c["BN"], ZMAX=c["Z"], DOT_F32=False)
+                fn = tstream if "P" in c else tsplit
+                ce = dict(N=N, K=K, BLOCK_M=c["BM"], BLOCK_N=c["BN"], BLOCK_K=c["BK"], GATED=gated, DOT_F32=False,
+                          **(dict(MAXC=maxc(M, K, N, gated, c)) if "P" in c else
+                             dict(SLOT=M * nb * c["BN"], ZMAX=c["Z"])))
                 key = (lin, name, M)
                 if key in seen:
                     continue
@@ -382,7 +484,7 @@ def compile_only():
                        "T": "i32", **{k: "constexpr" for k in ce}}
                 attrs = {(i,): [["tt.divisibility", 16]] for i in range(5)}
                 try:
-                    k = triton.compile(ASTSource(tsplit, sig, constexprs=ce, attrs=attrs), target=target,
+                    k = triton.compile(ASTSource(fn, sig, constexprs=ce, attrs=attrs), target=target,
                                        options={"num_warps": c["W"], "num_stages": c["S"]})
                     ptx = k.asm.get("ptx", "")
                     print(f"OK   {lin:8s} M={M:3d} {name:34s} shared={k.metadata.shared:6d} "
