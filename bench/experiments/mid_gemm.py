@@ -256,6 +256,12 @@ def variants(lin, M, sms):
             add(bm, 128, z=z, w=w, s=4)
     if M > 128:
         add(256, 128, w=8, s=3)
+    # deep pipelines (cuBLAS's nvjet kernels at these rows keep 7-16 stages in flight,
+    # cublas_kernels.py): ~192 KB of stages, one program an SM
+    for bm, bn, st in (((64, 64, 12), (64, 128, 8)) if M <= 64 else ((64, 128, 8), (128, 64, 8), (128, 128, 6))):
+        w = 4 if bm == 64 else 8
+        for z in (None, 1, 2):
+            add(bm, bn, z=z, w=w, s=st)
 
     def stream(bm, bn, p, bk=64, w=4, s=4):
         c = dict(BM=bm, BN=bn, BK=bk, P=p, W=w, S=s)
@@ -298,10 +304,10 @@ def scratch(cfg, M, N, gated, device, K=None):
 
 # ------------------------------------------------------------------------------------------ GPU run
 def variants_of(lin, sms):
-    """[(M, name)] run for this linear; $MID_ONLY (comma-separated name prefixes) narrows the list."""
-    only = tuple(p for p in os.environ.get("MID_ONLY", "").split(",") if p)
+    """[(M, name)] run for this linear; $MID_ONLY (comma-separated pieces of names) narrows the list."""
+    only = [p for p in os.environ.get("MID_ONLY", "").split(",") if p]
     return [(M, v) for M in MS for v in ["plan", "cublas"] + list(variants(lin, M, sms))
-            if not only or v.startswith(only)]
+            if not only or any(p in v for p in only)]
 
 
 def run_child(lin, todo, part_file: Path):
