@@ -61,6 +61,7 @@ COPIES, REPS = 8, 30
 TOL = 2e-2
 CHILD_TIMEOUT_S = 200
 WIDE_FROM = 128
+PLAN_STAGES = (6, 8, 12)       # plan_s{n}: the plan's own GEMV with num_stages n (a table entry's reach)
 
 
 # ------------------------------------------------------------------------------------------ kernel
@@ -306,8 +307,9 @@ def scratch(cfg, M, N, gated, device, K=None):
 def variants_of(lin, sms):
     """[(M, name)] run for this linear; $MID_ONLY (comma-separated pieces of names) narrows the list."""
     only = [p for p in os.environ.get("MID_ONLY", "").split(",") if p]
-    return [(M, v) for M in MS for v in ["plan", "cublas"] + list(variants(lin, M, sms))
-            if not only or any(p in v for p in only)]
+    plans = ["plan"] + [f"plan_s{st}" for st in PLAN_STAGES]
+    allv = [(1, v) for v in plans] + [(M, v) for M in MS for v in plans + ["cublas"] + list(variants(lin, M, sms))]
+    return [(M, v) for M, v in allv if not only or any(p in v for p in only)]
 
 
 def run_child(lin, todo, part_file: Path):
@@ -335,9 +337,11 @@ def run_child(lin, todo, part_file: Path):
             if v == "cublas":
                 y = torch.empty(M, NW, device="cuda", dtype=torch.bfloat16)
                 fns = [lambda w=w: torch.matmul(x, w.T, out=y) for w in ws]
-            elif v == "plan":
+            elif v.startswith("plan"):
                 prog = "wide" if M >= WIDE_FROM else "decode"
                 mod, meta = plans[prog]
+                if v != "plan":
+                    meta = dict(meta, num_stages=int(v[len("plan_s"):]))
                 y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
                 fns = [plain_launch(mod, meta, {"in:0": x, "in:1": w, "out:0": y}, T=M, B=M) for w in ws]
                 row["plan"] = {"program": prog, "entry": meta["entry"],
@@ -404,9 +408,13 @@ def main(out: Path):
                       f"{r['us']:.1f} ({r['x_floor']:.2f})" + ("!" if r.get("ok") is False else ""))
     print(f"\nus per linear (x the floor); ! mismatch. floor = W bytes / {bw / 1e12:.2f} TB/s")
     sums = {}
-    for M in MS:
+    for M in (1,) + MS:
         for lin in LINEARS:
             rs = [r for r in res["runs"] if r["linear"] == lin and r["M"] == M]
+            ps = [r for r in rs if r["variant"].startswith("plan_s") and r.get("us") and r.get("ok") is not False]
+            if ps:
+                bp = min(ps, key=lambda r: r["us"])
+                print(f"{lin:8s} {M:4d} deepest-best plan stages: {bp['variant']} {cell(bp)}")
             by = {r["variant"]: r for r in rs}
             ts = [r for r in rs if r["variant"][:2] in ("t_", "s_") and r.get("us") and r.get("ok") is not False]
             best = min(ts, key=lambda r: r["us"]) if ts else None
