@@ -72,3 +72,17 @@ def failure(e: Exception, row: dict, rows: list, part: Path, sync=None):
         row["error"] += f" | context lost: {str(e2)[:200]}"
         part.write_text(json.dumps(rows + [row], indent=1))
         os._exit(3)
+
+
+def child_entry(args: list, run_child, parts_dir: str):
+    """The child's command line, `OUT --child NAME a:b,c:d,...`: run_child(NAME, [(a, "b"), ...],
+    OUT/parts_dir/NAME.json). An exception is printed and the child exits 2 (the parent starts a
+    fresh one on what is left)."""
+    import traceback
+    i = args.index("--child")
+    todo = [(int(c.split(":")[0]), c.split(":", 1)[1]) for c in args[i + 2].split(",")]
+    try:
+        run_child(args[i + 1], todo, Path(args[0]) / parts_dir / f"{args[i + 1]}.json")
+    except Exception:
+        traceback.print_exc()
+        sys.exit(2)

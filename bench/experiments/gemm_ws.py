@@ -62,7 +62,6 @@ import os
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import triton
@@ -361,13 +360,7 @@ if __name__ == "__main__":
     if "--compile-only" in args:
         compile_only()
     elif "--child" in args:
-        i = args.index("--child")
-        todo = [(int(c.split(":")[0]), c.split(":")[1]) for c in args[i + 2].split(",")]
-        try:
-            run_child(args[i + 1], todo, Path(args[0]) / "gemm_ws_parts" / f"{args[i + 1]}.json")
-        except Exception:
-            traceback.print_exc()
-            sys.exit(2)
+        child_runs.child_entry(args, run_child, "gemm_ws_parts")
     else:
         only = args[args.index("--only") + 1].split(",") if "--only" in args else None
         main(Path(args[0] if args and not args[0].startswith("--") else "/tmp/exp-gemm-ws"), only)

@@ -42,7 +42,6 @@ import json
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 
 if "--check" in sys.argv:                     # before triton is imported
@@ -519,12 +518,6 @@ if __name__ == "__main__":
     elif "--check" in args:
         sys.exit(0 if check() else 1)
     elif "--child" in args:
-        i = args.index("--child")
-        todo = [(int(c.split(":")[0]), c.split(":", 1)[1]) for c in args[i + 2].split(",")]
-        try:
-            run_child(args[i + 1], todo, Path(args[0]) / "mid_gemm_parts" / f"{args[i + 1]}.json")
-        except Exception:
-            traceback.print_exc()
-            sys.exit(2)
+        child_runs.child_entry(args, run_child, "mid_gemm_parts")
     else:
         main(Path(args[0] if args and not args[0].startswith("--") else "/tmp/exp-mid-gemm"))
