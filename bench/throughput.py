@@ -142,6 +142,8 @@ def main(argv=None):
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--out")
+    ap.add_argument("--artifact", help="a built artifact to run as it is (one GPU; default: build or "
+                                       "reuse .cache/artifacts/<model dir name>): A/B runs of two commits' plans")
     from infc.server.args import add_load_format_arg, add_parallel_args
     add_load_format_arg(ap)
     add_parallel_args(ap)
@@ -156,7 +158,8 @@ def main(argv=None):
                      max_model_len=a.input_len + a.output_len + 16,
                      gpu_memory_utilization=a.gpu_memory_utilization, asynchronous=False,
                      load_format=a.load_format, tensor_parallel_size=a.tensor_parallel_size,
-                     enable_expert_parallel=a.enable_expert_parallel, data_parallel_size=a.data_parallel_size)
+                     enable_expert_parallel=a.enable_expert_parallel, data_parallel_size=a.data_parallel_size,
+                     artifact=a.artifact)
     from infc.runtime.gc_freeze import freeze_startup
     frozen = freeze_startup()                       # as `infc serve` does once it is loaded
     try:
@@ -181,7 +184,7 @@ def _sweep(a, b, conc, par, tag, gc_frozen: bool = False):
     res.update({"input_len": a.input_len, "output_len": a.output_len, "copy_GBps": bw / 1e9,
                 "load_format": a.load_format, "max_num_batched_tokens": a.max_num_batched_tokens,
                 "weight_bytes": runner.weights.bytes, "kv_tokens": b.kv_tokens, "gc_frozen": gc_frozen,
-                "overlap": engine.overlap, "points": []})
+                "overlap": engine.overlap, **({"artifact": str(a.artifact)} if a.artifact else {}), "points": []})
     rng = np.random.default_rng(0)
     run_point(engine, b.vocab_size, 2, 64, 8, rng, total=2)          # warm-up, not recorded
     for c in conc:

@@ -88,6 +88,13 @@ _GEMM = [{"BLOCK_N": 128}, {"BLOCK_N": 256}, {"BLOCK_M": 64}, {"BLOCK_M": 64, "B
          # the tile loop (TMA persistent by default): bench/experiments/gemm_tma.py found one
          # program per tile faster for the narrow down projection at T = 1024
          {"PERSISTENT": 0}, {"TMA": 0}, {"BLOCK_N": 256, "PERSISTENT": 0}]
+# the GEMM's decode tiles (the wide program's plain linears, 128-256 rows; defaults 64 x 128 x 64,
+# 8 stages, 4 warps, one program a tile): deeper or shallower pipelines, 128-row tiles (W read
+# once for 256 rows), 64-column tiles (more programs), persistent programs, a K split
+_GEMM_DECODE = [{"num_stages": 6}, {"num_stages": 4}, {"num_stages": 10},
+                {"BLOCK_N": 64, "num_stages": 12}, {"BLOCK_M": 128, "num_warps": 8, "num_stages": 6},
+                {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8}, {"BLOCK_K": 128, "num_stages": 4},
+                {"PERSISTENT": 1}, {"GROUP_M": 1}, {"SPLIT_K": 2, "TMA": 0, "num_stages": 4}]
 _ATTN_DECODE = [{"BLOCK_N": 32}, {"BLOCK_N": 128}, {"NUM_SPLITS": 16}, {"NUM_SPLITS": 64},
                 {"TARGET_CTAS": 132}, {"TARGET_CTAS": 528}, {"MERGE_CHUNK": 4}, {"num_warps": 2},
                 {"num_warps": 8}, {"num_stages": 1}, {"num_stages": 3},
@@ -180,7 +187,7 @@ GRIDS = {
     ("triton", "gemv_act_mul"): lambda rows: _gemv_grid(_GEMV_FMA, _GEMV_DOT, rows),
     ("triton", "gemv_gated"): lambda rows: _gemv_grid(_GEMV_FMA, _GEMV_DOT, rows),
     ("triton", "lm_head_last"): lambda rows: _gemv_grid(_LM_FMA, _LM_DOT, rows, _LM_DOT),
-    ("triton", "gemm"): lambda rows: _GEMM,
+    ("triton", "gemm"): lambda rows: _GEMM_DECODE if max(rows) <= 256 else _GEMM,
     ("triton", "gemm_act_mul"): lambda rows: _GEMM,
     ("triton", "gemm_gated"): lambda rows: _GEMM,
     ("triton", "attention_decode"): lambda rows: _ATTN_DECODE,

@@ -83,7 +83,7 @@ def load_backend(model_dir, model: str | None = None, spec: str | None = None, d
                  asynchronous: bool = True, cuda_graphs: bool = True, log=print,
                  spec_dirs=None, load_format: str = "auto", tensor_parallel_size: int = 1,
                  enable_expert_parallel: bool = False, overlap: bool | None = None,
-                 data_parallel_size: int = 1) -> Backend:
+                 data_parallel_size: int = 1, artifact=None) -> Backend:
     """spec_dirs: spec directories searched before specs/ (with $INFC_SPEC_PATH) for the spec
     whose architectures match the directory's config.json. load_format: "auto" reads the
     directory's safetensors; "dummy" (vLLM's spelling) makes random weights of the plan's shapes
@@ -93,7 +93,9 @@ def load_backend(model_dir, model: str | None = None, spec: str | None = None, d
     through rank 0, on cuda rank r runs on GPU r over NCCL. data_parallel_size > 1 with
     enable_expert_parallel: each rank its own sequences (the engine schedules every rank,
     runtime/engine.py). overlap: the engine's overlapped
-    steps (runtime/engine.py; None: on where the runner can, unless INFC_OVERLAP=0)."""
+    steps (runtime/engine.py; None: on where the runner can, unless INFC_OVERLAP=0). artifact: a
+    built artifact directory to run as it is (one GPU), instead of building or reusing
+    .cache/artifacts/<name> with this checkout's compiler: an A/B of two commits' plans."""
     from infc.runtime.dummy_weights import check_load_format
     from infc.runtime.async_engine import AsyncEngine
     from infc.runtime.engine import Engine
@@ -124,6 +126,12 @@ def load_backend(model_dir, model: str | None = None, spec: str | None = None, d
     if tensor_parallel_size != 1 or enable_expert_parallel or data_parallel_size != 1:
         from infc.compiler.parallel import settings
         par = settings(tensor_parallel_size, enable_expert_parallel, data_parallel_size=data_parallel_size)
+    if artifact is not None:
+        artifact = Path(artifact)
+        if device != "cuda" or par is not None:
+            raise ValueError("--artifact runs a built artifact on one GPU (device cuda, no parallel ranks)")
+        if not (artifact / "plan.json").is_file():
+            raise ValueError(f"--artifact {artifact}: no plan.json there (not a built artifact)")
     if par is not None:
         runner, plan, name, model_len = _rank_processes(
             st, par, device, model_dir, model, spec, spec_dirs, dummy, load_format, block_size,
@@ -157,10 +165,13 @@ def load_backend(model_dir, model: str | None = None, spec: str | None = None, d
         from infc.compiler.build import REPO, build
         # Into the ignored cache, not generated/ (whose committed artifacts CI checks): the kernel
         # cache makes an unchanged rebuild near-instant, so "built or reused" is the same call.
-        out = REPO / ".cache" / "artifacts" / (model or model_dir.name)
-        artifact = st.run("build artifact (cached)", build, model=model, spec_path=spec,
-                          model_dir=str(model_dir), out=out, page_size=block_size, gpu=gpu_tuning(), log=None,
-                          reuse_bins=True, spec_dirs=spec_dirs, check_checkpoint=not dummy)
+        if artifact is None:
+            out = REPO / ".cache" / "artifacts" / (model or model_dir.name)
+            artifact = st.run("build artifact (cached)", build, model=model, spec_path=spec,
+                              model_dir=str(model_dir), out=out, page_size=block_size, gpu=gpu_tuning(), log=None,
+                              reuse_bins=True, spec_dirs=spec_dirs, check_checkpoint=not dummy)
+        elif log:
+            log(f"  artifact {artifact} as built (not rebuilt)")
         from infc.runtime.cuda.runner import CudaRunner     # lazily: cuda-python only here
         runner = st.run("load weights, KV cache, graphs", CudaRunner, artifact, model_dir,
                         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,

@@ -26,8 +26,9 @@ def test_router_launch_groups_the_tokens():
 
 def test_wide_decode_runs_the_grouped_experts(tiny_model):
     """A decode step of at least wide_tokens (8 tokens per expert: 8 * 128 / 8) runs the wide
-    program: the decode program with the experts' grouped GEMMs fed by the router's token lists;
-    every other launch is the decode program's. An EP rank counts the whole model's experts."""
+    program: the decode program with the experts' grouped GEMMs fed by the router's token lists,
+    and the plain linears on the GEMM's decode tiles; every other launch is the decode program's.
+    An EP rank counts the whole model's experts."""
     from infc.runtime.program import program_name
     _, plan = compile_model("qwen3-30b-a3b")
     assert plan["wide_tokens"] == 128
@@ -38,7 +39,11 @@ def test_wide_decode_runs_the_grouped_experts(tiny_model):
                                                ("moe_down", "moe_down_grouped")]
     other = lambda phase: [(l["op"], l["kernel"]) for l, _ in launches(plan["programs"][phase])  # noqa: E731
                            if not l["op"].startswith("moe")]
-    assert other("wide") == other("decode")
+    wide_other, decode_other = other("wide"), other("decode")
+    assert [o for o, _ in wide_other] == [o for o, _ in decode_other]
+    assert {k for o, k in wide_other if o == "linear"} == {"gemm"}
+    assert {k for o, k in decode_other if o == "linear"} == {"gemv"}
+    assert [x for x in wide_other if x[0] != "linear"] == [x for x in decode_other if x[0] != "linear"]
     d, _ = tiny_model("qwen3_moe")
     _, whole = compile_model(model_dir=str(d))
     for _, rank in compile_ranks(settings(expert_parallel_only=2), model_dir=str(d)):

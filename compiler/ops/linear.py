@@ -40,7 +40,9 @@ def reference(ctx, x, w, *bias, has_bias=False, out_dtype=None):
 
 # attrs["has_bias"] is set by whoever makes the node (lowering, passes), as for every optional
 op(name="linear", tensors=["x", "weight"], optional=["bias"], infer=infer, reference=reference,
-   templates={"triton": {"prefill": "gemm", "mixed": "gemm", "decode": "gemv", "short": "gemv"},
+   # wide (decode steps of >= WIDE_DENSE_TOKENS sequences): the GEMM's decode tiles, which read
+   # W once for 64 rows a tile where the GEMV re-reads it per row block (bench/NOTES.md)
+   templates={"triton": {"prefill": "gemm", "mixed": "gemm", "decode": "gemv", "short": "gemv", "wide": "gemm"},
               "cuda": {"decode": "gemv"},
               "tilelang": {"prefill": "gemm", "mixed": "gemm"}},
    doc="y = x W^T (+ b)")

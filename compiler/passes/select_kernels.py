@@ -21,9 +21,10 @@ SHORT_TOKENS = 64
 WIDE_TOKENS_PER_EXPERT = 8
 # The decode GEMVs tile their rows (BLOCK_T): each row block streams W again, so a block of 32
 # rows, right for a few sequences, reads gate|up 8 times at 255 decodes (115 us against a 33 us
-# floor, H100). Their wide launches are the same templates with the wide phase's own row tiles
-# (the template's wide defaults, then the tuning table's "wide|..." entries): every plan with
-# such a launch has a wide program. Without experts it starts at WIDE_DENSE_TOKENS decodes,
+# floor, H100). In the wide program the gated and act_mul GEMVs keep their templates with the
+# wide phase's own row tiles (the template's wide defaults, then the tuning table's "wide|..."
+# entries), and a plain linear takes the GEMM's decode tiles (compiler/ops/linear.py): every plan
+# with such a launch has a wide program. Without experts it starts at WIDE_DENSE_TOKENS decodes,
 # where the measured tiles part (bench/NOTES.md, "wide decode steps", qwen3-4b on an H100: at 64
 # decodes the two are even, the wide GEMVs take ~1.4 ms less a step at 128 and ~3.5 ms at 256).
 ROW_TILED = frozenset({"gemv", "gemv_act_mul", "gemv_gated", "lm_head_last"})
