@@ -91,7 +91,7 @@ _GEMM = [{"BLOCK_N": 128}, {"BLOCK_N": 256}, {"BLOCK_M": 64}, {"BLOCK_M": 64, "B
 # the GEMM's decode tiles (the wide program's plain linears, 128-256 rows; defaults 64 x 128 x 64,
 # 8 stages, 4 warps, one program a tile): deeper or shallower pipelines, 128-row tiles (W read
 # once for 256 rows), 64-column tiles (more programs), persistent programs, a K split
-_GEMM_DECODE = [{"num_stages": 6}, {"num_stages": 4}, {"num_stages": 10},
+_GEMM_DECODE = [{"num_stages": 6}, {"num_stages": 4}, {"num_stages": 9},
                 {"BLOCK_N": 64, "num_stages": 12}, {"BLOCK_M": 128, "num_warps": 8, "num_stages": 6},
                 {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8}, {"BLOCK_K": 128, "num_stages": 4},
                 {"PERSISTENT": 1}, {"GROUP_M": 1}, {"SPLIT_K": 2, "TMA": 0, "num_stages": 4}]

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# `bench throughput` of several builds of one model in alternating rounds on one GPU (an A/B of a
+# plan change at concurrency; call_ab_latency.sh is its batch-1 twin), after optional isolated
+# kernel timings (`infc tune run`):
+#   ARTS="qwen3-4b-base qwen3-4b-new" CFG=.cache/gpu/configs/qwen3-4b \
+#     TUNE=qwen3-4b-h100-widegemm bash tests/gpu/call_ab_throughput.sh $OUT
+# ARTS: directories under .cache/artifacts built by tests/gpu/build_at.py: NAME holds the H200
+# table's plan, NAME-h100 the H100's, and the card that came picks (each run as built:
+# --artifact); CFG: the model directory (config only: weights made on the device, --load-format
+# dummy); CONCURRENCY (64,256), ROUNDS (2); TUNE: folders under .cache/tune that `infc tune
+# prepare` wrote, timed first with `infc tune run --any-gpu` (their tables are written under
+# $OUT, never into the checkout). Carry: tests/gpu/carry.sh gpu/configs artifacts/NAME
+# artifacts/NAME-h100 ... tune/FOLDER ...
+. "$(dirname "$0")/call_start.sh" "$@"
+export TRITON_DEFAULT_FP_FUSION=1 NCCL_NVLS_ENABLE=0
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv | tee "$OUT/gpu.txt"
+CFG=${CFG:?CFG}
+suffix=-h100
+grep -q H200 "$OUT/gpu.txt" && suffix=""
+for t in ${TUNE:-}; do
+  echo "== tune run $t"
+  timeout 300 python3 -m infc.cli tune run --dir ".cache/tune/$t" --any-gpu --write "$OUT/tune-$t.json" \
+    --results-dir "$OUT" > "$OUT/tune-$t.log" 2>&1
+  tail -25 "$OUT/tune-$t.log"
+done
+for round in $(seq 1 ${ROUNDS:-2}); do
+  for a in $ARTS; do
+    art=".cache/artifacts/$a$suffix"
+    echo "== $a$suffix, round $round"
+    timeout 300 python3 -m infc.cli bench throughput --artifact "$art" --model-path "$CFG" --load-format dummy \
+      --concurrency "${CONCURRENCY:-64,256}" --out "$OUT/$a-$round" > "$OUT/$a-$round.log" 2>&1
+    grep -E "^concurrency|execute|decode|mixed" "$OUT/$a-$round.log" | head -12
+  done
+done
