@@ -35,6 +35,10 @@ def package_root(tree: Path) -> Path:
 
 
 def main(commit: str, model_dir: str, name: str):
+    # the worktree is named by the commit's hash, not by what was typed: a ref such as HEAD names
+    # another commit tomorrow, and a worktree left under its name would be reused (built stale)
+    commit = subprocess.run(["git", "rev-parse", "--short=12", f"{commit}^{{commit}}"], cwd=REPO, check=True,
+                            capture_output=True, text=True).stdout.strip()
     tree = Path(f"/tmp/infc-at-{commit}")
     if not tree.exists():
         subprocess.run(["git", "worktree", "add", "--detach", str(tree), commit], cwd=REPO, check=True)
