@@ -1,7 +1,8 @@
-"""The wide phase's GEMVs (decode steps of many sequences, compiler/passes/select_kernels.py)
-under the interpreter, against their ops' numpy references: the template's wide row tiles
-(BLOCK_T 64 by default) and the tuned 128-row tiles, over row counts the tiles do not divide, with
-N and K not multiples of the column and K blocks, split-K included (its counters left zero)."""
+"""The wide phase's linears (decode steps of many sequences, compiler/passes/select_kernels.py)
+under the interpreter, against their ops' numpy references: the gated GEMV and lm_head_last with
+the template's wide row tiles (BLOCK_T 64 by default) and the tuned 128-row tiles, and the plain
+linears on the GEMM's decode tiles, over row counts the tiles do not divide, with N and K not
+multiples of the column and K blocks, split-K included (its counters left zero)."""
 from types import SimpleNamespace
 
 import numpy as np
@@ -75,3 +76,46 @@ def test_wide_lm_head_last(B, tune):
     want = REGISTRY["lm_head_last"].reference(SimpleNamespace(last_rows=last.astype(np.int64)),
                                               f32(x), f32(d), f32(norm), f32(w), **attrs)
     assert rel_err(out.numpy(), want) <= TOL
+
+
+def test_the_wide_phase_runs_plain_linears_on_gemm_decode_tiles():
+    """A wide step's plain linear is the GEMM with its decode tiles: 64 x 128 by TMA, one program a
+    tile, 8 stages, 4 warps, a programmatic dependent of the launch before it; prefill keeps its
+    persistent 128-row tiles and launches plainly."""
+    from infc.compiler.ops import REGISTRY as R
+    assert R["linear"].template("triton", "wide") == "gemm"
+    assert R["linear_gated"].template("triton", "wide") == "gemv_gated"
+    args = ([("x", ["T", 2560], "bf16"), ("w", [2560, 4096], "bf16", "weight")], [("y", ["T", 2560], "bf16")])
+    wide, prefill = render("gemm", "linear", *args, phase="wide"), render("gemm", "linear", *args, phase="prefill")
+    c = wide.meta["constexprs"]
+    assert (c["BLOCK_M"], c["BLOCK_N"], wide.meta["num_stages"], wide.meta["num_warps"]) == (64, 128, 8, 4)
+    assert wide.meta.get("pdl") and c["PDL"] and "gdc_wait" in wide.source and "flatten=True" not in wide.source
+    assert not prefill.meta.get("pdl") and "PDL" not in prefill.meta["constexprs"]
+    assert prefill.meta["constexprs"]["BLOCK_M"] == 128 and "flatten=True" in prefill.source
+
+
+# (T, N, K, tune): rows that the 64- and 128-row tiles do not divide, N not a multiple of the
+# column tile, K not of BLOCK_K (TMA reads zeros past each edge); the 128-row qkv entry's form
+WIDE_GEMM_CASES = [
+    (130, 200, 136, {}),
+    (129, 72, 96, {"BLOCK_M": 128, "num_warps": 8, "num_stages": 6}),
+    (65, 144, 200, {"BLOCK_N": 64, "num_stages": 12}),
+]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("T,N,K,tune", WIDE_GEMM_CASES)
+def test_wide_gemm(T, N, K, tune, bias):
+    gen = np.random.default_rng(T * 3 + N + K)
+    arrays = [rand((T, K), gen=gen), rand((N, K), gen=gen, scale=K ** -0.5)]
+    inputs = [("x", ["T", K], "bf16"), ("w", [N, K], "bf16", "weight")]
+    if bias:
+        arrays.append(rand((N,), gen=gen, scale=0.3))
+        inputs.append(("b", [N], "bf16", "weight"))
+    k = render("gemm", "linear", inputs, [("y", ["T", N], "bf16")], attrs={"has_bias": bias}, phase="wide",
+               tune=tune)
+    assert "make_tensor_descriptor" in k.source
+    y = poison((T, N))
+    check_scratch_zero(run(k, {f"in:{i}": a for i, a in enumerate(arrays)} | {"out:0": y}, {"T": T, "B": T}))
+    want = REGISTRY["linear"].reference(None, *[f32(a) for a in arrays], has_bias=bias)
+    assert rel_err(f32(y), want) <= TOL
