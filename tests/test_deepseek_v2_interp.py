@@ -1,6 +1,6 @@
 """specs/deepseek_v2.yaml through its generated Triton kernels under TRITON_INTERPRET=1 (issue 13):
 the tiny plain / q_lora checkpoints of tests/test_deepseek_v2.py, fused, against the reference
-executor: a 21-token prefill, then 3 decode steps (relative error below max(2e-2, twice HF's own
+executor: a 21-token prefill, then 3 decode steps, the last through the wide program (relative error below max(2e-2, twice HF's own
 bf16-vs-f32 error on the prompt), as tests/test_families_interp.py bounds the other families)."""
 import copy
 import json
@@ -42,7 +42,14 @@ def test_through_kernels(models, kind, tmp_path):  # noqa: F811
     assert _rel(got, want) < tol, ("prefill", _rel(got, want))
     tok, n = int(np.argmax(want[0])), len(a)
     for step in range(3):
+        if step == 2:
+            # the last decode step through the wide program (plain linears on the GEMM's decode
+            # tiles, the experts on the grouped GEMMs), as a step of that many sequences would
+            plan["wide_tokens"] = 1
         got, want = run.step([Chunk(0, [tok], n)]), ref.step([SeqChunk(0, [tok], n)])
+        assert run.program == ("wide" if step == 2 else "decode")
+        if run.program == "wide":
+            assert {t for op, t in run.templates if op == "linear"} == {"gemm"}, run.templates
         assert _rel(got, want) < tol, (f"decode {step}", _rel(got, want))
         tok, n = int(np.argmax(want[0])), n + 1
 

@@ -72,6 +72,9 @@ def test_tiny_model_through_kernels(family, fuse, tiny_model, tmp_path, rng):
         got = run.step([Chunk(0, [toks[0]], lens[0]), Chunk(1, [toks[1]], lens[1])])
         want = ref.step([SeqChunk(0, [toks[0]], lens[0]), SeqChunk(1, [toks[1]], lens[1])])
         assert run.program == ("wide" if i >= 2 else "decode")
+        if run.program == "wide":
+            # the plain linears on the GEMM's decode tiles (the gated ones on the wide GEMVs)
+            assert {t for op, t in run.templates if op == "linear"} == {"gemm"}, run.templates
         if run.program == "wide" and family == "qwen3_moe":
             experts = {t for op, t in run.templates if op.startswith("moe_")}
             assert {"moe_gate_up_grouped", "moe_down_grouped"} <= experts, experts
