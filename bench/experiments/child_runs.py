@@ -86,3 +86,30 @@ def child_entry(args: list, run_child, parts_dir: str):
     except Exception:
         traceback.print_exc()
         sys.exit(2)
+
+
+def run_linear_rows(script: Path, out: Path, parts_dir: str, lin: str, todo: list, timeout: float) -> list:
+    """Parent side of the linear experiments (skinny_gemm.py, mid_gemm.py): rows {"linear", "M",
+    "variant", ...} for the (M, variant) combinations todo of one linear, in child processes (a
+    fresh child after a crash; a child killed for time ends the linear); a combination that got
+    no row gets one saying so."""
+    def failed(c, why):
+        return {"linear": lin, "M": c[0], "variant": c[1], "us": None, "error": why}
+    rows = run(script, out, out / parts_dir / f"{lin}.json", lin, todo, lambda r: (r["M"], r["variant"]),
+               failed, timeout, stop_after_timeout=True)
+    have = {(r["M"], r["variant"]) for r in rows}
+    return rows + [failed(c, "not run (child failures or timeout)") for c in todo if c not in have]
+
+
+def cli(args: list, main, run_child, parts_dir: str, default_out: str, check=None, compile_only=None):
+    """An experiment's command line: `OUT` (the GPU run), `--child ...` (child_entry), and where
+    the script has them `--check` (the interpreter, on the CPU) and `--compile-only` (AOT here);
+    the two exit 0 when they passed."""
+    if compile_only is not None and "--compile-only" in args:
+        sys.exit(0 if compile_only() else 1)
+    elif check is not None and "--check" in args:
+        sys.exit(0 if check() else 1)
+    elif "--child" in args:
+        child_entry(args, run_child, parts_dir)
+    else:
+        main(Path(args[0] if args and not args[0].startswith("--") else default_out))

@@ -360,15 +360,7 @@ def run_child(lin, todo, part: Path):
 
 
 def run_linear(lin, out: Path, sms):
-    """Parent side: the linear's combinations in child processes, a fresh child after a crash (a
-    child killed for time ends the linear)."""
-    def failed(c, why):
-        return {"linear": lin, "M": c[0], "variant": c[1], "us": None, "error": why}
-    allc = variants_of(lin, sms)
-    rows = child_runs.run(Path(__file__), out, out / "skinny_gemm_parts" / f"{lin}.json", lin, allc,
-                          lambda r: (r["M"], r["variant"]), failed, CHILD_TIMEOUT_S, stop_after_timeout=True)
-    have = {(r["M"], r["variant"]) for r in rows}
-    return rows + [failed(c, "not run (child failures or timeout)") for c in allc if c not in have]
+    return child_runs.run_linear_rows(Path(__file__), out, "skinny_gemm_parts", lin, variants_of(lin, sms), CHILD_TIMEOUT_S)
 
 
 def copy_bandwidth(nbytes=1 << 30, reps=10):
@@ -531,12 +523,4 @@ def check():
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    if "--compile-only" in args:
-        sys.exit(0 if compile_only() else 1)
-    elif "--check" in args:
-        sys.exit(0 if check() else 1)
-    elif "--child" in args:
-        child_runs.child_entry(args, run_child, "skinny_gemm_parts")
-    else:
-        main(Path(args[0] if args and not args[0].startswith("--") else "/tmp/exp-skinny-gemm"))
+    child_runs.cli(sys.argv[1:], main, run_child, "skinny_gemm_parts", "/tmp/exp-skinny-gemm", check=check, compile_only=compile_only)
