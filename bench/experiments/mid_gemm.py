@@ -53,7 +53,7 @@ import triton.language as tl  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import child_runs  # noqa: E402
-from skinny_gemm import LINEARS, copy_bandwidth, reference, rel_err, time_fns  # noqa: E402
+from skinny_gemm import LINEARS, copy_bandwidth, measure, new_row, reference, rel_err, report  # noqa: E402
 
 MS = (64, 236)
 COPIES, REPS = 8, 30
@@ -326,8 +326,7 @@ def run_child(lin, todo, part_file: Path):
     xs, refs = {}, {}
     for M, v in todo:
         current.write_text(f"{M} {v}")
-        row = {"linear": lin, "M": M, "variant": v, "K": K, "N": N, "gated": gated, "w_MB": NW * K * 2 / 1e6,
-               "us": None, "timing": None, "max_rel_err": None, "ok": None, "error": None}
+        row = new_row(lin, M, v, K, N, gated)
         try:
             if M not in xs:
                 xs[M] = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
@@ -352,25 +351,12 @@ def run_child(lin, todo, part_file: Path):
                 part, cnt = scratch(cfg, M, N, gated, "cuda", K)
                 fns = [launch(cfg, x, w, y, part, cnt, M, K, N, gated) for w in ws]
                 row["config"] = dict(cfg, programs=cfg.get("P") or tiles(M, N, gated, cfg["BM"], cfg["BN"])[0] * cfg["Z"])
-            fns[0]()
-            torch.cuda.synchronize()
-            if not (v == "cublas" and gated):
-                err = rel_err(y, refs[M])
-                row["max_rel_err"], row["ok"] = err, err <= TOL
-            row["us"], row["timing"] = time_fns(fns)
-            if v != "cublas":
-                err2 = rel_err(y, reference(x, ws[-1], N, gated))
-                row["max_rel_err_after"] = err2
-                row["ok"] = row["ok"] and err2 <= TOL
+            measure(row, fns, y, None if (v == "cublas" and gated) else refs[M],
+                    None if v == "cublas" else lambda: reference(x, ws[-1], N, gated))
         except Exception as e:
             child_runs.failure(e, row, rows, part_file)
         child_runs.keep(row, rows, part_file)
-        if row["us"] is not None:
-            bad = "" if row["ok"] is not False else " MISMATCH"
-            print(f"  {lin:8s} M={M:4d} {v:34s} {row['us']:8.2f} us ({row['timing']}) "
-                  f"err {row['max_rel_err'] or 0:.1e}{bad}", flush=True)
-        else:
-            print(f"  {lin:8s} M={M:4d} {v:34s} ERROR {row['error'][:300]}", flush=True)
+        report(row, 34)
     current.unlink(missing_ok=True)
 
 

@@ -288,6 +288,39 @@ def time_fns(fns):
         return sorted(ts)[len(ts) // 2], "eager"
 
 
+def new_row(lin, M, v, K, N, gated):
+    """One (linear, rows, variant) result row, before it is run."""
+    return {"linear": lin, "M": M, "variant": v, "K": K, "N": N, "gated": gated,
+            "w_MB": (2 * N if gated else N) * K * 2 / 1e6,
+            "us": None, "timing": None, "max_rel_err": None, "ok": None, "error": None}
+
+
+def measure(row, fns, y, want, want_after):
+    """Copy 0 once, checked against want (None: nothing comparable, cuBLAS's gated matmul); every
+    copy timed; then the output checked again against want_after() (None: skip): still right
+    after the timed replays (the last copy's output, counters back at zero)."""
+    fns[0]()
+    torch.cuda.synchronize()
+    if want is not None:
+        err = rel_err(y, want)
+        row["max_rel_err"], row["ok"] = err, err <= TOL
+    row["us"], row["timing"] = time_fns(fns)
+    if want_after is not None:
+        err2 = rel_err(y, want_after())
+        row["max_rel_err_after"] = err2
+        row["ok"] = row["ok"] and err2 <= TOL
+
+
+def report(row, width):
+    lin, M, v = row["linear"], row["M"], row["variant"]
+    if row["us"] is not None:
+        bad = "" if row["ok"] is not False else " MISMATCH"
+        print(f"  {lin:8s} M={M:4d} {v:{width}s} {row['us']:8.2f} us ({row['timing']}) "
+              f"err {row['max_rel_err'] or 0:.1e}{bad}", flush=True)
+    else:
+        print(f"  {lin:8s} M={M:4d} {v:{width}s} ERROR {row['error'][:300]}", flush=True)
+
+
 def variants_of(lin, sms):
     """[(M, variant name)] of one linear, in run order."""
     return [(M, v) for M in MS for v in ["plan", "cublas"] + [n for n, _ in skinny_variants(lin, M, sms)]]
@@ -309,8 +342,7 @@ def run_child(lin, todo, part: Path):
     xs, refs = {}, {}
     for M, v in todo:
         current.write_text(f"{M} {v}")
-        row = {"linear": lin, "M": M, "variant": v, "K": K, "N": N, "gated": gated, "w_MB": NW * K * 2 / 1e6,
-               "us": None, "timing": None, "max_rel_err": None, "ok": None, "error": None}
+        row = new_row(lin, M, v, K, N, gated)
         try:
             if M not in xs:
                 xs[M] = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
@@ -336,26 +368,12 @@ def run_child(lin, todo, part: Path):
                 fns = [skinny_launch(cfg, x, w, y, scratch, M, K, N, gated) for w in ws]
                 row["config"] = dict(cfg, BLOCK_M=block_m(M), BK=BK, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
                                      programs=triton.cdiv(NW, cfg["BN"]) * S)
-            fns[0]()
-            torch.cuda.synchronize()
-            if not (v == "cublas" and gated):
-                err = rel_err(y, refs[M])
-                row["max_rel_err"], row["ok"] = err, err <= TOL
-            row["us"], row["timing"] = time_fns(fns)
-            if v != "cublas":            # still right after the timed replays (the last copy's output)
-                err2 = rel_err(y, reference(x, ws[-1], N, gated))
-                row["max_rel_err_after"] = err2
-                row["ok"] = row["ok"] and err2 <= TOL
+            measure(row, fns, y, None if (v == "cublas" and gated) else refs[M],
+                    None if v == "cublas" else lambda: reference(x, ws[-1], N, gated))
         except Exception as e:           # a compile or run failure of this variant: recorded, not raised
             child_runs.failure(e, row, rows, part)
         child_runs.keep(row, rows, part)
-        r = row
-        if r["us"] is not None:
-            bad = "" if r["ok"] is not False else " MISMATCH"
-            print(f"  {lin:8s} M={M:4d} {v:30s} {r['us']:8.2f} us ({r['timing']}) err {r['max_rel_err'] or 0:.1e}{bad}",
-                  flush=True)
-        else:
-            print(f"  {lin:8s} M={M:4d} {v:30s} ERROR {r['error'][:300]}", flush=True)
+        report(row, 30)
     current.unlink(missing_ok=True)
 
 
