@@ -16,8 +16,9 @@ This is the other form, the plan's prefill GEMM shape made for few rows:
           Gated (gate|up): a W tile is BLOCK_N / 2 gate rows then the same up rows (one [2, H, BK]
           box of W seen as [2, N, K]) and the epilogue is the plan's bf16(bf16(silu(bf16 g)) * bf16 u).
           Names: t_m{BLOCK_M}_n{BLOCK_N}_k{BLOCK_K}_z{Z}_w{warps}_s{stages}.
-  plan    the committed plan's GEMV for the weight (generated/qwen3-4b): the decode program's below
-          128 rows, the wide program's from 128 (its WIDE_DENSE_TOKENS)
+  plan    the committed plan's launch for the weight (generated/qwen3-4b): the decode program's
+          GEMV below 128 rows, the wide program's launch from 128 (its WIDE_DENSE_TOKENS): a GEMV
+          until 43df1f8, since then the GEMM's decode tiles for the plain linears
   cublas  torch.matmul(x, W^T) (gate|up: the matmul alone, no epilogue): the yardstick
 
 Rows M = 64 (the decode steps at 64 concurrent) and 236 (those at 256). Z "auto" = the power of
