@@ -1,6 +1,7 @@
 """The wide program of a dense plan: decode steps of many sequences keep the decode launches, but
-the GEMVs tile their rows for many sequences (one pass over W per BLOCK_T rows), from the
-template's wide defaults and the tuning table's "wide|..." entries."""
+the gated GEMVs and lm_head tile their rows for many sequences (one pass over W per BLOCK_T rows),
+from the template's wide defaults and the tuning table's "wide|..." entries, and the plain linears
+run on the GEMM's decode tiles."""
 from infc.compiler.build import compile_model, load_tuning
 from infc.compiler.codegen.render import launch_context, render_template
 from infc.compiler.passes.select_kernels import ROW_TILED, WIDE_DENSE_TOKENS
@@ -26,10 +27,15 @@ def test_dense_decode_of_many_sequences_runs_the_wide_program():
         ["decode", "decode", "wide", "wide"]
     assert program_name(plan, "mixed", 256) == "mixed"
     same = lambda p: [(l["op"], l["kernel"]) for l, _ in launches(plan["programs"][p])]  # noqa: E731
-    assert same("wide") == same("decode")
+    wide_launches, decode_launches = same("wide"), same("decode")
+    assert [o for o, _ in wide_launches] == [o for o, _ in decode_launches]
+    assert {k for o, k in wide_launches if o == "linear"} == {"gemm"}
+    assert {k for o, k in decode_launches if o == "linear"} == {"gemv"}
+    assert [x for x in wide_launches if x[0] != "linear"] == [x for x in decode_launches if x[0] != "linear"]
     empty = {"templates": {}}
     decode, wide = _row_tiles(plan, "decode", empty), _row_tiles(plan, "wide", empty)
-    assert [t for t, _ in decode] == [t for t, _ in wide] and len(wide) >= 4
+    assert [t for t, _ in wide] == [t for t, _ in decode if t != "gemv"]
+    assert {t for t, _ in wide} == {"gemv_gated", "lm_head_last"}
     assert {b for _, b in decode} == {32} and {b for _, b in wide} == {64}
 
 
