@@ -54,11 +54,10 @@ import triton.language as tl  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import child_runs  # noqa: E402
-from skinny_gemm import LINEARS, copy_bandwidth, measure, new_row, reference, rel_err, report  # noqa: E402
+from skinny_gemm import (COPIES, LINEARS, REPS, TOL, copy_bandwidth, measure, new_row, reference,  # noqa: E402
+                         rel_err, report)
 
 MS = (64, 236)
-COPIES, REPS = 8, 30
-TOL = 2e-2
 CHILD_TIMEOUT_S = 200
 WIDE_FROM = 128
 PLAN_STAGES = (6, 8, 12)       # plan_s{n}: the plan's own GEMV with num_stages n (a table entry's reach)
@@ -275,22 +274,22 @@ def variants(lin, M, sms):
     return out
 
 
-def launch(cfg, x, w, y, part, cnt, M, K, N, gated):
-    """-> a no-argument call of tsplit or tstream on these buffers."""
-    t, _ = tiles(M, N, gated, cfg["BM"], cfg["BN"])
+def kernel_of(cfg, M, K, N, gated):
+    """(kernel, constexprs, grid) of a config: tstream for stream-K (P programs), else tsplit."""
+    t, nb = tiles(M, N, gated, cfg["BM"], cfg["BN"])
+    ce = dict(N=N, K=K, BLOCK_M=cfg["BM"], BLOCK_N=cfg["BN"], BLOCK_K=cfg["BK"], GATED=gated,
+              DOT_F32=cfg.get("F32", False))
     if "P" in cfg:
-        kw = dict(N=N, K=K, BLOCK_M=cfg["BM"], BLOCK_N=cfg["BN"], BLOCK_K=cfg["BK"], GATED=gated,
-                  MAXC=maxc(M, K, N, gated, cfg), DOT_F32=cfg.get("F32", False),
-                  num_warps=cfg["W"], num_stages=cfg["S"])
         # every program must own at least one unit (the sharing count assumes no empty ranges)
-        grid = (min(cfg["P"], t * triton.cdiv(K, cfg["BK"])),)
-        return lambda: tstream[grid](x, w, y, part, cnt, M, **kw)
-    nb = tiles(M, N, gated, cfg["BM"], cfg["BN"])[1]
-    kw = dict(N=N, K=K, BLOCK_M=cfg["BM"], BLOCK_N=cfg["BN"], BLOCK_K=cfg["BK"], GATED=gated,
-              SLOT=M * nb * cfg["BN"], ZMAX=cfg["Z"], DOT_F32=cfg.get("F32", False),
-              num_warps=cfg["W"], num_stages=cfg["S"])
-    grid = (t, cfg["Z"])
-    return lambda: tsplit[grid](x, w, y, part, cnt, M, **kw)
+        return tstream, dict(ce, MAXC=maxc(M, K, N, gated, cfg)), (min(cfg["P"], t * triton.cdiv(K, cfg["BK"])),)
+    return tsplit, dict(ce, SLOT=M * nb * cfg["BN"], ZMAX=cfg["Z"]), (t, cfg["Z"])
+
+
+def launch(cfg, x, w, y, part, cnt, M, K, N, gated):
+    """-> a no-argument call of the config's kernel on these buffers."""
+    fn, ce, grid = kernel_of(cfg, M, K, N, gated)
+    kw = dict(ce, num_warps=cfg["W"], num_stages=cfg["S"])
+    return lambda: fn[grid](x, w, y, part, cnt, M, **kw)
 
 
 def scratch(cfg, M, N, gated, device, K=None):
@@ -457,23 +456,15 @@ def check():
 
 
 def compile_only():
-    """AOT-compile every tsplit config of the GPU run for sm_90 with this machine's Triton."""
+    """AOT-compile every tsplit / tstream config of the GPU run for sm_90 with this machine's Triton."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     target = GPUTarget("cuda", 90, 32)
-    seen, ok, fail = set(), 0, 0
+    ok = fail = 0
     for lin, (_, K, N, gated) in LINEARS.items():
         for M in MS:
             for name, c in variants(lin, M, 132).items():
-                _, nb = tiles(M, N, gated, c["BM"], c["BN"])
-                fn = tstream if "P" in c else tsplit
-                ce = dict(N=N, K=K, BLOCK_M=c["BM"], BLOCK_N=c["BN"], BLOCK_K=c["BK"], GATED=gated, DOT_F32=False,
-                          **(dict(MAXC=maxc(M, K, N, gated, c)) if "P" in c else
-                             dict(SLOT=M * nb * c["BN"], ZMAX=c["Z"])))
-                key = (lin, name, M)
-                if key in seen:
-                    continue
-                seen.add(key)
+                fn, ce, _ = kernel_of(c, M, K, N, gated)
                 sig = {"a_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "cnt_ptr": "*i32",
                        "T": "i32", **{k: "constexpr" for k in ce}}
                 attrs = {(i,): [["tt.divisibility", 16]] for i in range(5)}
