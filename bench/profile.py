@@ -365,17 +365,18 @@ class Profiler:
         return out
 
 
-def pages_needed(page_size: int, short=32, prefix=1024, new=16, decodes=255, context=1024, chunk=256) -> int:
+def pages_needed(page_size: int, short=32, prefix=1024, new=16, decodes=255, context=1024, chunk=256,
+                 prompts=1) -> int:
     """The short prompt (+1 decode token), the long prompt, the hit's own pages, the mixed step's
-    decoders (context + 1 each) and its prefill chunk, and a margin."""
+    decoders (context + 1 each) and its prefill chunk's prompts, and a margin."""
     need = lambda n: -(-n // page_size)  # noqa: E731
     return (need(short + 1) + need(prefix) + need(prefix + new) - prefix // page_size
-            + decodes * need(context + 1) + need(chunk) + 16)
+            + decodes * need(context + 1) + prompts * need(-(-chunk // prompts)) + 16)
 
 
 def run(artifact, model_dir, reps=20, warmup=3, short=32, prefix=1024, new=16, decodes=255,
         context=1024, chunk=256, steps=None, max_model_len=None, bandwidth=True, seed=0,
-        load_format="auto", isolate=()) -> dict:
+        load_format="auto", isolate=(), prompts=1) -> dict:
     from infc.runtime.cuda.artifact import load_plan
     from infc.runtime.cuda.runner import CudaRunner
     from infc.runtime.step import Chunk
@@ -383,11 +384,13 @@ def run(artifact, model_dir, reps=20, warmup=3, short=32, prefix=1024, new=16, d
     page_size = load_plan(Path(artifact))["build"]["page_size"]
     if prefix % page_size:
         raise ValueError(f"--prefix-tokens {prefix} is not a whole number of {page_size}-token pages")
-    num_pages = pages_needed(page_size, short, prefix, new, decodes, context, chunk)
+    if not 1 <= prompts <= chunk:
+        raise ValueError(f"--mixed-prompts {prompts} must be between 1 and the chunk's {chunk} tokens")
+    num_pages = pages_needed(page_size, short, prefix, new, decodes, context, chunk, prompts)
     want = lambda name: steps is None or name in steps  # noqa: E731
     rng = np.random.default_rng(seed)
     r = CudaRunner(artifact, model_dir, max_num_batched_tokens=max(short, prefix, new, decodes + chunk),
-                   max_num_seqs=decodes + 1, max_model_len=max_model_len, buckets=[1], num_pages=num_pages,
+                   max_num_seqs=decodes + prompts, max_model_len=max_model_len, buckets=[1], num_pages=num_pages,
                    load_format=load_format)
     try:
         res = header(r.ctx, r.plan["model"])
@@ -431,10 +434,20 @@ def run(artifact, model_dir, reps=20, warmup=3, short=32, prefix=1024, new=16, d
             pages.ensure(s, context + 1)
             decoding.append(Chunk(s, toks(1), context))
         if want("mixed_256"):
-            pages.ensure(9, chunk)
+            # the chunk as `prompts` whole prompts (the last takes the remainder), as a saturated
+            # server's step holds several new requests' prompts; their ids follow the decoders'
+            sizes = [chunk // prompts] * prompts
+            sizes[-1] += chunk - sum(sizes)
+            fresh = []
+            for i, n in enumerate(sizes):
+                sid = 9 if i == 0 else 10 + decodes + i
+                pages.ensure(sid, n)
+                fresh.append(Chunk(sid, toks(n), 0))
             # decodes first, as the scheduler orders them
-            out.append(prof.step("mixed_256", f"{decodes} decodes at {context} tokens of context + one "
-                                 f"{chunk}-token prefill chunk", decoding + [Chunk(9, toks(chunk), 0)], pages))
+            what = f"one {chunk}-token prefill chunk" if prompts == 1 else \
+                f"{prompts} prompts of {sizes[0]} tokens ({chunk} in all)"
+            out.append(prof.step("mixed_256", f"{decodes} decodes at {context} tokens of context + {what}",
+                                 decoding + fresh, pages))
         # 4. the same decodes alone: a saturated server's decode step (the decode program), and
         # with a 2-token chunk beside them, which makes it a mixed step of nearly the same T: the
         # prefill/mixed kernels (grouped MoE GEMMs) on a decode-sized batch, to compare
@@ -466,6 +479,8 @@ def main(argv=None):
     ap.add_argument("--mixed-decodes", type=int, default=255)
     ap.add_argument("--mixed-context", type=int, default=1024)
     ap.add_argument("--mixed-chunk", type=int, default=256)
+    ap.add_argument("--mixed-prompts", type=int, default=1,
+                    help="the mixed step's chunk as this many whole prompts (a saturated server's step)")
     ap.add_argument("--max-model-len", type=int, help="default: the plan's (block tables are this wide)")
     ap.add_argument("--no-bandwidth", action="store_true", help="skip the copy-bandwidth run (no floors)")
     ap.add_argument("--isolate", help="comma list of ops (e.g. attention_cached,linear): each eager step "
@@ -478,7 +493,7 @@ def main(argv=None):
     from .common import save
     steps = set(a.steps.split(",")) if a.steps else None
     res = run(a.artifact, a.model_path, reps=a.reps, warmup=a.warmup, short=a.short_prompt, prefix=a.prefix_tokens,
-              new=a.prefix_new, decodes=a.mixed_decodes, context=a.mixed_context, chunk=a.mixed_chunk,
+              new=a.prefix_new, decodes=a.mixed_decodes, context=a.mixed_context, chunk=a.mixed_chunk, prompts=a.mixed_prompts,
               steps=steps, max_model_len=a.max_model_len, bandwidth=not a.no_bandwidth,
               load_format=a.load_format, isolate=a.isolate.split(",") if a.isolate else ())
     path = save("profile", res, a.out)

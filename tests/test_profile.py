@@ -121,6 +121,8 @@ def test_grouping_sums_over_layers_and_the_tables_add_up():
 def test_pages_needed_and_page_table():
     n = prof.pages_needed(16)
     assert n == 3 + 64 + 1 + 255 * 65 + 16 + 16
+    # a chunk of several prompts: each prompt's own pages (7 of 2401 tokens: 150 pages, not 1051 / 16)
+    assert prof.pages_needed(16, decodes=0, chunk=16807, prompts=7) == 3 + 64 + 1 + 7 * 151 + 16
     pt = prof.PageTable(n, 16)
     a = pt.ensure(1, 1024)
     b = pt.ensure(2, 1040, shared=a[:64])
