@@ -550,6 +550,10 @@ MIXED_CASES = [
      {"BLOCK_M": 16, "BLOCK_N": 16, "SPLIT_BLOCK_N": 16, "NUM_SPLITS": 4}, {"softcap": 5.0}),
     (2, 1, 128, [(150, 4), (50, 9)], "mixed", {"BLOCK_M": 16, "BLOCK_N": 32, "QMAX": 4, "NUM_SPLITS": 2},
      {"softcap": 50.0, "window": 48, "scale": 0.1}),                                          # Gemma 2-like
+    # whole prompts beside a few decodes (a saturated server's step): more flash programs than
+    # split ones, each split role program one whole sequence
+    (8, 2, 64, [(0, 61), (130, 1), (20, 45), (77, 1)], "mixed",
+     {"BLOCK_M": 16, "BLOCK_N": 16, "SPLIT_BLOCK_N": 16, "NUM_SPLITS": 2, "TARGET_CTAS": 8}, {}),
 ]
 
 
