@@ -30,8 +30,45 @@ def test_generated_kernels_exist():
     assert len(KERNELS) > 100
 
 
+def _unwaited_reads(block, allowed: set, tainted: set, waited: bool) -> tuple[list, bool]:
+    """Statements of `block` that may run before a gdc_wait and name a pointer parameter (or a
+    local made from one) outside `allowed`; and whether the block always ends waited. Structured
+    code only (if / for / while): a branch counts as waited after `if PDL: gdc_wait()` in it."""
+    bad = []
+    for st in block:
+        if waited:
+            return bad, True
+        if _is_pdl_call(st, "gdc_wait"):
+            waited = True
+            continue
+        if isinstance(st, ast.If):
+            names = {n.id for n in ast.walk(st.test) if isinstance(n, ast.Name)}
+            bad += [st.test] if names & tainted else []
+            b1, w1 = _unwaited_reads(st.body, allowed, tainted, False)
+            b2, w2 = _unwaited_reads(st.orelse, allowed, tainted, False)
+            bad += b1 + b2
+            waited = w1 and w2 and bool(st.orelse)
+            continue
+        if isinstance(st, (ast.For, ast.While)):
+            head = st.iter if isinstance(st, ast.For) else st.test
+            names = {n.id for n in ast.walk(head) if isinstance(n, ast.Name)}
+            bad += [head] if names & tainted else []
+            b1, _ = _unwaited_reads(st.body, allowed, tainted, False)
+            bad += b1
+            continue
+        names = {n.id for n in ast.walk(st) if isinstance(n, ast.Name)}
+        if names & tainted:
+            bad.append(st)
+        elif isinstance(st, ast.Assign) and names & allowed:
+            # a local made from an allowed pointer (w_rows = w_ptr + ...) stays allowed
+            allowed |= {t.id for t in st.targets if isinstance(t, ast.Name)}
+    return bad, waited
+
+
 @pytest.mark.parametrize("path", KERNELS, ids=lambda p: f"{p.parent.parent.name}/{p.stem}")
 def test_a_dependent_kernel_waits_before_anything_else(path):
+    """The wait comes right after the trigger, or, in a kernel whose META names
+    reads_before_wait, before any use of a pointer parameter outside those (on every path)."""
     tree = ast.parse(path.read_text())
     meta = _meta(tree)
     entry = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == meta["entry"])
@@ -44,7 +81,60 @@ def test_a_dependent_kernel_waits_before_anything_else(path):
     assert "PDL" in [a.arg for a in entry.args.args]
     body = [s for s in entry.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
     assert _is_pdl_call(body[0], "gdc_launch_dependents"), ast.unparse(body[0])
-    assert _is_pdl_call(body[1], "gdc_wait"), ast.unparse(body[1])
+    early = set(meta.get("reads_before_wait", []))
+    if not early:
+        assert _is_pdl_call(body[1], "gdc_wait"), ast.unparse(body[1])
+        return
+    pointers = {name for name, ty, _ in meta["params"] if ty.startswith("*")}
+    assert early <= pointers, early - pointers
+    bad, _ = _unwaited_reads(body[1:], set(early), pointers - early, False)
+    assert not bad, "\n".join(ast.unparse(b) for b in bad)
+    assert "gdc_wait" in path.read_text()
+
+
+def test_reads_before_the_wait_are_weights():
+    """Every launch of a kernel that reads parameters before its wait binds them to weights
+    (immutable for the whole run), in every spec variant's plan."""
+    import json
+    from infc.runtime.program import unrolled
+    checked = 0
+    for plan_path in sorted(REPO.glob("generated/*/plan.json")):
+        plan = json.loads(plan_path.read_text())
+        metas = {p.stem: _meta(ast.parse(p.read_text())) for p in (plan_path.parent / "kernels").glob("*.py")}
+        for program in plan["programs"].values():
+            for launch, _ in unrolled(program):
+                meta = metas.get(launch.get("kernel_id"))
+                if not meta or not meta.get("reads_before_wait"):
+                    continue
+                binding = {name: src for name, _, src in meta["params"]}
+                for name in meta["reads_before_wait"]:
+                    kind, _, idx = binding[name].partition(":")
+                    assert kind == "in", (plan_path, name, binding[name])
+                    value = launch["inputs"][int(idx)]
+                    assert value in plan["weights"], (plan_path.parent.name, launch["kernel_id"], name, value)
+                    checked += 1
+    assert checked > 100
+
+
+def test_the_unwaited_read_check_catches_an_activation_read():
+    """The check above fails a kernel that loads an activation before its wait."""
+    src = (
+        "def k(a_ptr, w_ptr, M, PDL):\n"
+        "    if PDL:\n        gdc_launch_dependents()\n"
+        "    w = tl.load(w_ptr)\n"
+        "    if M <= 1:\n"
+        "        x = tl.load(a_ptr)\n"
+        "        if PDL:\n            gdc_wait()\n"
+        "    else:\n"
+        "        if PDL:\n            gdc_wait()\n"
+        "        y = tl.load(a_ptr)\n")
+    body = ast.parse(src).body[0].body
+    bad, _ = _unwaited_reads(body[1:], {"w_ptr"}, {"a_ptr"}, False)
+    assert [ast.unparse(b) for b in bad] == ["x = tl.load(a_ptr)"]
+    fixed = src.replace("        x = tl.load(a_ptr)\n        if PDL:\n            gdc_wait()\n",
+                        "        if PDL:\n            gdc_wait()\n        x = tl.load(a_ptr)\n")
+    bad, waited = _unwaited_reads(ast.parse(fixed).body[0].body[1:], {"w_ptr"}, {"a_ptr"}, False)
+    assert not bad and waited
 
 
 def test_the_decode_chain_of_qwen3_is_dependent():
@@ -57,3 +147,27 @@ def test_the_decode_chain_of_qwen3_is_dependent():
     launched = [launch["kernel_id"] for launch, _ in unrolled(plan["programs"]["decode"])]
     assert len(launched) > 200
     assert all(kernels[k].get("pdl") for k in launched), sorted({k for k in launched if not kernels[k].get("pdl")})
+
+
+@pytest.mark.parametrize("kind", ["weight", "buffer"])
+def test_only_a_weight_is_read_before_the_wait(kind):
+    """The batch-1 GEMV reads its first W tiles before the wait only when W is a weight; a W that
+    an earlier kernel computes (x @ y^T of two activations) waits first, like every other input."""
+    from infc.compiler.codegen.render import render_template
+    t = lambda name, shape, k="buffer": {"name": name, "shape": shape, "dtype": "bf16", "kind": k}  # noqa: E731
+    ctx = {"op": "linear", "phase": "decode", "attrs": {}, "config": {}, "caches": {}, "page_size": 16,
+           "tune": {}, "inputs": [t("x", ["T", 2560]), t("w", [6144, 2560], kind)],
+           "outputs": [t("y", ["T", 6144])]}
+    k = render_template("triton", "gemv", ctx)
+    tree = ast.parse(k.source)
+    entry = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == k.meta["entry"])
+    body = [s for s in entry.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    if kind == "weight":
+        assert k.meta["reads_before_wait"] == ["w_ptr"]
+        assert not _is_pdl_call(body[1], "gdc_wait")
+        pointers = {name for name, ty, _ in k.meta["params"] if ty.startswith("*")}
+        bad, _ = _unwaited_reads(body[1:], {"w_ptr"}, pointers - {"w_ptr"}, False)
+        assert not bad
+    else:
+        assert "reads_before_wait" not in k.meta
+        assert _is_pdl_call(body[1], "gdc_wait")
