@@ -7,9 +7,7 @@
 # CFG: the model directory (config only: weights made on the device, --load-format dummy);
 # PROMPTS (32), ROUNDS (2), PROFILE (1: profile each build; 0: not).
 . "$(dirname "$0")/call_start.sh" "$@"
-export TRITON_DEFAULT_FP_FUSION=1 NCCL_NVLS_ENABLE=0
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv | tee "$OUT/gpu.txt"
+install_here
 CFG=${CFG:?CFG}
 for a in $ARTS; do python3 tests/gpu/rerender.py ".cache/artifacts/$a" 2>&1 | tail -1; done
 for round in $(seq 1 ${ROUNDS:-2}); do

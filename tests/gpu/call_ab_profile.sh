@@ -9,12 +9,8 @@
 # separated by ';' (each run as profile-<i>); ROUNDS (1). Prints each step's summary row.
 # Carry: tests/gpu/carry.sh gpu/configs artifacts/NAME artifacts/NAME-h100 ...
 . "$(dirname "$0")/call_start.sh" "$@"
-export TRITON_DEFAULT_FP_FUSION=1 NCCL_NVLS_ENABLE=0
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv | tee "$OUT/gpu.txt"
+install_here
 CFG=${CFG:?CFG}
-suffix=-h100
-grep -q H200 "$OUT/gpu.txt" && suffix=""
 IFS=';' read -r -a sets <<< "${PROFILES:?PROFILES}"
 for round in $(seq 1 ${ROUNDS:-1}); do
   for i in "${!sets[@]}"; do

@@ -13,12 +13,9 @@
 # STAGES (default "profile throughput latency") picks some of them. Carry: tests/gpu/carry.sh
 # gpu/configs artifacts/ART artifacts/ART-h100.
 . "$(dirname "$0")/call_start.sh" "$@"
-export TRITON_DEFAULT_FP_FUSION=1 NCCL_NVLS_ENABLE=0
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem,power.limit --format=csv | tee "$OUT/gpu.txt"
+install_here power.limit
 CFG=${CFG:?CFG}
-art=.cache/artifacts/${ART:?ART}
-grep -q H200 "$OUT/gpu.txt" || art=$art-h100
+art=.cache/artifacts/${ART:?ART}$suffix
 nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu,temperature.gpu \
   --format=csv,nounits -lms 100 > "$OUT/smi.csv" 2>/dev/null &
 smi=$!
