@@ -76,7 +76,6 @@ def _timed(r, r0, prompts, out_len, seed, load_format, par):
     from infc.runtime.engine import overlaps
     from infc.runtime.runner import RowSampling
     from infc.runtime.sampling import SamplingParams
-    from infc.runtime.step import Chunk, build_step
     from .common import copy_bandwidth, header
     res = header(r0.ctx, r0.plan["model"] + parallel_tag(par))
     bw = copy_bandwidth(r0.ctx)
@@ -93,7 +92,7 @@ def _timed(r, r0, prompts, out_len, seed, load_format, par):
     overlap = overlaps(r)
     res["overlap"] = overlap
     for n in prompts:
-        ttfts, tpots = _time_prompt(r, n, out_len, rng, overlap, greedy, Chunk, build_step)
+        ttfts, tpots = _time_prompt(r, n, out_len, rng, overlap, greedy)
         avg_ctx = n + out_len / 2
         floor = (r0.weights.bytes + kv_per_token * avg_ctx + 2 * state_per_seq) / bw * 1e3
         res["ttft_ms"][str(n)] = float(np.median(ttfts))
@@ -116,10 +115,11 @@ TPOT_REPS = 3
 TTFT_REPS = 11
 
 
-def _time_prompt(r, n, out_len, rng, overlap, greedy, Chunk, build_step, clock=time.perf_counter):
+def _time_prompt(r, n, out_len, rng, overlap, greedy, clock=time.perf_counter):
     """(TTFT samples, TPOT samples) in ms for n-token prompts on runner r: one untimed prefill,
     then TTFT_REPS timed prefills, the first TPOT_REPS of them followed by out_len timed decode
     steps (overlapped as the engine runs them when `overlap`)."""
+    from infc.runtime.step import Chunk, build_step
     ttfts, tpots = [], []
     for rep in range(-1, TTFT_REPS):
         free = list(range(r.num_pages))

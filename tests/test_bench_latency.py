@@ -5,7 +5,6 @@ from types import SimpleNamespace
 import numpy as np
 
 from infc.bench import latency
-from infc.runtime.step import Chunk, build_step
 
 
 class _Stub:
@@ -36,8 +35,7 @@ class _Stub:
 
 
 def _run(stub, overlap):
-    return latency._time_prompt(stub, 32, 8, np.random.default_rng(0), overlap, None, Chunk, build_step,
-                                clock=lambda: stub.now)
+    return latency._time_prompt(stub, 32, 8, np.random.default_rng(0), overlap, None, clock=lambda: stub.now)
 
 
 def test_ttft_and_tpot_samples():
