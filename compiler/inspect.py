@@ -146,14 +146,15 @@ def _inspect_one(model, spec_path, model_dir, dot, phases, spec_dirs, parallel=N
     a = plan["arena"]
     out += ["", f"== memory: arena = {a['bytes_per_token']}*T + {a['bytes_per_seq']}*B + {a['bytes']} bytes"]
     absent = [p for p in phases or [] if p not in plan["programs"]]
-    for p in absent:          # "wide" and "short" exist only where they run differently
+    for p in absent:          # "wide", "short" and "narrow" exist only where they run differently
         out += ["", f"== launches: {p}  (none: this plan has no {p} program; its steps run "
-                    f"{'decode' if p == 'wide' else 'mixed / prefill'})"]
+                    f"{'decode' if p in ('wide', 'narrow') else 'mixed / prefill'})"]
     phases = [p for p in phases if p in plan["programs"]] if phases else list(plan["programs"])
     for phase in phases:
         total, per_layer = count_launches(plan["programs"][phase])
         when = {"short": f"; prefill / mixed steps of <= {plan.get('short_tokens')} tokens",
-                "wide": f"; decode steps of >= {plan.get('wide_tokens')} sequences"}.get(phase, "")
+                "wide": f"; decode steps of >= {plan.get('wide_tokens')} sequences",
+                "narrow": f"; decode steps of <= {plan.get('narrow_tokens')} tokens"}.get(phase, "")
         out += ["", f"== launches: {phase}  ({per_layer} per layer, {total} per step{when})"]
         out += _launch_table(plan["programs"][phase], bin_dir)
     if plan.get("sampler"):

@@ -16,6 +16,7 @@ from .passes.fuse_moe import fuse_route_align
 from .passes.infer_types import infer_types
 from .passes.lower_experts import lower_experts
 from .passes.materialize_views import materialize_views
+from .passes.merge_prologues import merge_prologues
 from .passes.plan_memory import plan_memory
 from .passes.rotate_residual import rotate_residual
 from .passes.select_kernels import select_kernels
@@ -43,6 +44,7 @@ PIPELINE = [
     ("fuse_route_align", fuse_route_align),        # MoE router + token grouping by expert in one launch
     ("eliminate_dead", eliminate_dead),
     ("materialize_views", materialize_views),      # copy strided views before kernels that need it
+    ("merge_prologues", merge_prologues),          # narrow decode steps: add + RMSNorm in the GEMV
     ("plan_memory", plan_memory),                  # liveness-based arena offsets
     ("select_kernels", select_kernels),            # backend + template per launch and phase
 ]
@@ -50,9 +52,10 @@ PIPELINE = [
 # generic kernel). The other passes are required lowerings.
 FUSIONS = {"fold_shared_experts", "fuse_weights", "rotate_residual", "fuse_add_rms_norm",
            "fuse_qk_norm_rope_cache", "fuse_latent_prologue", "fuse_act_mul", "fuse_linear_epilogue",
-           "fuse_linear_prologue", "fuse_lm_head", "fuse_route_align"}
-REWRITES = FUSIONS | {"split_attention", "shard_ranks", "lower_experts", "eliminate_dead",
-                      "materialize_views"}
+           "fuse_linear_prologue", "fuse_lm_head", "fuse_route_align", "merge_prologues"}
+# (merge_prologues rewrites no node; its dropped in-place aliases would come back with the types)
+REWRITES = FUSIONS - {"merge_prologues"} | {"split_attention", "shard_ranks", "lower_experts",
+                                            "eliminate_dead", "materialize_views"}
 
 
 def compile_spec(spec: Spec, env: dict, model: str, features: list | None = None,

@@ -16,6 +16,12 @@
     wide_tokens   a decode step of at least this many tokens runs programs["wide"]: the GEMVs'
                 row tiles for many sequences, the experts' grouped GEMMs
                 (select_kernels.WIDE_TOKENS_PER_EXPERT, WIDE_DENSE_TOKENS without experts)
+    narrow_tokens  a decode step of at most this many tokens runs programs["narrow"]: launches
+                merged for that phase (compiler/passes/merge_prologues.py); a merged launch's
+                "prologue" names the producer it runs first ({op, inputs: how many of the launch's
+                inputs are its, output: the index of its output the consumer reads, value: that
+                output's name (not written), writes: how many of the launch's outputs are its,
+                attrs})
     parallel    (rank plans of `--tensor-parallel-size N` / `--data-parallel-size N` only)
                 {world, rank, tp, ep[, dp]}: this plan is rank `rank`'s share (compiler/parallel.py);
                 its collective launches have backend "nccl" and no kernel. With dp, each rank runs
@@ -28,6 +34,7 @@ import json
 from .ir import Graph
 from .ops import REGISTRY
 from .passes.plan_memory import DTYPE_BYTES
+from .passes.merge_prologues import NARROW_TOKENS, merged_launch
 from .passes.select_kernels import SHORT_TOKENS, wide_tokens
 
 SCHEMA = "infc.plan/2"
@@ -110,6 +117,8 @@ def _node_caches(g: Graph, n) -> dict:
 
 
 def _launches(state, g: Graph, phase: str) -> list:
+    merges = state.merges.get(phase, {})
+    into = {c: p for p, c in merges.items()}
     out = []
     for n in g.ordered():
         if n.op == "layers":
@@ -119,19 +128,27 @@ def _launches(state, g: Graph, phase: str) -> list:
                         "inputs": n.inputs, "outputs": n.outputs,
                         "kinds": {k: _launches(state, b, phase) for k, b in n.bodies.items()}})
             continue
-        if REGISTRY[n.op].view:
+        if REGISTRY[n.op].view or n.id in merges:     # a merged producer runs in its consumer
             continue
-        backend, template = state.kernels[phase][n.id]
-        name = lambda x: MARKER if g.values[x].kind == "marker" else x  # noqa: E731
-        launch = {"op": n.op, "kernel": template, "backend": backend,
-                  "inputs": [name(i) for i in n.inputs], "outputs": [name(o) for o in n.outputs],
-                  "attrs": _jsonable(n.attrs), "fuses": n.fused_from, "pass": n.made_by,
-                  "line": n.line}
-        caches = _node_caches(g, n)
-        if caches:
-            launch["caches"] = sorted(caches)
+        launch = _launch(state, g, n, phase)
+        if n.id in into:
+            p = g.nodes[into[n.id]]
+            launch = merged_launch(g, p, n, _launch(state, g, p, phase), launch)
         out.append(launch)
     return out
+
+
+def _launch(state, g: Graph, n, phase: str) -> dict:
+    backend, template = state.kernels[phase][n.id]
+    name = lambda x: MARKER if g.values[x].kind == "marker" else x  # noqa: E731
+    launch = {"op": n.op, "kernel": template, "backend": backend,
+              "inputs": [name(i) for i in n.inputs], "outputs": [name(o) for o in n.outputs],
+              "attrs": _jsonable(n.attrs), "fuses": n.fused_from, "pass": n.made_by,
+              "line": n.line}
+    caches = _node_caches(g, n)
+    if caches:
+        launch["caches"] = sorted(caches)
+    return launch
 
 
 def _caches(state) -> dict:
@@ -188,6 +205,7 @@ def emit_plan(state) -> dict:
         "programs": {phase: _launches(state, g, phase) for phase in state.kernels},
         **({"short_tokens": SHORT_TOKENS} if "short" in state.kernels else {}),
         **({"wide_tokens": wide_tokens(state)} if "wide" in state.kernels else {}),
+        **({"narrow_tokens": NARROW_TOKENS} if "narrow" in state.kernels else {}),
     }
 
 

@@ -18,6 +18,8 @@ class CompileState:
     log: list = field(default_factory=list)        # (pass, message)
     memory: dict | None = None       # set by plan_memory
     kernels: dict = field(default_factory=dict)    # phase -> node id -> (backend, template)
+    merges: dict = field(default_factory=dict)     # phase -> producer node id -> consumer node id
+                                                   # (merge_prologues: one launch in that phase)
     parallel: dict | None = None     # {"world", "rank", "tp", "ep"}: this plan is rank r's share
 
     def note(self, pass_name: str, msg: str):

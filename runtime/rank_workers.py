@@ -652,7 +652,7 @@ def _rank_executor_class():
     from infc.compiler.ops import REGISTRY
 
     from .program import unrolled
-    from .reference.executor import CACHE_MARKER, ReferenceExecutor
+    from .reference.executor import CACHE_MARKER, ReferenceExecutor, launch_results
 
     class RankReferenceExecutor(ReferenceExecutor):
         """One rank's ReferenceExecutor whose collective launches exchange their inputs with the
@@ -676,10 +676,9 @@ def _rank_executor_class():
                     args = [None if x is None else np.array(x) for x in args]
                     self.exchange.gather(args)
                 try:
-                    result = op.reference(ctx, *args, **launch["attrs"])
+                    results = launch_results(ctx, launch, args)
                 finally:
                     self.exchange.current = None
-                results = result if isinstance(result, tuple) else (result,)
                 for name, r in zip(launch["outputs"], results):
                     if name == CACHE_MARKER or r is None or name not in views:
                         continue

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from infc.compiler.build import build
+from infc.runtime.program import launches
 from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
 from infc.runtime.safetensors_io import Checkpoint
 from infc.runtime.step import Chunk
@@ -82,3 +83,15 @@ def test_tiny_model_through_kernels(family, fuse, tiny_model, tmp_path, rng):
         assert (np.argmax(got, -1) == np.argmax(want, -1)).mean() >= 0.5
         lens = [n + 1 for n in lens]
         toks = [int(t) for t in np.argmax(want, -1)]
+    # one sequence alone: a narrow step (the residual add + RMSNorm merged into the GEMVs after
+    # them; compiler/passes/merge_prologues.py), the decode program's launches without --no-fuse
+    got = run.step([Chunk(0, [toks[0]], lens[0])])
+    want = ref.step([SeqChunk(0, [toks[0]], lens[0])])
+    assert run.program == ("narrow" if fuse else "decode")
+    if fuse:
+        # every layer's attention norm is merged (the MoE's second norm feeds the router too: not)
+        norms = [op for op, _ in run.templates].count("add_rms_norm")
+        assert plan["narrow_tokens"] == 1 and norms <= DIMS["num_hidden_layers"], run.templates
+        assert any("prologue" in l for l, _ in launches(plan["programs"]["narrow"]))
+    assert _rel(got, want) < 2e-2
+    assert np.argmax(got, -1) == np.argmax(want, -1)

@@ -114,19 +114,32 @@ def launch_tensors(plan: dict, launch: dict) -> tuple[list[dict], list[dict]]:
     return ins, outs
 
 
+# A narrow step (compiler/passes/merge_prologues.py) is a decode step of one token: its launches
+# render as the decode step's (templates see phase "decode", and narrow = True; the tuning tables'
+# "decode|..." entries), so only a template that reads `narrow` (the GEMV: its CUDA-core path
+# alone, a merged prologue) makes a kernel of its own.
+AS_PHASE = {"narrow": "decode"}
+
+
 def tuning_key(plan: dict, launch: dict, phase: str) -> str:
-    """The key of a launch in the tuning tables: the phase and its tensors' shapes."""
+    """The key of a launch in the tuning tables: the phase and its tensors' shapes. A merged
+    launch is keyed as its consumer alone (the producer's output it reads, then the consumer's
+    other tensors): its tiles are the consumer's."""
     ins, outs = launch_tensors(plan, launch)
-    return shape_key(phase, ins + outs)
+    pro = launch.get("prologue")
+    if pro is not None:
+        ins = [_tensor(plan, pro["value"], False)] + ins[pro["inputs"]:]
+        outs = outs[pro["writes"]:]
+    return shape_key(AS_PHASE.get(phase, phase), ins + outs)
 
 
 def launch_context(plan: dict, launch: dict, phase: str, tuning: dict, page_size: int) -> dict:
     ins, outs = launch_tensors(plan, launch)
     caches = {n: {**c, "page_size": page_size} for n, c in plan.get("caches", {}).items()}
-    return {"op": launch["op"], "phase": phase, "inputs": ins, "outputs": outs,
-            "attrs": launch["attrs"], "config": plan["config"], "caches": caches,
-            "page_size": page_size,
-            "tune": tune_for(tuning, launch["kernel"], shape_key(phase, ins + outs))}
+    return {"op": launch["op"], "phase": AS_PHASE.get(phase, phase), "narrow": phase == "narrow",
+            "inputs": ins, "outputs": outs, "attrs": launch["attrs"], "prologue": launch.get("prologue"),
+            "config": plan["config"], "caches": caches, "page_size": page_size,
+            "tune": tune_for(tuning, launch["kernel"], tuning_key(plan, launch, phase))}
 
 
 # The runtime's sampler: launched after a step on the logits output (f32 [B, V]), outside the

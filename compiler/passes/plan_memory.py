@@ -56,6 +56,14 @@ def plan_memory(state):
     values = {}                         # key -> Value
     clock = [0]
 
+    # a producer merged into its consumer's launch in some phase (merge_prologues) reads its inputs
+    # where the consumer runs: they stay live until then, so no output of the consumer (or of a
+    # launch between) takes their memory while another program of the merged launch reads them
+    merged_into: dict[str, list[str]] = {}
+    for merges in state.merges.values():
+        for producer, consumer in merges.items():
+            merged_into.setdefault(consumer, []).append(producer)
+
     def visit(g: Graph):
         for v in g.values.values():
             if v.kind in ("act", "input") and v.type is not None:
@@ -87,6 +95,9 @@ def plan_memory(state):
                 continue
             for i in n.inputs:
                 events.append((clock[0], i, "use"))
+            for p in merged_into.get(n.id, []):
+                for i in g.nodes[p].inputs:
+                    events.append((clock[0], i, "use"))
             for o in n.outputs:
                 events.append((clock[0], o, "def"))
 

@@ -5,7 +5,10 @@ take a launch wherever the op's home declares a template for that backend and ph
 """
 from ..ops import REGISTRY
 
-PHASES = ("prefill", "decode", "mixed", "short", "wide")
+PHASES = ("prefill", "decode", "mixed", "short", "wide", "narrow")
+# "narrow": a decode step of at most merge_prologues.NARROW_TOKENS tokens, the decode program with
+# launches merged for that phase only (state.merges; compiler/passes/merge_prologues.py). Its GEMVs
+# render only their CUDA-core path. A plan without such a merge has no narrow program.
 # A prefill or mixed step of at most this many tokens runs the "short" program (runtime/program.py
 # `program_name`; recorded as plan["short_tokens"]): its linears take the decode GEMV templates,
 # which stream the weight once at any row count, where the prefill GEMM's long-prompt tiles
@@ -66,6 +69,8 @@ def select_kernels(state):
     if state.kernels["wide"] == state.kernels["decode"] and \
             not any(t in ROW_TILED for _, t in state.kernels["wide"].values()):
         del state.kernels["wide"]                 # nothing runs differently: no program of its own
+    if not state.merges.get("narrow"):
+        del state.kernels["narrow"]
     state.note("select_kernels", ", ".join(f"{p}: {len(t)} launches" for p, t in state.kernels.items()))
 
 

@@ -97,7 +97,8 @@ class CudaRunner:
         device (runtime/dummy_weights.py), so model_dir needs only config.json.
         pdl: launch the kernels whose META allows it as programmatic dependents of the kernel
         before them (driver.DependentLaunch); default on, INFC_PDL=0 turns it off (A/B timing).
-        INFC_WIDE=0 runs wide decode steps on the decode program (A/B timing).
+        INFC_WIDE=0 / INFC_NARROW=0 run wide / narrow decode steps on the decode program (A/B
+        timing: the narrow program's merged launches against the decode program's).
         A rank of a parallel artifact (runtime/cuda/ranks.py): `plan` (its plan.rank<r>.json),
         `collectives` (runtime/cuda/collectives.py: NCCL, or device copies between the runners
         of one process, which then share `ctx`). agree_num_pages(n) -> the page count every rank
@@ -107,9 +108,10 @@ class CudaRunner:
         self.ctx = ctx if ctx is not None else Context()
         self.artifact = Path(artifact)
         plan = plan if plan is not None else load_plan(self.artifact)
-        if os.environ.get("INFC_WIDE", "1") == "0" and "wide" in plan["programs"]:
-            # A/B timing: every decode step on the decode program
-            plan = dict(plan, programs={p: v for p, v in plan["programs"].items() if p != "wide"})
+        for name in ("wide", "narrow"):
+            if os.environ.get(f"INFC_{name.upper()}", "1") == "0" and name in plan["programs"]:
+                # A/B timing: every decode step on the decode program
+                plan = dict(plan, programs={p: v for p, v in plan["programs"].items() if p != name})
         self.plan = plan
         self.collectives = collectives
         # INFC_COLLECTIVE_CLOCK=1: each collective's time on this rank's stream (collective_clock.py)

@@ -39,6 +39,22 @@ class Metadata(dict):
             raise AttributeError(name) from None
 
 
+def launch_results(ctx, launch: dict, args: list) -> tuple:
+    """A launch's outputs by its op's reference, in launch["outputs"] order. A merged launch
+    (compiler/passes/merge_prologues.py) runs its producer's reference first: the consumer reads
+    the producer's output number launch["prologue"]["output"], and its other outputs come first."""
+    pro = launch.get("prologue")
+    written = ()
+    if pro is not None:
+        produced = REGISTRY[pro["op"]].reference(ctx, *args[:pro["inputs"]], **pro["attrs"])
+        produced = produced if isinstance(produced, tuple) else (produced,)
+        feed = pro["output"]
+        written = tuple(r for k, r in enumerate(produced) if k != feed)
+        args = [produced[feed]] + list(args[pro["inputs"]:])
+    result = REGISTRY[launch["op"]].reference(ctx, *args, **launch["attrs"])
+    return written + (result if isinstance(result, tuple) else (result,))
+
+
 class StepContext:
     """What op references receive as `ctx` (see the session contract):
     T, B, positions [T], last_rows [B], seqs = [(b, first row, new tokens, cached before)],
@@ -176,10 +192,8 @@ class ReferenceExecutor:
     def _run(self, program, views, ctx):
         for launch, layer in unrolled(program):
             ctx.layer = layer
-            op = REGISTRY[launch["op"]]
             args = [self._arg(n, views, layer) for n in launch["inputs"]]
-            result = op.reference(ctx, *args, **launch["attrs"])
-            results = result if isinstance(result, tuple) else (result,)
+            results = launch_results(ctx, launch, args)
             for name, r in zip(launch["outputs"], results):
                 if name == CACHE_MARKER or r is None:
                     continue

@@ -18,7 +18,7 @@ from infc.compiler.ops import REGISTRY
 
 from ..program import program_name, unrolled
 from ..step import Chunk, StepMeta, common_phase, pad_ranks
-from .executor import ReferenceExecutor, StepContext
+from .executor import ReferenceExecutor, StepContext, launch_results
 
 PAD_SEQ = -1         # the oracle's pad page is this sequence's (runtime/step.py pad_ranks)
 
@@ -114,8 +114,7 @@ class RankExecutor:
                 args.append([None if x is None else np.array(x) for x in a] if op.collective else a)
             self.exchange.current = args if op.collective else None
             for r, (l, _) in enumerate(step):
-                result = op.reference(ctxs[r], *args[r], **l["attrs"])
-                results = result if isinstance(result, tuple) else (result,)
+                results = launch_results(ctxs[r], l, args[r])
                 for name, out in zip(l["outputs"], results):
                     if out is None or name not in views[r]:
                         continue

@@ -1,0 +1,91 @@
+"""Per-phase launch merges: a producer folded into its one consumer's launch in one phase only.
+
+One graph serves every phase, but some fusions pay in one phase and lose in another. The
+residual add + RMSNorm before a linear is the first: in a decode step of one token, every GEMV
+program can re-read the row (x and d, 2 x H bf16 from L2) and normalize it while its first weight
+tiles are in flight (the preload before the PDL wait), which costs less than the launch between
+the two kernels. At 64 rows that re-read is per row block and column block, and in a prefill it
+is the whole prompt per program, so the graph keeps the two ops and the merge is made for the
+"narrow" program only: decode steps of at most NARROW_TOKENS tokens (runtime/program.py
+`program_name`; plan["narrow_tokens"]).
+
+    narrow:  [x', h = add_rms_norm(x, d, w); y = linear(h, W)]  ->  one launch
+             linear(x, d, w, W) -> (x', y), launch["prologue"] = {op, inputs: 3, output: 1, value: h, ...}
+
+The merged launch's residual output x' is written by one program while every program reads x,
+so x' must not share x's memory: the producer's in-place alias is dropped here, before
+plan_memory (x' gets a buffer of its own in every phase; the unmerged kernel writes it there).
+"""
+from ..ops import REGISTRY
+
+NARROW_TOKENS = 1
+# producer op -> the index of its output that the consumer reads (the others are written by the
+# merged launch as they were)
+PROLOGUES = {"add_rms_norm": 1}
+# the consumer's narrow templates that take such a prologue (codegen_templates/triton/gemv.py.j2)
+CONSUMER_TEMPLATES = {"gemv", "gemv_gated"}
+PHASE = "narrow"
+
+
+def _merge(state, g, p) -> str | None:
+    """The consumer node p merges into in the narrow phase, or None (why not: see each test)."""
+    h = p.outputs[PROLOGUES[p.op]]
+    users = g.users(h)
+    if len(users) != 1 or g.uses(h) != 1:       # h read twice, or a layer's output
+        return None
+    c = users[0]
+    # adjacent launches: the merged one reads the producer's inputs at the consumer's place, and
+    # plan_memory may give a slot whose last reader is the producer to a launch in between
+    between = g.order[g.order.index(p.id) + 1:g.order.index(c.id)]
+    if any(not REGISTRY[g.nodes[n].op].view for n in between):
+        return None
+    if c.inputs[0] != h or REGISTRY[c.op].template(state.backend, PHASE) not in CONSUMER_TEMPLATES:
+        return None
+    # a row-parallel linear's fp32 partials take the tensor-core path at every row count (the
+    # GEMV template's FMA_ROWS), which has no prologue
+    if c.attrs.get("out_dtype") == "f32":
+        return None
+    # a feature backend that names the narrow phase would take one of the two launches
+    if any(REGISTRY[n.op].template(b, PHASE, inherit=False) for n in (p, c) for b in state.features):
+        return None
+    if g.values[h].type.shape[:1] != ("T",):
+        return None
+    return c.id
+
+
+def merge_prologues(state):
+    if (state.parallel or {}).get("dp", 1) > 1:     # a data-parallel plan's rows are G, not T
+        return
+    merges = {}
+    for g in state.graph.walk():
+        for p in g.ordered():
+            if p.op not in PROLOGUES:
+                continue
+            c = _merge(state, g, p)
+            if c is None:
+                continue
+            merges[p.id] = c
+            for k, o in enumerate(p.outputs):
+                if k != PROLOGUES[p.op]:
+                    g.values[o].alias_of = None     # written while other programs read the input
+            state.note("merge_prologues", f"{g.name}: {p.op} (line {p.line}) into {g.nodes[c].op} "
+                                          f"(line {g.nodes[c].line}), {PHASE} phase")
+    if merges:
+        state.merges[PHASE] = merges
+
+
+def merged_launch(g, p, c, prologue_launch: dict, consumer_launch: dict) -> dict:
+    """One launch for producer p and consumer c (their launch dicts as plan._launches makes them):
+    the producer's inputs, then the consumer's other inputs; the producer's outputs but the one
+    the consumer read, then the consumer's."""
+    feed = PROLOGUES[p.op]
+    h = p.outputs[feed]
+    out = dict(consumer_launch)
+    out["inputs"] = prologue_launch["inputs"] + consumer_launch["inputs"][1:]
+    out["outputs"] = [o for k, o in enumerate(prologue_launch["outputs"]) if k != feed] + consumer_launch["outputs"]
+    out["prologue"] = {"op": p.op, "inputs": len(p.inputs), "output": feed, "value": h,
+                       "writes": len(p.outputs) - 1,
+                       "attrs": prologue_launch["attrs"], "fuses": p.fused_from, "line": p.line}
+    out["fuses"] = p.fused_from + c.fused_from
+    out["pass"] = "merge_prologues"
+    return out

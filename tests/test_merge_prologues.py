@@ -1,0 +1,100 @@
+"""The narrow phase (compiler/passes/merge_prologues.py): decode steps of one token, where the
+residual add + RMSNorm runs inside the GEMV after it. The plan's shape of it, the memory rule it
+needs (no launch writes memory that one of its other inputs occupies), and where it is not made."""
+import pytest
+
+from infc.compiler.build import compile_model
+from infc.compiler.parallel import compile_ranks, settings
+from infc.runtime.program import count_launches, launches, program_name
+
+
+def test_qwen3_4b_narrow_program_merges_both_norms():
+    state, plan = compile_model("qwen3-4b")
+    assert plan["narrow_tokens"] == 1
+    assert count_launches(plan["programs"]["narrow"]) == (36 * 6 + 3, 6)
+    assert count_launches(plan["programs"]["decode"]) == (36 * 8 + 3, 8)      # decode keeps them
+    merged = [l for l, _ in launches(plan["programs"]["narrow"]) if "prologue" in l]
+    assert [(l["op"], l["kernel"]) for l in merged] == [("linear", "gemv"), ("linear_gated", "gemv_gated")]
+    qkv = merged[0]
+    assert qkv["inputs"] == ["x", "d", "attn_norm", "wqkv"] and qkv["outputs"][1:] == ["qkv.59"]
+    assert qkv["prologue"]["op"] == "add_rms_norm" and qkv["prologue"]["value"] == "h.78"
+    assert qkv["pass"] == "merge_prologues" and qkv["fuses"][:2] == ["add", "rms_norm"]
+    # the residual the merged launch writes is not x's memory: x is read by every program
+    bufs = plan["buffers"]
+    assert "shares" not in bufs[qkv["outputs"][0]]
+    # steps pick it by their tokens
+    assert program_name(plan, "decode", 1) == "narrow"
+    assert program_name(plan, "decode", 2) == "decode"
+    assert program_name(plan, "prefill", 1) == "short"          # a prompt of one token is no decode step
+
+
+def test_the_narrow_program_renders_the_decode_kernels_but_the_gemvs():
+    """Templates see a narrow launch as a decode one (phase "decode", narrow = True): attention,
+    qk-norm and the rest are the decode program's kernels, not kernels of their own."""
+    from infc.compiler.codegen.render import render_plan
+    _, plan = compile_model("qwen3-4b")
+    render_plan(plan, {}, 16)
+    ids = {p: {(l["op"], l["kernel_id"]) for l, _ in launches(plan["programs"][p])} for p in ("decode", "narrow")}
+    only_narrow = {op for op, _ in ids["narrow"] - ids["decode"]}
+    assert only_narrow == {"linear", "linear_gated", "lm_head_last"}
+
+
+def test_no_fuse_and_data_parallel_plans_have_no_narrow_program():
+    _, plan = compile_model("qwen3-4b", fuse=False)
+    assert "narrow" not in plan["programs"] and "narrow_tokens" not in plan
+
+
+def test_a_norm_read_twice_is_not_merged(tiny_model):
+    """The MoE layer's second norm feeds the router and the experts: only the attention norm merges."""
+    d, _ = tiny_model("qwen3_moe", hidden_size=96, head_dim=32, intermediate_size=160, num_hidden_layers=2)
+    state, plan = compile_model(model_dir=str(d))
+    merged = [l for l, _ in launches(plan["programs"]["narrow"]) if "prologue" in l]
+    assert [l["op"] for l in merged] == ["linear"]
+    assert any(l["op"] == "add_rms_norm" for l, _ in launches(plan["programs"]["narrow"]))
+
+
+def test_row_parallel_fp32_partials_are_not_merged(tiny_model):
+    """TP=2: the column-parallel qkv and gate|up take their norms; a rank's row-parallel linears
+    (fp32 partials, tensor-core path) are never a consumer here, and the plans stay consistent."""
+    d, _ = tiny_model("qwen3", hidden_size=96, head_dim=32, intermediate_size=160, num_hidden_layers=2)
+    for _, plan in compile_ranks(settings(tensor_parallel_size=2), model_dir=str(d)):
+        merged = [l for l, _ in launches(plan["programs"]["narrow"]) if "prologue" in l]
+        assert [l["op"] for l in merged] == ["linear", "linear_gated"]
+        assert all(l["attrs"].get("out_dtype") != "f32" for l in merged)
+
+
+def _span(plan, name, T, B):
+    b = plan["buffers"][name]
+    o = b["offset"]
+    start = o["T"] * T + o["B"] * B + o["bytes"]
+    n = {"bf16": 2, "f16": 2, "f32": 4, "i32": 4}[b["dtype"]]
+    rows = 1
+    for d in b["shape"]:
+        rows *= {"T": T, "B": B}.get(d, d) if isinstance(d, str) else d
+    return start, start + rows * n, b.get("shares", name)
+
+
+# gpt2 and starcoder2 have LayerNorms, OLMo-2 its norms after the sublayers (nothing merges); the
+# rest merge at least one norm
+NO_NARROW = ("gpt2", "starcoder2-3b", "olmo-2-1124-7b")
+VARIANTS = ["qwen3-4b", "llama-3.2-1b", "gemma-2-2b-it", "gemma-3-1b-it", "qwen3-30b-a3b", "deepseek-v2-lite",
+            "qwen3.5-4b", "phi-3-mini-4k-instruct", "olmo-2-1124-7b", "gpt2", "starcoder2-3b"]
+
+
+@pytest.mark.parametrize("model", VARIANTS)
+def test_no_launch_writes_memory_another_of_its_inputs_holds(model):
+    """In every program: a launch's output may overlap an input only where it is that input
+    (in place, or a view of it). A merged launch reads its producer's inputs where its consumer
+    runs, so plan_memory keeps them live until then; without that, gate|up's output took the
+    o_proj output's slot that every program of the merged launch still read."""
+    _, plan = compile_model(model)
+    assert ("narrow" in plan["programs"]) == (model not in NO_NARROW)
+    for phase, program in plan["programs"].items():
+        for l, _ in launches(program):
+            ins = [_span(plan, i, 5, 2) for i in l["inputs"] if i in plan["buffers"]]
+            for o in l["outputs"]:
+                if o not in plan["buffers"]:
+                    continue
+                a0, a1, root = _span(plan, o, 5, 2)
+                for b0, b1, other in ins:
+                    assert root == other or a1 <= b0 or b1 <= a0, (phase, l["op"], o, other)
