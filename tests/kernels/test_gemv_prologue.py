@@ -80,10 +80,10 @@ def test_gated_gemv_with_add_rms_norm_prologue(N, K, norm_dtype, tune):
     assert rel_err(f32(y), want) <= TOL
 
 
-def test_the_prologue_matches_the_unmerged_kernels():
-    """The merged launch against add_rms_norm's kernel then the narrow GEMV: the same residual bits;
-    outputs within bf16 rounding of each other (the merged GEMV rounds s * norm once and applies
-    rstd to the fp32 sums, where add_rms_norm rounds s * rstd and then its product with norm)."""
+def test_the_prologue_matches_the_unmerged_kernels_bit_for_bit_mostly():
+    """The merged launch against add_rms_norm's kernel then the narrow GEMV: the same roundings, so
+    the outputs differ only where the row sum's order moves rstd by an ulp (rare flips of one
+    bf16 step)."""
     N, K = 96, 1100
     x, d, norm, w = _inputs(N, K, "bf16", N, 5)
     merged = render("gemv", "linear", *_tensors(K, N, N, "bf16"), attrs={"has_bias": False},
@@ -100,7 +100,7 @@ def test_the_prologue_matches_the_unmerged_kernels():
     y2 = poison((1, N))
     run(plain, {"in:0": h2, "in:1": w, "out:0": y2}, {"T": 1, "B": 1})
     assert torch.equal(res, res2)
-    assert rel_err(f32(y), f32(y2)) <= 5e-3
+    assert (y == y2).float().mean() >= 0.97
 
 
 def test_the_narrow_gemv_has_no_tensor_core_path():
