@@ -39,9 +39,15 @@ def test_the_narrow_program_renders_the_decode_kernels_but_the_gemvs():
     assert only_narrow == {"linear", "linear_gated", "lm_head_last"}
 
 
-def test_no_fuse_and_data_parallel_plans_have_no_narrow_program():
+def test_no_fuse_and_data_parallel_plans_have_no_narrow_program(tiny_model):
     _, plan = compile_model("qwen3-4b", fuse=False)
     assert "narrow" not in plan["programs"] and "narrow_tokens" not in plan
+    # a data-parallel rank's rows are every rank's (G): its steps are not one token
+    d, _ = tiny_model("qwen3_moe")
+    for _, plan in compile_ranks(settings(data_parallel_size=2, enable_expert_parallel=True), model_dir=str(d)):
+        assert "narrow" not in plan["programs"]
+    (_, whole), = compile_ranks({"world": 1, "rank": 0, "tp": 1, "ep": 1}, model_dir=str(d))
+    assert "narrow" in whole["programs"]
 
 
 def test_a_norm_read_twice_is_not_merged(tiny_model):

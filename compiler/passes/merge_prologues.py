@@ -3,8 +3,8 @@
 One graph serves every phase, but some fusions pay in one phase and lose in another. The
 residual add + RMSNorm before a linear is the first: in a decode step of one token, every GEMV
 program can re-read the row (x and d, 2 x H bf16 from L2) and normalize it while its first weight
-tiles are in flight (the preload before the PDL wait), which costs less than the launch between
-the two kernels. At 64 rows that re-read is per row block and column block, and in a prefill it
+tiles are in flight (the preload before the PDL wait), which costs a little less than the launch
+between the two kernels (-0.02 ms a qwen3-4b step on an H100: bench/NOTES.md, sixth session). At 64 rows that re-read is per row block and column block, and in a prefill it
 is the whole prompt per program, so the graph keeps the two ops and the merge is made for the
 "narrow" program only: decode steps of at most NARROW_TOKENS tokens (runtime/program.py
 `program_name`; plan["narrow_tokens"]).
