@@ -45,9 +45,11 @@ def test_through_kernels(models, kind, tmp_path):  # noqa: F811
         if step == 2:
             # the last decode step through the wide program (plain linears on the GEMM's decode
             # tiles, the experts on the grouped GEMMs), as a step of that many sequences would
-            plan["wide_tokens"] = 1
+            plan["wide_tokens"], plan["narrow_tokens"] = 1, 0
         got, want = run.step([Chunk(0, [tok], n)]), ref.step([SeqChunk(0, [tok], n)])
-        assert run.program == ("wide" if step == 2 else "decode")
+        # one sequence's decode step: the narrow program (the dense layer's norms merged into
+        # its GEMVs), the wide one when wide_tokens is 1
+        assert run.program == ("wide" if step == 2 else "narrow")
         if run.program == "wide":
             assert {t for op, t in run.templates if op == "linear"} == {"gemm"}, run.templates
         assert _rel(got, want) < tol, (f"decode {step}", _rel(got, want))

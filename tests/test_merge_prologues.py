@@ -8,13 +8,17 @@ from infc.compiler.parallel import compile_ranks, settings
 from infc.runtime.program import count_launches, launches, program_name
 
 
-def test_qwen3_4b_narrow_program_merges_both_norms():
+def test_qwen3_4b_narrow_program_merges_the_norms_and_qk_rope():
     state, plan = compile_model("qwen3-4b")
     assert plan["narrow_tokens"] == 1
-    assert count_launches(plan["programs"]["narrow"]) == (36 * 6 + 3, 6)
+    assert count_launches(plan["programs"]["narrow"]) == (36 * 5 + 3, 5)
     assert count_launches(plan["programs"]["decode"]) == (36 * 8 + 3, 8)      # decode keeps them
     merged = [l for l, _ in launches(plan["programs"]["narrow"]) if "prologue" in l]
-    assert [(l["op"], l["kernel"]) for l in merged] == [("linear", "gemv"), ("linear_gated", "gemv_gated")]
+    assert [(l["op"], l["kernel"], l["prologue"]["op"]) for l in merged] == [
+        ("linear", "gemv", "add_rms_norm"), ("attention_cached", "attention_decode", "qk_norm_rope_cache"),
+        ("linear_gated", "gemv_gated", "add_rms_norm")]
+    attn = merged[1]
+    assert attn["inputs"] == ["qkv.59", "q_norm", "k_norm", "cache"] and attn["outputs"] == ["cache", "attn.57"]
     qkv = merged[0]
     assert qkv["inputs"] == ["x", "d", "attn_norm", "wqkv"] and qkv["outputs"][1:] == ["qkv.59"]
     assert qkv["prologue"]["op"] == "add_rms_norm" and qkv["prologue"]["value"] == "h.78"
@@ -36,7 +40,7 @@ def test_the_narrow_program_renders_the_decode_kernels_but_the_gemvs():
     render_plan(plan, {}, 16)
     ids = {p: {(l["op"], l["kernel_id"]) for l, _ in launches(plan["programs"][p])} for p in ("decode", "narrow")}
     only_narrow = {op for op, _ in ids["narrow"] - ids["decode"]}
-    assert only_narrow == {"linear", "linear_gated", "lm_head_last"}
+    assert only_narrow == {"linear", "linear_gated", "lm_head_last", "attention_cached"}
 
 
 def test_no_fuse_and_data_parallel_plans_have_no_narrow_program(tiny_model):
@@ -51,12 +55,14 @@ def test_no_fuse_and_data_parallel_plans_have_no_narrow_program(tiny_model):
 
 
 def test_a_norm_read_twice_is_not_merged(tiny_model):
-    """The MoE layer's second norm feeds the router and the experts: only the attention norm merges."""
+    """The MoE layer's second norm feeds the router and the experts, so it stays a launch; and it
+    adds the attention norm's residual in place, so that norm cannot merge either (its residual
+    would be written over x while the GEMV reads x). q/k RoPE still merges into attention."""
     d, _ = tiny_model("qwen3_moe", hidden_size=96, head_dim=32, intermediate_size=160, num_hidden_layers=2)
     state, plan = compile_model(model_dir=str(d))
     merged = [l for l, _ in launches(plan["programs"]["narrow"]) if "prologue" in l]
-    assert [l["op"] for l in merged] == ["linear"]
-    assert any(l["op"] == "add_rms_norm" for l, _ in launches(plan["programs"]["narrow"]))
+    assert [l["op"] for l in merged] == ["attention_cached"]
+    assert [l["op"] for l, _ in launches(plan["programs"]["narrow"])].count("add_rms_norm") == 2   # a layer
 
 
 def test_row_parallel_fp32_partials_are_not_merged(tiny_model):
@@ -65,7 +71,7 @@ def test_row_parallel_fp32_partials_are_not_merged(tiny_model):
     d, _ = tiny_model("qwen3", hidden_size=96, head_dim=32, intermediate_size=160, num_hidden_layers=2)
     for _, plan in compile_ranks(settings(tensor_parallel_size=2), model_dir=str(d)):
         merged = [l for l, _ in launches(plan["programs"]["narrow"]) if "prologue" in l]
-        assert [l["op"] for l in merged] == ["linear", "linear_gated"]
+        assert [l["op"] for l in merged] == ["linear", "attention_cached", "linear_gated"]
         assert all(l["attrs"].get("out_dtype") != "f32" for l in merged)
 
 
@@ -80,9 +86,10 @@ def _span(plan, name, T, B):
     return start, start + rows * n, b.get("shares", name)
 
 
-# gpt2 and starcoder2 have LayerNorms, OLMo-2 its norms after the sublayers (nothing merges); the
-# rest merge at least one norm
-NO_NARROW = ("gpt2", "starcoder2-3b", "olmo-2-1124-7b")
+# gpt2 has LayerNorms and no RoPE, OLMo-2 its norms after the sublayers and q/k norms over the
+# whole projection (no qk_norm_rope_cache): nothing merges; the rest merge at least their q/k RoPE
+# into attention (starcoder2's LayerNorms stay launches)
+NO_NARROW = ("gpt2", "olmo-2-1124-7b")
 VARIANTS = ["qwen3-4b", "llama-3.2-1b", "gemma-2-2b-it", "gemma-3-1b-it", "qwen3-30b-a3b", "deepseek-v2-lite",
             "qwen3.5-4b", "phi-3-mini-4k-instruct", "olmo-2-1124-7b", "gpt2", "starcoder2-3b"]
 
@@ -98,9 +105,22 @@ def test_no_launch_writes_memory_another_of_its_inputs_holds(model):
     for phase, program in plan["programs"].items():
         for l, _ in launches(program):
             ins = [_span(plan, i, 5, 2) for i in l["inputs"] if i in plan["buffers"]]
-            for o in l["outputs"]:
+            # a merged launch writes its producer's outputs while every program reads its inputs:
+            # not even in place
+            merged = l.get("prologue", {}).get("writes", 0)
+            for k, o in enumerate(l["outputs"]):
                 if o not in plan["buffers"]:
                     continue
                 a0, a1, root = _span(plan, o, 5, 2)
                 for b0, b1, other in ins:
-                    assert root == other or a1 <= b0 or b1 <= a0, (phase, l["op"], o, other)
+                    assert (root == other and k >= merged) or a1 <= b0 or b1 <= a0, (phase, l["op"], o, other)
+
+
+def test_a_merge_whose_residual_would_stay_in_place_is_not_made():
+    """DeepSeek-V2-Lite's MoE layers: the attention norm's residual is read in place by the MoE
+    norm, which is not merged (it feeds the router and the experts), and that one's output is the
+    layer's carried residual: merged, the residual would be written over x while the GEMV's other
+    programs read it. Only the dense layer's norms merge."""
+    state, plan = compile_model("deepseek-v2-lite")
+    notes = [m for p, m in state.log if p == "merge_prologues" and "into" in m]
+    assert notes and all(m.startswith("layer.dense") for m in notes), notes

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from infc.bench import profile as prof
-from infc.runtime.program import unrolled
+from infc.runtime.program import program_name, unrolled
 
 PLAN = json.loads((Path(__file__).resolve().parent.parent / "generated" / "qwen3-4b" / "plan.json").read_text())
 L = PLAN["config"]["L"]
@@ -207,13 +207,15 @@ def test_profiler_steps_on_a_fake_driver(fake_driver, capsys):
     assert d["floor_ms"] == pytest.approx(sum(x["weight_bytes"] + ctx_tokens * x["kv_token_bytes"]
                                               for x in mixed if x["op"] != "fill_zero") / 4e12 * 1e3)
 
-    # the graph: the decode program at T = B = 1 as the runner captured it, replayed
-    decode_ms = sum(_fake_us(x) for x in prof.launch_sites(PLAN, "decode") if x["op"] != "fill_zero") / 1e3
-    assert [c.fn for c in r.graphs[1][0].calls] == [k.fn for k, *_ in r.programs["decode"] if k.fn["op"] != "fill_zero"]
+    # the graph: the program of a decode step at T = B = 1 (the narrow one: its launches merged) as
+    # the runner captured it, replayed
+    assert program_name(PLAN, "decode", 1) == "narrow"
+    decode_ms = sum(_fake_us(x) for x in prof.launch_sites(PLAN, "narrow") if x["op"] != "fill_zero") / 1e3
+    assert [c.fn for c in r.graphs[1][0].calls] == [k.fn for k, *_ in r.programs["narrow"] if k.fn["op"] != "fill_zero"]
     e = p.step("decode_b1", "eager", [Chunk(0, [5], 32)], pages)
     n = len(launched)
     g = p.step("decode_b1_graph", "graph", [Chunk(0, [5], 32)], pages, mode="graph", launches_from="decode_b1")
-    assert e["phase"] == g["phase"] == "decode"
+    assert e["phase"] == g["phase"] == "narrow"
     assert e["gpu_ms"] == pytest.approx(decode_ms)
     assert g["gpu_ms"] == pytest.approx(decode_ms) and "launches" not in g and g["floor_ms"] == e["floor_ms"]
     assert all(x.replay for x in launched[n:]) and len(launched) - n == 6 * len(r.graphs[1][0].calls)

@@ -14,16 +14,19 @@ is the whole prompt per program, so the graph keeps the two ops and the merge is
 
 The merged launch's residual output x' is written by one program while every program reads x,
 so x' must not share x's memory: the producer's in-place alias is dropped here, before
-plan_memory (x' gets a buffer of its own in every phase; the unmerged kernel writes it there).
+plan_memory (x' gets a buffer of its own in every phase; the unmerged kernel writes it there),
+and a merge after which x' would still share x's buffer is not made.
 """
 from ..ops import REGISTRY
+from .plan_memory import memory_classes
 
 NARROW_TOKENS = 1
 # producer op -> the index of its output that the consumer reads (the others are written by the
 # merged launch as they were)
-PROLOGUES = {"add_rms_norm": 1}
-# the consumer's narrow templates that take such a prologue (codegen_templates/triton/gemv.py.j2)
-CONSUMER_TEMPLATES = {"gemv", "gemv_gated"}
+PROLOGUES = {"add_rms_norm": 1, "qk_norm_rope_cache": 0}
+# producer op -> the consumer's narrow templates that take it as a prologue
+# (codegen_templates/triton/gemv.py.j2, attention_decode.py.j2)
+CONSUMER_TEMPLATES = {"add_rms_norm": {"gemv", "gemv_gated"}, "qk_norm_rope_cache": {"attention_decode"}}
 PHASE = "narrow"
 
 
@@ -39,7 +42,7 @@ def _merge(state, g, p) -> str | None:
     between = g.order[g.order.index(p.id) + 1:g.order.index(c.id)]
     if any(not REGISTRY[g.nodes[n].op].view for n in between):
         return None
-    if c.inputs[0] != h or REGISTRY[c.op].template(state.backend, PHASE) not in CONSUMER_TEMPLATES:
+    if c.inputs[0] != h or REGISTRY[c.op].template(state.backend, PHASE) not in CONSUMER_TEMPLATES[p.op]:
         return None
     # a row-parallel linear's fp32 partials take the tensor-core path at every row count (the
     # GEMV template's FMA_ROWS), which has no prologue
@@ -53,25 +56,47 @@ def _merge(state, g, p) -> str | None:
     return c.id
 
 
+def _written(p) -> list[str]:
+    """The producer's outputs the merged launch writes (all but the one its consumer reads)."""
+    return [o for k, o in enumerate(p.outputs) if k != PROLOGUES[p.op]]
+
+
 def merge_prologues(state):
     if (state.parallel or {}).get("dp", 1) > 1:     # a data-parallel plan's rows are G, not T
         return
-    merges = {}
+    nodes = {}                                       # producer id -> (graph, producer, consumer id)
     for g in state.graph.walk():
         for p in g.ordered():
-            if p.op not in PROLOGUES:
-                continue
-            c = _merge(state, g, p)
-            if c is None:
-                continue
-            merges[p.id] = c
-            for k, o in enumerate(p.outputs):
-                if k != PROLOGUES[p.op]:
-                    g.values[o].alias_of = None     # written while other programs read the input
-            state.note("merge_prologues", f"{g.name}: {p.op} (line {p.line}) into {g.nodes[c].op} "
-                                          f"(line {g.nodes[c].line}), {PHASE} phase")
-    if merges:
-        state.merges[PHASE] = merges
+            if p.op in PROLOGUES and (c := _merge(state, g, p)) is not None:
+                nodes[p.id] = (g, p, c)
+    # A merged launch writes its producer's outputs (one program) while every program reads the
+    # producer's inputs, so those must be other memory: the producer's in-place alias is dropped.
+    # A merge whose written output still shares a buffer with one of its inputs (through a later
+    # in-place op that is not merged, or the layer's carried values) is not made; dropping it
+    # restores its alias, which may undo another's, so this runs to a fixed point.
+    while True:
+        saved = {}
+        for g, p, _ in nodes.values():
+            for o in _written(p):
+                saved[o] = g.values[o].alias_of
+                g.values[o].alias_of = None
+        roots = memory_classes(state.graph)
+        clash = [pid for pid, (g, p, _) in nodes.items()
+                 if {roots.find(o) for o in _written(p)} & {roots.find(i) for i in p.inputs}]
+        for g, p, _ in nodes.values():               # back as they were until the set is final
+            for o in _written(p):
+                g.values[o].alias_of = saved[o]
+        if not clash:
+            break
+        for pid in clash:
+            del nodes[pid]
+    for g, p, c in nodes.values():
+        for o in _written(p):
+            g.values[o].alias_of = None
+        state.note("merge_prologues", f"{g.name}: {p.op} (line {p.line}) into {g.nodes[c].op} "
+                                      f"(line {g.nodes[c].line}), {PHASE} phase")
+    if nodes:
+        state.merges[PHASE] = {pid: c for pid, (_, _, c) in nodes.items()}
 
 
 def merged_launch(g, p, c, prologue_launch: dict, consumer_launch: dict) -> dict:

@@ -48,10 +48,32 @@ class _UF:
             self.p[rb] = ra
 
 
+def memory_classes(graph) -> _UF:
+    """Values that share one buffer: views and in-place outputs with their sources, and each
+    loop-carried value across every layer kind (the layer node's inputs and outputs, each body's
+    inputs, outputs and carried pairs)."""
+    uf = _UF()
+    for g in graph.walk():
+        for v in g.values.values():
+            if v.alias_of:
+                uf.union(v.alias_of, v.name)
+        for n in g.ordered():
+            if n.op != "layers":
+                continue
+            for b in n.bodies.values():
+                for outer, inner in zip(n.inputs, b.inputs):
+                    uf.union(outer, inner)
+                for outer, inner in zip(n.outputs, b.outputs):
+                    uf.union(inner, outer)
+                for bo, bi in b.carried.items():
+                    uf.union(bi, bo)
+    return uf
+
+
 def plan_memory(state):
     top = state.graph
     world = (state.parallel or {}).get("world", 1)
-    uf = _UF()
+    uf = memory_classes(top)
     events = []                         # (index, key, "def"|"use")
     values = {}                         # key -> Value
     clock = [0]
@@ -71,8 +93,6 @@ def plan_memory(state):
                     raise state.error(f"'{v.name.split('.')[0]}' has shape {v.type}: a value may have "
                                       f"at most one dynamic dimension (T, B or G)", v.line)
                 values[v.name] = v        # names are unique across the model's graphs
-                if v.alias_of:
-                    uf.union(v.alias_of, v.name)
         for n in g.ordered():
             clock[0] += 1
             if n.op == "layers":
@@ -80,14 +100,8 @@ def plan_memory(state):
                     events.append((clock[0], i, "use"))
                 # Kinds run one layer at a time, so their bodies take turns on the timeline:
                 # a body's own values may share slots with another kind's; carried values are
-                # one buffer across every kind.
+                # one buffer across every kind (memory_classes).
                 for b in n.bodies.values():
-                    for outer, inner in zip(n.inputs, b.inputs):
-                        uf.union(outer, inner)
-                    for outer, inner in zip(n.outputs, b.outputs):
-                        uf.union(inner, outer)
-                    for bo, bi in b.carried.items():
-                        uf.union(bi, bo)
                     visit(b)
                 clock[0] += 1
                 for o in n.outputs:

@@ -1,0 +1,98 @@
+"""The narrow phase's merged attention launch (compiler/passes/merge_prologues.py):
+qk_norm_rope_cache of the new token inside attention_decode, under the interpreter. Against the
+two kernels run one after the other: the same output bits and the same K/V written at the token's
+slot (the interpreter's sums do not depend on the tile layout), and against the two ops' numpy
+references. GQA groups of 1, 4 and 8, head dims not a power of two, partial rotary, llama3 and
+YaRN scaling, norms on and off, several splits (the merge), a sliding window with a softcap."""
+import numpy as np
+import pytest
+import torch
+
+from infc.compiler.ops import REGISTRY
+
+from .harness import poison, rand, rel_err, render, run
+from .test_attention_kernels import LLAMA3, PS, TOL, YARN, Paged, kv_caches
+
+# hq, hkv, d, context lens (the new token is each one's last key), qk attrs, tune, attention attrs
+CASES = [
+    (8, 2, 64, [40, 300], dict(q_norm=True, k_norm=True), {"NUM_SPLITS": 4, "BLOCK_N": 16}, {}),
+    (2, 2, 64, [17], dict(q_norm=False, k_norm=False, scaling=LLAMA3), {}, {}),
+    (4, 2, 64, [70, 5], dict(q_norm=True, k_norm=True, scaling=YARN, rotary_dim=32),
+     {"NUM_SPLITS": 8, "BLOCK_N": 16}, {}),
+    (6, 2, 96, [77], dict(q_norm=False, k_norm=True), {"NUM_SPLITS": 2, "BLOCK_N": 32}, {}),
+    (8, 1, 64, [600], dict(q_norm=True, k_norm=True), {"NUM_SPLITS": 8, "BLOCK_N": 32}, {}),
+    (2, 1, 128, [150], dict(q_norm=False, k_norm=False), {"NUM_SPLITS": 2, "BLOCK_N": 16},
+     {"softcap": 50.0, "window": 48, "scale": 0.1}),
+]
+
+
+@pytest.mark.parametrize("hq,hkv,d,lens,qk,tune,extra", CASES)
+def test_merged_attention_decode(hq, hkv, d, lens, qk, tune, extra):
+    gen = np.random.default_rng(hq * 31 + d + len(lens))
+    B = len(lens)
+    qk_attrs = {"q_heads": hq, "kv_heads": hkv, "head_dim": d, "eps": 1e-6,
+                "theta": 500000.0 if qk.get("scaling") else 1000000, "scaling": qk.get("scaling"),
+                "rotary_dim": qk.get("rotary_dim"), "q_norm": qk["q_norm"], "k_norm": qk["k_norm"]}
+    attn_attrs = {"kv_heads": hkv, "scale": extra.get("scale"), "window": extra.get("window"),
+                  "softcap": extra.get("softcap")}
+    page = Paged(gen, [(L - 1, 1) for L in lens], hkv, d)
+    slots = [page.pages[b][(L - 1) // PS] * PS + (L - 1) % PS for b, L in enumerate(lens)]
+    for s in slots:                           # the new token's key and value: the launch writes them
+        page.k_cache.view(-1, hkv, d)[s] = float("nan")
+        page.v_cache.view(-1, hkv, d)[s] = float("nan")
+    qkv = rand((B, (hq + 2 * hkv) * d), gen=gen, scale=3.0)
+    norms = [(1 + 0.3 * rand((d,), gen=gen).float()).to(torch.bfloat16) for _ in range(qk["q_norm"] + qk["k_norm"])]
+    meta = {"meta:positions": torch.tensor([L - 1 for L in lens], dtype=torch.int32),
+            "meta:slot_mapping": torch.tensor(slots, dtype=torch.int32)}
+    qk_in = [("qkv", ["T", (hq + 2 * hkv) * d], "bf16")]
+    qk_in += [("q_norm", [d], "bf16", "weight")] * qk["q_norm"] + [("k_norm", [d], "bf16", "weight")] * qk["k_norm"]
+    norm_b = {f"in:{i + 1}": w for i, w in enumerate(norms)}
+    dims = {"T": B, "B": B}
+
+    # the two kernels, one after the other, on a copy of the caches
+    caches = {"cache:k": page.k_cache.clone(), "cache:v": page.v_cache.clone()}
+    unmerged = page.bindings() | caches
+    k1 = render("qk_norm_rope_cache", "qk_norm_rope_cache", qk_in, [("q", ["T", hq, d], "bf16"), ("cache", [], "", "cache")],
+                attrs=qk_attrs, caches=kv_caches(hkv, d))
+    q = poison((B, hq, d))
+    run(k1, {"in:0": qkv, "out:0": q, **norm_b, **meta, **caches}, dims)
+    k2 = render("attention_decode", "attention_cached", [("q", ["T", hq, d], "bf16"), ("cache", [], "", "cache")],
+                [("o", ["T", hq, d], "bf16")], attrs=attn_attrs, caches=kv_caches(hkv, d), tune=tune)
+    o_two = poison((B, hq, d))
+    run(k2, {"in:0": q, "out:0": o_two, **unmerged}, dims)
+
+    # the merged launch: inputs [qkv, norms..., cache], outputs [cache, o]
+    prologue = {"op": "qk_norm_rope_cache", "inputs": len(qk_in), "output": 0, "value": "q", "writes": 1,
+                "attrs": qk_attrs}
+    k = render("attention_decode", "attention_cached", qk_in + [("cache", [], "", "cache")],
+               [("cache", [], "", "cache"), ("o", ["T", hq, d], "bf16")], attrs=attn_attrs,
+               caches=kv_caches(hkv, d), tune=tune, prologue=prologue, narrow=True)
+    o = poison((B, hq, d))
+    scratch = run(k, {"in:0": qkv, **norm_b, "out:1": o, **meta, **page.bindings()}, dims)
+    assert torch.equal(o, o_two)
+    bits = lambda t: t.view(torch.int16)                             # noqa: E731 (NaN pages too)
+    assert torch.equal(bits(page.k_cache), bits(caches["cache:k"]))
+    assert torch.equal(bits(page.v_cache), bits(caches["cache:v"]))
+    assert not any(torch.isnan(page.k_cache.view(-1, hkv, d)[s]).any() for s in slots)
+    assert all(int(c) == 0 for c in scratch["counter"][:B * hkv])          # the split counters reset
+
+    # and the references: qk_norm_rope_cache (writes the float32 caches), then attention
+    ctx = page.ctx
+    ctx.meta.slot_mapping = np.asarray(slots, np.int64)
+    ctx.positions = np.asarray([L - 1 for L in lens], np.int64)
+    want_q, _ = REGISTRY["qk_norm_rope_cache"].reference(ctx, qkv.float().numpy(), *[w.float().numpy() for w in norms],
+                                                          **qk_attrs)
+    want = REGISTRY["attention_cached"].reference(ctx, want_q, None, **attn_attrs)
+    assert rel_err(o.float().numpy(), want) <= TOL
+
+
+def test_the_merged_attention_needs_a_narrow_step():
+    from infc.compiler.codegen.render import TemplateError
+    qk_attrs = {"q_heads": 4, "kv_heads": 2, "head_dim": 64, "eps": 1e-6, "theta": 1e6, "scaling": None,
+                "rotary_dim": None, "q_norm": False, "k_norm": False}
+    prologue = {"op": "qk_norm_rope_cache", "inputs": 1, "output": 0, "value": "q", "writes": 1, "attrs": qk_attrs}
+    with pytest.raises(TemplateError, match="narrow_step"):
+        render("attention_decode", "attention_cached", [("qkv", ["T", 512], "bf16"), ("cache", [], "", "cache")],
+               [("cache", [], "", "cache"), ("o", ["T", 4, 64], "bf16")],
+               attrs={"kv_heads": 2, "scale": None, "window": None, "softcap": None}, caches=kv_caches(2, 64),
+               prologue=prologue)
