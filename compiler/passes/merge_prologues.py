@@ -1,13 +1,18 @@
 """Per-phase launch merges: a producer folded into its one consumer's launch in one phase only.
 
-One graph serves every phase, but some fusions pay in one phase and lose in another. The
-residual add + RMSNorm before a linear is the first: in a decode step of one token, every GEMV
-program can re-read the row (x and d, 2 x H bf16 from L2) and normalize it while its first weight
-tiles are in flight (the preload before the PDL wait), which costs a little less than the launch
-between the two kernels (-0.02 ms a qwen3-4b step on an H100: bench/NOTES.md, sixth session). At 64 rows that re-read is per row block and column block, and in a prefill it
-is the whole prompt per program, so the graph keeps the two ops and the merge is made for the
-"narrow" program only: decode steps of at most NARROW_TOKENS tokens (runtime/program.py
-`program_name`; plan["narrow_tokens"]).
+One graph serves every phase, but some fusions pay in one phase and lose in another. In a decode
+step of one token:
+- the residual add + RMSNorm before a linear: every GEMV program can re-read the row (x and d,
+  2 x H bf16 from L2) and normalize it while its first weight tiles are in flight (the preload
+  before the PDL wait), which costs a little less than the launch between the two kernels;
+- q/k RMSNorm + RoPE + the KV-cache write before decode attention: each split of a (sequence, kv
+  head) computes its query heads and the new token's key itself, where a launch of its own was a
+  drain and a fill between the qkv GEMV and attention.
+Together -0.085 / -0.13 ms a qwen3-4b step at prompts 32 / 1k on an H100 (bench/NOTES.md, sixth
+session). At 64 rows the GEMV's re-read is per row block and column block, and a prompt's keys
+must be in the cache before other programs read them, so the graph keeps the ops and the merges
+are made for the "narrow" program only: decode steps of at most NARROW_TOKENS tokens
+(runtime/program.py `program_name`; plan["narrow_tokens"]).
 
     narrow:  [x', h = add_rms_norm(x, d, w); y = linear(h, W)]  ->  one launch
              linear(x, d, w, W) -> (x', y), launch["prologue"] = {op, inputs: 3, output: 1, value: h, ...}
