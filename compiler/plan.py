@@ -133,7 +133,7 @@ def _launches(state, g: Graph, phase: str) -> list:
         launch = _launch(state, g, n, phase)
         if n.id in into:
             p = g.nodes[into[n.id]]
-            launch = merged_launch(g, p, n, _launch(state, g, p, phase), launch)
+            launch = merged_launch(p, n, _launch(state, g, p, phase), launch)
         out.append(launch)
     return out
 

@@ -121,11 +121,12 @@ def launch_tensors(plan: dict, launch: dict) -> tuple[list[dict], list[dict]]:
 AS_PHASE = {"narrow": "decode"}
 
 
-def tuning_key(plan: dict, launch: dict, phase: str) -> str:
-    """The key of a launch in the tuning tables: the phase and its tensors' shapes. A merged
-    launch is keyed as its consumer alone (the producer's output it reads, then the consumer's
-    other tensors): its tiles are the consumer's."""
-    ins, outs = launch_tensors(plan, launch)
+def tuning_key(plan: dict, launch: dict, phase: str, tensors=None) -> str:
+    """The key of a launch in the tuning tables: the phase and its tensors' shapes (tensors:
+    launch_tensors' result, where the caller has it). A merged launch is keyed as its consumer
+    alone (the producer's output it reads, then the consumer's other tensors): its tiles are the
+    consumer's."""
+    ins, outs = tensors or launch_tensors(plan, launch)
     pro = launch.get("prologue")
     if pro is not None:
         ins = [_tensor(plan, pro["value"], False)] + ins[pro["inputs"]:]
@@ -139,7 +140,7 @@ def launch_context(plan: dict, launch: dict, phase: str, tuning: dict, page_size
     return {"op": launch["op"], "phase": AS_PHASE.get(phase, phase), "narrow": phase == "narrow",
             "inputs": ins, "outputs": outs, "attrs": launch["attrs"], "prologue": launch.get("prologue"),
             "config": plan["config"], "caches": caches, "page_size": page_size,
-            "tune": tune_for(tuning, launch["kernel"], tuning_key(plan, launch, phase))}
+            "tune": tune_for(tuning, launch["kernel"], tuning_key(plan, launch, phase, (ins, outs)))}
 
 
 # The runtime's sampler: launched after a step on the logits output (f32 [B, V]), outside the

@@ -79,32 +79,28 @@ def merge_prologues(state):
     # A merge whose written output still shares a buffer with one of its inputs (through a later
     # in-place op that is not merged, or the layer's carried values) is not made; dropping it
     # restores its alias, which may undo another's, so this runs to a fixed point.
+    original = {o: g.values[o].alias_of for g, p, _ in nodes.values() for o in _written(p)}
+    for g, p, _ in nodes.values():
+        for o in _written(p):
+            g.values[o].alias_of = None
     while True:
-        saved = {}
-        for g, p, _ in nodes.values():
-            for o in _written(p):
-                saved[o] = g.values[o].alias_of
-                g.values[o].alias_of = None
         roots = memory_classes(state.graph)
         clash = [pid for pid, (g, p, _) in nodes.items()
                  if {roots.find(o) for o in _written(p)} & {roots.find(i) for i in p.inputs}]
-        for g, p, _ in nodes.values():               # back as they were until the set is final
-            for o in _written(p):
-                g.values[o].alias_of = saved[o]
         if not clash:
             break
         for pid in clash:
-            del nodes[pid]
+            g, p, _ = nodes.pop(pid)
+            for o in _written(p):
+                g.values[o].alias_of = original[o]
     for g, p, c in nodes.values():
-        for o in _written(p):
-            g.values[o].alias_of = None
         state.note("merge_prologues", f"{g.name}: {p.op} (line {p.line}) into {g.nodes[c].op} "
                                       f"(line {g.nodes[c].line}), {PHASE} phase")
     if nodes:
         state.merges[PHASE] = {pid: c for pid, (_, _, c) in nodes.items()}
 
 
-def merged_launch(g, p, c, prologue_launch: dict, consumer_launch: dict) -> dict:
+def merged_launch(p, c, prologue_launch: dict, consumer_launch: dict) -> dict:
     """One launch for producer p and consumer c (their launch dicts as plan._launches makes them):
     the producer's inputs, then the consumer's other inputs; the producer's outputs but the one
     the consumer read, then the consumer's."""
