@@ -92,28 +92,39 @@ def test_a_dependent_kernel_waits_before_anything_else(path):
     assert "gdc_wait" in path.read_text()
 
 
-def test_reads_before_the_wait_are_weights():
-    """Every launch of a kernel that reads parameters before its wait binds them to weights
-    (immutable for the whole run), in every spec variant's plan."""
+def test_reads_before_the_wait_are_step_invariant():
+    """Every launch of a kernel that reads parameters before its wait binds them to what no kernel
+    of the step writes before it, in every spec variant's plan: weights (immutable for the whole
+    run), the step's metadata (uploaded before its first kernel), or a KV cache that only this
+    launch writes in its layer (the narrow attention with its cache write merged in: it reads the
+    keys of earlier steps before the wait and its own token's after its own barrier)."""
     import json
     from infc.runtime.program import unrolled
-    checked = 0
+    checked = {"in": 0, "meta": 0, "cache": 0}
     for plan_path in sorted(REPO.glob("generated/*/plan.json")):
         plan = json.loads(plan_path.read_text())
         metas = {p.stem: _meta(ast.parse(p.read_text())) for p in (plan_path.parent / "kernels").glob("*.py")}
         for program in plan["programs"].values():
-            for launch, _ in unrolled(program):
+            order = list(unrolled(program))
+            for launch, layer in order:
                 meta = metas.get(launch.get("kernel_id"))
                 if not meta or not meta.get("reads_before_wait"):
                     continue
                 binding = {name: src for name, _, src in meta["params"]}
+                where = (plan_path.parent.name, launch["kernel_id"])
                 for name in meta["reads_before_wait"]:
                     kind, _, idx = binding[name].partition(":")
-                    assert kind == "in", (plan_path, name, binding[name])
-                    value = launch["inputs"][int(idx)]
-                    assert value in plan["weights"], (plan_path.parent.name, launch["kernel_id"], name, value)
-                    checked += 1
-    assert checked > 100
+                    assert kind in checked, (where, name, binding[name])
+                    if kind == "in":
+                        value = launch["inputs"][int(idx)]
+                        assert value in plan["weights"], (where, name, value)
+                    elif kind == "cache":
+                        writers = [other for other, lay in order if lay == layer and launch.get("caches")
+                                   and other.get("caches") == launch["caches"]
+                                   and any(o in other.get("inputs", []) for o in other["outputs"])]
+                        assert writers == [launch], (where, name, [w["op"] for w in writers])
+                    checked[kind] += 1
+    assert checked["in"] > 100 and checked["meta"] > 10 and checked["cache"] > 10, checked
 
 
 def test_the_unwaited_read_check_catches_an_activation_read():
