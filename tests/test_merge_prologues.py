@@ -43,6 +43,23 @@ def test_the_narrow_program_renders_the_decode_kernels_but_the_gemvs():
     assert only_narrow == {"linear", "linear_gated", "lm_head_last", "attention_cached"}
 
 
+def test_a_narrow_tuning_entry_reaches_the_narrow_launches_alone():
+    """A "narrow|S" entry is laid over "decode|S" for the narrow program's launch of those shapes,
+    and the decode program's launch of the same shapes keeps the decode entry."""
+    from infc.compiler.codegen.render import render_plan, tuning_key
+    _, plan = compile_model("qwen3-4b")
+    gated = {p: next(l for l, _ in launches(plan["programs"][p]) if l["op"] == "linear_gated")
+             for p in ("decode", "narrow")}
+    key = tuning_key(plan, gated["decode"], "decode")
+    assert tuning_key(plan, gated["narrow"], "narrow") == key
+    table = {"templates": {"gemv_gated": {key: {"BLOCK_N": 16, "num_warps": 8},
+                                          "narrow|" + key.split("|", 1)[1]: {"BLOCK_N": 8}}}}
+    kernels = render_plan(plan, table, 16)
+    meta = {p: kernels[gated[p]["kernel_id"]].meta for p in gated}
+    assert meta["decode"]["constexprs"]["BLOCK_N"] == 16 and meta["decode"]["num_warps"] == 8
+    assert meta["narrow"]["constexprs"]["BLOCK_N"] == 8 and meta["narrow"]["num_warps"] == 8
+
+
 def test_no_fuse_and_data_parallel_plans_have_no_narrow_program(tiny_model):
     _, plan = compile_model("qwen3-4b", fuse=False)
     assert "narrow" not in plan["programs"] and "narrow_tokens" not in plan

@@ -61,10 +61,12 @@ def shape_key(phase: str, tensors: list[dict]) -> str:
     return phase + "|" + ";".join("x".join(str(d) for d in t["shape"]) for t in tensors)
 
 
-def tune_for(table: dict, template: str, key: str) -> dict:
+def tune_for(table: dict, template: str, key: str, *more: str) -> dict:
+    """The template's "default" entry, then the entry of each key in turn laid over it."""
     entry = table.get("templates", {}).get(template, {})
     out = dict(entry.get("default", {}))
-    out.update(entry.get(key, {}))
+    for k in (key, *more):
+        out.update(entry.get(k, {}))
     return out
 
 
@@ -116,9 +118,16 @@ def launch_tensors(plan: dict, launch: dict) -> tuple[list[dict], list[dict]]:
 
 # A narrow step (compiler/passes/merge_prologues.py) is a decode step of one token: its launches
 # render as the decode step's (templates see phase "decode", and narrow = True; the tuning tables'
-# "decode|..." entries), so only a template that reads `narrow` (the GEMV: its CUDA-core path
-# alone, a merged prologue) makes a kernel of its own.
+# "decode|..." entries, with a "narrow|..." entry of the same shapes laid over them where the
+# table has one: a tile for one row alone, which the decode program's 2-127 rows keep out of),
+# so only a template that reads `narrow` (the GEMV: its CUDA-core path alone, a merged prologue)
+# or a narrow entry makes a kernel of its own.
 AS_PHASE = {"narrow": "decode"}
+
+
+def narrow_key(key: str) -> str:
+    """The narrow step's own entry beside a decode key: "decode|S" -> "narrow|S"."""
+    return "narrow|" + key.split("|", 1)[1]
 
 
 def tuning_key(plan: dict, launch: dict, phase: str, tensors=None) -> str:
@@ -137,10 +146,12 @@ def tuning_key(plan: dict, launch: dict, phase: str, tensors=None) -> str:
 def launch_context(plan: dict, launch: dict, phase: str, tuning: dict, page_size: int) -> dict:
     ins, outs = launch_tensors(plan, launch)
     caches = {n: {**c, "page_size": page_size} for n, c in plan.get("caches", {}).items()}
+    key = tuning_key(plan, launch, phase, (ins, outs))
+    keys = (key, narrow_key(key)) if phase == "narrow" else (key,)
     return {"op": launch["op"], "phase": AS_PHASE.get(phase, phase), "narrow": phase == "narrow",
             "inputs": ins, "outputs": outs, "attrs": launch["attrs"], "prologue": launch.get("prologue"),
             "config": plan["config"], "caches": caches, "page_size": page_size,
-            "tune": tune_for(tuning, launch["kernel"], tuning_key(plan, launch, phase, (ins, outs)))}
+            "tune": tune_for(tuning, launch["kernel"], *keys)}
 
 
 # The runtime's sampler: launched after a step on the logits output (f32 [B, V]), outside the
