@@ -12,6 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 if [ "${1:-}" = --unpack ]; then        # on the GPU machine: put the pieces where prepare.py left them
   mkdir -p .cache/gpu .cache/artifacts
+  find .cache/carry -name '*.gz' -exec gunzip -f {} +      # the large files, packed below
   (cd .cache/carry && find . -path ./binpool -prune -o -type f -print) | while read -r f; do
     mkdir -p ".cache/$(dirname "$f")"
     if [ "$(basename "$f")" = bin.list ]; then
@@ -35,4 +36,7 @@ for p in "$@"; do
     rm -rf "$b"
   done
 done
+# the device tool's 64 MiB counts bytes as they lie: files over 1 MiB outside the cubin pool (the
+# Qwen tokenizer's 11 MB of JSON) travel gzipped, and --unpack restores them
+find .cache/carry -path .cache/carry/binpool -prune -o -type f -size +1M ! -name '*.gz' -print0 | xargs -0 -r gzip -9
 du -sh .cache/carry

@@ -1,0 +1,41 @@
+"""Run HERE (no GPU): build one model's artifact once per tuning overlay, for an in-model A/B
+(tests/gpu/call_ab_latency.sh) of kernel tiles that `infc tune` cannot judge alone (PDL overlap,
+preloads: bench/NOTES.md).
+
+    python tests/gpu/build_variants.py VARIANTS.json MODEL_DIR NAME [--gpu h200]
+        -> .cache/artifacts/NAME-<label> for each label of VARIANTS.json, and NAME-base (no overlay)
+
+VARIANTS.json: {"label": {template: {shape key: {tunable: value}}}, ...} (build.load_tuning's
+overlay form; a "narrow|..." key reaches the narrow program alone). Prints the ARTS line for
+call_ab_latency.sh. Commit first: the artifacts name no commit of their own.
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="tests/gpu/build_variants.py")
+    ap.add_argument("variants")
+    ap.add_argument("model_dir")
+    ap.add_argument("name")
+    ap.add_argument("--gpu", default="h200", choices=["h100", "h200"])
+    a = ap.parse_args(argv)
+    from infc.compiler.build import build
+    variants = json.loads(Path(a.variants).read_text())
+    if not isinstance(variants, dict) or not all(isinstance(v, dict) for v in variants.values()):
+        sys.exit(f"{a.variants}: want {{label: overlay}}")
+    names = []
+    for label, overlay in {"base": {}, **variants}.items():
+        out = REPO / ".cache/artifacts" / f"{a.name}-{label}"
+        build(out=str(out), gpu=a.gpu, log=None, model_dir=a.model_dir, tuning_overlay=overlay or None)
+        names.append(out.name)
+        print(f"built {out.name}", flush=True)
+    print('ARTS="' + " ".join(names) + '"')
+
+
+if __name__ == "__main__":
+    main()
