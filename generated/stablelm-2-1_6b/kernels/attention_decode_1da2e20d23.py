@@ -1,8 +1,8 @@
-# attention_decode: one new token per sequence (row b of q [B, Hq=24, D=128]), causal over its
-# whole paged cache (context_lens[b] = L keys, the new token's included), GQA group G=3:
+# attention_decode: one new token per sequence (row b of q [B, Hq=32, D=64]), causal over its
+# whole paged cache (context_lens[b] = L keys, the new token's included), GQA group G=1:
 #   s_j = q[b, h] . K[b, j, h // G] * scale
 #   o[b, h] = sum_j softmax_j(s) V[b, j, h // G],  j < L
-# with K[b, j] = k_cache[block_tables[b, j // 16], j % 16] and scale = 0.08838834764831845.
+# with K[b, j] = k_cache[block_tables[b, j // 16], j % 16] and scale = 0.125.
 # Grid (B * Hkv, ns): one program per (sequence, kv head, split) covers the G query heads of its kv
 # head (padded to G_PAD=16 rows for tl.dot) so K/V are read once. ns = min(NUM_SPLITS=32,
 # max(1, cdiv(TARGET_CTAS=264, B * Hkv))) splits only as far as needed to fill the GPU.
@@ -21,14 +21,16 @@
 # Merged in front (narrow steps): qk_norm_rope_cache of each sequence's new token, by every
 # active split of (b, kv head) for its G query heads and its kv head, into the scratch q and the
 # caches at slot_mapping[b] (the splits write the same bits; the one that holds key L - 1 reads
-# it back after a CTA barrier, the others never read it):
+# it back after a CTA barrier, the others never read it). Before its PDL wait the launch reads
+# only what no kernel of the step writes (META reads_before_wait: tests/test_dependent_launch.py):
+# metadata, norm weights, and its first key block below L - 1, so those loads overlap the qkv GEMV:
 # for a token t at position p = positions[t] and slot s = slot_mapping[t]:
 #   q[t, h]   = rope(q_h, p)
 #   K[s, kh]  = rope(k_kh, p)                -> cache:k [pages, page_size, Hkv, D]
 #   V[s, kh]  = v_kh                                                     -> cache:v
 # rms_norm(x, w) = bf16(bf16(x / sqrt(mean(x^2) + eps)) * w) (eps=0.0) over all D dims: HF rounds the
 # normalized head to bf16, then multiplies by the bf16 weight and rounds again (Llama's order).
-# rope(x, p) on the first R=64 dims (rotate-half; x1, x2 the two halves of x[:R]; x[R:] passes through):
+# rope(x, p) on the first R=16 dims (rotate-half; x1, x2 the two halves of x[:R]; x[R:] passes through):
 #   [x1 cos - x2 sin, x2 cos + x1 sin, x[R:]],  cos/sin of a_j = f32(p) * f32(inv_freq_j),
 #   inv_freq_j = theta^(-2j/R) (theta=10000), computed in fp64 in the kernel,
 #   from the absolute position (no table, so no position limit); the angle is reduced mod 2 pi
@@ -260,20 +262,20 @@ META = {
         ["pos_ptr", "*i32", "meta:positions"],
         ["slot_ptr", "*i32", "meta:slot_mapping"],
     ],
-    "constexprs": {"HQ": 24, "HKV": 8, "G": 3, "G_PAD": 16, "D": 128,
-                   "BLOCK_D": 128, "PS": 16, "BLOCK_N": 64,
-                   "G_M": 4, "MERGE_CHUNK": 8,
-                   "QK_SCALE": 0.12751743082459868,
-                   "BLOCK_H": 4, "HALF": 32, "BLOCK_HALF": 32, "PASS": 64, "BLOCK_PASS": 64,
-                   "EPS": 0.0, "THETA": 10000.0, "ROT": 64,
+    "constexprs": {"HQ": 32, "HKV": 32, "G": 1, "G_PAD": 16, "D": 64,
+                   "BLOCK_D": 64, "PS": 16, "BLOCK_N": 64,
+                   "G_M": 2, "MERGE_CHUNK": 8,
+                   "QK_SCALE": 0.18033688011112042,
+                   "BLOCK_H": 2, "HALF": 8, "BLOCK_HALF": 8, "PASS": 48, "BLOCK_PASS": 64,
+                   "EPS": 0.0, "THETA": 10000.0, "ROT": 16,
                    "DOT_F32": False, "PDL": True},
     "pdl": True,
     "reads_before_wait": ["context_lens", "block_tables", "k_cache", "v_cache", "pos_ptr", "slot_ptr"],
-    "grid": ["B * 8", "min(32, max(1, cdiv(264, B * 8)))", 1],
+    "grid": ["B * 32", "min(32, max(1, cdiv(264, B * 32)))", 1],
     "num_warps": 4,
     "num_stages": 2,
-    "scratch": {"partial_o": "(B * 8 + 264) * 1536",
-                "partial_ml": "(B * 8 + 264) * 24",
-                "counter": "B * 32",
-                "q": "B * 6144"},
+    "scratch": {"partial_o": "(B * 32 + 264) * 256",
+                "partial_ml": "(B * 32 + 264) * 8",
+                "counter": "B * 128",
+                "q": "B * 4096"},
 }

@@ -1,8 +1,8 @@
-# attention_decode: one new token per sequence (row b of q [B, Hq=32, D=128]), causal over its
+# attention_decode: one new token per sequence (row b of q [B, Hq=16, D=128]), causal over its
 # whole paged cache (context_lens[b] = L keys, the new token's included), GQA group G=4:
 #   s_j = q[b, h] . K[b, j, h // G] * scale
 #   o[b, h] = sum_j softmax_j(s) V[b, j, h // G],  j < L
-# with K[b, j] = k_cache[block_tables[b, j // 16], j % 16] and scale = 0.0078125.
+# with K[b, j] = k_cache[block_tables[b, j // 16], j % 16] and scale = 0.08838834764831845.
 # Grid (B * Hkv, ns): one program per (sequence, kv head, split) covers the G query heads of its kv
 # head (padded to G_PAD=16 rows for tl.dot) so K/V are read once. ns = min(NUM_SPLITS=32,
 # max(1, cdiv(TARGET_CTAS=264, B * Hkv))) splits only as far as needed to fill the GPU.
@@ -21,7 +21,9 @@
 # Merged in front (narrow steps): qk_norm_rope_cache of each sequence's new token, by every
 # active split of (b, kv head) for its G query heads and its kv head, into the scratch q and the
 # caches at slot_mapping[b] (the splits write the same bits; the one that holds key L - 1 reads
-# it back after a CTA barrier, the others never read it):
+# it back after a CTA barrier, the others never read it). Before its PDL wait the launch reads
+# only what no kernel of the step writes (META reads_before_wait: tests/test_dependent_launch.py):
+# metadata, norm weights, and its first key block below L - 1, so those loads overlap the qkv GEMV:
 # for a token t at position p = positions[t] and slot s = slot_mapping[t]:
 #   q[t, h]   = rope(q_h, p)
 #   K[s, kh]  = rope(k_kh, p)                -> cache:k [pages, page_size, Hkv, D]
@@ -30,7 +32,7 @@
 # normalized head to bf16, then multiplies by the bf16 weight and rounds again (Llama's order).
 # rope(x, p) on the first R=128 dims (rotate-half; x1, x2 the two halves of x[:R]; x[R:] passes through):
 #   [x1 cos - x2 sin, x2 cos + x1 sin, x[R:]],  cos/sin of a_j = f32(p) * f32(inv_freq_j),
-#   inv_freq_j = theta^(-2j/R) (theta=10000.0), computed in fp64 in the kernel,
+#   inv_freq_j = theta^(-2j/R) (theta=5000000.0), computed in fp64 in the kernel,
 #   from the absolute position (no table, so no position limit); the angle is reduced mod 2 pi
 #   (two-constant Cody-Waite) before cos/sin, so cos/sin of the fp32 angle stay accurate at any
 #   position (no reliance on the hardware's range reduction).
@@ -247,20 +249,20 @@ META = {
         ["pos_ptr", "*i32", "meta:positions"],
         ["slot_ptr", "*i32", "meta:slot_mapping"],
     ],
-    "constexprs": {"HQ": 32, "HKV": 8, "G": 4, "G_PAD": 16, "D": 128,
+    "constexprs": {"HQ": 16, "HKV": 4, "G": 4, "G_PAD": 16, "D": 128,
                    "BLOCK_D": 128, "PS": 16, "BLOCK_N": 64,
                    "G_M": 4, "MERGE_CHUNK": 8,
-                   "QK_SCALE": 0.011271055006945026,
+                   "QK_SCALE": 0.12751743082459868,
                    "BLOCK_H": 8, "HALF": 64, "BLOCK_HALF": 64, "PASS": 0, "BLOCK_PASS": 1,
-                   "EPS": 0.0, "THETA": 10000.0, "ROT": 128,
+                   "EPS": 0.0, "THETA": 5000000.0, "ROT": 128,
                    "DOT_F32": False, "PDL": True},
     "pdl": True,
     "reads_before_wait": ["context_lens", "block_tables", "k_cache", "v_cache", "pos_ptr", "slot_ptr"],
-    "grid": ["B * 8", "min(32, max(1, cdiv(264, B * 8)))", 1],
+    "grid": ["B * 4", "min(32, max(1, cdiv(264, B * 4)))", 1],
     "num_warps": 4,
     "num_stages": 2,
-    "scratch": {"partial_o": "(B * 8 + 264) * 2048",
-                "partial_ml": "(B * 8 + 264) * 32",
-                "counter": "B * 32",
-                "q": "B * 8192"},
+    "scratch": {"partial_o": "(B * 4 + 264) * 2048",
+                "partial_ml": "(B * 4 + 264) * 32",
+                "counter": "B * 16",
+                "q": "B * 4096"},
 }

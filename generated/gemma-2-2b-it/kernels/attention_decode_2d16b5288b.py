@@ -1,8 +1,8 @@
-# attention_decode: one new token per sequence (row b of q [B, Hq=32, D=128]), causal over its
+# attention_decode: one new token per sequence (row b of q [B, Hq=8, D=256]), causal over its
 # whole paged cache (context_lens[b] = L keys, the new token's included), GQA group G=2:
 #   s_j = q[b, h] . K[b, j, h // G] * scale,  s_j = softcap * tanh(s_j / softcap)  (softcap = 50.0)
 #   o[b, h] = sum_j softmax_j(s) V[b, j, h // G],  L - WINDOW <= j < L (window = 4096: the query at L - 1 sees keys with L - 1 - j < window)
-# with K[b, j] = k_cache[block_tables[b, j // 16], j % 16] and scale = 0.08333333333333333.
+# with K[b, j] = k_cache[block_tables[b, j // 16], j % 16] and scale = 0.0625.
 # Grid (B * Hkv, ns): one program per (sequence, kv head, split) covers the G query heads of its kv
 # head (padded to G_PAD=16 rows for tl.dot) so K/V are read once. ns = min(NUM_SPLITS=32,
 # max(1, cdiv(TARGET_CTAS=264, B * Hkv))) splits only as far as needed to fill the GPU.
@@ -22,14 +22,16 @@
 # Merged in front (narrow steps): qk_norm_rope_cache of each sequence's new token, by every
 # active split of (b, kv head) for its G query heads and its kv head, into the scratch q and the
 # caches at slot_mapping[b] (the splits write the same bits; the one that holds key L - 1 reads
-# it back after a CTA barrier, the others never read it):
+# it back after a CTA barrier, the others never read it). Before its PDL wait the launch reads
+# only what no kernel of the step writes (META reads_before_wait: tests/test_dependent_launch.py):
+# metadata, norm weights, and its first key block below L - 1, so those loads overlap the qkv GEMV:
 # for a token t at position p = positions[t] and slot s = slot_mapping[t]:
 #   q[t, h]   = rope(q_h, p)
 #   K[s, kh]  = rope(k_kh, p)                -> cache:k [pages, page_size, Hkv, D]
 #   V[s, kh]  = v_kh                                                     -> cache:v
 # rms_norm(x, w) = bf16(bf16(x / sqrt(mean(x^2) + eps)) * w) (eps=0.0) over all D dims: HF rounds the
 # normalized head to bf16, then multiplies by the bf16 weight and rounds again (Llama's order).
-# rope(x, p) on the first R=128 dims (rotate-half; x1, x2 the two halves of x[:R]; x[R:] passes through):
+# rope(x, p) on the first R=256 dims (rotate-half; x1, x2 the two halves of x[:R]; x[R:] passes through):
 #   [x1 cos - x2 sin, x2 cos + x1 sin, x[R:]],  cos/sin of a_j = f32(p) * f32(inv_freq_j),
 #   inv_freq_j = theta^(-2j/R) (theta=10000.0), computed in fp64 in the kernel,
 #   from the absolute position (no table, so no position limit); the angle is reduced mod 2 pi
@@ -265,22 +267,22 @@ META = {
         ["pos_ptr", "*i32", "meta:positions"],
         ["slot_ptr", "*i32", "meta:slot_mapping"],
     ],
-    "constexprs": {"HQ": 32, "HKV": 16, "G": 2, "G_PAD": 16, "D": 128,
-                   "BLOCK_D": 128, "PS": 16, "BLOCK_N": 64,
+    "constexprs": {"HQ": 8, "HKV": 4, "G": 2, "G_PAD": 16, "D": 256,
+                   "BLOCK_D": 256, "PS": 16, "BLOCK_N": 64,
                    "G_M": 2, "MERGE_CHUNK": 8,
-                   "QK_SCALE": 0.0016666666666666666,
+                   "QK_SCALE": 0.00125,
                    "WINDOW": 4096,
                    "CAP_LOG2": 72.13475204444816,
-                   "BLOCK_H": 4, "HALF": 64, "BLOCK_HALF": 64, "PASS": 0, "BLOCK_PASS": 1,
-                   "EPS": 0.0, "THETA": 10000.0, "ROT": 128,
+                   "BLOCK_H": 4, "HALF": 128, "BLOCK_HALF": 128, "PASS": 0, "BLOCK_PASS": 1,
+                   "EPS": 0.0, "THETA": 10000.0, "ROT": 256,
                    "DOT_F32": False, "PDL": True},
     "pdl": True,
     "reads_before_wait": ["context_lens", "block_tables", "k_cache", "v_cache", "pos_ptr", "slot_ptr"],
-    "grid": ["B * 16", "min(32, max(1, cdiv(264, B * 16)))", 1],
+    "grid": ["B * 4", "min(32, max(1, cdiv(264, B * 4)))", 1],
     "num_warps": 4,
     "num_stages": 2,
-    "scratch": {"partial_o": "(B * 16 + 264) * 1024",
-                "partial_ml": "(B * 16 + 264) * 16",
-                "counter": "B * 64",
-                "q": "B * 8192"},
+    "scratch": {"partial_o": "(B * 4 + 264) * 2048",
+                "partial_ml": "(B * 4 + 264) * 16",
+                "counter": "B * 16",
+                "q": "B * 4096"},
 }

@@ -1,8 +1,8 @@
-# attention_decode: one new token per sequence (row b of q [B, Hq=32, D=64]), causal over its
-# whole paged cache (context_lens[b] = L keys, the new token's included), GQA group G=1:
+# attention_decode: one new token per sequence (row b of q [B, Hq=24, D=128]), causal over its
+# whole paged cache (context_lens[b] = L keys, the new token's included), GQA group G=3:
 #   s_j = q[b, h] . K[b, j, h // G] * scale
 #   o[b, h] = sum_j softmax_j(s) V[b, j, h // G],  j < L
-# with K[b, j] = k_cache[block_tables[b, j // 16], j % 16] and scale = 0.125.
+# with K[b, j] = k_cache[block_tables[b, j // 16], j % 16] and scale = 0.08838834764831845.
 # Grid (B * Hkv, ns): one program per (sequence, kv head, split) covers the G query heads of its kv
 # head (padded to G_PAD=16 rows for tl.dot) so K/V are read once. ns = min(NUM_SPLITS=32,
 # max(1, cdiv(TARGET_CTAS=264, B * Hkv))) splits only as far as needed to fill the GPU.
@@ -21,16 +21,18 @@
 # Merged in front (narrow steps): qk_norm_rope_cache of each sequence's new token, by every
 # active split of (b, kv head) for its G query heads and its kv head, into the scratch q and the
 # caches at slot_mapping[b] (the splits write the same bits; the one that holds key L - 1 reads
-# it back after a CTA barrier, the others never read it):
+# it back after a CTA barrier, the others never read it). Before its PDL wait the launch reads
+# only what no kernel of the step writes (META reads_before_wait: tests/test_dependent_launch.py):
+# metadata, norm weights, and its first key block below L - 1, so those loads overlap the qkv GEMV:
 # for a token t at position p = positions[t] and slot s = slot_mapping[t]:
 #   q[t, h]   = rope(q_h, p)
 #   K[s, kh]  = rope(k_kh, p)                -> cache:k [pages, page_size, Hkv, D]
 #   V[s, kh]  = v_kh                                                     -> cache:v
 # rms_norm(x, w) = bf16(bf16(x / sqrt(mean(x^2) + eps)) * w) (eps=0.0) over all D dims: HF rounds the
 # normalized head to bf16, then multiplies by the bf16 weight and rounds again (Llama's order).
-# rope(x, p) on the first R=16 dims (rotate-half; x1, x2 the two halves of x[:R]; x[R:] passes through):
+# rope(x, p) on the first R=128 dims (rotate-half; x1, x2 the two halves of x[:R]; x[R:] passes through):
 #   [x1 cos - x2 sin, x2 cos + x1 sin, x[R:]],  cos/sin of a_j = f32(p) * f32(inv_freq_j),
-#   inv_freq_j = theta^(-2j/R) (theta=10000), computed in fp64 in the kernel,
+#   inv_freq_j = theta^(-2j/R) (theta=500000.0), computed in fp64 in the kernel, then Llama 3 scaled (factor, low/high_freq_factor, original length),
 #   from the absolute position (no table, so no position limit); the angle is reduced mod 2 pi
 #   (two-constant Cody-Waite) before cos/sin, so cos/sin of the fp32 angle stay accurate at any
 #   position (no reliance on the hardware's range reduction).
@@ -47,7 +49,7 @@ def attention_decode(q_ptr, k_cache, v_cache, o_ptr, block_tables, context_lens,
                      D: tl.constexpr, BLOCK_D: tl.constexpr, PS: tl.constexpr, BLOCK_N: tl.constexpr,
                      G_M: tl.constexpr, MERGE_CHUNK: tl.constexpr,
                      QK_SCALE: tl.constexpr,
-                     BLOCK_H: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr, EPS: tl.constexpr, THETA: tl.constexpr, ROT: tl.constexpr,
+                     BLOCK_H: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr, EPS: tl.constexpr, THETA: tl.constexpr, ROT: tl.constexpr, FACTOR: tl.constexpr, LOW_FREQ: tl.constexpr, HIGH_FREQ: tl.constexpr, OLD_LEN: tl.constexpr,
                      DOT_F32: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_launch_dependents()
@@ -95,10 +97,18 @@ def attention_decode(q_ptr, k_cache, v_cache, o_ptr, block_tables, context_lens,
     # inv_freq in fp64 (as the reference computes it), rounded to fp32; once per program
     log2_theta = tl.log2(tl.full([], THETA, tl.float64))
     freq = tl.exp2(j.to(tl.float64) * (log2_theta * tl.full([], -2.0 / ROT, tl.float64)))
+    # HF's llama3 rope init: low frequencies / factor, a smooth blend in between
+    factor = tl.full([], FACTOR, tl.float64)
+    low = tl.full([], LOW_FREQ, tl.float64)
+    high = tl.full([], HIGH_FREQ, tl.float64)
+    old_len = tl.full([], OLD_LEN, tl.float64)
+    wavelen = tl.full([], 6.283185307179586, tl.float64) / freq
+    scaled = tl.where(wavelen > old_len / low, freq / factor, freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    mid = (1.0 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    freq = tl.where(is_mid, mid, scaled)
     freq = freq.to(tl.float32)
-    # dims R..D-1: normed, not rotated
-    pj = 2 * HALF + tl.arange(0, BLOCK_PASS)
-    pm = hm[:, None] & (pj < D)[None, :]
 
     tc = b.to(tl.int64)                     # a decode step: sequence b's one token is row b
     t_ok = hh >= 0
@@ -124,9 +134,6 @@ def attention_decode(q_ptr, k_cache, v_cache, o_ptr, block_tables, context_lens,
     kv_rows = m2 & (hm & ~is_q & t_ok)[:, None]
     v1 = tl.load(src + HKV * D, mask=kv_rows, other=0.0)
     v2 = tl.load(src + HKV * D + HALF, mask=kv_rows, other=0.0)
-    srcp = qkv_ptr + tc * W + h[:, None] * D + pj[None, :]
-    xp = tl.load(srcp, mask=pm, other=0.0).to(tl.float32)
-    vp = tl.load(srcp + HKV * D, mask=pm & (hm & ~is_q & t_ok)[:, None], other=0.0)
     o1 = x1 * cos - x2 * sin
     o2 = x2 * cos + x1 * sin
 
@@ -146,13 +153,6 @@ def attention_decode(q_ptr, k_cache, v_cache, o_ptr, block_tables, context_lens,
     dst_v = v_cache + slot * (HKV * D) + kh[:, None] * D + j[None, :]
     tl.store(dst_v, v1.to(v_cache.dtype.element_ty), mask=km)
     tl.store(dst_v + HALF, v2.to(v_cache.dtype.element_ty), mask=km)
-    # the pass-through dims: q, K (normed, unrotated) and V
-    qpm = pm & (is_q & t_ok)[:, None]
-    tl.store(q_ptr + tc * (HQ * D) + h[:, None] * D + pj[None, :], xp.to(q_ptr.dtype.element_ty), mask=qpm)
-    kpm = pm & k_ok[:, None]
-    dst_kp = slot * (HKV * D) + kh[:, None] * D + pj[None, :]
-    tl.store(k_cache + dst_kp, xp.to(k_cache.dtype.element_ty), mask=kpm)
-    tl.store(v_cache + dst_kp, vp.to(v_cache.dtype.element_ty), mask=kpm)
     tl.debug_barrier()                      # the CTA's q and K/V stores, visible to its threads
     q = tl.load(q_ptr + o_rows, mask=gm[:, None] & dm[None, :], other=0.0)
     if DOT_F32:
@@ -260,20 +260,21 @@ META = {
         ["pos_ptr", "*i32", "meta:positions"],
         ["slot_ptr", "*i32", "meta:slot_mapping"],
     ],
-    "constexprs": {"HQ": 32, "HKV": 32, "G": 1, "G_PAD": 16, "D": 64,
-                   "BLOCK_D": 64, "PS": 16, "BLOCK_N": 64,
-                   "G_M": 2, "MERGE_CHUNK": 8,
-                   "QK_SCALE": 0.18033688011112042,
-                   "BLOCK_H": 2, "HALF": 8, "BLOCK_HALF": 8, "PASS": 48, "BLOCK_PASS": 64,
-                   "EPS": 0.0, "THETA": 10000.0, "ROT": 16,
+    "constexprs": {"HQ": 24, "HKV": 8, "G": 3, "G_PAD": 16, "D": 128,
+                   "BLOCK_D": 128, "PS": 16, "BLOCK_N": 64,
+                   "G_M": 4, "MERGE_CHUNK": 8,
+                   "QK_SCALE": 0.12751743082459868,
+                   "BLOCK_H": 4, "HALF": 64, "BLOCK_HALF": 64, "PASS": 0, "BLOCK_PASS": 1,
+                   "EPS": 0.0, "THETA": 500000.0, "ROT": 128, "FACTOR": 32.0, "LOW_FREQ": 1.0,
+                   "HIGH_FREQ": 4.0, "OLD_LEN": 8192.0,
                    "DOT_F32": False, "PDL": True},
     "pdl": True,
     "reads_before_wait": ["context_lens", "block_tables", "k_cache", "v_cache", "pos_ptr", "slot_ptr"],
-    "grid": ["B * 32", "min(32, max(1, cdiv(264, B * 32)))", 1],
+    "grid": ["B * 8", "min(32, max(1, cdiv(264, B * 8)))", 1],
     "num_warps": 4,
     "num_stages": 2,
-    "scratch": {"partial_o": "(B * 32 + 264) * 256",
-                "partial_ml": "(B * 32 + 264) * 8",
-                "counter": "B * 128",
-                "q": "B * 4096"},
+    "scratch": {"partial_o": "(B * 8 + 264) * 1536",
+                "partial_ml": "(B * 8 + 264) * 24",
+                "counter": "B * 32",
+                "q": "B * 6144"},
 }

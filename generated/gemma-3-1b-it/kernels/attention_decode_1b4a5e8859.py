@@ -1,13 +1,14 @@
 # attention_decode: one new token per sequence (row b of q [B, Hq=4, D=256]), causal over its
 # whole paged cache (context_lens[b] = L keys, the new token's included), GQA group G=4:
 #   s_j = q[b, h] . K[b, j, h // G] * scale
-#   o[b, h] = sum_j softmax_j(s) V[b, j, h // G],  j < L
+#   o[b, h] = sum_j softmax_j(s) V[b, j, h // G],  L - WINDOW <= j < L (window = 512: the query at L - 1 sees keys with L - 1 - j < window)
 # with K[b, j] = k_cache[block_tables[b, j // 16], j % 16] and scale = 0.0625.
 # Grid (B * Hkv, ns): one program per (sequence, kv head, split) covers the G query heads of its kv
 # head (padded to G_PAD=16 rows for tl.dot) so K/V are read once. ns = min(NUM_SPLITS=32,
 # max(1, cdiv(TARGET_CTAS=264, B * Hkv))) splits only as far as needed to fill the GPU.
-# Split s owns keys [s * kps, (s + 1) * kps), kps = ceil(ceil(L / ns) / BLOCK_N) * BLOCK_N (whole
-# pages); only the n = cdiv(L, kps) non-empty splits run.
+# Only the window's pages are visited: keys from lo0 = floor(max(L - WINDOW, 0) / BLOCK_N) * BLOCK_N;
+# split s owns keys lo0 + [s * kps, (s + 1) * kps), kps = ceil(ceil((L - lo0) / ns) / BLOCK_N) * BLOCK_N
+# (whole pages); only the n = cdiv(L - lo0, kps) non-empty splits run; keys below L - WINDOW are masked.
 # Each split keeps an online softmax
 # (m = running max of the log2-scaled scores, l = sum of exp2(s - m), acc = sum exp2(s - m) v).
 # n <= 1: the split writes o = acc / l (a context_lens[b] == 0 padding row gets zeros).
@@ -21,7 +22,9 @@
 # Merged in front (narrow steps): qk_norm_rope_cache of each sequence's new token, by every
 # active split of (b, kv head) for its G query heads and its kv head, into the scratch q and the
 # caches at slot_mapping[b] (the splits write the same bits; the one that holds key L - 1 reads
-# it back after a CTA barrier, the others never read it):
+# it back after a CTA barrier, the others never read it). Before its PDL wait the launch reads
+# only what no kernel of the step writes (META reads_before_wait: tests/test_dependent_launch.py):
+# metadata, norm weights, and its first key block below L - 1, so those loads overlap the qkv GEMV:
 # for a token t at position p = positions[t] and slot s = slot_mapping[t]:
 #   q[t, h]   = rope(rms_norm(q_h, q_norm), p)
 #   K[s, kh]  = rope(rms_norm(k_kh, k_norm), p)                -> cache:k [pages, page_size, Hkv, D]
@@ -30,7 +33,7 @@
 # multiplies in fp32 and the product is rounded once.
 # rope(x, p) on the first R=256 dims (rotate-half; x1, x2 the two halves of x[:R]; x[R:] passes through):
 #   [x1 cos - x2 sin, x2 cos + x1 sin, x[R:]],  cos/sin of a_j = f32(p) * f32(inv_freq_j),
-#   inv_freq_j = theta^(-2j/R) (theta=1000000), computed in fp64 in the kernel,
+#   inv_freq_j = theta^(-2j/R) (theta=10000), computed in fp64 in the kernel,
 #   from the absolute position (no table, so no position limit); the angle is reduced mod 2 pi
 #   (two-constant Cody-Waite) before cos/sin, so cos/sin of the fp32 angle stay accurate at any
 #   position (no reliance on the hardware's range reduction).
@@ -47,6 +50,7 @@ def attention_decode(q_ptr, k_cache, v_cache, o_ptr, block_tables, context_lens,
                      D: tl.constexpr, BLOCK_D: tl.constexpr, PS: tl.constexpr, BLOCK_N: tl.constexpr,
                      G_M: tl.constexpr, MERGE_CHUNK: tl.constexpr,
                      QK_SCALE: tl.constexpr,
+                     WINDOW: tl.constexpr,
                      BLOCK_H: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr, EPS: tl.constexpr, THETA: tl.constexpr, ROT: tl.constexpr,
                      DOT_F32: tl.constexpr, PDL: tl.constexpr):
     if PDL:
@@ -57,8 +61,10 @@ def attention_decode(q_ptr, k_cache, v_cache, o_ptr, block_tables, context_lens,
     s = tl.program_id(1)
     ns = tl.num_programs(1)
     L = tl.load(context_lens + b)
-    kps = tl.maximum(tl.cdiv(tl.cdiv(L, ns), BLOCK_N) * BLOCK_N, BLOCK_N)
-    n_act = tl.cdiv(L, kps)
+    lo = tl.maximum(L - WINDOW, 0)                                 # the window's first key
+    lo0 = (lo // BLOCK_N) * BLOCK_N
+    kps = tl.maximum(tl.cdiv(tl.cdiv(L - lo0, ns), BLOCK_N) * BLOCK_N, BLOCK_N)
+    n_act = tl.cdiv(L - lo0, kps)
     if s >= tl.maximum(n_act, 1):
         return
 
@@ -67,7 +73,7 @@ def attention_decode(q_ptr, k_cache, v_cache, o_ptr, block_tables, context_lens,
     gm = g < G
     dm = d < D
     o_rows = (b.to(tl.int64) * HQ + kvh * G + g)[:, None] * D + d[None, :]
-    start = s * kps
+    start = lo0 + s * kps
     end = tl.minimum(start + kps, L)
     bt = block_tables + b.to(tl.int64) * max_pages
 
@@ -75,7 +81,7 @@ def attention_decode(q_ptr, k_cache, v_cache, o_ptr, block_tables, context_lens,
     # weights, and the split's first key block below L - 1 (keys of earlier steps; this launch
     # writes the new token's, at L - 1, after the wait, and reads it after its barrier, beside q)
     jj0 = start + tl.arange(0, BLOCK_N)
-    jm0 = jj0 < end
+    jm0 = (jj0 < end) & (jj0 >= lo)
     page0 = tl.load(bt + jj0 // PS, mask=jm0, other=0).to(tl.int64)
     rows0 = ((page0 * PS + jj0 % PS) * HKV + kvh) * D
     kv_off0 = rows0[:, None] + d[None, :]
@@ -176,7 +182,7 @@ def attention_decode(q_ptr, k_cache, v_cache, o_ptr, block_tables, context_lens,
     m_i = m_new0
     for n0 in range(start + BLOCK_N, end, BLOCK_N):
         jj = n0 + tl.arange(0, BLOCK_N)
-        jm = jj < end
+        jm = (jj < end) & (jj >= lo)
         page = tl.load(bt + jj // PS, mask=jm, other=0).to(tl.int64)
         rows = ((page * PS + jj % PS) * HKV + kvh) * D
         kv_off = rows[:, None] + d[None, :]
@@ -266,8 +272,9 @@ META = {
                    "BLOCK_D": 256, "PS": 16, "BLOCK_N": 64,
                    "G_M": 4, "MERGE_CHUNK": 8,
                    "QK_SCALE": 0.09016844005556021,
+                   "WINDOW": 512,
                    "BLOCK_H": 8, "HALF": 128, "BLOCK_HALF": 128, "PASS": 0, "BLOCK_PASS": 1,
-                   "EPS": 1e-06, "THETA": 1000000.0, "ROT": 256,
+                   "EPS": 1e-06, "THETA": 10000.0, "ROT": 256,
                    "DOT_F32": False, "PDL": True},
     "pdl": True,
     "reads_before_wait": ["context_lens", "block_tables", "k_cache", "v_cache", "qn_ptr", "kn_ptr", "pos_ptr", "slot_ptr"],

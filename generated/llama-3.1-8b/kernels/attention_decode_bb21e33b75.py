@@ -1,14 +1,13 @@
-# attention_decode: one new token per sequence (row b of q [B, Hq=32, D=96]), causal over its
-# whole paged cache (context_lens[b] = L keys, the new token's included), GQA group G=1:
+# attention_decode: one new token per sequence (row b of q [B, Hq=32, D=128]), causal over its
+# whole paged cache (context_lens[b] = L keys, the new token's included), GQA group G=4:
 #   s_j = q[b, h] . K[b, j, h // G] * scale
-#   o[b, h] = sum_j softmax_j(s) V[b, j, h // G],  L - WINDOW <= j < L (window = 2047: the query at L - 1 sees keys with L - 1 - j < window)
-# with K[b, j] = k_cache[block_tables[b, j // 16], j % 16] and scale = 0.10206207261596575.
+#   o[b, h] = sum_j softmax_j(s) V[b, j, h // G],  j < L
+# with K[b, j] = k_cache[block_tables[b, j // 16], j % 16] and scale = 0.08838834764831845.
 # Grid (B * Hkv, ns): one program per (sequence, kv head, split) covers the G query heads of its kv
 # head (padded to G_PAD=16 rows for tl.dot) so K/V are read once. ns = min(NUM_SPLITS=32,
 # max(1, cdiv(TARGET_CTAS=264, B * Hkv))) splits only as far as needed to fill the GPU.
-# Only the window's pages are visited: keys from lo0 = floor(max(L - WINDOW, 0) / BLOCK_N) * BLOCK_N;
-# split s owns keys lo0 + [s * kps, (s + 1) * kps), kps = ceil(ceil((L - lo0) / ns) / BLOCK_N) * BLOCK_N
-# (whole pages); only the n = cdiv(L - lo0, kps) non-empty splits run; keys below L - WINDOW are masked.
+# Split s owns keys [s * kps, (s + 1) * kps), kps = ceil(ceil(L / ns) / BLOCK_N) * BLOCK_N (whole
+# pages); only the n = cdiv(L, kps) non-empty splits run.
 # Each split keeps an online softmax
 # (m = running max of the log2-scaled scores, l = sum of exp2(s - m), acc = sum exp2(s - m) v).
 # n <= 1: the split writes o = acc / l (a context_lens[b] == 0 padding row gets zeros).
@@ -22,16 +21,18 @@
 # Merged in front (narrow steps): qk_norm_rope_cache of each sequence's new token, by every
 # active split of (b, kv head) for its G query heads and its kv head, into the scratch q and the
 # caches at slot_mapping[b] (the splits write the same bits; the one that holds key L - 1 reads
-# it back after a CTA barrier, the others never read it):
+# it back after a CTA barrier, the others never read it). Before its PDL wait the launch reads
+# only what no kernel of the step writes (META reads_before_wait: tests/test_dependent_launch.py):
+# metadata, norm weights, and its first key block below L - 1, so those loads overlap the qkv GEMV:
 # for a token t at position p = positions[t] and slot s = slot_mapping[t]:
 #   q[t, h]   = rope(q_h, p)
 #   K[s, kh]  = rope(k_kh, p)                -> cache:k [pages, page_size, Hkv, D]
 #   V[s, kh]  = v_kh                                                     -> cache:v
 # rms_norm(x, w) = bf16(bf16(x / sqrt(mean(x^2) + eps)) * w) (eps=0.0) over all D dims: HF rounds the
 # normalized head to bf16, then multiplies by the bf16 weight and rounds again (Llama's order).
-# rope(x, p) on the first R=96 dims (rotate-half; x1, x2 the two halves of x[:R]; x[R:] passes through):
+# rope(x, p) on the first R=128 dims (rotate-half; x1, x2 the two halves of x[:R]; x[R:] passes through):
 #   [x1 cos - x2 sin, x2 cos + x1 sin, x[R:]],  cos/sin of a_j = f32(p) * f32(inv_freq_j),
-#   inv_freq_j = theta^(-2j/R) (theta=10000.0), computed in fp64 in the kernel,
+#   inv_freq_j = theta^(-2j/R) (theta=500000.0), computed in fp64 in the kernel, then Llama 3 scaled (factor, low/high_freq_factor, original length),
 #   from the absolute position (no table, so no position limit); the angle is reduced mod 2 pi
 #   (two-constant Cody-Waite) before cos/sin, so cos/sin of the fp32 angle stay accurate at any
 #   position (no reliance on the hardware's range reduction).
@@ -48,8 +49,7 @@ def attention_decode(q_ptr, k_cache, v_cache, o_ptr, block_tables, context_lens,
                      D: tl.constexpr, BLOCK_D: tl.constexpr, PS: tl.constexpr, BLOCK_N: tl.constexpr,
                      G_M: tl.constexpr, MERGE_CHUNK: tl.constexpr,
                      QK_SCALE: tl.constexpr,
-                     WINDOW: tl.constexpr,
-                     BLOCK_H: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr, EPS: tl.constexpr, THETA: tl.constexpr, ROT: tl.constexpr,
+                     BLOCK_H: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr, EPS: tl.constexpr, THETA: tl.constexpr, ROT: tl.constexpr, FACTOR: tl.constexpr, LOW_FREQ: tl.constexpr, HIGH_FREQ: tl.constexpr, OLD_LEN: tl.constexpr,
                      DOT_F32: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_launch_dependents()
@@ -59,10 +59,8 @@ def attention_decode(q_ptr, k_cache, v_cache, o_ptr, block_tables, context_lens,
     s = tl.program_id(1)
     ns = tl.num_programs(1)
     L = tl.load(context_lens + b)
-    lo = tl.maximum(L - WINDOW, 0)                                 # the window's first key
-    lo0 = (lo // BLOCK_N) * BLOCK_N
-    kps = tl.maximum(tl.cdiv(tl.cdiv(L - lo0, ns), BLOCK_N) * BLOCK_N, BLOCK_N)
-    n_act = tl.cdiv(L - lo0, kps)
+    kps = tl.maximum(tl.cdiv(tl.cdiv(L, ns), BLOCK_N) * BLOCK_N, BLOCK_N)
+    n_act = tl.cdiv(L, kps)
     if s >= tl.maximum(n_act, 1):
         return
 
@@ -71,7 +69,7 @@ def attention_decode(q_ptr, k_cache, v_cache, o_ptr, block_tables, context_lens,
     gm = g < G
     dm = d < D
     o_rows = (b.to(tl.int64) * HQ + kvh * G + g)[:, None] * D + d[None, :]
-    start = lo0 + s * kps
+    start = s * kps
     end = tl.minimum(start + kps, L)
     bt = block_tables + b.to(tl.int64) * max_pages
 
@@ -79,7 +77,7 @@ def attention_decode(q_ptr, k_cache, v_cache, o_ptr, block_tables, context_lens,
     # weights, and the split's first key block below L - 1 (keys of earlier steps; this launch
     # writes the new token's, at L - 1, after the wait, and reads it after its barrier, beside q)
     jj0 = start + tl.arange(0, BLOCK_N)
-    jm0 = (jj0 < end) & (jj0 >= lo)
+    jm0 = jj0 < end
     page0 = tl.load(bt + jj0 // PS, mask=jm0, other=0).to(tl.int64)
     rows0 = ((page0 * PS + jj0 % PS) * HKV + kvh) * D
     kv_off0 = rows0[:, None] + d[None, :]
@@ -99,6 +97,17 @@ def attention_decode(q_ptr, k_cache, v_cache, o_ptr, block_tables, context_lens,
     # inv_freq in fp64 (as the reference computes it), rounded to fp32; once per program
     log2_theta = tl.log2(tl.full([], THETA, tl.float64))
     freq = tl.exp2(j.to(tl.float64) * (log2_theta * tl.full([], -2.0 / ROT, tl.float64)))
+    # HF's llama3 rope init: low frequencies / factor, a smooth blend in between
+    factor = tl.full([], FACTOR, tl.float64)
+    low = tl.full([], LOW_FREQ, tl.float64)
+    high = tl.full([], HIGH_FREQ, tl.float64)
+    old_len = tl.full([], OLD_LEN, tl.float64)
+    wavelen = tl.full([], 6.283185307179586, tl.float64) / freq
+    scaled = tl.where(wavelen > old_len / low, freq / factor, freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    mid = (1.0 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    freq = tl.where(is_mid, mid, scaled)
     freq = freq.to(tl.float32)
 
     tc = b.to(tl.int64)                     # a decode step: sequence b's one token is row b
@@ -167,7 +176,7 @@ def attention_decode(q_ptr, k_cache, v_cache, o_ptr, block_tables, context_lens,
     m_i = m_new0
     for n0 in range(start + BLOCK_N, end, BLOCK_N):
         jj = n0 + tl.arange(0, BLOCK_N)
-        jm = (jj < end) & (jj >= lo)
+        jm = jj < end
         page = tl.load(bt + jj // PS, mask=jm, other=0).to(tl.int64)
         rows = ((page * PS + jj % PS) * HKV + kvh) * D
         kv_off = rows[:, None] + d[None, :]
@@ -251,21 +260,21 @@ META = {
         ["pos_ptr", "*i32", "meta:positions"],
         ["slot_ptr", "*i32", "meta:slot_mapping"],
     ],
-    "constexprs": {"HQ": 32, "HKV": 32, "G": 1, "G_PAD": 16, "D": 96,
+    "constexprs": {"HQ": 32, "HKV": 8, "G": 4, "G_PAD": 16, "D": 128,
                    "BLOCK_D": 128, "PS": 16, "BLOCK_N": 64,
-                   "G_M": 2, "MERGE_CHUNK": 8,
-                   "QK_SCALE": 0.14724444602590306,
-                   "WINDOW": 2047,
-                   "BLOCK_H": 2, "HALF": 48, "BLOCK_HALF": 64, "PASS": 0, "BLOCK_PASS": 1,
-                   "EPS": 0.0, "THETA": 10000.0, "ROT": 96,
+                   "G_M": 4, "MERGE_CHUNK": 8,
+                   "QK_SCALE": 0.12751743082459868,
+                   "BLOCK_H": 8, "HALF": 64, "BLOCK_HALF": 64, "PASS": 0, "BLOCK_PASS": 1,
+                   "EPS": 0.0, "THETA": 500000.0, "ROT": 128, "FACTOR": 8.0, "LOW_FREQ": 1.0,
+                   "HIGH_FREQ": 4.0, "OLD_LEN": 8192.0,
                    "DOT_F32": False, "PDL": True},
     "pdl": True,
     "reads_before_wait": ["context_lens", "block_tables", "k_cache", "v_cache", "pos_ptr", "slot_ptr"],
-    "grid": ["B * 32", "min(32, max(1, cdiv(264, B * 32)))", 1],
+    "grid": ["B * 8", "min(32, max(1, cdiv(264, B * 8)))", 1],
     "num_warps": 4,
     "num_stages": 2,
-    "scratch": {"partial_o": "(B * 32 + 264) * 384",
-                "partial_ml": "(B * 32 + 264) * 8",
-                "counter": "B * 128",
-                "q": "B * 6144"},
+    "scratch": {"partial_o": "(B * 8 + 264) * 2048",
+                "partial_ml": "(B * 8 + 264) * 32",
+                "counter": "B * 32",
+                "q": "B * 8192"},
 }

@@ -1,8 +1,8 @@
-# attention_decode: one new token per sequence (row b of q [B, Hq=9, D=64]), causal over its
-# whole paged cache (context_lens[b] = L keys, the new token's included), GQA group G=3:
-#   s_j = q[b, h] . K[b, j, h // G] * scale
+# attention_decode: one new token per sequence (row b of q [B, Hq=16, D=256]), causal over its
+# whole paged cache (context_lens[b] = L keys, the new token's included), GQA group G=2:
+#   s_j = q[b, h] . K[b, j, h // G] * scale,  s_j = softcap * tanh(s_j / softcap)  (softcap = 50.0)
 #   o[b, h] = sum_j softmax_j(s) V[b, j, h // G],  j < L
-# with K[b, j] = k_cache[block_tables[b, j // 16], j % 16] and scale = 0.125.
+# with K[b, j] = k_cache[block_tables[b, j // 16], j % 16] and scale = 0.0625.
 # Grid (B * Hkv, ns): one program per (sequence, kv head, split) covers the G query heads of its kv
 # head (padded to G_PAD=16 rows for tl.dot) so K/V are read once. ns = min(NUM_SPLITS=32,
 # max(1, cdiv(TARGET_CTAS=264, B * Hkv))) splits only as far as needed to fill the GPU.
@@ -21,16 +21,18 @@
 # Merged in front (narrow steps): qk_norm_rope_cache of each sequence's new token, by every
 # active split of (b, kv head) for its G query heads and its kv head, into the scratch q and the
 # caches at slot_mapping[b] (the splits write the same bits; the one that holds key L - 1 reads
-# it back after a CTA barrier, the others never read it):
+# it back after a CTA barrier, the others never read it). Before its PDL wait the launch reads
+# only what no kernel of the step writes (META reads_before_wait: tests/test_dependent_launch.py):
+# metadata, norm weights, and its first key block below L - 1, so those loads overlap the qkv GEMV:
 # for a token t at position p = positions[t] and slot s = slot_mapping[t]:
 #   q[t, h]   = rope(q_h, p)
 #   K[s, kh]  = rope(k_kh, p)                -> cache:k [pages, page_size, Hkv, D]
 #   V[s, kh]  = v_kh                                                     -> cache:v
 # rms_norm(x, w) = bf16(bf16(x / sqrt(mean(x^2) + eps)) * w) (eps=0.0) over all D dims: HF rounds the
 # normalized head to bf16, then multiplies by the bf16 weight and rounds again (Llama's order).
-# rope(x, p) on the first R=64 dims (rotate-half; x1, x2 the two halves of x[:R]; x[R:] passes through):
+# rope(x, p) on the first R=256 dims (rotate-half; x1, x2 the two halves of x[:R]; x[R:] passes through):
 #   [x1 cos - x2 sin, x2 cos + x1 sin, x[R:]],  cos/sin of a_j = f32(p) * f32(inv_freq_j),
-#   inv_freq_j = theta^(-2j/R) (theta=100000), computed in fp64 in the kernel,
+#   inv_freq_j = theta^(-2j/R) (theta=10000.0), computed in fp64 in the kernel,
 #   from the absolute position (no table, so no position limit); the angle is reduced mod 2 pi
 #   (two-constant Cody-Waite) before cos/sin, so cos/sin of the fp32 angle stay accurate at any
 #   position (no reliance on the hardware's range reduction).
@@ -41,12 +43,26 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
+def _tanh(x):
+    a = tl.abs(x)
+    e = tl.exp(-2.0 * a)
+    big = (1.0 - e) / (1.0 + e)
+    s = tl.minimum(a, 0.125)             # the series' argument, kept small where it is not used
+    s2 = s * s
+    small = s * (1.0 + s2 * (-0.3333333333333333 + s2 * (0.13333333333333333 + s2 * -0.05396825396825397)))
+    t = tl.where(a < 0.125, small, big)
+    return tl.where(x >= 0, t, -t)
+
+
+
+@triton.jit
 def attention_decode(q_ptr, k_cache, v_cache, o_ptr, block_tables, context_lens, max_pages, B,
                      part_o, part_ml, counter, qkv_ptr, pos_ptr, slot_ptr,
                      HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                      D: tl.constexpr, BLOCK_D: tl.constexpr, PS: tl.constexpr, BLOCK_N: tl.constexpr,
                      G_M: tl.constexpr, MERGE_CHUNK: tl.constexpr,
                      QK_SCALE: tl.constexpr,
+                     CAP_LOG2: tl.constexpr,
                      BLOCK_H: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr, EPS: tl.constexpr, THETA: tl.constexpr, ROT: tl.constexpr,
                      DOT_F32: tl.constexpr, PDL: tl.constexpr):
     if PDL:
@@ -153,7 +169,7 @@ def attention_decode(q_ptr, k_cache, v_cache, o_ptr, block_tables, context_lens,
     if DOT_F32:
         k0 = k0.to(tl.float32)
         v0 = v0.to(tl.float32)
-    sc0 = tl.dot(q, tl.trans(k0)) * QK_SCALE                       # [G_PAD, BLOCK_N], log2 units
+    sc0 = _tanh(tl.dot(q, tl.trans(k0)) * QK_SCALE) * CAP_LOG2     # cap tanh(s scale / cap), log2 units
     sc0 = tl.where(jm0[None, :], sc0, float("-inf"))
     m_new0 = tl.maximum(m_i, tl.max(sc0, 1))
     alpha0 = tl.exp2(m_i - m_new0)
@@ -173,7 +189,7 @@ def attention_decode(q_ptr, k_cache, v_cache, o_ptr, block_tables, context_lens,
         if DOT_F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        sc = tl.dot(q, tl.trans(k)) * QK_SCALE                       # [G_PAD, BLOCK_N], log2 units
+        sc = _tanh(tl.dot(q, tl.trans(k)) * QK_SCALE) * CAP_LOG2     # cap tanh(s scale / cap), log2 units
         sc = tl.where(jm[None, :], sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -247,20 +263,21 @@ META = {
         ["pos_ptr", "*i32", "meta:positions"],
         ["slot_ptr", "*i32", "meta:slot_mapping"],
     ],
-    "constexprs": {"HQ": 9, "HKV": 3, "G": 3, "G_PAD": 16, "D": 64,
-                   "BLOCK_D": 64, "PS": 16, "BLOCK_N": 64,
-                   "G_M": 4, "MERGE_CHUNK": 8,
-                   "QK_SCALE": 0.18033688011112042,
-                   "BLOCK_H": 4, "HALF": 32, "BLOCK_HALF": 32, "PASS": 0, "BLOCK_PASS": 1,
-                   "EPS": 0.0, "THETA": 100000.0, "ROT": 64,
+    "constexprs": {"HQ": 16, "HKV": 8, "G": 2, "G_PAD": 16, "D": 256,
+                   "BLOCK_D": 256, "PS": 16, "BLOCK_N": 64,
+                   "G_M": 2, "MERGE_CHUNK": 8,
+                   "QK_SCALE": 0.00125,
+                   "CAP_LOG2": 72.13475204444816,
+                   "BLOCK_H": 4, "HALF": 128, "BLOCK_HALF": 128, "PASS": 0, "BLOCK_PASS": 1,
+                   "EPS": 0.0, "THETA": 10000.0, "ROT": 256,
                    "DOT_F32": False, "PDL": True},
     "pdl": True,
     "reads_before_wait": ["context_lens", "block_tables", "k_cache", "v_cache", "pos_ptr", "slot_ptr"],
-    "grid": ["B * 3", "min(32, max(1, cdiv(264, B * 3)))", 1],
+    "grid": ["B * 8", "min(32, max(1, cdiv(264, B * 8)))", 1],
     "num_warps": 4,
     "num_stages": 2,
-    "scratch": {"partial_o": "(B * 3 + 264) * 768",
-                "partial_ml": "(B * 3 + 264) * 24",
-                "counter": "B * 12",
-                "q": "B * 1152"},
+    "scratch": {"partial_o": "(B * 8 + 264) * 2048",
+                "partial_ml": "(B * 8 + 264) * 16",
+                "counter": "B * 32",
+                "q": "B * 8192"},
 }
