@@ -11,9 +11,6 @@
 . "$(dirname "$0")/call_start.sh" "$@"
 install_here
 CFG=${CFG:?CFG}
-art() { echo "${1%%:*}"; }                                       # NAME[:VAR=VALUE] -> NAME
-envs() { case "$1" in *:*) echo "${1#*:}";; esac; }               # -> VAR=VALUE, or nothing
-label() { echo "$1" | tr ':=' '--'; }
 for a in $ARTS; do python3 tests/gpu/rerender.py ".cache/artifacts/$(art "$a")" 2>&1 | tail -1; done
 for round in $(seq 1 ${ROUNDS:-2}); do
   for a in $ARTS; do

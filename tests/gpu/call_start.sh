@@ -22,3 +22,9 @@ install_here() {
   suffix=-h100
   if grep -q H200 "$OUT/gpu.txt"; then suffix=""; fi
 }
+
+# An artifact entry NAME[:VAR=VALUE] (call_ab_latency.sh, call_timeline.sh): its directory name, its
+# environment (VAR=VALUE, or nothing), and a file-name label (NAME-VAR-VALUE)
+art() { echo "${1%%:*}"; }
+envs() { case "$1" in *:*) echo "${1#*:}";; esac; }
+label() { echo "$1" | tr ':=' '--'; }

@@ -34,13 +34,19 @@ def steps_of(kernels: list[dict], gap_us: float = 200.0) -> list[list[dict]]:
 
 def positions(steps: list[list[dict]], names: list[str]) -> list[dict]:
     """Per launch position: median start (from the step's first kernel), duration, exposed time."""
+    # done[s][i]: when the step's launches before position i had all ended (its first start at 0)
+    done = []
+    for s in steps:
+        before, last = [], s[0]["ts"]
+        for k in s:
+            before.append(last)
+            last = max(last, k["ts"] + k["dur"])
+        done.append(before)
     rows = []
     for i, name in enumerate(names):
         start = [s[i]["ts"] - s[0]["ts"] for s in steps]
         dur = [s[i]["dur"] for s in steps]
-        ends = [s[i]["ts"] + s[i]["dur"] for s in steps]
-        prev = [max(k["ts"] + k["dur"] for k in s[:i]) if i else s[0]["ts"] for s in steps]
-        exposed = [e - p for e, p in zip(ends, prev)]
+        exposed = [s[i]["ts"] + s[i]["dur"] - d[i] for s, d in zip(steps, done)]
         rows.append({"index": i, "kernel": name, "start_us": statistics.median(start),
                      "dur_us": statistics.median(dur), "exposed_us": statistics.median(exposed)})
     return rows
