@@ -118,3 +118,19 @@ def test_a_prologue_outside_the_narrow_phase_is_refused():
     with pytest.raises(TemplateError, match="narrow_phase"):
         render("gemv", "linear", *_tensors(72, 40, 40, "bf16"), attrs={"has_bias": False},
                prologue=PROLOGUE)
+
+
+# the H200 table's narrow o_proj / down tile (4 rows x 1024 deep, 4 warps, no K split): K = 2300
+# is 3 ragged chunks, all preloaded before the wait; 4500 is 5, two of them in the loop; N = 2562
+# (641 row blocks: enough programs that K is not split, as in the model) leaves a half-filled last one
+@pytest.mark.parametrize("N,K", [(2562, 2300), (2562, 4500)])
+def test_the_narrow_plain_gemv_on_4_row_1024_deep_tiles(N, K):
+    gen = np.random.default_rng(N + K)
+    x, w = rand((1, K), gen=gen), rand((N, K), gen=gen, scale=K ** -0.5)
+    k = render("gemv", "linear", [("x", ["T", K], "bf16"), ("w", [N, K], "bf16", "weight")],
+               [("y", ["T", N], "bf16")], attrs={"has_bias": False}, narrow=True,
+               tune={"BLOCK_N": 4, "FMA_BLOCK_K": 1024, "num_warps": 4})
+    assert k.meta["grid"][1] == (N + 3) // 4 and not k.meta["constexprs"]["SPLIT"]
+    y = poison((1, N))
+    run(k, {"in:0": x, "in:1": w, "out:0": y}, {"T": 1, "B": 1})
+    assert rel_err(f32(y), REGISTRY["linear"].reference(None, f32(x), f32(w))) <= TOL
