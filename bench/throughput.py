@@ -139,7 +139,8 @@ def main(argv=None):
     ap.add_argument("--concurrency", default="1,8,32,64,128,256")
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--max-num-batched-tokens", type=int,
+                    help="tokens per step (default: the offline engine's, infc.backend.BATCHED_TOKENS)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--out")
     ap.add_argument("--artifact", help="a built artifact to run as it is (one GPU; default: build or "
@@ -182,7 +183,7 @@ def _sweep(a, b, conc, par, tag, gc_frozen: bool = False):
     kv_per_token, state_per_seq = caches.token_bytes(decl), caches.slot_bytes(decl)
     res.update(parallel_fields(par, runner))
     res.update({"input_len": a.input_len, "output_len": a.output_len, "copy_GBps": bw / 1e9,
-                "load_format": a.load_format, "max_num_batched_tokens": a.max_num_batched_tokens,
+                "load_format": a.load_format, "max_num_batched_tokens": engine.schedulers[0].max_num_batched_tokens,
                 "weight_bytes": runner.weights.bytes, "kv_tokens": b.kv_tokens, "gc_frozen": gc_frozen,
                 "overlap": engine.overlap, **({"artifact": str(a.artifact)} if a.artifact else {}), "points": []})
     rng = np.random.default_rng(0)

@@ -45,7 +45,7 @@ def add_serve_args(p: argparse.ArgumentParser):
     p.add_argument("--max-model-len", type=int, help="context length (default: the model's, within the KV cache)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, help="tokens per step (default: 8192 cuda, 2048 cpu)")
+    p.add_argument("--max-num-batched-tokens", type=int, help="tokens per step (default: 8192 cuda, 2048 cpu: infc.backend.BATCHED_TOKENS)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="run each step to its end before the next is scheduled (default: the next "
