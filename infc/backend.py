@@ -75,7 +75,9 @@ class _Stages:
         return out
 
 
-# Step token budgets (max_num_batched_tokens) when none is given, as vLLM sets them per use: the
+# Step token budgets (max_num_batched_tokens) when none is given, as vLLM sets them per use on cards
+# of 70 GiB or more (its arg_utils: LLM class 16384, OpenAI server 8192; the H100s and H200s this
+# project runs on; smaller cards keep the same values here, which vLLM halves and quarters): the
 # server's steps keep decodes' inter-token gaps short (a mixed step of 8k prompt tokens is ~0.1 s
 # on an H200), while offline work (LLM, `bench throughput`) takes 16k-token steps: fewer, larger
 # prefill bursts that run while fewer sequences decode. qwen3-4b at 1024 in / 128 out on an H200:
