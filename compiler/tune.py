@@ -111,7 +111,8 @@ _ATTN_MIXED = [{"SPLIT_BLOCK_N": 32}, {"SPLIT_BLOCK_N": 128}, {"SPLIT_MIN_KEYS":
                {"SPLIT_MIN_KEYS": 1024}, {"num_warps": 4}, {"num_warps": 4, "SPLIT_BLOCK_N": 128},
                {"num_stages": 2}, {"num_stages": 1}, {"TARGET_CTAS": 528}, {"NUM_SPLITS": 64},
                {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4},
-               {"SPLIT_BLOCK_N": 128, "num_stages": 3}, {"num_stages": 4}]
+               {"SPLIT_BLOCK_N": 128, "num_stages": 3}, {"num_stages": 4}, {"SPLIT_FIRST": 1},
+               {"BLOCK_N": 64, "num_warps": 4, "SPLIT_FIRST": 1}]
 # latent_attention_decode (DeepSeek's absorbed MLA over the latent cache): 33.6 us a layer at
 # 1k cached tokens on an H100 (bench/NOTES.md issue 13), its 32 splits merged by one program
 _LATENT_DECODE = [{"NUM_SPLITS": 8}, {"NUM_SPLITS": 16}, {"NUM_SPLITS": 64}, {"BLOCK_N": 64},

@@ -554,6 +554,12 @@ MIXED_CASES = [
     # split ones, each split role program one whole sequence
     (8, 2, 64, [(0, 61), (130, 1), (20, 45), (77, 1)], "mixed",
      {"BLOCK_M": 16, "BLOCK_N": 16, "SPLIT_BLOCK_N": 16, "NUM_SPLITS": 2, "TARGET_CTAS": 8}, {}),
+    # the split role's programs first in the grid (SPLIT_FIRST): unsplit, then split and merged
+    (8, 2, 64, [(0, 61), (130, 1), (20, 45), (77, 1)], "mixed",
+     {"BLOCK_M": 16, "BLOCK_N": 16, "SPLIT_BLOCK_N": 16, "NUM_SPLITS": 2, "TARGET_CTAS": 8, "SPLIT_FIRST": 1}, {}),
+    (8, 2, 64, [(69, 1), (0, 15), (14, 20), (5, 1), (300, 1)], "mixed",
+     {"BLOCK_M": 16, "BLOCK_N": 16, "SPLIT_BLOCK_N": 16, "NUM_SPLITS": 4, "TARGET_CTAS": 64,
+      "SPLIT_MIN_KEYS": 16, "SPLIT_FIRST": 1}, {}),
 ]
 
 
