@@ -71,7 +71,10 @@ _GEMV_DOT = [{"BLOCK_K": 128}, {"BLOCK_T": 64}, {"BLOCK_N_DOT": 128}, {"BLOCK_T"
 _GEMV_WIDE = [{"BLOCK_T": 128, "num_warps": 8}, {"BLOCK_T": 128, "num_warps": 8, "num_stages": 3},
               {"BLOCK_N_DOT": 128}, {"num_warps": 8}, {"BLOCK_K": 128}, {"TARGET_CTAS_DOT": 132},
               {"TARGET_CTAS_DOT": 528}, {"BLOCK_T": 32}, {"BLOCK_T": 128, "BLOCK_N_DOT": 32},
-              {"num_stages": 3}, {"SPLIT_K_DOT": 1}]
+              {"num_stages": 3}, {"SPLIT_K_DOT": 1},
+              # 128 W rows a tile: A's re-reads from L2 halve (qwen3-4b's gate|up at 247 rows on
+              # an H200: 67 -> 58 us)
+              {"BLOCK_T": 128, "BLOCK_N_DOT": 128, "num_warps": 8, "num_stages": 3}]
 _GEMV_FMA_T = [{"FMA_T": 2, "FMA_BLOCK_K": 128}, {"FMA_T": 4, "BLOCK_N": 16, "FMA_BLOCK_K": 128}]
 # lm_head_last cannot split K (its norm scale closes the K loop) and has a huge N
 _LM_FMA = [{"BLOCK_N": 8}, {"BLOCK_N": 32, "FMA_BLOCK_K": 256}, {"FMA_BLOCK_K": 256},
@@ -81,7 +84,10 @@ _LM_DOT = [{"BLOCK_N_DOT": 64}, {"BLOCK_N_DOT": 256}, {"BLOCK_T": 16}, {"BLOCK_K
            {"num_warps": 8}, {"num_stages": 2},
            # 255 rows re-read the 778 MB vocabulary matrix per 32-row block: 1.2 ms on an H100
            {"BLOCK_T": 64}, {"BLOCK_T": 128},
-           {"BLOCK_T": 64, "num_warps": 8}, {"BLOCK_T": 128, "num_warps": 8}]
+           {"BLOCK_T": 64, "num_warps": 8}, {"BLOCK_T": 128, "num_warps": 8},
+           # 128 tokens x 256 vocabulary rows: half the passes over W without the small MMA tile
+           # (qwen3-4b at 247 rows on an H200: 750 -> 610 us; 128 x 128 was 859)
+           {"BLOCK_T": 128, "BLOCK_N_DOT": 256, "num_warps": 8}]
 _GEMM = [{"BLOCK_N": 128}, {"BLOCK_N": 256}, {"BLOCK_M": 64}, {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4},
          {"BLOCK_K": 32}, {"BLOCK_K": 128, "BLOCK_N": 128, "num_stages": 2}, {"GROUP_M": 4},
          {"GROUP_M": 16}, {"num_stages": 3}, {"num_stages": 4}, {"num_warps": 4},
@@ -112,7 +118,9 @@ _ATTN_MIXED = [{"SPLIT_BLOCK_N": 32}, {"SPLIT_BLOCK_N": 128}, {"SPLIT_MIN_KEYS":
                {"num_stages": 2}, {"num_stages": 1}, {"TARGET_CTAS": 528}, {"NUM_SPLITS": 64},
                {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4},
                {"SPLIT_BLOCK_N": 128, "num_stages": 3}, {"num_stages": 4}, {"SPLIT_FIRST": 1},
-               {"BLOCK_N": 64, "num_warps": 4, "SPLIT_FIRST": 1}]
+               # two programs an SM (qwen3-4b on an H200: the decode rows at their KV floor beside
+               # 16 prompts' flash tiles, 1,100 -> 823 us a layer; bench/NOTES.md ninth session)
+               {"BLOCK_N": 64, "num_warps": 4}]
 # latent_attention_decode (DeepSeek's absorbed MLA over the latent cache): 33.6 us a layer at
 # 1k cached tokens on an H100 (bench/NOTES.md issue 13), its 32 splits merged by one program
 _LATENT_DECODE = [{"NUM_SPLITS": 8}, {"NUM_SPLITS": 16}, {"NUM_SPLITS": 64}, {"BLOCK_N": 64},
