@@ -85,7 +85,7 @@ def _tile(q, k, v, m_i, l_i, acc, n0, tok, QK_SCALE: tl.constexpr, BLOCK_N: tl.c
 def flash(q_ptr, k_cache, v_cache, k_desc, v_desc, o_ptr, block_tables, seq_starts, max_pages,
           HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, PS: tl.constexpr,
           BLOCK_M: tl.constexpr, TOK: tl.constexpr, BLOCK_N: tl.constexpr, QK_SCALE: tl.constexpr,
-          KV_MODE: tl.constexpr, WS: tl.constexpr):
+          KV_MODE: tl.constexpr):
     # o[t, h] = softmax_j(q[t, h] . K[j, h // G] * scale, j <= t) V: prompts with no cached prefix,
     # program (block, kv head) owns TOK tokens x G heads; blocks of all prompts numbered in order
     pid = tl.program_id(0)
@@ -109,7 +109,7 @@ def flash(q_ptr, k_cache, v_cache, k_desc, v_desc, o_ptr, block_tables, seq_star
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     kv_end = tl.minimum(t0 + TOK, q_len)
     full_end = ((t0 + 1) // BLOCK_N) * BLOCK_N                   # tiles every row sees whole
-    for n0 in tl.range(0, full_end, BLOCK_N, warp_specialize=WS):
+    for n0 in tl.range(0, full_end, BLOCK_N):
         k, v = _kv(k_cache, v_cache, k_desc, v_desc, bt, base, n0, kvh, HKV, D, PS, BLOCK_N, KV_MODE)
         m_i, l_i, acc = _tile(q, k, v, m_i, l_i, acc, n0, tok, QK_SCALE, BLOCK_N, False)
     for n0 in tl.range(full_end, kv_end, BLOCK_N):
@@ -206,7 +206,7 @@ def launcher(kind, p, x, o, gen_mod):
     return lambda: flash[grid](
         x["q"], x["k_cache"], x["v_cache"], kd, vd, o, x["bt"], x["seq_starts"], x["max_pages"],
         HQ=HQ, HKV=HKV, G=G, D=D, PS=PS, BLOCK_M=bm, TOK=bm // G, BLOCK_N=bn, QK_SCALE=SCALE_LOG2,
-        KV_MODE=p["KV_MODE"], WS=p.get("WS", False), num_warps=p["num_warps"], num_stages=p["num_stages"])
+        KV_MODE=p["KV_MODE"], num_warps=p["num_warps"], num_stages=p["num_stages"])
 
 
 def main():
