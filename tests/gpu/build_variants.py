@@ -2,7 +2,7 @@
 (tests/gpu/call_ab_latency.sh) of kernel tiles that `infc tune` cannot judge alone (PDL overlap,
 preloads: bench/NOTES.md).
 
-    python tests/gpu/build_variants.py VARIANTS.json MODEL_DIR NAME [--gpu h200]
+    python tests/gpu/build_variants.py VARIANTS.json MODEL_DIR NAME [--gpu h200] [--page-size 16]
         -> .cache/artifacts/NAME-<label> for each label of VARIANTS.json, and NAME-base (no overlay)
 
 VARIANTS.json: {"label": {template: {shape key: {tunable: value}}}, ...} (build.load_tuning's
@@ -23,6 +23,7 @@ def main(argv=None):
     ap.add_argument("model_dir")
     ap.add_argument("name")
     ap.add_argument("--gpu", default="h200", choices=["h100", "h200"])
+    ap.add_argument("--page-size", type=int, default=16, help="KV cache page size of every variant")
     a = ap.parse_args(argv)
     from infc.compiler.build import build
     variants = json.loads(Path(a.variants).read_text())
@@ -31,7 +32,8 @@ def main(argv=None):
     names = []
     for label, overlay in {"base": {}, **variants}.items():
         out = REPO / ".cache/artifacts" / f"{a.name}-{label}"
-        build(out=str(out), gpu=a.gpu, log=None, model_dir=a.model_dir, tuning_overlay=overlay or None)
+        build(out=str(out), gpu=a.gpu, log=None, model_dir=a.model_dir, tuning_overlay=overlay or None,
+              page_size=a.page_size)
         names.append(out.name)
         print(f"built {out.name}", flush=True)
     print('ARTS="' + " ".join(names) + '"')

@@ -376,8 +376,9 @@ class Paged:
     `share` pages (a shared prefix: same physical pages, same contents). Storage has the runtime's
     extra padding page at the end; block-table padding points at an all-NaN page."""
 
-    def __init__(self, gen, specs, hkv, d, share=0, extra_pages=3):
-        self.specs, self.B = specs, len(specs)
+    def __init__(self, gen, specs, hkv, d, share=0, extra_pages=3, page_size=PS):
+        self.specs, self.B, self.ps = specs, len(specs), page_size
+        PS = page_size
         lens = [c + n for c, n in specs]
         n_pages = [cdiv(L, PS) for L in lens]
         own = [n - (share if i == 1 else 0) for i, n in enumerate(n_pages)]
@@ -409,7 +410,7 @@ class Paged:
                 page = self.pages[i][j // PS]
                 self.k_cache[page, j % PS], self.v_cache[page, j % PS] = K[j], V[j]
         self.ctx = Ctx(specs, {"k": self.k_cache.float().numpy(), "v": self.v_cache.float().numpy()},
-                       block_tables=bt)
+                       block_tables=bt, page_size=PS)
 
     def bindings(self):
         return {"cache:k": self.k_cache, "cache:v": self.v_cache, "meta:block_tables": self.block_tables,
@@ -424,7 +425,7 @@ class Paged:
         for i, (c, n) in enumerate(self.specs):
             first_q = c                                   # the earliest query position
             lo = max(first_q - window + 1, 0)
-            bt[i, : lo // PS] = self.poison_page
+            bt[i, : lo // self.ps] = self.poison_page
         self.block_tables = bt
         return self
 
@@ -435,7 +436,8 @@ def _attention(template, phase, page, hq, d, tune, dims, scale=None, window=None
     q = rand((page.T, hq, d), gen=gen, scale=q_scale)
     attrs = {"kv_heads": hkv, "scale": scale, "window": window, "softcap": softcap}
     k = render(template, "attention_cached", [("q", ["T", hq, d], "bf16"), ("cache", [], "", "cache")],
-               [("o", ["T", hq, d], "bf16")], attrs=attrs, phase=phase, caches=kv_caches(hkv, d), tune=tune)
+               [("o", ["T", hq, d], "bf16")], attrs=attrs, phase=phase, caches=kv_caches(hkv, d), tune=tune,
+               page_size=page.ps)
     o_full = poison((page.T + 3, hq, d))             # rows past T must stay unwritten
     o = o_full[:page.T]
     run(k, {"in:0": q, "out:0": o, **page.bindings()}, dims)
@@ -572,6 +574,40 @@ def test_attention_mixed(hq, hkv, d, specs, phase, tune, extra):
     dims = {"T": page.T, "B": page.B}
     q_scale = 4.0 if extra.get("softcap") == 5.0 else 1.0
     assert _attention("attention_mixed", phase, page, hq, d, tune, dims, q_scale=q_scale, **extra) <= TOL
+
+
+# The flash role's K/V by TMA (KV_TMA, on where a tile lies in one page: PS % BLOCK_N == 0) against
+# the pointer gather on the same tiles; 64-token pages with 64- and 32-key tiles. The tails of last
+# pages are NaN, so a masked TMA tile that let a slot past the context through shows as NaN.
+KV_TMA_CASES = [
+    # hq, hkv, d, (cached, q_len) per sequence, page size, template, phase, tune, extra attrs
+    (8, 2, 128, [(0, 150), (70, 1), (64, 65), (200, 31)], 64, "attention_mixed", "mixed",
+     {"BLOCK_M": 32, "BLOCK_N": 64, "NUM_SPLITS": 2}, {}),
+    (8, 2, 128, [(0, 150), (70, 1), (64, 65), (200, 31)], 64, "attention_mixed", "mixed",
+     {"BLOCK_M": 32, "BLOCK_N": 64, "NUM_SPLITS": 2, "KV_TMA": 0}, {}),
+    (4, 2, 64, [(0, 130), (9, 40)], 64, "attention_prefill", "prefill", {"BLOCK_M": 16, "BLOCK_N": 32}, {}),
+    (4, 2, 64, [(0, 130), (9, 40)], 64, "attention_prefill", "prefill",
+     {"BLOCK_M": 16, "BLOCK_N": 32, "KV_TMA": 0}, {}),
+    (4, 2, 64, [(0, 140), (100, 30)], 64, "attention_prefill", "prefill", {"BLOCK_M": 16, "BLOCK_N": 32},
+     {"window": 50}),
+    (4, 2, 64, [(0, 90), (60, 1), (45, 30)], 16, "attention_mixed", "short",
+     {"BLOCK_M": 16, "BLOCK_N": 16, "KV_TMA": 0, "SPLIT_BLOCK_N": 16, "NUM_SPLITS": 4}, {"softcap": 5.0}),
+]
+
+
+@pytest.mark.parametrize("hq,hkv,d,specs,ps,template,phase,tune,extra", KV_TMA_CASES)
+def test_attention_kv_tma(hq, hkv, d, specs, ps, template, phase, tune, extra):
+    gen = np.random.default_rng(len(specs) * 10 + d + ps)
+    page = Paged(gen, specs, hkv, d, page_size=ps)
+    if extra.get("window"):
+        page.hide_below_window(extra["window"])
+    k = render(template, "attention_cached", [("q", ["T", hq, d], "bf16"), ("cache", [], "", "cache")],
+               [("o", ["T", hq, d], "bf16")], attrs={"kv_heads": hkv}, phase=phase,
+               caches=kv_caches(hkv, d), tune=tune, page_size=ps)
+    assert ("make_tensor_descriptor" in k.source) == bool(tune.get("KV_TMA", 1))
+    q_scale = 4.0 if extra.get("softcap") == 5.0 else 1.0
+    dims = {"T": page.T, "B": page.B}
+    assert _attention(template, phase, page, hq, d, tune, dims, q_scale=q_scale, **extra) <= TOL
 
 
 def test_attention_mixed_splits_and_leaves_counters_zero():
