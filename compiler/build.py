@@ -127,6 +127,16 @@ def load_tuning(gpu: str, overlay: dict | None = None) -> dict:
     return table
 
 
+DEFAULT_PAGE_SIZE = 16
+
+
+def default_page_size(gpu: str) -> int:
+    """The KV cache page size a build takes when none is asked: the GPU table's `page_size`, else
+    16 (vLLM's). A table names a larger page where its measurements chose it: 64-token pages let
+    the flash attention take a tile of keys by TMA (one page a tile; bench/NOTES.md, tenth session)."""
+    return int(load_tuning(gpu).get("page_size", DEFAULT_PAGE_SIZE))
+
+
 def generate(plan: dict, out: Path, gpu: str = "h100", page_size: int = 16,
              target: str = "sm_90", spec_path: str | None = None, tuning_overlay: dict | None = None) -> dict:
     """Render every kernel into out/kernels/ and record them in the plan; returns id -> Kernel."""
@@ -162,7 +172,7 @@ def _built_for(bin_dir: Path, kid: str, target: str) -> bool:
 
 
 def build(model=None, spec_path=None, model_dir=None, out=None, features=None, log=print,
-          gpu="h100", target="sm_90", page_size=16, compile=True, jobs=None,
+          gpu="h100", target="sm_90", page_size=None, compile=True, jobs=None,
           reuse_bins=False, fuse=True, spec_dirs=None, check_checkpoint=True,
           tensor_parallel_size=1, enable_expert_parallel=False, data_parallel_size=1,
           tuning_overlay=None) -> Path:
@@ -172,8 +182,10 @@ def build(model=None, spec_path=None, model_dir=None, out=None, features=None, l
     tensor_parallel_size > 1 (and enable_expert_parallel), or data_parallel_size > 1 with
     enable_expert_parallel: one plan per rank (compiler/parallel.py).
     tuning_overlay: laid over the GPU's tuning table (load_tuning), recorded in plan["build"]:
-    a one-GPU experiment's kernel variants (tests/gpu/prepare.py's attnvar)."""
+    a one-GPU experiment's kernel variants (tests/gpu/prepare.py's attnvar).
+    page_size: the KV cache's tokens a page; None takes the GPU's default (default_page_size)."""
     from .parallel import build_ranks, settings
+    page_size = page_size or default_page_size(gpu)
     par = settings(tensor_parallel_size, enable_expert_parallel, data_parallel_size=data_parallel_size)
     if par is not None and tuning_overlay:
         raise SpecError("a tuning overlay applies to one-GPU builds only", None)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from infc.runtime.program import launches
 
-from .build import REPO, compile_model, load_tuning
+from .build import REPO, compile_model, default_page_size, load_tuning
 from .codegen.render import EXT, TemplateError, _env, launch_context, render_template, shape_key
 from .errors import SpecError
 
@@ -323,7 +323,7 @@ def collect(plan: dict, table: dict, phases, templates, page_size: int) -> list[
 
 
 def prepare(model=None, gpu="h200", out=None, phases=("decode", "prefill"), templates=None,
-            spec_path=None, model_dir=None, features=None, page_size=16, target="sm_90",
+            spec_path=None, model_dir=None, features=None, page_size=None, target="sm_90",
             decode_batches=(1,), prefill_tokens=1024, mixed=(512, 8), context_len=1024,
             compile=True, jobs=None, log=print, wide_batches=(128, 256)) -> Path:
     """Render (and compile) every candidate kernel; write <out>/manifest.json. Returns out."""
@@ -339,6 +339,7 @@ def prepare(model=None, gpu="h200", out=None, phases=("decode", "prefill"), temp
     if context_len < 1:
         raise SpecError("--context-len must be at least 1", None)
     table = load_tuning(gpu)
+    page_size = page_size or default_page_size(gpu)
     state, plan = compile_model(model, spec_path, model_dir, features)
     out = Path(out) if out else REPO / ".cache" / "tune" / f"{state.model}-{gpu}"
     dims = {p: phase_dims(p, decode_batches, prefill_tokens, mixed, wide_batches) for p in phases}

@@ -90,10 +90,17 @@ def default_batched_tokens(device: str, server: bool) -> int:
     return BATCHED_TOKENS[(device, server)]
 
 
+def default_block_size(device: str) -> int:
+    """The KV cache page size when none is asked: on cuda the build's for this GPU (its tuning
+    table's, compiler/build.py default_page_size), on cpu 16."""
+    from infc.compiler.build import DEFAULT_PAGE_SIZE, default_page_size
+    return default_page_size(gpu_tuning()) if device == "cuda" else DEFAULT_PAGE_SIZE
+
+
 def load_backend(model_dir, model: str | None = None, spec: str | None = None, device: str | None = None,
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
-                 enable_prefix_caching: bool = True, block_size: int = 16,
+                 enable_prefix_caching: bool = True, block_size: int | None = None,
                  num_gpu_blocks_override: int | None = None, kv_cache_memory_bytes: int | None = None,
                  asynchronous: bool = True, cuda_graphs: bool = True, log=print,
                  spec_dirs=None, load_format: str = "auto", tensor_parallel_size: int = 1,
@@ -110,7 +117,8 @@ def load_backend(model_dir, model: str | None = None, spec: str | None = None, d
     runtime/engine.py). overlap: the engine's overlapped
     steps (runtime/engine.py; None: on where the runner can, unless INFC_OVERLAP=0). artifact: a
     built artifact directory to run as it is (one GPU), instead of building or reusing
-    .cache/artifacts/<name> with this checkout's compiler: an A/B of two commits' plans."""
+    .cache/artifacts/<name> with this checkout's compiler: an A/B of two commits' plans.
+    block_size: the KV cache's page size (None: default_block_size; an artifact keeps its own)."""
     from infc.runtime.dummy_weights import check_load_format
     from infc.runtime.async_engine import AsyncEngine
     from infc.runtime.engine import Engine
@@ -121,6 +129,8 @@ def load_backend(model_dir, model: str | None = None, spec: str | None = None, d
     if device not in ("cpu", "cuda"):
         raise ValueError(f"--device must be cpu or cuda, got {device!r}")
     dummy = check_load_format(load_format) == "dummy"
+    if block_size is None:
+        block_size = default_block_size(device)
     if max_num_batched_tokens is None:
         max_num_batched_tokens = default_batched_tokens(device, server=asynchronous)
     for name, v in (("--max-num-seqs", max_num_seqs), ("--max-num-batched-tokens", max_num_batched_tokens),

@@ -124,7 +124,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--features", help="extra kernel backends, comma-separated: tilelang, cuda")
     b.add_argument("--gpu", default="h100", choices=["h100", "h200"], help="tuning table to use")
     b.add_argument("--target", default="sm_90", help="compute capability for the cubins")
-    b.add_argument("--page-size", type=int, default=16, help="KV cache page size in tokens")
+    b.add_argument("--page-size", type=int, help="KV cache page size in tokens (default: the GPU "
+                   "table's, 64 on the H200; else 16)")
     b.add_argument("--no-compile", action="store_true", help="render kernels, skip the cubins")
     b.add_argument("--no-fuse", action="store_true",
                    help="skip every fusion pass: each op runs its generic kernel")
@@ -188,7 +189,7 @@ def parser() -> argparse.ArgumentParser:
     tp.add_argument("--mixed", default="512x8", help="mixed step sizes TxB, comma-separated (B - 1 "
                     "decode rows and one chunk; e.g. 512x8,511x256)")
     tp.add_argument("--context-len", type=int, default=1024, help="KV length per sequence for attention")
-    tp.add_argument("--page-size", type=int, default=16)
+    tp.add_argument("--page-size", type=int, help="default: the build's for --gpu")
     tp.add_argument("--target", default="sm_90")
     tp.add_argument("--no-compile", action="store_true", help="render the candidates, skip the cubins")
     tp.add_argument("--jobs", type=int)

@@ -57,16 +57,17 @@ class LLM:
     as vLLM's flags; `close()` (or `with LLM(...) as llm:`) stops them."""
 
     def __init__(self, model: str | Path, device: str | None = "cpu", spec: str | None = None, *,
-                 kv_cache_tokens: int | None = None, page_size: int = 16, max_num_seqs: int | None = None,
+                 kv_cache_tokens: int | None = None, page_size: int | None = None, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, gpu_memory_utilization: float = 0.9,
                  cuda_graphs: bool = True, log=None, spec_dirs=None, load_format: str = "auto",
                  tensor_parallel_size: int = 1, enable_expert_parallel: bool = False,
                  data_parallel_size: int = 1):
-        from infc.backend import detect_device, load_backend
+        from infc.backend import default_block_size, detect_device, load_backend
         device = device or detect_device()
         if device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        page_size = page_size or default_block_size(device)
         self.model_dir = Path(model)
         if not self.model_dir.is_dir():
             raise ModelDirError(f"{model}: not a directory")

@@ -50,7 +50,8 @@ def add_serve_args(p: argparse.ArgumentParser):
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="run each step to its end before the next is scheduled (default: the next "
                         "step is prepared while the GPU runs this one; also INFC_OVERLAP=0)")
-    p.add_argument("--block-size", type=int, default=16, help="KV cache page size in tokens")
+    p.add_argument("--block-size", type=int, help="KV cache page size in tokens (default: the build's "
+                   "for this GPU, 64 on an H200; 16 on cpu)")
     p.add_argument("--num-gpu-blocks-override", type=int, help="number of KV pages (either device)")
     add_parallel_args(p)
     p.add_argument("--kv-cache-memory-bytes", type=int, help="KV cache size on the cpu device (default 1 GiB)")

@@ -148,3 +148,20 @@ def test_a_tuning_overlay_changes_only_its_kernels_and_is_recorded(tmp_path):
     with pytest.raises(SpecError, match="one-GPU"):
         build(model="qwen3-30b-a3b", out=tmp_path / "c", log=None, compile=False,
               tensor_parallel_size=2, tuning_overlay=overlay)
+
+
+def test_the_page_size_defaults_to_the_gpu_tables_and_a_flag_overrides_it(tmp_path):
+    """The H200 table names 64-token pages, where attention_mixed's flash tiles (128 x 64) lie in
+    one page and take their K/V by TMA; the H100 table names none (16, vLLM's); --page-size wins.
+    The runtime sizes its caches from plan["build"]["page_size"]."""
+    from infc.compiler.build import default_page_size, load_tuning
+    assert (default_page_size("h200"), default_page_size("h100")) == (64, 16)
+    assert "page_size" not in load_tuning("h100")
+    built = {}
+    for name, kw in {"h200": {"gpu": "h200"}, "h100": {"gpu": "h100"},
+                     "h200-16": {"gpu": "h200", "page_size": 16}}.items():
+        out = build(model="qwen3-4b", out=tmp_path / name, log=None, compile=False, **kw)
+        plan = json.loads((out / "plan.json").read_text())
+        mixed = [(out / "kernels" / f"{k}.py").read_text() for k in plan["kernels"] if k.startswith("attention_mixed")]
+        built[name] = (plan["build"]["page_size"], any("make_tensor_descriptor(k_cache" in s for s in mixed))
+    assert built == {"h200": (64, True), "h100": (16, False), "h200-16": (16, False)}

@@ -24,7 +24,10 @@ def parse(*argv):
 
 def test_serve_flags_and_defaults(monkeypatch):
     a = parse()
-    assert (a.host, a.port, a.gpu_memory_utilization, a.max_num_seqs, a.block_size) == ("127.0.0.1", 8000, 0.9, 256, 16)
+    # no --block-size: the backend takes the device's (16 on cpu; on cuda the build's for the GPU)
+    assert (a.host, a.port, a.gpu_memory_utilization, a.max_num_seqs, a.block_size) == ("127.0.0.1", 8000, 0.9, 256, None)
+    from infc.backend import default_block_size
+    assert default_block_size("cpu") == 16
     assert a.enable_prefix_caching is True and a.device is None and a.max_model_len is None
     assert a.max_num_batched_tokens is None and a.served_model_name is None and a.max_logprobs == 20
     a = parse("--no-enable-prefix-caching", "--served-model-name", "a", "b", "--max-model-len", "512",

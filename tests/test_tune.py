@@ -8,6 +8,7 @@ import pytest
 
 from infc.cli import main
 from infc.compiler import build as build_mod
+from infc.compiler.build import default_page_size
 from infc.compiler.codegen.render import TEMPLATES, render_plan, tuning_key
 from infc.compiler.tune import GRIDS, candidates, prepare
 from infc.runtime.cuda import tune_run
@@ -290,7 +291,8 @@ def test_run_binds_the_launch_caches_one_layer_per_copy(prepared, tmp_path, fake
     m = json.loads(json.dumps(m))
     m["entries"] = [e for e in m["entries"] if e["template"] == "attention_decode"]
     assert m["entries"] and all(e["caches"] == ["k", "v"] for e in m["entries"])
-    assert set(m["caches"]) == {"k", "v"} and m["page_size"] == 16
+    # the manifest's page size is the H200 build's default (its table's 64-token pages)
+    assert set(m["caches"]) == {"k", "v"} and m["page_size"] == default_page_size("h200") == 64
     _fake_bins(out, m, lambda e, i, c: (10.0 + i, 1.0))
     drv = fake_driver
     drv.on_launch = _fake_kernel
