@@ -128,11 +128,14 @@ def test_1000_requests_with_random_aborts(runner):
     e = make_engine(runner, max_num_seqs=32, max_num_batched_tokens=512)
     start = e.bm.num_free_pages
     rng = np.random.default_rng(9)
-    stems = [rng.integers(0, 128000, 48).tolist() for _ in range(5)]          # shared prefixes
+    # shared prefixes of up to three pages (of the build's size: 16 or 64 tokens), so some prompts
+    # hit cached pages
+    stem_len = 3 * runner.page_size
+    stems = [rng.integers(0, 128000, stem_len).tolist() for _ in range(5)]
     live, aborted, finished = [], set(), set()
     for i in range(1000):
         rid = f"r{i}"
-        prompt = stems[i % 5][: int(rng.integers(1, 48))] + rng.integers(0, 128000, int(rng.integers(0, 24))).tolist()
+        prompt = stems[i % 5][: int(rng.integers(1, stem_len))] + rng.integers(0, 128000, int(rng.integers(0, 24))).tolist()
         e.add_request(prompt, SamplingParams(max_tokens=int(rng.integers(1, 12)), **GREEDY), rid)
         live.append(rid)
         if rng.random() < 0.1:
