@@ -2,7 +2,7 @@
 (tests/gpu/call_ab_latency.sh) of kernel tiles that `infc tune` cannot judge alone (PDL overlap,
 preloads: bench/NOTES.md).
 
-    python tests/gpu/build_variants.py VARIANTS.json MODEL_DIR NAME [--gpu h200] [--page-size 16]
+    python tests/gpu/build_variants.py VARIANTS.json MODEL_DIR NAME [--gpu h200] [--page-size N]
         -> .cache/artifacts/NAME-<label> for each label of VARIANTS.json, and NAME-base (no overlay)
 
 VARIANTS.json: {"label": {template: {shape key: {tunable: value}}}, ...} (build.load_tuning's
@@ -23,7 +23,7 @@ def main(argv=None):
     ap.add_argument("model_dir")
     ap.add_argument("name")
     ap.add_argument("--gpu", default="h200", choices=["h100", "h200"])
-    ap.add_argument("--page-size", type=int, default=16, help="KV cache page size of every variant")
+    ap.add_argument("--page-size", type=int, help="KV cache page size of every variant (default: the build's for --gpu)")
     a = ap.parse_args(argv)
     from infc.compiler.build import build
     variants = json.loads(Path(a.variants).read_text())
