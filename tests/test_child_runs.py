@@ -1,4 +1,4 @@
-"""bench/experiments/child_runs.py: an experiment's combinations in child processes. A child that
+"""tools/experiments/child_runs.py: an experiment's combinations in child processes. A child that
 dies on a combination costs that one (a row with the reason and the stderr tail), a fresh child
 runs the rest; a child that hangs is killed at the timeout, and with stop_after_timeout the run
 ends there."""
@@ -8,7 +8,7 @@ import textwrap
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("child_runs", REPO / "bench" / "experiments" / "child_runs.py")
+spec = importlib.util.spec_from_file_location("child_runs", REPO / "tools" / "experiments" / "child_runs.py")
 child_runs = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(child_runs)
 
@@ -73,7 +73,7 @@ def test_child_side_failure_and_keep(tmp_path):
     code = textwrap.dedent(f'''
         import importlib.util, sys
         from pathlib import Path
-        spec = importlib.util.spec_from_file_location("c", {str(REPO / "bench" / "experiments" / "child_runs.py")!r})
+        spec = importlib.util.spec_from_file_location("c", {str(REPO / "tools" / "experiments" / "child_runs.py")!r})
         c = importlib.util.module_from_spec(spec); spec.loader.exec_module(c)
         def lost():
             raise RuntimeError("illegal address")
