@@ -25,7 +25,7 @@
     parallel    (rank plans of `--tensor-parallel-size N` / `--data-parallel-size N` only)
                 {world, rank, tp, ep[, dp]}: this plan is rank `rank`'s share (compiler/parallel.py);
                 its collective launches have backend "nccl" and no kernel. With dp, each rank runs
-                its own sequences over its own pages, its own step metadata (DESIGN.md's "rank 0
+                its own sequences over its own pages, its own step metadata (docs/architecture.md, contract 12: "rank 0
                 broadcasts each step's metadata; page ids are the same on every rank" holds for
                 tp / ep plans only)
 """

@@ -1,5 +1,5 @@
 """One step's metadata, built from the sequences' chunks: what every kernel reads besides
-activations (see `step_metadata` in the plan and codegen_templates/KERNELS.md)."""
+activations (see `step_metadata` in the plan and docs/kernels.md)."""
 from dataclasses import dataclass
 from itertools import chain
 

@@ -3,10 +3,10 @@
 A TileLang template renders a module that defines
   program()      -> the @T.prim_func (one T.Kernel: one CUDA kernel),
   PASS_CONFIGS   -> TileLang pass configs (optional),
-  META           -> the launch contract (KERNELS.md), literal.
+  META           -> the launch contract (docs/kernels.md), literal.
 `compile_tilelang` executes the module from a file (TileLang parses the prim_func's own source
 through `inspect`, so exec() of a string does not work), lowers it offline for the target (the
-recipe in DESIGN.md: a dict target inside a TVM target context, which needs no GPU), takes the
+recipe in docs/architecture.md, "Toolchain facts": a dict target inside a TVM target context, which needs no GPU), takes the
 generated CUDA source, builds it with nvcc, and checks that the kernel TileLang produced is
 exactly the one META describes: entry symbol, parameters in order (names and types), block,
 dynamic shared memory and grid (evaluated at several T/B). Any difference is an error naming both

@@ -87,7 +87,7 @@ def _tensor(plan: dict, name: str, strided_ok: bool) -> dict:
 
 
 def render_template(backend: str, template: str, ctx: dict, env=None) -> Kernel:
-    """Render one template with a launch context (see KERNELS.md for the keys)."""
+    """Render one template with a launch context (see docs/kernels.md for the keys)."""
     env = env or _env()
     path = f"{backend}/{template}{EXT[backend]}.j2"
     try:

@@ -1,5 +1,5 @@
 """Run HERE (no GPU): build an artifact with the compiler of an earlier commit, for an A/B against
-HEAD's build of the same model directory (tests/gpu/call_ab_latency.sh).
+HEAD's build of the same model directory (tests/gpu/run.sh ab-latency).
 
     python tests/gpu/build_at.py COMMIT MODEL_DIR NAME     # -> .cache/artifacts/NAME and NAME-h100
 

@@ -1,5 +1,5 @@
 """Run HERE (no GPU): build one model's artifact once per tuning overlay, for an in-model A/B
-(tests/gpu/call_ab_latency.sh) of kernel tiles that `infc tune` cannot judge alone (PDL overlap,
+(tests/gpu/run.sh ab-latency) of kernel tiles that `infc tune` cannot judge alone (PDL overlap,
 preloads: bench/NOTES.md).
 
     python tests/gpu/build_variants.py VARIANTS.json MODEL_DIR NAME [--gpu h200] [--page-size N]
@@ -7,7 +7,7 @@ preloads: bench/NOTES.md).
 
 VARIANTS.json: {"label": {template: {shape key: {tunable: value}}}, ...} (build.load_tuning's
 overlay form; a "narrow|..." key reaches the narrow program alone). Prints the ARTS line for
-call_ab_latency.sh. Commit first: the artifacts name no commit of their own.
+run.sh ab-latency. Commit first: the artifacts name no commit of their own.
 """
 import argparse
 import json

@@ -2,7 +2,7 @@
 # Gather the pieces of .cache one GPU call needs into .cache/carry (the whole .cache/gpu is too big
 # for the device tool's 64 MiB carry limit). Run after tests/gpu/prepare.py, then carry
 # [".cache/carry", ".whl"] and start the device command with
-#   bash tests/gpu/carry.sh --unpack; STAGES=... bash tests/gpu/session.sh $OUT/s1
+#   bash tests/gpu/run.sh $OUT STAGE ...     (run.sh unpacks the carried pieces itself)
 #   tests/gpu/carry.sh PATH...       # paths under .cache/gpu or .cache/artifacts, e.g.
 #   tests/gpu/carry.sh gpu/configs gpu/ranks/configs artifacts/qwen3-4b
 # Artifacts' cubins go into one pool (.cache/carry/binpool, each file once: a cubin's name holds

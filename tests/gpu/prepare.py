@@ -27,9 +27,9 @@ server (session.sh's `server-families` stage: the openai SDK suite over the Qwen
 DeepSeek-V2-Lite cuts, gpu_families.SERVER: their configs in .cache/gpu/configs/<name>-server, the
 artifacts `infc serve` reuses in .cache/artifacts/<name>-server), attnvar (issue 10: qwen3-4b with
 variants of attention_mixed's split-role tunables laid over the tables, ATTN_VARIANTS, into
-.cache/artifacts/qwen3-4b-attn-<name>, for tests/gpu/call_attn_variants.sh), hlvar (issue 13:
+.cache/artifacts/qwen3-4b-attn-<name>, for tests/gpu/run.sh attn-variants), hlvar (issue 13:
 DeepSeek-V2-Lite with other head_linear blocks, HL_VARIANTS, into
-.cache/artifacts/deepseek-v2-lite-<name>, beside deepseek-v2-lite, for call_ab_latency.sh).
+.cache/artifacts/deepseek-v2-lite-<name>, beside deepseek-v2-lite, for run.sh ab-latency).
 Default: base, nofuse and families.
 
 The tiny qwen3_moe and the
@@ -138,7 +138,7 @@ def served_config(name: str) -> Path:
 
 # issue 10's prefix-hit attention (attention_mixed's split role in the short program): variants of
 # its tunables, each a qwen3-4b artifact built with the overlay (build's tuning_overlay), for
-# tests/gpu/call_attn_variants.sh to profile side by side (bench profile --isolate)
+# tests/gpu/run.sh attn-variants to profile side by side (bench profile --isolate)
 ATTN_VARIANTS = {
     "minkeys64": {"SPLIT_MIN_KEYS": 64},              # 1-tile splits (17 at 1k): more programs
     "minkeys2048": {"SPLIT_MIN_KEYS": 2048},          # one split at 1k: no merge at all
@@ -162,7 +162,7 @@ def attnvar():
 
 # issue 13: DeepSeek-V2-Lite's absorbed head_linear launches at batch 1, as overlays on the tables
 # (which since 2026-11-27 give w_uv 16 x 128 blocks: 64 programs, not the defaults' 32 of 64 x 64),
-# into .cache/artifacts/deepseek-v2-lite-<name>, for tests/gpu/call_ab_latency.sh against
+# into .cache/artifacts/deepseek-v2-lite-<name>, for tests/gpu/run.sh ab-latency against
 # deepseek-v2-lite: nouv (the template defaults: the table entry's own A/B), uv32 (32-wide blocks),
 # uk32 (w_uk on 32-wide blocks besides)
 HL_UV, HL_UK = "decode|Tx16x512;16x128x512;Tx16x128", "decode|Tx16x128;16x512x128;Tx16x512"

@@ -8,7 +8,7 @@ qwen3-4b). So before a tuned table lands, each model it touches is timed with th
     python tests/gpu/prepare_loo.py --new OUT/h200.json --model-dir .cache/gpu/configs/qwen3-30b-a3b \
         [--tune-results bench/results/tune-<model>-<gpu>-<commit>.json]  # only the keys it timed
     tests/gpu/carry.sh gpu/configs artifacts/<name>-loo-base artifacts/<name>-loo-all ...
-    ARTS="<printed list>" CFG=.cache/gpu/configs/<name> PROFILE=0 bash tests/gpu/call_ab_latency.sh $OUT
+    ARTS="<printed list>" CFG=.cache/gpu/configs/<name> PROFILE=0 bash tests/gpu/run.sh $OUT ab-latency
 
 The new entries are the (template, key) pairs where --new differs from the committed table of its
 GPU. The builds go over the committed table (--new is laid over it as build's tuning_overlay), both

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session in one call, stage by stage, each bounded by its own timeout:
-#   STAGES="suite latency throughput" tests/gpu/session.sh OUT_DIR
+#   bash tests/gpu/run.sh OUT_DIR suite latency throughput     (the entry point; or, as it runs this:
+#   STAGES="suite latency throughput" tests/gpu/session.sh OUT_DIR)
 # Stages: suite (tests/gpu: golden gate of every model incl. qwen3-4b --no-fuse and the new
 # families, engine, no torch), families (only the new families' golden gate), baseline (a
 # baseline commit's qwen3-4b latency on the same card: tools/prepare_baseline.sh), latency,
@@ -299,6 +300,8 @@ test_ranks_gpu.model_dir(name[len('ranks-'):]) if name.startswith('ranks-') else
     tune)
       timeout ${TUNE_S:-300} python3 -m infc.cli tune run --dir .cache/tune/qwen3-4b-h200 --results-dir "$OUT" \
         --write "$OUT/h200.json" 2>&1 | tail -40 ;;
+    *)
+      say "unknown stage '$stage' (tests/gpu/run.sh --list names them)"; exit 2 ;;
   esac
 done
 say "done"
