@@ -1,5 +1,8 @@
-"""`infc bench latency`: batch-1 decode TPOT and TTFT against the bandwidth floor, and HF
-transformers' fastest path (static cache + torch.compile) on the same GPU and prompts.
+"""`infc bench latency`: batch-1 decode TPOT and TTFT against the bandwidth floor, beside two
+PyTorch peers on the same GPU and prompts, timed in the same run: HF transformers' fastest path
+(generate() with a static cache, which compiles the decode step) and the gpt-fast recipe (a static
+KV cache and a decode step under torch.compile(mode="reduce-overhead", fullgraph=True): CUDA
+graphs; bench/torch_peer.py). Each row of the printed table is set against the same floor.
 
 floor_ms = (weight bytes + cache bytes read per step) / copy bandwidth; floor_ratio = floor/TPOT.
 The cache bytes of a batch-1 decode step: the paged KV of the context (read), and a hybrid plan's
@@ -152,15 +155,19 @@ def _time_prompt(r, n, out_len, rng, overlap, greedy, clock=time.perf_counter):
     return ttfts, tpots
 
 
-def _hf(model_dir, prompts, out_len, seed=0, load_format="auto"):
+def _hf_model(model_dir, load_format="auto"):
+    """The HF model both peers run (bf16 on the GPU)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     if load_format == "dummy":     # no checkpoint: HF's own random init, made on the GPU (the
         with torch.device("cuda"):  # timing of a forward pass does not depend on the values)
-            m = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir),
-                                                 dtype=torch.bfloat16).eval()
-    else:
-        m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir),
+                                                    dtype=torch.bfloat16).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+
+
+def _hf(m, prompts, out_len, seed=0):
+    import torch
     # HF's fastest path: a static cache, which makes generate() torch.compile the decode step
     # itself (with CUDA graphs); compile time is excluded by the warm-up runs below.
     m.generation_config.cache_implementation = "static"
@@ -186,19 +193,68 @@ def _hf(model_dir, prompts, out_len, seed=0, load_format="auto"):
     return out
 
 
+PEERS = (("infc", ""), ("HF static + compile", "hf_"), ("torch.compile loop", "torch_compile_"))
+
+
+def table(res: dict) -> list[str]:
+    """The latency table: per prompt length, infc and each peer that ran, TPOT and TTFT with the
+    floor over the TPOT (the share of the floor it reaches)."""
+    lines = ["| prompt | engine | TPOT ms | floor ms | of the floor | TTFT ms |", "| --- | --- | --- | --- | --- | --- |"]
+    for n, floor in res["floor_ms_by_prompt"].items():
+        for name, pre in PEERS:
+            tpot = res.get(f"{pre}tpot_ms_by_prompt", {}).get(n)
+            if tpot is None:
+                continue
+            ttft = res.get(f"{pre}ttft_ms", {}).get(n)
+            lines.append(f"| {n} | {name} | {tpot:.3f} | {floor:.3f} | {100 * floor / tpot:.0f} % | "
+                         f"{'' if ttft is None else f'{ttft:.2f}'} |")
+    for pre, what in (("hf_", "HF"), ("torch_compile_", "torch.compile loop")):
+        if res.get(f"{pre}error"):
+            lines.append(f"{what}: no row ({res[pre + 'error']})")
+    return lines
+
+
 def plot(res: dict, path: Path):
     from .common import figure, finish
     ks = list(res["tpot_ms_by_prompt"])
     x = np.arange(len(ks))
     fig, ax = figure()
-    ax.bar(x - 0.25, [res["floor_ms_by_prompt"][k] for k in ks], 0.25, label="floor (bytes / copy BW)")
-    ax.bar(x, [res["tpot_ms_by_prompt"][k] for k in ks], 0.25, label="infc")
-    if "hf_tpot_ms_by_prompt" in res:
-        ax.bar(x + 0.25, [res["hf_tpot_ms_by_prompt"][k] for k in ks], 0.25, label="HF static+compile")
+    bars = [("floor (bytes / copy BW)", res["floor_ms_by_prompt"])]
+    bars += [(name, res[f"{pre}tpot_ms_by_prompt"]) for name, pre in PEERS if f"{pre}tpot_ms_by_prompt" in res]
+    w = 0.8 / len(bars)
+    for i, (name, by) in enumerate(bars):
+        ax.bar(x + (i - (len(bars) - 1) / 2) * w, [by.get(k, 0) for k in ks], w, label=name)
     ax.set_xticks(x, [f"prompt {k}" for k in ks])
     ax.set_ylabel("ms per output token (batch 1)")
     ax.legend()
     finish(fig, ax, path, f"{res['model']} on {res['gpu']}", res)
+
+
+def _error(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def _peers(res, model_path, prompts, out_len, load_format, torch_compile=True):
+    """Both peers on one HF model; a peer that fails records why (`hf_error`,
+    `torch_compile_error`) rather than losing the run's other numbers."""
+    try:
+        m = _hf_model(model_path, load_format)
+    except Exception as e:  # noqa: BLE001: no model, no peer: say why in the result
+        res["hf_error"] = _error(e)
+        if torch_compile:
+            res["torch_compile_error"] = res["hf_error"]
+        print("HF model failed:", res["hf_error"])
+        return
+    timings = [("hf_", "HF baseline", lambda: _hf(m, prompts, out_len))]
+    if torch_compile:
+        from .torch_peer import time_peer
+        timings.append(("torch_compile_", "torch.compile loop", lambda: time_peer(m, prompts, out_len)))
+    for pre, what, run in timings:
+        try:
+            res.update(run())
+        except Exception as e:  # noqa: BLE001: a peer's failure is its row's note
+            res[f"{pre}error"] = _error(e)
+            print(f"{what} failed:", res[f"{pre}error"])
 
 
 def main(argv=None):
@@ -207,7 +263,8 @@ def main(argv=None):
     ap.add_argument("--model-path", required=True)
     ap.add_argument("--prompts", default="32,1024,8192")
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--no-hf", action="store_true", help="no PyTorch peers (neither HF nor the torch.compile loop)")
+    ap.add_argument("--no-torch-compile", action="store_true", help="no torch.compile decode loop (HF still runs)")
     ap.add_argument("--out")
     from infc.server.args import add_load_format_arg, add_parallel_args
     add_load_format_arg(ap)
@@ -224,12 +281,9 @@ def main(argv=None):
     res, path = _infc(a.artifact, a.model_path, prompts, a.output_len, load_format=a.load_format,
                       par=par, out=a.out)
     if not a.no_hf:
-        try:
-            res.update(_hf(a.model_path, prompts, a.output_len, load_format=a.load_format))
-        except Exception as e:  # record why HF has no number rather than losing the run
-            res["hf_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            print("HF baseline failed:", res["hf_error"])
+        _peers(res, a.model_path, prompts, a.output_len, a.load_format, not a.no_torch_compile)
         path = save("latency", res, a.out)
+    print("\n".join(table(res)))
     plot(res, path.with_suffix(".png"))
     print(f"wrote {path}")
     return res

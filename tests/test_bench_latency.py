@@ -54,3 +54,32 @@ def test_two_slow_prefills_do_not_move_the_ttft_median():
     ttfts, _ = _run(_Stub(slow={0, 1, 2}), overlap=True)
     assert np.allclose(sorted(ttfts)[-2:], 35.0)
     assert np.isclose(np.median(ttfts), 5.0)
+
+
+def test_table_sets_each_peer_against_the_same_floor():
+    res = {"floor_ms_by_prompt": {"32": 2.0}, "tpot_ms_by_prompt": {"32": 2.5}, "ttft_ms": {"32": 4.0},
+           "hf_tpot_ms_by_prompt": {"32": 8.0}, "hf_ttft_ms": {"32": 40.0},
+           "torch_compile_tpot_ms_by_prompt": {"32": 4.0}, "torch_compile_ttft_ms": {"32": 20.0}}
+    rows = latency.table(res)
+    assert rows[2:] == ["| 32 | infc | 2.500 | 2.000 | 80 % | 4.00 |",
+                        "| 32 | HF static + compile | 8.000 | 2.000 | 25 % | 40.00 |",
+                        "| 32 | torch.compile loop | 4.000 | 2.000 | 50 % | 20.00 |"]
+    del res["torch_compile_tpot_ms_by_prompt"]
+    res["torch_compile_error"] = "PeerUnsupported: model_type 'deepseek_v2'"
+    assert latency.table(res)[-1] == "torch.compile loop: no row (PeerUnsupported: model_type 'deepseek_v2')"
+
+
+def test_a_failing_peer_leaves_the_other(monkeypatch):
+    """HF's failure is recorded and the torch.compile loop still runs on the same model; no model
+    at all records the reason for both."""
+    import infc.bench.torch_peer as peer
+    monkeypatch.setattr(latency, "_hf_model", lambda path, fmt: "model")
+    monkeypatch.setattr(latency, "_hf", lambda m, p, n: (_ for _ in ()).throw(RuntimeError("no graph")))
+    monkeypatch.setattr(peer, "time_peer", lambda m, p, n: {"torch_compile_tpot_ms_by_prompt": {"32": 4.0}})
+    res = {}
+    latency._peers(res, "dir", [32], 8, "auto")
+    assert res == {"hf_error": "RuntimeError: no graph", "torch_compile_tpot_ms_by_prompt": {"32": 4.0}}
+    monkeypatch.setattr(latency, "_hf_model", lambda path, fmt: (_ for _ in ()).throw(OSError("no config")))
+    res = {}
+    latency._peers(res, "dir", [32], 8, "auto")
+    assert res == {"hf_error": "OSError: no config", "torch_compile_error": "OSError: no config"}
