@@ -40,6 +40,9 @@ install_here() {
   if grep -q H200 "$OUT/gpu.txt"; then suffix=""; fi
 }
 
+# The run stages: one function each, run in a subshell (its settings and working directory stay
+# its own). Their bodies are not indented: the heredocs in them end at column 0.
+
 # An artifact entry NAME[:VAR=VALUE] (ab-latency, timeline): its directory name, its environment
 # (VAR=VALUE, or nothing), and a file-name label (NAME-VAR-VALUE)
 art() { echo "${1%%:*}"; }
