@@ -26,7 +26,7 @@ def check_supported(config):
         raise PeerUnsupported(f"model_type {kind!r}: the torch.compile peer runs {', '.join(SUPPORTED)}")
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", kind == "mistral"):
         raise PeerUnsupported(f"{kind} with a sliding window")
-    rope = getattr(config, "rope_scaling", None) or {}
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     if rope.get("rope_type", rope.get("type", "default")) in ("dynamic", "longrope"):
         raise PeerUnsupported(f"rope_type {rope.get('rope_type')!r} changes with the length")
 

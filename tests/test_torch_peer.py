@@ -45,3 +45,6 @@ def test_unsupported_models_are_refused(tiny_model):
     with pytest.raises(PeerUnsupported, match="sliding window"):
         check_supported(MistralConfig(sliding_window=4096))
     check_supported(MistralConfig(sliding_window=None))
+    from transformers import LlamaConfig
+    with pytest.raises(PeerUnsupported, match="rope_type 'dynamic'"):
+        check_supported(LlamaConfig(rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
