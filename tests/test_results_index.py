@@ -22,6 +22,29 @@ def test_index_is_fresh():
     assert cov["indexed"] >= 0.9 * cov["files"], cov
 
 
+def test_every_source_is_a_result_in_the_tree():
+    """`source` names a JSON file under bench/results/, or an entry of a run's bundle."""
+    bundles = {}
+    for r in results_index.read():
+        path, _, entry = r["source"].partition("#")
+        assert (results_index.RESULTS / path).is_file(), f"{r['source']}: no such file under bench/results/"
+        if entry:
+            if path not in bundles:
+                bundles[path] = {f for f, _ in results_index.bundle_entries(results_index.RESULTS / path)}
+            assert entry in bundles[path], f"{r['source']}: {path} has no entry {entry!r}"
+
+
+def test_results_stay_small_on_disk():
+    """bench/results/ on a checkout stays under 5 MiB as `du` counts it (each file and folder at least
+    a 4 KB block): a session's many small JSON files go into its run's bundle."""
+    block = 4096
+    used = sum(-(-max(f.stat().st_size, 1) // block) * block if f.is_file() else block
+               for f in results_index.RESULTS.rglob("*")) + block
+    assert used <= 5 * 2**20, (
+        f"bench/results/ takes {used / 2**20:.1f} MiB on disk: pack the new runs "
+        "(python tools/results_bundle.py pack bench/results/RUN) or leave their logs out")
+
+
 def test_generated_tables_are_fresh():
     table = results_table.current_table()
     for target in results_table.TARGETS:

@@ -7,13 +7,17 @@ under bench/results/.
 A row: date, commit, gpu, model, benchmark, settings, metric, value, source. `settings` is
 `key=value` pairs joined by `;` (a prompt length, a concurrency, a step budget, ranks...), so one
 (gpu, model, benchmark, settings, metric) names one measured quantity across runs and `source`
-(the JSON file, relative to bench/results/) says which run measured it.
+(the JSON file, or a bundle's entry, relative to bench/results/) says which run measured it.
 
 The results come in three naming schemes (`<bench>-<model>-<gpu>-<commit>.json` at the top, run
 folders `<what>-<gpu>-<commit>-<date>/` with per-call subfolders, and experiments' own files), and
 the benchmarks' JSON grew fields over time, so each file is read by what it holds, not by its name:
 a parser per benchmark recognises its keys. Files no parser recognises (tuning tables, kernel
 timelines, one-off experiments) are counted, not indexed.
+
+A run folder's results may be packed into one file, `<run>/results.jsonl` (tools/results_bundle.py:
+one line per result file, `{"file": its path in the run folder, "result": its JSON}`); each entry is
+read as the file it was, its source `<run>/results.jsonl#<file>`.
 """
 import argparse
 import csv
@@ -28,6 +32,46 @@ RESULTS = REPO / "bench" / "results"
 INDEX = REPO / "bench" / "index.csv"
 COLUMNS = ["date", "commit", "gpu", "model", "benchmark", "settings", "metric", "value", "source"]
 DATE_IN_PATH = re.compile(r"(20\d\d-\d\d-\d\d)")
+BUNDLE = "results.jsonl"
+
+
+class BundleError(ValueError):
+    """A line of a results bundle that is not one {"file", "result"} entry."""
+
+
+def bundle_entries(path: Path):
+    """(file, result) of each line of a bundle; a bad line raises BundleError naming it."""
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            e = json.loads(line)
+        except ValueError as err:
+            raise BundleError(f"{path}:{n}: not JSON ({err})") from None
+        if not (isinstance(e, dict) and isinstance(e.get("file"), str) and "result" in e):
+            raise BundleError(f"{path}:{n}: not a {{\"file\": ..., \"result\": ...}} entry")
+        yield e["file"], e["result"]
+
+
+UNREADABLE = object()
+
+
+def results_of(results: Path):
+    """(source, parsed JSON or UNREADABLE) of every result under `results`: each JSON file, and
+    each entry of each run's bundle (a bundle with a bad line counts as one unreadable source)."""
+    for f in sorted(results.rglob("*.json")):
+        try:
+            d = json.loads(f.read_text())
+        except (ValueError, UnicodeDecodeError):
+            d = UNREADABLE
+        yield f.relative_to(results).as_posix(), d
+    for b in sorted(results.rglob(BUNDLE)):
+        rel = b.relative_to(results).as_posix()
+        try:
+            entries = list(bundle_entries(b))
+        except (BundleError, UnicodeDecodeError):
+            yield rel, UNREADABLE
+            continue
+        for file, d in entries:
+            yield f"{rel}#{file}", d
 
 
 def gpu_name(raw) -> str:
@@ -183,12 +227,9 @@ def run_date(d: dict, rel: str) -> str:
 def build(results: Path = RESULTS):
     """(rows sorted, coverage {"files", "indexed", "unparsed": [rel...], "unrecognised": [rel...]})."""
     rows, cov = [], {"files": 0, "indexed": 0, "unparsed": [], "unrecognised": []}
-    for f in sorted(results.rglob("*.json")):
-        rel = f.relative_to(results).as_posix()
+    for rel, d in results_of(results):
         cov["files"] += 1
-        try:
-            d = json.loads(f.read_text())
-        except (ValueError, UnicodeDecodeError):
+        if d is UNREADABLE:
             cov["unparsed"].append(rel)
             continue
         bench, parse = parser_for(d)
@@ -238,7 +279,7 @@ def main(argv=None):
     for r in rows:
         by_bench[r["benchmark"]] = by_bench.get(r["benchmark"], 0) + 1
     print(f"{INDEX.relative_to(REPO)}: {len(rows)} rows from {cov['indexed']} of {cov['files']} JSON "
-          f"files ({', '.join(f'{k} {v}' for k, v in sorted(by_bench.items()))}); "
+          f"results ({', '.join(f'{k} {v}' for k, v in sorted(by_bench.items()))}); "
           f"{len(cov['unrecognised'])} not benchmark results (tuning tables, timelines, experiments), "
           f"{len(cov['unparsed'])} unreadable")
     return 0
