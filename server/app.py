@@ -46,7 +46,6 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from infc.runtime.async_engine import EngineDeadError
-
 from infc.runtime.sampling import SamplingParams
 
 from . import admission, metrics, protocol
