@@ -14,7 +14,9 @@ The event loop only routes (DESIGN.md contract 17): a JSON route reads its bound
 loop, then parses it, templates, tokenizes and checks every id and the engine's rules on the
 worker pool (offload.py; the cheap bounds in protocol.py refuse what can never fit before
 anything is tokenized), then admits it by cost (admission.py) and relays the engine's outputs.
-The server talks to the engine only through AsyncEngine's methods.
+/tokenize and /detokenize run on the same pool; like vLLM's, /tokenize is not bounded by the
+context (only by the body cap): a long text costs a worker for a while, never the loop. The
+server talks to the engine only through AsyncEngine's methods.
 
 JSON routes take only JSON: a POST whose Content-Type is not application/json (parameters such
 as charset allowed) or application/<something>+json is answered 415 in OpenAI's error shape,

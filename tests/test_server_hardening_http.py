@@ -58,8 +58,9 @@ def test_json_content_types_are_served(content_type):
 def test_h11_rejections_are_plain_text_400():
     """What app.py's docstring says a client sees when h11 rejects the request itself."""
     s = live()
+    unfinished_big_header = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (2 * s.config.max_header_bytes)
     for raw in (b"GARBAGE\r\n\r\n", b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",
-                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n"):
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n", unfinished_big_header):
         with socket.create_connection(("127.0.0.1", s.port), timeout=10) as sock:
             sock.sendall(raw)
             got = b""
