@@ -8,9 +8,9 @@ anything but their neutral value, rather than silently dropped.
 
 Every number is bounded where the engine packs it (runtime/cuda/sampler.py: top_k as int32,
 temperature / top_p / min_p as float32, the seed as 64 bits): top_k at most the vocabulary (vLLM's
-rule), the seed a signed 64-bit integer (vLLM's range), temperature finite in float32, a top_p
-float32 would round to 0 raised to float32's smallest normal (it keeps the one likeliest token
-either way); n, logprobs and top_logprobs by the server's limits; max_tokens, min_tokens and the
+rule), the seed a signed 64-bit integer (vLLM's range), temperature finite in float32, and a
+top_p that float32 would round to 0 raised to float32's smallest normal (either keeps only the
+likeliest token); n, logprobs and top_logprobs by the server's limits; max_tokens, min_tokens and the
 prompt by the context; token ids by the vocabulary.
 
 Cheap bounds first (parse_completion, parse_chat): every field, and what can never fit, before
