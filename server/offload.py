@@ -7,14 +7,14 @@ relays engine outputs, so /health and every stream in flight keep answering whil
 request is parsed or refused.
 
 One pool per process, shared by every server in it (tests run several); its threads start on
-first use.
-Its size is the machine's: the work is CPU-bound (the tokenizers library runs its own Rust
-threads inside each call, and releases the GIL there), so more workers than cores only queue
-in the kernel instead of here.
+first use. Its size is the machine's: the cores plus a few (Python's own default for a pool), so that a
+small request is not queued behind a few long tokenizations (the tokenizers library releases
+the GIL and runs its own threads inside each call; the kernel shares the cores among them).
 
 What a thread pool cannot do: a single C call that holds the GIL (json.loads of a 16 MiB body,
-~50-100 ms) still delays the loop by that long; the cheap bounds in protocol.py make sure no
-request gets past that point with more than it can use.
+20-45 ms here) still delays the loop by that long (longer when the OS preempts the thread that
+holds it); the cheap bounds in protocol.py make sure nothing bigger follows for a request that
+can never fit.
 """
 import asyncio
 import functools
@@ -29,7 +29,7 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-WORKERS = max(2, min(32, _cores()))   # the pool's size: one home for it
+WORKERS = min(32, _cores() + 4)       # the pool's size: one home for it
 
 POOL = ThreadPoolExecutor(WORKERS, thread_name_prefix="infc-offload")
 
