@@ -165,3 +165,8 @@ class AsyncEngine:
         """A snapshot of the engine's metrics (read from another thread: gauges may be a step old)."""
         m = self.engine.metrics
         return {k: getattr(m, k) for k in m.__dataclass_fields__}
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams):
+        """The engine's own rules for a request (ValueError if it can never run), from any thread:
+        the server runs it on its worker pool, then generate(..., checked=True)."""
+        self.engine.check_request(prompt_ids, params)

@@ -10,6 +10,30 @@ shape, auth and limits (http.py's Guard; body size, n, queued requests), and abo
 whose client went away (http.py). This file is the routes; the configuration and the attached
 backend are state.py's. What runs when, and where its KV lives, is the engine's business.
 
+The event loop only routes (DESIGN.md contract 17): a JSON route reads its bounded body on the
+loop, then parses it, templates, tokenizes and checks every id and the engine's rules on the
+worker pool (offload.py; the cheap bounds in protocol.py refuse what can never fit before
+anything is tokenized), then admits it by cost (admission.py) and relays the engine's outputs.
+/tokenize and /detokenize run on the same pool; like vLLM's, /tokenize is not bounded by the
+context (only by the body cap): a long text costs a worker for a while, never the loop. The
+server talks to the engine only through AsyncEngine's methods.
+
+JSON routes take only JSON: a POST whose Content-Type is not application/json (parameters such
+as charset allowed) or application/<something>+json is answered 415 in OpenAI's error shape,
+before its body is read, and so is one without a Content-Type. The OpenAI SDKs and vLLM's clients
+send application/json; a web page can send a cross-origin POST without a CORS preflight only as
+text/plain, application/x-www-form-urlencoded, multipart/form-data, or with no type at all (a
+Blob body), so refusing all of those keeps a page in a user's browser from generating text on a
+server without an API key (the CSRF vector). `curl -d` sends a form type: add
+-H 'Content-Type: application/json'.
+
+What a client sees for a request h11 itself rejects, before any of this runs (a malformed
+request line or header, a header block over --max-header-bytes that arrives in pieces, an
+invalid Content-Length): uvicorn's plain `400 Bad Request`, Content-Type text/plain, the body
+"Invalid HTTP request received.", and the connection closed; not OpenAI's JSON shape, since no
+route (and no request id) exists yet. A header block that arrives whole is measured by http.py's
+Guard and answered 431 in OpenAI's shape.
+
 Streams are written by SSEResponse, which always races the generator against the client's
 http.disconnect: a disconnect cancels the generator, and AsyncEngine.generate aborts the request
 when its consumer is cancelled, so the KV is freed at the next step. Non-streaming requests get
@@ -24,10 +48,13 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from infc.runtime.async_engine import EngineDeadError
+from infc.runtime.sampling import SamplingParams
 
-from . import metrics, protocol
+from . import admission, metrics, protocol
 from .generation import Generation, engine_error
-from .http import ClientGone, Guard, SSEResponse, error_response, json_response, read_body, until_disconnect
+from .http import (ClientGone, Guard, SSEResponse, dumps, error_response, json_bytes_response, json_response,
+                   read_body, require_json, until_disconnect)
+from .offload import off_loop
 from .protocol import APIError, bad
 from .state import ServerConfig, ServerState
 
@@ -64,9 +91,11 @@ def make_app(state: ServerState) -> FastAPI:
             raise engine_error(EngineDeadError(f"the engine died: {state.backend.engine.error!r}"))
         return state.backend
 
-    async def body_of(request: Request) -> dict:
+    async def body_of(request: Request) -> bytes:
+        """The raw body of a JSON route (parsed on the worker pool, with the rest)."""
+        require_json(request)
         try:
-            return protocol.parse_json(await read_body(request, cfg.max_request_body_bytes))
+            return await read_body(request, cfg.max_request_body_bytes)
         except ClientDisconnect:
             raise ClientGone() from None
 
@@ -80,32 +109,31 @@ def make_app(state: ServerState) -> FastAPI:
                            "model_not_found")
         return m
 
-    def admit(seqs: int):
-        limit = cfg.max_num_seqs + cfg.max_queued_requests
-        if state.inflight_seqs + seqs > limit:
-            raise APIError(429, f"the server is at capacity ({state.inflight_seqs} sequences running or "
-                                f"queued, at most {limit}): retry later", "requests", code="rate_limit_exceeded",
-                           headers={"Retry-After": "1"})
-        state.inflight_seqs += seqs
+    def engine_check(b, req: protocol.GenRequest):
+        """The engine's own rules for every prompt, before any reply (echo alone: its scoring asks
+        one token after each prefix of the prompt)."""
+        params = req.params if req.params is not None else SamplingParams(max_tokens=1)
+        for ids in req.prompts:
+            try:
+                b.engine.check_request(ids, params)
+            except ValueError as e:
+                raise bad(str(e)) from None
+
+    async def checked(request: Request, parse):
+        """(GenRequest, model): the body read here, everything that grows with it on the pool."""
+        b = backend()
+        raw = await body_of(request)
+
+        def work():
+            body = protocol.parse_json(raw)
+            model = model_of(body)
+            req = parse(body, b)
+            engine_check(b, req)
+            return req, model
+        return await off_loop(work)
 
     async def serve(request: Request, req: protocol.GenRequest, model: str):
-        b = state.backend
-        if req.params is not None:
-            for ids in req.prompts:                 # the engine's own rules, checked before any reply
-                try:
-                    b.engine.engine.check_request(ids, req.params)
-                except ValueError as e:
-                    raise bad(str(e)) from None
-        seqs = len(req.prompts) * req.n
-        admit(seqs)
-        released = False
-
-        def release():
-            nonlocal released
-            if not released:
-                released = True
-                state.inflight_seqs -= seqs
-
+        release = admission.admit(state, req)
         g = Generation(state, req, model)
         if req.stream:
             return SSEResponse(g.stream(), release)
@@ -129,21 +157,16 @@ def make_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         async def go():
-            b = backend()
-            body = await body_of(request)
-            model = model_of(body)
-            req = protocol.parse_completion(body, state.limits, b.tokenizer)
+            req, model = await checked(request, lambda body, b: protocol.parse_completion(
+                body, state.limits, b.tokenizer))
             return await serve(request, req, model)
         return await guarded(request, go)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         async def go():
-            b = backend()
-            body = await body_of(request)
-            model = model_of(body)
-            req = protocol.parse_chat(body, state.limits, b.tokenizer, state.template, state.special,
-                                      cfg.trust_request_chat_template)
+            req, model = await checked(request, lambda body, b: protocol.parse_chat(
+                body, state.limits, b.tokenizer, state.template, state.special, cfg.trust_request_chat_template))
             return await serve(request, req, model)
         return await guarded(request, go)
 
@@ -194,39 +217,47 @@ def make_app(state: ServerState) -> FastAPI:
     async def tokenize(request: Request):
         async def go():
             b = backend()
-            body = await body_of(request)
-            model_of(body)
-            tok = tokenizer_or_400(b)
-            f = protocol.Fields(body)
-            if "messages" in body:
-                text = protocol.render_chat(body, state.template, tok, state.special,
-                                            cfg.trust_request_chat_template)
-                special = f.bool("add_special_tokens", False)
-            else:
-                text = f.str("prompt")
-                if text is None:
-                    raise bad("'prompt' (a string) or 'messages' is required", "prompt")
-                special = f.bool("add_special_tokens", True)
-            try:
-                ids = tok.encode(text) if special else tok.encode_text(text)
-            except Exception as e:  # noqa: BLE001
-                raise bad(f"cannot tokenize: {e}") from None
-            out = {"count": len(ids), "max_model_len": b.max_model_len, "tokens": ids, "token_strs": None}
-            if f.bool("return_token_strs"):
-                out["token_strs"] = [state.token_str(t) for t in ids]
-            return json_response(out)
+            raw = await body_of(request)
+            return json_bytes_response(await off_loop(tokenized, b, raw))
         return await guarded(request, go)
+
+    def tokenized(b, raw: bytes) -> bytes:
+        body = protocol.parse_json(raw)
+        model_of(body)
+        tok = tokenizer_or_400(b)
+        f = protocol.Fields(body)
+        if "messages" in body:
+            text = protocol.render_chat(body, state.template, tok, state.special,
+                                        cfg.trust_request_chat_template)
+            special = f.bool("add_special_tokens", False)
+        else:
+            text = f.str("prompt")
+            if text is None:
+                raise bad("'prompt' (a string) or 'messages' is required", "prompt")
+            special = f.bool("add_special_tokens", True)
+        try:
+            ids = tok.encode(text) if special else tok.encode_text(text)
+        except Exception as e:  # noqa: BLE001
+            raise bad(f"cannot tokenize: {e}") from None
+        out = {"count": len(ids), "max_model_len": b.max_model_len, "tokens": ids, "token_strs": None}
+        if f.bool("return_token_strs"):
+            out["token_strs"] = [state.token_str(t) for t in ids]
+        return dumps(out)
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
         async def go():
             b = backend()
-            body = await body_of(request)
-            model_of(body)
-            tok = tokenizer_or_400(b)
-            ids = protocol._token_ids(body.get("tokens"), "tokens", b.vocab_size, 1 << 20)
-            return json_response({"prompt": tok.decode(ids, skip_special_tokens=False)})
+            raw = await body_of(request)
+            return json_bytes_response(await off_loop(detokenized, b, raw))
         return await guarded(request, go)
+
+    def detokenized(b, raw: bytes) -> bytes:
+        body = protocol.parse_json(raw)
+        model_of(body)
+        tok = tokenizer_or_400(b)
+        ids = protocol.token_ids(body.get("tokens"), "tokens", b.vocab_size, protocol.MAX_DETOKENIZE)
+        return dumps({"prompt": tok.decode(ids, skip_special_tokens=False)})
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():

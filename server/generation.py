@@ -18,12 +18,12 @@ from .state import ServerState
 async def merged(engine, jobs):
     """(job index, StepOutput) from several engine requests at once; cancelling the consumer
     cancels every request (each aborts in the engine). jobs: Generation.jobs, whose prompts and
-    params app.serve has checked (engine.check_request)."""
+    params app.checked has checked (AsyncEngine.check_request, on the worker pool)."""
     q: asyncio.Queue = asyncio.Queue()
 
     async def pump(k, ids, params, rid):
         try:
-            # app.serve checked every prompt of the request with its params before replying
+            # app.checked ran the engine's check on every prompt of the request before replying
             async for out in engine.generate(ids, params, rid, checked=True):
                 q.put_nowait((k, out))
         except asyncio.CancelledError:

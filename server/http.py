@@ -1,6 +1,7 @@
 """HTTP plumbing under the routes: JSON and error responses, server-sent events raced against the
-client's disconnect, the same race for non-streaming requests, bounded body reads, and the Guard
-middleware (header size cap and API key)."""
+client's disconnect, the same race for non-streaming requests, the JSON Content-Type rule (415,
+see app.py's docstring for why), bounded body reads, and the Guard middleware (header size cap
+and API key)."""
 import asyncio
 import hashlib
 import hmac
@@ -21,7 +22,12 @@ def dumps(obj) -> bytes:
 
 
 def json_response(obj, status: int = 200, headers: dict | None = None) -> Response:
-    return Response(dumps(obj), status, headers=headers, media_type="application/json")
+    return json_bytes_response(dumps(obj), status, headers)
+
+
+def json_bytes_response(data: bytes, status: int = 200, headers: dict | None = None) -> Response:
+    """A body dumps() made already (on the worker pool, when it grows with the request)."""
+    return Response(data, status, headers=headers, media_type="application/json")
 
 
 def error_response(e: APIError) -> Response:
@@ -86,6 +92,20 @@ async def until_disconnect(request: Request, coro):
         for t in (task, watcher):
             t.cancel()
         await asyncio.gather(task, watcher, return_exceptions=True)
+
+
+def is_json_type(content_type: str | None) -> bool:
+    """application/json or application/<anything>+json, parameters (charset=...) allowed."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def require_json(request: Request):
+    ct = request.headers.get("content-type")
+    if not is_json_type(ct):
+        got = "no Content-Type" if ct is None else f"Content-Type {ct[:80]!r}"
+        raise APIError(415, f"this route takes a JSON body: send Content-Type: application/json (got {got})",
+                       "invalid_request_error", None, "unsupported_media_type")
 
 
 async def read_body(request: Request, limit: int) -> bytes:

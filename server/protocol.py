@@ -5,9 +5,23 @@ with a message naming the field (never FastAPI's 422, never a 500), and so that 
 rule is stated once, here. Unknown fields are ignored (clients send many); fields this server
 knows but does not implement (penalties, logit_bias, beam search, ...) are errors when set to
 anything but their neutral value, rather than silently dropped.
+
+Every number is bounded where the engine packs it (runtime/cuda/sampler.py: top_k as int32,
+temperature / top_p / min_p as float32, the seed as 64 bits): top_k at most the vocabulary (vLLM's
+rule), the seed a signed 64-bit integer (vLLM's range), temperature finite in float32, and a
+top_p that float32 would round to 0 raised to float32's smallest normal (either keeps only the
+likeliest token); n, logprobs and top_logprobs by the server's limits; max_tokens, min_tokens and the
+prompt by the context; token ids by the vocabulary.
+
+Cheap bounds first (parse_completion, parse_chat): every field, and what can never fit, before
+anything grows with the request's size. A text prompt longer than max_model_len x the longest
+token's characters (vLLM's bound: Limits.max_prompt_chars) is the context-length 400 at once, as
+is a token-id list of max_model_len ids or more; only then is text tokenized and each id
+checked. All of it runs on the server's worker pool (offload.py), never on the event loop.
 """
 import json
 import math
+import weakref
 from dataclasses import dataclass
 
 from infc.runtime.sampling import SamplingParams
@@ -20,6 +34,10 @@ MAX_STOP = 16                    # stop strings per request
 MAX_STOP_LEN = 1024              # characters per stop string
 MAX_STOP_IDS = 4096
 MAX_PROMPTS = 256                # prompts in one completions request
+MAX_DETOKENIZE = 1 << 20         # ids in one /detokenize request
+F32_MAX = 3.4028234663852886e38  # the sampler's float32 fields hold no more
+F32_TINY = 1.1754943508222875e-38  # float32's smallest normal: a top_p below it would round to 0
+SEED_RANGE = (-2 ** 63, 2 ** 63)   # vLLM's: a signed 64-bit integer
 
 
 class APIError(Exception):
@@ -167,6 +185,26 @@ class Limits:
     vocab_size: int
     max_logprobs: int = 20
     max_n: int = 128
+    max_prompt_chars: int | None = None    # longer text can never fit (None: no tokenizer)
+
+
+_longest: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def longest_token_chars(tokenizer) -> int:
+    """The most characters of text one token stands for (vLLM's max_chars_per_token), once per
+    tokenizer: its longest vocabulary entry. A byte-level token spells each of its bytes as one
+    character and a text character is at least one byte; a SentencePiece token spells each
+    character as itself (byte-fallback pieces, "<0xE4>", spell one byte with six). So a text of
+    more than max_model_len x this many characters has more than max_model_len tokens."""
+    n = _longest.get(tokenizer)
+    if n is None:
+        n = _longest[tokenizer] = max(map(len, tokenizer.tk.get_vocab(with_added_tokens=True)), default=1)
+    return n
+
+
+def prompt_char_bound(tokenizer, max_model_len: int) -> int | None:
+    return None if tokenizer is None else max_model_len * longest_token_chars(tokenizer)
 
 
 _UNSUPPORTED = {                       # field -> its neutral values (anything else is a 400)
@@ -212,11 +250,14 @@ def _stop(f: Fields) -> list[str]:
     return list(items)
 
 
-def _token_ids(v, name: str, vocab: int, cap: int) -> list[int]:
-    if not isinstance(v, list) or not all(_is_int(t) for t in v):
+def token_ids(v, name: str, vocab: int, cap: int) -> list[int]:
+    """A checked list of token ids: its length first (cheap), then every id."""
+    if not isinstance(v, list):
         raise bad(f"'{name}' must be a list of integers", name)
     if len(v) > cap:
         raise bad(f"'{name}' holds at most {cap} ids, got {len(v)}", name)
+    if not all(_is_int(t) for t in v):
+        raise bad(f"'{name}' must be a list of integers", name)
     if not all(0 <= t < vocab for t in v):
         raise bad(f"'{name}' ids must be in [0, {vocab})", name)
     return list(v)
@@ -224,26 +265,27 @@ def _token_ids(v, name: str, vocab: int, cap: int) -> list[int]:
 
 def _sampling(f: Fields, lim: Limits, max_tokens: int | None, n: int, logprobs: int | None,
               stop_allowed: bool) -> SamplingParams:
-    temperature = f.float("temperature", 1.0, 0.0)
+    temperature = f.float("temperature", 1.0, 0.0, F32_MAX)
     if temperature < GREEDY_BELOW:
         temperature = 0.0
     seed = f.int("seed")
     if seed is not None:
-        if not -2 ** 63 <= seed < 2 ** 64:
-            raise bad("'seed' must fit in 64 bits", "seed")
+        if not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
+            raise bad(f"'seed' must be a signed 64-bit integer, in [-2**63, 2**63), got {_show(seed)}", "seed")
         seed %= 2 ** 64                    # negative seeds (int64) map to the same 64-bit draw
     stop = _stop(f)
     if stop and not stop_allowed:
         raise bad("'stop' needs a tokenizer, and this model has none", "stop")
-    min_tokens = f.int("min_tokens", 0, 0)
+    min_tokens = f.int("min_tokens", 0, 0, lim.max_model_len)
     if max_tokens is not None and min_tokens > max_tokens:
         raise bad(f"'min_tokens' ({min_tokens}) must be <= max_tokens ({max_tokens})", "min_tokens")
-    top_k = f.int("top_k", 0, -1)
+    top_k = f.int("top_k", 0, -1, lim.vocab_size)      # vLLM: "top_k cannot be greater than vocabulary size"
+    top_p = max(f.float("top_p", 1.0, 0.0, 1.0, lo_open=True), F32_TINY)
     try:
         return SamplingParams(
-            max_tokens=max_tokens, temperature=temperature, top_p=f.float("top_p", 1.0, 0.0, 1.0, lo_open=True),
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p,
             top_k=top_k, min_p=f.float("min_p", 0.0, 0.0, 1.0), seed=seed, stop=stop,
-            stop_token_ids=[] if f.get("stop_token_ids") is None else _token_ids(
+            stop_token_ids=[] if f.get("stop_token_ids") is None else token_ids(
                 f.get("stop_token_ids"), "stop_token_ids", lim.vocab_size, MAX_STOP_IDS),
             ignore_eos=f.bool("ignore_eos"), min_tokens=min_tokens, n=n, logprobs=logprobs,
             skip_special_tokens=f.bool("skip_special_tokens", True))
@@ -277,43 +319,60 @@ def _n(f: Fields, lim: Limits) -> int:
     return f.int("n", 1, 1, lim.max_n)
 
 
+def _check_chars(lim: Limits, text: str, what: str):
+    """The cheap bound: refuse, before tokenizing it, a text that can never fit."""
+    cap, N = lim.max_prompt_chars, lim.max_model_len
+    if cap is not None and len(text) > cap:
+        raise bad(f"This model's maximum context length is {N} tokens. However, your request has "
+                  f"{len(text)} characters ({what}), more than {N} tokens of this tokenizer can hold "
+                  f"(at most {cap // N} characters each). Please reduce the length of the input.",
+                  "messages" if what == "messages" else "prompt", "context_length_exceeded")
+
+
+def _check_max_tokens(lim: Limits, max_tokens: int | None, what: str):
+    """The cheap bound on the completion: the prompt takes at least one token of the context."""
+    N = lim.max_model_len
+    if max_tokens is not None and max_tokens >= N:
+        raise bad(f"This model's maximum context length is {N} tokens. However, you requested "
+                  f"{max_tokens} tokens in the completion, and the {what} takes at least one. "
+                  f"Please reduce the length of the completion.", "max_tokens", "context_length_exceeded")
+
+
 # -- /v1/completions ----------------------------------------------------------------------------
-def parse_completion(body: dict, lim: Limits, tokenizer) -> GenRequest:
-    f = Fields(body)
-    _reject_unsupported(body)
-    p = body.get("prompt")
+_PROMPT_FORMS = ("'prompt' must be a string, a list of strings, a list of token ids or a list of "
+                 "lists of token ids (and not empty)")
+
+
+def _prompt_forms(p) -> list:
+    """The prompts of a completions request, told apart by the first element (each is checked
+    in full later, after the cheap bounds: a list of a million ids is not walked to refuse it)."""
     if p is None:
         raise bad("'prompt' is required", "prompt")
     if isinstance(p, str):
-        raw = [p]
-    elif isinstance(p, list) and p and all(_is_int(t) for t in p):
-        raw = [p]
-    elif isinstance(p, list) and p and all(isinstance(x, str) for x in p):
-        raw = list(p)
-    elif isinstance(p, list) and p and all(isinstance(x, list) for x in p):
-        raw = list(p)
-    else:
-        raise bad("'prompt' must be a string, a list of strings, a list of token ids or a list of "
-                  "lists of token ids (and not empty)", "prompt")
-    if len(raw) > MAX_PROMPTS:
-        raise bad(f"'prompt' holds at most {MAX_PROMPTS} prompts, got {len(raw)}", "prompt")
+        return [p]
+    if not isinstance(p, list) or not p:
+        raise bad(_PROMPT_FORMS, "prompt")
+    if _is_int(p[0]):
+        return [p]
+    if not isinstance(p[0], (str, list)):
+        raise bad(_PROMPT_FORMS, "prompt")
+    if len(p) > MAX_PROMPTS:
+        raise bad(f"'prompt' holds at most {MAX_PROMPTS} prompts, got {len(p)}", "prompt")
+    kind = type(p[0])
+    if not all(isinstance(x, kind) for x in p):
+        raise bad(_PROMPT_FORMS, "prompt")
+    return list(p)
+
+
+def parse_completion(body: dict, lim: Limits, tokenizer) -> GenRequest:
+    """Every field first, then the prompts' cheap bounds, then tokenization and the id checks."""
+    f = Fields(body)
+    _reject_unsupported(body)
+    raw = _prompt_forms(body.get("prompt"))
     n = _n(f, lim)
     if len(raw) * n > lim.max_n:
         raise bad(f"a request may ask for at most {lim.max_n} completions (prompts x n), "
                   f"got {len(raw) * n}", "n")
-    prompts, texts = [], []
-    for x in raw:
-        if isinstance(x, str):
-            if tokenizer is None:
-                raise bad("this model has no tokenizer: send token ids", "prompt")
-            ids = encode(tokenizer, check_text(x, "prompt"), "prompt")
-            texts.append(x)
-        else:
-            ids = _token_ids(x, "prompt", lim.vocab_size, 1 << 22)     # the context check says more
-            texts.append(None)
-        if not ids:
-            raise bad("the prompt is empty", "prompt")
-        prompts.append(ids)
     echo = f.bool("echo")
     max_tokens = f.int("max_tokens", 16, 0)
     lp = body.get("logprobs")
@@ -322,18 +381,36 @@ def parse_completion(body: dict, lim: Limits, tokenizer) -> GenRequest:
     logprobs = f.int("logprobs", None, 0, lim.max_logprobs)
     stream = f.bool("stream")
     include_usage, continuous = _stream_options(f, stream)
-    for ids in prompts:
-        _check_context(lim, len(ids), max_tokens, "prompt")
     if max_tokens == 0 and not echo:
         raise bad("'max_tokens' must be >= 1 (0 only with echo)", "max_tokens")
+    _check_max_tokens(lim, max_tokens, "prompt")
     f.str("user")
     params = None
     if max_tokens > 0:
         params = _sampling(f, lim, max_tokens, n, logprobs, tokenizer is not None)
     else:
         _sampling(f, lim, 1, n, logprobs, tokenizer is not None)        # still check every field
-    if echo and (tokenizer is None and any(t is None for t in texts)):
+    for x in raw:                                                       # what can never fit
+        if isinstance(x, str):
+            if tokenizer is None:
+                raise bad("this model has no tokenizer: send token ids", "prompt")
+            _check_chars(lim, x, "prompt")
+        elif len(x) >= lim.max_model_len:
+            _check_context(lim, len(x), None, "prompt")
+    if echo and tokenizer is None and any(not isinstance(x, str) for x in raw):
         raise bad("echo of token-id prompts needs a tokenizer", "echo")
+    prompts, texts = [], []
+    for x in raw:
+        if isinstance(x, str):
+            ids = encode(tokenizer, check_text(x, "prompt"), "prompt")
+            texts.append(x)
+        else:
+            ids = token_ids(x, "prompt", lim.vocab_size, lim.max_model_len)
+            texts.append(None)
+        if not ids:
+            raise bad("the prompt is empty", "prompt")
+        _check_context(lim, len(ids), max_tokens, "prompt")
+        prompts.append(ids)
     return GenRequest("completion", prompts, texts, params, n, echo, logprobs, stream, include_usage,
                       continuous, max_tokens)
 
@@ -441,24 +518,19 @@ def render_chat(body: dict, template: str | None, tokenizer, special: dict, trus
 
 def parse_chat(body: dict, lim: Limits, tokenizer, template: str | None, special: dict,
                trust_request_template: bool = False) -> GenRequest:
+    """Every field first, then the template, the rendered text's cheap bound, tokenization."""
     f = Fields(body)
     _reject_unsupported(body)
     if tokenizer is None:
         raise bad("chat needs a tokenizer, and this model has none", "messages")
     if f.bool("echo"):
         raise bad("'echo' is not supported on chat completions", "echo")
-    text = render_chat(body, template, tokenizer, special, trust_request_template)
-    try:
-        ids = tokenizer.encode_text(text)    # no BOS: the template has the special tokens
-    except Exception as e:  # noqa: BLE001
-        raise bad(f"the rendered chat cannot be tokenized: {e}", "messages") from None
-    if not ids:
-        raise bad("the rendered chat is empty", "messages")
     n = _n(f, lim)
     max_tokens = f.int("max_completion_tokens", None, 1)       # the newer name wins ...
     legacy = f.int("max_tokens", None, 1)                       # ... but both must be valid
     if max_tokens is None:
         max_tokens = legacy
+    _check_max_tokens(lim, max_tokens, "messages")
     want_lp = f.bool("logprobs")
     top = f.int("top_logprobs", None, 0, lim.max_logprobs)
     if top and not want_lp:
@@ -466,8 +538,16 @@ def parse_chat(body: dict, lim: Limits, tokenizer, template: str | None, special
     logprobs = (top or 0) if want_lp else None
     stream = f.bool("stream")
     include_usage, continuous = _stream_options(f, stream)
-    _check_context(lim, len(ids), max_tokens, "messages")
     f.str("user")
     params = _sampling(f, lim, max_tokens, n, logprobs, True)
+    text = render_chat(body, template, tokenizer, special, trust_request_template)
+    _check_chars(lim, text, "messages")
+    try:
+        ids = tokenizer.encode_text(text)    # no BOS: the template has the special tokens
+    except Exception as e:  # noqa: BLE001
+        raise bad(f"the rendered chat cannot be tokenized: {e}", "messages") from None
+    if not ids:
+        raise bad("the rendered chat is empty", "messages")
+    _check_context(lim, len(ids), max_tokens, "messages")
     return GenRequest("chat", [ids], [text], params, n, False, logprobs, stream, include_usage,
                       continuous, max_tokens)

@@ -36,6 +36,11 @@ class _AllBut:
 _cache: dict[int, _AllBut] = {}
 
 
+def requests_for(n_tokens: int) -> int:
+    """Engine requests that scoring a prompt of n_tokens causes (admission.cost counts them)."""
+    return max(0, n_tokens - 1)
+
+
 def _all_but(vocab_size: int, keep: int) -> list[int]:
     if vocab_size not in _cache:
         _cache[vocab_size] = _AllBut(vocab_size)
@@ -51,7 +56,8 @@ async def prompt_logprobs(engine, ids: list[int], top: int, vocab_size: int, req
         params = SamplingParams(max_tokens=1, min_tokens=1, temperature=0.0, ignore_eos=True,
                                 stop_token_ids=_all_but(vocab_size, ids[i]), logprobs=top,
                                 skip_special_tokens=False)
-        async for out in engine.generate(ids[:i], params, f"{request_id}-score-{i}"):
+        # a prefix of a prompt the server checked, with max_tokens 1: it fits where the prompt did
+        async for out in engine.generate(ids[:i], params, f"{request_id}-score-{i}", checked=True):
             if out.token_ids and out.logprobs:
                 lp = out.logprobs[0]
                 if out.token_ids[0] != ids[i]:       # the ban did not hold: a bug, say so

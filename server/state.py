@@ -37,7 +37,8 @@ class ServerState:
         c = self.config
         self.template = c.chat_template or chat.find_template(backend.tokenizer_config, backend.model_dir)
         self.special = chat.special_tokens(backend.tokenizer_config)
-        self.limits = protocol.Limits(backend.max_model_len, backend.vocab_size, c.max_logprobs, c.max_n)
+        self.limits = protocol.Limits(backend.max_model_len, backend.vocab_size, c.max_logprobs, c.max_n,
+                                      protocol.prompt_char_bound(backend.tokenizer, backend.max_model_len))
         self.backend = backend                        # last: from here on the server is ready
 
     @property

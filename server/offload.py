@@ -1,0 +1,39 @@
+"""The worker pool that keeps the event loop routing (DESIGN.md contract 17).
+
+Whatever grows with a request's size runs here, not on the loop: JSON parsing of the body,
+chat templating, tokenization, detokenization and the token-id checks (the prompt's ids against
+the vocabulary and the engine's own rules). The loop only reads the bounded body, admits, and
+relays engine outputs, so /health and every stream in flight keep answering while a large
+request is parsed or refused.
+
+One pool per process, shared by every server in it (tests run several); its threads start on
+first use. Its size is the machine's: the cores plus a few (Python's own default for a pool), so that a
+small request is not queued behind a few long tokenizations (the tokenizers library releases
+the GIL and runs its own threads inside each call; the kernel shares the cores among them).
+
+What a thread pool cannot do: a single C call that holds the GIL (json.loads of a 16 MiB body,
+20-45 ms here) still delays the loop by that long (longer when the OS preempts the thread that
+holds it); the cheap bounds in protocol.py make sure nothing bigger follows for a request that
+can never fit.
+"""
+import asyncio
+import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:            # not Linux
+        return os.cpu_count() or 1
+
+
+WORKERS = min(32, _cores() + 4)       # the pool's size: one home for it
+
+POOL = ThreadPoolExecutor(WORKERS, thread_name_prefix="infc-offload")
+
+
+async def off_loop(fn, *args, **kw):
+    """fn(*args, **kw) on the worker pool; its result or its exception, here."""
+    return await asyncio.get_running_loop().run_in_executor(POOL, functools.partial(fn, *args, **kw))
