@@ -9,9 +9,11 @@ One background thread owns the Engine and steps it while there is work; with non
 an event (no busy spin). Callers never touch the Engine: they queue commands (add, abort) that
 the thread applies between steps, and it hands outputs back to each caller's asyncio queue with
 loop.call_soon_threadsafe. A consumer that stops iterating, or is cancelled (a client
-disconnect), aborts its request, so its KV is freed at the next step boundary. If a step raises,
-the engine is dead: `healthy` turns False and every waiter gets EngineDeadError instead of
-hanging.
+disconnect), aborts its request, so its KV is freed at the next step boundary. A request the
+engine failed (its output handling raised, or its step was lost: Engine.step) raises
+RequestFailedError in its consumer alone; the engine goes on. If a step raises (what
+engine.is_fatal calls fatal: the device or the ranks are gone), the engine is dead: `healthy`
+turns False and every waiter gets EngineDeadError instead of hanging.
 """
 import asyncio
 import threading
@@ -22,6 +24,10 @@ from .sampling import SamplingParams
 
 class EngineDeadError(RuntimeError):
     pass
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this request (not the client's fault; the engine lives on)."""
 
 
 class AsyncEngine:
@@ -137,7 +143,11 @@ class AsyncEngine:
 
     def _deliver(self, outputs: list[StepOutput]):
         for out in outputs:
-            if not self._put(out.request_id, out):
+            if out.error is not None:
+                e = out.error
+                self._put(out.request_id, RequestFailedError(
+                    f"the request failed in the engine: {type(e).__name__}: {e}"))
+            elif not self._put(out.request_id, out):
                 self.engine.abort(out.request_id)     # nobody listens any more
 
     def _put(self, request_id: str, item) -> bool:
