@@ -29,9 +29,10 @@ GRACE = 6.0       # long enough for 3 tokens on a loaded CPU, far too short for 
 class Serve:
     """`infc serve --device cpu` in a subprocess, on a free port."""
 
-    def __init__(self, *extra):
+    def __init__(self, *extra, env=None):
         from smollm2_from_gguf import ensure_smollm2
-        env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                   **(env or {}))
         cmd = [sys.executable, "-m", "infc.cli", "serve", "--model-path", str(ensure_smollm2()),
                "--device", "cpu", "--port", "0", "--max-model-len", "256", "--kv-cache-memory-bytes",
                str(64 << 20), "--served-model-name", "smol", "--uvicorn-log-level", "warning",
@@ -102,12 +103,12 @@ def serve():
         s.close()
 
 
-def open_stream(s: Serve, max_tokens: int):
+def open_stream(s: Serve, max_tokens: int, **kw):
     """A streamed completion, its headers read: (connection, response)."""
     c = s.conn()
     c.request("POST", "/v1/completions", json.dumps(
         {"model": "smol", "prompt": "Once upon a time", "max_tokens": max_tokens, "temperature": 0,
-         "ignore_eos": True, "stream": True}), {"Content-Type": "application/json"})
+         "ignore_eos": True, "stream": True, **kw}), {"Content-Type": "application/json"})
     r = c.getresponse()
     assert r.status == 200
     return c, r

@@ -5,6 +5,7 @@ are those they have alone, and later requests run. Only what says the device or 
 gone (engine_fatal) kills the engine. The failures are injected the way the GPU test does it
 (INFC_FAULT_INJECT, runtime/fault_inject.py), and by a runner whose read-back raises."""
 import asyncio
+import json
 
 import pytest
 
@@ -162,7 +163,43 @@ def test_a_fatal_error_still_kills_the_engine():
 
 def test_the_injection_variable_is_checked():
     assert from_env({}) is None
-    assert from_env({ENV: "request:-3"}).seed == -3
+    assert from_env({ENV: "request:-3"}).seeds == {"request": {-3}}
+    assert from_env({ENV: "step:1, request:2,step:3"}).seeds == {"step": {1, 3}, "request": {2}}
     for bad in ("step", "step:x", "kernel:1"):
         with pytest.raises(ValueError, match=ENV):
             from_env({ENV: bad})
+
+
+def test_the_server_answers_the_failed_request_500_and_serves_on():
+    """`infc serve` with INFC_FAULT_INJECT (what the GPU run does with --device cuda): the failed
+    request alone gets 500 "internal error" (a stream: an error event, then [DONE]); a request
+    running beside it gets what it gets alone; /health stays 200 and later requests run."""
+    from test_server_shutdown import Serve, open_stream, read_events
+    s = Serve(env={ENV: f"step:{MARK},request:{MARK + 1}"})
+    try:
+        ask = {"model": "smol", "prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}
+        status, _, body = s.post("/v1/completions", ask)
+        assert status == 200, body
+        alone = json.loads(body)["choices"][0]["text"]
+        def refused(seed):
+            status, _, body = s.post("/v1/completions", dict(ask, seed=seed))
+            assert status == 500, (seed, status, body)
+            err = json.loads(body)["error"]
+            assert err["type"] == "server_error" and "internal error" in err["message"], err
+            assert "InjectedFault" in err["message"] and err["code"] != "engine_dead", err
+
+        _, beside = open_stream(s, 12, prompt=ask["prompt"])
+        refused(MARK + 1)                     # its output handling fails: it alone
+        events = read_events(beside)
+        assert events[-1] == "[DONE]"
+        assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == alone
+        refused(MARK)                         # its step is lost (with whatever shared it)
+        _, failed = open_stream(s, 12, prompt=ask["prompt"], seed=MARK)
+        events = read_events(failed)
+        assert events[-1] == "[DONE]" and "internal error" in json.loads(events[-2])["error"]["message"]
+        assert s.get("/health")[0] == 200
+        status, _, body = s.post("/v1/completions", ask)
+        assert status == 200 and json.loads(body)["choices"][0]["text"] == alone
+        assert "Traceback" not in s.stderr(), s.stderr()
+    finally:
+        s.close()
