@@ -6,6 +6,7 @@
   no traceback;
 - a second signal exits at once, with one line and no traceback;
 - idle, SIGTERM exits 0 at once;
+- rank processes (--tensor-parallel-size) exit with the server, either way;
 - a request whose headers or body stall is answered 408 and its connection closed within
   --request-header-timeout / --request-body-timeout.
 """
@@ -29,11 +30,11 @@ GRACE = 6.0       # long enough for 3 tokens on a loaded CPU, far too short for 
 class Serve:
     """`infc serve --device cpu` in a subprocess, on a free port."""
 
-    def __init__(self, *extra, env=None):
+    def __init__(self, *extra, env=None, model=None):
         from smollm2_from_gguf import ensure_smollm2
         env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                    **(env or {}))
-        cmd = [sys.executable, "-m", "infc.cli", "serve", "--model-path", str(ensure_smollm2()),
+        cmd = [sys.executable, "-m", "infc.cli", "serve", "--model-path", str(model or ensure_smollm2()),
                "--device", "cpu", "--port", "0", "--max-model-len", "256", "--kv-cache-memory-bytes",
                str(64 << 20), "--served-model-name", "smol", "--uvicorn-log-level", "warning",
                "--shutdown-timeout", str(GRACE), *extra]
@@ -95,8 +96,8 @@ class Serve:
 def serve():
     made = []
 
-    def start(*extra):
-        made.append(Serve(*extra))
+    def start(*extra, **kw):
+        made.append(Serve(*extra, **kw))
         return made[-1]
     yield start
     for s in made:
@@ -110,7 +111,7 @@ def open_stream(s: Serve, max_tokens: int, **kw):
         {"model": "smol", "prompt": "Once upon a time", "max_tokens": max_tokens, "temperature": 0,
          "ignore_eos": True, "stream": True, **kw}), {"Content-Type": "application/json"})
     r = c.getresponse()
-    assert r.status == 200
+    assert r.status == 200, r.read()
     return c, r
 
 
@@ -209,3 +210,25 @@ def test_stalled_headers_and_bodies_are_dropped(serve):
         assert k.getresponse().read() == b""
         time.sleep(1.2)                        # idle between requests: the keep-alive's business
     assert s.get("/health")[0] == 200
+
+
+@pytest.mark.parametrize("second", [False, True])
+def test_rank_processes_exit_with_the_server(serve, tiny_model, second):
+    from test_rank_workers import _spawned_ranks
+    s = serve("--tensor-parallel-size", "2", "--num-gpu-blocks-override", "64",
+              model=tiny_model("qwen3")[0])
+    workers = _spawned_ranks(s.p.pid)
+    assert len(workers) == 1, workers
+    streams = [open_stream(s, 200, prompt=[1, 2, 3]) for _ in range(2)]     # no tokenizer: ids
+    s.p.send_signal(signal.SIGTERM)
+    if second:
+        time.sleep(0.3)
+        s.p.send_signal(signal.SIGTERM)
+    rc, _ = s.wait(GRACE + 30)
+    assert rc == (1 if second else 0), s.stderr()
+    t0 = time.monotonic()
+    while Path(f"/proc/{workers[0]}").exists() and b"spawn_main" in Path(f"/proc/{workers[0]}/cmdline").read_bytes():
+        assert time.monotonic() - t0 < 10, "the rank process outlived the server"
+        time.sleep(0.1)
+    no_traceback(s)
+    del streams
