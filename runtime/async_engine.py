@@ -18,7 +18,7 @@ turns False and every waiter gets EngineDeadError instead of hanging.
 import asyncio
 import threading
 
-from .engine import Engine, StepOutput
+from .engine import Engine, StepOutput, is_fatal
 from .sampling import SamplingParams
 
 
@@ -28,6 +28,10 @@ class EngineDeadError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """The engine failed this request (not the client's fault; the engine lives on)."""
+
+
+def _failed(e: Exception) -> RequestFailedError:
+    return RequestFailedError(f"the request failed in the engine: {type(e).__name__}: {e}")
 
 
 class AsyncEngine:
@@ -140,13 +144,16 @@ class AsyncEngine:
             self.engine.add_request(prompt_ids, params, request_id, checked=True)   # at the door
         except ValueError as e:                 # one bad request, not a dead engine
             self._put(request_id, e)
+        except Exception as e:                  # noqa: BLE001 - nor one that fails on its way in
+            if is_fatal(e):
+                raise
+            self.engine.abort(request_id)       # whatever of it was added
+            self._put(request_id, _failed(e))
 
     def _deliver(self, outputs: list[StepOutput]):
         for out in outputs:
             if out.error is not None:
-                e = out.error
-                self._put(out.request_id, RequestFailedError(
-                    f"the request failed in the engine: {type(e).__name__}: {e}"))
+                self._put(out.request_id, _failed(out.error))
             elif not self._put(out.request_id, out):
                 self.engine.abort(out.request_id)     # nobody listens any more
 

@@ -442,8 +442,10 @@ class Engine:
             except Exception as e:                  # noqa: BLE001 - this request's, not the step's
                 if is_fatal(e):
                     raise
-                if (out := self._fail_request(seq.request_id, e)) is not None:
-                    outputs.append(out)
+                # its request may have ended inside _append, its last output not handed out
+                outputs.append(self._fail_request(seq.request_id, e) or StepOutput(
+                    seq.request_id, seq.index, [], "", finish_reason="error", request_finished=True,
+                    num_prompt_tokens=seq.num_prompt_tokens, error=e))
         return outputs
 
     def _banned(self, seq: Sequence) -> tuple:

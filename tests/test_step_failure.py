@@ -141,6 +141,33 @@ def test_async_engine_fails_one_request_and_lives(monkeypatch):
         ae.shutdown()
 
 
+def test_a_request_failing_on_its_way_in_fails_alone():
+    r = FakeRunner(64)
+    ae = AsyncEngine(make_engine(r))
+    add = ae.engine.add_request
+
+    def add_or_fail(ids, p, rid, **kw):
+        add(ids, p, rid, **kw)
+        if rid == "bad":
+            raise TypeError("a detokenizer that cannot start")
+    ae.engine.add_request = add_or_fail
+
+    async def consume(rid):
+        return [t async for out in ae.generate(PROMPTS["r0"], params(), rid) for t in out.token_ids]
+
+    async def main():
+        got = await asyncio.gather(consume("bad"), consume("good"), return_exceptions=True)
+        assert isinstance(got[0], RequestFailedError) and "TypeError" in str(got[0])
+        assert got[1] == solo(r, PROMPTS["r0"], 8)
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 20))
+        assert ae.healthy
+        assert_all_free(ae.engine)
+    finally:
+        ae.shutdown()
+
+
 def test_a_fatal_error_still_kills_the_engine():
     r = FakeRunner(64)
     ae = AsyncEngine(make_engine(r))
