@@ -232,3 +232,17 @@ def test_rank_processes_exit_with_the_server(serve, tiny_model, second):
         time.sleep(0.1)
     no_traceback(s)
     del streams
+
+
+def test_the_flags_defaults_and_checks():
+    from infc.cli import parser
+    from infc.server.args import config_from_args
+
+    def parse(*argv):
+        return parser().parse_args(["serve", "--model-path", "/m", *argv])
+    a = parse()
+    assert (a.shutdown_timeout, a.request_header_timeout, a.request_body_timeout) == (5.0, 30.0, 60.0)
+    for flag in ("--shutdown-timeout", "--request-header-timeout", "--request-body-timeout"):
+        for bad in ("-1", "nan"):
+            with pytest.raises(ValueError, match=flag):
+                config_from_args(parse(flag, bad))
