@@ -198,9 +198,10 @@ def test_the_injection_variable_is_checked():
 
 
 def test_the_server_answers_the_failed_request_500_and_serves_on():
-    """`infc serve` with INFC_FAULT_INJECT (what the GPU run does with --device cuda): the failed
-    request alone gets 500 "internal error" (a stream: an error event, then [DONE]); a request
-    running beside it gets what it gets alone; /health stays 200 and later requests run."""
+    """`infc serve` with INFC_FAULT_INJECT: the failed request alone gets 500 "internal error" (a
+    stream: an error event, then [DONE]); a request running beside it gets what it gets alone; a
+    top_k past int32 is no 5xx; /health stays 200 and later requests run. The GPU run:
+    INFC_SERVER_MODEL=DIR INFC_SERVER_DEVICE=cuda pytest tests/test_step_failure.py -k server"""
     from test_server_shutdown import Serve, open_stream, read_events
     s = Serve(env={ENV: f"step:{MARK},request:{MARK + 1}"})
     try:
@@ -224,6 +225,10 @@ def test_the_server_answers_the_failed_request_500_and_serves_on():
         _, failed = open_stream(s, 12, prompt=ask["prompt"], seed=MARK)
         events = read_events(failed)
         assert events[-1] == "[DONE]" and "internal error" in json.loads(events[-2])["error"]["message"]
+        # a top_k no int32 holds (the GPU sampler packs it so): answered, never a 5xx
+        for k in (2**31, 2**63):
+            status, _, body = s.post("/v1/completions", dict(ask, temperature=0.7, top_k=k, seed=7))
+            assert status in (200, 400), (k, status, body)
         assert s.get("/health")[0] == 200
         status, _, body = s.post("/v1/completions", ask)
         assert status == 200 and json.loads(body)["choices"][0]["text"] == alone
