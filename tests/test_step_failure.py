@@ -235,3 +235,28 @@ def test_the_server_answers_the_failed_request_500_and_serves_on():
         assert "Traceback" not in s.stderr(), s.stderr()
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("kind", ["step", "request"])
+def test_data_parallel_ranks_fail_what_it_concerns(monkeypatch, kind):
+    """Over data-parallel ranks a step is every rank's batch: a lost one fails the requests of
+    both ranks; one request's failure fails it alone. Every rank's pages come back."""
+    from test_data_parallel import _TwoRanks
+    from infc.runtime.engine import Engine
+    monkeypatch.setenv(ENV, f"{kind}:{MARK}")
+    e = Engine(_TwoRanks(num_pages=64), max_model_len=1024, overlap=False)
+    for rid, p in PROMPTS.items():
+        e.add_request(p, params(mark=rid == "r1", max_tokens=3), rid)
+    assert {req.seqs[0].rank for req in e.requests.values()} == {0, 1}
+    got = run(e)
+    finish = {rid: f for rid, (_, f, _) in got.items()}
+    if kind == "step":
+        assert set(finish.values()) == {"error"}, finish
+    else:
+        assert finish == {"r0": "length", "r1": "error", "r2": "length", "r3": "length"}
+        assert got["r0"][0] == [1, 1, 1]
+    e.add_request(PROMPTS["r0"], params(max_tokens=3), "later")
+    assert run(e)["later"][:2] == ([1, 1, 1], "length")
+    for bm in e.bms:
+        bm.check()
+        assert bm.num_free_pages == bm.num_pages
