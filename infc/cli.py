@@ -50,6 +50,11 @@ def _generate(args):
 
 
 def _serve(args):
+    import signal
+
+    def stop(sig, frame):        # a SIGTERM before the server's own handlers: a quiet exit 0
+        raise SystemExit(0)
+    signal.signal(signal.SIGTERM, stop)
     from infc.server.serve import serve_main
     serve_main(args)
 

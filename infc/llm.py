@@ -128,6 +128,8 @@ class LLM:
                                               [CompletionOutput(i, "", []) for i in range(params.n)])
             while self.engine.has_unfinished():
                 for out in self.engine.step():
+                    if out.error is not None:    # the engine failed this request: say why
+                        raise RuntimeError(f"request {out.request_id} failed: {out.error}") from out.error
                     req = requests[out.request_id]
                     c = req.outputs[out.index]
                     c.text += out.text

@@ -9,19 +9,29 @@ One background thread owns the Engine and steps it while there is work; with non
 an event (no busy spin). Callers never touch the Engine: they queue commands (add, abort) that
 the thread applies between steps, and it hands outputs back to each caller's asyncio queue with
 loop.call_soon_threadsafe. A consumer that stops iterating, or is cancelled (a client
-disconnect), aborts its request, so its KV is freed at the next step boundary. If a step raises,
-the engine is dead: `healthy` turns False and every waiter gets EngineDeadError instead of
-hanging.
+disconnect), aborts its request, so its KV is freed at the next step boundary. A request the
+engine failed (its output handling raised, or its step was lost: Engine.step) raises
+RequestFailedError in its consumer alone; the engine goes on. If a step raises (what
+engine.is_fatal calls fatal: the device or the ranks are gone), the engine is dead: `healthy`
+turns False and every waiter gets EngineDeadError instead of hanging.
 """
 import asyncio
 import threading
 
-from .engine import Engine, StepOutput
+from .engine import Engine, StepOutput, is_fatal
 from .sampling import SamplingParams
 
 
 class EngineDeadError(RuntimeError):
     pass
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed this request (not the client's fault; the engine lives on)."""
+
+
+def _failed(e: Exception) -> RequestFailedError:
+    return RequestFailedError(f"the request failed in the engine: {type(e).__name__}: {e}")
 
 
 class AsyncEngine:
@@ -134,10 +144,17 @@ class AsyncEngine:
             self.engine.add_request(prompt_ids, params, request_id, checked=True)   # at the door
         except ValueError as e:                 # one bad request, not a dead engine
             self._put(request_id, e)
+        except Exception as e:                  # noqa: BLE001 - nor one that fails on its way in
+            if is_fatal(e):
+                raise
+            self.engine.abort(request_id)       # whatever of it was added
+            self._put(request_id, _failed(e))
 
     def _deliver(self, outputs: list[StepOutput]):
         for out in outputs:
-            if not self._put(out.request_id, out):
+            if out.error is not None:
+                self._put(out.request_id, _failed(out.error))
+            elif not self._put(out.request_id, out):
                 self.engine.abort(out.request_id)     # nobody listens any more
 
     def _put(self, request_id: str, item) -> bool:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import fault_inject
 from .block_manager import BlockManager
 from .runner import RowSampling
 from .sampling import SamplingParams
@@ -52,12 +53,13 @@ class StepOutput:
     token_ids: list[int]                   # new tokens
     text: str                              # new text (held back while it may begin a stop string)
     logprobs: list | None = None           # new entries: {"token", "logprob", "top"}
-    finish_reason: str | None = None       # "stop" | "length" | "abort" once this sequence ended
+    finish_reason: str | None = None       # "stop" | "length" | "abort" | "error" once it ended
     stop_reason: int | str | None = None
     request_finished: bool = False         # all n sequences of the request ended
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     metrics: dict | None = None            # per-request latencies, on the request's last output
+    error: Exception | None = None         # finish_reason "error": why the engine failed the request
 
     @property
     def finished(self) -> bool:
@@ -121,6 +123,13 @@ def token_array(prompt_ids) -> np.ndarray:
         raise ValueError("prompt token ids must be integers") from None
 
 
+def is_fatal(e: BaseException) -> bool:
+    """Whether a failure inside a step leaves nothing to go on with: what is not an Exception
+    (KeyboardInterrupt, SystemExit), and errors that say the device or the ranks are gone (their
+    class sets `engine_fatal`: CudaError, NcclError, RankError, the step channel's)."""
+    return not isinstance(e, Exception) or bool(getattr(e, "engine_fatal", False))
+
+
 def overlaps(runner, overlap: bool | None = None) -> bool:
     """Whether steps over this runner overlap: asked for (None: unless INFC_OVERLAP=0) and the
     runner can (`can_overlap`)."""
@@ -165,6 +174,7 @@ class Engine:
         self.metrics = Metrics()
         self._next_seq = 0
         self._next_request = 0
+        self.faults = fault_inject.from_env()    # test-only (INFC_FAULT_INJECT); None in production
 
     # -- requests in ----------------------------------------------------------------------------
     def check_request(self, prompt_ids, params: SamplingParams):
@@ -259,26 +269,92 @@ class Engine:
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         """Run a step; the outputs of the step (overlapped: of the step before) that sampled. With
-        data-parallel ranks, a step is every rank's batch, padded alike, run together."""
+        data-parallel ranks, a step is every rank's batch, padded alike, run together.
+
+        A failure fails what it concerns, and the engine goes on (issue 39): one request's output
+        handling (stop checks, detokenizing, logprobs) ends that request; a step lost in the
+        runner ends the requests of that step and of the step in flight with it. Their last
+        StepOutput carries the error (finish_reason "error"). What is fatal (is_fatal: the device
+        or the ranks are gone) is raised: the engine is dead."""
         batches = [s.schedule() for s in self.schedulers]
         self.metrics.num_preemptions_total = sum(s.num_preemptions for s in self.schedulers)
         if not any(batches) and self.in_flight is None:
             if any(s.has_work() for s in self.schedulers):
                 raise RuntimeError("the scheduler made no progress with work waiting (a bug)")
             return []
-        launch, collect = (self._launch_ranks, self._collect_ranks) if self.dp > 1 else \
-            (lambda bs: self._launch(bs[0]), self._collect)
-        launched = launch(batches) if any(batches) else None
-        outputs = collect(*self.in_flight) if self.in_flight is not None else []
-        self.in_flight = launched
-        if launched is not None and not self.overlap:
-            outputs += collect(*launched)
-            self.in_flight = None
+        launched, outputs = None, []
+        try:
+            launched = self._launch_any(batches) if any(batches) else None
+        except Exception as e:                  # noqa: BLE001 - this step is lost, not the engine
+            if is_fatal(e):
+                raise
+            outputs = self._fail_batches(batches, e)
+            if self.in_flight is not None:      # the step before still runs: read it back
+                outputs += self._drain_in_flight(e)
+            self._gauges()
+            return outputs
+        before, self.in_flight = self.in_flight, None
+        try:
+            if before is not None:
+                outputs = self._collect_any(*before)
+            if launched is not None and not self.overlap:
+                outputs += self._collect_any(*launched)
+            else:
+                self.in_flight = launched
+        except Exception as e:                  # noqa: BLE001 - reading back failed: both steps lost
+            if is_fatal(e):
+                raise
+            outputs = self._fail_batches([b for x in (before, launched) if x is not None
+                                          for b in self._batches_of(x)], e)
+            self.in_flight = launched if self.overlap else None
+            if self.in_flight is not None:
+                outputs += self._drain_in_flight(e)
         self._gauges()
         return outputs
 
+    def _batches_of(self, launched) -> list:
+        """A launched step's batches, one a data-parallel rank."""
+        return list(launched[0]) if self.dp > 1 else [launched[0]]
+
+    def _launch_any(self, batches) -> tuple:
+        return self._launch_ranks(batches) if self.dp > 1 else self._launch(batches[0])
+
+    def _collect_any(self, *launched) -> list[StepOutput]:
+        return self._collect_ranks(*launched) if self.dp > 1 else self._collect(*launched)
+
+    def _drain_in_flight(self, error: Exception) -> list[StepOutput]:
+        """Read back the step in flight after a lost step, so the runner holds no handle of it:
+        its surviving sequences' tokens as usual; if that fails too, its requests fail."""
+        launched, self.in_flight = self.in_flight, None
+        try:
+            return self._collect_any(*launched)
+        except Exception as e:                  # noqa: BLE001
+            if is_fatal(e):
+                raise
+            return self._fail_batches(self._batches_of(launched), error)
+
+    def _fail_batches(self, batches, error: Exception) -> list[StepOutput]:
+        """Fail every request with a sequence in these batches (lists of (sequence, tokens))."""
+        ids = dict.fromkeys(seq.request_id for batch in batches for seq, _ in batch)
+        return [out for rid in ids if (out := self._fail_request(rid, error)) is not None]
+
+    def _fail_request(self, request_id: str, error: Exception) -> StepOutput | None:
+        """End a request with an error: aborted (its pages freed now), counted as "error"."""
+        req = self.requests.pop(request_id, None)
+        if req is None:                          # finished or aborted already
+            return None
+        for seq in req.seqs:
+            if not seq.finished:
+                self._sched(seq).finish(seq, "error")
+        self._count_finish(req, "error")
+        return StepOutput(request_id, 0, [], "", finish_reason="error", request_finished=True,
+                          num_prompt_tokens=len(req.prompt_ids), error=error)
+
     def _launch_ranks(self, batches) -> tuple:
         built = [self._chunks(b) for b in batches]
+        if self.faults is not None:
+            for b in batches:
+                self.faults.on_step(b)
         metas = pad_ranks([m for m, _, _ in built], self.runner.num_pages, self.page_size)
         rows = [r + [None] * (m.B - len(r)) for (_, r, _), m in zip(built, metas)]   # pad rows sample nothing
         if self.overlap:
@@ -299,6 +375,8 @@ class Engine:
     def _launch(self, batch) -> tuple:
         """Issue a step (overlapped: its tokens not read yet): (batch, rows, handle)."""
         meta, rows, feed = self._chunks(batch)
+        if self.faults is not None:
+            self.faults.on_step(batch)
         if self.overlap:
             handle = self.runner.launch(meta, rows, feed)
         else:
@@ -355,9 +433,19 @@ class Engine:
                 seq.pending -= 1
             if seq.finished or sample is None:      # stopped at the step before, aborted, or a
                 continue                            # prefill chunk (its blocks offered at launch)
-            seq.token_ids.append(sample.token)
-            self.bms[seq.rank].commit(seq)          # the block its pending token completes
-            outputs.append(self._append(seq, sample, now))
+            try:
+                if self.faults is not None:
+                    self.faults.on_token(seq)
+                seq.token_ids.append(sample.token)
+                self.bms[seq.rank].commit(seq)      # the block its pending token completes
+                outputs.append(self._append(seq, sample, now))
+            except Exception as e:                  # noqa: BLE001 - this request's, not the step's
+                if is_fatal(e):
+                    raise
+                # its request may have ended inside _append, its last output not handed out
+                outputs.append(self._fail_request(seq.request_id, e) or StepOutput(
+                    seq.request_id, seq.index, [], "", finish_reason="error", request_finished=True,
+                    num_prompt_tokens=seq.num_prompt_tokens, error=e))
         return outputs
 
     def _banned(self, seq: Sequence) -> tuple:

@@ -55,6 +55,7 @@ from .rank_data_parallel import DataParallelSteps
 
 class RankError(RuntimeError):
     """A rank's worker process died, failed or stopped answering: the ranks are down."""
+    engine_fatal = True
 
 
 def _load(factory: str):

@@ -76,10 +76,12 @@ _CODES = {d: c for c, d in _DTYPES.items()}
 
 class ChannelError(ValueError):
     """A malformed frame, or a frame of the wrong kind or fields."""
+    engine_fatal = True          # the ranks no longer agree on the steps
 
 
 class PeerGone(ConnectionError):
     """The other end closed (a worker or rank 0 exited or was killed), or did not answer in time."""
+    engine_fatal = True
 
 
 # -- frames -----------------------------------------------------------------------------------

@@ -8,6 +8,9 @@ from infc.compiler.spec_paths import add_spec_dir_arg
 
 
 LOAD_FORMATS = ("auto", "dummy")          # runtime/dummy_weights.py checks the same names
+SHUTDOWN_TIMEOUT_S = 5.0   # after SIGTERM / SIGINT, for the requests in flight (lifecycle.py)
+HEADER_TIMEOUT_S = 30.0    # for a request's headers to arrive (connection.py)
+BODY_TIMEOUT_S = 60.0      # for its body, after its headers: 16 MiB (the body cap) at ~280 KB/s
 
 
 def add_parallel_args(p: argparse.ArgumentParser):
@@ -64,6 +67,14 @@ def add_serve_args(p: argparse.ArgumentParser):
     p.add_argument("--max-request-body-bytes", type=int, default=16 << 20)
     p.add_argument("--max-header-bytes", type=int, default=16 << 10)
     p.add_argument("--max-n", type=int, default=128, help="completions per request (prompts x n)")
+    p.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S,
+                   help="seconds the requests in flight may run on after SIGTERM / SIGINT (new ones get "
+                        "503); the rest then end with an error. A second signal exits at once")
+    p.add_argument("--request-header-timeout", type=float, default=HEADER_TIMEOUT_S,
+                   help="seconds a request's headers may take to arrive (else 408, connection closed; "
+                        "0: no limit)")
+    p.add_argument("--request-body-timeout", type=float, default=BODY_TIMEOUT_S,
+                   help="seconds a request's body may take to arrive after its headers (else 408; 0: no limit)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
@@ -74,6 +85,9 @@ def config_from_args(args):
     for name in ("max_num_seqs", "max_logprobs", "max_n", "max_request_body_bytes", "max_header_bytes"):
         if getattr(args, name) < (0 if name == "max_logprobs" else 1):
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    for name in ("shutdown_timeout", "request_header_timeout", "request_body_timeout"):
+        if not getattr(args, name) >= 0:                # NaN too
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0 seconds, got {getattr(args, name)}")
     if args.max_queued_requests < 0:
         raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
     if not 0 < args.port < 65536 and args.port != 0:

@@ -5,45 +5,44 @@ timings printed as they finish); it answers 200 once the engine is ready. Unknow
 errors (argparse, with abbreviations off). Each accepted connection gets TCP_NODELAY, so an SSE
 event leaves when it is written rather than after the peer's delayed ACK (asyncio sets it too;
 this states it where it matters). Headers over --max-header-bytes are answered 431 (or 400 by
-h11, when an oversized block arrives in pieces).
+h11, when an oversized block arrives in pieces); a request whose headers or body do not arrive
+within --request-header-timeout / --request-body-timeout seconds is answered 408 and its
+connection closed (connection.py).
+
+SIGTERM or SIGINT drains: new requests get 503 while those in flight finish, for up to
+--shutdown-timeout seconds; the rest then end with an error, and the process exits 0. A second
+signal exits at once (lifecycle.py).
 
 If the engine dies (a step raised; a rank process died, seen at once even while idle), /health
 answers 503 with the cause, requests get 503, and after DEAD_GRACE_S the server stops and the
 process exits with status 1 and one line saying why, as vLLM's API server does when its engine
 core is gone: a supervisor restarts it rather than routing to a server that can only fail.
 """
-import socket
+import functools
 import sys
 import threading
 import time
 
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .app import ServerState, make_app
-from .args import backend_kwargs, config_from_args
+from .args import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, backend_kwargs, config_from_args
+from .connection import NoDelayH11Protocol
+from .lifecycle import END_MARGIN_S, DrainGuard, GracefulServer, Lifecycle
 from infc.backend import load_backend
 from infc.runtime.gc_freeze import freeze_startup
 
 DEAD_GRACE_S = 2.0       # /health and in-flight requests see the 503 before the port closes
 
 
-class NoDelayH11Protocol(H11Protocol):
-    def connection_made(self, transport):
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:
-                pass
-        super().connection_made(transport)
-
-
 def uvicorn_config(app, host="127.0.0.1", port=8000, log_level="info", access_log=True,
-                   max_header_bytes=16 << 10) -> uvicorn.Config:
-    return uvicorn.Config(app, host=host, port=port, http=NoDelayH11Protocol, lifespan="off",
+                   max_header_bytes=16 << 10, header_timeout=HEADER_TIMEOUT_S,
+                   body_timeout=BODY_TIMEOUT_S) -> uvicorn.Config:
+    http = functools.partial(NoDelayH11Protocol, header_timeout=header_timeout, body_timeout=body_timeout)
+    return uvicorn.Config(app, host=host, port=port, http=http, lifespan="off",
                           log_level=log_level, access_log=access_log,
-                          h11_max_incomplete_event_size=max_header_bytes, timeout_keep_alive=5)
+                          h11_max_incomplete_event_size=max_header_bytes, timeout_keep_alive=5,
+                          timeout_graceful_shutdown=END_MARGIN_S)
 
 
 class ServerThread:
@@ -78,8 +77,17 @@ def serve_main(args):
     if args.host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
         print(f"warning: listening on {args.host} without an API key", file=sys.stderr)
     state = ServerState(config)
-    server = uvicorn.Server(uvicorn_config(make_app(state), args.host, args.port, args.uvicorn_log_level,
-                                           not args.disable_uvicorn_access_log, args.max_header_bytes))
+    life = Lifecycle(args.shutdown_timeout)
+
+    def stop_engine():
+        if state.backend is not None:
+            state.backend.engine.shutdown()
+
+    app = DrainGuard(make_app(state), life)
+    server = GracefulServer(uvicorn_config(app, args.host, args.port, args.uvicorn_log_level,
+                                           not args.disable_uvicorn_access_log, args.max_header_bytes,
+                                           args.request_header_timeout, args.request_body_timeout),
+                            life, stop_engine)
 
     def load():
         try:

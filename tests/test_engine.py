@@ -250,6 +250,10 @@ def test_logprobs_and_metrics(tiny_plan):
 
 
 # -- the async engine ----------------------------------------------------------------------------
+class DeviceLost(RuntimeError):
+    engine_fatal = True           # as CudaError: what a step cannot survive (engine.is_fatal)
+
+
 class SlowFake(FakeRunner):
     """A fake runner that takes a little time per step, and can be told to fail."""
 
@@ -260,7 +264,7 @@ class SlowFake(FakeRunner):
     def execute(self, meta, sampling):
         self.calls += 1
         if self.fail_after is not None and self.calls > self.fail_after:
-            raise RuntimeError("device lost")
+            raise DeviceLost("device lost")
         time.sleep(self.delay)
         return super().execute(meta, sampling)
 

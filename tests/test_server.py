@@ -514,8 +514,12 @@ def test_tcp_nodelay(srv):
 
 
 # -- a scripted runner: exact UTF-8 splits, and an engine that dies mid-stream ----------------------
+class DeviceFailure(RuntimeError):
+    engine_fatal = True          # as CudaError: the engine cannot go on (engine.is_fatal)
+
+
 class ScriptedRunner:
-    """Emits a fixed token script; raises on step `fail_at` (1-based)."""
+    """Emits a fixed token script; raises a fatal error on step `fail_at` (1-based)."""
 
     def __init__(self, script, vocab_size, fail_at=None):
         self.script, self.vocab_size, self.fail_at = script, vocab_size, fail_at
@@ -524,7 +528,7 @@ class ScriptedRunner:
     def execute(self, meta, sampling):
         self.calls += 1
         if self.fail_at is not None and self.calls >= self.fail_at:
-            raise RuntimeError("scripted device failure")
+            raise DeviceFailure("scripted device failure")
         return [None if s is None else Sample(self.script[s.step % len(self.script)], -0.5,
                                               [(self.script[s.step % len(self.script)], -0.5)])
                 for s in sampling]

@@ -17,7 +17,7 @@ except ImportError as e:          # the CPU backend never gets here
 
 
 class CudaError(RuntimeError):
-    pass
+    engine_fatal = True          # the context may be gone: the engine stops (engine.is_fatal)
 
 
 def check(result, what: str = "CUDA call"):

@@ -34,7 +34,7 @@ LIB_NAME = "libnccl.so.2"
 
 
 class NcclError(RuntimeError):
-    pass
+    engine_fatal = True          # a communicator in error: the engine stops (engine.is_fatal)
 
 
 class UniqueId(ctypes.Structure):

@@ -70,6 +70,19 @@ class GpuSampler:
             args.set(slot, B)
         launch(self.ctx, k.fn, grid(k.meta, {"B": B, "T": B}), k.block, k.shared, args)
 
+    def packed_params(self, rows: list[RowSampling | None]) -> dict:
+        """The rows' sampling parameters as the sample kernel reads them. top_k at or above the
+        vocabulary is off (0), as in the kernel: so no request's top_k overflows its int32."""
+        p = [s.params if s is not None else None for s in rows]
+        return {
+            "temperature": np.array([x.temperature if x and x.top_k != 1 else 0.0 for x in p], np.float32),
+            "top_k": np.array([x.top_k if x and 0 < x.top_k < self.V else 0 for x in p], np.int32),
+            "top_p": np.array([x.top_p if x else 1.0 for x in p], np.float32),
+            "min_p": np.array([x.min_p if x else 0.0 for x in p], np.float32),
+            "seed": np.array([(s.seed & SEED_MASK) if s else 0 for s in rows], np.int64),
+            "step": np.array([s.step if s else 0 for s in rows], np.int32),
+        }
+
     def sample(self, logits_ptr: int, rows: list[RowSampling | None]) -> list[Sample | None]:
         """Sample the rows and wait for the tokens."""
         pending = self.start(logits_ptr, rows)
@@ -96,15 +109,7 @@ class GpuSampler:
         if greedy:
             self._launch("argmax", logits_ptr, B)
         else:
-            p = [s.params if s is not None else None for s in rows]
-            host = {
-                "temperature": np.array([x.temperature if x and x.top_k != 1 else 0.0 for x in p], np.float32),
-                "top_k": np.array([x.top_k if x else 0 for x in p], np.int32),
-                "top_p": np.array([x.top_p if x else 1.0 for x in p], np.float32),
-                "min_p": np.array([x.min_p if x else 0.0 for x in p], np.float32),
-                "seed": np.array([(s.seed & SEED_MASK) if s else 0 for s in rows], np.int64),
-                "step": np.array([s.step if s else 0 for s in rows], np.int32),
-            }
+            host = self.packed_params(rows)
             if self.staging is not None:
                 host = {n: self.staging.put(a) for n, a in host.items()}
             keep = [ctx.htod(self.dev[n], a) for n, a in host.items()]

@@ -1,0 +1,84 @@
+"""One HTTP connection, as uvicorn's h11 protocol with two things added:
+
+- TCP_NODELAY on each accepted connection, so an SSE event leaves when it is written rather than
+  after the peer's delayed ACK (asyncio sets it too; this states it where it matters);
+- read timeouts (issue 39): a request whose headers are not complete within header_timeout
+  seconds of its first byte (or of the connection opening), or whose body is not complete within
+  body_timeout seconds of its headers (None or 0: no limit), is answered 408 (when no response has begun) and its
+  connection closed. uvicorn times out only idle kept-alive connections (timeout_keep_alive),
+  so a client that trickles a request, or sends half of one, would hold a connection forever.
+"""
+import json
+import logging
+import socket
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from .args import BODY_TIMEOUT_S, HEADER_TIMEOUT_S
+
+log = logging.getLogger("uvicorn.error")
+
+
+def _timeout_response(what: str, seconds: float) -> bytes:
+    """The 408 written on the socket itself: h11 has no request to answer when headers time out.
+    Its body is the API's error shape (protocol.APIError.body)."""
+    body = json.dumps({"error": {"message": f"the request's {what} did not arrive within {seconds:g} s",
+                                 "type": "invalid_request_error", "param": None,
+                                 "code": "request_timeout"}}).encode()
+    return (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+class NoDelayH11Protocol(H11Protocol):
+    def __init__(self, *args, header_timeout: float | None = HEADER_TIMEOUT_S,
+                 body_timeout: float | None = BODY_TIMEOUT_S, **kw):
+        super().__init__(*args, **kw)
+        self.header_timeout, self.body_timeout = header_timeout, body_timeout
+        self._timer = None
+        self._reading: str | None = None       # "headers" | "body": what the timer waits for
+
+    def connection_made(self, transport):
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+        super().connection_made(transport)
+        self._expect("headers")
+
+    def data_received(self, data: bytes):
+        if self._reading is None and (self.cycle is None or self.cycle.response_complete):
+            self._expect("headers")             # a new request begins on a kept-alive connection
+        before = self.cycle
+        super().data_received(data)
+        c = self.cycle
+        if self._reading == "headers" and c is not None and c is not before:
+            self._expect("body" if c.more_body else None)     # its headers are in
+        elif self._reading == "body" and (c is None or not c.more_body):
+            self._expect(None)                                 # its body is in
+
+    def connection_lost(self, exc):
+        self._expect(None)
+        super().connection_lost(exc)
+
+    def _expect(self, what: str | None):
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self._reading = None, what
+        seconds = {"headers": self.header_timeout, "body": self.body_timeout}.get(what)
+        if seconds:
+            self._timer = self.loop.call_later(seconds, self._timed_out, what, seconds)
+
+    def _timed_out(self, what: str, seconds: float):
+        self._timer, self._reading = None, None
+        if self.transport.is_closing():
+            return
+        c = self.cycle
+        if c is not None and not c.response_complete and c.response_started:
+            self.transport.close()              # a response is under way: cut it
+            return
+        log.warning("%s: the request's %s did not arrive within %g s: closing the connection",
+                    "%s:%d" % tuple(self.client[:2]) if self.client else "a client", what, seconds)
+        self.transport.write(_timeout_response(what, seconds))
+        self.transport.close()
