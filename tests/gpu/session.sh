@@ -24,6 +24,8 @@
 # deepseek; DEEPSEEK_ARGS adds flags to bench latency; its golden gate is the families stage with
 # INFC_GPU_FAMILIES=deepseek-v2-lite-l8); moe the same for the full 48-layer qwen3-30b-a3b (issue 11:
 # prepare.py twogpu builds .cache/artifacts/qwen3-30b-a3b).
+# hardening (issue 39: tests/test_step_failure.py and tests/test_server_shutdown.py through infc
+# serve --device cuda: a top_k request, an injected step failure, SIGTERM with 50 streams in flight).
 # server-families (the openai SDK suite over the Qwen3.5 and DeepSeek-V2-Lite cuts, after prepare.py
 # server; SERVER_FAMILIES picks them).
 # overlap-ab (overlapped engine steps against INFC_OVERLAP=0, alternating: latency and throughput);
@@ -126,6 +128,14 @@ for stage in $STAGES; do
       INFC_SERVER_MODEL="$MODELS/qwen3-4b" INFC_SERVER_DEVICE=cuda timeout ${SERVER_S:-240} python3 -m pytest \
         tests/test_server.py tests/test_server_disconnect.py tests/test_server_fuzz.py -q -p no:cacheprovider \
         -o addopts="" 2>&1 | tee "$OUT/pytest-server-cuda.log" | tail -15 ;;
+    hardening)
+      # issue 39 on the GPU: infc serve --device cuda keeps serving after a top_k at the int32 edge
+      # and an injected step failure (INFC_FAULT_INJECT), and SIGTERM with 50 streams in flight
+      # (46 long, 4 short) exits 0 within --shutdown-timeout: tests/test_step_failure.py and
+      # tests/test_server_shutdown.py on this card
+      INFC_SERVER_MODEL="$MODELS/qwen3-4b" INFC_SERVER_DEVICE=cuda timeout ${HARDENING_S:-300} python3 -m pytest \
+        tests/test_step_failure.py tests/test_server_shutdown.py -k "server or drains or second or idle or stalled" \
+        -q -p no:cacheprovider -o addopts="" -rA 2>&1 | tee "$OUT/pytest-hardening-cuda.log" | tail -25 ;;
     serve)
       python3 -m infc.cli serve --model-path "$MODELS/qwen3-4b" --device cuda --port 8011 \
         --disable-uvicorn-access-log >"$OUT/serve.log" 2>&1 &
