@@ -202,7 +202,7 @@ def test_the_server_answers_the_failed_request_500_and_serves_on():
     stream: an error event, then [DONE]); a request running beside it gets what it gets alone; a
     top_k past int32 is no 5xx; /health stays 200 and later requests run. The GPU run:
     INFC_SERVER_MODEL=DIR INFC_SERVER_DEVICE=cuda pytest tests/test_step_failure.py -k server"""
-    from test_server_shutdown import Serve, open_stream, read_events
+    from test_server_shutdown import ON_GPU, Serve, open_stream, read_events
     s = Serve(env={ENV: f"step:{MARK},request:{MARK + 1}"})
     try:
         ask = {"model": "smol", "prompt": "The capital of France is", "max_tokens": 12, "temperature": 0}
@@ -220,7 +220,14 @@ def test_the_server_answers_the_failed_request_500_and_serves_on():
         refused(MARK + 1)                     # its output handling fails: it alone
         events = read_events(beside)
         assert events[-1] == "[DONE]"
-        assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == alone
+        chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+        assert chunks[-1]["finish_reason"] == "length", chunks[-1]
+        if not ON_GPU:
+            # The reference executor gives a row the same logits in any batch; the GPU's programs
+            # differ by batch size (narrow / wide steps, split-K), so with random weights its
+            # greedy text beside another request may part from the text alone: there the
+            # stream's running to its length, beside a failure, is what is checked.
+            assert "".join(c["text"] for c in chunks) == alone
         refused(MARK)                         # its step is lost (with whatever shared it)
         _, failed = open_stream(s, 12, prompt=ask["prompt"], seed=MARK)
         events = read_events(failed)
