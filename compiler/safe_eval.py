@@ -113,7 +113,7 @@ def _check_int_node(n, text):
         bad(f"'{ast.unparse(n)}' is not allowed")
 
 
-@lru_cache(maxsize=8192)
+@lru_cache(maxsize=8192, typed=True)     # typed: 1 and True are different formulas
 def compile_int(text: str):
     """fn(dims) -> int for an integer formula (an int or its text). Raises ExprLimit for anything
     outside the whitelist; fn raises ExprLimit for a dim it is not given."""
