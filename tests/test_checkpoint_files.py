@@ -295,3 +295,16 @@ def test_malformed_index_is_named(doc, tmp_path):
     with pytest.raises(ModelDirError) as e:
         Checkpoint(d)
     assert str(index) in str(e.value)
+
+
+@pytest.mark.parametrize("case", ["truncated", "overlapping"])
+def test_llm_refuses_the_checkpoint_with_a_named_error(case, tmp_path):
+    """`LLM` (and `infc serve`, which opens the model the same way) raises ModelDirError naming
+    the file and tensor: no traceback from deep inside a reshape, no garbage weights."""
+    from test_checkpoint_honesty import BASE
+
+    from infc import LLM
+    d, f, tensor = broken_model(tmp_path, case)
+    with pytest.raises(ModelDirError, match=f"tensor '{tensor}'") as e:
+        LLM(d, device="cpu", spec=str(BASE))
+    assert str(e.value).startswith(f"{f}: ")
