@@ -113,10 +113,12 @@ class Checkpoint:
                 weight_map = json.loads(index.read_text())["weight_map"]
                 if not isinstance(weight_map, dict):
                     raise ValueError("'weight_map' is not an object")
-            except (ValueError, KeyError, TypeError) as e:
+            except (OSError, ValueError, KeyError, TypeError) as e:
                 raise ModelDirError(f"{index}: invalid index ({e})") from None
             files = {}
             for name, shard in weight_map.items():
+                if not isinstance(shard, str):
+                    raise ModelDirError(f"{index}: tensor '{name}' maps to {shard!r}, not a file name")
                 if shard not in files:
                     files[shard] = SafetensorsFile(shard_path(self.dir, shard, f"{index} (for '{name}')"))
                 if name not in files[shard].header:

@@ -287,7 +287,8 @@ def test_index_naming_a_tensor_its_shard_lacks(tmp_path):
         Checkpoint(d)
 
 
-@pytest.mark.parametrize("doc", ["[]", '{"weight_map": []}', '{"weight_map": {"a": 3}}'])
+@pytest.mark.parametrize("doc", ["[]", '{"weight_map": []}', '{"weight_map": {"a": 3}}',
+                                 '{"weight_map": {"a": ["x"]}}', '{"weight_map": {"a": ""}}'])
 def test_malformed_index_is_named(doc, tmp_path):
     d = write_model(tmp_path / "m", tiny_shapes())
     index = d / "model.safetensors.index.json"
