@@ -114,12 +114,18 @@ def non_finite(value, path: str = "") -> tuple[str, float] | None:
     return None
 
 
+def shown(value) -> str:
+    """value's repr, cut short: a config value may be megabytes."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def size_problem(value, symbol: str) -> str | None:
     """Why value cannot be size `symbol`, or None."""
     if value is None and symbol != LAYERS:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        return f"{value!r} is {kind_of(value) or 'null'}, not an integer"
+        return f"{shown(value)} is {kind_of(value) or 'null'}, not an integer"
     if not 1 <= value <= MAX_SIZE:
         return f"{value} is not in 1..{MAX_SIZE}"
     return None

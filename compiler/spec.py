@@ -146,7 +146,6 @@ class Spec:
                 raise self.err(f"unsupported configuration{where}: requirement '{text}' does not hold", line)
         return env
 
-
     def _check_config_value(self, sym, b, key, value, is_size, source):
         """A value read from config.json (or a variant) for symbol sym, by the rules of
         compiler/config_values.py: the error names the file and the key (its line there)."""
@@ -161,7 +160,7 @@ class Spec:
             kind = config_values.kind_of(value)
             if not kinds or kind is None or kind in kinds:
                 return
-            problem = f"must be {' or '.join(sorted(kinds))} (symbol {sym}), got {value!r}"
+            problem = f"must be {' or '.join(sorted(kinds))} (symbol {sym}), got {config_values.shown(value)}"
         msg = f"config key '{key}' {problem}"
         if source and source.endswith(".json") and Path(source).is_file():
             raise SpecError(msg, source, spec_paths.json_key_line(Path(source), key.split(".")[-1]))

@@ -4,11 +4,10 @@
 import json
 
 import pytest
-from test_checkpoint_honesty import TINY, build_dir
+from test_checkpoint_honesty import BASE, TINY, build_dir
 
 from infc.compiler import config_values
 from infc.compiler.spec import load_spec
-from test_checkpoint_honesty import BASE
 
 # key -> the raw JSON text written for it, and what the message must say
 CASES = {
