@@ -114,7 +114,7 @@ def _check_int_node(n, text):
 
 
 @lru_cache(maxsize=8192, typed=True)     # typed: 1 and True are different formulas
-def compile_int(text: str):
+def compile_int(text: str | int):
     """fn(dims) -> int for an integer formula (an int or its text). Raises ExprLimit for anything
     outside the whitelist; fn raises ExprLimit for a dim it is not given."""
     if isinstance(text, int) and not isinstance(text, bool):
@@ -139,4 +139,6 @@ def compile_int(text: str):
             return int(eval(code, scope, dims))    # noqa: S307 - whitelisted arithmetic, no builtins
         except NameError as e:
             raise ExprLimit(f"formula {text!r}: {e.name!r} is not among the dims {sorted(dims)}") from None
+        except ArithmeticError as e:          # T // 0: still the plan's fault, named as such
+            raise ExprLimit(f"formula {text!r} at {dims}: {e}") from None
     return fn

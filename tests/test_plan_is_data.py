@@ -51,6 +51,8 @@ def test_a_formula_sees_only_the_dims_it_is_given():
         compile_int("os")({"T": 1})
     with pytest.raises(ValueError, match="'G' is not among the dims"):
         eval_int("G * 2", {"T": 1, "B": 1})
+    with pytest.raises(ExprLimit, match="formula 'cdiv.T, B - 1.' at .*division"):
+        compile_int("cdiv(T, B - 1)")({"T": 4, "B": 1})
 
 
 def _formulas(plan: dict):
