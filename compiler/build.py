@@ -17,11 +17,21 @@ GENERATED = REPO / "generated"
 def read_config(model_dir: Path) -> dict:
     path = Path(model_dir) / "config.json"
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except FileNotFoundError:
         raise ModelDirError(f"{model_dir}: no config.json (is this an HF model directory?)") from None
     except json.JSONDecodeError as e:
         raise ModelDirError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ModelDirError(f"{path}: cannot read ({e})") from None
+    if not isinstance(config, dict):
+        raise ModelDirError(f"{path}: a JSON {type(config).__name__}, not an object of config keys")
+    archs = config.get("architectures")
+    if archs is not None and not isinstance(archs, str) and not (
+            isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise ModelDirError(f"{path}:{json_key_line(path, 'architectures')}: 'architectures' must be a "
+                            f"list of class names, got {archs!r}")
+    return config
 
 
 def resolve(model: str | None = None, spec_path: str | None = None,

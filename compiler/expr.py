@@ -2,17 +2,24 @@
 
 Graph statements (`q, k = f(x, w, eps=eps)`), config defaults (`H // Hq`), shapes
 (`[T, Hq*D]`) and `requires` constraints all go through `ast`, so syntax errors come with a
-column and nothing in a spec can run code.
+column and nothing in a spec can run code. Evaluation is bounded (compiler/safe_eval.py's
+operators, MAX_STEPS nodes, TIME_BUDGET seconds), so no spec or config can hang or exhaust
+the build.
 """
 import ast
 import math
 import operator
+import time
 
 from .errors import SpecError
+from .safe_eval import ExprLimit, add, check_result, modulo, multiply, power
 
-_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-           ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
-           ast.Pow: operator.pow}
+MAX_STEPS = 100_000          # nodes one evaluation may visit
+TIME_BUDGET = 1.0            # seconds one evaluation may take
+
+_BINOPS = {ast.Add: add, ast.Sub: operator.sub, ast.Mult: multiply,
+           ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: modulo,
+           ast.Pow: power}
 _CMPOPS = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
            ast.Gt: operator.gt, ast.GtE: operator.ge, ast.In: lambda a, b: a in b,
            ast.NotIn: lambda a, b: a not in b, ast.Is: operator.is_, ast.IsNot: operator.is_not}
@@ -30,19 +37,23 @@ _FUNCS = {"len": len, "min": min, "max": max, "int": int, "float": float, "bf16"
 _CONSTS = {"true": True, "false": False, "none": None, "True": True, "False": False, "None": None}
 
 
-def parse_expr(text: str, file: str | None, line: int | None) -> ast.expr:
+def _parse(text: str, mode: str, what: str, file, line):
     try:
-        return ast.parse(str(text).strip(), mode="eval").body
+        return ast.parse(str(text).strip(), mode=mode)
     except SyntaxError as e:
-        raise SpecError(f"cannot parse expression '{text}': {e.msg}", file, line) from None
+        raise SpecError(f"cannot parse {what} '{text}': {e.msg}", file, line) from None
+    except (ValueError, RecursionError, MemoryError) as e:   # a 5000-digit literal, deep nesting
+        raise SpecError(f"cannot parse {what} '{str(text)[:80]}': {type(e).__name__}: {e}", file,
+                        line) from None
+
+
+def parse_expr(text: str, file: str | None, line: int | None) -> ast.expr:
+    return _parse(text, "eval", "expression", file, line).body
 
 
 def parse_statement(text: str, file: str | None, line: int | None) -> tuple[list[str], ast.expr]:
     """`a, b = expr` -> (['a', 'b'], expr)."""
-    try:
-        tree = ast.parse(str(text).strip(), mode="exec")
-    except SyntaxError as e:
-        raise SpecError(f"cannot parse statement '{text}': {e.msg}", file, line) from None
+    tree = _parse(text, "exec", "statement", file, line)
     if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Assign) or len(tree.body[0].targets) != 1:
         raise SpecError(f"a graph statement is 'name = op(...)' or 'a, b = op(...)', got '{text}'",
                         file, line)
@@ -74,16 +85,43 @@ def evaluate(node: ast.expr, env: dict):
     """Evaluate a restricted expression. Raises Unknown(name) for unbound names and EvalError
     for anything else that goes wrong (the caller adds file and line)."""
     try:
-        return _evaluate(node, env)
+        return _evaluate(node, env, _Budget())
     except (Unknown, EvalError):
         raise
-    except (ArithmeticError, TypeError, ValueError, LookupError) as e:
-        raise EvalError(f"cannot evaluate '{ast.unparse(node)}': {e}", str(e)) from None
+    except RecursionError:
+        raise EvalError(f"cannot evaluate '{_shown(node)}': nested too deeply") from None
+    except (ArithmeticError, TypeError, ValueError, LookupError) as e:   # ExprLimit included
+        raise EvalError(f"cannot evaluate '{_shown(node)}': {e}", str(e)) from None
 
 
-def _evaluate(node: ast.expr, env: dict):
+def _shown(node) -> str:
+    try:
+        text = ast.unparse(node)
+    except RecursionError:
+        return "<an expression nested too deeply to show>"
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+class _Budget:
+    """Nodes visited and a deadline: evaluation has no loops, so this only ever trips on input
+    built to exhaust it, and then fails in well under a second."""
+
+    def __init__(self):
+        self.steps = 0
+        self.deadline = time.monotonic() + TIME_BUDGET
+
+    def step(self):
+        self.steps += 1
+        if self.steps > MAX_STEPS:
+            raise ExprLimit(f"more than {MAX_STEPS} steps")
+        if self.steps % 256 == 0 and time.monotonic() > self.deadline:
+            raise ExprLimit(f"more than {TIME_BUDGET} s")
+
+
+def _evaluate(node: ast.expr, env: dict, budget: _Budget):
+    budget.step()
     if isinstance(node, ast.Constant):
-        return node.value
+        return check_result(node.value)
     if isinstance(node, ast.Name):
         if node.id in env:
             return env[node.id]
@@ -91,9 +129,9 @@ def _evaluate(node: ast.expr, env: dict):
             return _CONSTS[node.id]
         raise Unknown(node.id)
     if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
-        return _BINOPS[type(node.op)](_evaluate(node.left, env), _evaluate(node.right, env))
+        return _BINOPS[type(node.op)](_evaluate(node.left, env, budget), _evaluate(node.right, env, budget))
     if isinstance(node, ast.UnaryOp):
-        v = _evaluate(node.operand, env)
+        v = _evaluate(node.operand, env, budget)
         if isinstance(node.op, ast.USub):
             return -v
         if isinstance(node.op, ast.Not):
@@ -101,27 +139,28 @@ def _evaluate(node: ast.expr, env: dict):
         if isinstance(node.op, ast.UAdd):
             return v
     if isinstance(node, ast.BoolOp):
-        vals = [_evaluate(v, env) for v in node.values]
+        vals = [_evaluate(v, env, budget) for v in node.values]
         return all(vals) if isinstance(node.op, ast.And) else any(vals)
     if isinstance(node, ast.Compare):
-        left = _evaluate(node.left, env)
+        left = _evaluate(node.left, env, budget)
         for op, comp in zip(node.ops, node.comparators):
-            right = _evaluate(comp, env)
+            right = _evaluate(comp, env, budget)
             if type(op) not in _CMPOPS:
-                raise EvalError(f"unsupported comparison in '{ast.unparse(node)}'")
+                raise EvalError(f"unsupported comparison in '{_shown(node)}'")
             if not _CMPOPS[type(op)](left, right):
                 return False
             left = right
         return True
     if isinstance(node, (ast.List, ast.Tuple)):
-        return [_evaluate(e, env) for e in node.elts]
+        return [_evaluate(e, env, budget) for e in node.elts]
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _FUNCS:
-        return _FUNCS[node.func.id](*[_evaluate(a, env) for a in node.args])
+        return check_result(_FUNCS[node.func.id](*[_evaluate(a, env, budget) for a in node.args]))
     if isinstance(node, ast.Subscript):
-        return _evaluate(node.value, env)[_evaluate(node.slice, env)]
+        return _evaluate(node.value, env, budget)[_evaluate(node.slice, env, budget)]
     if isinstance(node, ast.IfExp):         # `a if cond else b`: per-layer kinds, derived symbols
-        return _evaluate(node.body, env) if _evaluate(node.test, env) else _evaluate(node.orelse, env)
-    raise EvalError(f"unsupported expression '{ast.unparse(node)}'")
+        branch = node.body if _evaluate(node.test, env, budget) else node.orelse
+        return _evaluate(branch, env, budget)
+    raise EvalError(f"unsupported expression '{_shown(node)}'")
 
 
 def free_names(node: ast.expr) -> set[str]:

@@ -3,11 +3,12 @@
 A spec is data: `Spec` holds its parsed pieces; `bind()` turns a config.json (or a named
 variant's values) into the concrete symbol table the compiler lowers with.
 """
+import ast
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import spec_paths
+from . import config_values, spec_paths
 from .errors import SpecError, did_you_mean
 from .expr import EvalError, Unknown, evaluate, parse_expr, parse_statement
 from .yaml_lines import LDict, line_of, load_yaml
@@ -97,9 +98,12 @@ class Spec:
         return SpecError(msg, self.path, line)
 
     def bind(self, config: dict, source: str | None = None) -> dict:
-        """Resolve every config symbol from a config.json dict; check `requires`."""
+        """Resolve every config symbol from a config.json dict; check each value
+        (compiler/config_values.py) and `requires`. source: the config.json's path (errors point
+        at its lines) or a description of where config came from."""
         env: dict = {}
         where = f" in {source}" if source else ""
+        sizes = config_values.size_symbols(self)
         for sym, b in self.bindings.items():
             value, found = None, False
             for key in b.keys:      # a derived symbol has no keys: its default is its value
@@ -112,6 +116,7 @@ class Spec:
                         break
                 if ok and (cur is not None or b.default is None):
                     value, found = cur, True
+                    self._check_config_value(sym, b, key, value, sym in sizes, source)
                     break
             if not found:
                 if b.default is None:
@@ -124,6 +129,10 @@ class Spec:
                                    f"{did_you_mean(e.name, env)}", b.line) from None
                 except EvalError as e:
                     raise self.err(f"{what} of {sym}: {e}", b.line) from None
+                problem = config_values.size_problem(value, sym) if sym in sizes else None
+                if problem:
+                    raise self.err(f"{what} of {sym} ('{ast.unparse(b.default)}'{where}) is a size "
+                                   f"and must be a positive integer: {problem}", b.line)
             env[sym] = value
         for node, text, line in self.requires:
             try:
@@ -136,6 +145,27 @@ class Spec:
             if not ok:
                 raise self.err(f"unsupported configuration{where}: requirement '{text}' does not hold", line)
         return env
+
+    def _check_config_value(self, sym, b, key, value, is_size, source):
+        """A value read from config.json (or a variant) for symbol sym, by the rules of
+        compiler/config_values.py: the error names the file and the key (its line there)."""
+        bad = config_values.non_finite(value)
+        size = config_values.size_problem(value, sym) if is_size else None
+        if bad is not None:
+            problem = f"{'is' if not bad[0] else f'holds at {bad[0]}'} {bad[1]}: not a finite number"
+        elif size:
+            problem = f"must be a positive integer (symbol {sym} is a size): {size}"
+        else:
+            kinds = config_values.expected_kinds(self, b)
+            kind = config_values.kind_of(value)
+            if not kinds or kind is None or kind in kinds:
+                return
+            problem = f"must be {' or '.join(sorted(kinds))} (symbol {sym}), got {config_values.shown(value)}"
+        msg = f"config key '{key}' {problem}"
+        if source and source.endswith(".json") and Path(source).is_file():
+            raise SpecError(msg, source, spec_paths.json_key_line(Path(source), key.split(".")[-1]))
+        raise self.err(f"{msg}{f' (in {source})' if source else ''}", self.raw.key_lines.get("variants")
+                       if isinstance(self.raw, LDict) else None)
 
 
 _NAME_FIELD = re.compile(r"\{(\w+)\}")

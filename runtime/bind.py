@@ -4,12 +4,7 @@ Pure Python, no torch, no CUDA: the CUDA runner, the GPU sampler, the tuner, the
 test executor and the kernel test harness all resolve parameters through one `Resolver`, each
 with its own way of producing pointers (device addresses, torch tensors).
 """
-import ast
-import operator
-
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
-_FUNCS = {"cdiv": lambda a, b: -(-a // b), "max": max, "min": min}
+from infc.compiler.safe_eval import compile_int
 
 
 def step_dims(plan: dict, T: int, B: int) -> dict:
@@ -22,22 +17,9 @@ def step_dims(plan: dict, T: int, B: int) -> dict:
 
 
 def eval_int(expr, dims: dict) -> int:
-    """Evaluate a grid/scratch expression such as "cdiv(T * 2560, 1024)" over dims."""
-    if isinstance(expr, int):
-        return expr
-
-    def ev(n):
-        if isinstance(n, ast.Constant) and isinstance(n.value, int):
-            return n.value
-        if isinstance(n, ast.Name):
-            return dims[n.id]
-        if isinstance(n, ast.BinOp) and type(n.op) in _OPS:
-            return _OPS[type(n.op)](ev(n.left), ev(n.right))
-        if isinstance(n, ast.Call) and n.func.id in _FUNCS:
-            return _FUNCS[n.func.id](*[ev(a) for a in n.args])
-        raise ValueError(f"unsupported expression {ast.unparse(n)!r}")
-
-    return int(ev(ast.parse(str(expr), mode="eval").body))
+    """Evaluate a grid/scratch expression such as "cdiv(T * 2560, 1024)" over dims: plan data,
+    so only integer arithmetic over the dims (compiler/safe_eval.py, compiled once per text)."""
+    return compile_int(expr)(dims)
 
 
 def grid(meta: dict, dims: dict) -> tuple[int, int, int]:

@@ -2,15 +2,19 @@
 
 The safetensors package's numpy loader rejects bf16, and the runtime must not import torch, so
 this reads the format directly: an 8-byte little-endian header length, a JSON header of
-{name: {dtype, shape, data_offsets}}, then the raw bytes.
+{name: {dtype, shape, data_offsets}}, then the raw bytes. Every header is checked against its
+file (runtime/safetensors_header.py) and every shard path against the model directory
+(`shard_path`) when the file is opened, before any tensor byte is mapped.
 """
 import json
-import struct
+import os
 from pathlib import Path
 
 import numpy as np
 
 from infc.compiler.errors import ModelDirError
+
+from .safetensors_header import read_header
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I32": np.int32,
            "I64": np.int64, "U8": np.uint8, "I8": np.int8, "F64": np.float64, "BOOL": np.bool_}
@@ -19,16 +23,7 @@ _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I32": np.in
 class SafetensorsFile:
     def __init__(self, path: Path):
         self.path = Path(path)
-        try:
-            with open(self.path, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                if n > 100 * 2**20:
-                    raise ValueError("header too large")
-                self.header = json.loads(f.read(n))
-        except (OSError, ValueError, struct.error) as e:
-            raise ModelDirError(f"{self.path}: not a readable safetensors file ({e})") from None
-        self.header.pop("__metadata__", None)
-        self.base = 8 + n
+        self.header, self.base = read_header(self.path)   # checked against the file's size
         self._mm = None
 
     def names(self) -> list[str]:
@@ -79,6 +74,33 @@ def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(x), np.uint16(0x7FC0), out)
 
 
+def shard_path(model_dir: Path, name, where) -> Path:
+    """The file a shard name (from model.safetensors.index.json, or found in the directory)
+    stands for, confined to the model directory; `where` is named in errors.
+
+    The rule: a shard is named by a plain file name (no directory part, so no absolute path and
+    no `..`). The file itself may be a symbolic link, as the user's own directory structure may
+    be made of them: resolved, it must be a regular file inside the resolved model directory
+    (so a linked model directory is fine) or, when that directory is a hub cache snapshot
+    (<repo>/snapshots/<revision>, whose files link to ../../blobs/<hash>), inside its repository's
+    blobs/. A link anywhere else (a downloaded directory pointing at ~/.ssh or /etc) is refused."""
+    if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name \
+            or os.path.isabs(name):
+        raise ModelDirError(f"{where}: shard {name!r} is not a plain file name in the model "
+                            f"directory (no directories, no '..', no absolute paths)")
+    p = Path(model_dir) / name
+    if not p.exists():
+        raise ModelDirError(f"{where}: shard '{name}' is missing from {model_dir}")
+    real, home = p.resolve(), Path(model_dir).resolve()
+    allowed = [home] + ([home.parent.parent / "blobs"] if home.parent.name == "snapshots" else [])
+    if not any(real.is_relative_to(a) for a in allowed):
+        raise ModelDirError(f"{where}: shard '{name}' is a link to {real}, outside the model "
+                            f"directory {home} (copy the file in, or link the whole directory)")
+    if not real.is_file():
+        raise ModelDirError(f"{where}: shard '{name}' is not a regular file")
+    return p
+
+
 class Checkpoint:
     """All tensors of an HF model directory: one model.safetensors or shards with an index."""
 
@@ -89,22 +111,25 @@ class Checkpoint:
         if index.exists():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError) as e:
+                if not isinstance(weight_map, dict):
+                    raise ValueError("'weight_map' is not an object")
+            except (OSError, ValueError, KeyError, TypeError) as e:
                 raise ModelDirError(f"{index}: invalid index ({e})") from None
             files = {}
             for name, shard in weight_map.items():
+                if not isinstance(shard, str):
+                    raise ModelDirError(f"{index}: tensor '{name}' maps to {shard!r}, not a file name")
                 if shard not in files:
-                    p = self.dir / shard
-                    if not p.exists():
-                        raise ModelDirError(f"{index}: shard '{shard}' (for '{name}') is missing")
-                    files[shard] = SafetensorsFile(p)
+                    files[shard] = SafetensorsFile(shard_path(self.dir, shard, f"{index} (for '{name}')"))
+                if name not in files[shard].header:
+                    raise ModelDirError(f"{index}: tensor '{name}' is not in its shard '{shard}'")
                 self.where[name] = files[shard]
         else:
             shards = sorted(self.dir.glob("*.safetensors"))
             if not shards:
                 raise ModelDirError(f"{self.dir}: no *.safetensors weights")
             for p in shards:
-                f = SafetensorsFile(p)
+                f = SafetensorsFile(shard_path(self.dir, p.name, self.dir))
                 for name in f.names():
                     self.where[name] = f
 

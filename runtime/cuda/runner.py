@@ -13,6 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
+from infc.compiler.errors import ModelDirError
+from infc.compiler.safe_eval import ExprLimit, compile_int
+
 from .. import caches
 from ..bind import Resolver, dim_slots, eval_int, scratch_sizes, step_dims
 from ..program import program_name, unrolled
@@ -33,12 +36,24 @@ PRODUCED = ("positions", "seq_starts", "context_lens", "last_rows", "slot_mappin
             "state_slots")
 
 
-GRID_FUNCS = {"cdiv": lambda a, b: -(-a // b), "max": max, "min": min}
-
-
 def grid_code(meta: dict) -> list:
+    """The launch grid as three compiled formulas, each fn(dims) -> int: integer arithmetic over
+    the step's dims only (compiler/safe_eval.py), so a tampered plan.json cannot run code. Raises
+    ExprLimit (a ValueError) for anything else."""
     g = list(meta["grid"]) + [1] * (3 - len(meta["grid"]))
-    return [compile(str(e), "<grid>", "eval") for e in g]
+    return [compile_int(e) for e in g]
+
+
+def grid_codes(plan: dict, artifact) -> dict:
+    """kernel id -> grid_code, every grid of the plan checked before anything is loaded."""
+    out = {}
+    for kid, meta in plan["kernels"].items():
+        try:
+            out[kid] = grid_code(meta)
+        except (ExprLimit, KeyError, TypeError) as e:
+            raise ModelDirError(f"{Path(artifact) / 'plan.json'}: kernel {kid}: launch grid "
+                                f"{meta.get('grid')!r} refused: {e}") from None
+    return out
 
 
 def padding_step() -> StepMeta:
@@ -123,6 +138,7 @@ class CudaRunner:
         self.max_seqs = max_num_seqs
         self.max_model_len = min(max_model_len or plan["config"]["max_len"], plan["config"]["max_len"])
         self.max_pages_per_seq = -(-self.max_model_len // self.page_size)
+        self.grids = grid_codes(plan, self.artifact)
         self.kernels = load_kernels(self.artifact, plan)
         fill = {"bf16": self.kernels.get(plan.get("weight_init")),       # absent from older artifacts
                 "f32": self.kernels.get(plan.get("weight_init_f32"))}    # only where f32 weights are
@@ -245,7 +261,7 @@ class CudaRunner:
             k = self.kernels[launch["kernel_id"]]
             values = resolver.values(k.meta, launch["inputs"], launch["outputs"], layer, k.id)
             dep = DependentLaunch(self.ctx, k.block, k.shared) if self.pdl and k.meta.get("pdl") else None
-            out.append((k, grid_code(k.meta), k.pack(values, self.global_scratch.get(k.id, 0)),
+            out.append((k, self.grids[k.id], k.pack(values, self.global_scratch.get(k.id, 0)),
                         dim_slots(k.meta), dep))
         return out
 
@@ -273,14 +289,13 @@ class CudaRunner:
         """(index, kernel, grid, args, dependent launch) of each launch to issue at dims, its T/B
         scalars set; launches with an empty grid skipped; a collective as (index, None, None,
         fire, None)."""
-        env = {**GRID_FUNCS, **dims}
         for index, (k, code, args, slots, dep) in enumerate(bound):
             if k is None:
                 yield index, None, None, code, None
                 continue
             for i, d in slots:
                 args.set(i, dims[d])
-            g = [int(eval(c, env)) for c in code]       # META grid formulas of our own templates
+            g = [f(dims) for f in code]
             if g[0] * g[1] * g[2] != 0:
                 yield index, k, g, args, dep
 
