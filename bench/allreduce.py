@@ -29,7 +29,7 @@ def _rank(rank: int, world: int, artifact: str, rows: list, uid_q, out_q):
     from infc.runtime.cuda.driver import Context, Graph
     from infc.runtime.cuda.p2p import P2PCollectives, p2p_collectives
     from infc.runtime.cuda.ranks import load_rank_plans
-    from infc.runtime.program import launches
+    from infc.compiler.contract.program import launches
     try:
         ctx = Context(rank)
         if rank == 0:

@@ -25,8 +25,8 @@ def open_runner(artifact, model_dir, par: dict | None = None, **kw):
     if par is None:
         from infc.runtime.cuda.runner import CudaRunner
         return CudaRunner(artifact, model_dir, **kw)
-    from infc.runtime.rank_workers import MultiProcessRunner
-    return MultiProcessRunner("infc.runtime.rank_workers:nccl_rank_runner",
+    from infc.runtime.distributed.rank_workers import MultiProcessRunner
+    return MultiProcessRunner("infc.runtime.distributed.rank_workers:nccl_rank_runner",
                               {"artifact": str(artifact), "model_dir": str(model_dir), **kw}, par["world"])
 
 
@@ -72,10 +72,10 @@ def _infc(artifact, model_dir, prompts, out_len, seed=0, load_format="auto", par
 
 def _timed(r, r0, prompts, out_len, seed, load_format, par):
     """r: the runner the steps go to; r0: rank 0's CudaRunner (r itself on one GPU)."""
-    from infc.runtime import caches
-    from infc.runtime.engine import overlaps
-    from infc.runtime.runner import RowSampling
-    from infc.runtime.sampling import SamplingParams
+    from infc.compiler.contract import caches
+    from infc.runtime.engine.engine import overlaps
+    from infc.runtime.engine.runner import RowSampling
+    from infc.runtime.engine.sampling import SamplingParams
     from .common import copy_bandwidth, header
     res = header(r0.ctx, r0.plan["model"] + parallel_tag(par))
     bw = copy_bandwidth(r0.ctx)
@@ -119,7 +119,7 @@ def _time_prompt(r, n, out_len, rng, overlap, greedy, clock=time.perf_counter):
     """(TTFT samples, TPOT samples) in ms for n-token prompts on runner r: one untimed prefill,
     then TTFT_REPS timed prefills, the first TPOT_REPS of them followed by out_len timed decode
     steps (overlapped as the engine runs them when `overlap`)."""
-    from infc.runtime.step import Chunk, build_step
+    from infc.runtime.engine.step import Chunk, build_step
     ttfts, tpots = [], []
     for rep in range(-1, TTFT_REPS):
         free = list(range(r.num_pages))

@@ -216,8 +216,8 @@ def sweep(submit, prompts, lengths, new, reps, cold_reps, page_size, label, on_l
 def run_engine(a, lengths, rec: dict, save_point):
     """Fills rec (the JSON's paths.engine) as it goes."""
     from infc.backend import load_backend
-    from infc.runtime import caches
-    from infc.runtime.sampling import SamplingParams
+    from infc.compiler.contract import caches
+    from infc.runtime.engine.sampling import SamplingParams
     from .common import copy_bandwidth
     kw = {} if a.max_num_batched_tokens is None else {"max_num_batched_tokens": a.max_num_batched_tokens}
     b = load_backend(a.model_path, model=a.model, device=a.device, max_num_seqs=a.max_num_seqs,
@@ -401,8 +401,8 @@ def run_serve(a, lengths, rec: dict, save_point):
         rng = np.random.default_rng(a.seed + 1)
         prompts, why = None, None
         if a.prompt_format in ("auto", "text"):
-            from infc.compiler.errors import ModelDirError
-            from infc.runtime.tokenizer import Tokenizer
+            from infc.compiler.contract.errors import ModelDirError
+            from infc.runtime.tokenization.tokenizer import Tokenizer
             try:
                 prompts = TextPrompts(Tokenizer(Path(a.model_path)), rng)
             except (ModelDirError, ValueError) as e:
@@ -444,7 +444,7 @@ def run_serve(a, lengths, rec: dict, save_point):
 def run_tokenizer(a, lengths) -> dict:
     """--path tokenizer: the server's tokenizer alone on this host's CPU (no engine, no server):
     per L, the warm / cold / plain times of TextPrompts.tokenize_times, medians of --reps."""
-    from infc.runtime.tokenizer import Tokenizer
+    from infc.runtime.tokenization.tokenizer import Tokenizer
     tok = Tokenizer(Path(a.model_path))
     prompts = TextPrompts(tok, np.random.default_rng(a.seed + 1))
     rec = {"cpu_count": os.cpu_count(), "fast_path": tok.fast.rule, "fast_path_off_reason": tok.fast.reason,

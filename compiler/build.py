@@ -3,7 +3,7 @@ import json
 import time
 from pathlib import Path
 
-from .errors import ModelDirError, SpecError
+from .contract.errors import ModelDirError, SpecError
 from .pipeline import compile_spec
 from .plan import dumps, emit_plan
 from .checkpoint_check import check_model_dir

@@ -8,7 +8,7 @@ import ast
 import math
 import operator
 
-from .errors import SpecError
+from .contract.errors import SpecError
 
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
            ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,

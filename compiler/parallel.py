@@ -25,7 +25,7 @@ Layout of a parallel build: out/plan.rank<r>.json for each rank, out/kernels/, o
 import time
 from pathlib import Path
 
-from .errors import SpecError
+from .contract.errors import SpecError
 
 
 def settings(tensor_parallel_size: int = 1, enable_expert_parallel: bool = False,

@@ -11,7 +11,7 @@ fall back to the built-in spec), naming where it was given.
 import os
 from pathlib import Path
 
-from .errors import SpecError
+from .contract.errors import SpecError
 
 SPECS_DIR = Path(__file__).resolve().parent.parent / "specs"
 ENV = "INFC_SPEC_PATH"

@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infc.compiler.errors import ModelDirError
-from infc.runtime.tokenizer import eos_ids
+from infc.compiler.contract.errors import ModelDirError
+from infc.runtime.tokenization.tokenizer import eos_ids
 
 CPU_KV_CACHE_BYTES = 1 << 30          # the CPU backend's default KV budget (float32 pages)
 
@@ -119,9 +119,9 @@ def load_backend(model_dir, model: str | None = None, spec: str | None = None, d
     built artifact directory to run as it is (one GPU), instead of building or reusing
     .cache/artifacts/<name> with this checkout's compiler: an A/B of two commits' plans.
     block_size: the KV cache's page size (None: default_block_size; an artifact keeps its own)."""
-    from infc.runtime.dummy_weights import check_load_format
-    from infc.runtime.async_engine import AsyncEngine
-    from infc.runtime.engine import Engine
+    from infc.runtime.weights.dummy import check_load_format
+    from infc.runtime.engine.async_engine import AsyncEngine
+    from infc.runtime.engine.engine import Engine
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelDirError(f"{model_dir}: not a directory")
@@ -165,14 +165,14 @@ def load_backend(model_dir, model: str | None = None, spec: str | None = None, d
         page_size = runner.page_size
     elif device == "cpu":
         from infc.compiler.build import compile_model
-        from infc.runtime.runner import CPURunner
-        from infc.runtime.safetensors_io import Checkpoint
-        from infc.runtime.weights import load_weights
+        from infc.runtime.engine.runner import CPURunner
+        from infc.compiler.contract.safetensors_io import Checkpoint
+        from infc.runtime.weights.load import load_weights
         state, plan = st.run("compile plan", compile_model, model=model, spec_path=spec,
                              model_dir=str(model_dir), spec_dirs=spec_dirs, check_checkpoint=not dummy)
         name = state.model
         if dummy:
-            from infc.runtime.dummy_weights import dummy_weights
+            from infc.runtime.weights.dummy import dummy_weights
             weights = st.run("make random weights", dummy_weights, plan)
         else:
             weights = st.run("load weights", lambda: load_weights(plan, Checkpoint(model_dir)))
@@ -210,7 +210,7 @@ def load_backend(model_dir, model: str | None = None, spec: str | None = None, d
 
     tokenizer, tok_config = None, {}
     if (model_dir / "tokenizer.json").exists():
-        from infc.runtime.tokenizer import Tokenizer
+        from infc.runtime.tokenization.tokenizer import Tokenizer
         tokenizer = st.run("load tokenizer", Tokenizer, model_dir)
         tok_config = tokenizer.config
     kv_tokens = runner.num_pages * runner.page_size
@@ -251,11 +251,11 @@ def _rank_processes(st, par, device, model_dir, model, spec, spec_dirs, dummy, l
     rank (runtime/rank_workers.py: MultiProcessRunner)."""
     import json
     import tempfile
-    from infc.runtime.rank_workers import MultiProcessRunner
+    from infc.runtime.distributed.rank_workers import MultiProcessRunner
     world = par["world"]
     if device == "cpu":
         from infc.compiler.parallel import compile_ranks
-        from infc.runtime.runner import CPURunner
+        from infc.runtime.engine.runner import CPURunner
         if dummy:
             raise ValueError("--load-format dummy with --tensor-parallel-size runs on cuda only")
         ranks = st.run("compile rank plans", compile_ranks, par, model=model, spec_path=spec,
@@ -275,7 +275,7 @@ def _rank_processes(st, par, device, model_dir, model, spec, spec_dirs, dummy, l
             raise ValueError("the KV cache budget holds no page: raise --kv-cache-memory-bytes")
         try:
             runner = st.run(f"start {world} rank processes", MultiProcessRunner,
-                            "infc.runtime.rank_workers:reference_rank_runner",
+                            "infc.runtime.distributed.rank_workers:reference_rank_runner",
                             {"plans": paths, "model_dir": str(model_dir), "num_pages": num_pages,
                              "page_size": block_size, "max_num_seqs": max_num_seqs}, world)
         finally:                                    # every rank has read its plan once started
@@ -298,7 +298,7 @@ def _rank_processes(st, par, device, model_dir, model, spec, spec_dirs, dummy, l
     if num_gpu_blocks_override:
         config["num_pages"] = num_gpu_blocks_override
     runner = st.run(f"start {world} rank processes (NCCL)", MultiProcessRunner,
-                    "infc.runtime.rank_workers:nccl_rank_runner", config, world)
+                    "infc.runtime.distributed.rank_workers:nccl_rank_runner", config, world)
     plan = runner.plan
     r0 = runner.runner
     model_len = int(getattr(r0, "max_model_len", None) or plan["config"].get("max_len") or 1 << 30)

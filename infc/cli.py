@@ -9,7 +9,7 @@ import sys
 import traceback
 
 from infc.compiler.codegen.render import TemplateError
-from infc.compiler.errors import ModelDirError, SpecError
+from infc.compiler.contract.errors import ModelDirError, SpecError
 from infc.compiler.spec_paths import add_spec_dir_arg
 
 

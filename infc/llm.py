@@ -8,9 +8,9 @@ prefill, paged KV with a prefix cache) is stepped here until every request is do
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infc.compiler.errors import ModelDirError
-from infc.runtime.sampling import SamplingParams
-from infc.runtime.tokenizer import Tokenizer
+from infc.compiler.contract.errors import ModelDirError
+from infc.runtime.engine.sampling import SamplingParams
+from infc.runtime.tokenization.tokenizer import Tokenizer
 
 
 @dataclass

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from infc.runtime.async_engine import EngineDeadError
+from infc.runtime.engine.async_engine import EngineDeadError
 
 from . import metrics, protocol
 from .generation import Generation, engine_error

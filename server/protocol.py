@@ -10,7 +10,7 @@ import json
 import math
 from dataclasses import dataclass
 
-from infc.runtime.sampling import SamplingParams
+from infc.runtime.engine.sampling import SamplingParams
 
 from . import chat
 

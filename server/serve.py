@@ -23,7 +23,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from .app import ServerState, make_app
 from .args import backend_kwargs, config_from_args
 from infc.backend import load_backend
-from infc.runtime.gc_freeze import freeze_startup
+from infc.runtime.engine.gc_freeze import freeze_startup
 
 DEAD_GRACE_S = 2.0       # /health and in-flight requests see the 503 before the port closes
 

@@ -18,9 +18,9 @@ import pytest
 from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors,
                         trainers)
 
-import infc.runtime.fast_tokenize as ft
-from infc.runtime.fast_tokenize import FastEncoder, KNOWN_REGEXES
-from infc.runtime.tokenizer import Tokenizer as InfcTokenizer
+import infc.runtime.tokenization.fast_tokenize as ft
+from infc.runtime.tokenization.fast_tokenize import FastEncoder, KNOWN_REGEXES
+from infc.runtime.tokenization.tokenizer import Tokenizer as InfcTokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from infc.compiler.build import build
-from infc.runtime.program import launches
+from infc.compiler.contract.program import launches
 from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
-from infc.runtime.safetensors_io import Checkpoint
-from infc.runtime.step import Chunk
-from infc.runtime.weights import load_weights
+from infc.compiler.contract.safetensors_io import Checkpoint
+from infc.runtime.engine.step import Chunk
+from infc.runtime.weights.load import load_weights
 
 from interp_executor import InterpExecutor
 

@@ -5,7 +5,7 @@ import pytest
 
 from infc.compiler.build import compile_model
 from infc.compiler.parallel import compile_ranks, settings
-from infc.runtime.program import count_launches, launches, program_name
+from infc.compiler.contract.program import count_launches, launches, program_name
 
 
 def test_qwen3_4b_narrow_program_merges_the_norms_and_qk_rope():

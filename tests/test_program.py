@@ -2,9 +2,8 @@
 kernel-argument resolver), on hand-written plan fragments."""
 import pytest
 
-from infc.runtime.bind import CACHE_MARKER, KernelInfo, Resolver, dim_slots
-from infc.runtime.program import (bodies, count_launches, launches, layer_counts, program_name, repeats,
-                                  unrolled)
+from infc.compiler.contract.bind import CACHE_MARKER, KernelInfo, Resolver, dim_slots
+from infc.compiler.contract.program import bodies, count_launches, launches, layer_counts, program_name, repeats, unrolled
 
 
 def L(op):

@@ -69,7 +69,7 @@ def test_serve_command_starts_and_reports(tmp_path):
         for stage in ("compile plan", "load weights", "allocate KV cache", "load tokenizer", "start engine"):
             assert stage in out and "s\n" in out, out
         from infc.compiler.build import compile_model
-        from infc.runtime.runner import CPURunner
+        from infc.runtime.engine.runner import CPURunner
         _, plan = compile_model(model_dir=str(ensure_smollm2()))
         pages = CPURunner.pages_for_budget(plan, 16, 32 << 20)     # runtime/caches.py's arithmetic
         assert pages >= 40                                         # 45 float32 K+V pages less the padding page

@@ -4,7 +4,7 @@ start mid-page, empty chunks, fixed-width tables; and it refuses what cannot be 
 import numpy as np
 import pytest
 
-from infc.runtime.step import Chunk, build_step
+from infc.runtime.engine.step import Chunk, build_step
 
 
 def by_definition(chunks, pages_of, page_size, max_pages=None, slot_of=None):

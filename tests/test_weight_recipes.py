@@ -11,11 +11,11 @@ import struct
 import numpy as np
 import pytest
 
-from infc.compiler.errors import ModelDirError
+from infc.compiler.contract.errors import ModelDirError
 from infc.runtime.cuda import weights as dw
-from infc.runtime.safetensors_io import Checkpoint, f32_to_bf16_bits
-from infc.runtime.weight_recipes import RECIPES, build
-from infc.runtime.weights import at, iter_weights, load_weights
+from infc.compiler.contract.safetensors_io import Checkpoint, f32_to_bf16_bits
+from infc.runtime.weights.recipes import RECIPES, build
+from infc.runtime.weights.load import at, iter_weights, load_weights
 
 from fake_cuda import FakeContext
 

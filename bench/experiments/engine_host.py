@@ -24,7 +24,7 @@ class NoopRunner:
         self.steps = 0
 
     def execute(self, meta, sampling):
-        from infc.runtime.runner import Sample
+        from infc.runtime.engine.runner import Sample
         self.steps += 1
         return [None if s is None else Sample(7, None, None) for s in sampling]
 
@@ -41,9 +41,9 @@ def main(argv=None) -> int:
         import torch  # noqa: F401
         import transformers  # noqa: F401
     from infc.bench.throughput import run_point
-    from infc.runtime.engine import Engine
+    from infc.runtime.engine.engine import Engine
     if a.freeze:
-        from infc.runtime.gc_freeze import freeze_startup
+        from infc.runtime.engine.gc_freeze import freeze_startup
         freeze_startup()
 
     def one():

@@ -106,7 +106,7 @@ def _import_infc():
     """`import infc` from this tree whether or not it is pip-installed: pyproject maps
     infc.{compiler,runtime,bench} to the top-level folders; the same mapping by package path."""
     try:
-        import infc.runtime.bind  # noqa: F401
+        import infc.compiler.contract.bind  # noqa: F401
         return
     except ImportError:
         pass
@@ -143,7 +143,7 @@ def prep(out: Path, gpu: str, baseline: str | None, jobs: int | None, phase: str
     from infc.compiler.build import compile_model, load_tuning
     from infc.compiler.codegen.aot import compile_kernels
     from infc.compiler.codegen.render import EXT, launch_context, render_plan, render_template
-    from infc.runtime.program import launches
+    from infc.compiler.contract.program import launches
 
     t0 = time.perf_counter()
     _, plan = compile_model(MODEL)
@@ -226,7 +226,7 @@ def rel_err(got, want) -> float:
 
 class Kern:
     def __init__(self, drv, bin_dir: Path, v: dict):
-        from infc.runtime.bind import KernelInfo
+        from infc.compiler.contract.bind import KernelInfo
         info = json.loads((bin_dir / f"{v['kernel']}.json").read_text())
         self.v, self.name, self.meta = v, v["name"], v["meta"]
         self.k = KernelInfo(v["kernel"], v["meta"], info)
@@ -277,7 +277,7 @@ class Bench:
     # binding and launching, as the runtime does
     def bind(self, kern: Kern, T: int, row0: int = 0):
         """A launch of `kern` over token rows row0 .. row0 + T - 1 (decode steps have B = T)."""
-        from infc.runtime.bind import Resolver, grid, scratch_sizes
+        from infc.compiler.contract.bind import Resolver, grid, scratch_sizes
         op = next(o for o, ks in self.kern.items() if kern in ks)
         ins, outs = ROLES[op]
         dims = {"T": T, "B": T if self.decode else 1}

@@ -57,9 +57,9 @@ def main(argv=None) -> int:
     ap.add_argument("--load-format", default="auto")
     a = ap.parse_args(argv)
     from infc.backend import load_backend
-    from infc.runtime import step as step_mod
-    from infc.runtime import engine as engine_mod
-    from infc.runtime.sampling import SamplingParams
+    from infc.runtime.engine import step as step_mod
+    from infc.runtime.engine import engine as engine_mod
+    from infc.runtime.engine.sampling import SamplingParams
 
     b = load_backend(a.model_path, device=a.device, asynchronous=False, enable_prefix_caching=True,
                      load_format=a.load_format)

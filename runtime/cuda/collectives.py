@@ -43,7 +43,7 @@ P2PCollectives (runtime/cuda/p2p.py): NcclCollectives whose small all_reduce / e
 import os
 from dataclasses import dataclass
 
-from ..bind import Resolver, dim_slots, eval_int, grid
+from infc.compiler.contract.bind import Resolver, dim_slots, eval_int, grid
 from .artifact import DTYPE_BYTES
 from .driver import check, cu, launch
 

@@ -24,12 +24,12 @@ from pathlib import Path
 
 import numpy as np
 
-from infc.compiler.errors import ModelDirError
+from infc.compiler.contract.errors import ModelDirError
 
-from ..bind import step_dims
-from ..program import program_name, unrolled
-from ..runner import RowSampling, Sample, sample_row
-from ..step import StepMeta, common_phase
+from infc.compiler.contract.bind import step_dims
+from infc.compiler.contract.program import program_name, unrolled
+from ..engine.runner import RowSampling, Sample, sample_row
+from ..engine.step import StepMeta, common_phase
 from .collectives import DeviceCopyGroup
 from .p2p import p2p_collectives
 from .runner import padding_step, step_shape

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import caches
-from ..bind import Resolver, dim_slots, eval_int, scratch_sizes, step_dims
-from ..program import program_name, unrolled
-from ..runner import RowSampling, Sample, sample_row
-from ..step import StepMeta
+from infc.compiler.contract import caches
+from infc.compiler.contract.bind import Resolver, dim_slots, eval_int, scratch_sizes, step_dims
+from infc.compiler.contract.program import program_name, unrolled
+from ..engine.runner import RowSampling, Sample, sample_row
+from ..engine.step import StepMeta
 from .artifact import DTYPE_BYTES, load_kernels, load_plan
 from .collective_clock import CollectiveClock, enabled as collective_clock_enabled
 from .collectives import bind_collective

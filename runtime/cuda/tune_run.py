@@ -26,9 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import caches
-from ..bind import CACHE_MARKER, KernelInfo, Resolver, eval_int, grid as launch_grid, scratch_sizes
-from ..step import Chunk, build_step
+from infc.compiler.contract import caches
+from infc.compiler.contract.bind import CACHE_MARKER, KernelInfo, Resolver, eval_int, grid as launch_grid, scratch_sizes
+from ..engine.step import Chunk, build_step
 
 DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "i32": 4}
 MANIFEST_VERSION = 2      # compiler/tune.py writes it; 2: plan/2 caches

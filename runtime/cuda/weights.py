@@ -27,13 +27,13 @@ from pathlib import Path
 
 import numpy as np
 
-from infc.compiler.errors import ModelDirError
+from infc.compiler.contract.errors import ModelDirError
 
-from ..bind import Resolver, grid
-from ..dummy_weights import check_load_format, chunks, rule, seed_of
-from ..safetensors_io import Checkpoint, f32_to_bf16_bits
-from ..weight_recipes import build, name_at
-from ..weights import check_shape, layers_of
+from infc.compiler.contract.bind import Resolver, grid
+from ..weights.dummy import check_load_format, chunks, rule, seed_of
+from infc.compiler.contract.safetensors_io import Checkpoint, f32_to_bf16_bits
+from ..weights.recipes import build, name_at
+from ..weights.load import check_shape, layers_of
 
 ALIGN = 256
 DTYPE_BYTES = {"bf16": 2, "f32": 4}    # the weight dtypes the GPU path stores

@@ -12,11 +12,11 @@ import numpy as np
 
 from infc.compiler.ops import REGISTRY
 
-from .. import caches as cache_layout
-from ..bind import CACHE_MARKER
-from ..program import program_name, unrolled
-from ..step import Chunk, StepMeta, build_step
-from ..weights import at
+from infc.compiler.contract import caches as cache_layout
+from infc.compiler.contract.bind import CACHE_MARKER
+from infc.compiler.contract.program import program_name, unrolled
+from ..engine.step import Chunk, StepMeta, build_step
+from ..weights.load import at
 
 # The arena is laid out in the plan's dtypes (bf16 = 2 bytes); float32 here needs twice that.
 SCALE = 2

@@ -16,8 +16,8 @@ import numpy as np
 
 from infc.compiler.ops import REGISTRY
 
-from ..program import program_name, unrolled
-from ..step import Chunk, StepMeta, common_phase, pad_ranks
+from infc.compiler.contract.program import program_name, unrolled
+from ..engine.step import Chunk, StepMeta, common_phase, pad_ranks
 from .executor import ReferenceExecutor, StepContext, launch_results
 
 PAD_SEQ = -1         # the oracle's pad page is this sequence's (runtime/step.py pad_ranks)
@@ -129,7 +129,7 @@ class RankExecutor:
 def rank_runner(plans: list[dict], weights: list[dict], num_pages: int, page_size: int = 16):
     """The engine's CPU runner (runtime/runner.py) over simulated ranks; rank 0's logits are
     sampled, as rank 0 owns the sampler on the GPUs."""
-    from ..runner import CPURunner, feed_tokens, sample_row
+    from ..engine.runner import CPURunner, feed_tokens, sample_row
 
     class RankRunner(CPURunner):
         def __init__(self):

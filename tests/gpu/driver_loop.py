@@ -2,7 +2,7 @@
 runner directly (the engine adds scheduling, prefix caching and stop handling on top)."""
 import numpy as np
 
-from infc.runtime.step import Chunk, build_step, pad_ranks
+from infc.runtime.engine.step import Chunk, build_step, pad_ranks
 
 
 class Pages:

@@ -263,7 +263,7 @@ def one_rank_plan(model_dir: Path, out: Path, mode: str, gpu: str = "h100", targ
     from infc.compiler.codegen.rank_kernels import attach_rank_kernels
     from infc.compiler.passes import shard_ranks as sr
     from infc.compiler.plan import dumps
-    from infc.runtime.program import unrolled
+    from infc.compiler.contract.program import unrolled
 
     def observe(name, state):            # after split_attention, where shard_ranks would run
         if name == "split_attention":

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from infc.runtime.dummy_weights import seed_of, values
-from infc.runtime.safetensors_io import f32_to_bf16_bits
+from infc.runtime.weights.dummy import seed_of, values
+from infc.compiler.contract.safetensors_io import f32_to_bf16_bits
 
 from .harness import poison, render, run
 

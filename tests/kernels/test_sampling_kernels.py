@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from infc.runtime.sampling import SamplingParams, filtered_probs, logprobs_of
+from infc.runtime.engine.sampling import SamplingParams, filtered_probs, logprobs_of
 
 from .harness import poison, render, run
 

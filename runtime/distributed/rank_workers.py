@@ -13,7 +13,7 @@ pending tokens on its own device.
 Data-parallel steps (plans with `parallel.dp` > 1): runtime/rank_data_parallel.py, the
 methods MultiProcessRunner takes from DataParallelSteps.
 
-    runner = MultiProcessRunner("infc.runtime.rank_workers:nccl_rank_runner",
+    runner = MultiProcessRunner("infc.runtime.distributed.rank_workers:nccl_rank_runner",
                                 {"artifact": ..., "model_dir": ..., "num_pages": ...}, world=2)
     engine = Engine(runner, ...)        # the runner interface: execute, page_size, num_pages, ...
     ...
@@ -49,7 +49,7 @@ import traceback
 import numpy as np
 
 from . import step_channel as ch
-from .gc_freeze import freeze_startup
+from ..engine.gc_freeze import freeze_startup
 from .rank_data_parallel import DataParallelSteps
 
 
@@ -470,7 +470,7 @@ class MultiProcessRunner(DataParallelSteps):
         bits), so that each can feed the next step's pending tokens on its own device. The same
         rule holds for data-parallel ranks (launch_ranks / collect_ranks), where each rank
         samples and feeds its own rows."""
-        from .runner import ComputedAtLaunch
+        from ..engine.runner import ComputedAtLaunch
         setting = os.environ.get("INFC_RANK_OVERLAP", "")
         if setting == "0" or not callable(getattr(self.runner, "launch", None)):
             return False
@@ -604,9 +604,9 @@ def nccl_rank_runner(rank: int, world: int, config: dict, link: RankLink):
     devices[rank] (default: GPU `rank`); rank 0 makes the communicator id and shares it.
     config: artifact, model_dir, devices (optional), and CudaRunner arguments (give num_pages:
     every rank needs the same). Not yet run on several GPUs."""
-    from .cuda import nccl
-    from .cuda.driver import Context
-    from .cuda.ranks import nccl_runner
+    from ..cuda import nccl
+    from ..cuda.driver import Context
+    from ..cuda.ranks import nccl_runner
     kw = dict(config)
     artifact, model_dir = kw.pop("artifact"), kw.pop("model_dir")
     devices = kw.pop("devices", None) or list(range(world))      # rank r on GPU r by default
@@ -624,14 +624,14 @@ def reference_rank_runner(rank: int, world: int, config: dict, link: RankLink):
     num_pages, page_size (16), max_num_seqs (256). The caches hold one page more than num_pages:
     data-parallel ranks' pad rows write page num_pages (runtime/step.py pad_ranks), which no
     sequence owns."""
-    from . import caches
-    from .runner import CPURunner
-    from .safetensors_io import Checkpoint
-    from .weights import load_weights
+    from infc.compiler.contract import caches
+    from ..engine.runner import CPURunner
+    from infc.compiler.contract.safetensors_io import Checkpoint
+    from ..weights.load import load_weights
     if "plans" in config:
         plan = json.loads(open(config["plans"][rank]).read())
     else:
-        from .cuda.ranks import load_rank_plans     # needs cuda-bindings installed, not a GPU
+        from ..cuda.ranks import load_rank_plans     # needs cuda-bindings installed, not a GPU
         plan = load_rank_plans(config["artifact"])[rank]
     par = plan.get("parallel") or {"world": 1, "rank": 0}
     if (par["world"], par["rank"]) != (world, rank):
@@ -651,8 +651,8 @@ def reference_rank_runner(rank: int, world: int, config: dict, link: RankLink):
 def _rank_executor_class():
     from infc.compiler.ops import REGISTRY
 
-    from .program import unrolled
-    from .reference.executor import CACHE_MARKER, ReferenceExecutor, launch_results
+    from infc.compiler.contract.program import unrolled
+    from ..reference.executor import CACHE_MARKER, ReferenceExecutor, launch_results
 
     class RankReferenceExecutor(ReferenceExecutor):
         """One rank's ReferenceExecutor whose collective launches exchange their inputs with the

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from infc.compiler.errors import ModelDirError
+from infc.compiler.contract.errors import ModelDirError
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I32": np.int32,
            "I64": np.int64, "U8": np.uint8, "I8": np.int8, "F64": np.float64, "BOOL": np.bool_}

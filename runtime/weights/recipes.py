@@ -25,7 +25,7 @@ read(name) -> float32 array. A recipe that does arithmetic (scale, offset) compu
 """
 import numpy as np
 
-from infc.compiler.errors import ModelDirError
+from infc.compiler.contract.errors import ModelDirError
 
 RECIPES: dict = {}
 

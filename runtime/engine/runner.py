@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import caches
+from infc.compiler.contract import caches
 from .sampling import SamplingParams, logprobs_of, sample
 from .step import StepMeta
 
@@ -83,7 +83,7 @@ class CPURunner(ComputedAtLaunch):
                  max_num_seqs: int = 256):
         """max_num_seqs: state slots to allocate when the plan has slot caches (one per running
         sequence; `num_slots`, 0 for a plan without them), as the CUDA runner does."""
-        from .reference.executor import ReferenceExecutor
+        from ..reference.executor import ReferenceExecutor
         self.plan, self.page_size, self.num_pages = plan, page_size, num_pages
         self.vocab_size = plan["config"]["V"]
         self.num_slots = max_num_seqs if caches.has_slots(caches.of_plan(plan)) else 0

@@ -39,7 +39,7 @@ from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .step import Chunk, build_step, pad_ranks
-from .tokenizer import IncrementalDecoder
+from ..tokenization.tokenizer import IncrementalDecoder
 
 _seeds = random.SystemRandom()
 
