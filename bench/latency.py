@@ -7,7 +7,7 @@ slot caches (caches.slot_bytes: conv + recurrent state, read and written back ev
 counted twice: the copy bandwidth counts bytes read + written).
 
 --tensor-parallel-size N [--enable-expert-parallel]: --artifact is a parallel build (plan.rank<r>.json),
-run one process per GPU over NCCL (runtime/rank_workers.py, rank r on GPU r), rank 0 sampling. The
+run one process per GPU over NCCL (runtime/distributed/rank_workers.py, rank r on GPU r), rank 0 sampling. The
 floor is then rank 0's: its weight shard and its share of the KV over the copy bandwidth of its GPU
 (the ranks read their shards at once; the collectives' time is what the ranks add above it).
 """

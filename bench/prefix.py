@@ -519,7 +519,7 @@ def main(argv=None):
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--block-size", dest="page_size", type=int,
                     help="KV page size in tokens, both paths (default: the device's, infc.backend."
-                         "default_block_size; with --base-url: the running server's)")
+                         "device_page_size; with --base-url: the running server's)")
     ap.add_argument("--prompt-format", choices=["auto", "text", "ids"], default="auto",
                     help="serve path: text needs the directory's tokenizer.json (auto: text if it has one)")
     ap.add_argument("--base-url", help="serve path: a running server instead of spawning `infc serve`")
@@ -541,10 +541,10 @@ def main(argv=None):
                     "paths": {"tokenizer": run_tokenizer(a, lengths)}})
         print(f"wrote {save('prefix-tokenizer', res, a.out)}")
         return res
-    from infc.backend import default_block_size, detect_device
+    from infc.backend import detect_device, device_page_size
     from .serve import gpu_name
     a.device = a.device or detect_device()
-    a.page_size = a.page_size or default_block_size(a.device)
+    a.page_size = a.page_size or device_page_size(a.device)
     res = header(a.gpu or (gpu_name() if a.device == "cuda" else "cpu"), a.model or Path(a.model_path).name)
     res.update({"load_format": a.load_format, "device": a.device,
                 "settings": {"lengths_requested": lengths, "new_tokens": a.new_tokens, "reps": a.reps,

@@ -5,7 +5,7 @@ repeated (median of --reps):
 
     prefill_32      a 32-token prompt, one sequence (phase prefill): the TTFT of a short prompt
                     (steps of at most plan["short_tokens"] tokens run, and report, the program
-                    "short": runtime/program.py program_name)
+                    "short": compiler/contract/program.py program_name)
     decode_b1       one decode token at batch 1 after it, eager (the bound decode program)
     decode_b1_graph the same step replayed from the CUDA Graph of bucket 1 (what serving runs)
     prefill_1024    a 1024-token prompt (the cold side of the prefix hit below)

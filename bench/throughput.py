@@ -140,7 +140,7 @@ def main(argv=None):
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int,
-                    help="tokens per step (default: the offline engine's, infc.backend.BATCHED_TOKENS)")
+                    help="tokens per step (default: the offline engine's, infc.config.BATCHED_TOKENS)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--out")
     ap.add_argument("--artifact", help="a built artifact to run as it is (one GPU; default: build or "

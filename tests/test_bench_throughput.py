@@ -36,7 +36,8 @@ def test_the_step_clock_reads_synchronous_steps_too():
 def test_the_step_clock_reads_data_parallel_steps(tiny_model):
     """Data-parallel ranks run a step as execute_ranks: the clock times those (rank 0's padded
     step: every rank's has its T), and every token computed lands in a phase."""
-    from infc.compiler.parallel import compile_ranks, settings
+    from infc.compiler.build import compile_ranks
+    from infc.compiler.parallel import settings
     from infc.runtime.engine.engine import Engine
     from infc.runtime.reference.ranks import rank_runner
     from infc.compiler.contract.safetensors_io import Checkpoint

@@ -1,4 +1,4 @@
-"""runtime/caches.py: the one module that knows cache layouts (DESIGN contract 10).
+"""compiler/contract/caches.py: the one module that knows cache layouts (DESIGN contract 10).
 
 Part 1 checks that nothing else computes one: every Python source under compiler/, runtime/,
 infc/, bench/, server/ and tests/ (but caches.py and this file) is parsed, and these are errors:

@@ -32,7 +32,8 @@ from fake_cuda import cuda_modules
 from kernels.harness import load
 
 from infc.compiler.ops import REGISTRY
-from infc.compiler.parallel import build_ranks, settings
+from infc.compiler.build import build_ranks
+from infc.compiler.parallel import settings
 from infc.runtime.reference.ranks import RankExchange
 
 BASE = 1 << 32                               # fake device addresses start here

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from infc.compiler.contract.errors import SpecError
-from infc.compiler.parallel import compile_ranks, settings
+from infc.compiler.build import compile_ranks
+from infc.compiler.parallel import settings
 from infc.runtime.reference.executor import SeqChunk
 from infc.runtime.engine.step import build_step
 from test_cuda_ranks import _ref
@@ -168,7 +169,7 @@ def test_pad_step_rows_or_one_sequence_on_the_given_page():
 
 
 def test_engine_schedules_each_rank_its_own_sequences(tiny_model, rng):
-    """The engine over data-parallel ranks (runtime/engine.py): requests spread over the ranks,
+    """The engine over data-parallel ranks (runtime/engine/engine.py): requests spread over the ranks,
     each rank's steps over its own pages, padded alike; the greedy tokens equal the single-rank
     engine's, for prompts of different lengths arriving together (mixed steps on one rank while
     the other decodes, a rank idle at the end), and n = 2 siblings kept on one rank."""
@@ -233,7 +234,7 @@ def test_build_and_inspect_flags(flags, message, tiny_model, tmp_path, capsys):
 
 
 def test_overlapped_data_parallel_steps_give_the_synchronous_tokens(tiny_model, rng):
-    """Overlapped steps over data-parallel ranks (runtime/engine.py): step N + 1 is launched
+    """Overlapped steps over data-parallel ranks (runtime/engine/engine.py): step N + 1 is launched
     before step N is read, each rank's fed rows taking the tokens that rank sampled (here the
     simulated ranks compute at launch, as ComputedAtLaunch does on one rank). Greedy and seeded
     sampling give the synchronous steps' tokens."""

@@ -1,4 +1,4 @@
-"""runtime/gc_freeze.py: startup objects leave the collector's walks, unless INFC_GC_FREEZE=0.
+"""runtime/engine/gc_freeze.py: startup objects leave the collector's walks, unless INFC_GC_FREEZE=0.
 Each check runs in a fresh interpreter: freezing is process-wide and would hold the test
 session's own objects."""
 import os

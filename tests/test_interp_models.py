@@ -3,7 +3,7 @@
 Each family runs a prefill of two sequences of different lengths, the second sharing the
 first one's leading KV pages (a cached prefix), then 4 batched decode steps, with page size 16,
 every launch following the plan: its kernel, bindings and grid. The second sequence's 9 new
-tokens are a short step (runtime/program.py program_name): its linears run the decode GEMVs."""
+tokens are a short step (compiler/contract/program.py program_name): its linears run the decode GEMVs."""
 import json
 
 import numpy as np

@@ -2,7 +2,8 @@
 fuse_route_align folds it into the router launch where the ids are the router's own (not across
 ep_dispatch); the decode program reads no grouping and the prefill kernels do."""
 from infc.compiler.build import compile_model
-from infc.compiler.parallel import compile_ranks, settings
+from infc.compiler.build import compile_ranks
+from infc.compiler.parallel import settings
 from infc.compiler.contract.program import launches
 
 

@@ -13,7 +13,8 @@ from infc.cli import main
 from infc.compiler.build import compile_model
 from infc.compiler.contract.errors import SpecError
 from infc.compiler.ops import REGISTRY
-from infc.compiler.parallel import compile_ranks, settings
+from infc.compiler.build import compile_ranks
+from infc.compiler.parallel import settings
 from infc.compiler.contract.caches import unit_elems
 from infc.compiler.contract.program import unrolled
 from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk

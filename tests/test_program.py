@@ -1,4 +1,4 @@
-"""runtime/program.py (the one walker of plan programs) and runtime/bind.py's Resolver (the one
+"""compiler/contract/program.py (the one walker of plan programs) and compiler/contract/bind.py's Resolver (the one
 kernel-argument resolver), on hand-written plan fragments."""
 import pytest
 

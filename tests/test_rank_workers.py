@@ -13,7 +13,8 @@ import pytest
 from families import engine_greedy, engine_tokens
 
 from infc.compiler.build import compile_model
-from infc.compiler.parallel import compile_ranks, settings
+from infc.compiler.build import compile_ranks
+from infc.compiler.parallel import settings
 from infc.runtime.distributed import step_channel as ch
 from infc.runtime.engine.step import Chunk, StepMeta, build_step
 

@@ -1,6 +1,6 @@
-"""Data-parallel steps over rank processes on the CPU (runtime/rank_workers.py execute_ranks):
+"""Data-parallel steps over rank processes on the CPU (runtime/distributed/rank_workers.py execute_ranks):
 each rank runs its own padded step and samples its own rows; the workers' samples come back in
-their ACK frames (runtime/step_channel.py DP_STEP / encode_samples, no pickle), checked against
+their ACK frames (runtime/distributed/step_channel.py DP_STEP / encode_samples, no pickle), checked against
 the in-process simulated ranks (runtime/reference/ranks.py step_paged_ranks) on the same steps."""
 import time
 

@@ -1,4 +1,4 @@
-"""runtime/step.py build_step: the step metadata, computed by numpy from the block tables, equals
+"""runtime/engine/step.py build_step: the step metadata, computed by numpy from the block tables, equals
 the token-by-token definition (written out below) on random steps: decodes, prefill chunks that
 start mid-page, empty chunks, fixed-width tables; and it refuses what cannot be laid out."""
 import numpy as np

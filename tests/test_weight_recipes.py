@@ -1,6 +1,6 @@
-"""runtime/weight_recipes.py: every recipe of plan contract 2 on a hand-written checkpoint.
+"""runtime/weights/recipes.py: every recipe of plan contract 2 on a hand-written checkpoint.
 
-The numpy loader (runtime/weights.py, float32) must build what the recipe says, and the device
+The numpy loader (runtime/weights/load.py, float32) must build what the recipe says, and the device
 loader (runtime/cuda/weights.py, on a fake device) must hold exactly those values rounded once to
 bf16, byte for byte: through its pread fast path for plain bf16 runs (tensor, stack, axis-0
 concat, row slices) and through the registry for the rest. Per-layer weights exist for their

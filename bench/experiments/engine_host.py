@@ -14,12 +14,13 @@ import sys
 
 import numpy as np
 
+from infc.config import DEFAULT_PAGE_SIZE
 
 
 class NoopRunner:
     """The runner interface the engine steps (num_pages, page_size, vocab_size, execute)."""
 
-    def __init__(self, num_pages: int, page_size: int = 16, vocab_size: int = 151936):
+    def __init__(self, num_pages: int, page_size: int = DEFAULT_PAGE_SIZE, vocab_size: int = 151936):
         self.num_pages, self.page_size, self.vocab_size = num_pages, page_size, vocab_size
         self.steps = 0
 
@@ -34,7 +35,7 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--import-torch", action="store_true")
-    ap.add_argument("--freeze", action="store_true", help="runtime/gc_freeze.py first")
+    ap.add_argument("--freeze", action="store_true", help="runtime/engine/gc_freeze.py first")
     ap.add_argument("--profile", action="store_true", help="cProfile one more run, by own time")
     a = ap.parse_args(argv)
     if a.import_torch:

@@ -174,7 +174,7 @@ def render_sampler(plan: dict, tuning: dict, env=None) -> dict[str, Kernel]:
     return out
 
 
-# --load-format dummy: random weights made on the device (runtime/dummy_weights.py), one launch
+# --load-format dummy: random weights made on the device (runtime/weights/dummy.py), one launch
 # per weight region before the first step. GPU weights are bf16 (plan["weight_init"] fills them)
 # or, where the spec says `dtype: f32`, f32 (plan["weight_init_f32"], only in plans that have
 # such weights, so the others' plans stay as they were; runtime/cuda/weights.py).

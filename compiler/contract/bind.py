@@ -7,6 +7,8 @@ with its own way of producing pointers (device addresses, torch tensors).
 import ast
 import operator
 
+from .schema import CACHE_MARKER
+
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
         ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
 _FUNCS = {"cdiv": lambda a, b: -(-a // b), "max": max, "min": min}
@@ -54,9 +56,8 @@ def scratch_sizes(meta: dict, dims: dict) -> dict[str, int]:
 # NAME), scratch:NAME (the kernel's scratch, sized by META), const:INT, arg:NAME (a scalar the
 # launcher passes by name: the weight fill's seed, scale and offset, which are no dim).
 SOURCES = ("in", "out", "dim", "meta", "cache", "scratch", "const", "arg")
-# The value a launch lists among its inputs/outputs to order cache writes before reads: it has
-# no buffer, so no parameter may bind it.
-CACHE_MARKER = "cache"
+# CACHE_MARKER (schema.py), the value a launch lists among its inputs/outputs to order cache
+# writes before reads, has no buffer, so no parameter may bind it.
 
 
 def split_source(source: str) -> tuple[str, str]:

@@ -6,9 +6,8 @@ from pathlib import Path
 from infc.compiler.contract.errors import ModelDirError
 
 from infc.compiler.contract.bind import KernelInfo
+from infc.compiler.contract.schema import DTYPE_BYTES
 from .driver import Module, PackedArgs
-
-DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "i32": 4}
 
 
 class KernelFn(KernelInfo):

@@ -48,6 +48,8 @@ import traceback
 
 import numpy as np
 
+from infc import envs
+from infc.config import DEFAULT_MAX_NUM_SEQS, DEFAULT_PAGE_SIZE
 from . import step_channel as ch
 from ..engine.gc_freeze import freeze_startup
 from .rank_data_parallel import DataParallelSteps
@@ -471,7 +473,7 @@ class MultiProcessRunner(DataParallelSteps):
         rule holds for data-parallel ranks (launch_ranks / collect_ranks), where each rank
         samples and feeds its own rows."""
         from ..engine.runner import ComputedAtLaunch
-        setting = os.environ.get("INFC_RANK_OVERLAP", "")
+        setting = envs.value("INFC_RANK_OVERLAP")
         if setting == "0" or not callable(getattr(self.runner, "launch", None)):
             return False
         return setting == "1" or not isinstance(self.runner, ComputedAtLaunch)
@@ -621,7 +623,7 @@ def reference_rank_runner(rank: int, world: int, config: dict, link: RankLink):
     """The numpy reference executor of rank `rank`'s plan (CPU, float32), its collectives over
     link.exchange(): N processes reproduce runtime/reference/ranks.py's simulated ranks.
     config: plans (rank plan JSON paths, or `artifact` with plan.rank<r>.json), model_dir,
-    num_pages, page_size (16), max_num_seqs (256). The caches hold one page more than num_pages:
+    num_pages, page_size, max_num_seqs (defaults: infc/config.py). The caches hold one page more than num_pages:
     data-parallel ranks' pad rows write page num_pages (runtime/step.py pad_ranks), which no
     sequence owns."""
     from infc.compiler.contract import caches
@@ -636,11 +638,11 @@ def reference_rank_runner(rank: int, world: int, config: dict, link: RankLink):
     par = plan.get("parallel") or {"world": 1, "rank": 0}
     if (par["world"], par["rank"]) != (world, rank):
         raise ValueError(f"rank {rank} of {world} got the plan of rank {par['rank']} of {par['world']}")
-    page_size = config.get("page_size", 16)
+    page_size = config.get("page_size", DEFAULT_PAGE_SIZE)
     runner = CPURunner.__new__(CPURunner)
     runner.plan, runner.page_size, runner.num_pages = plan, page_size, config["num_pages"]
     runner.vocab_size = plan["config"]["V"]
-    runner.num_slots = config.get("max_num_seqs", 256) if caches.has_slots(caches.of_plan(plan)) else 0
+    runner.num_slots = config.get("max_num_seqs", DEFAULT_MAX_NUM_SEQS) if caches.has_slots(caches.of_plan(plan)) else 0
     runner.executor = RankReferenceExecutor(plan, load_weights(plan, Checkpoint(config["model_dir"])),
                                             page_size, rank, world, link.exchange())
     runner.executor.allocate_pages(runner.num_pages + 1, page_size, runner.num_slots)

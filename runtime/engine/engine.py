@@ -26,13 +26,13 @@ and step() returns step N's outputs. A sequence that stops at step N has compute
 many in step N + 1, which is dropped; one whose next token is its last (max_tokens, the context
 length) is not scheduled again (`Sequence.final`).
 """
-import os
 import random
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from infc import envs
 from .block_manager import BlockManager
 from .runner import RowSampling
 from .sampling import SamplingParams
@@ -125,7 +125,7 @@ def overlaps(runner, overlap: bool | None = None) -> bool:
     """Whether steps over this runner overlap: asked for (None: unless INFC_OVERLAP=0) and the
     runner can (`can_overlap`)."""
     if overlap is None:
-        overlap = os.environ.get("INFC_OVERLAP", "1") != "0"
+        overlap = envs.value("INFC_OVERLAP")
     return bool(overlap and getattr(runner, "can_overlap", False))
 
 

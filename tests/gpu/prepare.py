@@ -286,7 +286,8 @@ def ranks():
     import shutil
     import time
     from infc.compiler.build import build
-    from infc.compiler.parallel import build_ranks, settings
+    from infc.compiler.build import build_ranks
+    from infc.compiler.parallel import settings
     for name in RANK_CONFIGS:
         _ranks_config_written(name)
     for (name, tag), how in RANK_BUILDS.items():

@@ -1,5 +1,5 @@
 """--load-format dummy on the GPU: a directory with only llama-3.2-1b's config.json loads by the
-fill_random kernel, with the very bf16 numbers the CPU backend makes (runtime/dummy_weights.py),
+fill_random kernel, with the very bf16 numbers the CPU backend makes (runtime/weights/dummy.py),
 fast (no file read, no host staging), and runs steps with finite, reproducible logits."""
 import math
 import shutil

@@ -138,7 +138,7 @@ def test_device_copy_ranks_give_the_whole_logits(name, tag):
 @pytest.mark.parametrize("name", ["tiny-moe", "qwen3-30b-a3b-l4"])
 def test_data_parallel_ranks_give_the_whole_logits(name):
     """Attention data-parallel ranks on this GPU (issue 14): rank 0 runs half the prompts and
-    rank 1 the other half, each step padded to the longer rank's T (runtime/step.py pad_ranks,
+    rank 1 the other half, each step padded to the longer rank's T (runtime/engine/step.py pad_ranks,
     the spare page); the experts run over both ranks' rows (dp_dispatch / dp_combine by device
     copies). Each rank's rows against the whole plan running the same sequences: the golden
     gate's bounds; decode steps replay the ranks' graph."""

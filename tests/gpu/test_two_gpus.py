@@ -1,5 +1,5 @@
 """Two GPUs, one process per GPU over NCCL (issue 14): the rank plans of a parallel build run by
-rank 0's MultiProcessRunner (runtime/rank_workers.py: rank 0 here on GPU 0 with the steps, rank 1
+rank 0's MultiProcessRunner (runtime/distributed/rank_workers.py: rank 0 here on GPU 0 with the steps, rank 1
 spawned on GPU 1, each a CudaRunner whose collectives run on its stream and are captured in its
 decode graphs: small all-reduces one-shot over the peers' mapped memory (runtime/cuda/p2p.py,
 INFC_P2P=0 for NCCL alone), the rest NCCL calls), held to HF transformers in bf16 on GPU 0 by the golden gate of
@@ -157,7 +157,7 @@ def test_a_rank_killed_mid_stream_is_a_clear_error():
 def run_data_parallel(runner, seqs, batch: int) -> list:
     """run()'s steps over data-parallel ranks: sequences alternate between the two ranks, each
     rank prefills its `batch` of a group then decodes them forced, every step padded alike
-    (runtime/step.py pad_ranks). Each row samples greedily with its top-8 logprobs, which is what
+    (runtime/engine/step.py pad_ranks). Each row samples greedily with its top-8 logprobs, which is what
     the gate reads: -> per sequence, per position, [(token, logprob)] best first."""
     from driver_loop import Pages, rank_steps
     from infc.runtime.engine.runner import RowSampling

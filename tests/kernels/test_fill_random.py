@@ -1,5 +1,5 @@
 """fill_random (--load-format dummy) under the interpreter: equal to its numpy mirror
-(runtime/dummy_weights.py values), deterministic, finite, mean/std as promised, a different seed
+(runtime/weights/dummy.py values), deterministic, finite, mean/std as promised, a different seed
 gives different values, odd sizes are written exactly up to N."""
 import numpy as np
 import pytest
