@@ -26,7 +26,7 @@ def open_runner(artifact, model_dir, par: dict | None = None, **kw):
         from infc.runtime.cuda.runner import CudaRunner
         return CudaRunner(artifact, model_dir, **kw)
     from infc.runtime.distributed.rank_workers import MultiProcessRunner
-    return MultiProcessRunner("infc.runtime.distributed.rank_workers:nccl_rank_runner",
+    return MultiProcessRunner("infc.runtime.distributed.rank_runners:nccl_rank_runner",
                               {"artifact": str(artifact), "model_dir": str(model_dir), **kw}, par["world"])
 
 

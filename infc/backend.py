@@ -250,7 +250,7 @@ def _rank_processes(st, par, c: EngineConfig, model_dir, spec_dirs, dummy):
         num_pages = _cpu_pages(plans[0], c)
         try:
             runner = st.run(f"start {world} rank processes", MultiProcessRunner,
-                            "infc.runtime.distributed.rank_workers:reference_rank_runner",
+                            "infc.runtime.distributed.rank_runners:reference_rank_runner",
                             {"plans": paths, "model_dir": str(model_dir), "num_pages": num_pages,
                              "page_size": c.cache.page_size, "max_num_seqs": c.scheduler.max_num_seqs}, world)
         finally:                                    # every rank has read its plan once started
@@ -268,7 +268,7 @@ def _rank_processes(st, par, c: EngineConfig, model_dir, spec_dirs, dummy):
                       data_parallel_size=par.get("dp", 1))
     config = dict(artifact=str(artifact), model_dir=str(model_dir), **_cuda_runner_settings(c))
     runner = st.run(f"start {world} rank processes (NCCL)", MultiProcessRunner,
-                    "infc.runtime.distributed.rank_workers:nccl_rank_runner", config, world)
+                    "infc.runtime.distributed.rank_runners:nccl_rank_runner", config, world)
     plan = runner.plan
     r0 = runner.runner
     model_len = int(getattr(r0, "max_model_len", None) or plan["config"].get("max_len") or 1 << 30)

@@ -118,7 +118,7 @@ def cycles(root: Path = REPO) -> list[list[str]]:
 def test_the_walk_sees_the_tree():
     g, _ = graph()
     # a lazy import (inside a function) is an edge like any other
-    assert g.has_edge("infc.runtime.distributed.rank_workers", "infc.compiler.ops")
+    assert g.has_edge("infc.runtime.distributed.rank_runners", "infc.compiler.ops")
     assert g.has_edge("infc.compiler.plan", "infc.compiler.contract.schema")
     assert len(g) > 120
 

@@ -18,7 +18,7 @@ from infc.compiler.parallel import settings
 from infc.runtime.distributed import step_channel as ch
 from infc.runtime.engine.step import Chunk, StepMeta, build_step
 
-FACTORY = "infc.runtime.distributed.rank_workers:reference_rank_runner"
+FACTORY = "infc.runtime.distributed.rank_runners:reference_rank_runner"
 
 
 # -- the channel ------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from infc.runtime.engine.sampling import SamplingParams
 from infc.runtime.engine.step import Chunk, build_step, pad_ranks
 from test_rank_workers import write_plans as write_rank_plans
 
-FACTORY = "infc.runtime.distributed.rank_workers:reference_rank_runner"
+FACTORY = "infc.runtime.distributed.rank_runners:reference_rank_runner"
 NUM_PAGES, PAGE_SIZE = 32, 16
 
 

@@ -42,7 +42,7 @@ def gpu_count() -> int:
 
 pytestmark = pytest.mark.skipif(gpu_count() < 2, reason="needs two GPUs")
 
-FACTORY = "infc.runtime.distributed.rank_workers:nccl_rank_runner"
+FACTORY = "infc.runtime.distributed.rank_runners:nccl_rank_runner"
 KW = dict(max_num_batched_tokens=16384, max_num_seqs=16, buckets=[1, 2, 4, 8, 16], num_pages=2048)
 
 
