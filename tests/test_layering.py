@@ -166,3 +166,12 @@ def test_a_planted_lazy_cycle_is_found(tmp_path):
     path = root / "compiler" / "parallel.py"
     path.write_text(path.read_text() + "\n\ndef _planted():\n    from .build import build\n")
     assert ["infc.compiler.build", "infc.compiler.parallel"] in cycles(root)
+
+
+def test_every_package_is_installed():
+    """pyproject.toml lists packages one by one: a new subpackage missing there is missing from
+    the wheel, though the editable install finds it."""
+    import tomllib
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    packages = {name for name, (_, is_pkg) in modules().items() if is_pkg}
+    assert packages <= listed, f"not in pyproject.toml's packages: {sorted(packages - listed)}"
