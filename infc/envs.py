@@ -50,10 +50,10 @@ REGISTRY = {v.name: v for v in (
         "the GPUs can map each other's memory (0: NCCL only)"),
     Var("INFC_P2P_BYTES", "int", 64 << 10, "the largest all-reduce the P2P path takes, in bytes "
         "(where it stops beating NCCL)"),
-    Var("INFC_EP_GATHER", "flag", False, "expert parallelism: all-gather replicated tokens "
-        "rather than reduce-scatter them (1: on, an A/B switch)"),
-    Var("INFC_COLLECTIVE_CLOCK", "flag", False, "time each rank's collectives by op and step "
-        "phase, printed at exit (1: on)"),
+    Var("INFC_EP_GATHER", "flag", False, "expert-parallel dispatch of replicated rows: gather the "
+        "owners' rows over NCCL anyway instead of selecting them locally (1: on, an A/B switch)"),
+    Var("INFC_COLLECTIVE_CLOCK", "flag", False, "time each rank's collectives on its stream, by op "
+        "and step phase, with CUDA events (1: on; adds host time per collective)"),
     Var("INFC_NCCL_LIB", "path", None, "libnccl.so.2 (or the directory holding it) to load "
         "instead of searching the Python path"),
     # the compiler
