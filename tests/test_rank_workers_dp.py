@@ -261,7 +261,7 @@ def test_free_on_reaches_one_rank_and_steps_of_both_kinds_interleave():
 # -- failures ---------------------------------------------------------------------------------
 def raising_factory(rank, world, config, link):
     """The reference rank runner, whose rank 1 raises in its second data-parallel step."""
-    from infc.runtime.distributed.rank_workers import reference_rank_runner
+    from infc.runtime.distributed.rank_runners import reference_rank_runner
     runner = reference_rank_runner(rank, world, config, link)
     execute, calls = runner.execute, []
 
@@ -534,7 +534,7 @@ def test_overlapped_data_parallel_steps_are_collected_in_order_and_not_interleav
 def _raising_in(where: str):
     def factory(rank, world, config, link):
         """The reference rank runner, whose rank 1 raises in its second launch or first collect."""
-        from infc.runtime.distributed.rank_workers import reference_rank_runner
+        from infc.runtime.distributed.rank_runners import reference_rank_runner
         runner = reference_rank_runner(rank, world, config, link)
         fn, calls = getattr(runner, where), []
 
