@@ -34,7 +34,7 @@ def reference_rank_runner(rank: int, world: int, config: dict, link: RankLink):
     link.exchange(): N processes reproduce runtime/reference/ranks.py's simulated ranks.
     config: plans (rank plan JSON paths, or `artifact` with plan.rank<r>.json), model_dir,
     num_pages, page_size, max_num_seqs (defaults: infc/config.py). The caches hold one page more than num_pages:
-    data-parallel ranks' pad rows write page num_pages (runtime/step.py pad_ranks), which no
+    data-parallel ranks' pad rows write page num_pages (runtime/engine/step.py pad_ranks), which no
     sequence owns."""
     from infc.compiler.contract import caches
     from ..engine.runner import CPURunner
