@@ -28,8 +28,8 @@ import json
 import math
 from pathlib import Path
 
-from infc.runtime import caches
-from infc.runtime.program import unrolled
+from infc.compiler.contract import caches
+from infc.compiler.contract.program import unrolled
 
 WEIGHT_BYTES = {"bf16": 2, "f16": 2, "f32": 4}
 

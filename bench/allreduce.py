@@ -24,12 +24,13 @@ ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 1536]
 def _rank(rank: int, world: int, artifact: str, rows: list, uid_q, out_q):
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     from infc.runtime.cuda import nccl
-    from infc.runtime.cuda.artifact import DTYPE_BYTES, load_kernels
+    from infc.compiler.contract.schema import DTYPE_BYTES
+    from infc.runtime.cuda.artifact import load_kernels
     from infc.runtime.cuda.collectives import Buffer, CollectiveLaunch, NcclCollectives
     from infc.runtime.cuda.driver import Context, Graph
     from infc.runtime.cuda.p2p import P2PCollectives, p2p_collectives
     from infc.runtime.cuda.ranks import load_rank_plans
-    from infc.runtime.program import launches
+    from infc.compiler.contract.program import launches
     try:
         ctx = Context(rank)
         if rank == 0:

@@ -1,24 +1,13 @@
 """What every benchmark records: the GPU, the commit, the date, and the copy bandwidth measured
 in the same run (the floor of every latency is bytes over that bandwidth)."""
 import datetime
-import json
-import subprocess
 from pathlib import Path
 
 import numpy as np
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from infc.records import commit, results_dir, save    # noqa: F401 (the benchmarks import them from here)
 
-
-def commit() -> str:
-    import os
-    if os.environ.get("INFC_COMMIT"):          # the GPU machine gets a tree without .git
-        return os.environ["INFC_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
+RESULTS = results_dir()
 
 
 def copy_bandwidth(ctx, nbytes: int = 2 << 30, reps: int = 10) -> float:
@@ -58,15 +47,6 @@ def latency_stats(xs, percentiles=PERCENTILES) -> dict:
     d = {"mean_ms": float(a.mean()), "std_ms": float(a.std())}
     d.update({f"p{p}_ms": float(np.percentile(a, p)) for p in percentiles})
     return d
-
-
-def save(name: str, data: dict, out: Path | None = None) -> Path:
-    out = Path(out or RESULTS)
-    out.mkdir(parents=True, exist_ok=True)
-    gpu = data.get("gpu", "gpu").replace(" ", "-").lower()
-    path = out / f"{name}-{data['model']}-{gpu}.json"
-    path.write_text(json.dumps(data, indent=1) + "\n")
-    return path
 
 
 def figure(figsize=(7, 4)):

@@ -10,7 +10,7 @@ slot caches (caches.slot_bytes: conv + recurrent state, read and written back ev
 counted twice: the copy bandwidth counts bytes read + written).
 
 --tensor-parallel-size N [--enable-expert-parallel]: --artifact is a parallel build (plan.rank<r>.json),
-run one process per GPU over NCCL (runtime/rank_workers.py, rank r on GPU r), rank 0 sampling. The
+run one process per GPU over NCCL (runtime/distributed/rank_workers.py, rank r on GPU r), rank 0 sampling. The
 floor is then rank 0's: its weight shard and its share of the KV over the copy bandwidth of its GPU
 (the ranks read their shards at once; the collectives' time is what the ranks add above it).
 """
@@ -28,8 +28,8 @@ def open_runner(artifact, model_dir, par: dict | None = None, **kw):
     if par is None:
         from infc.runtime.cuda.runner import CudaRunner
         return CudaRunner(artifact, model_dir, **kw)
-    from infc.runtime.rank_workers import MultiProcessRunner
-    return MultiProcessRunner("infc.runtime.rank_workers:nccl_rank_runner",
+    from infc.runtime.distributed.rank_workers import MultiProcessRunner
+    return MultiProcessRunner("infc.runtime.distributed.rank_runners:nccl_rank_runner",
                               {"artifact": str(artifact), "model_dir": str(model_dir), **kw}, par["world"])
 
 
@@ -75,10 +75,10 @@ def _infc(artifact, model_dir, prompts, out_len, seed=0, load_format="auto", par
 
 def _timed(r, r0, prompts, out_len, seed, load_format, par):
     """r: the runner the steps go to; r0: rank 0's CudaRunner (r itself on one GPU)."""
-    from infc.runtime import caches
-    from infc.runtime.engine import overlaps
-    from infc.runtime.runner import RowSampling
-    from infc.runtime.sampling import SamplingParams
+    from infc.compiler.contract import caches
+    from infc.runtime.engine.engine import overlaps
+    from infc.runtime.engine.runner import RowSampling
+    from infc.runtime.engine.sampling import SamplingParams
     from .common import copy_bandwidth, header
     res = header(r0.ctx, r0.plan["model"] + parallel_tag(par))
     bw = copy_bandwidth(r0.ctx)
@@ -122,7 +122,7 @@ def _time_prompt(r, n, out_len, rng, overlap, greedy, clock=time.perf_counter):
     """(TTFT samples, TPOT samples) in ms for n-token prompts on runner r: one untimed prefill,
     then TTFT_REPS timed prefills, the first TPOT_REPS of them followed by out_len timed decode
     steps (overlapped as the engine runs them when `overlap`)."""
-    from infc.runtime.step import Chunk, build_step
+    from infc.runtime.engine.step import Chunk, build_step
     ttfts, tpots = [], []
     for rep in range(-1, TTFT_REPS):
         free = list(range(r.num_pages))

@@ -216,8 +216,8 @@ def sweep(submit, prompts, lengths, new, reps, cold_reps, page_size, label, on_l
 def run_engine(a, lengths, rec: dict, save_point):
     """Fills rec (the JSON's paths.engine) as it goes."""
     from infc.backend import load_backend
-    from infc.runtime import caches
-    from infc.runtime.sampling import SamplingParams
+    from infc.compiler.contract import caches
+    from infc.runtime.engine.sampling import SamplingParams
     from .common import copy_bandwidth
     kw = {} if a.max_num_batched_tokens is None else {"max_num_batched_tokens": a.max_num_batched_tokens}
     b = load_backend(a.model_path, model=a.model, device=a.device, max_num_seqs=a.max_num_seqs,
@@ -401,8 +401,8 @@ def run_serve(a, lengths, rec: dict, save_point):
         rng = np.random.default_rng(a.seed + 1)
         prompts, why = None, None
         if a.prompt_format in ("auto", "text"):
-            from infc.compiler.errors import ModelDirError
-            from infc.runtime.tokenizer import Tokenizer
+            from infc.compiler.contract.errors import ModelDirError
+            from infc.runtime.tokenization.tokenizer import Tokenizer
             try:
                 prompts = TextPrompts(Tokenizer(Path(a.model_path)), rng)
             except (ModelDirError, ValueError) as e:
@@ -444,7 +444,7 @@ def run_serve(a, lengths, rec: dict, save_point):
 def run_tokenizer(a, lengths) -> dict:
     """--path tokenizer: the server's tokenizer alone on this host's CPU (no engine, no server):
     per L, the warm / cold / plain times of TextPrompts.tokenize_times, medians of --reps."""
-    from infc.runtime.tokenizer import Tokenizer
+    from infc.runtime.tokenization.tokenizer import Tokenizer
     tok = Tokenizer(Path(a.model_path))
     prompts = TextPrompts(tok, np.random.default_rng(a.seed + 1))
     rec = {"cpu_count": os.cpu_count(), "fast_path": tok.fast.rule, "fast_path_off_reason": tok.fast.reason,
@@ -519,7 +519,7 @@ def main(argv=None):
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--block-size", dest="page_size", type=int,
                     help="KV page size in tokens, both paths (default: the device's, infc.backend."
-                         "default_block_size; with --base-url: the running server's)")
+                         "device_page_size; with --base-url: the running server's)")
     ap.add_argument("--prompt-format", choices=["auto", "text", "ids"], default="auto",
                     help="serve path: text needs the directory's tokenizer.json (auto: text if it has one)")
     ap.add_argument("--base-url", help="serve path: a running server instead of spawning `infc serve`")
@@ -541,10 +541,10 @@ def main(argv=None):
                     "paths": {"tokenizer": run_tokenizer(a, lengths)}})
         print(f"wrote {save('prefix-tokenizer', res, a.out)}")
         return res
-    from infc.backend import default_block_size, detect_device
+    from infc.backend import detect_device, device_page_size
     from .serve import gpu_name
     a.device = a.device or detect_device()
-    a.page_size = a.page_size or default_block_size(a.device)
+    a.page_size = a.page_size or device_page_size(a.device)
     res = header(a.gpu or (gpu_name() if a.device == "cuda" else "cpu"), a.model or Path(a.model_path).name)
     res.update({"load_format": a.load_format, "device": a.device,
                 "settings": {"lengths_requested": lengths, "new_tokens": a.new_tokens, "reps": a.reps,

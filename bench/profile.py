@@ -5,7 +5,7 @@ repeated (median of --reps):
 
     prefill_32      a 32-token prompt, one sequence (phase prefill): the TTFT of a short prompt
                     (steps of at most plan["short_tokens"] tokens run, and report, the program
-                    "short": runtime/program.py program_name)
+                    "short": compiler/contract/program.py program_name)
     decode_b1       one decode token at batch 1 after it, eager (the bound decode program)
     decode_b1_graph the same step replayed from the CUDA Graph of bucket 1 (what serving runs)
     prefill_1024    a 1024-token prompt (the cold side of the prefix hit below)
@@ -42,8 +42,8 @@ from pathlib import Path
 
 import numpy as np
 
-from infc.runtime import caches
-from infc.runtime.program import bodies, is_repeat, program_name
+from infc.compiler.contract import caches
+from infc.compiler.contract.program import bodies, is_repeat, program_name
 
 WEIGHT_BYTES = {"bf16": 2, "f16": 2, "fp16": 2, "f32": 4, "fp32": 4, "i32": 4, "u8": 1, "i8": 1}
 GATHERS = ("embedding",)              # ops that read a few rows of their weight, not all of it
@@ -232,8 +232,8 @@ class PageTable:
 class Profiler:
     def __init__(self, runner, reps: int, warmup: int, bandwidth: float | None, isolate=()):
         """isolate: ops whose first launch of each group an eager step re-times alone (`_isolate`)."""
-        from infc.runtime.runner import RowSampling
-        from infc.runtime.sampling import SamplingParams
+        from infc.runtime.engine.runner import RowSampling
+        from infc.runtime.engine.sampling import SamplingParams
         self.r, self.reps, self.warmup, self.bw = runner, reps, warmup, bandwidth
         self.isolate = set(isolate or ())
         self.e0, self.e1 = runner.ctx.event(), runner.ctx.event()
@@ -248,7 +248,7 @@ class Profiler:
         return self.pairs
 
     def _once(self, chunks, pages, mode: str, hook=None) -> dict:
-        from infc.runtime.step import build_step
+        from infc.runtime.engine.step import build_step
         r = self.r
         t0 = time.perf_counter()
         meta = build_step(chunks, pages.of.__getitem__, r.page_size)
@@ -379,7 +379,7 @@ def run(artifact, model_dir, reps=20, warmup=3, short=32, prefix=1024, new=16, d
         load_format="auto", isolate=(), prompts=1) -> dict:
     from infc.runtime.cuda.artifact import load_plan
     from infc.runtime.cuda.runner import CudaRunner
-    from infc.runtime.step import Chunk
+    from infc.runtime.engine.step import Chunk
     from .common import copy_bandwidth, header
     page_size = load_plan(Path(artifact))["build"]["page_size"]
     if prefix % page_size:

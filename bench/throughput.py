@@ -78,7 +78,7 @@ class StepClock:
 
 
 def run_point(engine, vocab: int, concurrency: int, in_len: int, out_len: int, rng, total: int | None = None):
-    from infc.runtime.sampling import SamplingParams
+    from infc.runtime.engine.sampling import SamplingParams
     params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
     total = total or max(4, 2 * concurrency)
     started, first, done, ntok = {}, {}, {}, {}
@@ -140,7 +140,7 @@ def main(argv=None):
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int,
-                    help="tokens per step (default: the offline engine's, infc.backend.BATCHED_TOKENS)")
+                    help="tokens per step (default: the offline engine's, infc.config.BATCHED_TOKENS)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--out")
     ap.add_argument("--artifact", help="a built artifact to run as it is (one GPU; default: build or "
@@ -161,7 +161,7 @@ def main(argv=None):
                      load_format=a.load_format, tensor_parallel_size=a.tensor_parallel_size,
                      enable_expert_parallel=a.enable_expert_parallel, data_parallel_size=a.data_parallel_size,
                      artifact=a.artifact)
-    from infc.runtime.gc_freeze import freeze_startup
+    from infc.runtime.engine.gc_freeze import freeze_startup
     frozen = freeze_startup()                       # as `infc serve` does once it is loaded
     try:
         return _sweep(a, b, conc, par, parallel_tag(par), frozen)
@@ -172,7 +172,7 @@ def main(argv=None):
 
 
 def _sweep(a, b, conc, par, tag, gc_frozen: bool = False):
-    from infc.runtime import caches
+    from infc.compiler.contract import caches
     from .common import copy_bandwidth, header, save
     from .latency import parallel_fields
     engine = b.engine

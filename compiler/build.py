@@ -3,11 +3,14 @@ import json
 import time
 from pathlib import Path
 
-from .errors import ModelDirError, SpecError
+from infc.config import DEFAULT_PAGE_SIZE
+
+from .contract.errors import ModelDirError, SpecError
 from .pipeline import compile_spec
 from .plan import dumps, emit_plan
 from .checkpoint_check import check_model_dir
 from .spec import Spec, find_architecture, find_variant, load_spec
+from .parallel import check_used, rank_plan_path, settings
 from .spec_paths import json_key_line
 
 REPO = Path(__file__).resolve().parent.parent
@@ -137,7 +140,6 @@ def load_tuning(gpu: str, overlay: dict | None = None) -> dict:
     return table
 
 
-DEFAULT_PAGE_SIZE = 16
 
 
 def default_page_size(gpu: str) -> int:
@@ -147,10 +149,11 @@ def default_page_size(gpu: str) -> int:
     return int(load_tuning(gpu).get("page_size", DEFAULT_PAGE_SIZE))
 
 
-def generate(plan: dict, out: Path, gpu: str = "h100", page_size: int = 16,
+def generate(plan: dict, out: Path, gpu: str = "h100", page_size: int | None = None,
              target: str = "sm_90", spec_path: str | None = None, tuning_overlay: dict | None = None) -> dict:
     """Render every kernel into out/kernels/ and record them in the plan; returns id -> Kernel."""
     from .codegen.render import EXT, render_plan
+    page_size = page_size or default_page_size(gpu)
     kernels = render_plan(plan, load_tuning(gpu, tuning_overlay), page_size, spec_path)
     kdir = out / "kernels"
     kdir.mkdir(parents=True, exist_ok=True)
@@ -194,7 +197,6 @@ def build(model=None, spec_path=None, model_dir=None, out=None, features=None, l
     tuning_overlay: laid over the GPU's tuning table (load_tuning), recorded in plan["build"]:
     a one-GPU experiment's kernel variants (tests/gpu/prepare.py's attnvar).
     page_size: the KV cache's tokens a page; None takes the GPU's default (default_page_size)."""
-    from .parallel import build_ranks, settings
     page_size = page_size or default_page_size(gpu)
     par = settings(tensor_parallel_size, enable_expert_parallel, data_parallel_size=data_parallel_size)
     if par is not None and tuning_overlay:
@@ -228,6 +230,51 @@ def build(model=None, spec_path=None, model_dir=None, out=None, features=None, l
                 f"{len(res['compiled'])} compiled, {len(kernels) - len(res['compiled'])} cached")
     if log:
         log(f"built {state.model} in {time.perf_counter() - t_all:.2f} s -> {out}")
+    return out
+
+
+def compile_ranks(par: dict, **kw) -> list[tuple]:
+    """[(state, plan)] for rank 0..world-1; kw as compiler.build.compile_model takes."""
+    out = []
+    for rank in range(par["world"]):
+        state, plan = compile_model(**kw, parallel={**par, "rank": rank})
+        if rank == 0:
+            check_used(state, par)
+        out.append((state, plan))
+    return out
+
+
+def build_ranks(par: dict, model=None, spec_path=None, model_dir=None, out=None, features=None,
+                log=print, gpu="h100", target="sm_90", page_size=None, compile=True, jobs=None,
+                fuse=True, spec_dirs=None, **kw) -> Path:
+    """`infc build --tensor-parallel-size N`: every rank's plan, their kernels rendered once."""
+    from .codegen.aot import compile_kernels
+    from .codegen.rank_kernels import attach_rank_kernels
+    t_all = time.perf_counter()
+    ranks = compile_ranks(par, model=model, spec_path=spec_path, model_dir=model_dir,
+                          features=features, log=(lambda m: None) if log is None else log, fuse=fuse,
+                          spec_dirs=spec_dirs, **kw)
+    state = ranks[0][0]
+    tag = f"dp{par['dp']}" if par.get("dp", 1) > 1 else f"tp{par['tp']}" if par["tp"] > 1 else ""
+    tag += f"{'-' if tag else ''}ep{par['ep']}" if par["ep"] > 1 else ""
+    out = Path(out) if out else GENERATED / f"{state.model}-{tag}"
+    out.mkdir(parents=True, exist_ok=True)
+    kernels = {}
+    for rank, (_, plan) in enumerate(ranks):
+        mine = generate(plan, out, gpu, page_size, target, spec_path=state.spec.path)
+        mine.update(attach_rank_kernels(plan, out))      # the collectives' helper kernels
+        # the ranks' launches differ only in the weights they read: one kernels/ serves all
+        assert not kernels or set(mine) == set(kernels), f"rank {rank} needs other kernels than rank 0"
+        kernels.update(mine)
+        rank_plan_path(out, rank).write_text(dumps(plan))
+    if compile:
+        res = compile_kernels(kernels, out / "bin", target, jobs=jobs, progress=log is not None)
+        if log:
+            log(f"  {'compile (' + target + ')':<28} {res['seconds'] * 1e3:8.1f} ms")
+    if log:
+        dp = f", dp {par['dp']}" if par.get("dp") else ""
+        log(f"built {state.model} on {par['world']} ranks (tp {par['tp']}, ep {par['ep']}{dp}) in "
+            f"{time.perf_counter() - t_all:.2f} s -> {out}/plan.rank{{0..{par['world'] - 1}}}.json")
     return out
 
 

@@ -29,7 +29,7 @@ import re
 from fnmatch import fnmatchcase
 from pathlib import Path
 
-from .errors import SpecError, did_you_mean
+from .contract.errors import SpecError, did_you_mean
 from .expr import EvalError, Unknown, evaluate
 from .spec import weight_name
 
@@ -38,7 +38,7 @@ READABLE_DTYPES = ("BF16", "F16", "F32", "F64")     # what runtime/safetensors_i
 
 def check_model_dir(plan: dict, spec, model_dir, log=None) -> bool:
     """Check DIR's safetensors headers against the plan. False when DIR has no checkpoint."""
-    from infc.runtime.safetensors_io import Checkpoint     # numpy: only when a directory is given
+    from infc.compiler.contract.safetensors_io import Checkpoint     # numpy: only when a directory is given
     d = Path(model_dir)
     if not (d / "model.safetensors.index.json").exists() and not any(d.glob("*.safetensors")):
         if log:

@@ -11,8 +11,8 @@ import math
 import operator
 import time
 
-from .errors import SpecError
-from .safe_eval import ExprLimit, add, check_result, modulo, multiply, power
+from .contract.errors import SpecError
+from .contract.safe_eval import ExprLimit, add, check_result, modulo, multiply, power
 
 MAX_STEPS = 100_000          # nodes one evaluation may visit
 TIME_BUDGET = 1.0            # seconds one evaluation may take

@@ -5,7 +5,7 @@ count per layer), and the routing table op -> pass -> template -> launch.
 """
 from collections import Counter
 
-from infc.runtime.program import bodies, count_launches, is_repeat, launches, layer_counts
+from infc.compiler.contract.program import bodies, count_launches, is_repeat, launches, layer_counts
 
 from .build import compile_model
 from .ir import Graph

@@ -9,7 +9,7 @@ import ast
 import networkx as nx
 import numpy as np
 
-from .errors import SpecError, did_you_mean
+from .contract.errors import SpecError, did_you_mean
 from .expr import EvalError, Unknown, evaluate, free_names
 from .ir import DYNAMIC, Graph, Node, TensorType, Value
 from .ops import REGISTRY, REQUIRED

@@ -20,12 +20,12 @@ every executor and loader runs a rank plan unchanged, and the ranks' launches ar
 (same shapes, same kernels), so they share one kernels/ directory. The plans carry
 `parallel: {world, rank, tp, ep}`.
 
-Layout of a parallel build: out/plan.rank<r>.json for each rank, out/kernels/, out/bin/.
+Layout of a parallel build: out/plan.rank<r>.json for each rank, out/kernels/, out/bin/
+(compiler/build.py compile_ranks and build_ranks make them).
 """
-import time
 from pathlib import Path
 
-from .errors import SpecError
+from .contract.errors import SpecError
 
 
 def settings(tensor_parallel_size: int = 1, enable_expert_parallel: bool = False,
@@ -63,7 +63,7 @@ def settings(tensor_parallel_size: int = 1, enable_expert_parallel: bool = False
     return {"world": n, "tp": n, "ep": n if enable_expert_parallel else 1}
 
 
-def _check_used(state, par):
+def check_used(state, par):
     """Refuse settings that shard nothing they were asked to: EP on a model without experts."""
     if par["ep"] > 1 and not any(n.op in ("moe_experts", "moe_gate_up")
                                  for g in state.graph.walk() for n in g.ordered()):
@@ -71,53 +71,5 @@ def _check_used(state, par):
                           "to partition", None)
 
 
-def compile_ranks(par: dict, **kw) -> list[tuple]:
-    """[(state, plan)] for rank 0..world-1; kw as compiler.build.compile_model takes."""
-    from .build import compile_model
-    out = []
-    for rank in range(par["world"]):
-        state, plan = compile_model(**kw, parallel={**par, "rank": rank})
-        if rank == 0:
-            _check_used(state, par)
-        out.append((state, plan))
-    return out
-
-
 def rank_plan_path(out: Path, rank: int) -> Path:
     return Path(out) / f"plan.rank{rank}.json"
-
-
-def build_ranks(par: dict, model=None, spec_path=None, model_dir=None, out=None, features=None,
-                log=print, gpu="h100", target="sm_90", page_size=16, compile=True, jobs=None,
-                fuse=True, spec_dirs=None, **kw) -> Path:
-    """`infc build --tensor-parallel-size N`: every rank's plan, their kernels rendered once."""
-    from .build import GENERATED, generate
-    from .codegen.aot import compile_kernels
-    from .codegen.rank_kernels import attach_rank_kernels
-    from .plan import dumps
-    t_all = time.perf_counter()
-    ranks = compile_ranks(par, model=model, spec_path=spec_path, model_dir=model_dir,
-                          features=features, log=(lambda m: None) if log is None else log, fuse=fuse,
-                          spec_dirs=spec_dirs, **kw)
-    state = ranks[0][0]
-    tag = f"dp{par['dp']}" if par.get("dp", 1) > 1 else f"tp{par['tp']}" if par["tp"] > 1 else ""
-    tag += f"{'-' if tag else ''}ep{par['ep']}" if par["ep"] > 1 else ""
-    out = Path(out) if out else GENERATED / f"{state.model}-{tag}"
-    out.mkdir(parents=True, exist_ok=True)
-    kernels = {}
-    for rank, (_, plan) in enumerate(ranks):
-        mine = generate(plan, out, gpu, page_size, target, spec_path=state.spec.path)
-        mine.update(attach_rank_kernels(plan, out))      # the collectives' helper kernels
-        # the ranks' launches differ only in the weights they read: one kernels/ serves all
-        assert not kernels or set(mine) == set(kernels), f"rank {rank} needs other kernels than rank 0"
-        kernels.update(mine)
-        rank_plan_path(out, rank).write_text(dumps(plan))
-    if compile:
-        res = compile_kernels(kernels, out / "bin", target, jobs=jobs, progress=log is not None)
-        if log:
-            log(f"  {'compile (' + target + ')':<28} {res['seconds'] * 1e3:8.1f} ms")
-    if log:
-        dp = f", dp {par['dp']}" if par.get("dp") else ""
-        log(f"built {state.model} on {par['world']} ranks (tp {par['tp']}, ep {par['ep']}{dp}) in "
-            f"{time.perf_counter() - t_all:.2f} s -> {out}/plan.rank{{0..{par['world'] - 1}}}.json")
-    return out

@@ -4,15 +4,15 @@
     weights     name -> shape, dtype, layers (global layer indices, or null for a model-level
                 weight), source (how to build it from checkpoint tensors)
     caches      name -> kind (paged per token | slot per sequence), shape, dtype, layers: the
-                per-sequence state the ops declare (runtime/caches.py lays it out)
+                per-sequence state the ops declare (compiler/contract/caches.py lays it out)
     arena       bytes as bytes_per_token*T + bytes_per_seq*B + bytes
     buffers     value -> shape, dtype, offset {T, B, bytes} (views: col_offset, row_stride);
                 a data-parallel plan's buffers over every rank's rows have the dim G = world * T
-                (counted in the offsets' T coefficient; runtime/bind.py step_dims)
+                (counted in the offsets' T coefficient; compiler/contract/bind.py step_dims)
     programs    phase -> ordered launches; {"repeat": "layers", "schedule": [kind per layer],
                 "kinds": {kind: launches}} runs layer i with the launches of its kind
     short_tokens  a prefill or mixed step of at most this many tokens runs programs["short"]
-                (runtime/program.py `program_name`)
+                (compiler/contract/program.py `program_name`)
     wide_tokens   a decode step of at least this many tokens runs programs["wide"]: the GEMVs'
                 row tiles for many sequences, the experts' grouped GEMMs
                 (select_kernels.WIDE_TOKENS_PER_EXPERT, WIDE_DENSE_TOKENS without experts)
@@ -31,34 +31,11 @@
 """
 import json
 
+from .contract.schema import CACHE_MARKER, DTYPE_BYTES, SCHEMA, step_metadata
 from .ir import Graph
 from .ops import REGISTRY
-from .passes.plan_memory import DTYPE_BYTES
 from .passes.merge_prologues import NARROW_TOKENS, merged_launch
 from .passes.select_kernels import SHORT_TOKENS, wide_tokens
-
-SCHEMA = "infc.plan/2"
-MARKER = "cache"      # the value that orders a cache write before its reads: no buffer
-STEP_METADATA = {
-    "positions": {"shape": ["T"], "dtype": "i32", "doc": "absolute position of each token"},
-    "seq_starts": {"shape": ["B+1"], "dtype": "i32", "doc": "first token row of each sequence"},
-    "context_lens": {"shape": ["B"], "dtype": "i32", "doc": "KV length after this step"},
-    "last_rows": {"shape": ["B"], "dtype": "i32", "doc": "row of each sequence's last token"},
-    "slot_mapping": {"shape": ["T"], "dtype": "i32", "doc": "KV slot each new token writes"},
-    "block_tables": {"shape": ["B", "max_pages"], "dtype": "i32", "doc": "KV pages per sequence"},
-}
-# Only in a plan that declares a slot cache (its kernels read it; plans without one are unchanged)
-STATE_SLOTS = {"state_slots": {"shape": ["B"], "dtype": "i32",
-                               "doc": "slot of each sequence in the slot caches (conv, recurrent state)"}}
-
-
-def step_metadata(caches: dict) -> dict:
-    """The step metadata the plan's kernels read: STEP_METADATA, plus state_slots when a cache
-    keeps one entry per sequence (kind "slot")."""
-    if any(c["kind"] == "slot" for c in caches.values()):
-        return {**STEP_METADATA, **STATE_SLOTS}
-    return STEP_METADATA
-
 
 def _jsonable(v):
     if isinstance(v, dict):
@@ -140,7 +117,7 @@ def _launches(state, g: Graph, phase: str) -> list:
 
 def _launch(state, g: Graph, n, phase: str) -> dict:
     backend, template = state.kernels[phase][n.id]
-    name = lambda x: MARKER if g.values[x].kind == "marker" else x  # noqa: E731
+    name = lambda x: CACHE_MARKER if g.values[x].kind == "marker" else x  # noqa: E731
     launch = {"op": n.op, "kernel": template, "backend": backend,
               "inputs": [name(i) for i in n.inputs], "outputs": [name(o) for o in n.outputs],
               "attrs": _jsonable(n.attrs), "fuses": n.fused_from, "pass": n.made_by,

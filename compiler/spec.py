@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import config_values, spec_paths
-from .errors import SpecError, did_you_mean
+from .contract.errors import SpecError, did_you_mean
 from .expr import EvalError, Unknown, evaluate, parse_expr, parse_statement
 from .yaml_lines import LDict, line_of, load_yaml
 

@@ -8,10 +8,10 @@ without editing the repository. The first match wins; `infc inspect` prints whic
 model came from. A directory that does not exist is an error (a typo would otherwise silently
 fall back to the built-in spec), naming where it was given.
 """
-import os
 from pathlib import Path
 
-from .errors import SpecError
+from infc import envs
+from .contract.errors import SpecError
 
 SPECS_DIR = Path(__file__).resolve().parent.parent / "specs"
 ENV = "INFC_SPEC_PATH"
@@ -31,8 +31,7 @@ def _checked(d: str, where: str) -> Path:
 def search_path(spec_dirs=None) -> list[Path]:
     """The directories searched for *.yaml specs, in order (duplicates dropped)."""
     dirs = [_checked(str(d), "--spec-dir") for d in (spec_dirs or [])]
-    env = os.environ.get(ENV, "")
-    dirs += [_checked(d, ENV) for d in env.split(os.pathsep) if d.strip()]
+    dirs += [_checked(d, ENV) for d in envs.value(ENV) if d.strip()]
     dirs.append(SPECS_DIR)
     out, seen = [], set()
     for d in dirs:

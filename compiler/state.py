@@ -1,7 +1,7 @@
 """What the pass pipeline threads through: the graph, the weights table, and each pass's log."""
 from dataclasses import dataclass, field
 
-from .errors import SpecError
+from .contract.errors import SpecError
 from .ir import Graph
 from .spec import Spec
 

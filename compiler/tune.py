@@ -30,13 +30,13 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from infc.runtime.program import launches
+from infc.compiler.contract.program import launches
 
 from .build import REPO, compile_model, default_page_size, load_tuning
 from .codegen.render import EXT, TemplateError, _env, launch_context, render_template, shape_key
-from .errors import SpecError
+from .contract.errors import SpecError
+from .contract.schema import TUNE_MANIFEST_VERSION as MANIFEST_VERSION
 
-MANIFEST_VERSION = 2            # 2: plan/2 caches (manifest caches, entry caches)
 DEFAULT_TEMPLATES = ("gemv", "gemv_act_mul", "gemv_gated", "lm_head_last", "attention_decode",
                      "gemm", "gemm_act_mul", "gemm_gated", "attention_prefill", "attention_mixed",
                      "moe_gate_up", "moe_down", "moe_gate_up_grouped", "moe_down_grouped")

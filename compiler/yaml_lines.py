@@ -5,7 +5,7 @@ Spec errors must point at a line, so scalars come back as `LStr` and containers 
 """
 import yaml
 
-from .errors import SpecError
+from .contract.errors import SpecError
 
 
 class LStr(str):

@@ -3,7 +3,7 @@
     from infc import LLM, SamplingParams
     LLM("path/to/hf-model", device="cpu").generate(["Hello"], SamplingParams(max_tokens=8))
 """
-from infc.runtime.sampling import SamplingParams
+from infc.runtime.engine.sampling import SamplingParams
 
 
 def __getattr__(name):

@@ -11,21 +11,19 @@ loads it with the CUDA runner, imported only when asked for, so a machine withou
 touches cuda-python. Startup prints each stage with its time, the KV capacity in tokens and the
 maximum concurrency at full context, as vLLM does.
 """
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infc.compiler.errors import ModelDirError
-from infc.runtime.tokenizer import eos_ids
-
-CPU_KV_CACHE_BYTES = 1 << 30          # the CPU backend's default KV budget (float32 pages)
-
+from infc import envs
+from infc.config import DEFAULT_PAGE_SIZE, EngineConfig
+from infc.compiler.contract.errors import ModelDirError
+from infc.runtime.tokenization.tokenizer import eos_ids
 
 @dataclass
 class Backend:
     engine: object                    # an AsyncEngine (the server's), or an Engine (asynchronous=False)
-    tokenizer: object | None          # infc.runtime.tokenizer.Tokenizer (None: token ids only)
+    tokenizer: object | None          # infc.runtime.tokenization.tokenizer.Tokenizer (None: token ids only)
     model_dir: Path
     model_name: str                   # the plan's model name (e.g. smollm2-135m)
     device: str
@@ -75,82 +73,58 @@ class _Stages:
         return out
 
 
-# Step token budgets (max_num_batched_tokens) when none is given, as vLLM sets them per use on cards
-# of 70 GiB or more (its arg_utils: LLM class 16384, OpenAI server 8192; the H100s and H200s this
-# project runs on; smaller cards keep the same values here, which vLLM halves and quarters): the
-# server's steps keep decodes' inter-token gaps short (a mixed step of 8k prompt tokens is ~0.1 s
-# on an H200), while offline work (LLM, `bench throughput`) takes 16k-token steps: fewer, larger
-# prefill bursts that run while fewer sequences decode. qwen3-4b at 1024 in / 128 out on an H200:
-# mean TPOT at 64 concurrent 10.72 -> 9.95 ms, 256 concurrent +1 % output tok/s, median TTFT
-# 222 -> 430 ms (bench/NOTES.md, eighth session).
-BATCHED_TOKENS = {("cuda", True): 8192, ("cuda", False): 16384, ("cpu", True): 2048, ("cpu", False): 2048}
-
-
-def default_batched_tokens(device: str, server: bool) -> int:
-    return BATCHED_TOKENS[(device, server)]
-
-
-def default_block_size(device: str) -> int:
+def device_page_size(device: str) -> int:
     """The KV cache page size when none is asked: on cuda the build's for this GPU (its tuning
-    table's, compiler/build.py default_page_size), on cpu 16."""
-    from infc.compiler.build import DEFAULT_PAGE_SIZE, default_page_size
+    table's, compiler/build.py default_page_size), on cpu infc.config.DEFAULT_PAGE_SIZE."""
+    from infc.compiler.build import default_page_size
     return default_page_size(gpu_tuning()) if device == "cuda" else DEFAULT_PAGE_SIZE
 
 
-def load_backend(model_dir, model: str | None = None, spec: str | None = None, device: str | None = None,
-                 max_model_len: int | None = None, gpu_memory_utilization: float = 0.9,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
-                 enable_prefix_caching: bool = True, block_size: int | None = None,
-                 num_gpu_blocks_override: int | None = None, kv_cache_memory_bytes: int | None = None,
-                 asynchronous: bool = True, cuda_graphs: bool = True, log=print,
-                 spec_dirs=None, load_format: str = "auto", tensor_parallel_size: int = 1,
-                 enable_expert_parallel: bool = False, overlap: bool | None = None,
-                 data_parallel_size: int = 1, artifact=None) -> Backend:
-    """spec_dirs: spec directories searched before specs/ (with $INFC_SPEC_PATH) for the spec
-    whose architectures match the directory's config.json. load_format: "auto" reads the
+def resolve(config: EngineConfig) -> EngineConfig:
+    """The config with this machine's defaults filled in (EngineConfig.resolved)."""
+    return config.resolved(detect_device, lambda: device_page_size("cuda"))
+
+
+def load_backend(model_dir, config: EngineConfig | None = None, log=print, **settings) -> Backend:
+    """config: the engine's settings (infc/config.py), or instead flat keyword settings with
+    vLLM's names (EngineConfig.from_settings: max_num_seqs=..., block_size=...).
+    load.spec_dirs: spec directories searched before specs/ (with $INFC_SPEC_PATH) for the spec
+    whose architectures match the directory's config.json. load.load_format: "auto" reads the
     directory's safetensors; "dummy" (vLLM's spelling) makes random weights of the plan's shapes
-    (on the GPU, on the device), so config.json alone is enough (runtime/dummy_weights.py).
-    tensor_parallel_size > 1 (and enable_expert_parallel): one rank plan per process
-    (runtime/rank_workers.py), rank 0 here with the engine; on cpu the numpy references exchange
-    through rank 0, on cuda rank r runs on GPU r over NCCL. data_parallel_size > 1 with
-    enable_expert_parallel: each rank its own sequences (the engine schedules every rank,
-    runtime/engine.py). overlap: the engine's overlapped
-    steps (runtime/engine.py; None: on where the runner can, unless INFC_OVERLAP=0). artifact: a
-    built artifact directory to run as it is (one GPU), instead of building or reusing
+    (on the GPU, on the device), so config.json alone is enough (runtime/weights/dummy.py).
+    parallel.tensor_parallel_size > 1 (and enable_expert_parallel): one rank plan per process
+    (runtime/distributed/rank_workers.py), rank 0 here with the engine; on cpu the numpy
+    references exchange through rank 0, on cuda rank r runs on GPU r over NCCL.
+    data_parallel_size > 1 with enable_expert_parallel: each rank its own sequences (the engine
+    schedules every rank, runtime/engine/engine.py). scheduler.overlap: the engine's overlapped
+    steps (None: on where the runner can, unless INFC_OVERLAP=0). load.artifact: a built
+    artifact directory to run as it is (one GPU), instead of building or reusing
     .cache/artifacts/<name> with this checkout's compiler: an A/B of two commits' plans.
-    block_size: the KV cache's page size (None: default_block_size; an artifact keeps its own)."""
-    from infc.runtime.dummy_weights import check_load_format
-    from infc.runtime.async_engine import AsyncEngine
-    from infc.runtime.engine import Engine
+    cache.page_size: the KV cache's page size (None: device_page_size; an artifact keeps its own)."""
+    if config is None:
+        config = EngineConfig.from_settings(**settings)
+    elif settings:
+        raise TypeError(f"load_backend: give a config or settings, not both ({', '.join(settings)})")
+    from infc.runtime.weights.dummy import check_load_format
+    from infc.runtime.engine.async_engine import AsyncEngine
+    from infc.runtime.engine.engine import Engine
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelDirError(f"{model_dir}: not a directory")
-    device = device or detect_device()
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"--device must be cpu or cuda, got {device!r}")
-    dummy = check_load_format(load_format) == "dummy"
-    if block_size is None:
-        block_size = default_block_size(device)
-    if max_num_batched_tokens is None:
-        max_num_batched_tokens = default_batched_tokens(device, server=asynchronous)
-    for name, v in (("--max-num-seqs", max_num_seqs), ("--max-num-batched-tokens", max_num_batched_tokens),
-                    ("--block-size", block_size)):
-        if v < 1:
-            raise ValueError(f"{name} must be >= 1, got {v}")
-    if max_model_len is not None and max_model_len < 2:
-        raise ValueError(f"--max-model-len must be >= 2, got {max_model_len}")
-    if not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
+    c = resolve(config)
+    device, model, spec, spec_dirs = c.device.device, c.load.model, c.load.spec, list(c.load.spec_dirs) or None
+    dummy = check_load_format(c.load.load_format) == "dummy"
     st = _Stages(log)
     if log:
         log(f"infc serve: {model_dir} on {device}")
         if dummy:
             log("  load format dummy: random weights, no checkpoint read or checked")
 
-    par = None
-    if tensor_parallel_size != 1 or enable_expert_parallel or data_parallel_size != 1:
+    par, artifact = None, c.load.artifact
+    if c.parallel.ranks:
         from infc.compiler.parallel import settings
-        par = settings(tensor_parallel_size, enable_expert_parallel, data_parallel_size=data_parallel_size)
+        par = settings(c.parallel.tensor_parallel_size, c.parallel.enable_expert_parallel,
+                       data_parallel_size=c.parallel.data_parallel_size)
     if artifact is not None:
         artifact = Path(artifact)
         if device != "cuda" or par is not None:
@@ -158,33 +132,25 @@ def load_backend(model_dir, model: str | None = None, spec: str | None = None, d
         if not (artifact / "plan.json").is_file():
             raise ValueError(f"--artifact {artifact}: no plan.json there (not a built artifact)")
     if par is not None:
-        runner, plan, name, model_len = _rank_processes(
-            st, par, device, model_dir, model, spec, spec_dirs, dummy, load_format, block_size,
-            num_gpu_blocks_override, kv_cache_memory_bytes, max_num_seqs, max_num_batched_tokens,
-            max_model_len, gpu_memory_utilization, cuda_graphs)
+        runner, plan, name, model_len = _rank_processes(st, par, c, model_dir, spec_dirs, dummy)
         page_size = runner.page_size
     elif device == "cpu":
         from infc.compiler.build import compile_model
-        from infc.runtime.runner import CPURunner
-        from infc.runtime.safetensors_io import Checkpoint
-        from infc.runtime.weights import load_weights
+        from infc.runtime.engine.runner import CPURunner
+        from infc.compiler.contract.safetensors_io import Checkpoint
+        from infc.runtime.weights.load import load_weights
         state, plan = st.run("compile plan", compile_model, model=model, spec_path=spec,
                              model_dir=str(model_dir), spec_dirs=spec_dirs, check_checkpoint=not dummy)
         name = state.model
         if dummy:
-            from infc.runtime.dummy_weights import dummy_weights
+            from infc.runtime.weights.dummy import dummy_weights
             weights = st.run("make random weights", dummy_weights, plan)
         else:
             weights = st.run("load weights", lambda: load_weights(plan, Checkpoint(model_dir)))
-        page_size = block_size
-        if num_gpu_blocks_override:
-            num_pages = num_gpu_blocks_override
-        else:
-            budget = kv_cache_memory_bytes or int(os.environ.get("INFC_CPU_KV_CACHE_BYTES", CPU_KV_CACHE_BYTES))
-            num_pages = CPURunner.pages_for_budget(plan, page_size, budget, max_num_seqs)
-        if num_pages < 1:
-            raise ValueError("the KV cache budget holds no page: raise --kv-cache-memory-bytes")
-        runner = st.run("allocate KV cache", CPURunner, plan, weights, num_pages, page_size, max_num_seqs)
+        page_size = c.cache.page_size
+        num_pages = _cpu_pages(plan, c)
+        runner = st.run("allocate KV cache", CPURunner, plan, weights, num_pages, page_size,
+                        c.scheduler.max_num_seqs)
         model_len = int(plan["config"].get("max_len") or 1 << 30)
     else:
         from infc.compiler.build import REPO, build
@@ -193,16 +159,13 @@ def load_backend(model_dir, model: str | None = None, spec: str | None = None, d
         if artifact is None:
             out = REPO / ".cache" / "artifacts" / (model or model_dir.name)
             artifact = st.run("build artifact (cached)", build, model=model, spec_path=spec,
-                              model_dir=str(model_dir), out=out, page_size=block_size, gpu=gpu_tuning(), log=None,
+                              model_dir=str(model_dir), out=out, page_size=c.cache.page_size, gpu=gpu_tuning(), log=None,
                               reuse_bins=True, spec_dirs=spec_dirs, check_checkpoint=not dummy)
         elif log:
             log(f"  artifact {artifact} as built (not rebuilt)")
         from infc.runtime.cuda.runner import CudaRunner     # lazily: cuda-python only here
         runner = st.run("load weights, KV cache, graphs", CudaRunner, artifact, model_dir,
-                        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                        max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-                        cuda_graphs=cuda_graphs, load_format=load_format,
-                        **({"num_pages": num_gpu_blocks_override} if num_gpu_blocks_override else {}))
+                        **_cuda_runner_settings(c))
         plan = runner.plan
         name = plan.get("model") or model or model_dir.name
         model_len = int(getattr(runner, "max_model_len", None) or plan["config"].get("max_len") or 1 << 30)
@@ -210,10 +173,11 @@ def load_backend(model_dir, model: str | None = None, spec: str | None = None, d
 
     tokenizer, tok_config = None, {}
     if (model_dir / "tokenizer.json").exists():
-        from infc.runtime.tokenizer import Tokenizer
+        from infc.runtime.tokenization.tokenizer import Tokenizer
         tokenizer = st.run("load tokenizer", Tokenizer, model_dir)
         tok_config = tokenizer.config
     kv_tokens = runner.num_pages * runner.page_size
+    max_model_len = c.load.max_model_len
     if max_model_len is not None and max_model_len > model_len:
         raise ValueError(f"--max-model-len {max_model_len} is longer than the model's context "
                          f"length ({model_len} tokens)")
@@ -225,14 +189,14 @@ def load_backend(model_dir, model: str | None = None, spec: str | None = None, d
         limit = kv_tokens                   # the model's own length does not fit: serve what does
     eos = eos_ids(model_dir)
     def start():
-        e = Engine(runner, tokenizer, eos, limit, max_num_seqs=max_num_seqs,
-                   max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
-                   log=log, overlap=overlap)
+        e = Engine(runner, tokenizer, eos, limit, max_num_seqs=c.scheduler.max_num_seqs,
+                   max_num_batched_tokens=c.scheduler.max_num_batched_tokens,
+                   enable_prefix_caching=c.cache.enable_prefix_caching, log=log, overlap=c.scheduler.overlap)
         if log:
             log(f"  steps {'overlapped: the next is prepared while the device runs this one' if e.overlap else 'synchronous'}")
-        return AsyncEngine(e) if asynchronous else e
+        return AsyncEngine(e) if c.scheduler.asynchronous else e
     engine = st.run("start engine", start)
-    if par is not None and asynchronous:
+    if par is not None and c.scheduler.asynchronous:
         runner.on_failure = engine.fail     # a rank that dies while idle: /health fails at once
     b = Backend(engine, tokenizer, model_dir, name, device, limit, int(runner.vocab_size), kv_tokens,
                 page_size, eos, tok_config, st.done)
@@ -244,18 +208,35 @@ def load_backend(model_dir, model: str | None = None, spec: str | None = None, d
     return b
 
 
-def _rank_processes(st, par, device, model_dir, model, spec, spec_dirs, dummy, load_format,
-                    block_size, num_gpu_blocks_override, kv_cache_memory_bytes, max_num_seqs,
-                    max_num_batched_tokens, max_model_len, gpu_memory_utilization, cuda_graphs):
+def _cpu_pages(plan: dict, c: EngineConfig) -> int:
+    """The CPU backend's KV pages: asked for, else what the byte budget holds."""
+    from infc.runtime.engine.runner import CPURunner
+    num_pages = c.cache.num_gpu_blocks_override
+    if not num_pages:
+        budget = c.cache.kv_cache_memory_bytes or envs.value("INFC_CPU_KV_CACHE_BYTES")
+        num_pages = CPURunner.pages_for_budget(plan, c.cache.page_size, budget, c.scheduler.max_num_seqs)
+    if num_pages < 1:
+        raise ValueError("the KV cache budget holds no page: raise --kv-cache-memory-bytes")
+    return num_pages
+
+
+def _cuda_runner_settings(c: EngineConfig) -> dict:
+    """CudaRunner's keyword arguments (on one GPU, and each rank's over NCCL)."""
+    return dict(max_num_batched_tokens=c.scheduler.max_num_batched_tokens, max_num_seqs=c.scheduler.max_num_seqs,
+                max_model_len=c.load.max_model_len, gpu_memory_utilization=c.cache.gpu_memory_utilization,
+                cuda_graphs=c.device.cuda_graphs, load_format=c.load.load_format,
+                **({"num_pages": c.cache.num_gpu_blocks_override} if c.cache.num_gpu_blocks_override else {}))
+
+
+def _rank_processes(st, par, c: EngineConfig, model_dir, spec_dirs, dummy):
     """(runner, rank 0's plan, model name, model length) of a parallel build, one process per
-    rank (runtime/rank_workers.py: MultiProcessRunner)."""
+    rank (runtime/distributed/rank_workers.py: MultiProcessRunner)."""
     import json
     import tempfile
-    from infc.runtime.rank_workers import MultiProcessRunner
-    world = par["world"]
-    if device == "cpu":
-        from infc.compiler.parallel import compile_ranks
-        from infc.runtime.runner import CPURunner
+    from infc.runtime.distributed.rank_workers import MultiProcessRunner
+    world, model, spec = par["world"], c.load.model, c.load.spec
+    if c.device.device == "cpu":
+        from infc.compiler.build import compile_ranks
         if dummy:
             raise ValueError("--load-format dummy with --tensor-parallel-size runs on cuda only")
         ranks = st.run("compile rank plans", compile_ranks, par, model=model, spec_path=spec,
@@ -266,18 +247,12 @@ def _rank_processes(st, par, device, model_dir, model, spec, spec_dirs, dummy, l
         for r, p in enumerate(plans):
             paths.append(str(where / f"plan.rank{r}.json"))
             Path(paths[-1]).write_text(json.dumps(p))
-        if num_gpu_blocks_override:
-            num_pages = num_gpu_blocks_override
-        else:
-            budget = kv_cache_memory_bytes or int(os.environ.get("INFC_CPU_KV_CACHE_BYTES", CPU_KV_CACHE_BYTES))
-            num_pages = CPURunner.pages_for_budget(plans[0], block_size, budget, max_num_seqs)
-        if num_pages < 1:
-            raise ValueError("the KV cache budget holds no page: raise --kv-cache-memory-bytes")
+        num_pages = _cpu_pages(plans[0], c)
         try:
             runner = st.run(f"start {world} rank processes", MultiProcessRunner,
-                            "infc.runtime.rank_workers:reference_rank_runner",
+                            "infc.runtime.distributed.rank_runners:reference_rank_runner",
                             {"plans": paths, "model_dir": str(model_dir), "num_pages": num_pages,
-                             "page_size": block_size, "max_num_seqs": max_num_seqs}, world)
+                             "page_size": c.cache.page_size, "max_num_seqs": c.scheduler.max_num_seqs}, world)
         finally:                                    # every rank has read its plan once started
             import shutil
             shutil.rmtree(where, ignore_errors=True)
@@ -287,18 +262,13 @@ def _rank_processes(st, par, device, model_dir, model, spec, spec_dirs, dummy, l
     tag = (f"dp{par['dp']}" if par.get("dp") else f"tp{par['tp']}") + (f"-ep{par['ep']}" if par["ep"] > 1 else "")
     out = REPO / ".cache" / "artifacts" / f"{model or model_dir.name}-{tag}"
     artifact = st.run("build rank artifacts", build, model=model, spec_path=spec,
-                      model_dir=str(model_dir), out=out, page_size=block_size, gpu=gpu_tuning(),
+                      model_dir=str(model_dir), out=out, page_size=c.cache.page_size, gpu=gpu_tuning(),
                       log=None, spec_dirs=spec_dirs, check_checkpoint=not dummy,
                       tensor_parallel_size=par["tp"], enable_expert_parallel=par["ep"] > 1,
                       data_parallel_size=par.get("dp", 1))
-    config = dict(artifact=str(artifact), model_dir=str(model_dir),
-                  max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                  max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-                  cuda_graphs=cuda_graphs, load_format=load_format)
-    if num_gpu_blocks_override:
-        config["num_pages"] = num_gpu_blocks_override
+    config = dict(artifact=str(artifact), model_dir=str(model_dir), **_cuda_runner_settings(c))
     runner = st.run(f"start {world} rank processes (NCCL)", MultiProcessRunner,
-                    "infc.runtime.rank_workers:nccl_rank_runner", config, world)
+                    "infc.runtime.distributed.rank_runners:nccl_rank_runner", config, world)
     plan = runner.plan
     r0 = runner.runner
     model_len = int(getattr(r0, "max_model_len", None) or plan["config"].get("max_len") or 1 << 30)

@@ -4,12 +4,12 @@ User errors (a bad spec, a broken model directory, bad flags) print `error: wher
 exit 2; nothing a user can type ends in a traceback (INFC_DEBUG=1 shows it for developers).
 """
 import argparse
-import os
 import sys
 import traceback
 
+from infc import envs
 from infc.compiler.codegen.render import TemplateError
-from infc.compiler.errors import ModelDirError, SpecError
+from infc.compiler.contract.errors import ModelDirError, SpecError
 from infc.compiler.spec_paths import add_spec_dir_arg
 
 
@@ -99,6 +99,10 @@ def _tune(args):
         run(args.dir, write=args.write, reps=args.reps, warmup=args.warmup,
             threshold=args.threshold, results_dir=args.results_dir, any_gpu=args.any_gpu,
             templates=_csv(args.templates))
+
+
+def _env(args):
+    print(envs.markdown() if args.markdown else envs.report(), end="" if args.markdown else "\n")
 
 
 def _add_parallel_args(p):
@@ -208,6 +212,10 @@ def parser() -> argparse.ArgumentParser:
     tr.add_argument("--templates", help="time only these templates (comma-separated)")
     tr.add_argument("--any-gpu", action="store_true", help="time on a GPU that is not the table's")
     tu.set_defaults(fn=_tune)
+
+    e = sub.add_parser("env", help="list every INFC_* environment variable: value, default, meaning")
+    e.add_argument("--markdown", action="store_true", help="the table docs/configuration.md holds")
+    e.set_defaults(fn=_env)
     return p
 
 
@@ -216,12 +224,12 @@ def main(argv=None) -> int:
     try:
         args.fn(args)
     except (SpecError, ModelDirError, TemplateError, ValueError) as e:
-        if os.environ.get("INFC_DEBUG"):
+        if envs.value("INFC_DEBUG"):
             traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
         return 2
     except ImportError as e:   # an optional backend not installed (e.g. infc[cuda]): say which
-        if os.environ.get("INFC_DEBUG"):
+        if envs.value("INFC_DEBUG"):
             traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -230,7 +238,7 @@ def main(argv=None) -> int:
     except BrokenPipeError:
         return 0
     except Exception as e:  # a bug in infc, not the user's input: still no traceback by default
-        if os.environ.get("INFC_DEBUG"):
+        if envs.value("INFC_DEBUG"):
             traceback.print_exc()
         print(f"internal error: {type(e).__name__}: {e} (set INFC_DEBUG=1 for the traceback)",
               file=sys.stderr)

@@ -8,9 +8,11 @@ prefill, paged KV with a prefix cache) is stepped here until every request is do
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infc.compiler.errors import ModelDirError
-from infc.runtime.sampling import SamplingParams
-from infc.runtime.tokenizer import Tokenizer
+from infc.compiler.contract.errors import ModelDirError
+from infc.config import (DEFAULT_GPU_MEMORY_UTILIZATION, DEVICES, OFFLINE_CPU_KV_TOKENS, OFFLINE_CPU_MAX_NUM_SEQS,
+                         EngineConfig)
+from infc.runtime.engine.sampling import SamplingParams
+from infc.runtime.tokenization.tokenizer import Tokenizer
 
 
 @dataclass
@@ -49,42 +51,40 @@ class LLM:
     kv_cache_tokens sizes the paged KV cache (default: 4096 tokens on the CPU; on the GPU what
     gpu_memory_utilization leaves); a sequence never grows past min(the model's context length,
     the cache), in pages of page_size tokens (default: 16 on the CPU, on the GPU its build's: 64 on
-    an H200, infc.backend.default_block_size). max_num_seqs and max_num_batched_tokens bound one
+    an H200, infc.backend.device_page_size). The defaults: infc/config.py. max_num_seqs and max_num_batched_tokens bound one
     step, as in vLLM.
     spec: a spec file; spec_dirs: directories of specs searched before specs/ (also
     $INFC_SPEC_PATH) for the one whose architectures match the model's config.json.
     load_format: "auto" (the directory's safetensors) or "dummy" (random weights of the right
     shapes, vLLM's spelling: a directory with config.json alone runs).
-    tensor_parallel_size / enable_expert_parallel: one process per rank (runtime/rank_workers.py),
+    tensor_parallel_size / enable_expert_parallel: one process per rank (runtime/distributed/rank_workers.py),
     as vLLM's flags; `close()` (or `with LLM(...) as llm:`) stops them."""
 
     def __init__(self, model: str | Path, device: str | None = "cpu", spec: str | None = None, *,
                  kv_cache_tokens: int | None = None, page_size: int | None = None, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
-                 enable_prefix_caching: bool = True, gpu_memory_utilization: float = 0.9,
+                 enable_prefix_caching: bool = True, gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
                  cuda_graphs: bool = True, log=None, spec_dirs=None, load_format: str = "auto",
                  tensor_parallel_size: int = 1, enable_expert_parallel: bool = False,
                  data_parallel_size: int = 1):
-        from infc.backend import default_block_size, detect_device, load_backend
+        from infc.backend import detect_device, load_backend
         device = device or detect_device()
-        if device not in ("cpu", "cuda"):
+        if device not in DEVICES:
             raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-        page_size = page_size or default_block_size(device)
         self.model_dir = Path(model)
         if not self.model_dir.is_dir():
             raise ModelDirError(f"{model}: not a directory")
-        if device == "cpu" and kv_cache_tokens is None:
-            kv_cache_tokens = 4096
-        pages = -(-kv_cache_tokens // page_size) if kv_cache_tokens else None
-        self.backend = load_backend(
-            self.model_dir, spec=spec, device=device, max_model_len=max_model_len,
-            gpu_memory_utilization=gpu_memory_utilization,
-            max_num_seqs=max_num_seqs or (64 if device == "cpu" else 256),
-            max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
-            block_size=page_size, num_gpu_blocks_override=pages, asynchronous=False,
-            cuda_graphs=cuda_graphs, log=log, spec_dirs=spec_dirs, load_format=load_format,
+        cpu = device == "cpu"
+        config = EngineConfig.from_settings(
+            spec=spec, spec_dirs=spec_dirs, load_format=load_format, max_model_len=max_model_len,
+            device=device, cuda_graphs=cuda_graphs, page_size=page_size,
+            kv_cache_tokens=kv_cache_tokens or (OFFLINE_CPU_KV_TOKENS if cpu else None),
+            enable_prefix_caching=enable_prefix_caching, gpu_memory_utilization=gpu_memory_utilization,
+            max_num_seqs=max_num_seqs or (OFFLINE_CPU_MAX_NUM_SEQS if cpu else None),
+            max_num_batched_tokens=max_num_batched_tokens, asynchronous=False,
             tensor_parallel_size=tensor_parallel_size, enable_expert_parallel=enable_expert_parallel,
             data_parallel_size=data_parallel_size)
+        self.backend = load_backend(self.model_dir, config, log=log)
         self.device = device
         self.engine = self.backend.engine
         self.runner = self.engine.runner

@@ -47,8 +47,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
-from infc.runtime.async_engine import EngineDeadError
-from infc.runtime.sampling import SamplingParams
+from infc.runtime.engine.async_engine import EngineDeadError
+from infc.runtime.engine.sampling import SamplingParams
 
 from . import admission, metrics, protocol
 from .generation import Generation, engine_error

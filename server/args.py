@@ -1,10 +1,11 @@
 """`infc serve` flags, with vLLM's spellings and defaults. Light on imports: the `infc` command
 builds its parser from here on every run."""
 import argparse
-import os
 from pathlib import Path
 
+from infc import envs
 from infc.compiler.spec_paths import add_spec_dir_arg
+from infc.config import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_MAX_NUM_SEQS, EngineConfig
 
 
 LOAD_FORMATS = ("auto", "dummy")          # runtime/dummy_weights.py checks the same names
@@ -46,9 +47,9 @@ def add_serve_args(p: argparse.ArgumentParser):
                    "default: --model, else --model-path")
     p.add_argument("--api-key", help="require Authorization: Bearer <key> (default: $INFC_API_KEY)")
     p.add_argument("--max-model-len", type=int, help="context length (default: the model's, within the KV cache)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, help="tokens per step (default: 8192 cuda, 2048 cpu: infc.backend.BATCHED_TOKENS)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=DEFAULT_GPU_MEMORY_UTILIZATION)
+    p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS)
+    p.add_argument("--max-num-batched-tokens", type=int, help="tokens per step (default: 8192 cuda, 2048 cpu: infc.config.BATCHED_TOKENS)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="run each step to its end before the next is scheduled (default: the next "
@@ -97,7 +98,7 @@ def config_from_args(args):
         template = Path(template).read_text()
     return ServerConfig(
         served_model_names=args.served_model_name or [args.model or args.model_path],
-        api_key=args.api_key or os.environ.get("INFC_API_KEY") or None,
+        api_key=args.api_key or envs.value("INFC_API_KEY") or None,
         max_num_seqs=args.max_num_seqs, max_queued_requests=args.max_queued_requests,
         max_logprobs=args.max_logprobs, max_n=args.max_n, max_request_body_bytes=args.max_request_body_bytes,
         max_header_bytes=args.max_header_bytes,
@@ -106,6 +107,8 @@ def config_from_args(args):
 
 
 def backend_kwargs(args) -> dict:
+    """The engine's settings from the flags, flat with vLLM's names (load_backend's keywords,
+    EngineConfig.from_settings: --block-size is cache.page_size)."""
     return dict(model=args.model, spec=args.spec, spec_dirs=getattr(args, "spec_dir", None),
                 device=args.device, max_model_len=args.max_model_len,
                 gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
@@ -118,3 +121,8 @@ def backend_kwargs(args) -> dict:
                 enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
                 data_parallel_size=getattr(args, "data_parallel_size", 1),
                 overlap=False if getattr(args, "disable_overlap_schedule", False) else None)
+
+
+def engine_config(args) -> EngineConfig:
+    """`infc serve`'s EngineConfig (infc/config.py)."""
+    return EngineConfig.from_settings(**backend_kwargs(args))

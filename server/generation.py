@@ -6,7 +6,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from infc.runtime.async_engine import EngineDeadError
+from infc.runtime.engine.async_engine import EngineDeadError
 
 from . import protocol, scoring
 from .http import sse

@@ -24,7 +24,7 @@ import math
 import weakref
 from dataclasses import dataclass
 
-from infc.runtime.sampling import SamplingParams
+from infc.runtime.engine.sampling import SamplingParams
 
 from . import chat
 

@@ -18,7 +18,7 @@ last), so one prefill answers every position.
 """
 import asyncio
 
-from infc.runtime.sampling import SamplingParams
+from infc.runtime.engine.sampling import SamplingParams
 
 WINDOW = 32
 

@@ -30,7 +30,7 @@ from .args import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, backend_kwargs, config_from_
 from .connection import NoDelayH11Protocol
 from .lifecycle import END_MARGIN_S, DrainGuard, GracefulServer, Lifecycle
 from infc.backend import load_backend
-from infc.runtime.gc_freeze import freeze_startup
+from infc.runtime.engine.gc_freeze import freeze_startup
 
 DEAD_GRACE_S = 2.0       # /health and in-flight requests see the 503 before the port closes
 

@@ -36,7 +36,7 @@ BASE = dict(vocab_size=VOCAB, max_position_embeddings=256, initializer_range=0.0
 def engine_greedy(runner, prompts: list, max_tokens: int) -> dict:
     """request id -> the greedy tokens the engine generates for each prompt over `runner`, all
     requests in flight together (r0, r1, ...)."""
-    from infc.runtime.sampling import SamplingParams
+    from infc.runtime.engine.sampling import SamplingParams
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     return engine_tokens(runner, prompts, [params] * len(prompts), max_model_len=1024)
 
@@ -44,7 +44,7 @@ def engine_greedy(runner, prompts: list, max_tokens: int) -> dict:
 def engine_tokens(runner, prompts: list, params: list, **engine_kw) -> dict:
     """request id -> the tokens an Engine(runner, **engine_kw) generates for prompt i with
     params[i], all requests in flight together (r0, r1, ...); asserts engine_kw's overlap took."""
-    from infc.runtime.engine import Engine
+    from infc.runtime.engine.engine import Engine
     engine = Engine(runner, **engine_kw)
     if "overlap" in engine_kw:
         assert engine.overlap == engine_kw["overlap"]

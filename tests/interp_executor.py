@@ -5,11 +5,11 @@ import numpy as np
 import torch
 
 from infc.compiler.codegen.render import Kernel
-from infc.runtime import caches
-from infc.runtime.bind import Resolver, grid, scratch_sizes
-from infc.runtime.program import program_name, unrolled
-from infc.runtime.step import Chunk, build_step
-from infc.runtime.weights import at
+from infc.compiler.contract import caches
+from infc.compiler.contract.bind import Resolver, grid, scratch_sizes
+from infc.compiler.contract.program import program_name, unrolled
+from infc.runtime.engine.step import Chunk, build_step
+from infc.runtime.weights.load import at
 
 from kernels.harness import TORCH, interpreter_constexprs, load
 

@@ -25,7 +25,7 @@ from infc.compiler.codegen.backend_cuda import (CudaCompileError, check_params, 
                                                  nvcc_cubin, param_bytes)
 from infc.compiler.codegen.render import render_template
 from infc.compiler.ops import REGISTRY
-from infc.runtime.bind import grid, split_source
+from infc.compiler.contract.bind import grid, split_source
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "backend_tests"

@@ -2,7 +2,8 @@
 work (LLM, bench throughput) takes 16k on the GPU (bench/NOTES.md, eighth session)."""
 import pytest
 
-from infc.backend import default_batched_tokens, load_backend
+from infc.backend import load_backend
+from infc.config import default_batched_tokens
 
 
 def test_the_offline_gpu_budget_is_larger_than_the_servers():

@@ -142,7 +142,7 @@ def test_serve_path_against_infc_serve_on_cpu(model_dir, tmp_path, small_cpu):
 
 def test_text_prompts_keep_their_prefix(model_dir):
     import numpy as np
-    from infc.runtime.tokenizer import Tokenizer
+    from infc.runtime.tokenization.tokenizer import Tokenizer
     tok = Tokenizer(Path(model_dir))
     p = bench.TextPrompts(tok, np.random.default_rng(0))
     prefix = p.make(48)

@@ -36,11 +36,12 @@ def test_the_step_clock_reads_synchronous_steps_too():
 def test_the_step_clock_reads_data_parallel_steps(tiny_model):
     """Data-parallel ranks run a step as execute_ranks: the clock times those (rank 0's padded
     step: every rank's has its T), and every token computed lands in a phase."""
-    from infc.compiler.parallel import compile_ranks, settings
-    from infc.runtime.engine import Engine
+    from infc.compiler.build import compile_ranks
+    from infc.compiler.parallel import settings
+    from infc.runtime.engine.engine import Engine
     from infc.runtime.reference.ranks import rank_runner
-    from infc.runtime.safetensors_io import Checkpoint
-    from infc.runtime.weights import load_weights
+    from infc.compiler.contract.safetensors_io import Checkpoint
+    from infc.runtime.weights.load import load_weights
     d, _ = tiny_model("qwen3_moe")
     plans = [p for _, p in compile_ranks(settings(data_parallel_size=2, enable_expert_parallel=True),
                                          model_dir=str(d))]
@@ -79,7 +80,7 @@ class _OverlappedRanks:
         self.Ts = []
 
     def launch_ranks(self, metas, sampling, feeds):
-        from infc.runtime.runner import Sample
+        from infc.runtime.engine.runner import Sample
         self.Ts.append(metas[0].T)
         return _Launched(metas, [[None if s is None else Sample(1) for s in rows] for rows in sampling])
 
@@ -90,7 +91,7 @@ class _OverlappedRanks:
 def test_the_step_clock_reads_overlapped_data_parallel_steps():
     """Overlapped data-parallel steps are collected by collect_ranks: the clock reads rank 0's
     launched step (its meta and its time on the stream) from each handle, once a step."""
-    from infc.runtime.engine import Engine
+    from infc.runtime.engine.engine import Engine
     runner = _OverlappedRanks()
     engine = Engine(runner, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64)
     assert engine.overlap

@@ -2,9 +2,9 @@
 unreferenced cached blocks, and the accounting invariant after every sequence is released."""
 import pytest
 
-from infc.runtime.block_manager import BlockManager, prefix_hash
-from infc.runtime.sampling import SamplingParams
-from infc.runtime.sequence import Sequence
+from infc.runtime.engine.block_manager import BlockManager, prefix_hash
+from infc.runtime.engine.sampling import SamplingParams
+from infc.runtime.engine.sequence import Sequence
 
 PS = 4
 

@@ -12,7 +12,7 @@ from infc.compiler.build import GENERATED, build, compile_model
 from infc.compiler.inspect import count_launches
 from infc.compiler.plan import SCHEMA, dumps
 from infc.compiler.spec import all_variants
-from infc.runtime.program import bodies, launches, repeats
+from infc.compiler.contract.program import bodies, launches, repeats
 
 VARIANTS = all_variants()
 
@@ -131,7 +131,7 @@ def test_a_tuning_overlay_changes_only_its_kernels_and_is_recorded(tmp_path):
     named template's kernels change, the plan records the overlay (rerender.py rebuilds from it),
     and a parallel build refuses one."""
     from infc.compiler.build import load_tuning
-    from infc.compiler.errors import SpecError
+    from infc.compiler.contract.errors import SpecError
     overlay = {"attention_mixed": {"default": {"SPLIT_MIN_KEYS": 64, "SPLIT_MERGE_CHUNK": 1}}}
     table = load_tuning("h200", overlay)
     assert table["templates"]["attention_mixed"]["default"]["SPLIT_MIN_KEYS"] == 64

@@ -1,4 +1,4 @@
-"""runtime/caches.py: the one module that knows cache layouts (docs/architecture.md, contract 10).
+"""compiler/contract/caches.py: the one module that knows cache layouts (docs/architecture.md, contract 10).
 
 Part 1 checks that nothing else computes one: every Python source under compiler/, runtime/,
 infc/, bench/, server/ and tests/ (but caches.py and this file) is parsed, and these are errors:
@@ -21,13 +21,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from infc.runtime import caches as C
+from infc.compiler.contract import caches as C
 
 from fake_cuda import FakeContext
 
 REPO = Path(__file__).resolve().parent.parent
 ROOTS = ("compiler", "runtime", "infc", "bench", "server", "tests")
-ALLOWED = {"runtime/caches.py", "tests/test_cache_layout.py"}
+ALLOWED = {"compiler/contract/caches.py", "tests/test_cache_layout.py"}
 # a cache's geometry: with a storage size in one expression, it is a layout formula
 GEOMETRY = {"kv_heads", "head_dim", "num_key_value_heads"}
 SIZES = {"page_size", "num_pages", "num_slots", "layers", "itemsize", "element_size", "DTYPE_BYTES",
@@ -91,7 +91,7 @@ def _sources():
 
 def test_no_module_but_caches_py_computes_a_cache_layout():
     bad = [f"{rel}:{line}: {why}" for rel, text in _sources() for line, why in violations(text)]
-    assert not bad, "cache layouts belong to runtime/caches.py:\n" + "\n".join(bad)
+    assert not bad, "cache layouts belong to compiler/contract/caches.py:\n" + "\n".join(bad)
 
 
 @pytest.mark.parametrize("code", [
@@ -259,7 +259,7 @@ def test_device_copies_move_the_same_bytes_as_the_host_ones():
 def test_reference_context_reads_and_writes_through_the_contract():
     """ctx.cache(name) is this layer's float32 storage; paged write = flat[slot_mapping[row]]."""
     from infc.runtime.reference.executor import SeqPages
-    from infc.runtime.step import Chunk
+    from infc.runtime.engine.step import Chunk
     pages = SeqPages({"k": DECL["k"]}, page_size=PS, num_pages=2)
     ctx = pages.context([Chunk(0, [1] * 3, 0), Chunk(1, [1] * 6, 0)], layer=3)
     assert ctx.page_size == PS and pages.storage.num_pages >= 3             # grown on demand

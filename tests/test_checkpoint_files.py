@@ -13,8 +13,8 @@ import pytest
 from safetensors import safe_open
 from test_checkpoint_honesty import build_dir, tiny_shapes, write_model
 
-from infc.compiler.errors import ModelDirError
-from infc.runtime.safetensors_io import Checkpoint, SafetensorsFile
+from infc.compiler.contract.errors import ModelDirError
+from infc.compiler.contract.safetensors_io import Checkpoint, SafetensorsFile
 
 
 def read(path: Path) -> tuple[dict, bytes]:

@@ -20,7 +20,7 @@ from safetensors.numpy import save_file
 
 from infc.cli import main
 from infc.compiler.checkpoint_check import check_model_dir
-from infc.compiler.errors import SpecError
+from infc.compiler.contract.errors import SpecError
 from infc.compiler.spec import load_spec
 
 HERE = Path(__file__).resolve().parent

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from infc.compiler.build import build
-from infc.runtime.engine import Engine
-from infc.runtime.sampling import SamplingParams
+from infc.runtime.engine.engine import Engine
+from infc.runtime.engine.sampling import SamplingParams
 from test_cuda_ranks import FakeCtx, FakeGraph, cuda_mods, fake_device, fake_launch  # noqa: F401
 
 

@@ -32,7 +32,8 @@ from fake_cuda import cuda_modules
 from kernels.harness import load
 
 from infc.compiler.ops import REGISTRY
-from infc.compiler.parallel import build_ranks, settings
+from infc.compiler.build import build_ranks
+from infc.compiler.parallel import settings
 from infc.runtime.reference.ranks import RankExchange
 
 BASE = 1 << 32                               # fake device addresses start here
@@ -607,9 +608,9 @@ def _check_every_collective(ctx, group) -> list:
                          ids=["qwen3-tp2", "qwen3_moe-tp2-ep2"])
 def test_lockstep_ranks_on_a_fake_device(fake_device, artifacts, monkeypatch, family, par, rng):
     from infc.runtime.reference.ranks import RankExecutor
-    from infc.runtime.safetensors_io import Checkpoint
-    from infc.runtime.step import Chunk, build_step
-    from infc.runtime.weights import load_weights
+    from infc.compiler.contract.safetensors_io import Checkpoint
+    from infc.runtime.engine.step import Chunk, build_step
+    from infc.runtime.weights.load import load_weights
     monkeypatch.setattr(fake_device.driver, "Graph", FakeGraph)
     d, art = artifacts(family, **par)
     ctx = FakeCtx(24 << 20)
@@ -659,9 +660,9 @@ def test_data_parallel_ranks_on_a_fake_device(fake_device, artifacts, monkeypatc
     step by step against the reference ranks (runtime/reference/ranks.py) on the same padded
     steps; the ranks' steps differ in sequences, B and phase."""
     from infc.runtime.reference.ranks import RankExecutor
-    from infc.runtime.safetensors_io import Checkpoint
-    from infc.runtime.step import Chunk, build_step, pad_ranks
-    from infc.runtime.weights import load_weights
+    from infc.compiler.contract.safetensors_io import Checkpoint
+    from infc.runtime.engine.step import Chunk, build_step, pad_ranks
+    from infc.runtime.weights.load import load_weights
     monkeypatch.setattr(fake_device.driver, "Graph", FakeGraph)
     d, art = artifacts("qwen3_moe", data_parallel_size=2, enable_expert_parallel=True)
     ctx = FakeCtx(24 << 20)

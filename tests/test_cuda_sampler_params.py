@@ -3,8 +3,8 @@ above the vocabulary is off there (0), so no request's top_k, however large, ove
 packing and fails the step (issue 39). Runs on the fake CUDA driver."""
 import numpy as np
 
-from infc.runtime.runner import RowSampling
-from infc.runtime.sampling import SamplingParams
+from infc.runtime.engine.runner import RowSampling
+from infc.runtime.engine.sampling import SamplingParams
 
 
 def test_top_k_is_packed_within_the_vocabulary(fake_driver):

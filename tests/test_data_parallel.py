@@ -7,10 +7,11 @@ with the ranks' steps of different lengths and phases padded alike (runtime/refe
 import numpy as np
 import pytest
 
-from infc.compiler.errors import SpecError
-from infc.compiler.parallel import compile_ranks, settings
+from infc.compiler.contract.errors import SpecError
+from infc.compiler.build import compile_ranks
+from infc.compiler.parallel import settings
 from infc.runtime.reference.executor import SeqChunk
-from infc.runtime.step import build_step
+from infc.runtime.engine.step import build_step
 from test_cuda_ranks import _ref
 from test_parallel import ranked, single
 
@@ -138,7 +139,7 @@ def test_dp_collective_references(rng):
 
 
 def test_pad_step_rows_or_one_sequence_on_the_given_page():
-    from infc.runtime.step import build_step, pad_ranks, pad_step
+    from infc.runtime.engine.step import build_step, pad_ranks, pad_step
     m = build_step([SeqChunk(3, [5, 6, 7], 0), SeqChunk(4, [8], 16)], {3: [2], 4: [0, 1]}.__getitem__, 16)
     r = pad_step(m, 7, page=9, page_size=16, rows=True)             # one-token rows
     assert (r.T, r.B, r.phase) == (7, 5, "mixed")
@@ -168,18 +169,18 @@ def test_pad_step_rows_or_one_sequence_on_the_given_page():
 
 
 def test_engine_schedules_each_rank_its_own_sequences(tiny_model, rng):
-    """The engine over data-parallel ranks (runtime/engine.py): requests spread over the ranks,
+    """The engine over data-parallel ranks (runtime/engine/engine.py): requests spread over the ranks,
     each rank's steps over its own pages, padded alike; the greedy tokens equal the single-rank
     engine's, for prompts of different lengths arriving together (mixed steps on one rank while
     the other decodes, a rank idle at the end), and n = 2 siblings kept on one rank."""
     from families import engine_greedy
     from infc.compiler.build import compile_model
-    from infc.runtime.engine import Engine
+    from infc.runtime.engine.engine import Engine
     from infc.runtime.reference.ranks import rank_runner
-    from infc.runtime.runner import CPURunner
-    from infc.runtime.safetensors_io import Checkpoint
-    from infc.runtime.sampling import SamplingParams
-    from infc.runtime.weights import load_weights
+    from infc.runtime.engine.runner import CPURunner
+    from infc.compiler.contract.safetensors_io import Checkpoint
+    from infc.runtime.engine.sampling import SamplingParams
+    from infc.runtime.weights.load import load_weights
     d, _ = tiny_model("qwen3_moe")
     _, plan = compile_model(model_dir=str(d))
     plans = [p for _, p in compile_ranks(settings(**dp(2)), model_dir=str(d))]
@@ -233,15 +234,15 @@ def test_build_and_inspect_flags(flags, message, tiny_model, tmp_path, capsys):
 
 
 def test_overlapped_data_parallel_steps_give_the_synchronous_tokens(tiny_model, rng):
-    """Overlapped steps over data-parallel ranks (runtime/engine.py): step N + 1 is launched
+    """Overlapped steps over data-parallel ranks (runtime/engine/engine.py): step N + 1 is launched
     before step N is read, each rank's fed rows taking the tokens that rank sampled (here the
     simulated ranks compute at launch, as ComputedAtLaunch does on one rank). Greedy and seeded
     sampling give the synchronous steps' tokens."""
     from families import engine_tokens
     from infc.runtime.reference.ranks import rank_runner
-    from infc.runtime.safetensors_io import Checkpoint
-    from infc.runtime.sampling import SamplingParams
-    from infc.runtime.weights import load_weights
+    from infc.compiler.contract.safetensors_io import Checkpoint
+    from infc.runtime.engine.sampling import SamplingParams
+    from infc.runtime.weights.load import load_weights
     d, _ = tiny_model("qwen3_moe")
     plans = [p for _, p in compile_ranks(settings(**dp(2)), model_dir=str(d))]
     weights = [load_weights(p, Checkpoint(d)) for p in plans]
@@ -262,11 +263,11 @@ def test_overlapped_data_parallel_steps_give_the_synchronous_tokens(tiny_model, 
 def test_a_repeated_prompt_goes_to_the_rank_that_cached_it(tiny_model, rng):
     """A prefix is cached on the rank that computed it: a request whose prompt another rank holds
     goes there (and hits), even when that rank is the busier one."""
-    from infc.runtime.engine import Engine
+    from infc.runtime.engine.engine import Engine
     from infc.runtime.reference.ranks import rank_runner
-    from infc.runtime.safetensors_io import Checkpoint
-    from infc.runtime.sampling import SamplingParams
-    from infc.runtime.weights import load_weights
+    from infc.compiler.contract.safetensors_io import Checkpoint
+    from infc.runtime.engine.sampling import SamplingParams
+    from infc.runtime.weights.load import load_weights
     d, _ = tiny_model("qwen3_moe")
     plans = [p for _, p in compile_ranks(settings(**dp(2)), model_dir=str(d))]
     engine = Engine(rank_runner(plans, [load_weights(p, Checkpoint(d)) for p in plans], 32),
@@ -298,7 +299,7 @@ class _TwoRanks:
         self.real = self.padded = 0
 
     def execute_ranks(self, metas, sampling):
-        from infc.runtime.runner import Sample
+        from infc.runtime.engine.runner import Sample
         return [[None if s is None else Sample(1) for s in rows] for rows in sampling]
 
 
@@ -306,8 +307,8 @@ def test_new_requests_go_to_the_rank_with_fewer_tokens_left():
     """Ranks' steps are padded to the longest T, so placement balances the tokens left to
     compute, not the number of requests: after a long prompt on rank 0, short ones go to rank 1
     until its share of tokens catches up."""
-    from infc.runtime.engine import Engine
-    from infc.runtime.sampling import SamplingParams
+    from infc.runtime.engine.engine import Engine
+    from infc.runtime.engine.sampling import SamplingParams
     engine = Engine(_TwoRanks(), max_model_len=4096, max_num_batched_tokens=256, overlap=False)
     sp = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     lengths = [1000, 10, 10, 10, 600, 500]
@@ -326,8 +327,8 @@ def test_new_requests_go_to_the_rank_with_fewer_tokens_left():
 def _padded_run(engine_class, seed=0, n=256, concurrency=64) -> tuple[int, int]:
     """(tokens the ranks computed, tokens after padding) over ShareGPT-like prompt and output
     lengths, `concurrency` requests in flight."""
-    import infc.runtime.engine as engine_mod
-    from infc.runtime.sampling import SamplingParams
+    import infc.runtime.engine.engine as engine_mod
+    from infc.runtime.engine.sampling import SamplingParams
     runner = _TwoRanks(num_pages=16384)
     pad = engine_mod.pad_ranks
 
@@ -364,7 +365,7 @@ def _padded_run(engine_class, seed=0, n=256, concurrency=64) -> tuple[int, int]:
 def test_placement_by_tokens_pads_less_than_by_requests():
     """On mixed lengths, placing by tokens left pads fewer tokens than placing by request count
     (the engine's rule before): the same computed tokens, >= 5 % fewer padded ones."""
-    from infc.runtime.engine import Engine
+    from infc.runtime.engine.engine import Engine
 
     class ByCount(Engine):
         def _rank_for(self, seq):

@@ -23,10 +23,10 @@ import pytest
 import torch
 
 from infc.compiler.build import compile_model
-from infc.runtime import caches
+from infc.compiler.contract import caches
 from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
-from infc.runtime.safetensors_io import Checkpoint
-from infc.runtime.weights import load_weights
+from infc.compiler.contract.safetensors_io import Checkpoint
+from infc.runtime.weights.load import load_weights
 
 from families import reference_greedy
 
@@ -119,7 +119,7 @@ def test_heads_transform_cuts_w_uk_w_uv_per_head(models):
 
 
 def test_heads_transform_recipe():
-    from infc.runtime.weight_recipes import build
+    from infc.runtime.weights.recipes import build
     wb = np.arange(2 * 5 * 3, dtype=np.float32).reshape(2 * 5, 3)      # 2 heads of 2 + 3 rows, K 3
     read = {"w": wb}.__getitem__
     sl = {"slice": {"tensor": "w"}, "axis": 0, "start": 0, "stop": 2, "groups": 2}
@@ -131,7 +131,7 @@ def test_heads_transform_recipe():
 
 
 def test_heads_transform_needs_a_3d_shape(tmp_path, models):
-    from infc.compiler.errors import SpecError
+    from infc.compiler.contract.errors import SpecError
     from pathlib import Path
     spec = (Path(__file__).resolve().parent.parent / "specs" / "deepseek_v2.yaml").read_text()
     bad = spec.replace("shape: [Hq, Dv, Dc],", "shape: [Hq*Dv, Dc],")

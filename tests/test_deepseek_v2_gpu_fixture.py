@@ -30,7 +30,7 @@ import gpu_families  # noqa: E402
 
 from infc.bench import active_floor as af  # noqa: E402
 from infc.compiler.build import compile_model  # noqa: E402
-from infc.runtime import caches  # noqa: E402
+from infc.compiler.contract import caches  # noqa: E402
 
 FAMILY, FULL = "deepseek-v2-lite-l8", "deepseek-v2-lite"
 # DeepSeek-V2-Lite's config.json (the architecture's keys; auto_map, aux_loss_alpha, seq_aux,

@@ -11,9 +11,9 @@ import torch
 
 from infc.compiler.build import build
 from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
-from infc.runtime.safetensors_io import Checkpoint
-from infc.runtime.step import Chunk
-from infc.runtime.weights import load_weights
+from infc.compiler.contract.safetensors_io import Checkpoint
+from infc.runtime.engine.step import Chunk
+from infc.runtime.weights.load import load_weights
 
 from interp_executor import InterpExecutor
 from test_deepseek_v2 import VARIANTS, VOCAB, models  # noqa: F401  (the module fixture)

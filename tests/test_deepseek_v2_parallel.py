@@ -17,14 +17,15 @@ import pytest
 
 from infc.cli import main
 from infc.compiler.build import compile_model
-from infc.compiler.errors import SpecError
-from infc.compiler.parallel import compile_ranks, settings
-from infc.runtime import caches
-from infc.runtime.program import unrolled
+from infc.compiler.contract.errors import SpecError
+from infc.compiler.build import compile_ranks
+from infc.compiler.parallel import settings
+from infc.compiler.contract import caches
+from infc.compiler.contract.program import unrolled
 from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
 from infc.runtime.reference.ranks import RankExecutor, rank_runner
-from infc.runtime.safetensors_io import Checkpoint
-from infc.runtime.weights import load_weights
+from infc.compiler.contract.safetensors_io import Checkpoint
+from infc.runtime.weights.load import load_weights
 
 from test_deepseek_v2 import BASE, VOCAB, models  # noqa: F401  (the module fixture)
 
@@ -159,7 +160,7 @@ def test_engine_on_simulated_ranks_generates_the_single_rank_tokens(models, rng)
     """The engine (paged latent cache, batching) over TP x EP ranks of the group-limited q_lora
     model: rank 0's step metadata serves every rank, rank 0 samples."""
     from families import engine_greedy
-    from infc.runtime.runner import CPURunner
+    from infc.runtime.engine.runner import CPURunner
     d, _ = models["qlora"]
     runners = [CPURunner(*_single(d), 32),
                rank_runner(*_ranks(d, tensor_parallel_size=2, enable_expert_parallel=True), 32)]

@@ -99,7 +99,7 @@ def test_reads_before_the_wait_are_step_invariant():
     launch writes in its layer (the narrow attention with its cache write merged in: it reads the
     keys of earlier steps before the wait and its own token's after its own barrier)."""
     import json
-    from infc.runtime.program import unrolled
+    from infc.compiler.contract.program import unrolled
     checked = {"in": 0, "meta": 0, "cache": 0}
     for plan_path in sorted(REPO.glob("generated/*/plan.json")):
         plan = json.loads(plan_path.read_text())
@@ -154,7 +154,7 @@ def test_the_decode_chain_of_qwen3_is_dependent():
     serialize the launches around it again."""
     import json
     plan = json.loads((REPO / "generated/qwen3-4b/plan.json").read_text())
-    from infc.runtime.program import unrolled
+    from infc.compiler.contract.program import unrolled
     kernels = {p.stem: _meta(ast.parse(p.read_text())) for p in (REPO / "generated/qwen3-4b/kernels").glob("*.py")}
     launched = [launch["kernel_id"] for launch, _ in unrolled(plan["programs"]["decode"])]
     assert len(launched) > 200

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from infc.compiler.build import compile_model
-from infc.compiler.errors import ModelDirError
+from infc.compiler.contract.errors import ModelDirError
 from infc.runtime.cuda import weights as dw
-from infc.runtime.safetensors_io import Checkpoint, f32_to_bf16_bits
-from infc.runtime.weights import iter_weights
+from infc.compiler.contract.safetensors_io import Checkpoint, f32_to_bf16_bits
+from infc.runtime.weights.load import iter_weights
 
 from fake_cuda import FakeContext
 

@@ -17,10 +17,10 @@ import pytest
 
 from infc.compiler.build import compile_model
 from infc.compiler.codegen.render import render_weight_init
-from infc.compiler.errors import ModelDirError
-from infc.runtime import dummy_weights as dwv
+from infc.compiler.contract.errors import ModelDirError
+from infc.runtime.weights import dummy as dwv
 from infc.runtime.cuda import weights as dw
-from infc.runtime.safetensors_io import f32_to_bf16_bits
+from infc.compiler.contract.safetensors_io import f32_to_bf16_bits
 
 from fake_cuda import FakeContext
 

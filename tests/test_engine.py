@@ -9,11 +9,11 @@ import time
 import numpy as np
 import pytest
 
-from infc.runtime.async_engine import AsyncEngine, EngineDeadError
-from infc.runtime.engine import Engine
-from infc.runtime.runner import ComputedAtLaunch, CPURunner
-from infc.runtime.sampling import SamplingParams
-from infc.runtime.tokenizer import Tokenizer
+from infc.runtime.engine.async_engine import AsyncEngine, EngineDeadError
+from infc.runtime.engine.engine import Engine
+from infc.runtime.engine.runner import ComputedAtLaunch, CPURunner
+from infc.runtime.engine.sampling import SamplingParams
+from infc.runtime.tokenization.tokenizer import Tokenizer
 from test_scheduler import FakeRunner, assert_all_free, drain, make_engine, solo, tiny_plan  # noqa: F401
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -381,7 +381,7 @@ def test_a_request_is_checked_once_on_its_way_in(monkeypatch):
     AsyncEngine.generate runs check_request once and the engine thread trusts it; a caller that
     checked already (the server, for every prompt before it replies) says so and nobody checks
     again. A numpy prompt still works through the door, and a bad one still fails there."""
-    from infc.runtime.engine import Engine
+    from infc.runtime.engine.engine import Engine
     r = FakeRunner(64)
     ae = AsyncEngine(make_engine(r, max_num_seqs=2))
     calls = []

@@ -9,7 +9,7 @@ from test_checkpoint_honesty import BASE
 import infc.compiler.build  # noqa: F401 - imported before any clock starts
 from infc.cli import main
 from infc.compiler import expr
-from infc.compiler.errors import SpecError
+from infc.compiler.contract.errors import SpecError
 from infc.compiler.expr import EvalError, evaluate, parse_expr
 
 ABUSES = {

@@ -19,9 +19,9 @@ import pytest
 
 from infc.compiler.build import build
 from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
-from infc.runtime.safetensors_io import Checkpoint
-from infc.runtime.step import Chunk
-from infc.runtime.weights import load_weights
+from infc.compiler.contract.safetensors_io import Checkpoint
+from infc.runtime.engine.step import Chunk
+from infc.runtime.weights.load import load_weights
 
 from families import FAMILIES, VOCAB
 from interp_executor import InterpExecutor

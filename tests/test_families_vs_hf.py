@@ -19,8 +19,8 @@ import torch
 from infc.compiler.build import compile_model
 from infc.compiler.spec import load_spec
 from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
-from infc.runtime.safetensors_io import Checkpoint
-from infc.runtime.weights import load_weights
+from infc.compiler.contract.safetensors_io import Checkpoint
+from infc.runtime.weights.load import load_weights
 
 from families import FAMILIES, VOCAB, reference_greedy
 
@@ -88,7 +88,7 @@ def test_ignore_is_what_lets_stablelm_build(family_model, tmp_path):
     """stablelm's tiny checkpoint carries each layer's rotary_emb.inv_freq buffer (as checkpoints
     saved by transformers < 4.31 do): the spec's `ignore:` pattern accounts for them, and
     without it the build names the unread tensor."""
-    from infc.compiler.errors import SpecError
+    from infc.compiler.contract.errors import SpecError
     d, _ = family_model("stablelm")
     spec = (SPECS / "stablelm.yaml").read_text()
     cut = spec.replace('ignore:\n  - "model.layers.*.self_attn.rotary_emb.inv_freq"\n', "")

@@ -1,4 +1,4 @@
-"""runtime/fast_tokenize.py: long prompts split at proven pre-token boundaries, encoded in
+"""runtime/tokenization/fast_tokenize.py: long prompts split at proven pre-token boundaries, encoded in
 parallel and from a piece cache, give exactly the ids of the tokenizers library's own `encode`
 (special tokens included) on the Qwen and SmolLM2 fixtures, on their regex variants, and on
 SentencePiece/Metaspace-style tokenizers built here; the fast path is on where the rule holds
@@ -18,9 +18,9 @@ import pytest
 from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors,
                         trainers)
 
-import infc.runtime.fast_tokenize as ft
-from infc.runtime.fast_tokenize import FastEncoder, KNOWN_REGEXES
-from infc.runtime.tokenizer import Tokenizer as InfcTokenizer
+import infc.runtime.tokenization.fast_tokenize as ft
+from infc.runtime.tokenization.fast_tokenize import FastEncoder, KNOWN_REGEXES
+from infc.runtime.tokenization.tokenizer import Tokenizer as InfcTokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from infc.compiler.build import compile_model
-from infc.runtime.program import launches, unrolled
+from infc.compiler.contract.program import launches, unrolled
 from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
-from infc.runtime.safetensors_io import Checkpoint
-from infc.runtime.weights import load_weights
+from infc.compiler.contract.safetensors_io import Checkpoint
+from infc.runtime.weights.load import load_weights
 
 from test_deepseek_v2 import BASE, PROMPT, models  # noqa: F401  (the module fixture)
 

@@ -1,4 +1,4 @@
-"""runtime/gc_freeze.py: startup objects leave the collector's walks, unless INFC_GC_FREEZE=0.
+"""runtime/engine/gc_freeze.py: startup objects leave the collector's walks, unless INFC_GC_FREEZE=0.
 Each check runs in a fresh interpreter: freezing is process-wide and would hold the test
 session's own objects."""
 import os
@@ -9,7 +9,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PROBE = """
 import gc
-from infc.runtime.gc_freeze import freeze_startup
+from infc.runtime.engine.gc_freeze import freeze_startup
 kept = [[i] for i in range(20000)]             # startup objects that live on
 cycle = []; cycle.append(cycle); del cycle     # startup garbage: collected, not frozen
 before = len(gc.get_objects())

@@ -3,18 +3,18 @@
 Each family runs a prefill of two sequences of different lengths, the second sharing the
 first one's leading KV pages (a cached prefix), then 4 batched decode steps, with page size 16,
 every launch following the plan: its kernel, bindings and grid. The second sequence's 9 new
-tokens are a short step (runtime/program.py program_name): its linears run the decode GEMVs."""
+tokens are a short step (compiler/contract/program.py program_name): its linears run the decode GEMVs."""
 import json
 
 import numpy as np
 import pytest
 
 from infc.compiler.build import build
-from infc.runtime.program import launches
+from infc.compiler.contract.program import launches
 from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
-from infc.runtime.safetensors_io import Checkpoint
-from infc.runtime.step import Chunk
-from infc.runtime.weights import load_weights
+from infc.compiler.contract.safetensors_io import Checkpoint
+from infc.runtime.engine.step import Chunk
+from infc.runtime.weights.load import load_weights
 
 from interp_executor import InterpExecutor
 

@@ -4,8 +4,9 @@ needs (no launch writes memory that one of its other inputs occupies), and where
 import pytest
 
 from infc.compiler.build import compile_model
-from infc.compiler.parallel import compile_ranks, settings
-from infc.runtime.program import count_launches, launches, program_name
+from infc.compiler.build import compile_ranks
+from infc.compiler.parallel import settings
+from infc.compiler.contract.program import count_launches, launches, program_name
 
 
 def test_qwen3_4b_narrow_program_merges_the_norms_and_qk_rope():

@@ -2,8 +2,9 @@
 fuse_route_align folds it into the router launch where the ids are the router's own (not across
 ep_dispatch); the decode program reads no grouping and the prefill kernels do."""
 from infc.compiler.build import compile_model
-from infc.compiler.parallel import compile_ranks, settings
-from infc.runtime.program import launches
+from infc.compiler.build import compile_ranks
+from infc.compiler.parallel import settings
+from infc.compiler.contract.program import launches
 
 
 def _moe(plan, phase):
@@ -29,7 +30,7 @@ def test_wide_decode_runs_the_grouped_experts(tiny_model):
     program: the decode program with the experts' grouped GEMMs fed by the router's token lists,
     and the plain linears on the GEMM's decode tiles; every other launch is the decode program's.
     An EP rank counts the whole model's experts."""
-    from infc.runtime.program import program_name
+    from infc.compiler.contract.program import program_name
     _, plan = compile_model("qwen3-30b-a3b")
     assert plan["wide_tokens"] == 128
     assert [program_name(plan, "decode", T) for T in (1, 2, 127, 128, 256)] == \

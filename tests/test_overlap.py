@@ -6,8 +6,8 @@ be its last, and every page must come back."""
 import numpy as np
 import pytest
 
-from infc.runtime.engine import Engine
-from infc.runtime.sampling import SamplingParams
+from infc.runtime.engine.engine import Engine
+from infc.runtime.engine.sampling import SamplingParams
 from test_scheduler import FakeRunner, assert_all_free, drain, make_engine, solo
 
 

@@ -11,15 +11,16 @@ import pytest
 
 from infc.cli import main
 from infc.compiler.build import compile_model
-from infc.compiler.errors import SpecError
+from infc.compiler.contract.errors import SpecError
 from infc.compiler.ops import REGISTRY
-from infc.compiler.parallel import compile_ranks, settings
-from infc.runtime.caches import unit_elems
-from infc.runtime.program import unrolled
+from infc.compiler.build import compile_ranks
+from infc.compiler.parallel import settings
+from infc.compiler.contract.caches import unit_elems
+from infc.compiler.contract.program import unrolled
 from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
 from infc.runtime.reference.ranks import RankExchange, RankExecutor
-from infc.runtime.safetensors_io import Checkpoint
-from infc.runtime.weights import load_weights
+from infc.compiler.contract.safetensors_io import Checkpoint
+from infc.runtime.weights.load import load_weights
 
 TOL = 1e-4
 
@@ -145,7 +146,7 @@ def test_tp2_on_other_families(family, family_model, rng):
 
 
 def test_expert_parallel_rank_reads_only_its_experts(tiny_model):
-    from infc.runtime.weights import iter_weights
+    from infc.runtime.weights.load import iter_weights
     d, _ = tiny_model("qwen3_moe")
     ranks = compile_ranks(settings(expert_parallel_only=4), model_dir=str(d))
     ckpt = Checkpoint(d)
@@ -162,7 +163,7 @@ def test_engine_on_simulated_ranks_generates_the_single_rank_tokens(tiny_model, 
     serves every rank (page ids are the same on every rank), rank 0 samples."""
     from families import engine_greedy
     from infc.runtime.reference.ranks import rank_runner
-    from infc.runtime.runner import CPURunner
+    from infc.runtime.engine.runner import CPURunner
     d, _ = tiny_model("qwen3_moe")
     _, plan = compile_model(model_dir=str(d))
     plans = [p for _, p in compile_ranks(settings(tensor_parallel_size=2, enable_expert_parallel=True),

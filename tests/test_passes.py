@@ -311,7 +311,7 @@ def test_a_gated_pair_fuses_apart_from_other_linears_on_its_input():
     dispatch, a gated shared expert); with it, the shared experts are routed ones and only the
     dense layer's MLP is gated."""
     from infc.compiler.build import compile_model
-    from infc.runtime.program import unrolled
+    from infc.compiler.contract.program import unrolled
     for skip, gated in ((("fold_shared_experts",), 27), ((), 1)):   # dense MLP (+ 26 shared experts)
         _, plan = compile_model("deepseek-v2-lite", skip=skip)
         ops = [launch["op"] for launch, layer in unrolled(plan["programs"]["decode"])]

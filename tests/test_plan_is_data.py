@@ -12,9 +12,9 @@ import pytest
 from test_cuda_ranks import FakeCtx, FakeGraph, cuda_mods, fake_device, fake_launch  # noqa: F401
 
 from infc.compiler.build import build
-from infc.compiler.errors import ModelDirError
-from infc.compiler.safe_eval import ExprLimit, compile_int
-from infc.runtime.bind import eval_int
+from infc.compiler.contract.errors import ModelDirError
+from infc.compiler.contract.safe_eval import ExprLimit, compile_int
+from infc.compiler.contract.bind import eval_int
 
 ROOT = Path(__file__).resolve().parent.parent
 PLANS = sorted(glob.glob(str(ROOT / "generated" / "*" / "plan*.json")))

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from infc.bench import profile as prof
-from infc.runtime.program import program_name, unrolled
+from infc.compiler.contract.program import program_name, unrolled
 
 PLAN = json.loads((Path(__file__).resolve().parent.parent / "generated" / "qwen3-4b" / "plan.json").read_text())
 L = PLAN["config"]["L"]
@@ -165,7 +165,7 @@ def _fake_runner(drv):
 
 
 def test_profiler_steps_on_a_fake_driver(fake_driver, capsys):
-    from infc.runtime.step import Chunk
+    from infc.runtime.engine.step import Chunk
     r = _fake_runner(fake_driver)
     launched = fake_driver.launches
     p = prof.Profiler(r, reps=4, warmup=2, bandwidth=4e12)
@@ -227,7 +227,7 @@ def test_isolated_launches_are_retimed_alone_and_back_to_back(fake_driver):
     """--isolate: after an eager step, the first launch of each group of the named ops is issued
     again on its own; on the fake clock its alone and back-to-back times are its site's, and only
     those launches run."""
-    from infc.runtime.step import Chunk
+    from infc.runtime.engine.step import Chunk
     r = _fake_runner(fake_driver)
     launched = fake_driver.launches
     p = prof.Profiler(r, reps=3, warmup=1, bandwidth=None, isolate=["attention_cached", "add_rms_norm"])

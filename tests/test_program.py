@@ -1,10 +1,9 @@
-"""runtime/program.py (the one walker of plan programs) and runtime/bind.py's Resolver (the one
+"""compiler/contract/program.py (the one walker of plan programs) and compiler/contract/bind.py's Resolver (the one
 kernel-argument resolver), on hand-written plan fragments."""
 import pytest
 
-from infc.runtime.bind import CACHE_MARKER, KernelInfo, Resolver, dim_slots
-from infc.runtime.program import (bodies, count_launches, launches, layer_counts, program_name, repeats,
-                                  unrolled)
+from infc.compiler.contract.bind import CACHE_MARKER, KernelInfo, Resolver, dim_slots
+from infc.compiler.contract.program import bodies, count_launches, launches, layer_counts, program_name, repeats, unrolled
 
 
 def L(op):

@@ -30,18 +30,18 @@ import pytest
 import torch
 
 from infc.compiler.build import build, compile_model
-from infc.runtime import caches
-from infc.runtime.block_manager import BlockManager
-from infc.runtime.engine import Engine
-from infc.runtime.program import launches as _launches
+from infc.compiler.contract import caches
+from infc.runtime.engine.block_manager import BlockManager
+from infc.runtime.engine.engine import Engine
+from infc.compiler.contract.program import launches as _launches
 from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
-from infc.runtime.runner import CPURunner, sample_row
-from infc.runtime.safetensors_io import Checkpoint
-from infc.runtime.sampling import SamplingParams
-from infc.runtime.scheduler import Scheduler
-from infc.runtime.sequence import Sequence
-from infc.runtime.step import Chunk, build_step
-from infc.runtime.weights import load_weights
+from infc.runtime.engine.runner import CPURunner, sample_row
+from infc.compiler.contract.safetensors_io import Checkpoint
+from infc.runtime.engine.sampling import SamplingParams
+from infc.runtime.engine.scheduler import Scheduler
+from infc.runtime.engine.sequence import Sequence
+from infc.runtime.engine.step import Chunk, build_step
+from infc.runtime.weights.load import load_weights
 
 from families import reference_greedy
 
@@ -154,7 +154,7 @@ def test_vision_tower_is_ignored_on_purpose(models, tmp_path):
     `ignore:` entry."""
     from pathlib import Path
 
-    from infc.compiler.errors import SpecError
+    from infc.compiler.contract.errors import SpecError
     spec = (Path(__file__).resolve().parent.parent / "specs" / "qwen3_5.yaml").read_text()
     cut = spec.replace('  - "model.visual.*"\n', "")
     assert cut != spec
@@ -274,7 +274,7 @@ def test_build_variant_no_compile(tmp_path):
 def test_dummy_weights_keep_the_state_decaying(models):
     """--load-format dummy: A = -exp(A_log) is filled near -1 (near +1, as a norm scale, the
     decays exp(g) would exceed 1 and the recurrent state would grow without bound)."""
-    from infc.runtime.dummy_weights import dummy_weights, rule
+    from infc.runtime.weights.dummy import dummy_weights, rule
     plan, _ = _plan(models["causal"][0])
     assert rule(plan["weights"]["A"])[1] == -1.0 and rule(plan["weights"]["o_norm"])[1] == 1.0
     w = dummy_weights(plan)

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 import gpu_families  # noqa: E402
 
 from infc.compiler.build import compile_model  # noqa: E402
-from infc.runtime import caches  # noqa: E402
+from infc.compiler.contract import caches  # noqa: E402
 
 FAMILY = "qwen3.5-4b-l8"
 LIN, FULL = "linear_attention", "full_attention"
@@ -117,8 +117,8 @@ def test_tiny_fixture_redraw(tiny):
 
 def test_tiny_fixture_reference_matches_hf(tiny):
     from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
-    from infc.runtime.safetensors_io import Checkpoint
-    from infc.runtime.weights import load_weights
+    from infc.compiler.contract.safetensors_io import Checkpoint
+    from infc.runtime.weights.load import load_weights
     d, hf = tiny
     prompt = [int(t) for t in np.random.default_rng(3).integers(0, 512, 24)]
     with torch.no_grad():
@@ -151,7 +151,7 @@ def test_missing_transformers_class_is_one_clear_line(monkeypatch):
 
 def test_driver_loop_gives_batched_sequences_distinct_slots():
     from driver_loop import Pages, step
-    from infc.runtime.step import Chunk
+    from infc.runtime.engine.step import Chunk
 
     class Runner:
         num_slots = 4

@@ -13,11 +13,12 @@ import pytest
 from families import engine_greedy, engine_tokens
 
 from infc.compiler.build import compile_model
-from infc.compiler.parallel import compile_ranks, settings
-from infc.runtime import step_channel as ch
-from infc.runtime.step import Chunk, StepMeta, build_step
+from infc.compiler.build import compile_ranks
+from infc.compiler.parallel import settings
+from infc.runtime.distributed import step_channel as ch
+from infc.runtime.engine.step import Chunk, StepMeta, build_step
 
-FACTORY = "infc.runtime.rank_workers:reference_rank_runner"
+FACTORY = "infc.runtime.distributed.rank_runners:reference_rank_runner"
 
 
 # -- the channel ------------------------------------------------------------------------------
@@ -73,8 +74,8 @@ def test_empty_and_large_steps_round_trip(rng):
 
 
 def test_launch_frames_carry_the_rows_sampling_and_the_fed_tokens(rng):
-    from infc.runtime.runner import RowSampling
-    from infc.runtime.sampling import SamplingParams
+    from infc.runtime.engine.runner import RowSampling
+    from infc.runtime.engine.sampling import SamplingParams
     meta = random_meta(rng, 5, True)
     rows = [None, RowSampling(SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, logprobs=2),
                               (1 << 70) + 3, 4, (2, 9)),
@@ -169,7 +170,7 @@ def test_malformed_frames_are_refused(rng):
 
 def test_no_pickle_on_the_channel(monkeypatch, rng):
     import infc.runtime
-    root = Path(infc.runtime.__file__).parent
+    root = Path(infc.runtime.__file__).parent / "distributed"
     for name in ("step_channel.py", "rank_workers.py"):
         assert "pickle" not in (root / name).read_text().replace("no pickle", ""), name
     import pickle
@@ -202,7 +203,7 @@ def write_plans(d, tmp_path, **par) -> tuple[list, list[str]]:
 
 
 def processes(d, paths, num_pages=32, **kw):
-    from infc.runtime.rank_workers import MultiProcessRunner
+    from infc.runtime.distributed.rank_workers import MultiProcessRunner
     return MultiProcessRunner(FACTORY, {"plans": paths, "model_dir": str(d), "num_pages": num_pages},
                               world=len(paths), step_timeout=kw.pop("step_timeout", 60),
                               startup_timeout=120, **kw)
@@ -211,8 +212,8 @@ def processes(d, paths, num_pages=32, **kw):
 def test_two_processes_give_the_simulated_and_single_rank_logits(tiny_model, tmp_path, rng):
     from infc.runtime.reference.executor import ReferenceExecutor
     from infc.runtime.reference.ranks import RankExecutor
-    from infc.runtime.safetensors_io import Checkpoint
-    from infc.runtime.weights import load_weights
+    from infc.compiler.contract.safetensors_io import Checkpoint
+    from infc.runtime.weights.load import load_weights
     d, _ = tiny_model("qwen3")
     _, plan = compile_model(model_dir=str(d))
     one = ReferenceExecutor(plan, load_weights(plan, Checkpoint(d)))
@@ -242,9 +243,9 @@ def test_two_processes_give_the_simulated_and_single_rank_logits(tiny_model, tmp
                                      ("qwen3_moe", dict(expert_parallel_only=2))],
                          ids=["qwen3-tp2", "qwen3_moe-ep2"])
 def test_engine_over_two_processes_generates_the_single_rank_tokens(fam, par, tiny_model, tmp_path, rng):
-    from infc.runtime.runner import CPURunner
-    from infc.runtime.safetensors_io import Checkpoint
-    from infc.runtime.weights import load_weights
+    from infc.runtime.engine.runner import CPURunner
+    from infc.compiler.contract.safetensors_io import Checkpoint
+    from infc.runtime.weights.load import load_weights
     d, _ = tiny_model(fam)
     _, plan = compile_model(model_dir=str(d))
     prompts = [[int(t) for t in rng.integers(0, 320, n)] for n in (11, 4, 19)]
@@ -265,9 +266,9 @@ def test_overlapped_steps_over_two_processes(fam, par, tiny_model, tmp_path, rng
     ranks overlap by default): each step goes to the worker as a LAUNCH frame with its rows'
     sampling; the worker samples as rank 0 does and feeds the pending tokens itself. Greedy and
     seeded sampling give the tokens of synchronous steps over the same ranks, bit for bit."""
-    from infc.runtime.engine import Engine
-    from infc.runtime.rank_workers import MultiProcessRunner
-    from infc.runtime.sampling import SamplingParams
+    from infc.runtime.engine.engine import Engine
+    from infc.runtime.distributed.rank_workers import MultiProcessRunner
+    from infc.runtime.engine.sampling import SamplingParams
     d, _ = tiny_model(fam)
     _, paths = write_plans(d, tmp_path, **par)
     prompts = [[int(t) for t in rng.integers(0, 320, n)] for n in (11, 4, 19, 7)]
@@ -307,9 +308,9 @@ def test_overlapped_steps_over_two_processes(fam, par, tiny_model, tmp_path, rng
 def test_a_killed_worker_is_a_clear_error_at_the_next_step(overlap, tiny_model, tmp_path, rng, monkeypatch):
     """Synchronous or overlapped steps (a GPU's default over ranks: the error then comes from a
     LAUNCH frame or the collect of the step in flight)."""
-    from infc.runtime.engine import Engine
-    from infc.runtime.rank_workers import RankError
-    from infc.runtime.sampling import SamplingParams
+    from infc.runtime.engine.engine import Engine
+    from infc.runtime.distributed.rank_workers import RankError
+    from infc.runtime.engine.sampling import SamplingParams
     d, _ = tiny_model("qwen3")
     _, paths = write_plans(d, tmp_path, tensor_parallel_size=2)
     monkeypatch.setenv("INFC_RANK_OVERLAP", overlap)
@@ -335,7 +336,7 @@ def test_a_killed_worker_is_a_clear_error_at_the_next_step(overlap, tiny_model, 
 
 def test_a_worker_killed_inside_a_step_is_an_error_not_a_hang(tiny_model, tmp_path, rng):
     """The worker dies while rank 0 waits in a collective: the exchange sees its socket close."""
-    from infc.runtime.rank_workers import RankError
+    from infc.runtime.distributed.rank_workers import RankError
     d, _ = tiny_model("qwen3")
     _, paths = write_plans(d, tmp_path, tensor_parallel_size=2)
     runner = processes(d, paths, step_timeout=30)
@@ -355,7 +356,7 @@ def test_a_worker_killed_inside_a_step_is_an_error_not_a_hang(tiny_model, tmp_pa
 
 
 def test_a_worker_that_raises_reports_its_error(tiny_model, tmp_path):
-    from infc.runtime.rank_workers import RankError
+    from infc.runtime.distributed.rank_workers import RankError
     d, _ = tiny_model("qwen3")
     _, paths = write_plans(d, tmp_path, tensor_parallel_size=2)
     paths[1] = paths[0]                                           # rank 1 gets rank 0's plan
@@ -392,7 +393,7 @@ def blocking_factory(rank, world, config, link):
 
 @pytest.mark.parametrize("kill", [True, False], ids=["worker-killed", "step-timeout"])
 def test_the_watchdog_aborts_a_step_that_waits_for_a_dead_rank(kill):
-    from infc.runtime.rank_workers import MultiProcessRunner, RankError
+    from infc.runtime.distributed.rank_workers import MultiProcessRunner, RankError
     runner = MultiProcessRunner("test_rank_workers:blocking_factory", {}, world=2,
                                 step_timeout=30 if kill else 1.5, startup_timeout=120)
     try:
@@ -415,9 +416,9 @@ def test_a_dead_worker_makes_the_async_engine_unhealthy(overlap, tiny_model, tmp
     with overlapped steps (GPU ranks' default) the error may come from the step in flight."""
     import asyncio
 
-    from infc.runtime.async_engine import AsyncEngine, EngineDeadError
-    from infc.runtime.engine import Engine
-    from infc.runtime.sampling import SamplingParams
+    from infc.runtime.engine.async_engine import AsyncEngine, EngineDeadError
+    from infc.runtime.engine.engine import Engine
+    from infc.runtime.engine.sampling import SamplingParams
     d, _ = tiny_model("qwen3")
     _, paths = write_plans(d, tmp_path, tensor_parallel_size=2)
     monkeypatch.setenv("INFC_RANK_OVERLAP", overlap)
@@ -446,8 +447,8 @@ def test_a_dead_worker_makes_the_async_engine_unhealthy(overlap, tiny_model, tmp
 # -- the backend and `infc serve` flags -------------------------------------------------------
 def test_cpu_backend_with_tensor_parallel_size_runs_rank_processes(tiny_model, rng):
     from infc.backend import load_backend
-    from infc.runtime.rank_workers import MultiProcessRunner
-    from infc.runtime.sampling import SamplingParams
+    from infc.runtime.distributed.rank_workers import MultiProcessRunner
+    from infc.runtime.engine.sampling import SamplingParams
     d, _ = tiny_model("qwen3_moe")
     prompts = [[int(t) for t in rng.integers(0, 320, n)] for n in (6, 13)]
     outs = []

@@ -1,19 +1,19 @@
-"""Data-parallel steps over rank processes on the CPU (runtime/rank_workers.py execute_ranks):
+"""Data-parallel steps over rank processes on the CPU (runtime/distributed/rank_workers.py execute_ranks):
 each rank runs its own padded step and samples its own rows; the workers' samples come back in
-their ACK frames (runtime/step_channel.py DP_STEP / encode_samples, no pickle), checked against
+their ACK frames (runtime/distributed/step_channel.py DP_STEP / encode_samples, no pickle), checked against
 the in-process simulated ranks (runtime/reference/ranks.py step_paged_ranks) on the same steps."""
 import time
 
 import numpy as np
 import pytest
 
-from infc.runtime import step_channel as ch
-from infc.runtime.runner import RowSampling, Sample, sample_row
-from infc.runtime.sampling import SamplingParams
-from infc.runtime.step import Chunk, build_step, pad_ranks
+from infc.runtime.distributed import step_channel as ch
+from infc.runtime.engine.runner import RowSampling, Sample, sample_row
+from infc.runtime.engine.sampling import SamplingParams
+from infc.runtime.engine.step import Chunk, build_step, pad_ranks
 from test_rank_workers import write_plans as write_rank_plans
 
-FACTORY = "infc.runtime.rank_workers:reference_rank_runner"
+FACTORY = "infc.runtime.distributed.rank_runners:reference_rank_runner"
 NUM_PAGES, PAGE_SIZE = 32, 16
 
 
@@ -92,7 +92,7 @@ def write_plans(d, tmp_path) -> tuple[list, list[str]]:
 
 
 def processes(d, paths, factory=FACTORY, **kw):
-    from infc.runtime.rank_workers import MultiProcessRunner
+    from infc.runtime.distributed.rank_workers import MultiProcessRunner
     return MultiProcessRunner(factory, {"plans": paths, "model_dir": str(d), "num_pages": NUM_PAGES},
                               world=len(paths), step_timeout=kw.pop("step_timeout", 60),
                               startup_timeout=120, **kw)
@@ -126,8 +126,8 @@ def test_each_rank_samples_its_own_sequences(tiny_model, tmp_path, rng):
     sequences (one decoding, one prefilling) while rank 0 decodes one, then rank 0 idles: each
     rank's greedy tokens (and one row's logprobs) are those of the in-process simulated ranks."""
     from infc.runtime.reference.ranks import RankExecutor
-    from infc.runtime.safetensors_io import Checkpoint
-    from infc.runtime.weights import load_weights
+    from infc.compiler.contract.safetensors_io import Checkpoint
+    from infc.runtime.weights.load import load_weights
     d, _ = tiny_model("qwen3_moe")
     plans, paths = write_plans(d, tmp_path)
     sim = RankExecutor(plans, [load_weights(p, Checkpoint(d)) for p in plans])
@@ -213,7 +213,7 @@ def counting_factory(rank, world, config, link):
 
 
 def test_free_on_reaches_one_rank_and_steps_of_both_kinds_interleave():
-    from infc.runtime.rank_workers import MultiProcessRunner
+    from infc.runtime.distributed.rank_workers import MultiProcessRunner
     runner = MultiProcessRunner("test_rank_workers_dp:counting_factory", {}, world=3,
                                 step_timeout=30, startup_timeout=120)
     try:
@@ -261,7 +261,7 @@ def test_free_on_reaches_one_rank_and_steps_of_both_kinds_interleave():
 # -- failures ---------------------------------------------------------------------------------
 def raising_factory(rank, world, config, link):
     """The reference rank runner, whose rank 1 raises in its second data-parallel step."""
-    from infc.runtime.rank_workers import reference_rank_runner
+    from infc.runtime.distributed.rank_runners import reference_rank_runner
     runner = reference_rank_runner(rank, world, config, link)
     execute, calls = runner.execute, []
 
@@ -275,7 +275,7 @@ def raising_factory(rank, world, config, link):
 
 
 def test_a_worker_that_raises_in_a_data_parallel_step_is_a_rank_error(tiny_model, tmp_path, rng):
-    from infc.runtime.rank_workers import RankError
+    from infc.runtime.distributed.rank_workers import RankError
     d, _ = tiny_model("qwen3_moe")
     _, paths = write_plans(d, tmp_path)
     runner = processes(d, paths, factory="test_rank_workers_dp:raising_factory", step_timeout=30)
@@ -466,7 +466,7 @@ def _one_step(ranks):
 
 def counting_launch_factory(rank, world, config, link):
     """_Counting with the overlapped interface (computed at launch, as the CPU runner's)."""
-    from infc.runtime.runner import ComputedAtLaunch
+    from infc.runtime.engine.runner import ComputedAtLaunch
 
     class CountingLaunch(ComputedAtLaunch, _Counting):
         pass
@@ -477,7 +477,7 @@ def test_overlapped_data_parallel_steps_are_collected_in_order_and_not_interleav
     """launch_ranks / collect_ranks' bookkeeping over three ranks: two steps in flight at most,
     collected in launch order and once; any other step while one is in flight is refused with
     the ranks still up; frees go through meanwhile; close() collects what is in flight."""
-    from infc.runtime.rank_workers import MultiProcessRunner
+    from infc.runtime.distributed.rank_workers import MultiProcessRunner
     monkeypatch.setenv("INFC_RANK_OVERLAP", "1")
     runner = MultiProcessRunner("test_rank_workers_dp:counting_launch_factory", {}, world=3,
                                 step_timeout=30, startup_timeout=120)
@@ -534,7 +534,7 @@ def test_overlapped_data_parallel_steps_are_collected_in_order_and_not_interleav
 def _raising_in(where: str):
     def factory(rank, world, config, link):
         """The reference rank runner, whose rank 1 raises in its second launch or first collect."""
-        from infc.runtime.rank_workers import reference_rank_runner
+        from infc.runtime.distributed.rank_runners import reference_rank_runner
         runner = reference_rank_runner(rank, world, config, link)
         fn, calls = getattr(runner, where), []
 
@@ -558,7 +558,7 @@ def test_a_worker_that_raises_in_an_overlapped_data_parallel_step_is_a_rank_erro
     """Rank 1 raises launching step 1 (rank 0's launch_ranks fails: its collectives lose rank 1)
     or collecting step 0 while it launches step 1 (rank 0's collect_ranks of step 0 reads the
     error instead of the samples): a RankError naming rank 1 and its error, and the ranks down."""
-    from infc.runtime.rank_workers import RankError
+    from infc.runtime.distributed.rank_workers import RankError
     monkeypatch.setenv("INFC_RANK_OVERLAP", "1")
     d, _ = tiny_model("qwen3_moe")
     _, paths = write_plans(d, tmp_path)
@@ -596,7 +596,7 @@ def test_a_worker_killed_between_launch_and_collect_is_a_rank_error(monkeypatch)
     """A worker that dies while a launched data-parallel step waits to be collected: the
     watchdog (or the collect, whichever sees it first) takes the ranks down, and collect_ranks
     raises a RankError naming the rank."""
-    from infc.runtime.rank_workers import MultiProcessRunner, RankError
+    from infc.runtime.distributed.rank_workers import MultiProcessRunner, RankError
     monkeypatch.setenv("INFC_RANK_OVERLAP", "1")
     runner = MultiProcessRunner("test_rank_workers_dp:counting_launch_factory", {}, world=2,
                                 step_timeout=30, startup_timeout=120)
@@ -621,7 +621,7 @@ def test_the_engine_overlaps_data_parallel_steps_over_rank_processes(tiny_model,
     on (INFC_RANK_OVERLAP=1): the tokens of synchronous steps, greedy and seeded."""
     from families import engine_tokens
     from infc.backend import load_backend
-    from infc.runtime.sampling import SamplingParams
+    from infc.runtime.engine.sampling import SamplingParams
     d, _ = tiny_model("qwen3_moe")
     prompts = [[int(t) for t in rng.integers(0, 320, n)] for n in (6, 13, 2, 9)]
     params = [SamplingParams(max_tokens=5, ignore_eos=True,

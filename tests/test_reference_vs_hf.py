@@ -8,8 +8,8 @@ from infc import LLM, SamplingParams
 from infc.compiler.build import compile_model
 from infc.compiler.pipeline import FUSIONS
 from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
-from infc.runtime.safetensors_io import Checkpoint
-from infc.runtime.weights import load_weights
+from infc.compiler.contract.safetensors_io import Checkpoint
+from infc.runtime.weights.load import load_weights
 
 FAMILIES = ["qwen3", "llama", "qwen3_moe"]
 

@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 
 from infc.compiler.build import compile_model
-from infc.runtime.block_manager import BlockManager
-from infc.runtime.engine import Engine
-from infc.runtime.runner import ComputedAtLaunch, CPURunner, Sample
-from infc.runtime.safetensors_io import Checkpoint
-from infc.runtime.sampling import SamplingParams
-from infc.runtime.scheduler import Scheduler
-from infc.runtime.sequence import Sequence
-from infc.runtime.weights import load_weights
+from infc.runtime.engine.block_manager import BlockManager
+from infc.runtime.engine.engine import Engine
+from infc.runtime.engine.runner import ComputedAtLaunch, CPURunner, Sample
+from infc.compiler.contract.safetensors_io import Checkpoint
+from infc.runtime.engine.sampling import SamplingParams
+from infc.runtime.engine.scheduler import Scheduler
+from infc.runtime.engine.sequence import Sequence
+from infc.runtime.weights.load import load_weights
 
 
 class FakeRunner(ComputedAtLaunch):

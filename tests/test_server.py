@@ -15,9 +15,9 @@ import threading
 import openai
 import pytest
 
-from infc.runtime.async_engine import AsyncEngine
-from infc.runtime.engine import Engine
-from infc.runtime.runner import Sample
+from infc.runtime.engine.async_engine import AsyncEngine
+from infc.runtime.engine.engine import Engine
+from infc.runtime.engine.runner import Sample
 from infc.server.app import ServerConfig, ServerState, make_app
 from infc.backend import Backend
 from infc.server.serve import ServerThread

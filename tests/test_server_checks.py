@@ -4,8 +4,8 @@ tokens each pass over the ids costs ~0.5 ms of a warm prefix hit's TTFT)."""
 import json
 
 from infc.backend import Backend
-from infc.runtime.async_engine import AsyncEngine
-from infc.runtime.engine import Engine
+from infc.runtime.engine.async_engine import AsyncEngine
+from infc.runtime.engine.engine import Engine
 from infc.server.app import ServerConfig, ServerState, make_app
 from infc.server.serve import ServerThread
 from test_scheduler import FakeRunner, make_engine

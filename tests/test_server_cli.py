@@ -26,7 +26,7 @@ def test_serve_flags_and_defaults(monkeypatch):
     a = parse()
     # no --block-size: the backend takes the device's (16 on cpu; on cuda the build's for the GPU)
     assert (a.host, a.port, a.gpu_memory_utilization, a.max_num_seqs, a.block_size) == ("127.0.0.1", 8000, 0.9, 256, None)
-    from infc.backend import default_block_size
+    from infc.backend import device_page_size as default_block_size
     assert default_block_size("cpu") == 16
     assert a.enable_prefix_caching is True and a.device is None and a.max_model_len is None
     assert a.max_num_batched_tokens is None and a.served_model_name is None and a.max_logprobs == 20
@@ -69,9 +69,9 @@ def test_serve_command_starts_and_reports(tmp_path):
         for stage in ("compile plan", "load weights", "allocate KV cache", "load tokenizer", "start engine"):
             assert stage in out and "s\n" in out, out
         from infc.compiler.build import compile_model
-        from infc.runtime.runner import CPURunner
+        from infc.runtime.engine.runner import CPURunner
         _, plan = compile_model(model_dir=str(ensure_smollm2()))
-        pages = CPURunner.pages_for_budget(plan, 16, 32 << 20)     # runtime/caches.py's arithmetic
+        pages = CPURunner.pages_for_budget(plan, 16, 32 << 20)     # compiler/contract/caches.py's arithmetic
         assert pages >= 40                                         # 45 float32 K+V pages less the padding page
         assert f"KV cache: {pages} pages x 16 tokens = {pages * 16} tokens; max model len 128" in out
         assert f"maximum concurrency for 128 tokens per request: {pages * 16 / 128:.2f}x" in out

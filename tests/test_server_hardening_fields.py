@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from infc.runtime.tokenizer import Tokenizer
+from infc.runtime.tokenization.tokenizer import Tokenizer
 from infc.server import protocol
 from infc.server.protocol import APIError, Limits
 from test_server_support import MAX_MODEL_LEN, VOCAB_SIZE, live, one_blas_thread, request  # noqa: F401

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from infc.cli import main, parser
-from infc.compiler.errors import SpecError
+from infc.compiler.contract.errors import SpecError
 from infc.compiler.spec import find_architecture, find_variant
 from infc.compiler.spec_paths import SPECS_DIR, search_path
 

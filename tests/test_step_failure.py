@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from infc.runtime.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
-from infc.runtime.fault_inject import ENV, InjectedFault, from_env
-from infc.runtime.sampling import SamplingParams
+from infc.runtime.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from infc.runtime.engine.fault_inject import ENV, InjectedFault, from_env
+from infc.runtime.engine.sampling import SamplingParams
 from test_scheduler import GREEDY, FakeRunner, assert_all_free, make_engine, solo
 
 MARK = 4242                                # the seed that marks the request to fail

@@ -1,10 +1,10 @@
-"""runtime/step.py build_step: the step metadata, computed by numpy from the block tables, equals
+"""runtime/engine/step.py build_step: the step metadata, computed by numpy from the block tables, equals
 the token-by-token definition (written out below) on random steps: decodes, prefill chunks that
 start mid-page, empty chunks, fixed-width tables; and it refuses what cannot be laid out."""
 import numpy as np
 import pytest
 
-from infc.runtime.step import Chunk, build_step
+from infc.runtime.engine.step import Chunk, build_step
 
 
 def by_definition(chunks, pages_of, page_size, max_pages=None, slot_of=None):

@@ -14,7 +14,7 @@ from infc.compiler.tune import GRIDS, candidates, prepare
 from infc.runtime.cuda import tune_run
 from infc.runtime.cuda.tune_run import (agree, dump_table, merge_table, select_best,
                                         step_metadata)
-from infc.runtime.program import launches
+from infc.compiler.contract.program import launches
 
 MODEL = "qwen3-0.6b"
 

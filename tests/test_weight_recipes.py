@@ -1,6 +1,6 @@
-"""runtime/weight_recipes.py: every recipe of plan contract 2 on a hand-written checkpoint.
+"""runtime/weights/recipes.py: every recipe of plan contract 2 on a hand-written checkpoint.
 
-The numpy loader (runtime/weights.py, float32) must build what the recipe says, and the device
+The numpy loader (runtime/weights/load.py, float32) must build what the recipe says, and the device
 loader (runtime/cuda/weights.py, on a fake device) must hold exactly those values rounded once to
 bf16, byte for byte: through its pread fast path for plain bf16 runs (tensor, stack, axis-0
 concat, row slices) and through the registry for the rest. Per-layer weights exist for their
@@ -11,11 +11,11 @@ import struct
 import numpy as np
 import pytest
 
-from infc.compiler.errors import ModelDirError
+from infc.compiler.contract.errors import ModelDirError
 from infc.runtime.cuda import weights as dw
-from infc.runtime.safetensors_io import Checkpoint, f32_to_bf16_bits
-from infc.runtime.weight_recipes import RECIPES, build
-from infc.runtime.weights import at, iter_weights, load_weights
+from infc.compiler.contract.safetensors_io import Checkpoint, f32_to_bf16_bits
+from infc.runtime.weights.recipes import RECIPES, build
+from infc.runtime.weights.load import at, iter_weights, load_weights
 
 from fake_cuda import FakeContext
 

@@ -5,7 +5,7 @@ run on the GEMM's decode tiles."""
 from infc.compiler.build import compile_model, load_tuning
 from infc.compiler.codegen.render import launch_context, render_template
 from infc.compiler.passes.select_kernels import ROW_TILED, WIDE_DENSE_TOKENS
-from infc.runtime.program import launches, program_name
+from infc.compiler.contract.program import launches, program_name
 
 
 def _row_tiles(plan, phase, table):

@@ -17,8 +17,10 @@ import sys
 import time
 from pathlib import Path
 
+from infc import envs
+
 REPO = Path(__file__).resolve().parents[2]
-CACHE = Path(os.environ.get("INFC_CACHE", REPO / ".cache" / "kernels"))
+CACHE = Path(envs.value("INFC_CACHE"))
 # Bump when the way kernels are compiled changes (options, attributes): it is part of the key.
 AOT_REVISION = "2-ptr-align16"
 

@@ -4,14 +4,15 @@
 `cubin_info` reads a cubin's ELF (target, kernels, parameter sizes) without any CUDA tool; the
 TileLang backend and the tests use it too.
 """
-import os
 import re
 import shutil
 import struct
 import subprocess
 from pathlib import Path
 
-NVCC = os.environ.get("INFC_NVCC") or shutil.which("nvcc") or "/usr/local/bin/nvcc"
+from infc import envs
+
+NVCC = envs.value("INFC_NVCC") or shutil.which("nvcc") or "/usr/local/bin/nvcc"
 
 
 class CudaCompileError(Exception):

@@ -130,7 +130,7 @@ def lower(source: str, meta: dict, arch: str, workdir: Path):
 
 def check(meta: dict, desc: dict, tvm):
     """META must describe the lowered kernel exactly."""
-    from infc.runtime.bind import grid as meta_grid
+    from infc.compiler.contract.bind import grid as meta_grid
     entry = meta["entry"]
     problems = []
     if desc["name"] != entry:

@@ -40,7 +40,7 @@ def _render(env, template: str, ins: list, outs: list, attrs: dict) -> Kernel:
 def render_rank_kernels(plan: dict) -> dict[str, Kernel]:
     """Render the helpers of every collective launch of a rank plan; sets launch["helpers"].
     A plan without a `parallel` section has none: {}."""
-    from infc.runtime.program import launches
+    from infc.compiler.contract.program import launches
     par = plan.get("parallel")
     if not par:
         return {}

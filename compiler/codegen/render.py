@@ -102,7 +102,7 @@ def render_template(backend: str, template: str, ctx: dict, env=None) -> Kernel:
 
 def launch_tensors(plan: dict, launch: dict) -> tuple[list[dict], list[dict]]:
     """A launch's input and output tensors as its template sees them."""
-    from infc.runtime import caches
+    from infc.compiler.contract import caches
     from ..ops import REGISTRY
     strided = REGISTRY[launch["op"]].strided
     ins = [_tensor(plan, n, strided) for n in launch["inputs"]]
@@ -174,7 +174,7 @@ def render_sampler(plan: dict, tuning: dict, env=None) -> dict[str, Kernel]:
     return out
 
 
-# --load-format dummy: random weights made on the device (runtime/dummy_weights.py), one launch
+# --load-format dummy: random weights made on the device (runtime/weights/dummy.py), one launch
 # per weight region before the first step. GPU weights are bf16 (plan["weight_init"] fills them)
 # or, where the spec says `dtype: f32`, f32 (plan["weight_init_f32"], only in plans that have
 # such weights, so the others' plans stay as they were; runtime/cuda/weights.py).
@@ -201,7 +201,7 @@ def render_plan(plan: dict, tuning: dict, page_size: int, spec_path: str | None 
     env = _env()
     kernels: dict[str, Kernel] = {}
 
-    from infc.runtime.program import launches
+    from infc.compiler.contract.program import launches
     for phase, program in plan["programs"].items():
         for launch, _ in launches(program):
             if launch["backend"] == "nccl":      # a collective: the runtime's communicator runs it

@@ -12,7 +12,7 @@ Together -0.085 / -0.13 ms a qwen3-4b step at prompts 32 / 1k on an H100 (bench/
 session). At 64 rows the GEMV's re-read is per row block and column block, and a prompt's keys
 must be in the cache before other programs read them, so the graph keeps the ops and the merges
 are made for the "narrow" program only: decode steps of at most NARROW_TOKENS tokens
-(runtime/program.py `program_name`; plan["narrow_tokens"]).
+(compiler/contract/program.py `program_name`; plan["narrow_tokens"]).
 
     narrow:  [x', h = add_rms_norm(x, d, w); y = linear(h, W)]  ->  one launch
              linear(x, d, w, W) -> (x', y), launch["prologue"] = {op, inputs: 3, output: 1, value: h, ...}

@@ -7,10 +7,10 @@ share their source's memory; a loop-carried value keeps one buffer across all la
 reused first-fit once their last reader has run (B <= T, so a [B, ...] and a [T, ...] value may
 share when the coefficients allow).
 """
+from ..contract.schema import DTYPE_BYTES
 from ..ir import Graph
 
 ALIGN = 256
-DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "i32": 4}
 
 
 def _size(t, world: int = 1) -> tuple[int, int, int]:

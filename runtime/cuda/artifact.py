@@ -3,12 +3,11 @@ functions with their launch shapes. (The weights: weights.py.)"""
 import json
 from pathlib import Path
 
-from infc.compiler.errors import ModelDirError
+from infc.compiler.contract.errors import ModelDirError
 
-from ..bind import KernelInfo
+from infc.compiler.contract.bind import KernelInfo
+from infc.compiler.contract.schema import DTYPE_BYTES
 from .driver import Module, PackedArgs
-
-DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "i32": 4}
 
 
 class KernelFn(KernelInfo):

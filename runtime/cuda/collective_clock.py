@@ -8,11 +8,12 @@ runner sets `phase` only around the launches of an eager step, never during a ca
 
 Off by default: the events add a little host time per collective and stop a programmatic
 dependent launch from following a collective (it never does: runner._launch_all)."""
-import os
+
+from infc import envs
 
 
 def enabled() -> bool:
-    return os.environ.get("INFC_COLLECTIVE_CLOCK") == "1"
+    return envs.value("INFC_COLLECTIVE_CLOCK")
 
 
 class CollectiveClock:

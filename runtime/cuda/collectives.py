@@ -40,11 +40,13 @@ P2PCollectives (runtime/cuda/p2p.py): NcclCollectives whose small all_reduce / e
     64 KiB) are a one-shot sum over the ranks' memory mapped into each other (CUDA IPC), the
     reference's bits.
 """
-import os
 from dataclasses import dataclass
 
-from ..bind import Resolver, dim_slots, eval_int, grid
-from .artifact import DTYPE_BYTES
+import numpy as np
+
+from infc import envs
+from infc.compiler.contract.bind import Resolver, dim_slots, eval_int, grid
+from infc.compiler.contract.schema import DTYPE_BYTES
 from .driver import check, cu, launch
 
 
@@ -202,7 +204,7 @@ class NcclCollectives(Collectives):
 
     def abort(self):
         """Abort the communicator now (the rank watchdog's way out of a collective waiting for a
-        dead rank: runtime/rank_workers.py)."""
+        dead rank: runtime/distributed/rank_workers.py)."""
         self.comm.abort()
 
     def close(self, graceful: bool = True, timeout: float = 10.0):
@@ -332,7 +334,7 @@ class NcclCollectives(Collectives):
         x, w, ids = cl.inputs
         N, rank = self.world, self.rank
         kernel = cl.helper("nccl")
-        if cl.attrs.get("replicated") and os.environ.get("INFC_EP_GATHER") != "1":
+        if cl.attrs.get("replicated") and not envs.value("INFC_EP_GATHER"):
             # every rank holds every row (compiler/ops/collectives.py): select from x, no gather
             # (INFC_EP_GATHER=1 gathers the owners' rows anyway: the A/B switch)
             local = bound_helper(self.ctx, kernel, [x.ptr, w.ptr, ids.ptr], [o.ptr for o in cl.outputs],
@@ -464,3 +466,18 @@ class DeviceCopyCollectives(Collectives):
             for i, b in enumerate(cl.inputs):        # laid out for the max T, before any capture
                 self.group.stage(i, self.world * b.nbytes(cl.place))
         return lambda dims: self.group.arrive(self.rank, cl, dims)
+
+
+def agreed_min(comm, ctx, n: int) -> int:
+    """The smallest of every rank's n (an NCCL all-reduce of one int32 on ctx's stream)."""
+    buf = ctx.alloc(4)
+    try:
+        keep = ctx.htod(buf, np.asarray([n], np.int32))
+        comm.all_reduce(buf, buf, 1, "i32", ctx.stream, op="min")
+        out = np.empty(1, np.int32)
+        ctx.dtoh(out, buf)
+        ctx.sync()
+        del keep
+        return int(out[0])
+    finally:
+        ctx.free(buf)

@@ -20,10 +20,11 @@ Every call's ncclResult_t is checked: a failure raises NcclError with NCCL's own
 (ncclGetErrorString, and ncclGetLastError's detail when the library has one).
 """
 import ctypes
-import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
+
+from infc import envs
 
 UNIQUE_ID_BYTES = 128
 # ncclDataType_t (nccl.h): the dtypes a plan's buffers use
@@ -44,7 +45,7 @@ class UniqueId(ctypes.Structure):
 def candidates() -> list[str]:
     """Where the library is looked for, in order (paths that exist, then the bare name)."""
     out = []
-    env = os.environ.get("INFC_NCCL_LIB")
+    env = envs.value("INFC_NCCL_LIB")
     if env:
         p = Path(env)
         return [str(p / LIB_NAME if p.is_dir() else p)]       # an explicit choice: only it

@@ -25,7 +25,7 @@ depends only on the message size, so every rank makes the same one. all_gather a
 stay on NCCL.
 
 A rank whose peer died waits in peer_sum as it would in NCCL. `abort()` (the rank watchdog's way
-out, runtime/rank_workers.py) raises every flag of this rank's region from a side stream, so a
+out, runtime/distributed/rank_workers.py) raises every flag of this rank's region from a side stream, so a
 waiting kernel finishes (with garbage) and the step fails on the host; then it aborts NCCL. The
 wait also gives up by itself after SPIN_LIMIT polls (minutes), setting err, which close() reports.
 
@@ -34,18 +34,17 @@ to NCCL alone (the ranks agree: an NCCL min over their answers). INFC_P2P=0 turn
 INFC_P2P_BYTES sets the slot capacity (default 64 KiB).
 """
 import ctypes
-import os
 import sys
 
 import numpy as np
 
-from .collectives import NcclCollectives, bound_helper
+from infc import envs
+from .collectives import NcclCollectives, agreed_min, bound_helper
 from .driver import check, cu
 
 HANDLE_BYTES = 64                    # CU_IPC_HANDLE_SIZE
 MAX_PROGRAMS = 64                    # flag rows per region: peer_sum's grid never exceeds it
 ALIGN = 256
-DEFAULT_CAPACITY = 64 << 10           # where peer_sum stops beating NCCL (see above)
 
 
 def _up(n: int, a: int = ALIGN) -> int:
@@ -104,16 +103,15 @@ def _all_gather_bytes(comm, ctx, mine: bytes) -> list[bytes]:
 
 
 def _agree_all(comm, ctx, ok: bool) -> bool:
-    from .ranks import agreed_min
     return agreed_min(comm, ctx, int(ok)) == 1
 
 
 def p2p_collectives(comm, ctx, capacity: int | None = None) -> NcclCollectives:
     """P2PCollectives for this rank if every rank can map every other rank's region, else (on
     every rank alike) plain NcclCollectives; a line on stderr says which and why."""
-    if comm.world == 1 or os.environ.get("INFC_P2P", "1") == "0":
+    if comm.world == 1 or not envs.value("INFC_P2P"):
         return NcclCollectives(comm, ctx)
-    capacity = capacity or int(os.environ.get("INFC_P2P_BYTES", DEFAULT_CAPACITY))
+    capacity = capacity or envs.value("INFC_P2P_BYTES")
     layout = RegionLayout(comm.world, capacity)
     local = _alloc_region(ctx, layout)
     handles = _all_gather_bytes(comm, ctx, ipc_handle(local))

@@ -24,13 +24,13 @@ from pathlib import Path
 
 import numpy as np
 
-from infc.compiler.errors import ModelDirError
+from infc.compiler.contract.errors import ModelDirError
 
-from ..bind import step_dims
-from ..program import program_name, unrolled
-from ..runner import RowSampling, Sample, sample_row
-from ..step import StepMeta, common_phase
-from .collectives import DeviceCopyGroup
+from infc.compiler.contract.bind import step_dims
+from infc.compiler.contract.program import program_name, unrolled
+from ..engine.runner import RowSampling, Sample, sample_row
+from ..engine.step import StepMeta, common_phase
+from .collectives import DeviceCopyGroup, agreed_min
 from .p2p import p2p_collectives
 from .runner import padding_step, step_shape
 
@@ -170,7 +170,7 @@ class DeviceCopyRanks:
 
     def logits_ranks(self, metas: list[StepMeta]) -> list[np.ndarray]:
         """A data-parallel step: rank r runs metas[r] (its own sequences and pages; the ranks'
-        T already equal, runtime/step.py pad_ranks); every rank's logits [B_r, V]."""
+        T already equal, runtime/engine/step.py pad_ranks); every rank's logits [B_r, V]."""
         if not (self.plan.get("parallel") or {}).get("dp"):
             raise ValueError("logits_ranks runs data-parallel plans; this one shares every step")
         metas = common_phase(metas)
@@ -230,18 +230,3 @@ def nccl_runner(artifact, model_dir, rank: int = 0, uid: bytes | None = None, **
         raise
     runner.comm = comm
     return runner
-
-
-def agreed_min(comm, ctx, n: int) -> int:
-    """The smallest of every rank's n (an NCCL all-reduce of one int32 on ctx's stream)."""
-    buf = ctx.alloc(4)
-    try:
-        keep = ctx.htod(buf, np.asarray([n], np.int32))
-        comm.all_reduce(buf, buf, 1, "i32", ctx.stream, op="min")
-        out = np.empty(1, np.int32)
-        ctx.dtoh(out, buf)
-        ctx.sync()
-        del keep
-        return int(out[0])
-    finally:
-        ctx.free(buf)

@@ -7,21 +7,21 @@ B, so every pointer is fixed for the runner's life: each phase's launches are pa
 step only rewrites the T/B scalars and the grid. Decode steps replay a CUDA Graph captured per
 batch bucket, padded with rows that write only a reserved page.
 """
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from infc.compiler.errors import ModelDirError
-from infc.compiler.safe_eval import ExprLimit, compile_int
-
-from .. import caches
-from ..bind import Resolver, dim_slots, eval_int, scratch_sizes, step_dims
-from ..program import program_name, unrolled
-from ..runner import RowSampling, Sample, sample_row
-from ..step import StepMeta
-from .artifact import DTYPE_BYTES, load_kernels, load_plan
+from infc import envs
+from infc.compiler.contract import caches
+from infc.compiler.contract.bind import Resolver, dim_slots, eval_int, scratch_sizes, step_dims
+from infc.compiler.contract.program import program_name, unrolled
+from ..engine.runner import RowSampling, Sample, sample_row
+from ..engine.step import StepMeta
+from infc.compiler.contract.errors import ModelDirError
+from infc.compiler.contract.safe_eval import ExprLimit, compile_int
+from infc.compiler.contract.schema import DTYPE_BYTES
+from .artifact import load_kernels, load_plan
 from .collective_clock import CollectiveClock, enabled as collective_clock_enabled
 from .collectives import bind_collective
 from .driver import Context, DependentLaunch, Graph, launch
@@ -119,12 +119,12 @@ class CudaRunner:
         of one process, which then share `ctx`). agree_num_pages(n) -> the page count every rank
         uses: one process per GPU sizes its cache from its own free memory, which differs by a few
         MB between GPUs, while every rank must hold the same page ids (nccl_runner: the minimum)."""
-        self.pdl = os.environ.get("INFC_PDL", "1") != "0" if pdl is None else pdl
+        self.pdl = envs.value("INFC_PDL") if pdl is None else pdl
         self.ctx = ctx if ctx is not None else Context()
         self.artifact = Path(artifact)
         plan = plan if plan is not None else load_plan(self.artifact)
         for name in ("wide", "narrow"):
-            if os.environ.get(f"INFC_{name.upper()}", "1") == "0" and name in plan["programs"]:
+            if not envs.value(f"INFC_{name.upper()}") and name in plan["programs"]:
                 # A/B timing: every decode step on the decode program
                 plan = dict(plan, programs={p: v for p, v in plan["programs"].items() if p != name})
         self.plan = plan

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..bind import Resolver, dim_slots, grid
-from ..runner import RowSampling, Sample
+from infc.compiler.contract.bind import Resolver, dim_slots, grid
+from ..engine.runner import RowSampling, Sample
 from .driver import PackedArgs, launch
 
 NEG_INF_F32 = 0xFF800000

@@ -4,7 +4,7 @@ compiler; everything comes from the folder `infc tune prepare` wrote (manifest.j
 For each (template, shape key) of the manifest, at each of its step sizes:
   * allocate the launch's tensors: activations with random bf16/f32 contents (i32 inputs within
     their bound), weights and the caches the launch names (one layer of each, laid out by
-    runtime/caches.py) in rotating copies that together pass 3x the L2
+    compiler/contract/caches.py) in rotating copies that together pass 3x the L2
     size, so every timed launch streams its weights (and KV) from HBM as a decode step does,
     while activations stay in L2 as they do between launches; step metadata from
     runtime/step.build_step (valid block tables, slots, positions); zeroed scratch per candidate;
@@ -26,12 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import caches
-from ..bind import CACHE_MARKER, KernelInfo, Resolver, eval_int, grid as launch_grid, scratch_sizes
-from ..step import Chunk, build_step
+from infc.compiler.contract import caches
+from infc.compiler.contract.bind import CACHE_MARKER, KernelInfo, Resolver, eval_int, grid as launch_grid, scratch_sizes
+from infc.compiler.contract.schema import DTYPE_BYTES, TUNE_MANIFEST_VERSION as MANIFEST_VERSION
+from ..engine.step import Chunk, build_step
 
-DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "i32": 4}
-MANIFEST_VERSION = 2      # compiler/tune.py writes it; 2: plan/2 caches
 THRESHOLD = 0.03          # store an entry only when it beats the baseline by more than this
 ROUNDS = 5                # timing rounds, interleaved over candidates
 COLD_FACTOR = 3           # rotating weight/KV copies total at least this many L2 sizes
@@ -500,7 +499,7 @@ def run(dir, write=None, reps: int = 50, warmup: int = 10, threshold: float = TH
     if table.get("gpu", tag) != tag:
         raise ValueError(f"{table_path} is the table of '{table.get('gpu')}', not {tag}")
 
-    from infc.bench.common import commit, save     # numpy only; the commit of this tree
+    from infc.records import commit, save
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     now = commit()
     note = (f"filled by `infc tune run` on {ctx.name}, {stamp}, commit "

@@ -6,7 +6,7 @@ tensors stacked or concatenated along axis 0, or rows (axis 0) sliced from such,
 byte ranges laid end to end: those are read with pread (several threads, no page faults through
 a mapping) into one of two pinned staging buffers while the other one's copy to the device runs.
 Any other recipe (another dtype, another axis, transpose, scale, offset, zeros) is built on the
-host by the recipe registry (runtime/weight_recipes.py) in float32, rounded once to bf16 (to
+host by the recipe registry (runtime/weights/recipes.py) in float32, rounded once to bf16 (to
 nearest even) and copied through the same buffers. A weight the plan declares f32 (a spec's
 `dtype: f32`, e.g. Qwen3.5's A = -exp(A_log)) is always built that way and kept in float32.
 The staging memory is given back at the end, so a loaded server's resident memory is the
@@ -14,7 +14,7 @@ Python process, not the model.
 
 With load_format="dummy" no file is read: the same layout is allocated and each weight region is
 filled on the device by the plan's fill_random kernel (plan["weight_init"], and
-plan["weight_init_f32"] for f32 weights; values and seeds: runtime/dummy_weights.py), so a model
+plan["weight_init_f32"] for f32 weights; values and seeds: runtime/weights/dummy.py), so a model
 is benchmarked without its checkpoint and without any host staging.
 """
 import bisect
@@ -27,16 +27,17 @@ from pathlib import Path
 
 import numpy as np
 
-from infc.compiler.errors import ModelDirError
+from infc.compiler.contract.errors import ModelDirError
 
-from ..bind import Resolver, grid
-from ..dummy_weights import check_load_format, chunks, rule, seed_of
-from ..safetensors_io import Checkpoint, f32_to_bf16_bits
-from ..weight_recipes import build, name_at
-from ..weights import check_shape, layers_of
+from infc.compiler.contract.bind import Resolver, grid
+from infc.compiler.contract.schema import DTYPE_BYTES
+from ..weights.dummy import check_load_format, chunks, rule, seed_of
+from infc.compiler.contract.safetensors_io import Checkpoint, f32_to_bf16_bits
+from ..weights.recipes import build, name_at
+from ..weights.load import check_shape, layers_of
 
 ALIGN = 256
-DTYPE_BYTES = {"bf16": 2, "f32": 4}    # the weight dtypes the GPU path stores
+STORED_DTYPES = ("bf16", "f32")        # the weight dtypes the GPU path stores
 STAGING = 256 << 20
 PIECE = 16 << 20                       # one pread
 
@@ -93,7 +94,7 @@ class DeviceWeights:
         fills = fill if isinstance(fill, dict) else {"bf16": fill}
         if dummy:
             for dtype in sorted({w["dtype"] for w in plan["weights"].values() if "tied" not in w["source"]}):
-                if dtype in DTYPE_BYTES and fills.get(dtype) is None:   # others: refused below
+                if dtype in STORED_DTYPES and fills.get(dtype) is None:   # others: refused below
                     key = "weight_init" if dtype == "bf16" else f"weight_init_{dtype}"
                     raise ModelDirError(f"--load-format dummy needs the artifact's {dtype} weight fill "
                                         f"kernel (plan['{key}']): rebuild the artifact with this infc")
@@ -106,7 +107,7 @@ class DeviceWeights:
             if "tied" in w["source"]:
                 tied.append((name, w["source"]["tied"]))
                 continue
-            if w["dtype"] not in DTYPE_BYTES:
+            if w["dtype"] not in STORED_DTYPES:
                 raise ModelDirError(f"weight '{name}': only bf16 and f32 weights are supported on the "
                                     f"GPU, not {w['dtype']}")
             f32 = w["dtype"] == "f32"

@@ -3,20 +3,21 @@
 It is the oracle for kernels and passes and the CPU backend. It deliberately executes the plan
 as the GPU runtime will: every buffer is a view into one arena at the plan's offsets, so a
 wrong liveness plan corrupts logits here first, and its caches are paged like the GPU's
-(runtime/caches.py lays them out, float32 here), addressed through the same step metadata (slot
+(compiler/contract/caches.py lays them out, float32 here), addressed through the same step metadata (slot
 mapping, block tables). `step_paged` takes the engine's metadata (its pages; prefix pages shared
 on the CPU as on the GPU); `step(chunks)`, the oracle API of the tests, keeps its own pages per
 seq_id (`SeqPages`) so a caller only names sequences and how many tokens they have cached.
 """
 import numpy as np
 
+from infc.config import DEFAULT_PAGE_SIZE
 from infc.compiler.ops import REGISTRY
 
-from .. import caches as cache_layout
-from ..bind import CACHE_MARKER
-from ..program import program_name, unrolled
-from ..step import Chunk, StepMeta, build_step
-from ..weights import at
+from infc.compiler.contract import caches as cache_layout
+from infc.compiler.contract.bind import CACHE_MARKER
+from infc.compiler.contract.program import program_name, unrolled
+from ..engine.step import Chunk, StepMeta, build_step
+from ..weights.load import at
 
 # The arena is laid out in the plan's dtypes (bf16 = 2 bytes); float32 here needs twice that.
 SCALE = 2
@@ -92,7 +93,7 @@ class SeqPages:
     """The oracle's page allocator: pages per seq_id, storage grown on demand; for a plan with
     slot caches, a state slot per seq_id from its first step until `free` (num_slots of them)."""
 
-    def __init__(self, decl: dict, page_size: int = 16, num_pages: int = 64, num_slots: int = ORACLE_SLOTS):
+    def __init__(self, decl: dict, page_size: int = DEFAULT_PAGE_SIZE, num_pages: int = 64, num_slots: int = ORACLE_SLOTS):
         self.has_slots = cache_layout.has_slots(decl)
         num_slots = num_slots if self.has_slots else 0
         self.storage = cache_layout.HostCaches(decl, page_size, num_pages, num_slots)
@@ -146,7 +147,7 @@ class SeqPages:
 
 
 class ReferenceExecutor:
-    def __init__(self, plan: dict, weights: dict, page_size: int = 16):
+    def __init__(self, plan: dict, weights: dict, page_size: int = DEFAULT_PAGE_SIZE):
         self.plan = plan
         self.weights = weights
         self.decl = cache_layout.of_plan(plan)

@@ -9,18 +9,19 @@ same launches in the same order, as NCCL requires; a plan pair that does not is 
 
 Data-parallel plans (compiler/parallel.py, `dp`): each rank runs its own sequences, so each has
 its own step (`step_ranks`, `step_paged_ranks`). The ranks' steps are made alike first, as the
-GPU runtime makes them (runtime/step.py pad_ranks): padded to the longest rank's T with rows
+GPU runtime makes them (runtime/engine/step.py pad_ranks): padded to the longest rank's T with rows
 whose outputs are dropped, and run under one program (the phase they share, else "mixed").
 """
 import numpy as np
 
+from infc.config import DEFAULT_PAGE_SIZE
 from infc.compiler.ops import REGISTRY
 
-from ..program import program_name, unrolled
-from ..step import Chunk, StepMeta, common_phase, pad_ranks
+from infc.compiler.contract.program import program_name, unrolled
+from ..engine.step import Chunk, StepMeta, common_phase, pad_ranks
 from .executor import ReferenceExecutor, StepContext, launch_results
 
-PAD_SEQ = -1         # the oracle's pad page is this sequence's (runtime/step.py pad_ranks)
+PAD_SEQ = -1         # the oracle's pad page is this sequence's (runtime/engine/step.py pad_ranks)
 
 
 class RankExchange:
@@ -39,7 +40,7 @@ class RankExchange:
 class RankExecutor:
     """step(chunks) -> rank 0's logits [B, V]; `logits` holds every rank's after a step."""
 
-    def __init__(self, plans: list[dict], weights: list[dict], page_size: int = 16):
+    def __init__(self, plans: list[dict], weights: list[dict], page_size: int = DEFAULT_PAGE_SIZE):
         world = len(plans)
         for r, p in enumerate(plans):
             par = p.get("parallel") or {"world": 1, "rank": 0}
@@ -89,7 +90,7 @@ class RankExecutor:
         return self._execute(self._alike([(m, ex.paged) for m, ex in zip(metas, self.ranks)]), all_ranks=True)
 
     def _alike(self, steps: list) -> list:
-        """The ranks' steps under one program (runtime/step.py common_phase)."""
+        """The ranks' steps under one program (runtime/engine/step.py common_phase)."""
         return list(zip(common_phase([m for m, _ in steps]), [s for _, s in steps]))
 
     def _execute(self, steps: list, all_ranks: bool = False):
@@ -126,17 +127,17 @@ class RankExecutor:
 
 
 
-def rank_runner(plans: list[dict], weights: list[dict], num_pages: int, page_size: int = 16):
-    """The engine's CPU runner (runtime/runner.py) over simulated ranks; rank 0's logits are
+def rank_runner(plans: list[dict], weights: list[dict], num_pages: int, page_size: int = DEFAULT_PAGE_SIZE):
+    """The engine's CPU runner (runtime/engine/runner.py) over simulated ranks; rank 0's logits are
     sampled, as rank 0 owns the sampler on the GPUs."""
-    from ..runner import CPURunner, feed_tokens, sample_row
+    from ..engine.runner import CPURunner, feed_tokens, sample_row
 
     class RankRunner(CPURunner):
         def __init__(self):
             self.plan, self.page_size, self.num_pages = plans[0], page_size, num_pages
             self.vocab_size = plans[0]["config"]["V"]
             self.executor = RankExecutor(plans, weights, page_size)
-            # one page past num_pages: data-parallel pad rows write it (runtime/step.py pad_ranks)
+            # one page past num_pages: data-parallel pad rows write it (runtime/engine/step.py pad_ranks)
             self.executor.allocate_pages(num_pages + 1, page_size)
             self.dp_world = (plans[0].get("parallel") or {}).get("dp", 1)
             self._last_ranks = None

@@ -2,7 +2,7 @@
 runner directly (the engine adds scheduling, prefix caching and stop handling on top)."""
 import numpy as np
 
-from infc.runtime.step import Chunk, build_step, pad_ranks
+from infc.runtime.engine.step import Chunk, build_step, pad_ranks
 
 
 class Pages:
@@ -47,7 +47,7 @@ def step(runner, pages: Pages, chunks: list[Chunk]) -> np.ndarray:
 
 def rank_steps(pages: list[Pages], per_rank: list[list[Chunk]], spare: int) -> list:
     """Data-parallel ranks' steps: rank r's chunks over its own pages, every step padded alike
-    (runtime/step.py pad_ranks; pad rows write page `spare`, the runner's spare page)."""
+    (runtime/engine/step.py pad_ranks; pad rows write page `spare`, the runner's spare page)."""
     metas = []
     for p, chunks in zip(pages, per_rank):
         for c in chunks:

@@ -263,7 +263,7 @@ def one_rank_plan(model_dir: Path, out: Path, mode: str, gpu: str = "h100", targ
     from infc.compiler.codegen.rank_kernels import attach_rank_kernels
     from infc.compiler.passes import shard_ranks as sr
     from infc.compiler.plan import dumps
-    from infc.runtime.program import unrolled
+    from infc.compiler.contract.program import unrolled
 
     def observe(name, state):            # after split_attention, where shard_ranks would run
         if name == "split_attention":
@@ -286,7 +286,8 @@ def ranks():
     import shutil
     import time
     from infc.compiler.build import build
-    from infc.compiler.parallel import build_ranks, settings
+    from infc.compiler.build import build_ranks
+    from infc.compiler.parallel import settings
     for name in RANK_CONFIGS:
         _ranks_config_written(name)
     for (name, tag), how in RANK_BUILDS.items():

@@ -12,9 +12,9 @@ import numpy as np
 
 def run(artifact: str, model_dir: str, prompts: list[list[int]], n_out: int) -> list[tuple]:
     from infc.runtime.cuda.runner import CudaRunner
-    from infc.runtime.runner import RowSampling
-    from infc.runtime.sampling import SamplingParams
-    from infc.runtime.step import Chunk, build_step
+    from infc.runtime.engine.runner import RowSampling
+    from infc.runtime.engine.sampling import SamplingParams
+    from infc.runtime.engine.step import Chunk, build_step
     longest = max(len(p) for p in prompts) + n_out
     r = CudaRunner(artifact, model_dir, max_num_batched_tokens=longest, max_num_seqs=8,
                    buckets=[1, 2, 4, 8], num_pages=longest // r_page(artifact) + 64)

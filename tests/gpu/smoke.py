@@ -14,7 +14,7 @@ t0 = time.time()
 d = model_dir(name)
 print(f"model dir ready in {time.time() - t0:.1f} s", flush=True)
 from infc.runtime.cuda.runner import CudaRunner  # noqa: E402
-from infc.runtime.step import Chunk  # noqa: E402
+from infc.runtime.engine.step import Chunk  # noqa: E402
 from infc.bench.common import copy_bandwidth  # noqa: E402
 
 t0 = time.time()

@@ -1,5 +1,5 @@
 """--load-format dummy on the GPU: a directory with only llama-3.2-1b's config.json loads by the
-fill_random kernel, with the very bf16 numbers the CPU backend makes (runtime/dummy_weights.py),
+fill_random kernel, with the very bf16 numbers the CPU backend makes (runtime/weights/dummy.py),
 fast (no file read, no host staging), and runs steps with finite, reproducible logits."""
 import math
 import shutil
@@ -8,9 +8,9 @@ import numpy as np
 
 from driver_loop import Pages
 from infc.runtime.cuda.runner import CudaRunner
-from infc.runtime.dummy_weights import weight_values
-from infc.runtime.safetensors_io import f32_to_bf16_bits
-from infc.runtime.step import Chunk, build_step
+from infc.runtime.weights.dummy import weight_values
+from infc.compiler.contract.safetensors_io import f32_to_bf16_bits
+from infc.runtime.engine.step import Chunk, build_step
 
 MODEL = "llama-3.2-1b"
 

@@ -8,10 +8,10 @@ import pytest
 
 from driver_loop import Pages
 from infc.runtime.cuda.runner import CudaRunner
-from infc.runtime.engine import Engine
-from infc.runtime.runner import RowSampling
-from infc.runtime.sampling import SamplingParams
-from infc.runtime.step import Chunk, build_step
+from infc.runtime.engine.engine import Engine
+from infc.runtime.engine.runner import RowSampling
+from infc.runtime.engine.sampling import SamplingParams
+from infc.runtime.engine.step import Chunk, build_step
 
 MODEL = "llama-3.2-1b"
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -205,7 +205,7 @@ def test_wide_decode_steps_follow_the_trained_rules(model_dir, monkeypatch):
     the trained model, 160 prompts decoded together continue by their rules, as they do on the
     decode program (INFC_WIDE=0)."""
     from infc import LLM
-    from infc.runtime.program import program_name
+    from infc.compiler.contract.program import program_name
     from trained_model import follow, prompt
     d = model_dir("skipgram")
     rng = np.random.default_rng(5)

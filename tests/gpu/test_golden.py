@@ -36,7 +36,7 @@ import gpu_families
 import models
 from driver_loop import Pages, step
 from infc.runtime.cuda.runner import CudaRunner
-from infc.runtime.step import Chunk
+from infc.runtime.engine.step import Chunk
 
 MODELS = ["qwen3-4b", "llama-3.2-1b", "tiny-moe", "qwen3-4b-nofuse"] + [
     pytest.param(f, marks=pytest.mark.families, id=f) for f in gpu_families.selected()]

@@ -9,7 +9,7 @@ sys.path.insert(0, 'tests/gpu')
 from models import artifact, model_dir
 from driver_loop import Pages, step
 from infc.runtime.cuda.runner import CudaRunner
-from infc.runtime.step import Chunk
+from infc.runtime.engine.step import Chunk
 r = CudaRunner(artifact('llama-3.2-1b'), model_dir('llama-3.2-1b'), max_num_seqs=4, num_pages=64)
 p = Pages(r.num_pages, r.page_size)
 lg = step(r, p, [Chunk(0, [1, 2, 3], 0)])
@@ -17,7 +17,7 @@ assert lg.shape[0] == 1
 import asyncio
 import infc.server.app, infc.server.serve
 from infc.backend import load_backend
-from infc.runtime.sampling import SamplingParams
+from infc.runtime.engine.sampling import SamplingParams
 b = load_backend(model_dir('llama-3.2-1b'), device='cuda', max_model_len=512, num_gpu_blocks_override=64,
                  max_num_seqs=4, log=None)
 async def go():

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import prepare
-from infc.runtime.safetensors_io import f32_to_bf16_bits as bf16_bits
+from infc.compiler.contract.safetensors_io import f32_to_bf16_bits as bf16_bits
 
 T_MAX = 96
 
@@ -46,7 +46,7 @@ def two_ranks():
     from infc.runtime.cuda.driver import Context
     from infc.runtime.cuda.p2p import P2PCollectives, RegionLayout
     from infc.runtime.cuda.ranks import load_rank_plans
-    from infc.runtime.program import launches
+    from infc.compiler.contract.program import launches
     art = prepare.ranks_artifact("tiny-qwen3", "tp2")
     if not (art / "bin").is_dir():
         pytest.skip(f"{art}/bin missing: run `python tests/gpu/prepare.py ranks` and carry .cache/gpu")
@@ -128,7 +128,7 @@ def test_graphs_replay_the_protocol(two_ranks):
         graphs[0].launch()
         graphs[1].launch()
         _check(R, T, want, f"replay {i}")
-    from infc.runtime.bind import grid
+    from infc.compiler.contract.bind import grid
     G = grid(R["kernel"].meta, dims)[0]
     grew = _counters(R) - before
     assert list(grew[:G]) == [120] * G and not grew[G:].any()

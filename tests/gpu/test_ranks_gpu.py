@@ -28,7 +28,7 @@ import pytest
 import models
 import prepare
 from driver_loop import Pages, rank_steps, step
-from infc.runtime.step import Chunk, build_step
+from infc.runtime.engine.step import Chunk, build_step
 
 KW = dict(max_num_batched_tokens=1024, max_num_seqs=8, num_pages=256, buckets=[1, 2, 4, 8])
 LENS = [1, 7, 16, 33, 100, 255]
@@ -100,8 +100,8 @@ def drive(runs: dict, vocab: int, on_step):
 def test_device_copy_ranks_give_the_whole_logits(name, tag):
     from infc.runtime.cuda.ranks import DeviceCopyRanks
     from infc.runtime.cuda.runner import CudaRunner
-    from infc.runtime.runner import RowSampling
-    from infc.runtime.sampling import SamplingParams
+    from infc.runtime.engine.runner import RowSampling
+    from infc.runtime.engine.sampling import SamplingParams
     md = model_dir(name)
     with closing(CudaRunner(artifact(name, "whole"), md, **KW)) as whole, \
             closing(DeviceCopyRanks(artifact(name, tag), md, **KW)) as ranks, \
@@ -138,7 +138,7 @@ def test_device_copy_ranks_give_the_whole_logits(name, tag):
 @pytest.mark.parametrize("name", ["tiny-moe", "qwen3-30b-a3b-l4"])
 def test_data_parallel_ranks_give_the_whole_logits(name):
     """Attention data-parallel ranks on this GPU (issue 14): rank 0 runs half the prompts and
-    rank 1 the other half, each step padded to the longer rank's T (runtime/step.py pad_ranks,
+    rank 1 the other half, each step padded to the longer rank's T (runtime/engine/step.py pad_ranks,
     the spare page); the experts run over both ranks' rows (dp_dispatch / dp_combine by device
     copies). Each rank's rows against the whole plan running the same sequences: the golden
     gate's bounds; decode steps replay the ranks' graph."""
@@ -193,7 +193,7 @@ def test_nccl_one_rank_runs_the_plans_collectives(tag):
     from infc.runtime.cuda import nccl
     from infc.runtime.cuda.ranks import nccl_runner
     from infc.runtime.cuda.runner import CudaRunner
-    from infc.runtime.program import unrolled
+    from infc.compiler.contract.program import unrolled
     name = "tiny-moe"
     md = model_dir(name)
     print(f"\n[ranks] NCCL {'.'.join(map(str, nccl.version()))} from {nccl.library().path}", flush=True)

@@ -1,5 +1,5 @@
 """Two GPUs, one process per GPU over NCCL (issue 14): the rank plans of a parallel build run by
-rank 0's MultiProcessRunner (runtime/rank_workers.py: rank 0 here on GPU 0 with the steps, rank 1
+rank 0's MultiProcessRunner (runtime/distributed/rank_workers.py: rank 0 here on GPU 0 with the steps, rank 1
 spawned on GPU 1, each a CudaRunner whose collectives run on its stream and are captured in its
 decode graphs: small all-reduces one-shot over the peers' mapped memory (runtime/cuda/p2p.py,
 INFC_P2P=0 for NCCL alone), the rest NCCL calls), held to HF transformers in bf16 on GPU 0 by the golden gate of
@@ -42,7 +42,7 @@ def gpu_count() -> int:
 
 pytestmark = pytest.mark.skipif(gpu_count() < 2, reason="needs two GPUs")
 
-FACTORY = "infc.runtime.rank_workers:nccl_rank_runner"
+FACTORY = "infc.runtime.distributed.rank_runners:nccl_rank_runner"
 KW = dict(max_num_batched_tokens=16384, max_num_seqs=16, buckets=[1, 2, 4, 8, 16], num_pages=2048)
 
 
@@ -70,7 +70,7 @@ CASES = {
 
 
 def ranks(art, d, **kw):
-    from infc.runtime.rank_workers import MultiProcessRunner
+    from infc.runtime.distributed.rank_workers import MultiProcessRunner
     if not (art / "bin").is_dir():
         pytest.fail(f"{art}/bin missing: run `python tests/gpu/prepare.py twogpu` and carry .cache",
                     pytrace=False)
@@ -127,8 +127,8 @@ def test_golden_graph_buckets_and_bit_identical_decode(case):
 def test_a_rank_killed_mid_stream_is_a_clear_error():
     """Rank 1 killed while rank 0 decodes in graphs (its all-reduces would wait for rank 1
     forever): RankError naming rank 1 within seconds, and rank 0's runner refuses further steps."""
-    from infc.runtime.rank_workers import RankError
-    from infc.runtime.step import Chunk
+    from infc.runtime.distributed.rank_workers import RankError
+    from infc.runtime.engine.step import Chunk
     from driver_loop import Pages, step
     make, art, _ = CASES["qwen3-4b-tp2"]
     d = make()
@@ -157,12 +157,12 @@ def test_a_rank_killed_mid_stream_is_a_clear_error():
 def run_data_parallel(runner, seqs, batch: int) -> list:
     """run()'s steps over data-parallel ranks: sequences alternate between the two ranks, each
     rank prefills its `batch` of a group then decodes them forced, every step padded alike
-    (runtime/step.py pad_ranks). Each row samples greedily with its top-8 logprobs, which is what
+    (runtime/engine/step.py pad_ranks). Each row samples greedily with its top-8 logprobs, which is what
     the gate reads: -> per sequence, per position, [(token, logprob)] best first."""
     from driver_loop import Pages, rank_steps
-    from infc.runtime.runner import RowSampling
-    from infc.runtime.sampling import SamplingParams
-    from infc.runtime.step import Chunk
+    from infc.runtime.engine.runner import RowSampling
+    from infc.runtime.engine.sampling import SamplingParams
+    from infc.runtime.engine.step import Chunk
     pages = [Pages(runner.num_pages, runner.page_size) for _ in range(2)]
     row = RowSampling(SamplingParams(temperature=0, logprobs=8), seed=0, step=0)
     got = [[] for _ in seqs]
@@ -232,7 +232,7 @@ def test_overlapped_steps_over_two_gpus_give_the_synchronous_tokens(name, monkey
     tokens on its own GPU. Greedy and seeded sampling over the same ranks give the tokens of
     synchronous steps; a rank whose logits differed would diverge and fail this."""
     from families import engine_tokens
-    from infc.runtime.sampling import SamplingParams
+    from infc.runtime.engine.sampling import SamplingParams
     make, art, _ = CASES[name]
     d = make()
     rng = np.random.default_rng(4)

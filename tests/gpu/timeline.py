@@ -75,8 +75,8 @@ def main(argv=None):
     from torch.profiler import ProfilerActivity, profile
     from infc.bench.profile import PageTable, Profiler, launch_sites
     from infc.runtime.cuda.runner import CudaRunner
-    from infc.runtime.program import program_name
-    from infc.runtime.step import Chunk
+    from infc.compiler.contract.program import program_name
+    from infc.runtime.engine.step import Chunk
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

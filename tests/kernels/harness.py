@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from infc.compiler.codegen.render import render_template
-from infc.runtime.bind import Resolver, grid, scratch_sizes
+from infc.compiler.contract.bind import Resolver, grid, scratch_sizes
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py sets TRITON_INTERPRET=1"
 

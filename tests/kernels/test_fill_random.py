@@ -1,12 +1,12 @@
 """fill_random (--load-format dummy) under the interpreter: equal to its numpy mirror
-(runtime/dummy_weights.py values), deterministic, finite, mean/std as promised, a different seed
+(runtime/weights/dummy.py values), deterministic, finite, mean/std as promised, a different seed
 gives different values, odd sizes are written exactly up to N."""
 import numpy as np
 import pytest
 import torch
 
-from infc.runtime.dummy_weights import seed_of, values
-from infc.runtime.safetensors_io import f32_to_bf16_bits
+from infc.runtime.weights.dummy import seed_of, values
+from infc.compiler.contract.safetensors_io import f32_to_bf16_bits
 
 from .harness import poison, render, run
 

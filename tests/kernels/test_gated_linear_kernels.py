@@ -83,7 +83,7 @@ GEMM_CASES = [
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("T,F,K,tune,splits", GEMM_CASES)
 def test_gemm_gated(T, F, K, tune, splits, bias, fn):
-    from infc.runtime.bind import grid
+    from infc.compiler.contract.bind import grid
     k, _ = _case("gemm_gated", "prefill", T, F, K, tune, fn, bias)
     assert grid(k.meta, {"T": T, "B": 1})[1] == splits
 

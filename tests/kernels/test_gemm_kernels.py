@@ -15,7 +15,7 @@ from infc.compiler.codegen.render import TemplateError
 from infc.compiler.ops import REGISTRY
 from infc.compiler.ops.activation import ACTIVATIONS
 
-from infc.runtime.bind import grid
+from infc.compiler.contract.bind import grid
 
 from .harness import bf16, poison, rand, rel_err, render, run
 
@@ -237,7 +237,7 @@ SHORT_CASES = [(2, 1, {}), (17, 3, {}), (64, 5, {}),
 
 
 def _short_grid_splits(k, T, B, tune):
-    from infc.runtime.bind import grid
+    from infc.compiler.contract.bind import grid
     assert (grid(k.meta, {"T": T, "B": B})[2] > 1) == bool(tune)
 
 

@@ -546,7 +546,7 @@ def test_references_through_the_oracle_context():
     """The references on the reference executor's own step context (runtime/reference/executor.py:
     its slot allocator, ctx.meta.state_slots, ctx.cache): two steps equal one, per sequence."""
     from infc.runtime.reference.executor import SeqPages
-    from infc.runtime.step import Chunk
+    from infc.runtime.engine.step import Chunk
     gen = np.random.default_rng(9)
     C, K, hk, hv, dk, dv = 10, 4, 1, 2, 8, 6
     decl = {"conv": {"kind": "slot", "shape": [K - 1, C], "dtype": "bf16", "layers": [0]},

@@ -388,7 +388,7 @@ def test_moe_grouped_defaults_at_qwen3_30b_shapes():
     """The defaults the build renders at qwen3-30b-a3b's shapes (H=2048, F=768, 128 experts, top-8):
     unmasked K loops, gate_up's interleaved single dot, moe_down's 128 x 256 tiles; and the
     grids' bound on the row blocks covers the worst case (every expert's last block partial)."""
-    from infc.runtime.bind import grid
+    from infc.compiler.contract.bind import grid
     Hq, Fq, Eq, KTq = 2048, 768, 128, 8
     gu = render("moe_gate_up_grouped", "moe_gate_up",
                 [("x", ["T", Hq], "bf16"), ("ids", ["T", KTq], "i32"), ("gate_up", [Eq, 2 * Fq, Hq], "bf16", "weight"),

@@ -1,5 +1,5 @@
 """Sampling kernels under the interpreter: sample_argmax and log_softmax exactly / to fp32
-precision, and sample statistically against runtime/sampling.py filtered_probs.
+precision, and sample statistically against runtime/engine/sampling.py filtered_probs.
 
 `sample` takes ROWS rows per program (tune key): production renders ROWS = 1; the statistical
 tests use many rows per program so that thousands of draws stay fast under the interpreter,
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from infc.runtime.sampling import SamplingParams, filtered_probs, logprobs_of
+from infc.runtime.engine.sampling import SamplingParams, filtered_probs, logprobs_of
 
 from .harness import poison, render, run
 

@@ -13,7 +13,7 @@ import json
 import time
 from pathlib import Path
 
-from infc.compiler.safe_eval import INT_FUNCS, compile_int
+from infc.compiler.contract.safe_eval import INT_FUNCS, compile_int
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = [(1, 1), (7, 3), (256, 256), (8192, 64), (1000, 999)]

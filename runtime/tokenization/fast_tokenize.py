@@ -63,11 +63,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import re
 import threading
 from collections import OrderedDict
+
+from infc import envs
 
 log = logging.getLogger("infc.tokenizer")
 
@@ -193,7 +194,7 @@ class FastEncoder:
         self._max_added = max((len(c) for c in contents), default=0)
         self._first = re.compile("[" + "".join(re.escape(c) for c in sorted(self._by_first)) + "]") \
             if contents else None
-        if os.environ.get("INFC_FAST_TOKENIZE", "1") in ("0", "false", "off", "no"):
+        if not envs.value("INFC_FAST_TOKENIZE"):
             self.rule, self.reason = None, "INFC_FAST_TOKENIZE=0"
         else:
             try:

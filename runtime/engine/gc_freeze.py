@@ -15,12 +15,13 @@ Called by the long-lived processes once they are ready: `infc serve`, `infc benc
 the rank workers. INFC_GC_FREEZE=0 leaves the collector as it is (A/B runs).
 """
 import gc
-import os
+
+from infc import envs
 
 
 def freeze_startup() -> bool:
     """Collect, then freeze what is alive; False (nothing done) under INFC_GC_FREEZE=0."""
-    if os.environ.get("INFC_GC_FREEZE", "1") == "0":
+    if not envs.value("INFC_GC_FREEZE"):
         return False
     gc.collect()
     gc.freeze()

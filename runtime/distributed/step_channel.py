@@ -51,7 +51,7 @@ import time
 
 import numpy as np
 
-from .step import StepMeta
+from ..engine.step import StepMeta
 
 MAGIC = b"INFC"
 VERSION = 1
@@ -247,8 +247,8 @@ def _row_items(sampling: list, fields: list, feed=()) -> list:
 
 def _rows_of(what: str, rest: list, fields: list, B: int) -> tuple[list, dict]:
     """The items after a frame's StepMeta -> (sampling rows [RowSampling | None] * B, the arrays)."""
-    from .runner import RowSampling
-    from .sampling import SamplingParams
+    from ..engine.runner import RowSampling
+    from ..engine.sampling import SamplingParams
     names = [n for n, _ in rest]
     if names != [n for n, _ in fields] + ["seeds"]:
         raise ChannelError(f"a {what} frame with sampling fields {names}")
@@ -388,7 +388,7 @@ def encode_samples(step: int, samples: list) -> bytes:
 
 def samples_of(kind: int, items: list) -> tuple[int, list]:
     """A DP_STEP's ACK -> (step, samples [Sample | None] * B)."""
-    from .runner import Sample
+    from ..engine.runner import Sample
     names = [n for n, _ in items]
     if kind != ACK or names != _SAMPLE_FIELDS:
         raise ChannelError(f"expected the ack of a data-parallel step with {_SAMPLE_FIELDS}, got "

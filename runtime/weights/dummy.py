@@ -23,7 +23,7 @@ import zlib
 
 import numpy as np
 
-from .safetensors_io import f32_to_bf16_bits
+from infc.compiler.contract.safetensors_io import f32_to_bf16_bits
 
 LOAD_FORMATS = ("auto", "dummy")
 CHUNK = 1 << 30                          # elements per fill launch
@@ -110,7 +110,7 @@ def weight_values(name: str, w: dict, layer, seed: int = 0) -> np.ndarray:
 def dummy_weights(plan: dict, seed: int = 0) -> dict:
     """The CPU backend's weights for --load-format dummy: load_weights' structure (name -> array,
     or a list ordered like the weight's `layers`; tied weights share their target's)."""
-    from .weights import layers_of
+    from .load import layers_of
     out, tied = {}, []
     for name, w in plan["weights"].items():
         if "tied" in w["source"]:

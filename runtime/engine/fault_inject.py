@@ -9,7 +9,7 @@ that one failure ends only the requests it concerns and the engine serves on (is
 Never set it in production: a client that knows SEED can fail its own request (nobody else's).
 Read once, by the Engine; unset (the default) it costs one attribute test per step.
 """
-import os
+from infc import envs
 
 ENV = "INFC_FAULT_INJECT"
 KINDS = ("step", "request")
@@ -38,8 +38,9 @@ class FaultInjector:
             raise InjectedFault(f"{ENV}: request {seq.request_id!r} (seed {seq.params.seed})")
 
 
-def from_env(environ=os.environ) -> FaultInjector | None:
-    spec = environ.get(ENV, "")
+def from_env(environ: dict | None = None) -> FaultInjector | None:
+    """The injector INFC_FAULT_INJECT asks for (environ: a mapping to read instead, in tests)."""
+    spec = (envs.value(ENV) or "") if environ is None else environ.get(ENV, "")
     if not spec:
         return None
     seeds: dict[str, set[int]] = {}

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4}
+from .schema import DTYPE_BYTES
+
+DTYPES = ("bf16", "f16", "f32")      # a cache's element types
 KINDS = ("paged", "slot")
 ALIGN = 256
 
@@ -29,8 +31,8 @@ def check(caches: dict) -> dict:
     for name, c in caches.items():
         if c.get("kind") not in KINDS:
             raise ValueError(f"cache '{name}': kind {c.get('kind')!r} is not one of {KINDS}")
-        if c.get("dtype") not in DTYPE_BYTES:
-            raise ValueError(f"cache '{name}': dtype {c.get('dtype')!r} is not one of {list(DTYPE_BYTES)}")
+        if c.get("dtype") not in DTYPES:
+            raise ValueError(f"cache '{name}': dtype {c.get('dtype')!r} is not one of {list(DTYPES)}")
         if not all(isinstance(d, int) and d > 0 for d in c.get("shape", [None])):
             raise ValueError(f"cache '{name}': shape {c.get('shape')} must be positive integers")
         if not isinstance(c.get("layers"), list) or len(set(c["layers"])) != len(c["layers"]):

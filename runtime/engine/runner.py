@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import caches
+from infc.config import DEFAULT_PAGE_SIZE
+from infc.compiler.contract import caches
 from .sampling import SamplingParams, logprobs_of, sample
 from .step import StepMeta
 
@@ -79,11 +80,11 @@ class CPURunner(ComputedAtLaunch):
     # engine steps synchronously over it (tests' runners built on ComputedAtLaunch overlap).
     can_overlap = False
 
-    def __init__(self, plan: dict, weights: dict, num_pages: int, page_size: int = 16,
+    def __init__(self, plan: dict, weights: dict, num_pages: int, page_size: int = DEFAULT_PAGE_SIZE,
                  max_num_seqs: int = 256):
         """max_num_seqs: state slots to allocate when the plan has slot caches (one per running
         sequence; `num_slots`, 0 for a plan without them), as the CUDA runner does."""
-        from .reference.executor import ReferenceExecutor
+        from ..reference.executor import ReferenceExecutor
         self.plan, self.page_size, self.num_pages = plan, page_size, num_pages
         self.vocab_size = plan["config"]["V"]
         self.num_slots = max_num_seqs if caches.has_slots(caches.of_plan(plan)) else 0

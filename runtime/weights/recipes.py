@@ -1,6 +1,6 @@
 """Weight recipes: how a plan weight's `source` builds it from checkpoint tensors (plan contract 2).
 
-One registry, recipe kind -> builder on numpy arrays, serves the numpy loader (runtime/weights.py,
+One registry, recipe kind -> builder on numpy arrays, serves the numpy loader (runtime/weights/load.py,
 float32) and the device loader (runtime/cuda/weights.py, which streams plain bf16 runs straight
 from the files and builds everything else here, then rounds once to bf16, or keeps float32 for
 a weight the plan declares f32):
@@ -25,7 +25,7 @@ read(name) -> float32 array. A recipe that does arithmetic (scale, offset) compu
 """
 import numpy as np
 
-from infc.compiler.errors import ModelDirError
+from infc.compiler.contract.errors import ModelDirError
 
 RECIPES: dict = {}
 

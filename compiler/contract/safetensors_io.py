@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from infc.compiler.errors import ModelDirError
+from infc.compiler.contract.errors import ModelDirError
 
 from .safetensors_header import read_header
 

@@ -19,7 +19,7 @@ import math
 import os
 import struct
 
-from infc.compiler.errors import ModelDirError
+from infc.compiler.contract.errors import ModelDirError
 
 MAX_HEADER = 100_000_000          # the safetensors library's own limit
 # Bits per element of every dtype of the format (sub-byte floats pack: a tensor's bit count

@@ -13,7 +13,7 @@ pending tokens on its own device.
 Data-parallel steps (plans with `parallel.dp` > 1): runtime/rank_data_parallel.py, the
 methods MultiProcessRunner takes from DataParallelSteps.
 
-    runner = MultiProcessRunner("infc.runtime.rank_workers:nccl_rank_runner",
+    runner = MultiProcessRunner("infc.runtime.distributed.rank_runners:nccl_rank_runner",
                                 {"artifact": ..., "model_dir": ..., "num_pages": ...}, world=2)
     engine = Engine(runner, ...)        # the runner interface: execute, page_size, num_pages, ...
     ...
@@ -48,8 +48,9 @@ import traceback
 
 import numpy as np
 
+from infc import envs
 from . import step_channel as ch
-from .gc_freeze import freeze_startup
+from ..engine.gc_freeze import freeze_startup
 from .rank_data_parallel import DataParallelSteps
 
 
@@ -471,8 +472,8 @@ class MultiProcessRunner(DataParallelSteps):
         bits), so that each can feed the next step's pending tokens on its own device. The same
         rule holds for data-parallel ranks (launch_ranks / collect_ranks), where each rank
         samples and feeds its own rows."""
-        from .runner import ComputedAtLaunch
-        setting = os.environ.get("INFC_RANK_OVERLAP", "")
+        from ..engine.runner import ComputedAtLaunch
+        setting = envs.value("INFC_RANK_OVERLAP")
         if setting == "0" or not callable(getattr(self.runner, "launch", None)):
             return False
         return setting == "1" or not isinstance(self.runner, ComputedAtLaunch)
@@ -597,102 +598,3 @@ class MultiProcessRunner(DataParallelSteps):
             close(graceful)
         if graceful:
             self._stop_workers(graceful=True)
-
-
-# -- factories --------------------------------------------------------------------------------
-def nccl_rank_runner(rank: int, world: int, config: dict, link: RankLink):
-    """A CudaRunner of rank `rank` over NCCL (runtime/cuda/ranks.py: nccl_runner) on GPU
-    devices[rank] (default: GPU `rank`); rank 0 makes the communicator id and shares it.
-    config: artifact, model_dir, devices (optional), and CudaRunner arguments (give num_pages:
-    every rank needs the same). Not yet run on several GPUs."""
-    from .cuda import nccl
-    from .cuda.driver import Context
-    from .cuda.ranks import nccl_runner
-    kw = dict(config)
-    artifact, model_dir = kw.pop("artifact"), kw.pop("model_dir")
-    devices = kw.pop("devices", None) or list(range(world))      # rank r on GPU r by default
-    ctx = Context(devices[rank])            # current before NCCL picks its device
-    uid = link.share(nccl.unique_id() if rank == 0 else None)
-    runner = nccl_runner(artifact, model_dir, rank=rank, uid=uid, ctx=ctx, **kw)
-    runner.abort = runner.collectives.abort   # the watchdog's way out of a collective with a dead rank
-    return runner
-
-
-def reference_rank_runner(rank: int, world: int, config: dict, link: RankLink):
-    """The numpy reference executor of rank `rank`'s plan (CPU, float32), its collectives over
-    link.exchange(): N processes reproduce runtime/reference/ranks.py's simulated ranks.
-    config: plans (rank plan JSON paths, or `artifact` with plan.rank<r>.json), model_dir,
-    num_pages, page_size (16), max_num_seqs (256). The caches hold one page more than num_pages:
-    data-parallel ranks' pad rows write page num_pages (runtime/step.py pad_ranks), which no
-    sequence owns."""
-    from . import caches
-    from .runner import CPURunner
-    from .safetensors_io import Checkpoint
-    from .weights import load_weights
-    if "plans" in config:
-        plan = json.loads(open(config["plans"][rank]).read())
-    else:
-        from .cuda.ranks import load_rank_plans     # needs cuda-bindings installed, not a GPU
-        plan = load_rank_plans(config["artifact"])[rank]
-    par = plan.get("parallel") or {"world": 1, "rank": 0}
-    if (par["world"], par["rank"]) != (world, rank):
-        raise ValueError(f"rank {rank} of {world} got the plan of rank {par['rank']} of {par['world']}")
-    page_size = config.get("page_size", 16)
-    runner = CPURunner.__new__(CPURunner)
-    runner.plan, runner.page_size, runner.num_pages = plan, page_size, config["num_pages"]
-    runner.vocab_size = plan["config"]["V"]
-    runner.num_slots = config.get("max_num_seqs", 256) if caches.has_slots(caches.of_plan(plan)) else 0
-    runner.executor = RankReferenceExecutor(plan, load_weights(plan, Checkpoint(config["model_dir"])),
-                                            page_size, rank, world, link.exchange())
-    runner.executor.allocate_pages(runner.num_pages + 1, page_size, runner.num_slots)
-    runner.logits = runner.executor.step_paged
-    return runner
-
-
-def _rank_executor_class():
-    from infc.compiler.ops import REGISTRY
-
-    from .program import unrolled
-    from .reference.executor import CACHE_MARKER, ReferenceExecutor, launch_results
-
-    class RankReferenceExecutor(ReferenceExecutor):
-        """One rank's ReferenceExecutor whose collective launches exchange their inputs with the
-        other ranks' processes (the same launches in the same order on every rank)."""
-
-        def __init__(self, plan, weights, page_size, rank, world, exchange):
-            super().__init__(plan, weights, page_size)
-            self.rank, self.world, self.exchange = rank, world, exchange
-
-        def _context(self, meta, storage):
-            ctx = super()._context(meta, storage)
-            ctx.rank, ctx.world, ctx.exchange = self.rank, self.world, self.exchange
-            return ctx
-
-        def _run(self, program, views, ctx):
-            for launch, layer in unrolled(program):
-                ctx.layer = layer
-                op = REGISTRY[launch["op"]]
-                args = [self._arg(n, views, layer) for n in launch["inputs"]]
-                if op.collective:
-                    args = [None if x is None else np.array(x) for x in args]
-                    self.exchange.gather(args)
-                try:
-                    results = launch_results(ctx, launch, args)
-                finally:
-                    self.exchange.current = None
-                for name, r in zip(launch["outputs"], results):
-                    if name == CACHE_MARKER or r is None or name not in views:
-                        continue
-                    np.copyto(views[name], np.asarray(r).reshape(views[name].shape), casting="unsafe")
-
-    return RankReferenceExecutor
-
-
-_RankReferenceExecutor = None
-
-
-def RankReferenceExecutor(*a, **kw):           # noqa: N802 (the class, built on first use)
-    global _RankReferenceExecutor
-    if _RankReferenceExecutor is None:
-        _RankReferenceExecutor = _rank_executor_class()
-    return _RankReferenceExecutor(*a, **kw)

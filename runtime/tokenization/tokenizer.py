@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from infc.compiler.errors import ModelDirError
+from infc.compiler.contract.errors import ModelDirError
 
 from .fast_tokenize import FastEncoder
 

@@ -1,9 +1,9 @@
 """Data-parallel steps over rank processes: the methods rank 0's MultiProcessRunner
-(runtime/rank_workers.py) takes from DataParallelSteps.
+(runtime/distributed/rank_workers.py) takes from DataParallelSteps.
 
 Data-parallel steps (plans with `parallel.dp` > 1: attention data-parallelism with expert
 parallelism; `dp_world`): each rank runs its own sequences over its own pages, so each gets its
-own StepMeta, all padded by the caller to the same T (runtime/step.py pad_ranks; pad rows write
+own StepMeta, all padded by the caller to the same T (runtime/engine/step.py pad_ranks; pad rows write
 the spare page `num_pages`), and the experts' collectives (dp_dispatch / dp_combine) run over
 every rank's rows. `execute_ranks(metas, sampling)` sends worker r a DP_STEP frame with its step
 and its rows' sampling; each rank samples its own rows and the worker's ACK carries its samples,
@@ -56,7 +56,7 @@ class DataParallelSteps:
 
     def execute_ranks(self, metas: list, sampling: list) -> list:
         """One data-parallel step: rank r runs metas[r] (its own sequences and pages; every rank's
-        T the same: runtime/step.py pad_ranks) and samples its own rows by sampling[r]
+        T the same: runtime/engine/step.py pad_ranks) and samples its own rows by sampling[r]
         ([RowSampling | None] * metas[r].B). Returns every rank's samples, [[Sample | None]] per
         rank. Rank 0 samples locally; each worker sends its samples in the step's ACK, which is
         read here: unlike `execute`, nothing of this step is left to acknowledge later."""
@@ -89,7 +89,7 @@ class DataParallelSteps:
         Ts = [m.T for m in metas]
         if len(set(Ts)) > 1:
             raise ValueError(f"data-parallel ranks' steps must have the same T (pad them: "
-                             f"runtime/step.py pad_ranks), got {Ts}")
+                             f"runtime/engine/step.py pad_ranks), got {Ts}")
         for r, (m, rows) in enumerate(zip(metas, sampling)):
             if len(rows) != m.B:
                 raise ValueError(f"rank {r}: {len(rows)} sampling rows for a step of {m.B} sequences")

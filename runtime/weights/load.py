@@ -3,9 +3,9 @@
 indices that have it) is a list ordered like `layers`; `at(plan, weights, name, layer)` finds a
 layer's copy. Shapes are checked against the plan and a mismatch names the tensor.
 """
-from infc.compiler.errors import ModelDirError
+from infc.compiler.contract.errors import ModelDirError
 
-from .weight_recipes import build
+from .recipes import build
 
 
 def layers_of(w: dict) -> list:

@@ -21,6 +21,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from infc.config import DEFAULT_PAGE_SIZE
 from .sequence import Sequence
 
 
@@ -37,7 +38,7 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_pages: int, page_size: int = 16, enable_prefix_caching: bool = True,
+    def __init__(self, num_pages: int, page_size: int = DEFAULT_PAGE_SIZE, enable_prefix_caching: bool = True,
                  num_slots: int = 0):
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"need num_pages >= 1 and page_size >= 1, got {num_pages}, {page_size}")

@@ -4,7 +4,8 @@ Pure Python, no torch, no CUDA: the CUDA runner, the GPU sampler, the tuner, the
 test executor and the kernel test harness all resolve parameters through one `Resolver`, each
 with its own way of producing pointers (device addresses, torch tensors).
 """
-from infc.compiler.safe_eval import compile_int
+from .safe_eval import compile_int
+from .schema import CACHE_MARKER
 
 
 def step_dims(plan: dict, T: int, B: int) -> dict:
@@ -36,9 +37,8 @@ def scratch_sizes(meta: dict, dims: dict) -> dict[str, int]:
 # NAME), scratch:NAME (the kernel's scratch, sized by META), const:INT, arg:NAME (a scalar the
 # launcher passes by name: the weight fill's seed, scale and offset, which are no dim).
 SOURCES = ("in", "out", "dim", "meta", "cache", "scratch", "const", "arg")
-# The value a launch lists among its inputs/outputs to order cache writes before reads: it has
-# no buffer, so no parameter may bind it.
-CACHE_MARKER = "cache"
+# CACHE_MARKER (schema.py), the value a launch lists among its inputs/outputs to order cache
+# writes before reads, has no buffer, so no parameter may bind it.
 
 
 def split_source(source: str) -> tuple[str, str]:

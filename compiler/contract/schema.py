@@ -1,0 +1,33 @@
+"""The plan's names and versions, which the compiler writes and the runtime reads.
+
+Each is defined here once: a plan or a tuning manifest from one side is read by the other
+through these names, so they cannot drift apart.
+"""
+SCHEMA = "infc.plan/2"
+TUNE_MANIFEST_VERSION = 2  # `infc tune prepare` writes it, `infc tune run` reads it; 2: plan/2 caches
+
+# every dtype a plan names, in bytes an element
+DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "i32": 4}
+
+# the value that orders a cache write before its reads (a launch output that is no buffer)
+CACHE_MARKER = "cache"
+
+STEP_METADATA = {
+    "positions": {"shape": ["T"], "dtype": "i32", "doc": "absolute position of each token"},
+    "seq_starts": {"shape": ["B+1"], "dtype": "i32", "doc": "first token row of each sequence"},
+    "context_lens": {"shape": ["B"], "dtype": "i32", "doc": "KV length after this step"},
+    "last_rows": {"shape": ["B"], "dtype": "i32", "doc": "row of each sequence's last token"},
+    "slot_mapping": {"shape": ["T"], "dtype": "i32", "doc": "KV slot each new token writes"},
+    "block_tables": {"shape": ["B", "max_pages"], "dtype": "i32", "doc": "KV pages per sequence"},
+}
+# Only in a plan that declares a slot cache (its kernels read it; plans without one are unchanged)
+STATE_SLOTS = {"state_slots": {"shape": ["B"], "dtype": "i32",
+                               "doc": "slot of each sequence in the slot caches (conv, recurrent state)"}}
+
+
+def step_metadata(caches: dict) -> dict:
+    """The step metadata the plan's kernels read: STEP_METADATA, plus state_slots when a cache
+    keeps one entry per sequence (kind "slot")."""
+    if any(c["kind"] == "slot" for c in caches.values()):
+        return {**STEP_METADATA, **STATE_SLOTS}
+    return STEP_METADATA

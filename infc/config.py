@@ -1,0 +1,138 @@
+"""The settings an engine is built from, typed and grouped as vLLM's (load, cache, scheduler,
+parallel, device), with each default defined here once.
+
+`infc serve` (server/args.py engine_config), `infc generate` and `LLM(...)` (infc/llm.py) build one
+EngineConfig; infc/backend.py load_backend takes it, fills what depends on the machine
+(`resolved`: the device, the KV page size from the GPU's tuning table, the step token budget) and
+builds the engine from it. Flat keyword settings use vLLM's names (`from_settings`), where
+`block_size` is vLLM's name for the KV page size: inside infc it is `page_size` everywhere.
+
+Imports nothing from infc but the environment registry: the runtime, the compiler and the server
+may all read it (tests/test_layering.py).
+"""
+from dataclasses import dataclass, field, fields, replace
+from typing import Callable
+
+# The KV cache's tokens a page when neither the user nor the GPU's tuning table names one
+# (vLLM's block size). A table's `page_size` wins on its GPU (compiler/build.py default_page_size).
+DEFAULT_PAGE_SIZE = 16
+DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+# LLM(...) on the CPU (the numpy reference): a small cache and batch unless asked (infc/llm.py)
+OFFLINE_CPU_KV_TOKENS = 4096
+OFFLINE_CPU_MAX_NUM_SEQS = 64
+
+# Step token budgets (max_num_batched_tokens) when none is given, as vLLM sets them per use on cards
+# of 70 GiB or more (its arg_utils: LLM class 16384, OpenAI server 8192; the H100s and H200s this
+# project runs on; smaller cards keep the same values here, which vLLM halves and quarters): the
+# server's steps keep decodes' inter-token gaps short (a mixed step of 8k prompt tokens is ~0.1 s
+# on an H200), while offline work (LLM, `bench throughput`) takes 16k-token steps: fewer, larger
+# prefill bursts that run while fewer sequences decode. qwen3-4b at 1024 in / 128 out on an H200:
+# mean TPOT at 64 concurrent 10.72 -> 9.95 ms, 256 concurrent +1 % output tok/s, median TTFT
+# 222 -> 430 ms (bench/NOTES.md, eighth session). Keyed by (device, served by `infc serve`).
+BATCHED_TOKENS = {("cuda", True): 8192, ("cuda", False): 16384, ("cpu", True): 2048, ("cpu", False): 2048}
+DEVICES = ("cpu", "cuda")
+
+
+def default_batched_tokens(device: str, server: bool) -> int:
+    return BATCHED_TOKENS[(device, server)]
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    model: str | None = None            # the variant name; None: detected from config.json
+    spec: str | None = None             # a spec file, instead of the one whose architectures match
+    spec_dirs: tuple = ()               # searched before specs/ (with $INFC_SPEC_PATH)
+    load_format: str = "auto"           # auto: the safetensors; dummy: random weights (vLLM's)
+    artifact: str | None = None         # a built artifact to run as it is (one GPU): an A/B of plans
+    max_model_len: int | None = None    # None: the model's, within the KV cache
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    page_size: int | None = None        # KV tokens a page (vLLM's --block-size); None: the device's
+    enable_prefix_caching: bool = True
+    num_gpu_blocks_override: int | None = None    # KV pages, either device
+    kv_cache_tokens: int | None = None  # LLM(...): KV capacity in tokens (pages = ceil(/page_size))
+    kv_cache_memory_bytes: int | None = None      # cpu; None: $INFC_CPU_KV_CACHE_BYTES
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int | None = None     # None: DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int | None = None     # None: BATCHED_TOKENS
+    overlap: bool | None = None         # overlapped steps; None: where the runner can ($INFC_OVERLAP)
+    asynchronous: bool = True           # an AsyncEngine (the server's); False: a plain Engine (LLM)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    data_parallel_size: int = 1
+
+    @property
+    def ranks(self) -> bool:
+        return self.tensor_parallel_size != 1 or self.enable_expert_parallel or self.data_parallel_size != 1
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str | None = None           # cpu | cuda; None: cuda when an NVIDIA driver is present
+    cuda_graphs: bool = True
+
+
+GROUPS = {"load": LoadConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+          "parallel": ParallelConfig, "device": DeviceConfig}
+ALIASES = {"block_size": "page_size"}     # vLLM's spelling -> infc's
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    load: LoadConfig = field(default_factory=LoadConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+
+    @classmethod
+    def from_settings(cls, **settings) -> "EngineConfig":
+        """From flat keyword settings (vLLM's names: max_num_seqs, block_size, ...); None leaves
+        a setting at its default. An unknown name is a TypeError that names it."""
+        owner = {f.name: g for g, c in GROUPS.items() for f in fields(c)}
+        parts = {g: {} for g in GROUPS}
+        for name, v in settings.items():
+            key = ALIASES.get(name, name)
+            if key not in owner:
+                raise TypeError(f"unknown engine setting '{name}' (known: "
+                                f"{', '.join(sorted([*owner, *ALIASES]))})")
+            if v is not None:
+                parts[owner[key]][key] = tuple(v) if key == "spec_dirs" else v
+        return cls(**{g: GROUPS[g](**kw) for g, kw in parts.items()})
+
+    def resolved(self, detect_device: Callable[[], str], gpu_page_size: Callable[[], int]) -> "EngineConfig":
+        """Every machine-dependent default filled in and every value checked: the device
+        (detect_device()), the page size (gpu_page_size(): the GPU's tuning table, on cuda), the
+        step token budget and batch size, the KV pages for kv_cache_tokens. Idempotent."""
+        device = self.device.device or detect_device()
+        if device not in DEVICES:
+            raise ValueError(f"--device must be cpu or cuda, got {device!r}")
+        cache, sched = self.cache, self.scheduler
+        page_size = cache.page_size or (gpu_page_size() if device == "cuda" else DEFAULT_PAGE_SIZE)
+        tokens = cache.kv_cache_tokens
+        max_num_seqs = sched.max_num_seqs or DEFAULT_MAX_NUM_SEQS
+        batched = sched.max_num_batched_tokens or default_batched_tokens(device, sched.asynchronous)
+        for name, v in (("--max-num-seqs", max_num_seqs), ("--max-num-batched-tokens", batched),
+                        ("--block-size", page_size)):
+            if v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        if self.load.max_model_len is not None and self.load.max_model_len < 2:
+            raise ValueError(f"--max-model-len must be >= 2, got {self.load.max_model_len}")
+        if not 0 < cache.gpu_memory_utilization <= 1:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {cache.gpu_memory_utilization}")
+        pages = cache.num_gpu_blocks_override or (-(-tokens // page_size) if tokens else None)
+        return replace(self, device=replace(self.device, device=device),
+                       cache=replace(cache, page_size=page_size, num_gpu_blocks_override=pages,
+                                     kv_cache_tokens=tokens),
+                       scheduler=replace(sched, max_num_seqs=max_num_seqs, max_num_batched_tokens=batched))
