@@ -249,7 +249,7 @@ def test_data_parallel_ranks_fail_what_it_concerns(monkeypatch, kind):
     """Over data-parallel ranks a step is every rank's batch: a lost one fails the requests of
     both ranks; one request's failure fails it alone. Every rank's pages come back."""
     from test_data_parallel import _TwoRanks
-    from infc.runtime.engine import Engine
+    from infc.runtime.engine.engine import Engine
     monkeypatch.setenv(ENV, f"{kind}:{MARK}")
     e = Engine(_TwoRanks(num_pages=64), max_model_len=1024, overlap=False)
     for rid, p in PROMPTS.items():
