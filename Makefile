@@ -1,5 +1,7 @@
 # The two commands: `make run` (build qwen3-4b, then generate with the real SmolLM2-135M on the
-# CPU) and `make test` (the CPU suite). Each creates .venv and installs what it needs.
+# CPU) and `make test` (the CPU suite, on every core). Each creates .venv and installs what it needs.
+# `make test-all`: the suite with its exhaustive cases too (tests/exhaustive.py): run it before a
+# kernel change is resolved.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -7,7 +9,7 @@ PIP    := $(PY) -m pip -q --disable-pip-version-check
 SMOLLM := .cache/models/smollm2-135m
 PROMPT ?= The capital of France is
 
-.PHONY: run test generated clean
+.PHONY: run test test-all generated clean
 
 $(VENV)/.run: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +27,10 @@ run: $(VENV)/.run
 	$(VENV)/bin/infc generate --model-path $(SMOLLM) --prompt "$(PROMPT)" --max-tokens 32
 
 test: $(VENV)/.dev
-	$(PY) -m pytest
+	$(PY) -m pytest -n auto
+
+test-all: $(VENV)/.dev
+	$(PY) -m pytest -n auto --exhaustive
 
 generated: $(VENV)/.run
 	for m in $$($(PY) -c "from infc.compiler.spec import all_variants; print(' '.join(all_variants()))"); do \

@@ -94,3 +94,38 @@ def fake_driver(monkeypatch):
     import fake_cuda
     with fake_cuda.cuda_modules():
         yield fake_cuda.install(monkeypatch)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--exhaustive", action="store_true",
+                     help="also run the cases marked exhaustive (tests/exhaustive.py): `make test-all`")
+
+
+WORKER_GROUPS = (("test_server", "server"), ("test_backends", "backend_compiles"))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Without --exhaustive, the cases marked exhaustive are deselected (and counted as such), and
+    so are the server tests on a model other than the default that are not backend_specific
+    (tests/test_server_support.per_model_srv). Under `pytest -n` (--dist loadgroup, pyproject's
+    addopts) a group's tests share one worker: the server modules (one loaded backend per model
+    and process) and test_backends (one compile of its cubins into .cache/backend_tests/)."""
+    for item in items:
+        group = next((g for prefix, g in WORKER_GROUPS if item.path.name.startswith(prefix)), None)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
+    if config.getoption("--exhaustive"):
+        return
+    keep, drop = [], []
+    for item in items:
+        (drop if _exhaustive(item) else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+def _exhaustive(item) -> bool:
+    if item.get_closest_marker("exhaustive"):
+        return True
+    return bool(item.get_closest_marker("other_server_model")) and not item.get_closest_marker("backend_specific")

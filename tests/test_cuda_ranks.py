@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 import torch
 import triton  # noqa: F401  (imported before cuda_mods records sys.modules: never dropped)
+from exhaustive import pairwise
 from fake_cuda import cuda_modules
 from kernels.harness import load
 
@@ -527,9 +528,11 @@ class FakeComms:
         self.ctx.put(recv, acc, dtype)
 
 
-@pytest.mark.parametrize("gather", [False, True], ids=["local", "INFC_EP_GATHER"])
-@pytest.mark.parametrize("split", [False, True], ids=["all-reduce", "reduce-scatter"])
-@pytest.mark.parametrize("world,T", [(2, 7), (3, 7), (3, 2), (1, 5)])
+# every world size with each collective form and each dispatch, pairwise (all 16 with --exhaustive):
+# the split and the gather add their own collectives independently (the count asserted below)
+@pytest.mark.parametrize("world,T,split,gather", pairwise(
+    [(2, 7), (3, 7), (3, 2), (1, 5)], [False, True], [False, True],
+    ids=[None, ["all-reduce", "reduce-scatter"], ["local", "INFC_EP_GATHER"]]))
 def test_nccl_collectives_pack_the_owners_rows(fake_device, world, T, split, gather, rng, monkeypatch):
     """NcclCollectives around a communicator: ep_dispatch's pack / all_gather / unpack gives the
     owners' rows (T not a multiple of the world, fewer tokens than ranks, one rank), all_gather

@@ -183,10 +183,15 @@ def live(**config) -> Live:
     return have
 
 
-def per_model_srv(names):
+def per_model_srv(names, fast=None):
     """A module's `srv` fixture over these models of MODELS: each test taking it runs once per
-    model (pytest groups a module's tests by model, so each backend and server starts once)."""
-    @pytest.fixture(scope="module", params=list(names))
+    model (pytest groups a module's tests by model, so each backend and server starts once). A
+    model outside `fast` (None: all fast) is marked other_server_model: there the fast suite runs
+    only the tests marked backend_specific, the others with --exhaustive (tests/conftest.py)."""
+    params = [name if fast is None or name in fast else pytest.param(name, marks=pytest.mark.other_server_model)
+              for name in names]
+
+    @pytest.fixture(scope="module", params=params)
     def srv(request):
         use_model(request.param)
         yield live()

@@ -63,7 +63,10 @@ def load(kernel):
     if kernel.id not in _modules:
         SRC_CACHE.mkdir(parents=True, exist_ok=True)
         path = SRC_CACHE / f"{kernel.id}.py"
-        path.write_text(kernel.source)
+        # written whole, then renamed: parallel test workers (pytest -n) load the same kernels
+        tmp = path.with_name(f".{kernel.id}.{os.getpid()}.tmp")
+        tmp.write_text(kernel.source)
+        os.replace(tmp, path)
         spec = importlib.util.spec_from_file_location(f"interp_{kernel.id}", path)
         mod = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = mod

@@ -13,6 +13,8 @@ from infc.compiler.codegen.render import TemplateError
 from infc.compiler.ops import REGISTRY
 from infc.compiler.ops.activation import ACTIVATIONS
 
+from exhaustive import pairwise
+
 from .harness import bf16, poison, rand, rel_err, render, run
 from .test_gemm_kernels import ACTS, check_scratch_zero, f32
 from .test_gemm_kernels import GEMV_CASES as GEMM_GEMV_CASES
@@ -48,9 +50,10 @@ def _case(template, phase, T, F, K, tune, fn, bias, B=1):
 GEMV_CASES = [(T, N // 2, K, tune, path) for T, N, K, tune, path in GEMM_GEMV_CASES]
 
 
-@pytest.mark.parametrize("fn", ["silu", "gelu_tanh"])
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("T,F,K,tune,path", GEMV_CASES, ids=[c[-1] for c in GEMV_CASES])
+# every path with and without a bias and with each activation, pairwise (the fast suite; the
+# whole product with --exhaustive): each activation has its own test below
+@pytest.mark.parametrize("T,F,K,tune,path,bias,fn", pairwise(GEMV_CASES, [False, True], ["silu", "gelu_tanh"],
+                                                             ids=[[c[-1] for c in GEMV_CASES], None, None]))
 def test_gemv_gated(T, F, K, tune, path, bias, fn):
     _, scratch = _case("gemv_gated", "decode", T, F, K, tune, fn, bias)
     assert (len(scratch) > 0) == ("split" in path)
@@ -79,9 +82,9 @@ GEMM_CASES = [
 ]
 
 
-@pytest.mark.parametrize("fn", ["silu", "gelu"])
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("T,F,K,tune,splits", GEMM_CASES)
+@pytest.mark.parametrize("T,F,K,tune,splits,bias,fn", pairwise(
+    GEMM_CASES, [False, True], ["silu", "gelu"],
+    ids=[[f"{T}-{F}-{K}-tune{i}-{s}" for i, (T, F, K, _, s) in enumerate(GEMM_CASES)], None, None]))
 def test_gemm_gated(T, F, K, tune, splits, bias, fn):
     from infc.compiler.contract.bind import grid
     k, _ = _case("gemm_gated", "prefill", T, F, K, tune, fn, bias)

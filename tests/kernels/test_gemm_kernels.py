@@ -17,6 +17,8 @@ from infc.compiler.ops.activation import ACTIVATIONS
 
 from infc.compiler.contract.bind import grid
 
+from exhaustive import pairwise
+
 from .harness import bf16, poison, rand, rel_err, render, run
 
 TOL = 1e-2
@@ -93,9 +95,10 @@ def test_gemm(T, N, K, tune, splits):
 TILE_LOOPS = [({"NUM_SMS": 3}, "tma persistent"), ({"PERSISTENT": 0}, "tma"), ({"TMA": 0}, "pointers")]
 
 
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("over,loop", TILE_LOOPS, ids=[c[1] for c in TILE_LOOPS])
-@pytest.mark.parametrize("T,N,K", [(70, 130, 200), (37, 100, 72), (1, 40, 64)])
+# each tile loop on each shape; the bias pairwise with both (all 18 with --exhaustive)
+@pytest.mark.parametrize("T,N,K,over,loop,bias", pairwise(
+    [(70, 130, 200), (37, 100, 72), (1, 40, 64)], TILE_LOOPS, [False, True],
+    ids=[None, [c[1] for c in TILE_LOOPS], None]))
 def test_gemm_tile_loops(T, N, K, over, loop, bias):
     gen = np.random.default_rng(T + N + K)
     arrays = [rand((T, K), gen=gen), rand((N, K), gen=gen, scale=K ** -0.5)]

@@ -10,6 +10,8 @@ import torch
 from infc.compiler.codegen.render import TemplateError
 from infc.compiler.ops import REGISTRY
 
+from exhaustive import EXHAUSTIVE
+
 from .harness import bf16, poison, rand, rel_err, render, run
 from .test_gemm_kernels import TOL, check_scratch_zero, f32
 
@@ -122,14 +124,24 @@ def test_a_prologue_outside_the_narrow_phase_is_refused():
 
 # the H200 table's narrow o_proj / down tile (4 rows x 1024 deep, 4 warps, no K split): K = 2300
 # is 3 ragged chunks, all preloaded before the wait; 4500 is 5, two of them in the loop; N = 2562
-# (641 row blocks: enough programs that K is not split, as in the model) leaves a half-filled last one
-@pytest.mark.parametrize("N,K", [(2562, 2300), (2562, 4500)])
-def test_the_narrow_plain_gemv_on_4_row_1024_deep_tiles(N, K):
+# (641 row blocks: enough programs that K is not split, as in the model) leaves a half-filled last
+# one. The fast suite runs N = 42 (11 row blocks, the last half-filled) with TARGET_CTAS lowered so
+# that K is not split either (the same code path, 1/58 of the interpreted programs), and checks
+# that the model's N alone chooses no split; the model's N runs with --exhaustive.
+NARROW = {"BLOCK_N": 4, "FMA_BLOCK_K": 1024, "num_warps": 4}
+
+
+@pytest.mark.parametrize("N,K,tune", [pytest.param(n, k, t, id=f"{n}-{k}", marks=m) for k in (2300, 4500)
+                                      for n, t, m in ((2562, NARROW, EXHAUSTIVE),
+                                                      (42, {**NARROW, "TARGET_CTAS": 8}, ()))])
+def test_the_narrow_plain_gemv_on_4_row_1024_deep_tiles(N, K, tune):
     gen = np.random.default_rng(N + K)
     x, w = rand((1, K), gen=gen), rand((N, K), gen=gen, scale=K ** -0.5)
+    model = render("gemv", "linear", [("x", ["T", K], "bf16"), ("w", [2562, K], "bf16", "weight")],
+                   [("y", ["T", 2562], "bf16")], attrs={"has_bias": False}, narrow=True, tune=NARROW)
+    assert not model.meta["constexprs"]["SPLIT"]
     k = render("gemv", "linear", [("x", ["T", K], "bf16"), ("w", [N, K], "bf16", "weight")],
-               [("y", ["T", N], "bf16")], attrs={"has_bias": False}, narrow=True,
-               tune={"BLOCK_N": 4, "FMA_BLOCK_K": 1024, "num_warps": 4})
+               [("y", ["T", N], "bf16")], attrs={"has_bias": False}, narrow=True, tune=tune)
     assert k.meta["grid"][1] == (N + 3) // 4 and not k.meta["constexprs"]["SPLIT"]
     y = poison((1, N))
     run(k, {"in:0": x, "in:1": w, "out:0": y}, {"T": 1, "B": 1})
