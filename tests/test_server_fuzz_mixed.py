@@ -17,6 +17,7 @@ import collections
 import http.client
 import json
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -186,17 +187,19 @@ def test_mixed_request_storm(srv):
     before = greedy(srv.port)
     statuses, by_form, failures = collections.Counter(), collections.Counter(), []
     slowest = [0.0, None]
+    lock = threading.Lock()
 
     def one(i: int):
         case = make_case(SEED, i, VOCAB_SIZE, MAX_MODEL_LEN)
         status, headers, body, seconds = send(keyed.port if case.auth else srv.port, case)
-        statuses[status] += 1
-        by_form[(case.form, status)] += 1
-        if seconds > slowest[0]:
-            slowest[:] = [seconds, case.index]
         why = judge(case, status, headers, body, seconds)
-        if why is not None:
-            failures.append(f"{why}\n    {case.describe()}")
+        with lock:
+            statuses[status] += 1
+            by_form[(case.form, status)] += 1
+            if seconds > slowest[0]:
+                slowest[:] = [seconds, case.index]
+            if why is not None:
+                failures.append(f"{why}\n    {case.describe()}")
 
     t0 = time.monotonic()
     with ThreadPoolExecutor(CLIENTS) as pool:
