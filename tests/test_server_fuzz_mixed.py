@@ -9,8 +9,8 @@ pool of clients to the real SmolLM2 server and to a keyed one over the same engi
 Failing requests are reported whole (the case index reproduces one: make_case(SEED, index, ...)).
 
 Environment (read here only):
-    INFC_FUZZ_COUNT   requests in the storm; default 400 (CI: ~20 s on 2 idle cores); the acceptance run
-                      of issue 39 is INFC_FUZZ_COUNT=10000 (about 10 minutes on 2 cores)
+    INFC_FUZZ_COUNT   requests in the storm; default 600 (CI); the acceptance run of issue 39 is
+                      INFC_FUZZ_COUNT=10000 (401 s on 2 cores shared with other jobs, load ~10)
     INFC_FUZZ_SEED    the generator's seed; default 39
 """
 import collections
@@ -27,7 +27,7 @@ from fuzz_requests import API_KEY, MODEL_NAMES, Case, make_case
 from test_server_support import (MAX_MODEL_LEN, VOCAB_SIZE, assert_clean, live, one_blas_thread,  # noqa: F401
                                  request, srv)
 
-COUNT = int(os.environ.get("INFC_FUZZ_COUNT", "400"))
+COUNT = int(os.environ.get("INFC_FUZZ_COUNT", "600"))
 SEED = int(os.environ.get("INFC_FUZZ_SEED", "39"))
 CLIENTS = 8                  # concurrent clients: valid requests share engine steps, as in service
 STALL_S = 30.0               # a request answered later than this is a stall
@@ -209,7 +209,7 @@ def test_mixed_request_storm(srv):
           f"{slowest[0]:.2f} s (case {slowest[1]}); statuses {dict(sorted(statuses.items(), key=str))}; "
           f"by form {dict(sorted(by_form.items(), key=str))}")
     assert not failures, f"{len(failures)} of {COUNT} requests failed:\n" + "\n".join(failures[:30])
-    assert sum(n for (form, s), n in by_form.items() if form == "valid" and s == 200) >= COUNT // 10
+    assert sum(n for (form, s), n in by_form.items() if form == "valid" and s == 200) >= COUNT // 20
     for port in (srv.port, keyed.port):
         assert request(port, "GET", "/health")[0] == 200
     assert_clean(srv)
