@@ -209,7 +209,8 @@ def test_mixed_request_storm(srv):
           f"{slowest[0]:.2f} s (case {slowest[1]}); statuses {dict(sorted(statuses.items(), key=str))}; "
           f"by form {dict(sorted(by_form.items(), key=str))}")
     assert not failures, f"{len(failures)} of {COUNT} requests failed:\n" + "\n".join(failures[:30])
-    assert sum(n for (form, s), n in by_form.items() if form == "valid" and s == 200) >= COUNT // 20
+    # the generator still makes requests that reach the engine (about 10 %; a quarter of that at least)
+    assert sum(n for (form, s), n in by_form.items() if form == "valid" and s == 200) >= COUNT // 40
     for port in (srv.port, keyed.port):
         assert request(port, "GET", "/health")[0] == 200
     assert_clean(srv)
