@@ -156,7 +156,7 @@ def _common(r: random.Random, body: dict, vocab: int, max_tokens: int, n: int):
     maybe("top_p", r.choice([1, r.uniform(0.05, 1)]))
     maybe("top_k", r.choice([-1, 0, 1, r.randint(2, 50), vocab]))
     maybe("min_p", r.choice([0, r.uniform(0, 1)]))
-    maybe("seed", r.choice([0, r.randint(0, 2 ** 31), 2 ** 64 - 1, -2 ** 63, -1, r.randint(-2 ** 63, 2 ** 64 - 1)]))
+    maybe("seed", r.choice([0, r.randint(0, 2 ** 31), 2 ** 63 - 1, -2 ** 63, -1, r.randint(-2 ** 63, 2 ** 63 - 1)]))
     if n > 1 or r.random() < 0.3:
         body["n"] = n
     maybe("best_of", n)
