@@ -169,6 +169,7 @@ def test_the_runner_binds_each_kernels_global_scratch(fake_driver):
               "programs": {"prefill": [{"op": "linear", "kernel_id": k, "backend": "triton", "inputs": ["h"],
                                         "outputs": []} for k in kernels]}}
     r.kernels, r.pdl, r.meta, r.max_pages_per_seq = kernels, False, {}, 1
+    r.grids = {k: runner_mod.grid_code(meta) for k in kernels}
     r.caches = type("NoCaches", (), {"ptr": staticmethod(lambda name, layer: 0)})()
     r.global_scratch, r.scratch = {"tma": 0x7000}, {}
     r._buffer_ptr = lambda name: 0x100
