@@ -7,6 +7,11 @@ from pathlib import Path
 
 # Kernels run under Triton's interpreter in this process; AOT compiles happen in subprocesses
 # that clear this variable before importing triton.
+# Under xdist every core runs a worker: one BLAS / OpenMP thread each, or their spinning threads
+# fight over the cores (15 % of the CPU time of an interpreted model run, measured).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ.setdefault(_var, "1")
 os.environ["TRITON_INTERPRET"] = "1"
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
