@@ -115,6 +115,16 @@ class FatalError(RuntimeError):
     engine_fatal = True
 
 
+def _run_and_check_healthy(ae, main):
+    """Run main() on ae; then the engine must be alive with every page free."""
+    try:
+        asyncio.run(asyncio.wait_for(main(), 20))
+        assert ae.healthy
+        assert_all_free(ae.engine)
+    finally:
+        ae.shutdown()
+
+
 def test_async_engine_fails_one_request_and_lives(monkeypatch):
     monkeypatch.setenv(ENV, f"step:{MARK}")
     r = FakeRunner(64)
@@ -133,12 +143,7 @@ def test_async_engine_fails_one_request_and_lives(monkeypatch):
         assert got[0] == solo(r, PROMPTS["r0"], 8) and got[2] == solo(r, PROMPTS["r2"], 8)
         assert await consume("r3") == solo(r, PROMPTS["r3"], 8)
 
-    try:
-        asyncio.run(asyncio.wait_for(main(), 20))
-        assert ae.healthy
-        assert_all_free(ae.engine)
-    finally:
-        ae.shutdown()
+    _run_and_check_healthy(ae, main)
 
 
 def test_a_request_failing_on_its_way_in_fails_alone():
@@ -160,12 +165,7 @@ def test_a_request_failing_on_its_way_in_fails_alone():
         assert isinstance(got[0], RequestFailedError) and "TypeError" in str(got[0])
         assert got[1] == solo(r, PROMPTS["r0"], 8)
 
-    try:
-        asyncio.run(asyncio.wait_for(main(), 20))
-        assert ae.healthy
-        assert_all_free(ae.engine)
-    finally:
-        ae.shutdown()
+    _run_and_check_healthy(ae, main)
 
 
 def test_a_fatal_error_still_kills_the_engine():
