@@ -33,7 +33,7 @@ from .contract.errors import SpecError, did_you_mean
 from .expr import EvalError, Unknown, evaluate
 from .spec import weight_name
 
-READABLE_DTYPES = ("BF16", "F16", "F32", "F64")     # what runtime/safetensors_io.py turns into floats
+READABLE_DTYPES = ("BF16", "F16", "F32", "F64")     # what compiler/contract/safetensors_io.py turns into floats
 
 
 def check_model_dir(plan: dict, spec, model_dir, log=None) -> bool:

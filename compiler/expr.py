@@ -2,7 +2,7 @@
 
 Graph statements (`q, k = f(x, w, eps=eps)`), config defaults (`H // Hq`), shapes
 (`[T, Hq*D]`) and `requires` constraints all go through `ast`, so syntax errors come with a
-column and nothing in a spec can run code. Evaluation is bounded (compiler/safe_eval.py's
+column and nothing in a spec can run code. Evaluation is bounded (compiler/contract/safe_eval.py's
 operators, MAX_STEPS nodes, TIME_BUDGET seconds), so no spec or config can hang or exhaust
 the build.
 """

@@ -8,7 +8,7 @@ from infc.compiler.spec_paths import add_spec_dir_arg
 from infc.config import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_MAX_NUM_SEQS, EngineConfig
 
 
-LOAD_FORMATS = ("auto", "dummy")          # runtime/dummy_weights.py checks the same names
+LOAD_FORMATS = ("auto", "dummy")          # runtime/weights/dummy.py checks the same names
 SHUTDOWN_TIMEOUT_S = 5.0   # after SIGTERM / SIGINT, for the requests in flight (lifecycle.py)
 HEADER_TIMEOUT_S = 30.0    # for a request's headers to arrive (connection.py)
 BODY_TIMEOUT_S = 60.0      # for its body, after its headers: 16 MiB (the body cap) at ~280 KB/s

@@ -1,5 +1,5 @@
-"""Checkpoint files are checked before any byte is used (runtime/safetensors_header.py,
-runtime/safetensors_io.py's shard_path): a safetensors header against its file, and every shard
+"""Checkpoint files are checked before any byte is used (compiler/contract/safetensors_header.py,
+compiler/contract/safetensors_io.py's shard_path): a safetensors header against its file, and every shard
 path against the model directory. Each case fails the same way through `infc build
 --no-compile` (exit 2, `error:` naming the file and the tensor, no traceback) and through the
 loader (ModelDirError), as `infc serve` and `LLM` open the checkpoint with it.

@@ -1,4 +1,4 @@
-"""Spec expressions are bounded (compiler/expr.py on compiler/safe_eval.py's operators): an
+"""Spec expressions are bounded (compiler/expr.py on compiler/contract/safe_eval.py's operators): an
 exponent, a repetition, a product too large for any size, or an evaluation past its step or time
 budget fails at once with the file, line and expression, rather than hanging or exhausting memory."""
 import time

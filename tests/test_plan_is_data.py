@@ -1,5 +1,5 @@
 """A plan from an untrusted place is data: launch grids, scratch and metadata sizes go through
-compiler/safe_eval.py's integer formulas (no builtins, no attributes, no calls but cdiv/max/min),
+compiler/contract/safe_eval.py's integer formulas (no builtins, no attributes, no calls but cdiv/max/min),
 never Python's eval. A tampered plan.json is refused when the CUDA runner opens it, before
 anything runs; every committed plan's formulas give the numbers eval gave."""
 import glob

@@ -3,7 +3,7 @@ in the runner fails the requests of that step (and of the step in flight with it
 output handling failing fails that request alone; their pages come back, the others' outputs
 are those they have alone, and later requests run. Only what says the device or the ranks are
 gone (engine_fatal) kills the engine. The failures are injected the way the GPU test does it
-(INFC_FAULT_INJECT, runtime/fault_inject.py), and by a runner whose read-back raises."""
+(INFC_FAULT_INJECT, runtime/engine/fault_inject.py), and by a runner whose read-back raises."""
 import asyncio
 import json
 

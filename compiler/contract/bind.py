@@ -19,7 +19,7 @@ def step_dims(plan: dict, T: int, B: int) -> dict:
 
 def eval_int(expr, dims: dict) -> int:
     """Evaluate a grid/scratch expression such as "cdiv(T * 2560, 1024)" over dims: plan data,
-    so only integer arithmetic over the dims (compiler/safe_eval.py, compiled once per text)."""
+    so only integer arithmetic over the dims (compiler/contract/safe_eval.py, compiled once per text)."""
     return compile_int(expr)(dims)
 
 

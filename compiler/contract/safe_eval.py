@@ -1,6 +1,6 @@
 """Arithmetic on expressions that come from files, bounded and unable to run code.
 
-Specs (compiler/expr.py) and plans (launch grids, scratch and metadata sizes: runtime/bind.py,
+Specs (compiler/expr.py) and plans (launch grids, scratch and metadata sizes: compiler/contract/bind.py,
 runtime/cuda/runner.py) both hold formulas as text. This module is their shared, stdlib-only
 core, so the runtime can use it without importing the compiler's internals:
 

@@ -3,7 +3,7 @@
 The safetensors package's numpy loader rejects bf16, and the runtime must not import torch, so
 this reads the format directly: an 8-byte little-endian header length, a JSON header of
 {name: {dtype, shape, data_offsets}}, then the raw bytes. Every header is checked against its
-file (runtime/safetensors_header.py) and every shard path against the model directory
+file (compiler/contract/safetensors_header.py) and every shard path against the model directory
 (`shard_path`) when the file is opened, before any tensor byte is mapped.
 """
 import json

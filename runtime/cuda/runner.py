@@ -2,7 +2,7 @@
 
 Memory: weights, one activation arena sized for max_num_batched_tokens / max_num_seqs, the
 step metadata buffers (plan["step_metadata"]), per-kernel scratch, and the plan's caches
-(runtime/caches.py lays them out) from what gpu_memory_utilization leaves. Buffers sit at the plan's offsets evaluated at the maximum T and
+(compiler/contract/caches.py lays them out) from what gpu_memory_utilization leaves. Buffers sit at the plan's offsets evaluated at the maximum T and
 B, so every pointer is fixed for the runner's life: each phase's launches are packed once and a
 step only rewrites the T/B scalars and the grid. Decode steps replay a CUDA Graph captured per
 batch bucket, padded with rows that write only a reserved page.
@@ -38,7 +38,7 @@ PRODUCED = ("positions", "seq_starts", "context_lens", "last_rows", "slot_mappin
 
 def grid_code(meta: dict) -> list:
     """The launch grid as three compiled formulas, each fn(dims) -> int: integer arithmetic over
-    the step's dims only (compiler/safe_eval.py), so a tampered plan.json cannot run code. Raises
+    the step's dims only (compiler/contract/safe_eval.py), so a tampered plan.json cannot run code. Raises
     ExprLimit (a ValueError) for anything else."""
     g = list(meta["grid"]) + [1] * (3 - len(meta["grid"]))
     return [compile_int(e) for e in g]
@@ -109,7 +109,7 @@ class CudaRunner:
                  load_format: str = "auto", pdl: bool | None = None, ctx: Context | None = None,
                  plan: dict | None = None, collectives=None, agree_num_pages=None):
         """load_format: "auto" reads model_dir's safetensors; "dummy" fills random weights on the
-        device (runtime/dummy_weights.py), so model_dir needs only config.json.
+        device (runtime/weights/dummy.py), so model_dir needs only config.json.
         pdl: launch the kernels whose META allows it as programmatic dependents of the kernel
         before them (driver.DependentLaunch); default on, INFC_PDL=0 turns it off (A/B timing).
         INFC_WIDE=0 / INFC_NARROW=0 run wide / narrow decode steps on the decode program (A/B

@@ -1,6 +1,6 @@
 """One process per rank: rank 0 (this process) owns the engine, scheduler and sampler and runs
 rank 0's runner; it spawns ranks 1..N-1 as worker processes and sends each step's StepMeta to
-them over runtime/step_channel.py (raw frames on local sockets, no pickle). Every rank runs the
+them over runtime/distributed/step_channel.py (raw frames on local sockets, no pickle). Every rank runs the
 same step on its own runner; the collectives inside the step keep the ranks in lockstep (NCCL on
 the GPUs; on the CPU, tests' numpy references exchange their inputs through rank 0).
 
@@ -10,7 +10,7 @@ N's tokens, so the workers get a LAUNCH frame, the step and its rows' sampling; 
 every row (the ranks' logits are the same bits, so are the tokens) and feeds the next step's
 pending tokens on its own device.
 
-Data-parallel steps (plans with `parallel.dp` > 1): runtime/rank_data_parallel.py, the
+Data-parallel steps (plans with `parallel.dp` > 1): runtime/distributed/rank_data_parallel.py, the
 methods MultiProcessRunner takes from DataParallelSteps.
 
     runner = MultiProcessRunner("infc.runtime.distributed.rank_runners:nccl_rank_runner",

@@ -13,7 +13,7 @@ Data-parallel ranks (a runner with `dp_world` N > 1: attention data-parallel pla
 parallel.py): every sequence lives on one rank, chosen at admission (the one whose prefix cache
 holds most of its prompt, else the one with the fewest tokens left to compute), with its pages
 in that rank's block manager and its steps in that rank's scheduler. A step is every rank's
-batch at once, padded alike (runtime/step.py pad_ranks) and run by `runner.execute_ranks`, each
+batch at once, padded alike (runtime/engine/step.py pad_ranks) and run by `runner.execute_ranks`, each
 rank sampling its own rows; overlapped where the runner has `launch_ranks` / `collect_ranks`
 (each rank feeding its own pending tokens).
 

@@ -1,5 +1,5 @@
 """Build the plan's weights from a checkpoint (float32, numpy) by following each weight's
-`source` recipe (runtime/weight_recipes.py). A per-layer weight (`layers`: the global layer
+`source` recipe (runtime/weights/recipes.py). A per-layer weight (`layers`: the global layer
 indices that have it) is a list ordered like `layers`; `at(plan, weights, name, layer)` finds a
 layer's copy. Shapes are checked against the plan and a mismatch names the tensor.
 """
