@@ -10,7 +10,7 @@ shape, auth and limits (http.py's Guard; body size, n, queued requests), and abo
 whose client went away (http.py). This file is the routes; the configuration and the attached
 backend are state.py's. What runs when, and where its KV lives, is the engine's business.
 
-The event loop only routes (DESIGN.md contract 17): a JSON route reads its bounded body on the
+The event loop only routes (docs/architecture.md, contract 17): a JSON route reads its bounded body on the
 loop, then parses it, templates, tokenizes and checks every id and the engine's rules on the
 worker pool (offload.py; the cheap bounds in protocol.py refuse what can never fit before
 anything is tokenized), then admits it by cost (admission.py) and relays the engine's outputs.

@@ -1,4 +1,4 @@
-"""The worker pool that keeps the event loop routing (DESIGN.md contract 17).
+"""The worker pool that keeps the event loop routing (docs/architecture.md, contract 17).
 
 Whatever grows with a request's size runs here, not on the loop: JSON parsing of the body,
 chat templating, tokenization, detokenization and the token-id checks (the prompt's ids against
