@@ -23,6 +23,7 @@ class RowSampling:
     seed: int                 # the request's seed (the engine draws one when none was given)
     step: int                 # index of the token being sampled: its randomness is (seed, step)
     banned: tuple = ()        # token ids masked out (EOS/stop ids before min_tokens)
+    bitmask: np.ndarray | None = None   # int32 [ceil(V / 32)]: bit v of word v // 32 set = v allowed
 
 
 @dataclass

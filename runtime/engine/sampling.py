@@ -4,6 +4,10 @@ Order as in vLLM: temperature, then top-k, top-p and min-p filter the distributi
 with a seed draws from its own generator, so its output is reproducible whatever else runs.
 """
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .structured.request import StructuredOutputs
 
 import numpy as np
 
@@ -23,6 +27,7 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: "StructuredOutputs | None" = None   # structured/request.py
 
     def __post_init__(self):
         if isinstance(self.stop, str):
