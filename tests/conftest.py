@@ -21,6 +21,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 
+import interp_speed  # noqa: E402  (tests/ is on sys.path: rootdir conftest)
+
+interp_speed.install()
+
 
 def _tiny(family: str, **over):
     import torch
