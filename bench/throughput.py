@@ -77,9 +77,11 @@ class StepClock:
         return out
 
 
-def run_point(engine, vocab: int, concurrency: int, in_len: int, out_len: int, rng, total: int | None = None):
+def run_point(engine, vocab: int, concurrency: int, in_len: int, out_len: int, rng, total: int | None = None,
+              params=None):
+    """params: every request's SamplingParams (default: greedy, out_len tokens, EOS ignored)."""
     from infc.runtime.engine.sampling import SamplingParams
-    params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+    params = params or SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
     total = total or max(4, 2 * concurrency)
     started, first, done, ntok = {}, {}, {}, {}
     next_id = 0

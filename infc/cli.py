@@ -177,7 +177,8 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=_serve)
 
     bn = sub.add_parser("bench", help="benchmarks (results go to bench/results/)")
-    bn.add_argument("which", choices=["latency", "throughput", "startup", "serve", "profile", "prefix", "allreduce"])
+    bn.add_argument("which", choices=["latency", "throughput", "startup", "serve", "profile", "prefix", "allreduce",
+                                       "structured"])
     bn.add_argument("rest", nargs=argparse.REMAINDER)
     bn.set_defaults(fn=_bench)
 
