@@ -26,6 +26,9 @@
 # prepare.py twogpu builds .cache/artifacts/qwen3-30b-a3b).
 # hardening (issue 39: tests/test_step_failure.py and tests/test_server_shutdown.py through infc
 # serve --device cuda: a top_k request, an injected step failure, SIGTERM with 50 streams in flight).
+# structured (issue 41: bench structured: batch-1 and 64-concurrent TPOT of qwen3-4b with every
+# request under a JSON schema against the same run without, alternating rounds, and a new schema's
+# compile / first-token cost; then the logits-processing and prompt-logprob GPU tests).
 # server-families (the openai SDK suite over the Qwen3.5 and DeepSeek-V2-Lite cuts, after prepare.py
 # server; SERVER_FAMILIES picks them).
 # overlap-ab (overlapped engine steps against INFC_OVERLAP=0, alternating: latency and throughput);
@@ -136,6 +139,11 @@ for stage in $STAGES; do
       INFC_SERVER_MODEL="$MODELS/qwen3-4b" INFC_SERVER_DEVICE=cuda timeout ${HARDENING_S:-300} python3 -m pytest \
         tests/test_step_failure.py tests/test_server_shutdown.py -k "server or drains or second or idle or stalled" \
         -q -p no:cacheprovider -o addopts="" -rA 2>&1 | tee "$OUT/pytest-hardening-cuda.log" | tail -25 ;;
+    structured)
+      timeout ${STRUCTURED_S:-300} python3 -m infc.cli bench structured --artifact .cache/artifacts/qwen3-4b \
+        --model-path "$MODELS/qwen3-4b" --out "$OUT" ${STRUCTURED_ARGS:-} 2>&1 | quiet | tail -8
+      timeout ${STRUCTURED_TESTS_S:-240} python3 -m pytest ${STRUCTURED_TESTS:-tests/gpu/test_logits_process_gpu.py} \
+        -q -s -p no:cacheprovider -rA 2>&1 | quiet | tee "$OUT/pytest-structured-gpu.log" | tail -15 ;;
     serve)
       python3 -m infc.cli serve --model-path "$MODELS/qwen3-4b" --device cuda --port 8011 \
         --disable-uvicorn-access-log >"$OUT/serve.log" 2>&1 &
