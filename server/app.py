@@ -50,7 +50,7 @@ from starlette.responses import Response
 from infc.runtime.engine.async_engine import EngineDeadError
 from infc.runtime.engine.sampling import SamplingParams
 
-from . import admission, metrics, protocol
+from . import admission, metrics, outputs, protocol, structured
 from .generation import Generation, engine_error
 from .http import (ClientGone, Guard, SSEResponse, dumps, error_response, json_bytes_response, json_response,
                    read_body, require_json, until_disconnect)
@@ -113,6 +113,8 @@ def make_app(state: ServerState) -> FastAPI:
         """The engine's own rules for every prompt, before any reply (echo alone: its scoring asks
         one token after each prefix of the prompt)."""
         params = req.params if req.params is not None else SamplingParams(max_tokens=1)
+        if params.structured_outputs is not None:
+            structured.check(b.engine, params.structured_outputs)
         for ids in req.prompts:
             try:
                 b.engine.check_request(ids, params)
@@ -157,16 +159,18 @@ def make_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         async def go():
-            req, model = await checked(request, lambda body, b: protocol.parse_completion(
-                body, state.limits, b.tokenizer))
+            req, model = await checked(request, lambda body, b: outputs.completion(
+                body, lambda: protocol.parse_completion(body, state.limits, b.tokenizer)))
             return await serve(request, req, model)
         return await guarded(request, go)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         async def go():
-            req, model = await checked(request, lambda body, b: protocol.parse_chat(
-                body, state.limits, b.tokenizer, state.template, state.special, cfg.trust_request_chat_template))
+            req, model = await checked(request, lambda body, b: outputs.chat(
+                body, state, b.tokenizer, lambda: protocol.parse_chat(
+                    body, state.limits, b.tokenizer, state.template, state.special,
+                    cfg.trust_request_chat_template)))
             return await serve(request, req, model)
         return await guarded(request, go)
 
