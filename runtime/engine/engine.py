@@ -25,6 +25,15 @@ still on the device (`Sequence.pending`; the runner copies it into the step's to
 and step() returns step N's outputs. A sequence that stops at step N has computed one token too
 many in step N + 1, which is dropped; one whose next token is its last (max_tokens, the context
 length) is not scheduled again (`Sequence.final`).
+
+Structured outputs (structured/): a sequence with a grammar has a matcher, fed each token read
+back; every row it samples carries its next-token bitmask, and it ends with "stop" once the
+grammar is complete. Overlapped, a grammar row's mask needs the token still in flight: such a
+step is launched without its sampling (`runner.launch_forward`), the step before is read back and
+the matchers advanced while the device computes it, then its sampling is issued with the masks
+(`runner.launch_sampling`), as SGLang's overlap scheduler does. Steps without grammar rows launch
+as before. A runner that cannot defer its sampling (data-parallel ranks) reads the step in flight
+back before such a step is launched.
 """
 import random
 import time
@@ -41,6 +50,7 @@ from .runner import RowSampling
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
+from .structured.cache import GrammarCache
 from .step import Chunk, build_step, pad_ranks
 from ..tokenization.tokenizer import IncrementalDecoder
 
@@ -113,6 +123,8 @@ class Engine:
         self.overlap = overlaps(runner, overlap) and (
             self.dp == 1 or callable(getattr(runner, "launch_ranks", None)))
         self.in_flight = None                    # overlapped: (batch, rows, the runner's handle)
+        self.unsampled = None                    # a launched step whose sampling waits for masks
+        self.grammars = GrammarCache(tokenizer, eos_ids, getattr(runner, "vocab_size", None))
         self.eos_ids = set(eos_ids)
         self.max_model_len = max_model_len
         self.page_size = runner.page_size
@@ -158,6 +170,8 @@ class Engine:
             raise ValueError("stop strings need a tokenizer, and this engine has none")
         if params.logprobs is not None and params.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {params.logprobs}")
+        if params.structured_outputs is not None:      # StructuredOutputError (a ValueError)
+            self.grammars.check(params.structured_outputs)
         longest = self.max_model_len if params.max_tokens is None else min(n + params.max_tokens, self.max_model_len)
         kv = self.bm.num_pages * self.page_size
         if self.bm.pages_for(longest - 1) > self.bm.num_pages:   # the last token never enters the KV
@@ -189,6 +203,8 @@ class Engine:
             seed = params.seed + i if params.seed is not None else _seeds.getrandbits(63)
             dec = IncrementalDecoder(self.tokenizer, params.skip_special_tokens) if self.tokenizer else None
             seqs.append(Sequence(self._next_seq, request_id, i, prompt_ids, params, seed, dec, arrival))
+            if params.structured_outputs is not None:
+                seqs[-1].grammar = self.grammars.grammar(params.structured_outputs)
             self._next_seq += 1
         rank = self._rank_for(seqs[0])
         for s in seqs:                    # siblings share the prompt's cached blocks: one rank
@@ -246,12 +262,14 @@ class Engine:
                 raise RuntimeError("the scheduler made no progress with work waiting (a bug)")
             return []
         launched, outputs = None, []
+        if self.in_flight is not None and self._reads_first(batches):
+            outputs = self._drain_in_flight()
         try:
             launched = self._launch_any(batches) if any(batches) else None
         except Exception as e:                  # noqa: BLE001 - this step is lost, not the engine
             if is_fatal(e):
                 raise
-            outputs = self._fail_batches(batches, e)
+            outputs += self._fail_batches(batches, e)
             if self.in_flight is not None:      # the step before still runs: read it back
                 outputs += self._drain_in_flight(e)
             self._gauges()
@@ -259,7 +277,8 @@ class Engine:
         before, self.in_flight = self.in_flight, None
         try:
             if before is not None:
-                outputs = self._collect_any(*before)
+                outputs += self._collect_any(*before)
+            self._sample_deferred()             # its masks needed the tokens just read
             if launched is not None and not self.overlap:
                 outputs += self._collect_any(*launched)
             else:
@@ -267,8 +286,8 @@ class Engine:
         except Exception as e:                  # noqa: BLE001 - reading back failed: both steps lost
             if is_fatal(e):
                 raise
-            outputs = self._fail_batches([b for x in (before, launched) if x is not None
-                                          for b in self._batches_of(x)], e)
+            outputs += self._fail_batches([b for x in (before, launched) if x is not None
+                                           for b in self._batches_of(x)], e)
             self.in_flight = launched if self.overlap else None
             if self.in_flight is not None:
                 outputs += self._drain_in_flight(e)
@@ -285,16 +304,48 @@ class Engine:
     def _collect_any(self, *launched) -> list[StepOutput]:
         return self._collect_ranks(*launched) if self.dp > 1 else self._collect(*launched)
 
-    def _drain_in_flight(self, error: Exception) -> list[StepOutput]:
-        """Read back the step in flight after a lost step, so the runner holds no handle of it:
-        its surviving sequences' tokens as usual; if that fails too, its requests fail."""
+    def _drain_in_flight(self, error: Exception | None = None) -> list[StepOutput]:
+        """Read back the step in flight after a lost step (error), so the runner holds no handle
+        of it, or before a step whose masks need its tokens (_reads_first): its surviving
+        sequences' tokens as usual; if that fails too, its requests fail."""
         launched, self.in_flight = self.in_flight, None
         try:
+            self._sample_deferred()
             return self._collect_any(*launched)
         except Exception as e:                  # noqa: BLE001
             if is_fatal(e):
                 raise
-            return self._fail_batches(self._batches_of(launched), error)
+            return self._fail_batches(self._batches_of(launched), error or e)
+
+    # -- structured outputs: the rows' masks ------------------------------------------------------
+    def _reads_first(self, batches) -> bool:
+        """Whether the step in flight must be read back before these batches launch: a grammar
+        row needs its token for its mask, and the runner cannot sample after launching."""
+        if self.dp == 1 and getattr(self.runner, "can_defer_sampling", False):
+            return False
+        return any(seq.grammar is not None and seq.pending for batch in batches for seq, _ in batch)
+
+    def _grammar_rows(self, batch, rows) -> list:
+        """(row, sequence) of the rows that sample under a grammar."""
+        return [(b, seq) for b, ((seq, _), row) in enumerate(zip(batch, rows))
+                if row is not None and seq.grammar is not None]
+
+    def _fill_masks(self, rows, grammar_rows):
+        """Set the bitmask of each row whose grammar constrains its next token (a sequence that
+        ended since it was scheduled samples a dropped row: no mask)."""
+        live = [(b, seq.grammar) for b, seq in grammar_rows if not seq.finished and seq.grammar.active]
+        if live:
+            masks = self.grammars.masks([g for _, g in live])
+            for (b, _), mask in zip(live, masks):
+                rows[b].bitmask = mask
+
+    def _sample_deferred(self):
+        """Issue the sampling of the step launched without it, its grammar rows' masks filled
+        from the matchers (now fed the tokens of the step before)."""
+        if self.unsampled is not None:
+            (handle, rows, grammar_rows), self.unsampled = self.unsampled, None
+            self._fill_masks(rows, grammar_rows)
+            self.runner.launch_sampling(handle, rows)
 
     def _fail_batches(self, batches, error: Exception) -> list[StepOutput]:
         """Fail every request with a sequence in these batches (lists of (sequence, tokens))."""
@@ -320,6 +371,8 @@ class Engine:
                 self.faults.on_step(b)
         metas = pad_ranks([m for m, _, _ in built], self.runner.num_pages, self.page_size)
         rows = [r + [None] * (m.B - len(r)) for (_, r, _), m in zip(built, metas)]   # pad rows sample nothing
+        for batch, r in zip(batches, rows):        # every token known (_reads_first)
+            self._fill_masks(r, self._grammar_rows(batch, r))
         if self.overlap:
             handle = self.runner.launch_ranks(metas, rows, [f for _, _, f in built])
         else:
@@ -340,10 +393,13 @@ class Engine:
         meta, rows, feed = self._chunks(batch)
         if self.faults is not None:
             self.faults.on_step(batch)
-        if self.overlap:
-            handle = self.runner.launch(meta, rows, feed)
+        grammar_rows = self._grammar_rows(batch, rows)
+        if self.overlap and any(seq.pending for _, seq in grammar_rows):
+            handle = self.runner.launch_forward(meta, feed)        # sampled in step(), masks known
+            self.unsampled = (handle, rows, grammar_rows)
         else:
-            handle = self.runner.execute(meta, rows)
+            self._fill_masks(rows, grammar_rows)
+            handle = self.runner.launch(meta, rows, feed) if self.overlap else self.runner.execute(meta, rows)
         self._launched(batch, rows)
         return batch, rows, handle
 
@@ -400,6 +456,8 @@ class Engine:
                 if self.faults is not None:
                     self.faults.on_token(seq)
                 seq.token_ids.append(sample.token)
+                if seq.grammar is not None:
+                    seq.grammar.accept(sample.token)
                 self.bms[seq.rank].commit(seq)      # the block its pending token completes
                 outputs.append(self._append(seq, sample, now))
             except Exception as e:                  # noqa: BLE001 - this request's, not the step's
@@ -479,6 +537,8 @@ class Engine:
                     seq.text = seq.text[:at]
                     seq.stop_reason = s
                     return "stop"
+        if seq.grammar is not None and seq.grammar.finished:
+            return "stop"                         # the output is complete: only EOS could follow
         if self._at_length(seq, len(seq.token_ids)):
             return "length"
         return None

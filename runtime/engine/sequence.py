@@ -41,6 +41,7 @@ class Sequence:
         self.pending_row = -1                      # that step's row for this sequence
         self.rank = 0                              # data-parallel ranks: the rank whose KV it has
         self.final = False                         # its pending token is its last: schedule no more
+        self.grammar = None                        # structured outputs: its SequenceGrammar
         self.finish_reason: str | None = None      # "stop" | "length" | "abort"
         self.stop_reason: int | str | None = None  # the stop token id or stop string matched
         # detokenizer state: the decoder, the text so far, and how much of it was handed out
