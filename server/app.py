@@ -49,6 +49,7 @@ from starlette.responses import Response
 
 from infc.runtime.engine.async_engine import EngineDeadError
 from infc.runtime.engine.sampling import SamplingParams
+from infc.runtime.engine.structured.request import StructuredOutputError
 
 from . import admission, metrics, outputs, protocol, structured
 from .generation import Generation, engine_error
@@ -113,11 +114,11 @@ def make_app(state: ServerState) -> FastAPI:
         """The engine's own rules for every prompt, before any reply (echo alone: its scoring asks
         one token after each prefix of the prompt)."""
         params = req.params if req.params is not None else SamplingParams(max_tokens=1)
-        if params.structured_outputs is not None:
-            structured.check(b.engine, params.structured_outputs)
         for ids in req.prompts:
             try:
                 b.engine.check_request(ids, params)
+            except StructuredOutputError as e:
+                raise structured.refusal(e, params.structured_outputs) from None
             except ValueError as e:
                 raise bad(str(e)) from None
 
@@ -129,10 +130,13 @@ def make_app(state: ServerState) -> FastAPI:
         def work():
             body = protocol.parse_json(raw)
             model = model_of(body)
-            req = parse(body, b)
-            engine_check(b, req)
-            return req, model
-        return await off_loop(work)
+            return parse(body, b), model
+        req, model = await off_loop(work)
+        if req.params is not None and req.params.structured_outputs is not None:
+            # compiled in the engine's worker, within its time limit; then found compiled below
+            await structured.check(b.engine, req.params.structured_outputs)
+        await off_loop(engine_check, b, req)
+        return req, model
 
     async def serve(request: Request, req: protocol.GenRequest, model: str):
         release = admission.admit(state, req)

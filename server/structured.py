@@ -67,7 +67,9 @@ def _response_format(rf) -> StructuredOutputs | None:
         if strict is not None and not isinstance(strict, bool):
             raise bad(f"'response_format.json_schema.strict' must be a boolean, got {_show(strict)}",
                       "response_format")
-        return _one("json", js["schema"], "response_format.json_schema.schema", "response_format")
+        so = _one("json", js["schema"], "response_format.json_schema.schema", "response_format")
+        # strict false (OpenAI's): keywords the grammar library lacks are ignored, not refused
+        return dataclasses.replace(so, strict=strict is not False)
     raise bad("'response_format.type' must be \"text\", \"json_object\" or \"json_schema\", got "
               + _show(kind), "response_format")
 
@@ -114,11 +116,15 @@ def starting_after(so: StructuredOutputs, ids: list[int]) -> StructuredOutputs:
     return dataclasses.replace(so, start_after=tuple(ids))
 
 
-def check(engine, so: StructuredOutputs):
-    """The engine compiles it (on the worker pool, within its own time limit): a 400 naming
-    the field if it cannot."""
+async def check(engine, so: StructuredOutputs):
+    """The engine compiles it (in a worker thread, within its time limit, or finds it compiled):
+    a 400 naming the field if it cannot."""
     try:
-        engine.check_structured(so)
+        await engine.check_structured(so)
     except StructuredOutputError as e:
-        field = e.field or so.field
-        raise bad(f"'{field}': {e}", field) from None
+        raise refusal(e, so) from None
+
+
+def refusal(e: StructuredOutputError, so: StructuredOutputs):
+    field = e.field or so.field
+    return bad(f"'{field}': {e}", field)

@@ -4,7 +4,8 @@ becomes tool calls.
 tool_choice "none": the tools are only shown to the template; "auto" (the default with tools):
 the server's tool parser reads calls out of the answer (a server without one answers vLLM's
 400); "required" and a named function: a grammar makes the answer the call(s), so the arguments
-always match the tool's parameters schema (vLLM's approach): a named function's answer is its
+always match the tool's parameters schema (vLLM's approach; objects closed to properties they
+do not name, as vLLM's default backend reads them): a named function's answer is its
 arguments object, "required"'s a JSON array of {"name", "parameters"} (one item at most with
 parallel_tool_calls false).
 """
@@ -66,6 +67,27 @@ def _choice(v, has_tools: bool) -> tuple[str, str | None]:
               "{\"type\": \"function\", \"function\": {\"name\": ...}}, got " + _show(v), "tool_choice")
 
 
+def closed(schema):
+    """The schema with every object that does not say otherwise closed to properties it does not
+    name (additionalProperties false, as vLLM's default grammar backend reads a schema): a call's
+    arguments then hold what the tool declares, and a small model does not ramble on inside them
+    until max_tokens."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v) if k in _SUBSCHEMAS else v for k, v in schema.items()}
+    for k in ("properties", "$defs", "definitions", "patternProperties"):
+        if isinstance(schema.get(k), dict):
+            out[k] = {name: closed(v) for name, v in schema[k].items()}
+    if (schema.get("type") == "object" or "properties" in schema) and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
+_SUBSCHEMAS = ("items", "anyOf", "oneOf", "allOf", "not", "prefixItems")
+
+
 def required_schema(functions: dict[str, dict], parallel: bool) -> dict:
     item = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
              "required": ["name", "parameters"], "additionalProperties": False}
@@ -99,5 +121,6 @@ def tool_request(body: dict, has_parser: bool) -> ToolRequest | None:
         if name not in functions:
             raise bad(f"'tool_choice' names the function {name!r}, which is not in 'tools' "
                       f"({', '.join(functions)})", "tool_choice")
-        return ToolRequest("named", parallel, name, functions[name])
-    return ToolRequest("required", parallel, None, required_schema(functions, parallel))
+        return ToolRequest("named", parallel, name, closed(functions[name]))
+    return ToolRequest("required", parallel, None, required_schema(
+        {name: closed(params) for name, params in functions.items()}, parallel))
