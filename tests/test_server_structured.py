@@ -3,8 +3,8 @@ parser, shared by the module): response_format, vLLM's structured_outputs and gu
 completions, streamed and not, n > 1; tool_choice "required" and a named function answered as
 tool calls whose arguments match the tool's schema; a constraint the engine cannot compile is a
 400 naming its field. The fast cases go as one batch of concurrent requests (they share engine
-steps); the client libraries (openai's parse, LangChain's with_structured_output and bind_tools
-with a tool round trip) run unchanged with --exhaustive (each is several short generations)."""
+steps); then the client libraries, unchanged: openai's parse with a pydantic model, LangChain's
+with_structured_output (json_schema and function_calling) and bind_tools with a tool round trip."""
 import json
 import re
 import threading
@@ -12,7 +12,6 @@ import threading
 import pytest
 from pydantic import BaseModel
 
-from exhaustive import EXHAUSTIVE
 from test_server_support import NAMES, live, one_blas_thread, request, use_model  # noqa: F401
 from tool_stream_support import sdk_stream, shape
 
@@ -114,7 +113,6 @@ class Weather(BaseModel):
     sunny: bool
 
 
-@EXHAUSTIVE
 def test_openai_parse_with_a_pydantic_model(srv):
     out = srv.client().chat.completions.parse(model=NAMES[0], messages=ASK, response_format=Weather,
                                               temperature=0, max_tokens=30)
@@ -127,14 +125,12 @@ def lc_model(srv, **kw):
                       max_tokens=30, max_retries=0, **kw)
 
 
-@EXHAUSTIVE
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])
 def test_langchain_with_structured_output(srv, method):
     out = lc_model(srv).with_structured_output(Weather, method=method).invoke("Weather in Paris?")
     assert isinstance(out, Weather)
 
 
-@EXHAUSTIVE
 def test_langchain_bind_tools_round_trip(srv):
     from langchain_core.messages import HumanMessage, ToolMessage
     from langchain_core.tools import tool

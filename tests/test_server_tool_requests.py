@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from infc.server import outputs, protocol
 from infc.server.tools import NO_PARSER
 from test_server_support import NAMES, live, one_blas_thread, request, use_model  # noqa: F401
 from tool_stream_support import sdk_stream, shape
@@ -148,3 +149,19 @@ def test_tools_auto_with_a_parser_answers_text_streamed_as_whole(hermes):
     assert whole.message.content and not whole.message.tool_calls
     assert shape(streamed.message) == shape(whole.message)
     assert whole.finish_reason == streamed.finish_reason == "length"
+
+
+def test_the_constraint_starts_after_the_reasoning_section():
+    """With a reasoning parser and thinking on, the grammar applies from the token after
+    </think> (its ids in the StructuredOutputs); enable_thinking false: from the first token."""
+    use_model(None)
+    thinking = live(reasoning_parser="qwen3")
+    st, tok = thinking.state, thinking.backend.tokenizer
+    end = tuple(tok.encode_text("</think>"))
+
+    def parsed(**fields):
+        body = dict(fields, messages=MSG, response_format={"type": "json_object"})
+        return outputs.chat(body, st, tok, lambda: protocol.parse_chat(body, st.limits, tok, st.template, st.special))
+    assert end and parsed().params.structured_outputs.start_after == end
+    off = parsed(chat_template_kwargs={"enable_thinking": False})
+    assert off.params.structured_outputs.start_after == () and off.answer.reasoning is None

@@ -112,3 +112,19 @@ def test_parser_registry_and_template_detection():
     assert tool_parsers.from_template("{{ messages }}") is None
     with pytest.raises(ValueError, match="unknown tool call parser 'nope'"):
         tool_parsers.get("nope")
+
+
+def test_tool_schemas_are_closed_where_they_do_not_say():
+    from infc.server.tools import closed
+    schema = {"type": "object", "properties": {
+        "a": {"type": "object", "properties": {"b": {"type": "string"}}},
+        "c": {"type": "array", "items": {"type": "object", "properties": {}}},
+        "d": {"type": "object", "additionalProperties": True}},
+        "$defs": {"E": {"anyOf": [{"type": "object", "properties": {"x": {}}}, {"type": "null"}]}}}
+    out = closed(schema)
+    assert out["additionalProperties"] is False
+    assert out["properties"]["a"]["additionalProperties"] is False
+    assert out["properties"]["c"]["items"]["additionalProperties"] is False
+    assert out["properties"]["d"]["additionalProperties"] is True          # said otherwise: kept
+    assert out["$defs"]["E"]["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in schema                            # the request's own untouched
