@@ -128,3 +128,21 @@ def test_tool_schemas_are_closed_where_they_do_not_say():
     assert out["properties"]["d"]["additionalProperties"] is True          # said otherwise: kept
     assert out["$defs"]["E"]["anyOf"][0]["additionalProperties"] is False
     assert "additionalProperties" not in schema                            # the request's own untouched
+
+
+def test_flags_choose_the_parsers():
+    import argparse
+    from infc.server.state import ServerConfig, tool_parser
+    p = argparse.ArgumentParser()
+    server_args.add_serve_args(p)
+    a = p.parse_args(["--model-path", "m", "--enable-auto-tool-choice", "--tool-call-parser", "mistral",
+                      "--reasoning-parser", "deepseek_r1"])
+    cfg = server_args.config_from_args(a)
+    assert (cfg.tool_call_parser, cfg.enable_auto_tool_choice, cfg.reasoning_parser) == ("mistral", True, "deepseek_r1")
+    with pytest.raises(SystemExit):                          # argparse's usage error for a name it lacks
+        p.parse_args(["--model-path", "m", "--tool-call-parser", "nope"])
+    assert tool_parser(cfg, "{{ '<tool_call>' }}").name == "mistral"             # the flag wins
+    assert tool_parser(ServerConfig(), "{{ '<tool_call>' }}").name == "hermes"    # else the template's
+    assert tool_parser(ServerConfig(), "{{ messages }}") is None
+    with pytest.raises(ValueError, match="--enable-auto-tool-choice needs --tool-call-parser"):
+        tool_parser(ServerConfig(enable_auto_tool_choice=True), "{{ messages }}")
