@@ -467,7 +467,7 @@ def _call_for_template(call):
         return call
     try:
         args = json.loads(fn["arguments"])
-    except ValueError:
+    except (ValueError, RecursionError):     # not JSON: the template gets the text
         return call
     return dict(call, function=dict(fn, arguments=args))
 
