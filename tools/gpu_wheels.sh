@@ -11,7 +11,8 @@ cd "$(dirname "$0")/.."
 mkdir -p .whl
 pkgs="fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 uvicorn==0.54.0
       annotated-types==0.8.0 typing-inspection==0.4.5 openai==3.54.0 jiter==0.19.0 distro sniffio==1.3.1
-      annotated-doc opentelemetry-api==1.45.2 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5"
+      annotated-doc opentelemetry-api==1.45.2 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5
+      llguidance==1.9.1"
 plat="--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
       --platform manylinux2014_x86_64 --platform manylinux1_x86_64"
 for p in $pkgs; do

@@ -264,6 +264,7 @@ class Engine:
         launched, outputs = None, []
         if self.in_flight is not None and self._reads_first(batches):
             outputs = self._drain_in_flight()
+            batches = [[(seq, n) for seq, n in b if not seq.finished] for b in batches]   # ended in it
         try:
             launched = self._launch_any(batches) if any(batches) else None
         except Exception as e:                  # noqa: BLE001 - this step is lost, not the engine
