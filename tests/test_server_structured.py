@@ -23,6 +23,7 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"tz": {"type": "string", "enum": ["CET", "UTC"]}}, "required": ["tz"],
     "additionalProperties": False}}}
+HERMES_ANSWER = 'Ok<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
 OK = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
 
 
@@ -61,7 +62,9 @@ def test_constrained_answers_in_one_batch(srv):
     chat = dict(model=NAMES[0], messages=ASK, temperature=0, max_tokens=12)
     schema_rf = {"type": "json_schema", "json_schema": {"name": "ok", "schema": OK, "strict": True}}
     named = {"type": "function", "function": {"name": "get_weather"}}
-    (rf, choice, regex, streamed_named, required, one_call, obj) = together(
+    # tool_choice "auto": a choice makes SmolLM2 write a Hermes call, which the server's parser reads
+    forced = dict(chat, tools=[WEATHER], max_tokens=40, extra_body={"guided_choice": [HERMES_ANSWER]})
+    (rf, choice, regex, streamed_named, required, one_call, obj, auto, auto_streamed) = together(
         lambda: c.chat.completions.create(response_format=schema_rf, n=2, **chat),
         lambda: sdk_stream(c, n=2, extra_body={"structured_outputs": {"choice": ["sunny", "rainy"]}}, **chat),
         lambda: c.completions.create(model=NAMES[0], prompt="The year was", max_tokens=6, temperature=0,
@@ -72,7 +75,9 @@ def test_constrained_answers_in_one_batch(srv):
         lambda: sdk_stream(c, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False,
                            **dict(chat, max_tokens=40)),
         lambda: c.completions.create(model=NAMES[0], prompt='{"ok": true} is JSON. Another:', max_tokens=12,
-                                     temperature=0, extra_body={"response_format": {"type": "json_object"}}))
+                                     temperature=0, extra_body={"response_format": {"type": "json_object"}}),
+        lambda: c.chat.completions.create(**forced),
+        lambda: sdk_stream(c, **forced))
     for ch in rf.choices:                                           # response_format json_schema
         assert set(json.loads(ch.message.content)) == {"ok"} and ch.finish_reason == "stop"
     assert [shape(ch.message)[0] for ch in choice] and \
@@ -90,6 +95,9 @@ def test_constrained_answers_in_one_batch(srv):
         args = json.loads(call.function.arguments)
         assert args.get("city", args.get("tz")) in ("Paris", "Rome", "CET", "UTC"), args
     assert len(one_call[0].message.tool_calls) == 1                    # parallel_tool_calls false
+    want = ("Ok", "", [("get_weather", '{"city": "Rome"}')])             # "auto", whole and streamed
+    assert shape(auto.choices[0].message) == shape(auto_streamed[0].message) == want
+    assert auto.choices[0].finish_reason == auto_streamed[0].finish_reason == "tool_calls"
     text = obj.choices[0].text                                         # json_object, completions
     assert text.startswith("{") and (obj.choices[0].finish_reason == "length" or isinstance(json.loads(text), dict)), text
 
