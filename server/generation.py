@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from infc.runtime.engine.async_engine import EngineDeadError
 
 from . import protocol, scoring
+from .chat_output import AnswerPlan
 from .http import sse
 from .protocol import APIError, bad
 from .state import ServerState
@@ -70,6 +71,11 @@ def engine_error(e: BaseException) -> APIError:
     if isinstance(e, ValueError):
         return bad(str(e))
     return APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+
+
+def tool_finish(finish: str | None, called: bool) -> str | None:
+    """An answer that ended by itself with tool calls finished for them (OpenAI's reason)."""
+    return "tool_calls" if called and finish == "stop" else finish
 
 
 @dataclass
@@ -172,9 +178,10 @@ class Generation:
             idx = self.index(k, i)
             finish = c.finish_reason or "length"
             if self.chat:
-                out.append({"index": idx, "message": {"role": "assistant", "content": c.text},
+                message, called = self.plan().message(c.text)
+                out.append({"index": idx, "message": message,
                             "logprobs": self.chat_logprobs(c.logprobs) if self.req.logprobs is not None else None,
-                            "finish_reason": finish, "stop_reason": c.stop_reason})
+                            "finish_reason": tool_finish(finish, called), "stop_reason": c.stop_reason})
                 continue
             text, lp = c.text, None
             if self.req.echo:
@@ -188,6 +195,9 @@ class Generation:
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": out, "usage": self.usage(sum(len(c.token_ids) for c in choices.values()))}
 
+    def plan(self) -> AnswerPlan:
+        return self.req.answer or AnswerPlan()
+
     # streaming
     def chunk(self, choices: list, usage: dict | None = None) -> bytes:
         obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
@@ -199,6 +209,7 @@ class Generation:
     async def stream(self):
         req, done_tokens = self.req, 0
         offsets: dict[int, int] = {}
+        answers: dict = {}                     # chat: each choice's AnswerStream
         try:
             live = self.usage(0) if req.continuous_usage else None
             if self.chat:
@@ -221,9 +232,19 @@ class Generation:
                 if not (out.text or out.finished or (req.logprobs is not None and out.logprobs)):
                     continue
                 if self.chat:
-                    c = {"index": idx, "delta": {"content": out.text} if out.text else {},
-                         "logprobs": self.chat_logprobs(out.logprobs or []) if req.logprobs is not None else None,
-                         "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+                    answer = answers.setdefault(idx, self.plan().stream())
+                    deltas = answer.feed(out.text, out.finished)
+                    if not (deltas or out.finished or (req.logprobs is not None and out.logprobs)):
+                        continue
+                    lp = self.chat_logprobs(out.logprobs or []) if req.logprobs is not None else None
+                    deltas = deltas or [{}]
+                    for j, d in enumerate(deltas):
+                        last = j == len(deltas) - 1
+                        c = {"index": idx, "delta": d, "logprobs": lp if j == 0 else None,
+                             "finish_reason": tool_finish(out.finish_reason, answer.called) if last else None,
+                             "stop_reason": out.stop_reason if last else None}
+                        yield self.chunk([c], self.usage(done_tokens) if req.continuous_usage and last else None)
+                    continue
                 else:
                     lp = None
                     if req.logprobs is not None:

@@ -177,6 +177,7 @@ class GenRequest:
     include_usage: bool = False
     continuous_usage: bool = False
     max_tokens: int | None = None
+    answer: object = None              # chat: its chat_output.AnswerPlan (outputs.py)
 
 
 @dataclass
@@ -210,8 +211,7 @@ def prompt_char_bound(tokenizer, max_model_len: int) -> int | None:
 _UNSUPPORTED = {                       # field -> its neutral values (anything else is a 400)
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
     "logit_bias": ({},), "use_beam_search": (False,), "length_penalty": (1, 1.0),
-    "include_stop_str_in_output": (False,), "guided_json": (), "guided_regex": (),
-    "guided_choice": (), "guided_grammar": (), "structured_outputs": (), "prompt_logprobs": (),
+    "include_stop_str_in_output": (False,), "prompt_logprobs": (),
     "bad_words": ([],), "allowed_token_ids": (), "logits_processors": (), "truncate_prompt_tokens": (),
     "prompt_embeds": (), "spaces_between_special_tokens": (True,), "suffix": ("",),
 }
@@ -229,9 +229,6 @@ def _reject_unsupported(body: dict):
     best_of = body.get("best_of")
     if best_of is not None and not (_is_int(best_of) and best_of == (body.get("n") or 1)):
         raise bad("'best_of' is not supported by this server (only best_of == n)", "best_of")
-    rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise bad("'response_format' other than {\"type\": \"text\"} is not supported", "response_format")
 
 
 def _stop(f: Fields) -> list[str]:
@@ -454,10 +451,25 @@ def messages_for_template(v) -> list[dict]:
         if isinstance(content, str):
             check_text(content, "messages")
         msg = {k: val for k, val in m.items() if isinstance(k, str)}
-        msg["content"] = content
+        msg["content"] = "" if content is None else content   # a tool-calling turn: no text
+        if isinstance(m.get("tool_calls"), list):
+            msg["tool_calls"] = [_call_for_template(c) for c in m["tool_calls"]]
         _check_strings(msg, "messages")
         out.append(msg)
     return out
+
+
+def _call_for_template(call):
+    """An assistant turn's tool call as templates read it (HF's, vLLM's): the arguments an
+    object, not OpenAI's JSON text."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except (ValueError, RecursionError):     # not JSON: the template gets the text
+        return call
+    return dict(call, function=dict(fn, arguments=args))
 
 
 def _check_strings(v, param, depth=0):
@@ -494,10 +506,6 @@ def render_chat(body: dict, template: str | None, tokenizer, special: dict, trus
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise bad("'tools' must be a list of objects", "tools")
     _check_strings(tools, "tools")
-    tool_choice = body.get("tool_choice")
-    if tool_choice not in (None, "none", "auto"):
-        raise bad("'tool_choice' other than \"none\" or \"auto\" is not supported (tool calls are "
-                  "not parsed by this server)", "tool_choice")
     documents = body.get("documents")
     if documents is not None and not isinstance(documents, list):
         raise bad("'documents' must be a list", "documents")

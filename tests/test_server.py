@@ -444,10 +444,9 @@ def test_chat_template_kwargs_and_errors(srv):
             c.chat.completions.create(model="smol", messages=[{"role": "user", "content": "x"}], max_tokens=1,
                                       extra_body={"chat_template": bad_tpl})
         assert word in e.value.message
-    if current().real:
-        with pytest.raises(openai.BadRequestError) as e:     # SmolLM2's template concatenates content
-            c.chat.completions.create(model="smol", messages=[{"role": "assistant", "content": None}], max_tokens=1)
-        assert "template" in e.value.message
+    if current().real:      # SmolLM2's template concatenates content: a null one (a tool-calling turn) is ""
+        out = c.chat.completions.create(model="smol", messages=[{"role": "assistant", "content": None}], max_tokens=1)
+        assert out.choices[0].finish_reason in ("stop", "length")
     strict = live(trust_request_chat_template=False)
     with pytest.raises(openai.BadRequestError) as e:
         strict.client().chat.completions.create(model="smol", messages=[{"role": "user", "content": "x"}],

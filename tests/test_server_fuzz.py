@@ -103,7 +103,8 @@ BAD_COMMON = {
     "logit_bias": st.dictionaries(st.text(min_size=1, max_size=3), st.integers(), min_size=1, max_size=2),
     "best_of": st.integers(min_value=3, max_value=9),
     "use_beam_search": st.just(True),
-    "response_format": st.just({"type": "json_object"}) | st.text(max_size=4),
+    "response_format": st.just({"type": "json_schema", "json_schema": {}}) | st.just({"type": "xml"})
+    | st.text(max_size=4),
     "user": present.filter(lambda v: not isinstance(v, str)),
 }
 BAD_COMPLETION = dict(BAD_COMMON, **{
