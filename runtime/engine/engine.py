@@ -34,9 +34,10 @@ import numpy as np
 
 from infc import envs
 
-from . import fault_inject
+from . import bad_words, fault_inject
 from .block_manager import BlockManager
 from .metrics import Metrics
+from .row_processing import RowProcessing
 from .runner import RowSampling
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -158,12 +159,23 @@ class Engine:
             raise ValueError("stop strings need a tokenizer, and this engine has none")
         if params.logprobs is not None and params.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {params.logprobs}")
+        self._check_processing(params, vocab)
         longest = self.max_model_len if params.max_tokens is None else min(n + params.max_tokens, self.max_model_len)
         kv = self.bm.num_pages * self.page_size
         if self.bm.pages_for(longest - 1) > self.bm.num_pages:   # the last token never enters the KV
             raise ValueError(f"a sequence of up to {longest} tokens ({n} prompt + "
                              f"{'unbounded' if params.max_tokens is None else params.max_tokens} "
                              f"new) can never fit in the KV cache of {kv} tokens: lower max_tokens")
+
+    def _check_processing(self, params: SamplingParams, vocab: int | None):
+        if params.best_of is not None and params.best_of != params.n:
+            raise ValueError("best_of > n is chosen among the engine's outputs by the caller "
+                             "(runtime/engine/best_of.py): the engine takes n = best_of")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer, and this engine has none")
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+            if vocab is not None and any(not 0 <= t < vocab for t in ids):
+                raise ValueError(f"{name} holds token ids outside the vocabulary [0, {vocab})")
 
     def checked_ids(self, prompt_ids, params: SamplingParams) -> list[int]:
         """The prompt as a list of int, once check_request has accepted it with these params
@@ -185,10 +197,13 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seqs = []
+        words = bad_words.token_sequences(self.tokenizer, params.bad_words) if params.bad_words else []
         for i in range(params.n):
             seed = params.seed + i if params.seed is not None else _seeds.getrandbits(63)
             dec = IncrementalDecoder(self.tokenizer, params.skip_special_tokens) if self.tokenizer else None
             seqs.append(Sequence(self._next_seq, request_id, i, prompt_ids, params, seed, dec, arrival))
+            seqs[-1].processing = RowProcessing.for_request(
+                params, prompt_ids, getattr(self.runner, "vocab_size", None), words)
             self._next_seq += 1
         rank = self._rank_for(seqs[0])
         for s in seqs:                    # siblings share the prompt's cached blocks: one rank
@@ -231,6 +246,23 @@ class Engine:
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        """Run a step (see _step). A row that needs every token before it (penalties, bad words
+        of several tokens: RowProcessing.needs_history) does not overlap: while one is running,
+        the step in flight is read back before the next is scheduled."""
+        first = []
+        if self.in_flight is not None and any(
+                s.processing is not None and s.processing.needs_history
+                for r in self.requests.values() for s in r.seqs if not s.finished):
+            launched, self.in_flight = self.in_flight, None
+            try:
+                first = self._collect_any(*launched)
+            except Exception as e:              # noqa: BLE001 - as _step's reading back
+                if is_fatal(e):
+                    raise
+                first = self._fail_batches(self._batches_of(launched), e)
+        return first + self._step()
+
+    def _step(self) -> list[StepOutput]:
         """Run a step; the outputs of the step (overlapped: of the step before) that sampled. With
         data-parallel ranks, a step is every rank's batch, padded alike, run together.
 
@@ -363,8 +395,7 @@ class Engine:
                 tokens.append(0)
             chunks.append(Chunk(seq.seq_id, tokens, start))
             samples_now = start + n == seq.num_tokens
-            rows.append(RowSampling(seq.params, seq.seed, seq.num_output_tokens, self._banned(seq))
-                        if samples_now else None)
+            rows.append(self._row(seq) if samples_now else None)
             at += n
         pages = {seq.seq_id: seq.pages for seq, _ in batch}
         slots = {seq.seq_id: seq.slot for seq, _ in batch} if self.num_slots else None
@@ -400,6 +431,8 @@ class Engine:
                 if self.faults is not None:
                     self.faults.on_token(seq)
                 seq.token_ids.append(sample.token)
+                if seq.processing is not None:
+                    seq.processing.add(sample.token)
                 self.bms[seq.rank].commit(seq)      # the block its pending token completes
                 outputs.append(self._append(seq, sample, now))
             except Exception as e:                  # noqa: BLE001 - this request's, not the step's
@@ -410,6 +443,16 @@ class Engine:
                     seq.request_id, seq.index, [], "", finish_reason="error", request_finished=True,
                     num_prompt_tokens=seq.num_prompt_tokens, error=e))
         return outputs
+
+    def _row(self, seq: Sequence) -> RowSampling:
+        """The sampling of a sequence's next token, its logits processing included."""
+        row = RowSampling(seq.params, seq.seed, seq.num_output_tokens, self._banned(seq))
+        if seq.processing is not None:
+            fields = seq.processing.row_fields(seq.output_ids)
+            row.allowed, row.penalties = fields["allowed"], fields["penalties"]
+            if fields["banned"]:
+                row.banned = tuple(sorted(set(row.banned) | set(fields["banned"])))
+        return row
 
     def _banned(self, seq: Sequence) -> tuple:
         p = seq.params
@@ -466,7 +509,10 @@ class Engine:
         may_stop = outputs > p.min_tokens     # the first min_tokens never stop
         if may_stop and ((tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids):
             seq.stop_reason = tok if tok in p.stop_token_ids else None
+            if p.include_stop_str_in_output and seq.decoder is not None:
+                seq.text += seq.decoder.push(tok)
             return "stop"                         # the stop token's text is not part of the output
+                                                  # unless include_stop_str_in_output
         if seq.decoder is not None:
             before = len(seq.text)
             seq.text += seq.decoder.push(tok)
@@ -476,7 +522,7 @@ class Engine:
                 hits = [(at, s) for s in p.stop if (at := seq.text.find(s, window)) >= 0]
                 if hits:
                     at, s = min(hits)
-                    seq.text = seq.text[:at]
+                    seq.text = seq.text[:at + (len(s) if p.include_stop_str_in_output else 0)]
                     seq.stop_reason = s
                     return "stop"
         if self._at_length(seq, len(seq.token_ids)):
