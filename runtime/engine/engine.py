@@ -168,9 +168,6 @@ class Engine:
                              f"new) can never fit in the KV cache of {kv} tokens: lower max_tokens")
 
     def _check_processing(self, params: SamplingParams, vocab: int | None):
-        if params.best_of is not None and params.best_of != params.n:
-            raise ValueError("best_of > n is chosen among the engine's outputs by the caller "
-                             "(runtime/engine/best_of.py): the engine takes n = best_of")
         if params.bad_words and self.tokenizer is None:
             raise ValueError("bad_words need a tokenizer, and this engine has none")
         for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
@@ -189,6 +186,9 @@ class Engine:
         """checked: prompt_ids is a list of int that check_request already accepted with these
         params (AsyncEngine.generate's door, or the server's before it): at 16k tokens, the int
         conversion and the vocabulary check cost ~0.5 ms each, once per request is enough."""
+        if params.best_of is not None and params.best_of != params.n:
+            raise ValueError("best_of > n is chosen among the engine's outputs by the caller "
+                             "(best_of.candidates: the engine draws n = best_of)")
         if not checked:
             prompt_ids = self.checked_ids(prompt_ids, params)
         if request_id is None:
