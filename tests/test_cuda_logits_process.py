@@ -9,7 +9,7 @@ from infc.compiler.codegen.render import render_sampler
 from infc.runtime.engine.logits_process import process_logits
 from infc.runtime.engine.runner import RowSampling
 from infc.runtime.engine.sampling import SamplingParams, logprobs_of
-from kernels.test_logits_process_kernel import mixed_rows
+from logits_rows import mixed_rows
 
 V = 300
 
