@@ -114,3 +114,20 @@ def test_penalized_rows_wait_for_the_token_before():
             assert o.error is None, o.error
             tokens[o.request_id] = tokens.get(o.request_id, 0) + len(o.token_ids)
     assert tokens == {"pen": 8, "plain": 8}
+
+
+def test_rank_frames_carry_the_logits_processing(rng):
+    """A rank process samples every row as rank 0 does (runtime/distributed/step_channel.py): the
+    rows' penalties, logit_bias and bitmasks cross the channel whole."""
+    from infc.runtime.distributed import step_channel as ch
+    from logits_rows import mixed_rows
+    from test_rank_workers import random_meta
+    V = 300
+    rows = mixed_rows(np.random.default_rng(2), V)
+    logits = (rng.standard_normal((len(rows), V)) * 3).astype(np.float32)
+    meta = random_meta(rng, len(rows), True)
+    _, _, back, _ = ch.launch_of(*ch.decode(ch.encode_launch(meta, 3, rows, [])))
+    for b, (r, s) in enumerate(zip(rows, back)):
+        assert (r is None) == (s is None)
+        if r is not None:
+            assert np.array_equal(process_logits(logits[b], r), process_logits(logits[b], s)), b
