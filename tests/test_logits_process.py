@@ -35,7 +35,7 @@ def row_of(prompt, output, p, vocab, banned=()):
     rp = RowProcessing.for_request(p, prompt, vocab, [])
     for t in output if rp else ():
         rp.add(t)
-    f = rp.row_fields(output) if rp else {"allowed": None, "penalties": None}
+    f = rp.row_fields(prompt + output, len(prompt)) if rp else {"allowed": None, "penalties": None}
     return RowSampling(p, 0, len(output), banned, allowed=f["allowed"], penalties=f["penalties"])
 
 
@@ -79,6 +79,9 @@ def test_bad_words_ban_the_last_token_after_its_prefix():
     assert banned_now(words, [1, 7, 8]) == (5, 9)
     assert banned_now(words, [7, 3]) == (5, 8)
     assert banned_now(words, [8]) == (5,)
+    rp = RowProcessing.for_request(SamplingParams(), [7, 8], 20, words)
+    assert rp.row_fields([7, 8], 2)["banned"] == (5,)            # the prompt is no prefix
+    assert rp.row_fields([7, 8, 1, 7, 8], 2)["banned"] == (5, 9)
 
 
 def test_counts_are_kept_incrementally():

@@ -448,7 +448,7 @@ class Engine:
         """The sampling of a sequence's next token, its logits processing included."""
         row = RowSampling(seq.params, seq.seed, seq.num_output_tokens, self._banned(seq))
         if seq.processing is not None:
-            fields = seq.processing.row_fields(seq.output_ids)
+            fields = seq.processing.row_fields(seq.token_ids, seq.num_prompt_tokens)
             row.allowed, row.penalties = fields["allowed"], fields["penalties"]
             if fields["banned"]:
                 row.banned = tuple(sorted(set(row.banned) | set(fields["banned"])))

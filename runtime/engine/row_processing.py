@@ -16,6 +16,7 @@ class RowProcessing:
     def __init__(self, params, prompt_ids, bad_words_ids: list, allowed: np.ndarray | None):
         self.params = params
         self.bad_words_ids = bad_words_ids
+        self.longest_prefix = max((len(w) - 1 for w in bad_words_ids), default=0)
         self.allowed = allowed
         self.penalize = has_penalties(params)
         self.ids: list[int] = []
@@ -68,8 +69,10 @@ class RowProcessing:
         p = self.params
         return Penalties(p.repetition_penalty, p.frequency_penalty, p.presence_penalty, *self._arrays)
 
-    def row_fields(self, output_ids) -> dict:
-        """RowSampling's fields for the row sampling after output_ids: allowed, penalties, and
-        the bad words' banned ids (the caller joins them to its own)."""
+    def row_fields(self, token_ids: list, num_prompt: int) -> dict:
+        """RowSampling's fields for the row sampling after token_ids (the prompt's num_prompt,
+        then the output): allowed, penalties, and the bad words' banned ids (the caller joins
+        them to its own). Only the output's tail a bad word's prefix can span is read."""
+        tail = token_ids[max(num_prompt, len(token_ids) - self.longest_prefix):] if self.longest_prefix else []
         return {"allowed": self.allowed, "penalties": self.penalties(),
-                "banned": banned_now(self.bad_words_ids, output_ids)}
+                "banned": banned_now(self.bad_words_ids, tail)}

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .structured.request import StructuredOutputs
 
+import math
+
 import numpy as np
 
 
@@ -67,8 +69,14 @@ class SamplingParams:
         for name in ("frequency_penalty", "presence_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 problems.append(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if self.allowed_token_ids is not None and not self.allowed_token_ids:
-            problems.append("allowed_token_ids must not be empty")
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids or not all(isinstance(t, int) for t in self.allowed_token_ids)):
+            problems.append("allowed_token_ids must be a non-empty list of token ids")
+        if self.logit_bias and not all(isinstance(t, int) and isinstance(b, (int, float)) and math.isfinite(b)
+                                       for t, b in self.logit_bias.items()):
+            problems.append("logit_bias must map token ids (int) to finite numbers")
+        if self.bad_words is not None and not all(isinstance(w, str) for w in self.bad_words):
+            problems.append("bad_words must be a list of strings")
         if problems:
             raise ValueError("; ".join(problems))
 
