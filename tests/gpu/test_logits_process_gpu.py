@@ -11,6 +11,7 @@ import pytest
 from driver_loop import Pages
 from infc.runtime.cuda.runner import CudaRunner
 from infc.runtime.engine.logits_process import pack_bitmask, process_logits
+from infc.runtime.engine.row_processing import RowProcessing
 from infc.runtime.engine.runner import RowSampling
 from infc.runtime.engine.sampling import SamplingParams, logprobs_of
 from infc.runtime.engine.step import Chunk, build_step
@@ -28,7 +29,7 @@ def runner(model_dir, artifact):
 def step_logits(runner, B):
     rng = np.random.default_rng(41)
     pages = Pages(runner.num_pages, runner.page_size)
-    chunks = [Chunk(i, rng.integers(0, runner.vocab_size, 7 + 3 * i).tolist(), 0) for i in range(B)]
+    chunks = [Chunk(i, rng.integers(0, runner.vocab_size, 3 + i % 5).tolist(), 0) for i in range(B)]
     for c in chunks:
         pages.ensure(c.seq_id, len(c.tokens))
     meta = build_step(chunks, pages.of.__getitem__, runner.page_size)
@@ -82,7 +83,6 @@ def test_cost_of_the_processing(runner):
     for _ in range(B):
         p = SamplingParams(temperature=0.0, repetition_penalty=1.1, frequency_penalty=0.2,
                            logit_bias={int(t): 1.0 for t in rng.choice(V, 100, replace=False)})
-        from infc.runtime.engine.row_processing import RowProcessing
         rp = RowProcessing.for_request(p, rng.integers(0, V, 2000).tolist(), V, [])
         proc.append(RowSampling(p, 0, 0, penalties=rp.penalties()))
     for name, rows in (("plain", plain), ("processed", proc)):
