@@ -284,9 +284,17 @@ def _sampling(f: Fields, lim: Limits, max_tokens: int | None, n: int, logprobs: 
                 f.get("stop_token_ids"), "stop_token_ids", lim.vocab_size, MAX_STOP_IDS),
             ignore_eos=f.bool("ignore_eos"), min_tokens=min_tokens, n=n, logprobs=logprobs,
             skip_special_tokens=f.bool("skip_special_tokens", True), best_of=best_of,
-            **sampling_fields.processing(f, lim.vocab_size, stop_allowed))
+            **_extra(sampling_fields.processing, f, lim.vocab_size, stop_allowed, F32_MAX))
     except ValueError as e:
         raise bad(str(e)) from None
+
+
+def _extra(parse, *args):
+    """A sampling_fields parser's result; its FieldError as this module's 400."""
+    try:
+        return parse(*args)
+    except sampling_fields.FieldError as e:
+        raise bad(str(e), e.param) from None
 
 
 def _check_context(lim: Limits, n_prompt: int, max_tokens: int | None, what: str):
@@ -377,7 +385,7 @@ def parse_completion(body: dict, lim: Limits, tokenizer) -> GenRequest:
     logprobs = f.int("logprobs", None, 0, lim.max_logprobs)
     stream = f.bool("stream")
     include_usage, continuous = _stream_options(f, stream)
-    best_of = sampling_fields.best_of(f, n, lim.max_n, stream)
+    best_of = _extra(sampling_fields.best_of, f, n, lim.max_n, stream)
     if best_of and len(raw) * best_of > lim.max_n:
         raise bad(f"a request may draw at most {lim.max_n} completions (prompts x best_of), "
                   f"got {len(raw) * best_of}", "best_of")
@@ -540,7 +548,7 @@ def parse_chat(body: dict, lim: Limits, tokenizer, template: str | None, special
     include_usage, continuous = _stream_options(f, stream)
     f.str("user")
     params = _sampling(f, lim, max_tokens, n, logprobs, True,
-                       sampling_fields.best_of(f, n, lim.max_n, stream))
+                       _extra(sampling_fields.best_of, f, n, lim.max_n, stream))
     text = render_chat(body, template, tokenizer, special, trust_request_template)
     _check_chars(lim, text, "messages")
     try:
