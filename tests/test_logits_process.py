@@ -93,10 +93,14 @@ def test_counts_are_kept_incrementally():
     got = {int(t): (int(c), bool(i)) for t, c, i in zip(pen.ids, pen.counts, pen.in_prompt)}
     assert got == {4: (0, True), 9: (1, True), 1: (3, False)}
     assert RowProcessing.for_request(SamplingParams(), [1], 20, []) is None     # nothing to do
+    other = RowProcessing.for_request(p, [4, 4, 9], 20, []).sibling()            # n > 1: its own counts
+    other.add(4)
+    assert other.penalties().counts.tolist() == [1, 0] and rp.penalties().counts.tolist() == [0, 1, 3]
 
 
 class CountChecker(FakeRunner):
-    """Checks that every penalized row's counts hold all the outputs sampled before it."""
+    """Checks that every penalized row's counts hold all the outputs sampled before it (its own:
+    n > 1 siblings count apart)."""
 
     def execute(self, meta, sampling):
         for s in sampling:
@@ -109,14 +113,15 @@ def test_penalized_rows_wait_for_the_token_before():
     r = CountChecker(64, page_size=4)
     e = make_engine(r, overlap=True)
     assert e.overlap
-    e.add_request([1, 2, 3], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, presence_penalty=1.0), "pen")
+    e.add_request([1, 2, 3], SamplingParams(max_tokens=8, temperature=0.5, seed=1, ignore_eos=True, n=2,
+                                            presence_penalty=1.0), "pen")
     e.add_request([4, 5], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), "plain")
     tokens = {}
     while e.has_unfinished():
         for o in e.step():
             assert o.error is None, o.error
             tokens[o.request_id] = tokens.get(o.request_id, 0) + len(o.token_ids)
-    assert tokens == {"pen": 8, "plain": 8}
+    assert tokens == {"pen": 16, "plain": 8}
 
 
 def test_rank_frames_carry_the_logits_processing(rng):

@@ -203,7 +203,8 @@ class Engine:
             dec = IncrementalDecoder(self.tokenizer, params.skip_special_tokens) if self.tokenizer else None
             seqs.append(Sequence(self._next_seq, request_id, i, prompt_ids, params, seed, dec, arrival))
             seqs[-1].processing = RowProcessing.for_request(
-                params, prompt_ids, getattr(self.runner, "vocab_size", None), words)
+                params, prompt_ids, getattr(self.runner, "vocab_size", None), words) if i == 0 else \
+                seqs[0].processing and seqs[0].processing.sibling()
             self._next_seq += 1
         rank = self._rank_for(seqs[0])
         for s in seqs:                    # siblings share the prompt's cached blocks: one rank

@@ -40,6 +40,15 @@ class RowProcessing:
             return None
         return RowProcessing(params, prompt_ids, bad_words_ids, allowed)
 
+    def sibling(self) -> "RowProcessing":
+        """Another completion's of the same request, before either has output (n > 1): the
+        request's bad words and allowed mask shared, the prompt's entries copied, not recounted."""
+        other = object.__new__(RowProcessing)
+        other.__dict__.update(self.__dict__)
+        other.ids, other.counts, other.in_prompt = list(self.ids), list(self.counts), list(self.in_prompt)
+        other.index, other._arrays = dict(self.index), None
+        return other
+
     @property
     def needs_history(self) -> bool:
         """Whether a row needs every output token before it samples (penalties, a bad word of
