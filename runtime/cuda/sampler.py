@@ -123,7 +123,7 @@ class GpuSampler:
             host = self.packed_params(rows)
             if self.staging is not None:
                 host = {n: self.staging.put(a) for n, a in host.items()}
-            keep = [ctx.htod(self.dev[n], a) for n, a in host.items()]
+            keep += [ctx.htod(self.dev[n], a) for n, a in host.items()]
             if self.staging is not None:
                 self.staging.done()
             self._launch("sample", logits_ptr, B)
