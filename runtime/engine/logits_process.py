@@ -58,11 +58,16 @@ def row_mask(s) -> np.ndarray | None:
 
 
 def bias_arrays(p) -> tuple[np.ndarray, np.ndarray]:
-    """A request's logit_bias as (ids int32, bias f32), ids ascending."""
+    """A request's logit_bias as (ids int32, bias f32), ids ascending: made once per
+    SamplingParams (kept on it), not at every step of every row."""
     if not p.logit_bias:
         return np.zeros(0, np.int32), np.zeros(0, np.float32)
-    ids = sorted(p.logit_bias)
-    return np.array(ids, np.int32), np.array([p.logit_bias[t] for t in ids], np.float32)
+    made = p.__dict__.get("_bias_arrays")
+    if made is None or made[0] is not p.logit_bias:
+        ids = sorted(p.logit_bias)
+        made = (p.logit_bias, np.array(ids, np.int32), np.array([p.logit_bias[t] for t in ids], np.float32))
+        p.__dict__["_bias_arrays"] = made
+    return made[1], made[2]
 
 
 def needs_processing(s) -> bool:
