@@ -6,6 +6,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from infc.runtime.engine import best_of
 from infc.runtime.engine.async_engine import EngineDeadError
 
 from . import protocol, scoring
@@ -105,7 +106,8 @@ class Generation:
     def jobs(self):
         if self.req.params is None:
             return []
-        return [(k, ids, self.req.params, f"{self.id}-{k}") for k, ids in enumerate(self.req.prompts)]
+        params = best_of.candidates(self.req.params)
+        return [(k, ids, params, f"{self.id}-{k}") for k, ids in enumerate(self.req.prompts)]
 
     def index(self, k: int, i: int) -> int:
         return k * self.req.n + i
@@ -160,7 +162,8 @@ class Generation:
 
     # non-streaming
     async def collect(self) -> dict:
-        choices = {(k, i): _Choice() for k in range(len(self.req.prompts)) for i in range(self.req.n)}
+        drawn = self.req.params.best_of if self.req.params and self.req.params.best_of else self.req.n
+        choices = {(k, i): _Choice() for k in range(len(self.req.prompts)) for i in range(drawn)}
 
         async def gen():
             async for k, out in merged(self.engine, self.jobs()):
@@ -173,6 +176,10 @@ class Generation:
                     c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
 
         await run_all(gen(), self.score_prompts())
+        generated = sum(len(c.token_ids) for c in choices.values())    # every candidate's
+        if drawn > self.req.n:
+            choices = {(k, i): c for k in range(len(self.req.prompts)) for i, c in enumerate(best_of.choose(
+                [choices[(k, j)] for j in range(drawn)], self.req.n, lambda c: c.logprobs))}
         out = []
         for (k, i), c in choices.items():
             idx = self.index(k, i)
@@ -193,7 +200,7 @@ class Generation:
                         "stop_reason": c.stop_reason})
         out.sort(key=lambda c: c["index"])
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": out, "usage": self.usage(sum(len(c.token_ids) for c in choices.values()))}
+                "choices": out, "usage": self.usage(generated)}
 
     def plan(self) -> AnswerPlan:
         return self.req.answer or AnswerPlan()

@@ -52,7 +52,9 @@ class FakeRunner(ComputedAtLaunch):
         return out
 
     def execute(self, meta, sampling):
-        contexts = self.contexts(meta)
+        return self.sample_contexts(meta, self.contexts(meta), sampling)
+
+    def sample_contexts(self, meta, contexts, sampling):
         self.steps.append((meta.phase, np.diff(meta.seq_starts).tolist(), [s is not None for s in sampling]))
         out = []
         for ctx, s in zip(contexts, sampling):

@@ -15,6 +15,7 @@ import numpy as np
 
 from infc.config import DEFAULT_PAGE_SIZE
 from infc.compiler.contract import caches
+from .logits_process import Penalties, needs_processing, process_logits
 from .sampling import SamplingParams, logprobs_of, sample
 from .step import StepMeta
 
@@ -26,6 +27,8 @@ class RowSampling:
     step: int                 # index of the token being sampled: its randomness is (seed, step)
     banned: tuple = ()        # token ids masked out (EOS/stop ids before min_tokens)
     bitmask: np.ndarray | None = None   # int32 [ceil(V / 32)]: bit v of word v // 32 set = v allowed
+    allowed: np.ndarray | None = None   # allowed_token_ids, packed as bitmask is
+    penalties: Penalties | None = None  # the row's penalties and token counts (logits_process.py)
 
 
 @dataclass
@@ -141,14 +144,7 @@ def allowed(bitmask: np.ndarray, vocab: int) -> np.ndarray:
 
 
 def sample_row(logits: np.ndarray, s: RowSampling) -> Sample:
-    """Sample one row: banned tokens and those the row's bitmask leaves out are -inf; the logprobs
-    stay those of the model's distribution."""
-    row = logits
-    if s.banned or s.bitmask is not None:
-        row = logits.copy()
-        row[[t for t in s.banned if 0 <= t < row.size]] = -np.inf
-        if s.bitmask is not None:
-            row[~allowed(s.bitmask, row.size)] = -np.inf
+    row = process_logits(logits, s) if needs_processing(s) else logits
     tok = sample(row, s.params, np.random.default_rng((s.seed, s.step)))
     if s.params.logprobs is None:
         return Sample(tok)
