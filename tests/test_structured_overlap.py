@@ -115,6 +115,8 @@ def test_overlapped_grammar_steps_give_the_synchronous_outputs(tokenizer):
         else:
             assert reason == "length" and len(ids) == 60
     assert checked == 12
+    # a choice is complete at its last letter: the grammar ends it ("stop"), no EOS sampled
+    assert all(ids[-1] != EOS for (rid, _), (ids, _) in sync.items() if reqs[int(rid[1:])][2] == "choice")
 
 
 def test_a_runner_that_cannot_defer_reads_the_step_in_flight_first(tokenizer):
