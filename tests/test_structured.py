@@ -100,6 +100,13 @@ def test_bad_requests_name_their_field(grammars):
     with pytest.raises(StructuredOutputError, match="need a tokenizer"):
         GrammarCache(None, [EOS]).check(KINDS["regex"])
 
+    class Unreadable:                         # a tokenizer the library cannot load: a 400, no 500
+        vocab_size = 10
+        tk = type("tk", (), {"to_str": staticmethod(lambda: "{not a tokenizer")})
+    with pytest.raises(StructuredOutputError, match="not available for this model's tokenizer") as e:
+        GrammarCache(Unreadable(), [EOS]).check(StructuredOutputs(regex="a", field="guided_regex"))
+    assert e.value.field == "guided_regex"
+
 
 def test_engine_refuses_a_bad_grammar_at_its_door(tokenizer):
     e = make_engine(LogitsRunner(32, vocab_size=V), tokenizer=tokenizer, eos_ids=[EOS])

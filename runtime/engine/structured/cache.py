@@ -45,11 +45,16 @@ class GrammarCache:
         self._llg = None
         self._pool = None                         # made on first use: engines without grammars pay nothing
 
-    def llg(self) -> llguidance.LLTokenizer:
-        """llguidance's tokenizer, built on first use (~0.4 s for a 49k vocabulary)."""
+    def llg(self, field: str | None = None) -> llguidance.LLTokenizer:
+        """llguidance's tokenizer, built on first use (~0.4 s for a 49k vocabulary).
+        StructuredOutputError (naming `field`) where the library cannot read the tokenizer."""
         with self._lock:
             if self._llg is None:
-                self._llg = llg_tokenizer(self.tokenizer, self.eos_ids, self.vocab_size)
+                try:
+                    self._llg = llg_tokenizer(self.tokenizer, self.eos_ids, self.vocab_size)
+                except Exception as e:          # noqa: BLE001 - the library raises its own types
+                    raise StructuredOutputError("structured outputs are not available for this "
+                                                f"model's tokenizer: {e}", field) from None
             return self._llg
 
     def check(self, so: StructuredOutputs):
@@ -69,7 +74,7 @@ class GrammarCache:
         kind = kind_of(so)
         if self.tokenizer is None:
             raise StructuredOutputError("structured outputs need a tokenizer, and this engine has none", so.field)
-        llg = self.llg()                          # outside the limit: once per engine, not per request
+        llg = self.llg(so.field)                  # outside the limit: once per engine, not per request
         try:
             return self._future(so, llg).result(self.timeout_s)
         except FutureTimeout:
