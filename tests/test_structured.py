@@ -89,12 +89,15 @@ def test_bad_requests_name_their_field(grammars):
         "unknown name": StructuredOutputs(grammar='start: "a" | b', field="guided_grammar"),
         "non-empty list": StructuredOutputs(choice=(), field="guided_choice"),
         "exactly one": StructuredOutputs(regex="a", choice=("a",), field="structured_outputs"),
+        "list of strings": StructuredOutputs(choice=("a", 1), field="guided_choice"),
+        "json must be a string": StructuredOutputs(json={"type": "object"}, field="response_format"),
         "regex parse error": StructuredOutputs(json='{"type": "string", "pattern": "(("}', field="x"),
     }
     for words, so in cases.items():
         with pytest.raises(StructuredOutputError, match=words) as e:
             grammars.check(so)
         assert e.value.field == so.field
+    grammars.check(StructuredOutputs(choice=["a", "b"]))      # a list serves (made hashable)
     # not strict: keywords llguidance does not implement are ignored, not refused
     grammars.check(StructuredOutputs(json='{"type": "object", "if": {}}', strict=False))
     with pytest.raises(StructuredOutputError, match="need a tokenizer"):

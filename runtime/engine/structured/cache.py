@@ -8,7 +8,6 @@ kept too (the same bad schema is refused at once). A compile that outlives the t
 StructuredOutputError for its request; it finishes in its worker (llguidance cannot be
 interrupted) and its result serves later requests.
 """
-import dataclasses
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
@@ -18,7 +17,7 @@ import numpy as np
 
 from infc.config import STRUCTURED_CACHE_SIZE, STRUCTURED_COMPILE_TIMEOUT_S, STRUCTURED_COMPILE_WORKERS
 
-from .compile import compile_grammar, kind_of
+from .compile import cache_key, compile_grammar, kind_of
 from .matcher import SequenceGrammar, fill_masks
 from .request import StructuredOutputError, StructuredOutputs
 
@@ -82,7 +81,7 @@ class GrammarCache:
                                         so.field) from None
 
     def _future(self, so: StructuredOutputs, llg) -> Future:
-        key = dataclasses.replace(so, start_after=())     # where it starts is the sequence's
+        key = cache_key(so)
         with self._lock:
             fut = self._entries.get(key)
             if fut is not None:
