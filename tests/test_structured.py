@@ -179,7 +179,8 @@ def test_the_grammar_applies_after_the_reasoning_section(grammars, tokenizer):
     for t in end:
         g.accept(t)
     assert g.active and not g.finished
-    assert {tokenizer.decode([t]) for t in np.flatnonzero(allowed(grammars.masks([g])[0], V))} <= {"y", "n", "ye", "yes", "no"}
+    allowed_text = {tokenizer.decode([t]) for t in np.flatnonzero(allowed(grammars.masks([g])[0], V))}
+    assert allowed_text and allowed_text <= {"y", "n", "ye", "yes", "no"}
     for t in tokenizer.encode_text("yes"):
         g.accept(t)
     assert g.finished

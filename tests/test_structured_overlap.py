@@ -1,8 +1,8 @@
 """Grammar rows in the engine's schedules: the overlapped engine launches a grammar step's forward,
 reads the step before back, then samples with the masks (runner.launch_forward / launch_sampling),
 and gives the synchronous engine's outputs; so does a runner that cannot defer its sampling (the
-step in flight is read first; data-parallel ranks likewise). Grammar outputs match, end with "stop", n > 1 and a reasoning
-section included, beside unconstrained requests that pay no mask."""
+step in flight is read first; data-parallel ranks likewise). Grammar outputs match and end with
+"stop", n > 1 and a reasoning section included, beside unconstrained requests that pay no mask."""
 import json
 import re
 
