@@ -89,16 +89,26 @@ def test_bad_requests_name_their_field(grammars):
         "unknown name": StructuredOutputs(grammar='start: "a" | b', field="guided_grammar"),
         "non-empty list": StructuredOutputs(choice=(), field="guided_choice"),
         "exactly one": StructuredOutputs(regex="a", choice=("a",), field="structured_outputs"),
+        "list of strings": StructuredOutputs(choice=("a", 1), field="guided_choice"),
+        "json must be a string": StructuredOutputs(json={"type": "object"}, field="response_format"),
         "regex parse error": StructuredOutputs(json='{"type": "string", "pattern": "(("}', field="x"),
     }
     for words, so in cases.items():
         with pytest.raises(StructuredOutputError, match=words) as e:
             grammars.check(so)
         assert e.value.field == so.field
+    grammars.check(StructuredOutputs(choice=["a", "b"]))      # a list serves (made hashable)
     # not strict: keywords llguidance does not implement are ignored, not refused
     grammars.check(StructuredOutputs(json='{"type": "object", "if": {}}', strict=False))
     with pytest.raises(StructuredOutputError, match="need a tokenizer"):
         GrammarCache(None, [EOS]).check(KINDS["regex"])
+
+    class Unreadable:                         # a tokenizer the library cannot load: a 400, no 500
+        vocab_size = 10
+        tk = type("tk", (), {"to_str": staticmethod(lambda: "{not a tokenizer")})
+    with pytest.raises(StructuredOutputError, match="not available for this model's tokenizer") as e:
+        GrammarCache(Unreadable(), [EOS]).check(StructuredOutputs(regex="a", field="guided_regex"))
+    assert e.value.field == "guided_regex"
 
 
 def test_engine_refuses_a_bad_grammar_at_its_door(tokenizer):
@@ -169,7 +179,8 @@ def test_the_grammar_applies_after_the_reasoning_section(grammars, tokenizer):
     for t in end:
         g.accept(t)
     assert g.active and not g.finished
-    assert {tokenizer.decode([t]) for t in np.flatnonzero(allowed(grammars.masks([g])[0], V))} <= {"y", "n", "ye", "yes", "no"}
+    allowed_text = {tokenizer.decode([t]) for t in np.flatnonzero(allowed(grammars.masks([g])[0], V))}
+    assert allowed_text and allowed_text <= {"y", "n", "ye", "yes", "no"}
     for t in tokenizer.encode_text("yes"):
         g.accept(t)
     assert g.finished

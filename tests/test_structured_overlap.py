@@ -1,18 +1,21 @@
 """Grammar rows in the engine's schedules: the overlapped engine launches a grammar step's forward,
 reads the step before back, then samples with the masks (runner.launch_forward / launch_sampling),
 and gives the synchronous engine's outputs; so does a runner that cannot defer its sampling (the
-step in flight is read first). Grammar outputs match, end with "stop", n > 1 and a reasoning
-section included, beside unconstrained requests that pay no mask."""
+step in flight is read first; data-parallel ranks likewise). Grammar outputs match and end with
+"stop", n > 1 and a reasoning section included, beside unconstrained requests that pay no mask."""
 import json
 import re
 
 import jsonschema
+import numpy as np
 import pytest
 
+from infc.runtime.engine.engine import Engine
+from infc.runtime.engine.runner import feed_tokens, sample_rows
 from infc.runtime.engine.sampling import SamplingParams
 from infc.runtime.engine.structured.request import StructuredOutputs
 from grammar_fixtures import EOS, LogitsRunner, small_tokenizer
-from test_scheduler import assert_all_free, make_engine
+from test_scheduler import assert_all_free, drain, make_engine
 
 V = 320
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 5},
@@ -115,6 +118,8 @@ def test_overlapped_grammar_steps_give_the_synchronous_outputs(tokenizer):
         else:
             assert reason == "length" and len(ids) == 60
     assert checked == 12
+    # a choice is complete at its last letter: the grammar ends it ("stop"), no EOS sampled
+    assert all(ids[-1] != EOS for (rid, _), (ids, _) in sync.items() if reqs[int(rid[1:])][2] == "choice")
 
 
 def test_a_runner_that_cannot_defer_reads_the_step_in_flight_first(tokenizer):
@@ -130,3 +135,50 @@ def test_steps_without_grammar_rows_launch_as_before(tokenizer):
     reqs = [(p, sp, k) for p, sp, k in workload(tokenizer)[0] if k is None]
     run(r, tokenizer, True, reqs)
     assert r.deferred == 0 and r.masked_rows == 0 and sum(map(len, r.feeds)) > 20
+
+
+class TwoRanks:
+    """Two data-parallel ranks (launch_ranks / collect_ranks, no deferred sampling): each row's
+    logits a function of its last token and position, sampled by the numpy sampler."""
+    can_overlap, dp_world = True, 2
+
+    def __init__(self):
+        self.num_pages, self.page_size, self.vocab_size = 512, 4, V
+        self._last = None
+        self.launches = 0
+
+    def execute_ranks(self, metas, sampling):
+        return [sample_rows(np.stack([np.random.default_rng((int(m.tokens[i]), int(m.positions[i])))
+                                      .standard_normal(V) for i in m.last_rows]).reshape(m.B, V), s)
+                for m, s in zip(metas, sampling)]
+
+    def launch_ranks(self, metas, sampling, feeds):
+        for r, (m, feed) in enumerate(zip(metas, feeds)):
+            feed_tokens(m, feed, self._last[r] if feed else None)
+        self.launches += 1
+        self._last = self.execute_ranks(metas, sampling)
+        return self._last
+
+    @staticmethod
+    def collect_ranks(handle):
+        return handle
+
+
+def test_data_parallel_ranks_read_the_step_in_flight_before_a_grammar_step(tokenizer):
+    reqs, _ = workload(tokenizer)
+    outs = []
+    for overlap in (False, True):
+        r = TwoRanks()
+        e = Engine(r, tokenizer, [EOS], max_model_len=512, max_num_seqs=8, max_num_batched_tokens=24,
+                   overlap=overlap)
+        assert e.overlap == overlap
+        for i, (prompt, params, _) in enumerate(reqs):
+            e.add_request(prompt, params, f"r{i}")
+        assert {s.rank for q in e.requests.values() for s in q.seqs} == {0, 1}
+        outs.append(drain(e))
+        assert (r.launches > 0) == overlap
+    assert outs[0] == outs[1]
+    for i, (_, _, kind) in enumerate(reqs):
+        if kind == "regex":
+            assert all(re.fullmatch(REGEX, tokenizer.decode([t for t in ids if t != EOS]))
+                       for ids in outs[1][f"r{i}"].values())

@@ -288,6 +288,7 @@ class Engine:
             if is_fatal(e):
                 raise
             outputs += self._fail_batches(batches, e)
+            self.unsampled = None               # a forward launched for it is never sampled
             if self.in_flight is not None:      # the step before still runs: read it back
                 outputs += self._drain_in_flight(e)
             self._gauges()

@@ -8,7 +8,6 @@ kept too (the same bad schema is refused at once). A compile that outlives the t
 StructuredOutputError for its request; it finishes in its worker (llguidance cannot be
 interrupted) and its result serves later requests.
 """
-import dataclasses
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
@@ -18,7 +17,7 @@ import numpy as np
 
 from infc.config import STRUCTURED_CACHE_SIZE, STRUCTURED_COMPILE_TIMEOUT_S, STRUCTURED_COMPILE_WORKERS
 
-from .compile import compile_grammar, kind_of
+from .compile import cache_key, compile_grammar, kind_of
 from .matcher import SequenceGrammar, fill_masks
 from .request import StructuredOutputError, StructuredOutputs
 
@@ -45,11 +44,16 @@ class GrammarCache:
         self._llg = None
         self._pool = None                         # made on first use: engines without grammars pay nothing
 
-    def llg(self) -> llguidance.LLTokenizer:
-        """llguidance's tokenizer, built on first use (~0.4 s for a 49k vocabulary)."""
+    def llg(self, field: str | None = None) -> llguidance.LLTokenizer:
+        """llguidance's tokenizer, built on first use (~0.4 s for a 49k vocabulary).
+        StructuredOutputError (naming `field`) where the library cannot read the tokenizer."""
         with self._lock:
             if self._llg is None:
-                self._llg = llg_tokenizer(self.tokenizer, self.eos_ids, self.vocab_size)
+                try:
+                    self._llg = llg_tokenizer(self.tokenizer, self.eos_ids, self.vocab_size)
+                except Exception as e:          # noqa: BLE001 - the library raises its own types
+                    raise StructuredOutputError("structured outputs are not available for this "
+                                                f"model's tokenizer: {e}", field) from None
             return self._llg
 
     def check(self, so: StructuredOutputs):
@@ -69,7 +73,7 @@ class GrammarCache:
         kind = kind_of(so)
         if self.tokenizer is None:
             raise StructuredOutputError("structured outputs need a tokenizer, and this engine has none", so.field)
-        llg = self.llg()                          # outside the limit: once per engine, not per request
+        llg = self.llg(so.field)                  # outside the limit: once per engine, not per request
         try:
             return self._future(so, llg).result(self.timeout_s)
         except FutureTimeout:
@@ -77,7 +81,7 @@ class GrammarCache:
                                         so.field) from None
 
     def _future(self, so: StructuredOutputs, llg) -> Future:
-        key = dataclasses.replace(so, start_after=())     # where it starts is the sequence's
+        key = cache_key(so)
         with self._lock:
             fut = self._entries.get(key)
             if fut is not None:

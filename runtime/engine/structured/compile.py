@@ -5,6 +5,7 @@ regex, a grammar that does not parse) is a StructuredOutputError naming the requ
 the library's reason. Parser limits bound the work a grammar may cost at compile time and at
 each step (llguidance's LLParserLimits); the wall-clock limit is the cache's (cache.py).
 """
+import dataclasses
 import json
 
 import llguidance
@@ -31,6 +32,21 @@ def kind_of(so: StructuredOutputs) -> str:
     return kinds[0]
 
 
+def cache_key(so: StructuredOutputs) -> StructuredOutputs:
+    """The request as its compile's key: hashable (a choice given as a list becomes a tuple), and
+    without start_after (where a sequence starts in the grammar is its own)."""
+    for name in ("json", "regex", "grammar"):
+        value = getattr(so, name)
+        if value is not None and not isinstance(value, str):
+            raise StructuredOutputError(f"{name} must be a string, got {type(value).__name__}", so.field)
+    choice = so.choice
+    if choice is not None:
+        if isinstance(choice, str) or not all(isinstance(c, str) for c in choice):
+            raise StructuredOutputError("choice must be a list of strings", so.field)
+        choice = tuple(choice)
+    return dataclasses.replace(so, choice=choice, start_after=())
+
+
 def grammar_text(so: StructuredOutputs) -> str:
     """The request as llguidance's grammar text (not checked yet: compile() checks it)."""
     kind = kind_of(so)
@@ -51,7 +67,7 @@ def grammar_text(so: StructuredOutputs) -> str:
         if kind == "regex":
             return LLMatcher.grammar_from_regex(so.regex)
         if kind == "choice":
-            if not so.choice or not all(isinstance(c, str) for c in so.choice):
+            if not so.choice:
                 raise StructuredOutputError("choice must be a non-empty list of strings", so.field)
             return llguidance.grammar_from("choice", json.dumps(list(so.choice)))
         return llguidance.grammar_from("grammar", so.grammar)     # Lark, or GBNF converted to Lark
