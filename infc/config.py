@@ -136,3 +136,14 @@ class EngineConfig:
                        cache=replace(cache, page_size=page_size, num_gpu_blocks_override=pages,
                                      kv_cache_tokens=tokens),
                        scheduler=replace(sched, max_num_seqs=max_num_seqs, max_num_batched_tokens=batched))
+
+# Structured outputs (runtime/engine/structured/): a schema, regex or grammar must compile within
+# this many seconds (a slower one is a 400, and the compile runs off the event loop and the engine
+# thread, so it never stalls other requests); compiled grammars kept, by request, for reuse.
+STRUCTURED_COMPILE_TIMEOUT_S = 10.0
+STRUCTURED_CACHE_SIZE = 256
+STRUCTURED_COMPILE_WORKERS = 2
+# JSON outputs in llguidance's compact form ({"a":1,"b":[2,3]}) unless a schema's "x-guidance"
+# asks otherwise: with free whitespace, small models were seen to emit whitespace until
+# max_tokens (vLLM added disable_any_whitespace for the same reason).
+STRUCTURED_JSON_WHITESPACE_FLEXIBLE = False

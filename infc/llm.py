@@ -11,6 +11,7 @@ from pathlib import Path
 from infc.compiler.contract.errors import ModelDirError
 from infc.config import (DEFAULT_GPU_MEMORY_UTILIZATION, DEVICES, OFFLINE_CPU_KV_TOKENS, OFFLINE_CPU_MAX_NUM_SEQS,
                          EngineConfig)
+from infc.runtime.engine import best_of
 from infc.runtime.engine.sampling import SamplingParams
 from infc.runtime.tokenization.tokenizer import Tokenizer
 
@@ -114,7 +115,8 @@ class LLM:
         return self._tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
-        params = sampling_params or SamplingParams()
+        asked = sampling_params or SamplingParams()
+        params = best_of.candidates(asked)
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         requests = {}
@@ -143,4 +145,11 @@ class LLM:
         finally:
             for rid in requests:                 # an error or interrupt leaves nothing running
                 self.engine.abort(rid)
+        if best_of.wants_best_of(asked):
+            for req in requests.values():
+                req.outputs = best_of.choose(req.outputs, asked.n, lambda c: c.logprobs)
+                for i, c in enumerate(req.outputs):
+                    c.index = i
+                    if asked.logprobs is None:
+                        c.logprobs = None
         return list(requests.values())

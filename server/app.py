@@ -49,8 +49,9 @@ from starlette.responses import Response
 
 from infc.runtime.engine.async_engine import EngineDeadError
 from infc.runtime.engine.sampling import SamplingParams
+from infc.runtime.engine.structured.request import StructuredOutputError
 
-from . import admission, metrics, protocol
+from . import admission, metrics, outputs, protocol, structured
 from .generation import Generation, engine_error
 from .http import (ClientGone, Guard, SSEResponse, dumps, error_response, json_bytes_response, json_response,
                    read_body, require_json, until_disconnect)
@@ -116,6 +117,8 @@ def make_app(state: ServerState) -> FastAPI:
         for ids in req.prompts:
             try:
                 b.engine.check_request(ids, params)
+            except StructuredOutputError as e:
+                raise structured.refusal(e, params.structured_outputs) from None
             except ValueError as e:
                 raise bad(str(e)) from None
 
@@ -127,10 +130,13 @@ def make_app(state: ServerState) -> FastAPI:
         def work():
             body = protocol.parse_json(raw)
             model = model_of(body)
-            req = parse(body, b)
-            engine_check(b, req)
-            return req, model
-        return await off_loop(work)
+            return parse(body, b), model
+        req, model = await off_loop(work)
+        if req.params is not None and req.params.structured_outputs is not None:
+            # compiled in the engine's worker, within its time limit; then found compiled below
+            await structured.check(b.engine, req.params.structured_outputs)
+        await off_loop(engine_check, b, req)
+        return req, model
 
     async def serve(request: Request, req: protocol.GenRequest, model: str):
         release = admission.admit(state, req)
@@ -157,16 +163,18 @@ def make_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         async def go():
-            req, model = await checked(request, lambda body, b: protocol.parse_completion(
-                body, state.limits, b.tokenizer))
+            req, model = await checked(request, lambda body, b: outputs.completion(
+                body, lambda: protocol.parse_completion(body, state.limits, b.tokenizer)))
             return await serve(request, req, model)
         return await guarded(request, go)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         async def go():
-            req, model = await checked(request, lambda body, b: protocol.parse_chat(
-                body, state.limits, b.tokenizer, state.template, state.special, cfg.trust_request_chat_template))
+            req, model = await checked(request, lambda body, b: outputs.chat(
+                body, state, b.tokenizer, lambda: protocol.parse_chat(
+                    body, state.limits, b.tokenizer, state.template, state.special,
+                    cfg.trust_request_chat_template)))
             return await serve(request, req, model)
         return await guarded(request, go)
 

@@ -7,6 +7,9 @@ from infc import envs
 from infc.compiler.spec_paths import add_spec_dir_arg
 from infc.config import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_MAX_NUM_SEQS, EngineConfig
 
+from .reasoning import REASONING_PARSERS
+from .tool_parsers import PARSERS as TOOL_CALL_PARSERS
+
 
 LOAD_FORMATS = ("auto", "dummy")          # runtime/weights/dummy.py checks the same names
 SHUTDOWN_TIMEOUT_S = 5.0   # after SIGTERM / SIGINT, for the requests in flight (lifecycle.py)
@@ -63,6 +66,13 @@ def add_serve_args(p: argparse.ArgumentParser):
     p.add_argument("--chat-template", help="a chat template file, or the template itself")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="accept a chat_template field in requests")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="let tool_choice \"auto\" read tool calls out of answers (the parser: "
+                        "--tool-call-parser, else the one the chat template implies)")
+    p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS,
+                   help="the model's tool-call format (default: the chat template's, when it writes one)")
+    p.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
+                   help="split the answer's <think> section into reasoning_content")
     p.add_argument("--max-queued-requests", type=int, default=1024,
                    help="sequences queued beyond --max-num-seqs before requests get 429 (SGLang's flag)")
     p.add_argument("--max-request-body-bytes", type=int, default=16 << 20)
@@ -103,7 +113,8 @@ def config_from_args(args):
         max_logprobs=args.max_logprobs, max_n=args.max_n, max_request_body_bytes=args.max_request_body_bytes,
         max_header_bytes=args.max_header_bytes,
         chat_template=template, trust_request_chat_template=args.trust_request_chat_template,
-        root=args.model_path)
+        root=args.model_path, tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice, reasoning_parser=args.reasoning_parser)
 
 
 def backend_kwargs(args) -> dict:

@@ -6,9 +6,11 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from infc.runtime.engine import best_of
 from infc.runtime.engine.async_engine import EngineDeadError
 
 from . import protocol, scoring
+from .chat_output import AnswerPlan
 from .http import sse
 from .protocol import APIError, bad
 from .state import ServerState
@@ -72,6 +74,11 @@ def engine_error(e: BaseException) -> APIError:
     return APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error")
 
 
+def tool_finish(finish: str | None, called: bool) -> str | None:
+    """An answer that ended by itself with tool calls finished for them (OpenAI's reason)."""
+    return "tool_calls" if called and finish == "stop" else finish
+
+
 @dataclass
 class _Choice:
     text: str = ""
@@ -99,7 +106,8 @@ class Generation:
     def jobs(self):
         if self.req.params is None:
             return []
-        return [(k, ids, self.req.params, f"{self.id}-{k}") for k, ids in enumerate(self.req.prompts)]
+        params = best_of.candidates(self.req.params)
+        return [(k, ids, params, f"{self.id}-{k}") for k, ids in enumerate(self.req.prompts)]
 
     def index(self, k: int, i: int) -> int:
         return k * self.req.n + i
@@ -154,7 +162,8 @@ class Generation:
 
     # non-streaming
     async def collect(self) -> dict:
-        choices = {(k, i): _Choice() for k in range(len(self.req.prompts)) for i in range(self.req.n)}
+        drawn = self.req.params.best_of if self.req.params and self.req.params.best_of else self.req.n
+        choices = {(k, i): _Choice() for k in range(len(self.req.prompts)) for i in range(drawn)}
 
         async def gen():
             async for k, out in merged(self.engine, self.jobs()):
@@ -167,14 +176,19 @@ class Generation:
                     c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
 
         await run_all(gen(), self.score_prompts())
+        generated = sum(len(c.token_ids) for c in choices.values())    # every candidate's
+        if drawn > self.req.n:
+            choices = {(k, i): c for k in range(len(self.req.prompts)) for i, c in enumerate(best_of.choose(
+                [choices[(k, j)] for j in range(drawn)], self.req.n, lambda c: c.logprobs))}
         out = []
         for (k, i), c in choices.items():
             idx = self.index(k, i)
             finish = c.finish_reason or "length"
             if self.chat:
-                out.append({"index": idx, "message": {"role": "assistant", "content": c.text},
+                message, called = self.plan().message(c.text)
+                out.append({"index": idx, "message": message,
                             "logprobs": self.chat_logprobs(c.logprobs) if self.req.logprobs is not None else None,
-                            "finish_reason": finish, "stop_reason": c.stop_reason})
+                            "finish_reason": tool_finish(finish, called), "stop_reason": c.stop_reason})
                 continue
             text, lp = c.text, None
             if self.req.echo:
@@ -186,7 +200,10 @@ class Generation:
                         "stop_reason": c.stop_reason})
         out.sort(key=lambda c: c["index"])
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": out, "usage": self.usage(sum(len(c.token_ids) for c in choices.values()))}
+                "choices": out, "usage": self.usage(generated)}
+
+    def plan(self) -> AnswerPlan:
+        return self.req.answer or AnswerPlan()
 
     # streaming
     def chunk(self, choices: list, usage: dict | None = None) -> bytes:
@@ -199,6 +216,7 @@ class Generation:
     async def stream(self):
         req, done_tokens = self.req, 0
         offsets: dict[int, int] = {}
+        answers: dict = {}                     # chat: each choice's AnswerStream
         try:
             live = self.usage(0) if req.continuous_usage else None
             if self.chat:
@@ -221,9 +239,19 @@ class Generation:
                 if not (out.text or out.finished or (req.logprobs is not None and out.logprobs)):
                     continue
                 if self.chat:
-                    c = {"index": idx, "delta": {"content": out.text} if out.text else {},
-                         "logprobs": self.chat_logprobs(out.logprobs or []) if req.logprobs is not None else None,
-                         "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+                    answer = answers.setdefault(idx, self.plan().stream())
+                    deltas = answer.feed(out.text, out.finished)
+                    if not (deltas or out.finished or (req.logprobs is not None and out.logprobs)):
+                        continue
+                    lp = self.chat_logprobs(out.logprobs or []) if req.logprobs is not None else None
+                    deltas = deltas or [{}]
+                    for j, d in enumerate(deltas):
+                        last = j == len(deltas) - 1
+                        c = {"index": idx, "delta": d, "logprobs": lp if j == 0 else None,
+                             "finish_reason": tool_finish(out.finish_reason, answer.called) if last else None,
+                             "stop_reason": out.stop_reason if last else None}
+                        yield self.chunk([c], self.usage(done_tokens) if req.continuous_usage and last else None)
+                    continue
                 else:
                     lp = None
                     if req.logprobs is not None:

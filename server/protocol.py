@@ -3,7 +3,7 @@
 Bodies are parsed by hand rather than by pydantic models, so that every bad request is a 400
 with a message naming the field (never FastAPI's 422, never a 500), and so that each field's
 rule is stated once, here. Unknown fields are ignored (clients send many); fields this server
-knows but does not implement (penalties, logit_bias, beam search, ...) are errors when set to
+knows but does not implement (beam search, ...) are errors when set to
 anything but their neutral value, rather than silently dropped.
 
 Every number is bounded where the engine packs it (runtime/cuda/sampler.py: top_k as int32,
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from infc.runtime.engine.sampling import SamplingParams
 
-from . import chat
+from . import chat, sampling_fields
 
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): logits / 1e-300 overflow.
 GREEDY_BELOW = 1e-5
@@ -177,6 +177,7 @@ class GenRequest:
     include_usage: bool = False
     continuous_usage: bool = False
     max_tokens: int | None = None
+    answer: object = None              # chat: its chat_output.AnswerPlan (outputs.py)
 
 
 @dataclass
@@ -208,11 +209,8 @@ def prompt_char_bound(tokenizer, max_model_len: int) -> int | None:
 
 
 _UNSUPPORTED = {                       # field -> its neutral values (anything else is a 400)
-    "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
-    "logit_bias": ({},), "use_beam_search": (False,), "length_penalty": (1, 1.0),
-    "include_stop_str_in_output": (False,), "guided_json": (), "guided_regex": (),
-    "guided_choice": (), "guided_grammar": (), "structured_outputs": (), "prompt_logprobs": (),
-    "bad_words": ([],), "allowed_token_ids": (), "logits_processors": (), "truncate_prompt_tokens": (),
+    "use_beam_search": (False,), "length_penalty": (1, 1.0), "prompt_logprobs": (),
+    "logits_processors": (), "truncate_prompt_tokens": (),
     "prompt_embeds": (), "spaces_between_special_tokens": (True,), "suffix": ("",),
 }
 
@@ -222,16 +220,10 @@ def _reject_unsupported(body: dict):
         v = body.get(name)
         if v is None or any(v == n and type(v) is type(n) for n in neutral):
             continue
-        if name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "length_penalty") and \
+        if name == "length_penalty" and \
                 _is_num(v) and float(v) == float(neutral[0]):
             continue
         raise bad(f"'{name}' is not supported by this server", name)
-    best_of = body.get("best_of")
-    if best_of is not None and not (_is_int(best_of) and best_of == (body.get("n") or 1)):
-        raise bad("'best_of' is not supported by this server (only best_of == n)", "best_of")
-    rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise bad("'response_format' other than {\"type\": \"text\"} is not supported", "response_format")
 
 
 def _stop(f: Fields) -> list[str]:
@@ -264,7 +256,7 @@ def token_ids(v, name: str, vocab: int, cap: int) -> list[int]:
 
 
 def _sampling(f: Fields, lim: Limits, max_tokens: int | None, n: int, logprobs: int | None,
-              stop_allowed: bool) -> SamplingParams:
+              stop_allowed: bool, best_of: int | None = None) -> SamplingParams:
     temperature = f.float("temperature", 1.0, 0.0, F32_MAX)
     if temperature < GREEDY_BELOW:
         temperature = 0.0
@@ -288,9 +280,18 @@ def _sampling(f: Fields, lim: Limits, max_tokens: int | None, n: int, logprobs: 
             stop_token_ids=[] if f.get("stop_token_ids") is None else token_ids(
                 f.get("stop_token_ids"), "stop_token_ids", lim.vocab_size, MAX_STOP_IDS),
             ignore_eos=f.bool("ignore_eos"), min_tokens=min_tokens, n=n, logprobs=logprobs,
-            skip_special_tokens=f.bool("skip_special_tokens", True))
+            skip_special_tokens=f.bool("skip_special_tokens", True), best_of=best_of,
+            **_extra(sampling_fields.processing, f, lim.vocab_size, stop_allowed, F32_MAX))
     except ValueError as e:
         raise bad(str(e)) from None
+
+
+def _extra(parse, *args):
+    """A sampling_fields parser's result; its FieldError as this module's 400."""
+    try:
+        return parse(*args)
+    except sampling_fields.FieldError as e:
+        raise bad(str(e), e.param) from None
 
 
 def _check_context(lim: Limits, n_prompt: int, max_tokens: int | None, what: str):
@@ -381,13 +382,17 @@ def parse_completion(body: dict, lim: Limits, tokenizer) -> GenRequest:
     logprobs = f.int("logprobs", None, 0, lim.max_logprobs)
     stream = f.bool("stream")
     include_usage, continuous = _stream_options(f, stream)
+    best_of = _extra(sampling_fields.best_of, f, n, lim.max_n, stream)
+    if best_of and len(raw) * best_of > lim.max_n:
+        raise bad(f"a request may draw at most {lim.max_n} completions (prompts x best_of), "
+                  f"got {len(raw) * best_of}", "best_of")
     if max_tokens == 0 and not echo:
         raise bad("'max_tokens' must be >= 1 (0 only with echo)", "max_tokens")
     _check_max_tokens(lim, max_tokens, "prompt")
     f.str("user")
     params = None
     if max_tokens > 0:
-        params = _sampling(f, lim, max_tokens, n, logprobs, tokenizer is not None)
+        params = _sampling(f, lim, max_tokens, n, logprobs, tokenizer is not None, best_of)
     else:
         _sampling(f, lim, 1, n, logprobs, tokenizer is not None)        # still check every field
     for x in raw:                                                       # what can never fit
@@ -454,10 +459,25 @@ def messages_for_template(v) -> list[dict]:
         if isinstance(content, str):
             check_text(content, "messages")
         msg = {k: val for k, val in m.items() if isinstance(k, str)}
-        msg["content"] = content
+        msg["content"] = "" if content is None else content   # a tool-calling turn: no text
+        if isinstance(m.get("tool_calls"), list):
+            msg["tool_calls"] = [_call_for_template(c) for c in m["tool_calls"]]
         _check_strings(msg, "messages")
         out.append(msg)
     return out
+
+
+def _call_for_template(call):
+    """An assistant turn's tool call as templates read it (HF's, vLLM's): the arguments an
+    object, not OpenAI's JSON text."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except (ValueError, RecursionError):     # not JSON: the template gets the text
+        return call
+    return dict(call, function=dict(fn, arguments=args))
 
 
 def _check_strings(v, param, depth=0):
@@ -494,10 +514,6 @@ def render_chat(body: dict, template: str | None, tokenizer, special: dict, trus
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise bad("'tools' must be a list of objects", "tools")
     _check_strings(tools, "tools")
-    tool_choice = body.get("tool_choice")
-    if tool_choice not in (None, "none", "auto"):
-        raise bad("'tool_choice' other than \"none\" or \"auto\" is not supported (tool calls are "
-                  "not parsed by this server)", "tool_choice")
     documents = body.get("documents")
     if documents is not None and not isinstance(documents, list):
         raise bad("'documents' must be a list", "documents")
@@ -539,7 +555,8 @@ def parse_chat(body: dict, lim: Limits, tokenizer, template: str | None, special
     stream = f.bool("stream")
     include_usage, continuous = _stream_options(f, stream)
     f.str("user")
-    params = _sampling(f, lim, max_tokens, n, logprobs, True)
+    params = _sampling(f, lim, max_tokens, n, logprobs, True,
+                       _extra(sampling_fields.best_of, f, n, lim.max_n, stream))
     text = render_chat(body, template, tokenizer, special, trust_request_template)
     _check_chars(lim, text, "messages")
     try:

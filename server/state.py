@@ -3,7 +3,7 @@ attached (until then /health answers 503), with the chat template and token stri
 import time
 from dataclasses import dataclass, field
 
-from . import chat, protocol
+from . import chat, protocol, reasoning, tool_parsers
 
 
 @dataclass
@@ -19,6 +19,9 @@ class ServerConfig:
     chat_template: str | None = None         # overrides the model's
     trust_request_chat_template: bool = False
     root: str | None = None                  # shown as the model's root in /v1/models
+    tool_call_parser: str | None = None      # tool_parsers.PARSERS' names; None: the template's
+    enable_auto_tool_choice: bool = False    # with no parser named, the template must imply one
+    reasoning_parser: str | None = None      # reasoning.REASONING_PARSERS' names
 
 
 class ServerState:
@@ -29,6 +32,7 @@ class ServerState:
         self.inflight_seqs = 0                        # sequences of requests being served
         self.created = int(time.time())
         self.template, self.special, self.limits = None, {}, None
+        self.tool_parser, self.reasoning_parser = None, None
         self._token_str: dict[int, str] = {}
         if backend is not None:
             self.attach(backend)
@@ -37,6 +41,8 @@ class ServerState:
         c = self.config
         self.template = c.chat_template or chat.find_template(backend.tokenizer_config, backend.model_dir)
         self.special = chat.special_tokens(backend.tokenizer_config)
+        self.tool_parser = tool_parser(c, self.template)
+        self.reasoning_parser = reasoning.get(c.reasoning_parser) if c.reasoning_parser else None
         self.limits = protocol.Limits(backend.max_model_len, backend.vocab_size, c.max_logprobs, c.max_n,
                                       protocol.prompt_char_bound(backend.tokenizer, backend.max_model_len))
         self.backend = backend                        # last: from here on the server is ready
@@ -53,3 +59,13 @@ class ServerState:
             if len(self._token_str) < 1 << 18:
                 self._token_str[t] = s
         return s
+
+
+def tool_parser(c: ServerConfig, template: str | None):
+    """The parser --tool-call-parser names, else the one the chat template implies (None: tools
+    with tool_choice "auto" get vLLM's 400)."""
+    name = c.tool_call_parser or tool_parsers.from_template(template)
+    if name is None and c.enable_auto_tool_choice:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser: the chat template implies "
+                         f"no single format (one of {', '.join(tool_parsers.PARSERS)})")
+    return tool_parsers.get(name) if name else None

@@ -1,15 +1,22 @@
 """Overlapped steps on the CUDA runner, on a fake device (tests/test_cuda_ranks.py's: host memory,
 the plan's kernels under the Triton interpreter, graphs replayed by re-issuing): a step launched
 with its pending tokens fed on the device from the step before computes what the synchronous
-runner computes, through eager programs and decode graphs, greedy and seeded sampling."""
+runner computes, through eager programs and decode graphs, greedy and seeded sampling, and with
+grammar rows (structured outputs) sampled after their masks."""
+import re
 import sys
 
 import numpy as np
 import pytest
+import torch
 
 from infc.compiler.build import build
 from infc.runtime.engine.engine import Engine
+from infc.runtime.engine.runner import allowed
 from infc.runtime.engine.sampling import SamplingParams
+from infc.runtime.engine.structured.request import StructuredOutputs
+from exhaustive import EXHAUSTIVE
+from grammar_fixtures import EOS, small_tokenizer
 from test_cuda_ranks import FakeCtx, FakeGraph, cuda_mods, fake_device, fake_launch  # noqa: F401
 
 
@@ -114,3 +121,77 @@ def test_logprob_rows_alternate_by_step_and_grow_to_the_most_asked(fake_driver):
     c = s._lp_rows(0, 3)
     assert c.shape == (3, 50) and len(s.ctx.pinned_live) == 2        # a's given back
     assert s._lp_rows(0, 20).shape == (8, 50)               # never more than max_num_seqs
+
+
+REGEX = r"[0-9]{2}-[a-z]{2}"
+
+
+@pytest.fixture(scope="module")
+def small_tok(tmp_path_factory):
+    return small_tokenizer(tmp_path_factory.mktemp("small-tokenizer"))
+
+
+def grammar_engine(fake_device, artifact, tok, monkeypatch, overlap, seen):
+    """engine() with a tokenizer, and the sampler's start masking the rows' logits first: the
+    stand-in for runtime/cuda/sampler.py's device kernel that applies RowSampling.bitmask."""
+    monkeypatch.setattr(fake_device.runner, "Graph", FakeGraph)
+    sampler = sys.modules["infc.runtime.cuda.sampler"]
+    monkeypatch.setattr(sampler, "launch", fake_launch)
+    start = sampler.GpuSampler.start
+
+    def masked_start(self, logits_ptr, rows):
+        logits = self.ctx._at(logits_ptr, 4 * len(rows) * self.V).view(torch.float32).numpy().reshape(len(rows), self.V)
+        for b, s in enumerate(rows):
+            if s is not None and s.bitmask is not None:
+                logits[b, ~allowed(s.bitmask, self.V)] = -np.inf
+        seen.append([s is not None and s.bitmask is not None for s in rows])
+        return start(self, logits_ptr, rows)
+    monkeypatch.setattr(sampler.GpuSampler, "start", masked_start)
+    d, art = artifact
+    # eager steps only: the graphs' replay is the test above's (capturing them costs the most here)
+    r = fake_device.runner.CudaRunner(art, d, max_num_batched_tokens=24, max_num_seqs=4,
+                                      num_pages=24, cuda_graphs=False, ctx=FakeCtx(40 << 20))
+    return Engine(r, tok, [EOS], max_model_len=256, max_num_seqs=4, max_num_batched_tokens=24, overlap=overlap)
+
+
+@EXHAUSTIVE      # ~20 CPU-s of interpreted kernels; the fast suite covers the engine's side with
+                # ComputedAtLaunch runners (test_structured_overlap.py) and launch_forward /
+                # launch_sampling through every overlapped launch of the test above
+def test_cuda_runner_samples_grammar_rows_with_their_masks_overlapped(fake_device, artifact, small_tok,
+                                                                     monkeypatch, rng):
+    """Every row sampled under a grammar is handed to the sampler with its bitmask; overlapped,
+    its step's forward launches first and its sampling once the step before is read back; the
+    tokens are the synchronous engine's, and match the grammar."""
+    tok = small_tok
+    so = StructuredOutputs(regex=REGEX)
+    prompts = [rng.integers(0, 290, n).tolist() for n in (9, 5, 3)]
+    params = [SamplingParams(max_tokens=8, temperature=0, structured_outputs=so),
+              SamplingParams(max_tokens=8, temperature=0.9, seed=3, structured_outputs=so),
+              SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)]
+    got = {}
+    for overlap in (False, True):
+        seen = []
+        e = grammar_engine(fake_device, artifact, tok, monkeypatch, overlap, seen)
+        deferred = []
+        if overlap:
+            forward = e.runner.launch_forward
+            e.runner.launch_forward = lambda meta, feed=(): deferred.append(1) or forward(meta, feed)
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            e.add_request(p, sp, f"r{i}")
+        outs = {}
+        while e.has_unfinished():
+            for o in e.step():
+                assert o.error is None, o.error
+                ids, reason = outs.get(o.request_id, ([], None))
+                outs[o.request_id] = (ids + o.token_ids, o.finish_reason or reason)
+        got[overlap] = outs
+        assert sum(map(sum, seen)) >= 6                      # the grammar rows came with masks
+        assert all(not row[2] for row in seen if len(row) > 2)   # the plain request's never did
+        if overlap:
+            assert len(deferred) >= 3
+        e.runner.close()
+    assert got[True] == got[False]
+    for rid in ("r0", "r1"):
+        ids, reason = got[True][rid]
+        assert reason == "stop" and re.fullmatch(REGEX, tok.decode(ids)), (ids, tok.decode(ids))
+    assert got[True]["r2"][1] == "length"

@@ -33,7 +33,9 @@ class FakeRunner(ComputedAtLaunch):
     def context_hash(self, ctx) -> int:
         return zlib.crc32(np.asarray(ctx, np.int64).tobytes()) % self.vocab_size
 
-    def execute(self, meta, sampling):
+    def contexts(self, meta) -> list:
+        """Write the step's tokens to their KV slots; each row's context read back through its
+        block table."""
         ps, slots = self.page_size, meta.slot_mapping
         assert len(set(slots.tolist())) == len(slots), "two rows write one KV slot"
         if self.bm is not None:
@@ -41,16 +43,25 @@ class FakeRunner(ComputedAtLaunch):
                 b = self.bm.blocks[page]
                 assert b.ref == 1 and b.hash is None, f"writing shared or cached page {page}"
         self.kv_tok[slots], self.kv_pos[slots] = meta.tokens, meta.positions
-        self.steps.append((meta.phase, np.diff(meta.seq_starts).tolist(), [s is not None for s in sampling]))
         out = []
-        for b, s in enumerate(sampling):
+        for b in range(meta.B):
             p = np.arange(meta.context_lens[b])
             where = meta.block_tables[b][p // ps] * ps + p % ps
             assert (self.kv_pos[where] == p).all(), "context read from the wrong slots"
+            out.append(self.kv_tok[where])
+        return out
+
+    def execute(self, meta, sampling):
+        return self.sample_contexts(meta, self.contexts(meta), sampling)
+
+    def sample_contexts(self, meta, contexts, sampling):
+        self.steps.append((meta.phase, np.diff(meta.seq_starts).tolist(), [s is not None for s in sampling]))
+        out = []
+        for ctx, s in zip(contexts, sampling):
             if s is None:
                 out.append(None)
                 continue
-            tok = self.next_token(self.kv_tok[where])
+            tok = self.next_token(ctx)
             if s.params.temperature > 0:
                 tok = (tok + int(np.random.default_rng((s.seed, s.step)).integers(self.vocab_size))) % self.vocab_size
             while tok in s.banned:

@@ -320,7 +320,7 @@ def test_sampling_fields_reach_the_engine(srv):
     (dict(temperature=-1), "temperature"), (dict(top_p=1.5), "top_p"), (dict(n=0), "n"), (dict(n=10_000), "n"),
     (dict(max_tokens=-1), "max_tokens"), (dict(logprobs=21), "logprobs"), (dict(extra_body={"top_k": -2}), "top_k"),
     (dict(extra_body={"min_p": 2}), "min_p"), (dict(stop=[""]), "stop"), (dict(seed=2 ** 70), "seed"),
-    (dict(extra_body={"stop_token_ids": [10 ** 9]}), "stop_token_ids"), (dict(presence_penalty=0.5), "presence_penalty"),
+    (dict(extra_body={"stop_token_ids": [10 ** 9]}), "stop_token_ids"), (dict(presence_penalty=2.5), "presence_penalty"),
     (dict(extra_body={"min_tokens": 9}, max_tokens=2), "min_tokens"), (dict(frequency_penalty="x"), "frequency_penalty"),
     (dict(stream_options={"include_usage": True}), "stream_options"), (dict(extra_body={"temperature": "hot"}), "temperature"),
 ])
@@ -444,10 +444,9 @@ def test_chat_template_kwargs_and_errors(srv):
             c.chat.completions.create(model="smol", messages=[{"role": "user", "content": "x"}], max_tokens=1,
                                       extra_body={"chat_template": bad_tpl})
         assert word in e.value.message
-    if current().real:
-        with pytest.raises(openai.BadRequestError) as e:     # SmolLM2's template concatenates content
-            c.chat.completions.create(model="smol", messages=[{"role": "assistant", "content": None}], max_tokens=1)
-        assert "template" in e.value.message
+    if current().real:      # SmolLM2's template concatenates content: a null one (a tool-calling turn) is ""
+        out = c.chat.completions.create(model="smol", messages=[{"role": "assistant", "content": None}], max_tokens=1)
+        assert out.choices[0].finish_reason in ("stop", "length")
     strict = live(trust_request_chat_template=False)
     with pytest.raises(openai.BadRequestError) as e:
         strict.client().chat.completions.create(model="smol", messages=[{"role": "user", "content": "x"}],

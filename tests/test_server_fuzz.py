@@ -97,13 +97,18 @@ BAD_COMMON = {
     "stream_options": present.filter(lambda v: not isinstance(v, dict)),
     "model": st.text(max_size=10).filter(lambda s: s not in ("smol", "smol-alias")) | present.filter(
         lambda v: not isinstance(v, str)),
-    "presence_penalty": st.floats(min_value=0.01, max_value=2) | st.text(min_size=1, max_size=3),
-    "frequency_penalty": st.floats(min_value=-2, max_value=-0.01) | st.lists(scalars, max_size=2),
-    "repetition_penalty": st.floats(min_value=1.01, max_value=2),
-    "logit_bias": st.dictionaries(st.text(min_size=1, max_size=3), st.integers(), min_size=1, max_size=2),
-    "best_of": st.integers(min_value=3, max_value=9),
+    "presence_penalty": st.floats(min_value=2.01, max_value=1e9) | st.text(min_size=1, max_size=3),
+    "frequency_penalty": st.floats(min_value=-1e9, max_value=-2.01) | st.lists(scalars, max_size=2),
+    "repetition_penalty": st.floats(min_value=-1e9, max_value=0) | st.text(min_size=1, max_size=3),
+    "logit_bias": st.dictionaries(st.text(alphabet="xyz-", min_size=1, max_size=3), st.integers(), min_size=1, max_size=2)
+    | st.dictionaries(st.integers(min_value=VOCAB_SIZE).map(str), st.integers(), min_size=1, max_size=2),
+    "best_of": st.integers(max_value=0) | st.integers(min_value=129) | not_int,
+    "bad_words": st.just([""]) | st.integers() | st.lists(st.integers(), min_size=1, max_size=2),
+    "allowed_token_ids": st.just([]) | st.lists(st.integers(min_value=VOCAB_SIZE), min_size=1, max_size=2),
+    "include_stop_str_in_output": not_bool,
     "use_beam_search": st.just(True),
-    "response_format": st.just({"type": "json_object"}) | st.text(max_size=4),
+    "response_format": st.just({"type": "json_schema", "json_schema": {}}) | st.just({"type": "xml"})
+    | st.text(max_size=4),
     "user": present.filter(lambda v: not isinstance(v, str)),
 }
 BAD_COMPLETION = dict(BAD_COMMON, **{

@@ -157,7 +157,8 @@ def launch_context(plan: dict, launch: dict, phase: str, tuning: dict, page_size
 # The runtime's sampler: launched after a step on the logits output (f32 [B, V]), outside the
 # graph, so the host receives B token ids (and only the logprob rows a request asked for) instead
 # of B x V logits. name in plan["sampler"] -> template.
-SAMPLER = {"sample": "sample", "argmax": "sample_argmax", "log_softmax": "log_softmax"}
+SAMPLER = {"sample": "sample", "argmax": "sample_argmax", "log_softmax": "log_softmax",
+           "logits_process": "logits_process"}     # penalties, logit_bias, bans, bitmasks
 
 
 def render_sampler(plan: dict, tuning: dict, env=None) -> dict[str, Kernel]:

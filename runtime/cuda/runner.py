@@ -407,13 +407,28 @@ class CudaRunner:
         the last one back): copied on the device, after this step's upload. At most two steps are
         in flight: collect the one before the last before launching (staging and the sampled
         tokens' host buffer alternate between two)."""
+        step = self.launch_forward(meta, feed)
+        self.launch_sampling(step, sampling)
+        return step
+
+    @property
+    def can_defer_sampling(self) -> bool:
+        return self.sampler is not None
+
+    def launch_forward(self, meta: StepMeta, feed=()) -> InFlight:
+        """Issue a step (as launch) without its sampling: the logits wait on the device until
+        launch_sampling issues it, with rows' masks computed meanwhile (grammars: the masks need
+        the tokens of the step launched before, read back after this launch)."""
         start, end = self._events[2 * (self._launched % 2): 2 * (self._launched % 2) + 2]
         self._launched += 1
         start.record()
         self._run_step(meta, feed)
-        sampled = self.sampler.start(self.logits_device, list(sampling[: meta.B]))
-        end.record()
-        return InFlight(meta, sampled, start, end)
+        return InFlight(meta, None, start, end)
+
+    def launch_sampling(self, step: InFlight, sampling: list[RowSampling | None]):
+        """Issue the sampling of a step from launch_forward (its rows' bitmasks set)."""
+        step.sampled = self.sampler.start(self.logits_device, list(sampling[: step.meta.B]))
+        step.end.record()
 
     def collect(self, step: InFlight) -> list[Sample | None]:
         """The samples of a launched step, once it has finished (waits for it, not for later ones)."""

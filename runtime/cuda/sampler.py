@@ -3,8 +3,11 @@
 After a step the logits (f32 [B, V]) stay on the device; per row the host uploads the request's
 parameters (temperature, top-k, top-p, min-p, seed, step: a few bytes) and gets back one token
 id. Only rows that asked for logprobs copy a row back, of log-softmax values computed on the
-device. Tokens banned for a row (EOS and stop ids before min_tokens) are set to -inf in place
-after the log-softmax, so a logprob is always of the model's distribution, as on the CPU.
+device. A row's logits processing (penalties, logit_bias, banned ids, bitmasks: engine/
+logits_process.py) runs in place after the log-softmax, so a logprob is always of the model's
+distribution, as on the CPU: the logits_process kernel over the rows that have any, their sparse
+entries and bitmask rows uploaded through this sampler's own page-locked staging (they grow with
+the prompts, unlike the runner's fixed uploads).
 
 All-greedy steps use the argmax kernel (one pass over V); any other row needs `sample`, which
 takes temperature 0 as greedy (lowest index on ties, the same token argmax gives).
@@ -16,9 +19,13 @@ import numpy as np
 from infc.compiler.contract.bind import Resolver, dim_slots, grid
 from ..engine.runner import RowSampling, Sample
 from .driver import PackedArgs, launch
+from .logits_process_args import pack_rows
+from .staging import Staging
 
 NEG_INF_F32 = 0xFF800000
 SEED_MASK = (1 << 63) - 1          # the kernel's seed is an i64; a Python seed may be any int
+# the logits_process kernel's inputs after the logits, in order (its META, logits_process_args.py)
+PROCESS_ARGS = ["rows", "rep", "freq", "pres", "start", "tok", "count", "flag", "bias", "mask_row", "masks"]
 
 
 @dataclass
@@ -48,15 +55,22 @@ class GpuSampler:
         self.lp_host = [None, None]
         self._lp_pinned = [None, None]          # their allocations (to give back when grown)
         self._args = {}
+        # the logits processing's uploads: device arrays and page-locked staging, made on first
+        # use and grown (after a sync: a step in flight may read them) to the most a step needs
+        self.proc_dev: dict[str, tuple[int, int]] = {}     # name -> (pointer, bytes)
+        self.proc_staging: Staging | None = None
 
     def _packed(self, name: str, logits_ptr: int) -> PackedArgs:
         """Arguments bound once per (kernel, logits buffer); B is rewritten per call."""
         key = (name, logits_ptr)
         if key not in self._args:
             k = self.k[name]
-            ptrs = dict(self.dev, logits=logits_ptr)
-            ins = ["logits", "temperature", "top_k", "top_p", "min_p", "seed", "step"]
-            outs = ["logprobs" if name == "log_softmax" else "token"]
+            ptrs = dict(self.dev, logits=logits_ptr, **{n: p for n, (p, _) in self.proc_dev.items()})
+            if name == "logits_process":
+                ins, outs = ["logits", *PROCESS_ARGS], []
+            else:
+                ins = ["logits", "temperature", "top_k", "top_p", "min_p", "seed", "step"]
+                outs = ["logprobs" if name == "log_softmax" else "token"]
             resolver = Resolver(tensor=lambda n, layer: ptrs[n], dim=lambda d: 0)
             values = resolver.values(k.meta, ins, outs, kernel=k.id)
             slot = next((i for i, d in dim_slots(k.meta) if d == "B"), None)
@@ -101,10 +115,7 @@ class GpuSampler:
         want_lp = [b for b, s in enumerate(rows) if s is not None and s.params.logprobs is not None]
         if want_lp:
             self._launch("log_softmax", logits_ptr, B)
-        for b, s in enumerate(rows):
-            for t in (s.banned if s is not None else ()):
-                if 0 <= t < self.V:
-                    ctx.memset32(logits_ptr + 4 * (b * self.V + t), 1, NEG_INF_F32)
+        keep += self._process(logits_ptr, rows)
         greedy = all(s is None or s.params.temperature == 0 or s.params.top_k == 1 for s in rows)
         if greedy:
             self._launch("argmax", logits_ptr, B)
@@ -112,7 +123,7 @@ class GpuSampler:
             host = self.packed_params(rows)
             if self.staging is not None:
                 host = {n: self.staging.put(a) for n, a in host.items()}
-            keep = [ctx.htod(self.dev[n], a) for n, a in host.items()]
+            keep += [ctx.htod(self.dev[n], a) for n, a in host.items()]
             if self.staging is not None:
                 self.staging.done()
             self._launch("sample", logits_ptr, B)
@@ -127,6 +138,65 @@ class GpuSampler:
                 ctx.dtoh(host[i], self.dev["logprobs"] + 4 * b * self.V)
                 lp_rows[b] = host[i]
         return SamplerPending(list(rows), tokens, lp_rows, keep)
+
+    def _process(self, logits_ptr: int, rows: list) -> list:
+        """Launch the logits processing of the rows that have any (nothing if none has); the
+        host arrays the stream still reads."""
+        args = pack_rows(rows, self.V)
+        if args is None:
+            return []
+        if "logits_process" not in self.k:
+            return self._banned_only(logits_ptr, rows)
+        host = args.arrays()
+        self._fit(host)
+        if self.staging is not None:
+            self._fit_staging(host)
+            self.proc_staging.begin()
+            host = {n: self.proc_staging.put(a) for n, a in host.items()}
+        keep = [self.ctx.htod(self.proc_dev[n][0], a) for n, a in host.items() if a.size]
+        if self.staging is not None:
+            self.proc_staging.done()
+        self._launch("logits_process", logits_ptr, args.rows.size)
+        return keep
+
+    def _banned_only(self, logits_ptr: int, rows: list) -> list:
+        """An artifact rendered before the logits_process kernel: banned ids only."""
+        for b, s in enumerate(rows):
+            if s is None:
+                continue
+            if s.penalties is not None or s.params.logit_bias or s.allowed is not None or s.bitmask is not None:
+                raise ValueError("this model's compiled artifact has no logits_process kernel (built "
+                                 "before penalties / logit_bias / bitmasks): rebuild it")
+            for t in s.banned:
+                if 0 <= t < self.V:
+                    self.ctx.memset32(logits_ptr + 4 * (b * self.V + t), 1, NEG_INF_F32)
+        return []
+
+    def _fit(self, host: dict):
+        """Device arrays at least as large as this step's (doubling; a sync before freeing)."""
+        grow = [n for n, a in host.items() if n not in self.proc_dev or self.proc_dev[n][1] < a.nbytes]
+        if not grow:
+            return
+        if self.proc_dev:
+            self.ctx.sync()
+        for n in grow:
+            old = self.proc_dev.get(n)
+            size = max(host[n].nbytes, 2 * old[1] if old else 4 * self.max_seqs, 64)
+            if old:
+                self.ctx.free(old[0])
+            self.proc_dev[n] = (self.ctx.alloc(size), size)
+        self._args = {k: v for k, v in self._args.items() if k[0] != "logits_process"}
+
+    def _fit_staging(self, host: dict):
+        need = sum(-(-a.nbytes // 64) * 64 for a in host.values())
+        st = self.proc_staging
+        if st is not None and st.nbytes >= need:
+            return
+        if st is not None:
+            self.ctx.sync()
+            for buf in st.buffers:
+                self.ctx.free_pinned(buf)
+        self.proc_staging = Staging(self.ctx, max(need, 2 * st.nbytes if st else 1 << 16))
 
     def _lp_rows(self, parity: int, n: int) -> np.ndarray:
         """At least n page-locked rows of V floats for this parity's step. The step two launches

@@ -221,9 +221,16 @@ def meta_of(kind: int, items: list) -> tuple[int, StepMeta]:
 
 
 # -- overlapped steps: a step, its rows' sampling and its fed tokens ---------------------------
+# a row's logits processing (engine/logits_process.py): penalties and their token counts, its
+# logit_bias, its one bitmask (allowed_token_ids and a structured output's, combined); the
+# flat arrays hold every row's entries in row order, *_n how many are each row's
+_PROC_FIELDS = [("rep", "<f8"), ("freq", "<f8"), ("pres", "<f8"), ("pen_n", "<i4"), ("pen_ids", "<i4"),
+                ("pen_counts", "<i4"), ("pen_prompt", "?"), ("bias_n", "<i4"), ("bias_ids", "<i4"),
+                ("bias", "<f4"), ("has_mask", "?"), ("masks", "<i4")]
+_FLAT = {"banned", "feed", "pen_ids", "pen_counts", "pen_prompt", "bias_ids", "bias", "masks"}
 _ROW_FIELDS = [("row", "<i4"), ("temperature", "<f8"), ("top_k", "<i4"), ("top_p", "<f8"),
                ("min_p", "<f8"), ("sample_step", "<i4"), ("banned_n", "<i4"), ("banned", "<i8"),
-               ("feed", "<i4")]
+               *_PROC_FIELDS, ("feed", "<i4")]
 # a data-parallel rank samples its own rows for the engine: logprobs too (-1: none), no feed
 _DP_ROW_FIELDS = [f for f in _ROW_FIELDS if f[0] != "feed"] + [("logprobs", "<i4")]
 # an overlapped data-parallel step: those and the fed tokens
@@ -240,9 +247,56 @@ def _row_items(sampling: list, fields: list, feed=()) -> list:
         "top_k": [x.top_k for x in p], "top_p": [x.top_p for x in p], "min_p": [x.min_p for x in p],
         "sample_step": [s.step for _, s in rows], "banned_n": [len(s.banned) for _, s in rows],
         "banned": [t for _, s in rows for t in s.banned], "feed": [list(f) for f in feed],
-        "logprobs": [-1 if x.logprobs is None else x.logprobs for x in p]}
+        "logprobs": [-1 if x.logprobs is None else x.logprobs for x in p], **_proc_arrays(rows)}
     items = [(n, np.asarray(arrays[n], dt).reshape((-1, 2) if n == "feed" else (-1,))) for n, dt in fields]
     return items + [("seeds", ",".join(str(s.seed) for _, s in rows))]
+
+
+def _proc_arrays(rows: list) -> dict:
+    from ..engine.logits_process import bias_arrays, row_mask
+    pens = [s.penalties for _, s in rows]
+    biases = [bias_arrays(s.params) for _, s in rows]
+    masks = [row_mask(s) for _, s in rows]
+    def flat(parts, dt):
+        return np.concatenate([np.asarray(x, dt) for x in parts]) if parts else np.zeros(0, dt)
+    return {"rep": [1.0 if x is None else x.repetition for x in pens],
+            "freq": [0.0 if x is None else x.frequency for x in pens],
+            "pres": [0.0 if x is None else x.presence for x in pens],
+            "pen_n": [0 if x is None else x.ids.size for x in pens],
+            "pen_ids": flat([x.ids for x in pens if x is not None], np.int32),
+            "pen_counts": flat([x.counts for x in pens if x is not None], np.int32),
+            "pen_prompt": flat([x.in_prompt for x in pens if x is not None], bool),
+            "bias_n": [ids.size for ids, _ in biases], "bias_ids": flat([i for i, _ in biases], np.int32),
+            "bias": flat([b for _, b in biases], np.float32), "has_mask": [m is not None for m in masks],
+            "masks": flat([m for m in masks if m is not None], np.int32)}
+
+
+def _proc_of(d: dict, n: int, what: str) -> list[dict]:
+    """Each row's RowSampling fields (penalties, bitmask) and logit_bias, from _proc_arrays's."""
+    from ..engine.logits_process import Penalties
+    if int(d["pen_n"].sum()) != len(d["pen_ids"]) or int(d["bias_n"].sum()) != len(d["bias_ids"]) \
+            or not len(d["pen_ids"]) == len(d["pen_counts"]) == len(d["pen_prompt"]) \
+            or len(d["bias_ids"]) != len(d["bias"]):
+        raise ChannelError(f"a {what} frame whose logits-processing fields disagree in length")
+    masked = int(d["has_mask"].sum())
+    W = len(d["masks"]) // masked if masked else 0
+    if W * masked != len(d["masks"]):
+        raise ChannelError(f"a {what} frame whose bitmasks are not whole rows")
+    out, pen_at, bias_at, mask_at = [], 0, 0, 0
+    for i in range(n):
+        k, nb = int(d["pen_n"][i]), int(d["bias_n"][i])
+        pen = None
+        if k or d["rep"][i] != 1.0 or d["freq"][i] != 0.0 or d["pres"][i] != 0.0:
+            pen = Penalties(float(d["rep"][i]), float(d["freq"][i]), float(d["pres"][i]),
+                            d["pen_ids"][pen_at:pen_at + k], d["pen_counts"][pen_at:pen_at + k],
+                            d["pen_prompt"][pen_at:pen_at + k])
+        bias = dict(zip(d["bias_ids"][bias_at:bias_at + nb].tolist(), d["bias"][bias_at:bias_at + nb].tolist()))
+        mask = None
+        if d["has_mask"][i]:
+            mask, mask_at = d["masks"][mask_at:mask_at + W], mask_at + W
+        out.append({"penalties": pen, "logit_bias": bias or None, "bitmask": mask})
+        pen_at, bias_at = pen_at + k, bias_at + nb
+    return out
 
 
 def _rows_of(what: str, rest: list, fields: list, B: int) -> tuple[list, dict]:
@@ -255,21 +309,24 @@ def _rows_of(what: str, rest: list, fields: list, B: int) -> tuple[list, dict]:
     d = dict(rest)
     seeds = [int(x) for x in d["seeds"].split(",")] if d["seeds"] else []
     n = len(d["row"])
-    per_row = [f for f, _ in fields if f not in ("row", "banned", "feed")]
+    per_row = [f for f, _ in fields if f != "row" and f not in _FLAT]
     if not all(len(d[f]) == n for f in per_row) or len(seeds) != n \
             or int(d["banned_n"].sum()) != len(d["banned"]):
         raise ChannelError(f"a {what} frame whose sampling fields disagree in length")
     if n and (d["row"].min() < 0 or d["row"].max() >= B):
         raise ChannelError(f"a {what} frame samples rows {d['row'].tolist()} of a {B}-row step")
     sampling, at = [None] * B, 0
+    proc = _proc_of(d, n, what)
     for i, b in enumerate(d["row"].tolist()):
         banned = tuple(d["banned"][at:at + int(d["banned_n"][i])].tolist())
         at += len(banned)
         top = int(d["logprobs"][i]) if "logprobs" in d else -1
         params = SamplingParams(max_tokens=None, temperature=float(d["temperature"][i]),
                                 top_k=int(d["top_k"][i]), top_p=float(d["top_p"][i]),
-                                min_p=float(d["min_p"][i]), logprobs=None if top < 0 else top)
-        sampling[b] = RowSampling(params, seeds[i], int(d["sample_step"][i]), banned)
+                                min_p=float(d["min_p"][i]), logprobs=None if top < 0 else top,
+                                logit_bias=proc[i]["logit_bias"])
+        sampling[b] = RowSampling(params, seeds[i], int(d["sample_step"][i]), banned,
+                                  bitmask=proc[i]["bitmask"], penalties=proc[i]["penalties"])
     return sampling, d
 
 

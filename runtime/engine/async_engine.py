@@ -20,6 +20,7 @@ import threading
 
 from .engine import Engine, StepOutput, is_fatal
 from .sampling import SamplingParams
+from .structured.request import StructuredOutputs
 
 
 class EngineDeadError(RuntimeError):
@@ -55,6 +56,8 @@ class AsyncEngine:
         server does, for every prompt of a request before it replies)."""
         self._raise_if_dead()
         if not checked:
+            if params.structured_outputs is not None:      # compiled off the loop, then cached
+                await self.check_structured(params.structured_outputs)
             prompt_ids = self.engine.checked_ids(prompt_ids, params)   # a bad request fails here, at once
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         with self._lock:
@@ -82,6 +85,14 @@ class AsyncEngine:
                 self._queues.pop(request_id, None)
             if not done:                 # the consumer left early: free the request's KV
                 self._send(("abort", request_id))
+
+    async def check_structured(self, so: StructuredOutputs) -> None:
+        """Compile a request's structured output (or find it compiled) in a worker thread, within
+        the time limit (config STRUCTURED_COMPILE_TIMEOUT_S): StructuredOutputError, whose
+        `field` names the request field, for a schema, regex, choice or grammar that is refused or
+        compiles too slowly. The server awaits it before it queues the request; the engine thread
+        then finds the grammar compiled. Never blocks the event loop."""
+        await asyncio.to_thread(self.engine.grammars.check, so)
 
     async def abort(self, request_id: str):
         self._send(("abort", request_id))

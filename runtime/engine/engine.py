@@ -25,6 +25,16 @@ still on the device (`Sequence.pending`; the runner copies it into the step's to
 and step() returns step N's outputs. A sequence that stops at step N has computed one token too
 many in step N + 1, which is dropped; one whose next token is its last (max_tokens, the context
 length) is not scheduled again (`Sequence.final`).
+
+Structured outputs (structured/): a sequence with a grammar has a matcher, fed each token read
+back; every row it samples carries its next-token bitmask, and it ends with "stop" once the
+grammar is complete. Overlapped, a grammar row's mask needs the token still in flight: such a
+step is launched without its sampling (`runner.launch_forward`), the step before is read back and
+the matchers advanced while the device computes it, then its sampling is issued with the masks
+(`runner.launch_sampling`), as SGLang's overlap scheduler does. Rows with penalties or bad words
+of several tokens (RowProcessing.needs_history) need the token before just as much, and take the
+same path. Steps without such rows launch as before. A runner that cannot defer its sampling
+(data-parallel ranks) reads the step in flight back before such a step is launched.
 """
 import random
 import time
@@ -34,13 +44,15 @@ import numpy as np
 
 from infc import envs
 
-from . import fault_inject
+from . import bad_words, fault_inject
 from .block_manager import BlockManager
 from .metrics import Metrics
+from .row_processing import RowProcessing
 from .runner import RowSampling
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
+from .structured.cache import GrammarCache
 from .step import Chunk, build_step, pad_ranks
 from ..tokenization.tokenizer import IncrementalDecoder
 
@@ -113,6 +125,8 @@ class Engine:
         self.overlap = overlaps(runner, overlap) and (
             self.dp == 1 or callable(getattr(runner, "launch_ranks", None)))
         self.in_flight = None                    # overlapped: (batch, rows, the runner's handle)
+        self.unsampled = None                    # a launched step whose sampling waits for masks
+        self.grammars = GrammarCache(tokenizer, eos_ids, getattr(runner, "vocab_size", None))
         self.eos_ids = set(eos_ids)
         self.max_model_len = max_model_len
         self.page_size = runner.page_size
@@ -158,12 +172,22 @@ class Engine:
             raise ValueError("stop strings need a tokenizer, and this engine has none")
         if params.logprobs is not None and params.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {params.logprobs}")
+        if params.structured_outputs is not None:      # StructuredOutputError (a ValueError)
+            self.grammars.check(params.structured_outputs)
+        self._check_processing(params, vocab)
         longest = self.max_model_len if params.max_tokens is None else min(n + params.max_tokens, self.max_model_len)
         kv = self.bm.num_pages * self.page_size
         if self.bm.pages_for(longest - 1) > self.bm.num_pages:   # the last token never enters the KV
             raise ValueError(f"a sequence of up to {longest} tokens ({n} prompt + "
                              f"{'unbounded' if params.max_tokens is None else params.max_tokens} "
                              f"new) can never fit in the KV cache of {kv} tokens: lower max_tokens")
+
+    def _check_processing(self, params: SamplingParams, vocab: int | None):
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer, and this engine has none")
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+            if vocab is not None and any(not 0 <= t < vocab for t in ids):
+                raise ValueError(f"{name} holds token ids outside the vocabulary [0, {vocab})")
 
     def checked_ids(self, prompt_ids, params: SamplingParams) -> list[int]:
         """The prompt as a list of int, once check_request has accepted it with these params
@@ -177,6 +201,9 @@ class Engine:
         """checked: prompt_ids is a list of int that check_request already accepted with these
         params (AsyncEngine.generate's door, or the server's before it): at 16k tokens, the int
         conversion and the vocabulary check cost ~0.5 ms each, once per request is enough."""
+        if params.best_of is not None and params.best_of != params.n:
+            raise ValueError("best_of > n is chosen among the engine's outputs by the caller "
+                             "(best_of.candidates: the engine draws n = best_of)")
         if not checked:
             prompt_ids = self.checked_ids(prompt_ids, params)
         if request_id is None:
@@ -185,10 +212,16 @@ class Engine:
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seqs = []
+        words = bad_words.token_sequences(self.tokenizer, params.bad_words) if params.bad_words else []
         for i in range(params.n):
             seed = params.seed + i if params.seed is not None else _seeds.getrandbits(63)
             dec = IncrementalDecoder(self.tokenizer, params.skip_special_tokens) if self.tokenizer else None
             seqs.append(Sequence(self._next_seq, request_id, i, prompt_ids, params, seed, dec, arrival))
+            if params.structured_outputs is not None:
+                seqs[-1].grammar = self.grammars.grammar(params.structured_outputs)
+            seqs[-1].processing = RowProcessing.for_request(
+                params, prompt_ids, getattr(self.runner, "vocab_size", None), words) if i == 0 else \
+                seqs[0].processing and seqs[0].processing.sibling()
             self._next_seq += 1
         rank = self._rank_for(seqs[0])
         for s in seqs:                    # siblings share the prompt's cached blocks: one rank
@@ -246,12 +279,16 @@ class Engine:
                 raise RuntimeError("the scheduler made no progress with work waiting (a bug)")
             return []
         launched, outputs = None, []
+        if self.in_flight is not None and self._reads_first(batches):
+            outputs = self._drain_in_flight()
+            batches = [[(seq, n) for seq, n in b if not seq.finished] for b in batches]   # ended in it
         try:
             launched = self._launch_any(batches) if any(batches) else None
         except Exception as e:                  # noqa: BLE001 - this step is lost, not the engine
             if is_fatal(e):
                 raise
-            outputs = self._fail_batches(batches, e)
+            outputs += self._fail_batches(batches, e)
+            self.unsampled = None               # a forward launched for it is never sampled
             if self.in_flight is not None:      # the step before still runs: read it back
                 outputs += self._drain_in_flight(e)
             self._gauges()
@@ -259,7 +296,8 @@ class Engine:
         before, self.in_flight = self.in_flight, None
         try:
             if before is not None:
-                outputs = self._collect_any(*before)
+                outputs += self._collect_any(*before)
+            self._sample_deferred()             # its masks needed the tokens just read
             if launched is not None and not self.overlap:
                 outputs += self._collect_any(*launched)
             else:
@@ -267,8 +305,8 @@ class Engine:
         except Exception as e:                  # noqa: BLE001 - reading back failed: both steps lost
             if is_fatal(e):
                 raise
-            outputs = self._fail_batches([b for x in (before, launched) if x is not None
-                                          for b in self._batches_of(x)], e)
+            outputs += self._fail_batches([b for x in (before, launched) if x is not None
+                                           for b in self._batches_of(x)], e)
             self.in_flight = launched if self.overlap else None
             if self.in_flight is not None:
                 outputs += self._drain_in_flight(e)
@@ -285,16 +323,61 @@ class Engine:
     def _collect_any(self, *launched) -> list[StepOutput]:
         return self._collect_ranks(*launched) if self.dp > 1 else self._collect(*launched)
 
-    def _drain_in_flight(self, error: Exception) -> list[StepOutput]:
-        """Read back the step in flight after a lost step, so the runner holds no handle of it:
-        its surviving sequences' tokens as usual; if that fails too, its requests fail."""
+    def _drain_in_flight(self, error: Exception | None = None) -> list[StepOutput]:
+        """Read back the step in flight after a lost step (error), so the runner holds no handle
+        of it, or before a step whose masks need its tokens (_reads_first): its surviving
+        sequences' tokens as usual; if that fails too, its requests fail."""
         launched, self.in_flight = self.in_flight, None
         try:
+            self._sample_deferred()
             return self._collect_any(*launched)
         except Exception as e:                  # noqa: BLE001
             if is_fatal(e):
                 raise
-            return self._fail_batches(self._batches_of(launched), error)
+            return self._fail_batches(self._batches_of(launched), error or e)
+
+    # -- rows whose sampling needs the token before: grammars, penalties -------------------------
+    @staticmethod
+    def _needs_history(seq: Sequence) -> bool:
+        """A grammar's mask, or penalties / a bad word of several tokens (RowProcessing), depend
+        on every token before the one sampled."""
+        return seq.grammar is not None or (seq.processing is not None and seq.processing.needs_history)
+
+    def _reads_first(self, batches) -> bool:
+        """Whether the step in flight must be read back before these batches launch: a row needs
+        its token (_needs_history), and the runner cannot sample after launching."""
+        if self.dp == 1 and getattr(self.runner, "can_defer_sampling", False):
+            return False
+        return any(seq.pending and self._needs_history(seq) for batch in batches for seq, _ in batch)
+
+    def _history_rows(self, batch, rows) -> list:
+        """(row, sequence) of the rows that sample and need the token before."""
+        return [(b, seq) for b, ((seq, _), row) in enumerate(zip(batch, rows))
+                if row is not None and self._needs_history(seq)]
+
+    def _fill_masks(self, rows, history_rows, refresh: bool = False):
+        """Set the bitmask of each row whose grammar constrains its next token (a sequence that
+        ended since it was scheduled samples a dropped row: no mask). refresh: the rows were made
+        before the token before was read (deferred sampling): their penalties, bad words and
+        allowed ids are made again from the sequence as it is now."""
+        alive = [(b, seq) for b, seq in history_rows if not seq.finished]
+        if refresh:
+            for b, seq in alive:
+                if seq.processing is not None and seq.processing.needs_history:
+                    self._set_processing(rows[b], seq)
+        live = [(b, seq.grammar) for b, seq in alive if seq.grammar is not None and seq.grammar.active]
+        if live:
+            masks = self.grammars.masks([g for _, g in live])
+            for (b, _), mask in zip(live, masks):
+                rows[b].bitmask = mask
+
+    def _sample_deferred(self):
+        """Issue the sampling of the step launched without it, its rows made from the sequences
+        now fed the tokens of the step before (grammar masks, penalties)."""
+        if self.unsampled is not None:
+            (handle, rows, history_rows), self.unsampled = self.unsampled, None
+            self._fill_masks(rows, history_rows, refresh=True)
+            self.runner.launch_sampling(handle, rows)
 
     def _fail_batches(self, batches, error: Exception) -> list[StepOutput]:
         """Fail every request with a sequence in these batches (lists of (sequence, tokens))."""
@@ -320,6 +403,8 @@ class Engine:
                 self.faults.on_step(b)
         metas = pad_ranks([m for m, _, _ in built], self.runner.num_pages, self.page_size)
         rows = [r + [None] * (m.B - len(r)) for (_, r, _), m in zip(built, metas)]   # pad rows sample nothing
+        for batch, r in zip(batches, rows):        # every token known (_reads_first)
+            self._fill_masks(r, self._history_rows(batch, r))
         if self.overlap:
             handle = self.runner.launch_ranks(metas, rows, [f for _, _, f in built])
         else:
@@ -340,10 +425,13 @@ class Engine:
         meta, rows, feed = self._chunks(batch)
         if self.faults is not None:
             self.faults.on_step(batch)
-        if self.overlap:
-            handle = self.runner.launch(meta, rows, feed)
+        history_rows = self._history_rows(batch, rows)
+        if self.overlap and any(seq.pending for _, seq in history_rows):
+            handle = self.runner.launch_forward(meta, feed)        # sampled in step(), tokens known
+            self.unsampled = (handle, rows, history_rows)
         else:
-            handle = self.runner.execute(meta, rows)
+            self._fill_masks(rows, history_rows)
+            handle = self.runner.launch(meta, rows, feed) if self.overlap else self.runner.execute(meta, rows)
         self._launched(batch, rows)
         return batch, rows, handle
 
@@ -363,8 +451,7 @@ class Engine:
                 tokens.append(0)
             chunks.append(Chunk(seq.seq_id, tokens, start))
             samples_now = start + n == seq.num_tokens
-            rows.append(RowSampling(seq.params, seq.seed, seq.num_output_tokens, self._banned(seq))
-                        if samples_now else None)
+            rows.append(self._row(seq) if samples_now else None)
             at += n
         pages = {seq.seq_id: seq.pages for seq, _ in batch}
         slots = {seq.seq_id: seq.slot for seq, _ in batch} if self.num_slots else None
@@ -400,6 +487,10 @@ class Engine:
                 if self.faults is not None:
                     self.faults.on_token(seq)
                 seq.token_ids.append(sample.token)
+                if seq.grammar is not None:
+                    seq.grammar.accept(sample.token)
+                if seq.processing is not None:
+                    seq.processing.add(sample.token)
                 self.bms[seq.rank].commit(seq)      # the block its pending token completes
                 outputs.append(self._append(seq, sample, now))
             except Exception as e:                  # noqa: BLE001 - this request's, not the step's
@@ -411,9 +502,26 @@ class Engine:
                     num_prompt_tokens=seq.num_prompt_tokens, error=e))
         return outputs
 
-    def _banned(self, seq: Sequence) -> tuple:
+    def _row(self, seq: Sequence) -> RowSampling:
+        """The sampling of a sequence's next token, its logits processing included."""
+        row = RowSampling(seq.params, seq.seed, seq.num_output_tokens, self._banned(seq))
+        if seq.processing is not None:
+            self._set_processing(row, seq)
+        return row
+
+    def _set_processing(self, row: RowSampling, seq: Sequence):
+        """The row's penalties, allowed and banned ids from the sequence's tokens read so far (made
+        again when its sampling was deferred: row.step is still the index it samples)."""
+        fields = seq.processing.row_fields(seq.token_ids, seq.num_prompt_tokens)
+        row.allowed, row.penalties = fields["allowed"], fields["penalties"]
+        base = self._banned(seq, row.step)
+        row.banned = tuple(sorted(set(base) | set(fields["banned"]))) if fields["banned"] else base
+
+    def _banned(self, seq: Sequence, step: int | None = None) -> tuple:
+        """EOS and stop ids while the token at index `step` (default: the next) is before
+        min_tokens."""
         p = seq.params
-        if seq.num_output_tokens >= p.min_tokens:
+        if (seq.num_output_tokens if step is None else step) >= p.min_tokens:
             return ()
         return tuple(sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)))
 
@@ -466,7 +574,10 @@ class Engine:
         may_stop = outputs > p.min_tokens     # the first min_tokens never stop
         if may_stop and ((tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids):
             seq.stop_reason = tok if tok in p.stop_token_ids else None
+            if p.include_stop_str_in_output and seq.decoder is not None:
+                seq.text += seq.decoder.push(tok)
             return "stop"                         # the stop token's text is not part of the output
+                                                  # unless include_stop_str_in_output
         if seq.decoder is not None:
             before = len(seq.text)
             seq.text += seq.decoder.push(tok)
@@ -476,9 +587,11 @@ class Engine:
                 hits = [(at, s) for s in p.stop if (at := seq.text.find(s, window)) >= 0]
                 if hits:
                     at, s = min(hits)
-                    seq.text = seq.text[:at]
+                    seq.text = seq.text[:at + (len(s) if p.include_stop_str_in_output else 0)]
                     seq.stop_reason = s
                     return "stop"
+        if seq.grammar is not None and seq.grammar.finished:
+            return "stop"                         # the output is complete: only EOS could follow
         if self._at_length(seq, len(seq.token_ids)):
             return "length"
         return None

@@ -4,7 +4,9 @@ A runner owns the weights, the paged KV cache and the kernels (or, on the CPU, t
 reference executor). The engine owns everything else: which sequences run, their pages, their
 stop conditions. Both the CPU and the CUDA runner implement `execute`, and `launch` / `collect`
 (`can_overlap`): a step issued now whose samples are read later, so that the engine prepares
-the next step while this one runs (engine.Engine, overlap).
+the next step while this one runs (engine.Engine, overlap). Where rows' masks need the tokens of
+the step in flight (grammars), `launch_forward` issues the step without its sampling and
+`launch_sampling` issues that once the masks are known (`can_defer_sampling`).
 """
 import time
 from dataclasses import dataclass
@@ -13,6 +15,7 @@ import numpy as np
 
 from infc.config import DEFAULT_PAGE_SIZE
 from infc.compiler.contract import caches
+from .logits_process import Penalties, needs_processing, process_logits
 from .sampling import SamplingParams, logprobs_of, sample
 from .step import StepMeta
 
@@ -24,6 +27,8 @@ class RowSampling:
     step: int                 # index of the token being sampled: its randomness is (seed, step)
     banned: tuple = ()        # token ids masked out (EOS/stop ids before min_tokens)
     bitmask: np.ndarray | None = None   # int32 [ceil(V / 32)]: bit v of word v // 32 set = v allowed
+    allowed: np.ndarray | None = None   # allowed_token_ids, packed as bitmask is
+    penalties: Penalties | None = None  # the row's penalties and token counts (logits_process.py)
 
 
 @dataclass
@@ -37,8 +42,9 @@ class Sample:
 class ComputedStep:
     """A step ComputedAtLaunch ran at launch: its samples and how long that took."""
     meta: StepMeta
-    samples: list
+    samples: list | None
     seconds: float
+    logits: np.ndarray | None = None     # launch_forward's, until launch_sampling samples them
 
     def gpu_ms(self) -> float:
         return self.seconds * 1e3
@@ -70,6 +76,23 @@ class ComputedAtLaunch:
         self._last = ComputedStep(meta, samples, time.perf_counter() - t0)
         return self._last
 
+    @property
+    def can_defer_sampling(self) -> bool:
+        """A runner that computes a step's logits apart (`forward`) can sample them later."""
+        return callable(getattr(self, "forward", None))
+
+    def launch_forward(self, meta: StepMeta, feed=()) -> ComputedStep:
+        """The step's forward only (feed as for launch); launch_sampling samples it."""
+        feed_tokens(meta, feed, self._last.samples if feed else None)
+        t0 = time.perf_counter()
+        logits = self.forward(meta)
+        self._last = ComputedStep(meta, None, time.perf_counter() - t0, logits)
+        return self._last
+
+    @staticmethod
+    def launch_sampling(step: ComputedStep, sampling: list):
+        step.samples, step.logits = sample_rows(step.logits, sampling), None
+
     @staticmethod
     def collect(step: ComputedStep) -> list:
         return step.samples
@@ -100,16 +123,28 @@ class CPURunner(ComputedAtLaunch):
         slots = max_num_seqs if caches.has_slots(decl) else 0
         return caches.pages_for_budget(decl, page_size, budget, slots, itemsize=4)
 
+    def forward(self, meta: StepMeta) -> np.ndarray:
+        return self.executor.step_paged(meta)
+
     def execute(self, meta: StepMeta, sampling: list[RowSampling | None]) -> list[Sample | None]:
-        logits = self.executor.step_paged(meta)
-        return [None if s is None else sample_row(logits[b], s) for b, s in enumerate(sampling)]
+        return sample_rows(self.forward(meta), sampling)
+
+
+def sample_rows(logits: np.ndarray, sampling: list[RowSampling | None]) -> list[Sample | None]:
+    return [None if s is None else sample_row(logits[b], s) for b, s in enumerate(sampling)]
+
+
+def allowed(bitmask: np.ndarray, vocab: int) -> np.ndarray:
+    """A packed bitmask (int32 words, bit v of word v // 32: token v) as bool [vocab]; ids past
+    its words are not allowed."""
+    bits = np.unpackbits(np.ascontiguousarray(bitmask, "<i4").view(np.uint8), bitorder="little")
+    out = np.zeros(vocab, bool)
+    out[:min(vocab, bits.size)] = bits[:vocab]
+    return out
 
 
 def sample_row(logits: np.ndarray, s: RowSampling) -> Sample:
-    row = logits
-    if s.banned:
-        row = logits.copy()
-        row[[t for t in s.banned if 0 <= t < row.size]] = -np.inf
+    row = process_logits(logits, s) if needs_processing(s) else logits
     tok = sample(row, s.params, np.random.default_rng((s.seed, s.step)))
     if s.params.logprobs is None:
         return Sample(tok)

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .structured.request import StructuredOutputs
 
+import math
+
 import numpy as np
 
 
@@ -28,6 +30,15 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: "StructuredOutputs | None" = None   # structured/request.py
+    # logits processing (logits_process.py, vLLM's meanings and ranges)
+    repetition_penalty: float = 1.0    # > 0; over prompt and output tokens
+    frequency_penalty: float = 0.0     # [-2, 2]; times each token's count in the output
+    presence_penalty: float = 0.0      # [-2, 2]; once for each token in the output
+    logit_bias: dict[int, float] | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    best_of: int | None = None         # candidates to draw, the n likeliest returned (best_of.py)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -51,6 +62,21 @@ class SamplingParams:
             problems.append(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if self.n < 1:
             problems.append(f"n must be >= 1, got {self.n}")
+        if self.best_of is not None and self.best_of < self.n:
+            problems.append(f"best_of must be >= n ({self.n}), got {self.best_of}")
+        if not self.repetition_penalty > 0:
+            problems.append(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                problems.append(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids or not all(isinstance(t, int) for t in self.allowed_token_ids)):
+            problems.append("allowed_token_ids must be a non-empty list of token ids")
+        if self.logit_bias and not all(isinstance(t, int) and isinstance(b, (int, float)) and math.isfinite(b)
+                                       for t, b in self.logit_bias.items()):
+            problems.append("logit_bias must map token ids (int) to finite numbers")
+        if self.bad_words is not None and not all(isinstance(w, str) for w in self.bad_words):
+            problems.append("bad_words must be a list of strings")
         if problems:
             raise ValueError("; ".join(problems))
 

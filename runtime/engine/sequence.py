@@ -40,7 +40,9 @@ class Sequence:
         self.pending = 0                           # sampled by a step in flight, not read back yet
         self.pending_row = -1                      # that step's row for this sequence
         self.rank = 0                              # data-parallel ranks: the rank whose KV it has
+        self.processing = None                     # its rows' logits processing (row_processing.py)
         self.final = False                         # its pending token is its last: schedule no more
+        self.grammar = None                        # structured outputs: its SequenceGrammar
         self.finish_reason: str | None = None      # "stop" | "length" | "abort"
         self.stop_reason: int | str | None = None  # the stop token id or stop string matched
         # detokenizer state: the decoder, the text so far, and how much of it was handed out

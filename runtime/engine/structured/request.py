@@ -24,6 +24,9 @@ class StructuredOutputs:
     choice: tuple[str, ...] | None = None
     grammar: str | None = None         # EBNF (GBNF) or Lark
     field: str = "structured_outputs"  # the request field it came from, for errors
+    # a JSON schema's keywords that the grammar library does not implement: refused (strict, a
+    # 400 naming them), or ignored (False: OpenAI's json_schema "strict": false)
+    strict: bool = True
     # the token ids that end a reasoning section (e.g. "</think>"): the constraint applies from
     # the token after them; empty: from the first generated token
     start_after: tuple[int, ...] = ()

@@ -1,0 +1,37 @@
+"""A request's output features, applied to its checked GenRequest: the structured constraint
+(structured.py) into its SamplingParams, and for chat the AnswerPlan (chat_output.py) of its tool
+calling (tools.py) and reasoning (reasoning.py). The tool fields are checked before the template
+renders them; the engine compiles the constraint before anything is queued (app.checked)."""
+import dataclasses
+
+from . import protocol, reasoning, structured, tools
+from .chat_output import AnswerPlan
+
+
+def _with_constraint(req: protocol.GenRequest, so) -> protocol.GenRequest:
+    if so is not None and req.params is not None:
+        req.params = dataclasses.replace(req.params, structured_outputs=so)
+    return req
+
+
+def completion(body: dict, parse) -> protocol.GenRequest:
+    """parse(): protocol.parse_completion of this body."""
+    so = structured.constraint(body)
+    return _with_constraint(parse(), so)
+
+
+def chat(body: dict, state, tokenizer, parse) -> protocol.GenRequest:
+    """parse(): protocol.parse_chat of this body; state: the server's parsers."""
+    tool = tools.tool_request(body, state.tool_parser is not None)
+    so = structured.constraint(body, tool.schema if tool is not None else None)
+    req = parse()
+    kwargs = body.get("chat_template_kwargs") or {}
+    thinking = state.reasoning_parser is not None and reasoning.thinking_enabled(kwargs)
+    rp = state.reasoning_parser if thinking else None
+    if so is not None and rp is not None:
+        so = structured.starting_after(so, tokenizer.encode_text(reasoning.END))
+    if tool is not None and tool.mode == "auto" and req.params is not None:
+        # the parsers read the format's markers, some of them special tokens (Mistral's)
+        req.params = dataclasses.replace(req.params, skip_special_tokens=False)
+    req.answer = AnswerPlan(tool, state.tool_parser, rp, rp is not None and rp.inside_from(req.texts[0]))
+    return _with_constraint(req, so)
