@@ -7,6 +7,8 @@ import json
 
 import numpy as np
 import pytest
+
+from exhaustive import EXHAUSTIVE
 import torch
 
 from infc.compiler.build import build
@@ -58,8 +60,9 @@ def test_through_kernels(models, kind, tmp_path):  # noqa: F811
 
 
 # the absorbed decode kernel's split protocol: a 40-token context in 16-key tiles over 4 splits
-# (3 run; the last to arrive merges), over 2 (two run), over 1 (nothing to merge)
-@pytest.mark.parametrize("splits", [4, 2, 1])
+# (3 run; the last to arrive merges), over 2 (two run), over 1 (nothing to merge); the fast suite
+# runs 4 (the whole protocol), --exhaustive the other two
+@pytest.mark.parametrize("splits", [4, pytest.param(2, marks=EXHAUSTIVE), pytest.param(1, marks=EXHAUSTIVE)])
 def test_latent_decode_splits(models, splits, tmp_path):  # noqa: F811
     d, _ = models["plain"]
     out = build(model_dir=str(d), out=tmp_path / "art", compile=False, log=None, page_size=PAGE,

@@ -16,6 +16,7 @@ from infc.compiler.contract.safetensors_io import Checkpoint
 from infc.runtime.engine.step import Chunk
 from infc.runtime.weights.load import load_weights
 
+from exhaustive import EXHAUSTIVE
 from interp_executor import InterpExecutor
 
 # power-of-two head dims (the kernels' tile shapes); hidden sizes that are not
@@ -26,8 +27,12 @@ def _rel(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "no-fuse"])
-@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe"])
+# --no-fuse in the fast suite for the MoE model only (its generic expert kernels are no family's in
+# tests/test_families_interp.py); qwen3's and llama's generic kernels are the families' too
+@pytest.mark.parametrize("family,fuse", [
+    pytest.param(f, fuse, id=f"{f}-{'fused' if fuse else 'no-fuse'}",
+                 marks=() if fuse or f == "qwen3_moe" else EXHAUSTIVE)
+    for fuse in (True, False) for f in ("qwen3", "llama", "qwen3_moe")])
 def test_tiny_model_through_kernels(family, fuse, tiny_model, tmp_path, rng):
     """fuse=False is `infc build --no-fuse`: every op through its generic kernel."""
     d, _ = tiny_model(family, **DIMS)
