@@ -34,7 +34,7 @@ import numpy as np
 
 from infc import envs
 
-from . import fault_inject
+from . import fault_inject, prompt_logprobs
 from .block_manager import BlockManager
 from .metrics import Metrics
 from .runner import RowSampling
@@ -62,6 +62,8 @@ class StepOutput:
     num_cached_tokens: int = 0
     metrics: dict | None = None            # per-request latencies, on the request's last output
     error: Exception | None = None         # finish_reason "error": why the engine failed the request
+    prompt_logprobs: list | None = None    # params.prompt_logprobs: on the request's first output,
+                                           # one per prompt token (the first None; prompt_logprobs.py)
 
     @property
     def finished(self) -> bool:
@@ -112,7 +114,9 @@ class Engine:
         self.dp = int(getattr(runner, "dp_world", 1) or 1)
         self.overlap = overlaps(runner, overlap) and (
             self.dp == 1 or callable(getattr(runner, "launch_ranks", None)))
-        self.in_flight = None                    # overlapped: (batch, rows, the runner's handle)
+        self.in_flight = None                    # overlapped: (batch, rows, the runner's handle, scores)
+        # prompt logprobs need a runner that scores prompt rows in the step (`row_logits`)
+        self.scores_prompts = self.dp == 1 and bool(getattr(runner, "row_logits", False))
         self.eos_ids = set(eos_ids)
         self.max_model_len = max_model_len
         self.page_size = runner.page_size
@@ -158,6 +162,9 @@ class Engine:
             raise ValueError("stop strings need a tokenizer, and this engine has none")
         if params.logprobs is not None and params.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0, got {params.logprobs}")
+        if params.prompt_logprobs is not None and not self.scores_prompts:
+            raise ValueError("prompt_logprobs: this backend cannot score prompt rows (its runner has "
+                             "no row logits)")
         longest = self.max_model_len if params.max_tokens is None else min(n + params.max_tokens, self.max_model_len)
         kv = self.bm.num_pages * self.page_size
         if self.bm.pages_for(longest - 1) > self.bm.num_pages:   # the last token never enters the KV
@@ -336,7 +343,7 @@ class Engine:
         return outputs
 
     def _launch(self, batch) -> tuple:
-        """Issue a step (overlapped: its tokens not read yet): (batch, rows, handle)."""
+        """Issue a step (overlapped: its tokens not read yet): (batch, rows, handle, scores)."""
         meta, rows, feed = self._chunks(batch)
         if self.faults is not None:
             self.faults.on_step(batch)
@@ -345,12 +352,12 @@ class Engine:
         else:
             handle = self.runner.execute(meta, rows)
         self._launched(batch, rows)
-        return batch, rows, handle
+        return batch, rows, handle, meta.scores
 
     def _chunks(self, batch) -> tuple:
         """A batch's step: (StepMeta, rows' sampling, feed of pending tokens)."""
         now = time.monotonic()
-        chunks, rows, feed = [], [], []
+        chunks, rows, feed, scores = [], [], [], []
         at = 0                                      # the chunk's first row among the step's tokens
         for seq, n in batch:
             start = seq.num_computed_tokens
@@ -362,6 +369,9 @@ class Engine:
                 feed.append((at + n - 1, seq.pending_row))
                 tokens.append(0)
             chunks.append(Chunk(seq.seq_id, tokens, start))
+            scores.append(prompt_logprobs.for_chunk(seq.token_ids[:seq.num_prompt_tokens], start, n,
+                                                    seq.params.prompt_logprobs)
+                          if seq.scores_prompt else None)
             samples_now = start + n == seq.num_tokens
             rows.append(RowSampling(seq.params, seq.seed, seq.num_output_tokens, self._banned(seq))
                         if samples_now else None)
@@ -370,6 +380,8 @@ class Engine:
         slots = {seq.seq_id: seq.slot for seq, _ in batch} if self.num_slots else None
         meta = build_step(chunks, pages.__getitem__, self.page_size,
                           slot_of=slots.__getitem__ if slots else None)
+        if any(scores):
+            meta.scores = scores
         return meta, rows, feed
 
     def _launched(self, batch, rows):
@@ -385,12 +397,15 @@ class Engine:
                 seq.pending_row = b
                 seq.final = self._at_length(seq, seq.num_tokens)
 
-    def _collect(self, batch, rows, handle, read: bool = True) -> list[StepOutput]:
+    def _collect(self, batch, rows, handle, scores=None, read: bool = True) -> list[StepOutput]:
         """Read a launched step's samples back (read=False: handle is the samples); append them,
-        check stops, offer full blocks."""
+        check stops, offer full blocks. scores: the step's PromptScores, one a chunk."""
         samples = self.runner.collect(handle) if self.overlap and read else handle
         now = time.monotonic()
         outputs = []
+        for (seq, _), score in zip(batch, scores or ()):
+            if score is not None and seq.prompt_logprobs is not None:
+                seq.prompt_logprobs[score.first:score.first + len(score.entries)] = score.entries
         for (seq, n), sample in zip(batch, samples):
             if sample is not None:
                 seq.pending -= 1
@@ -447,7 +462,8 @@ class Engine:
             self._finish(seq, reason, now)
         out = StepOutput(seq.request_id, seq.index, [tok], self._text_delta(seq), new_lp,
                          seq.finish_reason, seq.stop_reason, num_prompt_tokens=seq.num_prompt_tokens,
-                         num_cached_tokens=seq.num_cached_tokens)
+                         num_cached_tokens=seq.num_cached_tokens,
+                         prompt_logprobs=seq.prompt_logprobs if len(seq.token_ids) == seq.num_prompt_tokens + 1 else None)
         if seq.finished and all(s.finished for s in req.seqs):
             del self.requests[req.id]
             self._count_finish(req, reason)
