@@ -50,7 +50,7 @@ from starlette.responses import Response
 from infc.runtime.engine.async_engine import EngineDeadError
 from infc.runtime.engine.sampling import SamplingParams
 
-from . import admission, metrics, protocol
+from . import admission, metrics, protocol, scoring
 from .generation import Generation, engine_error
 from .http import (ClientGone, Guard, SSEResponse, dumps, error_response, json_bytes_response, json_response,
                    read_body, require_json, until_disconnect)
@@ -111,8 +111,8 @@ def make_app(state: ServerState) -> FastAPI:
 
     def engine_check(b, req: protocol.GenRequest):
         """The engine's own rules for every prompt, before any reply (echo alone: its scoring asks
-        one token after each prefix of the prompt)."""
-        params = req.params if req.params is not None else SamplingParams(max_tokens=1)
+        one token after the prompt, or after each prefix of it)."""
+        params = scoring.engine_params(b.engine, req) or SamplingParams(max_tokens=1)
         for ids in req.prompts:
             try:
                 b.engine.check_request(ids, params)

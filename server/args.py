@@ -60,6 +60,8 @@ def add_serve_args(p: argparse.ArgumentParser):
     add_parallel_args(p)
     p.add_argument("--kv-cache-memory-bytes", type=int, help="KV cache size on the cpu device (default 1 GiB)")
     p.add_argument("--max-logprobs", type=int, default=20)
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage.prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache held")
     p.add_argument("--chat-template", help="a chat template file, or the template itself")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="accept a chat_template field in requests")
@@ -103,7 +105,7 @@ def config_from_args(args):
         max_logprobs=args.max_logprobs, max_n=args.max_n, max_request_body_bytes=args.max_request_body_bytes,
         max_header_bytes=args.max_header_bytes,
         chat_template=template, trust_request_chat_template=args.trust_request_chat_template,
-        root=args.model_path)
+        root=args.model_path, enable_prompt_tokens_details=args.enable_prompt_tokens_details)
 
 
 def backend_kwargs(args) -> dict:

@@ -177,6 +177,7 @@ class GenRequest:
     include_usage: bool = False
     continuous_usage: bool = False
     max_tokens: int | None = None
+    prompt_logprobs: int | None = None # vLLM's: the prompt's logprobs with the top k (server/scoring.py)
 
 
 @dataclass
@@ -211,7 +212,7 @@ _UNSUPPORTED = {                       # field -> its neutral values (anything e
     "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
     "logit_bias": ({},), "use_beam_search": (False,), "length_penalty": (1, 1.0),
     "include_stop_str_in_output": (False,), "guided_json": (), "guided_regex": (),
-    "guided_choice": (), "guided_grammar": (), "structured_outputs": (), "prompt_logprobs": (),
+    "guided_choice": (), "guided_grammar": (), "structured_outputs": (),
     "bad_words": ([],), "allowed_token_ids": (), "logits_processors": (), "truncate_prompt_tokens": (),
     "prompt_embeds": (), "spaces_between_special_tokens": (True,), "suffix": ("",),
 }
@@ -232,6 +233,13 @@ def _reject_unsupported(body: dict):
     rf = body.get("response_format")
     if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
         raise bad("'response_format' other than {\"type\": \"text\"} is not supported", "response_format")
+
+
+def _prompt_logprobs(f: Fields, lim: Limits, stream: bool) -> int | None:
+    k = f.int("prompt_logprobs", None, 0, lim.max_logprobs)
+    if k and stream:                   # vLLM's rule and words
+        raise bad("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+    return k
 
 
 def _stop(f: Fields) -> list[str]:
@@ -412,7 +420,7 @@ def parse_completion(body: dict, lim: Limits, tokenizer) -> GenRequest:
         _check_context(lim, len(ids), max_tokens, "prompt")
         prompts.append(ids)
     return GenRequest("completion", prompts, texts, params, n, echo, logprobs, stream, include_usage,
-                      continuous, max_tokens)
+                      continuous, max_tokens, _prompt_logprobs(f, lim, stream))
 
 
 def encode(tokenizer, text: str, param: str) -> list[int]:
@@ -550,4 +558,4 @@ def parse_chat(body: dict, lim: Limits, tokenizer, template: str | None, special
         raise bad("the rendered chat is empty", "messages")
     _check_context(lim, len(ids), max_tokens, "messages")
     return GenRequest("chat", [ids], [text], params, n, False, logprobs, stream, include_usage,
-                      continuous, max_tokens)
+                      continuous, max_tokens, _prompt_logprobs(f, lim, stream))

@@ -19,6 +19,7 @@ class ServerConfig:
     chat_template: str | None = None         # overrides the model's
     trust_request_chat_template: bool = False
     root: str | None = None                  # shown as the model's root in /v1/models
+    enable_prompt_tokens_details: bool = False   # usage.prompt_tokens_details.cached_tokens
 
 
 class ServerState:

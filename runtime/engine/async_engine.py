@@ -183,6 +183,11 @@ class AsyncEngine:
         m = self.engine.metrics
         return {k: getattr(m, k) for k in m.__dataclass_fields__}
 
+    @property
+    def scores_prompts(self) -> bool:
+        """Whether requests may ask prompt logprobs (SamplingParams.prompt_logprobs)."""
+        return self.engine.scores_prompts
+
     def check_request(self, prompt_ids: list[int], params: SamplingParams):
         """The engine's own rules for a request (ValueError if it can never run), from any thread:
         the server runs it on its worker pool, then generate(..., checked=True)."""
