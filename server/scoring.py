@@ -12,7 +12,7 @@ Elsewhere (the CUDA runner has no row-logits launch yet) echo with logprobs keep
 each prompt token asked of its own one-token request (prompt ids[:i], greedy, every token but
 ids[i] banned through stop_token_ids until min_tokens = 1), the prompt's full blocks cached
 first so the others compute at most a page each, WINDOW at a time. Those internal requests show
-in the engine's metrics; `prompt_logprobs` itself is refused there (the engine's check).
+in no metrics (counted=False); `prompt_logprobs` itself is refused there (the engine's check).
 """
 import asyncio
 import dataclasses
@@ -88,7 +88,8 @@ async def forced_token_logprobs(engine, ids: list[int], top: int, vocab_size: in
                                 stop_token_ids=_all_but(vocab_size, ids[i]), logprobs=top,
                                 skip_special_tokens=False)
         # a prefix of a prompt the server checked, with max_tokens 1: it fits where the prompt did
-        async for out in engine.generate(ids[:i], params, f"{request_id}-score-{i}", checked=True):
+        async for out in engine.generate(ids[:i], params, f"{request_id}-score-{i}", checked=True,
+                                         counted=False):
             if out.token_ids and out.logprobs:
                 lp = out.logprobs[0]
                 if out.token_ids[0] != ids[i]:       # the ban did not hold: a bug, say so

@@ -71,8 +71,10 @@ class StepOutput:
 
 
 class Request:
-    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, seqs, arrival):
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, seqs, arrival,
+                 metrics: Metrics):
         self.id, self.prompt_ids, self.params = request_id, prompt_ids, params
+        self.metrics = metrics                 # the engine's, or a sink nobody reads (not counted)
         self.seqs: list[Sequence] = seqs
         self.held: list[Sequence] = seqs[1:]   # n > 1: wait until seqs[0] has cached the prompt
         self.arrival_time = arrival
@@ -138,7 +140,11 @@ class Engine:
         self.schedulers = [Scheduler(bm, max_num_seqs, max_num_batched_tokens) for bm in self.bms]
         self.bm, self.scheduler = self.bms[0], self.schedulers[0]
         self.requests: dict[str, Request] = {}
-        self.metrics = Metrics()
+        self.metrics = Metrics(max_model_len=min(max_model_len, 1 << 30))
+        self.metrics.cache_config_info = {
+            "block_size": self.page_size, "cache_dtype": "auto",
+            "enable_prefix_caching": self.bm.enable_prefix_caching,
+            "num_gpu_blocks": runner.num_pages, "engine": 0}
         self._next_seq = 0
         self._next_request = 0
         self.faults = fault_inject.from_env()    # test-only (INFC_FAULT_INJECT); None in production
@@ -180,10 +186,11 @@ class Engine:
         return ids.tolist()
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    arrival_time: float | None = None, checked: bool = False) -> str:
+                    arrival_time: float | None = None, checked: bool = False, counted: bool = True) -> str:
         """checked: prompt_ids is a list of int that check_request already accepted with these
         params (AsyncEngine.generate's door, or the server's before it): at 16k tokens, the int
-        conversion and the vocabulary check cost ~0.5 ms each, once per request is enough."""
+        conversion and the vocabulary check cost ~0.5 ms each, once per request is enough.
+        counted=False: a request the server makes for itself, left out of the metrics."""
         if not checked:
             prompt_ids = self.checked_ids(prompt_ids, params)
         if request_id is None:
@@ -200,7 +207,8 @@ class Engine:
         rank = self._rank_for(seqs[0])
         for s in seqs:                    # siblings share the prompt's cached blocks: one rank
             s.rank = rank
-        self.requests[request_id] = Request(request_id, prompt_ids, params, seqs, arrival)
+        self.requests[request_id] = Request(request_id, prompt_ids, params, seqs, arrival,
+                                            self.metrics if counted else Metrics())
         self.schedulers[rank].add(seqs[0])
         self._gauges()
         return request_id
@@ -238,6 +246,12 @@ class Engine:
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        try:
+            return self._step()
+        finally:
+            self.metrics.end_iteration()
+
+    def _step(self) -> list[StepOutput]:
         """Run a step; the outputs of the step (overlapped: of the step before) that sampled. With
         data-parallel ranks, a step is every rank's batch, padded alike, run together.
 
@@ -436,21 +450,17 @@ class Engine:
         """Account for a token just appended to seq.token_ids."""
         req = self.requests[seq.request_id]
         tok = sample.token
-        m = self.metrics
-        m.generation_tokens_total += 1
+        m = req.metrics
+        m.token(None if seq.first_token_time is None else now - seq.last_token_time)
         if seq.first_token_time is None:
             seq.first_token_time = now
             if req.first_token_time is None:
                 req.first_token_time = now
-                m.prompt_tokens_total += len(req.prompt_ids)
-                m.time_to_first_token_seconds.observe(now - req.arrival_time)
-                m.request_queue_time_seconds.observe(seq.first_scheduled_time - req.arrival_time)
+                m.first_token(len(req.prompt_ids), req.arrival_time, seq.first_scheduled_time, now)
             if seq.index == 0 and req.held:      # the prompt's blocks are cached now: siblings go
                 for s in reversed(req.held):
                     self._sched(s).add(s, front=True)
                 req.held = []
-        else:
-            m.inter_token_latency_seconds.observe(now - seq.last_token_time)
         seq.last_token_time = now
         new_lp = None
         if seq.logprobs is not None:
@@ -467,12 +477,13 @@ class Engine:
         if seq.finished and all(s.finished for s in req.seqs):
             del self.requests[req.id]
             self._count_finish(req, reason)
-            m.e2e_request_latency_seconds.observe(now - req.arrival_time)
+            scheduled = min(s.first_scheduled_time for s in req.seqs)
+            m.completed(len(req.prompt_ids), sum(len(s.output_ids) for s in req.seqs), req.arrival_time,
+                        scheduled, req.first_token_time, now)
             out.request_finished = True
             out.metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
                            "finish_time": now, "ttft": req.first_token_time - req.arrival_time,
-                           "e2e": now - req.arrival_time,
-                           "queue_time": min(s.first_scheduled_time for s in req.seqs) - req.arrival_time}
+                           "e2e": now - req.arrival_time, "queue_time": scheduled - req.arrival_time}
         return out
 
     def _check_stop(self, seq: Sequence, tok: int) -> str | None:
@@ -518,13 +529,13 @@ class Engine:
         seq.finish_time = now
 
     def _count_finish(self, req: Request, reason: str):
-        c = self.metrics.request_success_total
-        c[reason] = c.get(reason, 0) + 1
+        req.metrics.finished(reason)
 
     def _gauges(self):
         m = self.metrics
-        m.num_requests_running = len({q.request_id for s in self.schedulers for q in s.running})
-        m.num_requests_waiting = len(self.requests) - m.num_requests_running
+        counted = {rid for rid, r in self.requests.items() if r.metrics is m}
+        m.num_requests_running = len({q.request_id for s in self.schedulers for q in s.running} & counted)
+        m.num_requests_waiting = len(counted) - m.num_requests_running
         m.kv_cache_usage_perc = sum(bm.usage for bm in self.bms) / len(self.bms)
         m.prefix_cache_queries_total = sum(bm.query_tokens for bm in self.bms)
         m.prefix_cache_hits_total = sum(bm.hit_tokens for bm in self.bms)
