@@ -50,7 +50,7 @@ from starlette.responses import Response
 from infc.runtime.engine.async_engine import EngineDeadError
 from infc.runtime.engine.sampling import SamplingParams
 
-from . import admission, metrics, protocol, scoring
+from . import admission, metrics, protocol, responses, scoring
 from .generation import Generation, engine_error
 from .http import (ClientGone, Guard, SSEResponse, dumps, error_response, json_bytes_response, json_response,
                    read_body, require_json, until_disconnect)
@@ -132,13 +132,15 @@ def make_app(state: ServerState) -> FastAPI:
             return req, model
         return await off_loop(work)
 
-    async def serve(request: Request, req: protocol.GenRequest, model: str):
+    async def serve(request: Request, req: protocol.GenRequest, model: str, render=None):
+        """render(body) -> the reply's body (/v1/responses: the chat completion as a Response)."""
         release = admission.admit(state, req)
         g = Generation(state, req, model)
         if req.stream:
             return SSEResponse(g.stream(), release)
         try:
-            return json_response(await until_disconnect(request, g.collect()))
+            body = await until_disconnect(request, g.collect())
+            return json_response(render(body) if render else body)
         except ClientGone:
             return Response(status_code=499)
         except APIError:
@@ -169,6 +171,25 @@ def make_app(state: ServerState) -> FastAPI:
                 body, state.limits, b.tokenizer, state.template, state.special, cfg.trust_request_chat_template))
             return await serve(request, req, model)
         return await guarded(request, go)
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        async def go():
+            seen = {}
+
+            def parse(body, b):
+                seen["body"] = body
+                return protocol.parse_chat(responses.chat_body(body), state.limits, b.tokenizer,
+                                           state.template, state.special, cfg.trust_request_chat_template)
+            req, model = await checked(request, parse)
+            return await serve(request, req, model, lambda chat: responses.response(seen["body"], chat))
+        return await guarded(request, go)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        backend()
+        await body_of(request)         # a JSON route like the others (415, 413), then vLLM's answer
+        raise responses.embeddings_unsupported()
 
     def model_card(name: str) -> dict:
         b = state.backend

@@ -198,3 +198,36 @@ def test_lm_eval_local_completions_5x_faster_same_numbers(srv):
     assert new[1] == pytest.approx(old[1], abs=1e-3)
     assert t_old >= 5 * t_new, (t_old, t_new)
     assert_clean(srv)
+
+
+def test_embeddings_refused_and_responses_served_as_vllm_does(srv):
+    """A generative model: /v1/embeddings is vLLM's 400; /v1/responses runs over the chat path
+    (the same tokens as the chat completion of the same messages)."""
+    status, _, raw = request(srv.port, "POST", "/v1/embeddings", {"model": "smol", "input": "hello"})
+    assert status == 400 and json.loads(raw) == {"error": {
+        "message": "The model does not support Embeddings API", "type": "BadRequestError", "param": None,
+        "code": 400}}
+    resp = post(srv, {"model": "smol", "instructions": "Answer briefly.", "max_output_tokens": 3,
+                      "temperature": 0, "input": [{"role": "user", "content": [
+                          {"type": "input_text", "text": "What is the capital of France?"}]}]}, "/v1/responses")
+    chat = post(srv, {"model": "smol", "max_tokens": 3, "temperature": 0, "messages": [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "What is the capital of France?"}]}, "/v1/chat/completions")
+    assert resp["object"] == "response" and resp["id"].startswith("resp_")
+    (msg,) = resp["output"]
+    assert msg["type"] == "message" and msg["role"] == "assistant"
+    assert msg["content"][0]["type"] == "output_text"
+    assert msg["content"][0]["text"] == chat["choices"][0]["message"]["content"]
+    finished = chat["choices"][0]["finish_reason"] == "stop"
+    assert resp["status"] == ("completed" if finished else "incomplete")
+    assert resp["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]
+    assert resp["usage"]["output_tokens"] == chat["usage"]["completion_tokens"]
+    simple = post(srv, {"model": "smol", "input": "Hi", "max_output_tokens": 1}, "/v1/responses")
+    assert simple["usage"]["output_tokens"] == 1 and simple["incomplete_details"] == {"reason": "max_output_tokens"}
+    for refused in ({"stream": True}, {"tools": [{"type": "function", "name": "f"}]},
+                    {"previous_response_id": "resp_x"}):
+        status, _, raw = request(srv.port, "POST", "/v1/responses", {"model": "smol", "input": "Hi", **refused})
+        assert status == 400 and "not supported" in json.loads(raw)["error"]["message"], raw
+    status, _, raw = request(srv.port, "POST", "/v1/responses", {"model": "smol", "input": [{"type": "input_image"}]})
+    assert status == 400 and json.loads(raw)["error"]["param"] == "input"
+    assert_clean(srv)
