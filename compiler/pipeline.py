@@ -43,8 +43,8 @@ PIPELINE = [
     ("fuse_linear_prologue", fuse_linear_prologue),  # else into the down GEMM's input load
     ("fuse_lm_head", fuse_lm_head),                # final add + norm + lm_head on last tokens only
     ("fuse_route_align", fuse_route_align),        # MoE router + token grouping by expert in one launch
-    ("row_logits", row_logits),                    # logits of any rows (prompt logprobs): keep the
-                                                   # lm_head's inputs to the end, name its launches
+    ("row_logits", row_logits),                    # logits of any rows (prompt logprobs): name the
+                                                   # logits tail, keep its inputs live to the end
     ("eliminate_dead", eliminate_dead),
     ("materialize_views", materialize_views),      # copy strided views before kernels that need it
     ("merge_prologues", merge_prologues),          # narrow decode steps: add + RMSNorm in the GEMV

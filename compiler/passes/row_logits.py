@@ -5,8 +5,9 @@ A plan's logits come from a tail of launches that starts by gathering each seque
 (`last`, or `lm_head_last` once fused) and ends at the logits output: the final norm and the
 vocabulary projection, whatever the model's (bias, softcap). Run again with other rows in place
 of the last rows (and as many rows as there are), the same tail gives those rows' logits. This
-pass finds the tail and keeps its per-token inputs alive to the end of every program (graph
-outputs, so no later launch reuses their memory); plan["row_logits"] records it:
+pass finds the tail and has plan_memory keep its per-token inputs alive to the end of every
+program (no later launch reuses their memory; they stay graph values, not outputs, so their
+dtype is the model's); plan["row_logits"] records it:
 
     {"tail": [the first output of each tail launch, in order], "inputs": [the kept values]}
 
@@ -40,8 +41,5 @@ def row_logits(state):
         value = acts[0]
     tail.reverse()
     kept = [i for i in tail[0].inputs if g.values[i].kind not in ("weight", "marker")]
-    for k, v in enumerate(kept):
-        g.outputs.append(v)
-        g.output_names.append(f"row_logits.{k}")
     state.row_logits = {"tail": [n.outputs[0] for n in tail], "inputs": kept}
     state.note("row_logits", f"tail {' -> '.join(n.op for n in tail)}, keeping {', '.join(kept)}")
