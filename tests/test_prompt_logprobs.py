@@ -91,3 +91,45 @@ def test_tiny_model_chunked_prompt_logprobs_equal_forced_tokens(tiny_plan, cachi
     assert e.metrics.prefix_cache_hits_total - hits == (siblings if caching else 0)
     for p in range(3):                      # the n = 2 siblings generate as the scoring one
         assert outs[(f"p{p}", 0)] == outs[(f"p{p}", 1)]
+
+
+def assert_tail_inputs_kept(plan, T=7, B=3):
+    """No launch of the logits tail writes where the tail's inputs live (plan_memory keeps them
+    to the end of the step, so the runtime can re-run the tail after the program)."""
+    from infc.compiler.contract.schema import DTYPE_BYTES
+
+    def span(name):
+        b = plan["buffers"][name]
+        o = b["offset"]
+        start = o["T"] * T + o["B"] * B + o["bytes"]
+        return start, start + int(np.prod([{"T": T, "B": B}.get(x, x) for x in b["shape"]])) * DTYPE_BYTES[b["dtype"]]
+    kept = [span(n) for n in plan["row_logits"]["inputs"]]
+    for out in plan["row_logits"]["tail"]:
+        a, z = span(out)
+        assert all(z <= s or e <= a for s, e in kept), (out, plan["row_logits"])
+
+
+def test_row_logits_of_an_unfused_plan_equal_each_prefix_last_logits(tiny_model):
+    """--no-fuse: the tail is last -> rms_norm -> linear, three launches re-run at other rows; row
+    j of a prefill gives the logits the prefill of its first j + 1 tokens gives at its last row."""
+    from infc.compiler.build import compile_model
+    from infc.runtime.reference.executor import ReferenceExecutor
+    from infc.compiler.contract.safetensors_io import Checkpoint
+    from infc.runtime.weights.load import load_weights
+    from infc.runtime.engine.step import Chunk
+    d, _ = tiny_model("qwen3")
+    _, plan = compile_model(model_dir=str(d), fuse=False)
+    ops = {l["outputs"][0]: l["op"] for l in plan["programs"]["prefill"] if "op" in l}
+    assert [ops[n] for n in plan["row_logits"]["tail"]] == ["last", "rms_norm", "linear"]
+    for p in (plan, compile_model("c4ai-command-r-v01")[1]):    # Cohere: LayerNorm, never fused
+        assert_tail_inputs_kept(p)
+    ex = ReferenceExecutor(plan, load_weights(plan, Checkpoint(d)))
+    ids = np.random.default_rng(3).integers(0, 320, 11).tolist()
+    ex.allocate_pages(8, 16)
+    meta = ex.oracle.step([Chunk(0, ids, 0)])
+    _, blocks = ex._execute(meta, ex.oracle.storage, [2, 7, 10])
+    (at, rows), = list(blocks)
+    for k, j in enumerate([2, 7, 10]):
+        ex.free(1)
+        want = ex.step([Chunk(1, ids[:j + 1], 0)])[0]
+        assert np.allclose(rows[k], want, atol=1e-4), j
