@@ -14,7 +14,7 @@ from infc.runtime.engine.runner import RowSampling
 from infc.runtime.engine.sampling import SamplingParams
 from infc.runtime.engine.step import Chunk, build_step
 from test_cuda_ranks import FakeCtx, FakeGraph, cuda_mods, fake_device, fake_launch  # noqa: F401
-from test_prompt_logprobs import assert_same, engine_scores, forced_reference
+from prompt_scoring import assert_same, engine_scores, forced_reference
 
 
 @pytest.fixture(scope="module")
