@@ -2,13 +2,14 @@
 `prompt_logprobs` on completions and chat.
 
 Where the engine scores prompt rows (Engine.scores_prompts: a runner with row logits, the CPU
-backend), a request's prompt logprobs come from the one prefill that reads its prompt: its
+runner and the one-process CUDA runner), a request's prompt logprobs come from the one prefill that reads its prompt: its
 engine requests carry SamplingParams.prompt_logprobs (the largest k any view asks for), and the
 first output of each prompt brings them. Echo with max_tokens 0 asks one token, dropped (vLLM
 does the same). So a scoring request is the client's request and nothing more: one engine
 request a prompt in the admission cost and in /metrics.
 
-Elsewhere (the CUDA runner has no row-logits launch yet) echo with logprobs keeps the old path:
+Elsewhere (rank processes, data-parallel ranks: no row logits yet) echo with logprobs keeps the
+old path:
 each prompt token asked of its own one-token request (prompt ids[:i], greedy, every token but
 ids[i] banned through stop_token_ids until min_tokens = 1), the prompt's full blocks cached
 first so the others compute at most a page each, WINDOW at a time. Those internal requests show
