@@ -42,6 +42,18 @@ def test_tiny_model_chunked_prompt_logprobs_equal_forced_tokens(tiny_plan, cachi
         assert outs[(f"p{p}", 0)] == outs[(f"p{p}", 1)]
 
 
+def test_llm_request_output_carries_prompt_logprobs(tiny_model, tiny_plan):
+    """LLM.generate hands them out as vLLM's RequestOutput.prompt_logprobs: the engine's."""
+    from infc.llm import LLM
+    d, _ = tiny_model("qwen3")
+    ids = np.random.default_rng(5).integers(0, 320, 12).tolist()
+    (out,) = LLM(d, device="cpu", kv_cache_tokens=256).generate(
+        ids, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2))
+    plan, weights = tiny_plan
+    want, _ = engine_scores(Engine(CPURunner(plan, weights, 64, 16), max_model_len=1024), [ids], 2)
+    assert_same(out.prompt_logprobs, want[0], 1e-5)
+
+
 def assert_tail_inputs_kept(plan, T=7, B=3):
     """No launch of the logits tail writes where the tail's inputs live (plan_memory keeps them
     to the end of the step, so the runtime can re-run the tail after the program)."""
