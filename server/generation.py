@@ -254,17 +254,14 @@ class Generation:
                                    "logprobs": None, "finish_reason": None} for i in range(req.n)], live)
             held = []
             if req.echo:
-                if req.logprobs is None:
-                    pass
-                elif self.in_engine:      # each prompt's logprobs come with its first output
-                    while any(p is None for p in self.prompt_logprobs):
-                        k, out = await anext(outs, (None, None))
-                        if out is None:
-                            raise RuntimeError("the engine ended a request without its prompt logprobs")
-                        held.append((k, out))
-                        self.seen(k, out)
-                else:
-                    await self.score_prompts()
+                # each prompt's logprobs come with its first output (held back until all have)
+                while self.in_engine and req.logprobs is not None and None in self.prompt_logprobs:
+                    k, out = await anext(outs, (None, None))
+                    if out is None:
+                        raise RuntimeError("the engine ended a request without its prompt logprobs")
+                    held.append((k, out))
+                    self.seen(k, out)
+                await self.score_prompts()       # the forced-token path (nothing where the engine scores)
                 first = []
                 for k in range(len(req.prompts)):
                     for i in range(req.n):

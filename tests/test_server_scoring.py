@@ -110,6 +110,15 @@ def test_prompt_logprobs_as_vllm_returns_them(srv):
         assert (mine["rank"] <= 2) == (len(entry) == 2)       # the token itself, and the top 2
     assert choice["logprobs"]["top_logprobs"][1] == {choice["logprobs"]["tokens"][1]:
                                                       choice["logprobs"]["token_logprobs"][1]}   # logprobs 0
+    # streamed, the echo's chunk waits for the prompt's logprobs (they come with its first token)
+    status, _, raw = request(srv.port, "POST", "/v1/completions", {
+        "model": "smol", "prompt": ids, "max_tokens": 2, "echo": True, "logprobs": 0, "temperature": 0,
+        "stream": True})
+    events = [json.loads(line[6:]) for line in raw.decode().splitlines()
+              if line.startswith("data: {")]
+    assert status == 200 and all("error" not in e for e in events), raw[:300]
+    first = events[0]["choices"][0]["logprobs"]
+    assert first["token_logprobs"] == pytest.approx(choice["logprobs"]["token_logprobs"][:len(ids)], abs=1e-6)
     chat = post(srv, {"model": "smol", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
                       "prompt_logprobs": 1}, "/v1/chat/completions")
     assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]

@@ -470,10 +470,11 @@ class Engine:
         reason = self._check_stop(seq, tok)
         if reason is not None:
             self._finish(seq, reason, now)
+        first = len(seq.token_ids) == seq.num_prompt_tokens + 1        # its first output token
         out = StepOutput(seq.request_id, seq.index, [tok], self._text_delta(seq), new_lp,
                          seq.finish_reason, seq.stop_reason, num_prompt_tokens=seq.num_prompt_tokens,
                          num_cached_tokens=seq.num_cached_tokens,
-                         prompt_logprobs=seq.prompt_logprobs if len(seq.token_ids) == seq.num_prompt_tokens + 1 else None)
+                         prompt_logprobs=seq.prompt_logprobs if first else None)
         if seq.finished and all(s.finished for s in req.seqs):
             del self.requests[req.id]
             self._count_finish(req, reason)
