@@ -30,6 +30,7 @@ test: $(VENV)/.dev
 	$(PY) -m pytest -n auto
 
 test-all: $(VENV)/.dev
+	$(PIP) install -e '.[dev,eval]'
 	$(PY) -m pytest -n auto --exhaustive
 
 generated: $(VENV)/.run

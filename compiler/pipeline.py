@@ -19,6 +19,7 @@ from .passes.materialize_views import materialize_views
 from .passes.merge_prologues import merge_prologues
 from .passes.plan_memory import plan_memory
 from .passes.rotate_residual import rotate_residual
+from .passes.row_logits import row_logits
 from .passes.select_kernels import select_kernels
 from .passes.shard_ranks import shard_ranks
 from .passes.split_attention import split_attention
@@ -42,6 +43,8 @@ PIPELINE = [
     ("fuse_linear_prologue", fuse_linear_prologue),  # else into the down GEMM's input load
     ("fuse_lm_head", fuse_lm_head),                # final add + norm + lm_head on last tokens only
     ("fuse_route_align", fuse_route_align),        # MoE router + token grouping by expert in one launch
+    ("row_logits", row_logits),                    # logits of any rows (prompt logprobs): name the
+                                                   # logits tail, keep its inputs live to the end
     ("eliminate_dead", eliminate_dead),
     ("materialize_views", materialize_views),      # copy strided views before kernels that need it
     ("merge_prologues", merge_prologues),          # narrow decode steps: add + RMSNorm in the GEMV

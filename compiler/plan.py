@@ -22,6 +22,8 @@
                 inputs are its, output: the index of its output the consumer reads, value: that
                 output's name (not written), writes: how many of the launch's outputs are its,
                 attrs})
+    row_logits  {tail, inputs}: the launches (by first output) that turn per-token values into
+                logits at last_rows, re-run at other rows for prompt logprobs (passes/row_logits.py)
     parallel    (rank plans of `--tensor-parallel-size N` / `--data-parallel-size N` only)
                 {world, rank, tp, ep[, dp]}: this plan is rank `rank`'s share (compiler/parallel.py);
                 its collective launches have backend "nccl" and no kernel. With dp, each rank runs
@@ -183,6 +185,7 @@ def emit_plan(state) -> dict:
         **({"short_tokens": SHORT_TOKENS} if "short" in state.kernels else {}),
         **({"wide_tokens": wide_tokens(state)} if "wide" in state.kernels else {}),
         **({"narrow_tokens": NARROW_TOKENS} if "narrow" in state.kernels else {}),
+        **({"row_logits": state.row_logits} if state.row_logits else {}),
     }
 
 

@@ -21,6 +21,7 @@ class CompileState:
     merges: dict = field(default_factory=dict)     # phase -> producer node id -> consumer node id
                                                    # (merge_prologues: one launch in that phase)
     parallel: dict | None = None     # {"world", "rank", "tp", "ep"}: this plan is rank r's share
+    row_logits: dict | None = None   # set by row_logits: the logits tail to re-run at other rows
 
     def note(self, pass_name: str, msg: str):
         self.log.append((pass_name, msg))

@@ -33,6 +33,7 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0               # prompt tokens served from the prefix cache
     metrics: dict | None = None
+    prompt_logprobs: list | None = None      # SamplingParams.prompt_logprobs: None, then one entry a token
 
     @property
     def text(self) -> str:
@@ -140,6 +141,8 @@ class LLM:
                         c.logprobs = (c.logprobs or []) + out.logprobs
                     c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
                     req.num_cached_tokens = max(req.num_cached_tokens, out.num_cached_tokens)
+                    if out.prompt_logprobs is not None:
+                        req.prompt_logprobs = out.prompt_logprobs
                     if out.request_finished:
                         req.metrics = out.metrics
         finally:

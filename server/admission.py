@@ -3,9 +3,9 @@ capacity (--max-num-seqs running plus --max-queued-requests waiting); past it, 4
 Retry-After, before any engine work.
 
 A request's cost is one sequence per choice of each prompt (prompts x n), plus, for echo with
-logprobs, the engine requests that score its prompts (scoring.requests_for: one per prompt token
-after the first today, one prefill once prompt logprobs are the engine's). So a flood of
-echo + logprobs requests is refused as the work it is, not as one sequence each. A request that
+logprobs where the engine cannot score prompt rows, the forced-token requests that score its
+prompts (scoring.requests_for: one per prompt token after the first; none where the prefill
+scores them). So a flood of echo + logprobs requests is refused as the work it is. A request that
 alone costs more than the whole capacity counts as the whole capacity: it waits for an idle
 server (429 until then) rather than being refused forever.
 """
@@ -13,11 +13,9 @@ from . import scoring
 from .protocol import APIError, GenRequest
 
 
-def cost(req: GenRequest) -> int:
+def cost(req: GenRequest, engine=None) -> int:
     seqs = len(req.prompts) * req.n
-    if req.echo and req.logprobs is not None:
-        seqs += sum(scoring.requests_for(len(ids)) for ids in req.prompts)
-    return seqs
+    return seqs + sum(scoring.requests_for(engine, req, len(ids)) for ids in req.prompts)
 
 
 def capacity(config) -> int:
@@ -27,7 +25,7 @@ def capacity(config) -> int:
 def admit(state, req: GenRequest):
     """Count the request in, or raise the 429; returns its release (idempotent)."""
     limit = capacity(state.config)
-    seqs = min(cost(req), limit)
+    seqs = min(cost(req, state.backend.engine if state.backend is not None else None), limit)
     if state.inflight_seqs + seqs > limit:
         raise APIError(429, f"the server is at capacity ({state.inflight_seqs} sequences running or "
                             f"queued, at most {limit}; this request needs {seqs}): retry later", "requests",

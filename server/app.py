@@ -51,7 +51,7 @@ from infc.runtime.engine.async_engine import EngineDeadError
 from infc.runtime.engine.sampling import SamplingParams
 from infc.runtime.engine.structured.request import StructuredOutputError
 
-from . import admission, metrics, outputs, protocol, structured
+from . import admission, metrics, outputs, protocol, responses, scoring, structured
 from .generation import Generation, engine_error
 from .http import (ClientGone, Guard, SSEResponse, dumps, error_response, json_bytes_response, json_response,
                    read_body, require_json, until_disconnect)
@@ -112,8 +112,8 @@ def make_app(state: ServerState) -> FastAPI:
 
     def engine_check(b, req: protocol.GenRequest):
         """The engine's own rules for every prompt, before any reply (echo alone: its scoring asks
-        one token after each prefix of the prompt)."""
-        params = req.params if req.params is not None else SamplingParams(max_tokens=1)
+        one token after the prompt, or after each prefix of it)."""
+        params = scoring.engine_params(b.engine, req) or SamplingParams(max_tokens=1)
         for ids in req.prompts:
             try:
                 b.engine.check_request(ids, params)
@@ -138,13 +138,15 @@ def make_app(state: ServerState) -> FastAPI:
         await off_loop(engine_check, b, req)
         return req, model
 
-    async def serve(request: Request, req: protocol.GenRequest, model: str):
+    async def serve(request: Request, req: protocol.GenRequest, model: str, render=None):
+        """render(body) -> the reply's body (/v1/responses: the chat completion as a Response)."""
         release = admission.admit(state, req)
         g = Generation(state, req, model)
         if req.stream:
             return SSEResponse(g.stream(), release)
         try:
-            return json_response(await until_disconnect(request, g.collect()))
+            body = await until_disconnect(request, g.collect())
+            return json_response(render(body) if render else body)
         except ClientGone:
             return Response(status_code=499)
         except APIError:
@@ -177,6 +179,25 @@ def make_app(state: ServerState) -> FastAPI:
                     cfg.trust_request_chat_template)))
             return await serve(request, req, model)
         return await guarded(request, go)
+
+    @app.post("/v1/responses")
+    async def create_response(request: Request):
+        async def go():
+            seen = {}
+
+            def parse(body, b):
+                seen["body"] = body
+                return protocol.parse_chat(responses.chat_body(body), state.limits, b.tokenizer,
+                                           state.template, state.special, cfg.trust_request_chat_template)
+            req, model = await checked(request, parse)
+            return await serve(request, req, model, lambda chat: responses.response(seen["body"], chat))
+        return await guarded(request, go)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        backend()
+        await body_of(request)         # a JSON route like the others (415, 413), then vLLM's answer
+        raise responses.embeddings_unsupported()
 
     def model_card(name: str) -> dict:
         b = state.backend

@@ -63,6 +63,8 @@ def add_serve_args(p: argparse.ArgumentParser):
     add_parallel_args(p)
     p.add_argument("--kv-cache-memory-bytes", type=int, help="KV cache size on the cpu device (default 1 GiB)")
     p.add_argument("--max-logprobs", type=int, default=20)
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage.prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache held")
     p.add_argument("--chat-template", help="a chat template file, or the template itself")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="accept a chat_template field in requests")
@@ -114,7 +116,8 @@ def config_from_args(args):
         max_header_bytes=args.max_header_bytes,
         chat_template=template, trust_request_chat_template=args.trust_request_chat_template,
         root=args.model_path, tool_call_parser=args.tool_call_parser,
-        enable_auto_tool_choice=args.enable_auto_tool_choice, reasoning_parser=args.reasoning_parser)
+        enable_auto_tool_choice=args.enable_auto_tool_choice, reasoning_parser=args.reasoning_parser,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details)
 
 
 def backend_kwargs(args) -> dict:

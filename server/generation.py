@@ -79,6 +79,14 @@ def tool_finish(finish: str | None, called: bool) -> str | None:
     return "tool_calls" if called and finish == "stop" else finish
 
 
+async def _chain(first: list, rest):
+    """The items of a list, then of an async iterator."""
+    for x in first:
+        yield x
+    async for x in rest:
+        yield x
+
+
 @dataclass
 class _Choice:
     text: str = ""
@@ -99,31 +107,62 @@ class Generation:
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.object = "chat.completion" if self.chat else "text_completion"
-        self.prompt_logprobs: list = [None] * len(req.prompts)
+        self.prompt_logprobs: list = [None] * len(req.prompts)   # engine entries, one list a prompt
+        self.cached_tokens = [0] * len(req.prompts)               # prefix-cache hits, a prompt's
         self.prompt_tokens = sum(len(p) for p in req.prompts)
+        self.params = scoring.engine_params(self.engine, req)
+        self.in_engine = scoring.in_engine(self.engine, req)
 
     # engine requests
     def jobs(self):
-        if self.req.params is None:
+        if self.params is None:
             return []
-        params = best_of.candidates(self.req.params)
+        params = best_of.candidates(self.params)
         return [(k, ids, params, f"{self.id}-{k}") for k, ids in enumerate(self.req.prompts)]
 
     def index(self, k: int, i: int) -> int:
         return k * self.req.n + i
 
+    def seen(self, k: int, out) -> bool:
+        """Note what an engine output brings for prompt k besides tokens (its prompt logprobs,
+        its cache hits); whether its tokens are the client's (not echo's one dropped token)."""
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs[k] = out.prompt_logprobs
+        if out.index == 0 and out.token_ids:
+            self.cached_tokens[k] = out.num_cached_tokens
+        return self.req.params is not None
+
     async def score_prompts(self):
-        """Prompt logprobs for echo: entry 0 has no context, so no logprob."""
-        if not (self.req.echo and self.req.logprobs is not None):
+        """Prompt logprobs for echo where the engine does not score prompt rows: the forced-token
+        path (scoring.forced_token_logprobs)."""
+        if self.in_engine or not (self.req.echo and self.req.logprobs is not None):
             return
 
         async def one(k, ids):
-            lps = await scoring.prompt_logprobs(self.engine, ids, self.req.logprobs, self.b.vocab_size,
-                                                f"{self.id}-{k}")
-            lps[0] = {"token": ids[0], "logprob": None, "top": None}
-            self.prompt_logprobs[k] = lps
+            self.prompt_logprobs[k] = await scoring.forced_token_logprobs(
+                self.engine, ids, self.req.logprobs, self.b.vocab_size, f"{self.id}-{k}")
 
         await run_all(*(one(k, ids) for k, ids in enumerate(self.req.prompts)))
+
+    def echo_entries(self, k: int) -> list:
+        """Prompt k's logprob entries as echo shows them: the first token has none."""
+        ids, top = self.req.prompts[k], self.req.logprobs
+        return ([{"token": ids[0], "logprob": None, "top": None}]
+                + [scoring.with_top(e, top) for e in self.prompt_logprobs[k][1:]])
+
+    def vllm_prompt_logprobs(self, k: int) -> list | None:
+        """vLLM's `prompt_logprobs` of prompt k: None first, then {token id: {logprob, rank,
+        decoded_token}} holding the prompt's token and the top k."""
+        if self.req.prompt_logprobs is None:
+            return None
+        out = [None]
+        for e in self.prompt_logprobs[k][1:]:
+            d = {str(e["token"]): {"logprob": e["logprob"], "rank": e["rank"],
+                                   "decoded_token": self.state.token_str(e["token"])}}
+            for r, (t, lp) in enumerate(e["top"][:self.req.prompt_logprobs], 1):
+                d.setdefault(str(t), {"logprob": lp, "rank": r, "decoded_token": self.state.token_str(t)})
+            out.append(d)
+        return out
 
     def echo_text(self, k: int) -> str:
         t = self.req.texts[k]
@@ -132,8 +171,11 @@ class Generation:
         return t
 
     def usage(self, completion_tokens: int) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": self.prompt_tokens + completion_tokens}
+        u = {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
+             "total_tokens": self.prompt_tokens + completion_tokens}
+        if self.state.config.enable_prompt_tokens_details:
+            u["prompt_tokens_details"] = {"cached_tokens": sum(self.cached_tokens)}
+        return u
 
     # logprobs, as the two endpoints spell them
     def completion_logprobs(self, entries: list, offset: int) -> tuple[dict, int]:
@@ -167,6 +209,8 @@ class Generation:
 
         async def gen():
             async for k, out in merged(self.engine, self.jobs()):
+                if not self.seen(k, out):
+                    continue
                 c = choices[(k, out.index)]
                 c.text += out.text
                 c.token_ids += out.token_ids
@@ -194,13 +238,16 @@ class Generation:
             if self.req.echo:
                 text = self.echo_text(k) + text
             if self.req.logprobs is not None:
-                entries = (self.prompt_logprobs[k] or []) + c.logprobs
+                entries = (self.echo_entries(k) if self.req.echo else []) + c.logprobs
                 lp, _ = self.completion_logprobs(entries, 0)
             out.append({"index": idx, "text": text, "logprobs": lp, "finish_reason": finish,
-                        "stop_reason": c.stop_reason})
+                        "stop_reason": c.stop_reason, "prompt_logprobs": self.vllm_prompt_logprobs(k)})
         out.sort(key=lambda c: c["index"])
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+        body = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": out, "usage": self.usage(generated)}
+        if self.chat:                      # vLLM's chat response carries them beside the choices
+            body["prompt_logprobs"] = self.vllm_prompt_logprobs(0)
+        return body
 
     def plan(self) -> AnswerPlan:
         return self.req.answer or AnswerPlan()
@@ -217,23 +264,34 @@ class Generation:
         req, done_tokens = self.req, 0
         offsets: dict[int, int] = {}
         answers: dict = {}                     # chat: each choice's AnswerStream
+        outs = merged(self.engine, self.jobs())
         try:
             live = self.usage(0) if req.continuous_usage else None
             if self.chat:
                 yield self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                    "logprobs": None, "finish_reason": None} for i in range(req.n)], live)
-            elif req.echo:
-                await self.score_prompts()
+            held = []
+            if req.echo:
+                # each prompt's logprobs come with its first output (held back until all have)
+                while self.in_engine and req.logprobs is not None and None in self.prompt_logprobs:
+                    k, out = await anext(outs, (None, None))
+                    if out is None:
+                        raise RuntimeError("the engine ended a request without its prompt logprobs")
+                    held.append((k, out))
+                    self.seen(k, out)
+                await self.score_prompts()       # the forced-token path (nothing where the engine scores)
                 first = []
                 for k in range(len(req.prompts)):
                     for i in range(req.n):
                         lp = None
                         if req.logprobs is not None:
-                            lp, offsets[self.index(k, i)] = self.completion_logprobs(self.prompt_logprobs[k], 0)
+                            lp, offsets[self.index(k, i)] = self.completion_logprobs(self.echo_entries(k), 0)
                         first.append({"index": self.index(k, i), "text": self.echo_text(k), "logprobs": lp,
                                       "finish_reason": None if req.params else "length", "stop_reason": None})
                 yield self.chunk(first, live)
-            async for k, out in merged(self.engine, self.jobs()):
+            async for k, out in _chain(held, outs):
+                if not self.seen(k, out):
+                    continue
                 idx = self.index(k, out.index)
                 done_tokens += len(out.token_ids)
                 if not (out.text or out.finished or (req.logprobs is not None and out.logprobs)):
@@ -266,4 +324,6 @@ class Generation:
         except Exception as e:  # noqa: BLE001 - a failure mid-stream is an error event, then [DONE]
             err = e if isinstance(e, APIError) else engine_error(e)
             yield sse(err.body())
+        finally:
+            await outs.aclose()            # its engine requests abort if they still run
         yield b"data: [DONE]\n\n"

@@ -1,6 +1,12 @@
 """/metrics: the engine's counters, gauges and histograms as Prometheus text, under vLLM's names
 (vllm:num_requests_running, vllm:time_to_first_token_seconds, ...) with a model_name label, so
-dashboards and benchmark tools built for vLLM read them unchanged."""
+dashboards, routers and benchmark tools built for vLLM read them unchanged; vllm:cache_config_info
+(a gauge at 1 whose labels are the KV cache's settings); and, as vLLM's prometheus_client registry
+shows them, the process and Python collectors (process_resident_memory_bytes, python_gc_*, ...).
+The engine measures (runtime/engine/metrics.py); this renders."""
+from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import CollectorRegistry
 
 GAUGES = {
     "num_requests_running": "Number of requests in model execution batches.",
@@ -19,6 +25,13 @@ HISTOGRAMS = {
     "inter_token_latency_seconds": "Histogram of inter-token latency in seconds.",
     "e2e_request_latency_seconds": "Histogram of e2e request latency in seconds.",
     "request_queue_time_seconds": "Histogram of time spent in WAITING phase for request.",
+    "request_prefill_time_seconds": "Histogram of time spent in PREFILL phase for request.",
+    "request_decode_time_seconds": "Histogram of time spent in DECODE phase for request.",
+    "request_inference_time_seconds": "Histogram of time spent in RUNNING phase for request.",
+    "request_time_per_output_token_seconds": "Histogram of time_per_output_token_seconds per request.",
+    "request_prompt_tokens": "Number of prefill tokens processed.",
+    "request_generation_tokens": "Number of generation tokens processed.",
+    "iteration_tokens_total": "Histogram of number of tokens per engine_step.",
 }
 
 
@@ -28,6 +41,14 @@ def _label(v: str) -> str:
 
 def _num(v) -> str:
     return repr(float(v))
+
+
+def _process() -> bytes:
+    """The process, platform and GC collectors, as prometheus_client's default registry has them."""
+    reg = CollectorRegistry(auto_describe=False)
+    for c in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+        reg.register(c)
+    return generate_latest(reg)
 
 
 def render(stats: dict, model_name: str) -> str:
@@ -58,4 +79,9 @@ def render(stats: dict, model_name: str) -> str:
         out.append(f'vllm:{name}_bucket{{le="+Inf",{m}}} {_num(total)}')
         out.append(f"vllm:{name}_sum{{{m}}} {_num(s)}")
         out.append(f"vllm:{name}_count{{{m}}} {_num(total)}")
-    return "\n".join(out) + "\n"
+    info = stats.get("cache_config_info")
+    if info:
+        labels = ",".join(f'{k}="{_label(str(v))}"' for k, v in sorted(info.items()))
+        out += ["# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
+                "# TYPE vllm:cache_config_info gauge", f"vllm:cache_config_info{{{labels}}} 1.0"]
+    return "\n".join(out) + "\n" + _process().decode()

@@ -178,6 +178,7 @@ class GenRequest:
     continuous_usage: bool = False
     max_tokens: int | None = None
     answer: object = None              # chat: its chat_output.AnswerPlan (outputs.py)
+    prompt_logprobs: int | None = None # vLLM's: the prompt's logprobs with the top k (server/scoring.py)
 
 
 @dataclass
@@ -209,7 +210,7 @@ def prompt_char_bound(tokenizer, max_model_len: int) -> int | None:
 
 
 _UNSUPPORTED = {                       # field -> its neutral values (anything else is a 400)
-    "use_beam_search": (False,), "length_penalty": (1, 1.0), "prompt_logprobs": (),
+    "use_beam_search": (False,), "length_penalty": (1, 1.0),
     "logits_processors": (), "truncate_prompt_tokens": (),
     "prompt_embeds": (), "spaces_between_special_tokens": (True,), "suffix": ("",),
 }
@@ -224,6 +225,13 @@ def _reject_unsupported(body: dict):
                 _is_num(v) and float(v) == float(neutral[0]):
             continue
         raise bad(f"'{name}' is not supported by this server", name)
+
+
+def _prompt_logprobs(f: Fields, lim: Limits, stream: bool) -> int | None:
+    k = f.int("prompt_logprobs", None, 0, lim.max_logprobs)
+    if k and stream:                   # vLLM's rule and words
+        raise bad("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+    return k
 
 
 def _stop(f: Fields) -> list[str]:
@@ -417,7 +425,7 @@ def parse_completion(body: dict, lim: Limits, tokenizer) -> GenRequest:
         _check_context(lim, len(ids), max_tokens, "prompt")
         prompts.append(ids)
     return GenRequest("completion", prompts, texts, params, n, echo, logprobs, stream, include_usage,
-                      continuous, max_tokens)
+                      continuous, max_tokens, _prompt_logprobs(f, lim, stream))
 
 
 def encode(tokenizer, text: str, param: str) -> list[int]:
@@ -567,4 +575,4 @@ def parse_chat(body: dict, lim: Limits, tokenizer, template: str | None, special
         raise bad("the rendered chat is empty", "messages")
     _check_context(lim, len(ids), max_tokens, "messages")
     return GenRequest("chat", [ids], [text], params, n, False, logprobs, stream, include_usage,
-                      continuous, max_tokens)
+                      continuous, max_tokens, _prompt_logprobs(f, lim, stream))

@@ -1,26 +1,63 @@
-"""Prompt logprobs (echo with logprobs) through the engine's public door, on any backend.
+"""Prompt logprobs for the server: echo with logprobs on /v1/completions, and vLLM's
+`prompt_logprobs` on completions and chat.
 
-The engine samples only at the end of a chunk and has no prompt-logprobs path: its plans emit
-logits for the last row of each sequence, not for every prompt position. So the logprob of
-prompt token i is asked for the way the engine can answer it: a one-token request whose prompt
-is ids[:i], greedy, with every token but ids[i] banned (stop_token_ids, which the engine bans
-until min_tokens = 1 is reached). The runner reports logprobs from the unmasked logits, so the
-forced token's logprob and the top alternatives are exactly the model's.
+Where the engine scores prompt rows (Engine.scores_prompts: a runner with row logits, the CPU
+runner and the one-process CUDA runner), a request's prompt logprobs come from the one prefill that reads its prompt: its
+engine requests carry SamplingParams.prompt_logprobs (the largest k any view asks for), and the
+first output of each prompt brings them. Echo with max_tokens 0 asks one token, dropped (vLLM
+does the same). So a scoring request is the client's request and nothing more: one engine
+request a prompt in the admission cost and in /metrics.
 
-Cost: the request for the whole prompt (ids[:-1]) runs first, and its full KV blocks enter the
-prefix cache; the others then reuse them and compute at most one page each (at most 16 tokens),
-`WINDOW` at a time. With --no-enable-prefix-caching each recomputes its prefix (quadratic).
-These internal requests show in the engine's metrics (request and token counters).
-
-What would replace this: SamplingParams.prompt_logprobs in the engine, with the runner
-returning logits for every prompt row of a chunk (the plan's lm_head over all rows, not only the
-last), so one prefill answers every position.
+Elsewhere (rank processes, data-parallel ranks: no row logits yet) echo with logprobs keeps the
+old path:
+each prompt token asked of its own one-token request (prompt ids[:i], greedy, every token but
+ids[i] banned through stop_token_ids until min_tokens = 1), the prompt's full blocks cached
+first so the others compute at most a page each, WINDOW at a time. Those internal requests show
+in no metrics (counted=False); `prompt_logprobs` itself is refused there (the engine's check).
 """
 import asyncio
+import dataclasses
 
 from infc.runtime.engine.sampling import SamplingParams
 
 WINDOW = 32
+
+
+def asked(req) -> int | None:
+    """The prompt logprobs' k the request needs: the larger of echo's logprobs and
+    prompt_logprobs; None when it needs none."""
+    ks = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
+    return max(ks) if ks else None
+
+
+def in_engine(engine, req) -> bool:
+    """Whether the request's prompt logprobs come from its own prefill (else the forced-token path)."""
+    return asked(req) is not None and bool(getattr(engine, "scores_prompts", False))
+
+
+def engine_params(engine, req) -> SamplingParams | None:
+    """The SamplingParams of each engine request of this request (None: it needs none): the
+    parsed ones, with prompt_logprobs where they are asked of the engine; one dropped token
+    where nothing is to be generated (echo with max_tokens 0)."""
+    k = asked(req)
+    if k is None or (req.prompt_logprobs is None and not in_engine(engine, req)):
+        return req.params                  # nothing to score, or echo on the forced-token path
+    # (prompt_logprobs where the engine cannot score: its check refuses the request, and says why)
+    base = req.params or SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    return dataclasses.replace(base, prompt_logprobs=k)
+
+
+def requests_for(engine, req, n_tokens: int) -> int:
+    """Engine requests besides the request's own that scoring a prompt of n_tokens causes
+    (admission.cost counts them): none where the engine scores prompts."""
+    if asked(req) is None or in_engine(engine, req):
+        return 0
+    return max(0, n_tokens - 1)
+
+
+def with_top(entry: dict | None, k: int) -> dict | None:
+    """An engine entry cut to k alternatives (the engine computed the largest k any view asked)."""
+    return None if entry is None else {**entry, "top": entry["top"][:k]}
 
 
 class _AllBut:
@@ -36,20 +73,15 @@ class _AllBut:
 _cache: dict[int, _AllBut] = {}
 
 
-def requests_for(n_tokens: int) -> int:
-    """Engine requests that scoring a prompt of n_tokens causes (admission.cost counts them)."""
-    return max(0, n_tokens - 1)
-
-
 def _all_but(vocab_size: int, keep: int) -> list[int]:
     if vocab_size not in _cache:
         _cache[vocab_size] = _AllBut(vocab_size)
     return _cache[vocab_size](keep)
 
 
-async def prompt_logprobs(engine, ids: list[int], top: int, vocab_size: int, request_id: str) -> list:
-    """[None, {"token", "logprob", "top": [(id, logprob)]}, ...]: one entry per prompt token (the
-    first has no context, hence None)."""
+async def forced_token_logprobs(engine, ids: list[int], top: int, vocab_size: int, request_id: str) -> list:
+    """The old path: [None, {"token", "logprob", "top": [(id, logprob)]}, ...], one entry per
+    prompt token (the first has no context, hence None), one engine request each."""
     result: list = [None] * len(ids)
 
     async def score(i: int):
@@ -57,7 +89,8 @@ async def prompt_logprobs(engine, ids: list[int], top: int, vocab_size: int, req
                                 stop_token_ids=_all_but(vocab_size, ids[i]), logprobs=top,
                                 skip_special_tokens=False)
         # a prefix of a prompt the server checked, with max_tokens 1: it fits where the prompt did
-        async for out in engine.generate(ids[:i], params, f"{request_id}-score-{i}", checked=True):
+        async for out in engine.generate(ids[:i], params, f"{request_id}-score-{i}", checked=True,
+                                         counted=False):
             if out.token_ids and out.logprobs:
                 lp = out.logprobs[0]
                 if out.token_ids[0] != ids[i]:       # the ban did not hold: a bug, say so

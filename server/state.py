@@ -22,6 +22,7 @@ class ServerConfig:
     tool_call_parser: str | None = None      # tool_parsers.PARSERS' names; None: the template's
     enable_auto_tool_choice: bool = False    # with no parser named, the template must imply one
     reasoning_parser: str | None = None      # reasoning.REASONING_PARSERS' names
+    enable_prompt_tokens_details: bool = False   # usage.prompt_tokens_details.cached_tokens
 
 
 class ServerState:

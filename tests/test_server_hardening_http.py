@@ -79,17 +79,28 @@ def _req(prompts, n=1, echo=False, logprobs=None):
     return GenRequest("completion", prompts, [None] * len(prompts), None, n, echo, logprobs)
 
 
+class _Engine:
+    def __init__(self, scores_prompts):
+        self.scores_prompts = scores_prompts
+
+
 def test_cost_counts_prompt_scoring():
-    assert admission.cost(_req([[1] * 5, [1] * 3], n=2)) == 4
-    assert admission.cost(_req([[1] * 5, [1] * 3], n=2, echo=True)) == 4                  # no logprobs: no scoring
-    assert admission.cost(_req([[1] * 5, [1] * 3], n=2, logprobs=1)) == 4                 # no echo: no scoring
-    assert admission.cost(_req([[1] * 5, [1] * 3], n=2, echo=True, logprobs=0)) == 4 + 4 + 2
-    assert admission.cost(_req([[7]], echo=True, logprobs=2)) == 1
+    """Where the engine cannot score prompt rows, echo + logprobs costs its forced-token requests
+    (one per prompt token after the first); where it can, its prefill scores them: nothing more."""
+    for engine in (None, _Engine(False)):
+        assert admission.cost(_req([[1] * 5, [1] * 3], n=2), engine) == 4
+        assert admission.cost(_req([[1] * 5, [1] * 3], n=2, echo=True), engine) == 4          # no logprobs
+        assert admission.cost(_req([[1] * 5, [1] * 3], n=2, logprobs=1), engine) == 4         # no echo
+        assert admission.cost(_req([[1] * 5, [1] * 3], n=2, echo=True, logprobs=0), engine) == 4 + 4 + 2
+        assert admission.cost(_req([[7]], echo=True, logprobs=2), engine) == 1
+    assert admission.cost(_req([[1] * 5, [1] * 3], n=2, echo=True, logprobs=0), _Engine(True)) == 4
 
 
-def test_echo_logprobs_admitted_by_its_scoring_work():
-    s = live(max_num_seqs=8, max_queued_requests=2)            # capacity 10 sequences
-    ids = list(range(1000, 1012))                              # 12 tokens: 11 scoring requests + 1
+def test_echo_logprobs_costs_one_sequence():
+    """The prefill that reads the prompt scores it: an echo + logprobs request of 12 tokens is one
+    sequence (the forced-token path's 12 would be refused at a capacity of 2 with one in flight)."""
+    s = live(max_num_seqs=1, max_queued_requests=1)            # capacity 2 sequences
+    ids = list(range(1000, 1012))
     scored = {"model": "smol", "prompt": ids, "max_tokens": 1, "echo": True, "logprobs": 1, "temperature": 0}
     hold = http.client.HTTPConnection("127.0.0.1", s.port, timeout=120)
     hold.request("POST", "/v1/completions", headers={"Content-Type": "application/json"}, body=json.dumps(
@@ -98,18 +109,12 @@ def test_echo_logprobs_admitted_by_its_scoring_work():
     r = hold.getresponse()
     assert r.status == 200 and r.readline().startswith(b"data: ")            # one sequence in flight
     try:
-        status, headers, body = request(s.port, "POST", "/v1/completions", scored)
-        assert status == 429 and int(headers["retry-after"]) >= 1, body[:300]
-        assert json.loads(body)["error"]["code"] == "rate_limit_exceeded"
-        plain = dict(scored, echo=False, logprobs=None)
-        assert request(s.port, "POST", "/v1/completions", plain)[0] == 200   # one sequence still fits
+        status, headers, body = request(s.port, "POST", "/v1/completions", scored, timeout=300)
+        assert status == 200, body[:300]
+        assert len(json.loads(body)["choices"][0]["logprobs"]["token_logprobs"]) == len(ids) + 1
     finally:
         hold.close()                                           # a disconnect: the stream is aborted
     t0 = time.monotonic()
     while s.state.inflight_seqs and time.monotonic() - t0 < 30:
         time.sleep(0.05)
-    # alone on the server, a request costing more than the capacity is admitted (as the whole of it)
-    status, _, body = request(s.port, "POST", "/v1/completions", scored, timeout=300)
-    assert status == 200, body[:300]
-    assert len(json.loads(body)["choices"][0]["logprobs"]["token_logprobs"]) == len(ids) + 1
     assert_clean(s)

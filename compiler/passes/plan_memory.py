@@ -119,7 +119,8 @@ def plan_memory(state):
         events.append((0, i, "def"))
     visit(top)
     end = clock[0] + 1
-    for o in top.outputs:
+    # the model's outputs, and what the runtime re-reads after the program (passes/row_logits.py)
+    for o in top.outputs + (state.row_logits or {}).get("inputs", []):
         events.append((end, o, "use"))
 
     live: dict[str, list[int]] = {}

@@ -16,6 +16,7 @@ from infc import envs
 from infc.compiler.contract import caches
 from infc.compiler.contract.bind import Resolver, dim_slots, eval_int, scratch_sizes, step_dims
 from infc.compiler.contract.program import program_name, unrolled
+from ..engine.prompt_logprobs import rows_to_score, score_block
 from ..engine.runner import RowSampling, Sample, sample_row
 from ..engine.step import StepMeta
 from infc.compiler.contract.errors import ModelDirError
@@ -78,6 +79,7 @@ class InFlight:
     sampled: SamplerPending | None      # None: no row of the step samples
     start: object                       # events around the step on the stream
     end: object
+    T: int = 0                          # the step's token bucket (its programs' T)
 
     def gpu_ms(self) -> float:
         """The step's time on the stream, from its first upload to its sampled tokens' copy."""
@@ -165,6 +167,7 @@ class CudaRunner:
                 self.global_scratch[kid] = self.ctx.alloc(k.global_scratch_bytes(dims))
         self._alloc_kv(gpu_memory_utilization, num_pages, agree_num_pages)
         self._logits_host = None                    # pinned on first `logits()` (tests, tools)
+        self._row_tail, self._row_host = None, None  # prompt logprobs' launches and host rows (first use)
         self.sampler = (GpuSampler(self.ctx, self.kernels, plan["sampler"], self.max_seqs, self.vocab_size,
                                    self.staging) if plan.get("sampler") else None)
         self._events = [self.ctx.event() for _ in range(4)]      # start / end of two steps in flight
@@ -388,10 +391,45 @@ class CudaRunner:
 
     def execute(self, meta: StepMeta, sampling: list[RowSampling | None]) -> list[Sample | None]:
         if self.sampler is not None:
-            self._run_step(meta)
-            return self.sampler.sample(self.logits_device, list(sampling[: meta.B]))
-        logits = self.logits(meta)                  # an artifact built before the sampler kernels
-        return [None if s is None else sample_row(logits[b], s) for b, s in enumerate(sampling)]
+            T, _ = self._run_step(meta)
+            samples = self.sampler.sample(self.logits_device, list(sampling[: meta.B]))
+        else:
+            logits = self.logits(meta)              # an artifact built before the sampler kernels
+            T = step_shape(meta, self.buckets, self.graphs)[0]
+            samples = [None if s is None else sample_row(logits[b], s) for b, s in enumerate(sampling)]
+        self._score_rows(meta, T)
+        return samples
+
+    # -- prompt logprobs: the plan's logits tail re-run at the prompt rows -----------------------
+    @property
+    def row_logits(self) -> bool:
+        """Whether steps can score prompt rows (meta.scores): the plan names its logits tail
+        (compiler/passes/row_logits.py). One process's runner only (ranks: not yet)."""
+        return "row_logits" in self.plan and self.collectives is None
+
+    def _score_rows(self, meta: StepMeta, T: int):
+        """Fill meta.scores' entries (engine/prompt_logprobs.py): after the step (its logits
+        sampled or read, in stream order), the tail launches again with last_rows = the rows to
+        score, at most max_seqs at a time (the logits buffer's rows), each block read back and
+        scored on the host. The tail's per-token inputs are live to the end of every program."""
+        if not (meta.scores and any(meta.scores)):
+            return
+        rows, owners = rows_to_score(meta.scores, meta.seq_starts)
+        if self._row_tail is None:
+            names = set(self.plan["row_logits"]["tail"])
+            bound = self.program("prefill")
+            self._row_tail = [bound[i] for i, (launch, layer) in enumerate(unrolled(self.plan["programs"]["prefill"]))
+                              if layer is None and launch["outputs"][0] in names]
+            self._row_host = self.ctx.pinned(4 * self.max_seqs * self.vocab_size).view(np.float32)
+        for at in range(0, len(rows), self.max_seqs):
+            block = np.asarray(rows[at:at + self.max_seqs], np.int32)
+            keep = self.ctx.htod(self.meta["last_rows"], block)
+            self._launch_all(self._row_tail, step_dims(self.plan, T, len(block)))
+            out = self._row_host[: len(block) * self.vocab_size].reshape(len(block), self.vocab_size)
+            self.ctx.dtoh(out, self.logits_device)
+            self.ctx.sync()
+            del keep
+            score_block(out, owners[at:at + len(block)])
 
     # -- overlapped steps (engine.Engine with overlap): issue now, read the samples later ---------
     @property
@@ -422,12 +460,14 @@ class CudaRunner:
         start, end = self._events[2 * (self._launched % 2): 2 * (self._launched % 2) + 2]
         self._launched += 1
         start.record()
-        self._run_step(meta, feed)
-        return InFlight(meta, None, start, end)
+        T, _ = self._run_step(meta, feed)
+        return InFlight(meta, None, start, end, T)
 
     def launch_sampling(self, step: InFlight, sampling: list[RowSampling | None]):
-        """Issue the sampling of a step from launch_forward (its rows' bitmasks set)."""
+        """Issue the sampling of a step from launch_forward (its rows' bitmasks set), then the
+        scoring of its prompt rows (after the sampler's reads of the logits, in stream order)."""
         step.sampled = self.sampler.start(self.logits_device, list(sampling[: step.meta.B]))
+        self._score_rows(step.meta, step.T)
         step.end.record()
 
     def collect(self, step: InFlight) -> list[Sample | None]:

@@ -50,10 +50,11 @@ class AsyncEngine:
 
     # -- the door -------------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                       checked: bool = False):
+                       checked: bool = False, counted: bool = True):
         """Yield this request's StepOutputs until all its sequences are finished. checked: the
         caller ran engine.check_request on these ids (a list of int) and params already (the
-        server does, for every prompt of a request before it replies)."""
+        server does, for every prompt of a request before it replies). counted=False: a request
+        the server makes for itself, left out of the metrics."""
         self._raise_if_dead()
         if not checked:
             if params.structured_outputs is not None:      # compiled off the loop, then cached
@@ -70,7 +71,7 @@ class AsyncEngine:
             with self._lock:
                 self._queues.pop(request_id, None)
             raise
-        self._send(("add", list(prompt_ids), params, request_id))
+        self._send(("add", list(prompt_ids), params, request_id, counted))
         done = False
         try:
             while not done:
@@ -147,12 +148,12 @@ class AsyncEngine:
         if cmd[0] == "abort":
             self.engine.abort(cmd[1])
             return
-        _, prompt_ids, params, request_id = cmd
+        _, prompt_ids, params, request_id, counted = cmd
         with self._lock:
             if request_id not in self._queues:    # its consumer already left
                 return
         try:
-            self.engine.add_request(prompt_ids, params, request_id, checked=True)   # at the door
+            self.engine.add_request(prompt_ids, params, request_id, checked=True, counted=counted)
         except ValueError as e:                 # one bad request, not a dead engine
             self._put(request_id, e)
         except Exception as e:                  # noqa: BLE001 - nor one that fails on its way in
@@ -193,6 +194,11 @@ class AsyncEngine:
         """A snapshot of the engine's metrics (read from another thread: gauges may be a step old)."""
         m = self.engine.metrics
         return {k: getattr(m, k) for k in m.__dataclass_fields__}
+
+    @property
+    def scores_prompts(self) -> bool:
+        """Whether requests may ask prompt logprobs (SamplingParams.prompt_logprobs)."""
+        return self.engine.scores_prompts
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams):
         """The engine's own rules for a request (ValueError if it can never run), from any thread:

@@ -87,7 +87,9 @@ class BlockManager:
         return hs[:num_blocks]
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
-        if not self.enable_prefix_caching:
+        # a sequence that scores its prompt computes every row (cached rows have no logits: vLLM
+        # too skips the prefix cache for prompt logprobs); its blocks still enter the cache
+        if not self.enable_prefix_caching or seq.scores_prompt:
             return []
         hits = []
         for h in self._hashes(seq, (seq.num_tokens - 1) // self.page_size):

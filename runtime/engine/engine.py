@@ -44,7 +44,7 @@ import numpy as np
 
 from infc import envs
 
-from . import bad_words, fault_inject
+from . import bad_words, fault_inject, prompt_logprobs
 from .block_manager import BlockManager
 from .metrics import Metrics
 from .row_processing import RowProcessing
@@ -74,6 +74,8 @@ class StepOutput:
     num_cached_tokens: int = 0
     metrics: dict | None = None            # per-request latencies, on the request's last output
     error: Exception | None = None         # finish_reason "error": why the engine failed the request
+    prompt_logprobs: list | None = None    # params.prompt_logprobs: on the request's first output,
+                                           # one per prompt token (the first None; prompt_logprobs.py)
 
     @property
     def finished(self) -> bool:
@@ -81,8 +83,10 @@ class StepOutput:
 
 
 class Request:
-    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, seqs, arrival):
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, seqs, arrival,
+                 metrics: Metrics):
         self.id, self.prompt_ids, self.params = request_id, prompt_ids, params
+        self.metrics = metrics                 # the engine's, or a sink nobody reads (not counted)
         self.seqs: list[Sequence] = seqs
         self.held: list[Sequence] = seqs[1:]   # n > 1: wait until seqs[0] has cached the prompt
         self.arrival_time = arrival
@@ -124,9 +128,11 @@ class Engine:
         self.dp = int(getattr(runner, "dp_world", 1) or 1)
         self.overlap = overlaps(runner, overlap) and (
             self.dp == 1 or callable(getattr(runner, "launch_ranks", None)))
-        self.in_flight = None                    # overlapped: (batch, rows, the runner's handle)
+        self.in_flight = None                    # overlapped: (batch, rows, the runner's handle, scores)
         self.unsampled = None                    # a launched step whose sampling waits for masks
         self.grammars = GrammarCache(tokenizer, eos_ids, getattr(runner, "vocab_size", None))
+        # prompt logprobs need a runner that scores prompt rows in the step (`row_logits`)
+        self.scores_prompts = self.dp == 1 and bool(getattr(runner, "row_logits", False))
         self.eos_ids = set(eos_ids)
         self.max_model_len = max_model_len
         self.page_size = runner.page_size
@@ -148,7 +154,11 @@ class Engine:
         self.schedulers = [Scheduler(bm, max_num_seqs, max_num_batched_tokens) for bm in self.bms]
         self.bm, self.scheduler = self.bms[0], self.schedulers[0]
         self.requests: dict[str, Request] = {}
-        self.metrics = Metrics()
+        self.metrics = Metrics(max_model_len=min(max_model_len, 1 << 30))
+        self.metrics.cache_config_info = {
+            "block_size": self.page_size, "cache_dtype": "auto",
+            "enable_prefix_caching": self.bm.enable_prefix_caching,
+            "num_gpu_blocks": runner.num_pages, "engine": 0}
         self._next_seq = 0
         self._next_request = 0
         self.faults = fault_inject.from_env()    # test-only (INFC_FAULT_INJECT); None in production
@@ -175,6 +185,9 @@ class Engine:
         if params.structured_outputs is not None:      # StructuredOutputError (a ValueError)
             self.grammars.check(params.structured_outputs)
         self._check_processing(params, vocab)
+        if params.prompt_logprobs is not None and not self.scores_prompts:
+            raise ValueError("prompt_logprobs: this backend cannot score prompt rows (its runner has "
+                             "no row logits)")
         longest = self.max_model_len if params.max_tokens is None else min(n + params.max_tokens, self.max_model_len)
         kv = self.bm.num_pages * self.page_size
         if self.bm.pages_for(longest - 1) > self.bm.num_pages:   # the last token never enters the KV
@@ -197,10 +210,11 @@ class Engine:
         return ids.tolist()
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    arrival_time: float | None = None, checked: bool = False) -> str:
+                    arrival_time: float | None = None, checked: bool = False, counted: bool = True) -> str:
         """checked: prompt_ids is a list of int that check_request already accepted with these
         params (AsyncEngine.generate's door, or the server's before it): at 16k tokens, the int
-        conversion and the vocabulary check cost ~0.5 ms each, once per request is enough."""
+        conversion and the vocabulary check cost ~0.5 ms each, once per request is enough.
+        counted=False: a request the server makes for itself, left out of the metrics."""
         if params.best_of is not None and params.best_of != params.n:
             raise ValueError("best_of > n is chosen among the engine's outputs by the caller "
                              "(best_of.candidates: the engine draws n = best_of)")
@@ -226,7 +240,8 @@ class Engine:
         rank = self._rank_for(seqs[0])
         for s in seqs:                    # siblings share the prompt's cached blocks: one rank
             s.rank = rank
-        self.requests[request_id] = Request(request_id, prompt_ids, params, seqs, arrival)
+        self.requests[request_id] = Request(request_id, prompt_ids, params, seqs, arrival,
+                                            self.metrics if counted else Metrics())
         self.schedulers[rank].add(seqs[0])
         self._gauges()
         return request_id
@@ -264,6 +279,12 @@ class Engine:
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        try:
+            return self._step()
+        finally:
+            self.metrics.end_iteration()
+
+    def _step(self) -> list[StepOutput]:
         """Run a step; the outputs of the step (overlapped: of the step before) that sampled. With
         data-parallel ranks, a step is every rank's batch, padded alike, run together.
 
@@ -421,7 +442,7 @@ class Engine:
         return outputs
 
     def _launch(self, batch) -> tuple:
-        """Issue a step (overlapped: its tokens not read yet): (batch, rows, handle)."""
+        """Issue a step (overlapped: its tokens not read yet): (batch, rows, handle, scores)."""
         meta, rows, feed = self._chunks(batch)
         if self.faults is not None:
             self.faults.on_step(batch)
@@ -433,12 +454,12 @@ class Engine:
             self._fill_masks(rows, history_rows)
             handle = self.runner.launch(meta, rows, feed) if self.overlap else self.runner.execute(meta, rows)
         self._launched(batch, rows)
-        return batch, rows, handle
+        return batch, rows, handle, meta.scores
 
     def _chunks(self, batch) -> tuple:
         """A batch's step: (StepMeta, rows' sampling, feed of pending tokens)."""
         now = time.monotonic()
-        chunks, rows, feed = [], [], []
+        chunks, rows, feed, scores = [], [], [], []
         at = 0                                      # the chunk's first row among the step's tokens
         for seq, n in batch:
             start = seq.num_computed_tokens
@@ -450,6 +471,9 @@ class Engine:
                 feed.append((at + n - 1, seq.pending_row))
                 tokens.append(0)
             chunks.append(Chunk(seq.seq_id, tokens, start))
+            scores.append(prompt_logprobs.for_chunk(seq.token_ids[:seq.num_prompt_tokens], start, n,
+                                                    seq.params.prompt_logprobs)
+                          if seq.scores_prompt else None)
             samples_now = start + n == seq.num_tokens
             rows.append(self._row(seq) if samples_now else None)
             at += n
@@ -457,6 +481,8 @@ class Engine:
         slots = {seq.seq_id: seq.slot for seq, _ in batch} if self.num_slots else None
         meta = build_step(chunks, pages.__getitem__, self.page_size,
                           slot_of=slots.__getitem__ if slots else None)
+        if any(scores):
+            meta.scores = scores
         return meta, rows, feed
 
     def _launched(self, batch, rows):
@@ -472,12 +498,15 @@ class Engine:
                 seq.pending_row = b
                 seq.final = self._at_length(seq, seq.num_tokens)
 
-    def _collect(self, batch, rows, handle, read: bool = True) -> list[StepOutput]:
+    def _collect(self, batch, rows, handle, scores=None, read: bool = True) -> list[StepOutput]:
         """Read a launched step's samples back (read=False: handle is the samples); append them,
-        check stops, offer full blocks."""
+        check stops, offer full blocks. scores: the step's PromptScores, one a chunk."""
         samples = self.runner.collect(handle) if self.overlap and read else handle
         now = time.monotonic()
         outputs = []
+        for (seq, _), score in zip(batch, scores or ()):
+            if score is not None and seq.prompt_logprobs is not None:
+                seq.prompt_logprobs[score.first:score.first + len(score.entries)] = score.entries
         for (seq, n), sample in zip(batch, samples):
             if sample is not None:
                 seq.pending -= 1
@@ -529,21 +558,17 @@ class Engine:
         """Account for a token just appended to seq.token_ids."""
         req = self.requests[seq.request_id]
         tok = sample.token
-        m = self.metrics
-        m.generation_tokens_total += 1
+        m = req.metrics
+        m.token(None if seq.first_token_time is None else now - seq.last_token_time)
         if seq.first_token_time is None:
             seq.first_token_time = now
             if req.first_token_time is None:
                 req.first_token_time = now
-                m.prompt_tokens_total += len(req.prompt_ids)
-                m.time_to_first_token_seconds.observe(now - req.arrival_time)
-                m.request_queue_time_seconds.observe(seq.first_scheduled_time - req.arrival_time)
+                m.first_token(len(req.prompt_ids), req.arrival_time, seq.first_scheduled_time, now)
             if seq.index == 0 and req.held:      # the prompt's blocks are cached now: siblings go
                 for s in reversed(req.held):
                     self._sched(s).add(s, front=True)
                 req.held = []
-        else:
-            m.inter_token_latency_seconds.observe(now - seq.last_token_time)
         seq.last_token_time = now
         new_lp = None
         if seq.logprobs is not None:
@@ -553,18 +578,21 @@ class Engine:
         reason = self._check_stop(seq, tok)
         if reason is not None:
             self._finish(seq, reason, now)
+        first = len(seq.token_ids) == seq.num_prompt_tokens + 1        # its first output token
         out = StepOutput(seq.request_id, seq.index, [tok], self._text_delta(seq), new_lp,
                          seq.finish_reason, seq.stop_reason, num_prompt_tokens=seq.num_prompt_tokens,
-                         num_cached_tokens=seq.num_cached_tokens)
+                         num_cached_tokens=seq.num_cached_tokens,
+                         prompt_logprobs=seq.prompt_logprobs if first else None)
         if seq.finished and all(s.finished for s in req.seqs):
             del self.requests[req.id]
             self._count_finish(req, reason)
-            m.e2e_request_latency_seconds.observe(now - req.arrival_time)
+            scheduled = min(s.first_scheduled_time for s in req.seqs)
+            m.completed(len(req.prompt_ids), sum(len(s.output_ids) for s in req.seqs), req.arrival_time,
+                        scheduled, req.first_token_time, now)
             out.request_finished = True
             out.metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
                            "finish_time": now, "ttft": req.first_token_time - req.arrival_time,
-                           "e2e": now - req.arrival_time,
-                           "queue_time": min(s.first_scheduled_time for s in req.seqs) - req.arrival_time}
+                           "e2e": now - req.arrival_time, "queue_time": scheduled - req.arrival_time}
         return out
 
     def _check_stop(self, seq: Sequence, tok: int) -> str | None:
@@ -615,13 +643,13 @@ class Engine:
         seq.finish_time = now
 
     def _count_finish(self, req: Request, reason: str):
-        c = self.metrics.request_success_total
-        c[reason] = c.get(reason, 0) + 1
+        req.metrics.finished(reason)
 
     def _gauges(self):
         m = self.metrics
-        m.num_requests_running = len({q.request_id for s in self.schedulers for q in s.running})
-        m.num_requests_waiting = len(self.requests) - m.num_requests_running
+        counted = {rid for rid, r in self.requests.items() if r.metrics is m}
+        m.num_requests_running = len({q.request_id for s in self.schedulers for q in s.running} & counted)
+        m.num_requests_waiting = len(counted) - m.num_requests_running
         m.kv_cache_usage_perc = sum(bm.usage for bm in self.bms) / len(self.bms)
         m.prefix_cache_queries_total = sum(bm.query_tokens for bm in self.bms)
         m.prefix_cache_hits_total = sum(bm.hit_tokens for bm in self.bms)

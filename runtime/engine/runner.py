@@ -16,6 +16,7 @@ import numpy as np
 from infc.config import DEFAULT_PAGE_SIZE
 from infc.compiler.contract import caches
 from .logits_process import Penalties, needs_processing, process_logits
+from .prompt_logprobs import rows_to_score, score_block, top_k
 from .sampling import SamplingParams, logprobs_of, sample
 from .step import StepMeta
 
@@ -123,7 +124,20 @@ class CPURunner(ComputedAtLaunch):
         slots = max_num_seqs if caches.has_slots(decl) else 0
         return caches.pages_for_budget(decl, page_size, budget, slots, itemsize=4)
 
+    @property
+    def row_logits(self) -> bool:
+        """Whether steps can score prompt rows (meta.scores): the plan names its logits tail."""
+        return "row_logits" in self.plan
+
     def forward(self, meta: StepMeta) -> np.ndarray:
+        """The step's logits (its sampling rows); the prompt rows it scores (meta.scores) are
+        scored here, in the same pass."""
+        if meta.scores and any(meta.scores):
+            rows, owners = rows_to_score(meta.scores, meta.seq_starts)
+            logits, blocks = self.executor.step_paged(meta, rows)
+            for at, block in blocks:
+                score_block(block, owners[at:at + len(block)])
+            return logits
         return self.executor.step_paged(meta)
 
     def execute(self, meta: StepMeta, sampling: list[RowSampling | None]) -> list[Sample | None]:
@@ -149,5 +163,4 @@ def sample_row(logits: np.ndarray, s: RowSampling) -> Sample:
     if s.params.logprobs is None:
         return Sample(tok)
     lp = logprobs_of(logits)
-    top = np.argsort(-lp, kind="stable")[: s.params.logprobs]
-    return Sample(tok, float(lp[tok]), [(int(t), float(lp[t])) for t in top])
+    return Sample(tok, float(lp[tok]), top_k(lp, s.params.logprobs))

@@ -28,6 +28,9 @@ class SamplingParams:
     min_tokens: int = 0
     n: int = 1
     logprobs: int | None = None
+    # vLLM's: the logprob of each prompt token after the first, with the top k (0: none); the
+    # runner computes them from the prefill's rows (runtime/engine/prompt_logprobs.py)
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     structured_outputs: "StructuredOutputs | None" = None   # structured/request.py
     # logits processing (logits_process.py, vLLM's meanings and ranges)
@@ -60,6 +63,8 @@ class SamplingParams:
             problems.append(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             problems.append(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            problems.append(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}")
         if self.n < 1:
             problems.append(f"n must be >= 1, got {self.n}")
         if self.best_of is not None and self.best_of < self.n:

@@ -50,6 +50,10 @@ class Sequence:
         self.text = ""
         self.sent = 0
         self.logprobs: list | None = [] if params.logprobs is not None else None
+        # prompt logprobs, one entry a prompt position (the first None): computed by the first
+        # of the n sequences only (its siblings' prompts come from the prefix cache)
+        self.prompt_logprobs: list | None = (
+            [None] * len(prompt_ids) if params.prompt_logprobs is not None and index == 0 else None)
         # timestamps (time.monotonic) for the metrics
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None
@@ -73,6 +77,11 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether its prompt rows are still to be scored (until its first token is out)."""
+        return self.prompt_logprobs is not None and self.first_token_time is None
 
     @property
     def finished(self) -> bool:

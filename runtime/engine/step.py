@@ -28,6 +28,8 @@ class StepMeta:
     max_pages: int
     state_slots: np.ndarray | None = None   # [B] i32: each sequence's slot in the slot caches
                                             # (conv / recurrent state; read by plans with one)
+    scores: list | None = None   # [B] PromptScore | None: prompt logprobs asked of each chunk's
+                                 # rows (runners with `row_logits` only; engine/prompt_logprobs.py)
 
 
 def phase_of(chunks: list[Chunk]) -> str:

@@ -27,6 +27,9 @@ METADATA = ("positions", "seq_starts", "context_lens", "last_rows", "slot_mappin
 # state slots the oracle (SeqPages) gives sequences of plans with slot caches: one per seq_id
 # until it is freed
 ORACLE_SLOTS = 64
+# rows of row logits computed at once: a block's float32 [ROW_BLOCK, V] logits are in memory,
+# not a 2048-token prefill's (400 MB at V = 49152)
+ROW_BLOCK = 128
 
 
 class Metadata(dict):
@@ -205,20 +208,58 @@ class ReferenceExecutor:
         arena is laid out: a data-parallel plan's buffers span world * T rows)."""
         return StepContext(meta, storage)
 
-    def _execute(self, meta: StepMeta, storage) -> np.ndarray:
+    def _execute(self, meta: StepMeta, storage, rows=None):
+        """The step's logits [B, V]; with rows (step rows, in order), also a generator of
+        (first index into rows, float32 logits of the next ROW_BLOCK of them), computed while
+        it is read (the arena stays alive until then)."""
         ctx = self._context(meta, storage)
         views = self._arena(ctx)
         views["tokens"][...] = meta.tokens
         # the short program where the GPU runs it: the same ops, so the same references
-        self._run(self.plan["programs"][program_name(self.plan, meta.phase, meta.T)], views, ctx)
-        return np.array(views[self.plan["outputs"]["logits"]])
+        program = self.plan["programs"][program_name(self.plan, meta.phase, meta.T)]
+        self._run(program, views, ctx)
+        logits = np.array(views[self.plan["outputs"]["logits"]])
+        if rows is None:
+            return logits
+        return logits, self._row_logits(program, views, ctx, np.asarray(rows, np.int64))
+
+    def _row_logits(self, program, views, ctx, rows):
+        """The plan's logits tail (plan["row_logits"], compiler/passes/row_logits.py) re-run with
+        `rows` as the gathered rows, ROW_BLOCK at a time (a block's [R, V] logits, not all)."""
+        spec = self.plan.get("row_logits")
+        if spec is None:
+            raise ValueError("this plan has no row logits (rebuild it: compiler/passes/row_logits.py)")
+        order = {name: k for k, name in enumerate(spec["tail"])}
+        tail = sorted((l for l, layer in unrolled(program) if layer is None and l["outputs"]
+                       and l["outputs"][0] in order), key=lambda l: order[l["outputs"][0]])
+        if len(tail) != len(order) or any("prologue" in l for l in tail):
+            raise ValueError(f"the row-logits tail {spec['tail']} is not among this step's program's "
+                             f"own launches")
+        return self._tail_blocks(tail, views, ctx, rows)
+
+    def _tail_blocks(self, tail, views, ctx, rows):
+        for at in range(0, len(rows), ROW_BLOCK):
+            block = rows[at:at + ROW_BLOCK]
+            ctx.last_rows, ctx.B = block, len(block)
+            local = dict(views)
+            for l in tail:                     # [B, ...] outputs: sized for this block's rows
+                for name in l["outputs"]:
+                    b = self.plan["buffers"][name]
+                    local[name] = np.empty([ctx.dim(d) for d in b["shape"]],
+                                           np.int32 if b["dtype"] == "i32" else np.float32)
+            for l in tail:
+                args = [self._arg(n, local, None) for n in l["inputs"]]
+                for name, r in zip(l["outputs"], launch_results(ctx, l, args)):
+                    np.copyto(local[name], np.asarray(r).reshape(local[name].shape), casting="unsafe")
+            yield at, local[self.plan["outputs"]["logits"]]
 
     def allocate_pages(self, num_pages: int, page_size: int, num_slots: int = 0):
         self.paged = cache_layout.HostCaches(self.decl, page_size, num_pages, num_slots)
 
-    def step_paged(self, meta: StepMeta) -> np.ndarray:
-        """One step over a runtime.step.StepMeta, caches paged by the engine (allocate_pages first)."""
-        return self._execute(meta, self.paged)
+    def step_paged(self, meta: StepMeta, rows=None):
+        """One step over a runtime.step.StepMeta, caches paged by the engine (allocate_pages
+        first): its logits, and with rows also those rows' (see _execute)."""
+        return self._execute(meta, self.paged, rows)
 
     def step(self, chunks: list[Chunk]) -> np.ndarray:
         """Run one step over the chunks; returns float32 logits [B, V] (one row per chunk)."""
