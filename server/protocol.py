@@ -425,7 +425,7 @@ def parse_completion(body: dict, lim: Limits, tokenizer) -> GenRequest:
         _check_context(lim, len(ids), max_tokens, "prompt")
         prompts.append(ids)
     return GenRequest("completion", prompts, texts, params, n, echo, logprobs, stream, include_usage,
-                      continuous, max_tokens, _prompt_logprobs(f, lim, stream))
+                      continuous, max_tokens, prompt_logprobs=_prompt_logprobs(f, lim, stream))
 
 
 def encode(tokenizer, text: str, param: str) -> list[int]:
@@ -575,4 +575,4 @@ def parse_chat(body: dict, lim: Limits, tokenizer, template: str | None, special
         raise bad("the rendered chat is empty", "messages")
     _check_context(lim, len(ids), max_tokens, "messages")
     return GenRequest("chat", [ids], [text], params, n, False, logprobs, stream, include_usage,
-                      continuous, max_tokens, _prompt_logprobs(f, lim, stream))
+                      continuous, max_tokens, prompt_logprobs=_prompt_logprobs(f, lim, stream))
