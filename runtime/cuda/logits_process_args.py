@@ -32,9 +32,14 @@ class ProcessArgs:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
+_NO_ENTRIES = (np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.float32))
+
+
 def row_entries(s, V: int) -> tuple:
     """(tok, count, flag, bias) of one row (RowSampling s), tokens distinct."""
     pen = s.penalties
+    if pen is None and not s.banned and not s.params.logit_bias:
+        return _NO_ENTRIES                  # a row with only a mask (a grammar's, allowed ids)
     bias_ids, bias = bias_arrays(s.params)
     banned = np.array([t for t in s.banned if 0 <= t < V], np.int32)
     pen_ids = pen.ids if pen is not None else np.zeros(0, np.int32)
@@ -60,19 +65,24 @@ def pack_rows(rows: list, V: int) -> ProcessArgs | None:
     W = -(-V // 32)
     R = len(todo)
     rep, freq, pres = (np.ones(R, np.float32), np.zeros(R, np.float32), np.zeros(R, np.float32))
-    start = np.zeros(R + 1, np.int32)
+    sizes = np.zeros(R, np.int32)
     mask_row = np.full(R, -1, np.int32)
-    parts, masks = [], []
+    parts, masked = [], []
     for r, (_, s) in enumerate(todo):
         if s.penalties is not None:
             rep[r], freq[r], pres[r] = s.penalties.repetition, s.penalties.frequency, s.penalties.presence
         e = row_entries(s, V)
-        parts.append(e)
-        start[r + 1] = start[r] + e[0].size
+        if e[0].size:
+            parts.append(e)
+            sizes[r] = e[0].size
         m = row_mask(s)
         if m is not None:
-            mask_row[r] = len(masks)
-            masks.append(np.asarray(m, np.int32).reshape(W))
-    cat = [np.concatenate([p[i] for p in parts]) for i in range(4)]
-    return ProcessArgs(np.array([b for b, _ in todo], np.int32), rep, freq, pres, start, *cat, mask_row,
-                       np.stack(masks) if masks else np.zeros((0, W), np.int32))
+            mask_row[r] = len(masked)
+            masked.append(m)
+    start = np.zeros(R + 1, np.int32)
+    np.cumsum(sizes, out=start[1:])
+    cat = [np.concatenate([p[i] for p in parts]) for i in range(4)] if parts else list(_NO_ENTRIES)
+    masks = np.empty((len(masked), W), np.int32)
+    for i, m in enumerate(masked):          # one copy each into the step's block of masks
+        masks[i] = m
+    return ProcessArgs(np.array([b for b, _ in todo], np.int32), rep, freq, pres, start, *cat, mask_row, masks)

@@ -57,7 +57,9 @@ class GpuSampler:
         self._args = {}
         # the logits processing's uploads: device arrays and page-locked staging, made on first
         # use and grown (after a sync: a step in flight may read them) to the most a step needs
-        self.proc_dev: dict[str, tuple[int, int]] = {}     # name -> (pointer, bytes)
+        self.proc_dev: dict[str, tuple[int, int]] = {}     # name -> (pointer, bytes) in proc_block
+        self.proc_block: tuple[int, int] | None = None       # (pointer, bytes)
+        self.proc_offs: dict[str, int] = {}
         self.proc_staging: Staging | None = None
 
     def _packed(self, name: str, logits_ptr: int) -> PackedArgs:
@@ -141,7 +143,9 @@ class GpuSampler:
 
     def _process(self, logits_ptr: int, rows: list) -> list:
         """Launch the logits processing of the rows that have any (nothing if none has); the
-        host arrays the stream still reads."""
+        host arrays the stream still reads. Its arrays live in one device block, in
+        PROCESS_ARGS order (the masks last), uploaded by one copy of the block's used part: on
+        the stream after the step's forward, each small copy would cost its own latency."""
         args = pack_rows(rows, self.V)
         if args is None:
             return []
@@ -149,13 +153,19 @@ class GpuSampler:
             return self._banned_only(logits_ptr, rows)
         host = args.arrays()
         self._fit(host)
-        if self.staging is not None:
-            self._fit_staging(host)
-            self.proc_staging.begin()
-            host = {n: self.proc_staging.put(a) for n, a in host.items()}
-        keep = [self.ctx.htod(self.proc_dev[n][0], a) for n, a in host.items() if a.size]
-        if self.staging is not None:
-            self.proc_staging.done()
+        if self.proc_staging is None:
+            keep = [self.ctx.htod(self.proc_dev[n][0], a) for n, a in host.items() if a.size]
+        else:
+            st = self.proc_staging
+            st.begin()
+            buf = st.buffers[st.step % 2]
+            end = 0
+            for n, a in host.items():
+                at = self.proc_offs[n]
+                buf[at:at + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+                end = max(end, at + a.nbytes)
+            keep = [self.ctx.htod(self.proc_block[0], buf[:end])]
+            st.done()
         self._launch("logits_process", logits_ptr, args.rows.size)
         return keep
 
@@ -173,30 +183,30 @@ class GpuSampler:
         return []
 
     def _fit(self, host: dict):
-        """Device arrays at least as large as this step's (doubling; a sync before freeing)."""
-        grow = [n for n, a in host.items() if n not in self.proc_dev or self.proc_dev[n][1] < a.nbytes]
+        """The device block (and its page-locked staging) large enough for this step's arrays:
+        each array's region doubled when it no longer fits (a sync first: a step in flight may
+        read the old block), the regions 64-byte aligned in PROCESS_ARGS order."""
+        caps = {n: self.proc_dev[n][1] if n in self.proc_dev else 0 for n in PROCESS_ARGS}
+        grow = [n for n in PROCESS_ARGS if caps[n] < host[n].nbytes]
         if not grow:
             return
-        if self.proc_dev:
+        if self.proc_block is not None:
             self.ctx.sync()
+            self.ctx.free(self.proc_block[0])
+            if self.proc_staging is not None:
+                for buf in self.proc_staging.buffers:
+                    self.ctx.free_pinned(buf)
         for n in grow:
-            old = self.proc_dev.get(n)
-            size = max(host[n].nbytes, 2 * old[1] if old else 4 * self.max_seqs, 64)
-            if old:
-                self.ctx.free(old[0])
-            self.proc_dev[n] = (self.ctx.alloc(size), size)
+            caps[n] = max(host[n].nbytes, 2 * caps[n] if caps[n] else 4 * self.max_seqs, 64)
+        offs, at = {}, 0
+        for n in PROCESS_ARGS:
+            offs[n] = at = -(-at // 64) * 64
+            at += caps[n]
+        block = self.ctx.alloc(at)
+        self.proc_block, self.proc_offs = (block, at), offs
+        self.proc_dev = {n: (block + offs[n], caps[n]) for n in PROCESS_ARGS}
+        self.proc_staging = Staging(self.ctx, at) if self.staging is not None else None
         self._args = {k: v for k, v in self._args.items() if k[0] != "logits_process"}
-
-    def _fit_staging(self, host: dict):
-        need = sum(-(-a.nbytes // 64) * 64 for a in host.values())
-        st = self.proc_staging
-        if st is not None and st.nbytes >= need:
-            return
-        if st is not None:
-            self.ctx.sync()
-            for buf in st.buffers:
-                self.ctx.free_pinned(buf)
-        self.proc_staging = Staging(self.ctx, max(need, 2 * st.nbytes if st else 1 << 16))
 
     def _lp_rows(self, parity: int, n: int) -> np.ndarray:
         """At least n page-locked rows of V floats for this parity's step. The step two launches

@@ -25,7 +25,7 @@ def run_kernel(logits, rows, **tune):
     return out.numpy()
 
 
-@pytest.mark.parametrize("tune", [{"BLOCK": 64, "EBLOCK": 16}, {}])
+@pytest.mark.parametrize("tune", [{"BLOCK": 64, "EBLOCK": 16}, {"BLOCK": 32, "EBLOCK": 8, "CHUNK": 128}, {}])
 def test_logits_process_kernel_matches_the_reference(tune):
     gen = np.random.default_rng(41)
     logits = (gen.standard_normal((6, V)) * 3).astype(np.float32)
