@@ -182,3 +182,27 @@ def test_data_parallel_ranks_read_the_step_in_flight_before_a_grammar_step(token
         if kind == "regex":
             assert all(re.fullmatch(REGEX, tokenizer.decode([t for t in ids if t != EOS]))
                        for ids in outs[1][f"r{i}"].values())
+
+
+def test_a_rejected_token_fails_its_request_alone_overlapped(tokenizer, monkeypatch):
+    """A grammar that refuses a token read back (a matcher's error) fails that request, even with
+    the next step's sampling issued before the stop checks (Engine._collect's `then`); the others
+    give the synchronous outputs."""
+    reqs, _ = workload(tokenizer)
+    want = run(Recorder(200, vocab_size=V), tokenizer, False, reqs)
+    from infc.runtime.engine.structured import matcher
+    accept = matcher.SequenceGrammar.accept
+    seen = {"n": 0}
+
+    def flaky(self, tok):
+        seen["n"] += 1
+        if seen["n"] == 7:
+            self.broken = True
+        if getattr(self, "broken", False):
+            raise ValueError("the grammar refused a token")
+        return accept(self, tok)
+    monkeypatch.setattr(matcher.SequenceGrammar, "accept", flaky)
+    got = run(Recorder(200, vocab_size=V), tokenizer, True, reqs)
+    errors = [k for k, (_, reason) in got.items() if reason == "error"]
+    assert len(errors) == 1
+    assert {k: v for k, v in got.items() if k[0] != errors[0][0]} == {k: v for k, v in want.items() if k[0] != errors[0][0]}

@@ -316,9 +316,10 @@ class Engine:
             return outputs
         before, self.in_flight = self.in_flight, None
         try:
-            if before is not None:
-                outputs += self._collect_any(*before)
-            self._sample_deferred()             # its masks needed the tokens just read
+            if before is not None:              # a deferred sampling is issued inside, once its tokens are in
+                outputs += (self._collect(*before, then=self._sample_deferred) if self.dp == 1
+                            else self._collect_any(*before))
+            self._sample_deferred()             # (if not issued there) its masks needed the tokens just read
             if launched is not None and not self.overlap:
                 outputs += self._collect_any(*launched)
             else:
@@ -498,20 +499,27 @@ class Engine:
                 seq.pending_row = b
                 seq.final = self._at_length(seq, seq.num_tokens)
 
-    def _collect(self, batch, rows, handle, scores=None, read: bool = True) -> list[StepOutput]:
+    def _collect(self, batch, rows, handle, scores=None, read: bool = True, then=None) -> list[StepOutput]:
         """Read a launched step's samples back (read=False: handle is the samples); append them,
-        check stops, offer full blocks. scores: the step's PromptScores, one a chunk."""
+        check stops, offer full blocks. scores: the step's PromptScores, one a chunk.
+
+        then: called once every token is appended (and fed to its grammar and penalty counts),
+        before the stop checks and detokenizing: the deferred sampling of the step launched
+        after this one (_sample_deferred) is issued there, so the GPU waits for the masks only,
+        not for this step's output handling."""
         samples = self.runner.collect(handle) if self.overlap and read else handle
         now = time.monotonic()
         outputs = []
         for (seq, _), score in zip(batch, scores or ()):
             if score is not None and seq.prompt_logprobs is not None:
                 seq.prompt_logprobs[score.first:score.first + len(score.entries)] = score.entries
+        taken, failed = [], {}
         for (seq, n), sample in zip(batch, samples):
             if sample is not None:
                 seq.pending -= 1
             if seq.finished or sample is None:      # stopped at the step before, aborted, or a
                 continue                            # prefill chunk (its blocks offered at launch)
+            taken.append((seq, sample))
             try:
                 if self.faults is not None:
                     self.faults.on_token(seq)
@@ -521,6 +529,18 @@ class Engine:
                 if seq.processing is not None:
                     seq.processing.add(sample.token)
                 self.bms[seq.rank].commit(seq)      # the block its pending token completes
+            except Exception as e:                  # noqa: BLE001 - this request's, not the step's
+                if is_fatal(e):
+                    raise
+                failed[seq.seq_id] = e
+                seq.grammar = None                  # it fails below: no mask of a broken matcher
+        if then is not None:
+            then()
+        for seq, sample in taken:
+            try:
+                e = failed.get(seq.seq_id)
+                if e is not None:
+                    raise e
                 outputs.append(self._append(seq, sample, now))
             except Exception as e:                  # noqa: BLE001 - this request's, not the step's
                 if is_fatal(e):
