@@ -10,7 +10,6 @@ Generations are a few tokens each: a numpy decode step of SmolLM2 takes tens to 
 CI (the tiny models' suites take ~10 s each)."""
 import json
 import socket
-import threading
 
 import openai
 import pytest
@@ -21,7 +20,7 @@ from infc.runtime.engine.runner import Sample
 from infc.server.app import ServerConfig, ServerState, make_app
 from infc.backend import Backend
 from infc.server.serve import ServerThread
-from test_server_support import (DEFAULT, DEVICE, MAX_MODEL_LEN, MODELS, NAMES, assert_clean, backend, current,  # noqa: F401
+from test_server_support import (run_together, DEFAULT, DEVICE, MAX_MODEL_LEN, MODELS, NAMES, assert_clean, backend, current,  # noqa: F401
                                  live, one_blas_thread, per_model_srv, request)
 
 PROMPT = "The capital of France is"
@@ -66,22 +65,7 @@ def parallel(*fns):
     time when current().serial (a random-weight model: see test_server_support)."""
     if current().serial:
         return [f() for f in fns]
-    out, errs = [None] * len(fns), []
-
-    def run(i, f):
-        try:
-            out[i] = f()
-        except BaseException as e:  # noqa: BLE001
-            errs.append(e)
-
-    ts = [threading.Thread(target=run, args=(i, f)) for i, f in enumerate(fns)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(300)
-    if errs:
-        raise errs[0]
-    return out
+    return run_together(fns, 300)
 
 
 # -- completions ----------------------------------------------------------------------------------

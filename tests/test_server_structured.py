@@ -7,12 +7,11 @@ steps); then the client libraries, unchanged: openai's parse with a pydantic mod
 with_structured_output (json_schema and function_calling) and bind_tools with a tool round trip."""
 import json
 import re
-import threading
 
 import pytest
 from pydantic import BaseModel
 
-from test_server_support import NAMES, live, one_blas_thread, request, use_model  # noqa: F401
+from test_server_support import NAMES, live, one_blas_thread, request, run_together, use_model  # noqa: F401
 from tool_stream_support import sdk_stream, shape
 
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -35,22 +34,7 @@ def srv():
 
 def together(*fns):
     """Run the calls at once (they share the engine's steps); their results in order."""
-    out, errs = [None] * len(fns), []
-
-    def run(i, f):
-        try:
-            out[i] = f()
-        except BaseException as e:  # noqa: BLE001
-            errs.append(e)
-
-    ts = [threading.Thread(target=run, args=(i, f)) for i, f in enumerate(fns)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    if errs:
-        raise errs[0]
-    return out
+    return run_together(fns)
 
 
 def valid_city(args: str):

@@ -251,3 +251,24 @@ def srv():
     """The default model's server (test_server.py's own `srv` runs over every model in MODELS)."""
     use_model(None)
     return live()
+
+
+def run_together(fns, timeout: float | None = None) -> list:
+    """Run the calls at once, a thread each (they share the engine's steps); their results in
+    order, the first error raised."""
+    out, errs = [None] * len(fns), []
+
+    def run(i, f):
+        try:
+            out[i] = f()
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errs.append(e)
+
+    ts = [threading.Thread(target=run, args=(i, f)) for i, f in enumerate(fns)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout)
+    if errs:
+        raise errs[0]
+    return out

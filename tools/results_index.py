@@ -144,6 +144,21 @@ def throughput(d: dict):
                 yield m, s, p[m]
 
 
+def structured(d: dict):
+    """`infc bench structured`: per concurrency, TPOT with and without a JSON schema on every
+    request and their ratio; a new schema's compile and first-token times."""
+    base = dict(input=d.get("input_len"), out=d.get("output_len"))
+    for p in d.get("points") or []:
+        if isinstance(p, dict) and "concurrency" in p:
+            s = settings_of(concurrency=p["concurrency"], **base)
+            for m in ("tpot_ms_plain", "tpot_ms_schema", "tpot_ratio"):
+                if isinstance(p.get(m), (int, float)):
+                    yield m, s, p[m]
+    for m, v in (d.get("first_token") or {}).items():
+        if m != "schemas" and isinstance(v, (int, float)):
+            yield m, settings_of(input=d.get("input_len")), v
+
+
 def prefix(d: dict):
     """`infc bench prefix`: per path (engine, serve) and cached length, cold and warm TTFT."""
     for path, r in (d.get("paths") or {}).items():
@@ -199,6 +214,8 @@ def parser_for(d) -> tuple[str, object] | tuple[None, None]:
         return None, None
     if "tpot_ms_by_prompt" in d or ("tpot_ms" in d and "floor_ms" in d):
         return "latency", latency
+    if isinstance(d.get("points"), list) and "first_token" in d:
+        return "structured", structured
     if isinstance(d.get("points"), list):
         return "throughput", throughput
     if isinstance(d.get("paths"), dict):
