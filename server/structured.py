@@ -13,6 +13,7 @@ from infc.runtime.engine.structured.request import StructuredOutputError, Struct
 
 from .protocol import _show, bad
 
+KINDS = ("json", "regex", "choice", "grammar", "json_object")     # structured_outputs' keys
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
           "guided_grammar": "grammar"}
 # structured_outputs' options this server does not implement: refused unless neutral
@@ -81,11 +82,10 @@ def _structured_outputs(so) -> StructuredOutputs | None:
         if k in _SO_OPTIONS:
             if v not in (None, _SO_OPTIONS[k]):
                 raise bad(f"'structured_outputs.{k}' is not supported by this server", "structured_outputs")
-        elif k not in ("json", "regex", "choice", "grammar", "json_object"):
+        elif k not in KINDS:
             raise bad(f"'structured_outputs.{k}' is not a structured output this server knows "
                       "(json, regex, choice, grammar, json_object)", "structured_outputs")
-    kinds = [k for k in ("json", "regex", "choice", "grammar", "json_object")
-             if so.get(k) is not None and not (k == "json_object" and so[k] is False)]
+    kinds = [k for k in KINDS if so.get(k) is not None and not (k == "json_object" and so[k] is False)]
     if len(kinds) > 1:
         raise bad(f"'structured_outputs' holds {', '.join(kinds)}: give exactly one", "structured_outputs")
     if not kinds:

@@ -12,7 +12,7 @@ import torch
 
 from infc.compiler.build import build
 from infc.runtime.engine.engine import Engine
-from infc.runtime.engine.runner import allowed
+from infc.runtime.engine.logits_process import unpack_bitmask as allowed
 from infc.runtime.engine.sampling import SamplingParams
 from infc.runtime.engine.structured.request import StructuredOutputs
 from exhaustive import EXHAUSTIVE

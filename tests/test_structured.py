@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from infc.runtime.engine.async_engine import AsyncEngine
-from infc.runtime.engine.runner import RowSampling, allowed, sample_row
+from infc.runtime.engine.logits_process import unpack_bitmask as allowed
+from infc.runtime.engine.runner import RowSampling, sample_row
 from infc.runtime.engine.sampling import SamplingParams, logprobs_of
 from infc.runtime.engine.structured import cache as cache_mod
 from infc.runtime.engine.structured.cache import GrammarCache

@@ -537,18 +537,19 @@ class Engine:
         if then is not None:
             then()
         for seq, sample in taken:
-            try:
-                e = failed.get(seq.seq_id)
-                if e is not None:
-                    raise e
-                outputs.append(self._append(seq, sample, now))
-            except Exception as e:                  # noqa: BLE001 - this request's, not the step's
-                if is_fatal(e):
-                    raise
-                # its request may have ended inside _append, its last output not handed out
-                outputs.append(self._fail_request(seq.request_id, e) or StepOutput(
-                    seq.request_id, seq.index, [], "", finish_reason="error", request_finished=True,
-                    num_prompt_tokens=seq.num_prompt_tokens, error=e))
+            e = failed.get(seq.seq_id)
+            if e is None:
+                try:
+                    outputs.append(self._append(seq, sample, now))
+                    continue
+                except Exception as err:            # noqa: BLE001 - this request's, not the step's
+                    if is_fatal(err):
+                        raise
+                    e = err
+            # its request may have ended inside _append, its last output not handed out
+            outputs.append(self._fail_request(seq.request_id, e) or StepOutput(
+                seq.request_id, seq.index, [], "", finish_reason="error", request_finished=True,
+                num_prompt_tokens=seq.num_prompt_tokens, error=e))
         return outputs
 
     def _row(self, seq: Sequence) -> RowSampling:

@@ -43,9 +43,11 @@ def pack_bitmask(ids, V: int) -> np.ndarray:
 
 
 def unpack_bitmask(mask: np.ndarray, V: int) -> np.ndarray:
-    """bool [V]: whether each token is allowed."""
-    words = np.asarray(mask).view(np.uint32)
-    return ((words[:, None] >> np.arange(32, dtype=np.uint32)) & 1).astype(bool).ravel()[:V]
+    """bool [V]: whether each token is allowed (ids past the mask's words are not)."""
+    bits = np.unpackbits(np.ascontiguousarray(mask, "<i4").view(np.uint8), bitorder="little")
+    out = np.zeros(V, bool)
+    out[:min(V, bits.size)] = bits[:V]
+    return out
 
 
 def row_mask(s) -> np.ndarray | None:

@@ -52,7 +52,8 @@ class RowProcessing:
     @property
     def needs_history(self) -> bool:
         """Whether a row needs every output token before it samples (penalties, a bad word of
-        several tokens): such a row waits for the token before it (no overlapped step)."""
+        several tokens): overlapped, its sampling is deferred until the token before is read
+        (Engine._needs_history)."""
         return self.penalize or any(len(w) > 1 for w in self.bad_words_ids)
 
     def add(self, tok: int):

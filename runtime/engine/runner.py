@@ -148,15 +148,6 @@ def sample_rows(logits: np.ndarray, sampling: list[RowSampling | None]) -> list[
     return [None if s is None else sample_row(logits[b], s) for b, s in enumerate(sampling)]
 
 
-def allowed(bitmask: np.ndarray, vocab: int) -> np.ndarray:
-    """A packed bitmask (int32 words, bit v of word v // 32: token v) as bool [vocab]; ids past
-    its words are not allowed."""
-    bits = np.unpackbits(np.ascontiguousarray(bitmask, "<i4").view(np.uint8), bitorder="little")
-    out = np.zeros(vocab, bool)
-    out[:min(vocab, bits.size)] = bits[:vocab]
-    return out
-
-
 def sample_row(logits: np.ndarray, s: RowSampling) -> Sample:
     row = process_logits(logits, s) if needs_processing(s) else logits
     tok = sample(row, s.params, np.random.default_rng((s.seed, s.step)))
