@@ -7,6 +7,7 @@ from infc.config import DEFAULT_PAGE_SIZE
 
 from .contract.errors import ModelDirError, SpecError
 from .pipeline import compile_spec
+from .quant.formats import parse_quantization
 from .plan import dumps, emit_plan
 from .checkpoint_check import check_model_dir
 from .spec import Spec, find_architecture, find_variant, load_spec
@@ -98,7 +99,9 @@ def compile_model(model=None, spec_path=None, model_dir=None, features=None, log
             observe(pass_name, state)
 
     # parallel: {"world", "rank", "tp", "ep"}, one rank's share (compiler/parallel.py)
-    state = compile_spec(spec, env, name, features, observe=timed, skip=skip, parallel=parallel)
+    quant = parse_quantization(config, source)
+    state = compile_spec(spec, env, name, features, observe=timed, skip=skip, parallel=parallel,
+                         quant=quant)
     t0 = time.perf_counter()
     plan = emit_plan(state)
     if parallel:

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from .contract.errors import SpecError, did_you_mean
 from .expr import EvalError, Unknown, evaluate
+from .quant.leaves import LEAVES
 from .spec import weight_name
 
 READABLE_DTYPES = ("BF16", "F16", "F32", "F64")     # what compiler/contract/safetensors_io.py turns into floats
@@ -84,10 +85,18 @@ def _pattern_regex(pattern: str):
     return re.compile("".join(out) + r"\Z")
 
 
+def _quant_leaf(src: dict) -> str | None:
+    """The recipe kind of a quantized tensor's recipe (compiler/quant/leaves.py), else None."""
+    return next((k for k in src if k in LEAVES and isinstance(src[k], str)), None)
+
+
 def _names(src: dict, subs: dict):
     """Every checkpoint tensor name a recipe reads (no checks): for did-you-mean suggestions."""
+    leaf = _quant_leaf(src)
     if "tensor" in src:
         yield Checker.subst(src["tensor"], subs)
+    elif leaf:
+        yield Checker.subst(src[leaf], subs)
     elif "stack" in src:
         for e in range(int(src.get("count", 0))):
             if isinstance(src["stack"], dict):
@@ -190,6 +199,18 @@ class Checker:
         for dimensions not known here, or None when nothing is known)."""
         if "tensor" in src:
             return self.leaf(src["tensor"], want, subs, wname)
+        kind = _quant_leaf(src)
+        if kind:
+            dtypes, canonical = LEAVES[kind]
+            stored = self.leaf(src[kind], None, subs, wname, dtypes=dtypes)
+            got = canonical(src, stored)
+            name, decl = self.leaf_name({"tensor": src[kind]}, subs, wname)
+            if isinstance(got, str):
+                self.fail(f"{self.who(decl, wname)}: checkpoint tensor '{name}' {got}", decl)
+            if want is not None and not _fits(got, want):
+                self.fail(f"{self.who(decl, wname)}: checkpoint tensor '{name}' (shape {_fmt(stored)}) "
+                          f"holds a {_fmt(got)} quantized weight, the spec expects {_fmt(want)}", decl)
+            return got
         if "tied" in src:
             self.tied(wname, w, want, subs)
             target = self.plan["weights"].get(src["tied"])
@@ -282,7 +303,7 @@ class Checker:
             return wname, None
         return self.subst(pattern, subs), self.decl_for(pattern, wname)[0]
 
-    def leaf(self, pattern: str, want, subs: dict, wname: str, at_least=None):
+    def leaf(self, pattern: str, want, subs: dict, wname: str, at_least=None, dtypes=READABLE_DTYPES):
         name = self.subst(pattern, subs)
         decl, _ = self.decl_for(pattern, wname)
         if name not in self.tensors:
@@ -291,9 +312,10 @@ class Checker:
                       f"{self.where}{did_you_mean(name, self.unread)}", decl)
         dtype, shape, file = self.tensors[name]
         self.used.add(name)
-        if dtype not in READABLE_DTYPES:
+        if dtype not in dtypes:
             self.fail(f"{self.who(decl, wname)}: checkpoint tensor '{name}' has dtype {dtype}; infc "
-                      f"reads {', '.join(READABLE_DTYPES)} checkpoints ({file})", decl)
+                      f"reads {', '.join(dtypes)} {'checkpoints' if dtypes == READABLE_DTYPES else 'here'} "
+                      f"({file})", decl)
         if want is not None and not _fits(shape, want):
             # A fused part's rows are unknown here ([?, H]); its own declaration knows them
             # when the tensor is read as declared (no slice or transpose in between).

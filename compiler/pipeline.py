@@ -18,6 +18,7 @@ from .passes.lower_experts import lower_experts
 from .passes.materialize_views import materialize_views
 from .passes.merge_prologues import merge_prologues
 from .passes.plan_memory import plan_memory
+from .passes.quantize_weights import quantize_weights
 from .passes.rotate_residual import rotate_residual
 from .passes.row_logits import row_logits
 from .passes.select_kernels import select_kernels
@@ -33,6 +34,7 @@ PIPELINE = [
                                                    # rank r's weight slices + collectives (no-op alone)
     ("fold_shared_experts", fold_shared_experts),  # shared experts -> always-on routed experts
     ("lower_experts", lower_experts),              # moe_experts -> gate|up launch + down launch
+    ("quantize_weights", quantize_weights),        # a quantized checkpoint's linears read codes + scales
     ("fuse_weights", fuse_weights),                # q|k|v and gate|up concatenated at load time
     ("rotate_residual", rotate_residual),          # carry the last residual add into the next layer
     ("fuse_add_rms_norm", fuse_add_rms_norm),      # residual add + RMSNorm
@@ -58,18 +60,19 @@ FUSIONS = {"fold_shared_experts", "fuse_weights", "rotate_residual", "fuse_add_r
            "fuse_linear_prologue", "fuse_lm_head", "fuse_route_align", "merge_prologues"}
 # (merge_prologues rewrites no node; its dropped in-place aliases would come back with the types)
 REWRITES = FUSIONS - {"merge_prologues"} | {"split_attention", "shard_ranks", "lower_experts",
-                                            "eliminate_dead", "materialize_views"}
+                                            "quantize_weights", "eliminate_dead", "materialize_views"}
 
 
 def compile_spec(spec: Spec, env: dict, model: str, features: list | None = None,
                  observe=None, stop_after: str | None = None, skip=(),
-                 parallel: dict | None = None) -> CompileState:
+                 parallel: dict | None = None, quant=None) -> CompileState:
     """Run the pipeline; `skip` leaves out optional rewrites (tests compare with and without;
     skip=FUSIONS is `--no-fuse`); `parallel` = {"world", "rank", "tp", "ep"} compiles rank
-    r's plan (compiler/parallel.py)."""
+    r's plan (compiler/parallel.py); `quant`: the checkpoint's quantization format
+    (compiler/quant/formats), None for bf16."""
     graph, weights = lower(spec, env)
     state = CompileState(spec, env, graph, weights, model, features=list(features or []),
-                         parallel=dict(parallel) if parallel else None)
+                         parallel=dict(parallel) if parallel else None, quant=quant)
     _stamp(state, "lower")
     if observe:
         observe("lower", state)

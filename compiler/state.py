@@ -22,6 +22,7 @@ class CompileState:
                                                    # (merge_prologues: one launch in that phase)
     parallel: dict | None = None     # {"world", "rank", "tp", "ep"}: this plan is rank r's share
     row_logits: dict | None = None   # set by row_logits: the logits tail to re-run at other rows
+    quant: object = None             # the checkpoint's quantization format (compiler/quant/formats)
 
     def note(self, pass_name: str, msg: str):
         self.log.append((pass_name, msg))

@@ -14,8 +14,11 @@ import jinja2
 
 TEMPLATES = Path(__file__).resolve().parent.parent.parent / "codegen_templates"
 EXT = {"triton": ".py", "cuda": ".cu", "tilelang": ".py"}
-TL_DTYPE = {"bf16": "tl.bfloat16", "f16": "tl.float16", "f32": "tl.float32", "i32": "tl.int32"}
-PTR = {"bf16": "*bf16", "f16": "*fp16", "f32": "*fp32", "i32": "*i32"}
+TL_DTYPE = {"bf16": "tl.bfloat16", "f16": "tl.float16", "f32": "tl.float32", "i32": "tl.int32",
+            "f8e4m3": "tl.float8e4nv", "u8": "tl.uint8", "u4": "tl.uint8", "e2m1": "tl.uint8"}
+# quantized codes: fp8 as e4m3 elements, packed codes (two a byte) as bytes
+PTR = {"bf16": "*bf16", "f16": "*fp16", "f32": "*fp32", "i32": "*i32", "f8e4m3": "*fp8e4nv",
+       "u8": "*u8", "u4": "*u8", "e2m1": "*u8"}
 C_DTYPE = {"bf16": "__nv_bfloat16", "f16": "__half", "f32": "float", "i32": "int"}
 
 

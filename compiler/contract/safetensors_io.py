@@ -17,7 +17,22 @@ from infc.compiler.contract.errors import ModelDirError
 from .safetensors_header import read_header
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I32": np.int32,
-           "I64": np.int64, "U8": np.uint8, "I8": np.int8, "F64": np.float64, "BOOL": np.bool_}
+           "I64": np.int64, "U8": np.uint8, "I8": np.int8, "F64": np.float64, "BOOL": np.bool_,
+           "I16": np.int16, "U16": np.uint16, "U32": np.uint32,
+           # fp8 and MX scales as their bytes (float32() decodes e4m3)
+           "F8_E4M3": np.uint8, "F8_E5M2": np.uint8, "F8_E8M0": np.uint8}
+
+
+def _e4m3_values() -> np.ndarray:
+    """float32 value of each e4m3 byte (OCP e4m3fn: bias 7, no infinities, S.1111.111 is NaN)."""
+    b = np.arange(256)
+    e, m = (b >> 3) & 15, (b & 7).astype(np.float64)
+    v = np.where(e == 0, m / 8 * 2.0 ** -6, (1 + m / 8) * 2.0 ** (e - 7))
+    v = np.where((e == 15) & (m == 7), np.nan, v)
+    return np.where(b >> 7, -v, v).astype(np.float32)
+
+
+E4M3 = _e4m3_values()
 
 
 class SafetensorsFile:
@@ -62,9 +77,18 @@ class SafetensorsFile:
 
     def float32(self, name: str) -> np.ndarray:
         x = self.raw(name)
-        if self.header[name]["dtype"] == "BF16":
+        dt = self.header[name]["dtype"]
+        if dt == "BF16":
             return (x.astype(np.uint32) << 16).view(np.float32)
+        if dt == "F8_E4M3":
+            return E4M3[x]
+        if dt in ("F8_E5M2", "F8_E8M0"):
+            raise ModelDirError(f"{self.path}: tensor '{name}' is {dt}: read as a float only through a "
+                                f"quantization format (config.json's quantization_config)")
         return x.astype(np.float32)
+
+    def dtype(self, name: str) -> str:
+        return self.header[name]["dtype"]
 
 
 def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -141,6 +165,14 @@ class Checkpoint:
 
     def float32(self, name: str) -> np.ndarray:
         return self._file(name).float32(name)
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor as stored (bf16 and fp8 as their bits)."""
+        return self._file(name).raw(name)
+
+    def dtype(self, name: str) -> str:
+        """The tensor's safetensors dtype (F8_E4M3, I32, BF16, ...)."""
+        return self._file(name).dtype(name)
 
     def bf16_bits(self, name: str) -> np.ndarray:
         return self._file(name).bf16_bits(name)

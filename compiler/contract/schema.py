@@ -6,8 +6,21 @@ through these names, so they cannot drift apart.
 SCHEMA = "infc.plan/2"
 TUNE_MANIFEST_VERSION = 2  # `infc tune prepare` writes it, `infc tune run` reads it; 2: plan/2 caches
 
-# every dtype a plan names, in bytes an element
-DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "i32": 4}
+# every dtype a plan names, in bytes an element; a packed dtype's elements are PACKED a byte
+# along the last dimension (quantized weights' codes: compiler/quant/scheme.py)
+DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "i32": 4, "f8e4m3": 1, "u8": 1}
+PACKED = {"u4": 2, "e2m1": 2}
+
+
+def nbytes(dtype: str, shape) -> int:
+    """Bytes of a tensor of `shape` (static ints) in `dtype`, packed dtypes included."""
+    n = 1
+    for d in shape[:-1]:
+        n *= d
+    last = shape[-1] if len(shape) else 1
+    if dtype in PACKED:
+        return n * -(-last // PACKED[dtype])
+    return n * last * DTYPE_BYTES[dtype]
 
 # the value that orders a cache write before its reads (a launch output that is no buffer)
 CACHE_MARKER = "cache"

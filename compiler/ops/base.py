@@ -31,6 +31,9 @@ class OpDef:
     optional: list[str] = field(default_factory=list)  # optional tensors after them (bias, ...):
                                            # a present one follows the required inputs and sets
                                            # attrs["has_<name>"] = True
+    pass_inputs: list[str] = field(default_factory=list)  # optional tensors only passes add, after
+                                           # the optional ones (a quantized weight's scales:
+                                           # compiler/ops/quant.py); a present one sets has_<name>
     attrs: dict = field(default_factory=dict)   # attribute name -> default (REQUIRED if none)
     extra_attrs: dict = field(default_factory=dict)  # attrs added later (name -> default): a node
                                            # carries one only where its spec gives it, so the

@@ -12,6 +12,7 @@ the reference executor's logits do not move.
 from .activation import ACTIVATIONS, resolve
 from .base import REQUIRED, expect, op, tt
 from .linear import out_dtype
+from .quant import QUANT_OPTIONAL, check_types, operands
 
 
 def _fn(attrs, who):
@@ -24,7 +25,8 @@ def _fn(attrs, who):
 def _bias(types, attrs, n: int, who: str):
     """An optional bias (attrs has_bias, the input after the weight) must be [n]."""
     if attrs.get("has_bias"):
-        expect(len(types) == 3 and types[2].shape == (n,), f"{who} bias must be [{n}], got {types[2:]}")
+        expect(len(types) >= 3 and types[2].shape == (n,), f"{who} bias must be [{n}], got {types[2:3]}")
+    check_types(types, attrs, 3 if attrs.get("has_bias") else 2, who)
 
 
 def act_mul_infer(types, attrs):
@@ -52,14 +54,15 @@ def linear_act_mul_infer(types, attrs):
     return [tt(gu.shape[:-1] + (w.shape[0],), out_dtype(gu, attrs))]
 
 
-def linear_act_mul(ctx, gu, w, *bias, fn, has_bias=False, out_dtype=None):
-    y = act_mul(ctx, gu, fn) @ w.T
-    return y + bias[0] if has_bias else y
+def linear_act_mul(ctx, gu, w, *rest, fn, out_dtype=None, **attrs):
+    a, w, bias = operands(act_mul(ctx, gu, fn), w, rest, attrs)
+    y = a @ w.T
+    return y if bias is None else y + bias
 
 
 # The activation runs in the GEMM/GEMV's A-operand load: the [rows, F] intermediate is never
 # written. A bias (mlp_bias models) is added in the epilogue like linear's.
-op(name="linear_act_mul", tensors=["gate_up", "weight"], optional=["bias"],
+op(name="linear_act_mul", tensors=["gate_up", "weight"], optional=["bias"], pass_inputs=QUANT_OPTIONAL,
    attrs={"fn": REQUIRED, "has_bias": False}, infer=linear_act_mul_infer,
    reference=linear_act_mul, internal=True,
    templates={"triton": {"prefill": "gemm_act_mul", "mixed": "gemm_act_mul",
@@ -78,9 +81,10 @@ def linear_gated_infer(types, attrs):
     return [tt(x.shape[:-1] + (w.shape[0] // 2,), x.dtype)]
 
 
-def linear_gated(ctx, x, w, *bias, fn, has_bias=False):
+def linear_gated(ctx, x, w, *rest, fn, **attrs):
+    x, w, bias = operands(x, w, rest, attrs)
     gu = x @ w.T
-    return act_mul(ctx, gu + bias[0] if has_bias else gu, fn)
+    return act_mul(ctx, gu if bias is None else gu + bias, fn)
 
 
 # The gate|up projection with the gated activation in its epilogue: each output tile's program
@@ -88,7 +92,7 @@ def linear_gated(ctx, x, w, *bias, fn, has_bias=False):
 # and the down projection after it is a plain linear (a GEMM that reads a ready A tile runs
 # 1.4-1.5x faster than one that builds it in registers, bench/NOTES.md). The epilogue rounds as
 # HF's MLP does: g and u to bf16 (the projection's outputs), act(g) to bf16, then act(g) * u.
-op(name="linear_gated", tensors=["x", "weight"], optional=["bias"],
+op(name="linear_gated", tensors=["x", "weight"], optional=["bias"], pass_inputs=QUANT_OPTIONAL,
    attrs={"fn": REQUIRED, "has_bias": False}, infer=linear_gated_infer,
    reference=linear_gated, internal=True,
    templates={"triton": {"prefill": "gemm_gated", "mixed": "gemm_gated",

@@ -10,9 +10,10 @@ addmm (what HF's nn.Linear runs on the GPU) adds it inside the GEMM the same way
 Decode steps have few rows, so they stream the weight with a split-K GEMV, and so do short
 prefill/mixed steps (T <= SHORT_TOKENS, the "short" phase); prefill uses tiled GEMM. The choice is
 per phase, made by the select_kernels pass. The cuda gemv and the tilelang
-gemm take no bias.
+gemm take no bias, and no quantized weight.
 """
 from .base import expect, op, tt
+from .quant import QUANT_OPTIONAL, check_types, operands
 
 
 def infer(types, attrs):
@@ -21,8 +22,9 @@ def infer(types, attrs):
     expect(x.shape[-1] == w.shape[1], f"linear: input {x} has K={x.shape[-1]} but weight {w} "
                                       f"has K={w.shape[1]}")
     if attrs.get("has_bias"):
-        expect(len(types) == 3 and types[2].shape == (w.shape[0],),
-               f"linear: bias must be [{w.shape[0]}] (one per output column), got {types[2:]}")
+        expect(len(types) >= 3 and types[2].shape == (w.shape[0],),
+               f"linear: bias must be [{w.shape[0]}] (one per output column), got {types[2:3]}")
+    check_types(types, attrs, 3 if attrs.get("has_bias") else 2, "linear")
     return [tt(x.shape[:-1] + (w.shape[0],), out_dtype(x, attrs))]
 
 
@@ -33,13 +35,17 @@ def out_dtype(x, attrs) -> str:
     return d
 
 
-def reference(ctx, x, w, *bias, has_bias=False, out_dtype=None):
+def reference(ctx, x, w, *rest, out_dtype=None, **attrs):
+    x, w, bias = operands(x, w, rest, attrs)
     y = x @ w.T
-    return y + bias[0] if has_bias else y
+    return y if bias is None else y + bias
 
 
 # attrs["has_bias"] is set by whoever makes the node (lowering, passes), as for every optional
-op(name="linear", tensors=["x", "weight"], optional=["bias"], infer=infer, reference=reference,
+# A quantized checkpoint's linear (compiler/passes/quantize_weights.py) reads W as codes and its
+# scales after the bias (compiler/ops/quant.py): attrs["quant"] names the scheme.
+op(name="linear", tensors=["x", "weight"], optional=["bias"], pass_inputs=QUANT_OPTIONAL,
+   infer=infer, reference=reference,
    # wide (decode steps of >= WIDE_DENSE_TOKENS sequences): the GEMM's decode tiles, which read
    # W once for 64 rows a tile where the GEMV re-reads it per row block (bench/NOTES.md)
    templates={"triton": {"prefill": "gemm", "mixed": "gemm", "decode": "gemv", "short": "gemv", "wide": "gemm"},

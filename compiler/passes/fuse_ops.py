@@ -4,6 +4,7 @@ numpy reference is the chain's composition (see ops/fused.py).
 from ..ir import Graph, Node, Value
 from ..ops import REGISTRY
 from ..ops.activation import ACTIVATIONS, resolve
+from ..ops.quant import quant_attrs
 
 
 def _single_user(g: Graph, value: str):
@@ -165,7 +166,8 @@ def fuse_linear_epilogue(state):
                     or _single_user(g, act.inputs[0]) is None:
                 continue
             out = _new(g, "act", act.line)
-            attrs = {"fn": act.attrs["fn"], "has_bias": bool(lin.attrs.get("has_bias"))}
+            attrs = {"fn": act.attrs["fn"], "has_bias": bool(lin.attrs.get("has_bias")),
+                     **quant_attrs(lin.attrs)}
             g.add_node(Node(g.new_node_id("linear_gated"), "linear_gated", list(lin.inputs), [out],
                             attrs, lin.line, fused_from=lin.fused_from + act.fused_from),
                        before=lin.id)
@@ -184,7 +186,8 @@ def fuse_linear_prologue(state):
             if act is None or act.op != "act_mul" or _single_user(g, lin.inputs[0]) is None:
                 continue
             out = _new(g, "y", lin.line)
-            attrs = {"fn": act.attrs["fn"], "has_bias": bool(lin.attrs.get("has_bias"))}
+            attrs = {"fn": act.attrs["fn"], "has_bias": bool(lin.attrs.get("has_bias")),
+                     **quant_attrs(lin.attrs)}
             if lin.attrs.get("out_dtype"):               # a row-parallel linear's fp32 partials
                 attrs["out_dtype"] = lin.attrs["out_dtype"]
             g.add_node(Node(g.new_node_id("linear_act_mul"), "linear_act_mul",
@@ -201,7 +204,7 @@ def fuse_lm_head(state):
     sequence's last token goes through the final norm and the vocabulary projection; the bias and
     the final logit softcap (Gemma2) run in its epilogue."""
     g = state.graph
-    for lin in [n for n in g.ordered() if n.op == "linear"]:
+    for lin in [n for n in g.ordered() if n.op == "linear" and not n.attrs.get("quant")]:
         norm = g.producer(lin.inputs[0])
         if norm is None or norm.op != "rms_norm" or _single_user(g, lin.inputs[0]) is None:
             continue

@@ -8,8 +8,16 @@ launches over a strided slice.
 The concatenation is a load-time transform recorded in the weights table, so the checkpoint
 is read as published and the plan says how each fused weight is built. A weight that several
 layer kinds share fuses the same way in each of their bodies.
+
+Quantized linears (compiler/passes/quantize_weights.py) fuse when their schemes are equal and
+every part's rows are whole scale blocks: codes, scales and zero points concatenate along the rows
+like the weight. Parts with per-column group indices (act-order) or static activation scales keep
+their own launches (their activations or columns are not shared).
 """
+import json
+
 from ..ir import Node, TensorType, Value
+from ..quant.scheme import QuantScheme
 
 
 def fused_name(wnames: list[str]) -> str:
@@ -65,14 +73,47 @@ def _fuse_linears(state, g, dropped: set):
         meta = state.weights[w.name]
         # linears fuse only where their outputs share a dtype (a row-parallel linear writes fp32)
         key = (n.inputs[0], w.type.shape[1], w.type.dtype, tuple(meta["layers"] or ()),
-               n.attrs.get("out_dtype"))
+               n.attrs.get("out_dtype"), json.dumps(n.attrs.get("quant"), sort_keys=True))
         groups.setdefault(key, []).append(n)
-    for (x, k, dtype, _, _), members in groups.items():
+    for (x, k, dtype, _, _, _), members in groups.items():
+        if not _quant_fusable(g, members):
+            continue
         pair = _gated_pair(g, members) if len(members) > 2 else None
         split_off = [pair, [n for n in members if n not in pair]] if pair else [members]
         for nodes in split_off:
             if len(nodes) >= 2:
                 _fuse_group(state, g, x, k, dtype, nodes, dropped)
+
+
+def _quant_fusable(g, nodes: list) -> bool:
+    q = nodes[0].attrs.get("quant")
+    if q is None:
+        return True
+    s = QuantScheme.from_attrs(q)
+    return not s.g_idx and s.act != "static" and \
+        all(g.values[n.inputs[1]].type.shape[0] % s.block_n == 0 for n in nodes)
+
+
+def _fuse_companions(state, g, nodes: list, fused: str, layers) -> tuple[list, list, dict]:
+    """The fused linear's quantization inputs: each companion's parts concatenated on the rows
+    (scale blocks are whole, _quant_fusable); returns (inputs, replaced names, attrs)."""
+    q = nodes[0].attrs.get("quant")
+    if q is None:
+        return [], [], {}
+    s = QuantScheme.from_attrs(q)
+    base = [3 if n.attrs.get("has_bias") else 2 for n in nodes]
+    inputs, replaced, attrs = [], [], {"quant": q}
+    for j, c in enumerate(s.companions()):
+        parts = [n.inputs[b + j] for n, b in zip(nodes, base)]
+        t0 = g.values[parts[0]].type
+        name = f"{fused}_{c}"
+        register_weight(state, g, name, TensorType((sum(g.values[p].type.shape[0] for p in parts),)
+                                                   + t0.shape[1:], t0.dtype),
+                        {"concat": [state.weights[p]["source"] for p in parts], "axis": 0}, layers)
+        inputs.append(name)
+        replaced += parts
+        attrs["has_" + c] = True
+    return inputs, replaced, attrs
 
 
 def _fuse_group(state, g, x, k, dtype, nodes: list, dropped: set):
@@ -93,10 +134,13 @@ def _fuse_group(state, g, x, k, dtype, nodes: list, dropped: set):
         register_weight(state, g, bfused, TensorType((sum(sizes),), bdtype), {"concat": bsrc, "axis": 0}, layers)
         inputs.append(bfused)
         wnames += [b for b in bnames if b]
+    q_inputs, q_parts, q_attrs = _fuse_companions(state, g, nodes, fused, layers)
+    inputs += q_inputs
+    wnames += q_parts
     first = nodes[0]
     y = g.fresh(fused[1:] if fused.startswith("w") else fused)
     g.add_value(Value(y, "act", line=first.line))
-    attrs = {"has_bias": has_bias}
+    attrs = {"has_bias": has_bias, **q_attrs}
     if first.attrs.get("out_dtype"):
         attrs["out_dtype"] = first.attrs["out_dtype"]
     g.add_node(Node(g.new_node_id("linear"), "linear", inputs, [y], attrs,

@@ -5,7 +5,7 @@ layer's copy. Shapes are checked against the plan and a mismatch names the tenso
 """
 from infc.compiler.contract.errors import ModelDirError
 
-from .recipes import build
+from .recipes import CheckpointReader, build
 
 
 def layers_of(w: dict) -> list:
@@ -36,8 +36,10 @@ def check_shape(ckpt, name: str, w: dict, shape, what: str):
 
 def iter_weights(plan: dict, ckpt, read=None):
     """Yields (name, layer or None, float32 array) for every weight, tied ones as
-    (name, None, the weight it is tied to). read(tensor name) defaults to ckpt.float32."""
-    read = read or ckpt.float32
+    (name, None, the weight it is tied to). read(tensor name) defaults to the checkpoint's float32
+    reader. A quantized weight's codes come as the float32 values they encode, its companions as
+    float32 (compiler/quant/scheme.py)."""
+    read = read or CheckpointReader(ckpt)
     for name, w in plan["weights"].items():
         if "tied" in w["source"]:
             yield name, None, w["source"]["tied"]

@@ -21,37 +21,15 @@ a weight the plan declares f32):
     {"zeros": [shape...]}                    zeros (a bias a fused concat needs but the model lacks)
 
 build(src, layer, read) returns (array, what): `what` names the checkpoint tensors for errors.
-read(name) -> float32 array. A recipe that does arithmetic (scale, offset) computes in float32.
+read(name) -> float32 array (a CheckpointReader, whose raw() and dtype() the quantized formats'
+recipes use: runtime/weights/quant_recipes.py). A recipe that does arithmetic (scale, offset)
+computes in float32.
 """
 import numpy as np
 
 from infc.compiler.contract.errors import ModelDirError
 
-RECIPES: dict = {}
-
-
-def recipe(kind: str):
-    def register(fn):
-        RECIPES[kind] = fn
-        return fn
-    return register
-
-
-def kind_of(src: dict) -> str:
-    kinds = [k for k in src if k in RECIPES]
-    if len(kinds) != 1:
-        raise ValueError(f"weight source {src}: expected exactly one recipe of {sorted(RECIPES)}")
-    return kinds[0]
-
-
-def name_at(pattern: str, layer, expert=None) -> str:
-    """A checkpoint tensor name with {i} (layer) and {e} (expert) substituted."""
-    name = pattern if layer is None else pattern.replace("{i}", str(layer))
-    return name if expert is None else name.replace("{e}", str(expert))
-
-
-def build(src: dict, layer, read, where: str = "checkpoint") -> tuple[np.ndarray, str]:
-    return RECIPES[kind_of(src)](src, layer, read, where)
+from .recipe_registry import RECIPES, CheckpointReader, build, kind_of, name_at, recipe  # noqa: F401
 
 
 @recipe("tensor")
@@ -150,3 +128,7 @@ def _offset(src, layer, read, where):
 @recipe("zeros")
 def _zeros(src, layer, read, where):
     return np.zeros(src["zeros"], np.float32), f"zeros{list(src['zeros'])}"
+
+
+# the quantized formats' recipes register into the same registry
+from . import quant_recipes  # noqa: E402,F401

@@ -1,0 +1,137 @@
+"""Quantized checkpoints: the linears whose weights the checkpoint stores quantized read them as
+published, as codes and scales (compiler/quant/scheme.py), driven by config.json's
+`quantization_config` (compiler/quant/formats/). The spec is unchanged: a family's spec serves
+its bf16 and its quantized checkpoints alike.
+
+    linear(x, W[, b])  ->  linear(x, W:codes[, b], W_qscale[, W_qzero][, W_qgidx][, W_xscale])
+                           attrs["quant"] = the scheme
+
+Each companion is a plan weight with its own load recipe, so the fusions after this pass (q|k|v
+and gate|up concatenation, the gated epilogue, the narrow prologue) carry the quantized operands
+as they carry a bias. A weight the checkpoint quantizes but this pass cannot rewrite (an MoE
+expert, a weight built by a transform) fails the build naming it: it would otherwise be read as
+bf16 from fp8 or packed-integer bytes.
+"""
+from ..contract.errors import ModelDirError
+from ..ir import TensorType, Value
+from ..quant.scheme import COMPANIONS
+from .fuse_weights import register_weight
+
+SUFFIX = {"w_scale": "_qscale", "w_zero": "_qzero", "w_gidx": "_qgidx", "x_scale": "_xscale"}
+LINEARS = ("linear",)
+# ops whose weights are matrices a checkpoint may store quantized (HF quantizes nn.Linear modules:
+# never embeddings or norms), whether or not this pass can rewrite them yet
+MATMULS = ("linear", "head_linear", "moe_gate_up", "moe_down")
+_WEIGHT = ".weight"
+
+
+def _module(meta: dict) -> str | None:
+    """The checkpoint module ({i} for the layer) a weight is read from as published, else None."""
+    src = meta["source"]
+    if set(src) == {"tensor"} and src["tensor"].endswith(_WEIGHT):
+        return src["tensor"][:-len(_WEIGHT)]
+    return None
+
+
+def _scheme(state, fmt, name: str, module: str, layers):
+    schemes = {fmt.scheme_for(module.replace("{i}", str(i))) for i in (layers or [None])}
+    if len(schemes) > 1:
+        raise ModelDirError(f"weight '{name}' ({module}): the checkpoint quantizes it in some layers "
+                            f"and not in others; infc needs one scheme for every layer of a weight")
+    return schemes.pop()
+
+
+def _companion_type(c: str, scheme, n: int, k: int) -> TensorType:
+    if c == "w_gidx":
+        return TensorType((k,), "i32")
+    if c == "x_scale":
+        return TensorType((1,), "f32")
+    return TensorType(scheme.scale_shape(n, k), "f32")
+
+
+def _rewrite_weight(state, g, name: str, fmt, done: dict):
+    """Quantize weight `name` (once) and declare its companions in graph g; returns (scheme,
+    companion value names) or None where the checkpoint keeps it in bf16."""
+    if name not in done:
+        meta = state.weights[name]
+        module = _module(meta)
+        s = None if module is None else _scheme(state, fmt, name, module, meta["layers"])
+        if s is None:
+            done[name] = None
+            return None
+        n, k = meta["type"].shape
+        srcs = fmt.sources(module, s, n, k)
+        names = {c: name + SUFFIX[c] for c in s.companions()}
+        meta["source"] = srcs["codes"]
+        meta["type"] = TensorType((n, k), s.codes)
+        meta["quant"] = str(s)
+        done[name] = (s, names, srcs, (n, k))
+        state.note("quantize_weights", f"{name}: {module} as {s}")
+    got = done[name]
+    if got is None:
+        return None
+    s, names, srcs, (n, k) = got
+    g.values[name].type = TensorType((n, k), s.codes)
+    for c, v in names.items():
+        if v not in g.values:
+            register_weight(state, g, v, _companion_type(c, s, n, k), srcs[c],
+                            state.weights[name]["layers"], state.weights[name].get("line"))
+    return s, names
+
+
+def _checkpoint_tensors(src: dict) -> list[str]:
+    """Every checkpoint tensor name (patterns) a weight recipe reads."""
+    out = []
+    for key, v in src.items():
+        if key in ("tensor", "stack") and isinstance(v, str):
+            out.append(v)
+        elif isinstance(v, dict):
+            out += _checkpoint_tensors(v)
+        elif isinstance(v, list):
+            out += [t for s in v if isinstance(s, dict) for t in _checkpoint_tensors(s)]
+    return out
+
+
+def _check_all_rewritten(state, fmt, done: dict):
+    """A matrix read as bf16 must not come from a tensor the checkpoint stores quantized."""
+    matrices = {i for g in state.graph.walk() for n in g.ordered() if n.op in MATMULS
+                for i in n.inputs if g.values[i].kind == "weight"}
+    for name, meta in state.weights.items():
+        if name not in matrices or done.get(name) is not None or "tied" in meta["source"] \
+                or "quant" in meta:
+            continue
+        for t in _checkpoint_tensors(meta["source"]):
+            if not t.endswith(_WEIGHT):
+                continue
+            module = t[:-len(_WEIGHT)].replace("{i}", "0").replace("{e}", "0")
+            s = fmt.scheme_for(module)
+            if s is not None:
+                line = meta.get("line")
+                raise ModelDirError(
+                    f"weight '{name}'{f' (spec line {line})' if line else ''} reads '{t}', which the "
+                    f"checkpoint stores quantized ({s}); infc reads quantized weights only as plain "
+                    f"linear weights so far (not MoE experts or weights the spec transforms)")
+
+
+def quantize_weights(state):
+    fmt = state.quant
+    if fmt is None:
+        return
+    if state.parallel and (state.parallel.get("tp", 1) > 1):
+        raise ModelDirError("a quantized checkpoint with --tensor-parallel-size > 1: not supported yet "
+                            "(each rank's slice of the codes and scales is not planned)")
+    done: dict = {}
+    for g in state.graph.walk():
+        for n in g.ordered():
+            if n.op not in LINEARS or g.values[n.inputs[1]].kind != "weight":
+                continue
+            got = _rewrite_weight(state, g, n.inputs[1], fmt, done)
+            if got is None:
+                continue
+            s, names = got
+            base = 3 if n.attrs.get("has_bias") else 2
+            n.inputs = n.inputs[:base] + [names[c] for c in COMPANIONS if c in names]
+            n.attrs["quant"] = s.attrs()
+            for c in names:
+                n.attrs["has_" + c] = True
+    _check_all_rewritten(state, fmt, done)

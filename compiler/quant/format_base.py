@@ -1,0 +1,25 @@
+"""What a quantization format module provides (compiler/quant/formats/): a parser registered for
+its quant_method, returning a QuantFormat."""
+FORMATS: dict = {}          # quant_method -> parser(config: dict, where: str) -> QuantFormat
+
+
+def format_parser(*methods: str):
+    def register(fn):
+        for m in methods:
+            FORMATS[m] = fn
+        return fn
+    return register
+
+
+class QuantFormat:
+    method: str = ""
+
+    def scheme_for(self, module: str):
+        raise NotImplementedError
+
+    def sources(self, module: str, scheme, n: int, k: int) -> dict:
+        raise NotImplementedError
+
+    def tensors(self, module: str, scheme) -> dict:
+        """checkpoint tensor name -> (allowed safetensors dtypes) for a quantized module."""
+        raise NotImplementedError

@@ -1,0 +1,33 @@
+"""Published quantization formats, read from config.json's `quantization_config`.
+
+Each format module registers a parser for its `quant_method`; a parser checks the config (an
+unknown or inconsistent key fails naming it) and returns a QuantFormat, which answers, for a
+checkpoint module (its weight's name without `.weight`):
+
+    scheme_for(module)             the QuantScheme its weight is stored in, or None where the
+                                   checkpoint leaves it unquantized (its ignore lists)
+    sources(module, scheme, n, k)  where each canonical tensor comes from: {"codes": recipe,
+                                   "w_scale": recipe, ...} (runtime/weights/quant_recipes.py
+                                   turns the stored tensors into the canonical form,
+                                   compiler/quant/scheme.py)
+    tensors(module)                the checkpoint tensors it stores for a quantized module, with
+                                   their expected dtypes (checkpoint honesty)
+"""
+from ...contract.errors import ModelDirError
+from ..format_base import FORMATS, QuantFormat  # noqa: F401  (the registry the modules fill)
+from . import fp8_block  # noqa: F401
+
+
+def parse_quantization(config: dict, where: str) -> QuantFormat | None:
+    """The checkpoint's format (None: not quantized). where: the config.json path, for errors."""
+    q = config.get("quantization_config")
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise ModelDirError(f"{where}: quantization_config must be an object, got {type(q).__name__}")
+    method = q.get("quant_method")
+    if method not in FORMATS:
+        raise ModelDirError(f"{where}: quantization_config.quant_method {method!r} is not a format "
+                            f"infc reads (it reads: {', '.join(sorted(FORMATS))})")
+    return FORMATS[method](q, where)
+
