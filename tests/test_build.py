@@ -30,10 +30,9 @@ def _tree(d: Path) -> dict:
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_variant_builds_deterministically_and_matches_generated(variant, tmp_path):
-    a = build(model=variant, out=tmp_path / "a", log=None, compile=False)
-    b = build(model=variant, out=tmp_path / "b", log=None, compile=False)
-    fresh = _tree(a)
-    assert fresh == _tree(b)
+    """generated/ was built by another process (another hash seed, another set iteration order),
+    so matching it byte for byte is the determinism check."""
+    fresh = _tree(build(model=variant, out=tmp_path / "a", log=None, compile=False))
     assert any(k.startswith("kernels/") for k in fresh)
     committed = GENERATED / variant
     assert committed.exists(), f"generated/{variant} is missing: run `make generated`"
