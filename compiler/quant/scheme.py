@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 CODES = {"f8e4m3": (8, "float"), "e2m1": (4, "float"), "u4": (4, "int"), "u8": (8, "int")}
 ACTS = ("none", "dynamic_group", "dynamic_token", "static")
 FP8_MAX = 448.0
+MX_BLOCK = 32               # OCP MX formats (MXFP4): elements along K that share one e8m0 scale
 # the plan's optional quantization inputs of a linear, in this order after the bias
 COMPANIONS = ("w_scale", "w_zero", "w_gidx", "x_scale")
 

@@ -40,3 +40,7 @@ def _rows(src, layer, read, where):
     if a.size != 1:
         raise ModelDirError(f"{where}: {what} has shape {list(a.shape)}, a per-tensor scale has one element")
     return np.full((src["count"], 1), a.reshape(-1)[0], np.float32), f"{what} (per tensor)"
+
+
+# the other format families' recipes register into the same registry
+from . import quant_int_recipes, quant_mx_recipes  # noqa: E402,F401
