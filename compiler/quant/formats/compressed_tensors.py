@@ -131,10 +131,12 @@ def _weights(w: ConfigKeys, fmt: str, fmt_key: str, top: ConfigKeys):
     if not sym and strategy not in ("channel", "group"):
         raise w.bad("symmetric", f"false with strategy {strategy!r}: zero points are read per channel "
                                  f"or per group")
+    # "group" (and its older spellings true / "dynamic") stores weight_g_idx; "weight" / "static"
+    # only reordered calibration
     actorder = w.get("actorder", None)
-    if actorder not in (None, False, "weight", "static", "group", "dynamic"):
+    if actorder not in (None, False, True, "weight", "static", "group", "dynamic"):
         raise w.bad("actorder", f"{actorder!r}: must be 'group', 'weight', 'static' or null")
-    g_idx = actorder in ("group", "dynamic")
+    g_idx = actorder in (True, "group", "dynamic")
     if g_idx and strategy != "group":
         raise w.bad("actorder", f"{actorder!r} with strategy {strategy!r}: act-order groups need "
                                 f"strategy 'group'")
