@@ -198,3 +198,29 @@ def test_reference_equals_the_format_definition(case, base, tmp_path):
     want = definition_logits(model, tmp_path, writer, o)
     assert np.abs(want - bf).max() > 1e-3, f"{case}: the quantization changes nothing: the test could not fail"
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0, err_msg=case)
+
+
+@pytest.mark.parametrize("bits,group,sym", [(4, 32, True), (4, 64, False), (8, None, False), (4, None, False),
+                                            (8, 128, True)])
+def test_pack_quantized_writer_is_compressed_tensors_compressor(bits, group, sym):
+    """The fixture writer's pack-quantized tensors are byte for byte what compressed-tensors'
+    compressor writes from the same weight, scales and zero points; per channel K = 100 (4-bit rows
+    end in a partial word), and N = 36 (4-bit zero points end in a partial word along N)."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from quantize_model import CONFIGS, WRITERS
+    o = dict(bits=bits, group=group, sym=sym)
+    w = np.random.default_rng(bits).standard_normal((36, 3 * group if group else 100)).astype(np.float32)
+    ours = WRITERS["ct-int"]("m", w, o)
+    group_cfg = CONFIGS["ct-int"](o)["config_groups"]["group_0"]
+    scheme = QuantizationScheme(**{k: v for k, v in group_cfg.items() if k != "format"})
+    state = {"weight": torch.from_numpy(w), "weight_scale": torch.from_numpy(ours["m.weight_scale"][1])}
+    if not sym:
+        from compressed_tensors.compressors.pack_quantized import unpack_from_int32
+        zp = unpack_from_int32(torch.from_numpy(ours["m.weight_zero_point"][1]), bits,
+                               torch.Size([36, ours["m.weight_scale"][1].shape[1]]), packed_dim=0)
+        state["weight_zero_point"] = zp
+    theirs = BaseCompressor.load_from_registry("pack-quantized").compress(state, scheme)
+    np.testing.assert_array_equal(ours["m.weight_packed"][1], theirs["weight_packed"].numpy())
+    if not sym:
+        np.testing.assert_array_equal(ours["m.weight_zero_point"][1], theirs["weight_zero_point"].numpy())
