@@ -47,8 +47,11 @@ CASES = {
     "gptq-int4-g32-asym-actorder-v1": ("gptq", dict(bits=4, group=32, sym=False, desc_act=True)),
     "gptq-int8-channel-asym-v2": ("gptq", dict(bits=8, group=-1, sym=False, checkpoint_format="gptq_v2")),
     "mxfp4": ("mxfp4", {}),
+    # ignore lists: a regex (compressed-tensors), a suffix (modules_to_not_convert) stay bf16
+    "ct-w4a16-g32-keep-down": ("ct-int", dict(bits=4, group=32, keep=["mlp.down_proj"])),
+    "gptq-int4-g64-keep-o": ("gptq", dict(bits=4, group=64, keep=["self_attn.o_proj"])),
 }
-SLOW = {"fp8-block", "ct-fp8-tensor-static", "ct-w4a16-g128-sym", "ct-w8-naive-g64", "gptq-int4-g128-sym-v1"}
+SLOW = {"gptq-int4-g64-keep-o", "fp8-block", "ct-fp8-tensor-static", "ct-w4a16-g128-sym", "ct-w8-naive-g64", "gptq-int4-g128-sym-v1"}
 
 
 # ------------------------------------------------ the formats' definitions, from the stored tensors
@@ -158,6 +161,8 @@ def definition_logits(model, qdir: Path, writer: str, o: dict) -> np.ndarray:
                 mod = layer.get_submodule(name)
                 m = f"model.layers.{i}.{name}"
                 saved[m] = mod.weight.data.clone()
+                if any(name.endswith(k) for k in o.get("keep", [])):
+                    continue                                # left unquantized
                 mod.weight.data = WEIGHT[writer](t, m, cfg).to(torch.float32).contiguous()
                 act = _acts(writer, o, cfg, t, m)
                 if act is not None:
@@ -208,7 +213,9 @@ def test_reference_equals_the_format_definition(case, base, quantized):
     qdir, got, plan = quantized(case)
     quantized = json.dumps([w["source"] for w in plan["weights"].values()
                             if w["dtype"] in ("f8e4m3", "u4", "u8", "e2m1")])
-    assert all(f"{{i}}.{m}." in quantized for m in LINEARS), f"{case}: not every linear reads quantized"
+    kept = o.get("keep", [])
+    assert all((f"{{i}}.{m}." in quantized) != (m in kept) for m in LINEARS), \
+        f"{case}: the linears read quantized are not those the checkpoint quantizes"
     want = definition_logits(model, qdir, writer, o)
     assert np.abs(want - bf).max() > 1e-3, f"{case}: the quantization changes nothing: the test could not fail"
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0, err_msg=case)

@@ -8,7 +8,9 @@ is quantized; embeddings, lm_head and norms are copied as they are, and config.j
 format's `quantization_config` (with lm_head in its ignore list). The quantization math is the
 format's own definition (checked in tests against the format's library where it installs).
 
-Python API: quantize_model(src, out, fmt, **options) -> the quantization_config written.
+Python API: quantize_model(src, out, fmt, **options) -> the quantization_config written. Option
+`keep` (every format): module name suffixes left unquantized (e.g. ["mlp.down_proj"]), listed in
+the config's ignore list as the format spells it.
 """
 from __future__ import annotations
 
@@ -222,9 +224,10 @@ def quantize_model(src, out, fmt: str, **options) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     ckpt = Checkpoint(src)
     tensors = {}
+    keep = options.get("keep", [])
     for name in ckpt.where:
         module = quantized_module(name, ckpt.shape(name))
-        if module is None:
+        if module is None or any(module.endswith("." + k) for k in keep):
             dt = ckpt.dtype(name)
             tensors[name] = (dt, np.array(ckpt.raw(name)))
         else:
@@ -236,7 +239,12 @@ def quantize_model(src, out, fmt: str, **options) -> dict:
                 "model.safetensors.index.json", "config.json"):
             shutil.copy(f, out / f.name)
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = CONFIGS[fmt](options)
+    q = config["quantization_config"] = CONFIGS[fmt](options)
+    # the modules kept unquantized, in the format's own ignore list
+    if q["quant_method"] == "compressed-tensors":
+        q["ignore"] += [rf"re:.*\.{re.escape(k)}$" for k in keep]
+    elif keep:
+        q["modules_to_not_convert"] = (q.get("modules_to_not_convert") or []) + list(keep)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return config["quantization_config"]
 
