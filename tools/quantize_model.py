@@ -211,8 +211,10 @@ def _gptq(module, w, o):
 # ---- MXFP4 (GPT-OSS's layout, for a dense linear): `weight_blocks` + `weight_scales` ----
 @writer("mxfp4", lambda o: {"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]})
 def _mxfp4(module, w, o):
-    codes, exps = mxfp4_quantize(w)
     n, k = w.shape
+    if k % MX_BLOCK:
+        raise ValueError(f"mxfp4: {module} has K = {k}, not a multiple of the {MX_BLOCK}-element block")
+    codes, exps = mxfp4_quantize(w)
     return {f"{module}.weight_blocks": ("U8", pack_nibbles(codes).reshape(n, k // MX_BLOCK, MX_BLOCK // 2)),
             f"{module}.weight_scales": ("U8", exps)}
 
