@@ -102,3 +102,12 @@ def test_build_fails_naming_the_key(capsys, monkeypatch, tmp_path):
     rc, out, err = build_dir(capsys, monkeypatch, tmp_path, q)
     assert rc == 2 and err.startswith("error: "), err
     assert f"config.json: {G0}.weights.group_size: -32" in err, err
+
+
+def test_writer_refuses_options_its_format_cannot_hold(tmp_path):
+    """tools/quantize_model.py checks its config with the reader before writing a byte."""
+    with pytest.raises(ModelDirError, match="quantization_config.bits: 3"):
+        quantize_model(tmp_path / "absent", tmp_path / "q", "gptq", bits=3)
+    with pytest.raises(ValueError, match="unknown option"):
+        quantize_model(tmp_path / "absent", tmp_path / "q", "awq", bits=4)
+    assert not (tmp_path / "q").exists()

@@ -51,7 +51,8 @@ CASES = {
     "ct-w4a16-g32-keep-down": ("ct-int", dict(bits=4, group=32, keep=["mlp.down_proj"])),
     "gptq-int4-g64-keep-o": ("gptq", dict(bits=4, group=64, keep=["self_attn.o_proj"])),
 }
-SLOW = {"gptq-int4-g64-keep-o", "fp8-block", "ct-fp8-tensor-static", "ct-w4a16-g128-sym", "ct-w8-naive-g64", "gptq-int4-g128-sym-v1"}
+SLOW = {"gptq-int4-g64-keep-o", "fp8-block", "ct-fp8-tensor-static", "ct-w4a16-g128-sym", "ct-w8-naive-g64",
+        "gptq-int4-g128-sym-v1"}
 
 
 # ------------------------------------------------ the formats' definitions, from the stored tensors
@@ -227,7 +228,8 @@ def test_reference_equals_the_format_definition(case, base, quantized):
 HF_LOADS = ["ct-fp8-channel-dynamic", "ct-fp8-tensor-static", "ct-w4a16-g128-sym"]
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=[] if i == 0 else [EXHAUSTIVE]) for i, c in enumerate(HF_LOADS)])
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[] if i == 0 else [EXHAUSTIVE])
+                                  for i, c in enumerate(HF_LOADS)])
 def test_reference_equals_transformers(case, quantized):
     from transformers import AutoModelForCausalLM
     qdir, got, _ = quantized(case)

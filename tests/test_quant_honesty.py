@@ -33,7 +33,7 @@ def _drop_col(dt, a):
 
 
 def _flat(dt, a):
-    return dt, a.reshape(-1, 1)
+    return dt, a.reshape(a.shape[0], -1)
 
 
 # (id, writer, options, tensor to damage, damage, what the error says beside the tensor's name)
@@ -47,9 +47,10 @@ CASES = [
     ("ct-packed-width", "ct-int", dict(group=32), f"{Q}.weight_packed", _drop_col, "int32 words"),
     ("ct-zero-rows", "ct-int", dict(group=32, sym=False), f"{D}.weight_zero_point", _extra_row, "int32 words"),
     ("ct-scale-groups", "ct-int", dict(group=32), f"{D}.weight_scale", _drop_col, "shape"),
-    ("ct-fp8-weight-f16", "ct-fp8", {}, f"{Q}.weight", lambda dt, a: ("F16", np.zeros(a.shape, np.float16)), "has dtype F16"),
-    ("mxfp4-blocks-shape", "mxfp4", {}, f"{Q}.weight_blocks", lambda dt, a: (dt, a.reshape(a.shape[0], -1)), "MXFP4 blocks"),
-    ("mxfp4-scales-f32", "mxfp4", {}, f"{D}.weight_scales", lambda dt, a: ("F32", a.astype(np.float32)), "has dtype F32"),
+    ("ct-fp8-weight-f16", "ct-fp8", {}, f"{Q}.weight", _f16, "has dtype F16"),
+    ("mxfp4-blocks-shape", "mxfp4", {}, f"{Q}.weight_blocks", _flat, "MXFP4 blocks"),
+    ("mxfp4-scales-f32", "mxfp4", {}, f"{D}.weight_scales", lambda dt, a: ("F32", a.astype(np.float32)),
+     "has dtype F32"),
 ]
 
 

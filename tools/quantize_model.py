@@ -25,7 +25,9 @@ from pathlib import Path
 import numpy as np
 
 
+from infc.compiler.contract.errors import ModelDirError  # noqa: E402
 from infc.compiler.contract.safetensors_io import Checkpoint  # noqa: E402
+from infc.compiler.quant.formats import parse_quantization  # noqa: E402
 from infc.compiler.quant.scheme import MX_BLOCK  # noqa: E402
 from infc.runtime.weights.quant_pack import encode_e4m3, pack_nibbles  # noqa: E402
 from quant_math import (act_order_gidx, fp8_block_quantize, int_quantize, mxfp4_quantize,  # noqa: E402
@@ -38,9 +40,12 @@ _LINEAR = re.compile(r"^(.*\.layers\.\d+\..*)\.weight$")
 _NOT_LINEAR = re.compile(r"(norm|\.gate\.weight$|embed)")
 
 
-def writer(name: str, config):
+OPTIONS: dict = {}          # format name -> the options its writer takes (beside `keep`)
+
+
+def writer(name: str, config, options=()):
     def register(fn):
-        WRITERS[name], CONFIGS[name] = fn, config
+        WRITERS[name], CONFIGS[name], OPTIONS[name] = fn, config, set(options) | {"keep"}
         return fn
     return register
 
@@ -74,7 +79,7 @@ def write_safetensors(path: Path, tensors: dict):
 # ---- quant_method fp8 (Qwen3-*-FP8, DeepSeek-V3): e4m3 in blocks, weight_scale_inv per block ----
 @writer("fp8-block", lambda o: {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                 "weight_block_size": list(o.get("block", (128, 128))),
-                                "modules_to_not_convert": ["lm_head"]})
+                                "modules_to_not_convert": ["lm_head"]}, options=("block",))
 def _fp8_block(module, w, o):
     q, s = fp8_block_quantize(w, *o.get("block", (128, 128)))
     return {f"{module}.weight": ("F8_E4M3", encode_e4m3(q)), f"{module}.weight_scale_inv": ("F32", s)}
@@ -89,7 +94,7 @@ def _static_input_scale(module: str) -> np.ndarray:
 # per-tensor fp8 (quant_method fp8 without weight_block_size): option act "dynamic" | "static"
 @writer("fp8-tensor", lambda o: {"quant_method": "fp8", "fmt": "e4m3",
                                  "activation_scheme": o.get("act", "dynamic"),
-                                 "modules_to_not_convert": ["lm_head"]})
+                                 "modules_to_not_convert": ["lm_head"]}, options=("act",))
 def _fp8_tensor(module, w, o):
     q, s = fp8_block_quantize(w, w.shape[0], None)
     out = {f"{module}.weight": ("F8_E4M3", encode_e4m3(q)), f"{module}.weight_scale_inv": ("F32", s[0])}
@@ -121,7 +126,7 @@ def _ct_fp8_config(o):
 
 # float-quantized fp8: options strategy tensor|channel|group|block (group=, block=(bn, bk)),
 # act dynamic (per token) | static (per tensor) | none
-@writer("ct-fp8", _ct_fp8_config)
+@writer("ct-fp8", _ct_fp8_config, options=("strategy", "group", "block", "act"))
 def _ct_fp8(module, w, o):
     strategy = o.get("strategy", "channel")
     n = w.shape[0]
@@ -151,7 +156,7 @@ def _gidx(module: str, k: int, group: int | None, act_order: bool) -> np.ndarray
 
 # W4A16 / W8A16: options bits 4|8, group (None: per channel), sym, act_order, format
 # pack-quantized | naive-quantized
-@writer("ct-int", _ct_int_config)
+@writer("ct-int", _ct_int_config, options=("bits", "group", "sym", "act_order", "format"))
 def _ct_int(module, w, o):
     bits, group, sym = o.get("bits", 4), o.get("group"), o.get("sym", True)
     n, k = w.shape
@@ -176,7 +181,8 @@ def _ct_int(module, w, o):
 
 # ---- AutoAWQ GEMM: 4-bit asymmetric, [K, N] packed along N in AWQ's order; option group ----
 @writer("awq", lambda o: {"quant_method": "awq", "bits": 4, "group_size": o.get("group", 128),
-                          "zero_point": True, "version": "gemm", "modules_to_not_convert": ["lm_head"]})
+                          "zero_point": True, "version": "gemm", "modules_to_not_convert": ["lm_head"]},
+        options=("group",))
 def _awq(module, w, o):
     group = o.get("group", 128)
     k = w.shape[1]
@@ -191,7 +197,8 @@ def _awq(module, w, o):
 @writer("gptq", lambda o: {"quant_method": "gptq", "bits": o.get("bits", 4), "group_size": o.get("group", 128),
                            "desc_act": o.get("desc_act", False), "sym": o.get("sym", True),
                            "checkpoint_format": o.get("checkpoint_format", "gptq"),
-                           "damp_percent": 0.01, "true_sequential": True})
+                           "damp_percent": 0.01, "true_sequential": True},
+        options=("bits", "group", "sym", "desc_act", "checkpoint_format"))
 def _gptq(module, w, o):
     bits, group, sym = o.get("bits", 4), o.get("group", 128), o.get("sym", True)
     v1 = o.get("checkpoint_format", "gptq") == "gptq"
@@ -209,7 +216,7 @@ def _gptq(module, w, o):
 
 
 # ---- MXFP4 (GPT-OSS's layout, for a dense linear): `weight_blocks` + `weight_scales` ----
-@writer("mxfp4", lambda o: {"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]})
+@writer("mxfp4", lambda o: {"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]}, options=())
 def _mxfp4(module, w, o):
     n, k = w.shape
     if k % MX_BLOCK:
@@ -222,6 +229,12 @@ def _mxfp4(module, w, o):
 def quantize_model(src, out, fmt: str, **options) -> dict:
     if fmt not in WRITERS:
         raise ValueError(f"unknown format {fmt!r} (known: {', '.join(sorted(WRITERS))})")
+    unknown = set(options) - OPTIONS[fmt]
+    if unknown:
+        raise ValueError(f"{fmt}: unknown option(s) {', '.join(sorted(unknown))} (it takes: "
+                         f"{', '.join(sorted(OPTIONS[fmt]))})")
+    q = CONFIGS[fmt](options)
+    parse_quantization({"quantization_config": q}, f"{fmt} options {options}")   # a config infc reads
     src, out = Path(src), Path(out)
     out.mkdir(parents=True, exist_ok=True)
     ckpt = Checkpoint(src)
@@ -241,7 +254,7 @@ def quantize_model(src, out, fmt: str, **options) -> dict:
                 "model.safetensors.index.json", "config.json"):
             shutil.copy(f, out / f.name)
     config = json.loads((src / "config.json").read_text())
-    q = config["quantization_config"] = CONFIGS[fmt](options)
+    config["quantization_config"] = q
     # the modules kept unquantized, in the format's own ignore list
     if q["quant_method"] == "compressed-tensors":
         q["ignore"] += [rf"re:.*\.{re.escape(k)}$" for k in keep]
@@ -259,7 +272,11 @@ def main(argv=None) -> int:
     ap.add_argument("--options", default="{}", type=json.loads,
                     help='the writer\'s options as JSON, e.g. \'{"bits": 4, "group": 128, "sym": false}\'')
     args = ap.parse_args(argv)
-    print(json.dumps(quantize_model(args.src, args.out, args.format, **args.options)))
+    try:
+        print(json.dumps(quantize_model(args.src, args.out, args.format, **args.options)))
+    except (ValueError, ModelDirError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
