@@ -70,6 +70,7 @@ CASES = [
     ("gptq-format", dict(CONFIGS["gptq"]({}), checkpoint_format="marlin"), "quantization_config.checkpoint_format"),
     ("gptq-desc-act-string", dict(CONFIGS["gptq"]({}), desc_act="yes"), "quantization_config.desc_act"),
     ("gptq-group-zero", dict(CONFIGS["gptq"]({}), group_size=0), "quantization_config.group_size"),
+    ("gptq-marlin", dict(CONFIGS["gptq"]({}), is_marlin_format=True), "quantization_config.is_marlin_format"),
     ("gptq-unknown-key", dict(CONFIGS["gptq"]({}), bogus=True), "quantization_config.bogus"),
     ("mxfp4-skip-string", dict(CONFIGS["mxfp4"]({}), modules_to_not_convert="lm_head"),
      "quantization_config.modules_to_not_convert"),

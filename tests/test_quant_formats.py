@@ -37,6 +37,7 @@ CASES = {
     "fp8-tensor-static": ("fp8-tensor", dict(act="static")),
     "ct-fp8-channel-dynamic": ("ct-fp8", dict(strategy="channel", act="dynamic")),
     "ct-fp8-tensor-static": ("ct-fp8", dict(strategy="tensor", act="static")),
+    "ct-fp8-block-group": ("ct-fp8", dict(strategy="block", block=(64, 32), act="group")),
     "ct-w4a16-g128-sym": ("ct-int", dict(bits=4, group=128, sym=True)),
     "ct-w4a16-g32-asym": ("ct-int", dict(bits=4, group=32, sym=False)),
     "ct-w8a16-channel-asym": ("ct-int", dict(bits=8, group=None, sym=False)),
@@ -51,7 +52,7 @@ CASES = {
     "ct-w4a16-g32-keep-down": ("ct-int", dict(bits=4, group=32, keep=["mlp.down_proj"])),
     "gptq-int4-g64-keep-o": ("gptq", dict(bits=4, group=64, keep=["self_attn.o_proj"])),
 }
-SLOW = {"gptq-int4-g64-keep-o", "fp8-block", "ct-fp8-tensor-static", "ct-w4a16-g128-sym", "ct-w8-naive-g64",
+SLOW = {"ct-fp8-block-group", "gptq-int4-g64-keep-o", "fp8-block", "ct-fp8-tensor-static", "ct-w4a16-g128-sym", "ct-w8-naive-g64",
         "gptq-int4-g128-sym-v1"}
 
 
@@ -126,8 +127,9 @@ def _e4m3(x: torch.Tensor, s) -> torch.Tensor:
 
 def _acts(writer, o, cfg, t, m):
     """The activation quantizer the format applies to the module's input (None: weight-only)."""
-    if writer == "fp8-block":
-        bk = cfg["weight_block_size"][1]
+    if writer == "fp8-block" or o.get("act") == "group":
+        bk = cfg["weight_block_size"][1] if writer == "fp8-block" else \
+            cfg["config_groups"]["group_0"]["input_activations"]["group_size"]
 
         def group(x):
             xg = x.unflatten(-1, (-1, bk))
@@ -225,7 +227,7 @@ def test_reference_equals_the_format_definition(case, base, quantized):
 # transformers (with compressed-tensors) loads these on the CPU and computes their definition
 # (asymmetric and act-order compressed-tensors checkpoints it does not load: zero points are
 # declared unpacked, actorder "group" is refused)
-HF_LOADS = ["ct-fp8-channel-dynamic", "ct-fp8-tensor-static", "ct-w4a16-g128-sym"]
+HF_LOADS = ["ct-fp8-channel-dynamic", "ct-fp8-tensor-static", "ct-w4a16-g128-sym", "ct-fp8-block-group"]
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=[] if i == 0 else [EXHAUSTIVE])

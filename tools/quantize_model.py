@@ -119,13 +119,15 @@ def _ct_fp8_config(o):
                "block_structure": list(o["block"]) if strategy == "block" else None}
     act = o.get("act", "dynamic")
     acts = None if act == "none" else {"num_bits": 8, "type": "float", "symmetric": True,
-                                       "strategy": "token" if act == "dynamic" else "tensor",
-                                       "dynamic": act == "dynamic"}
+                                       "strategy": {"dynamic": "token", "static": "tensor"}.get(act, act),
+                                       "dynamic": act != "static"}
+    if act == "group":           # llm-compressor's FP8_BLOCK: activations per token in groups of bk
+        acts["group_size"] = list(o.get("block", (128, 128)))[1]
     return _ct_config(weights, "float-quantized", acts)
 
 
 # float-quantized fp8: options strategy tensor|channel|group|block (group=, block=(bn, bk)),
-# act dynamic (per token) | static (per tensor) | none
+# act dynamic (per token) | group (per token, groups of the block's columns) | static (per tensor) | none
 @writer("ct-fp8", _ct_fp8_config, options=("strategy", "group", "block", "act"))
 def _ct_fp8(module, w, o):
     strategy = o.get("strategy", "channel")

@@ -21,7 +21,7 @@ from ..format_base import QuantFormat, format_parser
 from ..scheme import QuantScheme
 
 _KEYS = {"quant_method", "bits", "group_size", "desc_act", "sym", "checkpoint_format", "format",
-         "modules_to_not_convert", "lm_head"}
+         "modules_to_not_convert", "lm_head", "is_marlin_format", "pack_dtype"}
 # what the GPTQ tools record about how they quantized: nothing the stored tensors' meaning depends on
 _META = {"damp_percent", "damp_auto_increment", "true_sequential", "static_groups", "model_name_or_path",
          "model_file_base_name", "quantizer", "meta", "act_group_aware", "mse", "v2", "v2_alpha",
@@ -29,7 +29,7 @@ _META = {"damp_percent", "damp_auto_increment", "true_sequential", "static_group
          "use_cuda_fp16", "use_exllama", "exllama_config", "max_input_length", "cache_block_outputs",
          "model_seqlen", "block_name_to_quantize", "module_name_preceding_first_block", "batch_size",
          "pad_token_id", "modules_in_block_to_quantize", "hyb_act", "offload_to_disk",
-         "offload_to_disk_path", "mock_quantization", "gptaq", "foem", "act_group_aware", "fail_safe",
+         "offload_to_disk_path", "mock_quantization", "gptaq", "foem", "fail_safe",
          "dynamic", "hessian", "gar"}
 
 
@@ -84,6 +84,9 @@ def parse(q: dict, where: str) -> Gptq:
     fmt = c.get(fmt_key, "gptq")
     if not isinstance(fmt, str) or fmt.lower() not in ("gptq", "gptq_v2"):
         raise c.bad(fmt_key, f"{fmt!r}: the GPTQ layouts read are 'gptq' (v1) and 'gptq_v2'")
+    if c.get("is_marlin_format", False) is not False:
+        raise c.bad("is_marlin_format", f"{q['is_marlin_format']!r}: Marlin-repacked GPTQ weights are not read")
+    c.get("pack_dtype", "int32", choices=("int32",))
     if c.get("lm_head", False) is not False:
         raise c.bad("lm_head", f"{q['lm_head']!r}: a quantized lm_head is not read")
     return Gptq(bits, None if group == -1 else group, act_order, sym, fmt.lower() == "gptq",
