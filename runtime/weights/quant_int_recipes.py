@@ -16,8 +16,7 @@ import numpy as np
 
 from infc.compiler.contract.errors import ModelDirError
 
-from .quant_recipes import stored
-from .recipe_registry import name_at, recipe
+from .recipe_registry import name_at, recipe, stored
 
 # AutoAWQ's GEMM pack order: nibble i of a word holds column AWQ_ORDER[i] of its 8
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)

@@ -8,11 +8,10 @@ one e8m0 power-of-two scale a block.
 import numpy as np
 
 from infc.compiler.contract.errors import ModelDirError
-from infc.compiler.quant.scheme import MX_BLOCK
+from infc.compiler.contract.safetensors_io import MX_BLOCK
 
 from .quant_pack import E2M1, unpack_nibbles
-from .quant_recipes import stored
-from .recipe_registry import name_at, recipe
+from .recipe_registry import name_at, recipe, stored
 
 
 @recipe("mxfp4")
