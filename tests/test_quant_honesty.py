@@ -83,3 +83,20 @@ def test_undamaged_quantized_checkpoint_passes(writer, o, src, tmp_path):
     _, plan = compile_model(spec_path=BASE, model_dir=tmp_path / "q", log=log.append)
     assert any("check checkpoint tensors" in line for line in log)
     assert {w["dtype"] for w in plan["weights"].values()} & {"u4", "e2m1"}
+
+
+@pytest.mark.parametrize("writer,o", [("gptq", dict(group=32, desc_act=True, sym=False)), ("gptq", dict(group=32)),
+                                      ("awq", dict(group=32)), ("ct-int", dict(group=32, sym=False)),
+                                      ("ct-fp8", dict(act="static")), ("mxfp4", {}), ("fp8-block", {})])
+def test_format_names_the_tensors_it_stores(writer, o, src, tmp_path):
+    """QuantFormat.tensors(): exactly the module's tensors in the checkpoint, with their dtypes,
+    less the bookkeeping the format leaves unread."""
+    from fnmatch import fnmatchcase
+    from infc.compiler.quant.formats import parse_quantization
+    config = quantize_model(src, tmp_path, writer, **o)
+    fmt = parse_quantization({"quantization_config": config}, "config.json")
+    ckpt = Checkpoint(tmp_path)
+    named = fmt.tensors(Q, fmt.scheme_for(Q))
+    stored = {n for n in ckpt.where if n.startswith(Q + ".") and not any(fnmatchcase(n, p) for p in fmt.unread)}
+    assert set(named) == stored
+    assert all(ckpt.dtype(n) in named[n] for n in stored)

@@ -36,10 +36,6 @@ class Awq(QuantFormat):
                 "w_zero": _t({"unpack": f"{module}.qzeros", "bits": 4, "axis": 1, "count": n, "order": "awq"}),
                 "w_scale": _t({"tensor": f"{module}.scales"})}
 
-    def tensors(self, module, scheme):
-        return {f"{module}.qweight": ("I32",), f"{module}.qzeros": ("I32",),
-                f"{module}.scales": ("F16", "BF16", "F32")}
-
 
 @format_parser("awq")
 def parse(q: dict, where: str) -> Awq:

@@ -81,19 +81,6 @@ class CompressedTensors(QuantFormat):
             out["x_scale"] = {"tensor": f"{module}.input_scale"}
         return out
 
-    def tensors(self, module, scheme):
-        g = self._group(module)
-        scales = ("F32", "BF16", "F16")
-        out = {f"{module}.weight_scale": scales}
-        out[f"{module}.weight_packed" if g.fmt == "pack-quantized" else f"{module}.weight"] = \
-            {"float-quantized": ("F8_E4M3",), "pack-quantized": ("I32",)}.get(g.fmt, ("I8",))
-        if scheme.zeros:
-            out[f"{module}.weight_zero_point"] = ("I32",) if g.fmt == "pack-quantized" else ("I8",)
-        if scheme.g_idx:
-            out[f"{module}.weight_g_idx"] = ("I32", "I64")
-        if scheme.act == "static":
-            out[f"{module}.input_scale"] = scales
-        return out
 
 
 def _weights(w: ConfigKeys, fmt: str, fmt_key: str, top: ConfigKeys):

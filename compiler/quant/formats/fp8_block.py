@@ -42,12 +42,6 @@ class Fp8Block(QuantFormat):
             out["x_scale"] = {"tensor": f"{module}.input_scale"}
         return out
 
-    def tensors(self, module, scheme):
-        out = {f"{module}.weight": ("F8_E4M3",), f"{module}.weight_scale_inv": ("F32", "BF16")}
-        if scheme.act == "static":
-            out[f"{module}.input_scale"] = ("F32", "BF16")
-        return out
-
 
 @format_parser("fp8")
 def parse(q: dict, where: str) -> Fp8Block:

@@ -30,9 +30,6 @@ class Mxfp4(QuantFormat):
     def sources(self, module, scheme, n, k):
         return {"codes": {"mxfp4": f"{module}.weight_blocks"}, "w_scale": {"e8m0": f"{module}.weight_scales"}}
 
-    def tensors(self, module, scheme):
-        return {f"{module}.weight_blocks": ("U8",), f"{module}.weight_scales": ("U8", "F8_E8M0")}
-
 
 @format_parser("mxfp4")
 def parse(q: dict, where: str) -> Mxfp4:
