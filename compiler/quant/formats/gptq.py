@@ -62,14 +62,6 @@ class Gptq(QuantFormat):
             out["w_gidx"] = {"index": f"{module}.g_idx", "groups": scheme.groups(k)}
         return out
 
-    def tensors(self, module, scheme):
-        out = {f"{module}.qweight": ("I32",), f"{module}.scales": ("F16", "BF16", "F32")}
-        if scheme.zeros:
-            out[f"{module}.qzeros"] = ("I32",)
-        if scheme.g_idx:
-            out[f"{module}.g_idx"] = ("I32", "I64")
-        return out
-
 
 @format_parser("gptq")
 def parse(q: dict, where: str) -> Gptq:
