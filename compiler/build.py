@@ -112,7 +112,7 @@ def compile_model(model=None, spec_path=None, model_dir=None, features=None, log
             log(f"  load format dummy: checkpoint in {model_dir} not read, not checked")
     elif model_dir is not None:
         t0 = time.perf_counter()
-        if check_model_dir(plan, spec, model_dir, log):
+        if check_model_dir(plan, spec, model_dir, log, quant.unread if quant else ()):
             stage("check checkpoint tensors", t0)
     return state, plan
 

@@ -37,8 +37,10 @@ from .spec import weight_name
 READABLE_DTYPES = ("BF16", "F16", "F32", "F64")     # what compiler/contract/safetensors_io.py turns into floats
 
 
-def check_model_dir(plan: dict, spec, model_dir, log=None) -> bool:
-    """Check DIR's safetensors headers against the plan. False when DIR has no checkpoint."""
+def check_model_dir(plan: dict, spec, model_dir, log=None, ignore=()) -> bool:
+    """Check DIR's safetensors headers against the plan. False when DIR has no checkpoint.
+    ignore: glob patterns of tensors the checkpoint may hold unread (beside the spec's own: a
+    quantization format's bookkeeping, compiler/quant/format_base.py)."""
     from infc.compiler.contract.safetensors_io import Checkpoint     # numpy: only when a directory is given
     d = Path(model_dir)
     if not (d / "model.safetensors.index.json").exists() and not any(d.glob("*.safetensors")):
@@ -50,13 +52,13 @@ def check_model_dir(plan: dict, spec, model_dir, log=None) -> bool:
     for name, f in ckpt.where.items():
         dtype, shape = f.info(name)
         tensors[name] = (dtype, tuple(shape), str(f.path))
-    check_tensors(plan, spec, tensors, str(d))
+    check_tensors(plan, spec, tensors, str(d), ignore)
     return True
 
 
-def check_tensors(plan: dict, spec, tensors: dict, where: str) -> None:
+def check_tensors(plan: dict, spec, tensors: dict, where: str, ignore=()) -> None:
     """tensors: checkpoint name -> (dtype, shape, file). Raises SpecError on the first problem."""
-    Checker(plan, spec, tensors, where).run()
+    Checker(plan, spec, tensors, where, ignore).run()
 
 
 def _natural(name: str):
@@ -111,8 +113,9 @@ def _names(src: dict, subs: dict):
 
 
 class Checker:
-    def __init__(self, plan, spec, tensors, where):
+    def __init__(self, plan, spec, tensors, where, ignore=()):
         self.plan, self.spec, self.tensors, self.where = plan, spec, tensors, where
+        self.ignore = list(ignore)
         self.env = plan.get("config", {})
         self.used: set = set()
         self.slicing = None                     # (axis, start, stop) while inside a slice recipe
@@ -385,7 +388,7 @@ class Checker:
     # ---------------------------------------------------------------- (c) unused tensors
 
     def unused(self):
-        patterns = list(self.spec.ignore or [])
+        patterns = list(self.spec.ignore or []) + self.ignore
         left = sorted((n for n in self.tensors if n not in self.used
                        and not any(fnmatchcase(n, p) for p in patterns)), key=_natural)
         if not left:

@@ -2,18 +2,15 @@
 flags rejected, the real command starting on 127.0.0.1 (stages with timings, KV capacity, maximum
 concurrency, /health), and the serving benchmark against a live server writing its JSON."""
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from infc.cli import parser
 from infc.server.args import backend_kwargs, config_from_args
-from test_server_support import one_blas_thread, request, srv  # noqa: F401
+from test_server_support import one_blas_thread, request, serve_process, srv  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -54,18 +51,8 @@ def test_serve_flags_and_defaults(monkeypatch):
 
 def test_serve_command_starts_and_reports(tmp_path):
     from smollm2_from_gguf import ensure_smollm2
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "infc.cli", "serve", "--model-path", str(ensure_smollm2()), "--port", "0",
-           "--max-model-len", "128", "--kv-cache-memory-bytes", str(32 << 20), "--served-model-name", "tiny",
-           "--uvicorn-log-level", "warning"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
-    lines = []
-    try:
-        t0 = time.monotonic()
-        while not any(line.startswith("serving") for line in lines):
-            assert time.monotonic() - t0 < 180 and p.poll() is None, "".join(lines)
-            lines.append(p.stdout.readline())
-        out = "".join(lines)
+    with serve_process(ensure_smollm2(), "--max-model-len", "128", "--kv-cache-memory-bytes", str(32 << 20),
+                       "--served-model-name", "tiny", "--uvicorn-log-level", "warning") as (port, out):
         for stage in ("compile plan", "load weights", "allocate KV cache", "load tokenizer", "start engine"):
             assert stage in out and "s\n" in out, out
         from infc.compiler.build import compile_model
@@ -75,18 +62,10 @@ def test_serve_command_starts_and_reports(tmp_path):
         assert pages >= 40                                         # 45 float32 K+V pages less the padding page
         assert f"KV cache: {pages} pages x 16 tokens = {pages * 16} tokens; max model len 128" in out
         assert f"maximum concurrency for 128 tokens per request: {pages * 16 / 128:.2f}x" in out
-        port = int(lines[-1].rsplit(":", 1)[1])
-        assert lines[-1].strip() == f"serving tiny at http://127.0.0.1:{port}"
+        assert out.splitlines()[-1].strip() == f"serving tiny at http://127.0.0.1:{port}"
         assert request(port, "GET", "/health")[0] == 200
         s, _, body = request(port, "POST", "/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 1})
         assert s == 200 and json.loads(body)["usage"]["completion_tokens"] == 1
-    finally:
-        p.send_signal(signal.SIGINT)
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(10)
 
 
 def test_serve_command_fails_loudly(tmp_path):

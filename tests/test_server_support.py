@@ -16,10 +16,14 @@ Or any one model directory on any device:
 knows (a greedy " Paris") is asserted only when the model is SmolLM2 (current().real); everything
 else the suite derives from the model's own outputs."""
 import atexit
+import contextlib
 import http.client
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -233,6 +237,30 @@ def request(port, method, path, body=None, headers=None, raw: bytes | None = Non
         return r.status, dict(r.getheaders()), r.read()
     finally:
         conn.close()
+
+
+@contextlib.contextmanager
+def serve_process(model_dir, *flags, timeout=180):
+    """`infc serve --model-path model_dir --port 0 flags...` in a child process: yields (port, its
+    output up to the `serving` line); stopped with SIGINT as a user would."""
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "infc.cli", "serve", "--model-path", str(model_dir), "--port", "0", *flags]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                         cwd=Path(__file__).resolve().parent.parent)
+    lines = []
+    try:
+        t0 = time.monotonic()
+        while not any(line.startswith("serving") for line in lines):
+            assert time.monotonic() - t0 < timeout and p.poll() is None, "".join(lines)
+            lines.append(p.stdout.readline())
+        yield int(lines[-1].rsplit(":", 1)[1]), "".join(lines)
+    finally:
+        p.send_signal(signal.SIGINT)
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -33,6 +33,8 @@ def _e4m3_values() -> np.ndarray:
 
 
 E4M3 = _e4m3_values()
+# OCP MX formats (MXFP4: U8 / F8_E8M0 scales): elements along K that share one e8m0 scale
+MX_BLOCK = 32
 
 
 class SafetensorsFile:

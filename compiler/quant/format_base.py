@@ -13,6 +13,9 @@ def format_parser(*methods: str):
 
 class QuantFormat:
     method: str = ""
+    # glob patterns of tensors the format stores but infc does not read (bookkeeping such as
+    # compressed-tensors' weight_shape): checkpoint honesty does not count them as unread
+    unread: tuple = ()
 
     def scheme_for(self, module: str):
         raise NotImplementedError
@@ -21,5 +24,19 @@ class QuantFormat:
         raise NotImplementedError
 
     def tensors(self, module: str, scheme) -> dict:
-        """checkpoint tensor name -> (allowed safetensors dtypes) for a quantized module."""
-        raise NotImplementedError
+        """checkpoint tensor name -> (allowed safetensors dtypes) for a quantized module: what its
+        sources' recipes read (compiler/quant/leaves.py; plain tensors are float). The names do not
+        depend on the weight's shape, so the sources of a nominal 1 x 1 weight name them."""
+        from ..checkpoint_check import READABLE_DTYPES
+        from .leaves import LEAVES
+        out = {}
+
+        def walk(src):
+            for key, v in src.items():
+                if isinstance(v, str) and (key == "tensor" or key in LEAVES):
+                    out[v] = READABLE_DTYPES if key == "tensor" else LEAVES[key][0]
+                elif isinstance(v, dict):
+                    walk(v)
+        for src in self.sources(module, scheme, 1, 1).values():
+            walk(src)
+        return out

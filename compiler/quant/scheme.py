@@ -29,6 +29,8 @@ The activations entering the linear are quantized as the format defines (fp8 for
 """
 from dataclasses import asdict, dataclass
 
+from ..contract.safetensors_io import MX_BLOCK  # noqa: F401  (the MX block, for the formats)
+
 # code dtype -> (bits, float or integer); fp8 is e4m3 (OCP, max 448), fp4 is e2m1 (OCP MX)
 CODES = {"f8e4m3": (8, "float"), "e2m1": (4, "float"), "u4": (4, "int"), "u8": (8, "int")}
 ACTS = ("none", "dynamic_group", "dynamic_token", "static")

@@ -10,18 +10,7 @@ import numpy as np
 
 from infc.compiler.contract.errors import ModelDirError
 
-from .recipe_registry import build, name_at, recipe
-
-
-def stored(read, name: str, dtypes: tuple, where: str) -> str:
-    """The tensor's safetensors dtype, which must be one of `dtypes` (the format's)."""
-    if not hasattr(read, "dtype"):
-        raise ModelDirError(f"{where}: tensor '{name}' is quantized; read it through a CheckpointReader")
-    dt = read.dtype(name)
-    if dt not in dtypes:
-        raise ModelDirError(f"{where}: tensor '{name}' is {dt}, the quantization format stores it as "
-                            f"{' or '.join(dtypes)}")
-    return dt
+from .recipe_registry import build, name_at, recipe, stored
 
 
 @recipe("fp8")

@@ -2,6 +2,8 @@
 builder, and the reader the builders read a checkpoint through."""
 import numpy as np
 
+from infc.compiler.contract.errors import ModelDirError
+
 RECIPES: dict = {}
 
 
@@ -20,6 +22,17 @@ class CheckpointReader:
 
     def dtype(self, name: str) -> str:
         return self.ckpt.dtype(name)
+
+
+def stored(read, name: str, dtypes: tuple, where: str) -> str:
+    """The tensor's safetensors dtype, which must be one of `dtypes` (the format's)."""
+    if not hasattr(read, "dtype"):
+        raise ModelDirError(f"{where}: tensor '{name}' is quantized; read it through a CheckpointReader")
+    dt = read.dtype(name)
+    if dt not in dtypes:
+        raise ModelDirError(f"{where}: tensor '{name}' is {dt}, the quantization format stores it as "
+                            f"{' or '.join(dtypes)}")
+    return dt
 
 
 def recipe(kind: str):

@@ -131,4 +131,4 @@ def _zeros(src, layer, read, where):
 
 
 # the quantized formats' recipes register into the same registry
-from . import quant_recipes  # noqa: E402,F401
+from . import quant_int_recipes, quant_mx_recipes, quant_recipes  # noqa: E402,F401

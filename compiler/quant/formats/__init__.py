@@ -15,7 +15,7 @@ checkpoint module (its weight's name without `.weight`):
 """
 from ...contract.errors import ModelDirError
 from ..format_base import FORMATS, QuantFormat  # noqa: F401  (the registry the modules fill)
-from . import fp8_block  # noqa: F401
+from . import awq, compressed_tensors, fp8_block, gptq, mxfp4  # noqa: F401
 
 
 def parse_quantization(config: dict, where: str) -> QuantFormat | None:
