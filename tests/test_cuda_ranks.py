@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 import triton  # noqa: F401  (imported before cuda_mods records sys.modules: never dropped)
-from exhaustive import pairwise
+from exhaustive import EXHAUSTIVE, pairwise
 from fake_cuda import cuda_modules
 from kernels.harness import load
 
@@ -606,8 +606,12 @@ def _check_every_collective(ctx, group) -> list:
     return checked
 
 
+# the MoE ranks' rendered kernels and expert collectives on the fake device: --exhaustive (the
+# expert-parallel exchange is checked against the reference ranks in tests/test_parallel.py and over
+# two processes in tests/test_rank_workers.py in the fast suite)
 @pytest.mark.parametrize("family,par", [("qwen3", dict(tensor_parallel_size=2)),
-                                        ("qwen3_moe", dict(tensor_parallel_size=2, enable_expert_parallel=True))],
+                                        pytest.param("qwen3_moe", dict(tensor_parallel_size=2, enable_expert_parallel=True),
+                                                     marks=EXHAUSTIVE)],
                          ids=["qwen3-tp2", "qwen3_moe-tp2-ep2"])
 def test_lockstep_ranks_on_a_fake_device(fake_device, artifacts, monkeypatch, family, par, rng):
     from infc.runtime.reference.ranks import RankExecutor
@@ -657,6 +661,7 @@ def test_lockstep_ranks_on_a_fake_device(fake_device, artifacts, monkeypatch, fa
     assert ctx.stream is None
 
 
+@EXHAUSTIVE       # the fast suite checks data parallelism on the reference ranks (tests/test_data_parallel.py)
 def test_data_parallel_ranks_on_a_fake_device(fake_device, artifacts, monkeypatch, rng):
     """Attention data-parallel ranks (each its own sequences, the experts over every rank's
     rows): the rendered kernels over G = 2 * T rows and the device-copy dp_dispatch / dp_combine,

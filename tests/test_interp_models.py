@@ -27,11 +27,12 @@ def _rel(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-# --no-fuse in the fast suite for the MoE model only (its generic expert kernels are no family's in
-# tests/test_families_interp.py); qwen3's and llama's generic kernels are the families' too
+# --no-fuse with --exhaustive: qwen3's and llama's generic kernels are the families' too
+# (tests/test_families_interp.py), and the MoE model's unfused route and align launches are each
+# checked against their references in tests/kernels/test_moe_kernels.py
 @pytest.mark.parametrize("family,fuse", [
     pytest.param(f, fuse, id=f"{f}-{'fused' if fuse else 'no-fuse'}",
-                 marks=() if fuse or f == "qwen3_moe" else EXHAUSTIVE)
+                 marks=() if fuse else EXHAUSTIVE)
     for fuse in (True, False) for f in ("qwen3", "llama", "qwen3_moe")])
 def test_tiny_model_through_kernels(family, fuse, tiny_model, tmp_path, rng):
     """fuse=False is `infc build --no-fuse`: every op through its generic kernel."""

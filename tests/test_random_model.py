@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from exhaustive import EXHAUSTIVE
+
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
@@ -276,6 +278,7 @@ def test_cli_small_variant_plan():
 
 
 @pytest.mark.slow
+@EXHAUSTIVE      # 1.2 GB written at a real variant's shapes; test_cli_small_variant_plan runs the CLI fast
 def test_cli_qwen3_0_6b(tmp_path):
     out = tmp_path / "qwen3-0.6b"
     t0 = time.time()

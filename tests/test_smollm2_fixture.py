@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from exhaustive import EXHAUSTIVE
+
 import gguf  # noqa: E402,F401  (the dev install must provide these: fail, never skip)
 import tokenizers  # noqa: E402,F401
 
@@ -168,7 +170,11 @@ def test_tokenizer_json_matches_gguf_metadata(smollm2_dir, gguf_reader):
 
 # ----------------------------------------------------------------------------- slow
 
+# transformers' GGUF loader dequantizes the whole file in Python (20 CPU-s): --exhaustive. The fast
+# suite still sees a wrong permutation or tensor: test_greedy_paris, and tests/test_smollm2_reference.py
+# against transformers on the converted directory.
 @pytest.mark.slow
+@EXHAUSTIVE
 def test_tensors_match_transformers_gguf_loader(converted, hf_gguf_model):
     sd = {k: v.detach().numpy() for k, v in hf_gguf_model.state_dict().items()}
     # transformers ties lm_head to the embedding (one tensor); the directory stores it once.
@@ -198,6 +204,7 @@ def test_tensors_match_transformers_gguf_loader(converted, hf_gguf_model):
 
 
 @pytest.mark.slow
+@EXHAUSTIVE
 def test_config_matches_transformers_gguf_loader(smollm2_dir, hf_gguf_model):
     from transformers import AutoConfig
     ours = AutoConfig.from_pretrained(str(smollm2_dir))

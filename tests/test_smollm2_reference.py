@@ -3,6 +3,8 @@ and its greedy tokens equal transformers' on three prompts."""
 import pytest
 import torch
 
+from exhaustive import EXHAUSTIVE
+
 from infc import LLM, SamplingParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
@@ -24,17 +26,19 @@ def test_paris(llm):
     assert "Paris" in out.text
 
 
-def test_32_greedy_tokens_match_transformers(llm, smollm2):
+# 16 tokens in the fast suite, 32 with --exhaustive
+@pytest.mark.parametrize("n", [16, pytest.param(32, marks=EXHAUSTIVE)])
+def test_greedy_tokens_match_transformers(llm, smollm2, n):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(smollm2)
     hf = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
     # min_tokens masks EOS exactly as HF min_new_tokens does
-    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=32, min_tokens=32, temperature=0))
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=n, min_tokens=n, temperature=0))
     for prompt, out in zip(PROMPTS, outs):
         ids = tok(prompt, return_tensors="pt").input_ids
         assert out.prompt_token_ids == ids[0].tolist()
         with torch.no_grad():
-            want = hf.generate(ids, max_new_tokens=32, min_new_tokens=32, do_sample=False,
+            want = hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                                pad_token_id=tok.eos_token_id)[0, ids.shape[1]:].tolist()
         assert out.token_ids == want, prompt
         assert out.text == tok.decode(want, skip_special_tokens=True)
