@@ -56,7 +56,8 @@ def _host_allocator():
 _host_allocator()
 
 _modules = {}
-TORCH = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32, "f16": torch.float16}
+TORCH = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32, "f16": torch.float16,
+         "f8e4m3": torch.float8_e4m3fn}
 
 
 def load(kernel):
@@ -91,7 +92,8 @@ def run(kernel, bindings: dict, dims: dict):
     n = len(meta["params"])
     resolver = Resolver(tensor=lambda name, layer: bindings[name], cache=lambda name, layer: bindings[f"cache:{name}"],
                         meta=lambda name: bindings[f"meta:{name}"], scratch=lambda k, name: scratch[name],
-                        dim=dims.__getitem__, arg=lambda name: bindings[f"arg:{name}"])
+                        dim=dims.__getitem__, arg=lambda name: bindings[f"arg:{name}"],
+                        scale=lambda name, layer: bindings[f"scale:{name}"])
     args = resolver.values(meta, [f"in:{i}" for i in range(n)], [f"out:{i}" for i in range(n)], kernel=kernel.id)
     consts = interpreter_constexprs(meta)
     fn = getattr(load(kernel), meta["entry"])
