@@ -159,6 +159,12 @@ def test_a_malformed_scale_names_the_tensor(scaled_model, tmp_path, name, value,
         compile_model(model_dir=str(tmp_path), kv_cache_dtype="fp8")
 
 
+def test_latent_attention_refuses_fp8_naming_the_op():
+    from infc.compiler.contract.errors import SpecError
+    with pytest.raises(SpecError, match="latent_attention' keeps the paged cache.*'latent'.*--kv-cache-dtype auto"):
+        compile_model(model="deepseek-v2-lite", kv_cache_dtype="fp8")
+
+
 def test_the_pages_double_in_the_same_memory(runs):
     auto, fp8 = (caches.of_plan(runs[k][1]) for k in ("auto", "fp8"))
     assert caches.token_bytes(fp8) * 2 == caches.token_bytes(auto)

@@ -7,8 +7,9 @@ Every kernel that touches them reads the cache's dtype from the plan (codegen_te
 _kv_fp8.j2): a write stores e4m3(x / scale), saturated at +-448; a read dequantizes, code * scale.
 The numpy reference does the same (compiler/ops/attention.py write_kv / read_kv), so it stays
 the oracle. The graph is unchanged: only the caches' declarations are, in emit_plan
-(compiler/plan.py) from state.kv_cache. A plan with caches of another kind (latent attention's,
-linear attention's state) has no FP8 form yet: the build fails naming the op.
+(compiler/plan.py) from state.kv_cache. Per-sequence state caches (a hybrid model's conv and
+recurrent slots) keep their dtype, as vLLM keeps its mamba state apart from --kv-cache-dtype; other
+paged caches (latent attention's) have no FP8 form yet: the build fails naming the op.
 """
 from ..contract.caches import FP8
 from ..ops import REGISTRY
@@ -25,12 +26,12 @@ def quantize_kv_cache(state):
             op = REGISTRY.get(n.op)
             if op is None or op.caches is None:             # "layers": its bodies are walked too
                 continue
-            names = set(op.caches([g.values[i].type for i in n.inputs], n.attrs))
-            if not names <= set(KV):
-                raise state.error(f"--kv-cache-dtype {kv['flag']}: op '{n.op}' keeps cache(s) "
-                                  f"{sorted(names - set(KV))}, which have no FP8 form (only the K/V "
-                                  f"caches of standard attention do); build with --kv-cache-dtype auto",
-                                  n.line)
+            decl = op.caches([g.values[i].type for i in n.inputs], n.attrs)
+            other = sorted(c for c, d in decl.items() if d["kind"] == "paged" and c not in KV)
+            if other:
+                raise state.error(f"--kv-cache-dtype {kv['flag']}: op '{n.op}' keeps the paged cache(s) "
+                                  f"{other}, which have no FP8 form (only the K/V caches of standard "
+                                  f"attention do); build with --kv-cache-dtype auto", n.line)
     state.note("quantize_kv_cache", f"caches k, v as {FP8} (per-tensor scales per layer)")
 
 
