@@ -66,18 +66,17 @@ def resolve(model: str | None = None, spec_path: str | None = None,
     return spec, config, model, f"{spec.path} variant {model}"
 
 
-def kv_cache_setting(flag: str | None, model_dir, env: dict, read_checkpoint: bool) -> dict | None:
+def kv_cache_setting(flag: str | None, model_dir, read_checkpoint: bool) -> dict | None:
     """--kv-cache-dtype as the pipeline takes it (passes/quantize_kv_cache.py): None for auto;
     for fp8, the checkpoint's per-layer K/V scales (1.0 where it has none, and without a
     checkpoint: a variant, --load-format dummy)."""
     if plan_kv_dtype(flag) is None:
         return None
-    layers = list(range(int(env.get("L") or 0)))
     scales = {}
     if model_dir is not None and read_checkpoint:
         ckpt = Checkpoint(Path(model_dir))
         try:
-            scales = {c: dict(zip(layers, s)) for c, s in read_kv_scales(ckpt, layers).items()}
+            scales = read_kv_scales(ckpt)
         finally:
             ckpt.close()
     return {"flag": flag, "scales": scales}
@@ -121,7 +120,7 @@ def compile_model(model=None, spec_path=None, model_dir=None, features=None, log
 
     # parallel: {"world", "rank", "tp", "ep"}, one rank's share (compiler/parallel.py)
     quant = parse_quantization(config, source)
-    kv_cache = kv_cache_setting(kv_cache_dtype, model_dir, env, check_checkpoint)
+    kv_cache = kv_cache_setting(kv_cache_dtype, model_dir, check_checkpoint)
     state = compile_spec(spec, env, name, features, observe=timed, skip=skip, parallel=parallel,
                          quant=quant, kv_cache=kv_cache)
     t0 = time.perf_counter()

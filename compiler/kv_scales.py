@@ -29,10 +29,10 @@ def is_kv_scale(name: str) -> bool:
     return _NAME.match(name) is not None
 
 
-def read_kv_scales(checkpoint, layers: list[int]) -> dict[str, list[float]]:
-    """{"k": [scale per layer in `layers`], "v": [...]} from a compiler.contract.safetensors_io
-    Checkpoint (anything with tensor names and float32(name)). A scale that is not one positive
-    finite number fails, naming the tensor."""
+def read_kv_scales(checkpoint) -> dict[str, dict[int, float]]:
+    """{"k": {layer: scale}, "v": {layer: scale}} of the layers a compiler.contract.safetensors_io
+    Checkpoint (anything with tensor names, shape(name) and float32(name)) has scales for; the
+    others take DEFAULT_SCALE. A scale that is not one positive finite number fails, naming it."""
     found: dict[tuple[str, int], tuple[float, str]] = {}
     for name in checkpoint.where:
         m = _NAME.match(name)
@@ -50,4 +50,4 @@ def read_kv_scales(checkpoint, layers: list[int]) -> dict[str, list[float]]:
                 raise ModelDirError(f"{checkpoint.dir}: layer {layer} has two {cache} scales: "
                                     f"'{have[1]}' = {have[0]} and '{name}' = {float(x[0])}")
             found[(cache, layer)] = (float(x[0]), name)
-    return {c: [found.get((c, i), (DEFAULT_SCALE, None))[0] for i in layers] for c in ("k", "v")}
+    return {c: {layer: v for (cc, layer), (v, _) in sorted(found.items()) if cc == c} for c in ("k", "v")}

@@ -12,6 +12,7 @@ recurrent slots) keep their dtype, as vLLM keeps its mamba state apart from --kv
 paged caches (latent attention's) have no FP8 form yet: the build fails naming the op.
 """
 from ..contract.caches import FP8
+from ..kv_scales import DEFAULT_SCALE
 from ..ops import REGISTRY
 
 KV = ("k", "v")
@@ -44,7 +45,7 @@ def declare(state, caches: dict) -> dict:
     for name in KV:
         if name in out:
             layers = out[name]["layers"]
-            scales = kv["scales"].get(name)
+            scales = kv["scales"].get(name, {})
             out[name] = {**out[name], "dtype": FP8,
-                         "scales": [float(scales[i]) if scales else 1.0 for i in layers]}
+                         "scales": [float(scales.get(i, DEFAULT_SCALE)) for i in layers]}
     return out
