@@ -24,6 +24,7 @@ from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
 from infc.runtime.weights.load import load_weights
 
 from exhaustive import EXHAUSTIVE
+from test_cuda_ranks import cuda_mods, fake_device  # noqa: F401  (fixtures)
 
 # layer 0's k and v scales, layer 1's k scale (as the checkpoint stores them: float32)
 K0, V0, K1 = (float(np.float32(x)) for x in (0.05, 0.02, 0.03))
@@ -216,6 +217,46 @@ def test_llm_serves_with_fp8_kv_on_the_cpu(scaled_model):
     assert [len(o.token_ids) for o in out] == [4, 4]
 
 
+@pytest.fixture(scope="module")
+def artifacts(scaled_model, tmp_path_factory):
+    """{kv: the scaled model's artifact (kernels rendered, no cubins), page size 16}."""
+    from infc.compiler.build import build
+    where = tmp_path_factory.mktemp("fp8kv-art")
+    return {kv: build(model_dir=str(scaled_model[0]), out=where / kv, compile=False, log=None, page_size=16,
+                      kv_cache_dtype=kv) for kv in ("auto", "fp8")}
+
+
+def fake_runner(fake_device, art, d):
+    from test_cuda_ranks import FakeCtx
+    return fake_device.runner.CudaRunner(art, d, max_num_batched_tokens=64, max_num_seqs=4, buckets=[1],
+                                         cuda_graphs=False, gpu_memory_utilization=0.3, ctx=FakeCtx(24 << 20))
+
+
+def test_cuda_runner_fits_twice_the_fp8_pages(scaled_model, artifacts, fake_device):
+    """The CUDA runner on a fake device (tests/test_cuda_ranks.py): at one --gpu-memory-utilization
+    the fp8 build's cache holds twice the auto build's pages, in 1-byte regions (measured 850 ->
+    1702 pages), and binds each launch's k_scale / v_scale per layer."""
+    pages = {}
+    for kv, art in artifacts.items():
+        r = fake_runner(fake_device, art, scaled_model[0])
+        pages[kv] = r.num_pages
+        if kv == "fp8":
+            assert [r.caches.layout.region(n, 0).nbytes for n in ("k", "v")] == [(r.num_pages + 1) * 16 * 2 * 24] * 2
+            bound = {}
+            for fn, _, args, _, _ in r.program("decode"):
+                names = [p[0] for p in fn.meta["params"]]
+                if "k_scale" in names:
+                    vals = [c.value for c in args.storage]
+                    bound.setdefault(fn.meta["entry"], []).append(
+                        (vals[names.index("k_scale")], vals[names.index("v_scale")]))
+            f32 = lambda x: float(np.float32(x))                              # noqa: E731
+            for entry, got in bound.items():            # one launch a layer, in layer order
+                assert got == [(f32(K0), f32(V0)), (f32(K1), 1.0)], entry
+            assert bound
+        r.close()
+    assert 2 * pages["auto"] <= pages["fp8"] <= 2 * pages["auto"] + 2
+
+
 @EXHAUSTIVE
 def test_whole_model_through_the_fp8_kernels(scaled_model, runs, tmp_path):
     """Both builds' generated kernels, interpreted, following the plan (the fp8 launches' k_scale /
@@ -240,3 +281,15 @@ def test_whole_model_through_the_fp8_kernels(scaled_model, runs, tmp_path):
             got.append(run.step([Chunk(i, [11 + s + i], len(p) + s) for i, p in enumerate(PROMPTS)]))
         err[kv] = rel(np.concatenate(got), runs[kv][2])
     assert err["auto"] < 2e-2 and err["fp8"] < 0.9 * rel(runs["fp8"][2], runs["auto"][2]), err
+
+
+@EXHAUSTIVE
+def test_cuda_runner_fp8_prefill_follows_the_reference(scaled_model, artifacts, runs, fake_device):
+    """The fake-device CUDA runner's fp8 prefill logits (every kernel interpreted, ~7 CPU-s)."""
+    from infc.runtime.engine.step import build_step
+    r = fake_runner(fake_device, artifacts["fp8"], scaled_model[0])
+    table = {i: list(range(i * 3, i * 3 + 3)) for i in range(len(PROMPTS))}
+    got = r.logits(build_step([SeqChunk(i, p, 0) for i, p in enumerate(PROMPTS)], table.__getitem__, 16))
+    r.close()
+    want = runs["fp8"][2][:len(PROMPTS)]
+    assert rel(got, want) < 0.9 * rel(want, runs["auto"][2][:len(PROMPTS)])
