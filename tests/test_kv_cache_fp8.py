@@ -168,6 +168,21 @@ def test_latent_attention_refuses_fp8_naming_the_op():
         compile_model(model="deepseek-v2-lite", kv_cache_dtype="fp8")
 
 
+def test_fp8_cache_declarations():
+    k = {"kind": "paged", "shape": [2, 8], "dtype": "f8e4m3", "layers": [1, 3], "scales": [0.5, 2.0]}
+    bf16 = {n: v for n, v in k.items() if n != "scales"} | {"dtype": "bf16"}
+    assert caches.scale(k, 3) == 2.0 and caches.scale(bf16, 3) == 1.0
+    assert caches.select({"k": k}, ["k"], layers=[3])["k"]["scales"] == [2.0]
+    assert caches.select({"k": k}, ["k"], layers=[0])["k"]["scales"] == [1.0]     # the tuner's stand-in
+    for bad, match in ((dict(k, scales=None), "go with dtype f8e4m3"), (dict(k, dtype="bf16"), "go with"),
+                       (dict(k, scales=[0.5]), "one positive finite number per layer"),
+                       (dict(k, scales=[0.5, float("inf")]), "one positive finite")):
+        if bad.get("scales") is None:
+            bad.pop("scales")
+        with pytest.raises(ValueError, match=match):
+            caches.check({"k": bad})
+
+
 def test_the_pages_double_in_the_same_memory(runs):
     auto, fp8 = (caches.of_plan(runs[k][1]) for k in ("auto", "fp8"))
     assert caches.token_bytes(fp8) * 2 == caches.token_bytes(auto)

@@ -73,7 +73,11 @@ def select(caches: dict, names, layers=None) -> dict:
     for n in names:
         if n not in caches:
             raise KeyError(f"no cache '{n}' (the plan declares {sorted(caches)})")
-        out[n] = dict(caches[n], layers=list(layers) if layers is not None else list(caches[n]["layers"]))
+        c = caches[n]
+        out[n] = dict(c, layers=list(layers) if layers is not None else list(c["layers"]))
+        # an FP8 cache: the chosen layers' scales (1.0 for a stand-in layer it does not declare)
+        if "scales" in c:
+            out[n]["scales"] = [scale(c, l) if l in c["layers"] else 1.0 for l in out[n]["layers"]]
     return out
 
 

@@ -126,6 +126,9 @@ def moe_grouping(ids: np.ndarray, experts: int) -> dict:
 
 
 def as_float(raw: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "f8e4m3":                   # an FP8 KV cache's codes
+        from infc.compiler.contract.safetensors_io import E4M3
+        return E4M3[raw.view(np.uint8)]
     if dtype == "bf16":
         return from_bf16(raw.view(np.uint16))
     if dtype == "f16":
