@@ -14,6 +14,8 @@ import torch
 from infc.compiler.ops import REGISTRY
 from infc.compiler.ops.quant import round_e4m3
 
+from exhaustive import EXHAUSTIVE
+
 from .harness import poison, rand, rel_err, render, run
 from .test_attention_kernels import PS, TOL, Ctx, Paged, _slots
 
@@ -149,6 +151,11 @@ def _attention(template, phase, page, hq, d, tune, dims, **extra):
 @pytest.mark.parametrize("hq,hkv,d,lens,tune,extra", [
     (4, 2, 40, [1, 23, 70], {"NUM_SPLITS": 4, "BLOCK_N": 16}, {}),                     # splits merge
     (6, 2, 64, [90, 7], {"NUM_SPLITS": 2, "BLOCK_N": 32}, {"window": 37, "softcap": 20.0}),
+    pytest.param(2, 2, 64, [1, 15, 17, 70], {"NUM_SPLITS": 4, "BLOCK_N": 16}, {}, marks=EXHAUSTIVE),  # G = 1
+    pytest.param(8, 2, 128, [600, 3, 129], {"NUM_SPLITS": 16, "BLOCK_N": 32, "TARGET_CTAS": 8}, {},
+                 marks=EXHAUSTIVE),                                                       # G = 4, long
+    pytest.param(8, 4, 96, [500, 64, 65], {"NUM_SPLITS": 8, "BLOCK_N": 32}, {"window": 64, "scale": 0.07},
+                 marks=EXHAUSTIVE),
 ])
 def test_attention_decode_fp8(hq, hkv, d, lens, tune, extra):
     page = FP8Paged(np.random.default_rng(len(lens) + d), [(L - 1, 1) for L in lens], hkv, d)
@@ -156,17 +163,25 @@ def test_attention_decode_fp8(hq, hkv, d, lens, tune, extra):
                       **extra) <= TOL
 
 
-@pytest.mark.parametrize("template,phase,specs,tune", [
-    ("attention_prefill", "prefill", [(0, 21), (20, 11)], {"BLOCK_M": 16, "BLOCK_N": 16}),
+SPLIT = {"NUM_SPLITS": 2, "SPLIT_BLOCK_N": 16, "SPLIT_MIN_KEYS": 16}
+
+
+@pytest.mark.parametrize("template,phase,hq,hkv,d,specs,share,tune,extra", [
+    ("attention_prefill", "prefill", 4, 2, 40, [(0, 21), (20, 11)], 0, {"BLOCK_M": 16, "BLOCK_N": 16}, {}),
     # a mixed step: the flash role for the 19-token chunk, the split role for the decode rows
-    ("attention_mixed", "mixed", [(40, 1), (0, 19), (100, 1)], {"BLOCK_M": 16, "BLOCK_N": 16,
-                                                                 "NUM_SPLITS": 2, "SPLIT_BLOCK_N": 16,
-                                                                 "SPLIT_MIN_KEYS": 16}),
+    ("attention_mixed", "mixed", 4, 2, 40, [(40, 1), (0, 19), (100, 1)], 0,
+     {"BLOCK_M": 16, "BLOCK_N": 16, **SPLIT}, {}),
+    pytest.param("attention_prefill", "prefill", 8, 2, 128, [(32, 15), (48, 20)], 2,
+                 {"BLOCK_M": 32, "BLOCK_N": 32}, {}, marks=EXHAUSTIVE),                     # shared prefix
+    pytest.param("attention_prefill", "prefill", 4, 2, 64, [(0, 90), (60, 1), (45, 30)], 0,
+                 {"BLOCK_M": 16, "BLOCK_N": 16}, {"window": 21, "softcap": 30.0}, marks=EXHAUSTIVE),
+    # a short step: a 9-token suffix over a cached prefix in the split role (QMAX 16)
+    pytest.param("attention_mixed", "short", 6, 2, 96, [(70, 9), (0, 5)], 0,
+                 {"BLOCK_M": 16, "BLOCK_N": 16, **SPLIT}, {}, marks=EXHAUSTIVE),
 ])
-def test_attention_prefill_and_mixed_fp8(template, phase, specs, tune):
-    hq, hkv, d = 4, 2, 40
-    page = FP8Paged(np.random.default_rng(7), specs, hkv, d)
-    assert _attention(template, phase, page, hq, d, tune, {"T": page.T, "B": page.B}) <= TOL
+def test_attention_prefill_and_mixed_fp8(template, phase, hq, hkv, d, specs, share, tune, extra):
+    page = FP8Paged(np.random.default_rng(7), specs, hkv, d, share=share)
+    assert _attention(template, phase, page, hq, d, tune, {"T": page.T, "B": page.B}, **extra) <= TOL
 
 
 def test_merged_attention_decode_fp8():
