@@ -139,7 +139,8 @@ def _attention(template, phase, page, hq, d, tune, dims, **extra):
     q = rand((page.T, hq, d), gen=gen)
     attrs = {"kv_heads": hkv, "scale": None, "window": None, "softcap": None, **extra}
     k = render(template, "attention_cached", [("q", ["T", hq, d], "bf16"), ("cache", [], "", "cache")],
-               [("o", ["T", hq, d], "bf16")], attrs=attrs, phase=phase, caches=fp8_caches(hkv, d), tune=tune)
+               [("o", ["T", hq, d], "bf16")], attrs=attrs, phase=phase, caches=fp8_caches(hkv, d), tune=tune,
+               page_size=page.ps)
     o_full = poison((page.T + 2, hq, d))
     o = o_full[:page.T]
     run(k, {"in:0": q, "out:0": o, **page.bindings()}, dims)
@@ -175,12 +176,16 @@ SPLIT = {"NUM_SPLITS": 2, "SPLIT_BLOCK_N": 16, "SPLIT_MIN_KEYS": 16}
                  {"BLOCK_M": 32, "BLOCK_N": 32}, {}, marks=EXHAUSTIVE),                     # shared prefix
     pytest.param("attention_prefill", "prefill", 4, 2, 64, [(0, 90), (60, 1), (45, 30)], 0,
                  {"BLOCK_M": 16, "BLOCK_N": 16}, {"window": 21, "softcap": 30.0}, marks=EXHAUSTIVE),
+    # 64-token pages: the flash tiles take their K/V codes by TMA (KV_TMA), the masked tile's V zeroed
+    pytest.param("attention_prefill", "prefill", 4, 2, 64, [(0, 150), (70, 9)], 0,
+                 {"BLOCK_M": 32, "BLOCK_N": 64, "page_size": 64}, {}, marks=EXHAUSTIVE),
     # a short step: a 9-token suffix over a cached prefix in the split role (QMAX 16)
     pytest.param("attention_mixed", "short", 6, 2, 96, [(70, 9), (0, 5)], 0,
                  {"BLOCK_M": 16, "BLOCK_N": 16, **SPLIT}, {}, marks=EXHAUSTIVE),
 ])
 def test_attention_prefill_and_mixed_fp8(template, phase, hq, hkv, d, specs, share, tune, extra):
-    page = FP8Paged(np.random.default_rng(7), specs, hkv, d, share=share)
+    tune = dict(tune)
+    page = FP8Paged(np.random.default_rng(7), specs, hkv, d, share=share, page_size=tune.pop("page_size", PS))
     assert _attention(template, phase, page, hq, d, tune, {"T": page.T, "B": page.B}, **extra) <= TOL
 
 
