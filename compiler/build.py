@@ -3,13 +3,16 @@ import json
 import time
 from pathlib import Path
 
-from infc.config import DEFAULT_PAGE_SIZE
+from infc.config import DEFAULT_KV_CACHE_DTYPE, DEFAULT_PAGE_SIZE
+from infc.config import kv_cache_dtype as plan_kv_dtype
 
 from .contract.errors import ModelDirError, SpecError
 from .pipeline import compile_spec
 from .quant.formats import parse_quantization
 from .plan import dumps, emit_plan
 from .checkpoint_check import check_model_dir
+from .contract.safetensors_io import Checkpoint
+from .kv_scales import read_kv_scales
 from .spec import Spec, find_architecture, find_variant, load_spec
 from .parallel import check_used, rank_plan_path, settings
 from .spec_paths import json_key_line
@@ -63,13 +66,30 @@ def resolve(model: str | None = None, spec_path: str | None = None,
     return spec, config, model, f"{spec.path} variant {model}"
 
 
+def kv_cache_setting(flag: str | None, model_dir, read_checkpoint: bool) -> dict | None:
+    """--kv-cache-dtype as the pipeline takes it (passes/quantize_kv_cache.py): None for auto;
+    for fp8, the checkpoint's per-layer K/V scales (1.0 where it has none, and without a
+    checkpoint: a variant, --load-format dummy)."""
+    if plan_kv_dtype(flag) is None:
+        return None
+    scales = {}
+    if model_dir is not None and read_checkpoint:
+        ckpt = Checkpoint(Path(model_dir))
+        try:
+            scales = read_kv_scales(ckpt)
+        finally:
+            ckpt.close()
+    return {"flag": flag, "scales": scales}
+
+
 def compile_model(model=None, spec_path=None, model_dir=None, features=None, log=None,
                   observe=None, skip=(), fuse=True, spec_dirs=None, check_checkpoint=True,
-                  parallel=None):
+                  parallel=None, kv_cache_dtype=DEFAULT_KV_CACHE_DTYPE):
     """Returns (state, plan dict). fuse=False skips every fusion pass (`--no-fuse`). With a
     model_dir, the checkpoint's safetensors headers are checked against the plan's weights
     (compiler/checkpoint_check.py) unless check_checkpoint is False (--load-format dummy: no
-    checkpoint is read); spec_dirs: extra spec directories (compiler/spec_paths.py)."""
+    checkpoint is read); spec_dirs: extra spec directories (compiler/spec_paths.py);
+    kv_cache_dtype: --kv-cache-dtype (infc/config.py KV_CACHE_DTYPES)."""
     if not fuse:
         from .pipeline import FUSIONS
         skip = tuple(skip) + tuple(sorted(FUSIONS))
@@ -100,8 +120,9 @@ def compile_model(model=None, spec_path=None, model_dir=None, features=None, log
 
     # parallel: {"world", "rank", "tp", "ep"}, one rank's share (compiler/parallel.py)
     quant = parse_quantization(config, source)
+    kv_cache = kv_cache_setting(kv_cache_dtype, model_dir, check_checkpoint)
     state = compile_spec(spec, env, name, features, observe=timed, skip=skip, parallel=parallel,
-                         quant=quant)
+                         quant=quant, kv_cache=kv_cache)
     t0 = time.perf_counter()
     plan = emit_plan(state)
     if parallel:
@@ -191,7 +212,7 @@ def build(model=None, spec_path=None, model_dir=None, out=None, features=None, l
           gpu="h100", target="sm_90", page_size=None, compile=True, jobs=None,
           reuse_bins=False, fuse=True, spec_dirs=None, check_checkpoint=True,
           tensor_parallel_size=1, enable_expert_parallel=False, data_parallel_size=1,
-          tuning_overlay=None) -> Path:
+          tuning_overlay=None, kv_cache_dtype=DEFAULT_KV_CACHE_DTYPE) -> Path:
     """reuse_bins: when out/bin already holds a cubin for every kernel id (an id is the digest of
     its source), compile nothing. The serving path uses it so that a machine with another (or no)
     Triton runs the cubins built elsewhere rather than recompiling them.
@@ -199,21 +220,24 @@ def build(model=None, spec_path=None, model_dir=None, out=None, features=None, l
     enable_expert_parallel: one plan per rank (compiler/parallel.py).
     tuning_overlay: laid over the GPU's tuning table (load_tuning), recorded in plan["build"]:
     a one-GPU experiment's kernel variants (tests/gpu/prepare.py's attnvar).
-    page_size: the KV cache's tokens a page; None takes the GPU's default (default_page_size)."""
+    page_size: the KV cache's tokens a page; None takes the GPU's default (default_page_size).
+    kv_cache_dtype: --kv-cache-dtype, auto or fp8 (the plan's K/V caches, passes/quantize_kv_cache.py)."""
     page_size = page_size or default_page_size(gpu)
     par = settings(tensor_parallel_size, enable_expert_parallel, data_parallel_size=data_parallel_size)
     if par is not None and tuning_overlay:
         raise SpecError("a tuning overlay applies to one-GPU builds only", None)
     if par is not None:
         return build_ranks(par, model, spec_path, model_dir, out, features, log, gpu, target,
-                           page_size, compile, jobs, fuse, spec_dirs, check_checkpoint=check_checkpoint)
+                           page_size, compile, jobs, fuse, spec_dirs, check_checkpoint=check_checkpoint,
+                           kv_cache_dtype=kv_cache_dtype)
     from .codegen.aot import compile_kernels
     t_all = time.perf_counter()
     if log and (model or model_dir):
         log(f"infc build {model or model_dir}")
     state, plan = compile_model(model, spec_path, model_dir, features,
                                 (lambda m: None) if log is None else log, fuse=fuse,
-                                spec_dirs=spec_dirs, check_checkpoint=check_checkpoint)
+                                spec_dirs=spec_dirs, check_checkpoint=check_checkpoint,
+                                kv_cache_dtype=kv_cache_dtype)
     out = Path(out) if out else GENERATED / state.model
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)

@@ -29,6 +29,7 @@ import re
 from fnmatch import fnmatchcase
 from pathlib import Path
 
+from .kv_scales import is_kv_scale
 from .contract.errors import SpecError, did_you_mean
 from .expr import EvalError, Unknown, evaluate
 from .quant.leaves import LEAVES
@@ -389,7 +390,9 @@ class Checker:
 
     def unused(self):
         patterns = list(self.spec.ignore or []) + self.ignore
-        left = sorted((n for n in self.tensors if n not in self.used
+        # KV cache scales (k_scale / v_scale) are read by --kv-cache-dtype fp8 (compiler/kv_scales.py)
+        # and, as vLLM does, left unread otherwise
+        left = sorted((n for n in self.tensors if n not in self.used and not is_kv_scale(n)
                        and not any(fnmatchcase(n, p) for p in patterns)), key=_natural)
         if not left:
             return

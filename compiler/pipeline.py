@@ -18,6 +18,7 @@ from .passes.lower_experts import lower_experts
 from .passes.materialize_views import materialize_views
 from .passes.merge_prologues import merge_prologues
 from .passes.plan_memory import plan_memory
+from .passes.quantize_kv_cache import quantize_kv_cache
 from .passes.quantize_weights import quantize_weights
 from .passes.rotate_residual import rotate_residual
 from .passes.row_logits import row_logits
@@ -35,6 +36,7 @@ PIPELINE = [
     ("fold_shared_experts", fold_shared_experts),  # shared experts -> always-on routed experts
     ("lower_experts", lower_experts),              # moe_experts -> gate|up launch + down launch
     ("quantize_weights", quantize_weights),        # a quantized checkpoint's linears read codes + scales
+    ("quantize_kv_cache", quantize_kv_cache),      # --kv-cache-dtype fp8: K/V caches as e4m3 + scales
     ("fuse_weights", fuse_weights),                # q|k|v and gate|up concatenated at load time
     ("rotate_residual", rotate_residual),          # carry the last residual add into the next layer
     ("fuse_add_rms_norm", fuse_add_rms_norm),      # residual add + RMSNorm
@@ -65,14 +67,15 @@ REWRITES = FUSIONS - {"merge_prologues"} | {"split_attention", "shard_ranks", "l
 
 def compile_spec(spec: Spec, env: dict, model: str, features: list | None = None,
                  observe=None, stop_after: str | None = None, skip=(),
-                 parallel: dict | None = None, quant=None) -> CompileState:
+                 parallel: dict | None = None, quant=None, kv_cache: dict | None = None) -> CompileState:
     """Run the pipeline; `skip` leaves out optional rewrites (tests compare with and without;
     skip=FUSIONS is `--no-fuse`); `parallel` = {"world", "rank", "tp", "ep"} compiles rank
     r's plan (compiler/parallel.py); `quant`: the checkpoint's quantization format
-    (compiler/quant/formats), None for bf16."""
+    (compiler/quant/formats), None for bf16; `kv_cache`: --kv-cache-dtype fp8's
+    {"flag", "scales"} (passes/quantize_kv_cache.py), None for the model's dtype."""
     graph, weights = lower(spec, env)
     state = CompileState(spec, env, graph, weights, model, features=list(features or []),
-                         parallel=dict(parallel) if parallel else None, quant=quant)
+                         parallel=dict(parallel) if parallel else None, quant=quant, kv_cache=kv_cache)
     _stamp(state, "lower")
     if observe:
         observe("lower", state)

@@ -37,6 +37,7 @@ from .contract.schema import CACHE_MARKER, DTYPE_BYTES, SCHEMA, step_metadata
 from .ir import Graph
 from .ops import REGISTRY
 from .passes.merge_prologues import NARROW_TOKENS, merged_launch
+from .passes.quantize_kv_cache import declare as declare_kv_cache
 from .passes.select_kernels import SHORT_TOKENS, wide_tokens
 
 def _jsonable(v):
@@ -150,7 +151,7 @@ def _caches(state) -> dict:
                                           f"{decl} vs {have}", m.line)
                     entry = out.setdefault(name, {**decl, "layers": []})
                     entry["layers"] = sorted(set(entry["layers"]) | set(layers))
-    return dict(sorted(out.items()))
+    return declare_kv_cache(state, dict(sorted(out.items())))
 
 
 def emit_plan(state) -> dict:

@@ -23,6 +23,8 @@ class CompileState:
     parallel: dict | None = None     # {"world", "rank", "tp", "ep"}: this plan is rank r's share
     row_logits: dict | None = None   # set by row_logits: the logits tail to re-run at other rows
     quant: object = None             # the checkpoint's quantization format (compiler/quant/formats)
+    kv_cache: dict | None = None     # --kv-cache-dtype fp8: {"flag", "scales": {"k"|"v": {layer: s}}}
+                                     # (passes/quantize_kv_cache.py); None: the model's dtype
 
     def note(self, pass_name: str, msg: str):
         self.log.append((pass_name, msg))

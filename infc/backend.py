@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infc import envs
-from infc.config import DEFAULT_PAGE_SIZE, EngineConfig
+from infc.config import DEFAULT_KV_CACHE_DTYPE, DEFAULT_PAGE_SIZE, EngineConfig, kv_cache_dtype
+from infc.compiler.contract import caches
 from infc.compiler.contract.errors import ModelDirError
 from infc.runtime.tokenization.tokenizer import eos_ids
 
@@ -114,6 +115,7 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
     c = resolve(config)
     device, model, spec, spec_dirs = c.device.device, c.load.model, c.load.spec, list(c.load.spec_dirs) or None
     dummy = check_load_format(c.load.load_format) == "dummy"
+    kv_dtype = c.cache.kv_cache_dtype or DEFAULT_KV_CACHE_DTYPE     # what a build here takes
     st = _Stages(log)
     if log:
         log(f"infc serve: {model_dir} on {device}")
@@ -131,8 +133,9 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
             raise ValueError("--artifact runs a built artifact on one GPU (device cuda, no parallel ranks)")
         if not (artifact / "plan.json").is_file():
             raise ValueError(f"--artifact {artifact}: no plan.json there (not a built artifact)")
+        check_artifact_kv_cache(artifact, c.cache.kv_cache_dtype)
     if par is not None:
-        runner, plan, name, model_len = _rank_processes(st, par, c, model_dir, spec_dirs, dummy)
+        runner, plan, name, model_len = _rank_processes(st, par, c, model_dir, spec_dirs, dummy, kv_dtype)
         page_size = runner.page_size
     elif device == "cpu":
         from infc.compiler.build import compile_model
@@ -140,7 +143,8 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
         from infc.compiler.contract.safetensors_io import Checkpoint
         from infc.runtime.weights.load import load_weights
         state, plan = st.run("compile plan", compile_model, model=model, spec_path=spec,
-                             model_dir=str(model_dir), spec_dirs=spec_dirs, check_checkpoint=not dummy)
+                             model_dir=str(model_dir), spec_dirs=spec_dirs, check_checkpoint=not dummy,
+                             kv_cache_dtype=kv_dtype)
         name = state.model
         if dummy:
             from infc.runtime.weights.dummy import dummy_weights
@@ -160,7 +164,8 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
             out = REPO / ".cache" / "artifacts" / (model or model_dir.name)
             artifact = st.run("build artifact (cached)", build, model=model, spec_path=spec,
                               model_dir=str(model_dir), out=out, page_size=c.cache.page_size, gpu=gpu_tuning(), log=None,
-                              reuse_bins=True, spec_dirs=spec_dirs, check_checkpoint=not dummy)
+                              reuse_bins=True, spec_dirs=spec_dirs, check_checkpoint=not dummy,
+                              kv_cache_dtype=kv_dtype)
         elif log:
             log(f"  artifact {artifact} as built (not rebuilt)")
         from infc.runtime.cuda.runner import CudaRunner     # lazily: cuda-python only here
@@ -201,11 +206,31 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
     b = Backend(engine, tokenizer, model_dir, name, device, limit, int(runner.vocab_size), kv_tokens,
                 page_size, eos, tok_config, st.done)
     if log:
-        log(f"  KV cache: {runner.num_pages} pages x {page_size} tokens = {kv_tokens} tokens; "
+        kv = caches.of_plan(plan).get("k", {}).get("dtype", "-")
+        log(f"  KV cache: {runner.num_pages} pages x {page_size} tokens = {kv_tokens} tokens ({kv}); "
             f"max model len {limit}")
         log(f"  maximum concurrency for {limit} tokens per request: {b.max_concurrency:.2f}x")
         log(f"ready in {time.perf_counter() - st.t_all:.2f} s")
     return b
+
+
+def check_artifact_kv_cache(artifact: Path, flag: str | None):
+    """An --artifact runs as built: a --kv-cache-dtype given with it must be the one it was built
+    with (the cache dtype and scales are in its plan; the kernels were rendered for them)."""
+    if flag is None:
+        return
+    import json
+    try:
+        decl = caches.of_plan(json.loads((Path(artifact) / "plan.json").read_text()))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--artifact {artifact}: cannot read its plan.json ({e})") from None
+    built = decl["k"]["dtype"] if "k" in decl else None
+    want = kv_cache_dtype(flag)
+    if (built == caches.FP8) != (want == caches.FP8):
+        raise ValueError(f"--kv-cache-dtype {flag} does not match the artifact {artifact}, built with "
+                         f"{'fp8 (f8e4m3)' if built == caches.FP8 else 'the model dtype (auto)'} KV "
+                         f"caches: rebuild it (`infc build ... --kv-cache-dtype {flag} --out {artifact}`) "
+                         f"or leave the flag out to run it as built")
 
 
 def _cpu_pages(plan: dict, c: EngineConfig) -> int:
@@ -228,7 +253,7 @@ def _cuda_runner_settings(c: EngineConfig) -> dict:
                 **({"num_pages": c.cache.num_gpu_blocks_override} if c.cache.num_gpu_blocks_override else {}))
 
 
-def _rank_processes(st, par, c: EngineConfig, model_dir, spec_dirs, dummy):
+def _rank_processes(st, par, c: EngineConfig, model_dir, spec_dirs, dummy, kv_dtype):
     """(runner, rank 0's plan, model name, model length) of a parallel build, one process per
     rank (runtime/distributed/rank_workers.py: MultiProcessRunner)."""
     import json
@@ -240,7 +265,7 @@ def _rank_processes(st, par, c: EngineConfig, model_dir, spec_dirs, dummy):
         if dummy:
             raise ValueError("--load-format dummy with --tensor-parallel-size runs on cuda only")
         ranks = st.run("compile rank plans", compile_ranks, par, model=model, spec_path=spec,
-                       model_dir=str(model_dir), spec_dirs=spec_dirs)
+                       model_dir=str(model_dir), spec_dirs=spec_dirs, kv_cache_dtype=kv_dtype)
         plans = [p for _, p in ranks]
         where = Path(tempfile.mkdtemp(prefix="infc-ranks-"))
         paths = []
@@ -265,7 +290,7 @@ def _rank_processes(st, par, c: EngineConfig, model_dir, spec_dirs, dummy):
                       model_dir=str(model_dir), out=out, page_size=c.cache.page_size, gpu=gpu_tuning(),
                       log=None, spec_dirs=spec_dirs, check_checkpoint=not dummy,
                       tensor_parallel_size=par["tp"], enable_expert_parallel=par["ep"] > 1,
-                      data_parallel_size=par.get("dp", 1))
+                      data_parallel_size=par.get("dp", 1), kv_cache_dtype=kv_dtype)
     config = dict(artifact=str(artifact), model_dir=str(model_dir), **_cuda_runner_settings(c))
     runner = st.run(f"start {world} rank processes (NCCL)", MultiProcessRunner,
                     "infc.runtime.distributed.rank_runners:nccl_rank_runner", config, world)

@@ -17,7 +17,7 @@ def _build(args):
     from infc.compiler.build import build, build_variants, parse_features
     kw = dict(out=args.out, features=parse_features(args.features), gpu=args.gpu, target=args.target,
               page_size=args.page_size, compile=not args.no_compile, jobs=args.jobs,
-              fuse=not args.no_fuse)
+              fuse=not args.no_fuse, kv_cache_dtype=args.kv_cache_dtype)
     kw.update(tensor_parallel_size=args.tensor_parallel_size,      # one plan per rank
               enable_expert_parallel=args.enable_expert_parallel,
               data_parallel_size=args.data_parallel_size)
@@ -42,6 +42,7 @@ def _generate(args):
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     with LLM(args.model_path, device=args.device, spec=args.spec,   # device None: cuda if present
              spec_dirs=args.spec_dir, load_format=args.load_format,
+             kv_cache_dtype=args.kv_cache_dtype,
              tensor_parallel_size=args.tensor_parallel_size,
              enable_expert_parallel=args.enable_expert_parallel,
              data_parallel_size=args.data_parallel_size) as llm:
@@ -122,6 +123,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="infc", description="LLM inference compiler")
     sub = p.add_subparsers(dest="cmd", required=True)
 
+    from infc.server.args import add_kv_cache_dtype_arg
     b = sub.add_parser("build", help="compile a model spec into generated/<model>/")
     b.add_argument("--model", help="a variant name from specs/ (e.g. qwen3-4b)")
     b.add_argument("--spec", help="a spec file (to build a spec from anywhere); alone, without "
@@ -135,6 +137,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--target", default="sm_90", help="compute capability for the cubins")
     b.add_argument("--page-size", type=int, help="KV cache page size in tokens (default: the GPU "
                    "table's, 64 on the H200; else 16)")
+    add_kv_cache_dtype_arg(b)
     b.add_argument("--no-compile", action="store_true", help="render kernels, skip the cubins")
     b.add_argument("--no-fuse", action="store_true",
                    help="skip every fusion pass: each op runs its generic kernel")
@@ -168,6 +171,7 @@ def parser() -> argparse.ArgumentParser:
                    help="default: cuda when an NVIDIA GPU is present, else cpu (the reference executor)")
     from infc.server.args import add_load_format_arg, add_parallel_args   # as serve has them
     add_load_format_arg(g)
+    add_kv_cache_dtype_arg(g)
     add_parallel_args(g)
     g.set_defaults(fn=_generate)
 

@@ -33,6 +33,24 @@ OFFLINE_CPU_MAX_NUM_SEQS = 64
 BATCHED_TOKENS = {("cuda", True): 8192, ("cuda", False): 16384, ("cpu", True): 2048, ("cpu", False): 2048}
 DEVICES = ("cpu", "cuda")
 
+# --kv-cache-dtype (vLLM's flag and values): the paged K/V caches' element type, chosen at build
+# time (part of the plan). auto: the model's dtype; fp8 = fp8_e4m3: e4m3 codes with a per-tensor
+# scale per layer (the checkpoint's k_scale / v_scale, else 1.0), half the bytes of bf16.
+DEFAULT_KV_CACHE_DTYPE = "auto"
+KV_CACHE_DTYPES = {"auto": None, "fp8": "f8e4m3", "fp8_e4m3": "f8e4m3"}   # -> the plan's cache dtype
+_KV_CACHE_REFUSED = {"fp8_e5m2": "e5m2 keeps 2 mantissa bits (e4m3 keeps 3) and no checkpoint ships "
+                                 "e5m2 KV scales; use fp8 (e4m3)"}
+
+
+def kv_cache_dtype(name: str | None) -> str | None:
+    """The plan's K/V cache dtype for a --kv-cache-dtype value (None: the model's own, as auto);
+    anything else is a ValueError naming the flag and the values it takes."""
+    if name is None or name in KV_CACHE_DTYPES:
+        return KV_CACHE_DTYPES[name or DEFAULT_KV_CACHE_DTYPE]
+    why = f" ({_KV_CACHE_REFUSED[name]})" if name in _KV_CACHE_REFUSED else ""
+    raise ValueError(f"--kv-cache-dtype {name!r} is not supported{why}: use one of "
+                     f"{', '.join(KV_CACHE_DTYPES)}")
+
 
 def default_batched_tokens(device: str, server: bool) -> int:
     return BATCHED_TOKENS[(device, server)]
@@ -56,6 +74,7 @@ class CacheConfig:
     kv_cache_tokens: int | None = None  # LLM(...): KV capacity in tokens (pages = ceil(/page_size))
     kv_cache_memory_bytes: int | None = None      # cpu; None: $INFC_CPU_KV_CACHE_BYTES
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    kv_cache_dtype: str | None = None   # --kv-cache-dtype; None: auto, or an --artifact's own
 
 
 @dataclass(frozen=True)
@@ -129,6 +148,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {v}")
         if self.load.max_model_len is not None and self.load.max_model_len < 2:
             raise ValueError(f"--max-model-len must be >= 2, got {self.load.max_model_len}")
+        kv_cache_dtype(cache.kv_cache_dtype)          # a bad value fails here, before any build
         if not 0 < cache.gpu_memory_utilization <= 1:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {cache.gpu_memory_utilization}")
         pages = cache.num_gpu_blocks_override or (-(-tokens // page_size) if tokens else None)

@@ -5,7 +5,8 @@ from pathlib import Path
 
 from infc import envs
 from infc.compiler.spec_paths import add_spec_dir_arg
-from infc.config import DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_MAX_NUM_SEQS, EngineConfig
+from infc.config import (DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_CACHE_DTYPE, DEFAULT_MAX_NUM_SEQS,
+                         EngineConfig)
 
 from .reasoning import REASONING_PARSERS
 from .tool_parsers import PARSERS as TOOL_CALL_PARSERS
@@ -37,6 +38,16 @@ def add_load_format_arg(p: argparse.ArgumentParser):
                    "needed (config.json, + tokenizer files for text)")
 
 
+def add_kv_cache_dtype_arg(p: argparse.ArgumentParser, default=DEFAULT_KV_CACHE_DTYPE):
+    """vLLM's --kv-cache-dtype (build, serve, generate): a build-time choice, part of the plan.
+    Values are checked by infc.config.kv_cache_dtype (fp8_e5m2 gets its own reason)."""
+    p.add_argument("--kv-cache-dtype", default=default, metavar="{auto,fp8,fp8_e4m3}",
+                   help="the paged KV cache's element type: auto (the model's dtype) or fp8 = fp8_e4m3 "
+                        "(e4m3 with per-tensor scales: the checkpoint's k_scale / v_scale, else 1.0; "
+                        "half the bytes, twice the tokens)" + (
+                        "; default: auto, or the --artifact's own" if default is None else ""))
+
+
 def add_serve_args(p: argparse.ArgumentParser):
     p.add_argument("--model-path", required=True, help="an HF model directory (config.json, safetensors, tokenizer)")
     p.add_argument("--model", help="the model (variant) name; default: detected from config.json")
@@ -60,6 +71,7 @@ def add_serve_args(p: argparse.ArgumentParser):
     p.add_argument("--block-size", type=int, help="KV cache page size in tokens (default: the build's "
                    "for this GPU, 64 on an H200; 16 on cpu)")
     p.add_argument("--num-gpu-blocks-override", type=int, help="number of KV pages (either device)")
+    add_kv_cache_dtype_arg(p, default=None)
     add_parallel_args(p)
     p.add_argument("--kv-cache-memory-bytes", type=int, help="KV cache size on the cpu device (default 1 GiB)")
     p.add_argument("--max-logprobs", type=int, default=20)
@@ -129,6 +141,7 @@ def backend_kwargs(args) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 enable_prefix_caching=args.enable_prefix_caching, block_size=args.block_size,
                 num_gpu_blocks_override=args.num_gpu_blocks_override,
+                kv_cache_dtype=getattr(args, "kv_cache_dtype", None),
                 kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                 load_format=getattr(args, "load_format", "auto"),
                 tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),

@@ -78,6 +78,7 @@ class InterpExecutor:
             return buf
 
         resolver = Resolver(tensor=tensor, cache=self.caches.get, meta=md.__getitem__, scratch=scratch,
+                            scale=lambda n, layer: caches.scale(self.caches.caches[n], layer),
                             dim=dims.__getitem__, meta_names=self.plan["step_metadata"])
         self.program = program_name(self.plan, meta.phase, meta.T)     # what this step ran (tests)
         self.templates = []                                            # its launches' templates

@@ -39,7 +39,8 @@ from infc.runtime.reference.ranks import RankExchange
 
 BASE = 1 << 32                               # fake device addresses start here
 TORCH_PTR = {"*bf16": torch.bfloat16, "*fp32": torch.float32, "*i32": torch.int32,
-             "*fp16": torch.float16, "*i8": torch.int8, "*u8": torch.uint8, "*i64": torch.int64}
+             "*fp16": torch.float16, "*i8": torch.int8, "*u8": torch.uint8, "*i64": torch.int64,
+             "*fp8e4nv": torch.float8_e4m3fn}
 NP = {"bf16": None, "f32": np.float32, "i32": np.int32}
 
 

@@ -35,8 +35,9 @@ def scratch_sizes(meta: dict, dims: dict) -> dict[str, int]:
 # Parameter sources (plan contract 5): in:N / out:N (the launch's N-th input / output), dim:T /
 # dim:B, meta:NAME (a step_metadata key, or max_pages), cache:NAME (this layer's storage of cache
 # NAME), scratch:NAME (the kernel's scratch, sized by META), const:INT, arg:NAME (a scalar the
-# launcher passes by name: the weight fill's seed, scale and offset, which are no dim).
-SOURCES = ("in", "out", "dim", "meta", "cache", "scratch", "const", "arg")
+# launcher passes by name: the weight fill's seed, scale and offset, which are no dim),
+# scale:NAME (this layer's per-tensor scale of cache NAME, a float: an FP8 KV cache's).
+SOURCES = ("in", "out", "dim", "meta", "cache", "scratch", "const", "arg", "scale")
 # CACHE_MARKER (schema.py), the value a launch lists among its inputs/outputs to order cache
 # writes before reads, has no buffer, so no parameter may bind it.
 
@@ -71,16 +72,19 @@ class Resolver:
         scratch(kernel, name)  the kernel's scratch NAME (kernel: what the caller passes)
         dim(name)              T or B (a launcher that rewrites dims per step returns 0 here)
         arg(name)              a named scalar (arg:NAME)
+        scale(name, layer)     that layer's scale of cache NAME (caches.scale of its declaration)
     A launcher leaves out what its kernels never take: asking for it anyway fails loud, as does
     a meta name the plan does not declare or a parameter bound to the cache marker."""
 
-    def __init__(self, tensor=None, cache=None, meta=None, scratch=None, dim=None, meta_names=None, arg=None):
+    def __init__(self, tensor=None, cache=None, meta=None, scratch=None, dim=None, meta_names=None, arg=None,
+                 scale=None):
         self.tensor = tensor or _missing("tensors")
         self.cache = cache or _missing("caches")
         self.meta = meta or _missing("step metadata")
         self.scratch = scratch or _missing("scratch")
         self.dim = dim or _missing("dims")
         self.arg = arg or _missing("named arguments")
+        self.scale = scale or _missing("cache scales")
         self.meta_names = None if meta_names is None else set(meta_names) | {"max_pages"}
 
     def values(self, kmeta: dict, inputs=(), outputs=(), layer=None, kernel=None) -> list:
@@ -109,6 +113,8 @@ class Resolver:
                 out.append(self.dim(what))
             elif kind == "arg":
                 out.append(self.arg(what))
+            elif kind == "scale":
+                out.append(float(self.scale(what, layer)))
             else:                                    # const
                 out.append(int(what))
         return out

@@ -1,8 +1,12 @@
 """Caches: the per-sequence state a plan declares in plan["caches"], and the ONLY module that
 knows how it is laid out (tests/test_cache_layout.py checks that nothing else does).
 
-    caches[name] = {"kind": "paged" | "slot", "shape": [...], "dtype": "bf16" | "f32",
-                    "layers": [global layer indices]}
+    caches[name] = {"kind": "paged" | "slot", "shape": [...], "dtype": "bf16" | "f32" | "f8e4m3",
+                    "layers": [global layer indices], "scales": [one float a layer] (f8e4m3 only)}
+
+An f8e4m3 cache (`--kv-cache-dtype fp8`, vLLM's) holds e4m3 codes with a per-tensor scale per
+layer: a write stores e4m3(x / scale) (round to nearest even, saturated at +-448), a read gives
+code * scale (`scale`). Host storage keeps the codes' values (float32, or torch fp8 tensors).
 
 A paged cache holds `shape` per token; each layer's storage is [num_pages + 1, page_size, *shape]
 (page num_pages is the padding page that CUDA-graph pad rows write to). A slot cache holds `shape`
@@ -21,7 +25,8 @@ import numpy as np
 
 from .schema import DTYPE_BYTES
 
-DTYPES = ("bf16", "f16", "f32")      # a cache's element types
+DTYPES = ("bf16", "f16", "f32", "f8e4m3")      # a cache's element types
+FP8 = "f8e4m3"                       # the quantized KV cache's codes (needs "scales")
 KINDS = ("paged", "slot")
 ALIGN = 256
 
@@ -37,7 +42,22 @@ def check(caches: dict) -> dict:
             raise ValueError(f"cache '{name}': shape {c.get('shape')} must be positive integers")
         if not isinstance(c.get("layers"), list) or len(set(c["layers"])) != len(c["layers"]):
             raise ValueError(f"cache '{name}': layers must be a list of distinct layer indices")
+        scales = c.get("scales")
+        if (c["dtype"] == FP8) != (scales is not None):
+            raise ValueError(f"cache '{name}': 'scales' go with dtype {FP8} and only with it")
+        if scales is not None and (not isinstance(scales, list) or len(scales) != len(c["layers"]) or
+                                   not all(isinstance(x, (int, float)) and 0 < x < float("inf") for x in scales)):
+            raise ValueError(f"cache '{name}': scales must be one positive finite number per layer "
+                             f"({len(c['layers'])}), got {scales}")
     return caches
+
+
+def scale(c: dict, layer: int) -> float:
+    """The per-tensor scale of one layer of cache declaration `c` (an FP8 cache's; 1.0 for the
+    others, whose codes are their values): stored code = x / scale, value = code * scale."""
+    if "scales" not in c:
+        return 1.0
+    return float(c["scales"][c["layers"].index(layer)])
 
 
 def of_plan(plan: dict) -> dict:
@@ -53,7 +73,11 @@ def select(caches: dict, names, layers=None) -> dict:
     for n in names:
         if n not in caches:
             raise KeyError(f"no cache '{n}' (the plan declares {sorted(caches)})")
-        out[n] = dict(caches[n], layers=list(layers) if layers is not None else list(caches[n]["layers"]))
+        c = caches[n]
+        out[n] = dict(c, layers=list(layers) if layers is not None else list(c["layers"]))
+        # an FP8 cache: the chosen layers' scales (1.0 for a stand-in layer it does not declare)
+        if "scales" in c:
+            out[n]["scales"] = [scale(c, l) if l in c["layers"] else 1.0 for l in out[n]["layers"]]
     return out
 
 

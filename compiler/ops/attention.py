@@ -18,7 +18,9 @@ cached keys j = 0 .. cached + n - 1 (K[j] = k_cache[block_tables[b, j // page], 
 """
 import numpy as np
 
+from ..contract import caches as cache_layout
 from .base import REQUIRED, expect, op
+from .quant import round_e4m3
 
 
 def _kv_caches(kv_heads, head_dim):
@@ -36,24 +38,39 @@ def _check_attrs(attrs):
 
 # -- references (float32 numpy, over the reference executor's paged caches) -------------------
 
+def _fp8_scale(ctx, name):
+    """This layer's scale of cache `name` when it holds e4m3 codes (--kv-cache-dtype fp8), else
+    None (a ctx without declarations, e.g. a kernel test's, holds plain values)."""
+    decl = getattr(ctx, "cache_decl", lambda n: None)(name)
+    if decl is None or decl["dtype"] != cache_layout.FP8:
+        return None
+    return np.float32(cache_layout.scale(decl, ctx.layer))
+
+
 def write_kv(ctx, k, v):
-    """Paged write: row t of k / v goes to slot slot_mapping[t] (rows with a slot < 0 are padding)."""
+    """Paged write: row t of k / v goes to slot slot_mapping[t] (rows with a slot < 0 are padding).
+    An FP8 cache stores the e4m3 code of x / scale (nearest even, saturated at +-448)."""
     slots = np.asarray(ctx.meta.slot_mapping[: k.shape[0]], np.int64)
     ok = slots >= 0
     for name, x in (("k", k), ("v", v)):
         cache = ctx.cache(name)
         ps = cache.shape[1]
-        cache[slots[ok] // ps, slots[ok] % ps] = np.asarray(x, np.float32)[ok]
+        x = np.asarray(x, np.float32)[ok]
+        s = _fp8_scale(ctx, name)
+        cache[slots[ok] // ps, slots[ok] % ps] = x if s is None else round_e4m3(x / s)
 
 
 def read_kv(ctx, b, n):
-    """The first n cached keys and values of batch row b: [n, Hkv, D] each."""
+    """The first n cached keys and values of batch row b: [n, Hkv, D] each (an FP8 cache's codes
+    times its scale)."""
     out = []
     for name in ("k", "v"):
         cache = ctx.cache(name)
         ps = cache.shape[1]
         pages = np.asarray(ctx.meta.block_tables[b, : -(-n // ps)], np.int64)
-        out.append(cache[pages].reshape(-1, *cache.shape[2:])[:n])
+        x = np.asarray(cache[pages].reshape(-1, *cache.shape[2:])[:n], np.float32)
+        s = _fp8_scale(ctx, name)
+        out.append(x if s is None else x * s)
     return out
 
 

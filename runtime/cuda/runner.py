@@ -249,6 +249,7 @@ class CudaRunner:
 
         resolver = Resolver(
             tensor=tensor, cache=self.caches.ptr,
+            scale=lambda n, layer: caches.scale(self.caches.layout.caches[n], layer),
             meta=lambda n: self.max_pages_per_seq + 1 if n == "max_pages" else self.meta[n],
             scratch=lambda kid, n: self.scratch[(kid, n)],
             dim=lambda d: 0,                        # rewritten each step

@@ -91,6 +91,10 @@ class StepContext:
     def cache(self, name: str) -> np.ndarray:
         return self.storage.get(name, self.layer)
 
+    def cache_decl(self, name: str) -> dict:
+        """The plan's declaration of cache `name` (its dtype and, for FP8, scales)."""
+        return self.storage.caches[name]
+
 
 class SeqPages:
     """The oracle's page allocator: pages per seq_id, storage grown on demand; for a plan with

@@ -46,6 +46,28 @@ def _round_to_nearest_bf16():
 _round_to_nearest_bf16()
 
 
+def _round_to_nearest_e4m3():
+    """The interpreter's float -> fp8e4nv conversion rounds ties up and drops the carry of a
+    mantissa that rounds over (127.0 -> 64.0); the GPU's cvt.rn.satfinite rounds to nearest even.
+    Convert as the GPU does, through torch's float8_e4m3fn cast (the FP8 KV cache's writes)."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    convert = builder.create_fp_to_fp
+
+    def fp_to_fp(self, src, dst_type, rounding_mode):
+        if dst_type.scalar != tl.float8e4nv or src.dtype.scalar not in (tl.float32, tl.float16):
+            return convert(self, src, dst_type, rounding_mode)
+        x = torch.from_numpy(np.asarray(src.data).astype(np.float32))
+        return interpreter.TensorHandle(x.to(torch.float8_e4m3fn).view(torch.uint8).numpy(), tl.float8e4nv)
+
+    builder.create_fp_to_fp = fp_to_fp
+
+
+_round_to_nearest_e4m3()
+
+
 def _host_allocator():
     """Kernels that make TMA descriptors on the device (the GEMM's) keep them in Triton's global
     scratch; under the interpreter that is host memory from this allocator."""
@@ -56,7 +78,8 @@ def _host_allocator():
 _host_allocator()
 
 _modules = {}
-TORCH = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32, "f16": torch.float16}
+TORCH = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32, "f16": torch.float16,
+         "f8e4m3": torch.float8_e4m3fn}
 
 
 def load(kernel):
@@ -91,7 +114,8 @@ def run(kernel, bindings: dict, dims: dict):
     n = len(meta["params"])
     resolver = Resolver(tensor=lambda name, layer: bindings[name], cache=lambda name, layer: bindings[f"cache:{name}"],
                         meta=lambda name: bindings[f"meta:{name}"], scratch=lambda k, name: scratch[name],
-                        dim=dims.__getitem__, arg=lambda name: bindings[f"arg:{name}"])
+                        dim=dims.__getitem__, arg=lambda name: bindings[f"arg:{name}"],
+                        scale=lambda name, layer: bindings[f"scale:{name}"])
     args = resolver.values(meta, [f"in:{i}" for i in range(n)], [f"out:{i}" for i in range(n)], kernel=kernel.id)
     consts = interpreter_constexprs(meta)
     fn = getattr(load(kernel), meta["entry"])
