@@ -46,6 +46,30 @@ def _round_to_nearest_bf16():
 _round_to_nearest_bf16()
 
 
+def _round_to_nearest_e4m3():
+    """The interpreter's fp32 -> fp8e4nv conversion truncates the mantissa and lets a carry spill
+    into the exponent (1.94 -> 1.0); the GPU rounds to nearest even and saturates at +-448
+    (cvt.rn.satfinite.e4m3x2.f32). Activation quantization (compiler/ops/quant.py) casts
+    x / s to e4m3, so convert as the GPU does: torch's cast (ties to even) after the clamp."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    to_fp = builder.create_fp_to_fp
+
+    def fp_to_fp(self, src, dst_type, rounding_mode):
+        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.float8e4nv:
+            return to_fp(self, src, dst_type, rounding_mode)
+        v = torch.from_numpy(np.asarray(src.data, np.float32).copy())
+        out = v.clamp(-448.0, 448.0).where(~v.isnan(), v).to(torch.float8_e4m3fn).view(torch.uint8)
+        return interpreter.TensorHandle(out.numpy(), tl.float8e4nv)
+
+    builder.create_fp_to_fp = fp_to_fp
+
+
+_round_to_nearest_e4m3()
+
+
 def _host_allocator():
     """Kernels that make TMA descriptors on the device (the GEMM's) keep them in Triton's global
     scratch; under the interpreter that is host memory from this allocator."""
@@ -56,7 +80,8 @@ def _host_allocator():
 _host_allocator()
 
 _modules = {}
-TORCH = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32, "f16": torch.float16}
+TORCH = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32, "f16": torch.float16,
+         "f8e4m3": torch.float8_e4m3fn, "u8": torch.uint8}
 
 
 def load(kernel):
