@@ -7,8 +7,10 @@ quantized per group, per token or by a static scale. K is ragged against the til
 (136 = 2 x 64 + 8), N against the column blocks and the scale's row blocks (40 = 32 + 8). Every mode (plain,
 act_mul, gated, the narrow add_rms_norm prologue), both GEMV paths (CUDA-core, tensor-core; each
 with split-K) and the GEMM's two forms (W8A8 codes, dequantized bf16) run; the cross product is
-pairwise in the fast suite, whole with --exhaustive.
+covered in the fast suite (each scheme on each path, each mode on each path), whole with
+--exhaustive.
 """
+import itertools
 import zlib
 
 import numpy as np
@@ -21,7 +23,7 @@ from infc.compiler.ops.quant import round_e4m3
 from infc.compiler.quant.scheme import QuantScheme
 from infc.runtime.weights.quant_pack import E2M1, to_storage
 
-from exhaustive import pairwise
+from exhaustive import EXHAUSTIVE
 
 from .harness import bf16, poison, rand, rel_err, render, run
 from .test_gemm_kernels import TOL, check_scratch_zero, f32
@@ -131,26 +133,51 @@ def _case(template, s, mode, T, tune, phase, seed, narrow=False, out_dtype="bf16
     return k, got, want
 
 
-@pytest.mark.parametrize("scheme,mode,path", pairwise(
-    list(SCHEMES), ["plain", "act_mul", "gated", "prologue"], list(GEMV_PATHS)))
+def _matrix(fast: set, *axes) -> list:
+    """The cross product of the axes (lists of names), rows in `fast` unmarked, the rest
+    exhaustive (tests/exhaustive.py)."""
+    return [pytest.param(*row, id="-".join(row), marks=() if row in fast else EXHAUSTIVE)
+            for row in itertools.product(*axes)]
+
+
+NAMES = list(SCHEMES)
+GEMV_MODES = ["plain", "act_mul", "gated"]
+FMA_PATHS = [p for p in GEMV_PATHS if p.startswith("fma")]
+DOT_PATHS = [p for p in GEMV_PATHS if p.startswith("dot")]
+# fast: every scheme once on the CUDA-core path and once on the tensor-core path (their tiles
+# take the scales in different forms), every mode on both paths, both paths split
+GEMV_FAST = {(n, GEMV_MODES[j % 3], FMA_PATHS[j % 3]) for j, n in enumerate(NAMES)} \
+    | {(n, GEMV_MODES[(j + 1) % 3], DOT_PATHS[j % 2]) for j, n in enumerate(NAMES)}
+
+
+@pytest.mark.parametrize("scheme,mode,path", _matrix(GEMV_FAST, NAMES, GEMV_MODES, list(GEMV_PATHS)))
 def test_quantized_gemv(scheme, mode, path):
     T, tune = GEMV_PATHS[path]
-    if mode == "prologue" and not path.startswith("fma"):
-        pytest.skip("the prologue is the narrow phase's, which has the CUDA-core path alone")
-    s = SCHEMES[scheme]
-    _case("gemv", s, mode, T if mode != "prologue" else 1, tune, "decode", zlib.crc32(f'{scheme}{mode}{path}'.encode()),
-          narrow=mode == "prologue")
+    _case("gemv", SCHEMES[scheme], mode, T, tune, "decode", zlib.crc32(f"{scheme}{mode}{path}".encode()))
+
+
+# the narrow phase's merged add_rms_norm (the CUDA-core path alone): fast, the activation
+# quantizers that read h (per group; per token, whose row pass rebuilds h) and a packed W with
+# zero points, split so that a preloaded tile lies past its split's K range (it must read zeros)
+PROLOGUE_FAST = {("fp8-32x64-group64", "fma"), ("fp8-channel-token", "fma-rows"), ("u4-g32-zero", "fma-split")}
+
+
+@pytest.mark.parametrize("scheme,path", _matrix(PROLOGUE_FAST, NAMES, FMA_PATHS))
+def test_quantized_gemv_with_add_rms_norm_prologue(scheme, path):
+    _case("gemv", SCHEMES[scheme], "prologue", 1, GEMV_PATHS[path][1], "decode",
+          zlib.crc32(f"{scheme}{path}".encode()), narrow=True)
 
 
 # GEMM tilings: 64-deep K steps (the fp8 scheme's W8A8 codes form), then split-K
 GEMM_TUNES = {"tiles": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 2},
               "split": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 3, "TARGET_CTAS": 1000}}
+GEMM_FAST = {(n, GEMV_MODES[j % 3], list(GEMM_TUNES)[j % 2]) for j, n in enumerate(NAMES)}
 
 
-@pytest.mark.parametrize("scheme,mode,tiling", pairwise(list(SCHEMES), ["plain", "act_mul", "gated"], list(GEMM_TUNES)))
+@pytest.mark.parametrize("scheme,mode,tiling", _matrix(GEMM_FAST, NAMES, GEMV_MODES, list(GEMM_TUNES)))
 def test_quantized_gemm(scheme, mode, tiling):
     s = SCHEMES[scheme]
-    k, _, _ = _case("gemm", s, mode, 37, GEMM_TUNES[tiling], "prefill", zlib.crc32(f'{scheme}{mode}{tiling}'.encode()))
+    k, _, _ = _case("gemm", s, mode, 37, GEMM_TUNES[tiling], "prefill", zlib.crc32(f"{scheme}{mode}{tiling}".encode()))
     assert ("_a_codes" in k.source) == (s.codes == "f8e4m3" and s.act != "none")
 
 
