@@ -212,3 +212,30 @@ def test_bf16_dequantized_form_is_close_to_the_definition():
     _, got, want = _case("gemm", s, "plain", 37, GEMM_TUNES["tiles"], "prefill", 3, out_dtype="f32")
     assert rel_err(got, want) <= 5e-3
     assert rel_err(bf16(got), want) <= TOL
+
+
+def test_lm_head_last_refuses_a_quantized_weight():
+    """fuse_lm_head leaves quantized linears alone; a launch that still got here fails by name."""
+    s = SCHEMES["fp8-32x64-group64"]
+    with pytest.raises(TemplateError, match="lm_head_last_takes_no_quantized_weight"):
+        render("lm_head_last", "lm_head_last", [("x", ["T", 64], "bf16"), ("norm", [64], "bf16", "weight"),
+                                                ("w", [100, 64], "f8e4m3", "weight"),
+                                                ("w_scale", [4, 1], "f32", "weight")],
+               [("logits", ["B", 100], "f32")], attrs=_attrs(s, eps=1e-6, residual=False))
+
+
+@pytest.mark.parametrize("phase,rows", [("prefill", 4096), ("prefill", 1024), ("wide", 1024)])
+def test_quantized_gemm_stages_fit_the_bf16_shared_memory(phase, rows):
+    """128-deep fp8 steps: the default pipeline keeps to the bytes the bf16 default stages take
+    (8 stages of the wide tiles would need 256 KB on sm_90, past its 227 KB)."""
+    s = QuantScheme("f8e4m3", 128, 128, act="dynamic_group", act_group=128)
+    k = render("gemm", "linear", [("x", ["T", 2560], "bf16"), ("w", [rows, 2560], "f8e4m3", "weight"),
+                                  ("w_scale", [rows // 128, 20], "f32", "weight")],
+               [("y", ["T", rows], "bf16")], attrs=_attrs(s), phase=phase)
+    bf = render("gemm", "linear", [("x", ["T", 2560], "bf16"), ("w", [rows, 2560], "bf16", "weight")],
+                [("y", ["T", rows], "bf16")], phase=phase)
+    c, cb = k.meta["constexprs"], bf.meta["constexprs"]
+    assert c["BLOCK_K"] == 128 and (c["BLOCK_M"], c["BLOCK_N"]) == (cb["BLOCK_M"], cb["BLOCK_N"])
+    stage = c["BLOCK_M"] * 128 * 2 + c["BLOCK_N"] * 128
+    assert 2 <= k.meta["num_stages"] and stage * k.meta["num_stages"] <= \
+        (cb["BLOCK_M"] + cb["BLOCK_N"]) * cb["BLOCK_K"] * 2 * bf.meta["num_stages"]
