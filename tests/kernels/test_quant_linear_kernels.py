@@ -85,10 +85,10 @@ def _tensors(comp):
 MODES = {"plain": ("", "linear", 1, 1), "act_mul": ("_act_mul", "linear_act_mul", 2, 1),
          "gated": ("_gated", "linear_gated", 1, 2), "prologue": ("", "linear", 1, 1)}
 
-# GEMV paths: (rows T, tune). K tiles of 64 (= the fp8 scheme's act_group) over K = 136; 1 row
+# GEMV paths: (rows T, tune). K tiles of 64 or 128 (the fp8 scheme's act_group is 64) over K = 136; 1 row
 # takes the CUDA-core path, 3 rows with FMA_T 4 too (its row loop), 5 the tensor-core path.
 GEMV_PATHS = {
-    "fma": (1, {"BLOCK_N": 16, "FMA_BLOCK_K": 64}),
+    "fma": (1, {"BLOCK_N": 16, "FMA_BLOCK_K": 128}),   # two activation groups of 64 a tile
     "fma-split": (1, {"BLOCK_N": 32, "FMA_BLOCK_K": 64, "SPLIT_K": 2}),
     "fma-rows": (3, {"BLOCK_N": 16, "FMA_BLOCK_K": 128, "FMA_T": 4, "BLOCK_T": 16}),
     "dot": (5, {"BLOCK_N_DOT": 32, "BLOCK_K": 64, "BLOCK_T": 16}),
