@@ -225,17 +225,14 @@ def test_lm_head_last_refuses_a_quantized_weight():
 
 
 @pytest.mark.parametrize("phase,rows", [("prefill", 4096), ("prefill", 1024), ("wide", 1024)])
-def test_quantized_gemm_stages_fit_the_bf16_shared_memory(phase, rows):
-    """128-deep fp8 steps: the default pipeline keeps to the bytes the bf16 default stages take
-    (8 stages of the wide tiles would need 256 KB on sm_90, past its 227 KB)."""
+def test_quantized_gemm_defaults_fit_sm90(phase, rows):
+    """128-deep fp8 steps: the default pipeline keeps within 160 KB of stages (8 stages of the wide
+    decode tiles would need 256 KB, past sm_90's 227 KB), and the prefill's W8A8 tile is 128 wide
+    (its fp32 partial tile beside the accumulator spills at 256)."""
     s = QuantScheme("f8e4m3", 128, 128, act="dynamic_group", act_group=128)
     k = render("gemm", "linear", [("x", ["T", 2560], "bf16"), ("w", [rows, 2560], "f8e4m3", "weight"),
                                   ("w_scale", [rows // 128, 20], "f32", "weight")],
                [("y", ["T", rows], "bf16")], attrs=_attrs(s), phase=phase)
-    bf = render("gemm", "linear", [("x", ["T", 2560], "bf16"), ("w", [rows, 2560], "bf16", "weight")],
-                [("y", ["T", rows], "bf16")], phase=phase)
-    c, cb = k.meta["constexprs"], bf.meta["constexprs"]
-    assert c["BLOCK_K"] == 128 and (c["BLOCK_M"], c["BLOCK_N"]) == (cb["BLOCK_M"], cb["BLOCK_N"])
-    stage = c["BLOCK_M"] * 128 * 2 + c["BLOCK_N"] * 128
-    assert 2 <= k.meta["num_stages"] and stage * k.meta["num_stages"] <= \
-        (cb["BLOCK_M"] + cb["BLOCK_N"]) * cb["BLOCK_K"] * 2 * bf.meta["num_stages"]
+    c = k.meta["constexprs"]
+    assert c["BLOCK_K"] == 128 and c["BLOCK_N"] == 128
+    assert 2 <= k.meta["num_stages"] and (c["BLOCK_M"] * 128 * 2 + c["BLOCK_N"] * 128) * k.meta["num_stages"] <= 160 * 1024
