@@ -47,20 +47,23 @@ _round_to_nearest_bf16()
 
 
 def _round_to_nearest_e4m3():
-    """The interpreter's float -> fp8e4nv conversion rounds ties up and drops the carry of a
-    mantissa that rounds over (127.0 -> 64.0); the GPU's cvt.rn.satfinite rounds to nearest even.
-    Convert as the GPU does, through torch's float8_e4m3fn cast (the FP8 KV cache's writes)."""
+    """The interpreter's fp32 -> fp8e4nv conversion truncates the mantissa and lets a carry spill
+    into the exponent (1.94 -> 1.0, 127.0 -> 64.0); the GPU rounds to nearest even and saturates at
+    +-448 (cvt.rn.satfinite.e4m3x2.f32). Activation quantization (compiler/ops/quant.py) and the FP8
+    KV cache's writes cast to e4m3, so convert as the GPU does: torch's cast (ties to even) after
+    the clamp."""
     import triton.language as tl
     from triton.runtime import interpreter
 
     builder = interpreter.InterpreterBuilder
-    convert = builder.create_fp_to_fp
+    to_fp = builder.create_fp_to_fp
 
     def fp_to_fp(self, src, dst_type, rounding_mode):
-        if dst_type.scalar != tl.float8e4nv or src.dtype.scalar not in (tl.float32, tl.float16):
-            return convert(self, src, dst_type, rounding_mode)
-        x = torch.from_numpy(np.asarray(src.data).astype(np.float32))
-        return interpreter.TensorHandle(x.to(torch.float8_e4m3fn).view(torch.uint8).numpy(), tl.float8e4nv)
+        if src.dtype.scalar not in (tl.float32, tl.float16) or dst_type.scalar != tl.float8e4nv:
+            return to_fp(self, src, dst_type, rounding_mode)
+        v = torch.from_numpy(np.asarray(src.data).astype(np.float32))
+        out = v.clamp(-448.0, 448.0).where(~v.isnan(), v).to(torch.float8_e4m3fn).view(torch.uint8)
+        return interpreter.TensorHandle(out.numpy(), tl.float8e4nv)
 
     builder.create_fp_to_fp = fp_to_fp
 
@@ -79,7 +82,7 @@ _host_allocator()
 
 _modules = {}
 TORCH = {"bf16": torch.bfloat16, "f32": torch.float32, "i32": torch.int32, "f16": torch.float16,
-         "f8e4m3": torch.float8_e4m3fn}
+         "f8e4m3": torch.float8_e4m3fn, "u8": torch.uint8}
 
 
 def load(kernel):
