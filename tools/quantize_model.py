@@ -1,7 +1,7 @@
 """Quantized checkpoints from a bf16 / f32 HF model directory, written as each format publishes
 them (the fixtures of issue 42: no hub needed).
 
-    python tools/quantize_model.py --format fp8-block --src DIR --out DIR
+    python tools/quantize_model.py --format fp8-block --src DIR --out DIR [--threads N]
 
 Every 2-D linear weight of a decoder layer (`model.layers.N.*.weight` but MoE routers and norms)
 is quantized; embeddings, lm_head and norms are copied as they are, and config.json gains the
@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import struct
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -69,17 +71,29 @@ def write_safetensors(path: Path, tensors: dict):
 
 
 # ---- quant_method fp8 (Qwen3-*-FP8, DeepSeek-V3): e4m3 in blocks, weight_scale_inv per block ----
+_STRIP = 1 << 18            # elements quantized at once: the temporaries stay in the cache
+
+
 def fp8_block_quantize(w: np.ndarray, bn: int, bk: int):
-    """(e4m3 values [N, K], scale [ceil(N/bn), ceil(K/bk)]): s = amax(block) / 448, q = e4m3(w / s)."""
+    """(e4m3 values [N, K], scale [ceil(N/bn), ceil(K/bk)]): s = amax(block) / 448, q = e4m3(w / s).
+    Whole strips of row blocks at once (zero-padded to whole blocks: a zero never raises a
+    block's amax), with the float32 operations a block at a time would do, element for element."""
+    w = np.asarray(w, np.float32)
     n, k = w.shape
-    s = np.zeros((-(-n // bn), -(-k // bk)), np.float32)
-    q = np.zeros_like(w, dtype=np.float32)
-    for i in range(s.shape[0]):
-        for j in range(s.shape[1]):
-            blk = w[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk]
-            amax = np.abs(blk).max()
-            s[i, j] = amax / np.float32(FP8_MAX) if amax > 0 else 1.0
-            q[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = round_e4m3(blk / s[i, j])
+    nb, kb = -(-n // bn), -(-k // bk)
+    s = np.empty((nb, kb), np.float32)
+    q = np.empty((n, k), np.float32)
+    step = max(1, _STRIP // (bn * kb * bk))           # row blocks a strip
+    for i in range(0, nb, step):
+        rows = w[i * bn:(i + step) * bn]
+        m = -(-rows.shape[0] // bn)
+        padded = np.zeros((m * bn, kb * bk), np.float32)
+        padded[:rows.shape[0], :k] = rows
+        blocks = padded.reshape(m, bn, kb, bk)
+        amax = np.abs(blocks).max(axis=(1, 3))
+        si = np.where(amax > 0, amax / np.float32(FP8_MAX), np.float32(1.0)).astype(np.float32)
+        s[i:i + m] = si
+        q[i * bn:i * bn + rows.shape[0]] = round_e4m3(blocks / si[:, None, :, None]).reshape(m * bn, kb * bk)[:rows.shape[0], :k]
     return q, s
 
 
@@ -91,20 +105,25 @@ def _fp8_block(module, w, o):
     return {f"{module}.weight": ("F8_E4M3", encode_e4m3(q)), f"{module}.weight_scale_inv": ("F32", s)}
 
 
-def quantize_model(src, out, fmt: str, **options) -> dict:
+def quantize_model(src, out, fmt: str, threads: int | None = None, **options) -> dict:
+    """threads: tensors quantized at once (default: every CPU; numpy's array operations release
+    the GIL, so a real-shape model's hundreds of matrices spread over the cores)."""
     if fmt not in WRITERS:
         raise ValueError(f"unknown format {fmt!r} (known: {', '.join(sorted(WRITERS))})")
     src, out = Path(src), Path(out)
     out.mkdir(parents=True, exist_ok=True)
     ckpt = Checkpoint(src)
-    tensors = {}
-    for name in ckpt.where:
+
+    def one(name):
         module = quantized_module(name, ckpt.shape(name))
         if module is None:
-            dt = ckpt.dtype(name)
-            tensors[name] = (dt, np.array(ckpt.raw(name)))
-        else:
-            tensors.update(WRITERS[fmt](module, ckpt.float32(name), options))
+            return {name: (ckpt.dtype(name), np.array(ckpt.raw(name)))}
+        return WRITERS[fmt](module, ckpt.float32(name), options)
+
+    tensors = {}
+    with ThreadPoolExecutor(threads or os.cpu_count() or 1) as pool:
+        for part in pool.map(one, list(ckpt.where)):
+            tensors.update(part)
     ckpt.close()
     write_safetensors(out / "model.safetensors", tensors)
     for f in src.iterdir():
@@ -122,8 +141,9 @@ def main(argv=None) -> int:
     ap.add_argument("--format", required=True, choices=sorted(WRITERS))
     ap.add_argument("--src", required=True, type=Path)
     ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--threads", type=int, default=None, help="tensors quantized at once (default: every CPU)")
     args = ap.parse_args(argv)
-    print(json.dumps(quantize_model(args.src, args.out, args.format)))
+    print(json.dumps(quantize_model(args.src, args.out, args.format, threads=args.threads)))
     return 0
 
 
