@@ -2,9 +2,9 @@
 the logits at the right positions (each equals a fresh prefill of the sequence up to there),
 KL and top-1 are the textbook ones (torch's kl_div on the same rows), a model against itself
 is 0 / 100 %, and a tiny model's fp8-block checkpoint is close to its bf16 one but not equal;
-the command writes its result and refuses a missing directory in one line."""
+the command writes its result and refuses a missing directory in one line (`infc bench
+quant-accuracy` calls main with its arguments)."""
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -62,19 +62,17 @@ def test_kl_and_top1_are_the_textbook_ones():
         qa.compare(a, [x[:, :30] for x in b])
 
 
-def test_fp8_model_against_its_bf16_model(dirs, tmp_path):
+def test_fp8_model_against_its_bf16_model(dirs, tmp_path, capsys):
     src, q = dirs
     same = qa.run(src, src, count=3, prompt_len=8, decode=4)
     assert same["mean_kl"] == 0.0 and same["top1_agreement"] == 1.0 and same["positions"] == 12
     res = qa.run(src, q, count=3, prompt_len=8, decode=4)
     assert 1e-7 < res["mean_kl"] < 1e-2 and res["top1_agreement"] >= 0.75, res
     assert res["quantization_config"]["quant_method"] == "fp8"
-    env_cmd = [sys.executable, "-m", "infc.cli", "bench", "quant-accuracy", "--reference", str(src)]
-    out = subprocess.run(env_cmd + ["--model-path", str(q), "--sequences", "3", "--prompt-len", "8", "--decode", "4",
-                                    "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-800:]
+    qa.main(["--reference", str(src), "--model-path", str(q), "--sequences", "3", "--prompt-len", "8",
+             "--decode", "4", "--out", str(tmp_path)])
     saved = json.loads(next(tmp_path.glob("quant-accuracy-*.json")).read_text())
-    assert saved["mean_kl"] == pytest.approx(res["mean_kl"]) and "top-1 agreement" in out.stdout
-    bad = subprocess.run(env_cmd + ["--model-path", str(tmp_path / "nowhere")], capture_output=True, text=True,
-                         timeout=300, cwd=ROOT)
-    assert bad.returncode == 1 and "infc bench quant-accuracy:" in bad.stderr and "Traceback" not in bad.stderr
+    assert saved["mean_kl"] == pytest.approx(res["mean_kl"]) and "top-1 agreement" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:          # one line, no traceback
+        qa.main(["--reference", str(src), "--model-path", str(tmp_path / "nowhere")])
+    assert str(e.value.code).startswith("infc bench quant-accuracy: ") and "nowhere" in str(e.value.code)
