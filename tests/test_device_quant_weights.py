@@ -224,3 +224,25 @@ def test_dummy_fp8_model_needs_its_fill_kernels(tmp_path):
     assert fill_kinds(plan) == ["bf16", "f32", "f8e4m3"]
     with pytest.raises(ModelDirError, match=r"f8e4m3 weight fill kernel \(plan\['weight_init_f8e4m3'\]\)"):
         dw.DeviceWeights(FakeContext(), plan, d, load_format="dummy", fill={"bf16": object(), "f32": object()})
+
+
+def test_dummy_quantized_model_keeps_activations_bounded(tmp_path):
+    """The CPU backend on the dummy weights of a config-only fp8 directory: the same logit scale as
+    the bf16 model's dummy weights (the w_scale rule gives W the bf16 rule's RMS), finite, and
+    `LLM(load_format="dummy")` generates from it."""
+    from infc import LLM, SamplingParams
+    from infc.runtime.engine.step import Chunk
+    from infc.runtime.reference.executor import ReferenceExecutor
+    from test_dummy_weights import TINY, config_only
+    q = {"quant_method": "fp8", "weight_block_size": list(BLOCK)}
+    stds = []
+    for name, over in (("bf16", {}), ("fp8", {"quantization_config": q})):
+        d = config_only(tmp_path / name, num_hidden_layers=6, **over)
+        _, plan = compile_model(model_dir=str(d), check_checkpoint=False)
+        logits = ReferenceExecutor(plan, dwv.dummy_weights(plan)).step([Chunk(0, list(range(1, 40)), 0)])
+        assert np.isfinite(logits).all()
+        stds.append(float(logits.std()))
+    assert 0.5 < stds[1] / stds[0] < 2, stds
+    out = LLM(tmp_path / "fp8", device="cpu", load_format="dummy").generate(
+        [[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out[0].token_ids) == 4 and all(0 <= t < TINY["vocab_size"] for t in out[0].token_ids)
