@@ -90,8 +90,11 @@ def cuda_logits(artifact, model_dir, seqs: list, decode: int, gpu: list | None =
             raise ValueError(f"{len(seqs)} sequences of {longest} tokens need {per * len(seqs)} KV pages, "
                              f"the runner has {runner.num_pages}")
         pages = {i: list(range(i * per, (i + 1) * per)) for i in range(len(seqs))}
-        return teacher_forced(lambda chunks: runner.logits(build_step(chunks, pages.__getitem__, runner.page_size)),
-                              seqs, decode)
+        slots = (lambda seq: seq) if getattr(runner, "num_slots", 0) else None   # hybrid models' state
+
+        def step(chunks):
+            return runner.logits(build_step(chunks, pages.__getitem__, runner.page_size, slot_of=slots))
+        return teacher_forced(step, seqs, decode)
     finally:
         runner.close()
 

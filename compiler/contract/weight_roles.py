@@ -71,8 +71,13 @@ def fill_key(kind: str) -> str:
     return "weight_init" if kind == "bf16" else f"weight_init_{kind}"
 
 
+FILLED = ("bf16", "f32", "i32", "f8e4m3") + BYTE_CODES     # the weight dtypes a fill kernel makes
+
+
 def fill_kinds(plan: dict) -> list[str]:
-    """The fill kinds a plan's (untied) weights need, bf16 always (older plans have only it)."""
+    """The fill kinds a plan's (untied) weights need, bf16 always (older plans have only it); a
+    weight of another dtype gets none (the loader refuses it, naming it)."""
     roles = quant_roles(plan)
-    kinds = {fill_kind(w, roles.get(n)) for n, w in plan.get("weights", {}).items() if "tied" not in w["source"]}
+    kinds = {fill_kind(w, roles.get(n)) for n, w in plan.get("weights", {}).items()
+             if "tied" not in w["source"] and w.get("dtype", "bf16") in FILLED}
     return ["bf16"] + sorted(kinds - {"bf16"})
