@@ -1,7 +1,7 @@
 """tools/quantize_model.py at real shapes: fp8_block_quantize works on whole strips of blocks,
-and the tensors are quantized on several threads, without changing a byte of the output: the
+and the tensors are quantized by several processes, without changing a byte of the output: the
 strips equal the per-block loop (the format's definition, written out here) on ragged blocks,
-and a model written on 3 threads is the same file as on 1. encode_e4m3 (from the float bits)
+and a model written by 3 workers is the same file as by 1. encode_e4m3 (from the float bits)
 equals the table search it replaced, and refuses what is no e4m3 number."""
 import sys
 from pathlib import Path
@@ -46,12 +46,12 @@ def test_strips_equal_the_per_block_loop(block, strip, monkeypatch):
     assert np.array_equal(q, q0) and np.array_equal(s, s0)
 
 
-def test_threads_write_the_same_file(tmp_path):
+def test_workers_write_the_same_file(tmp_path):
     src = tmp_path / "bf16"
     model(src, "qwen3")
     a, b = tmp_path / "a", tmp_path / "b"
-    qm.quantize_model(src, a, "fp8-block", threads=1, block=(16, 48))
-    qm.quantize_model(src, b, "fp8-block", threads=3, block=(16, 48))
+    qm.quantize_model(src, a, "fp8-block", workers=1, block=(16, 48))
+    qm.quantize_model(src, b, "fp8-block", workers=3, block=(16, 48))
     assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
     assert (a / "config.json").read_text() == (b / "config.json").read_text()
 
