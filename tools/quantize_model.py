@@ -117,9 +117,10 @@ def _quantize_one(src: str, fmt: str, options: dict, name: str) -> dict:
 
 
 def quantize_model(src, out, fmt: str, workers: int | None = None, **options) -> dict:
-    """workers: processes quantizing tensors at once (default: every CPU). Processes, not threads:
-    numpy holds the GIL in enough of the e4m3 rounding and encoding that 16 threads ran Qwen3-4B
-    no faster than one (275 s on an H200 machine's 16 cores)."""
+    """workers: processes quantizing tensors at once (default: every CPU). Processes, so that no
+    part of numpy that holds the GIL serializes them. Measured on an H200 machine's 16 cores:
+    Qwen3-4B's 252 matrices in 15.6 s (and 4.6 s to write the file), where the per-block loop in
+    one process took 275 s."""
     if fmt not in WRITERS:
         raise ValueError(f"unknown format {fmt!r} (known: {', '.join(sorted(WRITERS))})")
     src, out = Path(src), Path(out)
