@@ -39,3 +39,31 @@ def test_prepare_quant_builds_what_the_gpu_machine_serves(tmp_path, monkeypatch,
         assert "refuse" not in said
     else:
         assert "the kernels refuse a quantized launch" in said and sorted(p.name for p in art.iterdir()) == ["plan.json"]
+
+
+def test_hf_quant_computes_the_format_definition(tmp_path, monkeypatch):
+    """tests/gpu/hf_quant.py (the quant golden gate's HF side): transformers' dequantized fp8 model
+    with the activation quantization hooked in equals the numpy reference (the definition) at
+    every position, in float32; without the hooks it does not."""
+    import numpy as np
+    import torch
+    import hf_quant
+    from infc.compiler.build import compile_model
+    from infc.compiler.contract.safetensors_io import Checkpoint
+    from infc.runtime.engine.step import Chunk
+    from infc.runtime.reference.executor import ReferenceExecutor
+    from infc.runtime.weights.load import load_weights
+    src, q = tmp_path / "bf16", tmp_path / "fp8"
+    model(src, "qwen3")
+    quantize_model(src, q, "fp8-block", block=(16, 48))
+    ids = [5, 17, 33, 2, 99, 250, 7, 8, 9]
+    m = hf_quant.load(q, torch.float32).eval()
+    with torch.no_grad():
+        hf = m(torch.tensor([ids])).logits[0].numpy()
+        monkeypatch.setattr(hf_quant, "quantize_groups", lambda x, group: x)    # the hooks do nothing
+        plain = m(torch.tensor([ids])).logits[0].numpy()
+    _, plan = compile_model(model_dir=str(q))
+    ex = ReferenceExecutor(plan, load_weights(plan, Checkpoint(q)))
+    ours = np.stack([ex.step([Chunk(t, ids[:t + 1], 0)])[0] for t in range(len(ids))])
+    np.testing.assert_allclose(hf, ours, rtol=1e-4, atol=1e-5)
+    assert np.abs(plain - ours).max() > 1e-3            # the activation quantization is what it adds

@@ -11,7 +11,9 @@ Models: qwen3-4b and llama-3.2-1b (the serving artifacts), a tiny qwen3_moe, qwe
 --no-fuse (every op its generic kernel, same weights), and the new families (gpu_families.py:
 a real checkpoint's shapes, weights drawn by transformers on this GPU; marked `families`, so
 `-m families` runs only them). The quantized checkpoints (models.QUANTIZED, marked `quant`: only
-with `-m quant`) are held to the same gate against HF loading the same quantized checkpoint. A family with a sliding window longer than the 1024-token prompts
+with `-m quant`) are held to the same gate against HF loading the same quantized checkpoint,
+computing the format's definition (tests/gpu/hf_quant.py: dequantized weights, activations
+quantized per token group as the format does). A family with a sliding window longer than the 1024-token prompts
 (phi-3-mini 2047, gemma-2 and starcoder2 4096) gets two more sequences: a prompt 8 tokens short
 of the window (its decode steps cross the window's edge) and one 100 tokens past it (prefill
 beyond the window); gemma-3's 512-token window is crossed by the common lengths (511-513,
@@ -84,7 +86,11 @@ def setup(request, model_dir, artifact):
             pytest.fail(missing, pytrace=False)
     d, art = model_dir(name), artifact(name)
     from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).cuda().eval()
+    if name in models.QUANTIZED:        # the format's definition in torch (hf_quant.py says why)
+        import hf_quant
+        hf = hf_quant.load(d, torch.bfloat16).cuda().eval()
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).cuda().eval()
     V = hf.config.vocab_size
     lens = list(LENS)
     window = getattr(hf.config, "sliding_window", None)     # None where unused (qwen2's default)
