@@ -48,3 +48,18 @@ def test_inspect_shows_quantized_launches_and_their_bytes(dirs):
     assert f"decode: quantized launches read {codes} B codes + {scales} B scales a step" in out
     plain = inspect(model_dir=str(src), phases=["decode"])
     assert "[quant" not in plain and "quantized launches" not in plain and "== weights: " in plain
+
+
+def test_bench_floors_count_quantized_bytes(dirs):
+    """bench/active_floor.py's weight and active bytes (the latency floors) count fp8 codes at a
+    byte each and the f32 scales: the totals inspect prints."""
+    from infc.bench import active_floor as af
+    _, q = dirs
+    _, plan = compile_model(model_dir=str(q))
+    w = plan["weights"]
+    assert af.weight_bytes(plan) == sum(
+        {"bf16": 2, "f32": 4, "f8e4m3": 1}[x["dtype"]] * x["shape"][0] * (x["shape"][1] if len(x["shape"]) > 1 else 1)
+        * len(x["layers"] or [0]) for x in w.values() if "tied" not in x["source"])
+    active = af.active_bytes(plan)
+    n, k = w["wqkv"]["shape"]
+    assert active["wqkv"] == 3 * n * k and active["wqkv_w_scale"] == 3 * 4 * -(-n // 16) * -(-k // 48)
