@@ -135,6 +135,10 @@ def test_every_code_dtype_built_on_the_host(tmp_path):
     assert device_equals_numpy(ctx, w, plan, Checkpoint(tmp_path)) == w.bytes == 50 + 20 + 21 + 25 + 9 + 40 + 12
     assert ctx.read(w.ptr("f8", None), 20) == t["a"][1].tobytes()      # e4m3 bytes as in the file
     assert ctx.read(w.ptr("c4", None), 1) == bytes([int(t["c4"][1][0, 0]) | int(t["c4"][1][0, 1]) << 4])
+    bad = {"weights": {"c4": {**plan["weights"]["c4"], "source": src("c8")}}}   # 0..255 is no u4 code
+    bad["weights"]["c4"]["shape"] = [3, 7]
+    with pytest.raises(ModelDirError, match=r"weight 'c4' \(c8\) as u4: u4 codes must be integers in \[0, 15\]"):
+        dw.DeviceWeights(FakeContext(), bad, tmp_path, progress=False)
 
 
 # ---- --load-format dummy ----

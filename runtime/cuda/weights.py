@@ -112,11 +112,11 @@ def _built(w: dict, a: np.ndarray) -> np.ndarray:
     return to_storage(a, dtype)
 
 
-def _nan_codes(view, what: str):
+def _nan_codes(view, where: str):
     """e4m3 bytes streamed from a file: 0x7f / 0xff are NaN, which no quantizer writes."""
     v = np.frombuffer(view, np.uint8)
     if ((v & np.uint8(0x7F)) == np.uint8(0x7F)).any():
-        raise ModelDirError(f"tensor '{what}' holds NaN codes (e4m3 0x7f/0xff)")
+        raise ModelDirError(f"{where} holds NaN codes (e4m3 0x7f/0xff)")
 
 
 class DeviceWeights:
@@ -157,12 +157,15 @@ class DeviceWeights:
                 if got is None:
                     a, what = build(w["source"], layer, read, str(ckpt.dir))
                     check_shape(ckpt, name, w, a.shape, what)
-                    data = _built(w, a).view(np.uint8).reshape(-1)
+                    try:
+                        data = _built(w, a).view(np.uint8).reshape(-1)
+                    except ValueError as e:     # values that are no codes of the plan's dtype
+                        raise ModelDirError(f"{ckpt.dir}: weight '{name}' ({what}) as {w['dtype']}: {e}") from None
                     items.append((name, layer, data, None))
                 else:
                     data, shape, what = got
                     check_shape(ckpt, name, w, shape, what)
-                    items.append((name, layer, data, what if w["dtype"] == "f8e4m3" else None))
+                    items.append((name, layer, data, f"{ckpt.dir}: '{what}'" if w["dtype"] == "f8e4m3" else None))
 
         # layout: one allocation, each weight aligned; segments in device order
         segs, placed, pos = [], [], 0          # segs: (dst offset, length, source, NaN check)

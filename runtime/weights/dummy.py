@@ -188,12 +188,10 @@ def weight_values(name: str, w: dict, layer, seed: int = 0, role=None) -> np.nda
     loader's canonical form, compiler/quant/scheme.py)."""
     raw = fill_values(name, w, layer, role, seed)
     dtype, shape = w.get("dtype"), w["shape"]
-    if dtype in ("f32", "i32"):
+    if dtype in ("f32", "i32", "u8"):
         return raw.astype(np.float32).reshape(shape)
     if dtype == "f8e4m3":
         return E4M3[raw].reshape(shape)
-    if dtype == "u8":
-        return raw.astype(np.float32).reshape(shape)
     if dtype in ("u4", "e2m1"):
         codes = unpack_nibbles(raw.reshape(*shape[:-1], -1), shape[-1])
         return (codes.astype(np.float32) if dtype == "u4" else E2M1[codes]).reshape(shape)
