@@ -25,13 +25,12 @@ and the cache bytes per token beside those of a non-latent layout (mla_kv_compar
 """
 import argparse
 import json
-import math
 from pathlib import Path
 
 from infc.compiler.contract import caches
 from infc.compiler.contract.program import unrolled
-
-WEIGHT_BYTES = {"bf16": 2, "f16": 2, "f32": 4}
+from infc.compiler.contract.schema import nbytes
+from infc.compiler.quant.report import weight_bytes as _weight_bytes
 
 
 def _stacked(src) -> int | None:
@@ -53,14 +52,9 @@ def _stacked(src) -> int | None:
 
 
 def weight_bytes(plan: dict) -> int:
-    """Every stored weight byte (tied weights once), as the runtime's Weights.bytes counts them."""
-    total = 0
-    for w in plan["weights"].values():
-        if "tied" in w["source"]:
-            continue
-        n = WEIGHT_BYTES[w["dtype"]] * math.prod(w["shape"])
-        total += n * (len(w["layers"]) if w["layers"] is not None else 1)
-    return total
+    """Every stored weight byte (tied weights once; quantized codes packed as stored), as the
+    runtime's Weights.bytes counts them."""
+    return _weight_bytes(plan)[0]
 
 
 def active_bytes(plan: dict) -> dict:
@@ -102,7 +96,7 @@ def active_bytes(plan: dict) -> dict:
     out = {}
     for (name, layer), frac in share.items():
         w = weights[name]
-        out[name] = out.get(name, 0) + frac * WEIGHT_BYTES[w["dtype"]] * math.prod(w["shape"])
+        out[name] = out.get(name, 0) + frac * nbytes(w["dtype"], w["shape"])
     return {k: int(round(v)) for k, v in out.items()}
 
 

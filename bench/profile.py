@@ -44,8 +44,9 @@ import numpy as np
 
 from infc.compiler.contract import caches
 from infc.compiler.contract.program import bodies, is_repeat, program_name
+from infc.compiler.contract.schema import nbytes
 
-WEIGHT_BYTES = {"bf16": 2, "f16": 2, "fp16": 2, "f32": 4, "fp32": 4, "i32": 4, "u8": 1, "i8": 1}
+
 GATHERS = ("embedding",)              # ops that read a few rows of their weight, not all of it
 # MoE expert launches read only the chosen experts' weights: at most min(E, T * k) of the E
 # stacked experts (exact at batch 1: k of them); the floor counts that fraction
@@ -68,7 +69,7 @@ def launch_sites(plan: dict, phase: str) -> list[dict]:
         if launch["op"] not in GATHERS:
             for n in weights:
                 w = plan["weights"][n]
-                wbytes += int(np.prod(w["shape"], dtype=np.int64)) * WEIGHT_BYTES[w["dtype"]]
+                wbytes += nbytes(w["dtype"], w["shape"])       # quantized codes as stored
         kv = 0
         if launch["op"].startswith("attention") and layer is not None:
             kv = sum(caches.unit_elems(c) * caches.DTYPE_BYTES[c["dtype"]] for c in decl.values()

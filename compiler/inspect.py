@@ -7,8 +7,11 @@ from collections import Counter
 
 from infc.compiler.contract.program import bodies, count_launches, is_repeat, launches, layer_counts
 
+from infc.compiler.contract.weight_roles import FILL_KINDS, fill_key
+
 from .build import compile_model
 from .ir import Graph
+from .quant.report import quant_note, weights_section
 
 
 
@@ -29,7 +32,7 @@ def _graph_text(g: Graph, indent="") -> list[str]:
     return lines
 
 
-def _launch_table(program: list, bin_dir=None, indent="  ") -> list[str]:
+def _launch_table(plan: dict, program: list, bin_dir=None, indent="  ") -> list[str]:
     lines = []
     for l in program:
         if is_repeat(l):
@@ -37,7 +40,7 @@ def _launch_table(program: list, bin_dir=None, indent="  ") -> list[str]:
             for kind, body in bodies(l).items():
                 lines.append(f"{indent}repeat {l['repeat']}, kind {kind} x{counts[kind]} layers: "
                              f"{len(body)} launches per layer")
-                lines += _launch_table(body, bin_dir, indent + "    ")
+                lines += _launch_table(plan, body, bin_dir, indent + "    ")
             continue
         kid = l.get("kernel_id", "-")
         cubin = "-"
@@ -45,7 +48,8 @@ def _launch_table(program: list, bin_dir=None, indent="  ") -> list[str]:
             p = bin_dir / f"{kid}.cubin"
             cubin = _short(p) if p.exists() else "(not compiled: infc build)"
         lines.append(f"{indent}{l['op']:<20} {l['backend']:<8} {kid:<32} "
-                     f"({', '.join(l['inputs'])}) -> ({', '.join(l['outputs'])})  cubin {cubin}")
+                     f"({', '.join(l['inputs'])}) -> ({', '.join(l['outputs'])})  cubin {cubin}"
+                     + quant_note(plan, l))
     return lines
 
 
@@ -134,13 +138,20 @@ def _inspect_one(model, spec_path, model_dir, dot, phases, spec_dirs, parallel=N
     import tempfile
     from pathlib import Path
     from .build import GENERATED, generate
+    from .codegen.render import TemplateError
+    unrendered = None
     with tempfile.TemporaryDirectory() as tmp:
-        generate(plan, Path(tmp))                 # kernel ids, as `infc build` names them
+        try:
+            generate(plan, Path(tmp))             # kernel ids, as `infc build` names them
+        except TemplateError as e:                # the plan is still worth reading
+            unrendered = str(e)
     bin_dir = GENERATED / state.model / "bin"
     out = [f"model {plan['model']}  (family {plan['family']}, spec {state.spec.path})",
            "config: " + ", ".join(f"{k}={v}" for k, v in plan["config"].items()
                                   if not isinstance(v, (dict, list))),
            "", "== graph before fusion (after infer_types)"] + snapshots["infer_types"]
+    if unrendered:
+        out[2:2] = [f"kernels: not rendered ({unrendered}); launches show no kernel id"]
     out += ["", "== passes"] + [f"  {p:<24} {m}" for p, m in state.log]
     out += ["", "== graph after fusion"] + snapshots[list(snapshots)[-1]]
     a = plan["arena"]
@@ -150,21 +161,22 @@ def _inspect_one(model, spec_path, model_dir, dot, phases, spec_dirs, parallel=N
         out += ["", f"== launches: {p}  (none: this plan has no {p} program; its steps run "
                     f"{'decode' if p in ('wide', 'narrow') else 'mixed / prefill'})"]
     phases = [p for p in phases if p in plan["programs"]] if phases else list(plan["programs"])
+    out += [""] + weights_section(plan, phases)
     for phase in phases:
         total, per_layer = count_launches(plan["programs"][phase])
         when = {"short": f"; prefill / mixed steps of <= {plan.get('short_tokens')} tokens",
                 "wide": f"; decode steps of >= {plan.get('wide_tokens')} sequences",
                 "narrow": f"; decode steps of <= {plan.get('narrow_tokens')} tokens"}.get(phase, "")
         out += ["", f"== launches: {phase}  ({per_layer} per layer, {total} per step{when})"]
-        out += _launch_table(plan["programs"][phase], bin_dir)
+        out += _launch_table(plan, plan["programs"][phase], bin_dir)
     if plan.get("sampler"):
         out += ["", "== sampler: after each step, on the logits, outside the decode graph (runtime/cuda/sampler.py)"]
         out += [f"  {name:<12} {kid}" for name, kid in plan["sampler"].items()]
     if plan.get("weight_init"):
         out += ["", "== weight init: --load-format dummy fills each weight on the device, before the first step"]
         out += [f"  {'fill_random':<12} {plan['weight_init']}"]
-        if plan.get("weight_init_f32"):
-            out += [f"  {'fill (f32)':<12} {plan['weight_init_f32']}"]
+        out += [f"  {'fill (' + kind + ')':<12} {plan[fill_key(kind)]}" for kind in FILL_KINDS
+                if kind != "bf16" and plan.get(fill_key(kind))]
     if parallel:
         out += ["", "== collectives (backend nccl: the runtime's communicator, no kernel)"]
         out += collectives(plan, phases)

@@ -62,7 +62,7 @@ def _serve(args):
 
 def _bench(args):
     import importlib
-    mod = importlib.import_module(f"infc.bench.{args.which}")
+    mod = importlib.import_module(f"infc.bench.{args.which.replace('-', '_')}")
     mod.main(args.rest)
 
 
@@ -182,7 +182,7 @@ def parser() -> argparse.ArgumentParser:
 
     bn = sub.add_parser("bench", help="benchmarks (results go to bench/results/)")
     bn.add_argument("which", choices=["latency", "throughput", "startup", "serve", "profile", "prefix", "allreduce",
-                                       "structured"])
+                                       "structured", "quant-accuracy"])
     bn.add_argument("rest", nargs=argparse.REMAINDER)
     bn.set_defaults(fn=_bench)
 

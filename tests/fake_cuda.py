@@ -268,7 +268,8 @@ class Launch:
         from infc.compiler.codegen.render import parse_meta
         from kernels.harness import interpreter_constexprs, load
         dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "f16": torch.float16, "fp32": torch.float32,
-                  "f32": torch.float32, "i32": torch.int32, "i64": torch.int64, "i8": torch.int8}
+                  "f32": torch.float32, "i32": torch.int32, "i64": torch.int64, "i8": torch.int8,
+                  "fp8e4nv": torch.float8_e4m3fn}
         source = self.fn.cubin.decode()
         meta = parse_meta(source, "triton")
         kid = "fake_" + hashlib.sha1(self.fn.cubin).hexdigest()[:16]

@@ -36,11 +36,11 @@ def config_only(d: Path, arch="Qwen3ForCausalLM", **over) -> Path:
     return d
 
 
-def fill_kernel(drv, dtype="bf16"):
+def fill_kernel(drv, kind="bf16"):
     """The real rendered fill kernel loaded on the fake driver (tests/fake_cuda.py): its "cubin"
     is its Triton source, so a launch can also run it under the interpreter."""
     from infc.runtime.cuda.artifact import KernelFn
-    k = render_weight_init({}, dtype=dtype)
+    k = render_weight_init({}, kind=kind)
     return KernelFn(k.id, k.meta, {"num_warps": 4}, drv.Module(k.source.encode()).function(k.meta["entry"]))
 
 

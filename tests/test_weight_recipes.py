@@ -217,5 +217,5 @@ def test_f32_weights_keep_float32_exp_and_scale(ckpt_dir):
         np.testing.assert_array_equal(np.frombuffer(ctx.read(dev.ptr("norm_f32", i), 16), np.float32),
                                       t[f"l.{i}.norm"])
     bad = {"weights": {"x": W([4], {"tensor": "l.{i}.norm"}, dtype="f16")}}
-    with pytest.raises(ModelDirError, match="only bf16 and f32 weights"):
+    with pytest.raises(ModelDirError, match="weight .x.: the GPU stores bf16, f32, .* weights, not f16"):
         dw.DeviceWeights(FakeContext(), bad, d, progress=False)

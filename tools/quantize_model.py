@@ -1,7 +1,7 @@
 """Quantized checkpoints from a bf16 / f32 HF model directory, written as each format publishes
 them (the fixtures of issue 42: no hub needed).
 
-    python tools/quantize_model.py --format fp8-block --src DIR --out DIR
+    python tools/quantize_model.py --format fp8-block --src DIR --out DIR [--workers N]
 
 Every 2-D linear weight of a decoder layer (`model.layers.N.*.weight` but MoE routers and norms)
 is quantized; embeddings, lm_head and norms are copied as they are, and config.json gains the
@@ -16,10 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import os
 import re
 import shutil
 import struct
 import sys
+from concurrent.futures import ProcessPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -228,7 +232,20 @@ def _mxfp4(module, w, o):
             f"{module}.weight_scales": ("U8", exps)}
 
 
-def quantize_model(src, out, fmt: str, **options) -> dict:
+_OPEN: dict = {}            # a worker process's open checkpoint, by directory
+
+
+def _quantize_one(src: str, fmt: str, options: dict, name: str) -> dict:
+    """One tensor through the format's writer (in a worker process: its own mapping of the file)."""
+    ckpt = _OPEN.get(src) or _OPEN.setdefault(src, Checkpoint(src))
+    return WRITERS[fmt](quantized_module(name, ckpt.shape(name)), ckpt.float32(name), options)
+
+
+def quantize_model(src, out, fmt: str, workers: int | None = None, **options) -> dict:
+    """workers: processes quantizing tensors at once (default: every CPU). Processes, so that no
+    part of numpy that holds the GIL serializes them. Measured on an H200 machine's 16 cores:
+    Qwen3-4B's 252 matrices in 15.6 s (and 4.6 s to write the file), where the per-block loop in
+    one process took 275 s."""
     if fmt not in WRITERS:
         raise ValueError(f"unknown format {fmt!r} (known: {', '.join(sorted(WRITERS))})")
     unknown = set(options) - OPTIONS[fmt]
@@ -240,16 +257,27 @@ def quantize_model(src, out, fmt: str, **options) -> dict:
     src, out = Path(src), Path(out)
     out.mkdir(parents=True, exist_ok=True)
     ckpt = Checkpoint(src)
-    tensors = {}
     keep = options.get("keep", [])
-    for name in ckpt.where:
-        module = quantized_module(name, ckpt.shape(name))
-        if module is None or any(module.endswith("." + k) for k in keep):
-            dt = ckpt.dtype(name)
-            tensors[name] = (dt, np.array(ckpt.raw(name)))
-        else:
-            tensors.update(WRITERS[fmt](module, ckpt.float32(name), options))
+    names = list(ckpt.where)
+    quantized = [n for n in names if (m := quantized_module(n, ckpt.shape(n))) is not None
+                 and not any(m.endswith("." + k) for k in keep)]
+    tensors = {n: (ckpt.dtype(n), np.array(ckpt.raw(n))) for n in sorted(set(names) - set(quantized))}
     ckpt.close()
+    one = partial(_quantize_one, str(src), fmt, options)
+    workers = min(workers or os.cpu_count() or 1, max(len(quantized), 1))
+    if workers == 1:
+        parts = map(one, quantized)
+    else:      # fork: the workers inherit the writers (a script's own module included)
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+        parts = pool.map(one, quantized)
+    try:
+        for part in parts:
+            tensors.update(part)
+    finally:
+        if workers > 1:
+            pool.shutdown()
+        if str(src) in _OPEN:                      # workers == 1 opened it here
+            _OPEN.pop(str(src)).close()
     write_safetensors(out / "model.safetensors", tensors)
     for f in src.iterdir():
         if f.is_file() and not f.name.endswith(".safetensors") and f.name not in (
@@ -273,9 +301,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--options", default="{}", type=json.loads,
                     help='the writer\'s options as JSON, e.g. \'{"bits": 4, "group": 128, "sym": false}\'')
+    ap.add_argument("--workers", type=int, default=None, help="processes quantizing tensors at once "
+                                                               "(default: every CPU)")
     args = ap.parse_args(argv)
     try:
-        print(json.dumps(quantize_model(args.src, args.out, args.format, **args.options)))
+        print(json.dumps(quantize_model(args.src, args.out, args.format, workers=args.workers,
+                                        **args.options)))
     except (ValueError, ModelDirError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import jinja2
 
+from infc.compiler.contract.weight_roles import FILL_KINDS, fill_key, fill_kinds
+
 TEMPLATES = Path(__file__).resolve().parent.parent.parent / "codegen_templates"
 EXT = {"triton": ".py", "cuda": ".cu", "tilelang": ".py"}
 TL_DTYPE = {"bf16": "tl.bfloat16", "f16": "tl.float16", "f32": "tl.float32", "i32": "tl.int32",
@@ -179,29 +181,30 @@ def render_sampler(plan: dict, tuning: dict, env=None) -> dict[str, Kernel]:
 
 
 # --load-format dummy: random weights made on the device (runtime/weights/dummy.py), one launch
-# per weight region before the first step. GPU weights are bf16 (plan["weight_init"] fills them)
-# or, where the spec says `dtype: f32`, f32 (plan["weight_init_f32"], only in plans that have
-# such weights, so the others' plans stay as they were; runtime/cuda/weights.py).
+# per weight region before the first step. GPU weights are bf16 (plan["weight_init"] fills them);
+# a plan with other weights (a spec's `dtype: f32`, a quantized checkpoint's codes, scales, zero
+# points and group indices) gets one more kernel per fill kind it needs, plan["weight_init_<kind>"]
+# (compiler/contract/weight_roles.py), so the other plans stay as they were.
 WEIGHT_INIT = "fill_random"
 
 
-def _render_fill(dtype: str, env=None) -> Kernel:
+def _render_fill(kind: str, env=None) -> Kernel:
+    dtype, mode = FILL_KINDS[kind]
     ctx = {"op": WEIGHT_INIT, "phase": "weight_init", "inputs": [], "outputs": [], "attrs": {},
-           "config": {"dtype": dtype}, "tune": {}}
+           "config": {"dtype": dtype, "mode": mode}, "tune": {}}
     return render_template("triton", WEIGHT_INIT, ctx, env)
 
 
-def render_weight_init(plan: dict, env=None, dtype: str = "bf16") -> Kernel:
-    """Render the weight fill kernel for `dtype`; sets plan["weight_init"] (bf16, its id) or
-    plan["weight_init_f32"]."""
-    k = _render_fill(dtype, env)
-    plan["weight_init" if dtype == "bf16" else f"weight_init_{dtype}"] = k.id
+def render_weight_init(plan: dict, env=None, kind: str = "bf16") -> Kernel:
+    """Render the weight fill kernel of a fill kind; sets plan[fill_key(kind)] to its id."""
+    k = _render_fill(kind, env)
+    plan[fill_key(kind)] = k.id
     return k
 
 
 def render_plan(plan: dict, tuning: dict, page_size: int, spec_path: str | None = None) -> dict[str, Kernel]:
     """Render every launch's kernel, the sampler's and the weight fill; sets launch["kernel_id"],
-    plan["sampler"] and plan["weight_init"]; returns id -> Kernel."""
+    plan["sampler"] and plan["weight_init"] (and weight_init_<kind>); returns id -> Kernel."""
     env = _env()
     kernels: dict[str, Kernel] = {}
 
@@ -221,9 +224,7 @@ def render_plan(plan: dict, tuning: dict, page_size: int, spec_path: str | None 
     if plan["outputs"].get("logits") in plan["buffers"]:
         for kid, k in render_sampler(plan, tuning, env).items():
             kernels.setdefault(kid, k)
-    k = render_weight_init(plan, env)
-    kernels.setdefault(k.id, k)
-    if any(w.get("dtype") == "f32" for w in plan.get("weights", {}).values()):
-        k = render_weight_init(plan, env, "f32")
+    for kind in fill_kinds(plan):
+        k = render_weight_init(plan, env, kind)
         kernels.setdefault(k.id, k)
     return kernels

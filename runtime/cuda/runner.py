@@ -22,6 +22,7 @@ from ..engine.step import StepMeta
 from infc.compiler.contract.errors import ModelDirError
 from infc.compiler.contract.safe_eval import ExprLimit, compile_int
 from infc.compiler.contract.schema import DTYPE_BYTES
+from infc.compiler.contract.weight_roles import FILL_KINDS, fill_key
 from .artifact import load_kernels, load_plan
 from .collective_clock import CollectiveClock, enabled as collective_clock_enabled
 from .collectives import bind_collective
@@ -142,8 +143,8 @@ class CudaRunner:
         self.max_pages_per_seq = -(-self.max_model_len // self.page_size)
         self.grids = grid_codes(plan, self.artifact)
         self.kernels = load_kernels(self.artifact, plan)
-        fill = {"bf16": self.kernels.get(plan.get("weight_init")),       # absent from older artifacts
-                "f32": self.kernels.get(plan.get("weight_init_f32"))}    # only where f32 weights are
+        # the fill kernel of each kind the plan has (none in older artifacts)
+        fill = {kind: self.kernels.get(plan.get(fill_key(kind))) for kind in FILL_KINDS}
         self.weights = DeviceWeights(self.ctx, plan, Path(model_dir), load_format=load_format, fill=fill)
         dims = step_dims(plan, self.max_tokens, self.max_seqs)
         a = plan["arena"]

@@ -5,20 +5,27 @@ copy per entry of its `layers`, in that order. A weight whose recipe is a bf16 t
 tensors stacked or concatenated along axis 0, or rows (axis 0) sliced from such, is a run of file
 byte ranges laid end to end: those are read with pread (several threads, no page faults through
 a mapping) into one of two pinned staging buffers while the other one's copy to the device runs.
+So is a quantized checkpoint's fp8 weight read by `{"fp8": name}` from F8_E4M3 bytes (or those
+concatenated / sliced along axis 0): its file bytes are already the e4m3 storage form, checked
+for NaN codes (0x7f / 0xff) as they pass through the staging buffer.
 Any other recipe (another dtype, another axis, transpose, scale, offset, zeros) is built on the
 host by the recipe registry (runtime/weights/recipes.py) in float32, rounded once to bf16 (to
 nearest even) and copied through the same buffers. A weight the plan declares f32 (a spec's
-`dtype: f32`, e.g. Qwen3.5's A = -exp(A_log)) is always built that way and kept in float32.
-The staging memory is given back at the end, so a loaded server's resident memory is the
-Python process, not the model.
+`dtype: f32`, e.g. Qwen3.5's A = -exp(A_log); a quantized linear's scales and zero points) is
+always built that way and kept in float32; i32 (a quantized linear's group indices) as int32;
+other quantized codes (u8, u4, e2m1, fp8 read another way) are built in the canonical form
+(codes as the values they encode, compiler/quant/scheme.py) and packed to their storage bytes
+(runtime/weights/quant_pack.py). Sizes are the plan contract's (schema.nbytes: u4 / e2m1 pack
+two codes a byte). The staging memory is given back at the end, so a loaded server's resident
+memory is the Python process, not the model.
 
 With load_format="dummy" no file is read: the same layout is allocated and each weight region is
-filled on the device by the plan's fill_random kernel (plan["weight_init"], and
-plan["weight_init_f32"] for f32 weights; values and seeds: runtime/weights/dummy.py), so a model
-is benchmarked without its checkpoint and without any host staging.
+filled on the device by the plan's fill_random kernel of the weight's fill kind (plan["weight_init"]
+for bf16, plan["weight_init_<kind>"] for the others: compiler/contract/weight_roles.py; values
+and seeds: runtime/weights/dummy.py), so a model is benchmarked without its checkpoint and
+without any host staging.
 """
 import bisect
-import math
 import os
 import sys
 import time
@@ -30,14 +37,20 @@ import numpy as np
 from infc.compiler.contract.errors import ModelDirError
 
 from infc.compiler.contract.bind import Resolver, grid
-from infc.compiler.contract.schema import DTYPE_BYTES
-from ..weights.dummy import check_load_format, chunks, rule, seed_of
+from infc.compiler.contract.schema import DTYPE_BYTES, nbytes
+from infc.compiler.contract.weight_roles import FILL_KINDS, fill_key, fill_kind, fill_kinds, quant_roles
+from ..weights.dummy import check_load_format, chunks, fill_args, fill_elements
 from infc.compiler.contract.safetensors_io import Checkpoint, f32_to_bf16_bits
-from ..weights.recipes import build, name_at
+from ..weights.quant_pack import to_storage
+from ..weights.recipes import CheckpointReader, build, name_at
 from ..weights.load import check_shape, layers_of
 
 ALIGN = 256
-STORED_DTYPES = ("bf16", "f32")        # the weight dtypes the GPU path stores
+# the weight dtypes the GPU path stores: bf16, f32, and a quantized linear's codes and companions
+STORED_DTYPES = ("bf16", "f32", "i32", "f8e4m3", "u8", "u4", "e2m1")
+# plan dtype -> (the recipe leaf, the safetensors dtype, bytes an element) whose file bytes are
+# already the storage form: streamed without a host conversion (_runs)
+STREAMED = {"bf16": ("tensor", "BF16", 2), "f8e4m3": ("fp8", "F8_E4M3", 1)}
 STAGING = 256 << 20
 PIECE = 16 << 20                       # one pread
 
@@ -53,34 +66,57 @@ def _cut(runs: list, lo: int, hi: int) -> list:
     return out
 
 
-def _runs(ckpt: Checkpoint, src: dict, layer):
-    """(file byte ranges, shape, what) when the weight is bf16 bytes laid end to end, else None."""
-    if "tensor" in src:
-        name = name_at(src["tensor"], layer)
-        f, dtype, off, n = ckpt.locate(name)
-        if dtype != "BF16":
+def _runs(ckpt: Checkpoint, src: dict, layer, dtype: str = "bf16"):
+    """(file byte ranges, shape, what) when the weight is `dtype` file bytes laid end to end
+    (STREAMED), else None."""
+    leaf, stored, size = STREAMED[dtype]
+    if leaf in src:
+        name = name_at(src[leaf], layer)
+        f, got, off, n = ckpt.locate(name)
+        if got != stored:
             return None
         return [(f, off, n)], tuple(ckpt.shape(name)), name
-    if "stack" in src:
+    if "stack" in src and leaf == "tensor":
         parts = [_runs(ckpt, {"tensor": name_at(src["stack"], layer, e)}, None) for e in range(src["count"])]
         if any(p is None for p in parts) or len({p[1] for p in parts}) != 1:
             return None               # numpy builds it (and names a shape mismatch)
         return [r for p in parts for r in p[0]], (len(parts), *parts[0][1]), name_at(src["stack"], layer)
     if "concat" in src and src["axis"] == 0:
-        parts = [_runs(ckpt, s, layer) for s in src["concat"]]
+        parts = [_runs(ckpt, s, layer, dtype) for s in src["concat"]]
         if any(p is None for p in parts) or len({p[1][1:] for p in parts}) != 1:
             return None
         shape = (sum(p[1][0] for p in parts), *parts[0][1][1:])
         return [r for p in parts for r in p[0]], shape, " + ".join(p[2] for p in parts)
     if "slice" in src and src["axis"] == 0 and src.get("groups", 1) == 1:
-        got = _runs(ckpt, src["slice"], layer)
+        got = _runs(ckpt, src["slice"], layer, dtype)
         if got is None or not 0 <= src["start"] < src["stop"] <= got[1][0]:
             return None               # numpy builds it (and names a bad range)
         runs, shape, what = got
-        row = 2 * int(np.prod(shape[1:], dtype=np.int64))
+        row = size * int(np.prod(shape[1:], dtype=np.int64))
         return (_cut(runs, src["start"] * row, src["stop"] * row), (src["stop"] - src["start"], *shape[1:]),
                 f"{what}[{src['start']}:{src['stop']}]")
     return None
+
+
+def _built(w: dict, a: np.ndarray) -> np.ndarray:
+    """A weight built in float32 by the recipes, as the bytes the device holds."""
+    dtype = w["dtype"]
+    if dtype == "bf16":
+        return f32_to_bf16_bits(a)
+    if dtype == "f32":
+        return np.ascontiguousarray(a, np.float32)
+    if dtype == "i32":
+        if a.size and not np.array_equal(a, np.round(a)):
+            raise ValueError("group indices must be integers")
+        return np.ascontiguousarray(a, np.int32)
+    return to_storage(a, dtype)
+
+
+def _nan_codes(view, where: str):
+    """e4m3 bytes streamed from a file: 0x7f / 0xff are NaN, which no quantizer writes."""
+    v = np.frombuffer(view, np.uint8)
+    if ((v & np.uint8(0x7F)) == np.uint8(0x7F)).any():
+        raise ModelDirError(f"{where} holds NaN codes (e4m3 0x7f/0xff)")
 
 
 class DeviceWeights:
@@ -88,53 +124,57 @@ class DeviceWeights:
 
     def __init__(self, ctx, plan: dict, model_dir: Path, progress: bool = True, threads: int = 8,
                  load_format: str = "auto", fill=None, seed: int = 0):
-        """fill: the loaded weight_init kernel (or {dtype: kernel}: plan["weight_init"] for bf16,
-        plan["weight_init_f32"] for f32), needed for load_format="dummy"."""
+        """fill: the loaded weight_init kernel (or {fill kind: kernel}: plan["weight_init"] for
+        bf16, plan["weight_init_<kind>"] for the others), needed for load_format="dummy"."""
         dummy = check_load_format(load_format) == "dummy"
         fills = fill if isinstance(fill, dict) else {"bf16": fill}
+        roles = quant_roles(plan)
         if dummy:
-            for dtype in sorted({w["dtype"] for w in plan["weights"].values() if "tied" not in w["source"]}):
-                if dtype in STORED_DTYPES and fills.get(dtype) is None:   # others: refused below
-                    key = "weight_init" if dtype == "bf16" else f"weight_init_{dtype}"
-                    raise ModelDirError(f"--load-format dummy needs the artifact's {dtype} weight fill "
-                                        f"kernel (plan['{key}']): rebuild the artifact with this infc")
+            for kind in fill_kinds(plan):
+                if fills.get(kind) is None:
+                    raise ModelDirError(f"--load-format dummy needs the artifact's {kind} weight fill "
+                                        f"kernel (plan['{fill_key(kind)}']): rebuild the artifact with this infc")
         ckpt = None if dummy else Checkpoint(model_dir)
+        read = None if dummy else CheckpointReader(ckpt)
         self.ptrs: dict = {}
         self.bytes = 0
         self.layers = {}               # per-layer weight -> its global layer indices
-        items, tied = [], []           # (name, layer, runs | array)
+        items, tied = [], []           # (name, layer, runs | array | bytes, NaN check name)
         for name, w in plan["weights"].items():
             if "tied" in w["source"]:
                 tied.append((name, w["source"]["tied"]))
                 continue
             if w["dtype"] not in STORED_DTYPES:
-                raise ModelDirError(f"weight '{name}': only bf16 and f32 weights are supported on the "
-                                    f"GPU, not {w['dtype']}")
-            f32 = w["dtype"] == "f32"
+                raise ModelDirError(f"weight '{name}': the GPU stores {', '.join(STORED_DTYPES)} weights, "
+                                    f"not {w['dtype']}")
             if w["layers"] is not None:
                 self.layers[name] = list(w["layers"])
             for layer in layers_of(w):
                 if dummy:                       # bytes only: filled on the device below
-                    items.append((name, layer, DTYPE_BYTES[w["dtype"]] * math.prod(w["shape"])))
+                    items.append((name, layer, nbytes(w["dtype"], w["shape"]), None))
                     continue
-                got = None if f32 else _runs(ckpt, w["source"], layer)
+                got = _runs(ckpt, w["source"], layer, w["dtype"]) if w["dtype"] in STREAMED else None
                 if got is None:
-                    a, what = build(w["source"], layer, ckpt.float32, str(ckpt.dir))
-                    bits = np.ascontiguousarray(a, np.float32) if f32 else f32_to_bf16_bits(a)
-                    data, shape = bits.view(np.uint8).reshape(-1), tuple(a.shape)
+                    a, what = build(w["source"], layer, read, str(ckpt.dir))
+                    check_shape(ckpt, name, w, a.shape, what)
+                    try:
+                        data = _built(w, a).view(np.uint8).reshape(-1)
+                    except ValueError as e:     # values that are no codes of the plan's dtype
+                        raise ModelDirError(f"{ckpt.dir}: weight '{name}' ({what}) as {w['dtype']}: {e}") from None
+                    items.append((name, layer, data, None))
                 else:
                     data, shape, what = got
-                check_shape(ckpt, name, w, shape, what)
-                items.append((name, layer, data))
+                    check_shape(ckpt, name, w, shape, what)
+                    items.append((name, layer, data, f"{ckpt.dir}: '{what}'" if w["dtype"] == "f8e4m3" else None))
 
         # layout: one allocation, each weight aligned; segments in device order
-        segs, placed, pos = [], [], 0          # segs: (dst offset, length, source)
-        for name, layer, data in items:
+        segs, placed, pos = [], [], 0          # segs: (dst offset, length, source, NaN check)
+        for name, layer, data, check in items:
             placed.append((name, layer, pos))
             start = pos
             for src in (data if isinstance(data, list) else [data]):
                 n = src if isinstance(src, int) else src[2] if isinstance(src, tuple) else src.nbytes
-                segs.append((pos, n, src))
+                segs.append((pos, n, src, check))
                 pos += n
             self.bytes += pos - start
             pos = -(-pos // ALIGN) * ALIGN
@@ -150,7 +190,7 @@ class DeviceWeights:
                 self.layers[name] = self.layers[target]
         t0 = time.perf_counter()
         if dummy:
-            self._fill(ctx, plan, placed, fills, seed)
+            self._fill(ctx, plan, placed, fills, roles, seed)
         else:
             try:
                 self._stream(ctx, segs, pos, threads, progress)
@@ -169,15 +209,15 @@ class DeviceWeights:
             raise KeyError(f"weight '{name}' has no copy for layer {layer} "
                            f"(its layers: {self.layers[name]})") from None
 
-    def _fill(self, ctx, plan: dict, placed: list, fills: dict, seed: int):
+    def _fill(self, ctx, plan: dict, placed: list, fills: dict, roles: dict, seed: int):
         """One fill launch per weight region (per 2^30-element chunk of a larger one), with the
-        fill kernel of the weight's dtype."""
+        fill kernel of the weight's fill kind."""
         for name, layer, off in placed:
             w = plan["weights"][name]
-            kernel, size = fills[w["dtype"]], DTYPE_BYTES[w["dtype"]]
-            scale, offset = rule(w)
-            for start, n, c in chunks(math.prod(w["shape"])):
-                named = {"seed": seed_of(name, layer, c, seed), "scale": scale, "offset": offset}
+            kind = fill_kind(w, roles.get(name))
+            kernel, size = fills[kind], DTYPE_BYTES[FILL_KINDS[kind][0]]
+            for start, n, c in chunks(fill_elements(w, kind)):
+                named = fill_args(name, w, roles.get(name), layer, start, n, c, seed)
                 ptr = self.base + off + size * start
                 values = Resolver(tensor=lambda *_: ptr, dim={"N": n}.__getitem__,
                                   arg=named.__getitem__).values(kernel.meta, outputs=[name], kernel=kernel.id)
@@ -197,13 +237,15 @@ class DeviceWeights:
             return fds[f.path]
 
         def read(job):
-            view, f, off = job
+            view, f, off, check = job
             got = 0
             while got < len(view):
                 n = os.preadv(fd(f), [view[got:]], off + got)
                 if n <= 0:
                     raise ModelDirError(f"{f.path}: truncated (a tensor's bytes end past the file)")
                 got += n
+            if check:
+                _nan_codes(view, check)
 
         t0 = time.perf_counter()
         try:
@@ -217,14 +259,14 @@ class DeviceWeights:
                     jobs = []
                     i = max(bisect.bisect_right(starts, lo) - 1, 0)
                     while i < len(segs) and segs[i][0] < hi:
-                        dst, n, src = segs[i]
+                        dst, n, src, check = segs[i]
                         a, z = max(dst, lo), min(dst + n, hi)
                         if a < z:
                             if isinstance(src, tuple):
                                 f, off, _ = src
                                 for p in range(a, z, PIECE):
                                     q = min(p + PIECE, z)
-                                    jobs.append((buf[p - lo: q - lo], f, off + (p - dst)))
+                                    jobs.append((buf[p - lo: q - lo], f, off + (p - dst), check))
                             else:
                                 bufs[b][a - lo: z - lo] = src[a - dst: z - dst]
                         i += 1

@@ -21,9 +21,20 @@ def _exact(values: np.ndarray, table: np.ndarray, what: str) -> np.ndarray:
 
 
 def encode_e4m3(values: np.ndarray) -> np.ndarray:
-    """e4m3 bytes of values that are e4m3 numbers (exactly)."""
+    """e4m3 bytes of values that are e4m3 numbers (exactly). From the float32 bits (a table search
+    costs ~40x more: a real-shape checkpoint's billions of codes), checked by decoding back."""
     v = np.asarray(values, np.float32)
-    code = _exact(np.abs(v), _POS, "e4m3")
+    a = np.abs(v)
+    bits = a.view(np.uint32)
+    # a normal (>= 2^-6): exponent rebiased 127 -> 7, the top 3 mantissa bits; below, the
+    # subnormal's count of 2^-9 steps (clipped: anything else fails the check below)
+    normal = ((bits >> 23).astype(np.int32) - 120) << 3 | ((bits >> 20) & 7).astype(np.int32)
+    with np.errstate(invalid="ignore"):            # NaN / inf: caught by the check
+        code = np.where(a >= np.float32(2.0 ** -6), normal, (a * np.float32(512)).astype(np.int32))
+    code = np.clip(code, 0, 126).astype(np.uint8)
+    if not np.array_equal(_POS[code], a):
+        bad = v[_POS[code] != a].reshape(-1)[:3]
+        raise ValueError(f"values {bad.tolist()} are not e4m3 codes")
     return code | np.where(np.signbit(v), np.uint8(0x80), np.uint8(0))
 
 

@@ -24,6 +24,11 @@ ARTIFACTS = {"qwen3-4b": REPO / ".cache" / "artifacts" / "qwen3-4b",
              "qwen3-4b-nofuse": REPO / ".cache" / "gpu" / "qwen3-4b-nofuse-art",
              **{f: gpu_families.artifact_dir(f) for f in gpu_families.FAMILIES}}
 SAME_WEIGHTS = {"qwen3-4b-nofuse": "qwen3-4b"}     # an artifact name -> the model it runs
+# issue 42: quantized checkpoints written here from a bf16 random model (tools/quantize_model.py;
+# no hub, nothing carried), name -> (the bf16 model, the writer's format); their artifacts come
+# from prepare.py quant (prepare.QUANT_FORMATS)
+QUANTIZED = {"qwen3-4b-fp8": ("qwen3-4b", "fp8-block")}
+ARTIFACTS.update({name: REPO / ".cache" / "artifacts" / name for name in QUANTIZED})
 
 
 QWEN_TOKENIZER = REPO / ".cache" / "gpu" / "qwen-tokenizer"     # made by prepare.py
@@ -44,6 +49,14 @@ def model_dir(name: str) -> Path:
 
 
 def _make(name: str, out: Path):
+    if name in QUANTIZED:
+        import time
+        from quantize_model import quantize_model
+        base, fmt = QUANTIZED[name]
+        t0 = time.time()
+        quantize_model(model_dir(base), out, fmt)
+        print(f"[models] {name}: {base} quantized as {fmt} in {time.time() - t0:.1f} s", flush=True)
+        return
     if name == "skipgram":
         from trained_model import ensure_trained
         ensure_trained(out)

@@ -29,7 +29,11 @@ artifacts `infc serve` reuses in .cache/artifacts/<name>-server), attnvar (issue
 variants of attention_mixed's split-role tunables laid over the tables, ATTN_VARIANTS, into
 .cache/artifacts/qwen3-4b-attn-<name>, for tests/gpu/run.sh attn-variants), hlvar (issue 13:
 DeepSeek-V2-Lite with other head_linear blocks, HL_VARIANTS, into
-.cache/artifacts/deepseek-v2-lite-<name>, beside deepseek-v2-lite, for run.sh ab-latency).
+.cache/artifacts/deepseek-v2-lite-<name>, beside deepseek-v2-lite, for run.sh ab-latency),
+quant (issue 42, session.sh's `quant` stage: qwen3-4b's config.json with the quantization_config
+tools/quantize_model.py writes for QUANT_FORMATS, config-only, into .cache/gpu/configs/<name>/,
+the artifact `infc serve` reuses for the device's $MODELS/<name> into .cache/artifacts/<name>;
+where the kernels refuse to render a quantized launch yet, plan.json alone, said so).
 Default: base, nofuse and families.
 
 The tiny qwen3_moe and the
@@ -58,7 +62,8 @@ TINY_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
             "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
 GPU_CACHE = REPO / ".cache" / "gpu"
 SERVED = ("qwen3-4b", "llama-3.2-1b")          # model directories LLM / infc serve load on the GPU
-PARTS = ("base", "nofuse", "families", "qwen35", "ranks", "deepseek", "twogpu", "server", "attnvar", "hlvar")
+PARTS = ("base", "nofuse", "families", "qwen35", "ranks", "deepseek", "twogpu", "server", "attnvar", "hlvar",
+         "quant")
 DEFAULT_PARTS = ("base", "nofuse", "families")
 
 
@@ -124,6 +129,8 @@ def main(parts=DEFAULT_PARTS):
         attnvar()
     if "hlvar" in parts:
         hlvar()
+    if "quant" in parts:
+        quant()
 
 
 def served_config(name: str) -> Path:
@@ -177,6 +184,43 @@ def hlvar():
     for name, ov in HL_VARIANTS.items():
         _both_tunings(f"deepseek-v2-lite head_linear {name}", A / f"deepseek-v2-lite-{name}",
                       model_dir=cfg, tuning_overlay={"head_linear": ov})
+
+
+# issue 42: quantized qwen3-4b builds, model directory name -> tools/quantize_model.py's format. The
+# GPU machine writes the checkpoint (session.sh `quant`: the random bf16 qwen3-4b, quantized there);
+# here only its config.json, exactly as the writer will write it, and the artifact.
+QUANT_FORMATS = {"qwen3-4b-fp8": "fp8-block"}
+
+
+def quant_config(name: str) -> Path:
+    """.cache/gpu/configs/<name>/config.json: qwen3-4b's, with the writer's quantization_config."""
+    from quantize_model import CONFIGS
+    cfg = json.loads((served_config("qwen3-4b") / "config.json").read_text())
+    cfg["quantization_config"] = CONFIGS[QUANT_FORMATS[name]]({})
+    d = GPU_CACHE / "configs" / name
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return d
+
+
+def quant(artifacts: Path | None = None):
+    """artifacts: where the builds go (default .cache/artifacts, where `infc serve` finds them)."""
+    from infc.compiler.build import REPO as BUILD_REPO, compile_model
+    from infc.compiler.codegen.render import TemplateError
+    from infc.compiler.plan import dumps
+    for name in QUANT_FORMATS:
+        d, out = quant_config(name), (artifacts or BUILD_REPO / ".cache" / "artifacts") / name
+        try:
+            _both_tunings(f"{name} (config only; the checkpoint is written on the GPU)", out,
+                          model_dir=str(d), check_checkpoint=False)
+        except TemplateError as e:
+            # the quantized kernels are not there yet: the plan alone shows the stage's plumbing
+            # (infc inspect reads it), and the GPU stage says it has nothing to run
+            _, plan = compile_model(model_dir=str(d), check_checkpoint=False)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "plan.json").write_text(dumps(plan))
+            print(f"[prepare] {name}: the kernels refuse a quantized launch ({e}); wrote {out}/plan.json "
+                  f"alone, no kernels or cubins: session.sh quant will skip its GPU steps", flush=True)
 
 
 def nofuse():

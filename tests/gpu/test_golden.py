@@ -10,7 +10,10 @@ grouped GEMMs) in every graph bucket from 4 tokens (graph-b9-wide).
 Models: qwen3-4b and llama-3.2-1b (the serving artifacts), a tiny qwen3_moe, qwen3-4b built with
 --no-fuse (every op its generic kernel, same weights), and the new families (gpu_families.py:
 a real checkpoint's shapes, weights drawn by transformers on this GPU; marked `families`, so
-`-m families` runs only them). A family with a sliding window longer than the 1024-token prompts
+`-m families` runs only them). The quantized checkpoints (models.QUANTIZED, marked `quant`: only
+with `-m quant`) are held to the same gate against HF loading the same quantized checkpoint,
+computing the format's definition (tests/gpu/hf_quant.py: dequantized weights, activations
+quantized per token group as the format does). A family with a sliding window longer than the 1024-token prompts
 (phi-3-mini 2047, gemma-2 and starcoder2 4096) gets two more sequences: a prompt 8 tokens short
 of the window (its decode steps cross the window's edge) and one 100 tokens past it (prefill
 beyond the window); gemma-3's 512-token window is crossed by the common lengths (511-513,
@@ -39,7 +42,8 @@ from infc.runtime.cuda.runner import CudaRunner
 from infc.runtime.engine.step import Chunk
 
 MODELS = ["qwen3-4b", "llama-3.2-1b", "tiny-moe", "qwen3-4b-nofuse"] + [
-    pytest.param(f, marks=pytest.mark.families, id=f) for f in gpu_families.selected()]
+    pytest.param(f, marks=pytest.mark.families, id=f) for f in gpu_families.selected()] + [
+    pytest.param(q, marks=pytest.mark.quant, id=q) for q in models.QUANTIZED]
 DECODE = 16
 LONGEST_WINDOW = 4096      # windows up to this get prompts past them (see the docstring)
 rng = np.random.default_rng(0)
@@ -82,7 +86,11 @@ def setup(request, model_dir, artifact):
             pytest.fail(missing, pytrace=False)
     d, art = model_dir(name), artifact(name)
     from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).cuda().eval()
+    if name in models.QUANTIZED:        # the format's definition in torch (hf_quant.py says why)
+        import hf_quant
+        hf = hf_quant.load(d, torch.bfloat16).cuda().eval()
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).cuda().eval()
     V = hf.config.vocab_size
     lens = list(LENS)
     window = getattr(hf.config, "sliding_window", None)     # None where unused (qwen2's default)

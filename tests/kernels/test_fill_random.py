@@ -67,3 +67,41 @@ def test_odd_sizes_stop_at_n(n):
     x = as_f32(out)
     assert np.isfinite(x[:n]).all()
     assert np.isnan(x[n:]).all()                       # nothing past N is written
+
+
+# ---- the quantized weights' fill kinds (compiler/contract/weight_roles.py FILL_KINDS) ----
+def fill_kind(kind, n, named, torch_dtype, size=None):
+    """Run the rendered fill kernel of `kind` on n elements of a sentinel-filled buffer."""
+    from infc.compiler.codegen.render import _render_fill
+    k = _render_fill(kind)
+    out = torch.full(((size or n),), 0x55, dtype=torch.uint8).view(torch_dtype) if torch_dtype.itemsize == 1 \
+        else torch.full((size or n,), -7777, dtype=torch.int32).view(torch_dtype)
+    run(k, {"out:0": out, **{f"arg:{a}": v for a, v in named.items()}}, {"N": n})
+    return out
+
+
+def test_e4m3_codes_equal_the_mirror_and_are_never_nan():
+    """The e4m3 fill's bytes equal the numpy mirror's (runtime/weights/dummy.py); 0x7f / 0xff
+    (NaN) never appear, every other code does."""
+    from infc.runtime.weights.dummy import fill_values
+    n = 3000
+    w = {"shape": [30, 100], "dtype": "f8e4m3", "source": {"fp8": "w"}}
+    seed = seed_of("wqkv", 2)
+    got = fill_kind("f8e4m3", n, {"seed": seed}, torch.uint8, n + 40).numpy()
+    assert np.array_equal(got[:n], fill_values("wqkv", w, 2)) and (got[n:] == 0x55).all()
+    assert not ((got[:n] & 0x7F) == 0x7F).any() and len(np.unique(got[:n])) == 254
+
+
+def test_bytes_index_and_round_kinds():
+    from infc.runtime.weights.dummy import _mix
+    n, seed = 2500, seed_of("w_u4", 0)
+    got = fill_kind("bytes", n, {"seed": seed}, torch.uint8, n + 8).numpy()
+    want = (_mix(_mix(np.arange(n, dtype=np.uint32)) ^ np.uint32(seed)) >> np.uint32(24)).astype(np.uint8)
+    assert np.array_equal(got[:n], want) and (got[n:] == 0x55).all()
+    assert len(np.unique(got[:n])) == 256 and abs(float(got[:n].mean()) - 127.5) < 8
+    # w_gidx of two 100-column rows, groups of 32 columns: k // 32 in each row
+    g = fill_kind("index", 200, {"period": 100, "div": 32}, torch.int32, 210).numpy()
+    assert np.array_equal(g[:200], np.tile(np.arange(100) // 32, 2)) and (g[200:] == -7777).all()
+    z = fill_kind("round", 1000, {"seed": 9, "scale": 2.0, "offset": 8.5}, torch.float32).numpy()
+    assert np.array_equal(z, np.floor(values(1000, 9, 2.0, 8.5)))
+    assert z.min() >= 1 and z.max() <= 15 and len(np.unique(z)) > 8

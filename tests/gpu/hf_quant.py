@@ -1,0 +1,81 @@
+"""HF's model of a quantized checkpoint computing the format's definition, for the golden gate
+of the quantized models (session.sh `quant`) and its CPU check (tests/test_gpu_quant_stage.py).
+
+transformers' own FP8 path on the GPU runs a Triton kernel it fetches with the `kernels` package
+(0.16.x) from the Hub: the GPU machine has neither. Its `dequantize=True` path is plain torch
+(W = code * weight_scale_inv per block), but then runs the linears without the format's
+activation quantization (and in bf16 whatever the dtype). So: load dequantized, set each
+quantized linear's weight to code * scale (float32, then the model's dtype), and quantize its input as
+`quant_method: fp8` with `weight_block_size` defines it (compiler/quant/scheme.py,
+dynamic_group): per token, in groups of block_k columns, s = amax / 448, x' = e4m3(x / s) * s
+(torch's float8_e4m3fn cast, to nearest even, as compiler/ops/quant.py's round_e4m3).
+"""
+import json
+from pathlib import Path
+
+import torch
+
+FP8_MAX = 448.0
+
+
+def quantize_groups(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x with its last axis quantized per `group` columns (a ragged last group included), in
+    float32, returned in x's dtype."""
+    k = x.shape[-1]
+    pad = -k % group
+    xf = torch.nn.functional.pad(x.float(), (0, pad)) if pad else x.float()
+    xg = xf.reshape(*x.shape[:-1], -1, group)
+    amax = xg.abs().amax(-1, keepdim=True)
+    s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    out = (xg / s).to(torch.float8_e4m3fn).float() * s
+    return out.reshape(*x.shape[:-1], -1)[..., :k].to(x.dtype)
+
+
+def dequantized(model_dir, block) -> dict:
+    """module -> its weight as the format defines it, W = code * scale per block (float32), for
+    each module the checkpoint stores as fp8 (those with a weight_scale_inv)."""
+    import numpy as np
+    from infc.compiler.contract.safetensors_io import Checkpoint
+    bn, bk = block
+    ckpt = Checkpoint(model_dir)
+    out = {}
+    try:
+        for name in ckpt.where:
+            if name.endswith(".weight_scale_inv"):
+                module = name[:-len(".weight_scale_inv")]
+                codes, scale = ckpt.float32(module + ".weight"), ckpt.float32(name)
+                n, k = codes.shape
+                out[module] = codes * np.repeat(np.repeat(scale, bn, 0), bk, 1)[:n, :k]
+    finally:
+        ckpt.close()
+    return out
+
+
+def load(model_dir, dtype=torch.bfloat16):
+    """AutoModelForCausalLM of model_dir; for an fp8 (block) checkpoint, dequantized with the
+    activation quantization hooked in front of every quantized linear."""
+    from transformers import AutoModelForCausalLM
+    q = json.loads((Path(model_dir) / "config.json").read_text()).get("quantization_config")
+    if not q:
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    if q.get("quant_method") != "fp8" or not q.get("weight_block_size") or q.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError(f"{model_dir}: hf_quant reads only quant_method fp8 with weight_block_size and "
+                         f"dynamic activations, not {q}")
+    from transformers import FineGrainedFP8Config
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=dtype, quantization_config=FineGrainedFP8Config(
+            weight_block_size=tuple(q["weight_block_size"]), dequantize=True,
+            modules_to_not_convert=q.get("modules_to_not_convert")))
+    model = model.to(dtype)                       # the quantizer loads the rest in bf16 too
+    weights = dequantized(model_dir, q["weight_block_size"])
+    group = q["weight_block_size"][1]
+    hooked = set()
+    for name, module in model.named_modules():
+        if name in weights:
+            module.weight.data = torch.from_numpy(weights[name]).to(module.weight.device, dtype)
+            module.register_forward_pre_hook(lambda mod, args: (quantize_groups(args[0], group), *args[1:]))
+            hooked.add(name)
+    if hooked != set(weights):
+        raise ValueError(f"{model_dir}: quantized modules without a linear in the HF model: "
+                         f"{sorted(set(weights) - hooked)[:3]}")
+    return model
