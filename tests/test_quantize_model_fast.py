@@ -17,6 +17,7 @@ from infc.runtime.weights.quant_pack import encode_e4m3
 from test_device_weights import model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+import quant_math  # noqa: E402
 import quantize_model as qm  # noqa: E402
 
 
@@ -35,7 +36,7 @@ def per_block(w, bn, bk):
 
 @pytest.mark.parametrize("block,strip", [((16, 32), 1 << 18), ((7, 13), 300), ((128, 128), 1 << 18), ((5, 500), 64)])
 def test_strips_equal_the_per_block_loop(block, strip, monkeypatch):
-    monkeypatch.setattr(qm, "_STRIP", strip)        # several strips, a ragged last one
+    monkeypatch.setattr(quant_math, "_STRIP", strip)        # several strips, a ragged last one
     rng = np.random.default_rng(1)
     w = (rng.standard_normal((93, 301)) * 0.05).astype(np.float32)
     w[:16, :40] = 0                                  # an all-zero block: scale 1

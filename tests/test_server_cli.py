@@ -60,7 +60,7 @@ def test_serve_command_starts_and_reports(tmp_path):
         _, plan = compile_model(model_dir=str(ensure_smollm2()))
         pages = CPURunner.pages_for_budget(plan, 16, 32 << 20)     # compiler/contract/caches.py's arithmetic
         assert pages >= 40                                         # 45 float32 K+V pages less the padding page
-        assert f"KV cache: {pages} pages x 16 tokens = {pages * 16} tokens; max model len 128" in out
+        assert f"KV cache: {pages} pages x 16 tokens = {pages * 16} tokens (bf16); max model len 128" in out
         assert f"maximum concurrency for 128 tokens per request: {pages * 16 / 128:.2f}x" in out
         assert out.splitlines()[-1].strip() == f"serving tiny at http://127.0.0.1:{port}"
         assert request(port, "GET", "/health")[0] == 200
