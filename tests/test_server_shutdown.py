@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from exhaustive import EXHAUSTIVE
+
 from test_server_support import DEVICE, MODEL_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -134,7 +136,8 @@ def no_traceback(s: Serve):
     assert "Traceback" not in s.stderr() and "Traceback" not in "".join(s.out), s.stderr()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+# SIGINT takes the same drain as SIGTERM (server/lifecycle.py): --exhaustive
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=EXHAUSTIVE)])
 def test_a_signal_drains_the_streams_then_exits_0(serve, sig):
     s = serve()
     long = [open_stream(s, LONG) for _ in range(STREAMS)]   # cannot finish within the grace period
