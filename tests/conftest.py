@@ -76,6 +76,18 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def fp8_pair(tmp_path_factory):
+    """(a tiny random qwen3 directory (tests/test_device_weights.py's), the same quantized as fp8
+    blocks of 16 x 48 by tools/quantize_model.py)."""
+    from quantize_model import quantize_model
+    from test_device_weights import model
+    src, out = tmp_path_factory.mktemp("bf16"), tmp_path_factory.mktemp("fp8")
+    model(src, "qwen3")
+    quantize_model(src, out, "fp8-block", block=(16, 48))
+    return src, out
+
+
+@pytest.fixture(scope="session")
 def family_model(tmp_path_factory):
     """family -> (model directory, HF float32 model): tests/families.py's tiny random models of
     the spec families, norms and biases randomized."""

@@ -7,7 +7,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -223,25 +222,9 @@ def test_generate_serve_and_bench_commands(tmp_path, capsys):
     bad = subprocess.run(gen[:-1] + ["safetensors"], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     assert bad.returncode == 2 and "--load-format" in bad.stderr and "Traceback" not in bad.stderr
 
-    from test_server_support import request
-    cmd = [sys.executable, "-m", "infc.cli", "serve", "--model-path", str(d), "--port", "0", "--device", "cpu",
-           "--load-format", "dummy", "--max-model-len", "64", "--kv-cache-memory-bytes", str(8 << 20),
-           "--uvicorn-log-level", "warning"]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
-    lines = []
-    try:
-        while not any(line.startswith("serving") for line in lines):
-            assert p.poll() is None, "".join(lines)
-            lines.append(p.stdout.readline())
-        out = "".join(lines)
+    from test_server_support import request, serve_process
+    with serve_process(d, "--device", "cpu", "--load-format", "dummy", "--max-model-len", "64",
+                       "--kv-cache-memory-bytes", str(8 << 20), "--uvicorn-log-level", "warning") as (port, out):
         assert "load format dummy" in out and "make random weights" in out, out
-        port = int(lines[-1].rsplit(":", 1)[1])
         s, _, body = request(port, "POST", "/v1/completions", {"model": str(d), "prompt": "Hi", "max_tokens": 2})
         assert s == 200 and json.loads(body)["usage"]["completion_tokens"] == 2, body
-    finally:
-        p.send_signal(signal.SIGINT)
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(10)

@@ -4,30 +4,19 @@ to the plan's shapes counted here; a bf16 build of the same model has no quantiz
 quantized launches' kernels refuse to render until the kernels land: inspect still shows the
 plan and says so."""
 import re
-import sys
-from pathlib import Path
 
 import pytest
 
 from infc.compiler.build import compile_model
 from infc.compiler.inspect import inspect
 
-from test_device_weights import model
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-from quantize_model import quantize_model  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    src, out = tmp_path_factory.mktemp("bf16"), tmp_path_factory.mktemp("fp8")
-    model(src, "qwen3")
-    quantize_model(src, out, "fp8-block", block=(16, 48))
-    return src, out
 
 
-def test_inspect_shows_quantized_launches_and_their_bytes(dirs):
-    src, q = dirs
+
+def test_inspect_shows_quantized_launches_and_their_bytes(fp8_pair):
+    src, q = fp8_pair
     _, plan = compile_model(model_dir=str(q))
     w = plan["weights"]
     out = inspect(model_dir=str(q), phases=["decode"])
@@ -50,11 +39,11 @@ def test_inspect_shows_quantized_launches_and_their_bytes(dirs):
     assert "[quant" not in plain and "quantized launches" not in plain and "== weights: " in plain
 
 
-def test_bench_floors_count_quantized_bytes(dirs):
+def test_bench_floors_count_quantized_bytes(fp8_pair):
     """bench/active_floor.py's weight and active bytes (the latency floors) count fp8 codes at a
     byte each and the f32 scales: the totals inspect prints."""
     from infc.bench import active_floor as af
-    _, q = dirs
+    _, q = fp8_pair
     _, plan = compile_model(model_dir=str(q))
     w = plan["weights"]
     assert af.weight_bytes(plan) == sum(

@@ -6,7 +6,6 @@ the command writes its result and refuses a missing directory in one line (`infc
 quant-accuracy` calls main with its arguments)."""
 import json
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,23 +18,13 @@ from infc.runtime.engine.step import Chunk
 from infc.runtime.reference.executor import ReferenceExecutor
 from infc.runtime.weights.load import load_weights
 
-from test_device_weights import model
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-from quantize_model import quantize_model  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    src, out = tmp_path_factory.mktemp("bf16"), tmp_path_factory.mktemp("fp8")
-    model(src, "qwen3")
-    quantize_model(src, out, "fp8-block", block=(16, 48))
-    return src, out
 
 
-def test_rows_are_the_positions_after_each_token(dirs):
-    src, _ = dirs
+
+def test_rows_are_the_positions_after_each_token(fp8_pair):
+    src, _ = fp8_pair
     seqs = qa.sequences(300, 3, 9, 4, seed=3)
     got = qa.cpu_logits(src, seqs, 4)
     _, plan = compile_model(model_dir=str(src))
@@ -62,8 +51,8 @@ def test_kl_and_top1_are_the_textbook_ones():
         qa.compare(a, [x[:, :30] for x in b])
 
 
-def test_fp8_model_against_its_bf16_model(dirs, tmp_path, capsys):
-    src, q = dirs
+def test_fp8_model_against_its_bf16_model(fp8_pair, tmp_path, capsys):
+    src, q = fp8_pair
     same = qa.run(src, src, count=3, prompt_len=8, decode=4)
     assert same["mean_kl"] == 0.0 and same["top1_agreement"] == 1.0 and same["positions"] == 12
     res = qa.run(src, q, count=3, prompt_len=8, decode=4)

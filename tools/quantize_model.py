@@ -20,7 +20,6 @@ import multiprocessing
 import os
 import re
 import shutil
-import struct
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from functools import partial
@@ -34,6 +33,7 @@ from infc.compiler.contract.safetensors_io import Checkpoint  # noqa: E402
 from infc.compiler.quant.formats import parse_quantization  # noqa: E402
 from infc.compiler.quant.scheme import MX_BLOCK  # noqa: E402
 from infc.runtime.weights.quant_pack import encode_e4m3, pack_nibbles  # noqa: E402
+from safetensors_write import write_raw  # noqa: E402
 from quant_math import (act_order_gidx, fp8_block_quantize, int_quantize, mxfp4_quantize,  # noqa: E402
                         pack_words, rng_for)
 
@@ -64,20 +64,7 @@ def quantized_module(name: str, shape) -> str | None:
 
 def write_safetensors(path: Path, tensors: dict):
     """tensors: name -> (safetensors dtype, numpy array of that dtype's bytes)."""
-    header, blobs, pos = {}, [], 0
-    for name in sorted(tensors):
-        dt, a = tensors[name]
-        b = np.ascontiguousarray(a).tobytes()
-        header[name] = {"dtype": dt, "shape": list(a.shape), "data_offsets": [pos, pos + len(b)]}
-        blobs.append(b)
-        pos += len(b)
-    h = json.dumps(header).encode()
-    h += b" " * (-len(h) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(h)))
-        f.write(h)
-        for b in blobs:
-            f.write(b)
+    write_raw(path, tensors)
 
 
 # ---- quant_method fp8 (Qwen3-*-FP8, DeepSeek-V3): e4m3 in blocks, weight_scale_inv per block ----

@@ -34,13 +34,15 @@ import json
 import os
 import re
 import shutil
-import struct
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # tools/: loaded by path from tests and prepare
+from safetensors_write import write_raw  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_CACHE = REPO / ".cache" / "models" / "smollm2-135m"
@@ -163,26 +165,11 @@ def _to_bf16_bits(a: np.ndarray) -> np.ndarray:
 
 def write_safetensors(path: Path, tensors: dict[str, np.ndarray], dtype: str = "f32",
                       metadata: dict[str, str] | None = None) -> None:
-    """A safetensors file written directly (numpy has no bfloat16)."""
+    """A safetensors file of float tensors, f32 or bf16 (numpy has no bfloat16: its bits)."""
     if dtype not in ("f32", "bf16"):
         raise ValueError(f"dtype must be f32 or bf16, got {dtype!r}")
-    header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
-    blobs = []
-    offset = 0
-    for name in sorted(tensors):
-        a = tensors[name]
-        data = (_to_bf16_bits(a) if dtype == "bf16" else np.ascontiguousarray(a, dtype="<f4")).tobytes()
-        header[name] = {"dtype": "BF16" if dtype == "bf16" else "F32", "shape": list(a.shape),
-                        "data_offsets": [offset, offset + len(data)]}
-        blobs.append(data)
-        offset += len(data)
-    hb = json.dumps(header, separators=(",", ":")).encode()
-    hb += b" " * (-len(hb) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(hb)))
-        f.write(hb)
-        for b in blobs:
-            f.write(b)
+    write_raw(path, {name: ("BF16", _to_bf16_bits(a)) if dtype == "bf16" else
+                     ("F32", np.ascontiguousarray(a, dtype="<f4")) for name, a in tensors.items()}, metadata)
 
 
 # ----------------------------------------------------------------------------- config
