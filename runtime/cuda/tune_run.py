@@ -28,7 +28,7 @@ import numpy as np
 
 from infc.compiler.contract import caches
 from infc.compiler.contract.bind import CACHE_MARKER, KernelInfo, Resolver, eval_int, grid as launch_grid, scratch_sizes
-from infc.compiler.contract.schema import DTYPE_BYTES, TUNE_MANIFEST_VERSION as MANIFEST_VERSION
+from infc.compiler.contract.schema import TUNE_MANIFEST_VERSION as MANIFEST_VERSION, nbytes as dtype_nbytes
 from ..engine.step import Chunk, build_step
 
 THRESHOLD = 0.03          # store an entry only when it beats the baseline by more than this
@@ -100,6 +100,8 @@ def host_data(t: dict, shape: list[int], seed: int) -> np.ndarray:
     O(1), 1-D weights (norm scales) 1 + N(0, 0.01); i32 inputs uniform in [0, t["high"])."""
     n = int(np.prod(shape)) if shape else 1
     rng = np.random.default_rng(seed)
+    if t["dtype"] in QUANT_CODES:
+        return quant_codes(t["dtype"], shape, rng)
     if t["dtype"] == "i32":
         return rng.integers(0, max(int(t.get("high", 1)), 1), n, dtype=np.int32)
     base = rng.standard_normal(min(n, _PERIOD)).astype(np.float32)
@@ -114,6 +116,20 @@ def host_data(t: dict, shape: list[int], seed: int) -> np.ndarray:
     elif t["dtype"] != "f32":
         raise ValueError(f"tensor '{t['name']}': no random fill for dtype {t['dtype']}")
     return np.resize(base, n)
+
+
+# a quantized weight's code dtypes (compiler/quant/scheme.py): random codes, no fp8 NaN
+QUANT_CODES = ("f8e4m3", "u8", "u4", "e2m1")
+
+
+def quant_codes(dtype: str, shape: list[int], rng) -> np.ndarray:
+    """Random codes of a quantized weight, as stored (u4 / e2m1: two a byte along the last dim):
+    every byte value but e4m3's NaNs (0x7f, 0xff), which a real checkpoint never holds."""
+    n = dtype_nbytes(dtype, shape)
+    raw = rng.integers(0, 256, n, dtype=np.uint8)
+    if dtype == "f8e4m3":
+        raw[(raw & 0x7f) == 0x7f] &= 0xfe
+    return raw
 
 
 def moe_grouping(ids: np.ndarray, experts: int) -> dict:
@@ -239,7 +255,7 @@ class _Case:
         for rec in tensors.values():
             t = rec["t"]
             rec["shape"] = [eval_int(d, dims) for d in t["shape"]]
-            rec["nbytes"] = int(np.prod(rec["shape"])) * DTYPE_BYTES[t["dtype"]]
+            rec["nbytes"] = dtype_nbytes(t["dtype"], rec["shape"])
         cold = sum(r["nbytes"] for r in tensors.values() if r["t"]["kind"] == "weight") + self.cache_bytes
         self.copies = 1 if cold == 0 else max(1, min(64, -(-COLD_FACTOR * l2_bytes // cold)))
         self.init = {}
