@@ -28,7 +28,8 @@ def test_prepare_quant_builds_what_the_gpu_machine_serves(tmp_path, monkeypatch,
     bf16 = json.loads((tmp_path / "gpu" / "configs" / "qwen3-4b" / "config.json").read_text())
     src, out = tmp_path / "tiny", tmp_path / "tiny-fp8"
     model(src, "qwen3")
-    written = quantize_model(src, out, prepare.QUANT_FORMATS["qwen3-4b-fp8"])
+    _, fmt, options = prepare.QUANT_FORMATS["qwen3-4b-fp8"]
+    written = quantize_model(src, out, fmt, **options)
     assert cfg == {**bf16, "quantization_config": written}
     art = tmp_path / "art" / "qwen3-4b-fp8"
     plan = json.loads((art / "plan.json").read_text())

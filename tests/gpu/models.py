@@ -25,9 +25,9 @@ ARTIFACTS = {"qwen3-4b": REPO / ".cache" / "artifacts" / "qwen3-4b",
              **{f: gpu_families.artifact_dir(f) for f in gpu_families.FAMILIES}}
 SAME_WEIGHTS = {"qwen3-4b-nofuse": "qwen3-4b"}     # an artifact name -> the model it runs
 # issue 42: quantized checkpoints written here from a bf16 random model (tools/quantize_model.py;
-# no hub, nothing carried), name -> (the bf16 model, the writer's format); their artifacts come
-# from prepare.py quant (prepare.QUANT_FORMATS)
-QUANTIZED = {"qwen3-4b-fp8": ("qwen3-4b", "fp8-block")}
+# no hub, nothing carried), name -> (the bf16 model, the writer's format, its options), and their
+# artifacts, from prepare.py quant (its QUANT_FORMATS is this table)
+from prepare import QUANT_FORMATS as QUANTIZED  # noqa: E402
 ARTIFACTS.update({name: REPO / ".cache" / "artifacts" / name for name in QUANTIZED})
 
 
@@ -52,9 +52,9 @@ def _make(name: str, out: Path):
     if name in QUANTIZED:
         import time
         from quantize_model import quantize_model
-        base, fmt = QUANTIZED[name]
+        base, fmt, options = QUANTIZED[name]
         t0 = time.time()
-        quantize_model(model_dir(base), out, fmt)
+        quantize_model(model_dir(base), out, fmt, **options)
         print(f"[models] {name}: {base} quantized as {fmt} in {time.time() - t0:.1f} s", flush=True)
         return
     if name == "skipgram":

@@ -189,14 +189,18 @@ def hlvar():
 # issue 42: quantized qwen3-4b builds, model directory name -> tools/quantize_model.py's format. The
 # GPU machine writes the checkpoint (session.sh `quant`: the random bf16 qwen3-4b, quantized there);
 # here only its config.json, exactly as the writer will write it, and the artifact.
-QUANT_FORMATS = {"qwen3-4b-fp8": "fp8-block"}
+# name -> (the bf16 model it is written from, tools/quantize_model.py's format, its options); the
+# GPU suite's models.QUANTIZED is this table
+QUANT_FORMATS = {"qwen3-4b-fp8": ("qwen3-4b", "fp8-block", {}),
+                 "qwen3-4b-w4a16": ("qwen3-4b", "ct-int", {"bits": 4, "group": 128})}
 
 
 def quant_config(name: str) -> Path:
     """.cache/gpu/configs/<name>/config.json: qwen3-4b's, with the writer's quantization_config."""
     from quantize_model import CONFIGS
-    cfg = json.loads((served_config("qwen3-4b") / "config.json").read_text())
-    cfg["quantization_config"] = CONFIGS[QUANT_FORMATS[name]]({})
+    base, fmt, options = QUANT_FORMATS[name]
+    cfg = json.loads((served_config(base) / "config.json").read_text())
+    cfg["quantization_config"] = CONFIGS[fmt](options)
     d = GPU_CACHE / "configs" / name
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

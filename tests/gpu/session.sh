@@ -31,14 +31,13 @@
 # compile / first-token cost; then the logits-processing and prompt-logprob GPU tests).
 # server-families (the openai SDK suite over the Qwen3.5 and DeepSeek-V2-Lite cuts, after prepare.py
 # server; SERVER_FAMILIES picks them).
-# quant (issue 42, after prepare.py base quant: the random bf16 qwen3-4b quantized here by
-# tools/quantize_model.py into $MODELS/qwen3-4b-fp8 (models.QUANTIZED; timed), then, where
-# prepare.py could build its kernels, its golden gate against HF loading the same FP8 checkpoint
-# on this GPU (test_golden.py -m quant), bench latency and bench throughput of the fp8 artifact
-# beside the bf16 one (OUT/quant/<model>/; QUANT_LATENCY_ARGS, QUANT_THROUGHPUT_ARGS add flags)
-# and bench quant-accuracy (mean KL and top-1 agreement of its logits against the bf16 model's);
-# with prepare's plan alone (no bin/: the kernels refused a quantized launch) it says so and stops
-# after the quantizer).
+# quant (issue 42, after prepare.py base quant: each models.QUANTIZED model (QUANT_MODELS picks)
+# written here from the random bf16 qwen3-4b by tools/quantize_model.py (timed), then, where
+# prepare.py could build its kernels, its golden gate against HF on the same checkpoint
+# (test_golden.py -m quant), bench latency and throughput, and bench quant-accuracy (mean KL and
+# top-1 agreement against the bf16 model's logits), into OUT/quant/<model>/, and the bf16 model's
+# latency beside them (QUANT_SKIP="golden throughput accuracy bf16" leaves steps out;
+# QUANT_LATENCY_ARGS, QUANT_THROUGHPUT_ARGS add flags).
 # overlap-ab (overlapped engine steps against INFC_OVERLAP=0, alternating: latency and throughput);
 # ab the same for the switch AB_ENV names (INFC_WIDE: wide decode steps).
 # twogpu, twogpu-server, twogpu-bench (issue 14, two GPUs, one process each over NCCL, after
@@ -324,31 +323,41 @@ test_ranks_gpu.model_dir(name[len('ranks-'):]) if name.startswith('ranks-') else
         done
       done ;;
     quant)
-      q=$MODELS/qwen3-4b-fp8 art=.cache/artifacts/qwen3-4b-fp8
+      # QUANT_MODELS: models.QUANTIZED names (default: every one); QUANT_SKIP: golden accuracy
+      # throughput (steps to leave out)
       mkdir -p "$OUT/quant"
-      t=$(date +%s)
-      timeout ${QUANT_WRITE_S:-900} python3 -c "import sys; sys.path.insert(0,'tests/gpu'); import models
-models.model_dir('qwen3-4b-fp8')" 2>&1 | tail -3
-      say "quant: $q ready ($(( $(date +%s) - t )) s, $(du -sh "$q" | cut -f1))"
-      if [ ! -d $art/bin ]; then
-        say "quant: $art has no cubins (prepare.py quant wrote the plan alone: the kernels refused a quantized launch); no GPU steps"
-      else
+      for q in ${QUANT_MODELS:-$(python3 -c "import sys; sys.path.insert(0,'tests/gpu'); import models; print(' '.join(models.QUANTIZED))")}; do
+        art=.cache/artifacts/$q t=$(date +%s)
+        timeout ${QUANT_WRITE_S:-900} python3 -c "import sys; sys.path.insert(0,'tests/gpu'); import models
+models.model_dir('$q')" 2>&1 | tail -3
+        say "quant: $MODELS/$q ready ($(( $(date +%s) - t )) s, $(du -sh "$MODELS/$q" | cut -f1))"
+        if [ ! -d $art/bin ]; then
+          say "quant: $art has no cubins (prepare.py quant wrote the plan alone: the kernels refused a quantized launch); no GPU steps"
+          continue
+        fi
         python3 tests/gpu/rerender.py $art 2>&1 | tail -2
-        timeout ${QUANT_GOLDEN_S:-600} python3 -m pytest tests/gpu/test_golden.py -m quant -q -s -p no:cacheprovider \
-          ${PYTEST_ARGS:-} 2>&1 | quiet | tee "$OUT/quant/pytest-golden-quant.log" \
-          | grep -E "passed|failed|error|regret|^E " | tail -30
-        for m in qwen3-4b qwen3-4b-fp8; do
-          mkdir -p "$OUT/quant/$m"
-          say "quant: bench latency / throughput $m"
-          timeout ${LATENCY_S:-240} python3 -m infc.cli bench latency --artifact .cache/artifacts/$m \
-            --model-path "$MODELS/$m" --no-hf --out "$OUT/quant/$m" ${QUANT_LATENCY_ARGS:-} 2>&1 | quiet | tail -6
-          timeout ${THROUGHPUT_S:-240} python3 -m infc.cli bench throughput --model-path "$MODELS/$m" \
-            --out "$OUT/quant/$m" ${QUANT_THROUGHPUT_ARGS:-} 2>&1 | quiet | tail -6
-        done
-        timeout ${QUANT_ACCURACY_S:-300} python3 -m infc.cli bench quant-accuracy --device cuda \
-          --reference "$MODELS/qwen3-4b" --reference-artifact .cache/artifacts/qwen3-4b \
-          --model-path "$q" --artifact $art --sequences 16 --prompt-len 512 --out "$OUT/quant" 2>&1 | tail -3
-      fi ;;
+        mkdir -p "$OUT/quant/$q"
+        case " ${QUANT_SKIP:-} " in *" golden "*) ;; *)
+          timeout ${QUANT_GOLDEN_S:-600} python3 -m pytest tests/gpu/test_golden.py -m quant -k "$q" -q -s -p no:cacheprovider \
+            ${PYTEST_ARGS:-} 2>&1 | quiet | tee "$OUT/quant/$q/pytest-golden.log" \
+            | grep -E "passed|failed|error|regret|^E " | tail -30 ;; esac
+        say "quant: bench latency $q"
+        timeout ${LATENCY_S:-240} python3 -m infc.cli bench latency --artifact $art \
+          --model-path "$MODELS/$q" --no-hf --out "$OUT/quant/$q" ${QUANT_LATENCY_ARGS:-} 2>&1 | quiet | tail -6
+        case " ${QUANT_SKIP:-} " in *" throughput "*) ;; *)
+          timeout ${THROUGHPUT_S:-240} python3 -m infc.cli bench throughput --model-path "$MODELS/$q" \
+            --out "$OUT/quant/$q" ${QUANT_THROUGHPUT_ARGS:-} 2>&1 | quiet | tail -6 ;; esac
+        case " ${QUANT_SKIP:-} " in *" accuracy "*) ;; *)
+          timeout ${QUANT_ACCURACY_S:-300} python3 -m infc.cli bench quant-accuracy --device cuda \
+            --reference "$MODELS/qwen3-4b" --reference-artifact .cache/artifacts/qwen3-4b \
+            --model-path "$MODELS/$q" --artifact $art --sequences 16 --prompt-len 512 --out "$OUT/quant/$q" 2>&1 | tail -3 ;; esac
+      done
+      # the bf16 model beside them, same call (QUANT_SKIP bf16 leaves it out)
+      case " ${QUANT_SKIP:-} " in *" bf16 "*) ;; *)
+        mkdir -p "$OUT/quant/qwen3-4b"
+        say "quant: bench latency qwen3-4b (bf16)"
+        timeout ${LATENCY_S:-240} python3 -m infc.cli bench latency --artifact .cache/artifacts/qwen3-4b \
+          --model-path "$MODELS/qwen3-4b" --no-hf --out "$OUT/quant/qwen3-4b" ${QUANT_LATENCY_ARGS:-} 2>&1 | quiet | tail -6 ;; esac ;;
     tune)
       timeout ${TUNE_S:-300} python3 -m infc.cli tune run --dir .cache/tune/qwen3-4b-h200 --results-dir "$OUT" \
         --write "$OUT/h200.json" 2>&1 | tail -40 ;;

@@ -236,3 +236,30 @@ def test_quantized_gemm_defaults_fit_sm90(phase, rows):
     c = k.meta["constexprs"]
     assert c["BLOCK_K"] == 128 and c["BLOCK_N"] == 128
     assert 2 <= k.meta["num_stages"] and (c["BLOCK_M"] * 128 * 2 + c["BLOCK_N"] * 128) * k.meta["num_stages"] <= 160 * 1024
+
+
+# the narrow codes path (triton/_gemv_narrow_codes.j2): a narrow step's fp8 launch with quantized
+# activations dots e4m3 codes on tensor cores after making A's codes once a program. Each
+# activation quantizer, plain / gated / the merged add_rms_norm prologue, with and without split-K
+# (a split's K range starts inside the row: its codes slot must hold that range's groups alone)
+NARROW_CODES = {"one": {"BLOCK_N": 16}, "split": {"BLOCK_N": 32, "SPLIT_K": 2}}
+NARROW_FAST = {("fp8-32x64-group64", "prologue", "split"), ("fp8-channel-token", "gated", "one"),
+               ("fp8-tensor-static", "plain", "split"), ("fp8-32x64-group64", "gated", "one")}
+
+
+@pytest.mark.parametrize("scheme,mode,tiling", _matrix(
+    NARROW_FAST, ["fp8-32x64-group64", "fp8-channel-token", "fp8-tensor-static"],
+    ["plain", "gated", "prologue"], list(NARROW_CODES)))
+def test_narrow_codes_path(scheme, mode, tiling):
+    k, got, want = _case("gemv", SCHEMES[scheme], mode, 1, NARROW_CODES[tiling], "decode",
+                         zlib.crc32(f"narrow{scheme}{mode}{tiling}".encode()), narrow=True, out_dtype="f32")
+    assert "scratch:actq" in [p[2] for p in k.meta["params"]] and "tl.dot(raw, tl.trans(ac))" in k.source
+    # the codes are the oracle's: fp32 summation order alone (gated rounds act(g) and u to bf16)
+    assert rel_err(got, want) <= (TOL if mode == "gated" else 2e-6)
+
+
+def test_narrow_codes_path_is_the_fp8_codes_form_only():
+    """Weight-only schemes, and NARROW_DOT = 0, keep the CUDA-core path in a narrow step."""
+    for scheme, tune in [("fp8-16x32-weights", {}), ("u4-g32-zero", {}), ("fp8-32x64-group64", {"NARROW_DOT": 0})]:
+        k, _, _ = _case("gemv", SCHEMES[scheme], "plain", 1, tune, "decode", 5, narrow=True)
+        assert "scratch:actq" not in [p[2] for p in k.meta["params"]], scheme
