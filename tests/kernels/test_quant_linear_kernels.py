@@ -97,6 +97,9 @@ GEMV_PATHS = {
 N, K = 40, 136
 
 
+SCRATCH_SEEN: dict = {}       # the last _case's scratch (the narrow codes path's slots are checked)
+
+
 def _case(template, s, mode, T, tune, phase, seed, narrow=False, out_dtype="bf16"):
     """Render, run and check one launch; returns the kernel."""
     gen = np.random.default_rng(seed)
@@ -117,7 +120,9 @@ def _case(template, s, mode, T, tune, phase, seed, narrow=False, out_dtype="bf16
     k = render(template + stem, op, ins, outs, attrs=attrs, phase=phase, tune=tune, narrow=narrow, prologue=pro)
     ys = [poison((T, K)) if mode == "prologue" else None, poison((T, n_out), out_dtype)]
     out = {f"out:{i}": y for i, y in enumerate(y for y in ys if y is not None)}
-    check_scratch_zero(run(k, {f"in:{i}": a for i, a in enumerate(arrays)} | out, {"T": T, "B": 1}))
+    scratch = run(k, {f"in:{i}": a for i, a in enumerate(arrays)} | out, {"T": T, "B": 1})
+    check_scratch_zero(scratch)
+    SCRATCH_SEEN["last"] = scratch
     # the A operand as the kernels (and the unfused model) hold it, in bf16, before it is quantized:
     # a rounding after the activation quantizer's would move e4m3 codes by a whole step
     x = f32(arrays[0])
@@ -256,6 +261,18 @@ def test_narrow_codes_path(scheme, mode, tiling):
     k, got, want = _case("gemv", SCHEMES[scheme], mode, 1, NARROW_CODES[tiling], "decode",
                          zlib.crc32(f"narrow{scheme}{mode}{tiling}".encode()), narrow=True, out_dtype="f32")
     assert "scratch:actq" in [p[2] for p in k.meta["params"]] and "tl.dot(raw, tl.trans(ac))" in k.source
+    # every code byte a W tile dots was written (zeros past K): the scratch starts as 0xFF, e4m3's
+    # NaN, which the interpreter's dots read as a number but the GPU's as NaN (NaN x 0 is NaN)
+    c = k.meta["constexprs"]
+    slot_bytes = SCRATCH_SEEN["last"]["actq"].numpy().view(np.uint8)
+    splits = NARROW_CODES[tiling].get("SPLIT_K", 1)
+    chunk = -(-(-(-K // splits)) // c["BLOCK_K"]) * c["BLOCK_K"]
+    slot = (4 * (chunk // c["BLOCK_K"]) + chunk + 15) // 16 * 16
+    for p in range(-(-N // c["BLOCK_N"]) * splits):
+        k_lo = (p % splits) * chunk
+        used = -(-(min(K, k_lo + chunk) - k_lo) // c["BLOCK_K"]) * c["BLOCK_K"]
+        codes = slot_bytes[p * slot + 4 * (chunk // c["BLOCK_K"]):][:used]
+        assert not (codes == 0xFF).any(), f"program {p}: unwritten codes in its slot"
     # the codes are the oracle's: fp32 summation order alone (gated rounds act(g) and u to bf16)
     assert rel_err(got, want) <= (TOL if mode == "gated" else 2e-6)
 
