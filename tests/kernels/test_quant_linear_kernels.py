@@ -91,6 +91,9 @@ GEMV_PATHS = {
     "fma": (1, {"BLOCK_N": 16, "FMA_BLOCK_K": 128}),   # two activation groups of 64 a tile
     "fma-split": (1, {"BLOCK_N": 32, "FMA_BLOCK_K": 64, "SPLIT_K": 2}),
     "fma-rows": (3, {"BLOCK_N": 16, "FMA_BLOCK_K": 128, "FMA_T": 4, "BLOCK_T": 16}),
+    # three splits of one 64-column tile (the last 8 columns): split 0's second preloaded tile lies
+    # past its range but inside K, where an integer format's zero codes are not zero weights
+    "fma-split3": (1, {"BLOCK_N": 16, "FMA_BLOCK_K": 64, "SPLIT_K": 3}),
     "dot": (5, {"BLOCK_N_DOT": 32, "BLOCK_K": 64, "BLOCK_T": 16}),
     "dot-split": (17, {"BLOCK_N_DOT": 16, "BLOCK_K": 64, "BLOCK_T": 16, "SPLIT_K_DOT": 2}),
 }
@@ -152,7 +155,8 @@ DOT_PATHS = [p for p in GEMV_PATHS if p.startswith("dot")]
 # fast: every scheme once on the CUDA-core path and once on the tensor-core path (their tiles
 # take the scales in different forms), every mode on both paths, both paths split
 GEMV_FAST = {(n, GEMV_MODES[j % 3], FMA_PATHS[j % 3]) for j, n in enumerate(NAMES)} \
-    | {(n, GEMV_MODES[(j + 1) % 3], DOT_PATHS[j % 2]) for j, n in enumerate(NAMES)}
+    | {(n, GEMV_MODES[(j + 1) % 3], DOT_PATHS[j % 2]) for j, n in enumerate(NAMES)} \
+    | {("u4-g32-zero", "plain", "fma-split3"), ("u8-g64", "gated", "fma-split3")}
 
 
 @pytest.mark.parametrize("scheme,mode,path", _matrix(GEMV_FAST, NAMES, GEMV_MODES, list(GEMV_PATHS)))
