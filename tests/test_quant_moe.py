@@ -1,0 +1,153 @@
+"""Quantized MoE experts (issue 42): a tiny qwen3_moe whose experts and attention projections
+tools/quantize_model.py writes as each format publishes them (per expert, the routers and
+lm_head left bf16 by the checkpoint's ignore list). The reference executor's logits equal an
+independent float32 computation of the format's definition: HF's Qwen3MoeForCausalLM with every
+quantized weight dequantized HERE from the stored tensors (torch, compressed-tensors' own
+decompressor, transformers' MXFP4 converter: tests/test_quant_formats.py's WEIGHT), the fused
+expert stacks included, and the activations entering each quantized projection quantized as
+the format says (tests/gpu/hf_quant.py's expert forward).
+
+Hidden 64, moe_intermediate_size 128: fp8's 128 x 128 blocks hold whole gate / up rows (the
+stacked gate|up scales need it) and a ragged 64-column group; int4 groups of 32 and MXFP4's
+32-element blocks divide every K.
+"""
+import copy
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+sys.path.append(str(Path(__file__).resolve().parent / "gpu"))
+from quantize_model import quantize_model  # noqa: E402
+
+import hf_quant  # noqa: E402
+from exhaustive import EXHAUSTIVE  # noqa: E402
+from infc.compiler.build import compile_model  # noqa: E402
+from infc.compiler.contract.errors import ModelDirError  # noqa: E402
+from infc.compiler.contract.safetensors_io import Checkpoint  # noqa: E402
+from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk  # noqa: E402
+from infc.runtime.weights.load import load_weights  # noqa: E402
+from test_quant_formats import WEIGHT, _acts  # noqa: E402
+
+# (test_quant_formats' prompt puts, on this model, one fp8 activation within float32 noise of an
+# e4m3 rounding boundary at its token 300: the two float32 computations then pick neighbouring
+# codes, 1e-2 apart in the logits, as any two implementations of the definition may)
+PROMPT = [11, 200, 3, 77, 150, 9, 31, 260, 4, 99]
+ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+PROJ = ("gate_proj", "up_proj", "down_proj")
+
+# id -> (writer, options): Qwen3-30B-A3B-FP8's blocks with dynamic group-128 activations,
+# Kimi-K2's routed experts' INT4 (symmetric, group 32), GPT-OSS's MXFP4; then smaller fp8
+# blocks (several a projection) and asymmetric int4
+CASES = {
+    "fp8-block-128": ("fp8-block", {}),
+    "ct-w4a16-g32-sym": ("ct-int", dict(bits=4, group=32, sym=True)),
+    "mxfp4": ("mxfp4", {}),
+    "fp8-block-32x64": ("fp8-block", dict(block=(32, 64))),
+    "ct-w4a16-g32-asym": ("ct-int", dict(bits=4, group=32, sym=False)),
+}
+SLOW = {"fp8-block-32x64", "ct-w4a16-g32-asym"}
+
+
+def infc_logits(qdir: Path):
+    _, plan = compile_model(model_dir=qdir)
+    ex = ReferenceExecutor(plan, load_weights(plan, Checkpoint(qdir)))
+    return np.asarray(ex.step([SeqChunk(0, PROMPT, 0)])[0]), plan
+
+
+@pytest.fixture(scope="module")
+def moe(tiny_model):
+    """(model dir, HF float32 model, its logits)."""
+    d, model = tiny_model("qwen3_moe", moe_intermediate_size=128)
+    with torch.no_grad():
+        return d, model, model(torch.tensor([PROMPT])).logits[0, -1].numpy()
+
+
+def _quantizer(writer, o, cfg, t, module):
+    """The activation quantizer of a module's input (None: weight-only); fp8 blocks' groups
+    through hf_quant's, which takes the ragged last group of K = 64 < 128."""
+    if writer == "fp8-block":
+        return lambda x: hf_quant.quantize_groups(x, cfg["weight_block_size"][1])
+    return _acts(writer, o, cfg, t, module)
+
+
+def definition_logits(model, qdir: Path, writer: str, o: dict) -> np.ndarray:
+    """HF's model computing the format's definition from qdir's stored tensors."""
+    cfg = json.loads((qdir / "config.json").read_text())["quantization_config"]
+    t = load_file(str(qdir / "model.safetensors"))
+    m = copy.deepcopy(model)
+    E = m.config.num_experts
+    experts, quantize = {}, None
+    for i, layer in enumerate(m.model.layers):
+        for name in ATTENTION:
+            module = f"model.layers.{i}.{name}"
+            layer.get_submodule(name).weight.data = WEIGHT[writer](t, module, cfg).to(torch.float32).contiguous()
+            act = _quantizer(writer, o, cfg, t, module)
+            if act is not None:
+                layer.get_submodule(name).register_forward_pre_hook(lambda _, a, f=act: (f(a[0]),))
+        for e in range(E):
+            for p in PROJ:
+                module = f"model.layers.{i}.mlp.experts.{e}.{p}"
+                experts[module] = WEIGHT[writer](t, module, cfg).to(torch.float32).numpy()
+                quantize = _quantizer(writer, o, cfg, t, module)
+    assert len(hf_quant.set_experts(m, experts, quantize or (lambda x: x), torch.float32)) == 3 * E * len(m.model.layers)
+    with torch.no_grad():
+        return m(torch.tensor([PROMPT])).logits[0, -1].numpy()
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[EXHAUSTIVE] if c in SLOW else []) for c in CASES])
+def test_quantized_experts_equal_the_format_definition(case, moe, tmp_path):
+    writer, o = CASES[case]
+    src, model, bf = moe
+    quantize_model(src, tmp_path, writer, **o)
+    got, plan = infc_logits(tmp_path)
+    w = plan["weights"]
+    codes = {"fp8-block": "f8e4m3", "ct-int": "u4", "mxfp4": "e2m1"}[writer]
+    assert w["we_gate_up"]["dtype"] == w["we_down"]["dtype"] == codes
+    assert w["we_gate_up_qscale"]["shape"][0] == w["we_down_qscale"]["shape"][0] == 8       # per expert
+    assert "mlp.gate" not in json.dumps([v["source"] for v in w.values() if v["dtype"] == codes])  # routers bf16
+    quantized = [launch for launch in json.dumps(plan["programs"]).split('"op": ')
+                 if launch.startswith('"moe_') and '"quant"' in launch]
+    assert quantized, "no quantized expert launch"
+    want = definition_logits(model, tmp_path, writer, o)
+    assert np.abs(want - bf).max() > 1e-3, f"{case}: the quantization changes nothing: the test could not fail"
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0, err_msg=case)
+
+
+def test_experts_the_pass_cannot_stack_fail_naming_them(tiny_model, tmp_path):
+    """Act-order experts (gate's and up's group indices differ) and fp8 blocks that cut a gate row
+    range (F = 40 rows in blocks of 32: the stacked scales would misname up's rows) fail the build
+    naming the expert stack and the reason, instead of reading wrong scales."""
+    src, _ = tiny_model("qwen3_moe")
+    quantize_model(src, tmp_path / "gptq", "gptq", bits=4, group=32, desc_act=True)
+    with pytest.raises(ModelDirError, match=r"weight 'we_gate_up'.*act-order group indices"):
+        compile_model(model_dir=tmp_path / "gptq")
+    quantize_model(src, tmp_path / "fp8", "fp8-block", block=(32, 32))
+    with pytest.raises(ModelDirError, match=r"weight 'we_gate_up'.*40 rows each, not whole scale blocks of 32"):
+        compile_model(model_dir=tmp_path / "fp8")
+
+
+def test_expert_parallel_ranks_read_their_experts_codes_and_scales(moe, tmp_path):
+    """--enable-expert-parallel without tensor parallelism: each rank's stacks are its slice of
+    the experts, the codes and every companion sliced alike (loaded, they equal the single-GPU
+    plan's rows of those experts); tensor parallelism is still refused, naming the flag."""
+    from infc.compiler.build import compile_ranks
+    from infc.compiler.contract.safetensors_io import Checkpoint
+    from infc.compiler.parallel import settings
+    from infc.runtime.weights.load import load_weights
+    quantize_model(moe[0], tmp_path, "ct-int", bits=4, group=32, sym=False)
+    _, whole = compile_model(model_dir=tmp_path)
+    full = load_weights(whole, Checkpoint(tmp_path))
+    names = ("we_gate_up", "we_gate_up_qscale", "we_gate_up_qzero", "we_down", "we_down_qscale", "we_down_qzero")
+    for rank, (_, plan) in enumerate(compile_ranks(settings(expert_parallel_only=2), model_dir=tmp_path)):
+        assert plan["weights"]["we_down"]["dtype"] == "u4"
+        got = load_weights(plan, Checkpoint(tmp_path))
+        for n in names:
+            assert plan["weights"][n]["shape"][0] == 4, n
+            np.testing.assert_array_equal(np.asarray(got[n][0]), np.asarray(full[n][0])[4 * rank:4 * rank + 4], n)
+    with pytest.raises(ModelDirError, match="tensor-parallel-size > 1"):
+        compile_model(model_dir=tmp_path, parallel={**settings(tensor_parallel_size=2), "rank": 0})
