@@ -237,6 +237,19 @@ def _quantize_one(src: str, fmt: str, options: dict, name: str) -> dict:
     return WRITERS[fmt](quantized_module(name, ckpt.shape(name)), ckpt.float32(name), options)
 
 
+def quantization_config(fmt: str, options: dict, routers=()) -> dict:
+    """The quantization_config the writer records: the format's, with the modules kept
+    unquantized (options["keep"], and the MoE routers it finds) in the format's own ignore list."""
+    q = CONFIGS[fmt](options)
+    parse_quantization({"quantization_config": q}, f"{fmt} options {options}")   # a config infc reads
+    keep, routers = list(options.get("keep", [])), list(routers)
+    if q["quant_method"] == "compressed-tensors":
+        q["ignore"] += [rf"re:.*\.{re.escape(k)}$" for k in keep] + routers
+    elif keep or routers:
+        q["modules_to_not_convert"] = (q.get("modules_to_not_convert") or []) + keep + routers
+    return q
+
+
 def quantize_model(src, out, fmt: str, workers: int | None = None, **options) -> dict:
     """workers: processes quantizing tensors at once (default: every CPU). Processes, so that no
     part of numpy that holds the GIL serializes them. Measured on an H200 machine's 16 cores:
@@ -248,8 +261,7 @@ def quantize_model(src, out, fmt: str, workers: int | None = None, **options) ->
     if unknown:
         raise ValueError(f"{fmt}: unknown option(s) {', '.join(sorted(unknown))} (it takes: "
                          f"{', '.join(sorted(OPTIONS[fmt]))})")
-    q = CONFIGS[fmt](options)
-    parse_quantization({"quantization_config": q}, f"{fmt} options {options}")   # a config infc reads
+    q = quantization_config(fmt, options)
     src, out = Path(src), Path(out)
     out.mkdir(parents=True, exist_ok=True)
     ckpt = Checkpoint(src)
@@ -281,12 +293,7 @@ def quantize_model(src, out, fmt: str, workers: int | None = None, **options) ->
                 "model.safetensors.index.json", "config.json"):
             shutil.copy(f, out / f.name)
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = q
-    # the modules kept unquantized, in the format's own ignore list
-    if q["quant_method"] == "compressed-tensors":
-        q["ignore"] += [rf"re:.*\.{re.escape(k)}$" for k in keep] + routers
-    elif keep or routers:
-        q["modules_to_not_convert"] = (q.get("modules_to_not_convert") or []) + list(keep) + routers
+    config["quantization_config"] = q = quantization_config(fmt, options, routers)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return config["quantization_config"]
 

@@ -27,7 +27,10 @@ SAME_WEIGHTS = {"qwen3-4b-nofuse": "qwen3-4b"}     # an artifact name -> the mod
 # issue 42: quantized checkpoints written here from a bf16 random model (tools/quantize_model.py;
 # no hub, nothing carried), name -> (the bf16 model, the writer's format); their artifacts come
 # from prepare.py quant (prepare.QUANT_FORMATS)
-QUANTIZED = {"qwen3-4b-fp8": ("qwen3-4b", "fp8-block")}
+QUANTIZED = {"qwen3-4b-fp8": ("qwen3-4b", "fp8-block"),
+             # Qwen3-30B-A3B-FP8's format on qwen3-30b-a3b's 4-layer cut (prepare_moe.CUTS): the
+             # experts quantized per expert, the routers left bf16
+             "qwen3-30b-a3b-l4-fp8": ("qwen3-30b-a3b-l4", "fp8-block")}
 ARTIFACTS.update({name: REPO / ".cache" / "artifacts" / name for name in QUANTIZED})
 
 
@@ -66,8 +69,12 @@ def _make(name: str, out: Path):
         return
     from make_random_model import write_random_model
     from infc.compiler.spec import find_architecture, find_variant
+    import prepare_moe
     if name == "tiny-moe":
         config = json.loads((REPO / ".cache" / "gpu" / "tiny-moe" / "config.json").read_text())
+        spec = find_architecture(config["architectures"])
+    elif name in prepare_moe.CUTS:      # its config.json from prepare_moe.py (carried)
+        config = json.loads((prepare_moe.GPU_CACHE / "configs" / name / "config.json").read_text())
         spec = find_architecture(config["architectures"])
     else:
         spec, config = find_variant(name)
