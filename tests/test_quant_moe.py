@@ -195,3 +195,32 @@ def test_expert_parallel_ranks_read_their_experts_codes_and_scales(moe, tmp_path
             np.testing.assert_array_equal(np.asarray(got[n][0]), np.asarray(full[n][0])[4 * rank:4 * rank + 4], n)
     with pytest.raises(ModelDirError, match="tensor-parallel-size > 1"):
         compile_model(model_dir=tmp_path, parallel={**settings(tensor_parallel_size=2), "rank": 0})
+
+
+def test_inspect_shows_quantized_expert_launches_and_their_bytes(moe, tmp_path):
+    """`infc inspect`: each quantized expert launch with its scheme, one expert's codes and scale
+    bytes (the stack's shape counted here) and the experts a token reads (top-3 of 8); the step's
+    totals count that share of the stacks, beside the attention's whole weights."""
+    import re
+    from infc.compiler.inspect import inspect
+    quantize_model(moe[0], tmp_path, "ct-int", bits=4, group=32, sym=False)
+    _, plan = compile_model(model_dir=tmp_path)
+    w = plan["weights"]
+    out = inspect(model_dir=str(tmp_path), phases=["decode"])
+    notes = {}
+    for line in out.splitlines():
+        m = re.search(r"^\s+moe_(gate_up|down)\s.*\((?:.*, )?(we_\w+), expert_rows.*"
+                      r"\[quant (u4 \[1x32\] zero, activations none): (.*)\]$", line)
+        if m:
+            notes[m.group(2)] = m.group(4)
+    assert sorted(notes) == ["we_down", "we_gate_up"]
+    for name, note in notes.items():
+        e, n, k = w[name]["shape"]
+        scales = 2 * 4 * n * -(-k // 32)                 # f32 scales and zero points, per expert
+        assert note == f"8 experts of {n * k // 2} B codes + {scales} B scales each, 3 a token", name
+    gu, dn = (w[x]["shape"] for x in ("we_gate_up", "we_down"))
+    codes = 3 * 3 * (gu[1] * gu[2] + dn[1] * dn[2]) // 2     # 3 layers x 3 experts, u4 codes
+    attn = 3 * sum(x["shape"][0] * x["shape"][1] // 2 for name, x in w.items()        # q|k|v and o, whole
+                   if x["dtype"] == "u4" and not name.startswith("we_"))
+    assert re.search(rf"decode: quantized launches read {codes + attn} B codes \+ \d+ B scales a step "
+                     rf"\(experts: a batch-1 step's share\)", out), out[-2000:]
