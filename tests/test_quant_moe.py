@@ -224,3 +224,24 @@ def test_inspect_shows_quantized_expert_launches_and_their_bytes(moe, tmp_path):
                    if x["dtype"] == "u4" and not name.startswith("we_"))
     assert re.search(rf"decode: quantized launches read {codes + attn} B codes \+ \d+ B scales a step "
                      rf"\(experts: a batch-1 step's share\)", out), out[-2000:]
+
+
+@pytest.mark.parametrize("writer,o", [("fp8-block", {}), ("ct-int", dict(bits=4, group=32, sym=False))])
+def test_device_weights_of_quantized_experts(writer, o, moe, tmp_path, monkeypatch):
+    """The GPU loader without a GPU (tests/fake_cuda.py): every expert stack's device bytes equal
+    to_storage(the numpy loader's value); fp8 down stacks stream from the file expert by expert
+    (gate|up, concatenated along the rows of each expert, is built on the host), int4 codes and
+    zero points are built and packed."""
+    from fake_cuda import FakeContext
+    from infc.runtime.cuda import weights as dw
+    from test_device_quant_weights import device_equals_numpy
+    quantize_model(moe[0], tmp_path, writer, **o)
+    _, plan = compile_model(model_dir=str(tmp_path))
+    built = []
+    real = dw._built
+    monkeypatch.setattr(dw, "_built", lambda w, a: built.append((w["dtype"], tuple(w["shape"]))) or real(w, a))
+    ctx = FakeContext()
+    w = dw.DeviceWeights(ctx, plan, tmp_path, progress=False, threads=2)
+    assert device_equals_numpy(ctx, w, plan, Checkpoint(tmp_path)) == w.bytes
+    down = tuple(plan["weights"]["we_down"]["shape"])
+    assert ((plan["weights"]["we_down"]["dtype"], down) in built) == (writer != "fp8-block")
