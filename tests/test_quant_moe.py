@@ -38,7 +38,6 @@ from test_quant_formats import WEIGHT, _acts  # noqa: E402
 # codes, 1e-2 apart in the logits, as any two implementations of the definition may)
 PROMPT = [11, 200, 3, 77, 150, 9, 31, 260, 4, 99]
 ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
-PROJ = ("gate_proj", "up_proj", "down_proj")
 
 # id -> (writer, options): Qwen3-30B-A3B-FP8's blocks with dynamic group-128 activations,
 # Kimi-K2's routed experts' INT4 (symmetric, group 32), GPT-OSS's MXFP4; then smaller fp8
@@ -75,28 +74,34 @@ def _quantizer(writer, o, cfg, t, module):
     return _acts(writer, o, cfg, t, module)
 
 
-def definition_logits(model, qdir: Path, writer: str, o: dict) -> np.ndarray:
-    """HF's model computing the format's definition from qdir's stored tensors."""
+# the tensor that marks a module the checkpoint stores quantized, per writer
+MARK = {"fp8-block": ".weight_scale_inv", "ct-int": ".weight_scale", "mxfp4": ".weight_scales"}
+
+
+def definition_logits(model, qdir: Path, writer: str, o: dict, prompt=None) -> np.ndarray:
+    """HF's model computing the format's definition from qdir's stored tensors: every module the
+    checkpoint quantizes gets its dequantized weight (an nn.Linear its weight and an input hook,
+    an expert its rows of the fused stacks) and its input quantized."""
     cfg = json.loads((qdir / "config.json").read_text())["quantization_config"]
     t = load_file(str(qdir / "model.safetensors"))
     m = copy.deepcopy(model)
-    E = m.config.num_experts
-    experts, quantize = {}, None
-    for i, layer in enumerate(m.model.layers):
-        for name in ATTENTION:
-            module = f"model.layers.{i}.{name}"
-            layer.get_submodule(name).weight.data = WEIGHT[writer](t, module, cfg).to(torch.float32).contiguous()
-            act = _quantizer(writer, o, cfg, t, module)
-            if act is not None:
-                layer.get_submodule(name).register_forward_pre_hook(lambda _, a, f=act: (f(a[0]),))
-        for e in range(E):
-            for p in PROJ:
-                module = f"model.layers.{i}.mlp.experts.{e}.{p}"
-                experts[module] = WEIGHT[writer](t, module, cfg).to(torch.float32).numpy()
-                quantize = _quantizer(writer, o, cfg, t, module)
-    assert len(hf_quant.set_experts(m, experts, quantize or (lambda x: x), torch.float32)) == 3 * E * len(m.model.layers)
+    experts, quantize, linears = {}, None, 0
+    for name in t:
+        if not name.endswith(MARK[writer]):
+            continue
+        module = name[:-len(MARK[writer])]
+        w = WEIGHT[writer](t, module, cfg).to(torch.float32).contiguous()
+        act = _quantizer(writer, o, cfg, t, module)
+        if ".experts." in module:
+            experts[module], quantize = w.numpy(), act
+            continue
+        m.get_submodule(module).weight.data = w
+        if act is not None:
+            m.get_submodule(module).register_forward_pre_hook(lambda _, a, f=act: (f(a[0]),))
+        linears += 1
+    assert linears and len(hf_quant.set_experts(m, experts, quantize or (lambda x: x), torch.float32)) == len(experts) > 0
     with torch.no_grad():
-        return m(torch.tensor([PROMPT])).logits[0, -1].numpy()
+        return m(torch.tensor([prompt or PROMPT])).logits[0, -1].numpy()
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=[EXHAUSTIVE] if c in SLOW else []) for c in CASES])
@@ -245,3 +250,25 @@ def test_device_weights_of_quantized_experts(writer, o, moe, tmp_path, monkeypat
     assert device_equals_numpy(ctx, w, plan, Checkpoint(tmp_path)) == w.bytes
     down = tuple(plan["weights"]["we_down"]["shape"])
     assert ((plan["weights"]["we_down"]["dtype"], down) in built) == (writer != "fp8-block")
+
+
+def test_deepseek_shared_experts_stay_linears_of_a_quantized_checkpoint(tmp_path):
+    """DeepSeek-V2 with INT4 routed and shared experts (Kimi-K2's scheme on its architecture;
+    attention kept bf16 by the ignore list): fold_shared_experts leaves the shared experts plain
+    linears (a stack would mix them into the routed experts' codes), quantize_weights reads them
+    and the routed stacks quantized, the routers bf16 (present in the sparse layers only), and
+    the reference equals the definition computed in HF's DeepseekV2ForCausalLM."""
+    from test_deepseek_v2 import make
+    model = make("plain", tmp_path / "bf16", moe_intermediate_size=32)
+    keep = ["self_attn.q_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj", "self_attn.o_proj"]
+    quantize_model(tmp_path / "bf16", tmp_path / "q", "ct-int", bits=4, group=16, keep=keep)
+    got, plan = infc_logits(tmp_path / "q")
+    w = plan["weights"]
+    assert w["we_gate_up"]["dtype"] == w["we_down"]["dtype"] == "u4" and w["we_gate_up"]["shape"][0] == 8
+    shared = [n for n, x in w.items() if x["dtype"] == "u4" and "shared_experts" in json.dumps(x["source"])]
+    assert shared and not any(n.startswith("wes") for n in w)          # not folded into the stacks
+    from infc.compiler.contract.program import launches
+    routes = [l for l, _ in launches(plan["programs"]["decode"]) if l["op"].startswith("moe_route")]
+    assert routes and not any(l["attrs"].get("shared") for l in routes)
+    want = definition_logits(model, tmp_path / "q", "ct-int", {})
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)

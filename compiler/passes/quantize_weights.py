@@ -103,8 +103,10 @@ def _check_all_rewritten(state, fmt, done: dict):
         for t in _checkpoint_tensors(meta["source"]):
             if not t.endswith(_WEIGHT):
                 continue
-            module = t[:-len(_WEIGHT)].replace("{i}", "0").replace("{e}", "0")
-            s = fmt.scheme_for(module)
+            # the layers the weight is read in (a router exists in the sparse layers only)
+            s = next((s for i in (meta["layers"] or [0])
+                      if (s := fmt.scheme_for(t[:-len(_WEIGHT)].replace("{i}", str(i)).replace("{e}", "0")))
+                      is not None), None)
             if s is not None:
                 line = meta.get("line")
                 raise ModelDirError(
