@@ -272,3 +272,17 @@ def test_deepseek_shared_experts_stay_linears_of_a_quantized_checkpoint(tmp_path
     assert routes and not any(l["attrs"].get("shared") for l in routes)
     want = definition_logits(model, tmp_path / "q", "ct-int", {})
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_llm_on_cpu_serves_a_quantized_moe_checkpoint(moe, tmp_path):
+    """LLM(device="cpu") (what `infc serve --device cpu` runs) on the fp8 qwen3_moe, with no flag
+    about its format: its greedy tokens are the reference executor's."""
+    from infc import LLM, SamplingParams
+    quantize_model(moe[0], tmp_path, "fp8-block")
+    _, plan = compile_model(model_dir=tmp_path)
+    ex = ReferenceExecutor(plan, load_weights(plan, Checkpoint(tmp_path)))
+    want = [int(np.argmax(ex.step([SeqChunk(0, PROMPT, 0)])[0]))]
+    while len(want) < 4:
+        want.append(int(np.argmax(ex.step([SeqChunk(0, want[-1:], len(PROMPT) + len(want) - 1)])[0])))
+    out = LLM(tmp_path, device="cpu").generate([PROMPT], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert list(out[0].token_ids) == want
