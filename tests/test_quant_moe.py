@@ -41,15 +41,17 @@ ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_a
 
 # id -> (writer, options): Qwen3-30B-A3B-FP8's blocks with dynamic group-128 activations,
 # Kimi-K2's routed experts' INT4 (symmetric, group 32), GPT-OSS's MXFP4; then smaller fp8
-# blocks (several a projection) and asymmetric int4
+# blocks (several a projection), asymmetric int4 and llm-compressor's FP8 per channel with
+# dynamic per-token activations
 CASES = {
     "fp8-block-128": ("fp8-block", {}),
     "ct-w4a16-g32-sym": ("ct-int", dict(bits=4, group=32, sym=True)),
     "mxfp4": ("mxfp4", {}),
     "fp8-block-32x64": ("fp8-block", dict(block=(32, 64))),
     "ct-w4a16-g32-asym": ("ct-int", dict(bits=4, group=32, sym=False)),
+    "ct-fp8-channel-token": ("ct-fp8", dict(strategy="channel", act="dynamic")),
 }
-SLOW = {"fp8-block-32x64", "ct-w4a16-g32-asym"}
+SLOW = {"fp8-block-32x64", "ct-w4a16-g32-asym", "ct-fp8-channel-token"}
 
 
 def infc_logits(qdir: Path):
@@ -75,7 +77,8 @@ def _quantizer(writer, o, cfg, t, module):
 
 
 # the tensor that marks a module the checkpoint stores quantized, per writer
-MARK = {"fp8-block": ".weight_scale_inv", "ct-int": ".weight_scale", "mxfp4": ".weight_scales"}
+MARK = {"fp8-block": ".weight_scale_inv", "ct-int": ".weight_scale", "ct-fp8": ".weight_scale",
+        "mxfp4": ".weight_scales"}
 
 
 def definition_logits(model, qdir: Path, writer: str, o: dict, prompt=None) -> np.ndarray:
@@ -111,7 +114,7 @@ def test_quantized_experts_equal_the_format_definition(case, moe, tmp_path):
     quantize_model(src, tmp_path, writer, **o)
     got, plan = infc_logits(tmp_path)
     w = plan["weights"]
-    codes = {"fp8-block": "f8e4m3", "ct-int": "u4", "mxfp4": "e2m1"}[writer]
+    codes = {"fp8-block": "f8e4m3", "ct-fp8": "f8e4m3", "ct-int": "u4", "mxfp4": "e2m1"}[writer]
     assert w["we_gate_up"]["dtype"] == w["we_down"]["dtype"] == codes
     assert w["we_gate_up_qscale"]["shape"][0] == w["we_down_qscale"]["shape"][0] == 8       # per expert
     assert "mlp.gate" not in json.dumps([v["source"] for v in w.values() if v["dtype"] == codes])  # routers bf16

@@ -10,7 +10,7 @@ Kimi-K2's int4 symmetric group 32, GPT-OSS's MXFP4 (e2m1, e8m0-like scales, grou
 fp8 at the published 128 x 128 (one ragged group, whole-group tiles raised to 128), asymmetric
 u4 and u8. Both decode paths (CUDA cores at one token, tensor cores past FMA_T) and the grouped
 GEMMs (gate_up's interleaved PAIR and two-dot forms), one fast case per format, the rest with
---exhaustive.
+--exhaustive; fp8 per channel with per-token activations (a row pass for each A row's amax).
 """
 import itertools
 import zlib
@@ -37,6 +37,8 @@ SCHEMES = {
     "fp8-128x128-group128": QuantScheme("f8e4m3", 128, 128, act="dynamic_group", act_group=128),
     "u4-g16-zero": QuantScheme("u4", 1, 16, zeros=True),
     "u8-channel": QuantScheme("u8", 1, None),
+    # compressed-tensors FP8 per channel with dynamic per-token activations (a row pass first)
+    "fp8-channel-token": QuantScheme("f8e4m3", 1, None, act="dynamic_token"),
 }
 FAST = ["fp8-8x32-group32", "u4-g32-sym", "e2m1-g32"]
 
@@ -116,7 +118,8 @@ TEMPLATES = {"gate_up": {"decode": "moe_gate_up", "grouped": "moe_gate_up_groupe
 CASE = {"gate_up": gate_up_case, "down": down_case}
 # fast: each format on each launch, on one path each (the paths rotate over the formats)
 FAST_ROWS = {(n, launch, list(PATHS)[(j + i) % len(PATHS)]) for j, n in enumerate(FAST)
-             for i, launch in enumerate(CASE)}
+             for i, launch in enumerate(CASE)} | {("fp8-channel-token", "gate_up", "grouped"),
+                                                  ("fp8-channel-token", "down", "decode-fma")}
 
 
 @pytest.mark.parametrize("scheme,launch,path", [
@@ -153,8 +156,8 @@ def test_quantized_expert_tiles_hold_whole_activation_groups():
 
 
 def test_quantized_experts_refuse_what_they_do_not_compute():
-    s = QuantScheme("f8e4m3", 1, None, act="dynamic_token")
+    s = QuantScheme("f8e4m3", 1, None, act="static")
     ins = [("x", ["T", H], "bf16"), ("ids", ["T", 2], "i32"), ("w", [E, 2 * F, H], "f8e4m3", "weight"),
            ("rows", [E, "T"], "i32"), ("counts", [E], "i32"), ("w_scale", [E, 2 * F, 1], "f32", "weight")]
-    with pytest.raises(TemplateError, match="quantized_experts_take_no_act_order_g_idx_nor_static_or_per_token"):
+    with pytest.raises(TemplateError, match="quantized_experts_take_no_act_order_g_idx_nor_static_activations"):
         render("moe_gate_up", "moe_gate_up", ins, [("act", ["T", 2, F], "bf16")], attrs=_attrs(s))
