@@ -44,7 +44,7 @@ def _tiny(family: str, **over):
                           "high_freq_factor": 4.0, "original_max_position_embeddings": 16}))
     if family == "qwen3_moe":
         return Qwen3MoeForCausalLM(Qwen3MoeConfig(**common, head_dim=16, intermediate_size=96,
-                                                  moe_intermediate_size=40, num_experts=8,
+                                                  moe_intermediate_size=over.get("moe_intermediate_size", 40), num_experts=8,
                                                   num_experts_per_tok=3, norm_topk_prob=True,
                                                   tie_word_embeddings=False, rope_theta=10000.0,
                                                   mlp_only_layers=over.get("mlp_only_layers", []),

@@ -10,8 +10,12 @@ from infc.compiler.contract.bind import Resolver, grid, scratch_sizes
 from infc.compiler.contract.program import program_name, unrolled
 from infc.runtime.engine.step import Chunk, build_step
 from infc.runtime.weights.load import at
+from infc.runtime.weights.quant_pack import to_storage
 
 from kernels.harness import TORCH, interpreter_constexprs, load
+
+
+PACKED = ("u4", "e2m1", "u8")
 
 
 def _nan_storage(shape, dtype):
@@ -25,8 +29,10 @@ class InterpExecutor:
         self.kernels = {kid: Kernel(kid, k["backend"], k["template"], _source(plan, k), k)
                         for kid, k in plan["kernels"].items()}
         def dev(a, name):            # the plan's dtype (bf16, or f32 where the spec says so)
-            return torch.from_numpy(np.ascontiguousarray(a, np.float32)).to(
-                TORCH[plan["weights"].get(name, {}).get("dtype", "bf16")])
+            dtype = plan["weights"].get(name, {}).get("dtype", "bf16")
+            if dtype in PACKED:      # quantized codes as the device stores them (u4 / e2m1: two a byte)
+                return torch.from_numpy(to_storage(a, dtype))
+            return torch.from_numpy(np.ascontiguousarray(a, np.float32)).to(TORCH[dtype])
         self.weights = {n: ([dev(x, n) for x in w] if isinstance(w, list) else dev(w, n))
                         for n, w in weights.items()}
         decl = caches.of_plan(plan)

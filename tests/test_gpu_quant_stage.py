@@ -40,6 +40,28 @@ def test_prepare_quant_builds_what_the_gpu_machine_serves(tmp_path, monkeypatch,
         assert "refuse" not in said
     else:
         assert "the kernels refuse a quantized launch" in said and sorted(p.name for p in art.iterdir()) == ["plan.json"]
+    # qwen3-30b-a3b's 4-layer cut as Qwen3-30B-A3B-FP8: the experts read quantized (128 x 128
+    # blocks per expert), the four routers left bf16 by name, the expert kernels rendered
+    moe = json.loads((tmp_path / "gpu" / "configs" / "qwen3-30b-a3b-l4-fp8" / "config.json").read_text())
+    assert moe["quantization_config"]["modules_to_not_convert"] == \
+        ["lm_head"] + [f"model.layers.{i}.mlp.gate" for i in range(4)]
+    plan = json.loads((tmp_path / "art" / "qwen3-30b-a3b-l4-fp8" / "plan.json").read_text())
+    w = plan["weights"]
+    assert w["we_gate_up"]["dtype"] == "f8e4m3" and w["we_gate_up_qscale"]["shape"] == [128, 12, 16]
+    assert w["we_down_qscale"]["shape"] == [128, 16, 6] and w["router"]["dtype"] == "bf16"
+    assert (tmp_path / "art" / "qwen3-30b-a3b-l4-fp8" / "kernels").is_dir()
+
+
+def test_prepare_predicts_the_routers_the_writer_ignores(tiny_model, tmp_path):
+    """The config-only quantization_config of an MoE model names the routers exactly as
+    tools/quantize_model.py does from the checkpoint (the artifact built here is the one the GPU
+    machine's quantized directory reuses)."""
+    from quantize_model import quantization_config
+    src, _ = tiny_model("qwen3_moe", mlp_only_layers=[1])
+    written = quantize_model(src, tmp_path, "fp8-block")
+    cfg = json.loads((src / "config.json").read_text())
+    assert written == quantization_config("fp8-block", {}, prepare.moe_routers(cfg))
+    assert written["modules_to_not_convert"] == ["lm_head", "model.layers.0.mlp.gate", "model.layers.2.mlp.gate"]
 
 
 def test_hf_quant_computes_the_format_definition(tmp_path, monkeypatch):
@@ -68,3 +90,32 @@ def test_hf_quant_computes_the_format_definition(tmp_path, monkeypatch):
     ours = np.stack([ex.step([Chunk(t, ids[:t + 1], 0)])[0] for t in range(len(ids))])
     np.testing.assert_allclose(hf, ours, rtol=1e-4, atol=1e-5)
     assert np.abs(plain - ours).max() > 1e-3            # the activation quantization is what it adds
+
+
+def test_hf_quant_computes_the_format_definition_for_experts(tiny_model, tmp_path):
+    """hf_quant.load on an MoE checkpoint (the golden gate of qwen3-30b-a3b-l4-fp8): transformers'
+    fused experts hold the experts' dequantized weights and quantize each projection's input:
+    equal to the numpy reference at every position; without the quantizer they are not."""
+    import numpy as np
+    import torch
+    import hf_quant
+    from infc.compiler.build import compile_model
+    from infc.compiler.contract.safetensors_io import Checkpoint
+    from infc.runtime.engine.step import Chunk
+    from infc.runtime.reference.executor import ReferenceExecutor
+    from infc.runtime.weights.load import load_weights
+    src, _ = tiny_model("qwen3_moe", moe_intermediate_size=128)
+    quantize_model(src, tmp_path, "fp8-block")
+    ids = [11, 200, 3, 77, 150, 9, 31, 260]
+    m = hf_quant.load(tmp_path, torch.float32).eval()
+    with torch.no_grad():
+        hf = m(torch.tensor([ids])).logits[0].numpy()
+    _, plan = compile_model(model_dir=str(tmp_path))
+    ex = ReferenceExecutor(plan, load_weights(plan, Checkpoint(tmp_path)))
+    ours = np.stack([ex.step([Chunk(t, ids[:t + 1], 0)])[0] for t in range(len(ids))])
+    np.testing.assert_allclose(hf, ours, rtol=1e-4, atol=1e-5)
+    experts = m.model.layers[0].mlp.experts
+    del experts.forward                                   # HF's own expert loop, no quantizer
+    with torch.no_grad():
+        plain = m(torch.tensor([ids])).logits[0].numpy()
+    assert np.abs(plain - ours).max() > 1e-3

@@ -4,8 +4,11 @@ them (the fixtures of issue 42: no hub needed).
     python tools/quantize_model.py --format fp8-block --src DIR --out DIR [--workers N]
 
 Every 2-D linear weight of a decoder layer (`model.layers.N.*.weight` but MoE routers and norms)
-is quantized; embeddings, lm_head and norms are copied as they are, and config.json gains the
-format's `quantization_config` (with lm_head in its ignore list). The quantization math is the
+is quantized, MoE experts too (each `mlp.experts.E.*_proj`, as Qwen3-30B-A3B-FP8 and Kimi-K2
+store them; MXFP4 as `weight_blocks` / `weight_scales` per expert, the dense layout);
+embeddings, lm_head and norms are copied as they are, and config.json gains the format's
+`quantization_config`, with lm_head and the routers (`model.layers.N.mlp.gate`, named per layer
+as Qwen3-30B-A3B-FP8's modules_to_not_convert names them) in its ignore list. The quantization math is the
 format's own definition (checked in tests against the format's library where it installs).
 
 Python API: quantize_model(src, out, fmt, **options) -> the quantization_config written. Option
@@ -60,6 +63,12 @@ def quantized_module(name: str, shape) -> str | None:
     if m is None or len(shape) != 2 or _NOT_LINEAR.search(name):
         return None
     return m.group(1)
+
+
+def router_module(name: str, shape) -> str | None:
+    """The module a tensor is the weight of when it is an MoE router the fixtures leave bf16."""
+    m = _LINEAR.match(name)
+    return m.group(1) if m and len(shape) == 2 and name.endswith(".gate.weight") else None
 
 
 def write_safetensors(path: Path, tensors: dict):
@@ -228,6 +237,19 @@ def _quantize_one(src: str, fmt: str, options: dict, name: str) -> dict:
     return WRITERS[fmt](quantized_module(name, ckpt.shape(name)), ckpt.float32(name), options)
 
 
+def quantization_config(fmt: str, options: dict, routers=()) -> dict:
+    """The quantization_config the writer records: the format's, with the modules kept
+    unquantized (options["keep"], and the MoE routers it finds) in the format's own ignore list."""
+    q = CONFIGS[fmt](options)
+    parse_quantization({"quantization_config": q}, f"{fmt} options {options}")   # a config infc reads
+    keep, routers = list(options.get("keep", [])), list(routers)
+    if q["quant_method"] == "compressed-tensors":
+        q["ignore"] += [rf"re:.*\.{re.escape(k)}$" for k in keep] + routers
+    elif keep or routers:
+        q["modules_to_not_convert"] = (q.get("modules_to_not_convert") or []) + keep + routers
+    return q
+
+
 def quantize_model(src, out, fmt: str, workers: int | None = None, **options) -> dict:
     """workers: processes quantizing tensors at once (default: every CPU). Processes, so that no
     part of numpy that holds the GIL serializes them. Measured on an H200 machine's 16 cores:
@@ -239,8 +261,7 @@ def quantize_model(src, out, fmt: str, workers: int | None = None, **options) ->
     if unknown:
         raise ValueError(f"{fmt}: unknown option(s) {', '.join(sorted(unknown))} (it takes: "
                          f"{', '.join(sorted(OPTIONS[fmt]))})")
-    q = CONFIGS[fmt](options)
-    parse_quantization({"quantization_config": q}, f"{fmt} options {options}")   # a config infc reads
+    q = quantization_config(fmt, options)
     src, out = Path(src), Path(out)
     out.mkdir(parents=True, exist_ok=True)
     ckpt = Checkpoint(src)
@@ -249,6 +270,7 @@ def quantize_model(src, out, fmt: str, workers: int | None = None, **options) ->
     quantized = [n for n in names if (m := quantized_module(n, ckpt.shape(n))) is not None
                  and not any(m.endswith("." + k) for k in keep)]
     tensors = {n: (ckpt.dtype(n), np.array(ckpt.raw(n))) for n in sorted(set(names) - set(quantized))}
+    routers = sorted(m for n in names if (m := router_module(n, ckpt.shape(n))) is not None)
     ckpt.close()
     one = partial(_quantize_one, str(src), fmt, options)
     workers = min(workers or os.cpu_count() or 1, max(len(quantized), 1))
@@ -271,12 +293,7 @@ def quantize_model(src, out, fmt: str, workers: int | None = None, **options) ->
                 "model.safetensors.index.json", "config.json"):
             shutil.copy(f, out / f.name)
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = q
-    # the modules kept unquantized, in the format's own ignore list
-    if q["quant_method"] == "compressed-tensors":
-        q["ignore"] += [rf"re:.*\.{re.escape(k)}$" for k in keep]
-    elif keep:
-        q["modules_to_not_convert"] = (q.get("modules_to_not_convert") or []) + list(keep)
+    config["quantization_config"] = q = quantization_config(fmt, options, routers)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return config["quantization_config"]
 

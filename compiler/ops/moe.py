@@ -41,11 +41,16 @@ moe_gate_up(x, ids, gate_up, rows, counts) / moe_down(act, weights, ids, down, r
     way a token repeats an expert: ep_dispatch's zero-weight slot 0, id 0, of a token that has no
     expert on the rank, see ops/collectives.py). A slot of id -1 has no act row (moe_gate_up
     leaves it unwritten; the reference, zero) and no part in y.
+    A quantized checkpoint's experts (compiler/passes/quantize_weights.py) are stacked codes
+    [E, N, K] with their companions (w_scale [E, ...], ...) after counts, attrs["quant"] the
+    scheme: the reference dequantizes them and quantizes the activations entering each
+    projection (x for gate_up, each act row for down) as ops/quant.py defines.
 """
 import numpy as np
 
 from .base import REQUIRED, expect, op, tt
 from .activation import silu
+from .quant import QUANT_OPTIONAL, check_types, expert_operands
 
 
 def route_infer(types, attrs):
@@ -121,15 +126,17 @@ def experts(ctx, x, w, ids, gate, up, down):
 # expert, then moe_down(act, weights, ids, down[E, H, F]) -> y[t] = sum_j w[t, j] down[e] act[t, j].
 def gate_up_infer(types, attrs):
     x, ids, gu = types[:3]
-    _check_grouping(types[3:], ids, gu.shape[0])
+    _check_grouping(types[3:5], ids, gu.shape[0])
+    check_types(types, attrs, 5, "moe_gate_up", w_at=2)
     expect(len(gu.shape) == 3 and gu.shape[2] == x.shape[-1] and gu.shape[1] % 2 == 0,
            f"expert gate_up must be [E, 2F, H]: {gu}")
     return [tt((x.shape[0], ids.shape[1], gu.shape[1] // 2), x.dtype)]
 
 
-def gate_up(ctx, x, ids, gu, expert_rows=None, expert_counts=None):
+def gate_up(ctx, x, ids, gu, expert_rows=None, expert_counts=None, *quant, **attrs):
     # rows/counts (moe_align's grouping) only tell the prefill kernels where to look: the result
-    # is defined by ids alone
+    # is defined by ids alone; a quantized stack's companions follow them (ops/quant.py)
+    x, gu = expert_operands(x, gu, quant, attrs)
     f = gu.shape[1] // 2
     out = np.zeros((x.shape[0], ids.shape[1], f), np.float32)
     for e in _chosen(ids):
@@ -141,12 +148,14 @@ def gate_up(ctx, x, ids, gu, expert_rows=None, expert_counts=None):
 
 def down_infer(types, attrs):
     act, w, ids, down = types[:4]
-    _check_grouping(types[4:], ids, down.shape[0])
+    _check_grouping(types[4:6], ids, down.shape[0])
+    check_types(types, attrs, 6, "moe_down", w_at=3)
     expect(len(down.shape) == 3 and down.shape[2] == act.shape[2], f"expert down must be [E, H, F]: {down}")
     return [tt((act.shape[0], down.shape[1]), act.dtype)]
 
 
-def down(ctx, act, w, ids, down_w, expert_rows=None, expert_counts=None):
+def down(ctx, act, w, ids, down_w, expert_rows=None, expert_counts=None, *quant, **attrs):
+    act, down_w = expert_operands(act, down_w, quant, attrs)
     y = np.zeros((act.shape[0], down_w.shape[1]), np.float32)
     for e in _chosen(ids):
         rows, slot = np.nonzero(ids == e)
@@ -214,11 +223,11 @@ op(name="moe_route_align", tensors=["logits"], attrs={"k": REQUIRED, "normalize"
 # expert's rows for the tokens that chose it; prefill/mixed (and short, through mixed) and wide
 # decode steps (many sequences: compiler/passes/select_kernels.py WIDE_TOKENS_PER_EXPERT): grouped
 # tensor-core GEMMs over moe_align's per-expert token lists
-op(name="moe_gate_up", tensors=["x", "ids", "gate_up", "rows", "counts"], infer=gate_up_infer, reference=gate_up,
-   internal=True, templates={"triton": {"prefill": "moe_gate_up_grouped", "mixed": "moe_gate_up_grouped",
+op(name="moe_gate_up", tensors=["x", "ids", "gate_up", "rows", "counts"], pass_inputs=QUANT_OPTIONAL,
+   infer=gate_up_infer, reference=gate_up, internal=True, templates={"triton": {"prefill": "moe_gate_up_grouped", "mixed": "moe_gate_up_grouped",
                                         "decode": "moe_gate_up", "wide": "moe_gate_up_grouped"}},
    doc="per chosen expert: silu(x gate^T) * (x up^T)")
-op(name="moe_down", tensors=["act", "weights", "ids", "down", "rows", "counts"], infer=down_infer, reference=down,
-   internal=True, templates={"triton": {"prefill": "moe_down_grouped", "mixed": "moe_down_grouped",
+op(name="moe_down", tensors=["act", "weights", "ids", "down", "rows", "counts"], pass_inputs=QUANT_OPTIONAL,
+   infer=down_infer, reference=down, internal=True, templates={"triton": {"prefill": "moe_down_grouped", "mixed": "moe_down_grouped",
                                         "decode": "moe_down", "wide": "moe_down_grouped"}},
    doc="per token: routing-weighted sum of the chosen experts' down projections")

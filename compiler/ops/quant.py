@@ -3,6 +3,8 @@ that every quantized kernel and every format reader is tested against.
 
 A linear-family op (linear, linear_act_mul, linear_gated) whose node carries attrs["quant"] reads
 W as codes and, after its bias, the scheme's companions (w_scale, [w_zero], [w_gidx], [x_scale]).
+The expert ops (moe_gate_up, moe_down) read a stack of E experts' codes [E, N, K] the same way,
+their companions after moe_align's rows and counts, each with a leading E axis.
 Its reference dequantizes W exactly and quantizes the activations as the format does, then runs
 the bf16 op's own math in float32.
 """
@@ -20,13 +22,14 @@ def scheme_of(attrs: dict) -> QuantScheme | None:
     return None if q is None else QuantScheme.from_attrs(q)
 
 
-def check_types(types, attrs, first: int, who: str):
-    """The companions' shapes and dtypes (types[first:] are the inputs after W and the bias)."""
+def check_types(types, attrs, first: int, who: str, w_at: int = 1):
+    """The companions' shapes and dtypes (types[first:] are the inputs after W and the bias;
+    types[w_at] is W, [N, K] or a stack of experts [E, N, K] whose companions lead with E)."""
     s = scheme_of(attrs)
     if s is None:
         expect(not any(attrs.get("has_" + c) for c in COMPANIONS), f"{who}: quantization inputs without attrs.quant")
         return
-    w = types[1]
+    w = types[w_at]
     n, k = w.shape[-2:]
     expect(w.dtype == s.codes, f"{who}: weight {w} must hold {s.codes} codes for scheme {s}")
     expect(s.bits == 8 or k % 2 == 0, f"{who}: {s.codes} codes pack two a byte along K; K = {k} is odd")
@@ -102,6 +105,17 @@ def operands(x, w, rest: tuple, attrs: dict):
     got = dict(zip(s.companions(), rest))
     w = dequantize(w, s, got["w_scale"], got.get("w_zero"), got.get("w_gidx"))
     return quantize_activations(x, s, got.get("x_scale")), w, bias
+
+
+def expert_operands(x, w, rest: tuple, attrs: dict):
+    """(x, W) of an expert op's reference (moe_gate_up, moe_down): rest holds the scheme's
+    companions of the stacked codes w [E, N, K], each with a leading E axis."""
+    s = scheme_of(attrs)
+    if s is None:
+        return x, w
+    got = dict(zip(s.companions(), rest))
+    return quantize_activations(x, s, got.get("x_scale")), \
+        dequantize(w, s, got["w_scale"], got.get("w_zero"), got.get("w_gidx"))
 
 
 def quant_attrs(attrs: dict) -> dict:

@@ -18,7 +18,9 @@ ACT the experts' own activation (silu), every intermediate used once, the add's 
 moe_experts output itself, the routing weights and ids moe_route's own outputs (so not after an
 expert-parallel or data-parallel dispatch, whose ids name ranks' experts), and Fs a multiple of
 Fe. Anything else (a gated shared expert as Qwen2-MoE's, a tensor-parallel rank's partial sums)
-is left as written.
+is left as written. So are the experts of a quantized checkpoint that quantizes any of them
+(Kimi-K2: int4 routed experts, bf16 shared ones): a stack mixing both would be neither, so the
+shared experts stay plain linears, which quantize_weights reads as the checkpoint stores them.
 """
 from ..ir import TensorType
 from .fuse_ops import _activation, _only, _single_user
@@ -89,6 +91,15 @@ def _fold(state, g, experts, add, shared_nodes):
     return dropped
 
 
+def _quantized(state, weights) -> bool:
+    """Whether the checkpoint stores any tensor of these weights quantized."""
+    from .quantize_weights import _WEIGHT, _checkpoint_tensors
+    if state.quant is None:
+        return False
+    return any(state.quant.scheme_for(t[:-len(_WEIGHT)].replace("{i}", "0").replace("{e}", "0")) is not None
+               for w in weights for t in _checkpoint_tensors(state.weights[w]["source"]) if t.endswith(_WEIGHT))
+
+
 def fold_shared_experts(state):
     dropped: set = set()
     for g in state.graph.walk():
@@ -110,6 +121,8 @@ def fold_shared_experts(state):
             gate_s, up_s, down_s = shared[3].inputs[1], shared[4].inputs[1], shared[0].inputs[1]
             if any(g.values[v].kind != "weight" or g.uses(v) != 1 for v in (gate_s, up_s, down_s)) \
                     or any(g.uses(v) != 1 for v in experts.inputs[3:]):
+                continue
+            if _quantized(state, list(experts.inputs[3:]) + [gate_s, up_s, down_s]):
                 continue
             Fs = g.values[gate_s].type.shape[0]
             if Fs % Fe or g.values[gate_s].type.dtype != g.values[experts.inputs[3]].type.dtype:

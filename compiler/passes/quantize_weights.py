@@ -8,16 +8,16 @@ its bf16 and its quantized checkpoints alike.
 
 Each companion is a plan weight with its own load recipe, so the fusions after this pass (q|k|v
 and gate|up concatenation, the gated epilogue, the narrow prologue) carry the quantized operands
-as they carry a bias. A weight the checkpoint quantizes but this pass cannot rewrite (an MoE
-expert, a weight built by a transform) fails the build naming it: it would otherwise be read as
-bf16 from fp8 or packed-integer bytes.
+as they carry a bias. MoE experts (moe_gate_up / moe_down's stacks) are rewritten the same way,
+per expert (passes/quantize_experts.py). A weight the checkpoint quantizes but this pass cannot
+rewrite (a weight built by a transform, shared experts folded into a stack) fails the build
+naming it: it would otherwise be read as bf16 from fp8 or packed-integer bytes.
 """
 from ..contract.errors import ModelDirError
 from ..ir import TensorType, Value
 from ..quant.scheme import COMPANIONS
 from .fuse_weights import register_weight
-
-SUFFIX = {"w_scale": "_qscale", "w_zero": "_qzero", "w_gidx": "_qgidx", "x_scale": "_xscale"}
+from .quantize_experts import EXPERT_OPS, SUFFIX, rewrite_experts
 LINEARS = ("linear",)
 # ops whose weights are matrices a checkpoint may store quantized (HF quantizes nn.Linear modules:
 # never embeddings or norms), whether or not this pass can rewrite them yet
@@ -103,14 +103,17 @@ def _check_all_rewritten(state, fmt, done: dict):
         for t in _checkpoint_tensors(meta["source"]):
             if not t.endswith(_WEIGHT):
                 continue
-            module = t[:-len(_WEIGHT)].replace("{i}", "0").replace("{e}", "0")
-            s = fmt.scheme_for(module)
+            # the layers the weight is read in (a router exists in the sparse layers only)
+            s = next((s for i in (meta["layers"] or [0])
+                      if (s := fmt.scheme_for(t[:-len(_WEIGHT)].replace("{i}", str(i)).replace("{e}", "0")))
+                      is not None), None)
             if s is not None:
                 line = meta.get("line")
                 raise ModelDirError(
                     f"weight '{name}'{f' (spec line {line})' if line else ''} reads '{t}', which the "
                     f"checkpoint stores quantized ({s}); infc reads quantized weights only as plain "
-                    f"linear weights so far (not MoE experts or weights the spec transforms)")
+                    f"linear weights and MoE expert stacks so far (not weights the spec or a pass "
+                    f"transforms otherwise)")
 
 
 def quantize_weights(state):
@@ -123,6 +126,9 @@ def quantize_weights(state):
     done: dict = {}
     for g in state.graph.walk():
         for n in g.ordered():
+            if n.op in EXPERT_OPS:
+                rewrite_experts(state, g, n, fmt, done)
+                continue
             if n.op not in LINEARS or g.values[n.inputs[1]].kind != "weight":
                 continue
             got = _rewrite_weight(state, g, n.inputs[1], fmt, done)

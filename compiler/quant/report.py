@@ -1,6 +1,11 @@
 """What `infc inspect` says of a plan's weight bytes: the model's total (by dtype), and for each
 quantized launch its scheme and the weight bytes it reads, codes and companions (scales, zero
-points, group indices) apart: the floor a decode step's weight reads set."""
+points, group indices) apart: the floor a decode step's weight reads set.
+
+A quantized expert launch (moe_gate_up / moe_down over a stack of E experts) reads, per token,
+only the experts its router picks: its note gives one expert's bytes and how many a token reads
+(the router's k, plus the always-on shared experts), and the per-step totals count that share
+of the stack (a batch-1 step's reads, as bench/active_floor.py counts them)."""
 from collections import Counter
 
 from ..contract.program import launches
@@ -32,13 +37,40 @@ def launch_reads(plan: dict, launch: dict) -> tuple[str, int, int] | None:
     return codes, size[codes], sum(size.values()) - size[codes]
 
 
+EXPERT_OPS = ("moe_gate_up", "moe_down")
+
+
+def _per_token(plan: dict) -> int | None:
+    """The experts a token reads (the router's k + shared), from the plan's first routing launch."""
+    for program in plan["programs"].values():
+        for launch, _ in launches(program):
+            if launch["op"].startswith("moe_route"):
+                a = launch["attrs"]
+                return int(a["k"]) + int(a.get("shared", 0))
+    return None
+
+
+def expert_share(plan: dict, launch: dict, codes: str) -> tuple[int, int] | None:
+    """(experts in the stack, experts a token reads) of an expert launch; None for others."""
+    if launch["op"] not in EXPERT_OPS:
+        return None
+    k = _per_token(plan)
+    return (plan["weights"][codes]["shape"][0], k) if k else None
+
+
 def quant_note(plan: dict, launch: dict) -> str:
     """The launch table's note on a quantized launch ("" for others)."""
     got = launch_reads(plan, launch)
     if got is None:
         return ""
-    _, codes, comps = got
-    return f"  [quant {QuantScheme.from_attrs(launch['attrs']['quant'])}: reads {codes} B codes + {comps} B scales]"
+    w, codes, comps = got
+    scheme = QuantScheme.from_attrs(launch["attrs"]["quant"])
+    share = expert_share(plan, launch, w)
+    if share:
+        e, k = share
+        return (f"  [quant {scheme}: {e} experts of {codes // e} B codes + {comps // e} B scales each, "
+                f"{k} a token]")
+    return f"  [quant {scheme}: reads {codes} B codes + {comps} B scales]"
 
 
 def weights_section(plan: dict, phases=None) -> list[str]:
@@ -48,7 +80,7 @@ def weights_section(plan: dict, phases=None) -> list[str]:
     out = [f"== weights: {_mib(total)} in all (" + ", ".join(f"{d} {_mib(n)}" for d, n in sorted(by.items())) + ")"]
     for phase in phases or list(plan["programs"]):
         program = plan["programs"][phase]
-        rows, codes_all, comps_all, plain = Counter(), 0, 0, 0
+        rows, codes_all, comps_all, plain, experts = Counter(), 0, 0, 0, False
         for launch, mult in launches(program):
             got = launch_reads(plan, launch)
             if got is None:
@@ -56,11 +88,17 @@ def weights_section(plan: dict, phases=None) -> list[str]:
                                     for i in launch["inputs"] if i in plan["weights"])
                 continue
             w, codes, comps = got
-            rows[(launch["op"], w, str(QuantScheme.from_attrs(launch["attrs"]["quant"])), codes, comps)] += mult
+            share = expert_share(plan, launch, w)
+            experts = experts or bool(share)
+            if share:           # a batch-1 step reads k of the E experts
+                codes, comps = codes * share[1] // share[0], comps * share[1] // share[0]
+            rows[(launch["op"], w, str(QuantScheme.from_attrs(launch["attrs"]["quant"])), codes, comps,
+                  f"  ({share[1]} of {share[0]} experts)" if share else "")] += mult
             codes_all, comps_all = codes_all + codes * mult, comps_all + comps * mult
         if rows:
             out.append(f"  {phase}: quantized launches read {_mib(codes_all)} codes + {_mib(comps_all)} scales "
-                       f"a step (the other launches' weights: {_mib(plain)})")
-            for (op, w, scheme, codes, comps), n in rows.items():
-                out.append(f"    {op:<14} {w:<16} {scheme:<40} {codes:>10} B codes {comps:>8} B scales  x{n}")
+                       f"a step{' (experts: a batch-1 step' + chr(39) + 's share)' if experts else ''} (the other "
+                       f"launches' weights: {_mib(plain)})")
+            for (op, w, scheme, codes, comps, note), n in rows.items():
+                out.append(f"    {op:<14} {w:<16} {scheme:<40} {codes:>10} B codes {comps:>8} B scales  x{n}{note}")
     return out

@@ -6,7 +6,7 @@ tensors stacked or concatenated along axis 0, or rows (axis 0) sliced from such,
 byte ranges laid end to end: those are read with pread (several threads, no page faults through
 a mapping) into one of two pinned staging buffers while the other one's copy to the device runs.
 So is a quantized checkpoint's fp8 weight read by `{"fp8": name}` from F8_E4M3 bytes (or those
-concatenated / sliced along axis 0): its file bytes are already the e4m3 storage form, checked
+stacked as experts, concatenated / sliced along axis 0): its file bytes are already the e4m3 storage form, checked
 for NaN codes (0x7f / 0xff) as they pass through the staging buffer.
 Any other recipe (another dtype, another axis, transpose, scale, offset, zeros) is built on the
 host by the recipe registry (runtime/weights/recipes.py) in float32, rounded once to bf16 (to
@@ -76,11 +76,18 @@ def _runs(ckpt: Checkpoint, src: dict, layer, dtype: str = "bf16"):
         if got != stored:
             return None
         return [(f, off, n)], tuple(ckpt.shape(name)), name
-    if "stack" in src and leaf == "tensor":
+    if "stack" in src and leaf == "tensor" and isinstance(src["stack"], str):
         parts = [_runs(ckpt, {"tensor": name_at(src["stack"], layer, e)}, None) for e in range(src["count"])]
         if any(p is None for p in parts) or len({p[1] for p in parts}) != 1:
             return None               # numpy builds it (and names a shape mismatch)
         return [r for p in parts for r in p[0]], (len(parts), *parts[0][1]), name_at(src["stack"], layer)
+    if "stack" in src and isinstance(src["stack"], dict) and set(src["stack"]) == {leaf}:
+        # a quantized checkpoint's experts, each a streamed leaf ({"fp8": name}) of its own
+        pattern = src["stack"][leaf]
+        parts = [_runs(ckpt, {leaf: name_at(pattern, layer, e)}, None, dtype) for e in range(src["count"])]
+        if any(p is None for p in parts) or len({p[1] for p in parts}) != 1:
+            return None
+        return [r for p in parts for r in p[0]], (len(parts), *parts[0][1]), name_at(pattern, layer)
     if "concat" in src and src["axis"] == 0:
         parts = [_runs(ckpt, s, layer, dtype) for s in src["concat"]]
         if any(p is None for p in parts) or len({p[1][1:] for p in parts}) != 1:

@@ -8,6 +8,9 @@ a weight the plan declares f32):
     {"tensor": name}                         a checkpoint tensor ({i} layer, {e} expert)
     {"tied": weight}                         the same storage as another plan weight (loaders alias it)
     {"stack": name, "count": E}              E tensors ({e} = 0..E-1) stacked on a new axis 0
+    {"stack": src, "count": E}               E recipes (src with {e} = 0..E-1) stacked on axis 0:
+                                             a quantized checkpoint's experts, each read by its
+                                             format's recipes (compiler/passes/quantize_weights.py)
     {"concat": [src, ...], "axis": a}        sources concatenated along axis a
     {"slice": src, "axis": a, "start": s, "stop": e}   rows (axis 0) or columns (axis 1) s:e
     {"slice": ..., "axis": 0, "groups": G, ...}   the rows as G equal groups, s:e of each
@@ -43,12 +46,34 @@ def _tied(src, layer, read, where):
     raise ValueError(f"a tied weight shares '{src['tied']}': loaders alias it, nothing is built")
 
 
+def _expert(src, e):
+    """A recipe with the expert index substituted into every tensor name it holds."""
+    if isinstance(src, str):
+        return name_at(src, None, e)
+    if isinstance(src, dict):
+        return {k: _expert(v, e) for k, v in src.items()}
+    if isinstance(src, list):
+        return [_expert(v, e) for v in src]
+    return src
+
+
+def _experts(src, layer, read, where, start, stop):
+    """Experts start .. stop - 1 of a stack recipe, stacked."""
+    inner = src["stack"]
+    if isinstance(inner, str):
+        parts = [read(name_at(inner, layer, e)) for e in range(start, stop)]
+        what = name_at(inner, layer)
+    else:
+        built = [build(_expert(inner, e), layer, read, where) for e in range(start, stop)]
+        parts, what = [p for p, _ in built], built[0][1] if built else where
+    if len({p.shape for p in parts}) != 1:
+        raise ModelDirError(f"{where}: experts of '{what}' differ in shape")
+    return np.stack(parts), what
+
+
 @recipe("stack")
 def _stack(src, layer, read, where):
-    parts = [read(name_at(src["stack"], layer, e)) for e in range(src["count"])]
-    if len({p.shape for p in parts}) != 1:
-        raise ModelDirError(f"{where}: experts of '{src['stack']}' differ in shape")
-    return np.stack(parts), name_at(src["stack"], layer)
+    return _experts(src, layer, read, where, 0, src["count"])
 
 
 @recipe("concat")
@@ -67,10 +92,8 @@ def _slice(src, layer, read, where):
     if "stack" in inner and src["axis"] == 0 and src.get("groups", 1) == 1 \
             and 0 <= src["start"] < src["stop"] <= inner["count"]:
         # a rank's experts (expert parallelism): read only those checkpoint tensors
-        parts = [read(name_at(inner["stack"], layer, e)) for e in range(src["start"], src["stop"])]
-        if len({p.shape for p in parts}) != 1:
-            raise ModelDirError(f"{where}: experts of '{inner['stack']}' differ in shape")
-        return np.stack(parts), f"{name_at(inner['stack'], layer)}[{src['start']}:{src['stop']}]"
+        a, what = _experts(inner, layer, read, where, src["start"], src["stop"])
+        return a, f"{what}[{src['start']}:{src['stop']}]"
     a, what = build(inner, layer, read, where)
     axis, start, stop = src["axis"], src["start"], src["stop"]
     groups = src.get("groups", 1)

@@ -9,11 +9,19 @@ quantized linear's weight to code * scale (float32, then the model's dtype), and
 `quant_method: fp8` with `weight_block_size` defines it (compiler/quant/scheme.py,
 dynamic_group): per token, in groups of block_k columns, s = amax / 448, x' = e4m3(x / s) * s
 (torch's float8_e4m3fn cast, to nearest even, as compiler/ops/quant.py's round_e4m3).
+MoE experts (Qwen3-30B-A3B-FP8 stores each expert's projections as fp8 modules; transformers
+fuses them into one module, Qwen3MoeExperts' gate_up_proj [E, 2F, H] and down_proj [E, H, F]):
+the fused stacks get the experts' dequantized weights and a forward that quantizes the input of
+each projection, HF's own expert loop otherwise (set_experts).
 """
 import json
+import re
+import types
 from pathlib import Path
 
 import torch
+
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj$")
 
 FP8_MAX = 448.0
 
@@ -51,6 +59,48 @@ def dequantized(model_dir, block) -> dict:
     return out
 
 
+def _experts_forward(quantize):
+    """HF's Qwen3MoeExperts.forward (per chosen expert: gate|up, act, down, weighted index_add),
+    with `quantize` applied to the input of each projection."""
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+        for e in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()[:, 0].tolist():
+            if e == self.num_experts:
+                continue
+            slot, tok = torch.where(mask[e])
+            gate, up = torch.nn.functional.linear(quantize(hidden_states[tok]), self.gate_up_proj[e]).chunk(2, dim=-1)
+            h = torch.nn.functional.linear(quantize(self.act_fn(gate) * up), self.down_proj[e])
+            out.index_add_(0, tok, (h * top_k_weights[tok, slot, None]).to(out.dtype))
+        return out
+    return forward
+
+
+def set_experts(model, weights: dict, quantize, dtype) -> set:
+    """The per-expert modules of `weights` (name -> float32 [N, K], e.g.
+    model.layers.0.mlp.experts.3.gate_proj) written into the model's fused expert stacks, whose
+    forward then quantizes each projection's input; returns the names set."""
+    done, stacks = set(), {}
+    for name, w in weights.items():
+        m = _EXPERT.match(name)
+        if m is None:
+            continue
+        experts = model.get_submodule(m.group(1))
+        e, part = int(m.group(2)), m.group(3)
+        f = experts.gate_up_proj.shape[1] // 2
+        with torch.no_grad():
+            t = torch.from_numpy(w).to(experts.gate_up_proj.device, dtype)
+            if part == "down":
+                experts.down_proj[e] = t
+            else:
+                experts.gate_up_proj[e, (0 if part == "gate" else f):][:f] = t
+        stacks[m.group(1)] = experts
+        done.add(name)
+    for experts in stacks.values():
+        experts.forward = types.MethodType(_experts_forward(quantize), experts)
+    return done
+
+
 def load(model_dir, dtype=torch.bfloat16):
     """AutoModelForCausalLM of model_dir; for an fp8 (block) checkpoint, dequantized with the
     activation quantization hooked in front of every quantized linear."""
@@ -69,7 +119,7 @@ def load(model_dir, dtype=torch.bfloat16):
     model = model.to(dtype)                       # the quantizer loads the rest in bf16 too
     weights = dequantized(model_dir, q["weight_block_size"])
     group = q["weight_block_size"][1]
-    hooked = set()
+    hooked = set_experts(model, weights, lambda x: quantize_groups(x, group), dtype)
     for name, module in model.named_modules():
         if name in weights:
             module.weight.data = torch.from_numpy(weights[name]).to(module.weight.device, dtype)

@@ -30,8 +30,9 @@ variants of attention_mixed's split-role tunables laid over the tables, ATTN_VAR
 .cache/artifacts/qwen3-4b-attn-<name>, for tests/gpu/run.sh attn-variants), hlvar (issue 13:
 DeepSeek-V2-Lite with other head_linear blocks, HL_VARIANTS, into
 .cache/artifacts/deepseek-v2-lite-<name>, beside deepseek-v2-lite, for run.sh ab-latency),
-quant (issue 42, session.sh's `quant` stage: qwen3-4b's config.json with the quantization_config
-tools/quantize_model.py writes for QUANT_FORMATS, config-only, into .cache/gpu/configs/<name>/,
+quant (issue 42, session.sh's `quant` stage: qwen3-4b's and the qwen3-30b-a3b 4-layer cut's
+config.json with the quantization_config tools/quantize_model.py writes for QUANT_FORMATS (fp8
+blocks; the cut's experts too), config-only, into .cache/gpu/configs/<name>/,
 the artifact `infc serve` reuses for the device's $MODELS/<name> into .cache/artifacts/<name>;
 where the kernels refuse to render a quantized launch yet, plan.json alone, said so).
 Default: base, nofuse and families.
@@ -186,21 +187,38 @@ def hlvar():
                       model_dir=cfg, tuning_overlay={"head_linear": ov})
 
 
-# issue 42: quantized qwen3-4b builds, model directory name -> tools/quantize_model.py's format. The
-# GPU machine writes the checkpoint (session.sh `quant`: the random bf16 qwen3-4b, quantized there);
-# here only its config.json, exactly as the writer will write it, and the artifact.
-# name -> (the bf16 model it is written from, tools/quantize_model.py's format, its options); the
-# GPU suite's models.QUANTIZED is this table
+# issue 42: quantized builds. The GPU machine writes the checkpoint (models.QUANTIZED is this
+# table: the random bf16 model, quantized there by tools/quantize_model.py); here only its
+# config.json, exactly as the writer will write it, and the artifact. name -> (the bf16 model it is
+# written from: qwen3-4b, or qwen3-30b-a3b's 4-layer cut of prepare_moe.py with
+# Qwen3-30B-A3B-FP8's experts; the writer's format; its options)
 QUANT_FORMATS = {"qwen3-4b-fp8": ("qwen3-4b", "fp8-block", {}),
-                 "qwen3-4b-w4a16": ("qwen3-4b", "ct-int", {"bits": 4, "group": 128})}
+                 "qwen3-4b-w4a16": ("qwen3-4b", "ct-int", {"bits": 4, "group": 128}),
+                 "qwen3-30b-a3b-l4-fp8": ("qwen3-30b-a3b-l4", "fp8-block", {})}
+
+
+def base_config(base: str) -> Path:
+    """The directory of the config.json the GPU machine's random model `base` gets."""
+    import prepare_moe
+    return prepare_moe.write_config(base) if base in prepare_moe.CUTS else served_config(base)
+
+
+def moe_routers(cfg: dict) -> list:
+    """The router modules (Qwen3-MoE's model.layers.N.mlp.gate, in its sparse layers) that
+    tools/quantize_model.py leaves bf16 and lists in the ignore list, in its order."""
+    if not (cfg.get("num_experts") or cfg.get("num_local_experts")):      # (transformers 5 writes the latter)
+        return []
+    step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or [])
+    return sorted(f"model.layers.{i}.mlp.gate" for i in range(cfg["num_hidden_layers"])
+                  if i not in dense and (i + 1) % step == 0)
 
 
 def quant_config(name: str) -> Path:
-    """.cache/gpu/configs/<name>/config.json: qwen3-4b's, with the writer's quantization_config."""
-    from quantize_model import CONFIGS
+    """.cache/gpu/configs/<name>/config.json: the base model's, with the writer's quantization_config."""
+    from quantize_model import quantization_config
     base, fmt, options = QUANT_FORMATS[name]
-    cfg = json.loads((served_config(base) / "config.json").read_text())
-    cfg["quantization_config"] = CONFIGS[fmt](options)
+    cfg = json.loads((base_config(base) / "config.json").read_text())
+    cfg["quantization_config"] = quantization_config(fmt, options, moe_routers(cfg))
     d = GPU_CACHE / "configs" / name
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

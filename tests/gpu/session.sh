@@ -347,10 +347,15 @@ models.model_dir('$q')" 2>&1 | tail -3
         case " ${QUANT_SKIP:-} " in *" throughput "*) ;; *)
           timeout ${THROUGHPUT_S:-240} python3 -m infc.cli bench throughput --model-path "$MODELS/$q" \
             --out "$OUT/quant/$q" ${QUANT_THROUGHPUT_ARGS:-} 2>&1 | quiet | tail -6 ;; esac
+        base=$(python3 -c "import sys; sys.path.insert(0,'tests/gpu'); import models; print(models.QUANTIZED['$q'][0])")
         case " ${QUANT_SKIP:-} " in *" accuracy "*) ;; *)
-          timeout ${QUANT_ACCURACY_S:-300} python3 -m infc.cli bench quant-accuracy --device cuda \
-            --reference "$MODELS/qwen3-4b" --reference-artifact .cache/artifacts/qwen3-4b \
-            --model-path "$MODELS/$q" --artifact $art --sequences 16 --prompt-len 512 --out "$OUT/quant/$q" 2>&1 | tail -3 ;; esac
+          if [ -d .cache/artifacts/$base/bin ]; then     # against the bf16 model it was written from
+            timeout ${QUANT_ACCURACY_S:-300} python3 -m infc.cli bench quant-accuracy --device cuda \
+              --reference "$MODELS/$base" --reference-artifact .cache/artifacts/$base \
+              --model-path "$MODELS/$q" --artifact $art --sequences 16 --prompt-len 512 --out "$OUT/quant/$q" 2>&1 | tail -3
+          else
+            say "quant: no bf16 artifact of $base here (.cache/artifacts/$base): no accuracy run for $q"
+          fi ;; esac
       done
       # the bf16 model beside them, same call (QUANT_SKIP bf16 leaves it out)
       case " ${QUANT_SKIP:-} " in *" bf16 "*) ;; *)

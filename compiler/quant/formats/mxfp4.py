@@ -7,9 +7,10 @@ e8m0 scale a block; activations stay bf16.
 
 A parameter `P` [N, K] is stored as `P_blocks` U8 [N, K/32, 16] (two codes a byte, the even
 element in the low nibble) and `P_scales` U8 [N, K/32] (e8m0: 2^(s - 127)); for a linear module
-M that is `M.weight_blocks` / `M.weight_scales`. GPT-OSS quantizes only its MoE experts (fused
-3-D tensors), which infc's quantize_weights pass does not rewrite yet: a dense linear is read here,
-the experts fail the build naming them.
+M that is `M.weight_blocks` / `M.weight_scales`, and so for each expert's projection
+(`...experts.{e}.gate_proj.weight_blocks`), which quantize_weights stacks per expert. GPT-OSS's
+own checkpoints fuse the experts into 3-D tensors (gate|up interleaved), a layout no spec here
+reads.
 """
 from ..config_keys import ConfigKeys, not_converted
 from ..format_base import QuantFormat, format_parser
