@@ -180,10 +180,11 @@ def definition_logits(model, qdir: Path, writer: str, o: dict) -> np.ndarray:
                 layer.get_submodule(name).weight.data = saved[f"model.layers.{i}.{name}"]
 
 
-def infc_logits(qdir: Path):
+def infc_logits(qdir: Path, prompt=PROMPT):
+    """(the reference executor's last logits for the prompt, the plan) of a model directory."""
     _, plan = compile_model(model_dir=qdir)
     ex = ReferenceExecutor(plan, load_weights(plan, Checkpoint(qdir)))
-    return np.asarray(ex.step([SeqChunk(0, PROMPT, 0)])[0]), plan
+    return np.asarray(ex.step([SeqChunk(0, prompt, 0)])[0]), plan
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ from infc.compiler.contract.errors import ModelDirError  # noqa: E402
 from infc.compiler.contract.safetensors_io import Checkpoint  # noqa: E402
 from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk  # noqa: E402
 from infc.runtime.weights.load import load_weights  # noqa: E402
-from test_quant_formats import WEIGHT, _acts  # noqa: E402
+from test_quant_formats import WEIGHT, _acts, infc_logits  # noqa: E402
 
 # (test_quant_formats' prompt puts, on this model, one fp8 activation within float32 noise of an
 # e4m3 rounding boundary at its token 300: the two float32 computations then pick neighbouring
@@ -52,12 +52,6 @@ CASES = {
     "ct-fp8-channel-token": ("ct-fp8", dict(strategy="channel", act="dynamic")),
 }
 SLOW = {"fp8-block-32x64", "ct-w4a16-g32-asym", "ct-fp8-channel-token"}
-
-
-def infc_logits(qdir: Path):
-    _, plan = compile_model(model_dir=qdir)
-    ex = ReferenceExecutor(plan, load_weights(plan, Checkpoint(qdir)))
-    return np.asarray(ex.step([SeqChunk(0, PROMPT, 0)])[0]), plan
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +106,7 @@ def test_quantized_experts_equal_the_format_definition(case, moe, tmp_path):
     writer, o = CASES[case]
     src, model, bf = moe
     quantize_model(src, tmp_path, writer, **o)
-    got, plan = infc_logits(tmp_path)
+    got, plan = infc_logits(tmp_path, PROMPT)
     w = plan["weights"]
     codes = {"fp8-block": "f8e4m3", "ct-fp8": "f8e4m3", "ct-int": "u4", "mxfp4": "e2m1"}[writer]
     assert w["we_gate_up"]["dtype"] == w["we_down"]["dtype"] == codes
@@ -265,7 +259,7 @@ def test_deepseek_shared_experts_stay_linears_of_a_quantized_checkpoint(tmp_path
     model = make("plain", tmp_path / "bf16", moe_intermediate_size=32)
     keep = ["self_attn.q_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj", "self_attn.o_proj"]
     quantize_model(tmp_path / "bf16", tmp_path / "q", "ct-int", bits=4, group=16, keep=keep)
-    got, plan = infc_logits(tmp_path / "q")
+    got, plan = infc_logits(tmp_path / "q", PROMPT)
     w = plan["weights"]
     assert w["we_gate_up"]["dtype"] == w["we_down"]["dtype"] == "u4" and w["we_gate_up"]["shape"][0] == 8
     shared = [n for n, x in w.items() if x["dtype"] == "u4" and "shared_experts" in json.dumps(x["source"])]
