@@ -1,7 +1,8 @@
 # The two commands: `make run` (build qwen3-4b, then generate with the real SmolLM2-135M on the
 # CPU) and `make test` (the CPU suite, on every core). Each creates .venv and installs what it needs.
 # --no-compile: pip byte-compiles none of the packages' files (torch's and transformers' thousands,
-# ~50 s of the install); Python compiles those it imports, once, as it does for the package.
+# ~50 s of the install); Python compiles those it imports, once, as it does for the package (where
+# PYTHONDONTWRITEBYTECODE is set, the suite keeps that bytecode in .cache/pycache: tests/conftest.py).
 # `make test-all`: the suite with its exhaustive cases too (tests/exhaustive.py): run it before a
 # kernel change is resolved.
 PYTHON ?= python3

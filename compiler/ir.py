@@ -7,8 +7,6 @@ residual stream); every kind carries the same values.
 """
 from dataclasses import dataclass, field
 
-import networkx as nx
-
 DYNAMIC = ("T", "B")   # tokens in the step, sequences in the step
 
 
@@ -118,7 +116,8 @@ class Graph:
             n.inputs = [new if i == old else i for i in n.inputs]
         self.outputs = [new if o == old else o for o in self.outputs]
 
-    def to_networkx(self) -> nx.DiGraph:
+    def to_networkx(self):
+        import networkx as nx         # ~0.5 s of import: the runtime's rank workers load ir without it
         g = nx.DiGraph()
         for n in self.ordered():
             g.add_node(n.id, op=n.op)

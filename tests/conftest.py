@@ -5,6 +5,19 @@ import os
 import sys
 from pathlib import Path
 
+# Bytecode: where PYTHONDONTWRITEBYTECODE is set (this machine sets it, and `make` installs with
+# --no-compile), every process of the suite -- both xdist workers, each `infc serve`, rank and
+# compile worker -- compiled torch, transformers, numpy and infc from source at each import (~5
+# CPU-s in a process that imports torch, ~1 s in a server's). The suite keeps their bytecode
+# under .cache/pycache (ignored; nothing written beside any source), for this process and its
+# children (the xdist workers start after this file is read).
+if sys.dont_write_bytecode:
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    os.environ.setdefault("PYTHONPYCACHEPREFIX",
+                          str(Path(__file__).resolve().parent.parent / ".cache" / "pycache"))
+    sys.dont_write_bytecode = False
+    sys.pycache_prefix = os.environ["PYTHONPYCACHEPREFIX"]
+
 # Kernels run under Triton's interpreter in this process; AOT compiles happen in subprocesses
 # that clear this variable before importing triton.
 # Under xdist every core runs a worker: one BLAS / OpenMP thread each, or their spinning threads

@@ -367,34 +367,14 @@ def test_a_worker_that_raises_reports_its_error(tiny_model, tmp_path):
 
 
 # -- the watchdog (a collective that would wait forever, as NCCL's does for a dead rank) -------
-class _Blocking:
-    """A runner whose rank 0 step waits, like an NCCL collective, until abort() is called."""
-    num_pages, page_size, num_slots, vocab_size = 8, 16, 0, 10
-
-    def __init__(self, rank):
-        self.rank, self.released, self.aborted = rank, threading.Event(), False
-
-    def execute(self, meta, sampling):
-        if self.rank == 0 and meta.T == 2:
-            if not self.released.wait(60):
-                return "hung"
-            raise RuntimeError("ncclCommAbort: the collective was aborted")
-        return [None] * meta.B
-
-    def abort(self):
-        self.aborted = True
-        self.released.set()
-
-
-def blocking_factory(rank, world, config, link):
-    return _Blocking(rank)
+# (tests/rank_factories.py blocking_factory: rank 0's step waits until abort() is called)
 
 
 
 @pytest.mark.parametrize("kill", [True, False], ids=["worker-killed", "step-timeout"])
 def test_the_watchdog_aborts_a_step_that_waits_for_a_dead_rank(kill):
     from infc.runtime.distributed.rank_workers import MultiProcessRunner, RankError
-    runner = MultiProcessRunner("test_rank_workers:blocking_factory", {}, world=2,
+    runner = MultiProcessRunner("rank_factories:blocking_factory", {}, world=2,
                                 step_timeout=30 if kill else 1.5, startup_timeout=120)
     try:
         ok = build_step([Chunk(0, [1], 0)], lambda i: [0], 16)

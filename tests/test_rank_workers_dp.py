@@ -189,32 +189,10 @@ def test_each_rank_samples_its_own_sequences(tiny_model, tmp_path, rng):
     assert all(p.exitcode == 0 for p in runner.procs.values())
 
 
-# -- rank runners without a model: frees and the acknowledgement bookkeeping ----------------------
-class _Counting:
-    """A data-parallel rank runner whose samples say which rank sampled and how many sequences
-    it was told to free."""
-    num_pages, page_size, num_slots, vocab_size = 8, 16, 0, 10
-
-    def __init__(self, rank, world):
-        self.rank, self.freed = rank, []
-        self.plan = {"parallel": {"world": world, "rank": rank, "dp": world}}
-
-    def execute(self, meta, sampling):
-        return [None if s is None else Sample(100 * self.rank + 10 * len(self.freed) + b,
-                                              -0.5 * self.rank, [(self.rank, -0.5)] * self.rank)
-                for b, s in enumerate(sampling)]
-
-    def free(self, seq_id):
-        self.freed.append(seq_id)
-
-
-def counting_factory(rank, world, config, link):
-    return _Counting(rank, world)
-
-
+# -- rank runners without a model (tests/rank_factories.py): frees and the acks bookkeeping ------
 def test_free_on_reaches_one_rank_and_steps_of_both_kinds_interleave():
     from infc.runtime.distributed.rank_workers import MultiProcessRunner
-    runner = MultiProcessRunner("test_rank_workers_dp:counting_factory", {}, world=3,
+    runner = MultiProcessRunner("rank_factories:counting_factory", {}, world=3,
                                 step_timeout=30, startup_timeout=120)
     try:
         assert runner.dp_world == 3
@@ -258,27 +236,12 @@ def test_free_on_reaches_one_rank_and_steps_of_both_kinds_interleave():
     assert all(p.exitcode == 0 for p in runner.procs.values())
 
 
-# -- failures ---------------------------------------------------------------------------------
-def raising_factory(rank, world, config, link):
-    """The reference rank runner, whose rank 1 raises in its second data-parallel step."""
-    from infc.runtime.distributed.rank_runners import reference_rank_runner
-    runner = reference_rank_runner(rank, world, config, link)
-    execute, calls = runner.execute, []
-
-    def flaky(meta, sampling):
-        calls.append(1)
-        if rank == 1 and len(calls) == 2:
-            raise RuntimeError("rank 1 lost its experts")
-        return execute(meta, sampling)
-    runner.execute = flaky
-    return runner
-
-
+# -- failures (tests/rank_factories.py raising_factory: rank 1 raises in its second DP step) ---
 def test_a_worker_that_raises_in_a_data_parallel_step_is_a_rank_error(tiny_model, tmp_path, rng):
     from infc.runtime.distributed.rank_workers import RankError
     d, _ = tiny_model("qwen3_moe")
     _, paths = write_plans(d, tmp_path)
-    runner = processes(d, paths, factory="test_rank_workers_dp:raising_factory", step_timeout=30)
+    runner = processes(d, paths, factory="rank_factories:raising_factory", step_timeout=30)
     ranks = Ranks(2)
     try:
         metas = ranks.metas([[Chunk(0, [1, 2, 3], 0)], [Chunk(0, [4, 5], 0)]])
@@ -464,22 +427,13 @@ def _one_step(ranks):
     return metas, [[greedy()] + [None] * (m.B - 1) for m in metas], [[], []]
 
 
-def counting_launch_factory(rank, world, config, link):
-    """_Counting with the overlapped interface (computed at launch, as the CPU runner's)."""
-    from infc.runtime.engine.runner import ComputedAtLaunch
-
-    class CountingLaunch(ComputedAtLaunch, _Counting):
-        pass
-    return CountingLaunch(rank, world)
-
-
 def test_overlapped_data_parallel_steps_are_collected_in_order_and_not_interleaved(monkeypatch):
     """launch_ranks / collect_ranks' bookkeeping over three ranks: two steps in flight at most,
     collected in launch order and once; any other step while one is in flight is refused with
     the ranks still up; frees go through meanwhile; close() collects what is in flight."""
     from infc.runtime.distributed.rank_workers import MultiProcessRunner
     monkeypatch.setenv("INFC_RANK_OVERLAP", "1")
-    runner = MultiProcessRunner("test_rank_workers_dp:counting_launch_factory", {}, world=3,
+    runner = MultiProcessRunner("rank_factories:counting_launch_factory", {}, world=3,
                                 step_timeout=30, startup_timeout=120)
     try:
         assert runner.can_overlap and runner.dp_world == 3
@@ -531,27 +485,6 @@ def test_overlapped_data_parallel_steps_are_collected_in_order_and_not_interleav
     assert all(p.exitcode == 0 for p in runner.procs.values())
 
 
-def _raising_in(where: str):
-    def factory(rank, world, config, link):
-        """The reference rank runner, whose rank 1 raises in its second launch or first collect."""
-        from infc.runtime.distributed.rank_runners import reference_rank_runner
-        runner = reference_rank_runner(rank, world, config, link)
-        fn, calls = getattr(runner, where), []
-
-        def flaky(*a):
-            calls.append(1)
-            if rank == 1 and len(calls) == (2 if where == "launch" else 1):
-                raise RuntimeError(f"rank 1 lost its experts in {where}")
-            return fn(*a)
-        setattr(runner, where, flaky)
-        return runner
-    return factory
-
-
-raising_launch_factory = _raising_in("launch")
-raising_collect_factory = _raising_in("collect")
-
-
 @pytest.mark.parametrize("where", ["launch", "collect"])
 def test_a_worker_that_raises_in_an_overlapped_data_parallel_step_is_a_rank_error(
         where, tiny_model, tmp_path, monkeypatch):
@@ -562,7 +495,7 @@ def test_a_worker_that_raises_in_an_overlapped_data_parallel_step_is_a_rank_erro
     monkeypatch.setenv("INFC_RANK_OVERLAP", "1")
     d, _ = tiny_model("qwen3_moe")
     _, paths = write_plans(d, tmp_path)
-    runner = processes(d, paths, factory=f"test_rank_workers_dp:raising_{where}_factory", step_timeout=30)
+    runner = processes(d, paths, factory=f"rank_factories:raising_{where}_factory", step_timeout=30)
     ranks = Ranks(2)
     try:
         metas = ranks.metas([[Chunk(0, [1, 2, 3], 0)], [Chunk(0, [4, 5], 0)]])
@@ -598,7 +531,7 @@ def test_a_worker_killed_between_launch_and_collect_is_a_rank_error(monkeypatch)
     raises a RankError naming the rank."""
     from infc.runtime.distributed.rank_workers import MultiProcessRunner, RankError
     monkeypatch.setenv("INFC_RANK_OVERLAP", "1")
-    runner = MultiProcessRunner("test_rank_workers_dp:counting_launch_factory", {}, world=2,
+    runner = MultiProcessRunner("rank_factories:counting_launch_factory", {}, world=2,
                                 step_timeout=30, startup_timeout=120)
     try:
         two = build_step([Chunk(0, [1], 0), Chunk(1, [2], 0)], lambda s: [0, 1], 16)

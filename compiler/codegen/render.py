@@ -5,6 +5,7 @@ model config, the KV cache layout, and the tuning parameters for this shape. Ide
 rendered sources are one kernel.
 """
 import ast
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -38,7 +39,16 @@ class Kernel:
 
 
 def _env() -> jinja2.Environment:
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)),
+    """One environment per templates folder, kept for the process: jinja2 caches each template
+    compiled (a template edited since is recompiled: auto_reload compares its mtime), where a new
+    environment per build or render parsed and compiled every template again (a fifth of an
+    interpreted kernel test's time)."""
+    return _env_for(str(TEMPLATES))
+
+
+@functools.lru_cache(maxsize=None)
+def _env_for(folder: str) -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(folder), cache_size=-1,
                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
                              trim_blocks=True, lstrip_blocks=True)
     env.filters["tl"] = lambda d: TL_DTYPE[d]
