@@ -7,11 +7,14 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "tests" / "gpu"), str(REPO / "tools")]
 import prepare  # noqa: E402
 from quantize_model import quantize_model  # noqa: E402
 
+from exhaustive import EXHAUSTIVE  # noqa: E402
 from test_device_weights import model  # noqa: E402
 
 
@@ -119,3 +122,30 @@ def test_hf_quant_computes_the_format_definition_for_experts(tiny_model, tmp_pat
     with torch.no_grad():
         plain = m(torch.tensor([ids])).logits[0].numpy()
     assert np.abs(plain - ours).max() > 1e-3
+
+
+@pytest.mark.parametrize("fmt,options", [("ct-int", {"bits": 4, "group": 32}), ("awq", {"group": 32}),
+                                         pytest.param("fp8-tensor", {"act": "static"}, marks=EXHAUSTIVE)])
+def test_hf_quant_by_definition_equals_the_reference(tmp_path, fmt, options):
+    """hf_quant.load on the other formats (the golden gate of qwen3-4b-w4a16, AWQ-shaped int4):
+    HF built without the quantization_config, each quantized linear holding its definition
+    (tests/quant_definitions.py) equals the numpy reference at every position, in float32."""
+    import numpy as np
+    import torch
+    import hf_quant
+    from infc.compiler.build import compile_model
+    from infc.compiler.contract.safetensors_io import Checkpoint
+    from infc.runtime.engine.step import Chunk
+    from infc.runtime.reference.executor import ReferenceExecutor
+    from infc.runtime.weights.load import load_weights
+    src, q = tmp_path / "bf16", tmp_path / "q"
+    model(src, "qwen3")
+    quantize_model(src, q, fmt, **options)
+    ids = [5, 17, 33, 2, 99, 250, 7, 8, 9]
+    m = hf_quant.load(q, torch.float32).eval()
+    with torch.no_grad():
+        hf = m(torch.tensor([ids])).logits[0].numpy()
+    _, plan = compile_model(model_dir=str(q))
+    ex = ReferenceExecutor(plan, load_weights(plan, Checkpoint(q)))
+    ours = np.stack([ex.step([Chunk(t, ids[:t + 1], 0)])[0] for t in range(len(ids))])
+    np.testing.assert_allclose(hf, ours, rtol=1e-4, atol=1e-5)

@@ -16,6 +16,7 @@ each projection, HF's own expert loop otherwise (set_experts).
 """
 import json
 import re
+import sys
 import types
 from pathlib import Path
 
@@ -101,16 +102,46 @@ def set_experts(model, weights: dict, quantize, dtype) -> set:
     return done
 
 
+def load_by_definition(model_dir, q: dict, dtype):
+    """HF's model of any other format (compressed-tensors, AWQ, GPTQ, fp8 per tensor, MXFP4 linears):
+    built from config.json without its quantization_config (transformers would need each format's
+    package), the unquantized tensors loaded by name, each quantized linear's weight set to its
+    definition from the stored tensors (tests/quant_definitions.py, computed in float32, then the
+    model's dtype) and its input quantized where the format says."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))        # tests/: the definitions
+    from quant_definitions import WEIGHT, _acts, stored_quantized, writer_of
+    writer, options = writer_of(q)
+    config = AutoConfig.from_pretrained(model_dir)
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=dtype)
+    tensors = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    modules = stored_quantized(tensors, writer)
+    if not modules:
+        raise ValueError(f"{model_dir}: no tensor stored as {writer} ({q.get('quant_method')})")
+    for m in modules:
+        linear = model.get_submodule(m)
+        with torch.no_grad():
+            linear.weight.data = WEIGHT[writer](tensors, m, q).to(linear.weight.device, dtype).contiguous()
+        act = _acts(writer, options, q, tensors, m)
+        if act is not None:
+            linear.register_forward_pre_hook(lambda mod, args, act=act: (act(args[0].float()).to(args[0].dtype), *args[1:]))
+    return model
+
+
 def load(model_dir, dtype=torch.bfloat16):
     """AutoModelForCausalLM of model_dir; for an fp8 (block) checkpoint, dequantized with the
-    activation quantization hooked in front of every quantized linear."""
+    activation quantization hooked in front of every quantized linear; any other format by its
+    definition (load_by_definition)."""
     from transformers import AutoModelForCausalLM
     q = json.loads((Path(model_dir) / "config.json").read_text()).get("quantization_config")
     if not q:
         return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     if q.get("quant_method") != "fp8" or not q.get("weight_block_size") or q.get("activation_scheme", "dynamic") != "dynamic":
-        raise ValueError(f"{model_dir}: hf_quant reads only quant_method fp8 with weight_block_size and "
-                         f"dynamic activations, not {q}")
+        return load_by_definition(model_dir, q, dtype)
     from transformers import FineGrainedFP8Config
     model = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=dtype, quantization_config=FineGrainedFP8Config(
