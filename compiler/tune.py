@@ -40,7 +40,7 @@ from .contract.schema import TUNE_MANIFEST_VERSION as MANIFEST_VERSION
 DEFAULT_TEMPLATES = ("gemv", "gemv_act_mul", "gemv_gated", "lm_head_last", "attention_decode",
                      "gemm", "gemm_act_mul", "gemm_gated", "attention_prefill", "attention_mixed",
                      "moe_gate_up", "moe_down", "moe_gate_up_grouped", "moe_down_grouped")
-PHASES = ("prefill", "decode", "mixed", "short", "wide")
+PHASES = ("prefill", "decode", "mixed", "short", "wide", "narrow")
 
 # --- candidate grids: only keys the template reads (tests check each against its source) -------
 
@@ -75,6 +75,14 @@ _GEMV_WIDE = [{"BLOCK_T": 128, "num_warps": 8}, {"BLOCK_T": 128, "num_warps": 8,
               # 128 W rows a tile: A's re-reads from L2 halve (qwen3-4b's gate|up at 247 rows on
               # an H200: 67 -> 58 us)
               {"BLOCK_T": 128, "BLOCK_N_DOT": 128, "num_warps": 8, "num_stages": 3}]
+# the narrow codes path (triton/_gemv_narrow_codes.j2: a narrow step's fp8 GEMV on tensor cores):
+# W rows a program (fewer programs make A's codes fewer times), pipeline depth, W tiles read
+# before the A pass, programs in flight, and the CUDA-core path it replaced. Timed before the
+# grid's for a narrow step's quantized launch (one that does not take the path renders the same
+# kernel for these and is not timed twice).
+_GEMV_NARROW_CODES = [{"BLOCK_N": 128}, {"BLOCK_N": 32}, {"NDOT_STAGES": 3}, {"NDOT_STAGES": 6},
+                      {"PRELOAD": 2}, {"PRELOAD": 5}, {"TARGET_CTAS": 528}, {"TARGET_CTAS": 792},
+                      {"BLOCK_N": 128, "TARGET_CTAS": 528}, {"num_warps": 8}, {"NARROW_DOT": 0}]
 _GEMV_FMA_T = [{"FMA_T": 2, "FMA_BLOCK_K": 128}, {"FMA_T": 4, "BLOCK_N": 16, "FMA_BLOCK_K": 128}]
 # lm_head_last cannot split K (its norm scale closes the K loop) and has a huge N
 _LM_FMA = [{"BLOCK_N": 8}, {"BLOCK_N": 32, "FMA_BLOCK_K": 256}, {"FMA_BLOCK_K": 256},
@@ -218,6 +226,7 @@ GRIDS = {
 # i32 inputs whose contents must agree with another input's rather than be random: the grouped
 # MoE kernels' per-expert token lists (moe_align's outputs) follow the launch's routing ids.
 # op -> (index of the ids input, {input index: which moe_align output})
+NARROW_QUANT = {("triton", t): _GEMV_NARROW_CODES for t in ("gemv", "gemv_gated")}
 DERIVED = {"moe_gate_up": (1, {3: "rows", 4: "counts"}), "moe_down": (2, {4: "rows", 5: "counts"})}
 # which step dimension is a template's row count (the gemv family picks its path by it):
 # lm_head_last's rows are B; the others' are their input's leading dim (T, or B after last())
@@ -257,6 +266,8 @@ def phase_dims(phase: str, decode_batches=(1,), prefill_tokens=1024, mixed=(512,
         return [dict(d) for d in SHORT_DIMS]
     if phase == "decode":
         return [{"T": int(b), "B": int(b)} for b in decode_batches]
+    if phase == "narrow":           # a decode step of one token (merge_prologues.NARROW_TOKENS)
+        return [{"T": 1, "B": 1}]
     if phase == "prefill":
         return [{"T": int(prefill_tokens), "B": 1}]
     if phase == "mixed":
@@ -358,6 +369,8 @@ def prepare(model=None, gpu="h200", out=None, phases=("decode", "prefill"), temp
         current = entry_table.get(e["shape_key"])
         rows = [d[rows_dim(tpl, e["inputs"])] for d in dims[e["phase"]]]
         cands = [(c, "default" if not c else "grid") for c in candidates(backend, tpl, rows)]
+        if e["phase"] == "narrow" and e["ctx"]["attrs"].get("quant"):
+            cands[1:1] = [(c, "grid") for c in NARROW_QUANT.get((backend, tpl), []) if c not in [x for x, _ in cands]]
         if current and current not in [c for c, _ in cands]:
             cands.insert(1, (dict(current), "current"))
         rendered, skipped, seen = [], [], {}

@@ -194,7 +194,7 @@ def parser() -> argparse.ArgumentParser:
     tp.add_argument("--model-path", help="an HF model directory: bind the spec to its config.json")
     tp.add_argument("--gpu", default="h200", choices=["h100", "h200"], help="tuning table to fill")
     tp.add_argument("--out", help="output folder (default .cache/tune/<model>-<gpu>)")
-    tp.add_argument("--phases", default="decode,prefill", help="comma-separated: prefill, decode, mixed, short, wide")
+    tp.add_argument("--phases", default="decode,prefill", help="comma-separated: prefill, decode, mixed, short, wide, narrow")
     tp.add_argument("--templates", help="comma-separated templates (default: the GEMVs, GEMMs, attention)")
     tp.add_argument("--features", help="extra kernel backends, comma-separated: tilelang, cuda")
     tp.add_argument("--decode-batches", default="1", help="decode batch sizes to time at (T = B)")

@@ -344,3 +344,31 @@ def test_cli_tune(tmp_path, capsys):
         assert main(["tune", "prepare", "--model", MODEL, "--no-compile", "--out", str(out), flag, bad]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"error: {flag}: ") and "Traceback" not in err
+
+
+def test_prepare_narrow_phase_tunes_the_narrow_codes_path(tmp_path):
+    """The narrow phase (a decode step of one token, its own table keys) of an fp8 checkpoint: each
+    quantized GEMV entry times the narrow codes path's tunables (each a kernel of its own, each
+    key read by the template) beside the CUDA-core path it replaced (NARROW_DOT 0)."""
+    import sys
+    from infc.compiler.tune import NARROW_QUANT
+    sys.path.insert(0, str(TEMPLATES.parent / "tools"))
+    from quantize_model import quantize_model
+    from test_device_weights import model
+    model(tmp_path / "bf16", "qwen3")       # fp8 blocks with 64-column activation groups: whole groups a tile
+    quantize_model(tmp_path / "bf16", tmp_path / "fp8", "fp8-block", block=(32, 64))
+    out = prepare(None, "h200", out=tmp_path / "n", model_dir=str(tmp_path / "fp8"), phases=("narrow",),
+                  templates=("gemv", "gemv_gated"), compile=False, log=None)
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["dims"] == {"narrow": [{"T": 1, "B": 1}]}
+    assert {e["template"] for e in m["entries"]} == {"gemv", "gemv_gated"}
+    for e in m["entries"]:
+        assert e["shape_key"].startswith("narrow|")
+        tunes = [c["tune"] for c in e["candidates"]]
+        assert {"NARROW_DOT": 0} in tunes and {"NDOT_STAGES": 3} in tunes, e["shape_key"]
+        assert len({c["kernel"] for c in e["candidates"]}) == len(tunes)
+        src = (out / e["candidates"][0]["source"]).read_text()
+        assert "scratch:actq" in src                      # the default is the narrow codes path
+    for (backend, template), grid in NARROW_QUANT.items():
+        text = _template_text(backend, template)
+        assert all(f'tune.get("{k}"' in text for c in grid for k in c)
