@@ -66,11 +66,13 @@ def _make(name: str, out: Path):
         return
     from make_random_model import write_random_model
     from infc.compiler.spec import find_architecture, find_variant
+    import prepare
     import prepare_moe
     if name == "tiny-moe":
         config = json.loads((REPO / ".cache" / "gpu" / "tiny-moe" / "config.json").read_text())
         spec = find_architecture(config["architectures"])
-    elif name in prepare_moe.CUTS:      # its config.json from prepare_moe.py (carried)
+    elif name in prepare_moe.CUTS or prepare.CUT.match(name):
+        # a cut: its config.json from prepare_moe.py or prepare.py's base_config (carried)
         config = json.loads((prepare_moe.GPU_CACHE / "configs" / name / "config.json").read_text())
         spec = find_architecture(config["architectures"])
     else:

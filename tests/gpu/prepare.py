@@ -47,6 +47,7 @@ tokenizer files (tokenizer.json, tokenizer_config.json) go to .cache/gpu/qwen-to
 server suite on the GPU.
 """
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -194,13 +195,29 @@ def hlvar():
 # Qwen3-30B-A3B-FP8's experts; the writer's format; its options)
 QUANT_FORMATS = {"qwen3-4b-fp8": ("qwen3-4b", "fp8-block", {}),
                  "qwen3-4b-w4a16": ("qwen3-4b", "ct-int", {"bits": 4, "group": 128}),
-                 "qwen3-30b-a3b-l4-fp8": ("qwen3-30b-a3b-l4", "fp8-block", {})}
+                 "qwen3-30b-a3b-l4-fp8": ("qwen3-30b-a3b-l4", "fp8-block", {}),
+                 # the golden gate's fp8 model at qwen3-4b's shapes: two layers, where 36 random
+                 # layers amplify the activation quantizer's last-bit flips until the reference
+                 # disagrees with itself (bench/results/issue42-h200-c462936-2026-12-02)
+                 "qwen3-4b-l2-fp8": ("qwen3-4b-l2", "fp8-block", {})}
+CUT = re.compile(r"^(.+)-l(\d+)$")       # <served model>-l<layers>: its first layers alone
 
 
 def base_config(base: str) -> Path:
-    """The directory of the config.json the GPU machine's random model `base` gets."""
+    """The directory of the config.json the GPU machine's random model `base` gets (a cut
+    <variant>-l<N> of a served variant: its config with N layers)."""
     import prepare_moe
-    return prepare_moe.write_config(base) if base in prepare_moe.CUTS else served_config(base)
+    if base in prepare_moe.CUTS:
+        return prepare_moe.write_config(base)
+    cut = CUT.match(base)
+    if cut is None:
+        return served_config(base)
+    cfg = json.loads((served_config(cut.group(1)) / "config.json").read_text())
+    cfg.update(num_hidden_layers=int(cut.group(2)), max_window_layers=int(cut.group(2)))
+    d = GPU_CACHE / "configs" / base
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return d
 
 
 def moe_routers(cfg: dict) -> list:
