@@ -5,6 +5,8 @@ give the single-rank plan's logits (float32, 1e-4) at every position of a 16-tok
 The tiny fixtures have 4 query heads; TP 4 needs 4 kv heads, so those cases build the tiny
 models with num_key_value_heads=4 (replicating kv heads across ranks is out of scope)."""
 import json
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +23,8 @@ from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
 from infc.runtime.reference.ranks import RankExchange, RankExecutor
 from infc.compiler.contract.safetensors_io import Checkpoint
 from infc.runtime.weights.load import load_weights
+
+from exhaustive import EXHAUSTIVE
 
 TOL = 1e-4
 
@@ -279,3 +283,35 @@ def test_inspect_shows_each_ranks_collectives(tiny_model):
     assert "rank 0 of 2" in text and "rank 1 of 2" in text
     assert text.count("== collectives") == 2
     assert "ep_dispatch" in text and "all_reduce" in text
+
+
+@pytest.mark.parametrize("fmt,options,tp", [("ct-int", {"bits": 4, "group": 16}, 2),
+                                            pytest.param("ct-int", {"bits": 8, "group": 8, "sym": False}, 4,
+                                                         marks=EXHAUSTIVE)])
+def test_quantized_ranks_give_the_single_rank_logits(fmt, options, tp, tiny_model, rng, tmp_path):
+    """A quantized checkpoint under tensor parallelism: each rank reads its slice of the codes
+    (column-parallel rows, row-parallel columns: packed int4 included) and the scale blocks and
+    groups that slice spans; the ranks' logits are the single plan's (weight-only formats: no
+    activation quantizer for a last-bit difference to flip)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    from quantize_model import quantize_model
+    d, _ = tiny_model("qwen3", num_key_value_heads=4)
+    quantize_model(d, tmp_path / "q", fmt, **options)
+    ids = [int(t) for t in rng.integers(0, 320, 12)]
+    one, (many, plans) = single(tmp_path / "q"), ranked(tmp_path / "q", tensor_parallel_size=tp)
+    assert plans[1]["weights"]["wo"]["dtype"] == ("u4" if options["bits"] == 4 else "u8")
+    assert np.abs(many.step([SeqChunk(0, ids, 0)]) - one.step([SeqChunk(0, ids, 0)])).max() <= TOL
+    for pos, t in enumerate(ids[:4]):
+        assert np.abs(many.step([SeqChunk(1, [t], pos)]) - one.step([SeqChunk(1, [t], pos)])).max() <= TOL
+
+
+def test_quantized_ranks_refuse_a_split_inside_a_scale_block(tiny_model, tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    from quantize_model import quantize_model
+    from infc.compiler.contract.errors import ModelDirError
+    d, _ = tiny_model("qwen3", num_key_value_heads=4)
+    quantize_model(d, tmp_path / "q", "ct-int", bits=4, group=None)        # per channel: any split
+    ranked(tmp_path / "q", tensor_parallel_size=2)
+    quantize_model(d, tmp_path / "b", "fp8-block", block=(32, 16))      # 48 rows a rank
+    with pytest.raises(ModelDirError, match=r"rows \[0:48\] are not whole scale blocks of 32"):
+        ranked(tmp_path / "b", tensor_parallel_size=2)

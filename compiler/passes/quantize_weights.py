@@ -25,12 +25,51 @@ MATMULS = ("linear", "head_linear", "moe_gate_up", "moe_down")
 _WEIGHT = ".weight"
 
 
+def _rank_slice(meta: dict):
+    """(the recipe under a tensor-parallel rank's slice, (axis, start, stop)) of a weight
+    shard_ranks sliced, else (its recipe, None)."""
+    src = meta["source"]
+    if set(src) == {"slice", "axis", "start", "stop"}:
+        return src["slice"], (src["axis"], src["start"], src["stop"])
+    return src, None
+
+
 def _module(meta: dict) -> str | None:
     """The checkpoint module ({i} for the layer) a weight is read from as published, else None."""
-    src = meta["source"]
+    src, _ = _rank_slice(meta)
     if set(src) == {"tensor"} and src["tensor"].endswith(_WEIGHT):
         return src["tensor"][:-len(_WEIGHT)]
     return None
+
+
+def _sliced_sources(name: str, s, srcs: dict, cut, full: tuple) -> dict:
+    """A tensor-parallel rank's slice of the canonical tensors: the codes (logical [N, K]: the
+    recipes give them unpacked) as shard_ranks sliced the weight, the scales and zero points by
+    the blocks and groups the slice spans, which it must hold whole; g_idx and x_scale whole (a
+    column split with act-order groups is refused: its group ids name the whole row's scales)."""
+    axis, start, stop = cut
+    per = s.block_n if axis == 0 else s.block_k
+    if axis == 1 and s.g_idx:
+        raise ModelDirError(f"weight '{name}': --tensor-parallel-size splits its columns, and the checkpoint "
+                            f"names its scale groups per column (act-order g_idx): not supported")
+    if axis == 1 and s.act == "dynamic_group" and (start % s.act_group or stop % s.act_group):
+        raise ModelDirError(f"weight '{name}': a rank's columns [{start}:{stop}] split activation groups of "
+                            f"{s.act_group}")
+    out = {"codes": {"slice": srcs["codes"], "axis": axis, "start": start, "stop": stop}}
+    for c, src in srcs.items():
+        if c in ("w_scale", "w_zero"):
+            if per is None:          # one group a row: a column split keeps every row's scale
+                out[c] = src
+                continue
+            if start % per or (stop % per and stop != full[axis]):
+                what = "rows" if axis == 0 else "columns"
+                raise ModelDirError(f"weight '{name}': a rank's {what} [{start}:{stop}] are not whole "
+                                    f"scale blocks of {per} ({s}); use a --tensor-parallel-size that "
+                                    f"splits on block boundaries")
+            out[c] = {"slice": src, "axis": axis, "start": start // per, "stop": -(-stop // per)}
+        elif c != "codes":
+            out[c] = src
+    return out
 
 
 def _scheme(state, fmt, name: str, module: str, layers):
@@ -60,7 +99,12 @@ def _rewrite_weight(state, g, name: str, fmt, done: dict):
             done[name] = None
             return None
         n, k = meta["type"].shape
-        srcs = fmt.sources(module, s, n, k)
+        _, cut = _rank_slice(meta)
+        if cut is None:
+            srcs = fmt.sources(module, s, n, k)
+        else:
+            full = (n * state.parallel["tp"], k) if cut[0] == 0 else (n, k * state.parallel["tp"])
+            srcs = _sliced_sources(name, s, fmt.sources(module, s, *full), cut, full)
         names = {c: name + SUFFIX[c] for c in s.companions()}
         meta["source"] = srcs["codes"]
         meta["type"] = TensorType((n, k), s.codes)
@@ -120,13 +164,15 @@ def quantize_weights(state):
     fmt = state.quant
     if fmt is None:
         return
-    if state.parallel and (state.parallel.get("tp", 1) > 1):
-        raise ModelDirError("a quantized checkpoint with --tensor-parallel-size > 1: not supported yet "
-                            "(each rank's slice of the codes and scales is not planned)")
+    tp = state.parallel.get("tp", 1) if state.parallel else 1
     done: dict = {}
     for g in state.graph.walk():
         for n in g.ordered():
             if n.op in EXPERT_OPS:
+                if tp > 1:
+                    raise ModelDirError("a quantized checkpoint's MoE experts with --tensor-parallel-size > 1: "
+                                        "not supported yet (each rank's slice of the expert codes and scales is "
+                                        "not planned; --enable-expert-parallel alone slices whole experts)")
                 rewrite_experts(state, g, n, fmt, done)
                 continue
             if n.op not in LINEARS or g.values[n.inputs[1]].kind != "weight":
