@@ -35,6 +35,8 @@ config.json with the quantization_config tools/quantize_model.py writes for QUAN
 blocks; the cut's experts too), config-only, into .cache/gpu/configs/<name>/,
 the artifact `infc serve` reuses for the device's $MODELS/<name> into .cache/artifacts/<name>;
 where the kernels refuse to render a quantized launch yet, plan.json alone, said so).
+kvfp8 (issue 42, session.sh's `kv-fp8` stage: qwen3-4b built with --kv-cache-dtype fp8 into
+.cache/artifacts/qwen3-4b-kvfp8, beside base's qwen3-4b).
 Default: base, nofuse and families.
 
 The tiny qwen3_moe and the
@@ -64,7 +66,7 @@ TINY_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
             "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
 GPU_CACHE = REPO / ".cache" / "gpu"
 SERVED = ("qwen3-4b", "llama-3.2-1b")          # model directories LLM / infc serve load on the GPU
-PARTS = ("base", "nofuse", "families", "qwen35", "ranks", "deepseek", "twogpu", "server", "attnvar", "hlvar",
+PARTS = ("base", "nofuse", "families", "qwen35", "ranks", "deepseek", "twogpu", "server", "attnvar", "hlvar", "kvfp8",
          "quant")
 DEFAULT_PARTS = ("base", "nofuse", "families")
 
@@ -133,6 +135,8 @@ def main(parts=DEFAULT_PARTS):
         hlvar()
     if "quant" in parts:
         quant()
+    if "kvfp8" in parts:
+        kvfp8()
 
 
 def served_config(name: str) -> Path:
@@ -260,6 +264,16 @@ def quant(artifacts: Path | None = None):
             (out / "plan.json").write_text(dumps(plan))
             print(f"[prepare] {name}: the kernels refuse a quantized launch ({e}); wrote {out}/plan.json "
                   f"alone, no kernels or cubins: session.sh quant will skip its GPU steps", flush=True)
+
+
+def kvfp8():
+    """qwen3-4b with --kv-cache-dtype fp8, from the served qwen3-4b's config.json, into
+    .cache/artifacts/qwen3-4b-kvfp8: session.sh's `kv-fp8` stage times it beside the bf16-KV
+    artifact on the same model directory (issue 42: FP8 KV decode at 32k within 10 % of 1k)."""
+    from infc.compiler.build import REPO as BUILD_REPO
+    _both_tunings("qwen3-4b --kv-cache-dtype fp8", BUILD_REPO / ".cache" / "artifacts" / "qwen3-4b-kvfp8",
+                  model_dir=str(served_config("qwen3-4b")), kv_cache_dtype="fp8",
+                  check_checkpoint=False)     # (the random model has no k_scale / v_scale: 1.0, as here)
 
 
 def nofuse():

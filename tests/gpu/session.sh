@@ -38,6 +38,8 @@
 # top-1 agreement against the bf16 model's logits), into OUT/quant/<model>/, and the bf16 model's
 # latency beside them (QUANT_SKIP="golden throughput accuracy bf16" leaves steps out;
 # QUANT_LATENCY_ARGS, QUANT_THROUGHPUT_ARGS add flags).
+# kv-fp8 (issue 42, after prepare.py base kvfp8: batch-1 TPOT at 1k and 32k of context with
+# --kv-cache-dtype fp8 beside the bf16 KV cache, same model; KV_FP8_PROMPTS sets the prompts).
 # overlap-ab (overlapped engine steps against INFC_OVERLAP=0, alternating: latency and throughput);
 # ab the same for the switch AB_ENV names (INFC_WIDE: wide decode steps).
 # twogpu, twogpu-server, twogpu-bench (issue 14, two GPUs, one process each over NCCL, after
@@ -363,6 +365,17 @@ models.model_dir('$q')" 2>&1 | tail -3
         say "quant: bench latency qwen3-4b (bf16)"
         timeout ${LATENCY_S:-240} python3 -m infc.cli bench latency --artifact .cache/artifacts/qwen3-4b \
           --model-path "$MODELS/qwen3-4b" --no-hf --out "$OUT/quant/qwen3-4b" ${QUANT_LATENCY_ARGS:-} 2>&1 | quiet | tail -6 ;; esac ;;
+    kv-fp8)
+      # batch-1 decode at 1k and 32k of context with the fp8 KV cache against the bf16 one, same
+      # model directory and card (after prepare.py base kvfp8); KV_FP8_PROMPTS sets the prompts
+      mkdir -p "$OUT/kv-fp8"
+      for art in qwen3-4b qwen3-4b-kvfp8; do
+        python3 tests/gpu/rerender.py .cache/artifacts/$art 2>&1 | tail -1
+        say "kv-fp8: bench latency $art"
+        timeout ${LATENCY_S:-300} python3 -m infc.cli bench latency --artifact .cache/artifacts/$art \
+          --model-path "$MODELS/qwen3-4b" --no-hf --prompts ${KV_FP8_PROMPTS:-1024,32768} \
+          --out "$OUT/kv-fp8" 2>&1 | quiet | tail -5
+      done ;;
     tune)
       timeout ${TUNE_S:-300} python3 -m infc.cli tune run --dir .cache/tune/qwen3-4b-h200 --results-dir "$OUT" \
         --write "$OUT/h200.json" 2>&1 | tail -40 ;;
