@@ -8,6 +8,7 @@ import ast
 import functools
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,6 +102,16 @@ def _tensor(plan: dict, name: str, strided_ok: bool) -> dict:
     return {"name": name, "shape": shape, "dtype": w["dtype"], "kind": "weight"}
 
 
+def _refusal(undefined: str) -> str:
+    """A template refuses a launch by naming an undefined sentence ({{ needs_whole_groups }}):
+    said as words, with the name kept for whoever greps the template. Any other undefined name
+    is a template bug and is said as jinja2 says it."""
+    m = re.fullmatch(r"'(\w+)' is undefined", undefined)
+    if m is None or m.group(1).count("_") < 3:
+        return undefined
+    return f"the kernel refuses this launch: {m.group(1).replace('_', ' ')} ({m.group(1)})"
+
+
 def render_template(backend: str, template: str, ctx: dict, env=None) -> Kernel:
     """Render one template with a launch context (see docs/kernels.md for the keys)."""
     env = env or _env()
@@ -110,7 +121,7 @@ def render_template(backend: str, template: str, ctx: dict, env=None) -> Kernel:
     except jinja2.TemplateNotFound:
         raise TemplateError(f"no template {TEMPLATES.name}/{path} for op '{ctx.get('op')}'") from None
     except jinja2.UndefinedError as e:
-        raise TemplateError(f"{path}: {e}") from None
+        raise TemplateError(f"{path}: {_refusal(str(e))}") from None
     digest = hashlib.sha256(source.encode()).hexdigest()[:10]
     return Kernel(f"{template}_{digest}", backend, template, source, parse_meta(source, backend))
 
