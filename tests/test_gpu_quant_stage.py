@@ -67,10 +67,9 @@ def test_prepare_predicts_the_routers_the_writer_ignores(tiny_model, tmp_path):
     assert written["modules_to_not_convert"] == ["lm_head", "model.layers.0.mlp.gate", "model.layers.2.mlp.gate"]
 
 
-def test_hf_quant_computes_the_format_definition(tmp_path, monkeypatch):
-    """tests/gpu/hf_quant.py (the quant golden gate's HF side): transformers' dequantized fp8 model
-    with the activation quantization hooked in equals the numpy reference (the definition) at
-    every position, in float32; without the hooks it does not."""
+def _hf_and_reference(qdir, ids):
+    """(hf_quant's float32 model of qdir, its logits at every position of ids, the numpy
+    reference's logits at every position, one step a prefix)."""
     import numpy as np
     import torch
     import hf_quant
@@ -79,18 +78,29 @@ def test_hf_quant_computes_the_format_definition(tmp_path, monkeypatch):
     from infc.runtime.engine.step import Chunk
     from infc.runtime.reference.executor import ReferenceExecutor
     from infc.runtime.weights.load import load_weights
+    m = hf_quant.load(qdir, torch.float32).eval()
+    with torch.no_grad():
+        hf = m(torch.tensor([ids])).logits[0].numpy()
+    _, plan = compile_model(model_dir=str(qdir))
+    ex = ReferenceExecutor(plan, load_weights(plan, Checkpoint(qdir)))
+    return m, hf, np.stack([ex.step([Chunk(t, ids[:t + 1], 0)])[0] for t in range(len(ids))])
+
+
+def test_hf_quant_computes_the_format_definition(tmp_path, monkeypatch):
+    """tests/gpu/hf_quant.py (the quant golden gate's HF side): transformers' dequantized fp8 model
+    with the activation quantization hooked in equals the numpy reference (the definition) at
+    every position, in float32; without the hooks it does not."""
+    import numpy as np
+    import torch
+    import hf_quant
     src, q = tmp_path / "bf16", tmp_path / "fp8"
     model(src, "qwen3")
     quantize_model(src, q, "fp8-block", block=(16, 48))
     ids = [5, 17, 33, 2, 99, 250, 7, 8, 9]
-    m = hf_quant.load(q, torch.float32).eval()
+    m, hf, ours = _hf_and_reference(q, ids)
     with torch.no_grad():
-        hf = m(torch.tensor([ids])).logits[0].numpy()
         monkeypatch.setattr(hf_quant, "quantize_groups", lambda x, group: x)    # the hooks do nothing
         plain = m(torch.tensor([ids])).logits[0].numpy()
-    _, plan = compile_model(model_dir=str(q))
-    ex = ReferenceExecutor(plan, load_weights(plan, Checkpoint(q)))
-    ours = np.stack([ex.step([Chunk(t, ids[:t + 1], 0)])[0] for t in range(len(ids))])
     np.testing.assert_allclose(hf, ours, rtol=1e-4, atol=1e-5)
     assert np.abs(plain - ours).max() > 1e-3            # the activation quantization is what it adds
 
@@ -101,21 +111,10 @@ def test_hf_quant_computes_the_format_definition_for_experts(tiny_model, tmp_pat
     equal to the numpy reference at every position; without the quantizer they are not."""
     import numpy as np
     import torch
-    import hf_quant
-    from infc.compiler.build import compile_model
-    from infc.compiler.contract.safetensors_io import Checkpoint
-    from infc.runtime.engine.step import Chunk
-    from infc.runtime.reference.executor import ReferenceExecutor
-    from infc.runtime.weights.load import load_weights
     src, _ = tiny_model("qwen3_moe", moe_intermediate_size=128)
     quantize_model(src, tmp_path, "fp8-block")
     ids = [11, 200, 3, 77, 150, 9, 31, 260]
-    m = hf_quant.load(tmp_path, torch.float32).eval()
-    with torch.no_grad():
-        hf = m(torch.tensor([ids])).logits[0].numpy()
-    _, plan = compile_model(model_dir=str(tmp_path))
-    ex = ReferenceExecutor(plan, load_weights(plan, Checkpoint(tmp_path)))
-    ours = np.stack([ex.step([Chunk(t, ids[:t + 1], 0)])[0] for t in range(len(ids))])
+    m, hf, ours = _hf_and_reference(tmp_path, ids)
     np.testing.assert_allclose(hf, ours, rtol=1e-4, atol=1e-5)
     experts = m.model.layers[0].mlp.experts
     del experts.forward                                   # HF's own expert loop, no quantizer
@@ -131,21 +130,8 @@ def test_hf_quant_by_definition_equals_the_reference(tmp_path, fmt, options):
     HF built without the quantization_config, each quantized linear holding its definition
     (tests/quant_definitions.py) equals the numpy reference at every position, in float32."""
     import numpy as np
-    import torch
-    import hf_quant
-    from infc.compiler.build import compile_model
-    from infc.compiler.contract.safetensors_io import Checkpoint
-    from infc.runtime.engine.step import Chunk
-    from infc.runtime.reference.executor import ReferenceExecutor
-    from infc.runtime.weights.load import load_weights
     src, q = tmp_path / "bf16", tmp_path / "q"
     model(src, "qwen3")
     quantize_model(src, q, fmt, **options)
-    ids = [5, 17, 33, 2, 99, 250, 7, 8, 9]
-    m = hf_quant.load(q, torch.float32).eval()
-    with torch.no_grad():
-        hf = m(torch.tensor([ids])).logits[0].numpy()
-    _, plan = compile_model(model_dir=str(q))
-    ex = ReferenceExecutor(plan, load_weights(plan, Checkpoint(q)))
-    ours = np.stack([ex.step([Chunk(t, ids[:t + 1], 0)])[0] for t in range(len(ids))])
+    _, hf, ours = _hf_and_reference(q, [5, 17, 33, 2, 99, 250, 7, 8, 9])
     np.testing.assert_allclose(hf, ours, rtol=1e-4, atol=1e-5)
