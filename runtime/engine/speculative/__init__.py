@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers and the exact verification of their drafts (issue 43)."""
