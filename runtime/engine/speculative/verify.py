@@ -126,12 +126,12 @@ def _distributions(name: str, probs: np.ndarray) -> np.ndarray:
     p = np.asarray(probs, dtype=np.float64)
     if p.ndim != 2 or p.shape[1] == 0:
         raise ValueError(f"{name} must be [rows, V] with V > 0, got shape {list(p.shape)}")
-    if not np.isfinite(p).all() or (p < 0).any():
-        i, v = np.argwhere(~np.isfinite(p) | (p < 0))[0]
+    if not (p >= 0).all():                        # NaN too; an inf makes its row's sum inf below
+        i, v = np.argwhere(~(p >= 0))[0]
         raise ValueError(f"{name}[{i}, {v}] = {p[i, v]}: probabilities must be finite and >= 0")
     sums = p.sum(axis=1)
     off = np.flatnonzero(np.abs(sums - 1.0) > SUM_TOLERANCE)
     if off.size:
-        raise ValueError(f"{name} row {off[0]} sums to {sums[off[0]]!r}, not 1 (tolerance "
+        raise ValueError(f"{name} row {off[0]} sums to {float(sums[off[0]])}, not 1 (tolerance "
                          f"{SUM_TOLERANCE}): pass probabilities, not logits")
     return p / sums[:, None]
