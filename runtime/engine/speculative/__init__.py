@@ -1,1 +1,2 @@
-"""Speculative decoding: proposers of draft tokens that the target model verifies in one step."""
+"""Speculative decoding: proposers of draft tokens and the exact verification of those drafts
+by the target model in one step (issue 43)."""
