@@ -83,6 +83,7 @@ _GEMV_WIDE = [{"BLOCK_T": 128, "num_warps": 8}, {"BLOCK_T": 128, "num_warps": 8,
 _GEMV_NARROW_CODES = [{"BLOCK_N": 128}, {"BLOCK_N": 32}, {"NDOT_STAGES": 3}, {"NDOT_STAGES": 6},
                       {"PRELOAD": 2}, {"PRELOAD": 5}, {"TARGET_CTAS": 528}, {"TARGET_CTAS": 792},
                       {"BLOCK_N": 128, "TARGET_CTAS": 528}, {"num_warps": 8}, {"NARROW_DOT": 0}]
+NARROW_QUANT = {("triton", t): _GEMV_NARROW_CODES for t in ("gemv", "gemv_gated")}
 _GEMV_FMA_T = [{"FMA_T": 2, "FMA_BLOCK_K": 128}, {"FMA_T": 4, "BLOCK_N": 16, "FMA_BLOCK_K": 128}]
 # lm_head_last cannot split K (its norm scale closes the K loop) and has a huge N
 _LM_FMA = [{"BLOCK_N": 8}, {"BLOCK_N": 32, "FMA_BLOCK_K": 256}, {"FMA_BLOCK_K": 256},
@@ -226,7 +227,6 @@ GRIDS = {
 # i32 inputs whose contents must agree with another input's rather than be random: the grouped
 # MoE kernels' per-expert token lists (moe_align's outputs) follow the launch's routing ids.
 # op -> (index of the ids input, {input index: which moe_align output})
-NARROW_QUANT = {("triton", t): _GEMV_NARROW_CODES for t in ("gemv", "gemv_gated")}
 DERIVED = {"moe_gate_up": (1, {3: "rows", 4: "counts"}), "moe_down": (2, {4: "rows", 5: "counts"})}
 # which step dimension is a template's row count (the gemv family picks its path by it):
 # lm_head_last's rows are B; the others' are their input's leading dim (T, or B after last())
@@ -370,7 +370,8 @@ def prepare(model=None, gpu="h200", out=None, phases=("decode", "prefill"), temp
         rows = [d[rows_dim(tpl, e["inputs"])] for d in dims[e["phase"]]]
         cands = [(c, "default" if not c else "grid") for c in candidates(backend, tpl, rows)]
         if e["phase"] == "narrow" and e["ctx"]["attrs"].get("quant"):
-            cands[1:1] = [(c, "grid") for c in NARROW_QUANT.get((backend, tpl), []) if c not in [x for x, _ in cands]]
+            grid = [c for c, _ in cands]
+            cands[1:1] = [(c, "grid") for c in NARROW_QUANT.get((backend, tpl), []) if c not in grid]
         if current and current not in [c for c, _ in cands]:
             cands.insert(1, (dict(current), "current"))
         rendered, skipped, seen = [], [], {}
