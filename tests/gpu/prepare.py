@@ -218,7 +218,12 @@ def base_config(base: str) -> Path:
         return served_config(base)
     cfg = json.loads((served_config(cut.group(1)) / "config.json").read_text())
     cfg.update(num_hidden_layers=int(cut.group(2)), max_window_layers=int(cut.group(2)))
-    d = GPU_CACHE / "configs" / base
+    return _write_config(base, cfg)
+
+
+def _write_config(name: str, cfg: dict) -> Path:
+    """.cache/gpu/configs/<name>/config.json holding cfg; returns its directory."""
+    d = GPU_CACHE / "configs" / name
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     return d
@@ -240,10 +245,7 @@ def quant_config(name: str) -> Path:
     base, fmt, options = QUANT_FORMATS[name]
     cfg = json.loads((base_config(base) / "config.json").read_text())
     cfg["quantization_config"] = quantization_config(fmt, options, moe_routers(cfg))
-    d = GPU_CACHE / "configs" / name
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    return d
+    return _write_config(name, cfg)
 
 
 def quant(artifacts: Path | None = None):
