@@ -113,7 +113,14 @@ def rewrite_experts(state, g, node, fmt, done: dict):
         if v not in g.values:
             register_weight(state, g, v, TensorType((e,) + s.scale_shape(n, k), "f32"), comp[c],
                             state.weights[name]["layers"], state.weights[name].get("line"))
-    node.inputs = node.inputs[:EXPERT_OPS[node.op] + 3] + [names[c] for c in COMPANIONS if c in names]
+    attach_companions(node, EXPERT_OPS[node.op] + 3, s, names)
+
+
+def attach_companions(node, base: int, s, names: dict):
+    """node's inputs after its first `base` (the operands the quantized op keeps) become the
+    scheme's companions in COMPANIONS order, with the scheme and a has_<companion> flag each in
+    its attrs (a linear's and an expert stack's alike)."""
+    node.inputs = node.inputs[:base] + [names[c] for c in COMPANIONS if c in names]
     node.attrs["quant"] = s.attrs()
     for c in names:
         node.attrs["has_" + c] = True

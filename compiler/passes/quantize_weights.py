@@ -15,9 +15,8 @@ naming it: it would otherwise be read as bf16 from fp8 or packed-integer bytes.
 """
 from ..contract.errors import ModelDirError
 from ..ir import TensorType, Value
-from ..quant.scheme import COMPANIONS
 from .fuse_weights import register_weight
-from .quantize_experts import EXPERT_OPS, SUFFIX, rewrite_experts
+from .quantize_experts import EXPERT_OPS, SUFFIX, attach_companions, rewrite_experts
 LINEARS = ("linear",)
 # ops whose weights are matrices a checkpoint may store quantized (HF quantizes nn.Linear modules:
 # never embeddings or norms), whether or not this pass can rewrite them yet
@@ -181,9 +180,5 @@ def quantize_weights(state):
             if got is None:
                 continue
             s, names = got
-            base = 3 if n.attrs.get("has_bias") else 2
-            n.inputs = n.inputs[:base] + [names[c] for c in COMPANIONS if c in names]
-            n.attrs["quant"] = s.attrs()
-            for c in names:
-                n.attrs["has_" + c] = True
+            attach_companions(n, 3 if n.attrs.get("has_bias") else 2, s, names)
     _check_all_rewritten(state, fmt, done)
