@@ -291,6 +291,15 @@ def make_model(name: str, out: Path, device: str = "cuda", seed: int = 0, **extr
     return out
 
 
+def _bound(value):
+    """A bound value as the ops read it: rope parameters of the "default" type are no scaling
+    (compiler/ops/rope.py), which transformers 5.17 writes as rope_parameters where a config
+    written elsewhere has rope_scaling null."""
+    if isinstance(value, dict) and value.get("rope_type", value.get("type")) == "default":
+        return None
+    return value
+
+
 def check_config(name: str, model_dir: Path, carried_dir: Path | None = None):
     """The plan was built from config_dir(name)/config.json (prepare.py; carried_dir for another
     build of the family, as SERVER's); the model directory's config.json is what this machine's
@@ -302,7 +311,7 @@ def check_config(name: str, model_dir: Path, carried_dir: Path | None = None):
     ours = json.loads((Path(model_dir) / "config.json").read_text())
     theirs = json.loads(carried.read_text())
     a, b = spec.bind(ours), spec.bind(theirs)
-    diff = {k: (a.get(k), b.get(k)) for k in set(a) | set(b) if a.get(k) != b.get(k)}
+    diff = {k: (a.get(k), b.get(k)) for k in set(a) | set(b) if _bound(a.get(k)) != _bound(b.get(k))}
     if diff:
         raise RuntimeError(f"{name}: {model_dir}/config.json binds {spec.path} differently from the "
                            f"config the artifact was built from ({carried}): {diff}")

@@ -35,7 +35,8 @@
 # written here from the random bf16 qwen3-4b by tools/quantize_model.py (timed), then, where
 # prepare.py could build its kernels, its golden gate against HF on the same checkpoint
 # (test_golden.py -m quant), bench latency and throughput, and bench quant-accuracy (mean KL and
-# top-1 agreement against the bf16 model's logits), into OUT/quant/<model>/, and the bf16 model's
+# top-1 agreement against the bf16 model's logits, and HF's same figures for the same checkpoint:
+# tests/gpu/hf_quant_accuracy.py), into OUT/quant/<model>/, and the bf16 model's
 # latency beside them (QUANT_SKIP="golden throughput accuracy bf16" leaves steps out;
 # QUANT_LATENCY_ARGS, QUANT_THROUGHPUT_ARGS add flags).
 # kv-fp8 (issue 42, after prepare.py base kvfp8: batch-1 TPOT at 1k and 32k of context with
@@ -355,6 +356,9 @@ models.model_dir('$q')" 2>&1 | tail -3
             timeout ${QUANT_ACCURACY_S:-300} python3 -m infc.cli bench quant-accuracy --device cuda \
               --reference "$MODELS/$base" --reference-artifact .cache/artifacts/$base \
               --model-path "$MODELS/$q" --artifact $art --sequences 16 --prompt-len 512 --out "$OUT/quant/$q" 2>&1 | tail -3
+            # HF's figures for the same checkpoint and sequences, beside infc's
+            timeout ${QUANT_ACCURACY_S:-300} python3 tests/gpu/hf_quant_accuracy.py --reference "$MODELS/$base" \
+              --model-path "$MODELS/$q" --sequences 16 --prompt-len 512 --out "$OUT/quant/$q" 2>&1 | tail -3
           else
             say "quant: no bf16 artifact of $base here (.cache/artifacts/$base): no accuracy run for $q"
           fi ;; esac

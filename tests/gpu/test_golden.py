@@ -13,7 +13,12 @@ a real checkpoint's shapes, weights drawn by transformers on this GPU; marked `f
 `-m families` runs only them). The quantized checkpoints (models.QUANTIZED, marked `quant`: only
 with `-m quant`) are held to the same gate against HF loading the same quantized checkpoint,
 computing the format's definition (tests/gpu/hf_quant.py: dequantized weights, activations
-quantized per token group as the format does). A family with a sliding window longer than the 1024-token prompts
+quantized per token group as the format does). Rounding an activation to e4m3 is a step function:
+a last-bit difference in its bf16 input (which any two bf16 implementations have) moves a code by
+a whole e4m3 step, so a quantized model's bf16 noise is several times a bf16 model's. Its gate is
+therefore taken against the definition in float32 (HF's model of it, in float32), with limits of
+1.5x the distance of HF's own bf16 run of the same definition from it (the noise floor, printed)
+where that exceeds the bf16 limits. A family with a sliding window longer than the 1024-token prompts
 (phi-3-mini 2047, gemma-2 and starcoder2 4096) gets two more sequences: a prompt 8 tokens short
 of the window (its decode steps cross the window's edge) and one 100 tokens past it (prefill
 beyond the window); gemma-3's 512-token window is crossed by the common lengths (511-513,
@@ -68,6 +73,18 @@ def hf_logits(hf, seqs, device="cuda") -> list[np.ndarray]:
     return want
 
 
+LIMITS = (0.2, 0.06, 0.2)      # argmax regret (max), |delta logprob| of the top-8 (mean, p99)
+
+
+def worst_of(gates) -> tuple:
+    """(max regret, mean of means, max p99) over sequences' gate() results."""
+    return (max(g[0] for g in gates), float(np.mean([g[1] for g in gates])), max(g[2] for g in gates))
+
+
+def within(stats, limits) -> bool:
+    return all(x <= lim for x, lim in zip(stats, limits))
+
+
 def gate(ours: np.ndarray, theirs: np.ndarray):
     lo, lt = logprobs(ours), logprobs(theirs)
     pick = lo.argmax(-1)
@@ -86,9 +103,10 @@ def setup(request, model_dir, artifact):
             pytest.fail(missing, pytrace=False)
     d, art = model_dir(name), artifact(name)
     from transformers import AutoModelForCausalLM
+    limits = LIMITS
     if name in models.QUANTIZED:        # the format's definition in torch (hf_quant.py says why)
         import hf_quant
-        hf = hf_quant.load(d, torch.bfloat16).cuda().eval()
+        hf = hf_quant.load(d, torch.float32).cuda().eval()
     else:
         hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).cuda().eval()
     V = hf.config.vocab_size
@@ -101,7 +119,15 @@ def setup(request, model_dir, artifact):
     want = hf_logits(hf, seqs)
     del hf
     torch.cuda.empty_cache()
-    yield name, d, art, seqs, want
+    if name in models.QUANTIZED:        # the noise floor: HF's bf16 run of the same definition
+        hf = hf_quant.load(d, torch.bfloat16).cuda().eval()
+        floor = worst_of([gate(b, w) for b, w in zip(hf_logits(hf, seqs), want)])
+        del hf
+        torch.cuda.empty_cache()
+        limits = tuple(max(lim, 1.5 * f) for lim, f in zip(LIMITS, floor))
+        print(f"{name} noise floor (HF bf16 vs HF float32): regret {floor[0]:.3f} mean {floor[1]:.4f} "
+              f"p99 {floor[2]:.3f}; limits regret {limits[0]:.3f} mean {limits[1]:.4f} p99 {limits[2]:.3f}")
+    yield name, d, art, seqs, want, limits
     models.remove(name)
 
 
@@ -138,7 +164,7 @@ def wide_at(art, tokens: int, tmp: Path) -> Path:
 
 @pytest.mark.parametrize("mode", ["eager-b1", "graph-b9", "graph-b5", "graph-b9-wide"])
 def test_golden(setup, mode, tmp_path):
-    name, d, art, seqs, want = setup
+    name, d, art, seqs, want, limits = setup
     graphs = mode.startswith("graph")
     batch = {"eager-b1": 1, "graph-b9": 9, "graph-b5": 5, "graph-b9-wide": 9}[mode]
     if mode.endswith("-wide"):
@@ -148,16 +174,13 @@ def test_golden(setup, mode, tmp_path):
     with closing(CudaRunner(art, d, max_num_batched_tokens=16384, max_num_seqs=16, cuda_graphs=graphs,
                             buckets=[1, 2, 4, 8, 16], num_pages=2048)) as runner:
         got = run(runner, seqs, batch)
-    worst = [gate(g, w) for g, w in zip(got, want)]
-    regret = max(w[0] for w in worst)
-    mean = float(np.mean([w[1] for w in worst]))
-    p99 = max(w[2] for w in worst)
+    regret, mean, p99 = stats = worst_of([gate(g, w) for g, w in zip(got, want)])
     print(f"{name} {mode}: regret {regret:.3f} mean {mean:.4f} p99 {p99:.3f}")
-    assert regret <= 0.2 and mean <= 0.06 and p99 <= 0.2
+    assert within(stats, limits), (stats, limits)
 
 
 def test_prefix_replay_and_determinism(setup):
-    name, d, art, seqs, want = setup
+    name, d, art, seqs, want, limits = setup
     with closing(CudaRunner(art, d, max_num_batched_tokens=4096, max_num_seqs=8, cuda_graphs=True,
                             buckets=[1, 2, 4, 8], num_pages=1024)) as runner:
         pages = Pages(runner.num_pages, runner.page_size)
@@ -181,16 +204,16 @@ def test_prefix_replay_and_determinism(setup):
     # cold prefill runs the prefill GEMMs: two valid kernel paths, each held to the golden gate
     # against HF at the prompt's last position (a wrong prefix page would be far outside it).
     for what, got in (("cold", cold), ("warm", warm)):
-        regret, mean, p99 = gate(got, want[27][:1])
+        regret, mean, p99 = stats = gate(got, want[27][:1])
         print(f"{name} prefix replay {what}: regret {regret:.3f} mean {mean:.4f} p99 {p99:.3f}")
-        assert regret <= 0.2 and mean <= 0.06 and p99 <= 0.2, what
+        assert within(stats, limits), (what, stats, limits)
 
 
 def test_decode_is_bit_identical(setup):
     """Two identical runs give identical logits at every step, decode included: the split-K
     GEMVs add their partial sums in a fixed order (batch 9: tensor-core path in graph bucket 16;
     batch 1: the CUDA-core path in bucket 1)."""
-    name, d, art, seqs, want = setup
+    name, d, art, seqs, want, limits = setup
     with closing(CudaRunner(art, d, max_num_batched_tokens=16384, max_num_seqs=16, cuda_graphs=True,
                             buckets=[1, 2, 4, 8, 16], num_pages=2048)) as runner:
         runs = [(run(runner, group, len(group)), run(runner, group, len(group)))
