@@ -286,6 +286,13 @@ class _Lowerer:
         except (ValueError, TypeError) as x:
             raise self.err(f"{op_name}: bad attribute '{ast.unparse(e)}': {x}", line) from None
 
+    def present(self, e) -> bool:
+        """Whether an optional tensor argument names a tensor: not left out, not None / none, not
+        a weight whose `when` is false."""
+        return e is not None and not (isinstance(e, ast.Name) and e.id in self.absent) \
+            and not (isinstance(e, ast.Constant) and e.value is None) \
+            and not (isinstance(e, ast.Name) and e.id in ("none", "None"))
+
     def expr(self, g: Graph, e, scope, line, n_targets, names=None) -> list[str]:
         """Lower one call; its outputs are named after the statement's targets when given."""
         if isinstance(e, ast.Name):
@@ -300,7 +307,7 @@ class _Lowerer:
             raise self.err(f"unknown op '{name}'{did_you_mean(name, known + ['layers'])} "
                            f"(known ops: {', '.join(known)}, layers)", line)
         op = REGISTRY[name]
-        params = op.tensors + op.optional + list(op.attrs) + list(op.extra_attrs)
+        params = op.tensors + op.optional + list(op.attrs) + list(op.extra_attrs) + op.extra_tensors
         sig = f"{name}({', '.join(params)})"
         if len(e.args) > len(params):
             raise self.err(f"{name} takes at most {len(params)} arguments {sig}, got {len(e.args)}", line)
@@ -323,13 +330,14 @@ class _Lowerer:
         tensors = set(scope) | set(g.values)
         attrs = {}
         for p in op.optional:          # a bias naming a weight whose `when` is false is left out
-            e = bound.get(p)
-            present = e is not None and not (isinstance(e, ast.Name) and e.id in self.absent) \
-                and not (isinstance(e, ast.Constant) and e.value is None) \
-                and not (isinstance(e, ast.Name) and e.id in ("none", "None"))
+            present = self.present(bound.get(p))
             if present:
-                inputs.append(self.tensor_arg(g, e, scope, line, name, p))
+                inputs.append(self.tensor_arg(g, bound[p], scope, line, name, p))
             attrs[f"has_{p}"] = present
+        for p in op.extra_tensors:     # recorded only where present: other plans unchanged
+            if self.present(bound.get(p)):
+                inputs.append(self.tensor_arg(g, bound[p], scope, line, name, p))
+                attrs[f"has_{p}"] = True
         attrs.update({a: (self.attr_arg(bound[a], line, name, a, tensors) if a in bound else dflt)
                       for a, dflt in op.attrs.items()})
         attrs.update({a: self.attr_arg(bound[a], line, name, a, tensors) for a in op.extra_attrs if a in bound})

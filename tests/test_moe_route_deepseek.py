@@ -1,8 +1,10 @@
-"""moe_route's DeepSeek-V2 routing (groups / topk_groups / scale) against transformers' own
-router, DeepseekV2TopkRouter, on random logits (no ties: torch.topk(sorted=False) promises no
-order among equal scores, moe_route takes the lower id): the same experts per token (as sets)
-and the same weights to 1e-6. Also: the defaults leave the op as it was, and a spec's keyword
-attrs reach the node."""
+"""moe_route's DeepSeek routing against transformers' own routers on random logits (no ties:
+torch.topk(sorted=False) promises no order among equal scores, moe_route takes the lower id): the
+same experts per token (as sets) and the same weights to 1e-6. DeepSeek-V2's (softmax; groups /
+topk_groups / scale) against DeepseekV2TopkRouter; DeepSeek-V3's noaux_tc (scoring sigmoid, the
+e_score_correction_bias choosing, a group scored by its two best, normalize, scale) against
+DeepseekV3TopkRouter. Also: the defaults leave the op as it was, and a spec's keyword attrs and
+bias tensor reach the node."""
 import numpy as np
 import pytest
 import torch
@@ -60,6 +62,51 @@ def test_route_matches_hf(T, E, k, method, groups, topk_groups, scale):
         assert all(set((ids[t] // gs).tolist()) <= set(kept[t].tolist()) for t in range(T))
 
 
+def hf_route_v3(logits, bias, k, groups, topk_groups, scale, normalize):
+    """transformers' DeepseekV3TopkRouter with weight = identity and the given correction bias."""
+    from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+    T, E = logits.shape
+    cfg = DeepseekV3Config(hidden_size=E, n_routed_experts=E, num_experts_per_tok=k, n_group=groups,
+                           topk_group=topk_groups, routed_scaling_factor=scale, norm_topk_prob=normalize,
+                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                           vocab_size=32, intermediate_size=8, moe_intermediate_size=8)
+    gate = DeepseekV3TopkRouter(cfg)
+    with torch.no_grad():
+        gate.weight.copy_(torch.eye(E))
+        gate.e_score_correction_bias.copy_(torch.from_numpy(bias))
+        _, w, ids = gate(torch.from_numpy(logits))
+    return w.numpy(), ids.numpy()
+
+
+V3_CASES = [  # (T, E, k, groups, topk_groups, scale, normalize)
+    (7, 16, 3, 1, 1, 1.0, True),
+    (9, 16, 3, 4, 2, 2.5, True),
+    (9, 24, 4, 8, 3, 2.5, False),
+    (11, 12, 4, 3, 1, 1.0, True),       # k = the kept group's 4 experts
+    (6, 256, 8, 8, 4, 2.5, True),       # DeepSeek-V3's shape
+    (5, 384, 8, 1, 1, 2.827, True),     # Kimi-K2's (one group)
+]
+
+
+@pytest.mark.parametrize("T,E,k,groups,topk_groups,scale,normalize", V3_CASES)
+def test_route_sigmoid_matches_hf_v3(T, E, k, groups, topk_groups, scale, normalize):
+    gen = np.random.default_rng(T * E + k + 1)
+    logits = (gen.standard_normal((T, E)) * 2).astype(np.float32)
+    bias = (gen.standard_normal(E) * 0.5).astype(np.float32)     # large enough to change choices
+    w_hf, ids_hf = hf_route_v3(logits, bias, k, groups, topk_groups, scale, normalize)
+    w, ids = ROUTE(None, logits, bias, k=k, normalize=normalize, groups=groups, topk_groups=topk_groups,
+                   scale=scale, scoring="sigmoid", has_bias=True)
+    for t in range(T):
+        assert set(ids[t].tolist()) == set(ids_hf[t].tolist()), t
+        order = np.argsort(ids[t]), np.argsort(ids_hf[t])
+        assert np.allclose(w[t][order[0]], w_hf[t][order[1]], rtol=1e-6, atol=1e-6), t
+    # the bias chose: without it, some token picks other experts
+    _, ids0 = ROUTE(None, logits, k=k, normalize=normalize, groups=groups, topk_groups=topk_groups,
+                    scale=scale, scoring="sigmoid")
+    assert any(set(ids0[t].tolist()) != set(ids[t].tolist()) for t in range(T))
+
+
 def test_defaults_unchanged():
     gen = np.random.default_rng(0)
     logits = gen.standard_normal((5, 10)).astype(np.float32)
@@ -102,7 +149,8 @@ def test_spec_keyword_attrs():
     from infc.compiler.ops.moe import route_infer
     from infc.compiler.ir import TensorType
     op = REGISTRY["moe_route"]
-    assert op.extra_attrs == {"groups": 1, "topk_groups": 1, "scale": 1.0, "shared": 0}
+    assert op.extra_attrs == {"groups": 1, "topk_groups": 1, "scale": 1.0, "shared": 0, "scoring": "softmax"}
+    assert op.extra_tensors == ["bias"]
     lt = TensorType((4, 12), "f32")
     route_infer([lt], {"k": 2, "groups": 3, "topk_groups": 2, "scale": 16.0})
     w, ids = route_infer([lt], {"k": 2, "shared": 3})
@@ -114,11 +162,19 @@ def test_spec_keyword_attrs():
         route_infer([lt], {"k": 2, "groups": 5})
     with pytest.raises(ShapeError):
         route_infer([lt], {"k": 2, "groups": 3, "topk_groups": 4})
+    with pytest.raises(ShapeError, match="scoring"):
+        route_infer([lt], {"k": 2, "scoring": "relu"})
+    with pytest.raises(ShapeError, match="bias"):
+        route_infer([lt, TensorType((11,), "f32")], {"k": 2, "scoring": "sigmoid"})
+    with pytest.raises(ShapeError, match="two best"):
+        route_infer([lt], {"k": 2, "scoring": "sigmoid", "groups": 12})
 
 
 @pytest.mark.parametrize("extra,want", [("", {}),
                                         (", groups=4, topk_groups=2, scale=2.5",
-                                         {"groups": 4, "topk_groups": 2, "scale": 2.5})])
+                                         {"groups": 4, "topk_groups": 2, "scale": 2.5}),
+                                        (", scoring='sigmoid', bias=router",
+                                         {"scoring": "sigmoid", "has_bias": True})])
 def test_spec_attrs_reach_the_node(tmp_path, extra, want):
     """qwen3_moe's spec with the keywords added to its moe_route call: they land in the node's
     attrs; without them the node carries only k and normalize (so plans stay as they were)."""

@@ -212,7 +212,7 @@ def test_expert_dispatch_and_combine_equal_all_experts(rng):
 
     T, H, E, F, k, N = 7, 8, 8, 6, 3, 4
     x = rng.standard_normal((T, H)).astype(np.float32)
-    w, ids = moe.route(None, rng.standard_normal((T, E)).astype(np.float32), k, True)
+    w, ids = moe.route(None, rng.standard_normal((T, E)).astype(np.float32), k=k, normalize=True)
     gu = rng.standard_normal((E, 2 * F, H)).astype(np.float32)
     dn = rng.standard_normal((E, H, F)).astype(np.float32)
     want = moe.down(None, moe.gate_up(None, x, ids, gu), w, ids, dn)

@@ -38,6 +38,11 @@ class OpDef:
     extra_attrs: dict = field(default_factory=dict)  # attrs added later (name -> default): a node
                                            # carries one only where its spec gives it, so the
                                            # plans of specs that don't are unchanged
+    extra_tensors: list[str] = field(default_factory=list)  # optional tensors added later, after
+                                           # the extra attrs (given by keyword): a present one
+                                           # follows the other inputs and sets has_<name>; an absent
+                                           # one sets nothing, so the plans of specs without it
+                                           # are unchanged
     infer: Callable = None                 # (types: list[TensorType], attrs) -> list[TensorType]
     reference: Callable = None             # (ctx, *arrays, **attrs) -> array | tuple
     templates: dict = field(default_factory=dict)   # backend -> template or {phase: template}

@@ -1,6 +1,7 @@
 """Mixture of experts: softmax top-k routing, then a grouped SwiGLU over the chosen experts.
 
-moe_route(logits[T, E], k, normalize, groups=1, topk_groups=1, scale=1.0, shared=0)
+moe_route(logits[T, E], k, normalize, groups=1, topk_groups=1, scale=1.0, shared=0,
+          scoring="softmax", bias=None)
         -> (weights f32[T, k + shared], ids i32[T, k + shared]):
     p = softmax(logits); ids = top-k of p (ties: lower expert id first); weights = p[ids],
     renormalized to sum 1 when `normalize`, then times `scale`.
@@ -12,13 +13,20 @@ moe_route(logits[T, E], k, normalize, groups=1, topk_groups=1, scale=1.0, shared
     final weights, as transformers' DeepseekV2TopkRouter does last. (Transformers 5.x's
     DeepSeek-V2 router never normalizes -- it ignores norm_topk_prob -- so its specs pass
     normalize false; with normalize, the scale follows the normalization, as in DeepSeek-V3.)
+    scoring "sigmoid" (DeepSeek-V3's noaux_tc, Kimi-K2's and GLM-4.5's router): s = sigmoid(logits)
+    and, with `bias` (e_score_correction_bias [E], f32), the choice scores c = s + bias; a group
+    scores the sum of its two largest c; the experts of the groups not kept are out of the choice
+    (as -inf in transformers); ids = top-k of c; weights = s[ids] (the bias only chooses),
+    renormalized when `normalize`, then times `scale`. Softmax scoring with a bias chooses by
+    p + bias likewise.
     shared > 0 (compiler/passes/fold_shared_experts.py sets it): every token also
     names the always-on experts E .. E + shared - 1 (a model's shared experts, stacked after the
     routed ones), in slots k .. k + shared - 1, with weight 1 (unscaled, unnormalized).
     Ties: transformers takes torch.topk(sorted=False), which promises no order among equal
     scores; here (reference and kernel alike) the lower id wins, for groups and experts.
-    groups, topk_groups, scale and shared are extra attrs (base.OpDef.extra_attrs): a node carries them
-    only where its spec gives them, so the plans of specs that don't are unchanged.
+    groups, topk_groups, scale, shared and scoring are extra attrs and bias an extra tensor
+    (base.OpDef.extra_attrs / extra_tensors): a node carries them only where its spec gives them, so
+    the plans of specs that don't are unchanged.
 moe_experts(x[T, H], weights, ids, gate[E, F, H], up[E, F, H], down[E, H, F]) -> [T, H]:
     y[t] = sum_j weights[t, j] * down[e] @ (silu(gate[e] @ x[t]) * up[e] @ x[t]), e = ids[t, j].
     A slot of id -1 names no expert and adds nothing: expert parallelism's ep_dispatch gives the
@@ -53,10 +61,19 @@ from .activation import silu
 from .quant import QUANT_OPTIONAL, check_types, expert_operands
 
 
+SCORING = ("softmax", "sigmoid")
+
+
 def route_infer(types, attrs):
-    (logits,) = types
+    logits, *bias = types
     k = attrs["k"]
     expect(len(logits.shape) == 2, f"router logits must be [T, E], got {logits}")
+    expect(not bias or tuple(bias[0].shape) == (logits.shape[1],),
+           f"moe_route bias must be [E] = [{logits.shape[1]}], got {bias[0] if bias else None}")
+    scoring = attrs.get("scoring", "softmax")
+    expect(scoring in SCORING, f"moe_route scoring must be one of {', '.join(SCORING)}, got {scoring!r}")
+    expect(scoring != "sigmoid" or attrs.get("groups", 1) == 1 or logits.shape[1] // attrs["groups"] >= 2,
+           "moe_route scoring sigmoid scores a group by its two best experts: groups need 2 experts or more")
     expect(isinstance(k, int) and 0 < k <= logits.shape[1], f"top-k {k} not in 1..{logits.shape[1]}")
     groups, topk_groups = attrs.get("groups", 1), attrs.get("topk_groups", 1)
     expect(isinstance(groups, int) and groups > 0 and logits.shape[1] % groups == 0,
@@ -72,18 +89,29 @@ def route_infer(types, attrs):
     return [tt((logits.shape[0], k + shared), "f32"), tt((logits.shape[0], k + shared), "i32")]
 
 
-def route(ctx, logits, k, normalize=False, groups=1, topk_groups=1, scale=1.0, shared=0):
+def route(ctx, logits, *bias, k, normalize=False, groups=1, topk_groups=1, scale=1.0, shared=0,
+          scoring="softmax", has_bias=False):
     logits = logits.astype(np.float32)
-    p = np.exp(logits - logits.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    if groups > 1:                   # group_limited_greedy: experts of the dropped groups score 0
+    if scoring == "sigmoid":
+        p = 1.0 / (1.0 + np.exp(-logits))
+    else:
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+    c = p + bias[0].astype(np.float32) if bias else p      # the scores that choose
+    if groups > 1:
         T, E = p.shape
-        best = p.reshape(T, groups, E // groups).max(-1)
+        per = c.reshape(T, groups, E // groups)
+        # sigmoid (noaux_tc): a group scores its two best; softmax (group_limited_greedy): its best
+        best = np.sort(per, -1)[..., -2:].sum(-1) if scoring == "sigmoid" else per.max(-1)
         kept = np.argsort(-best, axis=-1, kind="stable")[:, :topk_groups]
         keep = np.zeros((T, groups), bool)
         np.put_along_axis(keep, kept, True, axis=-1)
-        p = np.where(np.repeat(keep, E // groups, axis=1), p, np.float32(0))
-    ids = np.argsort(-p, axis=-1, kind="stable")[:, :k].astype(np.int32)
+        keep = np.repeat(keep, E // groups, axis=1)
+        if scoring == "sigmoid":     # the dropped groups' experts are out of the choice
+            c = np.where(keep, c, np.float32(-np.inf))
+        else:                        # group_limited_greedy: they score 0 (weight 0 if chosen)
+            p = c = np.where(keep, p, np.float32(0))
+    ids = np.argsort(-c, axis=-1, kind="stable")[:, :k].astype(np.int32)
     w = np.take_along_axis(p, ids, axis=-1)
     if normalize:
         w = w / w.sum(-1, keepdims=True)
@@ -199,15 +227,16 @@ def route_align_infer(types, attrs):
     return [w, ids] + align_infer([ids], attrs)
 
 
-def route_align(ctx, logits, k, normalize=False, experts=None, groups=1, topk_groups=1, scale=1.0, shared=0):
-    w, ids = route(ctx, logits, k, normalize, groups, topk_groups, scale, shared)
+def route_align(ctx, logits, *bias, k, normalize=False, experts=None, **route_attrs):
+    w, ids = route(ctx, logits, *bias, k=k, normalize=normalize, **route_attrs)
     return (w, ids) + align(ctx, ids, experts if experts is not None else logits.shape[1])
 
 
-ROUTE_EXTRA = {"groups": 1, "topk_groups": 1, "scale": 1.0, "shared": 0}
+ROUTE_EXTRA = {"groups": 1, "topk_groups": 1, "scale": 1.0, "shared": 0, "scoring": "softmax"}
 op(name="moe_route", tensors=["logits"], attrs={"k": REQUIRED, "normalize": False}, extra_attrs=ROUTE_EXTRA,
+   extra_tensors=["bias"],
    infer=route_infer, reference=route, n_outputs=2, templates={"triton": "moe_route"},
-   doc="softmax top-k router")
+   doc="top-k router (softmax or sigmoid scores, group-limited, a choice bias)")
 op(name="moe_experts", tensors=["x", "weights", "ids", "gate", "up", "down"],
    infer=experts_infer, reference=experts,   # no kernel of its own: lower_experts splits it
    doc="grouped SwiGLU experts, weighted sum over the top-k")
@@ -215,7 +244,7 @@ op(name="moe_align", tensors=["ids"], attrs={"experts": REQUIRED}, infer=align_i
    n_outputs=2, internal=True, templates={"triton": "moe_align"},
    doc="tokens grouped by expert (counts, per-expert token lists) for the grouped expert GEMMs")
 op(name="moe_route_align", tensors=["logits"], attrs={"k": REQUIRED, "normalize": False, "experts": REQUIRED},
-   extra_attrs=ROUTE_EXTRA,
+   extra_attrs=ROUTE_EXTRA, extra_tensors=["bias"],
    infer=route_align_infer, reference=route_align, n_outputs=4, internal=True,
    templates={"triton": "moe_route"},
    doc="moe_route + moe_align in one launch (prefill/mixed/wide; decode routes only)")
