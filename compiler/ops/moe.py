@@ -74,6 +74,8 @@ def route_infer(types, attrs):
     expect(scoring in SCORING, f"moe_route scoring must be one of {', '.join(SCORING)}, got {scoring!r}")
     expect(scoring != "sigmoid" or attrs.get("groups", 1) == 1 or logits.shape[1] // attrs["groups"] >= 2,
            "moe_route scoring sigmoid scores a group by its two best experts: groups need 2 experts or more")
+    expect(not (bias and scoring == "softmax" and attrs.get("groups", 1) > 1),
+           "moe_route: a bias with softmax scoring and groups is not a router any model defines")
     expect(isinstance(k, int) and 0 < k <= logits.shape[1], f"top-k {k} not in 1..{logits.shape[1]}")
     groups, topk_groups = attrs.get("groups", 1), attrs.get("topk_groups", 1)
     expect(isinstance(groups, int) and groups > 0 and logits.shape[1] % groups == 0,
@@ -109,7 +111,7 @@ def route(ctx, logits, *bias, k, normalize=False, groups=1, topk_groups=1, scale
         keep = np.repeat(keep, E // groups, axis=1)
         if scoring == "sigmoid":     # the dropped groups' experts are out of the choice
             c = np.where(keep, c, np.float32(-np.inf))
-        else:                        # group_limited_greedy: they score 0 (weight 0 if chosen)
+        else:                        # group_limited_greedy (no bias): they score 0 (weight 0 if chosen)
             p = c = np.where(keep, p, np.float32(0))
     ids = np.argsort(-c, axis=-1, kind="stable")[:, :k].astype(np.int32)
     w = np.take_along_axis(p, ids, axis=-1)

@@ -296,13 +296,60 @@ def test_moe_route_align_grouped(phase):
         check_grouping(rows.numpy(), counts.numpy(), ids.numpy(), E_)
 
 
+# DeepSeek-V3's router (ops/moe.py scoring "sigmoid" with its correction bias): a group scores
+# its two best; (12, 3, 1, 5): k exceeds the kept group's 4 experts, so the lowest dropped id fills
+# the last slot with its own p; (16, 1, 1, 4) Kimi-K2's single group; bias-free sigmoid too.
+@pytest.mark.parametrize("T", [1, 37])
+@pytest.mark.parametrize("E_,groups,topk_groups,K,normalize,scale,biased", [
+    (16, 4, 2, 3, True, 2.5, True), (24, 8, 3, 4, False, 1.0, True), (12, 3, 1, 5, True, 1.0, True),
+    (16, 1, 1, 4, True, 2.827, True), (12, 3, 2, 2, True, 1.0, False)])
+def test_moe_route_sigmoid(T, E_, groups, topk_groups, K, normalize, scale, biased):
+    from .test_norm_kernels import router_logits
+    gen = np.random.default_rng(T * 17 + E_ + K)
+    logits = router_logits(T, E_, gen, ties=[(0, 1)])
+    bias = torch.from_numpy((gen.standard_normal(E_) * 0.5).astype(np.float32))
+    attrs = {"k": K, "normalize": normalize, "groups": groups, "topk_groups": topk_groups, "scale": scale,
+             "scoring": "sigmoid", **({"has_bias": True} if biased else {})}
+    ins = [("logits", ["T", E_], "bf16")] + ([("bias", [E_], "f32")] if biased else [])
+    k = render("moe_route", "moe_route", ins, [("w", ["T", K], "f32"), ("ids", ["T", K], "i32")], attrs)
+    w, ids = poison((T, K), "f32"), poison((T, K), "i32")
+    run(k, {"in:0": logits, **({"in:1": bias} if biased else {}), "out:0": w, "out:1": ids}, {"T": T, "B": 1})
+    extra = (bias.numpy(),) if biased else ()
+    w_ref, ids_ref = REGISTRY["moe_route"].reference(None, logits.float().numpy(), *extra, **attrs)
+    assert np.array_equal(ids.numpy(), ids_ref)
+    assert np.allclose(w.numpy(), w_ref, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decode"])
+def test_moe_route_align_sigmoid(phase):
+    from .test_norm_kernels import router_logits
+    T, E_, KT = 37, 16, 3
+    gen = np.random.default_rng(6)
+    logits = router_logits(T, E_, gen, ties=[(0, 1)])
+    bias = torch.from_numpy((gen.standard_normal(E_) * 0.5).astype(np.float32))
+    attrs = {"k": KT, "normalize": True, "experts": E_, "groups": 4, "topk_groups": 2, "scale": 2.5,
+             "scoring": "sigmoid", "has_bias": True}
+    k = render("moe_route", "moe_route_align", [("logits", ["T", E_], "bf16"), ("bias", [E_], "f32")],
+               [("w", ["T", KT], "f32"), ("ids", ["T", KT], "i32"), ("rows", [E_, "T"], "i32"),
+                ("counts", [E_], "i32")], attrs, phase=phase)
+    w, ids = poison((T, KT), "f32"), poison((T, KT), "i32")
+    rows, counts = poison((E_, T), "i32"), poison((E_,), "i32")
+    zero_counters(run(k, {"in:0": logits, "in:1": bias, "out:0": w, "out:1": ids, "out:2": rows, "out:3": counts},
+                      {"T": T, "B": T if phase == "decode" else 1}))
+    w_ref, ids_ref, _, _ = REGISTRY["moe_route_align"].reference(None, logits.float().numpy(), bias.numpy(), **attrs)
+    assert np.array_equal(ids.numpy(), ids_ref)
+    assert np.allclose(w.numpy(), w_ref, rtol=1e-5, atol=1e-7)
+    if phase != "decode":
+        check_grouping(rows.numpy(), counts.numpy(), ids.numpy(), E_)
+
+
 def test_moe_route_default_attrs_render_unchanged():
     """groups=1, topk_groups=1, scale=1.0, shared=0 given explicitly render the kernel of no attrs."""
     ins, outs = [("logits", ["T", 10], "bf16")], [("w", ["T", 2], "f32"), ("ids", ["T", 2], "i32")]
     base = {"k": 2, "normalize": True}
     assert render("moe_route", "moe_route", ins, outs, base).source == \
         render("moe_route", "moe_route", ins, outs,
-               {**base, "groups": 1, "topk_groups": 1, "scale": 1.0, "shared": 0}).source
+               {**base, "groups": 1, "topk_groups": 1, "scale": 1.0, "shared": 0, "scoring": "softmax"}).source
 
 
 # fold_shared_experts: the router appends the always-on experts E .. E+S-1 at weight 1; with the

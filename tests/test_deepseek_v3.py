@@ -1,0 +1,103 @@
+"""DeepSeek-V3 / Kimi-K2 (DeepseekV3ForCausalLM, bound by specs/deepseek_v2.yaml) against
+transformers' own model: tiny random float32 checkpoints made by transformers and saved with
+save_pretrained, YaRN rope, q_lora, the first layer dense, and the V3 router (sigmoid scores, a
+random e_score_correction_bias that changes choices, 4 groups with the best 2 kept, norm_topk_prob,
+routed_scaling_factor 2.5); Kimi-K2's form (model_type kimi_k2, one group). The reference executor
+must give HF's (eager, float32) logits at every position of a 24-token prompt within 1e-4, as 24
+prefixes in one step and one token per step, and the same 16 greedy tokens as generate()."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from infc.compiler.build import compile_model
+from infc.compiler.contract.errors import SpecError
+from infc.compiler.contract.safetensors_io import Checkpoint
+from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
+from infc.runtime.weights.load import load_weights
+
+from families import reference_greedy
+from test_deepseek_v2 import BASE, PROMPT, TOL, VOCAB, _randomize
+
+VARIANTS = {
+    "v3": dict(q_lora_rank=24, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5),
+    "kimi": dict(q_lora_rank=24, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.827),
+}
+
+
+def make(kind: str, d):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    torch.manual_seed(4322)
+    cfg = DeepseekV3Config(**{**BASE, **VARIANTS[kind]})
+    model = DeepseekV3ForCausalLM(cfg).float().eval()
+    model.set_attn_implementation("eager")
+    _randomize(model)
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():          # a correction bias large enough to move the choices
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None:
+                gate.e_score_correction_bias.copy_(0.5 * torch.randn(gate.e_score_correction_bias.shape, generator=gen))
+    model.save_pretrained(d)
+    if kind == "kimi":             # Kimi-K2's config.json names its own model_type
+        c = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**c, "model_type": "kimi_k2"}))
+    return model
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    out = {}
+    for kind in VARIANTS:
+        d = tmp_path_factory.mktemp(f"deepseek_v3-{kind}")
+        out[kind] = (d, make(kind, d))
+    return out
+
+
+def _plan(d):
+    _, plan = compile_model(model_dir=str(d))
+    return plan, load_weights(plan, Checkpoint(d))
+
+
+@pytest.mark.parametrize("kind", list(VARIANTS))
+def test_logits_and_greedy_match_hf(models, kind):
+    d, hf = models[kind]
+    with torch.no_grad():
+        want = hf(input_ids=torch.tensor([PROMPT])).logits[0].float().numpy()
+    plan, weights = _plan(d)
+    routes = [n for n in json.dumps(plan["programs"]["prefill"]).split('"op": ') if n.startswith('"moe_route')]
+    assert routes and all('"scoring": "sigmoid"' in n and '"has_bias": true' in n for n in routes)
+    n = len(PROMPT)
+    got = ReferenceExecutor(plan, weights).step([SeqChunk(k, PROMPT[:k], 0) for k in range(1, n + 1)])
+    err = np.abs(got - want).max(axis=1)
+    assert err.max() <= TOL, f"prefill: worst position {int(err.argmax())}, |diff| {err.max():.2e}"
+    ex = ReferenceExecutor(plan, weights)
+    err = [float(np.abs(ex.step([SeqChunk(0, [t], p)])[0] - want[p]).max()) for p, t in enumerate(PROMPT)]
+    assert max(err) <= TOL, f"decode: worst position {int(np.argmax(err))}, |diff| {max(err):.2e}"
+    with torch.no_grad():
+        ids = torch.tensor([PROMPT])
+        greedy = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
+                             min_new_tokens=16, do_sample=False, pad_token_id=VOCAB - 1)[0, n:].tolist()
+    assert reference_greedy(plan, weights, PROMPT, 16) == greedy
+
+
+def test_bias_matters(models):
+    """Without the correction bias the model's logits move: the bias is read, and it chooses."""
+    d, hf = models["v3"]
+    plan, weights = _plan(d)
+    got = ReferenceExecutor(plan, weights).step([SeqChunk(0, PROMPT, 0)])
+    for name in [k for k in weights if k.startswith("router_bias")]:
+        weights[name] = [np.zeros_like(w) for w in weights[name]] if isinstance(weights[name], list) else np.zeros_like(weights[name])
+    zero = ReferenceExecutor(plan, weights).step([SeqChunk(0, PROMPT, 0)])
+    assert np.abs(got - zero).max() > 1e-3
+
+
+def test_rope_interleave_false_refused(tmp_path, models):
+    d, _ = models["v3"]
+    c = json.loads((d / "config.json").read_text())
+    bad = tmp_path / "m"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({**c, "rope_interleave": False}))
+    with pytest.raises(SpecError, match="rope_il"):
+        compile_model(model_dir=str(bad))
