@@ -203,6 +203,12 @@ class Checker:
         for dimensions not known here, or None when nothing is known)."""
         if "tensor" in src:
             return self.leaf(src["tensor"], want, subs, wname)
+        if "dequantized" in src:       # W by its format's definition: the codes' logical shape
+            parts = src["dequantized"]
+            for c, sub in parts.items():
+                if c != "codes":
+                    self.shape_of(sub, None, subs, wname, w)
+            return self.shape_of(parts["codes"], want, subs, wname, w)
         kind = _quant_leaf(src)
         if kind:
             dtypes, canonical = LEAVES[kind]

@@ -4,7 +4,9 @@ save_pretrained, YaRN rope, q_lora, the first layer dense, and the V3 router (si
 random e_score_correction_bias that changes choices, 4 groups with the best 2 kept, norm_topk_prob,
 routed_scaling_factor 2.5); Kimi-K2's form (model_type kimi_k2, one group). The reference executor
 must give HF's (eager, float32) logits at every position of a 24-token prompt within 1e-4, as 24
-prefixes in one step and one token per step, and the same 16 greedy tokens as generate()."""
+prefixes in one step and one token per step, and the same 16 greedy tokens as generate(); the V3
+checkpoint through its generated kernels under the interpreter (tests/test_deepseek_v2_interp.py's
+check: prefill, a narrow and a wide decode step)."""
 import json
 
 import numpy as np
@@ -101,3 +103,40 @@ def test_rope_interleave_false_refused(tmp_path, models):
     (bad / "config.json").write_text(json.dumps({**c, "rope_interleave": False}))
     with pytest.raises(SpecError, match="rope_il"):
         compile_model(model_dir=str(bad))
+
+
+def test_through_kernels(models, tmp_path):
+    from test_deepseek_v2_interp import check_through_kernels
+    check_through_kernels(*models["v3"], tmp_path)
+
+
+def test_fp8_checkpoint_dequantizes_the_heads_weights(models, tmp_path):
+    """DeepSeek-V3 as published in FP8 (128 x 128 blocks; 8 x 8 here): the linears and experts
+    read e4m3 codes, and kv_b_proj, which the spec cuts per head into W_uk / W_uv, is dequantized
+    at load by the definition (codes x weight_scale_inv per block), then cut: each head's matrices
+    equal the definition's rows exactly, and the model runs. (The whole model against HF's model
+    of the definition is not yet checked here: it agrees at the first position and not after it,
+    not yet explained; bench/NOTES.md.)"""
+    import sys
+    from pathlib import Path
+    from safetensors.torch import load_file
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from quantize_model import quantize_model
+    d, hf = models["v3"]
+    quantize_model(d, tmp_path, "fp8-block", block=(8, 8))
+    plan, weights = _plan(tmp_path)
+    assert plan["weights"]["w_uk"]["dtype"] == "bf16" and "quant" not in plan["weights"]["w_uk"]
+    assert any(w.get("dtype") == "f8e4m3" for w in plan["weights"].values())
+    t = {}
+    for f in sorted(tmp_path.glob("*.safetensors")):
+        t.update(load_file(str(f)))
+    for i in range(3):
+        m = f"model.layers.{i}.self_attn.kv_b_proj"
+        assert t[m + ".weight"].dtype == torch.float8_e4m3fn
+        codes = t[m + ".weight"].float().numpy()
+        scale = np.repeat(np.repeat(t[m + ".weight_scale_inv"].float().numpy(), 8, 0), 8, 1)[:codes.shape[0], :codes.shape[1]]
+        wb = (codes * scale).reshape(4, 16 + 12, 32)
+        np.testing.assert_allclose(weights["w_uk"][i], wb[:, :16].transpose(0, 2, 1), rtol=0, atol=0)
+        np.testing.assert_allclose(weights["w_uv"][i], wb[:, 16:], rtol=0, atol=0)
+    got = ReferenceExecutor(plan, weights).step([SeqChunk(0, PROMPT, 0)])[0]
+    assert np.isfinite(got).all()

@@ -178,9 +178,10 @@ def test_experts_the_pass_cannot_stack_fail_naming_them(tiny_model, tmp_path):
 
 
 def test_expert_parallel_ranks_read_their_experts_codes_and_scales(moe, tmp_path):
-    """--enable-expert-parallel without tensor parallelism: each rank's stacks are its slice of
-    the experts, the codes and every companion sliced alike (loaded, they equal the single-GPU
-    plan's rows of those experts); tensor parallelism is still refused, naming the flag."""
+    """--enable-expert-parallel, alone or with tensor parallelism: each rank's stacks are its
+    slice of the experts, the codes and every companion sliced alike (loaded, they equal the
+    single-GPU plan's rows of those experts); tensor parallelism without it (each expert split
+    across ranks) is still refused, naming the flag."""
     from infc.compiler.build import compile_ranks
     from infc.compiler.contract.safetensors_io import Checkpoint
     from infc.compiler.parallel import settings
@@ -189,13 +190,14 @@ def test_expert_parallel_ranks_read_their_experts_codes_and_scales(moe, tmp_path
     _, whole = compile_model(model_dir=tmp_path)
     full = load_weights(whole, Checkpoint(tmp_path))
     names = ("we_gate_up", "we_gate_up_qscale", "we_gate_up_qzero", "we_down", "we_down_qscale", "we_down_qzero")
-    for rank, (_, plan) in enumerate(compile_ranks(settings(expert_parallel_only=2), model_dir=tmp_path)):
-        assert plan["weights"]["we_down"]["dtype"] == "u4"
-        got = load_weights(plan, Checkpoint(tmp_path))
-        for n in names:
-            assert plan["weights"][n]["shape"][0] == 4, n
-            np.testing.assert_array_equal(np.asarray(got[n][0]), np.asarray(full[n][0])[4 * rank:4 * rank + 4], n)
-    with pytest.raises(ModelDirError, match="tensor-parallel-size > 1"):
+    for par in (settings(expert_parallel_only=2), settings(tensor_parallel_size=2, enable_expert_parallel=True)):
+        for rank, (_, plan) in enumerate(compile_ranks(par, model_dir=tmp_path)):
+            assert plan["weights"]["we_down"]["dtype"] == "u4"
+            got = load_weights(plan, Checkpoint(tmp_path))
+            for n in names:
+                assert plan["weights"][n]["shape"][0] == 4, n
+                np.testing.assert_array_equal(np.asarray(got[n][0]), np.asarray(full[n][0])[4 * rank:4 * rank + 4], n)
+    with pytest.raises(ModelDirError, match="tensor-parallel-size > 1.*--enable-expert-parallel"):
         compile_model(model_dir=tmp_path, parallel={**settings(tensor_parallel_size=2), "rank": 0})
 
 

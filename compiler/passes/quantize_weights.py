@@ -135,8 +135,23 @@ def _checkpoint_tensors(src: dict) -> list[str]:
     return out
 
 
+def _dequantized(src, t: str, fmt, s):
+    """src with each read of checkpoint tensor t (a quantized module's weight) replaced by its
+    dequantized value (runtime/weights/quant_recipes.py `dequantized`: W by the format's
+    definition, in float32, before the transforms that follow)."""
+    if isinstance(src, dict):
+        if src.get("tensor") == t and len(src) == 1:
+            return {"dequantized": fmt.sources(t[:-len(_WEIGHT)], s, 1, 1), "scheme": s.attrs()}
+        return {k: _dequantized(v, t, fmt, s) for k, v in src.items()}
+    if isinstance(src, list):
+        return [_dequantized(v, t, fmt, s) for v in src]
+    return src
+
+
 def _check_all_rewritten(state, fmt, done: dict):
-    """A matrix read as bf16 must not come from a tensor the checkpoint stores quantized."""
+    """A matrix read as bf16 from a tensor the checkpoint stores quantized: one the spec transforms
+    (MLA's W_uk / W_uv cut per head out of kv_b_proj) is dequantized at load when its codes are
+    e4m3 (the weight then streams as bf16); any other is refused."""
     matrices = {i for g in state.graph.walk() for n in g.ordered() if n.op in MATMULS
                 for i in n.inputs if g.values[i].kind == "weight"}
     for name, meta in state.weights.items():
@@ -150,13 +165,19 @@ def _check_all_rewritten(state, fmt, done: dict):
             s = next((s for i in (meta["layers"] or [0])
                       if (s := fmt.scheme_for(t[:-len(_WEIGHT)].replace("{i}", str(i)).replace("{e}", "0")))
                       is not None), None)
-            if s is not None:
-                line = meta.get("line")
-                raise ModelDirError(
-                    f"weight '{name}'{f' (spec line {line})' if line else ''} reads '{t}', which the "
-                    f"checkpoint stores quantized ({s}); infc reads quantized weights only as plain "
-                    f"linear weights and MoE expert stacks so far (not weights the spec or a pass "
-                    f"transforms otherwise)")
+            if s is None:
+                continue
+            line = meta.get("line")
+            if s.codes == "f8e4m3" and not s.zeros and not s.g_idx and s.act != "static":
+                meta["source"] = _dequantized(meta["source"], t, fmt, s)
+                state.note("quantize_weights", f"{name}: {t} ({s}) dequantized at load: the spec "
+                                               f"transforms it (read as {meta['type'].dtype})")
+                continue
+            raise ModelDirError(
+                f"weight '{name}'{f' (spec line {line})' if line else ''} reads '{t}', which the "
+                f"checkpoint stores quantized ({s}); infc reads quantized weights as plain linear "
+                f"weights and MoE expert stacks, and dequantizes e4m3 ones at load where the spec "
+                f"transforms them, not this format")
 
 
 def quantize_weights(state):
@@ -164,14 +185,15 @@ def quantize_weights(state):
     if fmt is None:
         return
     tp = state.parallel.get("tp", 1) if state.parallel else 1
+    ep = state.parallel.get("ep", 1) if state.parallel else 1
     done: dict = {}
     for g in state.graph.walk():
         for n in g.ordered():
             if n.op in EXPERT_OPS:
-                if tp > 1:
+                if tp > 1 and ep == 1:       # with expert parallelism each rank holds whole experts
                     raise ModelDirError("a quantized checkpoint's MoE experts with --tensor-parallel-size > 1: "
                                         "not supported yet (each rank's slice of the expert codes and scales is "
-                                        "not planned; --enable-expert-parallel alone slices whole experts)")
+                                        "not planned); add --enable-expert-parallel, which gives each rank whole experts")
                 rewrite_experts(state, g, n, fmt, done)
                 continue
             if n.op not in LINEARS or g.values[n.inputs[1]].kind != "weight":

@@ -5,10 +5,16 @@ to their storage dtype (runtime/weights/quant_pack.py).
 
     {"fp8": name}                 e4m3 weights (F8_E4M3), as their values
     {"rows": src, "count": n}     a per-tensor scale ([] or [1]) repeated for n rows: [n, 1]
+    {"dequantized": {"codes": src, "w_scale": src, ...}, "scheme": attrs}
+                                  W by the format's definition (compiler/ops/quant.py dequantize),
+                                  float32: a quantized tensor the spec transforms further (MLA's
+                                  kv_b_proj cut per head), read as a plain weight
 """
 import numpy as np
 
 from infc.compiler.contract.errors import ModelDirError
+
+from infc.compiler.ops.quant import dequantize, scheme_of
 
 from .recipe_registry import build, name_at, recipe, stored
 
@@ -29,3 +35,20 @@ def _rows(src, layer, read, where):
     if a.size != 1:
         raise ModelDirError(f"{where}: {what} has shape {list(a.shape)}, a per-tensor scale has one element")
     return np.full((src["count"], 1), a.reshape(-1)[0], np.float32), f"{what} (per tensor)"
+
+
+@recipe("dequantized")
+def _dequantized(src, layer, read, where):
+    parts, whats = {}, []
+    for c, sub in src["dequantized"].items():
+        parts[c], what = build(sub, layer, read, where)
+        whats.append(what)
+    codes, scale = parts["codes"], parts["w_scale"]
+    if scale.size == 1:                      # per tensor
+        return (codes * scale.reshape(())).astype(np.float32), f"{whats[0]} (dequantized)"
+    s = scheme_of({"quant": src["scheme"]})
+    want = s.scale_shape(*codes.shape)
+    if tuple(scale.shape) != want:
+        raise ModelDirError(f"{where}: {whats[1]} has shape {list(scale.shape)}; {whats[0]} "
+                            f"{list(codes.shape)} in blocks of {s.block_n}x{s.block_k or 'K'} needs {list(want)}")
+    return dequantize(codes, s, scale, parts.get("w_zero"), parts.get("w_gidx")), f"{whats[0]} (dequantized)"

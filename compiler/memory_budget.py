@@ -1,0 +1,53 @@
+"""What one GPU (one rank of a parallel plan) holds to serve a plan: its weights, the paged cache
+of sequences at a long context, the step's activation arena, against the card's memory. `infc
+inspect` prints it per rank, so a parallel layout can be chosen for a model before any GPU runs it
+(the frontier MoE lines at 8 ranks, issue 45).
+
+    budget_lines(plan, context=131072) -> ["== memory per GPU ...", ...]
+
+The arena is the plan's liveness-planned activations at the serving defaults' step size
+(infc/config.py: BATCHED_TOKENS on CUDA, DEFAULT_MAX_NUM_SEQS); the cache is caches.token_bytes
+per token of context (every layer's paged caches, latent or K/V, in the plan's cache dtype);
+`fits` is how many sequences of that context the card's memory holds after weights and arena,
+at DEFAULT_GPU_MEMORY_UTILIZATION, as the runner sizes its KV pool.
+"""
+from infc.config import BATCHED_TOKENS, DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_MAX_NUM_SEQS
+
+from .contract import caches
+from .quant.report import weight_bytes
+
+# The cards' memory as nvidia-smi reports it on the device machines (memory.total, MiB: an H200's
+# in every bench/results gpu.txt; an H100 SXM's 81,559).
+GPU_MIB = {"H200": 143_771, "H100": 81_559}
+GIB = 1 << 30
+
+
+def budget(plan: dict, context: int, gpu_mib: int, tokens: int | None = None, seqs: int | None = None) -> dict:
+    """The bytes: weights, cache per sequence at `context`, arena at `tokens` / `seqs`, and how
+    many such sequences fit in gpu_mib at the default memory utilization."""
+    tokens = tokens or BATCHED_TOKENS[("cuda", True)]
+    seqs = seqs or DEFAULT_MAX_NUM_SEQS
+    weights, _ = weight_bytes(plan)
+    decl = caches.of_plan(plan)
+    per_seq = caches.token_bytes(decl) * context + caches.slot_bytes(decl)
+    a = plan["arena"]
+    arena = a["bytes_per_token"] * tokens + a["bytes_per_seq"] * seqs + a["bytes"]
+    usable = gpu_mib * (1 << 20) * DEFAULT_GPU_MEMORY_UTILIZATION
+    left = usable - weights - arena
+    return {"weights": weights, "cache_per_seq": per_seq, "arena": arena, "usable": usable,
+            "fits": int(left // per_seq) if per_seq and left > 0 else 0, "left": left,
+            "tokens": tokens, "seqs": seqs, "context": context}
+
+
+def budget_lines(plan: dict, context: int = 131072) -> list[str]:
+    out = [f"== memory per GPU, sequences of {context:,} tokens (weights + arena at the serving "
+           f"defaults + each sequence's cache, against {DEFAULT_GPU_MEMORY_UTILIZATION:.0%} of the card)"]
+    for card, mib in GPU_MIB.items():
+        b = budget(plan, context, mib)
+        verdict = (f"{b['fits']} sequences fit" if b["fits"] else
+                   "does not fit" + (" (weights and arena alone exceed it)" if b["left"] <= 0 else
+                                     " (not one sequence's cache)"))
+        out.append(f"  {card} ({mib / 1024:.1f} GiB): weights {b['weights'] / GIB:.2f} GiB + arena "
+                   f"{b['arena'] / GIB:.2f} GiB (T = {b['tokens']}, B = {b['seqs']}) + "
+                   f"{b['cache_per_seq'] / GIB:.3f} GiB a sequence: {verdict}")
+    return out
