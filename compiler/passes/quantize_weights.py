@@ -15,6 +15,7 @@ naming it: it would otherwise be read as bf16 from fp8 or packed-integer bytes.
 """
 from ..contract.errors import ModelDirError
 from ..ir import TensorType, Value
+from ..quant.scheme import QuantScheme
 from .fuse_weights import register_weight
 from .quantize_experts import EXPERT_OPS, SUFFIX, attach_companions, rewrite_experts
 LINEARS = ("linear",)
@@ -71,6 +72,44 @@ def _sliced_sources(name: str, s, srcs: dict, cut, full: tuple) -> dict:
     return out
 
 
+def _row_regrouped(meta: dict):
+    """The checkpoint tensor a weight reads through row slices only (rows [a, b) of G row
+    groups, any depth), else None: such a weight keeps each row's codes and, with one scale a row,
+    its scales (the recipe's `row_blocks`), so it can be read quantized."""
+    src, _ = _rank_slice(meta)
+    if "slice" not in src:
+        return None
+    while set(src) - {"groups"} == {"slice", "axis", "start", "stop"} and src["axis"] == 0:
+        src = src["slice"]
+    if set(src) == {"tensor"} and src["tensor"].endswith(_WEIGHT):
+        return src["tensor"]
+    return None
+
+
+def _replace_leaf(src, t: str, leaf):
+    """src with its read of tensor t replaced by `leaf`."""
+    if isinstance(src, dict):
+        if src == {"tensor": t}:
+            return leaf
+        return {k: _replace_leaf(v, t, leaf) for k, v in src.items()}
+    return src
+
+
+def _regrouped_sources(fmt, s, t: str, src: dict):
+    """(per-row scheme, sources) of a row-regrouped weight (_row_regrouped) of a block-scaled
+    float checkpoint, or None where the format has no per-row form here."""
+    if s.zeros or s.g_idx or s.act == "static" or s.block_n == 1 and s.block_k is None:
+        return None
+    module = t[:-len(_WEIGHT)]
+    base = fmt.sources(module, s, 1, 1)
+    if set(base) != {"codes", "w_scale"} or "tensor" not in base["w_scale"]:
+        return None
+    row = QuantScheme(s.codes, 1, s.block_k, act=s.act, act_group=s.act_group)
+    return row, {"codes": _replace_leaf(src, t, base["codes"]),
+                 "w_scale": _replace_leaf(src, t, {"row_blocks": base["w_scale"], "block": s.block_n,
+                                                   "rows_of": t})}
+
+
 def _scheme(state, fmt, name: str, module: str, layers):
     schemes = {fmt.scheme_for(module.replace("{i}", str(i))) for i in (layers or [None])}
     if len(schemes) > 1:
@@ -92,18 +131,25 @@ def _rewrite_weight(state, g, name: str, fmt, done: dict):
     companion value names) or None where the checkpoint keeps it in bf16."""
     if name not in done:
         meta = state.weights[name]
-        module = _module(meta)
+        module, regrouped = _module(meta), _row_regrouped(meta)
+        if module is None and regrouped is not None:
+            module = regrouped[:-len(_WEIGHT)]
         s = None if module is None else _scheme(state, fmt, name, module, meta["layers"])
+        if s is not None and regrouped is not None:
+            got = _regrouped_sources(fmt, s, regrouped, _rank_slice(meta)[0])
+            s, whole = (None, None) if got is None else got
+            if s is None:
+                return None             # _check_all_rewritten names it
         if s is None:
             done[name] = None
             return None
         n, k = meta["type"].shape
         _, cut = _rank_slice(meta)
         if cut is None:
-            srcs = fmt.sources(module, s, n, k)
+            srcs = whole if regrouped else fmt.sources(module, s, n, k)
         else:
             full = (n * state.parallel["tp"], k) if cut[0] == 0 else (n, k * state.parallel["tp"])
-            srcs = _sliced_sources(name, s, fmt.sources(module, s, *full), cut, full)
+            srcs = _sliced_sources(name, s, whole if regrouped else fmt.sources(module, s, *full), cut, full)
         names = {c: name + SUFFIX[c] for c in s.companions()}
         meta["source"] = srcs["codes"]
         meta["type"] = TensorType((n, k), s.codes)
@@ -149,11 +195,12 @@ def _dequantized(src, t: str, fmt, s):
 
 
 def _check_all_rewritten(state, fmt, done: dict):
-    """A matrix read as bf16 from a tensor the checkpoint stores quantized: one the spec transforms
-    (MLA's W_uk / W_uv cut per head out of kv_b_proj) is dequantized at load when its codes are
-    e4m3 (the weight then streams as bf16); any other is refused."""
+    """A matrix read as bf16 from a tensor the checkpoint stores quantized: one that no linear reads
+    (MLA's W_uk / W_uv, cut per head out of kv_b_proj for head_linear) is dequantized at load when
+    its codes are e4m3 (the weight then streams as bf16); any other is refused."""
     matrices = {i for g in state.graph.walk() for n in g.ordered() if n.op in MATMULS
                 for i in n.inputs if g.values[i].kind == "weight"}
+    linears = {n.inputs[1] for g in state.graph.walk() for n in g.ordered() if n.op in LINEARS}
     for name, meta in state.weights.items():
         if name not in matrices or done.get(name) is not None or "tied" in meta["source"] \
                 or "quant" in meta:
@@ -168,7 +215,10 @@ def _check_all_rewritten(state, fmt, done: dict):
             if s is None:
                 continue
             line = meta.get("line")
-            if s.codes == "f8e4m3" and not s.zeros and not s.g_idx and s.act != "static":
+            # a linear's input is quantized by the format: dequantizing its weight alone would
+            # compute another function; a per-head matmul of the absorbed MLA reads no activation
+            # the checkpoint's linear did (vLLM dequantizes kv_b_proj for it too)
+            if s.codes == "f8e4m3" and not s.zeros and not s.g_idx and s.act != "static" and name not in linears:
                 meta["source"] = _dequantized(meta["source"], t, fmt, s)
                 state.note("quantize_weights", f"{name}: {t} ({s}) dequantized at load: the spec "
                                                f"transforms it (read as {meta['type'].dtype})")

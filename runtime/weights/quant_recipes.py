@@ -5,6 +5,10 @@ to their storage dtype (runtime/weights/quant_pack.py).
 
     {"fp8": name}                 e4m3 weights (F8_E4M3), as their values
     {"rows": src, "count": n}     a per-tensor scale ([] or [1]) repeated for n rows: [n, 1]
+    {"row_blocks": src, "block": b, "rows_of": name}   block scales [ceil(N / b), G] repeated to
+                                  one row each ([N, G], N the rows of tensor `name`): a quantized
+                                  weight whose rows a spec regroups (MLA's q_b_proj cut into its
+                                  nope and rope parts) keeps each row's scale
     {"dequantized": {"codes": src, "w_scale": src, ...}, "scheme": attrs}
                                   W by the format's definition (compiler/ops/quant.py dequantize),
                                   float32: a quantized tensor the spec transforms further (MLA's
@@ -52,3 +56,14 @@ def _dequantized(src, layer, read, where):
         raise ModelDirError(f"{where}: {whats[1]} has shape {list(scale.shape)}; {whats[0]} "
                             f"{list(codes.shape)} in blocks of {s.block_n}x{s.block_k or 'K'} needs {list(want)}")
     return dequantize(codes, s, scale, parts.get("w_zero"), parts.get("w_gidx")), f"{whats[0]} (dequantized)"
+
+
+@recipe("row_blocks")
+def _row_blocks(src, layer, read, where):
+    a, what = build(src["row_blocks"], layer, read, where)
+    codes = name_at(src["rows_of"], layer)
+    n = read.shape(codes)[0] if hasattr(read, "shape") else read(codes).shape[0]
+    if a.ndim != 2 or a.shape[0] * src["block"] < n:
+        raise ModelDirError(f"{where}: {what} has shape {list(a.shape)}: too few blocks of {src['block']} "
+                            f"rows for the {n} rows of '{codes}'")
+    return np.repeat(a, src["block"], axis=0)[:n], f"{what} (a row each)"

@@ -23,6 +23,9 @@ class CheckpointReader:
     def dtype(self, name: str) -> str:
         return self.ckpt.dtype(name)
 
+    def shape(self, name: str) -> tuple:
+        return tuple(self.ckpt.shape(name))
+
 
 def stored(read, name: str, dtypes: tuple, where: str) -> str:
     """The tensor's safetensors dtype, which must be one of `dtypes` (the format's)."""
