@@ -107,6 +107,27 @@ def test_route_sigmoid_matches_hf_v3(T, E, k, groups, topk_groups, scale, normal
     assert any(set(ids0[t].tolist()) != set(ids[t].tolist()) for t in range(T))
 
 
+@pytest.mark.parametrize("T,E,k,scale", [(7, 16, 3, 1.0), (5, 256, 6, 1.5)])
+def test_route_sqrtsoftplus_matches_deepseek_v4(T, E, k, scale):
+    """DeepSeek-V4's router (transformers' DeepseekV4TopKRouter, written out: its config needs a
+    whole model's fields): s = sqrt(softplus(logits)), top-k of s + bias, weights s renormalized
+    (+ 1e-20) times the scale; logits from -30 to 30 (softplus's threshold and its small tail)."""
+    gen = np.random.default_rng(T + E)
+    logits = (gen.standard_normal((T, E)) * 10).astype(np.float32)
+    bias = (gen.standard_normal(E) * 0.3).astype(np.float32)
+    s = torch.nn.functional.softplus(torch.from_numpy(logits)).sqrt()
+    ids_hf = torch.topk(s + torch.from_numpy(bias), k, dim=-1).indices
+    w_hf = s.gather(1, ids_hf)
+    w_hf = (w_hf / (w_hf.sum(-1, keepdim=True) + 1e-20) * scale).numpy()
+    w, ids = ROUTE(None, logits, bias, k=k, normalize=True, scale=scale, scoring="sqrtsoftplus", has_bias=True)
+    assert np.array_equal(ids, ids_hf.numpy().astype(np.int32))
+    np.testing.assert_allclose(w, w_hf, rtol=1e-6, atol=1e-7)
+    tiny = np.array([[-30.0, -12.0, 25.0]], np.float32)      # the tail keeps its digits
+    w, _ = ROUTE(None, tiny, k=3, scoring="sqrtsoftplus")
+    want = torch.nn.functional.softplus(torch.from_numpy(tiny).double()).sqrt().numpy()
+    np.testing.assert_allclose(np.sort(w[0]), np.sort(want[0]), rtol=1e-6)
+
+
 def test_defaults_unchanged():
     gen = np.random.default_rng(0)
     logits = gen.standard_normal((5, 10)).astype(np.float32)
@@ -166,6 +187,8 @@ def test_spec_keyword_attrs():
         route_infer([lt], {"k": 2, "scoring": "relu"})
     with pytest.raises(ShapeError, match="bias"):
         route_infer([lt, TensorType((11,), "f32")], {"k": 2, "scoring": "sigmoid"})
+    with pytest.raises(ShapeError, match="sqrtsoftplus"):
+        route_infer([lt], {"k": 2, "scoring": "sqrtsoftplus", "groups": 3})
     with pytest.raises(ShapeError, match="two best"):
         route_infer([lt], {"k": 2, "scoring": "sigmoid", "groups": 12})
 

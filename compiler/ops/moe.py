@@ -18,7 +18,8 @@ moe_route(logits[T, E], k, normalize, groups=1, topk_groups=1, scale=1.0, shared
     scores the sum of its two largest c; the experts of the groups not kept are out of the choice
     (as -inf in transformers); ids = top-k of c; weights = s[ids] (the bias only chooses),
     renormalized when `normalize`, then times `scale`. Softmax scoring with a bias chooses by
-    p + bias likewise.
+    p + bias likewise; scoring "sqrtsoftplus" (DeepSeek-V4: s = sqrt(softplus(logits)), torch's
+    softplus) chooses and weighs as sigmoid does, without groups.
     shared > 0 (compiler/passes/fold_shared_experts.py sets it): every token also
     names the always-on experts E .. E + shared - 1 (a model's shared experts, stacked after the
     routed ones), in slots k .. k + shared - 1, with weight 1 (unscaled, unnormalized).
@@ -61,7 +62,13 @@ from .activation import silu
 from .quant import QUANT_OPTIONAL, check_types, expert_operands
 
 
-SCORING = ("softmax", "sigmoid")
+SCORING = ("softmax", "sigmoid", "sqrtsoftplus")
+
+
+def softplus(x: np.ndarray) -> np.ndarray:
+    """torch's softplus (beta 1, threshold 20): x past 20, else log(1 + e^x), computed as
+    max(x, 0) + log1p(e^-|x|) so that very negative x keep their precision."""
+    return np.where(x > 20, x, np.maximum(x, 0) + np.log1p(np.exp(-np.abs(x)))).astype(np.float32)
 
 
 def route_infer(types, attrs):
@@ -72,6 +79,8 @@ def route_infer(types, attrs):
            f"moe_route bias must be [E] = [{logits.shape[1]}], got {bias[0] if bias else None}")
     scoring = attrs.get("scoring", "softmax")
     expect(scoring in SCORING, f"moe_route scoring must be one of {', '.join(SCORING)}, got {scoring!r}")
+    expect(scoring != "sqrtsoftplus" or attrs.get("groups", 1) == 1,
+           "moe_route scoring sqrtsoftplus (DeepSeek-V4) with groups is not a router any model defines")
     expect(scoring != "sigmoid" or attrs.get("groups", 1) == 1 or logits.shape[1] // attrs["groups"] >= 2,
            "moe_route scoring sigmoid scores a group by its two best experts: groups need 2 experts or more")
     expect(not (bias and scoring == "softmax" and attrs.get("groups", 1) > 1),
@@ -96,6 +105,8 @@ def route(ctx, logits, *bias, k, normalize=False, groups=1, topk_groups=1, scale
     logits = logits.astype(np.float32)
     if scoring == "sigmoid":
         p = 1.0 / (1.0 + np.exp(-logits))
+    elif scoring == "sqrtsoftplus":
+        p = np.sqrt(softplus(logits))
     else:
         p = np.exp(logits - logits.max(-1, keepdims=True))
         p /= p.sum(-1, keepdims=True)

@@ -298,18 +298,21 @@ def test_moe_route_align_grouped(phase):
 
 # DeepSeek-V3's router (ops/moe.py scoring "sigmoid" with its correction bias): a group scores
 # its two best; (12, 3, 1, 5): k exceeds the kept group's 4 experts, so the lowest dropped id fills
-# the last slot with its own p; (16, 1, 1, 4) Kimi-K2's single group; bias-free sigmoid too.
+# the last slot with its own p; (16, 1, 1, 4) Kimi-K2's single group; bias-free sigmoid too; and
+# DeepSeek-V4's sqrt(softplus) scores where there are no groups (logits x 8: its threshold and tail).
 @pytest.mark.parametrize("T", [1, 37])
-@pytest.mark.parametrize("E_,groups,topk_groups,K,normalize,scale,biased", [
-    (16, 4, 2, 3, True, 2.5, True), (24, 8, 3, 4, False, 1.0, True), (12, 3, 1, 5, True, 1.0, True),
-    (16, 1, 1, 4, True, 2.827, True), (12, 3, 2, 2, True, 1.0, False)])
-def test_moe_route_sigmoid(T, E_, groups, topk_groups, K, normalize, scale, biased):
+@pytest.mark.parametrize("E_,groups,topk_groups,K,normalize,scale,biased,scoring", [
+    c + (scoring,) for c in [(16, 4, 2, 3, True, 2.5, True), (24, 8, 3, 4, False, 1.0, True),
+                             (12, 3, 1, 5, True, 1.0, True), (16, 1, 1, 4, True, 2.827, True),
+                             (12, 3, 2, 2, True, 1.0, False)]
+    for scoring in ("sigmoid", "sqrtsoftplus") if scoring == "sigmoid" or c[1] == 1])
+def test_moe_route_sigmoid(T, E_, groups, topk_groups, K, normalize, scale, biased, scoring):
     from .test_norm_kernels import router_logits
     gen = np.random.default_rng(T * 17 + E_ + K)
-    logits = router_logits(T, E_, gen, ties=[(0, 1)])
+    logits = router_logits(T, E_, gen, ties=[(0, 1)]) * (8 if scoring == "sqrtsoftplus" else 1)
     bias = torch.from_numpy((gen.standard_normal(E_) * 0.5).astype(np.float32))
     attrs = {"k": K, "normalize": normalize, "groups": groups, "topk_groups": topk_groups, "scale": scale,
-             "scoring": "sigmoid", **({"has_bias": True} if biased else {})}
+             "scoring": scoring, **({"has_bias": True} if biased else {})}
     ins = [("logits", ["T", E_], "bf16")] + ([("bias", [E_], "f32")] if biased else [])
     k = render("moe_route", "moe_route", ins, [("w", ["T", K], "f32"), ("ids", ["T", K], "i32")], attrs)
     w, ids = poison((T, K), "f32"), poison((T, K), "i32")
@@ -455,3 +458,20 @@ def test_moe_grouped_defaults_at_qwen3_30b_shapes():
         for k, tiles in ((gu, Fq // 128), (dn, Hq // 256)):
             blocks, rem = divmod(grid(k.meta, {"T": T, "B": 1})[0], tiles)
             assert rem == 0 and blocks == -(-T * KTq // 128) + min(Eq, T * KTq), (T, blocks)
+
+
+def test_moe_route_sqrtsoftplus_tail():
+    """Every logit far below zero (softplus ~ e^x, ~1e-6 .. 1e-4): the chosen experts' scores are
+    all tail, where log(1 + u) in fp32 would keep a few digits of u; the weights still match."""
+    from .test_norm_kernels import router_logits
+    T, E_, K = 9, 16, 4
+    logits = (router_logits(T, E_, np.random.default_rng(3), ties=[]).float() * 2 - 12).to(torch.bfloat16)
+    attrs = {"k": K, "normalize": True, "scoring": "sqrtsoftplus"}
+    k = render("moe_route", "moe_route", [("logits", ["T", E_], "bf16")],
+               [("w", ["T", K], "f32"), ("ids", ["T", K], "i32")], attrs)
+    w, ids = poison((T, K), "f32"), poison((T, K), "i32")
+    run(k, {"in:0": logits, "out:0": w, "out:1": ids}, {"T": T, "B": 1})
+    w_ref, ids_ref = REGISTRY["moe_route"].reference(None, logits.float().numpy(), **attrs)
+    assert logits.float().max() < -5
+    assert np.array_equal(ids.numpy(), ids_ref)
+    assert np.allclose(w.numpy(), w_ref, rtol=1e-5, atol=1e-7)
