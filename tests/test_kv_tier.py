@@ -356,3 +356,21 @@ def test_offloading_settings_are_checked(tiny_plan, tmp_path):
     notes = []
     e = make_engine(runner, kv_offloading=OffloadConfig(0.01), enable_prefix_caching=False, log=notes.append)
     assert e.tiers is None and any("KV offloading off" in n for n in notes)
+
+
+def test_offloading_flags_reach_the_config_and_bad_values_fail():
+    from infc.cli import parser
+    from infc.config import EngineConfig
+    from infc.server.args import engine_config
+    a = parser().parse_args(["serve", "--model-path", "m", "--kv-offloading-size", "2",
+                             "--kv-offloading-disk", "/x", "--kv-offloading-disk-size", "8"])
+    c = engine_config(a).cache
+    assert (c.kv_offloading_size, c.kv_offloading_disk, c.kv_offloading_disk_size) == (2.0, "/x", 8.0)
+    d = engine_config(parser().parse_args(["serve", "--model-path", "m"])).cache
+    assert (d.kv_offloading_size, d.kv_offloading_disk, d.kv_offloading_disk_size) == (0, None, 0)
+    never = lambda: pytest.fail("the cpu device needs no GPU table")  # noqa: E731
+    for settings, match in [({"kv_offloading_size": -1}, "--kv-offloading-size must be >= 0"),
+                            ({"kv_offloading_size": 1, "kv_offloading_disk": "/x"}, "go together"),
+                            ({"kv_offloading_disk": "/x", "kv_offloading_disk_size": 1}, "needs --kv-offloading-size")]:
+        with pytest.raises(ValueError, match=match):
+            EngineConfig.from_settings(device="cpu", **settings).resolved(lambda: "cpu", never)
