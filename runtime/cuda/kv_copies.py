@@ -22,6 +22,9 @@ class DeviceCopies:
         self.events = [ctx.event() for _ in range(RING)]
         self.mark = ctx.event()                  # the main stream's point a batch waits for
         self.issued = 0                          # batches issued; batch k's fence is k
+        # around the last save (True) and load (False) batch on the copy stream (last_ms)
+        self.timing = {d: (ctx.event(), ctx.event()) for d in (True, False)}
+        self.timed = set()
         self.slab: np.ndarray | None = None
 
     def make_slab(self, rows: int) -> np.ndarray:
@@ -35,14 +38,26 @@ class DeviceCopies:
         ctx.ensure_current()
         self.mark.record()
         ctx.wait_event(self.mark, self.stream)
+        start, end = self.timing[to_host]
+        start.record(self.stream)
         for dev, at, width, n, pitch in self.caches.block_copies(pages, rows, self.block_bytes):
             if to_host:
                 ctx.copy2d(host + at, self.block_bytes, dev, pitch, width, n, True, self.stream)
             else:
                 ctx.copy2d(dev, pitch, host + at, self.block_bytes, width, n, False, self.stream)
+        end.record(self.stream)
+        self.timed.add(to_host)
         fence, self.issued = self.issued, self.issued + 1
         self.events[fence % RING].record(self.stream)
         return fence
+
+    def last_ms(self, to_host: bool) -> float | None:
+        """The copy stream's time for the last batch of saves (to_host) or loads: waits for it
+        (benchmarks)."""
+        if to_host not in self.timed:
+            return None
+        start, end = self.timing[to_host]
+        return end.ms_since(start)
 
     def save(self, pages, rows) -> int:
         """Pages -> slab rows, once the steps issued so far have written them."""

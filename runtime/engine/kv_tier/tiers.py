@@ -165,11 +165,15 @@ class KVTiers:
             return None
         h, row = victim
         self.pool.drop(h)
+        self._spill(h, row)
+        return row
+
+    def _spill(self, h: bytes, row: int):
+        """Block h leaves the pool from `row`: to the disk, when there is one."""
         if self.disk is not None and h not in self.disk:
             self.copies.host_wait(self.pool.fence[row])  # its save may still be in flight
             self.disk.put(h, self.slab[row])
             self.stats.bytes_to_disk += self.block_bytes
-        return row
 
     def _issue_saves(self, saves: dict, blocks=None, always_wait: bool = False):
         """Copy offered blocks into rows. A row being filled is pinned until its copy is issued
@@ -229,6 +233,27 @@ class KVTiers:
         if self.step_fence is not None:
             self.copies.step_waits(self.step_fence)
             self.step_fence = None
+
+    # -- benchmarks: where the next hit comes from ------------------------------------------------
+    def demote(self, bm, to_disk: bool = False):
+        """Every block cached in bm's pages that no sequence holds leaves them for the host pool
+        (to_disk: and every block of the pool for the disk), as eviction would move them: the
+        next prefix hit comes from that tier (`infc bench prefix --tier`)."""
+        for page in bm.free:
+            b = bm.blocks[page]
+            if b.hash is not None:
+                self.offer(b.hash, page)
+                del bm.cached[b.hash]
+                b.hash = None
+        self.flush(bm.blocks)
+        if to_disk:
+            if self.disk is None:
+                raise ValueError("no disk tier to demote to (--kv-offloading-disk)")
+            while (victim := self.pool.victim()) is not None:
+                h, row = victim
+                self.pool.drop(h)
+                self._spill(h, row)
+                self.pool.release(row)
 
     def check(self):
         """Accounting (tests): rows, pins and files agree; nothing pending between steps but
