@@ -374,3 +374,40 @@ def test_offloading_flags_reach_the_config_and_bad_values_fail():
                             ({"kv_offloading_disk": "/x", "kv_offloading_disk_size": 1}, "needs --kv-offloading-size")]:
         with pytest.raises(ValueError, match=match):
             EngineConfig.from_settings(device="cpu", **settings).resolved(lambda: "cpu", never)
+
+
+def test_a_disk_that_refuses_writes_drops_blocks_and_serving_goes_on(tmp_path, monkeypatch):
+    import builtins
+    rng = np.random.default_rng(15)
+    prompts = _shared_prefix_prompts(rng, 40, stems=6)
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    want = _serve(make_engine(FakeRunner(24)), prompts, params)
+    e = make_engine(TieredFake(24), kv_offloading=OffloadConfig(_blocks_gib(4), str(tmp_path), 0.001))
+    real_open = builtins.open
+
+    def full_disk(path, mode="r", *a, **kw):
+        if "w" in mode and str(path).endswith(".tmp"):
+            raise OSError(28, "No space left on device")
+        return real_open(path, mode, *a, **kw)
+    monkeypatch.setattr(builtins, "open", full_disk)
+    assert _serve(e, prompts, params) == want
+    disk = e.tiers.disk
+    assert disk.write_errors > 0 and len(disk) == 0 and e.metrics.kv_offload.disk_hit_tokens == 0
+    assert_all_free(e)
+
+
+def test_preempted_sequences_come_back_from_the_host_tier():
+    """KV demand ~4x the cache: preempted sequences' full blocks (prompt and outputs) are restored
+    from the host tier when they return, and every output is as alone."""
+    from test_scheduler import solo
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 97, int(rng.integers(20, 40))).tolist() for _ in range(12)]
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    r = TieredFake(20)
+    e = make_engine(r, kv_offloading=OffloadConfig(_blocks_gib(200)))
+    for i, p in enumerate(prompts):
+        e.add_request(p, params, f"r{i}")
+    outs = drain(e)
+    assert e.metrics.num_preemptions_total > 0 and e.metrics.kv_offload.host_hit_tokens > 0
+    assert all(outs[f"r{i}"][0] == solo(r, p, 24) for i, p in enumerate(prompts))
+    assert_all_free(e)

@@ -47,6 +47,7 @@ class DiskStore:
             stale.unlink(missing_ok=True)
         self.lru: OrderedDict[bytes, None] = OrderedDict()
         self.rejected = 0                       # files that failed their checks (deleted)
+        self.write_errors = 0                   # blocks not stored: the folder refused them
         self.written = self.read_bytes = 0
 
     def path(self, h: bytes) -> Path:
@@ -67,10 +68,15 @@ class DiskStore:
         assert payload.nbytes == self.block_bytes, (payload.nbytes, self.block_bytes)
         head = HEADER.pack(MAGIC, self.namespace, h, payload.nbytes, bytes(16))[:-16]
         tmp = self.path(h).with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            f.write(head + _digest(head, payload))
-            f.write(payload)
-        os.replace(tmp, self.path(h))
+        try:
+            with open(tmp, "wb") as f:
+                f.write(head + _digest(head, payload))
+                f.write(payload)
+            os.replace(tmp, self.path(h))
+        except OSError:                         # a full or vanished folder: the block is dropped,
+            self.write_errors += 1              # the server goes on (its tokens are recomputed)
+            tmp.unlink(missing_ok=True)
+            return
         self.written += self.file_bytes
         self.lru[h] = None
         while len(self.lru) > self.max_files:
