@@ -411,3 +411,28 @@ def test_preempted_sequences_come_back_from_the_host_tier():
     assert e.metrics.num_preemptions_total > 0 and e.metrics.kv_offload.host_hit_tokens > 0
     assert all(outs[f"r{i}"][0] == solo(r, p, 24) for i, p in enumerate(prompts))
     assert_all_free(e)
+
+
+def _runs(pages, rows) -> int:
+    """Copies a restore takes per (cache, layer) on the GPU: runs of consecutive pages and rows."""
+    return 1 + sum(1 for i in range(1, len(pages))
+                   if (pages[i] - pages[i - 1], rows[i] - rows[i - 1]) != (1, 1))
+
+
+def test_a_restored_prefix_is_copied_in_few_runs():
+    """A 40-block prefix pushed out by another prompt and restored: its blocks' rows and fresh pages
+    pair up in runs (the GPU issues one 2D copy per run and (cache, layer), not one per block)."""
+    r = TieredFake(48)
+    loads = []
+    load = r.copies.load
+    r.copies.load = lambda pages, rows: loads.append((list(pages), list(rows))) or load(pages, rows)
+    e = make_engine(r, kv_offloading=OffloadConfig(_blocks_gib(200)))
+    rng = np.random.default_rng(16)
+    a, b = rng.integers(0, 97, 161).tolist(), rng.integers(0, 97, 181).tolist()
+    params = SamplingParams(max_tokens=2, **GREEDY)
+    first = _serve(e, [a, b], params, per_wave=1)
+    assert not loads
+    assert _serve(e, [a], params) == first[:1]
+    (pages, rows), = loads
+    assert len(pages) >= 30 and _runs(pages, rows) <= 3, (pages, rows)
+    assert_all_free(e)

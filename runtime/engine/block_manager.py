@@ -160,15 +160,18 @@ class BlockManager:
 
     def _restored(self, hashes: list[bytes], hits: list, rows: list[int]) -> list[int]:
         """hits with each tier block (None) on a fresh page that holds its hash from now on, its
-        copy from host row rows[i] pending until the engine's flush."""
-        out, rows = [], iter(rows)
-        for h, p in zip(hashes, hits):
-            if p is None:
-                p = self._new_page()
-                self.blocks[p].hash = h
-                self.cached[h] = p
-                self.tiers.restore(h, p, next(rows))
-            out.append(p)
+        copy from host row rows[i] pending until the engine's flush. The fresh pages go to the
+        blocks in the order of their rows, ascending: where rows run on consecutively, so do the
+        pages, and the device copies them as one run (runtime/cuda/kv_copies.py)."""
+        tier = [i for i, p in enumerate(hits) if p is None]
+        pages = sorted(self._new_page() for _ in tier)
+        out = list(hits)
+        for j, p in zip(sorted(range(len(tier)), key=rows.__getitem__), pages):
+            h = hashes[tier[j]]
+            self.blocks[p].hash = h
+            self.cached[h] = p
+            self.tiers.restore(h, p, rows[j])
+            out[tier[j]] = p
         return out
 
     def grow(self, seq: Sequence, n: int) -> bool:

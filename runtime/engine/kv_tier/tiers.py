@@ -180,7 +180,9 @@ class KVTiers:
         (spilling it would write what it held before); a pool smaller than the batch takes it
         in chunks, each evicting the one before."""
         pages, rows = [], []
-        for h, page in saves.items():
+        # a sequence offers its blocks last first: saved first first, its blocks take ascending
+        # rows (consecutive ones from the free rows), which its restores copy as runs
+        for h, page in reversed(saves.items()):
             if h in self.pool:
                 continue
             row = self._free_row()
@@ -219,7 +221,8 @@ class KVTiers:
         if self.loads:
             t0 = time.perf_counter()
             loads, self.loads = self.loads, []
-            live = [(page, row) for h, page, row in loads if blocks[page].hash == h]
+            live = sorted((row, page) for h, page, row in loads if blocks[page].hash == h)
+            live = [(page, row) for row, page in live]                  # by row: runs stay runs
             if live:
                 fence = self.copies.load([p for p, _ in live], [r for _, r in live])
                 self.stats.bytes_to_device += len(live) * self.block_bytes
