@@ -49,3 +49,5 @@ def test_serve_restores_an_evicted_prefix_from_the_host_tier():
         assert m[f"vllm:external_prefix_cache_hits_total{{{lab}}}"] == 80
         assert m[f"vllm:prefix_cache_hits_total{{{lab}}}"] == 0      # not from the device's cache
         assert m[f"infc:kv_offload_restore_seconds_count{{{lab}}}"] >= 1
+        info = next(k for k in m if k.startswith("vllm:cache_config_info{"))
+        assert 'kv_offloading_size="0.05"' in info and 'num_cpu_blocks="' in info

@@ -162,6 +162,9 @@ class Engine:
             "block_size": self.page_size, "cache_dtype": "auto",
             "enable_prefix_caching": self.bm.enable_prefix_caching,
             "num_gpu_blocks": runner.num_pages, "engine": 0}
+        if self.tiers is not None:               # vLLM's CacheConfig spellings
+            self.metrics.cache_config_info.update(kv_offloading_size=kv_offloading.host_gib,
+                                                  num_cpu_blocks=self.tiers.capacity_rows)
         self._next_seq = 0
         self._next_request = 0
         self.faults = fault_inject.from_env()    # test-only (INFC_FAULT_INJECT); None in production
