@@ -436,3 +436,13 @@ def test_a_restored_prefix_is_copied_in_few_runs():
     (pages, rows), = loads
     assert len(pages) >= 30 and _runs(pages, rows) <= 3, (pages, rows)
     assert_all_free(e)
+
+
+def test_a_model_with_slot_caches_runs_without_tiers_and_says_so():
+    """Hybrid models (slot caches) have no prefix caching yet, so no tiers: a startup note each."""
+    r = TieredFake(16)
+    r.num_slots = 4
+    notes = []
+    e = make_engine(r, kv_offloading=OffloadConfig(0.01), log=notes.append)
+    assert e.tiers is None and e.bm.tiers is None and not e.bm.enable_prefix_caching
+    assert any("prefix caching disabled" in n for n in notes) and any("KV offloading off" in n for n in notes)
