@@ -108,9 +108,13 @@ def test_disk_blocks_round_trip_and_lru(tmp_path):
         d.put(h, b)
     assert len(d) == 4 and bytes([0]) * 32 not in d and bytes([1]) * 32 not in d   # LRU out
     out = np.zeros(1000, np.uint8)
-    for h in list(blocks)[2:]:
+    for h in list(blocks)[2:]:                  # from the writer's queue or the file, as it goes
         assert d.get(h, out) and out.tobytes() == blocks[h].tobytes()
-    d.check()
+    d.check()                                   # drained: the files are the index's, no others
+    for h in list(blocks)[2:]:                  # from the files
+        out[:] = 0
+        assert d.get(h, out) and out.tobytes() == blocks[h].tobytes()
+    assert d.read_bytes == 4 * (1000 + HEADER.size)
     assert not d.get(bytes([0]) * 32, out)
 
 
@@ -121,6 +125,7 @@ def test_a_damaged_disk_block_is_a_miss_and_is_deleted(tmp_path, damage):
     block = np.random.default_rng(1).integers(0, 256, 1000, dtype=np.uint8)
     d.put(h, block)
     d.put(g, block)
+    d.drain()                              # the writer thread has put the files in place
     path = d.path(h)
     raw = bytearray(path.read_bytes())
     if damage == "truncate":
@@ -132,6 +137,7 @@ def test_a_damaged_disk_block_is_a_miss_and_is_deleted(tmp_path, damage):
     elif damage == "foreign":              # another layout's (namespace's) file of the same block
         other = _disk(tmp_path / "o", ns=b"m" * 32)
         other.put(h, block)
+        other.drain()
         raw = bytearray(other.path(h).read_bytes())
     else:                                  # block g's file under h's name
         raw = bytearray(d.path(g).read_bytes())
@@ -146,6 +152,7 @@ def test_a_damaged_disk_block_is_a_miss_and_is_deleted(tmp_path, damage):
 def test_a_new_store_removes_an_earlier_runs_files(tmp_path):
     d = _disk(tmp_path)
     d.put(b"a" * 32, np.zeros(1000, np.uint8))
+    d.drain()
     again = _disk(tmp_path)
     assert len(again) == 0 and not list(again.folder.iterdir())
 
@@ -288,6 +295,7 @@ def test_corrupted_disk_blocks_are_recomputed(tmp_path):
     disk = e.tiers.disk
     outs = {}
     for w in range(0, len(prompts), 6):
+        disk.drain()
         for f in disk.folder.iterdir():                  # damage whatever is there now
             raw = bytearray(f.read_bytes())
             if w % 12:
@@ -392,7 +400,8 @@ def test_a_disk_that_refuses_writes_drops_blocks_and_serving_goes_on(tmp_path, m
     monkeypatch.setattr(builtins, "open", full_disk)
     assert _serve(e, prompts, params) == want
     disk = e.tiers.disk
-    assert disk.write_errors > 0 and len(disk) == 0 and e.metrics.kv_offload.disk_hit_tokens == 0
+    disk.drain()
+    assert disk.write_errors > 0 and len(disk) == 0 and not disk.pending
     assert_all_free(e)
 
 
