@@ -7,7 +7,9 @@ restored over), then issues one 2D copy per paged (cache, layer) and run of cons
 (compiler/contract/caches.py DeviceCaches.block_copies), then records its fence: a number whose
 event, in a ring, is recorded after the batch. The copy stream is in order, so waiting on a
 later record of a ring event covers every earlier batch: step_waits makes the main stream wait
-(on the device) and host_wait the host, for the batch `fence` and all before it.
+(on the device) and host_wait the host, for the batch `fence` and all before it. A restore thus
+starts once the step in flight is done, not beside it: its target pages may have been that
+step's (a sequence that ended while it ran).
 """
 import numpy as np
 
