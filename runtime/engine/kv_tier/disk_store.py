@@ -71,6 +71,14 @@ class DiskStore:
     def __len__(self) -> int:
         return len(self.lru)
 
+    def touch(self, h: bytes) -> bool:
+        """Whether block h is here (now the most recently used)."""
+        with self.lock:
+            if h in self.lru:
+                self.lru.move_to_end(h)
+                return True
+            return False
+
     def put(self, h: bytes, block: np.ndarray):
         """Store a block (uint8 [block_bytes]), written by the writer thread; the least recently
         used blocks go past capacity."""

@@ -87,8 +87,7 @@ class KVTiers:
         """A hashed page lost its last reference: keep its block (copied at the next flush)."""
         if self.pool.get(h) is not None or h in self.saves:
             return
-        if self.disk is not None and h in self.disk:
-            self.disk.lru.move_to_end(h)
+        if self.disk is not None and self.disk.touch(h):
             return
         self.saves[h] = page
 
