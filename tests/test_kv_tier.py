@@ -432,15 +432,17 @@ def test_a_restored_prefix_is_copied_in_few_runs():
     """A 40-block prefix pushed out by another prompt and restored: its blocks' rows and fresh pages
     pair up in runs (the GPU issues one 2D copy per run and (cache, layer), not one per block)."""
     r = TieredFake(48)
-    loads = []
-    load = r.copies.load
+    loads, saves = [], []
+    load, save = r.copies.load, r.copies.save
     r.copies.load = lambda pages, rows: loads.append((list(pages), list(rows))) or load(pages, rows)
+    r.copies.save = lambda pages, rows: saves.append((list(pages), list(rows))) or save(pages, rows)
     e = make_engine(r, kv_offloading=OffloadConfig(_blocks_gib(200)))
     rng = np.random.default_rng(16)
     a, b = rng.integers(0, 97, 161).tolist(), rng.integers(0, 97, 181).tolist()
     params = SamplingParams(max_tokens=2, **GREEDY)
     first = _serve(e, [a, b], params, per_wave=1)
-    assert not loads
+    assert not loads and len(saves[0][0]) == 40 and _runs(*saves[0]) == 1     # a's blocks, saved
+    assert len(saves[1][0]) == 45 and _runs(*saves[1]) <= 3     # b's: on pages a freed, last first
     assert _serve(e, [a], params) == first[:1]
     (pages, rows), = loads
     assert len(pages) >= 30 and _runs(pages, rows) <= 3, (pages, rows)

@@ -179,9 +179,9 @@ class KVTiers:
         (spilling it would write what it held before); a pool smaller than the batch takes it
         in chunks, each evicting the one before."""
         pages, rows = [], []
-        # a sequence offers its blocks last first: saved first first, its blocks take ascending
-        # rows (consecutive ones from the free rows), which its restores copy as runs
-        for h, page in reversed(saves.items()):
+        # by page: consecutive pages take consecutive rows where free rows run on, so the GPU
+        # copies them (and later restores them) as one run a (cache, layer)
+        for h, page in sorted(saves.items(), key=lambda kv: kv[1]):
             if h in self.pool:
                 continue
             row = self._free_row()
