@@ -178,7 +178,7 @@ class FakeCopies:
             s = self._slots(p)
             self.slab[row] = np.concatenate([self.r.kv_tok[s], self.r.kv_pos[s]]).view(np.uint8)
 
-    def load(self, pages, rows):
+    def load(self, pages, rows, after_steps=True):
         ps = self.r.page_size
         for p, row in zip(pages, rows):
             v = self.slab[row].view(np.int64)
@@ -200,11 +200,15 @@ class LateCopies(FakeCopies):
     def __init__(self, runner):
         super().__init__(runner)
         self.queue, self.issued = [], 0
+        self.beside = 0                                  # restores that did not wait for steps
 
     def save(self, pages, rows):
         return self._later(super().save, pages, rows)
 
-    def load(self, pages, rows):
+    def load(self, pages, rows, after_steps=True):
+        """after_steps=False: KVTiers says no step in flight has these pages; checked."""
+        assert after_steps or not set(pages) & self.r.in_flight, "a restore beside a step using its pages"
+        self.beside += not after_steps
         return self._later(super().load, pages, rows)
 
     def _later(self, copy, pages, rows):
@@ -233,6 +237,24 @@ class TieredFake(FakeRunner):
 
     def kv_copies(self):
         return self.copies
+
+    launched: dict = {}                                  # id(step) -> its pages, until collected
+
+    @property
+    def in_flight(self) -> set:
+        """Pages of the steps launched and not collected yet."""
+        return set().union(*self.launched.values())
+
+    def launch(self, meta, sampling, feed=()):
+        ps = self.page_size
+        step = super().launch(meta, sampling, feed)
+        self.launched = {**self.launched, id(step): {
+            int(p) for b in range(meta.B) for p in meta.block_tables[b, :-(-int(meta.context_lens[b]) // ps)]}}
+        return step
+
+    def collect(self, step):
+        self.launched = {k: v for k, v in self.launched.items() if k != id(step)}
+        return super().collect(step)
 
     def execute(self, meta, sampling):
         start = getattr(self.copies, "issued", 0)
@@ -274,13 +296,15 @@ def test_outputs_with_tiers_equal_outputs_without(tmp_path, disk, late):
     want = _serve(make_engine(FakeRunner(24)), prompts, params)
     cfg = (OffloadConfig(_blocks_gib(8), str(tmp_path), _blocks_gib(400) + 400 * HEADER.size / GIB) if disk
            else OffloadConfig(_blocks_gib(1000)))
-    e = make_engine(TieredFake(24, late=late), kv_offloading=cfg)
+    r = TieredFake(24, late=late)
+    e = make_engine(r, kv_offloading=cfg)
     assert _serve(e, prompts, params) == want
     st = e.metrics.kv_offload
     assert st.host_hit_tokens > 0 and st.bytes_to_host > 0 and st.bytes_to_device > 0
     assert e.metrics.external_prefix_cache_hits_total == st.host_hit_tokens + st.disk_hit_tokens
     assert e.metrics.external_prefix_cache_hits_total <= e.metrics.external_prefix_cache_queries_total
     assert (st.disk_hit_tokens > 0 and st.bytes_to_disk > 0) == disk
+    assert not late or r.copies.beside > 0                  # restores that overlapped a step
     assert st.restore_seconds.count > 0
     assert_all_free(e)
 
@@ -434,7 +458,7 @@ def test_a_restored_prefix_is_copied_in_few_runs():
     r = TieredFake(48)
     loads, saves = [], []
     load, save = r.copies.load, r.copies.save
-    r.copies.load = lambda pages, rows: loads.append((list(pages), list(rows))) or load(pages, rows)
+    r.copies.load = lambda pages, rows, *a: loads.append((list(pages), list(rows))) or load(pages, rows, *a)
     r.copies.save = lambda pages, rows: saves.append((list(pages), list(rows))) or save(pages, rows)
     e = make_engine(r, kv_offloading=OffloadConfig(_blocks_gib(200)))
     rng = np.random.default_rng(16)
@@ -457,3 +481,30 @@ def test_a_model_with_slot_caches_runs_without_tiers_and_says_so():
     e = make_engine(r, kv_offloading=OffloadConfig(0.01), log=notes.append)
     assert e.tiers is None and e.bm.tiers is None and not e.bm.enable_prefix_caching
     assert any("prefix caching disabled" in n for n in notes) and any("KV offloading off" in n for n in notes)
+
+
+def test_a_restore_into_pages_of_the_step_in_flight_waits_for_it():
+    """Overlapped: S stops at a token read back while its next step is in flight; R, waiting for
+    pages, is admitted onto S's pages and restores its prefix there. That restore must wait for
+    the step in flight (LateCopies checks); restores onto other pages need not."""
+    stop = SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[5])
+    r = TieredFake(7, next_token=lambda ctx: 5)
+    e = make_engine(r, kv_offloading=OffloadConfig(_blocks_gib(20)))
+    r.copies = LateCopies(r)
+    e.tiers.copies = r.copies
+    r.copies.make_slab(e.tiers.pool.num_rows)
+    e.tiers.slab = r.copies.slab
+    assert e.overlap
+    a = list(range(20, 32))                               # 3 blocks
+    e.add_request(a + [1], stop, "fill")
+    drain(e)
+    e.tiers.demote(e.bm)                                  # a's blocks: host tier only
+    waited = []
+    load = r.copies.load
+    r.copies.load = lambda pages, rows, after=True: waited.append(after) or load(pages, rows, after)
+    e.add_request(list(range(40, 59)), stop, "S")        # 5 pages of 7
+    e.add_request(a + [2], stop, "R")                     # 3 tier blocks + 1: waits for S's pages
+    outs = drain(e)
+    assert outs["S"][0] == [5] and outs["R"][0] == [5]
+    assert e.metrics.kv_offload.host_hit_tokens == 12 and waited == [True]
+    assert_all_free(e)

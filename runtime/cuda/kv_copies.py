@@ -3,13 +3,12 @@ of a pinned host slab, on a copy stream of their own so the steps do not wait fo
 
 A batch of copies (a flush's saves, or its restores) first waits, on the device, for everything
 issued on the main stream so far (the steps that wrote the pages, or still read a page being
-restored over), then issues one 2D copy per paged (cache, layer) and run of consecutive pages
+restored over; restores skip that wait when KVTiers knows no step in flight has their pages, and
+then overlap the step in flight), then issues one 2D copy per paged (cache, layer) and run of consecutive pages
 (compiler/contract/caches.py DeviceCaches.block_copies), then records its fence: a number whose
 event, in a ring, is recorded after the batch. The copy stream is in order, so waiting on a
 later record of a ring event covers every earlier batch: step_waits makes the main stream wait
-(on the device) and host_wait the host, for the batch `fence` and all before it. A restore thus
-starts once the step in flight is done, not beside it: its target pages may have been that
-step's (a sequence that ended while it ran).
+(on the device) and host_wait the host, for the batch `fence` and all before it.
 """
 import numpy as np
 
@@ -35,11 +34,12 @@ class DeviceCopies:
         self.slab = self._pinned.reshape(rows, self.block_bytes)
         return self.slab
 
-    def _batch(self, pages, rows, to_host: bool) -> int:
+    def _batch(self, pages, rows, to_host: bool, after_steps: bool = True) -> int:
         ctx, host = self.ctx, self.slab.ctypes.data
         ctx.ensure_current()
-        self.mark.record()
-        ctx.wait_event(self.mark, self.stream)
+        if after_steps:
+            self.mark.record()
+            ctx.wait_event(self.mark, self.stream)
         start, end = self.timing[to_host]
         start.record(self.stream)
         for dev, at, width, n, pitch in self.caches.block_copies(pages, rows, self.block_bytes):
@@ -65,9 +65,10 @@ class DeviceCopies:
         """Pages -> slab rows, once the steps issued so far have written them."""
         return self._batch(pages, rows, True)
 
-    def load(self, pages, rows) -> int:
-        """Slab rows -> pages, once the steps issued so far are done with those pages."""
-        return self._batch(pages, rows, False)
+    def load(self, pages, rows, after_steps: bool = True) -> int:
+        """Slab rows -> pages, once the steps issued so far are done (after_steps; False: no step
+        issued so far touches these pages, the copies may run beside them)."""
+        return self._batch(pages, rows, False, after_steps)
 
     def step_waits(self, fence: int):
         self.ctx.wait_event(self.events[fence % RING])

@@ -203,8 +203,8 @@ class BlockManager:
             b.ref -= 1
             if b.ref == 0:
                 self.free[page] = None            # to the LRU tail; stays cached if hashed
-                if b.hash is not None and self.tiers is not None:
-                    self.tiers.offer(b.hash, page)
+                if self.tiers is not None:
+                    self.tiers.released(page, b.hash)
         seq.pages = []
         seq.num_computed_tokens = 0
         seq.num_committed_blocks = 0

@@ -311,7 +311,7 @@ class Engine:
             batches = [[(seq, n) for seq, n in b if not seq.finished] for b in batches]   # ended in it
         try:
             if self.tiers is not None:          # before the step: its restores, the saves it overwrites
-                self.tiers.flush(self.bm.blocks)
+                self.tiers.flush(self.bm.blocks, before_launch=True)
             launched = self._launch_any(batches) if any(batches) else None
         except Exception as e:                  # noqa: BLE001 - this step is lost, not the engine
             if is_fatal(e):

@@ -24,8 +24,8 @@ class HostCopies:
         self.storage.read_pages(pages, self.slab, rows)
         self.seconds[True] = time.perf_counter() - t0
 
-    def load(self, pages, rows):
-        """Slab rows -> pages."""
+    def load(self, pages, rows, after_steps: bool = True):
+        """Slab rows -> pages (after_steps: see runtime/cuda/kv_copies.py; the CPU's steps are done)."""
         t0 = time.perf_counter()
         self.storage.write_pages(pages, self.slab, rows)
         self.seconds[False] = time.perf_counter() - t0

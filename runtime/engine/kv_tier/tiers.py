@@ -74,6 +74,7 @@ class KVTiers:
         self.loads: list[tuple[bytes, int, int]] = []   # (hash, page, row), copy not issued yet
         self.page_fence: dict[int, object] = {}  # page -> the save copy reading it
         self.step_fence = None                   # the next step waits for the copies up to this
+        self.freed: set[int] = set()             # pages freed since the last flush before a launch
         self.stats = TierStats()
         self._fetch_seconds = 0.0                # disk reads of the restores pending
         self._fetched = [0, 0]                   # the last fetch's blocks from host, from disk
@@ -90,6 +91,12 @@ class KVTiers:
         if self.disk is not None and self.disk.touch(h):
             return
         self.saves[h] = page
+
+    def released(self, page: int, h: bytes | None):
+        """A page lost its last reference (and with a hash, its block is offered)."""
+        self.freed.add(page)
+        if h is not None:
+            self.offer(h, page)
 
     def reusing(self, page: int):
         """A page is handed out again: the step that writes it waits for a save still reading it."""
@@ -210,10 +217,15 @@ class KVTiers:
             if always_wait or (blocks is not None and (blocks[page].ref or blocks[page].hash is None)):
                 self.step_fence = _max(self.step_fence, fence)
 
-    def flush(self, blocks):
+    def flush(self, blocks, before_launch: bool = False):
         """Issue the pending saves, then the pending restores (blocks: the block manager's, to
         skip a restore whose page was freed and handed out again meanwhile); the next step waits
-        for what it reads or overwrites."""
+        for what it reads or overwrites.
+
+        Restores overlap the step in flight unless one writes a page freed since the last flush
+        before a launch (a sequence that ended while that step ran may still be in it); the
+        engine's flush before a launch (before_launch) starts the count again. Saves always wait
+        for the steps issued before them (their blocks may be that step's output)."""
         if self.saves:
             saves, self.saves = self.saves, {}
             self._issue_saves(saves, blocks)
@@ -223,7 +235,9 @@ class KVTiers:
             live = sorted((row, page) for h, page, row in loads if blocks[page].hash == h)
             live = [(page, row) for row, page in live]                  # by row: runs stay runs
             if live:
-                fence = self.copies.load([p for p, _ in live], [r for _, r in live])
+                pages = [p for p, _ in live]
+                fence = self.copies.load(pages, [r for _, r in live],
+                                         any(p in self.freed for p in pages))
                 self.stats.bytes_to_device += len(live) * self.block_bytes
                 for _, row in live:
                     self.pool.fence[row] = fence
@@ -235,6 +249,8 @@ class KVTiers:
         if self.step_fence is not None:
             self.copies.step_waits(self.step_fence)
             self.step_fence = None
+        if before_launch:
+            self.freed.clear()
 
     # -- benchmarks: where the next hit comes from ------------------------------------------------
     def demote(self, bm, to_disk: bool = False):
