@@ -364,15 +364,22 @@ def test_1000_aborts_under_offload_hold_nothing(tmp_path):
 
 
 # -- the tiny real model -------------------------------------------------------------------------
-def test_tiny_model_outputs_with_the_host_tier_equal_outputs_without(tiny_plan):
+@pytest.mark.parametrize("n,disk", [(200, True), pytest.param(200, False, marks=EXHAUSTIVE)])
+def test_tiny_model_outputs_with_the_tiers_equal_outputs_without(tiny_plan, tmp_path, n, disk):
+    """The real CPU path (numpy pages): 200 greedy requests over 8 shared prefixes with a KV cache
+    of 12 pages of 4 tokens; a host pool of 6 blocks and a disk behind it (or a pool of 200)."""
     plan, weights = tiny_plan
     rng = np.random.default_rng(14)
-    prompts = _shared_prefix_prompts(rng, 24, stems=4, stem_len=(12, 20), tail=(1, 5), vocab=320)
+    prompts = _shared_prefix_prompts(rng, n, stems=8, stem_len=(12, 20), tail=(1, 5), vocab=320)
     params = SamplingParams(max_tokens=3, **GREEDY)
     want = _serve(make_engine(CPURunner(plan, weights, 12, 4)), prompts, params, per_wave=3)
-    e = make_engine(CPURunner(plan, weights, 12, 4), kv_offloading=OffloadConfig(0.01))
+    runner = CPURunner(plan, weights, 12, 4)
+    block = runner.kv_copies().block_bytes / GIB
+    cfg = OffloadConfig(6 * block, str(tmp_path), 400 * (block + HEADER.size / GIB)) if disk else OffloadConfig(200 * block)
+    e = make_engine(runner, kv_offloading=cfg)
     assert _serve(e, prompts, params, per_wave=3) == want
-    assert e.metrics.kv_offload.host_hit_tokens > 0
+    st = e.metrics.kv_offload
+    assert st.host_hit_tokens > 0 and (st.disk_hit_tokens > 0) == disk
     assert_all_free(e)
 
 
