@@ -51,12 +51,12 @@ def add_kv_cache_dtype_arg(p: argparse.ArgumentParser, default=DEFAULT_KV_CACHE_
 def add_kv_offloading_args(p: argparse.ArgumentParser):
     """The KV tiers (docs/serving.md, "KV offloading"): vLLM's --kv-offloading-size, and a disk
     folder behind it (LMCache keeps one too; its local_disk / max_local_disk_size)."""
-    p.add_argument("--kv-offloading-size", type=float, help="GiB of host memory (pinned on a GPU) "
+    p.add_argument("--kv-offloading-size", type=float, metavar="GIB", help="GiB of host memory (pinned on a GPU) "
                    "keeping prefix-cache blocks evicted from the KV cache; a prompt whose prefix is "
                    "there has it copied back instead of recomputed (default 0: off)")
     p.add_argument("--kv-offloading-disk", metavar="DIR", help="a folder for blocks the host tier "
                    "evicts (one checksummed file each; emptied at startup)")
-    p.add_argument("--kv-offloading-disk-size", type=float, help="GiB of --kv-offloading-disk to use")
+    p.add_argument("--kv-offloading-disk-size", type=float, metavar="GIB", help="GiB of --kv-offloading-disk to use")
 
 
 def add_serve_args(p: argparse.ArgumentParser):
