@@ -36,6 +36,14 @@ StepOutput.num_cached_tokens; through the server, the change of /metrics'
 vllm:prefix_cache_hits_total around the request) goes into the JSON, and a warm request that did
 not find its whole prefix cached, or a cold one that found anything, stops the benchmark.
 
+--tier host|disk (engine path): the warm hit comes from a KV tier (--kv-offloading-size, and for
+disk a folder, a temporary one unless --kv-offloading-disk names one): before every request the
+blocks cached in the device's pages are moved to the host pool (and from it to the disk), so a
+warm request restores its whole prefix from that tier, which is checked per request (the tiers'
+hit counters). Per L the warm requests' restore copies go into the JSON: restore_ms (the copy
+alone: the copy stream's events on the GPU) and restore_GBps (the blocks' bytes over it), beside
+the TTFTs they are part of. --tier hbm (the default) is the device's own prefix cache.
+
 The serve path runs first: its server process owns the GPU until it exits, then the engine path
 loads its own. On the GPU the engine path also measures the copy bandwidth, and records the floor
 of a warm hit: (weight bytes + KV bytes of L + new tokens) / bandwidth.
@@ -220,6 +228,12 @@ def run_engine(a, lengths, rec: dict, save_point):
     from infc.runtime.engine.sampling import SamplingParams
     from .common import copy_bandwidth
     kw = {} if a.max_num_batched_tokens is None else {"max_num_batched_tokens": a.max_num_batched_tokens}
+    tier = getattr(a, "tier", "hbm")
+    if tier != "hbm":
+        kw.update(kv_offloading_size=a.kv_offloading_size)
+        if tier == "disk":
+            kw.update(kv_offloading_disk=a.kv_offloading_disk or tempfile.mkdtemp(prefix="infc-kv-"),
+                      kv_offloading_disk_size=a.kv_offloading_disk_size or 2 * a.kv_offloading_size)
     b = load_backend(a.model_path, model=a.model, device=a.device, max_num_seqs=a.max_num_seqs,
                      gpu_memory_utilization=a.gpu_memory_utilization, asynchronous=False,
                      load_format=a.load_format, enable_prefix_caching=True, block_size=a.page_size, **kw)
@@ -263,12 +277,17 @@ def run_engine(a, lengths, rec: dict, save_point):
     prompts = IdPrompts(b.vocab_size, np.random.default_rng(a.seed))
     submit(prompts.make(32), 32)                # the engine's first step, untimed
     rec["results"] = {}
+    rec["tier"] = tier
+    restores: dict[int, list] = {}
 
     def on_length(res):
         rec["results"] = res
+        if tier != "hbm":
+            add_restores(res, restores, a.reps)
         save_point()
 
-    sweep(submit, prompts, lengths, a.new_tokens, a.reps, a.cold_reps, b.page_size, "engine", on_length)
+    timed = submit if tier == "hbm" else tier_submit(engine, tier, submit, restores, a.new_tokens)
+    sweep(timed, prompts, lengths, a.new_tokens, a.reps, a.cold_reps, b.page_size, "engine", on_length)
     if bw:
         kv = caches.token_bytes(caches.of_plan(runner.plan))
         for L, r in rec["results"].items():
@@ -276,6 +295,42 @@ def run_engine(a, lengths, rec: dict, save_point):
     close = getattr(runner, "close", None)
     if close:
         close()
+
+
+def tier_submit(engine, tier: str, submit, restores: dict, new: int):
+    """submit, each request's prefix hit forced to come from `tier` (host or disk) and checked to;
+    a warm request's restore copy (ms, bytes) appended to restores[L]."""
+    tiers = engine.tiers
+    if tiers is None:
+        raise ValueError(f"--tier {tier}: the engine runs this model without KV tiers")
+
+    def run(prompt, n):
+        tiers.demote(engine.bm, to_disk=tier == "disk")
+        st = tiers.stats
+        before = (st.host_hit_tokens, st.disk_hit_tokens, st.bytes_to_device)
+        r = submit(prompt, n)
+        host, disk = st.host_hit_tokens - before[0], st.disk_hit_tokens - before[1]
+        if r["cached"] != (host if tier == "host" else disk):
+            raise RuntimeError(f"engine: a request found {r['cached']} cached tokens, {host} of them in "
+                               f"the host tier and {disk} on disk: not all from the {tier} tier")
+        if r["cached"]:
+            restores.setdefault(n - new, []).append((tiers.copies.last_ms(False), st.bytes_to_device - before[2]))
+        return r
+    return run
+
+
+def add_restores(res: dict, restores: dict, reps: int):
+    """The timed warm requests' restore copies (the last `reps` of each L) into res[L]["warm"]."""
+    for L, r in res.items():
+        got = restores.get(int(L), [])[-reps:]
+        if not got or "warm" not in r:
+            continue
+        ms = [m for m, _ in got]
+        r["warm"]["restore_ms"] = ms
+        r["warm"]["restore_bytes"] = got[-1][1]
+        r["warm"]["restore_GBps"] = got[-1][1] / (float(np.median(ms)) * 1e6) if np.median(ms) > 0 else None
+        print(f"engine L={int(L):6d}: restore {got[-1][1] / 2**20:.1f} MiB in {np.median(ms):.2f} ms p50 "
+              f"({r['warm']['restore_GBps'] or 0:.2f} GB/s); warm TTFT p50 {r['warm']['p50_ms']:.2f} ms", flush=True)
 
 
 # -- serve path -------------------------------------------------------------------------------
@@ -520,6 +575,13 @@ def main(argv=None):
     ap.add_argument("--block-size", dest="page_size", type=int,
                     help="KV page size in tokens, both paths (default: the device's, infc.backend."
                          "device_page_size; with --base-url: the running server's)")
+    ap.add_argument("--tier", choices=["hbm", "host", "disk"], default="hbm",
+                    help="engine path: where the warm hit comes from (the device's pages, the host "
+                         "pool, the disk folder)")
+    ap.add_argument("--kv-offloading-size", type=float, default=8.0,
+                    help="--tier host|disk: GiB of host pool (enough for the longest prefix)")
+    ap.add_argument("--kv-offloading-disk", help="--tier disk: the folder (default: a temporary one)")
+    ap.add_argument("--kv-offloading-disk-size", type=float, help="--tier disk: GiB (default: twice the host pool)")
     ap.add_argument("--prompt-format", choices=["auto", "text", "ids"], default="auto",
                     help="serve path: text needs the directory's tokenizer.json (auto: text if it has one)")
     ap.add_argument("--base-url", help="serve path: a running server instead of spawning `infc serve`")
@@ -534,6 +596,8 @@ def main(argv=None):
         ap.error("--lengths, --new-tokens, --reps and --cold-reps must be positive")
     if a.base_url and a.serve_args:
         ap.error("extra `infc serve` flags need a spawned server, not --base-url")
+    if a.tier != "hbm" and a.path != "engine":
+        ap.error(f"--tier {a.tier} times the engine path only: add --path engine")
     from .common import header, save
     if a.path == "tokenizer":
         res = header("cpu", a.model or Path(a.model_path).name)
@@ -549,12 +613,14 @@ def main(argv=None):
     res.update({"load_format": a.load_format, "device": a.device,
                 "settings": {"lengths_requested": lengths, "new_tokens": a.new_tokens, "reps": a.reps,
                              "cold_reps": {str(L): cold_reps_for(L, a.reps, a.cold_reps) for L in lengths},
-                             "max_new_tokens": 1, "seed": a.seed},
+                             "max_new_tokens": 1, "seed": a.seed, "tier": a.tier},
                 "paths": {}})
     out = {"path": None}
 
+    kind = "prefix" if a.tier == "hbm" else f"prefix-{a.tier}"    # a tier's results apart
+
     def save_point():
-        out["path"] = save("prefix", res, a.out)
+        out["path"] = save(kind, res, a.out)
 
     order = ["serve", "engine"] if a.path == "both" else [a.path]    # the server exits before the engine loads
     for name in order:
@@ -564,7 +630,7 @@ def main(argv=None):
             res["copy_GBps"] = rec["copy_GBps"]
         save_point()
     res["paths"] = {k: res["paths"][k] for k in ("engine", "serve") if k in res["paths"]}
-    path = save("prefix", res, a.out)
+    path = save(kind, res, a.out)
     if plot(res, path.with_suffix(".png")):
         print(f"wrote {path} and {path.with_suffix('.png').name}")
     else:

@@ -109,6 +109,7 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
     from infc.runtime.weights.dummy import check_load_format
     from infc.runtime.engine.async_engine import AsyncEngine
     from infc.runtime.engine.engine import Engine
+    from infc.runtime.engine.kv_tier.tiers import OffloadConfig
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelDirError(f"{model_dir}: not a directory")
@@ -196,7 +197,9 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
     def start():
         e = Engine(runner, tokenizer, eos, limit, max_num_seqs=c.scheduler.max_num_seqs,
                    max_num_batched_tokens=c.scheduler.max_num_batched_tokens,
-                   enable_prefix_caching=c.cache.enable_prefix_caching, log=log, overlap=c.scheduler.overlap)
+                   enable_prefix_caching=c.cache.enable_prefix_caching, log=log, overlap=c.scheduler.overlap,
+                   kv_offloading=OffloadConfig(c.cache.kv_offloading_size, c.cache.kv_offloading_disk,
+                                               c.cache.kv_offloading_disk_size))
         if log:
             log(f"  steps {'overlapped: the next is prepared while the device runs this one' if e.overlap else 'synchronous'}")
         return AsyncEngine(e) if c.scheduler.asynchronous else e

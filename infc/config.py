@@ -75,6 +75,11 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None      # cpu; None: $INFC_CPU_KV_CACHE_BYTES
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     kv_cache_dtype: str | None = None   # --kv-cache-dtype; None: auto, or an --artifact's own
+    # KV tiers (runtime/engine/kv_tier/): GiB of host memory for prefix blocks that leave the KV
+    # cache (vLLM's --kv-offloading-size; 0: off), and a folder with GiB of disk behind it
+    kv_offloading_size: float = 0.0
+    kv_offloading_disk: str | None = None
+    kv_offloading_disk_size: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -151,6 +156,15 @@ class EngineConfig:
         kv_cache_dtype(cache.kv_cache_dtype)          # a bad value fails here, before any build
         if not 0 < cache.gpu_memory_utilization <= 1:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {cache.gpu_memory_utilization}")
+        for name, v in (("--kv-offloading-size", cache.kv_offloading_size),
+                        ("--kv-offloading-disk-size", cache.kv_offloading_disk_size)):
+            if not v >= 0:
+                raise ValueError(f"{name} must be >= 0 (GiB), got {v}")
+        if bool(cache.kv_offloading_disk) != (cache.kv_offloading_disk_size > 0):
+            raise ValueError("--kv-offloading-disk (a folder) and --kv-offloading-disk-size (GiB) go together")
+        if cache.kv_offloading_disk and not cache.kv_offloading_size:
+            raise ValueError("--kv-offloading-disk needs --kv-offloading-size > 0: blocks reach the "
+                             "disk through the host tier")
         pages = cache.num_gpu_blocks_override or (-(-tokens // page_size) if tokens else None)
         return replace(self, device=replace(self.device, device=device),
                        cache=replace(cache, page_size=page_size, num_gpu_blocks_override=pages,

@@ -48,6 +48,17 @@ def add_kv_cache_dtype_arg(p: argparse.ArgumentParser, default=DEFAULT_KV_CACHE_
                         "; default: auto, or the --artifact's own" if default is None else ""))
 
 
+def add_kv_offloading_args(p: argparse.ArgumentParser):
+    """The KV tiers (docs/serving.md, "KV offloading"): vLLM's --kv-offloading-size, and a disk
+    folder behind it (LMCache keeps one too; its local_disk / max_local_disk_size)."""
+    p.add_argument("--kv-offloading-size", type=float, metavar="GIB", help="GiB of host memory (pinned on a GPU) "
+                   "keeping prefix-cache blocks evicted from the KV cache; a prompt whose prefix is "
+                   "there has it copied back instead of recomputed (default 0: off)")
+    p.add_argument("--kv-offloading-disk", metavar="DIR", help="a folder for blocks the host tier "
+                   "evicts (one checksummed file each; emptied at startup)")
+    p.add_argument("--kv-offloading-disk-size", type=float, metavar="GIB", help="GiB of --kv-offloading-disk to use")
+
+
 def add_serve_args(p: argparse.ArgumentParser):
     p.add_argument("--model-path", required=True, help="an HF model directory (config.json, safetensors, tokenizer)")
     p.add_argument("--model", help="the model (variant) name; default: detected from config.json")
@@ -74,6 +85,7 @@ def add_serve_args(p: argparse.ArgumentParser):
     add_kv_cache_dtype_arg(p, default=None)
     add_parallel_args(p)
     p.add_argument("--kv-cache-memory-bytes", type=int, help="KV cache size on the cpu device (default 1 GiB)")
+    add_kv_offloading_args(p)
     p.add_argument("--max-logprobs", type=int, default=20)
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="usage.prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache held")
@@ -143,6 +155,9 @@ def backend_kwargs(args) -> dict:
                 num_gpu_blocks_override=args.num_gpu_blocks_override,
                 kv_cache_dtype=getattr(args, "kv_cache_dtype", None),
                 kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                kv_offloading_size=getattr(args, "kv_offloading_size", None),
+                kv_offloading_disk=getattr(args, "kv_offloading_disk", None),
+                kv_offloading_disk_size=getattr(args, "kv_offloading_disk_size", None),
                 load_format=getattr(args, "load_format", "auto"),
                 tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                 enable_expert_parallel=getattr(args, "enable_expert_parallel", False),

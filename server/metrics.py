@@ -1,7 +1,9 @@
 """/metrics: the engine's counters, gauges and histograms as Prometheus text, under vLLM's names
 (vllm:num_requests_running, vllm:time_to_first_token_seconds, ...) with a model_name label, so
 dashboards, routers and benchmark tools built for vLLM read them unchanged; vllm:cache_config_info
-(a gauge at 1 whose labels are the KV cache's settings); and, as vLLM's prometheus_client registry
+(a gauge at 1 whose labels are the KV cache's settings); with KV tiers (--kv-offloading-size),
+vLLM's external_prefix_cache_* counters and infc's own per-tier ones (infc:kv_offload_*); and, as
+vLLM's prometheus_client registry
 shows them, the process and Python collectors (process_resident_memory_bytes, python_gc_*, ...).
 The engine measures (runtime/engine/metrics.py); this renders."""
 from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR
@@ -19,6 +21,13 @@ COUNTERS = {
     "num_preemptions": "Cumulative number of preemptions from the engine.",
     "prefix_cache_queries": "Prefix cache queries, in terms of number of queried tokens.",
     "prefix_cache_hits": "Prefix cache hits, in terms of number of cached tokens.",
+}
+# with KV tiers only, as vLLM shows these with a KV connector only
+EXTERNAL = {
+    "external_prefix_cache_queries": "External prefix cache queries from the KV tiers (host, disk), "
+                                     "in terms of number of queried tokens.",
+    "external_prefix_cache_hits": "External prefix cache hits from the KV tiers (host, disk), in "
+                                  "terms of number of cached tokens.",
 }
 HISTOGRAMS = {
     "time_to_first_token_seconds": "Histogram of time to first token in seconds.",
@@ -51,6 +60,41 @@ def _process() -> bytes:
     return generate_latest(reg)
 
 
+def _histogram(out: list, name: str, doc: str, h, m: str):
+    out += [f"# HELP {name} {doc}", f"# TYPE {name} histogram"]
+    buckets, counts = (list(h.buckets), list(h.counts)) if h is not None else ([], [])
+    total, s = (h.count, h.sum) if h is not None else (0, 0.0)
+    acc = 0
+    for b, c in zip(buckets, counts):
+        acc += c                                # the engine keeps per-bucket counts
+        out.append(f'{name}_bucket{{le="{_num(b)}",{m}}} {_num(acc)}')
+    out.append(f'{name}_bucket{{le="+Inf",{m}}} {_num(total)}')
+    out.append(f"{name}_sum{{{m}}} {_num(s)}")
+    out.append(f"{name}_count{{{m}}} {_num(total)}")
+
+
+def _tiers(out: list, stats: dict, m: str):
+    """The KV tiers' counters (runtime/engine/kv_tier/tiers.py TierStats), if the engine has them."""
+    t = stats.get("kv_offload")
+    if t is None:
+        return
+    for name, doc in EXTERNAL.items():
+        out += [f"# HELP vllm:{name} {doc}", f"# TYPE vllm:{name} counter",
+                f"vllm:{name}_total{{{m}}} {_num(stats.get(name + '_total', 0))}"]
+    out += ["# HELP infc:kv_offload_hit_tokens Prompt tokens restored from a KV tier instead of computed.",
+            "# TYPE infc:kv_offload_hit_tokens counter"]
+    for tier, v in (("host", t.host_hit_tokens), ("disk", t.disk_hit_tokens)):
+        out.append(f'infc:kv_offload_hit_tokens_total{{tier="{tier}",{m}}} {_num(v)}')
+    out += ["# HELP infc:kv_offload_bytes Bytes of KV blocks copied between the tiers.",
+            "# TYPE infc:kv_offload_bytes counter"]
+    for d, v in (("device_to_host", t.bytes_to_host), ("host_to_device", t.bytes_to_device),
+                 ("host_to_disk", t.bytes_to_disk), ("disk_to_host", t.bytes_from_disk)):
+        out.append(f'infc:kv_offload_bytes_total{{direction="{d}",{m}}} {_num(v)}')
+    _histogram(out, "infc:kv_offload_restore_seconds", "Host time to stage a step's restores from "
+               "the KV tiers (disk reads, copies issued; on the CPU the copies themselves).",
+               t.restore_seconds, m)
+
+
 def render(stats: dict, model_name: str) -> str:
     m = f'model_name="{_label(model_name)}"'
     out = []
@@ -68,17 +112,8 @@ def render(stats: dict, model_name: str) -> str:
     for reason, count in sorted(success.items()):
         out.append(f'vllm:request_success_total{{finished_reason="{_label(str(reason))}",{m}}} {_num(count)}')
     for name, doc in HISTOGRAMS.items():
-        h = stats.get(name)
-        out += [f"# HELP vllm:{name} {doc}", f"# TYPE vllm:{name} histogram"]
-        buckets, counts = (list(h.buckets), list(h.counts)) if h is not None else ([], [])
-        total, s = (h.count, h.sum) if h is not None else (0, 0.0)
-        acc = 0
-        for b, c in zip(buckets, counts):
-            acc += c                                # the engine keeps per-bucket counts
-            out.append(f'vllm:{name}_bucket{{le="{_num(b)}",{m}}} {_num(acc)}')
-        out.append(f'vllm:{name}_bucket{{le="+Inf",{m}}} {_num(total)}')
-        out.append(f"vllm:{name}_sum{{{m}}} {_num(s)}")
-        out.append(f"vllm:{name}_count{{{m}}} {_num(total)}")
+        _histogram(out, f"vllm:{name}", doc, stats.get(name), m)
+    _tiers(out, stats, m)
     info = stats.get("cache_config_info")
     if info:
         labels = ",".join(f'{k}="{_label(str(v))}"' for k, v in sorted(info.items()))

@@ -181,6 +181,26 @@ class FakeContext:
             self._span(dst + r * dpitch, width)[:] = self._span(src + r * spitch, width)
         self.num_copies += 1
 
+    def copy2d(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int,
+               to_host: bool, stream=None):
+        """driver.Context.copy2d: rows between device memory (checked as any copy) and host
+        memory at a raw address (a pinned array's)."""
+        self._issue("copy2d")
+        for r in range(height):
+            d, s = dst + r * dst_pitch, src + r * src_pitch
+            if to_host:
+                ctypes.memmove(d, self._span(s, width).ctypes.data, width)
+            else:
+                ctypes.memmove(self._span(d, width).ctypes.data, s, width)
+        self.num_copies += 1
+
+    def new_stream(self):
+        """Another stream: the fake has one timeline, so it is a name only."""
+        return object()
+
+    def wait_event(self, event, stream=None):
+        assert event.t is not None, "fake CUDA: a stream waits for an event never recorded"
+
     def pinned(self, nbytes: int) -> np.ndarray:
         a = np.zeros(nbytes, np.uint8)
         self.pinned_live.append(a)
@@ -214,7 +234,7 @@ class FakeEvent:
         self.ctx, self.t = ctx, None
         ctx.num_events += 1
 
-    def record(self):
+    def record(self, stream=None):
         self.ctx._issue("event record")
         self.t = self.ctx.clock
 

@@ -149,3 +149,22 @@ def test_text_prompts_keep_their_prefix(model_dir):
     full = prefix + p.make(16, start=False)
     p.check_prefix(prefix, full, 48, 64)
     assert tok.encode(full)[:48] == tok.encode(prefix) and len(tok.encode(full)) == 64
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_engine_path_from_a_kv_tier_on_cpu(model_dir, tmp_path, small_cpu, tier):
+    """--tier host|disk: every warm hit restored from that tier (checked per request by the
+    benchmark itself), its copies' time and bandwidth recorded beside the TTFTs."""
+    res = bench.main(["--model-path", str(model_dir), "--load-format", "dummy", "--device", "cpu",
+                      "--path", "engine", "--lengths", "32,64", "--reps", "2", "--cold-reps", "1",
+                      "--tier", tier, "--kv-offloading-size", "0.01", "--out", str(tmp_path)])
+    rec = res["paths"]["engine"]
+    assert res["settings"]["tier"] == tier == rec["tier"]
+    assert (tmp_path / f"prefix-{tier}-tiny-prefix-cpu.json").exists()
+    check_path(rec, [32, 64], reps=2, cold_reps=1)
+    for L in (32, 64):
+        w = rec["results"][str(L)]["warm"]
+        assert len(w["restore_ms"]) == 2 and all(ms > 0 for ms in w["restore_ms"])
+        assert w["restore_bytes"] > 0 and w["restore_GBps"] > 0
+    with pytest.raises(SystemExit):
+        bench.main(["--model-path", str(model_dir), "--tier", "host", "--path", "both"])

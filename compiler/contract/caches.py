@@ -18,6 +18,10 @@ plan order (cache by cache, layer by layer). Host storage (the numpy reference a
 float32; the interpreter's torch tensors through a factory) is one array per (cache, layer).
 copy_pages / copy_slot move whole pages / slots across every cache and layer: the primitives of
 prefix sharing, host offload and forks.
+
+A page as one host block (the KV tiers' unit, runtime/engine/kv_tier/): the page's bytes in every
+paged (cache, layer), concatenated in plan order, page_bytes of them. HostCaches.read_pages /
+write_pages and DeviceCaches.block_copies move pages to and from rows of such blocks.
 """
 from dataclasses import dataclass
 
@@ -187,6 +191,11 @@ class Layout:
     def of_kind(self, kind: str) -> list[Region]:
         return [r for (n, _), r in self.regions.items() if self.caches[n]["kind"] == kind]
 
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one host block (a page of every paged region, unaligned)."""
+        return sum(r.stride for r in self.of_kind("paged"))
+
 
 def _pairs(src, dst) -> tuple[np.ndarray, np.ndarray]:
     """Page ids as arrays; the two sides must not share a page (the device copies them one run
@@ -239,6 +248,40 @@ class HostCaches:
         for a in self._of_kind("slot"):
             a[dst] = a[src]
 
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one host block of this storage (a page of every paged cache and layer)."""
+        return sum(a[0].nbytes for a in self._of_kind("paged"))
+
+    def _paged_bytes(self) -> list:
+        """Each paged (cache, layer) as uint8 [num_pages + 1, bytes of a page], in plan order."""
+        out = []
+        for a in self._of_kind("paged"):
+            if not isinstance(a, np.ndarray):
+                raise TypeError(f"host blocks need numpy cache storage, not {type(a).__name__}")
+            out.append(a.reshape(a.shape[0], -1).view(np.uint8))
+        return out
+
+    def read_pages(self, pages, out: np.ndarray, rows):
+        """Page pages[i] -> row rows[i] of out (uint8 [n, page_bytes]), as one host block each."""
+        p, r = np.asarray(pages, np.int64), np.asarray(rows, np.int64)
+        at = 0
+        for a in self._paged_bytes():
+            w = a.shape[1]
+            out[r, at:at + w] = a[p]
+            at += w
+        assert at == out.shape[1], (at, out.shape)
+
+    def write_pages(self, pages, blocks: np.ndarray, rows):
+        """Row rows[i] of blocks (uint8 [n, page_bytes]) -> page pages[i]: read_pages' inverse."""
+        p, r = np.asarray(pages, np.int64), np.asarray(rows, np.int64)
+        at = 0
+        for a in self._paged_bytes():
+            w = a.shape[1]
+            a[p] = blocks[r, at:at + w]
+            at += w
+        assert at == blocks.shape[1], (at, blocks.shape)
+
     def grow(self, num_pages: int):
         """More pages (page contents kept at their ids; the padding page moves to the end)."""
         if num_pages <= self.num_pages:
@@ -288,6 +331,26 @@ class DeviceCaches:
             at = self.base + r.offset
             for a, b, n in runs:
                 self.ctx.dtod(at + b * r.stride, at + a * r.stride, n * r.stride)
+
+    def block_copies(self, pages, rows, row_bytes: int) -> list[tuple[int, int, int, int, int]]:
+        """The 2D copies that move page pages[i] to / from row rows[i] of host blocks (rows
+        row_bytes apart, one block each: the module docstring's order): (device address, offset
+        in the host rows, bytes a page, pages, device pitch) a run of consecutive pages and rows
+        per paged (cache, layer); the host side's pitch is row_bytes."""
+        runs = []
+        for a, b in zip(np.asarray(pages, np.int64).tolist(), np.asarray(rows, np.int64).tolist()):
+            if runs and runs[-1][0] + runs[-1][2] == a and runs[-1][1] + runs[-1][2] == b:
+                runs[-1][2] += 1
+            else:
+                runs.append([a, b, 1])
+        out, at = [], 0
+        for r in self.layout.of_kind("paged"):
+            for a, b, n in runs:
+                out.append((self.base + r.offset + a * r.stride, b * row_bytes + at, r.stride, n, r.stride))
+            at += r.stride
+        if at != row_bytes:
+            raise ValueError(f"host blocks of {row_bytes} bytes, but a page is {at} bytes")
+        return out
 
     def copy_slot(self, src: int, dst: int):
         if src == dst:

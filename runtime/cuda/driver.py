@@ -54,6 +54,7 @@ class Context:
         self._device: set[int] = set()
         self._host: dict[int, np.ndarray] = {}
         self._graphs: list = []
+        self._streams: list = []                 # new_stream's (the KV tiers' copy stream)
         self.name = check(cu.cuDeviceGetName(256, self.device), "cuDeviceGetName").split(b"\0")[0].decode()
         attr = cu.CUdevice_attribute
         self.sm_count = check(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, self.device))
@@ -123,6 +124,31 @@ class Context:
     def dtod(self, dst: int, src: int, nbytes: int):
         check(cu.cuMemcpyDtoDAsync(dst, src, nbytes, self.stream), "cuMemcpyDtoDAsync")
 
+    def copy2d(self, dst: int, dst_pitch: int, src: int, src_pitch: int, width: int, height: int,
+               to_host: bool, stream=None):
+        """`height` rows of `width` bytes between device and pinned host memory (to_host: device
+        src -> host dst, else host src -> device dst), rows `*_pitch` bytes apart, async on
+        `stream` (default: the context's)."""
+        c = cu.CUDA_MEMCPY2D()
+        host, device = cu.CUmemorytype.CU_MEMORYTYPE_HOST, cu.CUmemorytype.CU_MEMORYTYPE_DEVICE
+        if to_host:
+            c.srcMemoryType, c.srcDevice, c.dstMemoryType, c.dstHost = device, src, host, dst
+        else:
+            c.srcMemoryType, c.srcHost, c.dstMemoryType, c.dstDevice = host, src, device, dst
+        c.srcPitch, c.dstPitch, c.WidthInBytes, c.Height = src_pitch, dst_pitch, width, height
+        check(cu.cuMemcpy2DAsync(c, self.stream if stream is None else stream), "cuMemcpy2DAsync")
+
+    def new_stream(self):
+        """Another non-blocking stream (destroyed by close): work on it overlaps the context's."""
+        s = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        self._streams.append(s)
+        return s
+
+    def wait_event(self, event: "Event", stream=None):
+        """Work issued on `stream` (default: the context's) from now on waits for the event's last
+        record, on the device (the host does not wait)."""
+        check(cu.cuStreamWaitEvent(self.stream if stream is None else stream, event.ev, 0), "cuStreamWaitEvent")
+
     def sync(self):
         check(cu.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
 
@@ -142,6 +168,8 @@ class Context:
         stream. Nothing made through it may be used afterwards."""
         self.ensure_current()
         self.sync()
+        for s in self._streams:                  # their copies may still use what is freed below
+            check(cu.cuStreamSynchronize(s), "cuStreamSynchronize")
         for g in self._graphs:
             check(cu.cuGraphExecDestroy(g.exec), "cuGraphExecDestroy")
             check(cu.cuGraphDestroy(g.graph), "cuGraphDestroy")
@@ -150,6 +178,9 @@ class Context:
         for addr in list(self._host):
             check(cu.cuMemFreeHost(addr), "cuMemFreeHost")
         self._graphs, self._device, self._host = [], set(), {}
+        for s in self._streams:
+            check(cu.cuStreamDestroy(s), "cuStreamDestroy")
+        self._streams = []
         check(cu.cuStreamDestroy(self.stream), "cuStreamDestroy")
         self.stream = None
 
@@ -162,8 +193,9 @@ class Event:
         self.ctx = ctx
         self.ev = check(cu.cuEventCreate(0), "cuEventCreate")
 
-    def record(self):
-        check(cu.cuEventRecord(self.ev, self.ctx.stream), "cuEventRecord")
+    def record(self, stream=None):
+        """On `stream` (default: the context's)."""
+        check(cu.cuEventRecord(self.ev, self.ctx.stream if stream is None else stream), "cuEventRecord")
 
     def wait(self):
         check(cu.cuEventSynchronize(self.ev), "cuEventSynchronize")

@@ -223,6 +223,11 @@ class CudaRunner:
         self.num_pages = num_pages                 # usable pages; page num_pages is the padding page
         self.caches = caches.DeviceCaches(self.ctx, decl, self.page_size, num_pages, self.num_slots)
 
+    def kv_copies(self):
+        """Pages to and from pinned host blocks on a copy stream, for the KV tiers (kv_copies.py)."""
+        from .kv_copies import DeviceCopies
+        return DeviceCopies(self.ctx, self.caches)
+
     # -- binding --------------------------------------------------------------------------
     def _buffer_ptr(self, name: str, dims: dict | None = None) -> int:
         # dims is unused: buffers sit at their offsets for the maximum T and B (self.place)

@@ -15,6 +15,11 @@ State slots (plans with slot caches: conv and recurrent state, one entry per seq
 num_slots > 0 a sequence also takes a free slot at admission (no slot, no admission) and gives it
 back with its pages (finish, abort, preemption). A preempted sequence is recomputed from token 0,
 and kernels treat a sequence with nothing cached as zero state, so a slot needs no reset.
+
+KV tiers (`tiers`, kv_tier/tiers.py: --kv-offloading-size): a hashed page whose last reference
+goes is offered to them, and the prefix lookup goes on past the device's hits into them: a
+block found there takes a fresh page, registered under its hash at once, and the engine's
+flush copies it in before the step that reads it.
 """
 import hashlib
 from collections import OrderedDict
@@ -39,7 +44,7 @@ class Block:
 
 class BlockManager:
     def __init__(self, num_pages: int, page_size: int = DEFAULT_PAGE_SIZE, enable_prefix_caching: bool = True,
-                 num_slots: int = 0):
+                 num_slots: int = 0, tiers=None):
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"need num_pages >= 1 and page_size >= 1, got {num_pages}, {page_size}")
         self.num_pages, self.page_size = num_pages, page_size
@@ -51,6 +56,7 @@ class BlockManager:
         self.hit_tokens = 0                       # of those, found in the cache
         self.num_slots = num_slots
         self.free_slots: list[int] = list(range(num_slots - 1, -1, -1))   # pop() gives slot 0 first
+        self.tiers = tiers                        # kv_tier.KVTiers, or None
 
     # -- accounting ---------------------------------------------------------------------------
     @property
@@ -94,9 +100,9 @@ class BlockManager:
         hits = []
         for h in self._hashes(seq, (seq.num_tokens - 1) // self.page_size):
             page = self.cached.get(h)
-            if page is None:
+            if page is None and (self.tiers is None or not self.tiers.find(h)):
                 break
-            hits.append(page)
+            hits.append(page)                     # None: in a tier
         return hits
 
     def cached_blocks(self, seq: Sequence) -> int:
@@ -118,6 +124,8 @@ class BlockManager:
                 del self.cached[b.hash]
             b.hash = None
         b.ref = 1
+        if self.tiers is not None:
+            self.tiers.reusing(page)
         return page
 
     def admit(self, seq: Sequence, budget: int) -> int:
@@ -125,22 +133,46 @@ class BlockManager:
         `budget` tokens). Returns the chunk's token count, or 0 when the pages are not there."""
         assert not seq.pages and seq.num_computed_tokens == 0, seq
         hits = self._cached_prefix(seq)
+        rows = self.tiers.fetch(seq.block_hashes, hits) if None in hits else []   # cuts hits
         cached = len(hits) * self.page_size
         n = min(seq.num_tokens - cached, budget)
         new = self.pages_for(cached + n) - len(hits)
-        revived = sum(1 for p in hits if self.blocks[p].ref == 0)   # evictable hits leave `free`
+        # evictable hits leave `free`; a tier block takes a page of it
+        revived = sum(1 for p in hits if p is None or self.blocks[p].ref == 0)
         if n <= 0 or new + revived > len(self.free) or (self.num_slots and not self.free_slots):
+            if rows:
+                self.tiers.unfetch(rows)
             return 0
         if self.num_slots:
             seq.slot = self.free_slots.pop()
         for p in hits:
-            self._take(p)
+            if p is not None:
+                self._take(p)
+        if rows:
+            hits = self._restored(seq.block_hashes, hits, rows)
+            self.tiers.admitted()
         seq.pages = hits + [self._new_page() for _ in range(new)]
         seq.num_computed_tokens = seq.num_cached_tokens = cached
         seq.num_committed_blocks = len(hits)
         self.query_tokens += seq.num_tokens
-        self.hit_tokens += cached
+        self.hit_tokens += cached - len(rows) * self.page_size    # the device's own hits
         return n
+
+    def _restored(self, hashes: list[bytes], hits: list, rows: list[int]) -> list[int]:
+        """hits with each tier block (None) on a fresh page that holds its hash from now on, its
+        copy from host row rows[i] pending until the engine's flush. The fresh pages go to the
+        blocks in the order of their rows, ascending: where rows run on consecutively, so do the
+        pages, and the device copies them as one run (runtime/cuda/kv_copies.py)."""
+        tier = [i for i, p in enumerate(hits) if p is None]
+        pages = sorted(self._new_page() for _ in tier)
+        out = list(hits)
+        for j, p in zip(sorted(range(len(tier)), key=rows.__getitem__), pages):
+            h = hashes[tier[j]]
+            self.blocks[p].hash = h
+            self.cached[h] = p
+            self.tiers.restore(h, p, rows[j])
+            out[tier[j]] = p
+        return out
 
     def grow(self, seq: Sequence, n: int) -> bool:
         """Pages for n more tokens of a running sequence; False when there are not enough."""
@@ -171,6 +203,8 @@ class BlockManager:
             b.ref -= 1
             if b.ref == 0:
                 self.free[page] = None            # to the LRU tail; stays cached if hashed
+                if self.tiers is not None:
+                    self.tiers.released(page, b.hash)
         seq.pages = []
         seq.num_computed_tokens = 0
         seq.num_committed_blocks = 0
@@ -187,3 +221,5 @@ class BlockManager:
             assert self.blocks[page].hash == h
         assert len(set(self.free_slots)) == len(self.free_slots), self.free_slots
         assert all(0 <= s < self.num_slots for s in self.free_slots), self.free_slots
+        if self.tiers is not None:
+            self.tiers.check()

@@ -46,6 +46,7 @@ from infc import envs
 
 from . import bad_words, fault_inject, prompt_logprobs
 from .block_manager import BlockManager
+from .kv_tier import tiers as kv_tiers
 from .metrics import Metrics
 from .row_processing import RowProcessing
 from .runner import RowSampling
@@ -120,10 +121,11 @@ def overlaps(runner, overlap: bool | None = None) -> bool:
 class Engine:
     def __init__(self, runner, tokenizer=None, eos_ids=(), max_model_len: int = 1 << 30,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 enable_prefix_caching: bool = True, log=None, overlap: bool | None = None):
+                 enable_prefix_caching: bool = True, log=None, overlap: bool | None = None,
+                 kv_offloading: "kv_tiers.OffloadConfig | None" = None):
         """log(line): where startup notes go (infc/backend.py passes its printer).
         overlap: overlapped steps (see above); default on where the runner can, unless
-        INFC_OVERLAP=0."""
+        INFC_OVERLAP=0. kv_offloading: host and disk tiers for prefix blocks (kv_tier/)."""
         self.runner, self.tokenizer = runner, tokenizer
         self.dp = int(getattr(runner, "dp_world", 1) or 1)
         self.overlap = overlaps(runner, overlap) and (
@@ -148,9 +150,10 @@ class Engine:
             if log:
                 log("  prefix caching disabled: this model keeps per-sequence state (slot caches) "
                     "that a cached KV prefix cannot restore")
+        self.tiers = kv_tiers.for_engine(runner, kv_offloading, enable_prefix_caching, self.dp, log)
         # one block manager and scheduler a data-parallel rank (each its own pages and budget)
-        self.bms = [BlockManager(runner.num_pages, runner.page_size, enable_prefix_caching, self.num_slots)
-                    for _ in range(self.dp)]
+        self.bms = [BlockManager(runner.num_pages, runner.page_size, enable_prefix_caching, self.num_slots,
+                                 self.tiers) for _ in range(self.dp)]
         self.schedulers = [Scheduler(bm, max_num_seqs, max_num_batched_tokens) for bm in self.bms]
         self.bm, self.scheduler = self.bms[0], self.schedulers[0]
         self.requests: dict[str, Request] = {}
@@ -159,6 +162,9 @@ class Engine:
             "block_size": self.page_size, "cache_dtype": "auto",
             "enable_prefix_caching": self.bm.enable_prefix_caching,
             "num_gpu_blocks": runner.num_pages, "engine": 0}
+        if self.tiers is not None:               # vLLM's CacheConfig spellings
+            self.metrics.cache_config_info.update(kv_offloading_size=kv_offloading.host_gib,
+                                                  num_cpu_blocks=self.tiers.capacity_rows)
         self._next_seq = 0
         self._next_request = 0
         self.faults = fault_inject.from_env()    # test-only (INFC_FAULT_INJECT); None in production
@@ -304,6 +310,8 @@ class Engine:
             outputs = self._drain_in_flight()
             batches = [[(seq, n) for seq, n in b if not seq.finished] for b in batches]   # ended in it
         try:
+            if self.tiers is not None:          # before the step: its restores, the saves it overwrites
+                self.tiers.flush(self.bm.blocks, before_launch=True)
             launched = self._launch_any(batches) if any(batches) else None
         except Exception as e:                  # noqa: BLE001 - this step is lost, not the engine
             if is_fatal(e):
@@ -332,6 +340,8 @@ class Engine:
             self.in_flight = launched if self.overlap else None
             if self.in_flight is not None:
                 outputs += self._drain_in_flight(e)
+        if self.tiers is not None:              # the blocks this step released go to the host now
+            self.tiers.flush(self.bm.blocks)
         self._gauges()
         return outputs
 
@@ -674,3 +684,7 @@ class Engine:
         m.kv_cache_usage_perc = sum(bm.usage for bm in self.bms) / len(self.bms)
         m.prefix_cache_queries_total = sum(bm.query_tokens for bm in self.bms)
         m.prefix_cache_hits_total = sum(bm.hit_tokens for bm in self.bms)
+        if self.tiers is not None:
+            st = m.kv_offload = self.tiers.stats
+            m.external_prefix_cache_queries_total = m.prefix_cache_queries_total - m.prefix_cache_hits_total
+            m.external_prefix_cache_hits_total = st.host_hit_tokens + st.disk_hit_tokens

@@ -62,6 +62,11 @@ class Metrics:
     num_preemptions_total: int = 0
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
+    # KV tiers (--kv-offloading-size): the prompt tokens the device's cache did not hold, of them
+    # those restored from the host or the disk tier, as vLLM counts its KV connector's
+    external_prefix_cache_queries_total: int = 0
+    external_prefix_cache_hits_total: int = 0
+    kv_offload: object = None                              # kv_tier.tiers.TierStats, or None
     request_success_total: dict = field(default_factory=dict)          # finished_reason -> count
     time_to_first_token_seconds: Histogram = _h(_TTFT)
     inter_token_latency_seconds: Histogram = _h(_PER_TOKEN)

@@ -129,6 +129,11 @@ class CPURunner(ComputedAtLaunch):
         """Whether steps can score prompt rows (meta.scores): the plan names its logits tail."""
         return "row_logits" in self.plan
 
+    def kv_copies(self):
+        """Pages to and from host blocks, for the KV tiers (kv_tier/host_copies.py)."""
+        from .kv_tier.host_copies import HostCopies
+        return HostCopies(self.executor.paged)
+
     def forward(self, meta: StepMeta) -> np.ndarray:
         """The step's logits (its sampling rows); the prompt rows it scores (meta.scores) are
         scored here, in the same pass."""

@@ -1,0 +1,517 @@
+"""KV tiers (runtime/engine/kv_tier/, issue 44): blocks that leave the device's pages go to a host
+pool and on to a disk folder, and come back bit-identical when a prompt's prefix is found there.
+
+Blocks round-trip byte for byte (numpy pages, device pages through the fake CUDA driver, disk
+files); a truncated, corrupted or foreign file is a miss and is deleted. Under memory pressure,
+outputs with the tiers on equal outputs with them off (FakeRunner, whose outputs hash the whole
+context read back through the block tables, so a wrong restore changes them; and the tiny real
+model) while the metrics show host and disk hits; 1,000 aborts leave nothing held."""
+import numpy as np
+import pytest
+
+from infc.compiler.contract import caches as C
+from infc.runtime.engine.kv_tier.disk_store import HEADER, DiskStore
+from infc.runtime.engine.kv_tier.host_copies import HostCopies
+from infc.runtime.engine.kv_tier.tiers import GIB, OffloadConfig
+from infc.runtime.engine.runner import CPURunner
+from infc.runtime.engine.sampling import SamplingParams
+
+from exhaustive import EXHAUSTIVE
+from fake_cuda import FakeContext
+from test_scheduler import FakeRunner, assert_all_free, drain, make_engine, tiny_plan  # noqa: F401
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+DECL = {
+    "k": {"kind": "paged", "shape": [2, 8], "dtype": "bf16", "layers": [0, 1, 3]},
+    "v": {"kind": "paged", "shape": [3, 4], "dtype": "bf16", "layers": [0, 1, 3]},
+    "conv": {"kind": "slot", "shape": [3, 5], "dtype": "f32", "layers": [2]},
+}
+PS = 4
+
+
+def _random_host(num_pages=10, seed=0):
+    host = C.HostCaches(DECL, PS, num_pages, 2)
+    rng = np.random.default_rng(seed)
+    for a in host.arrays.values():
+        a[...] = rng.standard_normal(a.shape)
+    return host
+
+
+# -- blocks round-trip -------------------------------------------------------------------------
+def test_host_blocks_restore_numpy_pages_bit_identical():
+    host = _random_host()
+    before = {k: a.copy() for k, a in host.arrays.items()}
+    copies = HostCopies(host)
+    assert copies.block_bytes == C.page_bytes(DECL, PS, itemsize=4)
+    slab = copies.make_slab(6)
+    copies.save([7, 2, 3], [4, 0, 1])
+    for (name, _), a in host.arrays.items():            # the pages reused for something else
+        if name != "conv":
+            a[[7, 2, 3]] = -1.0
+    copies.load([1, 5, 6], [4, 0, 1])                   # restored to other pages
+    for (name, layer), a in host.arrays.items():
+        b = before[(name, layer)]
+        if name == "conv":
+            assert (a == b).all()                       # slot caches are not part of a block
+            continue
+        for src, dst in ((7, 1), (2, 5), (3, 6)):
+            assert a[dst].tobytes() == b[src].tobytes(), (name, layer, src)
+    assert slab[[2, 3, 5]].sum() == 0                   # rows not named are untouched
+
+
+def test_device_blocks_move_the_same_bytes_as_host_blocks(fake_driver):
+    """The CUDA runner's copies (copy stream, 2D copies per region and run) over fake memory."""
+    from infc.runtime.cuda.kv_copies import DeviceCopies
+    ctx = FakeContext()
+    dev = C.DeviceCaches(ctx, DECL, PS, num_pages=10, num_slots=2)
+    host = C.HostCaches(DECL, PS, 10, 2, factory=lambda shape, d: np.zeros(shape, np.uint16 if d == "bf16" else np.float32))
+    rng = np.random.default_rng(3)
+    for (name, layer), a in host.arrays.items():
+        a.view(np.uint8)[...] = rng.integers(0, 256, a.view(np.uint8).shape, dtype=np.uint8)
+        ptr, n = dev.region(name, layer)
+        ctx.view(ptr, n)[:] = a.reshape(-1).view(np.uint8)
+    copies = DeviceCopies(ctx, dev)
+    assert copies.block_bytes == host.block_bytes == C.page_bytes(DECL, PS)
+    slab = copies.make_slab(8)
+    pages, rows = [3, 4, 5, 9, 0], [2, 3, 4, 7, 0]     # a run of three, then single pages
+    ctx.num_copies = 0
+    f = copies.save(pages, rows)
+    assert ctx.num_copies == 3 * 6                      # 3 runs, 6 paged regions
+    want = np.zeros_like(slab)
+    host.read_pages(pages, want, rows)
+    assert slab.tobytes() == want.tobytes()
+    copies.host_wait(f)
+    copies.step_waits(f)
+    ctx.memset(dev.base, dev.nbytes, 0)                 # the device pages are gone
+    copies.load([1, 2, 6, 8, 7], rows)
+    host.write_pages([1, 2, 6, 8, 7], want, rows)
+    for name, layer in host.arrays:
+        if DECL[name]["kind"] == "paged":
+            ptr, n = dev.region(name, layer)
+            got = np.frombuffer(ctx.read(ptr, n), np.uint8).reshape(11, -1)
+            exp = host.get(name, layer).reshape(11, -1).view(np.uint8)
+            for p in (1, 2, 6, 8, 7):
+                assert got[p].tobytes() == exp[p].tobytes(), (name, layer, p)
+    copies.close()
+    assert not ctx.pinned_live
+
+
+def _disk(tmp_path, files=4, block_bytes=1000, ns=b"n" * 32):
+    return DiskStore(tmp_path, files * (block_bytes + HEADER.size), ns, block_bytes)
+
+
+def test_disk_blocks_round_trip_and_lru(tmp_path):
+    d = _disk(tmp_path)
+    rng = np.random.default_rng(0)
+    blocks = {bytes([i]) * 32: rng.integers(0, 256, 1000, dtype=np.uint8) for i in range(6)}
+    for h, b in blocks.items():
+        d.put(h, b)
+    assert len(d) == 4 and bytes([0]) * 32 not in d and bytes([1]) * 32 not in d   # LRU out
+    out = np.zeros(1000, np.uint8)
+    for h in list(blocks)[2:]:                  # from the writer's queue or the file, as it goes
+        assert d.get(h, out) and out.tobytes() == blocks[h].tobytes()
+    d.check()                                   # drained: the files are the index's, no others
+    for h in list(blocks)[2:]:                  # from the files
+        out[:] = 0
+        assert d.get(h, out) and out.tobytes() == blocks[h].tobytes()
+    assert d.read_bytes == 4 * (1000 + HEADER.size)
+    assert not d.get(bytes([0]) * 32, out)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "extend", "foreign", "renamed"])
+def test_a_damaged_disk_block_is_a_miss_and_is_deleted(tmp_path, damage):
+    d = _disk(tmp_path)
+    h, g = b"a" * 32, b"b" * 32
+    block = np.random.default_rng(1).integers(0, 256, 1000, dtype=np.uint8)
+    d.put(h, block)
+    d.put(g, block)
+    d.drain()                              # the writer thread has put the files in place
+    path = d.path(h)
+    raw = bytearray(path.read_bytes())
+    if damage == "truncate":
+        raw = raw[:-1]
+    elif damage == "flip":
+        raw[500] ^= 1
+    elif damage == "extend":
+        raw += b"\0"
+    elif damage == "foreign":              # another layout's (namespace's) file of the same block
+        other = _disk(tmp_path / "o", ns=b"m" * 32)
+        other.put(h, block)
+        other.drain()
+        raw = bytearray(other.path(h).read_bytes())
+    else:                                  # block g's file under h's name
+        raw = bytearray(d.path(g).read_bytes())
+    path.write_bytes(bytes(raw))
+    out = np.full(1000, 7, np.uint8)
+    assert not d.get(h, out)
+    assert (out == 7).all() and not path.exists() and h not in d and d.rejected == 1
+    assert d.get(g, out) and out.tobytes() == block.tobytes()
+    d.check()
+
+
+def test_a_new_store_removes_an_earlier_runs_files(tmp_path):
+    d = _disk(tmp_path)
+    d.put(b"a" * 32, np.zeros(1000, np.uint8))
+    d.drain()
+    again = _disk(tmp_path)
+    assert len(again) == 0 and not list(again.folder.iterdir())
+
+
+# -- the engine over FakeRunner ------------------------------------------------------------------
+class FakeCopies:
+    """kv_copies for FakeRunner: a block is its pages' token and position slots."""
+
+    def __init__(self, runner):
+        self.r = runner
+        self.block_bytes = 16 * runner.page_size
+        self.slab = None
+
+    def make_slab(self, rows):
+        self.slab = np.zeros((rows, self.block_bytes), np.uint8)
+        return self.slab
+
+    def _slots(self, page):
+        return slice(page * self.r.page_size, (page + 1) * self.r.page_size)
+
+    def save(self, pages, rows):
+        for p, row in zip(pages, rows):
+            s = self._slots(p)
+            self.slab[row] = np.concatenate([self.r.kv_tok[s], self.r.kv_pos[s]]).view(np.uint8)
+
+    def load(self, pages, rows, after_steps=True):
+        ps = self.r.page_size
+        for p, row in zip(pages, rows):
+            v = self.slab[row].view(np.int64)
+            self.r.kv_tok[self._slots(p)], self.r.kv_pos[self._slots(p)] = v[:ps], v[ps:]
+
+    def step_waits(self, fence):
+        pass
+
+    def host_wait(self, fence):
+        pass
+
+
+class LateCopies(FakeCopies):
+    """A copy stream: copies land only when waited for (step_waits, host_wait) or, if nobody
+    waits, after two more steps have run (the data they read or write is what is there then), so
+    a step that does not wait for a restore, or overwrites a page whose save is still in flight,
+    computes on the wrong KV."""
+
+    def __init__(self, runner):
+        super().__init__(runner)
+        self.queue, self.issued = [], 0
+        self.beside = 0                                  # restores that did not wait for steps
+
+    def save(self, pages, rows):
+        return self._later(super().save, pages, rows)
+
+    def load(self, pages, rows, after_steps=True):
+        """after_steps=False: KVTiers says no step in flight has these pages; checked."""
+        assert after_steps or not set(pages) & self.r.in_flight, "a restore beside a step using its pages"
+        self.beside += not after_steps
+        return self._later(super().load, pages, rows)
+
+    def _later(self, copy, pages, rows):
+        self.queue.append((self.issued, copy, list(pages), list(rows)))
+        self.issued += 1
+        return self.issued - 1
+
+    def land(self, upto=None):
+        while self.queue and (upto is None or self.queue[0][0] <= upto):
+            _, copy, pages, rows = self.queue.pop(0)
+            copy(pages, rows)
+
+    def step_waits(self, fence):
+        self.land(fence)
+
+    def host_wait(self, fence):
+        if fence is not None:
+            self.land(fence)
+
+
+class TieredFake(FakeRunner):
+    def __init__(self, *a, late=False, **kw):
+        super().__init__(*a, **kw)
+        self.copies = (LateCopies if late else FakeCopies)(self)
+        self.before = 0                                  # copies issued before the last step
+
+    def kv_copies(self):
+        return self.copies
+
+    launched: dict = {}                                  # id(step) -> its pages, until collected
+
+    @property
+    def in_flight(self) -> set:
+        """Pages of the steps launched and not collected yet."""
+        return set().union(*self.launched.values())
+
+    def launch(self, meta, sampling, feed=()):
+        ps = self.page_size
+        step = super().launch(meta, sampling, feed)
+        self.launched = {**self.launched, id(step): {
+            int(p) for b in range(meta.B) for p in meta.block_tables[b, :-(-int(meta.context_lens[b]) // ps)]}}
+        return step
+
+    def collect(self, step):
+        self.launched = {k: v for k, v in self.launched.items() if k != id(step)}
+        return super().collect(step)
+
+    def execute(self, meta, sampling):
+        start = getattr(self.copies, "issued", 0)
+        out = super().execute(meta, sampling)
+        if isinstance(self.copies, LateCopies):         # unwaited copies land a step late
+            self.copies.land(self.before - 1)
+        self.before = start
+        return out
+
+
+def _blocks_gib(n, page_size=4):
+    return n * 16 * page_size / GIB
+
+
+def _shared_prefix_prompts(rng, n, stems=12, stem_len=(8, 30), tail=(1, 9), vocab=97):
+    stems = [rng.integers(0, vocab, int(rng.integers(*stem_len))).tolist() for _ in range(stems)]
+    return [stems[int(rng.integers(len(stems)))] + rng.integers(0, vocab, int(rng.integers(*tail))).tolist()
+            for _ in range(n)]
+
+
+def _serve(engine, prompts, params, per_wave=8):
+    """Requests in waves (later ones find what earlier ones left); outputs by request."""
+    outs = {}
+    for w in range(0, len(prompts), per_wave):
+        for i in range(w, min(w + per_wave, len(prompts))):
+            engine.add_request(prompts[i], params, f"r{i}")
+        outs.update(drain(engine))
+    return [outs[f"r{i}"][0] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("disk,late", [(False, False), (True, False), (True, True)])
+def test_outputs_with_tiers_equal_outputs_without(tmp_path, disk, late):
+    """200 requests over 12 shared prefixes with a KV cache of 24 pages: evicted prefixes come
+    back from the host pool (and, with a pool of 8 blocks, from the disk), outputs unchanged;
+    late: copies that land only when waited for (the GPU's copy stream, LateCopies)."""
+    rng = np.random.default_rng(11)
+    prompts = _shared_prefix_prompts(rng, 200)
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    want = _serve(make_engine(FakeRunner(24)), prompts, params)
+    cfg = (OffloadConfig(_blocks_gib(8), str(tmp_path), _blocks_gib(400) + 400 * HEADER.size / GIB) if disk
+           else OffloadConfig(_blocks_gib(1000)))
+    r = TieredFake(24, late=late)
+    e = make_engine(r, kv_offloading=cfg)
+    assert _serve(e, prompts, params) == want
+    st = e.metrics.kv_offload
+    assert st.host_hit_tokens > 0 and st.bytes_to_host > 0 and st.bytes_to_device > 0
+    assert e.metrics.external_prefix_cache_hits_total == st.host_hit_tokens + st.disk_hit_tokens
+    assert e.metrics.external_prefix_cache_hits_total <= e.metrics.external_prefix_cache_queries_total
+    assert (st.disk_hit_tokens > 0 and st.bytes_to_disk > 0) == disk
+    assert not late or r.copies.beside > 0                  # restores that overlapped a step
+    assert st.restore_seconds.count > 0
+    assert_all_free(e)
+
+
+def test_corrupted_disk_blocks_are_recomputed(tmp_path):
+    """Every disk file damaged behind the store's back: misses, and the outputs stay right."""
+    rng = np.random.default_rng(12)
+    prompts = _shared_prefix_prompts(rng, 60, stems=6)
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    want = _serve(make_engine(FakeRunner(24)), prompts, params)
+    e = make_engine(TieredFake(24), kv_offloading=OffloadConfig(_blocks_gib(4), str(tmp_path), _blocks_gib(400) + 400 * HEADER.size / GIB))
+    disk = e.tiers.disk
+    outs = {}
+    for w in range(0, len(prompts), 6):
+        disk.drain()
+        for f in disk.folder.iterdir():                  # damage whatever is there now
+            raw = bytearray(f.read_bytes())
+            if w % 12:
+                raw[-3] ^= 0xFF
+            else:
+                raw = raw[:len(raw) // 2]
+            f.write_bytes(bytes(raw))
+        for i in range(w, min(w + 6, len(prompts))):
+            e.add_request(prompts[i], params, f"r{i}")
+        outs.update(drain(e))
+    assert [outs[f"r{i}"][0] for i in range(len(prompts))] == want
+    assert disk.rejected > 0                             # (files written since are good hits)
+    assert_all_free(e)
+
+
+def test_1000_aborts_under_offload_hold_nothing(tmp_path):
+    rng = np.random.default_rng(13)
+    prompts = _shared_prefix_prompts(rng, 1000, stems=20)
+    r = TieredFake(32)
+    e = make_engine(r, kv_offloading=OffloadConfig(_blocks_gib(6), str(tmp_path), _blocks_gib(30) + 30 * HEADER.size / GIB))
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    live = []
+    for i, p in enumerate(prompts):
+        e.add_request(p, params, f"r{i}")
+        live.append(f"r{i}")
+        for _ in range(int(rng.integers(0, 3))):
+            e.step()
+        while live and rng.random() < 0.6:
+            e.abort(live.pop(int(rng.integers(len(live)))))
+        live = [x for x in live if x in e.requests]
+    for x in live:
+        e.abort(x)
+    e.step()                                            # flushes the released blocks' copies
+    assert not e.has_unfinished()
+    assert_all_free(e)                                  # bm.check() checks the tiers too
+    t = e.tiers
+    assert not t.saves and not t.loads and not t.pool.pins
+    assert len(t.pool) + len(t.pool.free) == t.pool.num_rows
+    assert t.stats.host_hit_tokens + t.stats.disk_hit_tokens > 0
+    t.disk.check()                                      # no file but the index's, none left open
+    assert not list(t.disk.folder.glob("*.tmp"))
+
+
+# -- the tiny real model -------------------------------------------------------------------------
+@pytest.mark.parametrize("n,disk", [(200, True), pytest.param(200, False, marks=EXHAUSTIVE)])
+def test_tiny_model_outputs_with_the_tiers_equal_outputs_without(tiny_plan, tmp_path, n, disk):
+    """The real CPU path (numpy pages): 200 greedy requests over 8 shared prefixes with a KV cache
+    of 12 pages of 4 tokens; a host pool of 6 blocks and a disk behind it (or a pool of 200)."""
+    plan, weights = tiny_plan
+    rng = np.random.default_rng(14)
+    prompts = _shared_prefix_prompts(rng, n, stems=8, stem_len=(12, 20), tail=(1, 5), vocab=320)
+    params = SamplingParams(max_tokens=3, **GREEDY)
+    want = _serve(make_engine(CPURunner(plan, weights, 12, 4)), prompts, params, per_wave=3)
+    runner = CPURunner(plan, weights, 12, 4)
+    block = runner.kv_copies().block_bytes / GIB
+    cfg = OffloadConfig(6 * block, str(tmp_path), 400 * (block + HEADER.size / GIB)) if disk else OffloadConfig(200 * block)
+    e = make_engine(runner, kv_offloading=cfg)
+    assert _serve(e, prompts, params, per_wave=3) == want
+    st = e.metrics.kv_offload
+    assert st.host_hit_tokens > 0 and (st.disk_hit_tokens > 0) == disk
+    assert_all_free(e)
+
+
+def test_offloading_settings_are_checked(tiny_plan, tmp_path):
+    plan, weights = tiny_plan
+    runner = CPURunner(plan, weights, 12, 4)
+    with pytest.raises(ValueError, match="holds no KV block"):
+        make_engine(runner, kv_offloading=OffloadConfig(1e-9))
+    with pytest.raises(ValueError, match="needs --kv-offloading-disk-size"):
+        make_engine(runner, kv_offloading=OffloadConfig(0.01, str(tmp_path)))
+    with pytest.raises(ValueError, match="cannot copy KV pages"):
+        make_engine(FakeRunner(8), kv_offloading=OffloadConfig(0.01))
+    notes = []
+    e = make_engine(runner, kv_offloading=OffloadConfig(0.01), enable_prefix_caching=False, log=notes.append)
+    assert e.tiers is None and any("KV offloading off" in n for n in notes)
+
+
+def test_offloading_flags_reach_the_config_and_bad_values_fail():
+    from infc.cli import parser
+    from infc.config import EngineConfig
+    from infc.server.args import engine_config
+    a = parser().parse_args(["serve", "--model-path", "m", "--kv-offloading-size", "2",
+                             "--kv-offloading-disk", "/x", "--kv-offloading-disk-size", "8"])
+    c = engine_config(a).cache
+    assert (c.kv_offloading_size, c.kv_offloading_disk, c.kv_offloading_disk_size) == (2.0, "/x", 8.0)
+    d = engine_config(parser().parse_args(["serve", "--model-path", "m"])).cache
+    assert (d.kv_offloading_size, d.kv_offloading_disk, d.kv_offloading_disk_size) == (0, None, 0)
+    never = lambda: pytest.fail("the cpu device needs no GPU table")  # noqa: E731
+    for settings, match in [({"kv_offloading_size": -1}, "--kv-offloading-size must be >= 0"),
+                            ({"kv_offloading_size": 1, "kv_offloading_disk": "/x"}, "go together"),
+                            ({"kv_offloading_disk": "/x", "kv_offloading_disk_size": 1}, "needs --kv-offloading-size")]:
+        with pytest.raises(ValueError, match=match):
+            EngineConfig.from_settings(device="cpu", **settings).resolved(lambda: "cpu", never)
+
+
+def test_a_disk_that_refuses_writes_drops_blocks_and_serving_goes_on(tmp_path, monkeypatch):
+    import builtins
+    rng = np.random.default_rng(15)
+    prompts = _shared_prefix_prompts(rng, 40, stems=6)
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    want = _serve(make_engine(FakeRunner(24)), prompts, params)
+    e = make_engine(TieredFake(24), kv_offloading=OffloadConfig(_blocks_gib(4), str(tmp_path), 0.001))
+    real_open = builtins.open
+
+    def full_disk(path, mode="r", *a, **kw):
+        if "w" in mode and str(path).endswith(".tmp"):
+            raise OSError(28, "No space left on device")
+        return real_open(path, mode, *a, **kw)
+    monkeypatch.setattr(builtins, "open", full_disk)
+    assert _serve(e, prompts, params) == want
+    disk = e.tiers.disk
+    disk.drain()
+    assert disk.write_errors > 0 and len(disk) == 0 and not disk.pending
+    assert_all_free(e)
+
+
+def test_preempted_sequences_come_back_from_the_host_tier():
+    """KV demand ~4x the cache: preempted sequences' full blocks (prompt and outputs) are restored
+    from the host tier when they return, and every output is as alone."""
+    from test_scheduler import solo
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 97, int(rng.integers(20, 40))).tolist() for _ in range(12)]
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    r = TieredFake(20)
+    e = make_engine(r, kv_offloading=OffloadConfig(_blocks_gib(200)))
+    for i, p in enumerate(prompts):
+        e.add_request(p, params, f"r{i}")
+    outs = drain(e)
+    assert e.metrics.num_preemptions_total > 0 and e.metrics.kv_offload.host_hit_tokens > 0
+    assert all(outs[f"r{i}"][0] == solo(r, p, 24) for i, p in enumerate(prompts))
+    assert_all_free(e)
+
+
+def _runs(pages, rows) -> int:
+    """Copies a restore takes per (cache, layer) on the GPU: runs of consecutive pages and rows."""
+    return 1 + sum(1 for i in range(1, len(pages))
+                   if (pages[i] - pages[i - 1], rows[i] - rows[i - 1]) != (1, 1))
+
+
+def test_a_restored_prefix_is_copied_in_few_runs():
+    """A 40-block prefix pushed out by another prompt and restored: its blocks' rows and fresh pages
+    pair up in runs (the GPU issues one 2D copy per run and (cache, layer), not one per block)."""
+    r = TieredFake(48)
+    loads, saves = [], []
+    load, save = r.copies.load, r.copies.save
+    r.copies.load = lambda pages, rows, *a: loads.append((list(pages), list(rows))) or load(pages, rows, *a)
+    r.copies.save = lambda pages, rows: saves.append((list(pages), list(rows))) or save(pages, rows)
+    e = make_engine(r, kv_offloading=OffloadConfig(_blocks_gib(200)))
+    rng = np.random.default_rng(16)
+    a, b = rng.integers(0, 97, 161).tolist(), rng.integers(0, 97, 181).tolist()
+    params = SamplingParams(max_tokens=2, **GREEDY)
+    first = _serve(e, [a, b], params, per_wave=1)
+    assert not loads and len(saves[0][0]) == 40 and _runs(*saves[0]) == 1     # a's blocks, saved
+    assert len(saves[1][0]) == 45 and _runs(*saves[1]) <= 3     # b's: on pages a freed, last first
+    assert _serve(e, [a], params) == first[:1]
+    (pages, rows), = loads
+    assert len(pages) >= 30 and _runs(pages, rows) <= 3, (pages, rows)
+    assert_all_free(e)
+
+
+def test_a_model_with_slot_caches_runs_without_tiers_and_says_so():
+    """Hybrid models (slot caches) have no prefix caching yet, so no tiers: a startup note each."""
+    r = TieredFake(16)
+    r.num_slots = 4
+    notes = []
+    e = make_engine(r, kv_offloading=OffloadConfig(0.01), log=notes.append)
+    assert e.tiers is None and e.bm.tiers is None and not e.bm.enable_prefix_caching
+    assert any("prefix caching disabled" in n for n in notes) and any("KV offloading off" in n for n in notes)
+
+
+def test_a_restore_into_pages_of_the_step_in_flight_waits_for_it():
+    """Overlapped: S stops at a token read back while its next step is in flight; R, waiting for
+    pages, is admitted onto S's pages and restores its prefix there. That restore must wait for
+    the step in flight (LateCopies checks); restores onto other pages need not."""
+    stop = SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[5])
+    r = TieredFake(7, next_token=lambda ctx: 5)
+    e = make_engine(r, kv_offloading=OffloadConfig(_blocks_gib(20)))
+    r.copies = LateCopies(r)
+    e.tiers.copies = r.copies
+    r.copies.make_slab(e.tiers.pool.num_rows)
+    e.tiers.slab = r.copies.slab
+    assert e.overlap
+    a = list(range(20, 32))                               # 3 blocks
+    e.add_request(a + [1], stop, "fill")
+    drain(e)
+    e.tiers.demote(e.bm)                                  # a's blocks: host tier only
+    waited = []
+    load = r.copies.load
+    r.copies.load = lambda pages, rows, after=True: waited.append(after) or load(pages, rows, after)
+    e.add_request(list(range(40, 59)), stop, "S")        # 5 pages of 7
+    e.add_request(a + [2], stop, "R")                     # 3 tier blocks + 1: waits for S's pages
+    outs = drain(e)
+    assert outs["S"][0] == [5] and outs["R"][0] == [5]
+    assert e.metrics.kv_offload.host_hit_tokens == 12 and waited == [True]
+    assert_all_free(e)
