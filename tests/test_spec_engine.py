@@ -1,0 +1,301 @@
+"""Speculative decoding in the engine (n-gram, runtime/engine/speculative/speculator.py): outputs
+identical to non-speculative decoding (greedy and seeded sampling, logprobs, stops, max_tokens
+inside an accepted run, n > 1, prefix hits, preemption, aborts), drafts actually accepted, the
+step's limits (budget, rows, pages, the batch-size turn-down) kept, every page back after 1,000
+aborts, slot-cache plans refused. The fake runner checks the KV it is asked to read was written
+(by this step's earlier rows too) and that drafts never write a shared or cached page; the tiny
+real model checks the same claim on the reference executor's plan."""
+import numpy as np
+import pytest
+
+from infc.config import speculative_config
+from infc.runtime.engine.engine import Engine
+from infc.runtime.engine.runner import CPURunner
+from infc.runtime.engine.sampling import SamplingParams
+from infc.runtime.engine.step import Chunk, build_step
+from exhaustive import EXHAUSTIVE
+from test_engine import PROMPT, SCRIPT, FakeTokenizer, G, scripted
+from test_scheduler import FakeRunner, assert_all_free, drain, make_engine, solo, tiny_plan  # noqa: F401
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+def spec(k=4, lo=1, hi=3, **kw):
+    return speculative_config({"method": "ngram", "num_speculative_tokens": k,
+                               "prompt_lookup_min": lo, "prompt_lookup_max": hi, **kw})
+
+
+def periodic(period=7):
+    """A fake model that repeats the token `period` back: n-gram drafts are right from then on."""
+    return lambda ctx: int(ctx[-period]) if len(ctx) >= period else 3
+
+
+def outputs(engine, prompts, params):
+    """Every request's StepOutputs, by request id (each checked to end once)."""
+    for i, p in enumerate(prompts):
+        engine.add_request(p, params, f"r{i}")
+    outs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs.setdefault((o.request_id, o.index), []).append(o)
+    assert_all_free(engine)
+    return outs
+
+
+def flat(outs):
+    """(tokens, text, logprobs, finish_reason, stop_reason) of each sequence's outputs."""
+    return {key: ([t for o in os for t in o.token_ids], "".join(o.text for o in os),
+                  None if os[0].logprobs is None else [e for o in os for e in o.logprobs],
+                  os[-1].finish_reason, os[-1].stop_reason) for key, os in outs.items()}
+
+
+# -- the fake runner: exact bookkeeping ---------------------------------------------------------
+def test_greedy_identity_drafts_accepted_and_fewer_steps():
+    r = FakeRunner(64, next_token=periodic())
+    prompt = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3]
+    e = make_engine(r, speculative_config=spec())
+    e.add_request(prompt, SamplingParams(max_tokens=30, **GREEDY), "a")
+    assert drain(e)["a"][0] == solo(r, prompt, 30)
+    m = e.metrics
+    assert m.spec_decode_num_drafts_total > 0 and m.spec_decode_num_accepted_tokens_total > 20
+    assert m.spec_decode_num_accepted_tokens_total <= m.spec_decode_num_draft_tokens_total
+    assert m.spec_decode_num_accepted_tokens_per_pos_total[0] >= m.spec_decode_num_accepted_tokens_per_pos_total[3]
+    assert len(r.steps) < 12                        # 30 tokens, 5 a step once the drafts land
+    assert all(phase == "decode" for phase, _, _ in r.steps[1:])
+    assert_all_free(e)
+
+
+def test_rejected_drafts_roll_back():
+    """A model that never repeats itself: drafts are proposed (the prompt repeats) and rejected;
+    the output is the model's, and the rejected rows' pages go back every step."""
+    r = FakeRunner(64)                              # next token: a hash of the whole context
+    prompt = [5, 6, 5, 6, 5, 6, 5, 6]
+    e = make_engine(r, speculative_config=spec())
+    e.add_request(prompt, SamplingParams(max_tokens=12, **GREEDY), "a")
+    seq, got = e.requests["a"].seqs[0], []
+    while e.has_unfinished():
+        got += [t for o in e.step() for t in o.token_ids]
+        if not seq.finished:                        # no page past its computed tokens is kept
+            assert len(seq.pages) == e.bm.pages_for(seq.num_computed_tokens), seq
+    assert got == solo(r, prompt, 12)
+    assert e.metrics.spec_decode_num_draft_tokens_total > e.metrics.spec_decode_num_accepted_tokens_total
+    assert_all_free(e)
+
+
+class ReadsBeforeWrites(FakeRunner):
+    """A plan that breaks the claim a verify step rests on: each row sees the KV cache as it was
+    before the step (plus its own token), not the keys its step's earlier rows write."""
+
+    def contexts(self, meta):
+        before = self.kv_tok.copy()
+        out = super().contexts(meta)
+        ps = self.page_size
+        for b, ctx in enumerate(out):
+            p = np.arange(meta.context_lens[b] - 1)
+            ctx[:-1] = before[meta.block_tables[b][p // ps] * ps + p % ps]
+        return out
+
+
+def test_a_plan_whose_rows_miss_their_steps_keys_is_caught():
+    prompt = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3]
+    good = FakeRunner(64, next_token=periodic())
+    want = solo(good, prompt, 20)
+    r = ReadsBeforeWrites(64, next_token=lambda ctx: int(ctx[-7]) if len(ctx) >= 7 and ctx[-7] >= 0 else 3)
+    e = make_engine(r, speculative_config=spec())
+    e.add_request(prompt, SamplingParams(max_tokens=20, **GREEDY), "a")
+    assert drain(e)["a"][0] != want
+
+
+COPY = [1, 2, 3, 4] * 3 + [5] + [6, 7, 8, 9] * 4      # "Hello world" x 3, "! and more text?" ...
+
+
+@pytest.mark.parametrize("params", [
+    G(max_tokens=30, stop=["text? and more text"]), G(max_tokens=30, stop=["rldHello wo", "zzz"]),
+    G(max_tokens=30, stop_token_ids=[3], min_tokens=4), G(max_tokens=30, stop_token_ids=[9], min_tokens=18),
+    G(max_tokens=7, ignore_eos=True), G(max_tokens=23, ignore_eos=True),
+    G(max_tokens=30, logprobs=1, stop=["? and more"], include_stop_str_in_output=True),
+], ids=["stop-str", "stop-str-2", "stop-id-min-tokens", "stop-id-later", "max-tokens-7", "max-tokens-23",
+        "logprobs"])
+def test_stops_and_lengths_inside_an_accepted_run(params):
+    """COPY repeats itself: from its second token on the drafts are right, so each stop (and
+    max_tokens) lands inside an accepted run; what was after it is dropped."""
+    want = flat(outputs(scripted(COPY), [PROMPT], params))
+    e = scripted(COPY, speculative_config=spec(k=5))
+    got = flat(outputs(e, [PROMPT], params))
+    assert got == want
+    assert e.metrics.spec_decode_num_accepted_tokens_total > 0
+
+
+def test_context_length_inside_an_accepted_run():
+    want = flat(outputs(scripted(COPY, max_model_len=14), [PROMPT], G(max_tokens=None)))
+    e = scripted(COPY, max_model_len=14, speculative_config=spec(k=5))
+    assert flat(outputs(e, [PROMPT], G(max_tokens=None))) == want
+    assert e.metrics.spec_decode_num_accepted_tokens_total > 0
+
+
+def test_step_limits_rows_budget_and_batch_size_turn_down():
+    r = FakeRunner(256, next_token=periodic())
+    r.max_seqs = 6                                  # the runner's rows a step (its sequence slots)
+    e = make_engine(r, max_num_seqs=5, max_num_batched_tokens=9, speculative_config=spec(k=4))
+    prompts = [[i, i + 1, i + 2, i + 3, i + 4, i + 5, i + 6, i] for i in range(1, 40, 8)]
+    got = drain_all(e, prompts, 16)
+    assert got == [solo(r, p, 16) for p in prompts]
+    assert all(len(rows) <= 5 and sum(rows) <= 9 for _, rows, _ in r.steps)
+    assert e.metrics.spec_decode_num_accepted_tokens_total > 0
+    # over the batch-size threshold: no drafts at all
+    r = FakeRunner(256, next_token=periodic())
+    e = make_engine(r, speculative_config=spec(k=4, disable_by_batch_size=2))
+    assert drain_all(e, prompts[:3], 16) == [solo(r, p, 16) for p in prompts[:3]]
+    assert e.metrics.spec_decode_num_drafts_total == 0
+
+
+def drain_all(e, prompts, n, **kw):
+    for i, p in enumerate(prompts):
+        e.add_request(p, SamplingParams(max_tokens=n, **GREEDY, **kw), f"r{i}")
+    outs = drain(e)
+    assert_all_free(e)
+    return [outs[f"r{i}"][0] for i in range(len(prompts))]
+
+
+def test_pages_short_trim_drafts_and_preemption_keeps_outputs():
+    r = FakeRunner(14, page_size=4, next_token=periodic(5))   # 56 tokens of KV
+    e = make_engine(r, max_num_seqs=8, speculative_config=spec(k=6))
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 97, int(rng.integers(5, 10))).tolist() for _ in range(8)]
+    assert drain_all(e, prompts, 14) == [solo(r, p, 14) for p in prompts]
+    assert e.metrics.num_preemptions_total > 0 and e.metrics.spec_decode_num_accepted_tokens_total > 0
+
+
+def test_prefix_hits_with_speculation():
+    r = FakeRunner(64, next_token=periodic())
+    e = make_engine(r, speculative_config=spec())
+    stem = list(range(1, 20))
+    for i, tail in enumerate(([1, 2], [3, 4, 5])):
+        e.add_request(stem + tail, SamplingParams(max_tokens=20, **GREEDY), f"r{i}")
+        assert drain(e)[f"r{i}"][0] == solo(r, stem + tail, 20)
+    assert e.bm.hit_tokens > 0 and e.metrics.spec_decode_num_accepted_tokens_total > 0
+    assert_all_free(e)
+
+
+def test_thousand_aborts_mid_speculation_leave_nothing_held():
+    r = FakeRunner(40, page_size=4, next_token=periodic(3))
+    e = make_engine(r, max_num_seqs=8, speculative_config=spec(k=4, disable_by_batch_size=64))
+    rng = np.random.default_rng(0)
+    live, aborted, n = [], 0, 0
+    while aborted < 1000:
+        while len(live) < 5:
+            e.add_request(rng.integers(0, 97, int(rng.integers(3, 9))).tolist(),
+                          SamplingParams(max_tokens=int(rng.integers(4, 40)), **GREEDY), f"q{n}")
+            live.append(f"q{n}")
+            n += 1
+        for o in e.step():
+            if o.request_finished:
+                live.remove(o.request_id)
+        for rid in [x for x in live if rng.random() < 0.15]:
+            assert e.abort(rid)
+            live.remove(rid)
+            aborted += 1
+        e.bm.check()
+    for rid in live:
+        e.abort(rid)
+    assert e.metrics.spec_decode_num_accepted_tokens_total > 0
+    assert_all_free(e)
+
+
+def test_slot_cache_plans_refuse_speculation():
+    r = FakeRunner(16)
+    r.num_slots = 4
+    r.plan = {"caches": {"conv_state": {"kind": "slot"}, "ssm_state": {"kind": "slot"}, "k": {"kind": "paged"}}}
+    with pytest.raises(ValueError, match=r"slot caches \(conv_state, ssm_state\)"):
+        Engine(r, speculative_config=spec())
+
+
+# -- the tiny real model: the reference executor's plan ------------------------------------------
+def tiny_engine(tiny_plan, num_pages=64, page_size=16, **kw):
+    plan, weights = tiny_plan
+    return Engine(CPURunner(plan, weights, num_pages, page_size), max_model_len=1024, **kw)
+
+
+def copy_prompts(seed, n=3):
+    """Random stems repeated: the tiny model's greedy output then falls into copies and loops."""
+    rng = np.random.default_rng(seed)
+    return [(lambda s: s + s[:int(rng.integers(3, len(s)))])(rng.integers(0, 320, int(rng.integers(6, 14))).tolist())
+            for _ in range(n)]
+
+
+def test_verify_rows_see_the_keys_their_step_writes(tiny_plan):
+    """The plan's claim, directly: one step of rows [t], [d0], [d1] of one sequence gives the
+    logits three successive decodes give (each row attends to the keys its step's earlier rows
+    wrote)."""
+    plan, weights = tiny_plan
+    prompt = np.random.default_rng(1).integers(0, 320, 11).tolist()
+    rows = [(prompt[-1], 10), (17, 11), (250, 12)]
+    pages = [3, 0, 5, 1]                             # 16 tokens of 4-token pages, out of order
+    step = lambda chunks: build_step(chunks, lambda _: pages, 4)  # noqa: E731
+
+    def prefilled():
+        r = CPURunner(plan, weights, 8, 4)
+        r.forward(step([Chunk(0, prompt[:-1], 0)]))
+        return r
+    one = prefilled()
+    want = np.concatenate([one.forward(step([Chunk(0, [t], p)])) for t, p in rows])
+    meta = step([Chunk(0, [t], p) for t, p in rows])
+    assert meta.phase == "decode" and meta.context_lens.tolist() == [11, 12, 13]
+    np.testing.assert_allclose(prefilled().forward(meta), want, rtol=1e-4, atol=1e-5)
+
+
+def test_tiny_model_greedy_identity(tiny_plan):
+    prompts = copy_prompts(11, 4)
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    want = flat(outputs(tiny_engine(tiny_plan), prompts, params))
+    e = tiny_engine(tiny_plan, speculative_config=spec(k=4))
+    assert flat(outputs(e, prompts, params)) == want
+    assert e.metrics.spec_decode_num_accepted_tokens_total > 0
+
+
+SAMPLED = {
+    "temperature": dict(temperature=0.8, seed=5),
+    "top_p": dict(temperature=0.8, top_p=0.9, seed=6),
+    "top_k": dict(temperature=1.0, top_k=8, seed=7),
+    "min_p": dict(temperature=0.7, min_p=0.05, seed=8),
+    "logprobs": dict(temperature=0.8, top_k=20, top_p=0.95, logprobs=2, seed=9, n=2),
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n == "logprobs" else EXHAUSTIVE) for n in SAMPLED])
+def test_tiny_model_seeded_sampling_identity(tiny_plan, name):
+    """Same seed, same text: each row draws with (seed, its output index), as decoding does."""
+    prompts = copy_prompts(12, 3)
+    params = SamplingParams(max_tokens=20, ignore_eos=True, **SAMPLED[name])
+    want = flat(outputs(tiny_engine(tiny_plan), prompts, params))
+    e = tiny_engine(tiny_plan, speculative_config=spec(k=3))
+    got = flat(outputs(e, prompts, params))
+    assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in want.items()}
+    for k, (_, _, lps, _, _) in got.items():      # each token's logprob is its own row's
+        if lps is not None:
+            np.testing.assert_allclose([x["logprob"] for x in lps], [x["logprob"] for x in want[k][2]],
+                                       rtol=1e-4, atol=1e-4)
+            assert [x["token"] for x in lps] == [x["token"] for x in want[k][2]]
+    assert e.metrics.spec_decode_num_draft_tokens_total > 0
+
+
+def test_tiny_model_preemption_prefix_hits_and_n(tiny_plan):
+    prompts = copy_prompts(13, 5)
+    prompts.append(prompts[0][:12] + [1, 2, 3])       # a prefix hit on the first
+    params = SamplingParams(max_tokens=16, n=2, seed=3, temperature=0.9, ignore_eos=True)
+    want = flat(outputs(tiny_engine(tiny_plan, num_pages=128, page_size=4), prompts, params))
+    e = tiny_engine(tiny_plan, num_pages=30, page_size=4, max_num_seqs=8, speculative_config=spec(k=4))
+    got = flat(outputs(e, prompts, params))
+    assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in want.items()}
+    assert e.metrics.num_preemptions_total > 0 and e.bm.hit_tokens > 0
+    assert e.metrics.spec_decode_num_draft_tokens_total > 0
+
+
+def test_stop_strings_with_speculation_real_text():
+    """Text deltas of a speculating stream equal the non-speculative stream's, joined."""
+    script = COPY
+    params = G(max_tokens=30, stop=["? and more text? an"])
+    want = flat(outputs(scripted(script), [PROMPT], params))
+    e = scripted(script, speculative_config=spec(k=3))
+    assert flat(outputs(e, [PROMPT], params)) == want
+    assert FakeTokenizer  # the scripted engines' tokenizer
