@@ -196,7 +196,13 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
     def start():
         e = Engine(runner, tokenizer, eos, limit, max_num_seqs=c.scheduler.max_num_seqs,
                    max_num_batched_tokens=c.scheduler.max_num_batched_tokens,
-                   enable_prefix_caching=c.cache.enable_prefix_caching, log=log, overlap=c.scheduler.overlap)
+                   enable_prefix_caching=c.cache.enable_prefix_caching, log=log, overlap=c.scheduler.overlap,
+                   speculative_config=c.speculative.speculative_config)
+        if log and e.spec is not None:
+            s = e.spec.config
+            log(f"  speculative decoding: {s.method}, {s.num_speculative_tokens} draft tokens "
+                f"(prompt lookup {s.prompt_lookup_min}..{s.prompt_lookup_max}), none while more "
+                f"than {s.disable_by_batch_size} sequences run")
         if log:
             log(f"  steps {'overlapped: the next is prepared while the device runs this one' if e.overlap else 'synchronous'}")
         return AsyncEngine(e) if c.scheduler.asynchronous else e
