@@ -1,6 +1,6 @@
 """n-gram speculative decoding on the real SmolLM2-135M (numpy reference): on copy-heavy prompts
 (bench/speculative.py's 20: edit this text, quote in a summary, refactor code) the greedy text is
-token for token plain decoding's, with most drafts accepted. The fast suite runs a few prompts
+token for token plain decoding's, with most drafts accepted. The fast suite runs two prompts
 batched together; --exhaustive all twenty. The acceptance rate and CPU speedup alone at batch 1:
 `python -m infc.bench.speculative`."""
 import pytest
@@ -17,12 +17,14 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, 
 def pair():
     from smollm2_from_gguf import ensure_smollm2
     d = ensure_smollm2()
-    with LLM(d, device="cpu") as plain, LLM(d, device="cpu", speculative_config=SPEC) as spec:
+    from threadpoolctl import threadpool_limits
+    with threadpool_limits(1, user_api="blas"), LLM(d, device="cpu") as plain, \
+            LLM(d, device="cpu", speculative_config=SPEC) as spec:
         yield plain, spec
 
 
-@pytest.mark.parametrize("prompts,n", [((1, 5, 9), 24), pytest.param(range(len(PROMPTS)), 48, marks=EXHAUSTIVE)],
-                         ids=["three", "all"])
+@pytest.mark.parametrize("prompts,n", [((1, 13), 16), pytest.param(range(len(PROMPTS)), 48, marks=EXHAUSTIVE)],
+                         ids=["two", "all"])
 def test_greedy_text_identical_and_drafts_accepted(pair, prompts, n):
     plain, spec = pair
     texts = [PROMPTS[i] for i in prompts]
