@@ -54,6 +54,7 @@ def test_greedy_identity_drafts_accepted_and_fewer_steps():
     r = FakeRunner(64, next_token=periodic())
     prompt = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3]
     e = make_engine(r, speculative_config=spec())
+    assert r.can_overlap and not e.overlap          # the proposer reads each last token: synchronous
     e.add_request(prompt, SamplingParams(max_tokens=30, **GREEDY), "a")
     assert drain(e)["a"][0] == solo(r, prompt, 30)
     m = e.metrics
@@ -310,3 +311,33 @@ def test_stop_strings_with_speculation_real_text():
     e = scripted(script, speculative_config=spec(k=3))
     assert flat(outputs(e, [PROMPT], params)) == want
     assert FakeTokenizer  # the scripted engines' tokenizer
+
+
+def test_data_parallel_ranks_speculate_each_its_own(tiny_model):
+    """Two simulated data-parallel ranks (runtime/reference/ranks.py): each rank's drafts are
+    rows of its own step, the steps padded alike; the tokens are the single-rank engine's."""
+    from infc.compiler.build import compile_model, compile_ranks
+    from infc.compiler.contract.safetensors_io import Checkpoint
+    from infc.compiler.parallel import settings
+    from infc.runtime.reference.ranks import rank_runner
+    from infc.runtime.weights.load import load_weights
+    d, _ = tiny_model("qwen3_moe")
+    peak = lambda w: {**w, "final_norm": w["final_norm"] * 6}  # noqa: E731 (see peaked_plan)
+    _, plan = compile_model(model_dir=str(d))
+    plans = [p for _, p in compile_ranks(settings(data_parallel_size=2, enable_expert_parallel=True),
+                                         model_dir=str(d))]
+    prompts = copy_prompts(14, 4)
+    params = SamplingParams(max_tokens=16, temperature=0.5, seed=2, ignore_eos=True)
+    one = Engine(CPURunner(plan, peak(load_weights(plan, Checkpoint(d))), 64), max_model_len=256)
+    want = flat(outputs(one, prompts, params))
+    ranks = rank_runner(plans, [peak(load_weights(p, Checkpoint(d))) for p in plans], 64)
+    e = Engine(ranks, max_model_len=256, speculative_config=spec(k=3))
+    for i, p in enumerate(prompts):
+        e.add_request(p, params, f"r{i}")
+    got = {}
+    while e.has_unfinished():
+        for o in e.step():
+            got.setdefault((o.request_id, o.index), []).extend(o.token_ids)
+    assert got == {k: v[0] for k, v in want.items()}
+    assert all(bm.usage == 0 for bm in e.bms)
+    assert e.metrics.spec_decode_num_accepted_tokens_total > 0
