@@ -341,3 +341,42 @@ def test_data_parallel_ranks_speculate_each_its_own(tiny_model):
     assert got == {k: v[0] for k, v in want.items()}
     assert all(bm.usage == 0 for bm in e.bms)
     assert e.metrics.spec_decode_num_accepted_tokens_total > 0
+
+
+def test_rows_that_need_history_decode_plainly_beside_speculating_ones(peaked_plan):
+    """Penalties count every token before the one sampled, so a penalized sequence gets no drafts
+    (its later rows would need the drafts accepted); in the same steps the others speculate."""
+    prompts = copy_prompts(15, 2)
+    penalized = SamplingParams(max_tokens=16, temperature=0, repetition_penalty=1.3, ignore_eos=True)
+    alone = tiny_engine(peaked_plan, speculative_config=spec(k=3))
+    want_pen = flat(outputs(tiny_engine(peaked_plan), prompts[:1], penalized))
+    assert flat(outputs(alone, prompts[:1], penalized)) == want_pen
+    assert alone.metrics.spec_decode_num_drafts_total == 0
+    plain = SamplingParams(max_tokens=16, **GREEDY)
+    want = flat(outputs(tiny_engine(peaked_plan), prompts[1:], plain))
+    e = tiny_engine(peaked_plan, speculative_config=spec(k=3))
+    e.add_request(prompts[0], penalized, "pen")
+    e.add_request(prompts[1], plain, "r0")
+    got = {}
+    while e.has_unfinished():
+        for o in e.step():
+            got.setdefault(o.request_id, []).extend(o.token_ids)
+    assert got["pen"] == want_pen[("r0", 0)][0] and got["r0"] == want[("r0", 0)][0]
+    assert e.metrics.spec_decode_num_accepted_tokens_total > 0
+    assert_all_free(e)
+
+
+def test_truncate_gives_back_the_pages_past_the_computed_tokens():
+    from infc.runtime.engine.block_manager import BlockManager
+    from infc.runtime.engine.sequence import Sequence
+    bm = BlockManager(8, 4)
+    seq = Sequence(0, "r", 0, list(range(6)), SamplingParams(), 0)
+    assert bm.admit(seq, 100) == 6 and len(seq.pages) == 2
+    seq.num_computed_tokens = 6
+    assert bm.grow(seq, 7) and len(seq.pages) == 4            # 13 tokens: 4 pages
+    extra = seq.pages[2:]
+    seq.num_computed_tokens = 9                                # 3 of the 7 kept
+    bm.truncate(seq)
+    assert len(seq.pages) == 3 and bm.num_free_pages == 5
+    assert next(iter(bm.free)) == extra[1]                     # handed out first next time
+    bm.check()
