@@ -380,3 +380,27 @@ def test_truncate_gives_back_the_pages_past_the_computed_tokens():
     assert len(seq.pages) == 3 and bm.num_free_pages == 5
     assert next(iter(bm.free)) == extra[1]                     # handed out first next time
     bm.check()
+
+
+def test_prompt_logprobs_beside_speculation(peaked_plan):
+    """A request scoring its prompt runs in the steps where another verifies drafts (the draft
+    rows after the scored chunks): both as without speculation."""
+    prompts = copy_prompts(16, 2)
+    scored = SamplingParams(max_tokens=6, prompt_logprobs=1, **GREEDY)
+    plain = SamplingParams(max_tokens=20, **GREEDY)
+
+    def run(e):
+        e.add_request(prompts[0], plain, "a")
+        outs = {"a": [o for _ in range(3) for o in e.step()]}   # "a" decodes (and drafts) from here on
+        e.add_request(prompts[1], scored, "s")
+        while e.has_unfinished():
+            for o in e.step():
+                outs.setdefault(o.request_id, []).append(o)
+        assert_all_free(e)
+        return outs
+    want, got = run(tiny_engine(peaked_plan)), run(e := tiny_engine(peaked_plan, speculative_config=spec(k=3)))
+    for rid in ("a", "s"):
+        assert [t for o in got[rid] for t in o.token_ids] == [t for o in want[rid] for t in o.token_ids]
+    lp = lambda outs: [None if x is None else x["logprob"] for x in next(o.prompt_logprobs for o in outs if o.prompt_logprobs)]  # noqa: E731
+    np.testing.assert_allclose(np.array(lp(got["s"])[1:], float), np.array(lp(want["s"])[1:], float), rtol=1e-4, atol=1e-4)
+    assert e.metrics.spec_decode_num_accepted_tokens_total > 0

@@ -507,6 +507,7 @@ class Engine:
             at += n
         if drafts:
             self.spec.add_rows(batch, chunks, rows, self._row, Chunk)
+            scores += [None] * (len(chunks) - len(scores))      # draft rows score no prompt
         pages = {seq.seq_id: seq.pages for seq, _ in batch}
         slots = {seq.seq_id: seq.slot for seq, _ in batch} if self.num_slots else None
         meta = build_step(chunks, pages.__getitem__, self.page_size,
