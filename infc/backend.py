@@ -199,7 +199,13 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
                    max_num_batched_tokens=c.scheduler.max_num_batched_tokens,
                    enable_prefix_caching=c.cache.enable_prefix_caching, log=log, overlap=c.scheduler.overlap,
                    kv_offloading=OffloadConfig(c.cache.kv_offloading_size, c.cache.kv_offloading_disk,
-                                               c.cache.kv_offloading_disk_size))
+                                               c.cache.kv_offloading_disk_size),
+                   speculative_config=c.speculative.speculative_config)
+        if log and e.spec is not None:
+            s = e.spec.config
+            log(f"  speculative decoding: {s.method}, {s.num_speculative_tokens} draft tokens "
+                f"(prompt lookup {s.prompt_lookup_min}..{s.prompt_lookup_max}), none while more "
+                f"than {s.disable_by_batch_size} sequences run")
         if log:
             log(f"  steps {'overlapped: the next is prepared while the device runs this one' if e.overlap else 'synchronous'}")
         return AsyncEngine(e) if c.scheduler.asynchronous else e

@@ -45,7 +45,8 @@ def _generate(args):
              kv_cache_dtype=args.kv_cache_dtype,
              tensor_parallel_size=args.tensor_parallel_size,
              enable_expert_parallel=args.enable_expert_parallel,
-             data_parallel_size=args.data_parallel_size) as llm:
+             data_parallel_size=args.data_parallel_size,
+             speculative_config=args.speculative_config) as llm:
         for out in llm.generate(args.prompt, params):
             print(f"{out.prompt}{out.text}")
 
@@ -169,10 +170,11 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int)
     g.add_argument("--device", choices=["cpu", "cuda"],
                    help="default: cuda when an NVIDIA GPU is present, else cpu (the reference executor)")
-    from infc.server.args import add_load_format_arg, add_parallel_args   # as serve has them
-    add_load_format_arg(g)
+    from infc.server.args import add_load_format_arg, add_parallel_args, add_speculative_config_arg
+    add_load_format_arg(g)                  # as serve has them
     add_kv_cache_dtype_arg(g)
     add_parallel_args(g)
+    add_speculative_config_arg(g)
     g.set_defaults(fn=_generate)
 
     s = sub.add_parser("serve", help="an OpenAI-compatible server (vLLM's flags)", allow_abbrev=False)

@@ -107,8 +107,92 @@ class DeviceConfig:
     cuda_graphs: bool = True
 
 
+# Speculative decoding (issue 43; runtime/engine/speculative/): vLLM's --speculative-config keys.
+SPEC_METHODS = ("ngram",)                  # built; vLLM also spells n-gram "[ngram]"
+SPEC_METHOD_ALIASES = {"[ngram]": "ngram"}
+SPEC_METHODS_NOT_BUILT = ("draft_model", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator")
+# vLLM's ngram defaults when neither is given (one given alone sets the other to it)
+DEFAULT_PROMPT_LOOKUP_MIN = 5
+DEFAULT_PROMPT_LOOKUP_MAX = 5
+# No drafts while more than this many sequences run (vLLM's disable_by_batch_size): verifying k
+# drafts for B sequences costs B (k + 1) rows, which stops paying once the decode GEMVs are no
+# longer weight-bound. A conservative placeholder: the GPU measurement of verify(k) against a
+# decode step at batch 1, 8, 32 (issue 43) is to set it; until then speculation runs only while
+# the batch is small.
+DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE = 8
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int                # k: required, as vLLM requires it for ngram
+    prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP_MIN
+    prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX
+    disable_by_batch_size: int = DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE
+
+
+_SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+              "disable_by_batch_size", "model")
+
+
+def speculative_config(value) -> SpeculativeConfig | None:
+    """--speculative-config (a JSON object, as vLLM spells it), a dict, a SpeculativeConfig or
+    None -> a checked SpeculativeConfig (None: no speculation). A key this engine does not know,
+    a value of the wrong type or range, or a method not built yet is a ValueError naming it."""
+    import json
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    where = "--speculative-config"
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where} is not valid JSON ({e.msg} at character {e.pos}): "
+                             f"give an object such as '{{\"method\": \"ngram\", "
+                             f"\"num_speculative_tokens\": 4}}'") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{where} must be a JSON object, got {type(value).__name__}")
+    unknown = sorted(set(value) - set(_SPEC_KEYS))
+    if unknown:
+        raise ValueError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(_SPEC_KEYS)})")
+    method = value.get("method")
+    if method is None:
+        raise ValueError(f"{where}: 'method' is required (one of {', '.join(SPEC_METHODS)})")
+    method = SPEC_METHOD_ALIASES.get(method, method)
+    if method in SPEC_METHODS_NOT_BUILT:
+        raise ValueError(f"{where}: method {method!r} is not supported yet (built: "
+                         f"{', '.join(SPEC_METHODS)})")
+    if method not in SPEC_METHODS:
+        raise ValueError(f"{where}: unknown method {method!r} (built: {', '.join(SPEC_METHODS)})")
+    if value.get("model") is not None:
+        raise ValueError(f"{where}: 'model' is for a draft model; method {method!r} takes none")
+    ints = {}
+    for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
+        v = value.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{where}: {key!r} must be an integer >= 1, got {v!r}")
+        ints[key] = v
+    if "num_speculative_tokens" not in ints:
+        raise ValueError(f"{where}: 'num_speculative_tokens' is required (the drafts a step verifies)")
+    lo, hi = ints.get("prompt_lookup_min"), ints.get("prompt_lookup_max")
+    if lo is not None or hi is not None:      # one alone sets the other to it, as vLLM does
+        ints.update(prompt_lookup_min=lo or hi, prompt_lookup_max=hi or lo)
+    c = SpeculativeConfig(method=method, **ints)
+    if c.prompt_lookup_max < c.prompt_lookup_min:
+        raise ValueError(f"{where}: 'prompt_lookup_max' ({c.prompt_lookup_max}) must be >= "
+                         f"'prompt_lookup_min' ({c.prompt_lookup_min})")
+    return c
+
+
+@dataclass(frozen=True)
+class SpeculativeSettings:
+    speculative_config: object = None   # as given (JSON text, dict); resolved: SpeculativeConfig | None
+
+
 GROUPS = {"load": LoadConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-          "parallel": ParallelConfig, "device": DeviceConfig}
+          "parallel": ParallelConfig, "device": DeviceConfig, "speculative": SpeculativeSettings}
 ALIASES = {"block_size": "page_size"}     # vLLM's spelling -> infc's
 
 
@@ -119,6 +203,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    speculative: SpeculativeSettings = field(default_factory=SpeculativeSettings)
 
     @classmethod
     def from_settings(cls, **settings) -> "EngineConfig":
@@ -166,7 +251,8 @@ class EngineConfig:
             raise ValueError("--kv-offloading-disk needs --kv-offloading-size > 0: blocks reach the "
                              "disk through the host tier")
         pages = cache.num_gpu_blocks_override or (-(-tokens // page_size) if tokens else None)
-        return replace(self, device=replace(self.device, device=device),
+        spec = SpeculativeSettings(speculative_config(self.speculative.speculative_config))
+        return replace(self, device=replace(self.device, device=device), speculative=spec,
                        cache=replace(cache, page_size=page_size, num_gpu_blocks_override=pages,
                                      kv_cache_tokens=tokens),
                        scheduler=replace(sched, max_num_seqs=max_num_seqs, max_num_batched_tokens=batched))

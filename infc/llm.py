@@ -62,7 +62,9 @@ class LLM:
     tensor_parallel_size / enable_expert_parallel: one process per rank (runtime/distributed/rank_workers.py),
     as vLLM's flags; `close()` (or `with LLM(...) as llm:`) stops them.
     kv_cache_dtype: vLLM's "auto" (None: the model's dtype) or "fp8" / "fp8_e4m3" (infc/config.py).
-    kv_offloading_size: GiB of host memory for prefix blocks evicted from the KV cache (vLLM's)."""
+    kv_offloading_size: GiB of host memory for prefix blocks evicted from the KV cache (vLLM's).
+    speculative_config: vLLM's, a dict or its JSON ({"method": "ngram", "num_speculative_tokens":
+    k, ...}; infc.config.speculative_config): outputs stay those of plain decoding."""
 
     def __init__(self, model: str | Path, device: str | None = "cpu", spec: str | None = None, *,
                  kv_cache_tokens: int | None = None, page_size: int | None = None, max_num_seqs: int | None = None,
@@ -71,7 +73,8 @@ class LLM:
                  cuda_graphs: bool = True, log=None, spec_dirs=None, load_format: str = "auto",
                  tensor_parallel_size: int = 1, enable_expert_parallel: bool = False,
                  data_parallel_size: int = 1, kv_cache_dtype: str | None = None,
-                 kv_offloading_size: float | None = None):
+                 kv_offloading_size: float | None = None,
+                 speculative_config=None):
         from infc.backend import detect_device, load_backend
         device = device or detect_device()
         if device not in DEVICES:
@@ -89,7 +92,8 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, asynchronous=False,
             tensor_parallel_size=tensor_parallel_size, enable_expert_parallel=enable_expert_parallel,
             data_parallel_size=data_parallel_size, kv_cache_dtype=kv_cache_dtype,
-            kv_offloading_size=kv_offloading_size)
+            kv_offloading_size=kv_offloading_size,
+            speculative_config=speculative_config)
         self.backend = load_backend(self.model_dir, config, log=log)
         self.device = device
         self.engine = self.backend.engine

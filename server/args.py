@@ -6,7 +6,7 @@ from pathlib import Path
 from infc import envs
 from infc.compiler.spec_paths import add_spec_dir_arg
 from infc.config import (DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_CACHE_DTYPE, DEFAULT_MAX_NUM_SEQS,
-                         EngineConfig)
+                         EngineConfig, speculative_config)
 
 from .reasoning import REASONING_PARSERS
 from .tool_parsers import PARSERS as TOOL_CALL_PARSERS
@@ -59,6 +59,16 @@ def add_kv_offloading_args(p: argparse.ArgumentParser):
     p.add_argument("--kv-offloading-disk-size", type=float, metavar="GIB", help="GiB of --kv-offloading-disk to use")
 
 
+def add_speculative_config_arg(p: argparse.ArgumentParser):
+    """vLLM's --speculative-config (serve and generate): a JSON object, checked by
+    infc.config.speculative_config (an unknown key, a bad value or a method not built yet is a
+    clear error before anything loads)."""
+    p.add_argument("--speculative-config", metavar="JSON",
+                   help='speculative decoding, as vLLM spells it: \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}\' '
+                        '(draft_model, eagle3, mtp: not built yet)')
+
+
 def add_serve_args(p: argparse.ArgumentParser):
     p.add_argument("--model-path", required=True, help="an HF model directory (config.json, safetensors, tokenizer)")
     p.add_argument("--model", help="the model (variant) name; default: detected from config.json")
@@ -84,6 +94,7 @@ def add_serve_args(p: argparse.ArgumentParser):
     p.add_argument("--num-gpu-blocks-override", type=int, help="number of KV pages (either device)")
     add_kv_cache_dtype_arg(p, default=None)
     add_parallel_args(p)
+    add_speculative_config_arg(p)
     p.add_argument("--kv-cache-memory-bytes", type=int, help="KV cache size on the cpu device (default 1 GiB)")
     add_kv_offloading_args(p)
     p.add_argument("--max-logprobs", type=int, default=20)
@@ -129,6 +140,7 @@ def config_from_args(args):
         raise ValueError(f"--max-queued-requests must be >= 0, got {args.max_queued_requests}")
     if not 0 < args.port < 65536 and args.port != 0:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    speculative_config(getattr(args, "speculative_config", None))   # a bad one fails before loading
     template = args.chat_template
     if template is not None and len(template) < 4096 and Path(template).is_file():
         template = Path(template).read_text()
@@ -162,7 +174,8 @@ def backend_kwargs(args) -> dict:
                 tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                 enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
                 data_parallel_size=getattr(args, "data_parallel_size", 1),
-                overlap=False if getattr(args, "disable_overlap_schedule", False) else None)
+                overlap=False if getattr(args, "disable_overlap_schedule", False) else None,
+                speculative_config=getattr(args, "speculative_config", None))
 
 
 def engine_config(args) -> EngineConfig:

@@ -29,6 +29,11 @@ EXTERNAL = {
     "external_prefix_cache_hits": "External prefix cache hits from the KV tiers (host, disk), in "
                                   "terms of number of cached tokens.",
 }
+SPEC_COUNTERS = {       # shown when the engine speculates (vLLM shows them only then)
+    "spec_decode_num_drafts": "Number of spec decoding drafts.",
+    "spec_decode_num_draft_tokens": "Number of draft tokens.",
+    "spec_decode_num_accepted_tokens": "Number of accepted tokens.",
+}
 HISTOGRAMS = {
     "time_to_first_token_seconds": "Histogram of time to first token in seconds.",
     "inter_token_latency_seconds": "Histogram of inter-token latency in seconds.",
@@ -114,6 +119,15 @@ def render(stats: dict, model_name: str) -> str:
     for name, doc in HISTOGRAMS.items():
         _histogram(out, f"vllm:{name}", doc, stats.get(name), m)
     _tiers(out, stats, m)
+    if stats.get("spec_decode_positions"):
+        for name, doc in SPEC_COUNTERS.items():
+            out += [f"# HELP vllm:{name} {doc}", f"# TYPE vllm:{name} counter",
+                    f"vllm:{name}_total{{{m}}} {_num(stats.get(name + '_total', 0))}"]
+        name = "spec_decode_num_accepted_tokens_per_pos"
+        per = stats.get(name + "_total") or {}
+        out += [f"# HELP vllm:{name} Accepted tokens per draft position.", f"# TYPE vllm:{name} counter"]
+        out += [f'vllm:{name}_total{{{m},position="{j}"}} {_num(per.get(j, 0))}'
+                for j in range(stats["spec_decode_positions"])]
     info = stats.get("cache_config_info")
     if info:
         labels = ",".join(f'{k}="{_label(str(v))}"' for k, v in sorted(info.items()))

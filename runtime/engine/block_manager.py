@@ -182,6 +182,19 @@ class BlockManager:
         seq.pages += [self._new_page() for _ in range(need)]
         return True
 
+    def truncate(self, seq: Sequence):
+        """Give back the pages past the sequence's computed tokens (speculative decoding: pages
+        taken for drafts that were rejected). They were new and never full of known tokens, so
+        they hold no cached block; they go to the front of the free queue, to be taken first."""
+        keep = self.pages_for(seq.num_computed_tokens)
+        for page in reversed(seq.pages[keep:]):
+            b = self.blocks[page]
+            assert b.ref == 1 and b.hash is None, f"page {page} of {seq} is shared or cached"
+            b.ref = 0
+            self.free[page] = None
+            self.free.move_to_end(page, last=False)
+        del seq.pages[keep:]
+
     def commit(self, seq: Sequence):
         """After a step: offer the sequence's newly full, computed blocks to the prefix cache (those
         whose token ids are all known: a pending token's block waits for it)."""

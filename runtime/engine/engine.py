@@ -35,6 +35,12 @@ the matchers advanced while the device computes it, then its sampling is issued 
 of several tokens (RowProcessing.needs_history) need the token before just as much, and take the
 same path. Steps without such rows launch as before. A runner that cannot defer its sampling
 (data-parallel ranks) reads the step in flight back before such a step is launched.
+
+Speculative decoding (speculative_config, speculative/speculator.py): a decoding sequence's
+drafts are verified as extra one-token decode rows of its step, and the accepted ones are emitted
+together, one StepOutput a sequence. Steps then run synchronously (no overlap): the proposer
+needs each sequence's last token on the host, so every step would read the one in flight first
+anyway (vLLM too started n-gram without async scheduling).
 """
 import random
 import time
@@ -53,6 +59,7 @@ from .runner import RowSampling
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
+from .speculative.speculator import Speculator, merge_outputs, refuse_slot_caches
 from .structured.cache import GrammarCache
 from .step import Chunk, build_step, pad_ranks
 from ..tokenization.tokenizer import IncrementalDecoder
@@ -122,11 +129,19 @@ class Engine:
     def __init__(self, runner, tokenizer=None, eos_ids=(), max_model_len: int = 1 << 30,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  enable_prefix_caching: bool = True, log=None, overlap: bool | None = None,
-                 kv_offloading: "kv_tiers.OffloadConfig | None" = None):
+                 kv_offloading: "kv_tiers.OffloadConfig | None" = None,
+                 speculative_config=None):
         """log(line): where startup notes go (infc/backend.py passes its printer).
         overlap: overlapped steps (see above); default on where the runner can, unless
-        INFC_OVERLAP=0. kv_offloading: host and disk tiers for prefix blocks (kv_tier/)."""
+        INFC_OVERLAP=0. kv_offloading: host and disk tiers for prefix blocks (kv_tier/).
+        speculative_config: infc.config.SpeculativeConfig (None: none); a plan with slot caches
+        refuses it (ValueError)."""
         self.runner, self.tokenizer = runner, tokenizer
+        self.spec = None
+        if speculative_config is not None:
+            refuse_slot_caches(runner)
+            self.spec = Speculator(speculative_config, max_model_len, getattr(runner, "max_seqs", None))
+            overlap = False
         self.dp = int(getattr(runner, "dp_world", 1) or 1)
         self.overlap = overlaps(runner, overlap) and (
             self.dp == 1 or callable(getattr(runner, "launch_ranks", None)))
@@ -158,6 +173,7 @@ class Engine:
         self.bm, self.scheduler = self.bms[0], self.schedulers[0]
         self.requests: dict[str, Request] = {}
         self.metrics = Metrics(max_model_len=min(max_model_len, 1 << 30))
+        self.metrics.spec_decode_positions = self.spec.k if self.spec else 0
         self.metrics.cache_config_info = {
             "block_size": self.page_size, "cache_dtype": "auto",
             "enable_prefix_caching": self.bm.enable_prefix_caching,
@@ -300,6 +316,9 @@ class Engine:
         StepOutput carries the error (finish_reason "error"). What is fatal (is_fatal: the device
         or the ranks are gone) is raised: the engine is dead."""
         batches = [s.schedule() for s in self.schedulers]
+        if self.spec is not None:
+            self.spec.begin()
+            batches = [self.spec.extend(b, s, s.bm, self._speculates) for b, s in zip(batches, self.schedulers)]
         self.metrics.num_preemptions_total = sum(s.num_preemptions for s in self.schedulers)
         if not any(batches) and self.in_flight is None:
             if any(s.has_work() for s in self.schedulers):
@@ -375,6 +394,12 @@ class Engine:
         on every token before the one sampled."""
         return seq.grammar is not None or (seq.processing is not None and seq.processing.needs_history)
 
+    def _speculates(self, seq: Sequence) -> bool:
+        """Whether a decoding sequence may verify drafts: not a row that needs the tokens before
+        it (its later rows' masks or penalties would need the drafts accepted), not one whose
+        prompt rows are still being scored."""
+        return not self._needs_history(seq) and not seq.scores_prompt
+
     def _reads_first(self, batches) -> bool:
         """Whether the step in flight must be read back before these batches launch: a row needs
         its token (_needs_history), and the runner cannot sample after launching."""
@@ -449,7 +474,7 @@ class Engine:
         samples = self.runner.collect_ranks(handle) if self.overlap else handle
         outputs = []
         for batch, r, s in zip(batches, rows, samples):
-            outputs += self._collect(batch, r, s[:len(batch)], read=False)
+            outputs += self._collect(batch, r, s[:len(r)], read=False)
         return outputs
 
     def _launch(self, batch) -> tuple:
@@ -472,8 +497,11 @@ class Engine:
         now = time.monotonic()
         chunks, rows, feed, scores = [], [], [], []
         at = 0                                      # the chunk's first row among the step's tokens
+        drafts = self.spec.drafts if self.spec is not None else {}
         for seq, n in batch:
             start = seq.num_computed_tokens
+            if seq.seq_id in drafts:                # its own row here, its draft rows at the end
+                n = 1
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
             tokens = seq.token_ids[start:start + n]
@@ -488,6 +516,9 @@ class Engine:
             samples_now = start + n == seq.num_tokens
             rows.append(self._row(seq) if samples_now else None)
             at += n
+        if drafts:
+            self.spec.add_rows(batch, chunks, rows, self._row, Chunk)
+            scores += [None] * (len(chunks) - len(scores))      # draft rows score no prompt
         pages = {seq.seq_id: seq.pages for seq, _ in batch}
         slots = {seq.seq_id: seq.slot for seq, _ in batch} if self.num_slots else None
         meta = build_step(chunks, pages.__getitem__, self.page_size,
@@ -518,6 +549,8 @@ class Engine:
         after this one (_sample_deferred) is issued there, so the GPU waits for the masks only,
         not for this step's output handling."""
         samples = self.runner.collect(handle) if self.overlap and read else handle
+        if self.spec is not None and self.spec.drafts:
+            samples = self.spec.group(batch, samples)   # a speculating sequence's: its rows' list
         now = time.monotonic()
         outputs = []
         for (seq, _), score in zip(batch, scores or ()):
@@ -529,6 +562,9 @@ class Engine:
                 seq.pending -= 1
             if seq.finished or sample is None:      # stopped at the step before, aborted, or a
                 continue                            # prefill chunk (its blocks offered at launch)
+            if isinstance(sample, list):            # verified drafts (synchronous steps only)
+                outputs.append(self._collect_verified(seq, sample, now))
+                continue
             taken.append((seq, sample))
             try:
                 if self.faults is not None:
@@ -562,9 +598,35 @@ class Engine:
                 num_prompt_tokens=seq.num_prompt_tokens, error=e))
         return outputs
 
-    def _row(self, seq: Sequence) -> RowSampling:
-        """The sampling of a sequence's next token, its logits processing included."""
-        row = RowSampling(seq.params, seq.seed, seq.num_output_tokens, self._banned(seq))
+    def _collect_verified(self, seq: Sequence, samples: list, now: float) -> StepOutput:
+        """A speculating sequence's rows read back: the accepted tokens appended and checked for
+        stops one by one (those after a stop dropped), its rejected rows rolled back."""
+        try:
+            outs = []
+            accepted = self.spec.settle(seq, samples, self.bms[seq.rank], self.requests[seq.request_id].metrics)
+            for sample in accepted:
+                if self.faults is not None:
+                    self.faults.on_token(seq)
+                seq.token_ids.append(sample.token)
+                if seq.processing is not None:
+                    seq.processing.add(sample.token)
+                self.bms[seq.rank].commit(seq)
+                outs.append(self._append(seq, sample, now))
+                if seq.finished:
+                    break
+            return merge_outputs(outs)
+        except Exception as e:                      # noqa: BLE001 - this request's, not the step's
+            if is_fatal(e):
+                raise
+            return self._fail_request(seq.request_id, e) or StepOutput(
+                seq.request_id, seq.index, [], "", finish_reason="error", request_finished=True,
+                num_prompt_tokens=seq.num_prompt_tokens, error=e)
+
+    def _row(self, seq: Sequence, step: int | None = None) -> RowSampling:
+        """The sampling of a sequence's next token (or of its output index `step`: a draft row),
+        its logits processing included."""
+        step = seq.num_output_tokens if step is None else step
+        row = RowSampling(seq.params, seq.seed, step, self._banned(seq, step))
         if seq.processing is not None:
             self._set_processing(row, seq)
         return row

@@ -81,6 +81,14 @@ class Metrics:
     request_generation_tokens: Histogram | None = None
     cache_config_info: dict = field(default_factory=dict)  # label -> value (a gauge set to 1)
     iteration_tokens: int = 0                              # of the step running now
+    # speculative decoding (vLLM's spec_decode_* counters), exported when spec_decode_positions
+    # (the drafts a step may verify, k) is set: drafts verified, their tokens, the accepted ones,
+    # and per draft position j the drafts whose first j + 1 tokens were accepted
+    spec_decode_positions: int = 0
+    spec_decode_num_drafts_total: int = 0
+    spec_decode_num_draft_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_per_pos_total: dict = field(default_factory=dict)  # position -> count
 
     def __post_init__(self):
         self.request_prompt_tokens = Histogram(buckets_1_2_5(self.max_model_len))
@@ -117,6 +125,15 @@ class Metrics:
             decode / (num_generation_tokens - 1) if num_generation_tokens > 1 else 0.0)
         self.request_prompt_tokens.observe(num_prompt_tokens)
         self.request_generation_tokens.observe(num_generation_tokens)
+
+    def drafts_verified(self, num_draft_tokens: int, num_accepted: int):
+        """A sequence's draft of num_draft_tokens tokens verified; its first num_accepted accepted."""
+        self.spec_decode_num_drafts_total += 1
+        self.spec_decode_num_draft_tokens_total += num_draft_tokens
+        self.spec_decode_num_accepted_tokens_total += num_accepted
+        per = self.spec_decode_num_accepted_tokens_per_pos_total
+        for j in range(num_accepted):
+            per[j] = per.get(j, 0) + 1
 
     def end_iteration(self):
         """A step ended: the tokens it counted (if any) go to the iteration histogram."""

@@ -15,6 +15,14 @@ min(p, q) plus the residual's (1 - sum min(p, q)) * (p - min(p, q)) / (1 - sum m
 A deterministic proposer (n-gram) is q = one-hot(x): accept with probability p(x), else draw from
 p without x.
 
+In the engine (a deterministic proposer, every row sampled by the runner as a decode row is):
+row j draws s_j from p_j with the randomness of (seed, output index of row j), exactly the draw
+the non-speculative engine makes for that output index. Accepting d_j with probability p_j(d_j)
+and else drawing from p_j without d_j IS accepting while s_j == d_j and emitting s_j at the first
+mismatch: P(s_j == d_j) = p_j(d_j), and s_j given s_j != d_j is p_j without d_j, renormalized.
+So `accept_sampled` (verify_greedy over the rows' samples) is the rule for greedy and sampled
+rows alike, and its output is token for token the non-speculative engine's for the same seed.
+
 p must be the distribution the non-speculative sampler would draw from at that position (the
 row's processed logits, with penalties counting the draft tokens before it, through
 sampling.filtered_probs: `target_distributions`), and q the one the proposer really drew from.
@@ -49,6 +57,14 @@ def verify_greedy(target_tokens: Sequence[int], draft: Sequence[int]) -> Verdict
     while n < len(drafts) and drafts[n] == target[n]:
         n += 1
     return Verdict(n, drafts[:n] + [target[n]])
+
+
+def accept_sampled(samples: Sequence, draft: Sequence[int]) -> Verdict:
+    """The engine's rule: samples are the k + 1 verify rows' own draws (runner Samples or token
+    ids), the draft the k tokens a deterministic proposer fed into rows 1..k. Accepts while the
+    row's draw equals the draft; the verdict's tokens are the draws s_0..s_a (see above)."""
+    tokens = [s if isinstance(s, (int, np.integer)) else s.token for s in samples]
+    return verify_greedy(tokens, draft)
 
 
 def verify_sampled(target_probs: np.ndarray, draft: Sequence[int], draft_probs: np.ndarray | None,

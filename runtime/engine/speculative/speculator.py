@@ -1,0 +1,148 @@
+"""Speculative decoding inside the engine's steps: drafts proposed for decoding sequences, verified
+as extra decode rows of the same step, accepted, rolled back (issue 43).
+
+A verify step IS a decode step whose rows are the draft positions. A decoding sequence with last
+token t at position p (t not in the KV yet) and drafts d_0..d_{k-1} runs k + 1 one-token Chunks
+with its seq_id: [t] at p, then [d_j] at p + 1 + j. Row j's context length is p + j + 1 and it
+attends to every key before it, the keys its earlier rows write in this very step included:
+every plan writes the step's K/V for all its rows before attention reads any (the reference's
+attention / qk_norm_rope_cache write the whole step first; on the GPU kv_write and the fused
+qk-norm/rope/cache prologue are launches of their own before attention_cached, and the narrow
+program that merges the cache write into decode attention runs only steps of one token, a
+plain decode). phase_of says "decode", so the GPU runs its decode programs, CUDA graphs and
+sampler unchanged, data-parallel and tensor-parallel paths too. Known cost: each row reads its
+sequence's context on its own, k + 1 reads of it where one would do, which grows with the
+context length (a verify-aware attention kernel is future work).
+
+The draft rows are placed after the step's ordinary rows (`add_rows`), so row b < B is still
+batch entry b for every other part of the engine (masks, pending tokens, fed tokens).
+
+Sampling: row j samples with RowSampling(step = the output index it samples), so its draw is the
+one the non-speculative engine makes at that index; acceptance keeps the draws while they equal
+the drafts (verify.accept_sampled: exact for greedy and for seeded sampling, with temperature,
+top-k, top-p, min-p, logit bias, min_tokens' banned ids; each token's logprob is its own row's).
+
+Rollback (`settle`): with a drafts accepted, num_computed_tokens = p + a + 1 (the rejected rows'
+K/V lie past it and are overwritten later), the pages past it go back (BlockManager.truncate),
+and only accepted tokens join token_ids, so the prefix cache commits only them. Stops are checked
+token by token by the engine; tokens after a stop are dropped.
+
+Where speculation does not apply the sequence decodes as usual in the same step (the engine's
+`eligible`: rows that need history, prompt logprobs still scoring; prefill chunks; nothing
+proposed). Drafts never preempt anything: they are fitted after the scheduler's batch into the
+token budget, the step's rows (max_num_seqs, and the runner's own max_seqs: one row is one of
+its sequence slots) and the free pages, trimmed where those run short. With more running
+sequences than disable_by_batch_size no drafts are made (infc/config.py: a placeholder until the
+GPU measurement of verify cost against batch size sets it).
+"""
+from dataclasses import replace
+
+import numpy as np
+
+from .ngram import NgramProposer
+from .verify import accept_sampled
+
+
+def refuse_slot_caches(runner):
+    """Plans with slot caches (a hybrid model's conv / recurrent state) cannot speculate: a
+    rejected row would already have advanced the sequence's state, which has no rollback."""
+    if not getattr(runner, "num_slots", 0):
+        return
+    names = []
+    plan = getattr(runner, "plan", None)
+    if isinstance(plan, dict):
+        names = sorted(n for n, c in plan.get("caches", {}).items() if c.get("kind") == "slot")
+    raise ValueError("speculative decoding is not supported for this model: it keeps per-sequence "
+                     f"state in slot caches ({', '.join(names) or 'slot caches'}) that rejected "
+                     "drafts would corrupt (rolling them back is not built)")
+
+
+class Speculator:
+    def __init__(self, config, max_model_len: int, max_rows: int | None = None):
+        """config: infc.config.SpeculativeConfig (method "ngram"); max_rows: the runner's rows
+        a step (its max_seqs), None where it has no such limit."""
+        if config.method != "ngram":
+            raise ValueError(f"speculative method {config.method!r} is not supported yet")
+        self.config, self.k = config, config.num_speculative_tokens
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, self.k)
+        self.max_model_len, self.max_rows = max_model_len, max_rows
+        self.drafts: dict[int, list[int]] = {}     # seq_id -> its drafts in the step being run
+
+    def begin(self):
+        """A new step: drafts of a step that never settled (its sequences ended) are dropped."""
+        self.drafts.clear()
+
+    def extend(self, batch: list, scheduler, bm, eligible) -> list:
+        """The scheduler's batch with drafts: a decoding sequence's (seq, 1) becomes (seq, 1 + k)
+        with pages for its k draft rows, k trimmed to the budget, the rows and the pages left."""
+        if not batch or len(scheduler.running) > self.config.disable_by_batch_size:
+            return batch
+        budget = scheduler.max_num_batched_tokens - sum(n for _, n in batch)
+        rows = min(scheduler.max_num_seqs, self.max_rows or scheduler.max_num_seqs) - len(batch)
+        out = []
+        for seq, n in batch:
+            k = self._cap(seq, min(budget, rows)) if n == 1 and seq.num_uncomputed == 1 else 0
+            draft = self.proposer.propose(np.asarray(seq.token_ids, np.int64))[:k].tolist() \
+                if k > 0 and eligible(seq) else []
+            # pages: what the sequence holds plus the free ones, never another's
+            room = (len(seq.pages) + bm.num_free_pages) * bm.page_size - seq.num_computed_tokens - 1
+            draft = draft[:max(0, room)]
+            if draft and bm.grow(seq, 1 + len(draft)):
+                self.drafts[seq.seq_id] = draft
+                n = 1 + len(draft)
+                budget -= len(draft)
+                rows -= len(draft)
+            out.append((seq, n))
+        return out
+
+    def _cap(self, seq, room: int) -> int:
+        """Drafts a sequence may verify now: its last row samples output index out + k, which must
+        stay below max_tokens, and token num_tokens + k, below the context length."""
+        k = min(self.k, room, self.max_model_len - seq.num_tokens - 1)
+        if seq.params.max_tokens is not None:
+            k = min(k, seq.params.max_tokens - seq.num_output_tokens - 1)
+        return k
+
+    def add_rows(self, batch: list, chunks: list, rows: list, row_at, chunk):
+        """Append the draft rows of the batch's speculating sequences after the step's rows:
+        chunk(seq_id, [d_j], start) for d_j at p + 1 + j, sampled as row_at(seq, output index)."""
+        for seq, _ in batch:
+            draft = self.drafts.get(seq.seq_id)
+            if not draft:
+                continue
+            p, out = seq.num_computed_tokens, seq.num_output_tokens
+            for j, d in enumerate(draft):
+                chunks.append(chunk(seq.seq_id, [d], p + 1 + j))
+                rows.append(row_at(seq, out + 1 + j))
+
+    def group(self, batch: list, samples: list) -> list:
+        """The step's samples one a batch entry: a speculating sequence's, the list of its k + 1
+        rows' samples (its own row, then its draft rows, in add_rows' order)."""
+        out, at = list(samples[:len(batch)]), len(batch)
+        for b, (seq, _) in enumerate(batch):
+            draft = self.drafts.get(seq.seq_id)
+            if draft:
+                out[b] = [samples[b]] + list(samples[at:at + len(draft)])
+                at += len(draft)
+        return out
+
+    def settle(self, seq, samples: list, bm, metrics) -> list:
+        """Accept a speculating sequence's rows (verify.accept_sampled) and roll the rest back:
+        the samples to emit, s_0..s_a."""
+        draft = self.drafts.pop(seq.seq_id)
+        verdict = accept_sampled(samples, draft)
+        seq.num_computed_tokens -= len(draft) - verdict.accepted   # p + 1 + k -> p + 1 + a
+        bm.truncate(seq)
+        metrics.drafts_verified(len(draft), verdict.accepted)
+        return samples[:verdict.accepted + 1]
+
+
+def merge_outputs(outputs: list):
+    """One StepOutput of a sequence's tokens emitted in one step (in order), as one token's."""
+    if len(outputs) == 1:
+        return outputs[0]
+    first, last = outputs[0], outputs[-1]
+    logprobs = None if first.logprobs is None else [e for o in outputs for e in o.logprobs]
+    return replace(last, token_ids=[t for o in outputs for t in o.token_ids],
+                   text="".join(o.text for o in outputs), logprobs=logprobs,
+                   prompt_logprobs=first.prompt_logprobs)
