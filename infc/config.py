@@ -52,6 +52,32 @@ def kv_cache_dtype(name: str | None) -> str | None:
                      f"{', '.join(KV_CACHE_DTYPES)}")
 
 
+# Multi-LoRA (vLLM's flags and defaults: --max-loras 1, --max-lora-rank 16, --max-cpu-loras =
+# --max-loras): the adapter slots a plan's tables hold beside slot 0 (no adapter), the rank every
+# slot is padded to (an adapter of a lower rank is exact, zero-padded), and the modules that take
+# adapters (the last component of a checkpoint module's name: q/k/v/o and gate/up/down).
+DEFAULT_MAX_LORAS = 1
+DEFAULT_MAX_LORA_RANK = 16
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MAX_LORA_RANK_LIMIT = 256        # the kernels' largest rank (codegen_templates/triton/lora_*.py.j2)
+
+
+def lora_build(max_loras: int | None = None, max_lora_rank: int | None = None,
+               target_modules=None) -> dict:
+    """--enable-lora's build settings as the compiler takes them (compiler/passes/add_lora.py);
+    a bad value is a ValueError naming the flag."""
+    loras = DEFAULT_MAX_LORAS if max_loras is None else max_loras
+    rank = DEFAULT_MAX_LORA_RANK if max_lora_rank is None else max_lora_rank
+    targets = tuple(target_modules or LORA_TARGET_MODULES)
+    if loras < 1:
+        raise ValueError(f"--max-loras must be >= 1, got {loras}")
+    if not 1 <= rank <= MAX_LORA_RANK_LIMIT:
+        raise ValueError(f"--max-lora-rank must be in [1, {MAX_LORA_RANK_LIMIT}], got {rank}")
+    if not all(isinstance(t, str) and t and "." not in t for t in targets):
+        raise ValueError(f"--lora-target-modules takes module names (q_proj, ...), got {list(targets)}")
+    return {"max_loras": loras, "max_rank": rank, "targets": sorted(set(targets))}
+
+
 def default_batched_tokens(device: str, server: bool) -> int:
     return BATCHED_TOKENS[(device, server)]
 

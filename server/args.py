@@ -5,8 +5,9 @@ from pathlib import Path
 
 from infc import envs
 from infc.compiler.spec_paths import add_spec_dir_arg
-from infc.config import (DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_CACHE_DTYPE, DEFAULT_MAX_NUM_SEQS,
-                         EngineConfig)
+from infc.config import (DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_CACHE_DTYPE, DEFAULT_MAX_LORA_RANK,
+                         DEFAULT_MAX_LORAS, DEFAULT_MAX_NUM_SEQS, LORA_TARGET_MODULES, EngineConfig,
+                         lora_build)
 
 from .reasoning import REASONING_PARSERS
 from .tool_parsers import PARSERS as TOOL_CALL_PARSERS
@@ -46,6 +47,25 @@ def add_kv_cache_dtype_arg(p: argparse.ArgumentParser, default=DEFAULT_KV_CACHE_
                         "(e4m3 with per-tensor scales: the checkpoint's k_scale / v_scale, else 1.0; "
                         "half the bytes, twice the tokens)" + (
                         "; default: auto, or the --artifact's own" if default is None else ""))
+
+
+def add_lora_build_args(p: argparse.ArgumentParser):
+    """vLLM's multi-LoRA build flags (build, inspect, serve): the adapter tables are part of the
+    plan (compiler/passes/add_lora.py); values are checked by infc.config.lora_build."""
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters: every target linear gets adapter slots")
+    p.add_argument("--max-loras", type=int, help=f"adapters a step may mix (device slots; default "
+                   f"{DEFAULT_MAX_LORAS})")
+    p.add_argument("--max-lora-rank", type=int, help=f"the largest adapter rank (default {DEFAULT_MAX_LORA_RANK})")
+    p.add_argument("--lora-target-modules", nargs="+", metavar="MODULE",
+                   help=f"the modules that take adapters (default: {' '.join(LORA_TARGET_MODULES)})")
+
+
+def lora_build_setting(args) -> dict | None:
+    """The compiler's lora setting from add_lora_build_args' flags (None without --enable-lora)."""
+    if not args.enable_lora:
+        return None
+    return lora_build(args.max_loras, args.max_lora_rank, args.lora_target_modules)
 
 
 def add_serve_args(p: argparse.ArgumentParser):

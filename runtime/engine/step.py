@@ -28,6 +28,8 @@ class StepMeta:
     max_pages: int
     state_slots: np.ndarray | None = None   # [B] i32: each sequence's slot in the slot caches
                                             # (conv / recurrent state; read by plans with one)
+    lora_slots: np.ndarray | None = None    # [T] i32: each token's adapter slot (LoRA plans;
+                                            # None: every row slot 0, no adapter)
     scores: list | None = None   # [B] PromptScore | None: prompt logprobs asked of each chunk's
                                  # rows (runners with `row_logits` only; engine/prompt_logprobs.py)
 
