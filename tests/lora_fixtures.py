@@ -13,7 +13,8 @@ def module_shapes(hf_model) -> dict[str, tuple]:
 
 def random_adapter(hf_model, name: str, rank: int, leaves, seed: int, scale=None, ranks=None) -> Adapter:
     """An adapter over the modules whose last name is in `leaves`, random non-zero A and B
-    (ranks: leaf -> its own rank, as PEFT's rank_pattern)."""
+    (ranks: leaf -> its own rank, as PEFT's rank_pattern). B A is of the base weights' order
+    (std ~0.04 at rank 16), as a trained adapter's is: bf16 kernels then see realistic activations."""
     gen = np.random.default_rng(seed)
     out = Adapter(name, f"<random {name}>")
     for m, (n, k) in sorted(module_shapes(hf_model).items()):
@@ -21,8 +22,8 @@ def random_adapter(hf_model, name: str, rank: int, leaves, seed: int, scale=None
         if leaf not in leaves:
             continue
         r = (ranks or {}).get(leaf, rank)
-        out.modules[m] = ModuleDelta(gen.standard_normal((r, k)).astype(np.float32) * 0.3,
-                                     gen.standard_normal((n, r)).astype(np.float32) * 0.3,
+        out.modules[m] = ModuleDelta(gen.standard_normal((r, k)).astype(np.float32) * 0.1,
+                                     gen.standard_normal((n, r)).astype(np.float32) * 0.1,
                                      float(scale if scale is not None else gen.uniform(0.5, 2.0)))
     return out
 

@@ -128,3 +128,13 @@ def test_a_rewritten_slot_serves_the_new_adapter_and_zeros_serve_the_base(tiny_m
     tables.write(plan, put, 1, None)
     got = ReferenceExecutor(plan, weights).step([SeqChunk(0, prompt, 0)], lora=[1])
     np.testing.assert_allclose(got, base_logits, rtol=0, atol=1e-5 * np.abs(base_logits).max())
+
+
+def test_inspect_shows_the_lora_launches_and_their_kernels(tiny_model):
+    from infc.compiler.inspect import inspect
+    d, _ = tiny_model("qwen3")
+    text = inspect(model_dir=d, lora=lora_build(2, 8), phases=["decode"])
+    assert "not rendered" not in text
+    launches = [line for line in text.splitlines() if line.strip().startswith(("lora_shrink ", "lora_expand "))]
+    assert len(launches) == 8 and all("lora_shrink_" in line or "lora_expand_" in line for line in launches)
+    assert "add_lora" in text and "model.layers.{i}.self_attn.q_proj" in text
