@@ -1,0 +1,129 @@
+"""The adapters a server knows and the device slots they run in (vLLM's --max-loras,
+--max-cpu-loras): torch-free, over any table writer (tables.write's `put`).
+
+    registered   name -> path: every adapter a request may name (--lora-modules, the load
+                 endpoint); each is read and checked against the plan when registered, so a bad
+                 one is refused before anything changes
+    host cache   up to max_cpu_loras adapters kept read (LRU); one evicted is read again from its
+                 path when a request needs it
+    slots        1..max_loras, each holding one adapter (LRU among those no running request
+                 holds); slot 0 is no adapter
+
+A request takes its adapter's slot with acquire() when it is scheduled and gives it back with
+release() when it finishes; acquire() returns None when every slot is held by running requests,
+and the request waits. Each registration gets a fresh id (`lora_id`), which never names another
+adapter: prefix caching keys blocks by it, so an adapter loaded again under the same name never
+reads the blocks its predecessor computed.
+"""
+from collections import OrderedDict
+from itertools import count
+from pathlib import Path
+
+from .adapter import Adapter
+from .peft_dir import check_targets, load_peft, read_config
+from .tables import AdapterError, check, module_map, write
+
+
+class LoraSlots:
+    def __init__(self, plan: dict, put, max_cpu_loras: int | None = None, reader=load_peft):
+        if "lora" not in plan:
+            raise ValueError("this plan serves no LoRA adapters: build it with --enable-lora")
+        self.plan, self.put, self.read = plan, put, reader
+        self.max_loras = plan["lora"]["max_loras"]
+        self.max_cpu_loras = max_cpu_loras or self.max_loras
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras}) must be at least --max-loras "
+                             f"({self.max_loras})")
+        self.modules = module_map(plan)
+        self.paths: dict[str, str] = {}
+        self.ids: dict[str, int] = {}
+        self.host: OrderedDict[str, Adapter] = OrderedDict()
+        self.slot_of: OrderedDict[str, int] = OrderedDict()       # LRU order: least recent first
+        self.holders: dict[str, int] = {}                         # name -> running requests
+        self._next_id = count(1)
+        self.loads = 0                                            # slot writes (metrics, tests)
+
+    # -- registry ---------------------------------------------------------------------------
+    def register(self, name: str, path) -> int:
+        """Read and check the adapter at path; returns its lora_id. An error changes nothing."""
+        if not name or not isinstance(name, str):
+            raise AdapterError(f"a LoRA adapter needs a name, got {name!r}")
+        if name in self.paths:
+            raise AdapterError(f"LoRA adapter '{name}' is already loaded (from {self.paths[name]}); "
+                               f"unload it first")
+        path = str(Path(path))
+        check_targets(read_config(Path(path), name), self.plan["lora"]["targets"], name, Path(path))
+        adapter = self._read(name, path)
+        self.paths[name] = path
+        self.ids[name] = next(self._next_id)
+        self._cache(name, adapter)
+        return self.ids[name]
+
+    def unregister(self, name: str):
+        """Forget the adapter; its slot is cleared now, or when its last running request ends."""
+        if name not in self.paths:
+            raise AdapterError(f"LoRA adapter '{name}' is not loaded")
+        del self.paths[name], self.ids[name]
+        self.host.pop(name, None)
+        if name in self.slot_of and not self.holders.get(name):
+            self._free(name)
+
+    def names(self) -> list[str]:
+        return list(self.paths)
+
+    # -- slots ------------------------------------------------------------------------------
+    def acquire(self, name: str) -> int | None:
+        """The slot holding adapter `name` for one more running request (loading it into a free or
+        least recently used idle slot), or None when every slot is held."""
+        if name not in self.paths:
+            raise AdapterError(f"LoRA adapter '{name}' is not loaded")
+        if name in self.slot_of:
+            self.slot_of.move_to_end(name)
+        else:
+            slot = self._free_slot()
+            if slot is None:
+                return None
+            adapter = self.host.get(name) or self._read(name, self.paths[name])
+            self._cache(name, adapter)
+            write(self.plan, self.put, slot, adapter)
+            self.loads += 1
+            self.slot_of[name] = slot
+        self.holders[name] = self.holders.get(name, 0) + 1
+        return self.slot_of[name]
+
+    def release(self, name: str):
+        left = self.holders.get(name, 0) - 1
+        if left < 0:
+            raise ValueError(f"LoRA adapter '{name}' released more often than acquired")
+        self.holders[name] = left
+        if left == 0 and name not in self.paths and name in self.slot_of:    # unloaded meanwhile
+            self._free(name)
+
+    def _free_slot(self) -> int | None:
+        used = set(self.slot_of.values())
+        free = [s for s in range(1, self.max_loras + 1) if s not in used]
+        if free:
+            return free[0]
+        for victim in self.slot_of:                # least recently used first
+            if not self.holders.get(victim):
+                return self._free(victim, clear=False)
+        return None
+
+    def _free(self, name: str, clear: bool = True) -> int:
+        slot = self.slot_of.pop(name)
+        self.holders.pop(name, None)
+        if clear:
+            write(self.plan, self.put, slot, None)
+        return slot
+
+    # -- host cache -------------------------------------------------------------------------
+    def _read(self, name: str, path: str) -> Adapter:
+        adapter = self.read(path, name)
+        check(self.plan, adapter, self.modules)
+        return adapter
+
+    def _cache(self, name: str, adapter: Adapter):
+        self.host[name] = adapter
+        self.host.move_to_end(name)
+        while len(self.host) > self.max_cpu_loras:
+            self.host.popitem(last=False)
