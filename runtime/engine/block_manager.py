@@ -15,6 +15,10 @@ State slots (plans with slot caches: conv and recurrent state, one entry per seq
 num_slots > 0 a sequence also takes a free slot at admission (no slot, no admission) and gives it
 back with its pages (finish, abort, preemption). A preempted sequence is recomputed from token 0,
 and kernels treat a sequence with nothing cached as zero state, so a slot needs no reset.
+
+LoRA adapters (`lora`: runtime/lora/slots.py's LoraSlots): a sequence naming one is admitted only
+with its adapter in a slot (admit / drop, alongside its pages), and its block hashes start from
+the adapter's id, so one adapter's cached KV never serves another's or the base model's.
 """
 import hashlib
 from collections import OrderedDict
@@ -28,6 +32,15 @@ from .sequence import Sequence
 def prefix_hash(tokens) -> bytes:
     """The name of the block that ends the prefix `tokens` (every token from the first)."""
     return hashlib.sha256(np.asarray(tokens, np.int64).tobytes()).digest()
+
+
+def _hasher(seq: Sequence):
+    """A sequence's first hasher: its adapter's id first (12 bytes: no run of int64 tokens is
+    that long, so no adapter's prefix names a base model's block)."""
+    h = hashlib.sha256()
+    if seq.lora is not None:
+        h.update(b"lora" + int(seq.lora[1]).to_bytes(8, "little"))
+    return h
 
 
 class Block:
@@ -51,6 +64,7 @@ class BlockManager:
         self.hit_tokens = 0                       # of those, found in the cache
         self.num_slots = num_slots
         self.free_slots: list[int] = list(range(num_slots - 1, -1, -1))   # pop() gives slot 0 first
+        self.lora = None                          # LoraSlots where the plan serves adapters
 
     # -- accounting ---------------------------------------------------------------------------
     @property
@@ -79,7 +93,7 @@ class BlockManager:
         if first < num_blocks:
             raw = memoryview(np.asarray(seq.token_ids[first * ps:num_blocks * ps], np.int64).tobytes())
             width = ps * 8
-            h = seq.block_hasher or hashlib.sha256()
+            h = seq.block_hasher or _hasher(seq)
             for j in range(num_blocks - first):
                 h.update(raw[j * width:(j + 1) * width])
                 hs.append(h.copy().digest())
@@ -131,6 +145,8 @@ class BlockManager:
         revived = sum(1 for p in hits if self.blocks[p].ref == 0)   # evictable hits leave `free`
         if n <= 0 or new + revived > len(self.free) or (self.num_slots and not self.free_slots):
             return 0
+        if self.lora is not None and not self.lora.admit(seq):
+            return 0
         if self.num_slots:
             seq.slot = self.free_slots.pop()
         for p in hits:
@@ -177,6 +193,8 @@ class BlockManager:
         if seq.slot is not None:                  # its state is dropped with its KV
             self.free_slots.append(seq.slot)
             seq.slot = None
+        if self.lora is not None:
+            self.lora.drop(seq)
 
     def check(self):
         """Invariants (tests): references are counted exactly, free pages are unreferenced."""

@@ -102,6 +102,7 @@ def pad_step(meta: StepMeta, T: int, page: int, page_size: int, rows: bool = Fal
     bt[:meta.B, :meta.block_tables.shape[1]] = meta.block_tables
     bt[meta.B:, :need] = page
     slots = None if meta.state_slots is None else i32(np.concatenate([meta.state_slots, np.full(n, slot)]))
+    lora = None if meta.lora_slots is None else i32(np.concatenate([meta.lora_slots, np.zeros(pad)]))
     if rows:
         positions, starts = np.zeros(pad), meta.T + np.arange(1, pad + 1)
         lens, last = np.ones(pad), meta.T + np.arange(pad)
@@ -115,7 +116,7 @@ def pad_step(meta: StepMeta, T: int, page: int, page_size: int, rows: bool = Fal
                     i32(np.concatenate([meta.context_lens, lens])),
                     i32(np.concatenate([meta.last_rows, last])),
                     i32(np.concatenate([meta.slot_mapping, page * page_size + np.arange(pad) % page_size])),
-                    bt, width, slots)
+                    bt, width, slots, lora)
 
 
 def phase_of_padded(meta: StepMeta) -> str:

@@ -35,13 +35,16 @@ class LoraSlots:
             raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras}) must be at least --max-loras "
                              f"({self.max_loras})")
         self.modules = module_map(plan)
-        self.paths: dict[str, str] = {}
-        self.ids: dict[str, int] = {}
-        self.host: OrderedDict[str, Adapter] = OrderedDict()
-        self.slot_of: OrderedDict[str, int] = OrderedDict()       # LRU order: least recent first
-        self.holders: dict[str, int] = {}                         # name -> running requests
+        self.paths: dict[str, str] = {}                           # name -> path
+        self.ids: dict[str, int] = {}                             # name -> lora_id
+        self.names_of: dict[int, str] = {}                        # lora_id -> name (while held)
+        self.host: OrderedDict[int, Adapter] = OrderedDict()      # by lora_id, LRU
+        self.slot_of: OrderedDict[int, int] = OrderedDict()       # lora_id -> slot, LRU first
+        self.holders: dict[int, int] = {}                         # lora_id -> running requests
         self._next_id = count(1)
         self.loads = 0                                            # slot writes (metrics, tests)
+        for slot in range(self.max_loras + 1):    # zeros everywhere, whatever the loader filled
+            write(plan, put, slot, None, clear=True)
 
     # -- registry ---------------------------------------------------------------------------
     def register(self, name: str, path) -> int:
@@ -54,19 +57,20 @@ class LoraSlots:
         path = str(Path(path))
         check_targets(read_config(Path(path), name), self.plan["lora"]["targets"], name, Path(path))
         adapter = self._read(name, path)
-        self.paths[name] = path
-        self.ids[name] = next(self._next_id)
-        self._cache(name, adapter)
-        return self.ids[name]
+        lora_id = next(self._next_id)
+        self.paths[name], self.ids[name], self.names_of[lora_id] = path, lora_id, name
+        self._cache(lora_id, adapter)
+        return lora_id
 
     def unregister(self, name: str):
         """Forget the adapter; its slot is cleared now, or when its last running request ends."""
         if name not in self.paths:
             raise AdapterError(f"LoRA adapter '{name}' is not loaded")
-        del self.paths[name], self.ids[name]
-        self.host.pop(name, None)
-        if name in self.slot_of and not self.holders.get(name):
-            self._free(name)
+        lora_id = self.ids.pop(name)
+        del self.paths[name]
+        self.host.pop(lora_id, None)
+        if not self.holders.get(lora_id):
+            self._forget(lora_id)
 
     def names(self) -> list[str]:
         return list(self.paths)
@@ -77,27 +81,50 @@ class LoraSlots:
         least recently used idle slot), or None when every slot is held."""
         if name not in self.paths:
             raise AdapterError(f"LoRA adapter '{name}' is not loaded")
-        if name in self.slot_of:
-            self.slot_of.move_to_end(name)
+        return self.acquire_id(self.ids[name])
+
+    def acquire_id(self, lora_id: int) -> int | None:
+        if lora_id in self.slot_of:
+            self.slot_of.move_to_end(lora_id)
         else:
+            name = self.names_of.get(lora_id)
+            if name is None or self.ids.get(name) != lora_id:
+                raise AdapterError(f"LoRA adapter #{lora_id} ({name}) was unloaded")
             slot = self._free_slot()
             if slot is None:
                 return None
-            adapter = self.host.get(name) or self._read(name, self.paths[name])
-            self._cache(name, adapter)
+            adapter = self.host.get(lora_id) or self._read(name, self.paths[name])
+            self._cache(lora_id, adapter)
             write(self.plan, self.put, slot, adapter)
             self.loads += 1
-            self.slot_of[name] = slot
-        self.holders[name] = self.holders.get(name, 0) + 1
-        return self.slot_of[name]
+            self.slot_of[lora_id] = slot
+        self.holders[lora_id] = self.holders.get(lora_id, 0) + 1
+        return self.slot_of[lora_id]
 
-    def release(self, name: str):
-        left = self.holders.get(name, 0) - 1
+    def release(self, lora_id: int):
+        left = self.holders.get(lora_id, 0) - 1
         if left < 0:
-            raise ValueError(f"LoRA adapter '{name}' released more often than acquired")
-        self.holders[name] = left
-        if left == 0 and name not in self.paths and name in self.slot_of:    # unloaded meanwhile
-            self._free(name)
+            raise ValueError(f"LoRA adapter #{lora_id} released more often than acquired")
+        self.holders[lora_id] = left
+        name = self.names_of.get(lora_id)
+        if left == 0 and self.ids.get(name) != lora_id:          # unloaded meanwhile
+            self._forget(lora_id)
+
+    # the block manager's gate (runtime/engine/block_manager.py): a sequence naming an adapter
+    # (seq.lora = (name, lora_id)) is admitted with a slot (seq.lora_slot) or waits
+    def admit(self, seq) -> bool:
+        if seq.lora is None or seq.lora_slot:
+            return True
+        slot = self.acquire_id(seq.lora[1])
+        if slot is None:
+            return False
+        seq.lora_slot = slot
+        return True
+
+    def drop(self, seq):
+        if seq.lora_slot:
+            seq.lora_slot = 0
+            self.release(seq.lora[1])
 
     def _free_slot(self) -> int | None:
         used = set(self.slot_of.values())
@@ -106,15 +133,16 @@ class LoraSlots:
             return free[0]
         for victim in self.slot_of:                # least recently used first
             if not self.holders.get(victim):
-                return self._free(victim, clear=False)
+                self.holders.pop(victim, None)
+                return self.slot_of.pop(victim)    # overwritten by the caller
         return None
 
-    def _free(self, name: str, clear: bool = True) -> int:
-        slot = self.slot_of.pop(name)
-        self.holders.pop(name, None)
-        if clear:
+    def _forget(self, lora_id: int):
+        self.holders.pop(lora_id, None)
+        self.names_of.pop(lora_id, None)
+        slot = self.slot_of.pop(lora_id, None)
+        if slot is not None:
             write(self.plan, self.put, slot, None)
-        return slot
 
     # -- host cache -------------------------------------------------------------------------
     def _read(self, name: str, path: str) -> Adapter:
@@ -122,8 +150,8 @@ class LoraSlots:
         check(self.plan, adapter, self.modules)
         return adapter
 
-    def _cache(self, name: str, adapter: Adapter):
-        self.host[name] = adapter
-        self.host.move_to_end(name)
+    def _cache(self, lora_id: int, adapter: Adapter):
+        self.host[lora_id] = adapter
+        self.host.move_to_end(lora_id)
         while len(self.host) > self.max_cpu_loras:
             self.host.popitem(last=False)

@@ -66,11 +66,12 @@ def numpy_put(plan: dict, weights: dict):
     return put
 
 
-def write(plan: dict, put, slot: int, adapter: Adapter | None):
-    """Slot `slot` (1..max_loras) of every table holds `adapter` (None: zeros); check() first."""
+def write(plan: dict, put, slot: int, adapter: Adapter | None, clear: bool = False):
+    """Slot `slot` (1..max_loras) of every table holds `adapter` (None: zeros); check() first.
+    clear=True also takes slot 0 (zeros only): tables a dummy loader filled at random."""
     lora = plan["lora"]
     R = lora["max_rank"]
-    if not 1 <= slot <= lora["max_loras"]:
+    if not (clear and slot == 0 and adapter is None) and not 1 <= slot <= lora["max_loras"]:
         raise ValueError(f"LoRA slot {slot} is not in 1..{lora['max_loras']} (slot 0 is no adapter)")
     for a_name, t in lora["linears"].items():
         for layer in t["layers"] or [None]:
