@@ -128,9 +128,36 @@ class DeviceConfig:
     cuda_graphs: bool = True
 
 
+@dataclass(frozen=True)
+class LoraConfig:
+    enable_lora: bool = False           # --enable-lora: the plan takes adapter slots (a build setting)
+    max_loras: int | None = None        # None: DEFAULT_MAX_LORAS
+    max_lora_rank: int | None = None    # None: DEFAULT_MAX_LORA_RANK
+    max_cpu_loras: int | None = None    # None: max_loras (vLLM's default)
+    lora_target_modules: tuple | None = None      # None: LORA_TARGET_MODULES
+    lora_modules: tuple = ()            # --lora-modules: (name, path) pairs loaded at start
+    allow_runtime_lora_updating: bool = False     # POST /v1/load_lora_adapter and unload
+
+    def build(self) -> dict | None:
+        """The compiler's setting (compiler/passes/add_lora.py), None without --enable-lora."""
+        if not self.enable_lora:
+            if self.lora_modules or self.allow_runtime_lora_updating:
+                raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
+            return None
+        return lora_build(self.max_loras, self.max_lora_rank, self.lora_target_modules)
+
+
 GROUPS = {"load": LoadConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-          "parallel": ParallelConfig, "device": DeviceConfig}
+          "parallel": ParallelConfig, "device": DeviceConfig, "lora": LoraConfig}
 ALIASES = {"block_size": "page_size"}     # vLLM's spelling -> infc's
+
+
+def _frozen(key: str, v):
+    """A setting as the frozen config keeps it: lists as tuples, --lora-modules as (name, path)
+    pairs (from a dict or pairs)."""
+    if key == "lora_modules":
+        return tuple((str(n), str(p)) for n, p in (v.items() if isinstance(v, dict) else v))
+    return tuple(v) if key in ("spec_dirs", "lora_target_modules") else v
 
 
 @dataclass(frozen=True)
@@ -140,6 +167,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     @classmethod
     def from_settings(cls, **settings) -> "EngineConfig":
@@ -153,7 +181,7 @@ class EngineConfig:
                 raise TypeError(f"unknown engine setting '{name}' (known: "
                                 f"{', '.join(sorted([*owner, *ALIASES]))})")
             if v is not None:
-                parts[owner[key]][key] = tuple(v) if key == "spec_dirs" else v
+                parts[owner[key]][key] = _frozen(key, v)
         return cls(**{g: GROUPS[g](**kw) for g, kw in parts.items()})
 
     def resolved(self, detect_device: Callable[[], str], gpu_page_size: Callable[[], int]) -> "EngineConfig":
@@ -175,6 +203,7 @@ class EngineConfig:
         if self.load.max_model_len is not None and self.load.max_model_len < 2:
             raise ValueError(f"--max-model-len must be >= 2, got {self.load.max_model_len}")
         kv_cache_dtype(cache.kv_cache_dtype)          # a bad value fails here, before any build
+        self.lora.build()                             # so does a bad LoRA setting
         if not 0 < cache.gpu_memory_utilization <= 1:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {cache.gpu_memory_utilization}")
         pages = cache.num_gpu_blocks_override or (-(-tokens // page_size) if tokens else None)

@@ -14,8 +14,9 @@ from ..weights.load import at
 from .adapter import Adapter
 
 
-class AdapterError(ModelDirError):
-    """An adapter that does not fit the plan: its path and what is wrong."""
+class AdapterError(ModelDirError, ValueError):
+    """An adapter that does not fit the plan: its path and what is wrong (a ValueError: a bad
+    request's, where a server loads it)."""
 
 
 def module_map(plan: dict) -> dict[str, tuple]:
