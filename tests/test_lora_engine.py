@@ -108,3 +108,16 @@ def test_tables_start_as_zeros_whatever_the_loader_filled(model):
     want = ReferenceExecutor(base, load_weights(base, Checkpoint(d))).step([SeqChunk(0, PROMPTS[0], 0)])
     got = ReferenceExecutor(plan, runner.executor.weights).step([SeqChunk(0, PROMPTS[0], 0)])
     np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), rtol=0)
+
+
+def test_lora_requests_info_names_the_running_and_waiting_adapters(model):
+    d, root = model
+    engine = _engine(d, root, 1, names="ab")
+    engine.add_request(PROMPTS[0], GREEDY, "x", lora="a")
+    engine.add_request(PROMPTS[1], GREEDY, "y", lora="b")
+    engine.add_request(PROMPTS[2], GREEDY, "z")
+    assert engine.metrics.lora_requests_info == {"running_lora_adapters": "", "waiting_lora_adapters": "a,b",
+                                                 "max_lora": "1"}
+    engine.step()                                   # one slot: a runs, b waits for it
+    assert engine.metrics.lora_requests_info["running_lora_adapters"] == "a"
+    assert engine.metrics.lora_requests_info["waiting_lora_adapters"] == "b"

@@ -3,6 +3,7 @@ name=path`, a request picks an adapter by `model`, /v1/models lists adapters wit
 POST /v1/load_lora_adapter and /v1/unload_lora_adapter behind --allow-runtime-lora-updating; a
 bad adapter is a 400 naming what is wrong, nothing is loaded and the others keep serving."""
 import json
+import re
 
 import pytest
 
@@ -70,6 +71,9 @@ def test_an_adapter_is_a_model_with_the_base_as_parent_and_serves_as_alone(setup
         assert tokens == alone[m][0] and max(abs(x - y) for x, y in zip(lps, alone[m][1])) < 1e-4
     wait_idle(live.engine)
     assert not any(live.engine.loras.holders.values())
+    status, _, body = request(live.port, "GET", "/metrics")
+    assert status == 200 and re.search(r'^vllm:lora_requests_info\{max_lora="2",running_lora_adapters="",'
+                                       r'waiting_lora_adapters=""\} \d', body.decode(), re.M)
 
 
 def test_load_and_unload_at_run_time(setup):

@@ -698,3 +698,9 @@ class Engine:
         m.kv_cache_usage_perc = sum(bm.usage for bm in self.bms) / len(self.bms)
         m.prefix_cache_queries_total = sum(bm.query_tokens for bm in self.bms)
         m.prefix_cache_hits_total = sum(bm.hit_tokens for bm in self.bms)
+        if self.loras is not None:
+            running = {q.lora[0] for s in self.schedulers for q in s.running if q.lora}
+            waiting = {q.lora[0] for s in self.schedulers for q in s.waiting if q.lora}
+            m.lora_requests_info = {"running_lora_adapters": ",".join(sorted(running)),
+                                    "waiting_lora_adapters": ",".join(sorted(waiting)),
+                                    "max_lora": str(self.loras.max_loras)}

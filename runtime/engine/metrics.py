@@ -75,6 +75,9 @@ class Metrics:
     request_prompt_tokens: Histogram | None = None        # buckets_1_2_5(max_model_len)
     request_generation_tokens: Histogram | None = None
     cache_config_info: dict = field(default_factory=dict)  # label -> value (a gauge set to 1)
+    # LoRA plans: vLLM's lora_requests_info labels (the adapters of running and of waiting
+    # requests, comma-separated, and max_lora); empty without adapters
+    lora_requests_info: dict = field(default_factory=dict)
     iteration_tokens: int = 0                              # of the step running now
 
     def __post_init__(self):
