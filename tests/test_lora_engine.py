@@ -121,3 +121,21 @@ def test_lora_requests_info_names_the_running_and_waiting_adapters(model):
     engine.step()                                   # one slot: a runs, b waits for it
     assert engine.metrics.lora_requests_info["running_lora_adapters"] == "a"
     assert engine.metrics.lora_requests_info["waiting_lora_adapters"] == "b"
+
+
+def test_async_engine_loads_between_steps_and_a_dead_engine_refuses(model):
+    import asyncio
+    from infc.runtime.engine.async_engine import AsyncEngine, EngineDeadError
+    from infc.runtime.lora.tables import AdapterError
+    d, root = model
+    ae = AsyncEngine(_engine(d, root, 2, names="a"))
+    try:
+        assert asyncio.run(ae.load_lora("b", str(root / "b"))) >= 1 and ae.lora_names() == ["a", "b"]
+        with pytest.raises(AdapterError, match="no such directory"):
+            asyncio.run(ae.load_lora("c", str(root / "nope")))
+        asyncio.run(ae.unload_lora("a"))
+        assert ae.lora_names() == ["b"]
+    finally:
+        ae.shutdown()
+    with pytest.raises(EngineDeadError):
+        asyncio.run(ae.load_lora("c", str(root / "c")))

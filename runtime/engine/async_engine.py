@@ -44,6 +44,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._commands: list[tuple] = []
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._calls: set = set()                 # engine-thread calls (LoRA loads) not yet run
         self._wake = threading.Event()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="infc-engine", daemon=True)
@@ -116,7 +117,15 @@ class AsyncEngine:
     async def _on_thread(self, fn):
         self._raise_if_dead()
         fut = concurrent.futures.Future()
+        with self._lock:
+            self._calls.add(fut)
         self._send(("call", fn, fut))
+        try:
+            self._raise_if_dead()            # it may have died since: nobody would run the call
+        except EngineDeadError:
+            with self._lock:
+                self._calls.discard(fut)
+            raise
         return await asyncio.wrap_future(fut)
 
     async def abort(self, request_id: str):
@@ -174,6 +183,8 @@ class AsyncEngine:
             return
         if cmd[0] == "call":                   # load / unload an adapter: between steps
             _, fn, fut = cmd
+            with self._lock:
+                self._calls.discard(fut)
             try:
                 fut.set_result(fn())
             except Exception as e:              # noqa: BLE001 - the caller's to report
@@ -216,6 +227,10 @@ class AsyncEngine:
     def _fail_all(self, error: BaseException):
         with self._lock:
             targets = list(self._queues.values())
+            calls, self._calls = self._calls, set()
+        for fut in calls:
+            if not fut.done():
+                fut.set_exception(error)
         for loop, queue in targets:
             try:
                 loop.call_soon_threadsafe(queue.put_nowait, error)
