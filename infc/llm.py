@@ -61,7 +61,9 @@ class LLM:
     shapes, vLLM's spelling: a directory with config.json alone runs).
     tensor_parallel_size / enable_expert_parallel: one process per rank (runtime/distributed/rank_workers.py),
     as vLLM's flags; `close()` (or `with LLM(...) as llm:`) stops them.
-    kv_cache_dtype: vLLM's "auto" (None: the model's dtype) or "fp8" / "fp8_e4m3" (infc/config.py)."""
+    kv_cache_dtype: vLLM's "auto" (None: the model's dtype) or "fp8" / "fp8_e4m3" (infc/config.py).
+    enable_lora, max_loras, max_lora_rank, max_cpu_loras, lora_modules ({name: PEFT directory}):
+    vLLM's LoRA settings (docs/serving.md); generate(..., lora_request=...) picks an adapter."""
 
     def __init__(self, model: str | Path, device: str | None = "cpu", spec: str | None = None, *,
                  kv_cache_tokens: int | None = None, page_size: int | None = None, max_num_seqs: int | None = None,
@@ -69,7 +71,9 @@ class LLM:
                  enable_prefix_caching: bool = True, gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
                  cuda_graphs: bool = True, log=None, spec_dirs=None, load_format: str = "auto",
                  tensor_parallel_size: int = 1, enable_expert_parallel: bool = False,
-                 data_parallel_size: int = 1, kv_cache_dtype: str | None = None):
+                 data_parallel_size: int = 1, kv_cache_dtype: str | None = None,
+                 enable_lora: bool = False, max_loras: int | None = None, max_lora_rank: int | None = None,
+                 max_cpu_loras: int | None = None, lora_modules: dict | None = None):
         from infc.backend import detect_device, load_backend
         device = device or detect_device()
         if device not in DEVICES:
@@ -86,7 +90,9 @@ class LLM:
             max_num_seqs=max_num_seqs or (OFFLINE_CPU_MAX_NUM_SEQS if cpu else None),
             max_num_batched_tokens=max_num_batched_tokens, asynchronous=False,
             tensor_parallel_size=tensor_parallel_size, enable_expert_parallel=enable_expert_parallel,
-            data_parallel_size=data_parallel_size, kv_cache_dtype=kv_cache_dtype)
+            data_parallel_size=data_parallel_size, kv_cache_dtype=kv_cache_dtype,
+            enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank,
+            max_cpu_loras=max_cpu_loras, lora_modules=lora_modules)
         self.backend = load_backend(self.model_dir, config, log=log)
         self.device = device
         self.engine = self.backend.engine
@@ -96,6 +102,18 @@ class LLM:
         self.max_len = self.backend.max_model_len
         self._tokenizer = self.backend.tokenizer
         self._next_id = 0
+
+    def _lora(self, request) -> str | None:
+        if request is None or isinstance(request, str):
+            return request
+        name, path = getattr(request, "lora_name", None), getattr(request, "lora_path", None)
+        if not isinstance(name, str) or not isinstance(path, (str, Path)):
+            raise TypeError(f"lora_request: an adapter name or an object with lora_name and lora_path, "
+                            f"got {request!r}")
+        loras = self.engine.loras
+        if loras is not None and name not in loras.ids:
+            loras.register(name, path)
+        return name
 
     def close(self):
         """Give back what the runner holds: the device memory, or the rank processes."""
@@ -116,7 +134,11 @@ class LLM:
             self._tokenizer = Tokenizer(self.model_dir)
         return self._tokenizer
 
-    def generate(self, prompts, sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params: SamplingParams | None = None,
+                 lora_request=None) -> list[RequestOutput]:
+        """lora_request: a loaded adapter's name, or vLLM's LoRARequest (anything with lora_name
+        and lora_path), loaded on first use."""
+        lora = self._lora(lora_request)
         asked = sampling_params or SamplingParams()
         params = best_of.candidates(asked)
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
@@ -127,7 +149,7 @@ class LLM:
                 ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
                 rid = f"llm-{self._next_id}"
                 self._next_id += 1
-                self.engine.add_request(ids, params, rid)
+                self.engine.add_request(ids, params, rid, lora=lora)
                 requests[rid] = RequestOutput(prompt if isinstance(prompt, str) else None, ids,
                                               [CompletionOutput(i, "", []) for i in range(params.n)])
             while self.engine.has_unfinished():

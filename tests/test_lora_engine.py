@@ -139,3 +139,15 @@ def test_async_engine_loads_between_steps_and_a_dead_engine_refuses(model):
         ae.shutdown()
     with pytest.raises(EngineDeadError):
         asyncio.run(ae.load_lora("c", str(root / "c")))
+
+
+def test_llm_generates_with_an_adapter_by_name_or_lora_request(model):
+    from types import SimpleNamespace
+    from infc import LLM
+    d, root = model
+    want = _run(_engine(d, root, 2), {"x": (PROMPTS[0], "a"), "y": (PROMPTS[0], "b"), "z": (PROMPTS[0], None)})
+    with LLM(d, enable_lora=True, max_loras=2, max_lora_rank=16, lora_modules={"a": str(root / "a")}) as llm:
+        assert llm.generate([PROMPTS[0]], GREEDY, lora_request="a")[0].token_ids == want["x"]
+        got = llm.generate([PROMPTS[0]], GREEDY, lora_request=SimpleNamespace(lora_name="b", lora_path=root / "b"))
+        assert got[0].token_ids == want["y"]
+        assert llm.generate([PROMPTS[0]], GREEDY)[0].token_ids == want["z"]
