@@ -33,9 +33,9 @@ def artifact(tiny_model, tmp_path_factory):
 def _tokens(engine, root) -> dict:
     for n in "ab":
         engine.loras.register(n, root / n)
-    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     for i, (p, lora) in enumerate([([5, 17, 200, 3, 9, 44, 21], "a"), ([8, 8, 120, 77, 6], None),
-                                   ([31, 2, 250, 19], "b"), ([5, 17, 200, 3, 9, 44, 21], "b")]):
+                                   ([5, 17, 200, 3, 9, 44, 21], "b")]):
         engine.add_request(p, params, f"r{i}", lora=lora)
     out: dict = {}
     while engine.has_unfinished():
@@ -60,4 +60,4 @@ def test_cuda_runner_serves_the_cpu_runners_lora_tokens(fake_device, artifact, m
     want = _tokens(Engine(cpu, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=24),
                    art / "adapters")
     assert got == want
-    assert got["r0"] != got["r3"]                       # same prompt, other adapter
+    assert got["r0"] != got["r2"]                       # same prompt, other adapter
