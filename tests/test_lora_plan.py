@@ -138,3 +138,14 @@ def test_inspect_shows_the_lora_launches_and_their_kernels(tiny_model):
     launches = [line for line in text.splitlines() if line.strip().startswith(("lora_shrink ", "lora_expand "))]
     assert len(launches) == 8 and all("lora_shrink_" in line or "lora_expand_" in line for line in launches)
     assert "add_lora" in text and "model.layers.{i}.self_attn.q_proj" in text
+
+
+def test_what_lora_does_not_serve_yet_is_refused_at_build(tiny_model, fp8_pair):
+    d, _ = tiny_model("qwen3")
+    with pytest.raises(Exception, match="--enable-lora with --tensor-parallel-size"):
+        compile_model(model_dir=d, lora=lora_build(), parallel={"world": 2, "rank": 0, "tp": 2, "ep": 1})
+    _, quantized = fp8_pair
+    with pytest.raises(Exception, match="--enable-lora with a quantized checkpoint: not supported yet"):
+        compile_model(model_dir=quantized, lora=lora_build())
+    with pytest.raises(ValueError, match=r"--max-lora-rank must be in \[1, 256\], got 512"):
+        lora_build(max_lora_rank=512)
