@@ -98,9 +98,13 @@ class AsyncEngine:
         await asyncio.to_thread(self.engine.grammars.check, so)
 
     async def load_lora(self, name: str, path: str) -> int:
-        """Register a LoRA adapter (runtime/lora/slots.py) on the engine's thread, between steps:
-        its lora_id, or the AdapterError that left everything as it was."""
-        return await self._on_thread(lambda: self._loras().register(name, path))
+        """Register a LoRA adapter (runtime/lora/slots.py): read and checked in a worker thread,
+        registered on the engine's thread between steps; its lora_id, or the AdapterError that
+        left everything as it was."""
+        loras = self._loras()
+        loras.check_free(name)                   # before the read; register checks it again
+        prepared = await asyncio.to_thread(loras.prepare, name, path)
+        return await self._on_thread(lambda: loras.register(name, path, prepared))
 
     async def unload_lora(self, name: str):
         await self._on_thread(lambda: self._loras().unregister(name))

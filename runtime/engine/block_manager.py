@@ -35,8 +35,8 @@ def prefix_hash(tokens) -> bytes:
 
 
 def _hasher(seq: Sequence):
-    """A sequence's first hasher: its adapter's id first (12 bytes: no run of int64 tokens is
-    that long, so no adapter's prefix names a base model's block)."""
+    """A sequence's first hasher: its adapter's id first, in 12 bytes, so an adapter's hashed
+    bytes are never a whole number of int64 tokens and never name a base model's block."""
     h = hashlib.sha256()
     if seq.lora is not None:
         h.update(b"lora" + int(seq.lora[1]).to_bytes(8, "little"))

@@ -47,20 +47,31 @@ class LoraSlots:
             write(plan, put, slot, None, clear=True)
 
     # -- registry ---------------------------------------------------------------------------
-    def register(self, name: str, path) -> int:
-        """Read and check the adapter at path; returns its lora_id. An error changes nothing."""
+    def prepare(self, name: str, path) -> Adapter:
+        """The adapter at path read and checked against the plan, nothing registered: reads only
+        what never changes, so a server runs it off the engine's thread (a large adapter's read
+        never holds up the steps)."""
         if not name or not isinstance(name, str):
             raise AdapterError(f"a LoRA adapter needs a name, got {name!r}")
-        if name in self.paths:
-            raise AdapterError(f"LoRA adapter '{name}' is already loaded (from {self.paths[name]}); "
-                               f"unload it first")
+        path = Path(path)
+        check_targets(read_config(path, name), self.plan["lora"]["targets"], name, path)
+        return self._read(name, str(path))
+
+    def register(self, name: str, path, prepared: Adapter | None = None) -> int:
+        """Read and check the adapter at path (or take it `prepared`); returns its lora_id. An
+        error changes nothing."""
+        self.check_free(name)
+        adapter = prepared if prepared is not None else self.prepare(name, path)
         path = str(Path(path))
-        check_targets(read_config(Path(path), name), self.plan["lora"]["targets"], name, Path(path))
-        adapter = self._read(name, path)
         lora_id = next(self._next_id)
         self.paths[name], self.ids[name], self.names_of[lora_id] = path, lora_id, name
         self._cache(lora_id, adapter)
         return lora_id
+
+    def check_free(self, name: str):
+        if name in self.paths:
+            raise AdapterError(f"LoRA adapter '{name}' is already loaded (from {self.paths[name]}); "
+                               f"unload it first")
 
     def unregister(self, name: str):
         """Forget the adapter; its slot is cleared now, or when its last running request ends."""
