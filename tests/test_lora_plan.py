@@ -149,3 +149,22 @@ def test_what_lora_does_not_serve_yet_is_refused_at_build(tiny_model, fp8_pair):
         compile_model(model_dir=quantized, lora=lora_build())
     with pytest.raises(ValueError, match=r"--max-lora-rank must be in \[1, 256\], got 512"):
         lora_build(max_lora_rank=512)
+
+
+def test_layer_kinds_share_their_tables(family_model):
+    """gemma3: sliding and global layers are two bodies reading the same weights, and so the
+    same adapter tables."""
+    d, hf = family_model("gemma3")
+    _, base = compile_model(model_dir=d)
+    _, plan = compile_model(model_dir=d, lora=lora_build(1, 8))
+    body_kinds = [l for l in plan["programs"]["prefill"] if "kinds" in l][0]["kinds"]
+    assert len(body_kinds) == 2 and all("lora_expand" in [x["op"] for x in b] for b in body_kinds.values())
+    adapter = random_adapter(hf, "a", 8, ALL, 3)
+    weights = load_weights(plan, Checkpoint(d))
+    tables.write(plan, tables.numpy_put(plan, weights), 1, adapter)
+    prompt = [5, 9, 11, 200, 3, 7, 40, 41, 8]
+    ex = ReferenceExecutor(plan, weights)
+    first = ex.step([SeqChunk(0, prompt[:-2], 0)], lora=[1])[0]
+    second = ex.step([SeqChunk(0, prompt[-2:], len(prompt) - 2)], lora=[1])[0]
+    for got, want in zip((first, second), _oracle_logits(d, hf, base, adapter, prompt, True)):
+        assert np.abs(got - want).max() / np.abs(want).max() < 1e-5

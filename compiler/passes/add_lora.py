@@ -63,10 +63,11 @@ def _tables(state, g, w: str, k: int, pieces: list, dtype: str, done: dict) -> t
     names = (w + "_lora_a", w + "_lora_b", w + "_lora_scale")
     types = (TensorType((S, P * R, k), dtype), TensorType((S, N, R), dtype), TensorType((S, P), "f32"))
     meta = state.weights[w]
+    mine = names[0] in done                  # made for another layer kind's body already
     for name, t in zip(names, types):
         if name in g.values:
             continue
-        if name in state.weights and name not in done:
+        if name in state.weights and not mine:
             raise state.error(f"--enable-lora: weight name '{name}' is taken", meta.get("line"))
         register_weight(state, g, name, t, {"zeros": list(t.shape)}, meta["layers"], meta.get("line"))
     done[names[0]] = {"b": names[1], "scale": names[2], "layers": meta["layers"], "k": k,
