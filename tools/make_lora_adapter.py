@@ -8,7 +8,7 @@ issue 46: adapters to serve without a hub or a training run).
 It writes what PEFT's save_pretrained writes: adapter_config.json (peft_type LORA, r, lora_alpha,
 use_rslora, target_modules, rank_pattern, alpha_pattern) and adapter_model.safetensors with
 base_model.model.<module>.lora_A.weight [r, K] and .lora_B.weight [N, r] for every 2-D linear of
-the decoder layers whose last name is a target. B is random too (a fresh PEFT adapter's B is
+the decoder layers whose last name is a target (MoE experts' excepted). B is random too (a fresh PEFT adapter's B is
 zeros, which would hide a dropped adapter); A B is of the base weights' order, as a trained
 adapter's is. Python API: make_adapter(model_dir, out, **options) -> the config written.
 """
@@ -36,7 +36,8 @@ def _modules(model_dir: Path, targets) -> dict[str, tuple]:
     try:
         out = {}
         for name in sorted(ckpt.where):
-            if not (name.endswith(".weight") and _LAYER.search(name)):
+            # MoE experts take no adapter in infc (their stacks are no linears: add_lora)
+            if not (name.endswith(".weight") and _LAYER.search(name)) or ".experts." in name:
                 continue
             module = name[:-len(".weight")]
             shape = ckpt.shape(name)
