@@ -116,26 +116,27 @@ def collectives(plan: dict, phases=None) -> list[str]:
 
 
 def inspect(model=None, spec_path=None, model_dir=None, dot=None, phases=None, spec_dirs=None,
-            tensor_parallel_size=1, enable_expert_parallel=False, rank=None, data_parallel_size=1) -> str:
+            tensor_parallel_size=1, enable_expert_parallel=False, rank=None, data_parallel_size=1,
+            lora=None) -> str:
     from .parallel import settings
     par = settings(tensor_parallel_size, enable_expert_parallel, data_parallel_size=data_parallel_size)
     if par is None:
-        return _inspect_one(model, spec_path, model_dir, dot, phases, spec_dirs)
+        return _inspect_one(model, spec_path, model_dir, dot, phases, spec_dirs, lora=lora)
     ranks = range(par["world"]) if rank is None else [rank]
     if rank is not None and not 0 <= rank < par["world"]:
         raise ValueError(f"--rank {rank}: the ranks are 0..{par['world'] - 1}")
     dp = f", dp {par['dp']}" if par.get("dp") else ""
     return "\n\n".join(f"######## rank {r} of {par['world']} (tp {par['tp']}, ep {par['ep']}{dp})\n" +
                        _inspect_one(model, spec_path, model_dir, dot if r == ranks[0] else None,
-                                    phases, spec_dirs, {**par, "rank": r}) for r in ranks)
+                                    phases, spec_dirs, {**par, "rank": r}, lora) for r in ranks)
 
 
-def _inspect_one(model, spec_path, model_dir, dot, phases, spec_dirs, parallel=None) -> str:
+def _inspect_one(model, spec_path, model_dir, dot, phases, spec_dirs, parallel=None, lora=None) -> str:
     snapshots = {}
 
     state, plan = compile_model(model, spec_path, model_dir, observe=lambda name, st:
                                 snapshots.__setitem__(name, _graph_text(st.graph, "    ")),
-                                spec_dirs=spec_dirs, parallel=parallel)
+                                spec_dirs=spec_dirs, parallel=parallel, lora=lora)
     import tempfile
     from pathlib import Path
     from .build import GENERATED, generate

@@ -6,6 +6,7 @@ inferred again, so a pass that breaks a shape rule is caught at the pass that di
 import time
 
 from .lower import lower
+from .passes.add_lora import add_lora
 from .passes.eliminate_dead import eliminate_dead
 from .passes.fuse_ops import (fuse_add_rms_norm, fuse_linear_epilogue, fuse_linear_prologue,
                               fuse_lm_head, fuse_qk_norm_rope_cache, fuse_act_mul)
@@ -38,6 +39,7 @@ PIPELINE = [
     ("quantize_weights", quantize_weights),        # a quantized checkpoint's linears read codes + scales
     ("quantize_kv_cache", quantize_kv_cache),      # --kv-cache-dtype fp8: K/V caches as e4m3 + scales
     ("fuse_weights", fuse_weights),                # q|k|v and gate|up concatenated at load time
+    ("add_lora", add_lora),                        # --enable-lora: shrink + expand over adapter slots
     ("rotate_residual", rotate_residual),          # carry the last residual add into the next layer
     ("fuse_add_rms_norm", fuse_add_rms_norm),      # residual add + RMSNorm
     ("fuse_qk_norm_rope_cache", fuse_qk_norm_rope_cache),  # q/k norm + RoPE + KV-cache write
@@ -62,20 +64,24 @@ FUSIONS = {"fold_shared_experts", "fuse_weights", "rotate_residual", "fuse_add_r
            "fuse_linear_prologue", "fuse_lm_head", "fuse_route_align", "merge_prologues"}
 # (merge_prologues rewrites no node; its dropped in-place aliases would come back with the types)
 REWRITES = FUSIONS - {"merge_prologues"} | {"split_attention", "shard_ranks", "lower_experts",
-                                            "quantize_weights", "eliminate_dead", "materialize_views"}
+                                            "quantize_weights", "eliminate_dead", "materialize_views",
+                                            "add_lora"}
 
 
 def compile_spec(spec: Spec, env: dict, model: str, features: list | None = None,
                  observe=None, stop_after: str | None = None, skip=(),
-                 parallel: dict | None = None, quant=None, kv_cache: dict | None = None) -> CompileState:
+                 parallel: dict | None = None, quant=None, kv_cache: dict | None = None,
+                 lora: dict | None = None) -> CompileState:
     """Run the pipeline; `skip` leaves out optional rewrites (tests compare with and without;
     skip=FUSIONS is `--no-fuse`); `parallel` = {"world", "rank", "tp", "ep"} compiles rank
     r's plan (compiler/parallel.py); `quant`: the checkpoint's quantization format
     (compiler/quant/formats), None for bf16; `kv_cache`: --kv-cache-dtype fp8's
-    {"flag", "scales"} (passes/quantize_kv_cache.py), None for the model's dtype."""
+    {"flag", "scales"} (passes/quantize_kv_cache.py), None for the model's dtype; `lora`:
+    --enable-lora's {"max_loras", "max_rank", "targets"} (passes/add_lora.py), None without."""
     graph, weights = lower(spec, env)
     state = CompileState(spec, env, graph, weights, model, features=list(features or []),
-                         parallel=dict(parallel) if parallel else None, quant=quant, kv_cache=kv_cache)
+                         parallel=dict(parallel) if parallel else None, quant=quant, kv_cache=kv_cache,
+                         lora=dict(lora) if lora else None)
     _stamp(state, "lower")
     if observe:
         observe("lower", state)

@@ -22,6 +22,8 @@
                 inputs are its, output: the index of its output the consumer reads, value: that
                 output's name (not written), writes: how many of the launch's outputs are its,
                 attrs})
+    lora        (--enable-lora plans only) the adapter tables and the modules they serve
+                (compiler/passes/add_lora.py); step_metadata then has lora_slots
     row_logits  {tail, inputs}: the launches (by first output) that turn per-token values into
                 logits at last_rows, re-run at other rows for prompt logprobs (passes/row_logits.py)
     parallel    (rank plans of `--tensor-parallel-size N` / `--data-parallel-size N` only)
@@ -176,7 +178,7 @@ def emit_plan(state) -> dict:
         "architectures": state.spec.architectures,
         "config": _jsonable({k: v for k, v in env.items()}),
         "inputs": {i: buffers[i] for i in g.inputs},
-        "step_metadata": step_metadata(caches),
+        "step_metadata": step_metadata(caches, lora=state.lora_plan is not None),
         "outputs": dict(zip(g.output_names, g.outputs)),
         "weights": weights,
         "caches": caches,
@@ -187,6 +189,7 @@ def emit_plan(state) -> dict:
         **({"wide_tokens": wide_tokens(state)} if "wide" in state.kernels else {}),
         **({"narrow_tokens": NARROW_TOKENS} if "narrow" in state.kernels else {}),
         **({"row_logits": state.row_logits} if state.row_logits else {}),
+        **({"lora": _jsonable(state.lora_plan)} if state.lora_plan else {}),
     }
 
 

@@ -25,6 +25,8 @@ class CompileState:
     quant: object = None             # the checkpoint's quantization format (compiler/quant/formats)
     kv_cache: dict | None = None     # --kv-cache-dtype fp8: {"flag", "scales": {"k"|"v": {layer: s}}}
                                      # (passes/quantize_kv_cache.py); None: the model's dtype
+    lora: dict | None = None         # --enable-lora: {"max_loras", "max_rank", "targets"} (passes/add_lora.py)
+    lora_plan: dict | None = None    # set by add_lora: plan["lora"]
 
     def note(self, pass_name: str, msg: str):
         self.log.append((pass_name, msg))

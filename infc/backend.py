@@ -117,6 +117,7 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
     device, model, spec, spec_dirs = c.device.device, c.load.model, c.load.spec, list(c.load.spec_dirs) or None
     dummy = check_load_format(c.load.load_format) == "dummy"
     kv_dtype = c.cache.kv_cache_dtype or DEFAULT_KV_CACHE_DTYPE     # what a build here takes
+    lora = c.lora.build()                                           # --enable-lora's tables
     st = _Stages(log)
     if log:
         log(f"infc serve: {model_dir} on {device}")
@@ -135,6 +136,9 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
         if not (artifact / "plan.json").is_file():
             raise ValueError(f"--artifact {artifact}: no plan.json there (not a built artifact)")
         check_artifact_kv_cache(artifact, c.cache.kv_cache_dtype)
+    if par is not None and lora is not None:
+        raise ValueError("--enable-lora with --tensor-parallel-size / --data-parallel-size / "
+                         "--enable-expert-parallel: not supported yet")
     if par is not None:
         runner, plan, name, model_len = _rank_processes(st, par, c, model_dir, spec_dirs, dummy, kv_dtype)
         page_size = runner.page_size
@@ -145,7 +149,7 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
         from infc.runtime.weights.load import load_weights
         state, plan = st.run("compile plan", compile_model, model=model, spec_path=spec,
                              model_dir=str(model_dir), spec_dirs=spec_dirs, check_checkpoint=not dummy,
-                             kv_cache_dtype=kv_dtype)
+                             kv_cache_dtype=kv_dtype, lora=lora)
         name = state.model
         if dummy:
             from infc.runtime.weights.dummy import dummy_weights
@@ -162,11 +166,12 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
         # Into the ignored cache, not generated/ (whose committed artifacts CI checks): the kernel
         # cache makes an unchanged rebuild near-instant, so "built or reused" is the same call.
         if artifact is None:
-            out = REPO / ".cache" / "artifacts" / (model or model_dir.name)
+            tag = f"-lora{lora['max_loras']}r{lora['max_rank']}" if lora else ""   # its own plan
+            out = REPO / ".cache" / "artifacts" / ((model or model_dir.name) + tag)
             artifact = st.run("build artifact (cached)", build, model=model, spec_path=spec,
                               model_dir=str(model_dir), out=out, page_size=c.cache.page_size, gpu=gpu_tuning(), log=None,
                               reuse_bins=True, spec_dirs=spec_dirs, check_checkpoint=not dummy,
-                              kv_cache_dtype=kv_dtype)
+                              kv_cache_dtype=kv_dtype, lora=lora)
         elif log:
             log(f"  artifact {artifact} as built (not rebuilt)")
         from infc.runtime.cuda.runner import CudaRunner     # lazily: cuda-python only here
@@ -200,12 +205,19 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
                    enable_prefix_caching=c.cache.enable_prefix_caching, log=log, overlap=c.scheduler.overlap,
                    kv_offloading=OffloadConfig(c.cache.kv_offloading_size, c.cache.kv_offloading_disk,
                                                c.cache.kv_offloading_disk_size),
-                   speculative_config=c.speculative.speculative_config)
+                   speculative_config=c.speculative.speculative_config,
+                   max_cpu_loras=c.lora.max_cpu_loras)
         if log and e.spec is not None:
             s = e.spec.config
             log(f"  speculative decoding: {s.method}, {s.num_speculative_tokens} draft tokens "
                 f"(prompt lookup {s.prompt_lookup_min}..{s.prompt_lookup_max}), none while more "
                 f"than {s.disable_by_batch_size} sequences run")
+        if (e.loras is None) != (lora is None):
+            raise ValueError("--enable-lora: the plan (an --artifact's own) and the flag disagree")
+        for lora_name, path in c.lora.lora_modules:      # a bad adapter fails the start, naming it
+            e.loras.register(lora_name, path)
+            if log:
+                log(f"  LoRA adapter {lora_name}: {path}")
         if log:
             log(f"  steps {'overlapped: the next is prepared while the device runs this one' if e.overlap else 'synchronous'}")
         return AsyncEngine(e) if c.scheduler.asynchronous else e

@@ -15,9 +15,10 @@ from infc.compiler.spec_paths import add_spec_dir_arg
 
 def _build(args):
     from infc.compiler.build import build, build_variants, parse_features
+    from infc.server.args import lora_build_setting
     kw = dict(out=args.out, features=parse_features(args.features), gpu=args.gpu, target=args.target,
               page_size=args.page_size, compile=not args.no_compile, jobs=args.jobs,
-              fuse=not args.no_fuse, kv_cache_dtype=args.kv_cache_dtype)
+              fuse=not args.no_fuse, kv_cache_dtype=args.kv_cache_dtype, lora=lora_build_setting(args))
     kw.update(tensor_parallel_size=args.tensor_parallel_size,      # one plan per rank
               enable_expert_parallel=args.enable_expert_parallel,
               data_parallel_size=args.data_parallel_size)
@@ -29,11 +30,12 @@ def _build(args):
 
 def _inspect(args):
     from infc.compiler.inspect import inspect
+    from infc.server.args import lora_build_setting
     print(inspect(args.model, spec_path=args.spec, model_dir=args.model_path, dot=args.dot,
                   phases=args.phase, spec_dirs=args.spec_dir,
                   tensor_parallel_size=args.tensor_parallel_size,
                   enable_expert_parallel=args.enable_expert_parallel, rank=args.rank,
-                  data_parallel_size=args.data_parallel_size))
+                  data_parallel_size=args.data_parallel_size, lora=lora_build_setting(args)))
 
 
 def _generate(args):
@@ -124,7 +126,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="infc", description="LLM inference compiler")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    from infc.server.args import add_kv_cache_dtype_arg
+    from infc.server.args import add_kv_cache_dtype_arg, add_lora_build_args
     b = sub.add_parser("build", help="compile a model spec into generated/<model>/")
     b.add_argument("--model", help="a variant name from specs/ (e.g. qwen3-4b)")
     b.add_argument("--spec", help="a spec file (to build a spec from anywhere); alone, without "
@@ -139,6 +141,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--page-size", type=int, help="KV cache page size in tokens (default: the GPU "
                    "table's, 64 on the H200; else 16)")
     add_kv_cache_dtype_arg(b)
+    add_lora_build_args(b)
     b.add_argument("--no-compile", action="store_true", help="render kernels, skip the cubins")
     b.add_argument("--no-fuse", action="store_true",
                    help="skip every fusion pass: each op runs its generic kernel")
@@ -156,6 +159,7 @@ def parser() -> argparse.ArgumentParser:
                    help="phases to list launches for (default: all; wide: decode steps of many sequences)")
     _add_parallel_args(i)
     i.add_argument("--rank", type=int, help="with --tensor-parallel-size: show only this rank")
+    add_lora_build_args(i)
     i.set_defaults(fn=_inspect)
 
     g = sub.add_parser("generate", help="generate text from prompts")

@@ -52,6 +52,32 @@ def kv_cache_dtype(name: str | None) -> str | None:
                      f"{', '.join(KV_CACHE_DTYPES)}")
 
 
+# Multi-LoRA (vLLM's flags and defaults: --max-loras 1, --max-lora-rank 16, --max-cpu-loras =
+# --max-loras): the adapter slots a plan's tables hold beside slot 0 (no adapter), the rank every
+# slot is padded to (an adapter of a lower rank is exact, zero-padded), and the modules that take
+# adapters (the last component of a checkpoint module's name: q/k/v/o and gate/up/down).
+DEFAULT_MAX_LORAS = 1
+DEFAULT_MAX_LORA_RANK = 16
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MAX_LORA_RANK_LIMIT = 256        # the kernels' largest rank (codegen_templates/triton/lora_*.py.j2)
+
+
+def lora_build(max_loras: int | None = None, max_lora_rank: int | None = None,
+               target_modules=None) -> dict:
+    """--enable-lora's build settings as the compiler takes them (compiler/passes/add_lora.py);
+    a bad value is a ValueError naming the flag."""
+    loras = DEFAULT_MAX_LORAS if max_loras is None else max_loras
+    rank = DEFAULT_MAX_LORA_RANK if max_lora_rank is None else max_lora_rank
+    targets = tuple(target_modules or LORA_TARGET_MODULES)
+    if loras < 1:
+        raise ValueError(f"--max-loras must be >= 1, got {loras}")
+    if not 1 <= rank <= MAX_LORA_RANK_LIMIT:
+        raise ValueError(f"--max-lora-rank must be in [1, {MAX_LORA_RANK_LIMIT}], got {rank}")
+    if not all(isinstance(t, str) and t and "." not in t for t in targets):
+        raise ValueError(f"--lora-target-modules takes module names (q_proj, ...), got {list(targets)}")
+    return {"max_loras": loras, "max_rank": rank, "targets": sorted(set(targets))}
+
+
 def default_batched_tokens(device: str, server: bool) -> int:
     return BATCHED_TOKENS[(device, server)]
 
@@ -191,9 +217,37 @@ class SpeculativeSettings:
     speculative_config: object = None   # as given (JSON text, dict); resolved: SpeculativeConfig | None
 
 
+@dataclass(frozen=True)
+class LoraConfig:
+    enable_lora: bool = False           # --enable-lora: the plan takes adapter slots (a build setting)
+    max_loras: int | None = None        # None: DEFAULT_MAX_LORAS
+    max_lora_rank: int | None = None    # None: DEFAULT_MAX_LORA_RANK
+    max_cpu_loras: int | None = None    # None: max_loras (vLLM's default)
+    lora_target_modules: tuple | None = None      # None: LORA_TARGET_MODULES
+    lora_modules: tuple = ()            # --lora-modules: (name, path) pairs loaded at start
+    allow_runtime_lora_updating: bool = False     # POST /v1/load_lora_adapter and unload
+
+    def build(self) -> dict | None:
+        """The compiler's setting (compiler/passes/add_lora.py), None without --enable-lora."""
+        if not self.enable_lora:
+            if self.lora_modules or self.allow_runtime_lora_updating:
+                raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
+            return None
+        return lora_build(self.max_loras, self.max_lora_rank, self.lora_target_modules)
+
+
 GROUPS = {"load": LoadConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-          "parallel": ParallelConfig, "device": DeviceConfig, "speculative": SpeculativeSettings}
+          "parallel": ParallelConfig, "device": DeviceConfig, "speculative": SpeculativeSettings,
+          "lora": LoraConfig}
 ALIASES = {"block_size": "page_size"}     # vLLM's spelling -> infc's
+
+
+def _frozen(key: str, v):
+    """A setting as the frozen config keeps it: lists as tuples, --lora-modules as (name, path)
+    pairs (from a dict or pairs)."""
+    if key == "lora_modules":
+        return tuple((str(n), str(p)) for n, p in (v.items() if isinstance(v, dict) else v))
+    return tuple(v) if key in ("spec_dirs", "lora_target_modules") else v
 
 
 @dataclass(frozen=True)
@@ -204,6 +258,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     speculative: SpeculativeSettings = field(default_factory=SpeculativeSettings)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     @classmethod
     def from_settings(cls, **settings) -> "EngineConfig":
@@ -217,7 +272,7 @@ class EngineConfig:
                 raise TypeError(f"unknown engine setting '{name}' (known: "
                                 f"{', '.join(sorted([*owner, *ALIASES]))})")
             if v is not None:
-                parts[owner[key]][key] = tuple(v) if key == "spec_dirs" else v
+                parts[owner[key]][key] = _frozen(key, v)
         return cls(**{g: GROUPS[g](**kw) for g, kw in parts.items()})
 
     def resolved(self, detect_device: Callable[[], str], gpu_page_size: Callable[[], int]) -> "EngineConfig":
@@ -239,6 +294,7 @@ class EngineConfig:
         if self.load.max_model_len is not None and self.load.max_model_len < 2:
             raise ValueError(f"--max-model-len must be >= 2, got {self.load.max_model_len}")
         kv_cache_dtype(cache.kv_cache_dtype)          # a bad value fails here, before any build
+        self.lora.build()                             # so does a bad LoRA setting
         if not 0 < cache.gpu_memory_utilization <= 1:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {cache.gpu_memory_utilization}")
         for name, v in (("--kv-offloading-size", cache.kv_offloading_size),

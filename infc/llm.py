@@ -64,7 +64,9 @@ class LLM:
     kv_cache_dtype: vLLM's "auto" (None: the model's dtype) or "fp8" / "fp8_e4m3" (infc/config.py).
     kv_offloading_size: GiB of host memory for prefix blocks evicted from the KV cache (vLLM's).
     speculative_config: vLLM's, a dict or its JSON ({"method": "ngram", "num_speculative_tokens":
-    k, ...}; infc.config.speculative_config): outputs stay those of plain decoding."""
+    k, ...}; infc.config.speculative_config): outputs stay those of plain decoding.
+    enable_lora, max_loras, max_lora_rank, max_cpu_loras, lora_modules ({name: PEFT directory}):
+    vLLM's LoRA settings (docs/serving.md); generate(..., lora_request=...) picks an adapter."""
 
     def __init__(self, model: str | Path, device: str | None = "cpu", spec: str | None = None, *,
                  kv_cache_tokens: int | None = None, page_size: int | None = None, max_num_seqs: int | None = None,
@@ -74,7 +76,9 @@ class LLM:
                  tensor_parallel_size: int = 1, enable_expert_parallel: bool = False,
                  data_parallel_size: int = 1, kv_cache_dtype: str | None = None,
                  kv_offloading_size: float | None = None,
-                 speculative_config=None):
+                 speculative_config=None,
+                 enable_lora: bool = False, max_loras: int | None = None, max_lora_rank: int | None = None,
+                 max_cpu_loras: int | None = None, lora_modules: dict | None = None):
         from infc.backend import detect_device, load_backend
         device = device or detect_device()
         if device not in DEVICES:
@@ -93,7 +97,9 @@ class LLM:
             tensor_parallel_size=tensor_parallel_size, enable_expert_parallel=enable_expert_parallel,
             data_parallel_size=data_parallel_size, kv_cache_dtype=kv_cache_dtype,
             kv_offloading_size=kv_offloading_size,
-            speculative_config=speculative_config)
+            speculative_config=speculative_config,
+            enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank,
+            max_cpu_loras=max_cpu_loras, lora_modules=lora_modules)
         self.backend = load_backend(self.model_dir, config, log=log)
         self.device = device
         self.engine = self.backend.engine
@@ -103,6 +109,18 @@ class LLM:
         self.max_len = self.backend.max_model_len
         self._tokenizer = self.backend.tokenizer
         self._next_id = 0
+
+    def _lora(self, request) -> str | None:
+        if request is None or isinstance(request, str):
+            return request
+        name, path = getattr(request, "lora_name", None), getattr(request, "lora_path", None)
+        if not isinstance(name, str) or not isinstance(path, (str, Path)):
+            raise TypeError(f"lora_request: an adapter name or an object with lora_name and lora_path, "
+                            f"got {request!r}")
+        loras = self.engine.loras
+        if loras is not None and name not in loras.ids:
+            loras.register(name, path)
+        return name
 
     def close(self):
         """Give back what the runner holds: the device memory, or the rank processes."""
@@ -123,7 +141,11 @@ class LLM:
             self._tokenizer = Tokenizer(self.model_dir)
         return self._tokenizer
 
-    def generate(self, prompts, sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params: SamplingParams | None = None,
+                 lora_request=None) -> list[RequestOutput]:
+        """lora_request: a loaded adapter's name, or vLLM's LoRARequest (anything with lora_name
+        and lora_path), loaded on first use."""
+        lora = self._lora(lora_request)
         asked = sampling_params or SamplingParams()
         params = best_of.candidates(asked)
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
@@ -134,7 +156,7 @@ class LLM:
                 ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
                 rid = f"llm-{self._next_id}"
                 self._next_id += 1
-                self.engine.add_request(ids, params, rid)
+                self.engine.add_request(ids, params, rid, lora=lora)
                 requests[rid] = RequestOutput(prompt if isinstance(prompt, str) else None, ids,
                                               [CompletionOutput(i, "", []) for i in range(params.n)])
             while self.engine.has_unfinished():

@@ -100,11 +100,17 @@ def make_app(state: ServerState) -> FastAPI:
         except ClientDisconnect:
             raise ClientGone() from None
 
+    def loras() -> list[str]:
+        b = state.backend
+        return b.engine.lora_names() if b is not None and hasattr(b.engine, "lora_names") else []
+
     def model_of(body: dict) -> str:
+        """The model a request names: a served name, or a loaded LoRA adapter's (vLLM's way of
+        picking an adapter: `model: <adapter name>`)."""
         m = body.get("model")
         if m is None:
             return cfg.served_model_names[0]
-        if not isinstance(m, str) or m not in cfg.served_model_names:
+        if not isinstance(m, str) or m not in cfg.served_model_names and m not in loras():
             shown = m if isinstance(m, str) else json.dumps(m)[:60]
             raise APIError(404, f"The model `{shown}` does not exist.", "invalid_request_error", "model",
                            "model_not_found")
@@ -201,6 +207,10 @@ def make_app(state: ServerState) -> FastAPI:
 
     def model_card(name: str) -> dict:
         b = state.backend
+        if name not in cfg.served_model_names:        # a LoRA adapter: its path, the base its parent
+            return {"id": name, "object": "model", "created": state.created, "owned_by": "infc",
+                    "root": b.engine.engine.loras.paths.get(name), "parent": cfg.served_model_names[0],
+                    "max_model_len": b.max_model_len}
         return {"id": name, "object": "model", "created": state.created, "owned_by": "infc",
                 "root": cfg.root or (str(b.model_dir) if b else name), "parent": None,
                 "max_model_len": b.max_model_len if b else None}
@@ -208,15 +218,58 @@ def make_app(state: ServerState) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         backend()
-        return json_response({"object": "list", "data": [model_card(n) for n in cfg.served_model_names]})
+        names = cfg.served_model_names + loras()
+        return json_response({"object": "list", "data": [model_card(n) for n in names]})
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str):
         backend()
-        if name not in cfg.served_model_names:
+        if name not in cfg.served_model_names and name not in loras():
             raise APIError(404, f"The model `{name}` does not exist.", "invalid_request_error", "model",
                            "model_not_found")
         return json_response(model_card(name))
+
+    async def lora_body(request: Request) -> dict:
+        """The body of a load / unload request, once the server allows them."""
+        b = backend()
+        if not cfg.allow_runtime_lora_updating:
+            raise APIError(404, "loading LoRA adapters at run time is off (serve with "
+                           "--allow-runtime-lora-updating)", "invalid_request_error", code="not_found")
+        if not hasattr(b.engine, "load_lora") or b.engine.engine.loras is None:
+            raise bad("this model serves no LoRA adapters (serve it with --enable-lora)")
+        body = protocol.parse_json(await body_of(request))
+        name = body.get("lora_name")
+        if not isinstance(name, str) or not name:
+            raise bad("'lora_name' (a string) is required", "lora_name")
+        return body
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        b = backend()
+        body = await lora_body(request)
+        name, path = body["lora_name"], body.get("lora_path")
+        if not isinstance(path, str) or not path:
+            raise bad("'lora_path' (a string) is required", "lora_path")
+        if name in cfg.served_model_names:
+            raise bad(f"LoRA adapter name '{name}' is the base model's name", "lora_name")
+        try:
+            await b.engine.load_lora(name, path)
+        except ValueError as e:                       # AdapterError: what is wrong, nothing loaded
+            raise bad(str(e), "lora_path") from None
+        return Response(f"Success: LoRA adapter '{name}' added successfully.".encode(),
+                        media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        b = backend()
+        body = await lora_body(request)
+        name = body["lora_name"]
+        try:
+            await b.engine.unload_lora(name)
+        except ValueError as e:
+            raise APIError(404, str(e), "invalid_request_error", "lora_name", "not_found") from None
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.".encode(),
+                        media_type="text/plain")
 
     @app.get("/health")
     async def health():

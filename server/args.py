@@ -1,12 +1,14 @@
 """`infc serve` flags, with vLLM's spellings and defaults. Light on imports: the `infc` command
 builds its parser from here on every run."""
 import argparse
+import json
 from pathlib import Path
 
 from infc import envs
 from infc.compiler.spec_paths import add_spec_dir_arg
-from infc.config import (DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_CACHE_DTYPE, DEFAULT_MAX_NUM_SEQS,
-                         EngineConfig, speculative_config)
+from infc.config import (DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_CACHE_DTYPE, DEFAULT_MAX_LORA_RANK,
+                         DEFAULT_MAX_LORAS, DEFAULT_MAX_NUM_SEQS, LORA_TARGET_MODULES, EngineConfig,
+                         lora_build, speculative_config)
 
 from .reasoning import REASONING_PARSERS
 from .tool_parsers import PARSERS as TOOL_CALL_PARSERS
@@ -69,6 +71,49 @@ def add_speculative_config_arg(p: argparse.ArgumentParser):
                         '(draft_model, eagle3, mtp: not built yet)')
 
 
+def add_lora_build_args(p: argparse.ArgumentParser):
+    """vLLM's multi-LoRA build flags (build, inspect, serve): the adapter tables are part of the
+    plan (compiler/passes/add_lora.py); values are checked by infc.config.lora_build."""
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters: every target linear gets adapter slots")
+    p.add_argument("--max-loras", type=int, help=f"adapters a step may mix (device slots; default "
+                   f"{DEFAULT_MAX_LORAS})")
+    p.add_argument("--max-lora-rank", type=int, help=f"the largest adapter rank (default {DEFAULT_MAX_LORA_RANK})")
+    p.add_argument("--lora-target-modules", nargs="+", metavar="MODULE",
+                   help=f"the modules that take adapters (default: {' '.join(LORA_TARGET_MODULES)})")
+
+
+def lora_build_setting(args) -> dict | None:
+    """The compiler's lora setting from add_lora_build_args' flags (None without --enable-lora)."""
+    if not args.enable_lora:
+        return None
+    return lora_build(args.max_loras, args.max_lora_rank, args.lora_target_modules)
+
+
+def lora_module(text: str) -> tuple[str, str]:
+    """--lora-modules' item: name=path, or vLLM's JSON {"name": ..., "path": ...}."""
+    if text.lstrip().startswith("{"):
+        try:
+            d = json.loads(text)
+            return str(d["name"]), str(d["path"])
+        except (ValueError, KeyError, TypeError):
+            raise argparse.ArgumentTypeError(f"--lora-modules {text!r}: JSON items need 'name' and 'path'") from None
+    name, eq, path = text.partition("=")
+    if not eq or not name or not path:
+        raise argparse.ArgumentTypeError(f"--lora-modules {text!r}: expected name=path")
+    return name, path
+
+
+def add_lora_serve_args(p: argparse.ArgumentParser):
+    add_lora_build_args(p)
+    p.add_argument("--lora-modules", nargs="+", type=lora_module, metavar="NAME=PATH",
+                   help="PEFT adapter directories to serve, each requested as model NAME")
+    p.add_argument("--max-cpu-loras", type=int, help="adapters kept read in host memory (default: --max-loras)")
+    p.add_argument("--allow-runtime-lora-updating", action="store_true",
+                   help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
+
+
 def add_serve_args(p: argparse.ArgumentParser):
     p.add_argument("--model-path", required=True, help="an HF model directory (config.json, safetensors, tokenizer)")
     p.add_argument("--model", help="the model (variant) name; default: detected from config.json")
@@ -93,6 +138,7 @@ def add_serve_args(p: argparse.ArgumentParser):
                    "for this GPU, 64 on an H200; 16 on cpu)")
     p.add_argument("--num-gpu-blocks-override", type=int, help="number of KV pages (either device)")
     add_kv_cache_dtype_arg(p, default=None)
+    add_lora_serve_args(p)
     add_parallel_args(p)
     add_speculative_config_arg(p)
     p.add_argument("--kv-cache-memory-bytes", type=int, help="KV cache size on the cpu device (default 1 GiB)")
@@ -141,6 +187,10 @@ def config_from_args(args):
     if not 0 < args.port < 65536 and args.port != 0:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     speculative_config(getattr(args, "speculative_config", None))   # a bad one fails before loading
+    served = args.served_model_name or [args.model or args.model_path]
+    clash = sorted({n for n, _ in getattr(args, "lora_modules", None) or ()} & set(served))
+    if clash:
+        raise ValueError(f"--lora-modules: adapter name(s) {clash} are the base model's served name")
     template = args.chat_template
     if template is not None and len(template) < 4096 and Path(template).is_file():
         template = Path(template).read_text()
@@ -153,7 +203,8 @@ def config_from_args(args):
         chat_template=template, trust_request_chat_template=args.trust_request_chat_template,
         root=args.model_path, tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice, reasoning_parser=args.reasoning_parser,
-        enable_prompt_tokens_details=args.enable_prompt_tokens_details)
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        allow_runtime_lora_updating=getattr(args, "allow_runtime_lora_updating", False))
 
 
 def backend_kwargs(args) -> dict:
@@ -175,7 +226,13 @@ def backend_kwargs(args) -> dict:
                 enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
                 data_parallel_size=getattr(args, "data_parallel_size", 1),
                 overlap=False if getattr(args, "disable_overlap_schedule", False) else None,
-                speculative_config=getattr(args, "speculative_config", None))
+                speculative_config=getattr(args, "speculative_config", None),
+                enable_lora=getattr(args, "enable_lora", False), max_loras=getattr(args, "max_loras", None),
+                max_lora_rank=getattr(args, "max_lora_rank", None),
+                lora_target_modules=getattr(args, "lora_target_modules", None),
+                max_cpu_loras=getattr(args, "max_cpu_loras", None),
+                lora_modules=getattr(args, "lora_modules", None),
+                allow_runtime_lora_updating=getattr(args, "allow_runtime_lora_updating", False))
 
 
 def engine_config(args) -> EngineConfig:

@@ -23,10 +23,10 @@ async def merged(engine, jobs):
     params app.checked has checked (AsyncEngine.check_request, on the worker pool)."""
     q: asyncio.Queue = asyncio.Queue()
 
-    async def pump(k, ids, params, rid):
+    async def pump(k, ids, params, rid, lora):
         try:
             # app.checked ran the engine's check on every prompt of the request before replying
-            async for out in engine.generate(ids, params, rid, checked=True):
+            async for out in engine.generate(ids, params, rid, checked=True, lora=lora):
                 q.put_nowait((k, out))
         except asyncio.CancelledError:
             raise
@@ -35,7 +35,7 @@ async def merged(engine, jobs):
             return
         q.put_nowait((k, None))
 
-    tasks = [asyncio.create_task(pump(k, ids, params, rid)) for k, ids, params, rid in jobs]
+    tasks = [asyncio.create_task(pump(*job)) for job in jobs]
     try:
         left = len(tasks)
         while left:
@@ -101,6 +101,8 @@ class Generation:
 
     def __init__(self, state: ServerState, req: protocol.GenRequest, model: str):
         self.state, self.req, self.model = state, req, model
+        # a model named by a LoRA adapter (not one of the served names) runs with that adapter
+        self.lora = None if model in state.config.served_model_names else model
         self.b = state.backend
         self.engine = self.b.engine
         self.chat = req.kind == "chat"
@@ -118,7 +120,7 @@ class Generation:
         if self.params is None:
             return []
         params = best_of.candidates(self.params)
-        return [(k, ids, params, f"{self.id}-{k}") for k, ids in enumerate(self.req.prompts)]
+        return [(k, ids, params, f"{self.id}-{k}", self.lora) for k, ids in enumerate(self.req.prompts)]
 
     def index(self, k: int, i: int) -> int:
         return k * self.req.n + i
@@ -140,7 +142,7 @@ class Generation:
 
         async def one(k, ids):
             self.prompt_logprobs[k] = await scoring.forced_token_logprobs(
-                self.engine, ids, self.req.logprobs, self.b.vocab_size, f"{self.id}-{k}")
+                self.engine, ids, self.req.logprobs, self.b.vocab_size, f"{self.id}-{k}", lora=self.lora)
 
         await run_all(*(one(k, ids) for k, ids in enumerate(self.req.prompts)))
 

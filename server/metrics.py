@@ -2,10 +2,12 @@
 (vllm:num_requests_running, vllm:time_to_first_token_seconds, ...) with a model_name label, so
 dashboards, routers and benchmark tools built for vLLM read them unchanged; vllm:cache_config_info
 (a gauge at 1 whose labels are the KV cache's settings); with KV tiers (--kv-offloading-size),
-vLLM's external_prefix_cache_* counters and infc's own per-tier ones (infc:kv_offload_*); and, as
-vLLM's prometheus_client registry
+vLLM's external_prefix_cache_* counters and infc's own per-tier ones (infc:kv_offload_*); vllm:lora_requests_info (LoRA plans: the
+adapters of running and of waiting requests as labels); and, as vLLM's prometheus_client registry
 shows them, the process and Python collectors (process_resident_memory_bytes, python_gc_*, ...).
 The engine measures (runtime/engine/metrics.py); this renders."""
+import time
+
 from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR
 from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import CollectorRegistry
@@ -133,4 +135,9 @@ def render(stats: dict, model_name: str) -> str:
         labels = ",".join(f'{k}="{_label(str(v))}"' for k, v in sorted(info.items()))
         out += ["# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
                 "# TYPE vllm:cache_config_info gauge", f"vllm:cache_config_info{{{labels}}} 1.0"]
+    lora = stats.get("lora_requests_info")
+    if lora:                                 # vLLM's: the value is when the labels were taken
+        labels = ",".join(f'{k}="{_label(str(v))}"' for k, v in sorted(lora.items()))
+        out += ["# HELP vllm:lora_requests_info Running stats on lora requests.",
+                "# TYPE vllm:lora_requests_info gauge", f"vllm:lora_requests_info{{{labels}}} {_num(time.time())}"]
     return "\n".join(out) + "\n" + _process().decode()

@@ -79,9 +79,11 @@ def _all_but(vocab_size: int, keep: int) -> list[int]:
     return _cache[vocab_size](keep)
 
 
-async def forced_token_logprobs(engine, ids: list[int], top: int, vocab_size: int, request_id: str) -> list:
+async def forced_token_logprobs(engine, ids: list[int], top: int, vocab_size: int, request_id: str,
+                                lora: str | None = None) -> list:
     """The old path: [None, {"token", "logprob", "top": [(id, logprob)]}, ...], one entry per
-    prompt token (the first has no context, hence None), one engine request each."""
+    prompt token (the first has no context, hence None), one engine request each (with the
+    request's LoRA adapter, if any)."""
     result: list = [None] * len(ids)
 
     async def score(i: int):
@@ -90,7 +92,7 @@ async def forced_token_logprobs(engine, ids: list[int], top: int, vocab_size: in
                                 skip_special_tokens=False)
         # a prefix of a prompt the server checked, with max_tokens 1: it fits where the prompt did
         async for out in engine.generate(ids[:i], params, f"{request_id}-score-{i}", checked=True,
-                                         counted=False):
+                                         counted=False, lora=lora):
             if out.token_ids and out.logprobs:
                 lp = out.logprobs[0]
                 if out.token_ids[0] != ids[i]:       # the ban did not hold: a bug, say so

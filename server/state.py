@@ -23,6 +23,7 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False    # with no parser named, the template must imply one
     reasoning_parser: str | None = None      # reasoning.REASONING_PARSERS' names
     enable_prompt_tokens_details: bool = False   # usage.prompt_tokens_details.cached_tokens
+    allow_runtime_lora_updating: bool = False    # POST /v1/load_lora_adapter, /v1/unload_lora_adapter
 
 
 class ServerState:

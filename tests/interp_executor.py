@@ -50,13 +50,17 @@ class InterpExecutor:
         while len(pages) * self.page_size < tokens:
             pages.append(self.free_pages.pop(len(self.free_pages) // 2))   # not in order: paging is real
 
-    def step(self, chunks: list[Chunk]) -> np.ndarray:
+    def step(self, chunks: list[Chunk], lora=None) -> np.ndarray:
+        """lora: each chunk's adapter slot (a LoRA plan's; None: slot 0 on every row)."""
         for c in chunks:
             self.ensure_pages(c.seq_id, c.start + len(c.tokens))
             if self.free_slots and c.seq_id not in self.slots:
                 self.slots[c.seq_id] = self.free_slots.pop(len(self.free_slots) // 2)
         meta = build_step(chunks, self.pages.__getitem__, self.page_size,
                           slot_of=self.slots.__getitem__ if self.slots else None)
+        if "lora_slots" in self.plan["step_metadata"]:
+            meta.lora_slots = np.repeat(np.asarray(lora if lora is not None else [0] * meta.B, np.int32),
+                                        [len(c.tokens) for c in chunks])
         dims = {"T": meta.T, "B": meta.B}
         a = self.plan["arena"]
         arena = torch.full(((a["bytes_per_token"] * meta.T + a["bytes_per_seq"] * meta.B + a["bytes"]) // 2,),

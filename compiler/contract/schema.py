@@ -38,9 +38,17 @@ STATE_SLOTS = {"state_slots": {"shape": ["B"], "dtype": "i32",
                                "doc": "slot of each sequence in the slot caches (conv, recurrent state)"}}
 
 
-def step_metadata(caches: dict) -> dict:
+# Only in a plan built with --enable-lora (compiler/passes/add_lora.py)
+LORA_SLOTS = {"lora_slots": {"shape": ["T"], "dtype": "i32",
+                             "doc": "adapter slot of each token's request (0: no adapter)"}}
+
+
+def step_metadata(caches: dict, lora: bool = False) -> dict:
     """The step metadata the plan's kernels read: STEP_METADATA, plus state_slots when a cache
-    keeps one entry per sequence (kind "slot")."""
+    keeps one entry per sequence (kind "slot"), plus lora_slots in a LoRA plan."""
+    out = dict(STEP_METADATA)
     if any(c["kind"] == "slot" for c in caches.values()):
-        return {**STEP_METADATA, **STATE_SLOTS}
-    return STEP_METADATA
+        out.update(STATE_SLOTS)
+    if lora:
+        out.update(LORA_SLOTS)
+    return out

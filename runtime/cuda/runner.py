@@ -33,9 +33,10 @@ from .weights import DeviceWeights
 
 # the step metadata this runner builds from a StepMeta (`_metadata`); the plan's step_metadata
 # must be among them
-# (state_slots only for a plan with slot caches: its step_metadata names it)
+# (state_slots only for a plan with slot caches, lora_slots for a LoRA plan: its step_metadata
+# names them)
 PRODUCED = ("positions", "seq_starts", "context_lens", "last_rows", "slot_mapping", "block_tables",
-            "state_slots")
+            "state_slots", "lora_slots")
 
 
 def grid_code(meta: dict) -> list:
@@ -361,6 +362,9 @@ class CudaRunner:
         if "state_slots" in self.meta:              # pad rows use the spare slot
             slots = meta.state_slots if meta.state_slots is not None else np.zeros(meta.B, np.int32)
             arr["state_slots"] = np.concatenate([slots, np.full(pad_b, self.num_slots, np.int32)])
+        if "lora_slots" in self.meta:               # pad rows: no adapter
+            lora = meta.lora_slots if meta.lora_slots is not None else np.zeros(meta.T, np.int32)
+            arr["lora_slots"] = np.concatenate([lora, np.zeros(pad_t, np.int32)])
         return {k: v if v.dtype == np.int32 else v.astype(np.int32) for k, v in arr.items()}
 
     def _run_step(self, meta: StepMeta, feed=()) -> tuple[int, int]:
@@ -406,6 +410,11 @@ class CudaRunner:
             samples = [None if s is None else sample_row(logits[b], s) for b, s in enumerate(sampling)]
         self._score_rows(meta, T)
         return samples
+
+    def lora_put(self):
+        """The writer of the plan's LoRA tables (runtime/lora/tables.py) on the device."""
+        from .lora_tables import device_put
+        return device_put(self.ctx, self.plan, self.weights)
 
     # -- prompt logprobs: the plan's logits tail re-run at the prompt rows -----------------------
     @property

@@ -16,6 +16,7 @@ engine.is_fatal calls fatal: the device or the ranks are gone), the engine is de
 turns False and every waiter gets EngineDeadError instead of hanging.
 """
 import asyncio
+import concurrent.futures
 import threading
 
 from .engine import Engine, StepOutput, is_fatal
@@ -43,6 +44,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._commands: list[tuple] = []
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._calls: set = set()                 # engine-thread calls (LoRA loads) not yet run
         self._wake = threading.Event()
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="infc-engine", daemon=True)
@@ -50,11 +52,11 @@ class AsyncEngine:
 
     # -- the door -------------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                       checked: bool = False, counted: bool = True):
+                       checked: bool = False, counted: bool = True, lora: str | None = None):
         """Yield this request's StepOutputs until all its sequences are finished. checked: the
         caller ran engine.check_request on these ids (a list of int) and params already (the
         server does, for every prompt of a request before it replies). counted=False: a request
-        the server makes for itself, left out of the metrics."""
+        the server makes for itself, left out of the metrics. lora: a loaded adapter's name."""
         self._raise_if_dead()
         if not checked:
             if params.structured_outputs is not None:      # compiled off the loop, then cached
@@ -71,7 +73,7 @@ class AsyncEngine:
             with self._lock:
                 self._queues.pop(request_id, None)
             raise
-        self._send(("add", list(prompt_ids), params, request_id, counted))
+        self._send(("add", list(prompt_ids), params, request_id, counted, lora))
         done = False
         try:
             while not done:
@@ -94,6 +96,41 @@ class AsyncEngine:
         compiles too slowly. The server awaits it before it queues the request; the engine thread
         then finds the grammar compiled. Never blocks the event loop."""
         await asyncio.to_thread(self.engine.grammars.check, so)
+
+    async def load_lora(self, name: str, path: str) -> int:
+        """Register a LoRA adapter (runtime/lora/slots.py): read and checked in a worker thread,
+        registered on the engine's thread between steps; its lora_id, or the AdapterError that
+        left everything as it was."""
+        loras = self._loras()
+        loras.check_free(name)                   # before the read; register checks it again
+        prepared = await asyncio.to_thread(loras.prepare, name, path)
+        return await self._on_thread(lambda: loras.register(name, path, prepared))
+
+    async def unload_lora(self, name: str):
+        await self._on_thread(lambda: self._loras().unregister(name))
+
+    def lora_names(self) -> list[str]:
+        loras = self.engine.loras
+        return [] if loras is None else list(loras.ids)
+
+    def _loras(self):
+        if self.engine.loras is None:
+            raise ValueError("this model serves no LoRA adapters (serve it with --enable-lora)")
+        return self.engine.loras
+
+    async def _on_thread(self, fn):
+        self._raise_if_dead()
+        fut = concurrent.futures.Future()
+        with self._lock:
+            self._calls.add(fut)
+        self._send(("call", fn, fut))
+        try:
+            self._raise_if_dead()            # it may have died since: nobody would run the call
+        except EngineDeadError:
+            with self._lock:
+                self._calls.discard(fut)
+            raise
+        return await asyncio.wrap_future(fut)
 
     async def abort(self, request_id: str):
         self._send(("abort", request_id))
@@ -148,12 +185,22 @@ class AsyncEngine:
         if cmd[0] == "abort":
             self.engine.abort(cmd[1])
             return
-        _, prompt_ids, params, request_id, counted = cmd
+        if cmd[0] == "call":                   # load / unload an adapter: between steps
+            _, fn, fut = cmd
+            with self._lock:
+                self._calls.discard(fut)
+            try:
+                fut.set_result(fn())
+            except Exception as e:              # noqa: BLE001 - the caller's to report
+                fut.set_exception(e)
+            return
+        _, prompt_ids, params, request_id, counted, lora = cmd
         with self._lock:
             if request_id not in self._queues:    # its consumer already left
                 return
         try:
-            self.engine.add_request(prompt_ids, params, request_id, checked=True, counted=counted)
+            self.engine.add_request(prompt_ids, params, request_id, checked=True, counted=counted,
+                                    lora=lora)
         except ValueError as e:                 # one bad request, not a dead engine
             self._put(request_id, e)
         except Exception as e:                  # noqa: BLE001 - nor one that fails on its way in
@@ -184,6 +231,10 @@ class AsyncEngine:
     def _fail_all(self, error: BaseException):
         with self._lock:
             targets = list(self._queues.values())
+            calls, self._calls = self._calls, set()
+        for fut in calls:
+            if not fut.done():
+                fut.set_exception(error)
         for loop, queue in targets:
             try:
                 loop.call_soon_threadsafe(queue.put_nowait, error)

@@ -20,6 +20,10 @@ KV tiers (`tiers`, kv_tier/tiers.py: --kv-offloading-size): a hashed page whose 
 goes is offered to them, and the prefix lookup goes on past the device's hits into them: a
 block found there takes a fresh page, registered under its hash at once, and the engine's
 flush copies it in before the step that reads it.
+
+LoRA adapters (`lora`: runtime/lora/slots.py's LoraSlots): a sequence naming one is admitted only
+with its adapter in a slot (admit / drop, alongside its pages), and its block hashes start from
+the adapter's id, so one adapter's cached KV never serves another's or the base model's.
 """
 import hashlib
 from collections import OrderedDict
@@ -33,6 +37,15 @@ from .sequence import Sequence
 def prefix_hash(tokens) -> bytes:
     """The name of the block that ends the prefix `tokens` (every token from the first)."""
     return hashlib.sha256(np.asarray(tokens, np.int64).tobytes()).digest()
+
+
+def _hasher(seq: Sequence):
+    """A sequence's first hasher: its adapter's id first, in 12 bytes, so an adapter's hashed
+    bytes are never a whole number of int64 tokens and never name a base model's block."""
+    h = hashlib.sha256()
+    if seq.lora is not None:
+        h.update(b"lora" + int(seq.lora[1]).to_bytes(8, "little"))
+    return h
 
 
 class Block:
@@ -57,6 +70,7 @@ class BlockManager:
         self.num_slots = num_slots
         self.free_slots: list[int] = list(range(num_slots - 1, -1, -1))   # pop() gives slot 0 first
         self.tiers = tiers                        # kv_tier.KVTiers, or None
+        self.lora = None                          # LoraSlots where the plan serves adapters
 
     # -- accounting ---------------------------------------------------------------------------
     @property
@@ -85,7 +99,7 @@ class BlockManager:
         if first < num_blocks:
             raw = memoryview(np.asarray(seq.token_ids[first * ps:num_blocks * ps], np.int64).tobytes())
             width = ps * 8
-            h = seq.block_hasher or hashlib.sha256()
+            h = seq.block_hasher or _hasher(seq)
             for j in range(num_blocks - first):
                 h.update(raw[j * width:(j + 1) * width])
                 hs.append(h.copy().digest())
@@ -142,6 +156,8 @@ class BlockManager:
         if n <= 0 or new + revived > len(self.free) or (self.num_slots and not self.free_slots):
             if rows:
                 self.tiers.unfetch(rows)
+            return 0
+        if self.lora is not None and not self.lora.admit(seq):
             return 0
         if self.num_slots:
             seq.slot = self.free_slots.pop()
@@ -224,6 +240,8 @@ class BlockManager:
         if seq.slot is not None:                  # its state is dropped with its KV
             self.free_slots.append(seq.slot)
             seq.slot = None
+        if self.lora is not None:
+            self.lora.drop(seq)
 
     def check(self):
         """Invariants (tests): references are counted exactly, free pages are unreferenced."""

@@ -63,6 +63,7 @@ from .speculative.speculator import Speculator, merge_outputs, refuse_slot_cache
 from .structured.cache import GrammarCache
 from .step import Chunk, build_step, pad_ranks
 from ..tokenization.tokenizer import IncrementalDecoder
+from ..lora.slots import LoraSlots
 
 _seeds = random.SystemRandom()
 
@@ -130,7 +131,8 @@ class Engine:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  enable_prefix_caching: bool = True, log=None, overlap: bool | None = None,
                  kv_offloading: "kv_tiers.OffloadConfig | None" = None,
-                 speculative_config=None):
+                 speculative_config=None,
+                 max_cpu_loras: int | None = None):
         """log(line): where startup notes go (infc/backend.py passes its printer).
         overlap: overlapped steps (see above); default on where the runner can, unless
         INFC_OVERLAP=0. kv_offloading: host and disk tiers for prefix blocks (kv_tier/).
@@ -171,6 +173,11 @@ class Engine:
                                  self.tiers) for _ in range(self.dp)]
         self.schedulers = [Scheduler(bm, max_num_seqs, max_num_batched_tokens) for bm in self.bms]
         self.bm, self.scheduler = self.bms[0], self.schedulers[0]
+        # a plan built with --enable-lora: the adapters requests may name, in the runner's slots
+        self.loras = LoraSlots(runner.plan, runner.lora_put(), max_cpu_loras) \
+            if "lora" in getattr(runner, "plan", {}) else None
+        for bm in self.bms:
+            bm.lora = self.loras
         self.requests: dict[str, Request] = {}
         self.metrics = Metrics(max_model_len=min(max_model_len, 1 << 30))
         self.metrics.spec_decode_positions = self.spec.k if self.spec else 0
@@ -232,11 +239,13 @@ class Engine:
         return ids.tolist()
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                    arrival_time: float | None = None, checked: bool = False, counted: bool = True) -> str:
+                    arrival_time: float | None = None, checked: bool = False, counted: bool = True,
+                    lora: str | None = None) -> str:
         """checked: prompt_ids is a list of int that check_request already accepted with these
         params (AsyncEngine.generate's door, or the server's before it): at 16k tokens, the int
         conversion and the vocabulary check cost ~0.5 ms each, once per request is enough.
-        counted=False: a request the server makes for itself, left out of the metrics."""
+        counted=False: a request the server makes for itself, left out of the metrics.
+        lora: the name of a loaded LoRA adapter to run the request with (None: the base model)."""
         if params.best_of is not None and params.best_of != params.n:
             raise ValueError("best_of > n is chosen among the engine's outputs by the caller "
                              "(best_of.candidates: the engine draws n = best_of)")
@@ -246,6 +255,7 @@ class Engine:
             request_id, self._next_request = f"req-{self._next_request}", self._next_request + 1
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        adapter = self._lora(lora)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         seqs = []
         words = bad_words.token_sequences(self.tokenizer, params.bad_words) if params.bad_words else []
@@ -261,12 +271,23 @@ class Engine:
             self._next_seq += 1
         rank = self._rank_for(seqs[0])
         for s in seqs:                    # siblings share the prompt's cached blocks: one rank
-            s.rank = rank
+            s.rank, s.lora = rank, adapter
         self.requests[request_id] = Request(request_id, prompt_ids, params, seqs, arrival,
                                             self.metrics if counted else Metrics())
         self.schedulers[rank].add(seqs[0])
         self._gauges()
         return request_id
+
+    def _lora(self, name: str | None):
+        """(name, lora_id) of a loaded adapter, None for the base model; ValueError otherwise."""
+        if name is None:
+            return None
+        if self.loras is None:
+            raise ValueError(f"LoRA adapter '{name}': this model serves no adapters (build and serve "
+                             f"it with --enable-lora)")
+        if name not in self.loras.ids:
+            raise ValueError(f"LoRA adapter '{name}' is not loaded")
+        return name, self.loras.ids[name]
 
     def _rank_for(self, seq: Sequence) -> int:
         """The data-parallel rank a new sequence runs on: the one whose prefix cache holds most of
@@ -525,6 +546,10 @@ class Engine:
                           slot_of=slots.__getitem__ if slots else None)
         if any(scores):
             meta.scores = scores
+        if self.loras is not None:          # per chunk: a sequence's draft rows sit at the end
+            slot = {seq.seq_id: seq.lora_slot for seq, _ in batch}
+            meta.lora_slots = np.repeat(np.fromiter((slot[c.seq_id] for c in chunks), np.int32, len(chunks)),
+                                        [len(c.tokens) for c in chunks]).astype(np.int32)
         return meta, rows, feed
 
     def _launched(self, batch, rows):
@@ -750,3 +775,9 @@ class Engine:
             st = m.kv_offload = self.tiers.stats
             m.external_prefix_cache_queries_total = m.prefix_cache_queries_total - m.prefix_cache_hits_total
             m.external_prefix_cache_hits_total = st.host_hit_tokens + st.disk_hit_tokens
+        if self.loras is not None:
+            running = {q.lora[0] for s in self.schedulers for q in s.running if q.lora}
+            waiting = {q.lora[0] for s in self.schedulers for q in s.waiting if q.lora}
+            m.lora_requests_info = {"running_lora_adapters": ",".join(sorted(running)),
+                                    "waiting_lora_adapters": ",".join(sorted(waiting)),
+                                    "max_lora": str(self.loras.max_loras)}

@@ -80,6 +80,9 @@ class Metrics:
     request_prompt_tokens: Histogram | None = None        # buckets_1_2_5(max_model_len)
     request_generation_tokens: Histogram | None = None
     cache_config_info: dict = field(default_factory=dict)  # label -> value (a gauge set to 1)
+    # LoRA plans: vLLM's lora_requests_info labels (the adapters of running and of waiting
+    # requests, comma-separated, and max_lora); empty without adapters
+    lora_requests_info: dict = field(default_factory=dict)
     iteration_tokens: int = 0                              # of the step running now
     # speculative decoding (vLLM's spec_decode_* counters), exported when spec_decode_positions
     # (the drafts a step may verify, k) is set: drafts verified, their tokens, the accepted ones,

@@ -134,6 +134,11 @@ class CPURunner(ComputedAtLaunch):
         from .kv_tier.host_copies import HostCopies
         return HostCopies(self.executor.paged)
 
+    def lora_put(self):
+        """The writer of the plan's LoRA tables (runtime/lora/tables.py): the numpy weights."""
+        from ..lora.tables import numpy_put
+        return numpy_put(self.plan, self.executor.weights)
+
     def forward(self, meta: StepMeta) -> np.ndarray:
         """The step's logits (its sampling rows); the prompt rows it scores (meta.scores) are
         scored here, in the same pass."""

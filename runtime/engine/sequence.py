@@ -40,6 +40,8 @@ class Sequence:
         self.pending = 0                           # sampled by a step in flight, not read back yet
         self.pending_row = -1                      # that step's row for this sequence
         self.rank = 0                              # data-parallel ranks: the rank whose KV it has
+        self.lora = None                           # (name, lora_id) of its LoRA adapter, or None
+        self.lora_slot = 0                         # the adapter's slot while admitted (0: none)
         self.processing = None                     # its rows' logits processing (row_processing.py)
         self.final = False                         # its pending token is its last: schedule no more
         self.grammar = None                        # structured outputs: its SequenceGrammar

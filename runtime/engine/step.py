@@ -28,6 +28,8 @@ class StepMeta:
     max_pages: int
     state_slots: np.ndarray | None = None   # [B] i32: each sequence's slot in the slot caches
                                             # (conv / recurrent state; read by plans with one)
+    lora_slots: np.ndarray | None = None    # [T] i32: each token's adapter slot (LoRA plans;
+                                            # None: every row slot 0, no adapter)
     scores: list | None = None   # [B] PromptScore | None: prompt logprobs asked of each chunk's
                                  # rows (runners with `row_logits` only; engine/prompt_logprobs.py)
 
@@ -100,6 +102,7 @@ def pad_step(meta: StepMeta, T: int, page: int, page_size: int, rows: bool = Fal
     bt[:meta.B, :meta.block_tables.shape[1]] = meta.block_tables
     bt[meta.B:, :need] = page
     slots = None if meta.state_slots is None else i32(np.concatenate([meta.state_slots, np.full(n, slot)]))
+    lora = None if meta.lora_slots is None else i32(np.concatenate([meta.lora_slots, np.zeros(pad)]))
     if rows:
         positions, starts = np.zeros(pad), meta.T + np.arange(1, pad + 1)
         lens, last = np.ones(pad), meta.T + np.arange(pad)
@@ -113,7 +116,7 @@ def pad_step(meta: StepMeta, T: int, page: int, page_size: int, rows: bool = Fal
                     i32(np.concatenate([meta.context_lens, lens])),
                     i32(np.concatenate([meta.last_rows, last])),
                     i32(np.concatenate([meta.slot_mapping, page * page_size + np.arange(pad) % page_size])),
-                    bt, width, slots)
+                    bt, width, slots, lora)
 
 
 def phase_of_padded(meta: StepMeta) -> str:

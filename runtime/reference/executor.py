@@ -23,7 +23,7 @@ from ..weights.load import at
 SCALE = 2
 SeqChunk = Chunk          # the oracle's chunk: (seq_id, new tokens, tokens already cached)
 METADATA = ("positions", "seq_starts", "context_lens", "last_rows", "slot_mapping", "block_tables",
-            "state_slots")
+            "state_slots", "lora_slots")
 # state slots the oracle (SeqPages) gives sequences of plans with slot caches: one per seq_id
 # until it is freed
 ORACLE_SLOTS = 64
@@ -70,6 +70,8 @@ class StepContext:
         arrays = {n: getattr(meta, n) for n in METADATA}
         if arrays["state_slots"] is None:          # a StepMeta built without slots: row b, slot 0
             arrays["state_slots"] = np.zeros(meta.B, np.int32)
+        if arrays["lora_slots"] is None:           # no adapter on any row
+            arrays["lora_slots"] = np.zeros(meta.T, np.int32)
         self.meta = Metadata({n: np.asarray(a) for n, a in arrays.items()}, max_pages=meta.max_pages)
         self.storage = storage
         self.page_size = storage.page_size
@@ -265,6 +267,10 @@ class ReferenceExecutor:
         first): its logits, and with rows also those rows' (see _execute)."""
         return self._execute(meta, self.paged, rows)
 
-    def step(self, chunks: list[Chunk]) -> np.ndarray:
-        """Run one step over the chunks; returns float32 logits [B, V] (one row per chunk)."""
-        return self._execute(self.oracle.step(chunks), self.oracle.storage)
+    def step(self, chunks: list[Chunk], lora=None) -> np.ndarray:
+        """Run one step over the chunks; returns float32 logits [B, V] (one row per chunk).
+        lora: each chunk's adapter slot (a LoRA plan's; None: no adapter)."""
+        meta = self.oracle.step(chunks)
+        if lora is not None:
+            meta.lora_slots = np.repeat(np.asarray(lora, np.int32), [len(c.tokens) for c in chunks])
+        return self._execute(meta, self.oracle.storage)

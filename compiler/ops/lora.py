@@ -1,0 +1,72 @@
+"""LoRA's two launches around a target linear (compiler/passes/add_lora.py makes them):
+
+    lora_shrink(x[T, K], a[S, P*R, K])                -> xa[T, P*R]   xa[t] = a[s_t] @ x[t]
+    lora_expand(y[T, N], xa[T, P*R], b[S, N, R], scale[S, P]) -> y    y[t, piece p] +=
+                                      scale[s_t, p] * b[s_t, piece p rows] @ xa[t, p*R:(p+1)*R]
+
+s_t = step metadata lora_slots[t]: the adapter slot of token t's request, 0 for none. The tables
+stack S = max_loras + 1 slots; slot 0 is zeros (and is never written), so a row without an
+adapter adds exactly 0. A fused linear (q|k|v, gate|up) has P pieces side by side: its A table
+stacks the pieces' [R, K] matrices along the rank (one shrink for all), and output column n of
+piece p reads only that piece's R columns of xa (attrs["pieces"]: the pieces' output widths).
+An adapter of a rank below R is zero-padded (exact), and its per-piece scale (lora_alpha / r,
+or / sqrt(r) with rsLoRA) is applied after the product, as PEFT does.
+
+xa is x's dtype: PEFT runs lora_A then lora_B in the model's dtype, so a bf16 plan rounds the
+shrink's output where HF + PEFT does. The expand adds into y in place (its first output is its
+first input's memory).
+"""
+import numpy as np
+
+from .base import REQUIRED, expect, op, tt
+
+
+def _slots(ctx, T: int) -> np.ndarray:
+    s = np.asarray(ctx.meta.lora_slots, np.int64)
+    expect(s.shape == (T,), f"lora: step metadata lora_slots must be [T={T}], got {list(s.shape)}")
+    return s
+
+
+def shrink_infer(types, attrs):
+    x, a = types
+    expect(len(a.shape) == 3 and a.shape[2] == x.shape[-1],
+           f"lora_shrink: table {a} must be [slots, pieces*rank, K={x.shape[-1]}]")
+    expect(x.shape[0] == "T" and len(x.shape) == 2, f"lora_shrink: input must be [T, K], got {x}")
+    return [tt((x.shape[0], a.shape[1]), x.dtype)]
+
+
+def shrink_reference(ctx, x, a):
+    s = _slots(ctx, x.shape[0])
+    return np.einsum("trk,tk->tr", a[s], x)
+
+
+def expand_infer(types, attrs):
+    y, xa, b, scale = types
+    pieces, r = attrs["pieces"], attrs["rank"]
+    expect(len(b.shape) == 3 and b.shape[1:] == (y.shape[-1], r),
+           f"lora_expand: table {b} must be [slots, N={y.shape[-1]}, rank={r}]")
+    expect(sum(pieces) == y.shape[-1], f"lora_expand: pieces {pieces} must add up to N={y.shape[-1]}")
+    expect(xa.shape == (y.shape[0], len(pieces) * r),
+           f"lora_expand: xa {xa} must be [T, {len(pieces)} pieces x rank {r}]")
+    expect(scale.shape == (b.shape[0], len(pieces)) and scale.dtype == "f32",
+           f"lora_expand: scale {scale} must be f32 [slots, {len(pieces)}]")
+    return [tt(y.shape, y.dtype)]
+
+
+def expand_reference(ctx, y, xa, b, scale, pieces, rank):
+    s = _slots(ctx, y.shape[0])
+    out = np.array(y, np.float32)
+    n0 = 0
+    for p, n in enumerate(pieces):
+        part = xa[:, p * rank:(p + 1) * rank]
+        delta = np.einsum("tnr,tr->tn", b[s, n0:n0 + n], part)
+        out[:, n0:n0 + n] += scale[s, p][:, None] * delta
+        n0 += n
+    return out
+
+
+op(name="lora_shrink", tensors=["x", "a"], infer=shrink_infer, reference=shrink_reference,
+   internal=True, templates={"triton": "lora_shrink"}, doc="xa = A[slot] x, per token")
+op(name="lora_expand", tensors=["y", "xa", "b", "scale"], attrs={"pieces": REQUIRED, "rank": REQUIRED},
+   infer=expand_infer, reference=expand_reference, inplace={0: 0}, internal=True,
+   templates={"triton": "lora_expand"}, doc="y += scale[slot] B[slot] xa, per token and piece")
