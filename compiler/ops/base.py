@@ -31,6 +31,10 @@ class OpDef:
     optional: list[str] = field(default_factory=list)  # optional tensors after them (bias, ...):
                                            # a present one follows the required inputs and sets
                                            # attrs["has_<name>"] = True
+    extra_optional: list[str] = field(default_factory=list)  # optional tensors added later (an
+                                           # attention's sinks, an expert's biases): after the
+                                           # optional ones; a present one sets has_<name>, an
+                                           # absent one sets nothing, so older plans are unchanged
     pass_inputs: list[str] = field(default_factory=list)  # optional tensors only passes add, after
                                            # the optional ones (a quantized weight's scales:
                                            # compiler/ops/quant.py); a present one sets has_<name>

@@ -113,7 +113,8 @@ def rewrite_experts(state, g, node, fmt, done: dict):
         if v not in g.values:
             register_weight(state, g, v, TensorType((e,) + s.scale_shape(n, k), "f32"), comp[c],
                             state.weights[name]["layers"], state.weights[name].get("line"))
-    attach_companions(node, EXPERT_OPS[node.op] + 3, s, names)
+    # the companions follow rows, counts and the expert bias (if any)
+    attach_companions(node, EXPERT_OPS[node.op] + 3 + bool(node.attrs.get("has_bias")), s, names)
 
 
 def attach_companions(node, base: int, s, names: dict):
