@@ -1,25 +1,28 @@
 # moe_gate_up (grouped): act[t, j, f] = bf16(silu(g) * u),  e = ids[t, j],
 #   g = bf16(sum_k x[t, k] * w[e, f, k]),  u = bf16(sum_k x[t, k] * w[e, 2880 + f, k]),
 #   silu(g) = g / (1 + exp(-g)) in fp32 (g and u rounded to bf16 as the unfused model stores them).
-#   x [T, 2880] bf16, ids i32 [T, 4], w [32, 5760, 2880] bf16 (rows 0..2879 gate,
-#   2880..5759 up), rows i32 [32, T] / counts i32 [32] (moe_align: the tokens of each
+#   x [T, 2880] bf16, ids i32 [T, 4], w [128, 5760, 2880] bf16 (rows 0..2879 gate,
+#   2880..5759 up), rows i32 [128, T] / counts i32 [128] (moe_align: the tokens of each
 #   expert), act [T, 4, 2880] bf16; fp32 accumulate.
 #
 # Grouped GEMM over the tokens sorted by expert (vLLM's and SGLang's fused_moe): every expert's
 # token list, cut in blocks of BLOCK_M = 128, makes the row blocks of one GEMM (expert 0's blocks
-# first; a program finds its expert and block from a prefix sum over the 32 counts, so an expert
+# first; a program finds its expert and block from a prefix sum over the 128 counts, so an expert
 # with no tokens has no block and a partial last block is masked). One program per [BLOCK_M tokens,
 # BLOCK_F = 128 gate columns + the matching up columns] tile: the token rows of x are gathered
 # (each a contiguous 16-byte-aligned run), the expert's gate and up rows stream through a K loop
 # of BLOCK_K = 64 steps (unmasked: 64 divides 2880) that the compiler software-pipelines over num_stages
 # shared-memory buffers (cp.async + async wgmma on sm_90); one dot per step over the interleaved
-# gate/up rows. Grid: cdiv(T * 4, 128) + min(32, T * 4)
+# gate/up rows. Grid: cdiv(T * 4, 128) + min(128, T * 4)
 # row blocks (a bound on the experts' blocks; programs past the last exit) times 23 column
 # tiles, in groups of GROUP_M = 8 row blocks per column sweep. An expert's last block of at most
 # 64 tokens runs a 64-row tile (a second copy of the tile in the kernel). Each token's
 # result depends on its own row only, so the order of the lists does not change a bit of it.
-# Expert bias b [32, 5760] (gate | up, like w's rows) added to g and u before the activation.
+# Expert bias b [128, 5760] (gate | up, like w's rows) added to g and u before the activation.
 # The activation is clamped_swiglu (alpha 1.702, limit 7.0), not silu(g) * u.
+# Quantized experts: e2m1 codes, scales per 1 rows x 32 columns (518400 an
+#   expert, expert e's from e * 518400 on), each weight tile dequantized in registers; x quantized none;
+#   the tiles dotted in bf16.
 import triton
 import triton.language as tl
 
@@ -84,6 +87,16 @@ def _col(m, jj, KTP: tl.constexpr):
 
 
 @triton.jit
+def _x_tile(x_rows, k, EVEN_K: tl.constexpr):
+    """The gathered x rows' columns k, bf16 (the dot's A operand)."""
+    if EVEN_K:
+        a = tl.load(_ptr(x_rows, k))
+    else:
+        a = tl.load(_ptr(x_rows, k), mask=k < 2880, other=0.0)
+    return a
+
+
+@triton.jit
 def _silu_mul(g, u):
     """act = bf16(silu(g) * u), g and u rounded to bf16 first (as the unfused model stores them)."""
     g = g.to(tl.bfloat16).to(tl.float32)
@@ -123,7 +136,66 @@ def _gated_act(g, u):
 
 
 @triton.jit
-def _gate_up_tile(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid_f, b_ptr,
+def _w_raw(w_rows, k0, k_end, BK: tl.constexpr):
+    """The stored codes of W[rows, k0 : k0 + BK], zero past k_end: w_rows [BN, 1] row pointers
+    (1440 bytes a row), k0 a multiple of BK -> bytes [BN, BK / 2], two codes each."""
+    j = k0 // 2 + tl.arange(0, BK // 2)[None, :]
+    p = w_rows + j
+    p = tl.multiple_of(p, [1, 16])
+    return tl.load(p, mask=2 * j < k_end, other=0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _w_values(raw):
+    """The codes' values (fp32) in K order: [BN, BK]."""
+    c = tl.reshape(tl.join(raw & 15, raw >> 4), [raw.shape[0], raw.shape[1] * 2]).to(tl.int32)
+    m = (c & 1).to(tl.float32)
+    e = (c >> 1) & 3
+    mag = tl.where(e == 0, 0.5 * m, (1 << e).to(tl.float32) * (0.5 + 0.25 * m))
+    return tl.where((c & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def _w_group(t_ptr, srow, k0, k_end, BK: tl.constexpr):
+    """t[srow, g(k)] (w_scale or w_zero: 90 groups a row) over the tile's columns
+    k0 .. k0 + BK: srow [BN, 1] the W rows' scale rows -> [BN, 1] (the tile in one group),
+    [BN, BK / 32] (one a group of the tile) or [BN, BK] (a group per column)."""
+    if 32 % BK == 0:
+        return tl.load(t_ptr + srow * 90 + tl.minimum(k0 // 32, 89))
+    elif BK % 32 == 0:
+        g = tl.minimum(k0 // 32 + tl.arange(0, BK // 32), 89)[None, :]
+        return tl.load(t_ptr + srow * 90 + g)
+    else:
+        k = k0 + tl.arange(0, BK)[None, :]
+        return tl.load(t_ptr + srow * 90 + tl.minimum(k // 32, 89))
+
+
+@triton.jit
+def _w_deq_unmasked(raw, srow, w_scale_ptr, k0, k_end, BK: tl.constexpr):
+    """W[rows, k0 : k0 + BK] in fp32 from the raw tile (_w_raw); past k_end whatever the zero codes
+    give ((0 - zero) * scale for integers): for a caller whose A is zero there."""
+    v = _w_values(raw)
+    s = _w_group(w_scale_ptr, srow, k0, k_end, BK)
+    z = 0.0
+    if s.shape[1] == 1 or s.shape[1] == BK:
+        w = v * s
+    else:
+        # a scale (and zero) per group of the tile's 32 columns: the tile seen as [BN, groups, 32]
+        v = tl.reshape(v, [v.shape[0], s.shape[1], 32])
+        w = tl.reshape(v * s[:, :, None], [v.shape[0], BK])
+    return w
+
+
+@triton.jit
+def _w_deq(raw, srow, w_scale_ptr, k0, k_end, BK: tl.constexpr):
+    """W[rows, k0 : k0 + BK] in fp32 from the raw tile (_w_raw), zero past k_end."""
+    w = _w_deq_unmasked(raw, srow, w_scale_ptr, k0, k_end, BK)
+    k = k0 + tl.arange(0, BK)[None, :]
+    return tl.where(k < k_end, w, 0.0)
+
+
+@triton.jit
+def _gate_up_tile(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid_f, b_ptr, w_scale_ptr,
                   H: tl.constexpr, F: tl.constexpr, KT: tl.constexpr, KTP: tl.constexpr, BM: tl.constexpr,
                   BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, PAIR: tl.constexpr, EVEN_K: tl.constexpr,
                   DOT_F32: tl.constexpr):
@@ -132,40 +204,39 @@ def _gate_up_tile(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid
     ok = i < count
     toks = tl.load(rows_ptr + e.to(tl.int64) * T + i, mask=ok, other=0)
     x_rows = x_ptr + toks.to(tl.int64)[:, None] * H
-    w_e = w_ptr + e.to(tl.int64) * (2 * F * H)
+    w_e = w_ptr + e.to(tl.int64) * 8294400
+    ws = w_scale_ptr + e.to(tl.int64) * 518400   # expert e's scales
+
     offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
     if PAIR:
         # weight tile row r: gate row f (r even) or up row F + f (r odd), f = pid_f * BLOCK_F + r // 2
         r = tl.arange(0, 2 * BLOCK_F)
         fr = tl.minimum(pid_f * BLOCK_F + r // 2, F - 1)      # rows past F clamped for loading
-        w_rows = w_e + (fr + (r % 2) * F).to(tl.int64)[:, None] * H
+        w_row = (fr + (r % 2) * F).to(tl.int64)[:, None]
+        w_rows = w_e + w_row * 1440
+        srow = w_row // 1
         acc = tl.zeros([BM, 2 * BLOCK_F], tl.float32)
         for k0 in range(0, H, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)[None, :]
-            if EVEN_K:
-                a = tl.load(_ptr(x_rows, k))
-                w = tl.load(_ptr(w_rows, k))
-            else:
-                a = tl.load(_ptr(x_rows, k), mask=k < H, other=0.0)
-                w = tl.load(_ptr(w_rows, k), mask=k < H, other=0.0)
-            acc = _dot(a, w, acc, DOT_F32)
+            a = _x_tile(x_rows, k, EVEN_K)
+            w = _w_deq(_w_raw(w_rows, k0, H, BLOCK_K), srow, ws, k0, H, BLOCK_K)
+            acc = _dot(a.to(tl.bfloat16), w.to(tl.bfloat16), acc, DOT_F32)
         acc_g, acc_u = tl.split(tl.reshape(acc, [BM, BLOCK_F, 2]))
     else:
         # gate row f and up row F + f of expert e; rows past F are clamped for loading
-        g_rows = w_e + tl.minimum(offs_f, F - 1).to(tl.int64)[:, None] * H
-        u_rows = g_rows + F * H
+        f_rows = tl.minimum(offs_f, F - 1).to(tl.int64)[:, None]
+        g_rows = w_e + f_rows * 1440
+        u_rows = g_rows + 4147200
+        srow_g = f_rows // 1
+        srow_u = (f_rows + F) // 1
         acc_g = tl.zeros([BM, BLOCK_F], tl.float32)
         acc_u = tl.zeros([BM, BLOCK_F], tl.float32)
         for k0 in range(0, H, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)[None, :]
-            if EVEN_K:
-                a = tl.load(_ptr(x_rows, k))
-                wg = tl.load(_ptr(g_rows, k))
-                wu = tl.load(_ptr(u_rows, k))
-            else:
-                a = tl.load(_ptr(x_rows, k), mask=k < H, other=0.0)
-                wg = tl.load(_ptr(g_rows, k), mask=k < H, other=0.0)
-                wu = tl.load(_ptr(u_rows, k), mask=k < H, other=0.0)
+            a = _x_tile(x_rows, k, EVEN_K)
+            wg = _w_deq(_w_raw(g_rows, k0, H, BLOCK_K), srow_g, ws, k0, H, BLOCK_K)
+            wu = _w_deq(_w_raw(u_rows, k0, H, BLOCK_K), srow_u, ws, k0, H, BLOCK_K)
+            a, wg, wu = a.to(tl.bfloat16), wg.to(tl.bfloat16), wu.to(tl.bfloat16)
             acc_g = _dot(a, wg, acc_g, DOT_F32)
             acc_u = _dot(a, wu, acc_u, DOT_F32)
     idt = _slot_ids(ids_ptr, toks, ok, KT, KTP)
@@ -176,7 +247,7 @@ def _gate_up_tile(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid
 
 
 @triton.jit
-def moe_gate_up_grouped(x_ptr, ids_ptr, w_ptr, rows_ptr, counts_ptr, act_ptr, T, b_ptr,
+def moe_gate_up_grouped(x_ptr, ids_ptr, w_ptr, rows_ptr, counts_ptr, act_ptr, T, b_ptr, w_scale_ptr,
                         H: tl.constexpr, F: tl.constexpr, KT: tl.constexpr, KTP: tl.constexpr, E: tl.constexpr,
                         BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NF: tl.constexpr, PAIR: tl.constexpr,
@@ -186,28 +257,28 @@ def moe_gate_up_grouped(x_ptr, ids_ptr, w_ptr, rows_ptr, counts_ptr, act_ptr, T,
     if e < E:
         if HALF_TAIL:
             if count - i0 <= BLOCK_M // 2:
-                _gate_up_tile(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid_f, b_ptr, H, F, KT,
+                _gate_up_tile(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid_f, b_ptr, w_scale_ptr, H, F, KT,
                               KTP, BLOCK_M // 2, BLOCK_F, BLOCK_K, PAIR, EVEN_K, DOT_F32)
             else:
-                _gate_up_tile(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid_f, b_ptr, H, F, KT,
+                _gate_up_tile(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid_f, b_ptr, w_scale_ptr, H, F, KT,
                               KTP, BLOCK_M, BLOCK_F, BLOCK_K, PAIR, EVEN_K, DOT_F32)
         else:
-            _gate_up_tile(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid_f, b_ptr, H, F, KT, KTP,
+            _gate_up_tile(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid_f, b_ptr, w_scale_ptr, H, F, KT, KTP,
                           BLOCK_M, BLOCK_F, BLOCK_K, PAIR, EVEN_K, DOT_F32)
 
 
 META = {
     "entry": "moe_gate_up_grouped",
     "params": [["x_ptr", "*bf16", "in:0"], ["ids_ptr", "*i32", "in:1"],
-               ["w_ptr", "*bf16", "in:2"], ["rows_ptr", "*i32", "in:3"],
+               ["w_ptr", "*u8", "in:2"], ["rows_ptr", "*i32", "in:3"],
                ["counts_ptr", "*i32", "in:4"], ["act_ptr", "*bf16", "out:0"],
-               ["T", "i32", "dim:T"], ["b_ptr", "*bf16", "in:5"]],
-    "constexprs": {"H": 2880, "F": 2880, "KT": 4, "KTP": 4, "E": 32, "BLOCK_E": 32,
+               ["T", "i32", "dim:T"], ["b_ptr", "*bf16", "in:5"], ["w_scale_ptr", "*fp32", "in:6"]],
+    "constexprs": {"H": 2880, "F": 2880, "KT": 4, "KTP": 4, "E": 128, "BLOCK_E": 128,
                    "BLOCK_M": 128, "BLOCK_F": 128, "BLOCK_K": 64,
                    "GROUP_M": 8, "NF": 23, "PAIR": 1, "HALF_TAIL": 1,
                    "EVEN_K": True,
                    "DOT_F32": False},
-    "grid": ["(cdiv(T * 4, 128) + min(32, T * 4)) * 23", 1, 1],
+    "grid": ["(cdiv(T * 4, 128) + min(128, T * 4)) * 23", 1, 1],
     "num_warps": 8,
     "num_stages": 3,
 }

@@ -1,8 +1,8 @@
 # moe_down: y[t, h] = bf16(sum_j r[t, j] * sum_f act[t, j, f] * w[e, h, f]),  e = ids[t, j]
-#   act [T, 4, 2880] bf16, r f32 [T, 4], ids i32 [T, 4], w [128, 2880, 2880] bf16,
+#   act [T, 4, 2880] bf16, r f32 [T, 4], ids i32 [T, 4], w [32, 2880, 2880] bf16,
 #   y [T, 2880] bf16; fp32 sums, one rounding.
 #
-# Decode: grid (min(128, T * 4) distinct-expert slots, 45 blocks of BLOCK_H = 64 output
+# Decode: grid (min(32, T * 4) distinct-expert slots, 45 blocks of BLOCK_H = 64 output
 # rows): program (u, b) takes the u-th smallest chosen expert e and the tokens that chose it, and
 # streams e's row block once for all of them (moe_gate_up.py.j2's two paths: CUDA cores for at
 # most FMA_T = 1 tokens, else swap-AB tensor-core tiles of BLOCK_T tokens); the A operand
@@ -12,6 +12,9 @@
 # for every slot j of t that chose e and counts itself in at the tile (t, b); the program that
 # completes the token's distinct experts adds the token's 4 partials in slot order and writes
 # y[t] (the same bits whatever order the experts finish in), leaving the counter zero.
+# Quantized experts: e2m1 codes, scales per 1 rows x 32 columns (259200 an
+#   expert, expert e's from e * 259200 on), dequantized in registers; act rows quantized none.
+#   The tensor-core path dots the dequantized tiles in bf16.
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -149,7 +152,66 @@ def _down_finish(acc, toks, ok, e, offs_h, nb, ids_ptr, rw_ptr, y_ptr, part_ptr,
 
 
 @triton.jit
-def moe_down(act_ptr, rw_ptr, ids_ptr, w_ptr, y_ptr, T, part_ptr, cnt_ptr, b_ptr,
+def _w_raw(w_rows, k0, k_end, BK: tl.constexpr):
+    """The stored codes of W[rows, k0 : k0 + BK], zero past k_end: w_rows [BN, 1] row pointers
+    (1440 bytes a row), k0 a multiple of BK -> bytes [BN, BK / 2], two codes each."""
+    j = k0 // 2 + tl.arange(0, BK // 2)[None, :]
+    p = w_rows + j
+    p = tl.multiple_of(p, [1, 16])
+    return tl.load(p, mask=2 * j < k_end, other=0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _w_values(raw):
+    """The codes' values (fp32) in K order: [BN, BK]."""
+    c = tl.reshape(tl.join(raw & 15, raw >> 4), [raw.shape[0], raw.shape[1] * 2]).to(tl.int32)
+    m = (c & 1).to(tl.float32)
+    e = (c >> 1) & 3
+    mag = tl.where(e == 0, 0.5 * m, (1 << e).to(tl.float32) * (0.5 + 0.25 * m))
+    return tl.where((c & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def _w_group(t_ptr, srow, k0, k_end, BK: tl.constexpr):
+    """t[srow, g(k)] (w_scale or w_zero: 90 groups a row) over the tile's columns
+    k0 .. k0 + BK: srow [BN, 1] the W rows' scale rows -> [BN, 1] (the tile in one group),
+    [BN, BK / 32] (one a group of the tile) or [BN, BK] (a group per column)."""
+    if 32 % BK == 0:
+        return tl.load(t_ptr + srow * 90 + tl.minimum(k0 // 32, 89))
+    elif BK % 32 == 0:
+        g = tl.minimum(k0 // 32 + tl.arange(0, BK // 32), 89)[None, :]
+        return tl.load(t_ptr + srow * 90 + g)
+    else:
+        k = k0 + tl.arange(0, BK)[None, :]
+        return tl.load(t_ptr + srow * 90 + tl.minimum(k // 32, 89))
+
+
+@triton.jit
+def _w_deq_unmasked(raw, srow, w_scale_ptr, k0, k_end, BK: tl.constexpr):
+    """W[rows, k0 : k0 + BK] in fp32 from the raw tile (_w_raw); past k_end whatever the zero codes
+    give ((0 - zero) * scale for integers): for a caller whose A is zero there."""
+    v = _w_values(raw)
+    s = _w_group(w_scale_ptr, srow, k0, k_end, BK)
+    z = 0.0
+    if s.shape[1] == 1 or s.shape[1] == BK:
+        w = v * s
+    else:
+        # a scale (and zero) per group of the tile's 32 columns: the tile seen as [BN, groups, 32]
+        v = tl.reshape(v, [v.shape[0], s.shape[1], 32])
+        w = tl.reshape(v * s[:, :, None], [v.shape[0], BK])
+    return w
+
+
+@triton.jit
+def _w_deq(raw, srow, w_scale_ptr, k0, k_end, BK: tl.constexpr):
+    """W[rows, k0 : k0 + BK] in fp32 from the raw tile (_w_raw), zero past k_end."""
+    w = _w_deq_unmasked(raw, srow, w_scale_ptr, k0, k_end, BK)
+    k = k0 + tl.arange(0, BK)[None, :]
+    return tl.where(k < k_end, w, 0.0)
+
+
+@triton.jit
+def moe_down(act_ptr, rw_ptr, ids_ptr, w_ptr, y_ptr, T, part_ptr, cnt_ptr, b_ptr, w_scale_ptr,
              H: tl.constexpr, F: tl.constexpr, KT: tl.constexpr, KTP: tl.constexpr,
              BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, FMA_BLOCK_K: tl.constexpr,
              FMA_T: tl.constexpr, FMA_TP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -164,7 +226,11 @@ def moe_down(act_ptr, rw_ptr, ids_ptr, w_ptr, y_ptr, T, part_ptr, cnt_ptr, b_ptr
     if slots > 0:
         offs_h = nb * BLOCK_H + tl.arange(0, BLOCK_H)
         # rows past H are clamped for loading (unmasked, vectorized); their sums are dropped
-        w_rows = w_ptr + e.to(tl.int64) * (H * F) + tl.minimum(offs_h, H - 1).to(tl.int64)[:, None] * F
+        h_rows = tl.minimum(offs_h, H - 1).to(tl.int64)[:, None]
+        w_rows = w_ptr + e.to(tl.int64) * 4147200 + h_rows * 1440
+        srow = h_rows // 1
+        ws = w_scale_ptr + e.to(tl.int64) * 259200   # expert e's scales
+
         # expert e's bias row, added to its output before the routing weight
         b_h = tl.load(b_ptr + e.to(tl.int64) * H + offs_h, mask=offs_h < H, other=0.0).to(tl.float32)
         toks, ok, n = _tokens_of(ids_ptr, e, T, 0, KT, KTP, TC, FMA_TP)
@@ -177,8 +243,7 @@ def moe_down(act_ptr, rw_ptr, ids_ptr, w_ptr, y_ptr, T, part_ptr, cnt_ptr, b_ptr
             acc0 = tl.zeros([BLOCK_H, FMA_BLOCK_K], tl.float32)
             for k0 in range(0, F, FMA_BLOCK_K):
                 k = k0 + tl.arange(0, FMA_BLOCK_K)
-                w = tl.load(_ptr(w_rows, k[None, :]), mask=k[None, :] < F, other=0.0,
-                            eviction_policy="evict_first").to(tl.float32)
+                w = _w_deq(_w_raw(w_rows, k0, F, FMA_BLOCK_K), srow, ws, k0, F, FMA_BLOCK_K)
                 a0 = tl.load(_ptr(a0_row, k), mask=ok0 & (k < F), other=0.0).to(tl.float32)
                 acc0 += w * a0[None, :]
             out = tl.zeros([FMA_TP, BLOCK_H], tl.float32)
@@ -195,11 +260,11 @@ def moe_down(act_ptr, rw_ptr, ids_ptr, w_ptr, y_ptr, T, part_ptr, cnt_ptr, b_ptr
                 for k0 in range(0, F, BLOCK_K):
                     k = k0 + tl.arange(0, BLOCK_K)[None, :]
                     a = tl.load(_ptr(a_rows, k), mask=ok_t[:, None] & (k < F), other=0.0)
-                    w = tl.load(_ptr(w_rows, k), mask=k < F, other=0.0, eviction_policy="evict_first")
+                    w = _w_deq(_w_raw(w_rows, k0, F, BLOCK_K), srow, ws, k0, F, BLOCK_K)
                     if DOT_F32:
-                        acc = tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), acc, input_precision="ieee")
+                        acc = tl.dot(w, tl.trans(a.to(tl.float32)), acc, input_precision="ieee")
                     else:
-                        acc = tl.dot(w, tl.trans(a), acc)
+                        acc = tl.dot(w.to(tl.bfloat16), tl.trans(a.to(tl.bfloat16)), acc)
                 acc += b_h[:, None]
                 _down_finish(tl.trans(acc), toks_t, ok_t, e, offs_h, nb, ids_ptr, rw_ptr, y_ptr, part_ptr,
                              cnt_ptr, H, KT, KTP, NB, tl.float32)
@@ -208,15 +273,15 @@ def moe_down(act_ptr, rw_ptr, ids_ptr, w_ptr, y_ptr, T, part_ptr, cnt_ptr, b_ptr
 META = {
     "entry": "moe_down",
     "params": [["act_ptr", "*bf16", "in:0"], ["rw_ptr", "*fp32", "in:1"],
-               ["ids_ptr", "*i32", "in:2"], ["w_ptr", "*bf16", "in:3"],
+               ["ids_ptr", "*i32", "in:2"], ["w_ptr", "*u8", "in:3"],
                ["y_ptr", "*bf16", "out:0"], ["T", "i32", "dim:T"],
-               ["part_ptr", "*fp32", "scratch:partials"], ["cnt_ptr", "*i32", "scratch:counters"], ["b_ptr", "*bf16", "in:6"]],
-    "constexprs": {"H": 2880, "F": 2880, "KT": 4, "KTP": 4, "BLOCK_E": 128,
+               ["part_ptr", "*fp32", "scratch:partials"], ["cnt_ptr", "*i32", "scratch:counters"], ["b_ptr", "*bf16", "in:6"], ["w_scale_ptr", "*fp32", "in:7"]],
+    "constexprs": {"H": 2880, "F": 2880, "KT": 4, "KTP": 4, "BLOCK_E": 32,
                    "BLOCK_H": 64, "FMA_BLOCK_K": 128, "FMA_T": 1,
                    "FMA_TP": 1, "BLOCK_K": 64, "BLOCK_T": 16,
                    "PC": 256, "TC": 32, "NB": 45, "DOT_F32": False, "PDL": True},
     "pdl": True,
-    "grid": ["min(128, T * 4)", 45, 1],
+    "grid": ["min(32, T * 4)", 45, 1],
     "scratch": {"partials": "B * 46080", "counters": "B * 180"},
     "num_warps": 8,
     "num_stages": 4,

@@ -1,11 +1,11 @@
 # moe_gate_up: act[t, j, f] = bf16(silu(g) * u),  e = ids[t, j],
 #   g = bf16(sum_k x[t, k] * w[e, f, k]),  u = bf16(sum_k x[t, k] * w[e, 2880 + f, k]),
 #   silu(g) = g / (1 + exp(-g)) in fp32 (g and u rounded to bf16 as the unfused model stores them).
-#   x [T, 2880] bf16, ids i32 [T, 4], w [128, 5760, 2880] bf16 (rows 0..2879 gate,
+#   x [T, 2880] bf16, ids i32 [T, 4], w [32, 5760, 2880] bf16 (rows 0..2879 gate,
 #   2880..5759 up), act [T, 4, 2880] bf16; fp32 accumulate.
 #
 # Decode: a few tokens, each naming 4 experts, so the step reads only the chosen experts'
-# rows, and each of them once. Grid (min(128, T * 4) distinct-expert slots, 180 blocks of
+# rows, and each of them once. Grid (min(32, T * 4) distinct-expert slots, 180 blocks of
 # BLOCK_F = 16 gate rows and the matching up rows): program (u, b) takes the u-th smallest
 # chosen expert e (a histogram of the step's ids; slots past the number of distinct experts exit),
 # finds the tokens that chose e (in token order), and runs a GEMV over its row block for them,
@@ -17,10 +17,13 @@
 #    gathered token rows at a time (more than BLOCK_T tokens re-read the tile, from L2).
 # A token that names e in two slots gets the same row in both; a slot of id -1 (another rank's
 # expert, ep_dispatch) names none and its act row is left unwritten.
-# Expert bias b [128, 5760] (gate | up, like w's rows) added to g and u before the activation.
+# Expert bias b [32, 5760] (gate | up, like w's rows) added to g and u before the activation.
 # The activation is clamped_swiglu (alpha 1.702, limit 7.0), not silu(g) * u.
 # The path depends only on how many tokens chose e, and each token's sums are its own: the
 # same bits from run to run.
+# Quantized experts: e2m1 codes, scales per 1 rows x 32 columns (518400 an
+#   expert, expert e's from e * 518400 on), dequantized in registers; x quantized none.
+#   The tensor-core path dots the dequantized tiles in bf16.
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -131,7 +134,66 @@ def _gated_act(g, u):
 
 
 @triton.jit
-def moe_gate_up(x_ptr, ids_ptr, w_ptr, act_ptr, T, b_ptr,
+def _w_raw(w_rows, k0, k_end, BK: tl.constexpr):
+    """The stored codes of W[rows, k0 : k0 + BK], zero past k_end: w_rows [BN, 1] row pointers
+    (1440 bytes a row), k0 a multiple of BK -> bytes [BN, BK / 2], two codes each."""
+    j = k0 // 2 + tl.arange(0, BK // 2)[None, :]
+    p = w_rows + j
+    p = tl.multiple_of(p, [1, 16])
+    return tl.load(p, mask=2 * j < k_end, other=0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _w_values(raw):
+    """The codes' values (fp32) in K order: [BN, BK]."""
+    c = tl.reshape(tl.join(raw & 15, raw >> 4), [raw.shape[0], raw.shape[1] * 2]).to(tl.int32)
+    m = (c & 1).to(tl.float32)
+    e = (c >> 1) & 3
+    mag = tl.where(e == 0, 0.5 * m, (1 << e).to(tl.float32) * (0.5 + 0.25 * m))
+    return tl.where((c & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def _w_group(t_ptr, srow, k0, k_end, BK: tl.constexpr):
+    """t[srow, g(k)] (w_scale or w_zero: 90 groups a row) over the tile's columns
+    k0 .. k0 + BK: srow [BN, 1] the W rows' scale rows -> [BN, 1] (the tile in one group),
+    [BN, BK / 32] (one a group of the tile) or [BN, BK] (a group per column)."""
+    if 32 % BK == 0:
+        return tl.load(t_ptr + srow * 90 + tl.minimum(k0 // 32, 89))
+    elif BK % 32 == 0:
+        g = tl.minimum(k0 // 32 + tl.arange(0, BK // 32), 89)[None, :]
+        return tl.load(t_ptr + srow * 90 + g)
+    else:
+        k = k0 + tl.arange(0, BK)[None, :]
+        return tl.load(t_ptr + srow * 90 + tl.minimum(k // 32, 89))
+
+
+@triton.jit
+def _w_deq_unmasked(raw, srow, w_scale_ptr, k0, k_end, BK: tl.constexpr):
+    """W[rows, k0 : k0 + BK] in fp32 from the raw tile (_w_raw); past k_end whatever the zero codes
+    give ((0 - zero) * scale for integers): for a caller whose A is zero there."""
+    v = _w_values(raw)
+    s = _w_group(w_scale_ptr, srow, k0, k_end, BK)
+    z = 0.0
+    if s.shape[1] == 1 or s.shape[1] == BK:
+        w = v * s
+    else:
+        # a scale (and zero) per group of the tile's 32 columns: the tile seen as [BN, groups, 32]
+        v = tl.reshape(v, [v.shape[0], s.shape[1], 32])
+        w = tl.reshape(v * s[:, :, None], [v.shape[0], BK])
+    return w
+
+
+@triton.jit
+def _w_deq(raw, srow, w_scale_ptr, k0, k_end, BK: tl.constexpr):
+    """W[rows, k0 : k0 + BK] in fp32 from the raw tile (_w_raw), zero past k_end."""
+    w = _w_deq_unmasked(raw, srow, w_scale_ptr, k0, k_end, BK)
+    k = k0 + tl.arange(0, BK)[None, :]
+    return tl.where(k < k_end, w, 0.0)
+
+
+@triton.jit
+def moe_gate_up(x_ptr, ids_ptr, w_ptr, act_ptr, T, b_ptr, w_scale_ptr,
                 H: tl.constexpr, F: tl.constexpr, KT: tl.constexpr, KTP: tl.constexpr,
                 BLOCK_E: tl.constexpr, BLOCK_F: tl.constexpr, FMA_BLOCK_K: tl.constexpr,
                 FMA_T: tl.constexpr, FMA_TP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -148,8 +210,12 @@ def moe_gate_up(x_ptr, ids_ptr, w_ptr, act_ptr, T, b_ptr,
         # gate row f and up row F + f of expert e; rows past F are clamped for loading (unmasked,
         # vectorized), their results dropped at the store
         f_rows = tl.minimum(offs_f, F - 1).to(tl.int64)[:, None]
-        g_rows = w_ptr + e.to(tl.int64) * (2 * F * H) + f_rows * H
-        u_rows = g_rows + F * H
+        g_rows = w_ptr + e.to(tl.int64) * 8294400 + f_rows * 1440
+        u_rows = g_rows + 4147200
+        srow_g = f_rows // 1
+        srow_u = (f_rows + F) // 1
+        ws = w_scale_ptr + e.to(tl.int64) * 518400   # expert e's scales
+
         b_m = offs_f < F
         b_g = tl.load(b_ptr + e.to(tl.int64) * (2 * F) + offs_f, mask=b_m, other=0.0).to(tl.float32)
         b_u = tl.load(b_ptr + e.to(tl.int64) * (2 * F) + F + offs_f, mask=b_m, other=0.0).to(tl.float32)
@@ -163,10 +229,8 @@ def moe_gate_up(x_ptr, ids_ptr, w_ptr, act_ptr, T, b_ptr,
             acc_u0 = tl.zeros([BLOCK_F, FMA_BLOCK_K], tl.float32)
             for k0 in range(0, H, FMA_BLOCK_K):
                 k = k0 + tl.arange(0, FMA_BLOCK_K)
-                wg = tl.load(_ptr(g_rows, k[None, :]), mask=k[None, :] < H, other=0.0,
-                             eviction_policy="evict_first").to(tl.float32)
-                wu = tl.load(_ptr(u_rows, k[None, :]), mask=k[None, :] < H, other=0.0,
-                             eviction_policy="evict_first").to(tl.float32)
+                wg = _w_deq(_w_raw(g_rows, k0, H, FMA_BLOCK_K), srow_g, ws, k0, H, FMA_BLOCK_K)
+                wu = _w_deq(_w_raw(u_rows, k0, H, FMA_BLOCK_K), srow_u, ws, k0, H, FMA_BLOCK_K)
                 x0 = tl.load(_ptr(x0_row, k), mask=ok0 & (k < H), other=0.0).to(tl.float32)[None, :]
                 acc_g0 += wg * x0
                 acc_u0 += wu * x0
@@ -187,14 +251,14 @@ def moe_gate_up(x_ptr, ids_ptr, w_ptr, act_ptr, T, b_ptr,
                 for k0 in range(0, H, BLOCK_K):
                     k = k0 + tl.arange(0, BLOCK_K)[None, :]
                     xa = tl.load(_ptr(x_rows, k), mask=ok_t[:, None] & (k < H), other=0.0)
-                    wg = tl.load(_ptr(g_rows, k), mask=k < H, other=0.0, eviction_policy="evict_first")
-                    wu = tl.load(_ptr(u_rows, k), mask=k < H, other=0.0, eviction_policy="evict_first")
+                    wg = _w_deq(_w_raw(g_rows, k0, H, BLOCK_K), srow_g, ws, k0, H, BLOCK_K)
+                    wu = _w_deq(_w_raw(u_rows, k0, H, BLOCK_K), srow_u, ws, k0, H, BLOCK_K)
                     if DOT_F32:
-                        acc_g = tl.dot(wg.to(tl.float32), tl.trans(xa.to(tl.float32)), acc_g, input_precision="ieee")
-                        acc_u = tl.dot(wu.to(tl.float32), tl.trans(xa.to(tl.float32)), acc_u, input_precision="ieee")
+                        acc_g = tl.dot(wg, tl.trans(xa.to(tl.float32)), acc_g, input_precision="ieee")
+                        acc_u = tl.dot(wu, tl.trans(xa.to(tl.float32)), acc_u, input_precision="ieee")
                     else:
-                        acc_g = tl.dot(wg, tl.trans(xa), acc_g)
-                        acc_u = tl.dot(wu, tl.trans(xa), acc_u)
+                        acc_g = tl.dot(wg.to(tl.bfloat16), tl.trans(xa.to(tl.bfloat16)), acc_g)
+                        acc_u = tl.dot(wu.to(tl.bfloat16), tl.trans(xa.to(tl.bfloat16)), acc_u)
                 acc_g += b_g[:, None]
                 acc_u += b_u[:, None]
                 _store_act(act_ptr, ids_ptr, tl.trans(_gated_act(acc_g, acc_u)), toks_t, ok_t, e, offs_f, F, KT, KTP)
@@ -203,14 +267,14 @@ def moe_gate_up(x_ptr, ids_ptr, w_ptr, act_ptr, T, b_ptr,
 META = {
     "entry": "moe_gate_up",
     "params": [["x_ptr", "*bf16", "in:0"], ["ids_ptr", "*i32", "in:1"],
-               ["w_ptr", "*bf16", "in:2"], ["act_ptr", "*bf16", "out:0"],
-               ["T", "i32", "dim:T"], ["b_ptr", "*bf16", "in:5"]],
-    "constexprs": {"H": 2880, "F": 2880, "KT": 4, "KTP": 4, "BLOCK_E": 128,
+               ["w_ptr", "*u8", "in:2"], ["act_ptr", "*bf16", "out:0"],
+               ["T", "i32", "dim:T"], ["b_ptr", "*bf16", "in:5"], ["w_scale_ptr", "*fp32", "in:6"]],
+    "constexprs": {"H": 2880, "F": 2880, "KT": 4, "KTP": 4, "BLOCK_E": 32,
                    "BLOCK_F": 16, "FMA_BLOCK_K": 256, "FMA_T": 1,
                    "FMA_TP": 1, "BLOCK_K": 64, "BLOCK_T": 16,
                    "PC": 256, "TC": 32, "DOT_F32": False, "PDL": True},
     "pdl": True,
-    "grid": ["min(128, T * 4)", 180, 1],
+    "grid": ["min(32, T * 4)", 180, 1],
     "num_warps": 4,
     "num_stages": 4,
 }

@@ -1,6 +1,6 @@
 # moe_down (grouped): y[t, h] = bf16(sum_j bf16(r[t, j] * sum_f act[t, j, f] * w[e, h, f])),  e = ids[t, j]
-#   act [T, 4, 2880] bf16, r f32 [T, 4], ids i32 [T, 4], w [128, 2880, 2880] bf16,
-#   rows i32 [128, T] / counts i32 [128] (moe_align: the tokens of each expert), y [T, 2880] bf16;
+#   act [T, 4, 2880] bf16, r f32 [T, 4], ids i32 [T, 4], w [32, 2880, 2880] bf16,
+#   rows i32 [32, T] / counts i32 [32] (moe_align: the tokens of each expert), y [T, 2880] bf16;
 #   fp32 sums; each slot's weighted sum is rounded to bf16 once, then the slots are added in fp32
 #   in slot order j = 0 .. 3.
 #
@@ -16,6 +16,9 @@
 # y[t] (the same bits whatever order the experts finish in), leaving the counter zero. Those
 # rows are compacted COMBINE_ROWS = 16 at a time, so a chunk's 4 partial tiles are loaded together
 # (one memory round trip per chunk, not one per slot).
+# Quantized experts: e2m1 codes, scales per 1 rows x 32 columns (259200 an
+#   expert, expert e's from e * 259200 on), each weight tile dequantized in registers; act rows quantized none;
+#   the tiles dotted in bf16.
 import triton
 import triton.language as tl
 
@@ -150,7 +153,66 @@ def _combine(pp, y_ptr, cnt_ptr, ids_ptr, toks, last, offs_h, nb, H: tl.constexp
 
 
 @triton.jit
-def _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr, e, i0, count, nb, b_ptr,
+def _w_raw(w_rows, k0, k_end, BK: tl.constexpr):
+    """The stored codes of W[rows, k0 : k0 + BK], zero past k_end: w_rows [BN, 1] row pointers
+    (1440 bytes a row), k0 a multiple of BK -> bytes [BN, BK / 2], two codes each."""
+    j = k0 // 2 + tl.arange(0, BK // 2)[None, :]
+    p = w_rows + j
+    p = tl.multiple_of(p, [1, 16])
+    return tl.load(p, mask=2 * j < k_end, other=0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _w_values(raw):
+    """The codes' values (fp32) in K order: [BN, BK]."""
+    c = tl.reshape(tl.join(raw & 15, raw >> 4), [raw.shape[0], raw.shape[1] * 2]).to(tl.int32)
+    m = (c & 1).to(tl.float32)
+    e = (c >> 1) & 3
+    mag = tl.where(e == 0, 0.5 * m, (1 << e).to(tl.float32) * (0.5 + 0.25 * m))
+    return tl.where((c & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def _w_group(t_ptr, srow, k0, k_end, BK: tl.constexpr):
+    """t[srow, g(k)] (w_scale or w_zero: 90 groups a row) over the tile's columns
+    k0 .. k0 + BK: srow [BN, 1] the W rows' scale rows -> [BN, 1] (the tile in one group),
+    [BN, BK / 32] (one a group of the tile) or [BN, BK] (a group per column)."""
+    if 32 % BK == 0:
+        return tl.load(t_ptr + srow * 90 + tl.minimum(k0 // 32, 89))
+    elif BK % 32 == 0:
+        g = tl.minimum(k0 // 32 + tl.arange(0, BK // 32), 89)[None, :]
+        return tl.load(t_ptr + srow * 90 + g)
+    else:
+        k = k0 + tl.arange(0, BK)[None, :]
+        return tl.load(t_ptr + srow * 90 + tl.minimum(k // 32, 89))
+
+
+@triton.jit
+def _w_deq_unmasked(raw, srow, w_scale_ptr, k0, k_end, BK: tl.constexpr):
+    """W[rows, k0 : k0 + BK] in fp32 from the raw tile (_w_raw); past k_end whatever the zero codes
+    give ((0 - zero) * scale for integers): for a caller whose A is zero there."""
+    v = _w_values(raw)
+    s = _w_group(w_scale_ptr, srow, k0, k_end, BK)
+    z = 0.0
+    if s.shape[1] == 1 or s.shape[1] == BK:
+        w = v * s
+    else:
+        # a scale (and zero) per group of the tile's 32 columns: the tile seen as [BN, groups, 32]
+        v = tl.reshape(v, [v.shape[0], s.shape[1], 32])
+        w = tl.reshape(v * s[:, :, None], [v.shape[0], BK])
+    return w
+
+
+@triton.jit
+def _w_deq(raw, srow, w_scale_ptr, k0, k_end, BK: tl.constexpr):
+    """W[rows, k0 : k0 + BK] in fp32 from the raw tile (_w_raw), zero past k_end."""
+    w = _w_deq_unmasked(raw, srow, w_scale_ptr, k0, k_end, BK)
+    k = k0 + tl.arange(0, BK)[None, :]
+    return tl.where(k < k_end, w, 0.0)
+
+
+@triton.jit
+def _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr, e, i0, count, nb, b_ptr, w_scale_ptr,
                H: tl.constexpr, F: tl.constexpr, KT: tl.constexpr, KTP: tl.constexpr, BM: tl.constexpr,
                BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, NB: tl.constexpr, CR: tl.constexpr,
                EVEN_K: tl.constexpr, DOT_F32: tl.constexpr):
@@ -164,20 +226,24 @@ def _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr,
                                                _slot_rw(rw_ptr, toks, ok, KT, KTP), ok, e, KTP)) * F)[:, None]
     offs_h = nb * BLOCK_H + tl.arange(0, BLOCK_H)
     # rows past H are clamped for loading; their sums are dropped at the stores
-    w_rows = w_ptr + e.to(tl.int64) * (H * F) + tl.minimum(offs_h, H - 1).to(tl.int64)[:, None] * F
+    h_rows = tl.minimum(offs_h, H - 1).to(tl.int64)[:, None]
+    w_rows = w_ptr + e.to(tl.int64) * 4147200 + h_rows * 1440
+    srow = h_rows // 1
+    ws = w_scale_ptr + e.to(tl.int64) * 259200   # expert e's scales
+
     acc = tl.zeros([BM, BLOCK_H], tl.float32)
     for k0 in range(0, F, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)[None, :]
         if EVEN_K:
             a = tl.load(_ptr(a_rows, k))
-            w = tl.load(_ptr(w_rows, k))
         else:
             a = tl.load(_ptr(a_rows, k), mask=k < F, other=0.0)
-            w = tl.load(_ptr(w_rows, k), mask=k < F, other=0.0)
+        w = _w_deq(_w_raw(w_rows, k0, F, BLOCK_K), srow, ws, k0, F, BLOCK_K)
         if DOT_F32:
-            acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+            acc = tl.dot(a.to(tl.bfloat16).to(tl.float32), tl.trans(w.to(tl.bfloat16).to(tl.float32)), acc,
+                         input_precision="ieee")
         else:
-            acc = tl.dot(a, tl.trans(w), acc)
+            acc = tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
     # the slots' ids and weights again (L2 hits) rather than held in registers over the K loop
     # expert e's bias row, added to its output before the routing weight
     acc += tl.load(b_ptr + e.to(tl.int64) * H + offs_h, mask=offs_h < H, other=0.0).to(tl.float32)[None, :]
@@ -191,7 +257,7 @@ def _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr,
 
 
 @triton.jit
-def moe_down_grouped(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, counts_ptr, y_ptr, T, part_ptr, cnt_ptr, b_ptr,
+def moe_down_grouped(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, counts_ptr, y_ptr, T, part_ptr, cnt_ptr, b_ptr, w_scale_ptr,
                      H: tl.constexpr, F: tl.constexpr, KT: tl.constexpr, KTP: tl.constexpr, E: tl.constexpr,
                      BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NB: tl.constexpr, CR: tl.constexpr,
@@ -203,28 +269,28 @@ def moe_down_grouped(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, counts_ptr, y_pt
     if e < E:
         if HALF_TAIL:
             if count - i0 <= BLOCK_M // 2:
-                _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr, e, i0, count, nb, b_ptr,
+                _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr, e, i0, count, nb, b_ptr, w_scale_ptr,
                            H, F, KT, KTP, BLOCK_M // 2, BLOCK_H, BLOCK_K, NB, CR, EVEN_K, DOT_F32)
             else:
-                _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr, e, i0, count, nb, b_ptr,
+                _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr, e, i0, count, nb, b_ptr, w_scale_ptr,
                            H, F, KT, KTP, BLOCK_M, BLOCK_H, BLOCK_K, NB, CR, EVEN_K, DOT_F32)
         else:
-            _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr, e, i0, count, nb, b_ptr,
+            _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr, e, i0, count, nb, b_ptr, w_scale_ptr,
                        H, F, KT, KTP, BLOCK_M, BLOCK_H, BLOCK_K, NB, CR, EVEN_K, DOT_F32)
 
 
 META = {
     "entry": "moe_down_grouped",
     "params": [["act_ptr", "*bf16", "in:0"], ["rw_ptr", "*fp32", "in:1"],
-               ["ids_ptr", "*i32", "in:2"], ["w_ptr", "*bf16", "in:3"],
+               ["ids_ptr", "*i32", "in:2"], ["w_ptr", "*u8", "in:3"],
                ["rows_ptr", "*i32", "in:4"], ["counts_ptr", "*i32", "in:5"],
                ["y_ptr", "*bf16", "out:0"], ["T", "i32", "dim:T"],
-               ["part_ptr", "*bf16", "scratch:partials"], ["cnt_ptr", "*i32", "scratch:counters"], ["b_ptr", "*bf16", "in:6"]],
-    "constexprs": {"H": 2880, "F": 2880, "KT": 4, "KTP": 4, "E": 128,
-                   "BLOCK_E": 128, "BLOCK_M": 128, "BLOCK_H": 256,
+               ["part_ptr", "*bf16", "scratch:partials"], ["cnt_ptr", "*i32", "scratch:counters"], ["b_ptr", "*bf16", "in:6"], ["w_scale_ptr", "*fp32", "in:7"]],
+    "constexprs": {"H": 2880, "F": 2880, "KT": 4, "KTP": 4, "E": 32,
+                   "BLOCK_E": 32, "BLOCK_M": 128, "BLOCK_H": 256,
                    "BLOCK_K": 64, "GROUP_M": 8, "NB": 12, "CR": 16,
                    "HALF_TAIL": 1, "EVEN_K": True, "DOT_F32": False},
-    "grid": ["(cdiv(T * 4, 128) + min(128, T * 4)) * 12", 1, 1],
+    "grid": ["(cdiv(T * 4, 128) + min(32, T * 4)) * 12", 1, 1],
     "scratch": {"partials": "T * 23040", "counters": "T * 48"},
     "num_warps": 8,
     "num_stages": 3,
