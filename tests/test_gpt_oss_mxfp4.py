@@ -107,3 +107,15 @@ def test_mxfp4_experts_through_the_kernels(mxfp4_model, tmp_path):
     tok = int(np.argmax(want[0]))
     got, want = run.step([Chunk(0, [tok], len(PROMPT))]), ref.step([SeqChunk(0, [tok], len(PROMPT))])
     assert rel(got, want) < 2e-2, ("decode", rel(got, want))
+
+
+def test_mxfp4_experts_over_expert_parallel_ranks(mxfp4_model):
+    """Each rank reads its experts' rows of the MXFP4 blocks and scales (and of the biases): the
+    ranks' logits equal the single-rank plan's."""
+    from test_data_parallel import _check, dp
+    from test_parallel import ranked, single
+    d, _ = mxfp4_model
+    one, (many, plans) = single(d), ranked(d, **dp(2))
+    assert all(w["dtype"] == "e2m1" for p in plans for n, w in p["weights"].items()
+               if n in ("we_gate_up", "we_down"))
+    assert _check(many, one, [[SeqChunk(0, PROMPT[:9], 0)], [SeqChunk(1, PROMPT[9:], 0)]]) <= 1e-4

@@ -64,7 +64,8 @@ def _stacks(src: dict) -> list:
         return [(_param(src)[0], None)]
     if "concat" in src and src["axis"] == 1:
         return [s for part in src["concat"] for s in _stacks(part)]
-    if "slice" in src and src["axis"] == 0 and src.get("groups", 1) == 1 and "stack" in src["slice"]:
+    if "slice" in src and src["axis"] == 0 and src.get("groups", 1) == 1 \
+            and ("stack" in src["slice"] or _param(src["slice"]) is not None):   # a rank's experts
         return _stacks(src["slice"])
     raise _Unknown
 
