@@ -154,8 +154,14 @@ def test_quantized_experts(scheme, launch, path):
     assert "_w_deq" in k.source and ("_a_quant" in k.source) == (SCHEMES[scheme].act != "none")
 
 
-@pytest.mark.parametrize("launch,path", [pytest.param(launch, path, id=f"{launch}-{path}")
-                                         for launch in CASE for path in PATHS])
+# fast: one path each launch (tests/kernels/test_moe_gated_kernels.py runs the bf16 paths with
+# biases; tests/test_gpt_oss_mxfp4.py the whole model through the kernels)
+OSS_FAST = {("gate_up", "grouped"), ("down", "decode-fma")}
+
+
+@pytest.mark.parametrize("launch,path", [
+    pytest.param(launch, path, id=f"{launch}-{path}", marks=() if (launch, path) in OSS_FAST else EXHAUSTIVE)
+    for launch in CASE for path in PATHS])
 def test_mxfp4_experts_with_bias_and_clamped_swiglu(launch, path):
     """GPT-OSS's experts: MXFP4 codes with the expert biases (after counts, the scheme's
     companions after them) and, on gate_up, the clamped SwiGLU."""
