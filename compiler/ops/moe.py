@@ -103,7 +103,7 @@ def experts_infer(types, attrs):
     x, w, ids, gate, up, down = types[:6]
     check_act(attrs, "moe_experts")
     biases = iter(types[6:])
-    for name, rows in (("gate_bias", gate.shape[1]), ("up_bias", gate.shape[1]), ("down_bias", x.shape[-1])):
+    for name, rows in zip(EXPERT_BIASES, (gate.shape[1], gate.shape[1], x.shape[-1])):
         if attrs.get(f"has_{name}"):
             b = next(biases, None)
             expect(b is not None and tuple(b.shape) == (gate.shape[0], rows),
@@ -121,9 +121,18 @@ def _chosen(ids):
     return [e for e in np.unique(ids) if e >= 0]
 
 
+EXPERT_BIASES = ("gate_bias", "up_bias", "down_bias")
+
+
+def bias_inputs(inputs: list, attrs: dict) -> dict:
+    """moe_experts' bias inputs by name (those its attrs say are present), in input order."""
+    extra = iter(inputs[6:])
+    return {b: next(extra) for b in EXPERT_BIASES if attrs.get(f"has_{b}")}
+
+
 def experts(ctx, x, w, ids, gate, up, down, *biases, act="silu", alpha=1.702, limit=7.0, **has):
     biases = iter(biases)
-    gb, ub, db = (next(biases) if has.get(f"has_{n}") else None for n in ("gate_bias", "up_bias", "down_bias"))
+    gb, ub, db = (next(biases) if has.get(f"has_{n}") else None for n in EXPERT_BIASES)
     y = np.zeros_like(x, dtype=np.float32)
     for e in _chosen(ids):
         rows, slot = np.nonzero(ids == e)
@@ -244,7 +253,7 @@ op(name="moe_route", tensors=["logits"], attrs={"k": REQUIRED, "normalize": Fals
    infer=route_infer, reference=route, n_outputs=2, templates={"triton": "moe_route"},
    doc="softmax top-k router")
 op(name="moe_experts", tensors=["x", "weights", "ids", "gate", "up", "down"],
-   extra_optional=["gate_bias", "up_bias", "down_bias"], extra_attrs=GATED_EXTRA,
+   extra_optional=list(EXPERT_BIASES), extra_attrs=GATED_EXTRA,
    infer=experts_infer, reference=experts,   # no kernel of its own: lower_experts splits it
    doc="grouped SwiGLU experts, weighted sum over the top-k")
 op(name="moe_align", tensors=["ids"], attrs={"experts": REQUIRED}, infer=align_infer, reference=align,

@@ -10,13 +10,8 @@ each launch as its bias; the gated activation's attrs (act, alpha, limit) go to 
 """
 from ..ir import Node, TensorType, Value
 from ..ops.gated_act import gated_attrs
+from ..ops.moe import bias_inputs
 from .fuse_weights import forget_unread, fused_name, register_weight
-
-
-def _biases(n):
-    """moe_experts' bias inputs by name (gate_bias, up_bias, down_bias; absent ones left out)."""
-    extra = iter(n.inputs[6:])
-    return {b: next(extra) for b in ("gate_bias", "up_bias", "down_bias") if n.attrs.get(f"has_{b}")}
 
 
 def _gate_up_bias(state, g, n, biases, gt):
@@ -39,7 +34,7 @@ def lower_experts(state):
     for g in state.graph.walk():
         for n in [n for n in g.ordered() if n.op == "moe_experts"]:
             x, w, ids, gate, up, down = n.inputs[:6]
-            biases = _biases(n)
+            biases = bias_inputs(n.inputs, n.attrs)
             gt = g.values[gate].type
             fused = fused_name([gate, up])
             if fused not in g.values:

@@ -43,6 +43,7 @@ DeepSeek's shared experts are a dense SwiGLU in the spec, so they follow the TP 
 experts are partitioned (expert_parallel_only).
 """
 from ..ir import Node, TensorType, Value
+from ..ops.moe import bias_inputs
 from .shard_rules import rule
 
 
@@ -223,7 +224,7 @@ def _tensor_parallel(state, g, rank, world):
         if state.parallel["ep"] > 1:
             continue
         x, w, ids, gate, up, down = n.inputs[:6]
-        biases = _expert_biases(n)
+        biases = bias_inputs(n.inputs, n.attrs)
         if "down_bias" in biases:        # each rank's partial output would add it again
             raise state.error(f"--tensor-parallel-size {world}: experts with a down-projection bias "
                               f"are not split across ranks yet (--enable-expert-parallel splits "
@@ -238,16 +239,10 @@ def _tensor_parallel(state, g, rank, world):
         state.note("shard_ranks", f"{g.name}: line {n.line} experts split F/{world} + all_reduce")
 
 
-def _expert_biases(n) -> dict:
-    """moe_experts' optional bias inputs by name (ops/moe.py), in input order."""
-    extra = iter(n.inputs[6:])
-    return {b: next(extra) for b in ("gate_bias", "up_bias", "down_bias") if n.attrs.get(f"has_{b}")}
-
-
 def _expert_parallel(state, g, rank, world, data_parallel=False):
     for n in [n for n in g.ordered() if n.op == "moe_experts"]:
         x, w, ids, gate, up, down = n.inputs[:6]
-        biases = list(_expert_biases(n).values())
+        biases = list(bias_inputs(n.inputs, n.attrs).values())
         E = g.values[gate].type.shape[0]
         if E % world:
             raise state.error(f"--enable-expert-parallel over {world} ranks: {E} experts are not "
