@@ -273,7 +273,8 @@ class Checker:
                 self.fail(f"{self.who(decl, wname)}: the spec takes {what} [{start}, {stop}){each} of "
                           f"checkpoint tensor '{name}', but it has {have} {what} (shape {_fmt(s)}) "
                           f"in {self.where}", decl)
-            out = tuple(groups * (stop - start) if k == axis else d for k, d in enumerate(s))
+            n = len(range(start, stop, int(src.get("step", 1))))
+            out = tuple(groups * n if k == axis else d for k, d in enumerate(s))
             if want is not None and not _fits(out, want):      # the spec contradicts itself
                 self.fail(f"{self.who(decl, wname)}: the slice [{start}, {stop}) of '{name}' gives "
                           f"shape {_fmt(out)}, but the declared shape is {_fmt(want)}", decl)

@@ -94,12 +94,15 @@ class _Lowerer:
                 if isinstance(dim, str):
                     raise self.err(f"weight '{key}': shape uses the dynamic dimension '{dim}' "
                                    f"(tokens/sequences in a step); weight shapes are static", d.line)
+            # experts: E with {e} in the name stacks E tensors; without it, one checkpoint tensor
+            # holds them all on its first axis (transformers 5's [E, ...] expert parameters), and
+            # the transforms apply to each expert's part of it (`batched`)
+            batched = False
             if d.experts is not None:
                 if d.experts not in self.env:
                     raise self.err(f"weight '{key}': 'experts' names unknown symbol '{d.experts}'", d.line)
                 shape = (self.env[d.experts],) + shape
-                if "{e}" not in d.name:
-                    raise self.err(f"weight '{key}' has 'experts' but its name has no {{e}}", d.line)
+                batched = "{e}" not in d.name
             if per_layer and "{i}" not in d.name:
                 raise self.err(f"layer weight '{key}' name has no {{i}} layer index", d.line)
             # An offset weight is HF's `offset + w.float()` (Gemma's and Qwen3.5's x * (1 + w)
@@ -116,9 +119,9 @@ class _Lowerer:
             else:
                 name = weight_name(d.name, self.env, self.spec.path, d.line)
                 source = {"tensor": name}
-                if d.experts is not None:
+                if d.experts is not None and not batched:
                     source = {"stack": name, "count": self.env[d.experts]}
-                source = self.transforms(key, d, source, shape)
+                source = self.transforms(key, d, source, shape[1:] if batched else shape, batched)
             t = TensorType(shape, dtype)
             have = layers
             if key in sources:         # declared again in another kind's body
@@ -132,9 +135,14 @@ class _Lowerer:
             sources[key] = {"source": source, "layers": list(have) if per_layer else None,
                             "type": t, "line": d.line}
 
-    def transforms(self, key, d, source: dict, shape: tuple) -> dict:
-        """Wrap a checkpoint source in the declared load-time transforms, in TRANSFORM_KEYS order."""
+    def transforms(self, key, d, source: dict, shape: tuple, batched: bool = False) -> dict:
+        """Wrap a checkpoint source in the declared load-time transforms, in TRANSFORM_KEYS order.
+        batched: the source is a stack of experts [E, ...] and shape one expert's; the transforms
+        apply to each expert's part (axes shifted by one)."""
         heads = None
+        if batched and ("heads" in d.transforms or "stored_shape" in d.transforms):
+            raise self.err(f"weight '{key}': heads / stored_shape do not apply to an expert stack "
+                           f"read from one tensor (a name without {{e}})", d.line)
         if "heads" in d.transforms:
             heads = self.transform_int(key, d, "heads", d.transforms["heads"], low=1)
             if len(shape) != 3 or shape[0] != heads:
@@ -184,22 +192,29 @@ class _Lowerer:
                         raise self.err(f"weight '{key}': {t} bound '{ast.unparse(e)}' = {b!r} is not a "
                                        f"non-negative integer", d.line)
                     bounds.append(b)
-                if bounds[0] >= bounds[1]:
-                    raise self.err(f"weight '{key}': {t} [{bounds[0]}, {bounds[1]}] is empty", d.line)
+                step = bounds[2] if len(bounds) == 3 else 1
+                if bounds[0] >= bounds[1] or step < 1:
+                    raise self.err(f"weight '{key}': {t} {bounds} is empty", d.line)
                 axis = 0 if t == "rows" else 1
                 g = groups if t == "rows" else 1
-                if g * (bounds[1] - bounds[0]) != stored[axis]:
+                if step > 1 and g > 1:
+                    raise self.err(f"weight '{key}': a {t} step does not combine with groups", d.line)
+                n = len(range(bounds[0], bounds[1], step))
+                if g * n != stored[axis]:
                     each = f" in each of {g} groups" if g > 1 else ""
-                    raise self.err(f"weight '{key}': {t} [{bounds[0]}, {bounds[1]}]{each} holds "
-                                   f"{g * (bounds[1] - bounds[0])} {t} but the declared shape "
+                    raise self.err(f"weight '{key}': {t} {bounds}{each} holds "
+                                   f"{g * n} {t} but the declared shape "
                                    f"{list(shape)} needs {stored[axis]}", d.line)
-                source = {"slice": source, "axis": 0 if t == "rows" else 1,
+                source = {"slice": source, "axis": axis + batched,
                           "start": bounds[0], "stop": bounds[1]}
+                if step > 1:             # every step-th (an interleaved gate|up: step 2)
+                    source["step"] = step
                 if g > 1:
                     source["groups"] = g
             elif t == "transpose":
                 if v:
-                    source = {"transpose": source, **({"per_head": True} if heads is not None else {})}
+                    each = heads is not None or batched      # each head's / expert's matrix
+                    source = {"transpose": source, **({"per_head": True} if each else {})}
             elif t == "exp":
                 if v:
                     source = {"exp": source}
@@ -307,7 +322,8 @@ class _Lowerer:
             raise self.err(f"unknown op '{name}'{did_you_mean(name, known + ['layers'])} "
                            f"(known ops: {', '.join(known)}, layers)", line)
         op = REGISTRY[name]
-        params = op.tensors + op.optional + list(op.attrs) + list(op.extra_attrs) + op.extra_tensors
+        params = op.tensors + op.optional + op.extra_optional + list(op.attrs) + list(op.extra_attrs) \
+            + op.keyword_optional
         sig = f"{name}({', '.join(params)})"
         if len(e.args) > len(params):
             raise self.err(f"{name} takes at most {len(params)} arguments {sig}, got {len(e.args)}", line)
@@ -329,15 +345,14 @@ class _Lowerer:
         inputs = [self.tensor_arg(g, bound[p], scope, line, name, p) for p in op.tensors]
         tensors = set(scope) | set(g.values)
         attrs = {}
-        for p in op.optional:          # a bias naming a weight whose `when` is false is left out
+        for p in op.optional + op.extra_optional + op.keyword_optional:
+            # a bias naming a weight whose `when` is false is left out; an extra optional tensor
+            # leaves no trace where absent (other plans unchanged)
             present = self.present(bound.get(p))
             if present:
                 inputs.append(self.tensor_arg(g, bound[p], scope, line, name, p))
-            attrs[f"has_{p}"] = present
-        for p in op.extra_tensors:     # recorded only where present: other plans unchanged
-            if self.present(bound.get(p)):
-                inputs.append(self.tensor_arg(g, bound[p], scope, line, name, p))
-                attrs[f"has_{p}"] = True
+            if present or p in op.optional:
+                attrs[f"has_{p}"] = present
         attrs.update({a: (self.attr_arg(bound[a], line, name, a, tensors) if a in bound else dflt)
                       for a, dflt in op.attrs.items()})
         attrs.update({a: self.attr_arg(bound[a], line, name, a, tensors) for a in op.extra_attrs if a in bound})

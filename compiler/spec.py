@@ -239,10 +239,11 @@ def _weights(section, file, where) -> dict[str, WeightDecl]:
                 raise SpecError(f"weight '{key}': 'groups' divides the rows that 'rows' slices; "
                                 f"give 'rows' too", file, tline)
             elif t in ("rows", "cols"):
-                if not isinstance(v, list) or len(v) != 2:
-                    raise SpecError(f"weight '{key}': '{t}' must be [start, stop] (a slice of the "
-                                    f"checkpoint tensor's {'first' if t == 'rows' else 'second'} "
-                                    f"axis), got {v!r}", file, tline)
+                if not isinstance(v, list) or len(v) not in (2, 3):
+                    raise SpecError(f"weight '{key}': '{t}' must be [start, stop] or [start, stop, "
+                                    f"step] (a slice of the checkpoint tensor's "
+                                    f"{'first' if t == 'rows' else 'second'} axis), got {v!r}",
+                                    file, tline)
                 transforms[t] = [parse_expr(str(x), file, tline) for x in v]
             elif t in ("transpose", "exp"):
                 if not isinstance(v, bool):

@@ -8,7 +8,7 @@ of the family changes the logits measurably:
   - sliding windows of 5-6 tokens, shorter than the 16-token test prompt;
   - soft caps small enough to bite at these logit magnitudes;
   - Q width (Hq * D) different from H where the family allows it.
-`make()` then randomizes every norm weight AND every bias (HF inits norms to 1 or 0 and biases
+`make()` then randomizes every norm weight, every bias and every attention sink (HF inits norms to 1 or 0 and biases
 to 0, which would hide a dropped or misplaced bias/norm) and saves the directory.
 A few configs deliberately set hidden_act to another activation than the published one
 (stablelm: gelu, granite: relu) so that every activation the spec language has is exercised
@@ -229,6 +229,23 @@ def _qwen3_5():
                          "mrope_section": [1, 1, 2], "mrope_interleaved": True}))
 
 
+def _gpt_oss():
+    from transformers import GptOssConfig, GptOssForCausalLM
+    # layers sliding (window 5), full, sliding; 6 experts, top-2, F = 40 != H; YaRN over an
+    # original context of 32 (factor 4, truncate false as published); the clamp limit (0.6) and
+    # alpha (1.5, published 1.702) chosen so that the clamps bite at these activation sizes and a
+    # dropped alpha shows
+    return GptOssForCausalLM(GptOssConfig(
+        **{**BASE, "max_position_embeddings": 128}, hidden_size=96, intermediate_size=40,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        num_local_experts=6, num_experts_per_tok=2, rms_norm_eps=1e-5, sliding_window=5,
+        swiglu_limit=0.6, swiglu_alpha=1.5, tie_word_embeddings=False,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 32}))
+
+
 # Families whose config.json is rewritten into the published (transformers 4.x) form after
 # saving: rope_theta / partial_rotary_factor / rope_scaling at the top level instead of
 # transformers 5's rope_parameters, and (gemma3) no layer_types, rope_local_base_freq and
@@ -260,7 +277,7 @@ BUILDERS = {"qwen2": _qwen2, "gemma": _gemma, "gemma2": _gemma2, "gemma3": _gemm
             "phi3": _phi3, "phi": _phi, "olmo2": _olmo2, "granite": _granite,
             "nemotron": _nemotron, "starcoder2": _starcoder2, "stablelm": _stablelm,
             "smollm3": _smollm3, "falcon": _falcon, "gpt2": _gpt2, "cohere": _cohere,
-            "qwen3_5": _qwen3_5}
+            "qwen3_5": _qwen3_5, "gpt_oss": _gpt_oss}
 FAMILIES = list(BUILDERS)
 
 # Extra tensors written into a family's checkpoint that its spec must `ignore:` (checkpoints
@@ -286,6 +303,8 @@ def _randomize(model):
             is_norm = any(k in name for k in ("norm", "ln_", "layernorm"))
             if name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
+            elif name.endswith("sinks"):           # attention sinks: logits the size of the scores
+                p.copy_(torch.randn_like(p))
             elif is_norm:
                 offset_form = type(model).__name__.startswith(("Gemma", "Nemotron"))
                 p.copy_((0.0 if offset_form else 1.0) + 0.2 * torch.randn_like(p))

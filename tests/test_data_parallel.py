@@ -61,6 +61,19 @@ def test_each_rank_gets_the_single_rank_logits_for_its_own_sequences(world, tiny
     assert worst <= TOL, worst
 
 
+def test_expert_biases_and_their_activation_over_expert_parallel_ranks(family_model, rng):
+    """gpt_oss (tests/families.py): each rank holds its experts' biases ([E, ...] weights sliced
+    with the stacks) and applies the clamped SwiGLU; attention with sinks replicated."""
+    d, _ = family_model("gpt_oss")
+    one, (many, plans) = single(d), ranked(d, **dp(2))
+    assert all(p["parallel"]["ep"] == 2 for p in plans)
+    prompts = [[int(t) for t in rng.integers(0, 320, n)] for n in (9, 4)]
+    worst = _check(many, one, [[SeqChunk(r, p, 0)] for r, p in enumerate(prompts)])
+    worst = max(worst, _check(many, one, [[SeqChunk(r, [int(rng.integers(0, 320))], len(p))]
+                                          for r, p in enumerate(prompts)]))
+    assert worst <= TOL, worst
+
+
 def test_data_parallel_rank_plans(tiny_model):
     """Attention and dense weights whole on every rank, a quarter of the experts each; the expert
     block between dp_dispatch and dp_combine over G = world * T rows."""

@@ -83,8 +83,8 @@ CASES = {
     "ignore_entry_not_string": (58, "'ignore' entries must be non-empty glob patterns (strings), got 3"),
     # load-time transforms, defaults, activations, layer kinds
     "default_empty": (10, "symbol 'D': nothing after '='"),
-    "rows_not_pair": (34, "weight 'wq': 'rows' must be [start, stop] (a slice of the checkpoint "
-                          "tensor's first axis), got [0]"),
+    "rows_not_pair": (34, "weight 'wq': 'rows' must be [start, stop] or [start, stop, step] (a "
+                          "slice of the checkpoint tensor's first axis), got [0]"),
     "rows_empty": (34, "weight 'wq': rows [8, 8] is empty"),
     "rows_wrong_length": (34, "weight 'wq': rows [0, 32] holds 32 rows but the declared shape [64, 64] needs 64"),
     "transpose_not_bool": (41, "weight 'wd': 'transpose' must be true or false, got 'yes'"),

@@ -171,7 +171,7 @@ def test_spec_keyword_attrs():
     from infc.compiler.ir import TensorType
     op = REGISTRY["moe_route"]
     assert op.extra_attrs == {"groups": 1, "topk_groups": 1, "scale": 1.0, "shared": 0, "scoring": "softmax"}
-    assert op.extra_tensors == ["bias"]
+    assert op.keyword_optional == ["bias"]
     lt = TensorType((4, 12), "f32")
     route_infer([lt], {"k": 2, "groups": 3, "topk_groups": 2, "scale": 16.0})
     w, ids = route_infer([lt], {"k": 2, "shared": 3})

@@ -1,6 +1,7 @@
 """Causal GQA attention over the paged KV cache: the spec op and the two ops it lowers into.
 
-attention(q[T, Hq, D], k[T, Hkv, D], v[T, Hkv, D], causal=True, scale=None, window=None, softcap=None)
+attention(q[T, Hq, D], k[T, Hkv, D], v[T, Hkv, D], sinks[Hq] optional, causal=True, scale=None,
+          window=None, softcap=None)
   is what a spec writes; the required pass split_attention lowers it into
 kv_write(k, v) -> cache            the new rows join their sequence's paged caches `k` and `v`
 attention_cached(q, cache, ...)    each query attends over its sequence's cache, up to itself
@@ -15,6 +16,11 @@ cached keys j = 0 .. cached + n - 1 (K[j] = k_cache[block_tables[b, j // page], 
                                                       (HF's sliding_window overlay:
                                                       kv_idx > q_idx - sliding_window)
     o = sum_j softmax_j(s) V[j, h // G]
+    with sinks (GPT-OSS's learned per-head attention sinks): one more logit sinks[h] joins the
+    softmax's denominator only (no value row): o = sum_j e^(s_j) V[j] / (e^(sinks[h]) + sum_j e^(s_j)),
+    so a head can put weight "nowhere"; the sink is neither scaled nor soft-capped
+    (transformers' eager_attention_forward concatenates it to the scaled, masked scores).
+    sinks is an extra optional input (base.OpDef.extra_optional): plans without it are unchanged.
 """
 import numpy as np
 
@@ -74,8 +80,9 @@ def read_kv(ctx, b, n):
     return out
 
 
-def attend_cached(ctx, q, scale=None, window=None, softcap=None):
-    """Causal GQA attention of q over each sequence's cache (float32)."""
+def attend_cached(ctx, q, scale=None, window=None, softcap=None, sinks=None):
+    """Causal GQA attention of q over each sequence's cache (float32); sinks [Hq]: each head's
+    extra softmax logit that weighs no value."""
     T, hq, d = q.shape
     scale = scale if scale is not None else 1.0 / np.sqrt(d)
     out = np.zeros(q.shape, dtype=np.float32)
@@ -94,17 +101,34 @@ def attend_cached(ctx, q, scale=None, window=None, softcap=None):
         if window is not None:
             hidden |= qpos - kpos >= window
         s = np.where(hidden[None], -np.inf, s)
-        s = s - s.max(-1, keepdims=True)
-        p = np.exp(s)
-        p /= p.sum(-1, keepdims=True)
+        m = s.max(-1, keepdims=True)
+        if sinks is not None:
+            sink = np.asarray(sinks, np.float32)[:, None, None]
+            m = np.maximum(m, sink)
+        p = np.exp(s - m)
+        denom = p.sum(-1, keepdims=True)
+        if sinks is not None:
+            denom = denom + np.exp(sink - m)
+        p /= denom
         out[start:start + n] = np.einsum("hij,jhd->ihd", p, Vh)
     return out
 
 
 # -- attention (spec op) ------------------------------------------------------------------------
 
+def _check_sinks(types, attrs, q):
+    """The sinks input (one f32 logit per query head) when attrs has_sinks; types: the inputs after
+    the required ones."""
+    if attrs.get("has_sinks"):
+        expect(len(types) == 1 and tuple(types[0].shape) == (q.shape[1],),
+               f"attention sinks must be [{q.shape[1]}] (one per query head), got {types}")
+    else:
+        expect(not types, f"attention: {len(types)} inputs after the required ones without has_sinks")
+
+
 def infer(types, attrs):
-    q, k, v = types
+    q, k, v = types[:3]
+    _check_sinks(types[3:], attrs, q)
     expect(len(q.shape) == 3 and len(k.shape) == 3 and k.shape == v.shape,
            f"attention expects q[T, Hq, D], k/v[T, Hkv, D]; got {q}, {k}, {v}")
     expect(q.shape[2] == k.shape[2], f"q head_dim {q.shape[2]} != k head_dim {k.shape[2]}")
@@ -114,18 +138,18 @@ def infer(types, attrs):
     return [q]
 
 
-def reference(ctx, q, k, v, causal=True, scale=None, window=None, softcap=None):
+def reference(ctx, q, k, v, sinks=None, causal=True, scale=None, window=None, softcap=None, has_sinks=False):
     assert causal, "only causal attention is implemented"
     write_kv(ctx, k, v)
-    return attend_cached(ctx, q, scale, window, softcap)
+    return attend_cached(ctx, q, scale, window, softcap, sinks if has_sinks else None)
 
 
-op(name="attention", tensors=["q", "k", "v"],
+op(name="attention", tensors=["q", "k", "v"], extra_optional=["sinks"],
    attrs={"causal": True, "scale": None, "window": None, "softcap": None},
    infer=infer, reference=reference,
    caches=lambda types, attrs: _kv_caches(types[1].shape[1], types[1].shape[2]),
    templates={},   # no kernel of its own: split_attention lowers it to kv_write + attention_cached
-   doc="causal GQA attention (optional scale, sliding window, logit softcap) over the paged KV cache")
+   doc="causal GQA attention (optional scale, sliding window, logit softcap, sinks) over the paged KV cache")
 
 
 # -- kv_write(k[T, Hkv, D], v[T, Hkv, D]) -> cache marker ---------------------------------------
@@ -147,6 +171,7 @@ op(name="kv_write", tensors=["k", "v"], internal=True, infer=kv_write_infer,
 
 def attention_cached_infer(types, attrs):
     q = types[0]
+    _check_sinks(types[2:], attrs, q)
     expect(len(q.shape) == 3, f"attention_cached expects q[T, Hq, D], got {q}")
     expect(isinstance(attrs.get("kv_heads"), int),
            "attention_cached needs attrs kv_heads (the k/v head count; the pass that makes it sets it)")
@@ -156,14 +181,14 @@ def attention_cached_infer(types, attrs):
     return [q]
 
 
-op(name="attention_cached", tensors=["q", "cache"], internal=True,
+op(name="attention_cached", tensors=["q", "cache"], extra_optional=["sinks"], internal=True,
    attrs={"kv_heads": REQUIRED, "scale": None, "window": None, "softcap": None},
    infer=attention_cached_infer,
-   reference=lambda ctx, q, cache, kv_heads, scale=None, window=None, softcap=None:
-       attend_cached(ctx, q, scale, window, softcap),
+   reference=lambda ctx, q, cache, sinks=None, kv_heads=None, scale=None, window=None, softcap=None,
+       has_sinks=False: attend_cached(ctx, q, scale, window, softcap, sinks if has_sinks else None),
    caches=lambda types, attrs: _kv_caches(attrs["kv_heads"], types[0].shape[2]),
    # mixed and short: flash tiles for long chunks, split-KV for decode rows and short suffixes
    templates={"triton": {"prefill": "attention_prefill", "mixed": "attention_mixed",
                          "short": "attention_mixed", "decode": "attention_decode"},
               "tilelang": {"decode": "attention_decode"}},
-   doc="causal GQA attention over the paged KV cache (scale, sliding window, logit softcap)")
+   doc="causal GQA attention over the paged KV cache (scale, sliding window, logit softcap, sinks)")

@@ -31,6 +31,10 @@ class OpDef:
     optional: list[str] = field(default_factory=list)  # optional tensors after them (bias, ...):
                                            # a present one follows the required inputs and sets
                                            # attrs["has_<name>"] = True
+    extra_optional: list[str] = field(default_factory=list)  # optional tensors added later (an
+                                           # attention's sinks, an expert's biases): after the
+                                           # optional ones; a present one sets has_<name>, an
+                                           # absent one sets nothing, so older plans are unchanged
     pass_inputs: list[str] = field(default_factory=list)  # optional tensors only passes add, after
                                            # the optional ones (a quantized weight's scales:
                                            # compiler/ops/quant.py); a present one sets has_<name>
@@ -38,11 +42,9 @@ class OpDef:
     extra_attrs: dict = field(default_factory=dict)  # attrs added later (name -> default): a node
                                            # carries one only where its spec gives it, so the
                                            # plans of specs that don't are unchanged
-    extra_tensors: list[str] = field(default_factory=list)  # optional tensors added later, after
-                                           # the extra attrs (given by keyword): a present one
-                                           # follows the other inputs and sets has_<name>; an absent
-                                           # one sets nothing, so the plans of specs without it
-                                           # are unchanged
+    keyword_optional: list[str] = field(default_factory=list)  # optional tensors after the attrs,
+                                           # given by keyword (an op whose existing specs pass
+                                           # attrs by position, moe_route's bias): absent, no trace
     infer: Callable = None                 # (types: list[TensorType], attrs) -> list[TensorType]
     reference: Callable = None             # (ctx, *arrays, **attrs) -> array | tuple
     templates: dict = field(default_factory=dict)   # backend -> template or {phase: template}

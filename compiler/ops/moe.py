@@ -25,11 +25,14 @@ moe_route(logits[T, E], k, normalize, groups=1, topk_groups=1, scale=1.0, shared
     routed ones), in slots k .. k + shared - 1, with weight 1 (unscaled, unnormalized).
     Ties: transformers takes torch.topk(sorted=False), which promises no order among equal
     scores; here (reference and kernel alike) the lower id wins, for groups and experts.
-    groups, topk_groups, scale, shared and scoring are extra attrs and bias an extra tensor
-    (base.OpDef.extra_attrs / extra_tensors): a node carries them only where its spec gives them, so
-    the plans of specs that don't are unchanged.
-moe_experts(x[T, H], weights, ids, gate[E, F, H], up[E, F, H], down[E, H, F]) -> [T, H]:
-    y[t] = sum_j weights[t, j] * down[e] @ (silu(gate[e] @ x[t]) * up[e] @ x[t]), e = ids[t, j].
+    groups, topk_groups, scale, shared and scoring are extra attrs and bias a keyword-only optional
+    tensor (base.OpDef.extra_attrs / keyword_optional): a node carries them only where its spec
+    gives them, so the plans of specs that don't are unchanged.
+moe_experts(x[T, H], weights, ids, gate[E, F, H], up[E, F, H], down[E, H, F],
+            gate_bias[E, F], up_bias[E, F], down_bias[E, H] optional, act="silu", alpha, limit) -> [T, H]:
+    y[t] = sum_j weights[t, j] * (down[e] @ act(gate[e] @ x[t] + gb[e], up[e] @ x[t] + ub[e]) + db[e]),
+    e = ids[t, j]; act a gated activation of ops/gated_act.py (SwiGLU, or GPT-OSS's clamped
+    form with alpha and limit). The biases and act are extra (absent: plans unchanged).
     A slot of id -1 names no expert and adds nothing: expert parallelism's ep_dispatch gives the
     slots of other ranks' experts id -1 (ops/collectives.py), so a rank computes only its own.
 
@@ -42,8 +45,8 @@ moe_align(ids[T, k], experts=E) -> (rows i32[E, T], counts i32[E]): the tokens g
 moe_route_align(logits, k, normalize, experts) -> (weights, ids, rows, counts): moe_route then
     moe_align in one launch (compiler/passes/fuse_moe.py); its decode kernel routes only (the
     decode kernels group the few tokens themselves and never read rows/counts).
-moe_gate_up(x, ids, gate_up, rows, counts) / moe_down(act, weights, ids, down, rows, counts): the
-    two expert launches; rows/counts are read by the prefill/mixed kernels only. The kernels
+moe_gate_up(x, ids, gate_up, rows, counts[, bias[E, 2F]]) / moe_down(act, weights, ids, down, rows,
+    counts[, bias[E, H]]): the two expert launches (moe_gate_up applies the gated act); rows/counts are read by the prefill/mixed kernels only. The kernels
     compute each (token, expert) once: a token that names an expert in several slots gets the
     same act row in each (moe_gate_up), and moe_down reads the act row of the slot of largest
     weight for all of them, which equals the reference whenever the other slots weigh 0 (the one
@@ -58,7 +61,7 @@ moe_gate_up(x, ids, gate_up, rows, counts) / moe_down(act, weights, ids, down, r
 import numpy as np
 
 from .base import REQUIRED, expect, op, tt
-from .activation import silu
+from .gated_act import GATED_EXTRA, check as check_act, gated
 from .quant import QUANT_OPTIONAL, check_types, expert_operands
 
 
@@ -138,7 +141,14 @@ def route(ctx, logits, *bias, k, normalize=False, groups=1, topk_groups=1, scale
 
 
 def experts_infer(types, attrs):
-    x, w, ids, gate, up, down = types
+    x, w, ids, gate, up, down = types[:6]
+    check_act(attrs, "moe_experts")
+    biases = iter(types[6:])
+    for name, rows in zip(EXPERT_BIASES, (gate.shape[1], gate.shape[1], x.shape[-1])):
+        if attrs.get(f"has_{name}"):
+            b = next(biases, None)
+            expect(b is not None and tuple(b.shape) == (gate.shape[0], rows),
+                   f"moe_experts: {name} must be [{gate.shape[0]}, {rows}] (one row per expert), got {b}")
     expect(len(gate.shape) == 3 and gate.shape == up.shape, f"expert gate/up must be [E, F, H]: {gate}, {up}")
     expect(gate.shape[2] == x.shape[-1], f"expert gate K={gate.shape[2]} != hidden {x.shape[-1]}")
     expect(tuple(down.shape) == (gate.shape[0], x.shape[-1], gate.shape[1]),
@@ -152,56 +162,90 @@ def _chosen(ids):
     return [e for e in np.unique(ids) if e >= 0]
 
 
-def experts(ctx, x, w, ids, gate, up, down):
+EXPERT_BIASES = ("gate_bias", "up_bias", "down_bias")
+
+
+def bias_inputs(inputs: list, attrs: dict) -> dict:
+    """moe_experts' bias inputs by name (those its attrs say are present), in input order."""
+    extra = iter(inputs[6:])
+    return {b: next(extra) for b in EXPERT_BIASES if attrs.get(f"has_{b}")}
+
+
+def experts(ctx, x, w, ids, gate, up, down, *biases, act="silu", alpha=1.702, limit=7.0, **has):
+    biases = iter(biases)
+    gb, ub, db = (next(biases) if has.get(f"has_{n}") else None for n in EXPERT_BIASES)
     y = np.zeros_like(x, dtype=np.float32)
     for e in _chosen(ids):
         rows, slot = np.nonzero(ids == e)
         xe = x[rows]
-        h = silu(xe @ gate[e].T) * (xe @ up[e].T)
-        y[rows] += (h @ down[e].T) * w[rows, slot][:, None]
+        g, u = xe @ gate[e].T, xe @ up[e].T
+        g, u = g if gb is None else g + gb[e], u if ub is None else u + ub[e]
+        o = gated(g, u, act, alpha, limit) @ down[e].T
+        o = o if db is None else o + db[e]
+        np.add.at(y, rows, o * w[rows, slot][:, None])
     return y
 
 
 # The experts split in two launches, because the down projection needs every column of the
 # activation: moe_gate_up(x, ids, gate_up[E, 2F, H]) -> act[T, k, F] = silu(g) * u per chosen
 # expert, then moe_down(act, weights, ids, down[E, H, F]) -> y[t] = sum_j w[t, j] down[e] act[t, j].
+def _check_bias(types, attrs, w, who):
+    """The expert bias [E, N] at types[0] when attrs has_bias; returns how many inputs it takes."""
+    if not attrs.get("has_bias"):
+        return 0
+    expect(len(types) > 0 and tuple(types[0].shape) == tuple(w.shape[:2]),
+           f"{who}: bias must be [{w.shape[0]}, {w.shape[1]}] (one row per expert), got {types[:1]}")
+    return 1
+
+
 def gate_up_infer(types, attrs):
     x, ids, gu = types[:3]
     _check_grouping(types[3:5], ids, gu.shape[0])
-    check_types(types, attrs, 5, "moe_gate_up", w_at=2)
+    check_act(attrs, "moe_gate_up")
+    nb = _check_bias(types[5:], attrs, gu, "moe_gate_up")
+    check_types(types, attrs, 5 + nb, "moe_gate_up", w_at=2)
     expect(len(gu.shape) == 3 and gu.shape[2] == x.shape[-1] and gu.shape[1] % 2 == 0,
            f"expert gate_up must be [E, 2F, H]: {gu}")
     return [tt((x.shape[0], ids.shape[1], gu.shape[1] // 2), x.dtype)]
 
 
-def gate_up(ctx, x, ids, gu, expert_rows=None, expert_counts=None, *quant, **attrs):
+def gate_up(ctx, x, ids, gu, expert_rows=None, expert_counts=None, *rest, **attrs):
     # rows/counts (moe_align's grouping) only tell the prefill kernels where to look: the result
-    # is defined by ids alone; a quantized stack's companions follow them (ops/quant.py)
+    # is defined by ids alone; the bias, then a quantized stack's companions follow them (ops/quant.py)
+    bias, quant = (rest[0], rest[1:]) if attrs.get("has_bias") else (None, rest)
     x, gu = expert_operands(x, gu, quant, attrs)
+    act = {a: attrs.get(a, d) for a, d in GATED_EXTRA.items()}
     f = gu.shape[1] // 2
     out = np.zeros((x.shape[0], ids.shape[1], f), np.float32)
     for e in _chosen(ids):
         rows, slot = np.nonzero(ids == e)
         h = x[rows] @ gu[e].T
-        out[rows, slot] = silu(h[:, :f]) * h[:, f:]
+        if bias is not None:
+            h = h + bias[e]
+        out[rows, slot] = gated(h[:, :f], h[:, f:], **act)
     return out
 
 
 def down_infer(types, attrs):
     act, w, ids, down = types[:4]
     _check_grouping(types[4:6], ids, down.shape[0])
-    check_types(types, attrs, 6, "moe_down", w_at=3)
+    nb = _check_bias(types[6:], attrs, down, "moe_down")
+    check_types(types, attrs, 6 + nb, "moe_down", w_at=3)
     expect(len(down.shape) == 3 and down.shape[2] == act.shape[2], f"expert down must be [E, H, F]: {down}")
     return [tt((act.shape[0], down.shape[1]), act.dtype)]
 
 
-def down(ctx, act, w, ids, down_w, expert_rows=None, expert_counts=None, *quant, **attrs):
+def down(ctx, act, w, ids, down_w, expert_rows=None, expert_counts=None, *rest, **attrs):
+    bias, quant = (rest[0], rest[1:]) if attrs.get("has_bias") else (None, rest)
     act, down_w = expert_operands(act, down_w, quant, attrs)
     y = np.zeros((act.shape[0], down_w.shape[1]), np.float32)
     for e in _chosen(ids):
         rows, slot = np.nonzero(ids == e)
+        o = act[rows, slot] @ down_w[e].T
+        if bias is not None:
+            o = o + bias[e]
         # add.at: a token may name an expert twice, and y[rows] += would keep only one of them
-        np.add.at(y, rows, (act[rows, slot] @ down_w[e].T) * w[rows, slot][:, None])
+        np.add.at(y, rows, o * w[rows, slot][:, None])
     return y
 
 
@@ -247,17 +291,18 @@ def route_align(ctx, logits, *bias, k, normalize=False, experts=None, **route_at
 
 ROUTE_EXTRA = {"groups": 1, "topk_groups": 1, "scale": 1.0, "shared": 0, "scoring": "softmax"}
 op(name="moe_route", tensors=["logits"], attrs={"k": REQUIRED, "normalize": False}, extra_attrs=ROUTE_EXTRA,
-   extra_tensors=["bias"],
+   keyword_optional=["bias"],
    infer=route_infer, reference=route, n_outputs=2, templates={"triton": "moe_route"},
    doc="top-k router (softmax or sigmoid scores, group-limited, a choice bias)")
 op(name="moe_experts", tensors=["x", "weights", "ids", "gate", "up", "down"],
+   extra_optional=list(EXPERT_BIASES), extra_attrs=GATED_EXTRA,
    infer=experts_infer, reference=experts,   # no kernel of its own: lower_experts splits it
    doc="grouped SwiGLU experts, weighted sum over the top-k")
 op(name="moe_align", tensors=["ids"], attrs={"experts": REQUIRED}, infer=align_infer, reference=align,
    n_outputs=2, internal=True, templates={"triton": "moe_align"},
    doc="tokens grouped by expert (counts, per-expert token lists) for the grouped expert GEMMs")
 op(name="moe_route_align", tensors=["logits"], attrs={"k": REQUIRED, "normalize": False, "experts": REQUIRED},
-   extra_attrs=ROUTE_EXTRA, extra_tensors=["bias"],
+   extra_attrs=ROUTE_EXTRA, keyword_optional=["bias"],
    infer=route_align_infer, reference=route_align, n_outputs=4, internal=True,
    templates={"triton": "moe_route"},
    doc="moe_route + moe_align in one launch (prefill/mixed/wide; decode routes only)")
@@ -265,11 +310,13 @@ op(name="moe_route_align", tensors=["logits"], attrs={"k": REQUIRED, "normalize"
 # expert's rows for the tokens that chose it; prefill/mixed (and short, through mixed) and wide
 # decode steps (many sequences: compiler/passes/select_kernels.py WIDE_TOKENS_PER_EXPERT): grouped
 # tensor-core GEMMs over moe_align's per-expert token lists
-op(name="moe_gate_up", tensors=["x", "ids", "gate_up", "rows", "counts"], pass_inputs=QUANT_OPTIONAL,
+op(name="moe_gate_up", tensors=["x", "ids", "gate_up", "rows", "counts"], extra_optional=["bias"],
+   extra_attrs=GATED_EXTRA, pass_inputs=QUANT_OPTIONAL,
    infer=gate_up_infer, reference=gate_up, internal=True, templates={"triton": {"prefill": "moe_gate_up_grouped", "mixed": "moe_gate_up_grouped",
                                         "decode": "moe_gate_up", "wide": "moe_gate_up_grouped"}},
    doc="per chosen expert: silu(x gate^T) * (x up^T)")
-op(name="moe_down", tensors=["act", "weights", "ids", "down", "rows", "counts"], pass_inputs=QUANT_OPTIONAL,
+op(name="moe_down", tensors=["act", "weights", "ids", "down", "rows", "counts"], extra_optional=["bias"],
+   pass_inputs=QUANT_OPTIONAL,
    infer=down_infer, reference=down, internal=True, templates={"triton": {"prefill": "moe_down_grouped", "mixed": "moe_down_grouped",
                                         "decode": "moe_down", "wide": "moe_down_grouped"}},
    doc="per token: routing-weighted sum of the chosen experts' down projections")

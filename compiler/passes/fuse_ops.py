@@ -106,7 +106,7 @@ def fuse_qk_norm_rope_cache(state):
             g.add_node(Node(g.new_node_id("qk_norm_rope_cache"), "qk_norm_rope_cache",
                             [split.inputs[0]] + norms, [qr, kv], attrs, att.line,
                             fused_from=chain * 2 + ["view"] * 3 + ["kv_write"]), before=kvw.id)
-            att.inputs = [qr, kv]
+            att.inputs = [qr, kv] + att.inputs[2:]       # (and its sinks, if any)
             g.remove_node(kvw.id)
             for nodes in (qn, kn, vn):
                 for n in nodes.values():

@@ -50,7 +50,8 @@ def select_kernels(state):
                 # tensor (a bias) stays on the default backend, which covers every form.
                 # They also assume bf16 outputs over the step's T rows, and no f32 operand (an
                 # f32 norm weight: the 1 + w of Gemma's and Qwen3.5's RMSNorms).
-                plain = not any(n.attrs.get(f"has_{p}") for p in op.optional + op.extra_tensors + op.pass_inputs) \
+                plain = not any(n.attrs.get(f"has_{p}") for p in op.optional + op.extra_optional + op.keyword_optional
+                                + op.pass_inputs) \
                     and all(g.values[o].type is None or g.values[o].type.dtype == "bf16" for o in n.outputs) \
                     and all(g.values[i].type is None or g.values[i].type.dtype != "f32" for i in n.inputs) \
                     and (not n.inputs or g.values[n.inputs[0]].type.shape[:1] == ("T",))

@@ -43,6 +43,7 @@ DeepSeek's shared experts are a dense SwiGLU in the spec, so they follow the TP 
 experts are partitioned (expert_parallel_only).
 """
 from ..ir import Node, TensorType, Value
+from ..ops.moe import bias_inputs
 from .shard_rules import rule
 
 
@@ -222,24 +223,32 @@ def _tensor_parallel(state, g, rank, world):
     for n in [n for n in g.ordered() if n.op == "moe_experts"]:
         if state.parallel["ep"] > 1:
             continue
-        x, w, ids, gate, up, down = n.inputs
+        x, w, ids, gate, up, down = n.inputs[:6]
+        biases = bias_inputs(n.inputs, n.attrs)
+        if "down_bias" in biases:        # each rank's partial output would add it again
+            raise state.error(f"--tensor-parallel-size {world}: experts with a down-projection bias "
+                              f"are not split across ranks yet (--enable-expert-parallel splits "
+                              f"whole experts)", n.line)
         what = f"--tensor-parallel-size {world}: the experts' intermediate features"
         _shard_weight(state, g, gate, 1, rank, world, what, n.line)
         _shard_weight(state, g, up, 1, rank, world, what, n.line)
         _shard_weight(state, g, down, 2, rank, world, what, n.line)
+        for b in biases.values():        # gate / up biases [E, F]: the rank's features
+            _shard_weight(state, g, b, 1, rank, world, what, n.line)
         _insert_after(g, n, "all_reduce", {"dtype": g.values[n.outputs[0]].type.dtype}, "reduced")
         state.note("shard_ranks", f"{g.name}: line {n.line} experts split F/{world} + all_reduce")
 
 
 def _expert_parallel(state, g, rank, world, data_parallel=False):
     for n in [n for n in g.ordered() if n.op == "moe_experts"]:
-        x, w, ids, gate, up, down = n.inputs
+        x, w, ids, gate, up, down = n.inputs[:6]
+        biases = list(bias_inputs(n.inputs, n.attrs).values())
         E = g.values[gate].type.shape[0]
         if E % world:
             raise state.error(f"--enable-expert-parallel over {world} ranks: {E} experts are not "
                               f"divisible by {world} (each rank holds E/{world} whole routed "
                               f"experts)", n.line)
-        for wname in (gate, up, down):
+        for wname in (gate, up, down, *biases):        # [E, ...]: the rank's experts
             _shard_weight(state, g, wname, 0, rank, world, "experts", n.line)
         outs = [g.fresh(h) for h in ("dispatched", "weights", "ids")]
         for o in outs:
@@ -255,7 +264,7 @@ def _expert_parallel(state, g, rank, world, data_parallel=False):
             g.add_node(Node(g.new_node_id("ep_dispatch"), "ep_dispatch", [x, w, ids], outs,
                             {"experts_per_rank": E // world, "replicated": True}, n.line, fused_from=[]),
                        before=n.id)
-        n.inputs = outs + [gate, up, down]
+        n.inputs = outs + [gate, up, down] + biases
         _insert_after(g, n, "dp_combine" if data_parallel else "ep_combine", {}, "combined")
         state.note("shard_ranks", f"{g.name}: line {n.line} experts {rank * E // world}.."
                                   f"{(rank + 1) * E // world - 1} of {E} on rank {rank} + dispatch/combine")

@@ -8,7 +8,7 @@ from ..ir import Node, Value
 def split_attention(state):
     for g in state.graph.walk():
         for att in [n for n in g.ordered() if n.op == "attention"]:
-            q, k, v = att.inputs
+            q, k, v, *sinks = att.inputs
             if not att.attrs.get("causal", True):
                 raise state.error("attention: only causal attention is implemented "
                                   "(causal=false is not supported)", att.line)
@@ -20,7 +20,9 @@ def split_attention(state):
             g.add_value(Value(out, "act", line=att.line))
             attrs = {"kv_heads": g.values[k].type.shape[1],
                      **{a: att.attrs.get(a) for a in ("scale", "window", "softcap")}}
-            g.add_node(Node(g.new_node_id("attention_cached"), "attention_cached", [q, marker], [out],
+            if sinks:                    # an extra input: set only where the spec gives it
+                attrs["has_sinks"] = True
+            g.add_node(Node(g.new_node_id("attention_cached"), "attention_cached", [q, marker, *sinks], [out],
                             attrs, att.line, fused_from=["attention"]), before=att.id)
             g.replace_uses(att.outputs[0], out)
             g.remove_node(att.id)

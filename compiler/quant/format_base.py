@@ -23,6 +23,12 @@ class QuantFormat:
     def sources(self, module: str, scheme, n: int, k: int) -> dict:
         raise NotImplementedError
 
+    def param_sources(self, param: str, scheme) -> dict:
+        """The canonical tensors' recipes of one [E, K, N] expert parameter `param` (transformers
+        5's fused expert layout), each [E, N, ...] as the format stores it; formats that publish no
+        such layout leave this unimplemented."""
+        raise NotImplementedError
+
     def tensors(self, module: str, scheme) -> dict:
         """checkpoint tensor name -> (allowed safetensors dtypes) for a quantized module: what its
         sources' recipes read (compiler/quant/leaves.py; plain tensors are float). The names do not

@@ -14,6 +14,7 @@ a weight the plan declares f32):
     {"concat": [src, ...], "axis": a}        sources concatenated along axis a
     {"slice": src, "axis": a, "start": s, "stop": e}   rows (axis 0) or columns (axis 1) s:e
     {"slice": ..., "axis": 0, "groups": G, ...}   the rows as G equal groups, s:e of each
+    {"slice": ..., "step": k, ...}           every k-th of s:e (an interleaved gate|up pair)
                                              (a per-head interleaved projection's parts)
     {"reshape": src, "from": [...], "to": [...]}   a tensor of shape `from` read as `to`
     {"exp": src}                             exp(w) (Qwen3.5's A = -exp(A_log): exp, then scale -1)
@@ -104,11 +105,13 @@ def _slice(src, layer, read, where):
         g = a.reshape(groups, a.shape[0] // groups, *a.shape[1:])[:, start:stop]
         return (np.ascontiguousarray(g.reshape(groups * (stop - start), *a.shape[1:])),
                 f"{what}[{start}:{stop} of each of {groups} row groups]")
+    step = src.get("step", 1)
     if not (0 <= axis < a.ndim and 0 <= start < stop <= a.shape[axis]):
         raise ModelDirError(f"{where}: cannot take [{start}:{stop}] of axis {axis} of {what} {list(a.shape)}")
     index = [slice(None)] * a.ndim
-    index[axis] = slice(start, stop)
-    return np.ascontiguousarray(a[tuple(index)]), f"{what}[{'..., ' * axis}{start}:{stop}]"
+    index[axis] = slice(start, stop, step)
+    return (np.ascontiguousarray(a[tuple(index)]),
+            f"{what}[{'..., ' * axis}{start}:{stop}{f':{step}' if step != 1 else ''}]")
 
 
 @recipe("reshape")

@@ -90,6 +90,12 @@ FAMILIES = {
     # random HF directory is ~5 GB (the whole model's golden gate is this cut's). Its config and
     # artifact directories are the ones tests/gpu/prepare_moe.py writes for the same cut.
     "qwen3-30b-a3b-l4": ("qwen3-30b-a3b", {"num_hidden_layers": 4}),
+    # gpt_oss (issue 45): gpt-oss-20b cut to 4 of its 24 layers (sliding 128, full, sliding, full)
+    # at its real shapes (32 experts, top-4, biases, clamped SwiGLU, sinks, YaRN, 201,088 ids), its
+    # experts bf16 (the published MXFP4 quantization_config dropped: the gate is against HF bf16).
+    # Not in DEFAULT: its random HF directory is ~5 GB.
+    "gpt-oss-20b-l4": ("gpt-oss-20b", {"num_hidden_layers": 4, "quantization_config": None,
+                                       "layer_types": ["sliding_attention", "full_attention"] * 2}),
 }
 # Longer prompts for a family (test_golden.py adds them after its common lengths): the hybrid
 # model's recurrent state and chunked delta rule over 2k-4k tokens (chunk edges at 64, pages at 16).
@@ -148,7 +154,8 @@ def _spec_and_values(name: str):
     spec, values = find_variant(variant)
     if isinstance(values.get("text_config"), dict):       # a multimodal config.json: its text model
         values = {**{k: v for k, v in values.items() if k != "text_config"}, **values["text_config"]}
-    values = {**values, **overrides}
+    # an override of None drops the key (a published quantization_config the gate does not use)
+    values = {k: v for k, v in {**values, **overrides}.items() if not (k in overrides and v is None)}
     # the published dtype (gemma-2-2b-it: float32, phi-2: float16) is not the one we make
     for k in ("torch_dtype", "dtype", "architectures", "model_type", "transformers_version"):
         values.pop(k, None)
@@ -232,8 +239,17 @@ def _qwen3_5_rule(pname, p, g) -> bool:
     return True
 
 
+def _gpt_oss_rule(pname, p, g) -> bool:
+    """GPT-OSS's attention sinks (HF inits them normal * 0.02): one logit per head the size of
+    the scores (normal * 1), so a dropped or misplaced sink moves the logits."""
+    if pname.endswith("self_attn.sinks"):
+        p.normal_(0.0, 1.0, generator=g)
+        return True
+    return False
+
+
 # spec family -> rule(parameter name, parameter, generator) -> True where it drew the parameter
-REDRAW = {"qwen3_5": _qwen3_5_rule}
+REDRAW = {"qwen3_5": _qwen3_5_rule, "gpt_oss": _gpt_oss_rule}
 
 
 def redraw(model, seed: int = 0, family: str | None = None):

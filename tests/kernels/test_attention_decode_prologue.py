@@ -3,7 +3,8 @@ qk_norm_rope_cache of the new token inside attention_decode, under the interpret
 two kernels run one after the other: the same output bits and the same K/V written at the token's
 slot (the interpreter's sums do not depend on the tile layout), and against the two ops' numpy
 references. GQA groups of 1, 4 and 8, head dims not a power of two, partial rotary, llama3 and
-YaRN scaling, norms on and off, several splits (the merge), a sliding window with a softcap."""
+YaRN scaling, norms on and off, several splits (the merge), a sliding window with a softcap, and
+attention sinks (GPT-OSS: the launch's last input, after the cache)."""
 import numpy as np
 import pytest
 import torch
@@ -23,6 +24,8 @@ CASES = [
     (8, 1, 64, [600], dict(q_norm=True, k_norm=True), {"NUM_SPLITS": 8, "BLOCK_N": 32}, {}),
     (2, 1, 128, [150], dict(q_norm=False, k_norm=False), {"NUM_SPLITS": 2, "BLOCK_N": 16},
      {"softcap": 50.0, "window": 48, "scale": 0.1}),
+    (8, 2, 64, [40, 300], dict(q_norm=False, k_norm=False, scaling=YARN), {"NUM_SPLITS": 4, "BLOCK_N": 16},
+     {"window": 37, "sinks": True}),                                         # GPT-OSS-like
 ]
 
 
@@ -35,6 +38,11 @@ def test_merged_attention_decode(hq, hkv, d, lens, qk, tune, extra):
                 "rotary_dim": qk.get("rotary_dim"), "q_norm": qk["q_norm"], "k_norm": qk["k_norm"]}
     attn_attrs = {"kv_heads": hkv, "scale": extra.get("scale"), "window": extra.get("window"),
                   "softcap": extra.get("softcap")}
+    sink_in, sinks = [], ()
+    if extra.get("sinks"):
+        attn_attrs["has_sinks"] = True
+        sink_in = [("sinks", [hq], "f32", "weight")]
+        sinks = (torch.from_numpy(gen.standard_normal(hq).astype(np.float32) * 3),)
     page = Paged(gen, [(L - 1, 1) for L in lens], hkv, d)
     slots = [page.pages[b][(L - 1) // PS] * PS + (L - 1) % PS for b, L in enumerate(lens)]
     for s in slots:                           # the new token's key and value: the launch writes them
@@ -56,19 +64,20 @@ def test_merged_attention_decode(hq, hkv, d, lens, qk, tune, extra):
                 attrs=qk_attrs, caches=kv_caches(hkv, d))
     q = poison((B, hq, d))
     run(k1, {"in:0": qkv, "out:0": q, **norm_b, **meta, **caches}, dims)
-    k2 = render("attention_decode", "attention_cached", [("q", ["T", hq, d], "bf16"), ("cache", [], "", "cache")],
+    k2 = render("attention_decode", "attention_cached", [("q", ["T", hq, d], "bf16"), ("cache", [], "", "cache")] + sink_in,
                 [("o", ["T", hq, d], "bf16")], attrs=attn_attrs, caches=kv_caches(hkv, d), tune=tune)
     o_two = poison((B, hq, d))
-    run(k2, {"in:0": q, "out:0": o_two, **unmerged}, dims)
+    run(k2, {"in:0": q, "out:0": o_two, **unmerged, **({"in:2": sinks[0]} if sinks else {})}, dims)
 
     # the merged launch: inputs [qkv, norms..., cache], outputs [cache, o]
     prologue = {"op": "qk_norm_rope_cache", "inputs": len(qk_in), "output": 0, "value": "q", "writes": 1,
                 "attrs": qk_attrs}
-    k = render("attention_decode", "attention_cached", qk_in + [("cache", [], "", "cache")],
+    k = render("attention_decode", "attention_cached", qk_in + [("cache", [], "", "cache")] + sink_in,
                [("cache", [], "", "cache"), ("o", ["T", hq, d], "bf16")], attrs=attn_attrs,
                caches=kv_caches(hkv, d), tune=tune, prologue=prologue, narrow=True)
     o = poison((B, hq, d))
-    scratch = run(k, {"in:0": qkv, **norm_b, "out:1": o, **meta, **page.bindings()}, dims)
+    sink_b = {f"in:{len(qk_in) + 1}": sinks[0]} if sinks else {}
+    scratch = run(k, {"in:0": qkv, **norm_b, "out:1": o, **meta, **sink_b, **page.bindings()}, dims)
     assert torch.equal(o, o_two)
     bits = lambda t: t.view(torch.int16)                             # noqa: E731 (NaN pages too)
     assert torch.equal(bits(page.k_cache), bits(caches["cache:k"]))
@@ -82,7 +91,7 @@ def test_merged_attention_decode(hq, hkv, d, lens, qk, tune, extra):
     ctx.positions = np.asarray([L - 1 for L in lens], np.int64)
     want_q, _ = REGISTRY["qk_norm_rope_cache"].reference(ctx, qkv.float().numpy(), *[w.float().numpy() for w in norms],
                                                           **qk_attrs)
-    want = REGISTRY["attention_cached"].reference(ctx, want_q, None, **attn_attrs)
+    want = REGISTRY["attention_cached"].reference(ctx, want_q, None, *[t.numpy() for t in sinks], **attn_attrs)
     assert rel_err(o.float().numpy(), want) <= TOL
 
 

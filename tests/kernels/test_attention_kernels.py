@@ -430,19 +430,28 @@ class Paged:
         return self
 
 
-def _attention(template, phase, page, hq, d, tune, dims, scale=None, window=None, softcap=None, q_scale=1.0):
+def _attention(template, phase, page, hq, d, tune, dims, scale=None, window=None, softcap=None, q_scale=1.0,
+               sinks=None):
+    """The kernel's relative error against the reference; sinks: the per-head sink logits (f32 [hq])."""
     gen = np.random.default_rng(1)
     hkv = page.k_cache.shape[2]
     q = rand((page.T, hq, d), gen=gen, scale=q_scale)
     attrs = {"kv_heads": hkv, "scale": scale, "window": window, "softcap": softcap}
-    k = render(template, "attention_cached", [("q", ["T", hq, d], "bf16"), ("cache", [], "", "cache")],
+    inputs = [("q", ["T", hq, d], "bf16"), ("cache", [], "", "cache")]
+    bind, extra = {}, ()
+    if sinks is not None:
+        attrs["has_sinks"] = True
+        inputs.append(("sinks", [hq], "f32"))
+        bind["in:2"] = torch.from_numpy(np.asarray(sinks, np.float32))
+        extra = (np.asarray(sinks, np.float32),)
+    k = render(template, "attention_cached", inputs,
                [("o", ["T", hq, d], "bf16")], attrs=attrs, phase=phase, caches=kv_caches(hkv, d), tune=tune,
                page_size=page.ps)
     o_full = poison((page.T + 3, hq, d))             # rows past T must stay unwritten
     o = o_full[:page.T]
-    run(k, {"in:0": q, "out:0": o, **page.bindings()}, dims)
+    run(k, {"in:0": q, "out:0": o, **bind, **page.bindings()}, dims)
     assert torch.isnan(o_full[page.T:].float()).all(), "wrote output rows past T"
-    want = REGISTRY["attention_cached"].reference(page.ctx, q.float().numpy(), None, **attrs)
+    want = REGISTRY["attention_cached"].reference(page.ctx, q.float().numpy(), None, *extra, **attrs)
     return rel_err(o.float().numpy(), want)
 
 
@@ -635,3 +644,50 @@ def test_attention_refuses_bad_attrs():
         REGISTRY["attention_cached"].infer([q, None], {"scale": None})
     assert REGISTRY["attention_cached"].caches([q, None], {"kv_heads": 2}) == {
         n: {"kind": "paged", "shape": [2, 64], "dtype": "bf16"} for n in ("k", "v")}
+
+
+# ---------------------------------------------------------------------------------------------
+# attention sinks (GPT-OSS): one logit per query head in the softmax's denominator only. The
+# sinks are of the scores' size (some heads' larger than every score, some far below), so the
+# outputs' scale moves per head; decode folds them in at the one split or at the merge, the flash
+# role at its end, the mixed split role at both.
+
+def _sinks(hq, seed=4):
+    s = np.random.default_rng(seed).standard_normal(hq).astype(np.float32) * 3.0
+    s[0] = 8.0                                       # a head whose sink outweighs every key
+    return s
+
+
+SINK_CASES = [
+    # template, phase, hq, hkv, d, (cached, q_len) per sequence, tune, extra attrs
+    ("attention_decode", "decode", 4, 2, 64, [(299, 1), (39, 1), (8, 1)], {"NUM_SPLITS": 4, "BLOCK_N": 16}, {}),
+    ("attention_decode", "decode", 8, 2, 64, [(140, 1), (7, 1)], {"NUM_SPLITS": 1, "BLOCK_N": 16}, {"window": 37}),
+    ("attention_prefill", "prefill", 4, 2, 64, [(0, 45), (10, 19)], {"BLOCK_M": 16, "BLOCK_N": 16}, {"window": 21}),
+    ("attention_mixed", "mixed", 8, 2, 64, [(69, 1), (0, 15), (14, 20), (300, 1)],
+     {"BLOCK_M": 16, "BLOCK_N": 16, "SPLIT_BLOCK_N": 16, "NUM_SPLITS": 4, "TARGET_CTAS": 64}, {}),
+    ("attention_mixed", "short", 4, 2, 64, [(300, 5), (60, 1), (0, 40)],
+     {"BLOCK_M": 16, "BLOCK_N": 16, "SPLIT_BLOCK_N": 16, "NUM_SPLITS": 1}, {"window": 21}),
+]
+
+
+@pytest.mark.parametrize("template,phase,hq,hkv,d,specs,tune,extra", SINK_CASES)
+def test_attention_sinks(template, phase, hq, hkv, d, specs, tune, extra):
+    gen = np.random.default_rng(len(specs) * 10 + d + hq)
+    page = Paged(gen, specs, hkv, d)
+    if extra.get("window"):
+        page.hide_below_window(extra["window"])
+    dims = {"T": page.T, "B": page.B}
+    assert _attention(template, phase, page, hq, d, tune, dims, sinks=_sinks(hq), **extra) <= TOL
+
+
+def test_sinks_change_the_result():
+    """The reference's sinks really take weight: with them the output differs from without, a
+    very negative sink changes nothing, and a sink far above every score drives the head to 0."""
+    page = Paged(np.random.default_rng(9), [(99, 1)], 1, 64)
+    q = np.random.default_rng(2).standard_normal((1, 2, 64)).astype(np.float32)
+    ref = REGISTRY["attention_cached"].reference
+    plain = ref(page.ctx, q, None, kv_heads=1)
+    assert rel_err(ref(page.ctx, q, None, np.float32([3.0, 4.0]), kv_heads=1, has_sinks=True), plain) > 0.05
+    assert np.allclose(ref(page.ctx, q, None, np.float32([-80, -80]), kv_heads=1, has_sinks=True), plain, atol=1e-6)
+    gone = ref(page.ctx, q, None, np.float32([60, 0]), kv_heads=1, has_sinks=True)
+    assert np.abs(gone[0, 0]).max() < 1e-12 and np.abs(gone[0, 1]).max() > 1e-3

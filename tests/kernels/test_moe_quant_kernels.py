@@ -65,41 +65,59 @@ def _specs(comp):
     return [(c, list(a.shape), "f32", "weight") for c, a in comp.items()]
 
 
-def gate_up_case(s, T, KT, template, tune, seed):
+def _bias(extra, n, gen):
+    """([the bias input spec], {binding}, (array,)) of an expert bias [E, n] when extra asks for one."""
+    if not extra.get("has_bias"):
+        return [], ()
+    b = rand((E, n), gen=gen, scale=0.5)
+    return [("bias", [E, n], "bf16", "weight")], (b,)
+
+
+def gate_up_case(s, T, KT, template, tune, seed, extra=None):
+    """extra: attrs beyond the scheme's (has_bias: an [E, 2F] bias after counts; act, alpha, limit)."""
+    extra = extra or {}
     gen = np.random.default_rng(seed)
     ids, _ = routing(T, KT, E, gen)
     x = rand((T, H), gen=gen, scale=1.5)
     w, values, comp = quantized_stack(s, 2 * F, H, gen)
+    b_in, b = _bias(extra, 2 * F, gen)
     ins = [("x", ["T", H], "bf16"), ("ids", ["T", KT], "i32"), ("gate_up", [E, 2 * F, H], s.codes, "weight"),
-           ("rows", [E, "T"], "i32"), ("counts", [E], "i32")] + _specs(comp)
+           ("rows", [E, "T"], "i32"), ("counts", [E], "i32")] + b_in + _specs(comp)
     phase = "decode" if template == "moe_gate_up" else "prefill"
-    k = render(template, "moe_gate_up", ins, [("act", ["T", KT, F], "bf16")], attrs=_attrs(s), phase=phase, tune=tune)
+    attrs = {**_attrs(s), **extra}
+    k = render(template, "moe_gate_up", ins, [("act", ["T", KT, F], "bf16")], attrs=attrs, phase=phase, tune=tune)
     rows, counts = grouping(ids, E, gen)
     act = poison((T, KT, F))
     bind = {"in:0": x, "in:1": ids, "in:2": w, "in:3": rows, "in:4": counts, "out:0": act}
-    bind.update({f"in:{5 + i}": torch.from_numpy(a) for i, a in enumerate(comp.values())})
+    bind.update({f"in:{5 + i}": torch.as_tensor(a) for i, a in enumerate(b + tuple(comp.values()))})
     run(k, bind, {"T": T, "B": T if phase == "decode" else 1})
-    want = REGISTRY["moe_gate_up"].reference(None, f32(x), ids.numpy(), values, None, None, *comp.values(), **_attrs(s))
+    want = REGISTRY["moe_gate_up"].reference(None, f32(x), ids.numpy(), values, None, None,
+                                             *[f32(a) for a in b], *comp.values(), **attrs)
     assert rel_err(named(f32(act), ids), named(want, ids)) <= TOL
     return k
 
 
-def down_case(s, T, KT, template, tune, seed):
+def down_case(s, T, KT, template, tune, seed, extra=None):
+    """extra: attrs beyond the scheme's (has_bias: an [E, H] bias after counts)."""
+    extra = extra or {}
     gen = np.random.default_rng(seed)
     ids, rw = routing(T, KT, E, gen)
     act = rand((T, KT, F), gen=gen, scale=0.5)
     w, values, comp = quantized_stack(s, H, F, gen)
+    b_in, b = _bias(extra, H, gen)
     ins = [("act", ["T", KT, F], "bf16"), ("weights", ["T", KT], "f32"), ("ids", ["T", KT], "i32"),
-           ("down", [E, H, F], s.codes, "weight"), ("rows", [E, "T"], "i32"), ("counts", [E], "i32")] + _specs(comp)
+           ("down", [E, H, F], s.codes, "weight"), ("rows", [E, "T"], "i32"), ("counts", [E], "i32")] \
+        + b_in + _specs(comp)
     phase = "decode" if template == "moe_down" else "prefill"
-    k = render(template, "moe_down", ins, [("y", ["T", H], "bf16")], attrs=_attrs(s), phase=phase, tune=tune)
+    attrs = {**_attrs(s), **extra}
+    k = render(template, "moe_down", ins, [("y", ["T", H], "bf16")], attrs=attrs, phase=phase, tune=tune)
     rows, counts = grouping(ids, E, gen)
     y = poison((T, H))
     bind = {"in:0": act, "in:1": rw, "in:2": ids, "in:3": w, "in:4": rows, "in:5": counts, "out:0": y}
-    bind.update({f"in:{6 + i}": torch.from_numpy(a) for i, a in enumerate(comp.values())})
+    bind.update({f"in:{6 + i}": torch.as_tensor(a) for i, a in enumerate(b + tuple(comp.values()))})
     zero_counters(run(k, bind, {"T": T, "B": T if phase == "decode" else 1}))
     want = REGISTRY["moe_down"].reference(None, f32(act), rw.numpy(), ids.numpy(), values, None, None,
-                                          *comp.values(), **_attrs(s))
+                                          *[f32(a) for a in b], *comp.values(), **attrs)
     assert rel_err(f32(y), want) <= TOL
     return k
 
@@ -134,6 +152,28 @@ def test_quantized_experts(scheme, launch, path):
     template = TEMPLATES[launch][path.split("-")[0]]
     k = CASE[launch](SCHEMES[scheme], T, KT, template, tune, zlib.crc32(f"{scheme}{launch}{path}".encode()))
     assert "_w_deq" in k.source and ("_a_quant" in k.source) == (SCHEMES[scheme].act != "none")
+
+
+# fast: one path each launch (tests/kernels/test_moe_gated_kernels.py runs the bf16 paths with
+# biases; tests/test_gpt_oss_mxfp4.py the whole model through the kernels)
+OSS_FAST = {("gate_up", "grouped"), ("down", "decode-fma")}
+
+
+@pytest.mark.parametrize("launch,path", [
+    pytest.param(launch, path, id=f"{launch}-{path}", marks=() if (launch, path) in OSS_FAST else EXHAUSTIVE)
+    for launch in CASE for path in PATHS])
+def test_mxfp4_experts_with_bias_and_clamped_swiglu(launch, path):
+    """GPT-OSS's experts: MXFP4 codes with the expert biases (after counts, the scheme's
+    companions after them) and, on gate_up, the clamped SwiGLU."""
+    T, KT, tune = PATHS[path]
+    extra = {"has_bias": True}
+    if launch == "gate_up":
+        tune = {k: v for k, v in tune.items() if k != "BLOCK_H"}
+        extra.update(act="clamped_swiglu", alpha=1.702, limit=0.8)
+    else:
+        tune = {k: v for k, v in tune.items() if k not in ("BLOCK_F", "PAIR")}
+    template = TEMPLATES[launch][path.split("-")[0]]
+    CASE[launch](SCHEMES["e2m1-g32"], T, KT, template, tune, zlib.crc32(f"oss{launch}{path}".encode()), extra)
 
 
 def test_quantized_expert_tiles_hold_whole_activation_groups():

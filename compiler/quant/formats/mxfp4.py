@@ -9,8 +9,10 @@ A parameter `P` [N, K] is stored as `P_blocks` U8 [N, K/32, 16] (two codes a byt
 element in the low nibble) and `P_scales` U8 [N, K/32] (e8m0: 2^(s - 127)); for a linear module
 M that is `M.weight_blocks` / `M.weight_scales`, and so for each expert's projection
 (`...experts.{e}.gate_proj.weight_blocks`), which quantize_weights stacks per expert. GPT-OSS's
-own checkpoints fuse the experts into 3-D tensors (gate|up interleaved), a layout no spec here
-reads.
+own checkpoints fuse the experts into one parameter P per projection (`mlp.experts.gate_up_proj`,
+gate|up interleaved row by row; `down_proj`): `P_blocks` U8 [E, N, K/32, 16] and `P_scales`
+U8 [E, N, K/32], each expert [N, K] (transformers dequantizes and transposes them into its
+[E, K, N] parameter): param_sources.
 """
 from ..config_keys import ConfigKeys, not_converted
 from ..format_base import QuantFormat, format_parser
@@ -30,6 +32,9 @@ class Mxfp4(QuantFormat):
 
     def sources(self, module, scheme, n, k):
         return {"codes": {"mxfp4": f"{module}.weight_blocks"}, "w_scale": {"e8m0": f"{module}.weight_scales"}}
+
+    def param_sources(self, param, scheme):
+        return {"codes": {"mxfp4": f"{param}_blocks"}, "w_scale": {"e8m0": f"{param}_scales"}}
 
 
 @format_parser("mxfp4")
