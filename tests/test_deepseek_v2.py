@@ -69,13 +69,30 @@ def make(kind: str, d, **over):
     return model
 
 
+def make_all(tmp_path_factory, family: str, variants, make_one) -> dict:
+    """kind -> (directory, HF model) of each variant, made by make_one(kind, directory)."""
+    out = {}
+    for kind in variants:
+        d = tmp_path_factory.mktemp(f"{family}-{kind}")
+        out[kind] = (d, make_one(kind, d))
+    return out
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    out = {}
-    for kind in VARIANTS:
-        d = tmp_path_factory.mktemp(f"deepseek_v2-{kind}")
-        out[kind] = (d, make(kind, d))
-    return out
+    return make_all(tmp_path_factory, "deepseek_v2", VARIANTS, make)
+
+
+def assert_logits(plan, weights, want, prompt):
+    """The reference's logits equal `want` (HF's, [len(prompt), V]) within TOL at every position:
+    as len(prompt) prefixes in one step, then one token a step."""
+    n = len(prompt)
+    got = ReferenceExecutor(plan, weights).step([SeqChunk(k, prompt[:k], 0) for k in range(1, n + 1)])
+    err = np.abs(got - want).max(axis=1)
+    assert err.max() <= TOL, f"prefill: worst position {int(err.argmax())}, |diff| {err.max():.2e}"
+    ex = ReferenceExecutor(plan, weights)
+    err = [float(np.abs(ex.step([SeqChunk(0, [t], p)])[0] - want[p]).max()) for p, t in enumerate(prompt)]
+    assert max(err) <= TOL, f"decode: worst position {int(np.argmax(err))}, |diff| {max(err):.2e}"
 
 
 _PLANS = {}
@@ -145,14 +162,7 @@ def test_heads_transform_needs_a_3d_shape(tmp_path, models):
 def test_logits_at_every_position(models, kind):
     d, hf = models[kind]
     want = _hf_logits(hf, PROMPT)
-    plan, weights = _plan(d)
-    n = len(PROMPT)
-    got = ReferenceExecutor(plan, weights).step([SeqChunk(k, PROMPT[:k], 0) for k in range(1, n + 1)])
-    err = np.abs(got - want).max(axis=1)
-    assert err.max() <= TOL, f"prefill: worst position {int(err.argmax())}, |diff| {err.max():.2e}"
-    ex = ReferenceExecutor(plan, weights)
-    err = [float(np.abs(ex.step([SeqChunk(0, [t], p)])[0] - want[p]).max()) for p, t in enumerate(PROMPT)]
-    assert max(err) <= TOL, f"decode: worst position {int(np.argmax(err))}, |diff| {max(err):.2e}"
+    assert_logits(*_plan(d), want, PROMPT)
     assert np.abs(want[1:] - want[:-1]).max() > 0.1          # no near-constant model
 
 

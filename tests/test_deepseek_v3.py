@@ -20,7 +20,7 @@ from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
 from infc.runtime.weights.load import load_weights
 
 from families import reference_greedy
-from test_deepseek_v2 import BASE, PROMPT, TOL, VOCAB, _randomize
+from test_deepseek_v2 import BASE, PROMPT, TOL, VOCAB, _randomize, assert_logits, make_all
 
 VARIANTS = {
     "v3": dict(q_lora_rank=24, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5),
@@ -50,11 +50,7 @@ def make(kind: str, d):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    out = {}
-    for kind in VARIANTS:
-        d = tmp_path_factory.mktemp(f"deepseek_v3-{kind}")
-        out[kind] = (d, make(kind, d))
-    return out
+    return make_all(tmp_path_factory, "deepseek_v3", VARIANTS, make)
 
 
 def _plan(d):
@@ -70,17 +66,11 @@ def test_logits_and_greedy_match_hf(models, kind):
     plan, weights = _plan(d)
     routes = [n for n in json.dumps(plan["programs"]["prefill"]).split('"op": ') if n.startswith('"moe_route')]
     assert routes and all('"scoring": "sigmoid"' in n and '"has_bias": true' in n for n in routes)
-    n = len(PROMPT)
-    got = ReferenceExecutor(plan, weights).step([SeqChunk(k, PROMPT[:k], 0) for k in range(1, n + 1)])
-    err = np.abs(got - want).max(axis=1)
-    assert err.max() <= TOL, f"prefill: worst position {int(err.argmax())}, |diff| {err.max():.2e}"
-    ex = ReferenceExecutor(plan, weights)
-    err = [float(np.abs(ex.step([SeqChunk(0, [t], p)])[0] - want[p]).max()) for p, t in enumerate(PROMPT)]
-    assert max(err) <= TOL, f"decode: worst position {int(np.argmax(err))}, |diff| {max(err):.2e}"
+    assert_logits(plan, weights, want, PROMPT)
     with torch.no_grad():
         ids = torch.tensor([PROMPT])
         greedy = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
-                             min_new_tokens=16, do_sample=False, pad_token_id=VOCAB - 1)[0, n:].tolist()
+                             min_new_tokens=16, do_sample=False, pad_token_id=VOCAB - 1)[0, len(PROMPT):].tolist()
     assert reference_greedy(plan, weights, PROMPT, 16) == greedy
 
 
@@ -154,13 +144,7 @@ def test_fp8_checkpoint_dequantizes_the_heads_weights(models, tmp_path):
             module._forward_pre_hooks.clear()
     with torch.no_grad():
         want = q(input_ids=torch.tensor([PROMPT])).logits[0].float().numpy()
-    n = len(PROMPT)
-    got = ReferenceExecutor(plan, weights).step([SeqChunk(k, PROMPT[:k], 0) for k in range(1, n + 1)])
-    err = np.abs(got - want).max(axis=1)
-    assert err.max() <= TOL, f"prefill: worst position {int(err.argmax())}, |diff| {err.max():.2e}"
-    ex = ReferenceExecutor(plan, weights)
-    err = [float(np.abs(ex.step([SeqChunk(0, [t], p)])[0] - want[p]).max()) for p, t in enumerate(PROMPT)]
-    assert max(err) <= TOL, f"decode: worst position {int(np.argmax(err))}, |diff| {max(err):.2e}"
+    assert_logits(plan, weights, want, PROMPT)
 
 
 @pytest.mark.parametrize("kind,par,fp8", [

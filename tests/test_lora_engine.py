@@ -36,9 +36,9 @@ def _engine(d, root, max_loras, names="abcd", page_size=4, **kw):
     return engine
 
 
-def _run(engine, requests) -> dict:
+def _run(engine, requests, params=GREEDY) -> dict:
     for rid, (prompt, lora) in requests.items():
-        engine.add_request(prompt, GREEDY, rid, lora=lora)
+        engine.add_request(prompt, params, rid, lora=lora)
     out: dict = {}
     while engine.has_unfinished():
         for o in engine.step():
@@ -163,17 +163,8 @@ def test_speculative_draft_rows_take_their_sequences_adapter(model):
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     reqs = {f"{n or 'base'}{i}": (p, n) for i, p in enumerate([loop, loop[:9] + [5, 7, 3, 9]])
             for n in ("a", "b", None)}
-
-    def run(engine):
-        for rid, (prompt, lora) in reqs.items():
-            engine.add_request(prompt, params, rid, lora=lora)
-        out: dict = {}
-        while engine.has_unfinished():
-            for o in engine.step():
-                out.setdefault(o.request_id, []).extend(o.token_ids)
-        return out
-    plain = run(_engine(d, root, 3, names="ab"))
+    plain = _run(_engine(d, root, 3, names="ab"), reqs, params)
     spec = _engine(d, root, 3, names="ab", speculative_config=speculative_config(
         {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 3}))
-    assert run(spec) == plain
+    assert _run(spec, reqs, params) == plain
     assert spec.metrics.spec_decode_num_draft_tokens_total > 0
