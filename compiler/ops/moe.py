@@ -60,6 +60,7 @@ moe_gate_up(x, ids, gate_up, rows, counts[, bias[E, 2F]]) / moe_down(act, weight
 """
 import numpy as np
 
+from .activation import softplus
 from .base import REQUIRED, expect, op, tt
 from .gated_act import GATED_EXTRA, check as check_act, gated
 from .quant import QUANT_OPTIONAL, check_types, expert_operands
@@ -67,11 +68,6 @@ from .quant import QUANT_OPTIONAL, check_types, expert_operands
 
 SCORING = ("softmax", "sigmoid", "sqrtsoftplus")
 
-
-def softplus(x: np.ndarray) -> np.ndarray:
-    """torch's softplus (beta 1, threshold 20): x past 20, else log(1 + e^x), computed as
-    max(x, 0) + log1p(e^-|x|) so that very negative x keep their precision."""
-    return np.where(x > 20, x, np.maximum(x, 0) + np.log1p(np.exp(-np.abs(x)))).astype(np.float32)
 
 
 def route_infer(types, attrs):

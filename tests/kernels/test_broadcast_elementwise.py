@@ -1,5 +1,6 @@
 """The spec-language additions Qwen3.5 needed, on their own (issue 12): add / mul with a second
-operand broadcast over the first's leading dims (and f32 promotion), the sigmoid / softplus
+operand broadcast over the first's leading dims (and f32 promotion), or over its trailing ones
+where the second has size-1 axes there (issue 45: [T, 1] against [T, H]), the sigmoid / softplus
 activations' references at the edges, and the shape rules of split and the broadcast.
 
 The add / mul kernels run under the interpreter against the ops' numpy references; the
@@ -21,12 +22,15 @@ from .harness import poison, rand, render, run
     (("T", 37), (37,), "bf16", "bf16", "bf16"),          # a per-head vector over [T, H]
     (("T", 5, 24), (5, 24), "bf16", "f32", "f32"),        # promoted: f32 weight, f32 result
     (("T", 5, 24), (24,), "f32", "bf16", "f32"),
+    (("T", 37), ("T", 1), "bf16", "bf16", "bf16"),       # a per-token scalar (a shared expert's gate)
+    (("T", 5, 24), ("T", 1, 1), "bf16", "bf16", "bf16"),
+    (("T", 5, 24), ("T", 5, 1), "bf16", "f32", "f32"),    # one a head
 ])
 def test_broadcast_add_mul(name, a_shape, b_shape, a_dtype, b_dtype, out_dtype):
     T = 13
     gen = np.random.default_rng(len(a_shape) + len(b_shape))
     a = rand((T,) + a_shape[1:], a_dtype, gen=gen)
-    b = rand(b_shape, b_dtype, gen=gen)
+    b = rand(tuple(T if d == "T" else d for d in b_shape), b_dtype, gen=gen)
     op = REGISTRY[name]
     (t,) = op.infer([TensorType(a_shape, a_dtype), TensorType(b_shape, b_dtype)], {})
     assert t == TensorType(a_shape, out_dtype)
@@ -49,7 +53,7 @@ def test_same_shape_render_is_unchanged():
     assert "%" not in k.source.split("META")[0] and "broadcast" not in k.source
 
 
-@pytest.mark.parametrize("b_shape", [(5,), ("T", 24), (2, 5, 24), (5, 23)])
+@pytest.mark.parametrize("b_shape", [(5,), ("T", 24), (2, 5, 24), (5, 23), ("T", 1, 24), (1, 5, 24), (1, 1, 1)])
 def test_broadcast_rule_refuses_other_shapes(b_shape):
     with pytest.raises(ShapeError, match="operands differ in shape"):
         REGISTRY["mul"].infer([TensorType(("T", 5, 24), "bf16"), TensorType(b_shape, "bf16")], {})
