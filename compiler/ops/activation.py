@@ -97,6 +97,27 @@ for _name, _fn in ACTIVATIONS.items():
        templates={"triton": "act"}, doc=f"{_name} activation, elementwise")
 
 
+def clamp(x, min=None, max=None):
+    """torch.clamp: x limited to [min, max], either bound optional (computed in float32)."""
+    return np.clip(np.asarray(x, np.float32), min, max)
+
+
+def _clamp_infer(types, attrs):
+    lo, hi = attrs.get("min"), attrs.get("max")
+    for name, v in (("min", lo), ("max", hi)):
+        expect(v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)),
+               f"clamp {name} must be a number or none, got {v!r}")
+    expect(lo is not None or hi is not None, "clamp needs min, max or both")
+    expect(lo is None or hi is None or lo <= hi, f"clamp min {lo} is above max {hi}")
+    return [types[0]]
+
+
+# clamp(x, min, max): GPT-OSS's limits, Gemma's soft caps' hard cousins, any family's bounds
+op(name="clamp", tensors=["x"], attrs={"min": None, "max": None}, infer=_clamp_infer,
+   reference=lambda ctx, x, min=None, max=None: clamp(x, min, max), templates={"triton": "act"},
+   doc="torch.clamp(x, min, max), elementwise")
+
+
 def _act_infer(types, attrs):
     try:
         resolve(attrs["fn"])

@@ -76,3 +76,28 @@ def test_split_rule():
         split.infer([TensorType(("T", 2, 10), "bf16")], {"sizes": [4, 6]})
     with pytest.raises(ShapeError, match="do not sum"):
         split.infer([TensorType(("T", 10), "bf16")], {"sizes": [4, 4]})
+
+
+@pytest.mark.parametrize("bounds", [dict(min=-0.7, max=0.5), dict(min=-1.25), dict(max=0.3)])
+def test_clamp_kernel_and_reference(bounds):
+    """clamp(x, min, max) (issue 45's vocabulary): the reference is torch.clamp, the kernel (act.py.j2)
+    matches it under the interpreter on bf16 rows of an odd width, either bound alone included."""
+    T, shape = 11, ("T", 37)
+    x = rand((T, 37), "bf16", gen=np.random.default_rng(4))
+    op = REGISTRY["clamp"]
+    attrs = {"min": None, "max": None, **bounds}
+    want = op.reference(None, x.float().numpy(), **attrs)
+    lo, hi = attrs["min"], attrs["max"]
+    assert np.array_equal(want, torch.clamp(x.float(), lo, hi).numpy())
+    assert (want != x.float().numpy()).any()                  # the bounds bite
+    k = render("act", "clamp", [("x", shape, "bf16")], [("y", shape, "bf16")], attrs, tune={"BLOCK": 64})
+    out = poison((T, 37), "bf16")
+    run(k, {"in:0": x, "out:0": out}, {"T": T, "B": T})
+    assert np.array_equal(out.float().numpy(), torch.from_numpy(want).to(torch.bfloat16).float().numpy())
+
+
+@pytest.mark.parametrize("attrs,match", [({"min": None, "max": None}, "needs"), ({"min": 1.0, "max": 0.0}, "above"),
+                                         ({"min": "a", "max": None}, "number")])
+def test_clamp_rule(attrs, match):
+    with pytest.raises(ShapeError, match=match):
+        REGISTRY["clamp"].infer([TensorType(("T", 4), "bf16")], attrs)
