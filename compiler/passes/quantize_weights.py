@@ -87,11 +87,13 @@ def _row_regrouped(meta: dict):
 
 
 def _replace_leaf(src, t: str, leaf):
-    """src with its read of tensor t replaced by `leaf`."""
+    """src with each read of checkpoint tensor t replaced by `leaf`."""
     if isinstance(src, dict):
         if src == {"tensor": t}:
             return leaf
         return {k: _replace_leaf(v, t, leaf) for k, v in src.items()}
+    if isinstance(src, list):
+        return [_replace_leaf(v, t, leaf) for v in src]
     return src
 
 
@@ -181,19 +183,6 @@ def _checkpoint_tensors(src: dict) -> list[str]:
     return out
 
 
-def _dequantized(src, t: str, fmt, s):
-    """src with each read of checkpoint tensor t (a quantized module's weight) replaced by its
-    dequantized value (runtime/weights/quant_recipes.py `dequantized`: W by the format's
-    definition, in float32, before the transforms that follow)."""
-    if isinstance(src, dict):
-        if src.get("tensor") == t and len(src) == 1:
-            return {"dequantized": fmt.sources(t[:-len(_WEIGHT)], s, 1, 1), "scheme": s.attrs()}
-        return {k: _dequantized(v, t, fmt, s) for k, v in src.items()}
-    if isinstance(src, list):
-        return [_dequantized(v, t, fmt, s) for v in src]
-    return src
-
-
 def _check_all_rewritten(state, fmt, done: dict):
     """A matrix read as bf16 from a tensor the checkpoint stores quantized: one that no linear reads
     (MLA's W_uk / W_uv, cut per head out of kv_b_proj for head_linear) is dequantized at load when
@@ -219,7 +208,10 @@ def _check_all_rewritten(state, fmt, done: dict):
             # compute another function; a per-head matmul of the absorbed MLA reads no activation
             # the checkpoint's linear did (vLLM dequantizes kv_b_proj for it too)
             if s.codes == "f8e4m3" and not s.zeros and not s.g_idx and s.act != "static" and name not in linears:
-                meta["source"] = _dequantized(meta["source"], t, fmt, s)
+                # W by the format's definition, in float32, before the transforms that follow
+                # (runtime/weights/quant_recipes.py `dequantized`)
+                meta["source"] = _replace_leaf(meta["source"], t, {
+                    "dequantized": fmt.sources(t[:-len(_WEIGHT)], s, 1, 1), "scheme": s.attrs()})
                 state.note("quantize_weights", f"{name}: {t} ({s}) dequantized at load: the spec "
                                                f"transforms it (read as {meta['type'].dtype})")
                 continue
