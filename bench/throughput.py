@@ -78,8 +78,9 @@ class StepClock:
 
 
 def run_point(engine, vocab: int, concurrency: int, in_len: int, out_len: int, rng, total: int | None = None,
-              params=None):
-    """params: every request's SamplingParams (default: greedy, out_len tokens, EOS ignored)."""
+              params=None, loras: tuple = ()):
+    """params: every request's SamplingParams (default: greedy, out_len tokens, EOS ignored).
+    loras: adapter names the requests take in turn (request i the (i mod n)-th; none: the base)."""
     from infc.runtime.engine.sampling import SamplingParams
     params = params or SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
     total = total or max(4, 2 * concurrency)
@@ -89,8 +90,9 @@ def run_point(engine, vocab: int, concurrency: int, in_len: int, out_len: int, r
     def add():
         nonlocal next_id
         rid = f"t{concurrency}-{next_id}"
+        lora = loras[next_id % len(loras)] if loras else None
         next_id += 1
-        engine.add_request(rng.integers(0, vocab, in_len).tolist(), params, rid)
+        engine.add_request(rng.integers(0, vocab, in_len).tolist(), params, rid, lora=lora)
         started[rid] = time.perf_counter()
 
     t0 = time.perf_counter()
@@ -147,9 +149,10 @@ def main(argv=None):
     ap.add_argument("--out")
     ap.add_argument("--artifact", help="a built artifact to run as it is (one GPU; default: build or "
                                        "reuse .cache/artifacts/<model dir name>): A/B runs of two commits' plans")
-    from infc.server.args import add_load_format_arg, add_parallel_args
+    from infc.server.args import add_load_format_arg, add_lora_serve_args, add_parallel_args
     add_load_format_arg(ap)
     add_parallel_args(ap)
+    add_lora_serve_args(ap)          # with --lora-modules the requests take the adapters in turn
     a = ap.parse_args(argv)
     from infc.backend import load_backend
     from infc.compiler.parallel import settings
@@ -162,7 +165,9 @@ def main(argv=None):
                      gpu_memory_utilization=a.gpu_memory_utilization, asynchronous=False,
                      load_format=a.load_format, tensor_parallel_size=a.tensor_parallel_size,
                      enable_expert_parallel=a.enable_expert_parallel, data_parallel_size=a.data_parallel_size,
-                     artifact=a.artifact)
+                     artifact=a.artifact, enable_lora=a.enable_lora, max_loras=a.max_loras,
+                     max_lora_rank=a.max_lora_rank, lora_target_modules=a.lora_target_modules,
+                     lora_modules=tuple(a.lora_modules or ()), max_cpu_loras=a.max_cpu_loras)
     from infc.runtime.engine.gc_freeze import freeze_startup
     frozen = freeze_startup()                       # as `infc serve` does once it is loaded
     try:
@@ -179,7 +184,8 @@ def _sweep(a, b, conc, par, tag, gc_frozen: bool = False):
     from .latency import parallel_fields
     engine = b.engine
     runner = getattr(engine.runner, "runner", engine.runner)   # rank 0's CudaRunner under ranks
-    res = header(runner.ctx, runner.plan["model"] + tag)
+    loras = tuple(n for n, _ in a.lora_modules or ())
+    res = header(runner.ctx, runner.plan["model"] + tag + (f"-lora{len(loras)}" if loras else ""))
     bw = copy_bandwidth(runner.ctx)
     decl = caches.of_plan(runner.plan)
     kv_per_token, state_per_seq = caches.token_bytes(decl), caches.slot_bytes(decl)
@@ -189,9 +195,11 @@ def _sweep(a, b, conc, par, tag, gc_frozen: bool = False):
                 "weight_bytes": runner.weights.bytes, "kv_tokens": b.kv_tokens, "gc_frozen": gc_frozen,
                 "overlap": engine.overlap, **({"artifact": str(a.artifact)} if a.artifact else {}), "points": []})
     rng = np.random.default_rng(0)
-    run_point(engine, b.vocab_size, 2, 64, 8, rng, total=2)          # warm-up, not recorded
+    if loras:
+        res["lora_adapters"] = list(loras)
+    run_point(engine, b.vocab_size, 2, 64, 8, rng, total=2, loras=loras)      # warm-up, not recorded
     for c in conc:
-        p = run_point(engine, b.vocab_size, c, a.input_len, a.output_len, rng)
+        p = run_point(engine, b.vocab_size, c, a.input_len, a.output_len, rng, loras=loras)
         ctx_avg = a.input_len + a.output_len / 2
         p["floor_tpot_ms"] = (runner.weights.bytes + c * (kv_per_token * ctx_avg + state_per_seq)) / bw * 1e3
         p["preemptions_total"] = engine.metrics.num_preemptions_total

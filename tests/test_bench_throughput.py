@@ -102,3 +102,20 @@ def test_the_step_clock_reads_overlapped_data_parallel_steps():
     assert sum(v["tokens"] for v in steps["phases"].values()) == sum(runner.Ts)
     assert abs(steps["execute_s"] - 2e-3 * len(runner.Ts)) < 1e-9
     assert "collect_ranks" not in vars(runner)
+
+
+def test_requests_take_the_adapters_in_turn():
+    """--lora-modules: request i of a point asks for the (i mod n)-th adapter (8 adapters over 32
+    concurrent requests: 4 each); without adapters every request is the base model's."""
+    runner = FakeRunner(num_pages=512)
+    engine = make_engine(runner, max_num_batched_tokens=64, max_num_seqs=8)
+    asked = []
+    add = engine.add_request
+
+    def recording(*a, lora=None, **kw):
+        asked.append(lora)
+        return add(*a, **kw)
+    engine.add_request = recording
+    run_point(engine, runner.vocab_size, 4, 8, 2, np.random.default_rng(0), total=6, loras=("a", "b", "c"))
+    run_point(engine, runner.vocab_size, 2, 8, 2, np.random.default_rng(0), total=2)
+    assert asked == ["a", "b", "c", "a", "b", "c", None, None]

@@ -37,6 +37,8 @@ the artifact `infc serve` reuses for the device's $MODELS/<name> into .cache/art
 where the kernels refuse to render a quantized launch yet, plan.json alone, said so).
 kvfp8 (issue 42, session.sh's `kv-fp8` stage: qwen3-4b built with --kv-cache-dtype fp8 into
 .cache/artifacts/qwen3-4b-kvfp8, beside base's qwen3-4b).
+lora (issue 46, session.sh's `lora` stage: qwen3-4b built with --enable-lora, 8 slots of rank 16,
+into .cache/artifacts/qwen3-4b-lora8r16, beside base's qwen3-4b).
 Default: base, nofuse and families.
 
 The tiny qwen3_moe and the
@@ -67,7 +69,7 @@ TINY_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
 GPU_CACHE = REPO / ".cache" / "gpu"
 SERVED = ("qwen3-4b", "llama-3.2-1b")          # model directories LLM / infc serve load on the GPU
 PARTS = ("base", "nofuse", "families", "qwen35", "ranks", "deepseek", "twogpu", "server", "attnvar", "hlvar", "kvfp8",
-         "quant")
+         "quant", "lora")
 DEFAULT_PARTS = ("base", "nofuse", "families")
 
 
@@ -137,6 +139,8 @@ def main(parts=DEFAULT_PARTS):
         quant()
     if "kvfp8" in parts:
         kvfp8()
+    if "lora" in parts:
+        lora()
 
 
 def served_config(name: str) -> Path:
@@ -276,6 +280,18 @@ def kvfp8():
     _both_tunings("qwen3-4b --kv-cache-dtype fp8", BUILD_REPO / ".cache" / "artifacts" / "qwen3-4b-kvfp8",
                   model_dir=str(served_config("qwen3-4b")), kv_cache_dtype="fp8",
                   check_checkpoint=False)     # (the random model has no k_scale / v_scale: 1.0, as here)
+
+
+def lora():
+    """qwen3-4b with --enable-lora --max-loras 8 --max-lora-rank 16, from the served qwen3-4b's
+    config.json, into .cache/artifacts/qwen3-4b-lora8r16: the directory `infc serve --enable-lora`
+    and `bench throughput --enable-lora` reuse for $MODELS/qwen3-4b with those flags (infc/backend.py
+    names it), and tests/gpu/test_lora_gpu.py's artifact (session.sh's `lora` stage)."""
+    from infc.compiler.build import REPO as BUILD_REPO
+    from infc.config import lora_build
+    _both_tunings("qwen3-4b --enable-lora (8 slots, rank 16)",
+                  BUILD_REPO / ".cache" / "artifacts" / "qwen3-4b-lora8r16",
+                  model_dir=str(served_config("qwen3-4b")), lora=lora_build(8, 16), check_checkpoint=False)
 
 
 def nofuse():

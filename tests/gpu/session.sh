@@ -39,6 +39,8 @@
 # tests/gpu/hf_quant_accuracy.py), into OUT/quant/<model>/, and the bf16 model's
 # latency beside them (QUANT_SKIP="golden throughput accuracy bf16" leaves steps out;
 # QUANT_LATENCY_ARGS, QUANT_THROUGHPUT_ARGS add flags).
+# lora (issue 46, after prepare.py base lora: the multi-LoRA golden gate against HF + PEFT, then
+# bench throughput of the base model beside 8 rank-16 adapters taken in turn; see the stage).
 # kv-fp8 (issue 42, after prepare.py base kvfp8: batch-1 TPOT at 1k and 32k of context with
 # --kv-cache-dtype fp8 beside the bf16 KV cache, same model; KV_FP8_PROMPTS sets the prompts).
 # overlap-ab (overlapped engine steps against INFC_OVERLAP=0, alternating: latency and throughput);
@@ -379,6 +381,33 @@ models.model_dir('$q')" 2>&1 | tail -3
         timeout ${LATENCY_S:-300} python3 -m infc.cli bench latency --artifact .cache/artifacts/$art \
           --model-path "$MODELS/qwen3-4b" --no-hf --prompts ${KV_FP8_PROMPTS:-1024,32768} \
           --out "$OUT/kv-fp8" 2>&1 | quiet | tail -5
+      done ;;
+    lora)
+      # issue 46 (after prepare.py base lora): the multi-LoRA golden gate against HF + PEFT
+      # (tests/gpu/test_lora_gpu.py), then bench throughput (1024/128) at LORA_CONCURRENCY of the base
+      # qwen3-4b and of qwen3-4b --enable-lora serving 8 rank-16 adapters that the requests take in
+      # turn (every step mixes them), alternating LORA_RUNS times; LORA_SKIP_GATE=1 skips the gate
+      mkdir -p "$OUT/lora"
+      if [ -z "${LORA_SKIP_GATE:-}" ]; then
+        timeout ${LORA_GATE_S:-300} python3 -m pytest tests/gpu/test_lora_gpu.py -q -s -p no:cacheprovider 2>&1 | quiet \
+          | tee "$OUT/pytest-lora.log" | grep -E "passed|failed|error|regret|^E " | tail -20
+      fi
+      mods=""
+      for i in 1 2 3 4 5 6 7 8; do
+        python3 tools/make_lora_adapter.py --model "$MODELS/qwen3-4b" --out /tmp/infc-adapters/r16-$i \
+          --rank 16 --alpha 32 --seed $i --dtype bf16 >/dev/null
+        mods="$mods a$i=/tmp/infc-adapters/r16-$i"
+      done
+      python3 tests/gpu/rerender.py .cache/artifacts/qwen3-4b-lora8r16 2>&1 | tail -1
+      for run in $(seq ${LORA_RUNS:-1}); do
+        say "lora: bench throughput base (run $run)"
+        timeout ${THROUGHPUT_S:-300} python3 -m infc.cli bench throughput --model-path "$MODELS/qwen3-4b" \
+          --concurrency ${LORA_CONCURRENCY:-1,32,256} --out "$OUT/lora" 2>&1 | quiet \
+          | grep -E "concurrency|wrote|rror" | tail -6
+        say "lora: bench throughput with 8 adapters (run $run)"
+        timeout ${THROUGHPUT_S:-300} python3 -m infc.cli bench throughput --model-path "$MODELS/qwen3-4b" \
+          --concurrency ${LORA_CONCURRENCY:-1,32,256} --enable-lora --max-loras 8 --max-lora-rank 16 \
+          --lora-modules $mods --out "$OUT/lora" 2>&1 | quiet | grep -E "concurrency|wrote|rror" | tail -6
       done ;;
     tune)
       timeout ${TUNE_S:-300} python3 -m infc.cli tune run --dir .cache/tune/qwen3-4b-h200 --results-dir "$OUT" \
