@@ -149,9 +149,10 @@ def main(argv=None):
     ap.add_argument("--out")
     ap.add_argument("--artifact", help="a built artifact to run as it is (one GPU; default: build or "
                                        "reuse .cache/artifacts/<model dir name>): A/B runs of two commits' plans")
-    from infc.server.args import add_load_format_arg, add_lora_serve_args, add_parallel_args
+    from infc.server.args import add_kv_offloading_args, add_load_format_arg, add_lora_serve_args, add_parallel_args
     add_load_format_arg(ap)
     add_parallel_args(ap)
+    add_kv_offloading_args(ap)       # the KV tiers on: their copies must stay off the critical path
     add_lora_serve_args(ap)          # with --lora-modules the requests take the adapters in turn
     a = ap.parse_args(argv)
     from infc.backend import load_backend
@@ -167,7 +168,9 @@ def main(argv=None):
                      enable_expert_parallel=a.enable_expert_parallel, data_parallel_size=a.data_parallel_size,
                      artifact=a.artifact, enable_lora=a.enable_lora, max_loras=a.max_loras,
                      max_lora_rank=a.max_lora_rank, lora_target_modules=a.lora_target_modules,
-                     lora_modules=tuple(a.lora_modules or ()), max_cpu_loras=a.max_cpu_loras)
+                     lora_modules=tuple(a.lora_modules or ()), max_cpu_loras=a.max_cpu_loras,
+                     kv_offloading_size=a.kv_offloading_size, kv_offloading_disk=a.kv_offloading_disk,
+                     kv_offloading_disk_size=a.kv_offloading_disk_size)
     from infc.runtime.engine.gc_freeze import freeze_startup
     frozen = freeze_startup()                       # as `infc serve` does once it is loaded
     try:
@@ -185,7 +188,8 @@ def _sweep(a, b, conc, par, tag, gc_frozen: bool = False):
     engine = b.engine
     runner = getattr(engine.runner, "runner", engine.runner)   # rank 0's CudaRunner under ranks
     loras = tuple(n for n, _ in a.lora_modules or ())
-    res = header(runner.ctx, runner.plan["model"] + tag + (f"-lora{len(loras)}" if loras else ""))
+    tier = f"-offload{a.kv_offloading_size:g}g" if a.kv_offloading_size else ""
+    res = header(runner.ctx, runner.plan["model"] + tag + (f"-lora{len(loras)}" if loras else "") + tier)
     bw = copy_bandwidth(runner.ctx)
     decl = caches.of_plan(runner.plan)
     kv_per_token, state_per_seq = caches.token_bytes(decl), caches.slot_bytes(decl)
@@ -193,7 +197,8 @@ def _sweep(a, b, conc, par, tag, gc_frozen: bool = False):
     res.update({"input_len": a.input_len, "output_len": a.output_len, "copy_GBps": bw / 1e9,
                 "load_format": a.load_format, "max_num_batched_tokens": engine.schedulers[0].max_num_batched_tokens,
                 "weight_bytes": runner.weights.bytes, "kv_tokens": b.kv_tokens, "gc_frozen": gc_frozen,
-                "overlap": engine.overlap, **({"artifact": str(a.artifact)} if a.artifact else {}), "points": []})
+                "overlap": engine.overlap, **({"artifact": str(a.artifact)} if a.artifact else {}),
+                "kv_offloading_size_gib": a.kv_offloading_size or 0.0, "points": []})
     rng = np.random.default_rng(0)
     if loras:
         res["lora_adapters"] = list(loras)

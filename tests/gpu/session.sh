@@ -39,6 +39,7 @@
 # tests/gpu/hf_quant_accuracy.py), into OUT/quant/<model>/, and the bf16 model's
 # latency beside them (QUANT_SKIP="golden throughput accuracy bf16" leaves steps out;
 # QUANT_LATENCY_ARGS, QUANT_THROUGHPUT_ARGS add flags).
+# tier-throughput (issue 44: 1024/128 throughput at 256 concurrent, host KV tier off and on, alternating).
 # lora (issue 46, after prepare.py base lora: the multi-LoRA golden gate against HF + PEFT, then
 # bench throughput of the base model beside 8 rank-16 adapters taken in turn; see the stage).
 # kv-fp8 (issue 42, after prepare.py base kvfp8: batch-1 TPOT at 1k and 32k of context with
@@ -408,6 +409,21 @@ models.model_dir('$q')" 2>&1 | tail -3
         timeout ${THROUGHPUT_S:-300} python3 -m infc.cli bench throughput --model-path "$MODELS/qwen3-4b" \
           --concurrency ${LORA_CONCURRENCY:-1,32,256} --enable-lora --max-loras 8 --max-lora-rank 16 \
           --lora-modules $mods --out "$OUT/lora" 2>&1 | quiet | grep -E "concurrency|wrote|rror" | tail -6
+        for f in "$OUT"/lora/throughput-qwen3-4b-[!r]*.json; do case $f in *-run*) ;; *) cp "$f" "${f%.json}-run$run.json" ;; esac; done
+      done ;;
+    tier-throughput)
+      # issue 44: 1024/128 throughput of qwen3-4b at TIER_CONCURRENCY (default 256) with the host
+      # KV tier off and on (--kv-offloading-size TIER_GIB, default 32: every finished sequence's
+      # blocks are copied out), alternating TIER_RUNS (default 2) times, same engine flags otherwise
+      mkdir -p "$OUT/tier"
+      for run in $(seq ${TIER_RUNS:-2}); do
+        for gib in 0 ${TIER_GIB:-32}; do
+          say "tier-throughput: --kv-offloading-size $gib (run $run)"
+          timeout ${THROUGHPUT_S:-300} python3 -m infc.cli bench throughput --model-path "$MODELS/qwen3-4b" \
+            --concurrency ${TIER_CONCURRENCY:-256} --kv-offloading-size $gib --out "$OUT/tier" 2>&1 | quiet \
+            | grep -E "concurrency|wrote|rror" | tail -4
+          f=$(ls -t "$OUT"/tier/throughput-*.json | head -1); cp "$f" "${f%.json}-run$run.json"
+        done
       done ;;
     tune)
       timeout ${TUNE_S:-300} python3 -m infc.cli tune run --dir .cache/tune/qwen3-4b-h200 --results-dir "$OUT" \
