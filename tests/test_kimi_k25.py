@@ -206,6 +206,28 @@ def test_through_kernels(k25, fuse, tmp_path):
     assert _rel(got, want) < tol, ("prefix-cached prefill", _rel(got, want))
 
 
+def test_quantization_config_under_text_config_is_read(k25, tmp_path):
+    """Kimi-K2.5 keeps its quantization_config in text_config (INT4 experts as published; FP8
+    blocks here, tests/test_deepseek_v3.py's format): the plan reads the codes as it does from
+    a top-level quantization_config, and the checkpoint check passes on the codes' tensors."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from quantize_model import quantize_model
+    top = tmp_path / "top"
+    quantize_model(k25[0], top, "fp8-block", block=(8, 8), workers=1)
+    nested = tmp_path / "nested"
+    shutil.copytree(top, nested)
+    c = json.loads((nested / "config.json").read_text())
+    c["text_config"]["quantization_config"] = c.pop("quantization_config")
+    (nested / "config.json").write_text(json.dumps(c))
+    want = compile_model(model_dir=str(top))[1]
+    got = compile_model(model_dir=str(nested))[1]
+    assert got["weights"] == want["weights"]
+    assert any(w.get("dtype") == "f8e4m3" and "language_model.model.layers" in json.dumps(w["source"])
+               for w in got["weights"].values())
+
+
 # -- configs the spec cannot serve --------------------------------------------------------------
 def _compile_config(tmp_path, k25, edit):
     """The plan of the fixture's config.json changed by edit (no checkpoint read)."""
