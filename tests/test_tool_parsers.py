@@ -139,6 +139,7 @@ def test_parser_registry_and_template_detection():
     assert set(REASONING_PARSERS) == {"qwen3", "deepseek_r1", "openai_gptoss"}
     harmony = (Path(__file__).parent / "data" / "harmony_chat_template.jinja").read_text()
     assert tool_parsers.from_template(harmony) == "openai"
+    assert tool_parsers.from_template('{{ "<|start|>assistant to=" + "functions." + name }}<|channel|>') == "openai"
     assert tool_parsers.from_template("{{ '<tool_call>' }}{{ tool | tojson }}{{ '</tool_call>' }}") == "hermes"
     assert tool_parsers.from_template("[TOOL_CALLS]{{ x }}") == "mistral"
     assert tool_parsers.from_template("{{ '<｜tool▁calls▁begin｜>' }}") == "deepseek_v3"

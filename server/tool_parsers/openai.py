@@ -11,7 +11,7 @@ FUNCTIONS = "functions."
 
 class OpenAIParser(ToolParser):
     name = "openai"
-    markers = ("to=functions.",)
+    markers = ("<|channel|>", "to=functions.")   # any harmony template writes the first
     harmony = True                # the answer is harmony: the server keeps special tokens
 
     def __init__(self, calls: bool = True):
