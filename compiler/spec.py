@@ -109,7 +109,8 @@ class Spec:
         sizes = config_values.size_symbols(self)
         for sym, b in self.bindings.items():
             value, found = None, False
-            for key in config_values.lookup_keys(b.keys, self.nested):   # a derived symbol has none: its default is its value
+            # a derived symbol has no keys: its default is its value
+            for key in config_values.lookup_keys(b.keys, self.nested):
                 ok, cur = config_at(config, key)
                 if ok and (cur is not None or b.default is None):
                     value, found = cur, True

@@ -246,7 +246,8 @@ def test_remote_code_architecture_name_binds(k25, tmp_path):
 
 
 @pytest.mark.parametrize("edit,match", [
-    (lambda c: c.pop("text_config"), r"'hidden_size' \(symbol H\) is missing in .*config.json \(nor under text_config\)"),
+    (lambda c: c.pop("text_config"),
+     r"'hidden_size' \(symbol H\) is missing in .*config.json \(nor under text_config\)"),
     (lambda c: c["text_config"].update(model_type="qwen3"), r"requirement 'mtype in"),
     (lambda c: c["text_config"].update(rope_interleave=False), r"requirement 'rope_il'"),
     (lambda c: c.update(model_type="llava"), r"requirement 'top in"),
