@@ -120,7 +120,7 @@ def compile_model(model=None, spec_path=None, model_dir=None, features=None, log
             observe(pass_name, state)
 
     # parallel: {"world", "rank", "tp", "ep"}, one rank's share (compiler/parallel.py)
-    quant = parse_quantization(config, source)
+    quant = parse_quantization(config, source, spec.nested)
     kv_cache = kv_cache_setting(kv_cache_dtype, model_dir, check_checkpoint)
     state = compile_spec(spec, env, name, features, observe=timed, skip=skip, parallel=parallel,
                          quant=quant, kv_cache=kv_cache, lora=lora)

@@ -74,6 +74,17 @@ def kind_of(value) -> str | None:
 _LITERALS = {"true": True, "false": False, "True": True, "False": False}
 
 
+def lookup_keys(keys: list[str], nested: list[str]) -> list[str]:
+    """The dotted keys a binding tries, in order: each of its alternatives at the top of
+    config.json, then under each nested object (`nested_config`), unless it names one already."""
+    out = []
+    for key in keys:
+        out.append(key)
+        if key.split(".")[0] not in nested:
+            out += [f"{n}.{key}" for n in nested]
+    return out
+
+
 def expected_kinds(spec, binding) -> set:
     """The kinds a symbol's config value may have (rule 3); empty: any."""
     kinds = set()
@@ -85,7 +96,7 @@ def expected_kinds(spec, binding) -> set:
     elif isinstance(d, ast.Name) and d.id in _LITERALS:
         kinds.add("a boolean")
     for values in (spec.variants or {}).values():
-        for key in binding.keys:
+        for key in lookup_keys(binding.keys, spec.nested):
             if isinstance(values, dict) and key.split(".")[0] in values:
                 v = values
                 for part in key.split("."):

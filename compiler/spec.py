@@ -16,7 +16,7 @@ from .yaml_lines import LDict, line_of, load_yaml
 SPECS_DIR = spec_paths.SPECS_DIR
 
 TOP_KEYS = {"family", "architectures", "config", "requires", "variants", "weights", "layer",
-            "graph", "description", "ignore"}
+            "graph", "description", "ignore", "nested_config"}
 WEIGHT_KEYS = {"name", "shape", "tied_to", "when", "experts", "dtype",
                "stored_shape", "rows", "groups", "cols", "heads", "transpose", "exp", "scale", "offset"}
 # Load-time transforms, applied in this order to the checkpoint tensor: a reshape (stored_shape:
@@ -93,6 +93,9 @@ class Spec:
     # Glob patterns (fnmatch) of checkpoint tensors the spec deliberately does not use: any
     # other tensor no weight reads fails the build (compiler/checkpoint_check.py).
     ignore: list = field(default_factory=list)
+    # config.json objects a key absent at its top is looked up in next, in order (`nested_config:
+    # [text_config]`): a multimodal wrapper's text model, as HF's get_text_config() finds it.
+    nested: list = field(default_factory=list)
 
     def err(self, msg, line=None) -> SpecError:
         return SpecError(msg, self.path, line)
@@ -106,21 +109,17 @@ class Spec:
         sizes = config_values.size_symbols(self)
         for sym, b in self.bindings.items():
             value, found = None, False
-            for key in b.keys:      # a derived symbol has no keys: its default is its value
-                cur, ok = config, True
-                for part in key.split("."):
-                    if isinstance(cur, dict) and part in cur:
-                        cur = cur[part]
-                    else:
-                        ok = False
-                        break
+            # a derived symbol has no keys: its default is its value
+            for key in config_values.lookup_keys(b.keys, self.nested):
+                ok, cur = config_at(config, key)
                 if ok and (cur is not None or b.default is None):
                     value, found = cur, True
                     self._check_config_value(sym, b, key, value, sym in sizes, source)
                     break
             if not found:
                 if b.default is None:
-                    raise self.err(f"config key '{b.keys[0]}' (symbol {sym}) is missing{where}", b.line)
+                    also = f" (nor under {', '.join(self.nested)})" if self.nested else ""
+                    raise self.err(f"config key '{b.keys[0]}' (symbol {sym}) is missing{where}{also}", b.line)
                 what = "value" if not b.keys else "default"
                 try:
                     value = evaluate(b.default, env)
@@ -166,6 +165,16 @@ class Spec:
             raise SpecError(msg, source, spec_paths.json_key_line(Path(source), key.split(".")[-1]))
         raise self.err(f"{msg}{f' (in {source})' if source else ''}", self.raw.key_lines.get("variants")
                        if isinstance(self.raw, LDict) else None)
+
+
+def config_at(config: dict, key: str) -> tuple[bool, object]:
+    """(found, value) of a dotted key in a config.json dict."""
+    cur = config
+    for part in key.split("."):
+        if not (isinstance(cur, dict) and part in cur):
+            return False, None
+        cur = cur[part]
+    return True, cur
 
 
 _NAME_FIELD = re.compile(r"\{(\w+)\}")
@@ -376,7 +385,19 @@ def load_spec(path: str | Path) -> Spec:
     graph = _statements(_require(doc, "graph", list, file, 1), file, "graph")
     return Spec(file, str(family), [str(a) for a in archs], bindings, requires, dict(variants),
                 weights, layer_weights, layer_graph, graph, doc, layer_kind, layer_kinds,
-                _ignore(doc, file))
+                _ignore(doc, file), _nested(doc, file))
+
+
+def _nested(doc, file) -> list[str]:
+    """`nested_config: [text_config]`: config.json objects a key missing at the top is read from."""
+    if "nested_config" not in doc:
+        return []
+    section, line = doc["nested_config"], doc.key_lines.get("nested_config")
+    if (not isinstance(section, list) or not section
+            or not all(isinstance(n, str) and re.fullmatch(r"\w+", n) for n in section)):
+        raise SpecError(f"'nested_config' must be a list of config.json object names, like "
+                        f"[text_config], got {section!r}", file, line_of(section, line))
+    return [str(n) for n in section]
 
 
 def _ignore(doc, file) -> list[str]:

@@ -10,8 +10,8 @@ engine itself is built by infc/backend.py, shared with `LLM`.
     outputs.py   a request's structured output, tool calling and reasoning, applied to it
     structured.py  response_format / structured_outputs / guided_* -> StructuredOutputs
     tools.py     tools and tool_choice checked; the grammar of required / named calls
-    tool_parsers/  tool-call formats by vLLM's names (--tool-call-parser), streamed as deltas
-    reasoning.py <think> sections split into reasoning_content (--reasoning-parser)
+    tool_parsers/  tool-call formats by vLLM's names (--tool-call-parser), streamed as deltas; harmony.py GPT-OSS's messages
+    reasoning.py <think> sections (or harmony's analysis channel) split into reasoning_content (--reasoning-parser)
     chat_output.py  a chat answer shaped into message / stream deltas
     scoring.py   prompt logprobs (echo) through the engine's public door
     metrics.py   /metrics in Prometheus text with vLLM's names

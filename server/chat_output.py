@@ -1,10 +1,13 @@
 """A chat answer's text shaped into OpenAI's message: `reasoning_content` split off by the
 reasoning parser, then tool calls read by the request's tool mode (tools.py); whole, or as the
-deltas of a stream, whose joined fragments are the whole message."""
+deltas of a stream, whose joined fragments are the whole message. A harmony answer (GPT-OSS:
+either of its parsers on the server) is read as messages after the reasoning split: its final
+text is the content, and with tool_choice "auto" its calls the calls (tool_parsers/openai.py)."""
 from dataclasses import dataclass
 
 from .reasoning import ReasoningParser, ReasoningStream
 from .tool_parsers import RequiredCallsParser, ToolParser
+from .tool_parsers.openai import OpenAIParser
 from .tool_parsers.stream import ToolStream, call_id
 from .tools import ToolRequest
 
@@ -15,11 +18,20 @@ class AnswerPlan:
     parser: ToolParser | None = None          # the server's, for tool_choice "auto"
     reasoning: ReasoningParser | None = None  # None: no parser, or thinking disabled
     inside: bool = False                      # the rendered prompt opened the reasoning section
+    harmony: bool = False                     # the answer is harmony messages
+
+    def reader(self) -> ToolParser | None:
+        """What reads a harmony answer's messages (its calls only under tool_choice "auto")."""
+        if not self.harmony:
+            return None
+        return OpenAIParser(calls=self.tool is not None and self.tool.mode == "auto")
 
     def calls_parser(self) -> ToolParser | None:
         if self.tool is None or self.tool.mode == "named":
             return None
-        return RequiredCallsParser() if self.tool.mode == "required" else self.parser
+        if self.tool.mode == "required":
+            return RequiredCallsParser()
+        return None if self.harmony else self.parser
 
     def max_calls(self) -> int | None:
         return None if self.tool is None or self.tool.parallel else 1
@@ -32,6 +44,10 @@ class AnswerPlan:
             reasoning, content = self.reasoning.split(text, self.inside)
             msg["reasoning_content"] = reasoning or None
         calls = []
+        if self.reader() is not None:
+            parsed = self.reader().extract(content)
+            content = parsed.content
+            calls = [(c.name, c.arguments) for c in parsed.calls][:self.max_calls()]
         if self.tool is not None and self.tool.mode == "named":
             calls, content = [(self.tool.name, content)], ""
         elif self.calls_parser() is not None:
@@ -54,6 +70,8 @@ class AnswerStream:
     def __init__(self, plan: AnswerPlan):
         self.plan = plan
         self.reasoning = ReasoningStream(plan.reasoning, plan.inside) if plan.reasoning else None
+        reader = plan.reader()
+        self.reader = ToolStream(reader, plan.max_calls()) if reader is not None else None
         parser = plan.calls_parser()
         self.tools = ToolStream(parser, plan.max_calls()) if parser is not None else None
         self.named_id = call_id() if plan.tool is not None and plan.tool.mode == "named" else None
@@ -61,7 +79,8 @@ class AnswerStream:
 
     @property
     def called(self) -> bool:
-        return self.named_id is not None or (self.tools is not None and self.tools.called)
+        return self.named_id is not None or (self.tools is not None and self.tools.called) or \
+            (self.reader is not None and self.reader.called)
 
     def feed(self, text: str, final: bool = False) -> list[dict]:
         out = []
@@ -70,6 +89,10 @@ class AnswerStream:
             reasoning, content = self.reasoning.feed(text, final)
             if reasoning:
                 out.append({"reasoning_content": reasoning})
+        if self.reader is not None:       # harmony: its final text goes on as the content
+            deltas = self.reader.feed(content, final)
+            content = "".join(d["content"] for d in deltas if "content" in d)
+            out += [d for d in deltas if "tool_calls" in d]
         if self.named_id is not None:
             if not self.named_sent:
                 self.named_sent = True

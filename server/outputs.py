@@ -28,10 +28,15 @@ def chat(body: dict, state, tokenizer, parse) -> protocol.GenRequest:
     kwargs = body.get("chat_template_kwargs") or {}
     thinking = state.reasoning_parser is not None and reasoning.thinking_enabled(kwargs)
     rp = state.reasoning_parser if thinking else None
-    if so is not None and rp is not None:
-        so = structured.starting_after(so, tokenizer.encode_text(reasoning.END))
-    if tool is not None and tool.mode == "auto" and req.params is not None:
-        # the parsers read the format's markers, some of them special tokens (Mistral's)
+    harmony = any(getattr(p, "harmony", False) for p in (state.tool_parser, state.reasoning_parser))
+    if so is not None and (rp is not None or harmony):
+        # the grammar holds from the answer's text on: after </think>, or harmony's final header
+        end = rp.end if rp is not None else reasoning.GptOssReasoningParser.end
+        so = structured.starting_after(so, tokenizer.encode_text(end))
+    if (harmony or (tool is not None and tool.mode == "auto")) and req.params is not None:
+        # the parsers read the format's markers, some of them special tokens (Mistral's; every
+        # harmony marker)
         req.params = dataclasses.replace(req.params, skip_special_tokens=False)
-    req.answer = AnswerPlan(tool, state.tool_parser, rp, rp is not None and rp.inside_from(req.texts[0]))
+    req.answer = AnswerPlan(tool, state.tool_parser, rp, rp is not None and rp.inside_from(req.texts[0]),
+                            harmony)
     return _with_constraint(req, so)

@@ -6,7 +6,10 @@ newer Qwen3 templates do); chat_template_kwargs {"enable_thinking": false} makes
 close the section in the prompt, and the answer is content. deepseek_r1: the answer reasons from
 its first token (R1's template opens the section in the prompt; a leading <think> is dropped).
 Either way an answer cut off before </think> is all reasoning.
+openai_gptoss: GPT-OSS's harmony messages (server/tool_parsers/harmony.py): the analysis channel's bodies are
+the reasoning, the other messages stay harmony text for the harmony reader (AnswerPlan.reader).
 """
+from .tool_parsers import harmony
 from .tool_parsers.base import held_marker
 
 START, END = "<think>", "</think>"
@@ -15,6 +18,8 @@ START, END = "<think>", "</think>"
 class ReasoningParser:
     name = ""
     always_inside = False            # the answer starts inside the section
+    end = END                        # what a structured answer's grammar starts after
+    harmony = False                  # the answer is harmony (special tokens kept, read as messages)
 
     def inside_from(self, prompt_text: str) -> bool:
         return self.always_inside or prompt_text.rstrip().endswith(START)
@@ -44,7 +49,28 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
     always_inside = True
 
 
-REASONING_PARSERS = {p.name: p for p in (Qwen3ReasoningParser, DeepSeekR1ReasoningParser)}
+class GptOssReasoningParser(ReasoningParser):
+    name = "openai_gptoss"
+    end = harmony.FINAL_MARKER
+    harmony = True
+
+    def inside_from(self, prompt_text: str) -> bool:
+        return False
+
+    def split(self, text: str, inside: bool, final: bool = True) -> tuple[str, str]:
+        """(the analysis bodies, the other messages' text): what is not read yet (a header still
+        arriving) is in neither, so both only grow as the text does."""
+        r = harmony.read(text, final)
+        reasoning, rest = [], []
+        for m in r.messages:
+            if m.channel == "analysis" and m.recipient is None:
+                reasoning.append(m.body)
+            else:
+                rest.append(text[m.start:m.end])
+        return "\n".join(reasoning), "".join(rest) + r.tail
+
+
+REASONING_PARSERS = {p.name: p for p in (Qwen3ReasoningParser, DeepSeekR1ReasoningParser, GptOssReasoningParser)}
 
 
 def get(name: str) -> ReasoningParser:

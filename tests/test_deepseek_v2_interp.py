@@ -32,10 +32,12 @@ def test_through_kernels(models, kind, tmp_path):  # noqa: F811
     check_through_kernels(*models[kind], tmp_path)
 
 
-def check_through_kernels(d, hf, tmp_path):
+def check_through_kernels(d, hf, tmp_path, fuse=True):
     """The checkpoint in d (HF's float32 model hf) through its kernels against the reference
-    (tests/test_deepseek_v3.py runs it on DeepSeek-V3's router too)."""
-    out = build(model_dir=str(d), out=tmp_path / "art", compile=False, log=None, page_size=PAGE)
+    (tests/test_deepseek_v3.py runs it on DeepSeek-V3's router too, tests/test_kimi_k25.py on
+    Kimi-K2.5's text model, also --no-fuse)."""
+    out = build(model_dir=str(d), out=tmp_path / "art", compile=False, log=None, page_size=PAGE,
+                fuse=fuse)
     plan = json.loads((out / "plan.json").read_text())
     plan["_dir"] = str(out)
     weights = load_weights(plan, Checkpoint(d))
@@ -55,8 +57,8 @@ def check_through_kernels(d, hf, tmp_path):
             plan["wide_tokens"], plan["narrow_tokens"] = 1, 0
         got, want = run.step([Chunk(0, [tok], n)]), ref.step([SeqChunk(0, [tok], n)])
         # one sequence's decode step: the narrow program (the dense layer's norms merged into
-        # its GEMVs), the wide one when wide_tokens is 1
-        assert run.program == ("wide" if step == 1 else "narrow")
+        # its GEMVs; --no-fuse has none, so the decode program), the wide one when wide_tokens is 1
+        assert run.program == ("wide" if step == 1 else "narrow" if fuse else "decode")
         if run.program == "wide":
             assert {t for op, t in run.templates if op == "linear"} == {"gemm"}, run.templates
         assert _rel(got, want) < tol, (f"decode {step}", _rel(got, want))

@@ -28,19 +28,25 @@ VARIANTS = {
 }
 
 
+def randomize_v3(model, layers):
+    """Random non-trivial norms (test_deepseek_v2's) and, in each MoE layer of `layers`, a
+    correction bias large enough to move the choices (HF initializes it to zero)."""
+    _randomize(model)
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for layer in layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None:
+                gate.e_score_correction_bias.copy_(0.5 * torch.randn(gate.e_score_correction_bias.shape, generator=gen))
+
+
 def make(kind: str, d):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
     torch.manual_seed(4322)
     cfg = DeepseekV3Config(**{**BASE, **VARIANTS[kind]})
     model = DeepseekV3ForCausalLM(cfg).float().eval()
     model.set_attn_implementation("eager")
-    _randomize(model)
-    gen = torch.Generator().manual_seed(11)
-    with torch.no_grad():          # a correction bias large enough to move the choices
-        for layer in model.model.layers:
-            gate = getattr(layer.mlp, "gate", None)
-            if gate is not None:
-                gate.e_score_correction_bias.copy_(0.5 * torch.randn(gate.e_score_correction_bias.shape, generator=gen))
+    randomize_v3(model, model.model.layers)
     model.save_pretrained(d)
     if kind == "kimi":             # Kimi-K2's config.json names its own model_type
         c = json.loads((d / "config.json").read_text())

@@ -29,6 +29,7 @@ CASES = {
     "missing_config_key": (12, "config key 'vocab_size' (symbol V) is missing"),
     "default_unknown_symbol": (10, "default of D uses unknown symbol 'Hqq'; did you mean 'Hq'?"),
     "default_div_zero": (10, "default of D: cannot evaluate 'H // 0': integer division or modulo by zero"),
+    "nested_config_not_a_list": (4, "'nested_config' must be a list of config.json object names, like [text_config]"),
     "variant_not_mapping": (22, "variant 'tiny2' must be a mapping of config.json keys to values"),
     # requires
     "requires_fails": (19, "requirement 'act == \"gelu\"' does not hold"),

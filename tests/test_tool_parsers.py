@@ -101,9 +101,45 @@ def test_reasoning_then_tool_call():
     assert shape(streamed(plan, list(text))) == want
 
 
+HARMONY = [  # (answer, reasoning, content, calls) through both GPT-OSS parsers (--tool-call-parser
+    # openai --reasoning-parser openai_gptoss) with tool_choice "auto"
+    ("<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>4.<|return|>",
+     "Think.", "4.", []),
+    ("<|channel|>analysis<|message|>A.<|end|><|start|>assistant<|channel|>commentary<|message|>Hm.<|end|>"
+     "<|start|>assistant<|channel|>analysis<|message|>B.<|end|>"
+     '<|start|>assistant to=functions.w<|channel|>commentary<|message|>{"c": 1}<|call|>',
+     "A.\nB.", "Hm.", [("w", '{"c": 1}')]),
+    ("<|channel|>analysis<|message|>cut off mid tho", "cut off mid tho", "", []),
+    ("No harmony here.", "", "No harmony here.", []),
+    ("<|channel|>final<|message|>Direct.", "", "Direct.", []),       # the stop token not in the text
+]
+
+
+@pytest.mark.parametrize("text,reasoning,content,calls", HARMONY)
+def test_harmony_reasoning_and_calls(text, reasoning, content, calls):
+    """The analysis channel is reasoning, the final channel and preambles content, calls calls:
+    whole, and streamed cut anywhere; without tools asked a call's text is content; with only the
+    reasoning parser (thinking off: none) the final text is still the content."""
+    for tool, rp in [(AUTO, "openai_gptoss"), (None, "openai_gptoss"), (AUTO, None)]:
+        plan = AnswerPlan(tool, tool_parsers.get("openai"), rp and reasoning_parser(rp), False, True)
+        msg = plan.message(text)[0]
+        got = shape(msg)
+        assert got[1] == (reasoning if rp else "")
+        if tool is AUTO:
+            assert (got[0], got[2]) == (content, calls)
+        else:
+            assert not got[2] and got[0].startswith(content)
+        cuts = [list(text)] + ([[text[:k], text[k:]] for k in range(len(text) + 1)] if rp and tool else [])
+        for pieces in cuts:          # every cut through both parsers, one character a chunk for all
+            assert shape(streamed(plan, pieces)) == got, pieces
+
+
 def test_parser_registry_and_template_detection():
-    assert set(server_args.TOOL_CALL_PARSERS) == {"hermes", "llama3_json", "mistral", "deepseek_v3"}
-    assert set(REASONING_PARSERS) == {"qwen3", "deepseek_r1"}
+    assert set(server_args.TOOL_CALL_PARSERS) == {"hermes", "llama3_json", "mistral", "deepseek_v3", "openai"}
+    assert set(REASONING_PARSERS) == {"qwen3", "deepseek_r1", "openai_gptoss"}
+    harmony = (Path(__file__).parent / "data" / "harmony_chat_template.jinja").read_text()
+    assert tool_parsers.from_template(harmony) == "openai"
+    assert tool_parsers.from_template('{{ "<|start|>assistant to=" + "functions." + name }}<|channel|>') == "openai"
     assert tool_parsers.from_template("{{ '<tool_call>' }}{{ tool | tojson }}{{ '</tool_call>' }}") == "hermes"
     assert tool_parsers.from_template("[TOOL_CALLS]{{ x }}") == "mistral"
     assert tool_parsers.from_template("{{ '<｜tool▁calls▁begin｜>' }}") == "deepseek_v3"

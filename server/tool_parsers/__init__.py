@@ -5,10 +5,11 @@ from .deepseek_v3 import DeepSeekV3Parser
 from .hermes import HermesParser
 from .llama3_json import Llama3JsonParser
 from .mistral import MistralParser
+from .openai import OpenAIParser
 from .required import RequiredCallsParser
 
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (
-    HermesParser, Llama3JsonParser, MistralParser, DeepSeekV3Parser)}
+    HermesParser, Llama3JsonParser, MistralParser, DeepSeekV3Parser, OpenAIParser)}
 
 __all__ = ["Call", "PARSERS", "Parsed", "RequiredCallsParser", "ToolParser", "from_template", "get"]
 

@@ -18,9 +18,14 @@ from ..format_base import FORMATS, QuantFormat  # noqa: F401  (the registry the 
 from . import awq, compressed_tensors, fp8_block, gptq, mxfp4  # noqa: F401
 
 
-def parse_quantization(config: dict, where: str) -> QuantFormat | None:
-    """The checkpoint's format (None: not quantized). where: the config.json path, for errors."""
+def parse_quantization(config: dict, where: str, nested=()) -> QuantFormat | None:
+    """The checkpoint's format (None: not quantized). where: the config.json path, for errors;
+    nested: the spec's nested_config objects, where a wrapper's text model may keep its
+    quantization_config (Kimi-K2.5's is under text_config)."""
     q = config.get("quantization_config")
+    for n in nested:
+        if q is None and isinstance(config.get(n), dict):
+            q = config[n].get("quantization_config")
     if q is None:
         return None
     if not isinstance(q, dict):
