@@ -262,6 +262,8 @@ class KVTiers:
             if b.hash is not None:
                 self.offer(b.hash, page)
                 del bm.cached[b.hash]
+                if bm.events is not None:        # gone from the device's cache (KV events)
+                    bm.record_removed(b.hash)
                 b.hash = None
         self.flush(bm.blocks)
         if to_disk:
