@@ -158,8 +158,10 @@ class Router:
 
     def prefix(self, h: int) -> list[int]:
         """The tokens the block h closes, from the first: its parent chain's."""
-        out = []
+        out, walked = [], set()
         while h is not None:
+            assert h not in walked, "a parent chain that loops"
+            walked.add(h)
             parent, tokens = self.seen[h]
             out[:0] = tokens
             h = parent
