@@ -85,9 +85,13 @@ class Router:
         self.topic = topic.encode()
         self.next = 0
         self.batches: list[KVEventBatch] = []
-        self.index: dict[int, tuple] = {}
-        self.seen: dict[int, tuple] = {}       # every block ever stored, removed ones too
-        self.removed, self.cleared = [], 0
+        self.media: dict[str, dict] = {}       # medium -> hash -> (parent, tokens)
+        self.seen: dict[int, tuple] = {}       # every device block ever stored, removed ones too
+        self.removed, self.cleared = [], 0     # removed: (medium, hash)
+
+    @property
+    def index(self) -> dict:
+        return self.media.get("GPU", {})
 
     def close(self):
         self.sub.close(0)
@@ -122,20 +126,26 @@ class Router:
 
     def apply(self, ev):
         if isinstance(ev, BlockStored):
+            index = self.media.setdefault(ev.medium, {})
             n = ev.block_size
+            if not ev.token_ids:               # a tier's block: its hash alone (as vLLM's CPU offloading)
+                assert ev.medium != "GPU" and ev.parent_block_hash is None
+                index.update(dict.fromkeys(ev.block_hashes))
+                return
             assert len(ev.token_ids) == n * len(ev.block_hashes)
             parent = ev.parent_block_hash
             for i, h in enumerate(ev.block_hashes):
                 assert 0 <= h < U64
-                self.index[h] = self.seen[h] = (parent, ev.token_ids[i * n:(i + 1) * n])
+                index[h] = self.seen[h] = (parent, ev.token_ids[i * n:(i + 1) * n])
                 parent = h
         elif isinstance(ev, BlockRemoved):
+            index = self.media.get(ev.medium, {})
             for h in ev.block_hashes:
-                assert h in self.index, "removed a block never stored"
-                del self.index[h]
-                self.removed.append(h)
+                assert h in index, f"removed a {ev.medium} block never stored"
+                del index[h]
+                self.removed.append((ev.medium, h))
         else:
-            self.index.clear()
+            self.media.clear()
             self.cleared += 1
 
     def sync(self, pubs, timeout=5.0):
@@ -200,7 +210,8 @@ def test_the_router_index_mirrors_the_prefix_cache():
             assert router.index.keys() == cached_wire_hashes(e), round_
         for h in router.index:                 # each hash is its block's tokens and parents'
             assert h == wire_hash(router.prefix(h))
-        assert router.removed and not set(router.removed) & cached_wire_hashes(e)
+        removed = {h for m, h in router.removed if m == "GPU"}
+        assert removed and not removed & cached_wire_hashes(e) and set(router.media) == {"GPU"}
         stored = [ev for b in router.batches for ev in b.events if isinstance(ev, BlockStored)]
         assert {(ev.block_size, ev.medium, ev.lora_id, ev.lora_name) for ev in stored} == {(4, "GPU", None, None)}
         assert any(ev.parent_block_hash is not None for ev in stored)   # a prefix hit's suffix
@@ -211,6 +222,30 @@ def test_the_router_index_mirrors_the_prefix_cache():
         assert router.cleared == 1 and not router.index and not e.bm.cached
         assert isinstance(router.batches[-1].events[-1], AllBlocksCleared)
         e.bm.check()
+    finally:
+        router.close()
+        e.close()
+
+
+def test_host_tier_blocks_are_reported_with_their_medium():
+    """With --kv-offloading-size, blocks entering and leaving the host pool are "CPU" events; a
+    block restored from it is "GPU" BlockStored again, with its tokens and parent."""
+    from test_kv_tier import TieredFake, _blocks_gib, _shared_prefix_prompts, _serve
+    from infc.runtime.engine.kv_tier.tiers import OffloadConfig
+    config, _ = addresses()
+    e = make_engine(TieredFake(12), kv_offloading=OffloadConfig(_blocks_gib(14)), kv_events_config=config)
+    router = Router(config.endpoint, config.replay_endpoint, config.topic)
+    try:
+        prompts = _shared_prefix_prompts(np.random.default_rng(5), 16, stems=3)
+        _serve(e, prompts, SamplingParams(max_tokens=3, **GREEDY), per_wave=3)
+        router.sync(e.kv_events)
+        assert router.index.keys() == cached_wire_hashes(e)
+        host = {kv_event_wire.block_hash(h) for h in e.tiers.pool.lru}
+        assert host and router.media["CPU"].keys() == host
+        assert any(m == "CPU" for m, _ in router.removed)        # the pool's LRU evicted some
+        assert e.tiers.stats.host_hit_tokens > 0                  # restored blocks: stored again,
+        for h in router.index:                                    # their chains intact
+            assert h == wire_hash(router.prefix(h))
     finally:
         router.close()
         e.close()

@@ -185,6 +185,8 @@ class Engine:
         if self.kv_events is not None:
             for bm in self.bms:
                 bm.events = []
+            if self.tiers is not None:           # the host pool's blocks too (one rank: for_engine)
+                self.tiers.on_event = lambda ev: self.bm.events.append(ev)
         self.requests: dict[str, Request] = {}
         self.metrics = Metrics(max_model_len=min(max_model_len, 1 << 30))
         self.metrics.spec_decode_positions = self.spec.k if self.spec else 0
@@ -359,6 +361,8 @@ class Engine:
         pubs, self.kv_events = self.kv_events, None
         for bm in self.bms:
             bm.events = None
+        if self.tiers is not None:
+            self.tiers.on_event = None
         for p in pubs or ():
             p.close()
 
