@@ -24,6 +24,7 @@ import zmq
 from infc.cli import parser
 from infc.config import kv_events_config
 from infc.runtime.engine import kv_event_wire, kv_events
+from infc.runtime.engine.runner import Sample
 from infc.runtime.engine.sampling import SamplingParams
 from infc.server.args import config_from_args
 from test_scheduler import FakeRunner, drain, make_engine
@@ -321,6 +322,33 @@ def test_data_parallel_ranks_publish_on_their_own_ports():
     finally:
         router.close()
         pub.close()
+
+
+class TwoRanks:
+    """Two data-parallel ranks that compute nothing (every sampling row gets token 1)."""
+    dp_world, num_pages, page_size, vocab_size = 2, 64, 4, 97
+
+    def execute_ranks(self, metas, sampling):
+        return [[None if s is None else Sample(1) for s in rows] for rows in sampling]
+
+
+def test_an_engine_over_two_data_parallel_ranks_publishes_each_ranks_cache():
+    config, _ = addresses()
+    e = make_engine(TwoRanks(), kv_events_config=config, overlap=False)
+    routers = [Router(config.endpoint, config.replay_endpoint, config.topic),
+               Router(config.endpoint + "_dp1", config.replay_endpoint + "_dp1", config.topic)]
+    try:
+        for i in range(4):                     # placed by load: both ranks get some
+            e.add_request([1 + (7 * i + j) % 90 for j in range(10 + 6 * i)], SamplingParams(max_tokens=2, **GREEDY))
+        drain(e)
+        for rank, (router, bm, pub) in enumerate(zip(routers, e.bms, e.kv_events)):
+            router.sync([pub])
+            assert bm.cached and router.index.keys() == {kv_event_wire.block_hash(h) for h in bm.cached}
+            assert {b.data_parallel_rank for b in router.batches} == {rank}
+    finally:
+        for r in routers:
+            r.close()
+        e.close()
 
 
 # -- configuration -------------------------------------------------------------------------------
