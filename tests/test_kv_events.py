@@ -314,7 +314,8 @@ def test_data_parallel_ranks_publish_on_their_own_ports():
     pub = kv_events.Publisher(config, 1, 4)
     router = Router(config.endpoint + "_dp1", config.replay_endpoint + "_dp1", config.topic)
     try:
-        pub.publish([("stored", [b"\x01" * 32], None, [1, 2, 3, 4], ("ad", 7), "GPU")])
+        tokens = list(np.arange(1, 5))         # numpy integers, as a runner may leave them
+        pub.publish([("stored", [b"\x01" * 32], None, tokens, ("ad", 7), "GPU")])
         router.sync([pub])
         (batch,) = router.batches
         assert batch.data_parallel_rank == 1
@@ -398,9 +399,9 @@ def test_serve_publishes_a_prompts_blocks_and_a_reset(tmp_path):
         assert f"KV events: bound ipc://{tmp_path}/kv, replay ipc://{tmp_path}/kv-replay" in out, out
         router = Router(cfg["endpoint"], cfg["replay_endpoint"], cfg["topic"])
         try:
-            prompt = list(range(300, 340))     # 40 tokens: two full blocks of 16
+            prompt = list(range(300, 330))     # 30 tokens and 4 generated: two full blocks of 16
             s, _, body = request(port, "POST", "/v1/completions", {
-                "model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0})
+                "model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True})
             assert s == 200, body
             assert request(port, "POST", "/reset_prefix_cache")[0] == 200
             t0 = time.monotonic()
@@ -408,10 +409,12 @@ def test_serve_publishes_a_prompts_blocks_and_a_reset(tmp_path):
                 for seq, payload in router.ask_replay(router.next):
                     router.take(seq, payload)
                 assert time.monotonic() - t0 < 10, router.batches
-            first = router.batches[0].events[0]
-            assert isinstance(first, BlockStored) and first.parent_block_hash is None
-            assert first.token_ids == prompt[:32] and first.block_size == 16
-            assert first.block_hashes == [wire_hash(prompt[:16]), wire_hash(prompt[:32])]
+            stored = [ev for b in router.batches for ev in b.events if isinstance(ev, BlockStored)]
+            hashes = [h for ev in stored for h in ev.block_hashes]
+            tokens = [t for ev in stored for t in ev.token_ids]
+            assert tokens[:30] == prompt and len(tokens) == 32 and {ev.block_size for ev in stored} == {16}
+            assert hashes == [wire_hash(prompt[:16]), wire_hash(tokens)]    # the second: 2 sampled tokens
+            assert stored[0].parent_block_hash is None and router.prefix(hashes[1]) == tokens
             _, _, metrics = request(port, "GET", "/metrics")
             assert 'infc:kv_events_published_total{rank="0",model_name="tiny"}' in metrics.decode()
         finally:

@@ -74,6 +74,13 @@ def event(raw: tuple, block_size: int):
     raise ValueError(f"unknown KV event {kind!r}")
 
 
+def _int(o):
+    """A token id a runner left as a numpy integer is written as the integer it is."""
+    if hasattr(o, "__index__"):
+        return o.__index__()
+    raise TypeError(f"a KV event cannot carry {type(o).__name__}")
+
+
 def encode(ts: float, events: list[tuple], block_size: int, rank: int) -> bytes:
     """One batch's payload (msgspec's module-level encoder: safe from any thread)."""
-    return msgspec.msgpack.encode(Batch(ts, [event(e, block_size) for e in events], rank))
+    return msgspec.msgpack.encode(Batch(ts, [event(e, block_size) for e in events], rank), enc_hook=_int)
