@@ -206,7 +206,14 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
                    kv_offloading=OffloadConfig(c.cache.kv_offloading_size, c.cache.kv_offloading_disk,
                                                c.cache.kv_offloading_disk_size),
                    speculative_config=c.speculative.speculative_config,
-                   max_cpu_loras=c.lora.max_cpu_loras)
+                   max_cpu_loras=c.lora.max_cpu_loras, kv_events_config=c.kv_events.kv_events_config)
+        try:
+            return _started(e)
+        except BaseException:
+            e.close()                           # its event sockets are bound: give them back
+            raise
+
+    def _started(e):
         if log and e.spec is not None:
             s = e.spec.config
             log(f"  speculative decoding: {s.method}, {s.num_speculative_tokens} draft tokens "

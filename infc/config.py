@@ -217,6 +217,90 @@ class SpeculativeSettings:
     speculative_config: object = None   # as given (JSON text, dict); resolved: SpeculativeConfig | None
 
 
+# KV events (issue 44; runtime/engine/kv_events.py): vLLM's --kv-events-config, its keys and
+# defaults. A KV-aware router (llm-d's KV-cache indexer, Dynamo's KV router) subscribes to the
+# stream of blocks stored into and removed from each replica's prefix cache.
+KV_EVENTS_PUBLISHERS = ("null", "zmq")
+DEFAULT_KV_EVENTS_ENDPOINT = "tcp://*:5557"
+DEFAULT_KV_EVENTS_BUFFER_STEPS = 10_000     # batches kept for replay requests
+DEFAULT_KV_EVENTS_HWM = 100_000             # the PUB socket's send high-water mark (messages)
+DEFAULT_KV_EVENTS_MAX_QUEUE_SIZE = 100_000  # batches waiting for the publisher thread; more drop
+_ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    enable_kv_cache_events: bool = False
+    publisher: str = "null"                 # resolved as vLLM does: zmq when enabled and not named
+    endpoint: str = DEFAULT_KV_EVENTS_ENDPOINT
+    replay_endpoint: str | None = None
+    buffer_steps: int = DEFAULT_KV_EVENTS_BUFFER_STEPS
+    hwm: int = DEFAULT_KV_EVENTS_HWM
+    max_queue_size: int = DEFAULT_KV_EVENTS_MAX_QUEUE_SIZE
+    topic: str = ""
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+
+_KV_EVENTS_KEYS = {f.name: f for f in fields(KVEventsConfig)}
+
+
+def kv_events_config(value) -> KVEventsConfig | None:
+    """--kv-events-config (a JSON object, as vLLM spells it), a dict, a KVEventsConfig or None ->
+    a checked KVEventsConfig (None: no events). An unknown key, a value of the wrong type or
+    range, or an endpoint that is not a ZeroMQ address is a ValueError naming it."""
+    import json
+    if value is None or isinstance(value, KVEventsConfig):
+        return value
+    where = "--kv-events-config"
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where} is not valid JSON ({e.msg} at character {e.pos}): give an "
+                             f"object such as '{{\"enable_kv_cache_events\": true, \"endpoint\": "
+                             f"\"{DEFAULT_KV_EVENTS_ENDPOINT}\"}}'") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{where} must be a JSON object, got {type(value).__name__}")
+    unknown = sorted(set(value) - set(_KV_EVENTS_KEYS))
+    if unknown:
+        raise ValueError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(_KV_EVENTS_KEYS)})")
+    kw = {}
+    for key, v in value.items():
+        if key == "enable_kv_cache_events":
+            if not isinstance(v, bool):
+                raise ValueError(f"{where}: {key!r} must be true or false, got {v!r}")
+        elif key == "publisher":
+            if v is not None and v not in KV_EVENTS_PUBLISHERS:
+                raise ValueError(f"{where}: 'publisher' must be one of {', '.join(KV_EVENTS_PUBLISHERS)}, "
+                                 f"got {v!r}")
+        elif key in ("endpoint", "replay_endpoint"):
+            if v is None and key == "replay_endpoint":
+                pass
+            elif not isinstance(v, str) or not v.startswith(_ZMQ_SCHEMES) or v.endswith("//"):
+                raise ValueError(f"{where}: {key!r} must be a ZeroMQ address ({', '.join(s + '...' for s in _ZMQ_SCHEMES)}"
+                                 f", e.g. {DEFAULT_KV_EVENTS_ENDPOINT!r}), got {v!r}")
+        elif key == "topic":
+            if not isinstance(v, str):
+                raise ValueError(f"{where}: 'topic' must be a string, got {v!r}")
+        else:                                   # buffer_steps, hwm, max_queue_size
+            low = 0 if key == "hwm" else 1      # hwm 0: ZeroMQ's "no limit"
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"{where}: {key!r} must be an integer >= {low}, got {v!r}")
+        if v is not None:
+            kw[key] = v
+    if "publisher" not in kw:
+        kw["publisher"] = "zmq" if kw.get("enable_kv_cache_events") else "null"
+    return KVEventsConfig(**kw)
+
+
+@dataclass(frozen=True)
+class KVEventsSettings:
+    kv_events_config: object = None     # as given (JSON text, dict); resolved: KVEventsConfig | None
+
+
 @dataclass(frozen=True)
 class LoraConfig:
     enable_lora: bool = False           # --enable-lora: the plan takes adapter slots (a build setting)
@@ -238,7 +322,7 @@ class LoraConfig:
 
 GROUPS = {"load": LoadConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
           "parallel": ParallelConfig, "device": DeviceConfig, "speculative": SpeculativeSettings,
-          "lora": LoraConfig}
+          "lora": LoraConfig, "kv_events": KVEventsSettings}
 ALIASES = {"block_size": "page_size"}     # vLLM's spelling -> infc's
 
 
@@ -259,6 +343,7 @@ class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     speculative: SpeculativeSettings = field(default_factory=SpeculativeSettings)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    kv_events: KVEventsSettings = field(default_factory=KVEventsSettings)
 
     @classmethod
     def from_settings(cls, **settings) -> "EngineConfig":
@@ -308,7 +393,8 @@ class EngineConfig:
                              "disk through the host tier")
         pages = cache.num_gpu_blocks_override or (-(-tokens // page_size) if tokens else None)
         spec = SpeculativeSettings(speculative_config(self.speculative.speculative_config))
-        return replace(self, device=replace(self.device, device=device), speculative=spec,
+        events = KVEventsSettings(kv_events_config(self.kv_events.kv_events_config))
+        return replace(self, device=replace(self.device, device=device), speculative=spec, kv_events=events,
                        cache=replace(cache, page_size=page_size, num_gpu_blocks_override=pages,
                                      kv_cache_tokens=tokens),
                        scheduler=replace(sched, max_num_seqs=max_num_seqs, max_num_batched_tokens=batched))

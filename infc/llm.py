@@ -65,6 +65,8 @@ class LLM:
     kv_offloading_size: GiB of host memory for prefix blocks evicted from the KV cache (vLLM's).
     speculative_config: vLLM's, a dict or its JSON ({"method": "ngram", "num_speculative_tokens":
     k, ...}; infc.config.speculative_config): outputs stay those of plain decoding.
+    kv_events_config: vLLM's, a dict or its JSON ({"enable_kv_cache_events": True, "endpoint": ...};
+    infc.config.kv_events_config): the prefix cache's KV events over ZeroMQ (docs/serving.md).
     enable_lora, max_loras, max_lora_rank, max_cpu_loras, lora_modules ({name: PEFT directory}):
     vLLM's LoRA settings (docs/serving.md); generate(..., lora_request=...) picks an adapter."""
 
@@ -76,7 +78,7 @@ class LLM:
                  tensor_parallel_size: int = 1, enable_expert_parallel: bool = False,
                  data_parallel_size: int = 1, kv_cache_dtype: str | None = None,
                  kv_offloading_size: float | None = None,
-                 speculative_config=None,
+                 speculative_config=None, kv_events_config=None,
                  enable_lora: bool = False, max_loras: int | None = None, max_lora_rank: int | None = None,
                  max_cpu_loras: int | None = None, lora_modules: dict | None = None):
         from infc.backend import detect_device, load_backend
@@ -97,7 +99,7 @@ class LLM:
             tensor_parallel_size=tensor_parallel_size, enable_expert_parallel=enable_expert_parallel,
             data_parallel_size=data_parallel_size, kv_cache_dtype=kv_cache_dtype,
             kv_offloading_size=kv_offloading_size,
-            speculative_config=speculative_config,
+            speculative_config=speculative_config, kv_events_config=kv_events_config,
             enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank,
             max_cpu_loras=max_cpu_loras, lora_modules=lora_modules)
         self.backend = load_backend(self.model_dir, config, log=log)
@@ -123,7 +125,9 @@ class LLM:
         return name
 
     def close(self):
-        """Give back what the runner holds: the device memory, or the rank processes."""
+        """Give back what the engine and the runner hold: the KV-event sockets, the device
+        memory, or the rank processes."""
+        self.engine.close()
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()

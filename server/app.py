@@ -271,6 +271,12 @@ def make_app(state: ServerState) -> FastAPI:
         return Response(f"Success: LoRA adapter '{name}' removed successfully.".encode(),
                         media_type="text/plain")
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        """vLLM's: forget the cached prefix blocks (KV-event subscribers get AllBlocksCleared)."""
+        await backend().engine.reset_prefix_cache()
+        return Response(status_code=200)
+
     @app.get("/health")
     async def health():
         if state.ready:

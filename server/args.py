@@ -8,7 +8,7 @@ from infc import envs
 from infc.compiler.spec_paths import add_spec_dir_arg
 from infc.config import (DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_CACHE_DTYPE, DEFAULT_MAX_LORA_RANK,
                          DEFAULT_MAX_LORAS, DEFAULT_MAX_NUM_SEQS, LORA_TARGET_MODULES, EngineConfig,
-                         lora_build, speculative_config)
+                         kv_events_config, lora_build, speculative_config)
 
 from .reasoning import REASONING_PARSERS
 from .tool_parsers import PARSERS as TOOL_CALL_PARSERS
@@ -69,6 +69,16 @@ def add_speculative_config_arg(p: argparse.ArgumentParser):
                    help='speculative decoding, as vLLM spells it: \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}\' '
                         '(draft_model, eagle3, mtp: not built yet)')
+
+
+def add_kv_events_config_arg(p: argparse.ArgumentParser):
+    """vLLM's --kv-events-config (serve): a JSON object, checked by infc.config.kv_events_config
+    before anything loads (docs/serving.md, "KV events")."""
+    p.add_argument("--kv-events-config", metavar="JSON",
+                   help='publish the prefix cache\'s KV events for KV-aware routers, as vLLM spells it: '
+                        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+                        '"replay_endpoint": "tcp://*:5558", "topic": "kv"}\' (also buffer_steps, hwm, '
+                        'max_queue_size)')
 
 
 def add_lora_build_args(p: argparse.ArgumentParser):
@@ -143,6 +153,7 @@ def add_serve_args(p: argparse.ArgumentParser):
     add_speculative_config_arg(p)
     p.add_argument("--kv-cache-memory-bytes", type=int, help="KV cache size on the cpu device (default 1 GiB)")
     add_kv_offloading_args(p)
+    add_kv_events_config_arg(p)
     p.add_argument("--max-logprobs", type=int, default=20)
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="usage.prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache held")
@@ -187,6 +198,7 @@ def config_from_args(args):
     if not 0 < args.port < 65536 and args.port != 0:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     speculative_config(getattr(args, "speculative_config", None))   # a bad one fails before loading
+    kv_events_config(getattr(args, "kv_events_config", None))       # so does this
     served = args.served_model_name or [args.model or args.model_path]
     clash = sorted({n for n, _ in getattr(args, "lora_modules", None) or ()} & set(served))
     if clash:
@@ -227,6 +239,7 @@ def backend_kwargs(args) -> dict:
                 data_parallel_size=getattr(args, "data_parallel_size", 1),
                 overlap=False if getattr(args, "disable_overlap_schedule", False) else None,
                 speculative_config=getattr(args, "speculative_config", None),
+                kv_events_config=getattr(args, "kv_events_config", None),
                 enable_lora=getattr(args, "enable_lora", False), max_loras=getattr(args, "max_loras", None),
                 max_lora_rank=getattr(args, "max_lora_rank", None),
                 lora_target_modules=getattr(args, "lora_target_modules", None),

@@ -2,7 +2,8 @@
 (vllm:num_requests_running, vllm:time_to_first_token_seconds, ...) with a model_name label, so
 dashboards, routers and benchmark tools built for vLLM read them unchanged; vllm:cache_config_info
 (a gauge at 1 whose labels are the KV cache's settings); with KV tiers (--kv-offloading-size),
-vLLM's external_prefix_cache_* counters and infc's own per-tier ones (infc:kv_offload_*); vllm:lora_requests_info (LoRA plans: the
+vLLM's external_prefix_cache_* counters and infc's own per-tier ones (infc:kv_offload_*); with
+--kv-events-config, the KV-event batches published and dropped a rank (infc:kv_events_*); vllm:lora_requests_info (LoRA plans: the
 adapters of running and of waiting requests as labels); and, as vLLM's prometheus_client registry
 shows them, the process and Python collectors (process_resident_memory_bytes, python_gc_*, ...).
 The engine measures (runtime/engine/metrics.py); this renders."""
@@ -102,6 +103,20 @@ def _tiers(out: list, stats: dict, m: str):
                t.restore_seconds, m)
 
 
+def _kv_events(out: list, stats: dict, m: str):
+    """The KV-event publishers' counters (runtime/engine/kv_events.py), one a data-parallel rank."""
+    pubs = stats.get("kv_events")
+    if not pubs:
+        return
+    for name, attr, doc in (
+            ("published", "published_batches", "Batches of KV events sent to subscribers."),
+            ("dropped", "dropped_batches", "Batches of KV events dropped: the publisher's queue was "
+                                           "full (the engine never waits for it).")):
+        out += [f"# HELP infc:kv_events_{name} {doc}", f"# TYPE infc:kv_events_{name} counter"]
+        for p in pubs:
+            out.append(f'infc:kv_events_{name}_total{{rank="{p.rank}",{m}}} {_num(getattr(p, attr))}')
+
+
 def render(stats: dict, model_name: str) -> str:
     m = f'model_name="{_label(model_name)}"'
     out = []
@@ -121,6 +136,7 @@ def render(stats: dict, model_name: str) -> str:
     for name, doc in HISTOGRAMS.items():
         _histogram(out, f"vllm:{name}", doc, stats.get(name), m)
     _tiers(out, stats, m)
+    _kv_events(out, stats, m)
     if stats.get("spec_decode_positions"):
         for name, doc in SPEC_COUNTERS.items():
             out += [f"# HELP vllm:{name} {doc}", f"# TYPE vllm:{name} counter",

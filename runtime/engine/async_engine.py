@@ -135,11 +135,17 @@ class AsyncEngine:
     async def abort(self, request_id: str):
         self._send(("abort", request_id))
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget the cached prefix blocks, between steps (Engine.reset_prefix_cache)."""
+        return await self._on_thread(self.engine.reset_prefix_cache)
+
     def shutdown(self, timeout: float = 10.0):
         self._stop = True
         self._wake.set()
         self._thread.join(timeout)
         self._fail_all(EngineDeadError("the engine was shut down"))
+        if not self._thread.is_alive():          # else a step still runs: the process exit ends it
+            self.engine.close()
 
     def fail(self, error: BaseException):
         """Mark the engine dead from outside its thread: what its runner saw fail while no step

@@ -21,6 +21,12 @@ goes is offered to them, and the prefix lookup goes on past the device's hits in
 block found there takes a fresh page, registered under its hash at once, and the engine's
 flush copies it in before the step that reads it.
 
+KV events (`events`: kv_events.py, --kv-events-config): a list while events are on, None while
+off. A block that enters the cache (committed, or restored from a tier) is recorded "stored" with
+its tokens and the hash of the block before it, runs of a sequence's consecutive blocks in one
+event; a cached block whose page is taken is "removed"; reset_prefix_cache records "cleared". The
+engine publishes and empties the list after each step.
+
 LoRA adapters (`lora`: runtime/lora/slots.py's LoraSlots): a sequence naming one is admitted only
 with its adapter in a slot (admit / drop, alongside its pages), and its block hashes start from
 the adapter's id, so one adapter's cached KV never serves another's or the base model's.
@@ -31,6 +37,7 @@ from collections import OrderedDict
 import numpy as np
 
 from infc.config import DEFAULT_PAGE_SIZE
+from .kv_events import MEDIUM_DEVICE
 from .sequence import Sequence
 
 
@@ -71,6 +78,7 @@ class BlockManager:
         self.free_slots: list[int] = list(range(num_slots - 1, -1, -1))   # pop() gives slot 0 first
         self.tiers = tiers                        # kv_tier.KVTiers, or None
         self.lora = None                          # LoraSlots where the plan serves adapters
+        self.events: list | None = None           # KV events of the step running (kv_events.py)
 
     # -- accounting ---------------------------------------------------------------------------
     @property
@@ -136,6 +144,8 @@ class BlockManager:
         if b.hash is not None:
             if self.cached.get(b.hash) == page:
                 del self.cached[b.hash]
+                if self.events is not None:
+                    self.record_removed(b.hash)
             b.hash = None
         b.ref = 1
         if self.tiers is not None:
@@ -165,8 +175,11 @@ class BlockManager:
             if p is not None:
                 self._take(p)
         if rows:
+            tier = [i for i, p in enumerate(hits) if p is None]
             hits = self._restored(seq.block_hashes, hits, rows)
             self.tiers.admitted()
+            if self.events is not None:            # back in the device's cache
+                self._record_stored(seq, tier)
         seq.pages = hits + [self._new_page() for _ in range(new)]
         seq.num_computed_tokens = seq.num_cached_tokens = cached
         seq.num_committed_blocks = len(hits)
@@ -217,12 +230,46 @@ class BlockManager:
         full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.page_size
         if not self.enable_prefix_caching or full <= seq.num_committed_blocks:
             return
+        stored = []
         for i, h in enumerate(self._hashes(seq, full)[seq.num_committed_blocks:], seq.num_committed_blocks):
             b = self.blocks[seq.pages[i]]
             if h not in self.cached and b.hash is None:
                 self.cached[h] = b.id
                 b.hash = h
+                stored.append(i)
         seq.num_committed_blocks = full
+        if stored and self.events is not None:
+            self._record_stored(seq, stored)
+
+    # -- KV events -----------------------------------------------------------------------------
+    def _record_stored(self, seq: Sequence, blocks: list[int]):
+        """Blocks of seq (ascending indices) entered the cache: one event a run of consecutive
+        ones, with the run's tokens and the hash of the block before it (None: the first)."""
+        hs, ps = seq.block_hashes, self.page_size
+        start = 0
+        for k in range(1, len(blocks) + 1):
+            if k == len(blocks) or blocks[k] != blocks[k - 1] + 1:
+                first, last = blocks[start], blocks[k - 1]
+                self.events.append(("stored", hs[first:last + 1], hs[first - 1] if first else None,
+                                    seq.token_ids[first * ps:(last + 1) * ps], seq.lora, MEDIUM_DEVICE))
+                start = k
+
+    def record_removed(self, h: bytes):
+        """Block h left the device's cache (its page taken, or demoted to a tier)."""
+        last = self.events[-1] if self.events else None
+        if last is not None and last[0] == "removed" and last[2] == MEDIUM_DEVICE:
+            last[1].append(h)                     # one event for a step's evictions in a row
+        else:
+            self.events.append(("removed", [h], MEDIUM_DEVICE))
+
+    def reset_prefix_cache(self):
+        """Forget every cached block (vLLM's reset_prefix_cache). Pages held by sequences stay
+        theirs, no longer findable by a new prompt; the KV tiers keep what they hold."""
+        for h, page in self.cached.items():
+            self.blocks[page].hash = None
+        self.cached.clear()
+        if self.events is not None:
+            self.events.append(("cleared",))
 
     def release(self, seq: Sequence):
         """Drop the sequence's references, each page once; its KV is gone from its view."""

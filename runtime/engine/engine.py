@@ -50,7 +50,7 @@ import numpy as np
 
 from infc import envs
 
-from . import bad_words, fault_inject, prompt_logprobs
+from . import bad_words, fault_inject, kv_events, prompt_logprobs
 from .block_manager import BlockManager
 from .kv_tier import tiers as kv_tiers
 from .metrics import Metrics
@@ -132,12 +132,14 @@ class Engine:
                  enable_prefix_caching: bool = True, log=None, overlap: bool | None = None,
                  kv_offloading: "kv_tiers.OffloadConfig | None" = None,
                  speculative_config=None,
-                 max_cpu_loras: int | None = None):
+                 max_cpu_loras: int | None = None, kv_events_config=None):
         """log(line): where startup notes go (infc/backend.py passes its printer).
         overlap: overlapped steps (see above); default on where the runner can, unless
         INFC_OVERLAP=0. kv_offloading: host and disk tiers for prefix blocks (kv_tier/).
         speculative_config: infc.config.SpeculativeConfig (None: none); a plan with slot caches
-        refuses it (ValueError)."""
+        refuses it (ValueError). kv_events_config: infc.config.KVEventsConfig (None: no events):
+        the prefix cache's KV events published for routers, a publisher a data-parallel rank
+        (kv_events.py); close() stops them."""
         self.runner, self.tokenizer = runner, tokenizer
         self.spec = None
         if speculative_config is not None:
@@ -178,9 +180,17 @@ class Engine:
             if "lora" in getattr(runner, "plan", {}) else None
         for bm in self.bms:
             bm.lora = self.loras
+        self.kv_events = kv_events.for_engine(kv_events_config, self.dp, self.page_size,
+                                              self.bm.enable_prefix_caching, log)
+        if self.kv_events is not None:
+            for bm in self.bms:
+                bm.events = []
+            if self.tiers is not None:           # the host pool's blocks too (one rank: for_engine)
+                self.tiers.on_event = lambda ev: self.bm.events.append(ev)
         self.requests: dict[str, Request] = {}
         self.metrics = Metrics(max_model_len=min(max_model_len, 1 << 30))
         self.metrics.spec_decode_positions = self.spec.k if self.spec else 0
+        self.metrics.kv_events = [p.stats for p in self.kv_events] if self.kv_events else None
         self.metrics.cache_config_info = {
             "block_size": self.page_size, "cache_dtype": "auto",
             "enable_prefix_caching": self.bm.enable_prefix_caching,
@@ -326,6 +336,35 @@ class Engine:
             return self._step()
         finally:
             self.metrics.end_iteration()
+            self._publish_events()
+
+    # -- the prefix cache's KV events -----------------------------------------------------------
+    def _publish_events(self):
+        """Each rank's events of the step, to its publisher's queue (kv_events.py: never waits)."""
+        if self.kv_events is not None:
+            for bm, pub in zip(self.bms, self.kv_events):
+                if bm.events:
+                    events, bm.events = bm.events, []
+                    pub.publish(events)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block on every rank (vLLM's reset_prefix_cache; running
+        sequences keep their pages); subscribers get AllBlocksCleared."""
+        for bm in self.bms:
+            bm.reset_prefix_cache()
+        self._publish_events()
+        return True
+
+    def close(self):
+        """Stop what the engine itself runs: the KV-event publishers (their queued events sent
+        first, within a second). The runner is its owner's to close."""
+        pubs, self.kv_events = self.kv_events, None
+        for bm in self.bms:
+            bm.events = None
+        if self.tiers is not None:
+            self.tiers.on_event = None
+        for p in pubs or ():
+            p.close()
 
     def _step(self) -> list[StepOutput]:
         """Run a step; the outputs of the step (overlapped: of the step before) that sampled. With

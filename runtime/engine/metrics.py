@@ -67,6 +67,7 @@ class Metrics:
     external_prefix_cache_queries_total: int = 0
     external_prefix_cache_hits_total: int = 0
     kv_offload: object = None                              # kv_tier.tiers.TierStats, or None
+    kv_events: object = None                               # [kv_events.PublisherStats] a rank, or None
     request_success_total: dict = field(default_factory=dict)          # finished_reason -> count
     time_to_first_token_seconds: Histogram = _h(_TTFT)
     inter_token_latency_seconds: Histogram = _h(_PER_TOKEN)

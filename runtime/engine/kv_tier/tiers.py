@@ -17,6 +17,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
+from ..kv_events import MEDIUM_HOST
 from ..metrics import Histogram
 from .disk_store import DiskStore
 from .host_pool import HostPool
@@ -78,6 +79,9 @@ class KVTiers:
         self.stats = TierStats()
         self._fetch_seconds = 0.0                # disk reads of the restores pending
         self._fetched = [0, 0]                   # the last fetch's blocks from host, from disk
+        # KV events (kv_events.py): called with each block entering or leaving the host pool,
+        # medium "CPU" (as vLLM's CPU offloading reports them: no tokens, no parent); None: off
+        self.on_event = None
 
     @property
     def capacity_rows(self) -> int:
@@ -142,7 +146,7 @@ class KVTiers:
             self.pool.release(row)
             return None
         self.stats.bytes_from_disk += self.block_bytes
-        self.pool.add(h, row)
+        self._pool_add(h, row)
         self._fetched[1] += 1
         return row
 
@@ -170,9 +174,19 @@ class KVTiers:
         if victim is None:
             return None
         h, row = victim
-        self.pool.drop(h)
+        self._pool_drop(h)
         self._spill(h, row)
         return row
+
+    def _pool_add(self, h: bytes, row: int):
+        self.pool.add(h, row)
+        if self.on_event is not None:
+            self.on_event(("stored", [h], None, [], None, MEDIUM_HOST))
+
+    def _pool_drop(self, h: bytes):
+        self.pool.drop(h)
+        if self.on_event is not None:
+            self.on_event(("removed", [h], MEDIUM_HOST))
 
     def _spill(self, h: bytes, row: int):
         """Block h leaves the pool from `row`: to the disk, when there is one."""
@@ -198,7 +212,7 @@ class KVTiers:
                 row = self._free_row()
             if row is None:                      # every row pinned by restores: not kept
                 break
-            self.pool.add(h, row)
+            self._pool_add(h, row)
             self.pool.pin(row)
             pages.append(page)
             rows.append(row)
@@ -262,6 +276,8 @@ class KVTiers:
             if b.hash is not None:
                 self.offer(b.hash, page)
                 del bm.cached[b.hash]
+                if bm.events is not None:        # gone from the device's cache (KV events)
+                    bm.record_removed(b.hash)
                 b.hash = None
         self.flush(bm.blocks)
         if to_disk:
@@ -269,7 +285,7 @@ class KVTiers:
                 raise ValueError("no disk tier to demote to (--kv-offloading-disk)")
             while (victim := self.pool.victim()) is not None:
                 h, row = victim
-                self.pool.drop(h)
+                self._pool_drop(h)
                 self._spill(h, row)
                 self.pool.release(row)
 
