@@ -71,6 +71,8 @@ class BlockManager:
         self.free_slots: list[int] = list(range(num_slots - 1, -1, -1))   # pop() gives slot 0 first
         self.tiers = tiers                        # kv_tier.KVTiers, or None
         self.lora = None                          # LoraSlots where the plan serves adapters
+        self.on_release = None                    # called with a sequence that gave its pages back
+                                                  # (a draft model's shadow goes with it)
 
     # -- accounting ---------------------------------------------------------------------------
     @property
@@ -242,6 +244,8 @@ class BlockManager:
             seq.slot = None
         if self.lora is not None:
             self.lora.drop(seq)
+        if self.on_release is not None:
+            self.on_release(seq)
 
     def check(self):
         """Invariants (tests): references are counted exactly, free pages are unreferenced."""

@@ -59,7 +59,8 @@ from .runner import RowSampling
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .speculative.speculator import Speculator, merge_outputs, refuse_slot_caches
+from .speculative.speculator import (DraftProposer, Speculator, check_draft_runner, merge_outputs,
+                                    refuse_slot_caches)
 from .structured.cache import GrammarCache
 from .step import Chunk, build_step, pad_ranks
 from ..tokenization.tokenizer import IncrementalDecoder
@@ -131,20 +132,25 @@ class Engine:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  enable_prefix_caching: bool = True, log=None, overlap: bool | None = None,
                  kv_offloading: "kv_tiers.OffloadConfig | None" = None,
-                 speculative_config=None,
+                 speculative_config=None, draft_runner=None,
                  max_cpu_loras: int | None = None):
         """log(line): where startup notes go (infc/backend.py passes its printer).
         overlap: overlapped steps (see above); default on where the runner can, unless
         INFC_OVERLAP=0. kv_offloading: host and disk tiers for prefix blocks (kv_tier/).
         speculative_config: infc.config.SpeculativeConfig (None: none); a plan with slot caches
-        refuses it (ValueError)."""
+        refuses it (ValueError). draft_runner: method "draft_model"'s runner of the draft model
+        (infc/backend.py builds it from the config's "model"), of the target's vocabulary."""
         self.runner, self.tokenizer = runner, tokenizer
+        self.dp = int(getattr(runner, "dp_world", 1) or 1)
         self.spec = None
         if speculative_config is not None:
             refuse_slot_caches(runner)
-            self.spec = Speculator(speculative_config, max_model_len, getattr(runner, "max_seqs", None))
+            self.spec = Speculator(speculative_config, max_model_len, getattr(runner, "max_seqs", None),
+                                   self._draft(speculative_config, draft_runner, max_num_batched_tokens,
+                                               max_model_len, enable_prefix_caching))
             overlap = False
-        self.dp = int(getattr(runner, "dp_world", 1) or 1)
+        elif draft_runner is not None:
+            raise ValueError("a draft model's runner was given without a speculative config")
         self.overlap = overlaps(runner, overlap) and (
             self.dp == 1 or callable(getattr(runner, "launch_ranks", None)))
         self.in_flight = None                    # overlapped: (batch, rows, the runner's handle, scores)
@@ -178,6 +184,8 @@ class Engine:
             if "lora" in getattr(runner, "plan", {}) else None
         for bm in self.bms:
             bm.lora = self.loras
+        if self.spec is not None and self.spec.draft is not None:
+            self.bm.on_release = self.spec.draft.release   # a shadow goes with its sequence's pages
         self.requests: dict[str, Request] = {}
         self.metrics = Metrics(max_model_len=min(max_model_len, 1 << 30))
         self.metrics.spec_decode_positions = self.spec.k if self.spec else 0
@@ -191,6 +199,22 @@ class Engine:
         self._next_seq = 0
         self._next_request = 0
         self.faults = fault_inject.from_env()    # test-only (INFC_FAULT_INJECT); None in production
+
+    def _draft(self, config, draft_runner, max_num_batched_tokens: int, max_model_len: int,
+               enable_prefix_caching: bool):
+        """The draft_model method's proposer over draft_runner (None for other methods)."""
+        if config.method != "draft_model":
+            if draft_runner is not None:
+                raise ValueError(f"speculative method {config.method!r} takes no draft model")
+            return None
+        if draft_runner is None:
+            raise ValueError("speculative method 'draft_model': no runner of the draft model "
+                             f"{config.model!r} was given (infc/backend.py builds it)")
+        if self.dp > 1:
+            raise ValueError("speculative method 'draft_model' with data-parallel ranks is not "
+                             "supported yet (n-gram speculation is)")
+        check_draft_runner(draft_runner, self.runner)
+        return DraftProposer(draft_runner, max_num_batched_tokens, max_model_len, enable_prefix_caching)
 
     # -- requests in ----------------------------------------------------------------------------
     def check_request(self, prompt_ids, params: SamplingParams):
@@ -339,7 +363,8 @@ class Engine:
         batches = [s.schedule() for s in self.schedulers]
         if self.spec is not None:
             self.spec.begin()
-            batches = [self.spec.extend(b, s, s.bm, self._speculates) for b, s in zip(batches, self.schedulers)]
+            batches = [self.spec.extend(b, s, s.bm, self._speculates, self._row)
+                       for b, s in zip(batches, self.schedulers)]
         self.metrics.num_preemptions_total = sum(s.num_preemptions for s in self.schedulers)
         if not any(batches) and self.in_flight is None:
             if any(s.has_work() for s in self.schedulers):

@@ -39,6 +39,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from .draft_model import DraftProposer, check_draft_runner  # noqa: F401 - the engine's door
 from .ngram import NgramProposer
 from .verify import accept_sampled
 
@@ -58,32 +59,46 @@ def refuse_slot_caches(runner):
 
 
 class Speculator:
-    def __init__(self, config, max_model_len: int, max_rows: int | None = None):
-        """config: infc.config.SpeculativeConfig (method "ngram"); max_rows: the runner's rows
-        a step (its max_seqs), None where it has no such limit."""
-        if config.method != "ngram":
+    def __init__(self, config, max_model_len: int, max_rows: int | None = None, draft=None):
+        """config: infc.config.SpeculativeConfig (method "ngram" or "draft_model"); max_rows: the
+        runner's rows a step (its max_seqs), None where it has no such limit; draft: the
+        draft_model method's DraftProposer (draft_model.py)."""
+        if config.method not in ("ngram", "draft_model"):
             raise ValueError(f"speculative method {config.method!r} is not supported yet")
+        if (config.method == "draft_model") != (draft is not None):
+            raise ValueError("speculative method 'draft_model' needs the draft model's proposer "
+                             "(and only it takes one)")
         self.config, self.k = config, config.num_speculative_tokens
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, self.k)
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, self.k) \
+            if draft is None else None
+        self.draft = draft
         self.max_model_len, self.max_rows = max_model_len, max_rows
         self.drafts: dict[int, list[int]] = {}     # seq_id -> its drafts in the step being run
 
     def begin(self):
         """A new step: drafts of a step that never settled (its sequences ended) are dropped."""
         self.drafts.clear()
+        if self.draft is not None:
+            self.draft.begin()
 
-    def extend(self, batch: list, scheduler, bm, eligible) -> list:
+    def extend(self, batch: list, scheduler, bm, eligible, row_at=None) -> list:
         """The scheduler's batch with drafts: a decoding sequence's (seq, 1) becomes (seq, 1 + k)
-        with pages for its k draft rows, k trimmed to the budget, the rows and the pages left."""
+        with pages for its k draft rows, k trimmed to the budget, the rows and the pages left.
+        row_at(seq, output index) -> its RowSampling there (the draft model samples with it)."""
         if not batch or len(scheduler.running) > self.config.disable_by_batch_size:
             return batch
         budget = scheduler.max_num_batched_tokens - sum(n for _, n in batch)
         rows = min(scheduler.max_num_seqs, self.max_rows or scheduler.max_num_seqs) - len(batch)
+        proposed = self._draft_model(batch, budget, rows, eligible, row_at) if self.draft else None
         out = []
         for seq, n in batch:
             k = self._cap(seq, min(budget, rows)) if n == 1 and seq.num_uncomputed == 1 else 0
-            draft = self.proposer.propose(np.asarray(seq.token_ids, np.int64))[:k].tolist() \
-                if k > 0 and eligible(seq) else []
+            if k <= 0 or not eligible(seq):
+                draft = []
+            elif proposed is not None:
+                draft = proposed.get(seq.seq_id, [])[:k]
+            else:
+                draft = self.proposer.propose(np.asarray(seq.token_ids, np.int64))[:k].tolist()
             # pages: what the sequence holds plus the free ones, never another's
             room = (len(seq.pages) + bm.num_free_pages) * bm.page_size - seq.num_computed_tokens - 1
             draft = draft[:max(0, room)]
@@ -92,8 +107,24 @@ class Speculator:
                 n = 1 + len(draft)
                 budget -= len(draft)
                 rows -= len(draft)
+            elif proposed and seq.seq_id in proposed:
+                self.draft.settle(seq, 0)           # proposed, not verified: the draft rolls back
             out.append((seq, n))
         return out
+
+    def _draft_model(self, batch: list, budget: int, rows: int, eligible, row_at) -> dict:
+        """The draft model's drafts for the batch's decoding sequences, each asked for the k that
+        extend() will fit if every sequence before it gets all it asked for (a draft of the
+        model's is as long as asked unless its own pages run short, so the asks are what fits)."""
+        wants = []
+        for seq, n in batch:
+            if n == 1 and seq.num_uncomputed == 1 and eligible(seq):
+                k = self._cap(seq, min(budget, rows))
+                if k > 0:
+                    wants.append((seq, k))
+                    budget -= k
+                    rows -= k
+        return self.draft.propose(wants, row_at) if wants else {}
 
     def _cap(self, seq, room: int) -> int:
         """Drafts a sequence may verify now: its last row samples output index out + k, which must
@@ -133,6 +164,8 @@ class Speculator:
         verdict = accept_sampled(samples, draft)
         seq.num_computed_tokens -= len(draft) - verdict.accepted   # p + 1 + k -> p + 1 + a
         bm.truncate(seq)
+        if self.draft is not None:
+            self.draft.settle(seq, verdict.accepted)
         metrics.drafts_verified(len(draft), verdict.accepted)
         return samples[:verdict.accepted + 1]
 
