@@ -319,3 +319,39 @@ def test_sampled_speculation_has_the_targets_distribution(models, method):
     assert m.spec_decode_num_drafts_total > 300
     assert 0 < m.spec_decode_num_accepted_tokens_total < m.spec_decode_num_draft_tokens_total
     assert chi_square_p(counts, table, n) > 1e-3
+
+
+# -- the backend: "model" a directory or a variant name ------------------------------------------
+def test_llm_with_a_draft_model_directory(tiny_model, tiny_plan):  # noqa: F811
+    """LLM(speculative_config={"method": "draft_model", "model": DIR}): the draft compiled and
+    loaded beside the target (here the target itself: every draft accepted), outputs plain
+    decoding's; a variant name without --load-format dummy has no weights and is refused before
+    the target loads."""
+    from infc import LLM
+    d, _ = tiny_model("qwen3")                          # tiny_plan's directory
+    prompts = [[5, 9, 200, 31, 7, 5, 9], [100, 3, 44]]
+    params = SamplingParams(max_tokens=10, temperature=0.7, seed=4, ignore_eos=True)
+    plain = flat(outputs(tiny(*tiny_plan), prompts, params))
+    llm = LLM(d, device="cpu", kv_cache_tokens=512,
+              speculative_config={"method": "draft_model", "model": str(d), "num_speculative_tokens": 3})
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [plain[(f"r{i}", 0)][0] for i in range(2)]
+    m = llm.engine.metrics
+    assert m.spec_decode_num_accepted_tokens_total == m.spec_decode_num_draft_tokens_total > 0
+    assert llm.engine.spec.draft.runner.num_pages == llm.runner.num_pages
+    with pytest.raises(ValueError, match=r"draft model 'qwen3-0.6b' is not a model directory; a variant "
+                                         r"name has no weights \(random ones need --load-format dummy\)"):
+        LLM(d, device="cpu", kv_cache_tokens=512,
+            speculative_config={"method": "draft_model", "model": "qwen3-0.6b", "num_speculative_tokens": 3})
+
+
+def test_a_draft_tokenizer_of_other_ids_is_refused(tmp_path):
+    from tokenizers import Tokenizer, models
+    from infc.backend import _same_tokenizer
+    dirs = []
+    for name, vocab in (("a", {"x": 0, "y": 1, "z": 2}), ("b", {"x": 0, "z": 1, "y": 2}), ("c", {"x": 0, "y": 1, "z": 2})):
+        (tmp_path / name).mkdir()
+        Tokenizer(models.WordLevel(vocab, unk_token="x")).save(str(tmp_path / name / "tokenizer.json"))
+        dirs.append(tmp_path / name)
+    _same_tokenizer("draft", dirs[0], dirs[2])
+    with pytest.raises(ValueError, match=r"draft: its tokenizer's vocabulary is not the target's \(3 and 3 tokens"):
+        _same_tokenizer("draft", dirs[0], dirs[1])
