@@ -187,9 +187,22 @@ def models(tiny_plan):  # noqa: F811
     return plan, target, near
 
 
-def tiny(plan, weights, num_pages=64, page_size=16, draft=None, k=3, spec_kw=None, **kw):
+class LogitsOnDevice:
+    """A CPU runner whose logits never reach the host (no `forward`), as the CUDA runner's: the
+    draft's q is unknown, so its drafts are verified by exact match of coupled draws."""
+
+    def __init__(self, runner):
+        self.runner, self.plan = runner, runner.plan
+        self.num_pages, self.page_size, self.vocab_size = runner.num_pages, runner.page_size, runner.vocab_size
+
+    def execute(self, meta, rows):
+        return self.runner.execute(meta, rows)
+
+
+def tiny(plan, weights, num_pages=64, page_size=16, draft=None, k=3, spec_kw=None, coupled=False, **kw):
+    d = None if draft is None else CPURunner(plan, draft, num_pages, page_size)
     extra = {} if draft is None else dict(speculative_config=draft_spec(k, **(spec_kw or {})),
-                                          draft_runner=CPURunner(plan, draft, num_pages, page_size))
+                                          draft_runner=LogitsOnDevice(d) if coupled else d)
     return Engine(CPURunner(plan, weights, num_pages, page_size), max_model_len=1024, **extra, **kw)
 
 
@@ -216,19 +229,39 @@ def test_tiny_self_draft_accepts_everything_sampled(models):
     assert_nothing_held(e)
 
 
-@pytest.mark.parametrize("sampling", [GREEDY, dict(temperature=0.9, top_k=20, seed=11, ignore_eos=True)],
-                         ids=["greedy", "seeded"])
-def test_tiny_near_draft_identity_preemption_prefix_hits_n_aborts(models, sampling):
+SEEDED = dict(temperature=0.9, top_k=20, seed=11, ignore_eos=True)
+
+
+@pytest.mark.parametrize("mode", ["greedy", "seeded-coupled", "seeded-rejection"])
+def test_tiny_near_draft_identity_preemption_prefix_hits_n_aborts(models, mode):
     """A near draft: drafts accepted and rejected; the target short of pages (preemption), a
     shared prefix, n = 2, and two requests aborted mid-speculation: the others' outputs are plain
-    decoding's, and both models hold nothing at the end."""
+    decoding's (greedy, and seeded with coupled draws); with rejection sampling (a different
+    draw of the same distribution, which depends on where the drafts fell, so on the schedule)
+    those of the same run again. Both models hold nothing at the end."""
     plan, target, near = models
     prompts = copy_prompts(22, 5)
     prompts.append(prompts[0][:10] + [1, 2, 3])        # a prefix hit on the first
-    params = SamplingParams(max_tokens=14, n=2, **sampling)
-    want = flat(outputs(tiny(plan, target, num_pages=128, page_size=4), prompts, params))
-    e = tiny(plan, target, num_pages=30, page_size=4, draft=near, k=3, max_num_seqs=16,
+    params = SamplingParams(max_tokens=14, n=2, **(GREEDY if mode == "greedy" else SEEDED))
+    coupled = mode == "seeded-coupled"
+    if mode != "seeded-rejection":
+        want = flat(outputs(tiny(plan, target, num_pages=128, page_size=4), prompts, params))
+    else:
+        want = {k: (v,) for k, v in run_aborting(tiny(plan, target, num_pages=30, page_size=4, draft=near, k=3,
+                                                     max_num_seqs=16, spec_kw={"disable_by_batch_size": 64}),
+                                                prompts, params).items() if k[0][0] == "r"}
+    e = tiny(plan, target, num_pages=30, page_size=4, draft=near, k=3, max_num_seqs=16, coupled=coupled,
              spec_kw={"disable_by_batch_size": 64})
+    got = run_aborting(e, prompts, params)
+    assert {k: v for k, v in got.items() if k[0][0] == "r"} == {k: v[0] for k, v in want.items()}
+    m = e.metrics
+    assert m.num_preemptions_total > 0 and e.bm.hit_tokens > 0
+    assert 0 < m.spec_decode_num_accepted_tokens_total < m.spec_decode_num_draft_tokens_total
+    assert_nothing_held(e)
+
+
+def run_aborting(e, prompts, params):
+    """Two requests admitted first and aborted mid-speculation, then the prompts'."""
     e.add_request([7] * 9, params, "x0")               # admitted first, aborted mid-speculation
     e.add_request([8] * 9, params, "x1")
     for i, p in enumerate(prompts):
@@ -241,11 +274,7 @@ def test_tiny_near_draft_identity_preemption_prefix_hits_n_aborts(models, sampli
         if steps == 4:                                  # both verify drafts by now
             assert all(any(s.seq_id in e.spec.draft.shadows for s in e.requests[r].seqs) for r in ("x0", "x1"))
             assert e.abort("x0") and e.abort("x1")
-    assert {k: v for k, v in got.items() if k[0][0] == "r"} == {k: v[0] for k, v in want.items()}
-    m = e.metrics
-    assert m.num_preemptions_total > 0 and e.bm.hit_tokens > 0
-    assert 0 < m.spec_decode_num_accepted_tokens_total < m.spec_decode_num_draft_tokens_total
-    assert_nothing_held(e)
+    return got
 
 
 # -- the chi-square test: sampled speculative output has the target's distribution ---------------
@@ -287,7 +316,7 @@ def chi_square_p(counts: dict, table: dict, n: int) -> float:
                                          torch.tensor(stat / 2, dtype=torch.float64)))
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", pytest.param("draft_model-coupled", marks=EXHAUSTIVE)])
 def test_sampled_speculation_has_the_targets_distribution(models, method):
     """600 seeded samples of the first three tokens (top-k, top-p, min-p and temperature on) of
     an engine whose second step verifies a draft (n-gram: the prompt holds the first token, so a
@@ -302,9 +331,9 @@ def test_sampled_speculation_has_the_targets_distribution(models, method):
     if method == "ngram":
         e = tiny(plan, target, num_pages=512, max_num_seqs=512, max_num_batched_tokens=4096,
                  speculative_config=spec(k=2, lo=1, hi=2, disable_by_batch_size=1 << 20))
-    else:
+    else:                                               # rejection sampling; coupled draws
         e = tiny(plan, target, num_pages=512, draft=near, k=2, max_num_seqs=512, max_num_batched_tokens=4096,
-                 spec_kw={"disable_by_batch_size": 1 << 20})
+                 spec_kw={"disable_by_batch_size": 1 << 20}, coupled=method.endswith("coupled"))
     counts, n = {}, 0
     for r in range(4):                                  # 150 at a time: their drafts fit the step's rows
         e.add_request(prompt, SamplingParams(n=150, seed=1000 * r, **params), f"r{r}")
@@ -319,6 +348,25 @@ def test_sampled_speculation_has_the_targets_distribution(models, method):
     assert m.spec_decode_num_drafts_total > 300
     assert 0 < m.spec_decode_num_accepted_tokens_total < m.spec_decode_num_draft_tokens_total
     assert chi_square_p(counts, table, n) > 1e-3
+
+
+def test_rejection_sampling_accepts_more_than_coupled_draws(models):
+    """At temperature 1 with no filter, the tiny model's mass spreads over many tokens, where two
+    inverse-CDF draws of one uniform from p and from q part ways (coupled: ~0.2 of the drafts
+    accepted, computed from the distributions) while min(1, p / q) keeps ~0.7 (per draft position;
+    fewer per draft token, the later positions behind a rejection): where the draft's
+    q reaches the host, rejection sampling is what pays."""
+    plan, target, near = models
+    prompts = copy_prompts(23, 3)
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=5, ignore_eos=True)
+    rate = {}
+    for coupled in (True, False):
+        e = tiny(plan, target, draft=near, k=3, coupled=coupled)
+        outputs(e, prompts, params)
+        m = e.metrics
+        rate[coupled] = m.spec_decode_num_accepted_tokens_total / m.spec_decode_num_draft_tokens_total
+        assert_nothing_held(e)
+    assert rate[False] > 0.3 and rate[False] > 4 * rate[True], rate
 
 
 # -- the backend: "model" a directory or a variant name ------------------------------------------

@@ -55,7 +55,7 @@ from .block_manager import BlockManager
 from .kv_tier import tiers as kv_tiers
 from .metrics import Metrics
 from .row_processing import RowProcessing
-from .runner import RowSampling
+from .runner import RowSampling, sample_rows
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -534,9 +534,18 @@ class Engine:
             self.unsampled = (handle, rows, history_rows)
         else:
             self._fill_masks(rows, history_rows)
-            handle = self.runner.launch(meta, rows, feed) if self.overlap else self.runner.execute(meta, rows)
+            handle = self.runner.launch(meta, rows, feed) if self.overlap else self._execute(meta, rows)
         self._launched(batch, rows)
         return batch, rows, handle, meta.scores
+
+    def _execute(self, meta, rows) -> list:
+        """A synchronous step's samples; where drafts are verified by rejection sampling, from
+        the runner's logits (`forward`), which the speculator keeps for them."""
+        if self.spec is None or not self.spec.rejects() or not callable(getattr(self.runner, "forward", None)):
+            return self.runner.execute(meta, rows)
+        logits = self.runner.forward(meta)
+        self.spec.keep_logits(logits, rows)
+        return sample_rows(logits, rows)
 
     def _chunks(self, batch) -> tuple:
         """A batch's step: (StepMeta, rows' sampling, feed of pending tokens)."""

@@ -42,8 +42,10 @@ hook) releases its shadow.
 from dataclasses import replace
 
 from ..block_manager import BlockManager
+from ..runner import sample_rows
 from ..sequence import Sequence
 from ..step import Chunk, build_step
+from .verify import row_distribution
 
 
 def check_draft_runner(draft_runner, target_runner):
@@ -73,6 +75,10 @@ class DraftProposer:
         self.max_model_len = min(max_model_len, int(own)) if own else max_model_len
         self.shadows: dict[int, Sequence] = {}        # target seq_id -> its shadow here
         self.proposed: dict[int, int] = {}            # seq_id -> its true length L, until settled
+        # A runner whose logits reach the host (`forward`: the CPU reference) also gives the
+        # distributions its drafts were drawn from, q, for rejection sampling (speculator.py)
+        self.with_probs = callable(getattr(runner, "forward", None))
+        self.q: dict[int, list] = {}                  # seq_id -> q of each draft (sampled rows)
         self.forwards = 0                             # the draft's forwards so far (tests, logs)
 
     # -- one step's drafts ------------------------------------------------------------------------
@@ -109,14 +115,16 @@ class DraftProposer:
                 chain.append((seq, shadow, 1 + extra, L))
         if not chunks:
             return {}
-        samples = self._forward(chunks, rows)
+        samples, probs = self._forward(chunks, rows)
         drafts = {}
-        for c, s in zip(chunks, samples):
+        for c, s, q in zip(chunks, samples, probs):
             shadow = self.shadows[c.seq_id]
             shadow.num_computed_tokens += len(c.tokens)
             self.bm.commit(shadow)                    # true tokens only: a catch-up is all known
             if s is not None:
                 drafts[c.seq_id] = [s.token]
+                if q is not None:
+                    self.q[c.seq_id] = [q]
         for seq, _, _, L in chain:
             self.proposed[seq.seq_id] = L
         live = [x for x in chain if x[2] > 1]
@@ -124,9 +132,11 @@ class DraftProposer:
         while live:                                   # forward j: feed d_{j-1}, sample d_j
             chunks = [Chunk(seq.seq_id, [drafts[seq.seq_id][-1]], L + j - 1) for seq, _, _, L in live]
             rows = [self._row(row_at, seq, sh, seq.num_output_tokens + j) for seq, sh, _, _ in live]
-            for (seq, sh, _, _), s in zip(live, self._forward(chunks, rows)):
+            for (seq, sh, _, _), s, q in zip(live, *self._forward(chunks, rows)):
                 sh.num_computed_tokens += 1
                 drafts[seq.seq_id].append(s.token)
+                if q is not None and seq.seq_id in self.q:
+                    self.q[seq.seq_id].append(q)
             j += 1
             live = [x for x in live if x[2] > j]
         return drafts
@@ -160,10 +170,17 @@ class DraftProposer:
         row.params = shadow.params
         return row
 
-    def _forward(self, chunks: list, rows: list) -> list:
+    def _forward(self, chunks: list, rows: list) -> tuple[list, list]:
+        """The rows' samples, and (with_probs) the distribution each sampled row drew from
+        (None for greedy rows and where the runner's logits stay on the device)."""
         meta = build_step(chunks, lambda sid: self.shadows[sid].pages, self.bm.page_size)
         self.forwards += 1
-        return self.runner.execute(meta, rows)
+        if not self.with_probs:
+            return self.runner.execute(meta, rows), [None] * len(rows)
+        logits = self.runner.forward(meta)
+        return sample_rows(logits, rows), [
+            row_distribution(logits[b], r) if r is not None and r.params.temperature > 0 else None
+            for b, r in enumerate(rows)]
 
     def _evict(self, busy: set) -> bool:
         """Release the oldest shadow of a sequence not speculating in this step."""
@@ -178,6 +195,7 @@ class DraftProposer:
         """The target accepted `accepted` of the drafts proposed for seq this step (0 too where it
         verified none of them): the draft's KV past them is rolled back."""
         L = self.proposed.pop(seq.seq_id, None)
+        self.q.pop(seq.seq_id, None)
         shadow = self.shadows.get(seq.seq_id)
         if L is None or shadow is None:
             return
@@ -192,6 +210,7 @@ class DraftProposer:
                 self.proposed.pop(sid)
             else:
                 self.settle(shadow, 0)
+        self.q.clear()
 
     def release(self, seq):
         """The target sequence gave its pages back (finished, aborted, preempted): so does its
@@ -200,6 +219,7 @@ class DraftProposer:
 
     def _drop(self, sid: int):
         self.proposed.pop(sid, None)
+        self.q.pop(sid, None)
         shadow = self.shadows.pop(sid, None)
         if shadow is not None:
             self.bm.release(shadow)

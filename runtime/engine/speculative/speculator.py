@@ -41,7 +41,10 @@ import numpy as np
 
 from .draft_model import DraftProposer, check_draft_runner  # noqa: F401 - the engine's door
 from .ngram import NgramProposer
-from .verify import accept_sampled
+from ..prompt_logprobs import top_k
+from ..runner import Sample
+from ..sampling import logprobs_of
+from .verify import accept_sampled, row_distribution, verify_sampled
 
 
 def refuse_slot_caches(runner):
@@ -74,10 +77,14 @@ class Speculator:
         self.draft = draft
         self.max_model_len, self.max_rows = max_model_len, max_rows
         self.drafts: dict[int, list[int]] = {}     # seq_id -> its drafts in the step being run
+        self.row_ids: dict[int, list[int]] = {}    # seq_id -> its k + 1 rows in the step
+        self.verify_inputs: dict[int, tuple] = {}  # seq_id -> (its rows' logits, RowSamplings)
 
     def begin(self):
         """A new step: drafts of a step that never settled (its sequences ended) are dropped."""
         self.drafts.clear()
+        self.row_ids.clear()
+        self.verify_inputs.clear()
         if self.draft is not None:
             self.draft.begin()
 
@@ -137,11 +144,12 @@ class Speculator:
     def add_rows(self, batch: list, chunks: list, rows: list, row_at, chunk):
         """Append the draft rows of the batch's speculating sequences after the step's rows:
         chunk(seq_id, [d_j], start) for d_j at p + 1 + j, sampled as row_at(seq, output index)."""
-        for seq, _ in batch:
+        for b, (seq, _) in enumerate(batch):
             draft = self.drafts.get(seq.seq_id)
             if not draft:
                 continue
             p, out = seq.num_computed_tokens, seq.num_output_tokens
+            self.row_ids[seq.seq_id] = [b] + list(range(len(rows), len(rows) + len(draft)))
             for j, d in enumerate(draft):
                 chunks.append(chunk(seq.seq_id, [d], p + 1 + j))
                 rows.append(row_at(seq, out + 1 + j))
@@ -157,17 +165,63 @@ class Speculator:
                 at += len(draft)
         return out
 
+    # -- rejection sampling: draft-model rows whose q reached the host -----------------------------
+    def rejects(self) -> bool:
+        """Whether this step has sequences to verify by rejection sampling (their drafts' q is
+        known): the engine then keeps the step's logits for them (keep_logits)."""
+        return self.draft is not None and any(sid in self.draft.q for sid in self.drafts)
+
+    def keep_logits(self, logits, rows: list):
+        """The step's logits [rows, V] and RowSamplings: each rejecting sequence's k + 1 rows."""
+        for sid, ids in self.row_ids.items():
+            if sid in self.draft.q:
+                self.verify_inputs[sid] = (logits[ids].copy(), [rows[i] for i in ids])
+
+    def _rejection(self, seq, draft: list, q: list, samples: list) -> tuple[list, int]:
+        """verify.verify_sampled over the rows' processed, filtered distributions p (the target's)
+        and the q the draft drew from: (the samples to emit, drafts accepted). Its randomness is
+        the request's own, (seed, output index of row 0, 1): a stream no draw of plain decoding
+        or of the draft uses, used once (the next step's row 0 samples a later index). With every
+        draft accepted the bonus token is row k's own draw from p_k (its (seed, index) stream, which
+        no earlier step used: drafts reach only lower indices), so a draft equal to the target
+        emits plain decoding's very tokens."""
+        logits, rows = self.verify_inputs.pop(seq.seq_id)
+        p = np.stack([row_distribution(x, r) for x, r in zip(logits, rows)])
+        rng = np.random.default_rng((seq.seed, rows[0].step, 1))
+        verdict = verify_sampled(p, draft, np.stack(q[:len(draft)]), rng)
+        if verdict.accepted == len(draft):
+            return [*self._emitted(seq, logits, draft), samples[-1]], len(draft)
+        return self._emitted(seq, logits, verdict.tokens), verdict.accepted
+
+    @staticmethod
+    def _emitted(seq, logits, tokens: list) -> list:
+        n = seq.params.logprobs
+        out = []
+        for x, tok in zip(logits, tokens):
+            if n is None:
+                out.append(Sample(tok))
+            else:                               # each token's logprob is its own row's, as decoding's
+                lp = logprobs_of(x)
+                out.append(Sample(tok, float(lp[tok]), top_k(lp, n)))
+        return out
+
     def settle(self, seq, samples: list, bm, metrics) -> list:
-        """Accept a speculating sequence's rows (verify.accept_sampled) and roll the rest back:
-        the samples to emit, s_0..s_a."""
+        """Accept a speculating sequence's rows and roll the rest back: the samples to emit,
+        s_0..s_a. Exact match of the rows' own draws (verify.accept_sampled), or rejection
+        sampling where the draft's q is known (_rejection)."""
         draft = self.drafts.pop(seq.seq_id)
-        verdict = accept_sampled(samples, draft)
-        seq.num_computed_tokens -= len(draft) - verdict.accepted   # p + 1 + k -> p + 1 + a
+        q = self.draft.q.get(seq.seq_id) if self.draft is not None else None
+        if q is not None and seq.seq_id in self.verify_inputs and len(q) >= len(draft):
+            emitted, accepted = self._rejection(seq, draft, q, samples)
+        else:
+            accepted = accept_sampled(samples, draft).accepted
+            emitted = samples[:accepted + 1]
+        seq.num_computed_tokens -= len(draft) - accepted   # p + 1 + k -> p + 1 + a
         bm.truncate(seq)
         if self.draft is not None:
-            self.draft.settle(seq, verdict.accepted)
-        metrics.drafts_verified(len(draft), verdict.accepted)
-        return samples[:verdict.accepted + 1]
+            self.draft.settle(seq, accepted)
+        metrics.drafts_verified(len(draft), accepted)
+        return emitted
 
 
 def merge_outputs(outputs: list):

@@ -33,6 +33,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..logits_process import needs_processing, process_logits
 from ..sampling import SamplingParams, filtered_probs
 
 # How far a row's sum may be from 1: an f32 softmax over a 256k vocabulary lands well inside it,
@@ -112,6 +113,13 @@ def target_distributions(logits: np.ndarray, params: SamplingParams) -> np.ndarr
     if logits.ndim != 2:
         raise ValueError(f"target_distributions: logits must be [k + 1, V], got shape {list(logits.shape)}")
     return np.stack([filtered_probs(row, params) for row in logits])
+
+
+def row_distribution(logits: np.ndarray, row) -> np.ndarray:
+    """The distribution a runner's row (RowSampling: temperature > 0) draws its token from: its
+    logits processed (bias, allowed and banned ids, bitmask) and filtered, as runner.sample_row."""
+    x = process_logits(logits, row) if needs_processing(row) else logits
+    return filtered_probs(x, row.params)
 
 
 def verify(logits: np.ndarray, draft: Sequence[int], params: SamplingParams, rng: np.random.Generator,
