@@ -21,6 +21,12 @@ Sampling: row j samples with RowSampling(step = the output index it samples), so
 one the non-speculative engine makes at that index; acceptance keeps the draws while they equal
 the drafts (verify.accept_sampled: exact for greedy and for seeded sampling, with temperature,
 top-k, top-p, min-p, logit bias, min_tokens' banned ids; each token's logprob is its own row's).
+A draft model's sampled drafts whose q reached the host are verified by rejection sampling
+instead (`_rejection`, from the rows' logits the engine keeps for them: keep_logits); the choice
+and its measurements: docs/architecture.md, "Speculative decoding".
+
+Proposers: n-gram (ngram.py), or a draft model (draft_model.py: its own runner and pages, its
+drafts made before the target's step, rolled back in settle with the target's).
 
 Rollback (`settle`): with a drafts accepted, num_computed_tokens = p + a + 1 (the rejected rows'
 K/V lie past it and are overwritten later), the pages past it go back (BlockManager.truncate),

@@ -23,6 +23,11 @@ mismatch: P(s_j == d_j) = p_j(d_j), and s_j given s_j != d_j is p_j without d_j,
 So `accept_sampled` (verify_greedy over the rows' samples) is the rule for greedy and sampled
 rows alike, and its output is token for token the non-speculative engine's for the same seed.
 
+A draft model's drafts (draft_model.py) are drawn with the target row's own (seed, index), so
+accept_sampled stays exact for them too (the emitted token is always the target's own draw); where
+their q reaches the host the engine uses verify_sampled instead, which accepts more
+(docs/architecture.md, "Speculative decoding").
+
 p must be the distribution the non-speculative sampler would draw from at that position (the
 row's processed logits, with penalties counting the draft tokens before it, through
 sampling.filtered_probs: `target_distributions`), and q the one the proposer really drew from.
