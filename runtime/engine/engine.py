@@ -40,7 +40,9 @@ Speculative decoding (speculative_config, speculative/speculator.py): a decoding
 drafts are verified as extra one-token decode rows of its step, and the accepted ones are emitted
 together, one StepOutput a sequence. Steps then run synchronously (no overlap): the proposer
 needs each sequence's last token on the host, so every step would read the one in flight first
-anyway (vLLM too started n-gram without async scheduling).
+anyway (vLLM too started n-gram without async scheduling). A draft model (draft_runner) runs its
+own k forwards on its own pages before each step; where its drafts are verified by rejection
+sampling the step is run as `forward` + sampling, its logits kept for those rows (_execute).
 """
 import random
 import time
