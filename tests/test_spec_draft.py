@@ -131,6 +131,22 @@ def test_preemption_prefix_hits_n_and_a_short_draft_cache():
     assert 0 < e.metrics.spec_decode_num_accepted_tokens_total
 
 
+def test_the_drafts_rows_and_token_budget_are_kept():
+    """A draft runner of 2 rows a step (a CUDA runner's max_seqs) drafts for 2 of the 4 decoding
+    sequences a step; the engine's budget of 8 tokens spreads a 30-token prompt's catch-up in the
+    draft over several steps, in which it proposes nothing (the draft's steps logged by the fake)."""
+    r, d = FakeRunner(64), FakeRunner(64)
+    d.max_seqs = 2
+    e = with_draft(r, d, k=3, max_num_batched_tokens=8)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8], list(range(10, 40))]
+    got = run_checked(e, d, prompts, SamplingParams(max_tokens=16, **GREEDY))
+    assert [got[f"r{i}"][0] for i in range(4)] == [solo(r, p, 16) for p in prompts]
+    assert all(len(rows) <= 2 and sum(rows) <= 8 for _, rows, _ in d.steps)
+    # the long prompt's catch-up: chunks of the whole budget, proposing nothing, step after step
+    assert sum(1 for _, rows, smp in d.steps if rows == [8] and smp == [False]) >= 4
+    assert e.metrics.spec_decode_num_accepted_tokens_total == e.metrics.spec_decode_num_draft_tokens_total > 0
+
+
 def test_thousand_aborts_mid_speculation_leave_nothing_held_in_either_model():
     r = FakeRunner(40, page_size=4)
     d = FakeRunner(30, page_size=4, next_token=half_right(r))
@@ -166,6 +182,10 @@ def test_a_draft_of_another_vocabulary_or_none_is_refused():
         make_engine(FakeRunner(16), speculative_config=draft_spec())
     with pytest.raises(ValueError, match=r"method 'ngram' takes no draft model"):
         make_engine(FakeRunner(16), speculative_config=spec(), draft_runner=FakeRunner(16))
+    ranks = FakeRunner(16)
+    ranks.dp_world = 2
+    with pytest.raises(ValueError, match=r"'draft_model' with data-parallel ranks is not supported yet"):
+        with_draft(ranks, FakeRunner(16))
     hybrid = FakeRunner(16)
     hybrid.num_slots = 4
     with pytest.raises(ValueError, match=r"draft model: it keeps per-sequence state in slot caches"):
@@ -385,7 +405,8 @@ def test_a_draft_tokenizer_of_other_ids_is_refused(tmp_path):
     from tokenizers import Tokenizer, models
     from infc.backend import _same_tokenizer
     dirs = []
-    for name, vocab in (("a", {"x": 0, "y": 1, "z": 2}), ("b", {"x": 0, "z": 1, "y": 2}), ("c", {"x": 0, "y": 1, "z": 2})):
+    vocabs = {"a": {"x": 0, "y": 1, "z": 2}, "b": {"x": 0, "z": 1, "y": 2}, "c": {"x": 0, "y": 1, "z": 2}}
+    for name, vocab in vocabs.items():
         (tmp_path / name).mkdir()
         Tokenizer(models.WordLevel(vocab, unk_token="x")).save(str(tmp_path / name / "tokenizer.json"))
         dirs.append(tmp_path / name)
