@@ -88,8 +88,8 @@ class DraftProposer:
         seq_id -> its drafts (at most k; none where the budget, rows or pages ran short)."""
         busy = {seq.seq_id for seq, _ in wants}
         budget, chunks, rows, chain = self.budget, [], [], []
-        for seq, k in wants[:self.max_rows or len(wants)]:
-            if budget <= 0:
+        for seq, k in wants:
+            if budget <= 0 or len(chunks) == (self.max_rows or len(wants)):
                 break
             shadow, L = self._shadow(seq, budget, busy)
             if shadow is None:
