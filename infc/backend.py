@@ -136,6 +136,9 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
         if not (artifact / "plan.json").is_file():
             raise ValueError(f"--artifact {artifact}: no plan.json there (not a built artifact)")
         check_artifact_kv_cache(artifact, c.cache.kv_cache_dtype)
+    s = c.speculative.speculative_config
+    if s is not None and s.method == "draft_model":
+        _check_draft(c, par, dummy)            # before the target loads
     if par is not None and lora is not None:
         raise ValueError("--enable-lora with --tensor-parallel-size / --data-parallel-size / "
                          "--enable-expert-parallel: not supported yet")
@@ -182,6 +185,7 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
         model_len = int(getattr(runner, "max_model_len", None) or plan["config"].get("max_len") or 1 << 30)
         page_size = runner.page_size
 
+    draft_runner = _draft_runner(st, c, par, spec_dirs, dummy, kv_dtype, model_dir)
     tokenizer, tok_config = None, {}
     if (model_dir / "tokenizer.json").exists():
         from infc.runtime.tokenization.tokenizer import Tokenizer
@@ -205,7 +209,7 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
                    enable_prefix_caching=c.cache.enable_prefix_caching, log=log, overlap=c.scheduler.overlap,
                    kv_offloading=OffloadConfig(c.cache.kv_offloading_size, c.cache.kv_offloading_disk,
                                                c.cache.kv_offloading_disk_size),
-                   speculative_config=c.speculative.speculative_config,
+                   speculative_config=c.speculative.speculative_config, draft_runner=draft_runner,
                    max_cpu_loras=c.lora.max_cpu_loras, kv_events_config=c.kv_events.kv_events_config)
         try:
             return _started(e)
@@ -216,9 +220,10 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
     def _started(e):
         if log and e.spec is not None:
             s = e.spec.config
+            how = (f"(prompt lookup {s.prompt_lookup_min}..{s.prompt_lookup_max})" if s.method == "ngram" else
+                   f"(draft {s.model}: {draft_runner.num_pages} pages x {draft_runner.page_size} tokens of its own)")
             log(f"  speculative decoding: {s.method}, {s.num_speculative_tokens} draft tokens "
-                f"(prompt lookup {s.prompt_lookup_min}..{s.prompt_lookup_max}), none while more "
-                f"than {s.disable_by_batch_size} sequences run")
+                f"{how}, none while more than {s.disable_by_batch_size} sequences run")
         if (e.loras is None) != (lora is None):
             raise ValueError("--enable-lora: the plan (an --artifact's own) and the flag disagree")
         for lora_name, path in c.lora.lora_modules:      # a bad adapter fails the start, naming it
@@ -240,6 +245,67 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
         log(f"  maximum concurrency for {limit} tokens per request: {b.max_concurrency:.2f}x")
         log(f"ready in {time.perf_counter() - st.t_all:.2f} s")
     return b
+
+
+def _draft_runner(st, c: EngineConfig, par, spec_dirs, dummy: bool, kv_dtype, target_dir: Path):
+    """The draft model's runner for --speculative-config method draft_model (None otherwise): its
+    "model" a model directory (its weights, or random ones under --load-format dummy) or a
+    variant name (random weights of its shapes: --load-format dummy only), compiled like the
+    target and run in this process on a KV cache of its own, of the target's byte budget. A
+    tokenizer of another vocabulary is refused here, a vocabulary of another size by the engine."""
+    s = c.speculative.speculative_config
+    if s is None or s.method != "draft_model":
+        return None
+    where = _check_draft(c, par, dummy)
+    from infc.compiler.build import compile_model
+    from infc.runtime.engine.runner import CPURunner
+    from infc.runtime.weights.dummy import dummy_weights
+    path = Path(s.model)
+    if path.is_dir():
+        _, plan = st.run("compile draft plan", compile_model, model_dir=str(path), spec_dirs=spec_dirs,
+                         check_checkpoint=not dummy, kv_cache_dtype=kv_dtype)
+        _same_tokenizer(where, path, target_dir)
+    else:
+        _, plan = st.run("compile draft plan", compile_model, model=s.model, spec_dirs=spec_dirs,
+                         kv_cache_dtype=kv_dtype)
+    if dummy:
+        weights = st.run("make draft random weights", dummy_weights, plan)
+    else:
+        from infc.compiler.contract.safetensors_io import Checkpoint
+        from infc.runtime.weights.load import load_weights
+        weights = st.run("load draft weights", lambda: load_weights(plan, Checkpoint(path)))
+    return st.run("allocate draft KV cache", CPURunner, plan, weights, _cpu_pages(plan, c), c.cache.page_size,
+                  c.scheduler.max_num_seqs)
+
+
+def _check_draft(c: EngineConfig, par, dummy: bool) -> str:
+    """What can be refused of a draft model before anything loads; its name for messages."""
+    s = c.speculative.speculative_config
+    where = f"--speculative-config: draft model {s.model!r}"
+    if par is not None:
+        raise ValueError(f"{where}: a draft model with parallel ranks is not supported yet")
+    if c.device.device != "cpu":
+        raise ValueError(f"{where}: draft models run on --device cpu only so far (the engine's side "
+                         f"is the runner's interface alone; loading a second CUDA runner beside the "
+                         f"target is not wired yet)")
+    if not Path(s.model).is_dir() and not dummy:
+        raise ValueError(f"{where} is not a model directory; a variant name has no weights (random "
+                         f"ones need --load-format dummy)")
+    return where
+
+
+def _same_tokenizer(where: str, draft_dir: Path, target_dir: Path):
+    """Both directories' tokenizers, where both have one, map every token to the same id."""
+    a, b = draft_dir / "tokenizer.json", target_dir / "tokenizer.json"
+    if not (a.exists() and b.exists()) or a.read_bytes() == b.read_bytes():
+        return
+    from tokenizers import Tokenizer
+    va, vb = (Tokenizer.from_file(str(f)).get_vocab(with_added_tokens=True) for f in (a, b))
+    if va != vb:
+        diff = sorted(set(va.items()) ^ set(vb.items()))[:1]
+        raise ValueError(f"{where}: its tokenizer's vocabulary is not the target's ({len(va)} and "
+                         f"{len(vb)} tokens; e.g. {diff[0][0]!r} -> {diff[0][1]} in one only): a "
+                         f"draft must share the target's token ids")
 
 
 def check_artifact_kv_cache(artifact: Path, flag: str | None):

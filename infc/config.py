@@ -134,9 +134,9 @@ class DeviceConfig:
 
 
 # Speculative decoding (issue 43; runtime/engine/speculative/): vLLM's --speculative-config keys.
-SPEC_METHODS = ("ngram",)                  # built; vLLM also spells n-gram "[ngram]"
+SPEC_METHODS = ("ngram", "draft_model")   # built; vLLM also spells n-gram "[ngram]"
 SPEC_METHOD_ALIASES = {"[ngram]": "ngram"}
-SPEC_METHODS_NOT_BUILT = ("draft_model", "eagle", "eagle3", "mtp", "medusa", "mlp_speculator")
+SPEC_METHODS_NOT_BUILT = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator")
 # vLLM's ngram defaults when neither is given (one given alone sets the other to it)
 DEFAULT_PROMPT_LOOKUP_MIN = 5
 DEFAULT_PROMPT_LOOKUP_MAX = 5
@@ -155,6 +155,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP_MIN
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX
     disable_by_batch_size: int = DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE
+    model: str | None = None                   # draft_model: a model directory or a variant name
 
 
 _SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
@@ -190,7 +191,15 @@ def speculative_config(value) -> SpeculativeConfig | None:
                          f"{', '.join(SPEC_METHODS)})")
     if method not in SPEC_METHODS:
         raise ValueError(f"{where}: unknown method {method!r} (built: {', '.join(SPEC_METHODS)})")
-    if value.get("model") is not None:
+    model = value.get("model")
+    if method == "draft_model":
+        if not isinstance(model, str) or not model:
+            raise ValueError(f"{where}: method 'draft_model' needs 'model': the draft's model "
+                             f"directory or variant name (a model of the target's vocabulary)")
+        lookup = sorted(k for k in ("prompt_lookup_min", "prompt_lookup_max") if value.get(k) is not None)
+        if lookup:
+            raise ValueError(f"{where}: {lookup[0]!r} is for method 'ngram'; 'draft_model' takes none")
+    elif model is not None:
         raise ValueError(f"{where}: 'model' is for a draft model; method {method!r} takes none")
     ints = {}
     for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
@@ -205,7 +214,7 @@ def speculative_config(value) -> SpeculativeConfig | None:
     lo, hi = ints.get("prompt_lookup_min"), ints.get("prompt_lookup_max")
     if lo is not None or hi is not None:      # one alone sets the other to it, as vLLM does
         ints.update(prompt_lookup_min=lo or hi, prompt_lookup_max=hi or lo)
-    c = SpeculativeConfig(method=method, **ints)
+    c = SpeculativeConfig(method=method, model=model, **ints)
     if c.prompt_lookup_max < c.prompt_lookup_min:
         raise ValueError(f"{where}: 'prompt_lookup_max' ({c.prompt_lookup_max}) must be >= "
                          f"'prompt_lookup_min' ({c.prompt_lookup_min})")

@@ -64,7 +64,8 @@ class LLM:
     kv_cache_dtype: vLLM's "auto" (None: the model's dtype) or "fp8" / "fp8_e4m3" (infc/config.py).
     kv_offloading_size: GiB of host memory for prefix blocks evicted from the KV cache (vLLM's).
     speculative_config: vLLM's, a dict or its JSON ({"method": "ngram", "num_speculative_tokens":
-    k, ...}; infc.config.speculative_config): outputs stay those of plain decoding.
+    k, ...}, or {"method": "draft_model", "model": DIR, ...}; infc.config.speculative_config):
+    outputs stay those of plain decoding.
     kv_events_config: vLLM's, a dict or its JSON ({"enable_kv_cache_events": True, "endpoint": ...};
     infc.config.kv_events_config): the prefix cache's KV events over ZeroMQ (docs/serving.md).
     enable_lora, max_loras, max_lora_rank, max_cpu_loras, lora_modules ({name: PEFT directory}):

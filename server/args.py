@@ -68,7 +68,8 @@ def add_speculative_config_arg(p: argparse.ArgumentParser):
     p.add_argument("--speculative-config", metavar="JSON",
                    help='speculative decoding, as vLLM spells it: \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}\' '
-                        '(draft_model, eagle3, mtp: not built yet)')
+                        'or \'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}\' '
+                        '(a draft of the same vocabulary; eagle3, mtp: not built yet)')
 
 
 def add_kv_events_config_arg(p: argparse.ArgumentParser):

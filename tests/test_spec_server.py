@@ -35,6 +35,9 @@ def test_the_flag_reaches_the_engine_config():
     assert g.speculative_config == NGRAM
     flat = EngineConfig.from_settings(speculative_config={"method": "[ngram]", "num_speculative_tokens": 2})
     assert flat.resolved(lambda: "cpu", None).speculative.speculative_config == SpeculativeConfig("ngram", 2)
+    draft = '{"method": "draft_model", "model": "qwen3-0.6b", "num_speculative_tokens": 5}'
+    c = engine_config(parse("--speculative-config", draft)).resolved(lambda: "cpu", lambda: 16)
+    assert c.speculative.speculative_config == SpeculativeConfig("draft_model", 5, model="qwen3-0.6b")
 
 
 @pytest.mark.parametrize("value,message", [
@@ -47,7 +50,9 @@ def test_the_flag_reaches_the_engine_config():
      r"'prompt_lookup_max' \(2\) must be >= 'prompt_lookup_min' \(4\)"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}', r"unknown key 'lookahead'"),
     ('{"method": "eagle3", "num_speculative_tokens": 2, "model": "x"}', r"method 'eagle3' is not supported yet"),
-    ('{"method": "draft_model", "num_speculative_tokens": 2}', r"method 'draft_model' is not supported yet"),
+    ('{"method": "draft_model", "num_speculative_tokens": 2}', r"method 'draft_model' needs 'model'"),
+    ('{"method": "draft_model", "num_speculative_tokens": 2, "model": "d", "prompt_lookup_max": 3}',
+     r"'prompt_lookup_max' is for method 'ngram'"),
     ('{"method": "mtp", "num_speculative_tokens": 1}', r"method 'mtp' is not supported yet"),
     ('{"method": "medium", "num_speculative_tokens": 1}', r"unknown method 'medium'"),
     ('{"num_speculative_tokens": 1}', r"'method' is required"),

@@ -79,6 +79,8 @@ class BlockManager:
         self.tiers = tiers                        # kv_tier.KVTiers, or None
         self.lora = None                          # LoraSlots where the plan serves adapters
         self.events: list | None = None           # KV events of the step running (kv_events.py)
+        self.on_release = None                    # called with a sequence that gave its pages back
+                                                  # (a draft model's shadow goes with it)
 
     # -- accounting ---------------------------------------------------------------------------
     @property
@@ -289,6 +291,8 @@ class BlockManager:
             seq.slot = None
         if self.lora is not None:
             self.lora.drop(seq)
+        if self.on_release is not None:
+            self.on_release(seq)
 
     def check(self):
         """Invariants (tests): references are counted exactly, free pages are unreferenced."""

@@ -40,7 +40,9 @@ Speculative decoding (speculative_config, speculative/speculator.py): a decoding
 drafts are verified as extra one-token decode rows of its step, and the accepted ones are emitted
 together, one StepOutput a sequence. Steps then run synchronously (no overlap): the proposer
 needs each sequence's last token on the host, so every step would read the one in flight first
-anyway (vLLM too started n-gram without async scheduling).
+anyway (vLLM too started n-gram without async scheduling). A draft model (draft_runner) runs its
+own k forwards on its own pages before each step; where its drafts are verified by rejection
+sampling the step is run as `forward` + sampling, its logits kept for those rows (_execute).
 """
 import random
 import time
@@ -55,11 +57,12 @@ from .block_manager import BlockManager
 from .kv_tier import tiers as kv_tiers
 from .metrics import Metrics
 from .row_processing import RowProcessing
-from .runner import RowSampling
+from .runner import RowSampling, sample_rows
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .speculative.speculator import Speculator, merge_outputs, refuse_slot_caches
+from .speculative.speculator import (DraftProposer, Speculator, check_draft_runner, merge_outputs,
+                                    refuse_slot_caches)
 from .structured.cache import GrammarCache
 from .step import Chunk, build_step, pad_ranks
 from ..tokenization.tokenizer import IncrementalDecoder
@@ -131,22 +134,28 @@ class Engine:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  enable_prefix_caching: bool = True, log=None, overlap: bool | None = None,
                  kv_offloading: "kv_tiers.OffloadConfig | None" = None,
-                 speculative_config=None,
+                 speculative_config=None, draft_runner=None,
                  max_cpu_loras: int | None = None, kv_events_config=None):
         """log(line): where startup notes go (infc/backend.py passes its printer).
         overlap: overlapped steps (see above); default on where the runner can, unless
         INFC_OVERLAP=0. kv_offloading: host and disk tiers for prefix blocks (kv_tier/).
         speculative_config: infc.config.SpeculativeConfig (None: none); a plan with slot caches
-        refuses it (ValueError). kv_events_config: infc.config.KVEventsConfig (None: no events):
-        the prefix cache's KV events published for routers, a publisher a data-parallel rank
-        (kv_events.py); close() stops them."""
+        refuses it (ValueError). draft_runner: method "draft_model"'s runner of the draft model
+        (infc/backend.py builds it from the config's "model"), of the target's vocabulary.
+        kv_events_config: infc.config.KVEventsConfig (None: no events): the prefix cache's KV
+        events published for routers, a publisher a data-parallel rank (kv_events.py); close()
+        stops them."""
         self.runner, self.tokenizer = runner, tokenizer
+        self.dp = int(getattr(runner, "dp_world", 1) or 1)
         self.spec = None
         if speculative_config is not None:
             refuse_slot_caches(runner)
-            self.spec = Speculator(speculative_config, max_model_len, getattr(runner, "max_seqs", None))
+            self.spec = Speculator(speculative_config, max_model_len, getattr(runner, "max_seqs", None),
+                                   self._draft(speculative_config, draft_runner, max_num_batched_tokens,
+                                               max_model_len, enable_prefix_caching))
             overlap = False
-        self.dp = int(getattr(runner, "dp_world", 1) or 1)
+        elif draft_runner is not None:
+            raise ValueError("a draft model's runner was given without a speculative config")
         self.overlap = overlaps(runner, overlap) and (
             self.dp == 1 or callable(getattr(runner, "launch_ranks", None)))
         self.in_flight = None                    # overlapped: (batch, rows, the runner's handle, scores)
@@ -187,6 +196,8 @@ class Engine:
                 bm.events = []
             if self.tiers is not None:           # the host pool's blocks too (one rank: for_engine)
                 self.tiers.on_event = lambda ev: self.bm.events.append(ev)
+        if self.spec is not None and self.spec.draft is not None:
+            self.bm.on_release = self.spec.draft.release   # a shadow goes with its sequence's pages
         self.requests: dict[str, Request] = {}
         self.metrics = Metrics(max_model_len=min(max_model_len, 1 << 30))
         self.metrics.spec_decode_positions = self.spec.k if self.spec else 0
@@ -201,6 +212,22 @@ class Engine:
         self._next_seq = 0
         self._next_request = 0
         self.faults = fault_inject.from_env()    # test-only (INFC_FAULT_INJECT); None in production
+
+    def _draft(self, config, draft_runner, max_num_batched_tokens: int, max_model_len: int,
+               enable_prefix_caching: bool):
+        """The draft_model method's proposer over draft_runner (None for other methods)."""
+        if config.method != "draft_model":
+            if draft_runner is not None:
+                raise ValueError(f"speculative method {config.method!r} takes no draft model")
+            return None
+        if draft_runner is None:
+            raise ValueError("speculative method 'draft_model': no runner of the draft model "
+                             f"{config.model!r} was given (infc/backend.py builds it)")
+        if self.dp > 1:
+            raise ValueError("speculative method 'draft_model' with data-parallel ranks is not "
+                             "supported yet (n-gram speculation is)")
+        check_draft_runner(draft_runner, self.runner)
+        return DraftProposer(draft_runner, max_num_batched_tokens, max_model_len, enable_prefix_caching)
 
     # -- requests in ----------------------------------------------------------------------------
     def check_request(self, prompt_ids, params: SamplingParams):
@@ -378,7 +405,8 @@ class Engine:
         batches = [s.schedule() for s in self.schedulers]
         if self.spec is not None:
             self.spec.begin()
-            batches = [self.spec.extend(b, s, s.bm, self._speculates) for b, s in zip(batches, self.schedulers)]
+            batches = [self.spec.extend(b, s, s.bm, self._speculates, self._row)
+                       for b, s in zip(batches, self.schedulers)]
         self.metrics.num_preemptions_total = sum(s.num_preemptions for s in self.schedulers)
         if not any(batches) and self.in_flight is None:
             if any(s.has_work() for s in self.schedulers):
@@ -548,9 +576,18 @@ class Engine:
             self.unsampled = (handle, rows, history_rows)
         else:
             self._fill_masks(rows, history_rows)
-            handle = self.runner.launch(meta, rows, feed) if self.overlap else self.runner.execute(meta, rows)
+            handle = self.runner.launch(meta, rows, feed) if self.overlap else self._execute(meta, rows)
         self._launched(batch, rows)
         return batch, rows, handle, meta.scores
+
+    def _execute(self, meta, rows) -> list:
+        """A synchronous step's samples; where drafts are verified by rejection sampling, from
+        the runner's logits (`forward`), which the speculator keeps for them."""
+        if self.spec is None or not self.spec.rejects() or not callable(getattr(self.runner, "forward", None)):
+            return self.runner.execute(meta, rows)
+        logits = self.runner.forward(meta)
+        self.spec.keep_logits(logits, rows)
+        return sample_rows(logits, rows)
 
     def _chunks(self, batch) -> tuple:
         """A batch's step: (StepMeta, rows' sampling, feed of pending tokens)."""

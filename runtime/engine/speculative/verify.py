@@ -23,6 +23,11 @@ mismatch: P(s_j == d_j) = p_j(d_j), and s_j given s_j != d_j is p_j without d_j,
 So `accept_sampled` (verify_greedy over the rows' samples) is the rule for greedy and sampled
 rows alike, and its output is token for token the non-speculative engine's for the same seed.
 
+A draft model's drafts (draft_model.py) are drawn with the target row's own (seed, index), so
+accept_sampled stays exact for them too (the emitted token is always the target's own draw); where
+their q reaches the host the engine uses verify_sampled instead, which accepts more
+(docs/architecture.md, "Speculative decoding").
+
 p must be the distribution the non-speculative sampler would draw from at that position (the
 row's processed logits, with penalties counting the draft tokens before it, through
 sampling.filtered_probs: `target_distributions`), and q the one the proposer really drew from.
@@ -33,6 +38,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..logits_process import needs_processing, process_logits
 from ..sampling import SamplingParams, filtered_probs
 
 # How far a row's sum may be from 1: an f32 softmax over a 256k vocabulary lands well inside it,
@@ -112,6 +118,13 @@ def target_distributions(logits: np.ndarray, params: SamplingParams) -> np.ndarr
     if logits.ndim != 2:
         raise ValueError(f"target_distributions: logits must be [k + 1, V], got shape {list(logits.shape)}")
     return np.stack([filtered_probs(row, params) for row in logits])
+
+
+def row_distribution(logits: np.ndarray, row) -> np.ndarray:
+    """The distribution a runner's row (RowSampling: temperature > 0) draws its token from: its
+    logits processed (bias, allowed and banned ids, bitmask) and filtered, as runner.sample_row."""
+    x = process_logits(logits, row) if needs_processing(row) else logits
+    return filtered_probs(x, row.params)
 
 
 def verify(logits: np.ndarray, draft: Sequence[int], params: SamplingParams, rng: np.random.Generator,
