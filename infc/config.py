@@ -162,26 +162,31 @@ _SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_l
               "disable_by_batch_size", "model")
 
 
-def speculative_config(value) -> SpeculativeConfig | None:
-    """--speculative-config (a JSON object, as vLLM spells it), a dict, a SpeculativeConfig or
-    None -> a checked SpeculativeConfig (None: no speculation). A key this engine does not know,
-    a value of the wrong type or range, or a method not built yet is a ValueError naming it."""
+def _json_object(value, where: str, keys, example: str) -> dict:
+    """A flag's JSON object (vLLM's --*-config flags), or a dict, checked for unknown keys."""
     import json
-    if value is None or isinstance(value, SpeculativeConfig):
-        return value
-    where = "--speculative-config"
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except json.JSONDecodeError as e:
             raise ValueError(f"{where} is not valid JSON ({e.msg} at character {e.pos}): "
-                             f"give an object such as '{{\"method\": \"ngram\", "
-                             f"\"num_speculative_tokens\": 4}}'") from None
+                             f"give an object such as '{example}'") from None
     if not isinstance(value, dict):
         raise ValueError(f"{where} must be a JSON object, got {type(value).__name__}")
-    unknown = sorted(set(value) - set(_SPEC_KEYS))
+    unknown = sorted(set(value) - set(keys))
     if unknown:
-        raise ValueError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(_SPEC_KEYS)})")
+        raise ValueError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(keys)})")
+    return value
+
+
+def speculative_config(value) -> SpeculativeConfig | None:
+    """--speculative-config (a JSON object, as vLLM spells it), a dict, a SpeculativeConfig or
+    None -> a checked SpeculativeConfig (None: no speculation). A key this engine does not know,
+    a value of the wrong type or range, or a method not built yet is a ValueError naming it."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    where = "--speculative-config"
+    value = _json_object(value, where, _SPEC_KEYS, '{"method": "ngram", "num_speculative_tokens": 4}')
     method = value.get("method")
     if method is None:
         raise ValueError(f"{where}: 'method' is required (one of {', '.join(SPEC_METHODS)})")
@@ -260,22 +265,11 @@ def kv_events_config(value) -> KVEventsConfig | None:
     """--kv-events-config (a JSON object, as vLLM spells it), a dict, a KVEventsConfig or None ->
     a checked KVEventsConfig (None: no events). An unknown key, a value of the wrong type or
     range, or an endpoint that is not a ZeroMQ address is a ValueError naming it."""
-    import json
     if value is None or isinstance(value, KVEventsConfig):
         return value
     where = "--kv-events-config"
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where} is not valid JSON ({e.msg} at character {e.pos}): give an "
-                             f"object such as '{{\"enable_kv_cache_events\": true, \"endpoint\": "
-                             f"\"{DEFAULT_KV_EVENTS_ENDPOINT}\"}}'") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{where} must be a JSON object, got {type(value).__name__}")
-    unknown = sorted(set(value) - set(_KV_EVENTS_KEYS))
-    if unknown:
-        raise ValueError(f"{where}: unknown key {unknown[0]!r} (known: {', '.join(_KV_EVENTS_KEYS)})")
+    value = _json_object(value, where, _KV_EVENTS_KEYS,
+                         f'{{"enable_kv_cache_events": true, "endpoint": "{DEFAULT_KV_EVENTS_ENDPOINT}"}}')
     kw = {}
     for key, v in value.items():
         if key == "enable_kv_cache_events":
