@@ -21,6 +21,12 @@ goes is offered to them, and the prefix lookup goes on past the device's hits in
 block found there takes a fresh page, registered under its hash at once, and the engine's
 flush copies it in before the step that reads it.
 
+State snapshots (`snapshots`, state_snapshots.py: plans with slot caches and prefix caching on): a
+hit is cut back to the last block whose snapshot of the state there exists (pool or tiers), the
+snapshot is acquired at admission and copied into the sequence's new slot before its first step;
+chunks end at block boundaries (`chunk`) so that their ends can be snapshotted. A block evicted
+from the cache (with no tiers behind it) takes its snapshot with it.
+
 LoRA adapters (`lora`: runtime/lora/slots.py's LoraSlots): a sequence naming one is admitted only
 with its adapter in a slot (admit / drop, alongside its pages), and its block hashes start from
 the adapter's id, so one adapter's cached KV never serves another's or the base model's.
@@ -71,6 +77,7 @@ class BlockManager:
         self.free_slots: list[int] = list(range(num_slots - 1, -1, -1))   # pop() gives slot 0 first
         self.tiers = tiers                        # kv_tier.KVTiers, or None
         self.lora = None                          # LoraSlots where the plan serves adapters
+        self.snapshots = None                     # StateSnapshots where the plan has slot caches
 
     # -- accounting ---------------------------------------------------------------------------
     @property
@@ -106,6 +113,10 @@ class BlockManager:
             seq.block_hasher = h
         return hs[:num_blocks]
 
+    def block_hash(self, seq: Sequence, i: int) -> bytes:
+        """The prefix hash of seq's block i (its tokens must be known)."""
+        return self._hashes(seq, i + 1)[i]
+
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         # a sequence that scores its prompt computes every row (cached rows have no logits: vLLM
         # too skips the prefix cache for prompt logprobs); its blocks still enter the cache
@@ -117,7 +128,21 @@ class BlockManager:
             if page is None and (self.tiers is None or not self.tiers.find(h)):
                 break
             hits.append(page)                     # None: in a tier
+        if self.snapshots is not None:            # the state must be restorable where the hit ends
+            del hits[self.snapshots.longest(seq.block_hashes, len(hits)):]
         return hits
+
+    def chunk(self, seq: Sequence, start: int, n: int) -> int:
+        """How many of the n tokens from `start` the step computes: with state snapshots, a chunk
+        that stops short of the sequence's end stops at a block boundary, and a prefill chunk
+        reaching it stops at the last block boundary before its last token (the longest prefix a
+        re-sent prompt can hit), so each chunk's end can be snapshotted. That costs a prompt one
+        step more: its last (at most page_size) tokens run in a step of their own."""
+        if self.snapshots is None or n <= 1:
+            return n
+        ps, end = self.page_size, start + n
+        cut = end // ps * ps if end < seq.num_tokens else (seq.num_tokens - 1) // ps * ps
+        return cut - start if cut > start else n
 
     def cached_blocks(self, seq: Sequence) -> int:
         """How many of seq's leading full blocks this cache holds now (what admission would hit)."""
@@ -136,6 +161,8 @@ class BlockManager:
         if b.hash is not None:
             if self.cached.get(b.hash) == page:
                 del self.cached[b.hash]
+                if self.snapshots is not None and self.tiers is None:
+                    self.snapshots.forget(b.hash)
             b.hash = None
         b.ref = 1
         if self.tiers is not None:
@@ -148,19 +175,37 @@ class BlockManager:
         assert not seq.pages and seq.num_computed_tokens == 0, seq
         hits = self._cached_prefix(seq)
         rows = self.tiers.fetch(seq.block_hashes, hits) if None in hits else []   # cuts hits
+        snap = None
+        if self.snapshots is not None and hits:
+            keep = self.snapshots.longest(seq.block_hashes, len(hits))    # a tier fetch may cut hits
+            snap = self.snapshots.acquire(seq.block_hashes[keep - 1]) if keep else None
+            keep = keep if snap is not None else 0
+            if keep < len(hits):
+                kept = sum(p is None for p in hits[:keep])
+                if rows:
+                    self.tiers.unfetch(rows[kept:])
+                del hits[keep:], rows[kept:]
         cached = len(hits) * self.page_size
-        n = min(seq.num_tokens - cached, budget)
+        n = self.chunk(seq, cached, min(seq.num_tokens - cached, budget))
         new = self.pages_for(cached + n) - len(hits)
         # evictable hits leave `free`; a tier block takes a page of it
         revived = sum(1 for p in hits if p is None or self.blocks[p].ref == 0)
         if n <= 0 or new + revived > len(self.free) or (self.num_slots and not self.free_slots):
             if rows:
                 self.tiers.unfetch(rows)
+            if snap is not None:
+                self.snapshots.release(snap)
             return 0
         if self.lora is not None and not self.lora.admit(seq):
+            if rows:
+                self.tiers.unfetch(rows)
+            if snap is not None:
+                self.snapshots.release(snap)
             return 0
         if self.num_slots:
             seq.slot = self.free_slots.pop()
+        if snap is not None:
+            self.snapshots.restore(snap, seq)
         for p in hits:
             if p is not None:
                 self._take(p)
@@ -254,3 +299,5 @@ class BlockManager:
         assert all(0 <= s < self.num_slots for s in self.free_slots), self.free_slots
         if self.tiers is not None:
             self.tiers.check()
+        if self.snapshots is not None:
+            self.snapshots.check()

@@ -1,0 +1,164 @@
+"""Prefix caching for plans with slot caches (issue 44 part 3; runtime/engine/state_snapshots.py):
+snapshots of each sequence's slot state at the block boundaries its prefill chunks end on, kept
+with the cached blocks (and in the KV tiers), restored with a prefix hit.
+
+StateFake stands in for a hybrid model where speed matters: FakeRunner's KV, plus a state per slot
+(the crc of every token the sequence ran through) that a step reads only when the sequence has
+tokens cached, as the linear-attention kernels do, and that every sampled token depends on: a
+state not restored, or restored from another prefix, changes the outputs. The tiny Qwen3.5 plan
+(random weights) checks the real path: a hit's logits at every position it computes equal a cold
+run's within 1e-4 and 16 greedy tokens continue identically, with chunked prefill and from the
+host tier."""
+import json
+import zlib
+
+import numpy as np
+import pytest
+
+from infc.compiler.build import compile_model
+from infc.compiler.contract import caches as C
+from infc.runtime.engine.kv_tier.host_copies import HostCopies
+from infc.runtime.engine.kv_tier.tiers import GIB, OffloadConfig
+from infc.runtime.engine.runner import CPURunner
+from infc.runtime.engine.sampling import SamplingParams
+from infc.runtime.weights.dummy import dummy_weights
+
+from fake_cuda import FakeContext
+from test_kv_tier import TieredFake, _blocks_gib, _serve, _shared_prefix_prompts
+from test_scheduler import assert_all_free, drain, make_engine
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+FAKE_DECL = {"k": {"kind": "paged", "shape": [4], "dtype": "f32", "layers": [0]},       # 16 B a token
+             "s": {"kind": "slot", "shape": [2], "dtype": "f32", "layers": [1]}}        # 8 B a state
+
+
+class FakeStateCopies:
+    """state_copies for StateFake: a snapshot is one int64."""
+
+    def __init__(self, runner, num):
+        self.r, self.num = runner, num
+        self.pool = np.zeros(num, np.int64)
+        self.snapshot_bytes = self.pool_bytes = 8
+        self.pool_bytes = 8 * num
+
+    def save(self, slot, snap):
+        self.pool[snap] = self.r.state[slot]
+
+    def restore(self, snap, slot):
+        self.r.state[slot] = self.pool[snap]
+
+    def tier_copies(self):
+        return _PoolCopies(self.pool)
+
+
+class _PoolCopies(HostCopies):
+    """The snapshots' tier copies over the int64 pool (HostCopies' storage interface)."""
+
+    def __init__(self, pool):
+        self.pool, self.block_bytes, self.slab, self.seconds = pool, 8, None, {True: None, False: None}
+
+    def save(self, pages, rows):
+        self.slab[rows] = self.pool[pages].view(np.uint8).reshape(-1, 8)
+
+    def load(self, pages, rows, after_steps=True):
+        self.pool[pages] = self.slab[rows].view(np.int64).reshape(-1)
+
+
+class StateFake(TieredFake):
+    def __init__(self, num_pages, num_slots=4, num_snapshots=4, **kw):
+        super().__init__(num_pages, **kw)
+        self.num_slots, self.num_snapshots = num_slots, num_snapshots
+        self.state = np.zeros(num_slots + 1, np.int64)
+        self.plan = {"caches": FAKE_DECL}
+        self._copies = FakeStateCopies(self, num_snapshots) if num_snapshots else None
+        self.cold_reads = 0                     # rows that started from a zero state
+
+    def state_copies(self):
+        return self._copies
+
+    def sample_contexts(self, meta, contexts, sampling):
+        ctx = []
+        for b, c in enumerate(contexts):
+            lo, hi = int(meta.seq_starts[b]), int(meta.seq_starts[b + 1])
+            slot = int(meta.state_slots[b])
+            cached = int(meta.context_lens[b]) - (hi - lo)
+            s = int(self.state[slot]) if cached > 0 else 0
+            self.cold_reads += cached == 0
+            s = zlib.crc32(np.asarray(meta.tokens[lo:hi], np.int64).tobytes(), s)
+            self.state[slot] = s
+            ctx.append(np.append(c, s))         # the token depends on the state as well
+        return super().sample_contexts(meta, ctx, sampling)
+
+
+def _fake_outputs(prompts, params, **kw):
+    return _serve(make_engine(StateFake(24, num_snapshots=0), max_num_seqs=4, **kw), prompts, params)
+
+
+@pytest.mark.parametrize("budget", [64, 7])
+def test_fake_hybrid_outputs_with_prefix_caching_equal_without(budget):
+    """120 requests over 12 shared prefixes, 24 pages (preemptions), 4 snapshots: hits happen,
+    each restores its state, outputs are those of prefix caching off (recompute)."""
+    rng = np.random.default_rng(5)
+    prompts = _shared_prefix_prompts(rng, 120)
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    want = _fake_outputs(prompts, params, max_num_batched_tokens=budget, enable_prefix_caching=False)
+    r = StateFake(24)
+    notes = []
+    e = make_engine(r, max_num_seqs=4, max_num_batched_tokens=budget, log=notes.append)
+    assert e.bm.enable_prefix_caching and e.snapshots is not None
+    assert any("state snapshots" in n for n in notes)
+    assert _serve(e, prompts, params) == want
+    assert e.bm.hit_tokens > 0 and e.snapshots.restored > 0 and e.metrics.num_preemptions_total > 0
+    assert_all_free(e)
+
+
+def test_hits_end_where_a_snapshot_is_and_chunks_end_on_block_boundaries():
+    r = StateFake(64, num_snapshots=8)
+    e = make_engine(r, max_num_seqs=4, max_num_batched_tokens=7)
+    prompt = list(range(1, 24))                              # 23 tokens, blocks of 4
+    params = SamplingParams(max_tokens=3, **GREEDY)
+    e.add_request(prompt, params, "a")
+    first = drain(e)["a"][0]
+    # chunks of at most 7 tokens ending on a block boundary: 4, 4, ..., then the last boundary
+    # before the last token (20), then the rest
+    prefill = [rows[0] for _, rows, smp in r.steps if not smp[0]]
+    assert prefill == [4, 4, 4, 4, 4] and r.steps[5][1] == [3]
+    assert len(e.snapshots.lru) == 5                         # at 4, 8, 12, 16, 20
+    e.add_request(prompt, params, "b")
+    outs = drain(e)
+    assert outs["b"][0] == first
+    assert e.bm.hit_tokens == 20
+    # a prompt sharing 10 tokens: the hit stops at 8, the last boundary with a snapshot
+    e.add_request(prompt[:10] + [90] * 5, params, "c")
+    before = e.bm.hit_tokens
+    drain(e)
+    assert e.bm.hit_tokens - before == 8
+    # a prompt shorter than a block reuses nothing (no full block)
+    e.add_request(prompt[:3], params, "d")
+    before = e.bm.hit_tokens
+    drain(e)
+    assert e.bm.hit_tokens == before
+    assert_all_free(e)
+
+
+def test_a_hit_without_its_snapshot_is_no_hit():
+    """One chunk: the only snapshot is at the prompt's last boundary (20); with it gone the
+    re-sent prompt's cached blocks are of no use (its state there is unknown): computed again."""
+    from infc.runtime.engine.block_manager import prefix_hash
+    r = StateFake(64, num_snapshots=8)
+    e = make_engine(r, max_num_seqs=4)
+    prompt = list(range(1, 24))
+    params = SamplingParams(max_tokens=2, **GREEDY)
+    e.add_request(prompt, params, "a")
+    first = drain(e)["a"][0]
+    assert list(e.snapshots.lru) == [prefix_hash(prompt[:20])]
+    e.snapshots.forget(prefix_hash(prompt[:20]))
+    assert e.bm.cached_blocks(_seq(prompt)) == 0
+    e.add_request(prompt, params, "b")
+    assert drain(e)["b"][0] == first and e.bm.hit_tokens == 0
+    assert_all_free(e)
+
+
+def _seq(prompt):
+    from infc.runtime.engine.sequence import Sequence
+    return Sequence(0, "x", 0, prompt, SamplingParams(), 0)
