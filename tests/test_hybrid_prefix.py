@@ -162,3 +162,96 @@ def test_a_hit_without_its_snapshot_is_no_hit():
 def _seq(prompt):
     from infc.runtime.engine.sequence import Sequence
     return Sequence(0, "x", 0, prompt, SamplingParams(), 0)
+
+
+def _tiers(tmp_path, host_blocks, disk_blocks=0):
+    from infc.runtime.engine.kv_tier.disk_store import HEADER
+    if not disk_blocks:
+        return OffloadConfig(_blocks_gib(host_blocks))
+    return OffloadConfig(_blocks_gib(host_blocks), str(tmp_path), _blocks_gib(disk_blocks) + disk_blocks * HEADER.size / GIB)
+
+
+@pytest.mark.parametrize("disk", [False, True])
+def test_fake_hybrid_with_tiers_restores_state_from_the_host(tmp_path, disk):
+    """2 snapshots in HBM, 24 pages: evicted blocks and snapshots go to the host tier (and on to
+    the disk), and hits restore both from there; outputs equal prefix caching off."""
+    rng = np.random.default_rng(7)
+    prompts = _shared_prefix_prompts(rng, 120)
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    want = _fake_outputs(prompts, params, enable_prefix_caching=False)
+    r = StateFake(24, num_snapshots=2)
+    e = make_engine(r, max_num_seqs=4, kv_offloading=_tiers(tmp_path, 60 if disk else 1000, 1000 if disk else 0))
+    st = e.snapshots.tiers
+    assert st is not None and e.tiers is not None
+    assert _serve(e, prompts, params) == want
+    assert e.tiers.stats.host_hit_tokens + e.tiers.stats.disk_hit_tokens > 0
+    assert st.stats.bytes_to_device > 0 and st.stats.bytes_to_host > 0     # snapshots came back
+    if disk:
+        assert st.stats.bytes_from_disk > 0
+    e.step()
+    assert_all_free(e)
+
+
+def test_1000_aborts_hold_no_page_slot_snapshot_or_host_block(tmp_path):
+    rng = np.random.default_rng(13)
+    prompts = _shared_prefix_prompts(rng, 1000, stems=20)
+    r = StateFake(32, num_slots=6, num_snapshots=3)
+    e = make_engine(r, max_num_seqs=6, max_num_batched_tokens=9, kv_offloading=_tiers(tmp_path, 40))
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    live = []
+    for i, p in enumerate(prompts):
+        e.add_request(p, params, f"r{i}")
+        live.append(f"r{i}")
+        for _ in range(int(rng.integers(0, 3))):
+            e.step()
+        while live and rng.random() < 0.6:
+            e.abort(live.pop(int(rng.integers(len(live)))))
+        live = [x for x in live if x in e.requests]
+    for x in live:
+        e.abort(x)
+    e.step()
+    assert not e.has_unfinished()
+    assert_all_free(e)                      # bm.check(): the tiers' and the snapshots' too
+    assert e.bm.num_free_slots == 6
+    s = e.snapshots
+    assert not s.restores and all(b.ref == 0 for b in s.blocks) and len(s.lru) + len(s.free) == s.num
+    for t in (e.tiers, s.tiers):
+        assert not t.saves and not t.loads and not t.pool.pins
+        assert len(t.pool) + len(t.pool.free) == t.pool.num_rows
+    assert s.restored > 0 and e.bm.hit_tokens > 0
+
+
+def test_snapshot_copies_on_the_device_move_the_bytes_the_host_moves(fake_driver):
+    """DeviceCaches.save_state / restore_state (runtime/cuda/state_copies.py's copies) against
+    HostCaches' on the same random bytes, through the fake CUDA driver."""
+    from infc.runtime.cuda.state_copies import DeviceStateCopies
+    decl = {"k": {"kind": "paged", "shape": [2, 8], "dtype": "bf16", "layers": [0, 2]},
+            "conv": {"kind": "slot", "shape": [3, 5], "dtype": "bf16", "layers": [1, 3]},
+            "rec": {"kind": "slot", "shape": [2, 3, 3], "dtype": "f32", "layers": [1, 3]}}
+    ctx = FakeContext()
+    dev = C.DeviceCaches(ctx, decl, 4, num_pages=6, num_slots=3)
+    host = C.HostCaches(decl, 4, 6, 3, factory=lambda shape, d: np.zeros(shape, np.uint16 if d == "bf16" else np.float32))
+    rng = np.random.default_rng(3)
+    for (name, layer), a in host.arrays.items():
+        a.view(np.uint8)[...] = rng.integers(0, 256, a.view(np.uint8).shape, dtype=np.uint8)
+        ptr, n = dev.region(name, layer)
+        ctx.view(ptr, n)[:] = a.reshape(-1).view(np.uint8)
+    copies = DeviceStateCopies(ctx, dev, 4)
+    assert copies.snapshot_bytes == C.slot_bytes(decl)
+    pool = C.HostCaches(C.snapshot_decl(decl), 1, 4, factory=host.factory)
+    ctx.num_copies = 0
+    for slot, snap in ((2, 3), (0, 1)):
+        copies.save(slot, snap)
+        host.save_state(pool, slot, snap)
+    assert ctx.num_copies == 2 * 4                  # a copy a slot (cache, layer)
+    copies.restore(3, 1)                            # slot 2's state into slot 1
+    host.restore_state(pool, 3, 1)
+    for (name, layer), a in host.arrays.items():
+        ptr, n = dev.region(name, layer)
+        assert ctx.view(ptr, n).tobytes() == a.reshape(-1).view(np.uint8).tobytes(), (name, layer)
+    for (name, layer), a in pool.arrays.items():
+        ptr, n = copies.pool.region(name, layer)
+        kept = ctx.view(ptr, n).reshape(a.shape[0], -1)
+        for snap in (1, 3):
+            assert kept[snap].tobytes() == a[snap].tobytes(), (name, layer, snap)
+    assert host.get("rec", 1)[1].tobytes() == host.get("rec", 1)[2].tobytes()     # slot 2's, in slot 1

@@ -208,13 +208,16 @@ def for_engine(runner, copies, config, block_tiers, log=None) -> StateSnapshots:
     if block_tiers is not None and config is not None:
         tc = copies.tier_copies()
         space = kv_tiers.namespace(runner, tc.block_bytes)
-        try:
-            tiers = kv_tiers.KVTiers(tc, config, hashlib.sha256(b"state-snapshots" + space).digest(),
-                                     runner.page_size)
-        except ValueError as e:
-            if log:
-                log(f"  state snapshots stay in HBM only: their share of the KV offloading size "
-                    f"holds none ({e})")
+        name = hashlib.sha256(b"state-snapshots" + space).digest()
+        for cfg in (config, type(config)(config.host_gib)) if config.disk_dir else (config,):
+            try:
+                tiers = kv_tiers.KVTiers(tc, cfg, name, runner.page_size)
+                break
+            except ValueError as e:                      # its share holds no snapshot
+                if log:
+                    log(f"  state snapshots: {e}")
+        if tiers is None and log:
+            log("  state snapshots stay in HBM only: their share of the KV offloading size holds none")
     snaps = StateSnapshots(copies, copies.num, tiers)
     if log:
         decl = caches.of_plan(runner.plan)
