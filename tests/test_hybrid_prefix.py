@@ -255,3 +255,129 @@ def test_snapshot_copies_on_the_device_move_the_bytes_the_host_moves(fake_driver
         for snap in (1, 3):
             assert kept[snap].tobytes() == a[snap].tobytes(), (name, layer, snap)
     assert host.get("rec", 1)[1].tobytes() == host.get("rec", 1)[2].tobytes()     # slot 2's, in slot 1
+
+
+# -- the tiny Qwen3.5 plan (the real CPU path: numpy slot caches, the reference executor) --------
+TEXT = dict(architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", vocab_size=128,
+            hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+            linear_conv_kernel_dim=4, max_position_embeddings=256, hidden_act="silu",
+            attention_bias=False, tie_word_embeddings=False,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                             "mrope_section": [1, 1, 0], "mrope_interleaved": True})
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    d = tmp_path_factory.mktemp("qwen3_5-tiny")
+    (d / "config.json").write_text(json.dumps(TEXT))
+    _, plan = compile_model(model_dir=str(d), check_checkpoint=False)
+    assert C.has_slots(C.of_plan(plan))
+    return plan, dummy_weights(plan, seed=3)
+
+
+class AllRows(CPURunner):
+    """Every row's logits by position (one sequence at a time), as the last step computed it."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.rows = {}
+
+    def forward(self, meta):
+        logits, blocks = self.executor.step_paged(meta, list(range(meta.T)))
+        for at, block in blocks:
+            for j, row in enumerate(block):
+                self.rows[int(meta.positions[at + j])] = np.array(row)
+        return logits
+
+
+def _engine(hybrid, caching=True, pages=64, budget=2048, **kw):
+    from infc.runtime.engine.engine import Engine
+    plan, w = hybrid
+    runner = AllRows(plan, w, pages, 4, 4, kw.pop("snapshots", None))
+    return Engine(runner, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=budget,
+                  enable_prefix_caching=caching, **kw)
+
+
+def _cold(hybrid, prompt, params, budget=2048):
+    e = _engine(hybrid, caching=False, budget=budget)
+    e.add_request(prompt, params, "cold")
+    return drain(e)["cold"][0], dict(e.runner.rows)
+
+
+def _same_logits(runner, cold_rows, first):
+    assert min(runner.rows) == first                     # nothing before the hit was computed
+    for p, row in runner.rows.items():
+        assert np.abs(row - cold_rows[p]).max() <= 1e-4, p
+
+
+@pytest.mark.parametrize("budget", [2048, 6], ids=["one-shot", "chunked"])
+def test_qwen3_5_prefix_hit_logits_and_decode_equal_a_cold_run(hybrid, budget):
+    rng = np.random.default_rng(4)
+    prompt = rng.integers(0, 128, 30).tolist()
+    params = SamplingParams(max_tokens=16, **GREEDY)
+    want, cold_rows = _cold(hybrid, prompt, params)
+    e = _engine(hybrid, budget=budget)
+    e.add_request(prompt, params, "a")
+    assert drain(e)["a"][0] == want
+    e.runner.rows.clear()
+    e.add_request(prompt, params, "b")
+    assert drain(e)["b"][0] == want                      # 16 greedy tokens continue identically
+    assert e.bm.hit_tokens == 28 and e.snapshots.restored == 1
+    _same_logits(e.runner, cold_rows, 28)
+    if budget == 6:                                      # chunks snapshotted at 4, 8, ..., 28
+        other = prompt[:18] + rng.integers(0, 128, 9).tolist()
+        want, cold_rows = _cold(hybrid, other, params)
+        e.runner.rows.clear()
+        e.add_request(other, params, "c")
+        assert drain(e)["c"][0] == want and e.bm.hit_tokens == 28 + 16
+        _same_logits(e.runner, cold_rows, 16)
+    e.bm.check()
+
+
+def test_qwen3_5_hit_from_the_host_tier(hybrid):
+    """One snapshot in HBM and 12 pages: a second prompt evicts the first's blocks and snapshot
+    to the host tier; the first, sent again, takes both from there, with a cold run's logits."""
+    rng = np.random.default_rng(6)
+    a, b = rng.integers(0, 128, 30).tolist(), rng.integers(0, 128, 30).tolist()
+    params = SamplingParams(max_tokens=16, **GREEDY)
+    want, cold_rows = _cold(hybrid, a, params)
+    e = _engine(hybrid, pages=12, snapshots=1, kv_offloading=OffloadConfig(0.001))
+    st = e.snapshots.tiers
+    for rid, p in (("a", a), ("b", b)):
+        e.add_request(p, params, rid)
+        drain(e)
+    assert e.bm.cached_blocks(_seq(a)) == 7 and not any(e.bm.cached.get(h) is not None for h in _seq_hashes(e, a))
+    e.runner.rows.clear()
+    e.add_request(a, params, "again")
+    assert drain(e)["again"][0] == want
+    assert e.tiers.stats.host_hit_tokens == 28 and st.stats.bytes_to_device == st.block_bytes
+    _same_logits(e.runner, cold_rows, 28)
+    e.step()
+    e.bm.check()
+
+
+def _seq_hashes(e, prompt):
+    s = _seq(prompt)
+    return [e.bm.block_hash(s, i) for i in range(len(prompt) // 4)]
+
+
+def test_qwen3_5_outputs_with_prefix_caching_equal_without_under_pressure(hybrid):
+    """12 requests over 3 shared 13..22-token prefixes, 4 at a time in 14 pages (preemptions),
+    3 snapshots: outputs with prefix caching on equal those with it off."""
+    rng = np.random.default_rng(9)
+    stems = [rng.integers(0, 128, int(n)).tolist() for n in (13, 17, 22)]
+    prompts = [stems[i % 3] + rng.integers(0, 128, int(rng.integers(1, 6))).tolist() for i in range(12)]
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    outs = []
+    for caching in (False, True):
+        e = _engine(hybrid, caching=caching, pages=14, budget=16, snapshots=3)
+        for i, p in enumerate(prompts):
+            e.add_request(p, params, f"r{i}")
+        got = drain(e)
+        outs.append([got[f"r{i}"][0] for i in range(12)])
+    assert outs[0] == outs[1]
+    assert e.bm.hit_tokens > 0 and e.snapshots.restored > 0 and e.metrics.num_preemptions_total > 0
+    assert_all_free(e)
