@@ -13,8 +13,9 @@ sequence's pages go back tail first, so its later (less shared) blocks are evict
 
 State slots (plans with slot caches: conv and recurrent state, one entry per sequence): with
 num_slots > 0 a sequence also takes a free slot at admission (no slot, no admission) and gives it
-back with its pages (finish, abort, preemption). A preempted sequence is recomputed from token 0,
-and kernels treat a sequence with nothing cached as zero state, so a slot needs no reset.
+back with its pages (finish, abort, preemption). A preempted sequence is recomputed from token 0
+(or, with state snapshots, from its last snapshot still cached), and kernels treat a sequence with
+nothing cached as zero state, so a slot needs no reset.
 
 KV tiers (`tiers`, kv_tier/tiers.py: --kv-offloading-size): a hashed page whose last reference
 goes is offered to them, and the prefix lookup goes on past the device's hits into them: a
