@@ -23,6 +23,7 @@ from infc.runtime.engine.runner import CPURunner
 from infc.runtime.engine.sampling import SamplingParams
 from infc.runtime.weights.dummy import dummy_weights
 
+from exhaustive import EXHAUSTIVE
 from fake_cuda import FakeContext
 from test_kv_tier import TieredFake, _blocks_gib, _serve, _shared_prefix_prompts
 from test_scheduler import assert_all_free, drain, make_engine
@@ -94,12 +95,12 @@ def _fake_outputs(prompts, params, **kw):
     return _serve(make_engine(StateFake(24, num_snapshots=0), max_num_seqs=4, **kw), prompts, params)
 
 
-@pytest.mark.parametrize("budget", [64, 7])
+@pytest.mark.parametrize("budget", [pytest.param(64, marks=EXHAUSTIVE), 7])
 def test_fake_hybrid_outputs_with_prefix_caching_equal_without(budget):
-    """120 requests over 12 shared prefixes, 24 pages (preemptions), 4 snapshots: hits happen,
+    """80 requests over 12 shared prefixes, 24 pages (preemptions), 4 snapshots: hits happen,
     each restores its state, outputs are those of prefix caching off (recompute)."""
     rng = np.random.default_rng(5)
-    prompts = _shared_prefix_prompts(rng, 120)
+    prompts = _shared_prefix_prompts(rng, 80)
     params = SamplingParams(max_tokens=6, **GREEDY)
     want = _fake_outputs(prompts, params, max_num_batched_tokens=budget, enable_prefix_caching=False)
     r = StateFake(24)
@@ -171,12 +172,12 @@ def _tiers(tmp_path, host_blocks, disk_blocks=0):
     return OffloadConfig(_blocks_gib(host_blocks), str(tmp_path), _blocks_gib(disk_blocks) + disk_blocks * HEADER.size / GIB)
 
 
-@pytest.mark.parametrize("disk", [False, True])
+@pytest.mark.parametrize("disk", [pytest.param(False, marks=EXHAUSTIVE), True])
 def test_fake_hybrid_with_tiers_restores_state_from_the_host(tmp_path, disk):
     """2 snapshots in HBM, 24 pages: evicted blocks and snapshots go to the host tier (and on to
     the disk), and hits restore both from there; outputs equal prefix caching off."""
     rng = np.random.default_rng(7)
-    prompts = _shared_prefix_prompts(rng, 120)
+    prompts = _shared_prefix_prompts(rng, 80)
     params = SamplingParams(max_tokens=6, **GREEDY)
     want = _fake_outputs(prompts, params, enable_prefix_caching=False)
     r = StateFake(24, num_snapshots=2)
@@ -313,7 +314,7 @@ def _same_logits(runner, cold_rows, first):
         assert np.abs(row - cold_rows[p]).max() <= 1e-4, p
 
 
-@pytest.mark.parametrize("budget", [2048, 6], ids=["one-shot", "chunked"])
+@pytest.mark.parametrize("budget", [pytest.param(2048, marks=EXHAUSTIVE), 6], ids=["one-shot", "chunked"])
 def test_qwen3_5_prefix_hit_logits_and_decode_equal_a_cold_run(hybrid, budget):
     rng = np.random.default_rng(4)
     prompt = rng.integers(0, 128, 30).tolist()
