@@ -12,7 +12,7 @@ from infc.compiler.contract import caches
 
 class DeviceStateCopies:
     def __init__(self, ctx, device_caches: caches.DeviceCaches, num: int):
-        self.ctx, self.caches, self.num = ctx, device_caches, num
+        self.ctx, self.caches, self.num, self.itemsize = ctx, device_caches, num, None   # the plan's dtypes
         decl = caches.snapshot_decl(device_caches.layout.caches)
         self.pool = caches.DeviceCaches(ctx, decl, 1, num, zero=False)
         self.snapshot_bytes = self.pool.layout.block_bytes

@@ -172,10 +172,10 @@ class HostStateCopies:
     is runtime/cuda/state_copies.py."""
 
     def __init__(self, storage: caches.HostCaches, num: int):
-        self.storage, self.num = storage, num
+        self.storage, self.num, self.itemsize = storage, num, 4      # float32 storage
         self.pool = caches.HostCaches(caches.snapshot_decl(storage.caches), 1, num)
         self.snapshot_bytes = self.pool.block_bytes
-        self.pool_bytes = caches.snapshot_pool_bytes(storage.caches, num, itemsize=4)
+        self.pool_bytes = caches.snapshot_pool_bytes(storage.caches, num, self.itemsize)
 
     def save(self, slot: int, snap: int):
         self.storage.save_state(self.pool, slot, snap)

@@ -221,12 +221,12 @@ def for_engine(runner, copies, config, block_tiers, log=None) -> StateSnapshots:
     snaps = StateSnapshots(copies, copies.num, tiers)
     if log:
         decl = caches.of_plan(runner.plan)
-        one = caches.slot_bytes(decl)
-        kv_token = caches.token_bytes(decl)
+        size = getattr(copies, "itemsize", None)            # the CPU's float32 storage
+        one, kv_token = caches.slot_bytes(decl, size), caches.token_bytes(decl, size)
         log(f"  prefix caching with state snapshots: {copies.num} snapshots of the slot caches "
             f"({', '.join(n for n, c in decl.items() if c['kind'] == 'slot')}) x {_human(one)} = "
             f"{_human(copies.pool_bytes)}; a snapshot weighs as much as {one / max(kv_token, 1):,.0f} "
-            f"tokens of KV ({_human(kv_token)} a token): {_human(one / runner.page_size)} a cached "
-            f"token at one a block, {_human(one / 1024)} a token of a 1k-token prefix with one"
+            f"tokens of KV ({_human(kv_token)} a token); per cached token {_human(one / 1024)} at one "
+            f"snapshot a 1k-token prefix ({_human(one / runner.page_size)} at one a block)"
             + (f"; host tier {tiers.capacity_rows} snapshots" if tiers is not None else ""))
     return snaps
