@@ -382,3 +382,18 @@ def test_qwen3_5_outputs_with_prefix_caching_equal_without_under_pressure(hybrid
     assert outs[0] == outs[1]
     assert e.bm.hit_tokens > 0 and e.snapshots.restored > 0 and e.metrics.num_preemptions_total > 0
     assert_all_free(e)
+
+
+def test_inspect_reports_the_snapshots_memory():
+    """`infc inspect` of a plan with slot caches: a snapshot's bytes against the KV of a token
+    (Qwen3.5-4B's caches: 49.1 MiB, the KV of 1,572 tokens), and per cached token."""
+    from infc.compiler.memory_budget import snapshot_lines
+    layers24, layers8 = list(range(24)), list(range(8))
+    decl = {"conv": {"kind": "slot", "shape": [3, 8192], "dtype": "bf16", "layers": layers24},
+            "k": {"kind": "paged", "shape": [4, 256], "dtype": "bf16", "layers": layers8},
+            "recurrent": {"kind": "slot", "shape": [32, 128, 128], "dtype": "f32", "layers": layers24},
+            "v": {"kind": "paged", "shape": [4, 256], "dtype": "bf16", "layers": layers8}}
+    text = "\n".join(snapshot_lines({"caches": decl, "build": {"page_size": 16}}))
+    assert "49.12 MiB = the KV of 1,572 tokens (32.0 KiB a token)" in text
+    assert "49.1 KiB at one snapshot a 1k-token prefix, 3144.0 KiB at one a 16-token block" in text
+    assert snapshot_lines({"caches": {n: decl[n] for n in "kv"}}) == []
