@@ -177,7 +177,7 @@ def test_fake_hybrid_with_tiers_restores_state_from_the_host(tmp_path, disk):
     """2 snapshots in HBM, 24 pages: evicted blocks and snapshots go to the host tier (and on to
     the disk), and hits restore both from there; outputs equal prefix caching off."""
     rng = np.random.default_rng(7)
-    prompts = _shared_prefix_prompts(rng, 80)
+    prompts = _shared_prefix_prompts(rng, 50)
     params = SamplingParams(max_tokens=6, **GREEDY)
     want = _fake_outputs(prompts, params, enable_prefix_caching=False)
     r = StateFake(24, num_snapshots=2)
@@ -397,3 +397,19 @@ def test_inspect_reports_the_snapshots_memory():
     assert "49.12 MiB = the KV of 1,572 tokens (32.0 KiB a token)" in text
     assert "49.1 KiB at one snapshot a 1k-token prefix, 3144.0 KiB at one a 16-token block" in text
     assert snapshot_lines({"caches": {n: decl[n] for n in "kv"}}) == []
+
+
+def test_n_siblings_take_the_first_ones_prompt_and_state():
+    """n = 3: the siblings wait for the first sequence's prompt, then hit it (its last block
+    boundary's snapshot) and sample on their own seeds, as with prefix caching off."""
+    prompt = list(range(3, 26))
+    params = SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=7, ignore_eos=True)
+    outs = []
+    for caching in (False, True):
+        e = make_engine(StateFake(64, num_snapshots=4 if caching else 0), max_num_seqs=4,
+                        enable_prefix_caching=caching)
+        e.add_request(prompt, params, "n")
+        outs.append(drain(e)["n"])
+    assert outs[0] == outs[1] and len({tuple(v) for v in outs[1].values()}) == 3
+    assert e.bm.hit_tokens == 2 * 20 and e.snapshots.restored == 2
+    assert_all_free(e)
