@@ -65,13 +65,55 @@ class _PoolCopies(HostCopies):
         self.pool[pages] = self.slab[rows].view(np.int64).reshape(-1)
 
 
+class LatePoolCopies(_PoolCopies):
+    """A copy stream for the snapshots' tier copies (as test_kv_tier.LateCopies for blocks): a
+    copy lands only when waited for (step_waits, host_wait) or, unwaited, two steps later, reading
+    what the pool holds then; the steps and the slot <-> snapshot copies (the main stream) happen
+    at once. A save not issued before its snapshot is written over, or a restore not waited for,
+    moves the wrong state."""
+
+    def __init__(self, pool):
+        super().__init__(pool)
+        self.queue, self.issued, self.steps = [], 0, 0
+
+    def save(self, pages, rows):
+        return self._later(super().save, pages, rows)
+
+    def load(self, pages, rows, after_steps=True):
+        return self._later(super().load, pages, rows)
+
+    def _later(self, copy, pages, rows):
+        self.queue.append((self.issued, self.steps, copy, list(pages), list(rows)))
+        self.issued += 1
+        return self.issued - 1
+
+    def land(self, upto=None, before_step=None):
+        while self.queue and ((upto is not None and self.queue[0][0] <= upto) or
+                              (before_step is not None and self.queue[0][1] <= before_step)):
+            _, _, copy, pages, rows = self.queue.pop(0)
+            copy(pages, rows)
+
+    def step_waits(self, fence):
+        self.land(fence)
+
+    def host_wait(self, fence):
+        if fence is not None:
+            self.land(fence)
+
+    def stepped(self):
+        self.steps += 1
+        self.land(before_step=self.steps - 2)
+
+
 class StateFake(TieredFake):
-    def __init__(self, num_pages, num_slots=4, num_snapshots=4, **kw):
+    def __init__(self, num_pages, num_slots=4, num_snapshots=4, late_state=False, **kw):
         super().__init__(num_pages, **kw)
         self.num_slots, self.num_snapshots = num_slots, num_snapshots
         self.state = np.zeros(num_slots + 1, np.int64)
         self.plan = {"caches": FAKE_DECL}
         self._copies = FakeStateCopies(self, num_snapshots) if num_snapshots else None
+        if late_state:
+            self._copies.tier_copies = lambda: self.__dict__.setdefault("late", LatePoolCopies(self._copies.pool))
         self.cold_reads = 0                     # rows that started from a zero state
 
     def state_copies(self):
@@ -88,6 +130,8 @@ class StateFake(TieredFake):
             s = zlib.crc32(np.asarray(meta.tokens[lo:hi], np.int64).tobytes(), s)
             self.state[slot] = s
             ctx.append(np.append(c, s))         # the token depends on the state as well
+        if "late" in self.__dict__:
+            self.late.stepped()
         return super().sample_contexts(meta, ctx, sampling)
 
 
@@ -172,15 +216,16 @@ def _tiers(tmp_path, host_blocks, disk_blocks=0):
     return OffloadConfig(_blocks_gib(host_blocks), str(tmp_path), _blocks_gib(disk_blocks) + disk_blocks * HEADER.size / GIB)
 
 
-@pytest.mark.parametrize("disk", [pytest.param(False, marks=EXHAUSTIVE), True])
-def test_fake_hybrid_with_tiers_restores_state_from_the_host(tmp_path, disk):
+@pytest.mark.parametrize("disk,late", [pytest.param(False, False, marks=EXHAUSTIVE), (True, False), (False, True)])
+def test_fake_hybrid_with_tiers_restores_state_from_the_host(tmp_path, disk, late):
     """2 snapshots in HBM, 24 pages: evicted blocks and snapshots go to the host tier (and on to
-    the disk), and hits restore both from there; outputs equal prefix caching off."""
+    the disk), and hits restore both from there; outputs equal prefix caching off. late: the
+    snapshots' tier copies land only when waited for (a copy stream, LatePoolCopies)."""
     rng = np.random.default_rng(7)
     prompts = _shared_prefix_prompts(rng, 50)
     params = SamplingParams(max_tokens=6, **GREEDY)
     want = _fake_outputs(prompts, params, enable_prefix_caching=False)
-    r = StateFake(24, num_snapshots=2)
+    r = StateFake(24, num_snapshots=2, late_state=late)
     e = make_engine(r, max_num_seqs=4, kv_offloading=_tiers(tmp_path, 60 if disk else 1000, 1000 if disk else 0))
     st = e.snapshots.tiers
     assert st is not None and e.tiers is not None
