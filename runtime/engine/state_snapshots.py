@@ -186,17 +186,25 @@ def snapshot_copies(runner, dp: int, log=None):
 
 
 def split_offloading(runner, copies, config):
-    """(the KV blocks' tier config, the snapshots') out of one --kv-offloading-size: each takes
-    the share of it that it takes of the device's cache memory (pages against the pool)."""
+    """(the KV blocks' tier config, the snapshots') out of one --kv-offloading-size (and disk size):
+    the snapshots take the share of it that their pool takes of the device's cache memory, and at
+    least room for as many snapshots as the pool holds, up to half of it."""
     if config is None or not config.enabled or copies is None:
         return config, None
     from infc.compiler.contract import caches
+    from .kv_tier.disk_store import HEADER
+    from .kv_tier.tiers import GIB
     decl = caches.of_plan(runner.plan)
     pool = caches.snapshot_pool_bytes(decl, copies.num)
     share = pool / (pool + runner.num_pages * caches.page_bytes(decl, runner.page_size))
-    kv = type(config)(config.host_gib * (1 - share), config.disk_dir, config.disk_gib * (1 - share))
-    snap = type(config)(config.host_gib * share, config.disk_dir, config.disk_gib * share)
-    return kv, snap
+
+    def part(gib: float, each: int) -> float:
+        return max(gib * share, min(copies.num * each / GIB, gib / 2))
+
+    host = part(config.host_gib, copies.snapshot_bytes)
+    disk = part(config.disk_gib, copies.snapshot_bytes + HEADER.size) if config.disk_dir else 0.0
+    kv = type(config)(config.host_gib - host, config.disk_dir, config.disk_gib - disk)
+    return kv, type(config)(host, config.disk_dir, disk)
 
 
 def for_engine(runner, copies, config, block_tiers, log=None) -> StateSnapshots:
@@ -209,15 +217,16 @@ def for_engine(runner, copies, config, block_tiers, log=None) -> StateSnapshots:
         tc = copies.tier_copies()
         space = kv_tiers.namespace(runner, tc.block_bytes)
         name = hashlib.sha256(b"state-snapshots" + space).digest()
+        why = None
         for cfg in (config, type(config)(config.host_gib)) if config.disk_dir else (config,):
             try:
                 tiers = kv_tiers.KVTiers(tc, cfg, name, runner.page_size)
                 break
             except ValueError as e:                      # its share holds no snapshot
-                if log:
-                    log(f"  state snapshots: {e}")
-        if tiers is None and log:
-            log("  state snapshots stay in HBM only: their share of the KV offloading size holds none")
+                why = e
+        if log and why is not None:
+            log(f"  state snapshots: {'no disk tier' if tiers is not None else 'no host tier'} for them "
+                f"(their share of the offloading sizes holds none: {why})")
     snaps = StateSnapshots(copies, copies.num, tiers)
     if log:
         decl = caches.of_plan(runner.plan)
