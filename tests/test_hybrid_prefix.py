@@ -458,3 +458,17 @@ def test_n_siblings_take_the_first_ones_prompt_and_state():
     assert outs[0] == outs[1] and len({tuple(v) for v in outs[1].values()}) == 3
     assert e.bm.hit_tokens == 2 * 20 and e.snapshots.restored == 2
     assert_all_free(e)
+
+
+def test_num_state_snapshots_flag_reaches_the_runner_and_bad_values_fail():
+    from infc.cli import parser
+    from infc.config import EngineConfig, state_snapshots
+    from infc.server.args import engine_config
+    c = engine_config(parser().parse_args(["serve", "--model-path", "m", "--num-state-snapshots", "5"])).cache
+    assert c.num_state_snapshots == 5 and state_snapshots(c, 64) == 5
+    d = engine_config(parser().parse_args(["serve", "--model-path", "m", "--no-enable-prefix-caching"])).cache
+    assert d.num_state_snapshots is None and state_snapshots(d, 64) == 0
+    assert state_snapshots(EngineConfig().cache, 64) == 64          # default: one per sequence slot
+    with pytest.raises(ValueError, match="--num-state-snapshots must be >= 0"):
+        EngineConfig.from_settings(device="cpu", num_state_snapshots=-1).resolved(
+            lambda: "cpu", lambda: pytest.fail("the cpu device needs no GPU table"))
