@@ -104,6 +104,9 @@ class CPURunner(ComputedAtLaunch):
     # Computed at launch, an overlapped step would only hand its tokens out one step later: the
     # engine steps synchronously over it (tests' runners built on ComputedAtLaunch overlap).
     can_overlap = False
+    # no snapshot pool unless __init__ makes one (rank runners built without it keep none)
+    num_snapshots = 0
+    _state_copies = None
 
     def __init__(self, plan: dict, weights: dict, num_pages: int, page_size: int = DEFAULT_PAGE_SIZE,
                  max_num_seqs: int = 256, num_state_snapshots: int | None = None):
