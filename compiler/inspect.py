@@ -11,7 +11,7 @@ from infc.compiler.contract.weight_roles import FILL_KINDS, fill_key
 
 from .build import compile_model
 from .ir import Graph
-from .memory_budget import budget_lines
+from .memory_budget import budget_lines, snapshot_lines
 from .quant.report import quant_note, weights_section
 
 
@@ -165,6 +165,8 @@ def _inspect_one(model, spec_path, model_dir, dot, phases, spec_dirs, parallel=N
     phases = [p for p in phases if p in plan["programs"]] if phases else list(plan["programs"])
     out += [""] + weights_section(plan, phases)
     out += [""] + budget_lines(plan)
+    if snapshot_lines(plan):
+        out += [""] + snapshot_lines(plan)
     for phase in phases:
         total, per_layer = count_launches(plan["programs"][phase])
         when = {"short": f"; prefill / mixed steps of <= {plan.get('short_tokens')} tokens",

@@ -4,6 +4,7 @@ inspect` prints it per rank, so a parallel layout can be chosen for a model befo
 (the frontier MoE lines at 8 ranks, issue 45).
 
     budget_lines(plan, context=131072) -> ["== memory per GPU ...", ...]
+    snapshot_lines(plan) -> the state snapshots of a plan with slot caches (hybrid prefix caching)
 
 The arena is the plan's liveness-planned activations at the serving defaults' step size
 (infc/config.py: BATCHED_TOKENS on CUDA, DEFAULT_MAX_NUM_SEQS); the cache is caches.token_bytes
@@ -11,7 +12,7 @@ per token of context (every layer's paged caches, latent or K/V, in the plan's c
 `fits` is how many sequences of that context the card's memory holds after weights and arena,
 at DEFAULT_GPU_MEMORY_UTILIZATION, as the runner sizes its KV pool.
 """
-from infc.config import BATCHED_TOKENS, DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_MAX_NUM_SEQS
+from infc.config import BATCHED_TOKENS, DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_MAX_NUM_SEQS, DEFAULT_PAGE_SIZE
 
 from .contract import caches
 from .quant.report import weight_bytes
@@ -51,3 +52,20 @@ def budget_lines(plan: dict, context: int = 131072) -> list[str]:
                    f"{b['arena'] / GIB:.2f} GiB (T = {b['tokens']}, B = {b['seqs']}) + "
                    f"{b['cache_per_seq'] / GIB:.3f} GiB a sequence: {verdict}")
     return out
+
+
+def snapshot_lines(plan: dict) -> list[str]:
+    """A plan with slot caches: what its state snapshots (runtime/engine/state_snapshots.py) cost,
+    a snapshot and the default pool (one per sequence slot), and per cached token. [] otherwise."""
+    decl = caches.of_plan(plan)
+    if not caches.has_slots(decl):
+        return []
+    one, kv = caches.slot_bytes(decl), caches.token_bytes(decl)
+    ps = plan.get("build", {}).get("page_size") or DEFAULT_PAGE_SIZE
+    pool = caches.snapshot_pool_bytes(decl, DEFAULT_MAX_NUM_SEQS)
+    return ["== state snapshots (prefix caching over slot caches: one slot of every slot cache a snapshot)",
+            f"  a snapshot {one / (1 << 20):.2f} MiB = the KV of {one / max(kv, 1):,.0f} tokens "
+            f"({kv / 1024:.1f} KiB a token); the default pool ({DEFAULT_MAX_NUM_SEQS}, --num-state-snapshots) "
+            f"{pool / GIB:.2f} GiB",
+            f"  per cached token: {one / 1024 / 1024:.1f} KiB at one snapshot a 1k-token prefix, "
+            f"{one / ps / 1024:.1f} KiB at one a {ps}-token block"]

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infc import envs
-from infc.config import DEFAULT_KV_CACHE_DTYPE, DEFAULT_PAGE_SIZE, EngineConfig, kv_cache_dtype
+from infc.config import DEFAULT_KV_CACHE_DTYPE, DEFAULT_PAGE_SIZE, EngineConfig, kv_cache_dtype, state_snapshots
 from infc.compiler.contract import caches
 from infc.compiler.contract.errors import ModelDirError
 from infc.runtime.tokenization.tokenizer import eos_ids
@@ -162,7 +162,7 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
         page_size = c.cache.page_size
         num_pages = _cpu_pages(plan, c)
         runner = st.run("allocate KV cache", CPURunner, plan, weights, num_pages, page_size,
-                        c.scheduler.max_num_seqs)
+                        c.scheduler.max_num_seqs, state_snapshots(c.cache, c.scheduler.max_num_seqs))
         model_len = int(plan["config"].get("max_len") or 1 << 30)
     else:
         from infc.compiler.build import REPO, build
@@ -333,7 +333,8 @@ def _cpu_pages(plan: dict, c: EngineConfig) -> int:
     num_pages = c.cache.num_gpu_blocks_override
     if not num_pages:
         budget = c.cache.kv_cache_memory_bytes or envs.value("INFC_CPU_KV_CACHE_BYTES")
-        num_pages = CPURunner.pages_for_budget(plan, c.cache.page_size, budget, c.scheduler.max_num_seqs)
+        num_pages = CPURunner.pages_for_budget(plan, c.cache.page_size, budget, c.scheduler.max_num_seqs,
+                                               state_snapshots(c.cache, c.scheduler.max_num_seqs))
     if num_pages < 1:
         raise ValueError("the KV cache budget holds no page: raise --kv-cache-memory-bytes")
     return num_pages
@@ -344,6 +345,7 @@ def _cuda_runner_settings(c: EngineConfig) -> dict:
     return dict(max_num_batched_tokens=c.scheduler.max_num_batched_tokens, max_num_seqs=c.scheduler.max_num_seqs,
                 max_model_len=c.load.max_model_len, gpu_memory_utilization=c.cache.gpu_memory_utilization,
                 cuda_graphs=c.device.cuda_graphs, load_format=c.load.load_format,
+                num_state_snapshots=state_snapshots(c.cache, c.scheduler.max_num_seqs),
                 **({"num_pages": c.cache.num_gpu_blocks_override} if c.cache.num_gpu_blocks_override else {}))
 
 

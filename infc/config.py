@@ -106,6 +106,17 @@ class CacheConfig:
     kv_offloading_size: float = 0.0
     kv_offloading_disk: str | None = None
     kv_offloading_disk_size: float = 0.0
+    # hybrid models (slot caches): state snapshots kept for prefix caching (--num-state-snapshots;
+    # runtime/engine/state_snapshots.py), each one slot of every slot cache, taken from the KV
+    # cache's memory. None: one per sequence slot (max_num_seqs); 0: none, and no prefix caching.
+    num_state_snapshots: int | None = None
+
+
+def state_snapshots(cache: CacheConfig, max_num_seqs: int) -> int:
+    """The snapshot pool a plan with slot caches gets: none without prefix caching."""
+    if not cache.enable_prefix_caching:
+        return 0
+    return max_num_seqs if cache.num_state_snapshots is None else cache.num_state_snapshots
 
 
 @dataclass(frozen=True)
@@ -389,6 +400,8 @@ class EngineConfig:
                         ("--kv-offloading-disk-size", cache.kv_offloading_disk_size)):
             if not v >= 0:
                 raise ValueError(f"{name} must be >= 0 (GiB), got {v}")
+        if cache.num_state_snapshots is not None and cache.num_state_snapshots < 0:
+            raise ValueError(f"--num-state-snapshots must be >= 0, got {cache.num_state_snapshots}")
         if bool(cache.kv_offloading_disk) != (cache.kv_offloading_disk_size > 0):
             raise ValueError("--kv-offloading-disk (a folder) and --kv-offloading-disk-size (GiB) go together")
         if cache.kv_offloading_disk and not cache.kv_offloading_size:

@@ -8,6 +8,7 @@ How a request flows:
       -> engine/engine.py         Engine: admits requests, steps, stops, detokenizes
            engine/scheduler.py      which sequences run this step (continuous batching, chunked
            engine/block_manager.py  prefill, preemption) over paged KV with prefix caching
+           engine/state_snapshots.py  slot-cache state kept with cached blocks (hybrid models)
            engine/sequence.py, engine/step.py  a sequence; one step's metadata (StepMeta)
            engine/sampling.py       sampling parameters; the numpy sampler
       -> engine/runner.py         the seam to a backend: execute / launch + collect one step

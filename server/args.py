@@ -59,6 +59,9 @@ def add_kv_offloading_args(p: argparse.ArgumentParser):
     p.add_argument("--kv-offloading-disk", metavar="DIR", help="a folder for blocks the host tier "
                    "evicts (one checksummed file each; emptied at startup)")
     p.add_argument("--kv-offloading-disk-size", type=float, metavar="GIB", help="GiB of --kv-offloading-disk to use")
+    p.add_argument("--num-state-snapshots", type=int, metavar="N", help="hybrid models (slot caches): "
+                   "snapshots of the per-sequence state kept for prefix caching, taken from the KV "
+                   "cache's memory (default: --max-num-seqs; 0: none, and no prefix caching)")
 
 
 def add_speculative_config_arg(p: argparse.ArgumentParser):
@@ -234,6 +237,7 @@ def backend_kwargs(args) -> dict:
                 kv_offloading_size=getattr(args, "kv_offloading_size", None),
                 kv_offloading_disk=getattr(args, "kv_offloading_disk", None),
                 kv_offloading_disk_size=getattr(args, "kv_offloading_disk_size", None),
+                num_state_snapshots=getattr(args, "num_state_snapshots", None),
                 load_format=getattr(args, "load_format", "auto"),
                 tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                 enable_expert_parallel=getattr(args, "enable_expert_parallel", False),

@@ -481,7 +481,8 @@ def test_a_restored_prefix_is_copied_in_few_runs():
 
 
 def test_a_model_with_slot_caches_runs_without_tiers_and_says_so():
-    """Hybrid models (slot caches) have no prefix caching yet, so no tiers: a startup note each."""
+    """A runner of a plan with slot caches that keeps no state snapshots (no `state_copies`: rank
+    processes, data-parallel ranks) runs without prefix caching, so without tiers: a note each."""
     r = TieredFake(16)
     r.num_slots = 4
     notes = []

@@ -16,8 +16,9 @@ one shot, and two sequences of different lengths batched the same logits as each
 
 The runtime: a sequence holds a state slot from admission to finish / abort / preemption (block
 manager, scheduler, 1,000 random aborts through the engine on the CPU runner with preemptions), a
-plan with slot caches never gets a prefix-cache hit (the engine turns prefix caching off, says so
-once, and a repeated prompt gives the same logits), the CUDA runner pads a step's state_slots
+plan with slot caches gets prefix-cache hits only with state snapshots (without a pool the engine
+turns prefix caching off and says so once; tests/test_hybrid_prefix.py tests the hits), the CUDA
+runner pads a step's state_slots
 with the spare slot, and plans without slot caches carry no state_slots metadata.
 """
 import json
@@ -348,14 +349,17 @@ class _Capture(CPURunner):
         return [None if s is None else sample_row(logits[b], s) for b, s in enumerate(sampling)]
 
 
-def test_engine_turns_prefix_caching_off_and_repeats_logits(models):
+def test_engine_prefix_caching_over_slot_caches_needs_snapshots(models):
+    """Without a snapshot pool (num_state_snapshots=0) the engine turns prefix caching off, says
+    so once, and a repeated prompt is computed again with the same logits; with one, the repeat
+    hits up to the prompt's last block boundary (tests/test_hybrid_prefix.py checks the logits)."""
     plan, weights = _plan(models["causal"][0])
     lines = []
-    runner = _Capture(plan, weights, num_pages=32, page_size=4, max_num_seqs=4)
+    runner = _Capture(plan, weights, num_pages=32, page_size=4, max_num_seqs=4, num_state_snapshots=0)
     assert runner.num_slots == 4
     e = Engine(runner, max_model_len=128, max_num_seqs=4, enable_prefix_caching=True, log=lines.append)
     assert [line for line in lines if "prefix caching disabled" in line] == lines and len(lines) == 1
-    assert not e.bm.enable_prefix_caching
+    assert not e.bm.enable_prefix_caching and e.snapshots is None
     firsts, outs = [], []
     for _ in range(2):                              # the same prompt twice, one after the other
         e.add_request(PROMPT, SamplingParams(max_tokens=3, temperature=0))
@@ -367,6 +371,15 @@ def test_engine_turns_prefix_caching_off_and_repeats_logits(models):
     assert np.array_equal(firsts[0], firsts[1])
     want = _hf_logits(models["causal"][1], PROMPT)[-1]
     assert np.abs(firsts[0][0] - want).max() <= TOL
+    lines.clear()
+    e = Engine(_Capture(plan, weights, num_pages=32, page_size=4, max_num_seqs=4), max_model_len=128,
+               max_num_seqs=4, log=lines.append)
+    assert e.bm.enable_prefix_caching and any("state snapshots" in line for line in lines)
+    for _ in range(2):
+        e.add_request(PROMPT, SamplingParams(max_tokens=3, temperature=0))
+        while e.has_unfinished():
+            e.step()
+    assert e.bm.hit_tokens == 36 and np.abs(e.runner.seen[-3][0] - want).max() <= TOL
     # a plan without slot caches keeps prefix caching, and no line is logged
     _, plain = compile_model("qwen3-0.6b")
     stub = types.SimpleNamespace(page_size=4, num_pages=8, plan=plain)
@@ -375,19 +388,25 @@ def test_engine_turns_prefix_caching_off_and_repeats_logits(models):
 
 
 def test_cpu_backend_sizes_slots_by_max_num_seqs(models):
-    """What `infc serve --device cpu --max-num-seqs 3` builds: 3 state slots, the pages budget
-    net of them, prefix caching off with one startup line."""
+    """What `infc serve --device cpu --max-num-seqs 3` builds: 3 state slots and 3 snapshots,
+    the pages budget net of them, the snapshots' memory in one startup line."""
     from infc.backend import load_backend
     lines = []
     b = load_backend(models["conditional"][0], device="cpu", max_num_seqs=3, asynchronous=False,
                      log=lines.append, kv_cache_memory_bytes=1 << 22)
     e = b.engine
-    assert e.runner.num_slots == 3 and e.bm.num_free_slots == 3 and not e.bm.enable_prefix_caching
-    assert sum("prefix caching disabled" in line for line in lines) == 1
+    assert e.runner.num_slots == 3 and e.bm.num_free_slots == 3 and e.bm.enable_prefix_caching
+    assert e.snapshots.num == 3 and sum("state snapshots" in line for line in lines) == 1
+    plan = e.runner.plan
+    assert e.runner.num_pages == CPURunner.pages_for_budget(plan, e.page_size, 1 << 22, 6) < \
+        CPURunner.pages_for_budget(plan, e.page_size, 1 << 22, 3)
     e.add_request(PROMPT[:10], SamplingParams(max_tokens=2, temperature=0))
     while e.has_unfinished():
         e.step()
     assert e.bm.num_free_slots == 3
+    off = load_backend(models["conditional"][0], device="cpu", max_num_seqs=3, asynchronous=False,
+                       kv_cache_memory_bytes=1 << 22, enable_prefix_caching=False).engine
+    assert off.snapshots is None and off.runner.num_snapshots == 0
 
 
 class OverlappedCPURunner(CPURunner):
@@ -431,16 +450,16 @@ def test_engine_random_aborts_and_preemptions_free_every_slot(models, overlap):
     assert e.scheduler.num_preemptions > 0
     assert e.bm.num_free_slots == runner.num_slots == 4
     assert e.bm.num_free_pages == runner.num_pages
-    assert e.bm.hit_tokens == 0
-    e.bm.check()
+    e.bm.check()                                 # the snapshots: none pinned, every one free or kept
+    assert not e.snapshots.restores and all(b.ref == 0 for b in e.snapshots.blocks)
 
 
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 def test_engine_outputs_through_preemption_match_each_alone(models, overlap):
-    """Four requests on 8 pages of 4 tokens: they preempt each other (recomputed from token 0, no
-    prefix reuse), chunked prefills share steps with decodes, and each one's greedy tokens are
+    """Four requests on 8 pages of 4 tokens: they preempt each other (recomputed from their last
+    snapshot still cached, else from token 0), chunked prefills share steps with decodes, and each one's greedy tokens are
     still the ones it gets alone."""
     plan, weights = _plan(models["causal"][0])
     runner = (OverlappedCPURunner if overlap else CPURunner)(plan, weights, num_pages=8, page_size=4, max_num_seqs=4)

@@ -1,5 +1,5 @@
 """The OpenAI-compatible server end to end, driven by the real `openai` SDK (in CI on the CPU backend,
-once per model: the real SmolLM2-135M, a tiny random Qwen3.5 (hybrid: state slots, no prefix cache)
+once per model: the real SmolLM2-135M, a tiny random Qwen3.5 (hybrid: state slots and their snapshots)
 and a tiny random DeepSeek-V2 (latent KV cache), the two with the real Qwen tokenizer; on any model
 and device through test_server_support's variables): completions and chat, streaming with and
 without usage, n > 1, logprobs, echo with prompt logprobs, stop strings and ids, seeds, the error
@@ -30,7 +30,7 @@ GREEDY = dict(temperature=0)
 # every test taking the server runs once per model of test_server_support.MODELS (SmolLM2, and the
 # tiny random Qwen3.5 and DeepSeek-V2 on the CPU; `-k qwen3_5` selects one). The fast suite runs
 # all of them on the default model and, on the others, those marked backend_specific: what an
-# engine with state slots (no prefix cache) or a latent KV cache, or the Qwen tokenizer, could get
+# engine with state slots (prefix hits through state snapshots) or a latent KV cache, or the Qwen tokenizer, could get
 # wrong. The HTTP layer's own cases (errors, auth, caps, metrics) run on them with --exhaustive.
 srv = per_model_srv(MODELS, fast=[DEFAULT])
 backend_specific = pytest.mark.backend_specific
@@ -227,8 +227,8 @@ def pages_long_prompt(pages: int) -> str:
 def test_long_prompt_replayed(srv):
     """A prompt of several full pages sent again, then echoed: the same greedy tokens and, within
     rounding, the same logprobs, whether the engine serves it again from cached prefix pages
-    (SmolLM2's KV, DeepSeek-V2's latent c_kv | k_pe pages) or recomputes it: a plan with state
-    slots (Qwen3.5) never gets a prefix hit, since cached KV cannot restore its recurrent state."""
+    (SmolLM2's KV, DeepSeek-V2's latent c_kv | k_pe pages, Qwen3.5's pages with the state
+    snapshot taken at the prompt's last block boundary) or recomputes it."""
     c, e = srv.client(), srv.engine
     prompt = pages_long_prompt(2)
     hits = e.bm.hit_tokens
@@ -245,9 +245,7 @@ def test_long_prompt_replayed(srv):
     for run in runs:
         got = run.choices[0].logprobs.token_logprobs[-4:]
         assert max(abs(a - b) for a, b in zip(got, want)) < tol, (got, want)
-    if e.num_slots:
-        assert not e.bm.enable_prefix_caching and e.bm.hit_tokens == 0
-    elif e.bm.enable_prefix_caching:
+    if e.bm.enable_prefix_caching:
         assert e.bm.hit_tokens - hits >= backend().page_size       # the replay reused full pages
     assert_clean(srv)
 

@@ -22,6 +22,13 @@ prefix sharing, host offload and forks.
 A page as one host block (the KV tiers' unit, runtime/engine/kv_tier/): the page's bytes in every
 paged (cache, layer), concatenated in plan order, page_bytes of them. HostCaches.read_pages /
 write_pages and DeviceCaches.block_copies move pages to and from rows of such blocks.
+
+State snapshots (hybrid prefix caching, runtime/engine/state_snapshots.py): a snapshot is one
+slot of every slot cache and layer, kept apart from the running slots in a pool of its own. The
+pool is storage of `snapshot_decl(caches)`: each slot cache declared as a paged cache of one-token
+pages, so snapshot s is page s of it, and everything pages have (host blocks, block_copies, the
+KV tiers' copies) works on snapshots unchanged. save_state / restore_state copy one running slot
+to and from one snapshot (HostCaches: numpy; DeviceCaches: one device-to-device copy a region).
 """
 from dataclasses import dataclass
 
@@ -121,6 +128,17 @@ def slot_bytes(caches: dict, itemsize: int | None = None) -> int:
     """Bytes of one slot: every slot cache, every one of its layers."""
     return sum(unit_elems(c) * _itemsize(c, itemsize) * len(c["layers"])
                for c in caches.values() if c["kind"] == "slot")
+
+
+def snapshot_decl(caches: dict) -> dict:
+    """The snapshot pool's declaration: the slot caches as paged caches (use a page size of 1):
+    a page of it is one snapshot, slot_bytes of it."""
+    return {n: dict(c, kind="paged") for n, c in caches.items() if c["kind"] == "slot"}
+
+
+def snapshot_pool_bytes(caches: dict, num_snapshots: int, itemsize: int | None = None) -> int:
+    """Bytes of a pool of num_snapshots state snapshots (unaligned)."""
+    return num_snapshots * slot_bytes(caches, itemsize)
 
 
 def token_bytes(caches: dict, itemsize: int | None = None) -> int:
@@ -282,6 +300,16 @@ class HostCaches:
             at += w
         assert at == blocks.shape[1], (at, blocks.shape)
 
+    def save_state(self, snapshots: "HostCaches", slot: int, snap: int):
+        """Running slot `slot` -> snapshot `snap` of the pool `snapshots` (snapshot_decl's storage)."""
+        for key, a in snapshots.arrays.items():
+            a[snap, 0] = self.arrays[key][slot]
+
+    def restore_state(self, snapshots: "HostCaches", snap: int, slot: int):
+        """Snapshot `snap` -> running slot `slot`: save_state's inverse."""
+        for key, a in snapshots.arrays.items():
+            self.arrays[key][slot] = a[snap, 0]
+
     def grow(self, num_pages: int):
         """More pages (page contents kept at their ids; the padding page moves to the end)."""
         if num_pages <= self.num_pages:
@@ -351,6 +379,23 @@ class DeviceCaches:
         if at != row_bytes:
             raise ValueError(f"host blocks of {row_bytes} bytes, but a page is {at} bytes")
         return out
+
+    def _state_copies(self, snapshots: "DeviceCaches", slot: int, snap: int, to_snapshot: bool):
+        for r in self.layout.of_kind("slot"):
+            s = snapshots.layout.region(r.name, r.layer)
+            assert s.stride == r.stride, (r, s)
+            running, kept = self.base + r.offset + slot * r.stride, snapshots.base + s.offset + snap * s.stride
+            self.ctx.dtod(*((kept, running) if to_snapshot else (running, kept)), r.stride)
+
+    def save_state(self, snapshots: "DeviceCaches", slot: int, snap: int):
+        """Running slot `slot` -> snapshot `snap` of `snapshots` (snapshot_decl's storage): one
+        device-to-device copy a slot (cache, layer), on the context's stream (after the steps
+        issued before it, before those issued after)."""
+        self._state_copies(snapshots, slot, snap, True)
+
+    def restore_state(self, snapshots: "DeviceCaches", snap: int, slot: int):
+        """Snapshot `snap` -> running slot `slot`: save_state's inverse."""
+        self._state_copies(snapshots, slot, snap, False)
 
     def copy_slot(self, src: int, dst: int):
         if src == dst:

@@ -111,7 +111,8 @@ class CudaRunner:
                  gpu_memory_utilization: float = 0.9, cuda_graphs: bool = True,
                  buckets: list[int] | None = None, num_pages: int | None = None,
                  load_format: str = "auto", pdl: bool | None = None, ctx: Context | None = None,
-                 plan: dict | None = None, collectives=None, agree_num_pages=None):
+                 plan: dict | None = None, collectives=None, agree_num_pages=None,
+                 num_state_snapshots: int | None = None):
         """load_format: "auto" reads model_dir's safetensors; "dummy" fills random weights on the
         device (runtime/weights/dummy.py), so model_dir needs only config.json.
         pdl: launch the kernels whose META allows it as programmatic dependents of the kernel
@@ -122,7 +123,11 @@ class CudaRunner:
         `collectives` (runtime/cuda/collectives.py: NCCL, or device copies between the runners
         of one process, which then share `ctx`). agree_num_pages(n) -> the page count every rank
         uses: one process per GPU sizes its cache from its own free memory, which differs by a few
-        MB between GPUs, while every rank must hold the same page ids (nccl_runner: the minimum)."""
+        MB between GPUs, while every rank must hold the same page ids (nccl_runner: the minimum).
+        num_state_snapshots: a plan with slot caches keeps a pool of that many state snapshots
+        for prefix caching (state_copies.py; None: max_num_seqs; 0: none), taken from the KV
+        cache's memory."""
+        self._snapshots_asked = num_state_snapshots
         self.pdl = envs.value("INFC_PDL") if pdl is None else pdl
         self.ctx = ctx if ctx is not None else Context()
         self.artifact = Path(artifact)
@@ -213,16 +218,28 @@ class CudaRunner:
         # one state slot per running sequence (max_num_seqs; the engine hands them out), and slot
         # num_slots the spare that CUDA-graph pad rows write
         self.num_slots = self.max_seqs if caches.has_slots(decl) else 0
+        asked = self._snapshots_asked
+        self.num_snapshots = (self.max_seqs if asked is None else asked) if self.num_slots else 0
         free, total = self.ctx.mem_info()
         if num_pages is None:
             budget = int(total * utilization) - (total - free)
-            num_pages = caches.pages_for_budget(decl, self.page_size, budget, self.num_slots)
+            # the snapshot pool is as many more slots (its own allocation; one more for alignment)
+            spare = self.num_snapshots + 1 if self.num_snapshots else 0
+            num_pages = caches.pages_for_budget(decl, self.page_size, budget, self.num_slots + spare)
         if agree is not None:
             num_pages = agree(num_pages)
         if num_pages < 2:
             raise MemoryError(f"no room for the KV cache: {free / 2**30:.1f} GiB free of {total / 2**30:.1f}")
         self.num_pages = num_pages                 # usable pages; page num_pages is the padding page
         self.caches = caches.DeviceCaches(self.ctx, decl, self.page_size, num_pages, self.num_slots)
+        self._state_copies = None
+        if self.num_snapshots:
+            from .state_copies import DeviceStateCopies
+            self._state_copies = DeviceStateCopies(self.ctx, self.caches, self.num_snapshots)
+
+    def state_copies(self):
+        """The state snapshot pool and its device copies (plans with slot caches; None without)."""
+        return self._state_copies
 
     def kv_copies(self):
         """Pages to and from pinned host blocks on a copy stream, for the KV tiers (kv_copies.py)."""

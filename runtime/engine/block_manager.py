@@ -13,8 +13,9 @@ sequence's pages go back tail first, so its later (less shared) blocks are evict
 
 State slots (plans with slot caches: conv and recurrent state, one entry per sequence): with
 num_slots > 0 a sequence also takes a free slot at admission (no slot, no admission) and gives it
-back with its pages (finish, abort, preemption). A preempted sequence is recomputed from token 0,
-and kernels treat a sequence with nothing cached as zero state, so a slot needs no reset.
+back with its pages (finish, abort, preemption). A preempted sequence is recomputed from token 0
+(or, with state snapshots, from its last snapshot still cached), and kernels treat a sequence with
+nothing cached as zero state, so a slot needs no reset.
 
 KV tiers (`tiers`, kv_tier/tiers.py: --kv-offloading-size): a hashed page whose last reference
 goes is offered to them, and the prefix lookup goes on past the device's hits into them: a
@@ -26,6 +27,12 @@ off. A block that enters the cache (committed, or restored from a tier) is recor
 its tokens and the hash of the block before it, runs of a sequence's consecutive blocks in one
 event; a cached block whose page is taken is "removed"; reset_prefix_cache records "cleared". The
 engine publishes and empties the list after each step.
+
+State snapshots (`snapshots`, state_snapshots.py: plans with slot caches and prefix caching on): a
+hit is cut back to the last block whose snapshot of the state there exists (pool or tiers), the
+snapshot is acquired at admission and copied into the sequence's new slot before its first step;
+chunks end at block boundaries (`chunk`) so that their ends can be snapshotted. A block evicted
+from the cache (with no tiers behind it) takes its snapshot with it.
 
 LoRA adapters (`lora`: runtime/lora/slots.py's LoraSlots): a sequence naming one is admitted only
 with its adapter in a slot (admit / drop, alongside its pages), and its block hashes start from
@@ -81,6 +88,7 @@ class BlockManager:
         self.events: list | None = None           # KV events of the step running (kv_events.py)
         self.on_release = None                    # called with a sequence that gave its pages back
                                                   # (a draft model's shadow goes with it)
+        self.snapshots = None                     # StateSnapshots where the plan has slot caches
 
     # -- accounting ---------------------------------------------------------------------------
     @property
@@ -116,6 +124,10 @@ class BlockManager:
             seq.block_hasher = h
         return hs[:num_blocks]
 
+    def block_hash(self, seq: Sequence, i: int) -> bytes:
+        """The prefix hash of seq's block i (its tokens must be known)."""
+        return self._hashes(seq, i + 1)[i]
+
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         # a sequence that scores its prompt computes every row (cached rows have no logits: vLLM
         # too skips the prefix cache for prompt logprobs); its blocks still enter the cache
@@ -127,7 +139,21 @@ class BlockManager:
             if page is None and (self.tiers is None or not self.tiers.find(h)):
                 break
             hits.append(page)                     # None: in a tier
+        if self.snapshots is not None:            # the state must be restorable where the hit ends
+            del hits[self.snapshots.longest(seq.block_hashes, len(hits)):]
         return hits
+
+    def chunk(self, seq: Sequence, start: int, n: int) -> int:
+        """How many of the n tokens from `start` the step computes: with state snapshots, a chunk
+        that stops short of the sequence's end stops at a block boundary, and a prefill chunk
+        reaching it stops at the last block boundary before its last token (the longest prefix a
+        re-sent prompt can hit), so each chunk's end can be snapshotted. That costs a prompt one
+        step more: its last (at most page_size) tokens run in a step of their own."""
+        if self.snapshots is None or n <= 1:
+            return n
+        ps, end = self.page_size, start + n
+        cut = end // ps * ps if end < seq.num_tokens else (seq.num_tokens - 1) // ps * ps
+        return cut - start if cut > start else n
 
     def cached_blocks(self, seq: Sequence) -> int:
         """How many of seq's leading full blocks this cache holds now (what admission would hit)."""
@@ -148,6 +174,8 @@ class BlockManager:
                 del self.cached[b.hash]
                 if self.events is not None:
                     self.record_removed(b.hash)
+                if self.snapshots is not None and self.tiers is None:
+                    self.snapshots.forget(b.hash)
             b.hash = None
         b.ref = 1
         if self.tiers is not None:
@@ -160,19 +188,37 @@ class BlockManager:
         assert not seq.pages and seq.num_computed_tokens == 0, seq
         hits = self._cached_prefix(seq)
         rows = self.tiers.fetch(seq.block_hashes, hits) if None in hits else []   # cuts hits
+        snap = None
+        if self.snapshots is not None and hits:
+            keep = self.snapshots.longest(seq.block_hashes, len(hits))    # a tier fetch may cut hits
+            snap = self.snapshots.acquire(seq.block_hashes[keep - 1]) if keep else None
+            keep = keep if snap is not None else 0
+            if keep < len(hits):
+                kept = sum(p is None for p in hits[:keep])
+                if rows:
+                    self.tiers.unfetch(rows[kept:])
+                del hits[keep:], rows[kept:]
         cached = len(hits) * self.page_size
-        n = min(seq.num_tokens - cached, budget)
+        n = self.chunk(seq, cached, min(seq.num_tokens - cached, budget))
         new = self.pages_for(cached + n) - len(hits)
         # evictable hits leave `free`; a tier block takes a page of it
         revived = sum(1 for p in hits if p is None or self.blocks[p].ref == 0)
         if n <= 0 or new + revived > len(self.free) or (self.num_slots and not self.free_slots):
             if rows:
                 self.tiers.unfetch(rows)
+            if snap is not None:
+                self.snapshots.release(snap)
             return 0
         if self.lora is not None and not self.lora.admit(seq):
+            if rows:
+                self.tiers.unfetch(rows)
+            if snap is not None:
+                self.snapshots.release(snap)
             return 0
         if self.num_slots:
             seq.slot = self.free_slots.pop()
+        if snap is not None:
+            self.snapshots.restore(snap, seq)
         for p in hits:
             if p is not None:
                 self._take(p)
@@ -305,3 +351,5 @@ class BlockManager:
         assert all(0 <= s < self.num_slots for s in self.free_slots), self.free_slots
         if self.tiers is not None:
             self.tiers.check()
+        if self.snapshots is not None:
+            self.snapshots.check()

@@ -52,7 +52,7 @@ import numpy as np
 
 from infc import envs
 
-from . import bad_words, fault_inject, kv_events, prompt_logprobs
+from . import bad_words, fault_inject, kv_events, prompt_logprobs, state_snapshots
 from .block_manager import BlockManager
 from .kv_tier import tiers as kv_tiers
 from .metrics import Metrics
@@ -169,19 +169,22 @@ class Engine:
         # A runner whose plan keeps per-sequence state (slot caches: a hybrid model's conv and
         # recurrent state) has num_slots of them; each running sequence holds one.
         self.num_slots = getattr(runner, "num_slots", 0)
+        # Prefix caching over slot caches (hybrid models) restores the state where a hit ends from
+        # a snapshot kept with the cached block (state_snapshots.py); a runner that keeps none
+        # runs such a plan without prefix caching, as issue 12 decided before snapshots.
+        copies = None
         if self.num_slots and enable_prefix_caching:
-            # Decision (issue 12): no prefix reuse for plans with slot caches. A KV-page hit
-            # restores the attention layers' keys and values but not the linear-attention layers'
-            # state after those tokens, so the suffix would run from the wrong state. Snapshots of
-            # the slot state at page boundaries, stored with the cached blocks, are future work.
-            enable_prefix_caching = False
-            if log:
-                log("  prefix caching disabled: this model keeps per-sequence state (slot caches) "
-                    "that a cached KV prefix cannot restore")
+            copies = state_snapshots.snapshot_copies(runner, self.dp, log)
+            enable_prefix_caching = copies is not None
+        kv_offloading, snap_offloading = state_snapshots.split_offloading(runner, copies, kv_offloading)
         self.tiers = kv_tiers.for_engine(runner, kv_offloading, enable_prefix_caching, self.dp, log)
+        self.snapshots = None if copies is None else \
+            state_snapshots.for_engine(runner, copies, snap_offloading, self.tiers, log)
         # one block manager and scheduler a data-parallel rank (each its own pages and budget)
         self.bms = [BlockManager(runner.num_pages, runner.page_size, enable_prefix_caching, self.num_slots,
                                  self.tiers) for _ in range(self.dp)]
+        for bm in self.bms:
+            bm.snapshots = self.snapshots
         self.schedulers = [Scheduler(bm, max_num_seqs, max_num_batched_tokens) for bm in self.bms]
         self.bm, self.scheduler = self.bms[0], self.schedulers[0]
         # a plan built with --enable-lora: the adapters requests may name, in the runner's slots
@@ -419,6 +422,8 @@ class Engine:
         try:
             if self.tiers is not None:          # before the step: its restores, the saves it overwrites
                 self.tiers.flush(self.bm.blocks, before_launch=True)
+            if self.snapshots is not None:      # the admitted sequences' state, where their hits end
+                self.snapshots.before_launch()
             launched = self._launch_any(batches) if any(batches) else None
         except Exception as e:                  # noqa: BLE001 - this step is lost, not the engine
             if is_fatal(e):
@@ -449,6 +454,8 @@ class Engine:
                 outputs += self._drain_in_flight(e)
         if self.tiers is not None:              # the blocks this step released go to the host now
             self.tiers.flush(self.bm.blocks)
+        if self.snapshots is not None:
+            self.snapshots.after_step()
         self._gauges()
         return outputs
 
@@ -630,16 +637,31 @@ class Engine:
 
     def _launched(self, batch, rows):
         """The batch's sequences after their step was issued."""
+        saves = []
         for b, ((seq, n), row) in enumerate(zip(batch, rows)):
             seq.num_computed_tokens += n
             # blocks whose ids are all known are offered now, as the synchronous engine does
             # before it schedules the next step: a request admitted then finds them (it runs
             # after this step on the stream). A block with the pending token waits for _collect.
             self.bms[seq.rank].commit(seq)
+            if self.snapshots is not None and (h := self._snapshot_at(seq, n)) is not None:
+                saves.append((h, seq.slot))
             if row is not None:
                 seq.pending += 1
                 seq.pending_row = b
                 seq.final = self._at_length(seq, seq.num_tokens)
+        if saves:                               # the state this step leaves: before the next one runs
+            self.snapshots.save(saves)
+
+    def _snapshot_at(self, seq: Sequence, n: int) -> bytes | None:
+        """The hash of the block a step of n tokens just ended seq's state on, when it is to be
+        snapshotted: a prefill chunk's end on a block boundary whose tokens are all known (decode
+        steps cross a boundary every page_size tokens: a snapshot each would cost far more than
+        the blocks' KV, so none)."""
+        c = seq.num_computed_tokens
+        if c % self.page_size or not 0 < c <= len(seq.token_ids) or (n == 1 and c > seq.num_prompt_tokens):
+            return None
+        return self.bms[seq.rank].block_hash(seq, c // self.page_size - 1)
 
     def _collect(self, batch, rows, handle, scores=None, read: bool = True, then=None) -> list[StepOutput]:
         """Read a launched step's samples back (read=False: handle is the samples); append them,

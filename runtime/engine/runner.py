@@ -104,24 +104,33 @@ class CPURunner(ComputedAtLaunch):
     # Computed at launch, an overlapped step would only hand its tokens out one step later: the
     # engine steps synchronously over it (tests' runners built on ComputedAtLaunch overlap).
     can_overlap = False
+    # no snapshot pool unless __init__ makes one (rank runners built without it keep none)
+    num_snapshots = 0
+    _state_copies = None
 
     def __init__(self, plan: dict, weights: dict, num_pages: int, page_size: int = DEFAULT_PAGE_SIZE,
-                 max_num_seqs: int = 256):
+                 max_num_seqs: int = 256, num_state_snapshots: int | None = None):
         """max_num_seqs: state slots to allocate when the plan has slot caches (one per running
-        sequence; `num_slots`, 0 for a plan without them), as the CUDA runner does."""
+        sequence; `num_slots`, 0 for a plan without them), as the CUDA runner does.
+        num_state_snapshots: the snapshot pool of such a plan (hybrid prefix caching; None:
+        max_num_seqs; 0: none, and no prefix caching for it)."""
         from ..reference.executor import ReferenceExecutor
         self.plan, self.page_size, self.num_pages = plan, page_size, num_pages
         self.vocab_size = plan["config"]["V"]
         self.num_slots = max_num_seqs if caches.has_slots(caches.of_plan(plan)) else 0
+        self.num_snapshots = (max_num_seqs if num_state_snapshots is None else num_state_snapshots) \
+            if self.num_slots else 0
+        self._state_copies = None
         self.executor = ReferenceExecutor(plan, weights, page_size)
         self.executor.allocate_pages(num_pages, page_size, self.num_slots)
 
     @staticmethod
-    def pages_for_budget(plan: dict, page_size: int, budget: int, max_num_seqs: int = 0) -> int:
+    def pages_for_budget(plan: dict, page_size: int, budget: int, max_num_seqs: int = 0,
+                         num_state_snapshots: int = 0) -> int:
         """Usable pages of the plan's caches (float32 on the CPU) within `budget` bytes, after
-        the state slots of max_num_seqs sequences (plans with slot caches)."""
+        the state slots of max_num_seqs sequences and the snapshot pool (plans with slot caches)."""
         decl = caches.of_plan(plan)
-        slots = max_num_seqs if caches.has_slots(decl) else 0
+        slots = max_num_seqs + num_state_snapshots if caches.has_slots(decl) else 0
         return caches.pages_for_budget(decl, page_size, budget, slots, itemsize=4)
 
     @property
@@ -133,6 +142,12 @@ class CPURunner(ComputedAtLaunch):
         """Pages to and from host blocks, for the KV tiers (kv_tier/host_copies.py)."""
         from .kv_tier.host_copies import HostCopies
         return HostCopies(self.executor.paged)
+
+    def state_copies(self):
+        """The state snapshot pool's copies (plans with slot caches; state_snapshots.py): numpy."""
+        if self._state_copies is None and self.num_snapshots:
+            self._state_copies = HostStateCopies(self.executor.paged, self.num_snapshots)
+        return self._state_copies
 
     def lora_put(self):
         """The writer of the plan's LoRA tables (runtime/lora/tables.py): the numpy weights."""
@@ -152,6 +167,29 @@ class CPURunner(ComputedAtLaunch):
 
     def execute(self, meta: StepMeta, sampling: list[RowSampling | None]) -> list[Sample | None]:
         return sample_rows(self.forward(meta), sampling)
+
+
+class HostStateCopies:
+    """Running slots to and from a numpy pool of state snapshots (compiler/contract/caches.py
+    snapshot_decl); copies are done when issued. The CUDA runner's counterpart, with device copies,
+    is runtime/cuda/state_copies.py."""
+
+    def __init__(self, storage: caches.HostCaches, num: int):
+        self.storage, self.num, self.itemsize = storage, num, 4      # float32 storage
+        self.pool = caches.HostCaches(caches.snapshot_decl(storage.caches), 1, num)
+        self.snapshot_bytes = self.pool.block_bytes
+        self.pool_bytes = caches.snapshot_pool_bytes(storage.caches, num, self.itemsize)
+
+    def save(self, slot: int, snap: int):
+        self.storage.save_state(self.pool, slot, snap)
+
+    def restore(self, snap: int, slot: int):
+        self.storage.restore_state(self.pool, snap, slot)
+
+    def tier_copies(self):
+        """Snapshots to and from host rows, for the snapshots' KV tiers (as pages are)."""
+        from .kv_tier.host_copies import HostCopies
+        return HostCopies(self.pool)
 
 
 def sample_rows(logits: np.ndarray, sampling: list[RowSampling | None]) -> list[Sample | None]:

@@ -62,7 +62,7 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING or seq.final:   # preempted earlier in this loop, or
                 continue                                     # its last token is still in flight
-            n = min(seq.num_uncomputed, budget)
+            n = self.bm.chunk(seq, seq.num_computed_tokens, min(seq.num_uncomputed, budget))
             while not self.bm.grow(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)

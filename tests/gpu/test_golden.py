@@ -190,11 +190,12 @@ def test_prefix_replay_and_determinism(setup):
         again = step(runner, pages, [Chunk(1, s[:n], 0)])          # two identical runs: bit-identical
         full = (n - 1) // runner.page_size
         if runner.num_slots:
-            # slot caches (hybrid): prefix caching is off for this plan, so no hit is expected or
-            # taken; sequence 2 computes the page-aligned prefix itself, then the same suffix step
-            # a hit would run, reading its own state slot and pages
-            print(f"{name} prefix replay: the plan has slot caches, prefix caching is off (no hit "
-                  f"expected); warm = a {full * runner.page_size}-token prefix then the suffix step")
+            # slot caches (hybrid): a hit needs the engine's state snapshot (state_snapshots.py),
+            # which this runner-level test does not keep; sequence 2 computes the page-aligned
+            # prefix itself, then the same suffix step a hit would run, reading its own state
+            # slot and pages
+            print(f"{name} prefix replay: the plan has slot caches (no snapshot here); warm = a "
+                  f"{full * runner.page_size}-token prefix then the suffix step")
             step(runner, pages, [Chunk(2, s[: full * runner.page_size], 0)])
         else:
             pages.ensure(2, n, shared=pages.of[0][:full])           # reuse the cached prefix pages
