@@ -204,6 +204,23 @@ def test_a_hit_without_its_snapshot_is_no_hit():
     assert_all_free(e)
 
 
+
+def test_reset_prefix_cache_forgets_the_snapshots_too():
+    """vLLM's reset_prefix_cache: with no tier behind them, the snapshots of the forgotten blocks
+    go with them (no lookup can reach them again), and the prompt is computed again, correctly."""
+    r = StateFake(64, num_snapshots=8)
+    e = make_engine(r, max_num_seqs=4, max_num_batched_tokens=7)
+    prompt = list(range(1, 24))
+    params = SamplingParams(max_tokens=2, **GREEDY)
+    e.add_request(prompt, params, "a")
+    first = drain(e)["a"][0]
+    assert len(e.snapshots.lru) == 5
+    assert e.reset_prefix_cache()
+    assert len(e.snapshots.lru) == 0
+    e.add_request(prompt, params, "b")
+    assert drain(e)["b"][0] == first and e.bm.hit_tokens == 0
+    assert_all_free(e)
+
 def _seq(prompt):
     from infc.runtime.engine.sequence import Sequence
     return Sequence(0, "x", 0, prompt, SamplingParams(), 0)

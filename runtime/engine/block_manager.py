@@ -315,6 +315,8 @@ class BlockManager:
         theirs, no longer findable by a new prompt; the KV tiers keep what they hold."""
         for h, page in self.cached.items():
             self.blocks[page].hash = None
+            if self.snapshots is not None and self.tiers is None:
+                self.snapshots.forget(h)          # the state at a block no lookup can find again
         self.cached.clear()
         if self.events is not None:
             self.events.append(("cleared",))
