@@ -140,3 +140,95 @@ def test_llama4_through_kernels(llama4, tmp_path):
     for chunk in ([0, PROMPT, 0], [0, [PROMPT[3]], len(PROMPT)]):
         got, want = run.step([Chunk(*chunk)]), ref.step([SeqChunk(*chunk)])
         assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
+
+
+# -- routers from smaller ops, against numpy written from their definitions ---------------------
+
+TINY = dict(hidden_size=24, intermediate_size=16, num_experts=5, vocab_size=40, num_hidden_layers=2)
+
+THRESHOLD_SPEC = """
+family: threshold_moe
+architectures: [ThresholdMoeForTest]
+config: {H: hidden_size, F: intermediate_size, E: num_experts, V: vocab_size, L: num_hidden_layers,
+         tau: router_threshold}
+weights:
+  embed: {name: embed, shape: [V, H]}
+  head:  {name: head, shape: [V, H]}
+layer:
+  weights:
+    norm:   {name: "l.{i}.norm", shape: [H]}
+    router: {name: "l.{i}.router", shape: [E, H]}
+    gate:   {name: "l.{i}.experts.{e}.gate", shape: [F, H], experts: E}
+    up:     {name: "l.{i}.experts.{e}.up", shape: [F, H], experts: E}
+    down:   {name: "l.{i}.experts.{e}.down", shape: [H, F], experts: E}
+  graph:
+    - h = rms_norm(x, norm, 1.0e-6)
+    # every expert's softmax probability (k = E), then those at most tau weigh 0: a router whose
+    # number of experts per token varies, from moe_route + threshold, no op of its own
+    - p, ids = moe_route(linear(h, router), E, false)
+    - x = add(x, moe_experts(h, threshold(p, tau, 0.0), ids, gate, up, down))
+graph:
+  - x = embedding(tokens, embed)
+  - x = layers(x)
+  - logits = linear(last(x), head)
+"""
+
+
+def _tiny_checkpoint(d, cfg, tensors):
+    from safetensors.numpy import save_file
+    d.mkdir(exist_ok=True)
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(d / "model.safetensors"))
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def _rms(x, w):
+    return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + 1e-6) * w
+
+
+def _expert(t, x, lay, e):
+    g, u = t[f"l.{lay}.experts.{e}.gate"] @ x, t[f"l.{lay}.experts.{e}.up"] @ x
+    return t[f"l.{lay}.experts.{e}.down"] @ (g / (1 + np.exp(-g)) * u)
+
+
+def _tiny_tensors(gen, extra=lambda lay: {}):
+    H, F, E, V = (TINY[k] for k in ("hidden_size", "intermediate_size", "num_experts", "vocab_size"))
+    t = {"embed": gen.standard_normal((V, H)), "head": gen.standard_normal((V, H)) * 0.3}
+    for lay in range(TINY["num_hidden_layers"]):
+        t[f"l.{lay}.norm"] = 1 + 0.2 * gen.standard_normal(H)
+        t[f"l.{lay}.router"] = 0.25 * gen.standard_normal((E, H))
+        for e in range(E):
+            t[f"l.{lay}.experts.{e}.gate"] = gen.standard_normal((F, H)) * H ** -0.5
+            t[f"l.{lay}.experts.{e}.up"] = gen.standard_normal((F, H)) * H ** -0.5
+            t[f"l.{lay}.experts.{e}.down"] = gen.standard_normal((H, F)) * F ** -0.5
+        t.update(extra(lay))
+    return {k: v.astype(np.float32) for k, v in t.items()}
+
+
+def _reference_logits(spec_text, d, tmp_path, prompt):
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(spec_text)
+    _, plan = compile_model(model_dir=str(d), spec_path=str(spec))
+    return ReferenceExecutor(plan, load_weights(plan, Checkpoint(d))).step(
+        [SeqChunk(k, prompt[:k], 0) for k in range(1, len(prompt) + 1)])
+
+
+def test_threshold_router_from_smaller_ops(tmp_path):
+    """y = sum over experts e with softmax p_e > tau of p_e * expert_e(h): tokens take 0 to E experts."""
+    gen = np.random.default_rng(4)
+    t, tau = _tiny_tensors(gen), 0.22
+    _tiny_checkpoint(tmp_path / "m", {**TINY, "router_threshold": tau, "architectures": ["ThresholdMoeForTest"]}, t)
+    prompt = [int(v) for v in gen.integers(0, TINY["vocab_size"], 12)]
+    want, counts = [], []
+    for n in range(1, len(prompt) + 1):
+        x = t["embed"][prompt[n - 1]].astype(np.float64)
+        for lay in range(TINY["num_hidden_layers"]):
+            h = _rms(x, t[f"l.{lay}.norm"])
+            z = t[f"l.{lay}.router"] @ h
+            p = np.exp(z - z.max()) / np.exp(z - z.max()).sum()
+            chosen = [e for e in range(TINY["num_experts"]) if p[e] > tau]
+            counts.append(len(chosen))
+            x = x + sum((p[e] * _expert(t, h, lay, e) for e in chosen), np.zeros_like(x))
+        want.append(t["head"] @ x)
+    assert len(set(counts)) >= 3, counts          # the number of experts a token takes varies
+    got = _reference_logits(THRESHOLD_SPEC, tmp_path / "m", tmp_path, prompt)
+    np.testing.assert_allclose(got, np.array(want), rtol=0, atol=1e-4)

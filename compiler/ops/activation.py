@@ -118,6 +118,27 @@ op(name="clamp", tensors=["x"], attrs={"min": None, "max": None}, infer=_clamp_i
    doc="torch.clamp(x, min, max), elementwise")
 
 
+def _threshold(ctx, x, threshold, value):
+    """torch's F.threshold: x where x > threshold, else value (computed in float32)."""
+    x = np.asarray(x, np.float32)
+    return np.where(x > np.float32(threshold), x, np.float32(value))
+
+
+def _threshold_infer(types, attrs):
+    for name in ("threshold", "value"):
+        v = attrs.get(name)
+        expect(isinstance(v, (int, float)) and not isinstance(v, bool),
+               f"threshold {name} must be a number, got {v!r}")
+    return [types[0]]
+
+
+# threshold(x, threshold, value): F.threshold; with a router's weights, the experts scoring at most
+# `threshold` weigh `value` (0: a threshold-masked router from moe_route's all-expert scores)
+op(name="threshold", tensors=["x"], attrs={"threshold": REQUIRED, "value": REQUIRED}, infer=_threshold_infer,
+   reference=_threshold,
+   templates={"triton": "act"}, doc="F.threshold(x, threshold, value), elementwise")
+
+
 def _act_infer(types, attrs):
     try:
         resolve(attrs["fn"])

@@ -116,3 +116,18 @@ def test_xielu_kernel_and_reference(shape, beta, eps):
     assert np.abs(got - want).max() <= 2 ** -8 * np.abs(want).max()
     small = np.abs(xf) < 2e-3        # near 0: the series, not exp(z) - 1
     assert np.abs(got[small] - want[small]).max() <= 2 ** -8 * np.abs(want[small]).max() + 1e-9
+
+
+@pytest.mark.parametrize("shape,threshold,value", [((5, 77), 0.3, 0.0), ((3, 2, 1100), -0.5, 2.5)])
+def test_threshold_kernel(shape, threshold, value):
+    """F.threshold(x, threshold, value): the reference equals torch's, the kernel the reference."""
+    gen = np.random.default_rng(sum(shape))
+    x = rand(shape, gen=gen)
+    sym = ["T"] + list(shape[1:])
+    k = render("act", "threshold", [("x", sym, "bf16")], [("y", sym, "f32")],
+               {"threshold": threshold, "value": value}, tune={"BLOCK": 256})
+    out = poison(shape, "f32")
+    run(k, {"in:0": x, "out:0": out}, {"T": shape[0], "B": 1})
+    want = REGISTRY["threshold"].reference(None, x.float().numpy(), threshold=threshold, value=value)
+    assert np.array_equal(want, F.threshold(x.float(), threshold, value).numpy())
+    assert np.array_equal(out.numpy(), want)
