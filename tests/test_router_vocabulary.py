@@ -232,3 +232,96 @@ def test_threshold_router_from_smaller_ops(tmp_path):
     assert len(set(counts)) >= 3, counts          # the number of experts a token takes varies
     got = _reference_logits(THRESHOLD_SPEC, tmp_path / "m", tmp_path, prompt)
     np.testing.assert_allclose(got, np.array(want), rtol=0, atol=1e-4)
+
+
+HASH_SPEC = """
+family: hash_moe
+architectures: [HashMoeForTest]
+config: {H: hidden_size, F: intermediate_size, E: num_experts, V: vocab_size, L: num_hidden_layers,
+         K: hash_k}
+weights:
+  embed: {name: embed, shape: [V, H]}
+  head:  {name: head, shape: [V, H]}
+layer:
+  weights:
+    norm:   {name: "l.{i}.norm", shape: [H]}
+    table:  {name: "l.{i}.hash_table", shape: [V, K], dtype: i32}
+    gate:   {name: "l.{i}.experts.{e}.gate", shape: [F, H], experts: E}
+    up:     {name: "l.{i}.experts.{e}.up", shape: [F, H], experts: E}
+    down:   {name: "l.{i}.experts.{e}.down", shape: [H, F], experts: E}
+  graph:
+    - h = rms_norm(x, norm, 1.0e-6)
+    - w, ids = moe_route_table(tokens, table)
+    - x = add(x, mul(moe_experts(h, w, ids, gate, up, down), 1 / K))
+    - tokens = view(tokens, [T])    # the token ids, carried through the layers unchanged
+graph:
+  - x = embedding(tokens, embed)
+  - x, tok = layers(x, tokens)
+  - logits = linear(last(x), head)
+"""
+
+
+def _hash_model(tmp_path, gen, k=2):
+    V, E = TINY["vocab_size"], TINY["num_experts"]
+    tables = {lay: np.stack([gen.choice(E, k, replace=False) for _ in range(V)]) for lay in range(TINY["num_hidden_layers"])}
+    t = _tiny_tensors(gen)
+    t = {n: a for n, a in t.items() if "router" not in n}
+    t.update({f"l.{lay}.hash_table": tab.astype(np.int64) for lay, tab in tables.items()})   # torch's long
+    _tiny_checkpoint(tmp_path / "h", {**TINY, "hash_k": k, "architectures": ["HashMoeForTest"]}, t)
+    return t, tables
+
+
+def test_hash_routing_table(tmp_path):
+    """Each layer sends token v to the experts of its own frozen table row and averages them."""
+    gen = np.random.default_rng(6)
+    t, tables = _hash_model(tmp_path, gen)
+    prompt = [int(v) for v in gen.integers(0, TINY["vocab_size"], 12)]
+    want = []
+    for n in range(1, len(prompt) + 1):
+        v = prompt[n - 1]
+        x = t["embed"][v].astype(np.float64)
+        for lay in range(TINY["num_hidden_layers"]):
+            h = _rms(x, t[f"l.{lay}.norm"])
+            x = x + np.mean([_expert(t, h, lay, e) for e in tables[lay][v]], axis=0)
+        want.append(t["head"] @ x)
+    got = _reference_logits(HASH_SPEC, tmp_path / "h", tmp_path, prompt)
+    np.testing.assert_allclose(got, np.array(want), rtol=0, atol=1e-4)
+
+
+def test_hash_table_kernel():
+    from tests.kernels.harness import poison, render, run
+    gen = np.random.default_rng(2)
+    T, V, K = 70, 40, 3
+    table = torch.from_numpy(gen.integers(0, 9, (V, K)).astype(np.int32))
+    ids = torch.from_numpy(gen.integers(0, V, T).astype(np.int32))
+    k = render("moe_route_table", "moe_route_table", [("ids", ["T"], "i32"), ("table", [V, K], "i32", "weight")],
+               [("w", ["T", K], "f32"), ("e", ["T", K], "i32")])
+    w, e = poison((T + 2, K), "f32"), poison((T + 2, K), "i32")
+    run(k, {"in:0": ids, "in:1": table, "out:0": w, "out:1": e}, {"T": T, "B": 1})
+    want_w, want_e = REGISTRY["moe_route_table"].reference(None, ids.numpy(), table.numpy())
+    assert np.array_equal(e[:T].numpy(), want_e) and np.array_equal(w[:T].numpy(), want_w)
+    assert torch.isnan(w[T:]).all() and (e[T:] == -7777).all(), "wrote rows past T"
+
+
+@EXHAUSTIVE
+def test_hash_and_threshold_through_kernels(tmp_path):
+    """Both tiny specs' fused plans under the interpreter: the i32 table loaded as stored."""
+    from infc.compiler.build import build
+    from infc.runtime.engine.step import Chunk
+    from interp_executor import InterpExecutor
+    gen = np.random.default_rng(8)
+    _hash_model(tmp_path, gen)
+    _tiny_checkpoint(tmp_path / "t", {**TINY, "router_threshold": 0.22, "architectures": ["ThresholdMoeForTest"]},
+                     _tiny_tensors(gen))
+    prompt = [int(v) for v in gen.integers(0, TINY["vocab_size"], 12)]
+    for d, text in ((tmp_path / "h", HASH_SPEC), (tmp_path / "t", THRESHOLD_SPEC)):
+        spec = tmp_path / f"{d.name}.yaml"
+        spec.write_text(text)
+        out = build(model_dir=str(d), spec_path=str(spec), out=tmp_path / f"art-{d.name}", compile=False,
+                    log=None, page_size=16)
+        plan = json.loads((out / "plan.json").read_text())
+        plan["_dir"] = str(out)
+        weights = load_weights(plan, Checkpoint(d))
+        got = InterpExecutor(plan, weights, page_size=16).step([Chunk(0, prompt, 0)])
+        want = ReferenceExecutor(plan, weights).step([SeqChunk(0, prompt, 0)])
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2, d.name
