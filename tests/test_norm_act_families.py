@@ -12,6 +12,7 @@ The reference executor must give HF's logits at every position of a 16-token pro
 (one prefill) stay within bf16's distance of it (@EXHAUSTIVE: the weightless norms' and xIELU's
 kernels are checked alone in tests/kernels/test_norm_vocabulary.py)."""
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -125,3 +126,29 @@ def test_through_kernels(models, kind, tmp_path):
     got = InterpExecutor(plan, weights, page_size=16).step([Chunk(0, PROMPT, 0)])
     want = ReferenceExecutor(plan, weights).step([SeqChunk(0, PROMPT, 0)])
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
+
+
+APERTUS_SPEC = Path(__file__).resolve().parent.parent / "specs" / "apertus.yaml"
+
+
+@pytest.mark.parametrize("old,new,message", [
+    # an activation with the config's constants that does not exist: the error names the op
+    ("xielu(linear(h2, wu)", "xielu2(linear(h2, wu)", "unknown op 'xielu2'"),
+    # an argument the op does not have
+    ("alpha_n, xielu_beta, xielu_eps)", "alpha_n, xielu_beta, xielu_eps, gamma=1.0)",
+     "xielu has no parameter 'gamma'"),
+    # a trained parameter declared with the wrong shape
+    ("mlp.act_fn.alpha_n\", shape: [1]}", "mlp.act_fn.alpha_n\", shape: [H]}", "xielu alpha_n must be one value, shape [1], got bf16[96]"),
+    ("- h = rms_norm(x, attn_norm, eps)", "- h = rms_norm(x, attn_norm)", "rms_norm is missing argument(s) eps"),
+    ("rms_norm(last(x), final_norm, eps)", "normalize(last(x), eps=-1.0)", "normalize eps must be a number >= 0"),
+])
+def test_spec_errors_name_the_op_or_argument(models, tmp_path, old, new, message):
+    from infc.compiler.contract.errors import SpecError
+    d, _ = models["apertus"]
+    text = APERTUS_SPEC.read_text()
+    assert old in text
+    spec = tmp_path / "apertus.yaml"
+    spec.write_text(text.replace(old, new, 1))
+    with pytest.raises(SpecError) as e:
+        compile_model(model_dir=str(d), spec_path=str(spec))
+    assert message in str(e.value), str(e.value)

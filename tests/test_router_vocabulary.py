@@ -91,6 +91,9 @@ def test_llama4_refusals(llama4, tmp_path):
     (m / "config.json").write_text(json.dumps({**cfg, "num_experts_per_tok": 2}))
     with pytest.raises(SpecError, match="weigh='input' takes one expert a token"):
         compile_model(model_dir=str(m), spec_path=str(tmp_path / "k2.yaml"))
+    (tmp_path / "bad.yaml").write_text(SPEC.read_text().replace('weigh="input"', 'weigh="inputs"'))
+    with pytest.raises(SpecError, match="moe_experts weigh must be one of output, input, got 'inputs'"):
+        compile_model(model_dir=str(d), spec_path=str(tmp_path / "bad.yaml"))
 
 
 def _down_case(T, KT):
