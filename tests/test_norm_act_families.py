@@ -99,6 +99,7 @@ def test_logits_match_hf(models, kind):
         assert "xielu" in ops
 
 
+@EXHAUSTIVE
 def test_olmo_unclipped_runs_no_clamp(models, tmp_path):
     """The same checkpoint with clip_qkv null: HF's unclipped model, and no clamp launched."""
     d, hf = models["olmo"]

@@ -107,7 +107,8 @@ def _down_case(T, KT):
     return ids, rw, act, down, ins
 
 
-@pytest.mark.parametrize("template,T,KT", [("moe_down", 1, 1), ("moe_down", 37, 1), ("moe_down_grouped", 37, 2)])
+@pytest.mark.parametrize("template,T,KT", [("moe_down", 1, 1), pytest.param("moe_down", 37, 1, marks=EXHAUSTIVE),
+                                            ("moe_down_grouped", 37, 2)])
 def test_moe_down_unweighted_kernels(template, T, KT):
     """moe_down(unweighted): each chosen expert's projection of its act row, summed unscaled."""
     from tests.kernels.harness import poison, rel_err, render, run
