@@ -78,7 +78,7 @@ RULES = {
     "copy": _ELEMENTWISE, "clamp": _ELEMENTWISE, "threshold": _ELEMENTWISE,
     # xIELU: x carries the block; its two trained scalars are shared
     "xielu": Rule(walk=(0,)),
-    "normalize": _OVER_LAST_AXIS, "l2_norm": _OVER_LAST_AXIS,
+    "normalize": _OVER_LAST_AXIS,
     "rms_norm": _OVER_LAST_AXIS, "layer_norm": _OVER_LAST_AXIS, "rope": _OVER_LAST_AXIS,
     # joins its inputs along the last axis: head h of the result is head h of each input
     "concat": Rule(per_head=True),
