@@ -194,17 +194,16 @@ def _expert(t, x, lay, e):
     return t[f"l.{lay}.experts.{e}.down"] @ (g / (1 + np.exp(-g)) * u)
 
 
-def _tiny_tensors(gen, extra=lambda lay: {}):
-    H, F, E, V = (TINY[k] for k in ("hidden_size", "intermediate_size", "num_experts", "vocab_size"))
+def _tiny_tensors(gen, tiny=TINY):
+    H, F, E, V = (tiny[k] for k in ("hidden_size", "intermediate_size", "num_experts", "vocab_size"))
     t = {"embed": gen.standard_normal((V, H)), "head": gen.standard_normal((V, H)) * 0.3}
-    for lay in range(TINY["num_hidden_layers"]):
+    for lay in range(tiny["num_hidden_layers"]):
         t[f"l.{lay}.norm"] = 1 + 0.2 * gen.standard_normal(H)
         t[f"l.{lay}.router"] = 0.25 * gen.standard_normal((E, H))
         for e in range(E):
             t[f"l.{lay}.experts.{e}.gate"] = gen.standard_normal((F, H)) * H ** -0.5
             t[f"l.{lay}.experts.{e}.up"] = gen.standard_normal((F, H)) * H ** -0.5
             t[f"l.{lay}.experts.{e}.down"] = gen.standard_normal((H, F)) * F ** -0.5
-        t.update(extra(lay))
     return {k: v.astype(np.float32) for k, v in t.items()}
 
 
@@ -265,13 +264,13 @@ graph:
 """
 
 
-def _hash_model(tmp_path, gen, k=2):
-    V, E = TINY["vocab_size"], TINY["num_experts"]
-    tables = {lay: np.stack([gen.choice(E, k, replace=False) for _ in range(V)]) for lay in range(TINY["num_hidden_layers"])}
-    t = _tiny_tensors(gen)
+def _hash_model(tmp_path, gen, k=2, tiny=TINY):
+    V, E = tiny["vocab_size"], tiny["num_experts"]
+    tables = {lay: np.stack([gen.choice(E, k, replace=False) for _ in range(V)]) for lay in range(tiny["num_hidden_layers"])}
+    t = _tiny_tensors(gen, tiny)
     t = {n: a for n, a in t.items() if "router" not in n}
     t.update({f"l.{lay}.hash_table": tab.astype(np.int64) for lay, tab in tables.items()})   # torch's long
-    _tiny_checkpoint(tmp_path / "h", {**TINY, "hash_k": k, "architectures": ["HashMoeForTest"]}, t)
+    _tiny_checkpoint(tmp_path / "h", {**tiny, "hash_k": k, "architectures": ["HashMoeForTest"]}, t)
     return t, tables
 
 
@@ -329,3 +328,28 @@ def test_hash_and_threshold_through_kernels(tmp_path):
         got = InterpExecutor(plan, weights, page_size=16).step([Chunk(0, prompt, 0)])
         want = ReferenceExecutor(plan, weights).step([SeqChunk(0, prompt, 0)])
         assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2, d.name
+
+
+@EXHAUSTIVE
+@pytest.mark.parametrize("par", [dict(tensor_parallel_size=2), dict(expert_parallel_only=2),
+                                 dict(tensor_parallel_size=2, enable_expert_parallel=True)])
+def test_hash_and_threshold_ranks_give_the_single_rank_logits(tmp_path, par):
+    """The table router and the threshold router over simulated ranks (TP, EP: 4 experts, 2 a rank)."""
+    from infc.compiler.build import compile_ranks
+    from infc.compiler.parallel import settings
+    from infc.runtime.reference.ranks import RankExecutor
+    tiny = {**TINY, "num_experts": 4}
+    gen = np.random.default_rng(12)
+    _hash_model(tmp_path, gen, tiny=tiny)
+    _tiny_checkpoint(tmp_path / "t", {**tiny, "router_threshold": 0.22, "architectures": ["ThresholdMoeForTest"]},
+                     _tiny_tensors(gen, tiny))
+    prompt = [int(v) for v in gen.integers(0, TINY["vocab_size"], 9)]
+    for d, text in ((tmp_path / "h", HASH_SPEC), (tmp_path / "t", THRESHOLD_SPEC)):
+        spec = tmp_path / f"{d.name}.yaml"
+        spec.write_text(text)
+        _, plan = compile_model(model_dir=str(d), spec_path=str(spec))
+        one = ReferenceExecutor(plan, load_weights(plan, Checkpoint(d)))
+        plans = [p for _, p in compile_ranks(settings(**par), model_dir=str(d), spec_path=str(spec))]
+        many = RankExecutor(plans, [load_weights(p, Checkpoint(d)) for p in plans])
+        step = [SeqChunk(0, prompt, 0)]
+        assert np.abs(many.step(step) - one.step(step)).max() <= TOL, d.name
