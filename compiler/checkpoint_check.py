@@ -36,6 +36,7 @@ from .quant.leaves import LEAVES
 from .spec import weight_name
 
 READABLE_DTYPES = ("BF16", "F16", "F32", "F64")     # what compiler/contract/safetensors_io.py turns into floats
+INDEX_DTYPES = ("I32", "I64")                       # an i32 weight's (exact as floats below 2^24)
 
 
 def check_model_dir(plan: dict, spec, model_dir, log=None, ignore=()) -> bool:
@@ -201,8 +202,9 @@ class Checker:
     def shape_of(self, src: dict, want, subs: dict, wname: str, w: dict):
         """The shape `src` builds from the checkpoint, checked against `want` (a tuple with None
         for dimensions not known here, or None when nothing is known)."""
-        if "tensor" in src:
-            return self.leaf(src["tensor"], want, subs, wname)
+        if "tensor" in src:             # an i32 weight (an index table) reads integer storage
+            return self.leaf(src["tensor"], want, subs, wname,
+                             dtypes=INDEX_DTYPES if w.get("dtype") == "i32" else READABLE_DTYPES)
         if "dequantized" in src:       # W by its format's definition: the codes' logical shape
             parts = src["dequantized"]
             for c, sub in parts.items():

@@ -322,7 +322,7 @@ class _Lowerer:
             raise self.err(f"unknown op '{name}'{did_you_mean(name, known + ['layers'])} "
                            f"(known ops: {', '.join(known)}, layers)", line)
         op = REGISTRY[name]
-        params = op.tensors + op.optional + op.extra_optional + list(op.attrs) + list(op.extra_attrs) \
+        params = op.tensors + op.omittable + op.optional + op.extra_optional + list(op.attrs) + list(op.extra_attrs) \
             + op.keyword_optional
         sig = f"{name}({', '.join(params)})"
         if len(e.args) > len(params):
@@ -345,6 +345,11 @@ class _Lowerer:
         inputs = [self.tensor_arg(g, bound[p], scope, line, name, p) for p in op.tensors]
         tensors = set(scope) | set(g.values)
         attrs = {}
+        for p in op.omittable:           # a norm with no weight: only its absence is recorded
+            if self.present(bound.get(p)):
+                inputs.append(self.tensor_arg(g, bound[p], scope, line, name, p))
+            else:
+                attrs[f"has_{p}"] = False
         for p in op.optional + op.extra_optional + op.keyword_optional:
             # a bias naming a weight whose `when` is false is left out; an extra optional tensor
             # leaves no trace where absent (other plans unchanged)
@@ -394,6 +399,8 @@ class _Lowerer:
             raise self.err(f"{name}: both operands are scalars; write the value as a config "
                            f"symbol '= expression' instead", line)
         x, c = (a, b) if ta else (b, a)
+        if "dtype" in bound:
+            raise self.err(f"{name}: dtype applies to two tensor operands, not a scalar one", line)
         value = self.attr_arg(c, line, name, "b" if ta else "a", set(scope) | set(g.values))
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise self.err(f"{name}: scalar operand '{ast.unparse(c)}' = {value!r} is not a number", line)

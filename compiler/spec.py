@@ -30,7 +30,7 @@ WEIGHT_KEYS = {"name", "shape", "tied_to", "when", "experts", "dtype",
 TRANSFORM_KEYS = ("stored_shape", "rows", "groups", "cols", "heads", "transpose", "exp", "scale", "offset")
 LAYER_KEYS = {"weights", "graph", "kind", "kinds"}
 KIND_KEYS = {"symbols", "weights", "graph"}
-WEIGHT_DTYPES = {"bf16", "f16", "f32"}
+WEIGHT_DTYPES = {"bf16", "f16", "f32", "i32"}      # i32: an index table (ops/moe_table.py)
 # Names the compiler binds itself: the step's token count and sequence count.
 DYNAMIC_SYMBOLS = ("T", "B")
 

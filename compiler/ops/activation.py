@@ -118,6 +118,27 @@ op(name="clamp", tensors=["x"], attrs={"min": None, "max": None}, infer=_clamp_i
    doc="torch.clamp(x, min, max), elementwise")
 
 
+def _threshold(ctx, x, threshold, value):
+    """torch's F.threshold: x where x > threshold, else value (computed in float32)."""
+    x = np.asarray(x, np.float32)
+    return np.where(x > np.float32(threshold), x, np.float32(value))
+
+
+def _threshold_infer(types, attrs):
+    for name in ("threshold", "value"):
+        v = attrs.get(name)
+        expect(isinstance(v, (int, float)) and not isinstance(v, bool),
+               f"threshold {name} must be a number, got {v!r}")
+    return [types[0]]
+
+
+# threshold(x, threshold, value): F.threshold; with a router's weights, the experts scoring at most
+# `threshold` weigh `value` (0: a threshold-masked router from moe_route's all-expert scores)
+op(name="threshold", tensors=["x"], attrs={"threshold": REQUIRED, "value": REQUIRED}, infer=_threshold_infer,
+   reference=_threshold,
+   templates={"triton": "act"}, doc="F.threshold(x, threshold, value), elementwise")
+
+
 def _act_infer(types, attrs):
     try:
         resolve(attrs["fn"])
@@ -130,3 +151,36 @@ def _act_infer(types, attrs):
 op(name="act", tensors=["x"], attrs={"fn": REQUIRED}, infer=_act_infer,
    reference=lambda ctx, x, fn: ACTIVATIONS[resolve(fn)](x), templates={"triton": "act"},
    doc="the activation named by fn (an HF hidden_act string)")
+
+
+# -- xIELU (Apertus) ----------------------------------------------------------------------------
+# xielu(x, alpha_p, alpha_n, beta=0.5, eps=-1e-6), transformers' XIELUActivation:
+#     ap = softplus(alpha_p),  an = beta + softplus(alpha_n)
+#     y  = ap x^2 + beta x                        x > 0
+#          an (expm1(min(x, eps)) - x) + beta x    x <= 0
+# alpha_p / alpha_n are the module's trained parameters (one value each, [1], a checkpoint tensor
+# per layer: `mlp.act_fn.alpha_p`), read as stored and passed through softplus as HF does; beta
+# and eps are constants (config expressions; HF's defaults, which Apertus's MLP never overrides).
+
+def xielu(x, alpha_p, alpha_n, beta=0.5, eps=-1e-6):
+    x = np.asarray(x, np.float32)
+    beta, eps = np.float32(beta), np.float32(eps)
+    ap = softplus(np.asarray(alpha_p, np.float32).reshape(()))
+    an = beta + softplus(np.asarray(alpha_n, np.float32).reshape(()))
+    return np.where(x > 0, ap * x * x + beta * x, (np.expm1(np.minimum(x, eps)) - x) * an + beta * x)
+
+
+def _xielu_infer(types, attrs):
+    x, ap, an = types
+    for name, t in (("alpha_p", ap), ("alpha_n", an)):
+        expect(tuple(t.shape) == (1,), f"xielu {name} must be one value, shape [1], got {t}")
+    for name in ("beta", "eps"):
+        v = attrs.get(name)
+        expect(isinstance(v, (int, float)) and not isinstance(v, bool),
+               f"xielu {name} must be a number, got {v!r}")
+    return [x]
+
+
+op(name="xielu", tensors=["x", "alpha_p", "alpha_n"], attrs={"beta": 0.5, "eps": -1e-6},
+   infer=_xielu_infer, reference=lambda ctx, x, ap, an, beta=0.5, eps=-1e-6: xielu(x, ap, an, beta, eps),
+   templates={"triton": "act"}, doc="xIELU (Apertus): trained alpha_p / alpha_n [1], constant beta, eps")

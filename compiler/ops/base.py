@@ -28,6 +28,10 @@ class ShapeError(Exception):
 class OpDef:
     name: str
     tensors: list[str]                     # positional tensor parameters
+    omittable: list[str] = field(default_factory=list)  # tensors after them a spec may leave
+                                           # out (a norm's weight): present, they leave no trace
+                                           # (older plans unchanged); absent, attrs["has_<name>"]
+                                           # = False and the later inputs move up
     optional: list[str] = field(default_factory=list)  # optional tensors after them (bias, ...):
                                            # a present one follows the required inputs and sets
                                            # attrs["has_<name>"] = True

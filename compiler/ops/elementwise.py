@@ -33,14 +33,19 @@ def same(types, attrs):
                f"operands differ in shape: {a} vs {b} (the second operand may also be the first's "
                f"trailing static dims, broadcast over its leading ones, or its shape with size-1 "
                f"trailing axes, broadcast over them)")
-    return [tt(a.shape, "f32" if "f32" in (a.dtype, b.dtype) else a.dtype)]
+    dtype = attrs.get("dtype")
+    expect(dtype in (None, "bf16", "f16", "f32"), f"add/mul dtype must be bf16, f16 or f32, got {dtype!r}")
+    return [tt(a.shape, dtype or ("f32" if "f32" in (a.dtype, b.dtype) else a.dtype))]
 
 
 def one(types, attrs):
     return [types[0]]
 
 
-op(name="add", tensors=["a", "b"], infer=same, reference=lambda ctx, a, b: a + b,
-   templates={"triton": "add"}, doc="a + b")
-op(name="mul", tensors=["a", "b"], infer=same, reference=lambda ctx, a, b: a * b,
-   templates={"triton": "mul"}, doc="a * b")
+# dtype (extra: absent from the plans of specs that don't give it): the result's dtype instead of
+# the promoted one, e.g. mul(x, w, dtype=bf16) keeps a bf16 row scaled by an f32 weight bf16
+# (Llama-4's experts' input, compiler/passes/lower_experts.py)
+op(name="add", tensors=["a", "b"], extra_attrs={"dtype": None}, infer=same,
+   reference=lambda ctx, a, b, dtype=None: a + b, templates={"triton": "add"}, doc="a + b")
+op(name="mul", tensors=["a", "b"], extra_attrs={"dtype": None}, infer=same,
+   reference=lambda ctx, a, b, dtype=None: a * b, templates={"triton": "mul"}, doc="a * b")

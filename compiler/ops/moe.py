@@ -33,6 +33,9 @@ moe_experts(x[T, H], weights, ids, gate[E, F, H], up[E, F, H], down[E, H, F],
     y[t] = sum_j weights[t, j] * (down[e] @ act(gate[e] @ x[t] + gb[e], up[e] @ x[t] + ub[e]) + db[e]),
     e = ids[t, j]; act a gated activation of ops/gated_act.py (SwiGLU, or GPT-OSS's clamped
     form with alpha and limit). The biases and act are extra (absent: plans unchanged).
+    weigh="input" (Llama-4's Llama4TextMoe): the weights scale each expert's input instead,
+    y[t] = sum_j expert_e(weights[t, j] * x[t]); lowered for one expert a token (top-1, Llama-4's)
+    without expert biases as mul(x, weights) then the experts with moe_down's `unweighted`.
     A slot of id -1 names no expert and adds nothing: expert parallelism's ep_dispatch gives the
     slots of other ranks' experts id -1 (ops/collectives.py), so a rank computes only its own.
 
@@ -136,9 +139,18 @@ def route(ctx, logits, *bias, k, normalize=False, groups=1, topk_groups=1, scale
     return w.astype(np.float32), np.ascontiguousarray(ids)
 
 
+WEIGH = ("output", "input")
+
+
 def experts_infer(types, attrs):
     x, w, ids, gate, up, down = types[:6]
     check_act(attrs, "moe_experts")
+    weigh = attrs.get("weigh", "output")
+    expect(weigh in WEIGH, f"moe_experts weigh must be one of {', '.join(WEIGH)}, got {weigh!r}")
+    # the input-weighted experts' kernels scale the token row once (compiler/passes/lower_experts.py)
+    expect(weigh == "output" or (w.shape[-1] == 1 and not any(attrs.get(f"has_{b}") for b in EXPERT_BIASES)),
+           f"moe_experts weigh='input' takes one expert a token (routing weights [T, 1], got {w}) and "
+           f"no expert biases: a top-k above 1 or biases with input weighting have no kernel")
     biases = iter(types[6:])
     for name, rows in zip(EXPERT_BIASES, (gate.shape[1], gate.shape[1], x.shape[-1])):
         if attrs.get(f"has_{name}"):
@@ -167,18 +179,22 @@ def bias_inputs(inputs: list, attrs: dict) -> dict:
     return {b: next(extra) for b in EXPERT_BIASES if attrs.get(f"has_{b}")}
 
 
-def experts(ctx, x, w, ids, gate, up, down, *biases, act="silu", alpha=1.702, limit=7.0, **has):
+def experts(ctx, x, w, ids, gate, up, down, *biases, act="silu", alpha=1.702, limit=7.0, weigh="output", **has):
     biases = iter(biases)
     gb, ub, db = (next(biases) if has.get(f"has_{n}") else None for n in EXPERT_BIASES)
     y = np.zeros_like(x, dtype=np.float32)
     for e in _chosen(ids):
         rows, slot = np.nonzero(ids == e)
         xe = x[rows]
+        if weigh == "input":          # Llama-4: the expert sees the token scaled by its weight
+            xe, o_w = xe * w[rows, slot][:, None], np.ones(len(rows), np.float32)
+        else:
+            o_w = w[rows, slot]
         g, u = xe @ gate[e].T, xe @ up[e].T
         g, u = g if gb is None else g + gb[e], u if ub is None else u + ub[e]
         o = gated(g, u, act, alpha, limit) @ down[e].T
         o = o if db is None else o + db[e]
-        np.add.at(y, rows, o * w[rows, slot][:, None])
+        np.add.at(y, rows, o * o_w[:, None])
     return y
 
 
@@ -233,6 +249,8 @@ def down_infer(types, attrs):
 
 def down(ctx, act, w, ids, down_w, expert_rows=None, expert_counts=None, *rest, **attrs):
     bias, quant = (rest[0], rest[1:]) if attrs.get("has_bias") else (None, rest)
+    if attrs.get("unweighted"):      # the weights went into the experts' input (weigh="input")
+        w = np.where(np.asarray(ids) >= 0, np.float32(1), np.float32(0))
     act, down_w = expert_operands(act, down_w, quant, attrs)
     y = np.zeros((act.shape[0], down_w.shape[1]), np.float32)
     for e in _chosen(ids):
@@ -291,7 +309,7 @@ op(name="moe_route", tensors=["logits"], attrs={"k": REQUIRED, "normalize": Fals
    infer=route_infer, reference=route, n_outputs=2, templates={"triton": "moe_route"},
    doc="top-k router (softmax or sigmoid scores, group-limited, a choice bias)")
 op(name="moe_experts", tensors=["x", "weights", "ids", "gate", "up", "down"],
-   extra_optional=list(EXPERT_BIASES), extra_attrs=GATED_EXTRA,
+   extra_optional=list(EXPERT_BIASES), extra_attrs={**GATED_EXTRA, "weigh": "output"},
    infer=experts_infer, reference=experts,   # no kernel of its own: lower_experts splits it
    doc="grouped SwiGLU experts, weighted sum over the top-k")
 op(name="moe_align", tensors=["ids"], attrs={"experts": REQUIRED}, infer=align_infer, reference=align,
@@ -312,7 +330,7 @@ op(name="moe_gate_up", tensors=["x", "ids", "gate_up", "rows", "counts"], extra_
                                         "decode": "moe_gate_up", "wide": "moe_gate_up_grouped"}},
    doc="per chosen expert: silu(x gate^T) * (x up^T)")
 op(name="moe_down", tensors=["act", "weights", "ids", "down", "rows", "counts"], extra_optional=["bias"],
-   pass_inputs=QUANT_OPTIONAL,
+   pass_inputs=QUANT_OPTIONAL, extra_attrs={"unweighted": False},
    infer=down_infer, reference=down, internal=True, templates={"triton": {"prefill": "moe_down_grouped", "mixed": "moe_down_grouped",
                                         "decode": "moe_down", "wide": "moe_down_grouped"}},
    doc="per token: routing-weighted sum of the chosen experts' down projections")

@@ -111,7 +111,8 @@ def fold_shared_experts(state):
             other = add.inputs[1] if add.inputs[0] == y else add.inputs[0]
             if other == y:
                 continue
-            if len(experts.inputs) != 6 or experts.attrs.get("act", "silu") != "silu":
+            if len(experts.inputs) != 6 or experts.attrs.get("act", "silu") != "silu" \
+                    or experts.attrs.get("weigh", "output") != "output":
                 continue                 # biased or other-activation experts: a shared MLP differs
             shared = _shared_mlp(g, other, experts.inputs[0])
             route = g.producer(experts.inputs[2])

@@ -9,6 +9,7 @@ an H200: bench/NOTES.md, the drop-launch bounds). The rewrite needs every interm
 and the two ropes alike; anything else is left as written.
 """
 from ..ir import Node
+from ..ops.rms_norm import has_weight
 from .fuse_ops import _new, _only, _single_user
 
 
@@ -21,7 +22,7 @@ def _match(g, q_cat, kv_cat):
     k_view = _only(g, k_rot, "view")
     rope_k = k_view and _only(g, k_view.inputs[0], "rope")
     k_in = rope_k and _only(g, rope_k.inputs[0], "view")
-    if not (rope_q and norm and rope_k and k_in) or rope_q.attrs != rope_k.attrs:
+    if not (rope_q and norm and rope_k and k_in) or rope_q.attrs != rope_k.attrs or not has_weight(norm):
         return None
     split = g.producer(norm.inputs[0])
     if split is None or split.op != "split" or split.outputs != [norm.inputs[0], k_in.inputs[0]] \

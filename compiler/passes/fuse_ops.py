@@ -4,6 +4,7 @@ numpy reference is the chain's composition (see ops/fused.py).
 from ..ir import Graph, Node, Value
 from ..ops import REGISTRY
 from ..ops.activation import ACTIVATIONS, resolve
+from ..ops.rms_norm import has_weight
 from ..ops.quant import quant_attrs
 
 
@@ -36,7 +37,7 @@ def fuse_add_rms_norm(state):
     for g in state.graph.walk():
         for add in [n for n in g.ordered() if n.op == "add"]:
             s = add.outputs[0]
-            norms = [u for u in g.users(s) if u.op == "rms_norm" and u.inputs[0] == s]
+            norms = [u for u in g.users(s) if u.op == "rms_norm" and u.inputs[0] == s and has_weight(u)]
             if not norms or _later_uses(g, add.inputs[0], add.id):
                 continue
             norm = norms[0]
@@ -78,7 +79,7 @@ def fuse_qk_norm_rope_cache(state):
             k_src, kn = _trace(g, k, ["rope", "rms_norm", "view"])
             v_src, vn = _trace(g, v, ["view"])
             if "rope" not in qn or "rope" not in kn or "view" not in qn or "view" not in kn \
-                    or "view" not in vn:
+                    or "view" not in vn or not all(has_weight(n["rms_norm"]) for n in (qn, kn) if "rms_norm" in n):
                 continue
             split = g.producer(q_src)
             if split is None or split.op != "split" or split.outputs != [q_src, k_src, v_src]:
@@ -206,7 +207,7 @@ def fuse_lm_head(state):
     g = state.graph
     for lin in [n for n in g.ordered() if n.op == "linear" and not n.attrs.get("quant")]:
         norm = g.producer(lin.inputs[0])
-        if norm is None or norm.op != "rms_norm" or _single_user(g, lin.inputs[0]) is None:
+        if norm is None or norm.op != "rms_norm" or not has_weight(norm) or _single_user(g, lin.inputs[0]) is None:
             continue
         last = g.producer(norm.inputs[0])
         if last is None or last.op != "last" or _single_user(g, norm.inputs[0]) is None:

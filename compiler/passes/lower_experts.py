@@ -48,6 +48,14 @@ def lower_experts(state):
                 g.add_value(Value(v, "act", line=n.line))
             g.add_node(Node(g.new_node_id("moe_align"), "moe_align", [ids], [rows, counts],
                             {"experts": gt.shape[0]}, n.line, fused_from=["moe_experts"]), before=n.id)
+            unweighted = n.attrs.get("weigh", "output") == "input"
+            if unweighted:               # one expert a token (ops/moe.py): scale its row, once
+                scaled = g.fresh("expert_in")
+                g.add_value(Value(scaled, "act", line=n.line))
+                g.add_node(Node(g.new_node_id("mul"), "mul", [x, w], [scaled],
+                                {"dtype": g.values[x].type.dtype}, n.line, fused_from=["moe_experts"]),
+                           before=n.id)
+                x = scaled
             act = g.fresh("act")
             g.add_value(Value(act, "act", line=n.line))
             gu_bias = _gate_up_bias(state, g, n, biases, gt)
@@ -58,7 +66,8 @@ def lower_experts(state):
                             n.line, fused_from=["moe_experts"]), before=n.id)
             g.add_node(Node(g.new_node_id("moe_down"), "moe_down",
                             [act, w, ids, down, rows, counts] + ([db] if db else []),
-                            list(n.outputs), {"has_bias": True} if db else {}, n.line,
+                            list(n.outputs), {**({"has_bias": True} if db else {}),
+                                              **({"unweighted": True} if unweighted else {})}, n.line,
                             fused_from=["moe_experts"]), before=n.id)
             g.order.remove(n.id)
             del g.nodes[n.id]

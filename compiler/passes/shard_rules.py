@@ -75,7 +75,10 @@ _OVER_LAST_AXIS = Rule(walk=(0,), per_head=True)        # x carries it; a weight
 RULES = {
     "view": Rule(walk=(0,), resize=_resize_view),
     "mul": _ELEMENTWISE, "add": _ELEMENTWISE, "affine": _ELEMENTWISE, "softcap": _ELEMENTWISE,
-    "copy": _ELEMENTWISE,
+    "copy": _ELEMENTWISE, "clamp": _ELEMENTWISE, "threshold": _ELEMENTWISE,
+    # xIELU: x carries the block; its two trained scalars are shared
+    "xielu": Rule(walk=(0,)),
+    "normalize": _OVER_LAST_AXIS,
     "rms_norm": _OVER_LAST_AXIS, "layer_norm": _OVER_LAST_AXIS, "rope": _OVER_LAST_AXIS,
     # joins its inputs along the last axis: head h of the result is head h of each input
     "concat": Rule(per_head=True),
