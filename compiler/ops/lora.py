@@ -17,7 +17,10 @@ outside the decode phase, where the row tiles already fill the GPU), each progra
 into its own fp32 partial xa[t, z] (a buffer the plan lays out: [T, split, P*R]), so a batch-1
 step runs ~split programs instead of one walking all of K. The expand sums the partials in a fixed
 order (z = 0, 1, ...: no atomics, a decode step stays bit-reproducible), rounds the sum to y's
-dtype, as PEFT's lora_A output is in the model's dtype, then multiplies by B. The references
+dtype, as PEFT's lora_A output is in the model's dtype, then multiplies by B. lora_expand_act (passes/fuse_lora_act.py makes it) is a gate|up linear's expand and the gated
+activation after it in one launch: act_mul(lora_expand(y, xa, b, scale), fn), y [T, 2F] -> [T, F]
+(compiler/ops/gated.py's act_mul), g and u rounded to y's dtype first as the two launches store
+them. The references
 ignore the split (the whole sum is partial 0, the others zeros) and, like the reference executor
 everywhere, do not round. The expand adds into y in place (its first output is its first input's
 memory).
@@ -25,6 +28,7 @@ memory).
 import numpy as np
 
 from .base import REQUIRED, expect, op, tt
+from .gated import act_mul, act_mul_infer
 
 
 def _slots(ctx, T: int) -> np.ndarray:
@@ -88,3 +92,21 @@ op(name="lora_expand", tensors=["y", "xa", "b", "scale"], attrs={"pieces": REQUI
                                                    "prefill_split": REQUIRED},
    infer=expand_infer, reference=expand_reference, inplace={0: 0}, internal=True,
    templates={"triton": "lora_expand"}, doc="y += scale[slot] B[slot] xa, per token and piece")
+
+
+def expand_act_infer(types, attrs):
+    (y,) = expand_infer(types, attrs)
+    pieces = attrs["pieces"]
+    expect(len(pieces) == 2 and pieces[0] == pieces[1],
+           f"lora_expand_act: pieces {pieces} must be a [gate | up] pair of equal widths")
+    return act_mul_infer([y], attrs)
+
+
+def expand_act_reference(ctx, y, xa, b, scale, pieces, rank, split, prefill_split, fn):
+    return act_mul(ctx, expand_reference(ctx, y, xa, b, scale, pieces, rank, split, prefill_split), fn)
+
+
+op(name="lora_expand_act", tensors=["y", "xa", "b", "scale"],
+   attrs={"pieces": REQUIRED, "rank": REQUIRED, "split": REQUIRED, "prefill_split": REQUIRED, "fn": REQUIRED},
+   infer=expand_act_infer, reference=expand_act_reference, internal=True,
+   templates={"triton": "lora_expand_act"}, doc="act(gate + dg) * (up + du): gate|up's expand and activation")

@@ -96,3 +96,42 @@ def test_lora_expand(phase, T, pieces, S, R, split, pre):
     delta = y.float().numpy() - before.float().numpy()
     hit = slots.numpy() != 0
     assert rel_err(delta[hit], (want - before.float().numpy())[hit]) < 3e-2
+
+
+# (phase, T, F, S, R, split, prefill_split, fn)
+EXPAND_ACT = [("decode", 1, 40, 3, 16, 4, 4, "silu"), ("prefill", 45, 70, 4, 8, 3, 2, "silu"),
+              pytest.param("decode", 37, 100, 5, 24, 5, 5, "gelu_tanh", marks=EXHAUSTIVE)]
+
+
+@pytest.mark.parametrize("phase,T,F,S,R,split,pre,fn", EXPAND_ACT)
+def test_lora_expand_act_is_the_expand_then_the_activation(phase, T, F, S, R, split, pre, fn):
+    """The fused gate|up expand + activation against the reference and, bit for bit, against the
+    two launches it replaces (lora_expand, then act_mul), slot 0 rows included."""
+    gen = np.random.default_rng(T + F)
+    used = _used(phase, split, pre)
+    y, xa = rand((T, 2 * F), gen=gen), rand((T, split, 2 * R), "f32", gen=gen)
+    xa[:, used:] = float("nan")
+    b = rand((S, 2 * F, R), scale=0.2, gen=gen)
+    scale = torch.from_numpy(gen.uniform(0.5, 2.0, (S, 2)).astype(np.float32))
+    b[0], scale[0] = 0, 0
+    slots = _slots(gen, T, S) if T > 1 else torch.tensor([S - 1], dtype=torch.int32)
+    attrs = {"pieces": [F, F], "rank": R, "split": split, "prefill_split": pre}
+    ins = [("y", ["T", 2 * F], "bf16"), ("xa", ["T", split * 2 * R], "f32"), ("b", [S, 2 * F, R], "bf16", "weight"),
+           ("scale", [S, 2], "f32", "weight")]
+    bind = {"in:1": xa.reshape(T, -1), "in:2": b, "in:3": scale, "meta:lora_slots": slots}
+    fused = render("lora_expand_act", "lora_expand_act", ins, [("act", ["T", F], "bf16")],
+                   attrs={**attrs, "fn": fn}, phase=phase)
+    got = poison((T, F))
+    run(fused, {**bind, "in:0": y, "out:0": got}, {"T": T, "B": 1})
+    two = y.clone()
+    run(render("lora_expand", "lora_expand", ins, [("y", ["T", 2 * F], "bf16")], attrs=attrs, phase=phase),
+        {**bind, "in:0": two, "out:0": two}, {"T": T, "B": 1})
+    want_bits = poison((T, F))
+    run(render("act_mul", "act_mul", [("gu", ["T", 2 * F], "bf16")], [("act", ["T", F], "bf16")],
+               attrs={"fn": fn}, phase=phase), {"in:0": two, "out:0": want_bits}, {"T": T, "B": 1})
+    assert torch.equal(got, want_bits)
+    xs = bf16(np.nan_to_num(xa.numpy(), nan=0.0).sum(axis=1))
+    want = REGISTRY["lora_expand_act"].reference(_ctx(slots.numpy()), y.float().numpy(), xs, b.float().numpy(),
+                                                 scale.numpy(), pieces=[F, F], rank=R, split=1, prefill_split=1,
+                                                 fn=fn)
+    assert rel_err(got.float().numpy(), bf16(want)) < 2e-2
