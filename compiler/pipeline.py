@@ -17,6 +17,7 @@ from .passes.fuse_moe import fuse_route_align
 from .passes.infer_types import infer_types
 from .passes.lower_experts import lower_experts
 from .passes.materialize_views import materialize_views
+from .passes.fuse_lora_act import fuse_lora_act
 from .passes.merge_prologues import merge_prologues
 from .passes.plan_memory import plan_memory
 from .passes.quantize_kv_cache import quantize_kv_cache
@@ -45,6 +46,7 @@ PIPELINE = [
     ("fuse_qk_norm_rope_cache", fuse_qk_norm_rope_cache),  # q/k norm + RoPE + KV-cache write
     ("fuse_latent_prologue", fuse_latent_prologue),  # MLA: [q_lat | rope q_pe], [norm c_kv | rope k_pe]
     ("fuse_act_mul", fuse_act_mul),                # act(gate) x up (SwiGLU, GeGLU, ...)
+    ("fuse_lora_act", fuse_lora_act),              # --enable-lora: gate|up's expand + the activation
     ("fuse_linear_epilogue", fuse_linear_epilogue),  # act x mul into the gate|up GEMM's epilogue
     ("fuse_linear_prologue", fuse_linear_prologue),  # else into the down GEMM's input load
     ("fuse_lm_head", fuse_lm_head),                # final add + norm + lm_head on last tokens only
@@ -60,8 +62,9 @@ PIPELINE = [
 # Optimizations: `infc build --no-fuse` skips them all, and the plan still runs (every op has a
 # generic kernel). The other passes are required lowerings.
 FUSIONS = {"fold_shared_experts", "fuse_weights", "rotate_residual", "fuse_add_rms_norm",
-           "fuse_qk_norm_rope_cache", "fuse_latent_prologue", "fuse_act_mul", "fuse_linear_epilogue",
-           "fuse_linear_prologue", "fuse_lm_head", "fuse_route_align", "merge_prologues"}
+           "fuse_qk_norm_rope_cache", "fuse_latent_prologue", "fuse_act_mul", "fuse_lora_act",
+           "fuse_linear_epilogue", "fuse_linear_prologue", "fuse_lm_head", "fuse_route_align",
+           "merge_prologues"}
 # (merge_prologues rewrites no node; its dropped in-place aliases would come back with the types)
 REWRITES = FUSIONS - {"merge_prologues"} | {"split_attention", "shard_ranks", "lower_experts",
                                             "quantize_weights", "eliminate_dead", "materialize_views",

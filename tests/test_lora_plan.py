@@ -63,8 +63,11 @@ def test_fused_linears_take_their_pieces_side_by_side(tiny_model):
     assert plan["weights"][t["scale"]] == {"shape": [4, 3], "dtype": "f32", "layers": t["layers"],
                                            "source": {"zeros": [4, 3]}}
     ops = _ops(plan)
-    # one shrink and one expand a target linear, in every program
-    assert ops.count("lora_shrink") == ops.count("lora_expand") == 4 * len(plan["programs"])
+    # one shrink and one expand a target linear, in every program; gate|up's expand takes the
+    # activation (passes/fuse_lora_act.py)
+    assert ops.count("lora_shrink") == ops.count("lora_expand") + ops.count("lora_expand_act") \
+        == 4 * len(plan["programs"])
+    assert ops.count("lora_expand_act") == len(plan["programs"]) and "act_mul" not in ops
     # weights other than the tables are the base plan's
     assert {w: m for w, m in plan["weights"].items() if "_lora_" not in w} == base["weights"]
 
@@ -135,7 +138,7 @@ def test_inspect_shows_the_lora_launches_and_their_kernels(tiny_model):
     d, _ = tiny_model("qwen3")
     text = inspect(model_dir=d, lora=lora_build(2, 8), phases=["decode"])
     assert "not rendered" not in text
-    launches = [line for line in text.splitlines() if line.strip().startswith(("lora_shrink ", "lora_expand "))]
+    launches = [line for line in text.splitlines() if line.strip().startswith(("lora_shrink ", "lora_expand ", "lora_expand_act "))]
     assert len(launches) == 8 and all("lora_shrink_" in line or "lora_expand_" in line for line in launches)
     assert "add_lora" in text and "model.layers.{i}.self_attn.q_proj" in text
 

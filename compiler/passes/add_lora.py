@@ -19,6 +19,11 @@ per table, the checkpoint modules of the pieces (PEFT names its tensors by them)
     {"max_loras", "max_rank", "targets": [module leaf names],
      "linears": {a table: {"b", "scale", "layers", "k", "pieces": [{"module", "n"}]}}}
 
+The shrink is split-K (compiler/ops/lora.py): its output xa is fp32 partials [T, split, P*R], split
+from K (_split: ~one K block of 128 a program, so a batch-1 step's shrink runs tens of programs
+rather than one walking all of K; at most 64, which bounds the buffer at 256 B a token and rank
+column); prefill_split <= 16 of them outside the decode phase, whose row tiles fill the GPU.
+
 A piece whose module is not a target has "module": null (its rows of the tables stay zeros).
 Without --enable-lora the pass does nothing: the plan is unchanged.
 """
@@ -27,6 +32,12 @@ from ..ir import Node, TensorType, Value
 from .fuse_weights import register_weight
 
 _WEIGHT = ".weight"
+_SPLIT_K_BLOCK, _MAX_SPLIT, _MAX_PREFILL_SPLIT = 128, 64, 16
+
+
+def _split(k: int) -> dict:
+    split = max(1, min(_MAX_SPLIT, -(-k // _SPLIT_K_BLOCK)))
+    return {"split": split, "prefill_split": min(split, _MAX_PREFILL_SPLIT)}
 
 
 def _modules(src: dict) -> list[str] | None:
@@ -78,15 +89,16 @@ def _tables(state, g, w: str, k: int, pieces: list, dtype: str, done: dict) -> t
 def _attach(state, g, n, tables: tuple, pieces: list):
     a, b, scale = tables
     x, y0 = n.inputs[0], n.outputs[0]
+    split = _split(g.values[x].type.shape[-1])
     later = g.order[g.order.index(n.id) + 1:]
     before = later[0] if later else None
     xa, y = g.fresh("lora_xa"), g.fresh(y0)
     for v in (xa, y):
         g.add_value(Value(v, "act", line=n.line))
     expand = Node(g.new_node_id("lora_expand"), "lora_expand", [y0, xa, b, scale], [y],
-                  {"pieces": [p["n"] for p in pieces], "rank": state.lora["max_rank"]}, n.line)
+                  {"pieces": [p["n"] for p in pieces], "rank": state.lora["max_rank"], **split}, n.line)
     g.add_node(expand, before=before)
-    g.add_node(Node(g.new_node_id("lora_shrink"), "lora_shrink", [x, a], [xa], {}, n.line),
+    g.add_node(Node(g.new_node_id("lora_shrink"), "lora_shrink", [x, a], [xa], dict(split), n.line),
                before=expand.id)
     g.replace_uses(y0, y, after=expand.id)
 

@@ -1,6 +1,8 @@
 """lora_shrink and lora_expand (codegen_templates/triton/lora_*.py.j2) under the interpreter,
 against their numpy references (compiler/ops/lora.py): any mix of adapter slots and slot 0 in a
-step, ragged T and widths that are no multiple of the tiles, ranks 8..256, bf16."""
+step, ragged T (1 among them) and widths that are no multiple of the tiles, ranks 8..256, bf16; the
+shrink's split-K partials (ragged and empty K ranges, a prefill writing fewer splits than the
+buffer holds) and the expand's fixed-order sum of them."""
 from types import SimpleNamespace
 
 import numpy as np
@@ -24,51 +26,112 @@ def _slots(gen, T, S):
     return torch.from_numpy(s)
 
 
-SHRINK = [("decode", 37, 200, 5, 3, 8), ("prefill", 70, 96, 3, 1, 24),
-          pytest.param("prefill", 9, 64, 2, 1, 256, marks=EXHAUSTIVE),
-          pytest.param("decode", 130, 320, 9, 2, 16, marks=EXHAUSTIVE)]
+# (phase, T, K, S, P, R, split, prefill_split): K ranges ragged (200 / 3) or empty at the end (96 / 5:
+# ranges of 32), T = 1 (a batch-1 step), a prefill of fewer splits than the buffer holds
+SHRINK = [("decode", 37, 200, 5, 3, 8, 3, 3), ("decode", 1, 96, 4, 2, 16, 5, 5), ("prefill", 70, 96, 3, 1, 24, 4, 2),
+          pytest.param("prefill", 9, 64, 2, 1, 256, 1, 1, marks=EXHAUSTIVE),
+          pytest.param("decode", 130, 320, 9, 2, 16, 7, 4, marks=EXHAUSTIVE)]
 
 
-@pytest.mark.parametrize("phase,T,K,S,P,R", SHRINK)
-def test_lora_shrink(phase, T, K, S, P, R):
+def _used(phase, split, prefill_split):
+    return split if phase == "decode" else prefill_split
+
+
+@pytest.mark.parametrize("phase,T,K,S,P,R,split,pre", SHRINK)
+def test_lora_shrink(phase, T, K, S, P, R, split, pre):
     gen = np.random.default_rng(T + K)
     x, a = rand((T, K), gen=gen), rand((S, P * R, K), scale=0.2, gen=gen)
     a[0] = 0                                    # slot 0: no adapter
-    slots = _slots(gen, T, S)
+    slots = _slots(gen, T, S) if T > 1 else torch.tensor([S - 1], dtype=torch.int32)
+    attrs = {"split": split, "prefill_split": pre}
     k = render("lora_shrink", "lora_shrink", [("x", ["T", K], "bf16"), ("a", [S, P * R, K], "bf16", "weight")],
-               [("xa", ["T", P * R], "bf16")], phase=phase)
-    out = poison((T, P * R))
+               [("xa", ["T", split * P * R], "f32")], attrs=attrs, phase=phase)
+    used = _used(phase, split, pre)
+    out = poison((T, split * P * R), "f32")
     run(k, {"in:0": x, "in:1": a, "meta:lora_slots": slots, "out:0": out}, {"T": T, "B": 1})
-    want = REGISTRY["lora_shrink"].reference(_ctx(slots.numpy()), x.float().numpy(), a.float().numpy())
-    assert np.array_equal(out[slots == 0].float().numpy(), np.zeros(((slots == 0).sum().item(), P * R)))
-    assert rel_err(out.float().numpy(), bf16(want)) < 1e-2
+    parts = out.numpy().reshape(T, split, P * R)
+    assert np.isnan(parts[:, used:]).all()      # this phase's splits alone are written
+    want = REGISTRY["lora_shrink"].reference(_ctx(slots.numpy()), x.float().numpy(), a.float().numpy(), **attrs)
+    want = want.reshape(T, split, P * R).sum(axis=1)
+    got = parts[:, :used].sum(axis=1)
+    assert np.array_equal(parts[slots.numpy() == 0, :used], np.zeros(((slots == 0).sum().item(), used, P * R)))
+    assert rel_err(got, want) < 1e-5
+    if T > 1:                                   # every K range did its part
+        assert all(np.abs(parts[slots.numpy() != 0, z]).max() > 0 for z in range(min(used, -(-K // 16))))
 
 
-EXPAND = [("decode", 37, [40, 24, 24], 5, 8), ("prefill", 70, [100], 3, 24),
-          ("prefill", 21, [72, 72], 4, 16),
-          pytest.param("decode", 6, [50, 30], 2, 256, marks=EXHAUSTIVE),
-          pytest.param("prefill", 130, [130, 66, 66], 9, 64, marks=EXHAUSTIVE)]
+# (phase, T, pieces, S, R, split, prefill_split)
+EXPAND = [("decode", 37, [40, 24, 24], 5, 8, 3, 3), ("prefill", 70, [100], 3, 24, 4, 2),
+          ("decode", 1, [72, 72], 4, 16, 6, 6), ("prefill", 21, [72, 72], 4, 16, 1, 1),
+          pytest.param("decode", 6, [50, 30], 2, 256, 2, 2, marks=EXHAUSTIVE),
+          pytest.param("prefill", 130, [130, 66, 66], 9, 64, 5, 3, marks=EXHAUSTIVE)]
 
 
-@pytest.mark.parametrize("phase,T,pieces,S,R", EXPAND)
-def test_lora_expand(phase, T, pieces, S, R):
+@pytest.mark.parametrize("phase,T,pieces,S,R,split,pre", EXPAND)
+def test_lora_expand(phase, T, pieces, S, R, split, pre):
     gen = np.random.default_rng(T + R)
     N, P = sum(pieces), len(pieces)
-    y, xa = rand((T, N), gen=gen), rand((T, P * R), gen=gen)
+    used = _used(phase, split, pre)
+    y, xa = rand((T, N), gen=gen), rand((T, split, P * R), "f32", gen=gen)
+    xa[:, used:] = float("nan")                 # the splits this phase's shrink does not write
     b = rand((S, N, R), scale=0.2, gen=gen)
     scale = torch.from_numpy(gen.uniform(0.5, 2.0, (S, P)).astype(np.float32))
     b[0], scale[0] = 0, 0
-    slots = _slots(gen, T, S)
+    slots = _slots(gen, T, S) if T > 1 else torch.tensor([S - 1], dtype=torch.int32)
+    attrs = {"pieces": pieces, "rank": R, "split": split, "prefill_split": pre}
     k = render("lora_expand", "lora_expand",
-               [("y", ["T", N], "bf16"), ("xa", ["T", P * R], "bf16"), ("b", [S, N, R], "bf16", "weight"),
-                ("scale", [S, P], "f32", "weight")], [("y", ["T", N], "bf16")],
-               attrs={"pieces": pieces, "rank": R}, phase=phase)
+               [("y", ["T", N], "bf16"), ("xa", ["T", split * P * R], "f32"), ("b", [S, N, R], "bf16", "weight"),
+                ("scale", [S, P], "f32", "weight")], [("y", ["T", N], "bf16")], attrs=attrs, phase=phase)
     before = y.clone()
-    run(k, {"in:0": y, "out:0": y, "in:1": xa, "in:2": b, "in:3": scale, "meta:lora_slots": slots},
+    run(k, {"in:0": y, "out:0": y, "in:1": xa.reshape(T, -1), "in:2": b, "in:3": scale, "meta:lora_slots": slots},
         {"T": T, "B": 1})                       # in place: out is y's memory, as the plan lays it out
-    want = REGISTRY["lora_expand"].reference(_ctx(slots.numpy()), before.float().numpy(), xa.float().numpy(),
-                                             b.float().numpy(), scale.numpy(), pieces=pieces, rank=R)
+    # the reference sums every split: the unwritten ones are zeros to it; the kernel rounds the sum
+    # to bf16 (PEFT's lora_A output), so the reference gets it rounded too
+    xs = np.nan_to_num(xa.numpy(), nan=0.0).sum(axis=1)
+    want = REGISTRY["lora_expand"].reference(_ctx(slots.numpy()), before.float().numpy(), bf16(xs),
+                                             b.float().numpy(), scale.numpy(), pieces=pieces, rank=R,
+                                             split=1, prefill_split=1)
     assert torch.equal(y[slots == 0], before[slots == 0])        # no adapter: rows untouched
     assert rel_err(y.float().numpy(), bf16(want)) < 1e-2
     delta = y.float().numpy() - before.float().numpy()
-    assert rel_err(delta[slots != 0], (want - before.float().numpy())[slots != 0]) < 3e-2
+    hit = slots.numpy() != 0
+    assert rel_err(delta[hit], (want - before.float().numpy())[hit]) < 3e-2
+
+
+# (phase, T, F, S, R, split, prefill_split, fn)
+EXPAND_ACT = [("decode", 1, 40, 3, 16, 4, 4, "silu"), ("prefill", 45, 70, 4, 8, 3, 2, "silu"),
+              pytest.param("decode", 37, 100, 5, 24, 5, 5, "gelu_tanh", marks=EXHAUSTIVE)]
+
+
+@pytest.mark.parametrize("phase,T,F,S,R,split,pre,fn", EXPAND_ACT)
+def test_lora_expand_act_is_the_expand_then_the_activation(phase, T, F, S, R, split, pre, fn):
+    """The fused gate|up expand + activation against the reference and, bit for bit, against the
+    two launches it replaces (lora_expand, then act_mul), slot 0 rows included."""
+    gen = np.random.default_rng(T + F)
+    used = _used(phase, split, pre)
+    y, xa = rand((T, 2 * F), gen=gen), rand((T, split, 2 * R), "f32", gen=gen)
+    xa[:, used:] = float("nan")
+    b = rand((S, 2 * F, R), scale=0.2, gen=gen)
+    scale = torch.from_numpy(gen.uniform(0.5, 2.0, (S, 2)).astype(np.float32))
+    b[0], scale[0] = 0, 0
+    slots = _slots(gen, T, S) if T > 1 else torch.tensor([S - 1], dtype=torch.int32)
+    attrs = {"pieces": [F, F], "rank": R, "split": split, "prefill_split": pre}
+    ins = [("y", ["T", 2 * F], "bf16"), ("xa", ["T", split * 2 * R], "f32"), ("b", [S, 2 * F, R], "bf16", "weight"),
+           ("scale", [S, 2], "f32", "weight")]
+    bind = {"in:1": xa.reshape(T, -1), "in:2": b, "in:3": scale, "meta:lora_slots": slots}
+    fused = render("lora_expand_act", "lora_expand_act", ins, [("act", ["T", F], "bf16")],
+                   attrs={**attrs, "fn": fn}, phase=phase)
+    got = poison((T, F))
+    run(fused, {**bind, "in:0": y, "out:0": got}, {"T": T, "B": 1})
+    two = y.clone()
+    run(render("lora_expand", "lora_expand", ins, [("y", ["T", 2 * F], "bf16")], attrs=attrs, phase=phase),
+        {**bind, "in:0": two, "out:0": two}, {"T": T, "B": 1})
+    want_bits = poison((T, F))
+    run(render("act_mul", "act_mul", [("gu", ["T", 2 * F], "bf16")], [("act", ["T", F], "bf16")],
+               attrs={"fn": fn}, phase=phase), {"in:0": two, "out:0": want_bits}, {"T": T, "B": 1})
+    assert torch.equal(got, want_bits)
+    xs = bf16(np.nan_to_num(xa.numpy(), nan=0.0).sum(axis=1))
+    want = REGISTRY["lora_expand_act"].reference(_ctx(slots.numpy()), y.float().numpy(), xs, b.float().numpy(),
+                                                 scale.numpy(), pieces=[F, F], rank=R, split=1, prefill_split=1,
+                                                 fn=fn)
+    assert rel_err(got.float().numpy(), bf16(want)) < 2e-2
