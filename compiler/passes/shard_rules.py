@@ -51,6 +51,9 @@ def _resize_attention(state, g, m, world):
     if m.attrs.get("has_sinks"):     # the per-head sinks would need the rank's slice of heads
         raise state.error(f"{_flag(world)}: attention sinks are not split across ranks yet "
                           f"(run this model on one rank)", m.line)
+    if m.attrs.get("alibi") is not None:   # the slopes follow the global head index
+        raise state.error(f"{_flag(world)}: ALiBi attention is not split across ranks yet "
+                          f"(run this model on one rank)", m.line)
     _query_heads(state, g, m, world)
     hkv = m.attrs["kv_heads"]
     if hkv % world:
