@@ -107,21 +107,24 @@ def test_reference_matches_hf(family, fuse, vocab_model):
             pad_token_id=0)[0, len(PROMPT):].tolist()
 
 
-def test_llama4_plan_says_what_hf_does(vocab_model):
-    """The plan's attention launches carry the chunk on the RoPE layers only and the temperature on
-    the NoPE layers only, ALiBi on every BLOOM layer; a dropped attr would fail the logits above
-    (checked there: each moves them by far more than 1e-4)."""
-    d, _ = vocab_model("llama4")
+def _attention_attrs(d):
+    """kind -> the attrs of its attention launches, in the plan `infc build --model-path d` makes."""
     _, plan = compile_model(model_dir=str(d))
     rep = next(r for r in plan["programs"]["prefill"] if "repeat" in r)
-    assert rep["schedule"] == ["rope_qk", "nope", "rope_qk", "nope"]
-    attrs = {k: [lc["attrs"] for lc in body if lc["op"] == "attention_cached"]
-             for k, body in rep["kinds"].items()} if "kinds" in rep else None
-    text = json.dumps(plan)
-    assert '"chunk": 6' in text and '"temp_floor": 4' in text and '"alibi"' not in text
-    if attrs:
-        assert all(a.get("chunk") == 6 and "temp_floor" not in a for a in attrs["rope_qk"])
-        assert all("chunk" not in a and a.get("temp_scale") == 0.5 for a in attrs["nope"])
+    return rep["schedule"], {kind: [lc["attrs"] for lc in body if lc["op"] == "attention_cached"]
+                             for kind, body in rep["kinds"].items()}
+
+
+def test_plans_carry_the_attrs_where_hf_applies_them(vocab_model):
+    """The chunk on Llama-4's RoPE layers only, the temperature on its NoPE layers only, ALiBi
+    (BLOOM's max bias 8) on every BLOOM layer and nowhere else."""
+    schedule, attrs = _attention_attrs(vocab_model("llama4")[0])
+    assert schedule == ["rope_qk", "nope", "rope_qk", "nope"]
+    assert [(a.get("chunk"), a.get("temp_floor"), a.get("alibi")) for a in attrs["rope_qk"]] == [(6, None, None)]
+    assert [(a.get("chunk"), a.get("temp_floor"), a.get("temp_scale"), a.get("alibi"))
+            for a in attrs["nope"]] == [(None, 4, 0.5, None)]
+    schedule, attrs = _attention_attrs(vocab_model("bloom")[0])
+    assert [(a.get("alibi"), a.get("chunk"), a.get("temp_floor")) for a in attrs["layer"]] == [(8.0, None, None)]
 
 
 def test_llama4_refuses_moe_layers(vocab_model, tmp_path):
