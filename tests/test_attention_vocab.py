@@ -174,3 +174,24 @@ def test_through_kernels(family, vocab_model, tmp_path):
         assert _rel(got, want) < tol, (f"decode {step}", _rel(got, want))
         lens = [n + 1 for n in lens]
         toks = [int(t) for t in np.argmax(want, -1)]
+
+
+def test_tensor_parallel(vocab_model):
+    """The chunk and the temperature do not depend on the head: split over 2 ranks (simulated),
+    Llama-4's logits are the single rank's and each rank's attention keeps them. ALiBi's slopes
+    follow the global head index: refused, naming the flag."""
+    from infc.compiler.build import compile_ranks
+    from infc.compiler.parallel import settings
+    from infc.runtime.reference.ranks import RankExecutor
+    d, _ = vocab_model("llama4")
+    ranks = compile_ranks(settings(tensor_parallel_size=2), model_dir=str(d))
+    plans = [p for _, p in ranks]
+    many = RankExecutor(plans, [load_weights(p, Checkpoint(d)) for p in plans])
+    one = ReferenceExecutor(*_plan_and_weights(d))
+    assert np.abs(many.step([SeqChunk(0, PROMPT, 0)]) - one.step([SeqChunk(0, PROMPT, 0)])).max() <= TOL
+    for _, plan in ranks:
+        rep = next(r for r in plan["programs"]["prefill"] if "repeat" in r)
+        att = [lc["attrs"] for body in rep["kinds"].values() for lc in body if lc["op"] == "attention_cached"]
+        assert sorted((a["kv_heads"], a.get("chunk") or 0, a.get("temp_floor") or 0) for a in att) == [(1, 0, 4), (1, 6, 0)]
+    with pytest.raises(SpecError, match="tensor-parallel-size 2: ALiBi attention is not split across ranks"):
+        compile_ranks(settings(tensor_parallel_size=2), model_dir=str(vocab_model("bloom")[0]))

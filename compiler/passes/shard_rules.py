@@ -80,6 +80,7 @@ RULES = {
     "mul": _ELEMENTWISE, "add": _ELEMENTWISE, "affine": _ELEMENTWISE, "softcap": _ELEMENTWISE,
     "copy": _ELEMENTWISE,
     "rms_norm": _OVER_LAST_AXIS, "layer_norm": _OVER_LAST_AXIS, "rope": _OVER_LAST_AXIS,
+    "l2_norm": _OVER_LAST_AXIS,                         # per head (Llama-4's weightless q/k norm)
     # joins its inputs along the last axis: head h of the result is head h of each input
     "concat": Rule(per_head=True),
     # y[t, h] = w[h] @ x[t, h]: the rank's heads of x with the rank's heads of w
