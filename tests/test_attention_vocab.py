@@ -3,7 +3,10 @@ checked against transformers on a tiny random float32 model:
   - llama4 (Llama4ForCausalLM, dense): chunked attention on the RoPE layers (chunk 6 < the
     16-token prompt), NoPE layers beside them with Llama-4's query temperature (floor 4, so it
     grows over the prompt), the weightless q/k RMS norm after RoPE;
-  - bloom (BloomForCausalLM): ALiBi with 6 heads (no power of two: the interleaved slopes).
+  - bloom (BloomForCausalLM): ALiBi with 6 heads (no power of two: the interleaved slopes);
+  - mpt (MptForCausalLM): ALiBi through `alibi=alibi_bias_max`, q|k|v stacked, weight-only
+    LayerNorms (MPT's own max bias other than 8 is checked against MPT's formula in
+    tests/kernels/test_attention_mods.py: transformers ignores it).
 Through the reference executor: logits at every position within 1e-4 (16 prefills batched, and
 one token a step), a chunked prefill beside a decode = one shot, a prefix hit (cached pages
 reused, only the tail computed) = a cold run, 16 greedy tokens = HF's generate. Through the
@@ -50,7 +53,16 @@ def _bloom():
         layer_norm_epsilon=1e-5, tie_word_embeddings=True))
 
 
-BUILDERS = {"llama4": _llama4, "bloom": _bloom}
+def _mpt():
+    from transformers import MptConfig, MptForCausalLM
+    # 6 heads (the interleaved slopes); alibi_bias_max stays 8: transformers ignores it (its
+    # MptModel builds the slopes with 8), so another value is refused by the spec
+    return MptForCausalLM(MptConfig(
+        vocab_size=VOCAB, initializer_range=0.1, d_model=96, n_heads=6, n_layers=2,
+        max_seq_len=64, layer_norm_epsilon=1e-5))
+
+
+BUILDERS = {"llama4": _llama4, "bloom": _bloom, "mpt": _mpt}
 
 
 @pytest.fixture(scope="module")
