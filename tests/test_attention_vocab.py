@@ -207,3 +207,14 @@ def test_tensor_parallel(vocab_model):
         assert sorted((a["kv_heads"], a.get("chunk") or 0, a.get("temp_floor") or 0) for a in att) == [(1, 0, 4), (1, 6, 0)]
     with pytest.raises(SpecError, match="tensor-parallel-size 2: ALiBi attention is not split across ranks"):
         compile_ranks(settings(tensor_parallel_size=2), model_dir=str(vocab_model("bloom")[0]))
+
+
+def test_feature_backends_leave_the_mods_to_triton(vocab_model):
+    """The TileLang decode implements none of the extra attrs: with --features tilelang, BLOOM's
+    (ALiBi) and Llama-4's (chunk, temperature) decode attention stay on the Triton templates."""
+    for family in ("bloom", "llama4"):
+        _, plan = compile_model(model_dir=str(vocab_model(family)[0]), features=["tilelang"])
+        rep = next(r for r in plan["programs"]["decode"] if "repeat" in r)
+        got = {(lc["kernel"], lc["backend"]) for body in rep["kinds"].values() for lc in body
+               if lc["op"] == "attention_cached"}
+        assert got == {("attention_decode", "triton")}, family
