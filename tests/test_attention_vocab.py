@@ -8,10 +8,10 @@ checked against transformers on a tiny random float32 model:
     LayerNorms (MPT's own max bias other than 8 is checked against MPT's formula in
     tests/kernels/test_attention_mods.py: transformers ignores it).
 Through the reference executor: logits at every position within 1e-4 (16 prefills batched, and
-one token a step), a chunked prefill beside a decode = one shot, a prefix hit (cached pages
-reused, only the tail computed) = a cold run, 16 greedy tokens = HF's generate. Through the
-interpreted kernels (tests/test_families_interp.py's check): prefill, a prefix-cached prefill and
-two batched decodes against the reference (with --exhaustive).
+one token a step), a chunked prefill beside a decode = one shot, 16 greedy tokens = HF's generate. Through the
+interpreted kernels (tests/test_families_interp.py's check): prefill, a prefix hit (the first
+page shared, only the tail computed) and two batched decodes against the reference
+(--exhaustive); tensor parallelism; the feature backends.
 """
 import json
 
@@ -105,8 +105,9 @@ def test_reference_matches_hf(family, fuse, vocab_model):
     ex = ReferenceExecutor(plan, weights)
     err = [float(np.abs(ex.step([SeqChunk(0, [t], pos)])[0] - want[pos]).max()) for pos, t in enumerate(PROMPT)]
     assert max(err) <= TOL, f"decode: worst position {int(np.argmax(err))}, |diff| {max(err):.2e}"
-    # a chunked prefill (7 + 9, the second beside a decode) and a prefix hit: the second
-    # sequence's first 7 tokens' pages are the first's, only its tail runs (as the engine does)
+    # a chunked prefill (7 + 9, the second chunk beside a decode) = one shot; the reference has
+    # no shared pages, so a prefix hit (shared physical pages) is test_through_kernels' and
+    # tests/kernels/test_attention_mods.py's
     ex = ReferenceExecutor(plan, weights)
     other = PROMPT[::-1][:5]
     ex.step([SeqChunk(0, PROMPT[:7], 0), SeqChunk(1, other[:4], 0)])

@@ -148,3 +148,14 @@ def test_attention_mods(case):
         page.hide_below_window(attrs.get("window"), attrs.get("chunk"))
     dims = {"T": page.T, "B": page.B}
     assert _attention(template, phase, page, hq, d, tune, dims, **attrs) <= TOL
+
+
+def test_chunked_prefix_hit():
+    """A prefix hit under chunked attention: sequence 1's first two pages are sequence 0's (the
+    same physical pages), its 9 new tokens continue mid-chunk and cross a chunk boundary (48);
+    pages below each first query's chunk are NaN."""
+    page = Paged(np.random.default_rng(11), [(70, 1), (40, 9)], 2, 64, share=2)
+    assert page.pages[0][:2] == page.pages[1][:2]
+    page.hide_below_window(None, 24)
+    for template, phase in (("attention_prefill", "prefill"), ("attention_mixed", "short")):
+        assert _attention(template, phase, page, 4, 64, SMALL_SPLIT, {"T": page.T, "B": page.B}, chunk=24) <= TOL
