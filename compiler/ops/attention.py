@@ -219,7 +219,8 @@ op(name="attention", tensors=["q", "k", "v"], extra_optional=["sinks"],
    infer=infer, reference=reference,
    caches=lambda types, attrs: _kv_caches(types[1].shape[1], types[1].shape[2]),
    templates={},   # no kernel of its own: split_attention lowers it to kv_write + attention_cached
-   doc="causal GQA attention (optional scale, sliding window, logit softcap, sinks) over the paged KV cache")
+   doc="causal GQA attention (optional scale, sliding window, logit softcap, sinks, ALiBi, chunks, "
+       "query temperature) over the paged KV cache")
 
 
 # -- kv_write(k[T, Hkv, D], v[T, Hkv, D]) -> cache marker ---------------------------------------
@@ -263,4 +264,5 @@ op(name="attention_cached", tensors=["q", "cache"], extra_optional=["sinks"], in
    templates={"triton": {"prefill": "attention_prefill", "mixed": "attention_mixed",
                          "short": "attention_mixed", "decode": "attention_decode"},
               "tilelang": {"decode": "attention_decode"}},
-   doc="causal GQA attention over the paged KV cache (scale, sliding window, logit softcap, sinks)")
+   doc="causal GQA attention over the paged KV cache (scale, sliding window, logit softcap, sinks, ALiBi, "
+       "chunks, query temperature)")
