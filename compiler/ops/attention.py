@@ -21,6 +21,20 @@ cached keys j = 0 .. cached + n - 1 (K[j] = k_cache[block_tables[b, j // page], 
     so a head can put weight "nowhere"; the sink is neither scaled nor soft-capped
     (transformers' eager_attention_forward concatenates it to the scaled, masked scores).
     sinks is an extra optional input (base.OpDef.extra_optional): plans without it are unchanged.
+The attrs below are extra attrs (base.OpDef.extra_attrs): a node carries one only where its spec
+gives it, so every other plan is unchanged.
+    alibi=true | M    ALiBi (BLOOM, MPT): s_j += slope[h] * (j - p), the slopes from the head
+                      count (alibi_slopes: M = 8 for true, MPT's alibi_bias_max otherwise); added
+                      after scale and softcap. Softmax is shift-invariant, so this is BLOOM's
+                      slope * j and MPT's slope * (j - L + 1) too.
+    chunk=C           block-local attention (Llama-4's attention_chunk_size): key j is visible
+                      from position p only within p's chunk, j // C == p // C (with a window too,
+                      both must hold). Positions are absolute, so a cached prefix changes nothing.
+    temp_floor=F, temp_scale=a
+                      position-dependent query scaling (Llama-4's attn_temperature_tuning):
+                      q[p] *= log(floor((p + 1) / F) + 1) * a + 1 before the scores (so before
+                      the scale, the softcap and everything else; q stays in its dtype as HF's
+                      `.to(dtype)` keeps it).
 """
 import numpy as np
 
@@ -34,12 +48,58 @@ def _kv_caches(kv_heads, head_dim):
     return {"k": dict(entry), "v": dict(entry)}
 
 
+# extra attrs (base.OpDef.extra_attrs): absent from every plan whose spec does not give them
+EXTRA_ATTRS = {"alibi": None, "chunk": None, "temp_floor": None, "temp_scale": None}
+# alibi=true: BLOOM's (and MPT's default alibi_bias_max) largest bias exponent
+ALIBI_MAX = 8.0
+
+
+def alibi_max(alibi) -> float | None:
+    """The ALiBi max bias of an `alibi` attr: true -> 8 (BLOOM), a number -> itself (MPT's
+    alibi_bias_max), None / false -> None (no ALiBi)."""
+    if alibi is None or alibi is False:
+        return None
+    return ALIBI_MAX if alibi is True else float(alibi)
+
+
+def alibi_slopes(hq: int, max_bias: float = ALIBI_MAX) -> np.ndarray:
+    """ALiBi's per-head slopes (f32 [hq]), as BLOOM's build_alibi_tensor and MPT's gen_slopes
+    (the two agree): with c = 2^floor(log2 hq), head h < c gets 2^(-M (h + 1) / c), and the
+    others interleave the next power's odd terms, head c + i gets 2^(-M (2 i + 1) / (2 c))."""
+    c = 1 << (int(hq).bit_length() - 1)
+    h = np.arange(hq, dtype=np.float64)
+    e = np.where(h < c, (h + 1) / c, (2 * (h - c) + 1) / (2 * c))
+    return (2.0 ** (-max_bias * e)).astype(np.float32)
+
+
+def temperature(pos, floor, scale) -> np.ndarray:
+    """Llama-4's query scale at positions pos: log(floor((pos + 1) / F) + 1) * a + 1 (f32)."""
+    p = np.asarray(pos, np.float32)
+    return (np.log1p(np.floor((p + np.float32(1.0)) / np.float32(floor))) * np.float32(scale)
+            + np.float32(1.0)).astype(np.float32)
+
+
 def _check_attrs(attrs):
     scale, window, softcap = attrs.get("scale"), attrs.get("window"), attrs.get("softcap")
     expect(scale is None or scale > 0, f"attention scale must be positive, got {scale}")
     expect(window is None or (int(window) == window and window >= 1),
            f"attention window must be a positive integer (HF's sliding_window), got {window}")
     expect(softcap is None or softcap > 0, f"attention softcap must be positive, got {softcap}")
+    alibi, chunk = attrs.get("alibi"), attrs.get("chunk")
+    expect(alibi is None or isinstance(alibi, bool) or
+           (isinstance(alibi, (int, float)) and alibi > 0),
+           f"attention alibi must be true or a positive max bias (MPT's alibi_bias_max), got {alibi!r}")
+    expect(chunk is None or (not isinstance(chunk, bool) and isinstance(chunk, (int, float))
+                             and int(chunk) == chunk and chunk >= 1),
+           f"attention chunk must be a positive integer (Llama-4's attention_chunk_size), got {chunk!r}")
+    tf, ts = attrs.get("temp_floor"), attrs.get("temp_scale")
+    expect((tf is None) == (ts is None),
+           "attention temp_floor and temp_scale go together (Llama-4's floor_scale and attn_scale), "
+           f"got temp_floor={tf!r}, temp_scale={ts!r}")
+    expect(tf is None or (isinstance(tf, (int, float)) and not isinstance(tf, bool) and tf > 0),
+           f"attention temp_floor must be a positive number (Llama-4's floor_scale), got {tf!r}")
+    expect(ts is None or (isinstance(ts, (int, float)) and not isinstance(ts, bool)),
+           f"attention temp_scale must be a number (Llama-4's attn_scale), got {ts!r}")
 
 
 # -- references (float32 numpy, over the reference executor's paged caches) -------------------
@@ -80,11 +140,13 @@ def read_kv(ctx, b, n):
     return out
 
 
-def attend_cached(ctx, q, scale=None, window=None, softcap=None, sinks=None):
+def attend_cached(ctx, q, scale=None, window=None, softcap=None, sinks=None, alibi=None, chunk=None,
+                  temp_floor=None, temp_scale=None):
     """Causal GQA attention of q over each sequence's cache (float32); sinks [Hq]: each head's
-    extra softmax logit that weighs no value."""
+    extra softmax logit that weighs no value; alibi, chunk, temp_*: the module docstring's."""
     T, hq, d = q.shape
     scale = scale if scale is not None else 1.0 / np.sqrt(d)
+    slopes = None if alibi_max(alibi) is None else alibi_slopes(hq, alibi_max(alibi))
     out = np.zeros(q.shape, dtype=np.float32)
     for b, start, n, cached in ctx.seqs:
         L = cached + n
@@ -92,14 +154,21 @@ def attend_cached(ctx, q, scale=None, window=None, softcap=None, sinks=None):
         group = hq // K.shape[1]
         Kh = np.repeat(K, group, axis=1)           # [L, Hq, D]
         Vh = np.repeat(V, group, axis=1)
-        s = np.einsum("ihd,jhd->hij", np.asarray(q[start:start + n], np.float32), Kh) * np.float32(scale)
+        qb = np.asarray(q[start:start + n], np.float32)
+        if temp_floor is not None:
+            qb = qb * temperature(cached + np.arange(n), temp_floor, temp_scale)[:, None, None]
+        s = np.einsum("ihd,jhd->hij", qb, Kh) * np.float32(scale)
         if softcap is not None:
             s = np.float32(softcap) * np.tanh(s / np.float32(softcap))
         qpos = cached + np.arange(n)[:, None]
         kpos = np.arange(L)[None, :]
+        if slopes is not None:
+            s = s + slopes[:, None, None] * (kpos - qpos)[None].astype(np.float32)
         hidden = kpos > qpos
         if window is not None:
             hidden |= qpos - kpos >= window
+        if chunk is not None:
+            hidden |= kpos // int(chunk) != qpos // int(chunk)
         s = np.where(hidden[None], -np.inf, s)
         m = s.max(-1, keepdims=True)
         if sinks is not None:
@@ -138,18 +207,20 @@ def infer(types, attrs):
     return [q]
 
 
-def reference(ctx, q, k, v, sinks=None, causal=True, scale=None, window=None, softcap=None, has_sinks=False):
+def reference(ctx, q, k, v, sinks=None, causal=True, scale=None, window=None, softcap=None, has_sinks=False,
+              **extra):
     assert causal, "only causal attention is implemented"
     write_kv(ctx, k, v)
-    return attend_cached(ctx, q, scale, window, softcap, sinks if has_sinks else None)
+    return attend_cached(ctx, q, scale, window, softcap, sinks if has_sinks else None, **extra)
 
 
 op(name="attention", tensors=["q", "k", "v"], extra_optional=["sinks"],
-   attrs={"causal": True, "scale": None, "window": None, "softcap": None},
+   attrs={"causal": True, "scale": None, "window": None, "softcap": None}, extra_attrs=EXTRA_ATTRS,
    infer=infer, reference=reference,
    caches=lambda types, attrs: _kv_caches(types[1].shape[1], types[1].shape[2]),
    templates={},   # no kernel of its own: split_attention lowers it to kv_write + attention_cached
-   doc="causal GQA attention (optional scale, sliding window, logit softcap, sinks) over the paged KV cache")
+   doc="causal GQA attention (optional scale, sliding window, logit softcap, sinks, ALiBi, chunks, "
+       "query temperature) over the paged KV cache")
 
 
 # -- kv_write(k[T, Hkv, D], v[T, Hkv, D]) -> cache marker ---------------------------------------
@@ -182,13 +253,16 @@ def attention_cached_infer(types, attrs):
 
 
 op(name="attention_cached", tensors=["q", "cache"], extra_optional=["sinks"], internal=True,
-   attrs={"kv_heads": REQUIRED, "scale": None, "window": None, "softcap": None},
+   attrs={"kv_heads": REQUIRED, "scale": None, "window": None, "softcap": None}, extra_attrs=EXTRA_ATTRS,
+   triton_only_attrs=list(EXTRA_ATTRS),     # the TileLang decode implements none of them
    infer=attention_cached_infer,
    reference=lambda ctx, q, cache, sinks=None, kv_heads=None, scale=None, window=None, softcap=None,
-       has_sinks=False: attend_cached(ctx, q, scale, window, softcap, sinks if has_sinks else None),
+       has_sinks=False, **extra: attend_cached(ctx, q, scale, window, softcap,
+                                               sinks if has_sinks else None, **extra),
    caches=lambda types, attrs: _kv_caches(attrs["kv_heads"], types[0].shape[2]),
    # mixed and short: flash tiles for long chunks, split-KV for decode rows and short suffixes
    templates={"triton": {"prefill": "attention_prefill", "mixed": "attention_mixed",
                          "short": "attention_mixed", "decode": "attention_decode"},
               "tilelang": {"decode": "attention_decode"}},
-   doc="causal GQA attention over the paged KV cache (scale, sliding window, logit softcap, sinks)")
+   doc="causal GQA attention over the paged KV cache (scale, sliding window, logit softcap, sinks, ALiBi, "
+       "chunks, query temperature)")

@@ -46,6 +46,9 @@ class OpDef:
     extra_attrs: dict = field(default_factory=dict)  # attrs added later (name -> default): a node
                                            # carries one only where its spec gives it, so the
                                            # plans of specs that don't are unchanged
+    triton_only_attrs: list[str] = field(default_factory=list)  # attrs only the default (Triton)
+                                           # templates implement: a launch with one set stays
+                                           # off the feature backends (select_kernels)
     keyword_optional: list[str] = field(default_factory=list)  # optional tensors after the attrs,
                                            # given by keyword (an op whose existing specs pass
                                            # attrs by position, moe_route's bias): absent, no trace

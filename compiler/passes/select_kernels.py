@@ -49,6 +49,7 @@ def select_kernels(state):
                 # The feature backends implement each op's plain form: a launch with an optional
                 # tensor (a bias) or without an omittable one (a weightless norm) stays on the
                 # default backend, which covers every form.
+                # Nor do they implement an op's triton_only_attrs (attention's ALiBi, chunks, ...).
                 # They also assume bf16 outputs over the step's T rows, and no f32 operand (an
                 # f32 norm weight: the 1 + w of Gemma's and Qwen3.5's RMSNorms).
                 plain = not any(n.attrs.get(f"has_{p}") for p in op.optional + op.extra_optional + op.keyword_optional
@@ -56,7 +57,8 @@ def select_kernels(state):
                     and not any(n.attrs.get(f"has_{p}") is False for p in op.omittable) \
                     and all(g.values[o].type is None or g.values[o].type.dtype == "bf16" for o in n.outputs) \
                     and all(g.values[i].type is None or g.values[i].type.dtype != "f32" for i in n.inputs) \
-                    and (not n.inputs or g.values[n.inputs[0]].type.shape[:1] == ("T",))
+                    and (not n.inputs or g.values[n.inputs[0]].type.shape[:1] == ("T",)) \
+                    and not any(n.attrs.get(a) is not None for a in op.triton_only_attrs)
                 features = list(state.features) if plain else []
                 for b in features + [state.backend]:
                     # a feature backend takes a short launch only where it names the phase

@@ -51,6 +51,9 @@ def _resize_attention(state, g, m, world):
     if m.attrs.get("has_sinks"):     # the per-head sinks would need the rank's slice of heads
         raise state.error(f"{_flag(world)}: attention sinks are not split across ranks yet "
                           f"(run this model on one rank)", m.line)
+    if m.attrs.get("alibi") is not None:   # the slopes follow the global head index
+        raise state.error(f"{_flag(world)}: ALiBi attention is not split across ranks yet "
+                          f"(run this model on one rank)", m.line)
     _query_heads(state, g, m, world)
     hkv = m.attrs["kv_heads"]
     if hkv % world:
@@ -80,6 +83,7 @@ RULES = {
     "xielu": Rule(walk=(0,)),
     "normalize": _OVER_LAST_AXIS,
     "rms_norm": _OVER_LAST_AXIS, "layer_norm": _OVER_LAST_AXIS, "rope": _OVER_LAST_AXIS,
+    "l2_norm": _OVER_LAST_AXIS,                         # per head (Llama-4's weightless q/k norm)
     # joins its inputs along the last axis: head h of the result is head h of each input
     "concat": Rule(per_head=True),
     # y[t, h] = w[h] @ x[t, h]: the rank's heads of x with the rank's heads of w

@@ -3,6 +3,7 @@ implementation (not a fusion). The new rows must be in the cache before any quer
 the write and the attention are two launches; the `cache` marker value orders them.
 """
 from ..ir import Node, Value
+from ..ops.attention import EXTRA_ATTRS, alibi_max
 
 
 def split_attention(state):
@@ -20,6 +21,12 @@ def split_attention(state):
             g.add_value(Value(out, "act", line=att.line))
             attrs = {"kv_heads": g.values[k].type.shape[1],
                      **{a: att.attrs.get(a) for a in ("scale", "window", "softcap")}}
+            # extra attrs: carried only where the spec gives them (other plans unchanged)
+            attrs.update({a: att.attrs[a] for a in EXTRA_ATTRS if att.attrs.get(a) is not None})
+            if attrs.get("alibi") is not None:     # true -> BLOOM's max bias: one form for the kernels
+                attrs["alibi"] = alibi_max(attrs["alibi"])
+                if attrs["alibi"] is None:
+                    del attrs["alibi"]
             if sinks:                    # an extra input: set only where the spec gives it
                 attrs["has_sinks"] = True
             g.add_node(Node(g.new_node_id("attention_cached"), "attention_cached", [q, marker, *sinks], [out],

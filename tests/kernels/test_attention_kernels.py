@@ -417,26 +417,27 @@ class Paged:
                 "meta:context_lens": self.context_lens, "meta:seq_starts": self.seq_starts,
                 "meta:max_pages": self.max_pages}
 
-    def hide_below_window(self, window):
+    def hide_below_window(self, window, chunk=None):
         """Point each sequence's block-table entries for pages entirely below its first query's
-        window at the NaN page: a kernel that reads a key there unmasked outputs NaN (the
-        reference keeps reading the real pages)."""
+        window (or chunk: both when both are given) at the NaN page: a kernel that reads a key
+        there unmasked outputs NaN (the reference keeps reading the real pages)."""
         bt = self.block_tables.clone()
         for i, (c, n) in enumerate(self.specs):
             first_q = c                                   # the earliest query position
-            lo = max(first_q - window + 1, 0)
+            lo = max(first_q - (window or first_q + 1) + 1, (first_q // chunk * chunk) if chunk else 0, 0)
             bt[i, : lo // self.ps] = self.poison_page
         self.block_tables = bt
         return self
 
 
 def _attention(template, phase, page, hq, d, tune, dims, scale=None, window=None, softcap=None, q_scale=1.0,
-               sinks=None):
-    """The kernel's relative error against the reference; sinks: the per-head sink logits (f32 [hq])."""
+               sinks=None, **mods):
+    """The kernel's relative error against the reference; sinks: the per-head sink logits (f32 [hq]);
+    mods: attention_cached's extra attrs (alibi, chunk, temp_floor / temp_scale)."""
     gen = np.random.default_rng(1)
     hkv = page.k_cache.shape[2]
     q = rand((page.T, hq, d), gen=gen, scale=q_scale)
-    attrs = {"kv_heads": hkv, "scale": scale, "window": window, "softcap": softcap}
+    attrs = {"kv_heads": hkv, "scale": scale, "window": window, "softcap": softcap, **mods}
     inputs = [("q", ["T", hq, d], "bf16"), ("cache", [], "", "cache")]
     bind, extra = {}, ()
     if sinks is not None:
