@@ -108,10 +108,13 @@ LONG_PROMPTS = {"qwen3.5-4b-l8": [2049, 3000, 4096], "deepseek-v2-lite-l8": [153
 LATENCY = {"qwen3.5-4b": ("qwen3.5-4b", {}), "deepseek-v2-lite": ("deepseek-v2-lite", {})}
 # The openai SDK suite over the new families (issues 12 and 13: `infc serve` answers it; session
 # stage `server-families`), at the golden gate's cuts. The suite sends text, so the directories get
-# the Qwen tokenizer, and DeepSeek-V2-Lite's 102,400-id vocabulary is widened to the tokenizer's
-# 151,936 ids; every other value is the cut's. name -> config.json overrides; the directory (and
-# its artifact, prepare.py part `server`) is server_dir_name(name).
-SERVER = {"qwen3.5-4b-l8": {}, "deepseek-v2-lite-l8": {"vocab_size": 151936}}
+# the Qwen tokenizer, and each cut's vocabulary is set to the tokenizer's 151,936 ids
+# (DeepSeek-V2-Lite's 102,400 widened; Qwen3.5's 248,320 narrowed: ids past the tokenizer's decode
+# to '', and two of them among the top logprobs collide in the OpenAI format's text-keyed dicts,
+# bench/results/issues43-46-h200-0c7f20a-2026-12-02); every other value is the cut's.
+# name -> config.json overrides; the directory (and its artifact, prepare.py part `server`) is
+# server_dir_name(name).
+SERVER = {"qwen3.5-4b-l8": {"vocab_size": 151936}, "deepseek-v2-lite-l8": {"vocab_size": 151936}}
 
 
 def server_dir_name(name: str) -> str:
