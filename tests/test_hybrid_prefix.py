@@ -25,7 +25,7 @@ from infc.runtime.weights.dummy import dummy_weights
 
 from exhaustive import EXHAUSTIVE
 from fake_cuda import FakeContext
-from test_kv_tier import TieredFake, _blocks_gib, _serve, _shared_prefix_prompts
+from test_kv_tier import TieredFake, _blocks_gib, _serve, _shared_prefix_prompts, abort_while_adding
 from test_scheduler import assert_all_free, drain, make_engine
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -260,19 +260,7 @@ def test_1000_aborts_hold_no_page_slot_snapshot_or_host_block(tmp_path):
     prompts = _shared_prefix_prompts(rng, 1000, stems=20)
     r = StateFake(32, num_slots=6, num_snapshots=3)
     e = make_engine(r, max_num_seqs=6, max_num_batched_tokens=9, kv_offloading=_tiers(tmp_path, 40))
-    params = SamplingParams(max_tokens=8, **GREEDY)
-    live = []
-    for i, p in enumerate(prompts):
-        e.add_request(p, params, f"r{i}")
-        live.append(f"r{i}")
-        for _ in range(int(rng.integers(0, 3))):
-            e.step()
-        while live and rng.random() < 0.6:
-            e.abort(live.pop(int(rng.integers(len(live)))))
-        live = [x for x in live if x in e.requests]
-    for x in live:
-        e.abort(x)
-    e.step()
+    abort_while_adding(e, prompts, rng)
     assert not e.has_unfinished()
     assert_all_free(e)                      # bm.check(): the tiers' and the snapshots' too
     assert e.bm.num_free_slots == 6

@@ -335,11 +335,10 @@ def test_corrupted_disk_blocks_are_recomputed(tmp_path):
     assert_all_free(e)
 
 
-def test_1000_aborts_under_offload_hold_nothing(tmp_path):
-    rng = np.random.default_rng(13)
-    prompts = _shared_prefix_prompts(rng, 1000, stems=20)
-    r = TieredFake(32)
-    e = make_engine(r, kv_offloading=OffloadConfig(_blocks_gib(6), str(tmp_path), _blocks_gib(30) + 30 * HEADER.size / GIB))
+
+def abort_while_adding(e, prompts, rng):
+    """Add the prompts one by one (greedy, 8 tokens), stepping 0-2 times after each and aborting
+    live requests at random (60 % chains), then abort the rest and step once."""
     params = SamplingParams(max_tokens=8, **GREEDY)
     live = []
     for i, p in enumerate(prompts):
@@ -352,7 +351,14 @@ def test_1000_aborts_under_offload_hold_nothing(tmp_path):
         live = [x for x in live if x in e.requests]
     for x in live:
         e.abort(x)
-    e.step()                                            # flushes the released blocks' copies
+    e.step()
+
+def test_1000_aborts_under_offload_hold_nothing(tmp_path):
+    rng = np.random.default_rng(13)
+    prompts = _shared_prefix_prompts(rng, 1000, stems=20)
+    r = TieredFake(32)
+    e = make_engine(r, kv_offloading=OffloadConfig(_blocks_gib(6), str(tmp_path), _blocks_gib(30) + 30 * HEADER.size / GIB))
+    abort_while_adding(e, prompts, rng)                 # its last step flushes the released blocks' copies
     assert not e.has_unfinished()
     assert_all_free(e)                                  # bm.check() checks the tiers too
     t = e.tiers

@@ -19,6 +19,7 @@ from infc.runtime.engine.sampling import SamplingParams, filtered_probs
 from infc.runtime.engine.step import Chunk, build_step
 from exhaustive import EXHAUSTIVE
 from test_engine import PIECES, PROMPT, G, scripted
+from test_spec_engine import abort_storm
 from test_scheduler import FakeRunner, assert_all_free, make_engine, solo, tiny_plan  # noqa: F401
 from test_spec_engine import COPY, flat, outputs, spec
 from test_spec_verify import chi2_check
@@ -151,25 +152,7 @@ def test_thousand_aborts_mid_speculation_leave_nothing_held_in_either_model():
     r = FakeRunner(40, page_size=4)
     d = FakeRunner(30, page_size=4, next_token=half_right(r))
     e = with_draft(r, d, k=3, max_num_seqs=8, spec_kw={"disable_by_batch_size": 64})
-    rng = np.random.default_rng(0)
-    live, aborted, n = [], 0, 0
-    while aborted < 1000:
-        while len(live) < 5:
-            e.add_request(rng.integers(0, 97, int(rng.integers(3, 9))).tolist(),
-                          SamplingParams(max_tokens=int(rng.integers(4, 40)), **GREEDY), f"q{n}")
-            live.append(f"q{n}")
-            n += 1
-        for o in e.step():
-            if o.request_finished:
-                live.remove(o.request_id)
-        for rid in [x for x in live if rng.random() < 0.3]:
-            assert e.abort(rid)
-            live.remove(rid)
-            aborted += 1
-        e.bm.check()
-        e.spec.draft.bm.check()
-    for rid in live:
-        e.abort(rid)
+    abort_storm(e, 0.3, lambda: (e.bm.check(), e.spec.draft.bm.check()))
     assert e.metrics.spec_decode_num_accepted_tokens_total > 0
     assert_nothing_held(e)
 

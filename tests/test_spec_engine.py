@@ -181,9 +181,17 @@ def test_prefix_hits_with_speculation():
 def test_thousand_aborts_mid_speculation_leave_nothing_held():
     r = FakeRunner(40, page_size=4, next_token=periodic(3))
     e = make_engine(r, max_num_seqs=8, speculative_config=spec(k=4, disable_by_batch_size=64))
+    abort_storm(e, 0.15, e.bm.check)
+    assert e.metrics.spec_decode_num_accepted_tokens_total > 0
+    assert_all_free(e)
+
+
+def abort_storm(e, rate: float, check, aborts: int = 1000):
+    """Keep 5 greedy requests of random prompts in flight, aborting each live one with probability
+    `rate` after every step (check() after each), until `aborts` were aborted; then the rest."""
     rng = np.random.default_rng(0)
     live, aborted, n = [], 0, 0
-    while aborted < 1000:
+    while aborted < aborts:
         while len(live) < 5:
             e.add_request(rng.integers(0, 97, int(rng.integers(3, 9))).tolist(),
                           SamplingParams(max_tokens=int(rng.integers(4, 40)), **GREEDY), f"q{n}")
@@ -192,15 +200,13 @@ def test_thousand_aborts_mid_speculation_leave_nothing_held():
         for o in e.step():
             if o.request_finished:
                 live.remove(o.request_id)
-        for rid in [x for x in live if rng.random() < 0.15]:
+        for rid in [x for x in live if rng.random() < rate]:
             assert e.abort(rid)
             live.remove(rid)
             aborted += 1
-        e.bm.check()
+        check()
     for rid in live:
         e.abort(rid)
-    assert e.metrics.spec_decode_num_accepted_tokens_total > 0
-    assert_all_free(e)
 
 
 def test_slot_cache_plans_refuse_speculation():

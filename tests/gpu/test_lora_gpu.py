@@ -10,6 +10,7 @@ prompt, eager one sequence a step and graphs with 5 sequences a step (every batc
 adapters must matter: HF's logits with an adapter are held outside the same limits from HF's base
 logits (an adapter the kernels dropped would pass the gate otherwise). HF + PEFT in float32 is
 run too, and each side's distance from it printed: the bf16 noise floor the gate sits on."""
+import json
 from contextlib import closing
 
 import numpy as np
@@ -38,8 +39,6 @@ rng = np.random.default_rng(46)
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     from make_lora_adapter import make_adapter
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
     d = models.model_dir("qwen3-4b")
     root = tmp_path_factory.mktemp("adapters")
     paths = []
@@ -47,53 +46,37 @@ def setup(tmp_path_factory):
         p = root / f"a{i + 1}"
         make_adapter(d, p, seed=100 + i, std=STD, **a)
         paths.append(p)
-    base = AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16).cuda().eval()
-    V = base.config.vocab_size
+    V = json.loads((d / "config.json").read_text())["vocab_size"]
     seqs = [[int(t) for t in rng.integers(0, V, n + DECODE)] for n in LENS]
     slots = [i % (len(ADAPTERS) + 1) for i in range(len(seqs))]        # 0: the base model
-    hf = PeftModel.from_pretrained(base, str(paths[0]), adapter_name="a1").eval()
-    for i, p in enumerate(paths[1:], 2):
-        hf.load_adapter(str(p), adapter_name=f"a{i}")
-    want, base_want = [None] * len(seqs), [None] * len(seqs)
-    with hf.disable_adapter():
-        for i, s in enumerate(seqs):
-            base_want[i] = hf_logits(hf, [s])[0]
-    for k in range(1, len(ADAPTERS) + 1):
-        hf.set_adapter(f"a{k}")
-        for i, s in enumerate(seqs):
-            if slots[i] == k:
-                want[i] = hf_logits(hf, [s])[0]
-    for i in range(len(seqs)):
-        if slots[i] == 0:
-            want[i] = base_want[i]
-    del hf, base
-    torch.cuda.empty_cache()
-    exact = _peft_logits(d, paths, seqs, slots, torch.float32)
+    want, base_want = _peft_logits(d, paths, seqs, slots, torch.bfloat16, base_all=True)
+    exact, _ = _peft_logits(d, paths, seqs, slots, torch.float32)
     floor = worst_of([gate(w, x) for w, x in zip(want, exact)])
     print(f"HF + PEFT bf16 vs float32 (the noise floor): regret {floor[0]:.3f} mean {floor[1]:.4f} p99 {floor[2]:.3f}")
     yield d, paths, seqs, slots, want, base_want, exact
 
 
-def _peft_logits(d, paths, seqs, slots, dtype) -> list:
+def _peft_logits(d, paths, seqs, slots, dtype, base_all: bool = False) -> tuple:
+    """HF + PEFT's logits of each sequence with its slot's adapter (slot 0: the adapters disabled),
+    and with base_all the base model's of every sequence too (else None)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
     base = AutoModelForCausalLM.from_pretrained(d, dtype=dtype).cuda().eval()
     hf = PeftModel.from_pretrained(base, str(paths[0]), adapter_name="a1").eval()
     for i, p in enumerate(paths[1:], 2):
         hf.load_adapter(str(p), adapter_name=f"a{i}")
-    out = [None] * len(seqs)
+    out, plain = [None] * len(seqs), None
     with hf.disable_adapter():
-        for i, s in enumerate(seqs):
-            if slots[i] == 0:
-                out[i] = hf_logits(hf, [s])[0]
+        plain = [hf_logits(hf, [s])[0] if base_all or slots[i] == 0 else None for i, s in enumerate(seqs)]
     for k in range(1, len(paths) + 1):
         hf.set_adapter(f"a{k}")
         for i, s in enumerate(seqs):
             if slots[i] == k:
                 out[i] = hf_logits(hf, [s])[0]
+    out = [plain[i] if slots[i] == 0 else out[i] for i in range(len(seqs))]
     del hf, base
     torch.cuda.empty_cache()
-    return out
+    return out, (plain if base_all else None)
 
 
 def _lora_step(runner, pages: Pages, chunks: list[Chunk], slot_of: dict) -> np.ndarray:
