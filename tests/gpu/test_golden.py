@@ -25,11 +25,11 @@ beyond the window); gemma-3's 512-token window is crossed by the common lengths 
 600-1024). A family in gpu_families.LONG_PROMPTS gets those prompt lengths too (qwen3.5-4b-l8: up to
 4096 tokens). Each runner gives its device memory back when its test ends (CudaRunner.close).
 
-Hybrid models (a plan with slot caches: Qwen3.5's conv and recurrent state per sequence) get no
-prefix reuse (the engine turns prefix caching off for them: a cached KV prefix would not restore
-the state), so their prefix replay expects no hit: the warm step continues the same prompt in a
-second sequence that computed the prefix itself (its own pages and state slot), the same suffix
-step as a hit's, with the state read from the slot. A family that this machine's transformers
+Hybrid models (a plan with slot caches: Qwen3.5's conv and recurrent state per sequence): this
+driver loop shares KV pages but keeps no state snapshots (the engine's prefix caching restores
+those: tests/gpu/test_hybrid_prefix_gpu.py), so their prefix replay here expects no hit: the warm
+step continues the same prompt in a second sequence that computed the prefix itself (its own pages
+and state slot), the same suffix step as a hit's, with the state read from the slot. A family that this machine's transformers
 cannot make fails with one line saying so."""
 import json
 import shutil
