@@ -147,22 +147,12 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
         page_size = runner.page_size
     elif device == "cpu":
         from infc.compiler.build import compile_model
-        from infc.runtime.engine.runner import CPURunner
-        from infc.compiler.contract.safetensors_io import Checkpoint
-        from infc.runtime.weights.load import load_weights
         state, plan = st.run("compile plan", compile_model, model=model, spec_path=spec,
                              model_dir=str(model_dir), spec_dirs=spec_dirs, check_checkpoint=not dummy,
                              kv_cache_dtype=kv_dtype, lora=lora)
         name = state.model
-        if dummy:
-            from infc.runtime.weights.dummy import dummy_weights
-            weights = st.run("make random weights", dummy_weights, plan)
-        else:
-            weights = st.run("load weights", lambda: load_weights(plan, Checkpoint(model_dir)))
         page_size = c.cache.page_size
-        num_pages = _cpu_pages(plan, c)
-        runner = st.run("allocate KV cache", CPURunner, plan, weights, num_pages, page_size,
-                        c.scheduler.max_num_seqs, state_snapshots(c.cache, c.scheduler.max_num_seqs))
+        runner = _cpu_runner(st, plan, model_dir, dummy, c, "", state_snapshots(c.cache, c.scheduler.max_num_seqs))
         model_len = int(plan["config"].get("max_len") or 1 << 30)
     else:
         from infc.compiler.build import REPO, build
@@ -258,8 +248,6 @@ def _draft_runner(st, c: EngineConfig, par, spec_dirs, dummy: bool, kv_dtype, ta
         return None
     where = _check_draft(c, par, dummy)
     from infc.compiler.build import compile_model
-    from infc.runtime.engine.runner import CPURunner
-    from infc.runtime.weights.dummy import dummy_weights
     path = Path(s.model)
     if path.is_dir():
         _, plan = st.run("compile draft plan", compile_model, model_dir=str(path), spec_dirs=spec_dirs,
@@ -268,14 +256,24 @@ def _draft_runner(st, c: EngineConfig, par, spec_dirs, dummy: bool, kv_dtype, ta
     else:
         _, plan = st.run("compile draft plan", compile_model, model=s.model, spec_dirs=spec_dirs,
                          kv_cache_dtype=kv_dtype)
+    return _cpu_runner(st, plan, path, dummy, c, "draft ")
+
+
+def _cpu_runner(st, plan: dict, model_dir: Path, dummy: bool, c: EngineConfig, what: str,
+                num_state_snapshots: int | None = None):
+    """A CPURunner of the plan: the directory's weights (random ones of the plan's shapes under
+    --load-format dummy) and the KV pages the budget holds (_cpu_pages); `what` names it in the
+    startup stages ("" the target, "draft " a draft model)."""
+    from infc.runtime.engine.runner import CPURunner
     if dummy:
-        weights = st.run("make draft random weights", dummy_weights, plan)
+        from infc.runtime.weights.dummy import dummy_weights
+        weights = st.run(f"make {what}random weights", dummy_weights, plan)
     else:
         from infc.compiler.contract.safetensors_io import Checkpoint
         from infc.runtime.weights.load import load_weights
-        weights = st.run("load draft weights", lambda: load_weights(plan, Checkpoint(path)))
-    return st.run("allocate draft KV cache", CPURunner, plan, weights, _cpu_pages(plan, c), c.cache.page_size,
-                  c.scheduler.max_num_seqs)
+        weights = st.run(f"load {what}weights", lambda: load_weights(plan, Checkpoint(model_dir)))
+    return st.run(f"allocate {what}KV cache", CPURunner, plan, weights, _cpu_pages(plan, c), c.cache.page_size,
+                  c.scheduler.max_num_seqs, num_state_snapshots)
 
 
 def _check_draft(c: EngineConfig, par, dummy: bool) -> str:
