@@ -203,13 +203,9 @@ class BlockManager:
         new = self.pages_for(cached + n) - len(hits)
         # evictable hits leave `free`; a tier block takes a page of it
         revived = sum(1 for p in hits if p is None or self.blocks[p].ref == 0)
-        if n <= 0 or new + revived > len(self.free) or (self.num_slots and not self.free_slots):
-            if rows:
-                self.tiers.unfetch(rows)
-            if snap is not None:
-                self.snapshots.release(snap)
-            return 0
-        if self.lora is not None and not self.lora.admit(seq):
+        # the adapter's slot is asked for last: only once the pages and state slot are there
+        if n <= 0 or new + revived > len(self.free) or (self.num_slots and not self.free_slots) \
+                or (self.lora is not None and not self.lora.admit(seq)):
             if rows:
                 self.tiers.unfetch(rows)
             if snap is not None:
