@@ -231,12 +231,14 @@ class PageTable:
 
 
 class Profiler:
-    def __init__(self, runner, reps: int, warmup: int, bandwidth: float | None, isolate=()):
-        """isolate: ops whose first launch of each group an eager step re-times alone (`_isolate`)."""
+    def __init__(self, runner, reps: int, warmup: int, bandwidth: float | None, isolate=(), loras: int = 0):
+        """isolate: ops whose first launch of each group an eager step re-times alone (`_isolate`);
+        loras: a LoRA plan's sequences take adapter slots 1..loras in turn (0: none, slot 0)."""
         from infc.runtime.engine.runner import RowSampling
         from infc.runtime.engine.sampling import SamplingParams
         self.r, self.reps, self.warmup, self.bw = runner, reps, warmup, bandwidth
         self.isolate = set(isolate or ())
+        self.loras = loras
         self.e0, self.e1 = runner.ctx.event(), runner.ctx.event()
         self.pairs: list = []                  # event pairs, one per launch, reused
         self.greedy = RowSampling(SamplingParams(temperature=0.0), 0, 0)
@@ -253,6 +255,9 @@ class Profiler:
         r = self.r
         t0 = time.perf_counter()
         meta = build_step(chunks, pages.of.__getitem__, r.page_size)
+        if self.loras:
+            meta.lora_slots = np.repeat([1 + c.seq_id % self.loras for c in chunks],
+                                        [len(c.tokens) for c in chunks]).astype(np.int32)
         T, B = (1, 1) if mode == "graph" else (meta.T, meta.B)
         dims = {"T": T, "B": B}
         arrays = r._metadata(meta, T, B)
@@ -366,6 +371,26 @@ class Profiler:
         return out
 
 
+def put_random_adapters(runner, n: int, rng) -> dict:
+    """Slots 1..n of a LoRA plan's tables hold random adapters of the build's max rank on every
+    module it adapts (the kernels' cost does not depend on the values; slot 0 rows skip A)."""
+    from infc.runtime.lora.adapter import Adapter, ModuleDelta
+    from infc.runtime.lora.tables import module_map, write
+    lora = runner.plan.get("lora")
+    if lora is None:
+        raise ValueError("--loras: the artifact was not built with --enable-lora")
+    if not 1 <= n <= lora["max_loras"]:
+        raise ValueError(f"--loras {n}: the build has {lora['max_loras']} adapter slots")
+    R, put = lora["max_rank"], runner.lora_put()
+    for slot in range(1, n + 1):
+        a = Adapter(f"random-{slot}", "(random)")
+        for m, (_, _, _, K, N) in module_map(runner.plan).items():
+            a.modules[m] = ModuleDelta(rng.normal(0, 0.02, (R, K)).astype(np.float32),
+                                       rng.normal(0, 0.02, (N, R)).astype(np.float32), 2.0)
+        write(runner.plan, put, slot, a)
+    return {"adapters": n, "rank": R, "modules": len(module_map(runner.plan))}
+
+
 def pages_needed(page_size: int, short=32, prefix=1024, new=16, decodes=255, context=1024, chunk=256,
                  prompts=1) -> int:
     """The short prompt (+1 decode token), the long prompt, the hit's own pages, the mixed step's
@@ -377,7 +402,7 @@ def pages_needed(page_size: int, short=32, prefix=1024, new=16, decodes=255, con
 
 def run(artifact, model_dir, reps=20, warmup=3, short=32, prefix=1024, new=16, decodes=255,
         context=1024, chunk=256, steps=None, max_model_len=None, bandwidth=True, seed=0,
-        load_format="auto", isolate=(), prompts=1) -> dict:
+        load_format="auto", isolate=(), prompts=1, loras=0) -> dict:
     from infc.runtime.cuda.artifact import load_plan
     from infc.runtime.cuda.runner import CudaRunner
     from infc.runtime.engine.step import Chunk
@@ -401,7 +426,10 @@ def run(artifact, model_dir, reps=20, warmup=3, short=32, prefix=1024, new=16, d
                     "reps": reps, "warmup": warmup, "steps": []})
         print(f"{res['gpu']}, {res['commit']}: weights {r.weights.bytes / 1e9:.2f} GB, "
               f"copy {_f(res['copy_GBps'], '{:.0f}')} GB/s, {num_pages} pages of {page_size}", flush=True)
-        prof = Profiler(r, reps, warmup, bw, isolate)
+        if loras:
+            res["lora_adapters"] = put_random_adapters(r, loras, rng)
+            res["model"] += f"-lora{loras}"
+        prof = Profiler(r, reps, warmup, bw, isolate, loras)
         pages = PageTable(r.num_pages, page_size)
         toks = lambda n: [int(t) for t in rng.integers(0, r.vocab_size, n)]  # noqa: E731
         out = res["steps"]
@@ -486,6 +514,8 @@ def main(argv=None):
     ap.add_argument("--no-bandwidth", action="store_true", help="skip the copy-bandwidth run (no floors)")
     ap.add_argument("--isolate", help="comma list of ops (e.g. attention_cached,linear): each eager step "
                     "re-times its first launch of each of their groups alone, after the step, on its data")
+    ap.add_argument("--loras", type=int, default=0,
+                    help="a LoRA artifact: random adapters in slots 1..N, sequences take them in turn")
     from infc.server.args import add_load_format_arg
     add_load_format_arg(ap)
     a = ap.parse_args(argv)
@@ -496,7 +526,7 @@ def main(argv=None):
     res = run(a.artifact, a.model_path, reps=a.reps, warmup=a.warmup, short=a.short_prompt, prefix=a.prefix_tokens,
               new=a.prefix_new, decodes=a.mixed_decodes, context=a.mixed_context, chunk=a.mixed_chunk, prompts=a.mixed_prompts,
               steps=steps, max_model_len=a.max_model_len, bandwidth=not a.no_bandwidth,
-              load_format=a.load_format, isolate=a.isolate.split(",") if a.isolate else ())
+              load_format=a.load_format, isolate=a.isolate.split(",") if a.isolate else (), loras=a.loras)
     path = save("profile", res, a.out)
     text = report(res, a.top)
     path.with_suffix(".md").write_text(text)

@@ -42,6 +42,8 @@
 # tier-throughput (issue 44: 1024/128 throughput at 256 concurrent, host KV tier off and on, alternating).
 # lora (issue 46, after prepare.py base lora: the multi-LoRA golden gate against HF + PEFT, then
 # bench throughput of the base model beside 8 rank-16 adapters taken in turn; see the stage).
+# lora-profile (issue 46, after prepare.py base lora: bench profile per launch of the base model and
+# of the LoRA build with random adapters in its 8 slots).
 # kv-fp8 (issue 42, after prepare.py base kvfp8: batch-1 TPOT at 1k and 32k of context with
 # --kv-cache-dtype fp8 beside the bf16 KV cache, same model; KV_FP8_PROMPTS sets the prompts).
 # overlap-ab (overlapped engine steps against INFC_OVERLAP=0, alternating: latency and throughput);
@@ -410,6 +412,18 @@ models.model_dir('$q')" 2>&1 | tail -3
           --concurrency ${LORA_CONCURRENCY:-1,32,256} --enable-lora --max-loras 8 --max-lora-rank 16 \
           --lora-modules $mods --out "$OUT/lora" 2>&1 | quiet | grep -E "concurrency|wrote|rror" | tail -6
         for f in "$OUT"/lora/throughput-qwen3-4b-[!r]*.json; do case $f in *-run*) ;; *) cp "$f" "${f%.json}-run$run.json" ;; esac; done
+      done ;;
+    lora-profile)
+      # issue 46: bench profile (per launch) of the base qwen3-4b and of qwen3-4b --enable-lora with
+      # random rank-16 adapters in its 8 slots, the sequences taking them in turn (LORA_PROFILE_STEPS)
+      python3 tests/gpu/rerender.py .cache/artifacts/qwen3-4b-lora8r16 2>&1 | tail -1
+      mkdir -p "$OUT/lora-profile"
+      for spec in ".cache/artifacts/qwen3-4b 0" ".cache/artifacts/qwen3-4b-lora8r16 8"; do
+        set -- $spec
+        say "lora-profile: $1 with $2 adapters"
+        timeout ${PROFILE_S:-200} python3 -m infc.cli bench profile --artifact $1 --model-path "$MODELS/qwen3-4b" \
+          --loras $2 --reps 10 --steps ${LORA_PROFILE_STEPS:-decode_b1,decode_b1_graph,mixed_256,decode_wide} \
+          --out "$OUT/lora-profile" 2>&1 | quiet | grep -vE "^\|" | tail -12
       done ;;
     tier-throughput)
       # issue 44: 1024/128 throughput of qwen3-4b at TIER_CONCURRENCY (default 256) with the host
