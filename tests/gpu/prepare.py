@@ -314,6 +314,11 @@ def qwen35():
     d = gpu_families.write_config("qwen3.5-4b")         # gpu_families.LATENCY
     _both_tunings("qwen3.5-4b (32 layers, latency with dummy weights)",
                   gpu_families.artifact_dir("qwen3.5-4b"), model_dir=str(d))
+    # the same plan where `infc serve` / `bench prefix` on its config directory look for it
+    # (infc/backend.py: .cache/artifacts/<the directory's name>): session.sh qwen35-prefix
+    from infc.compiler.build import REPO as BUILD_REPO
+    _both_tunings("qwen3.5-4b (served: bench prefix)", BUILD_REPO / ".cache" / "artifacts" / d.name,
+                  model_dir=str(d))
     served_config("qwen3-4b")                           # its artifact: base's .cache/artifacts/qwen3-4b
 
 

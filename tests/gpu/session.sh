@@ -42,6 +42,8 @@
 # tier-throughput (issue 44: 1024/128 throughput at 256 concurrent, host KV tier off and on, alternating).
 # lora (issue 46, after prepare.py base lora: the multi-LoRA golden gate against HF + PEFT, then
 # bench throughput of the base model beside 8 rank-16 adapters taken in turn; see the stage).
+# qwen35-prefix (issue 44, after prepare.py qwen35: Qwen3.5-4B warm prefix hits at 1k / 16k
+# against its cold prefill, engine and infc serve, dummy weights).
 # lora-profile (issue 46, after prepare.py base lora: bench profile per launch of the base model and
 # of the LoRA build with random adapters in its 8 slots).
 # kv-fp8 (issue 42, after prepare.py base kvfp8: batch-1 TPOT at 1k and 32k of context with
@@ -191,6 +193,15 @@ for _ in range(600):
       else
         say "qwen35: no qwen3-4b artifact or config here (prepare.py base qwen35): qwen3-4b not timed"
       fi ;;
+    qwen35-prefix)
+      # issue 44 (after prepare.py qwen35): Qwen3.5-4B (dummy weights) warm prefix hits at
+      # QWEN35_PREFIX_LENGTHS against its cold prefill, engine and `infc serve` (the hybrid model's
+      # state snapshots kept with the cached blocks); the startup lines report the snapshots' memory
+      mkdir -p "$OUT/qwen35-prefix"
+      timeout ${QWEN35_PREFIX_S:-420} python3 -m infc.cli bench prefix --model-path .cache/gpu/configs/qwen3.5-4b \
+        --load-format dummy --lengths ${QWEN35_PREFIX_LENGTHS:-1024,16384} --reps ${QWEN35_PREFIX_REPS:-5} \
+        --path both --out "$OUT/qwen35-prefix" 2>&1 | quiet \
+        | tee "$OUT/qwen35-prefix/log.txt" | grep -iE "snapshot|ttft|cold|warm|rror|wrote" | tail -30 ;;
     ranks)
       timeout ${RANKS_S:-420} python3 -m pytest tests/gpu/test_ranks_gpu.py -q -s -p no:cacheprovider -rs \
         ${PYTEST_ARGS:-} 2>&1 | quiet | tee "$OUT/pytest-ranks.log" \
@@ -384,6 +395,8 @@ models.model_dir('$q')" 2>&1 | tail -3
         timeout ${LATENCY_S:-300} python3 -m infc.cli bench latency --artifact .cache/artifacts/$art \
           --model-path "$MODELS/qwen3-4b" --no-hf --prompts ${KV_FP8_PROMPTS:-1024,32768} \
           --out "$OUT/kv-fp8" 2>&1 | quiet | tail -5
+        # (both plans are model "qwen3-4b": keep each run's file under its artifact's name)
+        mv "$OUT"/kv-fp8/latency-qwen3-4b-*.json "$OUT/kv-fp8/$art.json" 2>/dev/null
       done ;;
     lora)
       # issue 46 (after prepare.py base lora): the multi-LoRA golden gate against HF + PEFT
