@@ -387,9 +387,10 @@ models.model_dir('$q')" 2>&1 | tail -3
           --model-path "$MODELS/qwen3-4b" --no-hf --out "$OUT/quant/qwen3-4b" ${QUANT_LATENCY_ARGS:-} 2>&1 | quiet | tail -6 ;; esac ;;
     kv-fp8)
       # batch-1 decode at 1k and 32k of context with the fp8 KV cache against the bf16 one, same
-      # model directory and card (after prepare.py base kvfp8); KV_FP8_PROMPTS sets the prompts
+      # model directory and card (after prepare.py base kvfp8); KV_FP8_PROMPTS sets the prompts,
+      # KV_FP8_ARTS the artifacts (under .cache/artifacts, built from qwen3-4b's config)
       mkdir -p "$OUT/kv-fp8"
-      for art in qwen3-4b qwen3-4b-kvfp8; do
+      for art in ${KV_FP8_ARTS:-qwen3-4b qwen3-4b-kvfp8}; do
         python3 tests/gpu/rerender.py .cache/artifacts/$art 2>&1 | tail -1
         say "kv-fp8: bench latency $art"
         timeout ${LATENCY_S:-300} python3 -m infc.cli bench latency --artifact .cache/artifacts/$art \

@@ -133,10 +133,12 @@ class FP8Paged(Paged):
         return {**super().bindings(), **scales()}
 
 
-def _attention(template, phase, page, hq, d, tune, dims, **extra):
+def _attention(template, phase, page, hq, d, tune, dims, q_mult=1.0, **extra):
     gen = np.random.default_rng(1)
     hkv = page.k_cache.shape[2]
     q = rand((page.T, hq, d), gen=gen)
+    if q_mult != 1.0:
+        q = (q.float() * q_mult).to(q.dtype)
     attrs = {"kv_heads": hkv, "scale": None, "window": None, "softcap": None, **extra}
     k = render(template, "attention_cached", [("q", ["T", hq, d], "bf16"), ("cache", [], "", "cache")],
                [("o", ["T", hq, d], "bf16")], attrs=attrs, phase=phase, caches=fp8_caches(hkv, d), tune=tune,
@@ -162,6 +164,14 @@ def test_attention_decode_fp8(hq, hkv, d, lens, tune, extra):
     page = FP8Paged(np.random.default_rng(len(lens) + d), [(L - 1, 1) for L in lens], hkv, d)
     assert _attention("attention_decode", "decode", page, hq, d, tune, {"T": len(lens), "B": len(lens)},
                       **extra) <= TOL
+
+
+def test_attention_decode_fp8_q_past_f16_range():
+    """The decode kernel dots the codes in f16: a query past f16's range (|q| up to ~1e5 here) is
+    brought under it by a power of two, not turned into inf."""
+    page = FP8Paged(np.random.default_rng(3), [(L - 1, 1) for L in (9, 40)], 2, 32)
+    assert _attention("attention_decode", "decode", page, 4, 32, {"NUM_SPLITS": 2, "BLOCK_N": 16},
+                      {"T": 2, "B": 2}, q_mult=4.0e4, scale=1e-5) <= TOL
 
 
 SPLIT = {"NUM_SPLITS": 2, "SPLIT_BLOCK_N": 16, "SPLIT_MIN_KEYS": 16}
