@@ -6,6 +6,9 @@ files); a truncated, corrupted or foreign file is a miss and is deleted. Under m
 outputs with the tiers on equal outputs with them off (FakeRunner, whose outputs hash the whole
 context read back through the block tables, so a wrong restore changes them; and the tiny real
 model) while the metrics show host and disk hits; 1,000 aborts leave nothing held."""
+import os
+import threading
+
 import numpy as np
 import pytest
 
@@ -155,6 +158,61 @@ def test_a_new_store_removes_an_earlier_runs_files(tmp_path):
     d.drain()
     again = _disk(tmp_path)
     assert len(again) == 0 and not list(again.folder.iterdir())
+
+
+class _GatedReplace:
+    """os.replace for the disk writer that holds the files named until let go (and fails the next
+    replace of a name added to `refuse`): the writer's turns, in a chosen order against put."""
+
+    def __init__(self, monkeypatch, *names):
+        self.real, self.refuse = os.replace, set()
+        self.gates = {n: (threading.Event(), threading.Event()) for n in names}
+        monkeypatch.setattr(os, "replace", self)
+
+    def __call__(self, src, dst):
+        name = os.path.basename(dst)
+        if name in self.refuse:
+            self.refuse.discard(name)
+            raise OSError(28, "No space left on device")
+        entered, go = self.gates.get(name, (None, None))
+        if entered is not None and not entered.is_set():     # its first replace only
+            entered.set()
+            assert go.wait(10)
+        return self.real(src, dst)
+
+    def hold(self, name):                    # the writer is inside that file's replace
+        assert self.gates[name][0].wait(10)
+        return self.gates[name][1]
+
+
+@pytest.mark.parametrize("then", ["evicted", "refused"])
+def test_a_block_stored_again_while_written_leaves_no_file_when_it_goes(tmp_path, monkeypatch, then):
+    """Block h is written; meanwhile it is evicted and stored again, so that write leaves its
+    file to the later copy. The later copy is evicted before its turn (or the folder refuses it):
+    the earlier file must go with it, or the folder holds a file the index does not."""
+    d = _disk(tmp_path, files=2)
+    h, g1, g2, x1, x2 = (bytes([i]) * 32 for i in range(5))
+    block = np.arange(1000, dtype=np.uint32).astype(np.uint8)
+    name = lambda k: d.path(k).name            # noqa: E731
+    gate = _GatedReplace(monkeypatch, name(h), name(g2))
+    d.put(h, block)
+    go_h = gate.hold(name(h))                   # h's first write, about to land
+    d.put(g1, block)
+    d.put(g2, block)                            # h evicted while its write is in flight
+    d.put(h, block)                             # and stored again (g1 out): a second copy queued
+    if then == "refused":
+        gate.refuse.add(name(h))                # the second copy's write fails (the first is past
+                                                # that check, held in its replace)
+        gate.gates[name(g2)][1].set()           # (g2's turn needs no holding)
+        go_h.set()
+    else:
+        go_h.set()                              # the first write lands, its file left to the second
+        go_g2 = gate.hold(name(g2))             # the writer is on g2, the second h copy queued
+        d.put(x1, block)
+        d.put(x2, block)                        # g2 and h out before h's second turn
+        go_g2.set()
+    d.check()                                   # the folder holds the index's files, no others
+    assert h not in d and not d.path(h).exists()
 
 
 # -- the engine over FakeRunner ------------------------------------------------------------------
