@@ -62,10 +62,16 @@ def test_host_blocks_restore_numpy_pages_bit_identical():
     assert slab[[2, 3, 5]].sum() == 0                   # rows not named are untouched
 
 
-def test_device_blocks_move_the_same_bytes_as_host_blocks(fake_driver):
-    """The CUDA runner's copies (copy stream, 2D copies per region and run) over fake memory."""
+@pytest.mark.parametrize("kernel", [False, True])
+def test_device_blocks_move_the_same_bytes_as_host_blocks(fake_driver, kernel, monkeypatch):
+    """The CUDA runner's copies over fake memory, on the copy stream: 2D copies per region and
+    run, or (kernel) the plan's block_copy kernel, run by the interpreter, on the mapped slab."""
+    from infc.compiler.codegen.render import render_block_copy
+    from infc.runtime.cuda.artifact import KernelFn
+    from infc.runtime.cuda import kv_copies
     from infc.runtime.cuda.kv_copies import DeviceCopies
-    ctx = FakeContext()
+    monkeypatch.setattr(kv_copies, "RING", 3)           # a short ring: its slots are reused below
+    ctx = fake_driver.Context()
     dev = C.DeviceCaches(ctx, DECL, PS, num_pages=10, num_slots=2)
     host = C.HostCaches(DECL, PS, 10, 2, factory=lambda shape, d: np.zeros(shape, np.uint16 if d == "bf16" else np.float32))
     rng = np.random.default_rng(3)
@@ -73,19 +79,28 @@ def test_device_blocks_move_the_same_bytes_as_host_blocks(fake_driver):
         a.view(np.uint8)[...] = rng.integers(0, 256, a.view(np.uint8).shape, dtype=np.uint8)
         ptr, n = dev.region(name, layer)
         ctx.view(ptr, n)[:] = a.reshape(-1).view(np.uint8)
-    copies = DeviceCopies(ctx, dev)
+    k = None
+    if kernel:
+        src = render_block_copy({"caches": DECL}, PS)
+        k = KernelFn(src.id, src.meta, {"num_warps": 4, "hidden_args": 2},
+                     fake_driver.Module(src.source.encode()).function(src.meta["entry"]))
+    copies = DeviceCopies(ctx, dev, k)
     assert copies.block_bytes == host.block_bytes == C.page_bytes(DECL, PS)
+    assert (copies.kernel is not None) == kernel
     slab = copies.make_slab(8)
     pages, rows = [3, 4, 5, 9, 0], [2, 3, 4, 7, 0]     # a run of three, then single pages
-    ctx.num_copies = 0
+    ctx.num_copies, launched = 0, len(fake_driver.launches)
     f = copies.save(pages, rows)
-    assert ctx.num_copies == 3 * 6                      # 3 runs, 6 paged regions
+    # 3 runs, 6 paged regions; or the pairs' upload and one launch
+    assert (ctx.num_copies, len(fake_driver.launches) - launched) == ((1, 1) if kernel else (3 * 6, 0))
     want = np.zeros_like(slab)
     host.read_pages(pages, want, rows)
     assert slab.tobytes() == want.tobytes()
     copies.host_wait(f)
     copies.step_waits(f)
     ctx.memset(dev.base, dev.nbytes, 0)                 # the device pages are gone
+    for _ in range(4 if kernel else 0):                 # round the ring of pair tables
+        copies.load([1], [5])
     copies.load([1, 2, 6, 8, 7], rows)
     host.write_pages([1, 2, 6, 8, 7], want, rows)
     for name, layer in host.arrays:
@@ -96,7 +111,7 @@ def test_device_blocks_move_the_same_bytes_as_host_blocks(fake_driver):
             for p in (1, 2, 6, 8, 7):
                 assert got[p].tobytes() == exp[p].tobytes(), (name, layer, p)
     copies.close()
-    assert not ctx.pinned_live
+    assert not ctx.pinned_live and not ctx._mapped and ctx.allocated() == dev.nbytes
 
 
 def _disk(tmp_path, files=4, block_bytes=1000, ns=b"n" * 32):
