@@ -35,6 +35,7 @@ _CTYPE = {"i32": ctypes.c_int32, "u32": ctypes.c_uint32, "i64": ctypes.c_int64,
 
 
 _current = threading.local()
+MEMHOSTALLOC_DEVICEMAP = 0x02        # cuda.h's CU_MEMHOSTALLOC_DEVICEMAP (a #define, not an enum)
 
 
 class Context:
@@ -157,7 +158,7 @@ class Context:
     def pinned(self, nbytes: int, mapped: bool = False) -> np.ndarray:
         """Page-locked host memory; mapped: into the device's address space too, so a kernel can
         read and write it (at device_ptr(host))."""
-        flags = cu.CU_MEMHOSTALLOC_DEVICEMAP if mapped else 0
+        flags = MEMHOSTALLOC_DEVICEMAP if mapped else 0
         ptr = check(cu.cuMemHostAlloc(nbytes, flags), "cuMemHostAlloc")
         host = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(int(ptr)))
         self._host[int(ptr)] = host

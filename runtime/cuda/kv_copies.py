@@ -79,9 +79,9 @@ class DeviceCopies:
         start, end = self.timing[to_host]
         start.record(self.stream)
         fence, self.issued = self.issued, self.issued + 1
-        # a batch names distinct pages (more than the storage has: a page offered twice between
-        # flushes, not seen from KVTiers), so it fits the kernel's pair table
-        if self.kernel is not None and len(pages) <= self.max_pairs:
+        # a batch names distinct pages, so it fits the kernel's pair table (one that does not, a
+        # page offered twice between flushes, is not seen from KVTiers; the 2D copies take it)
+        if self.kernel is not None and 0 < len(pages) <= self.max_pairs:
             self._launch(fence, pages, rows, to_host)
         else:
             for dev, at, width, n, pitch in self.caches.block_copies(pages, rows, self.block_bytes):
