@@ -66,7 +66,9 @@ class DeviceCopies:
 
     def make_slab(self, rows: int) -> np.ndarray:
         self.ctx.ensure_current()
-        self._pinned = self.ctx.pinned(rows * self.block_bytes, mapped=self.kernel is not None)
+        n = rows * self.block_bytes
+        # the kernel reads and writes the slab where it is: mapped into the device's address space
+        self._pinned = self.ctx.pinned(n, mapped=True) if self.kernel is not None else self.ctx.pinned(n)
         self.slab = self._pinned.reshape(rows, self.block_bytes)
         return self.slab
 
