@@ -202,6 +202,9 @@ def _sweep(a, b, conc, par, tag, gc_frozen: bool = False):
     rng = np.random.default_rng(0)
     if loras:
         res["lora_adapters"] = list(loras)
+    tiers = getattr(engine, "tiers", None)
+    if tiers is not None:          # how the tier's copies ran (kv_copies.py: one kernel a batch, or 2D copies)
+        res["kv_copies"] = getattr(tiers.copies, "mode", type(tiers.copies).__name__)
     run_point(engine, b.vocab_size, 2, 64, 8, rng, total=2, loras=loras)      # warm-up, not recorded
     for c in conc:
         p = run_point(engine, b.vocab_size, c, a.input_len, a.output_len, rng, loras=loras)

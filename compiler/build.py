@@ -175,11 +175,13 @@ def default_page_size(gpu: str) -> int:
 
 
 def generate(plan: dict, out: Path, gpu: str = "h100", page_size: int | None = None,
-             target: str = "sm_90", spec_path: str | None = None, tuning_overlay: dict | None = None) -> dict:
-    """Render every kernel into out/kernels/ and record them in the plan; returns id -> Kernel."""
+             target: str = "sm_90", spec_path: str | None = None, tuning_overlay: dict | None = None,
+             kv_offloading: bool = False) -> dict:
+    """Render every kernel into out/kernels/ and record them in the plan; returns id -> Kernel.
+    kv_offloading: the KV tiers' copy kernel too (render_plan)."""
     from .codegen.render import EXT, render_plan
     page_size = page_size or default_page_size(gpu)
-    kernels = render_plan(plan, load_tuning(gpu, tuning_overlay), page_size, spec_path)
+    kernels = render_plan(plan, load_tuning(gpu, tuning_overlay), page_size, spec_path, kv_offloading)
     kdir = out / "kernels"
     kdir.mkdir(parents=True, exist_ok=True)
     keep = set()
@@ -213,7 +215,7 @@ def build(model=None, spec_path=None, model_dir=None, out=None, features=None, l
           gpu="h100", target="sm_90", page_size=None, compile=True, jobs=None,
           reuse_bins=False, fuse=True, spec_dirs=None, check_checkpoint=True,
           tensor_parallel_size=1, enable_expert_parallel=False, data_parallel_size=1,
-          tuning_overlay=None, kv_cache_dtype=DEFAULT_KV_CACHE_DTYPE, lora=None) -> Path:
+          tuning_overlay=None, kv_cache_dtype=DEFAULT_KV_CACHE_DTYPE, lora=None, kv_offloading=False) -> Path:
     """reuse_bins: when out/bin already holds a cubin for every kernel id (an id is the digest of
     its source), compile nothing. The serving path uses it so that a machine with another (or no)
     Triton runs the cubins built elsewhere rather than recompiling them.
@@ -223,7 +225,9 @@ def build(model=None, spec_path=None, model_dir=None, out=None, features=None, l
     a one-GPU experiment's kernel variants (tests/gpu/prepare.py's attnvar).
     page_size: the KV cache's tokens a page; None takes the GPU's default (default_page_size).
     kv_cache_dtype: --kv-cache-dtype, auto or fp8 (the plan's K/V caches, passes/quantize_kv_cache.py).
-    lora: --enable-lora's adapter tables (compile_model)."""
+    lora: --enable-lora's adapter tables (compile_model).
+    kv_offloading: a build for serving with the host KV tier (--kv-offloading-size): the plan
+    gets the tiers' copy kernel (plan["block_copy"]); one-GPU builds only (tiers are)."""
     page_size = page_size or default_page_size(gpu)
     par = settings(tensor_parallel_size, enable_expert_parallel, data_parallel_size=data_parallel_size)
     if par is not None and tuning_overlay:
@@ -244,7 +248,7 @@ def build(model=None, spec_path=None, model_dir=None, out=None, features=None, l
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     kernels = generate(plan, out, gpu, page_size, target, spec_path=state.spec.path,
-                       tuning_overlay=tuning_overlay)
+                       tuning_overlay=tuning_overlay, kv_offloading=kv_offloading)
     (out / "plan.json").write_text(dumps(plan))
     if log:
         log(f"  {'render ' + str(len(kernels)) + ' kernels + write plan':<28} "

@@ -164,7 +164,8 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
             artifact = st.run("build artifact (cached)", build, model=model, spec_path=spec,
                               model_dir=str(model_dir), out=out, page_size=c.cache.page_size, gpu=gpu_tuning(), log=None,
                               reuse_bins=True, spec_dirs=spec_dirs, check_checkpoint=not dummy,
-                              kv_cache_dtype=kv_dtype, lora=lora)
+                              kv_cache_dtype=kv_dtype, lora=lora,
+                              kv_offloading=bool(c.cache.kv_offloading_size))
         elif log:
             log(f"  artifact {artifact} as built (not rebuilt)")
         from infc.runtime.cuda.runner import CudaRunner     # lazily: cuda-python only here

@@ -11,7 +11,8 @@ What it simulates
   `ctx.read(ptr, n)` and `ctx.view(ptr, count, dtype)` let a test (or a fake kernel) read and
   write device memory. mem_info() reports `memory` bytes (1 GiB unless told) less what is
   allocated; an allocation past that raises MemoryError. Pinned memory: numpy arrays,
-  `ctx.pinned_live` lists those not given back.
+  `ctx.pinned_live` lists those not given back; pinned(mapped=True) memory is device memory too, at
+  the same address (device_ptr), as under UVA, and counts in no budget.
 - One synchronous stream: a copy, memset or launch takes effect when it is issued; sync() counts.
 - Launches: each is recorded in `driver.launches` as a Launch (function, grid, block, shared
   bytes, the argument values as packed at launch time), then run by `driver.on_launch(launch)`,
@@ -71,6 +72,7 @@ class FakeContext:
         self.sm_count, self.cc, self.stream = sm_count, tuple(cc), object()
         self._bases: list[int] = []            # sorted allocation addresses
         self._allocs: dict[int, np.ndarray] = {}
+        self._mapped: dict[int, np.ndarray] = {}   # pinned(mapped=True): device-reachable host memory
         self.pinned_live: list[np.ndarray] = []
         self.clock = 0.0                       # ms, advanced by launches
         self.capturing = None                  # the launches of a graph being captured
@@ -103,7 +105,8 @@ class FakeContext:
     def rest(self, ptr: int) -> np.ndarray:
         """The bytes from ptr to the end of its live allocation, as a writable view."""
         i = bisect.bisect_right(self._bases, ptr) - 1
-        a = self._allocs[self._bases[i]] if i >= 0 else None
+        a = (self._allocs.get(self._bases[i]) if self._bases[i] in self._allocs
+             else self._mapped[self._bases[i]]) if i >= 0 else None
         assert a is not None and ptr < self._bases[i] + a.size, f"fake CUDA: {ptr:#x} is in no live allocation"
         return a[ptr - self._bases[i]:]
 
@@ -154,7 +157,7 @@ class FakeContext:
         self.num_copies += 1
         return host
 
-    def htod_raw(self, ptr: int, host_addr: int, nbytes: int):
+    def htod_raw(self, ptr: int, host_addr: int, nbytes: int, stream=None):
         self._issue("htod_raw")
         dst = self._span(ptr, nbytes)
         ctypes.memmove(dst.ctypes.data, host_addr, nbytes)
@@ -201,14 +204,28 @@ class FakeContext:
     def wait_event(self, event, stream=None):
         assert event.t is not None, "fake CUDA: a stream waits for an event never recorded"
 
-    def pinned(self, nbytes: int) -> np.ndarray:
-        a = np.zeros(nbytes, np.uint8)
+    def pinned(self, nbytes: int, mapped: bool = False) -> np.ndarray:
+        """mapped: also device memory at the same address (as under UVA), so fake kernels and
+        device copies reach it; it counts in no device budget."""
+        if not mapped:
+            a = np.zeros(nbytes, np.uint8)
+        else:
+            owner = np.zeros(nbytes + ALIGN, np.uint8)
+            a = owner[-owner.ctypes.data % ALIGN:][:nbytes]
+            bisect.insort(self._bases, a.ctypes.data)
+            self._mapped[a.ctypes.data] = a
         self.pinned_live.append(a)
         return a
+
+    def device_ptr(self, host: np.ndarray) -> int:
+        assert host.ctypes.data in self._mapped, "fake CUDA: device_ptr of memory not pinned mapped"
+        return host.ctypes.data
 
     def free_pinned(self, host: np.ndarray):
         assert any(a is host for a in self.pinned_live), "fake CUDA: free_pinned of memory not pinned here"
         self.pinned_live = [a for a in self.pinned_live if a is not host]
+        if self._mapped.pop(host.ctypes.data, None) is not None:
+            self._bases.remove(host.ctypes.data)
 
     # -- the stream ----------------------------------------------------------------------------
     def ensure_current(self):
@@ -224,7 +241,9 @@ class FakeContext:
     def close(self):
         for ptr in list(self._allocs):
             self.free(ptr)
-        self.pinned_live, self.stream = [], None
+        for ptr in list(self._mapped):
+            self._bases.remove(ptr)
+        self.pinned_live, self.stream, self._mapped = [], None, {}
 
 
 class FakeEvent:
@@ -359,7 +378,7 @@ class FakeDriver:
 
         self.Context, self.Graph, self.DependentLaunch = Context, Graph, DependentLaunch
 
-    def launch(self, ctx: FakeContext, fn, grid, block, shared: int, args, dependent: bool = False):
+    def launch(self, ctx: FakeContext, fn, grid, block, shared: int, args, stream=None, dependent: bool = False):
         storage = getattr(args, "storage", None)
         values = tuple(args) if storage is None else tuple(0 if c.value is None else c.value for c in storage)
         call = Launch(ctx, fn, tuple(int(g) for g in grid), tuple(block), shared, values, dependent=dependent)

@@ -6,6 +6,9 @@ files); a truncated, corrupted or foreign file is a miss and is deleted. Under m
 outputs with the tiers on equal outputs with them off (FakeRunner, whose outputs hash the whole
 context read back through the block tables, so a wrong restore changes them; and the tiny real
 model) while the metrics show host and disk hits; 1,000 aborts leave nothing held."""
+import os
+import threading
+
 import numpy as np
 import pytest
 
@@ -59,10 +62,16 @@ def test_host_blocks_restore_numpy_pages_bit_identical():
     assert slab[[2, 3, 5]].sum() == 0                   # rows not named are untouched
 
 
-def test_device_blocks_move_the_same_bytes_as_host_blocks(fake_driver):
-    """The CUDA runner's copies (copy stream, 2D copies per region and run) over fake memory."""
+@pytest.mark.parametrize("kernel", [False, True])
+def test_device_blocks_move_the_same_bytes_as_host_blocks(fake_driver, kernel, monkeypatch):
+    """The CUDA runner's copies over fake memory, on the copy stream: 2D copies per region and
+    run, or (kernel) the plan's block_copy kernel, run by the interpreter, on the mapped slab."""
+    from infc.compiler.codegen.render import render_block_copy
+    from infc.runtime.cuda.artifact import KernelFn
+    from infc.runtime.cuda import kv_copies
     from infc.runtime.cuda.kv_copies import DeviceCopies
-    ctx = FakeContext()
+    monkeypatch.setattr(kv_copies, "RING", 3)           # a short ring: its slots are reused below
+    ctx = fake_driver.Context()
     dev = C.DeviceCaches(ctx, DECL, PS, num_pages=10, num_slots=2)
     host = C.HostCaches(DECL, PS, 10, 2, factory=lambda shape, d: np.zeros(shape, np.uint16 if d == "bf16" else np.float32))
     rng = np.random.default_rng(3)
@@ -70,19 +79,28 @@ def test_device_blocks_move_the_same_bytes_as_host_blocks(fake_driver):
         a.view(np.uint8)[...] = rng.integers(0, 256, a.view(np.uint8).shape, dtype=np.uint8)
         ptr, n = dev.region(name, layer)
         ctx.view(ptr, n)[:] = a.reshape(-1).view(np.uint8)
-    copies = DeviceCopies(ctx, dev)
+    k = None
+    if kernel:
+        src = render_block_copy({"caches": DECL}, PS)
+        k = KernelFn(src.id, src.meta, {"num_warps": 4, "hidden_args": 2},
+                     fake_driver.Module(src.source.encode()).function(src.meta["entry"]))
+    copies = DeviceCopies(ctx, dev, k)
     assert copies.block_bytes == host.block_bytes == C.page_bytes(DECL, PS)
+    assert (copies.kernel is not None) == kernel
     slab = copies.make_slab(8)
     pages, rows = [3, 4, 5, 9, 0], [2, 3, 4, 7, 0]     # a run of three, then single pages
-    ctx.num_copies = 0
+    ctx.num_copies, launched = 0, len(fake_driver.launches)
     f = copies.save(pages, rows)
-    assert ctx.num_copies == 3 * 6                      # 3 runs, 6 paged regions
+    # 3 runs, 6 paged regions; or the pairs' upload and one launch
+    assert (ctx.num_copies, len(fake_driver.launches) - launched) == ((1, 1) if kernel else (3 * 6, 0))
     want = np.zeros_like(slab)
     host.read_pages(pages, want, rows)
     assert slab.tobytes() == want.tobytes()
     copies.host_wait(f)
     copies.step_waits(f)
     ctx.memset(dev.base, dev.nbytes, 0)                 # the device pages are gone
+    for _ in range(4 if kernel else 0):                 # round the ring of pair tables
+        copies.load([1], [5])
     copies.load([1, 2, 6, 8, 7], rows)
     host.write_pages([1, 2, 6, 8, 7], want, rows)
     for name, layer in host.arrays:
@@ -93,7 +111,7 @@ def test_device_blocks_move_the_same_bytes_as_host_blocks(fake_driver):
             for p in (1, 2, 6, 8, 7):
                 assert got[p].tobytes() == exp[p].tobytes(), (name, layer, p)
     copies.close()
-    assert not ctx.pinned_live
+    assert not ctx.pinned_live and not ctx._mapped and ctx.allocated() == dev.nbytes
 
 
 def _disk(tmp_path, files=4, block_bytes=1000, ns=b"n" * 32):
@@ -155,6 +173,61 @@ def test_a_new_store_removes_an_earlier_runs_files(tmp_path):
     d.drain()
     again = _disk(tmp_path)
     assert len(again) == 0 and not list(again.folder.iterdir())
+
+
+class _GatedReplace:
+    """os.replace for the disk writer that holds the files named until let go (and fails the next
+    replace of a name added to `refuse`): the writer's turns, in a chosen order against put."""
+
+    def __init__(self, monkeypatch, *names):
+        self.real, self.refuse = os.replace, set()
+        self.gates = {n: (threading.Event(), threading.Event()) for n in names}
+        monkeypatch.setattr(os, "replace", self)
+
+    def __call__(self, src, dst):
+        name = os.path.basename(dst)
+        if name in self.refuse:
+            self.refuse.discard(name)
+            raise OSError(28, "No space left on device")
+        entered, go = self.gates.get(name, (None, None))
+        if entered is not None and not entered.is_set():     # its first replace only
+            entered.set()
+            assert go.wait(10)
+        return self.real(src, dst)
+
+    def hold(self, name):                    # the writer is inside that file's replace
+        assert self.gates[name][0].wait(10)
+        return self.gates[name][1]
+
+
+@pytest.mark.parametrize("then", ["evicted", "refused"])
+def test_a_block_stored_again_while_written_leaves_no_file_when_it_goes(tmp_path, monkeypatch, then):
+    """Block h is written; meanwhile it is evicted and stored again, so that write leaves its
+    file to the later copy. The later copy is evicted before its turn (or the folder refuses it):
+    the earlier file must go with it, or the folder holds a file the index does not."""
+    d = _disk(tmp_path, files=2)
+    h, g1, g2, x1, x2 = (bytes([i]) * 32 for i in range(5))
+    block = np.arange(1000, dtype=np.uint32).astype(np.uint8)
+    name = lambda k: d.path(k).name            # noqa: E731
+    gate = _GatedReplace(monkeypatch, name(h), name(g2))
+    d.put(h, block)
+    go_h = gate.hold(name(h))                   # h's first write, about to land
+    d.put(g1, block)
+    d.put(g2, block)                            # h evicted while its write is in flight
+    d.put(h, block)                             # and stored again (g1 out): a second copy queued
+    if then == "refused":
+        gate.refuse.add(name(h))                # the second copy's write fails (the first is past
+                                                # that check, held in its replace)
+        gate.gates[name(g2)][1].set()           # (g2's turn needs no holding)
+        go_h.set()
+    else:
+        go_h.set()                              # the first write lands, its file left to the second
+        go_g2 = gate.hold(name(g2))             # the writer is on g2, the second h copy queued
+        d.put(x1, block)
+        d.put(x2, block)                        # g2 and h out before h's second turn
+        go_g2.set()
+    d.check()                                   # the folder holds the index's files, no others
+    assert h not in d and not d.path(h).exists()
 
 
 # -- the engine over FakeRunner ------------------------------------------------------------------

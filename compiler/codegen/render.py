@@ -223,9 +223,47 @@ def render_weight_init(plan: dict, env=None, kind: str = "bf16") -> Kernel:
     return k
 
 
-def render_plan(plan: dict, tuning: dict, page_size: int, spec_path: str | None = None) -> dict[str, Kernel]:
+# The KV tiers' copies (runtime/cuda/kv_copies.py): one launch a batch moves every (cache, layer,
+# page) block between the device's pages and the pinned host slab. Only a build for serving with
+# the host tier (--kv-offloading-size) renders it (plan["block_copy"]), so other plans stay as they
+# were; a copier without it issues one 2D copy per (cache, layer) and run of pages instead. The
+# kernel reads its addresses from tables, so one rendering serves the KV cache and the state
+# snapshot pool alike: only the word it moves depends on the plan (the widest that divides every
+# region's page, and so every offset in a block).
+BLOCK_COPY = "block_copy"
+
+
+def block_copy_words(plan: dict, page_size: int) -> tuple[int, int]:
+    """(word bytes, words a vector) for the plan's tier copies: the greatest common divisor of 16
+    and every page (paged caches, page_size tokens) and snapshot (slot caches) region's bytes."""
+    import math
+
+    from infc.compiler.contract import caches
+    decl = caches.of_plan(plan)
+    g = 16
+    for c in decl.values():
+        n = caches.unit_elems(c) * caches.DTYPE_BYTES[c["dtype"]]
+        g = math.gcd(g, n * page_size if c["kind"] == "paged" else n)
+    word = 4 if g % 4 == 0 else 2 if g % 2 == 0 else 1
+    return word, g // word
+
+
+def render_block_copy(plan: dict, page_size: int, tuning: dict | None = None, env=None) -> Kernel:
+    """Render the tiers' copy kernel for the plan's caches; sets plan["block_copy"] to its id."""
+    word, vec = block_copy_words(plan, page_size)
+    ctx = {"op": BLOCK_COPY, "phase": "tier", "inputs": [], "outputs": [], "attrs": {},
+           "config": {"word": word, "vec": vec},
+           "tune": tune_for(tuning or {}, BLOCK_COPY, f"tier|word={word}")}
+    k = render_template("triton", BLOCK_COPY, ctx, env)
+    plan["block_copy"] = k.id
+    return k
+
+
+def render_plan(plan: dict, tuning: dict, page_size: int, spec_path: str | None = None,
+                kv_offloading: bool = False) -> dict[str, Kernel]:
     """Render every launch's kernel, the sampler's and the weight fill; sets launch["kernel_id"],
-    plan["sampler"] and plan["weight_init"] (and weight_init_<kind>); returns id -> Kernel."""
+    plan["sampler"] and plan["weight_init"] (and weight_init_<kind>); returns id -> Kernel.
+    kv_offloading: a build for serving with the host KV tier: the tiers' copy kernel too."""
     env = _env()
     kernels: dict[str, Kernel] = {}
 
@@ -247,5 +285,8 @@ def render_plan(plan: dict, tuning: dict, page_size: int, spec_path: str | None 
             kernels.setdefault(kid, k)
     for kind in fill_kinds(plan):
         k = render_weight_init(plan, env, kind)
+        kernels.setdefault(k.id, k)
+    if kv_offloading and any(c["kind"] == "paged" for c in plan.get("caches", {}).values()):
+        k = render_block_copy(plan, page_size, tuning, env)
         kernels.setdefault(k.id, k)
     return kernels

@@ -214,6 +214,15 @@ class Layout:
         """Bytes of one host block (a page of every paged region, unaligned)."""
         return sum(r.stride for r in self.of_kind("paged"))
 
+    def block_regions(self) -> list[tuple[int, int, int]]:
+        """Where a host block's parts live: (offset of the region in the allocation, bytes a page,
+        offset in the block) per paged (cache, layer), in block order (the module docstring)."""
+        out, at = [], 0
+        for r in self.of_kind("paged"):
+            out.append((r.offset, r.stride, at))
+            at += r.stride
+        return out
+
 
 def _pairs(src, dst) -> tuple[np.ndarray, np.ndarray]:
     """Page ids as arrays; the two sides must not share a page (the device copies them one run
@@ -371,14 +380,10 @@ class DeviceCaches:
                 runs[-1][2] += 1
             else:
                 runs.append([a, b, 1])
-        out, at = [], 0
-        for r in self.layout.of_kind("paged"):
-            for a, b, n in runs:
-                out.append((self.base + r.offset + a * r.stride, b * row_bytes + at, r.stride, n, r.stride))
-            at += r.stride
-        if at != row_bytes:
-            raise ValueError(f"host blocks of {row_bytes} bytes, but a page is {at} bytes")
-        return out
+        if self.layout.block_bytes != row_bytes:
+            raise ValueError(f"host blocks of {row_bytes} bytes, but a page is {self.layout.block_bytes} bytes")
+        return [(self.base + offset + a * stride, b * row_bytes + at, stride, n, stride)
+                for offset, stride, at in self.layout.block_regions() for a, b, n in runs]
 
     def _state_copies(self, snapshots: "DeviceCaches", slot: int, snap: int, to_snapshot: bool):
         for r in self.layout.of_kind("slot"):

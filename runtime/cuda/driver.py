@@ -35,6 +35,7 @@ _CTYPE = {"i32": ctypes.c_int32, "u32": ctypes.c_uint32, "i64": ctypes.c_int64,
 
 
 _current = threading.local()
+MEMHOSTALLOC_DEVICEMAP = 0x02        # cuda.h's CU_MEMHOSTALLOC_DEVICEMAP (a #define, not an enum)
 
 
 class Context:
@@ -113,9 +114,11 @@ class Context:
         check(cu.cuMemcpy2DAsync(c, self.stream), "cuMemcpy2DAsync")
         return host                # keep alive until the stream syncs
 
-    def htod_raw(self, ptr: int, host_addr: int, nbytes: int):
-        """An async copy from host memory the caller keeps alive (pinned: truly async)."""
-        check(cu.cuMemcpyHtoDAsync(ptr, host_addr, nbytes, self.stream), "cuMemcpyHtoDAsync")
+    def htod_raw(self, ptr: int, host_addr: int, nbytes: int, stream=None):
+        """An async copy from host memory the caller keeps alive (pinned: truly async), on
+        `stream` (default: the context's)."""
+        check(cu.cuMemcpyHtoDAsync(ptr, host_addr, nbytes, self.stream if stream is None else stream),
+              "cuMemcpyHtoDAsync")
 
     def dtoh(self, host: np.ndarray, ptr: int) -> np.ndarray:
         check(cu.cuMemcpyDtoHAsync(host.ctypes.data, ptr, host.nbytes, self.stream), "cuMemcpyDtoHAsync")
@@ -152,11 +155,18 @@ class Context:
     def sync(self):
         check(cu.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
 
-    def pinned(self, nbytes: int) -> np.ndarray:
-        ptr = check(cu.cuMemHostAlloc(nbytes, 0), "cuMemHostAlloc")
+    def pinned(self, nbytes: int, mapped: bool = False) -> np.ndarray:
+        """Page-locked host memory; mapped: into the device's address space too, so a kernel can
+        read and write it (at device_ptr(host))."""
+        flags = MEMHOSTALLOC_DEVICEMAP if mapped else 0
+        ptr = check(cu.cuMemHostAlloc(nbytes, flags), "cuMemHostAlloc")
         host = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(int(ptr)))
         self._host[int(ptr)] = host
         return host
+
+    def device_ptr(self, host: np.ndarray) -> int:
+        """The device's address of mapped page-locked memory (pinned(mapped=True))."""
+        return int(check(cu.cuMemHostGetDevicePointer(host.ctypes.data, 0), "cuMemHostGetDevicePointer"))
 
     def free_pinned(self, host: np.ndarray):
         """Give page-locked memory back (it counts in the process's resident memory)."""
@@ -234,9 +244,10 @@ class PackedArgs:
         self.storage[index].value = value
 
 
-def launch(ctx: Context, fn, grid, block, shared: int, args: PackedArgs):
+def launch(ctx: Context, fn, grid, block, shared: int, args: PackedArgs, stream=None):
+    """On `stream` (default: the context's)."""
     check(cu.cuLaunchKernel(fn, grid[0], grid[1], grid[2], block[0], block[1], block[2], shared,
-                            ctx.stream, args.address, 0), "cuLaunchKernel")
+                            ctx.stream if stream is None else stream, args.address, 0), "cuLaunchKernel")
 
 
 class DependentLaunch:

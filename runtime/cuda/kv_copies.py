@@ -4,19 +4,35 @@ of a pinned host slab, on a copy stream of their own so the steps do not wait fo
 A batch of copies (a flush's saves, or its restores) first waits, on the device, for everything
 issued on the main stream so far (the steps that wrote the pages, or still read a page being
 restored over; restores skip that wait when KVTiers knows no step in flight has their pages, and
-then overlap the step in flight), then issues one 2D copy per paged (cache, layer) and run of consecutive pages
-(compiler/contract/caches.py DeviceCaches.block_copies), then records its fence: a number whose
-event, in a ring, is recorded after the batch. The copy stream is in order, so waiting on a
-later record of a ring event covers every earlier batch: step_waits makes the main stream wait
-(on the device) and host_wait the host, for the batch `fence` and all before it.
+then overlap the step in flight), then moves every (paged cache, layer, page) block of the batch,
+then records its fence: a number whose event, in a ring, is recorded after the batch. The copy
+stream is in order, so waiting on a later record of a ring event covers every earlier batch:
+step_waits makes the main stream wait (on the device) and host_wait the host, for the batch
+`fence` and all before it.
+
+How a batch moves, by what the artifact has:
+- the plan's block_copy kernel (plan["block_copy"], a build for the host tier: compiler/codegen/
+  render.py): the slab is mapped into the device's address space, the (page, row) pairs are
+  written into a page-locked ring slot and uploaded, and one launch copies every block
+  (codegen_templates/triton/block_copy.py.j2, its region table made once here). A few driver calls
+  a batch, however many layers and runs: the engine thread launches steps, and a flush of
+  qwen3-4b's 72 regions took 72 2D copies a run of pages (about 5 % of 256-concurrent throughput).
+- otherwise one 2D copy per paged (cache, layer) and run of consecutive pages and rows
+  (compiler/contract/caches.py DeviceCaches.block_copies): the copy engines, no kernel.
 """
 import numpy as np
+
+from infc.compiler.contract.bind import Resolver, dim_slots, grid
+from .block_copy_args import pairs, region_table
+from .driver import launch
 
 RING = 16
 
 
 class DeviceCopies:
-    def __init__(self, ctx, device_caches):
+    def __init__(self, ctx, device_caches, kernel=None):
+        """kernel: the plan's block_copy kernel (a KernelFn), or None: the driver's 2D copies
+        (also when its word does not divide this storage's regions)."""
         self.ctx, self.caches = ctx, device_caches
         self.block_bytes = device_caches.layout.block_bytes
         self.stream = ctx.new_stream()
@@ -27,10 +43,32 @@ class DeviceCopies:
         self.timing = {d: (ctx.event(), ctx.event()) for d in (True, False)}
         self.timed = set()
         self.slab: np.ndarray | None = None
+        self.kernel = None
+        if kernel is not None:
+            word, vec = kernel.meta["word"], kernel.meta["constexprs"]["VEC"]
+            table = region_table(device_caches.layout, word, vec)
+            if table is not None:
+                self.kernel, self.word, self.num_regions = kernel, word, len(table)
+                ctx.ensure_current()
+                self._regions = ctx.alloc(table.nbytes)
+                ctx.htod(self._regions, table)
+                ctx.sync()                               # the table is uploaded before any batch
+                # a batch's pages are distinct pages of this storage: at most this many pairs
+                self.max_pairs = device_caches.num_pages + 1
+                self._pairs = ctx.alloc(self.max_pairs * 8)
+                self._ring = [None] * RING               # page-locked pairs, made on first use
+                self._args: dict[bool, tuple] = {}
+
+    @property
+    def mode(self) -> str:
+        """How a batch moves (the engine's startup note)."""
+        return "one kernel a batch" if self.kernel is not None else "2D copies a (cache, layer) and run"
 
     def make_slab(self, rows: int) -> np.ndarray:
         self.ctx.ensure_current()
-        self._pinned = self.ctx.pinned(rows * self.block_bytes)
+        n = rows * self.block_bytes
+        # the kernel reads and writes the slab where it is: mapped into the device's address space
+        self._pinned = self.ctx.pinned(n, mapped=True) if self.kernel is not None else self.ctx.pinned(n)
         self.slab = self._pinned.reshape(rows, self.block_bytes)
         return self.slab
 
@@ -42,16 +80,49 @@ class DeviceCopies:
             ctx.wait_event(self.mark, self.stream)
         start, end = self.timing[to_host]
         start.record(self.stream)
-        for dev, at, width, n, pitch in self.caches.block_copies(pages, rows, self.block_bytes):
-            if to_host:
-                ctx.copy2d(host + at, self.block_bytes, dev, pitch, width, n, True, self.stream)
-            else:
-                ctx.copy2d(dev, pitch, host + at, self.block_bytes, width, n, False, self.stream)
+        fence, self.issued = self.issued, self.issued + 1
+        # a batch names distinct pages, so it fits the kernel's pair table (one that does not, a
+        # page offered twice between flushes, is not seen from KVTiers; the 2D copies take it)
+        if self.kernel is not None and 0 < len(pages) <= self.max_pairs:
+            self._launch(fence, pages, rows, to_host)
+        else:
+            for dev, at, width, n, pitch in self.caches.block_copies(pages, rows, self.block_bytes):
+                if to_host:
+                    ctx.copy2d(host + at, self.block_bytes, dev, pitch, width, n, True, self.stream)
+                else:
+                    ctx.copy2d(dev, pitch, host + at, self.block_bytes, width, n, False, self.stream)
         end.record(self.stream)
         self.timed.add(to_host)
-        fence, self.issued = self.issued, self.issued + 1
         self.events[fence % RING].record(self.stream)
         return fence
+
+    def _launch(self, fence: int, pages, rows, to_host: bool):
+        """The batch's pairs into ring slot fence % RING (once the batch that used it last, RING
+        before, is done: its upload read it), uploaded, and one block_copy launch."""
+        ctx, slot = self.ctx, fence % RING
+        if self._ring[slot] is None:
+            self._ring[slot] = ctx.pinned(self.max_pairs * 8)
+        elif fence >= RING:
+            self.events[slot].wait()
+        staged = self._ring[slot].view(np.int32).reshape(-1, 2)
+        n = pairs(pages, rows, staged)
+        ctx.htod_raw(self._pairs, staged.ctypes.data, n * 8, self.stream)
+        args, n_slot = self._packed(to_host)
+        k, items = self.kernel, n * self.num_regions
+        args.set(n_slot, items)
+        launch(ctx, k.fn, grid(k.meta, {"N": items}), k.block, k.shared, args, stream=self.stream)
+
+    def _packed(self, to_host: bool):
+        """The kernel's arguments for a direction, packed once; the item count is set per launch."""
+        if to_host not in self._args:
+            k = self.kernel
+            named = {"dev": self.caches.base, "host": self.ctx.device_ptr(self._pinned), "pairs": self._pairs,
+                     "regions": self._regions, "n_regions": self.num_regions,
+                     "row_words": self.block_bytes // self.word, "to_host": int(to_host)}
+            values = Resolver(arg=named.__getitem__, dim=lambda d: 0).values(k.meta, kernel=k.id)
+            slot = next(i for i, d in dim_slots(k.meta) if d == "N")
+            self._args[to_host] = (k.pack(values), slot)
+        return self._args[to_host]
 
     def last_ms(self, to_host: bool) -> float | None:
         """The copy stream's time for the last batch of saves (to_host) or loads: waits for it
@@ -78,8 +149,15 @@ class DeviceCopies:
             self.events[fence % RING].wait()
 
     def close(self):
+        self.ctx.ensure_current()
+        self.host_wait(self.issued - 1 if self.issued else None)
         if self.slab is not None:
-            self.ctx.ensure_current()
-            self.host_wait(self.issued - 1 if self.issued else None)
             self.ctx.free_pinned(self._pinned)
             self.slab = self._pinned = None
+        if self.kernel is not None:
+            for staged in self._ring:
+                if staged is not None:
+                    self.ctx.free_pinned(staged)
+            self.ctx.free(self._regions)
+            self.ctx.free(self._pairs)
+            self.kernel, self._ring = None, [None] * RING

@@ -235,16 +235,22 @@ class CudaRunner:
         self._state_copies = None
         if self.num_snapshots:
             from .state_copies import DeviceStateCopies
-            self._state_copies = DeviceStateCopies(self.ctx, self.caches, self.num_snapshots)
+            self._state_copies = DeviceStateCopies(self.ctx, self.caches, self.num_snapshots,
+                                                   self.block_copy_kernel)
 
     def state_copies(self):
         """The state snapshot pool and its device copies (plans with slot caches; None without)."""
         return self._state_copies
 
+    @property
+    def block_copy_kernel(self):
+        """The tiers' copy kernel (plan["block_copy"]: a build for the host tier), or None."""
+        return self.kernels.get(self.plan.get("block_copy"))
+
     def kv_copies(self):
         """Pages to and from pinned host blocks on a copy stream, for the KV tiers (kv_copies.py)."""
         from .kv_copies import DeviceCopies
-        return DeviceCopies(self.ctx, self.caches)
+        return DeviceCopies(self.ctx, self.caches, self.block_copy_kernel)
 
     # -- binding --------------------------------------------------------------------------
     def _buffer_ptr(self, name: str, dims: dict | None = None) -> int:

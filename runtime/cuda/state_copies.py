@@ -11,8 +11,10 @@ from infc.compiler.contract import caches
 
 
 class DeviceStateCopies:
-    def __init__(self, ctx, device_caches: caches.DeviceCaches, num: int):
+    def __init__(self, ctx, device_caches: caches.DeviceCaches, num: int, kernel=None):
+        """kernel: the plan's block_copy kernel for the snapshots' tier copies (or None)."""
         self.ctx, self.caches, self.num, self.itemsize = ctx, device_caches, num, None   # the plan's dtypes
+        self.kernel = kernel
         decl = caches.snapshot_decl(device_caches.layout.caches)
         self.pool = caches.DeviceCaches(ctx, decl, 1, num, zero=False)
         self.snapshot_bytes = self.pool.layout.block_bytes
@@ -26,4 +28,4 @@ class DeviceStateCopies:
 
     def tier_copies(self):
         from .kv_copies import DeviceCopies
-        return DeviceCopies(self.ctx, self.pool)
+        return DeviceCopies(self.ctx, self.pool, self.kernel)

@@ -112,8 +112,11 @@ class DiskStore:
 
     def _write(self, h: bytes, data: bytes):
         with self.lock:
-            if self.pending.get(h) is not data:      # evicted (or stored again) before its turn
-                return
+            mine = self.pending.get(h) is data
+            gone = h not in self.lru
+        if not mine:                            # evicted (or stored again) before its turn
+            self._drop_file(h, gone)
+            return
         head = HEADER.pack(MAGIC, self.namespace, h, len(data), bytes(16))[:-16]
         tmp = self.path(h).with_suffix(".tmp")
         try:
@@ -128,14 +131,24 @@ class DiskStore:
                 if self.pending.get(h) is data:
                     del self.pending[h]
                     self.lru.pop(h, None)
+                gone = h not in self.lru
+            self._drop_file(h, gone)
             return
         with self.lock:
             if self.pending.get(h) is data:
                 del self.pending[h]
                 self.written += self.file_bytes
                 return
-            evicted = h not in self.lru         # else stored again: its own write follows
-        if evicted:
+            gone = h not in self.lru
+        self._drop_file(h, gone)
+
+    def _drop_file(self, h: bytes, gone: bool):
+        """The writer is done with one queued copy of block h, which was not the index's: when
+        the block is gone from the index its file goes too. A write that finds its block stored
+        again meanwhile leaves its file to the later copy's turn, and that copy, evicted before
+        its turn or refused by the folder, is the one that must remove it (only the writer
+        creates files, in queue order, so the file removed here is never a newer one)."""
+        if gone:
             self.path(h).unlink(missing_ok=True)
 
     def drain(self):

@@ -327,5 +327,7 @@ def for_engine(runner, config: OffloadConfig | None, prefix_caching: bool, dp: i
     tiers = KVTiers(copies, config, namespace(runner, copies.block_bytes), runner.page_size)
     if log:
         disk = f", disk {config.disk_gib:g} GiB in {config.disk_dir}" if tiers.disk else ""
-        log(f"  KV offloading: host {tiers.capacity_rows} blocks ({config.host_gib:g} GiB){disk}")
+        mode = getattr(copies, "mode", None)        # the GPU's: a kernel a batch, or 2D copies
+        how = f"; copies: {mode}" if mode else ""
+        log(f"  KV offloading: host {tiers.capacity_rows} blocks ({config.host_gib:g} GiB){disk}{how}")
     return tiers
