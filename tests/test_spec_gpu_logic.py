@@ -2,6 +2,7 @@
 its two sampling rows (greedy; seeded top-p/top-k with logprobs) and its aborts mid-speculation,
 so the GPU call runs a test already seen to work here."""
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -34,3 +35,21 @@ def test_the_gpu_tests_engine_logic_on_the_cpu(tiny_plan):  # noqa: F811
     gpu._run(e, gpu._prompts(320, 10, rng), params[:1], abort_every=3)
     assert e.bm.num_free_pages == free
     e.bm.check()
+
+
+def test_the_gpu_draft_model_tests_logic_on_the_cpu(tiny_model):
+    """test_spec_gpu.py's draft-model case through LLM on the CPU backend (a self-draft of the
+    tiny qwen3): its prompts and sampling rows give plain decoding's tokens with every draft
+    accepted, and its timing helper runs plain and speculative engines over the LLM's runners."""
+    from infc import LLM
+    d, _ = tiny_model("qwen3")
+    kw = dict(device="cpu", kv_cache_tokens=1024, max_num_seqs=8)
+    params = [replace(p, max_tokens=6) for p in gpu.DRAFT_PARAMS]
+    with LLM(d, speculative_config=gpu.draft_config(d, 3), **kw) as llm:
+        prompts = gpu.draft_prompts(llm.runner.vocab_size)
+        plain = gpu.decode_all(Engine(llm.runner, None, (), llm.max_len, max_num_seqs=8), prompts, params)
+        e = llm.engine
+        assert gpu.decode_all(e, prompts, params) == plain
+        assert gpu.acceptance(e) == 1.0 and e.metrics.spec_decode_num_draft_tokens_total > 0
+        rows = gpu.timings(llm, e.spec.draft.runner, (0, 2), "self", n=4)
+    assert [(k, rate) for k, _, rate in rows] == [(0, None), (2, 1.0)] and all(ms > 0 for _, ms, _ in rows)
