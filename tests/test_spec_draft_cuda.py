@@ -6,8 +6,11 @@ each its caches and graphs), and the engine drives the draft's runner through Dr
 the CPU. Outputs are plain decoding's on the same target runner, greedy and seeded sampling; a
 self-draft accepts every draft; a draft of other weights (one layer) is rejected and rolled back
 in both caches, nothing held after; the split arithmetic (compiler/memory_budget.draft_pages)
-holds exactly at the boundary."""
+holds exactly at the boundary. The fake-device cases run the interpreter for every launch
+(15-25 s each on an idle CI core): --exhaustive only."""
+import json
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -38,7 +41,7 @@ def artifacts(tiny_model, tmp_path_factory):
     return get
 
 
-def _runners(fake_device, monkeypatch, target, draft, k):
+def _runners(fake_device, monkeypatch, target, draft, k, max_num_seqs=4):
     """(target runner, draft runner, startup lines) through the backend's own loader, both runners
     on one fake device (every Context() the same memory, as one GPU's)."""
     from infc import backend
@@ -47,7 +50,7 @@ def _runners(fake_device, monkeypatch, target, draft, k):
     ctx = FakeCtx(24 << 20)
     monkeypatch.setattr(fake_device.runner, "Context", lambda: ctx)
     c = backend.resolve(EngineConfig.from_settings(
-        device="cuda", max_num_seqs=4, max_num_batched_tokens=24, block_size=16, gpu_memory_utilization=0.5,
+        device="cuda", max_num_seqs=max_num_seqs, max_num_batched_tokens=24, block_size=16, gpu_memory_utilization=0.5,
         speculative_config={"method": "draft_model", "model": str(draft[0]), "num_speculative_tokens": k}))
     lines, split = [], []
     import infc.compiler.memory_budget as mb
@@ -72,9 +75,12 @@ PARAMS = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
           SamplingParams(max_tokens=5, temperature=0.9, top_k=40, seed=3, ignore_eos=True)]
 
 
-def _check(fake_device, monkeypatch, artifacts, draft_name, rng):
-    target = artifacts("qwen3")
-    t, d, lines, ctx, budget = _runners(fake_device, monkeypatch, target, artifacts(draft_name), k=3)
+def _check(fake_device, monkeypatch, artifacts, target_name, draft_name, rng, lengths=(11, 4), params=PARAMS,
+           max_num_seqs=4):
+    """Both runners through the backend, then plain and speculative decoding on them (each
+    case 15-25 s of the interpreter: exhaustive; the split's arithmetic is the fast case)."""
+    target = artifacts(target_name)
+    t, d, lines, ctx, budget = _runners(fake_device, monkeypatch, target, artifacts(draft_name), 3, max_num_seqs)
     try:
         # the split: both caches the same pages, what draft_pages made of the budget left after
         # both runners' weights, arenas and scratch (gpu_memory_utilization 0.5 of the device); the
@@ -88,35 +94,37 @@ def _check(fake_device, monkeypatch, artifacts, draft_name, rng):
         (line,) = [x for x in lines if "KV cache split" in x]
         assert f"{t.num_pages} pages x 16 tokens each" in line
         assert t.caches is not d.caches and t.arena != d.arena and t.staging is not d.staging
-        prompts = [rng.integers(0, 320, n).tolist() for n in (11, 4)]
-        plain = _decode(Engine(t, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=24), prompts, PARAMS)
-        e = Engine(t, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=24, draft_runner=d,
-                   speculative_config=speculative_config({"method": "draft_model", "model": "d",
-                                                          "num_speculative_tokens": 3}))
+        assert len(t.graphs) == len(d.graphs) == len(t.buckets) and t.graphs is not d.graphs
+        prompts = [rng.integers(0, 320, n).tolist() for n in lengths]
+        common = dict(max_model_len=256, max_num_seqs=max_num_seqs, max_num_batched_tokens=24)
+        plain = _decode(Engine(t, **common), prompts, params)
+        e = Engine(t, **common, draft_runner=d, speculative_config=speculative_config(
+            {"method": "draft_model", "model": "d", "num_speculative_tokens": 3}))
         replays = FakeGraph.replays
-        got = _decode(e, prompts, PARAMS)
-        assert got == plain and [len(got["r0"]), len(got["r1"])] == [6, 5]
+        got = _decode(e, prompts, params)
+        assert got == plain and [len(got[f"r{i}"]) for i in range(len(prompts))] == \
+            [params[i % len(params)].max_tokens for i in range(len(prompts))]
         assert FakeGraph.replays > replays                  # the draft's chained steps from its graphs
         m = e.metrics
         assert m.spec_decode_num_draft_tokens_total > 0
-        assert e.spec.draft.forwards >= 3 and not e.spec.draft.with_probs   # exact match: logits on the device
+        assert e.spec.draft.forwards >= 2 and not e.spec.draft.with_probs   # exact match: logits on the device
         assert e.bm.num_free_pages == t.num_pages and e.spec.draft.held_pages() == 0
         assert not e.spec.draft.shadows
-        return m, ctx, t, d, tc, dc, line
+        return m, t, d
     finally:
         t.close()
         d.close()
 
 
+@EXHAUSTIVE
 def test_a_self_draft_on_the_cuda_runner(fake_device, monkeypatch, artifacts, rng):
-    m, ctx, t, d, tc, dc, line = _check(fake_device, monkeypatch, artifacts, "qwen3", rng)
+    m, t, d = _check(fake_device, monkeypatch, artifacts, "qwen3", "qwen3", rng)
     assert m.spec_decode_num_accepted_tokens_total == m.spec_decode_num_draft_tokens_total
-    assert d.artifact == t.artifact
 
 
 @EXHAUSTIVE
 def test_a_one_layer_draft_on_the_cuda_runner(fake_device, monkeypatch, artifacts, rng):
-    m, *_ = _check(fake_device, monkeypatch, artifacts, "l1", rng)
+    m, *_ = _check(fake_device, monkeypatch, artifacts, "qwen3", "l1", rng)
     assert m.spec_decode_num_accepted_tokens_total < m.spec_decode_num_draft_tokens_total
 
 
@@ -140,3 +148,53 @@ def test_the_split_gives_both_caches_the_same_tokens_within_the_budget(tiny_plan
     line = draft_split_line(tc, dc, ps, 7, 1 << 30)
     assert "pages x 16 tokens each" in line and "of 1.00 GiB" in line
     assert "as asked" in draft_split_line(tc, dc, ps, 7, None)
+
+
+def test_the_drafts_artifact_is_the_targets_or_its_own_and_checked_before_loading(tiny_model, tmp_path, monkeypatch):
+    """_cuda_draft_artifact (no device touched): a self-draft reuses the target's very artifact
+    (no build); another directory is built into .cache/artifacts/<its name> with the target's
+    page size ("-draft" where that is the target's own artifact directory); a draft of another
+    vocabulary is refused by the engine's own check before any weights load; and with parallel
+    ranks a draft is refused before anything loads."""
+    import infc.compiler.build as build_mod
+    from infc import backend
+    repo = tmp_path / "repo"
+    monkeypatch.setattr(build_mod, "REPO", repo)
+    builds = []
+
+    def plan_only(out, **kw):           # the plan a build writes (its page size), no kernels
+        builds.append(kw)
+        _, plan = build_mod.compile_model(model_dir=kw["model_dir"], check_checkpoint=kw["check_checkpoint"])
+        Path(out).mkdir(parents=True)
+        (Path(out) / "plan.json").write_text(json.dumps({**plan, "build": {"page_size": kw["page_size"]}}))
+        return Path(out)
+    monkeypatch.setattr(build_mod, "build", plan_only)
+    d, _ = tiny_model("qwen3")
+    target = plan_only(repo / ".cache" / "artifacts" / d.name, model_dir=str(d), page_size=32, check_checkpoint=True)
+    builds.clear()
+
+    def config(model):
+        return backend.resolve(EngineConfig.from_settings(device="cuda", speculative_config={
+            "method": "draft_model", "model": str(model), "num_speculative_tokens": 2}))
+
+    def draft_of(model):                                 # (dummy: config-only directories)
+        return backend._cuda_draft_artifact(backend._Stages(None), config(model), None, True, "auto", d, target)
+
+    def config_only(where, **over):
+        where.mkdir(parents=True)
+        cfg = json.loads((d / "config.json").read_text())
+        (where / "config.json").write_text(json.dumps({**cfg, **over}))
+        return where
+
+    assert draft_of(d) == (target, d) and builds == []
+    other = config_only(tmp_path / "other" / d.name, num_hidden_layers=1)   # the target's directory name
+    art, where = draft_of(other)
+    assert where == other and art == target.with_name(d.name + "-draft")
+    assert [(b["page_size"], b["check_checkpoint"]) for b in builds] == [(32, False)]
+    assert json.loads((art / "plan.json").read_text())["config"]["L"] == 1
+    with pytest.raises(ValueError, match="its vocabulary has 300 tokens and the target's 320"):
+        draft_of(config_only(tmp_path / "small", vocab_size=300))
+    with pytest.raises(ValueError, match="a draft model with parallel ranks is not supported yet"):
+        backend.load_backend(d, EngineConfig.from_settings(
+            device="cuda", tensor_parallel_size=2, speculative_config={
+                "method": "draft_model", "model": str(d), "num_speculative_tokens": 2}), log=None)

@@ -37,19 +37,19 @@ def test_the_gpu_tests_engine_logic_on_the_cpu(tiny_plan):  # noqa: F811
     e.bm.check()
 
 
-def test_the_gpu_draft_model_tests_logic_on_the_cpu(tiny_model):
-    """test_spec_gpu.py's draft-model case through LLM on the CPU backend (a self-draft of the
-    tiny qwen3): its prompts and sampling rows give plain decoding's tokens with every draft
-    accepted, and its timing helper runs plain and speculative engines over the LLM's runners."""
-    from infc import LLM
-    d, _ = tiny_model("qwen3")
-    kw = dict(device="cpu", kv_cache_tokens=1024, max_num_seqs=8)
+
+def test_the_gpu_draft_model_tests_logic_on_the_cpu(tiny_plan):  # noqa: F811
+    """test_spec_gpu.py's draft-model case with CPU runners (the tiny qwen3 drafted by itself):
+    its prompts and sampling rows give plain decoding's tokens with every draft accepted, and
+    its timing helper runs plain and speculative engines over the two runners."""
+    plan, weights = tiny_plan
+    target, draft = CPURunner(plan, weights, 128, 16), CPURunner(plan, weights, 128, 16)
     params = [replace(p, max_tokens=6) for p in gpu.DRAFT_PARAMS]
-    with LLM(d, speculative_config=gpu.draft_config(d, 3), **kw) as llm:
-        prompts = gpu.draft_prompts(llm.runner.vocab_size)
-        plain = gpu.decode_all(Engine(llm.runner, None, (), llm.max_len, max_num_seqs=8), prompts, params)
-        e = llm.engine
-        assert gpu.decode_all(e, prompts, params) == plain
-        assert gpu.acceptance(e) == 1.0 and e.metrics.spec_decode_num_draft_tokens_total > 0
-        rows = gpu.timings(llm, e.spec.draft.runner, (0, 2), "self", n=4)
+    prompts = gpu.draft_prompts(target.vocab_size)
+    plain = gpu.decode_all(Engine(target, None, (), 1024, max_num_seqs=8), prompts, params)
+    e = Engine(target, None, (), 1024, max_num_seqs=8, draft_runner=draft,
+               speculative_config=speculative_config(gpu.draft_config("self", 3)))
+    assert gpu.decode_all(e, prompts, params) == plain
+    assert gpu.acceptance(e) == 1.0 and e.metrics.spec_decode_num_draft_tokens_total > 0
+    rows = gpu.timings(target, draft, 1024, (0, 2), "self", n=4)
     assert [(k, rate) for k, _, rate in rows] == [(0, None), (2, 1.0)] and all(ms > 0 for _, ms, _ in rows)

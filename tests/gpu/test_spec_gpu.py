@@ -129,6 +129,11 @@ def test_draft_model_outputs_are_plain_decodings():
     printed for bench/results."""
     from infc import LLM
     d, cut = config_dir(DRAFT_TARGET), config_dir(DRAFT_CUT)
+    repo = d.parents[3]
+    for name in (DRAFT_TARGET, DRAFT_CUT):                 # built here would mean compiled here
+        if not ((config_dir(name) / "config.json").is_file() and (repo / ".cache" / "artifacts" / name / "bin").is_dir()):
+            raise FileNotFoundError(f"{name}: no config-only directory or artifact: run tests/gpu/prepare.py "
+                                    f"base draft and carry .cache/gpu and .cache/artifacts")
     kw = dict(device="cuda", load_format="dummy", max_num_seqs=8, gpu_memory_utilization=0.5)
     with LLM(d, **kw) as llm:
         prompts = draft_prompts(llm.runner.vocab_size)
@@ -148,22 +153,21 @@ def test_draft_model_outputs_are_plain_decodings():
             if draft == d:
                 assert dr.artifact == llm.runner.artifact
                 assert rate >= 0.9, rate              # 1 but for bf16 rounding between programs
-            timings(llm, dr, (0, 1, 2, 3, 4) if draft == d else (0, 4), draft.name)
+            timings(llm.runner, dr, llm.max_len, (0, 1, 2, 3, 4) if draft == d else (0, 4), draft.name)
 
 
-def timings(llm, draft_runner, ks, name: str, n: int = 128) -> list:
-    """Batch-1 ms per token on the LLM's two runners, plain (k = 0) and with the draft at each
-    k > 0 of ks, each after a warm-up run: printed, and returned as (k, ms, acceptance)."""
+def timings(runner, draft_runner, max_len: int, ks, name: str, n: int = 128) -> list:
+    """Batch-1 ms per token on the two runners, plain (k = 0) and with the draft at each k > 0
+    of ks, each after a warm-up run: printed, and returned as (k, ms, acceptance)."""
     from infc.config import speculative_config
     from infc.runtime.engine.engine import Engine
-    prompt = [(1000 + i) % llm.runner.vocab_size for i in range(32)]
-    common = dict(max_num_seqs=8, max_num_batched_tokens=llm.engine.scheduler.max_num_batched_tokens)
+    prompt = [(1000 + i) % runner.vocab_size for i in range(32)]
     rows = []
     for k in ks:
         spec = {} if k == 0 else dict(speculative_config=speculative_config(draft_config(name, k)),
                                       draft_runner=draft_runner)
-        time_per_token(Engine(llm.runner, None, (), llm.max_len, **common, **spec), prompt, 16)   # warm
-        e = Engine(llm.runner, None, (), llm.max_len, **common, **spec)
+        time_per_token(Engine(runner, None, (), max_len, max_num_seqs=8, **spec), prompt, min(n, 16))   # warm
+        e = Engine(runner, None, (), max_len, max_num_seqs=8, **spec)
         ms = 1e3 * time_per_token(e, prompt, n)
         rows.append((k, ms, acceptance(e) if k else None))
     print(f"batch-1 time per token, {DRAFT_TARGET} (dummy weights), draft {name}:")
