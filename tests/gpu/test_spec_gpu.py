@@ -2,7 +2,11 @@
 whose rows are the draft positions, so they run the decode programs and CUDA graphs; the outputs
 must be those of plain decoding, greedy and seeded sampled, with drafts accepted, and no page
 held after aborts mid-speculation. llama-3.2-1b shapes with random weights: its greedy output
-falls into loops that prompt lookup then drafts from (self-repeating prompts start them)."""
+falls into loops that prompt lookup then drafts from (self-repeating prompts start them).
+Then draft models (test_draft_model_outputs_are_plain_decodings): qwen3-4b with dummy weights
+drafted by itself and by its 2-layer cut, each draft on a CudaRunner of its own beside the
+target's, outputs plain decoding's, and the batch-1 time per token at k = 1..4 printed (after
+tests/gpu/prepare.py base draft)."""
 import numpy as np
 
 from infc.config import speculative_config
