@@ -69,3 +69,30 @@ def snapshot_lines(plan: dict) -> list[str]:
             f"{pool / GIB:.2f} GiB",
             f"  per cached token: {one / 1024 / 1024:.1f} KiB at one snapshot a 1k-token prefix, "
             f"{one / ps / 1024:.1f} KiB at one a {ps}-token block"]
+
+
+def draft_pages(target_caches: dict, draft_caches: dict, page_size: int, budget: int,
+                target_slots: int = 0) -> int:
+    """Pages of `page_size` tokens that a target and its draft model (speculative decoding, one
+    GPU) each get from one cache budget of `budget` bytes. The draft's cache holds the same tokens
+    as the target's: each sequence that speculates has a shadow there holding the target's tokens
+    (runtime/engine/speculative/draft_model.py), so a smaller draft cache would stop drafting
+    before the target's runs out and a larger one would hold tokens no sequence has. The split is
+    then by bytes per token: the two declarations as one, sized by caches.pages_for_budget (each
+    cache's padding page and alignment; target_slots: the target's state slots and snapshot
+    pool, runner.cache_slots; a draft has no slot caches)."""
+    both = {**{f"target.{n}": c for n, c in target_caches.items()},
+            **{f"draft.{n}": c for n, c in draft_caches.items()}}
+    return caches.pages_for_budget(both, page_size, budget, target_slots)
+
+
+def draft_split_line(target_caches: dict, draft_caches: dict, page_size: int, pages: int,
+                     budget: int | None) -> str:
+    """The startup line that says how the cache budget (None: pages asked for) went to the
+    target and the draft."""
+    t, d = (caches.page_bytes(x, page_size) * (pages + 1) for x in (target_caches, draft_caches))
+    of = "as asked" if budget is None else f"of {budget / GIB:.2f} GiB"
+    return (f"KV cache split: target {t / GIB:.2f} GiB + draft {d / GIB:.2f} GiB {of}, "
+            f"{pages} pages x {page_size} tokens each (the draft holds the tokens the target holds; "
+            f"{caches.token_bytes(target_caches) / 1024:.0f} and {caches.token_bytes(draft_caches) / 1024:.0f} "
+            f"KiB a token)")

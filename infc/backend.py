@@ -14,6 +14,7 @@ maximum concurrency at full context, as vLLM does.
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 from infc import envs
 from infc.config import DEFAULT_KV_CACHE_DTYPE, DEFAULT_PAGE_SIZE, EngineConfig, kv_cache_dtype, state_snapshots
@@ -137,7 +138,8 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
             raise ValueError(f"--artifact {artifact}: no plan.json there (not a built artifact)")
         check_artifact_kv_cache(artifact, c.cache.kv_cache_dtype)
     s = c.speculative.speculative_config
-    if s is not None and s.method == "draft_model":
+    drafting = s is not None and s.method == "draft_model"
+    if drafting:
         _check_draft(c, par, dummy)            # before the target loads
     if par is not None and lora is not None:
         raise ValueError("--enable-lora with --tensor-parallel-size / --data-parallel-size / "
@@ -168,15 +170,16 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
                               kv_offloading=bool(c.cache.kv_offloading_size))
         elif log:
             log(f"  artifact {artifact} as built (not rebuilt)")
-        from infc.runtime.cuda.runner import CudaRunner     # lazily: cuda-python only here
-        runner = st.run("load weights, KV cache, graphs", CudaRunner, artifact, model_dir,
-                        **_cuda_runner_settings(c))
+        draft = (_cuda_draft_artifact(st, c, spec_dirs, dummy, kv_dtype, model_dir, artifact)
+                 if drafting else None)
+        runner, draft_runner = _cuda_runners(st, c, artifact, model_dir, draft, log)
         plan = runner.plan
         name = plan.get("model") or model or model_dir.name
         model_len = int(getattr(runner, "max_model_len", None) or plan["config"].get("max_len") or 1 << 30)
         page_size = runner.page_size
 
-    draft_runner = _draft_runner(st, c, par, spec_dirs, dummy, kv_dtype, model_dir)
+    if par is not None or device == "cpu":
+        draft_runner = _draft_runner(st, c, par, spec_dirs, dummy, kv_dtype, model_dir)
     tokenizer, tok_config = None, {}
     if (model_dir / "tokenizer.json").exists():
         from infc.runtime.tokenization.tokenizer import Tokenizer
@@ -239,11 +242,12 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
 
 
 def _draft_runner(st, c: EngineConfig, par, spec_dirs, dummy: bool, kv_dtype, target_dir: Path):
-    """The draft model's runner for --speculative-config method draft_model (None otherwise): its
-    "model" a model directory (its weights, or random ones under --load-format dummy) or a
-    variant name (random weights of its shapes: --load-format dummy only), compiled like the
-    target and run in this process on a KV cache of its own, of the target's byte budget. A
-    tokenizer of another vocabulary is refused here, a vocabulary of another size by the engine."""
+    """The draft model's CPU runner for --speculative-config method draft_model (None otherwise;
+    on cuda: _cuda_draft_artifact and _cuda_runners): its "model" a model directory (its weights,
+    or random ones under --load-format dummy) or a variant name (random weights of its shapes:
+    --load-format dummy only), compiled like the target and run in this process on a KV cache of
+    its own, of the target's byte budget. A tokenizer of another vocabulary is refused here, a
+    vocabulary of another size by the engine."""
     s = c.speculative.speculative_config
     if s is None or s.method != "draft_model":
         return None
@@ -283,14 +287,77 @@ def _check_draft(c: EngineConfig, par, dummy: bool) -> str:
     where = f"--speculative-config: draft model {s.model!r}"
     if par is not None:
         raise ValueError(f"{where}: a draft model with parallel ranks is not supported yet")
-    if c.device.device != "cpu":
-        raise ValueError(f"{where}: draft models run on --device cpu only so far (the engine's side "
-                         f"is the runner's interface alone; loading a second CUDA runner beside the "
-                         f"target is not wired yet)")
     if not Path(s.model).is_dir() and not dummy:
         raise ValueError(f"{where} is not a model directory; a variant name has no weights (random "
                          f"ones need --load-format dummy)")
     return where
+
+
+def _cuda_draft_artifact(st, c: EngineConfig, spec_dirs, dummy: bool, kv_dtype, target_dir: Path,
+                         target_artifact: Path) -> tuple[Path, Path]:
+    """(artifact, model directory) of the draft model on cuda: built, or reused, into
+    .cache/artifacts/<its directory's or variant's name> as the target's is (the kernel cache
+    makes an unchanged rebuild near-instant; a self-draft reuses the target's very artifact), with
+    the target's page size (the split gives both the same pages) and KV cache dtype. Its
+    vocabulary is checked against the target's plan here, before either loads its weights."""
+    import json
+    from infc.compiler.build import REPO, build
+    from infc.runtime.engine.speculative.draft_model import check_draft_runner
+    s = c.speculative.speculative_config
+    where, path = f"--speculative-config: draft model {s.model!r}", Path(s.model)
+    target_plan = json.loads((Path(target_artifact) / "plan.json").read_text())
+    if path.is_dir():
+        _same_tokenizer(where, path, target_dir)
+        name, kw = path.name, {"model_dir": str(path), "check_checkpoint": not dummy}
+    else:
+        name, kw = s.model, {"model": s.model, "check_checkpoint": False}
+    out = REPO / ".cache" / "artifacts" / name
+    if out.resolve() == Path(target_artifact).resolve():
+        if path.is_dir() and path.resolve() == target_dir.resolve():
+            return Path(target_artifact), path     # a self-draft: the target's very build
+        out = out.with_name(name + "-draft")     # another model of the target's directory name
+    art = st.run("build draft artifact (cached)", build, out=out, page_size=target_plan["build"]["page_size"],
+                 gpu=gpu_tuning(), log=None, reuse_bins=True, spec_dirs=spec_dirs, kv_cache_dtype=kv_dtype, **kw)
+    draft_plan = json.loads((Path(art) / "plan.json").read_text())
+    shape = lambda p: SimpleNamespace(vocab_size=p["config"]["V"], num_slots=caches.has_slots(caches.of_plan(p)))  # noqa: E731
+    check_draft_runner(shape(draft_plan), shape(target_plan))
+    return Path(art), path
+
+
+def _cuda_runners(st, c: EngineConfig, artifact: Path, model_dir: Path, draft, log):
+    """The target's CudaRunner, and the draft model's beside it (draft: (artifact, directory) or
+    None). Both load their weights, arena and scratch first; then the cache budget left is split
+    so that both caches hold the same tokens (compiler/memory_budget.draft_pages), and each
+    allocates its caches and captures its own graphs. Each runner has its own stream, staging
+    buffers and arena in the device's one primary context (driver.Context)."""
+    from infc.runtime.cuda.runner import CudaRunner     # lazily: cuda-python only here
+    settings = _cuda_runner_settings(c)
+    if draft is None:
+        return st.run("load weights, KV cache, graphs", CudaRunner, artifact, model_dir, **settings), None
+    from infc.compiler.memory_budget import draft_pages, draft_split_line
+    num_pages = settings.pop("num_pages", None)
+    runner = st.run("load weights", CudaRunner, artifact, model_dir, defer_cache=True, **settings)
+    try:
+        d = st.run("load draft weights", CudaRunner, draft[0], draft[1], defer_cache=True,
+                   **dict(settings, num_state_snapshots=0))
+        try:
+            if d.page_size != runner.page_size:
+                raise ValueError(f"--speculative-config: the draft's artifact {draft[0]} has pages of "
+                                 f"{d.page_size} tokens, the target's {runner.page_size}")
+            tc, dc = caches.of_plan(runner.plan), caches.of_plan(d.plan)
+            budget = None if num_pages else d.cache_budget()
+            pages = num_pages or draft_pages(tc, dc, runner.page_size, budget, runner.cache_slots)
+            if log:
+                log("  " + draft_split_line(tc, dc, runner.page_size, pages, budget))
+            st.run("KV cache, graphs", runner.start_cache, pages)
+            st.run("draft KV cache, graphs", d.start_cache, pages)
+        except BaseException:
+            d.close()
+            raise
+    except BaseException:
+        runner.close()
+        raise
+    return runner, d
 
 
 def _same_tokenizer(where: str, draft_dir: Path, target_dir: Path):

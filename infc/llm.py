@@ -126,12 +126,15 @@ class LLM:
         return name
 
     def close(self):
-        """Give back what the engine and the runner hold: the KV-event sockets, the device
-        memory, or the rank processes."""
+        """Give back what the engine and the runners hold: the KV-event sockets, the device
+        memory (the target's, and a draft model's), or the rank processes."""
         self.engine.close()
-        close = getattr(self.runner, "close", None)
-        if close is not None:
-            close()
+        spec = getattr(self.engine, "spec", None)
+        draft = spec.draft.runner if spec is not None and spec.draft is not None else None
+        for runner in (draft, self.runner):
+            close = getattr(runner, "close", None)
+            if close is not None:
+                close()
 
     def __enter__(self):
         return self

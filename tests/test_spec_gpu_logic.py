@@ -2,6 +2,7 @@
 its two sampling rows (greedy; seeded top-p/top-k with logprobs) and its aborts mid-speculation,
 so the GPU call runs a test already seen to work here."""
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -34,3 +35,21 @@ def test_the_gpu_tests_engine_logic_on_the_cpu(tiny_plan):  # noqa: F811
     gpu._run(e, gpu._prompts(320, 10, rng), params[:1], abort_every=3)
     assert e.bm.num_free_pages == free
     e.bm.check()
+
+
+
+def test_the_gpu_draft_model_tests_logic_on_the_cpu(tiny_plan):  # noqa: F811
+    """test_spec_gpu.py's draft-model case with CPU runners (the tiny qwen3 drafted by itself):
+    its prompts and sampling rows give plain decoding's tokens with every draft accepted, and
+    its timing helper runs plain and speculative engines over the two runners."""
+    plan, weights = tiny_plan
+    target, draft = CPURunner(plan, weights, 128, 16), CPURunner(plan, weights, 128, 16)
+    params = [replace(p, max_tokens=6) for p in gpu.DRAFT_PARAMS]
+    prompts = gpu.draft_prompts(target.vocab_size)
+    plain = gpu.decode_all(Engine(target, None, (), 1024, max_num_seqs=8), prompts, params)
+    e = Engine(target, None, (), 1024, max_num_seqs=8, draft_runner=draft,
+               speculative_config=speculative_config(gpu.draft_config("self", 3)))
+    assert gpu.decode_all(e, prompts, params) == plain
+    assert gpu.acceptance(e) == 1.0 and e.metrics.spec_decode_num_draft_tokens_total > 0
+    rows = gpu.timings(target, draft, 1024, (0, 2), "self", n=4)
+    assert [(k, rate) for k, _, rate in rows] == [(0, None), (2, 1.0)] and all(ms > 0 for _, ms, _ in rows)

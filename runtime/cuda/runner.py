@@ -112,7 +112,7 @@ class CudaRunner:
                  buckets: list[int] | None = None, num_pages: int | None = None,
                  load_format: str = "auto", pdl: bool | None = None, ctx: Context | None = None,
                  plan: dict | None = None, collectives=None, agree_num_pages=None,
-                 num_state_snapshots: int | None = None):
+                 num_state_snapshots: int | None = None, defer_cache: bool = False):
         """load_format: "auto" reads model_dir's safetensors; "dummy" fills random weights on the
         device (runtime/weights/dummy.py), so model_dir needs only config.json.
         pdl: launch the kernels whose META allows it as programmatic dependents of the kernel
@@ -126,7 +126,11 @@ class CudaRunner:
         MB between GPUs, while every rank must hold the same page ids (nccl_runner: the minimum).
         num_state_snapshots: a plan with slot caches keeps a pool of that many state snapshots
         for prefix caching (state_copies.py; None: max_num_seqs; 0: none), taken from the KV
-        cache's memory."""
+        cache's memory.
+        defer_cache: load the weights, arena and scratch only; `start_cache(num_pages)` then
+        allocates the caches, the sampler and captures the graphs. Two runners of one process
+        (a draft model beside its target, infc/backend.py) load both first, then split what
+        `cache_budget()` says is left between their caches."""
         self._snapshots_asked = num_state_snapshots
         self.pdl = envs.value("INFC_PDL") if pdl is None else pdl
         self.ctx = ctx if ctx is not None else Context()
@@ -172,7 +176,37 @@ class CudaRunner:
                 self.scratch[(kid, name)] = ptr
             if k.global_scratch:
                 self.global_scratch[kid] = self.ctx.alloc(k.global_scratch_bytes(dims))
-        self._alloc_kv(gpu_memory_utilization, num_pages, agree_num_pages)
+        decl = caches.of_plan(plan)
+        # one state slot per running sequence (max_num_seqs; the engine hands them out), and slot
+        # num_slots the spare that CUDA-graph pad rows write
+        self.num_slots = self.max_seqs if caches.has_slots(decl) else 0
+        asked = self._snapshots_asked
+        self.num_snapshots = (self.max_seqs if asked is None else asked) if self.num_slots else 0
+        self._utilization, self._agree = gpu_memory_utilization, agree_num_pages
+        self._cuda_graphs, self._bucket_list, self._dims = cuda_graphs, buckets, dims
+        self.num_pages = None                      # start_cache sets it
+        if not defer_cache:
+            self.start_cache(num_pages)
+
+    def cache_budget(self) -> int:
+        """The bytes gpu_memory_utilization leaves for caches now: its share of the card less
+        what is in use (by this process's runners and any other)."""
+        free, total = self.ctx.mem_info()
+        return int(total * self._utilization) - (total - free)
+
+    @property
+    def cache_slots(self) -> int:
+        """Slots the caches' storage holds besides the pages (pages_for_budget's num_slots): the
+        sequences' state slots and the snapshot pool (its own allocation; one more for alignment)."""
+        return self.num_slots + (self.num_snapshots + 1 if self.num_snapshots else 0)
+
+    def start_cache(self, num_pages: int | None = None):
+        """The caches (num_pages, else what cache_budget holds), the sampler, the graphs: the
+        rest of the constructor (defer_cache)."""
+        if self.num_pages is not None:
+            raise RuntimeError("CudaRunner.start_cache: the caches are already allocated")
+        self._alloc_kv(num_pages, self._agree)
+        plan, dims = self.plan, self._dims
         self._logits_host = None                    # pinned on first `logits()` (tests, tools)
         self._row_tail, self._row_host = None, None  # prompt logprobs' launches and host rows (first use)
         self.sampler = (GpuSampler(self.ctx, self.kernels, plan["sampler"], self.max_seqs, self.vocab_size,
@@ -183,8 +217,8 @@ class CudaRunner:
         self.place = dims                          # where buffers live: fixed for every step
         self.programs = {}                         # phase -> packed launches (bound once)
         self.graphs: dict[int, tuple] = {}
-        self.buckets = sorted(buckets or default_buckets(self.max_seqs))
-        if cuda_graphs:
+        self.buckets = sorted(self._bucket_list or default_buckets(self.max_seqs))
+        if self._cuda_graphs:
             for b in self.buckets:
                 self._capture(b)
 
@@ -213,19 +247,11 @@ class CudaRunner:
             n *= eval_int(d, dims)
         return n * DTYPE_BYTES[m["dtype"]]
 
-    def _alloc_kv(self, utilization: float, num_pages: int | None, agree=None):
+    def _alloc_kv(self, num_pages: int | None, agree=None):
         decl = caches.of_plan(self.plan)
-        # one state slot per running sequence (max_num_seqs; the engine hands them out), and slot
-        # num_slots the spare that CUDA-graph pad rows write
-        self.num_slots = self.max_seqs if caches.has_slots(decl) else 0
-        asked = self._snapshots_asked
-        self.num_snapshots = (self.max_seqs if asked is None else asked) if self.num_slots else 0
         free, total = self.ctx.mem_info()
         if num_pages is None:
-            budget = int(total * utilization) - (total - free)
-            # the snapshot pool is as many more slots (its own allocation; one more for alignment)
-            spare = self.num_snapshots + 1 if self.num_snapshots else 0
-            num_pages = caches.pages_for_budget(decl, self.page_size, budget, self.num_slots + spare)
+            num_pages = caches.pages_for_budget(decl, self.page_size, self.cache_budget(), self.cache_slots)
         if agree is not None:
             num_pages = agree(num_pages)
         if num_pages < 2:

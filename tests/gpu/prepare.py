@@ -39,7 +39,11 @@ kvfp8 (issue 42, session.sh's `kv-fp8` stage: qwen3-4b built with --kv-cache-dty
 .cache/artifacts/qwen3-4b-kvfp8, beside base's qwen3-4b).
 lora (issue 46, session.sh's `lora` stage: qwen3-4b built with --enable-lora, 8 slots of rank 16,
 into .cache/artifacts/qwen3-4b-lora8r16, beside base's qwen3-4b).
-Default: base, nofuse and families.
+draft (issue 43, tests/gpu/test_spec_gpu.py's draft-model case: qwen3-4b's first two layers as a
+draft model, config-only in .cache/gpu/configs/qwen3-4b-l2, built into
+.cache/artifacts/qwen3-4b-l2, the artifact infc/backend.py reuses for a draft directory of that
+name; its kernels are qwen3-4b's, so the kernel cache compiles nothing new after base).
+Default: base, nofuse, families and draft.
 
 The tiny qwen3_moe and the
 tiny trained Llama (tests/gpu/trained_model.py) exist only as configs here (.cache/gpu/<name>/)
@@ -69,8 +73,8 @@ TINY_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
 GPU_CACHE = REPO / ".cache" / "gpu"
 SERVED = ("qwen3-4b", "llama-3.2-1b")          # model directories LLM / infc serve load on the GPU
 PARTS = ("base", "nofuse", "families", "qwen35", "ranks", "deepseek", "twogpu", "server", "attnvar", "hlvar", "kvfp8",
-         "quant", "lora")
-DEFAULT_PARTS = ("base", "nofuse", "families")
+         "quant", "lora", "draft")
+DEFAULT_PARTS = ("base", "nofuse", "families", "draft")
 
 
 def _size(d: Path) -> str:
@@ -141,6 +145,8 @@ def main(parts=DEFAULT_PARTS):
         kvfp8()
     if "lora" in parts:
         lora()
+    if "draft" in parts:
+        draft()
 
 
 def served_config(name: str) -> Path:
@@ -292,6 +298,19 @@ def lora():
     _both_tunings("qwen3-4b --enable-lora (8 slots, rank 16)",
                   BUILD_REPO / ".cache" / "artifacts" / "qwen3-4b-lora8r16",
                   model_dir=str(served_config("qwen3-4b")), lora=lora_build(8, 16), check_checkpoint=False)
+
+
+DRAFT_CUT = "qwen3-4b-l2"      # tests/gpu/test_spec_gpu.py's DRAFT_CUT
+
+
+def draft():
+    """qwen3-4b-l2 (base_config: qwen3-4b's config.json with 2 layers) into
+    .cache/artifacts/qwen3-4b-l2, with the config-only directories of it and of qwen3-4b that the
+    GPU test loads with --load-format dummy (the target's artifact: base's qwen3-4b)."""
+    from infc.compiler.build import REPO as BUILD_REPO
+    served_config("qwen3-4b")
+    _both_tunings(f"{DRAFT_CUT} (a draft model for qwen3-4b)", BUILD_REPO / ".cache" / "artifacts" / DRAFT_CUT,
+                  model_dir=str(base_config(DRAFT_CUT)), check_checkpoint=False)
 
 
 def nofuse():

@@ -2,7 +2,11 @@
 whose rows are the draft positions, so they run the decode programs and CUDA graphs; the outputs
 must be those of plain decoding, greedy and seeded sampled, with drafts accepted, and no page
 held after aborts mid-speculation. llama-3.2-1b shapes with random weights: its greedy output
-falls into loops that prompt lookup then drafts from (self-repeating prompts start them)."""
+falls into loops that prompt lookup then drafts from (self-repeating prompts start them).
+Then draft models (test_draft_model_outputs_are_plain_decodings): qwen3-4b with dummy weights
+drafted by itself and by its 2-layer cut, each draft on a CudaRunner of its own beside the
+target's, outputs plain decoding's, and the batch-1 time per token at k = 1..4 printed (after
+tests/gpu/prepare.py base draft)."""
 import numpy as np
 
 from infc.config import speculative_config
@@ -62,3 +66,116 @@ def test_speculative_outputs_are_plain_decodings(model_dir, artifact):
         e.bm.check()
     finally:
         runner.close()
+
+
+# -- a draft model on the GPU: its own CudaRunner beside the target's (infc/backend.py) ----------
+# qwen3-4b with dummy weights from its config-only directory (prepare.py base), drafted by itself
+# (the target's very artifact: every draft the target's own token, acceptance 1 by construction up
+# to bf16 rounding between the draft's and the verify steps' programs) and by its first two
+# layers (prepare.py draft: .cache/artifacts/qwen3-4b-l2; dummy weights are seeded by name and
+# layer, so the cut shares the target's embeddings, first layers and head).
+DRAFT_TARGET = "qwen3-4b"
+DRAFT_CUT = "qwen3-4b-l2"
+DRAFT_PARAMS = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True),
+                SamplingParams(max_tokens=32, temperature=0.8, top_p=0.9, top_k=50, seed=11, ignore_eos=True,
+                               logprobs=1)]
+
+
+def config_dir(name: str):
+    from pathlib import Path
+    return Path(__file__).resolve().parents[2] / ".cache" / "gpu" / "configs" / name
+
+
+def draft_config(model, k: int) -> dict:
+    return {"method": "draft_model", "model": str(model), "num_speculative_tokens": k}
+
+
+def draft_prompts(vocab: int) -> list:
+    rng = np.random.default_rng(17)
+    return [rng.integers(0, vocab, int(n)).tolist() for n in (5, 40, 130, 17)]
+
+
+def decode_all(engine, prompts, params) -> dict:
+    """request id -> its tokens (the engine's own steps)."""
+    for i, p in enumerate(prompts):
+        engine.add_request(p, params[i % len(params)], f"r{i}")
+    out = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.token_ids)
+    return out
+
+
+def time_per_token(engine, prompt, n: int) -> float:
+    """Batch-1 seconds per output token after the first (the prefill's step left out)."""
+    import time
+    engine.add_request(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), "t")
+    got, t0 = 0, None
+    while engine.has_unfinished():
+        for o in engine.step():
+            got += len(o.token_ids)
+            if t0 is None:
+                t0, first = time.perf_counter(), got
+    return (time.perf_counter() - t0) / max(got - first, 1)
+
+
+def acceptance(engine) -> float:
+    m = engine.metrics
+    return m.spec_decode_num_accepted_tokens_total / max(m.spec_decode_num_draft_tokens_total, 1)
+
+
+def test_draft_model_outputs_are_plain_decodings():
+    """A draft model's runner beside the target's in one process: greedy and seeded sampled
+    outputs are plain decoding's (the draft's tokens are drawn with the target rows' own seeds and
+    verified by exact match: the logits stay on the device), for a self-draft and a 2-layer cut,
+    both caches sized by the split (the same pages each), nothing held after. Then the batch-1
+    time per token of plain decoding and of the self-draft at k = 1..4 (and the cut at k = 4),
+    printed for bench/results."""
+    from infc import LLM
+    d, cut = config_dir(DRAFT_TARGET), config_dir(DRAFT_CUT)
+    repo = d.parents[3]
+    for name in (DRAFT_TARGET, DRAFT_CUT):                 # built here would mean compiled here
+        if not ((config_dir(name) / "config.json").is_file() and (repo / ".cache" / "artifacts" / name / "bin").is_dir()):
+            raise FileNotFoundError(f"{name}: no config-only directory or artifact: run tests/gpu/prepare.py "
+                                    f"base draft and carry .cache/gpu and .cache/artifacts")
+    kw = dict(device="cuda", load_format="dummy", max_num_seqs=8, gpu_memory_utilization=0.5)
+    with LLM(d, **kw) as llm:
+        prompts = draft_prompts(llm.runner.vocab_size)
+        plain = decode_all(llm.engine, prompts, DRAFT_PARAMS)
+    for draft in (d, cut):
+        lines = []
+        with LLM(d, speculative_config=draft_config(draft, 4), log=lines.append, **kw) as llm:
+            e, dr = llm.engine, llm.engine.spec.draft.runner
+            print("\n".join(x for x in lines if "split" in x or "speculative" in x))
+            got = decode_all(e, prompts, DRAFT_PARAMS)
+            rate = acceptance(e)
+            print(f"draft {draft.name}: acceptance {rate:.3f} ({e.metrics.spec_decode_num_accepted_tokens_total} of "
+                  f"{e.metrics.spec_decode_num_draft_tokens_total}), draft forwards {e.spec.draft.forwards}")
+            assert got == plain
+            assert dr.num_pages == llm.runner.num_pages and dr is not llm.runner
+            assert e.bm.num_free_pages == llm.runner.num_pages and e.spec.draft.held_pages() == 0
+            if draft == d:
+                assert dr.artifact == llm.runner.artifact
+                assert rate >= 0.9, rate              # 1 but for bf16 rounding between programs
+            timings(llm.runner, dr, llm.max_len, (0, 1, 2, 3, 4) if draft == d else (0, 4), draft.name)
+
+
+def timings(runner, draft_runner, max_len: int, ks, name: str, n: int = 128) -> list:
+    """Batch-1 ms per token on the two runners, plain (k = 0) and with the draft at each k > 0
+    of ks, each after a warm-up run: printed, and returned as (k, ms, acceptance)."""
+    from infc.config import speculative_config
+    from infc.runtime.engine.engine import Engine
+    prompt = [(1000 + i) % runner.vocab_size for i in range(32)]
+    rows = []
+    for k in ks:
+        spec = {} if k == 0 else dict(speculative_config=speculative_config(draft_config(name, k)),
+                                      draft_runner=draft_runner)
+        time_per_token(Engine(runner, None, (), max_len, max_num_seqs=8, **spec), prompt, min(n, 16))   # warm
+        e = Engine(runner, None, (), max_len, max_num_seqs=8, **spec)
+        ms = 1e3 * time_per_token(e, prompt, n)
+        rows.append((k, ms, acceptance(e) if k else None))
+    print(f"batch-1 time per token, {DRAFT_TARGET} (dummy weights), draft {name}:")
+    for k, ms, rate in rows:
+        print(f"  k={k}: {ms:.3f} ms/token" + ("" if rate is None else f", acceptance {rate:.3f}")
+              + f", {ms / rows[0][1]:.2f}x plain")
+    return rows
