@@ -84,13 +84,14 @@ def kv_cache_setting(flag: str | None, model_dir, read_checkpoint: bool) -> dict
 
 def compile_model(model=None, spec_path=None, model_dir=None, features=None, log=None,
                   observe=None, skip=(), fuse=True, spec_dirs=None, check_checkpoint=True,
-                  parallel=None, kv_cache_dtype=DEFAULT_KV_CACHE_DTYPE, lora=None):
+                  parallel=None, kv_cache_dtype=DEFAULT_KV_CACHE_DTYPE, lora=None, capture=None):
     """Returns (state, plan dict). fuse=False skips every fusion pass (`--no-fuse`). With a
     model_dir, the checkpoint's safetensors headers are checked against the plan's weights
     (compiler/checkpoint_check.py) unless check_checkpoint is False (--load-format dummy: no
     checkpoint is read); spec_dirs: extra spec directories (compiler/spec_paths.py);
     kv_cache_dtype: --kv-cache-dtype (infc/config.py KV_CACHE_DTYPES); lora: --enable-lora's
-    {"max_loras", "max_rank", "targets"} (infc/config.py lora_build), None without."""
+    {"max_loras", "max_rank", "targets"} (infc/config.py lora_build), None without; capture: a
+    speculation head's target layers (compiler/passes/capture_hidden.py), None without."""
     if not fuse:
         from .pipeline import FUSIONS
         skip = tuple(skip) + tuple(sorted(FUSIONS))
@@ -123,7 +124,7 @@ def compile_model(model=None, spec_path=None, model_dir=None, features=None, log
     quant = parse_quantization(config, source, spec.nested)
     kv_cache = kv_cache_setting(kv_cache_dtype, model_dir, check_checkpoint)
     state = compile_spec(spec, env, name, features, observe=timed, skip=skip, parallel=parallel,
-                         quant=quant, kv_cache=kv_cache, lora=lora)
+                         quant=quant, kv_cache=kv_cache, lora=lora, capture=capture)
     t0 = time.perf_counter()
     plan = emit_plan(state)
     if parallel:
