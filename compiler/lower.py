@@ -103,7 +103,8 @@ class _Lowerer:
                     raise self.err(f"weight '{key}': 'experts' names unknown symbol '{d.experts}'", d.line)
                 shape = (self.env[d.experts],) + shape
                 batched = "{e}" not in d.name
-            if per_layer and "{i}" not in d.name:
+            # one layer may be named without an index (an EAGLE-3 head's `midlayer.*`)
+            if per_layer and "{i}" not in d.name and self.env.get("L") != 1:
                 raise self.err(f"layer weight '{key}' name has no {{i}} layer index", d.line)
             # An offset weight is HF's `offset + w.float()` (Gemma's and Qwen3.5's x * (1 + w)
             # RMSNorms): kept f32, since 1 + w rounded to bf16 is off by up to 2^-8 of itself, the
