@@ -221,9 +221,10 @@ def speculative_config(value) -> SpeculativeConfig | None:
         if not isinstance(model, str) or not model:
             raise ValueError(f"{where}: method 'draft_model' needs 'model': the draft's model "
                              f"directory or variant name (a model of the target's vocabulary)")
+    if method in ("draft_model", "eagle3"):
         lookup = sorted(k for k in ("prompt_lookup_min", "prompt_lookup_max") if value.get(k) is not None)
         if lookup:
-            raise ValueError(f"{where}: {lookup[0]!r} is for method 'ngram'; 'draft_model' takes none")
+            raise ValueError(f"{where}: {lookup[0]!r} is for method 'ngram'; {method!r} takes none")
     elif model is not None and method != "eagle3":
         raise ValueError(f"{where}: 'model' is for a draft model or head; method {method!r} takes none")
     ints = {}

@@ -42,8 +42,9 @@ def head_tensors(H: int, Ht: int, Hq: int, Hkv: int, D: int, F: int, V: int, Vd:
 
 
 def write_head(target_dir, out_dir, draft_vocab: int | None = None, layers=None, seed: int = 0,
-               intermediate_size: int | None = None) -> Path:
-    """Writes the head into out_dir (created); returns it."""
+               intermediate_size: int | None = None, edit=None) -> Path:
+    """Writes the head into out_dir (created); returns it. edit(tensors): changes the tensors
+    before they are written (tests construct heads of known behaviour this way)."""
     t = json.loads((Path(target_dir) / "config.json").read_text())
     H, V = t["hidden_size"], t["vocab_size"]
     Hq = t["num_attention_heads"]
@@ -66,6 +67,8 @@ def write_head(target_dir, out_dir, draft_vocab: int | None = None, layers=None,
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     rng = np.random.default_rng(seed)
     tensors = head_tensors(H, H, Hq, Hkv, D, F, V, Vd, rng)
+    if edit is not None:
+        edit(tensors)
     kinds = {np.dtype(np.float32): "F32", np.dtype(np.int64): "I64", np.dtype(np.bool_): "BOOL"}
     write_raw(out / "model.safetensors", {n: (kinds[a.dtype], a) for n, a in tensors.items()})
     return out

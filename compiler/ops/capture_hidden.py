@@ -23,9 +23,10 @@ def infer(types, attrs):
 def reference(ctx, x, aux, layers, outside=None):
     out = np.array(aux, np.float32)
     layer = ctx.layer if ctx.layer is not None else outside
-    if layer is not None and layer in layers:
-        j, H = list(layers).index(layer), x.shape[1]
-        out[:, j * H:(j + 1) * H] = x
+    H = x.shape[1]
+    for j, l in enumerate(layers):               # a layer listed twice fills both places
+        if layer is not None and l == layer:
+            out[:, j * H:(j + 1) * H] = x
     return out
 
 

@@ -33,9 +33,9 @@ def capture_hidden(state):
         raise state.error("speculation head: the model has no layer loop to capture hidden states from", 1)
     L = loop.attrs["count"]
     bad = [l for l in layers if not isinstance(l, int) or isinstance(l, bool) or not 0 <= l <= L]
-    if bad or len(set(layers)) != len(layers):
-        raise state.error(f"speculation head: hidden-state layers {list(layers)} must be distinct "
-                          f"layer indices in [0, {L}] (the model has {L} layers)", loop.line)
+    if bad:
+        raise state.error(f"speculation head: hidden-state layers {list(layers)} must be layer "
+                          f"indices in [0, {L}] (the model has {L} layers)", loop.line)
     bodies = list(loop.bodies.values())
     k = _residual_index(state, loop, g)
     x_type = g.values[loop.inputs[k]].type
