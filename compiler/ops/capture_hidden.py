@@ -31,5 +31,5 @@ def reference(ctx, x, aux, layers, outside=None):
 
 
 op(name="capture_hidden", tensors=["x", "aux"], attrs={"layers": REQUIRED, "outside": None}, infer=infer,
-   reference=reference, internal=True, inplace={0: 1},
+   reference=reference, templates={"triton": "capture_hidden"}, internal=True, inplace={0: 1},
    doc="the residual stream entering chosen layers, into columns of a carried [T, n*H] value")

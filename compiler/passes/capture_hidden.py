@@ -78,7 +78,12 @@ def capture_hidden(state):
         g.add_node(Node(g.new_node_id("capture_hidden"), "capture_hidden", [x_out, after], [top],
                         {"layers": list(layers), "outside": L}, loop.line), before=nxt)
         out = top
-    g.outputs.append(out)
+    # the plan's outputs are float32 (infer_types) and the loop's aux is the model's dtype, one
+    # buffer carried in place: the output is a copy of it, converted
+    final = g.fresh("aux_hidden")
+    g.add_value(Value(final, "act", line=loop.line))
+    g.add_node(Node(g.new_node_id("copy"), "copy", [out], [final], {}, loop.line))
+    g.outputs.append(final)
     g.output_names.append("aux_hidden")
     state.note("capture_hidden", f"aux_hidden [T, {len(layers)}*{H}]: the residual entering "
                                  f"layers {list(layers)}")
