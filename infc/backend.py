@@ -337,6 +337,9 @@ def _eagle3_runner(st, c: EngineConfig, spec_dirs, dummy: bool, target):
     if dummy:
         from infc.runtime.weights.dummy import dummy_weights
         weights = st.run("make EAGLE-3 random weights", dummy_weights, plan)
+        embed = target.executor.weights.get("embed")
+        if embed is not None and tuple(np.shape(embed)) == tuple(plan["weights"]["embed"]["shape"]):
+            weights["embed"] = embed              # the target's table, as a real head shares it
         d2t = np.zeros(Vd, np.int64)
     else:
         from infc.compiler.contract.safetensors_io import Checkpoint

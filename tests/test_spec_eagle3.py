@@ -209,7 +209,7 @@ def test_proposer_equals_numpy_eagle3(target, tmp_path):
 
 
 # -- the engine -----------------------------------------------------------------------------------
-def _generate(target_dir, spec=None, n=16):
+def _generate(target_dir, spec=None, n=16, sampled=False):
     """Two greedy requests; (tokens by request, the engine, steps). A step's draft rows are rows
     of its own: max_num_seqs leaves room for every draft."""
     from infc.backend import load_backend
@@ -221,6 +221,8 @@ def _generate(target_dir, spec=None, n=16):
     e = getattr(e, "engine", e)
     for i, p in enumerate([[3, 17, 99, 5, 250, 8, 1, 3, 17, 99], [5, 6, 7, 8, 9]]):
         e.add_request(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), f"r{i}")
+    if sampled:                     # seeded sampling: plain decoding's draws, token for token
+        e.add_request([9, 8, 7], SamplingParams(max_tokens=n, temperature=0.9, seed=11, ignore_eos=True), "s")
     got, steps = {}, 0
     while e.has_unfinished():
         steps += 1
@@ -232,9 +234,9 @@ def _generate(target_dir, spec=None, n=16):
 def test_engine_greedy_identical_with_a_random_head(target, tmp_path):
     d, _ = target
     head = write_head(d, tmp_path / "head", draft_vocab=VD, seed=5)    # default layers (2, 2, 1)
-    plain, _, _ = _generate(d)
-    got, e, _ = _generate(d, {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3})
-    assert got == plain
+    plain, _, _ = _generate(d, sampled=True)
+    got, e, _ = _generate(d, {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3}, sampled=True)
+    assert got == plain and len(got["s"]) == 16
     assert e.metrics.spec_decode_num_draft_tokens_total > 0
     assert e.spec.draft.held_pages() == 0 and not e.spec.draft.shadows
 
@@ -265,3 +267,19 @@ def test_constructed_head_accepts_every_draft(target, tmp_path):
     mt = e.metrics
     assert mt.spec_decode_num_accepted_tokens_total == mt.spec_decode_num_draft_tokens_total == 2 * (3 + 3 + 3 + 2)
     assert steps == 5
+
+
+def test_a_head_for_another_target_is_refused(target, tmp_path):
+    """A head whose fc reads hidden states of another width, or of another vocabulary: refused at
+    startup, naming what differs."""
+    from infc.backend import load_backend
+    from infc.compiler.spec import SPECS_DIR
+    d, _ = target
+    head = write_head(d, tmp_path / "head", draft_vocab=VD, layers=[0, 1, 2])
+    cfg = json.loads((head / "config.json").read_text())
+    for key, value, message in (("target_hidden_size", 2 * H, r"reads \[T, 384\] target hidden states and the target gives \[T, 192\]"),
+                                ("vocab_size", V + 1, "the head's vocabulary has 301 tokens and the target's 300")):
+        (head / "config.json").write_text(json.dumps(dict(cfg, **{key: value})))
+        with pytest.raises(ValueError, match=message):
+            load_backend(d, device="cpu", log=None, spec=str(SPECS_DIR / "llama.yaml"), load_format="dummy",
+                         speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 2})

@@ -14,6 +14,12 @@ def eagle_proposer(head_runner, target_runner, max_num_batched_tokens: int, max_
     if vh != vt:
         raise ValueError(f"speculative method 'eagle3': the head's vocabulary has {vh} tokens and the "
                          f"target's {vt}: the head must be trained for this target")
+    width = plan["buffers"][plan["outputs"]["aux_hidden"]]["shape"][1]
+    reads = head_runner.plan["inputs"]["aux"]["shape"][1]
+    if width != reads:
+        raise ValueError(f"speculative method 'eagle3': the head reads [T, {reads}] target hidden "
+                         f"states and the target gives [T, {width}]: a head for a target of "
+                         f"another width")
     d2t = getattr(head_runner, "d2t", None)
     if d2t is None:
         raise ValueError("speculative method 'eagle3': the head's runner carries no d2t map")
