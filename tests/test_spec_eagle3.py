@@ -141,7 +141,7 @@ class NumpyEagle3:
         del self.K[n:], self.Vv[n:]
 
 
-def _head_proposer(head_dir, embed):
+def _head_proposer(head_dir, embed, budget=2048):
     from infc.compiler.build import compile_model
     from infc.compiler.contract.safetensors_io import Checkpoint
     from infc.runtime.engine.runner import CPURunner
@@ -154,7 +154,7 @@ def _head_proposer(head_dir, embed):
     weights = load_weights(dict(plan, weights={k: v for k, v in plan["weights"].items() if k != "embed"}), ckpt)
     weights["embed"] = embed
     runner = CPURunner(plan, weights, num_pages=32, page_size=16)
-    return EagleProposer(runner, ckpt.raw("d2t"), 2048, 1 << 20), ckpt
+    return EagleProposer(runner, ckpt.raw("d2t"), budget, 1 << 20), ckpt
 
 
 def test_proposer_equals_numpy_eagle3(target, tmp_path):
@@ -206,6 +206,32 @@ def test_proposer_equals_numpy_eagle3(target, tmp_path):
     for s in seqs:
         prop.release(s)
     assert prop.held_pages() == 0 and not prop.hiddens
+
+
+def test_a_long_catch_up_goes_in_budget_sized_parts(target, tmp_path):
+    """A token budget of 4 and 9 head positions to catch up: two steps of 4 proposing nothing,
+    then the last position and the chain: the numpy EAGLE-3's drafts over the whole catch-up."""
+    from infc.runtime.engine.sequence import Sequence
+    d, _ = target
+    head = write_head(d, tmp_path / "head", draft_vocab=VD, layers=[0, 2, 3], seed=4)
+    cfg = json.loads((head / "config.json").read_text())
+    rng = np.random.default_rng(1)
+    embed = rng.standard_normal((V, H)).astype(np.float32)
+    prop, ckpt = _head_proposer(head, embed, budget=4)
+    seq = Sequence(0, "r", 0, [int(t) for t in rng.integers(0, V, 10)], SamplingParams(max_tokens=9), 0)
+    aux = rng.standard_normal((9, 3 * H)).astype(np.float32)
+    prop.observe([(0, 0, 9)], aux)
+    assert prop.propose([(seq, 3)]) == {} and prop.propose([(seq, 3)]) == {}
+    drafts = prop.propose([(seq, 3)])[0]
+    ref = NumpyEagle3(ckpt, embed, cfg)
+    pos = np.arange(9)
+    x, tok = ref.step(aux @ ckpt.float32("fc.weight").T, np.asarray(seq.token_ids)[pos + 1], pos)
+    want = [tok]
+    for j in (1, 2):
+        x, tok = ref.step(x[None], np.asarray([tok]), np.asarray([8 + j]))
+        want.append(tok)
+    assert drafts == want and prop.forwards == 5
+    assert not prop.hiddens[0]                      # every row consumed
 
 
 # -- the engine -----------------------------------------------------------------------------------

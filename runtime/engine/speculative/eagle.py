@@ -24,6 +24,10 @@ deterministic proposer, so the engine's exact-match rule (verify.accept_sampled)
 output token for token the target's own, greedy or sampled (the drafts only decide how many rows
 a step verifies).
 
+A catch-up longer than the step's token budget goes part of the way and proposes nothing that
+step. The target's rows are kept until the head consumes them: a sequence that never speculates
+(a grammar's, a penalty's) keeps its rows until it ends (3H floats a token: a known cost).
+
 Where the target's hidden rows for a position the head needs are missing (a prefix-cache hit
 computed them in another request; the head's own cache keeps no prefix), the sequence proposes
 nothing (it decodes as usual), and the head drops its shadow.
@@ -88,18 +92,19 @@ class EagleProposer:
                 shadow = Sequence(seq.seq_id, seq.request_id, seq.index, [], seq.params, seq.seed)
                 self.shadows[seq.seq_id] = shadow
             C = shadow.num_computed_tokens
-            n = Lh - C
             rows = self.hiddens.get(seq.seq_id, {})
-            if n <= 0 or n > budget or any(p not in rows for p in range(C, Lh)) \
-                    or Lh + k - 1 > self.max_model_len:
-                if any(p not in rows for p in range(C, Lh)):
-                    self._drop(seq.seq_id)           # its history is gone: no drafts, ever again
+            if any(p not in rows for p in range(C, Lh)):
+                self._drop(seq.seq_id)               # its history is gone: no drafts, ever again
                 continue
-            if not self.bm.grow(shadow, n + k - 1):
+            # a catch-up longer than the budget goes part of the way, proposing nothing this step
+            n = min(Lh - C, budget)
+            caught_up = C + n == Lh
+            if n <= 0 or (caught_up and Lh + k - 1 > self.max_model_len) \
+                    or not self.bm.grow(shadow, n + (k - 1 if caught_up else 0)):
                 continue
-            chunks.append(Chunk(seq.seq_id, list(seq.token_ids[C + 1:Lh + 1]), C))
-            aux_rows.append(np.stack([rows[p] for p in range(C, Lh)]))
-            live.append((seq, shadow, k, Lh))
+            chunks.append(Chunk(seq.seq_id, list(seq.token_ids[C + 1:C + n + 1]), C))
+            aux_rows.append(np.stack([rows[p] for p in range(C, C + n)]))
+            live.append((seq, shadow, k if caught_up else 0, Lh))
             budget -= n
         if not chunks:
             return {}
@@ -108,8 +113,12 @@ class EagleProposer:
         drafts = {}
         for (seq, shadow, k, Lh), c, t in zip(live, chunks, tokens):
             shadow.num_computed_tokens += len(c.tokens)
-            self.proposed[seq.seq_id] = Lh
-            drafts[seq.seq_id] = [int(t)]
+            rows = self.hiddens[seq.seq_id]
+            for p in range(c.start, c.start + len(c.tokens)):   # consumed
+                rows.pop(p, None)
+            if k:
+                self.proposed[seq.seq_id] = Lh
+                drafts[seq.seq_id] = [int(t)]
         j, chain = 1, [(x, h) for x, h in zip(live, hidden) if x[2] > 1]
         while chain:                                  # forward j: [d_{j-1}] with its own hidden
             chunks = [Chunk(seq.seq_id, [drafts[seq.seq_id][-1]], Lh - 1 + j)
