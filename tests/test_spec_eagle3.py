@@ -309,3 +309,22 @@ def test_a_head_for_another_target_is_refused(target, tmp_path):
         with pytest.raises(ValueError, match=message):
             load_backend(d, device="cpu", log=None, spec=str(SPECS_DIR / "llama.yaml"), load_format="dummy",
                          speculative_config={"method": "eagle3", "model": str(head), "num_speculative_tokens": 2})
+
+
+@pytest.mark.parametrize("old,new,message", [
+    ("aux: [T, 3*Ht]", "aux: [3*Ht]", r"input 'aux': its shape must be a list starting with T"),
+    ("outputs: [logits, hidden_out]", "outputs: [logits, hiden_out]",
+     r"outputs: 'hiden_out' is not a value the graph assigns; did you mean 'hidden_out'"),
+    ("outputs: [logits, hidden_out]", "outputs: logits", r"'outputs' must be a list of value names"),
+])
+def test_spec_inputs_and_outputs_errors_name_the_mistake(target, tmp_path, old, new, message):
+    from infc.compiler.build import compile_model
+    from infc.compiler.contract.errors import SpecError
+    from infc.compiler.spec import SPECS_DIR
+    d, _ = target
+    head = write_head(d, tmp_path / "head", draft_vocab=VD, layers=[0, 1, 2])
+    text = (SPECS_DIR / "eagle3.yaml").read_text()
+    assert old in text
+    (tmp_path / "eagle3.yaml").write_text(text.replace(old, new))
+    with pytest.raises(SpecError, match=message):
+        compile_model(model_dir=str(head), spec_path=str(tmp_path / "eagle3.yaml"), check_checkpoint=False)
