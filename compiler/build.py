@@ -84,13 +84,14 @@ def kv_cache_setting(flag: str | None, model_dir, read_checkpoint: bool) -> dict
 
 def compile_model(model=None, spec_path=None, model_dir=None, features=None, log=None,
                   observe=None, skip=(), fuse=True, spec_dirs=None, check_checkpoint=True,
-                  parallel=None, kv_cache_dtype=DEFAULT_KV_CACHE_DTYPE, lora=None):
+                  parallel=None, kv_cache_dtype=DEFAULT_KV_CACHE_DTYPE, lora=None, capture=None):
     """Returns (state, plan dict). fuse=False skips every fusion pass (`--no-fuse`). With a
     model_dir, the checkpoint's safetensors headers are checked against the plan's weights
     (compiler/checkpoint_check.py) unless check_checkpoint is False (--load-format dummy: no
     checkpoint is read); spec_dirs: extra spec directories (compiler/spec_paths.py);
     kv_cache_dtype: --kv-cache-dtype (infc/config.py KV_CACHE_DTYPES); lora: --enable-lora's
-    {"max_loras", "max_rank", "targets"} (infc/config.py lora_build), None without."""
+    {"max_loras", "max_rank", "targets"} (infc/config.py lora_build), None without; capture: a
+    speculation head's target layers (compiler/passes/capture_hidden.py), None without."""
     if not fuse:
         from .pipeline import FUSIONS
         skip = tuple(skip) + tuple(sorted(FUSIONS))
@@ -123,7 +124,7 @@ def compile_model(model=None, spec_path=None, model_dir=None, features=None, log
     quant = parse_quantization(config, source, spec.nested)
     kv_cache = kv_cache_setting(kv_cache_dtype, model_dir, check_checkpoint)
     state = compile_spec(spec, env, name, features, observe=timed, skip=skip, parallel=parallel,
-                         quant=quant, kv_cache=kv_cache, lora=lora)
+                         quant=quant, kv_cache=kv_cache, lora=lora, capture=capture)
     t0 = time.perf_counter()
     plan = emit_plan(state)
     if parallel:
@@ -215,7 +216,8 @@ def build(model=None, spec_path=None, model_dir=None, out=None, features=None, l
           gpu="h100", target="sm_90", page_size=None, compile=True, jobs=None,
           reuse_bins=False, fuse=True, spec_dirs=None, check_checkpoint=True,
           tensor_parallel_size=1, enable_expert_parallel=False, data_parallel_size=1,
-          tuning_overlay=None, kv_cache_dtype=DEFAULT_KV_CACHE_DTYPE, lora=None, kv_offloading=False) -> Path:
+          tuning_overlay=None, kv_cache_dtype=DEFAULT_KV_CACHE_DTYPE, lora=None, kv_offloading=False,
+          capture=None) -> Path:
     """reuse_bins: when out/bin already holds a cubin for every kernel id (an id is the digest of
     its source), compile nothing. The serving path uses it so that a machine with another (or no)
     Triton runs the cubins built elsewhere rather than recompiling them.
@@ -225,13 +227,16 @@ def build(model=None, spec_path=None, model_dir=None, out=None, features=None, l
     a one-GPU experiment's kernel variants (tests/gpu/prepare.py's attnvar).
     page_size: the KV cache's tokens a page; None takes the GPU's default (default_page_size).
     kv_cache_dtype: --kv-cache-dtype, auto or fp8 (the plan's K/V caches, passes/quantize_kv_cache.py).
-    lora: --enable-lora's adapter tables (compile_model).
+    lora: --enable-lora's adapter tables (compile_model); capture: a speculation head's target
+    layers (compile_model; one GPU only).
     kv_offloading: a build for serving with the host KV tier (--kv-offloading-size): the plan
     gets the tiers' copy kernel (plan["block_copy"]); one-GPU builds only (tiers are)."""
     page_size = page_size or default_page_size(gpu)
     par = settings(tensor_parallel_size, enable_expert_parallel, data_parallel_size=data_parallel_size)
     if par is not None and tuning_overlay:
         raise SpecError("a tuning overlay applies to one-GPU builds only", None)
+    if par is not None and capture:
+        raise SpecError("a speculation head's hidden-state outputs: one-GPU builds only", None)
     if par is not None:
         return build_ranks(par, model, spec_path, model_dir, out, features, log, gpu, target,
                            page_size, compile, jobs, fuse, spec_dirs, check_checkpoint=check_checkpoint,
@@ -243,7 +248,7 @@ def build(model=None, spec_path=None, model_dir=None, out=None, features=None, l
     state, plan = compile_model(model, spec_path, model_dir, features,
                                 (lambda m: None) if log is None else log, fuse=fuse,
                                 spec_dirs=spec_dirs, check_checkpoint=check_checkpoint,
-                                kv_cache_dtype=kv_cache_dtype, lora=lora)
+                                kv_cache_dtype=kv_cache_dtype, lora=lora, capture=capture)
     out = Path(out) if out else GENERATED / state.model
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)

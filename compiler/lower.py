@@ -103,7 +103,8 @@ class _Lowerer:
                     raise self.err(f"weight '{key}': 'experts' names unknown symbol '{d.experts}'", d.line)
                 shape = (self.env[d.experts],) + shape
                 batched = "{e}" not in d.name
-            if per_layer and "{i}" not in d.name:
+            # one layer may be named without an index (an EAGLE-3 head's `midlayer.*`)
+            if per_layer and "{i}" not in d.name and self.env.get("L") != 1:
                 raise self.err(f"layer weight '{key}' name has no {{i}} layer index", d.line)
             # An offset weight is HF's `offset + w.float()` (Gemma's and Qwen3.5's x * (1 + w)
             # RMSNorms): kept f32, since 1 + w rounded to bf16 is off by up to 2^-8 of itself, the
@@ -510,10 +511,19 @@ def lower(spec: Spec, env: dict) -> tuple[Graph, dict]:
         g.inputs.append(name)
     if "L" not in env and (spec.layer_graph or spec.layer_kinds):
         raise spec.err("a spec with a 'layer' section must bind the layer count symbol L", 1)
-    lw.weights(g, spec.weights, None, lw.sources)
     scope = {n: n for n in STEP_INPUTS}
+    for name, (shape, line) in spec.step_inputs.items():
+        g.add_value(Value(name, "input", TensorType(lw.shape(shape, line, f"input '{name}'"), ACT_DTYPE),
+                          line=line))
+        g.inputs.append(name)
+        scope[name] = name
+    lw.weights(g, spec.weights, None, lw.sources)
     lw.statements(g, spec.graph, scope)
-    last = spec.graph[-1]
-    g.outputs = [scope[t] for t in last.targets]
-    g.output_names = list(last.targets)
+    names = spec.outputs if spec.outputs is not None else list(spec.graph[-1].targets)
+    missing = [n for n in names if n not in scope]
+    if missing:
+        raise spec.err(f"outputs: '{missing[0]}' is not a value the graph assigns"
+                       f"{did_you_mean(missing[0], scope)}", spec.raw.key_lines.get("outputs", 1))
+    g.outputs = [scope[t] for t in names]
+    g.output_names = list(names)
     return g, lw.sources

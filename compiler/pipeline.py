@@ -7,6 +7,7 @@ import time
 
 from .lower import lower
 from .passes.add_lora import add_lora
+from .passes.capture_hidden import capture_hidden
 from .passes.eliminate_dead import eliminate_dead
 from .passes.fuse_ops import (fuse_add_rms_norm, fuse_linear_epilogue, fuse_linear_prologue,
                               fuse_lm_head, fuse_qk_norm_rope_cache, fuse_act_mul)
@@ -33,6 +34,8 @@ from .state import CompileState
 PIPELINE = [
     ("infer_types", infer_types),                  # shapes and dtypes of every value
     ("split_attention", split_attention),          # attention -> KV-cache write + cached attention
+    ("capture_hidden", capture_hidden),            # a speculation head's target hidden states as
+                                                   # the output aux_hidden (no-op without one)
     ("shard_ranks", shard_ranks),                  # --tensor-parallel-size / --enable-expert-parallel:
                                                    # rank r's weight slices + collectives (no-op alone)
     ("fold_shared_experts", fold_shared_experts),  # shared experts -> always-on routed experts
@@ -68,23 +71,24 @@ FUSIONS = {"fold_shared_experts", "fuse_weights", "rotate_residual", "fuse_add_r
 # (merge_prologues rewrites no node; its dropped in-place aliases would come back with the types)
 REWRITES = FUSIONS - {"merge_prologues"} | {"split_attention", "shard_ranks", "lower_experts",
                                             "quantize_weights", "eliminate_dead", "materialize_views",
-                                            "add_lora"}
+                                            "add_lora", "capture_hidden"}
 
 
 def compile_spec(spec: Spec, env: dict, model: str, features: list | None = None,
                  observe=None, stop_after: str | None = None, skip=(),
                  parallel: dict | None = None, quant=None, kv_cache: dict | None = None,
-                 lora: dict | None = None) -> CompileState:
+                 lora: dict | None = None, capture: list | None = None) -> CompileState:
     """Run the pipeline; `skip` leaves out optional rewrites (tests compare with and without;
     skip=FUSIONS is `--no-fuse`); `parallel` = {"world", "rank", "tp", "ep"} compiles rank
     r's plan (compiler/parallel.py); `quant`: the checkpoint's quantization format
     (compiler/quant/formats), None for bf16; `kv_cache`: --kv-cache-dtype fp8's
     {"flag", "scales"} (passes/quantize_kv_cache.py), None for the model's dtype; `lora`:
-    --enable-lora's {"max_loras", "max_rank", "targets"} (passes/add_lora.py), None without."""
+    --enable-lora's {"max_loras", "max_rank", "targets"} (passes/add_lora.py), None without;
+    `capture`: a speculation head's target layers (passes/capture_hidden.py), None without."""
     graph, weights = lower(spec, env)
     state = CompileState(spec, env, graph, weights, model, features=list(features or []),
                          parallel=dict(parallel) if parallel else None, quant=quant, kv_cache=kv_cache,
-                         lora=dict(lora) if lora else None)
+                         lora=dict(lora) if lora else None, capture=list(capture) if capture else None)
     _stamp(state, "lower")
     if observe:
         observe("lower", state)

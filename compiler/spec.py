@@ -16,7 +16,7 @@ from .yaml_lines import LDict, line_of, load_yaml
 SPECS_DIR = spec_paths.SPECS_DIR
 
 TOP_KEYS = {"family", "architectures", "config", "requires", "variants", "weights", "layer",
-            "graph", "description", "ignore", "nested_config"}
+            "graph", "description", "ignore", "nested_config", "inputs", "outputs"}
 WEIGHT_KEYS = {"name", "shape", "tied_to", "when", "experts", "dtype",
                "stored_shape", "rows", "groups", "cols", "heads", "transpose", "exp", "scale", "offset"}
 # Load-time transforms, applied in this order to the checkpoint tensor: a reshape (stored_shape:
@@ -96,6 +96,11 @@ class Spec:
     # config.json objects a key absent at its top is looked up in next, in order (`nested_config:
     # [text_config]`): a multimodal wrapper's text model, as HF's get_text_config() finds it.
     nested: list = field(default_factory=list)
+    # `inputs: {name: [T, dims...]}`: per-token activations the step feeds besides `tokens` (an
+    # EAGLE-3 head's target hidden states); `outputs: [names]`: the plan's outputs, by default the
+    # last statement's targets. name -> (shape asts, line); [] / None when absent.
+    step_inputs: dict = field(default_factory=dict)
+    outputs: list | None = None
 
     def err(self, msg, line=None) -> SpecError:
         return SpecError(msg, self.path, line)
@@ -385,7 +390,39 @@ def load_spec(path: str | Path) -> Spec:
     graph = _statements(_require(doc, "graph", list, file, 1), file, "graph")
     return Spec(file, str(family), [str(a) for a in archs], bindings, requires, dict(variants),
                 weights, layer_weights, layer_graph, graph, doc, layer_kind, layer_kinds,
-                _ignore(doc, file), _nested(doc, file))
+                _ignore(doc, file), _nested(doc, file), _step_inputs(doc, file), _outputs(doc, file))
+
+
+def _step_inputs(doc, file) -> dict:
+    """`inputs: {aux: [T, 3*H]}`: extra per-token step inputs (their first dimension is T)."""
+    if "inputs" not in doc:
+        return {}
+    section, line = doc["inputs"], doc.key_lines.get("inputs")
+    if not isinstance(section, dict) or not section:
+        raise SpecError(f"'inputs' must be a mapping of input name -> shape, like {{aux: [T, 3*H]}}, "
+                        f"got {section!r}", file, line)
+    out = {}
+    for name, shape in section.items():
+        at = section.key_lines.get(name, line) if hasattr(section, "key_lines") else line
+        if not re.fullmatch(r"[A-Za-z_]\w*", str(name)) or name == "tokens":
+            raise SpecError(f"input name {name!r} must be an identifier other than 'tokens'", file, at)
+        if not isinstance(shape, list) or len(shape) < 2 or str(shape[0]) != "T":
+            raise SpecError(f"input '{name}': its shape must be a list starting with T (one row a "
+                            f"token), like [T, H], got {shape!r}", file, at)
+        out[str(name)] = ([parse_expr(str(d), file, at) for d in shape], at)
+    return out
+
+
+def _outputs(doc, file) -> list | None:
+    """`outputs: [logits, hidden]`: the plan's outputs (values the graph assigns)."""
+    if "outputs" not in doc:
+        return None
+    section, line = doc["outputs"], doc.key_lines.get("outputs")
+    if not isinstance(section, list) or not section or not all(
+            isinstance(n, str) and re.fullmatch(r"[A-Za-z_]\w*", n) for n in section):
+        raise SpecError(f"'outputs' must be a list of value names the graph assigns, like "
+                        f"[logits, hidden], got {section!r}", file, line)
+    return [str(n) for n in section]
 
 
 def _nested(doc, file) -> list[str]:

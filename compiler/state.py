@@ -27,6 +27,8 @@ class CompileState:
                                      # (passes/quantize_kv_cache.py); None: the model's dtype
     lora: dict | None = None         # --enable-lora: {"max_loras", "max_rank", "targets"} (passes/add_lora.py)
     lora_plan: dict | None = None    # set by add_lora: plan["lora"]
+    capture: list | None = None      # a speculation head's layers: plan output aux_hidden
+                                     # (passes/capture_hidden.py); None: no such output
 
     def note(self, pass_name: str, msg: str):
         self.log.append((pass_name, msg))

@@ -141,6 +141,8 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
     drafting = s is not None and s.method == "draft_model"
     if drafting:
         _check_draft(c, par, dummy)            # before the target loads
+    if s is not None and s.method == "eagle3":
+        _check_eagle3(c, par)
     if par is not None and lora is not None:
         raise ValueError("--enable-lora with --tensor-parallel-size / --data-parallel-size / "
                          "--enable-expert-parallel: not supported yet")
@@ -149,9 +151,10 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
         page_size = runner.page_size
     elif device == "cpu":
         from infc.compiler.build import compile_model
+        capture = eagle3_layers(s, model_dir) if s is not None and s.method == "eagle3" else None
         state, plan = st.run("compile plan", compile_model, model=model, spec_path=spec,
                              model_dir=str(model_dir), spec_dirs=spec_dirs, check_checkpoint=not dummy,
-                             kv_cache_dtype=kv_dtype, lora=lora)
+                             kv_cache_dtype=kv_dtype, lora=lora, capture=capture)
         name = state.model
         page_size = c.cache.page_size
         runner = _cpu_runner(st, plan, model_dir, dummy, c, "", state_snapshots(c.cache, c.scheduler.max_num_seqs))
@@ -180,6 +183,8 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
 
     if par is not None or device == "cpu":
         draft_runner = _draft_runner(st, c, par, spec_dirs, dummy, kv_dtype, model_dir)
+    if s is not None and s.method == "eagle3":
+        draft_runner = _eagle3_runner(st, c, spec_dirs, dummy, runner)
     tokenizer, tok_config = None, {}
     if (model_dir / "tokenizer.json").exists():
         from infc.runtime.tokenization.tokenizer import Tokenizer
@@ -279,6 +284,90 @@ def _cpu_runner(st, plan: dict, model_dir: Path, dummy: bool, c: EngineConfig, w
         weights = st.run(f"load {what}weights", lambda: load_weights(plan, Checkpoint(model_dir)))
     return st.run(f"allocate {what}KV cache", CPURunner, plan, weights, _cpu_pages(plan, c), c.cache.page_size,
                   c.scheduler.max_num_seqs, num_state_snapshots)
+
+
+def _check_eagle3(c: EngineConfig, par):
+    """What can be refused of an EAGLE-3 head before anything loads."""
+    s = c.speculative.speculative_config
+    where = f"--speculative-config: EAGLE-3 head {s.model!r}"
+    if par is not None:
+        raise ValueError(f"{where}: with parallel ranks is not supported yet")
+    if c.device.device != "cpu":
+        raise ValueError(f"{where}: EAGLE-3 runs on --device cpu only so far (the target's hidden "
+                         f"states have no GPU kernel nor a way back from the CUDA runner yet)")
+    if not (Path(s.model) / "config.json").is_file():
+        raise ValueError(f"{where} is not a directory with a config.json")
+
+
+def _head_config(s) -> dict:
+    import json
+    return json.loads((Path(s.model) / "config.json").read_text())
+
+
+def eagle3_layers(s, target_dir: Path) -> list[int]:
+    """The target layers an EAGLE-3 head reads: its config's eagle_aux_hidden_state_layer_ids (at
+    the top or in eagle_config), else infc.config.eagle3_default_layers of the target's depth."""
+    import json
+    from infc.config import eagle3_default_layers
+    head = _head_config(s)
+    ids = head.get("eagle_aux_hidden_state_layer_ids") or \
+        (head.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids:
+        if not isinstance(ids, list) or len(ids) != 3 or not all(isinstance(i, int) for i in ids):
+            raise ValueError(f"--speculative-config: EAGLE-3 head {s.model!r}: "
+                             f"eagle_aux_hidden_state_layer_ids must be three layer indices, got {ids!r}")
+        return list(ids)
+    target = json.loads((Path(target_dir) / "config.json").read_text())
+    L = target.get("num_hidden_layers") or (target.get("text_config") or {}).get("num_hidden_layers")
+    if not isinstance(L, int) or L < 4:
+        raise ValueError(f"--speculative-config: EAGLE-3 head {s.model!r} names no target layers and "
+                         f"the target's num_hidden_layers ({L!r}) has no default choice (2, L/2, L-3)")
+    return eagle3_default_layers(L)
+
+
+def _eagle3_runner(st, c: EngineConfig, spec_dirs, dummy: bool, target):
+    """The EAGLE-3 head's CPURunner (specs/eagle3.yaml), on a KV cache of its own; the target's
+    embedding table where the head's checkpoint has none; `d2t` read from the checkpoint (zeros:
+    the identity, where it has none)."""
+    import numpy as np
+    from infc.compiler.build import compile_model
+    from infc.runtime.engine.runner import CPURunner
+    s = c.speculative.speculative_config
+    path = Path(s.model)
+    from infc.compiler.spec import SPECS_DIR
+    # the method names the family: its spec, whatever the head's config.json calls its class
+    _, plan = st.run("compile EAGLE-3 head plan", compile_model, model_dir=str(path),
+                     spec_path=str(SPECS_DIR / "eagle3.yaml"), check_checkpoint=False)
+    Vd = plan["weights"]["lm_head"]["shape"][0]
+    if dummy:
+        from infc.runtime.weights.dummy import dummy_weights
+        weights = st.run("make EAGLE-3 random weights", dummy_weights, plan)
+        embed = target.executor.weights.get("embed")
+        if embed is not None and tuple(np.shape(embed)) == tuple(plan["weights"]["embed"]["shape"]):
+            weights["embed"] = embed              # the target's table, as a real head shares it
+        d2t = np.zeros(Vd, np.int64)
+    else:
+        from infc.compiler.contract.safetensors_io import Checkpoint
+        from infc.runtime.weights.load import load_weights
+        ckpt = Checkpoint(path)
+        own = "embed_tokens.weight" in ckpt
+        sub = plan if own else dict(plan, weights={k: v for k, v in plan["weights"].items() if k != "embed"})
+        weights = st.run("load EAGLE-3 weights", lambda: load_weights(sub, ckpt))
+        if not own:
+            embed = target.executor.weights.get("embed")
+            if embed is None or tuple(np.shape(embed)) != tuple(plan["weights"]["embed"]["shape"]):
+                raise ValueError(f"--speculative-config: EAGLE-3 head {s.model!r} has no embed_tokens "
+                                 f"and the target has no embedding table 'embed' of shape "
+                                 f"{plan['weights']['embed']['shape']} to share")
+            weights["embed"] = embed
+        d2t = np.asarray(ckpt.raw("d2t"), np.int64) if "d2t" in ckpt else np.zeros(Vd, np.int64)
+        if d2t.shape != (Vd,):
+            raise ValueError(f"--speculative-config: EAGLE-3 head {s.model!r}: d2t has shape "
+                             f"{list(d2t.shape)}, its lm_head {Vd} rows")
+    runner = st.run("allocate EAGLE-3 KV cache", CPURunner, plan, weights, _cpu_pages(plan, c),
+                    c.cache.page_size, c.scheduler.max_num_seqs)
+    runner.d2t = d2t
+    return runner
 
 
 def _check_draft(c: EngineConfig, par, dummy: bool) -> str:

@@ -145,9 +145,13 @@ class DeviceConfig:
 
 
 # Speculative decoding (issue 43; runtime/engine/speculative/): vLLM's --speculative-config keys.
-SPEC_METHODS = ("ngram", "draft_model")   # built; vLLM also spells n-gram "[ngram]"
+SPEC_METHODS = ("ngram", "draft_model", "eagle3")   # built; vLLM also spells n-gram "[ngram]"
 SPEC_METHOD_ALIASES = {"[ngram]": "ngram"}
-SPEC_METHODS_NOT_BUILT = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator")
+SPEC_METHODS_NOT_BUILT = ("eagle", "mtp", "medusa", "mlp_speculator")
+# EAGLE-3's target layers when its config names none: vLLM's and SpecForge's (2, L // 2, L - 3),
+# layer l meaning the residual stream entering layer l (compiler/passes/capture_hidden.py)
+def eagle3_default_layers(num_layers: int) -> list[int]:
+    return [2, num_layers // 2, num_layers - 3]
 # vLLM's ngram defaults when neither is given (one given alone sets the other to it)
 DEFAULT_PROMPT_LOOKUP_MIN = 5
 DEFAULT_PROMPT_LOOKUP_MAX = 5
@@ -166,7 +170,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP_MIN
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX
     disable_by_batch_size: int = DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE
-    model: str | None = None                   # draft_model: a model directory or a variant name
+    model: str | None = None                   # draft_model: a model directory or a variant name;
+                                               # eagle3: the head's directory
 
 
 _SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
@@ -208,15 +213,20 @@ def speculative_config(value) -> SpeculativeConfig | None:
     if method not in SPEC_METHODS:
         raise ValueError(f"{where}: unknown method {method!r} (built: {', '.join(SPEC_METHODS)})")
     model = value.get("model")
+    if method == "eagle3":
+        if not isinstance(model, str) or not model:
+            raise ValueError(f"{where}: method 'eagle3' needs 'model': the EAGLE-3 head's directory "
+                             f"(its config.json and weights)")
     if method == "draft_model":
         if not isinstance(model, str) or not model:
             raise ValueError(f"{where}: method 'draft_model' needs 'model': the draft's model "
                              f"directory or variant name (a model of the target's vocabulary)")
+    if method in ("draft_model", "eagle3"):
         lookup = sorted(k for k in ("prompt_lookup_min", "prompt_lookup_max") if value.get(k) is not None)
         if lookup:
-            raise ValueError(f"{where}: {lookup[0]!r} is for method 'ngram'; 'draft_model' takes none")
-    elif model is not None:
-        raise ValueError(f"{where}: 'model' is for a draft model; method {method!r} takes none")
+            raise ValueError(f"{where}: {lookup[0]!r} is for method 'ngram'; {method!r} takes none")
+    elif model is not None and method != "eagle3":
+        raise ValueError(f"{where}: 'model' is for a draft model or head; method {method!r} takes none")
     ints = {}
     for key in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
         v = value.get(key)

@@ -98,6 +98,7 @@ class InterpExecutor:
             args = resolver.values(k.meta, launch["inputs"], launch["outputs"], layer, k)
             consts = interpreter_constexprs(k.meta)
             getattr(load(k), k.meta["entry"])[grid(k.meta, dims)](*args, **consts)
+        self.views = views                  # the step's buffers: its other outputs (tests)
         return views[self.plan["outputs"]["logits"]].float().numpy().copy()
 
 

@@ -37,7 +37,9 @@ def scratch_sizes(meta: dict, dims: dict) -> dict[str, int]:
 # NAME), scratch:NAME (the kernel's scratch, sized by META), const:INT, arg:NAME (a scalar the
 # launcher passes by name: the weight fill's seed, scale and offset, which are no dim),
 # scale:NAME (this layer's per-tensor scale of cache NAME, a float: an FP8 KV cache's).
-SOURCES = ("in", "out", "dim", "meta", "cache", "scratch", "const", "arg", "scale")
+# layer: (the launch's global layer index, -1 outside the layer loop: a kernel whose work
+# depends on the layer, e.g. capture_hidden's).
+SOURCES = ("in", "out", "dim", "meta", "cache", "scratch", "const", "arg", "scale", "layer")
 # CACHE_MARKER (schema.py), the value a launch lists among its inputs/outputs to order cache
 # writes before reads, has no buffer, so no parameter may bind it.
 
@@ -115,6 +117,8 @@ class Resolver:
                 out.append(self.arg(what))
             elif kind == "scale":
                 out.append(float(self.scale(what, layer)))
+            elif kind == "layer":
+                out.append(-1 if layer is None else int(layer))
             else:                                    # const
                 out.append(int(what))
         return out

@@ -61,6 +61,7 @@ from .runner import RowSampling, sample_rows
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
+from .speculative.eagle_runner import eagle_proposer
 from .speculative.speculator import (DraftProposer, Speculator, check_draft_runner, merge_outputs,
                                     refuse_slot_caches)
 from .structured.cache import GrammarCache
@@ -218,7 +219,16 @@ class Engine:
 
     def _draft(self, config, draft_runner, max_num_batched_tokens: int, max_model_len: int,
                enable_prefix_caching: bool):
-        """The draft_model method's proposer over draft_runner (None for other methods)."""
+        """The draft_model method's proposer over draft_runner, eagle3's over the head's runner
+        (None for other methods)."""
+        if config.method == "eagle3":
+            if draft_runner is None:
+                raise ValueError("speculative method 'eagle3': no runner of the head "
+                                 f"{config.model!r} was given (infc/backend.py builds it)")
+            if self.dp > 1:
+                raise ValueError("speculative method 'eagle3' with data-parallel ranks is not "
+                                 "supported yet (n-gram speculation is)")
+            return eagle_proposer(draft_runner, self.runner, max_num_batched_tokens, max_model_len)
         if config.method != "draft_model":
             if draft_runner is not None:
                 raise ValueError(f"speculative method {config.method!r} takes no draft model")
@@ -591,10 +601,14 @@ class Engine:
         """A synchronous step's samples; where drafts are verified by rejection sampling, from
         the runner's logits (`forward`), which the speculator keeps for them."""
         if self.spec is None or not self.spec.rejects() or not callable(getattr(self.runner, "forward", None)):
-            return self.runner.execute(meta, rows)
-        logits = self.runner.forward(meta)
-        self.spec.keep_logits(logits, rows)
-        return sample_rows(logits, rows)
+            samples = self.runner.execute(meta, rows)
+        else:
+            logits = self.runner.forward(meta)
+            self.spec.keep_logits(logits, rows)
+            samples = sample_rows(logits, rows)
+        if self.spec is not None:
+            self.spec.observe(self.runner)          # a head's target hidden states (eagle3)
+        return samples
 
     def _chunks(self, batch) -> tuple:
         """A batch's step: (StepMeta, rows' sampling, feed of pending tokens)."""
@@ -627,6 +641,8 @@ class Engine:
         slots = {seq.seq_id: seq.slot for seq, _ in batch} if self.num_slots else None
         meta = build_step(chunks, pages.__getitem__, self.page_size,
                           slot_of=slots.__getitem__ if slots else None)
+        if self.spec is not None:
+            self.spec.layout = [(c.seq_id, c.start, len(c.tokens)) for c in chunks]
         if any(scores):
             meta.scores = scores
         if self.loras is not None:          # per chunk: a sequence's draft rows sit at the end

@@ -168,6 +168,11 @@ class CPURunner(ComputedAtLaunch):
     def execute(self, meta: StepMeta, sampling: list[RowSampling | None]) -> list[Sample | None]:
         return sample_rows(self.forward(meta), sampling)
 
+    def outputs(self) -> dict:
+        """The last step's plan outputs besides the logits (name -> array): a speculation head's
+        hidden states (compiler/passes/capture_hidden.py, specs/eagle3.yaml)."""
+        return self.executor.outputs
+
 
 class HostStateCopies:
     """Running slots to and from a numpy pool of state snapshots (compiler/contract/caches.py

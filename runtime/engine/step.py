@@ -32,6 +32,8 @@ class StepMeta:
                                             # None: every row slot 0, no adapter)
     scores: list | None = None   # [B] PromptScore | None: prompt logprobs asked of each chunk's
                                  # rows (runners with `row_logits` only; engine/prompt_logprobs.py)
+    inputs: dict | None = None   # name -> [T, ...] f32: a plan's per-token inputs besides tokens
+                                 # (a spec's `inputs:`, e.g. an EAGLE-3 head's target hidden states)
 
 
 def phase_of(chunks: list[Chunk]) -> str:

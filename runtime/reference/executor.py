@@ -162,6 +162,7 @@ class ReferenceExecutor:
         self.decl = cache_layout.of_plan(plan)
         self.oracle = SeqPages(self.decl, page_size)
         self.paged = None                       # storage for step_paged (allocate_pages)
+        self.outputs = {}                       # the last step's outputs besides the logits
 
     def free(self, seq_id: int):
         self.oracle.free(seq_id)
@@ -221,9 +222,22 @@ class ReferenceExecutor:
         ctx = self._context(meta, storage)
         views = self._arena(ctx)
         views["tokens"][...] = meta.tokens
+        for name in self.plan["inputs"]:
+            if name == "tokens":
+                continue
+            given = (meta.inputs or {}).get(name)
+            if given is None or np.shape(given) != views[name].shape:
+                raise ValueError(f"the plan's step input '{name}' needs {list(views[name].shape)} values "
+                                 f"(StepMeta.inputs), got "
+                                 f"{'none' if given is None else list(np.shape(given))}")
+            views[name][...] = given
         # the short program where the GPU runs it: the same ops, so the same references
         program = self.plan["programs"][program_name(self.plan, meta.phase, meta.T)]
         self._run(program, views, ctx)
+        # the plan's outputs besides the logits (an EAGLE-3 target's captured hidden states, a
+        # head's own), read by whoever asks for them after the step
+        self.outputs = {name: np.array(views[buf]) for name, buf in self.plan["outputs"].items()
+                        if name != "logits"}
         logits = np.array(views[self.plan["outputs"]["logits"]])
         if rows is None:
             return logits

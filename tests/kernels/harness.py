@@ -105,7 +105,7 @@ def _nan_bits(n, dtype):
     return torch.full((n,), -1, dtype=dtype)         # 0xFFFFFFFF: NaN as f32, NaN pairs as bf16
 
 
-def run(kernel, bindings: dict, dims: dict):
+def run(kernel, bindings: dict, dims: dict, layer=None):
     meta = kernel.meta
     # counters start zero (the runtime zeroes them once; kernels leave them zero); any other
     # scratch (partial sums) holds what earlier launches left there: NaN bits here, so that a
@@ -119,7 +119,8 @@ def run(kernel, bindings: dict, dims: dict):
                         meta=lambda name: bindings[f"meta:{name}"], scratch=lambda k, name: scratch[name],
                         dim=dims.__getitem__, arg=lambda name: bindings[f"arg:{name}"],
                         scale=lambda name, layer: bindings[f"scale:{name}"])
-    args = resolver.values(meta, [f"in:{i}" for i in range(n)], [f"out:{i}" for i in range(n)], kernel=kernel.id)
+    args = resolver.values(meta, [f"in:{i}" for i in range(n)], [f"out:{i}" for i in range(n)], layer=layer,
+                           kernel=kernel.id)
     consts = interpreter_constexprs(meta)
     fn = getattr(load(kernel), meta["entry"])
     fn[grid(meta, dims)](*args, **consts)

@@ -25,8 +25,10 @@ A draft model's sampled drafts whose q reached the host are verified by rejectio
 instead (`_rejection`, from the rows' logits the engine keeps for them: keep_logits); the choice
 and its measurements: docs/architecture.md, "Speculative decoding".
 
-Proposers: n-gram (ngram.py), or a draft model (draft_model.py: its own runner and pages, its
-drafts made before the target's step, rolled back in settle with the target's).
+Proposers: n-gram (ngram.py), a draft model (draft_model.py: its own runner and pages, its
+drafts made before the target's step, rolled back in settle with the target's), or an EAGLE-3
+head (eagle.py: the same, reading the target's hidden states, which `observe` hands it after
+every target step).
 
 Rollback (`settle`): with a drafts accepted, num_computed_tokens = p + a + 1 (the rejected rows'
 K/V lie past it and are overwritten later), the pages past it go back (BlockManager.truncate),
@@ -69,14 +71,14 @@ def refuse_slot_caches(runner):
 
 class Speculator:
     def __init__(self, config, max_model_len: int, max_rows: int | None = None, draft=None):
-        """config: infc.config.SpeculativeConfig (method "ngram" or "draft_model"); max_rows: the
-        runner's rows a step (its max_seqs), None where it has no such limit; draft: the
-        draft_model method's DraftProposer (draft_model.py)."""
-        if config.method not in ("ngram", "draft_model"):
+        """config: infc.config.SpeculativeConfig (method "ngram", "draft_model" or "eagle3");
+        max_rows: the runner's rows a step (its max_seqs), None where it has no such limit; draft:
+        the draft_model method's DraftProposer (draft_model.py), eagle3's EagleProposer (eagle.py)."""
+        if config.method not in ("ngram", "draft_model", "eagle3"):
             raise ValueError(f"speculative method {config.method!r} is not supported yet")
-        if (config.method == "draft_model") != (draft is not None):
-            raise ValueError("speculative method 'draft_model' needs the draft model's proposer "
-                             "(and only it takes one)")
+        if (config.method in ("draft_model", "eagle3")) != (draft is not None):
+            raise ValueError(f"speculative method {config.method!r}: the draft model's or head's "
+                             "proposer is needed by 'draft_model' and 'eagle3' (and only they take one)")
         self.config, self.k = config, config.num_speculative_tokens
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, self.k) \
             if draft is None else None
@@ -85,6 +87,12 @@ class Speculator:
         self.drafts: dict[int, list[int]] = {}     # seq_id -> its drafts in the step being run
         self.row_ids: dict[int, list[int]] = {}    # seq_id -> its k + 1 rows in the step
         self.verify_inputs: dict[int, tuple] = {}  # seq_id -> (its rows' logits, RowSamplings)
+        self.layout: list = []                     # the step's chunks: (seq_id, start, n), by row
+
+    def observe(self, runner):
+        """After a target step: a head proposer (eagle.py) takes the step's hidden states."""
+        if self.draft is not None and hasattr(self.draft, "observe"):
+            self.draft.observe(self.layout, runner.outputs()["aux_hidden"])
 
     def begin(self):
         """A new step: drafts of a step that never settled (its sequences ended) are dropped."""
