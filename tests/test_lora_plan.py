@@ -49,6 +49,8 @@ def test_fused_linears_take_their_pieces_side_by_side(tiny_model):
     lora = plan["lora"]
     assert {k: v for k, v in plan["step_metadata"]["lora_slots"].items() if k != "doc"} == \
         {"shape": ["T"], "dtype": "i32"}
+    # the rows grouped by slot (runtime/lora/groups.py): S + 1 = max_loras + 2 segment starts
+    assert [plan["step_metadata"][n]["shape"] for n in ("lora_rows", "lora_segs")] == [["T"], [5]]
     by_modules = {tuple(p["module"].rsplit(".", 1)[-1] for p in t["pieces"]): (a, t)
                   for a, t in lora["linears"].items()}
     assert set(by_modules) == {("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"),
