@@ -21,7 +21,7 @@
                 "prologue" names the producer it runs first ({op, inputs: how many of the launch's
                 inputs are its, output: the index of its output the consumer reads, value: that
                 output's name (not written), writes: how many of the launch's outputs are its,
-                attrs})
+                feeds: the consumer's input that value was, where not 0 (a LoRA shrink's), attrs})
     lora        (--enable-lora plans only) the adapter tables and the modules they serve
                 (compiler/passes/add_lora.py); step_metadata then has lora_slots and the rows grouped
                 by slot, lora_rows / lora_segs (runtime/lora/groups.py)

@@ -140,3 +140,49 @@ def test_lora_expand_act_is_the_expand_then_the_activation(phase, T, F, S, R, sp
                                                  scale.numpy(), pieces=[F, F], rank=R, split=1, prefill_split=1,
                                                  fn=fn)
     assert rel_err(got.float().numpy(), bf16(want)) < 2e-2
+
+
+# (T, K, pieces, S, R, split, act): a narrow step's one row, and a few rows of 4 adapters + slot 0 (the
+# merged launch holds up to 16: _lora_tiles.j2's MAX_ROWS); ragged K ranges, rank 64 among them
+MERGED = [(1, 200, [40, 24, 24], 5, 16, 3, None), (13, 200, [72, 72], 5, 8, 4, "silu"),
+          pytest.param(11, 160, [72, 40], 5, 64, 3, None, marks=EXHAUSTIVE),
+          pytest.param(1, 96, [40, 40], 3, 16, 5, "gelu_tanh", marks=EXHAUSTIVE)]
+
+
+@pytest.mark.parametrize("T,K,pieces,S,R,split,act", MERGED)
+def test_a_merged_narrow_launch_is_the_shrink_then_the_expand_bit_for_bit(T, K, pieces, S, R, split, act):
+    """lora_expand / lora_expand_act with the shrink merged in (compiler/passes/merge_prologues.py):
+    the programs' roles in start order, the expand's waiting on the shrink's sum, give the two
+    launches' output bit for bit, and leave their counters zero (the harness checks) so a graph
+    replays them."""
+    gen = np.random.default_rng(T + K + R)
+    N, P = sum(pieces), len(pieces)
+    x, a = rand((T, K), gen=gen), rand((S, P * R, K), scale=0.2, gen=gen)
+    y, b = rand((T, N), gen=gen), rand((S, N, R), scale=0.2, gen=gen)
+    scale = torch.from_numpy(gen.uniform(0.5, 2.0, (S, P)).astype(np.float32))
+    a[0], b[0], scale[0] = 0, 0, 0
+    slots = _slots(gen, T, S) if T > 1 else torch.tensor([S - 1], dtype=torch.int32)
+    shrink_attrs = {"split": split, "prefill_split": split}
+    attrs = {"pieces": pieces, "rank": R, **shrink_attrs, **({"fn": act} if act else {})}
+    op, F = ("lora_expand_act", N // 2) if act else ("lora_expand", N)
+    out_spec = [("act", ["T", F], "bf16")] if act else [("y", ["T", N], "bf16")]
+    tables = [("b", [S, N, R], "bf16", "weight"), ("scale", [S, P], "f32", "weight")]
+    xa_spec = ("xa", ["T", split * P * R], "f32")
+    # the two launches
+    xa = poison((T, split * P * R), "f32")
+    run(render("lora_shrink", "lora_shrink", [("x", ["T", K], "bf16"), ("a", [S, P * R, K], "bf16", "weight")],
+               [xa_spec], attrs=shrink_attrs), {"in:0": x, "in:1": a, "out:0": xa, **_meta(slots, S)}, {"T": T, "B": 1})
+    want = y.clone() if not act else poison((T, F))
+    run(render(op, op, [("y", ["T", N], "bf16"), xa_spec] + tables, out_spec, attrs=attrs),
+        {"in:0": y, "out:0": want, "in:1": xa, "in:2": b, "in:3": scale, **_meta(slots, S)}, {"T": T, "B": 1})
+    # the merged one: the shrink's inputs, then the expand's but xa
+    prologue = {"op": "lora_shrink", "inputs": 2, "output": 0, "value": "xa", "writes": 0, "feeds": 1,
+                "attrs": shrink_attrs}
+    merged = render(op, op, [("x", ["T", K], "bf16"), ("a", [S, P * R, K], "bf16", "weight"),
+                             ("y", ["T", N], "bf16")] + tables, out_spec, attrs=attrs, prologue=prologue, narrow=True)
+    got = y.clone() if not act else poison((T, F))
+    run(merged, {"in:0": x, "in:1": a, "in:2": y, "out:0": got, "in:3": b, "in:4": scale, **_meta(slots, S)},
+        {"T": T, "B": 1})
+    assert torch.equal(got, want)
+    if not act:
+        assert not torch.equal(got[slots != 0], y[slots != 0])        # the adapters added something
