@@ -21,9 +21,10 @@
                 "prologue" names the producer it runs first ({op, inputs: how many of the launch's
                 inputs are its, output: the index of its output the consumer reads, value: that
                 output's name (not written), writes: how many of the launch's outputs are its,
-                attrs})
+                feeds: the consumer's input that value was, where not 0 (a LoRA shrink's), attrs})
     lora        (--enable-lora plans only) the adapter tables and the modules they serve
-                (compiler/passes/add_lora.py); step_metadata then has lora_slots
+                (compiler/passes/add_lora.py); step_metadata then has lora_slots and the rows grouped
+                by slot, lora_rows / lora_segs (runtime/lora/groups.py)
     row_logits  {tail, inputs}: the launches (by first output) that turn per-token values into
                 logits at last_rows, re-run at other rows for prompt logprobs (passes/row_logits.py)
     parallel    (rank plans of `--tensor-parallel-size N` / `--data-parallel-size N` only)
@@ -178,7 +179,7 @@ def emit_plan(state) -> dict:
         "architectures": state.spec.architectures,
         "config": _jsonable({k: v for k, v in env.items()}),
         "inputs": {i: buffers[i] for i in g.inputs},
-        "step_metadata": step_metadata(caches, lora=state.lora_plan is not None),
+        "step_metadata": step_metadata(caches, lora=state.lora_plan and state.lora_plan["max_loras"] + 1),
         "outputs": dict(zip(g.output_names, g.outputs)),
         "weights": weights,
         "caches": caches,

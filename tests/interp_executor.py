@@ -9,6 +9,7 @@ from infc.compiler.contract import caches
 from infc.compiler.contract.bind import Resolver, grid, scratch_sizes
 from infc.compiler.contract.program import program_name, unrolled
 from infc.runtime.engine.step import Chunk, build_step
+from infc.runtime.lora.groups import lora_groups, num_slots
 from infc.runtime.weights.load import at
 from infc.runtime.weights.quant_pack import to_storage
 
@@ -73,7 +74,10 @@ class InterpExecutor:
             n = int(np.prod(shape)) * torch.tensor([], dtype=TORCH[b["dtype"]]).element_size()
             views[name] = arena[start:start + n].view(TORCH[b["dtype"]]).view(shape)
         views["tokens"].copy_(torch.from_numpy(meta.tokens))
-        md = {k: torch.from_numpy(np.ascontiguousarray(getattr(meta, k))) for k in self.plan["step_metadata"]}
+        arrays = {k: getattr(meta, k) for k in self.plan["step_metadata"] if hasattr(meta, k)}
+        if "lora_segs" in self.plan["step_metadata"]:       # the runner's grouping (runtime/lora/groups.py)
+            arrays["lora_rows"], arrays["lora_segs"] = lora_groups(meta.lora_slots, num_slots(self.plan))
+        md = {k: torch.from_numpy(np.ascontiguousarray(a)) for k, a in arrays.items()}
         md["max_pages"] = meta.max_pages
 
         def tensor(name, layer):

@@ -1,6 +1,6 @@
 """A LoRA plan through its kernels under the interpreter (codegen_templates/triton/lora_*.py.j2
 and every fused kernel around them), a batch mixing four adapters and the base model, against
-the reference executor: the prefill, short, decode and wide programs."""
+the reference executor: the prefill, short, decode, wide and narrow programs."""
 import json
 
 import numpy as np
@@ -58,3 +58,8 @@ def test_a_mixed_adapter_batch_through_the_kernels(tiny_model, tmp_path, rng):
     got = run.step([Chunk(0, prompts[2][:9], lens[0]), Chunk(1, [toks[1]], lens[1])], lora=[3, 1])
     want = ref.step([SeqChunk(0, prompts[2][:9], lens[0]), SeqChunk(1, [toks[1]], lens[1])], lora=[3, 1])
     assert run.program == "short" and _rel(got, want) < 2e-2
+    # a batch-1 decode: the narrow program, each shrink inside its expand's launch (merge_prologues)
+    got = run.step([Chunk(1, [int(np.argmax(want[1]))], lens[1] + 1)], lora=[1])
+    want = ref.step([SeqChunk(1, [int(np.argmax(want[1]))], lens[1] + 1)], lora=[1])
+    assert run.program == "narrow" and _rel(got, want) < 2e-2, _rel(got, want)
+    assert ("lora_expand", "lora_expand") in run.templates and ("lora_shrink", "lora_shrink") not in run.templates

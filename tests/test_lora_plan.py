@@ -25,12 +25,14 @@ def _plans(tiny_model, family="qwen3", fuse=True, **kw):
     return d, hf, base, lora
 
 
-def _ops(plan) -> list[str]:
+def _ops(plan, prologues=False) -> list[str]:
+    """The launches' ops; prologues: a merged launch's producer too (merge_prologues)."""
     out = []
     for prog in plan["programs"].values():
         for launch in prog:
             for body in launch.get("kinds", {}).values():
-                out += [l["op"] for l in body]
+                out += [p for l in body for p in ([l["prologue"]["op"]] if prologues and "prologue" in l else [])
+                        + [l["op"]]]
             if "op" in launch:
                 out.append(launch["op"])
     return out
@@ -49,6 +51,8 @@ def test_fused_linears_take_their_pieces_side_by_side(tiny_model):
     lora = plan["lora"]
     assert {k: v for k, v in plan["step_metadata"]["lora_slots"].items() if k != "doc"} == \
         {"shape": ["T"], "dtype": "i32"}
+    # the rows grouped by slot (runtime/lora/groups.py): S + 1 = max_loras + 2 segment starts
+    assert [plan["step_metadata"][n]["shape"] for n in ("lora_rows", "lora_segs")] == [["T"], [5]]
     by_modules = {tuple(p["module"].rsplit(".", 1)[-1] for p in t["pieces"]): (a, t)
                   for a, t in lora["linears"].items()}
     assert set(by_modules) == {("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"),
@@ -62,11 +66,18 @@ def test_fused_linears_take_their_pieces_side_by_side(tiny_model):
     assert plan["weights"][t["b"]]["shape"] == [4, sum(p["n"] for p in t["pieces"]), 8]
     assert plan["weights"][t["scale"]] == {"shape": [4, 3], "dtype": "f32", "layers": t["layers"],
                                            "source": {"zeros": [4, 3]}}
-    ops = _ops(plan)
+    ops = _ops(plan, prologues=True)
     # one shrink and one expand a target linear, in every program; gate|up's expand takes the
     # activation (passes/fuse_lora_act.py)
     assert ops.count("lora_shrink") == ops.count("lora_expand") + ops.count("lora_expand_act") \
         == 4 * len(plan["programs"])
+    # a narrow step runs each shrink inside its expand's launch (merge_prologues), its output xa
+    # the expand's input 1 ("feeds"); the other programs launch it
+    narrow = [l for launch in plan["programs"]["narrow"] for body in launch.get("kinds", {}).values()
+              for l in body if l["op"].startswith("lora")]
+    assert len(narrow) == 4 and all(l["prologue"]["op"] == "lora_shrink" and l["prologue"]["feeds"] == 1
+                                    and len(l["inputs"]) == 5 for l in narrow)
+    assert ops.count("lora_shrink") - _ops(plan).count("lora_shrink") == 4
     assert ops.count("lora_expand_act") == len(plan["programs"]) and "act_mul" not in ops
     # weights other than the tables are the base plan's
     assert {w: m for w, m in plan["weights"].items() if "_lora_" not in w} == base["weights"]

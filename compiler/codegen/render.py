@@ -164,7 +164,8 @@ def tuning_key(plan: dict, launch: dict, phase: str, tensors=None) -> str:
     ins, outs = tensors or launch_tensors(plan, launch)
     pro = launch.get("prologue")
     if pro is not None:
-        ins = [_tensor(plan, pro["value"], False)] + ins[pro["inputs"]:]
+        ins = ins[pro["inputs"]:]
+        ins.insert(pro.get("feeds", 0), _tensor(plan, pro["value"], False))
         outs = outs[pro["writes"]:]
     return shape_key(AS_PHASE.get(phase, phase), ins + outs)
 

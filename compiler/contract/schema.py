@@ -39,16 +39,24 @@ STATE_SLOTS = {"state_slots": {"shape": ["B"], "dtype": "i32",
 
 
 # Only in a plan built with --enable-lora (compiler/passes/add_lora.py)
-LORA_SLOTS = {"lora_slots": {"shape": ["T"], "dtype": "i32",
-                             "doc": "adapter slot of each token's request (0: no adapter)"}}
+def lora_metadata(slots: int) -> dict:
+    """lora_slots, and the rows grouped by slot that the kernels read (runtime/lora/groups.py),
+    for S = max_loras + 1 adapter slots."""
+    return {"lora_slots": {"shape": ["T"], "dtype": "i32",
+                           "doc": "adapter slot of each token's request (0: no adapter)"},
+            "lora_rows": {"shape": ["T"], "dtype": "i32",
+                          "doc": "the rows in adapter slot order (a stable sort of lora_slots)"},
+            "lora_segs": {"shape": [slots + 1], "dtype": "i32",
+                          "doc": "slot s's rows: lora_rows[lora_segs[s]:lora_segs[s + 1]]"}}
 
 
-def step_metadata(caches: dict, lora: bool = False) -> dict:
+def step_metadata(caches: dict, lora: int | None = None) -> dict:
     """The step metadata the plan's kernels read: STEP_METADATA, plus state_slots when a cache
-    keeps one entry per sequence (kind "slot"), plus lora_slots in a LoRA plan."""
+    keeps one entry per sequence (kind "slot"), plus lora_metadata(lora) in a LoRA plan of lora
+    adapter slots."""
     out = dict(STEP_METADATA)
     if any(c["kind"] == "slot" for c in caches.values()):
         out.update(STATE_SLOTS)
     if lora:
-        out.update(LORA_SLOTS)
+        out.update(lora_metadata(lora))
     return out

@@ -1,8 +1,8 @@
 """LoRA's two launches around a target linear (compiler/passes/add_lora.py makes them):
 
-    lora_shrink(x[T, K], a[S, P*R, K])           -> xa[T, SPLIT*P*R] f32   sum_z xa[t, z] = a[s_t] @ x[t]
+    lora_shrink(x[T, K], a[S, P*R, K])           -> xa[T, SPLIT*P*R] f32   xa[t, 0] = a[s_t] @ x[t]
     lora_expand(y[T, N], xa, b[S, N, R], scale[S, P]) -> y   y[t, piece p] += scale[s_t, p] *
-                  b[s_t, piece p rows] @ round(sum_z xa[t, z, p*R:(p+1)*R])
+                  b[s_t, piece p rows] @ round(xa[t, 0, p*R:(p+1)*R])
 
 s_t = step metadata lora_slots[t]: the adapter slot of token t's request, 0 for none. The tables
 stack S = max_loras + 1 slots; slot 0 is zeros (and is never written), so a row without an
@@ -15,14 +15,17 @@ or / sqrt(r) with rsLoRA) is applied after the product, as PEFT does.
 Split-K: the shrink's K is cut into attrs["split"] ranges (attrs["prefill_split"] <= split of them
 outside the decode phase, where the row tiles already fill the GPU), each program summing one range
 into its own fp32 partial xa[t, z] (a buffer the plan lays out: [T, split, P*R]), so a batch-1
-step runs ~split programs instead of one walking all of K. The expand sums the partials in a fixed
-order (z = 0, 1, ...: no atomics, a decode step stays bit-reproducible), rounds the sum to y's
-dtype, as PEFT's lora_A output is in the model's dtype, then multiplies by B. lora_expand_act (passes/fuse_lora_act.py makes it) is a gate|up linear's expand and the gated
+step runs ~split programs instead of one walking all of K; the last program to arrive adds the
+partials in a fixed order (z = 0, 1, ...: no float atomics, a step stays bit-reproducible) into
+xa[t, 0], the one split the expand reads. The expand rounds it to y's dtype, as PEFT's lora_A
+output is in the model's dtype, then multiplies by B. The kernels take the step's rows grouped by
+slot (step metadata lora_rows / lora_segs: runtime/lora/groups.py), a tile of one slot's rows each.
+lora_expand_act (passes/fuse_lora_act.py makes it) is a gate|up linear's expand and the gated
 activation after it in one launch: act_mul(lora_expand(y, xa, b, scale), fn), y [T, 2F] -> [T, F]
 (compiler/ops/gated.py's act_mul), g and u rounded to y's dtype first as the two launches store
 them. The references
-ignore the split (the whole sum is partial 0, the others zeros) and, like the reference executor
-everywhere, do not round. The expand adds into y in place (its first output is its first input's
+write the whole sum to split 0 (the others zeros), read split 0 alone and, like the reference
+executor everywhere, do not round. The expand adds into y in place (its first output is its first input's
 memory).
 """
 import numpy as np
@@ -75,7 +78,7 @@ def expand_infer(types, attrs):
 
 def expand_reference(ctx, y, xa, b, scale, pieces, rank, split, prefill_split):
     s = _slots(ctx, y.shape[0])
-    xa = np.asarray(xa, np.float32).reshape(y.shape[0], split, -1).sum(axis=1)
+    xa = np.asarray(xa, np.float32).reshape(y.shape[0], split, -1)[:, 0]       # the shrink's sum
     out = np.array(y, np.float32)
     n0 = 0
     for p, n in enumerate(pieces):
@@ -87,7 +90,7 @@ def expand_reference(ctx, y, xa, b, scale, pieces, rank, split, prefill_split):
 
 
 op(name="lora_shrink", tensors=["x", "a"], attrs={"split": REQUIRED, "prefill_split": REQUIRED},
-   infer=shrink_infer, reference=shrink_reference, internal=True, templates={"triton": "lora_shrink"}, doc="xa = A[slot] x, per token (fp32 split-K partials)")
+   infer=shrink_infer, reference=shrink_reference, internal=True, templates={"triton": "lora_shrink"}, doc="xa = A[slot] x, per token (fp32, split-K partials summed into split 0)")
 op(name="lora_expand", tensors=["y", "xa", "b", "scale"], attrs={"pieces": REQUIRED, "rank": REQUIRED, "split": REQUIRED,
                                                    "prefill_split": REQUIRED},
    infer=expand_infer, reference=expand_reference, inplace={0: 0}, internal=True,

@@ -19,10 +19,12 @@ per table, the checkpoint modules of the pieces (PEFT names its tensors by them)
     {"max_loras", "max_rank", "targets": [module leaf names],
      "linears": {a table: {"b", "scale", "layers", "k", "pieces": [{"module", "n"}]}}}
 
-The shrink is split-K (compiler/ops/lora.py): its output xa is fp32 partials [T, split, P*R], split
-from K (_split: ~one K block of 128 a program, so a batch-1 step's shrink runs tens of programs
-rather than one walking all of K; at most 64, which bounds the buffer at 256 B a token and rank
-column); prefill_split <= 16 of them outside the decode phase, whose row tiles fill the GPU.
+The shrink is split-K (compiler/ops/lora.py): its output xa holds fp32 partials [T, split, P*R],
+split from K (_split: ~one K block of 128 a program, so a batch-1 step's shrink runs tens of
+programs rather than one walking all of K; at most 64, which bounds the buffer at 256 B a token
+and rank column), summed by the shrink's last program into split 0 for the expand;
+prefill_split <= 16 of them outside the decode phase, whose row tiles fill the GPU. The kernels
+read the step's rows grouped by slot (step metadata lora_rows / lora_segs, runtime/lora/groups.py).
 
 A piece whose module is not a target has "module": null (its rows of the tables stay zeros).
 Without --enable-lora the pass does nothing: the plan is unchanged.

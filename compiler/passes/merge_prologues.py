@@ -9,7 +9,13 @@ step of one token:
   head) computes its query heads and the new token's key itself, where a launch of its own was a
   drain and a fill between the qkv GEMV and attention.
 Together -0.085 / -0.13 ms a qwen3-4b step at prompts 32 / 1k on an H100 (bench/NOTES.md, sixth
-session). At 64 rows the GEMV's re-read is per row block and column block, and a prompt's keys
+session).
+- a LoRA site's shrink before its expand (--enable-lora: compiler/passes/add_lora.py): one launch
+  whose first programs compute the adapter's split-K sums and whose others wait for them and
+  expand (codegen_templates/triton/_lora_tiles.j2): at batch 1 the two launches did ~2 rows of
+  work each, so the second launch's drain and fill was most of its cost. The shrink's output feeds
+  the expand's input 1 (FEEDS), and its partials live in the merged kernel's scratch (the plan's
+  xa buffer is not read in this phase). At 64 rows the GEMV's re-read is per row block and column block, and a prompt's keys
 must be in the cache before other programs read them, so the graph keeps the ops and the merges
 are made for the "narrow" program only: decode steps of at most NARROW_TOKENS tokens
 (compiler/contract/program.py `program_name`; plan["narrow_tokens"]).
@@ -28,11 +34,16 @@ from .plan_memory import memory_classes
 NARROW_TOKENS = 1
 # producer op -> the index of its output that the consumer reads (the others are written by the
 # merged launch as they were)
-PROLOGUES = {"add_rms_norm": 1, "qk_norm_rope_cache": 0}
+PROLOGUES = {"add_rms_norm": 1, "qk_norm_rope_cache": 0, "lora_shrink": 0}
+# producer op -> the consumer's input that output feeds (0 where not named)
+FEEDS = {"lora_shrink": 1}
 # producer op -> the consumer's narrow templates that take it as a prologue
 # (codegen_templates/triton/gemv.py.j2, attention_decode.py.j2)
-CONSUMER_TEMPLATES = {"add_rms_norm": {"gemv", "gemv_gated"}, "qk_norm_rope_cache": {"attention_decode"}}
+CONSUMER_TEMPLATES = {"add_rms_norm": {"gemv", "gemv_gated"}, "qk_norm_rope_cache": {"attention_decode"},
+                      "lora_shrink": {"lora_expand", "lora_expand_act"}}
 PHASE = "narrow"
+# the merged LoRA launch keeps the partials of at most 16 rows in its scratch (_lora_tiles.j2 MAX_ROWS)
+assert NARROW_TOKENS <= 16, "lora_expand's merged narrow launch holds at most 16 rows"
 
 
 def _merge(state, g, p) -> str | None:
@@ -47,7 +58,8 @@ def _merge(state, g, p) -> str | None:
     between = g.order[g.order.index(p.id) + 1:g.order.index(c.id)]
     if any(not REGISTRY[g.nodes[n].op].view for n in between):
         return None
-    if c.inputs[0] != h or REGISTRY[c.op].template(state.backend, PHASE) not in CONSUMER_TEMPLATES[p.op]:
+    if c.inputs[FEEDS.get(p.op, 0)] != h or \
+            REGISTRY[c.op].template(state.backend, PHASE) not in CONSUMER_TEMPLATES[p.op]:
         return None
     # a row-parallel linear's fp32 partials take the tensor-core path at every row count (the
     # GEMV template's FMA_ROWS), which has no prologue
@@ -102,15 +114,16 @@ def merge_prologues(state):
 
 def merged_launch(p, c, prologue_launch: dict, consumer_launch: dict) -> dict:
     """One launch for producer p and consumer c (their launch dicts as plan._launches makes them):
-    the producer's inputs, then the consumer's other inputs; the producer's outputs but the one
-    the consumer read, then the consumer's."""
-    feed = PROLOGUES[p.op]
+    the producer's inputs, then the consumer's other inputs (all but input FEEDS[p.op], default 0,
+    which prologue["feeds"] names where it is not 0); the producer's outputs but the one the
+    consumer read, then the consumer's."""
+    feed, into = PROLOGUES[p.op], FEEDS.get(p.op, 0)
     h = p.outputs[feed]
     out = dict(consumer_launch)
-    out["inputs"] = prologue_launch["inputs"] + consumer_launch["inputs"][1:]
+    out["inputs"] = prologue_launch["inputs"] + [i for k, i in enumerate(consumer_launch["inputs"]) if k != into]
     out["outputs"] = [o for k, o in enumerate(prologue_launch["outputs"]) if k != feed] + consumer_launch["outputs"]
     out["prologue"] = {"op": p.op, "inputs": len(p.inputs), "output": feed, "value": h,
-                       "writes": len(p.outputs) - 1,
+                       "writes": len(p.outputs) - 1, **({"feeds": into} if into else {}),
                        "attrs": prologue_launch["attrs"], "fuses": p.fused_from, "line": p.line}
     out["fuses"] = p.fused_from + c.fused_from
     out["pass"] = "merge_prologues"

@@ -19,6 +19,7 @@ from infc.compiler.contract.program import program_name, unrolled
 from ..engine.prompt_logprobs import rows_to_score, score_block
 from ..engine.runner import RowSampling, Sample, sample_row
 from ..engine.step import StepMeta
+from ..lora.groups import lora_groups, num_slots as lora_num_slots
 from infc.compiler.contract.errors import ModelDirError
 from infc.compiler.contract.safe_eval import ExprLimit, compile_int
 from infc.compiler.contract.schema import DTYPE_BYTES
@@ -33,10 +34,10 @@ from .weights import DeviceWeights
 
 # the step metadata this runner builds from a StepMeta (`_metadata`); the plan's step_metadata
 # must be among them
-# (state_slots only for a plan with slot caches, lora_slots for a LoRA plan: its step_metadata
-# names them)
+# (state_slots only for a plan with slot caches, lora_slots / lora_rows / lora_segs for a LoRA
+# plan: its step_metadata names them)
 PRODUCED = ("positions", "seq_starts", "context_lens", "last_rows", "slot_mapping", "block_tables",
-            "state_slots", "lora_slots")
+            "state_slots", "lora_slots", "lora_rows", "lora_segs")
 
 
 def grid_code(meta: dict) -> list:
@@ -414,6 +415,7 @@ class CudaRunner:
         if "lora_slots" in self.meta:               # pad rows: no adapter
             lora = meta.lora_slots if meta.lora_slots is not None else np.zeros(meta.T, np.int32)
             arr["lora_slots"] = np.concatenate([lora, np.zeros(pad_t, np.int32)])
+            arr["lora_rows"], arr["lora_segs"] = lora_groups(arr["lora_slots"], lora_num_slots(self.plan))
         return {k: v if v.dtype == np.int32 else v.astype(np.int32) for k, v in arr.items()}
 
     def _run_step(self, meta: StepMeta, feed=()) -> tuple[int, int]:

@@ -46,7 +46,8 @@ class Metadata(dict):
 def launch_results(ctx, launch: dict, args: list) -> tuple:
     """A launch's outputs by its op's reference, in launch["outputs"] order. A merged launch
     (compiler/passes/merge_prologues.py) runs its producer's reference first: the consumer reads
-    the producer's output number launch["prologue"]["output"], and its other outputs come first."""
+    the producer's output number launch["prologue"]["output"] as its input number
+    launch["prologue"].get("feeds", 0), and the producer's other outputs come first."""
     pro = launch.get("prologue")
     written = ()
     if pro is not None:
@@ -54,7 +55,8 @@ def launch_results(ctx, launch: dict, args: list) -> tuple:
         produced = produced if isinstance(produced, tuple) else (produced,)
         feed = pro["output"]
         written = tuple(r for k, r in enumerate(produced) if k != feed)
-        args = [produced[feed]] + list(args[pro["inputs"]:])
+        args = list(args[pro["inputs"]:])
+        args.insert(pro.get("feeds", 0), produced[feed])        # the consumer's input it was
     result = REGISTRY[launch["op"]].reference(ctx, *args, **launch["attrs"])
     return written + (result if isinstance(result, tuple) else (result,))
 
