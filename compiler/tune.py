@@ -88,6 +88,7 @@ _GEMV_NARROW_CODES = [{"BLOCK_N": 128}, {"BLOCK_N": 32}, {"NDOT_STAGES": 3}, {"N
 # registers: bench/NOTES.md, issue 42). fp8 launches render these as their default and are not
 # timed twice.
 _GEMV_NARROW_W4 = [{"W4_FORM": "elementwise"}, {"W4_FORM": "dot"}, {"W4_FORM": "dot", "BLOCK_N": 64},
+                   {"W4_FORM": "dot", "BLOCK_N": 256}, {"W4_FORM": "dot", "TARGET_CTAS": 528},
                    {"FMA_BLOCK_K": 512, "BLOCK_N": 64}, {"FMA_BLOCK_K": 512}, {"PRELOAD": 2},
                    {"PRELOAD": 0}, {"BLOCK_N": 64}, {"BLOCK_N": 16}]
 NARROW_QUANT = {("triton", t): _GEMV_NARROW_CODES + _GEMV_NARROW_W4 for t in ("gemv", "gemv_gated")}

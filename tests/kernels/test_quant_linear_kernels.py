@@ -302,10 +302,13 @@ W4_CASES = {
     "dot-zero-gated": ("dot", SCHEMES["u4-g32-zero"], "gated", 1, {"BLOCK_N": 16}, False),
     "dot-rows-act_mul": ("dot", QuantScheme("u4", 1, 64), "act_mul", 3, {"BLOCK_N": 16, "FMA_T": 4, "BLOCK_T": 16}, False),
     "dot-prologue-split": ("dot", QuantScheme("u4", 1, 64), "prologue", 1, {"BLOCK_N": 32, "SPLIT_K": 2}, True),
+    # 128-column tiles: the dot form reads words, a dot a code phase (the tail tile ragged)
+    "dot-words-zero-prologue": ("dot", QuantScheme("u4", 1, 128, zeros=True), "prologue", 1, {"BLOCK_N": 16}, True),
+    "dot-words-rows-gated": ("dot", QuantScheme("u4", 1, None), "gated", 3, {"BLOCK_N": 32, "FMA_T": 4, "BLOCK_T": 16}, False),
     "elementwise-zero": ("elementwise", SCHEMES["u4-g32-zero"], "plain", 1, {"BLOCK_N": 16, "FMA_BLOCK_K": 64}, False),
 }
-W4_FAST = {"groupsum-g64-tile-in-group", "groupsum-rows-gated", "dot-zero-gated", "dot-prologue-split"}
-W4_SIGN = {"groupsum": "_w_codes_f32(wt", "dot": "tl.dot(w_even", "elementwise": "_w_deq_unmasked(_w_raw"}
+W4_FAST = {"groupsum-g64-tile-in-group", "groupsum-rows-gated", "dot-zero-gated", "dot-words-zero-prologue"}
+W4_SIGN = {"groupsum": "acc0 += t0 * s", "dot": "tl.trans(a_", "elementwise": "_w_deq_unmasked(_w_raw"}
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=() if c in W4_FAST else EXHAUSTIVE) for c in W4_CASES])
@@ -314,6 +317,7 @@ def test_w4_forms(case):
     k, got, want = _case("gemv", s, mode, T, {**tune, "W4_FORM": form}, "decode", zlib.crc32(case.encode()),
                          narrow=narrow, out_dtype="f32")
     assert all((sign in k.source) == (f == form) for f, sign in W4_SIGN.items()), case
+    assert ("a_pad" in k.source) == (case.startswith("dot-words")), case
     # exact (c - z) and exact products: the definition to fp32 summation order (gated rounds
     # act(g) and u to bf16)
     assert rel_err(got, want) <= (TOL if mode == "gated" else 2e-6)
