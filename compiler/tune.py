@@ -83,7 +83,15 @@ _GEMV_WIDE = [{"BLOCK_T": 128, "num_warps": 8}, {"BLOCK_T": 128, "num_warps": 8,
 _GEMV_NARROW_CODES = [{"BLOCK_N": 128}, {"BLOCK_N": 32}, {"NDOT_STAGES": 3}, {"NDOT_STAGES": 6},
                       {"PRELOAD": 2}, {"PRELOAD": 5}, {"TARGET_CTAS": 528}, {"TARGET_CTAS": 792},
                       {"BLOCK_N": 128, "TARGET_CTAS": 528}, {"num_warps": 8}, {"NARROW_DOT": 0}]
-NARROW_QUANT = {("triton", t): _GEMV_NARROW_CODES for t in ("gemv", "gemv_gated")}
+# a u4 weight's CUDA-core loop (triton/_gemv_w4.j2, W4_FORM; groupsum by default): the other two
+# forms, then groupsum's tile shapes (rows a thread against A's rebuild, preloaded tiles against
+# registers: bench/NOTES.md, issue 42). fp8 launches render these as their default and are not
+# timed twice.
+_GEMV_NARROW_W4 = [{"W4_FORM": "elementwise"}, {"W4_FORM": "dot"}, {"W4_FORM": "dot", "BLOCK_N": 64},
+                   {"W4_FORM": "dot", "BLOCK_N": 256}, {"W4_FORM": "dot", "TARGET_CTAS": 528},
+                   {"FMA_BLOCK_K": 512, "BLOCK_N": 64}, {"FMA_BLOCK_K": 512}, {"PRELOAD": 2},
+                   {"PRELOAD": 0}, {"BLOCK_N": 64}, {"BLOCK_N": 16}]
+NARROW_QUANT = {("triton", t): _GEMV_NARROW_CODES + _GEMV_NARROW_W4 for t in ("gemv", "gemv_gated")}
 _GEMV_FMA_T = [{"FMA_T": 2, "FMA_BLOCK_K": 128}, {"FMA_T": 4, "BLOCK_N": 16, "FMA_BLOCK_K": 128}]
 # lm_head_last cannot split K (its norm scale closes the K loop) and has a huge N
 _LM_FMA = [{"BLOCK_N": 8}, {"BLOCK_N": 32, "FMA_BLOCK_K": 256}, {"FMA_BLOCK_K": 256},

@@ -288,3 +288,55 @@ def test_narrow_codes_path_is_the_fp8_codes_form_only():
     for scheme, tune in [("fp8-16x32-weights", {}), ("u4-g32-zero", {}), ("fp8-32x64-group64", {"NARROW_DOT": 0})]:
         k, _, _ = _case("gemv", SCHEMES[scheme], "plain", 1, tune, "decode", 5, narrow=True)
         assert "scratch:actq" not in [p[2] for p in k.meta["params"]], scheme
+
+
+# W4_FORM (triton/_gemv_w4.j2): the CUDA-core path's loops for u4 codes. groupsum is the default
+# (the cases above run it wherever a u4 weight takes the CUDA-core path without g_idx); here each
+# form once more on what the others leave out: the per-row scale of a tile inside one group
+# (symmetric g64 over 64-column tiles), FMA_T rows, the dot form's padded A rows, its merged
+# prologue and split, and the elementwise loop kept on request
+W4_CASES = {
+    "groupsum-g64-tile-in-group": ("groupsum", QuantScheme("u4", 1, 64), "plain", 1, {"BLOCK_N": 64, "FMA_BLOCK_K": 64}, False),
+    "groupsum-rows-gated": ("groupsum", SCHEMES["u4-g32-zero"], "gated", 2,
+                            {"BLOCK_N": 64, "FMA_BLOCK_K": 128, "FMA_T": 2, "BLOCK_T": 16}, False),
+    "dot-zero-gated": ("dot", SCHEMES["u4-g32-zero"], "gated", 1, {"BLOCK_N": 16}, False),
+    "dot-rows-act_mul": ("dot", QuantScheme("u4", 1, 64), "act_mul", 3, {"BLOCK_N": 16, "FMA_T": 4, "BLOCK_T": 16}, False),
+    "dot-prologue-split": ("dot", QuantScheme("u4", 1, 64), "prologue", 1, {"BLOCK_N": 32, "SPLIT_K": 2}, True),
+    # 128-column tiles: the dot form reads words, a dot a code phase (the tail tile ragged)
+    "dot-words-zero-prologue": ("dot", QuantScheme("u4", 1, 128, zeros=True), "prologue", 1, {"BLOCK_N": 16}, True),
+    "dot-words-rows-gated": ("dot", QuantScheme("u4", 1, None), "gated", 3, {"BLOCK_N": 32, "FMA_T": 4, "BLOCK_T": 16}, False),
+    "elementwise-zero": ("elementwise", SCHEMES["u4-g32-zero"], "plain", 1, {"BLOCK_N": 16, "FMA_BLOCK_K": 64}, False),
+}
+W4_FAST = {"groupsum-g64-tile-in-group", "groupsum-rows-gated", "dot-zero-gated", "dot-words-zero-prologue"}
+W4_SIGN = {"groupsum": "acc0 += t0 * s", "dot": "tl.trans(a_", "elementwise": "_w_deq_unmasked(_w_raw"}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c in W4_FAST else EXHAUSTIVE) for c in W4_CASES])
+def test_w4_forms(case):
+    form, s, mode, T, tune, narrow = W4_CASES[case]
+    k, got, want = _case("gemv", s, mode, T, {**tune, "W4_FORM": form}, "decode", zlib.crc32(case.encode()),
+                         narrow=narrow, out_dtype="f32")
+    assert all((sign in k.source) == (f == form) for f, sign in W4_SIGN.items()), case
+    assert ("a_pad" in k.source) == (case.startswith("dot-words")), case
+    # exact (c - z) and exact products: the definition to fp32 summation order (gated rounds
+    # act(g) and u to bf16)
+    assert rel_err(got, want) <= (TOL if mode == "gated" else 2e-6)
+
+
+def test_w4_form_choice():
+    """groupsum by default; act-order g_idx keeps the elementwise loop (a group a column: a word's
+    eight codes may lie in eight groups); a dot tile that would straddle groups takes groupsum;
+    an unknown form fails by name; fp8 renders as before."""
+    def source(scheme, tune, k=256):
+        s = SCHEMES[scheme] if isinstance(scheme, str) else scheme
+        comp = quantized_weight(s, 64, k, np.random.default_rng(0))[2]
+        ins = [("x", ["T", k], "bf16"), ("w", [64, k], s.codes, "weight")] + _specs(comp)
+        return render("gemv", "linear", ins, [("y", ["T", 64], "bf16")], attrs=_attrs(s), tune=tune, narrow=True).source
+    assert W4_SIGN["groupsum"] in source("u4-g32-zero", {})
+    assert W4_SIGN["elementwise"] in source("u4-g128-act-order", {"W4_FORM": "dot"})
+    assert W4_SIGN["groupsum"] in source("u4-g32-zero", {"W4_FORM": "dot", "FMA_BLOCK_K": 64})
+    assert W4_SIGN["dot"] in source("u4-g32-zero", {"W4_FORM": "dot"})
+    assert W4_SIGN["elementwise"] in source(QuantScheme("u4", 1, 4), {}, k=64)     # groups split a word
+    with pytest.raises(TemplateError, match="W4_FORM"):
+        source("u4-g32-zero", {"W4_FORM": "lut"})
+    assert "_w_codes_f32" not in source("fp8-16x32-weights", {"W4_FORM": "groupsum"})

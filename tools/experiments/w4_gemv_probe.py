@@ -13,7 +13,13 @@ row of activations, W streamed from HBM (rotating copies past L2), timed under a
             tile), then scale and subtract zero * sum(a) once a row and group
   dot_f16   tensor cores: the codes minus 8 as exact f16 integers dotted with a (bf16 in f16:
             exact within its range) padded to 16 rows, the group's scale on the sums
-and each one's fraction of the floor (W's bytes over the copy bandwidth measured in the run).
+  words     the shipped groupsum form (triton/_gemv_w4.j2): W as int32 words, code i masked in
+            place and ORed into 2^23 (one LOP3 + one FADD), A's columns k0 + 8j + i scaled by
+            16^-(i % 4), the scale once a word's partial sum (BK 1024 by default)
+and each one's fraction of the floor (W's bytes over the copy bandwidth measured in the run), then
+a step's sum over qwen3-4b's 36 layers against the int4 floor of those linears (codes + scales).
+The shipped kernels themselves (all three W4_FORMs) are timed by `infc tune prepare --phases narrow`
+on the artifact (bench/NOTES.md, issue 42).
 Only a probe: the numbers go to bench/NOTES.md; the product's kernels are the templates.
 """
 import argparse
@@ -72,6 +78,24 @@ def _w4(w_ptr, a_ptr, s_ptr, y_ptr, N, K: tl.constexpr, BN: tl.constexpr, BK: tl
             t = tl.sum(v * a[None, :], axis=1)
             s = tl.load(s_ptr + rc * (K // 128) + k0 // 128)
             y += s * (t - 8.0 * tl.sum(a, axis=0))
+    elif MODE == 4:    # int32 words, codes masked in place (the groupsum form)
+        w32 = w_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + rc.to(tl.int64)[:, None] * (K // 8)
+        acc = tl.zeros([BN, BK // 8], tl.float32)
+        j8 = 8 * tl.arange(0, BK // 8)
+        for k0 in range(pid_s * kc, pid_s * kc + kc, BK):
+            wt = tl.load(tl.multiple_of(w32 + (k0 // 8 + tl.arange(0, BK // 8))[None, :], [1, 16]),
+                         eviction_policy="evict_first")
+            t = tl.zeros([BN, BK // 8], tl.float32)
+            for i in tl.static_range(8):
+                if i == 4:
+                    wt = wt >> 16
+                m = i % 4
+                v = ((wt & (15 << (4 * m))) | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + 8.0 * (1 << (4 * m)))
+                a = tl.load(a_ptr + k0 + j8 + i).to(tl.float32) * (1.0 / (1 << (4 * m)))
+                t += v * a[None, :]
+            s = tl.load(s_ptr + rc[:, None] * (K // 128) + (k0 + j8[None, :]) // 128)
+            acc += t * s
+        y = tl.sum(acc, axis=1)
     else:              # tensor cores: exact bf16 integers, A padded to 16 rows
         r16 = tl.arange(0, 16)
         acc = tl.zeros([BN, 16], tl.float32)
@@ -90,11 +114,12 @@ def _w4(w_ptr, a_ptr, s_ptr, y_ptr, N, K: tl.constexpr, BN: tl.constexpr, BK: tl
         tl.atomic_add(y_ptr + rows, y, mask=rows < N, sem="relaxed")
 
 
-VARIANTS = {"bf16": 0, "deq_fma": 1, "group_sum": 2, "dot_f16": 3}
+VARIANTS = {"bf16": 0, "deq_fma": 1, "group_sum": 2, "dot_f16": 3, "words": 4}
 CONFIGS = {0: [(8, 512, 1), (16, 256, 1), (16, 128, 2)],
            1: [(32, 256, 1), (16, 256, 1), (8, 512, 1), (16, 128, 2), (32, 512, 1)],
            2: [(32, 128, 1), (16, 128, 1), (64, 128, 1), (16, 128, 2), (32, 128, 2)],
-           3: [(64, 128, 1), (64, 128, 2), (128, 128, 1), (64, 256, 1)]}
+           3: [(64, 128, 1), (64, 128, 2), (128, 128, 1), (64, 256, 1)],
+           4: [(32, 1024, 1), (32, 512, 1), (64, 512, 1), (32, 512, 2), (16, 1024, 1), (64, 256, 1)]}
 
 
 def _weights(N, K, mode, device, gen=None):
@@ -113,7 +138,8 @@ def check(device):
         want = (w.to(torch.bfloat16).float() if mode == 0 else w) @ a.float()
         y = torch.zeros(N, device=device)
         bn = 64 if mode == 3 else 16
-        _w4[(triton.cdiv(N, bn), 2)](stored, a, s, y, N, K, bn, 128, 2, mode)
+        bk = 256 if mode == 4 else 128
+        _w4[(triton.cdiv(N, bn), 2)](stored, a, s, y, N, K, bn, bk, 2, mode)
         print(f"{name:10s} rel err {((y - want).norm() / want.norm()).item():.2e}")
 
 
@@ -158,6 +184,17 @@ def main():
                       f"BN={best['BN']} BK={best['BK']} split={best['split']}", flush=True)
             del copies
             torch.cuda.empty_cache()
+    # a step: 36 layers of the four launches; the int4 floor counts the codes and the fp32 scales
+    per_step = {}
+    for r in results:
+        key = (r["variant"], r["shape"])
+        per_step[key] = min(per_step.get(key, 1e30), r["us"])
+    floor_us = 36 * sum(N * K // 2 + N * (K // G) * 4 for N, K in SHAPES.values()) / bw * 1e6
+    print(f"int4 floor of qwen3-4b's linears a step: {floor_us:.0f} us ({bw / 1e12:.2f} TB/s copy)")
+    for name in VARIANTS:
+        if all((name, sh) in per_step for sh in SHAPES):
+            t = 36 * sum(per_step[(name, sh)] for sh in SHAPES)
+            print(f"  {name:10s} {t:7.0f} us a step ({floor_us / t:.0%} of the floor)")
     out = Path(o.out) / "w4_gemv_probe.json"
     out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "copy_bw": bw, "results": results}, indent=1))
     print(f"wrote {out}")
