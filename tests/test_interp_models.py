@@ -116,6 +116,10 @@ def test_tiny_model_through_kernels(family, fuse, tiny_model, tmp_path, rng):
     t0, d0, d1 = int(np.argmax(want[0])), toks[1], toks[0]
     rows = [(0, d1, lens[0] + 2), (1, toks[1], lens[1]), (0, d0, lens[0] + 1), (0, t0, lens[0])]
     got = run.step([Chunk(s, [t], p) for s, t, p in rows])
-    want = ref.step([SeqChunk(s, [t], p) for s, t, p in reversed(rows)])[::-1]   # its chunks in order
+    # the oracle takes a sequence's tokens in order, one step each: row by row
+    w_t0, w_1 = ref.step([SeqChunk(0, [t0], lens[0]), SeqChunk(1, [toks[1]], lens[1])])
+    w_d0 = ref.step([SeqChunk(0, [d0], lens[0] + 1)])[0]
+    w_d1 = ref.step([SeqChunk(0, [d1], lens[0] + 2)])[0]
+    want = np.stack([w_d1, w_1, w_d0, w_t0])
     assert run.program == "narrow" and got.shape[0] == 4
     assert _rel(got, want) < 2e-2
