@@ -274,7 +274,7 @@ def phase_dims(phase: str, decode_batches=(1,), prefill_tokens=1024, mixed=(512,
         return [dict(d) for d in SHORT_DIMS]
     if phase == "decode":
         return [{"T": int(b), "B": int(b)} for b in decode_batches]
-    if phase == "narrow":           # a decode step of one token (merge_prologues.NARROW_TOKENS)
+    if phase == "narrow":           # its one-token step (the CUDA-core path that narrow| entries tile)
         return [{"T": 1, "B": 1}]
     if phase == "prefill":
         return [{"T": int(prefill_tokens), "B": 1}]

@@ -142,11 +142,11 @@ def launch_tensors(plan: dict, launch: dict) -> tuple[list[dict], list[dict]]:
     return ins, outs
 
 
-# A narrow step (compiler/passes/merge_prologues.py) is a decode step of one token: its launches
+# A narrow step (compiler/passes/merge_prologues.py) is a decode step of a few tokens: its launches
 # render as the decode step's (templates see phase "decode", and narrow = True; the tuning tables'
 # "decode|..." entries, with a "narrow|..." entry of the same shapes laid over them where the
-# table has one: a tile for one row alone, which the decode program's 2-127 rows keep out of),
-# so only a template that reads `narrow` (the GEMV: its CUDA-core path alone, a merged prologue)
+# table has one: a tile for one row alone (the CUDA-core path), which the decode program's rows keep out of),
+# so only a template that reads `narrow` (the GEMV and attention: a merged prologue)
 # or a narrow entry makes a kernel of its own.
 AS_PHASE = {"narrow": "decode"}
 

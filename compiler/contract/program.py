@@ -83,8 +83,8 @@ def program_name(plan: dict, phase: str, T: int) -> str:
     at most plan["short_tokens"] tokens (its linears stream the weights with the decode GEMVs),
     "wide" for a decode step of at least plan["wide_tokens"] (the GEMVs' row tiles for many
     sequences; the experts' grouped GEMMs); see compiler/passes/select_kernels.py. "narrow" for a
-    decode step of at most plan["narrow_tokens"] (launches merged for one token:
-    compiler/passes/merge_prologues.py). Else the phase's own. A plan without those keys runs
+    decode step of at most plan["narrow_tokens"] (launches merged for a few tokens, a speculative
+    verify step's rows included: compiler/passes/merge_prologues.py). Else the phase's own. A plan without those keys runs
     every step as its phase."""
     if phase in ("prefill", "mixed") and T <= plan.get("short_tokens", 0) and "short" in plan["programs"]:
         return "short"

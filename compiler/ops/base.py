@@ -15,7 +15,7 @@ REGISTRY: dict[str, "OpDef"] = {}
 # at most SHORT_TOKENS tokens, compiler/passes/select_kernels.py) is a mixed step whose linears
 # stream their weights with the decode GEMVs; a wide step (a decode step of many sequences) is a
 # decode step whose GEMVs tile their rows for many sequences and whose experts (in a model with
-# them) run the grouped GEMMs of prefill; a narrow step (a decode step of one token) is a decode
+# them) run the grouped GEMMs of prefill; a narrow step (a decode step of a few tokens) is a decode
 # step with some launches merged (compiler/passes/merge_prologues.py).
 PHASE_PARENT = {"short": "mixed", "wide": "decode", "narrow": "decode"}
 

@@ -1,13 +1,17 @@
 """Per-phase launch merges: a producer folded into its one consumer's launch in one phase only.
 
 One graph serves every phase, but some fusions pay in one phase and lose in another. In a decode
-step of one token:
+step of a few tokens (one, or a speculative verify step's k + 1 rows):
 - the residual add + RMSNorm before a linear: every GEMV program can re-read the row (x and d,
   2 x H bf16 from L2) and normalize it while its first weight tiles are in flight (the preload
-  before the PDL wait), which costs a little less than the launch between the two kernels;
+  before the PDL wait), which costs a little less than the launch between the two kernels; at
+  2+ rows the tensor-core path does the same per row block (codegen_templates/triton/gemv.py.j2);
 - q/k RMSNorm + RoPE + the KV-cache write before decode attention: each split of a (sequence, kv
   head) computes its query heads and the new token's key itself, where a launch of its own was a
-  drain and a fill between the qkv GEMV and attention.
+  drain and a fill between the qkv GEMV and attention. A verify step's rows of one sequence read
+  keys that its earlier rows write in the same launch: each split writes those it reads itself
+  (the same bits), so no split reads a key before it is written
+  (codegen_templates/triton/attention_decode.py.j2).
 Together -0.085 / -0.13 ms a qwen3-4b step at prompts 32 / 1k on an H100 (bench/NOTES.md, sixth
 session).
 - a LoRA site's shrink before its expand (--enable-lora: compiler/passes/add_lora.py): one launch
@@ -18,7 +22,11 @@ session).
   xa buffer is not read in this phase). At 64 rows the GEMV's re-read is per row block and column block, and a prompt's keys
 must be in the cache before other programs read them, so the graph keeps the ops and the merges
 are made for the "narrow" program only: decode steps of at most NARROW_TOKENS tokens
-(compiler/contract/program.py `program_name`; plan["narrow_tokens"]).
+(compiler/contract/program.py `program_name`; plan["narrow_tokens"]). 8: a verify step of up to 7
+drafts at batch 1 (issue 43: the decode program's separate norm and qk-norm/rope launches made
+verify(4) 1.52x the one-token step on an H200), or a few sequences decoding; past it the GEMVs'
+per-row-block prologue re-reads every row of its block, and a verify row's split writes each of
+its sequence's earlier rows it reads.
 
     narrow:  [x', h = add_rms_norm(x, d, w); y = linear(h, W)]  ->  one launch
              linear(x, d, w, W) -> (x', y), launch["prologue"] = {op, inputs: 3, output: 1, value: h, ...}
@@ -31,7 +39,7 @@ and a merge after which x' would still share x's buffer is not made.
 from ..ops import REGISTRY
 from .plan_memory import memory_classes
 
-NARROW_TOKENS = 1
+NARROW_TOKENS = 8
 # producer op -> the index of its output that the consumer reads (the others are written by the
 # merged launch as they were)
 PROLOGUES = {"add_rms_norm": 1, "qk_norm_rope_cache": 0, "lora_shrink": 0}

@@ -8,7 +8,8 @@ from ..ops import REGISTRY
 PHASES = ("prefill", "decode", "mixed", "short", "wide", "narrow")
 # "narrow": a decode step of at most merge_prologues.NARROW_TOKENS tokens, the decode program with
 # launches merged for that phase only (state.merges; compiler/passes/merge_prologues.py). Its GEMVs
-# render only their CUDA-core path. A plan without such a merge has no narrow program.
+# take their CUDA-core path at one row, the tensor-core path at more, both with the merged
+# prologue. A plan without such a merge has no narrow program.
 # A prefill or mixed step of at most this many tokens runs the "short" program (compiler/contract/program.py
 # `program_name`; recorded as plan["short_tokens"]): its linears take the decode GEMV templates,
 # which stream the weight once at any row count, where the prefill GEMM's long-prompt tiles

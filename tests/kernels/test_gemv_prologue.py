@@ -1,6 +1,7 @@
 """The narrow phase's merged launch (compiler/passes/merge_prologues.py): add_rms_norm(x, d, norm)
 in front of the GEMV, plain and gated, under the interpreter against the two ops' references.
-One decode token (the narrow phase's rows), N and K not multiples of the column and K tiles, K
+One decode token (the CUDA-core path) and 3 / 5 / 8 rows (a speculative verify step's k + 1
+rows: the tensor-core path, its prologue per row block), N and K not multiples of the column and K tiles, K
 longer than the prologue's 1024-wide row chunks, split-K (its counters left zero), bf16 and f32
 norm weights (Llama's and Gemma's roundings)."""
 import numpy as np
@@ -29,9 +30,9 @@ CASES = [
 ]
 
 
-def _inputs(N, K, norm_dtype, rows, seed):
+def _inputs(N, K, norm_dtype, rows, seed, T=1):
     gen = np.random.default_rng(seed)
-    x, d = rand((1, K), gen=gen), rand((1, K), gen=gen, scale=0.5)
+    x, d = rand((T, K), gen=gen), rand((T, K), gen=gen, scale=0.5)
     norm = rand((K,), norm_dtype, gen=gen, scale=0.3)
     if norm_dtype == "f32":
         norm = norm + 1.0                      # Gemma's 1 + w, kept in f32
@@ -53,14 +54,21 @@ def _tensors(K, rows, out_cols, norm_dtype):
     return ins, outs
 
 
-@pytest.mark.parametrize("N,K,norm_dtype,tune", CASES)
-def test_gemv_with_add_rms_norm_prologue(N, K, norm_dtype, tune):
-    x, d, norm, w = _inputs(N, K, norm_dtype, N, N + K)
+# rows: 1 (CUDA-core path) for every case, 5 and 8 (the tensor-core path, its prologue per row
+# block) for each with --exhaustive, the split one at 8 rows in the fast suite (and the gated below)
+ROWS = [pytest.param(*c, 1, id=f"{c[0]}-{c[1]}-1") for c in CASES] + \
+    [pytest.param(*c, t, id=f"{c[0]}-{c[1]}-{t}", marks=() if (i, t) == (1, 8) else EXHAUSTIVE)
+     for i, c in enumerate(CASES) for t in (5, 8)]
+
+
+@pytest.mark.parametrize("N,K,norm_dtype,tune,T", ROWS)
+def test_gemv_with_add_rms_norm_prologue(N, K, norm_dtype, tune, T):
+    x, d, norm, w = _inputs(N, K, norm_dtype, N, N + K, T)
     k = render("gemv", "linear", *_tensors(K, N, N, norm_dtype), attrs={"has_bias": False},
                narrow=True, tune=tune, prologue=PROLOGUE)
     assert [p[2] for p in k.meta["params"][:6]] == ["in:0", "in:1", "in:2", "out:0", "in:3", "out:1"]
-    res, y = poison((1, K)), poison((1, N))
-    scratch = run(k, {"in:0": x, "in:1": d, "in:2": norm, "in:3": w, "out:0": res, "out:1": y}, {"T": 1, "B": 1})
+    res, y = poison((T, K)), poison((T, N))
+    scratch = run(k, {"in:0": x, "in:1": d, "in:2": norm, "in:3": w, "out:0": res, "out:1": y}, {"T": T, "B": T})
     check_scratch_zero(scratch)
     s, h = _want_h(x, d, norm, norm_dtype)
     assert np.array_equal(f32(res), s)         # exactly add_rms_norm's residual
@@ -68,16 +76,17 @@ def test_gemv_with_add_rms_norm_prologue(N, K, norm_dtype, tune):
 
 
 # the last: the H200 table's narrow gate|up tile (32 rows x 128 deep, 4 warps) on a ragged K
-@pytest.mark.parametrize("N,K,norm_dtype,tune", CASES[:2] + [(100, 1100, "bf16",
-                                                              {"BLOCK_N": 32, "FMA_BLOCK_K": 128, "num_warps": 4})])
-def test_gated_gemv_with_add_rms_norm_prologue(N, K, norm_dtype, tune):
+@pytest.mark.parametrize("N,K,norm_dtype,tune,T", [(*c, 1) for c in CASES[:2]] + [
+    (100, 1100, "bf16", {"BLOCK_N": 32, "FMA_BLOCK_K": 128, "num_warps": 4}, 1),
+    (100, 1100, "bf16", {"BLOCK_N": 32, "FMA_BLOCK_K": 128, "num_warps": 4}, 5)])
+def test_gated_gemv_with_add_rms_norm_prologue(N, K, norm_dtype, tune, T):
     F = N // 2
-    x, d, norm, w = _inputs(F, K, norm_dtype, 2 * F, 3 * K + F)
+    x, d, norm, w = _inputs(F, K, norm_dtype, 2 * F, 3 * K + F, T)
     k = render("gemv_gated", "linear_gated", *_tensors(K, 2 * F, F, norm_dtype),
                attrs={"fn": "silu", "has_bias": False}, narrow=True, tune=tune, prologue=PROLOGUE)
-    res, y = poison((1, K)), poison((1, F))
+    res, y = poison((T, K)), poison((T, F))
     check_scratch_zero(run(k, {"in:0": x, "in:1": d, "in:2": norm, "in:3": w, "out:0": res, "out:1": y},
-                           {"T": 1, "B": 1}))
+                           {"T": T, "B": T}))
     s, h = _want_h(x, d, norm, norm_dtype)
     assert np.array_equal(f32(res), s)
     want = REGISTRY["linear_gated"].reference(None, h, f32(w), fn="silu", has_bias=False)
@@ -107,10 +116,11 @@ def test_the_prologue_matches_the_unmerged_kernels_bit_for_bit_mostly():
     assert (y == y2).float().mean() >= 0.97
 
 
-def test_the_narrow_gemv_has_no_tensor_core_path():
+def test_the_narrow_gemv_takes_the_cuda_core_path_at_one_row_only():
     args = ([("x", ["T", 72], "bf16"), ("w", [100, 72], "bf16", "weight")], [("y", ["T", 100], "bf16")])
     assert "tl.dot(" in render("gemv", "linear", *args).source
-    assert "tl.dot(" not in render("gemv", "linear", *args, narrow=True).source
+    narrow = render("gemv", "linear", *args, narrow=True)
+    assert "tl.dot(" in narrow.source and narrow.meta["constexprs"]["FMA_ROWS"] == 1
     # an fp32 output (a row-parallel rank's partials) keeps the tensor-core path in every phase
     f32_out = ([("x", ["T", 72], "bf16"), ("w", [100, 72], "bf16", "weight")], [("y", ["T", 100], "f32")])
     assert "tl.dot(" in render("gemv", "linear", *f32_out, attrs={"out_dtype": "f32"}, narrow=True).source
@@ -131,6 +141,13 @@ def test_a_prologue_outside_the_narrow_phase_is_refused():
 NARROW = {"BLOCK_N": 4, "FMA_BLOCK_K": 1024, "num_warps": 4}
 
 
+def _splits_at_one_row(k) -> int:
+    """The grid's K splits at T = 1 (the CUDA-core path's; the tensor-core path of a narrow step of
+    several rows splits K on its own)."""
+    z = k.meta["grid"][2]
+    return z if isinstance(z, int) else eval(z, {"cdiv": lambda a, b: -(-a // b), "max": max, "min": min, "T": 1})
+
+
 @pytest.mark.parametrize("N,K,tune", [pytest.param(n, k, t, id=f"{n}-{k}", marks=m) for k in (2300, 4500)
                                       for n, t, m in ((2562, NARROW, EXHAUSTIVE),
                                                       (42, {**NARROW, "TARGET_CTAS": 8}, ()))])
@@ -139,10 +156,10 @@ def test_the_narrow_plain_gemv_on_4_row_1024_deep_tiles(N, K, tune):
     x, w = rand((1, K), gen=gen), rand((N, K), gen=gen, scale=K ** -0.5)
     model = render("gemv", "linear", [("x", ["T", K], "bf16"), ("w", [2562, K], "bf16", "weight")],
                    [("y", ["T", 2562], "bf16")], attrs={"has_bias": False}, narrow=True, tune=NARROW)
-    assert not model.meta["constexprs"]["SPLIT"]
+    assert _splits_at_one_row(model) == 1
     k = render("gemv", "linear", [("x", ["T", K], "bf16"), ("w", [N, K], "bf16", "weight")],
                [("y", ["T", N], "bf16")], attrs={"has_bias": False}, narrow=True, tune=tune)
-    assert k.meta["grid"][1] == (N + 3) // 4 and not k.meta["constexprs"]["SPLIT"]
+    assert k.meta["grid"][1] == (N + 3) // 4 and _splits_at_one_row(k) == 1
     y = poison((1, N))
     run(k, {"in:0": x, "in:1": w, "out:0": y}, {"T": 1, "B": 1})
     assert rel_err(f32(y), REGISTRY["linear"].reference(None, f32(x), f32(w))) <= TOL

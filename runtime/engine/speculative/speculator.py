@@ -7,9 +7,11 @@ with its seq_id: [t] at p, then [d_j] at p + 1 + j. Row j's context length is p 
 attends to every key before it, the keys its earlier rows write in this very step included:
 every plan writes the step's K/V for all its rows before attention reads any (the reference's
 attention / qk_norm_rope_cache write the whole step first; on the GPU kv_write and the fused
-qk-norm/rope/cache prologue are launches of their own before attention_cached, and the narrow
-program that merges the cache write into decode attention runs only steps of one token, a
-plain decode). phase_of says "decode", so the GPU runs its decode programs, CUDA graphs and
+qk-norm/rope/cache prologue are launches of their own before attention_cached, except in the
+narrow program (decode steps of at most 8 rows: verify(k <= 7) at batch 1), whose decode
+attention writes the cache itself: there each split also writes the keys of its sequence's
+earlier rows that it reads, so none is read before it is written). phase_of says "decode", so
+the GPU runs its decode programs, CUDA graphs and
 sampler unchanged, data-parallel and tensor-parallel paths too. Known cost: each row reads its
 sequence's context on its own, k + 1 reads of it where one would do, which grows with the
 context length (a verify-aware attention kernel is future work).
