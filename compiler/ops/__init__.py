@@ -11,4 +11,5 @@ from . import latent_prologue  # noqa: F401
 from . import lora  # noqa: F401
 from . import normalize  # noqa: F401
 from . import moe_table  # noqa: F401
+from . import quantize_act  # noqa: F401
 from .base import REGISTRY, REQUIRED, OpDef, ShapeError  # noqa: F401
