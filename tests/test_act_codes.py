@@ -1,6 +1,6 @@
 """FP8 activation codes made once a step (compiler/passes/act_codes.py, issue 42), end to end on a
-tiny qwen3 that tools/quantize_model.py writes as fp8 blocks (128 x 128, dynamic group-128
-activations): the plan makes the codes in add_rms_norm_quant's epilogue (q|k|v, gate|up) and in
+tiny qwen3 that tools/quantize_model.py writes as fp8 blocks of 32 x 32 (dynamic group-32
+activations: several groups a row, so a scale read from the wrong group shows): the plan makes the codes in add_rms_norm_quant's epilogue (q|k|v, gate|up) and in
 quantize_act launches (o_proj after attention, down after the gated GEMM), the linears read them,
 and the logits do not move by a bit against the same plan built without the pass: through the
 reference executor and through every generated kernel (interpreted) in a prefill, a short
@@ -39,7 +39,7 @@ def fp8_plans(tiny_model, tmp_path_factory):
     """(plan with the pass, rendered; plan without it, as compiled; weights)."""
     d, _ = tiny_model("qwen3")
     q = tmp_path_factory.mktemp("fp8")
-    quantize_model(d, q, "fp8-block")
+    quantize_model(d, q, "fp8-block", block=(32, 32))     # act groups of 32: several a row
     plan = _rendered(compile_model(model_dir=str(q), log=None)[1], tmp_path_factory.mktemp("art"))
     plain = json.loads(dumps(compile_model(model_dir=str(q), skip=("act_codes",), log=None)[1]))
     return plan, plain, load_weights(plan, Checkpoint(q))
