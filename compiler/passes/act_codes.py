@@ -21,12 +21,16 @@ stream's norm may have other readers; a dead one costs a row's store).
 Consumers: linear and linear_gated (their GEMV and GEMM templates read codes in every path).
 Not rewritten (they keep quantizing in their own launch): linear_act_mul (its A is built in its
 load from gate|up), MoE experts (moe_gate_up / moe_down quantize the gathered rows per tile),
-act-order (g_idx) and weight-only schemes.
+act-order (g_idx) and weight-only schemes, and act groups the producers do not tile (not a
+power of two from 16 to 1024).
 """
 from ..ir import Node, Value
 from ..ops.quant import reads_codes, scheme_of
 
 CONSUMERS = ("linear", "linear_gated")
+# the act groups the producers' kernels tile (a [groups, act_group] tile: triton/_act_codes.j2's
+# users); a linear with another group (16 x 48 test blocks) keeps quantizing in its own launch
+GROUPS = (16, 32, 64, 128, 256, 512, 1024)
 FUSED_PRODUCERS = {"add_rms_norm": "add_rms_norm_quant"}   # op -> its form with codes, h = output 1
 
 
@@ -69,7 +73,8 @@ def make_act_codes(state):
                 continue
             s = scheme_of(n.attrs)
             x = n.inputs[0]
-            if not reads_codes(s) or g.values[x].type.dtype != "bf16":
+            if not reads_codes(s) or g.values[x].type.dtype != "bf16" \
+                    or s.act == "dynamic_group" and s.act_group not in GROUPS:
                 continue
             xs = _x_scale(n, s)
             key = (x, s.act, s.act_group, xs)
