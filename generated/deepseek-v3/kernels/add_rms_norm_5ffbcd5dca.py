@@ -68,14 +68,15 @@ def add_rms_norm(x_ptr, d_ptr, w_ptr, res_ptr, h_ptr, codes_ptr, scale_ptr, H: t
             n = (s * inv).to(h_ptr.dtype.element_ty).to(tl.float32)
             tl.store(h_ptr + row + offs, (n * w).to(h_ptr.dtype.element_ty), mask=mask)
     tl.debug_barrier()   # the codes pass reads h that other threads of the program stored
+    # (names of its own: a name the norm's branches bound would be a loop-carried value of another type)
     for g0 in range(0, 56, 8):
-        g = g0 + tl.arange(0, 8)
-        k = g[:, None] * 128 + tl.arange(0, 128)[None, :]
-        mask = (g[:, None] < 56) & (k < H)
-        x = tl.load(h_ptr + row + k, mask=mask, other=0.0).to(tl.float32)
-        s = _act_scale(tl.max(tl.abs(x), axis=1))
-        _act_store(codes_ptr, x, s[:, None], row + k, mask)
-        tl.store(scale_ptr + tl.program_id(0).to(tl.int64) * 56 + g, s, mask=g < 56)
+        qg = g0 + tl.arange(0, 8)
+        qk = qg[:, None] * 128 + tl.arange(0, 128)[None, :]
+        qmask = (qg[:, None] < 56) & (qk < H)
+        qx = tl.load(h_ptr + row + qk, mask=qmask, other=0.0).to(tl.float32)
+        qs = _act_scale(tl.max(tl.abs(qx), axis=1))
+        _act_store(codes_ptr, qx, qs[:, None], row + qk, qmask)
+        tl.store(scale_ptr + tl.program_id(0).to(tl.int64) * 56 + qg, qs, mask=qg < 56)
 
 
 META = {
