@@ -36,12 +36,13 @@ def _rendered(plan, out):
 
 @pytest.fixture(scope="module")
 def fp8_plans(tiny_model, tmp_path_factory):
-    """(plan with the pass, rendered; plan without it, as compiled; weights)."""
+    """(plan with the pass, plan without it, weights), as compiled (rendering is the interpreted
+    test's: it costs seconds)."""
     d, _ = tiny_model("qwen3")
     q = tmp_path_factory.mktemp("fp8")
     quantize_model(d, q, "fp8-block", block=(32, 32))     # act groups of 32: several a row
-    plan = _rendered(compile_model(model_dir=str(q), log=None)[1], tmp_path_factory.mktemp("art"))
-    plain = json.loads(dumps(compile_model(model_dir=str(q), skip=("act_codes",), log=None)[1]))
+    plan, plain = (json.loads(dumps(compile_model(model_dir=str(q), skip=skip, log=None)[1]))
+                   for skip in ((), ("act_codes",)))
     return plan, plain, load_weights(plan, Checkpoint(q))
 
 
@@ -68,10 +69,6 @@ def test_plan_makes_the_codes_once_and_the_linears_read_them(fp8_plans):
     # narrow GEMV, so it has no narrow program: with ready codes it has one, for the codes path)
     assert not any(launch["attrs"].get("has_a_scale") for launch in _launches(plain, "decode"))
     assert "narrow" not in plain["programs"]
-    narrow = [p for launch in _launches(plan, "narrow") if launch["op"] in ("linear", "linear_gated")
-              for p in [launch["kernel_id"]]]
-    assert narrow and all("tl.dot(raw, tl.trans(ac))" in (Path(plan["_dir"]) / plan["kernels"][k]["source"]).read_text()
-                          for k in narrow)
 
 
 def test_reference_logits_do_not_move(fp8_plans):
@@ -88,7 +85,10 @@ def test_kernels_logits_do_not_move(fp8_plans, tmp_path):
     reference."""
     from interp_executor import InterpExecutor
     plan, plain, weights = fp8_plans
-    plain = _rendered(plain, tmp_path)
+    plan, plain = _rendered(plan, tmp_path / "a"), _rendered(plain, tmp_path / "b")
+    narrow = [launch["kernel_id"] for launch in _launches(plan, "narrow") if launch["op"] in ("linear", "linear_gated")]
+    assert narrow and all("tl.dot(raw, tl.trans(ac))" in (Path(plan["_dir"]) / plan["kernels"][k]["source"]).read_text()
+                          for k in narrow)          # the narrow codes path
     rng = np.random.default_rng(3)
     a, b = [int(t) for t in rng.integers(0, 300, 21)], [int(t) for t in rng.integers(0, 300, 9)]
     runs = []
