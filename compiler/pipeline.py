@@ -6,6 +6,7 @@ inferred again, so a pass that breaks a shape rule is caught at the pass that di
 import time
 
 from .lower import lower
+from .passes.act_codes import make_act_codes
 from .passes.add_lora import add_lora
 from .passes.capture_hidden import capture_hidden
 from .passes.eliminate_dead import eliminate_dead
@@ -54,6 +55,8 @@ PIPELINE = [
     ("fuse_linear_prologue", fuse_linear_prologue),  # else into the down GEMM's input load
     ("fuse_lm_head", fuse_lm_head),                # final add + norm + lm_head on last tokens only
     ("fuse_route_align", fuse_route_align),        # MoE router + token grouping by expert in one launch
+    ("act_codes", make_act_codes),                 # fp8 linears' activation codes made once, by
+                                                   # their producer (or a quantize_act launch)
     ("row_logits", row_logits),                    # logits of any rows (prompt logprobs): name the
                                                    # logits tail, keep its inputs live to the end
     ("eliminate_dead", eliminate_dead),
@@ -67,7 +70,7 @@ PIPELINE = [
 FUSIONS = {"fold_shared_experts", "fuse_weights", "rotate_residual", "fuse_add_rms_norm",
            "fuse_qk_norm_rope_cache", "fuse_latent_prologue", "fuse_act_mul", "fuse_lora_act",
            "fuse_linear_epilogue", "fuse_linear_prologue", "fuse_lm_head", "fuse_route_align",
-           "merge_prologues"}
+           "act_codes", "merge_prologues"}
 # (merge_prologues rewrites no node; its dropped in-place aliases would come back with the types)
 REWRITES = FUSIONS - {"merge_prologues"} | {"split_attention", "shard_ranks", "lower_experts",
                                             "quantize_weights", "eliminate_dead", "materialize_views",

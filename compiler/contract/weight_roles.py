@@ -4,7 +4,8 @@ makes it for --load-format dummy.
 A quantized launch (attrs["quant"]: the scheme, compiler/quant/scheme.py) reads its weight as
 codes (the input whose dtype is the scheme's code dtype) and, as its last inputs, the scheme's
 companions in the order w_scale, w_zero, w_gidx, x_scale (the pass and the fusions keep them
-last, after the bias and any prologue's inputs). The plan's weight names are the fusions' own,
+last, after the bias and any prologue's inputs; only ready activation codes' scales, has_a_scale,
+come after them). The plan's weight names are the fusions' own,
 so the launches are the one place that says which weight is a scale of which codes.
 
 The fill kinds (plan["weight_init"] for bf16, plan["weight_init_<kind>"] for the others; the
@@ -45,7 +46,9 @@ def quant_roles(plan: dict) -> dict:
                 raise ValueError(f"launch {launch['op']} ({', '.join(launch['inputs'])}) is quantized "
                                  f"({scheme['codes']}) but reads no {scheme['codes']} weight")
             names = [c for c in COMPANIONS if launch["attrs"].get("has_" + c)]
-            tail = launch["inputs"][len(launch["inputs"]) - len(names):] if names else []
+            # ready activation codes' scales (has_a_scale) come after the companions
+            end = len(launch["inputs"]) - (1 if launch["attrs"].get("has_a_scale") else 0)
+            tail = launch["inputs"][end - len(names):end] if names else []
             out[codes] = ("codes", scheme, codes)
             for role, name in zip(names, tail):
                 out[name] = (role, scheme, codes)

@@ -58,4 +58,25 @@ op(name="add_rms_norm", tensors=["x", "delta", "weight"], attrs={"eps": REQUIRED
    doc="residual add + RMSNorm")
 
 
+# add_rms_norm_quant(x, d, w) -> (s, h, codes, a_scale): add_rms_norm, and h's e4m3 codes and
+# per-row group scales as quantize_act makes them (attrs.act_quant: the fp8 linear's scheme that
+# reads them; compiler/passes/act_codes.py). One program holds a whole row, so it quantizes it.
+def add_rms_norm_quant_infer(types, attrs):
+    from .quantize_act import infer as codes_infer
+    x, _ = add_rms_norm_infer(types, attrs)
+    return [x, x] + codes_infer([x], {"act_quant": attrs["act_quant"]})
+
+
+def add_rms_norm_quant(ctx, x, d, w, eps, act_quant):
+    from .quant import act_codes, scheme_of
+    s, h = add_rms_norm(ctx, x, d, w, eps)
+    return (s, h) + act_codes(h, scheme_of({"quant": act_quant}))
+
+
+op(name="add_rms_norm_quant", tensors=["x", "delta", "weight"], attrs={"eps": REQUIRED, "act_quant": REQUIRED},
+   infer=add_rms_norm_quant_infer, reference=add_rms_norm_quant, n_outputs=4, inplace={0: 0},
+   internal=True, templates={"triton": "add_rms_norm"},
+   doc="residual add + RMSNorm + the normed row's fp8 activation codes")
+
+
 # qk_norm_rope_cache and attention_cached live in ops/qk_norm_rope_cache.py and ops/attention.py.

@@ -12,7 +12,7 @@ the reference executor's logits do not move.
 from .activation import ACTIVATIONS, resolve
 from .base import REQUIRED, expect, op, tt
 from .linear import out_dtype
-from .quant import QUANT_OPTIONAL, check_types, operands
+from .quant import CODES_OPTIONAL, QUANT_OPTIONAL, check_types, operands
 
 
 def _fn(attrs, who):
@@ -78,7 +78,8 @@ def linear_gated_infer(types, attrs):
     expect(x.shape[-1] == w.shape[1], f"linear_gated: input {x} has K={x.shape[-1]} but weight {w} "
                                       f"has K={w.shape[1]}")
     _bias(types, attrs, w.shape[0], "linear_gated")
-    return [tt(x.shape[:-1] + (w.shape[0] // 2,), x.dtype)]
+    # ready activation codes (attrs.has_a_scale) stand for the bf16 activations they were made from
+    return [tt(x.shape[:-1] + (w.shape[0] // 2,), "bf16" if x.dtype == "f8e4m3" else x.dtype)]
 
 
 def linear_gated(ctx, x, w, *rest, fn, **attrs):
@@ -92,7 +93,7 @@ def linear_gated(ctx, x, w, *rest, fn, **attrs):
 # and the down projection after it is a plain linear (a GEMM that reads a ready A tile runs
 # 1.4-1.5x faster than one that builds it in registers, bench/NOTES.md). The epilogue rounds as
 # HF's MLP does: g and u to bf16 (the projection's outputs), act(g) to bf16, then act(g) * u.
-op(name="linear_gated", tensors=["x", "weight"], optional=["bias"], pass_inputs=QUANT_OPTIONAL,
+op(name="linear_gated", tensors=["x", "weight"], optional=["bias"], pass_inputs=CODES_OPTIONAL,
    attrs={"fn": REQUIRED, "has_bias": False}, infer=linear_gated_infer,
    reference=linear_gated, internal=True,
    templates={"triton": {"prefill": "gemm_gated", "mixed": "gemm_gated",

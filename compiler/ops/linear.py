@@ -13,7 +13,7 @@ per phase, made by the select_kernels pass. The cuda gemv and the tilelang
 gemm take no bias, and no quantized weight.
 """
 from .base import expect, op, tt
-from .quant import QUANT_OPTIONAL, check_types, operands
+from .quant import CODES_OPTIONAL, check_types, operands
 
 
 def infer(types, attrs):
@@ -30,7 +30,8 @@ def infer(types, attrs):
 
 def out_dtype(x, attrs) -> str:
     """x's dtype, unless a pass set attrs["out_dtype"] (fp32 partial sums of a row-parallel linear)."""
-    d = attrs.get("out_dtype") or x.dtype
+    # ready activation codes (attrs.has_a_scale) stand for the bf16 activations they were made from
+    d = attrs.get("out_dtype") or ("bf16" if x.dtype == "f8e4m3" else x.dtype)
     expect(d in ("bf16", "f32"), f"linear: out_dtype must be bf16 or f32, got {d!r}")
     return d
 
@@ -44,7 +45,7 @@ def reference(ctx, x, w, *rest, out_dtype=None, **attrs):
 # attrs["has_bias"] is set by whoever makes the node (lowering, passes), as for every optional
 # A quantized checkpoint's linear (compiler/passes/quantize_weights.py) reads W as codes and its
 # scales after the bias (compiler/ops/quant.py): attrs["quant"] names the scheme.
-op(name="linear", tensors=["x", "weight"], optional=["bias"], pass_inputs=QUANT_OPTIONAL,
+op(name="linear", tensors=["x", "weight"], optional=["bias"], pass_inputs=CODES_OPTIONAL,
    infer=infer, reference=reference,
    # wide (decode steps of >= WIDE_DENSE_TOKENS sequences): the GEMM's decode tiles, which read
    # W once for 64 rows a tile where the GEMV re-reads it per row block (bench/NOTES.md)

@@ -7,6 +7,9 @@ The expert ops (moe_gate_up, moe_down) read a stack of E experts' codes [E, N, K
 their companions after moe_align's rows and counts, each with a leading E axis.
 Its reference dequantizes W exactly and quantizes the activations as the format does, then runs
 the bf16 op's own math in float32.
+A linear or linear_gated whose activations a quantize_act launch made (attrs["has_a_scale"]:
+compiler/passes/quantize_activations.py) reads x as the e4m3 codes and, last, their scales
+a_scale [rows, groups]: codes * scale is the quantizer's output bit for bit (act_codes below).
 """
 import numpy as np
 
@@ -15,6 +18,8 @@ from .base import expect
 
 # the optional inputs a linear-family op declares after its bias
 QUANT_OPTIONAL = list(COMPANIONS)
+# ... and, for the ops that can read ready activation codes, their scales after the companions
+CODES_OPTIONAL = QUANT_OPTIONAL + ["a_scale"]
 
 
 def scheme_of(attrs: dict) -> QuantScheme | None:
@@ -51,6 +56,17 @@ def check_types(types, attrs, first: int, who: str, w_at: int = 1):
     if "x_scale" in got:
         expect(got["x_scale"].dtype == "f32" and got["x_scale"].shape == (1,),
                f"{who}: x_scale must be f32 [1], got {got['x_scale']}")
+    x = types[0]
+    if attrs.get("has_a_scale"):
+        expect(reads_codes(s), f"{who}: ready activation codes need fp8 weights with quantized activations, "
+                               f"not {s}")
+        a_scale = types[first + len(names)]
+        want = tuple(x.shape[:-1]) + (act_groups(s, k),)
+        expect(x.dtype == "f8e4m3" and a_scale.dtype == "f32" and tuple(a_scale.shape) == want,
+               f"{who}: ready activation codes are f8e4m3 x with f32 a_scale [{', '.join(map(str, want))}], "
+               f"got {x} and {a_scale}")
+    else:
+        expect(x.dtype != "f8e4m3", f"{who}: an f8e4m3 input without its scales (attrs.has_a_scale)")
 
 
 def round_e4m3(v: np.ndarray) -> np.ndarray:
@@ -62,6 +78,43 @@ def round_e4m3(v: np.ndarray) -> np.ndarray:
     e = np.floor(np.log2(np.maximum(a, np.float32(2.0 ** -6))))
     q = np.exp2(e - 3).astype(np.float32)
     return (np.sign(v) * np.minimum(np.round(a / q) * q, FP8_MAX)).astype(np.float32)
+
+
+def reads_codes(s: QuantScheme | None) -> bool:
+    """Whether a linear of scheme s can take its activations as ready e4m3 codes + scales: fp8
+    weights whose activations the format quantizes, with one A scale a row a group (not act-order)."""
+    return s is not None and s.codes == "f8e4m3" and s.act != "none" and not s.g_idx
+
+
+def act_groups(s: QuantScheme, k: int) -> int:
+    """Scales a row of quantized activations holds: one a group (dynamic_group), else one."""
+    return -(-k // s.act_group) if s.act == "dynamic_group" else 1
+
+
+def act_codes(x: np.ndarray, s: QuantScheme, x_scale=None):
+    """(codes' values float32 [..., K], scales float32 [..., groups]) of x as the format's
+    activation quantizer makes them: quantize_activations(x) == codes * scales (each group's)."""
+    x = np.asarray(x, np.float32)
+    k = x.shape[-1]
+    if s.act == "static":
+        scale = np.full(x.shape[:-1] + (1,), np.float32(x_scale.reshape(-1)[0]), np.float32)
+        return round_e4m3(x / scale), scale
+    g = k if s.act == "dynamic_token" else s.act_group
+    pad = -k % g
+    xp = np.concatenate([x, np.zeros(x.shape[:-1] + (pad,), np.float32)], -1) if pad else x
+    xg = xp.reshape(x.shape[:-1] + (-1, g))
+    amax = np.abs(xg).max(-1, keepdims=True)
+    scale = np.where(amax > 0, amax / np.float32(FP8_MAX), np.float32(1.0)).astype(np.float32)
+    codes = round_e4m3(xg / scale).reshape(xp.shape)[..., :k]
+    return codes, scale[..., 0]
+
+
+def from_codes(codes: np.ndarray, a_scale: np.ndarray, s: QuantScheme) -> np.ndarray:
+    """The activations' values from ready codes and scales (act_codes' inverse, exact)."""
+    codes = np.asarray(codes, np.float32)
+    k = codes.shape[-1]
+    cols = np.arange(k) // s.act_group if s.act == "dynamic_group" else np.zeros(k, np.int64)
+    return (codes * np.asarray(a_scale, np.float32)[..., cols]).astype(np.float32)
 
 
 def quantize_activations(x: np.ndarray, s: QuantScheme, x_scale=None) -> np.ndarray:
@@ -104,6 +157,8 @@ def operands(x, w, rest: tuple, attrs: dict):
         return x, w, bias
     got = dict(zip(s.companions(), rest))
     w = dequantize(w, s, got["w_scale"], got.get("w_zero"), got.get("w_gidx"))
+    if attrs.get("has_a_scale"):
+        return from_codes(x, rest[len(got)], s), w, bias
     return quantize_activations(x, s, got.get("x_scale")), w, bias
 
 
@@ -120,4 +175,4 @@ def expert_operands(x, w, rest: tuple, attrs: dict):
 
 def quant_attrs(attrs: dict) -> dict:
     """The quantization attributes a fusion carries from the linear it replaces."""
-    return {k: v for k, v in attrs.items() if k == "quant" or k in {"has_" + c for c in COMPANIONS}}
+    return {k: v for k, v in attrs.items() if k == "quant" or k in {"has_" + c for c in CODES_OPTIONAL}}

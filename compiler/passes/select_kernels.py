@@ -9,7 +9,9 @@ PHASES = ("prefill", "decode", "mixed", "short", "wide", "narrow")
 # "narrow": a decode step of at most merge_prologues.NARROW_TOKENS tokens, the decode program with
 # launches merged for that phase only (state.merges; compiler/passes/merge_prologues.py). Its GEMVs
 # take their CUDA-core path at one row, the tensor-core path at more, both with the merged
-# prologue. A plan without such a merge has no narrow program.
+# prologue. A plan without such a merge has no narrow program, unless a linear reads ready fp8
+# activation codes (compiler/passes/act_codes.py): a narrow GEMV dots them on tensor cores
+# (triton/_gemv_narrow_codes.j2) where the decode one converts W on CUDA cores.
 # A prefill or mixed step of at most this many tokens runs the "short" program (compiler/contract/program.py
 # `program_name`; recorded as plan["short_tokens"]): its linears take the decode GEMV templates,
 # which stream the weight once at any row count, where the prefill GEMM's long-prompt tiles
@@ -75,7 +77,8 @@ def select_kernels(state):
     if state.kernels["wide"] == state.kernels["decode"] and \
             not any(t in ROW_TILED for _, t in state.kernels["wide"].values()):
         del state.kernels["wide"]                 # nothing runs differently: no program of its own
-    if not state.merges.get("narrow"):
+    ready_codes = any(n.attrs.get("has_a_scale") for g in state.graph.walk() for n in g.ordered())
+    if not state.merges.get("narrow") and not ready_codes:
         del state.kernels["narrow"]
     state.note("select_kernels", ", ".join(f"{p}: {len(t)} launches" for p, t in state.kernels.items()))
 

@@ -19,7 +19,8 @@ from infc.compiler.contract.program import program_name, unrolled
 from ..engine.step import Chunk, StepMeta, build_step
 from ..weights.load import at
 
-# The arena is laid out in the plan's dtypes (bf16 = 2 bytes); float32 here needs twice that.
+# The arena is laid out in the plan's dtypes (bf16 = 2 bytes); float32 here needs twice that, and
+# four times a plan's one-byte buffers (fp8 activation codes: compiler/passes/act_codes.py).
 SCALE = 2
 SeqChunk = Chunk          # the oracle's chunk: (seq_id, new tokens, tokens already cached)
 METADATA = ("positions", "seq_starts", "context_lens", "last_rows", "slot_mapping", "block_tables",
@@ -175,13 +176,14 @@ class ReferenceExecutor:
     # -- buffers --------------------------------------------------------------------------
     def _arena(self, ctx):
         a = self.plan["arena"]
-        nbytes = (a["bytes_per_token"] * ctx.T + a["bytes_per_seq"] * ctx.B + a["bytes"]) * SCALE
+        scale = 4 if any(b["dtype"] in ("f8e4m3", "u8") for b in self.plan["buffers"].values()) else SCALE
+        nbytes = (a["bytes_per_token"] * ctx.T + a["bytes_per_seq"] * ctx.B + a["bytes"]) * scale
         # poison: a read of memory no launch wrote shows up as NaN in the logits
         arena = np.full(nbytes // 4, np.nan, dtype=np.float32).view(np.uint8)
         views = {}
         for name, b in self.plan["buffers"].items():
             off = b["offset"]
-            start = (off["T"] * ctx.T + off["B"] * ctx.B + off["bytes"]) * SCALE
+            start = (off["T"] * ctx.T + off["B"] * ctx.B + off["bytes"]) * scale
             shape = [ctx.dim(d) for d in b["shape"]]
             dtype = np.int32 if b["dtype"] == "i32" else np.float32
             if "row_stride" in b:
