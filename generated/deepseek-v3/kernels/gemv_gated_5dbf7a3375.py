@@ -1,6 +1,9 @@
 
-   # gemv: y[t, n] = sum_k x[t, k] * w[n, k]  for t < T
-#   x [T, 7168] bf16, w [384, 7168] f8e4m3, y [T, 384] bf16; fp32 accumulate.
+   # gemv_silu_gated: y[t, f] = bf16(bf16(silu(g)) * u),  g = bf16(sum_k x[t, k] * w[f, k]),
+#   u = bf16(sum_k x[t, k] * w[2048 + f, k]), silu in fp32 (compiler/ops/activation.py): HF's MLP
+#   rounds at each of these steps.  x [T, 7168] bf16, w [4096, 7168] f8e4m3 (gate rows, then up
+#   rows), y [T, 2048]; fp32 accumulate. A W tile's rows are interleaved (gate f,
+#   up f, gate f + 1, ...) and the sums' pairs split in registers in the epilogue.
 # Quantized W (triton/_quant.j2): f8e4m3 codes, scales per 128 rows x 128 columns,
 #   activations dynamic_group (groups of 128): w = (value - zero) * scale dequantized in registers
 #   from one byte an element (the bytes streamed are the speedup). The CUDA-core path multiplies in
@@ -144,12 +147,27 @@ def _a_codes(a):
 
 
 @triton.jit
-def _finish(y_ptr, part_ptr, cnt_ptr, acc, offs, mask, tile, SPLIT: tl.constexpr, SLOT: tl.constexpr,
-            ZMAX: tl.constexpr):
+def _gated(v, ROWS_FIRST: tl.constexpr):
+    """An fp32 tile over interleaved gate/up W rows -> bf16(bf16(act(g)) * u) as fp32 values, on
+    half the W rows: [R, BN] -> [R, BN / 2] (ROWS_FIRST) or [BN, R] -> [BN / 2, R]."""
+    if ROWS_FIRST:
+        g, u = tl.split(tl.reshape(v, [v.shape[0], v.shape[1] // 2, 2]))
+    else:
+        g, u = tl.split(tl.permute(tl.reshape(v, [v.shape[0] // 2, 2, v.shape[1]]), (0, 2, 1)))
+    g = g.to(tl.bfloat16).to(tl.float32)
+    u = u.to(tl.bfloat16).to(tl.float32)
+    a = ((g / (1.0 + tl.exp(-g)))).to(tl.bfloat16).to(tl.float32)
+    return a * u
+
+
+@triton.jit
+def _finish(y_ptr, part_ptr, cnt_ptr, acc, offs, mask, y_offs, y_mask, tile, SPLIT: tl.constexpr,
+            SLOT: tl.constexpr, ZMAX: tl.constexpr, ROWS_FIRST: tl.constexpr):
     """Write an fp32 output tile. Under split-K each program parks its partial sums in its own
     scratch slot (z * SLOT elements in) and the last program to arrive at the tile (a counter per
     tile) adds the slots in split order: a fixed order, so two identical launches give identical
-    bits (atomic accumulation would add in arrival order). It leaves the counter zero."""
+    bits (atomic accumulation would add in arrival order). It leaves the counter zero.    offs/mask place the fp32 tile (a partial); y_offs/y_mask the output, after the gated epilogue
+    (half the columns: _gated)."""
     if SPLIT:
         nz = tl.num_programs(2)
         if nz > 1:
@@ -167,16 +185,16 @@ def _finish(y_ptr, part_ptr, cnt_ptr, acc, offs, mask, tile, SPLIT: tl.constexpr
                     live = mask & (tl.full(offs.shape, z, tl.int32) < nz)
                     got = tl.load(bits_ptr + z * SLOT + offs, mask=live, other=0, cache_modifier=".cg")
                     total += got.to(tl.float32, bitcast=True)
-                tl.store(y_ptr + offs, total.to(y_ptr.dtype.element_ty), mask=mask)
+                tl.store(y_ptr + y_offs, _gated(total, ROWS_FIRST).to(y_ptr.dtype.element_ty), mask=y_mask)
                 tl.store(cnt_ptr + tile, 0)
         else:
-            tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.store(y_ptr + y_offs, _gated(acc, ROWS_FIRST).to(y_ptr.dtype.element_ty), mask=y_mask)
     else:
-        tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + y_offs, _gated(acc, ROWS_FIRST).to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 @triton.jit
-def gemv(a_ptr, w_ptr, w_scale_ptr, as_ptr, y_ptr, M, part_ptr, cnt_ptr,
+def gemv_silu_gated(a_ptr, w_ptr, w_scale_ptr, as_ptr, y_ptr, M, part_ptr, cnt_ptr,
         N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, FMA_BLOCK_K: tl.constexpr,
         FMA_T: tl.constexpr, FMA_ROWS: tl.constexpr, BLOCK_N_DOT: tl.constexpr, BLOCK_K: tl.constexpr,
         BLOCK_T: tl.constexpr, KU: tl.constexpr, SPLIT: tl.constexpr, SLOT: tl.constexpr,
@@ -194,10 +212,12 @@ def gemv(a_ptr, w_ptr, w_scale_ptr, as_ptr, y_ptr, M, part_ptr, cnt_ptr,
     if M <= FMA_ROWS:
         # ---- CUDA-core path: rows 0 .. M-1 (M <= FMA_ROWS <= FMA_T), one W tile per step ----
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < N
-        # out-of-range rows re-read row N-1 (unmasked, vectorized loads); results are dropped
-        w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * 7168
-        srow = (tl.minimum(offs_n, N - 1) // 128)[:, None]
+        # W tile row r: gate row f (r even) or up row N + f (r odd), f = pid_n * BLOCK_N / 2 + r / 2;
+        # out-of-range f re-read row N-1 (unmasked, vectorized loads); results are dropped
+        offs_w = tl.minimum(offs_n // 2, N - 1) + (offs_n % 2) * N
+        n_mask = offs_n < 4096
+        w_rows = w_ptr + offs_w.to(tl.int64)[:, None] * 7168
+        srow = (offs_w // 128)[:, None]
         # the first W tiles are read before the wait and the A pass (weights are immutable): HBM
         # streams while the kernel before drains and the codes are made
         w_first0 = _w_raw(w_rows, k_lo + 0 * BLOCK_K, k_hi, BLOCK_K)
@@ -233,23 +253,51 @@ def gemv(a_ptr, w_ptr, w_scale_ptr, as_ptr, y_ptr, M, part_ptr, cnt_ptr,
             acc += tl.dot(raw, tl.trans(ac)) * (_w_group(w_scale_ptr, srow, k0, K, BLOCK_K) * a_s)
         rows = tl.arange(0, 1)
         out = tl.sum(tl.where(t16[None, :] == 0, acc, 0.0), axis=1)[None, :]
-        offs_f = rows.to(tl.int64)[:, None] * N + offs_n[None, :]
-        _finish(y_ptr, part_ptr, cnt_ptr, out, offs_f, (rows[:, None] < M) & n_mask[None, :], tile, SPLIT, SLOT, ZMAX)
+        offs_f = rows.to(tl.int64)[:, None] * 4096 + offs_n[None, :]
+        offs_y = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        _finish(y_ptr, part_ptr, cnt_ptr, out, offs_f, (rows[:, None] < M) & n_mask[None, :],
+                rows.to(tl.int64)[:, None] * N + offs_y[None, :], (rows[:, None] < M) & (offs_y[None, :] < N),
+                tile, SPLIT, SLOT, ZMAX, True)
+    elif pid_n * BLOCK_N_DOT < N * 2:
+        # ---- tensor-core path: rows pid_t*BLOCK_T .. +BLOCK_T, acc[n, t] = W @ A^T ----
+        offs_nd = pid_n * BLOCK_N_DOT + tl.arange(0, BLOCK_N_DOT)
+        offs_wd = tl.minimum(offs_nd // 2, N - 1) + (offs_nd % 2) * N   # gate f, up f, gate f + 1, ...
+        n_maskd = offs_nd < 4096
+        w_rowsd = w_ptr + offs_wd.to(tl.int64)[:, None] * 7168
+        srowd = (offs_wd // 128)[:, None]
+        if PDL:
+            gdc_wait()   # earlier kernels' writes are visible from here on
+        offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_mask = offs_t < M
+        row = _row_start(offs_t, t_mask)[:, None]
+        acc = tl.zeros([BLOCK_N_DOT, BLOCK_T], tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)[None, :]
+            raw = _w_raw(w_rowsd, k0, K, BLOCK_K)
+            # the ready codes of A (a launch before made them) and their scales
+            ac = tl.load(a_ptr + row + k, mask=t_mask[:, None] & (k < K), other=0.0)
+            a_s = tl.load(as_ptr + offs_t * 56 + k0 // 128, mask=t_mask, other=0.0)
+            acc += tl.dot(raw, tl.trans(ac)) * _w_group(w_scale_ptr, srowd, k0, K, BLOCK_K) * a_s[None, :]
+        offs = offs_t.to(tl.int64)[None, :] * 4096 + offs_nd[:, None]
+        offs_yd = pid_n * (BLOCK_N_DOT // 2) + tl.arange(0, BLOCK_N_DOT // 2)
+        _finish(y_ptr, part_ptr, cnt_ptr, acc, offs, t_mask[None, :] & n_maskd[:, None],
+                offs_t.to(tl.int64)[None, :] * N + offs_yd[:, None], t_mask[None, :] & (offs_yd[:, None] < N),
+                tile, SPLIT, SLOT, ZMAX, False)
 
 
 META = {
-    "entry": "gemv",
+    "entry": "gemv_silu_gated",
     "params": [["a_ptr", "*fp8e4nv", "in:0"], ["w_ptr", "*fp8e4nv", "in:1"], ["w_scale_ptr", "*fp32", "in:2"], ["as_ptr", "*fp32", "in:3"], ["y_ptr", "*bf16", "out:0"], ["M", "i32", "dim:T"], ["part_ptr", "*fp32", "scratch:partials"], ["cnt_ptr", "*i32", "scratch:counters"]],
-    "constexprs": {"N": 384, "K": 7168, "BLOCK_N": 64, "FMA_BLOCK_K": 128,
+    "constexprs": {"N": 2048, "K": 7168, "BLOCK_N": 64, "FMA_BLOCK_K": 128,
                    "FMA_T": 1, "FMA_ROWS": 1, "BLOCK_N_DOT": 64, "BLOCK_K": 128,
-                   "BLOCK_T": 32, "KU": 128, "SPLIT": True, "SLOT": 384,
-                   "ZMAX": 14,
+                   "BLOCK_T": 32, "KU": 128, "SPLIT": True, "SLOT": 262144,
+                   "ZMAX": 6,
                    "DOT_F32": False, "PDL": True},
     "pdl": True,
     "reads_before_wait": ["w_ptr"],
-    "grid": ["cdiv(T, 32)", 6, "1 + 13 * max(0, min(1, 2 - T))"],
-    "scratch": {"partials": "14 * 1536",
-                "counters": "min(cdiv(T, 32), 1) * 24"},
+    "grid": ["cdiv(T, 32)", 64, "6 * max(0, min(1, 2 - T)) + max(1, 4 // cdiv(T, 32)) * (1 - max(0, min(1, 2 - T)))"],
+    "scratch": {"partials": "6 * 1048576",
+                "counters": "min(cdiv(T, 32), 2) * 256"},
     "num_warps": 4,
     "num_stages": 4,
 }

@@ -1,6 +1,6 @@
 
    # gemv: y[t, n] = sum_k x[t, k] * w[n, k]  for t < T
-#   x [T, 2048] bf16, w [7168, 2048] f8e4m3, y [T, 7168] bf16; fp32 accumulate.
+#   x [T, 7168] bf16, w [256, 7168] f8e4m3, y [T, 256] bf16; fp32 accumulate.
 # Quantized W (triton/_quant.j2): f8e4m3 codes, scales per 128 rows x 128 columns,
 #   activations dynamic_group (groups of 128): w = (value - zero) * scale dequantized in registers
 #   from one byte an element (the bytes streamed are the speedup). The CUDA-core path multiplies in
@@ -44,7 +44,7 @@ def _ptr(base, offs):
 @triton.jit
 def _row_start(r, mask):
     """Element offset of each row's first element in the A operand: r [R] -> int64 [R]."""
-    return r.to(tl.int64) * 2048
+    return r.to(tl.int64) * 7168
 
 
 @triton.jit
@@ -54,14 +54,14 @@ def _a_tile(a_ptr, as_ptr, row_off, k, mask):
     row_off [R, 1] and k [1, BK] -> [R, BK], or row_off [1] and k [BK] -> [BK]."""
     # ready codes: code * its group's scale, the value the activation quantizer leaves (fp32)
     c = tl.load(a_ptr + row_off + k, mask=mask, other=0.0).to(tl.float32)
-    g = row_off // 2048 * 16 + k // 128
+    g = row_off // 7168 * 56 + k // 128
     return c * tl.load(as_ptr + g, mask=mask, other=0.0)
 
 
 @triton.jit
 def _w_raw(w_rows, k0, k_end, BK: tl.constexpr):
     """The stored codes of W[rows, k0 : k0 + BK], zero past k_end: w_rows [BN, 1] row pointers
-    (2048 bytes a row), k0 a multiple of BK -> f8e4m3 [BN, BK]."""
+    (7168 bytes a row), k0 a multiple of BK -> f8e4m3 [BN, BK]."""
     k = k0 + tl.arange(0, BK)[None, :]
     p = w_rows + k
     p = tl.multiple_of(p, [1, 16])
@@ -76,17 +76,17 @@ def _w_values(raw):
 
 @triton.jit
 def _w_group(t_ptr, srow, k0, k_end, BK: tl.constexpr):
-    """t[srow, g(k)] (w_scale or w_zero: 16 groups a row) over the tile's columns
+    """t[srow, g(k)] (w_scale or w_zero: 56 groups a row) over the tile's columns
     k0 .. k0 + BK: srow [BN, 1] the W rows' scale rows -> [BN, 1] (the tile in one group),
     [BN, BK / 128] (one a group of the tile) or [BN, BK] (a group per column)."""
     if 128 % BK == 0:
-        return tl.load(t_ptr + srow * 16 + tl.minimum(k0 // 128, 15))
+        return tl.load(t_ptr + srow * 56 + tl.minimum(k0 // 128, 55))
     elif BK % 128 == 0:
-        g = tl.minimum(k0 // 128 + tl.arange(0, BK // 128), 15)[None, :]
-        return tl.load(t_ptr + srow * 16 + g)
+        g = tl.minimum(k0 // 128 + tl.arange(0, BK // 128), 55)[None, :]
+        return tl.load(t_ptr + srow * 56 + g)
     else:
         k = k0 + tl.arange(0, BK)[None, :]
-        return tl.load(t_ptr + srow * 16 + tl.minimum(k // 128, 15))
+        return tl.load(t_ptr + srow * 56 + tl.minimum(k // 128, 55))
 
 
 @triton.jit
@@ -196,7 +196,7 @@ def gemv(a_ptr, w_ptr, w_scale_ptr, as_ptr, y_ptr, M, part_ptr, cnt_ptr,
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
         # out-of-range rows re-read row N-1 (unmasked, vectorized loads); results are dropped
-        w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * 2048
+        w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * 7168
         srow = (tl.minimum(offs_n, N - 1) // 128)[:, None]
         # the first W tiles are read before the wait and the A pass (weights are immutable): HBM
         # streams while the kernel before drains and the codes are made
@@ -235,21 +235,42 @@ def gemv(a_ptr, w_ptr, w_scale_ptr, as_ptr, y_ptr, M, part_ptr, cnt_ptr,
         out = tl.sum(tl.where(t16[None, :] == 0, acc, 0.0), axis=1)[None, :]
         offs_f = rows.to(tl.int64)[:, None] * N + offs_n[None, :]
         _finish(y_ptr, part_ptr, cnt_ptr, out, offs_f, (rows[:, None] < M) & n_mask[None, :], tile, SPLIT, SLOT, ZMAX)
+    elif pid_n * BLOCK_N_DOT < N:
+        # ---- tensor-core path: rows pid_t*BLOCK_T .. +BLOCK_T, acc[n, t] = W @ A^T ----
+        offs_nd = pid_n * BLOCK_N_DOT + tl.arange(0, BLOCK_N_DOT)
+        n_maskd = offs_nd < N
+        w_rowsd = w_ptr + tl.minimum(offs_nd, N - 1).to(tl.int64)[:, None] * 7168
+        srowd = (tl.minimum(offs_nd, N - 1) // 128)[:, None]
+        if PDL:
+            gdc_wait()   # earlier kernels' writes are visible from here on
+        offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_mask = offs_t < M
+        row = _row_start(offs_t, t_mask)[:, None]
+        acc = tl.zeros([BLOCK_N_DOT, BLOCK_T], tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)[None, :]
+            raw = _w_raw(w_rowsd, k0, K, BLOCK_K)
+            # the ready codes of A (a launch before made them) and their scales
+            ac = tl.load(a_ptr + row + k, mask=t_mask[:, None] & (k < K), other=0.0)
+            a_s = tl.load(as_ptr + offs_t * 56 + k0 // 128, mask=t_mask, other=0.0)
+            acc += tl.dot(raw, tl.trans(ac)) * _w_group(w_scale_ptr, srowd, k0, K, BLOCK_K) * a_s[None, :]
+        offs = offs_t.to(tl.int64)[None, :] * N + offs_nd[:, None]
+        _finish(y_ptr, part_ptr, cnt_ptr, acc, offs, t_mask[None, :] & n_maskd[:, None], tile, SPLIT, SLOT, ZMAX)
 
 
 META = {
     "entry": "gemv",
     "params": [["a_ptr", "*fp8e4nv", "in:0"], ["w_ptr", "*fp8e4nv", "in:1"], ["w_scale_ptr", "*fp32", "in:2"], ["as_ptr", "*fp32", "in:3"], ["y_ptr", "*bf16", "out:0"], ["M", "i32", "dim:T"], ["part_ptr", "*fp32", "scratch:partials"], ["cnt_ptr", "*i32", "scratch:counters"]],
-    "constexprs": {"N": 7168, "K": 2048, "BLOCK_N": 64, "FMA_BLOCK_K": 128,
+    "constexprs": {"N": 256, "K": 7168, "BLOCK_N": 64, "FMA_BLOCK_K": 128,
                    "FMA_T": 1, "FMA_ROWS": 1, "BLOCK_N_DOT": 64, "BLOCK_K": 128,
-                   "BLOCK_T": 32, "KU": 128, "SPLIT": True, "SLOT": 7168,
-                   "ZMAX": 3,
+                   "BLOCK_T": 32, "KU": 128, "SPLIT": True, "SLOT": 24576,
+                   "ZMAX": 14,
                    "DOT_F32": False, "PDL": True},
     "pdl": True,
     "reads_before_wait": ["w_ptr"],
-    "grid": ["cdiv(T, 32)", 112, "1 + 2 * max(0, min(1, 2 - T))"],
-    "scratch": {"partials": "3 * 28672",
-                "counters": "min(cdiv(T, 32), 1) * 448"},
+    "grid": ["cdiv(T, 32)", 4, "14 * max(0, min(1, 2 - T)) + max(1, 7 // cdiv(T, 32)) * (1 - max(0, min(1, 2 - T)))"],
+    "scratch": {"partials": "14 * 98304",
+                "counters": "min(cdiv(T, 32), 3) * 16"},
     "num_warps": 4,
     "num_stages": 4,
 }

@@ -1,6 +1,6 @@
 
-   # gemv: y[t, n] = sum_k x[t, k] * w[n, k]  for t < B
-#   x [B, 7168] bf16, w [129280, 7168] f8e4m3, y [B, 129280] f32; fp32 accumulate.
+   # gemv: y[t, n] = sum_k x[t, k] * w[n, k]  for t < T
+#   x [T, 18432] bf16, w [7168, 18432] f8e4m3, y [T, 7168] bf16; fp32 accumulate.
 # Quantized W (triton/_quant.j2): f8e4m3 codes, scales per 128 rows x 128 columns,
 #   activations dynamic_group (groups of 128): w = (value - zero) * scale dequantized in registers
 #   from one byte an element (the bytes streamed are the speedup). The CUDA-core path multiplies in
@@ -8,8 +8,8 @@
 #   FMA_BLOCK_K = 128 and BLOCK_K = 128 are multiples of act_group = 128 (a tile quantizes whole groups).
 #
 # Memory-bound: W is streamed once, in [BLOCK_N, *] tiles of 16-byte vector loads (evict_first, so
-# the small activations stay in L2). Grid (cdiv(B, BLOCK_T), N blocks, splits):
-#  * B <= FMA_ROWS = 1: CUDA-core path, N blocks of BLOCK_N rows (small: many programs, short
+# the small activations stay in L2). Grid (cdiv(T, BLOCK_T), N blocks, splits):
+#  * T <= FMA_ROWS = 1: CUDA-core path, N blocks of BLOCK_N rows (small: many programs, short
 #    GEMVs fill the GPU). Each program keeps one fp32 [BLOCK_N, FMA_BLOCK_K] partial product per
 #    row and reduces it once at the end (no per-iteration shuffles); the row's A chunk is loaded
 #    once as a vector and broadcast over the W tile's layout.
@@ -18,7 +18,7 @@
 #    the last block exit at once. Swap-AB: acc[n, t] += W_tile[BLOCK_N_DOT, BLOCK_K] @ A_tile^T,
 #    so W is the MMA's M side and up to BLOCK_T rows share every W tile, software-pipelined over
 #    num_stages buffers; row blocks of one W tile are adjacent in launch order, so the re-reads
-#    for B > BLOCK_T mostly hit L2.
+#    for T > BLOCK_T mostly hit L2.
 #  * split-K (SPLIT): program z of Z sums one K range into its own fp32 scratch slot; the last
 #    program to arrive at a tile (a counter per tile) adds the Z slots in order z = 0 .. Z-1 and
 #    writes the output (deterministic: no arrival-order float adds), leaving the counter zero.
@@ -44,7 +44,7 @@ def _ptr(base, offs):
 @triton.jit
 def _row_start(r, mask):
     """Element offset of each row's first element in the A operand: r [R] -> int64 [R]."""
-    return r.to(tl.int64) * 7168
+    return r.to(tl.int64) * 18432
 
 
 @triton.jit
@@ -54,14 +54,14 @@ def _a_tile(a_ptr, as_ptr, row_off, k, mask):
     row_off [R, 1] and k [1, BK] -> [R, BK], or row_off [1] and k [BK] -> [BK]."""
     # ready codes: code * its group's scale, the value the activation quantizer leaves (fp32)
     c = tl.load(a_ptr + row_off + k, mask=mask, other=0.0).to(tl.float32)
-    g = row_off // 7168 * 56 + k // 128
+    g = row_off // 18432 * 144 + k // 128
     return c * tl.load(as_ptr + g, mask=mask, other=0.0)
 
 
 @triton.jit
 def _w_raw(w_rows, k0, k_end, BK: tl.constexpr):
     """The stored codes of W[rows, k0 : k0 + BK], zero past k_end: w_rows [BN, 1] row pointers
-    (7168 bytes a row), k0 a multiple of BK -> f8e4m3 [BN, BK]."""
+    (18432 bytes a row), k0 a multiple of BK -> f8e4m3 [BN, BK]."""
     k = k0 + tl.arange(0, BK)[None, :]
     p = w_rows + k
     p = tl.multiple_of(p, [1, 16])
@@ -76,17 +76,17 @@ def _w_values(raw):
 
 @triton.jit
 def _w_group(t_ptr, srow, k0, k_end, BK: tl.constexpr):
-    """t[srow, g(k)] (w_scale or w_zero: 56 groups a row) over the tile's columns
+    """t[srow, g(k)] (w_scale or w_zero: 144 groups a row) over the tile's columns
     k0 .. k0 + BK: srow [BN, 1] the W rows' scale rows -> [BN, 1] (the tile in one group),
     [BN, BK / 128] (one a group of the tile) or [BN, BK] (a group per column)."""
     if 128 % BK == 0:
-        return tl.load(t_ptr + srow * 56 + tl.minimum(k0 // 128, 55))
+        return tl.load(t_ptr + srow * 144 + tl.minimum(k0 // 128, 143))
     elif BK % 128 == 0:
-        g = tl.minimum(k0 // 128 + tl.arange(0, BK // 128), 55)[None, :]
-        return tl.load(t_ptr + srow * 56 + g)
+        g = tl.minimum(k0 // 128 + tl.arange(0, BK // 128), 143)[None, :]
+        return tl.load(t_ptr + srow * 144 + g)
     else:
         k = k0 + tl.arange(0, BK)[None, :]
-        return tl.load(t_ptr + srow * 56 + tl.minimum(k // 128, 55))
+        return tl.load(t_ptr + srow * 144 + tl.minimum(k // 128, 143))
 
 
 @triton.jit
@@ -176,7 +176,7 @@ def _finish(y_ptr, part_ptr, cnt_ptr, acc, offs, mask, tile, SPLIT: tl.constexpr
 
 
 @triton.jit
-def gemv(a_ptr, w_ptr, w_scale_ptr, as_ptr, y_ptr, M,
+def gemv(a_ptr, w_ptr, w_scale_ptr, as_ptr, y_ptr, M, part_ptr, cnt_ptr,
         N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, FMA_BLOCK_K: tl.constexpr,
         FMA_T: tl.constexpr, FMA_ROWS: tl.constexpr, BLOCK_N_DOT: tl.constexpr, BLOCK_K: tl.constexpr,
         BLOCK_T: tl.constexpr, KU: tl.constexpr, SPLIT: tl.constexpr, SLOT: tl.constexpr,
@@ -196,7 +196,7 @@ def gemv(a_ptr, w_ptr, w_scale_ptr, as_ptr, y_ptr, M,
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
         # out-of-range rows re-read row N-1 (unmasked, vectorized loads); results are dropped
-        w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * 7168
+        w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * 18432
         srow = (tl.minimum(offs_n, N - 1) // 128)[:, None]
         # the first W tiles are read before the wait and the A pass (weights are immutable): HBM
         # streams while the kernel before drains and the codes are made
@@ -234,20 +234,43 @@ def gemv(a_ptr, w_ptr, w_scale_ptr, as_ptr, y_ptr, M,
         rows = tl.arange(0, 1)
         out = tl.sum(tl.where(t16[None, :] == 0, acc, 0.0), axis=1)[None, :]
         offs_f = rows.to(tl.int64)[:, None] * N + offs_n[None, :]
-        _finish(y_ptr, y_ptr, y_ptr, out, offs_f, (rows[:, None] < M) & n_mask[None, :], tile, SPLIT, SLOT, ZMAX)
+        _finish(y_ptr, part_ptr, cnt_ptr, out, offs_f, (rows[:, None] < M) & n_mask[None, :], tile, SPLIT, SLOT, ZMAX)
+    elif pid_n * BLOCK_N_DOT < N:
+        # ---- tensor-core path: rows pid_t*BLOCK_T .. +BLOCK_T, acc[n, t] = W @ A^T ----
+        offs_nd = pid_n * BLOCK_N_DOT + tl.arange(0, BLOCK_N_DOT)
+        n_maskd = offs_nd < N
+        w_rowsd = w_ptr + tl.minimum(offs_nd, N - 1).to(tl.int64)[:, None] * 18432
+        srowd = (tl.minimum(offs_nd, N - 1) // 128)[:, None]
+        if PDL:
+            gdc_wait()   # earlier kernels' writes are visible from here on
+        offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_mask = offs_t < M
+        row = _row_start(offs_t, t_mask)[:, None]
+        acc = tl.zeros([BLOCK_N_DOT, BLOCK_T], tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)[None, :]
+            raw = _w_raw(w_rowsd, k0, K, BLOCK_K)
+            # the ready codes of A (a launch before made them) and their scales
+            ac = tl.load(a_ptr + row + k, mask=t_mask[:, None] & (k < K), other=0.0)
+            a_s = tl.load(as_ptr + offs_t * 144 + k0 // 128, mask=t_mask, other=0.0)
+            acc += tl.dot(raw, tl.trans(ac)) * _w_group(w_scale_ptr, srowd, k0, K, BLOCK_K) * a_s[None, :]
+        offs = offs_t.to(tl.int64)[None, :] * N + offs_nd[:, None]
+        _finish(y_ptr, part_ptr, cnt_ptr, acc, offs, t_mask[None, :] & n_maskd[:, None], tile, SPLIT, SLOT, ZMAX)
 
 
 META = {
     "entry": "gemv",
-    "params": [["a_ptr", "*fp8e4nv", "in:0"], ["w_ptr", "*fp8e4nv", "in:1"], ["w_scale_ptr", "*fp32", "in:2"], ["as_ptr", "*fp32", "in:3"], ["y_ptr", "*fp32", "out:0"], ["M", "i32", "dim:B"]],
-    "constexprs": {"N": 129280, "K": 7168, "BLOCK_N": 64, "FMA_BLOCK_K": 128,
+    "params": [["a_ptr", "*fp8e4nv", "in:0"], ["w_ptr", "*fp8e4nv", "in:1"], ["w_scale_ptr", "*fp32", "in:2"], ["as_ptr", "*fp32", "in:3"], ["y_ptr", "*bf16", "out:0"], ["M", "i32", "dim:T"], ["part_ptr", "*fp32", "scratch:partials"], ["cnt_ptr", "*i32", "scratch:counters"]],
+    "constexprs": {"N": 7168, "K": 18432, "BLOCK_N": 64, "FMA_BLOCK_K": 128,
                    "FMA_T": 1, "FMA_ROWS": 1, "BLOCK_N_DOT": 64, "BLOCK_K": 128,
-                   "BLOCK_T": 32, "KU": 128, "SPLIT": False, "SLOT": 129280,
-                   "ZMAX": 1,
+                   "BLOCK_T": 32, "KU": 128, "SPLIT": True, "SLOT": 229376,
+                   "ZMAX": 3,
                    "DOT_F32": False, "PDL": True},
     "pdl": True,
     "reads_before_wait": ["w_ptr"],
-    "grid": ["cdiv(B, 32)", 2020, 1],
+    "grid": ["cdiv(T, 32)", 112, "3 * max(0, min(1, 2 - T)) + max(1, 2 // cdiv(T, 32)) * (1 - max(0, min(1, 2 - T)))"],
+    "scratch": {"partials": "3 * 917504",
+                "counters": "min(cdiv(T, 32), 1) * 448"},
     "num_warps": 4,
     "num_stages": 4,
 }

@@ -258,6 +258,31 @@ def gemv_silu_gated(a_ptr, w_ptr, w_scale_ptr, as_ptr, y_ptr, M,
         _finish(y_ptr, y_ptr, y_ptr, out, offs_f, (rows[:, None] < M) & n_mask[None, :],
                 rows.to(tl.int64)[:, None] * N + offs_y[None, :], (rows[:, None] < M) & (offs_y[None, :] < N),
                 tile, SPLIT, SLOT, ZMAX, True)
+    elif pid_n * BLOCK_N_DOT < N * 2:
+        # ---- tensor-core path: rows pid_t*BLOCK_T .. +BLOCK_T, acc[n, t] = W @ A^T ----
+        offs_nd = pid_n * BLOCK_N_DOT + tl.arange(0, BLOCK_N_DOT)
+        offs_wd = tl.minimum(offs_nd // 2, N - 1) + (offs_nd % 2) * N   # gate f, up f, gate f + 1, ...
+        n_maskd = offs_nd < 36864
+        w_rowsd = w_ptr + offs_wd.to(tl.int64)[:, None] * 7168
+        srowd = (offs_wd // 128)[:, None]
+        if PDL:
+            gdc_wait()   # earlier kernels' writes are visible from here on
+        offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_mask = offs_t < M
+        row = _row_start(offs_t, t_mask)[:, None]
+        acc = tl.zeros([BLOCK_N_DOT, BLOCK_T], tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)[None, :]
+            raw = _w_raw(w_rowsd, k0, K, BLOCK_K)
+            # the ready codes of A (a launch before made them) and their scales
+            ac = tl.load(a_ptr + row + k, mask=t_mask[:, None] & (k < K), other=0.0)
+            a_s = tl.load(as_ptr + offs_t * 56 + k0 // 128, mask=t_mask, other=0.0)
+            acc += tl.dot(raw, tl.trans(ac)) * _w_group(w_scale_ptr, srowd, k0, K, BLOCK_K) * a_s[None, :]
+        offs = offs_t.to(tl.int64)[None, :] * 36864 + offs_nd[:, None]
+        offs_yd = pid_n * (BLOCK_N_DOT // 2) + tl.arange(0, BLOCK_N_DOT // 2)
+        _finish(y_ptr, y_ptr, y_ptr, acc, offs, t_mask[None, :] & n_maskd[:, None],
+                offs_t.to(tl.int64)[None, :] * N + offs_yd[:, None], t_mask[None, :] & (offs_yd[:, None] < N),
+                tile, SPLIT, SLOT, ZMAX, False)
 
 
 META = {

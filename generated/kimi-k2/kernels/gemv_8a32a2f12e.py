@@ -235,6 +235,27 @@ def gemv(a_ptr, w_ptr, w_scale_ptr, as_ptr, y_ptr, M, part_ptr, cnt_ptr,
         out = tl.sum(tl.where(t16[None, :] == 0, acc, 0.0), axis=1)[None, :]
         offs_f = rows.to(tl.int64)[:, None] * N + offs_n[None, :]
         _finish(y_ptr, part_ptr, cnt_ptr, out, offs_f, (rows[:, None] < M) & n_mask[None, :], tile, SPLIT, SLOT, ZMAX)
+    elif pid_n * BLOCK_N_DOT < N:
+        # ---- tensor-core path: rows pid_t*BLOCK_T .. +BLOCK_T, acc[n, t] = W @ A^T ----
+        offs_nd = pid_n * BLOCK_N_DOT + tl.arange(0, BLOCK_N_DOT)
+        n_maskd = offs_nd < N
+        w_rowsd = w_ptr + tl.minimum(offs_nd, N - 1).to(tl.int64)[:, None] * 7168
+        srowd = (tl.minimum(offs_nd, N - 1) // 128)[:, None]
+        if PDL:
+            gdc_wait()   # earlier kernels' writes are visible from here on
+        offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_mask = offs_t < M
+        row = _row_start(offs_t, t_mask)[:, None]
+        acc = tl.zeros([BLOCK_N_DOT, BLOCK_T], tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)[None, :]
+            raw = _w_raw(w_rowsd, k0, K, BLOCK_K)
+            # the ready codes of A (a launch before made them) and their scales
+            ac = tl.load(a_ptr + row + k, mask=t_mask[:, None] & (k < K), other=0.0)
+            a_s = tl.load(as_ptr + offs_t * 56 + k0 // 128, mask=t_mask, other=0.0)
+            acc += tl.dot(raw, tl.trans(ac)) * _w_group(w_scale_ptr, srowd, k0, K, BLOCK_K) * a_s[None, :]
+        offs = offs_t.to(tl.int64)[None, :] * N + offs_nd[:, None]
+        _finish(y_ptr, part_ptr, cnt_ptr, acc, offs, t_mask[None, :] & n_maskd[:, None], tile, SPLIT, SLOT, ZMAX)
 
 
 META = {
@@ -242,14 +263,14 @@ META = {
     "params": [["a_ptr", "*fp8e4nv", "in:0"], ["w_ptr", "*fp8e4nv", "in:1"], ["w_scale_ptr", "*fp32", "in:2"], ["as_ptr", "*fp32", "in:3"], ["y_ptr", "*bf16", "out:0"], ["M", "i32", "dim:T"], ["part_ptr", "*fp32", "scratch:partials"], ["cnt_ptr", "*i32", "scratch:counters"]],
     "constexprs": {"N": 576, "K": 7168, "BLOCK_N": 64, "FMA_BLOCK_K": 128,
                    "FMA_T": 1, "FMA_ROWS": 1, "BLOCK_N_DOT": 64, "BLOCK_K": 128,
-                   "BLOCK_T": 32, "KU": 128, "SPLIT": True, "SLOT": 576,
+                   "BLOCK_T": 32, "KU": 128, "SPLIT": True, "SLOT": 55296,
                    "ZMAX": 14,
                    "DOT_F32": False, "PDL": True},
     "pdl": True,
     "reads_before_wait": ["w_ptr"],
-    "grid": ["cdiv(T, 32)", 9, "1 + 13 * max(0, min(1, 2 - T))"],
-    "scratch": {"partials": "14 * 2304",
-                "counters": "min(cdiv(T, 32), 1) * 36"},
+    "grid": ["cdiv(T, 32)", 9, "14 * max(0, min(1, 2 - T)) + max(1, 7 // cdiv(T, 32)) * (1 - max(0, min(1, 2 - T)))"],
+    "scratch": {"partials": "14 * 221184",
+                "counters": "min(cdiv(T, 32), 3) * 36"},
     "num_warps": 4,
     "num_stages": 4,
 }
