@@ -18,7 +18,11 @@ a last-bit difference in its bf16 input (which any two bf16 implementations have
 a whole e4m3 step, so a quantized model's bf16 noise is several times a bf16 model's. Its gate is
 therefore taken against the definition in float32 (HF's model of it, in float32), with limits of
 1.5x the distance of HF's own bf16 run of the same definition from it (the noise floor, printed)
-where that exceeds the bf16 limits. A family with a sliding window longer than the 1024-token prompts
+where that exceeds the bf16 limits. Every other model that misses the bf16 limits gets a second
+verdict against HF float32 (loaded on that first miss): infc passes if it is within the limits of
+float32, or no further from it than HF bf16 is, stat by stat over the same positions (a family
+whose own bf16 run is as far from float32 as the bound, phi-3-mini's regret 0.19-0.30, gets a
+verdict instead of a coin toss). A family with a sliding window longer than the 1024-token prompts
 (phi-3-mini 2047, gemma-2 and starcoder2 4096) gets two more sequences: a prompt 8 tokens short
 of the window (its decode steps cross the window's edge) and one 100 tokens past it (prefill
 beyond the window); gemma-3's 512-token window is crossed by the common lengths (511-513,
@@ -85,6 +89,40 @@ def within(stats, limits) -> bool:
     return all(x <= lim for x, lim in zip(stats, limits))
 
 
+class Fp32:
+    """HF float32's logits of the same sequences, made on first need (a second HF load)."""
+
+    def __init__(self, d, seqs):
+        self.d, self.seqs, self.want = d, seqs, None
+
+    def logits(self):
+        if self.want is None:
+            from transformers import AutoModelForCausalLM
+            hf = AutoModelForCausalLM.from_pretrained(self.d, dtype=torch.float32).cuda().eval()
+            self.want = hf_logits(hf, self.seqs)
+            del hf
+            torch.cuda.empty_cache()
+        return self.want
+
+
+def judge(ref, got, at=slice(None), rows=slice(None)) -> tuple[bool, str]:
+    """The gate's verdict on infc's logits `got` (sequences `at` of the reference, rows `rows` of
+    each): within the limits of the reference, else (a bf16 reference) within the limits of HF
+    float32 or no further from it than HF bf16 is, stat by stat."""
+    want, limits, fp32 = ref
+    stats = worst_of([gate(g, w[rows]) for g, w in zip(got, want[at])])
+    say = f"regret {stats[0]:.3f} mean {stats[1]:.4f} p99 {stats[2]:.3f} (limits {limits})"
+    if within(stats, limits) or fp32 is None:
+        return within(stats, limits), say
+    w32 = [w[rows] for w in fp32.logits()[at]]
+    ours = worst_of([gate(g, w) for g, w in zip(got, w32)])
+    theirs = worst_of([gate(b[rows], w) for b, w in zip(want[at], w32)])
+    bound = tuple(max(lim, t) for lim, t in zip(LIMITS, theirs))
+    say += (f"; against HF float32: infc regret {ours[0]:.3f} mean {ours[1]:.4f} p99 {ours[2]:.3f}, "
+            f"HF bf16 regret {theirs[0]:.3f} mean {theirs[1]:.4f} p99 {theirs[2]:.3f}")
+    return within(ours, bound), say
+
+
 def gate(ours: np.ndarray, theirs: np.ndarray):
     lo, lt = logprobs(ours), logprobs(theirs)
     pick = lo.argmax(-1)
@@ -127,7 +165,8 @@ def setup(request, model_dir, artifact):
         limits = tuple(max(lim, 1.5 * f) for lim, f in zip(LIMITS, floor))
         print(f"{name} noise floor (HF bf16 vs HF float32): regret {floor[0]:.3f} mean {floor[1]:.4f} "
               f"p99 {floor[2]:.3f}; limits regret {limits[0]:.3f} mean {limits[1]:.4f} p99 {limits[2]:.3f}")
-    yield name, d, art, seqs, want, limits
+    fp32 = None if name in models.QUANTIZED else Fp32(d, seqs)
+    yield name, d, art, seqs, (want, limits, fp32)
     models.remove(name)
 
 
@@ -164,7 +203,7 @@ def wide_at(art, tokens: int, tmp: Path) -> Path:
 
 @pytest.mark.parametrize("mode", ["eager-b1", "graph-b9", "graph-b5", "graph-b9-wide"])
 def test_golden(setup, mode, tmp_path):
-    name, d, art, seqs, want, limits = setup
+    name, d, art, seqs, ref = setup
     graphs = mode.startswith("graph")
     batch = {"eager-b1": 1, "graph-b9": 9, "graph-b5": 5, "graph-b9-wide": 9}[mode]
     if mode.endswith("-wide"):
@@ -174,13 +213,13 @@ def test_golden(setup, mode, tmp_path):
     with closing(CudaRunner(art, d, max_num_batched_tokens=16384, max_num_seqs=16, cuda_graphs=graphs,
                             buckets=[1, 2, 4, 8, 16], num_pages=2048)) as runner:
         got = run(runner, seqs, batch)
-    regret, mean, p99 = stats = worst_of([gate(g, w) for g, w in zip(got, want)])
-    print(f"{name} {mode}: regret {regret:.3f} mean {mean:.4f} p99 {p99:.3f}")
-    assert within(stats, limits), (stats, limits)
+    ok, say = judge(ref, got)
+    print(f"{name} {mode}: {say}")
+    assert ok, say
 
 
 def test_prefix_replay_and_determinism(setup):
-    name, d, art, seqs, want, limits = setup
+    name, d, art, seqs, ref = setup
     with closing(CudaRunner(art, d, max_num_batched_tokens=4096, max_num_seqs=8, cuda_graphs=True,
                             buckets=[1, 2, 4, 8], num_pages=1024)) as runner:
         pages = Pages(runner.num_pages, runner.page_size)
@@ -205,16 +244,16 @@ def test_prefix_replay_and_determinism(setup):
     # cold prefill runs the prefill GEMMs: two valid kernel paths, each held to the golden gate
     # against HF at the prompt's last position (a wrong prefix page would be far outside it).
     for what, got in (("cold", cold), ("warm", warm)):
-        regret, mean, p99 = stats = gate(got, want[27][:1])
-        print(f"{name} prefix replay {what}: regret {regret:.3f} mean {mean:.4f} p99 {p99:.3f}")
-        assert within(stats, limits), (what, stats, limits)
+        ok, say = judge(ref, [got], at=slice(27, 28), rows=slice(0, 1))
+        print(f"{name} prefix replay {what}: {say}")
+        assert ok, (what, say)
 
 
 def test_decode_is_bit_identical(setup):
     """Two identical runs give identical logits at every step, decode included: the split-K
     GEMVs add their partial sums in a fixed order (batch 9: tensor-core path in graph bucket 16;
     batch 1: the CUDA-core path in bucket 1)."""
-    name, d, art, seqs, want, limits = setup
+    name, d, art, seqs, ref = setup
     with closing(CudaRunner(art, d, max_num_batched_tokens=16384, max_num_seqs=16, cuda_graphs=True,
                             buckets=[1, 2, 4, 8, 16], num_pages=2048)) as runner:
         runs = [(run(runner, group, len(group)), run(runner, group, len(group)))
