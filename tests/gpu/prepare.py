@@ -213,7 +213,9 @@ QUANT_FORMATS = {"qwen3-4b-fp8": ("qwen3-4b", "fp8-block", {}),
                  # the golden gate's fp8 model at qwen3-4b's shapes: two layers, where 36 random
                  # layers amplify the activation quantizer's last-bit flips until the reference
                  # disagrees with itself (bench/results/issue42-h200-c462936-2026-12-02)
-                 "qwen3-4b-l2-fp8": ("qwen3-4b-l2", "fp8-block", {})}
+                 "qwen3-4b-l2-fp8": ("qwen3-4b-l2", "fp8-block", {}),
+                 # Qwen3-8B-AWQ's shapes (GEMM packing, group 128, zero points), four layers
+                 "qwen3-8b-l4-awq": ("qwen3-8b-l4", "awq", {"group": 128})}
 CUT = re.compile(r"^(.+)-l(\d+)$")       # <served model>-l<layers>: its first layers alone
 
 
