@@ -84,14 +84,16 @@ def kv_cache_setting(flag: str | None, model_dir, read_checkpoint: bool) -> dict
 
 def compile_model(model=None, spec_path=None, model_dir=None, features=None, log=None,
                   observe=None, skip=(), fuse=True, spec_dirs=None, check_checkpoint=True,
-                  parallel=None, kv_cache_dtype=DEFAULT_KV_CACHE_DTYPE, lora=None, capture=None):
+                  parallel=None, kv_cache_dtype=DEFAULT_KV_CACHE_DTYPE, lora=None, capture=None,
+                  narrow_tokens=None):
     """Returns (state, plan dict). fuse=False skips every fusion pass (`--no-fuse`). With a
     model_dir, the checkpoint's safetensors headers are checked against the plan's weights
     (compiler/checkpoint_check.py) unless check_checkpoint is False (--load-format dummy: no
     checkpoint is read); spec_dirs: extra spec directories (compiler/spec_paths.py);
     kv_cache_dtype: --kv-cache-dtype (infc/config.py KV_CACHE_DTYPES); lora: --enable-lora's
     {"max_loras", "max_rank", "targets"} (infc/config.py lora_build), None without; capture: a
-    speculation head's target layers (compiler/passes/capture_hidden.py), None without."""
+    speculation head's target layers (compiler/passes/capture_hidden.py), None without;
+    narrow_tokens: the narrow program's widest step (a speculative build's k + 1; None: 1)."""
     if not fuse:
         from .pipeline import FUSIONS
         skip = tuple(skip) + tuple(sorted(FUSIONS))
@@ -124,7 +126,8 @@ def compile_model(model=None, spec_path=None, model_dir=None, features=None, log
     quant = parse_quantization(config, source, spec.nested)
     kv_cache = kv_cache_setting(kv_cache_dtype, model_dir, check_checkpoint)
     state = compile_spec(spec, env, name, features, observe=timed, skip=skip, parallel=parallel,
-                         quant=quant, kv_cache=kv_cache, lora=lora, capture=capture)
+                         quant=quant, kv_cache=kv_cache, lora=lora, capture=capture,
+                         narrow_tokens=narrow_tokens)
     t0 = time.perf_counter()
     plan = emit_plan(state)
     if parallel:
@@ -217,7 +220,7 @@ def build(model=None, spec_path=None, model_dir=None, out=None, features=None, l
           reuse_bins=False, fuse=True, spec_dirs=None, check_checkpoint=True,
           tensor_parallel_size=1, enable_expert_parallel=False, data_parallel_size=1,
           tuning_overlay=None, kv_cache_dtype=DEFAULT_KV_CACHE_DTYPE, lora=None, kv_offloading=False,
-          capture=None) -> Path:
+          capture=None, narrow_tokens=None) -> Path:
     """reuse_bins: when out/bin already holds a cubin for every kernel id (an id is the digest of
     its source), compile nothing. The serving path uses it so that a machine with another (or no)
     Triton runs the cubins built elsewhere rather than recompiling them.
@@ -248,7 +251,8 @@ def build(model=None, spec_path=None, model_dir=None, out=None, features=None, l
     state, plan = compile_model(model, spec_path, model_dir, features,
                                 (lambda m: None) if log is None else log, fuse=fuse,
                                 spec_dirs=spec_dirs, check_checkpoint=check_checkpoint,
-                                kv_cache_dtype=kv_cache_dtype, lora=lora, capture=capture)
+                                kv_cache_dtype=kv_cache_dtype, lora=lora, capture=capture,
+                                narrow_tokens=narrow_tokens)
     out = Path(out) if out else GENERATED / state.model
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)

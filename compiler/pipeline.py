@@ -77,21 +77,34 @@ REWRITES = FUSIONS - {"merge_prologues"} | {"split_attention", "shard_ranks", "l
                                             "add_lora", "capture_hidden"}
 
 
+def narrow_tokens_setting(n) -> int:
+    """The narrow program's width: infc/config.py's default, or 1..NARROW_TOKENS_MAX."""
+    from infc.config import NARROW_TOKENS, NARROW_TOKENS_MAX
+    if n is None:
+        return NARROW_TOKENS
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= NARROW_TOKENS_MAX:
+        raise ValueError(f"narrow_tokens must be an integer in 1..{NARROW_TOKENS_MAX}, got {n!r}")
+    return n
+
+
 def compile_spec(spec: Spec, env: dict, model: str, features: list | None = None,
                  observe=None, stop_after: str | None = None, skip=(),
                  parallel: dict | None = None, quant=None, kv_cache: dict | None = None,
-                 lora: dict | None = None, capture: list | None = None) -> CompileState:
+                 lora: dict | None = None, capture: list | None = None,
+                 narrow_tokens: int | None = None) -> CompileState:
     """Run the pipeline; `skip` leaves out optional rewrites (tests compare with and without;
     skip=FUSIONS is `--no-fuse`); `parallel` = {"world", "rank", "tp", "ep"} compiles rank
     r's plan (compiler/parallel.py); `quant`: the checkpoint's quantization format
     (compiler/quant/formats), None for bf16; `kv_cache`: --kv-cache-dtype fp8's
     {"flag", "scales"} (passes/quantize_kv_cache.py), None for the model's dtype; `lora`:
     --enable-lora's {"max_loras", "max_rank", "targets"} (passes/add_lora.py), None without;
-    `capture`: a speculation head's target layers (passes/capture_hidden.py), None without."""
+    `capture`: a speculation head's target layers (passes/capture_hidden.py), None without;
+    `narrow_tokens`: the narrow program's widest step (None: infc/config.py NARROW_TOKENS)."""
     graph, weights = lower(spec, env)
     state = CompileState(spec, env, graph, weights, model, features=list(features or []),
                          parallel=dict(parallel) if parallel else None, quant=quant, kv_cache=kv_cache,
-                         lora=dict(lora) if lora else None, capture=list(capture) if capture else None)
+                         lora=dict(lora) if lora else None, capture=list(capture) if capture else None,
+                         narrow_tokens=narrow_tokens_setting(narrow_tokens))
     _stamp(state, "lower")
     if observe:
         observe("lower", state)

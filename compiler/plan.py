@@ -39,7 +39,7 @@ import json
 from .contract.schema import CACHE_MARKER, DTYPE_BYTES, SCHEMA, step_metadata
 from .ir import Graph
 from .ops import REGISTRY
-from .passes.merge_prologues import NARROW_TOKENS, merged_launch
+from .passes.merge_prologues import merged_launch
 from .passes.quantize_kv_cache import declare as declare_kv_cache
 from .passes.select_kernels import SHORT_TOKENS, wide_tokens
 
@@ -188,7 +188,7 @@ def emit_plan(state) -> dict:
         "programs": {phase: _launches(state, g, phase) for phase in state.kernels},
         **({"short_tokens": SHORT_TOKENS} if "short" in state.kernels else {}),
         **({"wide_tokens": wide_tokens(state)} if "wide" in state.kernels else {}),
-        **({"narrow_tokens": NARROW_TOKENS} if "narrow" in state.kernels else {}),
+        **({"narrow_tokens": state.narrow_tokens} if "narrow" in state.kernels else {}),
         **({"row_logits": state.row_logits} if state.row_logits else {}),
         **({"lora": _jsonable(state.lora_plan)} if state.lora_plan else {}),
     }

@@ -28,6 +28,7 @@ class CompileState:
     lora: dict | None = None         # --enable-lora: {"max_loras", "max_rank", "targets"} (passes/add_lora.py)
     lora_plan: dict | None = None    # set by add_lora: plan["lora"]
     capture: list | None = None      # a speculation head's layers: plan output aux_hidden
+    narrow_tokens: int = 1           # the narrow program's widest step (infc/config.py NARROW_TOKENS)
                                      # (passes/capture_hidden.py); None: no such output
 
     def note(self, pass_name: str, msg: str):

@@ -164,12 +164,16 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
         # Into the ignored cache, not generated/ (whose committed artifacts CI checks): the kernel
         # cache makes an unchanged rebuild near-instant, so "built or reused" is the same call.
         if artifact is None:
-            tag = f"-lora{lora['max_loras']}r{lora['max_rank']}" if lora else ""   # its own plan
+            from infc.config import narrow_tokens_for
+            # a speculative build's narrow program takes the verify step's k + 1 rows (config.py)
+            narrow = narrow_tokens_for(s)
+            tag = (f"-lora{lora['max_loras']}r{lora['max_rank']}" if lora else "") + \
+                (f"-narrow{narrow}" if narrow > 1 else "")                        # its own plan
             out = REPO / ".cache" / "artifacts" / ((model or model_dir.name) + tag)
             artifact = st.run("build artifact (cached)", build, model=model, spec_path=spec,
                               model_dir=str(model_dir), out=out, page_size=c.cache.page_size, gpu=gpu_tuning(), log=None,
                               reuse_bins=True, spec_dirs=spec_dirs, check_checkpoint=not dummy,
-                              kv_cache_dtype=kv_dtype, lora=lora,
+                              kv_cache_dtype=kv_dtype, lora=lora, narrow_tokens=narrow,
                               kv_offloading=bool(c.cache.kv_offloading_size))
         elif log:
             log(f"  artifact {artifact} as built (not rebuilt)")

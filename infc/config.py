@@ -161,6 +161,21 @@ DEFAULT_PROMPT_LOOKUP_MAX = 5
 # decode step at batch 1, 8, 32 (issue 43) is to set it; until then speculation runs only while
 # the batch is small.
 DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE = 8
+# The narrow program (compiler/passes/merge_prologues.py) takes decode steps of at most this many
+# tokens. One by default: its GEMVs are then the CUDA-core path alone; the tensor-core path that
+# 2+ rows need, compiled into the same kernels, cost the one-token step 16 % on an H200 (its
+# shared-memory pipeline limits the CUDA-core path's occupancy: qwen3-4b 2.34 -> 2.71 ms, bench/NOTES.md).
+# A speculative build widens it to a verify step's k + 1 rows, at most NARROW_TOKENS_MAX.
+NARROW_TOKENS = 1
+NARROW_TOKENS_MAX = 8
+
+
+def narrow_tokens_for(spec) -> int:
+    """The narrow program's width for a build that serves `spec` (a SpeculativeConfig or None):
+    a verify step's k + 1 rows where they fit, else the one-token default."""
+    if spec is None or spec.num_speculative_tokens + 1 > NARROW_TOKENS_MAX:
+        return NARROW_TOKENS
+    return spec.num_speculative_tokens + 1
 
 
 @dataclass(frozen=True)

@@ -37,8 +37,9 @@ def _rel(a, b):
 def test_tiny_model_through_kernels(family, fuse, tiny_model, tmp_path, rng):
     """fuse=False is `infc build --no-fuse`: every op through its generic kernel."""
     d, _ = tiny_model(family, **DIMS)
+    # a speculative build's narrow program (verify steps of up to 8 rows: infc/backend.py)
     out = build(model_dir=str(d), out=tmp_path / "art", compile=False, log=None, page_size=16,
-                fuse=fuse)
+                fuse=fuse, narrow_tokens=8)
     plan = json.loads((out / "plan.json").read_text())
     plan["_dir"] = str(out)
     assert plan["short_tokens"] == 64 and "short" in plan["programs"]

@@ -1,4 +1,5 @@
-"""The narrow phase (compiler/passes/merge_prologues.py): decode steps of up to 8 tokens, where the
+"""The narrow phase (compiler/passes/merge_prologues.py): decode steps of one token (up to 8 in a
+speculative build: narrow_tokens), where the
 residual add + RMSNorm runs inside the GEMV after it. The plan's shape of it, the memory rule it
 needs (no launch writes memory that one of its other inputs occupies), and where it is not made."""
 import pytest
@@ -11,7 +12,7 @@ from infc.compiler.contract.program import count_launches, launches, program_nam
 
 def test_qwen3_4b_narrow_program_merges_the_norms_and_qk_rope():
     state, plan = compile_model("qwen3-4b")
-    assert plan["narrow_tokens"] == 8
+    assert plan["narrow_tokens"] == 1                          # infc/config.py NARROW_TOKENS
     assert count_launches(plan["programs"]["narrow"]) == (36 * 5 + 3, 5)
     assert count_launches(plan["programs"]["decode"]) == (36 * 8 + 3, 8)      # decode keeps them
     merged = [l for l, _ in launches(plan["programs"]["narrow"]) if "prologue" in l]
@@ -29,21 +30,45 @@ def test_qwen3_4b_narrow_program_merges_the_norms_and_qk_rope():
     assert "shares" not in bufs[qkv["outputs"][0]]
     # steps pick it by their tokens
     assert program_name(plan, "decode", 1) == "narrow"
-    assert program_name(plan, "decode", 8) == "narrow"          # a verify step of 7 drafts at batch 1
-    assert program_name(plan, "decode", 9) == "decode"
+    assert program_name(plan, "decode", 2) == "decode"
     assert program_name(plan, "prefill", 1) == "short"          # a prompt of one token is no decode step
+    # a speculative build (infc/backend.py: narrow_tokens_for) widens it to a verify step's rows
+    _, wide = compile_model("qwen3-4b", narrow_tokens=8)
+    assert wide["narrow_tokens"] == 8 and wide["programs"]["narrow"] == plan["programs"]["narrow"]
+    assert program_name(wide, "decode", 8) == "narrow"          # a verify step of 7 drafts at batch 1
+    assert program_name(wide, "decode", 9) == "decode"
+    for bad in (0, 9, 2.0, True, "8"):
+        with pytest.raises(ValueError, match="narrow_tokens must be an integer in 1..8"):
+            compile_model("qwen3-4b", narrow_tokens=bad)
+
+
+def test_a_one_token_narrow_program_leaves_the_tensor_core_path_out():
+    """The narrow GEMVs of a one-token narrow program are the CUDA-core path alone: the tensor-core
+    path that 2+ rows need, in the same kernel, slowed the one-token step 16 % on an H200; a
+    speculative build's narrow GEMVs keep it, and its decode attention writes a verify step's
+    other rows' keys."""
+    from infc.compiler.codegen.render import render_plan
+    for n, has in ((1, False), (8, True)):
+        _, plan = compile_model("qwen3-4b", narrow_tokens=n)
+        kernels = render_plan(plan, {}, 16)
+        narrow = {l["op"]: kernels[l["kernel_id"]] for l, _ in launches(plan["programs"]["narrow"])}
+        for op in ("linear", "linear_gated", "lm_head_last"):
+            assert ("tensor-core path: rows" in narrow[op].source) == has, (n, op)
+        assert ("a verify step: the K/V" in narrow["attention_cached"].source) == has, n
 
 
 def test_the_narrow_program_renders_the_decode_kernels_but_the_gemvs():
     """Templates see a narrow launch as a decode one (phase "decode", narrow = True): attention,
     qk-norm and the rest are the decode program's kernels, not kernels of their own."""
     from infc.compiler.codegen.render import render_plan
-    _, plan = compile_model("qwen3-4b")
-    render_plan(plan, {}, 16)
-    ids = {p: {(l["op"], l["kernel_id"]) for l, _ in launches(plan["programs"][p])} for p in ("decode", "narrow")}
-    only_narrow = {op for op, _ in ids["narrow"] - ids["decode"]}
-    # the merged launches; lm_head_last (no prologue, both GEMV paths at up to 8 rows) is decode's
-    assert only_narrow == {"linear", "linear_gated", "attention_cached"}
+    for n, own in ((1, {"lm_head_last"}), (8, set())):
+        _, plan = compile_model("qwen3-4b", narrow_tokens=n)
+        render_plan(plan, {}, 16)
+        ids = {p: {(l["op"], l["kernel_id"]) for l, _ in launches(plan["programs"][p])} for p in ("decode", "narrow")}
+        only_narrow = {op for op, _ in ids["narrow"] - ids["decode"]}
+        # the merged launches; lm_head_last (no prologue) is its one-row CUDA-core kernel in a
+        # one-token program, decode's (both GEMV paths) in a speculative build's
+        assert only_narrow == {"linear", "linear_gated", "attention_cached"} | own, n
 
 
 def test_a_narrow_tuning_entry_reaches_the_narrow_launches_alone():

@@ -23,8 +23,8 @@ def test_dense_decode_of_many_sequences_runs_the_wide_program():
     _, plan = compile_model("qwen3-4b")
     assert plan["wide_tokens"] == WIDE_DENSE_TOKENS
     T = WIDE_DENSE_TOKENS
-    assert [program_name(plan, "decode", t) for t in (1, 8, 9, T - 1, T, 256)] == \
-        ["narrow", "narrow", "decode", "decode", "wide", "wide"]
+    assert [program_name(plan, "decode", t) for t in (1, 2, 9, T - 1, T, 256)] == \
+        ["narrow", "decode", "decode", "decode", "wide", "wide"]
     assert program_name(plan, "mixed", 256) == "mixed"
     same = lambda p: [(l["op"], l["kernel"]) for l, _ in launches(plan["programs"][p])]  # noqa: E731
     wide_launches, decode_launches = same("wide"), same("decode")

@@ -176,6 +176,7 @@ def launch_context(plan: dict, launch: dict, phase: str, tuning: dict, page_size
     key = tuning_key(plan, launch, phase, (ins, outs))
     keys = (key, narrow_key(key)) if phase == "narrow" else (key,)
     return {"op": launch["op"], "phase": AS_PHASE.get(phase, phase), "narrow": phase == "narrow",
+            "narrow_rows": plan.get("narrow_tokens", 1) if phase == "narrow" else 0,
             "inputs": ins, "outputs": outs, "attrs": launch["attrs"], "prologue": launch.get("prologue"),
             "config": plan["config"], "caches": caches, "page_size": page_size,
             "tune": tune_for(tuning, launch["kernel"], *keys)}

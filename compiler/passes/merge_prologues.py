@@ -21,8 +21,9 @@ session).
   the expand's input 1 (FEEDS), and its partials live in the merged kernel's scratch (the plan's
   xa buffer is not read in this phase). At 64 rows the GEMV's re-read is per row block and column block, and a prompt's keys
 must be in the cache before other programs read them, so the graph keeps the ops and the merges
-are made for the "narrow" program only: decode steps of at most NARROW_TOKENS tokens
-(compiler/contract/program.py `program_name`; plan["narrow_tokens"]). 8: a verify step of up to 7
+are made for the "narrow" program only: decode steps of at most state.narrow_tokens tokens
+(compiler/contract/program.py `program_name`; plan["narrow_tokens"]): 1 by default (infc/config.py
+NARROW_TOKENS says why), up to 8 in a speculative build: a verify step of up to 7
 drafts at batch 1 (issue 43: the decode program's separate norm and qk-norm/rope launches made
 verify(4) 1.52x the one-token step on an H200), or a few sequences decoding; past it the GEMVs'
 per-row-block prologue re-reads every row of its block, and a verify row's split writes each of
@@ -39,7 +40,7 @@ and a merge after which x' would still share x's buffer is not made.
 from ..ops import REGISTRY
 from .plan_memory import memory_classes
 
-NARROW_TOKENS = 8
+from infc.config import NARROW_TOKENS_MAX
 # producer op -> the index of its output that the consumer reads (the others are written by the
 # merged launch as they were)
 PROLOGUES = {"add_rms_norm": 1, "qk_norm_rope_cache": 0, "lora_shrink": 0}
@@ -51,7 +52,7 @@ CONSUMER_TEMPLATES = {"add_rms_norm": {"gemv", "gemv_gated"}, "qk_norm_rope_cach
                       "lora_shrink": {"lora_expand", "lora_expand_act"}}
 PHASE = "narrow"
 # the merged LoRA launch keeps the partials of at most 16 rows in its scratch (_lora_tiles.j2 MAX_ROWS)
-assert NARROW_TOKENS <= 16, "lora_expand's merged narrow launch holds at most 16 rows"
+assert NARROW_TOKENS_MAX <= 16, "lora_expand's merged narrow launch holds at most 16 rows"
 
 
 def _merge(state, g, p) -> str | None:

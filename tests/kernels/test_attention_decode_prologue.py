@@ -186,7 +186,7 @@ def test_merged_attention_decode_on_a_verify_step(hq, hkv, d, specs, qk, tune, e
                 "attrs": qk_attrs}
     k = render("attention_decode", "attention_cached", qk_in + [("cache", [], "", "cache")] + sink_in,
                [("cache", [], "", "cache"), ("o", ["T", hq, d], "bf16")], attrs=attn_attrs,
-               caches=kv_caches(hkv, d), tune=tune, prologue=prologue, narrow=True)
+               caches=kv_caches(hkv, d), tune=tune, prologue=prologue, narrow=8)
     o = poison((T, hq, d))
     sink_b = {f"in:{len(qk_in) + 1}": sinks[0]} if sinks else {}
     scratch = run(k, {"in:0": qkv, **norm_b, "out:1": o, **meta, **sink_b, "cache:k": page.k_cache,
