@@ -308,9 +308,13 @@ DRAFT_CUT = "qwen3-4b-l2"      # tests/gpu/test_spec_gpu.py's DRAFT_CUT
 def draft():
     """qwen3-4b-l2 (base_config: qwen3-4b's config.json with 2 layers) into
     .cache/artifacts/qwen3-4b-l2, with the config-only directories of it and of qwen3-4b that the
-    GPU test loads with --load-format dummy (the target's artifact: base's qwen3-4b)."""
+    GPU test loads with --load-format dummy; and the target's speculative build (k = 4: its narrow
+    program takes a verify step's 5 rows, infc/config.py narrow_tokens_for) into
+    .cache/artifacts/qwen3-4b-narrow5, the directory infc/backend.py names for it."""
     from infc.compiler.build import REPO as BUILD_REPO
-    served_config("qwen3-4b")
+    _both_tunings("qwen3-4b for --speculative-config k = 4 (narrow program of 5 rows)",
+                  BUILD_REPO / ".cache" / "artifacts" / "qwen3-4b-narrow5",
+                  model_dir=str(served_config("qwen3-4b")), narrow_tokens=5, check_checkpoint=False)
     _both_tunings(f"{DRAFT_CUT} (a draft model for qwen3-4b)", BUILD_REPO / ".cache" / "artifacts" / DRAFT_CUT,
                   model_dir=str(base_config(DRAFT_CUT)), check_checkpoint=False)
 

@@ -156,7 +156,12 @@ def test_draft_model_outputs_are_plain_decodings():
             assert e.bm.num_free_pages == llm.runner.num_pages and e.spec.draft.held_pages() == 0
             if draft == d:
                 assert dr.artifact == llm.runner.artifact
-                assert rate >= 0.9, rate              # 1 but for bf16 rounding between programs
+                # not 1: dummy weights give near-flat logits (151,936 tokens within a few
+                # hundredths), so the verify rows (tensor-core GEMVs) and the draft's one-row steps
+                # (CUDA-core GEMVs), rounding differently, pick different argmaxes and samples often:
+                # 0.615 on an H200 (bench/results/issues42-49-h200-f28bf3e-2026-12-03); a wrong
+                # draft (another model's tokens) is accepted ~never
+                assert rate >= 0.4, rate
             timings(llm.runner, dr, llm.max_len, (0, 1, 2, 3, 4) if draft == d else (0, 4), draft.name)
 
 
