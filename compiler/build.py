@@ -84,14 +84,16 @@ def kv_cache_setting(flag: str | None, model_dir, read_checkpoint: bool) -> dict
 
 def compile_model(model=None, spec_path=None, model_dir=None, features=None, log=None,
                   observe=None, skip=(), fuse=True, spec_dirs=None, check_checkpoint=True,
-                  parallel=None, kv_cache_dtype=DEFAULT_KV_CACHE_DTYPE, lora=None, capture=None):
+                  parallel=None, kv_cache_dtype=DEFAULT_KV_CACHE_DTYPE, lora=None, capture=None,
+                  section=None):
     """Returns (state, plan dict). fuse=False skips every fusion pass (`--no-fuse`). With a
     model_dir, the checkpoint's safetensors headers are checked against the plan's weights
     (compiler/checkpoint_check.py) unless check_checkpoint is False (--load-format dummy: no
     checkpoint is read); spec_dirs: extra spec directories (compiler/spec_paths.py);
     kv_cache_dtype: --kv-cache-dtype (infc/config.py KV_CACHE_DTYPES); lora: --enable-lora's
     {"max_loras", "max_rank", "targets"} (infc/config.py lora_build), None without; capture: a
-    speculation head's target layers (compiler/passes/capture_hidden.py), None without."""
+    speculation head's target layers (compiler/passes/capture_hidden.py), None without;
+    section: "mtp" compiles the spec's MTP layer instead of its model (Spec.mtp_section)."""
     if not fuse:
         from .pipeline import FUSIONS
         skip = tuple(skip) + tuple(sorted(FUSIONS))
@@ -105,6 +107,10 @@ def compile_model(model=None, spec_path=None, model_dir=None, features=None, log
 
     t0 = time.perf_counter()
     spec, config, name, source = resolve(model, spec_path, model_dir, spec_dirs)
+    if section == "mtp":
+        spec, name = spec.mtp_section(), name + "-mtp"
+    elif section is not None:
+        raise ValueError(f"compile_model: unknown section {section!r} (known: mtp)")
     stage("parse + validate spec", t0)
     t0 = time.perf_counter()
     env = spec.bind(config, source)
