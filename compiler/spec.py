@@ -149,6 +149,14 @@ class Spec:
                     raise self.err(f"{what} of {sym} ('{ast.unparse(b.default)}'{where}) is a size "
                                    f"and must be a positive integer: {problem}", b.line)
             env[sym] = value
+        if self.section == "mtp":              # before requires: the first thing to say
+            sym, line = self.mtp_count
+            n = env.get(sym)
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                key = self.bindings[sym].keys[0] if self.bindings[sym].keys else sym
+                raise self.err(f"this checkpoint has no MTP layer: {key} is {n!r}{where} (a model "
+                               f"published without its multi-token-prediction weights cannot "
+                               f"speculate with method 'mtp')", line)
         for node, text, line in self.requires:
             try:
                 ok = evaluate(node, env)
@@ -160,13 +168,6 @@ class Spec:
             if not ok:
                 raise self.err(f"unsupported configuration{where}: requirement '{text}' does not hold", line)
         if self.section == "mtp":
-            sym, line = self.mtp_count
-            n = env.get(sym)
-            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-                key = self.bindings[sym].keys[0] if self.bindings[sym].keys else sym
-                raise self.err(f"this checkpoint has no MTP layer: {key} is {n!r}{where} (a model "
-                               f"published without its multi-token-prediction weights cannot "
-                               f"speculate with method 'mtp')", line)
             env["L"] = 1                       # the MTP layer is the section's one layer
         return env
 

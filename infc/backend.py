@@ -401,11 +401,14 @@ def _mtp_runner(st, c: EngineConfig, spec_dirs, dummy: bool, target, model_dir: 
     checkpoint tensors, the same shapes) are the target's arrays, not read twice."""
     import numpy as np
     from infc.compiler.build import compile_model
-    from infc.compiler.contract.errors import ModelDirError
+    from infc.compiler.contract.errors import ModelDirError, SpecError
     from infc.runtime.engine.runner import CPURunner
-    _, plan = st.run("compile MTP plan", compile_model, model=c.load.model, spec_path=c.load.spec,
-                     model_dir=str(model_dir), spec_dirs=spec_dirs, check_checkpoint=False,
-                     section="mtp")
+    try:
+        _, plan = st.run("compile MTP plan", compile_model, model=c.load.model, spec_path=c.load.spec,
+                         model_dir=str(model_dir), spec_dirs=spec_dirs, check_checkpoint=False,
+                         section="mtp")
+    except SpecError as e:                      # str(e) names the spec's line
+        raise ValueError(f"--speculative-config: method 'mtp': {e}") from None
     tplan, tw = getattr(target, "plan", {}), getattr(getattr(target, "executor", None), "weights", {})
     shared = {}
     for name, w in plan["weights"].items():
@@ -427,7 +430,9 @@ def _mtp_runner(st, c: EngineConfig, spec_dirs, dummy: bool, target, model_dir: 
                              f"cannot be read ({e}): its config.json declares one, its weights "
                              f"lack it") from None
     weights.update(shared)
-    runner = st.run("allocate MTP KV cache", CPURunner, plan, weights, _cpu_pages(plan, c),
+    # its sequences shadow the target's, token for token: more pages than the target's never help
+    pages = min(_cpu_pages(plan, c), int(getattr(target, "num_pages", 0) or _cpu_pages(plan, c)))
+    runner = st.run("allocate MTP KV cache", CPURunner, plan, weights, pages,
                     c.cache.page_size, c.scheduler.max_num_seqs)
     runner.d2t = np.zeros(plan["config"]["V"], np.int64)     # its vocabulary is the target's
     return runner

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from exhaustive import EXHAUSTIVE
 from infc.runtime.engine.sampling import SamplingParams
 
 V = 320
@@ -180,15 +181,15 @@ class QwenReference:
         return x, self.lm_head(x)
 
 
-FAMILIES = {"deepseek_v3": (make_deepseek, DeepseekReference),
-            "qwen3_5": (make_qwen, QwenReference)}
+FAMILIES = {"deepseek_v3": (make_deepseek, DeepseekReference, "deepseek_v2.yaml"),
+            "qwen3_5": (make_qwen, QwenReference, "qwen3_5.yaml")}
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """family -> (directory, HF model of L + 1 layers)."""
     out = {}
-    for fam, (make, _) in FAMILIES.items():
+    for fam, (make, _, _) in FAMILIES.items():
         d = tmp_path_factory.mktemp(f"mtp-{fam}")
         out[fam] = (d, make(d))
     return out
@@ -209,8 +210,12 @@ def reference_drafts(ref, toks: list, k: int) -> list:
 
 
 def _engine(d, spec=None, **kw):
+    """d's engine on the cpu (its spec named: no search through specs/)."""
     from infc.backend import load_backend
-    kw = dict(device="cpu", max_num_seqs=16, log=None, **kw)
+    from infc.compiler.spec import SPECS_DIR
+    fam = next(f for f in FAMILIES if f"mtp-{f}" in str(d))
+    kw = dict(device="cpu", max_num_seqs=16, log=None, num_gpu_blocks_override=64,
+              spec=str(SPECS_DIR / FAMILIES[fam][2]), **kw)
     if spec:
         kw["speculative_config"] = spec
     e = load_backend(d, **kw).engine
@@ -227,7 +232,7 @@ def _run(e, prompts, n=12, abort_at=None):
     while e.has_unfinished():
         steps += 1
         if abort_at is not None and steps == abort_at[0]:
-            e.abort_request(abort_at[1])
+            e.abort(abort_at[1])
         for o in e.step():
             got.setdefault(o.request_id, []).extend(o.token_ids)
     return got, steps
@@ -238,9 +243,10 @@ PROMPTS = [[3, 17, 99, 5, 250, 8, 1, 3, 17, 99], [5, 6, 7, 8, 9]]
 
 @pytest.mark.parametrize("fam", sorted(FAMILIES))
 def test_drafts_equal_the_reference_and_greedy_is_plain(models, fam):
-    """Every proposal the engine's MTP proposer makes (a catch-up over the prompt, then after each
-    verification) is the reference's k drafts for the sequence's tokens at that moment; the
-    output is plain decoding's, and the MTP layer's pages all come back."""
+    """The proposals the engine's MTP proposer makes for the first request (a catch-up over the
+    prompt, then one after each verification) are the reference's k drafts for the sequence's
+    tokens at that moment; the output is plain decoding's, and the MTP layer's pages all come
+    back."""
     d, full = models[fam]
     ref = FAMILIES[fam][1](full, d)
     e = _engine(d, MTP)
@@ -249,14 +255,108 @@ def test_drafts_equal_the_reference_and_greedy_is_plain(models, fam):
 
     def recording(wants, row_at=None):
         out = propose(wants, row_at)
-        seen.extend((list(s.token_ids), out[s.seq_id]) for s, _ in wants if s.seq_id in out)
+        seen.extend((list(s.token_ids), out[s.seq_id]) for s, _ in wants
+                    if s.seq_id in out and s.request_id == "r0")
         return out
     prop.propose = recording
-    got, _ = _run(e, PROMPTS)
-    plain, _ = _run(_engine(d), PROMPTS)
+    got, _ = _run(e, PROMPTS, n=10)
+    plain, _ = _run(_engine(d), PROMPTS, n=10)
     assert got == plain
-    assert len(seen) >= 4
+    assert len(seen) >= 3
     for toks, drafts in seen:
         assert drafts == reference_drafts(ref, toks, len(drafts)), toks
     assert e.metrics.spec_decode_num_draft_tokens_total > 0
     assert prop.held_pages() == 0 and not prop.shadows
+
+
+def _edited(d, out, change: dict, config: dict | None = None):
+    """A copy of model directory d with tensors replaced (a value None drops the tensor; a
+    callable name -> bool drops every match) and config.json keys replaced (None drops the key)."""
+    import shutil
+    shutil.copytree(d, out)
+    t = _tensors(out)
+    for k, v in change.items():
+        if callable(v):
+            t = {n: a for n, a in t.items() if not v(n)}
+        elif v is None:
+            t.pop(k)
+        else:
+            t[k] = np.broadcast_to(np.float32(v), t[k].shape).copy()
+    c = json.loads((out / "config.json").read_text())
+    for k, v in (config or {}).items():
+        if v is None:
+            c.pop(k, None)
+        else:
+            c[k] = v
+    _save(out, t, c)
+    return out
+
+
+def test_prefix_hit_and_abort_mid_speculation(models):
+    """A request whose prompt hits the prefix cache (the MTP layer has no target rows for the
+    cached positions: it proposes nothing there, the sequence decodes as usual) and one aborted
+    while it speculates: the others' output is plain decoding's; no page of the MTP layer's is
+    left held, no shadow sequence left behind."""
+    d, _ = models["deepseek_v3"]
+    prompts = [PROMPTS[0] * 2, PROMPTS[0] * 2 + [7, 7], PROMPTS[1]]    # a page of 16 in common
+    plain, _ = _run(_engine(d), prompts, n=8)
+    e = _engine(d, MTP)
+    first, _ = _run(e, prompts[:1], n=8)                     # r0 alone: its prompt in the cache
+    assert first["r0"] == plain["r0"]
+    drafts, hits = e.metrics.spec_decode_num_draft_tokens_total, e.metrics.prefix_cache_hits_total
+    got = {}
+    for i, p in enumerate(prompts[1:], 1):
+        e.add_request(p, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), f"r{i}")
+    for step in range(20):
+        if not e.has_unfinished():
+            break
+        if step == 2:
+            assert e.spec.draft.shadows                       # r2 is speculating
+            assert e.abort("r2")
+        for o in e.step():
+            got.setdefault(o.request_id, []).extend(o.token_ids)
+    assert got["r1"] == plain["r1"]
+    assert e.metrics.prefix_cache_hits_total >= hits + 16
+    assert len(got.get("r2", [])) < 8
+    assert e.metrics.spec_decode_num_draft_tokens_total > drafts
+    assert e.spec.draft.held_pages() == 0 and not e.spec.draft.shadows and not e.spec.draft.hiddens
+
+
+@pytest.mark.parametrize("fam", ["qwen3_5", pytest.param("deepseek_v3", marks=EXHAUSTIVE)])
+def test_constructed_mtp_accepts_every_draft(models, fam, tmp_path):
+    """A target whose final norm is zero has zero logits (argmax 0 everywhere); an MTP layer whose
+    last norm is zero proposes 0 too: every draft is accepted, k + 1 tokens a step (12 tokens:
+    the prefill's, then 4 + 4 + 3)."""
+    d, _ = models[fam]
+    if fam == "qwen3_5":                                    # (1 + w) norms: w = -1 is zero
+        zero = {"model.norm.weight": -1.0, "mtp.norm.weight": -1.0}
+    else:
+        zero = {"model.norm.weight": 0.0, f"model.layers.{L}.shared_head.norm.weight": 0.0}
+    z = _edited(d, tmp_path / f"mtp-{fam}-zero", zero)
+    e = _engine(z, MTP)
+    got, steps = _run(e, PROMPTS, n=12)
+    assert got == {"r0": [0] * 12, "r1": [0] * 12}
+    mt = e.metrics
+    assert mt.spec_decode_num_accepted_tokens_total == mt.spec_decode_num_draft_tokens_total == 2 * (3 + 3 + 2)
+    assert steps == 4
+
+
+def test_a_checkpoint_without_mtp_is_refused(models, tmp_path):
+    """Refused at startup, naming what is missing: a config.json that declares no MTP layer, a
+    checkpoint that declares one but lacks its weights; and --device cuda (the CUDA runner
+    cannot hand the target's hidden states back yet)."""
+    from infc.backend import load_backend
+    from infc.config import speculative_config
+    d, _ = models["deepseek_v3"]
+    none = _edited(d, tmp_path / "mtp-deepseek_v3-none", {"x": lambda n: n.startswith(f"model.layers.{L}.")},
+                   {"num_nextn_predict_layers": None})
+    with pytest.raises(ValueError, match="this checkpoint has no MTP layer: num_nextn_predict_layers is 0"):
+        _engine(none, MTP)
+    lacking = _edited(d, tmp_path / "mtp-deepseek_v3-lacking", {"x": lambda n: ".eh_proj." in n})
+    with pytest.raises(ValueError, match=f"tensor 'model.layers.{L}.eh_proj.weight' is missing"):
+        _engine(lacking, MTP)
+    with pytest.raises(ValueError, match="MTP runs on --device cpu only so far"):
+        load_backend(d, device="cuda", log=None, speculative_config=MTP)
+    assert speculative_config({"method": "deepseek_mtp", "num_speculative_tokens": 2}).method == "mtp"
+    with pytest.raises(ValueError, match="method 'mtp' takes no 'model'"):
+        speculative_config({"method": "mtp", "num_speculative_tokens": 2, "model": str(d)})
