@@ -388,9 +388,16 @@ def _check_mtp(c: EngineConfig, par):
 
 def mtp_layers(c: EngineConfig, model_dir: Path, spec_dirs) -> list[int]:
     """The target layer an MTP layer reads: the residual stream after its last one (index L,
-    compiler/passes/capture_hidden.py), to which the MTP plan applies the final norm itself."""
+    compiler/passes/capture_hidden.py), to which the MTP plan applies the final norm itself. The
+    spec's `mtp:` section is bound here first: a config.json declaring no MTP layer is refused
+    before the target compiles."""
     from infc.compiler.build import resolve as resolve_spec
+    from infc.compiler.contract.errors import SpecError
     spec, config, _, source = resolve_spec(c.load.model, c.load.spec, str(model_dir), spec_dirs)
+    try:
+        spec.mtp_section().bind(config, source)
+    except SpecError as e:                      # str(e) names the spec's line
+        raise ValueError(f"--speculative-config: method 'mtp': {e}") from None
     return [spec.bind(config, source)["L"]]
 
 
