@@ -195,9 +195,10 @@ def models(tmp_path_factory):
     return out
 
 
-def reference_drafts(ref, toks: list, k: int) -> list:
+def reference_drafts(ref, toks: list, k: int) -> tuple[list, np.ndarray]:
     """The MTP layer's k drafts after toks (the last one not yet in the target's KV): positions
-    0..n-2 read the target's hidden states, each chained row its own row before."""
+    0..n-2 read the target's hidden states, each chained row its own row before; and the hidden
+    state the last chained row outputs."""
     with torch.no_grad():
         h = ref.target_hidden(toks[:-1])
         ids, drafts = list(toks[1:]), []
@@ -206,7 +207,7 @@ def reference_drafts(ref, toks: list, k: int) -> list:
             drafts.append(int(torch.argmax(logits[-1])))
             ids.append(drafts[-1])
             h = torch.cat([h, out[-1:]])
-    return drafts
+    return drafts, out[-1].numpy()
 
 
 def _engine(d, spec=None, **kw):
@@ -255,16 +256,21 @@ def test_drafts_equal_the_reference_and_greedy_is_plain(models, fam):
 
     def recording(wants, row_at=None):
         out = propose(wants, row_at)
-        seen.extend((list(s.token_ids), out[s.seq_id]) for s, _ in wants
-                    if s.seq_id in out and s.request_id == "r0")
+        made = [s for s, _ in wants if s.seq_id in out]
+        if len({len(out[s.seq_id]) for s in made}) == 1:      # the last forward: one row each
+            last = prop.runner.outputs()["hidden_out"]
+            seen.extend((list(s.token_ids), out[s.seq_id], last[b].copy())
+                        for b, s in enumerate(made) if s.request_id == "r0")
         return out
     prop.propose = recording
     got, _ = _run(e, PROMPTS, n=8)
     plain, _ = _run(_engine(d), PROMPTS, n=8)
     assert got == plain
     assert len(seen) >= 3
-    for toks, drafts in seen[:4]:
-        assert drafts == reference_drafts(ref, toks, len(drafts)), toks
+    for toks, drafts, last in seen[:4]:
+        want, hidden = reference_drafts(ref, toks, len(drafts))
+        assert drafts == want, toks
+        np.testing.assert_allclose(last, hidden, rtol=1e-4, atol=1e-4)
     assert e.metrics.spec_decode_num_draft_tokens_total > 0
     assert prop.held_pages() == 0 and not prop.shadows
 
