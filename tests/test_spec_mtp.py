@@ -298,12 +298,13 @@ def _edited(d, out, change: dict, config: dict | None = None):
     return out
 
 
-def test_prefix_hit_and_abort_mid_speculation(models):
+@pytest.mark.parametrize("fam", ["deepseek_v3", pytest.param("qwen3_5", marks=EXHAUSTIVE)])
+def test_prefix_hit_and_abort_mid_speculation(models, fam):
     """A request whose prompt hits the prefix cache (the MTP layer has no target rows for the
     cached positions: it proposes nothing there, the sequence decodes as usual) and one aborted
     while it speculates: the others' output is plain decoding's; no page of the MTP layer's is
     left held, no shadow sequence left behind."""
-    d, _ = models["deepseek_v3"]
+    d, _ = models[fam]
     prompts = [PROMPTS[0] * 2, PROMPTS[0] * 2 + [7, 7], PROMPTS[1]]    # a page of 16 in common
     plain, _ = _run(_engine(d), prompts, n=8)
     e = _engine(d, MTP)
