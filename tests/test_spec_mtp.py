@@ -246,8 +246,9 @@ PROMPTS = [[3, 17, 99, 5, 250, 8, 1, 3, 17, 99], [5, 6, 7, 8, 9]]
 def test_drafts_equal_the_reference_and_greedy_is_plain(models, fam):
     """The proposals the engine's MTP proposer makes for the first request (a catch-up over the
     prompt, then one after each verification) are the reference's k drafts for the sequence's
-    tokens at that moment; the output is plain decoding's, and the MTP layer's pages all come
-    back."""
+    tokens at that moment, its last chained hidden state the reference's; the output is plain
+    decoding's, the MTP layer's pages all come back, and the tensors it shares with the target
+    are the target's arrays."""
     d, full = models[fam]
     ref = FAMILIES[fam][1](full, d)
     e = _engine(d, MTP)
@@ -273,6 +274,8 @@ def test_drafts_equal_the_reference_and_greedy_is_plain(models, fam):
         np.testing.assert_allclose(last, hidden, rtol=1e-4, atol=1e-4)
     assert e.metrics.spec_decode_num_draft_tokens_total > 0
     assert prop.held_pages() == 0 and not prop.shadows
+    mine, target = prop.runner.executor.weights, e.runner.executor.weights
+    assert all(mine[k] is target[k] for k in ("embed", "lm_head", "final_norm"))   # not read twice
 
 
 def _edited(d, out, change: dict, config: dict | None = None):
