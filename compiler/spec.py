@@ -202,7 +202,7 @@ class Spec:
         count = m.get("count")
         if not isinstance(count, str) or count not in bindings:
             raise self.err("'mtp.count' must name the config symbol of the MTP layers the checkpoint "
-                           "ships (e.g. num_nextn_predict_layers'), bound in mtp.config",
+                           "ships (e.g. n_mtp: num_nextn_predict_layers), bound in mtp.config",
                            m.key_lines.get("count", line))
         layer = _require(m, "layer", dict, file, line)
         kline = layer.key_lines.get("kind", layer.line)
