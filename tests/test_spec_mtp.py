@@ -353,8 +353,8 @@ def test_constructed_mtp_accepts_every_draft(models, fam, tmp_path):
 
 def test_a_checkpoint_without_mtp_is_refused(models, tmp_path):
     """Refused at startup, naming what is missing: a config.json that declares no MTP layer, a
-    checkpoint that declares one but lacks its weights; and --device cuda (the CUDA runner
-    cannot hand the target's hidden states back yet)."""
+    checkpoint that declares one but lacks its weights, a family whose spec has none; and
+    --device cuda (the CUDA runner cannot hand the target's hidden states back yet)."""
     from infc.backend import load_backend
     from infc.config import speculative_config
     d, _ = models["deepseek_v3"]
@@ -367,6 +367,11 @@ def test_a_checkpoint_without_mtp_is_refused(models, tmp_path):
         _engine(lacking, MTP)
     with pytest.raises(ValueError, match="MTP runs on --device cpu only so far"):
         load_backend(d, device="cuda", log=None, speculative_config=MTP)
+    from transformers import LlamaConfig, LlamaForCausalLM          # a family with no MTP layer
+    LlamaForCausalLM(LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 vocab_size=V, intermediate_size=48)).save_pretrained(tmp_path / "llama")
+    with pytest.raises(ValueError, match="family 'llama' declares no MTP layer"):
+        load_backend(tmp_path / "llama", device="cpu", log=None, speculative_config=MTP)
     assert speculative_config({"method": "deepseek_mtp", "num_speculative_tokens": 2}).method == "mtp"
     with pytest.raises(ValueError, match="method 'mtp' takes no 'model'"):
         speculative_config({"method": "mtp", "num_speculative_tokens": 2, "model": str(d)})
