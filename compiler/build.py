@@ -85,7 +85,7 @@ def kv_cache_setting(flag: str | None, model_dir, read_checkpoint: bool) -> dict
 def compile_model(model=None, spec_path=None, model_dir=None, features=None, log=None,
                   observe=None, skip=(), fuse=True, spec_dirs=None, check_checkpoint=True,
                   parallel=None, kv_cache_dtype=DEFAULT_KV_CACHE_DTYPE, lora=None, capture=None,
-                  narrow_tokens=None):
+                  narrow_tokens=None, section=None):
     """Returns (state, plan dict). fuse=False skips every fusion pass (`--no-fuse`). With a
     model_dir, the checkpoint's safetensors headers are checked against the plan's weights
     (compiler/checkpoint_check.py) unless check_checkpoint is False (--load-format dummy: no
@@ -93,7 +93,8 @@ def compile_model(model=None, spec_path=None, model_dir=None, features=None, log
     kv_cache_dtype: --kv-cache-dtype (infc/config.py KV_CACHE_DTYPES); lora: --enable-lora's
     {"max_loras", "max_rank", "targets"} (infc/config.py lora_build), None without; capture: a
     speculation head's target layers (compiler/passes/capture_hidden.py), None without;
-    narrow_tokens: the narrow program's widest step (a speculative build's k + 1; None: 1)."""
+    narrow_tokens: the narrow program's widest step (a speculative build's k + 1; None: 1);
+    section: "mtp" compiles the spec's MTP layer instead of its model (Spec.mtp_section)."""
     if not fuse:
         from .pipeline import FUSIONS
         skip = tuple(skip) + tuple(sorted(FUSIONS))
@@ -107,6 +108,10 @@ def compile_model(model=None, spec_path=None, model_dir=None, features=None, log
 
     t0 = time.perf_counter()
     spec, config, name, source = resolve(model, spec_path, model_dir, spec_dirs)
+    if section == "mtp":
+        spec, name = spec.mtp_section(), name + "-mtp"
+    elif section is not None:
+        raise ValueError(f"compile_model: unknown section {section!r} (known: mtp)")
     stage("parse + validate spec", t0)
     t0 = time.perf_counter()
     env = spec.bind(config, source)

@@ -399,6 +399,8 @@ class Checker:
 
     def unused(self):
         patterns = list(self.spec.ignore or []) + self.ignore
+        # the MTP layer's tensors: read by speculation's own plan (Spec.mtp_section), not this one
+        patterns += [weight_name(p, self.env) for p in getattr(self.spec, "mtp_ignore", None) or []]
         # KV cache scales (k_scale / v_scale) are read by --kv-cache-dtype fp8 (compiler/kv_scales.py)
         # and, as vLLM does, left unread otherwise
         left = sorted((n for n in self.tensors if n not in self.used and not is_kv_scale(n)

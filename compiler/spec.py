@@ -5,7 +5,7 @@ variant's values) into the concrete symbol table the compiler lowers with.
 """
 import ast
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from . import config_values, spec_paths
@@ -16,7 +16,12 @@ from .yaml_lines import LDict, line_of, load_yaml
 SPECS_DIR = spec_paths.SPECS_DIR
 
 TOP_KEYS = {"family", "architectures", "config", "requires", "variants", "weights", "layer",
-            "graph", "description", "ignore", "nested_config", "inputs", "outputs"}
+            "graph", "description", "ignore", "nested_config", "inputs", "outputs", "mtp"}
+# `mtp:` a model's multi-token-prediction layer, shipped in its checkpoint and run by speculation
+# only (--speculative-config method mtp): a plan of its own compiled from the same config.json
+# (Spec.mtp_section); its keys replace the family's graph, weights, inputs and outputs.
+MTP_KEYS = {"config", "requires", "count", "layer", "inputs", "weights", "graph", "outputs",
+            "target_ignore"}
 WEIGHT_KEYS = {"name", "shape", "tied_to", "when", "experts", "dtype",
                "stored_shape", "rows", "groups", "cols", "heads", "transpose", "exp", "scale", "offset"}
 # Load-time transforms, applied in this order to the checkpoint tensor: a reshape (stored_shape:
@@ -101,6 +106,12 @@ class Spec:
     # last statement's targets. name -> (shape asts, line); [] / None when absent.
     step_inputs: dict = field(default_factory=dict)
     outputs: list | None = None
+    # `mtp.target_ignore`: the MTP layer's checkpoint tensors (their names over the family's
+    # symbols), which the family's own plan leaves unread (compiler/checkpoint_check.py)
+    mtp_ignore: list = field(default_factory=list)
+    # the section this spec was made from ("mtp": Spec.mtp_section), None for the family's model
+    section: str | None = None
+    mtp_count: tuple | None = None         # (symbol, line): the MTP layers config.json declares
 
     def err(self, msg, line=None) -> SpecError:
         return SpecError(msg, self.path, line)
@@ -138,6 +149,14 @@ class Spec:
                     raise self.err(f"{what} of {sym} ('{ast.unparse(b.default)}'{where}) is a size "
                                    f"and must be a positive integer: {problem}", b.line)
             env[sym] = value
+        if self.section == "mtp":              # before requires: the first thing to say
+            sym, line = self.mtp_count
+            n = env.get(sym)
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                key = self.bindings[sym].keys[0] if self.bindings[sym].keys else sym
+                raise self.err(f"this checkpoint has no MTP layer: {key} is {n!r}{where} (a model "
+                               f"published without its multi-token-prediction weights cannot "
+                               f"speculate with method 'mtp')", line)
         for node, text, line in self.requires:
             try:
                 ok = evaluate(node, env)
@@ -148,7 +167,63 @@ class Spec:
                 raise self.err(f"requirement '{text}' cannot be evaluated: {e.reason}", line) from None
             if not ok:
                 raise self.err(f"unsupported configuration{where}: requirement '{text}' does not hold", line)
+        if self.section == "mtp":
+            env["L"] = 1                       # the MTP layer is the section's one layer
         return env
+
+    def mtp_section(self) -> "Spec":
+        """The family's MTP layer as a spec of its own (`mtp:`): the family's config symbols and
+        requirements plus the section's (its symbols are bound with L the model's layer count;
+        L is then 1), the family's layer kinds with their checkpoint names moved by
+        `layer.names: [from, to]` and the one kind `layer.kind` names, and the section's inputs,
+        weights, graph and outputs."""
+        doc, file = self.raw, self.path
+        m = doc.get("mtp")
+        if m is None:
+            raise self.err(f"family '{self.family}' declares no MTP layer (its spec has no 'mtp:' "
+                           f"section): speculative method 'mtp' needs one", 1)
+        line = doc.key_lines.get("mtp")
+        if not isinstance(m, dict):
+            raise self.err("'mtp' must be a mapping with config, count, layer, weights, graph", line)
+        for key in m:
+            if key not in MTP_KEYS:
+                raise self.err(f"unknown key '{key}' in 'mtp'{did_you_mean(key, MTP_KEYS)} "
+                               f"(expected {', '.join(sorted(MTP_KEYS))})", m.key_lines.get(key))
+        cfg = m.get("config") or {}
+        if not isinstance(cfg, dict):
+            raise self.err("'mtp.config' must map symbols to config.json keys", m.key_lines.get("config"))
+        bindings = dict(self.bindings)
+        for sym, v in cfg.items():
+            bindings.pop(sym, None)
+            bindings[sym] = _binding(sym, v, file, cfg.key_lines.get(sym))
+        requires = list(self.requires)
+        for r in m.get("requires", []) or []:
+            requires.append((parse_expr(str(r), file, line_of(r)), str(r), line_of(r)))
+        count = m.get("count")
+        if not isinstance(count, str) or count not in bindings:
+            raise self.err("'mtp.count' must name the config symbol of the MTP layers the checkpoint "
+                           "ships (e.g. n_mtp: num_nextn_predict_layers), bound in mtp.config",
+                           m.key_lines.get("count", line))
+        layer = _require(m, "layer", dict, file, line)
+        kline = layer.key_lines.get("kind", layer.line)
+        kind = (parse_expr(str(_require(layer, "kind", str, file, layer.line)), file, kline), kline)
+        names = layer.get("names")
+        if (not isinstance(names, list) or len(names) != 2
+                or not all(isinstance(n, str) and n for n in names)):
+            raise self.err("'mtp.layer.names' must be [from, to]: the family's layer weight name "
+                           "prefix and the MTP layer's, like ['{prefix}layers.{i}.', "
+                           "'{prefix}layers.{at}.']", layer.key_lines.get("names", layer.line))
+        old, new = names
+
+        def moved(ws: dict) -> dict:
+            return {k: replace(w, name=w.name.replace(old, new)) for k, w in ws.items()}
+        kinds = {n: replace(k, weights=moved(k.weights)) for n, k in self.layer_kinds.items()}
+        return Spec(file, self.family, list(self.architectures), bindings, requires, dict(self.variants),
+                    _weights(_require(m, "weights", dict, file, line), file, "mtp.weights"),
+                    moved(self.layer_weights), list(self.layer_graph),
+                    _statements(_require(m, "graph", list, file, line), file, "mtp.graph"), doc,
+                    kind, kinds, [], list(self.nested), _step_inputs(m, file), _outputs(m, file),
+                    section="mtp", mtp_count=(count, m.key_lines.get("count", line)))
 
     def _check_config_value(self, sym, b, key, value, is_size, source):
         """A value read from config.json (or a variant) for symbol sym, by the rules of
@@ -390,7 +465,23 @@ def load_spec(path: str | Path) -> Spec:
     graph = _statements(_require(doc, "graph", list, file, 1), file, "graph")
     return Spec(file, str(family), [str(a) for a in archs], bindings, requires, dict(variants),
                 weights, layer_weights, layer_graph, graph, doc, layer_kind, layer_kinds,
-                _ignore(doc, file), _nested(doc, file), _step_inputs(doc, file), _outputs(doc, file))
+                _ignore(doc, file), _nested(doc, file), _step_inputs(doc, file), _outputs(doc, file),
+                _mtp_ignore(doc, file))
+
+
+def _mtp_ignore(doc, file) -> list[str]:
+    """`mtp.target_ignore`: checked as `ignore` is."""
+    m = doc.get("mtp")
+    if not isinstance(m, dict) or "target_ignore" not in m:
+        return []
+    return _ignore(_Keyed({"ignore": m["target_ignore"]}, {"ignore": m.key_lines.get("target_ignore")}), file)
+
+
+class _Keyed(dict):
+    """A mapping with the yaml loader's key_lines, for a section's key checked out of its place."""
+    def __init__(self, d, lines):
+        super().__init__(d)
+        self.key_lines = lines
 
 
 def _step_inputs(doc, file) -> dict:

@@ -143,6 +143,8 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
         _check_draft(c, par, dummy)            # before the target loads
     if s is not None and s.method == "eagle3":
         _check_eagle3(c, par)
+    if s is not None and s.method == "mtp":
+        _check_mtp(c, par)
     if par is not None and lora is not None:
         raise ValueError("--enable-lora with --tensor-parallel-size / --data-parallel-size / "
                          "--enable-expert-parallel: not supported yet")
@@ -151,7 +153,8 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
         page_size = runner.page_size
     elif device == "cpu":
         from infc.compiler.build import compile_model
-        capture = eagle3_layers(s, model_dir) if s is not None and s.method == "eagle3" else None
+        capture = eagle3_layers(s, model_dir) if s is not None and s.method == "eagle3" else \
+            mtp_layers(c, model_dir, spec_dirs) if s is not None and s.method == "mtp" else None
         state, plan = st.run("compile plan", compile_model, model=model, spec_path=spec,
                              model_dir=str(model_dir), spec_dirs=spec_dirs, check_checkpoint=not dummy,
                              kv_cache_dtype=kv_dtype, lora=lora, capture=capture)
@@ -189,6 +192,8 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
         draft_runner = _draft_runner(st, c, par, spec_dirs, dummy, kv_dtype, model_dir)
     if s is not None and s.method == "eagle3":
         draft_runner = _eagle3_runner(st, c, spec_dirs, dummy, runner)
+    if s is not None and s.method == "mtp":
+        draft_runner = _mtp_runner(st, c, spec_dirs, dummy, runner, model_dir)
     tokenizer, tok_config = None, {}
     if (model_dir / "tokenizer.json").exists():
         from infc.runtime.tokenization.tokenizer import Tokenizer
@@ -223,8 +228,9 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
     def _started(e):
         if log and e.spec is not None:
             s = e.spec.config
+            what = "the checkpoint's MTP layer" if s.method == "mtp" else f"draft {s.model}"
             how = (f"(prompt lookup {s.prompt_lookup_min}..{s.prompt_lookup_max})" if s.method == "ngram" else
-                   f"(draft {s.model}: {draft_runner.num_pages} pages x {draft_runner.page_size} tokens of its own)")
+                   f"({what}: {draft_runner.num_pages} pages x {draft_runner.page_size} tokens of its own)")
             log(f"  speculative decoding: {s.method}, {s.num_speculative_tokens} draft tokens "
                 f"{how}, none while more than {s.disable_by_batch_size} sequences run")
         if (e.loras is None) != (lora is None):
@@ -371,6 +377,75 @@ def _eagle3_runner(st, c: EngineConfig, spec_dirs, dummy: bool, target):
     runner = st.run("allocate EAGLE-3 KV cache", CPURunner, plan, weights, _cpu_pages(plan, c),
                     c.cache.page_size, c.scheduler.max_num_seqs)
     runner.d2t = d2t
+    return runner
+
+
+def _check_mtp(c: EngineConfig, par):
+    """What can be refused of MTP speculation before anything loads."""
+    where = "--speculative-config: method 'mtp'"
+    if par is not None:
+        raise ValueError(f"{where}: with parallel ranks is not supported yet")
+    if c.device.device != "cpu":
+        raise ValueError(f"{where}: MTP runs on --device cpu only so far (the target's hidden "
+                         f"states have no GPU kernel nor a way back from the CUDA runner yet)")
+
+
+def mtp_layers(c: EngineConfig, model_dir: Path, spec_dirs) -> list[int]:
+    """The target layer an MTP layer reads: the residual stream after its last one (index L,
+    compiler/passes/capture_hidden.py), to which the MTP plan applies the final norm itself. The
+    spec's `mtp:` section is bound here first: a config.json declaring no MTP layer is refused
+    before the target compiles."""
+    from infc.compiler.build import resolve as resolve_spec
+    from infc.compiler.contract.errors import SpecError
+    spec, config, _, source = resolve_spec(c.load.model, c.load.spec, str(model_dir), spec_dirs)
+    try:
+        spec.mtp_section().bind(config, source)
+    except SpecError as e:                      # str(e) names the spec's line
+        raise ValueError(f"--speculative-config: method 'mtp': {e}") from None
+    return [spec.bind(config, source)["L"]]
+
+
+def _mtp_runner(st, c: EngineConfig, spec_dirs, dummy: bool, target, model_dir: Path):
+    """The MTP layer's CPURunner: the plan of the family spec's `mtp:` section (compiler/spec.py
+    Spec.mtp_section) over the target's own config.json and checkpoint, on a KV cache of its own.
+    The tensors it shares with the target (the embedding table, the final norm, lm_head: the same
+    checkpoint tensors, the same shapes) are the target's arrays, not read twice."""
+    import numpy as np
+    from infc.compiler.build import compile_model
+    from infc.compiler.contract.errors import ModelDirError, SpecError
+    from infc.runtime.engine.runner import CPURunner
+    try:
+        _, plan = st.run("compile MTP plan", compile_model, model=c.load.model, spec_path=c.load.spec,
+                         model_dir=str(model_dir), spec_dirs=spec_dirs, check_checkpoint=False,
+                         section="mtp")
+    except SpecError as e:                      # str(e) names the spec's line
+        raise ValueError(f"--speculative-config: method 'mtp': {e}") from None
+    tplan, tw = getattr(target, "plan", {}), getattr(getattr(target, "executor", None), "weights", {})
+    shared = {}
+    for name, w in plan["weights"].items():
+        tw_decl = tplan.get("weights", {}).get(name)
+        if (tw_decl is not None and name in tw and tw_decl.get("source") == w.get("source")
+                and tuple(np.shape(tw[name])) == tuple(w["shape"])):
+            shared[name] = tw[name]
+    sub = dict(plan, weights={k: v for k, v in plan["weights"].items() if k not in shared})
+    if dummy:
+        from infc.runtime.weights.dummy import dummy_weights
+        weights = st.run("make MTP random weights", dummy_weights, sub)
+    else:
+        from infc.compiler.contract.safetensors_io import Checkpoint
+        from infc.runtime.weights.load import load_weights
+        try:
+            weights = st.run("load MTP weights", lambda: load_weights(sub, Checkpoint(model_dir)))
+        except (ModelDirError, KeyError) as e:
+            raise ValueError(f"--speculative-config: method 'mtp': the checkpoint's MTP layer "
+                             f"cannot be read ({e}): its config.json declares one, its weights "
+                             f"lack it") from None
+    weights.update(shared)
+    # its sequences shadow the target's, token for token: more pages than the target's never help
+    pages = min(_cpu_pages(plan, c), int(getattr(target, "num_pages", 0) or _cpu_pages(plan, c)))
+    runner = st.run("allocate MTP KV cache", CPURunner, plan, weights, pages,
+                    c.cache.page_size, c.scheduler.max_num_seqs)
+    runner.d2t = np.zeros(plan["config"]["V"], np.int64)     # its vocabulary is the target's
     return runner
 
 

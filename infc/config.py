@@ -145,9 +145,10 @@ class DeviceConfig:
 
 
 # Speculative decoding (issue 43; runtime/engine/speculative/): vLLM's --speculative-config keys.
-SPEC_METHODS = ("ngram", "draft_model", "eagle3")   # built; vLLM also spells n-gram "[ngram]"
-SPEC_METHOD_ALIASES = {"[ngram]": "ngram"}
-SPEC_METHODS_NOT_BUILT = ("eagle", "mtp", "medusa", "mlp_speculator")
+SPEC_METHODS = ("ngram", "draft_model", "eagle3", "mtp")   # built; vLLM also spells n-gram "[ngram]"
+# vLLM's older per-model spellings of mtp (it maps them to "mtp" too)
+SPEC_METHOD_ALIASES = {"[ngram]": "ngram", "deepseek_mtp": "mtp", "qwen3_next_mtp": "mtp"}
+SPEC_METHODS_NOT_BUILT = ("eagle", "medusa", "mlp_speculator")
 # EAGLE-3's target layers when its config names none: vLLM's and SpecForge's (2, L // 2, L - 3),
 # layer l meaning the residual stream entering layer l (compiler/passes/capture_hidden.py)
 def eagle3_default_layers(num_layers: int) -> list[int]:
@@ -236,7 +237,10 @@ def speculative_config(value) -> SpeculativeConfig | None:
         if not isinstance(model, str) or not model:
             raise ValueError(f"{where}: method 'draft_model' needs 'model': the draft's model "
                              f"directory or variant name (a model of the target's vocabulary)")
-    if method in ("draft_model", "eagle3"):
+    if method == "mtp" and model is not None:
+        raise ValueError(f"{where}: method 'mtp' takes no 'model': the MTP layers are the target's "
+                         f"own (its checkpoint's, declared by its config.json)")
+    if method in ("draft_model", "eagle3", "mtp"):
         lookup = sorted(k for k in ("prompt_lookup_min", "prompt_lookup_max") if value.get(k) is not None)
         if lookup:
             raise ValueError(f"{where}: {lookup[0]!r} is for method 'ngram'; {method!r} takes none")

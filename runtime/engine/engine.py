@@ -219,16 +219,17 @@ class Engine:
 
     def _draft(self, config, draft_runner, max_num_batched_tokens: int, max_model_len: int,
                enable_prefix_caching: bool):
-        """The draft_model method's proposer over draft_runner, eagle3's over the head's runner
-        (None for other methods)."""
-        if config.method == "eagle3":
+        """The draft_model method's proposer over draft_runner, eagle3's over the head's runner,
+        mtp's over the MTP layer's (None for other methods)."""
+        if config.method in ("eagle3", "mtp"):            # a head reading the target's hidden states
             if draft_runner is None:
-                raise ValueError("speculative method 'eagle3': no runner of the head "
-                                 f"{config.model!r} was given (infc/backend.py builds it)")
+                raise ValueError(f"speculative method {config.method!r}: no runner of the head "
+                                 f"{config.model or 'MTP layer'!r} was given (infc/backend.py builds it)")
             if self.dp > 1:
-                raise ValueError("speculative method 'eagle3' with data-parallel ranks is not "
-                                 "supported yet (n-gram speculation is)")
-            return eagle_proposer(draft_runner, self.runner, max_num_batched_tokens, max_model_len)
+                raise ValueError(f"speculative method {config.method!r} with data-parallel ranks is "
+                                 "not supported yet (n-gram speculation is)")
+            return eagle_proposer(draft_runner, self.runner, max_num_batched_tokens, max_model_len,
+                                  config.method)
         if config.method != "draft_model":
             if draft_runner is not None:
                 raise ValueError(f"speculative method {config.method!r} takes no draft model")

@@ -28,6 +28,10 @@ A catch-up longer than the step's token budget goes part of the way and proposes
 step. The target's rows are kept until the head consumes them: a sequence that never speculates
 (a grammar's, a penalty's) keeps its rows until it ends (3H floats a token: a known cost).
 
+The same proposer runs a checkpoint's MTP layer (`--speculative-config '{"method": "mtp", ...}'`:
+the plan of its family spec's `mtp:` section, inputs `aux` [T, H] the target's last hidden state
+and `hidden` its own, d2t zeros): the same shift by one token, chain and rollback.
+
 Where the target's hidden rows for a position the head needs are missing (a prefix-cache hit
 computed them in another request; the head's own cache keeps no prefix), the sequence proposes
 nothing (it decodes as usual), and the head drops its shadow.
@@ -51,7 +55,7 @@ class EagleProposer:
         self.to_target = np.arange(d2t.shape[0], dtype=np.int64) + d2t
         V = plan["config"]["V"]
         if self.to_target.min(initial=0) < 0 or self.to_target.max(initial=0) >= V:
-            raise ValueError(f"EAGLE-3 head: d2t maps draft ids outside the target's vocabulary "
+            raise ValueError(f"speculation head: d2t maps draft ids outside the target's vocabulary "
                              f"[0, {V})")
         self.bm = BlockManager(runner.num_pages, runner.page_size, enable_prefix_caching=False)
         self.budget = max_num_batched_tokens
@@ -69,7 +73,7 @@ class EagleProposer:
         [T, W] output. Later rows of a position replace earlier ones (a rejected draft row's
         position is computed again, with the true token, by a later step)."""
         if aux.ndim != 2 or aux.shape[1] != self.W:
-            raise ValueError(f"EAGLE-3: the target's aux_hidden is {list(aux.shape)}, the head "
+            raise ValueError(f"speculation head: the target's aux_hidden is {list(aux.shape)}, the head "
                              f"reads [T, {self.W}] (a head for another target, or other layers?)")
         at = 0
         for sid, start, n in chunks:

@@ -29,8 +29,8 @@ and its measurements: docs/architecture.md, "Speculative decoding".
 
 Proposers: n-gram (ngram.py), a draft model (draft_model.py: its own runner and pages, its
 drafts made before the target's step, rolled back in settle with the target's), or an EAGLE-3
-head (eagle.py: the same, reading the target's hidden states, which `observe` hands it after
-every target step).
+head or the checkpoint's MTP layer (eagle.py: the same, reading the target's hidden states,
+which `observe` hands it after every target step).
 
 Rollback (`settle`): with a drafts accepted, num_computed_tokens = p + a + 1 (the rejected rows'
 K/V lie past it and are overwritten later), the pages past it go back (BlockManager.truncate),
@@ -73,14 +73,15 @@ def refuse_slot_caches(runner):
 
 class Speculator:
     def __init__(self, config, max_model_len: int, max_rows: int | None = None, draft=None):
-        """config: infc.config.SpeculativeConfig (method "ngram", "draft_model" or "eagle3");
-        max_rows: the runner's rows a step (its max_seqs), None where it has no such limit; draft:
-        the draft_model method's DraftProposer (draft_model.py), eagle3's EagleProposer (eagle.py)."""
-        if config.method not in ("ngram", "draft_model", "eagle3"):
+        """config: infc.config.SpeculativeConfig (method "ngram", "draft_model", "eagle3" or
+        "mtp"); max_rows: the runner's rows a step (its max_seqs), None where it has no such
+        limit; draft: the draft_model method's DraftProposer (draft_model.py), eagle3's and mtp's
+        EagleProposer (eagle.py)."""
+        if config.method not in ("ngram", "draft_model", "eagle3", "mtp"):
             raise ValueError(f"speculative method {config.method!r} is not supported yet")
-        if (config.method in ("draft_model", "eagle3")) != (draft is not None):
+        if (config.method in ("draft_model", "eagle3", "mtp")) != (draft is not None):
             raise ValueError(f"speculative method {config.method!r}: the draft model's or head's "
-                             "proposer is needed by 'draft_model' and 'eagle3' (and only they take one)")
+                             "proposer is needed by 'draft_model', 'eagle3' and 'mtp' (and only they take one)")
         self.config, self.k = config, config.num_speculative_tokens
         self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, self.k) \
             if draft is None else None
