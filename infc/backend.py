@@ -11,6 +11,7 @@ loads it with the CUDA runner, imported only when asked for, so a machine withou
 touches cuda-python. Startup prints each stage with its time, the KV capacity in tokens and the
 maximum concurrency at full context, as vLLM does.
 """
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,11 +69,41 @@ class _Stages:
     def run(self, name, fn, *a, **kw):
         t0 = time.perf_counter()
         out = fn(*a, **kw)
-        dt = time.perf_counter() - t0
+        self._record(name, time.perf_counter() - t0)
+        return out
+
+    def _record(self, name, dt):
         self.done.append((name, dt))
         if self.log:
             self.log(f"  {name:<32} {dt:8.2f} s")
-        return out
+
+    def beside(self, name, fn, *a, **kw) -> "_Beside":
+        """fn on a thread of its own while the caller goes on (the weights' reads and the device's
+        work release the GIL); .result() waits, logs `name` with fn's own time, and re-raises
+        what fn raised."""
+        return _Beside(self, name, fn, a, kw)
+
+
+class _Beside:
+    def __init__(self, st, name, fn, a, kw):
+        self.st, self.name, self.out, self.error = st, name, None, None
+
+        def go():
+            t0 = time.perf_counter()
+            try:
+                self.out = fn(*a, **kw)
+            except BaseException as e:  # noqa: BLE001 - re-raised by result() in the caller
+                self.error = e
+            self.dt = time.perf_counter() - t0
+        self.thread = threading.Thread(target=go, name=f"infc-{name}", daemon=True)
+        self.thread.start()
+
+    def result(self):
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        self.st._record(self.name, self.dt)
+        return self.out
 
 
 def device_page_size(device: str) -> int:
@@ -125,6 +156,10 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
         if dummy:
             log("  load format dummy: random weights, no checkpoint read or checked")
 
+    tokenizing = None
+    if (model_dir / "tokenizer.json").exists():      # read beside the plan, weights and graphs
+        from infc.runtime.tokenization.tokenizer import Tokenizer
+        tokenizing = st.beside("load tokenizer (beside)", Tokenizer, model_dir)
     par, artifact = None, c.load.artifact
     if c.parallel.ranks:
         from infc.compiler.parallel import settings
@@ -186,9 +221,8 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
     if s is not None and s.method == "eagle3":
         draft_runner = _eagle3_runner(st, c, spec_dirs, dummy, runner)
     tokenizer, tok_config = None, {}
-    if (model_dir / "tokenizer.json").exists():
-        from infc.runtime.tokenization.tokenizer import Tokenizer
-        tokenizer = st.run("load tokenizer", Tokenizer, model_dir)
+    if tokenizing is not None:
+        tokenizer = tokenizing.result()
         tok_config = tokenizer.config
     kv_tokens = runner.num_pages * runner.page_size
     max_model_len = c.load.max_model_len
