@@ -19,9 +19,13 @@ from types import SimpleNamespace
 
 from infc import envs
 from infc.config import DEFAULT_KV_CACHE_DTYPE, DEFAULT_PAGE_SIZE, EngineConfig, kv_cache_dtype, state_snapshots
+from infc.compiler.build_key import REPO
 from infc.compiler.contract import caches
 from infc.compiler.contract.errors import ModelDirError
 from infc.runtime.tokenization.tokenizer import eos_ids
+
+SERVED_ARTIFACTS = REPO / ".cache" / "artifacts"   # where serving builds (ignored by git)
+
 
 @dataclass
 class Backend:
@@ -108,8 +112,8 @@ class _Beside:
 
 def device_page_size(device: str) -> int:
     """The KV cache page size when none is asked: on cuda the build's for this GPU (its tuning
-    table's, compiler/build.py default_page_size), on cpu infc.config.DEFAULT_PAGE_SIZE."""
-    from infc.compiler.build import default_page_size
+    table's, compiler/tuning_table.py default_page_size), on cpu infc.config.DEFAULT_PAGE_SIZE."""
+    from infc.compiler.tuning_table import default_page_size
     return default_page_size(gpu_tuning()) if device == "cuda" else DEFAULT_PAGE_SIZE
 
 
@@ -195,17 +199,8 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
         runner = _cpu_runner(st, plan, model_dir, dummy, c, "", state_snapshots(c.cache, c.scheduler.max_num_seqs))
         model_len = int(plan["config"].get("max_len") or 1 << 30)
     else:
-        from infc.compiler.build import REPO, build
-        # Into the ignored cache, not generated/ (whose committed artifacts CI checks): the kernel
-        # cache makes an unchanged rebuild near-instant, so "built or reused" is the same call.
         if artifact is None:
-            tag = f"-lora{lora['max_loras']}r{lora['max_rank']}" if lora else ""   # its own plan
-            out = REPO / ".cache" / "artifacts" / ((model or model_dir.name) + tag)
-            artifact = st.run("build artifact (cached)", build, model=model, spec_path=spec,
-                              model_dir=str(model_dir), out=out, page_size=c.cache.page_size, gpu=gpu_tuning(), log=None,
-                              reuse_bins=True, spec_dirs=spec_dirs, check_checkpoint=not dummy,
-                              kv_cache_dtype=kv_dtype, lora=lora,
-                              kv_offloading=bool(c.cache.kv_offloading_size))
+            artifact = served_artifact(st, c, model_dir, spec_dirs, dummy, kv_dtype, lora, log)
         elif log:
             log(f"  artifact {artifact} as built (not rebuilt)")
         draft = (_cuda_draft_artifact(st, c, spec_dirs, dummy, kv_dtype, model_dir, artifact)
@@ -278,6 +273,31 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
         log(f"  maximum concurrency for {limit} tokens per request: {b.max_concurrency:.2f}x")
         log(f"ready in {time.perf_counter() - st.t_all:.2f} s")
     return b
+
+
+def served_artifact(st, c: EngineConfig, model_dir: Path, spec_dirs, dummy: bool, kv_dtype, lora,
+                    log) -> Path:
+    """The artifact `infc serve --device cuda` runs: built into the ignored cache, not generated/
+    (whose committed artifacts CI checks). The kernel cache makes an unchanged rebuild
+    near-instant, so "built or reused" is one call; the build key (compiler/build_key.py) skips
+    even that (and the compiler's imports) when nothing the build reads has changed."""
+    from infc.compiler import build_key
+    tag = f"-lora{lora['max_loras']}r{lora['max_rank']}" if lora else ""   # its own plan
+    out = SERVED_ARTIFACTS / ((c.load.model or model_dir.name) + tag)
+    kw = dict(model=c.load.model, spec_path=c.load.spec, model_dir=str(model_dir), out=str(out),
+              page_size=c.cache.page_size, gpu=gpu_tuning(), reuse_bins=True, spec_dirs=spec_dirs,
+              check_checkpoint=not dummy, kv_cache_dtype=kv_dtype, lora=lora,
+              kv_offloading=bool(c.cache.kv_offloading_size))
+    key = st.run("artifact key", build_key.build_key, kw, model_dir, c.load.spec, spec_dirs)
+    if build_key.matches(out, key):
+        if log:
+            log(f"  artifact {out} unchanged (its build key)")
+        return out
+    from infc.compiler.build import build
+    build_key.forget(out)
+    artifact = st.run("build artifact (cached)", build, log=None, **dict(kw, out=out))
+    build_key.record(Path(artifact), key)
+    return Path(artifact)
 
 
 def _draft_runner(st, c: EngineConfig, par, spec_dirs, dummy: bool, kv_dtype, target_dir: Path):
