@@ -154,15 +154,21 @@ def make_app(state: ServerState) -> Starlette:
         b = backend()
         raw = await body_of(request)
 
+        def structured_of(req):
+            return req.params.structured_outputs if req.params is not None else None
+
         def work():
             body = protocol.parse_json(raw)
             model = model_of(body)
-            return parse(body, b), model
+            req = parse(body, b)
+            if structured_of(req) is None:
+                engine_check(b, req)      # in the same hop: one worker round trip a request
+            return req, model
         req, model = await off_loop(work)
-        if req.params is not None and req.params.structured_outputs is not None:
+        if structured_of(req) is not None:
             # compiled in the engine's worker, within its time limit; then found compiled below
             await structured.check(b.engine, req.params.structured_outputs)
-        await off_loop(engine_check, b, req)
+            await off_loop(engine_check, b, req)
         return req, model
 
     async def serve(request: Request, req: protocol.GenRequest, model: str, render=None):

@@ -1,7 +1,8 @@
 """`infc serve`: the command line (vLLM's flag spellings and defaults) and the uvicorn server.
 
-The HTTP port opens first and /health answers 503 while a thread builds the backend (stages and
-timings printed as they finish); it answers 200 once the engine is ready. Unknown flags are
+A thread builds the backend from the first moment, while this one imports the HTTP layer and
+opens the port; /health answers 503 until the backend is attached, 200 once the engine is ready
+(each phase printed with its time as it finishes; docs/serving.md, "Start"). Unknown flags are
 errors (argparse, with abbreviations off). Each accepted connection gets TCP_NODELAY, so an SSE
 event leaves when it is written rather than after the peer's delayed ACK (asyncio sets it too;
 this states it where it matters). Headers over --max-header-bytes are answered 431 (or 400 by
