@@ -86,7 +86,12 @@ def serve_main(args):
     the port's opening (its reads and the device's work release the GIL); /health says 503 until
     it is attached. Each start phase prints one timed line (the backend's stages, then these)."""
     config = config_from_args(args)
-    log = functools.partial(print, flush=True)
+    out_lock = threading.Lock()
+
+    def log(line: str):                   # whole lines: the loading thread prints beside this one
+        with out_lock:
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
     age = process_age()
     if age is not None:
         log(f"  {'python start, infc imports':<32} {age:8.2f} s")
