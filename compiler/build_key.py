@@ -8,7 +8,8 @@ the compiler reads: its own sources and the runtime's it imports (infc/, compile
 the templates and tuning tables, the specs (specs/ and every spec directory given or in
 $INFC_SPEC_PATH), and the model directory's files (config.json, the checkpoint whose headers are
 checked, the quantization and tokenizer files). Any change to any of them, even a touch, misses
-the key and rebuilds as before; a hit still requires plan.json and a cubin for each of its kernels.
+the key and rebuilds as before; a hit also requires the plan.json that build wrote (its size and
+mtime, so a plan rewritten there by anything else is rebuilt) and a cubin for each of its kernels.
 """
 import hashlib
 import json
@@ -56,10 +57,18 @@ def build_key(args: dict, model_dir, spec_path, spec_dirs) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+def _plan_stamp(out: Path) -> list:
+    st = (Path(out) / "plan.json").stat()
+    return [st.st_size, st.st_mtime_ns]
+
+
 def matches(out: Path, key: str) -> bool:
-    """The artifact at out was built under this key and still has its plan and every cubin."""
+    """The artifact at out was built under this key, its plan.json is the one that build wrote
+    (another writer, `infc build --out` or a GPU session's prepare, changes its stamp), and it
+    still has a cubin for each of the plan's kernels."""
     try:
-        if json.loads((out / KEY_FILE).read_text()).get("key") != key:
+        rec = json.loads((out / KEY_FILE).read_text())
+        if rec.get("key") != key or rec.get("plan") != _plan_stamp(out):
             return False
         plan = json.loads((out / "plan.json").read_text())
     except (OSError, ValueError):
@@ -70,7 +79,7 @@ def matches(out: Path, key: str) -> bool:
 
 def record(out: Path, key: str):
     tmp = out / (KEY_FILE + ".tmp")
-    tmp.write_text(json.dumps({"key": key}))
+    tmp.write_text(json.dumps({"key": key, "plan": _plan_stamp(out)}))
     tmp.replace(out / KEY_FILE)
 
 

@@ -68,6 +68,9 @@ def test_the_build_key_names_what_a_rebuild_reads(tmp_path, monkeypatch):
     assert not build_key.matches(out, "abc")                # its cubin is missing
     (out / "bin" / "k1.cubin").write_bytes(b"x")
     assert build_key.matches(out, "abc") and not build_key.matches(out, "abd")
+    (out / "plan.json").write_text(json.dumps({"kernels": {"k1": {}}, "x": 1}))
+    assert not build_key.matches(out, "abc")                # another build rewrote the plan there
+    build_key.record(out, "abc")
     build_key.forget(out)
     assert not build_key.matches(out, "abc")
 
