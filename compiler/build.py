@@ -3,7 +3,7 @@ import json
 import time
 from pathlib import Path
 
-from infc.config import DEFAULT_KV_CACHE_DTYPE, DEFAULT_PAGE_SIZE
+from infc.config import DEFAULT_KV_CACHE_DTYPE
 from infc.config import kv_cache_dtype as plan_kv_dtype
 
 from .contract.errors import ModelDirError, SpecError
@@ -149,8 +149,7 @@ def compile_model(model=None, spec_path=None, model_dir=None, features=None, log
 
 
 FEATURES = ("tilelang", "cuda")
-GPUS = ("h100", "h200")
-TUNING = REPO / "codegen_templates" / "tuning"
+from .tuning_table import GPUS, TUNING, default_page_size, load_tuning  # noqa: E402,F401 (their home)
 
 
 def parse_features(text: str | None) -> list[str]:
@@ -159,28 +158,6 @@ def parse_features(text: str | None) -> list[str]:
         if f not in FEATURES:
             raise SpecError(f"unknown feature '{f}' (known: {', '.join(FEATURES)})", None)
     return feats
-
-
-def load_tuning(gpu: str, overlay: dict | None = None) -> dict:
-    """The GPU's tuning table, with `overlay` ({template: {shape key or "default": {tunable:
-    value}}}) laid over it: an experiment's variant of a kernel built without editing the table."""
-    if gpu not in GPUS:
-        raise SpecError(f"unknown gpu '{gpu}' (known: {', '.join(GPUS)})", None)
-    table = json.loads((TUNING / f"{gpu}.json").read_text())
-    for template, keys in (overlay or {}).items():
-        entries = table.setdefault("templates", {}).setdefault(template, {})
-        for key, tune in keys.items():
-            entries[key] = {**entries.get(key, {}), **tune}
-    return table
-
-
-
-
-def default_page_size(gpu: str) -> int:
-    """The KV cache page size a build takes when none is asked: the GPU table's `page_size`, else
-    16 (vLLM's). A table names a larger page where its measurements chose it: 64-token pages let
-    the flash attention take a tile of keys by TMA (one page a tile; bench/NOTES.md, tenth session)."""
-    return int(load_tuning(gpu).get("page_size", DEFAULT_PAGE_SIZE))
 
 
 def generate(plan: dict, out: Path, gpu: str = "h100", page_size: int | None = None,

@@ -11,6 +11,7 @@ loads it with the CUDA runner, imported only when asked for, so a machine withou
 touches cuda-python. Startup prints each stage with its time, the KV capacity in tokens and the
 maximum concurrency at full context, as vLLM does.
 """
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,9 +19,13 @@ from types import SimpleNamespace
 
 from infc import envs
 from infc.config import DEFAULT_KV_CACHE_DTYPE, DEFAULT_PAGE_SIZE, EngineConfig, kv_cache_dtype, state_snapshots
+from infc.compiler.build_key import REPO
 from infc.compiler.contract import caches
 from infc.compiler.contract.errors import ModelDirError
 from infc.runtime.tokenization.tokenizer import eos_ids
+
+SERVED_ARTIFACTS = REPO / ".cache" / "artifacts"   # where serving builds (ignored by git)
+
 
 @dataclass
 class Backend:
@@ -68,17 +73,47 @@ class _Stages:
     def run(self, name, fn, *a, **kw):
         t0 = time.perf_counter()
         out = fn(*a, **kw)
-        dt = time.perf_counter() - t0
+        self._record(name, time.perf_counter() - t0)
+        return out
+
+    def _record(self, name, dt):
         self.done.append((name, dt))
         if self.log:
             self.log(f"  {name:<32} {dt:8.2f} s")
-        return out
+
+    def beside(self, name, fn, *a, **kw) -> "_Beside":
+        """fn on a thread of its own while the caller goes on (the weights' reads and the device's
+        work release the GIL); .result() waits, logs `name` with fn's own time, and re-raises
+        what fn raised."""
+        return _Beside(self, name, fn, a, kw)
+
+
+class _Beside:
+    def __init__(self, st, name, fn, a, kw):
+        self.st, self.name, self.out, self.error = st, name, None, None
+
+        def go():
+            t0 = time.perf_counter()
+            try:
+                self.out = fn(*a, **kw)
+            except BaseException as e:  # noqa: BLE001 - re-raised by result() in the caller
+                self.error = e
+            self.dt = time.perf_counter() - t0
+        self.thread = threading.Thread(target=go, name=f"infc-{name}", daemon=True)
+        self.thread.start()
+
+    def result(self):
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        self.st._record(self.name, self.dt)
+        return self.out
 
 
 def device_page_size(device: str) -> int:
     """The KV cache page size when none is asked: on cuda the build's for this GPU (its tuning
-    table's, compiler/build.py default_page_size), on cpu infc.config.DEFAULT_PAGE_SIZE."""
-    from infc.compiler.build import default_page_size
+    table's, compiler/tuning_table.py default_page_size), on cpu infc.config.DEFAULT_PAGE_SIZE."""
+    from infc.compiler.tuning_table import default_page_size
     return default_page_size(gpu_tuning()) if device == "cuda" else DEFAULT_PAGE_SIZE
 
 
@@ -125,6 +160,10 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
         if dummy:
             log("  load format dummy: random weights, no checkpoint read or checked")
 
+    tokenizing = None
+    if (model_dir / "tokenizer.json").exists():      # read beside the plan, weights and graphs
+        from infc.runtime.tokenization.tokenizer import Tokenizer
+        tokenizing = st.beside("load tokenizer (beside)", Tokenizer, model_dir)
     par, artifact = None, c.load.artifact
     if c.parallel.ranks:
         from infc.compiler.parallel import settings
@@ -163,21 +202,8 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
         runner = _cpu_runner(st, plan, model_dir, dummy, c, "", state_snapshots(c.cache, c.scheduler.max_num_seqs))
         model_len = int(plan["config"].get("max_len") or 1 << 30)
     else:
-        from infc.compiler.build import REPO, build
-        # Into the ignored cache, not generated/ (whose committed artifacts CI checks): the kernel
-        # cache makes an unchanged rebuild near-instant, so "built or reused" is the same call.
         if artifact is None:
-            from infc.config import narrow_tokens_for
-            # a speculative build's narrow program takes the verify step's k + 1 rows (config.py)
-            narrow = narrow_tokens_for(s)
-            tag = (f"-lora{lora['max_loras']}r{lora['max_rank']}" if lora else "") + \
-                (f"-narrow{narrow}" if narrow > 1 else "")                        # its own plan
-            out = REPO / ".cache" / "artifacts" / ((model or model_dir.name) + tag)
-            artifact = st.run("build artifact (cached)", build, model=model, spec_path=spec,
-                              model_dir=str(model_dir), out=out, page_size=c.cache.page_size, gpu=gpu_tuning(), log=None,
-                              reuse_bins=True, spec_dirs=spec_dirs, check_checkpoint=not dummy,
-                              kv_cache_dtype=kv_dtype, lora=lora, narrow_tokens=narrow,
-                              kv_offloading=bool(c.cache.kv_offloading_size))
+            artifact = served_artifact(st, c, model_dir, spec_dirs, dummy, kv_dtype, lora, log)
         elif log:
             log(f"  artifact {artifact} as built (not rebuilt)")
         draft = (_cuda_draft_artifact(st, c, spec_dirs, dummy, kv_dtype, model_dir, artifact)
@@ -195,9 +221,8 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
     if s is not None and s.method == "mtp":
         draft_runner = _mtp_runner(st, c, spec_dirs, dummy, runner, model_dir)
     tokenizer, tok_config = None, {}
-    if (model_dir / "tokenizer.json").exists():
-        from infc.runtime.tokenization.tokenizer import Tokenizer
-        tokenizer = st.run("load tokenizer", Tokenizer, model_dir)
+    if tokenizing is not None:
+        tokenizer = tokenizing.result()
         tok_config = tokenizer.config
     kv_tokens = runner.num_pages * runner.page_size
     max_model_len = c.load.max_model_len
@@ -254,6 +279,35 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
         log(f"  maximum concurrency for {limit} tokens per request: {b.max_concurrency:.2f}x")
         log(f"ready in {time.perf_counter() - st.t_all:.2f} s")
     return b
+
+
+def served_artifact(st, c: EngineConfig, model_dir: Path, spec_dirs, dummy: bool, kv_dtype, lora,
+                    log) -> Path:
+    """The artifact `infc serve --device cuda` runs: built into the ignored cache, not generated/
+    (whose committed artifacts CI checks). The kernel cache makes an unchanged rebuild
+    near-instant, so "built or reused" is one call; the build key (compiler/build_key.py) skips
+    even that (and the compiler's imports) when nothing the build reads has changed."""
+    from infc.compiler import build_key
+    from infc.config import narrow_tokens_for
+    # a speculative build's narrow program takes the verify step's k + 1 rows (config.py)
+    narrow = narrow_tokens_for(c.speculative.speculative_config)
+    tag = (f"-lora{lora['max_loras']}r{lora['max_rank']}" if lora else "") + \
+        (f"-narrow{narrow}" if narrow > 1 else "")                                # its own plan
+    out = SERVED_ARTIFACTS / ((c.load.model or model_dir.name) + tag)
+    kw = dict(model=c.load.model, spec_path=c.load.spec, model_dir=str(model_dir), out=str(out),
+              page_size=c.cache.page_size, gpu=gpu_tuning(), reuse_bins=True, spec_dirs=spec_dirs,
+              check_checkpoint=not dummy, kv_cache_dtype=kv_dtype, lora=lora, narrow_tokens=narrow,
+              kv_offloading=bool(c.cache.kv_offloading_size))
+    key = st.run("artifact key", build_key.build_key, kw, model_dir, c.load.spec, spec_dirs)
+    if build_key.matches(out, key):
+        if log:
+            log(f"  artifact {out} unchanged (its build key)")
+        return out
+    from infc.compiler.build import build
+    build_key.forget(out)
+    artifact = st.run("build artifact (cached)", build, log=None, **dict(kw, out=out))
+    build_key.record(Path(artifact), key)
+    return Path(artifact)
 
 
 def _draft_runner(st, c: EngineConfig, par, spec_dirs, dummy: bool, kv_dtype, target_dir: Path):

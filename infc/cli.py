@@ -8,8 +8,7 @@ import sys
 import traceback
 
 from infc import envs
-from infc.compiler.codegen.render import TemplateError
-from infc.compiler.contract.errors import ModelDirError, SpecError
+from infc.compiler.contract.errors import ModelDirError, SpecError, TemplateError
 from infc.compiler.spec_paths import add_spec_dir_arg
 
 

@@ -2,7 +2,7 @@
 engine itself is built by infc/backend.py, shared with `LLM`.
 
     args.py      the command line: vLLM's flag spellings and defaults
-    app.py       FastAPI routes, SSE, errors, auth, limits, disconnects
+    app.py       Starlette routes, SSE, errors, auth, limits, disconnects
     protocol.py  request bodies checked field by field; OpenAI-shaped errors
     offload.py   the worker pool: parsing, templating, tokenization off the event loop
     admission.py admission by cost (sequences, prompt scoring included); the 429

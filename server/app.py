@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP layer: FastAPI routes over the engine handle (AsyncEngine).
+"""The OpenAI-compatible HTTP layer: Starlette routes over the engine handle (AsyncEngine).
 
     state = ServerState(ServerConfig(served_model_names=["smollm2"]))
     app = make_app(state)            # /health answers 503 until ...
@@ -39,13 +39,14 @@ http.disconnect: a disconnect cancels the generator, and AsyncEngine.generate ab
 when its consumer is cancelled, so the KV is freed at the next step. Non-streaming requests get
 the same race (`until_disconnect`).
 """
+import inspect
 import json
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
+from starlette.routing import Route
 
 from infc.runtime.engine.async_engine import EngineDeadError
 from infc.runtime.engine.sampling import SamplingParams
@@ -62,25 +63,45 @@ from .state import ServerConfig, ServerState
 __all__ = ["ServerConfig", "ServerState", "make_app"]
 
 
-def make_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="infc", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.infc = state
-    cfg = state.config
+class _Routes:
+    """app.get / app.post as decorators over Starlette's routes: a route answers only its own
+    methods (no implicit HEAD for a GET), and a handler takes the request only if it names one,
+    its path parameters by name."""
 
-    @app.exception_handler(APIError)
+    def __init__(self):
+        self.routes = []
+
+    def _add(self, method: str, path: str):
+        def deco(fn):
+            params = list(inspect.signature(fn).parameters)
+
+            async def endpoint(request: Request):
+                kw = {n: request if n == "request" else request.path_params[n] for n in params}
+                return await fn(**kw)
+            route = Route(path, endpoint, methods=[method])
+            route.methods.discard("HEAD")
+            self.routes.append(route)
+            return fn
+        return deco
+
+    def get(self, path: str):
+        return self._add("GET", path)
+
+    def post(self, path: str):
+        return self._add("POST", path)
+
+
+def make_app(state: ServerState) -> Starlette:
+    cfg = state.config
+    app = _Routes()
+
     async def _api_error(request, e: APIError):
         return error_response(e)
 
-    @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, e):
         return error_response(APIError(e.status_code, str(e.detail), "invalid_request_error"
                                        if e.status_code < 500 else "server_error", headers=e.headers))
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request, e):
-        return error_response(bad(str(e)))
-
-    @app.exception_handler(Exception)
     async def _internal(request, e):
         return error_response(APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error"))
 
@@ -133,15 +154,21 @@ def make_app(state: ServerState) -> FastAPI:
         b = backend()
         raw = await body_of(request)
 
+        def structured_of(req):
+            return req.params.structured_outputs if req.params is not None else None
+
         def work():
             body = protocol.parse_json(raw)
             model = model_of(body)
-            return parse(body, b), model
+            req = parse(body, b)
+            if structured_of(req) is None:
+                engine_check(b, req)      # in the same hop: one worker round trip a request
+            return req, model
         req, model = await off_loop(work)
-        if req.params is not None and req.params.structured_outputs is not None:
+        if structured_of(req) is not None:
             # compiled in the engine's worker, within its time limit; then found compiled below
             await structured.check(b.engine, req.params.structured_outputs)
-        await off_loop(engine_check, b, req)
+            await off_loop(engine_check, b, req)
         return req, model
 
     async def serve(request: Request, req: protocol.GenRequest, model: str, render=None):
@@ -358,7 +385,10 @@ def make_app(state: ServerState) -> FastAPI:
                     chat_template=state.template, add_bos_token=tok.add_bos)
         return json_response(info)
 
-    return Guard(app, state)
+    star = Starlette(routes=app.routes, exception_handlers={
+        APIError: _api_error, StarletteHTTPException: _http_error, Exception: _internal})
+    star.state.infc = state
+    return Guard(star, state)
 
 
 def _version() -> str:

@@ -7,7 +7,7 @@ import hashlib
 import hmac
 import json
 
-from fastapi import Request
+from starlette.requests import Request
 from starlette.responses import Response
 
 from .protocol import APIError, bad

@@ -1,7 +1,8 @@
 """`infc serve`: the command line (vLLM's flag spellings and defaults) and the uvicorn server.
 
-The HTTP port opens first and /health answers 503 while a thread builds the backend (stages and
-timings printed as they finish); it answers 200 once the engine is ready. Unknown flags are
+A thread builds the backend from the first moment, while this one imports the HTTP layer and
+opens the port; /health answers 503 until the backend is attached, 200 once the engine is ready
+(each phase printed with its time as it finishes; docs/serving.md, "Start"). Unknown flags are
 errors (argparse, with abbreviations off). Each accepted connection gets TCP_NODELAY, so an SSE
 event leaves when it is written rather than after the peer's delayed ACK (asyncio sets it too;
 this states it where it matters). Headers over --max-header-bytes are answered 431 (or 400 by
@@ -19,25 +20,22 @@ process exits with status 1 and one line saying why, as vLLM's API server does w
 core is gone: a supervisor restarts it rather than routing to a server that can only fail.
 """
 import functools
+import os
 import sys
 import threading
 import time
 
-import uvicorn
-
-from .app import ServerState, make_app
 from .args import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, backend_kwargs, config_from_args
-from .connection import NoDelayH11Protocol
-from .lifecycle import END_MARGIN_S, DrainGuard, GracefulServer, Lifecycle
-from infc.backend import load_backend
-from infc.runtime.engine.gc_freeze import freeze_startup
 
 DEAD_GRACE_S = 2.0       # /health and in-flight requests see the 503 before the port closes
 
 
 def uvicorn_config(app, host="127.0.0.1", port=8000, log_level="info", access_log=True,
                    max_header_bytes=16 << 10, header_timeout=HEADER_TIMEOUT_S,
-                   body_timeout=BODY_TIMEOUT_S) -> uvicorn.Config:
+                   body_timeout=BODY_TIMEOUT_S):
+    import uvicorn
+    from .connection import NoDelayH11Protocol
+    from .lifecycle import END_MARGIN_S
     http = functools.partial(NoDelayH11Protocol, header_timeout=header_timeout, body_timeout=body_timeout)
     return uvicorn.Config(app, host=host, port=port, http=http, lifespan="off",
                           log_level=log_level, access_log=access_log,
@@ -49,6 +47,7 @@ class ServerThread:
     """uvicorn in a background thread (tests, benchmarks): start() returns once it listens."""
 
     def __init__(self, app, host="127.0.0.1", port=0, log_level="warning", **kw):
+        import uvicorn
         self.server = uvicorn.Server(uvicorn_config(app, host, port, log_level, access_log=False, **kw))
         self.thread = threading.Thread(target=self.server.run, name="infc-http", daemon=True)
         self.host = host
@@ -72,8 +71,49 @@ class ServerThread:
         self.thread.join(timeout)
 
 
+def process_age() -> float | None:
+    """Seconds since this process started (the kernel's clock ticks, 10 ms), None off Linux."""
+    try:
+        start = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
+        uptime = float(open("/proc/uptime").read().split()[0])
+        return max(uptime - start / os.sysconf("SC_CLK_TCK"), 0.0)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def serve_main(args):
+    """The backend loads on a thread from the first moment, beside the HTTP layer's imports and
+    the port's opening (its reads and the device's work release the GIL); /health says 503 until
+    it is attached. Each start phase prints one timed line (the backend's stages, then these)."""
     config = config_from_args(args)
+    out_lock = threading.Lock()
+
+    def log(line: str):                   # whole lines: the loading thread prints beside this one
+        with out_lock:
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
+    age = process_age()
+    if age is not None:
+        log(f"  {'python start, infc imports':<32} {age:8.2f} s")
+    holder: dict = {}
+
+    def load():
+        from infc.backend import load_backend
+        from infc.runtime.engine.gc_freeze import freeze_startup
+        try:
+            backend = load_backend(args.model_path, log=log, **backend_kwargs(args))
+            freeze_startup()              # the steps' collections then skip what loading made
+            holder["backend"] = backend
+        except BaseException as e:  # noqa: BLE001 - reported by serve_main after the server stops
+            holder["error"] = e
+        ready.set()
+
+    ready = threading.Event()
+    threading.Thread(target=load, name="infc-load", daemon=True).start()
+
+    t0 = time.perf_counter()
+    from .app import ServerState, make_app
+    from .lifecycle import DrainGuard, GracefulServer, Lifecycle
     if args.host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
         print(f"warning: listening on {args.host} without an API key", file=sys.stderr)
     state = ServerState(config)
@@ -88,18 +128,23 @@ def serve_main(args):
                                            not args.disable_uvicorn_access_log, args.max_header_bytes,
                                            args.request_header_timeout, args.request_body_timeout),
                             life, stop_engine)
+    log(f"  {'HTTP layer imports (beside)':<32} {time.perf_counter() - t0:8.2f} s")
 
-    def load():
+    def attach():
+        ready.wait()
+        while not server.started and not server.should_exit:
+            time.sleep(0.005)             # the "serving" line names the port it opened
+        if "error" in holder:
+            state.error = holder["error"]
+            server.should_exit = True
+            return
         try:
-            while not server.started and not server.should_exit:
-                time.sleep(0.01)          # the port opens first: /health says 503 meanwhile
-            state.attach(load_backend(args.model_path, log=lambda s: print(s, flush=True),
-                                      **backend_kwargs(args)))
-            freeze_startup()              # the steps' collections then skip what loading made
+            t1 = time.perf_counter()
+            state.attach(holder["backend"])
+            log(f"  {'attach to the server':<32} {time.perf_counter() - t1:8.2f} s")
             names = ", ".join(config.served_model_names)
-            print(f"serving {names} at http://{args.host}:{server.servers[0].sockets[0].getsockname()[1]}",
-                  flush=True)
-        except BaseException as e:  # noqa: BLE001 - reported by serve_main after the server stops
+            log(f"serving {names} at http://{args.host}:{server.servers[0].sockets[0].getsockname()[1]}")
+        except BaseException as e:  # noqa: BLE001
             state.error = e
             server.should_exit = True
 
@@ -117,13 +162,15 @@ def serve_main(args):
                 return
             time.sleep(0.1)
 
-    threading.Thread(target=load, name="infc-load", daemon=True).start()
+    threading.Thread(target=attach, name="infc-attach", daemon=True).start()
     threading.Thread(target=watch, name="infc-watch", daemon=True).start()
     try:
         server.run()
     finally:
         if state.backend is not None:
             state.backend.engine.shutdown()
+        elif "backend" in holder:         # loaded while the server was stopping: never attached
+            holder["backend"].engine.shutdown()
     if state.error is not None:
         raise state.error
     if died:

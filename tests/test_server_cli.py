@@ -53,7 +53,8 @@ def test_serve_command_starts_and_reports(tmp_path):
     from smollm2_from_gguf import ensure_smollm2
     with serve_process(ensure_smollm2(), "--max-model-len", "128", "--kv-cache-memory-bytes", str(32 << 20),
                        "--served-model-name", "tiny", "--uvicorn-log-level", "warning") as (port, out):
-        for stage in ("compile plan", "load weights", "allocate KV cache", "load tokenizer", "start engine"):
+        for stage in ("python start, infc imports", "HTTP layer imports (beside)", "compile plan", "load weights",
+                      "allocate KV cache", "load tokenizer (beside)", "start engine", "attach to the server"):
             assert stage in out and "s\n" in out, out
         from infc.compiler.build import compile_model
         from infc.runtime.engine.runner import CPURunner

@@ -8,6 +8,7 @@ import pytest
 
 from infc.cli import main
 from infc.compiler import build as build_mod
+from infc.compiler import tuning_table
 from infc.compiler.build import default_page_size
 from infc.compiler.codegen.render import TEMPLATES, render_plan, tuning_key
 from infc.compiler.tune import GRIDS, candidates, prepare
@@ -131,7 +132,7 @@ def test_merge_writes_a_table_that_the_build_reads_and_renders(prepared, tmp_pat
     table = json.loads((build_mod.TUNING / "h200.json").read_text())
     t1 = merge_table(table, "gemv", e["shape_key"], cand["tune"], e["base_tune"])
     assert table.get("templates", {}).get("gemv") is None or e["shape_key"] not in table["templates"]["gemv"]
-    monkeypatch.setattr(build_mod, "TUNING", tmp_path)
+    monkeypatch.setattr(tuning_table, "TUNING", tmp_path)         # the tables' home
     (tmp_path / "h200.json").write_text(dump_table(t1))
     loaded = build_mod.load_tuning("h200")
     assert loaded["templates"]["gemv"][e["shape_key"]] == cand["tune"]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import jinja2
 
+from infc.compiler.contract.errors import TemplateError
 from infc.compiler.contract.weight_roles import FILL_KINDS, fill_key, fill_kinds
 
 TEMPLATES = Path(__file__).resolve().parent.parent.parent / "codegen_templates"
@@ -24,10 +25,6 @@ TL_DTYPE = {"bf16": "tl.bfloat16", "f16": "tl.float16", "f32": "tl.float32", "i3
 PTR = {"bf16": "*bf16", "f16": "*fp16", "f32": "*fp32", "i32": "*i32", "f8e4m3": "*fp8e4nv",
        "u8": "*u8", "u4": "*u8", "e2m1": "*u8"}
 C_DTYPE = {"bf16": "__nv_bfloat16", "f16": "__half", "f32": "float", "i32": "int"}
-
-
-class TemplateError(Exception):
-    pass
 
 
 @dataclass

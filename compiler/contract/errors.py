@@ -22,6 +22,11 @@ class SpecError(Exception):
         return f"{where}: {self.message}"
 
 
+class TemplateError(Exception):
+    """A kernel template that does not render (compiler/codegen/render.py raises it); here so
+    that the CLI catches it without importing jinja2 for commands that render nothing."""
+
+
 def did_you_mean(name, choices) -> str:
     """"; did you mean 'x'?" for the closest of `choices`, or "" when none is close."""
     close = difflib.get_close_matches(str(name), [str(c) for c in choices], n=1)
