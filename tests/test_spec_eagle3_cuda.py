@@ -175,12 +175,12 @@ def test_eagle3_on_the_cuda_runner_is_plain_decoding(fake_device, monkeypatch, t
         hr.close()
 
 
-def test_what_eagle3_on_cuda_still_refuses(target, head, tmp_path):  # noqa: F811
+def test_what_eagle3_on_cuda_still_refuses(target, tmp_path):  # noqa: F811
     """Parallel ranks, and an --artifact built without the head's hidden states: refused before
     anything loads, saying why."""
     from infc import backend
     d, _ = target
-    h, _ = head
+    h = write_head(d, tmp_path / "head", draft_vocab=VD, layers=[0, 2, 3])
     spec = {"method": "eagle3", "model": str(h), "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match=r"with parallel ranks \(tensor, data or expert parallel\) is not supported"):
         backend.load_backend(d, EngineConfig.from_settings(device="cuda", tensor_parallel_size=2,
@@ -191,3 +191,39 @@ def test_what_eagle3_on_cuda_still_refuses(target, head, tmp_path):  # noqa: F81
     with pytest.raises(ValueError, match="was built without the head's hidden states"):
         backend.load_backend(d, EngineConfig.from_settings(device="cuda", artifact=str(art),
                                                            speculative_config=spec), log=None)
+
+
+def test_plan_inputs_go_up_and_outputs_come_back_by_their_rows():
+    """runtime/cuda/plan_io.py without kernels: a step's inputs converted to their buffers'
+    dtypes (bf16 bits, f32), padding rows zero, a missing one named; outputs read back lazily,
+    each only when asked for, T- or B-rows of the step as the plan's shape says, bf16 widened."""
+    from types import SimpleNamespace
+    from infc.runtime.cuda.plan_io import StepOutputs, from_bf16, input_arrays, to_bf16
+    plan = {"inputs": {"tokens": {"shape": ["T"], "dtype": "i32"}, "aux": {"shape": ["T", 3], "dtype": "bf16"},
+                       "hidden": {"shape": ["T", 2], "dtype": "f32"}},
+            "buffers": {"aux": {"shape": ["T", 3], "dtype": "bf16"}, "hidden": {"shape": ["T", 2], "dtype": "f32"},
+                        "o1": {"shape": ["T", 3], "dtype": "f32"}, "o2": {"shape": ["B", 2], "dtype": "bf16"}},
+            "outputs": {"logits": "lg", "rows": "o1", "last": "o2"}}
+    rng = np.random.default_rng(3)
+    aux, hid = rng.standard_normal((2, 3)).astype(np.float32), rng.standard_normal((2, 2)).astype(np.float32)
+    got = input_arrays(plan, {"aux": aux, "hidden": hid}, 4, 2)
+    assert got["aux"].dtype == np.uint16 and got["hidden"].dtype == np.float32
+    assert np.array_equal(from_bf16(got["aux"][:2]), from_bf16(to_bf16(aux))) and not got["aux"][2:].any()
+    assert np.abs(from_bf16(got["aux"][:2]) - aux).max() <= 1e-2 * np.abs(aux).max()
+    assert np.array_equal(got["hidden"][:2], hid) and not got["hidden"][2:].any()
+    assert not input_arrays(plan, None, 2, 0)["aux"].any()          # a padding step (graph capture)
+    with pytest.raises(ValueError, match=r"step input 'hidden' needs \[2, 2\] values .* got none"):
+        input_arrays(plan, {"aux": aux}, 2, 2)
+    ctx, at = FakeCtx(1 << 16), {}
+    o1, o2 = rng.standard_normal((5, 3)).astype(np.float32), rng.standard_normal((5, 2)).astype(np.float32)
+    for name, a, dt in (("o1", o1, "f32"), ("o2", o2, "bf16")):
+        at[name] = ctx.alloc(a.nbytes)
+        ctx.put(at[name], a, dt)
+    runner = SimpleNamespace(plan=plan, ctx=ctx, _buffer_ptr=at.__getitem__)
+    out = StepOutputs(runner, {"T": 4, "B": 2})
+    assert sorted(out) == ["last", "rows"] and "logits" not in out
+    assert ctx.copies == 0 and not out.read
+    assert np.array_equal(out["rows"], o1[:4]) and list(out.read) == ["rows"]
+    assert np.array_equal(out["last"], from_bf16(to_bf16(o2[:2])))
+    with pytest.raises(KeyError):
+        out["aux_hidden"]
