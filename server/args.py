@@ -72,7 +72,8 @@ def add_speculative_config_arg(p: argparse.ArgumentParser):
                    help='speculative decoding, as vLLM spells it: \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}\' '
                         'or \'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}\' '
-                        '(a draft of the same vocabulary; eagle3, mtp: not built yet)')
+                        '(a draft of the same vocabulary), or \'{"method": "eagle3", "model": HEAD_DIR, '
+                        '"num_speculative_tokens": 3}\' (mtp: not built yet)')
 
 
 def add_kv_events_config_arg(p: argparse.ArgumentParser):
