@@ -397,9 +397,10 @@ def _cuda_head_artifact(st, c: EngineConfig, target_artifact: Path) -> tuple[Pat
     s = c.speculative.speculative_config
     path = Path(s.model)
     page_size = json.loads((Path(target_artifact) / "plan.json").read_text())["build"]["page_size"]
+    out = REPO / ".cache" / "artifacts" / (path.name + "-eagle3")
     art = st.run("build EAGLE-3 head artifact (cached)", build, model_dir=str(path),
-                 spec_path=str(SPECS_DIR / "eagle3.yaml"), out=REPO / ".cache" / "artifacts" / (path.name + "-eagle3"),
-                 page_size=page_size, gpu=gpu_tuning(), log=None, reuse_bins=True, check_checkpoint=False)
+                 spec_path=str(SPECS_DIR / "eagle3.yaml"), out=out, page_size=page_size, gpu=gpu_tuning(),
+                 log=None, reuse_bins=True, check_checkpoint=False)
     return Path(art), path
 
 
@@ -478,8 +479,9 @@ def _cuda_draft_artifact(st, c: EngineConfig, spec_dirs, dummy: bool, kv_dtype, 
 def _cuda_runners(st, c: EngineConfig, artifact: Path, model_dir: Path, draft, log, head=None):
     """The target's CudaRunner, and the draft model's beside it (draft: (artifact, directory) or
     None); head: for an EAGLE-3 head as the draft, head(c, target runner, head artifact) ->
-    (shared_weights, d2t) (_cuda_head_weights: the target's embedding, its own d2t). Both load their weights, arena and scratch first; then the cache budget left is split
-    so that both caches hold the same tokens (compiler/memory_budget.draft_pages), and each
+    (shared_weights, d2t) (_cuda_head_weights: the target's embedding, its own d2t). Both load
+    their weights, arena and scratch first; then the cache budget left is split so that both
+    caches hold the same tokens (compiler/memory_budget.draft_pages), and each
     allocates its caches and captures its own graphs. Each runner has its own stream, staging
     buffers and arena in the device's one primary context (driver.Context)."""
     from infc.runtime.cuda.runner import CudaRunner     # lazily: cuda-python only here

@@ -49,7 +49,8 @@ def row_bytes(decl: dict) -> int:
 
 def input_arrays(plan: dict, given: dict | None, T: int, true_T: int) -> dict:
     """name -> host array of T rows in the buffer's dtype: the given [true_T, ...] rows, then zero
-    rows for the padding (a step of padding rows only needs none). A missing or misshapen input is named (as the reference executor does)."""
+    rows for the padding (a step of padding rows only needs none). A missing or misshapen input
+    is named (as the reference executor does)."""
     out = {}
     for name, decl in step_inputs(plan).items():
         cols = tuple(int(d) for d in decl["shape"][1:])
