@@ -175,11 +175,16 @@ def test_eagle3_on_the_cuda_runner_is_plain_decoding(fake_device, monkeypatch, t
         hr.close()
 
 
-def test_what_eagle3_on_cuda_still_refuses(target, tmp_path):  # noqa: F811
+def test_what_eagle3_on_cuda_still_refuses(tmp_path):
     """Parallel ranks, and an --artifact built without the head's hidden states: refused before
-    anything loads, saying why."""
+    anything loads (config-only directories), saying why."""
     from infc import backend
-    d, _ = target
+    d = tmp_path / "target"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": H, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": V, "intermediate_size": 96,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-6}))
     h = write_head(d, tmp_path / "head", draft_vocab=VD, layers=[0, 2, 3])
     spec = {"method": "eagle3", "model": str(h), "num_speculative_tokens": 2}
     with pytest.raises(ValueError, match=r"with parallel ranks \(tensor, data or expert parallel\) is not supported"):
