@@ -165,7 +165,8 @@ def test_eagle3_on_the_cuda_runner_is_plain_decoding(fake_device, monkeypatch, t
                   SamplingParams(max_tokens=5, temperature=0.9, top_k=40, seed=3, ignore_eos=True)]
         common = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=24)
         plain = _decode(Engine(t, **common), prompts, params)
-        e = Engine(t, **common, draft_runner=hr, speculative_config=speculative_config(spec))
+        e = Engine(t, **common, draft_runner=hr, speculative_config=speculative_config(spec), overlap=True)
+        assert t.can_overlap and not e.overlap         # speculating steps run synchronously
         got = _decode(e, prompts, params)
         assert got == plain and [len(got["r0"]), len(got["r1"])] == [6, 5]
         assert e.metrics.spec_decode_num_draft_tokens_total > 0 and e.spec.draft.forwards >= 2
