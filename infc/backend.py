@@ -180,8 +180,9 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
     drafting = s is not None and s.method == "draft_model"
     if drafting:
         _check_draft(c, par, dummy)            # before the target loads
-    if s is not None and s.method == "eagle3":
-        _check_eagle3(c, par)
+    eagle3 = s is not None and s.method == "eagle3"
+    if eagle3:
+        _check_eagle3(c, par, artifact)
     if s is not None and s.method == "mtp":
         _check_mtp(c, par)
     if par is not None and lora is not None:
@@ -192,7 +193,7 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
         page_size = runner.page_size
     elif device == "cpu":
         from infc.compiler.build import compile_model
-        capture = eagle3_layers(s, model_dir) if s is not None and s.method == "eagle3" else \
+        capture = eagle3_layers(s, model_dir) if eagle3 else \
             mtp_layers(c, model_dir, spec_dirs) if s is not None and s.method == "mtp" else None
         state, plan = st.run("compile plan", compile_model, model=model, spec_path=spec,
                              model_dir=str(model_dir), spec_dirs=spec_dirs, check_checkpoint=not dummy,
@@ -202,13 +203,15 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
         runner = _cpu_runner(st, plan, model_dir, dummy, c, "", state_snapshots(c.cache, c.scheduler.max_num_seqs))
         model_len = int(plan["config"].get("max_len") or 1 << 30)
     else:
+        capture = eagle3_layers(s, model_dir) if eagle3 else None
         if artifact is None:
-            artifact = served_artifact(st, c, model_dir, spec_dirs, dummy, kv_dtype, lora, log)
+            artifact = served_artifact(st, c, model_dir, spec_dirs, dummy, kv_dtype, lora, log, capture)
         elif log:
             log(f"  artifact {artifact} as built (not rebuilt)")
         draft = (_cuda_draft_artifact(st, c, spec_dirs, dummy, kv_dtype, model_dir, artifact)
-                 if drafting else None)
-        runner, draft_runner = _cuda_runners(st, c, artifact, model_dir, draft, log)
+                 if drafting else _cuda_head_artifact(st, c, artifact) if eagle3 else None)
+        runner, draft_runner = _cuda_runners(st, c, artifact, model_dir, draft, log,
+                                             head=_cuda_head_weights if eagle3 else None)
         plan = runner.plan
         name = plan.get("model") or model or model_dir.name
         model_len = int(getattr(runner, "max_model_len", None) or plan["config"].get("max_len") or 1 << 30)
@@ -216,7 +219,7 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
 
     if par is not None or device == "cpu":
         draft_runner = _draft_runner(st, c, par, spec_dirs, dummy, kv_dtype, model_dir)
-    if s is not None and s.method == "eagle3":
+    if eagle3 and device == "cpu":
         draft_runner = _eagle3_runner(st, c, spec_dirs, dummy, runner)
     if s is not None and s.method == "mtp":
         draft_runner = _mtp_runner(st, c, spec_dirs, dummy, runner, model_dir)
@@ -282,7 +285,7 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
 
 
 def served_artifact(st, c: EngineConfig, model_dir: Path, spec_dirs, dummy: bool, kv_dtype, lora,
-                    log) -> Path:
+                    log, capture=None) -> Path:
     """The artifact `infc serve --device cuda` runs: built into the ignored cache, not generated/
     (whose committed artifacts CI checks). The kernel cache makes an unchanged rebuild
     near-instant, so "built or reused" is one call; the build key (compiler/build_key.py) skips
@@ -293,11 +296,13 @@ def served_artifact(st, c: EngineConfig, model_dir: Path, spec_dirs, dummy: bool
     narrow = narrow_tokens_for(c.speculative.speculative_config)
     tag = (f"-lora{lora['max_loras']}r{lora['max_rank']}" if lora else "") + \
         (f"-narrow{narrow}" if narrow > 1 else "")                                # its own plan
+    if capture:                                  # a plan with the head's hidden states as an output
+        tag += "-eagle3-" + "-".join(map(str, capture))
     out = SERVED_ARTIFACTS / ((c.load.model or model_dir.name) + tag)
     kw = dict(model=c.load.model, spec_path=c.load.spec, model_dir=str(model_dir), out=str(out),
               page_size=c.cache.page_size, gpu=gpu_tuning(), reuse_bins=True, spec_dirs=spec_dirs,
               check_checkpoint=not dummy, kv_cache_dtype=kv_dtype, lora=lora, narrow_tokens=narrow,
-              kv_offloading=bool(c.cache.kv_offloading_size))
+              kv_offloading=bool(c.cache.kv_offloading_size), capture=capture)
     key = st.run("artifact key", build_key.build_key, kw, model_dir, c.load.spec, spec_dirs)
     if build_key.matches(out, key):
         if log:
@@ -350,15 +355,20 @@ def _cpu_runner(st, plan: dict, model_dir: Path, dummy: bool, c: EngineConfig, w
                   c.scheduler.max_num_seqs, num_state_snapshots)
 
 
-def _check_eagle3(c: EngineConfig, par):
+def _check_eagle3(c: EngineConfig, par, artifact=None):
     """What can be refused of an EAGLE-3 head before anything loads."""
     s = c.speculative.speculative_config
     where = f"--speculative-config: EAGLE-3 head {s.model!r}"
     if par is not None:
-        raise ValueError(f"{where}: with parallel ranks is not supported yet")
-    if c.device.device != "cpu":
-        raise ValueError(f"{where}: EAGLE-3 runs on --device cpu only so far (the target's hidden "
-                         f"states have no GPU kernel nor a way back from the CUDA runner yet)")
+        raise ValueError(f"{where}: with parallel ranks (tensor, data or expert parallel) is not "
+                         f"supported yet (the target's hidden states are one rank's)")
+    if artifact is not None:
+        import json
+        plan = json.loads((Path(artifact) / "plan.json").read_text())
+        if "aux_hidden" not in plan.get("outputs", {}):
+            raise ValueError(f"{where}: the --artifact {artifact} was built without the head's hidden "
+                             f"states (rebuild it with them, or leave --artifact out: the serving "
+                             f"build adds them)")
     if not (Path(s.model) / "config.json").is_file():
         raise ValueError(f"{where} is not a directory with a config.json")
 
@@ -424,10 +434,7 @@ def _eagle3_runner(st, c: EngineConfig, spec_dirs, dummy: bool, target):
                                  f"and the target has no embedding table 'embed' of shape "
                                  f"{plan['weights']['embed']['shape']} to share")
             weights["embed"] = embed
-        d2t = np.asarray(ckpt.raw("d2t"), np.int64) if "d2t" in ckpt else np.zeros(Vd, np.int64)
-        if d2t.shape != (Vd,):
-            raise ValueError(f"--speculative-config: EAGLE-3 head {s.model!r}: d2t has shape "
-                             f"{list(d2t.shape)}, its lm_head {Vd} rows")
+        d2t = _head_d2t(s, ckpt, Vd)
     runner = st.run("allocate EAGLE-3 KV cache", CPURunner, plan, weights, _cpu_pages(plan, c),
                     c.cache.page_size, c.scheduler.max_num_seqs)
     runner.d2t = d2t
@@ -440,8 +447,8 @@ def _check_mtp(c: EngineConfig, par):
     if par is not None:
         raise ValueError(f"{where}: with parallel ranks is not supported yet")
     if c.device.device != "cpu":
-        raise ValueError(f"{where}: MTP runs on --device cpu only so far (the target's hidden "
-                         f"states have no GPU kernel nor a way back from the CUDA runner yet)")
+        raise ValueError(f"{where}: MTP runs on --device cpu only so far (the MTP layer's runner "
+                         f"beside the target's on the GPU is not built yet; EAGLE-3's is)")
 
 
 def mtp_layers(c: EngineConfig, model_dir: Path, spec_dirs) -> list[int]:
@@ -503,6 +510,62 @@ def _mtp_runner(st, c: EngineConfig, spec_dirs, dummy: bool, target, model_dir: 
     return runner
 
 
+def _head_d2t(s, ckpt, Vd: int):
+    """The head's draft-to-target offsets (zeros, the identity, where its checkpoint has none)."""
+    import numpy as np
+    d2t = np.asarray(ckpt.raw("d2t"), np.int64) if ckpt is not None and "d2t" in ckpt else np.zeros(Vd, np.int64)
+    if d2t.shape != (Vd,):
+        raise ValueError(f"--speculative-config: EAGLE-3 head {s.model!r}: d2t has shape "
+                         f"{list(d2t.shape)}, its lm_head {Vd} rows")
+    return d2t
+
+
+def _cuda_head_artifact(st, c: EngineConfig, target_artifact: Path) -> tuple[Path, Path]:
+    """(artifact, directory) of the EAGLE-3 head on cuda: specs/eagle3.yaml built (or reused)
+    into .cache/artifacts/<its directory's name>-eagle3 with the target's page size (the split
+    gives both caches the same pages)."""
+    import json
+    from infc.compiler.build import REPO, build
+    from infc.compiler.spec import SPECS_DIR
+    s = c.speculative.speculative_config
+    path = Path(s.model)
+    page_size = json.loads((Path(target_artifact) / "plan.json").read_text())["build"]["page_size"]
+    out = REPO / ".cache" / "artifacts" / (path.name + "-eagle3")
+    art = st.run("build EAGLE-3 head artifact (cached)", build, model_dir=str(path),
+                 spec_path=str(SPECS_DIR / "eagle3.yaml"), out=out, page_size=page_size, gpu=gpu_tuning(),
+                 log=None, reuse_bins=True, check_checkpoint=False)
+    return Path(art), path
+
+
+def _cuda_head_weights(c: EngineConfig, target, head_artifact: Path) -> tuple[dict, object]:
+    """(shared_weights, d2t) of the EAGLE-3 head's CudaRunner beside `target`'s: the target's
+    embedding table on the device where the head's checkpoint has none (or its weights are
+    random: a real head shares it), and d2t from the checkpoint (zeros where it has none)."""
+    import json
+    s = c.speculative.speculative_config
+    where = f"--speculative-config: EAGLE-3 head {s.model!r}"
+    plan = json.loads((Path(head_artifact) / "plan.json").read_text())
+    Vd = plan["weights"]["lm_head"]["shape"][0]
+    ckpt = None
+    if c.load.load_format != "dummy":
+        from infc.compiler.contract.safetensors_io import Checkpoint
+        ckpt = Checkpoint(Path(s.model))
+    try:
+        d2t = _head_d2t(s, ckpt, Vd)
+        if ckpt is not None and "embed_tokens.weight" in ckpt:
+            return {}, d2t                          # its own table
+    finally:
+        if ckpt is not None:
+            ckpt.close()
+    want, have = plan["weights"]["embed"], target.plan["weights"].get("embed")
+    if have is None or have["layers"] is not None or list(have["shape"]) != list(want["shape"]) \
+            or have["dtype"] != want["dtype"]:
+        got = "none" if have is None else f"{have['shape']} {have['dtype']}"
+        raise ValueError(f"{where} has no embed_tokens and the target has no embedding table 'embed' "
+                         f"of shape {want['shape']} {want['dtype']} to share (it has {got})")
+    return {"embed": target.weights.ptr("embed", None)}, d2t
+
+
 def _check_draft(c: EngineConfig, par, dummy: bool) -> str:
     """What can be refused of a draft model before anything loads; its name for messages."""
     s = c.speculative.speculative_config
@@ -546,10 +609,12 @@ def _cuda_draft_artifact(st, c: EngineConfig, spec_dirs, dummy: bool, kv_dtype, 
     return Path(art), path
 
 
-def _cuda_runners(st, c: EngineConfig, artifact: Path, model_dir: Path, draft, log):
+def _cuda_runners(st, c: EngineConfig, artifact: Path, model_dir: Path, draft, log, head=None):
     """The target's CudaRunner, and the draft model's beside it (draft: (artifact, directory) or
-    None). Both load their weights, arena and scratch first; then the cache budget left is split
-    so that both caches hold the same tokens (compiler/memory_budget.draft_pages), and each
+    None); head: for an EAGLE-3 head as the draft, head(c, target runner, head artifact) ->
+    (shared_weights, d2t) (_cuda_head_weights: the target's embedding, its own d2t). Both load
+    their weights, arena and scratch first; then the cache budget left is split so that both
+    caches hold the same tokens (compiler/memory_budget.draft_pages), and each
     allocates its caches and captures its own graphs. Each runner has its own stream, staging
     buffers and arena in the device's one primary context (driver.Context)."""
     from infc.runtime.cuda.runner import CudaRunner     # lazily: cuda-python only here
@@ -560,8 +625,11 @@ def _cuda_runners(st, c: EngineConfig, artifact: Path, model_dir: Path, draft, l
     num_pages = settings.pop("num_pages", None)
     runner = st.run("load weights", CudaRunner, artifact, model_dir, defer_cache=True, **settings)
     try:
-        d = st.run("load draft weights", CudaRunner, draft[0], draft[1], defer_cache=True,
-                   **dict(settings, num_state_snapshots=0))
+        shared, d2t = head(c, runner, draft[0]) if head is not None else ({}, None)
+        d = st.run("load EAGLE-3 head weights" if head else "load draft weights", CudaRunner, draft[0],
+                   draft[1], defer_cache=True, shared_weights=shared, **dict(settings, num_state_snapshots=0))
+        if head is not None:
+            d.d2t = d2t
         try:
             if d.page_size != runner.page_size:
                 raise ValueError(f"--speculative-config: the draft's artifact {draft[0]} has pages of "

@@ -74,7 +74,7 @@ def add_speculative_config_arg(p: argparse.ArgumentParser):
                         'or \'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}\' '
                         '(a draft of the same vocabulary), \'{"method": "eagle3", "model": HEAD_DIR, ...}\' '
                         'or \'{"method": "mtp", "num_speculative_tokens": 1}\' (the checkpoint\'s own '
-                        'MTP layer; eagle3 and mtp on --device cpu only so far)')
+                        'MTP layer; mtp on --device cpu only so far)')
 
 
 def add_kv_events_config_arg(p: argparse.ArgumentParser):

@@ -41,11 +41,9 @@ def head_tensors(H: int, Ht: int, Hq: int, Hkv: int, D: int, F: int, V: int, Vd:
             "d2t": (ids - np.arange(Vd)).astype(np.int64), "t2d": t2d}
 
 
-def write_head(target_dir, out_dir, draft_vocab: int | None = None, layers=None, seed: int = 0,
-               intermediate_size: int | None = None, edit=None) -> Path:
-    """Writes the head into out_dir (created); returns it. edit(tensors): changes the tensors
-    before they are written (tests construct heads of known behaviour this way)."""
-    t = json.loads((Path(target_dir) / "config.json").read_text())
+def head_config(t: dict, draft_vocab: int | None = None, layers=None, intermediate_size: int | None = None) -> dict:
+    """The head's config.json for a target's config `t` (a config-only head: tests/gpu/prepare.py
+    eagle3, loaded with --load-format dummy)."""
     H, V = t["hidden_size"], t["vocab_size"]
     Hq = t["num_attention_heads"]
     Hkv = t.get("num_key_value_heads") or Hq
@@ -62,6 +60,17 @@ def write_head(target_dir, out_dir, draft_vocab: int | None = None, layers=None,
               "tie_word_embeddings": False, "torch_dtype": "float32"}
     if layers is not None:
         config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [int(x) for x in layers]}
+    return config
+
+
+def write_head(target_dir, out_dir, draft_vocab: int | None = None, layers=None, seed: int = 0,
+               intermediate_size: int | None = None, edit=None) -> Path:
+    """Writes the head into out_dir (created); returns it. edit(tensors): changes the tensors
+    before they are written (tests construct heads of known behaviour this way)."""
+    t = json.loads((Path(target_dir) / "config.json").read_text())
+    config = head_config(t, draft_vocab, layers, intermediate_size)
+    H, V, Vd, F = config["hidden_size"], config["vocab_size"], config["draft_vocab_size"], config["intermediate_size"]
+    Hq, Hkv, D = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -28,6 +28,7 @@ from .artifact import load_kernels, load_plan
 from .collective_clock import CollectiveClock, enabled as collective_clock_enabled
 from .collectives import bind_collective
 from .driver import Context, DependentLaunch, Graph, launch
+from .plan_io import StepOutputs, input_arrays, row_bytes, step_inputs
 from .sampler import GpuSampler, SamplerPending
 from .staging import Staging
 from .weights import DeviceWeights
@@ -113,7 +114,8 @@ class CudaRunner:
                  buckets: list[int] | None = None, num_pages: int | None = None,
                  load_format: str = "auto", pdl: bool | None = None, ctx: Context | None = None,
                  plan: dict | None = None, collectives=None, agree_num_pages=None,
-                 num_state_snapshots: int | None = None, defer_cache: bool = False):
+                 num_state_snapshots: int | None = None, defer_cache: bool = False,
+                 shared_weights: dict | None = None):
         """load_format: "auto" reads model_dir's safetensors; "dummy" fills random weights on the
         device (runtime/weights/dummy.py), so model_dir needs only config.json.
         pdl: launch the kernels whose META allows it as programmatic dependents of the kernel
@@ -131,7 +133,11 @@ class CudaRunner:
         defer_cache: load the weights, arena and scratch only; `start_cache(num_pages)` then
         allocates the caches, the sampler and captures the graphs. Two runners of one process
         (a draft model beside its target, infc/backend.py) load both first, then split what
-        `cache_budget()` says is left between their caches."""
+        `cache_budget()` says is left between their caches.
+        shared_weights: weight name -> a device pointer of another runner of this process, used
+        instead of a copy of its own (an EAGLE-3 head's embedding table is its target's).
+        Plan step inputs besides the tokens (StepMeta.inputs) are uploaded with each step, and
+        the plan's outputs besides the logits are read back on request (`outputs()`, plan_io.py)."""
         self._snapshots_asked = num_state_snapshots
         self.pdl = envs.value("INFC_PDL") if pdl is None else pdl
         self.ctx = ctx if ctx is not None else Context()
@@ -156,7 +162,8 @@ class CudaRunner:
         self.kernels = load_kernels(self.artifact, plan)
         # the fill kernel of each kind the plan has (none in older artifacts)
         fill = {kind: self.kernels.get(plan.get(fill_key(kind))) for kind in FILL_KINDS}
-        self.weights = DeviceWeights(self.ctx, plan, Path(model_dir), load_format=load_format, fill=fill)
+        self.weights = DeviceWeights(self.ctx, plan, Path(model_dir), load_format=load_format, fill=fill,
+                                     shared=shared_weights)
         dims = step_dims(plan, self.max_tokens, self.max_seqs)
         a = plan["arena"]
         self.arena_bytes = a["bytes_per_token"] * dims["T"] + a["bytes_per_seq"] * dims["B"] + a["bytes"]
@@ -165,9 +172,13 @@ class CudaRunner:
         if unknown:
             raise ValueError(f"the plan's step metadata {unknown} is not built by this runner")
         self.meta = {n: self.ctx.alloc(self._meta_bytes(m)) for n, m in plan["step_metadata"].items()}
-        # a step's uploads: tokens, the metadata, the sampler's parameters (and alignment)
+        # a step's uploads: tokens, the metadata, the plan's step inputs, the sampler's
+        # parameters (and alignment)
+        self.inputs = step_inputs(plan)
         self.staging = Staging(self.ctx, 4 * self.max_tokens + sum(map(self._meta_bytes, plan["step_metadata"].values()))
-                               + 32 * (self.max_seqs + 1) + 64 * 24)
+                               + sum(row_bytes(d) * self.max_tokens for d in self.inputs.values())
+                               + 32 * (self.max_seqs + 1) + 64 * (24 + len(self.inputs)))
+        self._outputs = None                       # the last step's StepOutputs
         self.scratch = {}
         self.global_scratch = {}                   # kernel id -> Triton's global scratch
         for kid, k in self.kernels.items():
@@ -378,6 +389,8 @@ class CudaRunner:
         self.staging.begin()
         arrays = {n: self.staging.put(a) for n, a in arrays.items()}
         keep = [self.ctx.htod(self._buffer_ptr("tokens", dims), arrays.pop("tokens"))]
+        for name in self.inputs:                   # the plan's step inputs (plan_io.py)
+            keep.append(self.ctx.htod(self._buffer_ptr(name, dims), arrays.pop(name)))
         if "block_tables" in arrays:
             # only the columns the step's longest sequence needs: the kernels' row stride stays
             # max_pages (fixed in every bound program and graph), and no kernel reads a page past
@@ -416,7 +429,10 @@ class CudaRunner:
             lora = meta.lora_slots if meta.lora_slots is not None else np.zeros(meta.T, np.int32)
             arr["lora_slots"] = np.concatenate([lora, np.zeros(pad_t, np.int32)])
             arr["lora_rows"], arr["lora_segs"] = lora_groups(arr["lora_slots"], lora_num_slots(self.plan))
-        return {k: v if v.dtype == np.int32 else v.astype(np.int32) for k, v in arr.items()}
+        arr = {k: v if v.dtype == np.int32 else v.astype(np.int32) for k, v in arr.items()}
+        if self.inputs:                             # the plan's step inputs, padding rows zero
+            arr.update(input_arrays(self.plan, meta.inputs, T, meta.T))
+        return arr
 
     def _run_step(self, meta: StepMeta, feed=()) -> tuple[int, int]:
         """feed: (row, prev_row) pairs, see launch."""
@@ -438,15 +454,17 @@ class CudaRunner:
             if self.collective_clock is not None:
                 self.collective_clock.phase = None
         self._keep = keep
+        self._outputs = StepOutputs(self, {"T": meta.T, "B": meta.B})
         return T, B
 
     def logits(self, meta: StepMeta) -> np.ndarray:
         """Run a step and copy its logits to the host (f32 [B, V])."""
         T, B = self._run_step(meta)
-        if self._logits_host is None:
-            self._logits_host = self.ctx.pinned(4 * self.max_seqs * self.vocab_size).view(np.float32)
-        out = self._logits_host[: meta.B * self.vocab_size].reshape(meta.B, self.vocab_size)
         name = self.plan["outputs"]["logits"]
+        width = int(self.plan["buffers"][name]["shape"][1])     # V; a head's draft vocabulary
+        if self._logits_host is None:
+            self._logits_host = self.ctx.pinned(4 * self.max_seqs * width).view(np.float32)
+        out = self._logits_host[: meta.B * width].reshape(meta.B, width)
         self.ctx.dtoh(out, self._buffer_ptr(name, step_dims(self.plan, T, B)))
         self.ctx.sync()
         return out
@@ -461,6 +479,13 @@ class CudaRunner:
             samples = [None if s is None else sample_row(logits[b], s) for b, s in enumerate(sampling)]
         self._score_rows(meta, T)
         return samples
+
+    def outputs(self) -> StepOutputs:
+        """The last step's plan outputs besides the logits, name -> float32 rows, each copied back
+        when first asked for (plan_io.py): a speculation head's hidden states."""
+        if self._outputs is None:
+            raise RuntimeError("CudaRunner.outputs: no step has run yet")
+        return self._outputs
 
     def lora_put(self):
         """The writer of the plan's LoRA tables (runtime/lora/tables.py) on the device."""

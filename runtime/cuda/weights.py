@@ -130,9 +130,12 @@ class DeviceWeights:
     """name -> device pointer (or a list of per-layer pointers); `bytes` is their total size."""
 
     def __init__(self, ctx, plan: dict, model_dir: Path, progress: bool = True, threads: int = 8,
-                 load_format: str = "auto", fill=None, seed: int = 0):
+                 load_format: str = "auto", fill=None, seed: int = 0, shared: dict | None = None):
         """fill: the loaded weight_init kernel (or {fill kind: kernel}: plan["weight_init"] for
-        bf16, plan["weight_init_<kind>"] for the others), needed for load_format="dummy"."""
+        bf16, plan["weight_init_<kind>"] for the others), needed for load_format="dummy".
+        shared: model-level weight name -> the device pointer of another runner's copy, used as
+        it is (neither read nor filled here; the caller checked its shape and dtype)."""
+        shared = shared or {}
         dummy = check_load_format(load_format) == "dummy"
         fills = fill if isinstance(fill, dict) else {"bf16": fill}
         roles = quant_roles(plan)
@@ -148,6 +151,11 @@ class DeviceWeights:
         self.layers = {}               # per-layer weight -> its global layer indices
         items, tied = [], []           # (name, layer, runs | array | bytes, NaN check name)
         for name, w in plan["weights"].items():
+            if name in shared:
+                if w["layers"] is not None:
+                    raise ValueError(f"weight '{name}': only a model-level weight can be shared")
+                self.ptrs[name] = shared[name]
+                continue
             if "tied" in w["source"]:
                 tied.append((name, w["source"]["tied"]))
                 continue

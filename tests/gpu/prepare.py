@@ -43,7 +43,12 @@ draft (issue 43, tests/gpu/test_spec_gpu.py's draft-model case: qwen3-4b's first
 draft model, config-only in .cache/gpu/configs/qwen3-4b-l2, built into
 .cache/artifacts/qwen3-4b-l2, the artifact infc/backend.py reuses for a draft directory of that
 name; its kernels are qwen3-4b's, so the kernel cache compiles nothing new after base).
-Default: base, nofuse, families and draft.
+eagle3 (issue 43, tests/gpu/test_spec_gpu.py's EAGLE-3 case: a config-only EAGLE-3 head for
+qwen3-4b (tools/make_eagle3_head.head_config, a draft vocabulary of 32000) in
+.cache/gpu/configs/eagle3-qwen3-4b, built from specs/eagle3.yaml into
+.cache/artifacts/eagle3-qwen3-4b-eagle3, and qwen3-4b built with the head's hidden states as a
+plan output into .cache/artifacts/qwen3-4b-eagle3-<layers>: the artifacts infc/backend.py reuses).
+Default: base, nofuse, families, draft and eagle3.
 
 The tiny qwen3_moe and the
 tiny trained Llama (tests/gpu/trained_model.py) exist only as configs here (.cache/gpu/<name>/)
@@ -73,8 +78,8 @@ TINY_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
 GPU_CACHE = REPO / ".cache" / "gpu"
 SERVED = ("qwen3-4b", "llama-3.2-1b")          # model directories LLM / infc serve load on the GPU
 PARTS = ("base", "nofuse", "families", "qwen35", "ranks", "deepseek", "twogpu", "server", "attnvar", "hlvar", "kvfp8",
-         "quant", "lora", "draft")
-DEFAULT_PARTS = ("base", "nofuse", "families", "draft")
+         "quant", "lora", "draft", "eagle3")
+DEFAULT_PARTS = ("base", "nofuse", "families", "draft", "eagle3")
 
 
 def _size(d: Path) -> str:
@@ -147,6 +152,8 @@ def main(parts=DEFAULT_PARTS):
         lora()
     if "draft" in parts:
         draft()
+    if "eagle3" in parts:
+        eagle3()
 
 
 def served_config(name: str) -> Path:
@@ -317,6 +324,30 @@ def draft():
                   model_dir=str(served_config("qwen3-4b")), narrow_tokens=5, check_checkpoint=False)
     _both_tunings(f"{DRAFT_CUT} (a draft model for qwen3-4b)", BUILD_REPO / ".cache" / "artifacts" / DRAFT_CUT,
                   model_dir=str(base_config(DRAFT_CUT)), check_checkpoint=False)
+
+
+EAGLE3_HEAD = "eagle3-qwen3-4b"  # tests/gpu/test_spec_gpu.py's EAGLE3_HEAD
+
+
+def eagle3():
+    """A config-only EAGLE-3 head for qwen3-4b and the two artifacts infc/backend.py builds for
+    it on cuda (names as it gives them): the head's (specs/eagle3.yaml, the target's page size)
+    and qwen3-4b's with aux_hidden at the head's layers (infc.config.eagle3_default_layers)."""
+    from infc.compiler.build import REPO as BUILD_REPO
+    from infc.compiler.spec import SPECS_DIR
+    from infc.config import eagle3_default_layers
+    from make_eagle3_head import head_config
+    target = served_config("qwen3-4b")
+    cfg = json.loads((target / "config.json").read_text())
+    head = _write_config(EAGLE3_HEAD, head_config(cfg, draft_vocab=32000))
+    layers = eagle3_default_layers(cfg["num_hidden_layers"])
+    arts = BUILD_REPO / ".cache" / "artifacts"
+    _both_tunings(f"qwen3-4b with the hidden states of layers {list(layers)}",
+                  arts / ("qwen3-4b-eagle3-" + "-".join(map(str, layers))), model_dir=str(target),
+                  capture=list(layers), check_checkpoint=False)
+    # the head's page size: each table's default, as the target's (backend: the target's own)
+    _both_tunings(f"{EAGLE3_HEAD} (an EAGLE-3 head for qwen3-4b)", arts / (EAGLE3_HEAD + "-eagle3"),
+                  model_dir=str(head), spec_path=str(SPECS_DIR / "eagle3.yaml"), check_checkpoint=False)
 
 
 def nofuse():

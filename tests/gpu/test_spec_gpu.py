@@ -6,7 +6,9 @@ falls into loops that prompt lookup then drafts from (self-repeating prompts sta
 Then draft models (test_draft_model_outputs_are_plain_decodings): qwen3-4b with dummy weights
 drafted by itself and by its 2-layer cut, each draft on a CudaRunner of its own beside the
 target's, outputs plain decoding's, and the batch-1 time per token at k = 1..4 printed (after
-tests/gpu/prepare.py base draft)."""
+tests/gpu/prepare.py base draft). Then an EAGLE-3 head (test_eagle3_outputs_are_plain_decodings):
+a random head for qwen3-4b on its own CudaRunner, reading the target's captured hidden states
+(after prepare.py eagle3)."""
 import numpy as np
 
 from infc.config import speculative_config
@@ -184,3 +186,58 @@ def timings(runner, draft_runner, max_len: int, ks, name: str, n: int = 128) -> 
         print(f"  k={k}: {ms:.3f} ms/token" + ("" if rate is None else f", acceptance {rate:.3f}")
               + f", {ms / rows[0][1]:.2f}x plain")
     return rows
+
+
+# -- an EAGLE-3 head on the GPU: the target's hidden states read back after each step ------------
+# qwen3-4b (dummy weights) built with aux_hidden at the head's default layers, and a random
+# EAGLE-3 head of its shapes (config-only: --load-format dummy gives it random weights, the
+# target's embedding table shared by pointer, d2t the identity over its 32000 draft ids): drafts
+# near chance, so the case measures the machinery's cost and checks exactness, not speedup.
+EAGLE3_HEAD = "eagle3-qwen3-4b"          # tests/gpu/prepare.py's EAGLE3_HEAD
+
+
+def test_eagle3_outputs_are_plain_decodings():
+    """Greedy and seeded sampled outputs with the head are plain decoding's on the same target,
+    the head's runner its own (its pages the target's count, the embedding table the target's),
+    nothing held after; then the batch-1 time per token, plain and with the head at k = 1..4."""
+    from infc import LLM
+    d, head = config_dir(DRAFT_TARGET), config_dir(EAGLE3_HEAD)
+    if not (head / "config.json").is_file():
+        raise FileNotFoundError(f"{head}: no config-only head: run tests/gpu/prepare.py base eagle3 and "
+                                f"carry .cache/gpu and .cache/artifacts")
+    kw = dict(device="cuda", load_format="dummy", max_num_seqs=8, gpu_memory_utilization=0.5)
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 4}
+    with LLM(d, **kw) as llm:
+        prompts = draft_prompts(llm.runner.vocab_size)
+        plain = decode_all(llm.engine, prompts, DRAFT_PARAMS)
+    lines = []
+    with LLM(d, speculative_config=spec, log=lines.append, **kw) as llm:
+        e, hr = llm.engine, llm.engine.spec.draft.runner
+        print("\n".join(x for x in lines if "split" in x or "speculative" in x or "EAGLE" in x))
+        assert "aux_hidden" in llm.runner.plan["outputs"] and hr is not llm.runner
+        assert hr.weights.ptr("embed", None) == llm.runner.weights.ptr("embed", None)
+        got = decode_all(e, prompts, DRAFT_PARAMS)
+        m = e.metrics
+        print(f"EAGLE-3 head: acceptance {acceptance(e):.3f} ({m.spec_decode_num_accepted_tokens_total} of "
+              f"{m.spec_decode_num_draft_tokens_total}), head forwards {e.spec.draft.forwards}")
+        assert got == plain and m.spec_decode_num_draft_tokens_total > 0
+        assert hr.num_pages == llm.runner.num_pages
+        assert e.bm.num_free_pages == llm.runner.num_pages and e.spec.draft.held_pages() == 0
+        eagle3_timings(llm.runner, hr, llm.max_len, spec)
+
+
+def eagle3_timings(runner, head_runner, max_len: int, spec: dict, n: int = 128):
+    """Batch-1 ms per token, plain and with the head at k = 1..4 (each after a warm-up run)."""
+    from infc.config import speculative_config
+    prompt = [(1000 + i) % runner.vocab_size for i in range(32)]
+    rows = []
+    for k in (0, 1, 2, 3, 4):
+        kw = {} if k == 0 else dict(speculative_config=speculative_config(dict(spec, num_speculative_tokens=k)),
+                                    draft_runner=head_runner)
+        time_per_token(Engine(runner, None, (), max_len, max_num_seqs=8, **kw), prompt, 16)   # warm
+        e = Engine(runner, None, (), max_len, max_num_seqs=8, **kw)
+        rows.append((k, 1e3 * time_per_token(e, prompt, n), acceptance(e) if k else None))
+    print(f"batch-1 time per token, {DRAFT_TARGET} (dummy weights), EAGLE-3 head (random):")
+    for k, ms, rate in rows:
+        print(f"  k={k}: {ms:.3f} ms/token" + ("" if rate is None else f", acceptance {rate:.3f}")
+              + f", {ms / rows[0][1]:.2f}x plain")

@@ -45,9 +45,11 @@ from ..step import Chunk, build_step
 
 class EagleProposer:
     def __init__(self, runner, d2t, max_num_batched_tokens: int, max_model_len: int):
-        """runner: the head's runner (CPURunner of the eagle3 plan: `forward(meta)` and, after
-        it, `outputs()`); d2t: [Vd] offsets, target id = draft id + d2t[draft id]."""
+        """runner: the head's runner (a CPURunner of the eagle3 plan, `forward(meta)`, or a
+        CudaRunner, `logits(meta)`: the step's [B, Vd] logits on the host; then `outputs()`);
+        d2t: [Vd] offsets, target id = draft id + d2t[draft id]."""
         self.runner = runner
+        self._logits = getattr(runner, "forward", None) or runner.logits
         plan = runner.plan
         self.H = int(plan["inputs"]["hidden"]["shape"][1])
         self.W = int(plan["inputs"]["aux"]["shape"][1])
@@ -143,7 +145,7 @@ class EagleProposer:
         meta = build_step(chunks, lambda sid: self.shadows[sid].pages, self.bm.page_size)
         meta.inputs = {"aux": aux, "hidden": hidden}
         self.forwards += 1
-        logits = self.runner.forward(meta)
+        logits = self._logits(meta)
         out = self.runner.outputs()["hidden_out"]
         return self.to_target[np.argmax(logits, axis=-1)], out
 

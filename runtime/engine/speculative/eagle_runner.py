@@ -12,7 +12,7 @@ def eagle_proposer(head_runner, target_runner, max_num_batched_tokens: int, max_
     if "aux_hidden" not in plan.get("outputs", {}) or not callable(getattr(target_runner, "outputs", None)):
         raise ValueError(f"{where}: the target's plan has no aux_hidden output "
                          "(build it with the head's layers: compiler/passes/capture_hidden.py), or "
-                         "its runner cannot hand plan outputs back (the CPU runner can)")
+                         "its runner cannot hand plan outputs back (the CPU and CUDA runners can: `outputs()`)")
     vh, vt = head_runner.plan["config"]["V"], getattr(target_runner, "vocab_size", None)
     if vh != vt:
         raise ValueError(f"{where}: the head's vocabulary has {vh} tokens and the "
