@@ -26,6 +26,7 @@ def test_prepare_quant_builds_what_the_gpu_machine_serves(tmp_path, monkeypatch,
 
     monkeypatch.setattr(prepare, "GPU_CACHE", tmp_path / "gpu")
     monkeypatch.setattr(prepare, "_both_tunings", one_table)
+    monkeypatch.setattr(prepare, "QUANT_DUMMY", {})    # (48 layers: ~10 s more; its config is checked below)
     prepare.quant(tmp_path / "art")
     cfg = json.loads((tmp_path / "gpu" / "configs" / "qwen3-4b-fp8" / "config.json").read_text())
     bf16 = json.loads((tmp_path / "gpu" / "configs" / "qwen3-4b" / "config.json").read_text())
@@ -53,6 +54,22 @@ def test_prepare_quant_builds_what_the_gpu_machine_serves(tmp_path, monkeypatch,
     assert w["we_gate_up"]["dtype"] == "f8e4m3" and w["we_gate_up_qscale"]["shape"] == [128, 12, 16]
     assert w["we_down_qscale"]["shape"] == [128, 16, 6] and w["router"]["dtype"] == "bf16"
     assert (tmp_path / "art" / "qwen3-30b-a3b-l4-fp8" / "kernels").is_dir()
+
+
+def test_prepare_writes_the_whole_moe_fp8_config_timed_with_dummy_weights(tmp_path, monkeypatch):
+    """QUANT_DUMMY's qwen3-30b-a3b FP8 (session.sh quant times it with --load-format dummy): the
+    bf16 benchmark's config (the same as .cache/gpu/configs/qwen3-30b-a3b) with the writer's
+    quantization_config, its 48 routers left bf16 by name."""
+    monkeypatch.setattr(prepare, "GPU_CACHE", tmp_path / "gpu")
+    import prepare_moe
+    monkeypatch.setattr(prepare_moe, "GPU_CACHE", tmp_path / "gpu")
+    name, (base, fmt, _) = next(iter(prepare.QUANT_DUMMY.items()))
+    cfg = json.loads((prepare.quant_config(name) / "config.json").read_text())
+    bf16 = json.loads((prepare_moe.write_config(base) / "config.json").read_text())
+    q = cfg.pop("quantization_config")
+    assert cfg == bf16 and bf16["num_hidden_layers"] == 48 and fmt == "fp8-block"
+    assert q["quant_method"] == "fp8" and q["weight_block_size"] == [128, 128]
+    assert q["modules_to_not_convert"] == ["lm_head"] + sorted(f"model.layers.{i}.mlp.gate" for i in range(48))
 
 
 def test_prepare_predicts_the_routers_the_writer_ignores(tiny_model, tmp_path):

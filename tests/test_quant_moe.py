@@ -288,3 +288,31 @@ def test_llm_on_cpu_serves_a_quantized_moe_checkpoint(moe, tmp_path):
         want.append(int(np.argmax(ex.step([SeqChunk(0, want[-1:], len(PROMPT) + len(want) - 1)])[0])))
     out = LLM(tmp_path, device="cpu").generate([PROMPT], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert list(out[0].token_ids) == want
+
+
+def test_experts_read_codes_made_once_and_the_logits_do_not_move(moe, tmp_path):
+    """The act_codes pass on the experts (Qwen3-30B-A3B-FP8's format): moe_gate_up reads the codes
+    the mlp norm's add_rms_norm_quant writes (the router beside it keeps the bf16 h), moe_down the
+    codes of one quantize_act over act, in every program; the reference's logits are the same bits
+    as the plan built without the pass (code * scale is the quantizer's output)."""
+    from infc.compiler.contract.program import unrolled
+    from infc.compiler.plan import dumps
+    quantize_model(moe[0], tmp_path, "fp8-block")
+    plan, plain = (json.loads(dumps(compile_model(model_dir=str(tmp_path), skip=skip, log=None)[1]))
+                   for skip in ((), ("act_codes",)))
+    for program in ("prefill", "decode", "narrow"):
+        launches = [launch for launch, _ in unrolled(plan["programs"][program])]
+        made = {launch["outputs"][i]: launch["op"] for launch in launches
+                for i in ((2, 3) if launch["op"] == "add_rms_norm_quant" else (0, 1) if launch["op"] == "quantize_act" else ())}
+        experts = {launch["op"]: launch for launch in launches if launch["op"] in ("moe_gate_up", "moe_down")}
+        assert set(experts) == {"moe_gate_up", "moe_down"}, program
+        for op, producer in (("moe_gate_up", "add_rms_norm_quant"), ("moe_down", "quantize_act")):
+            ins = experts[op]["inputs"]
+            assert experts[op]["attrs"].get("has_a_scale") and made.get(ins[0]) == made.get(ins[-1]) == producer, (program, op)
+            assert plan["buffers"][ins[0]]["dtype"] == "f8e4m3"
+    assert not any(launch["attrs"].get("has_a_scale") for launch, _ in unrolled(plain["programs"]["decode"])
+                   if launch["op"].startswith("moe_"))
+    weights = load_weights(plan, Checkpoint(tmp_path))
+    got = ReferenceExecutor(plan, weights).step([SeqChunk(0, PROMPT, 0)])
+    want = ReferenceExecutor(plain, weights).step([SeqChunk(0, PROMPT, 0)])
+    assert np.isfinite(got).all() and np.array_equal(got, want)

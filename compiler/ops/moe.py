@@ -59,7 +59,9 @@ moe_gate_up(x, ids, gate_up, rows, counts[, bias[E, 2F]]) / moe_down(act, weight
     A quantized checkpoint's experts (compiler/passes/quantize_weights.py) are stacked codes
     [E, N, K] with their companions (w_scale [E, ...], ...) after counts, attrs["quant"] the
     scheme: the reference dequantizes them and quantizes the activations entering each
-    projection (x for gate_up, each act row for down) as ops/quant.py defines.
+    projection (x for gate_up, each act row for down) as ops/quant.py defines. With ready codes
+    (attrs.has_a_scale: compiler/passes/act_codes.py) x (or act) is the e4m3 codes a launch before
+    made, their f32 scales [..., groups] the last input; the outputs stay bf16.
 """
 import numpy as np
 
@@ -218,7 +220,7 @@ def gate_up_infer(types, attrs):
     check_types(types, attrs, 5 + nb, "moe_gate_up", w_at=2)
     expect(len(gu.shape) == 3 and gu.shape[2] == x.shape[-1] and gu.shape[1] % 2 == 0,
            f"expert gate_up must be [E, 2F, H]: {gu}")
-    return [tt((x.shape[0], ids.shape[1], gu.shape[1] // 2), x.dtype)]
+    return [tt((x.shape[0], ids.shape[1], gu.shape[1] // 2), _out_dtype(x))]
 
 
 def gate_up(ctx, x, ids, gu, expert_rows=None, expert_counts=None, *rest, **attrs):
@@ -244,7 +246,12 @@ def down_infer(types, attrs):
     nb = _check_bias(types[6:], attrs, down, "moe_down")
     check_types(types, attrs, 6 + nb, "moe_down", w_at=3)
     expect(len(down.shape) == 3 and down.shape[2] == act.shape[2], f"expert down must be [E, H, F]: {down}")
-    return [tt((act.shape[0], down.shape[1]), act.dtype)]
+    return [tt((act.shape[0], down.shape[1]), _out_dtype(act))]
+
+
+def _out_dtype(x):
+    # ready activation codes (attrs.has_a_scale) stand for the bf16 activations they were made from
+    return "bf16" if x.dtype == "f8e4m3" else x.dtype
 
 
 def down(ctx, act, w, ids, down_w, expert_rows=None, expert_counts=None, *rest, **attrs):

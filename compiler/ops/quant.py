@@ -169,8 +169,10 @@ def expert_operands(x, w, rest: tuple, attrs: dict):
     if s is None:
         return x, w
     got = dict(zip(s.companions(), rest))
-    return quantize_activations(x, s, got.get("x_scale")), \
-        dequantize(w, s, got["w_scale"], got.get("w_zero"), got.get("w_gidx"))
+    w = dequantize(w, s, got["w_scale"], got.get("w_zero"), got.get("w_gidx"))
+    if attrs.get("has_a_scale"):          # ready codes: their scales follow the companions
+        return from_codes(x, rest[len(got)], s), w
+    return quantize_activations(x, s, got.get("x_scale")), w
 
 
 def quant_attrs(attrs: dict) -> dict:

@@ -18,19 +18,26 @@ and e4m3 rounding), so the linear's sums are the same as before. Linears reading
 the same activation scheme share one quantize_act. The bf16 h stays written (the residual
 stream's norm may have other readers; a dead one costs a row's store).
 
-Consumers: linear and linear_gated (their GEMV and GEMM templates read codes in every path).
+Consumers: linear and linear_gated (their GEMV and GEMM templates read codes in every path),
+and the routed experts' moe_gate_up (x: the token rows, whose codes every chosen expert shares:
+usually the mlp norm's add_rms_norm writes them) and moe_down (act [T, k, F]: one quantize_act
+over the chosen experts' rows; moe_gate_up's programs each hold a few of a group's columns, so
+its epilogue cannot take a group's amax). Their decode kernels then dot e4m3 codes on tensor
+cores, their grouped kernels read code * scale (triton/moe_*.py.j2).
 Not rewritten (they keep quantizing in their own launch): linear_act_mul (its A is built in its
-load from gate|up), MoE experts (moe_gate_up / moe_down quantize the gathered rows per tile),
-act-order (g_idx) and weight-only schemes, and act groups the producers do not tile (not a
-power of two from 16 to 1024).
+load from gate|up), act-order (g_idx) and weight-only schemes, static experts (the expert
+templates refuse them), and act groups the producers do not tile (not a power of two from 16 to
+1024; 512 for the experts' tiles).
 """
 from ..ir import Node, Value
 from ..ops.quant import reads_codes, scheme_of
 
-CONSUMERS = ("linear", "linear_gated")
+CONSUMERS = ("linear", "linear_gated", "moe_gate_up", "moe_down")
+EXPERTS = ("moe_gate_up", "moe_down")
 # the act groups the producers' kernels tile (a [groups, act_group] tile: triton/_act_codes.j2's
 # users); a linear with another group (16 x 48 test blocks) keeps quantizing in its own launch
 GROUPS = (16, 32, 64, 128, 256, 512, 1024)
+EXPERT_GROUPS = GROUPS[:-1]     # (triton/_quant.j2 expert_setup: an expert K tile holds whole groups)
 FUSED_PRODUCERS = {"add_rms_norm": "add_rms_norm_quant"}   # op -> its form with codes, h = output 1
 
 
@@ -75,6 +82,9 @@ def make_act_codes(state):
             x = n.inputs[0]
             if not reads_codes(s) or g.values[x].type.dtype != "bf16" \
                     or s.act == "dynamic_group" and s.act_group not in GROUPS:
+                continue
+            if n.op in EXPERTS and (s.act == "static" or s.act == "dynamic_group"
+                                    and s.act_group not in EXPERT_GROUPS):
                 continue
             xs = _x_scale(n, s)
             key = (x, s.act, s.act_group, xs)

@@ -32,7 +32,8 @@ DeepSeek-V2-Lite with other head_linear blocks, HL_VARIANTS, into
 .cache/artifacts/deepseek-v2-lite-<name>, beside deepseek-v2-lite, for run.sh ab-latency),
 quant (issue 42, session.sh's `quant` stage: qwen3-4b's and the qwen3-30b-a3b 4-layer cut's
 config.json with the quantization_config tools/quantize_model.py writes for QUANT_FORMATS (fp8
-blocks; the cut's experts too), config-only, into .cache/gpu/configs/<name>/,
+blocks; the cut's experts too), and the whole qwen3-30b-a3b's for QUANT_DUMMY (timed with dummy
+weights), config-only, into .cache/gpu/configs/<name>/,
 the artifact `infc serve` reuses for the device's $MODELS/<name> into .cache/artifacts/<name>;
 where the kernels refuse to render a quantized launch yet, plan.json alone, said so).
 kvfp8 (issue 42, session.sh's `kv-fp8` stage: qwen3-4b built with --kv-cache-dtype fp8 into
@@ -223,6 +224,11 @@ QUANT_FORMATS = {"qwen3-4b-fp8": ("qwen3-4b", "fp8-block", {}),
                  "qwen3-4b-l2-fp8": ("qwen3-4b-l2", "fp8-block", {}),
                  # Qwen3-8B-AWQ's shapes (GEMM packing, group 128, zero points), four layers
                  "qwen3-8b-l4-awq": ("qwen3-8b-l4", "awq", {"group": 128})}
+# whole models measured with --load-format dummy (no checkpoint: the GPU machine's disk cannot hold a
+# random bf16 Qwen3-30B-A3B and its fp8 copy): config.json with the writer's quantization_config
+# alone, the artifact in .cache/artifacts/<name>; session.sh quant times them beside the bf16 build
+# (issue 42's qwen3-30b-a3b FP8 batch-1 TPOT <= 1.5 ms)
+QUANT_DUMMY = {"qwen3-30b-a3b-fp8": ("qwen3-30b-a3b", "fp8-block", {})}
 CUT = re.compile(r"^(.+)-l(\d+)$")       # <served model>-l<layers>: its first layers alone
 
 
@@ -261,7 +267,7 @@ def moe_routers(cfg: dict) -> list:
 def quant_config(name: str) -> Path:
     """.cache/gpu/configs/<name>/config.json: the base model's, with the writer's quantization_config."""
     from quantize_model import quantization_config
-    base, fmt, options = QUANT_FORMATS[name]
+    base, fmt, options = {**QUANT_FORMATS, **QUANT_DUMMY}[name]
     cfg = json.loads((base_config(base) / "config.json").read_text())
     cfg["quantization_config"] = quantization_config(fmt, options, moe_routers(cfg))
     return _write_config(name, cfg)
@@ -272,7 +278,7 @@ def quant(artifacts: Path | None = None):
     from infc.compiler.build import REPO as BUILD_REPO, compile_model
     from infc.compiler.codegen.render import TemplateError
     from infc.compiler.plan import dumps
-    for name in QUANT_FORMATS:
+    for name in [*QUANT_FORMATS, *QUANT_DUMMY]:
         d, out = quant_config(name), (artifacts or BUILD_REPO / ".cache" / "artifacts") / name
         try:
             _both_tunings(f"{name} (config only; the checkpoint is written on the GPU)", out,

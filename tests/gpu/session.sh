@@ -37,7 +37,9 @@
 # (test_golden.py -m quant), bench latency and throughput, and bench quant-accuracy (mean KL and
 # top-1 agreement against the bf16 model's logits, and HF's same figures for the same checkpoint:
 # tests/gpu/hf_quant_accuracy.py), into OUT/quant/<model>/, and the bf16 model's
-# latency beside them (QUANT_SKIP="golden throughput accuracy bf16" leaves steps out;
+# latency beside them; then the whole qwen3-30b-a3b FP8 (prepare.py QUANT_DUMMY, dummy weights)
+# beside its bf16 build: bench latency and a per-launch profile (QUANT_SKIP="golden throughput
+# accuracy dummy bf16" leaves steps out;
 # QUANT_LATENCY_ARGS, QUANT_THROUGHPUT_ARGS add flags).
 # tier-throughput (issue 44: 1024/128 throughput at 256 concurrent, host KV tier off and on, alternating).
 # lora (issue 46, after prepare.py base lora: the multi-LoRA golden gate against HF + PEFT, then
@@ -379,6 +381,26 @@ models.model_dir('$q')" 2>&1 | tail -3
             say "quant: no bf16 artifact of $base here (.cache/artifacts/$base): no accuracy run for $q"
           fi ;; esac
       done
+      # whole models with dummy weights (prepare.py QUANT_DUMMY: no checkpoint to write), each
+      # beside its bf16 build where prepare.py made one (.cache/artifacts/<base>); QUANT_DUMMY_MODELS
+      # picks, QUANT_SKIP dummy leaves them out
+      case " ${QUANT_SKIP:-} " in *" dummy "*) ;; *)
+        for q in ${QUANT_DUMMY_MODELS:-$(python3 -c "import sys; sys.path.insert(0,'tests/gpu'); import prepare; print(' '.join(prepare.QUANT_DUMMY))")}; do
+          base=$(python3 -c "import sys; sys.path.insert(0,'tests/gpu'); import prepare; print(prepare.QUANT_DUMMY['$q'][0])")
+          for a in $q $base; do
+            [ -d .cache/artifacts/$a/bin ] || { say "quant: no cubins in .cache/artifacts/$a: not timed"; continue; }
+            python3 tests/gpu/rerender.py .cache/artifacts/$a 2>&1 | tail -1
+            mkdir -p "$OUT/quant/$a-dummy"
+            say "quant: bench latency $a (dummy weights)"
+            timeout ${LATENCY_S:-300} python3 -m infc.cli bench latency --artifact .cache/artifacts/$a \
+              --model-path .cache/gpu/configs/$a --load-format dummy --no-hf --out "$OUT/quant/$a-dummy" \
+              ${QUANT_LATENCY_ARGS:-} 2>&1 | quiet | tail -6
+          done
+          # where the fp8 step's time goes, per launch (the experts' codes form against the rest)
+          timeout ${PROFILE_S:-240} python3 -m infc.cli bench profile --artifact .cache/artifacts/$q \
+            --model-path .cache/gpu/configs/$q --load-format dummy --out "$OUT/quant/$q-dummy" \
+            --steps decode_b1,decode_b1_graph --reps 10 2>&1 | quiet | tail -60
+        done ;; esac
       # the bf16 model beside them, same call (QUANT_SKIP bf16 leaves it out)
       case " ${QUANT_SKIP:-} " in *" bf16 "*) ;; *)
         mkdir -p "$OUT/quant/qwen3-4b"

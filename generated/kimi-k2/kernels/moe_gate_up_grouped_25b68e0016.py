@@ -208,7 +208,21 @@ def _a_codes(a):
 
 
 @triton.jit
-def _gate_up_tile(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid_f, w_scale_ptr,
+def _a_ready(code_rows, scale_rows, k0, k, mask, BK: tl.constexpr):
+    """A[rows, k] in fp32 from ready codes: code_rows / scale_rows the rows' first code and scale
+    ([R, 1] pointers with k [1, BK], or one row's with k [BK]), k = k0 + 0 .. BK - 1 (k0 a multiple
+    of BK); zero where masked. A tile inside one group loads one scale a row (a scale an element
+    would be staged in shared memory beside the codes: 4x their bytes)."""
+    c = tl.load(code_rows + k, mask=mask, other=0.0).to(tl.float32)
+    if 128 % BK == 0:
+        s = tl.load(scale_rows + k0 // 128)
+    else:
+        s = tl.load(scale_rows + tl.minimum(k // 128, 55), mask=mask, other=0.0)
+    return tl.where(mask, c * s, 0.0)
+
+
+@triton.jit
+def _gate_up_tile(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid_f, w_scale_ptr, as_ptr,
                   H: tl.constexpr, F: tl.constexpr, KT: tl.constexpr, KTP: tl.constexpr, BM: tl.constexpr,
                   BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, PAIR: tl.constexpr, EVEN_K: tl.constexpr,
                   DOT_F32: tl.constexpr):
@@ -217,6 +231,7 @@ def _gate_up_tile(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid
     ok = i < count
     toks = tl.load(rows_ptr + e.to(tl.int64) * T + i, mask=ok, other=0)
     x_rows = x_ptr + toks.to(tl.int64)[:, None] * H
+    s_rows = as_ptr + toks.to(tl.int64)[:, None] * 56
     w_e = w_ptr + e.to(tl.int64) * 29360128
     ws = w_scale_ptr + e.to(tl.int64) * 1792   # expert e's scales
 
@@ -231,7 +246,7 @@ def _gate_up_tile(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid
         acc = tl.zeros([BM, 2 * BLOCK_F], tl.float32)
         for k0 in range(0, H, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)[None, :]
-            a = _x_tile(x_rows, k, EVEN_K)
+            a = _a_ready(x_rows, s_rows, k0, k, k < H, BLOCK_K)
             w = _w_deq(_w_raw(w_rows, k0, H, BLOCK_K), srow, ws, k0, H, BLOCK_K)
             acc = _dot(a.to(tl.bfloat16), w.to(tl.bfloat16), acc, DOT_F32)
         acc_g, acc_u = tl.split(tl.reshape(acc, [BM, BLOCK_F, 2]))
@@ -246,7 +261,7 @@ def _gate_up_tile(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid
         acc_u = tl.zeros([BM, BLOCK_F], tl.float32)
         for k0 in range(0, H, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)[None, :]
-            a = _x_tile(x_rows, k, EVEN_K)
+            a = _a_ready(x_rows, s_rows, k0, k, k < H, BLOCK_K)
             wg = _w_deq(_w_raw(g_rows, k0, H, BLOCK_K), srow_g, ws, k0, H, BLOCK_K)
             wu = _w_deq(_w_raw(u_rows, k0, H, BLOCK_K), srow_u, ws, k0, H, BLOCK_K)
             a, wg, wu = a.to(tl.bfloat16), wg.to(tl.bfloat16), wu.to(tl.bfloat16)
@@ -257,7 +272,7 @@ def _gate_up_tile(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid
 
 
 @triton.jit
-def moe_gate_up_grouped(x_ptr, ids_ptr, w_ptr, rows_ptr, counts_ptr, act_ptr, T, w_scale_ptr,
+def moe_gate_up_grouped(x_ptr, ids_ptr, w_ptr, rows_ptr, counts_ptr, act_ptr, T, w_scale_ptr, as_ptr,
                         H: tl.constexpr, F: tl.constexpr, KT: tl.constexpr, KTP: tl.constexpr, E: tl.constexpr,
                         BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NF: tl.constexpr, PAIR: tl.constexpr,
@@ -267,22 +282,22 @@ def moe_gate_up_grouped(x_ptr, ids_ptr, w_ptr, rows_ptr, counts_ptr, act_ptr, T,
     if e < E:
         if HALF_TAIL:
             if count - i0 <= BLOCK_M // 2:
-                _gate_up_tile(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid_f, w_scale_ptr, H, F, KT,
+                _gate_up_tile(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid_f, w_scale_ptr, as_ptr, H, F, KT,
                               KTP, BLOCK_M // 2, BLOCK_F, BLOCK_K, PAIR, EVEN_K, DOT_F32)
             else:
-                _gate_up_tile(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid_f, w_scale_ptr, H, F, KT,
+                _gate_up_tile(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid_f, w_scale_ptr, as_ptr, H, F, KT,
                               KTP, BLOCK_M, BLOCK_F, BLOCK_K, PAIR, EVEN_K, DOT_F32)
         else:
-            _gate_up_tile(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid_f, w_scale_ptr, H, F, KT, KTP,
+            _gate_up_tile(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid_f, w_scale_ptr, as_ptr, H, F, KT, KTP,
                           BLOCK_M, BLOCK_F, BLOCK_K, PAIR, EVEN_K, DOT_F32)
 
 
 META = {
     "entry": "moe_gate_up_grouped",
-    "params": [["x_ptr", "*bf16", "in:0"], ["ids_ptr", "*i32", "in:1"],
+    "params": [["x_ptr", "*fp8e4nv", "in:0"], ["ids_ptr", "*i32", "in:1"],
                ["w_ptr", "*fp8e4nv", "in:2"], ["rows_ptr", "*i32", "in:3"],
                ["counts_ptr", "*i32", "in:4"], ["act_ptr", "*bf16", "out:0"],
-               ["T", "i32", "dim:T"], ["w_scale_ptr", "*fp32", "in:5"]],
+               ["T", "i32", "dim:T"], ["w_scale_ptr", "*fp32", "in:5"], ["as_ptr", "*fp32", "in:6"]],
     "constexprs": {"H": 7168, "F": 2048, "KT": 8, "KTP": 8, "E": 384, "BLOCK_E": 512,
                    "BLOCK_M": 128, "BLOCK_F": 128, "BLOCK_K": 128,
                    "GROUP_M": 8, "NF": 16, "PAIR": 1, "HALF_TAIL": 1,

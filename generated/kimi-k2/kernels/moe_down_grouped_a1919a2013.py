@@ -237,7 +237,21 @@ def _a_codes(a):
 
 
 @triton.jit
-def _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr, e, i0, count, nb, w_scale_ptr,
+def _a_ready(code_rows, scale_rows, k0, k, mask, BK: tl.constexpr):
+    """A[rows, k] in fp32 from ready codes: code_rows / scale_rows the rows' first code and scale
+    ([R, 1] pointers with k [1, BK], or one row's with k [BK]), k = k0 + 0 .. BK - 1 (k0 a multiple
+    of BK); zero where masked. A tile inside one group loads one scale a row (a scale an element
+    would be staged in shared memory beside the codes: 4x their bytes)."""
+    c = tl.load(code_rows + k, mask=mask, other=0.0).to(tl.float32)
+    if 128 % BK == 0:
+        s = tl.load(scale_rows + k0 // 128)
+    else:
+        s = tl.load(scale_rows + tl.minimum(k // 128, 15), mask=mask, other=0.0)
+    return tl.where(mask, c * s, 0.0)
+
+
+@triton.jit
+def _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr, e, i0, count, nb, w_scale_ptr, as_ptr,
                H: tl.constexpr, F: tl.constexpr, KT: tl.constexpr, KTP: tl.constexpr, BM: tl.constexpr,
                BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, NB: tl.constexpr, CR: tl.constexpr,
                EVEN_K: tl.constexpr, DOT_F32: tl.constexpr):
@@ -247,8 +261,10 @@ def _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr,
     ok = i < count
     toks = tl.load(rows_ptr + e.to(tl.int64) * T + i, mask=ok, other=0)
     t64 = toks.to(tl.int64)
-    a_rows = act_ptr + ((t64 * KT + _main_slot(_slot_ids(ids_ptr, toks, ok, KT, KTP),
-                                               _slot_rw(rw_ptr, toks, ok, KT, KTP), ok, e, KTP)) * F)[:, None]
+    a_row = (t64 * KT + _main_slot(_slot_ids(ids_ptr, toks, ok, KT, KTP),
+                                   _slot_rw(rw_ptr, toks, ok, KT, KTP), ok, e, KTP))[:, None]
+    a_rows = act_ptr + a_row * F
+    s_rows = as_ptr + a_row * 16
     offs_h = nb * BLOCK_H + tl.arange(0, BLOCK_H)
     # rows past H are clamped for loading; their sums are dropped at the stores
     h_rows = tl.minimum(offs_h, H - 1).to(tl.int64)[:, None]
@@ -259,11 +275,7 @@ def _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr,
     acc = tl.zeros([BM, BLOCK_H], tl.float32)
     for k0 in range(0, F, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)[None, :]
-        if EVEN_K:
-            a = tl.load(_ptr(a_rows, k))
-        else:
-            a = tl.load(_ptr(a_rows, k), mask=k < F, other=0.0)
-        a = _a_quant(a)
+        a = _a_ready(a_rows, s_rows, k0, k, k < F, BLOCK_K)
         w = _w_deq(_w_raw(w_rows, k0, F, BLOCK_K), srow, ws, k0, F, BLOCK_K)
         if DOT_F32:
             acc = tl.dot(a.to(tl.bfloat16).to(tl.float32), tl.trans(w.to(tl.bfloat16).to(tl.float32)), acc,
@@ -281,7 +293,7 @@ def _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr,
 
 
 @triton.jit
-def moe_down_grouped(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, counts_ptr, y_ptr, T, part_ptr, cnt_ptr, w_scale_ptr,
+def moe_down_grouped(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, counts_ptr, y_ptr, T, part_ptr, cnt_ptr, w_scale_ptr, as_ptr,
                      H: tl.constexpr, F: tl.constexpr, KT: tl.constexpr, KTP: tl.constexpr, E: tl.constexpr,
                      BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NB: tl.constexpr, CR: tl.constexpr,
@@ -293,23 +305,23 @@ def moe_down_grouped(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, counts_ptr, y_pt
     if e < E:
         if HALF_TAIL:
             if count - i0 <= BLOCK_M // 2:
-                _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr, e, i0, count, nb, w_scale_ptr,
+                _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr, e, i0, count, nb, w_scale_ptr, as_ptr,
                            H, F, KT, KTP, BLOCK_M // 2, BLOCK_H, BLOCK_K, NB, CR, EVEN_K, DOT_F32)
             else:
-                _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr, e, i0, count, nb, w_scale_ptr,
+                _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr, e, i0, count, nb, w_scale_ptr, as_ptr,
                            H, F, KT, KTP, BLOCK_M, BLOCK_H, BLOCK_K, NB, CR, EVEN_K, DOT_F32)
         else:
-            _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr, e, i0, count, nb, w_scale_ptr,
+            _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr, e, i0, count, nb, w_scale_ptr, as_ptr,
                        H, F, KT, KTP, BLOCK_M, BLOCK_H, BLOCK_K, NB, CR, EVEN_K, DOT_F32)
 
 
 META = {
     "entry": "moe_down_grouped",
-    "params": [["act_ptr", "*bf16", "in:0"], ["rw_ptr", "*fp32", "in:1"],
+    "params": [["act_ptr", "*fp8e4nv", "in:0"], ["rw_ptr", "*fp32", "in:1"],
                ["ids_ptr", "*i32", "in:2"], ["w_ptr", "*fp8e4nv", "in:3"],
                ["rows_ptr", "*i32", "in:4"], ["counts_ptr", "*i32", "in:5"],
                ["y_ptr", "*bf16", "out:0"], ["T", "i32", "dim:T"],
-               ["part_ptr", "*bf16", "scratch:partials"], ["cnt_ptr", "*i32", "scratch:counters"], ["w_scale_ptr", "*fp32", "in:6"]],
+               ["part_ptr", "*bf16", "scratch:partials"], ["cnt_ptr", "*i32", "scratch:counters"], ["w_scale_ptr", "*fp32", "in:6"], ["as_ptr", "*fp32", "in:7"]],
     "constexprs": {"H": 7168, "F": 2048, "KT": 8, "KTP": 8, "E": 384,
                    "BLOCK_E": 512, "BLOCK_M": 128, "BLOCK_H": 256,
                    "BLOCK_K": 128, "GROUP_M": 8, "NB": 28, "CR": 16,

@@ -1,11 +1,11 @@
 # moe_down: y[t, h] = bf16(sum_j r[t, j] * sum_f act[t, j, f] * w[e, h, f]),  e = ids[t, j]
-#   act [T, 8, 2048] bf16, r f32 [T, 8], ids i32 [T, 8], w [384, 7168, 2048] bf16,
+#   act [T, 8, 2048] bf16, r f32 [T, 8], ids i32 [T, 8], w [256, 7168, 2048] bf16,
 #   y [T, 7168] bf16; fp32 sums, one rounding.
 #
-# Decode: grid (min(384, T * 8) distinct-expert slots, 112 blocks of BLOCK_H = 64 output
+# Decode: grid (min(256, T * 8) distinct-expert slots, 112 blocks of BLOCK_H = 64 output
 # rows): program (u, b) takes the u-th smallest chosen expert e and the tokens that chose it, and
 # streams e's row block once for all of them (moe_gate_up.py.j2's two paths: CUDA cores for at
-# most FMA_T = 1 tokens, else swap-AB tensor-core tiles of BLOCK_T tokens); the A operand
+# most FMA_T = 0 tokens, else swap-AB tensor-core tiles of BLOCK_T tokens); the A operand
 # of token t is act[t, j] for the slot j that chose e (of largest weight if several did: the
 # others weigh 0: ids not made by moe_route). Slots of id -1 name no expert.
 # Combine, deterministic: each program parks r[t, j] * (its sums) in an fp32 scratch [B, 8, 7168]
@@ -14,7 +14,9 @@
 # y[t] (the same bits whatever order the experts finish in), leaving the counter zero.
 # Quantized experts: f8e4m3 codes, scales per 128 rows x 128 columns (896 an
 #   expert, expert e's from e * 896 on), dequantized in registers; act rows quantized dynamic_group (groups of 128: K tiles hold whole groups).
-#   The tensor-core path dots the dequantized tiles in bf16.
+#   act arrives as ready e4m3 codes with a scale a row and 128 columns: the tensor-core path,
+#   taken at every token count, dots W's codes with act's codes (exact products, fp32 sums), a
+#   tile's sums scaled by w_scale[row block] * a_scale[row, tile].
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -236,7 +238,21 @@ def _a_codes(a):
 
 
 @triton.jit
-def moe_down(act_ptr, rw_ptr, ids_ptr, w_ptr, y_ptr, T, part_ptr, cnt_ptr, w_scale_ptr,
+def _a_ready(code_rows, scale_rows, k0, k, mask, BK: tl.constexpr):
+    """A[rows, k] in fp32 from ready codes: code_rows / scale_rows the rows' first code and scale
+    ([R, 1] pointers with k [1, BK], or one row's with k [BK]), k = k0 + 0 .. BK - 1 (k0 a multiple
+    of BK); zero where masked. A tile inside one group loads one scale a row (a scale an element
+    would be staged in shared memory beside the codes: 4x their bytes)."""
+    c = tl.load(code_rows + k, mask=mask, other=0.0).to(tl.float32)
+    if 128 % BK == 0:
+        s = tl.load(scale_rows + k0 // 128)
+    else:
+        s = tl.load(scale_rows + tl.minimum(k // 128, 15), mask=mask, other=0.0)
+    return tl.where(mask, c * s, 0.0)
+
+
+@triton.jit
+def moe_down(act_ptr, rw_ptr, ids_ptr, w_ptr, y_ptr, T, part_ptr, cnt_ptr, w_scale_ptr, as_ptr,
              H: tl.constexpr, F: tl.constexpr, KT: tl.constexpr, KTP: tl.constexpr,
              BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, FMA_BLOCK_K: tl.constexpr,
              FMA_T: tl.constexpr, FMA_TP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -260,50 +276,45 @@ def moe_down(act_ptr, rw_ptr, ids_ptr, w_ptr, y_ptr, T, part_ptr, cnt_ptr, w_sca
         if n <= FMA_T:
             # ---- CUDA-core path: tokens r < n, one W tile per step ----
             rows = tl.arange(0, FMA_TP)
-            a_off = (toks.to(tl.int64) * KT + _main_slot(ids_ptr, rw_ptr, toks, ok, e, KT)) * F
-            ok0 = tl.sum(tl.where((rows == 0) & ok, 1, 0), 0, keep_dims=True) > 0   # [1]
-            a0_row = act_ptr + tl.sum(tl.where(rows == 0, a_off, 0), 0)
-            acc0 = tl.zeros([BLOCK_H, FMA_BLOCK_K], tl.float32)
+            a_row = toks.to(tl.int64) * KT + _main_slot(ids_ptr, rw_ptr, toks, ok, e, KT)
+            a_off = a_row * F
             for k0 in range(0, F, FMA_BLOCK_K):
                 k = k0 + tl.arange(0, FMA_BLOCK_K)
                 w = _w_deq(_w_raw(w_rows, k0, F, FMA_BLOCK_K), srow, ws, k0, F, FMA_BLOCK_K)
-                a0 = _a_quant(tl.load(_ptr(a0_row, k), mask=ok0 & (k < F), other=0.0))
-                acc0 += w * a0[None, :]
             out = tl.zeros([FMA_TP, BLOCK_H], tl.float32)
-            out = tl.where(rows[:, None] == 0, tl.sum(acc0, axis=1)[None, :], out)
             _down_finish(out, toks, ok, e, offs_h, nb, ids_ptr, rw_ptr, y_ptr, part_ptr, cnt_ptr,
                          H, KT, KTP, NB, tl.float32)
         else:
             # ---- tensor-core path: BLOCK_T tokens at a time, acc[h, t] = W @ A^T ----
             for s in range(0, n, BLOCK_T):
                 toks_t, ok_t, _ = _tokens_of(ids_ptr, e, T, s, KT, KTP, TC, BLOCK_T)
-                a_rows = act_ptr + ((toks_t.to(tl.int64) * KT + _main_slot(ids_ptr, rw_ptr, toks_t, ok_t, e, KT)) * F)[:, None]
+                a_row = (toks_t.to(tl.int64) * KT + _main_slot(ids_ptr, rw_ptr, toks_t, ok_t, e, KT))[:, None]
+                a_rows = act_ptr + a_row * F
+                s_rows = as_ptr + a_row * 16
                 acc = tl.zeros([BLOCK_H, BLOCK_T], tl.float32)
                 for k0 in range(0, F, BLOCK_K):
                     k = k0 + tl.arange(0, BLOCK_K)[None, :]
-                    a = tl.load(_ptr(a_rows, k), mask=ok_t[:, None] & (k < F), other=0.0)
-                    a = _a_quant(a)
-                    w = _w_deq(_w_raw(w_rows, k0, F, BLOCK_K), srow, ws, k0, F, BLOCK_K)
-                    if DOT_F32:
-                        acc = tl.dot(w, tl.trans(a.to(tl.float32)), acc, input_precision="ieee")
-                    else:
-                        acc = tl.dot(w.to(tl.bfloat16), tl.trans(a.to(tl.bfloat16)), acc)
+                    # e4m3 x e4m3 on tensor cores: the tile is one activation group, one W scale a row
+                    ac = tl.load(a_rows + k, mask=ok_t[:, None] & (k < F), other=0.0)
+                    a_s = tl.load(s_rows + k0 // 128, mask=ok_t[:, None], other=0.0)   # [BLOCK_T, 1]
+                    acc += tl.dot(_w_raw(w_rows, k0, F, BLOCK_K), tl.trans(ac)) \
+                        * (_w_group(ws, srow, k0, F, BLOCK_K) * tl.trans(a_s))
                 _down_finish(tl.trans(acc), toks_t, ok_t, e, offs_h, nb, ids_ptr, rw_ptr, y_ptr, part_ptr,
                              cnt_ptr, H, KT, KTP, NB, tl.float32)
 
 
 META = {
     "entry": "moe_down",
-    "params": [["act_ptr", "*bf16", "in:0"], ["rw_ptr", "*fp32", "in:1"],
+    "params": [["act_ptr", "*fp8e4nv", "in:0"], ["rw_ptr", "*fp32", "in:1"],
                ["ids_ptr", "*i32", "in:2"], ["w_ptr", "*fp8e4nv", "in:3"],
                ["y_ptr", "*bf16", "out:0"], ["T", "i32", "dim:T"],
-               ["part_ptr", "*fp32", "scratch:partials"], ["cnt_ptr", "*i32", "scratch:counters"], ["w_scale_ptr", "*fp32", "in:6"]],
-    "constexprs": {"H": 7168, "F": 2048, "KT": 8, "KTP": 8, "BLOCK_E": 512,
-                   "BLOCK_H": 64, "FMA_BLOCK_K": 128, "FMA_T": 1,
+               ["part_ptr", "*fp32", "scratch:partials"], ["cnt_ptr", "*i32", "scratch:counters"], ["w_scale_ptr", "*fp32", "in:6"], ["as_ptr", "*fp32", "in:7"]],
+    "constexprs": {"H": 7168, "F": 2048, "KT": 8, "KTP": 8, "BLOCK_E": 256,
+                   "BLOCK_H": 64, "FMA_BLOCK_K": 128, "FMA_T": 0,
                    "FMA_TP": 1, "BLOCK_K": 128, "BLOCK_T": 16,
                    "PC": 256, "TC": 32, "NB": 112, "DOT_F32": False, "PDL": True},
     "pdl": True,
-    "grid": ["min(384, T * 8)", 112, 1],
+    "grid": ["min(256, T * 8)", 112, 1],
     "scratch": {"partials": "B * 229376", "counters": "B * 448"},
     "num_warps": 8,
     "num_stages": 4,

@@ -1,16 +1,16 @@
 # moe_gate_up: act[t, j, f] = bf16(silu(g) * u),  e = ids[t, j],
 #   g = bf16(sum_k x[t, k] * w[e, f, k]),  u = bf16(sum_k x[t, k] * w[e, 2048 + f, k]),
 #   silu(g) = g / (1 + exp(-g)) in fp32 (g and u rounded to bf16 as the unfused model stores them).
-#   x [T, 7168] bf16, ids i32 [T, 8], w [256, 4096, 7168] bf16 (rows 0..2047 gate,
+#   x [T, 7168] bf16, ids i32 [T, 8], w [384, 4096, 7168] bf16 (rows 0..2047 gate,
 #   2048..4095 up), act [T, 8, 2048] bf16; fp32 accumulate.
 #
 # Decode: a few tokens, each naming 8 experts, so the step reads only the chosen experts'
-# rows, and each of them once. Grid (min(256, T * 8) distinct-expert slots, 128 blocks of
-# BLOCK_F = 16 gate rows and the matching up rows): program (u, b) takes the u-th smallest
+# rows, and each of them once. Grid (min(384, T * 8) distinct-expert slots, 64 blocks of
+# BLOCK_F = 32 gate rows and the matching up rows): program (u, b) takes the u-th smallest
 # chosen expert e (a histogram of the step's ids; slots past the number of distinct experts exit),
 # finds the tokens that chose e (in token order), and runs a GEMV over its row block for them,
 # like gemv.py.j2:
-#  * at most FMA_T = 1 tokens: CUDA cores; the block's gate and up rows stream in
+#  * at most FMA_T = 0 tokens: CUDA cores; the block's gate and up rows stream in
 #    [BLOCK_F, FMA_BLOCK_K] tiles of 16-byte loads (evict_first), one fp32 partial product per
 #    row and token, reduced once at the end;
 #  * more: tensor cores, swap-AB: acc[f, t] += W_tile[BLOCK_F, BLOCK_K] @ X^T over BLOCK_T
@@ -21,7 +21,11 @@
 # same bits from run to run.
 # Quantized experts: f8e4m3 codes, scales per 128 rows x 128 columns (1792 an
 #   expert, expert e's from e * 1792 on), dequantized in registers; x quantized dynamic_group (groups of 128: K tiles hold whole groups).
-#   The tensor-core path dots the dequantized tiles in bf16.
+#   x arrives as ready e4m3 codes with a scale a row and 128 columns (made once a step): the
+#   tensor-core path, taken at every token count, dots a [2 BLOCK_F, BLOCK_K] tile of W codes (gate
+#   and up rows interleaved) with x's codes (exact products,
+#   fp32 sums) and scales a tile's sums by w_scale[row block] * a_scale[token]:
+#   acc[f, t] += dot(w_codes[f, k-tile], x_codes[t, k-tile]) * w_scale[f] * a_scale[t, tile].
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -206,7 +210,21 @@ def _a_codes(a):
 
 
 @triton.jit
-def moe_gate_up(x_ptr, ids_ptr, w_ptr, act_ptr, T, w_scale_ptr,
+def _a_ready(code_rows, scale_rows, k0, k, mask, BK: tl.constexpr):
+    """A[rows, k] in fp32 from ready codes: code_rows / scale_rows the rows' first code and scale
+    ([R, 1] pointers with k [1, BK], or one row's with k [BK]), k = k0 + 0 .. BK - 1 (k0 a multiple
+    of BK); zero where masked. A tile inside one group loads one scale a row (a scale an element
+    would be staged in shared memory beside the codes: 4x their bytes)."""
+    c = tl.load(code_rows + k, mask=mask, other=0.0).to(tl.float32)
+    if 128 % BK == 0:
+        s = tl.load(scale_rows + k0 // 128)
+    else:
+        s = tl.load(scale_rows + tl.minimum(k // 128, 55), mask=mask, other=0.0)
+    return tl.where(mask, c * s, 0.0)
+
+
+@triton.jit
+def moe_gate_up(x_ptr, ids_ptr, w_ptr, act_ptr, T, w_scale_ptr, as_ptr,
                 H: tl.constexpr, F: tl.constexpr, KT: tl.constexpr, KTP: tl.constexpr,
                 BLOCK_E: tl.constexpr, BLOCK_F: tl.constexpr, FMA_BLOCK_K: tl.constexpr,
                 FMA_T: tl.constexpr, FMA_TP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -229,59 +247,53 @@ def moe_gate_up(x_ptr, ids_ptr, w_ptr, act_ptr, T, w_scale_ptr,
         srow_u = (f_rows + F) // 128
         ws = w_scale_ptr + e.to(tl.int64) * 1792   # expert e's scales
 
+        # the codes form's tile: row r is gate row f (r even) or up row F + f (r odd), f = offs_f[r // 2]
+        r2 = tl.arange(0, 2 * BLOCK_F)
+        p_row = (tl.minimum(pid_f * BLOCK_F + r2 // 2, F - 1) + (r2 % 2) * F).to(tl.int64)[:, None]
+        p_rows = w_ptr + e.to(tl.int64) * 29360128 + p_row * 7168
+        srow_p = p_row // 128
         toks, ok, n = _tokens_of(ids_ptr, e, T, 0, KT, KTP, TC, FMA_TP)
         if n <= FMA_T:
             # ---- CUDA-core path: tokens r < n, one W tile per step ----
             rows = tl.arange(0, FMA_TP)
-            ok0 = tl.sum(tl.where((rows == 0) & ok, 1, 0), 0, keep_dims=True) > 0   # [1]
-            x0_row = x_ptr + tl.sum(tl.where(rows == 0, toks, 0), 0).to(tl.int64) * H
-            acc_g0 = tl.zeros([BLOCK_F, FMA_BLOCK_K], tl.float32)
-            acc_u0 = tl.zeros([BLOCK_F, FMA_BLOCK_K], tl.float32)
             for k0 in range(0, H, FMA_BLOCK_K):
                 k = k0 + tl.arange(0, FMA_BLOCK_K)
                 wg = _w_deq(_w_raw(g_rows, k0, H, FMA_BLOCK_K), srow_g, ws, k0, H, FMA_BLOCK_K)
                 wu = _w_deq(_w_raw(u_rows, k0, H, FMA_BLOCK_K), srow_u, ws, k0, H, FMA_BLOCK_K)
-                x0 = _a_quant(tl.load(_ptr(x0_row, k), mask=ok0 & (k < H), other=0.0))[None, :]
-                acc_g0 += wg * x0
-                acc_u0 += wu * x0
             g = tl.zeros([FMA_TP, BLOCK_F], tl.float32)
             v = tl.zeros([FMA_TP, BLOCK_F], tl.float32)
-            g = tl.where(rows[:, None] == 0, tl.sum(acc_g0, axis=1)[None, :], g)
-            v = tl.where(rows[:, None] == 0, tl.sum(acc_u0, axis=1)[None, :], v)
             _store_act(act_ptr, ids_ptr, _silu_mul(g, v), toks, ok, e, offs_f, F, KT, KTP)
         else:
             # ---- tensor-core path: BLOCK_T tokens at a time, acc[f, t] = W @ X^T ----
             for s in range(0, n, BLOCK_T):
                 toks_t, ok_t, _ = _tokens_of(ids_ptr, e, T, s, KT, KTP, TC, BLOCK_T)
                 x_rows = x_ptr + toks_t.to(tl.int64)[:, None] * H
-                acc_g = tl.zeros([BLOCK_F, BLOCK_T], tl.float32)
-                acc_u = tl.zeros([BLOCK_F, BLOCK_T], tl.float32)
+                s_rows = as_ptr + toks_t.to(tl.int64)[:, None] * 56
+                acc = tl.zeros([2 * BLOCK_F, BLOCK_T], tl.float32)
                 for k0 in range(0, H, BLOCK_K):
                     k = k0 + tl.arange(0, BLOCK_K)[None, :]
-                    xa = tl.load(_ptr(x_rows, k), mask=ok_t[:, None] & (k < H), other=0.0)
-                    xa = _a_quant(xa)
-                    wg = _w_deq(_w_raw(g_rows, k0, H, BLOCK_K), srow_g, ws, k0, H, BLOCK_K)
-                    wu = _w_deq(_w_raw(u_rows, k0, H, BLOCK_K), srow_u, ws, k0, H, BLOCK_K)
-                    if DOT_F32:
-                        acc_g = tl.dot(wg, tl.trans(xa.to(tl.float32)), acc_g, input_precision="ieee")
-                        acc_u = tl.dot(wu, tl.trans(xa.to(tl.float32)), acc_u, input_precision="ieee")
-                    else:
-                        acc_g = tl.dot(wg.to(tl.bfloat16), tl.trans(xa.to(tl.bfloat16)), acc_g)
-                        acc_u = tl.dot(wu.to(tl.bfloat16), tl.trans(xa.to(tl.bfloat16)), acc_u)
+                    # e4m3 x e4m3 on tensor cores: the tile is one activation group, one W scale a row
+                    xc = tl.load(x_rows + k, mask=ok_t[:, None] & (k < H), other=0.0)
+                    a_s = tl.load(s_rows + k0 // 128, mask=ok_t[:, None], other=0.0)   # [BLOCK_T, 1]
+                    acc += tl.dot(_w_raw(p_rows, k0, H, BLOCK_K), tl.trans(xc)) \
+                        * (_w_group(ws, srow_p, k0, H, BLOCK_K) * tl.trans(a_s))
+                # the gate and up sums apart again: [BLOCK_T, BLOCK_F, 2] -> two [BLOCK_F, BLOCK_T]
+                acc_g, acc_u = tl.split(tl.reshape(tl.trans(acc), [BLOCK_T, BLOCK_F, 2]))
+                acc_g, acc_u = tl.trans(acc_g), tl.trans(acc_u)
                 _store_act(act_ptr, ids_ptr, tl.trans(_silu_mul(acc_g, acc_u)), toks_t, ok_t, e, offs_f, F, KT, KTP)
 
 
 META = {
     "entry": "moe_gate_up",
-    "params": [["x_ptr", "*bf16", "in:0"], ["ids_ptr", "*i32", "in:1"],
+    "params": [["x_ptr", "*fp8e4nv", "in:0"], ["ids_ptr", "*i32", "in:1"],
                ["w_ptr", "*fp8e4nv", "in:2"], ["act_ptr", "*bf16", "out:0"],
-               ["T", "i32", "dim:T"], ["w_scale_ptr", "*fp32", "in:5"]],
-    "constexprs": {"H": 7168, "F": 2048, "KT": 8, "KTP": 8, "BLOCK_E": 256,
-                   "BLOCK_F": 16, "FMA_BLOCK_K": 256, "FMA_T": 1,
+               ["T", "i32", "dim:T"], ["w_scale_ptr", "*fp32", "in:5"], ["as_ptr", "*fp32", "in:6"]],
+    "constexprs": {"H": 7168, "F": 2048, "KT": 8, "KTP": 8, "BLOCK_E": 512,
+                   "BLOCK_F": 32, "FMA_BLOCK_K": 256, "FMA_T": 0,
                    "FMA_TP": 1, "BLOCK_K": 128, "BLOCK_T": 16,
                    "PC": 256, "TC": 32, "DOT_F32": False, "PDL": True},
     "pdl": True,
-    "grid": ["min(256, T * 8)", 128, 1],
+    "grid": ["min(384, T * 8)", 64, 1],
     "num_warps": 4,
     "num_stages": 4,
 }
