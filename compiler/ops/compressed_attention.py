@@ -93,7 +93,7 @@ op(name="rope_tail", tensors=["x"],
    infer=rope_tail_infer,
    reference=lambda ctx, x, theta, scaling=None, rotary_dim=None, inverse=False:
        rotate_tail(x, ctx.positions, theta, scaling, rotary_dim, inverse),
-   templates={}, strided=True,
+   templates={"triton": "rope_tail"}, strided=True,
    doc="interleaved RoPE of the last rotary_dim dims of each head (DeepSeek-V4); inverse: by -angle")
 
 
