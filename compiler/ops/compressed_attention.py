@@ -212,7 +212,7 @@ op(name="indexer_topk", tensors=["q", "w", "kv", "gate", "bias", "norm"],
    infer=indexer_infer, reference=indexer_reference,
    caches=lambda types, attrs: _compressed_caches(attrs["cache"], attrs["rate"], types[2].shape[1],
                                                   types[5].shape[0]),
-   templates={}, strided=True,
+   templates={},
    doc="DeepSeek-V4 lightning indexer: compresses its keys (cache <cache>), returns each query's "
        "top-k visible compressed entries (-1 past the visible ones)")
 
@@ -289,6 +289,7 @@ op(name="compressed_attention", tensors=["q", "kv", "sinks", "ckv", "cgate", "cb
    attrs={"rate": REQUIRED, "window": REQUIRED, "scale": None, "cache": REQUIRED, "eps": 1e-6,
           "theta": REQUIRED, "scaling": None, "rotary_dim": REQUIRED},
    infer=attention_infer, reference=attention_reference, caches=_attention_caches,
-   templates={}, strided=True,
+   # one launch a step, a program a sequence (its writes read back in the same program)
+   templates={"triton": "compressed_attention"},
    doc="DeepSeek-V4 attention: shared-KV MQA over a sliding window (cache swa) and the compressed "
        "entries (cache <cache>; all visible, or the indexer's top-k), with per-head sinks")
