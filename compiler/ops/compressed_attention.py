@@ -212,7 +212,8 @@ op(name="indexer_topk", tensors=["q", "w", "kv", "gate", "bias", "norm"],
    infer=indexer_infer, reference=indexer_reference,
    caches=lambda types, attrs: _compressed_caches(attrs["cache"], attrs["rate"], types[2].shape[1],
                                                   types[5].shape[0]),
-   templates={},
+   # a correctness kernel: K passes over the visible keys a query (one program a sequence)
+   templates={"triton": "indexer_topk"},
    doc="DeepSeek-V4 lightning indexer: compresses its keys (cache <cache>), returns each query's "
        "top-k visible compressed entries (-1 past the visible ones)")
 

@@ -86,3 +86,45 @@ def test_compressed_attention_kernel(rate, overlap, topk):
                 continue
             assert np.array_equal(np.isnan(got), np.isnan(ref)), n
             np.testing.assert_allclose(np.nan_to_num(got), np.nan_to_num(ref), rtol=1e-4, atol=1e-5, err_msg=n)
+
+
+def test_indexer_topk_kernel():
+    """indexer_topk's kernel: the same two steps (blocks of 4 in pages of 8), 5 heads of 24 dims,
+    the top 3 of the visible keys (fewer visible early: -1 after them): the same choices as the
+    reference (as sets: the order among near-equal scores may differ by rounding), the same keys."""
+    gen = np.random.default_rng(11)
+    Hi, Di, R, rate, topk = 5, 24, 8, 4, 3
+    attrs = dict(rate=rate, topk=topk, cache="ikv", eps=1e-6, theta=160000.0, scaling=YARN, rotary_dim=R)
+    op = REGISTRY["indexer_topk"]
+    types = [TensorType(s, "f32") for s in (("T", Hi, Di), ("T", Hi), ("T", 2 * Di), ("T", 2 * Di), (rate, 2 * Di), (Di,))]
+    decl = {n: dict(c, layers=[0], dtype="f32") for n, c in op.caches(types, attrs).items()}
+    pages = SeqPages(decl, page_size=PAGE, num_pages=16, num_slots=4)
+    for a in pages.storage.arrays.values():
+        a[...] = np.nan
+    k = render("indexer_topk", "indexer_topk", [(f"x{i}", t.shape, "f32") for i, t in enumerate(types)],
+               [("idx", ["T", topk], "i32")], attrs=attrs, phase="prefill", page_size=PAGE,
+               caches={n: {kk: v for kk, v in c.items() if kk != "layers"} for n, c in decl.items()})
+    bias = gen.standard_normal((rate, 2 * Di)).astype(np.float32)
+    norm = (1 + 0.2 * gen.standard_normal(Di)).astype(np.float32)
+    for step in STEPS:
+        ctx = pages.context([Chunk(s, list(range(n)), c) for s, n, c in step])
+        T = ctx.T
+        args = [gen.standard_normal((T, Hi, Di)).astype(np.float32), gen.standard_normal((T, Hi)).astype(np.float32),
+                gen.standard_normal((T, 2 * Di)).astype(np.float32), gen.standard_normal((T, 2 * Di)).astype(np.float32),
+                bias, norm]
+        before = {key: torch.from_numpy(a.copy()) for key, a in pages.storage.arrays.items()}
+        want = op.reference(ctx, *args, **attrs)
+        out = torch.full((T, topk), -7777, dtype=torch.int32)
+        bind = {f"in:{i}": torch.from_numpy(np.ascontiguousarray(a)) for i, a in enumerate(args)}
+        bind.update({f"cache:{n}": before[(n, 0)] for n in decl})
+        bind.update({"out:0": out, "meta:seq_starts": i32(ctx.meta.seq_starts), "meta:context_lens":
+                     i32(ctx.meta.context_lens), "meta:block_tables": i32(ctx.meta.block_tables),
+                     "meta:max_pages": ctx.meta.block_tables.shape[1], "meta:state_slots": i32(ctx.meta.state_slots)})
+        run(k, bind, {"T": T, "B": ctx.B})
+        got = out.numpy()
+        assert (got >= 0).sum() == (want >= 0).sum() and (got >= 0).sum() > T      # several chosen, holes too
+        for t in range(T):
+            assert set(got[t][got[t] >= 0]) == set(want[t][want[t] >= 0]), t
+            assert (got[t] >= 0).tolist() == (want[t] >= 0).tolist(), t          # -1 only after the chosen
+        np.testing.assert_allclose(np.nan_to_num(before[("ikv", 0)].numpy()),
+                                   np.nan_to_num(pages.storage.arrays[("ikv", 0)]), rtol=1e-4, atol=1e-5)
