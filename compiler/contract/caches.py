@@ -126,12 +126,15 @@ def rows_per_page(c: dict, page_size: int) -> int:
     return max(1, page_size // m)
 
 
-def entry_address(c: dict, page_size: int, pages, e: int) -> tuple[int, int]:
-    """(page id, row) of entry e of a compressed cache `c` (every = m) in a sequence whose block
-    table row is `pages`: the page of the entry's last token, e m + m - 1."""
+def entry_address(c: dict, page_size: int, pages, e):
+    """(page id, row) of entry e (an int, or an array of them) of a compressed cache `c` (every =
+    m) in a sequence whose block table row is `pages`: the page of the entry's last token,
+    e m + m - 1."""
     m = c["every"]
-    t = e * m + m - 1
-    return int(pages[t // page_size]), (t % page_size) // m if m <= page_size else 0
+    t = np.asarray(e, np.int64) * m + m - 1
+    page = np.asarray(pages, np.int64)[t // page_size]
+    row = (t % page_size) // m if m <= page_size else np.zeros_like(t)
+    return page, row
 
 
 def storage_shape(c: dict, page_size: int, num_pages: int, num_slots: int = 0) -> tuple:

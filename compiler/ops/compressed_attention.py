@@ -143,7 +143,7 @@ def compress(ctx, kv, gate, bias, norm, cache, rate, eps, theta, scaling, rotary
             entry = _rms((w / w.sum(0, keepdims=True) * vals).sum(0), norm, eps)
             entry = rotate_tail(entry[None, None], [e * m], theta, scaling, rotary_dim)[0, 0]
             page, row = cache_layout.entry_address(decl, ctx.page_size, ctx.meta.block_tables[b], e)
-            entries[page, row] = entry
+            entries[int(page), int(row)] = entry
         buf[slot] = state
     return entries
 
@@ -151,10 +151,8 @@ def compress(ctx, kv, gate, bias, norm, cache, rate, eps, theta, scaling, rotary
 def read_entries(ctx, cache, b, count, rate):
     """The first `count` compressed entries of batch row b: [count, Dc]."""
     entries = ctx.cache(cache)
-    m, ps = int(rate), ctx.page_size
-    t = np.arange(count, dtype=np.int64) * m + m - 1             # each entry's last token
-    pages = np.asarray(ctx.meta.block_tables[b], np.int64)[t // ps]
-    rows = (t % ps) // m if m <= ps else np.zeros_like(t)        # caches.entry_address, vectorized
+    pages, rows = cache_layout.entry_address({"every": int(rate)}, ctx.page_size, ctx.meta.block_tables[b],
+                                             np.arange(count))
     return np.asarray(entries[pages, rows], np.float32).reshape(count, entries.shape[-1])
 
 

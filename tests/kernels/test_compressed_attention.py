@@ -13,6 +13,7 @@ from infc.compiler.ir import TensorType
 from infc.compiler.ops import REGISTRY
 from infc.runtime.engine.step import Chunk
 from infc.runtime.reference.executor import SeqPages
+from tests.exhaustive import EXHAUSTIVE
 
 from .harness import render, run
 
@@ -26,7 +27,8 @@ def i32(a):
     return torch.tensor(np.asarray(a), dtype=torch.int32)
 
 
-@pytest.mark.parametrize("rate,overlap,topk", [(4, True, 3), (16, False, None)], ids=["csa", "hca"])
+@pytest.mark.parametrize("rate,overlap,topk", [(4, True, 3), pytest.param(16, False, None, marks=EXHAUSTIVE)],
+                         ids=["csa", "hca"])
 def test_compressed_attention_kernel(rate, overlap, topk):
     gen = np.random.default_rng(rate)
     H, D, R, window = 3, 24, 8, 5

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from infc.compiler.ops import REGISTRY
+from tests.exhaustive import EXHAUSTIVE
 
 from .harness import poison, rand, rel_err, render, run
 
@@ -25,7 +26,8 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("heads,d,r,theta,scaling,inverse,stride,tune,phase,positions", CASES)
+@pytest.mark.parametrize("heads,d,r,theta,scaling,inverse,stride,tune,phase,positions",
+                         CASES[:2] + [pytest.param(*CASES[2], marks=EXHAUSTIVE)])
 def test_rope_tail_kernel(heads, d, r, theta, scaling, inverse, stride, tune, phase, positions):
     gen = np.random.default_rng(heads * 100 + d)
     attrs = {"theta": theta, "scaling": scaling, "rotary_dim": r, "inverse": inverse}
