@@ -188,8 +188,29 @@ def test_dsv4_body_kernels(tmp_path):
     plan = json.loads((out / "plan.json").read_text())
     plan["_dir"] = str(out)
     weights = load_weights(plan, Checkpoint(d))
-    got = InterpExecutor(plan, weights, page_size=16).step([Chunk(0, prompt, 0)])
-    ref = ReferenceExecutor(plan, weights).step([SeqChunk(0, prompt, 0)])
+    interp, reference = InterpExecutor(plan, weights, page_size=16), ReferenceExecutor(plan, weights)
+    got = interp.step([Chunk(0, prompt, 0)])
+    ref = reference.step([SeqChunk(0, prompt, 0)])
+    # a decode step (the decode kernels: GEMVs, the decode expert kernels' clamped_silu)
+    nxt = int(np.argmax(got[-1]))
+    got = interp.step([Chunk(0, [nxt], len(prompt))])
+    ref = reference.step([SeqChunk(0, [nxt], len(prompt))])
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2e-2
     kernels = {k["template"] if isinstance(k, dict) and "template" in k else kid for kid, k in plan["kernels"].items()}
     assert any("hc_weights" in str(k) for k in kernels), sorted(map(str, kernels))[:40]
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2e-2
+
+
+def test_dsv4_body_spec_errors(tmp_path):
+    """A wrong hyper-connection call in a spec fails naming the op, the fault and the spec line."""
+    from infc.compiler.contract.errors import SpecError
+    import pytest
+    _, d, spec, _ = _model(tmp_path)
+    for old, new, msg in [("iters=I", "iters=0", "hc_weights iters (hc_sinkhorn_iters) must be an int >= 1, got 0"),
+                          ("hc_expand(y, x, post, comb)", "hc_expand(y, x, comb, post)", "hc_expand post must be [T, N]"),
+                          ("logits=linear(h, router), ", "", "give logits=")]:
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(SPEC.replace(old, new, 1))
+        with pytest.raises(SpecError, match=r"bad\.yaml:\d+") as e:
+            compile_model(model_dir=str(d), spec_path=str(bad))
+        assert msg in str(e.value), str(e.value)
