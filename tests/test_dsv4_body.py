@@ -22,7 +22,7 @@ CFG = dict(hidden_size=24, intermediate_size=20, num_hidden_layers=2, num_attent
            n_routed_experts=6, num_experts_per_tok=2, routed_scaling_factor=1.5, mlp_layer_types=["hash_moe", "moe"])
 
 MHC = """\
-        - mix = linear(rms_norm(view(x, [T, NH]), eps=eps), {w}_fn)
+        - mix = hc_mix(x, {w}_fn, eps)
         - pre, post, comb = hc_weights(mix, {w}_base, {w}_scale, iters=I, eps=hc_eps)
         - h = rms_norm(hc_collapse(x, pre), {norm}, eps)
 """
@@ -99,7 +99,7 @@ layer:
 graph:
   - x = hc_streams(embedding(tokens, embed), n=N)
   - x, tok = layers(x, tokens)
-  - mix = linear(rms_norm(view(x, [T, NH]), eps=eps), head_fn)
+  - mix = hc_mix(x, head_fn, eps)
   - h = rms_norm(hc_collapse(x, hc_head_weights(mix, head_base, head_scale, eps=hc_eps)), final_norm, eps)
   - logits = linear(last(h), lm_head)
 """
@@ -172,7 +172,7 @@ def test_dsv4_body_spec_vs_hf(tmp_path):
     got = ReferenceExecutor(plan, weights).step([SeqChunk(k, prompt[:k], 0) for k in range(1, len(prompt) + 1)])
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
     ops = json.dumps(plan["programs"]["prefill"])
-    for name in ("hc_weights", "hc_collapse", "hc_expand", "hc_streams", "hc_head_weights", "clamped_silu", "sqrtsoftplus"):
+    for name in ("hc_mix", "hc_weights", "hc_collapse", "hc_expand", "hc_streams", "hc_head_weights", "clamped_silu", "sqrtsoftplus"):
         assert name in ops, name
 
 
