@@ -214,3 +214,20 @@ def test_dsv4_body_spec_errors(tmp_path):
         with pytest.raises(SpecError, match=r"bad\.yaml:\d+") as e:
             compile_model(model_dir=str(d), spec_path=str(bad))
         assert msg in str(e.value), str(e.value)
+
+
+def test_dsv4_body_ranks(tmp_path):
+    """Two simulated ranks, TP x EP: the streams and their hyper-connection ops stay whole on each
+    rank (replicated around the sharded linears and experts); the logits are the single rank's."""
+    from infc.compiler.build import compile_ranks
+    from infc.compiler.parallel import settings
+    from infc.runtime.reference.ranks import RankExecutor
+    _, d, spec, prompt = _model(tmp_path)
+    plans = [p for _, p in compile_ranks(settings(tensor_parallel_size=2, enable_expert_parallel=True),
+                                         model_dir=str(d), spec_path=str(spec))]
+    body = json.dumps(plans[0]["programs"]["prefill"])
+    assert '"ep_dispatch"' in body and '"all_reduce"' in body and '"hc_expand"' in body
+    many = RankExecutor(plans, [load_weights(p, Checkpoint(d)) for p in plans])
+    _, plan = compile_model(model_dir=str(d), spec_path=str(spec))
+    one = ReferenceExecutor(plan, load_weights(plan, Checkpoint(d)))
+    assert np.abs(many.step([SeqChunk(0, prompt, 0)]) - one.step([SeqChunk(0, prompt, 0)])).max() <= 1e-5
