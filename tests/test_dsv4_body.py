@@ -99,9 +99,10 @@ layer:
 graph:
   - x = hc_streams(embedding(tokens, embed), n=N)
   - x, tok = layers(x, tokens)
+  - x = last(x)                    # the hyper head works token by token: only the rows sampled
   - mix = hc_mix(x, head_fn, eps)
   - h = rms_norm(hc_collapse(x, hc_head_weights(mix, head_base, head_scale, eps=hc_eps)), final_norm, eps)
-  - logits = linear(last(h), lm_head)
+  - logits = linear(h, lm_head)
 """
 
 

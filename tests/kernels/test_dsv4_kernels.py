@@ -32,6 +32,14 @@ def test_hc_mix(dtype):
     np.testing.assert_allclose(mix[:T].numpy(), ref("hc_mix", f32(x), fn.numpy(), eps=1e-6), rtol=1e-5, atol=1e-6)
     assert torch.isnan(mix[T:]).all(), "wrote rows past T"
 
+    # after last(): the rows are the step's B sequences, not its T tokens
+    k = render("hc_mix", "hc_mix", [("x", ["B", n, H], dtype), ("fn", [M, n * H], "f32", "weight")],
+               [("mix", ["B", M], "f32")], attrs={"eps": 1e-6})
+    mix = poison((T + 1, M), "f32")
+    run(k, {"in:0": x, "in:1": fn, "out:0": mix}, {"T": 40, "B": 2})
+    np.testing.assert_allclose(mix[:2].numpy(), ref("hc_mix", f32(x[:2]), fn.numpy(), eps=1e-6), rtol=1e-5, atol=1e-6)
+    assert torch.isnan(mix[2:]).all(), "wrote rows past B"
+
 
 @pytest.mark.parametrize("n,iters", [(3, 5), (4, 20)])
 def test_hc_weights(n, iters):
