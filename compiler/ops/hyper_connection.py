@@ -19,7 +19,7 @@ hc_weights(mix[T, (2 + N) N], base[(2 + N) N], scale[3], iters=I, eps=e)
     pre  = sigmoid(mix_pre * scale[0] + base_pre) + e
     post = 2 sigmoid(mix_post * scale[1] + base_post)
     comb = softmax_k(mix_comb * scale[2] + base_comb) + e, then the Sinkhorn projection onto the
-           doubly-stochastic matrices: divide each column j-sum by (sum_j comb[j, k] + e) once,
+           doubly-stochastic matrices: each column k divided by (sum_j comb[j, k] + e) once,
            then I - 1 times the rows (sum over k) then the columns, each + e in the divisor
            (transformers' DeepseekV4HyperConnection; I = hc_sinkhorn_iters, e = hc_eps).
     N is read from mix's width ((2 + N) N). Why one op and not smaller ones: the spec language has
