@@ -22,7 +22,7 @@ CFG = dict(hidden_size=24, intermediate_size=20, num_hidden_layers=2, num_attent
            n_routed_experts=6, num_experts_per_tok=2, routed_scaling_factor=1.5, mlp_layer_types=["hash_moe", "moe"])
 
 MHC = """\
-        - mix = linear(rms_norm(view(x, [T, NH]), eps=eps), {w}_fn)
+        - mix = hc_mix(x, {w}_fn, eps)
         - pre, post, comb = hc_weights(mix, {w}_base, {w}_scale, iters=I, eps=hc_eps)
         - h = rms_norm(hc_collapse(x, pre), {norm}, eps)
 """
@@ -99,9 +99,10 @@ layer:
 graph:
   - x = hc_streams(embedding(tokens, embed), n=N)
   - x, tok = layers(x, tokens)
-  - mix = linear(rms_norm(view(x, [T, NH]), eps=eps), head_fn)
+  - x = last(x)                    # the hyper head works token by token: only the rows sampled
+  - mix = hc_mix(x, head_fn, eps)
   - h = rms_norm(hc_collapse(x, hc_head_weights(mix, head_base, head_scale, eps=hc_eps)), final_norm, eps)
-  - logits = linear(last(h), lm_head)
+  - logits = linear(h, lm_head)
 """
 
 
@@ -172,7 +173,7 @@ def test_dsv4_body_spec_vs_hf(tmp_path):
     got = ReferenceExecutor(plan, weights).step([SeqChunk(k, prompt[:k], 0) for k in range(1, len(prompt) + 1)])
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
     ops = json.dumps(plan["programs"]["prefill"])
-    for name in ("hc_weights", "hc_collapse", "hc_expand", "hc_streams", "hc_head_weights", "clamped_silu", "sqrtsoftplus"):
+    for name in ("hc_mix", "hc_weights", "hc_collapse", "hc_expand", "hc_streams", "hc_head_weights", "clamped_silu", "sqrtsoftplus"):
         assert name in ops, name
 
 
@@ -188,8 +189,46 @@ def test_dsv4_body_kernels(tmp_path):
     plan = json.loads((out / "plan.json").read_text())
     plan["_dir"] = str(out)
     weights = load_weights(plan, Checkpoint(d))
-    got = InterpExecutor(plan, weights, page_size=16).step([Chunk(0, prompt, 0)])
-    ref = ReferenceExecutor(plan, weights).step([SeqChunk(0, prompt, 0)])
+    interp, reference = InterpExecutor(plan, weights, page_size=16), ReferenceExecutor(plan, weights)
+    got = interp.step([Chunk(0, prompt, 0)])
+    ref = reference.step([SeqChunk(0, prompt, 0)])
+    # a decode step (the decode kernels: GEMVs, the decode expert kernels' clamped_silu)
+    nxt = int(np.argmax(got[-1]))
+    got = interp.step([Chunk(0, [nxt], len(prompt))])
+    ref = reference.step([SeqChunk(0, [nxt], len(prompt))])
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2e-2
     kernels = {k["template"] if isinstance(k, dict) and "template" in k else kid for kid, k in plan["kernels"].items()}
     assert any("hc_weights" in str(k) for k in kernels), sorted(map(str, kernels))[:40]
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2e-2
+
+
+def test_dsv4_body_spec_errors(tmp_path):
+    """A wrong hyper-connection call in a spec fails naming the op, the fault and the spec line."""
+    from infc.compiler.contract.errors import SpecError
+    import pytest
+    _, d, spec, _ = _model(tmp_path)
+    for old, new, msg in [("iters=I", "iters=0", "hc_weights iters (hc_sinkhorn_iters) must be an int >= 1, got 0"),
+                          ("hc_expand(y, x, post, comb)", "hc_expand(y, x, comb, post)", "hc_expand post must be [T, N]"),
+                          ("logits=linear(h, router), ", "", "give logits=")]:
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(SPEC.replace(old, new, 1))
+        with pytest.raises(SpecError, match=r"bad\.yaml:\d+") as e:
+            compile_model(model_dir=str(d), spec_path=str(bad))
+        assert msg in str(e.value), str(e.value)
+
+
+def test_dsv4_body_ranks(tmp_path):
+    """Two simulated ranks, TP x EP: the streams and their hyper-connection ops stay whole on each
+    rank (replicated around the sharded linears and experts); the logits are the single rank's."""
+    from infc.compiler.build import compile_ranks
+    from infc.compiler.parallel import settings
+    from infc.runtime.reference.ranks import RankExecutor
+    _, d, spec, prompt = _model(tmp_path)
+    plans = [p for _, p in compile_ranks(settings(tensor_parallel_size=2, enable_expert_parallel=True),
+                                         model_dir=str(d), spec_path=str(spec))]
+    body = json.dumps(plans[0]["programs"]["prefill"])
+    assert '"ep_dispatch"' in body and '"all_reduce"' in body and '"hc_expand"' in body
+    many = RankExecutor(plans, [load_weights(p, Checkpoint(d)) for p in plans])
+    _, plan = compile_model(model_dir=str(d), spec_path=str(spec))
+    one = ReferenceExecutor(plan, load_weights(plan, Checkpoint(d)))
+    assert np.abs(many.step([SeqChunk(0, prompt, 0)]) - one.step([SeqChunk(0, prompt, 0)])).max() <= 1e-5

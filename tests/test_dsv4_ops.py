@@ -50,6 +50,7 @@ def test_hyper_connection_vs_hf():
         post, comb, collapsed = hc(streams)
     x = streams[0].numpy()
     mix = _mix(x, hc.fn.detach().numpy(), 1e-6)
+    np.testing.assert_allclose(ref("hc_mix", x, hc.fn.detach().numpy(), eps=1e-6), mix, rtol=1e-5, atol=1e-5)
     pre, got_post, got_comb = ref("hc_weights", mix, hc.base.detach().numpy(), hc.scale.detach().numpy(),
                                   iters=5, eps=1e-6)
     np.testing.assert_allclose(got_post, post[0].numpy(), rtol=0, atol=1e-5)
@@ -71,7 +72,7 @@ def test_hyper_head_and_streams_vs_hf():
     with torch.no_grad():
         want = head(streams)[0].numpy()
     x = streams[0].numpy()
-    pre = ref("hc_head_weights", _mix(x, head.hc_fn.detach().numpy(), 1e-6), head.hc_base.detach().numpy(),
+    pre = ref("hc_head_weights", ref("hc_mix", x, head.hc_fn.detach().numpy(), eps=1e-6), head.hc_base.detach().numpy(),
               head.hc_scale.detach().numpy(), eps=1e-6)
     np.testing.assert_allclose(ref("hc_collapse", x, pre), want, rtol=0, atol=1e-5)
     e = x[:, 0]
@@ -150,6 +151,7 @@ def _t(shape, dtype="f32"):
 
 
 @pytest.mark.parametrize("name,types,attrs,msg", [
+    ("hc_mix", [_t(("T", 4, 8)), _t((24, 31))], {"eps": 1e-6}, "fn must be [M, N * H] = [M, 32]"),
     ("hc_weights", [_t(("T", 23)), _t((23,)), _t((3,))], {"iters": 3}, "is not (2 + N) N"),
     ("hc_weights", [_t(("T", 24)), _t((24,)), _t((1,))], {"iters": 3}, "scale must be [3]"),
     ("hc_weights", [_t(("T", 24)), _t((24,)), _t((3,))], {"iters": 0}, "iters (hc_sinkhorn_iters) must be an int >= 1"),

@@ -2,12 +2,16 @@
 [T, N, H] instead of one row [T, H]; each sublayer reads a weighted sum of the streams and writes
 its output back into every stream, the streams themselves mixed by a doubly-stochastic matrix.
 
-A sublayer's weights come from its streams through one learned projection, which the spec writes
-with existing ops (`fn` [(2 + N) N, N H], kept f32 as the checkpoint's):
+A sublayer's weights come from its streams through one learned projection (`fn` [(2 + N) N, N H],
+kept f32 as the checkpoint's):
 
-    mix = linear(rms_norm(view(x, [T, N * H]), eps=rms_eps), fn)        # [T, (2 + N) N] f32
+hc_mix(x[T, N, H], fn[M, N H], eps) -> mix f32[T, M]:
+    rms_norm(x[t] flattened, eps) @ fn^T in float32 (transformers' `F.linear(input_norm(flat.float()),
+    fn.float())`). It is `linear(rms_norm(view(x, [T, N * H]), eps=eps), fn)` in one pass, the
+    norm's per-row factor taken out of the sum (x @ fn^T * rsqrt(mean(x^2) + eps)): no normalized
+    copy of the streams, and no rounding of it to the model's dtype (HF keeps it float).
 
-and the rest is this file's:
+and the rest:
 
 hc_weights(mix[T, (2 + N) N], base[(2 + N) N], scale[3], iters=I, eps=e)
         -> (pre f32[T, N], post f32[T, N], comb f32[T, N, N]):
@@ -15,7 +19,7 @@ hc_weights(mix[T, (2 + N) N], base[(2 + N) N], scale[3], iters=I, eps=e)
     pre  = sigmoid(mix_pre * scale[0] + base_pre) + e
     post = 2 sigmoid(mix_post * scale[1] + base_post)
     comb = softmax_k(mix_comb * scale[2] + base_comb) + e, then the Sinkhorn projection onto the
-           doubly-stochastic matrices: divide each column j-sum by (sum_j comb[j, k] + e) once,
+           doubly-stochastic matrices: each column k divided by (sum_j comb[j, k] + e) once,
            then I - 1 times the rows (sum over k) then the columns, each + e in the divisor
            (transformers' DeepseekV4HyperConnection; I = hc_sinkhorn_iters, e = hc_eps).
     N is read from mix's width ((2 + N) N). Why one op and not smaller ones: the spec language has
@@ -23,7 +27,7 @@ hc_weights(mix[T, (2 + N) N], base[(2 + N) N], scale[3], iters=I, eps=e)
     token: one launch, every token's matrix in registers.
 hc_head_weights(mix[T, N], base[N], scale[1], eps=e) -> pre f32[T, N]:
     sigmoid(mix * scale[0] + base) + e: the hyper head's (DeepseekV4HyperHead) collapse weights,
-    its mix being linear(rms_norm(view(x, [T, N * H]), eps=rms_eps), hc_fn) with hc_fn [N, N H].
+    its mix being hc_mix(x, hc_fn, rms_eps) with hc_fn [N, N H].
 hc_collapse(x[T, N, H], pre[T, N]) -> [T, H] (x's dtype):
     sum_n pre[t, n] x[t, n, :], fp32 math, one rounding: the sublayer's input (before its norm),
     and after the last layer the hyper head's output.
@@ -52,6 +56,24 @@ def _streams(width) -> int | None:
 def _number(v, who, lo=0.0):
     expect(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= lo,
            f"{who} must be a number >= {lo}, got {v!r}")
+
+
+def mix_infer(types, attrs):
+    expect(len(types) == 2, f"hc_mix takes (x, fn), got {len(types)} tensors")
+    x, fn = types
+    expect(len(x.shape) == 3 and isinstance(x.shape[1], int) and isinstance(x.shape[2], int),
+           f"hc_mix x must be the streams [T, N, H], got {x}")
+    k = x.shape[1] * x.shape[2]
+    expect(len(fn.shape) == 2 and fn.shape[1] == k,
+           f"hc_mix fn must be [M, N * H] = [M, {k}] (one row an output), got {fn}")
+    _number(attrs.get("eps"), "hc_mix eps")
+    return [tt((x.shape[0], fn.shape[0]), "f32")]
+
+
+def hc_mix(ctx, x, fn, eps):
+    x = np.asarray(x, np.float32).reshape(np.shape(x)[0], -1)
+    x = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + np.float32(eps))
+    return (x @ np.asarray(fn, np.float32).T).astype(np.float32)
 
 
 def weights_infer(types, attrs):
@@ -156,6 +178,8 @@ def hc_streams(ctx, x, n):
     return np.ascontiguousarray(np.broadcast_to(x[:, None, :], (x.shape[0], n, x.shape[1])))
 
 
+op(name="hc_mix", tensors=["x", "fn"], attrs={"eps": REQUIRED}, infer=mix_infer, reference=hc_mix,
+   templates={"triton": "hc_mix"}, doc="mHC: the streams' RMS-normed projection, float32")
 op(name="hc_weights", tensors=["mix", "base", "scale"], attrs={"iters": REQUIRED, "eps": 1e-6},
    infer=weights_infer, reference=hc_weights, n_outputs=3, templates={"triton": "hc_weights"},
    doc="mHC: pre / post weights and the Sinkhorn-projected stream mix from the projected streams")

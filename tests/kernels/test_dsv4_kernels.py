@@ -1,5 +1,5 @@
 """DeepSeek-V4's non-attention kernels under the interpreter against the ops' numpy references:
-the hyper-connection ops (hc_weights / hc_head_weights, hc_collapse, hc_expand, hc_streams) and
+the hyper-connection ops (hc_mix, hc_weights / hc_head_weights, hc_collapse, hc_expand, hc_streams) and
 moe_route_table's scored form (the hash router weighed by the router's scores). Shapes fit no
 block: N = 3 streams pad to 4 lanes, T and H are not multiples of ROWS / BLOCK. (The clamped_silu
 expert activation is in test_moe_gated_kernels.py.)"""
@@ -18,6 +18,27 @@ def ref(name, *args, **attrs):
 
 def f32(t):
     return t.float().numpy()
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_hc_mix(dtype):
+    gen = np.random.default_rng(11)
+    T, n, H, M = 6, 3, 40, 15              # K = 120: two BLOCK_K = 64 slices, the second partial
+    x, fn = rand((T, n, H), dtype, gen=gen), rand((M, n * H), "f32", 0.1, gen)
+    k = render("hc_mix", "hc_mix", [("x", ["T", n, H], dtype), ("fn", [M, n * H], "f32", "weight")],
+               [("mix", ["T", M], "f32")], attrs={"eps": 1e-6})
+    mix = poison((T + 1, M), "f32")
+    run(k, {"in:0": x, "in:1": fn, "out:0": mix}, {"T": T, "B": 1})
+    np.testing.assert_allclose(mix[:T].numpy(), ref("hc_mix", f32(x), fn.numpy(), eps=1e-6), rtol=1e-5, atol=1e-6)
+    assert torch.isnan(mix[T:]).all(), "wrote rows past T"
+
+    # after last(): the rows are the step's B sequences, not its T tokens
+    k = render("hc_mix", "hc_mix", [("x", ["B", n, H], dtype), ("fn", [M, n * H], "f32", "weight")],
+               [("mix", ["B", M], "f32")], attrs={"eps": 1e-6})
+    mix = poison((T + 1, M), "f32")
+    run(k, {"in:0": x, "in:1": fn, "out:0": mix}, {"T": 40, "B": 2})
+    np.testing.assert_allclose(mix[:2].numpy(), ref("hc_mix", f32(x[:2]), fn.numpy(), eps=1e-6), rtol=1e-5, atol=1e-6)
+    assert torch.isnan(mix[2:]).all(), "wrote rows past B"
 
 
 @pytest.mark.parametrize("n,iters", [(3, 5), (4, 20)])
