@@ -242,7 +242,7 @@ def block_copy_words(plan: dict, page_size: int) -> tuple[int, int]:
     g = 16
     for c in decl.values():
         n = caches.unit_elems(c) * caches.DTYPE_BYTES[c["dtype"]]
-        g = math.gcd(g, n * page_size if c["kind"] == "paged" else n)
+        g = math.gcd(g, n * caches.rows_per_page(c, page_size) if c["kind"] == "paged" else n)
     word = 4 if g % 4 == 0 else 2 if g % 2 == 0 else 1
     return word, g // word
 

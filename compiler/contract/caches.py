@@ -9,7 +9,13 @@ layer: a write stores e4m3(x / scale) (round to nearest even, saturated at +-448
 code * scale (`scale`). Host storage keeps the codes' values (float32, or torch fp8 tensors).
 
 A paged cache holds `shape` per token; each layer's storage is [num_pages + 1, page_size, *shape]
-(page num_pages is the padding page that CUDA-graph pad rows write to). A slot cache holds `shape`
+(page num_pages is the padding page that CUDA-graph pad rows write to). A compressed paged cache
+(`"every": m`, DeepSeek-V4's compressed KV entries and indexer keys) holds one row per m tokens:
+the entry of tokens [e m, (e + 1) m) lives in the page of its last token, row (t % page_size) // m
+of max(1, page_size // m) rows a page (`entry_address`; m and page_size must divide one another,
+so for m > page_size only every (m / page_size)-th page's row is used). An entry is written when
+its block completes, so a page holds only complete entries and prefix sharing, host blocks and
+tiers move them with their pages unchanged. A slot cache holds `shape`
 per sequence; each layer's storage is [num_slots + 1, *shape] (slot num_slots pads likewise).
 Standard attention declares two paged caches, k and v, of shape [Hkv, D].
 
@@ -51,6 +57,10 @@ def check(caches: dict) -> dict:
             raise ValueError(f"cache '{name}': dtype {c.get('dtype')!r} is not one of {list(DTYPES)}")
         if not all(isinstance(d, int) and d > 0 for d in c.get("shape", [None])):
             raise ValueError(f"cache '{name}': shape {c.get('shape')} must be positive integers")
+        every = c.get("every")
+        if every is not None and (c["kind"] != "paged" or not isinstance(every, int) or every < 1):
+            raise ValueError(f"cache '{name}': 'every' (tokens per row) must be a positive integer "
+                             f"on a paged cache, got {every!r} on a {c['kind']} cache")
         if not isinstance(c.get("layers"), list) or len(set(c["layers"])) != len(c["layers"]):
             raise ValueError(f"cache '{name}': layers must be a list of distinct layer indices")
         scales = c.get("scales")
@@ -106,15 +116,36 @@ def unit_elems(c: dict) -> int:
     return int(np.prod(c["shape"], dtype=np.int64))
 
 
+def rows_per_page(c: dict, page_size: int) -> int:
+    """Rows of one page of paged cache `c`: page_size, or for a compressed cache (every = m)
+    max(1, page_size // m)."""
+    m = c.get("every", 1)
+    if page_size % m and m % page_size:
+        raise ValueError(f"a compressed cache of one row per {m} tokens needs a page size that "
+                         f"divides or is a multiple of {m}, not {page_size}")
+    return max(1, page_size // m)
+
+
+def entry_address(c: dict, page_size: int, pages, e):
+    """(page id, row) of entry e (an int, or an array of them) of a compressed cache `c` (every =
+    m) in a sequence whose block table row is `pages`: the page of the entry's last token,
+    e m + m - 1."""
+    m = c["every"]
+    t = np.asarray(e, np.int64) * m + m - 1
+    page = np.asarray(pages, np.int64)[t // page_size]
+    row = (t % page_size) // m if m <= page_size else np.zeros_like(t)
+    return page, row
+
+
 def storage_shape(c: dict, page_size: int, num_pages: int, num_slots: int = 0) -> tuple:
     if c["kind"] == "paged":
-        return (num_pages + 1, page_size, *c["shape"])
+        return (num_pages + 1, rows_per_page(c, page_size), *c["shape"])
     return (num_slots + 1, *c["shape"])
 
 
 def page_bytes(caches: dict, page_size: int, itemsize: int | None = None) -> int:
     """Bytes of one page: every paged cache, every one of its layers."""
-    return sum(page_size * unit_elems(c) * _itemsize(c, itemsize) * len(c["layers"])
+    return sum(rows_per_page(c, page_size) * unit_elems(c) * _itemsize(c, itemsize) * len(c["layers"])
                for c in caches.values() if c["kind"] == "paged")
 
 
@@ -143,8 +174,14 @@ def snapshot_pool_bytes(caches: dict, num_snapshots: int, itemsize: int | None =
 
 def token_bytes(caches: dict, itemsize: int | None = None) -> int:
     """Bytes of paged cache per token of context, all layers: what a decode step reads per cached
-    token (the bandwidth floor's cache term)."""
-    return page_bytes(caches, 1, itemsize)
+    token (the bandwidth floor's cache term); a compressed cache counts 1 / every of a row,
+    rounded up over the whole."""
+    import math
+    paged = [c for c in caches.values() if c["kind"] == "paged"]
+    lcm = math.lcm(1, *(c.get("every", 1) for c in paged))
+    num = sum(unit_elems(c) * _itemsize(c, itemsize) * len(c["layers"]) * (lcm // c.get("every", 1))
+              for c in paged)
+    return -(-num // lcm)
 
 
 def pages_for_budget(caches: dict, page_size: int, budget: int, num_slots: int = 0,

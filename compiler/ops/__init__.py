@@ -12,5 +12,7 @@ from . import lora  # noqa: F401
 from . import normalize  # noqa: F401
 from . import moe_table  # noqa: F401
 from . import capture_hidden  # noqa: F401
+from . import compressed_attention  # noqa: F401
 from . import quantize_act  # noqa: F401
+from . import hyper_connection  # noqa: F401
 from .base import REGISTRY, REQUIRED, OpDef, ShapeError  # noqa: F401

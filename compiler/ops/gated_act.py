@@ -4,6 +4,9 @@
     clamped_swiglu  g' = min(g, limit), u' = clamp(u, -limit, limit),
                     (u' + 1) * g' * sigmoid(alpha * g')                  (GPT-OSS's experts: alpha
                                                                          1.702, limit 7.0)
+    clamped_silu    silu(min(g, limit)) * clamp(u, -limit, limit)       (DeepSeek-V4's experts,
+                                                                         limit = swiglu_limit;
+                                                                         alpha unused)
 
 An expert op names one by its `act` attr, with `alpha` and `limit` for the clamped form; the
 kernels' Triton half is codegen_templates/triton/_activation.j2's gated().
@@ -13,7 +16,7 @@ import numpy as np
 from .activation import sigmoid, silu
 from .base import expect
 
-GATED = ("silu", "clamped_swiglu")
+GATED = ("silu", "clamped_swiglu", "clamped_silu")
 GATED_EXTRA = {"act": "silu", "alpha": 1.702, "limit": 7.0}
 
 
@@ -33,6 +36,8 @@ def gated(g, u, act="silu", alpha=1.702, limit=7.0):
         return silu(g) * u
     g = np.minimum(g, np.float32(limit))
     u = np.clip(u, np.float32(-limit), np.float32(limit))
+    if act == "clamped_silu":
+        return (silu(g) * u).astype(np.float32)
     return ((u + 1) * g * sigmoid(np.float32(alpha) * g)).astype(np.float32)
 
 

@@ -11,10 +11,13 @@ import torch
 
 from infc.compiler.ops import REGISTRY
 
+from exhaustive import EXHAUSTIVE
+
 from .harness import poison, rand, rel_err, render, run
 from .test_moe_kernels import E, F, H, TOL, down_inputs, f32, gate_up_inputs, grouping, named, routing, weights
 
 CLAMPED = {"act": "clamped_swiglu", "alpha": 1.702, "limit": 0.8}
+CLAMPED_SILU = {"act": "clamped_silu", "limit": 0.8}      # DeepSeek-V4's swiglu_limit form
 
 # (template, phase, T, KT, ep, tune, attrs)
 GATE_UP = [
@@ -22,9 +25,12 @@ GATE_UP = [
     ("moe_gate_up", "decode", 3, 2, True, {"FMA_T": 2}, CLAMPED),                          # both paths
     ("moe_gate_up", "decode", 37, 4, False, {"BLOCK_T": 16, "TC": 16}, CLAMPED),           # tensor cores
     ("moe_gate_up", "decode", 3, 2, False, {}, {}),                                        # bias, SwiGLU
+    ("moe_gate_up", "decode", 3, 2, False, {"FMA_T": 2}, CLAMPED_SILU),
     ("moe_gate_up_grouped", "prefill", 37, 4, False, {"BLOCK_M": 16, "BLOCK_F": 16, "BLOCK_K": 16}, CLAMPED),
     ("moe_gate_up_grouped", "prefill", 37, 2, True,
      {"BLOCK_M": 16, "BLOCK_F": 32, "BLOCK_K": 32, "PAIR": 0}, CLAMPED),
+    pytest.param("moe_gate_up_grouped", "prefill", 37, 2, False, {"BLOCK_M": 16, "BLOCK_F": 16, "BLOCK_K": 16},
+                 CLAMPED_SILU, marks=EXHAUSTIVE),     # the same _gated_act helper as the decode case's
 ]
 
 

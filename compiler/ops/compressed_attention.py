@@ -1,0 +1,294 @@
+"""DeepSeek-V4 attention: compressed KV entries, the lightning indexer, and the attention over a
+sliding window plus compressed entries. Semantics are transformers' modeling_deepseek_v4.py
+(DeepseekV4Attention, its HCA / CSA compressors and DeepseekV4Indexer);
+tests/test_deepseek_v4_attention.py checks each reference against those modules.
+
+rope_tail(x[T, h, D], theta, scaling=None, rotary_dim=R, inverse=false) -> x with its LAST R dims
+    rotated as interleaved pairs (x[D-R+2j], x[D-R+2j+1]) by its token's position (V4 lays a head
+    out as [nope | rope]); inverse=true rotates by minus the angle (HF's apply_rotary_pos_emb with
+    -sin, undoing the rotation the values carry on the attention output). inv_freq and the
+    attention factor come from rope.rope_parameters(R, theta, scaling) (yarn included).
+
+Compression (one helper, two ops): per sequence, the step's rows kv[t, W] and gate[t, W] (the
+    compressor's kv_proj / gate_proj) go, with bias[p % m] added to the gate, into row
+    p % (2m | m) of the sequence's slot cache `<cache>_buf` [2m | m, 2W] (kv | gate, f32): the
+    partial block of the last < m tokens, and for overlap the block before it. When a position p
+    with p % m == m - 1 completes block e = p // m, its entry is
+      non-overlap (W = Dc, HCA):  sum_j softmax_j(gate_j) kv_j           over the block's m rows
+      overlap (W = 2 Dc, CSA):    the same over 2m rows: block e - 1's first halves [:Dc] (absent,
+                                  i.e. weight 0, for e = 0) and block e's second halves [Dc:]
+    (softmax per channel, f32), then RMSNorm(norm, eps), then rope_tail at position e m; it is
+    written to entry e of the compressed paged cache `<cache>` (every = m,
+    compiler/contract/caches.py's entry_address). The slot is read only for a sequence with
+    tokens cached, so a new sequence starts from nothing.
+
+indexer_topk(q[T, Hi, Di], w[T, Hi], kv[T, 2Di], gate[T, 2Di], bias[m, 2Di], norm[Di], rate=m,
+             topk, eps, theta, scaling, rotary_dim, cache="ikv") -> [T, topk] i32
+    compresses its keys (overlap, cache `<cache>`), then for query at position p over the entries
+    e < (p + 1) // m (the blocks complete at p):
+      score_e = sum_h (w[h] / sqrt(Hi)) * relu(q[h] . K_e) / sqrt(Di)
+    and returns the indices of the min(topk, visible) best (ties: the lower index), the rest -1.
+
+compressed_attention(q[T, H, D], kv[T, D], sinks[H], ckv[T, W], cgate[T, W], cbias[m, W],
+                     cnorm[D], index[T, K] i32 optional, rate=m, window, scale, eps, theta,
+                     scaling, rotary_dim, cache) -> [T, H, D]
+    writes the step's kv rows (shared-KV MQA: one head, keys = values) to paged cache `swa`,
+    compresses (overlap iff W = 2D) into `<cache>`, then query i at position p attends, as one
+    softmax with the head's sink logit (weighing no value), over
+      the window keys j with p - window < j <= p (scores q . kv_j * scale), and
+      the compressed entries: with index, those of index[i] >= 0; without, every e < (p + 1) // m.
+"""
+import numpy as np
+
+from ..contract import caches as cache_layout
+from .base import REQUIRED, expect, op, tt
+from .rope import rope_parameters
+
+
+# -- rope on the trailing dims -----------------------------------------------------------------
+
+def rotate_tail(x, positions, theta, scaling, rotary_dim, inverse=False):
+    """x[N, h, D] with its last rotary_dim dims rotated (interleaved pairs) at positions[N]."""
+    x = np.asarray(x, np.float32)
+    r = int(rotary_dim)
+    freq, attention = rope_parameters(r, theta, _own(scaling))
+    ang = np.asarray(positions).astype(np.float32)[:, None] * freq[None, :]
+    cos = (np.cos(ang) * np.float32(attention))[:, None, :]
+    sin = (np.sin(ang) * np.float32(attention))[:, None, :]
+    if inverse:
+        sin = -sin
+    d = x.shape[-1]
+    x1, x2 = x[..., d - r::2], x[..., d - r + 1::2]
+    pairs = np.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return np.concatenate([x[..., :d - r], pairs.reshape(*x.shape[:-1], r)], axis=-1)
+
+
+def _own(scaling):
+    """The rope parameters without partial_rotary_factor (rotary_dim says it; the indexer's head
+    is not the attention's)."""
+    if not scaling:
+        return None
+    return {k: v for k, v in scaling.items() if k != "partial_rotary_factor"}
+
+
+def _check_rope(head_dim, attrs):
+    r = attrs.get("rotary_dim")
+    expect(isinstance(r, int) and 0 < r <= head_dim and r % 2 == 0,
+           f"rotary_dim must be an even int in 1..{head_dim}, got {r!r}")
+    try:
+        rope_parameters(r, attrs["theta"], _own(attrs.get("scaling")))
+    except ValueError as e:
+        expect(False, str(e))
+
+
+def rope_tail_infer(types, attrs):
+    (x,) = types
+    expect(len(x.shape) == 3, f"rope_tail expects x[T, heads, D], got {x}")
+    _check_rope(x.shape[2], attrs)
+    return [x]
+
+
+op(name="rope_tail", tensors=["x"],
+   attrs={"theta": REQUIRED, "scaling": None, "rotary_dim": REQUIRED, "inverse": False},
+   infer=rope_tail_infer,
+   reference=lambda ctx, x, theta, scaling=None, rotary_dim=None, inverse=False:
+       rotate_tail(x, ctx.positions, theta, scaling, rotary_dim, inverse),
+   templates={"triton": "rope_tail"}, strided=True,
+   doc="interleaved RoPE of the last rotary_dim dims of each head (DeepSeek-V4); inverse: by -angle")
+
+
+# -- compression ---------------------------------------------------------------------------------
+
+def _compressed_caches(name, rate, width, dc):
+    """The compressed entries (paged, one a `rate` tokens) and the partial blocks (slot)."""
+    rows = 2 * rate if width == 2 * dc else rate
+    return {name: {"kind": "paged", "every": int(rate), "shape": [int(dc)], "dtype": "bf16"},
+            f"{name}_buf": {"kind": "slot", "shape": [rows, 2 * int(width)], "dtype": "f32"}}
+
+
+def _rms(x, w, eps):
+    x = np.asarray(x, np.float32)
+    return np.asarray(w, np.float32) * (x / np.sqrt(np.mean(x * x, -1, keepdims=True) + np.float32(eps)))
+
+
+def compress(ctx, kv, gate, bias, norm, cache, rate, eps, theta, scaling, rotary_dim):
+    """Buffers the step's rows and writes every entry they complete (the module docstring)."""
+    kv, gate = np.asarray(kv, np.float32), np.asarray(gate, np.float32)
+    bias = np.asarray(bias, np.float32)
+    m, width, dc = int(rate), kv.shape[1], np.asarray(norm).shape[0]
+    overlap = width == 2 * dc
+    buf = ctx.cache(f"{cache}_buf")                     # [num_slots + 1, rows, 2W]
+    entries = ctx.cache(cache)                          # [num_pages + 1, rows a page, Dc]
+    decl = {"every": m}
+    rows = buf.shape[1]
+    for b, start, n, cached in ctx.seqs:
+        slot = int(ctx.meta.state_slots[b])
+        state = np.array(buf[slot], np.float32) if cached > 0 else np.zeros(buf.shape[1:], np.float32)
+        for i in range(n):
+            p = cached + i
+            state[p % rows] = np.concatenate([kv[start + i], gate[start + i] + bias[p % m]])
+            if p % m != m - 1:
+                continue
+            e = p // m
+            cur = state[[(e * m + j) % rows for j in range(m)]]
+            if overlap:
+                vals, logits = cur[:, dc:width], cur[:, width + dc:]
+                if e > 0:
+                    prev = state[[((e - 1) * m + j) % rows for j in range(m)]]
+                    vals = np.concatenate([prev[:, :dc], vals])
+                    logits = np.concatenate([prev[:, width:width + dc], logits])
+            else:
+                vals, logits = cur[:, :width], cur[:, width:]
+            w = np.exp(logits - logits.max(0, keepdims=True))
+            entry = _rms((w / w.sum(0, keepdims=True) * vals).sum(0), norm, eps)
+            entry = rotate_tail(entry[None, None], [e * m], theta, scaling, rotary_dim)[0, 0]
+            page, row = cache_layout.entry_address(decl, ctx.page_size, ctx.meta.block_tables[b], e)
+            entries[int(page), int(row)] = entry
+        buf[slot] = state
+    return entries
+
+
+def read_entries(ctx, cache, b, count, rate):
+    """The first `count` compressed entries of batch row b: [count, Dc]."""
+    entries = ctx.cache(cache)
+    pages, rows = cache_layout.entry_address({"every": int(rate)}, ctx.page_size, ctx.meta.block_tables[b],
+                                             np.arange(count))
+    return np.asarray(entries[pages, rows], np.float32).reshape(count, entries.shape[-1])
+
+
+def _check_compressor(kv, gate, bias, norm, attrs, what):
+    m = attrs.get("rate")
+    expect(isinstance(m, int) and m >= 1, f"{what} rate must be a positive int, got {m!r}")
+    expect(len(kv.shape) == 2 and kv.shape == gate.shape,
+           f"{what}: compressor kv and gate must be [T, W] alike, got {kv}, {gate}")
+    expect(len(norm.shape) == 1 and kv.shape[1] in (norm.shape[0], 2 * norm.shape[0]),
+           f"{what}: compressor width {kv.shape[1]} must be Dc or 2 Dc (overlap), Dc = {norm.shape}")
+    expect(tuple(bias.shape) == (m, kv.shape[1]),
+           f"{what}: compressor bias must be [rate, W] = [{m}, {kv.shape[1]}], got {bias}")
+    expect(isinstance(attrs.get("cache"), str) and attrs["cache"].isidentifier(),
+           f"{what}: cache must name the compressed cache, got {attrs.get('cache')!r}")
+
+
+# -- indexer_topk -------------------------------------------------------------------------------
+
+def indexer_infer(types, attrs):
+    q, w, kv, gate, bias, norm = types
+    expect(len(q.shape) == 3 and tuple(w.shape) == tuple(q.shape[:2]),
+           f"indexer_topk expects q[T, Hi, Di] and w[T, Hi], got {q}, {w}")
+    _check_compressor(kv, gate, bias, norm, attrs, "indexer_topk")
+    expect(kv.shape[1] == 2 * q.shape[2] and norm.shape[0] == q.shape[2],
+           f"indexer_topk: keys of {norm.shape[0]} (overlapping, width {kv.shape[1]}) for queries of {q.shape[2]}")
+    k = attrs.get("topk")
+    expect(isinstance(k, int) and k >= 1, f"indexer_topk topk must be a positive int, got {k!r}")
+    _check_rope(q.shape[2], attrs)
+    return [tt((q.shape[0], k), "i32")]
+
+
+def indexer_reference(ctx, q, w, kv, gate, bias, norm, rate, topk, cache="ikv", eps=1e-6, theta=None,
+                      scaling=None, rotary_dim=None):
+    compress(ctx, kv, gate, bias, norm, cache, rate, eps, theta, scaling, rotary_dim)
+    q, w = np.asarray(q, np.float32), np.asarray(w, np.float32)
+    hi, di = q.shape[1:]
+    out = np.full((q.shape[0], topk), -1, np.int32)
+    for b, start, n, cached in ctx.seqs:
+        keys = read_entries(ctx, cache, b, (cached + n) // rate, rate)
+        for i in range(n):
+            p, t = cached + i, start + i
+            vis = (p + 1) // rate
+            if vis == 0:
+                continue
+            s = np.maximum(q[t] @ keys[:vis].T, 0) * np.float32(di ** -0.5)       # [Hi, vis]
+            score = (s * (w[t] * np.float32(hi ** -0.5))[:, None]).sum(0)
+            best = np.argsort(-score, kind="stable")[:topk]
+            out[t, :len(best)] = best
+    return out
+
+
+op(name="indexer_topk", tensors=["q", "w", "kv", "gate", "bias", "norm"],
+   attrs={"rate": REQUIRED, "topk": REQUIRED, "cache": "ikv", "eps": 1e-6, "theta": REQUIRED,
+          "scaling": None, "rotary_dim": REQUIRED},
+   infer=indexer_infer, reference=indexer_reference,
+   caches=lambda types, attrs: _compressed_caches(attrs["cache"], attrs["rate"], types[2].shape[1],
+                                                  types[5].shape[0]),
+   # a correctness kernel: K passes over the visible keys a query (one program a sequence)
+   templates={"triton": "indexer_topk"},
+   doc="DeepSeek-V4 lightning indexer: compresses its keys (cache <cache>), returns each query's "
+       "top-k visible compressed entries (-1 past the visible ones)")
+
+
+# -- compressed_attention -----------------------------------------------------------------------
+
+def attention_infer(types, attrs):
+    q, kv, sinks, ckv, cgate, cbias, cnorm = types[:7]
+    expect(len(q.shape) == 3 and len(kv.shape) == 2 and kv.shape[1] == q.shape[2],
+           f"compressed_attention expects q[T, H, D], kv[T, D]; got {q}, {kv}")
+    expect(tuple(sinks.shape) == (q.shape[1],), f"compressed_attention sinks must be [{q.shape[1]}], got {sinks}")
+    _check_compressor(ckv, cgate, cbias, cnorm, attrs, "compressed_attention")
+    expect(cnorm.shape[0] == q.shape[2], f"compressed_attention: entries of {cnorm.shape[0]} for heads of {q.shape[2]}")
+    if attrs.get("has_index"):
+        expect(len(types) == 8 and len(types[7].shape) == 2 and types[7].dtype == "i32",
+               f"compressed_attention index must be [T, K] i32, got {types[7:]}")
+    w = attrs.get("window")
+    expect(isinstance(w, int) and w >= 1, f"compressed_attention window must be a positive int, got {w!r}")
+    s = attrs.get("scale")
+    expect(s is None or s > 0, f"compressed_attention scale must be positive, got {s}")
+    _check_rope(q.shape[2], attrs)
+    return [q]
+
+
+def write_window(ctx, kv):
+    slots = np.asarray(ctx.meta.slot_mapping[: kv.shape[0]], np.int64)
+    ok = slots >= 0
+    cache = ctx.cache("swa")
+    ps = cache.shape[1]
+    cache[slots[ok] // ps, slots[ok] % ps] = np.asarray(kv, np.float32)[ok]
+
+
+def read_window(ctx, b, n):
+    cache = ctx.cache("swa")
+    ps = cache.shape[1]
+    pages = np.asarray(ctx.meta.block_tables[b, : -(-n // ps)], np.int64)
+    return cache[pages].reshape(-1, cache.shape[2])[:n]
+
+
+def attention_reference(ctx, q, kv, sinks, ckv, cgate, cbias, cnorm, index=None, rate=None, window=None,
+                        scale=None, cache=None, eps=1e-6, theta=None, scaling=None, rotary_dim=None,
+                        has_index=False):
+    write_window(ctx, kv)
+    compress(ctx, ckv, cgate, cbias, cnorm, cache, rate, eps, theta, scaling, rotary_dim)
+    q = np.asarray(q, np.float32)
+    T, h, d = q.shape
+    scale = np.float32(scale if scale is not None else d ** -0.5)
+    sinks = np.asarray(sinks, np.float32)
+    out = np.zeros(q.shape, np.float32)
+    for b, start, n, cached in ctx.seqs:
+        L = cached + n
+        keys = read_window(ctx, b, L)
+        entries = read_entries(ctx, cache, b, L // rate, rate)
+        for i in range(n):
+            p, t = cached + i, start + i
+            lo = max(0, p - window + 1)
+            chosen = (index[t][index[t] >= 0] if has_index else np.arange((p + 1) // rate))
+            vals = np.concatenate([keys[lo:p + 1], entries[np.asarray(chosen, np.int64)]])
+            s = (q[t] @ vals.T) * scale                                     # [H, n keys]
+            mx = np.maximum(s.max(-1), sinks)
+            e = np.exp(s - mx[:, None])
+            out[t] = (e @ vals) / (e.sum(-1) + np.exp(sinks - mx))[:, None]
+    return out
+
+
+def _attention_caches(types, attrs):
+    out = {"swa": {"kind": "paged", "shape": [int(types[1].shape[1])], "dtype": "bf16"}}
+    out.update(_compressed_caches(attrs["cache"], attrs["rate"], types[3].shape[1], types[6].shape[0]))
+    return out
+
+
+op(name="compressed_attention", tensors=["q", "kv", "sinks", "ckv", "cgate", "cbias", "cnorm"],
+   optional=["index"],
+   attrs={"rate": REQUIRED, "window": REQUIRED, "scale": None, "cache": REQUIRED, "eps": 1e-6,
+          "theta": REQUIRED, "scaling": None, "rotary_dim": REQUIRED},
+   infer=attention_infer, reference=attention_reference, caches=_attention_caches,
+   # one launch a step, a program a sequence (its writes read back in the same program)
+   templates={"triton": "compressed_attention"},
+   doc="DeepSeek-V4 attention: shared-KV MQA over a sliding window (cache swa) and the compressed "
+       "entries (cache <cache>; all visible, or the indexer's top-k), with per-head sinks")
