@@ -43,6 +43,7 @@ import numpy as np
 from ..contract import caches as cache_layout
 from .base import REQUIRED, expect, op, tt
 from .rope import rope_parameters
+from .latent_attention import read_rows, write_rows
 
 
 # -- rope on the trailing dims -----------------------------------------------------------------
@@ -236,25 +237,11 @@ def attention_infer(types, attrs):
     return [q]
 
 
-def write_window(ctx, kv):
-    slots = np.asarray(ctx.meta.slot_mapping[: kv.shape[0]], np.int64)
-    ok = slots >= 0
-    cache = ctx.cache("swa")
-    ps = cache.shape[1]
-    cache[slots[ok] // ps, slots[ok] % ps] = np.asarray(kv, np.float32)[ok]
-
-
-def read_window(ctx, b, n):
-    cache = ctx.cache("swa")
-    ps = cache.shape[1]
-    pages = np.asarray(ctx.meta.block_tables[b, : -(-n // ps)], np.int64)
-    return cache[pages].reshape(-1, cache.shape[2])[:n]
-
 
 def attention_reference(ctx, q, kv, sinks, ckv, cgate, cbias, cnorm, index=None, rate=None, window=None,
                         scale=None, cache=None, eps=1e-6, theta=None, scaling=None, rotary_dim=None,
                         has_index=False):
-    write_window(ctx, kv)
+    write_rows(ctx, "swa", kv)
     compress(ctx, ckv, cgate, cbias, cnorm, cache, rate, eps, theta, scaling, rotary_dim)
     q = np.asarray(q, np.float32)
     T, h, d = q.shape
@@ -263,7 +250,7 @@ def attention_reference(ctx, q, kv, sinks, ckv, cgate, cbias, cnorm, index=None,
     out = np.zeros(q.shape, np.float32)
     for b, start, n, cached in ctx.seqs:
         L = cached + n
-        keys = read_window(ctx, b, L)
+        keys = read_rows(ctx, "swa", b, L)
         entries = read_entries(ctx, cache, b, L // rate, rate)
         for i in range(n):
             p, t = cached + i, start + i

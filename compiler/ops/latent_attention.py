@@ -31,18 +31,19 @@ def _latent_cache(width):
     return {"latent": {"kind": "paged", "shape": [width], "dtype": "bf16"}}
 
 
-def write_latent(ctx, kv):
-    """Paged write: row t of kv goes to slot slot_mapping[t] (rows with a slot < 0 are padding)."""
+def write_rows(ctx, name, kv):
+    """Paged write into cache `name` (one row a token): row t of kv goes to slot slot_mapping[t]
+    (rows with a slot < 0 are padding)."""
     slots = np.asarray(ctx.meta.slot_mapping[: kv.shape[0]], np.int64)
     ok = slots >= 0
-    cache = ctx.cache("latent")
+    cache = ctx.cache(name)
     ps = cache.shape[1]
     cache[slots[ok] // ps, slots[ok] % ps] = np.asarray(kv, np.float32)[ok]
 
 
-def read_latent(ctx, b, n):
-    """The first n cached latent rows of batch row b: [n, Dc + Dr]."""
-    cache = ctx.cache("latent")
+def read_rows(ctx, name, b, n):
+    """The first n cached rows of batch row b in cache `name`: [n, width]."""
+    cache = ctx.cache(name)
     ps = cache.shape[1]
     pages = np.asarray(ctx.meta.block_tables[b, : -(-n // ps)], np.int64)
     return cache[pages].reshape(-1, cache.shape[2])[:n]
@@ -55,7 +56,7 @@ def attend_latent(ctx, q, scale, rope_dim):
     out = np.zeros((T, h, dc), dtype=np.float32)
     for b, start, n, cached in ctx.seqs:
         L = cached + n
-        lat = read_latent(ctx, b, L)                                   # [L, D]
+        lat = read_rows(ctx, "latent", b, L)                                   # [L, D]
         s = np.einsum("ihd,jd->hij", np.asarray(q[start:start + n], np.float32), lat) * np.float32(scale)
         hidden = np.arange(L)[None, :] > cached + np.arange(n)[:, None]
         s = np.where(hidden[None], -np.inf, s)
@@ -80,7 +81,7 @@ def latent_infer(types, attrs):
 
 
 def latent_reference(ctx, q, kv, scale, rope_dim):
-    write_latent(ctx, kv)
+    write_rows(ctx, "latent", kv)
     return attend_latent(ctx, q, scale, rope_dim)
 
 
