@@ -30,6 +30,7 @@ CASES = [
     ([3], [40, 36, 24], 200, 8, False, False, {"LORA_KS": 64, "BLOCK_N": 32, "FMA_BLOCK_K": 64}),
     ([2, 0, 3, 2, 1], [40, 36, 24], 200, 16, False, True, {"LORA_KS": 64, "SPLIT_K_DOT": 2, "BLOCK_K": 32}),
     ([1], [70, 70], 200, 16, True, True, {"LORA_KS": 64, "SPLIT_K": 2, "FMA_BLOCK_K": 64}),
+    pytest.param([2], [40, 36, 24], 200, 16, False, True, {"FMA_BLOCK_K": 64}, marks=EXHAUSTIVE),
     pytest.param([0, 2, 1], [70, 70], 136, 8, True, False, {"LORA_KS": 32}, marks=EXHAUSTIVE),
     pytest.param([0], [100], 200, 16, False, True, {"LORA_KS": 64}, marks=EXHAUSTIVE),
 ]
