@@ -3,7 +3,9 @@ codegen_templates/triton/gemv.py.j2 `lora`) under the interpreter against the re
 launches it replaces (linear, lora_shrink, lora_expand / lora_expand_act, and add_rms_norm where
 merged in front): one row (the CUDA-core path) and a few rows of several adapters and slot 0 (the
 tensor-core path), widths and K not multiples of the tiles, K cut into ragged shrink ranges,
-split-K, plain (q|k|v's three pieces) and gated (gate|up's two). The sync words are left zero."""
+split-K, plain (q|k|v's three pieces) and gated (gate|up's two), the ranges taken by the GEMV's
+programs (the interpreter's grid order) or by the shrink's own (the column axis reversed). The
+sync words are left zero."""
 from types import SimpleNamespace
 
 import numpy as np
@@ -36,8 +38,23 @@ CASES = [
 ]
 
 
+@pytest.fixture
+def reversed_columns(monkeypatch):
+    """The interpreter runs programs in grid order, so the GEMV's programs (column blocks first)
+    would claim every shrink range before the shrink's own programs (past them) start: run the
+    column axis backwards, the shrink's programs first, as a GPU may."""
+    from triton.runtime import interpreter
+
+    b = interpreter.interpreter_builder
+    set_idx = type(b).set_grid_idx
+    monkeypatch.setattr(type(b), "set_grid_idx", lambda self, x, y, z: set_idx(self, x, self.grid_dim[1] - 1 - y, z))
+
+
+@pytest.mark.parametrize("order", ["grid", "reversed"])
 @pytest.mark.parametrize("slots,pieces,K,R,gated,pro,tune", CASES)
-def test_gemv_lora_site(slots, pieces, K, R, gated, pro, tune):
+def test_gemv_lora_site(slots, pieces, K, R, gated, pro, tune, order, request):
+    if order == "reversed":
+        request.getfixturevalue("reversed_columns")
     gen = np.random.default_rng(K + R + len(slots))
     T, S, P, NY = len(slots), 4, len(pieces), sum(pieces)
     x, d = rand((T, K), gen=gen), rand((T, K), gen=gen, scale=0.5)
