@@ -7,12 +7,13 @@ Why: at batch 1 the adapter's work is tiny (a rank-16 site reads ~0.1-0.4 MB of 
 linear's 5-40 MB), so its own launches cost their drain and fill, not their bytes: an H200
 profile measured 4.68 ms a qwen3-4b step with the LoRA launches against 2.28 ms without
 (bench/NOTES.md, issue 46). The expand needs the shrink's sum over all of K before it adds
-into any output column, which no single GEMV program has: the GEMV's programs claim the shrink's
-K ranges (an atomic counter, after their own row pass), the last to finish one sums the ranges
-in a fixed order, and the programs that add the delta (split 0's, in their epilogue) wait for
-that sum. A program claims until none is left before it waits, so every range is held by a
-program that is running and never waits before finishing it: no deadlock, whatever order the
-GPU starts programs in (_lora_tiles.j2's ticket rule, here by claims).
+into any output column, which no single GEMV program has: up to 16 programs of the launch's own
+(past the GEMV's column blocks) claim the shrink's K ranges (an atomic counter) while the GEMV's
+programs stream W, the last to finish a range sums the ranges in a fixed order, and the programs
+that add the delta (split 0's, in their epilogue) wait for that sum. Those also claim, after
+their W stream and before they wait, until none is left, so every range is held by a program
+that is running and never waits before finishing it: no deadlock, whatever order the GPU starts
+programs in (_lora_tiles.j2's ticket rule, here by claims).
 
 The graph keeps the three nodes (every other phase launches them as before); this pass records
 the sites, state.lora_sites["narrow"] = {linear id: [shrink id, expand id]}, and plan.py builds
