@@ -39,6 +39,7 @@ import json
 from .contract.schema import CACHE_MARKER, DTYPE_BYTES, SCHEMA, step_metadata
 from .ir import Graph
 from .ops import REGISTRY
+from .passes.merge_lora import lora_launch
 from .passes.merge_prologues import merged_launch
 from .passes.quantize_kv_cache import declare as declare_kv_cache
 from .passes.select_kernels import SHORT_TOKENS, wide_tokens
@@ -102,6 +103,8 @@ def _node_caches(g: Graph, n) -> dict:
 def _launches(state, g: Graph, phase: str) -> list:
     merges = state.merges.get(phase, {})
     into = {c: p for p, c in merges.items()}
+    sites = state.lora_sites.get(phase, {})          # LoRA in the GEMV's launch (merge_lora)
+    inside = {i for site in sites.values() for i in site}
     out = []
     for n in g.ordered():
         if n.op == "layers":
@@ -111,12 +114,14 @@ def _launches(state, g: Graph, phase: str) -> list:
                         "inputs": n.inputs, "outputs": n.outputs,
                         "kinds": {k: _launches(state, b, phase) for k, b in n.bodies.items()}})
             continue
-        if REGISTRY[n.op].view or n.id in merges:     # a merged producer runs in its consumer
+        if REGISTRY[n.op].view or n.id in merges or n.id in inside:   # runs in its consumer's launch
             continue
         launch = _launch(state, g, n, phase)
         if n.id in into:
             p = g.nodes[into[n.id]]
             launch = merged_launch(p, n, _launch(state, g, p, phase), launch)
+        if n.id in sites:
+            launch = lora_launch(*(g.nodes[i] for i in sites[n.id]), launch)
         out.append(launch)
     return out
 

@@ -67,18 +67,25 @@ def test_fused_linears_take_their_pieces_side_by_side(tiny_model):
     assert plan["weights"][t["scale"]] == {"shape": [4, 3], "dtype": "f32", "layers": t["layers"],
                                            "source": {"zeros": [4, 3]}}
     ops = _ops(plan, prologues=True)
-    # one shrink and one expand a target linear, in every program; gate|up's expand takes the
-    # activation (passes/fuse_lora_act.py)
+    # one shrink and one expand a target linear, in every program but the narrow one (below);
+    # gate|up's expand takes the activation (passes/fuse_lora_act.py)
     assert ops.count("lora_shrink") == ops.count("lora_expand") + ops.count("lora_expand_act") \
-        == 4 * len(plan["programs"])
-    # a narrow step runs each shrink inside its expand's launch (merge_prologues), its output xa
-    # the expand's input 1 ("feeds"); the other programs launch it
-    narrow = [l for launch in plan["programs"]["narrow"] for body in launch.get("kinds", {}).values()
-              for l in body if l["op"].startswith("lora")]
-    assert len(narrow) == 4 and all(l["prologue"]["op"] == "lora_shrink" and l["prologue"]["feeds"] == 1
-                                    and len(l["inputs"]) == 5 for l in narrow)
-    assert ops.count("lora_shrink") - _ops(plan).count("lora_shrink") == 4
-    assert ops.count("lora_expand_act") == len(plan["programs"]) and "act_mul" not in ops
+        == 4 * (len(plan["programs"]) - 1)
+    # a narrow step runs each site inside its linear's GEMV (merge_lora): the tables A, B, scale
+    # after the GEMV's inputs, the expand's output its own; the residual add + RMSNorm merged in
+    # front of q|k|v and gate|up as in the base plan, so the layer is as many launches as the base's
+    layer = lambda p: [l for launch in p["programs"]["narrow"] for body in launch.get("kinds", {}).values()  # noqa: E731
+                       for l in body]
+    narrow = layer(plan)
+    sites = [l for l in narrow if "lora" in l]
+    assert not [l for l in narrow if l["op"].startswith("lora")] and len(sites) == 4
+    assert [l["kernel"] for l in sites] == ["gemv", "gemv", "gemv_gated", "gemv"]
+    assert all(l["inputs"][-3:] == [a, t["b"], t["scale"]] for l in sites for a, t in lora["linears"].items()
+               if l["inputs"][-4] == a[:-len("_lora_a")])
+    assert [l.get("prologue", {}).get("op") for l in sites] == ["add_rms_norm", None, "add_rms_norm", None]
+    assert len(narrow) == len(layer(base))
+    assert ops.count("lora_shrink") - _ops(plan).count("lora_shrink") == 0
+    assert ops.count("lora_expand_act") == len(plan["programs"]) - 1 and "act_mul" not in ops   # narrow: in the gated GEMV
     # weights other than the tables are the base plan's
     assert {w: m for w, m in plan["weights"].items() if "_lora_" not in w} == base["weights"]
 

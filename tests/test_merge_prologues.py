@@ -8,6 +8,7 @@ from infc.compiler.build import compile_model
 from infc.compiler.build import compile_ranks
 from infc.compiler.parallel import settings
 from infc.compiler.contract.program import count_launches, launches, program_name
+from infc.config import lora_build
 
 
 def test_qwen3_4b_narrow_program_merges_the_norms_and_qk_rope():
@@ -147,6 +148,18 @@ def test_no_launch_writes_memory_another_of_its_inputs_holds(model):
     o_proj output's slot that every program of the merged launch still read."""
     _, plan = compile_model(model)
     assert ("narrow" in plan["programs"]) == (model not in NO_NARROW)
+    _no_overlaps(plan)
+
+
+def test_lora_sites_in_the_gemv_write_no_input_they_read():
+    """--enable-lora's narrow program (compiler/passes/merge_lora.py): a site's launch writes the
+    expand's output where the linear runs, so what it reads stays live until the expand's place."""
+    _, plan = compile_model("qwen3-4b", lora=lora_build(8, 16))
+    assert sum("lora" in l for l, _ in launches(plan["programs"]["narrow"])) == 4
+    _no_overlaps(plan)
+
+
+def _no_overlaps(plan):
     for phase, program in plan["programs"].items():
         for l, _ in launches(program):
             ins = [_span(plan, i, 5, 2) for i in l["inputs"] if i in plan["buffers"]]

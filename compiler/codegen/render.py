@@ -159,6 +159,8 @@ def tuning_key(plan: dict, launch: dict, phase: str, tensors=None) -> str:
     alone (the producer's output it reads, then the consumer's other tensors): its tiles are the
     consumer's."""
     ins, outs = tensors or launch_tensors(plan, launch)
+    if launch.get("lora"):          # a LoRA site in the GEMV (merge_lora): the GEMV's tiles
+        ins = ins[:-launch["lora"]["inputs"]]
     pro = launch.get("prologue")
     if pro is not None:
         ins = ins[pro["inputs"]:]
@@ -175,7 +177,7 @@ def launch_context(plan: dict, launch: dict, phase: str, tuning: dict, page_size
     return {"op": launch["op"], "phase": AS_PHASE.get(phase, phase), "narrow": phase == "narrow",
             "narrow_rows": plan.get("narrow_tokens", 1) if phase == "narrow" else 0,
             "inputs": ins, "outputs": outs, "attrs": launch["attrs"], "prologue": launch.get("prologue"),
-            "config": plan["config"], "caches": caches, "page_size": page_size,
+            "lora": launch.get("lora"), "config": plan["config"], "caches": caches, "page_size": page_size,
             "tune": tune_for(tuning, launch["kernel"], *keys)}
 
 

@@ -38,6 +38,7 @@ plan_memory (x' gets a buffer of its own in every phase; the unmerged kernel wri
 and a merge after which x' would still share x's buffer is not made.
 """
 from ..ops import REGISTRY
+from .merge_lora import fused_shrinks
 from .plan_memory import memory_classes
 
 from infc.config import NARROW_TOKENS_MAX
@@ -55,11 +56,18 @@ PHASE = "narrow"
 assert NARROW_TOKENS_MAX <= 16, "lora_expand's merged narrow launch holds at most 16 rows"
 
 
-def _merge(state, g, p) -> str | None:
-    """The consumer node p merges into in the narrow phase, or None (why not: see each test)."""
+def _merge(state, g, p, fused: set) -> str | None:
+    """The consumer node p merges into in the narrow phase, or None (why not: see each test).
+    fused: the lora_shrinks merge_lora put into their linear's launch (one reader of h there)."""
+    if p.id in fused:                            # runs in its linear's GEMV (merge_lora)
+        return None
     h = p.outputs[PROLOGUES[p.op]]
-    users = g.users(h)
-    if len(users) != 1 or g.uses(h) != 1:       # h read twice, or a layer's output
+    # a LoRA site's shrink reads its linear's x inside the linear's launch (merge_lora): not a reader
+    inside = [u for u in g.users(h) if u.id in fused]
+    users = [u for u in g.users(h) if u.id not in fused]
+    if len(users) != 1 or g.uses(h) - sum(u.inputs.count(h) for u in inside) != 1:   # h read twice, or a layer's output
+        return None
+    if any(state.lora_sites[PHASE].get(users[0].id, [None])[0] != u.id for u in inside):
         return None
     c = users[0]
     # adjacent launches: the merged one reads the producer's inputs at the consumer's place, and
@@ -91,9 +99,10 @@ def merge_prologues(state):
     if (state.parallel or {}).get("dp", 1) > 1:     # a data-parallel plan's rows are G, not T
         return
     nodes = {}                                       # producer id -> (graph, producer, consumer id)
+    fused = fused_shrinks(state, PHASE)
     for g in state.graph.walk():
         for p in g.ordered():
-            if p.op in PROLOGUES and (c := _merge(state, g, p)) is not None:
+            if p.op in PROLOGUES and (c := _merge(state, g, p, fused)) is not None:
                 nodes[p.id] = (g, p, c)
     # A merged launch writes its producer's outputs (one program) while every program reads the
     # producer's inputs, so those must be other memory: the producer's in-place alias is dropped.

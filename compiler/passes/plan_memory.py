@@ -85,6 +85,13 @@ def plan_memory(state):
     for merges in state.merges.values():
         for producer, consumer in merges.items():
             merged_into.setdefault(consumer, []).append(producer)
+    # a LoRA site in its GEMV's launch (merge_lora) writes the expand's output where the linear
+    # runs: what that launch reads (the linear's, the shrink's and a merged prologue's inputs)
+    # stays live until the expand's place, where the output is defined
+    for phase, sites in state.lora_sites.items():
+        for lin, (shrink, expand) in sites.items():
+            merged_into.setdefault(expand, []).extend(
+                [lin, shrink] + [p for p, c in state.merges.get(phase, {}).items() if c == lin])
 
     def visit(g: Graph):
         for v in g.values.values():

@@ -78,7 +78,7 @@ def select_kernels(state):
             not any(t in ROW_TILED for _, t in state.kernels["wide"].values()):
         del state.kernels["wide"]                 # nothing runs differently: no program of its own
     ready_codes = any(n.attrs.get("has_a_scale") for g in state.graph.walk() for n in g.ordered())
-    if not state.merges.get("narrow") and not ready_codes:
+    if not state.merges.get("narrow") and not state.lora_sites.get("narrow") and not ready_codes:
         del state.kernels["narrow"]
     state.note("select_kernels", ", ".join(f"{p}: {len(t)} launches" for p, t in state.kernels.items()))
 

@@ -48,8 +48,15 @@ def launch_results(ctx, launch: dict, args: list) -> tuple:
     """A launch's outputs by its op's reference, in launch["outputs"] order. A merged launch
     (compiler/passes/merge_prologues.py) runs its producer's reference first: the consumer reads
     the producer's output number launch["prologue"]["output"] as its input number
-    launch["prologue"].get("feeds", 0), and the producer's other outputs come first."""
+    launch["prologue"].get("feeds", 0), and the producer's other outputs come first. A LoRA site in
+    the linear's launch (launch["lora"]) takes the tables A, B, scale last and runs the shrink and
+    expand references after the linear's."""
     pro = launch.get("prologue")
+    lora = launch.get("lora")
+    attrs = launch["attrs"]
+    if lora is not None:        # a LoRA site in the linear's launch (compiler/passes/merge_lora.py)
+        args, tables = list(args[:-lora["inputs"]]), args[-lora["inputs"]:]
+        attrs = {k: v for k, v in attrs.items() if k != "fn" or lora["ops"][1] != "lora_expand_act"}
     written = ()
     if pro is not None:
         produced = REGISTRY[pro["op"]].reference(ctx, *args[:pro["inputs"]], **pro["attrs"])
@@ -58,7 +65,11 @@ def launch_results(ctx, launch: dict, args: list) -> tuple:
         written = tuple(r for k, r in enumerate(produced) if k != feed)
         args = list(args[pro["inputs"]:])
         args.insert(pro.get("feeds", 0), produced[feed])        # the consumer's input it was
-    result = REGISTRY[launch["op"]].reference(ctx, *args, **launch["attrs"])
+    result = REGISTRY[launch["op"]].reference(ctx, *args, **attrs)
+    if lora is not None:        # the linear's output, then the shrink of its input and the expand
+        (shrink, s_attrs), (expand, e_attrs) = zip(lora["ops"], lora["attrs"])
+        xa = REGISTRY[shrink].reference(ctx, args[0], tables[0], **s_attrs)
+        result = REGISTRY[expand].reference(ctx, result, xa, *tables[1:], **e_attrs)
     return written + (result if isinstance(result, tuple) else (result,))
 
 

@@ -1,0 +1,103 @@
+"""A narrow step's LoRA site in the GEMV's launch (compiler/passes/merge_lora.py,
+codegen_templates/triton/gemv.py.j2 `lora`) under the interpreter against the references of the
+launches it replaces (linear, lora_shrink, lora_expand / lora_expand_act, and add_rms_norm where
+merged in front): one row (the CUDA-core path) and a few rows of several adapters and slot 0 (the
+tensor-core path), widths and K not multiples of the tiles, K cut into ragged shrink ranges,
+split-K, plain (q|k|v's three pieces) and gated (gate|up's two), the ranges taken by the GEMV's
+programs (the interpreter's grid order) or by the shrink's own (the column axis reversed). The
+sync words are left zero."""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from infc.compiler.ops import REGISTRY
+
+from exhaustive import EXHAUSTIVE
+
+from .harness import bf16, poison, rand, rel_err, render, run
+
+EPS = 1e-6
+PROLOGUE = {"op": "add_rms_norm", "inputs": 3, "output": 1, "value": "h", "writes": 1, "attrs": {"eps": EPS}}
+
+
+def _f(t):
+    return t.float().numpy()
+
+
+# (rows' slots, pieces, K, R, gated, prologue, tune): K = 200 in ranges of 64 (the last ragged),
+# 130-wide column tiles of 32 / 64, split-K, slot 0 rows among adapters' rows
+CASES = [
+    ([3], [40, 36, 24], 200, 8, False, False, {"LORA_KS": 64, "BLOCK_N": 32, "FMA_BLOCK_K": 64}),
+    ([2, 0, 3, 2, 1], [40, 36, 24], 200, 16, False, True, {"LORA_KS": 64, "SPLIT_K_DOT": 2, "BLOCK_K": 32}),
+    ([1], [70, 70], 200, 16, True, True, {"LORA_KS": 64, "SPLIT_K": 2, "FMA_BLOCK_K": 64}),
+    pytest.param([2], [40, 36, 24], 200, 16, False, True, {"FMA_BLOCK_K": 64}, marks=EXHAUSTIVE),
+    pytest.param([0, 2, 1], [70, 70], 136, 8, True, False, {"LORA_KS": 32}, marks=EXHAUSTIVE),
+    pytest.param([0], [100], 200, 16, False, True, {"LORA_KS": 64}, marks=EXHAUSTIVE),
+]
+
+
+@pytest.fixture
+def reversed_columns(monkeypatch):
+    """The interpreter runs programs in grid order, so the GEMV's programs (column blocks first)
+    would claim every shrink range before the shrink's own programs (past them) start: run the
+    column axis backwards, the shrink's programs first, as a GPU may."""
+    from triton.runtime import interpreter
+
+    b = interpreter.interpreter_builder
+    set_idx = type(b).set_grid_idx
+    monkeypatch.setattr(type(b), "set_grid_idx", lambda self, x, y, z: set_idx(self, x, self.grid_dim[1] - 1 - y, z))
+
+
+@pytest.mark.parametrize("order", ["grid", "reversed"])
+@pytest.mark.parametrize("slots,pieces,K,R,gated,pro,tune", CASES)
+def test_gemv_lora_site(slots, pieces, K, R, gated, pro, tune, order, request):
+    if order == "reversed":
+        request.getfixturevalue("reversed_columns")
+    gen = np.random.default_rng(K + R + len(slots))
+    T, S, P, NY = len(slots), 4, len(pieces), sum(pieces)
+    x, d = rand((T, K), gen=gen), rand((T, K), gen=gen, scale=0.5)
+    norm = rand((K,), gen=gen, scale=0.3)
+    w = rand((NY, K), gen=gen, scale=K ** -0.5)
+    a = rand((S, P * R, K), gen=gen, scale=0.3 * K ** -0.5)
+    b = rand((S, NY, R), gen=gen, scale=0.5)
+    scale = torch.from_numpy(gen.uniform(0.5, 2.0, (S, P)).astype(np.float32))
+    a[0], b[0], scale[0] = 0, 0, 0                      # slot 0: no adapter
+    lora_slots = torch.tensor(slots, dtype=torch.int32)
+    lora = {"inputs": 3, "pieces": pieces, "rank": R}
+    ins = ([("x", ["T", K], "bf16"), ("d", ["T", K], "bf16"), ("norm", [K], "bf16", "weight")] if pro
+           else [("x", ["T", K], "bf16")]) + [("w", [NY, K], "bf16", "weight"), ("a", [S, P * R, K], "bf16", "weight"),
+                                                ("b", [S, NY, R], "bf16", "weight"), ("scale", [S, P], "f32", "weight")]
+    N = NY // 2 if gated else NY
+    outs = ([("res", ["T", K], "bf16")] if pro else []) + [("y", ["T", N], "bf16")]
+    k = render("gemv_gated" if gated else "gemv", "linear", ins, outs, attrs={"fn": "silu"} if gated else {},
+               prologue=PROLOGUE if pro else None, narrow=True, lora=lora, tune=tune)
+    tensors = ([x, d, norm] if pro else [x]) + [w, a, b, scale]
+    got = poison((T, N))
+    bind = {f"in:{i}": t for i, t in enumerate(tensors)}
+    bind.update({"out:%d" % (1 if pro else 0): got, "meta:lora_slots": lora_slots})
+    if pro:
+        bind["out:0"] = poison((T, K))
+    run(k, bind, {"T": T, "B": T})                       # asserts the sync words are left zero
+    ctx = SimpleNamespace(meta=SimpleNamespace(lora_slots=np.asarray(slots)))
+    h = _f(x)
+    if pro:
+        _, h = REGISTRY["add_rms_norm"].reference(None, _f(x), _f(d), _f(norm), eps=EPS)
+        h = bf16(h)
+    y0 = h @ _f(w).T
+    xa = REGISTRY["lora_shrink"].reference(ctx, h, _f(a), split=1, prefill_split=1)
+    attrs = {"pieces": pieces, "rank": R, "split": 1, "prefill_split": 1}
+    if gated:
+        want = REGISTRY["lora_expand_act"].reference(ctx, bf16(y0), bf16(xa), _f(b), scale.numpy(), fn="silu", **attrs)
+        base = REGISTRY["act_mul"].reference(ctx, bf16(y0), fn="silu")
+    else:
+        want = REGISTRY["lora_expand"].reference(ctx, y0, bf16(xa), _f(b), scale.numpy(), **attrs)
+        base = y0
+    assert rel_err(_f(got), want) < 2e-2
+    hit = np.asarray(slots) != 0
+    if hit.any():      # the adapters matter: the delta is measured, not lost in the base output
+        assert rel_err((_f(got) - base)[hit], (want - base)[hit]) < 6e-2
+        assert np.abs(want - base)[hit].max() > 0.05 * np.abs(base).max()
+    if not hit.all():  # no adapter: the base GEMV's output
+        assert rel_err(_f(got)[~hit], base[~hit]) < 1e-2
