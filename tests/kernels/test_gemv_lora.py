@@ -72,7 +72,7 @@ def test_gemv_lora_site(slots, pieces, K, R, gated, pro, tune, order, request):
     N = NY // 2 if gated else NY
     outs = ([("res", ["T", K], "bf16")] if pro else []) + [("y", ["T", N], "bf16")]
     k = render("gemv_gated" if gated else "gemv", "linear", ins, outs, attrs={"fn": "silu"} if gated else {},
-               prologue=PROLOGUE if pro else None, narrow=True, lora=lora, tune=tune)
+               prologue=PROLOGUE if pro else None, narrow=8 if T > 1 else True, lora=lora, tune=tune)
     tensors = ([x, d, norm] if pro else [x]) + [w, a, b, scale]
     got = poison((T, N))
     bind = {f"in:{i}": t for i, t in enumerate(tensors)}
