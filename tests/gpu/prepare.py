@@ -348,9 +348,10 @@ def eagle3():
     head = _write_config(EAGLE3_HEAD, head_config(cfg, draft_vocab=32000))
     layers = eagle3_default_layers(cfg["num_hidden_layers"])
     arts = BUILD_REPO / ".cache" / "artifacts"
-    _both_tunings(f"qwen3-4b with the hidden states of layers {list(layers)}",
-                  arts / ("qwen3-4b-eagle3-" + "-".join(map(str, layers))), model_dir=str(target),
-                  capture=list(layers), check_checkpoint=False)
+    # the GPU test's k = 4: the target's speculative build (narrow program of 5 rows)
+    _both_tunings(f"qwen3-4b with the hidden states of layers {list(layers)}, k = 4",
+                  arts / ("qwen3-4b-narrow5-eagle3-" + "-".join(map(str, layers))), model_dir=str(target),
+                  capture=list(layers), narrow_tokens=5, check_checkpoint=False)
     # the head's page size: each table's default, as the target's (backend: the target's own)
     _both_tunings(f"{EAGLE3_HEAD} (an EAGLE-3 head for qwen3-4b)", arts / (EAGLE3_HEAD + "-eagle3"),
                   model_dir=str(head), spec_path=str(SPECS_DIR / "eagle3.yaml"), check_checkpoint=False)
