@@ -33,8 +33,8 @@ def test_wide_decode_runs_the_grouped_experts(tiny_model):
     from infc.compiler.contract.program import program_name
     _, plan = compile_model("qwen3-30b-a3b")
     assert plan["wide_tokens"] == 128
-    assert [program_name(plan, "decode", T) for T in (1, 8, 9, 127, 128, 256)] == \
-        ["narrow", "narrow", "decode", "decode", "wide", "wide"]
+    assert [program_name(plan, "decode", T) for T in (1, 2, 9, 127, 128, 256)] == \
+        ["narrow", "decode", "decode", "decode", "wide", "wide"]
     assert program_name(plan, "mixed", 256) == "mixed"
     wide = _moe(plan, "wide")
     assert [(o, k) for o, k, _, _ in wide] == [("moe_route_align", "moe_route"), ("moe_gate_up", "moe_gate_up_grouped"),

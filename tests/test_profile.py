@@ -141,10 +141,12 @@ def _fake_runner(drv):
     by _fake_us of their site (a zero grid is skipped), and the bucket-1 decode graph captured by
     the runner's own _capture."""
     from infc.runtime.cuda import runner as runner_mod
+    from infc.runtime.cuda.plan_io import step_inputs
     r = object.__new__(runner_mod.CudaRunner)
     r.ctx, r.plan, r.page_size, r.num_pages = drv.Context(), PLAN, 16, 64
     r.max_pages_per_seq, r.max_tokens, r.max_seqs = 8, 64, 8
     r.place, r.sampler = {"T": 64, "B": 8}, None
+    r.inputs = step_inputs(PLAN)                      # the plan's step inputs (none here)
     a = PLAN["arena"]
     r.arena = r.ctx.alloc(a["bytes_per_token"] * 64 + a["bytes_per_seq"] * 8 + a["bytes"])
     r.meta = {n: r.ctx.alloc(r._meta_bytes(m)) for n, m in PLAN["step_metadata"].items()}

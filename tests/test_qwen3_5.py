@@ -487,6 +487,8 @@ def test_cuda_runner_pads_state_slots_with_the_spare_slot(fake_driver, models):
     r.plan, r.page_size, r.num_pages, r.max_pages_per_seq, r.max_seqs = plan, 16, 64, 8, 8
     r.meta = {n: 0 for n in plan["step_metadata"]}
     r.num_slots = 8
+    from infc.runtime.cuda.plan_io import step_inputs
+    r.inputs = step_inputs(plan)
     meta = build_step([Chunk(3, [1], 5), Chunk(4, [2], 9)], {3: [0], 4: [1]}.__getitem__, 16,
                       slot_of={3: 6, 4: 1}.__getitem__)
     arrays = r._metadata(meta, 4, 4)                 # a decode bucket of 4: two pad rows
