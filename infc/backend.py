@@ -184,7 +184,10 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
     if eagle3:
         _check_eagle3(c, par, artifact)
     if s is not None and s.method == "mtp":
-        _check_mtp(c, par)
+        _check_mtp(c, par)                     # (cpu, one rank: the capture below is for both heads)
+    # the target layers a speculation head reads, as a plan output
+    capture = eagle3_layers(s, model_dir) if eagle3 else \
+        mtp_layers(c, model_dir, spec_dirs) if s is not None and s.method == "mtp" else None
     if par is not None and lora is not None:
         raise ValueError("--enable-lora with --tensor-parallel-size / --data-parallel-size / "
                          "--enable-expert-parallel: not supported yet")
@@ -193,8 +196,6 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
         page_size = runner.page_size
     elif device == "cpu":
         from infc.compiler.build import compile_model
-        capture = eagle3_layers(s, model_dir) if eagle3 else \
-            mtp_layers(c, model_dir, spec_dirs) if s is not None and s.method == "mtp" else None
         state, plan = st.run("compile plan", compile_model, model=model, spec_path=spec,
                              model_dir=str(model_dir), spec_dirs=spec_dirs, check_checkpoint=not dummy,
                              kv_cache_dtype=kv_dtype, lora=lora, capture=capture)
@@ -203,7 +204,6 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
         runner = _cpu_runner(st, plan, model_dir, dummy, c, "", state_snapshots(c.cache, c.scheduler.max_num_seqs))
         model_len = int(plan["config"].get("max_len") or 1 << 30)
     else:
-        capture = eagle3_layers(s, model_dir) if eagle3 else None
         if artifact is None:
             artifact = served_artifact(st, c, model_dir, spec_dirs, dummy, kv_dtype, lora, log, capture)
         elif log:
@@ -284,6 +284,15 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
     return b
 
 
+def artifact_tag(lora=None, narrow: int = 1, capture=None) -> str:
+    """The suffix of a served build's directory name that the build's own plan gets: LoRA tables,
+    a speculative build's wider narrow program, a head's hidden-state outputs
+    (tests/gpu/prepare.py builds under the same names)."""
+    return ((f"-lora{lora['max_loras']}r{lora['max_rank']}" if lora else "")
+            + (f"-narrow{narrow}" if narrow > 1 else "")
+            + ("-eagle3-" + "-".join(map(str, capture)) if capture else ""))
+
+
 def served_artifact(st, c: EngineConfig, model_dir: Path, spec_dirs, dummy: bool, kv_dtype, lora,
                     log, capture=None) -> Path:
     """The artifact `infc serve --device cuda` runs: built into the ignored cache, not generated/
@@ -294,11 +303,7 @@ def served_artifact(st, c: EngineConfig, model_dir: Path, spec_dirs, dummy: bool
     from infc.config import narrow_tokens_for
     # a speculative build's narrow program takes the verify step's k + 1 rows (config.py)
     narrow = narrow_tokens_for(c.speculative.speculative_config)
-    tag = (f"-lora{lora['max_loras']}r{lora['max_rank']}" if lora else "") + \
-        (f"-narrow{narrow}" if narrow > 1 else "")                                # its own plan
-    if capture:                                  # a plan with the head's hidden states as an output
-        tag += "-eagle3-" + "-".join(map(str, capture))
-    out = SERVED_ARTIFACTS / ((c.load.model or model_dir.name) + tag)
+    out = SERVED_ARTIFACTS / ((c.load.model or model_dir.name) + artifact_tag(lora, narrow, capture))
     kw = dict(model=c.load.model, spec_path=c.load.spec, model_dir=str(model_dir), out=str(out),
               page_size=c.cache.page_size, gpu=gpu_tuning(), reuse_bins=True, spec_dirs=spec_dirs,
               check_checkpoint=not dummy, kv_cache_dtype=kv_dtype, lora=lora, narrow_tokens=narrow,

@@ -308,11 +308,11 @@ def lora():
     config.json, into .cache/artifacts/qwen3-4b-lora8r16: the directory `infc serve --enable-lora`
     and `bench throughput --enable-lora` reuse for $MODELS/qwen3-4b with those flags (infc/backend.py
     names it), and tests/gpu/test_lora_gpu.py's artifact (session.sh's `lora` stage)."""
-    from infc.compiler.build import REPO as BUILD_REPO
+    from infc.backend import SERVED_ARTIFACTS, artifact_tag
     from infc.config import lora_build
-    _both_tunings("qwen3-4b --enable-lora (8 slots, rank 16)",
-                  BUILD_REPO / ".cache" / "artifacts" / "qwen3-4b-lora8r16",
-                  model_dir=str(served_config("qwen3-4b")), lora=lora_build(8, 16), check_checkpoint=False)
+    lora = lora_build(8, 16)
+    _both_tunings("qwen3-4b --enable-lora (8 slots, rank 16)", SERVED_ARTIFACTS / ("qwen3-4b" + artifact_tag(lora)),
+                  model_dir=str(served_config("qwen3-4b")), lora=lora, check_checkpoint=False)
 
 
 DRAFT_CUT = "qwen3-4b-l2"      # tests/gpu/test_spec_gpu.py's DRAFT_CUT
@@ -324,9 +324,10 @@ def draft():
     GPU test loads with --load-format dummy; and the target's speculative build (k = 4: its narrow
     program takes a verify step's 5 rows, infc/config.py narrow_tokens_for) into
     .cache/artifacts/qwen3-4b-narrow5, the directory infc/backend.py names for it."""
+    from infc.backend import SERVED_ARTIFACTS, artifact_tag
     from infc.compiler.build import REPO as BUILD_REPO
     _both_tunings("qwen3-4b for --speculative-config k = 4 (narrow program of 5 rows)",
-                  BUILD_REPO / ".cache" / "artifacts" / "qwen3-4b-narrow5",
+                  SERVED_ARTIFACTS / ("qwen3-4b" + artifact_tag(narrow=5)),
                   model_dir=str(served_config("qwen3-4b")), narrow_tokens=5, check_checkpoint=False)
     _both_tunings(f"{DRAFT_CUT} (a draft model for qwen3-4b)", BUILD_REPO / ".cache" / "artifacts" / DRAFT_CUT,
                   model_dir=str(base_config(DRAFT_CUT)), check_checkpoint=False)
@@ -339,6 +340,7 @@ def eagle3():
     """A config-only EAGLE-3 head for qwen3-4b and the two artifacts infc/backend.py builds for
     it on cuda (names as it gives them): the head's (specs/eagle3.yaml, the target's page size)
     and qwen3-4b's with aux_hidden at the head's layers (infc.config.eagle3_default_layers)."""
+    from infc.backend import artifact_tag
     from infc.compiler.build import REPO as BUILD_REPO
     from infc.compiler.spec import SPECS_DIR
     from infc.config import eagle3_default_layers
@@ -350,7 +352,7 @@ def eagle3():
     arts = BUILD_REPO / ".cache" / "artifacts"
     # the GPU test's k = 4: the target's speculative build (narrow program of 5 rows)
     _both_tunings(f"qwen3-4b with the hidden states of layers {list(layers)}, k = 4",
-                  arts / ("qwen3-4b-narrow5-eagle3-" + "-".join(map(str, layers))), model_dir=str(target),
+                  arts / ("qwen3-4b" + artifact_tag(narrow=5, capture=layers)), model_dir=str(target),
                   capture=list(layers), narrow_tokens=5, check_checkpoint=False)
     # the head's page size: each table's default, as the target's (backend: the target's own)
     _both_tunings(f"{EAGLE3_HEAD} (an EAGLE-3 head for qwen3-4b)", arts / (EAGLE3_HEAD + "-eagle3"),
