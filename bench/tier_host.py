@@ -8,7 +8,7 @@ tier's Python on the engine thread: the block manager's hooks (offer on release,
 allocation) and the two flushes a step. Both are timed where they are called (perf_counter around
 each), so the per-sequence figure does not depend on the wall time of a shared CPU.
 
-    python -m infc.bench.tier_host [--page-size 64] [--pages N] [--host-rows N] [--reps 3]
+    python -m infc.bench.tier_host [--page-size N] [--pages N] [--host-rows N] [--reps 3]
 
 --pages: the device's pages (default: room for every sequence twice, as on an H200, where freed
 pages are not handed out again for a while); fewer puts the cache under pressure, so saved pages
@@ -134,13 +134,16 @@ def run(tier: bool, page_size: int, num_pages: int | None, host_rows: int | None
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--page-size", type=int, default=64)     # the H200's tuning table's
+    ap.add_argument("--page-size", type=int, help="default: the H200 tuning table's")
     ap.add_argument("--pages", type=int, default=None)
     ap.add_argument("--host-rows", type=int, default=None)
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="cProfile one tier-on run instead")
     a = ap.parse_args(argv)
+    if a.page_size is None:
+        from infc.compiler.tuning_table import default_page_size
+        a.page_size = default_page_size("h200")
     kw = dict(page_size=a.page_size, num_pages=a.pages, host_rows=a.host_rows, concurrency=a.concurrency)
     if a.profile:
         import cProfile

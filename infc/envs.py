@@ -50,6 +50,9 @@ REGISTRY = {v.name: v for v in (
         "the GPUs can map each other's memory (0: NCCL only)"),
     Var("INFC_P2P_BYTES", "int", 64 << 10, "the largest all-reduce the P2P path takes, in bytes "
         "(where it stops beating NCCL)"),
+    Var("INFC_KV_SAVE_STAGING_BYTES", "int", 256 << 20, "device memory the host KV tier's saves "
+        "are gathered into before the copy engine moves them to the host (0: the block_copy kernel "
+        "writes the mapped host slab itself, holding its SMs for the PCIe transfer; an A/B switch)"),
     Var("INFC_EP_GATHER", "flag", False, "expert-parallel dispatch of replicated rows: gather the "
         "owners' rows over NCCL anyway instead of selecting them locally (1: on, an A/B switch)"),
     Var("INFC_COLLECTIVE_CLOCK", "flag", False, "time each rank's collectives on its stream, by op "

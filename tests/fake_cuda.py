@@ -163,6 +163,11 @@ class FakeContext:
         ctypes.memmove(dst.ctypes.data, host_addr, nbytes)
         self.num_copies += 1
 
+    def dtoh_raw(self, host_addr: int, ptr: int, nbytes: int, stream=None):
+        self._issue("dtoh_raw")
+        ctypes.memmove(host_addr, self._span(ptr, nbytes).ctypes.data, nbytes)
+        self.num_copies += 1
+
     def dtoh(self, host: np.ndarray, ptr: int) -> np.ndarray:
         self._issue("dtoh")
         assert host.flags.c_contiguous, "fake CUDA: dtoh into a non-contiguous array"

@@ -62,10 +62,12 @@ def test_host_blocks_restore_numpy_pages_bit_identical():
     assert slab[[2, 3, 5]].sum() == 0                   # rows not named are untouched
 
 
-@pytest.mark.parametrize("kernel", [False, True])
-def test_device_blocks_move_the_same_bytes_as_host_blocks(fake_driver, kernel, monkeypatch):
+@pytest.mark.parametrize("kernel,staged", [(False, 0), (True, 0), (True, 2)])
+def test_device_blocks_move_the_same_bytes_as_host_blocks(fake_driver, kernel, staged, monkeypatch):
     """The CUDA runner's copies over fake memory, on the copy stream: 2D copies per region and
-    run, or (kernel) the plan's block_copy kernel, run by the interpreter, on the mapped slab."""
+    run, or (kernel) the plan's block_copy kernel, run by the interpreter, on the mapped slab;
+    staged: saves gathered into a device buffer of that many blocks, then copied out a run of
+    rows at a time."""
     from infc.compiler.codegen.render import render_block_copy
     from infc.runtime.cuda.artifact import KernelFn
     from infc.runtime.cuda import kv_copies
@@ -84,15 +86,19 @@ def test_device_blocks_move_the_same_bytes_as_host_blocks(fake_driver, kernel, m
         src = render_block_copy({"caches": DECL}, PS)
         k = KernelFn(src.id, src.meta, {"num_warps": 4, "hidden_args": 2},
                      fake_driver.Module(src.source.encode()).function(src.meta["entry"]))
+    monkeypatch.setenv("INFC_KV_SAVE_STAGING_BYTES", str(staged * C.page_bytes(DECL, PS)))
     copies = DeviceCopies(ctx, dev, k)
     assert copies.block_bytes == host.block_bytes == C.page_bytes(DECL, PS)
     assert (copies.kernel is not None) == kernel
+    assert (copies.stage_rows if kernel else 0) == staged
     slab = copies.make_slab(8)
     pages, rows = [3, 4, 5, 9, 0], [2, 3, 4, 7, 0]     # a run of three, then single pages
     ctx.num_copies, launched = 0, len(fake_driver.launches)
     f = copies.save(pages, rows)
-    # 3 runs, 6 paged regions; or the pairs' upload and one launch
-    assert (ctx.num_copies, len(fake_driver.launches) - launched) == ((1, 1) if kernel else (3 * 6, 0))
+    # 3 runs, 6 paged regions; or the pairs' upload and one launch; staged in chunks of 2 blocks
+    # (rows [2, 3], [4, 7], [0]): the upload, a launch a chunk and a copy a run of rows in it
+    want_calls = (1 + 4, 3) if staged else (1, 1) if kernel else (3 * 6, 0)
+    assert (ctx.num_copies, len(fake_driver.launches) - launched) == want_calls
     want = np.zeros_like(slab)
     host.read_pages(pages, want, rows)
     assert slab.tobytes() == want.tobytes()

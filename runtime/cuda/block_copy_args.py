@@ -1,5 +1,6 @@
 """The block_copy kernel's tables (codegen_templates/triton/block_copy.py.j2), on the host (numpy
-only): the regions of one copier's storage, made once, and a batch's (page, row) pairs."""
+only): the regions of one copier's storage, made once, a batch's (page, row) pairs, and the runs
+of consecutive rows a staged save copies to the host at once."""
 import numpy as np
 
 
@@ -21,3 +22,17 @@ def pairs(pages, rows, out: np.ndarray) -> int:
     out[:n, 0] = pages
     out[:n, 1] = rows
     return n
+
+
+def row_runs(rows) -> list[tuple[int, int, int]]:
+    """(index, first row, count) of each run of consecutive rows (rows[index:index + count] =
+    first row, first row + 1, ...): one copy-engine transfer each from a staging buffer whose
+    block k is rows[k]'s."""
+    out = []
+    for k, r in enumerate(rows):
+        if out and out[-1][1] + out[-1][2] == r:
+            i, first, n = out[-1]
+            out[-1] = (i, first, n + 1)
+        else:
+            out.append((k, r, 1))
+    return out

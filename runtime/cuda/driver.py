@@ -120,6 +120,12 @@ class Context:
         check(cu.cuMemcpyHtoDAsync(ptr, host_addr, nbytes, self.stream if stream is None else stream),
               "cuMemcpyHtoDAsync")
 
+    def dtoh_raw(self, host_addr: int, ptr: int, nbytes: int, stream=None):
+        """An async copy into host memory the caller keeps alive (pinned: truly async, by the copy
+        engine), on `stream` (default: the context's)."""
+        check(cu.cuMemcpyDtoHAsync(host_addr, ptr, nbytes, self.stream if stream is None else stream),
+              "cuMemcpyDtoHAsync")
+
     def dtoh(self, host: np.ndarray, ptr: int) -> np.ndarray:
         check(cu.cuMemcpyDtoHAsync(host.ctypes.data, ptr, host.nbytes, self.stream), "cuMemcpyDtoHAsync")
         return host

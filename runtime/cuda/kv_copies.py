@@ -17,13 +17,20 @@ How a batch moves, by what the artifact has:
   (codegen_templates/triton/block_copy.py.j2, its region table made once here). A few driver calls
   a batch, however many layers and runs: the engine thread launches steps, and a flush of
   qwen3-4b's 72 regions took 72 2D copies a run of pages (about 5 % of 256-concurrent throughput).
+  Saves go through device memory (INFC_KV_SAVE_STAGING_BYTES, 256 MiB, in chunks of that many
+  blocks): the kernel gathers the pages into the staging buffer at HBM speed and the copy engine
+  moves each run of consecutive rows to the slab. Written straight into the mapped slab, a save
+  held up to 64 SMs for the whole PCIe transfer (~170 MB a finished qwen3-4b sequence at 1024/128),
+  and the steps beside it ran 8-18 % longer (bench/NOTES.md, "the host tier's cost on the engine
+  thread"). Restores still read the mapped slab: they are few, and wait on the step after them.
 - otherwise one 2D copy per paged (cache, layer) and run of consecutive pages and rows
   (compiler/contract/caches.py DeviceCaches.block_copies): the copy engines, no kernel.
 """
 import numpy as np
 
+from infc import envs
 from infc.compiler.contract.bind import Resolver, dim_slots, grid
-from .block_copy_args import pairs, region_table
+from .block_copy_args import pairs, region_table, row_runs
 from .driver import launch
 
 RING = 16
@@ -57,12 +64,20 @@ class DeviceCopies:
                 self.max_pairs = device_caches.num_pages + 1
                 self._pairs = ctx.alloc(self.max_pairs * 8)
                 self._ring = [None] * RING               # page-locked pairs, made on first use
-                self._args: dict[bool, tuple] = {}
+                self._args: dict[str, tuple] = {}
+                staging = envs.value("INFC_KV_SAVE_STAGING_BYTES")
+                self.stage_rows = min(self.max_pairs, staging // self.block_bytes)
+                self._stage = ctx.alloc(self.stage_rows * self.block_bytes) if self.stage_rows else None
 
     @property
     def mode(self) -> str:
         """How a batch moves (the engine's startup note)."""
-        return "one kernel a batch" if self.kernel is not None else "2D copies a (cache, layer) and run"
+        if self.kernel is None:
+            return "2D copies a (cache, layer) and run"
+        if not self.stage_rows:
+            return "one kernel a batch"
+        return (f"one kernel a batch; saves through {self.stage_rows * self.block_bytes >> 20} MiB "
+                "of device staging and the copy engine")
 
     def make_slab(self, rows: int) -> np.ndarray:
         self.ctx.ensure_current()
@@ -98,31 +113,56 @@ class DeviceCopies:
 
     def _launch(self, fence: int, pages, rows, to_host: bool):
         """The batch's pairs into ring slot fence % RING (once the batch that used it last, RING
-        before, is done: its upload read it), uploaded, and one block_copy launch."""
+        before, is done: its upload read it), uploaded, and one block_copy launch (a save through
+        staging: one a chunk)."""
         ctx, slot = self.ctx, fence % RING
         if self._ring[slot] is None:
             self._ring[slot] = ctx.pinned(self.max_pairs * 8)
         elif fence >= RING:
             self.events[slot].wait()
         staged = self._ring[slot].view(np.int32).reshape(-1, 2)
+        if to_host and self.stage_rows:
+            return self._staged(staged, pages, rows)
         n = pairs(pages, rows, staged)
         ctx.htod_raw(self._pairs, staged.ctypes.data, n * 8, self.stream)
-        args, n_slot = self._packed(to_host)
+        self._gather("save" if to_host else "load", self._pairs, n)
+
+    def _staged(self, staged, pages, rows):
+        """A save in chunks of stage_rows blocks: chunk block k into staging block k (one launch),
+        then each run of consecutive rows to the slab (the copy engine). The copy stream is in
+        order, so a chunk's gather waits for the copies out of the chunk before it."""
+        ctx, bb, stage = self.ctx, self.block_bytes, self.stage_rows
+        n = pairs(pages, np.arange(len(pages)) % stage, staged)
+        ctx.htod_raw(self._pairs, staged.ctypes.data, n * 8, self.stream)
+        host = self.slab.ctypes.data
+        for at in range(0, n, stage):
+            m = min(stage, n - at)
+            self._gather("stage", self._pairs + at * 8, m)
+            for k, row, count in row_runs(rows[at:at + m]):
+                ctx.dtoh_raw(host + row * bb, self._stage + k * bb, count * bb, self.stream)
+
+    def _gather(self, key: str, pairs_ptr: int, n: int):
+        """One block_copy launch over n pairs at pairs_ptr."""
+        args, n_slot, p_slot = self._packed(key)
         k, items = self.kernel, n * self.num_regions
         args.set(n_slot, items)
-        launch(ctx, k.fn, grid(k.meta, {"N": items}), k.block, k.shared, args, stream=self.stream)
+        args.set(p_slot, pairs_ptr)
+        launch(self.ctx, k.fn, grid(k.meta, {"N": items}), k.block, k.shared, args, stream=self.stream)
 
-    def _packed(self, to_host: bool):
-        """The kernel's arguments for a direction, packed once; the item count is set per launch."""
-        if to_host not in self._args:
+    def _packed(self, key: str):
+        """The kernel's arguments for saves, loads or gathers into staging ("stage"), packed once;
+        the item count and the pairs' address are set per launch."""
+        if key not in self._args:
             k = self.kernel
-            named = {"dev": self.caches.base, "host": self.ctx.device_ptr(self._pinned), "pairs": self._pairs,
+            host = self._stage if key == "stage" else self.ctx.device_ptr(self._pinned)
+            named = {"dev": self.caches.base, "host": host, "pairs": self._pairs,
                      "regions": self._regions, "n_regions": self.num_regions,
-                     "row_words": self.block_bytes // self.word, "to_host": int(to_host)}
+                     "row_words": self.block_bytes // self.word, "to_host": int(key != "load")}
             values = Resolver(arg=named.__getitem__, dim=lambda d: 0).values(k.meta, kernel=k.id)
             slot = next(i for i, d in dim_slots(k.meta) if d == "N")
-            self._args[to_host] = (k.pack(values), slot)
-        return self._args[to_host]
+            pairs_slot = next(i for i, (_, _, src) in enumerate(k.meta["params"]) if src == "arg:pairs")
+            self._args[key] = (k.pack(values), slot, pairs_slot)
+        return self._args[key]
 
     def last_ms(self, to_host: bool) -> float | None:
         """The copy stream's time for the last batch of saves (to_host) or loads: waits for it
@@ -160,4 +200,7 @@ class DeviceCopies:
                     self.ctx.free_pinned(staged)
             self.ctx.free(self._regions)
             self.ctx.free(self._pairs)
+            if self._stage is not None:
+                self.ctx.free(self._stage)
+                self._stage = None
             self.kernel, self._ring = None, [None] * RING
