@@ -21,12 +21,21 @@ import time
 import numpy as np
 
 
+# qwen3-4b's KV bytes a token (36 layers, K and V, 8 heads of 128, bf16) and its paged regions
+QWEN3_4B_TOKEN_BYTES, QWEN3_4B_REGIONS = 36 * 2 * 8 * 128 * 2, 36 * 2
+
+
 class _NullCopies:
-    """The CUDA copier's interface (fences: ints, in order) without copies."""
+    """The CUDA copier's interface (fences: ints, in order) without copies; counts the driver
+    calls its save batches would take (runtime/cuda/kv_copies.py) for qwen3-4b's blocks: 2D copies
+    (one a region and run of pages and rows), the kernel on the mapped slab (an upload and a
+    launch), the kernel through staging (an upload, a launch a chunk, a copy a run of rows)."""
     block_bytes = 64
 
-    def __init__(self):
+    def __init__(self, stage_rows: int):
         self.issued = self.saved = 0
+        self.stage_rows = stage_rows
+        self.calls = {"2d": 0, "mapped": 0, "staged": 0}
 
     def make_slab(self, rows):
         return np.zeros((rows, self.block_bytes), np.uint8)
@@ -36,7 +45,14 @@ class _NullCopies:
         return self.issued - 1
 
     def save(self, pages, rows):
+        from infc.runtime.cuda.block_copy_args import row_runs
         self.saved += len(pages)
+        runs = 1 + sum(1 for i in range(1, len(pages))
+                       if (pages[i], rows[i]) != (pages[i - 1] + 1, rows[i - 1] + 1))
+        self.calls["2d"] += runs * QWEN3_4B_REGIONS
+        self.calls["mapped"] += 2
+        st = self.stage_rows
+        self.calls["staged"] += 1 + sum(1 + len(row_runs(rows[at:at + st])) for at in range(0, len(rows), st))
         return self._fence()
 
     def load(self, pages, rows, after_steps=True):
@@ -63,7 +79,9 @@ def _runner(num_pages: int, page_size: int):
             return [None if s is None else Sample(7) for s in sampling]
 
         def kv_copies(self):
-            self.copies = _NullCopies()
+            from infc import envs
+            stage = envs.value("INFC_KV_SAVE_STAGING_BYTES") // (QWEN3_4B_TOKEN_BYTES * page_size)
+            self.copies = _NullCopies(max(1, stage))
             return self.copies
     return NullRunner()
 
@@ -127,7 +145,7 @@ def run(tier: bool, page_size: int, num_pages: int | None, host_rows: int | None
                    tier_us_per_seq=clock.seconds / done * 1e6, tier_us_per_step=clock.seconds / steps * 1e6,
                    blocks_saved=runner.copies.saved, batches=runner.copies.issued,
                    saved_us_per_block=clock.seconds / max(1, runner.copies.saved) * 1e6,
-                   host_rows=eng.tiers.capacity_rows)
+                   host_rows=eng.tiers.capacity_rows, save_calls=runner.copies.calls)
         eng.bm.check()
     return out
 
@@ -156,7 +174,7 @@ def main(argv=None):
             r = run(tier, **kw)
             extra = (f"  tier {r['tier_us_per_seq']:.0f} us/seq, {r['tier_us_per_step']:.0f} us/step, "
                      f"{r['saved_us_per_block']:.2f} us/saved block ({r['blocks_saved']} blocks, "
-                     f"{r['batches']} batches, {r['host_rows']} rows)") if tier else ""
+                     f"{r['batches']} batches, {r['host_rows']} rows; driver calls {r['save_calls']})") if tier else ""
             print(f"rep {rep} tier {'on ' if tier else 'off'}: {r['sequences']} seqs, {r['steps']} steps, "
                   f"wall {r['wall_s']:.2f} s ({r['wall_us_per_seq']:.0f} us/seq){extra}", flush=True)
 

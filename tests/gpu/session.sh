@@ -464,15 +464,20 @@ models.model_dir('$q')" 2>&1 | tail -3
     tier-throughput)
       # issue 44: 1024/128 throughput of qwen3-4b at TIER_CONCURRENCY (default 256) with the host
       # KV tier off and on (--kv-offloading-size TIER_GIB, default 32: every finished sequence's
-      # blocks are copied out), alternating TIER_RUNS (default 2) times, same engine flags otherwise
+      # blocks are copied out), alternating TIER_RUNS (default 2) times, same engine flags otherwise;
+      # TIER_MAPPED=1 adds a third: the tier on with INFC_KV_SAVE_STAGING_BYTES=0 (saves written
+      # by the kernel straight into the mapped slab, as before the staging buffer), *-mapped-run*.json
       mkdir -p "$OUT/tier"
       for run in $(seq ${TIER_RUNS:-2}); do
-        for gib in 0 ${TIER_GIB:-32}; do
-          say "tier-throughput: --kv-offloading-size $gib (run $run)"
-          timeout ${THROUGHPUT_S:-300} python3 -m infc.cli bench throughput --model-path "$MODELS/qwen3-4b" \
-            --concurrency ${TIER_CONCURRENCY:-256} --kv-offloading-size $gib --out "$OUT/tier" 2>&1 | quiet \
-            | grep -E "concurrency|wrote|rror" | tail -4
-          f=$(ls -t "$OUT"/tier/throughput-*.json | head -1); cp "$f" "${f%.json}-run$run.json"
+        for cfg in 0 ${TIER_GIB:-32} ${TIER_MAPPED:+${TIER_GIB:-32}:mapped}; do
+          gib=${cfg%%:*}; tag=; staging=$((256 << 20))
+          [ "$cfg" != "$gib" ] && { tag=-mapped; staging=0; }
+          say "tier-throughput: --kv-offloading-size $gib$tag (run $run)"
+          INFC_KV_SAVE_STAGING_BYTES=$staging timeout ${THROUGHPUT_S:-300} python3 -m infc.cli bench throughput \
+            --model-path "$MODELS/qwen3-4b" --concurrency ${TIER_CONCURRENCY:-256} --kv-offloading-size $gib \
+            --out "$OUT/tier" 2>&1 | quiet | grep -E "concurrency|wrote|rror" | tail -4
+          f=$(ls -t "$OUT"/tier/throughput-*.json | grep -v -- '-run[0-9]*\.json$' | head -1)
+          cp "$f" "${f%.json}$tag-run$run.json"
         done
       done ;;
     tune)
