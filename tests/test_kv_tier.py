@@ -602,3 +602,18 @@ def test_a_restore_into_pages_of_the_step_in_flight_waits_for_it():
     assert outs["S"][0] == [5] and outs["R"][0] == [5]
     assert e.metrics.kv_offload.host_hit_tokens == 12 and waited == [True]
     assert_all_free(e)
+
+
+def test_the_tier_host_bench_times_the_tiers_python():
+    """bench/tier_host.py (issue 44's CPU measurement) at a tiny size: every sequence finishes,
+    each finished one's full computed blocks are saved once, and the driver calls it counts for
+    the staged saves are an upload and, a chunk, a launch and at least one copy."""
+    from infc.bench.tier_host import run
+    kw = dict(page_size=4, num_pages=None, host_rows=None, concurrency=4, in_len=15, out_len=6)
+    r = run(True, **kw)
+    assert r["sequences"] == 8 and r["tier_s"] > 0
+    # 20 of 21 tokens computed (the last sampled one never is): 5 full blocks of 4 a sequence
+    assert r["blocks_saved"] == 8 * 5
+    calls = r["save_calls"]
+    assert calls["mapped"] == 2 * r["batches"] and calls["staged"] >= 3 * r["batches"]
+    assert "blocks_saved" not in run(False, **kw)
