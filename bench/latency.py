@@ -107,7 +107,18 @@ def _timed(r, r0, prompts, out_len, seed, load_format, par):
     res["tpot_ms"] = res["tpot_ms_by_prompt"][first]
     res["floor_ms"] = res["floor_ms_by_prompt"][first]
     res["floor_ratio"] = res["floor_ms"] / res["tpot_ms"]
-    return res
+    return _with_active_floor(r0.plan, res, out_len)
+
+
+def _with_active_floor(plan: dict, res: dict, out_len: int) -> dict:
+    """res plus the floor of the bytes a batch-1 step reads (bench/active_floor.py: one embedding
+    row of an untied table, k of E experts), where the plan is the one that was timed; the stored
+    bytes' floor stays beside it (an untied or MoE model's would overstate what it reaches)."""
+    from .active_floor import floor
+    try:
+        return floor(plan, res, out_len)
+    except ValueError as e:           # a rank's shard, or a plan bench/active_floor.py cannot read
+        return dict(res, active_floor_error=str(e))
 
 
 # TTFT is the median of TTFT_REPS prefills of fresh random prompts (the TPOT_REPS timed decodes
@@ -200,7 +211,8 @@ def table(res: dict) -> list[str]:
     """The latency table: per prompt length, infc and each peer that ran, TPOT and TTFT with the
     floor over the TPOT (the share of the floor it reaches)."""
     lines = ["| prompt | engine | TPOT ms | floor ms | of the floor | TTFT ms |", "| --- | --- | --- | --- | --- | --- |"]
-    for n, floor in res["floor_ms_by_prompt"].items():
+    floors = res.get("active_floor_ms_by_prompt") or res["floor_ms_by_prompt"]     # bytes read a step
+    for n, floor in floors.items():
         for name, pre in PEERS:
             tpot = res.get(f"{pre}tpot_ms_by_prompt", {}).get(n)
             if tpot is None:

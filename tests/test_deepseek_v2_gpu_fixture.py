@@ -255,3 +255,20 @@ def test_prepare_part_builds_both_artifacts_with_cubins(tmp_path, monkeypatch):
             assert (art / "bin" / f"{kid}.cubin").stat().st_size > 0, kid
         size = sum(f.stat().st_size for f in art.rglob("*") if f.is_file())
         assert size < 8 << 20, f"{name}: {size / 2**20:.1f} MiB to carry"
+
+
+def test_bench_latency_reports_the_bytes_read_floor(tiny_plan):
+    """bench latency's own result carries the active floor (an untied table and k of E experts
+    are not read whole), and its table sets the TPOT against that floor, not the stored bytes'."""
+    from infc.bench import latency
+    res = _latency_result(tiny_plan)
+    out = latency._with_active_floor(tiny_plan, res, 128)
+    assert out["active_floor_ms_by_prompt"] == af.floor(tiny_plan, res, 128)["active_floor_ms_by_prompt"]
+    row = latency.table(out)[2]
+    f = out["active_floor_ms_by_prompt"]["32"]
+    assert row == f"| 32 | infc | 0.010 | {f:.3f} | {100 * f / 0.01:.0f} % | 1.00 |"
+    # a result from another plan (a rank's shard): no active floor, the reason kept, the stored floor shown
+    other = dict(res, weight_bytes=res["weight_bytes"] + 1)
+    kept = latency._with_active_floor(tiny_plan, other, 128)
+    assert "active_floor_ms_by_prompt" not in kept and "not the artifact" in kept["active_floor_error"]
+    assert f"{res['floor_ms_by_prompt']['32']:.3f}" in latency.table(kept)[2]
