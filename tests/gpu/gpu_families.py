@@ -105,7 +105,9 @@ LONG_PROMPTS = {"qwen3.5-4b-l8": [2049, 3000, 4096], "deepseek-v2-lite-l8": [153
 # writes config_dir(name) and builds artifact_dir(name); made exactly as the families are.
 # deepseek-v2-lite: all 27 layers (session.sh's `deepseek` stage: TPOT against the active-bytes
 # floor, bench/active_floor.py).
-LATENCY = {"qwen3.5-4b": ("qwen3.5-4b", {}), "deepseek-v2-lite": ("deepseek-v2-lite", {})}
+# gpt-oss-20b: all 24 layers, its experts MXFP4 as published (issue 45: TPOT against the active floor).
+LATENCY = {"qwen3.5-4b": ("qwen3.5-4b", {}), "deepseek-v2-lite": ("deepseek-v2-lite", {}),
+           "gpt-oss-20b": ("gpt-oss-20b", {})}
 # The openai SDK suite over the new families (issues 12 and 13: `infc serve` answers it; session
 # stage `server-families`), at the golden gate's cuts. The suite sends text, so the directories get
 # the Qwen tokenizer, and each cut's vocabulary is set to the tokenizer's 151,936 ids

@@ -79,7 +79,7 @@ TINY_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
 GPU_CACHE = REPO / ".cache" / "gpu"
 SERVED = ("qwen3-4b", "llama-3.2-1b")          # model directories LLM / infc serve load on the GPU
 PARTS = ("base", "nofuse", "families", "qwen35", "ranks", "deepseek", "twogpu", "server", "attnvar", "hlvar", "kvfp8",
-         "quant", "lora", "draft", "eagle3")
+         "quant", "lora", "draft", "eagle3", "gptoss")
 DEFAULT_PARTS = ("base", "nofuse", "families", "draft", "eagle3")
 
 
@@ -155,6 +155,8 @@ def main(parts=DEFAULT_PARTS):
         draft()
     if "eagle3" in parts:
         eagle3()
+    if "gptoss" in parts:
+        gptoss()
 
 
 def served_config(name: str) -> Path:
@@ -389,6 +391,16 @@ def qwen35():
 
 DEEPSEEK = {"deepseek-v2-lite-l8": "8 layers, golden gate",                 # gpu_families.FAMILIES
             "deepseek-v2-lite": "27 layers, latency with dummy weights"}   # gpu_families.LATENCY
+
+
+def gptoss():
+    """gpt-oss-20b at full depth with its MXFP4 experts (gpu_families.LATENCY): config and artifact
+    for bench latency with dummy weights (--model-path .cache/gpu/configs/gpt-oss-20b)."""
+    sys.path.insert(0, str(REPO / "tests" / "gpu"))
+    import gpu_families
+    d = gpu_families.write_config("gpt-oss-20b")
+    _both_tunings("gpt-oss-20b (24 layers, MXFP4 experts, latency with dummy weights)",
+                  gpu_families.artifact_dir("gpt-oss-20b"), model_dir=str(d))
 
 
 def deepseek():
