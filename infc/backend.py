@@ -299,7 +299,6 @@ def served_artifact(st, c: EngineConfig, model_dir: Path, spec_dirs, dummy: bool
     (whose committed artifacts CI checks). The kernel cache makes an unchanged rebuild
     near-instant, so "built or reused" is one call; the build key (compiler/build_key.py) skips
     even that (and the compiler's imports) when nothing the build reads has changed."""
-    from infc.compiler import build_key
     from infc.config import narrow_tokens_for
     # a speculative build's narrow program takes the verify step's k + 1 rows (config.py)
     narrow = narrow_tokens_for(c.speculative.speculative_config)
@@ -308,14 +307,25 @@ def served_artifact(st, c: EngineConfig, model_dir: Path, spec_dirs, dummy: bool
               page_size=c.cache.page_size, gpu=gpu_tuning(), reuse_bins=True, spec_dirs=spec_dirs,
               check_checkpoint=not dummy, kv_cache_dtype=kv_dtype, lora=lora, narrow_tokens=narrow,
               kv_offloading=bool(c.cache.kv_offloading_size), capture=capture)
-    key = st.run("artifact key", build_key.build_key, kw, model_dir, c.load.spec, spec_dirs)
+    return built_or_reused(st, "artifact", kw, log)
+
+
+def built_or_reused(st, what: str, kw: dict, log=None) -> Path:
+    """The artifact compiler/build.py's build(**kw) writes to kw["out"]: reused where its build
+    key (compiler/build_key.py) says nothing the build reads has changed, else built (the kernel
+    cache makes an unchanged rebuild near-instant) and keyed. One path for every served build: the
+    target, its draft model, its EAGLE-3 head."""
+    from infc.compiler import build_key
+    out = Path(kw["out"])
+    key = st.run(f"{what} key", build_key.build_key, kw, kw.get("model_dir"), kw.get("spec_path"),
+                 kw.get("spec_dirs"))
     if build_key.matches(out, key):
         if log:
-            log(f"  artifact {out} unchanged (its build key)")
+            log(f"  {what} {out} unchanged (its build key)")
         return out
     from infc.compiler.build import build
     build_key.forget(out)
-    artifact = st.run("build artifact (cached)", build, log=None, **dict(kw, out=out))
+    artifact = st.run(f"build {what} (cached)", build, log=None, **kw)
     build_key.record(Path(artifact), key)
     return Path(artifact)
 
@@ -530,16 +540,15 @@ def _cuda_head_artifact(st, c: EngineConfig, target_artifact: Path) -> tuple[Pat
     into .cache/artifacts/<its directory's name>-eagle3 with the target's page size (the split
     gives both caches the same pages)."""
     import json
-    from infc.compiler.build import REPO, build
     from infc.compiler.spec import SPECS_DIR
     s = c.speculative.speculative_config
     path = Path(s.model)
     page_size = json.loads((Path(target_artifact) / "plan.json").read_text())["build"]["page_size"]
-    out = REPO / ".cache" / "artifacts" / (path.name + "-eagle3")
-    art = st.run("build EAGLE-3 head artifact (cached)", build, model_dir=str(path),
-                 spec_path=str(SPECS_DIR / "eagle3.yaml"), out=out, page_size=page_size, gpu=gpu_tuning(),
-                 log=None, reuse_bins=True, check_checkpoint=False)
-    return Path(art), path
+    out = SERVED_ARTIFACTS / (path.name + "-eagle3")
+    art = built_or_reused(st, "EAGLE-3 head artifact", dict(
+        model_dir=str(path), spec_path=str(SPECS_DIR / "eagle3.yaml"), out=str(out), page_size=page_size,
+        gpu=gpu_tuning(), reuse_bins=True, check_checkpoint=False))
+    return art, path
 
 
 def _cuda_head_weights(c: EngineConfig, target, head_artifact: Path) -> tuple[dict, object]:
@@ -591,7 +600,6 @@ def _cuda_draft_artifact(st, c: EngineConfig, spec_dirs, dummy: bool, kv_dtype, 
     the target's page size (the split gives both the same pages) and KV cache dtype. Its
     vocabulary is checked against the target's plan here, before either loads its weights."""
     import json
-    from infc.compiler.build import REPO, build
     from infc.runtime.engine.speculative.draft_model import check_draft_runner
     s = c.speculative.speculative_config
     where, path = f"--speculative-config: draft model {s.model!r}", Path(s.model)
@@ -601,13 +609,14 @@ def _cuda_draft_artifact(st, c: EngineConfig, spec_dirs, dummy: bool, kv_dtype, 
         name, kw = path.name, {"model_dir": str(path), "check_checkpoint": not dummy}
     else:
         name, kw = s.model, {"model": s.model, "check_checkpoint": False}
-    out = REPO / ".cache" / "artifacts" / name
+    out = SERVED_ARTIFACTS / name
     if out.resolve() == Path(target_artifact).resolve():
         if path.is_dir() and path.resolve() == target_dir.resolve():
             return Path(target_artifact), path     # a self-draft: the target's very build
         out = out.with_name(name + "-draft")     # another model of the target's directory name
-    art = st.run("build draft artifact (cached)", build, out=out, page_size=target_plan["build"]["page_size"],
-                 gpu=gpu_tuning(), log=None, reuse_bins=True, spec_dirs=spec_dirs, kv_cache_dtype=kv_dtype, **kw)
+    art = built_or_reused(st, "draft artifact", dict(
+        out=str(out), page_size=target_plan["build"]["page_size"], gpu=gpu_tuning(), reuse_bins=True,
+        spec_dirs=spec_dirs, kv_cache_dtype=kv_dtype, **kw))
     draft_plan = json.loads((Path(art) / "plan.json").read_text())
     shape = lambda p: SimpleNamespace(vocab_size=p["config"]["V"], num_slots=caches.has_slots(caches.of_plan(p)))  # noqa: E731
     check_draft_runner(shape(draft_plan), shape(target_plan))

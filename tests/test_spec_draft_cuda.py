@@ -160,6 +160,7 @@ def test_the_drafts_artifact_is_the_targets_or_its_own_and_checked_before_loadin
     from infc import backend
     repo = tmp_path / "repo"
     monkeypatch.setattr(build_mod, "REPO", repo)
+    monkeypatch.setattr(backend, "SERVED_ARTIFACTS", repo / ".cache" / "artifacts")
     builds = []
 
     def plan_only(out, **kw):           # the plan a build writes (its page size), no kernels

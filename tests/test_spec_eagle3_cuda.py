@@ -140,6 +140,7 @@ def test_eagle3_on_the_cuda_runner_is_plain_decoding(fake_device, monkeypatch, t
     d, _ = target
     h, _ = head
     monkeypatch.setattr(build_mod, "REPO", tmp_path)
+    monkeypatch.setattr(backend, "SERVED_ARTIFACTS", tmp_path / ".cache" / "artifacts")
     real_build = build_mod.build
     monkeypatch.setattr(build_mod, "build", lambda **kw: real_build(**dict(kw, compile=False)))
     monkeypatch.setattr(fake_device.runner, "Graph", FakeGraph)
