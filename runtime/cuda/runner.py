@@ -102,6 +102,16 @@ def feed_runs(feed) -> list[tuple[int, int, int]]:
     return [tuple(r) for r in runs]
 
 
+def ab_programs(plan: dict) -> dict:
+    """The plan less the programs INFC_WIDE=0 / INFC_NARROW=0 turn off (A/B timing: their steps
+    on the decode program). The verify program is the narrow launches k + 1 rows wide: it goes
+    with them."""
+    for name, drop in (("wide", {"wide"}), ("narrow", {"narrow", "verify"})):
+        if not envs.value(f"INFC_{name.upper()}") and drop & set(plan["programs"]):
+            plan = dict(plan, programs={p: v for p, v in plan["programs"].items() if p not in drop})
+    return plan
+
+
 def default_buckets(max_seqs: int, plan: dict | None = None) -> list[int]:
     """The decode steps' graph buckets. A speculative plan's verify program (verify(k) at batch 1:
     k + 1 rows, compiler/contract/program.py program_name) gets a bucket of its width, where the
@@ -148,12 +158,7 @@ class CudaRunner:
         self.ctx = ctx if ctx is not None else Context()
         self.artifact = Path(artifact)
         plan = plan if plan is not None else load_plan(self.artifact)
-        for name, drop in (("wide", {"wide"}), ("narrow", {"narrow", "verify"})):
-            if not envs.value(f"INFC_{name.upper()}") and drop & set(plan["programs"]):
-                # A/B timing: every decode step on the decode program (the verify program is the
-                # narrow launches k + 1 rows wide: it goes with them)
-                plan = dict(plan, programs={p: v for p, v in plan["programs"].items() if p not in drop})
-        self.plan = plan
+        self.plan = plan = ab_programs(plan)
         self.collectives = collectives
         # INFC_COLLECTIVE_CLOCK=1: each collective's time on this rank's stream (collective_clock.py)
         self.collective_clock = (CollectiveClock(self.ctx) if collectives is not None
