@@ -16,12 +16,12 @@ from infc.runtime.engine.step import Chunk
 from exhaustive import EXHAUSTIVE
 
 K = 4                                           # drafts: the verify program is K + 1 = 5 rows wide
-DIMS = dict(hidden_size=96, head_dim=32, intermediate_size=160, num_hidden_layers=2)
+DIMS = dict(hidden_size=96, head_dim=32, intermediate_size=160, num_hidden_layers=2)   # the interpreted case's
 
 
 @pytest.fixture(scope="module")
 def plans(tiny_model):
-    d, _ = tiny_model("qwen3", **DIMS)
+    d, _ = tiny_model("qwen3")                  # the suite's shared tiny model
     _, one = compile_model(model_dir=str(d))
     _, spec = compile_model(model_dir=str(d), narrow_tokens=K + 1)
     return d, one, spec
@@ -84,13 +84,13 @@ def test_dispatch_and_graph_buckets(plans, fake_driver, monkeypatch):
 
 
 @EXHAUSTIVE     # ~12 s interpreted; the fast representative: tests/test_interp_models.py's verify step
-def test_a_verify_step_through_the_verify_program_is_the_decode_programs(plans, tmp_path, rng):
+def test_a_verify_step_through_the_verify_program_is_the_decode_programs(tiny_model, tmp_path, rng):
     """K + 1 one-token rows of one sequence (its next token and K drafts) through the interpreted
     verify kernels, then the same rows through the decode program's: the same logits."""
     from infc.compiler.contract.safetensors_io import Checkpoint
     from infc.runtime.weights.load import load_weights
     from interp_executor import InterpExecutor
-    d, _, _ = plans
+    d, _ = tiny_model("qwen3", **DIMS)          # tests/test_interp_models.py's (tile-sized heads)
     out = build(model_dir=str(d), out=tmp_path / "art", compile=False, log=None, page_size=16,
                 narrow_tokens=K + 1)
     plan = json.loads((out / "plan.json").read_text())
