@@ -84,7 +84,7 @@ def program_name(plan: dict, phase: str, T: int) -> str:
     "wide" for a decode step of at least plan["wide_tokens"] (the GEMVs' row tiles for many
     sequences; the experts' grouped GEMMs); see compiler/passes/select_kernels.py. "narrow" for a
     decode step of at most plan["narrow_tokens"] (one: launches merged for a token,
-    compiler/passes/merge_prologues.py), "verify" for one of more and at most
+    compiler/passes/merge_prologues.py), "verify" for one of more tokens than that and at most
     plan["verify_tokens"] (a speculative build's: the narrow launches rendered k + 1 rows wide, a
     verify step's rows at batch 1). Else the phase's own. A plan without those keys runs every
     step as its phase."""
