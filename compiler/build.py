@@ -93,7 +93,8 @@ def compile_model(model=None, spec_path=None, model_dir=None, features=None, log
     kv_cache_dtype: --kv-cache-dtype (infc/config.py KV_CACHE_DTYPES); lora: --enable-lora's
     {"max_loras", "max_rank", "targets"} (infc/config.py lora_build), None without; capture: a
     speculation head's target layers (compiler/passes/capture_hidden.py), None without;
-    narrow_tokens: the narrow program's widest step (a speculative build's k + 1; None: 1);
+    narrow_tokens: the narrow launches' widest step (a speculative build's k + 1: a verify
+    program that wide beside the one-token narrow program; None: 1);
     section: "mtp" compiles the spec's MTP layer instead of its model (Spec.mtp_section)."""
     if not fuse:
         from .pipeline import FUSIONS

@@ -117,11 +117,13 @@ def collectives(plan: dict, phases=None) -> list[str]:
 
 def inspect(model=None, spec_path=None, model_dir=None, dot=None, phases=None, spec_dirs=None,
             tensor_parallel_size=1, enable_expert_parallel=False, rank=None, data_parallel_size=1,
-            lora=None) -> str:
+            lora=None, narrow_tokens=None) -> str:
+    """narrow_tokens: compile_model's (a speculative build's k + 1: its verify program); one-GPU only."""
     from .parallel import settings
     par = settings(tensor_parallel_size, enable_expert_parallel, data_parallel_size=data_parallel_size)
     if par is None:
-        return _inspect_one(model, spec_path, model_dir, dot, phases, spec_dirs, lora=lora)
+        return _inspect_one(model, spec_path, model_dir, dot, phases, spec_dirs, lora=lora,
+                            narrow_tokens=narrow_tokens)
     ranks = range(par["world"]) if rank is None else [rank]
     if rank is not None and not 0 <= rank < par["world"]:
         raise ValueError(f"--rank {rank}: the ranks are 0..{par['world'] - 1}")
@@ -131,12 +133,14 @@ def inspect(model=None, spec_path=None, model_dir=None, dot=None, phases=None, s
                                     phases, spec_dirs, {**par, "rank": r}, lora) for r in ranks)
 
 
-def _inspect_one(model, spec_path, model_dir, dot, phases, spec_dirs, parallel=None, lora=None) -> str:
+def _inspect_one(model, spec_path, model_dir, dot, phases, spec_dirs, parallel=None, lora=None,
+                 narrow_tokens=None) -> str:
     snapshots = {}
 
     state, plan = compile_model(model, spec_path, model_dir, observe=lambda name, st:
                                 snapshots.__setitem__(name, _graph_text(st.graph, "    ")),
-                                spec_dirs=spec_dirs, parallel=parallel, lora=lora)
+                                spec_dirs=spec_dirs, parallel=parallel, lora=lora,
+                                narrow_tokens=narrow_tokens)
     import tempfile
     from pathlib import Path
     from .build import GENERATED, generate
@@ -159,9 +163,9 @@ def _inspect_one(model, spec_path, model_dir, dot, phases, spec_dirs, parallel=N
     a = plan["arena"]
     out += ["", f"== memory: arena = {a['bytes_per_token']}*T + {a['bytes_per_seq']}*B + {a['bytes']} bytes"]
     absent = [p for p in phases or [] if p not in plan["programs"]]
-    for p in absent:          # "wide", "short" and "narrow" exist only where they run differently
+    for p in absent:          # "wide", "short", "narrow" and "verify" exist only where they run differently
         out += ["", f"== launches: {p}  (none: this plan has no {p} program; its steps run "
-                    f"{'decode' if p in ('wide', 'narrow') else 'mixed / prefill'})"]
+                    f"{'decode' if p in ('wide', 'narrow', 'verify') else 'mixed / prefill'})"]
     phases = [p for p in phases if p in plan["programs"]] if phases else list(plan["programs"])
     out += [""] + weights_section(plan, phases)
     out += [""] + budget_lines(plan)
@@ -171,7 +175,9 @@ def _inspect_one(model, spec_path, model_dir, dot, phases, spec_dirs, parallel=N
         total, per_layer = count_launches(plan["programs"][phase])
         when = {"short": f"; prefill / mixed steps of <= {plan.get('short_tokens')} tokens",
                 "wide": f"; decode steps of >= {plan.get('wide_tokens')} sequences",
-                "narrow": f"; decode steps of <= {plan.get('narrow_tokens')} tokens"}.get(phase, "")
+                "narrow": f"; decode steps of <= {plan.get('narrow_tokens')} tokens",
+                "verify": f"; decode steps of {plan.get('narrow_tokens', 0) + 1}-{plan.get('verify_tokens')} "
+                          f"tokens: the narrow launches {plan.get('verify_tokens')} rows wide"}.get(phase, "")
         out += ["", f"== launches: {phase}  ({per_layer} per layer, {total} per step{when})"]
         out += _launch_table(plan, plan["programs"][phase], bin_dir)
     if plan.get("sampler"):

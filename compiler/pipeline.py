@@ -80,7 +80,8 @@ REWRITES = FUSIONS - {"merge_prologues", "merge_lora"} | {"split_attention", "sh
 
 
 def narrow_tokens_setting(n) -> int:
-    """The narrow program's width: infc/config.py's default, or 1..NARROW_TOKENS_MAX."""
+    """The narrow launches' widest step: infc/config.py's default, or 1..NARROW_TOKENS_MAX (above
+    the default: a verify program that wide beside the narrow one)."""
     from infc.config import NARROW_TOKENS, NARROW_TOKENS_MAX
     if n is None:
         return NARROW_TOKENS
@@ -101,7 +102,8 @@ def compile_spec(spec: Spec, env: dict, model: str, features: list | None = None
     {"flag", "scales"} (passes/quantize_kv_cache.py), None for the model's dtype; `lora`:
     --enable-lora's {"max_loras", "max_rank", "targets"} (passes/add_lora.py), None without;
     `capture`: a speculation head's target layers (passes/capture_hidden.py), None without;
-    `narrow_tokens`: the narrow program's widest step (None: infc/config.py NARROW_TOKENS)."""
+    `narrow_tokens`: the narrow launches' widest step (None: infc/config.py NARROW_TOKENS; more:
+    a verify program that wide, passes/select_kernels.py)."""
     graph, weights = lower(spec, env)
     state = CompileState(spec, env, graph, weights, model, features=list(features or []),
                          parallel=dict(parallel) if parallel else None, quant=quant, kv_cache=kv_cache,

@@ -22,6 +22,10 @@
                 inputs are its, output: the index of its output the consumer reads, value: that
                 output's name (not written), writes: how many of the launch's outputs are its,
                 feeds: the consumer's input that value was, where not 0 (a LoRA shrink's), attrs})
+    verify_tokens  (speculative builds only: compile_model's narrow_tokens = k + 1) a decode step
+                of more than narrow_tokens and at most this many tokens runs programs["verify"]:
+                the narrow program's launches rendered this many rows wide
+                (compiler/passes/select_kernels.py SAME_LAUNCHES)
     lora        (--enable-lora plans only) the adapter tables and the modules they serve
                 (compiler/passes/add_lora.py); step_metadata then has lora_slots and the rows grouped
                 by slot, lora_rows / lora_segs (runtime/lora/groups.py)
@@ -36,13 +40,15 @@
 """
 import json
 
+from infc.config import NARROW_TOKENS
+
 from .contract.schema import CACHE_MARKER, DTYPE_BYTES, SCHEMA, step_metadata
 from .ir import Graph
 from .ops import REGISTRY
 from .passes.merge_lora import lora_launch
 from .passes.merge_prologues import merged_launch
 from .passes.quantize_kv_cache import declare as declare_kv_cache
-from .passes.select_kernels import SHORT_TOKENS, wide_tokens
+from .passes.select_kernels import SAME_LAUNCHES, SHORT_TOKENS, wide_tokens
 
 def _jsonable(v):
     if isinstance(v, dict):
@@ -101,9 +107,10 @@ def _node_caches(g: Graph, n) -> dict:
 
 
 def _launches(state, g: Graph, phase: str) -> list:
-    merges = state.merges.get(phase, {})
+    merged_as = SAME_LAUNCHES.get(phase, phase)      # the verify program is the narrow one's launches
+    merges = state.merges.get(merged_as, {})
     into = {c: p for p, c in merges.items()}
-    sites = state.lora_sites.get(phase, {})          # LoRA in the GEMV's launch (merge_lora)
+    sites = state.lora_sites.get(merged_as, {})      # LoRA in the GEMV's launch (merge_lora)
     inside = {i for site in sites.values() for i in site}
     out = []
     for n in g.ordered():
@@ -193,7 +200,8 @@ def emit_plan(state) -> dict:
         "programs": {phase: _launches(state, g, phase) for phase in state.kernels},
         **({"short_tokens": SHORT_TOKENS} if "short" in state.kernels else {}),
         **({"wide_tokens": wide_tokens(state)} if "wide" in state.kernels else {}),
-        **({"narrow_tokens": state.narrow_tokens} if "narrow" in state.kernels else {}),
+        **({"narrow_tokens": min(state.narrow_tokens, NARROW_TOKENS)} if "narrow" in state.kernels else {}),
+        **({"verify_tokens": state.narrow_tokens} if "verify" in state.kernels else {}),
         **({"row_logits": state.row_logits} if state.row_logits else {}),
         **({"lora": _jsonable(state.lora_plan)} if state.lora_plan else {}),
     }

@@ -30,8 +30,10 @@ class CompileState:
     lora: dict | None = None         # --enable-lora: {"max_loras", "max_rank", "targets"} (passes/add_lora.py)
     lora_plan: dict | None = None    # set by add_lora: plan["lora"]
     capture: list | None = None      # a speculation head's layers: plan output aux_hidden
-    narrow_tokens: int = 1           # the narrow program's widest step (infc/config.py NARROW_TOKENS)
                                      # (passes/capture_hidden.py); None: no such output
+    narrow_tokens: int = 1           # the narrow launches' widest step: above infc/config.py
+                                     # NARROW_TOKENS (a speculative build's k + 1) a verify program
+                                     # that wide (passes/select_kernels.py)
 
     def note(self, pass_name: str, msg: str):
         self.log.append((pass_name, msg))

@@ -286,7 +286,7 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
 
 def artifact_tag(lora=None, narrow: int = 1, capture=None) -> str:
     """The suffix of a served build's directory name that the build's own plan gets: LoRA tables,
-    a speculative build's wider narrow program, a head's hidden-state outputs
+    a speculative build's verify program (k + 1 rows), a head's hidden-state outputs
     (tests/gpu/prepare.py builds under the same names)."""
     return ((f"-lora{lora['max_loras']}r{lora['max_rank']}" if lora else "")
             + (f"-narrow{narrow}" if narrow > 1 else "")
@@ -300,7 +300,7 @@ def served_artifact(st, c: EngineConfig, model_dir: Path, spec_dirs, dummy: bool
     near-instant, so "built or reused" is one call; the build key (compiler/build_key.py) skips
     even that (and the compiler's imports) when nothing the build reads has changed."""
     from infc.config import narrow_tokens_for
-    # a speculative build's narrow program takes the verify step's k + 1 rows (config.py)
+    # a speculative build's verify program takes the verify step's k + 1 rows (config.py)
     narrow = narrow_tokens_for(c.speculative.speculative_config)
     out = SERVED_ARTIFACTS / ((c.load.model or model_dir.name) + artifact_tag(lora, narrow, capture))
     kw = dict(model=c.load.model, spec_path=c.load.spec, model_dir=str(model_dir), out=str(out),

@@ -29,12 +29,16 @@ def _build(args):
 
 def _inspect(args):
     from infc.compiler.inspect import inspect
+    from infc.config import narrow_tokens_for, speculative_config
     from infc.server.args import lora_build_setting
+    # --speculative-config: the plan a speculative server builds (its verify program, k + 1 rows)
+    narrow = narrow_tokens_for(speculative_config(args.speculative_config))
     print(inspect(args.model, spec_path=args.spec, model_dir=args.model_path, dot=args.dot,
                   phases=args.phase, spec_dirs=args.spec_dir,
                   tensor_parallel_size=args.tensor_parallel_size,
                   enable_expert_parallel=args.enable_expert_parallel, rank=args.rank,
-                  data_parallel_size=args.data_parallel_size, lora=lora_build_setting(args)))
+                  data_parallel_size=args.data_parallel_size, lora=lora_build_setting(args),
+                  narrow_tokens=narrow))
 
 
 def _generate(args):
@@ -154,11 +158,13 @@ def parser() -> argparse.ArgumentParser:
     add_spec_dir_arg(i)
     i.add_argument("--model-path")
     i.add_argument("--dot", help="write the fused graph as Graphviz DOT to this file")
-    i.add_argument("--phase", action="append", choices=["prefill", "decode", "mixed", "short", "wide", "narrow"],
+    i.add_argument("--phase", action="append", choices=["prefill", "decode", "mixed", "short", "wide", "narrow", "verify"],
                    help="phases to list launches for (default: all; wide: decode steps of many sequences)")
     _add_parallel_args(i)
     i.add_argument("--rank", type=int, help="with --tensor-parallel-size: show only this rank")
     add_lora_build_args(i)
+    from infc.server.args import add_speculative_config_arg
+    add_speculative_config_arg(i)           # the speculative build's plan: --phase verify
     i.set_defaults(fn=_inspect)
 
     g = sub.add_parser("generate", help="generate text from prompts")

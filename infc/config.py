@@ -166,14 +166,16 @@ DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE = 8
 # tokens. One by default: its GEMVs are then the CUDA-core path alone; the tensor-core path that
 # 2+ rows need, compiled into the same kernels, cost the one-token step 16 % on an H200 (its
 # shared-memory pipeline limits the CUDA-core path's occupancy: qwen3-4b 2.34 -> 2.71 ms, bench/NOTES.md).
-# A speculative build widens it to a verify step's k + 1 rows, at most NARROW_TOKENS_MAX.
+# A speculative build keeps it and adds a verify program of a verify step's k + 1 rows, at most
+# NARROW_TOKENS_MAX: the same launches rendered that wide (compiler/passes/select_kernels.py).
 NARROW_TOKENS = 1
 NARROW_TOKENS_MAX = 8
 
 
 def narrow_tokens_for(spec) -> int:
-    """The narrow program's width for a build that serves `spec` (a SpeculativeConfig or None):
-    a verify step's k + 1 rows where they fit, else the one-token default."""
+    """The narrow launches' widest step for a build that serves `spec` (a SpeculativeConfig or
+    None; compile_model's narrow_tokens): a verify step's k + 1 rows where they fit (the plan's
+    verify program), else the one-token default (no verify program)."""
     if spec is None or spec.num_speculative_tokens + 1 > NARROW_TOKENS_MAX:
         return NARROW_TOKENS
     return spec.num_speculative_tokens + 1

@@ -45,7 +45,8 @@ REGISTRY = {v.name: v for v in (
     Var("INFC_WIDE", "flag", True, "run large decode batches on the plan's wide program "
         "(0: every decode step on the decode program, for A/B timing)"),
     Var("INFC_NARROW", "flag", True, "run small decode batches on the plan's narrow program "
-        "(0: every decode step on the decode program, for A/B timing)"),
+        "and a speculative build's verify program (0: every decode step on the decode program, "
+        "for A/B timing)"),
     Var("INFC_P2P", "flag", True, "one-shot peer-to-peer all-reduces for small messages where "
         "the GPUs can map each other's memory (0: NCCL only)"),
     Var("INFC_P2P_BYTES", "int", 64 << 10, "the largest all-reduce the P2P path takes, in bytes "

@@ -68,6 +68,16 @@ def test_inspect_wide_phase(capsys):
     assert "== launches: decode" not in out and "moe_" not in out
 
 
+def test_inspect_verify_phase(capsys, tiny_model):
+    """A speculative build's verify program (--speculative-config: k + 1 rows) is listed like any
+    phase."""
+    d, _ = tiny_model("qwen3")
+    spec = '{"method": "ngram", "num_speculative_tokens": 4}'
+    assert main(["inspect", "--model-path", str(d), "--phase", "verify", "--speculative-config", spec]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"== launches: verify  \(5 per layer, \d+ per step; decode steps of 2-5 tokens", out), out
+
+
 def test_inspect_writes_dot(tmp_path, capsys):
     dot = tmp_path / "f.dot"
     assert main(["inspect", "qwen3-4b", "--dot", str(dot)]) == 0

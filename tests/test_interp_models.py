@@ -37,7 +37,7 @@ def _rel(a, b):
 def test_tiny_model_through_kernels(family, fuse, tiny_model, tmp_path, rng):
     """fuse=False is `infc build --no-fuse`: every op through its generic kernel."""
     d, _ = tiny_model(family, **DIMS)
-    # a speculative build's narrow program (verify steps of up to 8 rows: infc/backend.py)
+    # a speculative build: its verify program (verify steps of up to 8 rows: infc/backend.py)
     out = build(model_dir=str(d), out=tmp_path / "art", compile=False, log=None, page_size=16,
                 fuse=fuse, narrow_tokens=8)
     plan = json.loads((out / "plan.json").read_text())
@@ -47,8 +47,8 @@ def test_tiny_model_through_kernels(family, fuse, tiny_model, tmp_path, rng):
     # prefill program (the GEMMs) and the 9-token prefix hit on the short one (the GEMVs)
     plan["short_tokens"] = 16
     # the two-sequence decode steps below run the decode and wide programs; the narrow program
-    # (steps of up to plan["narrow_tokens"] = 8 tokens) runs at the end
-    narrow_tokens, plan["narrow_tokens"] = plan.get("narrow_tokens"), 1
+    # (one token) and the verify program (steps of up to plan["verify_tokens"] = 8 tokens) run at the end
+    verify_tokens, plan["verify_tokens"] = plan.get("verify_tokens"), 1
     weights = load_weights(plan, Checkpoint(d))
     ref = ReferenceExecutor(plan, weights)
     run = InterpExecutor(plan, weights, page_size=16)
@@ -102,7 +102,10 @@ def test_tiny_model_through_kernels(family, fuse, tiny_model, tmp_path, rng):
         # q/k RoPE merged into attention, and the dense layers' norms into their GEMVs (the MoE
         # layer's stay launches: tests/test_merge_prologues.py)
         merged = [l["prologue"]["op"] for l, _ in launches(plan["programs"]["narrow"]) if "prologue" in l]
-        assert narrow_tokens == 8 and "qk_norm_rope_cache" in merged, run.templates
+        assert verify_tokens == 8 and "qk_norm_rope_cache" in merged, run.templates
+        ops = {p: [(l["op"], l.get("prologue", {}).get("op")) for l, _ in launches(plan["programs"][p])]
+               for p in ("narrow", "verify")}
+        assert ops["verify"] == ops["narrow"]        # the same launches (rendered 8 rows wide)
         assert ("add_rms_norm" in merged) == (family != "qwen3_moe")
     assert _rel(got, want) < 2e-2
     assert np.argmax(got, -1) == np.argmax(want, -1)
@@ -111,8 +114,9 @@ def test_tiny_model_through_kernels(family, fuse, tiny_model, tmp_path, rng):
     # a speculative verify step (runtime/engine/speculative/): sequence 0's next token and two
     # drafts as one-token rows, the rows in reverse so each runs before the rows that write the
     # keys it reads (the merged cache write: tests/kernels/test_attention_decode_prologue.py),
-    # beside sequence 1's decode row; the narrow program, its GEMVs' tensor-core path at 4 rows
-    plan["narrow_tokens"] = narrow_tokens
+    # beside sequence 1's decode row; the verify program (the narrow launches 8 rows wide), its
+    # GEMVs' tensor-core path at 4 rows (tests/test_verify_program.py: against the decode program)
+    plan["verify_tokens"] = verify_tokens
     lens[0] += 1
     t0, d0, d1 = int(np.argmax(want[0])), toks[1], toks[0]
     rows = [(0, d1, lens[0] + 2), (1, toks[1], lens[1]), (0, d0, lens[0] + 1), (0, t0, lens[0])]
@@ -122,5 +126,5 @@ def test_tiny_model_through_kernels(family, fuse, tiny_model, tmp_path, rng):
     w_d0 = ref.step([SeqChunk(0, [d0], lens[0] + 1)])[0]
     w_d1 = ref.step([SeqChunk(0, [d1], lens[0] + 2)])[0]
     want = np.stack([w_d1, w_1, w_d0, w_t0])
-    assert run.program == "narrow" and got.shape[0] == 4
+    assert run.program == "verify" and got.shape[0] == 4
     assert _rel(got, want) < 2e-2

@@ -1,5 +1,6 @@
-"""The narrow phase (compiler/passes/merge_prologues.py): decode steps of one token (up to 8 in a
-speculative build: narrow_tokens), where the
+"""The narrow phase (compiler/passes/merge_prologues.py): decode steps of one token (a
+speculative build's verify steps of up to 8 rows run the same launches as its verify program:
+tests/test_verify_program.py), where the
 residual add + RMSNorm runs inside the GEMV after it. The plan's shape of it, the memory rule it
 needs (no launch writes memory that one of its other inputs occupies), and where it is not made."""
 import pytest
@@ -33,10 +34,13 @@ def test_qwen3_4b_narrow_program_merges_the_norms_and_qk_rope():
     assert program_name(plan, "decode", 1) == "narrow"
     assert program_name(plan, "decode", 2) == "decode"
     assert program_name(plan, "prefill", 1) == "short"          # a prompt of one token is no decode step
-    # a speculative build (infc/backend.py: narrow_tokens_for) widens it to a verify step's rows
+    # a speculative build (infc/backend.py: narrow_tokens_for) keeps it and adds the same
+    # launches as a verify program of its verify step's rows
     _, wide = compile_model("qwen3-4b", narrow_tokens=8)
-    assert wide["narrow_tokens"] == 8 and wide["programs"]["narrow"] == plan["programs"]["narrow"]
-    assert program_name(wide, "decode", 8) == "narrow"          # a verify step of 7 drafts at batch 1
+    assert wide["narrow_tokens"] == 1 and wide["verify_tokens"] == 8
+    assert wide["programs"]["narrow"] == wide["programs"]["verify"] == plan["programs"]["narrow"]
+    assert "verify" not in plan["programs"] and "verify_tokens" not in plan
+    assert program_name(wide, "decode", 8) == "verify"          # a verify step of 7 drafts at batch 1
     assert program_name(wide, "decode", 9) == "decode"
     for bad in (0, 9, 2.0, True, "8"):
         with pytest.raises(ValueError, match="narrow_tokens must be an integer in 1..8"):
@@ -46,29 +50,29 @@ def test_qwen3_4b_narrow_program_merges_the_norms_and_qk_rope():
 def test_a_one_token_narrow_program_leaves_the_tensor_core_path_out():
     """The narrow GEMVs of a one-token narrow program are the CUDA-core path alone: the tensor-core
     path that 2+ rows need, in the same kernel, slowed the one-token step 16 % on an H200; a
-    speculative build's narrow GEMVs keep it, and its decode attention writes a verify step's
+    speculative build's verify GEMVs keep it, and its decode attention writes a verify step's
     other rows' keys."""
     from infc.compiler.codegen.render import render_plan
-    for n, has in ((1, False), (8, True)):
+    for n, program, has in ((1, "narrow", False), (8, "narrow", False), (8, "verify", True)):
         _, plan = compile_model("qwen3-4b", narrow_tokens=n)
         kernels = render_plan(plan, {}, 16)
-        narrow = {l["op"]: kernels[l["kernel_id"]] for l, _ in launches(plan["programs"]["narrow"])}
+        narrow = {l["op"]: kernels[l["kernel_id"]] for l, _ in launches(plan["programs"][program])}
         for op in ("linear", "linear_gated", "lm_head_last"):
-            assert ("tensor-core path: rows" in narrow[op].source) == has, (n, op)
-        assert ("a verify step: the K/V" in narrow["attention_cached"].source) == has, n
+            assert ("tensor-core path: rows" in narrow[op].source) == has, (n, program, op)
+        assert ("a verify step: the K/V" in narrow["attention_cached"].source) == has, (n, program)
 
 
 def test_the_narrow_program_renders_the_decode_kernels_but_the_gemvs():
     """Templates see a narrow launch as a decode one (phase "decode", narrow = True): attention,
     qk-norm and the rest are the decode program's kernels, not kernels of their own."""
     from infc.compiler.codegen.render import render_plan
-    for n, own in ((1, {"lm_head_last"}), (8, set())):
+    for n, program, own in ((1, "narrow", {"lm_head_last"}), (8, "verify", set())):
         _, plan = compile_model("qwen3-4b", narrow_tokens=n)
         render_plan(plan, {}, 16)
-        ids = {p: {(l["op"], l["kernel_id"]) for l, _ in launches(plan["programs"][p])} for p in ("decode", "narrow")}
-        only_narrow = {op for op, _ in ids["narrow"] - ids["decode"]}
+        ids = {p: {(l["op"], l["kernel_id"]) for l, _ in launches(plan["programs"][p])} for p in ("decode", program)}
+        only_narrow = {op for op, _ in ids[program] - ids["decode"]}
         # the merged launches; lm_head_last (no prologue) is its one-row CUDA-core kernel in a
-        # one-token program, decode's (both GEMV paths) in a speculative build's
+        # one-token program, decode's (both GEMV paths) in a speculative build's verify program
         assert only_narrow == {"linear", "linear_gated", "attention_cached"} | own, n
 
 

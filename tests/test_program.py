@@ -86,13 +86,14 @@ def test_program_name_picks_wide_for_many_token_decode_and_graphs_capture_it(fak
     for bucket in (64, 128):
         r._capture(bucket)
     assert ran == [("decode", 64), ("decode", 64), ("wide", 128), ("wide", 128)]   # warm-up, capture
-    # the narrow program (plan["narrow_tokens"]: a verify step's k + 1 rows at batch 1) takes the
-    # buckets up to it: a 5-row verify step replays bucket 8's narrow graph
-    r.plan, r.graphs, ran[:] = {**plan, "narrow_tokens": 8,
-                                "programs": {**plan["programs"], "narrow": []}}, {}, []
+    # the narrow program takes the one-row bucket, a speculative build's verify program
+    # (plan["verify_tokens"]: a verify step's k + 1 rows at batch 1) the buckets up to it
+    # (tests/test_verify_program.py: its own bucket)
+    r.plan, r.graphs, ran[:] = {**plan, "narrow_tokens": 1, "verify_tokens": 8,
+                                "programs": {**plan["programs"], "narrow": [], "verify": []}}, {}, []
     for bucket in (1, 8, 16):
         r._capture(bucket)
-    assert [name for name, _ in ran] == ["narrow"] * 4 + ["decode"] * 2
+    assert [name for name, _ in ran] == ["narrow"] * 2 + ["verify"] * 2 + ["decode"] * 2
 
 
 def test_old_plan_body_is_refused():

@@ -144,8 +144,12 @@ def launch_tensors(plan: dict, launch: dict) -> tuple[list[dict], list[dict]]:
 # "decode|..." entries, with a "narrow|..." entry of the same shapes laid over them where the
 # table has one: a tile for one row alone (the CUDA-core path), which the decode program's rows keep out of),
 # so only a template that reads `narrow` (the GEMV and attention: a merged prologue)
-# or a narrow entry makes a kernel of its own.
-AS_PHASE = {"narrow": "decode"}
+# or a narrow entry makes a kernel of its own. A verify step (a speculative build's 2..k + 1 rows,
+# compiler/passes/select_kernels.py) runs the narrow launches rendered the same way but
+# `narrow_rows` = plan["verify_tokens"] wide: the kernels the narrow program had when it was
+# k + 1 rows wide, so the narrow program's own stay a one-token build's.
+AS_PHASE = {"narrow": "decode", "verify": "decode"}
+NARROW_ROWS = {"narrow": "narrow_tokens", "verify": "verify_tokens"}
 
 
 def narrow_key(key: str) -> str:
@@ -173,9 +177,10 @@ def launch_context(plan: dict, launch: dict, phase: str, tuning: dict, page_size
     ins, outs = launch_tensors(plan, launch)
     caches = {n: {**c, "page_size": page_size} for n, c in plan.get("caches", {}).items()}
     key = tuning_key(plan, launch, phase, (ins, outs))
-    keys = (key, narrow_key(key)) if phase == "narrow" else (key,)
-    return {"op": launch["op"], "phase": AS_PHASE.get(phase, phase), "narrow": phase == "narrow",
-            "narrow_rows": plan.get("narrow_tokens", 1) if phase == "narrow" else 0,
+    narrow = phase in NARROW_ROWS
+    keys = (key, narrow_key(key)) if narrow else (key,)
+    return {"op": launch["op"], "phase": AS_PHASE.get(phase, phase), "narrow": narrow,
+            "narrow_rows": plan.get(NARROW_ROWS[phase], 1) if narrow else 0,
             "inputs": ins, "outputs": outs, "attrs": launch["attrs"], "prologue": launch.get("prologue"),
             "lora": launch.get("lora"), "config": plan["config"], "caches": caches, "page_size": page_size,
             "tune": tune_for(tuning, launch["kernel"], *keys)}

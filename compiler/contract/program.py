@@ -83,13 +83,17 @@ def program_name(plan: dict, phase: str, T: int) -> str:
     at most plan["short_tokens"] tokens (its linears stream the weights with the decode GEMVs),
     "wide" for a decode step of at least plan["wide_tokens"] (the GEMVs' row tiles for many
     sequences; the experts' grouped GEMMs); see compiler/passes/select_kernels.py. "narrow" for a
-    decode step of at most plan["narrow_tokens"] (launches merged for a few tokens, a speculative
-    verify step's rows included: compiler/passes/merge_prologues.py). Else the phase's own. A plan without those keys runs
-    every step as its phase."""
+    decode step of at most plan["narrow_tokens"] (one: launches merged for a token,
+    compiler/passes/merge_prologues.py), "verify" for one of more tokens than that and at most
+    plan["verify_tokens"] (a speculative build's: the narrow launches rendered k + 1 rows wide, a
+    verify step's rows at batch 1). Else the phase's own. A plan without those keys runs every
+    step as its phase."""
     if phase in ("prefill", "mixed") and T <= plan.get("short_tokens", 0) and "short" in plan["programs"]:
         return "short"
     if phase == "decode" and "narrow" in plan["programs"] and T <= plan.get("narrow_tokens", 0):
         return "narrow"
+    if phase == "decode" and "verify" in plan["programs"] and T <= plan.get("verify_tokens", 0):
+        return "verify"
     if phase == "decode" and "wide" in plan["programs"] and T >= plan.get("wide_tokens", 1 << 62):
         return "wide"
     return phase

@@ -21,9 +21,10 @@ session).
   the expand's input 1 (FEEDS), and its partials live in the merged kernel's scratch (the plan's
   xa buffer is not read in this phase). At 64 rows the GEMV's re-read is per row block and column block, and a prompt's keys
 must be in the cache before other programs read them, so the graph keeps the ops and the merges
-are made for the "narrow" program only: decode steps of at most state.narrow_tokens tokens
-(compiler/contract/program.py `program_name`; plan["narrow_tokens"]): 1 by default (infc/config.py
-NARROW_TOKENS says why), up to 8 in a speculative build: a verify step of up to 7
+are made for the "narrow" program only: decode steps of plan["narrow_tokens"] = 1 token
+(compiler/contract/program.py `program_name`; infc/config.py NARROW_TOKENS says why one). A
+speculative build's verify program runs the same launches (compiler/passes/select_kernels.py
+SAME_LAUNCHES) rendered state.narrow_tokens = k + 1 <= 8 rows wide: a verify step of up to 7
 drafts at batch 1 (issue 43: the decode program's separate norm and qk-norm/rope launches made
 verify(4) 1.52x the one-token step on an H200), or a few sequences decoding; past it the GEMVs'
 per-row-block prologue re-reads every row of its block, and a verify row's split writes each of

@@ -3,10 +3,12 @@
 Triton is the default and covers every op; `--features tilelang,cuda` lets another backend
 take a launch wherever the op's home declares a template for that backend and phase.
 """
+from infc.config import NARROW_TOKENS
+
 from ..ops import REGISTRY
 
 PHASES = ("prefill", "decode", "mixed", "short", "wide", "narrow")
-# "narrow": a decode step of at most merge_prologues.NARROW_TOKENS tokens, the decode program with
+# "narrow": a decode step of at most plan["narrow_tokens"] tokens, the decode program with
 # launches merged for that phase only (state.merges; compiler/passes/merge_prologues.py). Its GEMVs
 # take their CUDA-core path at one row, the tensor-core path at more, both with the merged
 # prologue. A plan without such a merge has no narrow program, unless a linear reads ready fp8
@@ -18,6 +20,14 @@ PHASES = ("prefill", "decode", "mixed", "short", "wide", "narrow")
 # waste most of their work on a few dozen rows. Attention stays attention_prefill (several
 # tokens per sequence); every other op runs as in mixed (OpDef.template: short -> mixed).
 SHORT_TOKENS = 64
+# "verify": a speculative build's (state.narrow_tokens = k + 1 > infc/config.py NARROW_TOKENS)
+# decode steps of NARROW_TOKENS + 1 .. k + 1 rows (verify(k) at batch 1; plan["verify_tokens"]):
+# the narrow program's launches (its merges and LoRA sites: SAME_LAUNCHES), rendered k + 1 rows
+# wide (its GEMVs keep the tensor-core path for 2+ rows, its attention writes the other verify
+# rows' keys). The narrow program stays one row wide, its kernels byte-identical to a one-token
+# build's: compiled into the same kernel, the tensor-core path cost the one-row step 19 % on an
+# H200 even untaken (bench/NOTES.md, "Measured after the session's merges").
+SAME_LAUNCHES = {"verify": "narrow"}
 # A decode step whose experts get at least this many tokens each on average (T * k / E, E the
 # whole model's routed experts) runs the "wide" program (plan["wide_tokens"] = the T where that
 # starts): the decode program with the experts' grouped GEMMs (moe_align's lists, one tensor-core
@@ -80,6 +90,8 @@ def select_kernels(state):
     ready_codes = any(n.attrs.get("has_a_scale") for g in state.graph.walk() for n in g.ordered())
     if not state.merges.get("narrow") and not state.lora_sites.get("narrow") and not ready_codes:
         del state.kernels["narrow"]
+    if "narrow" in state.kernels and state.narrow_tokens > NARROW_TOKENS:
+        state.kernels["verify"] = dict(state.kernels["narrow"])
     state.note("select_kernels", ", ".join(f"{p}: {len(t)} launches" for p, t in state.kernels.items()))
 
 

@@ -102,8 +102,23 @@ def feed_runs(feed) -> list[tuple[int, int, int]]:
     return [tuple(r) for r in runs]
 
 
-def default_buckets(max_seqs: int) -> list[int]:
+def ab_programs(plan: dict) -> dict:
+    """The plan less the programs INFC_WIDE=0 / INFC_NARROW=0 turn off (A/B timing: their steps
+    on the decode program). The verify program is the narrow launches k + 1 rows wide: it goes
+    with them."""
+    for name, drop in (("wide", {"wide"}), ("narrow", {"narrow", "verify"})):
+        if not envs.value(f"INFC_{name.upper()}") and drop & set(plan["programs"]):
+            plan = dict(plan, programs={p: v for p, v in plan["programs"].items() if p not in drop})
+    return plan
+
+
+def default_buckets(max_seqs: int, plan: dict | None = None) -> list[int]:
+    """The decode steps' graph buckets. A speculative plan's verify program (verify(k) at batch 1:
+    k + 1 rows, compiler/contract/program.py program_name) gets a bucket of its width, where the
+    next power of two (8 for k = 4) would pad the step past it onto the decode program."""
     b = [1, 2, 4, 8] + list(range(16, 257, 8))
+    if plan is not None and "verify" in plan["programs"]:
+        b = sorted(set(b) | {plan["verify_tokens"]})
     return [x for x in b if x <= max_seqs] or [max_seqs]
 
 
@@ -120,8 +135,8 @@ class CudaRunner:
         device (runtime/weights/dummy.py), so model_dir needs only config.json.
         pdl: launch the kernels whose META allows it as programmatic dependents of the kernel
         before them (driver.DependentLaunch); default on, INFC_PDL=0 turns it off (A/B timing).
-        INFC_WIDE=0 / INFC_NARROW=0 run wide / narrow decode steps on the decode program (A/B
-        timing: the narrow program's merged launches against the decode program's).
+        INFC_WIDE=0 / INFC_NARROW=0 run wide / narrow (and verify) decode steps on the decode
+        program (A/B timing: the narrow program's merged launches against the decode program's).
         A rank of a parallel artifact (runtime/cuda/ranks.py): `plan` (its plan.rank<r>.json),
         `collectives` (runtime/cuda/collectives.py: NCCL, or device copies between the runners
         of one process, which then share `ctx`). agree_num_pages(n) -> the page count every rank
@@ -143,11 +158,7 @@ class CudaRunner:
         self.ctx = ctx if ctx is not None else Context()
         self.artifact = Path(artifact)
         plan = plan if plan is not None else load_plan(self.artifact)
-        for name in ("wide", "narrow"):
-            if not envs.value(f"INFC_{name.upper()}") and name in plan["programs"]:
-                # A/B timing: every decode step on the decode program
-                plan = dict(plan, programs={p: v for p, v in plan["programs"].items() if p != name})
-        self.plan = plan
+        self.plan = plan = ab_programs(plan)
         self.collectives = collectives
         # INFC_COLLECTIVE_CLOCK=1: each collective's time on this rank's stream (collective_clock.py)
         self.collective_clock = (CollectiveClock(self.ctx) if collectives is not None
@@ -229,7 +240,7 @@ class CudaRunner:
         self.place = dims                          # where buffers live: fixed for every step
         self.programs = {}                         # phase -> packed launches (bound once)
         self.graphs: dict[int, tuple] = {}
-        self.buckets = sorted(self._bucket_list or default_buckets(self.max_seqs))
+        self.buckets = sorted(self._bucket_list or default_buckets(self.max_seqs, plan))
         if self._cuda_graphs:
             for b in self.buckets:
                 self._capture(b)

@@ -323,12 +323,12 @@ DRAFT_CUT = "qwen3-4b-l2"      # tests/gpu/test_spec_gpu.py's DRAFT_CUT
 def draft():
     """qwen3-4b-l2 (base_config: qwen3-4b's config.json with 2 layers) into
     .cache/artifacts/qwen3-4b-l2, with the config-only directories of it and of qwen3-4b that the
-    GPU test loads with --load-format dummy; and the target's speculative build (k = 4: its narrow
+    GPU test loads with --load-format dummy; and the target's speculative build (k = 4: its verify
     program takes a verify step's 5 rows, infc/config.py narrow_tokens_for) into
     .cache/artifacts/qwen3-4b-narrow5, the directory infc/backend.py names for it."""
     from infc.backend import SERVED_ARTIFACTS, artifact_tag
     from infc.compiler.build import REPO as BUILD_REPO
-    _both_tunings("qwen3-4b for --speculative-config k = 4 (narrow program of 5 rows)",
+    _both_tunings("qwen3-4b for --speculative-config k = 4 (verify program of 5 rows)",
                   SERVED_ARTIFACTS / ("qwen3-4b" + artifact_tag(narrow=5)),
                   model_dir=str(served_config("qwen3-4b")), narrow_tokens=5, check_checkpoint=False)
     _both_tunings(f"{DRAFT_CUT} (a draft model for qwen3-4b)", BUILD_REPO / ".cache" / "artifacts" / DRAFT_CUT,
@@ -352,7 +352,7 @@ def eagle3():
     head = _write_config(EAGLE3_HEAD, head_config(cfg, draft_vocab=32000))
     layers = eagle3_default_layers(cfg["num_hidden_layers"])
     arts = BUILD_REPO / ".cache" / "artifacts"
-    # the GPU test's k = 4: the target's speculative build (narrow program of 5 rows)
+    # the GPU test's k = 4: the target's speculative build (verify program of 5 rows)
     _both_tunings(f"qwen3-4b with the hidden states of layers {list(layers)}, k = 4",
                   arts / ("qwen3-4b" + artifact_tag(narrow=5, capture=layers)), model_dir=str(target),
                   capture=list(layers), narrow_tokens=5, check_checkpoint=False)

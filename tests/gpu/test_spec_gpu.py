@@ -158,7 +158,7 @@ def test_draft_model_outputs_are_plain_decodings():
             assert e.bm.num_free_pages == llm.runner.num_pages and e.spec.draft.held_pages() == 0
             if draft == d:
                 # the self-draft runs the target's model one token a step: its one-token build,
-                # beside the target's speculative one (narrow program of k + 1 rows)
+                # beside the target's speculative one (verify program of k + 1 rows)
                 assert dr.artifact.name == DRAFT_TARGET and llm.runner.artifact.name == DRAFT_TARGET + "-narrow5"
                 # not 1: dummy weights give near-flat logits (151,936 tokens within a few
                 # hundredths), so the verify rows (tensor-core GEMVs) and the draft's one-row steps

@@ -146,7 +146,8 @@ def render(template, op, inputs, outputs, attrs=None, phase="decode", config=Non
     specs (extra keys: e.g. {"row_stride": n}); caches as the plan declares them (page_size is
     added to each entry, as launch_context does); prologue: a merged launch's launch["prologue"];
     narrow: a narrow step's launch (phase "decode", as launch_context renders it): True for the
-    one-token narrow program, N for a speculative build's of N rows (plan["narrow_tokens"]); lora:
+    one-token narrow program, N for a speculative build's verify program of N rows
+    (plan["verify_tokens"]); lora:
     a LoRA site's launch["lora"] (compiler/passes/merge_lora.py)."""
     def t(spec):
         name, shape, dtype = spec[:3]

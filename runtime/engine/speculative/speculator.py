@@ -8,7 +8,7 @@ attends to every key before it, the keys its earlier rows write in this very ste
 every plan writes the step's K/V for all its rows before attention reads any (the reference's
 attention / qk_norm_rope_cache write the whole step first; on the GPU kv_write and the fused
 qk-norm/rope/cache prologue are launches of their own before attention_cached, except in the
-narrow program (decode steps of at most 8 rows: verify(k <= 7) at batch 1), whose decode
+verify program (a speculative build's decode steps of 2..k + 1 <= 8 rows), whose decode
 attention writes the cache itself: there each split also writes the keys of its sequence's
 earlier rows that it reads, so none is read before it is written). phase_of says "decode", so
 the GPU runs its decode programs, CUDA graphs and

@@ -1,0 +1,131 @@
+"""A speculative build's verify program (issue 43; compiler/passes/select_kernels.py SAME_LAUNCHES):
+the narrow launches rendered k + 1 rows wide beside a one-row narrow program whose kernels are
+a one-token build's, so plain steps no longer pay for the tensor-core path that verify rows need.
+The plan's shape of it, the dispatch (compiler/contract/program.py program_name) and the graph
+buckets, a verify step through the interpreted kernels, and greedy speculation over it."""
+import json
+
+import numpy as np
+import pytest
+
+from infc.compiler.build import build, compile_model
+from infc.compiler.codegen.render import render_plan
+from infc.compiler.contract.program import launches, program_name
+from infc.runtime.engine.step import Chunk
+
+from exhaustive import EXHAUSTIVE
+
+K = 4                                           # drafts: the verify program is K + 1 = 5 rows wide
+DIMS = dict(hidden_size=96, head_dim=32, intermediate_size=160, num_hidden_layers=2)   # the interpreted case's
+
+
+@pytest.fixture(scope="module")
+def plans(tiny_model):
+    d, _ = tiny_model("qwen3")                  # the suite's shared tiny model
+    _, one = compile_model(model_dir=str(d))
+    _, spec = compile_model(model_dir=str(d), narrow_tokens=K + 1)
+    return d, one, spec
+
+
+def _ids(plan, program):
+    return [l["kernel_id"] for l, _ in launches(plan["programs"][program])]
+
+
+def test_the_speculative_plan_is_the_one_token_plan_and_a_verify_program(plans):
+    _, one, spec = plans
+    assert "verify" not in one["programs"] and "verify_tokens" not in one
+    assert spec["narrow_tokens"] == 1 and spec["verify_tokens"] == K + 1
+    # the verify program's launches are the narrow ones (the same merges); nothing else moves
+    assert spec["programs"]["verify"] == spec["programs"]["narrow"]
+    assert {p: v for p, v in spec["programs"].items() if p != "verify"} == one["programs"]
+    assert {k: v for k, v in spec.items() if k not in ("programs", "verify_tokens")} == \
+        {k: v for k, v in one.items() if k != "programs"}
+    k_one, k_spec = render_plan(one, {}, 16), render_plan(spec, {}, 16)
+    # every program but verify runs the one-token build's kernels (ids are source digests)
+    for p in one["programs"]:
+        assert _ids(spec, p) == _ids(one, p), p
+    # the verify program's own: its merged GEMVs and attention (its lm_head_last is decode's)
+    assert k_one.keys() <= k_spec.keys()
+    assert {k_spec[i].template for i in k_spec.keys() - k_one.keys()} == {"gemv", "gemv_gated", "attention_decode"}
+    assert k_spec.keys() - k_one.keys() <= set(_ids(spec, "verify")) - set(_ids(spec, "narrow"))
+    verify = {l["op"]: k_spec[l["kernel_id"]].source for l, _ in launches(spec["programs"]["verify"])}
+    narrow = {l["op"]: k_spec[l["kernel_id"]].source for l, _ in launches(spec["programs"]["narrow"])}
+    for op in ("linear", "linear_gated", "lm_head_last"):      # 2+ rows: the tensor-core path
+        assert "tensor-core path: rows" in verify[op] and "tensor-core path: rows" not in narrow[op], op
+    assert "a verify step: the K/V" in verify["attention_cached"]
+    assert "a verify step: the K/V" not in narrow["attention_cached"]
+
+
+def test_dispatch_and_graph_buckets(plans, fake_driver, monkeypatch):
+    _, one, spec = plans
+    assert [program_name(spec, "decode", T) for T in range(1, K + 4)] == \
+        ["narrow"] + ["verify"] * K + ["decode"] * 2
+    assert [program_name(one, "decode", T) for T in (1, 2, K + 1)] == ["narrow", "decode", "decode"]
+    assert program_name(spec, "mixed", 3) == "short" and program_name(spec, "prefill", 2) == "short"
+    from infc.runtime.cuda import runner as runner_mod
+    # a verify step of K + 1 rows gets a bucket of its own width (else padded to 8: decode)
+    assert runner_mod.default_buckets(16, spec) == [1, 2, 4, 5, 8, 16]
+    assert runner_mod.default_buckets(16, one) == [1, 2, 4, 8, 16]
+    assert runner_mod.default_buckets(4, spec) == [1, 2, 4]      # never past max_num_seqs
+    # each captured bucket runs the program its steps would
+    r = object.__new__(runner_mod.CudaRunner)
+    r.ctx, r.plan, r.graphs = fake_driver.Context(), spec, {}
+    ran = []
+    r.program = lambda name: name
+    r._upload = lambda arrays, dims: []
+    r._metadata = lambda meta, T, B: {}
+    r._launch_all = lambda bound, dims: ran.append(bound)
+    for bucket in runner_mod.default_buckets(16, spec):
+        r._capture(bucket)
+    assert ran[::2] == ["narrow", "verify", "verify", "verify", "decode", "decode"]     # 1 2 4 5 8 16
+    # INFC_NARROW=0 (A/B timing) runs verify steps on the decode program too
+    monkeypatch.setenv("INFC_NARROW", "0")
+    assert set(runner_mod.ab_programs(spec)["programs"]) == set(spec["programs"]) - {"narrow", "verify"}
+
+
+@EXHAUSTIVE     # ~12 s interpreted; the fast representative: tests/test_interp_models.py's verify step
+def test_a_verify_step_through_the_verify_program_is_the_decode_programs(tiny_model, tmp_path, rng):
+    """K + 1 one-token rows of one sequence (its next token and K drafts) through the interpreted
+    verify kernels, then the same rows through the decode program's: the same logits."""
+    from infc.compiler.contract.safetensors_io import Checkpoint
+    from infc.runtime.weights.load import load_weights
+    from interp_executor import InterpExecutor
+    d, _ = tiny_model("qwen3", **DIMS)          # tests/test_interp_models.py's (tile-sized heads)
+    out = build(model_dir=str(d), out=tmp_path / "art", compile=False, log=None, page_size=16,
+                narrow_tokens=K + 1)
+    plan = json.loads((out / "plan.json").read_text())
+    plan["_dir"] = str(out)
+    run = InterpExecutor(plan, load_weights(plan, Checkpoint(d)), page_size=16)
+    # a sequence's first K + 1 tokens as one-token rows: each row's context is the keys its
+    # step's earlier rows write (the prologue's cache write), and no prefill to interpret
+    rows = [Chunk(0, [int(t)], j) for j, t in enumerate(rng.integers(0, 320, K + 1))]
+    verify = run.step(rows)
+    assert run.program == "verify" and verify.shape[0] == K + 1
+    plan["verify_tokens"] = 0                      # the same step, the same keys, on decode
+    decode = run.step(rows)
+    assert run.program == "decode"
+    assert float(np.linalg.norm(verify - decode) / np.linalg.norm(decode)) < 2e-2
+    assert (np.argmax(verify, -1) == np.argmax(decode, -1)).all()
+
+
+def test_greedy_speculation_over_the_verify_program_is_plain_decoding(plans, monkeypatch):
+    """n-gram speculation on the speculative plan (the reference executor follows program_name
+    too): the verify program runs its steps, and the text is plain decoding's."""
+    from infc.compiler.contract.safetensors_io import Checkpoint
+    from infc.runtime.reference import executor
+    from infc.runtime.weights.load import load_weights
+    from test_spec_engine import GREEDY, copy_prompts, flat, outputs, spec, tiny_engine
+    from infc.runtime.engine.sampling import SamplingParams
+    d, _, plan = plans
+    weights = load_weights(plan, Checkpoint(d))
+    ran = []
+    real = executor.program_name
+    monkeypatch.setattr(executor, "program_name", lambda *a: ran.append(real(*a)) or ran[-1])
+    prompts = copy_prompts(11, 2)
+    params = SamplingParams(max_tokens=16, **GREEDY)
+    want = flat(outputs(tiny_engine((plan, weights)), prompts, params))
+    assert "verify" in ran                          # two sequences decoding: 2 rows
+    ran.clear()
+    e = tiny_engine((plan, weights), speculative_config=spec(k=K))
+    assert flat(outputs(e, prompts, params)) == want
+    assert e.metrics.spec_decode_num_accepted_tokens_total > 0 and "verify" in ran
