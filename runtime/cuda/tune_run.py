@@ -81,7 +81,10 @@ def step_metadata(phase: str, T: int, B: int, context_len: int, page_size: int, 
         bt[i, n:] = num_pages                       # the spare page, as the runner pads
     arrays = {"positions": m.positions, "seq_starts": m.seq_starts, "context_lens": m.context_lens,
               "last_rows": m.last_rows, "slot_mapping": m.slot_mapping, "block_tables": bt,
-              "state_slots": np.arange(B)}          # slot caches: one slot per sequence (B of them)
+              "state_slots": np.arange(B),          # slot caches: one slot per sequence (B of them)
+              # a LoRA build's rows all take adapter slot 1 (random tables, as every weight here),
+              # so a merged LoRA site times its shrink and delta, not slot 0's early exits
+              "lora_slots": np.ones(T)}
     return {k: np.ascontiguousarray(v, np.int32) for k, v in arrays.items()}, num_pages, width
 
 
