@@ -6,7 +6,7 @@ import json
 
 from infc.compiler import build as build_mod
 from infc.compiler import tuning_table
-from infc.compiler.codegen.render import render_plan, tuning_keys
+from infc.compiler.codegen.render import launch_context, render_template, tuning_keys
 from infc.compiler.contract.program import launches
 from infc.compiler.tune import NARROW_LORA, prepare
 from infc.config import lora_build
@@ -18,8 +18,10 @@ MODEL = "qwen3-0.6b"
 LORA = lora_build(2, 8)
 
 
-def _narrow_ids(plan, template):
-    return {l["kernel_id"] for l, _ in launches(plan["programs"]["narrow"]) if l["kernel"] == template}
+def _narrow_ids(plan, table, template="gemv"):
+    """The kernel ids the build renders for the narrow program's launches of a template."""
+    return {render_template("triton", template, launch_context(plan, l, "narrow", table, 16)).id
+            for l, _ in launches(plan["programs"]["narrow"]) if l["kernel"] == template}
 
 
 def test_lora_sites_have_their_own_key_and_grid(tmp_path, monkeypatch):
@@ -57,17 +59,38 @@ def test_lora_sites_have_their_own_key_and_grid(tmp_path, monkeypatch):
     (tmp_path / "h200.json").write_text(dump_table(tuned))
     loaded = build_mod.load_tuning("h200")
     _, base = build_mod.compile_model(MODEL)
-    _, base0 = build_mod.compile_model(MODEL)
-    render_plan(base, loaded, 16)
-    render_plan(base0, table, 16)
-    assert _narrow_ids(base, "gemv") == _narrow_ids(base0, "gemv")
-    _, lora0 = build_mod.compile_model(MODEL, lora=LORA)
-    render_plan(plan, loaded, 16)
-    render_plan(lora0, table, 16)
-    assert _narrow_ids(plan, "gemv") != _narrow_ids(lora0, "gemv")
-    assert e["candidates"][0]["kernel"] in _narrow_ids(lora0, "gemv")
+    assert _narrow_ids(base, loaded) == _narrow_ids(base, table)
+    assert _narrow_ids(plan, loaded) != _narrow_ids(plan, table)
+    assert e["candidates"][0]["kernel"] in _narrow_ids(plan, table)
+    assert e["candidates"][0]["kernel"] not in _narrow_ids(plan, loaded)
 
 
 def test_tune_steps_give_every_row_an_adapter():
+    # the narrow phase's entries (the LoRA sites') are timed at a one-token decode step
+    a, _, _ = step_metadata("narrow", 1, 1, 40, 16)
+    d, _, _ = step_metadata("decode", 1, 1, 40, 16)
+    assert all((a[k] == d[k]).all() for k in d)
     a, _, _ = step_metadata("decode", 3, 3, 40, 16)
     assert a["lora_slots"].tolist() == [1, 1, 1] and a["lora_slots"].dtype.name == "int32"
+
+
+def test_run_times_the_lora_sites_and_stores_their_own_keys(tmp_path, fake_driver):
+    """`tune run` over a LoRA build's narrow entries (the fake driver of tests/fake_cuda.py): the
+    one-token steps bind lora_slots, the sites' scratch and sync words; a faster candidate is
+    stored under the site's lora key, the GEMV's narrow key untouched."""
+    from infc.runtime.cuda import tune_run
+
+    from test_tune import _fake_bins, _fake_kernel
+    out = prepare(MODEL, "h200", out=tmp_path / "l", phases=("narrow",), templates=("gemv",),
+                  compile=False, log=None, lora=LORA)
+    m = json.loads((out / "manifest.json").read_text())
+    _fake_bins(out, m, lambda e, i, c: (10.0 if i == 0 else 8.0 if i == 1 else 12.0, 1.0))
+    fake_driver.on_launch = _fake_kernel
+    table_path = tmp_path / "h200.json"
+    table_path.write_text(json.dumps({"gpu": "h200", "templates": {}}))
+    res = tune_run.run(out, write=table_path, reps=5, warmup=1, results_dir=tmp_path / "r", driver=fake_driver)
+    stored = json.loads(table_path.read_text())["templates"]["gemv"]
+    assert sorted(stored) == sorted(e["shape_key"] for e in m["entries"]) and all("|lora" in k for k in stored)
+    for e in m["entries"]:
+        assert stored[e["shape_key"]] == e["candidates"][1]["tune"]
+    assert all(r["stored"] for r in res["entries"])
