@@ -21,8 +21,8 @@ one sequence; a short shape has no table entry until one is tuned, so it renders
 attention at `--context-len` cached keys per sequence.
 
 Candidates are overlays on what the build renders for a shape today with no per-shape entry
-(the table's template-level "default", normally {}): the first candidate is always {} (that
-baseline), a shape's current table entry is always a candidate too, and a tune dict whose kernel
+(the table's template-level "default", normally {}, and the entries of the keys a narrow or LoRA
+entry lies over: render.tuning_keys): the first candidate is always {} (that baseline), a shape's current table entry is always a candidate too, and a tune dict whose kernel
 source equals an earlier candidate's is dropped (it would time the same kernel twice).
 """
 import json
