@@ -86,7 +86,7 @@ def report(out: Path):
     print(f"\nat the defaults, the four sites add {step / 1e3:.3f} ms to a step "
           f"({LAYERS} layers): ~{BASE_STEP_MS + step / 1e3:.3f} ms against the base's {BASE_STEP_MS}")
     for key, e in sorted(lora.items(), key=lambda kv: _name(kv[0])):
-        print(f"\n{_name(key)} ({key}): us by LORA_KS x LORA_PROGRAMS (default: the row's blank column)")
+        print(f"\n{_name(key)} ({key}): us by LORA_KS x LORA_PROGRAMS (def: the template default)")
         grid = {}
         for c in e["candidates"]:
             t = c["tune"]
