@@ -21,8 +21,8 @@ one sequence; a short shape has no table entry until one is tuned, so it renders
 attention at `--context-len` cached keys per sequence.
 
 Candidates are overlays on what the build renders for a shape today with no per-shape entry
-(the table's template-level "default", normally {}): the first candidate is always {} (that
-baseline), a shape's current table entry is always a candidate too, and a tune dict whose kernel
+(the table's template-level "default", normally {}, and the entries of the keys a narrow or LoRA
+entry lies over: render.tuning_keys): the first candidate is always {} (that baseline), a shape's current table entry is always a candidate too, and a tune dict whose kernel
 source equals an earlier candidate's is dropped (it would time the same kernel twice).
 """
 import json
@@ -33,7 +33,7 @@ from pathlib import Path
 from infc.compiler.contract.program import launches
 
 from .build import REPO, compile_model, default_page_size, load_tuning
-from .codegen.render import EXT, TemplateError, _env, launch_context, render_template, shape_key
+from .codegen.render import EXT, TemplateError, _env, launch_context, render_template, tuning_keys
 from .contract.errors import SpecError
 from .contract.schema import TUNE_MANIFEST_VERSION as MANIFEST_VERSION
 
@@ -92,6 +92,18 @@ _GEMV_NARROW_W4 = [{"W4_FORM": "elementwise"}, {"W4_FORM": "dot"}, {"W4_FORM": "
                    {"FMA_BLOCK_K": 512, "BLOCK_N": 64}, {"FMA_BLOCK_K": 512}, {"PRELOAD": 2},
                    {"PRELOAD": 0}, {"BLOCK_N": 64}, {"BLOCK_N": 16}]
 NARROW_QUANT = {("triton", t): _GEMV_NARROW_CODES + _GEMV_NARROW_W4 for t in ("gemv", "gemv_gated")}
+# a narrow step's LoRA site in the GEMV's launch (merge_lora; gemv.py.j2 `lora`, its own table key
+# render.lora_key): the shrink's range width (LORA_KS columns: A bytes a claim) and its programs of
+# their own (LORA_PROGRAMS), which decide whether the shrink ends inside the W stream (bench/NOTES.md,
+# issue 46: qwen3-4b's o and down waited on it at 128 x 16), then the GEMV tiles that most often
+# won at batch 1, timed with the site in the launch. Timed before the GEMV grid, in place of most of it.
+# LORA_EARLY: the delta's tables loaded before the stream (a round trip less at the tail, registers
+# through the stream: sm_90, qwen3-4b's o 80 -> 96, q|k|v and gate|up unchanged).
+_GEMV_LORA = [{"LORA_KS": ks} for ks in (64, 128, 256, 512)] \
+    + [{"LORA_KS": ks, "LORA_PROGRAMS": n} for ks in (128, 256, 512) for n in (8, 16, 32)] \
+    + [{"LORA_EARLY": 1}, {"LORA_EARLY": 1, "LORA_PROGRAMS": 32}]
+NARROW_LORA = {("triton", t): _GEMV_LORA for t in ("gemv", "gemv_gated")}
+LORA_GEMV_TILES = 4         # of the GEMV's own grid, the first few beside the LoRA grid
 _GEMV_FMA_T = [{"FMA_T": 2, "FMA_BLOCK_K": 128}, {"FMA_T": 4, "BLOCK_N": 16, "FMA_BLOCK_K": 128}]
 # lm_head_last cannot split K (its norm scale closes the K loop) and has a huge N
 _LM_FMA = [{"BLOCK_N": 8}, {"BLOCK_N": 32, "FMA_BLOCK_K": 256}, {"FMA_BLOCK_K": 256},
@@ -317,7 +329,10 @@ def collect(plan: dict, table: dict, phases, templates, page_size: int) -> list[
             if tpl not in templates or (backend, tpl) not in GRIDS:
                 continue
             ctx = launch_context(plan, launch, phase, table, page_size)
-            key = shape_key(phase, ctx["inputs"] + ctx["outputs"])
+            # the key the launch's own entry has (a narrow step's narrow key, a LoRA site's lora
+            # key); the entries of the keys before it are what its candidates overlay
+            keys = tuning_keys(plan, launch, phase)
+            key = keys[-1]
             e = entries.get((tpl, key))
             if e is None:
                 for t in ctx["inputs"]:
@@ -331,7 +346,7 @@ def collect(plan: dict, table: dict, phases, templates, page_size: int) -> list[
                                             "experts": int(ins[i]["shape"][0])}
                 e = entries[(tpl, key)] = {
                     "template": tpl, "backend": backend, "op": launch["op"], "phase": phase,
-                    "shape_key": key, "launches_per_step": 0, "ctx": ctx,
+                    "shape_key": key, "inherits": list(keys[:-1]), "launches_per_step": 0, "ctx": ctx,
                     "inputs": ctx["inputs"], "outputs": ctx["outputs"],
                     "caches": list(launch.get("caches", []))}
             e["launches_per_step"] += mult
@@ -344,8 +359,10 @@ def collect(plan: dict, table: dict, phases, templates, page_size: int) -> list[
 def prepare(model=None, gpu="h200", out=None, phases=("decode", "prefill"), templates=None,
             spec_path=None, model_dir=None, features=None, page_size=None, target="sm_90",
             decode_batches=(1,), prefill_tokens=1024, mixed=(512, 8), context_len=1024,
-            compile=True, jobs=None, log=print, wide_batches=(128, 256)) -> Path:
-    """Render (and compile) every candidate kernel; write <out>/manifest.json. Returns out."""
+            compile=True, jobs=None, log=print, wide_batches=(128, 256), lora=None) -> Path:
+    """Render (and compile) every candidate kernel; write <out>/manifest.json. Returns out.
+    lora: --enable-lora's build setting (infc/config.py lora_build): the plan with adapter slots,
+    whose narrow GEMVs carry the LoRA sites (NARROW_LORA's grid)."""
     log = log or (lambda *a: None)
     for p in phases:
         if p not in PHASES:
@@ -359,8 +376,9 @@ def prepare(model=None, gpu="h200", out=None, phases=("decode", "prefill"), temp
         raise SpecError("--context-len must be at least 1", None)
     table = load_tuning(gpu)
     page_size = page_size or default_page_size(gpu)
-    state, plan = compile_model(model, spec_path, model_dir, features)
-    out = Path(out) if out else REPO / ".cache" / "tune" / f"{state.model}-{gpu}"
+    state, plan = compile_model(model, spec_path, model_dir, features, lora=lora)
+    tag = f"-lora{lora['max_loras']}r{lora['max_rank']}" if lora else ""
+    out = Path(out) if out else REPO / ".cache" / "tune" / f"{state.model}{tag}-{gpu}"
     dims = {p: phase_dims(p, decode_batches, prefill_tokens, mixed, wide_batches) for p in phases}
     found = collect(plan, table, phases, templates, page_size)
     if not found:
@@ -374,17 +392,24 @@ def prepare(model=None, gpu="h200", out=None, phases=("decode", "prefill"), temp
         tpl, backend = e["template"], e["backend"]
         entry_table = table.get("templates", {}).get(tpl, {})
         base = dict(entry_table.get("default", {}))
+        # what the build renders for the launch without its own entry: the default, then the keys it
+        # inherits (a narrow launch its decode key's tiles, a LoRA site its GEMV's narrow entry)
+        inherited = dict(base)
+        for k in e["inherits"]:
+            inherited.update(entry_table.get(k, {}))
         current = entry_table.get(e["shape_key"])
         rows = [d[rows_dim(tpl, e["inputs"])] for d in dims[e["phase"]]]
         cands = [(c, "default" if not c else "grid") for c in candidates(backend, tpl, rows)]
         if e["phase"] == "narrow" and e["ctx"]["attrs"].get("quant"):
             grid = [c for c, _ in cands]
             cands[1:1] = [(c, "grid") for c in NARROW_QUANT.get((backend, tpl), []) if c not in grid]
+        if e["ctx"].get("lora") and (backend, tpl) in NARROW_LORA:
+            cands = cands[:1] + [(c, "grid") for c in NARROW_LORA[(backend, tpl)]] + cands[1:1 + LORA_GEMV_TILES]
         if current and current not in [c for c, _ in cands]:
             cands.insert(1, (dict(current), "current"))
         rendered, skipped, seen = [], [], {}
         for tune, label in cands:
-            ctx = dict(e["ctx"], tune={**base, **tune})
+            ctx = dict(e["ctx"], tune={**inherited, **tune})
             try:
                 k = render_template(backend, tpl, ctx, env)
             except TemplateError as err:
@@ -399,7 +424,7 @@ def prepare(model=None, gpu="h200", out=None, phases=("decode", "prefill"), temp
             kernels[k.id] = k
             rendered.append({"tune": tune, "label": label, "kernel": k.id,
                              "source": f"kernels/{k.id}{EXT[backend]}", "meta": k.meta})
-        entries.append({key: e[key] for key in ("template", "backend", "op", "phase", "shape_key",
+        entries.append({key: e[key] for key in ("template", "backend", "op", "phase", "shape_key", "inherits",
                                                   "launches_per_step", "inputs", "outputs", "caches")}
                        | {"base_tune": base, "current_tune": current or {}, "dims": dims[e["phase"]],
                           "candidates": rendered, "skipped": skipped})

@@ -89,6 +89,7 @@ def _tune(args):
 
     if args.tune_cmd == "prepare":
         from infc.compiler.build import parse_features
+        from infc.server.args import lora_build_setting
         from infc.compiler.tune import prepare
         prepare(model=args.model, gpu=args.gpu, out=args.out, phases=_csv(args.phases),
                 templates=_csv(args.templates), spec_path=args.spec, model_dir=args.model_path,
@@ -97,7 +98,7 @@ def _tune(args):
                 prefill_tokens=args.prefill_tokens, context_len=args.context_len,
                 mixed=[tuple(m.split("x")) for m in _csv(args.mixed)],
                 compile=not args.no_compile, jobs=args.jobs,
-                wide_batches=_batches(args.wide_batches, "--wide-batches"))
+                wide_batches=_batches(args.wide_batches, "--wide-batches"), lora=lora_build_setting(args))
     else:
         from pathlib import Path
         if not (Path(args.dir) / "manifest.json").exists():      # before cuda-python is imported
@@ -218,6 +219,7 @@ def parser() -> argparse.ArgumentParser:
     tp.add_argument("--target", default="sm_90")
     tp.add_argument("--no-compile", action="store_true", help="render the candidates, skip the cubins")
     tp.add_argument("--jobs", type=int)
+    add_lora_build_args(tp)         # a LoRA build's narrow GEMVs carry its sites (their own table keys)
     tr = tsub.add_parser("run", help="GPU machine: time the candidates, write the table")
     tr.add_argument("--dir", required=True, help="the folder `infc tune prepare` wrote")
     tr.add_argument("--write", help="tuning table to merge into (default <dir>/<gpu>.json)")

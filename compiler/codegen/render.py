@@ -173,12 +173,30 @@ def tuning_key(plan: dict, launch: dict, phase: str, tensors=None) -> str:
     return shape_key(AS_PHASE.get(phase, phase), ins + outs)
 
 
+def lora_key(key: str, lora: dict) -> str:
+    """A LoRA site's own entry beside its GEMV's key (compiler/passes/merge_lora.py), laid over it:
+    "narrow|S" -> "narrow|S|lora<pieces>x<rank>". The shrink's tunables (LORA_KS, LORA_PROGRAMS)
+    and any GEMV tile `infc tune` finds better with the site in the launch go there, so a LoRA
+    build's timings never change the base model's kernels."""
+    return f"{key}|lora{len(lora['pieces'])}x{lora['rank']}"
+
+
+def tuning_keys(plan: dict, launch: dict, phase: str, tensors=None) -> tuple:
+    """The table keys a launch renders with, in the order their entries are laid over the template's
+    default: its tuning_key, then a narrow step's narrow key, then a merged LoRA site's lora_key.
+    The last is the launch's own, the one `infc tune` fills."""
+    key = tuning_key(plan, launch, phase, tensors)
+    keys = (key, narrow_key(key)) if phase in NARROW_ROWS else (key,)
+    if launch.get("lora"):
+        keys += (lora_key(keys[-1], launch["lora"]),)
+    return keys
+
+
 def launch_context(plan: dict, launch: dict, phase: str, tuning: dict, page_size: int) -> dict:
     ins, outs = launch_tensors(plan, launch)
     caches = {n: {**c, "page_size": page_size} for n, c in plan.get("caches", {}).items()}
-    key = tuning_key(plan, launch, phase, (ins, outs))
+    keys = tuning_keys(plan, launch, phase, (ins, outs))
     narrow = phase in NARROW_ROWS
-    keys = (key, narrow_key(key)) if narrow else (key,)
     return {"op": launch["op"], "phase": AS_PHASE.get(phase, phase), "narrow": narrow,
             "narrow_rows": plan.get(NARROW_ROWS[phase], 1) if narrow else 0,
             "inputs": ins, "outputs": outs, "attrs": launch["attrs"], "prologue": launch.get("prologue"),

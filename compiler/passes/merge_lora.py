@@ -7,13 +7,16 @@ Why: at batch 1 the adapter's work is tiny (a rank-16 site reads ~0.1-0.4 MB of 
 linear's 5-40 MB), so its own launches cost their drain and fill, not their bytes: an H200
 profile measured 4.68 ms a qwen3-4b step with the LoRA launches against 2.28 ms without
 (bench/NOTES.md, issue 46). The expand needs the shrink's sum over all of K before it adds
-into any output column, which no single GEMV program has: up to 16 programs of the launch's own
-(past the GEMV's column blocks) claim the shrink's K ranges (an atomic counter) while the GEMV's
+into any output column, which no single GEMV program has: programs of the launch's own (past the
+GEMV's column blocks; by default a range each, up to 24) claim the shrink's K ranges (an atomic
+counter; ranges of 16 KB of A by default: a claim costs round trips, not bytes) while the GEMV's
 programs stream W, the last to finish a range sums the ranges in a fixed order, and the programs
-that add the delta (split 0's, in their epilogue) wait for that sum. Those also claim, after
-their W stream and before they wait, until none is left, so every range is held by a program
-that is running and never waits before finishing it: no deadlock, whatever order the GPU starts
-programs in (_lora_tiles.j2's ticket rule, here by claims).
+that add the delta (split 0's, in their epilogue) wait for that sum. Those look at the sum once
+after their W stream and, where it is not ready, claim until none is left before they wait, so
+every range is held by a program that is running and never waits before finishing it: no
+deadlock, whatever order the GPU starts programs in (_lora_tiles.j2's ticket rule, here by
+claims). The schedule (LORA_KS, LORA_PROGRAMS, LORA_EARLY) is tunable per launch: `infc tune`'s
+narrow grid times it under the site's own table key (codegen/render.py lora_key).
 
 The graph keeps the three nodes (every other phase launches them as before); this pass records
 the sites, state.lora_sites["narrow"] = {linear id: [shrink id, expand id]}, and plan.py builds

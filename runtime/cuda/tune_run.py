@@ -44,14 +44,14 @@ REPO = Path(__file__).resolve().parents[2]
 def step_metadata(phase: str, T: int, B: int, context_len: int, page_size: int, seed: int = 0):
     """Valid metadata for a step of T tokens over B sequences: (arrays, num_pages, max_pages).
 
-    decode (and wide): B sequences of one new token each, KV lengths context_len, context_len - 3, ...;
+    decode (and wide, narrow): B sequences of one new token each, KV lengths context_len, context_len - 3, ...;
     prefill: T tokens split over B sequences with no cached prefix; short: the same after
     context_len cached tokens each (a prefix hit, what a short step's split attention serves);
     mixed: B - 1 decode rows and
     one chunk of T - B + 1 tokens after context_len cached ones. Pages are a random permutation
     of 0 .. num_pages-1 (scattered, as after some serving); page num_pages is the spare that
     pads block-table rows (cache storage holds num_pages + 1 pages, as in the runner)."""
-    if phase in ("decode", "wide"):         # wide: a decode step of many sequences
+    if phase in ("decode", "wide", "narrow"):   # wide: a decode step of many sequences; narrow: of a few
         if T != B:
             raise ValueError(f"a decode step has T == B (got T={T}, B={B})")
         chunks = [(max(context_len - 3 * b, 1) - 1, 1) for b in range(B)]
@@ -81,7 +81,10 @@ def step_metadata(phase: str, T: int, B: int, context_len: int, page_size: int, 
         bt[i, n:] = num_pages                       # the spare page, as the runner pads
     arrays = {"positions": m.positions, "seq_starts": m.seq_starts, "context_lens": m.context_lens,
               "last_rows": m.last_rows, "slot_mapping": m.slot_mapping, "block_tables": bt,
-              "state_slots": np.arange(B)}          # slot caches: one slot per sequence (B of them)
+              "state_slots": np.arange(B),          # slot caches: one slot per sequence (B of them)
+              # a LoRA build's rows all take adapter slot 1 (random tables, as every weight here),
+              # so a merged LoRA site times its shrink and delta, not slot 0's early exits
+              "lora_slots": np.ones(T)}
     return {k: np.ascontiguousarray(v, np.int32) for k, v in arrays.items()}, num_pages, width
 
 

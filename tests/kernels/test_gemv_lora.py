@@ -27,8 +27,12 @@ def _f(t):
 
 
 # (rows' slots, pieces, K, R, gated, prologue, tune): K = 200 in ranges of 64 (the last ragged),
-# 130-wide column tiles of 32 / 64, split-K, slot 0 rows among adapters' rows
+# 130-wide column tiles of 32 / 64, split-K, slot 0 rows among adapters' rows; the shrink's schedule
+# at its defaults (48 rank rows: 128-column ranges, two of them, a program each) and at a
+# non-default one (9 ranges of 64 over 3 programs, the delta's tables loaded before the W stream)
 CASES = [
+    ([3], [40, 36, 24], 200, 16, False, True, {}),
+    ([1], [70, 70], 520, 16, True, False, {"LORA_KS": 64, "LORA_PROGRAMS": 3, "LORA_EARLY": 1}),
     ([3], [40, 36, 24], 200, 8, False, False, {"LORA_KS": 64, "BLOCK_N": 32, "FMA_BLOCK_K": 64}),
     ([2, 0, 3, 2, 1], [40, 36, 24], 200, 16, False, True, {"LORA_KS": 64, "SPLIT_K_DOT": 2, "BLOCK_K": 32}),
     ([1], [70, 70], 200, 16, True, True, {"LORA_KS": 64, "SPLIT_K": 2, "FMA_BLOCK_K": 64}),

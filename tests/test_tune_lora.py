@@ -1,0 +1,96 @@
+"""`infc tune` on a LoRA build (issue 46): a narrow step's LoRA site in the GEMV's launch has its own
+table key (render.lora_key) over its GEMV's, the narrow grid times the shrink's schedule (LORA_KS,
+LORA_PROGRAMS, LORA_EARLY), an entry there changes the LoRA kernels and never the base model's, and
+`tune run`'s steps give every row an adapter."""
+import json
+
+from infc.compiler import build as build_mod
+from infc.compiler import tuning_table
+from infc.compiler.codegen.render import launch_context, render_template, tuning_keys
+from infc.compiler.contract.program import launches
+from infc.compiler.tune import NARROW_LORA, prepare
+from infc.config import lora_build
+from infc.runtime.cuda.tune_run import dump_table, merge_table, step_metadata
+
+from test_tune import _template_text
+
+MODEL = "qwen3-0.6b"
+LORA = lora_build(2, 8)
+
+
+def _narrow_ids(plan, table, template="gemv"):
+    """The kernel ids the build renders for the narrow program's launches of a template."""
+    return {render_template("triton", template, launch_context(plan, l, "narrow", table, 16)).id
+            for l, _ in launches(plan["programs"]["narrow"]) if l["kernel"] == template}
+
+
+def test_lora_sites_have_their_own_key_and_grid(tmp_path, monkeypatch):
+    out = prepare(MODEL, "h200", out=tmp_path / "l", phases=("narrow",), templates=("gemv", "gemv_gated"),
+                  compile=False, log=None, lora=LORA)
+    m = json.loads((out / "manifest.json").read_text())
+    _, plan = build_mod.compile_model(MODEL, lora=LORA)
+    sites = [l for l, _ in launches(plan["programs"]["narrow"]) if l.get("lora")]
+    assert len(sites) == 4                                     # q|k|v, o, gate|up, down
+    by_key = {e["shape_key"]: e for e in m["entries"]}
+    for l in sites:
+        # the key the build lays last (a prologue's inputs out of it, as the build reads it) is
+        # the entry's, and the keys before it are what its candidates overlay
+        keys = tuning_keys(plan, l, "narrow")
+        assert keys[-1] == f"{keys[-2]}|lora{len(l['lora']['pieces'])}x8" and keys[-2].startswith("narrow|")
+        e = by_key[keys[-1]]
+        assert e["inherits"] == list(keys[:-1])
+        tunes = [c["tune"] for c in e["candidates"]]
+        assert tunes[0] == {} and {"LORA_EARLY": 1} in tunes
+        assert any(t.get("LORA_PROGRAMS") == 32 for t in tunes)
+        assert len({c["kernel"] for c in e["candidates"]}) == len(tunes)
+        grid = {json.dumps(c["tune"], sort_keys=True): c["meta"]["grid"][1] for c in e["candidates"]}
+        # LORA_PROGRAMS: the shrink's own programs past the GEMV's blocks (by default a range each, up to 24)
+        K = next(t["shape"][1] for t in e["inputs"] if t["kind"] == "weight" and len(t["shape"]) == 2)
+        assert grid['{"LORA_KS": 128, "LORA_PROGRAMS": 32}'] - grid['{"LORA_KS": 128}'] == 32 - min(-(-K // 128), 24)
+    for (backend, template), grid in NARROW_LORA.items():
+        text = _template_text(backend, template)
+        assert all(f'tune.get("{k}"' in text for c in grid for k in c)
+
+    # an entry under a site's key renders the LoRA build's kernel anew and leaves the base model's
+    e = by_key[tuning_keys(plan, sites[1], "narrow")[-1]]
+    table = json.loads((build_mod.TUNING / "h200.json").read_text())
+    tuned = merge_table(table, e["template"], e["shape_key"], {"LORA_KS": 64, "LORA_PROGRAMS": 5}, e["base_tune"])
+    monkeypatch.setattr(tuning_table, "TUNING", tmp_path)
+    (tmp_path / "h200.json").write_text(dump_table(tuned))
+    loaded = build_mod.load_tuning("h200")
+    _, base = build_mod.compile_model(MODEL)
+    assert _narrow_ids(base, loaded) == _narrow_ids(base, table)
+    assert _narrow_ids(plan, loaded) != _narrow_ids(plan, table)
+    assert e["candidates"][0]["kernel"] in _narrow_ids(plan, table)
+    assert e["candidates"][0]["kernel"] not in _narrow_ids(plan, loaded)
+
+
+def test_tune_steps_give_every_row_an_adapter():
+    # the narrow phase's entries (the LoRA sites') are timed at a one-token decode step
+    a, _, _ = step_metadata("narrow", 1, 1, 40, 16)
+    d, _, _ = step_metadata("decode", 1, 1, 40, 16)
+    assert all((a[k] == d[k]).all() for k in d)
+    a, _, _ = step_metadata("decode", 3, 3, 40, 16)
+    assert a["lora_slots"].tolist() == [1, 1, 1] and a["lora_slots"].dtype.name == "int32"
+
+
+def test_run_times_the_lora_sites_and_stores_their_own_keys(tmp_path, fake_driver):
+    """`tune run` over a LoRA build's narrow entries (the fake driver of tests/fake_cuda.py): the
+    one-token steps bind lora_slots, the sites' scratch and sync words; a faster candidate is
+    stored under the site's lora key, the GEMV's narrow key untouched."""
+    from infc.runtime.cuda import tune_run
+
+    from test_tune import _fake_bins, _fake_kernel
+    out = prepare(MODEL, "h200", out=tmp_path / "l", phases=("narrow",), templates=("gemv",),
+                  compile=False, log=None, lora=LORA)
+    m = json.loads((out / "manifest.json").read_text())
+    _fake_bins(out, m, lambda e, i, c: (10.0 if i == 0 else 8.0 if i == 1 else 12.0, 1.0))
+    fake_driver.on_launch = _fake_kernel
+    table_path = tmp_path / "h200.json"
+    table_path.write_text(json.dumps({"gpu": "h200", "templates": {}}))
+    res = tune_run.run(out, write=table_path, reps=5, warmup=1, results_dir=tmp_path / "r", driver=fake_driver)
+    stored = json.loads(table_path.read_text())["templates"]["gemv"]
+    assert sorted(stored) == sorted(e["shape_key"] for e in m["entries"]) and all("|lora" in k for k in stored)
+    for e in m["entries"]:
+        assert stored[e["shape_key"]] == e["candidates"][1]["tune"]
+    assert all(r["stored"] for r in res["entries"])
