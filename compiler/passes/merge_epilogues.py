@@ -1,0 +1,101 @@
+"""Per-phase launch merges, the other way round: a consumer run as its producer's epilogue.
+
+An fp8 o_proj reads its activation codes from a `quantize_act` launch after attention
+(compiler/passes/act_codes.py). In a narrow step (a decode step of a few tokens) that launch is
+~4 KB of work a token paying a whole drain and fill (~2-3 us on an H200, bench/NOTES.md "Issue
+42: the dense FP8 codes made once a step"), while decode attention's program that stores a
+(token, head) row holds all head_dim columns of it: where the activation group is head_dim
+columns, that row is one group, so the program (or the split merge that writes it) takes the
+group's amax, scale and e4m3 codes of the bf16 row it stored, the bits quantize_act would read:
+
+    narrow:  [o = attention_cached(q, cache); codes, s = quantize_act(view(o))]  ->  one launch
+             attention_cached(q, cache) -> (cache, o, codes, s),
+             launch["epilogue"] = {op: quantize_act, output: 1 (o's index), writes: 2, attrs, ...}
+
+Other phases keep the quantize_act launch (prefill and mixed attention tile other shapes; the
+graph is one for every phase, so the merge is a plan-level one, as merge_prologues' are).
+plan_memory keeps the producer's inputs live until the consumer's place (the codes are defined
+there but written at the producer's), as for a merged prologue.
+Not merged (left to its launch): activation groups other than head_dim, per-token or static
+scales (a row-wide amax spans every head's programs), data-parallel plans (rows are G), and a
+feature backend that takes either launch.
+"""
+from ..ops import REGISTRY
+from ..ops.quant import scheme_of
+
+PHASE = "narrow"
+# producer op -> the narrow templates that write a consumer's outputs in their epilogue
+# (codegen_templates/triton/attention_decode.py.j2)
+PRODUCER_TEMPLATES = {"attention_cached": {"attention_decode"}}
+CONSUMERS = ("quantize_act",)
+
+
+def _producer(g, c):
+    """(producer node, its output index) whose value c reads, through reshapes only; else None."""
+    x = c.inputs[0]
+    p = g.producer(x)
+    while p is not None and REGISTRY[p.op].view and p.op == "view":
+        x = p.inputs[0]
+        p = g.producer(x)
+    if p is None or p.op not in PRODUCER_TEMPLATES:
+        return None
+    return p, p.outputs.index(x)
+
+
+def _merge(state, g, c):
+    """The producer node c runs inside in the narrow phase, or None (why not: see each test)."""
+    found = _producer(g, c)
+    if found is None:
+        return None
+    p, out = found
+    s = scheme_of({"quant": c.attrs.get("act_quant")})
+    o = g.values[p.outputs[out]].type
+    # one (token, head) row is one activation group (the program that stores it holds it whole)
+    if s is None or s.act != "dynamic_group" or o.shape[-1] != s.act_group or c.attrs.get("has_x_scale"):
+        return None
+    if o.shape[:1] != ("T",) or len(o.shape) != 3:
+        return None
+    if REGISTRY[p.op].template(state.backend, PHASE) not in PRODUCER_TEMPLATES[p.op]:
+        return None
+    if any(REGISTRY[n.op].template(b, PHASE, inherit=False) for n in (p, c) for b in state.features):
+        return None
+    # adjacent launches (views only between): the merged one writes the codes at the producer's place
+    between = g.order[g.order.index(p.id) + 1:g.order.index(c.id)]
+    if any(not REGISTRY[g.nodes[n].op].view for n in between):
+        return None
+    return p.id
+
+
+def merge_epilogues(state):
+    if (state.parallel or {}).get("dp", 1) > 1:     # a data-parallel plan's rows are G, not T
+        return
+    found = {}
+    for g in state.graph.walk():
+        for c in g.ordered():
+            if c.op in CONSUMERS and (p := _merge(state, g, c)) is not None and p not in found:
+                found[p] = c.id
+                state.note("merge_epilogues", f"{g.name}: {c.op} (line {c.line}) into "
+                                              f"{g.nodes[p].op}'s epilogue, {PHASE} phase")
+    if found:
+        state.epilogues[PHASE] = found
+
+
+def epilogue_launch(g, p, c, producer_launch: dict, consumer_launch: dict) -> dict:
+    """One launch for producer p (its launch dict, possibly with a merged prologue) and the
+    consumer c it runs as an epilogue: the producer's inputs, its outputs then the consumer's;
+    launch["epilogue"]["output"] names the launch output the consumer reads (reshaped to its rows)."""
+    out = dict(producer_launch)
+    value = c.inputs[0]
+    out["outputs"] = producer_launch["outputs"] + consumer_launch["outputs"]
+    _, src = _producer(g, c)
+    # the index of the producer's output the consumer reads, within the launch's outputs (after a
+    # merged prologue's writes)
+    writes = len(producer_launch["outputs"]) - len(p.outputs)
+    out["epilogue"] = {"op": c.op, "output": writes + src, "value": value,
+                       "shape": list(g.values[value].type.shape),
+                       "writes": len(c.outputs), "attrs": consumer_launch["attrs"],
+                       "fuses": c.fused_from, "line": c.line}
+    out["fuses"] = producer_launch["fuses"] + c.fused_from
+    out["pass"] = "merge_epilogues"
+    return out
+
