@@ -1,0 +1,113 @@
+"""o_proj's fp8 activation codes in decode attention's epilogue (compiler/passes/merge_epilogues.py,
+issue 42), end to end on a tiny qwen3 with head_dim 32 written as fp8 blocks of 32 x 32 (dynamic
+activation groups of 32: one group a head): the narrow program runs quantize_act inside
+attention's launch and no launch of its own before o_proj, the other programs keep the launch, and
+a narrow step's logits do not move by a bit against the same plan built without the merge, through
+the reference executor and through every generated kernel (interpreted)."""
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.append(str(Path(__file__).resolve().parent / "gpu"))
+from quantize_model import quantize_model  # noqa: E402
+
+from exhaustive import EXHAUSTIVE  # noqa: E402
+from infc.compiler.build import compile_model, generate  # noqa: E402
+from infc.compiler.contract.program import unrolled  # noqa: E402
+from infc.compiler.contract.schema import DTYPE_BYTES  # noqa: E402
+from infc.compiler.contract.safetensors_io import Checkpoint  # noqa: E402
+from infc.compiler.plan import dumps  # noqa: E402
+from infc.runtime.engine.step import Chunk  # noqa: E402
+from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk  # noqa: E402
+from infc.runtime.weights.load import load_weights  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def plans(tiny_model, tmp_path_factory):
+    """(plan, the plan without merge_epilogues, weights) of the tiny fp8 qwen3 with head_dim 32."""
+    d, _ = tiny_model("qwen3", head_dim=32)
+    q = tmp_path_factory.mktemp("fp8-hd32")
+    quantize_model(d, q, "fp8-block", block=(32, 32))
+    plan, plain = (json.loads(dumps(compile_model(model_dir=str(q), skip=skip, log=None)[1]))
+                   for skip in ((), ("merge_epilogues",)))
+    return plan, plain, load_weights(plan, Checkpoint(q))
+
+
+def _overlap(plan, a, b, T):
+    """Whether buffers a and b share a byte in a step of T tokens (T sequences)."""
+    def span(name):
+        buf = plan["buffers"][name]
+        off = buf["offset"]
+        start = off["T"] * T + off["B"] * T + off["bytes"]
+        size = DTYPE_BYTES[buf["dtype"]] * int(np.prod([T if isinstance(d, str) else d for d in buf["shape"]]))
+        return start, start + size
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _ops(plan, program):
+    return [launch for launch, _ in unrolled(plan["programs"][program])]
+
+
+def test_narrow_attention_makes_o_projs_codes(plans):
+    plan, plain, _ = plans
+    narrow = _ops(plan, "narrow")
+    attn = [launch for launch in narrow if launch["op"] == "attention_cached"]
+    assert attn and all(launch.get("epilogue", {}).get("op") == "quantize_act" for launch in attn)
+    o_proj = [launch for launch in narrow if launch["op"] == "linear" and launch["inputs"][0] in
+              {o for a in attn for o in a["outputs"]}]
+    assert len(o_proj) == len(attn)               # every o_proj reads its codes from attention's launch
+    for a in attn:
+        assert plan["buffers"][a["outputs"][-2]]["dtype"] == "f8e4m3"
+        assert plan["buffers"][a["outputs"][-1]]["dtype"] == "f32"
+        # the codes are written while the launch's programs still read its inputs (plan_memory
+        # keeps those live to the codes' place): no byte shared, at any step size
+        for T in (1, 5):
+            for o in a["outputs"][-2:]:
+                assert not any(_overlap(plan, o, i, T) for i in a["inputs"] if i in plan["buffers"]), (o, T)
+    # one launch fewer a layer there (gate|up's quantize_act before down stays); none elsewhere
+    count = lambda p, prog, op: sum(launch["op"] == op for launch in _ops(p, prog))   # noqa: E731
+    layers = len(attn)
+    assert count(plan, "narrow", "quantize_act") == layers == count(plain, "narrow", "quantize_act") - layers
+    assert len(narrow) == len(_ops(plain, "narrow")) - layers
+    for program in ("prefill", "decode", "mixed"):
+        assert _ops(plan, program) == _ops(plain, program), program
+
+
+def test_reference_logits_do_not_move(plans):
+    plan, plain, weights = plans
+    toks = [int(t) for t in np.random.default_rng(1).integers(0, 300, 11)]
+    out = []
+    for p in (plan, plain):
+        ref = ReferenceExecutor(p, weights)
+        ref.step([SeqChunk(0, toks, 0)])
+        out.append(ref.step([SeqChunk(0, [7], len(toks))]))          # one token: the narrow program
+    assert np.isfinite(out[0]).all() and np.array_equal(out[0], out[1])
+
+
+@EXHAUSTIVE      # ~26 s interpreted; the epilogue's bits are tests/kernels/test_attention_decode_codes.py's
+def test_kernels_logits_do_not_move(plans, tmp_path):
+    """The narrow step through every generated kernel (interpreted), with and without the merge:
+    the same bits (o_proj reads the same codes), and near the reference."""
+    from interp_executor import InterpExecutor
+    plan, plain, weights = plans
+    toks = [int(t) for t in np.random.default_rng(2).integers(0, 300, 6)]
+    out = []
+    for p, name in ((plan, "a"), (plain, "b")):
+        generate(p, tmp_path / name, "h100", 16, "sm_90")
+        (tmp_path / name / "plan.json").write_text(dumps(p))
+        p = json.loads((tmp_path / name / "plan.json").read_text())
+        p["_dir"] = str(tmp_path / name)
+        run = InterpExecutor(p, weights, page_size=16)
+        run.step([Chunk(0, toks, 0)])
+        out.append(run.step([Chunk(0, [7], len(toks))]))
+        assert run.program == "narrow"
+    ref = ReferenceExecutor(plan, weights)
+    ref.step([SeqChunk(0, toks, 0)])
+    want = ref.step([SeqChunk(0, [7], len(toks))])
+    assert np.isfinite(out[0]).all() and np.array_equal(out[0], out[1])
+    # the reference quantizes float32 activations, the kernels bf16 ones (tests/test_act_codes.py)
+    assert float(np.linalg.norm(out[0] - want) / np.linalg.norm(want)) < 1e-1
