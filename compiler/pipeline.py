@@ -65,7 +65,7 @@ PIPELINE = [
     ("materialize_views", materialize_views),      # copy strided views before kernels that need it
     ("merge_lora", merge_lora),                    # narrow decode steps: LoRA in the GEMV's launch
     ("merge_prologues", merge_prologues),          # narrow decode steps: add + RMSNorm in the GEMV
-    ("merge_epilogues", merge_epilogues),          # narrow decode steps: o_proj's codes in attention
+    ("merge_epilogues", merge_epilogues),          # decode steps: o_proj's codes in attention's launch
     ("plan_memory", plan_memory),                  # liveness-based arena offsets
     ("select_kernels", select_kernels),            # backend + template per launch and phase
 ]

@@ -1,8 +1,8 @@
 """o_proj's fp8 activation codes in decode attention's epilogue (compiler/passes/merge_epilogues.py,
 issue 42), end to end on a tiny qwen3 with head_dim 32 written as fp8 blocks of 32 x 32 (dynamic
-activation groups of 32: one group a head): the narrow program runs quantize_act inside
-attention's launch and no launch of its own before o_proj, the other programs keep the launch, and
-a narrow step's logits do not move by a bit against the same plan built without the merge, through
+activation groups of 32: one group a head): the narrow and decode programs run quantize_act inside
+attention's launch and no launch of its own before o_proj, prefill and mixed keep the launch, and
+the decode steps' logits do not move by a bit against the same plan built without the merge, through
 the reference executor and through every generated kernel (interpreted)."""
 import json
 import sys
@@ -73,25 +73,30 @@ def test_narrow_attention_makes_o_projs_codes(plans):
     layers = len(attn)
     assert count(plan, "narrow", "quantize_act") == layers == count(plain, "narrow", "quantize_act") - layers
     assert len(narrow) == len(_ops(plain, "narrow")) - layers
-    for program in ("prefill", "decode", "mixed"):
+    assert [l["op"] for l in _ops(plan, "decode")].count("quantize_act") == layers    # decode: the same merge
+    assert all(l.get("epilogue") for l in _ops(plan, "decode") if l["op"] == "attention_cached")
+    for program in ("prefill", "mixed"):
         assert _ops(plan, program) == _ops(plain, program), program
 
 
 def test_reference_logits_do_not_move(plans):
     plan, plain, weights = plans
-    toks = [int(t) for t in np.random.default_rng(1).integers(0, 300, 11)]
+    a, b = ([int(t) for t in np.random.default_rng(1).integers(0, 300, n)] for n in (11, 5))
     out = []
     for p in (plan, plain):
         ref = ReferenceExecutor(p, weights)
-        ref.step([SeqChunk(0, toks, 0)])
-        out.append(ref.step([SeqChunk(0, [7], len(toks))]))          # one token: the narrow program
-    assert np.isfinite(out[0]).all() and np.array_equal(out[0], out[1])
+        ref.step([SeqChunk(0, a, 0)])
+        ref.step([SeqChunk(1, b, 0)])
+        out.append(ref.step([SeqChunk(0, [7], len(a))]))                         # the narrow program
+        out.append(ref.step([SeqChunk(0, [8], len(a) + 1), SeqChunk(1, [9], len(b))]))   # decode
+    for got, want in zip(out[:2], out[2:]):
+        assert np.isfinite(got).all() and np.array_equal(got, want)
 
 
 @EXHAUSTIVE      # ~26 s interpreted; the epilogue's bits are tests/kernels/test_attention_decode_codes.py's
 def test_kernels_logits_do_not_move(plans, tmp_path):
-    """The narrow step through every generated kernel (interpreted), with and without the merge:
-    the same bits (o_proj reads the same codes), and near the reference."""
+    """A narrow and a decode step through every generated kernel (interpreted), with and without
+    the merge: the same bits (o_proj reads the same codes), and near the reference."""
     from interp_executor import InterpExecutor
     plan, plain, weights = plans
     toks = [int(t) for t in np.random.default_rng(2).integers(0, 300, 6)]
@@ -103,11 +108,15 @@ def test_kernels_logits_do_not_move(plans, tmp_path):
         p["_dir"] = str(tmp_path / name)
         run = InterpExecutor(p, weights, page_size=16)
         run.step([Chunk(0, toks, 0)])
+        run.step([Chunk(1, toks[:3], 0)])
         out.append(run.step([Chunk(0, [7], len(toks))]))
         assert run.program == "narrow"
+        out.append(run.step([Chunk(0, [8], len(toks) + 1), Chunk(1, [9], 3)]))
+        assert run.program == "decode"
     ref = ReferenceExecutor(plan, weights)
     ref.step([SeqChunk(0, toks, 0)])
     want = ref.step([SeqChunk(0, [7], len(toks))])
-    assert np.isfinite(out[0]).all() and np.array_equal(out[0], out[1])
+    for got, plain_got in zip(out[:2], out[2:]):
+        assert np.isfinite(got).all() and np.array_equal(got, plain_got)
     # the reference quantizes float32 activations, the kernels bf16 ones (tests/test_act_codes.py)
     assert float(np.linalg.norm(out[0] - want) / np.linalg.norm(want)) < 1e-1

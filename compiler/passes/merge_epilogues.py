@@ -1,19 +1,21 @@
 """Per-phase launch merges, the other way round: a consumer run as its producer's epilogue.
 
 An fp8 o_proj reads its activation codes from a `quantize_act` launch after attention
-(compiler/passes/act_codes.py). In a narrow step (a decode step of a few tokens) that launch is
+(compiler/passes/act_codes.py). In a decode step (narrow: a few tokens) that launch is
 ~4 KB of work a token paying a whole drain and fill (~2-3 us on an H200, bench/NOTES.md "Issue
 42: the dense FP8 codes made once a step"), while decode attention's program that stores a
 (token, head) row holds all head_dim columns of it: where the activation group is head_dim
 columns, that row is one group, so the program (or the split merge that writes it) takes the
 group's amax, scale and e4m3 codes of the bf16 row it stored, the bits quantize_act would read:
 
-    narrow:  [o = attention_cached(q, cache); codes, s = quantize_act(view(o))]  ->  one launch
-             attention_cached(q, cache) -> (cache, o, codes, s),
-             launch["epilogue"] = {op: quantize_act, output: 1 (o's index), writes: 2, attrs, ...}
+    narrow, decode, wide:  [o = attention_cached(q, cache); codes, s = quantize_act(view(o))]
+             -> one launch attention_cached(q, cache) -> (o, codes, s) (narrow: (cache, o, codes,
+             s), its qk_norm_rope_cache prologue merged too),
+             launch["epilogue"] = {op: quantize_act, output: o's index, writes: 2, attrs, ...}
 
-Other phases keep the quantize_act launch (prefill and mixed attention tile other shapes; the
-graph is one for every phase, so the merge is a plan-level one, as merge_prologues' are).
+The decode programs' attention is decode attention (one row a sequence); prefill, mixed and
+short keep the quantize_act launch (their attention tiles other shapes; the graph is one for
+every phase, so the merge is a plan-level one, as merge_prologues' are).
 plan_memory keeps the producer's inputs live until the consumer's place (the codes are defined
 there but written at the producer's), as for a merged prologue.
 Not merged (left to its launch): activation groups other than head_dim, per-token or static
@@ -23,7 +25,8 @@ feature backend that takes either launch.
 from ..ops import REGISTRY
 from ..ops.quant import scheme_of
 
-PHASE = "narrow"
+# the phases whose attention is decode attention (select_kernels: wide inherits decode's template)
+PHASES = ("narrow", "decode", "wide")
 # producer op -> the narrow templates that write a consumer's outputs in their epilogue
 # (codegen_templates/triton/attention_decode.py.j2)
 PRODUCER_TEMPLATES = {"attention_cached": {"attention_decode"}}
@@ -42,8 +45,8 @@ def _producer(g, c):
     return p, p.outputs.index(x)
 
 
-def _merge(state, g, c):
-    """The producer node c runs inside in the narrow phase, or None (why not: see each test)."""
+def _merge(state, g, c, phase):
+    """The producer node c runs inside in this phase, or None (why not: see each test)."""
     found = _producer(g, c)
     if found is None:
         return None
@@ -55,9 +58,9 @@ def _merge(state, g, c):
         return None
     if o.shape[:1] != ("T",) or len(o.shape) != 3:
         return None
-    if REGISTRY[p.op].template(state.backend, PHASE) not in PRODUCER_TEMPLATES[p.op]:
+    if REGISTRY[p.op].template(state.backend, phase) not in PRODUCER_TEMPLATES[p.op]:
         return None
-    if any(REGISTRY[n.op].template(b, PHASE, inherit=False) for n in (p, c) for b in state.features):
+    if any(REGISTRY[n.op].template(b, phase, inherit=False) for n in (p, c) for b in state.features):
         return None
     # adjacent launches (views only between): the merged one writes the codes at the producer's place
     between = g.order[g.order.index(p.id) + 1:g.order.index(c.id)]
@@ -69,15 +72,16 @@ def _merge(state, g, c):
 def merge_epilogues(state):
     if (state.parallel or {}).get("dp", 1) > 1:     # a data-parallel plan's rows are G, not T
         return
-    found = {}
-    for g in state.graph.walk():
-        for c in g.ordered():
-            if c.op in CONSUMERS and (p := _merge(state, g, c)) is not None and p not in found:
-                found[p] = c.id
-                state.note("merge_epilogues", f"{g.name}: {c.op} (line {c.line}) into "
-                                              f"{g.nodes[p].op}'s epilogue, {PHASE} phase")
-    if found:
-        state.epilogues[PHASE] = found
+    for phase in PHASES:
+        found = {}
+        for g in state.graph.walk():
+            for c in g.ordered():
+                if c.op in CONSUMERS and (p := _merge(state, g, c, phase)) is not None and p not in found:
+                    found[p] = c.id
+                    state.note("merge_epilogues", f"{g.name}: {c.op} (line {c.line}) into "
+                                                  f"{g.nodes[p].op}'s epilogue, {phase} phase")
+        if found:
+            state.epilogues[phase] = found
 
 
 def epilogue_launch(g, p, c, producer_launch: dict, consumer_launch: dict) -> dict:
