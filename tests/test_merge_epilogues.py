@@ -1,7 +1,8 @@
 """o_proj's fp8 activation codes in decode attention's epilogue (compiler/passes/merge_epilogues.py,
 issue 42), end to end on a tiny qwen3 with head_dim 32 written as fp8 blocks of 32 x 32 (dynamic
-activation groups of 32: one group a head): the narrow and decode programs run quantize_act inside
-attention's launch and no launch of its own before o_proj, prefill and mixed keep the launch, and
+activation groups of 32: one group a head): the narrow and decode programs run o_proj's quantize_act
+inside attention's launch, the narrow program down's inside the gated GEMV's (no quantize_act
+launch left there), prefill and mixed keep the launches, and
 the decode steps' logits do not move by a bit against the same plan built without the merge, through
 the reference executor and through every generated kernel (interpreted)."""
 import json
@@ -60,7 +61,14 @@ def test_narrow_attention_makes_o_projs_codes(plans):
     o_proj = [launch for launch in narrow if launch["op"] == "linear" and launch["inputs"][0] in
               {o for a in attn for o in a["outputs"]}]
     assert len(o_proj) == len(attn)               # every o_proj reads its codes from attention's launch
-    for a in attn:
+    # down's codes from the gated GEMV's launch: no quantize_act left in the narrow program (two
+    # launches fewer a layer); in the decode program the gated GEMV's stays
+    gated = [launch for launch in narrow if launch["op"] == "linear_gated"]
+    assert gated and all(launch.get("epilogue", {}).get("op") == "quantize_act" for launch in gated)
+    down = [launch for launch in narrow if launch["op"] == "linear" and launch["inputs"][0] in
+            {o for a in gated for o in a["outputs"]}]
+    assert len(down) == len(gated)
+    for a in attn + gated:
         assert plan["buffers"][a["outputs"][-2]]["dtype"] == "f8e4m3"
         assert plan["buffers"][a["outputs"][-1]]["dtype"] == "f32"
         # the codes are written while the launch's programs still read its inputs (plan_memory
@@ -68,11 +76,10 @@ def test_narrow_attention_makes_o_projs_codes(plans):
         for T in (1, 5):
             for o in a["outputs"][-2:]:
                 assert not any(_overlap(plan, o, i, T) for i in a["inputs"] if i in plan["buffers"]), (o, T)
-    # one launch fewer a layer there (gate|up's quantize_act before down stays); none elsewhere
     count = lambda p, prog, op: sum(launch["op"] == op for launch in _ops(p, prog))   # noqa: E731
     layers = len(attn)
-    assert count(plan, "narrow", "quantize_act") == layers == count(plain, "narrow", "quantize_act") - layers
-    assert len(narrow) == len(_ops(plain, "narrow")) - layers
+    assert count(plan, "narrow", "quantize_act") == 0 and count(plain, "narrow", "quantize_act") == 2 * layers
+    assert len(narrow) == len(_ops(plain, "narrow")) - 2 * layers
     assert [l["op"] for l in _ops(plan, "decode")].count("quantize_act") == layers    # decode: the same merge
     assert all(l.get("epilogue") for l in _ops(plan, "decode") if l["op"] == "attention_cached")
     for program in ("prefill", "mixed"):

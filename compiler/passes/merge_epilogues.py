@@ -27,9 +27,13 @@ from ..ops.quant import scheme_of
 
 # the phases whose attention is decode attention (select_kernels: wide inherits decode's template)
 PHASES = ("narrow", "decode", "wide")
-# producer op -> the narrow templates that write a consumer's outputs in their epilogue
-# (codegen_templates/triton/attention_decode.py.j2)
-PRODUCER_TEMPLATES = {"attention_cached": {"attention_decode"}}
+# producer op -> the templates that write a consumer's outputs in their epilogue
+# (codegen_templates/triton/attention_decode.py.j2, gemv.py.j2's gated narrow codes path)
+PRODUCER_TEMPLATES = {"attention_cached": {"attention_decode"}, "linear_gated": {"gemv_gated"}}
+# the gated GEMV's narrow codes path stores BLOCK_N / 2 = 32 act columns a program (its default
+# tile): groups of a multiple of that hold whole programs (a tuned BLOCK_N that splits a group
+# fails the render, as a K tile that splits one does)
+GATED_COLUMNS = 32
 CONSUMERS = ("quantize_act",)
 
 
@@ -53,10 +57,13 @@ def _merge(state, g, c, phase):
     p, out = found
     s = scheme_of({"quant": c.attrs.get("act_quant")})
     o = g.values[p.outputs[out]].type
-    # one (token, head) row is one activation group (the program that stores it holds it whole)
-    if s is None or s.act != "dynamic_group" or o.shape[-1] != s.act_group or c.attrs.get("has_x_scale"):
+    if s is None or s.act != "dynamic_group" or c.attrs.get("has_x_scale") or o.shape[:1] != ("T",):
         return None
-    if o.shape[:1] != ("T",) or len(o.shape) != 3:
+    if p.op == "attention_cached":
+        # one (token, head) row is one activation group (the program that stores it holds it whole)
+        if o.shape[-1] != s.act_group or len(o.shape) != 3:
+            return None
+    elif not _gated_codes(state, p, phase) or s.act_group % GATED_COLUMNS:
         return None
     if REGISTRY[p.op].template(state.backend, phase) not in PRODUCER_TEMPLATES[p.op]:
         return None
@@ -67,6 +74,16 @@ def _merge(state, g, c, phase):
     if any(not REGISTRY[g.nodes[n].op].view for n in between):
         return None
     return p.id
+
+
+def _gated_codes(state, p, phase) -> bool:
+    """Whether the gated GEMV takes its narrow codes path unsplit in this phase: a one-token
+    narrow step (the kernel has no tensor-core path), e4m3 W read with ready codes (act_codes),
+    no LoRA site in its launch. (The template checks the tile and the split: it fails loudly.)"""
+    s = scheme_of(p.attrs)
+    return phase == "narrow" and state.narrow_tokens == 1 and bool(p.attrs.get("has_a_scale")) \
+        and s is not None and s.codes == "f8e4m3" and not s.g_idx and p.attrs.get("out_dtype") != "f32" \
+        and p.id not in state.lora_sites.get(phase, {})
 
 
 def merge_epilogues(state):
