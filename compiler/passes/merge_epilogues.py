@@ -16,6 +16,15 @@ group's amax, scale and e4m3 codes of the bf16 row it stored, the bits quantize_
 The decode programs' attention is decode attention (one row a sequence); prefill, mixed and
 short keep the quantize_act launch (their attention tiles other shapes; the graph is one for
 every phase, so the merge is a plan-level one, as merge_prologues' are).
+
+Down's codes, in a one-token narrow step: the gated GEMV's codes path stores 32 act columns a
+program, a quarter of a 128-column group, so its epilogue cannot take a group's amax alone; every
+program of a group's column blocks (and K splits) counts in on a counter a group after its stores,
+and the last to arrive reads the group back from L2 and quantizes it (the split-K merge's pattern;
+codegen_templates/triton/gemv.py.j2):
+
+    narrow:  [act = linear_gated(codes, W, ...); codes', s' = quantize_act(act)]
+             -> linear_gated(codes, W, ...) -> (act, codes', s'), launch["epilogue"]
 plan_memory keeps the producer's inputs live until the consumer's place (the codes are defined
 there but written at the producer's), as for a merged prologue.
 Not merged (left to its launch): activation groups other than head_dim, per-token or static
