@@ -21,6 +21,7 @@ from .passes.lower_experts import lower_experts
 from .passes.materialize_views import materialize_views
 from .passes.fuse_lora_act import fuse_lora_act
 from .passes.merge_lora import merge_lora
+from .passes.merge_epilogues import merge_epilogues
 from .passes.merge_prologues import merge_prologues
 from .passes.plan_memory import plan_memory
 from .passes.quantize_kv_cache import quantize_kv_cache
@@ -64,6 +65,7 @@ PIPELINE = [
     ("materialize_views", materialize_views),      # copy strided views before kernels that need it
     ("merge_lora", merge_lora),                    # narrow decode steps: LoRA in the GEMV's launch
     ("merge_prologues", merge_prologues),          # narrow decode steps: add + RMSNorm in the GEMV
+    ("merge_epilogues", merge_epilogues),          # decode steps: o_proj's codes in attention's launch
     ("plan_memory", plan_memory),                  # liveness-based arena offsets
     ("select_kernels", select_kernels),            # backend + template per launch and phase
 ]
@@ -72,9 +74,9 @@ PIPELINE = [
 FUSIONS = {"fold_shared_experts", "fuse_weights", "rotate_residual", "fuse_add_rms_norm",
            "fuse_qk_norm_rope_cache", "fuse_latent_prologue", "fuse_act_mul", "fuse_lora_act",
            "fuse_linear_epilogue", "fuse_linear_prologue", "fuse_lm_head", "fuse_route_align",
-           "act_codes", "merge_lora", "merge_prologues"}
+           "act_codes", "merge_lora", "merge_prologues", "merge_epilogues"}
 # (merge_prologues rewrites no node; its dropped in-place aliases would come back with the types)
-REWRITES = FUSIONS - {"merge_prologues", "merge_lora"} | {"split_attention", "shard_ranks", "lower_experts",
+REWRITES = FUSIONS - {"merge_prologues", "merge_lora", "merge_epilogues"} | {"split_attention", "shard_ranks", "lower_experts",
                                             "quantize_weights", "eliminate_dead", "materialize_views",
                                             "add_lora", "capture_hidden"}
 

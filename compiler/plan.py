@@ -21,7 +21,10 @@
                 "prologue" names the producer it runs first ({op, inputs: how many of the launch's
                 inputs are its, output: the index of its output the consumer reads, value: that
                 output's name (not written), writes: how many of the launch's outputs are its,
-                feeds: the consumer's input that value was, where not 0 (a LoRA shrink's), attrs})
+                feeds: the consumer's input that value was, where not 0 (a LoRA shrink's), attrs});
+                an "epilogue" names a consumer it runs after (compiler/passes/merge_epilogues.py:
+                {op, output: the launch output it reads, value, shape: that value's (a reshape of
+                it), writes: how many of the launch's last outputs are its, attrs})
     verify_tokens  (speculative builds only: compile_model's narrow_tokens = k + 1) a decode step
                 of more than narrow_tokens and at most this many tokens runs programs["verify"]:
                 the narrow program's launches rendered this many rows wide
@@ -46,6 +49,7 @@ from .contract.schema import CACHE_MARKER, DTYPE_BYTES, SCHEMA, step_metadata
 from .ir import Graph
 from .ops import REGISTRY
 from .passes.merge_lora import lora_launch
+from .passes.merge_epilogues import epilogue_launch
 from .passes.merge_prologues import merged_launch
 from .passes.quantize_kv_cache import declare as declare_kv_cache
 from .passes.select_kernels import SAME_LAUNCHES, SHORT_TOKENS, wide_tokens
@@ -110,6 +114,10 @@ def _launches(state, g: Graph, phase: str) -> list:
     merged_as = SAME_LAUNCHES.get(phase, phase)      # the verify program is the narrow one's launches
     merges = state.merges.get(merged_as, {})
     into = {c: p for p, c in merges.items()}
+    # epilogues by the phase's own name: merge_epilogues plans none for the verify program, whose
+    # k + 1 rows the one-row gated GEMV's codes epilogue does not cover
+    epilogues = state.epilogues.get(phase, {})       # producer -> the consumer in its launch
+    tails = set(epilogues.values())
     sites = state.lora_sites.get(merged_as, {})      # LoRA in the GEMV's launch (merge_lora)
     inside = {i for site in sites.values() for i in site}
     out = []
@@ -121,12 +129,15 @@ def _launches(state, g: Graph, phase: str) -> list:
                         "inputs": n.inputs, "outputs": n.outputs,
                         "kinds": {k: _launches(state, b, phase) for k, b in n.bodies.items()}})
             continue
-        if REGISTRY[n.op].view or n.id in merges or n.id in inside:   # runs in its consumer's launch
+        if REGISTRY[n.op].view or n.id in merges or n.id in inside or n.id in tails:   # runs in another's launch
             continue
         launch = _launch(state, g, n, phase)
         if n.id in into:
             p = g.nodes[into[n.id]]
             launch = merged_launch(p, n, _launch(state, g, p, phase), launch)
+        if n.id in epilogues:
+            c = g.nodes[epilogues[n.id]]
+            launch = epilogue_launch(g, n, c, launch, _launch(state, g, c, phase))
         if n.id in sites:
             launch = lora_launch(*(g.nodes[i] for i in sites[n.id]), launch)
         out.append(launch)

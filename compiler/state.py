@@ -20,6 +20,8 @@ class CompileState:
     kernels: dict = field(default_factory=dict)    # phase -> node id -> (backend, template)
     merges: dict = field(default_factory=dict)     # phase -> producer node id -> consumer node id
                                                    # (merge_prologues: one launch in that phase)
+    epilogues: dict = field(default_factory=dict)  # phase -> producer node id -> consumer node id
+                                                   # (merge_epilogues: the consumer in its producer's launch)
     lora_sites: dict = field(default_factory=dict)  # phase -> linear id -> [lora_shrink id, expand id]
                                                     # (merge_lora: the site in the GEMV's launch)
     parallel: dict | None = None     # {"world", "rank", "tp", "ep"}: this plan is rank r's share

@@ -161,10 +161,13 @@ def tuning_key(plan: dict, launch: dict, phase: str, tensors=None) -> str:
     """The key of a launch in the tuning tables: the phase and its tensors' shapes (tensors:
     launch_tensors' result, where the caller has it). A merged launch is keyed as its consumer
     alone (the producer's output it reads, then the consumer's other tensors): its tiles are the
-    consumer's."""
+    consumer's; a launch with a merged epilogue (merge_epilogues) as its producer alone."""
     ins, outs = tensors or launch_tensors(plan, launch)
     if launch.get("lora"):          # a LoRA site in the GEMV (merge_lora): the GEMV's tiles
         ins = ins[:-launch["lora"]["inputs"]]
+    epi = launch.get("epilogue")
+    if epi is not None:             # a consumer in the producer's launch (merge_epilogues): the producer's
+        outs = outs[:-epi["writes"]]
     pro = launch.get("prologue")
     if pro is not None:
         ins = ins[pro["inputs"]:]
@@ -200,6 +203,7 @@ def launch_context(plan: dict, launch: dict, phase: str, tuning: dict, page_size
     return {"op": launch["op"], "phase": AS_PHASE.get(phase, phase), "narrow": narrow,
             "narrow_rows": plan.get(NARROW_ROWS[phase], 1) if narrow else 0,
             "inputs": ins, "outputs": outs, "attrs": launch["attrs"], "prologue": launch.get("prologue"),
+            "epilogue": launch.get("epilogue"),
             "lora": launch.get("lora"), "config": plan["config"], "caches": caches, "page_size": page_size,
             "tune": tune_for(tuning, launch["kernel"], *keys)}
 

@@ -85,6 +85,13 @@ def plan_memory(state):
     for merges in state.merges.values():
         for producer, consumer in merges.items():
             merged_into.setdefault(consumer, []).append(producer)
+    # a consumer run as its producer's epilogue (merge_epilogues) writes its outputs where the
+    # producer runs: what that launch reads (the producer's and its merged prologue's inputs) stays
+    # live until the consumer's place, where those outputs are defined
+    for phase, tails in state.epilogues.items():
+        for producer, consumer in tails.items():
+            merged_into.setdefault(consumer, []).extend(
+                [producer] + [p for p, c in state.merges.get(phase, {}).items() if c == producer])
     # a LoRA site in its GEMV's launch (merge_lora) writes the expand's output where the linear
     # runs: what that launch reads (the linear's, the shrink's and a merged prologue's inputs)
     # stays live until the expand's place, where the output is defined

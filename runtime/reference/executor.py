@@ -50,7 +50,8 @@ def launch_results(ctx, launch: dict, args: list) -> tuple:
     the producer's output number launch["prologue"]["output"] as its input number
     launch["prologue"].get("feeds", 0), and the producer's other outputs come first. A LoRA site in
     the linear's launch (launch["lora"]) takes the tables A, B, scale last and runs the shrink and
-    expand references after the linear's."""
+    expand references after the linear's. A merged epilogue (launch["epilogue"]) runs its consumer's
+    reference on the launch's output number epilogue["output"], its outputs last."""
     pro = launch.get("prologue")
     lora = launch.get("lora")
     attrs = launch["attrs"]
@@ -66,6 +67,12 @@ def launch_results(ctx, launch: dict, args: list) -> tuple:
         args = list(args[pro["inputs"]:])
         args.insert(pro.get("feeds", 0), produced[feed])        # the consumer's input it was
     result = REGISTRY[launch["op"]].reference(ctx, *args, **attrs)
+    epi = launch.get("epilogue")
+    if epi is not None:         # a consumer in the producer's launch (compiler/passes/merge_epilogues.py)
+        result = result if isinstance(result, tuple) else (result,)
+        x = (written + result)[epi["output"]]
+        tail = REGISTRY[epi["op"]].reference(ctx, x.reshape([ctx.dim(d) for d in epi["shape"]]), **epi["attrs"])
+        result = result + (tail if isinstance(tail, tuple) else (tail,))
     if lora is not None:        # the linear's output, then the shrink of its input and the expand
         (shrink, s_attrs), (expand, e_attrs) = zip(lora["ops"], lora["attrs"])
         xa = REGISTRY[shrink].reference(ctx, args[0], tables[0], **s_attrs)

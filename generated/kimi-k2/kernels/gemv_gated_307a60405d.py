@@ -62,6 +62,17 @@ def _a_tile(a_ptr, as_ptr, row_off, k, mask):
 
 
 @triton.jit
+def _act_scale(amax):
+    """A group's scale: amax / 448, 1 where the group is all zeros."""
+    return tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
+
+
+@triton.jit
+def _act_store(codes_ptr, x, s, offs, mask):
+    """e4m3(x / s) at offs (x fp32, s broadcastable to it)."""
+    tl.store(codes_ptr + offs, tl.math.div_rn(x, s).to(tl.float8e4nv), mask=mask)
+
+@triton.jit
 def _w_raw(w_rows, k0, k_end, BK: tl.constexpr):
     """The stored codes of W[rows, k0 : k0 + BK], zero past k_end: w_rows [BN, 1] row pointers
     (7168 bytes a row), k0 a multiple of BK -> f8e4m3 [BN, BK]."""
@@ -194,7 +205,7 @@ def _finish(y_ptr, part_ptr, cnt_ptr, acc, offs, mask, y_offs, y_mask, tile, SPL
 
 
 @triton.jit
-def gemv_silu_gated(a_ptr, w_ptr, w_scale_ptr, as_ptr, y_ptr, M,
+def gemv_silu_gated(a_ptr, w_ptr, w_scale_ptr, as_ptr, y_ptr, M, codes_ptr, qs_ptr, qcnt_ptr,
         N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, FMA_BLOCK_K: tl.constexpr,
         FMA_T: tl.constexpr, FMA_ROWS: tl.constexpr, BLOCK_N_DOT: tl.constexpr, BLOCK_K: tl.constexpr,
         BLOCK_T: tl.constexpr, KU: tl.constexpr, SPLIT: tl.constexpr, SLOT: tl.constexpr,
@@ -258,11 +269,24 @@ def gemv_silu_gated(a_ptr, w_ptr, w_scale_ptr, as_ptr, y_ptr, M,
         _finish(y_ptr, y_ptr, y_ptr, out, offs_f, (rows[:, None] < M) & n_mask[None, :],
                 rows.to(tl.int64)[:, None] * N + offs_y[None, :], (rows[:, None] < M) & (offs_y[None, :] < N),
                 tile, SPLIT, SLOT, ZMAX, True)
+        # down's codes: the last of group grp's programs (4 column blocks x the splits) to
+        # arrive quantizes the group's 128 columns (row 0: the step's one token)
+        tl.debug_barrier()   # every thread's act stores are issued before the release below
+        grp = pid_n // 4
+        arrived = tl.atomic_add(qcnt_ptr + grp, 1, sem="acq_rel")
+        if arrived == tl.minimum(4, 576 - grp * 4) * tl.num_programs(2) - 1:
+            tl.debug_barrier()   # the whole program reads after the acquire above
+            kq = grp * 128 + tl.arange(0, 128)
+            xq = tl.load(y_ptr + kq, mask=kq < N, other=0.0, cache_modifier=".cg").to(tl.float32)
+            sq = _act_scale(tl.max(tl.abs(xq), axis=0))
+            _act_store(codes_ptr, xq, sq, kq, kq < N)
+            tl.store(qs_ptr + grp, sq)
+            tl.store(qcnt_ptr + grp, 0)
 
 
 META = {
     "entry": "gemv_silu_gated",
-    "params": [["a_ptr", "*fp8e4nv", "in:0"], ["w_ptr", "*fp8e4nv", "in:1"], ["w_scale_ptr", "*fp32", "in:2"], ["as_ptr", "*fp32", "in:3"], ["y_ptr", "*bf16", "out:0"], ["M", "i32", "dim:T"]],
+    "params": [["a_ptr", "*fp8e4nv", "in:0"], ["w_ptr", "*fp8e4nv", "in:1"], ["w_scale_ptr", "*fp32", "in:2"], ["as_ptr", "*fp32", "in:3"], ["y_ptr", "*bf16", "out:0"], ["M", "i32", "dim:T"], ["codes_ptr", "*fp8e4nv", "out:1"], ["qs_ptr", "*fp32", "out:2"], ["qcnt_ptr", "*i32", "scratch:counters_codes"]],
     "constexprs": {"N": 18432, "K": 7168, "BLOCK_N": 64, "FMA_BLOCK_K": 128,
                    "FMA_T": 1, "FMA_ROWS": 1, "BLOCK_N_DOT": 64, "BLOCK_K": 128,
                    "BLOCK_T": 32, "KU": 128, "SPLIT": False, "SLOT": 36864,
@@ -271,6 +295,7 @@ META = {
     "pdl": True,
     "reads_before_wait": ["w_ptr"],
     "grid": ["cdiv(T, 32)", 576, 1],
+    "scratch": {"counters_codes": "576"},
     "num_warps": 4,
     "num_stages": 4,
 }

@@ -1,0 +1,131 @@
+"""Per-phase launch merges, the other way round: a consumer run as its producer's epilogue.
+
+An fp8 o_proj reads its activation codes from a `quantize_act` launch after attention
+(compiler/passes/act_codes.py). In a decode step (narrow: a few tokens) that launch is
+~4 KB of work a token paying a whole drain and fill (~2-3 us on an H200, bench/NOTES.md "Issue
+42: the dense FP8 codes made once a step"), while decode attention's program that stores a
+(token, head) row holds all head_dim columns of it: where the activation group is head_dim
+columns, that row is one group, so the program (or the split merge that writes it) takes the
+group's amax, scale and e4m3 codes of the bf16 row it stored, the bits quantize_act would read:
+
+    narrow, decode, wide:  [o = attention_cached(q, cache); codes, s = quantize_act(view(o))]
+             -> one launch attention_cached(q, cache) -> (o, codes, s) (narrow: (cache, o, codes,
+             s), its qk_norm_rope_cache prologue merged too),
+             launch["epilogue"] = {op: quantize_act, output: o's index, writes: 2, attrs, ...}
+
+The decode programs' attention is decode attention (one row a sequence); prefill, mixed and
+short keep the quantize_act launch (their attention tiles other shapes; the graph is one for
+every phase, so the merge is a plan-level one, as merge_prologues' are).
+
+Down's codes, in a one-token narrow step: the gated GEMV's codes path stores 32 act columns a
+program, a quarter of a 128-column group, so its epilogue cannot take a group's amax alone; every
+program of a group's column blocks (and K splits) counts in on a counter a group after its stores,
+and the last to arrive reads the group back from L2 and quantizes it (the split-K merge's pattern;
+codegen_templates/triton/gemv.py.j2):
+
+    narrow:  [act = linear_gated(codes, W, ...); codes', s' = quantize_act(act)]
+             -> linear_gated(codes, W, ...) -> (act, codes', s'), launch["epilogue"]
+plan_memory keeps the producer's inputs live until the consumer's place (the codes are defined
+there but written at the producer's), as for a merged prologue.
+Not merged (left to its launch): activation groups other than head_dim, per-token or static
+scales (a row-wide amax spans every head's programs), data-parallel plans (rows are G), and a
+feature backend that takes either launch.
+"""
+from ..ops import REGISTRY
+from ..ops.quant import scheme_of
+
+# the phases whose attention is decode attention (select_kernels: wide inherits decode's template)
+PHASES = ("narrow", "decode", "wide")
+# producer op -> the templates that write a consumer's outputs in their epilogue
+# (codegen_templates/triton/attention_decode.py.j2, gemv.py.j2's gated narrow codes path)
+PRODUCER_TEMPLATES = {"attention_cached": {"attention_decode"}, "linear_gated": {"gemv_gated"}}
+# the gated GEMV's narrow codes path stores BLOCK_N / 2 = 32 act columns a program (its default
+# tile): groups of a multiple of that hold whole programs (a tuned BLOCK_N that splits a group
+# fails the render, as a K tile that splits one does)
+GATED_COLUMNS = 32
+CONSUMERS = ("quantize_act",)
+
+
+def _producer(g, c):
+    """(producer node, its output index) whose value c reads, through reshapes only; else None."""
+    x = c.inputs[0]
+    p = g.producer(x)
+    while p is not None and REGISTRY[p.op].view and p.op == "view":
+        x = p.inputs[0]
+        p = g.producer(x)
+    if p is None or p.op not in PRODUCER_TEMPLATES:
+        return None
+    return p, p.outputs.index(x)
+
+
+def _merge(state, g, c, phase):
+    """The producer node c runs inside in this phase, or None (why not: see each test)."""
+    found = _producer(g, c)
+    if found is None:
+        return None
+    p, out = found
+    s = scheme_of({"quant": c.attrs.get("act_quant")})
+    o = g.values[p.outputs[out]].type
+    if s is None or s.act != "dynamic_group" or c.attrs.get("has_x_scale") or o.shape[:1] != ("T",):
+        return None
+    if p.op == "attention_cached":
+        # one (token, head) row is one activation group (the program that stores it holds it whole)
+        if o.shape[-1] != s.act_group or len(o.shape) != 3:
+            return None
+    elif not _gated_codes(state, p, phase) or s.act_group % GATED_COLUMNS:
+        return None
+    if REGISTRY[p.op].template(state.backend, phase) not in PRODUCER_TEMPLATES[p.op]:
+        return None
+    if any(REGISTRY[n.op].template(b, phase, inherit=False) for n in (p, c) for b in state.features):
+        return None
+    # adjacent launches (views only between): the merged one writes the codes at the producer's place
+    between = g.order[g.order.index(p.id) + 1:g.order.index(c.id)]
+    if any(not REGISTRY[g.nodes[n].op].view for n in between):
+        return None
+    return p.id
+
+
+def _gated_codes(state, p, phase) -> bool:
+    """Whether the gated GEMV takes its narrow codes path unsplit in this phase: a one-token
+    narrow step (the kernel has no tensor-core path), e4m3 W read with ready codes (act_codes),
+    no LoRA site in its launch. (The template checks the tile and the split: it fails loudly.)"""
+    s = scheme_of(p.attrs)
+    return phase == "narrow" and state.narrow_tokens == 1 and bool(p.attrs.get("has_a_scale")) \
+        and s is not None and s.codes == "f8e4m3" and not s.g_idx and p.attrs.get("out_dtype") != "f32" \
+        and p.id not in state.lora_sites.get(phase, {})
+
+
+def merge_epilogues(state):
+    if (state.parallel or {}).get("dp", 1) > 1:     # a data-parallel plan's rows are G, not T
+        return
+    for phase in PHASES:
+        found = {}
+        for g in state.graph.walk():
+            for c in g.ordered():
+                if c.op in CONSUMERS and (p := _merge(state, g, c, phase)) is not None and p not in found:
+                    found[p] = c.id
+                    state.note("merge_epilogues", f"{g.name}: {c.op} (line {c.line}) into "
+                                                  f"{g.nodes[p].op}'s epilogue, {phase} phase")
+        if found:
+            state.epilogues[phase] = found
+
+
+def epilogue_launch(g, p, c, producer_launch: dict, consumer_launch: dict) -> dict:
+    """One launch for producer p (its launch dict, possibly with a merged prologue) and the
+    consumer c it runs as an epilogue: the producer's inputs, its outputs then the consumer's;
+    launch["epilogue"]["output"] names the launch output the consumer reads (reshaped to its rows)."""
+    out = dict(producer_launch)
+    value = c.inputs[0]
+    out["outputs"] = producer_launch["outputs"] + consumer_launch["outputs"]
+    _, src = _producer(g, c)
+    # the index of the producer's output the consumer reads, within the launch's outputs (after a
+    # merged prologue's writes)
+    writes = len(producer_launch["outputs"]) - len(p.outputs)
+    out["epilogue"] = {"op": c.op, "output": writes + src, "value": value,
+                       "shape": list(g.values[value].type.shape),
+                       "writes": len(c.outputs), "attrs": consumer_launch["attrs"],
+                       "fuses": c.fused_from, "line": c.line}
+    out["fuses"] = producer_launch["fuses"] + c.fused_from
+    out["pass"] = "merge_epilogues"
+    return out
+
