@@ -24,6 +24,8 @@ PROBE = """
 import json, sys
 import infc.cli
 from infc.server.serve import serve_main
+from infc.server.args import config_from_args
+config_from_args(infc.cli.parser().parse_args(["serve", "--model-path", "/m"]))   # before the load starts
 import infc.backend
 from infc.compiler import build_key, tuning_table
 tuning_table.default_page_size("h200")
