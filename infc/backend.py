@@ -162,8 +162,7 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
 
     tokenizing = None
     if (model_dir / "tokenizer.json").exists():      # read beside the plan, weights and graphs
-        from infc.runtime.tokenization.tokenizer import Tokenizer
-        tokenizing = st.beside("load tokenizer (beside)", Tokenizer, model_dir)
+        tokenizing = st.beside("load tokenizer (beside)", _load_tokenizer, model_dir)
     par, artifact = None, c.load.artifact
     if c.parallel.ranks:
         from infc.compiler.parallel import settings
@@ -282,6 +281,15 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
         log(f"  maximum concurrency for {limit} tokens per request: {b.max_concurrency:.2f}x")
         log(f"ready in {time.perf_counter() - st.t_all:.2f} s")
     return b
+
+
+def _load_tokenizer(model_dir: Path):
+    """The tokenizer, its longest token found here (the server's prompt bound) rather than after
+    the engine is ready, when the server attaches it."""
+    from infc.runtime.tokenization.tokenizer import Tokenizer
+    tok = Tokenizer(model_dir)
+    _ = tok.max_token_chars
+    return tok
 
 
 def artifact_tag(lora=None, narrow: int = 1, capture=None) -> str:

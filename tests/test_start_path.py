@@ -123,3 +123,21 @@ def test_a_stage_beside_logs_its_own_time_and_reraises(fails):
             job.result()
     else:
         assert job.result() == 7 and st.done[0][0] == "load tokenizer (beside)" and "(beside)" in logs[0]
+
+
+def test_the_tokenizer_thread_finds_the_longest_token_so_attach_does_not():
+    """The prompt bound's vocabulary scan (0.1-0.2 s of GIL at 151k tokens) runs beside the
+    weights, on the tokenizer's loading thread, not serially when the server attaches."""
+    from smollm2_from_gguf import ensure_smollm2
+    from infc.backend import _load_tokenizer
+    from infc.server import protocol
+    tok = _load_tokenizer(ensure_smollm2())
+    longest = max(map(len, tok.tk.get_vocab(with_added_tokens=True)))
+
+    class NoScan:                     # attach must not list the vocabulary again
+        def __getattr__(self, name):
+            if name == "get_vocab":
+                raise AssertionError("the vocabulary scanned after the tokenizer's load")
+            return getattr(real, name)
+    real, tok.tk = tok.tk, NoScan()
+    assert protocol.prompt_char_bound(tok, 128) == 128 * longest and longest > 1
