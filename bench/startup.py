@@ -24,6 +24,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -55,12 +56,18 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-def server_env() -> dict:
+GIL_WATCH = Path(__file__).resolve().parent / "gil_watch"
+
+
+def server_env(gil_watch: str | None = None) -> dict:
     """The server's environment: this one, with bytecode kept (under .cache/pycache where none
-    may be written beside the sources)."""
+    may be written beside the sources); gil_watch: a file for gil_watch/sitecustomize.py's stalls."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if env.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
         env.setdefault("PYTHONPYCACHEPREFIX", str(Path(__file__).resolve().parent.parent / ".cache" / "pycache"))
+    if gil_watch:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(GIL_WATCH), env.get("PYTHONPATH")]))
+        env["GIL_WATCH_OUT"] = gil_watch
     return env
 
 
@@ -76,11 +83,14 @@ def first_completion(port: int) -> None:
             raise RuntimeError("infc serve reported ready but did not complete one token")
 
 
-def start_once(model_path: str, extra: list[str], idle_s: float, timeout_s: float) -> dict:
+def start_once(model_path: str, extra: list[str], idle_s: float, timeout_s: float, gil_watch: bool = False) -> dict:
+    """gil_watch: also the server's GIL stalls over 20 ms, as (start, seconds) after the spawn."""
     port = free_port()
     cmd = [sys.executable, "-m", "infc.cli", "serve", "--model-path", model_path, "--port", str(port), *extra]
+    stalls = tempfile.NamedTemporaryFile("r", suffix=".gil") if gil_watch else None
     t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=server_env())
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=server_env(stalls and stalls.name))
     timeline: list[tuple[float, str]] = []       # (seconds after the spawn, the line)
 
     def read():
@@ -111,8 +121,13 @@ def start_once(model_path: str, extra: list[str], idle_s: float, timeout_s: floa
             p.wait()
         reader.join(10)
     stages = [(m.group(1), float(m.group(2))) for m in (STAGE.match(line) for _, line in timeline) if m]
-    return {"ready_s": ready, "first_completion_s": completed, "idle_rss_mb": rss, "stages": stages,
-            "timeline": timeline}
+    out = {"ready_s": ready, "first_completion_s": completed, "idle_rss_mb": rss, "stages": stages,
+           "timeline": timeline}
+    if stalls is not None:
+        with stalls:
+            rows = (line.split() for line in stalls.read().splitlines())
+            out["gil_stalls"] = [(round(float(at) - t0, 4), float(s)) for at, s in rows]
+    return out
 
 
 def plot(res: dict, path: Path):
@@ -136,6 +151,8 @@ def main(argv=None):
     ap.add_argument("--idle-s", type=float, default=3.0)
     ap.add_argument("--timeout-s", type=float, default=300.0)
     ap.add_argument("--out")
+    ap.add_argument("--gil-watch", action="store_true", help="record the server's GIL stalls over 20 ms "
+                    "(bench/gil_watch/sitecustomize.py on its PYTHONPATH)")
     from infc.server.args import add_load_format_arg
     add_load_format_arg(ap)       # dummy: ready time without the read (the fill is on the device)
     ap.add_argument("serve_args", nargs="*", help="extra `infc serve` flags (after --)")
@@ -145,11 +162,13 @@ def main(argv=None):
     print(f"warm-up start: {warm['ready_s']:.2f} s")
     runs = []
     for i in range(a.reps):
-        r = start_once(a.model_path, extra, a.idle_s, a.timeout_s)
+        r = start_once(a.model_path, extra, a.idle_s, a.timeout_s, a.gil_watch)
         runs.append(r)
         print(f"start {i + 1}: ready in {r['ready_s']:.2f} s (one token at {r['first_completion_s']:.2f}), "
               f"idle RSS {r['idle_rss_mb']:.0f} MB; "
               + ", ".join(f"{n} {s:.2f}" for n, s in r["stages"]), flush=True)
+        if a.gil_watch:
+            print("  GIL stalls (at, seconds): " + ", ".join(f"{t:.2f} {d:.2f}" for t, d in r["gil_stalls"]), flush=True)
     from infc.runtime.cuda.driver import Context
     from .common import copy_bandwidth, header, save
     ctx = Context()

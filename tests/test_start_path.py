@@ -145,13 +145,15 @@ def test_the_tokenizer_thread_finds_the_longest_token_so_attach_does_not():
 
 def test_bench_startup_times_a_server_that_answers():
     """`infc bench startup`'s one start, on the CPU: ready (the first /health 200) after the
-    server's `serving` line, then one completion; each log line kept with its time."""
+    server's `serving` line, then one completion; each log line kept with its time, and the GIL
+    stalls (the tokenizer's load holds the GIL throughout: 0.2-0.3 s here for SmolLM2's)."""
     from smollm2_from_gguf import ensure_smollm2
     from infc.bench.startup import start_once
     r = start_once(str(ensure_smollm2()), ["--device", "cpu", "--max-model-len", "128", "--kv-cache-memory-bytes",
-                                           str(32 << 20), "--uvicorn-log-level", "warning"], 0.0, 120.0)
+                                           str(32 << 20), "--uvicorn-log-level", "warning"], 0.0, 120.0, gil_watch=True)
     served = [t for t, line in r["timeline"] if line.startswith("serving ")]
     assert len(served) == 1 and served[0] <= r["ready_s"] < r["first_completion_s"], r["timeline"]
     assert [t for t, _ in r["timeline"]] == sorted(t for t, _ in r["timeline"])
     assert {"python start, infc imports", "load tokenizer (beside)", "attach to the server"} <= dict(r["stages"]).keys()
     assert r["idle_rss_mb"] > 50
+    assert any(s > 0.05 and 0 < t < r["ready_s"] for t, s in r["gil_stalls"]), r["gil_stalls"]
