@@ -96,11 +96,13 @@ def test_a_restarted_server_reuses_its_artifact_by_key(tmp_path, monkeypatch):
         return Path(out)
     monkeypatch.setattr(build_mod, "build", fake_build)
     c = EngineConfig.from_settings(device="cuda", block_size=64)
-    logs = []
-    run = lambda: served_artifact(_Stages(None), c, model, None, False, "auto", None, logs.append)  # noqa: E731
+    logs, before = [], []
+    run = lambda: served_artifact(_Stages(None), c, model, None, False, "auto", None, logs.append,  # noqa: E731
+                                  before_build=lambda: before.append(len(builds)))
     a = run()
     assert a == tmp_path / "artifacts" / "tiny" and len(builds) == 1 and builds[0]["reuse_bins"]
-    assert run() == a and len(builds) == 1 and "unchanged (its build key)" in logs[-1]
+    assert before == [0]                                      # the HTTP layer opens beside a build
+    assert run() == a and len(builds) == 1 and "unchanged (its build key)" in logs[-1] and before == [0]
     (model / "model.safetensors").write_bytes(b"")            # the checkpoint changed
     assert run() == a and len(builds) == 2
     (a / "bin" / "k.cubin").unlink()                          # a cubin went missing
