@@ -1,10 +1,15 @@
 """`infc bench startup`: process start -> ready, and the resident memory of an idle server.
 
 Starts `infc serve` as users do (a fresh Python process) and times spawn -> the first 200 from
-/health, polled every 20 ms. The first start is not recorded: it puts the weights in the page
-cache (and builds the artifact if needed), as a restarted server finds them. The server's own
-stage timings are kept from its log. Idle RSS is VmRSS of the server process after it has been
-ready and idle for a few seconds. The copy bandwidth is measured in the same run, afterwards.
+/health. The server says when it has attached its engine (its `serving` line); /health is polled
+every millisecond from then, not before: every poll the loading server answers is Python it runs
+beside its load (and under the GIL), so polling all along would slow what it measures. Then one
+completion (one token), timed from the spawn too: ready means it answers one. The first start is
+not recorded: it puts the weights in the page cache (and builds the artifact if needed), as a
+restarted server finds them. The server's own stage timings are kept from its log, and each log
+line's arrival time after the spawn (`timeline`: where the stages do not add up, the gaps show
+where the time went). Idle RSS is VmRSS of the server process after it has been ready and idle
+for a few seconds. The copy bandwidth is measured in the same run, afterwards.
 
 Bytecode: where PYTHONDONTWRITEBYTECODE is set (the GPU sessions' machines set it, and their
 wheels are installed with --no-compile), every start would compile infc, numpy, starlette and
@@ -13,11 +18,14 @@ it by default), so the starts measured here keep theirs under .cache/pycache, as
 does (tests/conftest.py); the warm-up start writes it. The result records where it was kept.
 """
 import argparse
+import json
 import os
 import re
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -48,39 +56,78 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-def server_env() -> dict:
+GIL_WATCH = Path(__file__).resolve().parent / "gil_watch"
+
+
+def server_env(gil_watch: str | None = None) -> dict:
     """The server's environment: this one, with bytecode kept (under .cache/pycache where none
-    may be written beside the sources)."""
+    may be written beside the sources); gil_watch: a file for gil_watch/sitecustomize.py's stalls."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if env.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
         env.setdefault("PYTHONPYCACHEPREFIX", str(Path(__file__).resolve().parent.parent / ".cache" / "pycache"))
+    if gil_watch:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(GIL_WATCH), env.get("PYTHONPATH")]))
+        env["GIL_WATCH_OUT"] = gil_watch
     return env
 
 
-def start_once(model_path: str, extra: list[str], idle_s: float, timeout_s: float) -> dict:
+def first_completion(port: int) -> None:
+    """One completion of one token from the model the server lists first."""
+    base = f"http://127.0.0.1:{port}/v1"
+    with urllib.request.urlopen(base + "/models", timeout=60) as r:
+        model = json.load(r)["data"][0]["id"]
+    body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 1}).encode()
+    req = urllib.request.Request(base + "/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        if r.status != 200 or json.load(r)["usage"]["completion_tokens"] != 1:
+            raise RuntimeError("infc serve reported ready but did not complete one token")
+
+
+def start_once(model_path: str, extra: list[str], idle_s: float, timeout_s: float, gil_watch: bool = False) -> dict:
+    """gil_watch: also the server's GIL stalls over 20 ms, as (start, seconds) after the spawn."""
     port = free_port()
     cmd = [sys.executable, "-m", "infc.cli", "serve", "--model-path", model_path, "--port", str(port), *extra]
+    stalls = tempfile.NamedTemporaryFile("r", suffix=".gil") if gil_watch else None
     t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=server_env())
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=server_env(stalls and stalls.name))
+    timeline: list[tuple[float, str]] = []       # (seconds after the spawn, the line)
+
+    def read():
+        for line in p.stdout:
+            timeline.append((round(time.perf_counter() - t0, 4), line.rstrip("\n")))
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     try:
-        while not healthy(port):
+        while not (any(line.startswith("serving ") for _, line in timeline) and healthy(port)):
             if p.poll() is not None:
-                raise RuntimeError(f"infc serve exited with {p.returncode}:\n{p.stdout.read()[-3000:]}")
+                reader.join(5)
+                tail = "\n".join(line for _, line in timeline)[-3000:]
+                raise RuntimeError(f"infc serve exited with {p.returncode}:\n{tail}")
             if time.perf_counter() - t0 > timeout_s:
                 raise RuntimeError(f"infc serve not ready after {timeout_s} s")
-            time.sleep(0.02)
+            time.sleep(0.001)
         ready = time.perf_counter() - t0
+        first_completion(port)
+        completed = time.perf_counter() - t0
         time.sleep(idle_s)
         rss = rss_mb(p.pid)
     finally:
         p.terminate()
         try:
-            out, _ = p.communicate(timeout=30)
+            p.wait(timeout=30)
         except subprocess.TimeoutExpired:
             p.kill()
-            out, _ = p.communicate()
-    stages = [(m.group(1), float(m.group(2))) for m in map(STAGE.match, out.splitlines()) if m]
-    return {"ready_s": ready, "idle_rss_mb": rss, "stages": stages}
+            p.wait()
+        reader.join(10)
+    stages = [(m.group(1), float(m.group(2))) for m in (STAGE.match(line) for _, line in timeline) if m]
+    out = {"ready_s": ready, "first_completion_s": completed, "idle_rss_mb": rss, "stages": stages,
+           "timeline": timeline}
+    if stalls is not None:
+        with stalls:
+            rows = (line.split() for line in stalls.read().splitlines())
+            out["gil_stalls"] = [(round(float(at) - t0, 4), float(s)) for at, s in rows]
+    return out
 
 
 def plot(res: dict, path: Path):
@@ -104,6 +151,8 @@ def main(argv=None):
     ap.add_argument("--idle-s", type=float, default=3.0)
     ap.add_argument("--timeout-s", type=float, default=300.0)
     ap.add_argument("--out")
+    ap.add_argument("--gil-watch", action="store_true", help="record the server's GIL stalls over 20 ms "
+                    "(bench/gil_watch/sitecustomize.py on its PYTHONPATH)")
     from infc.server.args import add_load_format_arg
     add_load_format_arg(ap)       # dummy: ready time without the read (the fill is on the device)
     ap.add_argument("serve_args", nargs="*", help="extra `infc serve` flags (after --)")
@@ -113,10 +162,13 @@ def main(argv=None):
     print(f"warm-up start: {warm['ready_s']:.2f} s")
     runs = []
     for i in range(a.reps):
-        r = start_once(a.model_path, extra, a.idle_s, a.timeout_s)
+        r = start_once(a.model_path, extra, a.idle_s, a.timeout_s, a.gil_watch)
         runs.append(r)
-        print(f"start {i + 1}: ready in {r['ready_s']:.2f} s, idle RSS {r['idle_rss_mb']:.0f} MB; "
+        print(f"start {i + 1}: ready in {r['ready_s']:.2f} s (one token at {r['first_completion_s']:.2f}), "
+              f"idle RSS {r['idle_rss_mb']:.0f} MB; "
               + ", ".join(f"{n} {s:.2f}" for n, s in r["stages"]), flush=True)
+        if a.gil_watch:
+            print("  GIL stalls (at, seconds): " + ", ".join(f"{t:.2f} {d:.2f}" for t, d in r["gil_stalls"]), flush=True)
     from infc.runtime.cuda.driver import Context
     from .common import copy_bandwidth, header, save
     ctx = Context()
@@ -125,6 +177,7 @@ def main(argv=None):
     res.update({"copy_GBps": copy_bandwidth(ctx) / 1e9, "serve_args": extra, "runs": runs,
                 "median_run": int(order[len(order) // 2]),
                 "ready_s": float(np.median([r["ready_s"] for r in runs])),
+                "first_completion_s": float(np.median([r["first_completion_s"] for r in runs])),
                 "idle_rss_mb": float(np.median([r["idle_rss_mb"] for r in runs])),
                 "warmup_ready_s": warm["ready_s"],
                 "bytecode": server_env().get("PYTHONPYCACHEPREFIX", "beside the sources")})

@@ -122,7 +122,8 @@ def resolve(config: EngineConfig) -> EngineConfig:
     return config.resolved(detect_device, lambda: device_page_size("cuda"))
 
 
-def load_backend(model_dir, config: EngineConfig | None = None, log=print, **settings) -> Backend:
+def load_backend(model_dir, config: EngineConfig | None = None, log=print, on_device_work=None,
+                 **settings) -> Backend:
     """config: the engine's settings (infc/config.py), or instead flat keyword settings with
     vLLM's names (EngineConfig.from_settings: max_num_seqs=..., block_size=...).
     load.spec_dirs: spec directories searched before specs/ (with $INFC_SPEC_PATH) for the spec
@@ -137,7 +138,9 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
     steps (None: on where the runner can, unless INFC_OVERLAP=0). load.artifact: a built
     artifact directory to run as it is (one GPU), instead of building or reusing
     .cache/artifacts/<name> with this checkout's compiler: an A/B of two commits' plans.
-    cache.page_size: the KV cache's page size (None: device_page_size; an artifact keeps its own)."""
+    cache.page_size: the KV cache's page size (None: device_page_size; an artifact keeps its own).
+    on_device_work: called once this thread's own Python is done and the device work begins
+    (file reads, driver calls: the GIL mostly free), as the tokenizer's load begins beside it."""
     if config is None:
         config = EngineConfig.from_settings(**settings)
     elif settings:
@@ -160,10 +163,22 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
         if dummy:
             log("  load format dummy: random weights, no checkpoint read or checked")
 
-    tokenizing = None
-    if (model_dir / "tokenizer.json").exists():      # read beside the plan, weights and graphs
-        from infc.runtime.tokenization.tokenizer import Tokenizer
-        tokenizing = st.beside("load tokenizer (beside)", Tokenizer, model_dir)
+    tokenizing, begun = None, []
+
+    def device_work():
+        """The tokenizer's load holds the GIL from start to end (the tokenizers library's Rust
+        from_file: ~0.5 s at 151k tokens, every other thread stopped), so it begins beside device
+        work (on cuda the context's creation first: driver calls), not beside this thread's own
+        Python; the caller's deferred work (serve: the HTTP layer's imports) too. Before a build
+        (minutes, in compile processes) rather than after it: the port opens meanwhile."""
+        nonlocal tokenizing
+        if begun:
+            return
+        begun.append(True)
+        if (model_dir / "tokenizer.json").exists():
+            tokenizing = st.beside("load tokenizer (beside)", _load_tokenizer, model_dir)
+        if on_device_work is not None:
+            on_device_work()
     par, artifact = None, c.load.artifact
     if c.parallel.ranks:
         from infc.compiler.parallel import settings
@@ -192,9 +207,11 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
         raise ValueError("--enable-lora with --tensor-parallel-size / --data-parallel-size / "
                          "--enable-expert-parallel: not supported yet")
     if par is not None:
+        device_work()
         runner, plan, name, model_len = _rank_processes(st, par, c, model_dir, spec_dirs, dummy, kv_dtype)
         page_size = runner.page_size
     elif device == "cpu":
+        device_work()
         from infc.compiler.build import compile_model
         state, plan = st.run("compile plan", compile_model, model=model, spec_path=spec,
                              model_dir=str(model_dir), spec_dirs=spec_dirs, check_checkpoint=not dummy,
@@ -205,11 +222,16 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
         model_len = int(plan["config"].get("max_len") or 1 << 30)
     else:
         if artifact is None:
-            artifact = served_artifact(st, c, model_dir, spec_dirs, dummy, kv_dtype, lora, log, capture)
+            artifact = served_artifact(st, c, model_dir, spec_dirs, dummy, kv_dtype, lora, log, capture,
+                                       before_build=device_work)
         elif log:
             log(f"  artifact {artifact} as built (not rebuilt)")
+        if drafting or eagle3:
+            device_work()                       # their artifacts may build
         draft = (_cuda_draft_artifact(st, c, spec_dirs, dummy, kv_dtype, model_dir, artifact)
                  if drafting else _cuda_head_artifact(st, c, artifact) if eagle3 else None)
+        from infc.runtime.cuda.runner import CudaRunner  # noqa: F401 - cuda-bindings' import is Python
+        device_work()
         runner, draft_runner = _cuda_runners(st, c, artifact, model_dir, draft, log,
                                              head=_cuda_head_weights if eagle3 else None)
         plan = runner.plan
@@ -284,6 +306,15 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, **set
     return b
 
 
+def _load_tokenizer(model_dir: Path):
+    """The tokenizer, its longest token found here (the server's prompt bound) rather than after
+    the engine is ready, when the server attaches it."""
+    from infc.runtime.tokenization.tokenizer import Tokenizer
+    tok = Tokenizer(model_dir)
+    _ = tok.max_token_chars
+    return tok
+
+
 def artifact_tag(lora=None, narrow: int = 1, capture=None) -> str:
     """The suffix of a served build's directory name that the build's own plan gets: LoRA tables,
     a speculative build's verify program (k + 1 rows), a head's hidden-state outputs
@@ -294,7 +325,7 @@ def artifact_tag(lora=None, narrow: int = 1, capture=None) -> str:
 
 
 def served_artifact(st, c: EngineConfig, model_dir: Path, spec_dirs, dummy: bool, kv_dtype, lora,
-                    log, capture=None) -> Path:
+                    log, capture=None, before_build=None) -> Path:
     """The artifact `infc serve --device cuda` runs: built into the ignored cache, not generated/
     (whose committed artifacts CI checks). The kernel cache makes an unchanged rebuild
     near-instant, so "built or reused" is one call; the build key (compiler/build_key.py) skips
@@ -323,6 +354,8 @@ def built_or_reused(st, what: str, kw: dict, log=None) -> Path:
         if log:
             log(f"  {what} {out} unchanged (its build key)")
         return out
+    if before_build is not None:
+        before_build()
     from infc.compiler.build import build
     build_key.forget(out)
     artifact = st.run(f"build {what} (cached)", build, log=None, **kw)

@@ -2,6 +2,7 @@
 builds its parser from here on every run."""
 import argparse
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from infc import envs
@@ -191,8 +192,29 @@ def add_serve_args(p: argparse.ArgumentParser):
     p.add_argument("--disable-uvicorn-access-log", action="store_true")
 
 
+# Here, not in state.py beside the state it configures: config_from_args runs before the backend's
+# load starts, and state.py's imports (jinja2 through chat.py) would delay that start.
+@dataclass
+class ServerConfig:
+    served_model_names: list = field(default_factory=lambda: ["model"])
+    api_key: str | None = None
+    max_num_seqs: int = 256
+    max_queued_requests: int = 1024          # sequences waiting beyond max_num_seqs before 429
+    max_logprobs: int = 20
+    max_n: int = 128
+    max_request_body_bytes: int = 16 << 20
+    max_header_bytes: int = 16 << 10         # all request headers together; more is a 431
+    chat_template: str | None = None         # overrides the model's
+    trust_request_chat_template: bool = False
+    root: str | None = None                  # shown as the model's root in /v1/models
+    tool_call_parser: str | None = None      # tool_parsers.PARSERS' names; None: the template's
+    enable_auto_tool_choice: bool = False    # with no parser named, the template must imply one
+    reasoning_parser: str | None = None      # reasoning.REASONING_PARSERS' names
+    enable_prompt_tokens_details: bool = False   # usage.prompt_tokens_details.cached_tokens
+    allow_runtime_lora_updating: bool = False    # POST /v1/load_lora_adapter, /v1/unload_lora_adapter
+
+
 def config_from_args(args):
-    from .app import ServerConfig
     for name in ("max_num_seqs", "max_logprobs", "max_n", "max_request_body_bytes", "max_header_bytes"):
         if getattr(args, name) < (0 if name == "max_logprobs" else 1):
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")

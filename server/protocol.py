@@ -21,7 +21,6 @@ checked. All of it runs on the server's worker pool (offload.py), never on the e
 """
 import json
 import math
-import weakref
 from dataclasses import dataclass
 
 from infc.runtime.engine.sampling import SamplingParams
@@ -190,23 +189,9 @@ class Limits:
     max_prompt_chars: int | None = None    # longer text can never fit (None: no tokenizer)
 
 
-_longest: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def longest_token_chars(tokenizer) -> int:
-    """The most characters of text one token stands for (vLLM's max_chars_per_token), once per
-    tokenizer: its longest vocabulary entry. A byte-level token spells each of its bytes as one
-    character and a text character is at least one byte; a SentencePiece token spells each
-    character as itself (byte-fallback pieces, "<0xE4>", spell one byte with six). So a text of
-    more than max_model_len x this many characters has more than max_model_len tokens."""
-    n = _longest.get(tokenizer)
-    if n is None:
-        n = _longest[tokenizer] = max(map(len, tokenizer.tk.get_vocab(with_added_tokens=True)), default=1)
-    return n
-
-
 def prompt_char_bound(tokenizer, max_model_len: int) -> int | None:
-    return None if tokenizer is None else max_model_len * longest_token_chars(tokenizer)
+    """vLLM's max_model_len x max_chars_per_token (runtime Tokenizer.max_token_chars)."""
+    return None if tokenizer is None else max_model_len * tokenizer.max_token_chars
 
 
 _UNSUPPORTED = {                       # field -> its neutral values (anything else is a 400)

@@ -1,9 +1,9 @@
 """`infc serve`: the command line (vLLM's flag spellings and defaults) and the uvicorn server.
 
-A thread builds the backend from the first moment, while this one imports the HTTP layer and
-opens the port; /health answers 503 until the backend is attached, 200 once the engine is ready
-(each phase printed with its time as it finishes; docs/serving.md, "Start"). Unknown flags are
-errors (argparse, with abbreviations off). Each accepted connection gets TCP_NODELAY, so an SSE
+A thread builds the backend from the first moment; this one imports the HTTP layer and opens the
+port once the backend's device work (or a build) has begun; /health answers 503 until the backend
+is attached, 200 once the engine is ready (each phase printed with its time as it finishes;
+docs/serving.md, "Start"). Unknown flags are errors (argparse, with abbreviations off). Each accepted connection gets TCP_NODELAY, so an SSE
 event leaves when it is written rather than after the peer's delayed ACK (asyncio sets it too;
 this states it where it matters). Headers over --max-header-bytes are answered 431 (or 400 by
 h11, when an oversized block arrives in pieces); a request whose headers or body do not arrive
@@ -82,9 +82,9 @@ def process_age() -> float | None:
 
 
 def serve_main(args):
-    """The backend loads on a thread from the first moment, beside the HTTP layer's imports and
-    the port's opening (its reads and the device's work release the GIL); /health says 503 until
-    it is attached. Each start phase prints one timed line (the backend's stages, then these)."""
+    """The backend loads on a thread from the first moment; the HTTP layer's imports and the
+    port's opening wait until its device work begins (its reads and driver calls release the
+    GIL); /health says 503 until it is attached. Each start phase prints one timed line."""
     config = config_from_args(args)
     out_lock = threading.Lock()
 
@@ -101,16 +101,20 @@ def serve_main(args):
         from infc.backend import load_backend
         from infc.runtime.engine.gc_freeze import freeze_startup
         try:
-            backend = load_backend(args.model_path, log=log, **backend_kwargs(args))
+            backend = load_backend(args.model_path, log=log, on_device_work=device_work.set,
+                                   **backend_kwargs(args))
             freeze_startup()              # the steps' collections then skip what loading made
             holder["backend"] = backend
         except BaseException as e:  # noqa: BLE001 - reported by serve_main after the server stops
             holder["error"] = e
+        device_work.set()
         ready.set()
 
-    ready = threading.Event()
+    ready, device_work = threading.Event(), threading.Event()
     threading.Thread(target=load, name="infc-load", daemon=True).start()
-
+    # The HTTP layer's imports are Python too: beside the load's own Python they only take turns
+    # with it under the GIL, beside its reads and driver calls they cost it ~nothing.
+    device_work.wait()
     t0 = time.perf_counter()
     from .app import ServerState, make_app
     from .lifecycle import DrainGuard, GracefulServer, Lifecycle

@@ -1,29 +1,10 @@
-"""The server's configuration and state: the limits it enforces, and the backend it serves once
-attached (until then /health answers 503), with the chat template and token strings it renders."""
+"""The server's state: the limits it enforces, and the backend it serves once attached (until then
+/health answers 503), with the chat template and token strings it renders. Its configuration,
+ServerConfig, lives in args.py."""
 import time
-from dataclasses import dataclass, field
 
 from . import chat, protocol, reasoning, tool_parsers
-
-
-@dataclass
-class ServerConfig:
-    served_model_names: list = field(default_factory=lambda: ["model"])
-    api_key: str | None = None
-    max_num_seqs: int = 256
-    max_queued_requests: int = 1024          # sequences waiting beyond max_num_seqs before 429
-    max_logprobs: int = 20
-    max_n: int = 128
-    max_request_body_bytes: int = 16 << 20
-    max_header_bytes: int = 16 << 10         # all request headers together; more is a 431
-    chat_template: str | None = None         # overrides the model's
-    trust_request_chat_template: bool = False
-    root: str | None = None                  # shown as the model's root in /v1/models
-    tool_call_parser: str | None = None      # tool_parsers.PARSERS' names; None: the template's
-    enable_auto_tool_choice: bool = False    # with no parser named, the template must imply one
-    reasoning_parser: str | None = None      # reasoning.REASONING_PARSERS' names
-    enable_prompt_tokens_details: bool = False   # usage.prompt_tokens_details.cached_tokens
-    allow_runtime_lora_updating: bool = False    # POST /v1/load_lora_adapter, /v1/unload_lora_adapter
+from .args import ServerConfig
 
 
 class ServerState:

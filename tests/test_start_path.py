@@ -24,6 +24,8 @@ PROBE = """
 import json, sys
 import infc.cli
 from infc.server.serve import serve_main
+from infc.server.args import config_from_args
+config_from_args(infc.cli.parser().parse_args(["serve", "--model-path", "/m"]))   # before the load starts
 import infc.backend
 from infc.compiler import build_key, tuning_table
 tuning_table.default_page_size("h200")
@@ -94,11 +96,13 @@ def test_a_restarted_server_reuses_its_artifact_by_key(tmp_path, monkeypatch):
         return Path(out)
     monkeypatch.setattr(build_mod, "build", fake_build)
     c = EngineConfig.from_settings(device="cuda", block_size=64)
-    logs = []
-    run = lambda: served_artifact(_Stages(None), c, model, None, False, "auto", None, logs.append)  # noqa: E731
+    logs, before = [], []
+    run = lambda: served_artifact(_Stages(None), c, model, None, False, "auto", None, logs.append,  # noqa: E731
+                                  before_build=lambda: before.append(len(builds)))
     a = run()
     assert a == tmp_path / "artifacts" / "tiny" and len(builds) == 1 and builds[0]["reuse_bins"]
-    assert run() == a and len(builds) == 1 and "unchanged (its build key)" in logs[-1]
+    assert before == [0]                                      # the HTTP layer opens beside a build
+    assert run() == a and len(builds) == 1 and "unchanged (its build key)" in logs[-1] and before == [0]
     (model / "model.safetensors").write_bytes(b"")            # the checkpoint changed
     assert run() == a and len(builds) == 2
     (a / "bin" / "k.cubin").unlink()                          # a cubin went missing
@@ -121,3 +125,37 @@ def test_a_stage_beside_logs_its_own_time_and_reraises(fails):
             job.result()
     else:
         assert job.result() == 7 and st.done[0][0] == "load tokenizer (beside)" and "(beside)" in logs[0]
+
+
+def test_the_tokenizer_thread_finds_the_longest_token_so_attach_does_not():
+    """The prompt bound's vocabulary scan (0.1-0.2 s of GIL at 151k tokens) runs beside the
+    weights, on the tokenizer's loading thread, not serially when the server attaches."""
+    from smollm2_from_gguf import ensure_smollm2
+    from infc.backend import _load_tokenizer
+    from infc.server import protocol
+    tok = _load_tokenizer(ensure_smollm2())
+    longest = max(map(len, tok.tk.get_vocab(with_added_tokens=True)))
+
+    class NoScan:                     # attach must not list the vocabulary again
+        def __getattr__(self, name):
+            if name == "get_vocab":
+                raise AssertionError("the vocabulary scanned after the tokenizer's load")
+            return getattr(real, name)
+    real, tok.tk = tok.tk, NoScan()
+    assert protocol.prompt_char_bound(tok, 128) == 128 * longest and longest > 1
+
+
+def test_bench_startup_times_a_server_that_answers():
+    """`infc bench startup`'s one start, on the CPU: ready (the first /health 200) after the
+    server's `serving` line, then one completion; each log line kept with its time, and the GIL
+    stalls (the tokenizer's load holds the GIL throughout: 0.2-0.3 s here for SmolLM2's)."""
+    from smollm2_from_gguf import ensure_smollm2
+    from infc.bench.startup import start_once
+    r = start_once(str(ensure_smollm2()), ["--device", "cpu", "--max-model-len", "128", "--kv-cache-memory-bytes",
+                                           str(32 << 20), "--uvicorn-log-level", "warning"], 0.0, 120.0, gil_watch=True)
+    served = [t for t, line in r["timeline"] if line.startswith("serving ")]
+    assert len(served) == 1 and served[0] <= r["ready_s"] < r["first_completion_s"], r["timeline"]
+    assert [t for t, _ in r["timeline"]] == sorted(t for t, _ in r["timeline"])
+    assert {"python start, infc imports", "load tokenizer (beside)", "attach to the server"} <= dict(r["stages"]).keys()
+    assert r["idle_rss_mb"] > 50
+    assert any(s > 0.05 and 0 < t < r["ready_s"] for t, s in r["gil_stalls"]), r["gil_stalls"]

@@ -2,6 +2,7 @@
 emits half a UTF-8 character (a token that ends mid-character waits for the next one). Long texts
 are encoded by fast_tokenize.FastEncoder: the same ids as the library's own `encode`, split at
 proven boundaries across threads, with the ids of recently seen text reused."""
+import functools
 import json
 from pathlib import Path
 
@@ -40,6 +41,16 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters of text one token stands for (vLLM's max_chars_per_token): its
+        longest vocabulary entry. A byte-level token spells each of its bytes as one character and
+        a text character is at least one byte; a SentencePiece token spells each character as
+        itself (byte-fallback pieces, "<0xE4>", spell one byte with six). So a text of more than
+        n x this many characters has more than n tokens. Holds the GIL ~0.1-0.2 s at 151k tokens:
+        the backend reads it on the tokenizer's loading thread."""
+        return max(map(len, self.tk.get_vocab(with_added_tokens=True)), default=1)
 
     @property
     def vocab_size(self) -> int:
