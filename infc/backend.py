@@ -338,14 +338,15 @@ def served_artifact(st, c: EngineConfig, model_dir: Path, spec_dirs, dummy: bool
               page_size=c.cache.page_size, gpu=gpu_tuning(), reuse_bins=True, spec_dirs=spec_dirs,
               check_checkpoint=not dummy, kv_cache_dtype=kv_dtype, lora=lora, narrow_tokens=narrow,
               kv_offloading=bool(c.cache.kv_offloading_size), capture=capture)
-    return built_or_reused(st, "artifact", kw, log)
+    return built_or_reused(st, "artifact", kw, log, before_build)
 
 
-def built_or_reused(st, what: str, kw: dict, log=None) -> Path:
+def built_or_reused(st, what: str, kw: dict, log=None, before_build=None) -> Path:
     """The artifact compiler/build.py's build(**kw) writes to kw["out"]: reused where its build
     key (compiler/build_key.py) says nothing the build reads has changed, else built (the kernel
     cache makes an unchanged rebuild near-instant) and keyed. One path for every served build: the
-    target, its draft model, its EAGLE-3 head."""
+    target, its draft model, its EAGLE-3 head. before_build: called once a build is certain (the
+    server opens its port then, not after a build of unknown length)."""
     from infc.compiler import build_key
     out = Path(kw["out"])
     key = st.run(f"{what} key", build_key.build_key, kw, kw.get("model_dir"), kw.get("spec_path"),
