@@ -174,9 +174,13 @@ NARROW_TOKENS_MAX = 8
 
 def narrow_tokens_for(spec) -> int:
     """The narrow launches' widest step for a build that serves `spec` (a SpeculativeConfig or
-    None; compile_model's narrow_tokens): a verify step's k + 1 rows where they fit (the plan's
-    verify program), else the one-token default (no verify program)."""
-    if spec is None or spec.num_speculative_tokens + 1 > NARROW_TOKENS_MAX:
+    None; compile_model's narrow_tokens): a verify step's k + 1 rows where they fit and
+    INFC_VERIFY_PROGRAM asks for it (the plan's verify program), else the one-token default (no
+    verify program: the decode program runs verify steps, the faster of the two on an H200 at
+    da4e6e7f, bench/NOTES.md)."""
+    from infc import envs
+    if spec is None or spec.num_speculative_tokens + 1 > NARROW_TOKENS_MAX \
+            or not envs.value("INFC_VERIFY_PROGRAM"):
         return NARROW_TOKENS
     return spec.num_speculative_tokens + 1
 

@@ -68,9 +68,10 @@ def test_inspect_wide_phase(capsys):
     assert "== launches: decode" not in out and "moe_" not in out
 
 
-def test_inspect_verify_phase(capsys, tiny_model):
-    """A speculative build's verify program (--speculative-config: k + 1 rows) is listed like any
-    phase."""
+def test_inspect_verify_phase(capsys, tiny_model, monkeypatch):
+    """A speculative build's verify program (--speculative-config: k + 1 rows, INFC_VERIFY_PROGRAM)
+    is listed like any phase."""
+    monkeypatch.setenv("INFC_VERIFY_PROGRAM", "1")
     d, _ = tiny_model("qwen3")
     spec = '{"method": "ngram", "num_speculative_tokens": 4}'
     assert main(["inspect", "--model-path", str(d), "--phase", "verify", "--speculative-config", spec]) == 0

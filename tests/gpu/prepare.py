@@ -323,14 +323,18 @@ DRAFT_CUT = "qwen3-4b-l2"      # tests/gpu/test_spec_gpu.py's DRAFT_CUT
 def draft():
     """qwen3-4b-l2 (base_config: qwen3-4b's config.json with 2 layers) into
     .cache/artifacts/qwen3-4b-l2, with the config-only directories of it and of qwen3-4b that the
-    GPU test loads with --load-format dummy; and the target's speculative build (k = 4: its verify
-    program takes a verify step's 5 rows, infc/config.py narrow_tokens_for) into
-    .cache/artifacts/qwen3-4b-narrow5, the directory infc/backend.py names for it."""
+    GPU test loads with --load-format dummy; and the target's speculative build (k = 4; with
+    INFC_VERIFY_PROGRAM=1 a verify program of 5 rows, infc/config.py narrow_tokens_for) into the
+    directory infc/backend.py names for it (qwen3-4b-narrow5 then, else the plain qwen3-4b)."""
+    from types import SimpleNamespace
     from infc.backend import SERVED_ARTIFACTS, artifact_tag
     from infc.compiler.build import REPO as BUILD_REPO
-    _both_tunings("qwen3-4b for --speculative-config k = 4 (verify program of 5 rows)",
-                  SERVED_ARTIFACTS / ("qwen3-4b" + artifact_tag(narrow=5)),
-                  model_dir=str(served_config("qwen3-4b")), narrow_tokens=5, check_checkpoint=False)
+    from infc.config import narrow_tokens_for
+    # 1 (the plain build) unless INFC_VERIFY_PROGRAM=1 here and on the GPU machine
+    n = narrow_tokens_for(SimpleNamespace(num_speculative_tokens=4))
+    _both_tunings(f"qwen3-4b for --speculative-config k = 4 (narrow_tokens {n})",
+                  SERVED_ARTIFACTS / ("qwen3-4b" + artifact_tag(narrow=n)),
+                  model_dir=str(served_config("qwen3-4b")), narrow_tokens=n, check_checkpoint=False)
     _both_tunings(f"{DRAFT_CUT} (a draft model for qwen3-4b)", BUILD_REPO / ".cache" / "artifacts" / DRAFT_CUT,
                   model_dir=str(base_config(DRAFT_CUT)), check_checkpoint=False)
 

@@ -9,6 +9,8 @@ target's, outputs plain decoding's, and the batch-1 time per token at k = 1..4 p
 tests/gpu/prepare.py base draft). Then an EAGLE-3 head (test_eagle3_outputs_are_plain_decodings):
 a random head for qwen3-4b on its own CudaRunner, reading the target's captured hidden states
 (after prepare.py eagle3)."""
+from types import SimpleNamespace
+
 import numpy as np
 
 from infc.config import speculative_config
@@ -158,8 +160,12 @@ def test_draft_model_outputs_are_plain_decodings():
             assert e.bm.num_free_pages == llm.runner.num_pages and e.spec.draft.held_pages() == 0
             if draft == d:
                 # the self-draft runs the target's model one token a step: its one-token build,
-                # beside the target's speculative one (verify program of k + 1 rows)
-                assert dr.artifact.name == DRAFT_TARGET and llm.runner.artifact.name == DRAFT_TARGET + "-narrow5"
+                # beside the target's speculative one (its own, with a verify program of k + 1 rows,
+                # only under INFC_VERIFY_PROGRAM=1: infc/config.py narrow_tokens_for)
+                from infc.backend import artifact_tag
+                from infc.config import narrow_tokens_for
+                tag = artifact_tag(narrow=narrow_tokens_for(SimpleNamespace(num_speculative_tokens=4)))
+                assert dr.artifact.name == DRAFT_TARGET and llm.runner.artifact.name == DRAFT_TARGET + tag
                 # not 1: dummy weights give near-flat logits (151,936 tokens within a few
                 # hundredths), so the verify rows (tensor-core GEMVs) and the draft's one-row steps
                 # (CUDA-core GEMVs), rounding differently, pick different argmaxes and samples often:
