@@ -8,7 +8,8 @@ high for a sparse one (DeepSeek-V2-Lite stores 15.7 B parameters and reads about
 token at batch 1). The active bytes of one batch-1 decode step, read off the plan's decode program
 (each launch of each layer, layer kind by layer kind, program.unrolled):
   - the embedding table: one row (one token's), not the table;
-  - an experts weight (stacked [E, ...] from E experts' tensors, an input of the moe_* launches):
+  - an experts weight (stacked [E, ...] from E experts' tensors, or stored stacked as GPT-OSS's
+    MXFP4 blocks are, an input of the moe_* launches):
     k of its E experts' slices, k and E from that layer's routing launch (attrs k, experts); a
     stack with the shared experts folded in (compiler/passes/fold_shared_experts.py: attr shared
     = n, the stack's last n entries, every token's) reads k + n of its E;
@@ -80,12 +81,15 @@ def active_bytes(plan: dict) -> dict:
             experts = _stacked(w["source"])
             if launch["op"] == "embedding":
                 frac = 1 / w["shape"][0]
-            elif experts and launch["op"].startswith("moe_"):
+            elif launch["op"].startswith("moe_") and not launch["op"].startswith("moe_route") and (
+                    experts or (layer in route and w["shape"][0] == route[layer][1])):
+                # stacked from E tensors (its recipe), or stored stacked [E, ...] (GPT-OSS's MXFP4
+                # blocks, scales and biases): a token reads k of its E slices
                 if layer not in route:
                     raise ValueError(f"layer {layer}: '{name}' is an experts weight but the layer has "
                                      f"no moe_route launch to say how many experts a token reads")
                 k, e, n = route[layer]
-                if e != experts + n or w["shape"][0] != e:
+                if experts and (e != experts + n or w["shape"][0] != e):
                     raise ValueError(f"'{name}': {w['shape'][0]} stacked experts ({experts} from the "
                                      f"checkpoint), routing over {e} ({n} shared)")
                 frac = (k + n) / e

@@ -272,3 +272,14 @@ def test_bench_latency_reports_the_bytes_read_floor(tiny_plan):
     kept = latency._with_active_floor(tiny_plan, other, 128)
     assert "active_floor_ms_by_prompt" not in kept and "not the artifact" in kept["active_floor_error"]
     assert f"{res['floor_ms_by_prompt']['32']:.3f}" in latency.table(kept)[2]
+
+
+def test_experts_stored_stacked_read_k_of_e(tiny_plan):
+    """An experts weight the checkpoint stores stacked [E, ...] (GPT-OSS's MXFP4 blocks: no
+    stack recipe) reads k of its E slices as a stacked one does; the router ([E, H], read by the
+    routing launch) stays whole."""
+    plan = json.loads(json.dumps(tiny_plan))
+    want = af.active_bytes(plan)
+    plan["weights"]["wes_gate_up"]["source"] = {"mxfp4": "model.layers.{i}.mlp.experts.gate_up_proj_blocks"}
+    got = af.active_bytes(plan)
+    assert got["wes_gate_up"] == want["wes_gate_up"] and got == want
