@@ -75,6 +75,19 @@ def test_program_name_picks_wide_for_many_token_decode_and_graphs_capture_it(fak
     assert program_name(plan, "mixed", 300) == "mixed" and program_name(plan, "prefill", 300) == "prefill"
     assert program_name({**plan, "programs": {p: [] for p in ("decode", "mixed")}}, "decode", 256) == "decode"
     # the runner captures each decode bucket's graph over the program its steps would run
+    ran = captured_programs(fake_driver, plan, (64, 128))
+    assert ran == [("decode", 64), ("decode", 64), ("wide", 128), ("wide", 128)]   # warm-up, capture
+    # the narrow program takes the one-row bucket, a speculative build's verify program
+    # (plan["verify_tokens"]: a verify step's k + 1 rows at batch 1) the buckets up to it
+    # (tests/test_verify_program.py: its own bucket)
+    ran = captured_programs(fake_driver, {**plan, "narrow_tokens": 1, "verify_tokens": 8,
+                                          "programs": {**plan["programs"], "narrow": [], "verify": []}}, (1, 8, 16))
+    assert [name for name, _ in ran] == ["narrow"] * 2 + ["verify"] * 2 + ["decode"] * 2
+
+
+def captured_programs(fake_driver, plan: dict, buckets) -> list:
+    """(program, T) of each launch sequence CudaRunner._capture runs for each bucket (a warm-up,
+    then the capture), on the fake driver with the launches recorded instead of run."""
     from infc.runtime.cuda import runner as runner_mod
     r = object.__new__(runner_mod.CudaRunner)
     r.ctx, r.plan, r.graphs = fake_driver.Context(), plan, {}
@@ -83,17 +96,9 @@ def test_program_name_picks_wide_for_many_token_decode_and_graphs_capture_it(fak
     r._upload = lambda arrays, dims: []
     r._metadata = lambda meta, T, B: {}
     r._launch_all = lambda bound, dims: ran.append((bound, dims["T"]))
-    for bucket in (64, 128):
+    for bucket in buckets:
         r._capture(bucket)
-    assert ran == [("decode", 64), ("decode", 64), ("wide", 128), ("wide", 128)]   # warm-up, capture
-    # the narrow program takes the one-row bucket, a speculative build's verify program
-    # (plan["verify_tokens"]: a verify step's k + 1 rows at batch 1) the buckets up to it
-    # (tests/test_verify_program.py: its own bucket)
-    r.plan, r.graphs, ran[:] = {**plan, "narrow_tokens": 1, "verify_tokens": 8,
-                                "programs": {**plan["programs"], "narrow": [], "verify": []}}, {}, []
-    for bucket in (1, 8, 16):
-        r._capture(bucket)
-    assert [name for name, _ in ran] == ["narrow"] * 2 + ["verify"] * 2 + ["decode"] * 2
+    return ran
 
 
 def test_old_plan_body_is_refused():

@@ -68,15 +68,8 @@ def test_dispatch_and_graph_buckets(plans, fake_driver, monkeypatch):
     assert runner_mod.default_buckets(16, one) == [1, 2, 4, 8, 16]
     assert runner_mod.default_buckets(4, spec) == [1, 2, 4]      # never past max_num_seqs
     # each captured bucket runs the program its steps would
-    r = object.__new__(runner_mod.CudaRunner)
-    r.ctx, r.plan, r.graphs = fake_driver.Context(), spec, {}
-    ran = []
-    r.program = lambda name: name
-    r._upload = lambda arrays, dims: []
-    r._metadata = lambda meta, T, B: {}
-    r._launch_all = lambda bound, dims: ran.append(bound)
-    for bucket in runner_mod.default_buckets(16, spec):
-        r._capture(bucket)
+    from test_program import captured_programs
+    ran = [name for name, _ in captured_programs(fake_driver, spec, runner_mod.default_buckets(16, spec))]
     assert ran[::2] == ["narrow", "verify", "verify", "verify", "decode", "decode"]     # 1 2 4 5 8 16
     # INFC_NARROW=0 (A/B timing) runs verify steps on the decode program too
     monkeypatch.setenv("INFC_NARROW", "0")
