@@ -26,6 +26,19 @@ def test_flash_variant_binds_both_spellings_alike():
     assert compress["rope_type"] == scaling["type"] == "yarn"
 
 
+def test_flash_variant_converts_as_transformers_does():
+    """transformers' DeepseekV4Config, given only the reference keys, derives the keys the spec
+    reads with the variant's values."""
+    from transformers import DeepseekV4Config
+    _, cfg = find_variant("deepseek-v4-flash")
+    derived = ("layer_types", "mlp_layer_types", "compress_rates", "rope_parameters")
+    hf = DeepseekV4Config(**{k: v for k, v in cfg.items() if k not in derived})
+    assert hf.layer_types == cfg["layer_types"] and hf.mlp_layer_types == cfg["mlp_layer_types"]
+    assert hf.compress_rates == cfg["compress_rates"]
+    assert {k: hf.rope_parameters["compress"][k] for k in cfg["rope_parameters"]["compress"]} \
+        == cfg["rope_parameters"]["compress"]
+
+
 def test_flash_plan_lays_out_the_attention_types():
     plan = json.loads((GENERATED / "deepseek-v4-flash" / "plan.json").read_text())
     assert plan["config"]["L"] == 43 and plan["config"]["E"] == 256 and plan["config"]["K"] == 6
