@@ -1,0 +1,211 @@
+# compressed_attention (DeepSeek-V4, compiler/ops/compressed_attention.py, whose docstring is the math):
+#   q [T, H=64, D=512], kv [T, D] (shared-KV MQA: keys = values), sinks [H] f32, the compressor's
+#   ckv / cgate [T, W=1024] (overlap: Ca | Cb halves), cbias [m=4, W], cnorm [D], index [T, K=512] i32.
+# One program a sequence (grid (B,)), in three passes over its rows, each ended by a barrier:
+#   1. the step's kv rows into the paged window cache swa at their slots;
+#   2. each row's (kv, gate + cbias[p % m]) into row p % 8 of the sequence's slot of csa_buf
+#      (the partial block and the one before it); a row ending a block e = p // m writes entry e:
+#      softmax over the block's rows per channel of the gates, the weighted sum of the values, RMSNorm
+#      (cnorm, eps=1e-06), then RoPE of its last R=64 dims (interleaved) at position e m, into the compressed
+#      paged cache csa (one row per m tokens, in the page of the block's last token: 4 row(s) a page);
+#   3. each query at position p: one softmax with the head's sink over the window keys p - 128 < j <= p
+#      and the compressed entries (those index[t] names (>= 0)), scores q . k * 0.04419417382415922,
+#      values = keys; fp32 throughout (online softmax over key blocks of 16).
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+
+@triton.jit
+def compressed_attention(q_ptr, kv_ptr, sink_ptr, ckv_ptr, cgate_ptr, cbias_ptr, cnorm_ptr, idx_ptr, o_ptr,
+                         swa_ptr, ent_ptr, buf_ptr, seq_starts, context_lens, slot_mapping, block_tables,
+                         max_pages, state_slots,
+                         H: tl.constexpr, D: tl.constexpr, Wd: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr,
+                         PS: tl.constexpr, RPP: tl.constexpr, OVERLAP: tl.constexpr, HAS_INDEX: tl.constexpr,
+                         KIDX: tl.constexpr, WINDOW: tl.constexpr, SCALE: tl.constexpr, EPS: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+                         BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                         HALF: tl.constexpr, PASS: tl.constexpr, THETA: tl.constexpr, ROT: tl.constexpr, FACTOR: tl.constexpr, OLD_LEN: tl.constexpr, BETA_FAST: tl.constexpr, BETA_SLOW: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_launch_dependents()
+    if PDL:
+        gdc_wait()   # earlier kernels' writes are visible from here on
+    b = tl.program_id(0)
+    start = tl.load(seq_starts + b)
+    n = tl.load(seq_starts + b + 1) - start
+    L = tl.load(context_lens + b)
+    cached = L - n
+    slot = tl.load(state_slots + b).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    dm = d < D
+    bt = block_tables + b.to(tl.int64) * max_pages
+
+    # 1. the window keys
+    for i in range(n):
+        s = tl.load(slot_mapping + start + i).to(tl.int64)
+        row = tl.load(kv_ptr + (start + i).to(tl.int64) * D + d, mask=dm, other=0.0)
+        sv = tl.zeros([BLOCK_D], tl.int64) + s                   # a tensor compare: the interpreter
+        tl.store(swa_ptr + sv * D + d, row.to(swa_ptr.dtype.element_ty), mask=dm & (sv >= 0))   # mis-types scalar bools
+
+    # 2. the compressor: rows into the slot's blocks, each completed block's entry
+    w = tl.arange(0, BLOCK_W)
+    wm = w < Wd
+    rr = tl.arange(0, BLOCK_R)                 # (not r: the rope macro's angle is r)
+    buf = buf_ptr + slot * (ROWS * 2 * Wd)
+    j = tl.arange(0, BLOCK_HALF)
+    # inv_freq in fp64 (as the reference computes it), rounded to fp32; once per program
+    log2_theta = tl.log2(tl.full([], THETA, tl.float64))
+    freq = tl.exp2(j.to(tl.float64) * (log2_theta * tl.full([], -2.0 / ROT, tl.float64)))
+    # HF's yarn: correction dims d(b) = R ln(old_len / (2 pi b)) / (2 ln theta) for b = beta_fast,
+    # beta_slow floored / ceiled, clamped to [0, R - 1]; ramp_j = clamp((j - lo) / (hi - lo), 0, 1);
+    # inv_freq_j = inv_freq_j / factor * ramp_j + inv_freq_j * (1 - ramp_j)
+    two_ln_theta = 2.0 * tl.log(tl.full([], THETA, tl.float64))
+    lo = ROT * tl.log(tl.full([], OLD_LEN / (BETA_FAST * 6.283185307179586), tl.float64)) / two_ln_theta
+    hi = ROT * tl.log(tl.full([], OLD_LEN / (BETA_SLOW * 6.283185307179586), tl.float64)) / two_ln_theta
+    lo = tl.floor(lo)
+    hi = tl.ceil(hi)
+    lo = tl.maximum(lo, 0.0)
+    hi = tl.minimum(hi, ROT - 1.0)
+    hi = tl.where(lo == hi, hi + 0.001, hi)                      # HF's zero-width guard
+    ramp = tl.minimum(tl.maximum((j.to(tl.float64) - lo) / (hi - lo), 0.0), 1.0)
+    freq = (freq / FACTOR) * ramp + freq * (1.0 - ramp)
+    # attention_factor (multiplies cos and sin):
+    att = 1.0                      # given
+    freq = freq.to(tl.float32)
+    for i in range(n):
+        p = cached + i
+        t = (start + i).to(tl.int64)
+        kvr = tl.load(ckv_ptr + t * Wd + w, mask=wm, other=0.0).to(tl.float32)
+        gr = tl.load(cgate_ptr + t * Wd + w, mask=wm, other=0.0).to(tl.float32)
+        gr += tl.load(cbias_ptr + (p % M) * Wd + w, mask=wm, other=0.0).to(tl.float32)
+        tl.store(buf + (p % ROWS) * (2 * Wd) + w, kvr, mask=wm)
+        tl.store(buf + (p % ROWS) * (2 * Wd) + Wd + w, gr, mask=wm)
+        tl.debug_barrier()
+        if p % M == M - 1:
+            e = p // M
+            if OVERLAP:
+                # rows 0..M-1: block e - 1's first halves (none for e = 0); rows M..2M-1: block e's second halves
+                prev = rr < M
+                tok = tl.where(prev, (e - 1) * M + rr, e * M + rr - M)
+                ok = (rr < 2 * M) & (tok >= 0)            # block -1 (e = 0): no rows
+                col = (1 - prev.to(tl.int32)) * D
+            else:
+                tok = e * M + rr
+                ok = rr < M
+                col = tl.zeros([BLOCK_R], tl.int32)
+            at = buf + ((tok % ROWS) * (2 * Wd) + col)[:, None] + d[None, :]
+            m2 = ok[:, None] & dm[None, :]
+            vals = tl.load(at, mask=m2, other=0.0)
+            gates = tl.load(at + Wd, mask=m2, other=float("-inf"))
+            mx = tl.max(gates, axis=0)
+            pr = tl.exp(gates - mx[None, :])
+            pr = tl.where(m2, pr, 0.0)
+            ent = tl.sum(pr * vals, axis=0) / tl.sum(pr, axis=0)
+            ent = tl.where(dm, ent, 0.0)
+            ent = ent / tl.sqrt(tl.sum(ent * ent, axis=0) / D + EPS)
+            ent = ent * tl.load(cnorm_ptr + d, mask=dm, other=0.0).to(tl.float32)
+            last = e * M + M - 1
+            page = tl.load(bt + last // PS).to(tl.int64)
+            erow = (last % PS) // M
+            dst = ent_ptr + (page * RPP + erow) * D
+            tl.store(dst + d, ent.to(ent_ptr.dtype.element_ty), mask=dm)
+            tl.debug_barrier()
+            # RoPE of the last R dims at the block's first position (the pairs re-read from the entry)
+            pos = (e * M).to(tl.float32)
+            hm = j < HALF
+            x1 = tl.load(dst + PASS + 2 * j, mask=hm, other=0.0).to(tl.float32)
+            x2 = tl.load(dst + PASS + 2 * j + 1, mask=hm, other=0.0).to(tl.float32)
+            ang = pos * freq
+            # reduce mod 2 pi: C1 + C2 = 2 pi to ~1e-15; k * C1 is exact in the fma
+            k2pi = tl.floor(ang * 0.15915493667125702 + 0.5)
+            r = tl.fma(k2pi, -6.2831854820251465, ang)
+            r = tl.fma(k2pi, 1.7484555314695172e-07, r)
+            cos = (tl.cos(r) * att)[None, :]
+            sin = (tl.sin(r) * att)[None, :]
+
+            tl.debug_barrier()
+            tl.store(dst + PASS + 2 * j[None, :], (x1[None, :] * cos - x2[None, :] * sin).to(ent_ptr.dtype.element_ty), mask=hm[None, :])
+            tl.store(dst + PASS + 2 * j[None, :] + 1, (x2[None, :] * cos + x1[None, :] * sin).to(ent_ptr.dtype.element_ty), mask=hm[None, :])
+            tl.debug_barrier()
+    # 3. attention: each query over its window and its compressed entries
+    hh = tl.arange(0, BLOCK_H)
+    hmask = hh < H
+    qm = hmask[:, None] & dm[None, :]
+    sink = tl.load(sink_ptr + hh, mask=hmask, other=0.0).to(tl.float32)
+    kn = tl.arange(0, BLOCK_N)
+    for i in range(n):
+        p = cached + i
+        t = (start + i).to(tl.int64)
+        q = tl.load(q_ptr + t * (H * D) + hh[:, None] * D + d[None, :], mask=qm, other=0.0).to(tl.float32)
+        m_i = sink
+        l_i = tl.zeros([BLOCK_H], tl.float32) + 1.0
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        lo = tl.maximum(p - WINDOW + 1, 0)
+        for k0 in range(lo, p + 1, BLOCK_N):
+            key = k0 + kn
+            km = key <= p
+            page = tl.load(bt + key // PS, mask=km, other=0).to(tl.int64)
+            kk = tl.load(swa_ptr + (page * PS + key % PS)[:, None] * D + d[None, :],
+                         mask=km[:, None] & dm[None, :], other=0.0).to(tl.float32)
+            s = tl.sum(q[:, None, :] * kk[None, :, :], axis=2) * SCALE
+            s = tl.where(km[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            pr = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(pr, axis=1)
+            acc = acc * alpha[:, None] + tl.sum(pr[:, :, None] * kk[None, :, :], axis=1)
+            m_i = m_new
+        kk_i = tl.arange(0, BLOCK_K)
+        sel = tl.load(idx_ptr + t * KIDX + kk_i, mask=kk_i < KIDX, other=-1)
+        em = sel >= 0
+        last = sel.to(tl.int64) * M + M - 1
+        page = tl.load(bt + last // PS, mask=em, other=0).to(tl.int64)
+        erow = (last % PS) // M
+        kk = tl.load(ent_ptr + ((page * RPP + erow) * D)[:, None] + d[None, :],
+                     mask=em[:, None] & dm[None, :], other=0.0).to(tl.float32)
+        s = tl.sum(q[:, None, :] * kk[None, :, :], axis=2) * SCALE
+        s = tl.where(em[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        pr = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(pr, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(pr[:, :, None] * kk[None, :, :], axis=1)
+        m_i = m_new
+        out = acc / l_i[:, None]
+        tl.store(o_ptr + t * (H * D) + hh[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty), mask=qm)
+
+
+META = {
+    "entry": "compressed_attention",
+    "params": [
+        ["q_ptr", "*bf16", "in:0"],
+        ["kv_ptr", "*bf16", "in:1"],
+        ["sink_ptr", "*fp32", "in:2"],
+        ["ckv_ptr", "*bf16", "in:3"],
+        ["cgate_ptr", "*bf16", "in:4"],
+        ["cbias_ptr", "*fp32", "in:5"],
+        ["cnorm_ptr", "*bf16", "in:6"],
+        ["idx_ptr", "*i32", "in:7"],
+        ["o_ptr", "*bf16", "out:0"],
+        ["swa_ptr", "*bf16", "cache:swa"],
+        ["ent_ptr", "*bf16", "cache:csa"],
+        ["buf_ptr", "*fp32", "cache:csa_buf"],
+        ["seq_starts", "*i32", "meta:seq_starts"],
+        ["context_lens", "*i32", "meta:context_lens"],
+        ["slot_mapping", "*i32", "meta:slot_mapping"],
+        ["block_tables", "*i32", "meta:block_tables"],
+        ["max_pages", "i32", "meta:max_pages"],
+        ["state_slots", "*i32", "meta:state_slots"],
+    ],
+    "constexprs": {"H": 64, "D": 512, "Wd": 1024, "M": 4, "ROWS": 8, "PS": 16,
+                   "RPP": 4, "OVERLAP": True, "HAS_INDEX": True, "KIDX": 512,
+                   "WINDOW": 128, "SCALE": 0.04419417382415922, "EPS": 1e-06,
+                   "BLOCK_D": 512, "BLOCK_W": 1024, "BLOCK_H": 64, "BLOCK_K": 512, "BLOCK_R": 8,
+                   "BLOCK_N": 16, "BLOCK_HALF": 32, "HALF": 32, "PASS": 448,
+                   "THETA": 160000.0, "ROT": 64, "FACTOR": 16.0, "OLD_LEN": 65536.0,
+                   "BETA_FAST": 32.0, "BETA_SLOW": 1.0, "PDL": True},
+    "pdl": True,
+    "grid": ["B", 1, 1],
+    "num_warps": 4,
+    "num_stages": 1,
+}
