@@ -24,15 +24,20 @@ def pairs(pages, rows, out: np.ndarray) -> int:
     return n
 
 
+def pair_runs(pairs) -> list[tuple[int, int, int]]:
+    """(a, b) pairs, in the order given -> (a, b, count) runs consecutive on both sides
+    (a, b), (a + 1, b + 1), ...: one copy each."""
+    runs = []
+    for a, b in pairs:
+        if runs and runs[-1][0] + runs[-1][2] == a and runs[-1][1] + runs[-1][2] == b:
+            runs[-1][2] += 1
+        else:
+            runs.append([a, b, 1])
+    return [tuple(r) for r in runs]
+
+
 def row_runs(rows) -> list[tuple[int, int, int]]:
     """(index, first row, count) of each run of consecutive rows (rows[index:index + count] =
     first row, first row + 1, ...): one copy-engine transfer each from a staging buffer whose
     block k is rows[k]'s."""
-    out = []
-    for k, r in enumerate(rows):
-        if out and out[-1][1] + out[-1][2] == r:
-            i, first, n = out[-1]
-            out[-1] = (i, first, n + 1)
-        else:
-            out.append((k, r, 1))
-    return out
+    return pair_runs(enumerate(rows))

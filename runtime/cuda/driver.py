@@ -127,7 +127,7 @@ class Context:
               "cuMemcpyDtoHAsync")
 
     def dtoh(self, host: np.ndarray, ptr: int) -> np.ndarray:
-        check(cu.cuMemcpyDtoHAsync(host.ctypes.data, ptr, host.nbytes, self.stream), "cuMemcpyDtoHAsync")
+        self.dtoh_raw(host.ctypes.data, ptr, host.nbytes)
         return host
 
     def dtod(self, dst: int, src: int, nbytes: int):

@@ -25,6 +25,7 @@ from infc.compiler.contract.safe_eval import ExprLimit, compile_int
 from infc.compiler.contract.schema import DTYPE_BYTES
 from infc.compiler.contract.weight_roles import FILL_KINDS, fill_key
 from .artifact import load_kernels, load_plan
+from .block_copy_args import pair_runs
 from .collective_clock import CollectiveClock, enabled as collective_clock_enabled
 from .collectives import bind_collective
 from .driver import Context, DependentLaunch, Graph, launch
@@ -88,18 +89,6 @@ class InFlight:
     def gpu_ms(self) -> float:
         """The step's time on the stream, from its first upload to its sampled tokens' copy."""
         return self.end.ms_since(self.start)
-
-
-def feed_runs(feed) -> list[tuple[int, int, int]]:
-    """(row, prev_row) pairs -> (row, prev_row, count) runs of consecutive rows on both sides:
-    a decode batch in the same order as the step before is one copy."""
-    runs = []
-    for dst, src in sorted(feed):
-        if runs and runs[-1][0] + runs[-1][2] == dst and runs[-1][1] + runs[-1][2] == src:
-            runs[-1][2] += 1
-        else:
-            runs.append([dst, src, 1])
-    return [tuple(r) for r in runs]
 
 
 def ab_programs(plan: dict) -> dict:
@@ -453,7 +442,7 @@ class CudaRunner:
         keep = self._upload(self._metadata(meta, T, B), dims)
         if feed:
             tokens, sampled = self._buffer_ptr("tokens", dims), self.sampler.dev["token"]
-            for row, prev, n in feed_runs(feed):     # after the upload, in stream order
+            for row, prev, n in pair_runs(sorted(feed)):     # after the upload, in stream order
                 self.ctx.dtod(tokens + 4 * row, sampled + 4 * prev, 4 * n)
         if meta.phase == "decode" and T in self.graphs:
             self.graphs[T][0].launch()
