@@ -45,11 +45,9 @@ class _NullCopies:
         return self.issued - 1
 
     def save(self, pages, rows):
-        from infc.runtime.cuda.block_copy_args import row_runs
+        from infc.runtime.cuda.block_copy_args import pair_runs, row_runs
         self.saved += len(pages)
-        runs = 1 + sum(1 for i in range(1, len(pages))
-                       if (pages[i], rows[i]) != (pages[i - 1] + 1, rows[i - 1] + 1))
-        self.calls["2d"] += runs * QWEN3_4B_REGIONS
+        self.calls["2d"] += len(pair_runs(zip(pages, rows))) * QWEN3_4B_REGIONS
         self.calls["mapped"] += 2
         st = self.stage_rows
         self.calls["staged"] += 1 + sum(1 + len(row_runs(rows[at:at + st])) for at in range(0, len(rows), st))
