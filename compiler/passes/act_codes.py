@@ -29,8 +29,9 @@ load from gate|up), act-order (g_idx) and weight-only schemes, static experts (t
 templates refuse them), and act groups the producers do not tile (not a power of two from 16 to
 1024; 512 for the experts' tiles).
 """
-from ..ir import Node, Value
+from ..ir import Node
 from ..ops.quant import reads_codes, scheme_of
+from .fuse_ops import _new
 
 CONSUMERS = ("linear", "linear_gated", "moe_gate_up", "moe_down")
 EXPERTS = ("moe_gate_up", "moe_down")
@@ -47,12 +48,6 @@ def _x_scale(n, s):
         return None
     first = 3 if n.attrs.get("has_bias") else 2
     return n.inputs[first + s.companions().index("x_scale")]
-
-
-def _new(g, hint, line):
-    name = g.fresh(hint)
-    g.add_value(Value(name, "act", line=line))
-    return name
 
 
 def _fused(state, g, x, s, line):
