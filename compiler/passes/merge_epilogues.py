@@ -50,7 +50,7 @@ def _producer(g, c):
     """(producer node, its output index) whose value c reads, through reshapes only; else None."""
     x = c.inputs[0]
     p = g.producer(x)
-    while p is not None and REGISTRY[p.op].view and p.op == "view":
+    while p is not None and p.op == "view":
         x = p.inputs[0]
         p = g.producer(x)
     if p is None or p.op not in PRODUCER_TEMPLATES:
