@@ -23,6 +23,7 @@ from infc.config import EngineConfig, speculative_config
 from infc.runtime.engine.sampling import SamplingParams
 from make_eagle3_head import write_head
 from test_cuda_ranks import FakeCtx, FakeGraph, cuda_mods, fake_device, fake_launch  # noqa: F401
+from test_spec_draft_cuda import _decode
 from test_spec_eagle3 import target  # noqa: F401
 
 H, V, VD = 64, 300, 120
@@ -119,16 +120,6 @@ def test_the_head_on_the_cuda_runner_proposes_the_cpu_heads_drafts(fake_device, 
 
 
 # -- the backend's path: both runners on one fake device ------------------------------------------
-def _decode(engine, prompts, params) -> dict:
-    for i, p in enumerate(prompts):
-        engine.add_request(p, params[i % len(params)], f"r{i}")
-    out = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            out.setdefault(o.request_id, []).extend(o.token_ids)
-    return out
-
-
 @EXHAUSTIVE
 def test_eagle3_on_the_cuda_runner_is_plain_decoding(fake_device, monkeypatch, target, head, tmp_path, rng):  # noqa: F811
     """load_backend's cuda path up to the runners (the builds into a temporary .cache): the

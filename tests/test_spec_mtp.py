@@ -71,7 +71,23 @@ def make_deepseek(d, seed=0):
     return full
 
 
-class DeepseekReference:
+class _Reference:
+    """What both families' MTP references share: HF's decoder layers over full.model (self.m) with
+    a causal mask, and the target's final-normed hidden states after its L layers."""
+    def _layers(self, x, layers):
+        n = x.shape[1]
+        pos = torch.arange(n)[None]
+        pe = self.m.rotary_emb(x, pos)
+        for layer in layers:
+            x = layer(x, attention_mask=_causal_mask(n), position_ids=pos, position_embeddings=pe)
+        return x
+
+    def target_hidden(self, toks):
+        x = self._layers(self.m.embed_tokens(torch.tensor([toks])), self.m.layers[:L])
+        return self.m.norm(x)[0]
+
+
+class DeepseekReference(_Reference):
     """The MTP layer from its definition over HF's modules: h the target's final-normed last
     hidden state, x = eh_proj(concat(enorm(embed(t + 1)), hnorm(h))), HF's decoder layer L, then
     shared_head.norm and lm_head; chained rows feed the layer's output (before the norm)."""
@@ -88,18 +104,6 @@ class DeepseekReference:
         self.enorm, self.hnorm, self.head_norm = norm("enorm"), norm("hnorm"), norm("shared_head.norm")
         self.eh_proj = torch.from_numpy(t[p + "eh_proj.weight"])
         self.lm_head = full.lm_head
-
-    def _layers(self, x, layers):
-        n = x.shape[1]
-        pos = torch.arange(n)[None]
-        pe = self.m.rotary_emb(x, pos)
-        for layer in layers:
-            x = layer(x, attention_mask=_causal_mask(n), position_ids=pos, position_embeddings=pe)
-        return x
-
-    def target_hidden(self, toks):
-        x = self._layers(self.m.embed_tokens(torch.tensor([toks])), self.m.layers[:L])
-        return self.m.norm(x)[0]
 
     def mtp(self, ids, h):
         e = self.enorm(self.m.embed_tokens(torch.tensor([ids])))
@@ -144,7 +148,7 @@ def make_qwen(d, seed=0):
     return full
 
 
-class QwenReference:
+class QwenReference(_Reference):
     """Qwen3.5's MTP head from its definition over HF's modules: x = fc(concat(
     pre_fc_norm_embedding(embed(t + 1)), pre_fc_norm_hidden(h))), HF's decoder layer, mtp.norm,
     lm_head; chained rows feed the head's normed output."""
@@ -161,18 +165,6 @@ class QwenReference:
                                                                  "pre_fc_norm_hidden", "norm"))
         self.fc = torch.from_numpy(t["mtp.fc.weight"])
         self.lm_head = full.lm_head
-
-    def _layers(self, x, layers):
-        n = x.shape[1]
-        pos = torch.arange(n)[None]
-        pe = self.m.rotary_emb(x, pos)
-        for layer in layers:
-            x = layer(x, position_embeddings=pe, attention_mask=_causal_mask(n), position_ids=pos)
-        return x
-
-    def target_hidden(self, toks):
-        x = self._layers(self.m.embed_tokens(torch.tensor([toks])), self.m.layers[:L])
-        return self.m.norm(x)[0]
 
     def mtp(self, ids, h):
         e = self.e_norm(self.m.embed_tokens(torch.tensor([ids])))
