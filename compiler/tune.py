@@ -376,9 +376,9 @@ def prepare(model=None, gpu="h200", out=None, phases=("decode", "prefill"), temp
         raise SpecError("--context-len must be at least 1", None)
     table = load_tuning(gpu)
     page_size = page_size or default_page_size(gpu)
-    from infc.backend import artifact_tag       # a LoRA build's directories carry the same tag
     state, plan = compile_model(model, spec_path, model_dir, features, lora=lora)
-    out = Path(out) if out else REPO / ".cache" / "tune" / f"{state.model}{artifact_tag(lora)}-{gpu}"
+    tag = f"-lora{lora['max_loras']}r{lora['max_rank']}" if lora else ""
+    out = Path(out) if out else REPO / ".cache" / "tune" / f"{state.model}{tag}-{gpu}"
     dims = {p: phase_dims(p, decode_batches, prefill_tokens, mixed, wide_batches) for p in phases}
     found = collect(plan, table, phases, templates, page_size)
     if not found:
