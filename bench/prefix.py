@@ -229,11 +229,12 @@ def run_engine(a, lengths, rec: dict, save_point):
     from .common import copy_bandwidth
     kw = {} if a.max_num_batched_tokens is None else {"max_num_batched_tokens": a.max_num_batched_tokens}
     tier = getattr(a, "tier", "hbm")
-    if tier != "hbm":
-        kw.update(kv_offloading_size=a.kv_offloading_size)
+    pool = tier_pool_gib(tier, getattr(a, "kv_offloading_size", None))
+    if pool:        # --tier hbm with a pool: the tier is on (saving), the hit still from the device
+        kw.update(kv_offloading_size=pool)
         if tier == "disk":
             kw.update(kv_offloading_disk=a.kv_offloading_disk or tempfile.mkdtemp(prefix="infc-kv-"),
-                      kv_offloading_disk_size=a.kv_offloading_disk_size or 2 * a.kv_offloading_size)
+                      kv_offloading_disk_size=a.kv_offloading_disk_size or 2 * pool)
     b = load_backend(a.model_path, model=a.model, device=a.device, max_num_seqs=a.max_num_seqs,
                      gpu_memory_utilization=a.gpu_memory_utilization, asynchronous=False,
                      load_format=a.load_format, enable_prefix_caching=True, block_size=a.page_size, **kw)
@@ -278,12 +279,17 @@ def run_engine(a, lengths, rec: dict, save_point):
     submit(prompts.make(32), 32)                # the engine's first step, untimed
     rec["results"] = {}
     rec["tier"] = tier
+    rec["kv_offloading_size_gib"] = pool or 0.0
     restores: dict[int, list] = {}
 
     def on_length(res):
         rec["results"] = res
         if tier != "hbm":
             add_restores(res, restores, a.reps)
+        if engine.tiers is not None:     # what the tier moved so far (an HBM run with it on: saves)
+            st = engine.tiers.stats
+            rec["tier_bytes"] = {"to_host": st.bytes_to_host, "to_device": st.bytes_to_device,
+                                 "to_disk": st.bytes_to_disk, "from_disk": st.bytes_from_disk}
         save_point()
 
     timed = submit if tier == "hbm" else tier_submit(engine, tier, submit, restores, a.new_tokens)
@@ -295,6 +301,17 @@ def run_engine(a, lengths, rec: dict, save_point):
     close = getattr(runner, "close", None)
     if close:
         close()
+
+
+TIER_POOL_GIB = 8.0      # --tier host|disk without --kv-offloading-size
+
+
+def tier_pool_gib(tier: str, size: float | None) -> float | None:
+    """The host pool a run's engine gets: --tier host|disk always one (default TIER_POOL_GIB);
+    --tier hbm only the one asked for (None: no tier)."""
+    if tier == "hbm":
+        return size or None
+    return size or TIER_POOL_GIB
 
 
 def tier_submit(engine, tier: str, submit, restores: dict, new: int):
@@ -578,8 +595,10 @@ def main(argv=None):
     ap.add_argument("--tier", choices=["hbm", "host", "disk"], default="hbm",
                     help="engine path: where the warm hit comes from (the device's pages, the host "
                          "pool, the disk folder)")
-    ap.add_argument("--kv-offloading-size", type=float, default=8.0,
-                    help="--tier host|disk: GiB of host pool (enough for the longest prefix)")
+    ap.add_argument("--kv-offloading-size", type=float,
+                    help=f"GiB of host pool (--tier host|disk: default {TIER_POOL_GIB:g}, enough for the "
+                         "longest prefix; with --tier hbm the tier is on, saving, and the hit still "
+                         "comes from the device: the tier's cost on an HBM hit)")
     ap.add_argument("--kv-offloading-disk", help="--tier disk: the folder (default: a temporary one)")
     ap.add_argument("--kv-offloading-disk-size", type=float, help="--tier disk: GiB (default: twice the host pool)")
     ap.add_argument("--prompt-format", choices=["auto", "text", "ids"], default="auto",
@@ -613,11 +632,13 @@ def main(argv=None):
     res.update({"load_format": a.load_format, "device": a.device,
                 "settings": {"lengths_requested": lengths, "new_tokens": a.new_tokens, "reps": a.reps,
                              "cold_reps": {str(L): cold_reps_for(L, a.reps, a.cold_reps) for L in lengths},
-                             "max_new_tokens": 1, "seed": a.seed, "tier": a.tier},
+                             "max_new_tokens": 1, "seed": a.seed, "tier": a.tier,
+                             "kv_offloading_size_gib": tier_pool_gib(a.tier, a.kv_offloading_size) or 0.0},
                 "paths": {}})
     out = {"path": None}
 
-    kind = "prefix" if a.tier == "hbm" else f"prefix-{a.tier}"    # a tier's results apart
+    # a tier's results apart, and an HBM hit's with the tier on apart from one without
+    kind = ("prefix" + ("-tier-on" if a.kv_offloading_size else "")) if a.tier == "hbm" else f"prefix-{a.tier}"
 
     def save_point():
         out["path"] = save(kind, res, a.out)
