@@ -668,7 +668,15 @@ def _cuda_runners(st, c: EngineConfig, artifact: Path, model_dir: Path, draft, l
     from infc.runtime.cuda.runner import CudaRunner     # lazily: cuda-python only here
     settings = _cuda_runner_settings(c)
     if draft is None:
-        return st.run("load weights, KV cache, graphs", CudaRunner, artifact, model_dir, **settings), None
+        # two stages, so a start's lines say which of them takes the time
+        num_pages = settings.pop("num_pages", None)
+        runner = st.run("load weights", CudaRunner, artifact, model_dir, defer_cache=True, **settings)
+        try:
+            st.run("KV cache, graphs", runner.start_cache, num_pages)
+        except BaseException:
+            runner.close()
+            raise
+        return runner, None
     from infc.compiler.memory_budget import draft_pages, draft_split_line
     num_pages = settings.pop("num_pages", None)
     runner = st.run("load weights", CudaRunner, artifact, model_dir, defer_cache=True, **settings)
