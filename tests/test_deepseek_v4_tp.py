@@ -86,6 +86,31 @@ def test_ranks_give_the_single_rank_logits(v4, par):
     assert _diff(many, one, step) <= TOL
 
 
+def test_engine_on_simulated_ranks_gives_the_single_rank_logits(v4):
+    """The engine over TP 2 ranks (rank_runner): three sequences batched, each with its own state
+    slot for its partial compression blocks (sharing one slot, the ranks were 3e-3 off); every
+    step's logits are the single-rank CPURunner's. Prefix caching off in both: the rank runner
+    keeps no state snapshots, so with it on the two engines would schedule differently."""
+    from families import engine_tokens
+    from infc.runtime.engine.runner import CPURunner
+    from infc.runtime.engine.sampling import SamplingParams
+    from infc.runtime.reference.ranks import rank_runner
+    (whole,) = _plans(v4)
+    plans = _plans(v4, **TP2)
+    runners = [CPURunner(whole, load_weights(whole, Checkpoint(v4)), 64, page_size=16),
+               rank_runner(plans, [load_weights(p, Checkpoint(v4)) for p in plans], 64, page_size=16)]
+    rows = [[], []]
+    for runner, out in zip(runners, rows):
+        forward = runner.forward
+        runner.forward = lambda meta, f=forward, out=out: out.append(np.array(f(meta))) or out[-1]
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(0, VOCAB, n)] for n in (11, 4, 19)]
+    params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)] * 3
+    toks = [engine_tokens(r, prompts, params, max_model_len=256, enable_prefix_caching=False) for r in runners]
+    assert toks[0] == toks[1] and len(rows[0]) == len(rows[1]) > 3
+    assert max(float(np.abs(a - b).max()) for a, b in zip(*rows)) <= TOL
+
+
 def test_rank_plans_split_the_query_heads_and_keep_the_shared_kv_whole(v4):
     (whole,) = _plans(v4)
     W = whole["weights"]
