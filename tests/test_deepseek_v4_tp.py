@@ -7,7 +7,8 @@ and score-routed MoE of 4 experts, mHC over 2 streams), window 8. TP splits the 
 their sinks (wq_b column-parallel; the grouped output projection one group a rank: wo_a by group,
 wo_b row-parallel + all_reduce); the shared K = V head (wkv and its norm), the compressors and
 their caches and the lightning indexer stay whole on every rank (compiler/passes/shard_rules.py
-says why). The prompt of 37 tokens crosses the window, nine CSA blocks and two HCA blocks.
+says why). The prompt of 37 tokens crosses the window, nine CSA blocks and two HCA blocks; the
+engine over the ranks (rank_runner) batches three sequences, each with its own state slot.
 """
 import re
 
