@@ -26,7 +26,17 @@ query projections (q_proj, or q_b_proj after the replicated q_a_proj + its norm)
 column-parallel by heads, the absorbed per-head W_uk / W_uv [H, N, K] are cut to the rank's heads,
 o_proj is row-parallel. The latent projection kv_a (c_kv + k_pe) and its norm feed every head
 (latent_attention's kv input is shared, not walked): they stay replicated, and every rank keeps
-the whole latent cache.
+the whole latent cache. One kv head (multi-query attention) is kept whole the same way: the
+attention walks its query alone, so the kv chain stays replicated and every rank keeps the whole
+k / v cache (kv heads more than one and not divisible by the ranks are refused). Per-head sinks
+[Hq] are cut to the rank's heads.
+
+DeepSeek-V4 (specs/deepseek_v4.yaml) is MLA's case again: wq_b column-parallel by heads (after the
+replicated wq_a + q_norm, which the indexer's query reads too), rope_tail per head, the sinks cut,
+the grouped output projection one block of groups a rank (the [T, G, Gk] view, wo_a by group,
+wo_b row-parallel, G divisible by the ranks); the shared K = V head, the compressors and the
+lightning indexer stay whole on every rank, and with them every cache (swa, the compressed
+entries and their partial blocks, the indexer keys): a rank's cache per token is one rank's.
 
 Attention data-parallelism (`dp` in the settings, with EP): attention and dense layers stay
 replicated and each rank runs them on its own tokens; the expert block becomes dp_dispatch (every
@@ -80,7 +90,7 @@ def _region(g, value, nodes: dict, columns: dict, blocked: list):
                                        f"mixing the heads the ranks split (it shards only head by "
                                        f"head, on [T, heads, D])"))
             return
-    for i in r.weights:
+    for i in r.cut(p):
         if g.values[p.inputs[i]].kind != "weight":
             blocked.append(_Blocked(p, f"{p.op}: its per-head input '{p.inputs[i]}' is not a weight "
                                        f"(only weights are cut to the rank's heads)"))
@@ -192,13 +202,16 @@ def _tensor_parallel(state, g, rank, world):
                               f"feeds another (three linears in a chain); only column -> row pairs "
                               f"are sharded", both[0])
         _check_closed(state, g, world, row, nodes, columns)
+    # every block checked before any is rewritten: a rule's walk may read attributes that the
+    # resizes change (an attention's kv_heads)
+    for row, nodes, columns in plans:
         # heads first: a head count the ranks do not divide is the error to report, not the
         # views or per-head weights around it
         for m in sorted(nodes.values(), key=lambda m: not rule(m.op).attention):
             r = rule(m.op)
             if r.resize:
                 r.resize(state, g, m, world)
-            for i, axis in r.weights.items():
+            for i, axis in r.cut(m).items():
                 _shard_weight(state, g, m.inputs[i], axis, rank, world,
                               f"{flag}: the heads of {m.op}'s weight at line {m.line}", m.line)
         for c in columns.values():
@@ -216,7 +229,7 @@ def _tensor_parallel(state, g, rank, world):
         dtype = g.values[row.outputs[0]].type.dtype
         row.attrs["out_dtype"] = "f32"
         _insert_after(g, row, "all_reduce", {"dtype": dtype}, "reduced")
-        heads = [f"{g.nodes[m].inputs[i]}" for m in nodes for i in rule(g.nodes[m].op).weights]
+        heads = [f"{g.nodes[m].inputs[i]}" for m in nodes for i in rule(g.nodes[m].op).cut(g.nodes[m])]
         state.note("shard_ranks", f"{g.name}: line {row.line} row-parallel over "
                                   f"{sorted(c.inputs[1] for c in columns.values())}"
                                   f"{' and heads of ' + str(sorted(heads)) if heads else ''} + all_reduce")

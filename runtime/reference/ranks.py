@@ -14,9 +14,10 @@ whose outputs are dropped, and run under one program (the phase they share, else
 """
 import numpy as np
 
-from infc.config import DEFAULT_PAGE_SIZE
+from infc.config import DEFAULT_MAX_NUM_SEQS, DEFAULT_PAGE_SIZE
 from infc.compiler.ops import REGISTRY
 
+from infc.compiler.contract import caches
 from infc.compiler.contract.program import program_name, unrolled
 from ..engine.step import Chunk, StepMeta, common_phase, pad_ranks
 from .executor import ReferenceExecutor, StepContext, launch_results
@@ -127,18 +128,22 @@ class RankExecutor:
 
 
 
-def rank_runner(plans: list[dict], weights: list[dict], num_pages: int, page_size: int = DEFAULT_PAGE_SIZE):
+def rank_runner(plans: list[dict], weights: list[dict], num_pages: int, page_size: int = DEFAULT_PAGE_SIZE,
+                max_num_seqs: int = DEFAULT_MAX_NUM_SEQS):
     """The engine's CPU runner (runtime/engine/runner.py) over simulated ranks; rank 0's logits are
-    sampled, as rank 0 owns the sampler on the GPUs."""
+    sampled, as rank 0 owns the sampler on the GPUs. max_num_seqs: state slots of a plan with slot
+    caches (DeepSeek-V4's partial compression blocks, linear attention's state), as CPURunner's."""
     from ..engine.runner import CPURunner, feed_tokens, sample_row
 
     class RankRunner(CPURunner):
         def __init__(self):
             self.plan, self.page_size, self.num_pages = plans[0], page_size, num_pages
             self.vocab_size = plans[0]["config"]["V"]
+            # a slot a running sequence: without them every sequence's state shares slot 0
+            self.num_slots = max_num_seqs if caches.has_slots(caches.of_plan(plans[0])) else 0
             self.executor = RankExecutor(plans, weights, page_size)
             # one page past num_pages: data-parallel pad rows write it (runtime/engine/step.py pad_ranks)
-            self.executor.allocate_pages(num_pages + 1, page_size)
+            self.executor.allocate_pages(num_pages + 1, page_size, self.num_slots)
             self.dp_world = (plans[0].get("parallel") or {}).get("dp", 1)
             self._last_ranks = None
 
