@@ -149,6 +149,11 @@ def test_the_verify_form_is_the_one_row_kernels_otherwise():
     assert one.meta["constexprs"]["FMA_T"] == 1
     dot = render("gemv", "linear", *args, narrow=5, tune={"FMA_T": 1})
     assert "tl.dot(" in dot.source and dot.meta["constexprs"]["FMA_ROWS"] == 1
+    # a verify tile holds at most VERIFY_TILE (4096) elements: the one-row 16 x 512 tile halves in K
+    tile = {"BLOCK_N": 16, "FMA_BLOCK_K": 512}
+    assert render("gemv", "linear", *args, narrow=5, tune=tile).meta["constexprs"]["FMA_BLOCK_K"] == 256
+    assert render("gemv", "linear", *args, narrow=5, tune={**tile, "VERIFY_TILE": 8192}).meta["constexprs"]["FMA_BLOCK_K"] == 512
+    assert render("gemv", "linear", *args, narrow=True, tune=tile).meta["constexprs"]["FMA_BLOCK_K"] == 512
     ends = render("gemv", "linear", *args, narrow=5, tune={"ROW_SUMS": "end"})
     assert "tl.dot(" not in ends.source and "tl.sum(wf * a" not in ends.source
     assert ends.meta["constexprs"]["FMA_T"] == 5
