@@ -40,6 +40,7 @@ def _cuda_core_only(k, R):
     assert k.meta["constexprs"]["FMA_T"] == R and k.meta["constexprs"]["FMA_ROWS"] == R
     assert "tl.dot(" not in k.source
     assert "tl.sum(wf * a" in k.source                     # ROW_SUMS "tile"
+    assert "if M > 1:" in k.source                         # dead rows skip their FMAs
 
 
 @pytest.mark.parametrize("R,T", rows((5, 3)))
