@@ -2,7 +2,7 @@
 speculative build's k + 1 rows on the CUDA-core path together, each W tile read once for all R
 rows (ROW_SUMS "tile": the tile's products reduced per row as they are made), with no
 tensor-core path in the kernel. Under the interpreter against the ops' numpy references: plain,
-gated, act_mul, lm_head_last and the merged add_rms_norm prologue (plain and gated), R in
+gated, act_mul, lm_head_last, the merged add_rms_norm prologue (plain and gated) and quantized W, R in
 {2, 5, 8}, a step of fewer live rows than R (the rest masked), N and K not multiples of the
 tiles, split-K (its counters left zero)."""
 from types import SimpleNamespace
@@ -158,3 +158,20 @@ def test_the_verify_form_is_the_one_row_kernels_otherwise():
     ends = render("gemv", "linear", *args, narrow=5, tune={"ROW_SUMS": "end"})
     assert "tl.dot(" not in ends.source and "tl.sum(wf * a" not in ends.source
     assert ends.meta["constexprs"]["FMA_T"] == 5
+
+
+# quantized W on the verify form (tests/kernels/test_quant_linear_kernels.py's schemes and checks):
+# fp8 codes go the elementwise CUDA-core loop (the narrow codes path is one row's), u4 its W4 loop;
+# fast: an fp8 with dynamic activation groups; the rest (a packed u4 with zero points on its W4 loop,
+# per-token fp8, u8, the gated and prologue forms) with --exhaustive
+QUANT_FAST = {("fp8-32x64-group64", "plain")}
+
+
+@pytest.mark.parametrize("scheme,mode", [
+    pytest.param(s, m, id=f"{s}-{m}", marks=() if (s, m) in QUANT_FAST else EXHAUSTIVE)
+    for s in ("fp8-32x64-group64", "fp8-channel-token", "u4-g32-zero", "u8-g64") for m in ("plain", "gated", "prologue")])
+def test_quantized_verify_gemv(scheme, mode):
+    from .test_quant_linear_kernels import SCHEMES, _case
+    k, _, _ = _case("gemv", SCHEMES[scheme], mode, 3, {"BLOCK_N": 16, "FMA_BLOCK_K": 128}, "decode",
+                    len(scheme) + len(mode), narrow=5)
+    assert k.meta["constexprs"]["FMA_T"] == 5 and "tl.dot(" not in k.source
