@@ -31,6 +31,7 @@ import subprocess
 from pathlib import Path
 
 from infc.compiler.contract.program import launches
+from infc.config import DEFAULT_TUNE_VERIFY_ROWS, NARROW_TOKENS_MAX
 
 from .build import REPO, compile_model, default_page_size, load_tuning
 from .codegen.render import EXT, TemplateError, _env, launch_context, render_template, tuning_keys
@@ -40,7 +41,7 @@ from .contract.schema import TUNE_MANIFEST_VERSION as MANIFEST_VERSION
 DEFAULT_TEMPLATES = ("gemv", "gemv_act_mul", "gemv_gated", "lm_head_last", "attention_decode",
                      "gemm", "gemm_act_mul", "gemm_gated", "attention_prefill", "attention_mixed",
                      "moe_gate_up", "moe_down", "moe_gate_up_grouped", "moe_down_grouped")
-PHASES = ("prefill", "decode", "mixed", "short", "wide", "narrow")
+PHASES = ("prefill", "decode", "mixed", "short", "wide", "narrow", "verify")
 
 # --- candidate grids: only keys the template reads (tests check each against its source) -------
 
@@ -104,6 +105,22 @@ _GEMV_LORA = [{"LORA_KS": ks} for ks in (64, 128, 256, 512)] \
     + [{"LORA_EARLY": 1}, {"LORA_EARLY": 1, "LORA_PROGRAMS": 32}]
 NARROW_LORA = {("triton", t): _GEMV_LORA for t in ("gemv", "gemv_gated")}
 LORA_GEMV_TILES = 4         # of the GEMV's own grid, the first few beside the LoRA grid
+# a verify step's GEMVs (a speculative build's k + 1 rows, all on the CUDA-core path: gemv.py.j2
+# VERIFY_ROWS; their own key, render.verify_key, over the one-row narrow entry): W tiles against the
+# R rows' sums (ROW_SUMS "tile" reduces each tile's products per row; "end" keeps R fp32 tiles in
+# registers, so only small tiles; VERIFY_TILE 8192: the one-row 16 x 512 tiles whole), the preloaded tiles, programs in flight, and FMA_T 1: the
+# tensor-core path for the rows, the kernel the verify program ran before (bench/NOTES.md, issue 43)
+_GEMV_VERIFY = [{"BLOCK_N": 16, "FMA_BLOCK_K": 256}, {"BLOCK_N": 8, "FMA_BLOCK_K": 512},
+                {"BLOCK_N": 32, "FMA_BLOCK_K": 128}, {"BLOCK_N": 4, "FMA_BLOCK_K": 1024, "SPLIT_K": 1},
+                {"ROW_SUMS": "end", "BLOCK_N": 8, "FMA_BLOCK_K": 128},
+                {"ROW_SUMS": "end", "BLOCK_N": 4, "FMA_BLOCK_K": 256}, {"PRELOAD": 2}, {"PRELOAD": 1},
+                {"num_warps": 8}, {"TARGET_CTAS": 528}, {"TARGET_CTAS": 264}, {"FMA_T": 1},
+                {"FMA_T": 1, "BLOCK_K": 128}, {"VERIFY_TILE": 8192}]
+# lm_head_last cannot split K
+_LM_VERIFY = [{"BLOCK_N": 8}, {"BLOCK_N": 32, "FMA_BLOCK_K": 256}, {"FMA_BLOCK_K": 256}, {"num_warps": 8},
+              {"ROW_SUMS": "end", "BLOCK_N": 8, "FMA_BLOCK_K": 128}, {"FMA_T": 1}, {"VERIFY_TILE": 8192}]
+VERIFY_GRIDS = {("triton", "gemv"): _GEMV_VERIFY, ("triton", "gemv_act_mul"): _GEMV_VERIFY,
+                ("triton", "gemv_gated"): _GEMV_VERIFY, ("triton", "lm_head_last"): _LM_VERIFY}
 _GEMV_FMA_T = [{"FMA_T": 2, "FMA_BLOCK_K": 128}, {"FMA_T": 4, "BLOCK_N": 16, "FMA_BLOCK_K": 128}]
 # lm_head_last cannot split K (its norm scale closes the K loop) and has a huge N
 _LM_FMA = [{"BLOCK_N": 8}, {"BLOCK_N": 32, "FMA_BLOCK_K": 256}, {"FMA_BLOCK_K": 256},
@@ -278,8 +295,10 @@ SHORT_DIMS = ({"T": 32, "B": 1}, {"T": 16, "B": 1})
 
 
 def phase_dims(phase: str, decode_batches=(1,), prefill_tokens=1024, mixed=(512, 8),
-               wide_batches=(128, 256)) -> list[dict]:
+               wide_batches=(128, 256), verify_rows=DEFAULT_TUNE_VERIFY_ROWS) -> list[dict]:
     """The step sizes a phase's shape keys are timed at."""
+    if phase == "verify":           # one verify step of k + 1 rows (each a decode row: T = B)
+        return [{"T": int(verify_rows), "B": int(verify_rows)}]
     if phase == "wide":             # decode steps of many sequences (the plan's wide program)
         return [{"T": int(b), "B": int(b)} for b in wide_batches]
     if phase == "short":
@@ -359,10 +378,13 @@ def collect(plan: dict, table: dict, phases, templates, page_size: int) -> list[
 def prepare(model=None, gpu="h200", out=None, phases=("decode", "prefill"), templates=None,
             spec_path=None, model_dir=None, features=None, page_size=None, target="sm_90",
             decode_batches=(1,), prefill_tokens=1024, mixed=(512, 8), context_len=1024,
-            compile=True, jobs=None, log=print, wide_batches=(128, 256), lora=None) -> Path:
+            compile=True, jobs=None, log=print, wide_batches=(128, 256), lora=None,
+            verify_rows=DEFAULT_TUNE_VERIFY_ROWS) -> Path:
     """Render (and compile) every candidate kernel; write <out>/manifest.json. Returns out.
     lora: --enable-lora's build setting (infc/config.py lora_build): the plan with adapter slots,
-    whose narrow GEMVs carry the LoRA sites (NARROW_LORA's grid)."""
+    whose narrow GEMVs carry the LoRA sites (NARROW_LORA's grid). verify_rows: with the verify
+    phase, the plan is a speculative build's of that many verify rows (k + 1: compile_model's
+    narrow_tokens), its verify launches keyed by that row count (render.verify_key)."""
     log = log or (lambda *a: None)
     for p in phases:
         if p not in PHASES:
@@ -376,10 +398,19 @@ def prepare(model=None, gpu="h200", out=None, phases=("decode", "prefill"), temp
         raise SpecError("--context-len must be at least 1", None)
     table = load_tuning(gpu)
     page_size = page_size or default_page_size(gpu)
-    state, plan = compile_model(model, spec_path, model_dir, features, lora=lora)
+    verify = "verify" in phases
+    if verify:
+        if isinstance(verify_rows, bool) or not isinstance(verify_rows, int) or not 2 <= verify_rows <= NARROW_TOKENS_MAX:
+            raise SpecError(f"--verify-rows must be a verify step's k + 1 rows, 2..{NARROW_TOKENS_MAX}, "
+                            f"got {verify_rows!r}", None)
+    state, plan = compile_model(model, spec_path, model_dir, features, lora=lora,
+                                narrow_tokens=verify_rows if verify else None)
+    if verify and "verify" not in plan["programs"]:
+        raise SpecError(f"{state.model} has no verify program (no narrow program: nothing merged for "
+                        f"one-token steps)", None)
     tag = f"-lora{lora['max_loras']}r{lora['max_rank']}" if lora else ""
     out = Path(out) if out else REPO / ".cache" / "tune" / f"{state.model}{tag}-{gpu}"
-    dims = {p: phase_dims(p, decode_batches, prefill_tokens, mixed, wide_batches) for p in phases}
+    dims = {p: phase_dims(p, decode_batches, prefill_tokens, mixed, wide_batches, verify_rows) for p in phases}
     found = collect(plan, table, phases, templates, page_size)
     if not found:
         raise SpecError(f"no launch of {', '.join(templates)} in phases {', '.join(phases)} of "
@@ -400,6 +431,8 @@ def prepare(model=None, gpu="h200", out=None, phases=("decode", "prefill"), temp
         current = entry_table.get(e["shape_key"])
         rows = [d[rows_dim(tpl, e["inputs"])] for d in dims[e["phase"]]]
         cands = [(c, "default" if not c else "grid") for c in candidates(backend, tpl, rows)]
+        if e["phase"] == "verify" and (backend, tpl) in VERIFY_GRIDS:
+            cands = cands[:1] + [(c, "grid") for c in VERIFY_GRIDS[(backend, tpl)]]
         if e["phase"] == "narrow" and e["ctx"]["attrs"].get("quant"):
             grid = [c for c, _ in cands]
             cands[1:1] = [(c, "grid") for c in NARROW_QUANT.get((backend, tpl), []) if c not in grid]

@@ -8,6 +8,7 @@ import sys
 import traceback
 
 from infc import envs
+from infc.config import DEFAULT_TUNE_VERIFY_ROWS
 from infc.compiler.contract.errors import ModelDirError, SpecError, TemplateError
 from infc.compiler.spec_paths import add_spec_dir_arg
 
@@ -98,7 +99,8 @@ def _tune(args):
                 prefill_tokens=args.prefill_tokens, context_len=args.context_len,
                 mixed=[tuple(m.split("x")) for m in _csv(args.mixed)],
                 compile=not args.no_compile, jobs=args.jobs,
-                wide_batches=_batches(args.wide_batches, "--wide-batches"), lora=lora_build_setting(args))
+                wide_batches=_batches(args.wide_batches, "--wide-batches"), lora=lora_build_setting(args),
+                verify_rows=args.verify_rows)
     else:
         from pathlib import Path
         if not (Path(args.dir) / "manifest.json").exists():      # before cuda-python is imported
@@ -206,7 +208,10 @@ def parser() -> argparse.ArgumentParser:
     tp.add_argument("--model-path", help="an HF model directory: bind the spec to its config.json")
     tp.add_argument("--gpu", default="h200", choices=["h100", "h200"], help="tuning table to fill")
     tp.add_argument("--out", help="output folder (default .cache/tune/<model>-<gpu>)")
-    tp.add_argument("--phases", default="decode,prefill", help="comma-separated: prefill, decode, mixed, short, wide, narrow")
+    tp.add_argument("--phases", default="decode,prefill", help="comma-separated: prefill, decode, mixed, short, wide, "
+                    "narrow, verify")
+    tp.add_argument("--verify-rows", type=int, default=DEFAULT_TUNE_VERIFY_ROWS, help="the verify phase's rows: a speculative build's "
+                    "k + 1 (its verify program; entries keyed per row count)")
     tp.add_argument("--templates", help="comma-separated templates (default: the GEMVs, GEMMs, attention)")
     tp.add_argument("--features", help="extra kernel backends, comma-separated: tilelang, cuda")
     tp.add_argument("--decode-batches", default="1", help="decode batch sizes to time at (T = B)")

@@ -170,6 +170,9 @@ DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE = 8
 # NARROW_TOKENS_MAX: the same launches rendered that wide (compiler/passes/select_kernels.py).
 NARROW_TOKENS = 1
 NARROW_TOKENS_MAX = 8
+# `infc tune prepare --phases verify`'s rows when --verify-rows is not given: verify(4)'s 5, the
+# issue-43 target (its entries are keyed per row count: compiler/codegen/render.py verify_key)
+DEFAULT_TUNE_VERIFY_ROWS = 5
 
 
 def narrow_tokens_for(spec) -> int:

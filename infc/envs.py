@@ -48,9 +48,9 @@ REGISTRY = {v.name: v for v in (
         "and a speculative build's verify program (0: every decode step on the decode program, "
         "for A/B timing)"),
     Var("INFC_VERIFY_PROGRAM", "flag", False, "build a speculative server's verify steps (2..k + 1 "
-        "rows) as a program of their own, the narrow launches rendered k + 1 rows wide (off: the "
-        "decode program runs them, 1.5x a decode step against the verify program's 1.9x on an "
-        "H200 until its kernels are tuned; bench/NOTES.md, issue 43)"),
+        "rows) as a program of their own, the narrow launches rendered k + 1 rows wide, their GEMVs' "
+        "rows together on the CUDA-core path (off: the decode program runs them, 1.5x a decode step "
+        "on an H200, until the verify program is measured against it; bench/NOTES.md, issue 43)"),
     Var("INFC_P2P", "flag", True, "one-shot peer-to-peer all-reduces for small messages where "
         "the GPUs can map each other's memory (0: NCCL only)"),
     Var("INFC_P2P_BYTES", "int", 64 << 10, "the largest all-reduce the P2P path takes, in bytes "

@@ -27,11 +27,18 @@ from infc.runtime.weights.load import load_weights  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def plans(tiny_model, tmp_path_factory):
-    """(plan, the plan without merge_epilogues, weights) of the tiny fp8 qwen3 with head_dim 32."""
+def fp8_dir(tiny_model, tmp_path_factory):
+    """The tiny qwen3 with head_dim 32, written as fp8 blocks of 32 x 32."""
     d, _ = tiny_model("qwen3", head_dim=32)
     q = tmp_path_factory.mktemp("fp8-hd32")
     quantize_model(d, q, "fp8-block", block=(32, 32))
+    return q
+
+
+@pytest.fixture(scope="module")
+def plans(fp8_dir):
+    """(plan, the plan without merge_epilogues, weights) of the tiny fp8 qwen3 with head_dim 32."""
+    q = fp8_dir
     plan, plain = (json.loads(dumps(compile_model(model_dir=str(q), skip=skip, log=None)[1]))
                    for skip in ((), ("merge_epilogues",)))
     return plan, plain, load_weights(plan, Checkpoint(q))
@@ -84,6 +91,28 @@ def test_narrow_attention_makes_o_projs_codes(plans):
     assert all(l.get("epilogue") for l in _ops(plan, "decode") if l["op"] == "attention_cached")
     for program in ("prefill", "mixed"):
         assert _ops(plan, program) == _ops(plain, program), program
+
+
+def test_a_speculative_builds_narrow_program_merges_downs_codes_too(plans, fp8_dir):
+    """A speculative build (narrow_tokens = k + 1: a verify program beside the one-row narrow
+    program) merges down's codes into the narrow program's gated GEMV as a one-token build does;
+    its verify program (k + 1 rows: no codes epilogue) keeps the quantize_act launches, and every
+    kernel of it renders."""
+    from infc.compiler.codegen.render import launch_context, render_template
+    plan, _, _ = plans
+    spec = json.loads(dumps(compile_model(model_dir=str(fp8_dir), log=None, narrow_tokens=5)[1]))
+    assert spec["verify_tokens"] == 5
+    assert spec["programs"]["narrow"] == plan["programs"]["narrow"]
+    gated = [l for l in _ops(spec, "narrow") if l["op"] == "linear_gated"]
+    assert gated and all(l.get("epilogue", {}).get("op") == "quantize_act" for l in gated)
+    assert not any(l["op"] == "quantize_act" for l in _ops(spec, "narrow"))
+    verify = _ops(spec, "verify")
+    assert not any(l.get("epilogue") for l in verify)
+    assert sum(l["op"] == "quantize_act" for l in verify) == 2 * len(gated)
+    # the verify rows' fp8 GEMVs render (its k + 1 rows on the CUDA-core path, reading ready codes)
+    for l in {l["kernel"] + repr(l["inputs"]): l for l in verify if l["op"] in ("linear", "linear_gated")}.values():
+        k = render_template("triton", l["kernel"], launch_context(spec, l, "verify", {}, 16))
+        assert k.meta["constexprs"]["FMA_T"] == 5 and "tl.dot(" not in k.source
 
 
 def test_reference_logits_do_not_move(plans):

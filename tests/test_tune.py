@@ -382,3 +382,43 @@ def test_prepare_narrow_phase_tunes_the_narrow_codes_path(tmp_path):
     for (backend, template), grid in NARROW_QUANT.items():
         text = _template_text(backend, template)
         assert all(f'tune.get("{k}"' in text for c in grid for k in c)
+
+
+def test_prepare_verify_phase_times_the_verify_rows_on_their_own_keys(tmp_path, monkeypatch, capsys):
+    """The verify phase (issue 43): a speculative build's verify program of --verify-rows rows, its
+    GEMVs keyed per row count over the one-row narrow entry (render.verify_key), timed at one step of
+    those rows, each candidate a kernel of its own whose tunables the template reads; a table
+    entry under that key changes the verify kernel and no other program's."""
+    from infc.compiler.tune import VERIFY_GRIDS
+    out = prepare(MODEL, "h200", out=tmp_path / "v", phases=("verify",), compile=False, log=None,
+                  templates=("gemv", "gemv_gated"), verify_rows=3)
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["dims"] == {"verify": [{"T": 3, "B": 3}]}
+    assert {e["template"] for e in m["entries"]} == {"gemv", "gemv_gated"}
+    for e in m["entries"]:
+        assert e["phase"] == "verify" and e["shape_key"].startswith("verify|") and e["shape_key"].endswith("|r3")
+        assert [k.split("|")[0] for k in e["inherits"]] == ["decode", "narrow"]
+        tunes = [c["tune"] for c in e["candidates"]]
+        assert tunes[0] == {} and {"FMA_T": 1} in tunes and len({c["kernel"] for c in e["candidates"]}) == len(tunes)
+        by_tune = {json.dumps(c["tune"], sort_keys=True): (out / c["source"]).read_text() for c in e["candidates"]}
+        assert "tl.dot(" not in by_tune["{}"] and "tl.dot(" in by_tune['{"FMA_T": 1}']
+    for (backend, template), grid in VERIFY_GRIDS.items():
+        text = _template_text(backend, template)
+        assert all(f'tune.get("{k}"' in text for c in grid for k in c)
+    # a verify entry renders the verify kernel alone: the narrow launch of the same linear keeps its own
+    from infc.compiler.codegen.render import launch_context, render_template
+    _, plan = build_mod.compile_model(MODEL, narrow_tokens=3)
+    e = next(e for e in m["entries"] if e["template"] == "gemv")
+    table = {"templates": {"gemv": {e["shape_key"]: {"BLOCK_N": 8, "FMA_BLOCK_K": 512}}}}
+
+    def source(phase, tbl):
+        launch = next(l for l, _ in launches(plan["programs"][phase]) if tuning_key(plan, l, phase) ==
+                      e["inherits"][0] and l["kernel"] == "gemv")
+        return render_template("triton", "gemv", launch_context(plan, launch, phase, tbl, 16)).source
+    assert source("verify", table) != source("verify", {}) and source("narrow", table) == source("narrow", {})
+    # bad rows: a clear error naming the flag
+    for bad in ("1", "9"):
+        assert main(["tune", "prepare", "--model", MODEL, "--no-compile", "--out", str(tmp_path / "b"),
+                     "--phases", "verify", "--verify-rows", bad]) == 2
+        err = capsys.readouterr().err
+        assert "--verify-rows" in err and "Traceback" not in err

@@ -1,6 +1,6 @@
 """A speculative build's verify program (issue 43; compiler/passes/select_kernels.py SAME_LAUNCHES):
 the narrow launches rendered k + 1 rows wide beside a one-row narrow program whose kernels are
-a one-token build's, so plain steps no longer pay for the tensor-core path that verify rows need.
+a one-token build's; the verify rows run the CUDA-core path together (one W pass for the k + 1 rows).
 The plan's shape of it, the dispatch (compiler/contract/program.py program_name) and the graph
 buckets, a verify step through the interpreted kernels, and greedy speculation over it."""
 import json
@@ -44,14 +44,16 @@ def test_the_speculative_plan_is_the_one_token_plan_and_a_verify_program(plans):
     # every program but verify runs the one-token build's kernels (ids are source digests)
     for p in one["programs"]:
         assert _ids(spec, p) == _ids(one, p), p
-    # the verify program's own: its merged GEMVs and attention (its lm_head_last is decode's)
+    # the verify program's own: its merged GEMVs, lm_head_last (k + 1 rows on the CUDA-core path) and attention
     assert k_one.keys() <= k_spec.keys()
-    assert {k_spec[i].template for i in k_spec.keys() - k_one.keys()} == {"gemv", "gemv_gated", "attention_decode"}
+    assert {k_spec[i].template for i in k_spec.keys() - k_one.keys()} == \
+        {"gemv", "gemv_gated", "lm_head_last", "attention_decode"}
     assert k_spec.keys() - k_one.keys() <= set(_ids(spec, "verify")) - set(_ids(spec, "narrow"))
     verify = {l["op"]: k_spec[l["kernel_id"]].source for l, _ in launches(spec["programs"]["verify"])}
     narrow = {l["op"]: k_spec[l["kernel_id"]].source for l, _ in launches(spec["programs"]["narrow"])}
-    for op in ("linear", "linear_gated", "lm_head_last"):      # 2+ rows: the tensor-core path
-        assert "tensor-core path: rows" in verify[op] and "tensor-core path: rows" not in narrow[op], op
+    for op in ("linear", "linear_gated", "lm_head_last"):      # k + 1 rows on the CUDA-core path together
+        assert "tensor-core path: rows" not in verify[op] + narrow[op], op
+        assert "tl.sum(wf * a4" in verify[op] and "tl.sum(wf * a" not in narrow[op], op
     assert "a verify step: the K/V" in verify["attention_cached"]
     assert "a verify step: the K/V" not in narrow["attention_cached"]
 

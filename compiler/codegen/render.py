@@ -146,8 +146,9 @@ def launch_tensors(plan: dict, launch: dict) -> tuple[list[dict], list[dict]]:
 # so only a template that reads `narrow` (the GEMV and attention: a merged prologue)
 # or a narrow entry makes a kernel of its own. A verify step (a speculative build's 2..k + 1 rows,
 # compiler/passes/select_kernels.py) runs the narrow launches rendered the same way but
-# `narrow_rows` = plan["verify_tokens"] wide: the kernels the narrow program had when it was
-# k + 1 rows wide, so the narrow program's own stay a one-token build's.
+# `narrow_rows` = plan["verify_tokens"] wide (its GEMVs: every row on the CUDA-core path, on the
+# narrow entry's tiles unless a "verify|...|r<rows>" entry lies over them: verify_key), so the
+# narrow program's own kernels stay a one-token build's.
 AS_PHASE = {"narrow": "decode", "verify": "decode"}
 NARROW_ROWS = {"narrow": "narrow_tokens", "verify": "verify_tokens"}
 
@@ -155,6 +156,14 @@ NARROW_ROWS = {"narrow": "narrow_tokens", "verify": "verify_tokens"}
 def narrow_key(key: str) -> str:
     """The narrow step's own entry beside a decode key: "decode|S" -> "narrow|S"."""
     return "narrow|" + key.split("|", 1)[1]
+
+
+def verify_key(key: str, rows: int) -> str:
+    """A verify launch's own entry, per row count, laid over the narrow one: "decode|S" ->
+    "verify|S|r<rows>". Its GEMVs run every row on the CUDA-core path (gemv.py.j2 VERIFY_ROWS), whose
+    best tile depends on the rows it holds sums for, so a 5-row build's timings are not a 3-row
+    one's and neither changes the one-row step's kernels."""
+    return f"verify|{key.split('|', 1)[1]}|r{rows}"
 
 
 def tuning_key(plan: dict, launch: dict, phase: str, tensors=None) -> str:
@@ -186,10 +195,12 @@ def lora_key(key: str, lora: dict) -> str:
 
 def tuning_keys(plan: dict, launch: dict, phase: str, tensors=None) -> tuple:
     """The table keys a launch renders with, in the order their entries are laid over the template's
-    default: its tuning_key, then a narrow step's narrow key, then a merged LoRA site's lora_key.
-    The last is the launch's own, the one `infc tune` fills."""
+    default: its tuning_key, then a narrow step's narrow key, then a verify step's verify_key, then a
+    merged LoRA site's lora_key. The last is the launch's own, the one `infc tune` fills."""
     key = tuning_key(plan, launch, phase, tensors)
     keys = (key, narrow_key(key)) if phase in NARROW_ROWS else (key,)
+    if phase == "verify":
+        keys += (verify_key(key, plan["verify_tokens"]),)
     if launch.get("lora"):
         keys += (lora_key(keys[-1], launch["lora"]),)
     return keys

@@ -31,6 +31,8 @@ Not merged (left to its launch): activation groups other than head_dim, per-toke
 scales (a row-wide amax spans every head's programs), data-parallel plans (rows are G), and a
 feature backend that takes either launch.
 """
+from infc.config import NARROW_TOKENS
+
 from ..ops import REGISTRY
 from ..ops.quant import scheme_of
 
@@ -88,9 +90,12 @@ def _merge(state, g, c, phase):
 def _gated_codes(state, p, phase) -> bool:
     """Whether the gated GEMV takes its narrow codes path unsplit in this phase: a one-token
     narrow step (the kernel has no tensor-core path), e4m3 W read with ready codes (act_codes),
-    no LoRA site in its launch. (The template checks the tile and the split: it fails loudly.)"""
+    no LoRA site in its launch. (The template checks the tile and the split: it fails loudly.)
+    The narrow program's rows are min(state.narrow_tokens, NARROW_TOKENS): a speculative build's
+    k + 1 (state.narrow_tokens) widens its verify program, which plans no epilogue (not in PHASES),
+    and leaves the narrow program one row wide, so it merges down's codes as a one-token build's."""
     s = scheme_of(p.attrs)
-    return phase == "narrow" and state.narrow_tokens == 1 and bool(p.attrs.get("has_a_scale")) \
+    return phase == "narrow" and min(state.narrow_tokens, NARROW_TOKENS) == 1 and bool(p.attrs.get("has_a_scale")) \
         and s is not None and s.codes == "f8e4m3" and not s.g_idx and p.attrs.get("out_dtype") != "f32" \
         and p.id not in state.lora_sites.get(phase, {})
 

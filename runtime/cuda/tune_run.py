@@ -51,7 +51,8 @@ def step_metadata(phase: str, T: int, B: int, context_len: int, page_size: int, 
     one chunk of T - B + 1 tokens after context_len cached ones. Pages are a random permutation
     of 0 .. num_pages-1 (scattered, as after some serving); page num_pages is the spare that
     pads block-table rows (cache storage holds num_pages + 1 pages, as in the runner)."""
-    if phase in ("decode", "wide", "narrow"):   # wide: a decode step of many sequences; narrow: of a few
+    if phase in ("decode", "wide", "narrow", "verify"):   # wide: a decode step of many sequences; narrow,
+                                                          # verify: of a few
         if T != B:
             raise ValueError(f"a decode step has T == B (got T={T}, B={B})")
         chunks = [(max(context_len - 3 * b, 1) - 1, 1) for b in range(B)]

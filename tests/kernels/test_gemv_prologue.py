@@ -1,7 +1,7 @@
 """The narrow phase's merged launch (compiler/passes/merge_prologues.py): add_rms_norm(x, d, norm)
 in front of the GEMV, plain and gated, under the interpreter against the two ops' references.
-One decode token (the CUDA-core path) and 3 / 5 / 8 rows (a speculative verify step's k + 1
-rows: the tensor-core path, its prologue per row block), N and K not multiples of the column and K tiles, K
+One decode token (the CUDA-core path) and 5 / 8 rows (a speculative verify step's k + 1
+rows: the CUDA-core path's rows together; tests/kernels/test_gemv_verify_rows.py has more), N and K not multiples of the column and K tiles, K
 longer than the prologue's 1024-wide row chunks, split-K (its counters left zero), bf16 and f32
 norm weights (Llama's and Gemma's roundings)."""
 import numpy as np
@@ -54,8 +54,8 @@ def _tensors(K, rows, out_cols, norm_dtype):
     return ins, outs
 
 
-# rows: 1 (CUDA-core path) for every case, 5 and 8 (the tensor-core path, its prologue per row
-# block) for each with --exhaustive, the split one at 8 rows in the fast suite (and the gated below)
+# rows: 1 (CUDA-core path) for every case, 5 and 8 (a verify program's rows, each its own row pass)
+# for each with --exhaustive, the split one at 8 rows in the fast suite (and the gated below)
 ROWS = [pytest.param(*c, 1, id=f"{c[0]}-{c[1]}-1") for c in CASES] + \
     [pytest.param(*c, t, id=f"{c[0]}-{c[1]}-{t}", marks=() if (i, t) == (1, 8) else EXHAUSTIVE)
      for i, c in enumerate(CASES) for t in (5, 8)]
@@ -120,11 +120,14 @@ def test_the_prologue_matches_the_unmerged_kernels_bit_for_bit_mostly():
 def test_the_narrow_gemv_takes_the_cuda_core_path_at_one_row_only():
     args = ([("x", ["T", 72], "bf16"), ("w", [100, 72], "bf16", "weight")], [("y", ["T", 100], "bf16")])
     assert "tl.dot(" in render("gemv", "linear", *args).source
-    # a one-token narrow program: the CUDA-core path alone; a speculative build's (8 rows) keeps
-    # the tensor-core path for its 2+ row steps
+    # a one-token narrow program: the CUDA-core path alone; a speculative build's verify program
+    # (8 rows) too, its rows together (tests/kernels/test_gemv_verify_rows.py), unless its entry
+    # sets FMA_T below its rows: then the tensor-core path takes them
     one = render("gemv", "linear", *args, narrow=True)
     assert "tl.dot(" not in one.source and one.meta["constexprs"]["FMA_ROWS"] == 1
-    narrow = render("gemv", "linear", *args, narrow=8)
+    verify = render("gemv", "linear", *args, narrow=8)
+    assert "tl.dot(" not in verify.source and verify.meta["constexprs"]["FMA_ROWS"] == 8
+    narrow = render("gemv", "linear", *args, narrow=8, tune={"FMA_T": 1})
     assert "tl.dot(" in narrow.source and narrow.meta["constexprs"]["FMA_ROWS"] == 1
     # an fp32 output (a row-parallel rank's partials) keeps the tensor-core path in every phase
     f32_out = ([("x", ["T", 72], "bf16"), ("w", [100, 72], "bf16", "weight")], [("y", ["T", 100], "f32")])
