@@ -58,10 +58,6 @@ REGISTRY = {v.name: v for v in (
     Var("INFC_KV_SAVE_STAGING_BYTES", "int", 256 << 20, "device memory the host KV tier's saves "
         "are gathered into before the copy engine moves them to the host (0: the block_copy kernel "
         "writes the mapped host slab itself, holding its SMs for the PCIe transfer; an A/B switch)"),
-    Var("INFC_KV_SAVE_PIECE_BYTES", "int", 8 << 20, "the largest one copy-engine transfer of a "
-        "staged KV save: a step's own device-to-host copies (its sampled tokens) queue behind the "
-        "transfer in flight, so this bounds their wait (~0.16 ms at 8 MiB over PCIe 5; 0: a run "
-        "of rows in one transfer)"),
     Var("INFC_EP_GATHER", "flag", False, "expert-parallel dispatch of replicated rows: gather the "
         "owners' rows over NCCL anyway instead of selecting them locally (1: on, an A/B switch)"),
     Var("INFC_COLLECTIVE_CLOCK", "flag", False, "time each rank's collectives on its stream, by op "

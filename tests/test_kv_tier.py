@@ -62,12 +62,12 @@ def test_host_blocks_restore_numpy_pages_bit_identical():
     assert slab[[2, 3, 5]].sum() == 0                   # rows not named are untouched
 
 
-@pytest.mark.parametrize("kernel,staged,piece", [(False, 0, 0), (True, 0, 0), (True, 2, 0), (True, 2, 3)])
-def test_device_blocks_move_the_same_bytes_as_host_blocks(fake_driver, kernel, staged, piece, monkeypatch):
+@pytest.mark.parametrize("kernel,staged", [(False, 0), (True, 0), (True, 2)])
+def test_device_blocks_move_the_same_bytes_as_host_blocks(fake_driver, kernel, staged, monkeypatch):
     """The CUDA runner's copies over fake memory, on the copy stream: 2D copies per region and
     run, or (kernel) the plan's block_copy kernel, run by the interpreter, on the mapped slab;
     staged: saves gathered into a device buffer of that many blocks, then copied out a run of
-    rows at a time; piece: in transfers of at most a third of a block (piece 3) each."""
+    rows at a time."""
     from infc.compiler.codegen.render import render_block_copy
     from infc.runtime.cuda.artifact import KernelFn
     from infc.runtime.cuda import kv_copies
@@ -87,7 +87,6 @@ def test_device_blocks_move_the_same_bytes_as_host_blocks(fake_driver, kernel, s
         k = KernelFn(src.id, src.meta, {"num_warps": 4, "hidden_args": 2},
                      fake_driver.Module(src.source.encode()).function(src.meta["entry"]))
     monkeypatch.setenv("INFC_KV_SAVE_STAGING_BYTES", str(staged * C.page_bytes(DECL, PS)))
-    monkeypatch.setenv("INFC_KV_SAVE_PIECE_BYTES", str(-(-C.page_bytes(DECL, PS) // piece) if piece else 0))
     copies = DeviceCopies(ctx, dev, k)
     assert copies.block_bytes == host.block_bytes == C.page_bytes(DECL, PS)
     assert (copies.kernel is not None) == kernel
@@ -98,8 +97,7 @@ def test_device_blocks_move_the_same_bytes_as_host_blocks(fake_driver, kernel, s
     f = copies.save(pages, rows)
     # 3 runs, 6 paged regions; or the pairs' upload and one launch; staged in chunks of 2 blocks
     # (rows [2, 3], [4, 7], [0]): the upload, a launch a chunk and a copy a run of rows in it
-    # (in thirds of a block: 6 + 3 + 3 + 3 copies for the runs of 2, 1, 1 and 1 blocks)
-    want_calls = (1 + (15 if piece else 4), 3) if staged else (1, 1) if kernel else (3 * 6, 0)
+    want_calls = (1 + 4, 3) if staged else (1, 1) if kernel else (3 * 6, 0)
     assert (ctx.num_copies, len(fake_driver.launches) - launched) == want_calls
     want = np.zeros_like(slab)
     host.read_pages(pages, want, rows)

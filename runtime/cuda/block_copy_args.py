@@ -36,13 +36,6 @@ def pair_runs(pairs) -> list[tuple[int, int, int]]:
     return [tuple(r) for r in runs]
 
 
-def byte_pieces(dst: int, src: int, nbytes: int, piece: int) -> list[tuple[int, int, int]]:
-    """(dst, src, n) pieces of at most `piece` bytes (0: one) covering one contiguous transfer."""
-    if piece <= 0 or nbytes <= piece:
-        return [(dst, src, nbytes)]
-    return [(dst + at, src + at, min(piece, nbytes - at)) for at in range(0, nbytes, piece)]
-
-
 def row_runs(rows) -> list[tuple[int, int, int]]:
     """(index, first row, count) of each run of consecutive rows (rows[index:index + count] =
     first row, first row + 1, ...): one copy-engine transfer each from a staging buffer whose

@@ -30,7 +30,7 @@ import numpy as np
 
 from infc import envs
 from infc.compiler.contract.bind import Resolver, dim_slots, grid
-from .block_copy_args import byte_pieces, pairs, region_table, row_runs
+from .block_copy_args import pairs, region_table, row_runs
 from .driver import launch
 
 RING = 16
@@ -67,9 +67,6 @@ class DeviceCopies:
                 self._args: dict[str, tuple] = {}
                 staging = envs.value("INFC_KV_SAVE_STAGING_BYTES")
                 self.stage_rows = min(self.max_pairs, staging // self.block_bytes)
-                # the copy engine serves transfers in order, so one of 256 MiB (~5 ms) would hold
-                # back a step's own small device-to-host copies that long: saves go in pieces
-                self.piece = envs.value("INFC_KV_SAVE_PIECE_BYTES")
                 self._stage = ctx.alloc(self.stage_rows * self.block_bytes) if self.stage_rows else None
 
     @property
@@ -132,9 +129,8 @@ class DeviceCopies:
 
     def _staged(self, staged, pages, rows):
         """A save in chunks of stage_rows blocks: chunk block k into staging block k (one launch),
-        then each run of consecutive rows to the slab (the copy engine, in pieces of at most
-        self.piece bytes). The copy stream is in order, so a chunk's gather waits for the copies
-        out of the chunk before it."""
+        then each run of consecutive rows to the slab (the copy engine). The copy stream is in
+        order, so a chunk's gather waits for the copies out of the chunk before it."""
         ctx, bb, stage = self.ctx, self.block_bytes, self.stage_rows
         n = pairs(pages, np.arange(len(pages)) % stage, staged)
         ctx.htod_raw(self._pairs, staged.ctypes.data, n * 8, self.stream)
@@ -143,8 +139,7 @@ class DeviceCopies:
             m = min(stage, n - at)
             self._gather("stage", self._pairs + at * 8, m)
             for k, row, count in row_runs(rows[at:at + m]):
-                for dst, src, nbytes in byte_pieces(host + row * bb, self._stage + k * bb, count * bb, self.piece):
-                    ctx.dtoh_raw(dst, src, nbytes, self.stream)
+                ctx.dtoh_raw(host + row * bb, self._stage + k * bb, count * bb, self.stream)
 
     def _gather(self, key: str, pairs_ptr: int, n: int):
         """One block_copy launch over n pairs at pairs_ptr."""
