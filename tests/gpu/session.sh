@@ -42,6 +42,9 @@
 # accuracy dummy bf16" leaves steps out;
 # QUANT_LATENCY_ARGS, QUANT_THROUGHPUT_ARGS add flags).
 # tier-throughput (issue 44: 1024/128 throughput at 256 concurrent, host KV tier off and on, alternating).
+# tier-prefix (issue 44: qwen3-4b (dummy weights) HBM prefix hits at TIER_PREFIX_LENGTHS (16k, 32k)
+# with the host tier off and on (saving the cold prompts' blocks while the hits run), alternating
+# TIER_RUNS (default 2) times, then the hit restored from the host tier with its copies' time).
 # lora (issue 46, after prepare.py base lora: the multi-LoRA golden gate against HF + PEFT, then
 # bench throughput of the base model beside 8 rank-16 adapters taken in turn; see the stage).
 # qwen35-prefix (issue 44, after prepare.py qwen35: Qwen3.5-4B warm prefix hits at 1k / 16k
@@ -483,6 +486,20 @@ models.model_dir('$q')" 2>&1 | tail -3
           cp "$f" "${f%.json}$tag-run$run.json"
         done
       done ;;
+    tier-prefix)
+      mkdir -p "$OUT/tier-prefix"
+      p="python3 -m infc.cli bench prefix --model-path .cache/gpu/configs/qwen3-4b --load-format dummy --path engine
+         --lengths ${TIER_PREFIX_LENGTHS:-16384,32768} --reps 5 --cold-reps 2"
+      for run in $(seq ${TIER_RUNS:-2}); do
+        for gib in 0 ${TIER_GIB:-16}; do
+          say "tier-prefix: HBM hits, --kv-offloading-size $gib (run $run)"
+          a=; [ "$gib" != 0 ] && a="--kv-offloading-size $gib"
+          timeout ${PREFIX_S:-120} $p $a --out "$OUT/tier-prefix/hbm-$gib-run$run" 2>&1 | quiet | grep -E "L=|wrote|rror"
+        done
+      done
+      say "tier-prefix: hits from the host tier"
+      timeout ${PREFIX_S:-120} $p --tier host --kv-offloading-size ${TIER_GIB:-16} --out "$OUT/tier-prefix/host" 2>&1 \
+        | quiet | grep -E "L=|restore|wrote|rror" ;;
     tune)
       timeout ${TUNE_S:-300} python3 -m infc.cli tune run --dir .cache/tune/qwen3-4b-h200 --results-dir "$OUT" \
         --write "$OUT/h200.json" 2>&1 | tail -40 ;;
