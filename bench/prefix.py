@@ -178,9 +178,12 @@ def stats(ttfts: list[float]) -> dict:
     return {"n": len(ttfts), **latency_stats(ttfts, (50, 90, 99))}
 
 
-def sweep(submit, prompts, lengths, new, reps, cold_reps, page_size, label, on_length=None) -> dict:
+def sweep(submit, prompts, lengths, new, reps, cold_reps, page_size, label, on_length=None,
+          settle_s: float = 0.0) -> dict:
     """submit(prompt, n_tokens) -> {"ttft": s, "cached": tokens}; returns per str(L) the cold and
-    warm statistics, samples and cached-token counts. Raises on a warm miss or a cold hit."""
+    warm statistics, samples and cached-token counts. Raises on a warm miss or a cold hit.
+    settle_s: a pause after the prefix is cached, before the warm requests (with a KV tier on,
+    so that its saves of the requests before are done: the hits alone, not the hits beside them)."""
     out = {}
     for L in lengths:
         want = L // page_size * page_size
@@ -189,6 +192,8 @@ def sweep(submit, prompts, lengths, new, reps, cold_reps, page_size, label, on_l
         cold = [submit(prompts.make(L + new), L + new) for _ in range(n_cold)]
         prefix = prompts.make(L)
         submit(prefix, L)                                               # fills the cache
+        if settle_s:
+            time.sleep(settle_s)
         tok_times = None
         if isinstance(prompts, TextPrompts):
             full = prefix + prompts.make(new, start=False)
@@ -293,7 +298,8 @@ def run_engine(a, lengths, rec: dict, save_point):
         save_point()
 
     timed = submit if tier == "hbm" else tier_submit(engine, tier, submit, restores, a.new_tokens)
-    sweep(timed, prompts, lengths, a.new_tokens, a.reps, a.cold_reps, b.page_size, "engine", on_length)
+    sweep(timed, prompts, lengths, a.new_tokens, a.reps, a.cold_reps, b.page_size, "engine", on_length,
+          settle_s=a.settle_s)
     if bw:
         kv = caches.token_bytes(caches.of_plan(runner.plan))
         for L, r in rec["results"].items():
@@ -599,6 +605,9 @@ def main(argv=None):
                     help=f"GiB of host pool (--tier host|disk: default {TIER_POOL_GIB:g}, enough for the "
                          "longest prefix; with --tier hbm the tier is on, saving, and the hit still "
                          "comes from the device: the tier's cost on an HBM hit)")
+    ap.add_argument("--settle-s", type=float, default=0.0,
+                    help="engine path: seconds of pause between caching the prefix and the warm "
+                         "requests (with a KV tier: its saves of the requests before finish first)")
     ap.add_argument("--kv-offloading-disk", help="--tier disk: the folder (default: a temporary one)")
     ap.add_argument("--kv-offloading-disk-size", type=float, help="--tier disk: GiB (default: twice the host pool)")
     ap.add_argument("--prompt-format", choices=["auto", "text", "ids"], default="auto",
@@ -633,7 +642,8 @@ def main(argv=None):
                 "settings": {"lengths_requested": lengths, "new_tokens": a.new_tokens, "reps": a.reps,
                              "cold_reps": {str(L): cold_reps_for(L, a.reps, a.cold_reps) for L in lengths},
                              "max_new_tokens": 1, "seed": a.seed, "tier": a.tier,
-                             "kv_offloading_size_gib": tier_pool_gib(a.tier, a.kv_offloading_size) or 0.0},
+                             "kv_offloading_size_gib": tier_pool_gib(a.tier, a.kv_offloading_size) or 0.0,
+                             "settle_s": a.settle_s},
                 "paths": {}})
     out = {"path": None}
 

@@ -175,9 +175,9 @@ def test_hbm_hits_with_the_tier_on_on_cpu(model_dir, tmp_path, small_cpu):
     still comes from the device's pages (nothing restored), in a file apart from a tier-off run's."""
     res = bench.main(["--model-path", str(model_dir), "--load-format", "dummy", "--device", "cpu",
                       "--path", "engine", "--lengths", "32,64", "--reps", "2", "--cold-reps", "1",
-                      "--kv-offloading-size", "0.01", "--out", str(tmp_path)])
+                      "--kv-offloading-size", "0.01", "--settle-s", "0.01", "--out", str(tmp_path)])
     rec = res["paths"]["engine"]
-    assert rec["tier"] == "hbm" and rec["kv_offloading_size_gib"] == 0.01
+    assert rec["tier"] == "hbm" and rec["kv_offloading_size_gib"] == 0.01 and res["settings"]["settle_s"] == 0.01
     assert (tmp_path / "prefix-tier-on-tiny-prefix-cpu.json").exists()
     check_path(rec, [32, 64], reps=2, cold_reps=1)
     assert rec["tier_bytes"]["to_host"] > 0 and rec["tier_bytes"]["to_device"] == 0
