@@ -17,7 +17,8 @@ No norm stays constant, so a missing, misplaced or mis-offset norm weight fails 
 A family whose spec has 1-D weights that are not norms or biases (Qwen3.5's linear attention:
 A_log, dt_bias) or whose HF init would leave a weight degenerate gets explicit rules by name
 (REDRAW, keyed by the spec's family), applied before the generic ones and independent of how this
-machine's transformers happens to initialize them.
+machine's transformers happens to initialize them. GPT-OSS's rule also shapes the routing so that it
+is decisive (DECISIVE_ROUTING; the comment above _gpt_oss_rule says why and how).
 
 A variant written as a multimodal checkpoint's config.json (Qwen3.5: the text model's values under
 text_config) is made as the spec's first architecture (the text-only Qwen3_5ForCausalLM) from the
@@ -259,7 +260,7 @@ def _qwen3_5_rule(pname, p, g, config=None) -> bool:
 #     lead the other E - K by several nats in every layer, far above bf16's error, while the weights
 #     among the K (noise and ROUTER_BIAS) and the others' share before renormalization stay O(1);
 #   - the experts' gate/up pre-activations have std ~3 (EXPERT_IN), so the swiglu clamp at 7 binds
-#     on a few percent of them (a wrong limit or a clamp on the wrong side moves the output), and
+#     on a few percent of them (std ~5 made `up + 1` nearly `up`: a dropped + 1 passed the gate) (a wrong limit or a clamp on the wrong side moves the output), and
 #     down_proj is drawn small (EXPERT_OUT) so a layer adds about as much as the embedding holds;
 #   - every bias is a fraction of its projection's output (BIAS), not 0.02 of it: a dropped bias
 #     moves the logits; the sinks are one logit per head the size of the scores (normal * 1).

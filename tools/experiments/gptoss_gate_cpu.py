@@ -150,6 +150,15 @@ def _defects():
                 self.limit = lim
         return f
 
+    def no_clamp(old):              # the clamp left out
+        def f(self, gate_up):
+            lim, self.limit = self.limit, float("inf")
+            try:
+                return old(self, gate_up)
+            finally:
+                self.limit = lim
+        return f
+
     def no_plus_one(old):           # (up) * glu instead of (up + 1) * glu
         def f(self, gate_up):
             gate, up = gate_up[..., ::2], gate_up[..., 1::2]
@@ -233,6 +242,7 @@ def _defects():
         "wrong-expert-5-6": patch(m.GptOssExperts, "forward", wrong_expert),
         "clamp-gate-both-sides": patch(m.GptOssExperts, "_apply_gate", clamp_both),
         "swiglu-limit-8": patch(m.GptOssExperts, "_apply_gate", limit_off),
+        "swiglu-no-clamp": patch(m.GptOssExperts, "_apply_gate", no_clamp),
         "swiglu-no-plus-one": patch(m.GptOssExperts, "_apply_gate", no_plus_one),
         "no-sinks": patch(m, "eager_attention_forward", no_sink),
         "sinks-shifted-head": patch(m, "eager_attention_forward", sink_head_shift),
