@@ -258,16 +258,18 @@ def _qwen3_5_rule(pname, p, g, config=None) -> bool:
 #     direction times ROUTER_GAIN plus ROUTER_NOISE noise: projected on a fixed direction the group's
 #     component gains sqrt(H), the rest of the residual stream does not, so a token's K experts
 #     lead the other E - K by several nats in every layer, far above bf16's error, while the weights
-#     among the K (noise and ROUTER_BIAS) and the others' share before renormalization stay O(1);
-#   - the experts' gate/up pre-activations have std ~3 (EXPERT_IN), so the swiglu clamp at 7 binds
-#     on a few percent of them (std ~5 made `up + 1` nearly `up`: a dropped + 1 passed the gate) (a wrong limit or a clamp on the wrong side moves the output), and
-#     down_proj is drawn small (EXPERT_OUT) so a layer adds about as much as the embedding holds;
+#     among the K (noise and ROUTER_BIAS) stay O(1). The price: the other E - K hold ~e^-5 of the
+#     softmax, so a router that skips the renormalization over the K passes (bench/NOTES.md);
+#   - the experts' gate pre-activations have std ~5 (EXPERT_GATE), so the clamp at 7 binds on a
+#     tenth of them, and the ups std ~1.6 (EXPERT_UP), so the `+ 1` of `(up + 1)` weighs (one std for
+#     both: at ~3 a missing clamp passed the gate, at ~5 a missing + 1 did); down_proj is drawn
+#     small (EXPERT_OUT) so a layer adds about as much to the residual stream as the embedding holds;
 #   - every bias is a fraction of its projection's output (BIAS), not 0.02 of it: a dropped bias
 #     moves the logits; the sinks are one logit per head the size of the scores (normal * 1).
 ROUTE_SEED = 4545
 EMBED_NOISE, EMBED_GROUP = 0.5, 0.5
 ROUTER_GAIN, ROUTER_NOISE, ROUTER_BIAS = 0.3, 0.01, 0.3
-EXPERT_IN, EXPERT_OUT = 0.06, 0.0016
+EXPERT_GATE, EXPERT_UP, EXPERT_OUT = 0.1, 0.03, 0.0016
 BIAS = {"self_attn.q_proj.bias": 0.5, "self_attn.k_proj.bias": 0.5, "self_attn.v_proj.bias": 0.5,
         "self_attn.o_proj.bias": 0.3, "experts.gate_up_proj_bias": 1.0, "experts.down_proj_bias": 0.3}
 
@@ -317,8 +319,9 @@ def _gpt_oss_rule(pname, p, g, config=None) -> bool:
     if pname.endswith("mlp.router.bias"):
         p.normal_(0.0, ROUTER_BIAS, generator=g)
         return True
-    if pname.endswith("experts.gate_up_proj"):
-        p.normal_(0.0, EXPERT_IN, generator=g)
+    if pname.endswith("experts.gate_up_proj"):          # [E, H, 2F]: gate the even columns
+        p.normal_(0.0, EXPERT_UP, generator=g)
+        p[..., ::2].normal_(0.0, EXPERT_GATE, generator=g)
         return True
     if pname.endswith("experts.down_proj"):
         p.normal_(0.0, EXPERT_OUT, generator=g)
