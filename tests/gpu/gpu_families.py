@@ -17,7 +17,8 @@ No norm stays constant, so a missing, misplaced or mis-offset norm weight fails 
 A family whose spec has 1-D weights that are not norms or biases (Qwen3.5's linear attention:
 A_log, dt_bias) or whose HF init would leave a weight degenerate gets explicit rules by name
 (REDRAW, keyed by the spec's family), applied before the generic ones and independent of how this
-machine's transformers happens to initialize them.
+machine's transformers happens to initialize them. GPT-OSS's rule also shapes the routing so that it
+is decisive (DECISIVE_ROUTING; the comment above _gpt_oss_rule says why and how).
 
 A variant written as a multimodal checkpoint's config.json (Qwen3.5: the text model's values under
 text_config) is made as the spec's first architecture (the text-only Qwen3_5ForCausalLM) from the
@@ -97,6 +98,9 @@ FAMILIES = {
     "gpt-oss-20b-l4": ("gpt-oss-20b", {"num_hidden_layers": 4, "quantization_config": None,
                                        "layer_types": ["sliding_attention", "full_attention"] * 2}),
 }
+# Families whose fixture makes the routing decisive (see GPT-OSS's rule below): name -> the suffix
+# of the router modules' names, whose logits test_golden.test_routing_is_decisive compares.
+DECISIVE_ROUTING = {"gpt-oss-20b-l4": "mlp.router"}
 # Longer prompts for a family (test_golden.py adds them after its common lengths): the hybrid
 # model's recurrent state and chunked delta rule over 2k-4k tokens (chunk edges at 64, pages at 16).
 # DeepSeek-V2-Lite's 8-layer cut: prompts to 2k, the latent cache over up to 129 pages of 16.
@@ -219,7 +223,7 @@ def hf_missing(name: str) -> str | None:
     return None
 
 
-def _qwen3_5_rule(pname, p, g) -> bool:
+def _qwen3_5_rule(pname, p, g, config=None) -> bool:
     """Qwen3.5 (transformers' modeling_qwen3_5.py): the linear attention's gated norm computes
     w * norm(x) * silu(z) (init 1); every other RMSNorm x * (1 + w) (init 0). A = exp(A_log) is drawn
     log-uniform over HF's own range [0.01, 16] (HF: uniform), so half the heads have A < 0.4 and a
@@ -244,11 +248,83 @@ def _qwen3_5_rule(pname, p, g) -> bool:
     return True
 
 
-def _gpt_oss_rule(pname, p, g) -> bool:
-    """GPT-OSS's attention sinks (HF inits them normal * 0.02): one logit per head the size of
-    the scores (normal * 1), so a dropped or misplaced sink moves the logits."""
+# GPT-OSS's fixture (issue 45: bench/NOTES.md). With every matrix drawn 0.02 the cut is chaotic in
+# bf16: top-4 of 32 router logits near-tie somewhere in every prompt, HF's own bf16 run flips an
+# expert there, and from that position on it is another model (regret 3.4 nat from its float32 run).
+# So the routing is made decisive and every other term made large enough that a bug in it shows:
+#   - tokens fall in ROUTE_GROUPS = E // K groups (id % groups); each group owns K experts (e % groups)
+#     and the embedding carries its group's direction (orthonormal directions, EMBED_GROUP each
+#     element's scale, beside EMBED_NOISE of the token's own). A router row is its group's unit
+#     direction times ROUTER_GAIN plus ROUTER_NOISE noise: projected on a fixed direction the group's
+#     component gains sqrt(H), the rest of the residual stream does not, so a token's K experts
+#     lead the other E - K by several nats in every layer, far above bf16's error, while the weights
+#     among the K (noise and ROUTER_BIAS) stay O(1). The price: the other E - K hold ~e^-5 of the
+#     softmax, so a router that skips the renormalization over the K passes (bench/NOTES.md);
+#   - the experts' gate pre-activations have std ~5 (EXPERT_GATE), so the clamp at 7 binds on a
+#     tenth of them, and the ups std ~1.6 (EXPERT_UP), so the `+ 1` of `(up + 1)` weighs (one std for
+#     both: at ~3 a missing clamp passed the gate, at ~5 a missing + 1 did); down_proj is drawn
+#     small (EXPERT_OUT) so a layer adds about as much to the residual stream as the embedding holds;
+#   - every bias is a fraction of its projection's output (BIAS), not 0.02 of it: a dropped bias
+#     moves the logits; the sinks are one logit per head the size of the scores (normal * 1).
+ROUTE_SEED = 4545
+EMBED_NOISE, EMBED_GROUP = 0.5, 0.5
+ROUTER_GAIN, ROUTER_NOISE, ROUTER_BIAS = 0.3, 0.01, 0.3
+EXPERT_GATE, EXPERT_UP, EXPERT_OUT = 0.1, 0.03, 0.0016
+BIAS = {"self_attn.q_proj.bias": 0.5, "self_attn.k_proj.bias": 0.5, "self_attn.v_proj.bias": 0.5,
+        "self_attn.o_proj.bias": 0.3, "experts.gate_up_proj_bias": 1.0, "experts.down_proj_bias": 0.3}
+
+
+def route_groups(num_experts: int, top_k: int) -> int:
+    return max(1, num_experts // top_k)
+
+
+def group_directions(groups: int, hidden: int, device):
+    """`groups` orthonormal rows [groups, hidden], the same on every call (embedding and routers)."""
+    import torch
+    g = torch.Generator(device="cpu")
+    g.manual_seed(ROUTE_SEED)
+    q, _ = torch.linalg.qr(torch.randn(hidden, groups, generator=g, dtype=torch.float64))
+    return q.T.to(device=device, dtype=torch.float32)
+
+
+def _gpt_oss_rule(pname, p, g, config=None) -> bool:
+    """GPT-OSS's decisive-routing fixture (the comment above)."""
+    import torch
     if pname.endswith("self_attn.sinks"):
         p.normal_(0.0, 1.0, generator=g)
+        return True
+    for key, std in BIAS.items():
+        if pname.endswith(key):
+            p.normal_(0.0, std, generator=g)
+            return True
+    if config is None:
+        return False
+    groups = route_groups(config.num_local_experts, config.num_experts_per_tok)
+    if pname == "model.embed_tokens.weight":
+        V, H = p.shape
+        d = group_directions(groups, H, p.device) * H ** 0.5          # elements ~1
+        p.normal_(0.0, EMBED_NOISE, generator=g)
+        p += (EMBED_GROUP * d[torch.arange(V, device=p.device) % groups]).to(p.dtype)
+        return True
+    if pname.endswith("mlp.router.weight"):
+        E, H = p.shape
+        d = group_directions(groups, H, p.device)
+        # each layer adds to the residual stream, so the group's share of the normalized router
+        # input shrinks with depth (float32 margins 4.6, 2.5, 1.6, 1.1 nat at one gain): the gain
+        # grows with the layer's index to hold them
+        layer = int(pname.split(".")[2])
+        p.normal_(0.0, ROUTER_NOISE, generator=g)
+        p += (ROUTER_GAIN * (1 + layer) * d[torch.arange(E, device=p.device) % groups]).to(p.dtype)
+        return True
+    if pname.endswith("mlp.router.bias"):
+        p.normal_(0.0, ROUTER_BIAS, generator=g)
+        return True
+    if pname.endswith("experts.gate_up_proj"):          # [E, H, 2F]: gate the even columns
+        p.normal_(0.0, EXPERT_UP, generator=g)
+        p[..., ::2].normal_(0.0, EXPERT_GATE, generator=g)
+        return True
+    if pname.endswith("experts.down_proj"):
+        p.normal_(0.0, EXPERT_OUT, generator=g)
         return True
     return False
 
@@ -268,7 +344,7 @@ def redraw(model, seed: int = 0, family: str | None = None):
     rule = REDRAW.get(family)
     with torch.no_grad():
         for pname, p in model.named_parameters():          # tied weights appear once
-            if rule is not None and rule(pname, p, g):
+            if rule is not None and rule(pname, p, g, model.config):
                 continue
             if p.dim() >= 2:
                 p.normal_(0.0, 0.02, generator=g)

@@ -29,6 +29,11 @@ beyond the window); gemma-3's 512-token window is crossed by the common lengths 
 600-1024). A family in gpu_families.LONG_PROMPTS gets those prompt lengths too (qwen3.5-4b-l8: up to
 4096 tokens). Each runner gives its device memory back when its test ends (CudaRunner.close).
 
+GPT-OSS's fixture routes decisively (gpu_families.py: each token's top-4 experts lead the rest by
+nats, not the last bits a random router leaves them), so a bf16 reference is one model and not a
+routing flip away from another; test_routing_is_decisive checks that premise on the gate's
+sequences (route_agreement.py).
+
 Hybrid models (a plan with slot caches: Qwen3.5's conv and recurrent state per sequence): this
 driver loop shares KV pages but keeps no state snapshots (the engine's prefix caching restores
 those: tests/gpu/test_hybrid_prefix_gpu.py), so their prefix replay here expects no hit: the warm
@@ -247,6 +252,30 @@ def test_prefix_replay_and_determinism(setup):
         ok, say = judge(ref, [got], at=slice(27, 28), rows=slice(0, 1))
         print(f"{name} prefix replay {what}: {say}")
         assert ok, (what, say)
+
+
+def test_routing_is_decisive(setup):
+    """A fixture built for decisive routing (gpu_families.DECISIVE_ROUTING: GPT-OSS) is checked for
+    it on the gate's own sequences: HF bf16 picks the experts HF float32 picks at every position of
+    every layer (route_agreement.py says why the gate means nothing otherwise)."""
+    name, d, art, seqs, ref = setup
+    suffix = gpu_families.DECISIVE_ROUTING.get(name)
+    if suffix is None:
+        pytest.skip("the fixture's routing is not built to be decisive (gpu_families.DECISIVE_ROUTING)")
+    import route_agreement
+    from transformers import AutoModelForCausalLM
+    got = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        hf = AutoModelForCausalLM.from_pretrained(d, dtype=dtype).cuda().eval()
+        k = hf.config.num_experts_per_tok
+        got[dtype] = route_agreement.router_logits(hf, seqs, suffix)
+        del hf
+        torch.cuda.empty_cache()
+    frac, flips, margin = route_agreement.agreement(got[torch.float32], got[torch.bfloat16], k)
+    say = (f"{name} routing: bf16 and float32 agree at {frac:.5f} of (layer, position) ({flips} differ); "
+           f"float32 top-{k} margin, smallest per layer: {np.round(margin, 3).tolist()}")
+    print(say)
+    assert flips == 0, say
 
 
 def test_decode_is_bit_identical(setup):

@@ -1,0 +1,297 @@
+"""Does the GPT-OSS golden gate separate bf16 noise from bugs? (issue 45; a CPU experiment, not a test)
+
+    .venv/bin/python tools/experiments/gptoss_gate_cpu.py [--layers 4] [--vocab 4096] [--lens 64,140,160]
+                                                          [--old] [--defects all|none|NAME,...]
+
+Builds gpt-oss-20b's cut (tests/gpu/gpu_families.py's `gpt-oss-20b-l4`: real widths, 64 heads,
+32 experts top-4; vocabulary cut to --vocab for the CPU's memory) with the GPU fixture's weights
+(redraw; --old: every matrix 0.02 as before issue 45's fixture), runs HF eager in float32 and then
+the same weights in bf16 (norms kept float32, as from_pretrained(dtype=bf16) keeps them), and prints
+the golden gate's statistics (tests/gpu/test_golden.py: regret / mean / p99 over the last 16
+positions of each prompt) of HF bf16 against float32, the routing agreement (the top-4 sets of
+every layer at every position) and the float32 router margins (4th minus 5th logit). Then each
+planted defect, monkeypatched into the bf16 model, is judged as the gate judges infc: against
+the clean HF bf16 (limits), else against float32 within max(limits, HF bf16's own distance).
+"""
+import argparse
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "gpu"))
+# test_golden's metrics without its CUDA runner (this machine has no cuda-bindings)
+sys.modules.setdefault("infc.runtime.cuda.runner", types.SimpleNamespace(CudaRunner=None))
+import gpu_families  # noqa: E402
+from test_golden import DECODE, LIMITS, gate, within, worst_of  # noqa: E402
+
+NAME = "gpt-oss-20b-l4"
+
+
+def build(layers, vocab, old):
+    from transformers import AutoModelForCausalLM
+    cfg = gpu_families.hf_config(NAME, vocab_size=vocab, num_hidden_layers=layers, pad_token_id=None,
+                                 layer_types=["sliding_attention", "full_attention"] * (layers // 2))
+    cfg._attn_implementation = "eager"
+    cfg._experts_implementation = "eager"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    if old:
+        rule = gpu_families.REDRAW.pop("gpt_oss")
+        gpu_families.REDRAW["gpt_oss"] = lambda n, p, g, c=None: (
+            n.endswith("self_attn.sinks") and (p.normal_(0.0, 1.0, generator=g) is not None))
+    gpu_families.redraw(model, 0, family="gpt_oss")
+    if old:
+        gpu_families.REDRAW["gpt_oss"] = rule
+    return model
+
+
+def to_bf16(model):
+    """bf16 except the modules HF keeps in float32 (its _keep_in_fp32_modules: the norms)."""
+    keep = tuple(model._keep_in_fp32_modules or ())
+    for name, mod in model.named_modules():
+        if any(name.endswith(k) for k in keep) or (name.split(".")[-1] in keep):
+            continue
+        for pn, p in mod.named_parameters(recurse=False):
+            p.data = p.data.to(torch.bfloat16)
+    return model
+
+
+def forward(model, seqs):
+    """Logits of the last DECODE+... rows [T, V] per sequence and each layer's router logits [T, E]."""
+    routers = [m for n, m in model.named_modules() if n.endswith("mlp.router")]
+    seen = []
+    hooks = [r.register_forward_hook(lambda m, i, o: seen.append(o[0].float())) for r in routers]
+    logits, routes = [], []
+    with torch.no_grad():
+        for s in seqs:
+            seen.clear()
+            lg = model(torch.tensor([s])).logits[0].float().numpy()
+            logits.append(lg)
+            routes.append(torch.stack(seen).numpy())          # [layers, T, E]
+    for h in hooks:
+        h.remove()
+    return logits, routes
+
+
+def route_stats(r32, r16, k):
+    agree, margins = [], []
+    for a, b in zip(r32, r16):
+        sa, sb = np.sort(np.argsort(-a, -1)[..., :k], -1), np.sort(np.argsort(-b, -1)[..., :k], -1)
+        agree.append((sa == sb).all(-1))
+        srt = -np.sort(-a, -1)
+        margins.append(srt[..., k - 1] - srt[..., k])
+    agree = np.concatenate([x.ravel() for x in agree])
+    m = np.concatenate([x.reshape(x.shape[0], -1) for x in margins], 1)     # [layers, positions]
+    return float(agree.mean()), int((~agree).sum()), m.min(1), np.median(m, 1)
+
+
+def tail(logits):
+    return [lg[-DECODE:] for lg in logits]
+
+
+def stats(cand, ref):
+    return worst_of([gate(c, r) for c, r in zip(tail(cand), tail(ref))])
+
+
+def verdict(cand, bf16, fp32):
+    """test_golden.judge's rule, with HF bf16 as the reference and HF float32 as the fallback."""
+    s = stats(cand, bf16)
+    if within(s, LIMITS):
+        return True, s, None
+    ours, theirs = stats(cand, fp32), stats(bf16, fp32)
+    bound = tuple(max(lim, t) for lim, t in zip(LIMITS, theirs))
+    return within(ours, bound), s, ours
+
+
+def fmt(s):
+    return "regret %.3f mean %.4f p99 %.3f" % s
+
+
+# Planted defects: each a context manager patching HF's GptOss classes (one bug an infc kernel could have)
+def _defects():
+    from transformers.models.gpt_oss import modeling_gpt_oss as m
+
+    def patch(obj, attr, new):
+        class P:
+            def __enter__(self):
+                self.old = getattr(obj, attr)
+                setattr(obj, attr, new(self.old))
+
+            def __exit__(self, *a):
+                setattr(obj, attr, self.old)
+        return P()
+
+    def wrong_expert(old):          # expert 5's tokens computed with expert 6's weights
+        def fwd(self, hidden, router_indices=None, routing_weights=None):
+            idx = torch.where(router_indices == 5, torch.full_like(router_indices, 6),
+                              torch.where(router_indices == 6, torch.full_like(router_indices, 5), router_indices))
+            # the weights stay with the chosen slot: only the matrices are swapped
+            return old(self, hidden, idx, routing_weights)
+        return fwd
+
+    def clamp_both(old):            # the gate clamped at [-limit, limit] (HF: max only)
+        def f(self, gate_up):
+            gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+            gate = gate.clamp(min=-self.limit, max=self.limit)
+            up = up.clamp(min=-self.limit, max=self.limit)
+            return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+        return f
+
+    def limit_off(old):             # the limit a little wrong: 8 instead of 7
+        def f(self, gate_up):
+            lim, self.limit = self.limit, self.limit + 1.0
+            try:
+                return old(self, gate_up)
+            finally:
+                self.limit = lim
+        return f
+
+    def no_clamp(old):              # the clamp left out
+        def f(self, gate_up):
+            lim, self.limit = self.limit, float("inf")
+            try:
+                return old(self, gate_up)
+            finally:
+                self.limit = lim
+        return f
+
+    def no_plus_one(old):           # (up) * glu instead of (up + 1) * glu
+        def f(self, gate_up):
+            gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+            gate = gate.clamp(max=self.limit)
+            up = up.clamp(min=-self.limit, max=self.limit)
+            return up * gate * torch.sigmoid(gate * self.alpha)
+        return f
+
+    def no_sink(old):               # the sinks dropped from the softmax
+        def f(module, q, k, v, mask, scaling, dropout=0.0, **kw):
+            s = module.sinks.data.clone()
+            module.sinks.data.fill_(-1e4)
+            try:
+                return old(module, q, k, v, mask, scaling, dropout, **kw)
+            finally:
+                module.sinks.data.copy_(s)
+        return f
+
+    def sink_head_shift(old):       # each head reads its neighbour's sink
+        def f(module, q, k, v, mask, scaling, dropout=0.0, **kw):
+            s = module.sinks.data.clone()
+            module.sinks.data.copy_(torch.roll(s, 1))
+            try:
+                return old(module, q, k, v, mask, scaling, dropout, **kw)
+            finally:
+                module.sinks.data.copy_(s)
+        return f
+
+    def bias_off(attr):             # one bias missing in every expert
+        def make(old):
+            def fwd(self, hidden, router_indices=None, routing_weights=None):
+                b = getattr(self, attr).data.clone()
+                getattr(self, attr).data.zero_()
+                try:
+                    return old(self, hidden, router_indices, routing_weights)
+                finally:
+                    getattr(self, attr).data.copy_(b)
+            return fwd
+        return make
+
+    def router_bias_off(old):
+        def fwd(self, hidden):
+            return old_router(self, hidden, use_bias=False)
+        return fwd
+
+    def _router(self, hidden, use_bias=True, renorm=True):
+        logits = torch.nn.functional.linear(hidden, self.weight, self.bias if use_bias else None)
+        top, idx = torch.topk(logits, self.top_k, dim=-1)
+        if renorm:
+            scores = torch.softmax(top, dim=1, dtype=top.dtype)
+        else:                       # softmax over all E, the top-k's probabilities not renormalized
+            scores = torch.gather(torch.softmax(logits, -1, dtype=logits.dtype), 1, idx)
+        return logits, scores, idx
+    old_router = _router
+
+    def no_renorm(old):
+        return lambda self, hidden: _router(self, hidden, renorm=False)
+
+    def o_bias_off(old):            # o_proj's bias dropped
+        def fwd(self, *a, **kw):
+            b = self.o_proj.bias.data.clone()
+            self.o_proj.bias.data.zero_()
+            try:
+                return old(self, *a, **kw)
+            finally:
+                self.o_proj.bias.data.copy_(b)
+        return fwd
+
+    def window_off_by_one(old):     # the sliding window one key too wide
+        def fwd(self, *a, **kw):
+            w = self.sliding_window
+            if w:
+                self.sliding_window = w + 1
+            try:
+                return old(self, *a, **kw)
+            finally:
+                self.sliding_window = w
+        return fwd
+
+    return {
+        "wrong-expert-5-6": patch(m.GptOssExperts, "forward", wrong_expert),
+        "clamp-gate-both-sides": patch(m.GptOssExperts, "_apply_gate", clamp_both),
+        "swiglu-limit-8": patch(m.GptOssExperts, "_apply_gate", limit_off),
+        "swiglu-no-clamp": patch(m.GptOssExperts, "_apply_gate", no_clamp),
+        "swiglu-no-plus-one": patch(m.GptOssExperts, "_apply_gate", no_plus_one),
+        "no-sinks": patch(m, "eager_attention_forward", no_sink),
+        "sinks-shifted-head": patch(m, "eager_attention_forward", sink_head_shift),
+        "no-gate-up-bias": patch(m.GptOssExperts, "forward", bias_off("gate_up_proj_bias")),
+        "no-down-bias": patch(m.GptOssExperts, "forward", bias_off("down_proj_bias")),
+        "no-router-bias": patch(m.GptOssTopKRouter, "forward", router_bias_off),
+        "router-not-renormalized": patch(m.GptOssTopKRouter, "forward", no_renorm),
+        "no-o-bias": patch(m.GptOssAttention, "forward", o_bias_off),
+        # the mask is built from config.sliding_window: patch the config, not the layer
+        "window-129": None,
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--lens", default="64,140,160")
+    ap.add_argument("--old", action="store_true")
+    ap.add_argument("--defects", default="all")
+    a = ap.parse_args()
+    rng = np.random.default_rng(0)
+    seqs = [[int(t) for t in rng.integers(0, a.vocab, n + DECODE)] for n in map(int, a.lens.split(","))]
+    model = build(a.layers, a.vocab, a.old)
+    k = model.config.num_experts_per_tok
+    l32, r32 = forward(model, seqs)
+    to_bf16(model)
+    l16, r16 = forward(model, seqs)
+    agree, flips, mmin, mmed = route_stats(r32, r16, k)
+    print(f"{'old' if a.old else 'decisive'} fixture, {a.layers} layers, prompts {a.lens}: HF bf16 vs float32 "
+          f"{fmt(stats(l16, l32))} (limits {LIMITS}); routing agreement {agree:.4f} ({flips} flips); "
+          f"float32 margin 4th-5th per layer min {np.round(mmin, 3).tolist()} median {np.round(mmed, 3).tolist()}",
+          flush=True)
+    defects = _defects()
+    pick = list(defects) if a.defects == "all" else ([] if a.defects == "none" else a.defects.split(","))
+    for name in pick:
+        ctx = defects[name]
+        if ctx is None:
+            w = model.config.sliding_window
+            model.config.sliding_window = w + 1
+            lg, _ = forward(model, seqs)
+            model.config.sliding_window = w
+        else:
+            with ctx:
+                lg, _ = forward(model, seqs)
+        ok, s, s32 = verdict(lg, l16, l32)
+        print(f"  defect {name}: {'PASSES (not caught)' if ok else 'fails (caught)'}: vs HF bf16 {fmt(s)}"
+              + (f"; vs float32 {fmt(s32)}" if s32 else ""), flush=True)
+
+
+if __name__ == "__main__":
+    main()
