@@ -7,18 +7,23 @@
 high for a sparse one (DeepSeek-V2-Lite stores 15.7 B parameters and reads about 2.5 B of them per
 token at batch 1). The active bytes of one batch-1 decode step, read off the plan's decode program
 (each launch of each layer, layer kind by layer kind, program.unrolled):
-  - the embedding table: one row (one token's), not the table;
+  - the embedding table: one row (one token's), not the table; likewise a hash-routed layer's
+    token-id-to-experts table (DeepSeek-V4's tid2eid);
   - an experts weight (stacked [E, ...] from E experts' tensors, or stored stacked as GPT-OSS's
     MXFP4 blocks are, an input of the moe_* launches):
-    k of its E experts' slices, k and E from that layer's routing launch (attrs k, experts); a
+    k of its E experts' slices, k and E from that layer's routing launch (attrs k, experts; a
+    hash-routed layer's moe_route_table: k the token-id table's width, E its moe_align's); a
     stack with the shared experts folded in (compiler/passes/fold_shared_experts.py: attr shared
     = n, the stack's last n entries, every token's) reads k + n of its E;
   - every other weight a launch reads (attention, the dense layers' MLP, the router, the shared
     experts, the norms, lm_head): all of it, once per layer that reads it (a tied lm_head reads
     the whole embedding table, so the table then counts in full);
-  - the paged caches of the context: caches.token_bytes per token (for MLA the latent rows),
-    times the mean context of the timed decode, prompt + output_len / 2, and the slot caches
-    read and written (2 x caches.slot_bytes): the same cache terms as bench/latency.py.
+  - the paged caches of the context at the mean context of the timed decode, prompt +
+    output_len / 2: the rows a step reads (bench/cache_bytes.py read_bytes: every row of a
+    cache, for MLA the latent rows, one per m tokens of a compressed cache, but only the last W
+    of a cache read through a window and the top-k of an indexed one, DeepSeek-V4's sliding
+    branch and compressed sparse entries), and the slot caches read and written
+    (2 x caches.slot_bytes). bench/latency.py's stored-bytes floor counts every cached row.
 floor_ms = active bytes / the copy bandwidth `bench latency` measured in the same run (its
 copy_GBps). The result (latency-active-<model>-<gpu>.json) is the latency result plus the active
 floor per prompt, its ratio to the TPOT (target >= 0.5, issue 13), the active bytes per weight,
@@ -32,6 +37,8 @@ from infc.compiler.contract import caches
 from infc.compiler.contract.program import unrolled
 from infc.compiler.contract.schema import nbytes
 from infc.compiler.quant.report import weight_bytes as _weight_bytes
+
+from .cache_bytes import read_bytes
 
 
 def _stacked(src) -> int | None:
@@ -67,10 +74,22 @@ def active_bytes(plan: dict) -> dict:
         return src["tied"] if "tied" in src else name
 
     route = {}                              # layer -> (k, experts, shared) of its routing launch
+    aligned = {}                            # layer -> the experts its moe_align launch sorts rows to
     for launch, layer in unrolled(plan["programs"]["decode"]):
         a = launch.get("attrs", {})
-        if launch["op"].startswith("moe_route"):
+        if launch["op"] == "moe_align":
+            aligned[layer] = int(a["experts"])
+        elif launch["op"] == "moe_route_table":
+            # hash routing (DeepSeek-V4): k is the token-id table's width, E the align's
+            route[layer] = (weights[launch["inputs"][1]]["shape"][1], None, 0)
+        elif launch["op"].startswith("moe_route"):
             route[layer] = (int(a["k"]), int(a["experts"]), int(a.get("shared", 0)))
+    for layer, (k, e, n) in list(route.items()):
+        if e is None:
+            if layer not in aligned:
+                raise ValueError(f"layer {layer}: a moe_route_table launch but no moe_align to say "
+                                 f"over how many experts it routes")
+            route[layer] = (k, aligned[layer], n)
     share = {}                              # (weight, layer) -> the fraction of it read
     for launch, layer in unrolled(plan["programs"]["decode"]):
         for name in launch.get("inputs", []):
@@ -79,8 +98,8 @@ def active_bytes(plan: dict) -> dict:
             name = stored(name)
             w = weights[name]
             experts = _stacked(w["source"])
-            if launch["op"] == "embedding":
-                frac = 1 / w["shape"][0]
+            if launch["op"] == "embedding" or (launch["op"] == "moe_route_table" and name == launch["inputs"][1]):
+                frac = 1 / w["shape"][0]        # one token's row (of the ids' table, or of the hash table)
             elif launch["op"].startswith("moe_") and not launch["op"].startswith("moe_route") and (
                     experts or (layer in route and w["shape"][0] == route[layer][1])):
                 # stacked from E tensors (its recipe), or stored stacked [E, ...] (GPT-OSS's MXFP4
@@ -145,7 +164,7 @@ def floor(plan: dict, res: dict, output_len: int) -> dict:
         if abs(full - res["floor_ms_by_prompt"][n]) > 1e-6 * full:     # same terms as bench latency
             raise ValueError(f"prompt {n}: bench latency's floor {res['floor_ms_by_prompt'][n]:.4f} ms is "
                              f"not {full:.4f} ms: was it run with --output-len {output_len}?")
-        f = (act + cache) / bw * 1e3
+        f = (act + read_bytes(plan, ctx) + 2 * per_seq) / bw * 1e3
         out["active_floor_ms_by_prompt"][n] = f
         out["active_floor_ratio_by_prompt"][n] = f / tpot
     first = next(iter(res["tpot_ms_by_prompt"]))

@@ -35,6 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 GPU_CACHE = REPO / ".cache" / "gpu"
 
+DSV4_CUT = "deepseek-v4-flash-l3"      # session.sh's `dsv4` stage: golden gate and latency
 # test name: (spec variant, config.json overrides). Each is the real checkpoint's exact shapes
 # (widths, heads, head_dim, vocab, windows); a layer cut is said in its comment.
 FAMILIES = {
@@ -97,6 +98,25 @@ FAMILIES = {
     # Not in DEFAULT: its random HF directory is ~5 GB.
     "gpt-oss-20b-l4": ("gpt-oss-20b", {"num_hidden_layers": 4, "quantization_config": None,
                                        "layer_types": ["sliding_attention", "full_attention"] * 2}),
+    # deepseek_v4 (issue 47): deepseek-v4-flash cut to 3 layers, its layers 1-3 (sliding window
+    # alone + hash MoE, compressed sparse + hash MoE, heavily compressed + score-routed MoE): each
+    # attention type and each MLP type once, mHC on (4 streams, 20 Sinkhorn iterations). Real
+    # widths: hidden 4096, 64 heads of 512 (rope 64), q rank 1024, 8 output groups of rank 1024,
+    # the indexer's 64 heads of 128 keeping 512, window 128, compression 4 and 128, expert width
+    # 2048, 129,280 ids. Cut: the routed experts, 16 of 256 (top-6 kept; the hash table draws its 6
+    # of the 16), so the HF bf16 model is ~5 GB (256 experts: ~40 GB, and its float32 second
+    # verdict ~80 GB) and is made and saved in seconds; a token still reads 6 routed experts and the
+    # shared one. The published compress_ratios / num_hash_layers (43 layers') are dropped: the
+    # cut's layer_types / mlp_layer_types say the same for its 3 layers; the rotary width as HF's
+    # own field (partial_rotary_factor 64 / 512, which it writes back as qk_rope_head_dim 64), so a
+    # test's narrower heads keep 1 / 8 of them rotary. Not in DEFAULT
+    # (transformers >= 5.23: tools/gpu_wheels.sh carries it; session.sh's `dsv4` stage runs it).
+    DSV4_CUT: ("deepseek-v4-flash", {"num_hidden_layers": 3, "n_routed_experts": 16,
+                                     "qk_rope_head_dim": None, "partial_rotary_factor": 64 / 512,
+                                     "compress_ratios": None, "num_hash_layers": None,
+                                     "layer_types": ["sliding_attention", "compressed_sparse_attention",
+                                                     "heavily_compressed_attention"],
+                                     "mlp_layer_types": ["hash_moe", "hash_moe", "moe"]}),
 }
 # Families whose fixture makes the routing decisive (see GPT-OSS's rule below): name -> the suffix
 # of the router modules' names, whose logits test_golden.test_routing_is_decisive compares.
@@ -177,6 +197,9 @@ def _spec_and_values(name: str):
 # configs have both 16), so a shrink to 4 heads with 2 K/V heads (tests/test_gpu_families.py's
 # TINY) makes 4 and 4. At a family's own values this changes nothing.
 FOLLOW = {"deepseek_v2": {"num_key_value_heads": "num_attention_heads"}}
+# spec family -> {config key: the value the spec requires}, applied likewise: DeepSeek-V4's one
+# shared K/V head (specs/deepseek_v4.yaml requires Hkv == 1), which a shrink to 2 K/V heads breaks
+FIXED = {"deepseek_v4": {"num_key_value_heads": 1}}
 
 
 def hf_config(name: str, **extra):
@@ -194,6 +217,7 @@ def hf_config(name: str, **extra):
     values = {**values, **extra}
     for key, leader in FOLLOW.get(spec.family, {}).items():
         values[key] = values[leader]
+    values.update(FIXED.get(spec.family, {}))
     cfg = getattr(transformers, arch).config_class(**values)
     cfg.architectures = [arch]
     cfg.dtype = "bfloat16"
@@ -329,13 +353,40 @@ def _gpt_oss_rule(pname, p, g, config=None) -> bool:
     return False
 
 
+def _deepseek_v4_rule(pname, p, g, config=None) -> bool:
+    """DeepSeek-V4's attention sinks as GPT-OSS's (one logit a head the size of the scores)."""
+    if pname.endswith("self_attn.sinks"):
+        p.normal_(0.0, 1.0, generator=g)
+        return True
+    return False
+
+
+def _deepseek_v4_buffers(model, g):
+    """DeepSeek-V4's routing state is buffers HF initializes to zeros (the checkpoint brings the
+    values): every token hashed to expert 0 and no correction bias would leave the table and the
+    bias untested. Each hash table row gets K distinct experts drawn from the E, each correction
+    bias 0.1 * normal (the sqrtsoftplus scores differ by about that: it moves the top-k)."""
+    import torch
+    for name, b in model.named_buffers():
+        if name.endswith("gate.tid2eid"):
+            V, K = b.shape
+            E = model.config.n_routed_experts
+            rows = torch.rand(V, E, generator=g, device=b.device).argsort(dim=-1)[:, :K]
+            b.copy_(rows.to(b.dtype))
+        elif name.endswith("gate.e_score_correction_bias"):
+            b.copy_(0.1 * torch.randn(b.shape, generator=g, device=b.device))
+
+
 # spec family -> rule(parameter name, parameter, generator) -> True where it drew the parameter
-REDRAW = {"qwen3_5": _qwen3_5_rule, "gpt_oss": _gpt_oss_rule}
+REDRAW = {"qwen3_5": _qwen3_5_rule, "gpt_oss": _gpt_oss_rule, "deepseek_v4": _deepseek_v4_rule}
+# spec family -> fill(model, generator): buffers that hold weights (saved with the checkpoint)
+REDRAW_BUFFERS = {"deepseek_v4": _deepseek_v4_buffers}
 
 
 def redraw(model, seed: int = 0, family: str | None = None):
     """Re-draw every parameter in place (see the module docstring): random, non-zero norms and
-    biases; `family` (the spec's) picks explicit rules by name first (REDRAW). Raises on a 1-D
+    biases; `family` (the spec's) picks explicit rules by name first (REDRAW) and fills the buffers
+    that hold weights (REDRAW_BUFFERS). Raises on a 1-D
     weight HF initialized to neither all ones nor all zeros that no rule covers."""
     import torch
     dev = next(model.parameters()).device
@@ -357,6 +408,8 @@ def redraw(model, seed: int = 0, family: str | None = None):
             else:
                 raise ValueError(f"{pname}: a 1-D weight that HF initializes to neither 1 nor 0; "
                                  f"say in tests/gpu/gpu_families.py how to randomize it")
+        if family in REDRAW_BUFFERS:
+            REDRAW_BUFFERS[family](model, g)
 
 
 def make_model(name: str, out: Path, device: str = "cuda", seed: int = 0, **extra) -> Path:

@@ -38,6 +38,9 @@ the artifact `infc serve` reuses for the device's $MODELS/<name> into .cache/art
 where the kernels refuse to render a quantized launch yet, plan.json alone, said so).
 kvfp8 (issue 42, session.sh's `kv-fp8` stage: qwen3-4b built with --kv-cache-dtype fp8 into
 .cache/artifacts/qwen3-4b-kvfp8, beside base's qwen3-4b).
+dsv4 (issue 47, session.sh's `dsv4` stage: DeepSeek-V4-Flash's 3-layer cut at real widths,
+gpu_families.DSV4_CUT, its config.json as transformers writes it into .cache/gpu/configs/<cut>/ and
+its artifact in .cache/gpu/<cut>-art, for the golden gate and bench latency with dummy weights).
 lora (issue 46, session.sh's `lora` stage: qwen3-4b built with --enable-lora, 8 slots of rank 16,
 into .cache/artifacts/qwen3-4b-lora8r16, beside base's qwen3-4b).
 draft (issue 43, tests/gpu/test_spec_gpu.py's draft-model case: qwen3-4b's first two layers as a
@@ -79,7 +82,7 @@ TINY_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
 GPU_CACHE = REPO / ".cache" / "gpu"
 SERVED = ("qwen3-4b", "llama-3.2-1b")          # model directories LLM / infc serve load on the GPU
 PARTS = ("base", "nofuse", "families", "qwen35", "ranks", "deepseek", "twogpu", "server", "attnvar", "hlvar", "kvfp8",
-         "quant", "lora", "draft", "eagle3", "gptoss")
+         "quant", "lora", "draft", "eagle3", "gptoss", "dsv4")
 DEFAULT_PARTS = ("base", "nofuse", "families", "draft", "eagle3")
 
 
@@ -157,6 +160,8 @@ def main(parts=DEFAULT_PARTS):
         eagle3()
     if "gptoss" in parts:
         gptoss()
+    if "dsv4" in parts:
+        dsv4()
 
 
 def served_config(name: str) -> Path:
@@ -405,6 +410,30 @@ def gptoss():
     d = gpu_families.write_config("gpt-oss-20b")
     _both_tunings("gpt-oss-20b (24 layers, MXFP4 experts, latency with dummy weights)",
                   gpu_families.artifact_dir("gpt-oss-20b"), model_dir=str(d))
+
+
+def dsv4():
+    """DeepSeek-V4-Flash's 3-layer cut at real widths (gpu_families.DSV4_CUT): its config.json as
+    transformers 5.23 writes it into .cache/gpu/configs/<cut>/ and the artifact into
+    .cache/gpu/<cut>-art, for session.sh's `dsv4` stage: the golden gate (the GPU machine makes the
+    random HF model from the same config) and bench latency of the same artifact with dummy weights
+    (--model-path .cache/gpu/configs/<cut>)."""
+    sys.path.insert(0, str(REPO / "tests" / "gpu"))
+    import gpu_families
+    name = gpu_families.DSV4_CUT
+    d = gpu_families.write_config(name)
+    _both_tunings(f"{name} (3 layers at real widths: golden gate, latency with dummy weights)",
+                  gpu_families.artifact_dir(name), model_dir=str(d), tuning_overlay=DSV4_TUNE)
+
+
+# The sliding layer's attention at Hq 64 on one K/V head of D 512: the tables' defaults need more
+# shared memory than sm_90 has (attention_decode 327,680 B of 232,448) or compile for over 17
+# minutes (attention_mixed's short-phase split role, 16 x 64 rows of 512); one stage and one-row
+# split programs fit (196,608-196,616 B: bench/NOTES.md, "Issue 47: the GPU acceptance prepared").
+# Laid over this build alone until the tables hold entries for these shapes.
+DSV4_TUNE = {"attention_decode": {"default": {"num_stages": 1}},
+             "attention_prefill": {"default": {"num_stages": 1}},
+             "attention_mixed": {"default": {"QMAX": 1, "num_stages": 1}}}
 
 
 def deepseek():

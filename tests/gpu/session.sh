@@ -24,6 +24,11 @@
 # deepseek; DEEPSEEK_ARGS adds flags to bench latency; its golden gate is the families stage with
 # INFC_GPU_FAMILIES=deepseek-v2-lite-l8); moe the same for the full 48-layer qwen3-30b-a3b (issue 11:
 # prepare.py twogpu builds .cache/artifacts/qwen3-30b-a3b).
+# dsv4 (issue 47, after prepare.py dsv4 and tools/gpu_wheels.sh transformers==5.23.0
+# huggingface-hub==1.33.0: DeepSeek-V4-Flash's 3-layer cut at real widths, one layer of each
+# attention type and MLP type: the caches' bytes per token against an uncompressed layout, its
+# golden gate against HF bf16, batch-1 TPOT / TTFT at 1k and 32k with dummy weights against the
+# active floor; see the stage).
 # hardening (issue 39: tests/test_step_failure.py and tests/test_server_shutdown.py through infc
 # serve --device cuda: a top_k request, an injected step failure, SIGTERM with 50 streams in flight).
 # structured (issue 41: bench structured: batch-1 and 64-concurrent TPOT of qwen3-4b with every
@@ -101,7 +106,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv | tee "$OUT/gpu.txt"
-if [ -n "$(echo " $STAGES " | sed -e 's/ families / /g' -e 's/ qwen35 / /g' -e 's/ ranks / /g' -e 's/ p2p / /g' -e 's/ deepseek / /g' -e "s/ moe / /g" -e 's/ profile-moe / /g' -e 's/ server-families / /g' -e 's/ twogpu[a-z-]* / /g' -e 's/ twogpu[a-z-]* / /g' | tr -d ' ')" ]; then   # a stage besides families / qwen35 / ranks / deepseek / profile-moe / server-families / twogpu*
+if [ -n "$(echo " $STAGES " | sed -e 's/ families / /g' -e 's/ qwen35 / /g' -e 's/ ranks / /g' -e 's/ p2p / /g' -e 's/ deepseek / /g' -e 's/ dsv4 / /g' -e "s/ moe / /g" -e 's/ profile-moe / /g' -e 's/ server-families / /g' -e 's/ twogpu[a-z-]* / /g' -e 's/ twogpu[a-z-]* / /g' | tr -d ' ')" ]; then   # a stage besides families / qwen35 / ranks / deepseek / dsv4 / profile-moe / server-families / twogpu*
   say "models"
   timeout 300 python3 -c "import sys; sys.path.insert(0,'tests/gpu'); import models; [models.model_dir(m) for m in ('qwen3-4b','llama-3.2-1b','tiny-moe','skipgram')]" 2>&1 | tail -12
   say "models ready"
@@ -229,6 +234,39 @@ for _ in range(600):
       for f in "$OUT/$stage"/latency-*.json; do     # bench latency's result
         [ -f "$f" ] && python3 -m infc.bench.active_floor --artifact $art --latency "$f" --output-len 128 2>&1 | tail -8
       done ;;
+    dsv4)
+      # issue 47, after prepare.py dsv4, with .whl/ holding transformers 5.23 (tools/gpu_wheels.sh;
+      # the machine's 5.17 has no deepseek_v4): DeepSeek-V4-Flash's 3-layer cut at real widths
+      # (gpu_families.DSV4_CUT): its caches' bytes per token against an uncompressed layout
+      # (bench/cache_bytes.py, from the plan), its golden gate against HF bf16 (test_golden.py,
+      # the families mechanism: HF makes the random model here), then batch-1 TPOT / TTFT at
+      # DSV4_PROMPTS (1024,32768) with dummy weights against the active floor (bench/active_floor.py:
+      # 6 of the routed experts, the window- and top-k-bounded cache reads). DSV4_SKIP="golden"
+      # or "latency" leaves a step out; DSV4_ARGS adds flags to bench latency
+      name=deepseek-v4-flash-l3
+      art=.cache/gpu/$name-art cfg=.cache/gpu/configs/$name
+      rm -rf "$OUT/dsv4"; mkdir -p "$OUT/dsv4"
+      python3 -c "import transformers; print('transformers', transformers.__version__)" 2>&1 | tee "$OUT/dsv4/versions.txt"
+      python3 -m infc.bench.cache_bytes --artifact $art --json "$OUT/dsv4/cache-bytes.json" 2>&1 | tee "$OUT/dsv4/cache-bytes.txt"
+      case " ${DSV4_SKIP:-} " in *" golden "*) ;; *)
+        INFC_GPU_FAMILIES=$name timeout ${DSV4_GOLDEN_S:-420} python3 -m pytest tests/gpu/test_golden.py -m families \
+          -q -s -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | quiet | tee "$OUT/dsv4/pytest-golden.log" \
+          | grep -E "passed|failed|error|regret|made and saved|^E " | tail -30 ;; esac
+      case " ${DSV4_SKIP:-} " in *" latency "*) ;; *)
+        python3 tests/gpu/rerender.py $art 2>&1 | tail -2
+        # one run a prompt length, each under its own timeout: a 32k prefill goes through
+        # compressed_attention's one program a sequence (bench/NOTES.md), so the 1k result is kept
+        # if the 32k run does not finish
+        for n in $(echo ${DSV4_PROMPTS:-1024,32768} | tr , ' '); do
+          mkdir -p "$OUT/dsv4/p$n"
+          say "dsv4: bench latency, prompt $n"
+          timeout ${DSV4_LATENCY_S:-240} python3 -m infc.cli bench latency --artifact $art --model-path $cfg \
+            --load-format dummy --no-hf --prompts $n --output-len 128 --out "$OUT/dsv4/p$n" \
+            ${DSV4_ARGS:-} 2>&1 | quiet | tee "$OUT/dsv4/p$n/latency.log" | tail -6
+          for f in "$OUT/dsv4/p$n"/latency-*.json; do     # bench latency's result
+            [ -f "$f" ] && python3 -m infc.bench.active_floor --artifact $art --latency "$f" --output-len 128 2>&1 | tail -4
+          done
+        done ;; esac ;;
     p2p)
       timeout ${P2P_S:-180} python3 -m pytest tests/gpu/test_peer_sum_gpu.py -q -s -p no:cacheprovider -rs \
         2>&1 | quiet | tee "$OUT/pytest-peer-sum.log" | grep -E "passed|failed|error|skipped|^E " | tail -30 ;;

@@ -27,9 +27,10 @@ def i32(a):
     return torch.tensor(np.asarray(a), dtype=torch.int32)
 
 
-@pytest.mark.parametrize("rate,overlap,topk", [(4, True, 3), pytest.param(16, False, None, marks=EXHAUSTIVE)],
+# block_n 2: the window's keys and the 3 chosen entries each span several blocks of the loops
+@pytest.mark.parametrize("rate,overlap,topk,block_n", [(4, True, 3, 2), pytest.param(16, False, None, None, marks=EXHAUSTIVE)],
                          ids=["csa", "hca"])
-def test_compressed_attention_kernel(rate, overlap, topk):
+def test_compressed_attention_kernel(rate, overlap, topk, block_n):
     gen = np.random.default_rng(rate)
     H, D, R, window = 3, 24, 8, 5
     W = 2 * D if overlap else D
@@ -47,7 +48,8 @@ def test_compressed_attention_kernel(rate, overlap, topk):
                [(f"x{i}", t.shape, "f32") for i, t in enumerate(types[:7])] +
                ([("index", ["T", topk], "i32")] if topk else []),
                [("o", ["T", H, D], "f32")], attrs=attrs, phase="prefill", page_size=PAGE,
-               caches={n: {kk: v for kk, v in c.items() if kk != "layers"} for n, c in decl.items()})
+               caches={n: {kk: v for kk, v in c.items() if kk != "layers"} for n, c in decl.items()},
+               tune={"BLOCK_N": block_n} if block_n else None)
     sinks = gen.standard_normal(H).astype(np.float32)
     bias = gen.standard_normal((rate, W)).astype(np.float32)
     norm = (1 + 0.2 * gen.standard_normal(D)).astype(np.float32)

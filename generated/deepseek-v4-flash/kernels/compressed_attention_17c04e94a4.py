@@ -140,8 +140,10 @@ def compressed_attention(q_ptr, kv_ptr, sink_ptr, ckv_ptr, cgate_ptr, cbias_ptr,
         m_i = sink
         l_i = tl.zeros([BLOCK_H], tl.float32) + 1.0
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        lo = tl.maximum(p - WINDOW + 1, 0)
-        for k0 in range(lo, p + 1, BLOCK_N):
+        # (not `lo`: the YaRN ramp inlined above names its float bound so, and Triton types a
+        # loop-carried name once; the interpreter does not check it)
+        w_lo = tl.maximum(p - WINDOW + 1, 0)
+        for k0 in range(w_lo, p + 1, BLOCK_N):
             key = k0 + kn
             km = key <= p
             page = tl.load(bt + key // PS, mask=km, other=0).to(tl.int64)
@@ -155,22 +157,25 @@ def compressed_attention(q_ptr, kv_ptr, sink_ptr, ckv_ptr, cgate_ptr, cbias_ptr,
             l_i = l_i * alpha + tl.sum(pr, axis=1)
             acc = acc * alpha[:, None] + tl.sum(pr[:, :, None] * kk[None, :, :], axis=1)
             m_i = m_new
-        kk_i = tl.arange(0, BLOCK_K)
-        sel = tl.load(idx_ptr + t * KIDX + kk_i, mask=kk_i < KIDX, other=-1)
-        em = sel >= 0
-        last = sel.to(tl.int64) * M + M - 1
-        page = tl.load(bt + last // PS, mask=em, other=0).to(tl.int64)
-        erow = (last % PS) // M
-        kk = tl.load(ent_ptr + ((page * RPP + erow) * D)[:, None] + d[None, :],
-                     mask=em[:, None] & dm[None, :], other=0.0).to(tl.float32)
-        s = tl.sum(q[:, None, :] * kk[None, :, :], axis=2) * SCALE
-        s = tl.where(em[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        pr = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(pr, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(pr[:, :, None] * kk[None, :, :], axis=1)
-        m_i = m_new
+        # the chosen entries BLOCK_N at a time (all KIDX at once is H x KIDX x D values: 16 M at
+        # DeepSeek-V4-Flash's 64 x 512 x 512, past Triton's largest tensor)
+        for e0 in range(0, KIDX, BLOCK_N):
+            kk_i = e0 + kn
+            sel = tl.load(idx_ptr + t * KIDX + kk_i, mask=kk_i < KIDX, other=-1)
+            em = sel >= 0
+            last = sel.to(tl.int64) * M + M - 1
+            page = tl.load(bt + last // PS, mask=em, other=0).to(tl.int64)
+            erow = (last % PS) // M
+            kk = tl.load(ent_ptr + ((page * RPP + erow) * D)[:, None] + d[None, :],
+                         mask=em[:, None] & dm[None, :], other=0.0).to(tl.float32)
+            s = tl.sum(q[:, None, :] * kk[None, :, :], axis=2) * SCALE
+            s = tl.where(em[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            pr = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(pr, axis=1)
+            acc = acc * alpha[:, None] + tl.sum(pr[:, :, None] * kk[None, :, :], axis=1)
+            m_i = m_new
         out = acc / l_i[:, None]
         tl.store(o_ptr + t * (H * D) + hh[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty), mask=qm)
 

@@ -140,8 +140,10 @@ def compressed_attention(q_ptr, kv_ptr, sink_ptr, ckv_ptr, cgate_ptr, cbias_ptr,
         m_i = sink
         l_i = tl.zeros([BLOCK_H], tl.float32) + 1.0
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        lo = tl.maximum(p - WINDOW + 1, 0)
-        for k0 in range(lo, p + 1, BLOCK_N):
+        # (not `lo`: the YaRN ramp inlined above names its float bound so, and Triton types a
+        # loop-carried name once; the interpreter does not check it)
+        w_lo = tl.maximum(p - WINDOW + 1, 0)
+        for k0 in range(w_lo, p + 1, BLOCK_N):
             key = k0 + kn
             km = key <= p
             page = tl.load(bt + key // PS, mask=km, other=0).to(tl.int64)
