@@ -23,6 +23,8 @@ def test_tiny_family_model(name, tmp_path):
     extra = dict(TINY)
     if "head_dim" in values:
         extra["head_dim"] = 16
+    if "first_k_dense_replace" in values:       # past the dense layers: two with experts
+        extra["num_hidden_layers"] = values["first_k_dense_replace"] + 2
     d = gpu_families.make_model(name, tmp_path / name, device="cpu", **extra)
     with safe_open(str(d / "model.safetensors"), "pt") as f:
         # (a one-value weight, DeepSeek-V4's hc_head.hc_scale, is constant by its shape)

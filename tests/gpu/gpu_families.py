@@ -96,6 +96,16 @@ FAMILIES = {
     # at its real shapes (32 experts, top-4, biases, clamped SwiGLU, sinks, YaRN, 201,088 ids), its
     # experts bf16 (the published MXFP4 quantization_config dropped: the gate is against HF bf16).
     # Not in DEFAULT: its random HF directory is ~5 GB.
+    # deepseek_v3 (issue 45; specs/deepseek_v2.yaml's variant deepseek-v3): MLA with q_lora
+    # (1536), YaRN (factor 40), 3 dense layers (intermediate 18432) then MoE with sigmoid scores,
+    # the correction bias choosing (noaux_tc) and group-limited top-8 (8 groups, 4 kept),
+    # routed_scaling_factor 2.5, one shared expert; vocab 129,280. Layer cut: its first 5 layers
+    # (3 dense + 2 MoE) at the published widths, 32 of the 256 routed experts (4 a group, so the
+    # group limit still chooses 16 of 32) so that HF's bf16 model is ~14 GB and its float32
+    # second check ~28 GB; the correction bias drawn (REDRAW_BUFFERS). bf16 (the published FP8
+    # quantization_config dropped: the gate is against HF bf16). Not in DEFAULT (its size).
+    "deepseek-v3-l5": ("deepseek-v3", {"num_hidden_layers": 5, "n_routed_experts": 32,
+                                       "quantization_config": None}),
     "gpt-oss-20b-l4": ("gpt-oss-20b", {"num_hidden_layers": 4, "quantization_config": None,
                                        "layer_types": ["sliding_attention", "full_attention"] * 2}),
     # deepseek_v4 (issue 47): deepseek-v4-flash cut to 3 layers, its layers 1-3 (sliding window
@@ -202,12 +212,24 @@ FOLLOW = {"deepseek_v2": {"num_key_value_heads": "num_attention_heads"}}
 FIXED = {"deepseek_v4": {"num_key_value_heads": 1}}
 
 
+def _arch(name: str) -> str:
+    """The HF class a family's model is made as: the variant's published causal-LM class where the
+    spec lists it (DeepSeek-V3 is a variant of deepseek_v2's spec, made as DeepseekV3ForCausalLM),
+    else the spec's first (a multimodal variant's text model, e.g. Qwen3_5ForCausalLM)."""
+    from infc.compiler.spec import find_variant
+    spec, values = find_variant({**FAMILIES, **LATENCY}[name][0])
+    published = (values.get("architectures") or [None])[0]
+    if published in spec.architectures and published.endswith("ForCausalLM"):
+        return published
+    return spec.architectures[0]
+
+
 def hf_config(name: str, **extra):
     """The family's HF config object (bf16, `architectures` set). `extra` overrides values
     (tests/test_gpu_families.py shrinks a family with it; the GPU suite never passes any)."""
     import transformers
     spec, values = _spec_and_values(name)
-    arch = spec.architectures[0]
+    arch = _arch(name)
     missing = hf_missing(name)
     if missing:
         raise RuntimeError(missing)
@@ -237,7 +259,7 @@ def hf_missing(name: str) -> str | None:
     """Why this machine's transformers cannot make family `name` (one line), or None."""
     import transformers
     spec, _ = _spec_and_values(name)
-    arch = spec.architectures[0]
+    arch = _arch(name)
     try:
         getattr(transformers, arch)
     except (AttributeError, ImportError) as e:
@@ -377,10 +399,20 @@ def _deepseek_v4_buffers(model, g):
             b.copy_(0.1 * torch.randn(b.shape, generator=g, device=b.device))
 
 
+def _deepseek_v3_buffers(model, g):
+    """DeepSeek-V3's correction bias (noaux_tc) is a buffer HF initializes to zeros: drawn
+    0.1 * normal as DeepSeek-V4's (_deepseek_v4_buffers), so that it moves the top-8. DeepSeek-V2
+    models (greedy top-k) have none: nothing changes for them."""
+    import torch
+    for name, b in model.named_buffers():
+        if name.endswith("gate.e_score_correction_bias"):
+            b.copy_(0.1 * torch.randn(b.shape, generator=g, device=b.device))
+
+
 # spec family -> rule(parameter name, parameter, generator) -> True where it drew the parameter
 REDRAW = {"qwen3_5": _qwen3_5_rule, "gpt_oss": _gpt_oss_rule, "deepseek_v4": _deepseek_v4_rule}
 # spec family -> fill(model, generator): buffers that hold weights (saved with the checkpoint)
-REDRAW_BUFFERS = {"deepseek_v4": _deepseek_v4_buffers}
+REDRAW_BUFFERS = {"deepseek_v4": _deepseek_v4_buffers, "deepseek_v2": _deepseek_v3_buffers}
 
 
 def redraw(model, seed: int = 0, family: str | None = None):
