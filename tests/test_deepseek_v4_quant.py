@@ -1,0 +1,190 @@
+"""DeepSeek-V4-Flash's weights as its checkpoint ships them (quant_method fp8, scale_fmt ue8m0,
+expert_dtype fp4 beside the quantization_config; compiler/quant/formats/fp8_block.py): a tiny
+float32 deepseek_v4 (tests/test_deepseek_v4.py's, experts 32 wide so that fp4's 32-column scale
+groups divide every K) that tools/quantize_model.py writes as the published checkpoint does:
+e4m3 linears in 8 x 8 blocks (many blocks a matrix at these widths) with e8m0 scales named
+`.scale`, the routed experts fp4 (I8 [N, K/2] + e8m0 [N, K/32]), the compressor and indexer
+projections and the routers bf16 and listed nowhere. The reference executor's logits at every
+position equal transformers 5.23 loading the same directory (on the CPU it dequantizes every
+weight as the format defines it, which the test checks against its own torch reading of the
+definition, tests/quant_definitions.py), with the activations of the linears infc quantizes
+quantized as the format says (per token, groups of 128 -> here 8 columns, amax / 448).
+"""
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+from quantize_model import quantize_model, write_safetensors  # noqa: E402
+
+from infc.compiler.build import compile_model  # noqa: E402
+from infc.compiler.contract.errors import ModelDirError  # noqa: E402
+from infc.compiler.contract.safetensors_io import Checkpoint  # noqa: E402
+from infc.compiler.quant.formats import parse_quantization  # noqa: E402
+from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk  # noqa: E402
+from infc.runtime.weights.load import load_weights  # noqa: E402
+from quant_definitions import WEIGHT, _acts, stored_quantized  # noqa: E402
+from test_deepseek_v4 import CONFIG, _randomize, all_rows  # noqa: E402
+
+BLOCK = (8, 8)
+# what the published checkpoint keeps bf16 without a word in its config (transformers lists them
+# in DeepseekV4PreTrainedModel._keep_in_fp32_modules)
+PLAIN = ["compressor.wkv", "compressor.wgate", "indexer.weights_proj"]
+# the HF modules of the linears infc reads as e4m3 with activations quantized (wo_a, read by the
+# grouped head_linear, is dequantized at load: compiler/passes/quantize_weights.py)
+ACT_QUANTIZED = ("self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_proj", "self_attn.o_b_proj",
+                 "indexer.q_b_proj", "shared_experts.gate_proj", "shared_experts.up_proj",
+                 "shared_experts.down_proj")
+PROMPT = [int(t) for t in np.random.default_rng(5).integers(0, CONFIG["vocab_size"], 40)]
+
+
+@pytest.fixture(scope="module")
+def dsv4(tmp_path_factory):
+    """(bf16 dir, quantized dir) of the tiny model: HCA every 16 tokens, window 8, so the 40-token
+    prompt spans two HCA blocks, ten CSA blocks and five windows."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+    torch.manual_seed(47)
+    cfg = dict(CONFIG, sliding_window=8, moe_intermediate_size=32,
+               compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16})
+    hf = DeepseekV4ForCausalLM(DeepseekV4Config(**cfg)).float().eval()
+    _randomize(hf)
+    root = tmp_path_factory.mktemp("dsv4q")
+    hf.save_pretrained(root / "bf16")
+    quantize_model(root / "bf16", root / "q", "fp8-fp4", workers=1, block=BLOCK, plain=PLAIN,
+                   expert_dtype_at="top")
+    return root / "bf16", root / "q"
+
+
+def test_the_fixture_is_the_published_layout(dsv4):
+    _, q = dsv4
+    cfg = json.loads((q / "config.json").read_text())
+    assert cfg["expert_dtype"] == "fp4" and "expert_dtype" not in cfg["quantization_config"]
+    assert cfg["quantization_config"]["scale_fmt"] == "ue8m0" and "modules_to_not_convert" not in cfg["quantization_config"]
+    ckpt = Checkpoint(q)
+    e = "model.layers.2.ffn.experts.1.w2"
+    assert (ckpt.dtype(f"{e}.weight"), ckpt.shape(f"{e}.weight")) == ("I8", (32, 16))
+    assert (ckpt.dtype(f"{e}.scale"), ckpt.shape(f"{e}.scale")) == ("F8_E8M0", (32, 1))
+    assert (ckpt.dtype("model.layers.1.attn.wq_b.weight"), ckpt.shape("model.layers.1.attn.wq_b.scale")) == ("F8_E4M3", (8, 3))
+    assert ckpt.dtype("model.layers.1.attn.indexer.compressor.wkv.weight") == "F32"
+    assert not any(n.endswith("weight_scale_inv") for n in ckpt.where)
+    ckpt.close()
+
+
+def _plan_and_logits(qdir):
+    _, plan = compile_model(model_dir=str(qdir))
+    ex = ReferenceExecutor(plan, load_weights(plan, Checkpoint(qdir)))
+    return plan, all_rows(ex, SeqChunk(0, PROMPT, 0))
+
+
+def test_reference_equals_transformers_on_the_published_format(dsv4):
+    from transformers import AutoModelForCausalLM
+    src, q = dsv4
+    plan, got = _plan_and_logits(q)
+    w = plan["weights"]
+    assert w["we_gate_up"]["dtype"] == w["we_down"]["dtype"] == "e2m1"             # fp4 experts
+    assert w["we_down_qscale"]["shape"] == [4, 32, 1]                               # E, N, K / 32
+    assert w["wo_b"]["dtype"] == w["ws_down"]["dtype"] == w["i_q"]["dtype"] == "f8e4m3"
+    assert {"e8m0": "model.layers.{i}.attn.wo_b.scale"} == w["wo_b_qscale"]["source"]
+    plain = [n for n, v in w.items() if any(p.replace(".", "") in json.dumps(v["source"]).replace(".", "")
+                                              for p in PLAIN)]
+    assert plain and all(w[n]["dtype"] == "bf16" for n in plain)                   # read as stored
+    assert w["router"]["dtype"] == "bf16" and "dequantized" in json.dumps(w["wo_a"]["source"])
+
+    # transformers reads the directory as the format defines it: its dequantized weights equal
+    # the definition computed here from the stored tensors, written back under the same names
+    cfg = json.loads((q / "config.json").read_text())
+    t = load_file(str(q / "model.safetensors"))
+    modules = stored_quantized(t, "fp8-fp4")
+    assert len(modules) > 50 and any(".experts." in m for m in modules)
+    defined = {n: v for n, v in t.items() if not n.endswith(".scale")}
+    for m in modules:
+        defined[f"{m}.weight"] = WEIGHT["fp8-fp4"](t, m, {**cfg["quantization_config"]}).contiguous()
+    d = q.parent / "defined"
+    d.mkdir()
+    save_file(defined, str(d / "model.safetensors"), metadata={"format": "pt"})
+    (d / "config.json").write_text(json.dumps({k: v for k, v in cfg.items()
+                                               if k not in ("quantization_config", "expert_dtype")}))
+    theirs = AutoModelForCausalLM.from_pretrained(q, dtype=torch.float32).eval()
+    ours = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).state_dict()
+    for name, p in theirs.state_dict().items():
+        torch.testing.assert_close(p, ours[name], rtol=0, atol=0, msg=name)
+
+    act = _acts("fp8-fp4", {}, cfg["quantization_config"], t, None)
+    hooked = [mod.register_forward_pre_hook(lambda _, a: (act(a[0]),))
+              for name, mod in theirs.named_modules() if name.endswith(ACT_QUANTIZED)]
+    assert len(hooked) == 4 * 4 + 4 * 3 + 2                  # 4 a layer, shared 3 a layer, 2 CSA indexers
+    with torch.no_grad():
+        want = theirs(input_ids=torch.tensor([PROMPT]), use_cache=False).logits[0].numpy()
+        base = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+        bf = base(input_ids=torch.tensor([PROMPT]), use_cache=False).logits[0].numpy()
+    assert np.abs(want - bf).max() > 1e-2, "the quantization changes nothing: the test could not fail"
+    err = np.abs(got - want).max(axis=1)
+    assert err.max() <= 1e-4, f"worst position {int(err.argmax())}, |diff| {err.max():.2e}"
+
+
+def test_transformers_spelling_and_config_placement_read_alike(dsv4, tmp_path):
+    """`weight_scale_inv` (transformers' name) and expert_dtype inside quantization_config read
+    the same plan sources but the scale names, and the same logits."""
+    src, q = dsv4
+    quantize_model(src, tmp_path, "fp8-fp4", workers=1, block=BLOCK, plain=PLAIN, scale_name="weight_scale_inv")
+    plan, got = _plan_and_logits(tmp_path)
+    plan0, want = _plan_and_logits(q)
+    assert plan["weights"]["we_down_qscale"]["source"] == {
+        "stack": {"e8m0": "model.layers.{i}.ffn.experts.{e}.w2.weight_scale_inv"}, "count": 4}
+    assert json.dumps({n: v["source"] for n, v in plan["weights"].items()}).replace(".weight_scale_inv", ".scale") \
+        == json.dumps({n: v["source"] for n, v in plan0["weights"].items()})
+    np.testing.assert_array_equal(got, want)
+
+
+def _damaged(q, tmp_path, name, damage):
+    out = tmp_path / "bad"
+    out.mkdir()
+    for f in q.iterdir():
+        if f.name != "model.safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    ckpt = Checkpoint(q)
+    tensors = {n: (ckpt.dtype(n), np.array(ckpt.raw(n))) for n in ckpt.where}
+    ckpt.close()
+    got = damage(*tensors[name]) if name in tensors else None
+    if got is None:
+        del tensors[name]
+    else:
+        tensors[name] = got
+    write_safetensors(out / "model.safetensors", tensors)
+    return out
+
+
+E = "model.layers.3.ffn.experts.2"
+S = "model.layers.0.attn.wq_a"
+
+
+@pytest.mark.parametrize("name,damage,says", [
+    (f"{E}.w1.weight", lambda dt, a: ("U8", a.view(np.uint8)), "U8"),
+    (f"{E}.w3.weight", lambda dt, a: (dt, np.concatenate([a, a], 1)), "shape"),
+    (f"{E}.w2.scale", lambda dt, a: ("F32", np.ldexp(np.float32(1), a.astype(np.int32) - 127)), "F32"),
+    (f"{S}.scale", lambda dt, a: (dt, np.ascontiguousarray(a[:, :-1])), "shape"),
+    (f"{S}.weight", lambda dt, a: ("BF16", np.zeros(a.shape, np.uint16)), "BF16"),
+], ids=["fp4-codes-u8", "fp4-codes-unpacked", "fp4-scale-f32", "fp8-scale-blocks", "bf16-weight-with-scale"])
+def test_damaged_tensor_fails_naming_it(dsv4, tmp_path, name, damage, says):
+    bad = _damaged(dsv4[1], tmp_path, name, damage)
+    with pytest.raises(Exception) as e:
+        compile_model(model_dir=str(bad))
+    assert f"'{name}'" in str(e.value) and says in str(e.value), str(e.value)
+    assert isinstance(e.value, (ModelDirError, ValueError)) or "Error" in type(e.value).__name__
+
+
+def test_expert_dtype_read_beside_or_in_the_config_and_checked():
+    q = {"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"}
+    fmt = parse_quantization({"quantization_config": q, "expert_dtype": "fp4"}, "config.json")
+    assert str(fmt.expert_scheme_for("m.experts.0.w1")).startswith("e2m1 [1x32]")
+    assert str(fmt.scheme_for("m.experts.0.w1")).startswith("f8e4m3 [128x128]")
+    assert str(parse_quantization({"quantization_config": q}, "c").expert_scheme_for("x")).startswith("f8e4m3")
+    with pytest.raises(ModelDirError, match="config.json: expert_dtype 'fp2'"):
+        parse_quantization({"quantization_config": q, "expert_dtype": "fp2"}, "config.json")
+    with pytest.raises(ModelDirError, match="disagree"):
+        parse_quantization({"quantization_config": {**q, "expert_dtype": "fp8"}, "expert_dtype": "fp4"}, "c")
