@@ -46,7 +46,11 @@ def _per_token(plan: dict) -> int | None:
         for launch, _ in launches(program):
             if launch["op"].startswith("moe_route"):
                 a = launch["attrs"]
-                return int(a["k"]) + int(a.get("shared", 0))
+                # a frozen table (moe_route_table: [V, K] ids) routes K a token, its attrs say none
+                k = a["k"] if "k" in a else plan["weights"][launch["inputs"][1]]["shape"][-1] \
+                    if len(launch["inputs"]) > 1 and launch["inputs"][1] in plan["weights"] else None
+                if k is not None:
+                    return int(k) + int(a.get("shared", 0))
     return None
 
 
