@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 from quantize_model import quantize_model, write_safetensors  # noqa: E402
 
+from exhaustive import EXHAUSTIVE  # noqa: E402
 from infc.compiler.build import compile_model  # noqa: E402
 from infc.compiler.contract.errors import ModelDirError  # noqa: E402
 from infc.compiler.contract.safetensors_io import Checkpoint  # noqa: E402
@@ -188,3 +189,32 @@ def test_expert_dtype_read_beside_or_in_the_config_and_checked():
         parse_quantization({"quantization_config": q, "expert_dtype": "fp2"}, "config.json")
     with pytest.raises(ModelDirError, match="disagree"):
         parse_quantization({"quantization_config": {**q, "expert_dtype": "fp8"}, "expert_dtype": "fp4"}, "c")
+
+
+def test_flash_plan_reads_fp4_experts_and_fp8_linears():
+    """The committed deepseek-v4-flash plan (the variant binds the published quantization_config):
+    the routed experts e2m1 with a scale a row and 32 columns, the linears e4m3 in 128 x 128
+    blocks, and inspect's bytes a weight for each (f32 scales on the device: 0.5 + 4 / 32)."""
+    from infc.compiler.build import GENERATED
+    from infc.compiler.quant.report import weights_section
+    plan = json.loads((GENERATED / "deepseek-v4-flash" / "plan.json").read_text())
+    w = plan["weights"]
+    assert w["we_down"]["dtype"] == w["we_gate_up"]["dtype"] == "e2m1"
+    assert w["we_down"]["shape"] == [256, 4096, 2048] and w["we_down_qscale"]["shape"] == [256, 4096, 64]
+    assert w["wq_b"]["dtype"] == "f8e4m3" and w["wq_b_qscale"]["shape"] == [256, 8]
+    rows = [r for r in weights_section(plan, ["decode"]) if r.lstrip().startswith(("moe_", "linear"))]
+    assert sum("e2m1 [1x32]" in r and "(6 of 256 experts, 0.625 B a weight)" in r for r in rows) == 2, rows
+    assert all("1.000 B a weight" in r for r in rows if "f8e4m3 [128x128]" in r)
+
+
+@EXHAUSTIVE
+def test_flash_per_rank_memory_at_dp8_ep8():
+    """`infc inspect deepseek-v4-flash -dp 8 --enable-expert-parallel`: a rank holds 32 experts
+    of each layer in fp4; its weights and the 128k sequences an H200 holds beside them."""
+    import re
+    from infc.compiler.inspect import inspect
+    out = inspect("deepseek-v4-flash", enable_expert_parallel=True, data_parallel_size=8, rank=0,
+                  phases=["decode"])
+    assert "(6 of 32 experts, 0.625 B a weight)" in out
+    gib, fit = re.search(r"H200 \(140.4 GiB\): weights ([\d.]+) GiB .* (\d+) sequences fit", out).groups()
+    assert 25 < float(gib) < 32 and int(fit) >= 12, out[-2000:]

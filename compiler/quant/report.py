@@ -92,12 +92,17 @@ def weights_section(plan: dict, phases=None) -> list[str]:
                                     for i in launch["inputs"] if i in plan["weights"])
                 continue
             w, codes, comps = got
+            # bytes a weight element, scales included (as stored on the device: f32 companions)
+            elems = 1
+            for d in plan["weights"][w]["shape"]:
+                elems *= d
+            per = f"{(codes + comps) / elems:.3f} B a weight"
             share = expert_share(plan, launch, w)
             experts = experts or bool(share)
             if share:           # a batch-1 step reads k of the E experts
                 codes, comps = codes * share[1] // share[0], comps * share[1] // share[0]
             rows[(launch["op"], w, str(QuantScheme.from_attrs(launch["attrs"]["quant"])), codes, comps,
-                  f"  ({share[1]} of {share[0]} experts)" if share else "")] += mult
+                  f"  ({share[1]} of {share[0]} experts, {per})" if share else f"  ({per})")] += mult
             codes_all, comps_all = codes_all + codes * mult, comps_all + comps * mult
         if rows:
             out.append(f"  {phase}: quantized launches read {_mib(codes_all)} codes + {_mib(comps_all)} scales "
