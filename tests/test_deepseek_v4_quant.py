@@ -24,7 +24,7 @@ from quantize_model import quantize_model, write_safetensors  # noqa: E402
 
 from exhaustive import EXHAUSTIVE  # noqa: E402
 from infc.compiler.build import compile_model  # noqa: E402
-from infc.compiler.contract.errors import ModelDirError  # noqa: E402
+from infc.compiler.contract.errors import ModelDirError, SpecError  # noqa: E402
 from infc.compiler.contract.safetensors_io import Checkpoint  # noqa: E402
 from infc.compiler.quant.formats import parse_quantization  # noqa: E402
 from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk  # noqa: E402
@@ -193,10 +193,9 @@ S = "model.layers.0.attn.wq_a"
 ], ids=["fp4-codes-u8", "fp4-codes-unpacked", "fp4-scale-f32", "fp8-scale-blocks", "bf16-weight-with-scale"])
 def test_damaged_tensor_fails_naming_it(dsv4, tmp_path, name, damage, says):
     bad = _damaged(dsv4[1], tmp_path, name, damage)
-    with pytest.raises(Exception) as e:
+    with pytest.raises((SpecError, ModelDirError)) as e:          # checkpoint honesty, from the headers
         compile_model(model_dir=str(bad))
     assert f"'{name}'" in str(e.value) and says in str(e.value), str(e.value)
-    assert isinstance(e.value, (ModelDirError, ValueError)) or "Error" in type(e.value).__name__
 
 
 def test_expert_dtype_read_beside_or_in_the_config_and_checked():
@@ -241,21 +240,26 @@ def test_flash_per_rank_memory_at_dp8_ep8():
 
 
 @EXHAUSTIVE
-def test_interpreted_kernels_equal_the_reference_on_the_published_format(dsv4, tmp_path):
-    """The quantized plan's generated Triton kernels under the interpreter (the fp4 experts on the
-    e2m1 grouped GEMMs and GEMVs, the e4m3 linears with their activation quantizers) against the
-    reference executor: the prompt in two chunks (a compression block cut), then decode steps.
-    bf16 activations in the kernels, float32 in the reference: 3e-2 relative, the argmax equal.
+def test_interpreted_fp4_expert_kernels_equal_the_reference(dsv4, tmp_path):
+    """The fp4 routed experts through their generated Triton kernels under the interpreter (the
+    e2m1 grouped GEMMs for the prefill chunks, the GEMVs for decode steps, DeepSeek-V4's clamped
+    SwiGLU between) against the reference executor, the other linears left bf16 so that only the
+    experts' kernels differ from the model's bf16 run (the fp8 linears' kernels have their own
+    tests; with them quantized too, this model's bf16 activations move e4m3 codes against the
+    reference's float32 ones by a step now and then: measured 1e-1 relative after 4 layers of
+    hyper-connections, past what would show an expert kernel's error). bf16 activations in the
+    kernels, float32 in the reference: 3e-2 relative, the argmax equal.
     EXHAUSTIVE: minutes of CPU (the compressor and indexer kernels loop a token at a time)."""
     from infc.compiler.build import build
     from infc.runtime.engine.step import Chunk
     from interp_executor import InterpExecutor
-    # blocks of 16 (the GEMM's K tile is one activation group and at least 16; q_b's K = 24 ends
-    # in a ragged group)
-    src, q = dsv4[0], tmp_path / "q16"
-    quantize_model(src, q, "fp8-fp4", workers=1, block=(16, 16), plain=PLAIN, expert_dtype_at="top")
+    dense = ["attn.wq_a", "attn.wq_b", "attn.wkv", "attn.wo_a", "attn.wo_b", "indexer.wq_b",
+             "shared_experts.w1", "shared_experts.w2", "shared_experts.w3"]
+    src, q = dsv4[0], tmp_path / "experts"
+    quantize_model(src, q, "fp8-fp4", workers=1, block=BLOCK, plain=PLAIN + dense, expert_dtype_at="top")
     out = build(model_dir=str(q), out=tmp_path / "art", compile=False, log=None, page_size=16)
     plan = json.loads((out / "plan.json").read_text())
+    assert {w["dtype"] for w in plan["weights"].values()} & {"e2m1", "f8e4m3"} == {"e2m1"}
     plan["_dir"] = str(out)
     weights = load_weights(plan, Checkpoint(q))
     ex, ref = InterpExecutor(plan, weights, page_size=16), ReferenceExecutor(plan, weights)
@@ -264,9 +268,28 @@ def test_interpreted_kernels_equal_the_reference_on_the_published_format(dsv4, t
         got, want = ex.step([chunk]), ref.step([chunk])
         assert np.linalg.norm(got - want) / np.linalg.norm(want) < 3e-2
     experts = {t for op, t in ex.templates if op.startswith("moe_") and op != "moe_route"}
-    assert {"moe_gate_up_grouped", "moe_down_grouped"} <= experts or {"moe_gate_up", "moe_down"} <= experts
+    assert {"moe_gate_up_grouped", "moe_down_grouped"} <= experts, experts
     n, tok = len(PROMPT), int(np.argmax(want))
     for _ in range(2):
         got, want = ex.step([Chunk(0, [tok], n)]), ref.step([Chunk(0, [tok], n)])
         assert np.linalg.norm(got - want) / np.linalg.norm(want) < 3e-2 and np.argmax(got) == np.argmax(want)
         n, tok = n + 1, int(np.argmax(want))
+    assert {"moe_gate_up", "moe_down"} <= {t for op, t in ex.templates if op.startswith("moe_")}
+
+
+def test_fused_fp8_plan_reads_its_part_views_where_they_are(dsv4, tmp_path):
+    """With fp8 activation codes in the plan (act groups of 16: compiler/passes/act_codes.py) the
+    reference's arena gives every element 4 bytes; a column slice inside another buffer (the
+    shared experts' gate|up halves) must be found by its plan elements, not its plan bytes times
+    4 (which read the up half past the row: NaN). Fused equals --no-fuse."""
+    src, q = dsv4[0], tmp_path / "q16"
+    quantize_model(src, q, "fp8-fp4", workers=1, block=(16, 16), plain=PLAIN, expert_dtype_at="top")
+    rows = []
+    for fuse in (True, False):
+        _, plan = compile_model(model_dir=str(q), fuse=fuse)
+        if fuse:
+            assert any(b.get("row_stride") for b in plan["buffers"].values())
+            assert any(b["dtype"] == "f8e4m3" for b in plan["buffers"].values())
+        rows.append(all_rows(ReferenceExecutor(plan, load_weights(plan, Checkpoint(q))), SeqChunk(0, PROMPT[:12], 0)))
+    assert np.isfinite(rows[0]).all()
+    np.testing.assert_allclose(rows[0], rows[1], atol=2e-5, rtol=0)

@@ -11,6 +11,9 @@ embeddings, lm_head and norms are copied as they are, and config.json gains the 
 as Qwen3-30B-A3B-FP8's modules_to_not_convert names them) in its ignore list. The quantization math is the
 format's own definition (checked in tests against the format's library where it installs).
 
+`fp8-fp4` writes DeepSeek-V4-Flash's layout (fp8 linears with ue8m0 block scales, fp4 routed
+experts, the scales named `.scale`, the routers and its `plain` modules bf16 and listed nowhere).
+
 Python API: quantize_model(src, out, fmt, **options) -> the quantization_config written. Option
 `keep` (every format): module name suffixes left unquantized (e.g. ["mlp.down_proj"]), listed in
 the config's ignore list as the format spells it.
