@@ -186,8 +186,9 @@ S = "model.layers.0.attn.wq_a"
 
 @pytest.mark.parametrize("name,damage,says", [
     (f"{E}.w1.weight", lambda dt, a: ("U8", a.view(np.uint8)), "U8"),
-    (f"{E}.w3.weight", lambda dt, a: (dt, np.concatenate([a, a], 1)), "shape"),
-    (f"{E}.w2.scale", lambda dt, a: ("F32", np.ldexp(np.float32(1), a.astype(np.int32) - 127)), "F32"),
+    pytest.param(f"{E}.w3.weight", lambda dt, a: (dt, np.concatenate([a, a], 1)), "shape", marks=EXHAUSTIVE),
+    pytest.param(f"{E}.w2.scale", lambda dt, a: ("F32", np.ldexp(np.float32(1), a.astype(np.int32) - 127)), "F32",
+                 marks=EXHAUSTIVE),
     (f"{S}.scale", lambda dt, a: (dt, np.ascontiguousarray(a[:, :-1])), "shape"),
     (f"{S}.weight", lambda dt, a: ("BF16", np.zeros(a.shape, np.uint16)), "BF16"),
 ], ids=["fp4-codes-u8", "fp4-codes-unpacked", "fp4-scale-f32", "fp8-scale-blocks", "bf16-weight-with-scale"])
