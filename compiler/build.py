@@ -10,7 +10,7 @@ from .contract.errors import ModelDirError, SpecError
 from .pipeline import compile_spec
 from .quant.formats import parse_quantization
 from .plan import dumps, emit_plan
-from .checkpoint_check import check_model_dir
+from .checkpoint_check import check_model_dir, checkpoint_dtypes
 from .contract.safetensors_io import Checkpoint
 from .kv_scales import read_kv_scales
 from .spec import Spec, find_architecture, find_variant, load_spec
@@ -130,6 +130,10 @@ def compile_model(model=None, spec_path=None, model_dir=None, features=None, log
 
     # parallel: {"world", "rank", "tp", "ep"}, one rank's share (compiler/parallel.py)
     quant = parse_quantization(config, source, spec.nested)
+    if quant is not None and model_dir is not None and check_checkpoint:
+        stored = checkpoint_dtypes(model_dir)
+        if stored is not None:
+            quant.see_checkpoint(stored)
     kv_cache = kv_cache_setting(kv_cache_dtype, model_dir, check_checkpoint)
     state = compile_spec(spec, env, name, features, observe=timed, skip=skip, parallel=parallel,
                          quant=quant, kv_cache=kv_cache, lora=lora, capture=capture,

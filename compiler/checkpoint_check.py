@@ -58,6 +58,19 @@ def check_model_dir(plan: dict, spec, model_dir, log=None, ignore=()) -> bool:
     return True
 
 
+def checkpoint_dtypes(model_dir) -> dict | None:
+    """tensor name -> safetensors dtype of DIR's checkpoint, from its headers; None without one."""
+    from infc.compiler.contract.safetensors_io import Checkpoint
+    d = Path(model_dir)
+    if not (d / "model.safetensors.index.json").exists() and not any(d.glob("*.safetensors")):
+        return None
+    ckpt = Checkpoint(d)
+    try:
+        return {name: f.info(name)[0] for name, f in ckpt.where.items()}
+    finally:
+        ckpt.close()
+
+
 def check_tensors(plan: dict, spec, tensors: dict, where: str, ignore=()) -> None:
     """tensors: checkpoint name -> (dtype, shape, file). Raises SpecError on the first problem."""
     Checker(plan, spec, tensors, where, ignore).run()

@@ -75,14 +75,39 @@ def _mxfp4_weight(t, m, cfg):
     return w[0].T
 
 
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def _e8m0(s: torch.Tensor) -> torch.Tensor:
+    """e8m0 bytes (float8_e8m0fnu or uint8) as float32 powers of two: 2^(byte - 127)."""
+    b = s.view(torch.uint8) if s.dtype != torch.uint8 else s
+    return torch.exp2(b.float() - 127)
+
+
+def _fp8_fp4_weight(t, m, cfg):
+    """quant_method fp8 with scale_fmt / expert_dtype (DeepSeek-V4): e4m3 codes times their
+    block's scale, or for an int8 weight (fp4 experts) the e2m1 values of its nibbles (low one
+    first) times the scale of their row and 32 columns; the scale under either spelling."""
+    s = t[f"{m}.scale"] if f"{m}.scale" in t else t[f"{m}.weight_scale_inv"]
+    s = _e8m0(s) if cfg.get("scale_fmt") == "ue8m0" else s.float()
+    w = t[f"{m}.weight"]
+    if w.dtype == torch.int8:
+        b = w.view(torch.uint8).long()
+        codes = torch.stack([b & 15, b >> 4], -1).flatten(-2)
+        return torch.tensor(_E2M1)[codes] * s.repeat_interleave(32, -1)
+    bn, bk = cfg["weight_block_size"]
+    w = w.float()
+    return w * s.repeat_interleave(bn, 0)[:w.shape[0]].repeat_interleave(bk, 1)[:, :w.shape[1]]
+
+
 def _e4m3(x: torch.Tensor, s) -> torch.Tensor:
     return (x / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s
 
 
 def _acts(writer, o, cfg, t, m):
     """The activation quantizer the format applies to the module's input (None: weight-only)."""
-    if writer == "fp8-block" or o.get("act") == "group":
-        bk = cfg["weight_block_size"][1] if writer == "fp8-block" else \
+    if writer in ("fp8-block", "fp8-fp4") or o.get("act") == "group":
+        bk = cfg["weight_block_size"][1] if writer in ("fp8-block", "fp8-fp4") else \
             cfg["config_groups"]["group_0"]["input_activations"]["group_size"]
 
         def group(x):
@@ -102,7 +127,7 @@ def _acts(writer, o, cfg, t, m):
     return None
 
 
-WEIGHT = {"fp8-block": _fp8_weight, "fp8-tensor": _fp8_weight, "ct-fp8": _ct_weight,
+WEIGHT = {"fp8-fp4": _fp8_fp4_weight, "fp8-block": _fp8_weight, "fp8-tensor": _fp8_weight, "ct-fp8": _ct_weight,
           "ct-int": _ct_weight, "awq": _awq_weight, "gptq": _gptq_weight, "mxfp4": _mxfp4_weight}
 
 
@@ -111,6 +136,8 @@ def writer_of(q: dict) -> tuple[str, dict]:
     (the options _acts reads: act "group" | "static" | "dynamic" | "none")."""
     method = q.get("quant_method")
     if method == "fp8":
+        if q.get("scale_fmt", "float") != "float" or q.get("expert_dtype", "fp8") != "fp8":
+            return "fp8-fp4", {}
         if q.get("weight_block_size"):
             return "fp8-block", {}
         return "fp8-tensor", {"act": q.get("activation_scheme", "dynamic")}
@@ -129,6 +156,9 @@ def writer_of(q: dict) -> tuple[str, dict]:
 
 def stored_quantized(t: dict, writer: str) -> list[str]:
     """The modules whose weights the checkpoint's tensors store quantized, for the writer."""
+    if writer == "fp8-fp4":
+        return sorted(n[:-len(".weight")] for n in t if n.endswith(".weight")
+                      and (f"{n[:-7]}.scale" in t or f"{n[:-7]}.weight_scale_inv" in t))
     key = {"fp8-block": ".weight_scale_inv", "fp8-tensor": ".weight_scale_inv", "ct-fp8": ".weight_scale",
            "ct-int": ".weight_scale", "awq": ".qweight", "gptq": ".qweight", "mxfp4": ".weight_blocks"}[writer]
     return sorted(n[:-len(key)] for n in t if n.endswith(key))

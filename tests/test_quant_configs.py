@@ -72,6 +72,9 @@ CASES = [
     ("gptq-group-zero", dict(CONFIGS["gptq"]({}), group_size=0), "quantization_config.group_size"),
     ("gptq-marlin", dict(CONFIGS["gptq"]({}), is_marlin_format=True), "quantization_config.is_marlin_format"),
     ("gptq-unknown-key", dict(CONFIGS["gptq"]({}), bogus=True), "quantization_config.bogus"),
+    ("fp8-scale-fmt", dict(CONFIGS["fp8-fp4"]({}), scale_fmt="e8m0"), "quantization_config.scale_fmt"),
+    ("fp8-expert-dtype", dict(CONFIGS["fp8-fp4"]({}), expert_dtype="nvfp4"), "quantization_config.expert_dtype"),
+    ("fp8-ue8m0-per-tensor", {"quant_method": "fp8", "scale_fmt": "ue8m0"}, "quantization_config.scale_fmt"),
     ("mxfp4-skip-string", dict(CONFIGS["mxfp4"]({}), modules_to_not_convert="lm_head"),
      "quantization_config.modules_to_not_convert"),
     ("mxfp4-dequantize", dict(CONFIGS["mxfp4"]({}), dequantize=True), "quantization_config.dequantize"),
@@ -88,7 +91,7 @@ def test_malformed_quantization_config_names_the_key(q, key):
 def test_published_configs_parse():
     """The writers' configs (as the formats publish them) are read without complaint."""
     for fmt, o in [("ct-int", {}), ("ct-fp8", {}), ("awq", {}), ("gptq", {}), ("mxfp4", {}),
-                   ("fp8-block", {}), ("fp8-tensor", {"act": "static"})]:
+                   ("fp8-block", {}), ("fp8-tensor", {"act": "static"}), ("fp8-fp4", {})]:
         assert parse_quantization({"quantization_config": CONFIGS[fmt](o)}, "config.json") is not None
 
 

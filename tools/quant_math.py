@@ -75,8 +75,9 @@ def pack_words(values: np.ndarray, bits: int, axis: int, order: str = "seq") -> 
 _STRIP = 1 << 18            # elements quantized at once: the temporaries stay in the cache
 
 
-def fp8_block_quantize(w: np.ndarray, bn: int, bk: int | None):
-    """(e4m3 values [N, K], scale [ceil(N/bn), ceil(K/bk)]): s = amax(block) / 448, q = e4m3(w / s).
+def fp8_block_quantize(w: np.ndarray, bn: int, bk: int | None, pow2: bool = False):
+    """(e4m3 values [N, K], scale [ceil(N/bn), ceil(K/bk)]): s = amax(block) / 448, q = e4m3(w / s);
+    pow2 (scale_fmt ue8m0): s rounded up to a power of two, 2^ceil(log2(amax / 448)).
     Whole strips of row blocks at once (zero-padded to whole blocks: a zero never raises a
     block's amax), with the float32 operations a block at a time would do, element for element.
     bk None: one block spans K (bn = 1: per channel; bn = N: per tensor)."""
@@ -95,6 +96,8 @@ def fp8_block_quantize(w: np.ndarray, bn: int, bk: int | None):
         blocks = padded.reshape(m, bn, kb, bk)
         amax = np.abs(blocks).max(axis=(1, 3))
         si = np.where(amax > 0, amax / np.float32(FP8_MAX), np.float32(1.0)).astype(np.float32)
+        if pow2:
+            si = np.exp2(np.ceil(np.log2(si))).astype(np.float32)
         s[i:i + m] = si
         q[i * bn:i * bn + rows.shape[0]] = round_e4m3(blocks / si[:, None, :, None]).reshape(m * bn, kb * bk)[:rows.shape[0], :k]
     return q, s

@@ -11,6 +11,9 @@ embeddings, lm_head and norms are copied as they are, and config.json gains the 
 as Qwen3-30B-A3B-FP8's modules_to_not_convert names them) in its ignore list. The quantization math is the
 format's own definition (checked in tests against the format's library where it installs).
 
+`fp8-fp4` writes DeepSeek-V4-Flash's layout (fp8 linears with ue8m0 block scales, fp4 routed
+experts, the scales named `.scale`, the routers and its `plain` modules bf16 and listed nowhere).
+
 Python API: quantize_model(src, out, fmt, **options) -> the quantization_config written. Option
 `keep` (every format): module name suffixes left unquantized (e.g. ["mlp.down_proj"]), listed in
 the config's ignore list as the format spells it.
@@ -48,6 +51,7 @@ _NOT_LINEAR = re.compile(r"(norm|\.gate\.weight$|embed)")
 
 
 OPTIONS: dict = {}          # format name -> the options its writer takes (beside `keep`)
+UNLISTED = {"fp8-fp4"}      # formats whose routers stay bf16 unlisted (the tensors say it)
 
 
 def writer(name: str, config, options=()):
@@ -83,6 +87,41 @@ def write_safetensors(path: Path, tensors: dict):
 def _fp8_block(module, w, o):
     q, s = fp8_block_quantize(w, *o.get("block", (128, 128)))
     return {f"{module}.weight": ("F8_E4M3", encode_e4m3(q)), f"{module}.weight_scale_inv": ("F32", s)}
+
+
+# ---- quant_method fp8 as DeepSeek-V4 ships it: e4m3 linears in blocks with ue8m0 scales, the
+# routed experts (`...experts.E.*`) fp4 (I8 [N, K/2], e2m1 two a byte, the even element in the low
+# nibble) with one ue8m0 scale a row and 32 columns. Options: block, scale_fmt (ue8m0 | float),
+# scale_name (`scale`, the checkpoint's own spelling | `weight_scale_inv`, transformers'),
+# expert_dtype_at (config: in quantization_config | top: beside it, as V4 ships it), plain (module
+# suffixes stored bf16 and listed nowhere, as V4 stores its compressor / indexer projections) ----
+def _fp8_fp4_config(o):
+    q = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+         "weight_block_size": list(o.get("block", (128, 128))), "scale_fmt": o.get("scale_fmt", "ue8m0")}
+    if o.get("expert_dtype_at", "config") == "config":
+        q["expert_dtype"] = "fp4"
+    return q
+
+
+def _scales(s: np.ndarray, o) -> tuple:
+    """Scales (powers of two where ue8m0) as the checkpoint stores them."""
+    if o.get("scale_fmt", "ue8m0") == "ue8m0":
+        return "F8_E8M0", (np.log2(s).astype(np.int32) + 127).astype(np.uint8)
+    return "F32", s.astype(np.float32)
+
+
+@writer("fp8-fp4", _fp8_fp4_config, options=("block", "scale_fmt", "scale_name", "expert_dtype_at", "plain"))
+def _fp8_fp4(module, w, o):
+    scale = f"{module}.{o.get('scale_name', 'scale')}"
+    if ".experts." in module:
+        n, k = w.shape
+        if k % MX_BLOCK:
+            raise ValueError(f"fp8-fp4: expert {module} has K = {k}, not a multiple of {MX_BLOCK}")
+        codes, exps = mxfp4_quantize(w)
+        s = np.ldexp(np.float32(1), exps.astype(np.int32) - 127)
+        return {f"{module}.weight": ("I8", pack_nibbles(codes).view(np.int8)), scale: _scales(s, o)}
+    q, s = fp8_block_quantize(w, *o.get("block", (128, 128)), pow2=o.get("scale_fmt", "ue8m0") == "ue8m0")
+    return {f"{module}.weight": ("F8_E4M3", encode_e4m3(q)), scale: _scales(s, o)}
 
 
 def _static_input_scale(module: str) -> np.ndarray:
@@ -265,7 +304,7 @@ def quantize_model(src, out, fmt: str, workers: int | None = None, **options) ->
     src, out = Path(src), Path(out)
     out.mkdir(parents=True, exist_ok=True)
     ckpt = Checkpoint(src)
-    keep = options.get("keep", [])
+    keep = options.get("keep", []) + options.get("plain", [])
     names = list(ckpt.where)
     quantized = [n for n in names if (m := quantized_module(n, ckpt.shape(n))) is not None
                  and not any(m.endswith("." + k) for k in keep)]
@@ -293,7 +332,10 @@ def quantize_model(src, out, fmt: str, workers: int | None = None, **options) ->
                 "model.safetensors.index.json", "config.json"):
             shutil.copy(f, out / f.name)
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = q = quantization_config(fmt, options, routers)
+    # a format whose checkpoints leave their routers bf16 without listing them (fp8-fp4: DeepSeek-V4)
+    config["quantization_config"] = q = quantization_config(fmt, options, routers if fmt not in UNLISTED else ())
+    if fmt == "fp8-fp4" and options.get("expert_dtype_at", "config") == "top":
+        config["expert_dtype"] = "fp4"
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return config["quantization_config"]
 

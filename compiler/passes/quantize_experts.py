@@ -18,7 +18,8 @@ is mapped to the format's tensors of that parameter (fmt.param_sources: MXFP4's 
 `P_scales`), which store each expert as [N, K] already: the transpose is dropped and the column
 slice becomes the same slice of the rows.
 
-Every expert of every layer must share one scheme. Act-order group indices (one per column,
+A routed expert's scheme is the format's expert_scheme_for (fp8's expert_dtype fp4: e2m1 experts
+beside e4m3 linears). Every expert of every layer must share one scheme. Act-order group indices (one per column,
 gate's and up's differing) and static activation scales (one per expert and projection) are not
 carried into the stacked launches: such a checkpoint fails naming the weight, as does a stack
 this pass does not recognize (fold_shared_experts' shared chunks).
@@ -93,7 +94,7 @@ def _scheme(fmt, name: str, meta: dict, stacks: list):
             for e in range(count):
                 m = module.replace("{e}", str(e)) if i is None else \
                     module.replace("{i}", str(i)).replace("{e}", str(e))
-                schemes.setdefault(fmt.scheme_for(m), m)
+                schemes.setdefault(fmt.expert_scheme_for(m), m)
     if len(schemes) > 1:
         got = "; ".join(f"{m}: {s or 'not quantized'}" for s, m in schemes.items())
         raise ModelDirError(f"{where}: the checkpoint stores its experts in more than one scheme ({got}); "

@@ -104,7 +104,7 @@ def _regrouped_sources(fmt, s, t: str, src: dict):
         return None
     module = t[:-len(_WEIGHT)]
     base = fmt.sources(module, s, 1, 1)
-    if set(base) != {"codes", "w_scale"} or "tensor" not in base["w_scale"]:
+    if set(base) != {"codes", "w_scale"} or not {"tensor", "e8m0"} & set(base["w_scale"]):
         return None
     row = QuantScheme(s.codes, 1, s.block_k, act=s.act, act_group=s.act_group)
     return row, {"codes": _replace_leaf(src, t, base["codes"]),

@@ -1,6 +1,14 @@
 """What a quantization format module provides (compiler/quant/formats/): a parser registered for
 its quant_method, returning a QuantFormat."""
+import re
+
 FORMATS: dict = {}          # quant_method -> parser(config: dict, where: str) -> QuantFormat
+_INDEX = re.compile(r"\.(?:\d+|\{[ie]\})(?=\.)")
+
+
+def any_layer(name: str) -> str:
+    """A tensor name (or a {i} / {e} pattern) with each layer and expert index made `#`."""
+    return _INDEX.sub(".#", name)
 
 
 def format_parser(*methods: str):
@@ -16,9 +24,28 @@ class QuantFormat:
     # glob patterns of tensors the format stores but infc does not read (bookkeeping such as
     # compressed-tensors' weight_shape): checkpoint honesty does not count them as unread
     unread: tuple = ()
+    # checkpoint tensor name -> safetensors dtype, where the build read the checkpoint's headers
+    # (see_checkpoint); None for a config alone (a variant, --load-format dummy)
+    stored: dict | None = None
+    _patterns: frozenset = frozenset()
+
+    def see_checkpoint(self, stored: dict):
+        """The checkpoint's headers, for what its config leaves to the tensors (a format may read
+        a spelling or an unquantized module from them)."""
+        self.stored = dict(stored)
+        self._patterns = frozenset(any_layer(n) for n in stored)
+
+    def stored_patterns(self) -> frozenset:
+        """The checkpoint's tensor names with layer and expert indices made `#` (any_layer)."""
+        return self._patterns
 
     def scheme_for(self, module: str):
         raise NotImplementedError
+
+    def expert_scheme_for(self, module: str):
+        """The scheme of a routed MoE expert's projection (module: one expert's, `...experts.3.w1`):
+        a format may store the routed experts apart from the other linears (fp8's expert_dtype)."""
+        return self.scheme_for(module)
 
     def sources(self, module: str, scheme, n: int, k: int) -> dict:
         raise NotImplementedError

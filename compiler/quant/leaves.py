@@ -33,11 +33,18 @@ def _mxfp4(src, shape):
     return tuple(shape[:-2]) + (shape[-2] * MX_BLOCK,)
 
 
+def _fp4(src, shape):
+    if len(shape) < 1:
+        return f"has shape {list(shape)}: fp4 codes are [..., K/2] bytes"
+    return tuple(shape[:-1]) + (shape[-1] * 2,)
+
+
 LEAVES = {
     "fp8": (("F8_E4M3",), _same),
     "unpack": (("I32",), _unpacked),
     "index": (("I32", "I64"), _index),
     "signed": (("I8",), _same),
     "mxfp4": (("U8",), _mxfp4),
+    "fp4": (("I8",), _fp4),
     "e8m0": (("U8", "F8_E8M0"), _same),
 }

@@ -46,7 +46,11 @@ def _per_token(plan: dict) -> int | None:
         for launch, _ in launches(program):
             if launch["op"].startswith("moe_route"):
                 a = launch["attrs"]
-                return int(a["k"]) + int(a.get("shared", 0))
+                # a frozen table (moe_route_table: [V, K] ids) routes K a token, its attrs say none
+                k = a["k"] if "k" in a else plan["weights"][launch["inputs"][1]]["shape"][-1] \
+                    if len(launch["inputs"]) > 1 and launch["inputs"][1] in plan["weights"] else None
+                if k is not None:
+                    return int(k) + int(a.get("shared", 0))
     return None
 
 
@@ -88,12 +92,17 @@ def weights_section(plan: dict, phases=None) -> list[str]:
                                     for i in launch["inputs"] if i in plan["weights"])
                 continue
             w, codes, comps = got
+            # bytes a weight element, scales included (as stored on the device: f32 companions)
+            elems = 1
+            for d in plan["weights"][w]["shape"]:
+                elems *= d
+            per = f"{(codes + comps) / elems:.3f} B a weight"
             share = expert_share(plan, launch, w)
             experts = experts or bool(share)
             if share:           # a batch-1 step reads k of the E experts
                 codes, comps = codes * share[1] // share[0], comps * share[1] // share[0]
             rows[(launch["op"], w, str(QuantScheme.from_attrs(launch["attrs"]["quant"])), codes, comps,
-                  f"  ({share[1]} of {share[0]} experts)" if share else "")] += mult
+                  f"  ({share[1]} of {share[0]} experts, {per})" if share else f"  ({per})")] += mult
             codes_all, comps_all = codes_all + codes * mult, comps_all + comps * mult
         if rows:
             out.append(f"  {phase}: quantized launches read {_mib(codes_all)} codes + {_mib(comps_all)} scales "

@@ -3,6 +3,9 @@ one e8m0 power-of-two scale a block.
 
     {"mxfp4": name}   U8 [..., G, 16]: block g's 32 codes, two a byte, the even element in the low
                       nibble -> their e2m1 values [..., G * 32]
+    {"fp4": name}     I8 [..., K/2]: the same codes in a flat layout (fp8's expert_dtype fp4,
+                      DeepSeek-V4's experts), two a byte, the even element in the low nibble
+                      -> their e2m1 values [..., K]
     {"e8m0": name}    U8 / F8_E8M0 [..., G]: 2^(s - 127) (s = 255 is e8m0's NaN: refused)
 """
 import numpy as np
@@ -24,6 +27,16 @@ def _mxfp4(src, layer, read, where):
                             f"[..., groups, {MX_BLOCK // 2}]")
     codes = unpack_nibbles(raw, MX_BLOCK)
     return E2M1[codes].reshape(raw.shape[:-2] + (-1,)), name
+
+
+@recipe("fp4")
+def _fp4(src, layer, read, where):
+    name = name_at(src["fp4"], layer)
+    stored(read, name, ("I8",), where)
+    raw = np.asarray(read.raw(name)).view(np.uint8)
+    if raw.ndim < 1 or raw.shape[-1] == 0:
+        raise ModelDirError(f"{where}: tensor '{name}' {list(raw.shape)} is not fp4 codes [..., K/2]")
+    return E2M1[unpack_nibbles(raw, 2 * raw.shape[-1])], name
 
 
 @recipe("e8m0")
