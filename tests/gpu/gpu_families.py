@@ -220,8 +220,8 @@ def _arch(name: str) -> str:
     spec lists it (DeepSeek-V3 is a variant of deepseek_v2's spec, made as DeepseekV3ForCausalLM),
     else the spec's first (a multimodal variant's text model, e.g. Qwen3_5ForCausalLM)."""
     from infc.compiler.spec import find_variant
-    spec, values = find_variant({**FAMILIES, **LATENCY}[name][0])
-    published = (values.get("architectures") or [None])[0]
+    spec, _ = _spec_and_values(name)
+    published = (find_variant({**FAMILIES, **LATENCY}[name][0])[1].get("architectures") or [None])[0]
     if published in spec.architectures and published.endswith("ForCausalLM"):
         return published
     return spec.architectures[0]
