@@ -31,7 +31,7 @@ import subprocess
 from pathlib import Path
 
 from infc.compiler.contract.program import launches
-from infc.config import DEFAULT_TUNE_VERIFY_ROWS, NARROW_TOKENS_MAX
+from infc.config import DEFAULT_TUNE_VERIFY_ROWS, NARROW_TOKENS_MAX, artifact_tag
 
 from .build import REPO, compile_model, default_page_size, load_tuning
 from .codegen.render import EXT, TemplateError, _env, launch_context, render_template, tuning_keys
@@ -408,8 +408,7 @@ def prepare(model=None, gpu="h200", out=None, phases=("decode", "prefill"), temp
     if verify and "verify" not in plan["programs"]:
         raise SpecError(f"{state.model} has no verify program (no narrow program: nothing merged for "
                         f"one-token steps)", None)
-    tag = f"-lora{lora['max_loras']}r{lora['max_rank']}" if lora else ""
-    out = Path(out) if out else REPO / ".cache" / "tune" / f"{state.model}{tag}-{gpu}"
+    out = Path(out) if out else REPO / ".cache" / "tune" / f"{state.model}{artifact_tag(lora)}-{gpu}"
     dims = {p: phase_dims(p, decode_batches, prefill_tokens, mixed, wide_batches, verify_rows) for p in phases}
     found = collect(plan, table, phases, templates, page_size)
     if not found:

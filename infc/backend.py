@@ -18,7 +18,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from infc import envs
-from infc.config import DEFAULT_KV_CACHE_DTYPE, DEFAULT_PAGE_SIZE, EngineConfig, kv_cache_dtype, state_snapshots
+from infc.config import (DEFAULT_KV_CACHE_DTYPE, DEFAULT_PAGE_SIZE, EngineConfig, artifact_tag,
+                         kv_cache_dtype, state_snapshots)
 from infc.compiler.build_key import REPO
 from infc.compiler.contract import caches
 from infc.compiler.contract.errors import ModelDirError
@@ -313,15 +314,6 @@ def _load_tokenizer(model_dir: Path):
     tok = Tokenizer(model_dir)
     _ = tok.max_token_chars
     return tok
-
-
-def artifact_tag(lora=None, narrow: int = 1, capture=None) -> str:
-    """The suffix of a served build's directory name that the build's own plan gets: LoRA tables,
-    a speculative build's verify program (k + 1 rows), a head's hidden-state outputs
-    (tests/gpu/prepare.py builds under the same names)."""
-    return ((f"-lora{lora['max_loras']}r{lora['max_rank']}" if lora else "")
-            + (f"-narrow{narrow}" if narrow > 1 else "")
-            + ("-eagle3-" + "-".join(map(str, capture)) if capture else ""))
 
 
 def served_artifact(st, c: EngineConfig, model_dir: Path, spec_dirs, dummy: bool, kv_dtype, lora,

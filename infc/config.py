@@ -175,6 +175,15 @@ NARROW_TOKENS_MAX = 8
 DEFAULT_TUNE_VERIFY_ROWS = 5
 
 
+def artifact_tag(lora=None, narrow: int = 1, capture=None) -> str:
+    """The suffix of a served build's directory name that the build's own plan gets: LoRA tables,
+    a speculative build's verify program (k + 1 rows), a head's hidden-state outputs (infc/backend.py
+    serves them, `infc tune prepare` and tests/gpu/prepare.py build under the same names)."""
+    return ((f"-lora{lora['max_loras']}r{lora['max_rank']}" if lora else "")
+            + (f"-narrow{narrow}" if narrow > 1 else "")
+            + ("-eagle3-" + "-".join(map(str, capture)) if capture else ""))
+
+
 def narrow_tokens_for(spec) -> int:
     """The narrow launches' widest step for a build that serves `spec` (a SpeculativeConfig or
     None; compile_model's narrow_tokens): a verify step's k + 1 rows where they fit and

@@ -315,8 +315,8 @@ def lora():
     config.json, into .cache/artifacts/qwen3-4b-lora8r16: the directory `infc serve --enable-lora`
     and `bench throughput --enable-lora` reuse for $MODELS/qwen3-4b with those flags (infc/backend.py
     names it), and tests/gpu/test_lora_gpu.py's artifact (session.sh's `lora` stage)."""
-    from infc.backend import SERVED_ARTIFACTS, artifact_tag
-    from infc.config import lora_build
+    from infc.backend import SERVED_ARTIFACTS
+    from infc.config import artifact_tag, lora_build
     lora = lora_build(8, 16)
     _both_tunings("qwen3-4b --enable-lora (8 slots, rank 16)", SERVED_ARTIFACTS / ("qwen3-4b" + artifact_tag(lora)),
                   model_dir=str(served_config("qwen3-4b")), lora=lora, check_checkpoint=False)
@@ -332,7 +332,8 @@ def draft():
     INFC_VERIFY_PROGRAM=1 a verify program of 5 rows, infc/config.py narrow_tokens_for) into the
     directory infc/backend.py names for it (qwen3-4b-narrow5 then, else the plain qwen3-4b)."""
     from types import SimpleNamespace
-    from infc.backend import SERVED_ARTIFACTS, artifact_tag
+    from infc.backend import SERVED_ARTIFACTS
+    from infc.config import artifact_tag
     from infc.compiler.build import REPO as BUILD_REPO
     from infc.config import narrow_tokens_for
     # 1 (the plain build) unless INFC_VERIFY_PROGRAM=1 here and on the GPU machine
@@ -351,7 +352,7 @@ def eagle3():
     """A config-only EAGLE-3 head for qwen3-4b and the two artifacts infc/backend.py builds for
     it on cuda (names as it gives them): the head's (specs/eagle3.yaml, the target's page size)
     and qwen3-4b's with aux_hidden at the head's layers (infc.config.eagle3_default_layers)."""
-    from infc.backend import artifact_tag
+    from infc.config import artifact_tag
     from infc.compiler.build import REPO as BUILD_REPO
     from infc.compiler.spec import SPECS_DIR
     from infc.config import eagle3_default_layers

@@ -162,7 +162,7 @@ def test_draft_model_outputs_are_plain_decodings():
                 # the self-draft runs the target's model one token a step: its one-token build,
                 # beside the target's speculative one (its own, with a verify program of k + 1 rows,
                 # only under INFC_VERIFY_PROGRAM=1: infc/config.py narrow_tokens_for)
-                from infc.backend import artifact_tag
+                from infc.config import artifact_tag
                 from infc.config import narrow_tokens_for
                 tag = artifact_tag(narrow=narrow_tokens_for(SimpleNamespace(num_speculative_tokens=4)))
                 assert dr.artifact.name == DRAFT_TARGET and llm.runner.artifact.name == DRAFT_TARGET + tag
