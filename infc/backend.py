@@ -659,10 +659,10 @@ def _cuda_runners(st, c: EngineConfig, artifact: Path, model_dir: Path, draft, l
     buffers and arena in the device's one primary context (driver.Context)."""
     from infc.runtime.cuda.runner import CudaRunner     # lazily: cuda-python only here
     settings = _cuda_runner_settings(c)
+    num_pages = settings.pop("num_pages", None)
+    # the weights and the caches + graphs as two stages, so a start's lines say which takes the time
+    runner = st.run("load weights", CudaRunner, artifact, model_dir, defer_cache=True, **settings)
     if draft is None:
-        # two stages, so a start's lines say which of them takes the time
-        num_pages = settings.pop("num_pages", None)
-        runner = st.run("load weights", CudaRunner, artifact, model_dir, defer_cache=True, **settings)
         try:
             st.run("KV cache, graphs", runner.start_cache, num_pages)
         except BaseException:
@@ -670,8 +670,6 @@ def _cuda_runners(st, c: EngineConfig, artifact: Path, model_dir: Path, draft, l
             raise
         return runner, None
     from infc.compiler.memory_budget import draft_pages, draft_split_line
-    num_pages = settings.pop("num_pages", None)
-    runner = st.run("load weights", CudaRunner, artifact, model_dir, defer_cache=True, **settings)
     try:
         shared, d2t = head(c, runner, draft[0]) if head is not None else ({}, None)
         d = st.run("load EAGLE-3 head weights" if head else "load draft weights", CudaRunner, draft[0],
