@@ -16,6 +16,7 @@ from infc.compiler.ops import REGISTRY
 from infc.compiler.contract import caches as cache_layout
 from infc.compiler.contract.bind import CACHE_MARKER
 from infc.compiler.contract.program import program_name, unrolled
+from infc.compiler.contract.schema import DTYPE_BYTES
 from ..engine.step import Chunk, StepMeta, build_step
 from ..weights.load import at
 
@@ -176,9 +177,6 @@ class SeqPages:
         return self.lens.get(seq_id, 0)
 
 
-_PLAN_ITEMSIZE = {"bf16": 2, "f32": 4, "i32": 4, "f8e4m3": 1, "u8": 1}
-
-
 class ReferenceExecutor:
     def __init__(self, plan: dict, weights: dict, page_size: int = DEFAULT_PAGE_SIZE):
         self.plan = plan
@@ -209,12 +207,12 @@ class ReferenceExecutor:
             return off["T"] * ctx.T + off["B"] * ctx.B + off["bytes"]
         for name, b in bufs.items():
             start = at(b) * scale
-            if b.get("shares") in bufs and b["dtype"] in _PLAN_ITEMSIZE:
+            if b.get("shares") in bufs and b["dtype"] in DTYPE_BYTES:
                 # a view inside another buffer: its place there counts the plan's elements, each
                 # 4 bytes here (a uniform byte scale of 4 would move a bf16 column slice twice
                 # as far as it is: fp8 plans, whose scale is 4)
                 base = bufs[b["shares"]]
-                start = at(base) * scale + (at(b) - at(base)) // _PLAN_ITEMSIZE[b["dtype"]] * 4
+                start = at(base) * scale + (at(b) - at(base)) // DTYPE_BYTES[b["dtype"]] * 4
             shape = [ctx.dim(d) for d in b["shape"]]
             dtype = np.int32 if b["dtype"] == "i32" else np.float32
             if "row_stride" in b:
