@@ -36,7 +36,7 @@ from pathlib import Path
 from infc.compiler.contract import caches
 from infc.compiler.contract.program import unrolled
 from infc.compiler.contract.schema import nbytes
-from infc.compiler.quant.report import weight_bytes as _weight_bytes
+from infc.compiler.quant.report import routed_k, weight_bytes as _weight_bytes
 
 from .cache_bytes import read_bytes
 
@@ -79,11 +79,10 @@ def active_bytes(plan: dict) -> dict:
         a = launch.get("attrs", {})
         if launch["op"] == "moe_align":
             aligned[layer] = int(a["experts"])
-        elif launch["op"] == "moe_route_table":
-            # hash routing (DeepSeek-V4): k is the token-id table's width, E the align's
-            route[layer] = (weights[launch["inputs"][1]]["shape"][1], None, 0)
         elif launch["op"].startswith("moe_route"):
-            route[layer] = (int(a["k"]), int(a["experts"]), int(a.get("shared", 0)))
+            # hash routing (DeepSeek-V4's moe_route_table): k the token-id table's width, E the align's
+            e = None if launch["op"] == "moe_route_table" else int(a["experts"])
+            route[layer] = (routed_k(plan, launch), e, int(a.get("shared", 0)))
     for layer, (k, e, n) in list(route.items()):
         if e is None:
             if layer not in aligned:

@@ -40,17 +40,25 @@ def launch_reads(plan: dict, launch: dict) -> tuple[str, int, int] | None:
 EXPERT_OPS = ("moe_gate_up", "moe_down")
 
 
+def routed_k(plan: dict, launch: dict) -> int | None:
+    """The experts a routing launch (moe_route*) picks a token: its k, or for a frozen table
+    (moe_route_table: [V, K] ids, whose attrs say none) K; None where neither is there."""
+    a = launch.get("attrs", {})
+    if "k" in a:
+        return int(a["k"])
+    if launch["op"] == "moe_route_table" and len(launch["inputs"]) > 1 and launch["inputs"][1] in plan["weights"]:
+        return int(plan["weights"][launch["inputs"][1]]["shape"][-1])
+    return None
+
+
 def _per_token(plan: dict) -> int | None:
     """The experts a token reads (the router's k + shared), from the plan's first routing launch."""
     for program in plan["programs"].values():
         for launch, _ in launches(program):
             if launch["op"].startswith("moe_route"):
-                a = launch["attrs"]
-                # a frozen table (moe_route_table: [V, K] ids) routes K a token, its attrs say none
-                k = a["k"] if "k" in a else plan["weights"][launch["inputs"][1]]["shape"][-1] \
-                    if len(launch["inputs"]) > 1 and launch["inputs"][1] in plan["weights"] else None
+                k = routed_k(plan, launch)
                 if k is not None:
-                    return int(k) + int(a.get("shared", 0))
+                    return k + int(launch["attrs"].get("shared", 0))
     return None
 
 
