@@ -638,17 +638,18 @@ def main(argv=None):
     a.device = a.device or detect_device()
     a.page_size = a.page_size or device_page_size(a.device)
     res = header(a.gpu or (gpu_name() if a.device == "cuda" else "cpu"), a.model or Path(a.model_path).name)
+    pool = tier_pool_gib(a.tier, a.kv_offloading_size)
     res.update({"load_format": a.load_format, "device": a.device,
                 "settings": {"lengths_requested": lengths, "new_tokens": a.new_tokens, "reps": a.reps,
                              "cold_reps": {str(L): cold_reps_for(L, a.reps, a.cold_reps) for L in lengths},
                              "max_new_tokens": 1, "seed": a.seed, "tier": a.tier,
-                             "kv_offloading_size_gib": tier_pool_gib(a.tier, a.kv_offloading_size) or 0.0,
+                             "kv_offloading_size_gib": pool or 0.0,
                              "settle_s": a.settle_s},
                 "paths": {}})
     out = {"path": None}
 
     # a tier's results apart, and an HBM hit's with the tier on apart from one without
-    kind = ("prefix" + ("-tier-on" if a.kv_offloading_size else "")) if a.tier == "hbm" else f"prefix-{a.tier}"
+    kind = ("prefix" + ("-tier-on" if pool else "")) if a.tier == "hbm" else f"prefix-{a.tier}"
 
     def save_point():
         out["path"] = save(kind, res, a.out)
