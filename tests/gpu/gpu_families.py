@@ -386,11 +386,12 @@ def _deepseek_v4_rule(pname, p, g, config=None) -> bool:
     return False
 
 
-def _deepseek_v4_buffers(model, g):
-    """DeepSeek-V4's routing state is buffers HF initializes to zeros (the checkpoint brings the
-    values): every token hashed to expert 0 and no correction bias would leave the table and the
-    bias untested. Each hash table row gets K distinct experts drawn from the E, each correction
-    bias 0.1 * normal (the sqrtsoftplus scores differ by about that: it moves the top-k)."""
+def _routing_buffers(model, g):
+    """DeepSeek-V3's and V4's routing state is buffers HF initializes to zeros (the checkpoint
+    brings the values): every token hashed to expert 0 and no correction bias would leave the table
+    and the bias untested. Each hash table row (V4) gets K distinct experts drawn from the E, each
+    correction bias (V3's noaux_tc, V4) 0.1 * normal (the sigmoid / sqrtsoftplus scores differ by
+    about that: it moves the top-k). DeepSeek-V2 models (greedy top-k) have neither."""
     import torch
     for name, b in model.named_buffers():
         if name.endswith("gate.tid2eid"):
@@ -402,20 +403,10 @@ def _deepseek_v4_buffers(model, g):
             b.copy_(0.1 * torch.randn(b.shape, generator=g, device=b.device))
 
 
-def _deepseek_v3_buffers(model, g):
-    """DeepSeek-V3's correction bias (noaux_tc) is a buffer HF initializes to zeros: drawn
-    0.1 * normal as DeepSeek-V4's (_deepseek_v4_buffers), so that it moves the top-8. DeepSeek-V2
-    models (greedy top-k) have none: nothing changes for them."""
-    import torch
-    for name, b in model.named_buffers():
-        if name.endswith("gate.e_score_correction_bias"):
-            b.copy_(0.1 * torch.randn(b.shape, generator=g, device=b.device))
-
-
 # spec family -> rule(parameter name, parameter, generator) -> True where it drew the parameter
 REDRAW = {"qwen3_5": _qwen3_5_rule, "gpt_oss": _gpt_oss_rule, "deepseek_v4": _deepseek_v4_rule}
 # spec family -> fill(model, generator): buffers that hold weights (saved with the checkpoint)
-REDRAW_BUFFERS = {"deepseek_v4": _deepseek_v4_buffers, "deepseek_v2": _deepseek_v3_buffers}
+REDRAW_BUFFERS = {"deepseek_v4": _routing_buffers, "deepseek_v2": _routing_buffers}
 
 
 def redraw(model, seed: int = 0, family: str | None = None):
