@@ -58,6 +58,9 @@ REGISTRY = {v.name: v for v in (
     Var("INFC_KV_SAVE_STAGING_BYTES", "int", 256 << 20, "device memory the host KV tier's saves "
         "are gathered into before the copy engine moves them to the host (0: the block_copy kernel "
         "writes the mapped host slab itself, holding its SMs for the PCIe transfer; an A/B switch)"),
+    Var("INFC_KV_SAVE_PROGRAMS", "int", 0, "programs a host KV tier save's block_copy launch "
+        "takes (its gather into staging, or its writes into the mapped slab; 0: the kernel's own "
+        "bound, PROGRAMS in codegen_templates/triton/block_copy.py.j2)"),
     Var("INFC_EP_GATHER", "flag", False, "expert-parallel dispatch of replicated rows: gather the "
         "owners' rows over NCCL anyway instead of selecting them locally (1: on, an A/B switch)"),
     Var("INFC_COLLECTIVE_CLOCK", "flag", False, "time each rank's collectives on its stream, by op "

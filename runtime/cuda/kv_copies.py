@@ -66,6 +66,7 @@ class DeviceCopies:
                 self._ring = [None] * RING               # page-locked pairs, made on first use
                 self._args: dict[str, tuple] = {}
                 staging = envs.value("INFC_KV_SAVE_STAGING_BYTES")
+                self.save_programs = envs.value("INFC_KV_SAVE_PROGRAMS")
                 self.stage_rows = min(self.max_pairs, staging // self.block_bytes)
                 self._stage = ctx.alloc(self.stage_rows * self.block_bytes) if self.stage_rows else None
 
@@ -147,7 +148,10 @@ class DeviceCopies:
         k, items = self.kernel, n * self.num_regions
         args.set(n_slot, items)
         args.set(p_slot, pairs_ptr)
-        launch(self.ctx, k.fn, grid(k.meta, {"N": items}), k.block, k.shared, args, stream=self.stream)
+        g = grid(k.meta, {"N": items})
+        if key != "load" and self.save_programs:    # the programs loop over the items: any grid holds
+            g = (min(items, self.save_programs), 1, 1)
+        launch(self.ctx, k.fn, g, k.block, k.shared, args, stream=self.stream)
 
     def _packed(self, key: str):
         """The kernel's arguments for saves, loads or gathers into staging ("stage"), packed once;

@@ -106,7 +106,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv | tee "$OUT/gpu.txt"
-if [ -n "$(echo " $STAGES " | sed -e 's/ families / /g' -e 's/ qwen35 / /g' -e 's/ ranks / /g' -e 's/ p2p / /g' -e 's/ deepseek / /g' -e 's/ dsv4 / /g' -e "s/ moe / /g" -e 's/ profile-moe / /g' -e 's/ server-families / /g' -e 's/ twogpu[a-z-]* / /g' -e 's/ twogpu[a-z-]* / /g' | tr -d ' ')" ]; then   # a stage besides families / qwen35 / ranks / deepseek / dsv4 / profile-moe / server-families / twogpu*
+if [ -n "$(echo " $STAGES " | sed -e 's/ families / /g' -e 's/ qwen35 / /g' -e 's/ ranks / /g' -e 's/ p2p / /g' -e 's/ deepseek / /g' -e 's/ dsv4 / /g' -e 's/ gptoss / /g' -e 's/ tier-probe / /g' -e 's/ tier-throughput / /g' -e "s/ moe / /g" -e 's/ profile-moe / /g' -e 's/ server-families / /g' -e 's/ twogpu[a-z-]* / /g' -e 's/ twogpu[a-z-]* / /g' | tr -d ' ')" ]; then   # a stage besides families / qwen35 / ranks / deepseek / dsv4 / profile-moe / server-families / twogpu*
   say "models"
   timeout 300 python3 -c "import sys; sys.path.insert(0,'tests/gpu'); import models; [models.model_dir(m) for m in ('qwen3-4b','llama-3.2-1b','tiny-moe','skipgram')]" 2>&1 | tail -12
   say "models ready"
@@ -506,24 +506,55 @@ models.model_dir('$q')" 2>&1 | tail -3
           --out "$OUT/lora-profile" 2>&1 | quiet | grep -vE "^\|" | tail -12
       done ;;
     tier-throughput)
-      # issue 44: 1024/128 throughput of qwen3-4b at TIER_CONCURRENCY (default 256) with the host
-      # KV tier off and on (--kv-offloading-size TIER_GIB, default 32: every finished sequence's
-      # blocks are copied out), alternating TIER_RUNS (default 2) times, same engine flags otherwise;
-      # TIER_MAPPED=1 adds a third: the tier on with INFC_KV_SAVE_STAGING_BYTES=0 (saves written
-      # by the kernel straight into the mapped slab, as before the staging buffer), *-mapped-run*.json
+      # issue 44: 1024/128 throughput of qwen3-4b (dummy weights) at TIER_CONCURRENCY (default 256)
+      # with the host KV tier off and on (--kv-offloading-size TIER_GIB, default 32: every finished
+      # sequence's blocks are copied out), alternating TIER_RUNS (default 2) times, same engine flags
+      # otherwise. TIER_VARIANTS (default "off on") names the runs: off, on, or NAME=ENV=VALUE,...
+      # (the tier on under those variables, e.g. mapped=INFC_KV_SAVE_STAGING_BYTES=0): *-NAME-runN.json
       mkdir -p "$OUT/tier"
       for run in $(seq ${TIER_RUNS:-2}); do
-        for cfg in 0 ${TIER_GIB:-32} ${TIER_MAPPED:+${TIER_GIB:-32}:mapped}; do
-          gib=${cfg%%:*}; tag=; staging=$((256 << 20))
-          [ "$cfg" != "$gib" ] && { tag=-mapped; staging=0; }
-          say "tier-throughput: --kv-offloading-size $gib$tag (run $run)"
-          INFC_KV_SAVE_STAGING_BYTES=$staging timeout ${THROUGHPUT_S:-300} python3 -m infc.cli bench throughput \
-            --model-path "$MODELS/qwen3-4b" --concurrency ${TIER_CONCURRENCY:-256} --kv-offloading-size $gib \
-            --out "$OUT/tier" 2>&1 | quiet | grep -E "concurrency|wrote|rror" | tail -4
+        for v in ${TIER_VARIANTS:-off on}; do
+          name=${v%%=*} envs= gib=${TIER_GIB:-32}
+          case $v in *=*) envs=$(echo "${v#*=}" | tr , ' ') ;; off) gib=0 ;; esac
+          say "tier-throughput: $name, --kv-offloading-size $gib $envs (run $run)"
+          env $envs timeout ${THROUGHPUT_S:-300} python3 -m infc.cli bench throughput \
+            --model-path .cache/gpu/configs/qwen3-4b --load-format dummy --concurrency ${TIER_CONCURRENCY:-256} \
+            --kv-offloading-size $gib --out "$OUT/tier" 2>&1 | quiet | grep -E "concurrency|wrote|rror" | tail -4
           f=$(ls -t "$OUT"/tier/throughput-*.json | grep -v -- '-run[0-9]*\.json$' | head -1)
-          cp "$f" "${f%.json}$tag-run$run.json"
+          cp "$f" "${f%.json}-$name-run$run.json"
         done
       done ;;
+    tier-probe)
+      # issue 44: each variant of tools/experiments/tier_hit_probe.py in its own process (TIER_PROBE
+      # picks them): warm +16 hits at 16k / 32k beside the tier's saves, one piece of them left out
+      mkdir -p "$OUT/tier-probe"
+      # (an entry NAME=ENV=VALUE,ENV=VALUE runs variant `on` under those variables, e.g.
+      # p8=INFC_KV_SAVE_PROGRAMS=8)
+      for v in ${TIER_PROBE:-off on settle mapped nocopy gather dtoh}; do
+        name=${v%%=*} var=on envs=
+        case $v in *=*) envs=$(echo "${v#*=}" | tr , ' ') ;; *) var=$v ;; esac
+        env $envs timeout ${PROBE_S:-90} python3 tools/experiments/tier_hit_probe.py .cache/gpu/configs/qwen3-4b \
+          "$OUT/tier-probe/$name.json" $var --lengths ${PROBE_LENGTHS:-16384,32768} 2>&1 | quiet \
+          | grep -E "L=|rror" | sed "s/^on     /$name /" | tail -6
+      done ;;
+    gptoss)
+      # issue 45: GPT-OSS-20B at full depth (24 layers, MXFP4 experts, dummy weights, prepare.py
+      # gptoss): batch-1 TPOT / TTFT against the active floor, the decode step per launch, and
+      # 1024/1024 throughput at GPTOSS_CONCURRENCY (TensorRT-LLM publishes 13,890 tok/s an H200)
+      art=.cache/gpu/gpt-oss-20b-art cfg=.cache/gpu/configs/gpt-oss-20b
+      python3 tests/gpu/rerender.py $art 2>&1 | tail -2
+      rm -rf "$OUT/gptoss"; mkdir -p "$OUT/gptoss"
+      timeout ${LATENCY_S:-240} python3 -m infc.cli bench latency --artifact $art --model-path $cfg \
+        --load-format dummy --no-hf --prompts 32,1024 --output-len 128 --out "$OUT/gptoss" 2>&1 | quiet | tail -8
+      for f in "$OUT/gptoss"/latency-*.json; do
+        [ -f "$f" ] && python3 -m infc.bench.active_floor --artifact $art --latency "$f" --output-len 128 2>&1 | tail -8
+      done
+      [ "${GPTOSS_PROFILE:-1}" != 0 ] && timeout ${PROFILE_S:-150} python3 -m infc.cli bench profile --artifact $art \
+        --model-path $cfg --load-format dummy --out "$OUT/gptoss" --steps ${GPTOSS_PROFILE_STEPS:-decode_b1} --reps 10 \
+        2>&1 | quiet | tail -60
+      [ "${GPTOSS_CONCURRENCY:-256}" != 0 ] && timeout ${THROUGHPUT_S:-300} python3 -m infc.cli bench throughput \
+        --artifact $art --model-path $cfg --load-format dummy --input-len 1024 --output-len 1024 \
+        --concurrency ${GPTOSS_CONCURRENCY:-256} --out "$OUT/gptoss" 2>&1 | quiet | grep -E "concurrency|wrote|rror" | tail -4 ;;
     tier-prefix)
       mkdir -p "$OUT/tier-prefix"
       p="python3 -m infc.cli bench prefix --model-path .cache/gpu/configs/qwen3-4b --load-format dummy --path engine
