@@ -119,7 +119,21 @@ def run(model_dir: str, variant: str, lengths: list[int], reps: int, new: int = 
         submit(prefix)
         if variant == "settle":
             time.sleep(0.5)
+        prof = None
+        if os.environ.get("TIER_PROBE_PROFILE"):           # the warm hits' host time, by function
+            import cProfile
+            prof = cProfile.Profile()
+            submit(prefix + make(new))
+            prof.enable()
         warm = [submit(prefix + make(new)) for _ in range(reps + 1)][1:]
+        if prof is not None:
+            import io
+            import pstats
+            prof.disable()
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+            with open(os.environ["TIER_PROBE_PROFILE"] + f"-{variant}-{L}.txt", "w") as f:
+                f.write(buf.getvalue())
         med = lambda key, rs: float(np.median([sum(r[key]) if isinstance(r[key], list) else r[key] for r in rs]))
         out["lengths"][str(L)] = {"cold_ttft_ms": med("ttft_ms", cold), "warm_ttft_ms": med("ttft_ms", warm),
                                   "warm_gpu_ms": med("gpu_ms", warm), "warm_launch_ms": med("launch_ms", warm),
