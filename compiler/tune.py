@@ -168,10 +168,12 @@ _ATTN_MIXED = [{"SPLIT_BLOCK_N": 32}, {"SPLIT_BLOCK_N": 128}, {"SPLIT_MIN_KEYS":
                # 16 prompts' flash tiles, 1,100 -> 823 us a layer; bench/NOTES.md ninth session)
                {"BLOCK_N": 64, "num_warps": 4}]
 # latent_attention_decode (DeepSeek's absorbed MLA over the latent cache): 33.6 us a layer at
-# 1k cached tokens on an H100 (bench/NOTES.md issue 13), its 32 splits merged by one program
+# 1k cached tokens on an H100 (bench/NOTES.md issue 13), its 32 splits merged by one program.
+# BLOCK_H 32: DeepSeek-V3's 128 heads in 4 blocks, not the default's 2 (for a model of at most 32
+# heads it renders the default kernel)
 _LATENT_DECODE = [{"NUM_SPLITS": 8}, {"NUM_SPLITS": 16}, {"NUM_SPLITS": 64}, {"BLOCK_N": 64},
                   {"TARGET_CTAS": 132}, {"TARGET_CTAS": 528}, {"MERGE_CHUNK": 4}, {"MERGE_CHUNK": 16},
-                  {"num_warps": 4}, {"num_stages": 3}]
+                  {"num_warps": 4}, {"num_stages": 3}, {"BLOCK_H": 32}]
 # head_linear (MLA's absorbed W_uk / W_uv, a GEMM per head): at batch 1 W_uv's launch is 16 heads x
 # 2 blocks of 64 outputs = 32 programs, each streaming 64 KB of its head's 128 x 512 (bench/NOTES.md,
 # 2026-11-27): smaller N blocks give it more programs

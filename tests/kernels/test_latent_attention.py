@@ -9,9 +9,12 @@ import numpy as np
 import pytest
 import torch
 
+from infc.compiler.contract.errors import TemplateError
 from infc.compiler.ops import REGISTRY, ShapeError
 from infc.compiler.ops.rope import rotate
 from infc.compiler.ir import TensorType
+
+from tests.exhaustive import EXHAUSTIVE
 
 from .harness import poison, rand, rel_err, render, run
 from .test_attention_kernels import PS, Ctx, cdiv
@@ -94,6 +97,78 @@ def test_latent_attention_decode(h, dc, dr, lens, tune):
     page = LatentPaged(np.random.default_rng(len(lens) + dc), [(L - 1, 1) for L in lens], dc + dr)
     B = len(lens)
     assert _latent("latent_attention_decode", "decode", page, h, dc, dr, tune, {"T": B, "B": B}) <= TOL
+
+
+# More heads than one program holds (DeepSeek-V3's 128, Kimi-K2's 64 under data-parallel attention):
+# BLOCK_H heads a program, a third grid dimension over the head blocks, and the split-K merge per
+# (sequence, head block). Tiny head dims keep the interpreter fast; H and BLOCK_H are what matter.
+HEAD_BLOCK_CASES = [
+    # h, dc, dr, context lens, tune
+    # 3 blocks, the last of 16 heads; splits of up to 3 merge per (sequence, block); L = 1 unsplit
+    pytest.param(80, 32, 16, [1, 37, 70], {"BLOCK_H": 32, "NUM_SPLITS": 4, "BLOCK_N": 16}, id="h80-bh32-splits"),
+    pytest.param(80, 32, 16, [45, 3], {"BLOCK_H": 32, "NUM_SPLITS": 1, "BLOCK_N": 16}, id="h80-bh32-one-split",
+                 marks=EXHAUSTIVE),
+    # the default block (64) at H = 128: two blocks of 64 on a split-K merge, then unsplit
+    pytest.param(128, 16, 16, [70, 1, 33], {"NUM_SPLITS": 8, "BLOCK_N": 16, "MERGE_CHUNK": 2}, id="h128-splits",
+                 marks=EXHAUSTIVE),
+    pytest.param(128, 16, 16, [70, 20], {"NUM_SPLITS": 1}, id="h128-one-split", marks=EXHAUSTIVE),
+    # a block that is no power of two (48 of 72: rows padded to 64), ns from cdiv(TARGET_CTAS, B * NHB)
+    pytest.param(72, 40, 8, [100, 17], {"BLOCK_H": 48, "NUM_SPLITS": 16, "TARGET_CTAS": 12, "BLOCK_N": 16},
+                 id="h72-bh48-ctas", marks=EXHAUSTIVE),
+]
+
+
+@pytest.mark.parametrize("h,dc,dr,lens,tune", HEAD_BLOCK_CASES)
+def test_latent_attention_decode_head_blocks(h, dc, dr, lens, tune):
+    page = LatentPaged(np.random.default_rng(h + len(lens)), [(L - 1, 1) for L in lens], dc + dr)
+    B = len(lens)
+    assert _latent("latent_attention_decode", "decode", page, h, dc, dr, tune, {"T": B, "B": B}) <= TOL
+
+
+def _decode_meta(h, dc=512, dr=64, tune=None, page_size=16):
+    d = dc + dr
+    k = render("latent_attention_decode", "latent_attention", [("q", ["T", h, d], "bf16"), ("kv", ["T", d], "bf16")],
+               [("o", ["T", h, dc], "bf16")], attrs={"scale": 0.1, "rope_dim": dr}, phase="decode",
+               caches=latent_caches(d), tune=tune, page_size=page_size)
+    return k.meta
+
+
+def test_latent_attention_decode_head_block_default():
+    """All heads in one program up to 64 (no third grid dimension: those plans render as before
+    head blocks), blocks of 64 past it; a (sequence, head block) counter each; partial rows for
+    B + TARGET_CTAS / NHB (B * ns of them, ns <= cdiv(TARGET_CTAS, B * NHB))."""
+    for h in (16, 64):
+        meta = _decode_meta(h)
+        assert meta["grid"][2] == 1 and "BLOCK_H" not in meta["constexprs"]
+        assert meta["scratch"]["counter"] == "B * 4"
+    meta = _decode_meta(128)
+    assert meta["grid"] == ["B", "min(32, max(1, cdiv(264, B * 2)))", 2]
+    assert meta["constexprs"]["BLOCK_H"] == 64 and meta["constexprs"]["H_PAD"] == 64
+    assert meta["scratch"] == {"partial_o": f"(B + 132) * {128 * 512 * 4}", "partial_ml": f"(B + 132) * {2 * 128 * 4}",
+                               "counter": "B * 8"}
+    assert _decode_meta(128, tune={"BLOCK_H": 256})["grid"][2] == 1      # a block past H is all of H
+    with pytest.raises(TemplateError, match="BLOCK_H must be a positive int"):
+        _decode_meta(128, tune={"BLOCK_H": 0})
+
+
+@EXHAUSTIVE
+@pytest.mark.parametrize("h,page_size", [(128, 16), (128, 64), (64, 64)])
+def test_latent_attention_decode_fits_sm90_shared_memory(h, page_size, tmp_path, monkeypatch):
+    """DeepSeek-V3's 128 heads of 512 + 64 (and Kimi-K2's 64) compile for sm_90 within its shared
+    memory at the default tune, for both tables' pages (H100 16 tokens, H200 64): all 128 heads in
+    one program needed 262,144 bytes (294,912 on 64-token pages), past sm_90's 232,448. Compiled
+    here by Triton (no GPU) in the build's own worker (a spawned process: this one interprets),
+    into an empty kernel cache, and refused by its own check (aot.check_shared) were it past."""
+    from infc.compiler.codegen import aot
+    monkeypatch.setattr(aot, "CACHE", tmp_path / "kcache")
+    monkeypatch.setenv("INFC_CACHE", str(tmp_path / "kcache"))      # the spawned worker reads it
+    d = 576
+    k = render("latent_attention_decode", "latent_attention", [("q", ["T", h, d], "bf16"), ("kv", ["T", d], "bf16")],
+               [("o", ["T", h, 512], "bf16")], attrs={"scale": 0.1, "rope_dim": 64}, phase="decode",
+               caches=latent_caches(d), page_size=page_size)
+    res = aot.compile_kernels({k.id: k}, tmp_path / "bin", "sm_90", jobs=1, progress=False)
+    assert res["compiled"] == [k.id]
+    assert 0 < res["kernels"][k.id]["shared"] <= aot.MAX_SHARED[90], res["kernels"][k.id]["shared"]
 
 
 PREFILL_CASES = [
