@@ -156,6 +156,8 @@ def test_quantized_experts(scheme, launch, path):
     template = TEMPLATES[launch][path.split("-")[0]]
     k = CASE[launch](SCHEMES[scheme], T, KT, template, tune, zlib.crc32(f"{scheme}{launch}{path}".encode()))
     assert "_w_deq" in k.source and ("_a_quant" in k.source) == (SCHEMES[scheme].act != "none")
+    # MXFP4 (e2m1, 32-column scales) on tl.dot_scaled in all four templates, no other format
+    assert ("tl.dot_scaled(_w_raw(" in k.source) == (SCHEMES[scheme].codes == "e2m1")
 
 
 # fast: one path each launch (tests/kernels/test_moe_gated_kernels.py runs the bf16 paths with
