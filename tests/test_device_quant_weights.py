@@ -208,6 +208,8 @@ def test_dummy_fills_valid_quantized_weights(tmp_path, fake_driver):
             s = roles[name][1] if name in roles else None
             if role == "w_scale":          # positive, and W = code * scale has the bf16 rule's RMS
                 assert (a > 0).all()
+                if s["codes"] == "e2m1":       # MX scales are e8m0's: powers of two
+                    assert (np.frexp(a)[0] == 0.5).all(), name
                 codes = cpu[roles[name][2]][i]
                 zero = 8.0 if s["codes"] == "u4" else 128.0 if s["codes"] == "u8" else 0.0
                 rms = math.sqrt(np.mean(np.square(codes - zero))) * float(a.mean())
