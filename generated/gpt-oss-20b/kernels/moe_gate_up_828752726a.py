@@ -22,7 +22,7 @@
 # The path depends only on how many tokens chose e, and each token's sums are its own: the
 # same bits from run to run.
 # Quantized experts: e2m1 codes, scales per 1 rows x 32 columns (518400 an
-#   expert, expert e's from e * 518400 on), dequantized in registers; x quantized none.
+#   expert, expert e's from e * 518400 on); x quantized none.
 #   OCP MXFP4 (e2m1 codes, a power-of-two scale per row and 32 columns, stored as the float 2^(b - 127)):
 #   the tensor-core path, taken at every token count, hands a [BLOCK_F, BLOCK_K / 2] tile of packed
 #   codes and its [BLOCK_F, BLOCK_K / 32] e8m0 scale bytes to tl.dot_scaled with x^T in bf16:

@@ -13,7 +13,7 @@
 # completes the token's distinct experts adds the token's 4 partials in slot order and writes
 # y[t] (the same bits whatever order the experts finish in), leaving the counter zero.
 # Quantized experts: e2m1 codes, scales per 1 rows x 32 columns (259200 an
-#   expert, expert e's from e * 259200 on), dequantized in registers; act rows quantized none.
+#   expert, expert e's from e * 259200 on); act rows quantized none.
 #   OCP MXFP4 (e2m1 codes, a power-of-two scale per row and 32 columns, stored as the float 2^(b - 127)):
 #   the tensor-core path, taken at every token count, hands a [BLOCK_H, BLOCK_K / 2] tile of packed
 #   codes and its [BLOCK_H, BLOCK_K / 32] e8m0 scale bytes to tl.dot_scaled with act^T in bf16:
