@@ -6,7 +6,7 @@ Stacks of random codes per expert (valid e4m3; u4 / e2m1 packed two a byte) with
 (and zero points) per expert; H = 48 and F = 40 are ragged against the K tiles and the groups of
 32, F against BLOCK_F / BLOCK_H. Schemes: Qwen3-30B-A3B-FP8's fp8 blocks with dynamic group
 activations (at test scale, 8-row blocks so that gate's rows end on a block as the pass asks),
-Kimi-K2's int4 symmetric group 32, GPT-OSS's MXFP4 (e2m1, e8m0-like scales, group 32); then
+Kimi-K2's int4 symmetric group 32, GPT-OSS's MXFP4 (e2m1, power-of-two scales, group 32: tl.dot_scaled); then
 fp8 at the published 128 x 128 (one ragged group, whole-group tiles raised to 128), asymmetric
 u4 and u8. Both decode paths (CUDA cores at one token, tensor cores past FMA_T) and the grouped
 GEMMs (gate_up's interleaved PAIR and two-dot forms), one fast case per format, the rest with
