@@ -141,6 +141,18 @@ def test_every_code_dtype_built_on_the_host(tmp_path):
         dw.DeviceWeights(FakeContext(), bad, tmp_path, progress=False)
 
 
+def test_mxfp4_scales_must_be_powers_of_two():
+    """The fp4 experts' decode kernels take a scale as its e8m0 exponent byte: every e8m0 value
+    (2^-127 a subnormal) loads, a float scale between two powers is refused naming the weight;
+    other formats' scales stay any float."""
+    mx = ("w_scale", {"codes": "e2m1", "block_k": 32}, "we_down")
+    dw._check_mx_scale(mx, np.ldexp(np.float32(1), np.arange(-127, 128)).astype(np.float32), "w")
+    with pytest.raises(ModelDirError, match="weight 'we_down_qscale'.* not powers of two"):
+        dw._check_mx_scale(mx, np.array([0.25, 0.75], np.float32), "weight 'we_down_qscale'")
+    dw._check_mx_scale(("w_scale", {"codes": "u4", "block_k": 32}, "w"), np.array([0.75], np.float32), "w")
+    dw._check_mx_scale(("codes", {"codes": "e2m1", "block_k": 32}, "w"), np.array([0.75], np.float32), "w")
+
+
 # ---- --load-format dummy ----
 SCHEMES = {   # a quantized linear's scheme per code dtype, as compiler/quant/scheme.py writes it
     "f8e4m3": dict(codes="f8e4m3", block_n=16, block_k=48, zeros=False, g_idx=False, act="static", act_group=None),
@@ -196,6 +208,8 @@ def test_dummy_fills_valid_quantized_weights(tmp_path, fake_driver):
             s = roles[name][1] if name in roles else None
             if role == "w_scale":          # positive, and W = code * scale has the bf16 rule's RMS
                 assert (a > 0).all()
+                if s["codes"] == "e2m1":       # MX scales are e8m0's: powers of two
+                    assert (np.frexp(a)[0] == 0.5).all(), name
                 codes = cpu[roles[name][2]][i]
                 zero = 8.0 if s["codes"] == "u4" else 128.0 if s["codes"] == "u8" else 0.0
                 rms = math.sqrt(np.mean(np.square(codes - zero))) * float(a.mean())

@@ -126,6 +126,18 @@ def _nan_codes(view, where: str):
         raise ModelDirError(f"{where} holds NaN codes (e4m3 0x7f/0xff)")
 
 
+def _check_mx_scale(role, a: np.ndarray, where: str):
+    """An MXFP4 scale (e2m1 codes, a scale a row and 32 columns) must be a power of two: the MoE
+    decode kernels hand it to tl.dot_scaled as its e8m0 exponent byte (triton/_quant.j2 _w_e8m0).
+    e8m0 checkpoints are; a float scale tensor (fp8's expert_dtype fp4 without ue8m0) may not be."""
+    if role is None or role[0] != "w_scale" or role[1]["codes"] != "e2m1" or role[1]["block_k"] != 32:
+        return
+    m, _ = np.frexp(np.asarray(a, np.float32))
+    if not (m == 0.5).all():
+        raise ModelDirError(f"{where} holds MXFP4 scales that are not powers of two (e8m0): the fp4 "
+                            f"experts run on e8m0 scales")
+
+
 class DeviceWeights:
     """name -> device pointer (or a list of per-layer pointers); `bytes` is their total size."""
 
@@ -172,6 +184,7 @@ class DeviceWeights:
                 if got is None:
                     a, what = build(w["source"], layer, read, str(ckpt.dir))
                     check_shape(ckpt, name, w, a.shape, what)
+                    _check_mx_scale(roles.get(name), a, f"{ckpt.dir}: weight '{name}' ({what})")
                     try:
                         data = _built(w, a).view(np.uint8).reshape(-1)
                     except ValueError as e:     # values that are no codes of the plan's dtype

@@ -27,7 +27,10 @@ compiler/contract/weight_roles.py) are random but valid, and dequantize to the m
     w_scale             (0.02 / CODE_STD[codes]) * (1 + 0.05 * z): positive; CODE_STD is the root
                         mean square of value(code) - zero over those codes, so W's elements have
                         the bf16 matrices' 0.02 RMS (e4m3: heavy-tailed, but |W| <= 448 * 0.02 /
-                        107 = 0.084)
+                        107 = 0.084); MXFP4's (e2m1, 32-column groups)
+                        that value's nearest power of two, unjittered (e8m0 holds nothing else,
+                        and the fp4 experts' kernels read a scale as its exponent byte): 2^-7,
+                        W's RMS 0.023
     w_zero              floor(2^(bits-1) + 0.5 + spread * z): an integer zero point near the
                         middle of the code range, inside it (u4: 1..15, u8: 17..239)
     w_gidx              k // block_k: each column's group, valid for act-order kernels too
@@ -39,7 +42,7 @@ import zlib
 
 import numpy as np
 
-from infc.compiler.contract.safetensors_io import E4M3, f32_to_bf16_bits
+from infc.compiler.contract.safetensors_io import E4M3, MX_BLOCK, f32_to_bf16_bits
 from infc.compiler.contract.schema import nbytes
 from infc.compiler.contract.weight_roles import fill_kind, quant_roles
 from .quant_pack import E2M1, unpack_nibbles
@@ -96,6 +99,8 @@ def rule(w: dict, role=None) -> tuple[float, float]:
         bits = 4 if scheme["codes"] in ("u4", "e2m1") else 8
         if what == "w_scale":
             base = STD / CODE_STD[scheme["codes"]]
+            if scheme["codes"] == "e2m1" and scheme.get("block_k") == MX_BLOCK:
+                return 0.0, float(2.0 ** round(math.log2(base)))     # MX: e8m0, a power of two
             return JITTER * base, base
         if what == "w_zero":
             return ZERO_SPREAD[bits], float(1 << (bits - 1)) + 0.5

@@ -6,7 +6,7 @@ Stacks of random codes per expert (valid e4m3; u4 / e2m1 packed two a byte) with
 (and zero points) per expert; H = 48 and F = 40 are ragged against the K tiles and the groups of
 32, F against BLOCK_F / BLOCK_H. Schemes: Qwen3-30B-A3B-FP8's fp8 blocks with dynamic group
 activations (at test scale, 8-row blocks so that gate's rows end on a block as the pass asks),
-Kimi-K2's int4 symmetric group 32, GPT-OSS's MXFP4 (e2m1, e8m0-like scales, group 32); then
+Kimi-K2's int4 symmetric group 32, GPT-OSS's MXFP4 (e2m1, power-of-two scales, group 32: tl.dot_scaled); then
 fp8 at the published 128 x 128 (one ragged group, whole-group tiles raised to 128), asymmetric
 u4 and u8. Both decode paths (CUDA cores at one token, tensor cores past FMA_T) and the grouped
 GEMMs (gate_up's interleaved PAIR and two-dot forms), one fast case per format, the rest with
@@ -49,6 +49,10 @@ def quantized_stack(s: QuantScheme, n: int, k: int, gen):
     values = _codes(s, (E, n, k), gen)
     typical = {"f8e4m3": 60.0, "e2m1": 3.0, "u4": 4.0, "u8": 64.0}[s.codes]
     comp = {"w_scale": (gen.uniform(0.5, 1.5, (E,) + s.scale_shape(n, k)) / (typical * k ** 0.5)).astype(np.float32)}
+    if s.codes == "e2m1":
+        # MX scales are e8m0, powers of two (what the e8m0 recipe loads): spread over five of them
+        base = np.round(np.log2(1 / (typical * k ** 0.5)))
+        comp["w_scale"] = np.exp2(base + gen.integers(-2, 3, (E,) + s.scale_shape(n, k))).astype(np.float32)
     if s.zeros:
         comp["w_zero"] = np.round(gen.uniform(0, (1 << s.bits) - 1, (E,) + s.scale_shape(n, k))).astype(np.float32)
     stored = torch.from_numpy(to_storage(values, s.codes))
@@ -152,6 +156,8 @@ def test_quantized_experts(scheme, launch, path):
     template = TEMPLATES[launch][path.split("-")[0]]
     k = CASE[launch](SCHEMES[scheme], T, KT, template, tune, zlib.crc32(f"{scheme}{launch}{path}".encode()))
     assert "_w_deq" in k.source and ("_a_quant" in k.source) == (SCHEMES[scheme].act != "none")
+    # MXFP4 (e2m1, 32-column scales) on tl.dot_scaled in all four templates, no other format
+    assert ("tl.dot_scaled(_w_raw(" in k.source) == (SCHEMES[scheme].codes == "e2m1")
 
 
 # fast: one path each launch (tests/kernels/test_moe_gated_kernels.py runs the bf16 paths with
@@ -201,3 +207,53 @@ def test_quantized_experts_refuse_what_they_do_not_compute():
            ("rows", [E, "T"], "i32"), ("counts", [E], "i32"), ("w_scale", [E, 2 * F, 1], "f32", "weight")]
     with pytest.raises(TemplateError, match="quantized_experts_take_no_act_order_g_idx_nor_static_activations"):
         render("moe_gate_up", "moe_gate_up", ins, [("act", ["T", 2, F], "bf16")], attrs=_attrs(s))
+
+
+# GPT-OSS's MXFP4 experts on the decode templates' dot_scaled path (every token count on the tensor
+# cores): 1 token (one BLOCK_T tile, 15 rows masked), 3, and 17 (two BLOCK_T tiles: the second
+# holds one token); K (H = 48 for gate_up, F = 40 for down) ragged against BLOCK_K 64 and the
+# default 256, the tail group of down's 40 columns half past K; E = 10 with experts nobody chose
+MX_DECODE = [("gate_up", 1, 8, {}), ("down", 3, 2, {}), ("gate_up", 17, 2, {"BLOCK_K": 64, "TC": 16}),
+             ("down", 17, 4, {"BLOCK_K": 64}), ("gate_up", 3, 4, {"BLOCK_F": 16, "BLOCK_K": 32}),
+             ("down", 1, 8, {"BLOCK_H": 16, "BLOCK_K": 32})]
+
+
+@pytest.mark.parametrize("launch,T,KT,tune", [
+    pytest.param(*row, id=f"{row[0]}-T{row[1]}-{'-'.join(f'{k}{v}' for k, v in row[3].items()) or 'default'}",
+                 marks=() if i < 4 else EXHAUSTIVE) for i, row in enumerate(MX_DECODE)])
+def test_mxfp4_decode_dots_codes_and_e8m0_scales(launch, T, KT, tune):
+    s = SCHEMES["e2m1-g32"]
+    template = TEMPLATES[launch]["decode"]
+    k = CASE[launch](s, T, KT, template, tune, zlib.crc32(f"mx{launch}{T}{KT}".encode()))
+    c = k.meta["constexprs"]
+    assert c["FMA_T"] == 0 and "tl.dot_scaled(_w_raw(" in k.source and "_w_e8m0(ws, " in k.source
+    assert c["BLOCK_K"] == tune.get("BLOCK_K", 256)
+
+
+def test_mxfp4_e8m0_bytes_of_the_stored_scales(tmp_path):
+    """_w_e8m0 reads the float scale's exponent field: 2^(b - 127) -> b for every finite byte an
+    e8m0 checkpoint holds (0's 2^-127 a subnormal), and 127 (1.0) past the row's groups."""
+    import importlib.util
+    ins = [("act", ["T", 2, F], "bf16"), ("weights", ["T", 2], "f32"), ("ids", ["T", 2], "i32"),
+           ("down", [E, H, F], "e2m1", "weight"), ("rows", [E, "T"], "i32"), ("counts", [E], "i32"),
+           ("w_scale", [E, H, 2], "f32", "weight")]
+    src = render("moe_down", "moe_down", ins, [("y", ["T", H], "bf16")], attrs=_attrs(SCHEMES["e2m1-g32"]),
+                 phase="decode").source
+    # F = 40: two groups a row; the probe reads 4 (a 128-column tile), rows 0..127
+    f = tmp_path / "mx_probe.py"
+    f.write_text(src + """
+
+@triton.jit
+def probe(t_ptr, out_ptr):
+    srow = tl.arange(0, 128)[:, None]
+    tl.store(out_ptr + srow * 4 + tl.arange(0, 4)[None, :], _w_e8m0(t_ptr, srow, 0, 128))
+""")
+    spec = importlib.util.spec_from_file_location("mx_probe", f)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    b = np.concatenate([np.arange(255), [127]]).reshape(128, 2)      # bytes 0..254, one pad
+    t = torch.from_numpy(np.ldexp(np.float32(1), b - 127).astype(np.float32))
+    out = torch.zeros((128, 4), dtype=torch.uint8)
+    mod.probe[(1,)](t, out)
+    np.testing.assert_array_equal(out.numpy()[:, :2], b)
+    assert (out.numpy()[:, 2:] == 127).all()

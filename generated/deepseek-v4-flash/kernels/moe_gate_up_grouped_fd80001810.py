@@ -1,28 +1,29 @@
 # moe_gate_up (grouped): act[t, j, f] = bf16(silu(g) * u),  e = ids[t, j],
-#   g = bf16(sum_k x[t, k] * w[e, f, k]),  u = bf16(sum_k x[t, k] * w[e, 2880 + f, k]),
+#   g = bf16(sum_k x[t, k] * w[e, f, k]),  u = bf16(sum_k x[t, k] * w[e, 2048 + f, k]),
 #   silu(g) = g / (1 + exp(-g)) in fp32 (g and u rounded to bf16 as the unfused model stores them).
-#   x [T, 2880] bf16, ids i32 [T, 4], w [128, 5760, 2880] bf16 (rows 0..2879 gate,
-#   2880..5759 up), rows i32 [128, T] / counts i32 [128] (moe_align: the tokens of each
-#   expert), act [T, 4, 2880] bf16; fp32 accumulate.
+#   x [T, 4096] bf16, ids i32 [T, 6], w [256, 4096, 4096] bf16 (rows 0..2047 gate,
+#   2048..4095 up), rows i32 [256, T] / counts i32 [256] (moe_align: the tokens of each
+#   expert), act [T, 6, 2048] bf16; fp32 accumulate.
 #
 # Grouped GEMM over the tokens sorted by expert (vLLM's and SGLang's fused_moe): every expert's
 # token list, cut in blocks of BLOCK_M = 128, makes the row blocks of one GEMM (expert 0's blocks
-# first; a program finds its expert and block from a prefix sum over the 128 counts, so an expert
+# first; a program finds its expert and block from a prefix sum over the 256 counts, so an expert
 # with no tokens has no block and a partial last block is masked). One program per [BLOCK_M tokens,
 # BLOCK_F = 128 gate columns + the matching up columns] tile: the token rows of x are gathered
 # (each a contiguous 16-byte-aligned run), the expert's gate and up rows stream through a K loop
-# of BLOCK_K = 64 steps (unmasked: 64 divides 2880) that the compiler software-pipelines over num_stages
+# of BLOCK_K = 64 steps (unmasked: 64 divides 4096) that the compiler software-pipelines over num_stages
 # shared-memory buffers (cp.async + async wgmma on sm_90); one dot per step over the interleaved
-# gate/up rows. Grid: cdiv(T * 4, 128) + min(128, T * 4)
-# row blocks (a bound on the experts' blocks; programs past the last exit) times 23 column
+# gate/up rows. Grid: cdiv(T * 6, 128) + min(256, T * 6)
+# row blocks (a bound on the experts' blocks; programs past the last exit) times 16 column
 # tiles, in groups of GROUP_M = 8 row blocks per column sweep. An expert's last block of at most
 # 64 tokens runs a 64-row tile (a second copy of the tile in the kernel). Each token's
 # result depends on its own row only, so the order of the lists does not change a bit of it.
-# Expert bias b [128, 5760] (gate | up, like w's rows) added to g and u before the activation.
-# The activation is clamped_swiglu (alpha 1.702, limit 7.0), not silu(g) * u.
-# Quantized experts: e2m1 codes, scales per 1 rows x 32 columns (518400 an
-#   expert, expert e's from e * 518400 on), each weight tile dequantized in registers; x quantized none;
-#   the tiles dotted in bf16.
+# The activation is clamped_silu (alpha 1.702, limit 10.0), not silu(g) * u.
+# MXFP4 experts: e2m1 codes, a power-of-two scale per row and 32 columns (524288 an expert, stored
+#   as the float 2^(b - 127)). Swap-AB, the codes the dot's lhs (upcast in registers, Hopper's wgmma
+#   takes A from registers): each K step
+#   accT[n, m] += sum_k value(code[n, k]) * 2^(b[n, k // 32] - 127) * x[m, k]   (tl.dot_scaled with
+#   x^T in bf16, fp32 sums; W exactly), the tile transposed once after the K loop.
 import triton
 import triton.language as tl
 
@@ -92,7 +93,7 @@ def _x_tile(x_rows, k, EVEN_K: tl.constexpr):
     if EVEN_K:
         a = tl.load(_ptr(x_rows, k))
     else:
-        a = tl.load(_ptr(x_rows, k), mask=k < 2880, other=0.0)
+        a = tl.load(_ptr(x_rows, k), mask=k < 4096, other=0.0)
     return a
 
 
@@ -127,18 +128,17 @@ def _store_act(act_ptr, a, toks, ok, idt, e, offs_f, F: tl.constexpr, KT: tl.con
 
 @triton.jit
 def _gated_act(g, u):
-    """act = bf16((u' + 1) g' sigmoid(alpha g')), g' = min(g, limit), u' = clamp(u, -limit, limit)
-    (GPT-OSS's experts: alpha 1.702, limit 7.0); g and u rounded to bf16 first, as
-    the unfused model stores them."""
-    g = tl.minimum(g.to(tl.bfloat16).to(tl.float32), 7.0)
-    u = tl.minimum(tl.maximum(u.to(tl.bfloat16).to(tl.float32), -7.0), 7.0)
-    return ((u + 1.0) * g / (1.0 + tl.exp(-1.702 * g))).to(tl.bfloat16)
+    """act = bf16(silu(g') u'), g' = min(g, limit), u' = clamp(u, -limit, limit) (DeepSeek-V4's experts:
+    swiglu_limit 10.0); g and u rounded to bf16 first, as the unfused model stores them."""
+    g = tl.minimum(g.to(tl.bfloat16).to(tl.float32), 10.0)
+    u = tl.minimum(tl.maximum(u.to(tl.bfloat16).to(tl.float32), -10.0), 10.0)
+    return (g / (1.0 + tl.exp(-g)) * u).to(tl.bfloat16)
 
 
 @triton.jit
 def _w_raw(w_rows, k0, k_end, BK: tl.constexpr):
     """The stored codes of W[rows, k0 : k0 + BK], zero past k_end: w_rows [BN, 1] row pointers
-    (1440 bytes a row), k0 a multiple of BK -> bytes [BN, BK / 2], two codes each."""
+    (2048 bytes a row), k0 a multiple of BK -> bytes [BN, BK / 2], two codes each."""
     j = k0 // 2 + tl.arange(0, BK // 2)[None, :]
     p = w_rows + j
     p = tl.multiple_of(p, [1, 16])
@@ -157,17 +157,17 @@ def _w_values(raw):
 
 @triton.jit
 def _w_group(t_ptr, srow, k0, k_end, BK: tl.constexpr):
-    """t[srow, g(k)] (w_scale or w_zero: 90 groups a row) over the tile's columns
+    """t[srow, g(k)] (w_scale or w_zero: 128 groups a row) over the tile's columns
     k0 .. k0 + BK: srow [BN, 1] the W rows' scale rows -> [BN, 1] (the tile in one group),
     [BN, BK / 32] (one a group of the tile) or [BN, BK] (a group per column)."""
     if 32 % BK == 0:
-        return tl.load(t_ptr + srow * 90 + tl.minimum(k0 // 32, 89))
+        return tl.load(t_ptr + srow * 128 + tl.minimum(k0 // 32, 127))
     elif BK % 32 == 0:
-        g = tl.minimum(k0 // 32 + tl.arange(0, BK // 32), 89)[None, :]
-        return tl.load(t_ptr + srow * 90 + g)
+        g = tl.minimum(k0 // 32 + tl.arange(0, BK // 32), 127)[None, :]
+        return tl.load(t_ptr + srow * 128 + g)
     else:
         k = k0 + tl.arange(0, BK)[None, :]
-        return tl.load(t_ptr + srow * 90 + tl.minimum(k // 32, 89))
+        return tl.load(t_ptr + srow * 128 + tl.minimum(k // 32, 127))
 
 
 @triton.jit
@@ -195,7 +195,18 @@ def _w_deq(raw, srow, w_scale_ptr, k0, k_end, BK: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_tile(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid_f, b_ptr, w_scale_ptr,
+def _w_e8m0(t_ptr, srow, k0, BK: tl.constexpr):
+    """The e8m0 bytes of w_scale[srow, g] for the tile's BK / 32 groups from k0 -> u8 [BN, BK / 32]:
+    the plan stores an MX scale as the float 2^(b - 127), whose exponent field is b (b = 0's
+    2^-127 a subnormal with field 0). Groups past the row's 128 read 127 (1.0): their codes
+    are zero, and a NaN scale would make 0 * scale NaN."""
+    g = k0 // 32 + tl.arange(0, BK // 32)[None, :]
+    s = tl.load(t_ptr + srow * 128 + g, mask=g < 128, other=1.0)
+    return ((s.to(tl.int32, bitcast=True) >> 23) & 255).to(tl.uint8)
+
+
+@triton.jit
+def _gate_up_tile(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid_f, w_scale_ptr,
                   H: tl.constexpr, F: tl.constexpr, KT: tl.constexpr, KTP: tl.constexpr, BM: tl.constexpr,
                   BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, PAIR: tl.constexpr, EVEN_K: tl.constexpr,
                   DOT_F32: tl.constexpr):
@@ -204,8 +215,8 @@ def _gate_up_tile(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid
     ok = i < count
     toks = tl.load(rows_ptr + e.to(tl.int64) * T + i, mask=ok, other=0)
     x_rows = x_ptr + toks.to(tl.int64)[:, None] * H
-    w_e = w_ptr + e.to(tl.int64) * 8294400
-    ws = w_scale_ptr + e.to(tl.int64) * 518400   # expert e's scales
+    w_e = w_ptr + e.to(tl.int64) * 8388608
+    ws = w_scale_ptr + e.to(tl.int64) * 524288   # expert e's scales
 
     offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
     if PAIR:
@@ -213,41 +224,39 @@ def _gate_up_tile(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid
         r = tl.arange(0, 2 * BLOCK_F)
         fr = tl.minimum(pid_f * BLOCK_F + r // 2, F - 1)      # rows past F clamped for loading
         w_row = (fr + (r % 2) * F).to(tl.int64)[:, None]
-        w_rows = w_e + w_row * 1440
+        w_rows = w_e + w_row * 2048
         srow = w_row // 1
-        acc = tl.zeros([BM, 2 * BLOCK_F], tl.float32)
+        acc_t = tl.zeros([2 * BLOCK_F, BM], tl.float32)
         for k0 in range(0, H, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)[None, :]
-            a = _x_tile(x_rows, k, EVEN_K)
-            w = _w_deq(_w_raw(w_rows, k0, H, BLOCK_K), srow, ws, k0, H, BLOCK_K)
-            acc = _dot(a.to(tl.bfloat16), w.to(tl.bfloat16), acc, DOT_F32)
+            a = _x_tile(x_rows, k, EVEN_K).to(tl.bfloat16)
+            acc_t = tl.dot_scaled(_w_raw(w_rows, k0, H, BLOCK_K), _w_e8m0(ws, srow, k0, BLOCK_K), "e2m1",
+                                  tl.trans(a), None, "bf16", acc_t)
+        acc = tl.trans(acc_t)
         acc_g, acc_u = tl.split(tl.reshape(acc, [BM, BLOCK_F, 2]))
     else:
         # gate row f and up row F + f of expert e; rows past F are clamped for loading
         f_rows = tl.minimum(offs_f, F - 1).to(tl.int64)[:, None]
-        g_rows = w_e + f_rows * 1440
-        u_rows = g_rows + 4147200
+        g_rows = w_e + f_rows * 2048
+        u_rows = g_rows + 4194304
         srow_g = f_rows // 1
         srow_u = (f_rows + F) // 1
-        acc_g = tl.zeros([BM, BLOCK_F], tl.float32)
-        acc_u = tl.zeros([BM, BLOCK_F], tl.float32)
+        acc_gt = tl.zeros([BLOCK_F, BM], tl.float32)
+        acc_ut = tl.zeros([BLOCK_F, BM], tl.float32)
         for k0 in range(0, H, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)[None, :]
-            a = _x_tile(x_rows, k, EVEN_K)
-            wg = _w_deq(_w_raw(g_rows, k0, H, BLOCK_K), srow_g, ws, k0, H, BLOCK_K)
-            wu = _w_deq(_w_raw(u_rows, k0, H, BLOCK_K), srow_u, ws, k0, H, BLOCK_K)
-            a, wg, wu = a.to(tl.bfloat16), wg.to(tl.bfloat16), wu.to(tl.bfloat16)
-            acc_g = _dot(a, wg, acc_g, DOT_F32)
-            acc_u = _dot(a, wu, acc_u, DOT_F32)
+            a_t = tl.trans(_x_tile(x_rows, k, EVEN_K).to(tl.bfloat16))
+            acc_gt = tl.dot_scaled(_w_raw(g_rows, k0, H, BLOCK_K), _w_e8m0(ws, srow_g, k0, BLOCK_K), "e2m1",
+                                   a_t, None, "bf16", acc_gt)
+            acc_ut = tl.dot_scaled(_w_raw(u_rows, k0, H, BLOCK_K), _w_e8m0(ws, srow_u, k0, BLOCK_K), "e2m1",
+                                   a_t, None, "bf16", acc_ut)
+        acc_g, acc_u = tl.trans(acc_gt), tl.trans(acc_ut)
     idt = _slot_ids(ids_ptr, toks, ok, KT, KTP)
-    b_m = offs_f < F
-    acc_g += tl.load(b_ptr + e.to(tl.int64) * (2 * F) + offs_f, mask=b_m, other=0.0).to(tl.float32)[None, :]
-    acc_u += tl.load(b_ptr + e.to(tl.int64) * (2 * F) + F + offs_f, mask=b_m, other=0.0).to(tl.float32)[None, :]
     _store_act(act_ptr, _gated_act(acc_g, acc_u), toks, ok, idt, e, offs_f, F, KT, KTP)
 
 
 @triton.jit
-def moe_gate_up_grouped(x_ptr, ids_ptr, w_ptr, rows_ptr, counts_ptr, act_ptr, T, b_ptr, w_scale_ptr,
+def moe_gate_up_grouped(x_ptr, ids_ptr, w_ptr, rows_ptr, counts_ptr, act_ptr, T, w_scale_ptr,
                         H: tl.constexpr, F: tl.constexpr, KT: tl.constexpr, KTP: tl.constexpr, E: tl.constexpr,
                         BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NF: tl.constexpr, PAIR: tl.constexpr,
@@ -257,13 +266,13 @@ def moe_gate_up_grouped(x_ptr, ids_ptr, w_ptr, rows_ptr, counts_ptr, act_ptr, T,
     if e < E:
         if HALF_TAIL:
             if count - i0 <= BLOCK_M // 2:
-                _gate_up_tile(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid_f, b_ptr, w_scale_ptr, H, F, KT,
+                _gate_up_tile(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid_f, w_scale_ptr, H, F, KT,
                               KTP, BLOCK_M // 2, BLOCK_F, BLOCK_K, PAIR, EVEN_K, DOT_F32)
             else:
-                _gate_up_tile(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid_f, b_ptr, w_scale_ptr, H, F, KT,
+                _gate_up_tile(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid_f, w_scale_ptr, H, F, KT,
                               KTP, BLOCK_M, BLOCK_F, BLOCK_K, PAIR, EVEN_K, DOT_F32)
         else:
-            _gate_up_tile(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid_f, b_ptr, w_scale_ptr, H, F, KT, KTP,
+            _gate_up_tile(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid_f, w_scale_ptr, H, F, KT, KTP,
                           BLOCK_M, BLOCK_F, BLOCK_K, PAIR, EVEN_K, DOT_F32)
 
 
@@ -272,13 +281,13 @@ META = {
     "params": [["x_ptr", "*bf16", "in:0"], ["ids_ptr", "*i32", "in:1"],
                ["w_ptr", "*u8", "in:2"], ["rows_ptr", "*i32", "in:3"],
                ["counts_ptr", "*i32", "in:4"], ["act_ptr", "*bf16", "out:0"],
-               ["T", "i32", "dim:T"], ["b_ptr", "*bf16", "in:5"], ["w_scale_ptr", "*fp32", "in:6"]],
-    "constexprs": {"H": 2880, "F": 2880, "KT": 4, "KTP": 4, "E": 128, "BLOCK_E": 128,
+               ["T", "i32", "dim:T"], ["w_scale_ptr", "*fp32", "in:5"]],
+    "constexprs": {"H": 4096, "F": 2048, "KT": 6, "KTP": 8, "E": 256, "BLOCK_E": 256,
                    "BLOCK_M": 128, "BLOCK_F": 128, "BLOCK_K": 64,
-                   "GROUP_M": 8, "NF": 23, "PAIR": 1, "HALF_TAIL": 1,
+                   "GROUP_M": 8, "NF": 16, "PAIR": 1, "HALF_TAIL": 1,
                    "EVEN_K": True,
                    "DOT_F32": False},
-    "grid": ["(cdiv(T * 4, 128) + min(128, T * 4)) * 23", 1, 1],
+    "grid": ["(cdiv(T * 6, 128) + min(256, T * 6)) * 16", 1, 1],
     "num_warps": 8,
     "num_stages": 3,
 }

@@ -20,9 +20,11 @@
 # result depends on its own row only, so the order of the lists does not change a bit of it.
 # Expert bias b [32, 5760] (gate | up, like w's rows) added to g and u before the activation.
 # The activation is clamped_swiglu (alpha 1.702, limit 7.0), not silu(g) * u.
-# Quantized experts: e2m1 codes, scales per 1 rows x 32 columns (518400 an
-#   expert, expert e's from e * 518400 on), each weight tile dequantized in registers; x quantized none;
-#   the tiles dotted in bf16.
+# MXFP4 experts: e2m1 codes, a power-of-two scale per row and 32 columns (518400 an expert, stored
+#   as the float 2^(b - 127)). Swap-AB, the codes the dot's lhs (upcast in registers, Hopper's wgmma
+#   takes A from registers): each K step
+#   accT[n, m] += sum_k value(code[n, k]) * 2^(b[n, k // 32] - 127) * x[m, k]   (tl.dot_scaled with
+#   x^T in bf16, fp32 sums; W exactly), the tile transposed once after the K loop.
 import triton
 import triton.language as tl
 
@@ -195,6 +197,17 @@ def _w_deq(raw, srow, w_scale_ptr, k0, k_end, BK: tl.constexpr):
 
 
 @triton.jit
+def _w_e8m0(t_ptr, srow, k0, BK: tl.constexpr):
+    """The e8m0 bytes of w_scale[srow, g] for the tile's BK / 32 groups from k0 -> u8 [BN, BK / 32]:
+    the plan stores an MX scale as the float 2^(b - 127), whose exponent field is b (b = 0's
+    2^-127 a subnormal with field 0). Groups past the row's 90 read 127 (1.0): their codes
+    are zero, and a NaN scale would make 0 * scale NaN."""
+    g = k0 // 32 + tl.arange(0, BK // 32)[None, :]
+    s = tl.load(t_ptr + srow * 90 + g, mask=g < 90, other=1.0)
+    return ((s.to(tl.int32, bitcast=True) >> 23) & 255).to(tl.uint8)
+
+
+@triton.jit
 def _gate_up_tile(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid_f, b_ptr, w_scale_ptr,
                   H: tl.constexpr, F: tl.constexpr, KT: tl.constexpr, KTP: tl.constexpr, BM: tl.constexpr,
                   BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, PAIR: tl.constexpr, EVEN_K: tl.constexpr,
@@ -215,12 +228,13 @@ def _gate_up_tile(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid
         w_row = (fr + (r % 2) * F).to(tl.int64)[:, None]
         w_rows = w_e + w_row * 1440
         srow = w_row // 1
-        acc = tl.zeros([BM, 2 * BLOCK_F], tl.float32)
+        acc_t = tl.zeros([2 * BLOCK_F, BM], tl.float32)
         for k0 in range(0, H, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)[None, :]
-            a = _x_tile(x_rows, k, EVEN_K)
-            w = _w_deq(_w_raw(w_rows, k0, H, BLOCK_K), srow, ws, k0, H, BLOCK_K)
-            acc = _dot(a.to(tl.bfloat16), w.to(tl.bfloat16), acc, DOT_F32)
+            a = _x_tile(x_rows, k, EVEN_K).to(tl.bfloat16)
+            acc_t = tl.dot_scaled(_w_raw(w_rows, k0, H, BLOCK_K), _w_e8m0(ws, srow, k0, BLOCK_K), "e2m1",
+                                  tl.trans(a), None, "bf16", acc_t)
+        acc = tl.trans(acc_t)
         acc_g, acc_u = tl.split(tl.reshape(acc, [BM, BLOCK_F, 2]))
     else:
         # gate row f and up row F + f of expert e; rows past F are clamped for loading
@@ -229,16 +243,16 @@ def _gate_up_tile(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid
         u_rows = g_rows + 4147200
         srow_g = f_rows // 1
         srow_u = (f_rows + F) // 1
-        acc_g = tl.zeros([BM, BLOCK_F], tl.float32)
-        acc_u = tl.zeros([BM, BLOCK_F], tl.float32)
+        acc_gt = tl.zeros([BLOCK_F, BM], tl.float32)
+        acc_ut = tl.zeros([BLOCK_F, BM], tl.float32)
         for k0 in range(0, H, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)[None, :]
-            a = _x_tile(x_rows, k, EVEN_K)
-            wg = _w_deq(_w_raw(g_rows, k0, H, BLOCK_K), srow_g, ws, k0, H, BLOCK_K)
-            wu = _w_deq(_w_raw(u_rows, k0, H, BLOCK_K), srow_u, ws, k0, H, BLOCK_K)
-            a, wg, wu = a.to(tl.bfloat16), wg.to(tl.bfloat16), wu.to(tl.bfloat16)
-            acc_g = _dot(a, wg, acc_g, DOT_F32)
-            acc_u = _dot(a, wu, acc_u, DOT_F32)
+            a_t = tl.trans(_x_tile(x_rows, k, EVEN_K).to(tl.bfloat16))
+            acc_gt = tl.dot_scaled(_w_raw(g_rows, k0, H, BLOCK_K), _w_e8m0(ws, srow_g, k0, BLOCK_K), "e2m1",
+                                   a_t, None, "bf16", acc_gt)
+            acc_ut = tl.dot_scaled(_w_raw(u_rows, k0, H, BLOCK_K), _w_e8m0(ws, srow_u, k0, BLOCK_K), "e2m1",
+                                   a_t, None, "bf16", acc_ut)
+        acc_g, acc_u = tl.trans(acc_gt), tl.trans(acc_ut)
     idt = _slot_ids(ids_ptr, toks, ok, KT, KTP)
     b_m = offs_f < F
     acc_g += tl.load(b_ptr + e.to(tl.int64) * (2 * F) + offs_f, mask=b_m, other=0.0).to(tl.float32)[None, :]

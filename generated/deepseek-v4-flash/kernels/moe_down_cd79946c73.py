@@ -1,20 +1,24 @@
 # moe_down: y[t, h] = bf16(sum_j r[t, j] * sum_f act[t, j, f] * w[e, h, f]),  e = ids[t, j]
-#   act [T, 4, 2880] bf16, r f32 [T, 4], ids i32 [T, 4], w [32, 2880, 2880] bf16,
-#   y [T, 2880] bf16; fp32 sums, one rounding.
+#   act [T, 6, 2048] bf16, r f32 [T, 6], ids i32 [T, 6], w [256, 4096, 2048] bf16,
+#   y [T, 4096] bf16; fp32 sums, one rounding.
 #
-# Decode: grid (min(32, T * 4) distinct-expert slots, 45 blocks of BLOCK_H = 64 output
+# Decode: grid (min(256, T * 6) distinct-expert slots, 128 blocks of BLOCK_H = 32 output
 # rows): program (u, b) takes the u-th smallest chosen expert e and the tokens that chose it, and
 # streams e's row block once for all of them (moe_gate_up.py.j2's two paths: CUDA cores for at
-# most FMA_T = 1 tokens, else swap-AB tensor-core tiles of BLOCK_T tokens); the A operand
+# most FMA_T = 0 tokens, else swap-AB tensor-core tiles of BLOCK_T tokens); the A operand
 # of token t is act[t, j] for the slot j that chose e (of largest weight if several did: the
 # others weigh 0: ids not made by moe_route). Slots of id -1 name no expert.
-# Combine, deterministic: each program parks r[t, j] * (its sums) in an fp32 scratch [B, 4, 2880]
+# Combine, deterministic: each program parks r[t, j] * (its sums) in an fp32 scratch [B, 6, 4096]
 # for every slot j of t that chose e and counts itself in at the tile (t, b); the program that
-# completes the token's distinct experts adds the token's 4 partials in slot order and writes
+# completes the token's distinct experts adds the token's 6 partials in slot order and writes
 # y[t] (the same bits whatever order the experts finish in), leaving the counter zero.
-# Quantized experts: e2m1 codes, scales per 1 rows x 32 columns (259200 an
-#   expert, expert e's from e * 259200 on), dequantized in registers; act rows quantized none.
-#   The tensor-core path dots the dequantized tiles in bf16.
+# Quantized experts: e2m1 codes, scales per 1 rows x 32 columns (262144 an
+#   expert, expert e's from e * 262144 on); act rows quantized none.
+#   OCP MXFP4 (e2m1 codes, a power-of-two scale per row and 32 columns, stored as the float 2^(b - 127)):
+#   the tensor-core path, taken at every token count, hands a [BLOCK_H, BLOCK_K / 2] tile of packed
+#   codes and its [BLOCK_H, BLOCK_K / 32] e8m0 scale bytes to tl.dot_scaled with act^T in bf16:
+#   acc[h, t] += sum_f value(code[h, f]) * 2^(b[h, f // 32] - 127) * act[t, j, f]   (the value of W
+#   exactly, fp32 sums); no W element is dequantized on the CUDA cores.
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -154,7 +158,7 @@ def _down_finish(acc, toks, ok, e, offs_h, nb, ids_ptr, rw_ptr, y_ptr, part_ptr,
 @triton.jit
 def _w_raw(w_rows, k0, k_end, BK: tl.constexpr):
     """The stored codes of W[rows, k0 : k0 + BK], zero past k_end: w_rows [BN, 1] row pointers
-    (1440 bytes a row), k0 a multiple of BK -> bytes [BN, BK / 2], two codes each."""
+    (1024 bytes a row), k0 a multiple of BK -> bytes [BN, BK / 2], two codes each."""
     j = k0 // 2 + tl.arange(0, BK // 2)[None, :]
     p = w_rows + j
     p = tl.multiple_of(p, [1, 16])
@@ -173,17 +177,17 @@ def _w_values(raw):
 
 @triton.jit
 def _w_group(t_ptr, srow, k0, k_end, BK: tl.constexpr):
-    """t[srow, g(k)] (w_scale or w_zero: 90 groups a row) over the tile's columns
+    """t[srow, g(k)] (w_scale or w_zero: 64 groups a row) over the tile's columns
     k0 .. k0 + BK: srow [BN, 1] the W rows' scale rows -> [BN, 1] (the tile in one group),
     [BN, BK / 32] (one a group of the tile) or [BN, BK] (a group per column)."""
     if 32 % BK == 0:
-        return tl.load(t_ptr + srow * 90 + tl.minimum(k0 // 32, 89))
+        return tl.load(t_ptr + srow * 64 + tl.minimum(k0 // 32, 63))
     elif BK % 32 == 0:
-        g = tl.minimum(k0 // 32 + tl.arange(0, BK // 32), 89)[None, :]
-        return tl.load(t_ptr + srow * 90 + g)
+        g = tl.minimum(k0 // 32 + tl.arange(0, BK // 32), 63)[None, :]
+        return tl.load(t_ptr + srow * 64 + g)
     else:
         k = k0 + tl.arange(0, BK)[None, :]
-        return tl.load(t_ptr + srow * 90 + tl.minimum(k // 32, 89))
+        return tl.load(t_ptr + srow * 64 + tl.minimum(k // 32, 63))
 
 
 @triton.jit
@@ -211,7 +215,18 @@ def _w_deq(raw, srow, w_scale_ptr, k0, k_end, BK: tl.constexpr):
 
 
 @triton.jit
-def moe_down(act_ptr, rw_ptr, ids_ptr, w_ptr, y_ptr, T, part_ptr, cnt_ptr, b_ptr, w_scale_ptr,
+def _w_e8m0(t_ptr, srow, k0, BK: tl.constexpr):
+    """The e8m0 bytes of w_scale[srow, g] for the tile's BK / 32 groups from k0 -> u8 [BN, BK / 32]:
+    the plan stores an MX scale as the float 2^(b - 127), whose exponent field is b (b = 0's
+    2^-127 a subnormal with field 0). Groups past the row's 64 read 127 (1.0): their codes
+    are zero, and a NaN scale would make 0 * scale NaN."""
+    g = k0 // 32 + tl.arange(0, BK // 32)[None, :]
+    s = tl.load(t_ptr + srow * 64 + g, mask=g < 64, other=1.0)
+    return ((s.to(tl.int32, bitcast=True) >> 23) & 255).to(tl.uint8)
+
+
+@triton.jit
+def moe_down(act_ptr, rw_ptr, ids_ptr, w_ptr, y_ptr, T, part_ptr, cnt_ptr, w_scale_ptr,
              H: tl.constexpr, F: tl.constexpr, KT: tl.constexpr, KTP: tl.constexpr,
              BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, FMA_BLOCK_K: tl.constexpr,
              FMA_T: tl.constexpr, FMA_TP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -227,28 +242,19 @@ def moe_down(act_ptr, rw_ptr, ids_ptr, w_ptr, y_ptr, T, part_ptr, cnt_ptr, b_ptr
         offs_h = nb * BLOCK_H + tl.arange(0, BLOCK_H)
         # rows past H are clamped for loading (unmasked, vectorized); their sums are dropped
         h_rows = tl.minimum(offs_h, H - 1).to(tl.int64)[:, None]
-        w_rows = w_ptr + e.to(tl.int64) * 4147200 + h_rows * 1440
+        w_rows = w_ptr + e.to(tl.int64) * 4194304 + h_rows * 1024
         srow = h_rows // 1
-        ws = w_scale_ptr + e.to(tl.int64) * 259200   # expert e's scales
+        ws = w_scale_ptr + e.to(tl.int64) * 262144   # expert e's scales
 
-        # expert e's bias row, added to its output before the routing weight
-        b_h = tl.load(b_ptr + e.to(tl.int64) * H + offs_h, mask=offs_h < H, other=0.0).to(tl.float32)
         toks, ok, n = _tokens_of(ids_ptr, e, T, 0, KT, KTP, TC, FMA_TP)
         if n <= FMA_T:
             # ---- CUDA-core path: tokens r < n, one W tile per step ----
             rows = tl.arange(0, FMA_TP)
             a_off = (toks.to(tl.int64) * KT + _main_slot(ids_ptr, rw_ptr, toks, ok, e, KT)) * F
-            ok0 = tl.sum(tl.where((rows == 0) & ok, 1, 0), 0, keep_dims=True) > 0   # [1]
-            a0_row = act_ptr + tl.sum(tl.where(rows == 0, a_off, 0), 0)
-            acc0 = tl.zeros([BLOCK_H, FMA_BLOCK_K], tl.float32)
             for k0 in range(0, F, FMA_BLOCK_K):
                 k = k0 + tl.arange(0, FMA_BLOCK_K)
                 w = _w_deq(_w_raw(w_rows, k0, F, FMA_BLOCK_K), srow, ws, k0, F, FMA_BLOCK_K)
-                a0 = tl.load(_ptr(a0_row, k), mask=ok0 & (k < F), other=0.0).to(tl.float32)
-                acc0 += w * a0[None, :]
             out = tl.zeros([FMA_TP, BLOCK_H], tl.float32)
-            out = tl.where(rows[:, None] == 0, tl.sum(acc0, axis=1)[None, :], out)
-            out += b_h[None, :]
             _down_finish(out, toks, ok, e, offs_h, nb, ids_ptr, rw_ptr, y_ptr, part_ptr, cnt_ptr,
                          H, KT, KTP, NB, tl.float32)
         else:
@@ -259,13 +265,10 @@ def moe_down(act_ptr, rw_ptr, ids_ptr, w_ptr, y_ptr, T, part_ptr, cnt_ptr, b_ptr
                 acc = tl.zeros([BLOCK_H, BLOCK_T], tl.float32)
                 for k0 in range(0, F, BLOCK_K):
                     k = k0 + tl.arange(0, BLOCK_K)[None, :]
+                    # e2m1 codes x e8m0 scales x bf16 on tensor cores (codes past F are zero)
                     a = tl.load(_ptr(a_rows, k), mask=ok_t[:, None] & (k < F), other=0.0)
-                    w = _w_deq(_w_raw(w_rows, k0, F, BLOCK_K), srow, ws, k0, F, BLOCK_K)
-                    if DOT_F32:
-                        acc = tl.dot(w, tl.trans(a.to(tl.float32)), acc, input_precision="ieee")
-                    else:
-                        acc = tl.dot(w.to(tl.bfloat16), tl.trans(a.to(tl.bfloat16)), acc)
-                acc += b_h[:, None]
+                    acc = tl.dot_scaled(_w_raw(w_rows, k0, F, BLOCK_K), _w_e8m0(ws, srow, k0, BLOCK_K), "e2m1",
+                                        tl.trans(a.to(tl.bfloat16)), None, "bf16", acc)
                 _down_finish(tl.trans(acc), toks_t, ok_t, e, offs_h, nb, ids_ptr, rw_ptr, y_ptr, part_ptr,
                              cnt_ptr, H, KT, KTP, NB, tl.float32)
 
@@ -275,14 +278,14 @@ META = {
     "params": [["act_ptr", "*bf16", "in:0"], ["rw_ptr", "*fp32", "in:1"],
                ["ids_ptr", "*i32", "in:2"], ["w_ptr", "*u8", "in:3"],
                ["y_ptr", "*bf16", "out:0"], ["T", "i32", "dim:T"],
-               ["part_ptr", "*fp32", "scratch:partials"], ["cnt_ptr", "*i32", "scratch:counters"], ["b_ptr", "*bf16", "in:6"], ["w_scale_ptr", "*fp32", "in:7"]],
-    "constexprs": {"H": 2880, "F": 2880, "KT": 4, "KTP": 4, "BLOCK_E": 32,
-                   "BLOCK_H": 64, "FMA_BLOCK_K": 128, "FMA_T": 1,
-                   "FMA_TP": 1, "BLOCK_K": 64, "BLOCK_T": 16,
-                   "PC": 256, "TC": 32, "NB": 45, "DOT_F32": False, "PDL": True},
+               ["part_ptr", "*fp32", "scratch:partials"], ["cnt_ptr", "*i32", "scratch:counters"], ["w_scale_ptr", "*fp32", "in:6"]],
+    "constexprs": {"H": 4096, "F": 2048, "KT": 6, "KTP": 8, "BLOCK_E": 256,
+                   "BLOCK_H": 32, "FMA_BLOCK_K": 128, "FMA_T": 0,
+                   "FMA_TP": 1, "BLOCK_K": 256, "BLOCK_T": 16,
+                   "PC": 256, "TC": 32, "NB": 128, "DOT_F32": False, "PDL": True},
     "pdl": True,
-    "grid": ["min(32, T * 4)", 45, 1],
-    "scratch": {"partials": "B * 46080", "counters": "B * 180"},
-    "num_warps": 8,
+    "grid": ["min(256, T * 6)", 128, 1],
+    "scratch": {"partials": "B * 98304", "counters": "B * 512"},
+    "num_warps": 4,
     "num_stages": 4,
 }

@@ -5,12 +5,12 @@
 #   2880..5759 up), act [T, 4, 2880] bf16; fp32 accumulate.
 #
 # Decode: a few tokens, each naming 4 experts, so the step reads only the chosen experts'
-# rows, and each of them once. Grid (min(128, T * 4) distinct-expert slots, 180 blocks of
-# BLOCK_F = 16 gate rows and the matching up rows): program (u, b) takes the u-th smallest
+# rows, and each of them once. Grid (min(128, T * 4) distinct-expert slots, 90 blocks of
+# BLOCK_F = 32 gate rows and the matching up rows): program (u, b) takes the u-th smallest
 # chosen expert e (a histogram of the step's ids; slots past the number of distinct experts exit),
 # finds the tokens that chose e (in token order), and runs a GEMV over its row block for them,
 # like gemv.py.j2:
-#  * at most FMA_T = 1 tokens: CUDA cores; the block's gate and up rows stream in
+#  * at most FMA_T = 0 tokens: CUDA cores; the block's gate and up rows stream in
 #    [BLOCK_F, FMA_BLOCK_K] tiles of 16-byte loads (evict_first), one fp32 partial product per
 #    row and token, reduced once at the end;
 #  * more: tensor cores, swap-AB: acc[f, t] += W_tile[BLOCK_F, BLOCK_K] @ X^T over BLOCK_T
@@ -22,8 +22,12 @@
 # The path depends only on how many tokens chose e, and each token's sums are its own: the
 # same bits from run to run.
 # Quantized experts: e2m1 codes, scales per 1 rows x 32 columns (518400 an
-#   expert, expert e's from e * 518400 on), dequantized in registers; x quantized none.
-#   The tensor-core path dots the dequantized tiles in bf16.
+#   expert, expert e's from e * 518400 on); x quantized none.
+#   OCP MXFP4 (e2m1 codes, a power-of-two scale per row and 32 columns, stored as the float 2^(b - 127)):
+#   the tensor-core path, taken at every token count, hands a [BLOCK_F, BLOCK_K / 2] tile of packed
+#   codes and its [BLOCK_F, BLOCK_K / 32] e8m0 scale bytes to tl.dot_scaled with x^T in bf16:
+#   acc[f, t] += sum_k value(code[f, k]) * 2^(b[f, k // 32] - 127) * x[t, k]   (the value of W exactly,
+#   fp32 sums), for gate's and up's rows apart; no W element is dequantized on the CUDA cores.
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -193,6 +197,17 @@ def _w_deq(raw, srow, w_scale_ptr, k0, k_end, BK: tl.constexpr):
 
 
 @triton.jit
+def _w_e8m0(t_ptr, srow, k0, BK: tl.constexpr):
+    """The e8m0 bytes of w_scale[srow, g] for the tile's BK / 32 groups from k0 -> u8 [BN, BK / 32]:
+    the plan stores an MX scale as the float 2^(b - 127), whose exponent field is b (b = 0's
+    2^-127 a subnormal with field 0). Groups past the row's 90 read 127 (1.0): their codes
+    are zero, and a NaN scale would make 0 * scale NaN."""
+    g = k0 // 32 + tl.arange(0, BK // 32)[None, :]
+    s = tl.load(t_ptr + srow * 90 + g, mask=g < 90, other=1.0)
+    return ((s.to(tl.int32, bitcast=True) >> 23) & 255).to(tl.uint8)
+
+
+@triton.jit
 def moe_gate_up(x_ptr, ids_ptr, w_ptr, act_ptr, T, b_ptr, w_scale_ptr,
                 H: tl.constexpr, F: tl.constexpr, KT: tl.constexpr, KTP: tl.constexpr,
                 BLOCK_E: tl.constexpr, BLOCK_F: tl.constexpr, FMA_BLOCK_K: tl.constexpr,
@@ -223,21 +238,12 @@ def moe_gate_up(x_ptr, ids_ptr, w_ptr, act_ptr, T, b_ptr, w_scale_ptr,
         if n <= FMA_T:
             # ---- CUDA-core path: tokens r < n, one W tile per step ----
             rows = tl.arange(0, FMA_TP)
-            ok0 = tl.sum(tl.where((rows == 0) & ok, 1, 0), 0, keep_dims=True) > 0   # [1]
-            x0_row = x_ptr + tl.sum(tl.where(rows == 0, toks, 0), 0).to(tl.int64) * H
-            acc_g0 = tl.zeros([BLOCK_F, FMA_BLOCK_K], tl.float32)
-            acc_u0 = tl.zeros([BLOCK_F, FMA_BLOCK_K], tl.float32)
             for k0 in range(0, H, FMA_BLOCK_K):
                 k = k0 + tl.arange(0, FMA_BLOCK_K)
                 wg = _w_deq(_w_raw(g_rows, k0, H, FMA_BLOCK_K), srow_g, ws, k0, H, FMA_BLOCK_K)
                 wu = _w_deq(_w_raw(u_rows, k0, H, FMA_BLOCK_K), srow_u, ws, k0, H, FMA_BLOCK_K)
-                x0 = tl.load(_ptr(x0_row, k), mask=ok0 & (k < H), other=0.0).to(tl.float32)[None, :]
-                acc_g0 += wg * x0
-                acc_u0 += wu * x0
             g = tl.zeros([FMA_TP, BLOCK_F], tl.float32)
             v = tl.zeros([FMA_TP, BLOCK_F], tl.float32)
-            g = tl.where(rows[:, None] == 0, tl.sum(acc_g0, axis=1)[None, :], g)
-            v = tl.where(rows[:, None] == 0, tl.sum(acc_u0, axis=1)[None, :], v)
             g += b_g[None, :]
             v += b_u[None, :]
             _store_act(act_ptr, ids_ptr, _gated_act(g, v), toks, ok, e, offs_f, F, KT, KTP)
@@ -250,15 +256,12 @@ def moe_gate_up(x_ptr, ids_ptr, w_ptr, act_ptr, T, b_ptr, w_scale_ptr,
                 acc_u = tl.zeros([BLOCK_F, BLOCK_T], tl.float32)
                 for k0 in range(0, H, BLOCK_K):
                     k = k0 + tl.arange(0, BLOCK_K)[None, :]
-                    xa = tl.load(_ptr(x_rows, k), mask=ok_t[:, None] & (k < H), other=0.0)
-                    wg = _w_deq(_w_raw(g_rows, k0, H, BLOCK_K), srow_g, ws, k0, H, BLOCK_K)
-                    wu = _w_deq(_w_raw(u_rows, k0, H, BLOCK_K), srow_u, ws, k0, H, BLOCK_K)
-                    if DOT_F32:
-                        acc_g = tl.dot(wg, tl.trans(xa.to(tl.float32)), acc_g, input_precision="ieee")
-                        acc_u = tl.dot(wu, tl.trans(xa.to(tl.float32)), acc_u, input_precision="ieee")
-                    else:
-                        acc_g = tl.dot(wg.to(tl.bfloat16), tl.trans(xa.to(tl.bfloat16)), acc_g)
-                        acc_u = tl.dot(wu.to(tl.bfloat16), tl.trans(xa.to(tl.bfloat16)), acc_u)
+                    xt = tl.trans(tl.load(_ptr(x_rows, k), mask=ok_t[:, None] & (k < H), other=0.0).to(tl.bfloat16))
+                    # e2m1 codes x e8m0 scales x bf16 on tensor cores (codes past H are zero)
+                    acc_g = tl.dot_scaled(_w_raw(g_rows, k0, H, BLOCK_K), _w_e8m0(ws, srow_g, k0, BLOCK_K), "e2m1",
+                                          xt, None, "bf16", acc_g)
+                    acc_u = tl.dot_scaled(_w_raw(u_rows, k0, H, BLOCK_K), _w_e8m0(ws, srow_u, k0, BLOCK_K), "e2m1",
+                                          xt, None, "bf16", acc_u)
                 acc_g += b_g[:, None]
                 acc_u += b_u[:, None]
                 _store_act(act_ptr, ids_ptr, tl.trans(_gated_act(acc_g, acc_u)), toks_t, ok_t, e, offs_f, F, KT, KTP)
@@ -270,11 +273,11 @@ META = {
                ["w_ptr", "*u8", "in:2"], ["act_ptr", "*bf16", "out:0"],
                ["T", "i32", "dim:T"], ["b_ptr", "*bf16", "in:5"], ["w_scale_ptr", "*fp32", "in:6"]],
     "constexprs": {"H": 2880, "F": 2880, "KT": 4, "KTP": 4, "BLOCK_E": 128,
-                   "BLOCK_F": 16, "FMA_BLOCK_K": 256, "FMA_T": 1,
-                   "FMA_TP": 1, "BLOCK_K": 64, "BLOCK_T": 16,
+                   "BLOCK_F": 32, "FMA_BLOCK_K": 256, "FMA_T": 0,
+                   "FMA_TP": 1, "BLOCK_K": 256, "BLOCK_T": 16,
                    "PC": 256, "TC": 32, "DOT_F32": False, "PDL": True},
     "pdl": True,
-    "grid": ["min(128, T * 4)", 180, 1],
+    "grid": ["min(128, T * 4)", 90, 1],
     "num_warps": 4,
     "num_stages": 4,
 }

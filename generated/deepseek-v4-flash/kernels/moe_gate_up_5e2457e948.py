@@ -1,29 +1,32 @@
 # moe_gate_up: act[t, j, f] = bf16(silu(g) * u),  e = ids[t, j],
-#   g = bf16(sum_k x[t, k] * w[e, f, k]),  u = bf16(sum_k x[t, k] * w[e, 2880 + f, k]),
+#   g = bf16(sum_k x[t, k] * w[e, f, k]),  u = bf16(sum_k x[t, k] * w[e, 2048 + f, k]),
 #   silu(g) = g / (1 + exp(-g)) in fp32 (g and u rounded to bf16 as the unfused model stores them).
-#   x [T, 2880] bf16, ids i32 [T, 4], w [32, 5760, 2880] bf16 (rows 0..2879 gate,
-#   2880..5759 up), act [T, 4, 2880] bf16; fp32 accumulate.
+#   x [T, 4096] bf16, ids i32 [T, 6], w [256, 4096, 4096] bf16 (rows 0..2047 gate,
+#   2048..4095 up), act [T, 6, 2048] bf16; fp32 accumulate.
 #
-# Decode: a few tokens, each naming 4 experts, so the step reads only the chosen experts'
-# rows, and each of them once. Grid (min(32, T * 4) distinct-expert slots, 180 blocks of
-# BLOCK_F = 16 gate rows and the matching up rows): program (u, b) takes the u-th smallest
+# Decode: a few tokens, each naming 6 experts, so the step reads only the chosen experts'
+# rows, and each of them once. Grid (min(256, T * 6) distinct-expert slots, 64 blocks of
+# BLOCK_F = 32 gate rows and the matching up rows): program (u, b) takes the u-th smallest
 # chosen expert e (a histogram of the step's ids; slots past the number of distinct experts exit),
 # finds the tokens that chose e (in token order), and runs a GEMV over its row block for them,
 # like gemv.py.j2:
-#  * at most FMA_T = 1 tokens: CUDA cores; the block's gate and up rows stream in
+#  * at most FMA_T = 0 tokens: CUDA cores; the block's gate and up rows stream in
 #    [BLOCK_F, FMA_BLOCK_K] tiles of 16-byte loads (evict_first), one fp32 partial product per
 #    row and token, reduced once at the end;
 #  * more: tensor cores, swap-AB: acc[f, t] += W_tile[BLOCK_F, BLOCK_K] @ X^T over BLOCK_T
 #    gathered token rows at a time (more than BLOCK_T tokens re-read the tile, from L2).
 # A token that names e in two slots gets the same row in both; a slot of id -1 (another rank's
 # expert, ep_dispatch) names none and its act row is left unwritten.
-# Expert bias b [32, 5760] (gate | up, like w's rows) added to g and u before the activation.
-# The activation is clamped_swiglu (alpha 1.702, limit 7.0), not silu(g) * u.
+# The activation is clamped_silu (alpha 1.702, limit 10.0), not silu(g) * u.
 # The path depends only on how many tokens chose e, and each token's sums are its own: the
 # same bits from run to run.
-# Quantized experts: e2m1 codes, scales per 1 rows x 32 columns (518400 an
-#   expert, expert e's from e * 518400 on), dequantized in registers; x quantized none.
-#   The tensor-core path dots the dequantized tiles in bf16.
+# Quantized experts: e2m1 codes, scales per 1 rows x 32 columns (524288 an
+#   expert, expert e's from e * 524288 on); x quantized none.
+#   OCP MXFP4 (e2m1 codes, a power-of-two scale per row and 32 columns, stored as the float 2^(b - 127)):
+#   the tensor-core path, taken at every token count, hands a [BLOCK_F, BLOCK_K / 2] tile of packed
+#   codes and its [BLOCK_F, BLOCK_K / 32] e8m0 scale bytes to tl.dot_scaled with x^T in bf16:
+#   acc[f, t] += sum_k value(code[f, k]) * 2^(b[f, k // 32] - 127) * x[t, k]   (the value of W exactly,
+#   fp32 sums), for gate's and up's rows apart; no W element is dequantized on the CUDA cores.
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -125,18 +128,17 @@ def _silu_mul(g, u):
 
 @triton.jit
 def _gated_act(g, u):
-    """act = bf16((u' + 1) g' sigmoid(alpha g')), g' = min(g, limit), u' = clamp(u, -limit, limit)
-    (GPT-OSS's experts: alpha 1.702, limit 7.0); g and u rounded to bf16 first, as
-    the unfused model stores them."""
-    g = tl.minimum(g.to(tl.bfloat16).to(tl.float32), 7.0)
-    u = tl.minimum(tl.maximum(u.to(tl.bfloat16).to(tl.float32), -7.0), 7.0)
-    return ((u + 1.0) * g / (1.0 + tl.exp(-1.702 * g))).to(tl.bfloat16)
+    """act = bf16(silu(g') u'), g' = min(g, limit), u' = clamp(u, -limit, limit) (DeepSeek-V4's experts:
+    swiglu_limit 10.0); g and u rounded to bf16 first, as the unfused model stores them."""
+    g = tl.minimum(g.to(tl.bfloat16).to(tl.float32), 10.0)
+    u = tl.minimum(tl.maximum(u.to(tl.bfloat16).to(tl.float32), -10.0), 10.0)
+    return (g / (1.0 + tl.exp(-g)) * u).to(tl.bfloat16)
 
 
 @triton.jit
 def _w_raw(w_rows, k0, k_end, BK: tl.constexpr):
     """The stored codes of W[rows, k0 : k0 + BK], zero past k_end: w_rows [BN, 1] row pointers
-    (1440 bytes a row), k0 a multiple of BK -> bytes [BN, BK / 2], two codes each."""
+    (2048 bytes a row), k0 a multiple of BK -> bytes [BN, BK / 2], two codes each."""
     j = k0 // 2 + tl.arange(0, BK // 2)[None, :]
     p = w_rows + j
     p = tl.multiple_of(p, [1, 16])
@@ -155,17 +157,17 @@ def _w_values(raw):
 
 @triton.jit
 def _w_group(t_ptr, srow, k0, k_end, BK: tl.constexpr):
-    """t[srow, g(k)] (w_scale or w_zero: 90 groups a row) over the tile's columns
+    """t[srow, g(k)] (w_scale or w_zero: 128 groups a row) over the tile's columns
     k0 .. k0 + BK: srow [BN, 1] the W rows' scale rows -> [BN, 1] (the tile in one group),
     [BN, BK / 32] (one a group of the tile) or [BN, BK] (a group per column)."""
     if 32 % BK == 0:
-        return tl.load(t_ptr + srow * 90 + tl.minimum(k0 // 32, 89))
+        return tl.load(t_ptr + srow * 128 + tl.minimum(k0 // 32, 127))
     elif BK % 32 == 0:
-        g = tl.minimum(k0 // 32 + tl.arange(0, BK // 32), 89)[None, :]
-        return tl.load(t_ptr + srow * 90 + g)
+        g = tl.minimum(k0 // 32 + tl.arange(0, BK // 32), 127)[None, :]
+        return tl.load(t_ptr + srow * 128 + g)
     else:
         k = k0 + tl.arange(0, BK)[None, :]
-        return tl.load(t_ptr + srow * 90 + tl.minimum(k // 32, 89))
+        return tl.load(t_ptr + srow * 128 + tl.minimum(k // 32, 127))
 
 
 @triton.jit
@@ -193,7 +195,18 @@ def _w_deq(raw, srow, w_scale_ptr, k0, k_end, BK: tl.constexpr):
 
 
 @triton.jit
-def moe_gate_up(x_ptr, ids_ptr, w_ptr, act_ptr, T, b_ptr, w_scale_ptr,
+def _w_e8m0(t_ptr, srow, k0, BK: tl.constexpr):
+    """The e8m0 bytes of w_scale[srow, g] for the tile's BK / 32 groups from k0 -> u8 [BN, BK / 32]:
+    the plan stores an MX scale as the float 2^(b - 127), whose exponent field is b (b = 0's
+    2^-127 a subnormal with field 0). Groups past the row's 128 read 127 (1.0): their codes
+    are zero, and a NaN scale would make 0 * scale NaN."""
+    g = k0 // 32 + tl.arange(0, BK // 32)[None, :]
+    s = tl.load(t_ptr + srow * 128 + g, mask=g < 128, other=1.0)
+    return ((s.to(tl.int32, bitcast=True) >> 23) & 255).to(tl.uint8)
+
+
+@triton.jit
+def moe_gate_up(x_ptr, ids_ptr, w_ptr, act_ptr, T, w_scale_ptr,
                 H: tl.constexpr, F: tl.constexpr, KT: tl.constexpr, KTP: tl.constexpr,
                 BLOCK_E: tl.constexpr, BLOCK_F: tl.constexpr, FMA_BLOCK_K: tl.constexpr,
                 FMA_T: tl.constexpr, FMA_TP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -210,36 +223,22 @@ def moe_gate_up(x_ptr, ids_ptr, w_ptr, act_ptr, T, b_ptr, w_scale_ptr,
         # gate row f and up row F + f of expert e; rows past F are clamped for loading (unmasked,
         # vectorized), their results dropped at the store
         f_rows = tl.minimum(offs_f, F - 1).to(tl.int64)[:, None]
-        g_rows = w_ptr + e.to(tl.int64) * 8294400 + f_rows * 1440
-        u_rows = g_rows + 4147200
+        g_rows = w_ptr + e.to(tl.int64) * 8388608 + f_rows * 2048
+        u_rows = g_rows + 4194304
         srow_g = f_rows // 1
         srow_u = (f_rows + F) // 1
-        ws = w_scale_ptr + e.to(tl.int64) * 518400   # expert e's scales
+        ws = w_scale_ptr + e.to(tl.int64) * 524288   # expert e's scales
 
-        b_m = offs_f < F
-        b_g = tl.load(b_ptr + e.to(tl.int64) * (2 * F) + offs_f, mask=b_m, other=0.0).to(tl.float32)
-        b_u = tl.load(b_ptr + e.to(tl.int64) * (2 * F) + F + offs_f, mask=b_m, other=0.0).to(tl.float32)
         toks, ok, n = _tokens_of(ids_ptr, e, T, 0, KT, KTP, TC, FMA_TP)
         if n <= FMA_T:
             # ---- CUDA-core path: tokens r < n, one W tile per step ----
             rows = tl.arange(0, FMA_TP)
-            ok0 = tl.sum(tl.where((rows == 0) & ok, 1, 0), 0, keep_dims=True) > 0   # [1]
-            x0_row = x_ptr + tl.sum(tl.where(rows == 0, toks, 0), 0).to(tl.int64) * H
-            acc_g0 = tl.zeros([BLOCK_F, FMA_BLOCK_K], tl.float32)
-            acc_u0 = tl.zeros([BLOCK_F, FMA_BLOCK_K], tl.float32)
             for k0 in range(0, H, FMA_BLOCK_K):
                 k = k0 + tl.arange(0, FMA_BLOCK_K)
                 wg = _w_deq(_w_raw(g_rows, k0, H, FMA_BLOCK_K), srow_g, ws, k0, H, FMA_BLOCK_K)
                 wu = _w_deq(_w_raw(u_rows, k0, H, FMA_BLOCK_K), srow_u, ws, k0, H, FMA_BLOCK_K)
-                x0 = tl.load(_ptr(x0_row, k), mask=ok0 & (k < H), other=0.0).to(tl.float32)[None, :]
-                acc_g0 += wg * x0
-                acc_u0 += wu * x0
             g = tl.zeros([FMA_TP, BLOCK_F], tl.float32)
             v = tl.zeros([FMA_TP, BLOCK_F], tl.float32)
-            g = tl.where(rows[:, None] == 0, tl.sum(acc_g0, axis=1)[None, :], g)
-            v = tl.where(rows[:, None] == 0, tl.sum(acc_u0, axis=1)[None, :], v)
-            g += b_g[None, :]
-            v += b_u[None, :]
             _store_act(act_ptr, ids_ptr, _gated_act(g, v), toks, ok, e, offs_f, F, KT, KTP)
         else:
             # ---- tensor-core path: BLOCK_T tokens at a time, acc[f, t] = W @ X^T ----
@@ -250,17 +249,12 @@ def moe_gate_up(x_ptr, ids_ptr, w_ptr, act_ptr, T, b_ptr, w_scale_ptr,
                 acc_u = tl.zeros([BLOCK_F, BLOCK_T], tl.float32)
                 for k0 in range(0, H, BLOCK_K):
                     k = k0 + tl.arange(0, BLOCK_K)[None, :]
-                    xa = tl.load(_ptr(x_rows, k), mask=ok_t[:, None] & (k < H), other=0.0)
-                    wg = _w_deq(_w_raw(g_rows, k0, H, BLOCK_K), srow_g, ws, k0, H, BLOCK_K)
-                    wu = _w_deq(_w_raw(u_rows, k0, H, BLOCK_K), srow_u, ws, k0, H, BLOCK_K)
-                    if DOT_F32:
-                        acc_g = tl.dot(wg, tl.trans(xa.to(tl.float32)), acc_g, input_precision="ieee")
-                        acc_u = tl.dot(wu, tl.trans(xa.to(tl.float32)), acc_u, input_precision="ieee")
-                    else:
-                        acc_g = tl.dot(wg.to(tl.bfloat16), tl.trans(xa.to(tl.bfloat16)), acc_g)
-                        acc_u = tl.dot(wu.to(tl.bfloat16), tl.trans(xa.to(tl.bfloat16)), acc_u)
-                acc_g += b_g[:, None]
-                acc_u += b_u[:, None]
+                    xt = tl.trans(tl.load(_ptr(x_rows, k), mask=ok_t[:, None] & (k < H), other=0.0).to(tl.bfloat16))
+                    # e2m1 codes x e8m0 scales x bf16 on tensor cores (codes past H are zero)
+                    acc_g = tl.dot_scaled(_w_raw(g_rows, k0, H, BLOCK_K), _w_e8m0(ws, srow_g, k0, BLOCK_K), "e2m1",
+                                          xt, None, "bf16", acc_g)
+                    acc_u = tl.dot_scaled(_w_raw(u_rows, k0, H, BLOCK_K), _w_e8m0(ws, srow_u, k0, BLOCK_K), "e2m1",
+                                          xt, None, "bf16", acc_u)
                 _store_act(act_ptr, ids_ptr, tl.trans(_gated_act(acc_g, acc_u)), toks_t, ok_t, e, offs_f, F, KT, KTP)
 
 
@@ -268,13 +262,13 @@ META = {
     "entry": "moe_gate_up",
     "params": [["x_ptr", "*bf16", "in:0"], ["ids_ptr", "*i32", "in:1"],
                ["w_ptr", "*u8", "in:2"], ["act_ptr", "*bf16", "out:0"],
-               ["T", "i32", "dim:T"], ["b_ptr", "*bf16", "in:5"], ["w_scale_ptr", "*fp32", "in:6"]],
-    "constexprs": {"H": 2880, "F": 2880, "KT": 4, "KTP": 4, "BLOCK_E": 32,
-                   "BLOCK_F": 16, "FMA_BLOCK_K": 256, "FMA_T": 1,
-                   "FMA_TP": 1, "BLOCK_K": 64, "BLOCK_T": 16,
+               ["T", "i32", "dim:T"], ["w_scale_ptr", "*fp32", "in:5"]],
+    "constexprs": {"H": 4096, "F": 2048, "KT": 6, "KTP": 8, "BLOCK_E": 256,
+                   "BLOCK_F": 32, "FMA_BLOCK_K": 256, "FMA_T": 0,
+                   "FMA_TP": 1, "BLOCK_K": 256, "BLOCK_T": 16,
                    "PC": 256, "TC": 32, "DOT_F32": False, "PDL": True},
     "pdl": True,
-    "grid": ["min(32, T * 4)", 180, 1],
+    "grid": ["min(256, T * 6)", 64, 1],
     "num_warps": 4,
     "num_stages": 4,
 }

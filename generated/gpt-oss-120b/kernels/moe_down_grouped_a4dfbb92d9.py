@@ -1,6 +1,6 @@
 # moe_down (grouped): y[t, h] = bf16(sum_j bf16(r[t, j] * sum_f act[t, j, f] * w[e, h, f])),  e = ids[t, j]
-#   act [T, 4, 2880] bf16, r f32 [T, 4], ids i32 [T, 4], w [32, 2880, 2880] bf16,
-#   rows i32 [32, T] / counts i32 [32] (moe_align: the tokens of each expert), y [T, 2880] bf16;
+#   act [T, 4, 2880] bf16, r f32 [T, 4], ids i32 [T, 4], w [128, 2880, 2880] bf16,
+#   rows i32 [128, T] / counts i32 [128] (moe_align: the tokens of each expert), y [T, 2880] bf16;
 #   fp32 sums; each slot's weighted sum is rounded to bf16 once, then the slots are added in fp32
 #   in slot order j = 0 .. 3.
 #
@@ -16,9 +16,11 @@
 # y[t] (the same bits whatever order the experts finish in), leaving the counter zero. Those
 # rows are compacted COMBINE_ROWS = 16 at a time, so a chunk's 4 partial tiles are loaded together
 # (one memory round trip per chunk, not one per slot).
-# Quantized experts: e2m1 codes, scales per 1 rows x 32 columns (259200 an
-#   expert, expert e's from e * 259200 on), each weight tile dequantized in registers; act rows quantized none;
-#   the tiles dotted in bf16.
+# MXFP4 experts: e2m1 codes, a power-of-two scale per row and 32 columns (259200 an expert, stored
+#   as the float 2^(b - 127)). Swap-AB, the codes the dot's lhs (upcast in registers, Hopper's wgmma
+#   takes A from registers): each K step
+#   accT[h, m] += sum_f value(code[h, f]) * 2^(b[h, f // 32] - 127) * act[m, f]   (tl.dot_scaled with
+#   act^T in bf16, fp32 sums; W exactly), the tile transposed once after the K loop.
 import triton
 import triton.language as tl
 
@@ -212,6 +214,17 @@ def _w_deq(raw, srow, w_scale_ptr, k0, k_end, BK: tl.constexpr):
 
 
 @triton.jit
+def _w_e8m0(t_ptr, srow, k0, BK: tl.constexpr):
+    """The e8m0 bytes of w_scale[srow, g] for the tile's BK / 32 groups from k0 -> u8 [BN, BK / 32]:
+    the plan stores an MX scale as the float 2^(b - 127), whose exponent field is b (b = 0's
+    2^-127 a subnormal with field 0). Groups past the row's 90 read 127 (1.0): their codes
+    are zero, and a NaN scale would make 0 * scale NaN."""
+    g = k0 // 32 + tl.arange(0, BK // 32)[None, :]
+    s = tl.load(t_ptr + srow * 90 + g, mask=g < 90, other=1.0)
+    return ((s.to(tl.int32, bitcast=True) >> 23) & 255).to(tl.uint8)
+
+
+@triton.jit
 def _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr, e, i0, count, nb, b_ptr, w_scale_ptr,
                H: tl.constexpr, F: tl.constexpr, KT: tl.constexpr, KTP: tl.constexpr, BM: tl.constexpr,
                BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, NB: tl.constexpr, CR: tl.constexpr,
@@ -231,19 +244,16 @@ def _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr,
     srow = h_rows // 1
     ws = w_scale_ptr + e.to(tl.int64) * 259200   # expert e's scales
 
-    acc = tl.zeros([BM, BLOCK_H], tl.float32)
+    acc_t = tl.zeros([BLOCK_H, BM], tl.float32)
     for k0 in range(0, F, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)[None, :]
         if EVEN_K:
             a = tl.load(_ptr(a_rows, k))
         else:
             a = tl.load(_ptr(a_rows, k), mask=k < F, other=0.0)
-        w = _w_deq(_w_raw(w_rows, k0, F, BLOCK_K), srow, ws, k0, F, BLOCK_K)
-        if DOT_F32:
-            acc = tl.dot(a.to(tl.bfloat16).to(tl.float32), tl.trans(w.to(tl.bfloat16).to(tl.float32)), acc,
-                         input_precision="ieee")
-        else:
-            acc = tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
+        acc_t = tl.dot_scaled(_w_raw(w_rows, k0, F, BLOCK_K), _w_e8m0(ws, srow, k0, BLOCK_K), "e2m1",
+                              tl.trans(a.to(tl.bfloat16)), None, "bf16", acc_t)
+    acc = tl.trans(acc_t)
     # the slots' ids and weights again (L2 hits) rather than held in registers over the K loop
     # expert e's bias row, added to its output before the routing weight
     acc += tl.load(b_ptr + e.to(tl.int64) * H + offs_h, mask=offs_h < H, other=0.0).to(tl.float32)[None, :]
@@ -286,11 +296,11 @@ META = {
                ["rows_ptr", "*i32", "in:4"], ["counts_ptr", "*i32", "in:5"],
                ["y_ptr", "*bf16", "out:0"], ["T", "i32", "dim:T"],
                ["part_ptr", "*bf16", "scratch:partials"], ["cnt_ptr", "*i32", "scratch:counters"], ["b_ptr", "*bf16", "in:6"], ["w_scale_ptr", "*fp32", "in:7"]],
-    "constexprs": {"H": 2880, "F": 2880, "KT": 4, "KTP": 4, "E": 32,
-                   "BLOCK_E": 32, "BLOCK_M": 128, "BLOCK_H": 256,
+    "constexprs": {"H": 2880, "F": 2880, "KT": 4, "KTP": 4, "E": 128,
+                   "BLOCK_E": 128, "BLOCK_M": 128, "BLOCK_H": 256,
                    "BLOCK_K": 64, "GROUP_M": 8, "NB": 12, "CR": 16,
                    "HALF_TAIL": 1, "EVEN_K": True, "DOT_F32": False},
-    "grid": ["(cdiv(T * 4, 128) + min(32, T * 4)) * 12", 1, 1],
+    "grid": ["(cdiv(T * 4, 128) + min(128, T * 4)) * 12", 1, 1],
     "scratch": {"partials": "T * 23040", "counters": "T * 48"},
     "num_warps": 8,
     "num_stages": 3,

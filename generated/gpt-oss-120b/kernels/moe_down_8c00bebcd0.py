@@ -2,10 +2,10 @@
 #   act [T, 4, 2880] bf16, r f32 [T, 4], ids i32 [T, 4], w [128, 2880, 2880] bf16,
 #   y [T, 2880] bf16; fp32 sums, one rounding.
 #
-# Decode: grid (min(128, T * 4) distinct-expert slots, 45 blocks of BLOCK_H = 64 output
+# Decode: grid (min(128, T * 4) distinct-expert slots, 90 blocks of BLOCK_H = 32 output
 # rows): program (u, b) takes the u-th smallest chosen expert e and the tokens that chose it, and
 # streams e's row block once for all of them (moe_gate_up.py.j2's two paths: CUDA cores for at
-# most FMA_T = 1 tokens, else swap-AB tensor-core tiles of BLOCK_T tokens); the A operand
+# most FMA_T = 0 tokens, else swap-AB tensor-core tiles of BLOCK_T tokens); the A operand
 # of token t is act[t, j] for the slot j that chose e (of largest weight if several did: the
 # others weigh 0: ids not made by moe_route). Slots of id -1 name no expert.
 # Combine, deterministic: each program parks r[t, j] * (its sums) in an fp32 scratch [B, 4, 2880]
@@ -13,8 +13,12 @@
 # completes the token's distinct experts adds the token's 4 partials in slot order and writes
 # y[t] (the same bits whatever order the experts finish in), leaving the counter zero.
 # Quantized experts: e2m1 codes, scales per 1 rows x 32 columns (259200 an
-#   expert, expert e's from e * 259200 on), dequantized in registers; act rows quantized none.
-#   The tensor-core path dots the dequantized tiles in bf16.
+#   expert, expert e's from e * 259200 on); act rows quantized none.
+#   OCP MXFP4 (e2m1 codes, a power-of-two scale per row and 32 columns, stored as the float 2^(b - 127)):
+#   the tensor-core path, taken at every token count, hands a [BLOCK_H, BLOCK_K / 2] tile of packed
+#   codes and its [BLOCK_H, BLOCK_K / 32] e8m0 scale bytes to tl.dot_scaled with act^T in bf16:
+#   acc[h, t] += sum_f value(code[h, f]) * 2^(b[h, f // 32] - 127) * act[t, j, f]   (the value of W
+#   exactly, fp32 sums); no W element is dequantized on the CUDA cores.
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -211,6 +215,17 @@ def _w_deq(raw, srow, w_scale_ptr, k0, k_end, BK: tl.constexpr):
 
 
 @triton.jit
+def _w_e8m0(t_ptr, srow, k0, BK: tl.constexpr):
+    """The e8m0 bytes of w_scale[srow, g] for the tile's BK / 32 groups from k0 -> u8 [BN, BK / 32]:
+    the plan stores an MX scale as the float 2^(b - 127), whose exponent field is b (b = 0's
+    2^-127 a subnormal with field 0). Groups past the row's 90 read 127 (1.0): their codes
+    are zero, and a NaN scale would make 0 * scale NaN."""
+    g = k0 // 32 + tl.arange(0, BK // 32)[None, :]
+    s = tl.load(t_ptr + srow * 90 + g, mask=g < 90, other=1.0)
+    return ((s.to(tl.int32, bitcast=True) >> 23) & 255).to(tl.uint8)
+
+
+@triton.jit
 def moe_down(act_ptr, rw_ptr, ids_ptr, w_ptr, y_ptr, T, part_ptr, cnt_ptr, b_ptr, w_scale_ptr,
              H: tl.constexpr, F: tl.constexpr, KT: tl.constexpr, KTP: tl.constexpr,
              BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, FMA_BLOCK_K: tl.constexpr,
@@ -238,16 +253,10 @@ def moe_down(act_ptr, rw_ptr, ids_ptr, w_ptr, y_ptr, T, part_ptr, cnt_ptr, b_ptr
             # ---- CUDA-core path: tokens r < n, one W tile per step ----
             rows = tl.arange(0, FMA_TP)
             a_off = (toks.to(tl.int64) * KT + _main_slot(ids_ptr, rw_ptr, toks, ok, e, KT)) * F
-            ok0 = tl.sum(tl.where((rows == 0) & ok, 1, 0), 0, keep_dims=True) > 0   # [1]
-            a0_row = act_ptr + tl.sum(tl.where(rows == 0, a_off, 0), 0)
-            acc0 = tl.zeros([BLOCK_H, FMA_BLOCK_K], tl.float32)
             for k0 in range(0, F, FMA_BLOCK_K):
                 k = k0 + tl.arange(0, FMA_BLOCK_K)
                 w = _w_deq(_w_raw(w_rows, k0, F, FMA_BLOCK_K), srow, ws, k0, F, FMA_BLOCK_K)
-                a0 = tl.load(_ptr(a0_row, k), mask=ok0 & (k < F), other=0.0).to(tl.float32)
-                acc0 += w * a0[None, :]
             out = tl.zeros([FMA_TP, BLOCK_H], tl.float32)
-            out = tl.where(rows[:, None] == 0, tl.sum(acc0, axis=1)[None, :], out)
             out += b_h[None, :]
             _down_finish(out, toks, ok, e, offs_h, nb, ids_ptr, rw_ptr, y_ptr, part_ptr, cnt_ptr,
                          H, KT, KTP, NB, tl.float32)
@@ -259,12 +268,10 @@ def moe_down(act_ptr, rw_ptr, ids_ptr, w_ptr, y_ptr, T, part_ptr, cnt_ptr, b_ptr
                 acc = tl.zeros([BLOCK_H, BLOCK_T], tl.float32)
                 for k0 in range(0, F, BLOCK_K):
                     k = k0 + tl.arange(0, BLOCK_K)[None, :]
+                    # e2m1 codes x e8m0 scales x bf16 on tensor cores (codes past F are zero)
                     a = tl.load(_ptr(a_rows, k), mask=ok_t[:, None] & (k < F), other=0.0)
-                    w = _w_deq(_w_raw(w_rows, k0, F, BLOCK_K), srow, ws, k0, F, BLOCK_K)
-                    if DOT_F32:
-                        acc = tl.dot(w, tl.trans(a.to(tl.float32)), acc, input_precision="ieee")
-                    else:
-                        acc = tl.dot(w.to(tl.bfloat16), tl.trans(a.to(tl.bfloat16)), acc)
+                    acc = tl.dot_scaled(_w_raw(w_rows, k0, F, BLOCK_K), _w_e8m0(ws, srow, k0, BLOCK_K), "e2m1",
+                                        tl.trans(a.to(tl.bfloat16)), None, "bf16", acc)
                 acc += b_h[:, None]
                 _down_finish(tl.trans(acc), toks_t, ok_t, e, offs_h, nb, ids_ptr, rw_ptr, y_ptr, part_ptr,
                              cnt_ptr, H, KT, KTP, NB, tl.float32)
@@ -277,12 +284,12 @@ META = {
                ["y_ptr", "*bf16", "out:0"], ["T", "i32", "dim:T"],
                ["part_ptr", "*fp32", "scratch:partials"], ["cnt_ptr", "*i32", "scratch:counters"], ["b_ptr", "*bf16", "in:6"], ["w_scale_ptr", "*fp32", "in:7"]],
     "constexprs": {"H": 2880, "F": 2880, "KT": 4, "KTP": 4, "BLOCK_E": 128,
-                   "BLOCK_H": 64, "FMA_BLOCK_K": 128, "FMA_T": 1,
-                   "FMA_TP": 1, "BLOCK_K": 64, "BLOCK_T": 16,
-                   "PC": 256, "TC": 32, "NB": 45, "DOT_F32": False, "PDL": True},
+                   "BLOCK_H": 32, "FMA_BLOCK_K": 128, "FMA_T": 0,
+                   "FMA_TP": 1, "BLOCK_K": 256, "BLOCK_T": 16,
+                   "PC": 256, "TC": 32, "NB": 90, "DOT_F32": False, "PDL": True},
     "pdl": True,
-    "grid": ["min(128, T * 4)", 45, 1],
-    "scratch": {"partials": "B * 46080", "counters": "B * 180"},
-    "num_warps": 8,
+    "grid": ["min(128, T * 4)", 90, 1],
+    "scratch": {"partials": "B * 46080", "counters": "B * 360"},
+    "num_warps": 4,
     "num_stages": 4,
 }
