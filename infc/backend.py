@@ -23,6 +23,7 @@ from infc.config import (DEFAULT_KV_CACHE_DTYPE, DEFAULT_PAGE_SIZE, EngineConfig
 from infc.compiler.build_key import REPO
 from infc.compiler.contract import caches
 from infc.compiler.contract.errors import ModelDirError
+from infc.compiler.contract.schema import plan_max_len
 from infc.runtime.tokenization.tokenizer import eos_ids
 
 SERVED_ARTIFACTS = REPO / ".cache" / "artifacts"   # where serving builds (ignored by git)
@@ -220,7 +221,7 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, on_de
         name = state.model
         page_size = c.cache.page_size
         runner = _cpu_runner(st, plan, model_dir, dummy, c, "", state_snapshots(c.cache, c.scheduler.max_num_seqs))
-        model_len = int(plan["config"].get("max_len") or 1 << 30)
+        model_len = plan_max_len(plan)
     else:
         if artifact is None:
             artifact = served_artifact(st, c, model_dir, spec_dirs, dummy, kv_dtype, lora, log, capture,
@@ -237,7 +238,7 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, on_de
                                              head=_cuda_head_weights if eagle3 else None)
         plan = runner.plan
         name = plan.get("model") or model or model_dir.name
-        model_len = int(getattr(runner, "max_model_len", None) or plan["config"].get("max_len") or 1 << 30)
+        model_len = int(getattr(runner, "max_model_len", None) or plan_max_len(plan))
         page_size = runner.page_size
 
     if par is not None or device == "cpu":
@@ -780,7 +781,7 @@ def _rank_processes(st, par, c: EngineConfig, model_dir, spec_dirs, dummy, kv_dt
             import shutil
             shutil.rmtree(where, ignore_errors=True)
         plan = plans[0]
-        return runner, plan, ranks[0][0].model, int(plan["config"].get("max_len") or 1 << 30)
+        return runner, plan, ranks[0][0].model, plan_max_len(plan)
     from infc.compiler.build import REPO, build
     tag = (f"dp{par['dp']}" if par.get("dp") else f"tp{par['tp']}") + (f"-ep{par['ep']}" if par["ep"] > 1 else "")
     out = REPO / ".cache" / "artifacts" / f"{model or model_dir.name}-{tag}"
@@ -794,5 +795,5 @@ def _rank_processes(st, par, c: EngineConfig, model_dir, spec_dirs, dummy, kv_dt
                     "infc.runtime.distributed.rank_runners:nccl_rank_runner", config, world)
     plan = runner.plan
     r0 = runner.runner
-    model_len = int(getattr(r0, "max_model_len", None) or plan["config"].get("max_len") or 1 << 30)
+    model_len = int(getattr(r0, "max_model_len", None) or plan_max_len(plan))
     return runner, plan, plan.get("model") or model or model_dir.name, model_len

@@ -12,6 +12,15 @@ DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "i32": 4, "f8e4m3": 1, "u8": 1}
 PACKED = {"u4": 2, "e2m1": 2}
 
 
+NO_MAX_LEN = 1 << 30      # a model whose config sets no longest sequence (ALiBi's, a spec without max_len)
+
+
+def plan_max_len(plan: dict) -> int:
+    """The longest sequence a plan's model takes: its config's max_len (a spec's `max_len:` symbol,
+    max_position_embeddings for most families), or NO_MAX_LEN where the spec names none."""
+    return int((plan.get("config") or {}).get("max_len") or NO_MAX_LEN)
+
+
 def nbytes(dtype: str, shape) -> int:
     """Bytes of a tensor of `shape` (static ints) in `dtype`, packed dtypes included."""
     n = 1

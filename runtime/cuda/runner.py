@@ -16,6 +16,7 @@ from infc import envs
 from infc.compiler.contract import caches
 from infc.compiler.contract.bind import Resolver, dim_slots, eval_int, scratch_sizes, step_dims
 from infc.compiler.contract.program import program_name, unrolled
+from infc.compiler.contract.schema import plan_max_len
 from ..engine.prompt_logprobs import rows_to_score, score_block
 from ..engine.runner import RowSampling, Sample, sample_row
 from ..engine.step import StepMeta
@@ -156,7 +157,7 @@ class CudaRunner:
         self.vocab_size = plan["config"]["V"]
         self.max_tokens = max(max_num_batched_tokens, max_num_seqs)
         self.max_seqs = max_num_seqs
-        self.max_model_len = min(max_model_len or plan["config"]["max_len"], plan["config"]["max_len"])
+        self.max_model_len = min(max_model_len or plan_max_len(plan), plan_max_len(plan))
         self.max_pages_per_seq = -(-self.max_model_len // self.page_size)
         self.grids = grid_codes(plan, self.artifact)
         self.kernels = load_kernels(self.artifact, plan)

@@ -41,6 +41,8 @@ hook) releases its shadow.
 """
 from dataclasses import replace
 
+from infc.compiler.contract.schema import plan_max_len
+
 from ..block_manager import BlockManager
 from ..runner import sample_rows
 from ..sequence import Sequence
@@ -70,9 +72,8 @@ class DraftProposer:
         self.bm = BlockManager(runner.num_pages, runner.page_size, enable_prefix_caching)
         self.budget = max_num_batched_tokens
         self.max_rows = getattr(runner, "max_seqs", None)
-        own = getattr(runner, "max_model_len", None) or (getattr(runner, "plan", None) or {}).get(
-            "config", {}).get("max_len")
-        self.max_model_len = min(max_model_len, int(own)) if own else max_model_len
+        own = getattr(runner, "max_model_len", None) or plan_max_len(getattr(runner, "plan", None) or {})
+        self.max_model_len = min(max_model_len, int(own))
         self.shadows: dict[int, Sequence] = {}        # target seq_id -> its shadow here
         self.proposed: dict[int, int] = {}            # seq_id -> its true length L, until settled
         # A runner whose logits reach the host (`forward`: the CPU reference) also gives the
