@@ -15,6 +15,8 @@ launching that step.
               nocopy      on, every save's copies skipped (the tier's bookkeeping alone)
               gather      on, the staging gathers only (no device-to-host copy)
               dtoh        on, the device-to-host copies only (no gather)
+              split       on, the gathers on a stream of their own into two staging halves
+                          in turn (the copy stream holds copies only)
 
     python3 tools/experiments/tier_hit_probe.py MODEL_DIR OUT.json [variant ...] [--lengths 16384,32768]
 
@@ -28,7 +30,7 @@ import time
 
 import numpy as np
 
-VARIANTS = ("off", "on", "settle", "mapped", "nocopy", "gather", "dtoh")
+VARIANTS = ("off", "on", "settle", "mapped", "nocopy", "gather", "dtoh", "split")
 
 
 def _patch_copies(variant: str):
@@ -57,15 +59,53 @@ def _patch_copies(variant: str):
             return fence
         return orig(self, pages, rows, to_host, after_steps)
 
+    def staged_split(self, staged_ring, pages, rows):
+        """The gathers on a stream of their own, into two halves of the staging buffer in turn, the
+        copy stream moving each half once its gather is done: no channel holds a kernel waiting on
+        a copy (the copy stream holds copies only). The pairs table is shared with restores on the
+        copy stream: fine here (HBM hits restore nothing), not as it stands for a product."""
+        from infc.compiler.contract.bind import grid
+        from infc.runtime.cuda.driver import launch
+        ctx, bb, half = self.ctx, self.block_bytes, self.stage_rows // 2
+        if not hasattr(self, "_gs"):
+            self._gs = ctx.new_stream()
+            self._ev_g = [ctx.event(), ctx.event()]
+            self._ev_c = [ctx.event(), ctx.event()]
+        G = self._gs
+        ctx.wait_event(self.mark, G)                 # the steps that wrote the pages
+        idx = np.arange(len(pages))
+        n = pairs(pages, idx % half + ((idx // half) % 2) * half, staged_ring)
+        ctx.htod_raw(self._pairs, staged_ring.ctypes.data, n * 8, G)
+        host = self.slab.ctypes.data
+        args, n_slot, p_slot = self._packed("stage")
+        k = self.kernel
+        for c, at in enumerate(range(0, n, half)):
+            m, h = min(half, n - at), c % 2
+            ctx.wait_event(self._ev_c[h], G)         # the half's last copy out is done
+            items = m * self.num_regions
+            args.set(n_slot, items)
+            args.set(p_slot, self._pairs + at * 8)
+            g = grid(k.meta, {"N": items})
+            if self.save_programs:
+                g = (min(items, self.save_programs), 1, 1)
+            launch(ctx, k.fn, g, k.block, k.shared, args, stream=G)
+            self._ev_g[h].record(G)
+            ctx.wait_event(self._ev_g[h], self.stream)
+            for j, row, count in row_runs(rows[at:at + m]):
+                ctx.dtoh_raw(host + row * bb, self._stage + (h * half + j) * bb, count * bb, self.stream)
+            self._ev_c[h].record(self.stream)
+
     kv_copies.DeviceCopies._batch = batch
     if variant in ("gather", "dtoh"):
         kv_copies.DeviceCopies._staged = staged
+    if variant == "split":
+        kv_copies.DeviceCopies._staged = staged_split
 
 
 def run(model_dir: str, variant: str, lengths: list[int], reps: int, new: int = 16, device=None) -> dict:
     if variant == "mapped":
         os.environ["INFC_KV_SAVE_STAGING_BYTES"] = "0"
-    if variant in ("nocopy", "gather", "dtoh"):
+    if variant in ("nocopy", "gather", "dtoh", "split"):
         _patch_copies(variant)
     from infc.backend import load_backend
     from infc.runtime.engine.sampling import SamplingParams
