@@ -116,15 +116,24 @@ def run(model_dir: str, variant: str, lengths: list[int], reps: int, new: int = 
     launches, gpu = [], []
     orig_launch, orig_collect = runner.launch_forward, runner.collect
 
+    ctx = getattr(runner, "ctx", None)
+    mark = {"event": ctx.event() if ctx is not None else None, "host": 0.0}
+    lags, starts = [], {}
+
     def launch_forward(meta, feed=()):
         t0 = time.perf_counter()
         out = orig_launch(meta, feed)
         launches.append(time.perf_counter() - t0)
+        starts[id(out)] = t0
         return out
 
     def collect(step):
         out = orig_collect(step)
         gpu.append(step.gpu_ms())
+        if mark["event"] is not None and id(step) in starts:
+            # how much later the main stream reached the step's start event than the host recorded
+            # it, against the request's first moment (the stream idle there, marked and waited for)
+            lags.append(step.start.ms_since(mark["event"]) - (starts.pop(id(step)) - mark["host"]) * 1e3)
         return out
 
     runner.launch_forward, runner.collect = launch_forward, collect
@@ -134,7 +143,11 @@ def run(model_dir: str, variant: str, lengths: list[int], reps: int, new: int = 
 
     def submit(prompt):
         rid = f"p{next(count)}"
-        launches.clear(), gpu.clear()
+        launches.clear(), gpu.clear(), lags.clear()
+        if mark["event"] is not None:
+            mark["event"].record()
+            mark["event"].wait()
+            mark["host"] = time.perf_counter()
         t0 = time.perf_counter()
         engine.add_request(prompt, params, rid)
         ttft = None
@@ -144,7 +157,8 @@ def run(model_dir: str, variant: str, lengths: list[int], reps: int, new: int = 
                     ttft = time.perf_counter() - t0
         while engine.has_unfinished():
             engine.step()
-        return {"ttft_ms": ttft * 1e3, "launch_ms": [x * 1e3 for x in launches], "gpu_ms": list(gpu)}
+        return {"ttft_ms": ttft * 1e3, "launch_ms": [x * 1e3 for x in launches], "gpu_ms": list(gpu),
+                "start_lag_ms": max(lags) if lags else 0.0}
 
     def make(n):
         return rng.integers(1000, 100000, size=n).tolist()
@@ -177,10 +191,12 @@ def run(model_dir: str, variant: str, lengths: list[int], reps: int, new: int = 
         med = lambda key, rs: float(np.median([sum(r[key]) if isinstance(r[key], list) else r[key] for r in rs]))
         out["lengths"][str(L)] = {"cold_ttft_ms": med("ttft_ms", cold), "warm_ttft_ms": med("ttft_ms", warm),
                                   "warm_gpu_ms": med("gpu_ms", warm), "warm_launch_ms": med("launch_ms", warm),
+                                  "warm_start_lag_ms": med("start_lag_ms", warm),
                                   "warm": warm}
         r = out["lengths"][str(L)]
         print(f"{variant:7s} L={L}: warm TTFT {r['warm_ttft_ms']:.2f} ms, step on the GPU {r['warm_gpu_ms']:.2f}, "
-              f"launch (host) {r['warm_launch_ms']:.2f}; cold {r['cold_ttft_ms']:.1f}", flush=True)
+              f"launch (host) {r['warm_launch_ms']:.2f}, the stream reached it {r['warm_start_lag_ms']:.2f} late; "
+              f"cold {r['cold_ttft_ms']:.1f}", flush=True)
         if getattr(engine.tiers, "copies", None) is not None and hasattr(engine.tiers.copies, "last_ms"):
             # one more cold prompt, its save timed alone after it
             submit(make(L + new))
