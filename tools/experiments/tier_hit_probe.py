@@ -11,14 +11,16 @@ launching that step.
     variants: off         the tier off
               on          the tier on, as shipped (staged saves: gather kernel + copy engine)
               settle      on, 0.5 s after the prefix before the hits (its saves done)
-              mapped      on, INFC_KV_SAVE_STAGING_BYTES=0 (the kernel writes the mapped slab)
               nocopy      on, every save's copies skipped (the tier's bookkeeping alone)
               gather      on, the staging gathers only (no device-to-host copy)
               dtoh        on, the device-to-host copies only (no gather)
               split       on, the gathers on a stream of their own into two staging halves
                           in turn (the copy stream holds copies only)
 
-    python3 tools/experiments/tier_hit_probe.py MODEL_DIR OUT.json [variant ...] [--lengths 16384,32768]
+    python3 tools/experiments/tier_hit_probe.py MODEL_DIR OUT.json VARIANT [--lengths 16384,32768]
+
+The mapped slab (call 1's `mapped`) is `on` under INFC_KV_SAVE_STAGING_BYTES=0 (the stage's
+NAME=ENV=VALUE entries set it: infc/envs.py is where INFC_ variables are read).
 
 The GPU machine's command (dummy weights, qwen3-4b's config): see tests/gpu/session.sh stage
 `tier-probe`.
@@ -30,7 +32,7 @@ import time
 
 import numpy as np
 
-VARIANTS = ("off", "on", "settle", "mapped", "nocopy", "gather", "dtoh", "split")
+VARIANTS = ("off", "on", "settle", "nocopy", "gather", "dtoh", "split")
 
 
 def _patch_copies(variant: str):
@@ -103,8 +105,6 @@ def _patch_copies(variant: str):
 
 
 def run(model_dir: str, variant: str, lengths: list[int], reps: int, new: int = 16, device=None) -> dict:
-    if variant == "mapped":
-        os.environ["INFC_KV_SAVE_STAGING_BYTES"] = "0"
     if variant in ("nocopy", "gather", "dtoh", "split"):
         _patch_copies(variant)
     from infc.backend import load_backend
