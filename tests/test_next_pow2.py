@@ -26,7 +26,7 @@ def test_next_pow2_is_the_templates_filter():
 
 
 @pytest.mark.parametrize("x,floor,what", [("8", 1, "needs a number"), (None, 1, "needs a number"),
-                                          (True, 1, "needs a number"), (5, 12, "floor must be a power of two"),
+                                          (True, 1, "needs a number"), (float("inf"), 1, "needs a number"), (5, 12, "floor must be a power of two"),
                                           (5, 0, "floor must be a power of two")])
 def test_next_pow2_refuses(x, floor, what):
     with pytest.raises(TemplateError, match=what):
@@ -40,3 +40,13 @@ def test_next_pow2_error_names_the_template(tmp_path):
     env.filters["next_pow2"] = next_pow2
     with pytest.raises(TemplateError, match=r"triton/bad\.py\.j2: next_pow2 needs a number, got 'a'"):
         render_template("triton", "bad", {"attrs": {"n": "a"}}, env=env)
+
+
+def test_next_pow2_of_an_undefined_is_jinjas_error(tmp_path):
+    """An undefined operand fails as the comparison loop it replaced did: jinja2's own message."""
+    (tmp_path / "triton").mkdir()
+    (tmp_path / "triton" / "und.py.j2").write_text("X = {{ inputs[1] | next_pow2(16) }}\n")
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(tmp_path)), undefined=jinja2.StrictUndefined)
+    env.filters["next_pow2"] = next_pow2
+    with pytest.raises(TemplateError, match=r"triton/und\.py\.j2: list object has no element 1"):
+        render_template("triton", "und", {"inputs": [{"shape": [3]}]}, env=env)

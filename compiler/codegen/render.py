@@ -40,7 +40,10 @@ class Kernel:
 def next_pow2(x, floor: int = 1) -> int:
     """The smallest power of two >= x, and at least `floor` (a power of two): a tile's extent
     (tl.arange needs a power of two) covering x. A template writes `H | next_pow2(16)`."""
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
+    for v in (x, floor):
+        if isinstance(v, jinja2.Undefined):
+            _ = v + 0                                # jinja2's own UndefinedError, as a comparison raised it
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
         raise TemplateError(f"next_pow2 needs a number, got {x!r}")
     if isinstance(floor, bool) or not isinstance(floor, int) or floor < 1 or floor & (floor - 1):
         raise TemplateError(f"next_pow2's floor must be a power of two, got {floor!r}")
