@@ -8,6 +8,7 @@ import ast
 import functools
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,20 @@ class Kernel:
     meta: dict
 
 
+def next_pow2(x, floor: int = 1) -> int:
+    """The smallest power of two >= x, and at least `floor` (a power of two): a tile's extent
+    (tl.arange needs a power of two) covering x. A template writes `H | next_pow2(16)`."""
+    for v in (x, floor):
+        if isinstance(v, jinja2.Undefined):
+            _ = v + 0                                # jinja2's own UndefinedError, as a comparison raised it
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+        raise TemplateError(f"next_pow2 needs a number, got {x!r}")
+    if isinstance(floor, bool) or not isinstance(floor, int) or floor < 1 or floor & (floor - 1):
+        raise TemplateError(f"next_pow2's floor must be a power of two, got {floor!r}")
+    n = math.ceil(x)
+    return max(floor, 1 if n <= 1 else 1 << (n - 1).bit_length())
+
+
 def _env() -> jinja2.Environment:
     """One environment per templates folder, kept for the process: jinja2 caches each template
     compiled (a template edited since is recompiled: auto_reload compares its mtime), where a new
@@ -53,6 +68,7 @@ def _env_for(folder: str) -> jinja2.Environment:
     env.filters["ptr"] = lambda d: PTR[d]
     env.filters["ctype"] = lambda d: C_DTYPE[d]
     env.filters["json"] = lambda v: json.dumps(v)
+    env.filters["next_pow2"] = next_pow2
     return env
 
 
@@ -119,6 +135,8 @@ def render_template(backend: str, template: str, ctx: dict, env=None) -> Kernel:
         raise TemplateError(f"no template {TEMPLATES.name}/{path} for op '{ctx.get('op')}'") from None
     except jinja2.UndefinedError as e:
         raise TemplateError(f"{path}: {_refusal(str(e))}") from None
+    except TemplateError as e:                       # a filter's (next_pow2's) complaint
+        raise TemplateError(f"{path}: {e}") from None
     digest = hashlib.sha256(source.encode()).hexdigest()[:10]
     return Kernel(f"{template}_{digest}", backend, template, source, parse_meta(source, backend))
 
