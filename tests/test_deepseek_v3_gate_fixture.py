@@ -92,7 +92,7 @@ def test_small_fixture_routes_each_token_by_its_class_plan(cfg):
     want = Router(cfg, bias).picks(plan_logits(cfg))[ids % gpu_families.DSV3_CLASSES].numpy()
     assert picks.shape == (2, 40, 8)
     assert (picks == want[None]).all(), (picks != want[None]).any(-1).sum(-1)
-    assert margin.min() > 0.15, margin.min(1)       # bf16 moves a score by ~0.01 at the most
+    assert margin.min() > 0.15, margin.min(1)       # far above bf16's error on a saturated score
     frac, flips, _ = route_agreement.route_agreement([got], [got])
     assert (frac, flips) == (1.0, 0)
 

@@ -17,8 +17,9 @@ No norm stays constant, so a missing, misplaced or mis-offset norm weight fails 
 A family whose spec has 1-D weights that are not norms or biases (Qwen3.5's linear attention:
 A_log, dt_bias) or whose HF init would leave a weight degenerate gets explicit rules by name
 (REDRAW, keyed by the spec's family), applied before the generic ones and independent of how this
-machine's transformers happens to initialize them. GPT-OSS's rule also shapes the routing so that it
-is decisive (DECISIVE_ROUTING; the comment above _gpt_oss_rule says why and how).
+machine's transformers happens to initialize them. GPT-OSS's and DeepSeek-V3's rules also shape the
+routing so that it is decisive (DECISIVE_ROUTING; the comments above _gpt_oss_rule and
+_deepseek_v2_rule say why and how).
 
 A variant written as a multimodal checkpoint's config.json (Qwen3.5: the text model's values under
 text_config) is made as the spec's first architecture (the text-only Qwen3_5ForCausalLM) from the
@@ -102,7 +103,8 @@ FAMILIES = {
     # routed_scaling_factor 2.5, one shared expert; vocab 129,280. Layer cut: its first 5 layers
     # (3 dense + 2 MoE) at the published widths, 32 of the 256 routed experts (4 a group, so the
     # group limit still chooses 16 of 32) so that HF's bf16 model is ~14 GB and its float32
-    # second check ~28 GB; the correction bias drawn (REDRAW_BUFFERS). bf16 (the published FP8
+    # second check ~28 GB; the router and the correction bias drawn so that it routes decisively
+    # (_deepseek_v2_rule, DECISIVE_ROUTING). bf16 (the published FP8
     # quantization_config dropped: the gate is against HF bf16). Not in DEFAULT (its size).
     "deepseek-v3-l5": ("deepseek-v3", {"num_hidden_layers": 5, "n_routed_experts": 32,
                                        "quantization_config": None}),
