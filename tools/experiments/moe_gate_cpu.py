@@ -11,8 +11,8 @@ float32 (each decoder layer's weights upcast only while it runs, so the float32 
 whole: DeepSeek-V3's cut is 5.1 B parameters) and then in bf16, and prints the golden gate's
 statistics (tests/gpu/test_golden.py: regret / mean / p99 over the last 16 positions of each prompt)
 of HF bf16 against float32, the routing agreement (the picked experts of every MoE layer at every
-position: tests/gpu/route_agreement.routes) and the float32 choice margins per layer. GPT-OSS only:
-then each planted defect, monkeypatched into the bf16 model, is judged as the gate judges infc:
+position: tests/gpu/route_agreement.routes) and the float32 choice margins per layer. Then each
+planted defect (DEFECTS: the family's), monkeypatched into the bf16 model, is judged as the gate judges infc:
 against the clean HF bf16 (limits), else against float32 within max(limits, HF bf16's own distance).
 """
 import argparse
@@ -272,6 +272,62 @@ def _defects():
     }
 
 
+
+def _dsv3_defects():
+    """DeepSeek-V3's routing and MoE, each mechanism broken once (HF's DeepseekV3 classes patched)."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
+
+    def router(self, hidden, bias_choice=True, bias_weights=False, groups=True, scale=True, renorm=True):
+        h = hidden.view(-1, self.hidden_dim)
+        logits = torch.nn.functional.linear(h.float(), self.weight.float())
+        scores = logits.sigmoid()
+        choice = scores + (self.e_score_correction_bias if bias_choice else 0)
+        if groups:
+            group = choice.view(-1, self.num_group, self.num_experts // self.num_group).topk(2, dim=-1)[0].sum(-1)
+            keep = torch.zeros_like(group).scatter_(1, group.topk(self.topk_group, dim=-1)[1], 1)
+            mask = keep.unsqueeze(-1).expand(-1, self.num_group, self.num_experts // self.num_group).reshape(-1, self.num_experts)
+            choice = choice.masked_fill(~mask.bool(), float("-inf"))
+        idx = choice.topk(self.top_k, dim=-1, sorted=False)[1]
+        w = (scores + self.e_score_correction_bias if bias_weights else scores).gather(1, idx)
+        if renorm:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return logits, w * (self.routed_scaling_factor if scale else 1.0), idx
+
+    def patch_router(**kw):
+        class P:
+            def __enter__(self):
+                self.old = m.DeepseekV3TopkRouter.forward
+                m.DeepseekV3TopkRouter.forward = lambda r, h: router(r, h, **kw)
+
+            def __exit__(self, *a):
+                m.DeepseekV3TopkRouter.forward = self.old
+        return P()
+
+    class NoShared:
+        def __enter__(self):
+            self.old = m.DeepseekV3MoE.forward
+
+            def fwd(moe, hidden):
+                shape = hidden.shape
+                _, w, idx = moe.gate(hidden)
+                return moe.experts(hidden.view(-1, shape[-1]), idx, w).view(*shape)
+            m.DeepseekV3MoE.forward = fwd
+
+        def __exit__(self, *a):
+            m.DeepseekV3MoE.forward = self.old
+
+    return {"same-router-rewritten (control)": patch_router(),
+            "bias-ignored-in-choice": patch_router(bias_choice=False),
+            "bias-in-weights": patch_router(bias_weights=True),
+            "no-group-limit": patch_router(groups=False),
+            "no-routed-scaling": patch_router(scale=False),
+            "not-renormalized": patch_router(renorm=False),
+            "no-shared-expert": NoShared()}
+
+
+DEFECTS = {"gpt-oss-20b-l4": _defects, "deepseek-v3-l5": _dsv3_defects}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--family", default="gpt-oss-20b-l4", choices=list(CUTS))
@@ -295,9 +351,7 @@ def main():
           f"float32 {fmt(stats(l16, l32))} (limits {LIMITS}); routing agreement {agree:.4f} ({flips} flips of "
           f"{sum(p.shape[0] * p.shape[1] for p, _ in r32)} layer-positions); float32 choice margin per MoE "
           f"layer min {np.round(mmin, 3).tolist()} median {np.round(mmed, 3).tolist()}", flush=True)
-    if name != "gpt-oss-20b-l4":
-        return
-    defects = _defects()
+    defects = DEFECTS[name]()
     pick = list(defects) if a.defects == "all" else ([] if a.defects == "none" else a.defects.split(","))
     for name in pick:
         ctx = defects[name]
