@@ -403,8 +403,9 @@ def _gpt_oss_rule(pname, p, g, config=None) -> bool:
 #     groups beat its decoy groups only by the +0.3 role (unbiased both sum 1.0) and pick that role's
 #     low expert too (weight ~0.01: a weight that wrongly includes the bias makes it ~0.3); class 2
 #     routes as it would unbiased.
-# The price: the weights among a token's 8 are near-equal (the scores saturate), so a defect in the
-# normalization over the 8 moves the output less than in a model with spread scores.
+# The price: the weights among a token's 8 are near-equal (the scores saturate), so their relative
+# sizes carry little, and a bias-picked low expert weighs ~1 %: a bug confined to it would pass
+# (bench/NOTES.md: the defects that are caught).
 DSV3_CLASSES = 4
 DSV3_EMBED_NOISE, DSV3_EMBED_CLASS = 0.5, 2.5
 DSV3_LOGIT, DSV3_CLASS_SHARE, DSV3_ROUTER_NOISE = 4.5, 0.27, 0.002
