@@ -1,7 +1,7 @@
 """GPT-OSS's golden-gate fixture routes decisively (tests/gpu/gpu_families.py, issue 45): each
 token's top-4 experts are its group's, by a margin far above bf16's error, in every layer; and
 route_agreement.py (the GPU gate's check of that premise) counts disagreements right. At a small
-width on the CPU; the real width is bench/NOTES.md's experiment (tools/experiments/gptoss_gate_cpu.py)."""
+width on the CPU; the real width is bench/NOTES.md's experiment (tools/experiments/moe_gate_cpu.py)."""
 import sys
 from pathlib import Path
 
@@ -39,6 +39,10 @@ def test_small_fixture_routes_each_token_to_its_group():
     assert (top == want[None]).all(), (top != want[None]).any(-1).sum(-1)
     _, _, margin = route_agreement.agreement([logits], [logits], K)
     assert margin.min() > 1.0, margin          # nats: bf16 moves a router logit by ~0.01-0.05
+    # the GPU gate's check reads the router's picks (its indices) and margins: the same here
+    picks, margins = route_agreement.routes(model, [ids.tolist()], "mlp.router", device="cpu")[0]
+    assert (picks == want[None]).all()
+    assert np.allclose(margins.min(1), margin, atol=1e-5)
 
 
 def test_agreement_counts_flips_and_margins():

@@ -17,8 +17,9 @@ No norm stays constant, so a missing, misplaced or mis-offset norm weight fails 
 A family whose spec has 1-D weights that are not norms or biases (Qwen3.5's linear attention:
 A_log, dt_bias) or whose HF init would leave a weight degenerate gets explicit rules by name
 (REDRAW, keyed by the spec's family), applied before the generic ones and independent of how this
-machine's transformers happens to initialize them. GPT-OSS's rule also shapes the routing so that it
-is decisive (DECISIVE_ROUTING; the comment above _gpt_oss_rule says why and how).
+machine's transformers happens to initialize them. GPT-OSS's and DeepSeek-V3's rules also shape the
+routing so that it is decisive (DECISIVE_ROUTING; the comments above _gpt_oss_rule and
+_deepseek_v2_rule say why and how).
 
 A variant written as a multimodal checkpoint's config.json (Qwen3.5: the text model's values under
 text_config) is made as the spec's first architecture (the text-only Qwen3_5ForCausalLM) from the
@@ -102,7 +103,8 @@ FAMILIES = {
     # routed_scaling_factor 2.5, one shared expert; vocab 129,280. Layer cut: its first 5 layers
     # (3 dense + 2 MoE) at the published widths, 32 of the 256 routed experts (4 a group, so the
     # group limit still chooses 16 of 32) so that HF's bf16 model is ~14 GB and its float32
-    # second check ~28 GB; the correction bias drawn (REDRAW_BUFFERS). bf16 (the published FP8
+    # second check ~28 GB; the router and the correction bias drawn so that it routes decisively
+    # (_deepseek_v2_rule, DECISIVE_ROUTING). bf16 (the published FP8
     # quantization_config dropped: the gate is against HF bf16). Not in DEFAULT (its size).
     "deepseek-v3-l5": ("deepseek-v3", {"num_hidden_layers": 5, "n_routed_experts": 32,
                                        "quantization_config": None}),
@@ -131,9 +133,9 @@ FAMILIES = {
                                      # quantization the variant binds dropped
                                      "quantization_config": None, "expert_dtype": None}),
 }
-# Families whose fixture makes the routing decisive (see GPT-OSS's rule below): name -> the suffix
-# of the router modules' names, whose logits test_golden.test_routing_is_decisive compares.
-DECISIVE_ROUTING = {"gpt-oss-20b-l4": "mlp.router"}
+# Families whose fixture makes the routing decisive (GPT-OSS's and DeepSeek-V3's rules below): name
+# -> the suffix of the router modules' names, whose picks test_golden.test_routing_is_decisive compares.
+DECISIVE_ROUTING = {"gpt-oss-20b-l4": "mlp.router", "deepseek-v3-l5": "mlp.gate"}
 # Longer prompts for a family (test_golden.py adds them after its common lengths): the hybrid
 # model's recurrent state and chunked delta rule over 2k-4k tokens (chunk edges at 64, pages at 16).
 # DeepSeek-V2-Lite's 8-layer cut: prompts to 2k, the latent cache over up to 129 pages of 16.
@@ -378,6 +380,91 @@ def _gpt_oss_rule(pname, p, g, config=None) -> bool:
     return False
 
 
+# DeepSeek-V3's fixture (issue 45, bench/NOTES.md). Its router is group-limited: sigmoid scores plus
+# the correction bias rank the experts, a group scores the sum of its top-2, the top-4 of 8 groups
+# are kept and the top-8 experts among their 16 are picked; the weights are the picked experts'
+# sigmoid scores (no bias) normalized, times routed_scaling_factor. With every matrix 0.02 and the
+# bias 0.1 * normal, many positions near-tie at one of those two cuts and HF's own bf16 run is another
+# model there (its gate: bf16 vs float32 regret 0.572). So the choice is made decisive at both cuts:
+#   - tokens fall in DSV3_CLASSES classes (id % classes); the embedding carries the class's direction
+#     (group_directions, DSV3_EMBED_CLASS an element beside DSV3_EMBED_NOISE of the token's own), and
+#     a router row is the sum over classes of +-1 times the class direction, scaled so that each logit
+#     is about +-DSV3_LOGIT: a sigmoid score of ~0.99 ("high") or ~0.01 ("low"), saturated, so what
+#     else the residual stream holds moves it little. The three dense layers add ~8 times the
+#     embedding's scale to the stream: at 1.0 an element the class held 12 % of the MoE layers' input
+#     and the other classes' directions, at +-1 in every row, put the smallest margin at 0.02; at 2.5
+#     it holds DSV3_CLASS_SHARE (measured at the real width, bench/NOTES.md) and the margins 0.25;
+#   - the correction bias gives each expert a role within its group (rotated by the group's index,
+#     so the classes together reach most experts): +DSV3_BIAS, 0, -DSV3_BIAS, 0. Score plus bias then
+#     lands on a grid ~0.3 apart (1.29, 0.99, 0.69, 0.31, 0.01, -0.29), and DSV3_PLAN sets each class's
+#     high experts so that both cuts fall between grid levels, ~0.3 apart, far above bf16's error;
+#   - the bias decides, where a defect ignoring it would pick otherwise: class 0 and 3 have 12 high
+#     experts in their 4 groups and the -0.3 role drops 4 of them (unbiased: a 12-way tie); class 1's
+#     groups beat its decoy groups only by the +0.3 role (unbiased both sum 1.0) and pick that role's
+#     low expert too (weight ~0.01: a weight that wrongly includes the bias makes it ~0.3); class 2
+#     routes as it would unbiased.
+# The price: the weights among a token's 8 are near-equal (the scores saturate), so their relative
+# sizes carry little, and a bias-picked low expert weighs ~1 %: a bug confined to it would pass
+# (bench/NOTES.md: the defects that are caught).
+DSV3_CLASSES = 4
+DSV3_EMBED_NOISE, DSV3_EMBED_CLASS = 0.5, 2.5
+DSV3_LOGIT, DSV3_CLASS_SHARE, DSV3_ROUTER_NOISE = 4.5, 0.27, 0.002
+DSV3_BIAS, DSV3_BIAS_NOISE = 0.3, 0.005
+# class -> (its 4 groups, the roles that score high there, the roles that score high in the others)
+DSV3_PLAN = {0: ((0, 1, 2, 3), (1, 2, 3), (0,)),        # high roles 1, 3 kept, role 2 dropped by the bias
+             1: ((4, 5, 6, 7), (1,), (2,)),             # the groups and their role-0 expert by the bias
+             2: ((0, 2, 4, 6), (0, 2), ()),
+             3: ((1, 3, 5, 7), (1, 2, 3), (2,))}
+DSV3_ROLE_BIAS = (1.0, 0.0, -1.0, 0.0)                 # times DSV3_BIAS, role = (position + group) % 4
+
+
+def _dsv3_decisive(config) -> bool:
+    """The plan's shape: 8 groups of 4 experts, 4 groups kept, 8 experts picked (DeepSeek-V3's cut)."""
+    return (getattr(config, "model_type", None) == "deepseek_v3" and config.n_group == 8
+            and config.n_routed_experts == 32 and config.topk_group == 4 and config.num_experts_per_tok == 8)
+
+
+def dsv3_signs(config):
+    """[classes, experts]: +1 where the class's router logit is high, -1 where low (DSV3_PLAN)."""
+    import torch
+    per = config.n_routed_experts // config.n_group
+    s = -torch.ones(DSV3_CLASSES, config.n_routed_experts)
+    for c, (groups, high, decoy) in DSV3_PLAN.items():
+        for gi in range(config.n_group):
+            for pos in range(per):
+                if (pos + gi) % per in (high if gi in groups else decoy):
+                    s[c, gi * per + pos] = 1.0
+    return s
+
+
+def dsv3_role_bias(config):
+    import torch
+    per = config.n_routed_experts // config.n_group
+    e = torch.arange(config.n_routed_experts)
+    return DSV3_BIAS * torch.tensor(DSV3_ROLE_BIAS)[(e % per + e // per) % per]
+
+
+def _deepseek_v2_rule(pname, p, g, config=None) -> bool:
+    """DeepSeek-V3's decisive-routing fixture (the comment above); DeepSeek-V2 keeps the generic draws."""
+    import torch
+    if config is None or not _dsv3_decisive(config):
+        return False
+    if pname == "model.embed_tokens.weight":
+        V, H = p.shape
+        d = group_directions(DSV3_CLASSES, H, p.device) * H ** 0.5
+        p.normal_(0.0, DSV3_EMBED_NOISE, generator=g)
+        p += (DSV3_EMBED_CLASS * d[torch.arange(V, device=p.device) % DSV3_CLASSES]).to(p.dtype)
+        return True
+    if pname.endswith("mlp.gate.weight"):
+        E, H = p.shape
+        d = group_directions(DSV3_CLASSES, H, p.device)
+        gain = DSV3_LOGIT / (DSV3_CLASS_SHARE * H ** 0.5)       # the class's projection: share * sqrt(H)
+        p.normal_(0.0, DSV3_ROUTER_NOISE, generator=g)
+        p += (gain * dsv3_signs(config).to(p.device).T @ d).to(p.dtype)
+        return True
+    return False
+
+
 def _deepseek_v4_rule(pname, p, g, config=None) -> bool:
     """DeepSeek-V4's attention sinks as GPT-OSS's (one logit a head the size of the scores)."""
     if pname.endswith("self_attn.sinks"):
@@ -391,7 +478,8 @@ def _routing_buffers(model, g):
     brings the values): every token hashed to expert 0 and no correction bias would leave the table
     and the bias untested. Each hash table row (V4) gets K distinct experts drawn from the E, each
     correction bias (V3's noaux_tc, V4) 0.1 * normal (the sigmoid / sqrtsoftplus scores differ by
-    about that: it moves the top-k). DeepSeek-V2 models (greedy top-k) have neither."""
+    about that: it moves the top-k); DeepSeek-V3's golden cut's, its roles (_deepseek_v2_rule's
+    comment). DeepSeek-V2 models (greedy top-k) have neither."""
     import torch
     for name, b in model.named_buffers():
         if name.endswith("gate.tid2eid"):
@@ -400,11 +488,16 @@ def _routing_buffers(model, g):
             rows = torch.rand(V, E, generator=g, device=b.device).argsort(dim=-1)[:, :K]
             b.copy_(rows.to(b.dtype))
         elif name.endswith("gate.e_score_correction_bias"):
-            b.copy_(0.1 * torch.randn(b.shape, generator=g, device=b.device))
+            if _dsv3_decisive(model.config):            # the decisive fixture's roles (_deepseek_v2_rule)
+                noise = DSV3_BIAS_NOISE * torch.randn(b.shape, generator=g, device=b.device)
+                b.copy_(dsv3_role_bias(model.config).to(b.device) + noise)
+            else:
+                b.copy_(0.1 * torch.randn(b.shape, generator=g, device=b.device))
 
 
 # spec family -> rule(parameter name, parameter, generator) -> True where it drew the parameter
-REDRAW = {"qwen3_5": _qwen3_5_rule, "gpt_oss": _gpt_oss_rule, "deepseek_v4": _deepseek_v4_rule}
+REDRAW = {"qwen3_5": _qwen3_5_rule, "gpt_oss": _gpt_oss_rule, "deepseek_v4": _deepseek_v4_rule,
+          "deepseek_v2": _deepseek_v2_rule}
 # spec family -> fill(model, generator): buffers that hold weights (saved with the checkpoint)
 REDRAW_BUFFERS = {"deepseek_v4": _routing_buffers, "deepseek_v2": _routing_buffers}
 

@@ -29,9 +29,9 @@ beyond the window); gemma-3's 512-token window is crossed by the common lengths 
 600-1024). A family in gpu_families.LONG_PROMPTS gets those prompt lengths too (qwen3.5-4b-l8: up to
 4096 tokens). Each runner gives its device memory back when its test ends (CudaRunner.close).
 
-GPT-OSS's fixture routes decisively (gpu_families.py: each token's top-4 experts lead the rest by
-nats, not the last bits a random router leaves them), so a bf16 reference is one model and not a
-routing flip away from another; test_routing_is_decisive checks that premise on the gate's
+GPT-OSS's and DeepSeek-V3's fixtures route decisively (gpu_families.py: each token's experts, and
+DeepSeek-V3's groups, lead the rest by far more than the last bits a random router leaves them),
+so a bf16 reference is one model and not a routing flip away from another; test_routing_is_decisive checks that premise on the gate's
 sequences (route_agreement.py).
 
 Hybrid models (a plan with slot caches: Qwen3.5's conv and recurrent state per sequence): this
@@ -255,9 +255,9 @@ def test_prefix_replay_and_determinism(setup):
 
 
 def test_routing_is_decisive(setup):
-    """A fixture built for decisive routing (gpu_families.DECISIVE_ROUTING: GPT-OSS) is checked for
-    it on the gate's own sequences: HF bf16 picks the experts HF float32 picks at every position of
-    every layer (route_agreement.py says why the gate means nothing otherwise)."""
+    """A fixture built for decisive routing (gpu_families.DECISIVE_ROUTING: GPT-OSS, DeepSeek-V3) is
+    checked for it on the gate's own sequences: HF bf16 picks the experts HF float32 picks at every
+    position of every layer (route_agreement.py says why the gate means nothing otherwise)."""
     name, d, art, seqs, ref = setup
     suffix = gpu_families.DECISIVE_ROUTING.get(name)
     if suffix is None:
@@ -267,13 +267,13 @@ def test_routing_is_decisive(setup):
     got = {}
     for dtype in (torch.bfloat16, torch.float32):
         hf = AutoModelForCausalLM.from_pretrained(d, dtype=dtype).cuda().eval()
-        k = hf.config.num_experts_per_tok
-        got[dtype] = route_agreement.router_logits(hf, seqs, suffix)
+        got[dtype] = route_agreement.routes(hf, seqs, suffix)
         del hf
         torch.cuda.empty_cache()
-    frac, flips, margin = route_agreement.agreement(got[torch.float32], got[torch.bfloat16], k)
+    frac, flips, margin = route_agreement.route_agreement(got[torch.float32], got[torch.bfloat16])
     say = (f"{name} routing: bf16 and float32 agree at {frac:.5f} of (layer, position) ({flips} differ); "
-           f"float32 top-{k} margin, smallest per layer: {np.round(margin, 3).tolist()}")
+           f"float32 choice margin (route_agreement.choice_margin), smallest per layer: "
+           f"{np.round(margin, 3).tolist()}")
     print(say)
     assert flips == 0, say
 

@@ -1,17 +1,19 @@
-"""Does the GPT-OSS golden gate separate bf16 noise from bugs? (issue 45; a CPU experiment, not a test)
+"""Does a MoE golden gate separate bf16 noise from bugs? (issue 45; a CPU experiment, not a test)
 
-    .venv/bin/python tools/experiments/gptoss_gate_cpu.py [--layers 4] [--vocab 4096] [--lens 64,140,160]
-                                                          [--old] [--defects all|none|NAME,...]
+    .venv/bin/python tools/experiments/moe_gate_cpu.py [--family gpt-oss-20b-l4] [--layers N]
+        [--vocab 4096] [--lens 64,140,160] [--old] [--defects all|none|NAME,...]
 
-Builds gpt-oss-20b's cut (tests/gpu/gpu_families.py's `gpt-oss-20b-l4`: real widths, 64 heads,
-32 experts top-4; vocabulary cut to --vocab for the CPU's memory) with the GPU fixture's weights
-(redraw; --old: every matrix 0.02 as before issue 45's fixture), runs HF eager in float32 and then
-the same weights in bf16 (norms kept float32, as from_pretrained(dtype=bf16) keeps them), and prints
-the golden gate's statistics (tests/gpu/test_golden.py: regret / mean / p99 over the last 16
-positions of each prompt) of HF bf16 against float32, the routing agreement (the top-4 sets of
-every layer at every position) and the float32 router margins (4th minus 5th logit). Then each
-planted defect, monkeypatched into the bf16 model, is judged as the gate judges infc: against
-the clean HF bf16 (limits), else against float32 within max(limits, HF bf16's own distance).
+Builds a family's golden-gate cut (tests/gpu/gpu_families.py: gpt-oss-20b-l4, 32 experts top-4;
+deepseek-v3-l5, 3 dense + 2 MoE layers, 32 experts, group-limited top-8) at its real widths, the
+vocabulary cut to --vocab for the CPU's memory, with the GPU fixture's weights (make_model's way:
+drawn in bf16 by redraw; --old: the generic draws, before the decisive fixture), runs HF eager in
+float32 (each decoder layer's weights upcast only while it runs, so the float32 model never exists
+whole: DeepSeek-V3's cut is 5.1 B parameters) and then in bf16, and prints the golden gate's
+statistics (tests/gpu/test_golden.py: regret / mean / p99 over the last 16 positions of each prompt)
+of HF bf16 against float32, the routing agreement (the picked experts of every MoE layer at every
+position: tests/gpu/route_agreement.routes) and the float32 choice margins per layer. Then each
+planted defect (DEFECTS: the family's), monkeypatched into the bf16 model, is judged as the gate judges infc:
+against the clean HF bf16 (limits), else against float32 within max(limits, HF bf16's own distance).
 """
 import argparse
 import sys
@@ -26,67 +28,81 @@ sys.path.insert(0, str(REPO / "tests" / "gpu"))
 # test_golden's metrics without its CUDA runner (this machine has no cuda-bindings)
 sys.modules.setdefault("infc.runtime.cuda.runner", types.SimpleNamespace(CudaRunner=None))
 import gpu_families  # noqa: E402
+import route_agreement  # noqa: E402
 from test_golden import DECODE, LIMITS, gate, within, worst_of  # noqa: E402
 
-NAME = "gpt-oss-20b-l4"
+# family -> (default layers, config overrides for a layer count): the cut's own
+CUTS = {"gpt-oss-20b-l4": (4, lambda n: {"layer_types": ["sliding_attention", "full_attention"] * (n // 2)}),
+        "deepseek-v3-l5": (5, lambda n: {})}
 
 
-def build(layers, vocab, old):
+def build(name, layers, vocab, old):
     from transformers import AutoModelForCausalLM
-    cfg = gpu_families.hf_config(NAME, vocab_size=vocab, num_hidden_layers=layers, pad_token_id=None,
-                                 layer_types=["sliding_attention", "full_attention"] * (layers // 2))
+    family = gpu_families._spec_and_values(name)[0].family
+    cfg = gpu_families.hf_config(name, vocab_size=vocab, num_hidden_layers=layers, pad_token_id=None,
+                                 **CUTS[name][1](layers))
     cfg._attn_implementation = "eager"
     cfg._experts_implementation = "eager"
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     if old:
-        rule = gpu_families.REDRAW.pop("gpt_oss")
-        gpu_families.REDRAW["gpt_oss"] = lambda n, p, g, c=None: (
-            n.endswith("self_attn.sinks") and (p.normal_(0.0, 1.0, generator=g) is not None))
-    gpu_families.redraw(model, 0, family="gpt_oss")
+        rule = gpu_families.REDRAW.pop(family)
+        if family == "gpt_oss":
+            gpu_families.REDRAW[family] = lambda n, p, g, c=None: (
+                n.endswith("self_attn.sinks") and (p.normal_(0.0, 1.0, generator=g) is not None))
+        fill = gpu_families._dsv3_decisive
+        gpu_families._dsv3_decisive = lambda c: False
+    gpu_families.redraw(model, 0, family=family)
     if old:
-        gpu_families.REDRAW["gpt_oss"] = rule
+        gpu_families.REDRAW[family] = rule
+        gpu_families._dsv3_decisive = fill
+    # what from_pretrained(dtype=bf16) keeps float32 (the saved values are bf16's)
+    keep = tuple(model._keep_in_fp32_modules or ()) + tuple(model._keep_in_fp32_modules_strict or ())
+    for mname, mod in model.named_modules():
+        for pn, t in list(mod.named_parameters(recurse=False)) + list(mod.named_buffers(recurse=False)):
+            if any(k in (mname.split(".")[-1], pn) for k in keep):
+                t.data = t.data.float()
     return model
 
 
-def to_bf16(model):
-    """bf16 except the modules HF keeps in float32 (its _keep_in_fp32_modules: the norms)."""
-    keep = tuple(model._keep_in_fp32_modules or ())
-    for name, mod in model.named_modules():
-        if any(name.endswith(k) for k in keep) or (name.split(".")[-1] in keep):
-            continue
-        for pn, p in mod.named_parameters(recurse=False):
-            p.data = p.data.to(torch.bfloat16)
-    return model
+def _cast(module, dtype):
+    """`dtype`, or None: back to each weight's own (bf16, or float32 where HF keeps it)."""
+    for p in module.parameters():
+        p.data = p.data.to(dtype or p._own_dtype)
 
 
-def forward(model, seqs):
-    """Logits of the last DECODE+... rows [T, V] per sequence and each layer's router logits [T, E]."""
-    routers = [m for n, m in model.named_modules() if n.endswith("mlp.router")]
+def forward(model, seqs, suffix, f32):
+    """Logits [T, V] per sequence and its routes (route_agreement.routes); `f32`: HF float32 of the
+    bf16 weights (from_pretrained(dtype=float32)), one decoder layer upcast at a time."""
+    layers = model.model.layers
+    was = {n: p.dtype for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p._own_dtype = p.dtype
+    hooks = []
+    if f32:
+        for n, p in model.named_parameters():
+            if not n.startswith("model.layers."):
+                p.data = p.data.float()
+        hooks += [layer.register_forward_pre_hook(lambda m, a: _cast(m, torch.float32)) for layer in layers]
+        hooks += [layer.register_forward_hook(lambda m, a, o: _cast(m, None)) for layer in layers]
+    logits = []
+    mods = [m for n, m in model.named_modules() if n.endswith(suffix)]
     seen = []
-    hooks = [r.register_forward_hook(lambda m, i, o: seen.append(o[0].float())) for r in routers]
-    logits, routes = [], []
-    with torch.no_grad():
-        for s in seqs:
-            seen.clear()
-            lg = model(torch.tensor([s])).logits[0].float().numpy()
-            logits.append(lg)
-            routes.append(torch.stack(seen).numpy())          # [layers, T, E]
-    for h in hooks:
-        h.remove()
+    hooks += [m.register_forward_hook(lambda m, i, o: seen.append(
+        (o[2].reshape(-1, o[2].shape[-1]).sort(-1).values, route_agreement.choice_margin(m, o[0])))) for m in mods]
+    routes = []
+    try:
+        with torch.no_grad():
+            for s in seqs:
+                seen.clear()
+                logits.append(model(torch.tensor([s])).logits[0].float().numpy())
+                routes.append((torch.stack([p for p, _ in seen]).numpy(), torch.stack([m for _, m in seen]).numpy()))
+    finally:
+        for h in hooks:
+            h.remove()
+        for n, p in model.named_parameters():
+            p.data = p.data.to(was[n])
     return logits, routes
-
-
-def route_stats(r32, r16, k):
-    agree, margins = [], []
-    for a, b in zip(r32, r16):
-        sa, sb = np.sort(np.argsort(-a, -1)[..., :k], -1), np.sort(np.argsort(-b, -1)[..., :k], -1)
-        agree.append((sa == sb).all(-1))
-        srt = -np.sort(-a, -1)
-        margins.append(srt[..., k - 1] - srt[..., k])
-    agree = np.concatenate([x.ravel() for x in agree])
-    m = np.concatenate([x.reshape(x.shape[0], -1) for x in margins], 1)     # [layers, positions]
-    return float(agree.mean()), int((~agree).sum()), m.min(1), np.median(m, 1)
 
 
 def tail(logits):
@@ -256,38 +272,97 @@ def _defects():
     }
 
 
+
+def _dsv3_defects():
+    """DeepSeek-V3's routing and MoE, each mechanism broken once (HF's DeepseekV3 classes patched)."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
+
+    def router(self, hidden, bias_choice=True, bias_weights=False, groups=True, scale=True, renorm=True):
+        h = hidden.view(-1, self.hidden_dim)
+        logits = torch.nn.functional.linear(h.float(), self.weight.float())
+        scores = logits.sigmoid()
+        choice = scores + (self.e_score_correction_bias if bias_choice else 0)
+        if groups:
+            group = choice.view(-1, self.num_group, self.num_experts // self.num_group).topk(2, dim=-1)[0].sum(-1)
+            keep = torch.zeros_like(group).scatter_(1, group.topk(self.topk_group, dim=-1)[1], 1)
+            mask = keep.unsqueeze(-1).expand(-1, self.num_group, self.num_experts // self.num_group).reshape(-1, self.num_experts)
+            choice = choice.masked_fill(~mask.bool(), float("-inf"))
+        idx = choice.topk(self.top_k, dim=-1, sorted=False)[1]
+        w = (scores + self.e_score_correction_bias if bias_weights else scores).gather(1, idx)
+        if renorm:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return logits, w * (self.routed_scaling_factor if scale else 1.0), idx
+
+    def patch_router(**kw):
+        class P:
+            def __enter__(self):
+                self.old = m.DeepseekV3TopkRouter.forward
+                m.DeepseekV3TopkRouter.forward = lambda r, h: router(r, h, **kw)
+
+            def __exit__(self, *a):
+                m.DeepseekV3TopkRouter.forward = self.old
+        return P()
+
+    class NoShared:
+        def __enter__(self):
+            self.old = m.DeepseekV3MoE.forward
+
+            def fwd(moe, hidden):
+                shape = hidden.shape
+                _, w, idx = moe.gate(hidden)
+                return moe.experts(hidden.view(-1, shape[-1]), idx, w).view(*shape)
+            m.DeepseekV3MoE.forward = fwd
+
+        def __exit__(self, *a):
+            m.DeepseekV3MoE.forward = self.old
+
+    return {"same-router-rewritten (control)": patch_router(),
+            "bias-ignored-in-choice": patch_router(bias_choice=False),
+            "bias-in-weights": patch_router(bias_weights=True),
+            "no-group-limit": patch_router(groups=False),
+            "no-routed-scaling": patch_router(scale=False),
+            "not-renormalized": patch_router(renorm=False),
+            "no-shared-expert": NoShared()}
+
+
+DEFECTS = {"gpt-oss-20b-l4": _defects, "deepseek-v3-l5": _dsv3_defects}
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--family", default="gpt-oss-20b-l4", choices=list(CUTS))
+    ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--lens", default="64,140,160")
     ap.add_argument("--old", action="store_true")
     ap.add_argument("--defects", default="all")
     a = ap.parse_args()
+    name = a.family
+    layers = a.layers or CUTS[name][0]
+    suffix = gpu_families.DECISIVE_ROUTING[name]
     rng = np.random.default_rng(0)
     seqs = [[int(t) for t in rng.integers(0, a.vocab, n + DECODE)] for n in map(int, a.lens.split(","))]
-    model = build(a.layers, a.vocab, a.old)
-    k = model.config.num_experts_per_tok
-    l32, r32 = forward(model, seqs)
-    to_bf16(model)
-    l16, r16 = forward(model, seqs)
-    agree, flips, mmin, mmed = route_stats(r32, r16, k)
-    print(f"{'old' if a.old else 'decisive'} fixture, {a.layers} layers, prompts {a.lens}: HF bf16 vs float32 "
-          f"{fmt(stats(l16, l32))} (limits {LIMITS}); routing agreement {agree:.4f} ({flips} flips); "
-          f"float32 margin 4th-5th per layer min {np.round(mmin, 3).tolist()} median {np.round(mmed, 3).tolist()}",
-          flush=True)
-    defects = _defects()
+    model = build(name, layers, a.vocab, a.old)
+    l32, r32 = forward(model, seqs, suffix, f32=True)
+    l16, r16 = forward(model, seqs, suffix, f32=False)
+    agree, flips, mmin = route_agreement.route_agreement(r32, r16)
+    mmed = np.median(np.concatenate([m for _, m in r32], 1), 1)
+    print(f"{name}: {'old' if a.old else 'decisive'} fixture, {layers} layers, prompts {a.lens}: HF bf16 vs "
+          f"float32 {fmt(stats(l16, l32))} (limits {LIMITS}); routing agreement {agree:.4f} ({flips} flips of "
+          f"{sum(p.shape[0] * p.shape[1] for p, _ in r32)} layer-positions); float32 choice margin per MoE "
+          f"layer min {np.round(mmin, 3).tolist()} median {np.round(mmed, 3).tolist()}", flush=True)
+    defects = DEFECTS[name]()
     pick = list(defects) if a.defects == "all" else ([] if a.defects == "none" else a.defects.split(","))
     for name in pick:
         ctx = defects[name]
         if ctx is None:
             w = model.config.sliding_window
             model.config.sliding_window = w + 1
-            lg, _ = forward(model, seqs)
+            lg, _ = forward(model, seqs, suffix, f32=False)
             model.config.sliding_window = w
         else:
             with ctx:
-                lg, _ = forward(model, seqs)
+                lg, _ = forward(model, seqs, suffix, f32=False)
         ok, s, s32 = verdict(lg, l16, l32)
         print(f"  defect {name}: {'PASSES (not caught)' if ok else 'fails (caught)'}: vs HF bf16 {fmt(s)}"
               + (f"; vs float32 {fmt(s32)}" if s32 else ""), flush=True)
