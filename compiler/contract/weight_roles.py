@@ -18,6 +18,7 @@ values: runtime/weights/dummy.py):
     index               i32, (i % period) // div: w_gidx, a column's group k // block_k
 """
 from .program import launches
+from .safetensors_io import MX_BLOCK
 
 # the companions of a quantized linear, in the order the launch reads them (its last inputs);
 # the same tuple as compiler/quant/scheme.py's COMPANIONS, which the contract may not import
@@ -53,6 +54,14 @@ def quant_roles(plan: dict) -> dict:
             for role, name in zip(names, tail):
                 out[name] = (role, scheme, codes)
     return out
+
+
+def is_mx_scale(role) -> bool:
+    """role (quant_roles' entry, or None) is an OCP MXFP4 scale: e2m1 codes' w_scale with a scale a
+    row and MX_BLOCK columns, a power of two (e8m0), which the fp4 experts' kernels read as its
+    exponent byte."""
+    return role is not None and role[0] == "w_scale" and role[1]["codes"] == "e2m1" \
+        and role[1].get("block_k") == MX_BLOCK
 
 
 def fill_kind(w: dict, role=None) -> str:

@@ -38,7 +38,8 @@ from infc.compiler.contract.errors import ModelDirError
 
 from infc.compiler.contract.bind import Resolver, grid
 from infc.compiler.contract.schema import DTYPE_BYTES, nbytes
-from infc.compiler.contract.weight_roles import FILL_KINDS, fill_key, fill_kind, fill_kinds, quant_roles
+from infc.compiler.contract.weight_roles import (FILL_KINDS, fill_key, fill_kind, fill_kinds, is_mx_scale,
+                                                quant_roles)
 from ..weights.dummy import check_load_format, chunks, fill_args, fill_elements
 from infc.compiler.contract.safetensors_io import Checkpoint, f32_to_bf16_bits
 from ..weights.quant_pack import to_storage
@@ -130,7 +131,7 @@ def _check_mx_scale(role, a: np.ndarray, where: str):
     """An MXFP4 scale (e2m1 codes, a scale a row and 32 columns) must be a power of two: the MoE
     decode kernels hand it to tl.dot_scaled as its e8m0 exponent byte (triton/_quant.j2 _w_e8m0).
     e8m0 checkpoints are; a float scale tensor (fp8's expert_dtype fp4 without ue8m0) may not be."""
-    if role is None or role[0] != "w_scale" or role[1]["codes"] != "e2m1" or role[1]["block_k"] != 32:
+    if not is_mx_scale(role):
         return
     m, _ = np.frexp(np.asarray(a, np.float32))
     if not (m == 0.5).all():

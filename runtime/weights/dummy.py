@@ -42,9 +42,9 @@ import zlib
 
 import numpy as np
 
-from infc.compiler.contract.safetensors_io import E4M3, MX_BLOCK, f32_to_bf16_bits
+from infc.compiler.contract.safetensors_io import E4M3, f32_to_bf16_bits
 from infc.compiler.contract.schema import nbytes
-from infc.compiler.contract.weight_roles import fill_kind, quant_roles
+from infc.compiler.contract.weight_roles import fill_kind, is_mx_scale, quant_roles
 from .quant_pack import E2M1, unpack_nibbles
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -99,7 +99,7 @@ def rule(w: dict, role=None) -> tuple[float, float]:
         bits = 4 if scheme["codes"] in ("u4", "e2m1") else 8
         if what == "w_scale":
             base = STD / CODE_STD[scheme["codes"]]
-            if scheme["codes"] == "e2m1" and scheme.get("block_k") == MX_BLOCK:
+            if is_mx_scale(role):
                 return 0.0, float(2.0 ** round(math.log2(base)))     # MX: e8m0, a power of two
             return JITTER * base, base
         if what == "w_zero":
