@@ -142,8 +142,8 @@ class DeviceCopies:
             for k, row, count in row_runs(rows[at:at + m]):
                 ctx.dtoh_raw(host + row * bb, self._stage + k * bb, count * bb, self.stream)
 
-    def _gather(self, key: str, pairs_ptr: int, n: int):
-        """One block_copy launch over n pairs at pairs_ptr."""
+    def _gather(self, key: str, pairs_ptr: int, n: int, stream=None):
+        """One block_copy launch over n pairs at pairs_ptr, on `stream` (default: the copy stream)."""
         args, n_slot, p_slot = self._packed(key)
         k, items = self.kernel, n * self.num_regions
         args.set(n_slot, items)
@@ -151,7 +151,7 @@ class DeviceCopies:
         g = grid(k.meta, {"N": items})
         if key != "load" and self.save_programs:    # the programs loop over the items: any grid holds
             g = (min(items, self.save_programs), 1, 1)
-        launch(self.ctx, k.fn, g, k.block, k.shared, args, stream=self.stream)
+        launch(self.ctx, k.fn, g, k.block, k.shared, args, stream=self.stream if stream is None else stream)
 
     def _packed(self, key: str):
         """The kernel's arguments for saves, loads or gathers into staging ("stage"), packed once;

@@ -157,7 +157,8 @@ class CudaRunner:
         self.vocab_size = plan["config"]["V"]
         self.max_tokens = max(max_num_batched_tokens, max_num_seqs)
         self.max_seqs = max_num_seqs
-        self.max_model_len = min(max_model_len or plan_max_len(plan), plan_max_len(plan))
+        longest = plan_max_len(plan)
+        self.max_model_len = min(max_model_len or longest, longest)
         self.max_pages_per_seq = -(-self.max_model_len // self.page_size)
         self.grids = grid_codes(plan, self.artifact)
         self.kernels = load_kernels(self.artifact, plan)

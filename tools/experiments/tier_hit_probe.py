@@ -66,8 +66,6 @@ def _patch_copies(variant: str):
         copy stream moving each half once its gather is done: no channel holds a kernel waiting on
         a copy (the copy stream holds copies only). The pairs table is shared with restores on the
         copy stream: fine here (HBM hits restore nothing), not as it stands for a product."""
-        from infc.compiler.contract.bind import grid
-        from infc.runtime.cuda.driver import launch
         ctx, bb, half = self.ctx, self.block_bytes, self.stage_rows // 2
         if not hasattr(self, "_gs"):
             self._gs = ctx.new_stream()
@@ -79,18 +77,10 @@ def _patch_copies(variant: str):
         n = pairs(pages, idx % half + ((idx // half) % 2) * half, staged_ring)
         ctx.htod_raw(self._pairs, staged_ring.ctypes.data, n * 8, G)
         host = self.slab.ctypes.data
-        args, n_slot, p_slot = self._packed("stage")
-        k = self.kernel
         for c, at in enumerate(range(0, n, half)):
             m, h = min(half, n - at), c % 2
             ctx.wait_event(self._ev_c[h], G)         # the half's last copy out is done
-            items = m * self.num_regions
-            args.set(n_slot, items)
-            args.set(p_slot, self._pairs + at * 8)
-            g = grid(k.meta, {"N": items})
-            if self.save_programs:
-                g = (min(items, self.save_programs), 1, 1)
-            launch(ctx, k.fn, g, k.block, k.shared, args, stream=G)
+            self._gather("stage", self._pairs + at * 8, m, stream=G)
             self._ev_g[h].record(G)
             ctx.wait_event(self._ev_g[h], self.stream)
             for j, row, count in row_runs(rows[at:at + m]):
