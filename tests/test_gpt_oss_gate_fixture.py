@@ -33,24 +33,25 @@ def test_small_fixture_routes_each_token_to_its_group():
     E, K = cfg.num_local_experts, cfg.num_experts_per_tok
     groups = gpu_families.route_groups(E, K)
     ids = np.random.default_rng(0).integers(0, SMALL["vocab_size"], 40)
-    logits = route_agreement.router_logits(model, [ids.tolist()], "mlp.router", device="cpu")[0]
-    top = np.sort(np.argsort(-logits, -1)[..., :K], -1)                   # [layers, T, K]
-    want = np.sort((ids[:, None] % groups) + groups * np.arange(K)[None, :], -1)
-    assert (top == want[None]).all(), (top != want[None]).any(-1).sum(-1)
-    _, _, margin = route_agreement.agreement([logits], [logits], K)
-    assert margin.min() > 1.0, margin          # nats: bf16 moves a router logit by ~0.01-0.05
-    # the GPU gate's check reads the router's picks (its indices) and margins: the same here
+    # the router's own picks (its indices) and margins, as the GPU gate reads them
     picks, margins = route_agreement.routes(model, [ids.tolist()], "mlp.router", device="cpu")[0]
-    assert (picks == want[None]).all()
-    assert np.allclose(margins.min(1), margin, atol=1e-5)
+    want = np.sort((ids[:, None] % groups) + groups * np.arange(K)[None, :], -1)
+    assert (picks == want[None]).all(), (picks != want[None]).any(-1).sum(-1)
+    margin = margins.min(1)
+    assert margin.min() > 1.0, margin          # nats: bf16 moves a router logit by ~0.01-0.05
 
 
-def test_agreement_counts_flips_and_margins():
+def test_route_agreement_counts_flips_and_margins():
+    from types import SimpleNamespace
     rng = np.random.default_rng(1)
-    a = rng.normal(size=(2, 5, 8))
-    b = a.copy()
-    b[1, 3] = a[1, 3][::-1]                    # another top-2 at one (layer, position)
-    frac, flips, margin = route_agreement.agreement([a], [b], 2)
+    x = rng.normal(size=(2, 5, 8)).astype(np.float32)                  # [layers, T, E] router logits
+    router = SimpleNamespace(top_k=2)                                   # a top-k router: no correction bias
+    margins = np.stack([route_agreement.choice_margin(router, torch.from_numpy(lx)).numpy() for lx in x])
+    srt = -np.sort(-x, -1)
+    assert np.allclose(margins, srt[..., 1] - srt[..., 2])
+    picks = np.sort(np.argsort(-x, -1)[..., :2], -1)
+    other = picks.copy()
+    other[1, 3] = np.sort(np.argsort(x[1, 3])[:2])                     # another top-2 at one (layer, position)
+    frac, flips, margin = route_agreement.route_agreement([(picks, margins)], [(other, margins)])
     assert flips == 1 and frac == pytest.approx(9 / 10)
-    srt = -np.sort(-a, -1)
     assert np.allclose(margin, (srt[..., 1] - srt[..., 2]).min(1))

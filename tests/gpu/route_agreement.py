@@ -10,43 +10,6 @@ import numpy as np
 import torch
 
 
-def router_logits(hf, seqs, suffix: str, device="cuda") -> list[np.ndarray]:
-    """Each sequence's router logits [layers, T, E] (float32), from the modules named `suffix`
-    (the router's output is (logits, ...) or logits)."""
-    mods = [m for n, m in hf.named_modules() if n.endswith(suffix)]
-    if not mods:
-        raise ValueError(f"no module named '*{suffix}' in {type(hf).__name__}")
-    seen = []
-    hooks = [m.register_forward_hook(
-        lambda _m, _i, o: seen.append((o[0] if isinstance(o, tuple) else o).float().cpu())) for m in mods]
-    out = []
-    try:
-        with torch.no_grad():
-            for s in seqs:
-                seen.clear()
-                hf(torch.tensor([s], device=device))
-                out.append(torch.stack([x.reshape(-1, x.shape[-1]) for x in seen]).numpy())
-    finally:
-        for h in hooks:
-            h.remove()
-    return out
-
-
-def agreement(a: list[np.ndarray], b: list[np.ndarray], k: int):
-    """(fraction of (layer, position) whose top-k sets agree, how many do not, the smallest
-    k-th minus (k+1)-th logit of `a` per layer)."""
-    same, margins = [], []
-    for x, y in zip(a, b):
-        sx = np.sort(np.argsort(-x, -1)[..., :k], -1)
-        sy = np.sort(np.argsort(-y, -1)[..., :k], -1)
-        same.append((sx == sy).all(-1).ravel())
-        top = -np.sort(-x, -1)
-        margins.append(top[..., k - 1] - top[..., k])
-    same = np.concatenate(same)
-    margin = np.concatenate(margins, 1).min(1)
-    return float(same.mean()), int((~same).sum()), margin
-
-
 def choice_margin(router, logits: torch.Tensor) -> torch.Tensor:
     """[T] how far each position's pick is from another pick, in the router's own ranking. A top-k
     router (GPT-OSS): the k-th minus the (k+1)-th logit. DeepSeek-V3's group-limited router (it
@@ -70,9 +33,10 @@ def choice_margin(router, logits: torch.Tensor) -> torch.Tensor:
     return torch.minimum(gmargin, top[:, k - 1] - top[:, k])
 
 
-def routes(hf, seqs, suffix: str, device="cuda") -> list[tuple[np.ndarray, np.ndarray]]:
+def routes(hf, seqs, suffix: str, device="cuda", logits: list | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
     """Each sequence's (picked experts [layers, T, k], sorted; choice_margin [layers, T]) from the
-    router modules named `suffix`, whose output is (logits, weights, indices)."""
+    router modules named `suffix`, whose output is (logits, weights, indices). logits: a list that
+    gets each sequence's model logits [T, V] (float32) from the same forward."""
     mods = [m for n, m in hf.named_modules() if n.endswith(suffix)]
     if not mods:
         raise ValueError(f"no module named '*{suffix}' in {type(hf).__name__}")
@@ -84,7 +48,9 @@ def routes(hf, seqs, suffix: str, device="cuda") -> list[tuple[np.ndarray, np.nd
         with torch.no_grad():
             for s in seqs:
                 seen.clear()
-                hf(torch.tensor([s], device=device))
+                got = hf(torch.tensor([s], device=device))
+                if logits is not None:
+                    logits.append(got.logits[0].float().cpu().numpy())
                 out.append((torch.stack([p for p, _ in seen]).numpy(), torch.stack([m for _, m in seen]).numpy()))
     finally:
         for h in hooks:

@@ -86,17 +86,8 @@ def forward(model, seqs, suffix, f32):
         hooks += [layer.register_forward_pre_hook(lambda m, a: _cast(m, torch.float32)) for layer in layers]
         hooks += [layer.register_forward_hook(lambda m, a, o: _cast(m, None)) for layer in layers]
     logits = []
-    mods = [m for n, m in model.named_modules() if n.endswith(suffix)]
-    seen = []
-    hooks += [m.register_forward_hook(lambda m, i, o: seen.append(
-        (o[2].reshape(-1, o[2].shape[-1]).sort(-1).values, route_agreement.choice_margin(m, o[0])))) for m in mods]
-    routes = []
     try:
-        with torch.no_grad():
-            for s in seqs:
-                seen.clear()
-                logits.append(model(torch.tensor([s])).logits[0].float().numpy())
-                routes.append((torch.stack([p for p, _ in seen]).numpy(), torch.stack([m for _, m in seen]).numpy()))
+        routes = route_agreement.routes(model, seqs, suffix, device="cpu", logits=logits)
     finally:
         for h in hooks:
             h.remove()
