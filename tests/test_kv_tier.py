@@ -62,7 +62,7 @@ def test_host_blocks_restore_numpy_pages_bit_identical():
     assert slab[[2, 3, 5]].sum() == 0                   # rows not named are untouched
 
 
-@pytest.mark.parametrize("kernel,staged", [(False, 0), (True, 0), (True, 2)])
+@pytest.mark.parametrize("kernel,staged", [(False, 0), (True, 0), (True, 1), (True, 2), (True, 4)])
 def test_device_blocks_move_the_same_bytes_as_host_blocks(fake_driver, kernel, staged, monkeypatch):
     """The CUDA runner's copies over fake memory, on the copy stream: 2D copies per region and
     run, or (kernel) the plan's block_copy kernel, run by the interpreter, on the mapped slab;
@@ -95,9 +95,10 @@ def test_device_blocks_move_the_same_bytes_as_host_blocks(fake_driver, kernel, s
     pages, rows = [3, 4, 5, 9, 0], [2, 3, 4, 7, 0]     # a run of three, then single pages
     ctx.num_copies, launched = 0, len(fake_driver.launches)
     f = copies.save(pages, rows)
-    # 3 runs, 6 paged regions; or the pairs' upload and one launch; staged in chunks of 2 blocks
-    # (rows [2, 3], [4, 7], [0]): the upload, a launch a chunk and a copy a run of rows in it
-    want_calls = (1 + 4, 3) if staged else (1, 1) if kernel else (3 * 6, 0)
+    # 3 runs, 6 paged regions; or the pairs' upload and one launch; staged in chunks of half the
+    # staging buffer (4: rows [2, 3], [4, 7], [0]; 2 and 1: a block a chunk): the upload, a launch
+    # a chunk and a copy a run of rows in it
+    want_calls = {4: (1 + 4, 3), 2: (1 + 5, 5), 1: (1 + 5, 5)}[staged] if staged else (1, 1) if kernel else (3 * 6, 0)
     assert (ctx.num_copies, len(fake_driver.launches) - launched) == want_calls
     want = np.zeros_like(slab)
     host.read_pages(pages, want, rows)

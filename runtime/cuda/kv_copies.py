@@ -22,7 +22,11 @@ How a batch moves, by what the artifact has:
   moves each run of consecutive rows to the slab. Written straight into the mapped slab, a save
   held up to 64 SMs for the whole PCIe transfer (~170 MB a finished qwen3-4b sequence at 1024/128),
   and the steps beside it ran 8-18 % longer (bench/NOTES.md, "the host tier's cost on the engine
-  thread"). Restores still read the mapped slab: they are few, and wait on the step after them.
+  thread"). The gathers run on a stream of their own into the two halves of the staging buffer in
+  turn, and the copy stream moves each half out once its gather is done: with kernel -> copy ->
+  kernel chained on the copy stream, an HBM prefix hit's step beside a 32k save reached the GPU
+  2.4 ms late (+2.7 ms TTFT); split so, 0.02 ms (bench/NOTES.md, issue 44, the tier probe's
+  `split`). Restores still read the mapped slab: they are few, and wait on the step after them.
 - otherwise one 2D copy per paged (cache, layer) and run of consecutive pages and rows
   (compiler/contract/caches.py DeviceCaches.block_copies): the copy engines, no kernel.
 """
@@ -69,6 +73,15 @@ class DeviceCopies:
                 self.save_programs = envs.value("INFC_KV_SAVE_PROGRAMS")
                 self.stage_rows = min(self.max_pairs, staging // self.block_bytes)
                 self._stage = ctx.alloc(self.stage_rows * self.block_bytes) if self.stage_rows else None
+                if self.stage_rows:
+                    # the saves' own stream, pairs table (restores upload theirs on the copy
+                    # stream meanwhile) and, a staging half, events: gathered / copied out
+                    self.gather_stream = ctx.new_stream()
+                    self._save_pairs = ctx.alloc(self.max_pairs * 8)
+                    self._gathered = [ctx.event(), ctx.event()]
+                    self._copied = [ctx.event(), ctx.event()]
+                    for e in self._copied:               # both halves free at the start
+                        e.record(self.stream)
 
     @property
     def mode(self) -> str:
@@ -129,18 +142,27 @@ class DeviceCopies:
         self._gather("save" if to_host else "load", self._pairs, n)
 
     def _staged(self, staged, pages, rows):
-        """A save in chunks of stage_rows blocks: chunk block k into staging block k (one launch),
-        then each run of consecutive rows to the slab (the copy engine). The copy stream is in
-        order, so a chunk's gather waits for the copies out of the chunk before it."""
-        ctx, bb, stage = self.ctx, self.block_bytes, self.stage_rows
-        n = pairs(pages, np.arange(len(pages)) % stage, staged)
-        ctx.htod_raw(self._pairs, staged.ctypes.data, n * 8, self.stream)
+        """A save in chunks of half the staging buffer, the halves in turn: on the gather stream,
+        chunk block k into its half's block k (one launch, once the copies out of that half's last
+        chunk are done); on the copy stream, once the gather is done, each run of consecutive rows
+        to the slab (the copy engine). Neither stream holds a kernel waiting on a copy of its own."""
+        ctx, bb, G = self.ctx, self.block_bytes, self.gather_stream
+        halves = 2 if self.stage_rows >= 2 else 1
+        half = self.stage_rows // halves
+        ctx.wait_event(self.mark, G)                    # the steps that wrote the pages
+        i = np.arange(len(pages))
+        n = pairs(pages, i % half + (i // half) % halves * half, staged)
+        ctx.htod_raw(self._save_pairs, staged.ctypes.data, n * 8, G)
         host = self.slab.ctypes.data
-        for at in range(0, n, stage):
-            m = min(stage, n - at)
-            self._gather("stage", self._pairs + at * 8, m)
+        for c, at in enumerate(range(0, n, half)):
+            m, h = min(half, n - at), c % halves
+            ctx.wait_event(self._copied[h], G)
+            self._gather("stage", self._save_pairs + at * 8, m, stream=G)
+            self._gathered[h].record(G)
+            ctx.wait_event(self._gathered[h], self.stream)
             for k, row, count in row_runs(rows[at:at + m]):
-                ctx.dtoh_raw(host + row * bb, self._stage + k * bb, count * bb, self.stream)
+                ctx.dtoh_raw(host + row * bb, self._stage + (h * half + k) * bb, count * bb, self.stream)
+            self._copied[h].record(self.stream)
 
     def _gather(self, key: str, pairs_ptr: int, n: int, stream=None):
         """One block_copy launch over n pairs at pairs_ptr, on `stream` (default: the copy stream)."""
@@ -206,5 +228,6 @@ class DeviceCopies:
             self.ctx.free(self._pairs)
             if self._stage is not None:
                 self.ctx.free(self._stage)
+                self.ctx.free(self._save_pairs)
                 self._stage = None
             self.kernel, self._ring = None, [None] * RING

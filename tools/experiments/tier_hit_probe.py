@@ -14,8 +14,9 @@ launching that step.
               nocopy      on, every save's copies skipped (the tier's bookkeeping alone)
               gather      on, the staging gathers only (no device-to-host copy)
               dtoh        on, the device-to-host copies only (no gather)
-              split       on, the gathers on a stream of their own into two staging halves
-                          in turn (the copy stream holds copies only)
+              chained     on, the saves as before the split (kv_copies.py): gather and copies
+                          in turn on the copy stream (`on` is the split form: the gathers
+                          on a stream of their own into two staging halves in turn)
 
     python3 tools/experiments/tier_hit_probe.py MODEL_DIR OUT.json VARIANT [--lengths 16384,32768]
 
@@ -32,7 +33,7 @@ import time
 
 import numpy as np
 
-VARIANTS = ("off", "on", "settle", "nocopy", "gather", "dtoh", "split")
+VARIANTS = ("off", "on", "settle", "nocopy", "gather", "dtoh", "chained")
 
 
 def _patch_copies(variant: str):
@@ -61,41 +62,28 @@ def _patch_copies(variant: str):
             return fence
         return orig(self, pages, rows, to_host, after_steps)
 
-    def staged_split(self, staged_ring, pages, rows):
-        """The gathers on a stream of their own, into two halves of the staging buffer in turn, the
-        copy stream moving each half once its gather is done: no channel holds a kernel waiting on
-        a copy (the copy stream holds copies only). The pairs table is shared with restores on the
-        copy stream: fine here (HBM hits restore nothing), not as it stands for a product."""
-        ctx, bb, half = self.ctx, self.block_bytes, self.stage_rows // 2
-        if not hasattr(self, "_gs"):
-            self._gs = ctx.new_stream()
-            self._ev_g = [ctx.event(), ctx.event()]
-            self._ev_c = [ctx.event(), ctx.event()]
-        G = self._gs
-        ctx.wait_event(self.mark, G)                 # the steps that wrote the pages
-        idx = np.arange(len(pages))
-        n = pairs(pages, idx % half + ((idx // half) % 2) * half, staged_ring)
-        ctx.htod_raw(self._pairs, staged_ring.ctypes.data, n * 8, G)
+    def staged_chained(self, staged_ring, pages, rows):
+        """The staged saves as they were before the split (2026-12-03): gathers and copies in turn
+        on the copy stream, each chunk's gather waiting for the copies out of the chunk before."""
+        ctx, bb, stage = self.ctx, self.block_bytes, self.stage_rows
+        n = pairs(pages, np.arange(len(pages)) % stage, staged_ring)
+        ctx.htod_raw(self._pairs, staged_ring.ctypes.data, n * 8, self.stream)
         host = self.slab.ctypes.data
-        for c, at in enumerate(range(0, n, half)):
-            m, h = min(half, n - at), c % 2
-            ctx.wait_event(self._ev_c[h], G)         # the half's last copy out is done
-            self._gather("stage", self._pairs + at * 8, m, stream=G)
-            self._ev_g[h].record(G)
-            ctx.wait_event(self._ev_g[h], self.stream)
-            for j, row, count in row_runs(rows[at:at + m]):
-                ctx.dtoh_raw(host + row * bb, self._stage + (h * half + j) * bb, count * bb, self.stream)
-            self._ev_c[h].record(self.stream)
+        for at in range(0, n, stage):
+            m = min(stage, n - at)
+            self._gather("stage", self._pairs + at * 8, m)
+            for k, row, count in row_runs(rows[at:at + m]):
+                ctx.dtoh_raw(host + row * bb, self._stage + k * bb, count * bb, self.stream)
 
     kv_copies.DeviceCopies._batch = batch
     if variant in ("gather", "dtoh"):
         kv_copies.DeviceCopies._staged = staged
-    if variant == "split":
-        kv_copies.DeviceCopies._staged = staged_split
+    if variant == "chained":
+        kv_copies.DeviceCopies._staged = staged_chained
 
 
 def run(model_dir: str, variant: str, lengths: list[int], reps: int, new: int = 16, device=None) -> dict:
-    if variant in ("nocopy", "gather", "dtoh", "split"):
+    if variant in ("nocopy", "gather", "dtoh", "chained"):
         _patch_copies(variant)
     from infc.backend import load_backend
     from infc.runtime.engine.sampling import SamplingParams
