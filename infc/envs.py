@@ -61,6 +61,9 @@ REGISTRY = {v.name: v for v in (
     Var("INFC_KV_SAVE_PROGRAMS", "int", 0, "programs a host KV tier save's block_copy launch "
         "takes (its gather into staging, or its writes into the mapped slab; 0: the kernel's own "
         "bound, PROGRAMS in codegen_templates/triton/block_copy.py.j2)"),
+    Var("INFC_STEP_STREAM_PRIORITY", "flag", False, "the steps' stream at the device's greatest "
+        "priority, the KV tiers' copy and gather streams at the least, so their blocks yield SMs "
+        "to a step (1: on; an A/B switch, not yet measured on a GPU)"),
     Var("INFC_EP_GATHER", "flag", False, "expert-parallel dispatch of replicated rows: gather the "
         "owners' rows over NCCL anyway instead of selecting them locally (1: on, an A/B switch)"),
     Var("INFC_COLLECTIVE_CLOCK", "flag", False, "time each rank's collectives on its stream, by op "

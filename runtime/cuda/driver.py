@@ -10,6 +10,8 @@ import threading
 
 import numpy as np
 
+from infc import envs
+
 try:
     from cuda.bindings import driver as cu
 except ImportError as e:          # the CPU backend never gets here
@@ -49,7 +51,17 @@ class Context:
         self.device = check(cu.cuDeviceGet(device), "cuDeviceGet")
         self.ctx = check(cu.cuDevicePrimaryCtxRetain(self.device), "cuDevicePrimaryCtxRetain")
         check(cu.cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent")
-        self.stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        # INFC_STEP_STREAM_PRIORITY: the steps' stream first in the block scheduler's queue,
+        # new_stream's at the least priority (the host KV tier's gathers on their own stream cost
+        # 1024/128 throughput 5 %, bench/NOTES.md issue 44; the A/B is the next GPU call's)
+        self._side_priority = None
+        if envs.value("INFC_STEP_STREAM_PRIORITY"):
+            least, greatest = check(cu.cuCtxGetStreamPriorityRange(), "cuCtxGetStreamPriorityRange")
+            self._side_priority = least
+            self.stream = check(cu.cuStreamCreateWithPriority(cu.CUstream_flags.CU_STREAM_NON_BLOCKING, greatest),
+                                "cuStreamCreateWithPriority")
+        else:
+            self.stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
         # What this context handed out, so close() gives it all back (a server keeps one for its
         # life; tests and tools make several runners in one process).
         self._device: set[int] = set()
@@ -149,7 +161,11 @@ class Context:
 
     def new_stream(self):
         """Another non-blocking stream (destroyed by close): work on it overlaps the context's."""
-        s = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        if self._side_priority is None:
+            s = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        else:
+            s = check(cu.cuStreamCreateWithPriority(cu.CUstream_flags.CU_STREAM_NON_BLOCKING, self._side_priority),
+                      "cuStreamCreateWithPriority")
         self._streams.append(s)
         return s
 
