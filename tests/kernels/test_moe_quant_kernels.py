@@ -209,8 +209,8 @@ def test_quantized_experts_refuse_what_they_do_not_compute():
         render("moe_gate_up", "moe_gate_up", ins, [("act", ["T", 2, F], "bf16")], attrs=_attrs(s))
 
 
-# GPT-OSS's MXFP4 experts on the decode templates' dot_scaled path (every token count on the tensor
-# cores): 1 token (one BLOCK_T tile, 15 rows masked), 3, and 17 (two BLOCK_T tiles: the second
+# GPT-OSS's MXFP4 experts on the decode templates' dot_scaled path (FMA_T 0: every token count on the
+# tensor cores): 1 token (one BLOCK_T tile, 15 rows masked), 3, and 17 (two BLOCK_T tiles: the second
 # holds one token); K (H = 48 for gate_up, F = 40 for down) ragged against BLOCK_K 64 and the
 # default 256, the tail group of down's 40 columns half past K; E = 10 with experts nobody chose
 MX_DECODE = [("gate_up", 1, 8, {}), ("down", 3, 2, {}), ("gate_up", 17, 2, {"BLOCK_K": 64, "TC": 16}),
@@ -222,6 +222,8 @@ MX_DECODE = [("gate_up", 1, 8, {}), ("down", 3, 2, {}), ("gate_up", 17, 2, {"BLO
     pytest.param(*row, id=f"{row[0]}-T{row[1]}-{'-'.join(f'{k}{v}' for k, v in row[3].items()) or 'default'}",
                  marks=() if i < 4 else EXHAUSTIVE) for i, row in enumerate(MX_DECODE)])
 def test_mxfp4_decode_dots_codes_and_e8m0_scales(launch, T, KT, tune):
+    # the tensor-core path at every count (FMA_T 0); the CUDA-core MX path: test_moe_mx_fma.py
+    tune = {"FMA_T": 0, **tune}
     s = SCHEMES["e2m1-g32"]
     template = TEMPLATES[launch]["decode"]
     k = CASE[launch](s, T, KT, template, tune, zlib.crc32(f"mx{launch}{T}{KT}".encode()))
