@@ -43,6 +43,7 @@ def test_mxfp4_experts_on_cuda_cores(launch, T, KT, bias):
     k = case(S, T, KT, "moe_" + launch, {}, zlib.crc32(f"mxfma{launch}{T}{KT}{bias}".encode()), extra)
     c = k.meta["constexprs"]
     assert c["FMA_T"] == 4 and c["FMA_BLOCK_K"] == 512 and "_e2m1_pair(c_" in k.source
+    assert k.meta["maxnreg"] == 168      # three 4-warp programs an SM (compiler/codegen/aot.py)
     assert "if n == 1:" in k.source and "tl.dot_scaled(" in k.source     # both loops and the dot path
 
 

@@ -1,11 +1,11 @@
 # moe_gate_up: act[t, j, f] = bf16(silu(g) * u),  e = ids[t, j],
 #   g = bf16(sum_k x[t, k] * w[e, f, k]),  u = bf16(sum_k x[t, k] * w[e, 2880 + f, k]),
 #   silu(g) = g / (1 + exp(-g)) in fp32 (g and u rounded to bf16 as the unfused model stores them).
-#   x [T, 2880] bf16, ids i32 [T, 4], w [128, 5760, 2880] bf16 (rows 0..2879 gate,
+#   x [T, 2880] bf16, ids i32 [T, 4], w [32, 5760, 2880] bf16 (rows 0..2879 gate,
 #   2880..5759 up), act [T, 4, 2880] bf16; fp32 accumulate.
 #
 # Decode: a few tokens, each naming 4 experts, so the step reads only the chosen experts'
-# rows, and each of them once. Grid (min(128, T * 4) distinct-expert slots, 90 blocks of
+# rows, and each of them once. Grid (min(32, T * 4) distinct-expert slots, 90 blocks of
 # BLOCK_F = 32 gate rows and the matching up rows): program (u, b) takes the u-th smallest
 # chosen expert e (a histogram of the step's ids; slots past the number of distinct experts exit),
 # finds the tokens that chose e (in token order), and runs a GEMV over its row block for them,
@@ -17,7 +17,7 @@
 #    gathered token rows at a time (more than BLOCK_T tokens re-read the tile, from L2).
 # A token that names e in two slots gets the same row in both; a slot of id -1 (another rank's
 # expert, ep_dispatch) names none and its act row is left unwritten.
-# Expert bias b [128, 5760] (gate | up, like w's rows) added to g and u before the activation.
+# Expert bias b [32, 5760] (gate | up, like w's rows) added to g and u before the activation.
 # The activation is clamped_swiglu (alpha 1.702, limit 7.0), not silu(g) * u.
 # The path depends only on how many tokens chose e, and each token's sums are its own: the
 # same bits from run to run.
@@ -530,12 +530,13 @@ META = {
     "params": [["x_ptr", "*bf16", "in:0"], ["ids_ptr", "*i32", "in:1"],
                ["w_ptr", "*u8", "in:2"], ["act_ptr", "*bf16", "out:0"],
                ["T", "i32", "dim:T"], ["b_ptr", "*bf16", "in:5"], ["w_scale_ptr", "*fp32", "in:6"]],
-    "constexprs": {"H": 2880, "F": 2880, "KT": 4, "KTP": 4, "BLOCK_E": 128,
+    "constexprs": {"H": 2880, "F": 2880, "KT": 4, "KTP": 4, "BLOCK_E": 32,
                    "BLOCK_F": 32, "FMA_BLOCK_K": 512, "FMA_T": 4,
                    "FMA_TP": 4, "BLOCK_K": 256, "BLOCK_T": 16,
                    "PC": 256, "TC": 32, "DOT_F32": False, "PDL": True},
     "pdl": True,
-    "grid": ["min(128, T * 4)", 90, 1],
+    "grid": ["min(32, T * 4)", 90, 1],
     "num_warps": 4,
     "num_stages": 4,
+    "maxnreg": 168,
 }

@@ -470,4 +470,5 @@ META = {
     "scratch": {"partials": "B * 98304", "counters": "B * 256"},
     "num_warps": 4,
     "num_stages": 4,
+    "maxnreg": 168,
 }
