@@ -61,13 +61,18 @@ def main():
               f"regs {regs.group(1) if regs else '?'} stack {stack.group(1) if stack else '?'}; whole kernel: "
               f"SHFL {whole['SHFL']}, STS {whole['STS']}, LDS {whole['LDS']}")
         for n, ops in loops(text):
-            kind = "dot_scaled" if ops["HMMA"] else "CUDA-core"
-            print(f"    loop ({kind}) {n} SASS = {n * threads / weights:.2f} a weight of the CUDA-core tile: "
-                  + ", ".join(f"{o} {m}" for o, m in ops.most_common(12)), flush=True)
+            if n < 300:
+                continue        # the id scans and the combine
+            kind = "tensor cores" if ops["HMMA"] else "CUDA cores"
+            print(f"    loop ({kind}) {n} SASS = {n * threads / weights:.2f} a weight of the CUDA-core tile; "
+                  + ", ".join(f"{o} {ops[o]}" for o in ("FFMA", "HADD2", "LOP3", "PRMT", "LDG", "BAR", "STS", "LDS",
+                                                        "SHFL", "LDL", "STL")), flush=True)
 
 
 def loops(text):
-    """Every backward branch's body of 64+ instructions: (instructions, opcode counts)."""
+    """Every backward branch's body of 64+ instructions: (instructions, opcode counts). The MX
+    kernels' CUDA-core loops are the ones with HADD2 (the f16 -> f32 conversions), the one-token
+    loop the shorter; the tensor-core (dot_scaled) loops have HMMA."""
     ins = []
     for line in text.splitlines():
         m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
