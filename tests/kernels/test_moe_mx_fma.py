@@ -6,8 +6,9 @@ for down, against the groups of 32; E = 10 experts).
 
 1 token (its own loop), 2 and 3 tokens over 8 of 10 experts (experts chosen by several tokens:
 the FMA_T loop; and by one: the one-token loop, in the same launch), 6 tokens (some experts past
-FMA_T = 4 on tl.dot_scaled beside the CUDA-core ones), biases on and off, GPT-OSS's clamped SwiGLU;
-and the decode of all 16 codes against the format's table.
+FMA_T = 4 on tl.dot_scaled beside the CUDA-core ones), biases on and off, GPT-OSS's clamped SwiGLU,
+a token naming an expert in two slots and slots of id -1 (expert parallelism); and the decode of
+all 16 codes against the format's table.
 """
 import importlib.util
 import zlib
@@ -27,20 +28,22 @@ from .test_moe_quant_kernels import SCHEMES, _attrs, down_case, gate_up_case
 S = SCHEMES["e2m1-g32"]
 OSS = {"act": "clamped_swiglu", "alpha": 1.702, "limit": 0.8}
 
-# (launch, T, KT, bias)
-CASES = [("gate_up", 1, 8, True), ("down", 3, 8, False), ("gate_up", 2, 8, False), ("down", 1, 8, True),
-         ("gate_up", 6, 8, True), ("down", 2, 4, True), ("gate_up", 3, 8, True), ("down", 6, 8, False)]
+# (launch, T, KT, bias, ep): ep "dup" repeats expert 0 in a token's slots (zero weights), True
+# leaves slots of id -1 (other ranks' experts)
+CASES = [("gate_up", 1, 8, True, False), ("down", 3, 8, False, "dup"), ("gate_up", 2, 8, False, True),
+         ("down", 1, 8, True, False), ("gate_up", 6, 8, True, False), ("down", 2, 4, True, True),
+         ("gate_up", 3, 8, True, "dup"), ("down", 6, 8, False, False)]
 
 
-@pytest.mark.parametrize("launch,T,KT,bias", [
-    pytest.param(*c, id=f"{c[0]}-T{c[1]}-KT{c[2]}-{'bias' if c[3] else 'nobias'}", marks=() if i < 4 else EXHAUSTIVE)
-    for i, c in enumerate(CASES)])
-def test_mxfp4_experts_on_cuda_cores(launch, T, KT, bias):
+@pytest.mark.parametrize("launch,T,KT,bias,ep", [
+    pytest.param(*c, id=f"{c[0]}-T{c[1]}-KT{c[2]}-{'bias' if c[3] else 'nobias'}{'-ep-' + str(c[4]) if c[4] else ''}",
+                 marks=() if i < 4 else EXHAUSTIVE) for i, c in enumerate(CASES)])
+def test_mxfp4_experts_on_cuda_cores(launch, T, KT, bias, ep):
     extra = {"has_bias": True} if bias else {}
     if launch == "gate_up" and bias:
         extra.update(OSS)
     case = gate_up_case if launch == "gate_up" else down_case
-    k = case(S, T, KT, "moe_" + launch, {}, zlib.crc32(f"mxfma{launch}{T}{KT}{bias}".encode()), extra)
+    k = case(S, T, KT, "moe_" + launch, {}, zlib.crc32(f"mxfma{launch}{T}{KT}{bias}".encode()), extra, ep)
     c = k.meta["constexprs"]
     assert c["FMA_T"] == 4 and c["FMA_BLOCK_K"] == 512 and "_e2m1_pair(c_" in k.source
     assert k.meta["maxnreg"] == 168      # three 4-warp programs an SM (compiler/codegen/aot.py)

@@ -77,11 +77,12 @@ def _bias(extra, n, gen):
     return [("bias", [E, n], "bf16", "weight")], (b,)
 
 
-def gate_up_case(s, T, KT, template, tune, seed, extra=None):
-    """extra: attrs beyond the scheme's (has_bias: an [E, 2F] bias after counts; act, alpha, limit)."""
+def gate_up_case(s, T, KT, template, tune, seed, extra=None, ep=False):
+    """extra: attrs beyond the scheme's (has_bias: an [E, 2F] bias after counts; act, alpha, limit);
+    ep: test_moe_kernels.routing's (slots of id -1, or "dup": expert 0 repeated in a token)."""
     extra = extra or {}
     gen = np.random.default_rng(seed)
-    ids, _ = routing(T, KT, E, gen)
+    ids, _ = routing(T, KT, E, gen, ep)
     x = rand((T, H), gen=gen, scale=1.5)
     w, values, comp = quantized_stack(s, 2 * F, H, gen)
     b_in, b = _bias(extra, 2 * F, gen)
@@ -101,11 +102,11 @@ def gate_up_case(s, T, KT, template, tune, seed, extra=None):
     return k
 
 
-def down_case(s, T, KT, template, tune, seed, extra=None):
-    """extra: attrs beyond the scheme's (has_bias: an [E, H] bias after counts)."""
+def down_case(s, T, KT, template, tune, seed, extra=None, ep=False):
+    """extra: attrs beyond the scheme's (has_bias: an [E, H] bias after counts); ep: as gate_up_case."""
     extra = extra or {}
     gen = np.random.default_rng(seed)
-    ids, rw = routing(T, KT, E, gen)
+    ids, rw = routing(T, KT, E, gen, ep)
     act = rand((T, KT, F), gen=gen, scale=0.5)
     w, values, comp = quantized_stack(s, H, F, gen)
     b_in, b = _bias(extra, H, gen)
