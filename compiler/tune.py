@@ -187,14 +187,16 @@ _CUDA_GEMV = [{"KS": 1}, {"KS": 2}, {"KS": 4}, {"MR": 2}, {"UNROLL": 2}, {"UNROL
 
 # MoE (compiler/ops/moe.py). Decode: per distinct chosen expert, CUDA-core rows (<= FMA_T tokens of
 # an expert: batch 1) or tensor-core tiles (several tokens of an expert: larger batches).
+# (MXFP4 experts: maxnreg 0 times the kernel without its register cap, two programs an SM against
+# three; on bf16 experts it renders the default and is dropped)
 _MOE_GU_FMA = [{"BLOCK_F": 32}, {"FMA_BLOCK_K": 128}, {"FMA_BLOCK_K": 512}, {"num_warps": 8},
                {"BLOCK_F": 32, "FMA_BLOCK_K": 128}, {"num_stages": 1}, {"num_stages": 2},
-               {"num_warps": 2}, {"PC": 64}]
+               {"num_warps": 2}, {"PC": 64}, {"maxnreg": 0}]
 _MOE_GU_DOT = [{"FMA_T": 2}, {"BLOCK_T": 32}, {"BLOCK_K": 128}, {"BLOCK_F": 32, "BLOCK_K": 128},
                {"FMA_T": 4, "FMA_BLOCK_K": 128}, {"TC": 64}]
 _MOE_DOWN_FMA = [{"BLOCK_H": 32, "num_warps": 4}, {"BLOCK_H": 32}, {"FMA_BLOCK_K": 256},
                  {"BLOCK_H": 128}, {"BLOCK_H": 16, "num_warps": 4}, {"num_warps": 4},
-                 {"FMA_BLOCK_K": 64}, {"num_stages": 1}, {"num_stages": 2}]
+                 {"FMA_BLOCK_K": 64}, {"num_stages": 1}, {"num_stages": 2}, {"maxnreg": 0}]
 _MOE_DOWN_DOT = [{"FMA_T": 2}, {"BLOCK_T": 32}, {"BLOCK_K": 128}, {"BLOCK_H": 32, "BLOCK_K": 128},
                  {"FMA_T": 4, "FMA_BLOCK_K": 64}, {"TC": 64}]
 # Prefill/mixed grouped GEMMs; short and small mixed steps (a few tokens per expert) try small

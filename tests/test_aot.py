@@ -2,8 +2,10 @@
 exports its entry; a cold build fits in 120 s on this 2-core machine, an unchanged rebuild
 compiles nothing in under 5 s, and editing one template recompiles only its kernels."""
 import json
+import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -92,3 +94,41 @@ def test_fp32_output_gemms_take_one_program_per_tile():
     bf16 = render_kernel("gemm", "linear", args, [("y", ["T", 151936], "bf16")], phase="prefill")
     assert "make_tensor_descriptor" in f32.source and "flatten=True" not in f32.source
     assert "flatten=True" in bf16.source and f32.meta["grid"][0].startswith("cdiv(")
+
+
+# compiles one small kernel with (argv[2]: JSON) or without a register cap into argv[1]
+CAP_PROBE = r"""
+import json, sys
+from pathlib import Path
+from infc.compiler.codegen import aot
+src = "\n".join([
+    "import triton", "import triton.language as tl", "", "",
+    "@triton.jit",
+    "def k(x_ptr, y_ptr):",
+    "    i = tl.arange(0, 2048)",
+    "    x = tl.load(x_ptr + i)",
+    "    tl.store(y_ptr + i, tl.cumsum(x * x, 0) + tl.sum(x, 0))", ""])
+d, cap = Path(sys.argv[1]), json.loads(sys.argv[2])
+meta = {"entry": "k", "params": [["x_ptr", "*fp32", "in:0"], ["y_ptr", "*fp32", "out:0"]],
+        "constexprs": {}, "num_warps": 4, **({"maxnreg": cap} if cap else {})}
+(d / "k.cubin").write_bytes(aot._compile_triton(src, meta, "sm_90", d)[0])
+"""
+
+
+def test_a_register_cap_in_meta_reaches_ptxas(tmp_path):
+    """META's maxnreg (the MXFP4 MoE decode kernels' cap, triton/moe_gate_up.py.j2) becomes the
+    PTX .maxnreg directive and the cubin keeps under it; META without one compiles as before.
+    (In a process of its own: compiling needs Triton without the interpreter, as aot's workers.)"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    for cap in (None, 40):
+        d = tmp_path / str(cap)
+        d.mkdir()
+        subprocess.run([sys.executable, "-c", CAP_PROBE, str(d), json.dumps(cap)], env=env, check=True)
+        ptx = (d / "kernel.ptx").read_text()
+        usage = subprocess.run([str(CUOBJDUMP), "-res-usage", str(d / "k.cubin")], capture_output=True,
+                               text=True).stdout
+        regs = int(usage.split("REG:")[1].split()[0])
+        if cap:
+            assert f".maxnreg {cap}" in ptx and regs <= cap, regs
+        else:
+            assert ".maxnreg" not in ptx and regs > 40, regs      # (the cap binds on this kernel)

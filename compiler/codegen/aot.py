@@ -89,10 +89,13 @@ def _compile_triton(source: str, meta: dict, target: str, workdir: Path) -> tupl
     # cp.async pipelining.
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
              for name, ty, _ in meta["params"] if ty.startswith("*")}
+    options = {"num_warps": meta.get("num_warps", 4), "num_stages": meta.get("num_stages", 2)}
+    if meta.get("maxnreg"):
+        # a register cap (PTX .maxnreg): a kernel whose rarely taken branch would otherwise set its
+        # register count (and so how many programs an SM holds) for every branch
+        options["maxnreg"] = meta["maxnreg"]
     compiled = triton.compile(ASTSource(fn, sig, constexprs=meta["constexprs"], attrs=attrs),
-                              target=GPUTarget("cuda", _arch_number(target), 32),
-                              options={"num_warps": meta.get("num_warps", 4),
-                                       "num_stages": meta.get("num_stages", 2)})
+                              target=GPUTarget("cuda", _arch_number(target), 32), options=options)
     md = compiled.metadata
     ptx = compiled.asm["ptx"]
     entry = re.search(r"\.entry\s+(\w+)\s*\((.*?)\)", ptx, re.S)

@@ -77,11 +77,12 @@ def _bias(extra, n, gen):
     return [("bias", [E, n], "bf16", "weight")], (b,)
 
 
-def gate_up_case(s, T, KT, template, tune, seed, extra=None):
-    """extra: attrs beyond the scheme's (has_bias: an [E, 2F] bias after counts; act, alpha, limit)."""
+def gate_up_case(s, T, KT, template, tune, seed, extra=None, ep=False):
+    """extra: attrs beyond the scheme's (has_bias: an [E, 2F] bias after counts; act, alpha, limit);
+    ep: test_moe_kernels.routing's (slots of id -1, or "dup": expert 0 repeated in a token)."""
     extra = extra or {}
     gen = np.random.default_rng(seed)
-    ids, _ = routing(T, KT, E, gen)
+    ids, _ = routing(T, KT, E, gen, ep)
     x = rand((T, H), gen=gen, scale=1.5)
     w, values, comp = quantized_stack(s, 2 * F, H, gen)
     b_in, b = _bias(extra, 2 * F, gen)
@@ -101,11 +102,11 @@ def gate_up_case(s, T, KT, template, tune, seed, extra=None):
     return k
 
 
-def down_case(s, T, KT, template, tune, seed, extra=None):
-    """extra: attrs beyond the scheme's (has_bias: an [E, H] bias after counts)."""
+def down_case(s, T, KT, template, tune, seed, extra=None, ep=False):
+    """extra: attrs beyond the scheme's (has_bias: an [E, H] bias after counts); ep: as gate_up_case."""
     extra = extra or {}
     gen = np.random.default_rng(seed)
-    ids, rw = routing(T, KT, E, gen)
+    ids, rw = routing(T, KT, E, gen, ep)
     act = rand((T, KT, F), gen=gen, scale=0.5)
     w, values, comp = quantized_stack(s, H, F, gen)
     b_in, b = _bias(extra, H, gen)
@@ -209,8 +210,8 @@ def test_quantized_experts_refuse_what_they_do_not_compute():
         render("moe_gate_up", "moe_gate_up", ins, [("act", ["T", 2, F], "bf16")], attrs=_attrs(s))
 
 
-# GPT-OSS's MXFP4 experts on the decode templates' dot_scaled path (every token count on the tensor
-# cores): 1 token (one BLOCK_T tile, 15 rows masked), 3, and 17 (two BLOCK_T tiles: the second
+# GPT-OSS's MXFP4 experts on the decode templates' dot_scaled path (FMA_T 0: every token count on the
+# tensor cores): 1 token (one BLOCK_T tile, 15 rows masked), 3, and 17 (two BLOCK_T tiles: the second
 # holds one token); K (H = 48 for gate_up, F = 40 for down) ragged against BLOCK_K 64 and the
 # default 256, the tail group of down's 40 columns half past K; E = 10 with experts nobody chose
 MX_DECODE = [("gate_up", 1, 8, {}), ("down", 3, 2, {}), ("gate_up", 17, 2, {"BLOCK_K": 64, "TC": 16}),
@@ -222,6 +223,8 @@ MX_DECODE = [("gate_up", 1, 8, {}), ("down", 3, 2, {}), ("gate_up", 17, 2, {"BLO
     pytest.param(*row, id=f"{row[0]}-T{row[1]}-{'-'.join(f'{k}{v}' for k, v in row[3].items()) or 'default'}",
                  marks=() if i < 4 else EXHAUSTIVE) for i, row in enumerate(MX_DECODE)])
 def test_mxfp4_decode_dots_codes_and_e8m0_scales(launch, T, KT, tune):
+    # the tensor-core path at every count (FMA_T 0); the CUDA-core MX path: test_moe_mx_fma.py
+    tune = {"FMA_T": 0, **tune}
     s = SCHEMES["e2m1-g32"]
     template = TEMPLATES[launch]["decode"]
     k = CASE[launch](s, T, KT, template, tune, zlib.crc32(f"mx{launch}{T}{KT}".encode()))

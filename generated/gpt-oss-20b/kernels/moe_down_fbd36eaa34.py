@@ -1,11 +1,11 @@
 # moe_down: y[t, h] = bf16(sum_j r[t, j] * sum_f act[t, j, f] * w[e, h, f]),  e = ids[t, j]
-#   act [T, 4, 2880] bf16, r f32 [T, 4], ids i32 [T, 4], w [128, 2880, 2880] bf16,
+#   act [T, 4, 2880] bf16, r f32 [T, 4], ids i32 [T, 4], w [32, 2880, 2880] bf16,
 #   y [T, 2880] bf16; fp32 sums, one rounding.
 #
-# Decode: grid (min(128, T * 4) distinct-expert slots, 90 blocks of BLOCK_H = 32 output
+# Decode: grid (min(32, T * 4) distinct-expert slots, 90 blocks of BLOCK_H = 32 output
 # rows): program (u, b) takes the u-th smallest chosen expert e and the tokens that chose it, and
 # streams e's row block once for all of them (moe_gate_up.py.j2's two paths: CUDA cores for at
-# most FMA_T = 0 tokens, else swap-AB tensor-core tiles of BLOCK_T tokens); the A operand
+# most FMA_T = 4 tokens, else swap-AB tensor-core tiles of BLOCK_T tokens); the A operand
 # of token t is act[t, j] for the slot j that chose e (of largest weight if several did: the
 # others weigh 0: ids not made by moe_route). Slots of id -1 name no expert.
 # Combine, deterministic: each program parks r[t, j] * (its sums) in an fp32 scratch [B, 4, 2880]
@@ -15,10 +15,11 @@
 # Quantized experts: e2m1 codes, scales per 1 rows x 32 columns (259200 an
 #   expert, expert e's from e * 259200 on); act rows quantized none.
 #   OCP MXFP4 (e2m1 codes, a power-of-two scale per row and 32 columns, stored as the float 2^(b - 127)):
-#   the tensor-core path, taken at every token count, hands a [BLOCK_H, BLOCK_K / 2] tile of packed
-#   codes and its [BLOCK_H, BLOCK_K / 32] e8m0 scale bytes to tl.dot_scaled with act^T in bf16:
+#   at most FMA_T = 4 tokens the CUDA-core path decodes int32 words of codes by bit
+#   placement (triton/_mx_fma.j2) and scales a group's sums once; past it the tensor-core path
+#   hands a [BLOCK_H, BLOCK_K / 2] tile of packed codes and its [BLOCK_H, BLOCK_K / 32] e8m0 scale bytes to tl.dot_scaled with act^T in bf16:
 #   acc[h, t] += sum_f value(code[h, f]) * 2^(b[h, f // 32] - 127) * act[t, j, f]   (the value of W
-#   exactly, fp32 sums); no W element is dequantized on the CUDA cores.
+#   exactly, fp32 sums).
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -226,6 +227,47 @@ def _w_e8m0(t_ptr, srow, k0, BK: tl.constexpr):
 
 
 @triton.jit
+def _mx_words(rows32, wi, wm):
+    """The tile's int32 words: rows32 [BN, 1, 1] the rows' first words, wi [G, 4] word indices
+    (wm: inside the row) -> [BN, G, 4], 0 (a code of value 0) past the row."""
+    return tl.load(rows32 + wi[None, :, :], mask=wm[None, :, :], other=0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _e2m1_pair(w, i: tl.constexpr):
+    """Codes i and i + 4 of every word (bits 4i .. 4i + 3 and 4i + 16 .. 4i + 19) -> their values
+    times 2^-14 in fp32, (code i, code i + 4): each nibble's e1 e0 m moved to bits 11..9 of its
+    16-bit half and s to bit 15, read as an f16 (exact, subnormals included)."""
+    if i == 3:
+        mag = (w >> 3) & 0x0E000E00
+        sgn = w & -2147450880                 # 0x80008000 as an int32
+    else:
+        mag = (w << (9 - 4 * i)) & 0x0E000E00
+        sgn = (w << (12 - 4 * i)) & -2147450880
+    h = mag | sgn
+    lo = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (h >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _mx_x(x_row, col, m):
+    """x[col] in fp32 ([G, 4] columns of one row; 0 where not m)."""
+    return tl.load(x_row + col, mask=m, other=0.0).to(tl.float32)[None, :, :]
+
+
+@triton.jit
+def _mx_scales(s_rows, k0, GROUPS: tl.constexpr, G: tl.constexpr):
+    """The tile's group scales: s_rows [BN, 1, 1] the rows' first scales -> [BN, G, 1] (0 past the
+    row's GROUPS: their codes are 0 too). 3-D like the word tile, so that the group sums
+    (tl.sum(axis=2, keep_dims=True)) meet them in their own layout: no conversion a K step."""
+    # (the index as a quotient: the compiler sees no run of contiguous scales, so the load takes a
+    # scale a thread in the word tile's own thread order rather than a vector layout of its own)
+    g = (k0 + 32 * tl.arange(0, G)[None, :, None]) // 32
+    return tl.load(s_rows + g, mask=g < GROUPS, other=0.0)
+
+
+@triton.jit
 def moe_down(act_ptr, rw_ptr, ids_ptr, w_ptr, y_ptr, T, part_ptr, cnt_ptr, b_ptr, w_scale_ptr,
              H: tl.constexpr, F: tl.constexpr, KT: tl.constexpr, KTP: tl.constexpr,
              BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, FMA_BLOCK_K: tl.constexpr,
@@ -253,10 +295,150 @@ def moe_down(act_ptr, rw_ptr, ids_ptr, w_ptr, y_ptr, T, part_ptr, cnt_ptr, b_ptr
             # ---- CUDA-core path: tokens r < n, one W tile per step ----
             rows = tl.arange(0, FMA_TP)
             a_off = (toks.to(tl.int64) * KT + _main_slot(ids_ptr, rw_ptr, toks, ok, e, KT)) * F
-            for k0 in range(0, F, FMA_BLOCK_K):
-                k = k0 + tl.arange(0, FMA_BLOCK_K)
-                w = _w_deq(_w_raw(w_rows, k0, F, FMA_BLOCK_K), srow, ws, k0, F, FMA_BLOCK_K)
-            out = tl.zeros([FMA_TP, BLOCK_H], tl.float32)
+            ok0 = tl.sum(tl.where((rows == 0) & ok, 1, 0), 0, keep_dims=True) > 0   # [1]
+            a0_row = act_ptr + tl.sum(tl.where(rows == 0, a_off, 0), 0)
+            ok1 = tl.sum(tl.where((rows == 1) & ok, 1, 0), 0, keep_dims=True) > 0   # [1]
+            a1_row = act_ptr + tl.sum(tl.where(rows == 1, a_off, 0), 0)
+            ok2 = tl.sum(tl.where((rows == 2) & ok, 1, 0), 0, keep_dims=True) > 0   # [1]
+            a2_row = act_ptr + tl.sum(tl.where(rows == 2, a_off, 0), 0)
+            ok3 = tl.sum(tl.where((rows == 3) & ok, 1, 0), 0, keep_dims=True) > 0   # [1]
+            a3_row = act_ptr + tl.sum(tl.where(rows == 3, a_off, 0), 0)
+            # MXFP4 words decoded in registers, a group's scale once (triton/_mx_fma.j2); one token
+            # (batch 1) takes a loop of its own: the FMA_T-token loop computes every slot
+            if n == 1:
+                q4 = tl.arange(0, 4)
+                g4 = 4 * tl.arange(0, FMA_BLOCK_K // 32)
+                w_h = w_rows.to(tl.pointer_type(tl.int32), bitcast=True)[:, :, None]   # a row's 360 words
+                s_h = (ws + srow * 90)[:, :, None]
+                acc_h0 = tl.zeros([w_rows.shape[0], FMA_BLOCK_K // 32, 1], tl.float32)
+                for k0 in range(0, 2880, FMA_BLOCK_K):
+                    wi = k0 // 8 + g4[:, None] + q4[None, :]            # [G, 4]: the tile's words
+                    wm = wi < 360
+                    col = 8 * wi                                        # the first column of each word
+                    c_h = _mx_words(w_h, wi, wm)
+                    lo_h, hi_h = _e2m1_pair(c_h, 0)
+                    xl = _mx_x(a0_row, col + 0, ok0 & wm)
+                    xh = _mx_x(a0_row, col + 4, ok0 & wm)
+                    p_h0 = lo_h * xl     # (FFMAs: one a weight)
+                    p_h0 = p_h0 + hi_h * xh
+                    lo_h, hi_h = _e2m1_pair(c_h, 1)
+                    xl = _mx_x(a0_row, col + 1, ok0 & wm)
+                    xh = _mx_x(a0_row, col + 5, ok0 & wm)
+                    p_h0 = p_h0 + lo_h * xl     # (FFMAs: one a weight)
+                    p_h0 = p_h0 + hi_h * xh
+                    lo_h, hi_h = _e2m1_pair(c_h, 2)
+                    xl = _mx_x(a0_row, col + 2, ok0 & wm)
+                    xh = _mx_x(a0_row, col + 6, ok0 & wm)
+                    p_h0 = p_h0 + lo_h * xl     # (FFMAs: one a weight)
+                    p_h0 = p_h0 + hi_h * xh
+                    lo_h, hi_h = _e2m1_pair(c_h, 3)
+                    xl = _mx_x(a0_row, col + 3, ok0 & wm)
+                    xh = _mx_x(a0_row, col + 7, ok0 & wm)
+                    p_h0 = p_h0 + lo_h * xl     # (FFMAs: one a weight)
+                    p_h0 = p_h0 + hi_h * xh
+                    sc = _mx_scales(s_h, k0, 90, FMA_BLOCK_K // 32)
+                    acc_h0 += tl.sum(p_h0, axis=2, keep_dims=True) * sc
+                s_h0 = tl.sum(tl.sum(acc_h0, axis=2), axis=1) * 16384.0     # the decode's 2^-14 back
+
+                out = tl.zeros([FMA_TP, BLOCK_H], tl.float32)
+                out = tl.where(rows[:, None] == 0, s_h0[None, :], out)
+            else:
+                q4 = tl.arange(0, 4)
+                g4 = 4 * tl.arange(0, FMA_BLOCK_K // 32)
+                w_h = w_rows.to(tl.pointer_type(tl.int32), bitcast=True)[:, :, None]   # a row's 360 words
+                s_h = (ws + srow * 90)[:, :, None]
+                acc_h0 = tl.zeros([w_rows.shape[0], FMA_BLOCK_K // 32, 1], tl.float32)
+                acc_h1 = tl.zeros([w_rows.shape[0], FMA_BLOCK_K // 32, 1], tl.float32)
+                acc_h2 = tl.zeros([w_rows.shape[0], FMA_BLOCK_K // 32, 1], tl.float32)
+                acc_h3 = tl.zeros([w_rows.shape[0], FMA_BLOCK_K // 32, 1], tl.float32)
+                for k0 in range(0, 2880, FMA_BLOCK_K):
+                    wi = k0 // 8 + g4[:, None] + q4[None, :]            # [G, 4]: the tile's words
+                    wm = wi < 360
+                    col = 8 * wi                                        # the first column of each word
+                    c_h = _mx_words(w_h, wi, wm)
+                    lo_h, hi_h = _e2m1_pair(c_h, 0)
+                    xl = _mx_x(a0_row, col + 0, ok0 & wm)
+                    xh = _mx_x(a0_row, col + 4, ok0 & wm)
+                    p_h0 = lo_h * xl     # (FFMAs: one a weight)
+                    p_h0 = p_h0 + hi_h * xh
+                    xl = _mx_x(a1_row, col + 0, ok1 & wm)
+                    xh = _mx_x(a1_row, col + 4, ok1 & wm)
+                    p_h1 = lo_h * xl     # (FFMAs: one a weight)
+                    p_h1 = p_h1 + hi_h * xh
+                    xl = _mx_x(a2_row, col + 0, ok2 & wm)
+                    xh = _mx_x(a2_row, col + 4, ok2 & wm)
+                    p_h2 = lo_h * xl     # (FFMAs: one a weight)
+                    p_h2 = p_h2 + hi_h * xh
+                    xl = _mx_x(a3_row, col + 0, ok3 & wm)
+                    xh = _mx_x(a3_row, col + 4, ok3 & wm)
+                    p_h3 = lo_h * xl     # (FFMAs: one a weight)
+                    p_h3 = p_h3 + hi_h * xh
+                    lo_h, hi_h = _e2m1_pair(c_h, 1)
+                    xl = _mx_x(a0_row, col + 1, ok0 & wm)
+                    xh = _mx_x(a0_row, col + 5, ok0 & wm)
+                    p_h0 = p_h0 + lo_h * xl     # (FFMAs: one a weight)
+                    p_h0 = p_h0 + hi_h * xh
+                    xl = _mx_x(a1_row, col + 1, ok1 & wm)
+                    xh = _mx_x(a1_row, col + 5, ok1 & wm)
+                    p_h1 = p_h1 + lo_h * xl     # (FFMAs: one a weight)
+                    p_h1 = p_h1 + hi_h * xh
+                    xl = _mx_x(a2_row, col + 1, ok2 & wm)
+                    xh = _mx_x(a2_row, col + 5, ok2 & wm)
+                    p_h2 = p_h2 + lo_h * xl     # (FFMAs: one a weight)
+                    p_h2 = p_h2 + hi_h * xh
+                    xl = _mx_x(a3_row, col + 1, ok3 & wm)
+                    xh = _mx_x(a3_row, col + 5, ok3 & wm)
+                    p_h3 = p_h3 + lo_h * xl     # (FFMAs: one a weight)
+                    p_h3 = p_h3 + hi_h * xh
+                    lo_h, hi_h = _e2m1_pair(c_h, 2)
+                    xl = _mx_x(a0_row, col + 2, ok0 & wm)
+                    xh = _mx_x(a0_row, col + 6, ok0 & wm)
+                    p_h0 = p_h0 + lo_h * xl     # (FFMAs: one a weight)
+                    p_h0 = p_h0 + hi_h * xh
+                    xl = _mx_x(a1_row, col + 2, ok1 & wm)
+                    xh = _mx_x(a1_row, col + 6, ok1 & wm)
+                    p_h1 = p_h1 + lo_h * xl     # (FFMAs: one a weight)
+                    p_h1 = p_h1 + hi_h * xh
+                    xl = _mx_x(a2_row, col + 2, ok2 & wm)
+                    xh = _mx_x(a2_row, col + 6, ok2 & wm)
+                    p_h2 = p_h2 + lo_h * xl     # (FFMAs: one a weight)
+                    p_h2 = p_h2 + hi_h * xh
+                    xl = _mx_x(a3_row, col + 2, ok3 & wm)
+                    xh = _mx_x(a3_row, col + 6, ok3 & wm)
+                    p_h3 = p_h3 + lo_h * xl     # (FFMAs: one a weight)
+                    p_h3 = p_h3 + hi_h * xh
+                    lo_h, hi_h = _e2m1_pair(c_h, 3)
+                    xl = _mx_x(a0_row, col + 3, ok0 & wm)
+                    xh = _mx_x(a0_row, col + 7, ok0 & wm)
+                    p_h0 = p_h0 + lo_h * xl     # (FFMAs: one a weight)
+                    p_h0 = p_h0 + hi_h * xh
+                    xl = _mx_x(a1_row, col + 3, ok1 & wm)
+                    xh = _mx_x(a1_row, col + 7, ok1 & wm)
+                    p_h1 = p_h1 + lo_h * xl     # (FFMAs: one a weight)
+                    p_h1 = p_h1 + hi_h * xh
+                    xl = _mx_x(a2_row, col + 3, ok2 & wm)
+                    xh = _mx_x(a2_row, col + 7, ok2 & wm)
+                    p_h2 = p_h2 + lo_h * xl     # (FFMAs: one a weight)
+                    p_h2 = p_h2 + hi_h * xh
+                    xl = _mx_x(a3_row, col + 3, ok3 & wm)
+                    xh = _mx_x(a3_row, col + 7, ok3 & wm)
+                    p_h3 = p_h3 + lo_h * xl     # (FFMAs: one a weight)
+                    p_h3 = p_h3 + hi_h * xh
+                    sc = _mx_scales(s_h, k0, 90, FMA_BLOCK_K // 32)
+                    acc_h0 += tl.sum(p_h0, axis=2, keep_dims=True) * sc
+                    acc_h1 += tl.sum(p_h1, axis=2, keep_dims=True) * sc
+                    acc_h2 += tl.sum(p_h2, axis=2, keep_dims=True) * sc
+                    acc_h3 += tl.sum(p_h3, axis=2, keep_dims=True) * sc
+                s_h0 = tl.sum(tl.sum(acc_h0, axis=2), axis=1) * 16384.0     # the decode's 2^-14 back
+                s_h1 = tl.sum(tl.sum(acc_h1, axis=2), axis=1) * 16384.0     # the decode's 2^-14 back
+                s_h2 = tl.sum(tl.sum(acc_h2, axis=2), axis=1) * 16384.0     # the decode's 2^-14 back
+                s_h3 = tl.sum(tl.sum(acc_h3, axis=2), axis=1) * 16384.0     # the decode's 2^-14 back
+
+                out = tl.zeros([FMA_TP, BLOCK_H], tl.float32)
+                out = tl.where(rows[:, None] == 0, s_h0[None, :], out)
+                out = tl.where(rows[:, None] == 1, s_h1[None, :], out)
+                out = tl.where(rows[:, None] == 2, s_h2[None, :], out)
+                out = tl.where(rows[:, None] == 3, s_h3[None, :], out)
             out += b_h[None, :]
             _down_finish(out, toks, ok, e, offs_h, nb, ids_ptr, rw_ptr, y_ptr, part_ptr, cnt_ptr,
                          H, KT, KTP, NB, tl.float32)
@@ -283,13 +465,14 @@ META = {
                ["ids_ptr", "*i32", "in:2"], ["w_ptr", "*u8", "in:3"],
                ["y_ptr", "*bf16", "out:0"], ["T", "i32", "dim:T"],
                ["part_ptr", "*fp32", "scratch:partials"], ["cnt_ptr", "*i32", "scratch:counters"], ["b_ptr", "*bf16", "in:6"], ["w_scale_ptr", "*fp32", "in:7"]],
-    "constexprs": {"H": 2880, "F": 2880, "KT": 4, "KTP": 4, "BLOCK_E": 128,
-                   "BLOCK_H": 32, "FMA_BLOCK_K": 128, "FMA_T": 0,
-                   "FMA_TP": 1, "BLOCK_K": 256, "BLOCK_T": 16,
+    "constexprs": {"H": 2880, "F": 2880, "KT": 4, "KTP": 4, "BLOCK_E": 32,
+                   "BLOCK_H": 32, "FMA_BLOCK_K": 512, "FMA_T": 4,
+                   "FMA_TP": 4, "BLOCK_K": 256, "BLOCK_T": 16,
                    "PC": 256, "TC": 32, "NB": 90, "DOT_F32": False, "PDL": True},
     "pdl": True,
-    "grid": ["min(128, T * 4)", 90, 1],
+    "grid": ["min(32, T * 4)", 90, 1],
     "scratch": {"partials": "B * 46080", "counters": "B * 360"},
     "num_warps": 4,
     "num_stages": 4,
+    "maxnreg": 168,
 }
