@@ -141,8 +141,14 @@ def test_refused_large_prompts_give_their_memory_back():
     tracemalloc.start()          # every Python allocation made from here on that is still alive
     try:
         refuse(3)
-        gc.collect()
-        kept = tracemalloc.get_traced_memory()[0]
+        # a worker thread may still be unwinding the last request after its response is sent (a
+        # loaded machine: 43 MiB seen once): a body kept for good is still there 10 s later
+        for _ in range(50):
+            gc.collect()
+            kept = tracemalloc.get_traced_memory()[0]
+            if kept < 16 << 20:
+                break
+            time.sleep(0.2)
     finally:
         tracemalloc.stop()
     rss_grown = _rss_bytes() - rss_before
