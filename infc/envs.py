@@ -61,6 +61,8 @@ REGISTRY = {v.name: v for v in (
     Var("INFC_KV_SAVE_PROGRAMS", "int", 0, "programs a host KV tier save's block_copy launch "
         "takes (its gather into staging, or its writes into the mapped slab; 0: the kernel's own "
         "bound, PROGRAMS in codegen_templates/triton/block_copy.py.j2)"),
+    Var("INFC_KV_SAVE_CHAINED", "flag", False, "a host KV tier save's gathers and copies in turn "
+        "on the copy stream, as before the gathers got a stream of their own (1: on, an A/B switch)"),
     Var("INFC_STEP_STREAM_PRIORITY", "flag", False, "the steps' stream at the device's greatest "
         "priority, the KV tiers' copy and gather streams at the least, so their blocks yield SMs "
         "to a step (1: on; an A/B switch, not yet measured on a GPU)"),

@@ -62,8 +62,9 @@ def test_host_blocks_restore_numpy_pages_bit_identical():
     assert slab[[2, 3, 5]].sum() == 0                   # rows not named are untouched
 
 
-@pytest.mark.parametrize("kernel,staged", [(False, 0), (True, 0), (True, 1), (True, 2), (True, 4)])
-def test_device_blocks_move_the_same_bytes_as_host_blocks(fake_driver, kernel, staged, monkeypatch):
+@pytest.mark.parametrize("kernel,staged,chained", [(False, 0, 0), (True, 0, 0), (True, 1, 0), (True, 2, 0),
+                                                   (True, 4, 0), (True, 4, 1)])
+def test_device_blocks_move_the_same_bytes_as_host_blocks(fake_driver, kernel, staged, chained, monkeypatch):
     """The CUDA runner's copies over fake memory, on the copy stream: 2D copies per region and
     run, or (kernel) the plan's block_copy kernel, run by the interpreter, on the mapped slab;
     staged: saves gathered into a device buffer of that many blocks, then copied out a run of
@@ -87,6 +88,7 @@ def test_device_blocks_move_the_same_bytes_as_host_blocks(fake_driver, kernel, s
         k = KernelFn(src.id, src.meta, {"num_warps": 4, "hidden_args": 2},
                      fake_driver.Module(src.source.encode()).function(src.meta["entry"]))
     monkeypatch.setenv("INFC_KV_SAVE_STAGING_BYTES", str(staged * C.page_bytes(DECL, PS)))
+    monkeypatch.setenv("INFC_KV_SAVE_CHAINED", str(chained))   # the gathers on the copy stream
     copies = DeviceCopies(ctx, dev, k)
     assert copies.block_bytes == host.block_bytes == C.page_bytes(DECL, PS)
     assert (copies.kernel is not None) == kernel

@@ -71,6 +71,7 @@ class DeviceCopies:
                 self._args: dict[str, tuple] = {}
                 staging = envs.value("INFC_KV_SAVE_STAGING_BYTES")
                 self.save_programs = envs.value("INFC_KV_SAVE_PROGRAMS")
+                self.chained = envs.value("INFC_KV_SAVE_CHAINED")
                 self.stage_rows = min(self.max_pairs, staging // self.block_bytes)
                 self._stage = ctx.alloc(self.stage_rows * self.block_bytes) if self.stage_rows else None
                 if self.stage_rows:
@@ -147,6 +148,8 @@ class DeviceCopies:
         chunk are done); on the copy stream, once the gather is done, each run of consecutive rows
         to the slab (the copy engine). Neither stream holds a kernel waiting on a copy of its own."""
         ctx, bb, G = self.ctx, self.block_bytes, self.gather_stream
+        if self.chained:                                # the A/B: everything on the copy stream
+            G = self.stream
         halves = 2 if self.stage_rows >= 2 else 1
         half = self.stage_rows // halves
         ctx.wait_event(self.mark, G)                    # the steps that wrote the pages

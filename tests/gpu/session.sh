@@ -530,7 +530,7 @@ models.model_dir('$q')" 2>&1 | tail -3
       mkdir -p "$OUT/tier-probe"
       # (an entry NAME=ENV=VALUE,ENV=VALUE runs variant `on` under those variables, e.g.
       # p8=INFC_KV_SAVE_PROGRAMS=8)
-      for v in ${TIER_PROBE:-off on chained settle mapped nocopy}; do
+      for v in ${TIER_PROBE:-off on chained=INFC_KV_SAVE_CHAINED=1 settle mapped=INFC_KV_SAVE_STAGING_BYTES=0 nocopy}; do
         name=${v%%=*} var=on envs=
         case $v in *=*) envs=$(echo "${v#*=}" | tr , ' ') ;; *) var=$v ;; esac
         env $envs timeout ${PROBE_S:-90} python3 tools/experiments/tier_hit_probe.py .cache/gpu/configs/qwen3-4b \

@@ -14,9 +14,9 @@ launching that step.
               nocopy      on, every save's copies skipped (the tier's bookkeeping alone)
               gather      on, the staging gathers only (no device-to-host copy)
               dtoh        on, the device-to-host copies only (no gather)
-              chained     on, the saves as before the split (kv_copies.py): gather and copies
-                          in turn on the copy stream (`on` is the split form: the gathers
-                          on a stream of their own into two staging halves in turn)
+    (`on` gathers on a stream of their own, kv_copies.py; the form before, gathers and copies in
+    turn on the copy stream, is `on` under INFC_KV_SAVE_CHAINED=1: the stage's entry
+    chained=INFC_KV_SAVE_CHAINED=1)
 
     python3 tools/experiments/tier_hit_probe.py MODEL_DIR OUT.json VARIANT [--lengths 16384,32768]
 
@@ -33,7 +33,7 @@ import time
 
 import numpy as np
 
-VARIANTS = ("off", "on", "settle", "nocopy", "gather", "dtoh", "chained")
+VARIANTS = ("off", "on", "settle", "nocopy", "gather", "dtoh")
 
 
 def _patch_copies(variant: str):
@@ -62,28 +62,13 @@ def _patch_copies(variant: str):
             return fence
         return orig(self, pages, rows, to_host, after_steps)
 
-    def staged_chained(self, staged_ring, pages, rows):
-        """The staged saves as they were before the split (2026-12-03): gathers and copies in turn
-        on the copy stream, each chunk's gather waiting for the copies out of the chunk before."""
-        ctx, bb, stage = self.ctx, self.block_bytes, self.stage_rows
-        n = pairs(pages, np.arange(len(pages)) % stage, staged_ring)
-        ctx.htod_raw(self._pairs, staged_ring.ctypes.data, n * 8, self.stream)
-        host = self.slab.ctypes.data
-        for at in range(0, n, stage):
-            m = min(stage, n - at)
-            self._gather("stage", self._pairs + at * 8, m)
-            for k, row, count in row_runs(rows[at:at + m]):
-                ctx.dtoh_raw(host + row * bb, self._stage + k * bb, count * bb, self.stream)
-
     kv_copies.DeviceCopies._batch = batch
     if variant in ("gather", "dtoh"):
         kv_copies.DeviceCopies._staged = staged
-    if variant == "chained":
-        kv_copies.DeviceCopies._staged = staged_chained
 
 
 def run(model_dir: str, variant: str, lengths: list[int], reps: int, new: int = 16, device=None) -> dict:
-    if variant in ("nocopy", "gather", "dtoh", "chained"):
+    if variant in ("nocopy", "gather", "dtoh"):
         _patch_copies(variant)
     from infc.backend import load_backend
     from infc.runtime.engine.sampling import SamplingParams
