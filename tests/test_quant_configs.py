@@ -115,3 +115,23 @@ def test_writer_refuses_options_its_format_cannot_hold(tmp_path):
     with pytest.raises(ValueError, match="unknown option"):
         quantize_model(tmp_path / "absent", tmp_path / "q", "awq", bits=4)
     assert not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize("qc,head_quantized", [
+    ({"quant_method": "fp8", "weight_block_size": [16, 16]}, False),           # DeepSeek-V3's: no ignore list
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+      "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float",
+                              "strategy": "channel", "symmetric": True, "dynamic": False}}}}, True),
+])
+def test_the_output_head_stays_bf16_where_transformers_never_converts_it(tmp_path, qc, head_quantized):
+    """transformers' fp8 / AWQ / GPTQ / MXFP4 quantizers never convert the output embeddings, so a
+    config naming no ignore list still means a bf16 lm_head (a config-only build counted DeepSeek-V3's
+    and Kimi-K2's as FP8); compressed-tensors quantizes whatever its targets match and its ignore
+    list leaves."""
+    from infc.compiler.build import compile_model
+    from test_dummy_weights import config_only
+    d = config_only(tmp_path / "m", tie_word_embeddings=False, quantization_config=qc)
+    _, plan = compile_model(model_dir=str(d), check_checkpoint=False)
+    head = plan["weights"]["lm_head"]
+    assert (head["dtype"] != "bf16") == head_quantized, head
+    assert any(w["dtype"] != "bf16" for n, w in plan["weights"].items() if n != "lm_head")

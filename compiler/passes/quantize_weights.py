@@ -183,7 +183,7 @@ def _checkpoint_tensors(src: dict) -> list[str]:
     return out
 
 
-def _check_all_rewritten(state, fmt, done: dict):
+def _check_all_rewritten(state, fmt, done: dict, heads: set):
     """A matrix read as bf16 from a tensor the checkpoint stores quantized: one that no linear reads
     (MLA's W_uk / W_uv, cut per head out of kv_b_proj for head_linear) is dequantized at load when
     its codes are e4m3 (the weight then streams as bf16); any other is refused."""
@@ -191,7 +191,7 @@ def _check_all_rewritten(state, fmt, done: dict):
                 for i in n.inputs if g.values[i].kind == "weight"}
     linears = {n.inputs[1] for g in state.graph.walk() for n in g.ordered() if n.op in LINEARS}
     for name, meta in state.weights.items():
-        if name not in matrices or done.get(name) is not None or "tied" in meta["source"] \
+        if name not in matrices or name in heads or done.get(name) is not None or "tied" in meta["source"] \
                 or "quant" in meta:
             continue
         for t in _checkpoint_tensors(meta["source"]):
@@ -229,6 +229,7 @@ def quantize_weights(state):
     tp = state.parallel.get("tp", 1) if state.parallel else 1
     ep = state.parallel.get("ep", 1) if state.parallel else 1
     done: dict = {}
+    heads: set = set()      # the output head's weight, where the format keeps it bf16
     for g in state.graph.walk():
         for n in g.ordered():
             if n.op in EXPERT_OPS:
@@ -240,9 +241,14 @@ def quantize_weights(state):
                 continue
             if n.op not in LINEARS or g.values[n.inputs[1]].kind != "weight":
                 continue
+            if fmt.keeps_output_head and g is state.graph and n.outputs[0] in g.outputs:
+                state.note("quantize_weights", f"{n.inputs[1]}: the output head stays bf16 ({fmt.method})")
+                done[n.inputs[1]] = None
+                heads.add(n.inputs[1])
+                continue
             got = _rewrite_weight(state, g, n.inputs[1], fmt, done)
             if got is None:
                 continue
             s, names = got
             attach_companions(n, 3 if n.attrs.get("has_bias") else 2, s, names)
-    _check_all_rewritten(state, fmt, done)
+    _check_all_rewritten(state, fmt, done, heads)

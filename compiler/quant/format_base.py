@@ -28,6 +28,11 @@ class QuantFormat:
     # (see_checkpoint); None for a config alone (a variant, --load-format dummy)
     stored: dict | None = None
     _patterns: frozenset = frozenset()
+    # transformers' quantizers (fp8, AWQ, GPTQ, MXFP4) never convert the output head, whatever the
+    # config lists (get_keys_to_not_convert: the output embeddings), so a checkpoint made through
+    # them stores it in bf16 even where its config names no ignore list (DeepSeek-V3, Kimi-K2);
+    # compressed-tensors quantizes by its own targets and ignore list (False)
+    keeps_output_head: bool = True
 
     def see_checkpoint(self, stored: dict):
         """The checkpoint's headers, for what its config leaves to the tensors (a format may read

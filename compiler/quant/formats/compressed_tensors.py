@@ -46,6 +46,7 @@ def _matches(module: str, target: str) -> bool:
 
 class CompressedTensors(QuantFormat):
     method = "compressed-tensors"
+    keeps_output_head = False                # its ignore list decides (llm-compressor lists lm_head)
     unread = ("*.weight_shape",)          # the dense shape, which the plan already knows
 
     def __init__(self, groups: list, ignore: list):
