@@ -55,9 +55,14 @@ def test_fp8_fma_form_is_the_definition(name):
 
 
 def test_fp8_fma_form_unmasked_steps(monkeypatch):
-    """K a multiple of the K step: the code tiles load unmasked (K = 128, steps of 64)."""
-    k = _check("group64-plain", 128, monkeypatch)
-    assert "_fp8_tile(w3, k_lo, k_hi, FMA_BLOCK_K, False)" in k.source
+    """K a multiple of the K step: the loop's code tiles load unmasked (K = 128, steps of 64), the
+    first step masked: three splits of one step each leave the last an empty range at K, whose
+    first step must read nothing (an unmasked one would read past W's last row)."""
+    monkeypatch.setitem(CASES, "group64-split3", ("fp8-32x64-group64", "plain",
+                                                  {"BLOCK_N": 16, "FMA_BLOCK_K": 64, "SPLIT_K": 3}))
+    k = _check("group64-split3", 128, monkeypatch)
+    assert "_fp8_tile(w3, k0, k_hi, FMA_BLOCK_K, False)" in k.source
+    assert "_fp8_tile(w3, k_lo, k_hi, FMA_BLOCK_K, True)" in k.source
 
 
 @pytest.mark.parametrize("scheme", ["fp8-32x64-group64", pytest.param("fp8-channel-token", marks=EXHAUSTIVE)])
