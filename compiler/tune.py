@@ -80,10 +80,15 @@ _GEMV_WIDE = [{"BLOCK_T": 128, "num_warps": 8}, {"BLOCK_T": 128, "num_warps": 8,
 # W rows a program (fewer programs make A's codes fewer times), pipeline depth, W tiles read
 # before the A pass, programs in flight, and the CUDA-core path it replaced. Timed before the
 # grid's for a narrow step's quantized launch (one that does not take the path renders the same
-# kernel for these and is not timed twice).
+# kernel for these and is not timed twice). FP8_FORM "fma": the same codes path on CUDA cores
+# (triton/_gemv_fp8_fma.j2), at its default tile and at the tiles the sm_90 SASS ranked next
+# (bench/NOTES.md, issue 42, "the narrow FP8 codes on CUDA cores").
 _GEMV_NARROW_CODES = [{"BLOCK_N": 128}, {"BLOCK_N": 32}, {"NDOT_STAGES": 3}, {"NDOT_STAGES": 6},
                       {"PRELOAD": 2}, {"PRELOAD": 5}, {"TARGET_CTAS": 528}, {"TARGET_CTAS": 792},
-                      {"BLOCK_N": 128, "TARGET_CTAS": 528}, {"num_warps": 8}, {"NARROW_DOT": 0}]
+                      {"BLOCK_N": 128, "TARGET_CTAS": 528}, {"num_warps": 8}, {"NARROW_DOT": 0},
+                      {"FP8_FORM": "fma"}, {"FP8_FORM": "fma", "BLOCK_N": 32, "FMA_BLOCK_K": 512},
+                      {"FP8_FORM": "fma", "BLOCK_N": 16, "FMA_BLOCK_K": 1024},
+                      {"FP8_FORM": "fma", "num_warps": 8}]
 # a u4 weight's CUDA-core loop (triton/_gemv_w4.j2, W4_FORM; groupsum by default): the other two
 # forms, then groupsum's tile shapes (rows a thread against A's rebuild, preloaded tiles against
 # registers: bench/NOTES.md, issue 42). fp8 launches render these as their default and are not
