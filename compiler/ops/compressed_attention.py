@@ -37,6 +37,15 @@ compressed_attention(q[T, H, D], kv[T, D], sinks[H], ckv[T, W], cgate[T, W], cbi
     softmax with the head's sink logit (weighing no value), over
       the window keys j with p - window < j <= p (scores q . kv_j * scale), and
       the compressed entries: with index, those of index[i] >= 0; without, every e < (p + 1) // m.
+
+Both spec ops lower (compiler/passes/split_compression.py) to a writer and a reader, so that no
+kernel has to compress a sequence's rows before its own queries read them:
+    compress_write(kv, gate, bias, norm, rows optional, rate, cache, ...) -> cache marker
+        the compression above into `<cache>` / `<cache>_buf` (and, with rows, the window's rows
+        into `swa`): a program a sequence;
+    indexer_topk_cached(q, w, marker, rate, topk, cache) -> [T, topk] i32
+    compressed_attention_cached(q, marker, sinks, index optional, rate, window, scale, cache)
+        the scoring / attention above over the caches the writer filled: a program a query token.
 """
 import numpy as np
 
