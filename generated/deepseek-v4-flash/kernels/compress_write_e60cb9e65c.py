@@ -1,25 +1,24 @@
-# indexer_topk (DeepSeek-V4's lightning indexer, compiler/ops/compressed_attention.py): q [T, Hi=64, Di=128],
-#   w [T, Hi], the indexer's compressor kv / gate [T, 256] (overlapping), bias [m=4, 256], norm [Di]
-#   -> idx [T, K=512] i32. One program a sequence (grid (B,)): first its rows through the compressor
-#   (triton/_compress.j2: the slot's blocks, each completed block's key into cache ikv), then for
-#   each query at p over the entries e < (p + 1) // m:
-#     score_e = sum_h (w[h] / sqrt(Hi)) relu(q[h] . K_e) / sqrt(Di)
-#   and the K best by (score descending, index ascending), found in K passes over the entries (pass k
-#   takes the best after pass k - 1's in that order); -1 once none is left. Naive: K passes of all the
-#   visible keys a query (a correctness kernel, not the production indexer).
+# compress_write (DeepSeek-V4's compressor, compiler/ops/compressed_attention.py; split_compression
+#   made it from indexer_topk): the compressor's kv / gate [T, W=256] (overlap: Ca | Cb halves),
+#   bias [m=4, W], norm [Dc=128]. One program a sequence (grid (B,)): its rows must
+#   pass through the slot's blocks in order (O(rows x W), small beside the readers a query token):
+#   1. each row's (kv, gate + bias[p % m]) into row p % 8 of the sequence's slot of ikv_buf
+#      (the partial block and the one before it); a row ending a block e = p // m writes entry e:
+#      softmax over the block's rows per channel of the gates, the weighted sum of the values, RMSNorm
+#      (norm, eps=1e-06), then RoPE of its last R=64 dims (interleaved) at position e m, into the compressed
+#      paged cache ikv (one row per m tokens, in the page of the block's last token: 4 row(s) a page).
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
-def indexer_topk(q_ptr, w_ptr, ckv_ptr, cgate_ptr, cbias_ptr, cnorm_ptr, o_ptr, ent_ptr, buf_ptr,
-                 seq_starts, context_lens, block_tables, max_pages, state_slots,
-                 HI: tl.constexpr, D: tl.constexpr, Wd: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr,
-                 PS: tl.constexpr, RPP: tl.constexpr, OVERLAP: tl.constexpr, K: tl.constexpr, EPS: tl.constexpr,
-                 BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_HALF: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr,
-                 THETA: tl.constexpr, ROT: tl.constexpr, FACTOR: tl.constexpr, OLD_LEN: tl.constexpr, BETA_FAST: tl.constexpr, BETA_SLOW: tl.constexpr, PDL: tl.constexpr):
+def compress_write(ckv_ptr, cgate_ptr, cbias_ptr, cnorm_ptr, ent_ptr, buf_ptr,
+                   seq_starts, context_lens, slot_mapping, block_tables, max_pages, state_slots,
+                   D: tl.constexpr, Wd: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr, PS: tl.constexpr,
+                   RPP: tl.constexpr, OVERLAP: tl.constexpr, EPS: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, HALF: tl.constexpr,
+                   PASS: tl.constexpr, THETA: tl.constexpr, ROT: tl.constexpr, FACTOR: tl.constexpr, OLD_LEN: tl.constexpr, BETA_FAST: tl.constexpr, BETA_SLOW: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_launch_dependents()
     if PDL:
@@ -114,66 +113,27 @@ def indexer_topk(q_ptr, w_ptr, ckv_ptr, cgate_ptr, cbias_ptr, cnorm_ptr, o_ptr, 
             tl.store(dst + PASS + 2 * j[None, :], (x1[None, :] * cos - x2[None, :] * sin).to(ent_ptr.dtype.element_ty), mask=hm[None, :])
             tl.store(dst + PASS + 2 * j[None, :] + 1, (x2[None, :] * cos + x1[None, :] * sin).to(ent_ptr.dtype.element_ty), mask=hm[None, :])
             tl.debug_barrier()
-    hh = tl.arange(0, BLOCK_H)
-    hmask = hh < HI
-    qm = hmask[:, None] & dm[None, :]
-    kn = tl.arange(0, BLOCK_N)
-    one = tl.arange(0, 1)
-    for i in range(n):
-        p = cached + i
-        t = (start + i).to(tl.int64)
-        q = tl.load(q_ptr + t * (HI * D) + hh[:, None] * D + d[None, :], mask=qm, other=0.0).to(tl.float32)
-        wt = tl.load(w_ptr + t * HI + hh, mask=hmask, other=0.0).to(tl.float32) * (HI ** -0.5)
-        nvis = (p + 1) // M
-        prev_s = tl.full([1], float("inf"), tl.float32)
-        prev_i = tl.full([1], -1, tl.int32)
-        for k in range(K):
-            best_s = tl.full([1], float("-inf"), tl.float32)
-            best_i = tl.full([1], -1, tl.int32)
-            for e0 in range(0, nvis, BLOCK_N):
-                e = e0 + kn
-                em = e < nvis
-                last = e.to(tl.int64) * M + M - 1
-                page = tl.load(bt + last // PS, mask=em, other=0).to(tl.int64)
-                erow = (last % PS) // M
-                kk = tl.load(ent_ptr + ((page * RPP + erow) * D)[:, None] + d[None, :],
-                             mask=em[:, None] & dm[None, :], other=0.0).to(tl.float32)
-                s = tl.maximum(tl.sum(q[:, None, :] * kk[None, :, :], axis=2), 0.0) * (D ** -0.5)
-                sc = tl.sum(s * wt[:, None], axis=0)                                    # [BLOCK_N]
-                ok = em & ((sc < prev_s) | ((sc == prev_s) & (e > prev_i)))
-                sc = tl.where(ok, sc, float("-inf"))
-                blk_s = tl.max(sc, axis=0)
-                blk_i = tl.min(tl.where(ok & (sc == blk_s), e, 2147483647), axis=0)
-                take = (blk_i < 2147483647) & ((blk_s > best_s) | ((blk_s == best_s) & (blk_i < best_i)))
-                best_s = tl.where(take, blk_s, best_s)
-                best_i = tl.where(take, blk_i, best_i)
-            tl.store(o_ptr + t * K + k + one, best_i)
-            prev_s = best_s
-            prev_i = best_i
 
 
 META = {
-    "entry": "indexer_topk",
+    "entry": "compress_write",
     "params": [
-        ["q_ptr", "*bf16", "in:0"],
-        ["w_ptr", "*bf16", "in:1"],
-        ["ckv_ptr", "*bf16", "in:2"],
-        ["cgate_ptr", "*bf16", "in:3"],
-        ["cbias_ptr", "*fp32", "in:4"],
-        ["cnorm_ptr", "*bf16", "in:5"],
-        ["o_ptr", "*i32", "out:0"],
+        ["ckv_ptr", "*bf16", "in:0"],
+        ["cgate_ptr", "*bf16", "in:1"],
+        ["cbias_ptr", "*fp32", "in:2"],
+        ["cnorm_ptr", "*bf16", "in:3"],
         ["ent_ptr", "*bf16", "cache:ikv"],
         ["buf_ptr", "*fp32", "cache:ikv_buf"],
         ["seq_starts", "*i32", "meta:seq_starts"],
         ["context_lens", "*i32", "meta:context_lens"],
+        ["slot_mapping", "*i32", "meta:slot_mapping"],
         ["block_tables", "*i32", "meta:block_tables"],
         ["max_pages", "i32", "meta:max_pages"],
         ["state_slots", "*i32", "meta:state_slots"],
     ],
-    "constexprs": {"HI": 64, "D": 128, "Wd": 256, "M": 4, "ROWS": 8, "PS": 16,
-                   "RPP": 4, "OVERLAP": True, "K": 512, "EPS": 1e-06,
-                   "BLOCK_D": 128, "BLOCK_W": 256, "BLOCK_H": 64, "BLOCK_R": 8,
-                   "BLOCK_N": 16, "BLOCK_HALF": 32, "HALF": 32, "PASS": 64,
+    "constexprs": {"D": 128, "Wd": 256, "M": 4, "ROWS": 8, "PS": 16, "RPP": 4,
+                   "OVERLAP": True, "EPS": 1e-06, "BLOCK_D": 128, "BLOCK_W": 256,
+                   "BLOCK_R": 8, "BLOCK_HALF": 32, "HALF": 32, "PASS": 64,
                    "THETA": 160000.0, "ROT": 64, "FACTOR": 16.0, "OLD_LEN": 65536.0,
                    "BETA_FAST": 32.0, "BETA_SLOW": 1.0, "PDL": True},
     "pdl": True,

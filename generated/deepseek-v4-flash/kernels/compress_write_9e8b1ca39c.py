@@ -1,31 +1,25 @@
-# compressed_attention (DeepSeek-V4, compiler/ops/compressed_attention.py, whose docstring is the math):
-#   q [T, H=64, D=512], kv [T, D] (shared-KV MQA: keys = values), sinks [H] f32, the compressor's
-#   ckv / cgate [T, W=512] (one series), cbias [m=128, W], cnorm [D].
-# One program a sequence (grid (B,)), in three passes over its rows, each ended by a barrier:
-#   1. the step's kv rows into the paged window cache swa at their slots;
-#   2. each row's (kv, gate + cbias[p % m]) into row p % 128 of the sequence's slot of hca_buf
-#      (the partial block); a row ending a block e = p // m writes entry e:
+# compress_write (DeepSeek-V4's compressor, compiler/ops/compressed_attention.py; split_compression
+#   made it from compressed_attention): the compressor's kv / gate [T, W=1024] (overlap: Ca | Cb halves),
+#   bias [m=4, W], norm [Dc=512], the window's rows [T, 512]. One program a sequence (grid (B,)): its rows must
+#   pass through the slot's blocks in order (O(rows x W), small beside the readers a query token):
+#   0. the step's window rows into the paged cache swa at their slots;
+#   1. each row's (kv, gate + bias[p % m]) into row p % 8 of the sequence's slot of csa_buf
+#      (the partial block and the one before it); a row ending a block e = p // m writes entry e:
 #      softmax over the block's rows per channel of the gates, the weighted sum of the values, RMSNorm
-#      (cnorm, eps=1e-06), then RoPE of its last R=64 dims (interleaved) at position e m, into the compressed
-#      paged cache hca (one row per m tokens, in the page of the block's last token: 1 row(s) a page);
-#   3. each query at position p: one softmax with the head's sink over the window keys p - 128 < j <= p
-#      and the compressed entries (every e < (p + 1) // m), scores q . k * 0.04419417382415922,
-#      values = keys; fp32 throughout (online softmax over key blocks of 16).
+#      (norm, eps=1e-06), then RoPE of its last R=64 dims (interleaved) at position e m, into the compressed
+#      paged cache csa (one row per m tokens, in the page of the block's last token: 4 row(s) a page).
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
-def compressed_attention(q_ptr, kv_ptr, sink_ptr, ckv_ptr, cgate_ptr, cbias_ptr, cnorm_ptr, o_ptr,
-                         swa_ptr, ent_ptr, buf_ptr, seq_starts, context_lens, slot_mapping, block_tables,
-                         max_pages, state_slots,
-                         H: tl.constexpr, D: tl.constexpr, Wd: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr,
-                         PS: tl.constexpr, RPP: tl.constexpr, OVERLAP: tl.constexpr, HAS_INDEX: tl.constexpr,
-                         KIDX: tl.constexpr, WINDOW: tl.constexpr, SCALE: tl.constexpr, EPS: tl.constexpr,
-                         BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                         BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                         HALF: tl.constexpr, PASS: tl.constexpr, THETA: tl.constexpr, ROT: tl.constexpr, FACTOR: tl.constexpr, OLD_LEN: tl.constexpr, BETA_FAST: tl.constexpr, BETA_SLOW: tl.constexpr, PDL: tl.constexpr):
+def compress_write(ckv_ptr, cgate_ptr, cbias_ptr, cnorm_ptr, rows_ptr, swa_ptr, ent_ptr, buf_ptr,
+                   seq_starts, context_lens, slot_mapping, block_tables, max_pages, state_slots,
+                   D: tl.constexpr, Wd: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr, PS: tl.constexpr,
+                   RPP: tl.constexpr, OVERLAP: tl.constexpr, EPS: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, HALF: tl.constexpr,
+                   PASS: tl.constexpr, THETA: tl.constexpr, ROT: tl.constexpr, FACTOR: tl.constexpr, OLD_LEN: tl.constexpr, BETA_FAST: tl.constexpr, BETA_SLOW: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_launch_dependents()
     if PDL:
@@ -40,10 +34,10 @@ def compressed_attention(q_ptr, kv_ptr, sink_ptr, ckv_ptr, cgate_ptr, cbias_ptr,
     dm = d < D
     bt = block_tables + b.to(tl.int64) * max_pages
 
-    # 1. the window keys
+    # 0. the window's rows
     for i in range(n):
         s = tl.load(slot_mapping + start + i).to(tl.int64)
-        row = tl.load(kv_ptr + (start + i).to(tl.int64) * D + d, mask=dm, other=0.0)
+        row = tl.load(rows_ptr + (start + i).to(tl.int64) * D + d, mask=dm, other=0.0)
         sv = tl.zeros([BLOCK_D], tl.int64) + s                   # a tensor compare: the interpreter
         tl.store(swa_ptr + sv * D + d, row.to(swa_ptr.dtype.element_ty), mask=dm & (sv >= 0))   # mis-types scalar bools
 
@@ -106,7 +100,7 @@ def compressed_attention(q_ptr, kv_ptr, sink_ptr, ckv_ptr, cgate_ptr, cbias_ptr,
             ent = ent * tl.load(cnorm_ptr + d, mask=dm, other=0.0).to(tl.float32)
             last = e * M + M - 1
             page = tl.load(bt + last // PS).to(tl.int64)
-            erow = 0
+            erow = (last % PS) // M
             dst = ent_ptr + (page * RPP + erow) * D
             tl.store(dst + d, ent.to(ent_ptr.dtype.element_ty), mask=dm)
             tl.debug_barrier()
@@ -127,71 +121,19 @@ def compressed_attention(q_ptr, kv_ptr, sink_ptr, ckv_ptr, cgate_ptr, cbias_ptr,
             tl.store(dst + PASS + 2 * j[None, :], (x1[None, :] * cos - x2[None, :] * sin).to(ent_ptr.dtype.element_ty), mask=hm[None, :])
             tl.store(dst + PASS + 2 * j[None, :] + 1, (x2[None, :] * cos + x1[None, :] * sin).to(ent_ptr.dtype.element_ty), mask=hm[None, :])
             tl.debug_barrier()
-    # 3. attention: each query over its window and its compressed entries
-    hh = tl.arange(0, BLOCK_H)
-    hmask = hh < H
-    qm = hmask[:, None] & dm[None, :]
-    sink = tl.load(sink_ptr + hh, mask=hmask, other=0.0).to(tl.float32)
-    kn = tl.arange(0, BLOCK_N)
-    for i in range(n):
-        p = cached + i
-        t = (start + i).to(tl.int64)
-        q = tl.load(q_ptr + t * (H * D) + hh[:, None] * D + d[None, :], mask=qm, other=0.0).to(tl.float32)
-        m_i = sink
-        l_i = tl.zeros([BLOCK_H], tl.float32) + 1.0
-        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        # (not `lo`: the YaRN ramp inlined above names its float bound so, and Triton types a
-        # loop-carried name once; the interpreter does not check it)
-        w_lo = tl.maximum(p - WINDOW + 1, 0)
-        for k0 in range(w_lo, p + 1, BLOCK_N):
-            key = k0 + kn
-            km = key <= p
-            page = tl.load(bt + key // PS, mask=km, other=0).to(tl.int64)
-            kk = tl.load(swa_ptr + (page * PS + key % PS)[:, None] * D + d[None, :],
-                         mask=km[:, None] & dm[None, :], other=0.0).to(tl.float32)
-            s = tl.sum(q[:, None, :] * kk[None, :, :], axis=2) * SCALE
-            s = tl.where(km[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            pr = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(pr, axis=1)
-            acc = acc * alpha[:, None] + tl.sum(pr[:, :, None] * kk[None, :, :], axis=1)
-            m_i = m_new
-        nvis = (p + 1) // M
-        for e0 in range(0, nvis, BLOCK_N):
-            sel = e0 + kn
-            em = sel < nvis
-            last = sel.to(tl.int64) * M + M - 1
-            page = tl.load(bt + last // PS, mask=em, other=0).to(tl.int64)
-            erow = tl.zeros_like(last)
-            kk = tl.load(ent_ptr + ((page * RPP + erow) * D)[:, None] + d[None, :],
-                         mask=em[:, None] & dm[None, :], other=0.0).to(tl.float32)
-            s = tl.sum(q[:, None, :] * kk[None, :, :], axis=2) * SCALE
-            s = tl.where(em[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            pr = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(pr, axis=1)
-            acc = acc * alpha[:, None] + tl.sum(pr[:, :, None] * kk[None, :, :], axis=1)
-            m_i = m_new
-        out = acc / l_i[:, None]
-        tl.store(o_ptr + t * (H * D) + hh[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty), mask=qm)
 
 
 META = {
-    "entry": "compressed_attention",
+    "entry": "compress_write",
     "params": [
-        ["q_ptr", "*bf16", "in:0"],
-        ["kv_ptr", "*bf16", "in:1"],
-        ["sink_ptr", "*fp32", "in:2"],
-        ["ckv_ptr", "*bf16", "in:3"],
-        ["cgate_ptr", "*bf16", "in:4"],
-        ["cbias_ptr", "*fp32", "in:5"],
-        ["cnorm_ptr", "*bf16", "in:6"],
-        ["o_ptr", "*bf16", "out:0"],
+        ["ckv_ptr", "*bf16", "in:0"],
+        ["cgate_ptr", "*bf16", "in:1"],
+        ["cbias_ptr", "*fp32", "in:2"],
+        ["cnorm_ptr", "*bf16", "in:3"],
+        ["rows_ptr", "*bf16", "in:4"],
         ["swa_ptr", "*bf16", "cache:swa"],
-        ["ent_ptr", "*bf16", "cache:hca"],
-        ["buf_ptr", "*fp32", "cache:hca_buf"],
+        ["ent_ptr", "*bf16", "cache:csa"],
+        ["buf_ptr", "*fp32", "cache:csa_buf"],
         ["seq_starts", "*i32", "meta:seq_starts"],
         ["context_lens", "*i32", "meta:context_lens"],
         ["slot_mapping", "*i32", "meta:slot_mapping"],
@@ -199,11 +141,9 @@ META = {
         ["max_pages", "i32", "meta:max_pages"],
         ["state_slots", "*i32", "meta:state_slots"],
     ],
-    "constexprs": {"H": 64, "D": 512, "Wd": 512, "M": 128, "ROWS": 128, "PS": 16,
-                   "RPP": 1, "OVERLAP": False, "HAS_INDEX": False, "KIDX": 1,
-                   "WINDOW": 128, "SCALE": 0.04419417382415922, "EPS": 1e-06,
-                   "BLOCK_D": 512, "BLOCK_W": 512, "BLOCK_H": 64, "BLOCK_K": 1, "BLOCK_R": 128,
-                   "BLOCK_N": 16, "BLOCK_HALF": 32, "HALF": 32, "PASS": 448,
+    "constexprs": {"D": 512, "Wd": 1024, "M": 4, "ROWS": 8, "PS": 16, "RPP": 4,
+                   "OVERLAP": True, "EPS": 1e-06, "BLOCK_D": 512, "BLOCK_W": 1024,
+                   "BLOCK_R": 8, "BLOCK_HALF": 32, "HALF": 32, "PASS": 448,
                    "THETA": 160000.0, "ROT": 64, "FACTOR": 16.0, "OLD_LEN": 65536.0,
                    "BETA_FAST": 32.0, "BETA_SLOW": 1.0, "PDL": True},
     "pdl": True,
