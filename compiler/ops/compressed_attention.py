@@ -121,8 +121,9 @@ def _rms(x, w, eps):
     return np.asarray(w, np.float32) * (x / np.sqrt(np.mean(x * x, -1, keepdims=True) + np.float32(eps)))
 
 
-def compress(ctx, kv, gate, bias, norm, cache, rate, eps, theta, scaling, rotary_dim):
-    """Buffers the step's rows and writes every entry they complete (the module docstring)."""
+def compress(ctx, kv, gate, bias, norm, cache, rate, eps, theta, scaling, rotary_dim, carry=True):
+    """Writes every entry the step's rows complete (the module docstring) and, with carry, buffers
+    the rows in the slot (carry_rows: compress_carry's half, a launch after the entries')."""
     kv, gate = np.asarray(kv, np.float32), np.asarray(gate, np.float32)
     bias = np.asarray(bias, np.float32)
     m, width, dc = int(rate), kv.shape[1], np.asarray(norm).shape[0]
@@ -154,8 +155,23 @@ def compress(ctx, kv, gate, bias, norm, cache, rate, eps, theta, scaling, rotary
             entry = rotate_tail(entry[None, None], [e * m], theta, scaling, rotary_dim)[0, 0]
             page, row = cache_layout.entry_address(decl, ctx.page_size, ctx.meta.block_tables[b], e)
             entries[int(page), int(row)] = entry
-        buf[slot] = state
+        if carry:
+            buf[slot] = state
     return entries
+
+
+def carry_rows(ctx, kv, gate, bias, cache, rate):
+    """The step's rows (kv, gate + bias[p % m]) into row p % rows of their sequence's slot."""
+    kv, gate, bias = (np.asarray(a, np.float32) for a in (kv, gate, bias))
+    buf = ctx.cache(f"{cache}_buf")
+    rows, m = buf.shape[1], int(rate)
+    for b, start, n, cached in ctx.seqs:
+        slot = int(ctx.meta.state_slots[b])
+        state = np.array(buf[slot], np.float32) if cached > 0 else np.zeros(buf.shape[1:], np.float32)
+        for i in range(n):
+            p = cached + i
+            state[p % rows] = np.concatenate([kv[start + i], gate[start + i] + bias[p % m]])
+        buf[slot] = state
 
 
 def read_entries(ctx, cache, b, count, rate):
@@ -320,7 +336,7 @@ def compress_write_reference(ctx, kv, gate, bias, norm, rows=None, rate=None, ca
                              theta=None, scaling=None, rotary_dim=None, has_rows=False):
     if has_rows:
         write_rows(ctx, "swa", rows)
-    compress(ctx, kv, gate, bias, norm, cache, rate, eps, theta, scaling, rotary_dim)
+    compress(ctx, kv, gate, bias, norm, cache, rate, eps, theta, scaling, rotary_dim, carry=False)
 
 
 def _compress_write_caches(types, attrs):
@@ -335,8 +351,33 @@ op(name="compress_write", tensors=["kv", "gate", "bias", "norm"], optional=["row
           "rotary_dim": REQUIRED},
    infer=compress_write_infer, reference=compress_write_reference, caches=_compress_write_caches,
    templates={"triton": "compress_write"},
-   doc="DeepSeek-V4's compressor: the step's rows into the partial blocks (<cache>_buf), each "
-       "completed block's entry into <cache>; with rows, the window's rows into swa")
+   doc="DeepSeek-V4's compressor: each block the step's rows complete (its rows from the step or "
+       "from the partial blocks <cache>_buf) into <cache>; with rows, the window's rows into swa")
+
+
+def compress_carry_infer(types, attrs):
+    kv, gate, bias = types[:3]
+    expect(len(kv.shape) == 2 and kv.shape == gate.shape and tuple(bias.shape) == (attrs["rate"], kv.shape[1]),
+           f"compress_carry expects kv, gate [T, W] and bias [rate, W], got {kv}, {gate}, {bias}")
+    return [None]
+
+
+def _carry_caches(types, attrs):
+    """The partial blocks' slot, as compress_write declares it (overlap: the block before too)."""
+    width = int(types[0].shape[1])
+    rows = 2 * int(attrs["rate"]) if attrs.get("overlap") else int(attrs["rate"])
+    return {f"{attrs['cache']}_buf": {"kind": "slot", "shape": [rows, 2 * width], "dtype": "f32"}}
+
+
+# after compress_write, which reads the slot's rows of earlier steps: the step's rows overwrite
+# them (row p % rows), so they go in once every entry is written, a launch of their own
+op(name="compress_carry", tensors=["kv", "gate", "bias", "cache"], internal=True,
+   attrs={"rate": REQUIRED, "cache": REQUIRED, "overlap": REQUIRED},
+   infer=compress_carry_infer,
+   reference=lambda ctx, kv, gate, bias, marker, rate=None, cache=None, overlap=None:
+       carry_rows(ctx, kv, gate, bias, cache, rate),
+   caches=_carry_caches, templates={"triton": "compress_carry"},
+   doc="DeepSeek-V4's compressor: the step's rows into the partial blocks (<cache>_buf)")
 
 
 def _entries_cache(attrs, width):

@@ -1,11 +1,14 @@
-"""DeepSeek-V4's indexer_topk and compressed_attention -> compress_write then a cached reader
-(indexer_topk_cached, compressed_attention_cached): the generic lowering, as split_attention's.
+"""DeepSeek-V4's indexer_topk and compressed_attention -> compress_write, compress_carry, then a
+cached reader (indexer_topk_cached, compressed_attention_cached): the generic lowering, as
+split_attention's.
 
 Each query reads the compressed entries its own step completes, so in one launch the kernel had
 to compress a sequence's rows before any of its queries (one program a sequence, every query of
-a 1k prefill on one SM). Split, the compression (O(rows x width), in order through the slot's
-partial blocks) is a launch of its own, and the readers run a program a query token; the cache
-marker orders them. compressed_attention's compress_write also writes the window's rows (swa).
+a 1k prefill on one SM). Split, each launch is a program a token row: compress_write computes the
+entry of each block a row completes (its rows from the step's input, or from the slot's partial
+blocks for rows of earlier steps; compressed_attention's also writes the window's rows, swa),
+compress_carry then puts the step's rows into the slot (after: they overwrite the rows the
+entries read), and the readers run a program a query token. Cache markers order the three.
 """
 from ..ir import Node, Value
 
@@ -20,7 +23,13 @@ def _write(g, n, inputs):
         attrs["has_rows"] = True
     g.add_node(Node(g.new_node_id("compress_write"), "compress_write", inputs, [marker], attrs, n.line,
                     fused_from=[n.op]), before=n.id)
-    return marker
+    carried = g.fresh("cache")
+    g.add_value(Value(carried, "act", line=n.line))
+    overlap = g.values[inputs[0]].type.shape[1] == 2 * g.values[inputs[3]].type.shape[0]
+    g.add_node(Node(g.new_node_id("compress_carry"), "compress_carry", [*inputs[:3], marker], [carried],
+                    {"rate": attrs["rate"], "cache": attrs["cache"], "overlap": overlap}, n.line,
+                    fused_from=[n.op]), before=n.id)
+    return carried
 
 
 def _reader(g, n, op, inputs, attrs, name):

@@ -1,8 +1,9 @@
 """DeepSeek-V4's compressed attention kernels under the interpreter against the numpy references
 (themselves checked against transformers in tests/test_deepseek_v4_attention.py), as
 split_compression lowers the spec's ops: compress_write (codegen_templates/triton/compress_write.py.j2:
-the window's rows and the compressor, a program a sequence), then compressed_attention.py.j2 or
-indexer_topk.py.j2 (a program a query token) over the caches it wrote. Three steps over three
+the window's rows and each completed block's entry) and compress_carry (the step's rows into the
+slot's partial blocks), then compressed_attention.py.j2 or indexer_topk.py.j2 over the caches they
+wrote; all a program a token row. Three steps over three
 sequences (new ones, then continuations over cached tokens: the slot's partial block and the CSA
 overlap carried across), head counts and dims not powers of two, pages of 8 against blocks of 4
 (two entries a page) and 16 (an entry every other page), the indexer's choices with -1 holes.
@@ -55,12 +56,23 @@ def _render(template, op, types, out, attrs, decl, tune=None):
 
 
 def _writer(types, attrs, rows):
-    """compress_write's kernel for the compressor inputs types[:4] (and the window's rows)."""
+    """compress_write's and compress_carry's kernels for the compressor inputs types[:4] (and the
+    window's rows), and a run of both over a step's bindings."""
     wattrs = {a: attrs[a] for a in ("rate", "cache", "eps", "theta", "scaling", "rotary_dim")}
     if rows:
         wattrs["has_rows"] = True
     decl = _caches(REGISTRY["compress_write"], types, wattrs)
-    return _render("compress_write", "compress_write", types, None, wattrs, decl), decl
+    write = _render("compress_write", "compress_write", types, None, wattrs, decl)
+    cattrs = {"rate": attrs["rate"], "cache": attrs["cache"], "overlap": types[0].shape[1] == 2 * types[3].shape[0]}
+    ctypes = types[:3] + [None]
+    cdecl = _caches(REGISTRY["compress_carry"], ctypes, cattrs)
+    assert all(decl[n] == c for n, c in cdecl.items())          # the slot as the writer declares it
+    carry = _render("compress_carry", "compress_carry", ctypes, None, cattrs, cdecl)
+
+    def launch(bind, dims):
+        run(write, bind, dims)
+        run(carry, {k: v for k, v in bind.items() if k not in ("in:3", "in:4")}, dims)
+    return launch, decl
 
 
 def _check_caches(decl, before, pages, ctx):
@@ -121,7 +133,7 @@ def test_compressed_attention_kernel(rate, overlap, topk):
         out = torch.full((T, H, D), float("nan"))
         t_ = lambda a: torch.from_numpy(np.ascontiguousarray(a))    # noqa: E731
         caches = {f"cache:{n}": before[(n, 0)] for n in decl}
-        run(writer, {"in:0": t_(ckv), "in:1": t_(cgate), "in:2": t_(bias), "in:3": t_(norm), "in:4": t_(kv),
+        writer({"in:0": t_(ckv), "in:1": t_(cgate), "in:2": t_(bias), "in:3": t_(norm), "in:4": t_(kv),
                      **caches, **_meta(ctx)}, {"T": T, "B": ctx.B})
         bind = {"in:0": t_(q), "in:2": t_(sinks), "out:0": out, **caches, **_meta(ctx)}
         if topk:
@@ -152,7 +164,7 @@ def _run_indexer(op, attrs, decl, writer, reader, pages, ctx, args):
     out = torch.full((ctx.T, attrs["topk"]), -7777, dtype=torch.int32)
     t_ = lambda a: torch.from_numpy(np.ascontiguousarray(a))    # noqa: E731
     caches = {f"cache:{n}": before[(n, 0)] for n in decl}
-    run(writer, {f"in:{i}": t_(a) for i, a in enumerate(args[2:6])} | caches | _meta(ctx), {"T": ctx.T, "B": ctx.B})
+    writer({f"in:{i}": t_(a) for i, a in enumerate(args[2:6])} | caches | _meta(ctx), {"T": ctx.T, "B": ctx.B})
     run(reader, {"in:0": t_(args[0]), "in:1": t_(args[1]), "out:0": out, **caches, **_meta(ctx)},
         {"T": ctx.T, "B": ctx.B})
     _check_caches(decl, before, pages, ctx)

@@ -1,12 +1,12 @@
 # compressed_attention (DeepSeek-V4, compiler/ops/compressed_attention.py, whose docstring is the math;
 #   split_compression made it, after compress_write wrote the window's rows into swa and the entries into
-#   hca): q [T, H=64, D=512] (shared-KV MQA: one K = V head), sinks [H] f32.
+#   csa): q [T, H=64, D=512] (shared-KV MQA: one K = V head), sinks [H] f32, index [T, K=512] i32.
 # A program a query token and BLOCK_H=16 of its heads (grid (T, 4)): the heads share every key, so
 #   q [BLOCK_H, D] x keys^T [D, BLOCK_N=32] and p [BLOCK_H, BLOCK_N] x keys [BLOCK_N, D] are tensor-core
 #   MMAs. Its sequence b is the number of sequences ending at or before its row, its position
 #   p = context_lens[b] - (seq_starts[b + 1] - t). One softmax, online over key blocks, with the head's
 #   sink logit (no value) over the window keys p - 128 < j <= p (paged cache swa) and the compressed
-#   entries (every e < (p + 1) // m; one row per m=128 tokens, in the page of the block's
+#   entries (those index[t] names (>= 0); one row per m=4 tokens, in the page of the block's
 #   last token), scores q . k * 0.04419417382415922, fp32 accumulation.
 # Why head blocks and not all H in one program: the accumulator is [heads, D] fp32, 128 KiB at
 #   DeepSeek-V4-Flash's 64 x 512, past one program's registers; at 16 heads it is 32 KiB, and the
@@ -21,7 +21,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
-def compressed_attention(q_ptr, sink_ptr, o_ptr, swa_ptr, ent_ptr, seq_starts,
+def compressed_attention(q_ptr, sink_ptr, idx_ptr, o_ptr, swa_ptr, ent_ptr, seq_starts,
                          context_lens, block_tables, max_pages, B,
                          H: tl.constexpr, D: tl.constexpr, M: tl.constexpr, PS: tl.constexpr, RPP: tl.constexpr,
                          HAS_INDEX: tl.constexpr, KIDX: tl.constexpr, WINDOW: tl.constexpr, SCALE: tl.constexpr,
@@ -33,7 +33,6 @@ def compressed_attention(q_ptr, sink_ptr, o_ptr, swa_ptr, ent_ptr, seq_starts,
         gdc_wait()   # earlier kernels' writes are visible from here on
     t = tl.program_id(0)
     h0 = tl.program_id(1) * BLOCK_H
-    # the token's sequence: how many sequences end at or before row t
     b = t * 0
     for c in range(0, B, BLOCK_B):
         bi = c + tl.arange(0, BLOCK_B)
@@ -41,8 +40,10 @@ def compressed_attention(q_ptr, sink_ptr, o_ptr, swa_ptr, ent_ptr, seq_starts,
         b += tl.sum((ends <= t).to(tl.int32), 0)
     if b >= B:                                   # a padding row past the step's sequences
         return
-    end = tl.load(seq_starts + b + 1)
-    p = tl.load(context_lens + b) - (end - t)    # cached + i
+    start = tl.load(seq_starts + b)
+    L = tl.load(context_lens + b)
+    cached = L - (tl.load(seq_starts + b + 1) - start)
+    p = cached + (t - start)
     t64 = t.to(tl.int64)
     bt = block_tables + b.to(tl.int64) * max_pages
 
@@ -62,8 +63,7 @@ def compressed_attention(q_ptr, sink_ptr, o_ptr, swa_ptr, ent_ptr, seq_starts,
     # the window keys, then the compressed entries: one online softmax
     w_lo = tl.maximum(p - WINDOW + 1, 0)
     n_win = tl.cdiv(p + 1 - w_lo, BLOCK_N)
-    nvis = (p + 1) // M
-    n_ent = tl.cdiv(nvis, BLOCK_N)
+    n_ent = tl.cdiv(KIDX, BLOCK_N)
     for blk in range(0, n_win + n_ent):
         if blk < n_win:
             key = w_lo + blk * BLOCK_N + kn
@@ -73,11 +73,11 @@ def compressed_attention(q_ptr, sink_ptr, o_ptr, swa_ptr, ent_ptr, seq_starts,
             base = swa_ptr
         else:
             e0 = (blk - n_win) * BLOCK_N
-            sel = e0 + kn
-            km = sel < nvis
+            sel = tl.load(idx_ptr + t64 * KIDX + e0 + kn, mask=e0 + kn < KIDX, other=-1)
+            km = sel >= 0
             last = sel.to(tl.int64) * M + M - 1
             page = tl.load(bt + last // PS, mask=km, other=0).to(tl.int64)
-            row = page * RPP
+            row = page * RPP + (last % PS) // M
             base = ent_ptr
         kk = tl.load(base + (row * D)[:, None] + d[None, :], mask=km[:, None] & dm[None, :], other=0.0)
         if DOT_F32:
@@ -99,17 +99,18 @@ META = {
     "params": [
         ["q_ptr", "*bf16", "in:0"],
         ["sink_ptr", "*fp32", "in:2"],
+        ["idx_ptr", "*i32", "in:3"],
         ["o_ptr", "*bf16", "out:0"],
         ["swa_ptr", "*bf16", "cache:swa"],
-        ["ent_ptr", "*bf16", "cache:hca"],
+        ["ent_ptr", "*bf16", "cache:csa"],
         ["seq_starts", "*i32", "meta:seq_starts"],
         ["context_lens", "*i32", "meta:context_lens"],
         ["block_tables", "*i32", "meta:block_tables"],
         ["max_pages", "i32", "meta:max_pages"],
         ["B", "i32", "dim:B"],
     ],
-    "constexprs": {"H": 64, "D": 512, "M": 128, "PS": 16, "RPP": 1,
-                   "HAS_INDEX": False, "KIDX": 1, "WINDOW": 128, "SCALE": 0.04419417382415922,
+    "constexprs": {"H": 64, "D": 512, "M": 4, "PS": 16, "RPP": 4,
+                   "HAS_INDEX": True, "KIDX": 512, "WINDOW": 128, "SCALE": 0.04419417382415922,
                    "BLOCK_D": 512, "BLOCK_H": 16, "BLOCK_N": 32, "BLOCK_B": 64,
                    "DOT_F32": False, "PDL": True},
     "pdl": True,

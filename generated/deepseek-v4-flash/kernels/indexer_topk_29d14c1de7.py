@@ -29,7 +29,6 @@ def indexer_topk(q_ptr, w_ptr, o_ptr, ent_ptr, seq_starts, context_lens, block_t
     if PDL:
         gdc_wait()   # earlier kernels' writes are visible from here on
     t = tl.program_id(0)
-    # the token's sequence: how many sequences end at or before row t
     b = t * 0
     for c in range(0, B, BLOCK_B):
         bi = c + tl.arange(0, BLOCK_B)
@@ -37,8 +36,10 @@ def indexer_topk(q_ptr, w_ptr, o_ptr, ent_ptr, seq_starts, context_lens, block_t
         b += tl.sum((ends <= t).to(tl.int32), 0)
     if b >= B:                                   # a padding row past the step's sequences
         return
-    end = tl.load(seq_starts + b + 1)
-    p = tl.load(context_lens + b) - (end - t)    # cached + i
+    start = tl.load(seq_starts + b)
+    L = tl.load(context_lens + b)
+    cached = L - (tl.load(seq_starts + b + 1) - start)
+    p = cached + (t - start)
     nvis = (p + 1) // M
     t64 = t.to(tl.int64)
     bt = block_tables + b.to(tl.int64) * max_pages
