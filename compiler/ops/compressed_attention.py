@@ -41,11 +41,13 @@ compressed_attention(q[T, H, D], kv[T, D], sinks[H], ckv[T, W], cgate[T, W], cbi
 Both spec ops lower (compiler/passes/split_compression.py) to a writer and a reader, so that no
 kernel has to compress a sequence's rows before its own queries read them:
     compress_write(kv, gate, bias, norm, rows optional, rate, cache, ...) -> cache marker
-        the compression above into `<cache>` / `<cache>_buf` (and, with rows, the window's rows
-        into `swa`): a program a sequence;
+        the entries above into `<cache>`, each block's rows from the step or, for rows of earlier
+        steps, from `<cache>_buf` (and, with rows, the window's rows into `swa`);
+    compress_carry(kv, gate, bias, marker, rate, cache, overlap) -> cache marker
+        the step's rows into `<cache>_buf` (after compress_write: they overwrite what it reads);
     indexer_topk_cached(q, w, marker, rate, topk, cache) -> [T, topk] i32
     compressed_attention_cached(q, marker, sinks, index optional, rate, window, scale, cache)
-        the scoring / attention above over the caches the writer filled: a program a query token.
+        the scoring / attention above over the caches the writer filled; each a program a token row.
 """
 import numpy as np
 
