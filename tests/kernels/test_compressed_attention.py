@@ -62,7 +62,7 @@ def _writer(types, attrs, rows):
     if rows:
         wattrs["has_rows"] = True
     decl = _caches(REGISTRY["compress_write"], types, wattrs)
-    write = _render("compress_write", "compress_write", types, None, wattrs, decl)
+    write = _render("compress_write", "compress_write", types, None, wattrs, decl, tune={"BLOCK_C": 8})   # 4 chunks of 24 + pad
     cattrs = {"rate": attrs["rate"], "cache": attrs["cache"], "overlap": types[0].shape[1] == 2 * types[3].shape[0]}
     ctypes = types[:3] + [None]
     cdecl = _caches(REGISTRY["compress_carry"], ctypes, cattrs)

@@ -1,14 +1,14 @@
 # compress_write (DeepSeek-V4's compressor, compiler/ops/compressed_attention.py; split_compression
-#   made it from compressed_attention): the compressor's kv / gate [T, W=512] (one series),
-#   bias [m=128, W], norm [Dc=512], the window's rows [T, 512]. A program a token row (grid (T,)):
+#   made it from compressed_attention): the compressor's kv / gate [T, W=1024] (overlap: Ca | Cb halves),
+#   bias [m=4, W], norm [Dc=512], the window's rows [T, 512]. A program a token row (grid (T,)):
 #   its window row into the paged cache swa at its slot; then,
 #   where its position p completes block e = p // m (p % m == m - 1), entry e: per channel, the
-#   softmax over the block's rows of gate + bias[q % m], the weighted
+#   softmax over the block's rows (and the first halves of the block before: overlap) of gate + bias[q % m], the weighted
 #   sum of the kv values, RMSNorm (norm, eps=1e-06), RoPE of its last R=64 dims (interleaved) at
-#   position e m, into the compressed paged cache hca (one row per m tokens, in the page of the
-#   block's last token: 1 row(s) a page). The rows of earlier steps come from the slot hca_buf
-#   (128 rows); compress_carry writes this step's there after this launch. Work: 128 x 512 a block, all
-#   blocks at once (a 32k prefill: 256 programs with an entry).
+#   position e m, into the compressed paged cache csa (one row per m tokens, in the page of the
+#   block's last token: 4 row(s) a page). The rows of earlier steps come from the slot csa_buf
+#   (8 rows); compress_carry writes this step's there after this launch. Work: 8 x 512 a block, all
+#   blocks at once (a 32k prefill: 8192 programs with an entry).
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -19,7 +19,7 @@ def compress_write(ckv_ptr, cgate_ptr, cbias_ptr, cnorm_ptr, rows_ptr, swa_ptr, 
                    seq_starts, context_lens, slot_mapping, block_tables, max_pages, state_slots, B,
                    D: tl.constexpr, Wd: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr, PS: tl.constexpr,
                    RPP: tl.constexpr, OVERLAP: tl.constexpr, EPS: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_HALF: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr,
                    BLOCK_B: tl.constexpr, THETA: tl.constexpr, ROT: tl.constexpr, FACTOR: tl.constexpr, OLD_LEN: tl.constexpr, BETA_FAST: tl.constexpr, BETA_SLOW: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_launch_dependents()
@@ -79,28 +79,51 @@ def compress_write(ckv_ptr, cgate_ptr, cbias_ptr, cnorm_ptr, rows_ptr, swa_ptr, 
         tok = e * M + rr
         ok = rr < M
         col = tl.zeros([BLOCK_R], tl.int32)
-    cols = col[:, None] + d[None, :]
-    m2 = ok[:, None] & dm[None, :]
-    new = (tok >= cached)[:, None] & m2                          # this step's rows: the input
-    old = (tok < cached)[:, None] & m2                           # earlier steps': the slot
-    src = (start + tok - cached).to(tl.int64)[:, None] * Wd + cols
-    held = buf_ptr + slot * (ROWS * 2 * Wd) + ((tok % ROWS) * (2 * Wd))[:, None] + cols
-    vals = tl.load(ckv_ptr + src, mask=new, other=0.0).to(tl.float32) + tl.load(held, mask=old, other=0.0)
-    gates = (tl.load(cgate_ptr + src, mask=new, other=0.0).to(tl.float32)
-             + tl.load(cbias_ptr + (tok % M)[:, None] * Wd + cols, mask=new, other=0.0).to(tl.float32)
-             + tl.load(held + Wd, mask=old, other=0.0))
-    gates = tl.where(m2, gates, float("-inf"))
-    mx = tl.max(gates, axis=0)
-    pr = tl.exp(gates - mx[None, :])
-    pr = tl.where(m2, pr, 0.0)
-    ent = tl.sum(pr * vals, axis=0) / tl.sum(pr, axis=0)
-    ent = tl.where(dm, ent, 0.0)
-    ent = ent / tl.sqrt(tl.sum(ent * ent, axis=0) / D + EPS)
-    ent = ent * tl.load(cnorm_ptr + d, mask=dm, other=0.0).to(tl.float32)
+    held = buf_ptr + slot * (ROWS * 2 * Wd) + (tok % ROWS) * (2 * Wd)
+    src = (start + tok - cached).to(tl.int64) * Wd
+    # channels BLOCK_C at a time (the softmax runs over rows, per channel): an HCA block is 128
+    # rows of 512, past the registers as one tile; the RMSNorm needs every channel's value, so a
+    # first pass sums the squares and a second recomputes each chunk and stores it normalized
+    ss = tl.zeros([BLOCK_C], tl.float32)
+    for c0 in range(0, BLOCK_D, BLOCK_C):
+        dc = c0 + tl.arange(0, BLOCK_C)
+        dcm = dc < D
+        cols = col[:, None] + dc[None, :]
+        m2 = ok[:, None] & dcm[None, :]
+        new = (tok >= cached)[:, None] & m2                      # this step's rows: the input
+        old = (tok < cached)[:, None] & m2                       # earlier steps': the slot
+        vals = (tl.load(ckv_ptr + src[:, None] + cols, mask=new, other=0.0).to(tl.float32)
+                + tl.load(held[:, None] + cols, mask=old, other=0.0))
+        gates = (tl.load(cgate_ptr + src[:, None] + cols, mask=new, other=0.0).to(tl.float32)
+                 + tl.load(cbias_ptr + (tok % M)[:, None] * Wd + cols, mask=new, other=0.0).to(tl.float32)
+                 + tl.load(held[:, None] + Wd + cols, mask=old, other=0.0))
+        gates = tl.where(m2, gates, float("-inf"))
+        pr = tl.exp(gates - tl.max(gates, axis=0)[None, :])
+        pr = tl.where(m2, pr, 0.0)
+        ent = tl.where(dcm, tl.sum(pr * vals, axis=0) / tl.sum(pr, axis=0), 0.0)
+        ss += ent * ent
+    rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / D + EPS)
     page = tl.load(bt + p // PS).to(tl.int64)                   # the page of the block's last token
-    erow = 0
+    erow = (p % PS) // M
     dst = ent_ptr + (page * RPP + erow) * D
-    tl.store(dst + d, ent.to(ent_ptr.dtype.element_ty), mask=dm)
+    for c0 in range(0, BLOCK_D, BLOCK_C):
+        dc = c0 + tl.arange(0, BLOCK_C)
+        dcm = dc < D
+        cols = col[:, None] + dc[None, :]
+        m2 = ok[:, None] & dcm[None, :]
+        new = (tok >= cached)[:, None] & m2                      # this step's rows: the input
+        old = (tok < cached)[:, None] & m2                       # earlier steps': the slot
+        vals = (tl.load(ckv_ptr + src[:, None] + cols, mask=new, other=0.0).to(tl.float32)
+                + tl.load(held[:, None] + cols, mask=old, other=0.0))
+        gates = (tl.load(cgate_ptr + src[:, None] + cols, mask=new, other=0.0).to(tl.float32)
+                 + tl.load(cbias_ptr + (tok % M)[:, None] * Wd + cols, mask=new, other=0.0).to(tl.float32)
+                 + tl.load(held[:, None] + Wd + cols, mask=old, other=0.0))
+        gates = tl.where(m2, gates, float("-inf"))
+        pr = tl.exp(gates - tl.max(gates, axis=0)[None, :])
+        pr = tl.where(m2, pr, 0.0)
+        ent = tl.where(dcm, tl.sum(pr * vals, axis=0) / tl.sum(pr, axis=0), 0.0)
+        ent = ent * rstd * tl.load(cnorm_ptr + dc, mask=dcm, other=0.0).to(tl.float32)
+        tl.store(dst + dc, ent.to(ent_ptr.dtype.element_ty), mask=dcm)
     tl.debug_barrier()
     # RoPE of the last R dims at the block's first position (the pairs re-read from the entry)
     pos = (e * M).to(tl.float32)
@@ -129,8 +152,8 @@ META = {
         ["cnorm_ptr", "*bf16", "in:3"],
         ["rows_ptr", "*bf16", "in:4"],
         ["swa_ptr", "*bf16", "cache:swa"],
-        ["ent_ptr", "*bf16", "cache:hca"],
-        ["buf_ptr", "*fp32", "cache:hca_buf"],
+        ["ent_ptr", "*bf16", "cache:csa"],
+        ["buf_ptr", "*fp32", "cache:csa_buf"],
         ["seq_starts", "*i32", "meta:seq_starts"],
         ["context_lens", "*i32", "meta:context_lens"],
         ["slot_mapping", "*i32", "meta:slot_mapping"],
@@ -139,9 +162,9 @@ META = {
         ["state_slots", "*i32", "meta:state_slots"],
         ["B", "i32", "dim:B"],
     ],
-    "constexprs": {"D": 512, "Wd": 512, "M": 128, "ROWS": 128, "PS": 16, "RPP": 1,
-                   "OVERLAP": False, "EPS": 1e-06, "BLOCK_D": 512, "BLOCK_R": 128,
-                   "BLOCK_HALF": 32, "HALF": 32, "PASS": 448, "BLOCK_B": 64,
+    "constexprs": {"D": 512, "Wd": 1024, "M": 4, "ROWS": 8, "PS": 16, "RPP": 4,
+                   "OVERLAP": True, "EPS": 1e-06, "BLOCK_D": 512, "BLOCK_R": 8,
+                   "BLOCK_C": 512, "BLOCK_HALF": 32, "HALF": 32, "PASS": 448, "BLOCK_B": 64,
                    "THETA": 160000.0, "ROT": 64, "FACTOR": 16.0, "OLD_LEN": 65536.0,
                    "BETA_FAST": 32.0, "BETA_SLOW": 1.0, "PDL": True},
     "pdl": True,
