@@ -10,7 +10,8 @@
 #   flipped; -0 counted as +0) in the high half, 2^31 - 1 - e in the low half, so a descending sort is
 #   (score descending, index ascending), the reference's order. Padding sorts last (the int64 minimum)
 #   and comes out as -1 past the visible count. A block whose best key is below the running KB-th is
-#   skipped (no sort).
+#   skipped (no sort). (tl.join / reshape / permute / split and tl.sort of int64 run under the interpreter
+#   as compiled: tests/kernels/test_compressed_attention.py checks the order, ties included.)
 #   Work: a query scores each visible entry once (Hi x Di MACs: 8 k at 64 x 128) and sorts 2 KB keys
 #   a block; one program a query reads the whole key cache of its sequence (decode at 32k: 8192 keys,
 #   2 MiB of bf16, on one SM: a split over entries would spread a batch-1 decode, not done).
