@@ -13,8 +13,8 @@ Three figures a token of context, every layer:
     same width), i.e. the layout of full attention over every token with no compression;
   - read by a batch-1 decode step at a context of n tokens (read_bytes): a cache read by a
     launch with a window W, min(n, W) rows; the compressed entries of an indexed attention
-    (compressed_attention with has_index), min(n / m, top-k) of them, k from the same layer's
-    indexer_topk; every other paged cache all its n / m rows. bench/active_floor.py takes its
+    (compressed_attention_cached with has_index), min(n / m, top-k) of them, k from the same
+    layer's indexer_topk_cached; every other paged cache all its n / m rows. bench/active_floor.py takes its
     cache term from here.
 The slot caches (a compressed cache's partial block, a recurrent state) are bytes a sequence,
 reported apart (caches.slot_bytes).
@@ -33,6 +33,11 @@ def _row_bytes(c: dict) -> int:
     return caches.unit_elems(c) * DTYPE_BYTES[c["dtype"]]
 
 
+# the launches' op names: split_compression's readers (a plan from before it, the spec ops)
+INDEXERS = ("indexer_topk_cached", "indexer_topk")
+INDEXED = ("compressed_attention_cached", "compressed_attention")
+
+
 def read_bounds(plan: dict) -> dict:
     """{(cache, layer): the most rows a decode step reads of it} for the caches the decode
     program's launches bound: a window (attention_cached, compressed_attention's sliding branch)
@@ -41,7 +46,7 @@ def read_bounds(plan: dict) -> dict:
     launches = list(unrolled(plan["programs"]["decode"]))
     for launch, layer in launches:
         a = launch.get("attrs", {})
-        if launch["op"] == "indexer_topk":
+        if launch["op"] in INDEXERS:
             topk[layer] = int(a["topk"])
     for launch, layer in launches:
         a = launch.get("attrs", {})
@@ -51,7 +56,7 @@ def read_bounds(plan: dict) -> dict:
                 continue
             if c.get("every", 1) == 1 and a.get("window"):
                 bound[(name, layer)] = int(a["window"])
-            elif launch["op"] == "compressed_attention" and a.get("has_index") and name == a.get("cache"):
+            elif launch["op"] in INDEXED and a.get("has_index") and name == a.get("cache"):
                 if layer not in topk:
                     raise ValueError(f"layer {layer}: an indexed compressed_attention but no indexer_topk "
                                      f"launch to say how many of '{name}' it reads")

@@ -31,12 +31,15 @@ from .passes.row_logits import row_logits
 from .passes.select_kernels import select_kernels
 from .passes.shard_ranks import shard_ranks
 from .passes.split_attention import split_attention
+from .passes.split_compression import split_compression
 from .spec import Spec
 from .state import CompileState
 
 PIPELINE = [
     ("infer_types", infer_types),                  # shapes and dtypes of every value
     ("split_attention", split_attention),          # attention -> KV-cache write + cached attention
+    ("split_compression", split_compression),      # DeepSeek-V4: compressor write + cached indexer /
+                                                   # attention (a program a query token)
     ("capture_hidden", capture_hidden),            # a speculation head's target hidden states as
                                                    # the output aux_hidden (no-op without one)
     ("shard_ranks", shard_ranks),                  # --tensor-parallel-size / --enable-expert-parallel:
@@ -76,7 +79,7 @@ FUSIONS = {"fold_shared_experts", "fuse_weights", "rotate_residual", "fuse_add_r
            "fuse_linear_epilogue", "fuse_linear_prologue", "fuse_lm_head", "fuse_route_align",
            "act_codes", "merge_lora", "merge_prologues", "merge_epilogues"}
 # (merge_prologues rewrites no node; its dropped in-place aliases would come back with the types)
-REWRITES = FUSIONS - {"merge_prologues", "merge_lora", "merge_epilogues"} | {"split_attention", "shard_ranks", "lower_experts",
+REWRITES = FUSIONS - {"merge_prologues", "merge_lora", "merge_epilogues"} | {"split_attention", "split_compression", "shard_ranks", "lower_experts",
                                             "quantize_weights", "eliminate_dead", "materialize_views",
                                             "add_lora", "capture_hidden"}
 

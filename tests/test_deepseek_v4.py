@@ -137,7 +137,7 @@ def test_interpreted_kernels_equal_the_reference(model, fuse, tmp_path):
     plan["_dir"] = str(out)
     weights = load_weights(plan, Checkpoint(d))
     ops = {l["op"] for k in plan["programs"]["prefill"] if "repeat" in k for ls in k["kinds"].values() for l in ls}
-    assert {"compressed_attention", "indexer_topk", "rope_tail"} <= ops
+    assert {"compress_write", "compressed_attention_cached", "indexer_topk_cached", "rope_tail"} <= ops
     cut = 37
     ex, ref = InterpExecutor(plan, weights, page_size=16), ReferenceExecutor(plan, weights)
     for chunk in (Chunk(0, prompt[:cut], 0), Chunk(0, prompt[cut:], cut)):

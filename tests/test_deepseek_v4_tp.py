@@ -165,8 +165,8 @@ def test_attention_cached_walks_the_query_alone_over_one_kv_head():
 
 
 def test_compressed_attention_splits_the_query_and_its_sinks():
-    r = rule("compressed_attention")
-    node = _node("compressed_attention", 8, has_index=True)
+    r = rule("compressed_attention_cached")              # split_compression's reader (q, marker, sinks, index)
+    node = _node("compressed_attention_cached", 4, has_index=True)
     assert r.attention and r.walked(node) == [0] and r.cut(node) == {2: 0}
 
 

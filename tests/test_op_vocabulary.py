@@ -8,7 +8,8 @@ from infc.compiler.ops import REGISTRY
 from infc.compiler.passes.select_kernels import PHASES
 
 # op -> the required pass that rewrites it into ops that have kernels
-LOWERED = {"attention": "split_attention", "moe_experts": "lower_experts"}
+LOWERED = {"attention": "split_attention", "moe_experts": "lower_experts",
+           "compressed_attention": "split_compression", "indexer_topk": "split_compression"}
 
 
 @pytest.mark.parametrize("name", sorted(REGISTRY))

@@ -37,6 +37,17 @@ compressed_attention(q[T, H, D], kv[T, D], sinks[H], ckv[T, W], cgate[T, W], cbi
     softmax with the head's sink logit (weighing no value), over
       the window keys j with p - window < j <= p (scores q . kv_j * scale), and
       the compressed entries: with index, those of index[i] >= 0; without, every e < (p + 1) // m.
+
+Both spec ops lower (compiler/passes/split_compression.py) to a writer and a reader, so that no
+kernel has to compress a sequence's rows before its own queries read them:
+    compress_write(kv, gate, bias, norm, rows optional, rate, cache, ...) -> cache marker
+        the entries above into `<cache>`, each block's rows from the step or, for rows of earlier
+        steps, from `<cache>_buf` (and, with rows, the window's rows into `swa`);
+    compress_carry(kv, gate, bias, marker, rate, cache, overlap) -> cache marker
+        the step's rows into `<cache>_buf` (after compress_write: they overwrite what it reads);
+    indexer_topk_cached(q, w, marker, rate, topk, cache) -> [T, topk] i32
+    compressed_attention_cached(q, marker, sinks, index optional, rate, window, scale, cache)
+        the scoring / attention above over the caches the writer filled; each a program a token row.
 """
 import numpy as np
 
@@ -112,8 +123,9 @@ def _rms(x, w, eps):
     return np.asarray(w, np.float32) * (x / np.sqrt(np.mean(x * x, -1, keepdims=True) + np.float32(eps)))
 
 
-def compress(ctx, kv, gate, bias, norm, cache, rate, eps, theta, scaling, rotary_dim):
-    """Buffers the step's rows and writes every entry they complete (the module docstring)."""
+def compress(ctx, kv, gate, bias, norm, cache, rate, eps, theta, scaling, rotary_dim, carry=True):
+    """Writes every entry the step's rows complete (the module docstring) and, with carry, buffers
+    the rows in the slot (carry_rows: compress_carry's half, a launch after the entries')."""
     kv, gate = np.asarray(kv, np.float32), np.asarray(gate, np.float32)
     bias = np.asarray(bias, np.float32)
     m, width, dc = int(rate), kv.shape[1], np.asarray(norm).shape[0]
@@ -145,8 +157,23 @@ def compress(ctx, kv, gate, bias, norm, cache, rate, eps, theta, scaling, rotary
             entry = rotate_tail(entry[None, None], [e * m], theta, scaling, rotary_dim)[0, 0]
             page, row = cache_layout.entry_address(decl, ctx.page_size, ctx.meta.block_tables[b], e)
             entries[int(page), int(row)] = entry
-        buf[slot] = state
+        if carry:
+            buf[slot] = state
     return entries
+
+
+def carry_rows(ctx, kv, gate, bias, cache, rate):
+    """The step's rows (kv, gate + bias[p % m]) into row p % rows of their sequence's slot."""
+    kv, gate, bias = (np.asarray(a, np.float32) for a in (kv, gate, bias))
+    buf = ctx.cache(f"{cache}_buf")
+    rows, m = buf.shape[1], int(rate)
+    for b, start, n, cached in ctx.seqs:
+        slot = int(ctx.meta.state_slots[b])
+        state = np.array(buf[slot], np.float32) if cached > 0 else np.zeros(buf.shape[1:], np.float32)
+        for i in range(n):
+            p = cached + i
+            state[p % rows] = np.concatenate([kv[start + i], gate[start + i] + bias[p % m]])
+        buf[slot] = state
 
 
 def read_entries(ctx, cache, b, count, rate):
@@ -188,6 +215,11 @@ def indexer_infer(types, attrs):
 def indexer_reference(ctx, q, w, kv, gate, bias, norm, rate, topk, cache="ikv", eps=1e-6, theta=None,
                       scaling=None, rotary_dim=None):
     compress(ctx, kv, gate, bias, norm, cache, rate, eps, theta, scaling, rotary_dim)
+    return score_topk(ctx, q, w, cache, rate, topk)
+
+
+def score_topk(ctx, q, w, cache, rate, topk):
+    """Each query's top-k of the compressed keys in cache `cache` (the op's docstring)."""
     q, w = np.asarray(q, np.float32), np.asarray(w, np.float32)
     hi, di = q.shape[1:]
     out = np.full((q.shape[0], topk), -1, np.int32)
@@ -211,8 +243,7 @@ op(name="indexer_topk", tensors=["q", "w", "kv", "gate", "bias", "norm"],
    infer=indexer_infer, reference=indexer_reference,
    caches=lambda types, attrs: _compressed_caches(attrs["cache"], attrs["rate"], types[2].shape[1],
                                                   types[5].shape[0]),
-   # a correctness kernel: K passes over the visible keys a query (one program a sequence)
-   templates={"triton": "indexer_topk"},
+   templates={},   # no kernel of its own: split_compression lowers it to compress_write + indexer_topk_cached
    doc="DeepSeek-V4 lightning indexer: compresses its keys (cache <cache>), returns each query's "
        "top-k visible compressed entries (-1 past the visible ones)")
 
@@ -243,6 +274,12 @@ def attention_reference(ctx, q, kv, sinks, ckv, cgate, cbias, cnorm, index=None,
                         has_index=False):
     write_rows(ctx, "swa", kv)
     compress(ctx, ckv, cgate, cbias, cnorm, cache, rate, eps, theta, scaling, rotary_dim)
+    return attend_compressed(ctx, q, sinks, index if has_index else None, rate, window, scale, cache)
+
+
+def attend_compressed(ctx, q, sinks, index, rate, window, scale, cache):
+    """Each query over its window (cache swa) and its compressed entries (cache `cache`): the chosen
+    ones where index is given, else every visible one (the op's docstring)."""
     q = np.asarray(q, np.float32)
     T, h, d = q.shape
     scale = np.float32(scale if scale is not None else d ** -0.5)
@@ -255,7 +292,7 @@ def attention_reference(ctx, q, kv, sinks, ckv, cgate, cbias, cnorm, index=None,
         for i in range(n):
             p, t = cached + i, start + i
             lo = max(0, p - window + 1)
-            chosen = (index[t][index[t] >= 0] if has_index else np.arange((p + 1) // rate))
+            chosen = (index[t][index[t] >= 0] if index is not None else np.arange((p + 1) // rate))
             vals = np.concatenate([keys[lo:p + 1], entries[np.asarray(chosen, np.int64)]])
             s = (q[t] @ vals.T) * scale                                     # [H, n keys]
             mx = np.maximum(s.max(-1), sinks)
@@ -275,7 +312,119 @@ op(name="compressed_attention", tensors=["q", "kv", "sinks", "ckv", "cgate", "cb
    attrs={"rate": REQUIRED, "window": REQUIRED, "scale": None, "cache": REQUIRED, "eps": 1e-6,
           "theta": REQUIRED, "scaling": None, "rotary_dim": REQUIRED},
    infer=attention_infer, reference=attention_reference, caches=_attention_caches,
-   # one launch a step, a program a sequence (its writes read back in the same program)
-   templates={"triton": "compressed_attention"},
+   # no kernel of its own: split_compression lowers it to compress_write + compressed_attention_cached
+   templates={},
    doc="DeepSeek-V4 attention: shared-KV MQA over a sliding window (cache swa) and the compressed "
        "entries (cache <cache>; all visible, or the indexer's top-k), with per-head sinks")
+
+
+# -- the lowered forms (compiler/passes/split_compression.py) -----------------------------------
+# The compression writes the caches every later query reads, so it runs in a launch of its own
+# (a program a sequence: its rows go through the slot's blocks in order) and the two readers run
+# a program a query token; the cache marker orders them, as kv_write orders attention_cached.
+
+def compress_write_infer(types, attrs):
+    kv, gate, bias, norm = types[:4]
+    _check_compressor(kv, gate, bias, norm, attrs, "compress_write")
+    if attrs.get("has_rows"):
+        rows = types[4]
+        expect(len(rows.shape) == 2 and rows.shape[1] == norm.shape[0],
+               f"compress_write: window rows must be [T, {norm.shape[0]}], got {rows}")
+    _check_rope(norm.shape[0], attrs)
+    return [None]
+
+
+def compress_write_reference(ctx, kv, gate, bias, norm, rows=None, rate=None, cache=None, eps=1e-6,
+                             theta=None, scaling=None, rotary_dim=None, has_rows=False):
+    if has_rows:
+        write_rows(ctx, "swa", rows)
+    compress(ctx, kv, gate, bias, norm, cache, rate, eps, theta, scaling, rotary_dim, carry=False)
+
+
+def _compress_write_caches(types, attrs):
+    out = _compressed_caches(attrs["cache"], attrs["rate"], types[0].shape[1], types[3].shape[0])
+    if attrs.get("has_rows"):
+        out["swa"] = {"kind": "paged", "shape": [int(types[4].shape[1])], "dtype": "bf16"}
+    return out
+
+
+op(name="compress_write", tensors=["kv", "gate", "bias", "norm"], optional=["rows"], internal=True,
+   attrs={"rate": REQUIRED, "cache": REQUIRED, "eps": 1e-6, "theta": REQUIRED, "scaling": None,
+          "rotary_dim": REQUIRED},
+   infer=compress_write_infer, reference=compress_write_reference, caches=_compress_write_caches,
+   templates={"triton": "compress_write"},
+   doc="DeepSeek-V4's compressor: each block the step's rows complete (its rows from the step or "
+       "from the partial blocks <cache>_buf) into <cache>; with rows, the window's rows into swa")
+
+
+def compress_carry_infer(types, attrs):
+    kv, gate, bias = types[:3]
+    expect(len(kv.shape) == 2 and kv.shape == gate.shape and tuple(bias.shape) == (attrs["rate"], kv.shape[1]),
+           f"compress_carry expects kv, gate [T, W] and bias [rate, W], got {kv}, {gate}, {bias}")
+    return [None]
+
+
+def _carry_caches(types, attrs):
+    """The partial blocks' slot, as compress_write declares it (overlap: the block before too)."""
+    width = int(types[0].shape[1])
+    rows = 2 * int(attrs["rate"]) if attrs.get("overlap") else int(attrs["rate"])
+    return {f"{attrs['cache']}_buf": {"kind": "slot", "shape": [rows, 2 * width], "dtype": "f32"}}
+
+
+# after compress_write, which reads the slot's rows of earlier steps: the step's rows overwrite
+# them (row p % rows), so they go in once every entry is written, a launch of their own
+op(name="compress_carry", tensors=["kv", "gate", "bias", "cache"], internal=True,
+   attrs={"rate": REQUIRED, "cache": REQUIRED, "overlap": REQUIRED},
+   infer=compress_carry_infer,
+   reference=lambda ctx, kv, gate, bias, marker, rate=None, cache=None, overlap=None:
+       carry_rows(ctx, kv, gate, bias, cache, rate),
+   caches=_carry_caches, templates={"triton": "compress_carry"},
+   doc="DeepSeek-V4's compressor: the step's rows into the partial blocks (<cache>_buf)")
+
+
+def _entries_cache(attrs, width):
+    """The paged compressed entries a reader reads (its writer declares the partial blocks)."""
+    return {attrs["cache"]: {"kind": "paged", "every": int(attrs["rate"]), "shape": [int(width)], "dtype": "bf16"}}
+
+
+def indexer_cached_infer(types, attrs):
+    q, w = types[:2]
+    expect(len(q.shape) == 3 and tuple(w.shape) == tuple(q.shape[:2]),
+           f"indexer_topk_cached expects q[T, Hi, Di] and w[T, Hi], got {q}, {w}")
+    k = attrs.get("topk")
+    expect(isinstance(k, int) and k >= 1, f"indexer_topk_cached topk must be a positive int, got {k!r}")
+    return [tt((q.shape[0], k), "i32")]
+
+
+op(name="indexer_topk_cached", tensors=["q", "w", "cache"], internal=True,
+   attrs={"rate": REQUIRED, "topk": REQUIRED, "cache": REQUIRED},
+   infer=indexer_cached_infer,
+   reference=lambda ctx, q, w, marker, rate=None, topk=None, cache=None: score_topk(ctx, q, w, cache, rate, topk),
+   caches=lambda types, attrs: _entries_cache(attrs, types[0].shape[2]),
+   templates={"triton": "indexer_topk"},
+   doc="DeepSeek-V4's indexer over the keys compress_write wrote: each query's top-k")
+
+
+def attention_cached_infer(types, attrs):
+    q, _, sinks = types[:3]
+    expect(len(q.shape) == 3 and tuple(sinks.shape) == (q.shape[1],),
+           f"compressed_attention_cached expects q[T, H, D] and sinks[H], got {q}, {sinks}")
+    if attrs.get("has_index"):
+        expect(len(types) == 4 and len(types[3].shape) == 2 and types[3].dtype == "i32",
+               f"compressed_attention_cached index must be [T, K] i32, got {types[3:]}")
+    return [q]
+
+
+def _attention_cached_caches(types, attrs):
+    d = types[0].shape[2]
+    return {"swa": {"kind": "paged", "shape": [int(d)], "dtype": "bf16"}, **_entries_cache(attrs, d)}
+
+
+op(name="compressed_attention_cached", tensors=["q", "cache", "sinks"], optional=["index"], internal=True,
+   attrs={"rate": REQUIRED, "window": REQUIRED, "scale": None, "cache": REQUIRED},
+   infer=attention_cached_infer,
+   reference=lambda ctx, q, marker, sinks, index=None, rate=None, window=None, scale=None, cache=None,
+       has_index=False: attend_compressed(ctx, q, sinks, index if has_index else None, rate, window, scale, cache),
+   caches=_attention_cached_caches,
+   templates={"triton": "compressed_attention"},
+   doc="DeepSeek-V4 attention over the window and compressed caches compress_write wrote")

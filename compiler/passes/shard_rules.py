@@ -115,17 +115,19 @@ RULES = {
     "attention_cached": Rule(walk=_attention_walk, weights=_sinks, attention=True, resize=_resize_attention),
     # MLA: the query's heads split; the latent row kv (input 1) is shared by every head
     "latent_attention": Rule(walk=(0,), attention=True, resize=_query_heads),
-    # DeepSeek-V4: the query's heads split, with their sinks (input 2); the shared K = V head kv
-    # [T, D], the compressor's rows and weights (so the compressed caches) and the indexer's
-    # top-k are shared by every head and stay whole on every rank.
-    # indexer_topk has no rule on purpose: it stays replicated (its inputs come from the
+    # DeepSeek-V4 (after split_compression): the query's heads split, with their sinks (input 2);
+    # the shared K = V head kv [T, D] and the compressor's rows and weights (compress_write, so the
+    # compressed caches) and the indexer's top-k are shared by every head and stay whole on every
+    # rank: compress_write and indexer_topk_cached have no rule, their inputs never come from a
+    # column linear.
+    # indexer_topk_cached has no rule on purpose: it stays replicated (its inputs come from the
     # replicated stream, never from a column linear). Its Hi heads could split, but they score
     # ONE key a compressed entry (the indexer cache is shared by all of them, so every rank would
     # still read all of it) and their scores are summed before the top-k: a split needs an
     # all_reduce of the [T, entries] scores (at 128k and a prefill step of 8192 tokens, 32k
     # entries x 8192 rows x 4 B = 1 GiB a layer) to save a 1/N share of a q . K product whose
     # keys are read anyway; replicated, it costs each rank its ~21 MB of indexer weights a layer.
-    "compressed_attention": Rule(walk=(0,), weights={2: 0}, attention=True, resize=_query_heads),
+    "compressed_attention_cached": Rule(walk=(0,), weights={2: 0}, attention=True, resize=_query_heads),
 }
 
 
