@@ -3,6 +3,7 @@ may start while the kernel before it still runs, so it must wait (griddepcontrol
 reads or writes anything. Checked on every kernel rendered for every spec variant in generated/
 (`make generated` keeps them current), since a missing wait is a race no CPU test would see."""
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -74,14 +75,13 @@ CASES = [pytest.param(p, id=f"{p.parent.parent.name}/{p.stem}",
                       marks=EXHAUSTIVE if p.name in _SEEN or _SEEN.add(p.name) else ()) for p in KERNELS]
 
 
-@pytest.mark.parametrize("path", CASES)
-def test_a_dependent_kernel_waits_before_anything_else(path):
+def _check_waits(source: str):
     """The wait comes right after the trigger, or, in a kernel whose META names
     reads_before_wait, before any use of a pointer parameter outside those (on every path)."""
-    tree = ast.parse(path.read_text())
+    tree = ast.parse(source)
     meta = _meta(tree)
     entry = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == meta["entry"])
-    uses_gdc = "gdc_wait" in path.read_text()
+    uses_gdc = "gdc_wait" in source
     if not meta.get("pdl"):
         # a kernel without the META flag is launched plainly: it must not pretend otherwise
         assert not uses_gdc and "PDL" not in meta["constexprs"]
@@ -98,7 +98,50 @@ def test_a_dependent_kernel_waits_before_anything_else(path):
     assert early <= pointers, early - pointers
     bad, _ = _unwaited_reads(body[1:], set(early), pointers - early, False)
     assert not bad, "\n".join(ast.unparse(b) for b in bad)
-    assert "gdc_wait" in path.read_text()
+    assert uses_gdc
+
+
+@pytest.mark.parametrize("path", CASES)
+def test_a_dependent_kernel_waits_before_anything_else(path):
+    _check_waits(path.read_text())
+
+
+@functools.cache
+def _generated() -> list:
+    """(variant, plan, kernel id -> META) of every variant in generated/, parsed once."""
+    import json
+    out = []
+    for plan_path in sorted(REPO.glob("generated/*/plan.json")):
+        metas = {p.stem: _meta(ast.parse(p.read_text())) for p in (plan_path.parent / "kernels").glob("*.py")}
+        out.append((plan_path.parent.name, json.loads(plan_path.read_text()), metas))
+    return out
+
+
+def _check_early_reads(variant: str, plan: dict, metas: dict, checked: dict):
+    """Every launch of a kernel that reads parameters before its wait binds them to what no kernel
+    of the step writes before it; counts the bindings by kind into `checked`."""
+    from infc.compiler.contract.program import unrolled
+    for program in plan["programs"].values():
+        order = list(unrolled(program))
+        for launch, layer in order:
+            meta = metas.get(launch.get("kernel_id"))
+            if not meta or not meta.get("reads_before_wait"):
+                continue
+            binding = {name: src for name, _, src in meta["params"]}
+            where = (variant, launch["kernel_id"])
+            for name in meta["reads_before_wait"]:
+                kind, _, idx = binding[name].partition(":")
+                assert kind in checked, (where, name, binding[name])
+                if kind == "in":
+                    value = launch["inputs"][int(idx)]
+                    assert value in plan["weights"], (where, name, value)
+                elif kind == "cache":
+                    # every launch of the layer that writes this cache (lists it as an output)
+                    assert launch.get("caches"), (where, name)
+                    writers = [other for other, lay in order if lay == layer and "cache" in other["outputs"]
+                               and other.get("caches") == launch["caches"]]
+                    assert writers == [launch], (where, name, [w["op"] for w in writers])
+                checked[kind] += 1
 
 
 def test_reads_before_the_wait_are_step_invariant():
@@ -107,33 +150,9 @@ def test_reads_before_the_wait_are_step_invariant():
     run), the step's metadata (uploaded before its first kernel), or a KV cache that only this
     launch writes in its layer (the narrow attention with its cache write merged in: it reads the
     keys of earlier steps before the wait and its own token's after its own barrier)."""
-    import json
-    from infc.compiler.contract.program import unrolled
     checked = {"in": 0, "meta": 0, "cache": 0}
-    for plan_path in sorted(REPO.glob("generated/*/plan.json")):
-        plan = json.loads(plan_path.read_text())
-        metas = {p.stem: _meta(ast.parse(p.read_text())) for p in (plan_path.parent / "kernels").glob("*.py")}
-        for program in plan["programs"].values():
-            order = list(unrolled(program))
-            for launch, layer in order:
-                meta = metas.get(launch.get("kernel_id"))
-                if not meta or not meta.get("reads_before_wait"):
-                    continue
-                binding = {name: src for name, _, src in meta["params"]}
-                where = (plan_path.parent.name, launch["kernel_id"])
-                for name in meta["reads_before_wait"]:
-                    kind, _, idx = binding[name].partition(":")
-                    assert kind in checked, (where, name, binding[name])
-                    if kind == "in":
-                        value = launch["inputs"][int(idx)]
-                        assert value in plan["weights"], (where, name, value)
-                    elif kind == "cache":
-                        # every launch of the layer that writes this cache (lists it as an output)
-                        assert launch.get("caches"), (where, name)
-                        writers = [other for other, lay in order if lay == layer and "cache" in other["outputs"]
-                                   and other.get("caches") == launch["caches"]]
-                        assert writers == [launch], (where, name, [w["op"] for w in writers])
-                    checked[kind] += 1
+    for variant, plan, metas in _generated():
+        _check_early_reads(variant, plan, metas, checked)
     assert checked["in"] > 100 and checked["meta"] > 10 and checked["cache"] > 10, checked
 
 
@@ -158,16 +177,81 @@ def test_the_unwaited_read_check_catches_an_activation_read():
     assert not bad and waited
 
 
+# the programs a decode step runs (compiler/contract/program.py program_name) whose every launch
+# is a dependent one; "wide" (many sequences a step) still launches the grouped expert GEMMs plainly
+STEP_PROGRAMS = ("decode", "narrow")
+
+
+def _plain_launches(plan: dict, metas: dict, programs=STEP_PROGRAMS) -> dict:
+    from infc.compiler.contract.program import unrolled
+    return {name: sorted({launch["kernel_id"] for launch, _ in unrolled(plan["programs"][name])
+                          if launch["backend"] != "nccl" and not metas[launch["kernel_id"]].get("pdl")})
+            for name in programs if name in plan["programs"]}
+
+
 def test_the_decode_chain_of_qwen3_is_dependent():
     """Every launch of Qwen3-4B's decode step allows it: a plain kernel in the chain would
     serialize the launches around it again."""
-    import json
-    plan = json.loads((REPO / "generated/qwen3-4b/plan.json").read_text())
     from infc.compiler.contract.program import unrolled
-    kernels = {p.stem: _meta(ast.parse(p.read_text())) for p in (REPO / "generated/qwen3-4b/kernels").glob("*.py")}
-    launched = [launch["kernel_id"] for launch, _ in unrolled(plan["programs"]["decode"])]
-    assert len(launched) > 200
-    assert all(kernels[k].get("pdl") for k in launched), sorted({k for k in launched if not kernels[k].get("pdl")})
+    variant, plan, metas = next(g for g in _generated() if g[0] == "qwen3-4b")
+    assert len(list(unrolled(plan["programs"]["decode"]))) > 200
+    assert _plain_launches(plan, metas) == {"decode": [], "narrow": []}
+
+
+def test_every_variants_decode_step_is_dependent():
+    """Every variant's decode steps, one token or a batch: the families' own kernels too (GPT-2's
+    pos_embedding and layer_norm, Gemma's logit scale, DeepSeek-V4's moe_align, gather_last)."""
+    plain = {variant: p for variant, plan, metas in _generated()
+             if any((p := _plain_launches(plan, metas)).values())}
+    assert not plain, plain
+
+
+@pytest.fixture(scope="module")
+def lora_kernels():
+    """Qwen3-0.6B built with --enable-lora (2 slots, rank 16), its kernels rendered for the H200:
+    (plan, kernel id -> Kernel). The LoRA launches are nowhere in generated/."""
+    from infc.compiler.build import compile_model
+    from infc.compiler.codegen.render import render_plan
+    from infc.compiler.tuning_table import load_tuning
+    from infc.config import lora_build
+    _, plan = compile_model(model="qwen3-0.6b", lora=lora_build(2, 16))
+    return plan, render_plan(plan, load_tuning("h200"), 64)
+
+
+def test_the_lora_build_waits_and_its_decode_step_is_dependent(lora_kernels):
+    """The LoRA build's kernels keep the wait contract, its early reads bind to weights (the
+    narrow GEMVs' W, not the adapter tables), and its decode steps have no plain launch: the
+    shrink / expand launches of a batch's step (decode, wide) and the merged sites of the narrow one."""
+    plan, kernels = lora_kernels
+    for k in kernels.values():
+        _check_waits(k.source)
+    metas = {kid: k.meta for kid, k in kernels.items()}
+    checked = {"in": 0, "meta": 0, "cache": 0}
+    _check_early_reads("qwen3-0.6b+lora", plan, metas, checked)
+    assert checked["in"] > 0, checked
+    from infc.compiler.contract.program import unrolled
+    ops = {kernels[launch["kernel_id"]].template for launch, _ in unrolled(plan["programs"]["decode"])}
+    assert {"lora_shrink", "lora_expand", "lora_expand_act"} <= ops, ops
+    assert _plain_launches(plan, metas, STEP_PROGRAMS + ("wide",)) == {"decode": [], "narrow": [], "wide": []}
+
+
+def test_a_merged_lora_launch_waits_first():
+    """lora_expand / lora_expand_act with the shrink merged in (a narrow step's form where the GEMV
+    cannot take the site, compiler/passes/merge_prologues.py) wait before their tickets."""
+    from infc.compiler.codegen.render import render_template
+    t = lambda name, shape, dtype="bf16", k="buffer": {"name": name, "shape": shape, "dtype": dtype, "kind": k}  # noqa: E731
+    shrink = {"split": 4, "prefill_split": 2}
+    prologue = {"op": "lora_shrink", "inputs": 2, "output": 0, "value": "xa", "writes": 0, "feeds": 1, "attrs": shrink}
+    for op, fn, out in (("lora_expand", {}, t("y", ["T", 96])), ("lora_expand_act", {"fn": "silu"}, t("act", ["T", 48]))):
+        ctx = {"op": op, "phase": "decode", "narrow": True, "narrow_rows": 1, "prologue": prologue,
+               "attrs": {"pieces": [48, 48], "rank": 16, **shrink, **fn}, "config": {}, "caches": {},
+               "page_size": 16, "tune": {},
+               "inputs": [t("x", ["T", 80]), t("a", [3, 32, 80], k="weight"), t("y", ["T", 96]),
+                          t("b", [3, 96, 16], k="weight"), t("scale", [3, 2], "f32", "weight")],
+               "outputs": [out]}
+        k = render_template("triton", op, ctx)
+        assert "_ticket" in k.source and k.meta.get("pdl"), op      # the merged form, dependent
+        _check_waits(k.source)
 
 
 @pytest.mark.parametrize("kind", ["weight", "buffer"])
