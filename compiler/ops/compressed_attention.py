@@ -132,16 +132,11 @@ def compress(ctx, kv, gate, bias, norm, cache, rate, eps, theta, scaling, rotary
     overlap = width == 2 * dc
     buf = ctx.cache(f"{cache}_buf")                     # [num_slots + 1, rows, 2W]
     entries = ctx.cache(cache)                          # [num_pages + 1, rows a page, Dc]
-    decl = {"every": m}
-    rows = buf.shape[1]
-    for b, start, n, cached in ctx.seqs:
-        slot = int(ctx.meta.state_slots[b])
-        state = np.array(buf[slot], np.float32) if cached > 0 else np.zeros(buf.shape[1:], np.float32)
-        for i in range(n):
-            p = cached + i
-            state[p % rows] = np.concatenate([kv[start + i], gate[start + i] + bias[p % m]])
-            if p % m != m - 1:
-                continue
+    decl, rows = {"every": m}, buf.shape[1]
+    for b, slot, state, p, last in _slot_rows(ctx, buf, kv, gate, bias, m):
+        if carry and last:
+            buf[slot] = state
+        if p % m == m - 1:
             e = p // m
             cur = state[[(e * m + j) % rows for j in range(m)]]
             if overlap:
@@ -157,23 +152,29 @@ def compress(ctx, kv, gate, bias, norm, cache, rate, eps, theta, scaling, rotary
             entry = rotate_tail(entry[None, None], [e * m], theta, scaling, rotary_dim)[0, 0]
             page, row = cache_layout.entry_address(decl, ctx.page_size, ctx.meta.block_tables[b], e)
             entries[int(page), int(row)] = entry
-        if carry:
-            buf[slot] = state
     return entries
 
 
-def carry_rows(ctx, kv, gate, bias, cache, rate):
-    """The step's rows (kv, gate + bias[p % m]) into row p % rows of their sequence's slot."""
-    kv, gate, bias = (np.asarray(a, np.float32) for a in (kv, gate, bias))
-    buf = ctx.cache(f"{cache}_buf")
-    rows, m = buf.shape[1], int(rate)
+def _slot_rows(ctx, buf, kv, gate, bias, m):
+    """Each row of the step, in order, put into row p % rows of a copy of its sequence's slot
+    (kv, gate + bias[p % m]): yields (b, slot, the copy, p, whether the sequence's last row)."""
+    rows = buf.shape[1]
     for b, start, n, cached in ctx.seqs:
         slot = int(ctx.meta.state_slots[b])
         state = np.array(buf[slot], np.float32) if cached > 0 else np.zeros(buf.shape[1:], np.float32)
         for i in range(n):
             p = cached + i
             state[p % rows] = np.concatenate([kv[start + i], gate[start + i] + bias[p % m]])
-        buf[slot] = state
+            yield b, slot, state, p, i == n - 1
+
+
+def carry_rows(ctx, kv, gate, bias, cache, rate):
+    """The step's rows (kv, gate + bias[p % m]) into row p % rows of their sequence's slot."""
+    kv, gate, bias = (np.asarray(a, np.float32) for a in (kv, gate, bias))
+    buf = ctx.cache(f"{cache}_buf")
+    for _, slot, state, _, last in _slot_rows(ctx, buf, kv, gate, bias, int(rate)):
+        if last:
+            buf[slot] = state
 
 
 def read_entries(ctx, cache, b, count, rate):

@@ -9,12 +9,11 @@ bytes each K step reads.
 import argparse
 import json
 import re
-from collections import Counter
 
 from infc.compiler.codegen.render import render_template
 from infc.compiler.quant.scheme import QuantScheme
 
-from w4_sass_count import sass
+from w4_sass_count import loops, sass
 
 S = QuantScheme("f8e4m3", 128, 128, act="dynamic_group", act_group=128)     # Qwen3-4B-FP8
 # qwen3-4b's narrow linears: (template, op, W rows, K)
@@ -46,23 +45,6 @@ def kernel(name, form, tune=None):
            "outputs": [_t(s) for s in outs], "attrs": attrs, "prologue": None, "epilogue": epi,
            "config": {}, "caches": {}, "page_size": 16, "tune": {"FP8_FORM": form, **(tune or {})}}
     return render_template("triton", tpl, ctx)
-
-
-def loops(text):
-    """Every backward branch's body of 32+ instructions: (instructions, opcode counts)."""
-    ins = []
-    for line in text.splitlines():
-        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
-        if m:
-            ins.append((int(m.group(1), 16), m.group(2)))
-    out = []
-    for addr, op in ins:
-        m = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", op) or re.search(r"BRA\s+0x([0-9a-f]+)", op)
-        if m and int(m.group(1), 16) < addr:
-            body = [o for a, o in ins if int(m.group(1), 16) <= a <= addr]
-            if len(body) >= 32:
-                out.append((len(body), Counter(re.sub(r"^@!?U?P\w+\s+", "", o).split()[0].split(".")[0] for o in body)))
-    return out
 
 
 def main():

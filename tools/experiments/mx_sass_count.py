@@ -14,7 +14,7 @@ from infc.compiler.quant.scheme import QuantScheme
 
 from collections import Counter
 
-from w4_sass_count import sass
+from w4_sass_count import loops, sass
 
 S = QuantScheme("e2m1", 1, 32)
 H, F, E, KT = 2880, 2880, 32, 4           # GPT-OSS-20B
@@ -60,32 +60,13 @@ def main():
         print(f"{launch:8s} FMA_T={c['FMA_T']} rows={rows} BK={c['FMA_BLOCK_K']} warps={k.meta['num_warps']} "
               f"regs {regs.group(1) if regs else '?'} stack {stack.group(1) if stack else '?'}; whole kernel: "
               f"SHFL {whole['SHFL']}, STS {whole['STS']}, LDS {whole['LDS']}")
-        for n, ops in loops(text):
+        for n, ops in loops(text, 64):
             if n < 300:
                 continue        # the id scans and the combine
             kind = "tensor cores" if ops["HMMA"] else "CUDA cores"
             print(f"    loop ({kind}) {n} SASS = {n * threads / weights:.2f} a weight of the CUDA-core tile; "
                   + ", ".join(f"{o} {ops[o]}" for o in ("FFMA", "HADD2", "LOP3", "PRMT", "LDG", "BAR", "STS", "LDS",
                                                         "SHFL", "LDL", "STL")), flush=True)
-
-
-def loops(text):
-    """Every backward branch's body of 64+ instructions: (instructions, opcode counts). The MX
-    kernels' CUDA-core loops are the ones with HADD2 (the f16 -> f32 conversions), the one-token
-    loop the shorter; the tensor-core (dot_scaled) loops have HMMA."""
-    ins = []
-    for line in text.splitlines():
-        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
-        if m:
-            ins.append((int(m.group(1), 16), m.group(2)))
-    out = []
-    for addr, op in ins:
-        m = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", op) or re.search(r"BRA\s+0x([0-9a-f]+)", op)
-        if m and int(m.group(1), 16) < addr:
-            body = [o for a, o in ins if int(m.group(1), 16) <= a <= addr]
-            if len(body) >= 64:
-                out.append((len(body), Counter(re.sub(r"^@!?U?P\w+\s+", "", o).split()[0].split(".")[0] for o in body)))
-    return out
 
 
 def Counter_all(text):

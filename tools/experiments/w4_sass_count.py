@@ -83,6 +83,24 @@ def loop_body(text):
     return best
 
 
+def loops(text, min_len=32):
+    """Every backward branch's body of min_len+ instructions: (instructions, opcode counts)
+    (mx_sass_count.py and fp8_sass_count.py read their K loops with it)."""
+    ins = []
+    for line in text.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2)))
+    out = []
+    for addr, op in ins:
+        m = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", op) or re.search(r"BRA\s+0x([0-9a-f]+)", op)
+        if m and int(m.group(1), 16) < addr:
+            body = [o for a, o in ins if int(m.group(1), 16) <= a <= addr]
+            if len(body) >= min_len:
+                out.append((len(body), Counter(re.sub(r"^@!?U?P\w+\s+", "", o).split()[0].split(".")[0] for o in body)))
+    return out
+
+
 def main():
     for name in (sys.argv[1:] or LAUNCHES):
         for form in ("elementwise", "groupsum", "dot"):
