@@ -111,11 +111,20 @@ op(name="rope_tail", tensors=["x"],
 
 # -- compression ---------------------------------------------------------------------------------
 
+def _entries_decl(name, rate, dc):
+    """The compressed entries: paged, one a `rate` tokens."""
+    return {name: {"kind": "paged", "every": int(rate), "shape": [int(dc)], "dtype": "bf16"}}
+
+
+def _partial_decl(name, rate, width, overlap):
+    """The partial blocks (slot): the last block's rows, and with overlap the block before too."""
+    rows = 2 * int(rate) if overlap else int(rate)
+    return {f"{name}_buf": {"kind": "slot", "shape": [rows, 2 * int(width)], "dtype": "f32"}}
+
+
 def _compressed_caches(name, rate, width, dc):
-    """The compressed entries (paged, one a `rate` tokens) and the partial blocks (slot)."""
-    rows = 2 * rate if width == 2 * dc else rate
-    return {name: {"kind": "paged", "every": int(rate), "shape": [int(dc)], "dtype": "bf16"},
-            f"{name}_buf": {"kind": "slot", "shape": [rows, 2 * int(width)], "dtype": "f32"}}
+    """The compressed entries and the partial blocks (overlap: the gates are 2 Dc wide)."""
+    return {**_entries_decl(name, rate, dc), **_partial_decl(name, rate, width, width == 2 * dc)}
 
 
 def _rms(x, w, eps):
@@ -366,10 +375,8 @@ def compress_carry_infer(types, attrs):
 
 
 def _carry_caches(types, attrs):
-    """The partial blocks' slot, as compress_write declares it (overlap: the block before too)."""
-    width = int(types[0].shape[1])
-    rows = 2 * int(attrs["rate"]) if attrs.get("overlap") else int(attrs["rate"])
-    return {f"{attrs['cache']}_buf": {"kind": "slot", "shape": [rows, 2 * width], "dtype": "f32"}}
+    """The partial blocks' slot, as compress_write declares it."""
+    return _partial_decl(attrs["cache"], attrs["rate"], types[0].shape[1], attrs.get("overlap"))
 
 
 # after compress_write, which reads the slot's rows of earlier steps: the step's rows overwrite
@@ -385,7 +392,7 @@ op(name="compress_carry", tensors=["kv", "gate", "bias", "cache"], internal=True
 
 def _entries_cache(attrs, width):
     """The paged compressed entries a reader reads (its writer declares the partial blocks)."""
-    return {attrs["cache"]: {"kind": "paged", "every": int(attrs["rate"]), "shape": [int(width)], "dtype": "bf16"}}
+    return _entries_decl(attrs["cache"], attrs["rate"], width)
 
 
 def indexer_cached_infer(types, attrs):

@@ -32,6 +32,14 @@ def check(result, what: str = "CUDA call"):
     return rest[0] if len(rest) == 1 else tuple(rest)
 
 
+def _stream(priority=None):
+    """A non-blocking stream, at `priority` where given (else the default, the least)."""
+    flags = cu.CUstream_flags.CU_STREAM_NON_BLOCKING
+    if priority is None:
+        return check(cu.cuStreamCreate(flags), "cuStreamCreate")
+    return check(cu.cuStreamCreateWithPriority(flags, priority), "cuStreamCreateWithPriority")
+
+
 _CTYPE = {"i32": ctypes.c_int32, "u32": ctypes.c_uint32, "i64": ctypes.c_int64,
           "fp32": ctypes.c_float, "f32": ctypes.c_float, "fp16": ctypes.c_uint16}
 
@@ -54,14 +62,10 @@ class Context:
         # INFC_STEP_STREAM_PRIORITY: the steps' stream first in the block scheduler's queue,
         # new_stream's at the least priority (the host KV tier's gathers on their own stream cost
         # 1024/128 throughput 5 %, bench/NOTES.md issue 44; the A/B is the next GPU call's)
-        self._side_priority = None
+        self._side_priority = greatest = None
         if envs.value("INFC_STEP_STREAM_PRIORITY"):
-            least, greatest = check(cu.cuCtxGetStreamPriorityRange(), "cuCtxGetStreamPriorityRange")
-            self._side_priority = least
-            self.stream = check(cu.cuStreamCreateWithPriority(cu.CUstream_flags.CU_STREAM_NON_BLOCKING, greatest),
-                                "cuStreamCreateWithPriority")
-        else:
-            self.stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+            self._side_priority, greatest = check(cu.cuCtxGetStreamPriorityRange(), "cuCtxGetStreamPriorityRange")
+        self.stream = _stream(greatest)
         # What this context handed out, so close() gives it all back (a server keeps one for its
         # life; tests and tools make several runners in one process).
         self._device: set[int] = set()
@@ -161,11 +165,7 @@ class Context:
 
     def new_stream(self):
         """Another non-blocking stream (destroyed by close): work on it overlaps the context's."""
-        if self._side_priority is None:
-            s = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
-        else:
-            s = check(cu.cuStreamCreateWithPriority(cu.CUstream_flags.CU_STREAM_NON_BLOCKING, self._side_priority),
-                      "cuStreamCreateWithPriority")
+        s = _stream(self._side_priority)
         self._streams.append(s)
         return s
 
