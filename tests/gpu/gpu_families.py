@@ -135,7 +135,7 @@ FAMILIES = {
 }
 # Families whose fixture makes the routing decisive (GPT-OSS's and DeepSeek-V3's rules below): name
 # -> the suffix of the router modules' names, whose picks test_golden.test_routing_is_decisive compares.
-DECISIVE_ROUTING = {"gpt-oss-20b-l4": "mlp.router", "deepseek-v3-l5": "mlp.gate"}
+DECISIVE_ROUTING = {"gpt-oss-20b-l4": "mlp.router", "deepseek-v3-l5": "mlp.gate", DSV4_CUT: "mlp.gate"}
 # Longer prompts for a family (test_golden.py adds them after its common lengths): the hybrid
 # model's recurrent state and chunked delta rule over 2k-4k tokens (chunk edges at 64, pages at 16).
 # DeepSeek-V2-Lite's 8-layer cut: prompts to 2k, the latent cache over up to 129 pages of 16.
@@ -465,10 +465,79 @@ def _deepseek_v2_rule(pname, p, g, config=None) -> bool:
     return False
 
 
+# DeepSeek-V4's fixture (issue 47, bench/NOTES.md). Its cut's third layer routes by score: sqrtsoftplus
+# of the router logits plus the correction bias picks the top-6 of 16, the picked experts weigh their
+# scores (no bias) normalized, times routed_scaling_factor. With every matrix 0.02 and the bias
+# 0.1 * normal, positions near-tie at the 6th pick and HF's own bf16 run is another model there (its
+# gate: bf16 vs float32 regret 0.270, p99 0.417; infc's 0.352 / 0.487 against float32). So the pick
+# is made decisive, as DeepSeek-V3's (above):
+#   - tokens fall in DSV4_CLASSES classes (id % classes); the embedding carries the class's direction
+#     (group_directions, DSV4_EMBED_CLASS an element beside DSV4_EMBED_NOISE of the token's own), and
+#     a scored router's row is the sum over classes of +-1 times the class direction, scaled so that
+#     each logit is about +-DSV4_LOGIT: sqrtsoftplus ~2.1 ("high") or ~0.1 ("low");
+#   - each class scores K + 1 experts high (dsv4_signs): K of the E - classes "normal" experts and
+#     its own "drop" expert, whose correction bias is -DSV4_DROP_BIAS (the others' ~0): the bias takes
+#     the drop expert out, where a defect ignoring it picks among K + 1 near-equal scores;
+#   - the hash routers' picks are the table's (decisive already); their rows keep the 0.02 draws.
+# The price, as V3's: the weights among a token's K are near-equal (the scores saturate less than a
+# sigmoid's, sqrt(softplus) grows with the logit, so they still differ by the logits' noise).
+DSV4_CLASSES = 4
+DSV4_EMBED_NOISE, DSV4_EMBED_CLASS = 0.5, 2.5
+DSV4_LOGIT, DSV4_CLASS_SHARE, DSV4_ROUTER_NOISE = 4.5, 0.27, 0.002
+DSV4_DROP_BIAS, DSV4_BIAS_NOISE = 1.0, 0.005
+
+
+def _dsv4_decisive(config) -> bool:
+    """The plan's shape: a scored router with K + 1 of its experts per class to spare."""
+    return (getattr(config, "model_type", None) == "deepseek_v4"
+            and config.n_routed_experts - DSV4_CLASSES >= config.num_experts_per_tok)
+
+
+def dsv4_signs(config):
+    """[classes, experts]: +1 where the class's router logit is high, -1 where low. Experts 0 ..
+    classes - 1 are the drop experts (class c's is c); class c's K normal experts run on from
+    c * K / 2 around the rest, so every normal expert is some class's."""
+    import torch
+    E, K, C = config.n_routed_experts, config.num_experts_per_tok, DSV4_CLASSES
+    s = -torch.ones(C, E)
+    for c in range(C):
+        s[c, c] = 1.0
+        for j in range(K):
+            s[c, C + (c * K // 2 + j) % (E - C)] = 1.0
+    return s
+
+
+def dsv4_role_bias(config):
+    import torch
+    b = torch.zeros(config.n_routed_experts)
+    b[:DSV4_CLASSES] = -DSV4_DROP_BIAS
+    return b
+
+
 def _deepseek_v4_rule(pname, p, g, config=None) -> bool:
-    """DeepSeek-V4's attention sinks as GPT-OSS's (one logit a head the size of the scores)."""
+    """DeepSeek-V4's attention sinks as GPT-OSS's (one logit a head the size of the scores), and its
+    decisive-routing fixture (the comment above)."""
+    import torch
     if pname.endswith("self_attn.sinks"):
         p.normal_(0.0, 1.0, generator=g)
+        return True
+    if config is None or not _dsv4_decisive(config):
+        return False
+    if pname == "model.embed_tokens.weight":
+        V, H = p.shape
+        d = group_directions(DSV4_CLASSES, H, p.device) * H ** 0.5
+        p.normal_(0.0, DSV4_EMBED_NOISE, generator=g)
+        p += (DSV4_EMBED_CLASS * d[torch.arange(V, device=p.device) % DSV4_CLASSES]).to(p.dtype)
+        return True
+    if pname.endswith("mlp.gate.weight"):
+        layer = int(pname.split(".")[2])
+        if config.mlp_layer_types[layer] == "hash_moe":
+            return False
+        E, H = p.shape
+        d = group_directions(DSV4_CLASSES, H, p.device)
+        gain = DSV4_LOGIT / (DSV4_CLASS_SHARE * H ** 0.5)
+        p.normal_(0.0, DSV4_ROUTER_NOISE, generator=g)
+        p += (gain * dsv4_signs(config).to(p.device).T @ d).to(p.dtype)
         return True
     return False
 
@@ -491,6 +560,9 @@ def _routing_buffers(model, g):
             if _dsv3_decisive(model.config):            # the decisive fixture's roles (_deepseek_v2_rule)
                 noise = DSV3_BIAS_NOISE * torch.randn(b.shape, generator=g, device=b.device)
                 b.copy_(dsv3_role_bias(model.config).to(b.device) + noise)
+            elif _dsv4_decisive(model.config):          # the drop experts (_deepseek_v4_rule)
+                noise = DSV4_BIAS_NOISE * torch.randn(b.shape, generator=g, device=b.device)
+                b.copy_(dsv4_role_bias(model.config).to(b.device) + noise)
             else:
                 b.copy_(0.1 * torch.randn(b.shape, generator=g, device=b.device))
 

@@ -15,12 +15,19 @@ def choice_margin(router, logits: torch.Tensor) -> torch.Tensor:
     router (GPT-OSS): the k-th minus the (k+1)-th logit. DeepSeek-V3's group-limited router (it
     holds e_score_correction_bias): sigmoid score plus bias ranks, a group scores its top-2, the
     top `topk_group` groups are kept and the top-k of their experts picked; the margin is the smaller
-    of the two cuts' (group: kept minus first dropped; expert: k-th minus (k+1)-th among the kept)."""
+    of the two cuts' (group: kept minus first dropped; expert: k-th minus (k+1)-th among the kept).
+    DeepSeek-V4's scored router: its score function plus the bias, k-th minus (k+1)-th; its hash
+    router (a table picks): infinite."""
     x = logits.float().reshape(-1, logits.shape[-1])
     k = router.top_k
+    if hasattr(router, "tid2eid"):              # DeepSeek-V4's hash router: the table picks
+        return torch.full_like(x[:, 0], float("inf"))
     bias = getattr(router, "e_score_correction_bias", None)
     if bias is None:
         top = x.topk(k + 1, dim=-1).values
+        return top[:, k - 1] - top[:, k]
+    if not hasattr(router, "num_group"):        # DeepSeek-V4's: score plus bias, no groups
+        top = (router.score_fn(x) + bias.float()).topk(k + 1, dim=-1).values
         return top[:, k - 1] - top[:, k]
     s = x.sigmoid() + bias.float()
     G, kg = router.num_group, router.topk_group

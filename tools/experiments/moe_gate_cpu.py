@@ -4,7 +4,8 @@
         [--vocab 4096] [--lens 64,140,160] [--old] [--defects all|none|NAME,...]
 
 Builds a family's golden-gate cut (tests/gpu/gpu_families.py: gpt-oss-20b-l4, 32 experts top-4;
-deepseek-v3-l5, 3 dense + 2 MoE layers, 32 experts, group-limited top-8) at its real widths, the
+deepseek-v3-l5, 3 dense + 2 MoE layers, 32 experts, group-limited top-8; deepseek-v4-flash-l3, two
+hash-routed layers and one scored, 16 experts top-6, no planted defects yet) at its real widths, the
 vocabulary cut to --vocab for the CPU's memory, with the GPU fixture's weights (make_model's way:
 drawn in bf16 by redraw; --old: the generic draws, before the decisive fixture), runs HF eager in
 float32 (each decoder layer's weights upcast only while it runs, so the float32 model never exists
@@ -33,7 +34,8 @@ from test_golden import DECODE, LIMITS, gate, within, worst_of  # noqa: E402
 
 # family -> (default layers, config overrides for a layer count): the cut's own
 CUTS = {"gpt-oss-20b-l4": (4, lambda n: {"layer_types": ["sliding_attention", "full_attention"] * (n // 2)}),
-        "deepseek-v3-l5": (5, lambda n: {})}
+        "deepseek-v3-l5": (5, lambda n: {}),
+        gpu_families.DSV4_CUT: (3, lambda n: {})}
 
 
 def build(name, layers, vocab, old):
@@ -50,12 +52,14 @@ def build(name, layers, vocab, old):
         if family == "gpt_oss":
             gpu_families.REDRAW[family] = lambda n, p, g, c=None: (
                 n.endswith("self_attn.sinks") and (p.normal_(0.0, 1.0, generator=g) is not None))
-        fill = gpu_families._dsv3_decisive
-        gpu_families._dsv3_decisive = lambda c: False
+        elif family == "deepseek_v4":
+            gpu_families.REDRAW[family] = lambda n, p, g, c=None: rule(n, p, g, None)   # the sinks alone
+        fills = gpu_families._dsv3_decisive, gpu_families._dsv4_decisive
+        gpu_families._dsv3_decisive = gpu_families._dsv4_decisive = lambda c: False
     gpu_families.redraw(model, 0, family=family)
     if old:
         gpu_families.REDRAW[family] = rule
-        gpu_families._dsv3_decisive = fill
+        gpu_families._dsv3_decisive, gpu_families._dsv4_decisive = fills
     # what from_pretrained(dtype=bf16) keeps float32 (the saved values are bf16's)
     keep = tuple(model._keep_in_fp32_modules or ()) + tuple(model._keep_in_fp32_modules_strict or ())
     for mname, mod in model.named_modules():
@@ -342,7 +346,7 @@ def main():
           f"float32 {fmt(stats(l16, l32))} (limits {LIMITS}); routing agreement {agree:.4f} ({flips} flips of "
           f"{sum(p.shape[0] * p.shape[1] for p, _ in r32)} layer-positions); float32 choice margin per MoE "
           f"layer min {np.round(mmin, 3).tolist()} median {np.round(mmed, 3).tolist()}", flush=True)
-    defects = DEFECTS[name]()
+    defects = DEFECTS.get(name, dict)()
     pick = list(defects) if a.defects == "all" else ([] if a.defects == "none" else a.defects.split(","))
     for name in pick:
         ctx = defects[name]
