@@ -28,7 +28,7 @@
 # huggingface-hub==1.33.0: DeepSeek-V4-Flash's 3-layer cut at real widths, one layer of each
 # attention type and MLP type: the caches' bytes per token against an uncompressed layout, its
 # golden gate against HF bf16, batch-1 TPOT / TTFT at 1k and 32k with dummy weights against the
-# active floor; see the stage).
+# active floor, then its decode step per launch; see the stage).
 # hardening (issue 39: tests/test_step_failure.py and tests/test_server_shutdown.py through infc
 # serve --device cuda: a top_k request, an injected step failure, SIGTERM with 50 streams in flight).
 # structured (issue 41: bench structured: batch-1 and 64-concurrent TPOT of qwen3-4b with every
@@ -241,8 +241,9 @@ for _ in range(600):
       # (bench/cache_bytes.py, from the plan), its golden gate against HF bf16 (test_golden.py,
       # the families mechanism: HF makes the random model here), then batch-1 TPOT / TTFT at
       # DSV4_PROMPTS (1024,32768) with dummy weights against the active floor (bench/active_floor.py:
-      # 6 of the routed experts, the window- and top-k-bounded cache reads). DSV4_SKIP="golden"
-      # or "latency" leaves a step out; DSV4_ARGS adds flags to bench latency
+      # 6 of the routed experts, the window- and top-k-bounded cache reads), then the decode step
+      # per launch (bench profile, DSV4_PROFILE_STEPS). DSV4_SKIP="golden", "latency" or "profile"
+      # leaves a step out; DSV4_ARGS adds flags to bench latency
       name=deepseek-v4-flash-l3
       art=.cache/gpu/$name-art cfg=.cache/gpu/configs/$name
       rm -rf "$OUT/dsv4"; mkdir -p "$OUT/dsv4"
@@ -266,7 +267,13 @@ for _ in range(600):
           for f in "$OUT/dsv4/p$n"/latency-*.json; do     # bench latency's result
             [ -f "$f" ] && python3 -m infc.bench.active_floor --artifact $art --latency "$f" --output-len 128 2>&1 | tail -4
           done
-        done ;; esac ;;
+        done ;; esac
+      # where a batch-1 decode step's time goes, per launch (its TPOT was 7x the active floor:
+      # bench/NOTES.md, "Measured at d0c624f7")
+      case " ${DSV4_SKIP:-} " in *" profile "*) ;; *)
+        timeout ${PROFILE_S:-150} python3 -m infc.cli bench profile --artifact $art --model-path $cfg \
+          --load-format dummy --out "$OUT/dsv4" --steps ${DSV4_PROFILE_STEPS:-decode_b1} --reps 10 \
+          2>&1 | quiet | tail -60 ;; esac ;;
     p2p)
       timeout ${P2P_S:-180} python3 -m pytest tests/gpu/test_peer_sum_gpu.py -q -s -p no:cacheprovider -rs \
         2>&1 | quiet | tee "$OUT/pytest-peer-sum.log" | grep -E "passed|failed|error|skipped|^E " | tail -30 ;;
