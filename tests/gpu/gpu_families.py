@@ -338,6 +338,26 @@ def group_directions(groups: int, hidden: int, device):
     return q.T.to(device=device, dtype=torch.float32)
 
 
+def _class_embedding(p, g, classes: int, noise: float, scale: float):
+    """The embedding [V, H] drawn in place: each token's own `noise` plus its class's (id % classes)
+    direction, `scale` an element (the decisive fixtures' classes)."""
+    import torch
+    V, H = p.shape
+    d = group_directions(classes, H, p.device) * H ** 0.5          # elements ~1
+    p.normal_(0.0, noise, generator=g)
+    p += (scale * d[torch.arange(V, device=p.device) % classes]).to(p.dtype)
+
+
+def _class_router(p, g, signs, logit: float, share: float, noise: float):
+    """A router [E, H] drawn in place so that a class's tokens get logits about +-`logit` by `signs`
+    [classes, E], where the class's direction holds `share` of the normalized router input."""
+    E, H = p.shape
+    d = group_directions(signs.shape[0], H, p.device)
+    gain = logit / (share * H ** 0.5)                             # the class's projection: share * sqrt(H)
+    p.normal_(0.0, noise, generator=g)
+    p += (gain * signs.to(p.device).T @ d).to(p.dtype)
+
+
 def _gpt_oss_rule(pname, p, g, config=None) -> bool:
     """GPT-OSS's decisive-routing fixture (the comment above)."""
     import torch
@@ -352,10 +372,7 @@ def _gpt_oss_rule(pname, p, g, config=None) -> bool:
         return False
     groups = route_groups(config.num_local_experts, config.num_experts_per_tok)
     if pname == "model.embed_tokens.weight":
-        V, H = p.shape
-        d = group_directions(groups, H, p.device) * H ** 0.5          # elements ~1
-        p.normal_(0.0, EMBED_NOISE, generator=g)
-        p += (EMBED_GROUP * d[torch.arange(V, device=p.device) % groups]).to(p.dtype)
+        _class_embedding(p, g, groups, EMBED_NOISE, EMBED_GROUP)
         return True
     if pname.endswith("mlp.router.weight"):
         E, H = p.shape
@@ -446,21 +463,13 @@ def dsv3_role_bias(config):
 
 def _deepseek_v2_rule(pname, p, g, config=None) -> bool:
     """DeepSeek-V3's decisive-routing fixture (the comment above); DeepSeek-V2 keeps the generic draws."""
-    import torch
     if config is None or not _dsv3_decisive(config):
         return False
     if pname == "model.embed_tokens.weight":
-        V, H = p.shape
-        d = group_directions(DSV3_CLASSES, H, p.device) * H ** 0.5
-        p.normal_(0.0, DSV3_EMBED_NOISE, generator=g)
-        p += (DSV3_EMBED_CLASS * d[torch.arange(V, device=p.device) % DSV3_CLASSES]).to(p.dtype)
+        _class_embedding(p, g, DSV3_CLASSES, DSV3_EMBED_NOISE, DSV3_EMBED_CLASS)
         return True
     if pname.endswith("mlp.gate.weight"):
-        E, H = p.shape
-        d = group_directions(DSV3_CLASSES, H, p.device)
-        gain = DSV3_LOGIT / (DSV3_CLASS_SHARE * H ** 0.5)       # the class's projection: share * sqrt(H)
-        p.normal_(0.0, DSV3_ROUTER_NOISE, generator=g)
-        p += (gain * dsv3_signs(config).to(p.device).T @ d).to(p.dtype)
+        _class_router(p, g, dsv3_signs(config), DSV3_LOGIT, DSV3_CLASS_SHARE, DSV3_ROUTER_NOISE)
         return True
     return False
 
@@ -517,27 +526,18 @@ def dsv4_role_bias(config):
 def _deepseek_v4_rule(pname, p, g, config=None) -> bool:
     """DeepSeek-V4's attention sinks as GPT-OSS's (one logit a head the size of the scores), and its
     decisive-routing fixture (the comment above)."""
-    import torch
     if pname.endswith("self_attn.sinks"):
         p.normal_(0.0, 1.0, generator=g)
         return True
     if config is None or not _dsv4_decisive(config):
         return False
     if pname == "model.embed_tokens.weight":
-        V, H = p.shape
-        d = group_directions(DSV4_CLASSES, H, p.device) * H ** 0.5
-        p.normal_(0.0, DSV4_EMBED_NOISE, generator=g)
-        p += (DSV4_EMBED_CLASS * d[torch.arange(V, device=p.device) % DSV4_CLASSES]).to(p.dtype)
+        _class_embedding(p, g, DSV4_CLASSES, DSV4_EMBED_NOISE, DSV4_EMBED_CLASS)
         return True
     if pname.endswith("mlp.gate.weight"):
-        layer = int(pname.split(".")[2])
-        if config.mlp_layer_types[layer] == "hash_moe":
+        if config.mlp_layer_types[int(pname.split(".")[2])] == "hash_moe":
             return False
-        E, H = p.shape
-        d = group_directions(DSV4_CLASSES, H, p.device)
-        gain = DSV4_LOGIT / (DSV4_CLASS_SHARE * H ** 0.5)
-        p.normal_(0.0, DSV4_ROUTER_NOISE, generator=g)
-        p += (gain * dsv4_signs(config).to(p.device).T @ d).to(p.dtype)
+        _class_router(p, g, dsv4_signs(config), DSV4_LOGIT, DSV4_CLASS_SHARE, DSV4_ROUTER_NOISE)
         return True
     return False
 
