@@ -35,11 +35,18 @@ class StepClock:
         self.inner = getattr(self.runner, self.name)
         self.own = self.name in vars(self.runner)   # an instance attribute to put back
         self.steps: dict[str, list] = {}        # phase -> [(T, B, seconds)]
+        # every step in order: (phase, T, ms, the host tier's bytes saved and steps made to wait
+        # so far), the per-step view of a tier's cost (`--step-series`)
+        self.series: list[tuple] = []
+        self.tiers = getattr(engine, "tiers", None)
         # INFC_COLLECTIVE_CLOCK=1 on ranks: rank 0's time in its collectives (eager steps)
         self.collectives = getattr(getattr(self.runner, "runner", self.runner), "collective_clock", None)
 
     def _add(self, meta, seconds):
         self.steps.setdefault(meta.phase, []).append((meta.T, meta.B, seconds))
+        st = self.tiers.stats if self.tiers is not None else None
+        self.series.append((meta.phase, meta.T, round(seconds * 1e3, 3),
+                            st.bytes_to_host if st else 0, st.step_waits if st else 0))
 
     def __enter__(self):
         def executed(meta, rows):
@@ -54,6 +61,7 @@ class StepClock:
             self._add(mine.meta, mine.gpu_ms() / 1e3)
             return out
         setattr(self.runner, self.name, collected if self.name.startswith("collect") else executed)
+        self.waits0 = self.tiers.stats.step_waits if self.tiers is not None else 0
         if self.collectives is not None:
             self.collectives.report()            # from this point's first step on
         return self
@@ -72,15 +80,18 @@ class StepClock:
                   for ph, v in sorted(self.steps.items())}
         execute = sum(p["execute_s"] for p in phases.values())
         out = {"execute_s": execute, "host_s": wall - execute, "phases": phases}
+        if self.tiers is not None:                # this point's: the count since __enter__
+            out["tier_step_waits"] = self.tiers.stats.step_waits - self.waits0
         if self.collectives is not None:
             out["collectives"] = self.collectives.report()
         return out
 
 
 def run_point(engine, vocab: int, concurrency: int, in_len: int, out_len: int, rng, total: int | None = None,
-              params=None, loras: tuple = ()):
+              params=None, loras: tuple = (), series: bool = False):
     """params: every request's SamplingParams (default: greedy, out_len tokens, EOS ignored).
-    loras: adapter names the requests take in turn (request i the (i mod n)-th; none: the base)."""
+    loras: adapter names the requests take in turn (request i the (i mod n)-th; none: the base).
+    series: the point keeps every step's (phase, T, ms, tier bytes saved, tier waits) in order."""
     from infc.runtime.engine.sampling import SamplingParams
     params = params or SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
     total = total or max(4, 2 * concurrency)
@@ -115,7 +126,7 @@ def run_point(engine, vocab: int, concurrency: int, in_len: int, out_len: int, r
     return {"concurrency": concurrency, "requests": len(done), "wall_s": wall,
             "output_tok_s": sum(ntok.values()) / wall, "mean_tpot_ms": float(np.mean(tpot)),
             "median_ttft_ms": float(np.median(ttft)), "p99_ttft_ms": float(np.percentile(ttft, 99)),
-            "steps": clock.summary(wall)}
+            "steps": clock.summary(wall), **({"step_series": clock.series} if series else {})}
 
 
 def plot(res: dict, path: Path):
@@ -149,6 +160,9 @@ def main(argv=None):
     ap.add_argument("--out")
     ap.add_argument("--artifact", help="a built artifact to run as it is (one GPU; default: build or "
                                        "reuse .cache/artifacts/<model dir name>): A/B runs of two commits' plans")
+    ap.add_argument("--step-series", action="store_true",
+                    help="keep every step's phase, tokens, time and the host KV tier's bytes saved and "
+                         "waits so far in the result (where a tier's cost lands, step by step)")
     from infc.server.args import add_kv_offloading_args, add_load_format_arg, add_lora_serve_args, add_parallel_args
     add_load_format_arg(ap)
     add_parallel_args(ap)
@@ -207,7 +221,7 @@ def _sweep(a, b, conc, par, tag, gc_frozen: bool = False):
         res["kv_copies"] = getattr(tiers.copies, "mode", type(tiers.copies).__name__)
     run_point(engine, b.vocab_size, 2, 64, 8, rng, total=2, loras=loras)      # warm-up, not recorded
     for c in conc:
-        p = run_point(engine, b.vocab_size, c, a.input_len, a.output_len, rng, loras=loras)
+        p = run_point(engine, b.vocab_size, c, a.input_len, a.output_len, rng, loras=loras, series=a.step_series)
         ctx_avg = a.input_len + a.output_len / 2
         p["floor_tpot_ms"] = (runner.weights.bytes + c * (kv_per_token * ctx_avg + state_per_seq)) / bw * 1e3
         p["preemptions_total"] = engine.metrics.num_preemptions_total
@@ -220,6 +234,8 @@ def _sweep(a, b, conc, par, tag, gc_frozen: bool = False):
               f"{' (GPU idle; steps overlapped)' if engine.overlap else ''}; " + "; ".join(
             f"{ph}: {v['steps']} steps, {v['tokens']} tokens, {v['us_per_token']:.1f} us/token"
             for ph, v in st["phases"].items()), flush=True)
+        if "tier_step_waits" in st:
+            print(f"  host KV tier: {st['tier_step_waits']} steps waited on the device for its copies", flush=True)
         for program, ops in st.get("collectives", {}).items():
             print(f"  collectives in {program} steps (rank 0's stream): " + ", ".join(
                 f"{op} {v['ms'] / 1e3:.2f} s over {v['launches']}" for op, v in ops.items()), flush=True)

@@ -119,3 +119,27 @@ def test_requests_take_the_adapters_in_turn():
     run_point(engine, runner.vocab_size, 4, 8, 2, np.random.default_rng(0), total=6, loras=("a", "b", "c"))
     run_point(engine, runner.vocab_size, 2, 8, 2, np.random.default_rng(0), total=2)
     assert asked == ["a", "b", "c", "a", "b", "c", None, None]
+
+
+def test_the_step_series_is_every_step_in_order_with_the_tiers_copies():
+    """--step-series: one entry a step, in the order run, (phase, T, ms, the host tier's bytes saved
+    and steps made to wait by then); its tokens and times add up to the phases'; the tier's counts
+    never fall and the point's wait count is the series' last minus what came before the point."""
+    from test_kv_tier import OffloadConfig, TieredFake, _blocks_gib
+    runner = TieredFake(48, late=True)
+    engine = make_engine(runner, kv_offloading=OffloadConfig(_blocks_gib(1000)))
+    rng = np.random.default_rng(0)
+    run_point(engine, runner.vocab_size, 4, 40, 6, rng, total=4)          # fills the tier a first time
+    before = engine.tiers.stats.step_waits
+    p = run_point(engine, runner.vocab_size, 4, 40, 6, rng, total=12, series=True)
+    series, phases = p["step_series"], p["steps"]["phases"]
+    assert len(series) == sum(v["steps"] for v in phases.values())
+    for ph, v in phases.items():
+        mine = [s for s in series if s[0] == ph]
+        assert sum(s[1] for s in mine) == v["tokens"]
+        assert abs(sum(s[2] for s in mine) - v["execute_s"] * 1e3) < 1e-3 * len(mine)
+    saved, waits = [s[3] for s in series], [s[4] for s in series]
+    assert saved == sorted(saved) and waits == sorted(waits) and saved[-1] > 0
+    assert p["steps"]["tier_step_waits"] == engine.tiers.stats.step_waits - before > 0
+    assert waits[-1] - waits[0] <= p["steps"]["tier_step_waits"]
+    assert "step_series" not in run_point(engine, runner.vocab_size, 2, 8, 2, rng, total=2)

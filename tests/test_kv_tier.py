@@ -381,8 +381,12 @@ def test_outputs_with_tiers_equal_outputs_without(tmp_path, disk, late):
            else OffloadConfig(_blocks_gib(1000)))
     r = TieredFake(24, late=late)
     e = make_engine(r, kv_offloading=cfg)
+    waits, wait = [], r.copies.step_waits
+    r.copies.step_waits = lambda fence: waits.append(fence) or wait(fence)
     assert _serve(e, prompts, params) == want
     st = e.metrics.kv_offload
+    # each device wait a step was made to do (the fake copies without a stream give no fences)
+    assert st.step_waits == len(waits) and (len(waits) > 0) == late
     assert st.host_hit_tokens > 0 and st.bytes_to_host > 0 and st.bytes_to_device > 0
     assert e.metrics.external_prefix_cache_hits_total == st.host_hit_tokens + st.disk_hit_tokens
     assert e.metrics.external_prefix_cache_hits_total <= e.metrics.external_prefix_cache_queries_total

@@ -517,7 +517,9 @@ models.model_dir('$q')" 2>&1 | tail -3
       # with the host KV tier off and on (--kv-offloading-size TIER_GIB, default 32: every finished
       # sequence's blocks are copied out), alternating TIER_RUNS (default 2) times, same engine flags
       # otherwise. TIER_VARIANTS (default "off on") names the runs: off, on, or NAME=ENV=VALUE,...
-      # (the tier on under those variables, e.g. mapped=INFC_KV_SAVE_STAGING_BYTES=0): *-NAME-runN.json
+      # (the tier on under those variables, e.g. mapped=INFC_KV_SAVE_STAGING_BYTES=0): *-NAME-runN.json;
+      # TIER_ARGS adds flags to bench throughput (default --step-series: every step's time and the
+      # tier's copies and waits by then, to tell which steps a tier slows)
       mkdir -p "$OUT/tier"
       for run in $(seq ${TIER_RUNS:-2}); do
         for v in ${TIER_VARIANTS:-off on}; do
@@ -526,7 +528,8 @@ models.model_dir('$q')" 2>&1 | tail -3
           say "tier-throughput: $name, --kv-offloading-size $gib $envs (run $run)"
           env $envs timeout ${THROUGHPUT_S:-300} python3 -m infc.cli bench throughput \
             --model-path .cache/gpu/configs/qwen3-4b --load-format dummy --concurrency ${TIER_CONCURRENCY:-256} \
-            --kv-offloading-size $gib --out "$OUT/tier" 2>&1 | quiet | grep -E "concurrency|wrote|rror" | tail -4
+            --kv-offloading-size $gib --out "$OUT/tier" ${TIER_ARGS:---step-series} 2>&1 | quiet \
+            | grep -E "concurrency|host KV tier|wrote|rror" | tail -5
           f=$(ls -t "$OUT"/tier/throughput-*.json | grep -v -- '-run[0-9]*\.json$' | head -1)
           cp "$f" "${f%.json}-$name-run$run.json"
         done

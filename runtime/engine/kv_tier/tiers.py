@@ -47,6 +47,7 @@ class TierStats:
     bytes_to_device: int = 0        # host -> device (restores)
     bytes_to_disk: int = 0
     bytes_from_disk: int = 0
+    step_waits: int = 0             # steps made to wait (on the device) for a save or restore
     restore_seconds: Histogram = field(default_factory=lambda: Histogram(_RESTORE))
 
 
@@ -262,6 +263,7 @@ class KVTiers:
             self._fetch_seconds = 0.0
         if self.step_fence is not None:
             self.copies.step_waits(self.step_fence)
+            self.stats.step_waits += 1
             self.step_fence = None
         if before_launch:
             self.freed.clear()
