@@ -93,6 +93,8 @@ def test_device_blocks_move_the_same_bytes_as_host_blocks(fake_driver, kernel, s
     assert copies.block_bytes == host.block_bytes == C.page_bytes(DECL, PS)
     assert (copies.kernel is not None) == kernel
     assert (copies.stage_rows if kernel else 0) == staged
+    if staged:                                           # chained: no stream of the gathers' own
+        assert (copies.gather_stream is copies.stream) == bool(chained)
     slab = copies.make_slab(8)
     pages, rows = [3, 4, 5, 9, 0], [2, 3, 4, 7, 0]     # a run of three, then single pages
     ctx.num_copies, launched = 0, len(fake_driver.launches)

@@ -77,7 +77,7 @@ class DeviceCopies:
                 if self.stage_rows:
                     # the saves' own stream, pairs table (restores upload theirs on the copy
                     # stream meanwhile) and, a staging half, events: gathered / copied out
-                    self.gather_stream = ctx.new_stream()
+                    self.gather_stream = self.stream if self.chained else ctx.new_stream()
                     self._save_pairs = ctx.alloc(self.max_pairs * 8)
                     self._gathered = [ctx.event(), ctx.event()]
                     self._copied = [ctx.event(), ctx.event()]
@@ -147,9 +147,8 @@ class DeviceCopies:
         chunk block k into its half's block k (one launch, once the copies out of that half's last
         chunk are done); on the copy stream, once the gather is done, each run of consecutive rows
         to the slab (the copy engine). Neither stream holds a kernel waiting on a copy of its own."""
+        # G: the gathers' stream; the copy stream itself under INFC_KV_SAVE_CHAINED (the A/B)
         ctx, bb, G = self.ctx, self.block_bytes, self.gather_stream
-        if self.chained:                                # the A/B: everything on the copy stream
-            G = self.stream
         halves = 2 if self.stage_rows >= 2 else 1
         half = self.stage_rows // halves
         ctx.wait_event(self.mark, G)                    # the steps that wrote the pages
