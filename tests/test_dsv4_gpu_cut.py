@@ -7,7 +7,7 @@ checked on the CPU:
 - bench/cache_bytes.py: the caches' bytes per token against an uncompressed layout and the bytes a
   decode step reads, by hand from the cache declarations (the sliding branch's rows bounded by the
   window, the compressed sparse entries by the indexer's top-k);
-- bench/active_floor.py on the cut: the routed experts read k of E (hash-routed layers too, whose
+- bench/active_floor.py on the cut: the experts read k of E and the shared one folded in after them (hash-routed layers too, whose
   routing launch carries no k: the table's width), one row of the hash table, and the floor's cache
   term the bytes read (cache_bytes.read_bytes), on a latency result made with bench latency's terms;
 - `infc build --no-compile` of the cut (EXHAUSTIVE: it renders 88 kernels, ~8 s).
@@ -72,8 +72,11 @@ def test_active_floor_reads_k_of_e_experts_and_the_window(cut):
     _, plan = cut
     by = af.active_bytes(plan)
     H, Fe, E, K = 4096, 2048, 16, 6
-    assert by["we_gate_up"] == 3 * K * (2 * Fe * H * 2)          # every layer, hash-routed or not
-    assert by["we_down"] == 3 * K * (H * Fe * 2)
+    # every layer, hash-routed or not, reads k routed experts and the shared one folded in after
+    # them (compiler/passes/fold_shared_experts.py)
+    assert by["wes_gate_up"] == 3 * (K + 1) * (2 * Fe * H * 2)
+    assert by["wes_down"] == 3 * (K + 1) * (H * Fe * 2)
+    assert not any(n.startswith("ws_") for n in by)
     assert by["table"] == 2 * K * 4                              # one token's row, two hash layers
     assert by["embed"] == H * 2 and by["lm_head"] == 129280 * H * 2
     total = af.weight_bytes(plan)

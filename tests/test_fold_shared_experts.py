@@ -89,3 +89,41 @@ def test_left_alone_where_not_the_same_function(tmp_path, edit):
     state, plan = compile_model("deepseek-v2-lite", spec_path=str(f))
     assert "ws_down" in plan["weights"] and "wes_down" not in plan["weights"]
     assert all("shared" not in l.get("attrs", {}) for l, _ in launches(plan["programs"]["decode"]))
+
+
+V4_SPEC = SPEC.with_name("deepseek_v4.yaml")
+V4_CLAMPED = "silu(clamp(linear(h, ws_gate), max=limit))"
+
+
+def _v4_plan(tmp_path, spec=None):
+    """DeepSeek-V4-Flash's GPU cut (bf16, tests/gpu/gpu_families.py): hash-routed and scored layers."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+    import gpu_families
+    d = gpu_families.write_config(gpu_families.DSV4_CUT, tmp_path / "cut")
+    return compile_model(model_dir=str(d), spec_path=spec, check_checkpoint=False)[1]
+
+
+def test_deepseek_v4s_clamped_shared_expert_folds_under_either_router(tmp_path):
+    """DeepSeek-V4: the shared MLP silu(clamp(gate, max=L)) * clamp(up, -L, L) is the experts' own
+    clamped_silu, so it folds under the hash router (moe_route_table, weighing by the router's
+    logits) and the scored one alike: each routes k + 1 slots over E + 1 experts, and no launch
+    reads a shared weight of its own."""
+    plan = _v4_plan(tmp_path)
+    assert not any(w.startswith("ws_") for w in plan["weights"])
+    assert plan["weights"]["wes_down"]["shape"][0] == 17
+    routes = [(l["op"], l["attrs"].get("shared")) for l, _ in unrolled(plan["programs"]["decode"])
+              if l["op"].startswith("moe_route")]
+    assert sorted(routes) == [("moe_route_align", 1), ("moe_route_table", 1), ("moe_route_table", 1)]
+
+
+@pytest.mark.parametrize("edit", [(V4_CLAMPED, "silu(linear(h, ws_gate))"),
+                                  (V4_CLAMPED, "silu(clamp(linear(h, ws_gate), max=2.0))")])
+def test_deepseek_v4s_shared_expert_left_alone_where_its_clamp_differs(tmp_path, edit):
+    src = V4_SPEC.read_text()
+    assert edit[0] in src
+    f = tmp_path / "deepseek_v4.yaml"
+    f.write_text(src.replace(edit[0], edit[1]))
+    plan = _v4_plan(tmp_path, str(f))
+    assert "ws_down" in plan["weights"] and "wes_down" not in plan["weights"]
+    assert all(not l.get("attrs", {}).get("shared") for l, _ in launches(plan["programs"]["decode"]))

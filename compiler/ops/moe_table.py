@@ -12,6 +12,10 @@ frozen; the weights are the router's scores of the chosen experts,
     (routed_scaling_factor). logits, scoring, normalize and scale are extra (absent: the plans of
     specs that don't give them are unchanged); scoring, normalize and scale need logits.
 
+shared = n > 0 (compiler/passes/fold_shared_experts.py sets it, as moe_route's): every token also
+names the always-on experts E .. E + n - 1 (the model's shared experts stacked after the E routed
+ones; E from logits, which it needs) in slots K .. K + n - 1, with weight 1 (unscaled, unnormalized).
+
 `ids` is the step's tokens; a layer graph sees them where the model carries them through the
 layers (`x, tok = layers(x, tokens)`, the body reassigning `tokens = view(tokens, [T])`)."""
 import numpy as np
@@ -22,7 +26,7 @@ from .base import expect, op, tt
 SCORING = ("softmax", "sigmoid", "sqrtsoftplus")
 
 
-TABLE_EXTRA = {"scoring": "softmax", "normalize": False, "scale": 1.0}
+TABLE_EXTRA = {"scoring": "softmax", "normalize": False, "scale": 1.0, "shared": 0}
 
 
 def _infer(types, attrs):
@@ -30,9 +34,13 @@ def _infer(types, attrs):
     expect(len(ids.shape) == 1 and ids.dtype == "i32", f"moe_route_table ids must be i32 [T] (token ids), got {ids}")
     expect(len(table.shape) == 2 and table.dtype == "i32",
            f"moe_route_table table must be an i32 [V, K] weight (declare it with dtype: i32), got {table}")
-    scored = [a for a in TABLE_EXTRA if a in attrs]
+    scored = [a for a in TABLE_EXTRA if a in attrs and a != "shared"]
     expect(logits or not scored,
            f"moe_route_table: {', '.join(scored)} weigh the chosen experts by the router's scores: give logits=")
+    shared = attrs.get("shared", 0)
+    expect(isinstance(shared, int) and not isinstance(shared, bool) and shared >= 0,
+           f"moe_route_table shared must be a non-negative int, got {shared!r}")
+    expect(logits or not shared, "moe_route_table shared experts are numbered after the router's E: give logits=")
     if logits:
         lg = logits[0]
         expect(len(lg.shape) == 2 and lg.shape[0] == ids.shape[0],
@@ -43,7 +51,8 @@ def _infer(types, attrs):
                f"moe_route_table normalize must be true or false, got {attrs.get('normalize')!r}")
         sc = attrs.get("scale", 1.0)
         expect(isinstance(sc, (int, float)) and not isinstance(sc, bool), f"moe_route_table scale must be a number, got {sc!r}")
-    return [tt((ids.shape[0], table.shape[1]), "f32"), tt((ids.shape[0], table.shape[1]), "i32")]
+    n = table.shape[1] + shared
+    return [tt((ids.shape[0], n), "f32"), tt((ids.shape[0], n), "i32")]
 
 
 def scores(logits, scoring):
@@ -57,14 +66,20 @@ def scores(logits, scoring):
     return p / p.sum(-1, keepdims=True)
 
 
-def route_table(ctx, ids, table, *logits, scoring="softmax", normalize=False, scale=1.0, has_logits=False):
+def route_table(ctx, ids, table, *logits, scoring="softmax", normalize=False, scale=1.0, shared=0,
+                has_logits=False):
     experts = np.asarray(table)[np.asarray(ids, np.int64)].astype(np.int32)
     if not logits:
         return np.ones(experts.shape, np.float32), np.ascontiguousarray(experts)
     w = np.take_along_axis(scores(logits[0], scoring), experts.astype(np.int64), axis=-1)
     if normalize:
         w = w / w.sum(-1, keepdims=True)
-    return (w * np.float32(scale)).astype(np.float32), np.ascontiguousarray(experts)
+    w = (w * np.float32(scale)).astype(np.float32)
+    if shared:
+        T, E = len(experts), np.shape(logits[0])[-1]
+        w = np.concatenate([w, np.ones((T, shared), np.float32)], axis=1)
+        experts = np.concatenate([experts, np.broadcast_to(np.arange(E, E + shared, dtype=np.int32), (T, shared))], axis=1)
+    return w, np.ascontiguousarray(experts)
 
 
 op(name="moe_route_table", tensors=["ids", "table"], keyword_optional=["logits"], extra_attrs=TABLE_EXTRA, infer=_infer, reference=route_table, n_outputs=2,

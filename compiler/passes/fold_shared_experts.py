@@ -14,9 +14,11 @@ the shared weights stream inside the expert kernels, which are wider launches.
 
 Matched only where the rewrite is plainly the same function: the shared SwiGLU written as
 linear(mul(ACT(linear(h, gate_s)), linear(h, up_s)), down_s) with no biases or output dtypes,
-ACT the experts' own activation (silu), every intermediate used once, the add's other input the
-moe_experts output itself, the routing weights and ids moe_route's own outputs (so not after an
-expert-parallel or data-parallel dispatch, whose ids name ranks' experts), and Fs a multiple of
+ACT the experts' own activation (silu; or DeepSeek-V4's clamped_silu, the shared MLP written
+silu(clamp(gate, max=L)) * clamp(up, -L, L) with the experts' own limit L), every intermediate
+used once, the add's other input the moe_experts output itself, the routing weights and ids
+moe_route's own outputs, or moe_route_table's where it weighs by the router's logits (so not after
+an expert-parallel or data-parallel dispatch, whose ids name ranks' experts), and Fs a multiple of
 Fe. Anything else (a gated shared expert as Qwen2-MoE's, a tensor-parallel rank's partial sums)
 is left as written. So are the experts of a quantized checkpoint that quantizes any of them
 (Kimi-K2: int4 routed experts, bf16 shared ones): a stack mixing both would be neither, so the
@@ -32,8 +34,18 @@ def _plain_linear(n) -> bool:
         and not n.attrs.get("out_dtype")
 
 
-def _shared_mlp(g, value, h):
-    """[down, mul, act, gate, up] nodes of a SwiGLU of `h` producing `value`, or None."""
+def _clamped(g, value, lo, hi):
+    """The single-use clamp(x, min=lo, max=hi) node producing `value`, or None."""
+    c = _only(g, value, "clamp")
+    if c is None or c.attrs.get("min") != lo or c.attrs.get("max") != hi:
+        return None
+    return c
+
+
+def _shared_mlp(g, value, h, limit=None):
+    """[down, mul, act, gate, up, clamps...] nodes of a SwiGLU of `h` producing `value`, or None.
+    limit: DeepSeek-V4's clamped form, the experts' act "clamped_silu" (compiler/ops/gated_act.py),
+    silu(clamp(gate, max=limit)) * clamp(up, -limit, limit)."""
     down = _only(g, value, "linear")
     mul = down and _only(g, down.inputs[0], "mul")
     if not _plain_linear(down) or mul is None or len(mul.inputs) != 2:
@@ -42,10 +54,25 @@ def _shared_mlp(g, value, h):
         act = g.producer(a)
         if _activation(act) != "silu" or _single_user(g, a) is None:
             continue
-        gate, up = _only(g, act.inputs[0], "linear"), _only(g, b, "linear")
+        gate_in, up_in, clamps = act.inputs[0], b, []
+        if limit is not None:
+            cg, cu = _clamped(g, gate_in, None, limit), _clamped(g, up_in, -limit, limit)
+            if cg is None or cu is None:
+                continue
+            gate_in, up_in, clamps = cg.inputs[0], cu.inputs[0], [cg, cu]
+        gate, up = _only(g, gate_in, "linear"), _only(g, up_in, "linear")
         if _plain_linear(gate) and _plain_linear(up) and gate is not up and gate.inputs[0] == up.inputs[0] == h:
-            return [down, mul, act, gate, up]
+            return [down, mul, act, gate, up] + clamps
     return None
+
+
+def _route_folds(g, route, experts) -> bool:
+    """The router whose outputs are the experts' weights and ids, unshared yet, and able to append
+    always-on slots: moe_route, or moe_route_table with the router's logits (E from them)."""
+    if route is None or route.attrs.get("shared") or route.outputs != [experts.inputs[1], experts.inputs[2]] \
+            or any(_single_user(g, v) is not experts for v in route.outputs):
+        return False
+    return route.op == "moe_route" or (route.op == "moe_route_table" and bool(route.attrs.get("has_logits")))
 
 
 def _folded_name(name: str) -> str:
@@ -57,7 +84,7 @@ def _folded_name(name: str) -> str:
 def _fold(state, g, experts, add, shared_nodes):
     x, w, ids, gate, up, down = experts.inputs
     route = g.producer(ids)
-    down_s, _, _, gate_s, up_s = shared_nodes
+    down_s, gate_s, up_s = shared_nodes[0], shared_nodes[3], shared_nodes[4]
     E, Fe, H = g.values[gate].type.shape
     Fs = g.values[gate_s.inputs[1]].type.shape[0]
     n = Fs // Fe
@@ -78,7 +105,8 @@ def _fold(state, g, experts, add, shared_nodes):
                     {"concat": [src(down)] + chunks, "axis": 0}, layers)
     route.attrs["shared"] = n
     experts.inputs = [x, w, ids, new[gate], new[up], new[down]]
-    experts.fused_from = list(experts.fused_from or [experts.op]) + ["linear", "silu", "linear", "mul", "linear", "add"]
+    experts.fused_from = list(experts.fused_from or [experts.op]) + ["linear", "silu", "linear", "mul", "linear", "add"] \
+        + ["clamp"] * (len(shared_nodes) - 5)
     g.replace_uses(add.outputs[0], experts.outputs[0])
     dropped = {gate, up, down, gate_s.inputs[1], up_s.inputs[1], ws_down}
     for nd in [add] + shared_nodes:
@@ -111,14 +139,15 @@ def fold_shared_experts(state):
             other = add.inputs[1] if add.inputs[0] == y else add.inputs[0]
             if other == y:
                 continue
-            if len(experts.inputs) != 6 or experts.attrs.get("act", "silu") != "silu" \
+            act = experts.attrs.get("act", "silu")
+            if len(experts.inputs) != 6 or act not in ("silu", "clamped_silu") \
                     or experts.attrs.get("weigh", "output") != "output":
                 continue                 # biased or other-activation experts: a shared MLP differs
-            shared = _shared_mlp(g, other, experts.inputs[0])
-            route = g.producer(experts.inputs[2])
-            if shared is None or route is None or route.op != "moe_route" or route.attrs.get("shared") \
-                    or route.outputs != [experts.inputs[1], experts.inputs[2]] \
-                    or any(_single_user(g, v) is not experts for v in route.outputs):
+            limit = experts.attrs.get("limit") if act == "clamped_silu" else None
+            if act == "clamped_silu" and not isinstance(limit, (int, float)):
+                continue
+            shared = _shared_mlp(g, other, experts.inputs[0], limit)
+            if shared is None or not _route_folds(g, g.producer(experts.inputs[2]), experts):
                 continue
             E, Fe, _ = g.values[experts.inputs[3]].type.shape
             gate_s, up_s, down_s = shared[3].inputs[1], shared[4].inputs[1], shared[0].inputs[1]

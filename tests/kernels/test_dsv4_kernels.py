@@ -102,22 +102,29 @@ def test_hc_collapse_expand_streams(dtype):
     np.testing.assert_array_equal(f32(out), ref("hc_streams", f32(y), n=n))
 
 
-@pytest.mark.parametrize("scoring,normalize,scale", [("sqrtsoftplus", True, 1.5), ("softmax", False, 1.0),
-                                                     ("sigmoid", True, 2.0)])
-def test_route_table_scored(scoring, normalize, scale):
+@pytest.mark.parametrize("scoring,normalize,scale,shared", [("sqrtsoftplus", True, 1.5, 0), ("softmax", False, 1.0, 0),
+                                                            ("sigmoid", True, 2.0, 0), ("sqrtsoftplus", True, 1.5, 1),
+                                                            ("softmax", False, 1.0, 3)])
+def test_route_table_scored(scoring, normalize, scale, shared):
+    """shared: the shared experts folded in (fold_shared_experts) as slots K .. K + shared - 1,
+    experts E .. E + shared - 1 at weight 1 after the table's (3 slots pad to 4 lanes)."""
     gen = np.random.default_rng(5)
     T, V, K, E = 70, 40, 3, 9
     table = torch.from_numpy(np.stack([gen.choice(E, K, replace=False) for _ in range(V)]).astype(np.int32))
     ids = torch.from_numpy(gen.integers(0, V, T).astype(np.int32))
     logits = rand((T, E), "f32", 3.0, gen)
     logits[0, :] = -30.0          # sqrtsoftplus's tail (log1p's series)
-    attrs = {"has_logits": True, "scoring": scoring, "normalize": normalize, "scale": scale}
+    attrs = {"has_logits": True, "scoring": scoring, "normalize": normalize, "scale": scale,
+             **({"shared": shared} if shared else {})}
+    KO = K + shared
     k = render("moe_route_table", "moe_route_table", [("ids", ["T"], "i32"), ("table", [V, K], "i32", "weight"),
                                                       ("logits", ["T", E], "f32")],
-               [("w", ["T", K], "f32"), ("e", ["T", K], "i32")], attrs=attrs)
-    w, e = poison((T + 2, K), "f32"), poison((T + 2, K), "i32")
+               [("w", ["T", KO], "f32"), ("e", ["T", KO], "i32")], attrs=attrs)
+    w, e = poison((T + 2, KO), "f32"), poison((T + 2, KO), "i32")
     run(k, {"in:0": ids, "in:1": table, "in:2": logits, "out:0": w, "out:1": e}, {"T": T, "B": 1})
     want_w, want_e = ref("moe_route_table", ids.numpy(), table.numpy(), logits.numpy(), **attrs)
+    assert want_e.shape == (T, KO) and (want_e[:, K:] == np.arange(E, E + shared)).all()
+    assert (want_w[:, K:] == 1.0).all()
     assert np.array_equal(e[:T].numpy(), want_e)
     np.testing.assert_allclose(w[:T].numpy(), want_w, rtol=3e-5, atol=1e-6)   # log(1 + u) in f32 vs log1p
     assert torch.isnan(w[T:]).all() and (e[T:] == -7777).all(), "wrote rows past T"
