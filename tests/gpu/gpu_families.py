@@ -358,6 +358,19 @@ def _class_router(p, g, signs, logit: float, share: float, noise: float):
     p += (gain * signs.to(p.device).T @ d).to(p.dtype)
 
 
+def _class_rule(pname, p, g, classes: int, embed: tuple, router: tuple, signs) -> bool:
+    """DeepSeek-V3's and V4's decisive fixtures: the embedding (embed: noise, scale) and a scored
+    router (router: logit, share, noise; signs: () -> [classes, E], None where the router is not
+    drawn so, e.g. V4's hash-routed layers). True where it drew the parameter."""
+    if pname == "model.embed_tokens.weight":
+        _class_embedding(p, g, classes, *embed)
+        return True
+    if pname.endswith("mlp.gate.weight") and signs is not None:
+        _class_router(p, g, signs(), *router)
+        return True
+    return False
+
+
 def _gpt_oss_rule(pname, p, g, config=None) -> bool:
     """GPT-OSS's decisive-routing fixture (the comment above)."""
     import torch
@@ -465,13 +478,8 @@ def _deepseek_v2_rule(pname, p, g, config=None) -> bool:
     """DeepSeek-V3's decisive-routing fixture (the comment above); DeepSeek-V2 keeps the generic draws."""
     if config is None or not _dsv3_decisive(config):
         return False
-    if pname == "model.embed_tokens.weight":
-        _class_embedding(p, g, DSV3_CLASSES, DSV3_EMBED_NOISE, DSV3_EMBED_CLASS)
-        return True
-    if pname.endswith("mlp.gate.weight"):
-        _class_router(p, g, dsv3_signs(config), DSV3_LOGIT, DSV3_CLASS_SHARE, DSV3_ROUTER_NOISE)
-        return True
-    return False
+    return _class_rule(pname, p, g, DSV3_CLASSES, (DSV3_EMBED_NOISE, DSV3_EMBED_CLASS),
+                       (DSV3_LOGIT, DSV3_CLASS_SHARE, DSV3_ROUTER_NOISE), lambda: dsv3_signs(config))
 
 
 # DeepSeek-V4's fixture (issue 47, bench/NOTES.md). Its cut's third layer routes by score: sqrtsoftplus
@@ -531,15 +539,9 @@ def _deepseek_v4_rule(pname, p, g, config=None) -> bool:
         return True
     if config is None or not _dsv4_decisive(config):
         return False
-    if pname == "model.embed_tokens.weight":
-        _class_embedding(p, g, DSV4_CLASSES, DSV4_EMBED_NOISE, DSV4_EMBED_CLASS)
-        return True
-    if pname.endswith("mlp.gate.weight"):
-        if config.mlp_layer_types[int(pname.split(".")[2])] == "hash_moe":
-            return False
-        _class_router(p, g, dsv4_signs(config), DSV4_LOGIT, DSV4_CLASS_SHARE, DSV4_ROUTER_NOISE)
-        return True
-    return False
+    scored = pname.endswith("mlp.gate.weight") and config.mlp_layer_types[int(pname.split(".")[2])] != "hash_moe"
+    return _class_rule(pname, p, g, DSV4_CLASSES, (DSV4_EMBED_NOISE, DSV4_EMBED_CLASS),
+                       (DSV4_LOGIT, DSV4_CLASS_SHARE, DSV4_ROUTER_NOISE), (lambda: dsv4_signs(config)) if scored else None)
 
 
 def _routing_buffers(model, g):
