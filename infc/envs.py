@@ -63,9 +63,12 @@ REGISTRY = {v.name: v for v in (
         "bound, PROGRAMS in codegen_templates/triton/block_copy.py.j2)"),
     Var("INFC_KV_SAVE_CHAINED", "flag", False, "a host KV tier save's gathers and copies in turn "
         "on the copy stream, as before the gathers got a stream of their own (1: on, an A/B switch)"),
+    Var("INFC_KV_SAVE_HALVES", "int", 2, "parts of the staging buffer a host KV tier save's "
+        "gathers fill in turn on their own stream (1: each gather waits for the copy out of the "
+        "chunk before it, the chained form's pacing off the copy stream; an A/B switch)"),
     Var("INFC_STEP_STREAM_PRIORITY", "flag", False, "the steps' stream at the device's greatest "
         "priority, the KV tiers' copy and gather streams at the least, so their blocks yield SMs "
-        "to a step (1: on; an A/B switch, not yet measured on a GPU)"),
+        "to a step (1: on; an A/B switch: no change to 1024/128 x 256 throughput on an H200)"),
     Var("INFC_EP_GATHER", "flag", False, "expert-parallel dispatch of replicated rows: gather the "
         "owners' rows over NCCL anyway instead of selecting them locally (1: on, an A/B switch)"),
     Var("INFC_COLLECTIVE_CLOCK", "flag", False, "time each rank's collectives on its stream, by op "

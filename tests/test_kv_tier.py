@@ -62,9 +62,10 @@ def test_host_blocks_restore_numpy_pages_bit_identical():
     assert slab[[2, 3, 5]].sum() == 0                   # rows not named are untouched
 
 
-@pytest.mark.parametrize("kernel,staged,chained", [(False, 0, 0), (True, 0, 0), (True, 1, 0), (True, 2, 0),
-                                                   (True, 4, 0), (True, 4, 1)])
-def test_device_blocks_move_the_same_bytes_as_host_blocks(fake_driver, kernel, staged, chained, monkeypatch):
+@pytest.mark.parametrize("kernel,staged,chained,halves", [(False, 0, 0, 2), (True, 0, 0, 2), (True, 1, 0, 2),
+                                                          (True, 2, 0, 2), (True, 4, 0, 2), (True, 4, 1, 2),
+                                                          (True, 4, 0, 1), (True, 4, 0, 3)])
+def test_device_blocks_move_the_same_bytes_as_host_blocks(fake_driver, kernel, staged, chained, halves, monkeypatch):
     """The CUDA runner's copies over fake memory, on the copy stream: 2D copies per region and
     run, or (kernel) the plan's block_copy kernel, run by the interpreter, on the mapped slab;
     staged: saves gathered into a device buffer of that many blocks, then copied out a run of
@@ -89,6 +90,7 @@ def test_device_blocks_move_the_same_bytes_as_host_blocks(fake_driver, kernel, s
                      fake_driver.Module(src.source.encode()).function(src.meta["entry"]))
     monkeypatch.setenv("INFC_KV_SAVE_STAGING_BYTES", str(staged * C.page_bytes(DECL, PS)))
     monkeypatch.setenv("INFC_KV_SAVE_CHAINED", str(chained))   # the gathers on the copy stream
+    monkeypatch.setenv("INFC_KV_SAVE_HALVES", str(halves))     # the staging buffer's parts
     copies = DeviceCopies(ctx, dev, k)
     assert copies.block_bytes == host.block_bytes == C.page_bytes(DECL, PS)
     assert (copies.kernel is not None) == kernel
@@ -99,10 +101,13 @@ def test_device_blocks_move_the_same_bytes_as_host_blocks(fake_driver, kernel, s
     pages, rows = [3, 4, 5, 9, 0], [2, 3, 4, 7, 0]     # a run of three, then single pages
     ctx.num_copies, launched = 0, len(fake_driver.launches)
     f = copies.save(pages, rows)
-    # 3 runs, 6 paged regions; or the pairs' upload and one launch; staged in chunks of half the
-    # staging buffer (4: rows [2, 3], [4, 7], [0]; 2 and 1: a block a chunk): the upload, a launch
-    # a chunk and a copy a run of rows in it
-    want_calls = {4: (1 + 4, 3), 2: (1 + 5, 5), 1: (1 + 5, 5)}[staged] if staged else (1, 1) if kernel else (3 * 6, 0)
+    # 3 runs, 6 paged regions; or the pairs' upload and one launch; staged in chunks of a part of
+    # the staging buffer (4 in halves: rows [2, 3], [4, 7], [0]; 4 whole: [2, 3, 4, 7], [0]; 4 in
+    # 3 parts of 1; 2 and 1: a block a chunk): the upload, a launch a chunk and a copy a run of rows in it
+    want_calls = ({4: {2: (1 + 4, 3), 1: (1 + 3, 2), 3: (1 + 5, 5)}[halves], 2: (1 + 5, 5), 1: (1 + 5, 5)}[staged]
+                  if staged else (1, 1) if kernel else (3 * 6, 0))
+    if staged:
+        assert copies.halves == min(halves, staged) and len(copies._copied) == copies.halves
     assert (ctx.num_copies, len(fake_driver.launches) - launched) == want_calls
     want = np.zeros_like(slab)
     host.read_pages(pages, want, rows)

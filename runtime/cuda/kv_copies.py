@@ -76,12 +76,14 @@ class DeviceCopies:
                 self._stage = ctx.alloc(self.stage_rows * self.block_bytes) if self.stage_rows else None
                 if self.stage_rows:
                     # the saves' own stream, pairs table (restores upload theirs on the copy
-                    # stream meanwhile) and, a staging half, events: gathered / copied out
+                    # stream meanwhile) and, a staging part (INFC_KV_SAVE_HALVES of them, 2 by
+                    # default: halves), events: gathered / copied out
                     self.gather_stream = self.stream if self.chained else ctx.new_stream()
                     self._save_pairs = ctx.alloc(self.max_pairs * 8)
-                    self._gathered = [ctx.event(), ctx.event()]
-                    self._copied = [ctx.event(), ctx.event()]
-                    for e in self._copied:               # both halves free at the start
+                    self.halves = max(1, min(envs.value("INFC_KV_SAVE_HALVES"), self.stage_rows))
+                    self._gathered = [ctx.event() for _ in range(self.halves)]
+                    self._copied = [ctx.event() for _ in range(self.halves)]
+                    for e in self._copied:               # every part free at the start
                         e.record(self.stream)
 
     @property
@@ -143,13 +145,14 @@ class DeviceCopies:
         self._gather("save" if to_host else "load", self._pairs, n)
 
     def _staged(self, staged, pages, rows):
-        """A save in chunks of half the staging buffer, the halves in turn: on the gather stream,
-        chunk block k into its half's block k (one launch, once the copies out of that half's last
-        chunk are done); on the copy stream, once the gather is done, each run of consecutive rows
-        to the slab (the copy engine). Neither stream holds a kernel waiting on a copy of its own."""
+        """A save in chunks of half the staging buffer (a part of it: INFC_KV_SAVE_HALVES), the
+        halves in turn: on the gather stream, chunk block k into its half's block k (one launch,
+        once the copies out of that half's last chunk are done); on the copy stream, once the gather
+        is done, each run of consecutive rows to the slab (the copy engine). Neither stream holds a
+        kernel waiting on a copy of its own. One part: each gather waits for the copy before it."""
         # G: the gathers' stream; the copy stream itself under INFC_KV_SAVE_CHAINED (the A/B)
         ctx, bb, G = self.ctx, self.block_bytes, self.gather_stream
-        halves = 2 if self.stage_rows >= 2 else 1
+        halves = self.halves
         half = self.stage_rows // halves
         ctx.wait_event(self.mark, G)                    # the steps that wrote the pages
         i = np.arange(len(pages))
