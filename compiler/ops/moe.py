@@ -104,16 +104,32 @@ def route_infer(types, attrs):
     return [tt((logits.shape[0], k + shared), "f32"), tt((logits.shape[0], k + shared), "i32")]
 
 
+def scores(logits, scoring):
+    """Every expert's router score [T, E] (f32): softmax, sigmoid or sqrtsoftplus of the logits."""
+    l = np.asarray(logits, np.float32)
+    if scoring == "sigmoid":
+        return 1.0 / (1.0 + np.exp(-l))
+    if scoring == "sqrtsoftplus":
+        return np.sqrt(softplus(l))
+    p = np.exp(l - l.max(-1, keepdims=True))
+    return p / p.sum(-1, keepdims=True)
+
+
+def with_shared(w, ids, num_experts: int, shared: int):
+    """The routers' always-on slots (fold_shared_experts): experts E .. E + shared - 1 after each
+    token's chosen ones, at weight 1."""
+    if not shared:
+        return w, ids
+    T = len(ids)
+    w = np.concatenate([w, np.ones((T, shared), np.float32)], axis=1)
+    ids = np.concatenate([ids, np.broadcast_to(np.arange(num_experts, num_experts + shared, dtype=np.int32),
+                                               (T, shared))], axis=1)
+    return w, ids
+
+
 def route(ctx, logits, *bias, k, normalize=False, groups=1, topk_groups=1, scale=1.0, shared=0,
           scoring="softmax", has_bias=False):
-    logits = logits.astype(np.float32)
-    if scoring == "sigmoid":
-        p = 1.0 / (1.0 + np.exp(-logits))
-    elif scoring == "sqrtsoftplus":
-        p = np.sqrt(softplus(logits))
-    else:
-        p = np.exp(logits - logits.max(-1, keepdims=True))
-        p /= p.sum(-1, keepdims=True)
+    p = scores(logits, scoring)
     c = p + bias[0].astype(np.float32) if bias else p      # the scores that choose
     if groups > 1:
         T, E = p.shape
@@ -134,10 +150,7 @@ def route(ctx, logits, *bias, k, normalize=False, groups=1, topk_groups=1, scale
         w = w / w.sum(-1, keepdims=True)
     if scale != 1.0:
         w = w.astype(np.float32) * np.float32(scale)
-    if shared:
-        T, E = p.shape
-        w = np.concatenate([w, np.ones((T, shared), np.float32)], axis=1)
-        ids = np.concatenate([ids, np.broadcast_to(np.arange(E, E + shared, dtype=np.int32), (T, shared))], axis=1)
+    w, ids = with_shared(w.astype(np.float32), ids, p.shape[1], shared)
     return w.astype(np.float32), np.ascontiguousarray(ids)
 
 

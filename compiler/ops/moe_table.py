@@ -20,10 +20,8 @@ ones; E from logits, which it needs) in slots K .. K + n - 1, with weight 1 (uns
 layers (`x, tok = layers(x, tokens)`, the body reassigning `tokens = view(tokens, [T])`)."""
 import numpy as np
 
-from .activation import softplus
 from .base import expect, op, tt
-
-SCORING = ("softmax", "sigmoid", "sqrtsoftplus")
+from .moe import SCORING, scores, with_shared
 
 
 TABLE_EXTRA = {"scoring": "softmax", "normalize": False, "scale": 1.0, "shared": 0}
@@ -55,17 +53,6 @@ def _infer(types, attrs):
     return [tt((ids.shape[0], n), "f32"), tt((ids.shape[0], n), "i32")]
 
 
-def scores(logits, scoring):
-    """Every expert's router score [T, E] (f32), as moe_route computes it."""
-    l = np.asarray(logits, np.float32)
-    if scoring == "sigmoid":
-        return 1.0 / (1.0 + np.exp(-l))
-    if scoring == "sqrtsoftplus":
-        return np.sqrt(softplus(l))
-    p = np.exp(l - l.max(-1, keepdims=True))
-    return p / p.sum(-1, keepdims=True)
-
-
 def route_table(ctx, ids, table, *logits, scoring="softmax", normalize=False, scale=1.0, shared=0,
                 has_logits=False):
     experts = np.asarray(table)[np.asarray(ids, np.int64)].astype(np.int32)
@@ -74,11 +61,7 @@ def route_table(ctx, ids, table, *logits, scoring="softmax", normalize=False, sc
     w = np.take_along_axis(scores(logits[0], scoring), experts.astype(np.int64), axis=-1)
     if normalize:
         w = w / w.sum(-1, keepdims=True)
-    w = (w * np.float32(scale)).astype(np.float32)
-    if shared:
-        T, E = len(experts), np.shape(logits[0])[-1]
-        w = np.concatenate([w, np.ones((T, shared), np.float32)], axis=1)
-        experts = np.concatenate([experts, np.broadcast_to(np.arange(E, E + shared, dtype=np.int32), (T, shared))], axis=1)
+    w, experts = with_shared((w * np.float32(scale)).astype(np.float32), experts, np.shape(logits[0])[-1], shared)
     return w, np.ascontiguousarray(experts)
 
 
