@@ -106,7 +106,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv | tee "$OUT/gpu.txt"
-if [ -n "$(echo " $STAGES " | sed -e 's/ families / /g' -e 's/ qwen35 / /g' -e 's/ ranks / /g' -e 's/ p2p / /g' -e 's/ deepseek / /g' -e 's/ dsv4 / /g' -e 's/ gptoss / /g' -e 's/ tier-probe / /g' -e 's/ tier-throughput / /g' -e "s/ moe / /g" -e 's/ profile-moe / /g' -e 's/ server-families / /g' -e 's/ twogpu[a-z-]* / /g' -e 's/ twogpu[a-z-]* / /g' | tr -d ' ')" ]; then   # a stage besides families / qwen35 / ranks / deepseek / dsv4 / profile-moe / server-families / twogpu*
+if [ -n "$(echo " $STAGES " | sed -e 's/ families / /g' -e 's/ qwen35 / /g' -e 's/ ranks / /g' -e 's/ p2p / /g' -e 's/ deepseek / /g' -e 's/ dsv4 / /g' -e 's/ gptoss / /g' -e 's/ cut-latency / /g' -e 's/ tier-probe / /g' -e 's/ tier-throughput / /g' -e "s/ moe / /g" -e 's/ profile-moe / /g' -e 's/ server-families / /g' -e 's/ twogpu[a-z-]* / /g' -e 's/ twogpu[a-z-]* / /g' | tr -d ' ')" ]; then   # a stage besides families / qwen35 / ranks / deepseek / dsv4 / profile-moe / server-families / twogpu*
   say "models"
   timeout 300 python3 -c "import sys; sys.path.insert(0,'tests/gpu'); import models; [models.model_dir(m) for m in ('qwen3-4b','llama-3.2-1b','tiny-moe','skipgram')]" 2>&1 | tail -12
   say "models ready"
@@ -546,6 +546,20 @@ models.model_dir('$q')" 2>&1 | tail -3
         env $envs timeout ${PROBE_S:-90} python3 tools/experiments/tier_hit_probe.py .cache/gpu/configs/qwen3-4b \
           "$OUT/tier-probe/$name.json" $var --lengths ${PROBE_LENGTHS:-16384,32768} 2>&1 | quiet \
           | grep -E "L=|rror" | sed "s/^on     /$name /" | tail -6
+      done ;;
+    cut-latency)
+      # issue 45: batch-1 TPOT / TTFT of the golden gates' layer cuts (CUTS, each prepared by
+      # `INFC_GPU_FAMILIES=<cut> prepare.py families`) with dummy weights, against the active floor
+      for name in ${CUTS:-gpt-oss-20b-l4 deepseek-v3-l5}; do
+        art=.cache/gpu/$name-art cfg=.cache/gpu/configs/$name
+        mkdir -p "$OUT/cut-latency/$name"
+        python3 tests/gpu/rerender.py $art 2>&1 | tail -1
+        timeout ${LATENCY_S:-150} python3 -m infc.cli bench latency --artifact $art --model-path $cfg \
+          --load-format dummy --no-hf --prompts ${CUT_PROMPTS:-1024} --output-len 128 --out "$OUT/cut-latency/$name" \
+          2>&1 | quiet | tail -4
+        for f in "$OUT/cut-latency/$name"/latency-*.json; do
+          [ -f "$f" ] && python3 -m infc.bench.active_floor --artifact $art --latency "$f" --output-len 128 2>&1 | tail -4
+        done
       done ;;
     gptoss)
       # issue 45: GPT-OSS-20B at full depth (24 layers, MXFP4 experts, dummy weights, prepare.py
