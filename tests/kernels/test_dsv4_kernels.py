@@ -41,6 +41,23 @@ def test_hc_mix(dtype):
     assert torch.isnan(mix[2:]).all(), "wrote rows past B"
 
 
+@pytest.mark.parametrize("T", [1, 6, 20])
+def test_hc_mix_split_k(T):
+    """The few-token launches' split-K (fn read by SPLIT programs a token block, the last to arrive
+    adds their partials in order): 3 uneven K ranges of whole BLOCK_Ks; T = 20 is over SPLIT_ROWS
+    (16), one program a token block, no split."""
+    gen = np.random.default_rng(T)
+    n, H, M = 3, 40, 15                     # K = 120: BLOCK_K = 16 slices, ranges of 48, 48, 24
+    x, fn = rand((T, n, H), "bf16", gen=gen), rand((M, n * H), "f32", 0.1, gen)
+    k = render("hc_mix", "hc_mix", [("x", ["T", n, H], "bf16"), ("fn", [M, n * H], "f32", "weight")],
+               [("mix", ["T", M], "f32")], attrs={"eps": 1e-6}, tune={"SPLIT_K": 3, "BLOCK_K": 16})
+    assert k.meta["constexprs"]["ZMAX"] == 3
+    mix = poison((T + 1, M), "f32")
+    run(k, {"in:0": x, "in:1": fn, "out:0": mix}, {"T": T, "B": 1})
+    np.testing.assert_allclose(mix[:T].numpy(), ref("hc_mix", f32(x), fn.numpy(), eps=1e-6), rtol=1e-5, atol=1e-6)
+    assert torch.isnan(mix[T:]).all(), "wrote rows past T"
+
+
 @pytest.mark.parametrize("n,iters", [(3, 5), (4, 20)])
 def test_hc_weights(n, iters):
     gen = np.random.default_rng(n)
