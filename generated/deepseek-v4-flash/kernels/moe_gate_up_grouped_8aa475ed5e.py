@@ -142,7 +142,10 @@ def _w_raw(w_rows, k0, k_end, BK: tl.constexpr):
     j = k0 // 2 + tl.arange(0, BK // 2)[None, :]
     p = w_rows + j
     p = tl.multiple_of(p, [1, 16])
-    return tl.load(p, mask=2 * j < k_end, other=0, eviction_policy="evict_first")
+    # byte j holds codes 2j and 2j + 1: the mask is j < ceil(k_end / 2), written on j itself so the
+    # compiler sees it constant over runs of bytes (2 * j < k_end hid that: byte-wide loads, and the
+    # tensor-core paths lost their cp.async pipelining)
+    return tl.load(p, mask=j < (k_end + 1) // 2, other=0, eviction_policy="evict_first")
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 # moe_down (grouped): y[t, h] = bf16(sum_j bf16(r[t, j] * sum_f act[t, j, f] * w[e, h, f])),  e = ids[t, j]
-#   act [T, 4, 2880] bf16, r f32 [T, 4], ids i32 [T, 4], w [32, 2880, 2880] bf16,
-#   rows i32 [32, T] / counts i32 [32] (moe_align: the tokens of each expert), y [T, 2880] bf16;
+#   act [T, 4, 2880] bf16, r f32 [T, 4], ids i32 [T, 4], w [128, 2880, 2880] bf16,
+#   rows i32 [128, T] / counts i32 [128] (moe_align: the tokens of each expert), y [T, 2880] bf16;
 #   fp32 sums; each slot's weighted sum is rounded to bf16 once, then the slots are added in fp32
 #   in slot order j = 0 .. 3.
 #
@@ -161,7 +161,10 @@ def _w_raw(w_rows, k0, k_end, BK: tl.constexpr):
     j = k0 // 2 + tl.arange(0, BK // 2)[None, :]
     p = w_rows + j
     p = tl.multiple_of(p, [1, 16])
-    return tl.load(p, mask=2 * j < k_end, other=0, eviction_policy="evict_first")
+    # byte j holds codes 2j and 2j + 1: the mask is j < ceil(k_end / 2), written on j itself so the
+    # compiler sees it constant over runs of bytes (2 * j < k_end hid that: byte-wide loads, and the
+    # tensor-core paths lost their cp.async pipelining)
+    return tl.load(p, mask=j < (k_end + 1) // 2, other=0, eviction_policy="evict_first")
 
 
 @triton.jit
@@ -296,11 +299,11 @@ META = {
                ["rows_ptr", "*i32", "in:4"], ["counts_ptr", "*i32", "in:5"],
                ["y_ptr", "*bf16", "out:0"], ["T", "i32", "dim:T"],
                ["part_ptr", "*bf16", "scratch:partials"], ["cnt_ptr", "*i32", "scratch:counters"], ["b_ptr", "*bf16", "in:6"], ["w_scale_ptr", "*fp32", "in:7"]],
-    "constexprs": {"H": 2880, "F": 2880, "KT": 4, "KTP": 4, "E": 32,
-                   "BLOCK_E": 32, "BLOCK_M": 128, "BLOCK_H": 256,
+    "constexprs": {"H": 2880, "F": 2880, "KT": 4, "KTP": 4, "E": 128,
+                   "BLOCK_E": 128, "BLOCK_M": 128, "BLOCK_H": 256,
                    "BLOCK_K": 64, "GROUP_M": 8, "NB": 12, "CR": 16,
                    "HALF_TAIL": 1, "EVEN_K": True, "DOT_F32": False},
-    "grid": ["(cdiv(T * 4, 128) + min(32, T * 4)) * 12", 1, 1],
+    "grid": ["(cdiv(T * 4, 128) + min(128, T * 4)) * 12", 1, 1],
     "scratch": {"partials": "T * 23040", "counters": "T * 48"},
     "num_warps": 8,
     "num_stages": 3,

@@ -1,19 +1,19 @@
 # moe_down: y[t, h] = bf16(sum_j r[t, j] * sum_f act[t, j, f] * w[e, h, f]),  e = ids[t, j]
-#   act [T, 6, 2048] bf16, r f32 [T, 6], ids i32 [T, 6], w [256, 4096, 2048] bf16,
-#   y [T, 4096] bf16; fp32 sums, one rounding.
+#   act [T, 4, 2880] bf16, r f32 [T, 4], ids i32 [T, 4], w [32, 2880, 2880] bf16,
+#   y [T, 2880] bf16; fp32 sums, one rounding.
 #
-# Decode: grid (min(256, T * 6) distinct-expert slots, 128 blocks of BLOCK_H = 32 output
+# Decode: grid (min(32, T * 4) distinct-expert slots, 90 blocks of BLOCK_H = 32 output
 # rows): program (u, b) takes the u-th smallest chosen expert e and the tokens that chose it, and
 # streams e's row block once for all of them (moe_gate_up.py.j2's two paths: CUDA cores for at
 # most FMA_T = 4 tokens, else swap-AB tensor-core tiles of BLOCK_T tokens); the A operand
 # of token t is act[t, j] for the slot j that chose e (of largest weight if several did: the
 # others weigh 0: ids not made by moe_route). Slots of id -1 name no expert.
-# Combine, deterministic: each program parks r[t, j] * (its sums) in an fp32 scratch [B, 6, 4096]
+# Combine, deterministic: each program parks r[t, j] * (its sums) in an fp32 scratch [B, 4, 2880]
 # for every slot j of t that chose e and counts itself in at the tile (t, b); the program that
-# completes the token's distinct experts adds the token's 6 partials in slot order and writes
+# completes the token's distinct experts adds the token's 4 partials in slot order and writes
 # y[t] (the same bits whatever order the experts finish in), leaving the counter zero.
-# Quantized experts: e2m1 codes, scales per 1 rows x 32 columns (262144 an
-#   expert, expert e's from e * 262144 on); act rows quantized none.
+# Quantized experts: e2m1 codes, scales per 1 rows x 32 columns (259200 an
+#   expert, expert e's from e * 259200 on); act rows quantized none.
 #   OCP MXFP4 (e2m1 codes, a power-of-two scale per row and 32 columns, stored as the float 2^(b - 127)):
 #   at most FMA_T = 4 tokens the CUDA-core path decodes int32 words of codes by bit
 #   placement (triton/_mx_fma.j2) and scales a group's sums once; past it the tensor-core path
@@ -159,11 +159,14 @@ def _down_finish(acc, toks, ok, e, offs_h, nb, ids_ptr, rw_ptr, y_ptr, part_ptr,
 @triton.jit
 def _w_raw(w_rows, k0, k_end, BK: tl.constexpr):
     """The stored codes of W[rows, k0 : k0 + BK], zero past k_end: w_rows [BN, 1] row pointers
-    (1024 bytes a row), k0 a multiple of BK -> bytes [BN, BK / 2], two codes each."""
+    (1440 bytes a row), k0 a multiple of BK -> bytes [BN, BK / 2], two codes each."""
     j = k0 // 2 + tl.arange(0, BK // 2)[None, :]
     p = w_rows + j
     p = tl.multiple_of(p, [1, 16])
-    return tl.load(p, mask=2 * j < k_end, other=0, eviction_policy="evict_first")
+    # byte j holds codes 2j and 2j + 1: the mask is j < ceil(k_end / 2), written on j itself so the
+    # compiler sees it constant over runs of bytes (2 * j < k_end hid that: byte-wide loads, and the
+    # tensor-core paths lost their cp.async pipelining)
+    return tl.load(p, mask=j < (k_end + 1) // 2, other=0, eviction_policy="evict_first")
 
 
 @triton.jit
@@ -178,17 +181,17 @@ def _w_values(raw):
 
 @triton.jit
 def _w_group(t_ptr, srow, k0, k_end, BK: tl.constexpr):
-    """t[srow, g(k)] (w_scale or w_zero: 64 groups a row) over the tile's columns
+    """t[srow, g(k)] (w_scale or w_zero: 90 groups a row) over the tile's columns
     k0 .. k0 + BK: srow [BN, 1] the W rows' scale rows -> [BN, 1] (the tile in one group),
     [BN, BK / 32] (one a group of the tile) or [BN, BK] (a group per column)."""
     if 32 % BK == 0:
-        return tl.load(t_ptr + srow * 64 + tl.minimum(k0 // 32, 63))
+        return tl.load(t_ptr + srow * 90 + tl.minimum(k0 // 32, 89))
     elif BK % 32 == 0:
-        g = tl.minimum(k0 // 32 + tl.arange(0, BK // 32), 63)[None, :]
-        return tl.load(t_ptr + srow * 64 + g)
+        g = tl.minimum(k0 // 32 + tl.arange(0, BK // 32), 89)[None, :]
+        return tl.load(t_ptr + srow * 90 + g)
     else:
         k = k0 + tl.arange(0, BK)[None, :]
-        return tl.load(t_ptr + srow * 64 + tl.minimum(k // 32, 63))
+        return tl.load(t_ptr + srow * 90 + tl.minimum(k // 32, 89))
 
 
 @triton.jit
@@ -219,10 +222,10 @@ def _w_deq(raw, srow, w_scale_ptr, k0, k_end, BK: tl.constexpr):
 def _w_e8m0(t_ptr, srow, k0, BK: tl.constexpr):
     """The e8m0 bytes of w_scale[srow, g] for the tile's BK / 32 groups from k0 -> u8 [BN, BK / 32]:
     the plan stores an MX scale as the float 2^(b - 127), whose exponent field is b (b = 0's
-    2^-127 a subnormal with field 0). Groups past the row's 64 read 127 (1.0): their codes
+    2^-127 a subnormal with field 0). Groups past the row's 90 read 127 (1.0): their codes
     are zero, and a NaN scale would make 0 * scale NaN."""
     g = k0 // 32 + tl.arange(0, BK // 32)[None, :]
-    s = tl.load(t_ptr + srow * 64 + g, mask=g < 64, other=1.0)
+    s = tl.load(t_ptr + srow * 90 + g, mask=g < 90, other=1.0)
     return ((s.to(tl.int32, bitcast=True) >> 23) & 255).to(tl.uint8)
 
 
@@ -268,7 +271,7 @@ def _mx_scales(s_rows, k0, GROUPS: tl.constexpr, G: tl.constexpr):
 
 
 @triton.jit
-def moe_down(act_ptr, rw_ptr, ids_ptr, w_ptr, y_ptr, T, part_ptr, cnt_ptr, w_scale_ptr,
+def moe_down(act_ptr, rw_ptr, ids_ptr, w_ptr, y_ptr, T, part_ptr, cnt_ptr, b_ptr, w_scale_ptr,
              H: tl.constexpr, F: tl.constexpr, KT: tl.constexpr, KTP: tl.constexpr,
              BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, FMA_BLOCK_K: tl.constexpr,
              FMA_T: tl.constexpr, FMA_TP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -284,10 +287,12 @@ def moe_down(act_ptr, rw_ptr, ids_ptr, w_ptr, y_ptr, T, part_ptr, cnt_ptr, w_sca
         offs_h = nb * BLOCK_H + tl.arange(0, BLOCK_H)
         # rows past H are clamped for loading (unmasked, vectorized); their sums are dropped
         h_rows = tl.minimum(offs_h, H - 1).to(tl.int64)[:, None]
-        w_rows = w_ptr + e.to(tl.int64) * 4194304 + h_rows * 1024
+        w_rows = w_ptr + e.to(tl.int64) * 4147200 + h_rows * 1440
         srow = h_rows // 1
-        ws = w_scale_ptr + e.to(tl.int64) * 262144   # expert e's scales
+        ws = w_scale_ptr + e.to(tl.int64) * 259200   # expert e's scales
 
+        # expert e's bias row, added to its output before the routing weight
+        b_h = tl.load(b_ptr + e.to(tl.int64) * H + offs_h, mask=offs_h < H, other=0.0).to(tl.float32)
         toks, ok, n = _tokens_of(ids_ptr, e, T, 0, KT, KTP, TC, FMA_TP)
         if n <= FMA_T:
             # ---- CUDA-core path: tokens r < n, one W tile per step ----
@@ -306,12 +311,12 @@ def moe_down(act_ptr, rw_ptr, ids_ptr, w_ptr, y_ptr, T, part_ptr, cnt_ptr, w_sca
             if n == 1:
                 q4 = tl.arange(0, 4)
                 g4 = 4 * tl.arange(0, FMA_BLOCK_K // 32)
-                w_h = w_rows.to(tl.pointer_type(tl.int32), bitcast=True)[:, :, None]   # a row's 256 words
-                s_h = (ws + srow * 64)[:, :, None]
+                w_h = w_rows.to(tl.pointer_type(tl.int32), bitcast=True)[:, :, None]   # a row's 360 words
+                s_h = (ws + srow * 90)[:, :, None]
                 acc_h0 = tl.zeros([w_rows.shape[0], FMA_BLOCK_K // 32, 1], tl.float32)
-                for k0 in range(0, 2048, FMA_BLOCK_K):
+                for k0 in range(0, 2880, FMA_BLOCK_K):
                     wi = k0 // 8 + g4[:, None] + q4[None, :]            # [G, 4]: the tile's words
-                    wm = wi < 256
+                    wm = wi < 360
                     col = 8 * wi                                        # the first column of each word
                     c_h = _mx_words(w_h, wi, wm)
                     lo_h, hi_h = _e2m1_pair(c_h, 0)
@@ -334,7 +339,7 @@ def moe_down(act_ptr, rw_ptr, ids_ptr, w_ptr, y_ptr, T, part_ptr, cnt_ptr, w_sca
                     xh = _mx_x(a0_row, col + 7, ok0 & wm)
                     p_h0 = p_h0 + lo_h * xl     # (FFMAs: one a weight)
                     p_h0 = p_h0 + hi_h * xh
-                    sc = _mx_scales(s_h, k0, 64, FMA_BLOCK_K // 32)
+                    sc = _mx_scales(s_h, k0, 90, FMA_BLOCK_K // 32)
                     acc_h0 += tl.sum(p_h0, axis=2, keep_dims=True) * sc
                 s_h0 = tl.sum(tl.sum(acc_h0, axis=2), axis=1) * 16384.0     # the decode's 2^-14 back
 
@@ -343,15 +348,15 @@ def moe_down(act_ptr, rw_ptr, ids_ptr, w_ptr, y_ptr, T, part_ptr, cnt_ptr, w_sca
             else:
                 q4 = tl.arange(0, 4)
                 g4 = 4 * tl.arange(0, FMA_BLOCK_K // 32)
-                w_h = w_rows.to(tl.pointer_type(tl.int32), bitcast=True)[:, :, None]   # a row's 256 words
-                s_h = (ws + srow * 64)[:, :, None]
+                w_h = w_rows.to(tl.pointer_type(tl.int32), bitcast=True)[:, :, None]   # a row's 360 words
+                s_h = (ws + srow * 90)[:, :, None]
                 acc_h0 = tl.zeros([w_rows.shape[0], FMA_BLOCK_K // 32, 1], tl.float32)
                 acc_h1 = tl.zeros([w_rows.shape[0], FMA_BLOCK_K // 32, 1], tl.float32)
                 acc_h2 = tl.zeros([w_rows.shape[0], FMA_BLOCK_K // 32, 1], tl.float32)
                 acc_h3 = tl.zeros([w_rows.shape[0], FMA_BLOCK_K // 32, 1], tl.float32)
-                for k0 in range(0, 2048, FMA_BLOCK_K):
+                for k0 in range(0, 2880, FMA_BLOCK_K):
                     wi = k0 // 8 + g4[:, None] + q4[None, :]            # [G, 4]: the tile's words
-                    wm = wi < 256
+                    wm = wi < 360
                     col = 8 * wi                                        # the first column of each word
                     c_h = _mx_words(w_h, wi, wm)
                     lo_h, hi_h = _e2m1_pair(c_h, 0)
@@ -422,7 +427,7 @@ def moe_down(act_ptr, rw_ptr, ids_ptr, w_ptr, y_ptr, T, part_ptr, cnt_ptr, w_sca
                     xh = _mx_x(a3_row, col + 7, ok3 & wm)
                     p_h3 = p_h3 + lo_h * xl     # (FFMAs: one a weight)
                     p_h3 = p_h3 + hi_h * xh
-                    sc = _mx_scales(s_h, k0, 64, FMA_BLOCK_K // 32)
+                    sc = _mx_scales(s_h, k0, 90, FMA_BLOCK_K // 32)
                     acc_h0 += tl.sum(p_h0, axis=2, keep_dims=True) * sc
                     acc_h1 += tl.sum(p_h1, axis=2, keep_dims=True) * sc
                     acc_h2 += tl.sum(p_h2, axis=2, keep_dims=True) * sc
@@ -437,6 +442,7 @@ def moe_down(act_ptr, rw_ptr, ids_ptr, w_ptr, y_ptr, T, part_ptr, cnt_ptr, w_sca
                 out = tl.where(rows[:, None] == 1, s_h1[None, :], out)
                 out = tl.where(rows[:, None] == 2, s_h2[None, :], out)
                 out = tl.where(rows[:, None] == 3, s_h3[None, :], out)
+            out += b_h[None, :]
             _down_finish(out, toks, ok, e, offs_h, nb, ids_ptr, rw_ptr, y_ptr, part_ptr, cnt_ptr,
                          H, KT, KTP, NB, tl.float32)
         else:
@@ -451,6 +457,7 @@ def moe_down(act_ptr, rw_ptr, ids_ptr, w_ptr, y_ptr, T, part_ptr, cnt_ptr, w_sca
                     a = tl.load(_ptr(a_rows, k), mask=ok_t[:, None] & (k < F), other=0.0)
                     acc = tl.dot_scaled(_w_raw(w_rows, k0, F, BLOCK_K), _w_e8m0(ws, srow, k0, BLOCK_K), "e2m1",
                                         tl.trans(a.to(tl.bfloat16)), None, "bf16", acc)
+                acc += b_h[:, None]
                 _down_finish(tl.trans(acc), toks_t, ok_t, e, offs_h, nb, ids_ptr, rw_ptr, y_ptr, part_ptr,
                              cnt_ptr, H, KT, KTP, NB, tl.float32)
 
@@ -460,14 +467,14 @@ META = {
     "params": [["act_ptr", "*bf16", "in:0"], ["rw_ptr", "*fp32", "in:1"],
                ["ids_ptr", "*i32", "in:2"], ["w_ptr", "*u8", "in:3"],
                ["y_ptr", "*bf16", "out:0"], ["T", "i32", "dim:T"],
-               ["part_ptr", "*fp32", "scratch:partials"], ["cnt_ptr", "*i32", "scratch:counters"], ["w_scale_ptr", "*fp32", "in:6"]],
-    "constexprs": {"H": 4096, "F": 2048, "KT": 6, "KTP": 8, "BLOCK_E": 256,
+               ["part_ptr", "*fp32", "scratch:partials"], ["cnt_ptr", "*i32", "scratch:counters"], ["b_ptr", "*bf16", "in:6"], ["w_scale_ptr", "*fp32", "in:7"]],
+    "constexprs": {"H": 2880, "F": 2880, "KT": 4, "KTP": 4, "BLOCK_E": 32,
                    "BLOCK_H": 32, "FMA_BLOCK_K": 512, "FMA_T": 4,
                    "FMA_TP": 4, "BLOCK_K": 256, "BLOCK_T": 16,
-                   "PC": 256, "TC": 32, "NB": 128, "DOT_F32": False, "PDL": True},
+                   "PC": 256, "TC": 32, "NB": 90, "DOT_F32": False, "PDL": True},
     "pdl": True,
-    "grid": ["min(256, T * 6)", 128, 1],
-    "scratch": {"partials": "B * 98304", "counters": "B * 512"},
+    "grid": ["min(32, T * 4)", 90, 1],
+    "scratch": {"partials": "B * 46080", "counters": "B * 360"},
     "num_warps": 4,
     "num_stages": 4,
     "maxnreg": 168,

@@ -1,11 +1,11 @@
 # moe_gate_up: act[t, j, f] = bf16(silu(g) * u),  e = ids[t, j],
-#   g = bf16(sum_k x[t, k] * w[e, f, k]),  u = bf16(sum_k x[t, k] * w[e, 2048 + f, k]),
+#   g = bf16(sum_k x[t, k] * w[e, f, k]),  u = bf16(sum_k x[t, k] * w[e, 2880 + f, k]),
 #   silu(g) = g / (1 + exp(-g)) in fp32 (g and u rounded to bf16 as the unfused model stores them).
-#   x [T, 4096] bf16, ids i32 [T, 6], w [256, 4096, 4096] bf16 (rows 0..2047 gate,
-#   2048..4095 up), act [T, 6, 2048] bf16; fp32 accumulate.
+#   x [T, 2880] bf16, ids i32 [T, 4], w [32, 5760, 2880] bf16 (rows 0..2879 gate,
+#   2880..5759 up), act [T, 4, 2880] bf16; fp32 accumulate.
 #
-# Decode: a few tokens, each naming 6 experts, so the step reads only the chosen experts'
-# rows, and each of them once. Grid (min(256, T * 6) distinct-expert slots, 64 blocks of
+# Decode: a few tokens, each naming 4 experts, so the step reads only the chosen experts'
+# rows, and each of them once. Grid (min(32, T * 4) distinct-expert slots, 90 blocks of
 # BLOCK_F = 32 gate rows and the matching up rows): program (u, b) takes the u-th smallest
 # chosen expert e (a histogram of the step's ids; slots past the number of distinct experts exit),
 # finds the tokens that chose e (in token order), and runs a GEMV over its row block for them,
@@ -17,11 +17,12 @@
 #    gathered token rows at a time (more than BLOCK_T tokens re-read the tile, from L2).
 # A token that names e in two slots gets the same row in both; a slot of id -1 (another rank's
 # expert, ep_dispatch) names none and its act row is left unwritten.
-# The activation is clamped_silu (alpha 1.702, limit 10.0), not silu(g) * u.
+# Expert bias b [32, 5760] (gate | up, like w's rows) added to g and u before the activation.
+# The activation is clamped_swiglu (alpha 1.702, limit 7.0), not silu(g) * u.
 # The path depends only on how many tokens chose e, and each token's sums are its own: the
 # same bits from run to run.
-# Quantized experts: e2m1 codes, scales per 1 rows x 32 columns (524288 an
-#   expert, expert e's from e * 524288 on); x quantized none.
+# Quantized experts: e2m1 codes, scales per 1 rows x 32 columns (518400 an
+#   expert, expert e's from e * 518400 on); x quantized none.
 #   OCP MXFP4 (e2m1 codes, a power-of-two scale per row and 32 columns, stored as the float 2^(b - 127)):
 #   at most FMA_T = 4 tokens the CUDA-core path decodes int32 words of codes by bit
 #   placement (triton/_mx_fma.j2) and scales a group's sums once; past it the tensor-core path
@@ -129,21 +130,25 @@ def _silu_mul(g, u):
 
 @triton.jit
 def _gated_act(g, u):
-    """act = bf16(silu(g') u'), g' = min(g, limit), u' = clamp(u, -limit, limit) (DeepSeek-V4's experts:
-    swiglu_limit 10.0); g and u rounded to bf16 first, as the unfused model stores them."""
-    g = tl.minimum(g.to(tl.bfloat16).to(tl.float32), 10.0)
-    u = tl.minimum(tl.maximum(u.to(tl.bfloat16).to(tl.float32), -10.0), 10.0)
-    return (g / (1.0 + tl.exp(-g)) * u).to(tl.bfloat16)
+    """act = bf16((u' + 1) g' sigmoid(alpha g')), g' = min(g, limit), u' = clamp(u, -limit, limit)
+    (GPT-OSS's experts: alpha 1.702, limit 7.0); g and u rounded to bf16 first, as
+    the unfused model stores them."""
+    g = tl.minimum(g.to(tl.bfloat16).to(tl.float32), 7.0)
+    u = tl.minimum(tl.maximum(u.to(tl.bfloat16).to(tl.float32), -7.0), 7.0)
+    return ((u + 1.0) * g / (1.0 + tl.exp(-1.702 * g))).to(tl.bfloat16)
 
 
 @triton.jit
 def _w_raw(w_rows, k0, k_end, BK: tl.constexpr):
     """The stored codes of W[rows, k0 : k0 + BK], zero past k_end: w_rows [BN, 1] row pointers
-    (2048 bytes a row), k0 a multiple of BK -> bytes [BN, BK / 2], two codes each."""
+    (1440 bytes a row), k0 a multiple of BK -> bytes [BN, BK / 2], two codes each."""
     j = k0 // 2 + tl.arange(0, BK // 2)[None, :]
     p = w_rows + j
     p = tl.multiple_of(p, [1, 16])
-    return tl.load(p, mask=2 * j < k_end, other=0, eviction_policy="evict_first")
+    # byte j holds codes 2j and 2j + 1: the mask is j < ceil(k_end / 2), written on j itself so the
+    # compiler sees it constant over runs of bytes (2 * j < k_end hid that: byte-wide loads, and the
+    # tensor-core paths lost their cp.async pipelining)
+    return tl.load(p, mask=j < (k_end + 1) // 2, other=0, eviction_policy="evict_first")
 
 
 @triton.jit
@@ -158,17 +163,17 @@ def _w_values(raw):
 
 @triton.jit
 def _w_group(t_ptr, srow, k0, k_end, BK: tl.constexpr):
-    """t[srow, g(k)] (w_scale or w_zero: 128 groups a row) over the tile's columns
+    """t[srow, g(k)] (w_scale or w_zero: 90 groups a row) over the tile's columns
     k0 .. k0 + BK: srow [BN, 1] the W rows' scale rows -> [BN, 1] (the tile in one group),
     [BN, BK / 32] (one a group of the tile) or [BN, BK] (a group per column)."""
     if 32 % BK == 0:
-        return tl.load(t_ptr + srow * 128 + tl.minimum(k0 // 32, 127))
+        return tl.load(t_ptr + srow * 90 + tl.minimum(k0 // 32, 89))
     elif BK % 32 == 0:
-        g = tl.minimum(k0 // 32 + tl.arange(0, BK // 32), 127)[None, :]
-        return tl.load(t_ptr + srow * 128 + g)
+        g = tl.minimum(k0 // 32 + tl.arange(0, BK // 32), 89)[None, :]
+        return tl.load(t_ptr + srow * 90 + g)
     else:
         k = k0 + tl.arange(0, BK)[None, :]
-        return tl.load(t_ptr + srow * 128 + tl.minimum(k // 32, 127))
+        return tl.load(t_ptr + srow * 90 + tl.minimum(k // 32, 89))
 
 
 @triton.jit
@@ -199,10 +204,10 @@ def _w_deq(raw, srow, w_scale_ptr, k0, k_end, BK: tl.constexpr):
 def _w_e8m0(t_ptr, srow, k0, BK: tl.constexpr):
     """The e8m0 bytes of w_scale[srow, g] for the tile's BK / 32 groups from k0 -> u8 [BN, BK / 32]:
     the plan stores an MX scale as the float 2^(b - 127), whose exponent field is b (b = 0's
-    2^-127 a subnormal with field 0). Groups past the row's 128 read 127 (1.0): their codes
+    2^-127 a subnormal with field 0). Groups past the row's 90 read 127 (1.0): their codes
     are zero, and a NaN scale would make 0 * scale NaN."""
     g = k0 // 32 + tl.arange(0, BK // 32)[None, :]
-    s = tl.load(t_ptr + srow * 128 + g, mask=g < 128, other=1.0)
+    s = tl.load(t_ptr + srow * 90 + g, mask=g < 90, other=1.0)
     return ((s.to(tl.int32, bitcast=True) >> 23) & 255).to(tl.uint8)
 
 
@@ -248,7 +253,7 @@ def _mx_scales(s_rows, k0, GROUPS: tl.constexpr, G: tl.constexpr):
 
 
 @triton.jit
-def moe_gate_up(x_ptr, ids_ptr, w_ptr, act_ptr, T, w_scale_ptr,
+def moe_gate_up(x_ptr, ids_ptr, w_ptr, act_ptr, T, b_ptr, w_scale_ptr,
                 H: tl.constexpr, F: tl.constexpr, KT: tl.constexpr, KTP: tl.constexpr,
                 BLOCK_E: tl.constexpr, BLOCK_F: tl.constexpr, FMA_BLOCK_K: tl.constexpr,
                 FMA_T: tl.constexpr, FMA_TP: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -265,12 +270,15 @@ def moe_gate_up(x_ptr, ids_ptr, w_ptr, act_ptr, T, w_scale_ptr,
         # gate row f and up row F + f of expert e; rows past F are clamped for loading (unmasked,
         # vectorized), their results dropped at the store
         f_rows = tl.minimum(offs_f, F - 1).to(tl.int64)[:, None]
-        g_rows = w_ptr + e.to(tl.int64) * 8388608 + f_rows * 2048
-        u_rows = g_rows + 4194304
+        g_rows = w_ptr + e.to(tl.int64) * 8294400 + f_rows * 1440
+        u_rows = g_rows + 4147200
         srow_g = f_rows // 1
         srow_u = (f_rows + F) // 1
-        ws = w_scale_ptr + e.to(tl.int64) * 524288   # expert e's scales
+        ws = w_scale_ptr + e.to(tl.int64) * 518400   # expert e's scales
 
+        b_m = offs_f < F
+        b_g = tl.load(b_ptr + e.to(tl.int64) * (2 * F) + offs_f, mask=b_m, other=0.0).to(tl.float32)
+        b_u = tl.load(b_ptr + e.to(tl.int64) * (2 * F) + F + offs_f, mask=b_m, other=0.0).to(tl.float32)
         toks, ok, n = _tokens_of(ids_ptr, e, T, 0, KT, KTP, TC, FMA_TP)
         if n <= FMA_T:
             # ---- CUDA-core path: tokens r < n, one W tile per step ----
@@ -288,15 +296,15 @@ def moe_gate_up(x_ptr, ids_ptr, w_ptr, act_ptr, T, w_scale_ptr,
             if n == 1:
                 q4 = tl.arange(0, 4)
                 g4 = 4 * tl.arange(0, FMA_BLOCK_K // 32)
-                w_g = g_rows.to(tl.pointer_type(tl.int32), bitcast=True)[:, :, None]   # a row's 512 words
-                s_g = (ws + srow_g * 128)[:, :, None]
+                w_g = g_rows.to(tl.pointer_type(tl.int32), bitcast=True)[:, :, None]   # a row's 360 words
+                s_g = (ws + srow_g * 90)[:, :, None]
                 acc_g0 = tl.zeros([g_rows.shape[0], FMA_BLOCK_K // 32, 1], tl.float32)
-                w_u = u_rows.to(tl.pointer_type(tl.int32), bitcast=True)[:, :, None]   # a row's 512 words
-                s_u = (ws + srow_u * 128)[:, :, None]
+                w_u = u_rows.to(tl.pointer_type(tl.int32), bitcast=True)[:, :, None]   # a row's 360 words
+                s_u = (ws + srow_u * 90)[:, :, None]
                 acc_u0 = tl.zeros([u_rows.shape[0], FMA_BLOCK_K // 32, 1], tl.float32)
-                for k0 in range(0, 4096, FMA_BLOCK_K):
+                for k0 in range(0, 2880, FMA_BLOCK_K):
                     wi = k0 // 8 + g4[:, None] + q4[None, :]            # [G, 4]: the tile's words
-                    wm = wi < 512
+                    wm = wi < 360
                     col = 8 * wi                                        # the first column of each word
                     c_g = _mx_words(w_g, wi, wm)
                     c_u = _mx_words(w_u, wi, wm)
@@ -332,9 +340,9 @@ def moe_gate_up(x_ptr, ids_ptr, w_ptr, act_ptr, T, w_scale_ptr,
                     p_g0 = p_g0 + hi_g * xh
                     p_u0 = p_u0 + lo_u * xl     # (FFMAs: one a weight)
                     p_u0 = p_u0 + hi_u * xh
-                    sc = _mx_scales(s_g, k0, 128, FMA_BLOCK_K // 32)
+                    sc = _mx_scales(s_g, k0, 90, FMA_BLOCK_K // 32)
                     acc_g0 += tl.sum(p_g0, axis=2, keep_dims=True) * sc
-                    sc = _mx_scales(s_u, k0, 128, FMA_BLOCK_K // 32)
+                    sc = _mx_scales(s_u, k0, 90, FMA_BLOCK_K // 32)
                     acc_u0 += tl.sum(p_u0, axis=2, keep_dims=True) * sc
                 s_g0 = tl.sum(tl.sum(acc_g0, axis=2), axis=1) * 16384.0     # the decode's 2^-14 back
                 s_u0 = tl.sum(tl.sum(acc_u0, axis=2), axis=1) * 16384.0     # the decode's 2^-14 back
@@ -346,21 +354,21 @@ def moe_gate_up(x_ptr, ids_ptr, w_ptr, act_ptr, T, w_scale_ptr,
             else:
                 q4 = tl.arange(0, 4)
                 g4 = 4 * tl.arange(0, FMA_BLOCK_K // 32)
-                w_g = g_rows.to(tl.pointer_type(tl.int32), bitcast=True)[:, :, None]   # a row's 512 words
-                s_g = (ws + srow_g * 128)[:, :, None]
+                w_g = g_rows.to(tl.pointer_type(tl.int32), bitcast=True)[:, :, None]   # a row's 360 words
+                s_g = (ws + srow_g * 90)[:, :, None]
                 acc_g0 = tl.zeros([g_rows.shape[0], FMA_BLOCK_K // 32, 1], tl.float32)
                 acc_g1 = tl.zeros([g_rows.shape[0], FMA_BLOCK_K // 32, 1], tl.float32)
                 acc_g2 = tl.zeros([g_rows.shape[0], FMA_BLOCK_K // 32, 1], tl.float32)
                 acc_g3 = tl.zeros([g_rows.shape[0], FMA_BLOCK_K // 32, 1], tl.float32)
-                w_u = u_rows.to(tl.pointer_type(tl.int32), bitcast=True)[:, :, None]   # a row's 512 words
-                s_u = (ws + srow_u * 128)[:, :, None]
+                w_u = u_rows.to(tl.pointer_type(tl.int32), bitcast=True)[:, :, None]   # a row's 360 words
+                s_u = (ws + srow_u * 90)[:, :, None]
                 acc_u0 = tl.zeros([u_rows.shape[0], FMA_BLOCK_K // 32, 1], tl.float32)
                 acc_u1 = tl.zeros([u_rows.shape[0], FMA_BLOCK_K // 32, 1], tl.float32)
                 acc_u2 = tl.zeros([u_rows.shape[0], FMA_BLOCK_K // 32, 1], tl.float32)
                 acc_u3 = tl.zeros([u_rows.shape[0], FMA_BLOCK_K // 32, 1], tl.float32)
-                for k0 in range(0, 4096, FMA_BLOCK_K):
+                for k0 in range(0, 2880, FMA_BLOCK_K):
                     wi = k0 // 8 + g4[:, None] + q4[None, :]            # [G, 4]: the tile's words
-                    wm = wi < 512
+                    wm = wi < 360
                     col = 8 * wi                                        # the first column of each word
                     c_g = _mx_words(w_g, wi, wm)
                     c_u = _mx_words(w_u, wi, wm)
@@ -468,12 +476,12 @@ def moe_gate_up(x_ptr, ids_ptr, w_ptr, act_ptr, T, w_scale_ptr,
                     p_g3 = p_g3 + hi_g * xh
                     p_u3 = p_u3 + lo_u * xl     # (FFMAs: one a weight)
                     p_u3 = p_u3 + hi_u * xh
-                    sc = _mx_scales(s_g, k0, 128, FMA_BLOCK_K // 32)
+                    sc = _mx_scales(s_g, k0, 90, FMA_BLOCK_K // 32)
                     acc_g0 += tl.sum(p_g0, axis=2, keep_dims=True) * sc
                     acc_g1 += tl.sum(p_g1, axis=2, keep_dims=True) * sc
                     acc_g2 += tl.sum(p_g2, axis=2, keep_dims=True) * sc
                     acc_g3 += tl.sum(p_g3, axis=2, keep_dims=True) * sc
-                    sc = _mx_scales(s_u, k0, 128, FMA_BLOCK_K // 32)
+                    sc = _mx_scales(s_u, k0, 90, FMA_BLOCK_K // 32)
                     acc_u0 += tl.sum(p_u0, axis=2, keep_dims=True) * sc
                     acc_u1 += tl.sum(p_u1, axis=2, keep_dims=True) * sc
                     acc_u2 += tl.sum(p_u2, axis=2, keep_dims=True) * sc
@@ -497,6 +505,8 @@ def moe_gate_up(x_ptr, ids_ptr, w_ptr, act_ptr, T, w_scale_ptr,
                 v = tl.where(rows[:, None] == 2, s_u2[None, :], v)
                 g = tl.where(rows[:, None] == 3, s_g3[None, :], g)
                 v = tl.where(rows[:, None] == 3, s_u3[None, :], v)
+            g += b_g[None, :]
+            v += b_u[None, :]
             _store_act(act_ptr, ids_ptr, _gated_act(g, v), toks, ok, e, offs_f, F, KT, KTP)
         else:
             # ---- tensor-core path: BLOCK_T tokens at a time, acc[f, t] = W @ X^T ----
@@ -513,6 +523,8 @@ def moe_gate_up(x_ptr, ids_ptr, w_ptr, act_ptr, T, w_scale_ptr,
                                           xt, None, "bf16", acc_g)
                     acc_u = tl.dot_scaled(_w_raw(u_rows, k0, H, BLOCK_K), _w_e8m0(ws, srow_u, k0, BLOCK_K), "e2m1",
                                           xt, None, "bf16", acc_u)
+                acc_g += b_g[:, None]
+                acc_u += b_u[:, None]
                 _store_act(act_ptr, ids_ptr, tl.trans(_gated_act(acc_g, acc_u)), toks_t, ok_t, e, offs_f, F, KT, KTP)
 
 
@@ -520,13 +532,13 @@ META = {
     "entry": "moe_gate_up",
     "params": [["x_ptr", "*bf16", "in:0"], ["ids_ptr", "*i32", "in:1"],
                ["w_ptr", "*u8", "in:2"], ["act_ptr", "*bf16", "out:0"],
-               ["T", "i32", "dim:T"], ["w_scale_ptr", "*fp32", "in:5"]],
-    "constexprs": {"H": 4096, "F": 2048, "KT": 6, "KTP": 8, "BLOCK_E": 256,
+               ["T", "i32", "dim:T"], ["b_ptr", "*bf16", "in:5"], ["w_scale_ptr", "*fp32", "in:6"]],
+    "constexprs": {"H": 2880, "F": 2880, "KT": 4, "KTP": 4, "BLOCK_E": 32,
                    "BLOCK_F": 32, "FMA_BLOCK_K": 512, "FMA_T": 4,
                    "FMA_TP": 4, "BLOCK_K": 256, "BLOCK_T": 16,
                    "PC": 256, "TC": 32, "DOT_F32": False, "PDL": True},
     "pdl": True,
-    "grid": ["min(256, T * 6)", 64, 1],
+    "grid": ["min(32, T * 4)", 90, 1],
     "num_warps": 4,
     "num_stages": 4,
     "maxnreg": 168,

@@ -1,24 +1,24 @@
 # moe_gate_up (grouped): act[t, j, f] = bf16(silu(g) * u),  e = ids[t, j],
 #   g = bf16(sum_k x[t, k] * w[e, f, k]),  u = bf16(sum_k x[t, k] * w[e, 2880 + f, k]),
 #   silu(g) = g / (1 + exp(-g)) in fp32 (g and u rounded to bf16 as the unfused model stores them).
-#   x [T, 2880] bf16, ids i32 [T, 4], w [32, 5760, 2880] bf16 (rows 0..2879 gate,
-#   2880..5759 up), rows i32 [32, T] / counts i32 [32] (moe_align: the tokens of each
+#   x [T, 2880] bf16, ids i32 [T, 4], w [128, 5760, 2880] bf16 (rows 0..2879 gate,
+#   2880..5759 up), rows i32 [128, T] / counts i32 [128] (moe_align: the tokens of each
 #   expert), act [T, 4, 2880] bf16; fp32 accumulate.
 #
 # Grouped GEMM over the tokens sorted by expert (vLLM's and SGLang's fused_moe): every expert's
 # token list, cut in blocks of BLOCK_M = 128, makes the row blocks of one GEMM (expert 0's blocks
-# first; a program finds its expert and block from a prefix sum over the 32 counts, so an expert
+# first; a program finds its expert and block from a prefix sum over the 128 counts, so an expert
 # with no tokens has no block and a partial last block is masked). One program per [BLOCK_M tokens,
 # BLOCK_F = 128 gate columns + the matching up columns] tile: the token rows of x are gathered
 # (each a contiguous 16-byte-aligned run), the expert's gate and up rows stream through a K loop
 # of BLOCK_K = 64 steps (unmasked: 64 divides 2880) that the compiler software-pipelines over num_stages
 # shared-memory buffers (cp.async + async wgmma on sm_90); one dot per step over the interleaved
-# gate/up rows. Grid: cdiv(T * 4, 128) + min(32, T * 4)
+# gate/up rows. Grid: cdiv(T * 4, 128) + min(128, T * 4)
 # row blocks (a bound on the experts' blocks; programs past the last exit) times 23 column
 # tiles, in groups of GROUP_M = 8 row blocks per column sweep. An expert's last block of at most
 # 64 tokens runs a 64-row tile (a second copy of the tile in the kernel). Each token's
 # result depends on its own row only, so the order of the lists does not change a bit of it.
-# Expert bias b [32, 5760] (gate | up, like w's rows) added to g and u before the activation.
+# Expert bias b [128, 5760] (gate | up, like w's rows) added to g and u before the activation.
 # The activation is clamped_swiglu (alpha 1.702, limit 7.0), not silu(g) * u.
 # MXFP4 experts: e2m1 codes, a power-of-two scale per row and 32 columns (518400 an expert, stored
 #   as the float 2^(b - 127)). Swap-AB, the codes the dot's lhs (upcast in registers, Hopper's wgmma
@@ -144,7 +144,10 @@ def _w_raw(w_rows, k0, k_end, BK: tl.constexpr):
     j = k0 // 2 + tl.arange(0, BK // 2)[None, :]
     p = w_rows + j
     p = tl.multiple_of(p, [1, 16])
-    return tl.load(p, mask=2 * j < k_end, other=0, eviction_policy="evict_first")
+    # byte j holds codes 2j and 2j + 1: the mask is j < ceil(k_end / 2), written on j itself so the
+    # compiler sees it constant over runs of bytes (2 * j < k_end hid that: byte-wide loads, and the
+    # tensor-core paths lost their cp.async pipelining)
+    return tl.load(p, mask=j < (k_end + 1) // 2, other=0, eviction_policy="evict_first")
 
 
 @triton.jit
@@ -287,12 +290,12 @@ META = {
                ["w_ptr", "*u8", "in:2"], ["rows_ptr", "*i32", "in:3"],
                ["counts_ptr", "*i32", "in:4"], ["act_ptr", "*bf16", "out:0"],
                ["T", "i32", "dim:T"], ["b_ptr", "*bf16", "in:5"], ["w_scale_ptr", "*fp32", "in:6"]],
-    "constexprs": {"H": 2880, "F": 2880, "KT": 4, "KTP": 4, "E": 32, "BLOCK_E": 32,
+    "constexprs": {"H": 2880, "F": 2880, "KT": 4, "KTP": 4, "E": 128, "BLOCK_E": 128,
                    "BLOCK_M": 128, "BLOCK_F": 128, "BLOCK_K": 64,
                    "GROUP_M": 8, "NF": 23, "PAIR": 1, "HALF_TAIL": 1,
                    "EVEN_K": True,
                    "DOT_F32": False},
-    "grid": ["(cdiv(T * 4, 128) + min(32, T * 4)) * 23", 1, 1],
+    "grid": ["(cdiv(T * 4, 128) + min(128, T * 4)) * 23", 1, 1],
     "num_warps": 8,
     "num_stages": 3,
 }

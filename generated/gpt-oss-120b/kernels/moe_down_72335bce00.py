@@ -1,8 +1,8 @@
 # moe_down: y[t, h] = bf16(sum_j r[t, j] * sum_f act[t, j, f] * w[e, h, f]),  e = ids[t, j]
-#   act [T, 4, 2880] bf16, r f32 [T, 4], ids i32 [T, 4], w [32, 2880, 2880] bf16,
+#   act [T, 4, 2880] bf16, r f32 [T, 4], ids i32 [T, 4], w [128, 2880, 2880] bf16,
 #   y [T, 2880] bf16; fp32 sums, one rounding.
 #
-# Decode: grid (min(32, T * 4) distinct-expert slots, 90 blocks of BLOCK_H = 32 output
+# Decode: grid (min(128, T * 4) distinct-expert slots, 90 blocks of BLOCK_H = 32 output
 # rows): program (u, b) takes the u-th smallest chosen expert e and the tokens that chose it, and
 # streams e's row block once for all of them (moe_gate_up.py.j2's two paths: CUDA cores for at
 # most FMA_T = 4 tokens, else swap-AB tensor-core tiles of BLOCK_T tokens); the A operand
@@ -163,7 +163,10 @@ def _w_raw(w_rows, k0, k_end, BK: tl.constexpr):
     j = k0 // 2 + tl.arange(0, BK // 2)[None, :]
     p = w_rows + j
     p = tl.multiple_of(p, [1, 16])
-    return tl.load(p, mask=2 * j < k_end, other=0, eviction_policy="evict_first")
+    # byte j holds codes 2j and 2j + 1: the mask is j < ceil(k_end / 2), written on j itself so the
+    # compiler sees it constant over runs of bytes (2 * j < k_end hid that: byte-wide loads, and the
+    # tensor-core paths lost their cp.async pipelining)
+    return tl.load(p, mask=j < (k_end + 1) // 2, other=0, eviction_policy="evict_first")
 
 
 @triton.jit
@@ -465,12 +468,12 @@ META = {
                ["ids_ptr", "*i32", "in:2"], ["w_ptr", "*u8", "in:3"],
                ["y_ptr", "*bf16", "out:0"], ["T", "i32", "dim:T"],
                ["part_ptr", "*fp32", "scratch:partials"], ["cnt_ptr", "*i32", "scratch:counters"], ["b_ptr", "*bf16", "in:6"], ["w_scale_ptr", "*fp32", "in:7"]],
-    "constexprs": {"H": 2880, "F": 2880, "KT": 4, "KTP": 4, "BLOCK_E": 32,
+    "constexprs": {"H": 2880, "F": 2880, "KT": 4, "KTP": 4, "BLOCK_E": 128,
                    "BLOCK_H": 32, "FMA_BLOCK_K": 512, "FMA_T": 4,
                    "FMA_TP": 4, "BLOCK_K": 256, "BLOCK_T": 16,
                    "PC": 256, "TC": 32, "NB": 90, "DOT_F32": False, "PDL": True},
     "pdl": True,
-    "grid": ["min(32, T * 4)", 90, 1],
+    "grid": ["min(128, T * 4)", 90, 1],
     "scratch": {"partials": "B * 46080", "counters": "B * 360"},
     "num_warps": 4,
     "num_stages": 4,
