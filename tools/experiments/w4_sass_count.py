@@ -78,14 +78,20 @@ def loop_body(text):
         if m and int(m.group(1), 16) < addr:
             body = [o for a, o in ins if int(m.group(1), 16) <= a <= addr]
             if len(body) > best[0]:
-                ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", o).split()[0].split(".")[0] for o in body)
+                ops = Counter(opcode(o) for o in body)
                 best = (len(body), ops)
     return best
 
 
-def loops(text, min_len=32):
-    """Every backward branch's body of min_len+ instructions: (instructions, opcode counts)
-    (mx_sass_count.py and fp8_sass_count.py read their K loops with it)."""
+def opcode(op):
+    """An instruction's opcode without its predicate and modifiers (LDG.E.128 -> LDG)."""
+    return re.sub(r"^@!?U?P\w+\s+", "", op).split()[0].split(".")[0]
+
+
+def loops(text, min_len=32, key=opcode):
+    """Every backward branch's body of min_len+ instructions: (instructions, counts of key(each
+    instruction), by default its opcode) (mx_sass_count.py, fp8_sass_count.py and
+    ldg_width_audit.py read their loops with it)."""
     ins = []
     for line in text.splitlines():
         m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
@@ -97,7 +103,7 @@ def loops(text, min_len=32):
         if m and int(m.group(1), 16) < addr:
             body = [o for a, o in ins if int(m.group(1), 16) <= a <= addr]
             if len(body) >= min_len:
-                out.append((len(body), Counter(re.sub(r"^@!?U?P\w+\s+", "", o).split()[0].split(".")[0] for o in body)))
+                out.append((len(body), Counter(key(o) for o in body)))
     return out
 
 
