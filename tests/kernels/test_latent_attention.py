@@ -191,6 +191,9 @@ HEAD_LINEAR_CASES = [
     (5, 3, 24, 40, {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}),
     (19, 2, 70, 9, {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16}),
     (1, 4, 16, 33, {}),
+    # decode's default for a long K (each program's W tile at most 32 KB): BLOCK_N 16, BLOCK_K 128,
+    # N and K past whole tiles
+    (2, 2, 40, 600, {}),
 ]
 
 
