@@ -151,7 +151,7 @@ def route(ctx, logits, *bias, k, normalize=False, groups=1, topk_groups=1, scale
     if scale != 1.0:
         w = w.astype(np.float32) * np.float32(scale)
     w, ids = with_shared(w.astype(np.float32), ids, p.shape[1], shared)
-    return w.astype(np.float32), np.ascontiguousarray(ids)
+    return w, np.ascontiguousarray(ids)
 
 
 WEIGH = ("output", "input")
