@@ -549,7 +549,8 @@ models.model_dir('$q')" 2>&1 | tail -3
       done ;;
     cut-latency)
       # issue 45: batch-1 TPOT / TTFT of the golden gates' layer cuts (CUTS, each prepared by
-      # `INFC_GPU_FAMILIES=<cut> prepare.py families`) with dummy weights, against the active floor
+      # `INFC_GPU_FAMILIES=<cut> prepare.py families`) with dummy weights, against the active floor,
+      # and with CUT_PROFILE_STEPS their steps per launch
       for name in ${CUTS:-gpt-oss-20b-l4 deepseek-v3-l5}; do
         art=.cache/gpu/$name-art cfg=.cache/gpu/configs/$name
         mkdir -p "$OUT/cut-latency/$name"
@@ -560,6 +561,10 @@ models.model_dir('$q')" 2>&1 | tail -3
         for f in "$OUT/cut-latency/$name"/latency-*.json; do
           [ -f "$f" ] && python3 -m infc.bench.active_floor --artifact $art --latency "$f" --output-len 128 2>&1 | tail -4
         done
+        # CUT_PROFILE_STEPS (e.g. decode_b1): the cut's steps per launch as well (bench profile)
+        [ -n "${CUT_PROFILE_STEPS:-}" ] && timeout ${PROFILE_S:-150} python3 -m infc.cli bench profile --artifact $art \
+          --model-path $cfg --load-format dummy --out "$OUT/cut-latency/$name" --steps $CUT_PROFILE_STEPS --reps 10 \
+          2>&1 | quiet | grep -E "^\| [0-9]+ \||all launches|wall" | head -20
       done ;;
     gptoss)
       # issue 45: GPT-OSS-20B at full depth (24 layers, MXFP4 experts, dummy weights, prepare.py
