@@ -126,7 +126,7 @@ for stage in $STAGES; do
     families)
       timeout ${FAMILIES_S:-420} python3 -m pytest tests/gpu/test_golden.py -m families -q -s -p no:cacheprovider \
         ${PYTEST_ARGS:-} 2>&1 | quiet | tee "$OUT/pytest-families.log" \
-        | grep -E "passed|failed|error|regret|made and saved|^E " | tail -60 ;;
+        | grep -E "passed|failed|error|regret|made and saved|setup:|^E " | tail -60 ;;
     baseline)
       # the baseline commit's qwen3-4b (tools/prepare_baseline.sh COMMIT built it here), timed on
       # this card with the baseline's own code, beside the tree's `latency` stage. Its package

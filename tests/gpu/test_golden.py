@@ -42,6 +42,7 @@ and state slot), the same suffix step as a hit's, with the state read from the s
 cannot make fails with one line saying so."""
 import json
 import shutil
+import time
 from contextlib import closing
 from pathlib import Path
 
@@ -144,6 +145,7 @@ def setup(request, model_dir, artifact):
         missing = gpu_families.hf_missing(name)
         if missing:
             pytest.fail(missing, pytrace=False)
+    t0 = time.perf_counter()
     d, art = model_dir(name), artifact(name)
     from transformers import AutoModelForCausalLM
     limits = LIMITS
@@ -162,6 +164,8 @@ def setup(request, model_dir, artifact):
     want = hf_logits(hf, seqs)
     del hf
     torch.cuda.empty_cache()
+    print(f"{name} setup: model, artifact and HF's logits of {len(seqs)} sequences in "
+          f"{time.perf_counter() - t0:.1f} s")
     if name in models.QUANTIZED:        # the noise floor: HF's bf16 run of the same definition
         hf = hf_quant.load(d, torch.bfloat16).cuda().eval()
         floor = worst_of([gate(b, w) for b, w in zip(hf_logits(hf, seqs), want)])
@@ -215,11 +219,15 @@ def test_golden(setup, mode, tmp_path):
         if "wide" not in json.loads((Path(art) / "plan.json").read_text())["programs"]:
             pytest.skip("no experts: the plan has no wide program")
         art = wide_at(art, 4, tmp_path)          # buckets 4, 8, 16 capture the wide program
+    t0 = time.perf_counter()
     with closing(CudaRunner(art, d, max_num_batched_tokens=16384, max_num_seqs=16, cuda_graphs=graphs,
                             buckets=[1, 2, 4, 8, 16], num_pages=2048)) as runner:
+        t1 = time.perf_counter()
         got = run(runner, seqs, batch)
+    t2 = time.perf_counter()
     ok, say = judge(ref, got)
-    print(f"{name} {mode}: {say}")
+    # the device time a mode costs, split: the runner (weights, graph captures) and the steps
+    print(f"{name} {mode}: {say} [runner {t1 - t0:.1f} s, steps {t2 - t1:.1f} s]")
     assert ok, say
 
 
