@@ -599,8 +599,14 @@ models.model_dir('$q')" 2>&1 | tail -3
       timeout ${PREFIX_S:-120} $p --tier host --kv-offloading-size ${TIER_GIB:-16} --out "$OUT/tier-prefix/host" 2>&1 \
         | quiet | grep -E "L=|restore|wrote|rror" ;;
     tune)
-      timeout ${TUNE_S:-300} python3 -m infc.cli tune run --dir .cache/tune/qwen3-4b-h200 --results-dir "$OUT" \
-        --write "$OUT/h200.json" 2>&1 | tail -40 ;;
+      # `infc tune run` of each folder .cache/tune/<d> of TUNE_DIRS (default qwen3-4b-h200) that
+      # `infc tune prepare` wrote here (carry it: tests/gpu/carry.sh tune/<d>): the timed table
+      # in $OUT/<d>/h200.json, to lay over codegen_templates/tuning/h200.json by hand
+      for d in ${TUNE_DIRS:-qwen3-4b-h200}; do
+        mkdir -p "$OUT/$d"
+        timeout ${TUNE_S:-300} python3 -m infc.cli tune run --dir ".cache/tune/$d" --results-dir "$OUT/$d" \
+          --write "$OUT/$d/h200.json" 2>&1 | tail -40
+      done ;;
     lora-tune)
       for d in qwen3-4b-narrow-h200 qwen3-4b-lora8r16-narrow-h200; do
         say "lora-tune: infc tune run $d"
