@@ -246,6 +246,41 @@ def _gpt_oss():
                          "original_max_position_embeddings": 32}))
 
 
+def _mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+    # 6 experts, top-2, F = 40 != H; a sliding window of 5 on every layer (Mixtral's config has
+    # one window for all layers; null in Mixtral-8x7B-v0.1)
+    return MixtralForCausalLM(MixtralConfig(
+        **BASE, hidden_size=96, intermediate_size=40, num_hidden_layers=2, num_attention_heads=3,
+        num_key_value_heads=1, num_local_experts=6, num_experts_per_tok=2, rms_norm_eps=1e-5,
+        sliding_window=5, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}))
+
+
+def _qwen2_moe():
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+    # layers sparse, dense (mlp_only_layers), sparse; 6 experts, top-2, renormalized (published:
+    # not; the spec passes norm_topk_prob through); expert F 40, shared expert 56, dense MLP 72
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(
+        **BASE, hidden_size=96, intermediate_size=72, moe_intermediate_size=40,
+        shared_expert_intermediate_size=56, num_hidden_layers=3, num_attention_heads=3,
+        num_key_value_heads=1, num_experts=6, num_experts_per_tok=2, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[1], rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}))
+
+
+def _olmoe():
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+    # q/k norms over the whole projected width ([96] and [32]: 2 kv heads of 16); 6 experts,
+    # top-2, not renormalized (as published); clip_qkv 0.5 (published: null) clamps many of the
+    # normed q/k entries and v's; attention_bias on (published off) so the four biases run
+    return OlmoeForCausalLM(OlmoeConfig(
+        **BASE, hidden_size=96, intermediate_size=40, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, num_experts=6, num_experts_per_tok=2, norm_topk_prob=False,
+        clip_qkv=0.5, attention_bias=True, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        pad_token_id=0, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}))
+
+
 # Families whose config.json is rewritten into the published (transformers 4.x) form after
 # saving: rope_theta / partial_rotary_factor / rope_scaling at the top level instead of
 # transformers 5's rope_parameters, and (gemma3) no layer_types, rope_local_base_freq and
@@ -277,7 +312,8 @@ BUILDERS = {"qwen2": _qwen2, "gemma": _gemma, "gemma2": _gemma2, "gemma3": _gemm
             "phi3": _phi3, "phi": _phi, "olmo2": _olmo2, "granite": _granite,
             "nemotron": _nemotron, "starcoder2": _starcoder2, "stablelm": _stablelm,
             "smollm3": _smollm3, "falcon": _falcon, "gpt2": _gpt2, "cohere": _cohere,
-            "qwen3_5": _qwen3_5, "gpt_oss": _gpt_oss}
+            "qwen3_5": _qwen3_5, "gpt_oss": _gpt_oss, "mixtral": _mixtral,
+            "qwen2_moe": _qwen2_moe, "olmoe": _olmoe}
 FAMILIES = list(BUILDERS)
 
 # Extra tensors written into a family's checkpoint that its spec must `ignore:` (checkpoints
