@@ -108,9 +108,11 @@ def rope_parameters(dim: int, theta: float, scaling=None) -> tuple[np.ndarray, f
         low_wavelen, high_wavelen = old_len / low, old_len / high
         wavelen = 2 * math.pi / freq
         scaled = np.where(wavelen > low_wavelen, freq / factor, freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        mid = (1 - smooth) * scaled / factor + smooth * scaled
-        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        # low == high (Llama-4 Scout's 1.0 / 1.0): no blend band, and nothing to divide by
+        with np.errstate(divide="ignore", invalid="ignore"):
+            smooth = (old_len / wavelen - low) / (high - low)
+            mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen) & (high != low)
         freq = np.where(is_mid, mid, scaled)
     elif kind == "yarn":
         (factor,) = _need(scaling, kind, "factor")
