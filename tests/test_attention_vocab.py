@@ -143,14 +143,17 @@ def test_plans_carry_the_attrs_where_hf_applies_them(vocab_model):
     assert [(a.get("alibi"), a.get("chunk"), a.get("temp_floor")) for a in attrs["layer"]] == [(8.0, None, None)]
 
 
-def test_llama4_refuses_moe_layers(vocab_model, tmp_path):
+def test_llama4_refuses_more_than_one_expert_a_token(vocab_model, tmp_path):
+    """Llama-4's MoE layers (tests/test_llama4_moe.py) weigh the expert's input, which the
+    kernels do for one expert a token: a config with num_experts_per_tok 2 fails naming the
+    spec's requirement."""
     d, _ = vocab_model("llama4")
     cfg = json.loads((d / "config.json").read_text())
-    cfg["moe_layers"] = [1, 3]
+    cfg["moe_layers"], cfg["num_experts_per_tok"] = [1, 3], 2
     for f in d.iterdir():
         (tmp_path / f.name).write_bytes(f.read_bytes())
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(SpecError, match="moe_layers"):
+    with pytest.raises(SpecError, match=r"llama4.yaml:\d+: .*requirement 'K == 1' does not hold"):
         compile_model(model_dir=str(tmp_path))
 
 
