@@ -95,6 +95,17 @@ def test_published_configs_parse():
         assert parse_quantization({"quantization_config": CONFIGS[fmt](o)}, "config.json") is not None
 
 
+def test_fp8_fmt_read_in_both_spellings():
+    """`fmt: float8_e4m3fn` (torch's name, MiniMax-M2's config.json) is the same e4m3 format as
+    `fmt: e4m3`; another value still fails naming the key."""
+    block = CONFIGS["fp8-block"]({})
+    a = parse_quantization({"quantization_config": block}, "config.json")
+    b = parse_quantization({"quantization_config": dict(block, fmt="float8_e4m3fn")}, "config.json")
+    assert vars(a) == vars(b)
+    with pytest.raises(ModelDirError, match="quantization_config.fmt"):
+        parse_quantization({"quantization_config": dict(block, fmt="float8_e5m2")}, "config.json")
+
+
 def test_build_fails_naming_the_key(capsys, monkeypatch, tmp_path):
     """Through `infc build`: exit 2, `error: .../config.json: quantization_config...`, no traceback."""
     src = write_model(tmp_path / "m", tiny_shapes())

@@ -90,7 +90,8 @@ class Fp8Block(QuantFormat):
 @format_parser("fp8")
 def parse(q: dict, where: str) -> Fp8Block:
     c = ConfigKeys(q, where).only(_KEYS)
-    c.get("fmt", "e4m3", choices=("e4m3",))
+    # torch's dtype name for the same OCP e4m3 (finite, NaN only): MiniMax-M2's config.json spells it so
+    c.get("fmt", "e4m3", choices=("e4m3", "float8_e4m3fn"))
     act = c.get("activation_scheme", "dynamic", choices=("dynamic", "static"))
     block = c.get("weight_block_size", None)
     scale_fmt = c.get("scale_fmt", "float", choices=SCALE_FMTS)
