@@ -31,6 +31,31 @@ def reference_greedy(plan, weights, prompt, n) -> list[int]:
         logits = ex.step([SeqChunk(0, [out[-1]], len(prompt) + len(out) - 1)])[0]
     return out
 BASE = dict(vocab_size=VOCAB, max_position_embeddings=256, initializer_range=0.05)
+_PLANS = {}
+
+
+def plan_and_weights(d, fuse=True):
+    """(plan, float32 weights) of the tiny model saved in d, compiled once a session per (d, fuse)."""
+    from infc.compiler.build import compile_model
+    from infc.compiler.contract.safetensors_io import Checkpoint
+    from infc.runtime.weights.load import load_weights
+    key = (str(d), fuse)
+    if key not in _PLANS:
+        _, plan = compile_model(model_dir=str(d), fuse=fuse)
+        _PLANS[key] = (plan, load_weights(plan, Checkpoint(d)))
+    return _PLANS[key]
+
+
+def hf_logits(model, ids) -> np.ndarray:
+    """HF's float32 logits [len(ids), V] of one sequence."""
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0].float().numpy()
+
+
+def checkpoint_tensors(d) -> dict:
+    """The tensors a tiny model saved into d/model.safetensors, by name."""
+    from safetensors.numpy import load_file
+    return load_file(str(d / "model.safetensors"))
 
 
 def engine_greedy(runner, prompts: list, max_tokens: int) -> dict:

@@ -27,16 +27,13 @@ import numpy as np
 import pytest
 import torch
 
-from infc.compiler.build import build, compile_model
-from infc.compiler.contract.safetensors_io import Checkpoint
+from infc.compiler.build import compile_model
 from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
-from infc.runtime.weights.load import load_weights
 
 from exhaustive import EXHAUSTIVE
-from families import reference_greedy
+from families import checkpoint_tensors, hf_logits, plan_and_weights, reference_greedy
 from test_deepseek_v2 import PROMPT, VOCAB, assert_logits, make_all
 
-PAGE = 16
 BASE = dict(vocab_size=VOCAB, hidden_size=96, intermediate_size=128, moe_intermediate_size=32,
             num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
             n_routed_experts=8, first_k_dense_replace=1, attention_bias=True,
@@ -81,40 +78,20 @@ def models(tmp_path_factory):
     return make_all(tmp_path_factory, "glm4_moe", VARIANTS, make)
 
 
-_PLANS = {}
-
-
-def _plan(d):
-    if str(d) not in _PLANS:
-        _, plan = compile_model(model_dir=str(d))
-        _PLANS[str(d)] = (plan, load_weights(plan, Checkpoint(d)))
-    return _PLANS[str(d)]
-
-
-def _hf_logits(model, ids):
-    with torch.no_grad():
-        return model(input_ids=torch.tensor([ids])).logits[0].float().numpy()
-
-
-def _tensors(d) -> dict:
-    from safetensors.numpy import load_file
-    return load_file(str(d / "model.safetensors"))
-
-
 def test_published_names_and_layer_kinds(models):
     """The checkpoint has the published tensor names (per expert, the router's weight and its
     correction bias, the shared experts; q/k norms only in GLM-4.5's form) and the plan reads
     them: the first layer dense, the others MoE, the kind carrying the q/k norm where the config
     says so, the rotary dims 16 of 32; no fused expert tensor is read."""
     for kind, (d, _) in models.items():
-        names = set(_tensors(d))
+        names = set(checkpoint_tensors(d))
         assert "model.layers.1.mlp.experts.7.gate_proj.weight" in names
         assert "model.layers.1.mlp.gate.e_score_correction_bias" in names
         assert "model.layers.2.mlp.shared_experts.down_proj.weight" in names
         assert "model.layers.0.self_attn.v_proj.bias" in names
         assert not any("gate_up_proj" in n for n in names)
         assert ("model.layers.0.self_attn.q_norm.weight" in names) == (kind == "glm45")
-        plan, _ = _plan(d)
+        plan, _ = plan_and_weights(d)
         repeat = next(e for e in plan["programs"]["decode"] if "repeat" in e)
         suffix = "_qknorm" if kind == "glm45" else ""
         assert repeat["schedule"] == ["dense" + suffix, "moe" + suffix, "moe" + suffix], kind
@@ -129,8 +106,8 @@ def test_published_names_and_layer_kinds(models):
 @pytest.mark.parametrize("kind", list(VARIANTS))
 def test_logits_and_greedy_match_hf(models, kind):
     d, hf = models[kind]
-    want = _hf_logits(hf, PROMPT)
-    plan, weights = _plan(d)
+    want = hf_logits(hf, PROMPT)
+    plan, weights = plan_and_weights(d)
     assert_logits(plan, weights, want, PROMPT)
     with torch.no_grad():
         ids = torch.tensor([PROMPT])
@@ -145,7 +122,7 @@ def _routes(hf, ids) -> list:
     hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, o: out.append(np.sort(o[2].numpy(), -1)))
              for layer in hf.model.layers if hasattr(layer.mlp, "gate")]
     try:
-        _hf_logits(hf, ids)
+        hf_logits(hf, ids)
     finally:
         for h in hooks:
             h.remove()
@@ -167,7 +144,7 @@ def test_the_router_features_bite(models):
                 layer.mlp.gate.topk_group = layer.mlp.gate.num_group
         moved = sum(int((a != b).any(-1).sum()) for a, b in zip(base, _routes(other, PROMPT)))
         assert moved >= 3, (change, moved)
-    plan, weights = _plan(d)
+    plan, weights = plan_and_weights(d)
     got = ReferenceExecutor(plan, weights).step([SeqChunk(0, PROMPT, 0)])
     zeroed = dict(weights, router_bias=[np.zeros_like(w) for w in weights["router_bias"]]
                   if isinstance(weights["router_bias"], list) else np.zeros_like(weights["router_bias"]))
@@ -243,49 +220,14 @@ def test_config_defaults_are_hf(models, tmp_path):
 
 # -- through the generated kernels (interpreted) ---------------------------------------------------
 
-def _rel(a, b):
-    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
-
-
 def check_kernels(d, hf, tmp_path, fuse):
     """tests/test_families_interp.py's check: a 21-token prefill, a second sequence sharing its
     first page that prefills only its tail, then two batched decode steps (the second through the
     wide program); bf16 kernels within max(2e-2, twice HF's own bf16 error) of the reference."""
-    from infc.runtime.engine.step import Chunk
-    from interp_executor import InterpExecutor
-    out = build(model_dir=str(d), out=tmp_path / "art", compile=False, log=None, page_size=PAGE, fuse=fuse)
-    plan = json.loads((out / "plan.json").read_text())
-    plan["_dir"] = str(out)
-    plan["narrow_tokens"] = min(plan.get("narrow_tokens", 0), 1)
-    weights = load_weights(plan, Checkpoint(d))
-    ref, run = ReferenceExecutor(plan, weights), InterpExecutor(plan, weights, page_size=PAGE)
-    rng = np.random.default_rng(3)
-    a = [int(t) for t in rng.integers(0, VOCAB, 21)]
-    b = a[:PAGE] + [int(t) for t in rng.integers(0, VOCAB, 6)]
-    with torch.no_grad():
-        f32 = hf(torch.tensor([a])).logits[0, -1].numpy()
-        bf16 = copy.deepcopy(hf).to(torch.bfloat16)(torch.tensor([a])).logits[0, -1].float().numpy()
-    tol = max(2e-2, 2 * _rel(bf16, f32))
-    got, want = run.step([Chunk(0, a, 0)]), ref.step([SeqChunk(0, a, 0)])
-    assert _rel(got, want) < tol, ("prefill", _rel(got, want))
-    run.ensure_pages(1, len(b), shared=run.pages[0][:1])
-    ref.step([SeqChunk(1, b[:PAGE], 0)])
-    got, want = run.step([Chunk(1, b[PAGE:], PAGE)]), ref.step([SeqChunk(1, b[PAGE:], PAGE)])
-    assert _rel(got, want) < tol, ("prefix-cached prefill", _rel(got, want))
-    toks, lens = [int(np.argmax(want[0]))] * 2, [len(a), len(b)]
-    for step in range(2):
-        if step == 1:
-            assert "wide" in plan["programs"] and plan["wide_tokens"] > 2
-            plan["wide_tokens"] = 2
-        got = run.step([Chunk(0, [toks[0]], lens[0]), Chunk(1, [toks[1]], lens[1])])
-        want = ref.step([SeqChunk(0, [toks[0]], lens[0]), SeqChunk(1, [toks[1]], lens[1])])
-        assert run.program == ("wide" if step == 1 else "decode")
-        if run.program == "wide":
-            assert {t for op, t in run.templates if op == "linear"} == {"gemm"}, run.templates
-        assert _rel(got, want) < tol, (f"decode {step}", _rel(got, want))
-        assert (np.argmax(got, -1) == np.argmax(want, -1)).mean() >= 0.5
-        lens = [n + 1 for n in lens]
-        toks = [int(t) for t in np.argmax(want, -1)]
+    from interp_protocol import bf16_error, executors, sequences, through_kernels
+    plan, run, ref = executors(d, tmp_path / "art", fuse)
+    a, b = sequences(VOCAB)
+    through_kernels(plan, run, ref, a, b, max(2e-2, 2 * bf16_error(hf, a)))
 
 
 @pytest.mark.parametrize("kind,fuse", [
@@ -318,7 +260,7 @@ def make_with_mtp(d, kind="glm45"):
     layers and one MTP layer; returns the HF model of L + 1 layers."""
     from test_spec_mtp import _save
     full = make(kind, d, num_hidden_layers=L + 1)
-    t, c = _tensors(d), json.loads((d / "config.json").read_text())
+    t, c = checkpoint_tensors(d), json.loads((d / "config.json").read_text())
     rng = np.random.default_rng(5)
     H, p = BASE["hidden_size"], f"model.layers.{L}."
     for n in ("enorm", "hnorm", "shared_head.norm"):
@@ -341,14 +283,14 @@ def test_checkpoint_with_mtp_layer_builds_and_matches_hf(mtp_model):
     logits (HF loads the first L layers of the same directory) at every position."""
     from transformers import Glm4MoeForCausalLM
     d, _ = mtp_model
-    assert "model.layers.3.eh_proj.weight" in _tensors(d)
-    assert "model.layers.3.mlp.experts.0.up_proj.weight" in _tensors(d)
+    assert "model.layers.3.eh_proj.weight" in checkpoint_tensors(d)
+    assert "model.layers.3.mlp.experts.0.up_proj.weight" in checkpoint_tensors(d)
     hf = Glm4MoeForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     hf.set_attn_implementation("eager")
     assert len(hf.model.layers) == L
-    plan, weights = _plan(d)
+    plan, weights = plan_and_weights(d)
     assert not any("eh_proj" in json.dumps(w["source"]) for w in plan["weights"].values())
-    assert_logits(plan, weights, _hf_logits(hf, PROMPT), PROMPT)
+    assert_logits(plan, weights, hf_logits(hf, PROMPT), PROMPT)
 
 
 def test_mtp_layer_without_its_ignore_is_refused(mtp_model, tmp_path):
@@ -373,7 +315,7 @@ class GlmReference:
     def __init__(self, full, d):
         from test_spec_mtp import _Reference
         from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeRMSNorm
-        t = _tensors(d)
+        t = checkpoint_tensors(d)
         H, eps = full.config.hidden_size, full.config.rms_norm_eps
         p = f"model.layers.{L}."
 

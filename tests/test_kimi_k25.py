@@ -189,7 +189,7 @@ def test_through_kernels(k25, fuse, tmp_path):
     from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
     from interp_executor import InterpExecutor
     from test_deepseek_v2_interp import PAGE, check_through_kernels
-    from test_families_interp import _hf_bf16_error
+    from interp_protocol import bf16_error as _hf_bf16_error
     d, hf, _, _ = k25
     check_through_kernels(d, hf, tmp_path / "a", fuse=fuse)
     out = build(model_dir=str(d), out=tmp_path / "art", compile=False, log=None, page_size=PAGE, fuse=fuse)

@@ -15,21 +15,19 @@ on a variant of each model whose top-1 routing is decisive by construction (bf16
 near-tied choices of the random routers: another expert's output, not a kernel's error).
 The published variants' layer schedules (Scout MoE everywhere, Maverick interleaved).
 """
-import json
 
 import numpy as np
 import pytest
 import torch
 
-from infc.compiler.build import build, compile_model
+from infc.compiler.build import compile_model
 from infc.compiler.contract.safetensors_io import Checkpoint
-from infc.runtime.engine.step import Chunk
 from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
 from infc.runtime.weights.load import load_weights
 
 from exhaustive import EXHAUSTIVE
-from families import VOCAB, _randomize, reference_greedy
-from interp_executor import InterpExecutor
+from families import VOCAB, _randomize, hf_logits, reference_greedy
+from interp_protocol import executors, sequences, through_kernels
 
 TOL = 1e-4
 PROMPT = [int(t) for t in np.random.default_rng(11).integers(0, VOCAB, 16)]
@@ -106,11 +104,6 @@ def moe_model(tmp_path_factory):
     return get
 
 
-def _hf_logits(model, ids):
-    with torch.no_grad():
-        return model(input_ids=torch.tensor([ids])).logits[0].float().numpy()
-
-
 def _prefills(plan, weights):
     return ReferenceExecutor(plan, weights).step([SeqChunk(n, PROMPT[:n], 0) for n in range(1, len(PROMPT) + 1)])
 
@@ -145,7 +138,7 @@ def test_schedule(name, moe_model):
     for n in BUILDERS for fuse in (True, False)])
 def test_reference_matches_hf(name, fuse, moe_model):
     d, hf = moe_model(name)
-    want = _hf_logits(hf, PROMPT)
+    want = hf_logits(hf, PROMPT)
     _, plan = compile_model(model_dir=str(d), fuse=fuse)
     weights = load_weights(plan, Checkpoint(d))
     got = _prefills(plan, weights)
@@ -171,15 +164,7 @@ def test_router_weight_on_the_input_is_read(moe_model, tmp_path):
     other.write_text(text.replace('weigh="input"', 'weigh="output"'))
     _, plan = compile_model(model_dir=str(d), spec_path=str(other))
     moved = _prefills(plan, load_weights(plan, Checkpoint(d)))
-    assert np.abs(moved - _hf_logits(hf, PROMPT)).max() > 1e-3
-
-
-def _kernel_sequences():
-    """The token sequences test_through_kernels runs: a (a 21-token prefill), b (a's first page and
-    6 more), each then decoded twice."""
-    rng = np.random.default_rng(3)
-    a = [int(t) for t in rng.integers(0, VOCAB, 21)]
-    return a, a[:16] + [int(t) for t in rng.integers(0, VOCAB, 6)]
+    assert np.abs(moved - hf_logits(hf, PROMPT)).max() > 1e-3
 
 
 @pytest.mark.parametrize("name", list(BUILDERS))
@@ -194,7 +179,7 @@ def test_fixture_routes_decisively(name, moe_model):
              for m in hf.modules() if type(m).__name__ == "Llama4Router"]
     try:
         with torch.no_grad():
-            for s in _kernel_sequences():
+            for s in sequences(VOCAB):
                 for _ in range(2):
                     s = s + [int(hf(input_ids=torch.tensor([s])).logits[0, -1].argmax())]
                 logits.clear()
@@ -207,39 +192,17 @@ def test_fixture_routes_decisively(name, moe_model):
             h.remove()
 
 
-def _rel(a, b):
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
 @EXHAUSTIVE
 @pytest.mark.parametrize("name,fuse", [(n, f) for n in BUILDERS for f in (True, False)],
                          ids=[f"{n}-{'fused' if f else 'no-fuse'}" for n in BUILDERS for f in (True, False)])
 def test_through_kernels(name, fuse, moe_model, tmp_path):
-    """The build's kernels, interpreted: a 21-token prefill (chunks of 6 cross the 16-token page),
-    a second sequence reusing the first's first page (a prefix hit) and computing only its tail,
-    then two batched decodes; against the reference at bf16's tolerance."""
+    """The build's kernels, interpreted (tests/interp_protocol.py): a 21-token prefill (chunks of 6
+    cross the 16-token page), a second sequence reusing the first's first page (a prefix hit) and
+    computing only its tail, then two batched decodes, the second a wide step (the experts on the
+    grouped GEMMs, weighed on their input); against the reference at bf16's tolerance."""
     d, _ = moe_model(name, decisive=True)
-    page = 16
-    out = build(model_dir=str(d), out=tmp_path / "art", compile=False, log=None, page_size=page, fuse=fuse)
-    plan = json.loads((out / "plan.json").read_text())
-    plan["_dir"] = str(out)
-    weights = load_weights(plan, Checkpoint(d))
-    ref, run = ReferenceExecutor(plan, weights), InterpExecutor(plan, weights, page_size=page)
-    a, b = _kernel_sequences()
-    tol = 2e-2
-    got, want = run.step([Chunk(0, a, 0)]), ref.step([SeqChunk(0, a, 0)])
-    assert _rel(got, want) < tol, ("prefill", _rel(got, want))
-    run.ensure_pages(1, len(b), shared=run.pages[0][:1])
-    ref.step([SeqChunk(1, b[:page], 0)])
-    got, want = run.step([Chunk(1, b[page:], page)]), ref.step([SeqChunk(1, b[page:], page)])
-    assert _rel(got, want) < tol, ("prefix-cached prefill", _rel(got, want))
-    toks, lens = [int(np.argmax(want[0]))] * 2, [len(a), len(b)]
-    for step in range(2):
-        got = run.step([Chunk(0, [toks[0]], lens[0]), Chunk(1, [toks[1]], lens[1])])
-        want = ref.step([SeqChunk(0, [toks[0]], lens[0]), SeqChunk(1, [toks[1]], lens[1])])
-        assert _rel(got, want) < tol, (f"decode {step}", _rel(got, want))
-        lens = [n + 1 for n in lens]
-        toks = [int(t) for t in np.argmax(want, -1)]
+    plan, run, ref = executors(d, tmp_path / "art", fuse)
+    through_kernels(plan, run, ref, *sequences(VOCAB), 2e-2)
 
 
 @pytest.mark.parametrize("variant,schedule", [

@@ -21,12 +21,10 @@ import pytest
 import torch
 
 from infc.compiler.build import compile_model
-from infc.compiler.contract.safetensors_io import Checkpoint
 from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
-from infc.runtime.weights.load import load_weights
 
 from exhaustive import EXHAUSTIVE
-from families import reference_greedy
+from families import checkpoint_tensors, hf_logits, plan_and_weights, reference_greedy
 from test_deepseek_v2 import PROMPT, VOCAB, assert_logits, make_all
 
 BASE = dict(vocab_size=VOCAB, hidden_size=96, intermediate_size=32, num_hidden_layers=3,
@@ -66,41 +64,21 @@ def models(tmp_path_factory):
     return make_all(tmp_path_factory, "minimax_m2", VARIANTS, make)
 
 
-_PLANS = {}
-
-
-def _plan(d):
-    if str(d) not in _PLANS:
-        _, plan = compile_model(model_dir=str(d))
-        _PLANS[str(d)] = (plan, load_weights(plan, Checkpoint(d)))
-    return _PLANS[str(d)]
-
-
-def _hf_logits(model, ids):
-    with torch.no_grad():
-        return model(input_ids=torch.tensor([ids])).logits[0].float().numpy()
-
-
-def _tensors(d) -> dict:
-    from safetensors.numpy import load_file
-    return load_file(str(d / "model.safetensors"))
-
-
 def test_published_names_and_plan(models):
     """The checkpoint has the published tensor names (per expert w1/w2/w3 under block_sparse_moe,
     the router and its correction bias there, whole-width q/k norms) and the plan reads them: the
     q/k norms Hq*D and Hkv*D wide, 16 rotary dims of 32, the bias f32, every router sigmoid with
     the bias; no fused expert tensor is stored."""
     d, _ = models["m2"]
-    names = set(_tensors(d))
+    names = set(checkpoint_tensors(d))
     assert "model.layers.2.block_sparse_moe.experts.7.w1.weight" in names
     assert "model.layers.0.block_sparse_moe.experts.0.w2.weight" in names
     assert "model.layers.1.block_sparse_moe.e_score_correction_bias" in names
     assert "model.layers.1.block_sparse_moe.gate.weight" in names
     assert not any("gate_up_proj" in n or ".mlp." in n for n in names)
-    assert _tensors(d)["model.layers.0.self_attn.q_norm.weight"].shape == (128,)
-    assert _tensors(d)["model.layers.0.self_attn.k_norm.weight"].shape == (64,)
-    plan, _ = _plan(d)
+    assert checkpoint_tensors(d)["model.layers.0.self_attn.q_norm.weight"].shape == (128,)
+    assert checkpoint_tensors(d)["model.layers.0.self_attn.k_norm.weight"].shape == (64,)
+    plan, _ = plan_and_weights(d)
     assert plan["config"]["R"] == 16 and plan["config"]["D"] == 32
     assert plan["weights"]["router_bias"]["dtype"] == "f32"
     assert plan["weights"]["router_bias"]["layers"] == [0, 1, 2]
@@ -112,8 +90,8 @@ def test_published_names_and_plan(models):
 @pytest.mark.parametrize("kind", list(VARIANTS))
 def test_logits_and_greedy_match_hf(models, kind):
     d, hf = models[kind]
-    want = _hf_logits(hf, PROMPT)
-    plan, weights = _plan(d)
+    want = hf_logits(hf, PROMPT)
+    plan, weights = plan_and_weights(d)
     assert_logits(plan, weights, want, PROMPT)
     with torch.no_grad():
         ids = torch.tensor([PROMPT])
@@ -128,7 +106,7 @@ def _routes(hf, ids) -> list:
     hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, o: out.append(np.sort(o[2].numpy(), -1)))
              for layer in hf.model.layers]
     try:
-        _hf_logits(hf, ids)
+        hf_logits(hf, ids)
     finally:
         for h in hooks:
             h.remove()
@@ -146,7 +124,7 @@ def test_the_correction_bias_bites(models):
         layer.mlp.e_score_correction_bias.zero_()
     moved = sum(int((a != b).any(-1).sum()) for a, b in zip(base, _routes(other, PROMPT)))
     assert moved >= 3, moved
-    plan, weights = _plan(d)
+    plan, weights = plan_and_weights(d)
     got = ReferenceExecutor(plan, weights).step([SeqChunk(0, PROMPT, 0)])
     zeroed = dict(weights, router_bias=[np.zeros_like(w) for w in weights["router_bias"]]
                   if isinstance(weights["router_bias"], list) else np.zeros_like(weights["router_bias"]))
@@ -231,5 +209,5 @@ def test_no_narrow_program(models):
     and two-sequence decode steps run through the decode and wide programs test_through_kernels
     checks; were a narrow program added, tests/test_deepseek_v2_interp.py's check_through_kernels
     should be run here."""
-    plan, _ = _plan(models["m2"][0])
+    plan, _ = plan_and_weights(models["m2"][0])
     assert "narrow" not in plan["programs"] and not plan.get("narrow_tokens")

@@ -37,14 +37,12 @@ from infc.runtime.engine.engine import Engine
 from infc.compiler.contract.program import launches as _launches
 from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
 from infc.runtime.engine.runner import CPURunner, sample_row
-from infc.compiler.contract.safetensors_io import Checkpoint
 from infc.runtime.engine.sampling import SamplingParams
 from infc.runtime.engine.scheduler import Scheduler
 from infc.runtime.engine.sequence import Sequence
 from infc.runtime.engine.step import Chunk, build_step
-from infc.runtime.weights.load import load_weights
 
-from families import reference_greedy
+from families import hf_logits, plan_and_weights, reference_greedy
 
 VOCAB = 320
 TOL = 1e-4
@@ -114,22 +112,6 @@ def models(tmp_path_factory):
     return out
 
 
-_PLANS = {}
-
-
-def _plan(d, fuse=True):
-    key = (str(d), fuse)
-    if key not in _PLANS:
-        _, plan = compile_model(model_dir=str(d), fuse=fuse)
-        _PLANS[key] = (plan, load_weights(plan, Checkpoint(d)))
-    return _PLANS[key]
-
-
-def _hf_logits(model, ids):
-    with torch.no_grad():
-        return model(input_ids=torch.tensor([ids])).logits[0].float().numpy()
-
-
 def _layer_types(model):
     cfg = model.config
     return list(getattr(cfg, "text_config", cfg).layer_types)
@@ -141,7 +123,7 @@ def test_both_checkpoint_classes_bind(models):
     """Weights under model. or model.language_model. (the vision tower ignored), tying from the
     top-level flag, layer kinds from layer_types or full_attention_interval."""
     for kind, (d, hf) in models.items():
-        plan, _ = _plan(d)
+        plan, _ = plan_and_weights(d)
         repeat = next(e for e in plan["programs"]["decode"] if "repeat" in e)
         assert repeat["schedule"] == _layer_types(hf), kind
         prefix = "model.language_model." if kind == "conditional" else "model."
@@ -165,7 +147,7 @@ def test_vision_tower_is_ignored_on_purpose(models, tmp_path):
 
 
 def test_plan_declares_slot_caches_and_state_slots(models):
-    plan, _ = _plan(models["causal"][0])
+    plan, _ = plan_and_weights(models["causal"][0])
     c = plan["caches"]
     assert c["conv"]["kind"] == c["recurrent"]["kind"] == "slot"
     assert c["conv"]["layers"] == c["recurrent"]["layers"] == [0, 2, 3]
@@ -181,8 +163,8 @@ def test_plan_declares_slot_caches_and_state_slots(models):
                          ids=["causal", "causal-no-fuse", "conditional"])
 def test_logits_at_every_position(models, kind, fuse):
     d, hf = models[kind]
-    want = _hf_logits(hf, PROMPT)
-    plan, weights = _plan(d, fuse)
+    want = hf_logits(hf, PROMPT)
+    plan, weights = plan_and_weights(d, fuse)
     # prefill: the prompt's 40 prefixes as 40 sequences of one step (40 state slots)
     got = ReferenceExecutor(plan, weights).step([SeqChunk(n, PROMPT[:n], 0) for n in range(1, 41)])
     err = np.abs(got - want).max(axis=1)
@@ -201,15 +183,15 @@ def test_greedy_16_tokens_match_hf(models, kind):
     with torch.no_grad():
         want = hf.generate(input_ids=torch.tensor([PROMPT]), max_new_tokens=16, min_new_tokens=16,
                            do_sample=False, pad_token_id=0)[0, len(PROMPT):].tolist()
-    plan, weights = _plan(d)
+    plan, weights = plan_and_weights(d)
     assert reference_greedy(plan, weights, PROMPT, 16) == want
 
 
 @pytest.mark.parametrize("chunk", [7, 16])
 def test_chunked_prefill_equals_one_shot(models, chunk):
     d, hf = models["causal"]
-    want = _hf_logits(hf, PROMPT)
-    plan, weights = _plan(d)
+    want = hf_logits(hf, PROMPT)
+    plan, weights = plan_and_weights(d)
     one = ReferenceExecutor(plan, weights).step([SeqChunk(0, PROMPT, 0)])[0]
     ex = ReferenceExecutor(plan, weights)
     for start in range(0, len(PROMPT), chunk):
@@ -222,7 +204,7 @@ def test_chunked_prefill_equals_one_shot(models, chunk):
 def test_batched_sequences_equal_each_alone(models):
     """A 40-token and a 23-token prompt in one prefill step, then 4 decode steps together, and
     a mixed step (one decodes while the other prefills its second chunk)."""
-    plan, weights = _plan(models["causal"][0])
+    plan, weights = plan_and_weights(models["causal"][0])
     a, b = PROMPT, PROMPT[::-1][:23]
     steps = [[SeqChunk(0, a, 0), SeqChunk(1, b, 0)]]
     toks = [[5, 17, 250, 3], [9, 9, 100, 41]]
@@ -276,7 +258,7 @@ def test_dummy_weights_keep_the_state_decaying(models):
     """--load-format dummy: A = -exp(A_log) is filled near -1 (near +1, as a norm scale, the
     decays exp(g) would exceed 1 and the recurrent state would grow without bound)."""
     from infc.runtime.weights.dummy import dummy_weights, rule
-    plan, _ = _plan(models["causal"][0])
+    plan, _ = plan_and_weights(models["causal"][0])
     assert rule(plan["weights"]["A"])[1] == -1.0 and rule(plan["weights"]["o_norm"])[1] == 1.0
     w = dummy_weights(plan)
     assert all((a < 0).all() for a in w["A"])
@@ -353,7 +335,7 @@ def test_engine_prefix_caching_over_slot_caches_needs_snapshots(models):
     """Without a snapshot pool (num_state_snapshots=0) the engine turns prefix caching off, says
     so once, and a repeated prompt is computed again with the same logits; with one, the repeat
     hits up to the prompt's last block boundary (tests/test_hybrid_prefix.py checks the logits)."""
-    plan, weights = _plan(models["causal"][0])
+    plan, weights = plan_and_weights(models["causal"][0])
     lines = []
     runner = _Capture(plan, weights, num_pages=32, page_size=4, max_num_seqs=4, num_state_snapshots=0)
     assert runner.num_slots == 4
@@ -369,7 +351,7 @@ def test_engine_prefix_caching_over_slot_caches_needs_snapshots(models):
         firsts.append(runner.seen[n])
     assert e.bm.hit_tokens == 0 and all(o.num_cached_tokens == 0 for o in outs)
     assert np.array_equal(firsts[0], firsts[1])
-    want = _hf_logits(models["causal"][1], PROMPT)[-1]
+    want = hf_logits(models["causal"][1], PROMPT)[-1]
     assert np.abs(firsts[0][0] - want).max() <= TOL
     lines.clear()
     e = Engine(_Capture(plan, weights, num_pages=32, page_size=4, max_num_seqs=4), max_model_len=128,
@@ -420,7 +402,7 @@ def test_engine_random_aborts_and_preemptions_free_every_slot(models, overlap):
     """1,000 aborts at random moments (issue 12's count) (waiting, mid-prefill, mid-decode) among requests that also
     finish and get preempted (few pages): afterwards every slot and page is free again, and the
     survivors' slots were never shared."""
-    plan, weights = _plan(models["causal"][0])
+    plan, weights = plan_and_weights(models["causal"][0])
     runner = (OverlappedCPURunner if overlap else CPURunner)(plan, weights, num_pages=10, page_size=4, max_num_seqs=4)
     e = Engine(runner, max_model_len=40, max_num_seqs=4, max_num_batched_tokens=24)
     assert e.overlap == overlap
@@ -461,7 +443,7 @@ def test_engine_outputs_through_preemption_match_each_alone(models, overlap):
     """Four requests on 8 pages of 4 tokens: they preempt each other (recomputed from their last
     snapshot still cached, else from token 0), chunked prefills share steps with decodes, and each one's greedy tokens are
     still the ones it gets alone."""
-    plan, weights = _plan(models["causal"][0])
+    plan, weights = plan_and_weights(models["causal"][0])
     runner = (OverlappedCPURunner if overlap else CPURunner)(plan, weights, num_pages=8, page_size=4, max_num_seqs=4)
     e = Engine(runner, max_model_len=32, max_num_seqs=4, max_num_batched_tokens=12)
     rng = np.random.default_rng(3)
@@ -481,7 +463,7 @@ def test_engine_outputs_through_preemption_match_each_alone(models, overlap):
 
 def test_cuda_runner_pads_state_slots_with_the_spare_slot(fake_driver, models):
     from infc.runtime.cuda import runner as runner_mod
-    plan, _ = _plan(models["causal"][0])
+    plan, _ = plan_and_weights(models["causal"][0])
     assert "state_slots" in runner_mod.PRODUCED
     r = object.__new__(runner_mod.CudaRunner)
     r.plan, r.page_size, r.num_pages, r.max_pages_per_seq, r.max_seqs = plan, 16, 64, 8, 8

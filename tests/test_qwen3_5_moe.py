@@ -18,7 +18,6 @@ greedy tokens as generate(), and two sequences batched the same logits as each a
 generated Triton kernels (TRITON_INTERPRET=1), fused and --no-fuse, must follow the reference as
 tests/test_families_interp.py bounds the other families.
 """
-import copy
 import json
 from pathlib import Path
 
@@ -26,21 +25,17 @@ import numpy as np
 import pytest
 import torch
 
-from infc.compiler.build import build, compile_model
+from infc.compiler.build import compile_model
 from infc.compiler.contract import caches
 from infc.compiler.contract.errors import SpecError
-from infc.compiler.contract.safetensors_io import Checkpoint
-from infc.runtime.engine.step import Chunk
 from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
-from infc.runtime.weights.load import load_weights
 
 from exhaustive import EXHAUSTIVE
-from families import reference_greedy
-from interp_executor import InterpExecutor
+from families import hf_logits, plan_and_weights, reference_greedy
+from interp_protocol import bf16_error, executors, sequences, through_kernels
 
 VOCAB = 320
 TOL = 1e-4
-PAGE = 16
 SPEC = Path(__file__).resolve().parent.parent / "specs" / "qwen3_5_moe.yaml"
 PROMPT = [int(t) for t in np.random.default_rng(11).integers(0, VOCAB, 40)]
 E, K, FE, FS = 6, 2, 40, 56
@@ -112,29 +107,9 @@ def models(tmp_path_factory):
     return out
 
 
-_PLANS = {}
-
-
-def _plan(d, fuse=True):
-    key = (str(d), fuse)
-    if key not in _PLANS:
-        _, plan = compile_model(model_dir=str(d), fuse=fuse)
-        _PLANS[key] = (plan, load_weights(plan, Checkpoint(d)))
-    return _PLANS[key]
-
-
-def _hf_logits(model, ids):
-    with torch.no_grad():
-        return model(input_ids=torch.tensor([ids])).logits[0].float().numpy()
-
-
 def _layer_types(model):
     cfg = model.config
     return list(getattr(cfg, "text_config", cfg).layer_types)
-
-
-def _rel(a, b):
-    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
 
 
 # -- the spec against transformers --------------------------------------------------------------
@@ -145,7 +120,7 @@ def test_both_checkpoint_classes_bind(models):
     tensors read from their own per-expert names."""
     from safetensors import safe_open
     for kind, (d, hf) in models.items():
-        plan, weights = _plan(d)
+        plan, weights = plan_and_weights(d)
         repeat = next(e for e in plan["programs"]["decode"] if "repeat" in e)
         assert repeat["schedule"] == _layer_types(hf), kind
         prefix = "model.language_model." if kind == "conditional" else "model."
@@ -179,7 +154,7 @@ def test_vision_tower_and_fused_experts(models, tmp_path):
 
 
 def test_plan_declares_slot_caches(models):
-    plan, _ = _plan(models["causal"][0])
+    plan, _ = plan_and_weights(models["causal"][0])
     c = plan["caches"]
     assert c["conv"]["kind"] == c["recurrent"]["kind"] == "slot"
     assert c["conv"]["layers"] == c["recurrent"]["layers"] == [0, 2, 3]
@@ -192,8 +167,8 @@ def test_plan_declares_slot_caches(models):
                          ids=["causal", "causal-no-fuse", "conditional"])
 def test_logits_at_every_position(models, kind, fuse):
     d, hf = models[kind]
-    want = _hf_logits(hf, PROMPT)
-    plan, weights = _plan(d, fuse)
+    want = hf_logits(hf, PROMPT)
+    plan, weights = plan_and_weights(d, fuse)
     # prefill: the prompt's 40 prefixes as 40 sequences of one step (40 state slots)
     got = ReferenceExecutor(plan, weights).step([SeqChunk(n, PROMPT[:n], 0) for n in range(1, 41)])
     err = np.abs(got - want).max(axis=1)
@@ -214,7 +189,7 @@ def test_the_moe_features_bite(models):
     seen = {}
     hooks = [hf.model.layers[0].mlp.register_forward_hook(
         lambda m, args, out: seen.setdefault("h", args[0].reshape(-1, 96)))]
-    _hf_logits(hf, PROMPT)
+    hf_logits(hf, PROMPT)
     for h in hooks:
         h.remove()
     mlp = hf.model.layers[0].mlp
@@ -233,14 +208,14 @@ def test_greedy_16_tokens_match_hf(models, kind):
     with torch.no_grad():
         want = hf.generate(input_ids=torch.tensor([PROMPT]), max_new_tokens=16, min_new_tokens=16,
                            do_sample=False, pad_token_id=0)[0, len(PROMPT):].tolist()
-    plan, weights = _plan(d)
+    plan, weights = plan_and_weights(d)
     assert reference_greedy(plan, weights, PROMPT, 16) == want
 
 
 def test_batched_sequences_equal_each_alone(models):
     """A 40-token and a 23-token prompt in one prefill step (their tokens routed together), then 3
     decode steps together: each row's logits are its own alone."""
-    plan, weights = _plan(models["causal"][0])
+    plan, weights = plan_and_weights(models["causal"][0])
     a, b = PROMPT, PROMPT[::-1][:23]
     steps = [[SeqChunk(0, a, 0), SeqChunk(1, b, 0)]]
     toks = [[5, 17, 250], [9, 9, 100]]
@@ -296,42 +271,13 @@ def test_through_kernels(models, kind, fuse, tmp_path):
     through the wide program (the experts on the grouped GEMMs); bf16 kernels against the float32
     reference within max(2e-2, twice HF's own bf16-vs-f32 error)."""
     d, hf = models[kind]
-    out = build(model_dir=str(d), out=tmp_path / "art", compile=False, log=None, page_size=PAGE,
-                fuse=fuse)
-    plan = json.loads((out / "plan.json").read_text())
-    plan["_dir"] = str(out)
-    plan["narrow_tokens"] = min(plan.get("narrow_tokens", 0), 1)
-    weights = load_weights(plan, Checkpoint(d))
-    ref, run = ReferenceExecutor(plan, weights), InterpExecutor(plan, weights, page_size=PAGE)
-    rng = np.random.default_rng(3)
-    a = [int(t) for t in rng.integers(0, VOCAB, 21)]
-    b = a[:PAGE] + [int(t) for t in rng.integers(0, VOCAB, 6)]
-    with torch.no_grad():
-        f32 = hf(torch.tensor([a])).logits[0, -1].numpy()
-        bf16 = copy.deepcopy(hf).to(torch.bfloat16)(torch.tensor([a])).logits[0, -1].float().numpy()
-    tol = max(2e-2, 2 * _rel(bf16, f32))
-    got, want = run.step([Chunk(0, a, 0)]), ref.step([SeqChunk(0, a, 0)])
-    assert _rel(got, want) < tol, ("prefill", _rel(got, want))
-    run.step([Chunk(1, b[:PAGE], 0)])
-    ref.step([SeqChunk(1, b[:PAGE], 0)])
-    got, want = run.step([Chunk(1, b[PAGE:], PAGE)]), ref.step([SeqChunk(1, b[PAGE:], PAGE)])
-    assert _rel(got, want) < tol, ("second prefill chunk", _rel(got, want))
-    toks, lens = [int(np.argmax(want[0]))] * 2, [len(a), len(b)]
-    for step in range(2):
-        if step == 1:
-            assert "wide" in plan["programs"] and plan["wide_tokens"] > 2
-            plan["wide_tokens"] = 2
-        got = run.step([Chunk(0, [toks[0]], lens[0]), Chunk(1, [toks[1]], lens[1])])
-        want = ref.step([SeqChunk(0, [toks[0]], lens[0]), SeqChunk(1, [toks[1]], lens[1])])
-        assert run.program == ("wide" if step == 1 else "decode")
+    plan, run, ref = executors(d, tmp_path / "art", fuse)
+    a, b = sequences(VOCAB)
+
+    def experts_on_their_kernels(run, step):
         # the experts: per-token kernels in the decode step, the grouped GEMMs in the wide one
         moe = {t for op, t in run.templates if op in ("moe_gate_up", "moe_down")}
-        if run.program == "wide":
-            assert {t for op, t in run.templates if op == "linear"} == {"gemm"}, run.templates
-            assert moe == {"moe_gate_up_grouped", "moe_down_grouped"}, run.templates
-        else:
-            assert moe == {"moe_gate_up", "moe_down"}, run.templates
-        assert _rel(got, want) < tol, (f"decode {step}", _rel(got, want))
-        assert (np.argmax(got, -1) == np.argmax(want, -1)).mean() >= 0.5
-        lens = [n + 1 for n in lens]
-        toks = [int(t) for t in np.argmax(want, -1)]
+        assert moe == ({"moe_gate_up_grouped", "moe_down_grouped"} if run.program == "wide"
+                       else {"moe_gate_up", "moe_down"}), run.templates
+    through_kernels(plan, run, ref, a, b, max(2e-2, 2 * bf16_error(hf, a)),
+                    check_step=experts_on_their_kernels)
