@@ -107,13 +107,11 @@ def rope_parameters(dim: int, theta: float, scaling=None) -> tuple[np.ndarray, f
                                            "original_max_position_embeddings")
         low_wavelen, high_wavelen = old_len / low, old_len / high
         wavelen = 2 * math.pi / freq
-        scaled = np.where(wavelen > low_wavelen, freq / factor, freq)
-        # low == high (Llama-4 Scout's 1.0 / 1.0): no blend band, and nothing to divide by
-        with np.errstate(divide="ignore", invalid="ignore"):
+        freq = np.where(wavelen > low_wavelen, freq / factor, freq)
+        if high != low:             # Llama-4 Scout's 1.0 / 1.0: no blend band
             smooth = (old_len / wavelen - low) / (high - low)
-            mid = (1 - smooth) * scaled / factor + smooth * scaled
-        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen) & (high != low)
-        freq = np.where(is_mid, mid, scaled)
+            mid = (1 - smooth) * freq / factor + smooth * freq
+            freq = np.where((wavelen >= high_wavelen) & (wavelen <= low_wavelen), mid, freq)
     elif kind == "yarn":
         (factor,) = _need(scaling, kind, "factor")
         lo, hi = yarn_range(dim, theta, scaling)
