@@ -15,7 +15,8 @@ PAGE = 16
 
 
 def rel(a, b) -> float:
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+    """|a - b| / |b| (L2), the difference taken in float64."""
+    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
 
 
 def bf16_error(hf, ids) -> float:

@@ -2,14 +2,12 @@
 the tiny plain / q_lora checkpoints of tests/test_deepseek_v2.py, fused, against the reference
 executor: a 21-token prefill, then 3 decode steps, the last through the wide program (relative error below max(2e-2, twice HF's own
 bf16-vs-f32 error on the prompt), as tests/test_families_interp.py bounds the other families)."""
-import copy
 import json
 
 import numpy as np
 import pytest
 
 from exhaustive import EXHAUSTIVE
-import torch
 
 from infc.compiler.build import build
 from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
@@ -18,13 +16,8 @@ from infc.runtime.engine.step import Chunk
 from infc.runtime.weights.load import load_weights
 
 from interp_executor import InterpExecutor
+from interp_protocol import PAGE, bf16_error, rel as _rel
 from test_deepseek_v2 import VARIANTS, VOCAB, models  # noqa: F401  (the module fixture)
-
-PAGE = 16
-
-
-def _rel(a, b):
-    return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
 
 
 @pytest.mark.parametrize("kind", list(VARIANTS))
@@ -43,10 +36,7 @@ def check_through_kernels(d, hf, tmp_path, fuse=True):
     weights = load_weights(plan, Checkpoint(d))
     ref, run = ReferenceExecutor(plan, weights), InterpExecutor(plan, weights, page_size=PAGE)
     a = [int(t) for t in np.random.default_rng(3).integers(0, VOCAB, 21)]
-    with torch.no_grad():
-        f32 = hf(torch.tensor([a])).logits[0, -1].numpy()
-        bf16 = copy.deepcopy(hf).to(torch.bfloat16)(torch.tensor([a])).logits[0, -1].float().numpy()
-    tol = max(2e-2, 2 * _rel(bf16, f32))
+    tol = max(2e-2, 2 * bf16_error(hf, a))
     got, want = run.step([Chunk(0, a, 0)]), ref.step([SeqChunk(0, a, 0)])
     assert _rel(got, want) < tol, ("prefill", _rel(got, want))
     tok, n = int(np.argmax(want[0])), len(a)

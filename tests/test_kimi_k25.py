@@ -184,21 +184,15 @@ def _rel(a, b):
 def test_through_kernels(k25, fuse, tmp_path):
     """test_deepseek_v2_interp's check (prefill, a narrow and a wide decode step), then a second
     sequence whose first KV page is the first's (a prefix hit) prefilling only its tail."""
-    from infc.compiler.build import build
     from infc.runtime.engine.step import Chunk
-    from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
-    from interp_executor import InterpExecutor
-    from test_deepseek_v2_interp import PAGE, check_through_kernels
-    from interp_protocol import bf16_error as _hf_bf16_error
+    from infc.runtime.reference.executor import SeqChunk
+    from interp_protocol import PAGE, bf16_error, executors
+    from test_deepseek_v2_interp import check_through_kernels
     d, hf, _, _ = k25
     check_through_kernels(d, hf, tmp_path / "a", fuse=fuse)
-    out = build(model_dir=str(d), out=tmp_path / "art", compile=False, log=None, page_size=PAGE, fuse=fuse)
-    plan = json.loads((out / "plan.json").read_text())
-    plan["_dir"] = str(out)
-    weights = load_weights(plan, Checkpoint(d))
-    ref, run = ReferenceExecutor(plan, weights), InterpExecutor(plan, weights, page_size=PAGE)
+    _, run, ref = executors(d, tmp_path / "art", fuse)
     a, b = PROMPT[:21], PROMPT[:PAGE] + PROMPT[24:30]
-    tol = max(2e-2, 2 * _hf_bf16_error(hf, a))          # tests/test_families_interp.py's bound
+    tol = max(2e-2, 2 * bf16_error(hf, a))          # tests/test_families_interp.py's bound
     assert _rel(run.step([Chunk(0, a, 0)]), ref.step([SeqChunk(0, a, 0)])) < tol
     run.ensure_pages(1, len(b), shared=run.pages[0][:1])
     ref.step([SeqChunk(1, b[:PAGE], 0)])
