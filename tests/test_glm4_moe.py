@@ -116,8 +116,9 @@ def test_logits_and_greedy_match_hf(models, kind):
     assert reference_greedy(plan, weights, PROMPT, 16) == greedy
 
 
-def _routes(hf, ids) -> list:
-    """HF's chosen experts (sorted, per token) in each MoE layer for the prompt."""
+def hf_routes(hf, ids) -> list:
+    """HF's chosen experts (sorted, per token) in each MoE layer (one whose mlp has a `gate`: a
+    DeepSeek-V3-style router returning (scores, weights, ids)) for the prompt."""
     out = []
     hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, o: out.append(np.sort(o[2].numpy(), -1)))
              for layer in hf.model.layers if hasattr(layer.mlp, "gate")]
@@ -134,7 +135,7 @@ def test_the_router_features_bite(models):
     zeroed or the group limit lifted (so a spec that lost either would choose differently), and
     the reference's logits move when its correction bias is zeroed."""
     d, hf = models["glm45"]
-    base = _routes(hf, PROMPT)
+    base = hf_routes(hf, PROMPT)
     for change in ("bias", "groups"):
         other = copy.deepcopy(hf)
         for layer in other.model.layers[1:]:
@@ -142,7 +143,7 @@ def test_the_router_features_bite(models):
                 layer.mlp.gate.e_score_correction_bias.zero_()
             else:
                 layer.mlp.gate.topk_group = layer.mlp.gate.num_group
-        moved = sum(int((a != b).any(-1).sum()) for a, b in zip(base, _routes(other, PROMPT)))
+        moved = sum(int((a != b).any(-1).sum()) for a, b in zip(base, hf_routes(other, PROMPT)))
         assert moved >= 3, (change, moved)
     plan, weights = plan_and_weights(d)
     got = ReferenceExecutor(plan, weights).step([SeqChunk(0, PROMPT, 0)])
@@ -283,8 +284,9 @@ def test_checkpoint_with_mtp_layer_builds_and_matches_hf(mtp_model):
     logits (HF loads the first L layers of the same directory) at every position."""
     from transformers import Glm4MoeForCausalLM
     d, _ = mtp_model
-    assert "model.layers.3.eh_proj.weight" in checkpoint_tensors(d)
-    assert "model.layers.3.mlp.experts.0.up_proj.weight" in checkpoint_tensors(d)
+    names = checkpoint_tensors(d)
+    assert "model.layers.3.eh_proj.weight" in names
+    assert "model.layers.3.mlp.experts.0.up_proj.weight" in names
     hf = Glm4MoeForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     hf.set_attn_implementation("eager")
     assert len(hf.model.layers) == L

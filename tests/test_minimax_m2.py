@@ -26,6 +26,7 @@ from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
 from exhaustive import EXHAUSTIVE
 from families import checkpoint_tensors, hf_logits, plan_and_weights, reference_greedy
 from test_deepseek_v2 import PROMPT, VOCAB, assert_logits, make_all
+from test_glm4_moe import check_kernels, hf_routes
 
 BASE = dict(vocab_size=VOCAB, hidden_size=96, intermediate_size=32, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, head_dim=32, rotary_dim=16,
@@ -70,14 +71,15 @@ def test_published_names_and_plan(models):
     q/k norms Hq*D and Hkv*D wide, 16 rotary dims of 32, the bias f32, every router sigmoid with
     the bias; no fused expert tensor is stored."""
     d, _ = models["m2"]
-    names = set(checkpoint_tensors(d))
+    tensors = checkpoint_tensors(d)
+    names = set(tensors)
     assert "model.layers.2.block_sparse_moe.experts.7.w1.weight" in names
     assert "model.layers.0.block_sparse_moe.experts.0.w2.weight" in names
     assert "model.layers.1.block_sparse_moe.e_score_correction_bias" in names
     assert "model.layers.1.block_sparse_moe.gate.weight" in names
     assert not any("gate_up_proj" in n or ".mlp." in n for n in names)
-    assert checkpoint_tensors(d)["model.layers.0.self_attn.q_norm.weight"].shape == (128,)
-    assert checkpoint_tensors(d)["model.layers.0.self_attn.k_norm.weight"].shape == (64,)
+    assert tensors["model.layers.0.self_attn.q_norm.weight"].shape == (128,)
+    assert tensors["model.layers.0.self_attn.k_norm.weight"].shape == (64,)
     plan, _ = plan_and_weights(d)
     assert plan["config"]["R"] == 16 and plan["config"]["D"] == 32
     assert plan["weights"]["router_bias"]["dtype"] == "f32"
@@ -100,29 +102,16 @@ def test_logits_and_greedy_match_hf(models, kind):
     assert reference_greedy(plan, weights, PROMPT, 16) == greedy
 
 
-def _routes(hf, ids) -> list:
-    """HF's chosen experts (sorted, per token) in each layer for the prompt."""
-    out = []
-    hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, o: out.append(np.sort(o[2].numpy(), -1)))
-             for layer in hf.model.layers]
-    try:
-        hf_logits(hf, ids)
-    finally:
-        for h in hooks:
-            h.remove()
-    return out
-
-
 def test_the_correction_bias_bites(models):
     """What the model tests rest on: on this prompt, HF's choices move when the correction bias is
     zeroed (so a spec that lost it would choose differently), and the reference's logits move when
     its correction bias is zeroed."""
     d, hf = models["m2"]
-    base = _routes(hf, PROMPT)
+    base = hf_routes(hf, PROMPT)
     other = copy.deepcopy(hf)
     for layer in other.model.layers:
         layer.mlp.e_score_correction_bias.zero_()
-    moved = sum(int((a != b).any(-1).sum()) for a, b in zip(base, _routes(other, PROMPT)))
+    moved = sum(int((a != b).any(-1).sum()) for a, b in zip(base, hf_routes(other, PROMPT)))
     assert moved >= 3, moved
     plan, weights = plan_and_weights(d)
     got = ReferenceExecutor(plan, weights).step([SeqChunk(0, PROMPT, 0)])
@@ -199,7 +188,6 @@ def test_config_outside_hfs_math_is_refused(models, tmp_path):
     pytest.param("m2", False, marks=EXHAUSTIVE),
 ], ids=["m2-fused", "m2-no-fuse"])
 def test_through_kernels(models, kind, fuse, tmp_path):
-    from test_glm4_moe import check_kernels
     check_kernels(*models[kind], tmp_path, fuse)
 
 
