@@ -130,14 +130,15 @@ def compile_model(model=None, spec_path=None, model_dir=None, features=None, log
 
     # parallel: {"world", "rank", "tp", "ep"}, one rank's share (compiler/parallel.py)
     quant = parse_quantization(config, source, spec.nested)
-    if quant is not None and model_dir is not None and check_checkpoint:
-        stored = checkpoint_dtypes(model_dir)
-        if stored is not None:
-            quant.see_checkpoint(stored)
+    # the checkpoint's tensor names and dtypes (headers only): its quantized tensors, and which of
+    # a weight's `or:` layouts it stores
+    stored = checkpoint_dtypes(model_dir) if model_dir is not None and check_checkpoint else None
+    if quant is not None and stored is not None:
+        quant.see_checkpoint(stored)
     kv_cache = kv_cache_setting(kv_cache_dtype, model_dir, check_checkpoint)
     state = compile_spec(spec, env, name, features, observe=timed, skip=skip, parallel=parallel,
                          quant=quant, kv_cache=kv_cache, lora=lora, capture=capture,
-                         narrow_tokens=narrow_tokens)
+                         narrow_tokens=narrow_tokens, checkpoint_names=stored)
     t0 = time.perf_counter()
     plan = emit_plan(state)
     if parallel:

@@ -107,8 +107,9 @@ def _quant_leaf(src: dict) -> str | None:
     return next((k for k in src if k in LEAVES and isinstance(src[k], str)), None)
 
 
-def _names(src: dict, subs: dict):
-    """Every checkpoint tensor name a recipe reads (no checks): for did-you-mean suggestions."""
+def recipe_names(src: dict, subs: dict):
+    """Every checkpoint tensor name a recipe reads (no checks): for did-you-mean suggestions, and
+    for the build's choice among a weight's `or:` layouts (compiler/lower.py)."""
     leaf = _quant_leaf(src)
     if "tensor" in src:
         yield Checker.subst(src["tensor"], subs)
@@ -117,14 +118,14 @@ def _names(src: dict, subs: dict):
     elif "stack" in src:
         for e in range(int(src.get("count", 0))):
             if isinstance(src["stack"], dict):
-                yield from _names(src["stack"], dict(subs, e=e))
+                yield from recipe_names(src["stack"], dict(subs, e=e))
             else:
                 yield Checker.subst(src["stack"], dict(subs, e=e))
     elif "tied" not in src:
         for v in src.values():
             for x in (v if isinstance(v, list) else [v]):
                 if isinstance(x, dict):
-                    yield from _names(x, subs)
+                    yield from recipe_names(x, subs)
 
 
 class Checker:
@@ -136,12 +137,12 @@ class Checker:
         self.slicing = None                     # (axis, start, stop) while inside a slice recipe
         self.decls = []                         # (decl, kind or None)
         for d in spec.weights.values():
-            self.decls.append((d, None))
+            self.decls += [(x, None) for x in (d, *d.alternatives)]
         for d in spec.layer_weights.values():
-            self.decls.append((d, None))
+            self.decls += [(x, None) for x in (d, *d.alternatives)]
         for kind in (getattr(spec, "layer_kinds", None) or {}).values():
             for d in kind.weights.values():
-                self.decls.append((d, kind))
+                self.decls += [(x, kind) for x in (d, *d.alternatives)]
         self.by_pattern: dict = {}
         for d, kind in self.decls:
             self.by_pattern.setdefault(self.pattern(d), []).append((d, kind))
@@ -184,7 +185,7 @@ class Checker:
 
     def run(self):
         read = {n for w in self.plan["weights"].values() for layer in self.layers(w)
-                for n in _names(w["source"], {"i": layer})}
+                for n in recipe_names(w["source"], {"i": layer})}
         self.unread = [n for n in self.tensors if n not in read]     # what a misspelling may be
         for wname, w in self.plan["weights"].items():
             for layer in self.layers(w):
@@ -334,8 +335,12 @@ class Checker:
         decl, _ = self.decl_for(pattern, wname)
         if name not in self.tensors:
             layer = f" (layer {subs['i']})" if subs.get("i") is not None else ""
+            main, _ = self.decl_by_key(decl.key) if decl is not None else (None, None)
+            others = [a for a in getattr(main, "alternatives", ()) if a is not decl]
+            also = ("; nor is its other layout whole (" + ", ".join(f"'{a.name}'" for a in others) + ")"
+                    if others else "")
             self.fail(f"{self.who(decl, wname)}: checkpoint tensor '{name}'{layer} is missing from "
-                      f"{self.where}{did_you_mean(name, self.unread)}", decl)
+                      f"{self.where}{did_you_mean(name, self.unread)}{also}", decl)
         dtype, shape, file = self.tensors[name]
         self.used.add(name)
         if dtype not in dtypes:

@@ -9,6 +9,7 @@ import ast
 import networkx as nx
 import numpy as np
 
+from .checkpoint_check import recipe_names
 from .contract.errors import SpecError, did_you_mean
 from .expr import EvalError, Unknown, evaluate, free_names
 from .ir import DYNAMIC, Graph, Node, TensorType, Value
@@ -94,15 +95,10 @@ class _Lowerer:
                 if isinstance(dim, str):
                     raise self.err(f"weight '{key}': shape uses the dynamic dimension '{dim}' "
                                    f"(tokens/sequences in a step); weight shapes are static", d.line)
-            # experts: E with {e} in the name stacks E tensors; without it, one checkpoint tensor
-            # holds them all on its first axis (transformers 5's [E, ...] expert parameters), and
-            # the transforms apply to each expert's part of it (`batched`)
-            batched = False
             if d.experts is not None:
                 if d.experts not in self.env:
                     raise self.err(f"weight '{key}': 'experts' names unknown symbol '{d.experts}'", d.line)
                 shape = (self.env[d.experts],) + shape
-                batched = "{e}" not in d.name
             # one layer may be named without an index (an EAGLE-3 head's `midlayer.*`)
             if per_layer and "{i}" not in d.name and self.env.get("L") != 1:
                 raise self.err(f"layer weight '{key}' name has no {{i}} layer index", d.line)
@@ -118,11 +114,10 @@ class _Lowerer:
             if d.tied_to is not None and when:
                 source = {"tied": d.tied_to}
             else:
-                name = weight_name(d.name, self.env, self.spec.path, d.line)
-                source = {"tensor": name}
-                if d.experts is not None and not batched:
-                    source = {"stack": name, "count": self.env[d.experts]}
-                source = self.transforms(key, d, source, shape[1:] if batched else shape, batched)
+                source = self.source(key, d, shape)
+                if d.alternatives:
+                    source = self.layout(source, [self.source(key, a, shape) for a in d.alternatives],
+                                         layers)
             t = TensorType(shape, dtype)
             have = layers
             if key in sources:         # declared again in another kind's body
@@ -135,6 +130,30 @@ class _Lowerer:
             g.add_value(Value(key, "weight", t, line=d.line))
             sources[key] = {"source": source, "layers": list(have) if per_layer else None,
                             "type": t, "line": d.line}
+
+    def source(self, key, d, shape: tuple) -> dict:
+        """The recipe of one layout of a weight (shape: the declared one, experts first).
+        experts: E with {e} in the name stacks E tensors; without it, one checkpoint tensor holds
+        them all on its first axis (transformers 5's [E, ...] expert parameters), and the
+        transforms apply to each expert's part of it (`batched`)."""
+        batched = d.experts is not None and "{e}" not in d.name
+        name = weight_name(d.name, self.env, self.spec.path, d.line)
+        source = {"tensor": name}
+        if d.experts is not None and not batched:
+            source = {"stack": name, "count": self.env[d.experts]}
+        return self.transforms(key, d, source, shape[1:] if d.experts is not None else shape, batched)
+
+    def layout(self, declared: dict, others: list, layers) -> dict:
+        """A weight with `or:` layouts: the first whose every tensor the checkpoint holds, the
+        declared one first; the declared one without a checkpoint (or when none is whole: the
+        checkpoint check then names what is missing from it)."""
+        if self.stored is None:
+            return declared
+        for src in [declared, *others]:
+            if all(n in self.stored for layer in (layers if layers is not None else [None])
+                   for n in recipe_names(src, {"i": layer})):
+                return src
+        return declared
 
     def transforms(self, key, d, source: dict, shape: tuple, batched: bool = False) -> dict:
         """Wrap a checkpoint source in the declared load-time transforms, in TRANSFORM_KEYS order.
@@ -501,9 +520,12 @@ class _Lowerer:
         return out
 
 
-def lower(spec: Spec, env: dict) -> tuple[Graph, dict]:
-    """Returns the top graph and the weight source table {name: {source, layers, type, line}}."""
+def lower(spec: Spec, env: dict, checkpoint_names=None) -> tuple[Graph, dict]:
+    """Returns the top graph and the weight source table {name: {source, layers, type, line}}.
+    checkpoint_names: the tensor names of the checkpoint the build reads (a weight's `or:` layouts
+    choose by them), None without one."""
     lw = _Lowerer(spec, env)
+    lw.stored = None if checkpoint_names is None else set(checkpoint_names)
     lw.sources = {}
     g = Graph("model")
     for name, t in STEP_INPUTS.items():

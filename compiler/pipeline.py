@@ -99,7 +99,7 @@ def compile_spec(spec: Spec, env: dict, model: str, features: list | None = None
                  observe=None, stop_after: str | None = None, skip=(),
                  parallel: dict | None = None, quant=None, kv_cache: dict | None = None,
                  lora: dict | None = None, capture: list | None = None,
-                 narrow_tokens: int | None = None) -> CompileState:
+                 narrow_tokens: int | None = None, checkpoint_names=None) -> CompileState:
     """Run the pipeline; `skip` leaves out optional rewrites (tests compare with and without;
     skip=FUSIONS is `--no-fuse`); `parallel` = {"world", "rank", "tp", "ep"} compiles rank
     r's plan (compiler/parallel.py); `quant`: the checkpoint's quantization format
@@ -108,8 +108,9 @@ def compile_spec(spec: Spec, env: dict, model: str, features: list | None = None
     --enable-lora's {"max_loras", "max_rank", "targets"} (passes/add_lora.py), None without;
     `capture`: a speculation head's target layers (passes/capture_hidden.py), None without;
     `narrow_tokens`: the narrow launches' widest step (None: infc/config.py NARROW_TOKENS; more:
-    a verify program that wide, passes/select_kernels.py)."""
-    graph, weights = lower(spec, env)
+    a verify program that wide, passes/select_kernels.py); `checkpoint_names`: the checkpoint's
+    tensor names, which choose among a weight's `or:` layouts (None: the declared layouts)."""
+    graph, weights = lower(spec, env, checkpoint_names)
     state = CompileState(spec, env, graph, weights, model, features=list(features or []),
                          parallel=dict(parallel) if parallel else None, quant=quant, kv_cache=kv_cache,
                          lora=dict(lora) if lora else None, capture=list(capture) if capture else None,

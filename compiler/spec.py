@@ -22,7 +22,7 @@ TOP_KEYS = {"family", "architectures", "config", "requires", "variants", "weight
 # (Spec.mtp_section); its keys replace the family's graph, weights, inputs and outputs.
 MTP_KEYS = {"config", "requires", "count", "layer", "inputs", "weights", "graph", "outputs",
             "target_ignore"}
-WEIGHT_KEYS = {"name", "shape", "tied_to", "when", "experts", "dtype",
+WEIGHT_KEYS = {"name", "shape", "tied_to", "when", "experts", "dtype", "or",
                "stored_shape", "rows", "groups", "cols", "heads", "transpose", "exp", "scale", "offset"}
 # Load-time transforms, applied in this order to the checkpoint tensor: a reshape (stored_shape:
 # the checkpoint's shape, whose trailing dims are flattened to the declared rank, e.g. a depthwise
@@ -33,6 +33,12 @@ WEIGHT_KEYS = {"name", "shape", "tied_to", "when", "experts", "dtype",
 # when `heads` is given: [G, K, n]; DeepSeek MLA's W_uk / W_uv from kv_b_proj), then exp(w) (exp:
 # true), w * scale, w + offset.
 TRANSFORM_KEYS = ("stored_shape", "rows", "groups", "cols", "heads", "transpose", "exp", "scale", "offset")
+# `or:` another checkpoint layout of the same weight (a mapping, or a list of them, each a `name`
+# and its own transforms; shape, experts, dtype and when are the weight's): the build reads the
+# first layout whose every tensor the checkpoint holds, the declared one first (without a
+# checkpoint, the declared one). E.g. per-expert `experts.{e}.gate_proj.weight` or transformers 5's
+# fused `experts.gate_up_proj` [E, 2F, H] (`rows: [0, F]`).
+ALTERNATIVE_KEYS = {"name", *TRANSFORM_KEYS}
 LAYER_KEYS = {"weights", "graph", "kind", "kinds"}
 KIND_KEYS = {"symbols", "weights", "graph"}
 WEIGHT_DTYPES = {"bf16", "f16", "f32", "i32"}      # i32: an index table (ops/moe_table.py)
@@ -59,6 +65,7 @@ class WeightDecl:
     experts: str | None = None
     dtype: str | None = None
     transforms: dict = field(default_factory=dict)   # TRANSFORM_KEYS -> ast | [ast, ast] | bool
+    alternatives: list = field(default_factory=list)  # `or:` other layouts (WeightDecl each)
 
 
 @dataclass
@@ -216,7 +223,10 @@ class Spec:
         old, new = names
 
         def moved(ws: dict) -> dict:
-            return {k: replace(w, name=w.name.replace(old, new)) for k, w in ws.items()}
+            return {k: replace(w, name=w.name.replace(old, new),
+                               alternatives=[replace(a, name=a.name.replace(old, new))
+                                             for a in w.alternatives])
+                    for k, w in ws.items()}
         kinds = {n: replace(k, weights=moved(k.weights)) for n, k in self.layer_kinds.items()}
         return Spec(file, self.family, list(self.architectures), bindings, requires, dict(self.variants),
                     _weights(_require(m, "weights", dict, file, line), file, "mtp.weights"),
@@ -313,37 +323,65 @@ def _weights(section, file, where) -> dict[str, WeightDecl]:
             raise SpecError(f"weight '{key}' has unknown dtype '{dtype}' (one of {sorted(WEIGHT_DTYPES)})",
                             file, fields.get("dtype", line))
         shape = [parse_expr(str(s), file, line) for s in decl["shape"]]
-        transforms = {}
-        for t in TRANSFORM_KEYS:
-            if t not in decl:
-                continue
-            tline = fields.get(t, line)
-            v = decl[t]
-            if t == "stored_shape":
-                if not isinstance(v, list) or not v:
-                    raise SpecError(f"weight '{key}': 'stored_shape' must be the checkpoint tensor's "
-                                    f"shape, a list like [C, 1, K], got {v!r}", file, tline)
-                transforms[t] = [parse_expr(str(x), file, tline) for x in v]
-            elif t == "groups" and "rows" not in decl:
-                raise SpecError(f"weight '{key}': 'groups' divides the rows that 'rows' slices; "
-                                f"give 'rows' too", file, tline)
-            elif t in ("rows", "cols"):
-                if not isinstance(v, list) or len(v) not in (2, 3):
-                    raise SpecError(f"weight '{key}': '{t}' must be [start, stop] or [start, stop, "
-                                    f"step] (a slice of the checkpoint tensor's "
-                                    f"{'first' if t == 'rows' else 'second'} axis), got {v!r}",
-                                    file, tline)
-                transforms[t] = [parse_expr(str(x), file, tline) for x in v]
-            elif t in ("transpose", "exp"):
-                if not isinstance(v, bool):
-                    raise SpecError(f"weight '{key}': '{t}' must be true or false, got {v!r}",
-                                    file, tline)
-                transforms[t] = v
-            else:
-                transforms[t] = parse_expr(str(v), file, tline)
+        transforms = _transforms(key, decl, fields, line, file)
+        alternatives = []
+        alts = decl.get("or")
+        if alts is not None:
+            aline = fields.get("or", line)
+            alts = [alts] if isinstance(alts, dict) else alts
+            if not isinstance(alts, list) or not alts or not all(isinstance(a, dict) for a in alts):
+                raise SpecError(f"weight '{key}': 'or' must be another layout ({{name, transforms}}) "
+                                f"or a list of them, got {decl['or']!r}", file, aline)
+            for a in alts:
+                afields = a.key_lines if isinstance(a, LDict) else {}
+                bad = set(a) - ALTERNATIVE_KEYS
+                if bad:
+                    first = sorted(bad)[0]
+                    raise SpecError(f"weight '{key}': its 'or' layout has unknown field(s) {sorted(bad)}"
+                                    f"{did_you_mean(first, ALTERNATIVE_KEYS)} (a layout gives 'name' and "
+                                    f"its transforms; shape, experts, dtype and when are the weight's)",
+                                    file, afields.get(first, aline))
+                if "name" not in a:
+                    raise SpecError(f"weight '{key}': its 'or' layout has no 'name'", file, aline)
+                alternatives.append(WeightDecl(key, str(a["name"]), shape, afields.get("name", aline),
+                                               None, decl.get("when"), decl.get("experts"), dtype,
+                                               _transforms(key, a, afields, aline, file)))
         out[key] = WeightDecl(key, str(decl["name"]), shape, line, decl.get("tied_to"),
-                              decl.get("when"), decl.get("experts"), dtype, transforms)
+                              decl.get("when"), decl.get("experts"), dtype, transforms, alternatives)
     return out
+
+
+def _transforms(key, decl, fields, line, file) -> dict:
+    """A weight's (or one of its layouts') load-time transforms, parsed."""
+    transforms = {}
+    for t in TRANSFORM_KEYS:
+        if t not in decl:
+            continue
+        tline = fields.get(t, line)
+        v = decl[t]
+        if t == "stored_shape":
+            if not isinstance(v, list) or not v:
+                raise SpecError(f"weight '{key}': 'stored_shape' must be the checkpoint tensor's "
+                                f"shape, a list like [C, 1, K], got {v!r}", file, tline)
+            transforms[t] = [parse_expr(str(x), file, tline) for x in v]
+        elif t == "groups" and "rows" not in decl:
+            raise SpecError(f"weight '{key}': 'groups' divides the rows that 'rows' slices; "
+                            f"give 'rows' too", file, tline)
+        elif t in ("rows", "cols"):
+            if not isinstance(v, list) or len(v) not in (2, 3):
+                raise SpecError(f"weight '{key}': '{t}' must be [start, stop] or [start, stop, "
+                                f"step] (a slice of the checkpoint tensor's "
+                                f"{'first' if t == 'rows' else 'second'} axis), got {v!r}",
+                                file, tline)
+            transforms[t] = [parse_expr(str(x), file, tline) for x in v]
+        elif t in ("transpose", "exp"):
+            if not isinstance(v, bool):
+                raise SpecError(f"weight '{key}': '{t}' must be true or false, got {v!r}",
+                                file, tline)
+            transforms[t] = v
+        else:
+            transforms[t] = parse_expr(str(v), file, tline)
+    return transforms
 
 
 def _statements(section, file, where) -> list[Statement]:
