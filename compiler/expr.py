@@ -138,9 +138,12 @@ def _evaluate(node: ast.expr, env: dict, budget: _Budget):
             return not v
         if isinstance(node.op, ast.UAdd):
             return v
-    if isinstance(node, ast.BoolOp):
-        vals = [_evaluate(v, env, budget) for v in node.values]
-        return all(vals) if isinstance(node.op, ast.And) else any(vals)
+    if isinstance(node, ast.BoolOp):        # short-circuit, as Python: `x is None or len(x) == L`
+        stop = not isinstance(node.op, ast.And)
+        for v in node.values:
+            if bool(_evaluate(v, env, budget)) == stop:
+                return stop
+        return not stop
     if isinstance(node, ast.Compare):
         left = _evaluate(node.left, env, budget)
         for op, comp in zip(node.ops, node.comparators):

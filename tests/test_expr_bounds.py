@@ -64,6 +64,18 @@ def test_ordinary_arithmetic_is_unchanged():
     assert evaluate(parse_expr("H % 7", None, None), env) == 4096 % 7
 
 
+def test_and_or_short_circuit_as_python():
+    """`x is None or len(x) == L` with x none: the right side is not evaluated (a config list a
+    checkpoint may leave out, GLM-4.7-Flash's mlp_layer_types)."""
+    env = {"x": None, "y": [1, 2, 3], "L": 3}
+    assert evaluate(parse_expr("x is None or len(x) == L", None, None), env) is True
+    assert evaluate(parse_expr("x is not None and len(x) == L", None, None), env) is False
+    assert evaluate(parse_expr("y is None or len(y) == L", None, None), env) is True
+    assert evaluate(parse_expr("y is not None and len(y) == 2", None, None), env) is False
+    with pytest.raises(EvalError):
+        evaluate(parse_expr("x is not None or len(x) == L", None, None), env)
+
+
 def test_the_hanging_spec_fails_the_build_in_under_a_second(capsys, monkeypatch, tmp_path):
     """`name: = 10 ** 10 ** 10` hung `infc build`: now exit 2, file:line and the expression."""
     spec = tmp_path / "tiny.yaml"
