@@ -216,3 +216,52 @@ def test_spec_attrs_reach_the_node(tmp_path, extra, want):
     assert nodes
     for n in nodes:
         assert n.attrs == {"k": 8, "normalize": True, **want}
+
+
+def hf_route_mistral4(logits, k, groups, topk_groups, scale, normalize):
+    """transformers' Mistral4TopkRouter (softmax scores, a group scored by its two best) with
+    weight = identity."""
+    from transformers.models.mistral4.configuration_mistral4 import Mistral4Config
+    from transformers.models.mistral4.modeling_mistral4 import Mistral4TopkRouter
+    T, E = logits.shape
+    cfg = Mistral4Config(hidden_size=E, n_routed_experts=E, num_experts_per_tok=k, n_group=groups,
+                         topk_group=topk_groups, routed_scaling_factor=scale, norm_topk_prob=normalize,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                         vocab_size=32, intermediate_size=8, moe_intermediate_size=8)
+    gate = Mistral4TopkRouter(cfg)
+    with torch.no_grad():
+        gate.weight.copy_(torch.eye(E))
+        _, w, ids = gate(torch.from_numpy(logits))
+    return w.numpy(), ids.numpy()
+
+
+@pytest.mark.parametrize("T,E,k,groups,topk_groups,scale,normalize", [
+    (9, 16, 3, 4, 2, 1.0, True), (13, 24, 4, 8, 2, 2.5, False), (7, 16, 2, 1, 1, 1.0, True),
+    (6, 128, 4, 8, 2, 1.0, True)])
+def test_route_softmax_top2_groups_matches_hf_mistral4(T, E, k, groups, topk_groups, scale, normalize):
+    gen = np.random.default_rng(T * E + k + 2)
+    logits = (gen.standard_normal((T, E)) * 2).astype(np.float32)
+    w_hf, ids_hf = hf_route_mistral4(logits, k, groups, topk_groups, scale, normalize)
+    extra = {"group_score": "top2"} if groups > 1 else {}
+    w, ids = ROUTE(None, logits, k=k, normalize=normalize, groups=groups, topk_groups=topk_groups,
+                   scale=scale, **extra)
+    for t in range(T):
+        assert set(ids[t].tolist()) == set(ids_hf[t].tolist()), t
+        order = np.argsort(ids[t]), np.argsort(ids_hf[t])
+        assert np.allclose(w[t][order[0]], w_hf[t][order[1]], rtol=1e-6, atol=1e-6), t
+    if groups > 1:     # scoring groups by their best instead chooses other experts somewhere
+        _, ids_max = ROUTE(None, logits, k=k, normalize=normalize, groups=groups, topk_groups=topk_groups,
+                           scale=scale)
+        assert any(set(ids_max[t].tolist()) != set(ids[t].tolist()) for t in range(T))
+
+
+@pytest.mark.parametrize("attrs,needle", [
+    ({"group_score": "sum"}, "group_score must be"),
+    ({"group_score": "top2"}, "applies to softmax scores in groups"),
+    ({"group_score": "top2", "groups": 4, "topk_groups": 2, "scoring": "sigmoid"}, "applies to softmax"),
+])
+def test_group_score_misuse_is_refused(attrs, needle):
+    from infc.compiler.ir import TensorType
+    from infc.compiler.ops.base import ShapeError
+    with pytest.raises(ShapeError, match=needle):
+        REGISTRY["moe_route"].infer([TensorType(("T", 16), "bf16")], {"k": 2, **attrs})

@@ -15,4 +15,5 @@ from . import capture_hidden  # noqa: F401
 from . import compressed_attention  # noqa: F401
 from . import quantize_act  # noqa: F401
 from . import hyper_connection  # noqa: F401
+from . import pos_scale  # noqa: F401
 from .base import REGISTRY, REQUIRED, OpDef, ShapeError  # noqa: F401

@@ -17,7 +17,10 @@ moe_route(logits[T, E], k, normalize, groups=1, topk_groups=1, scale=1.0, shared
     and, with `bias` (e_score_correction_bias [E], f32), the choice scores c = s + bias; a group
     scores the sum of its two largest c; the experts of the groups not kept are out of the choice
     (as -inf in transformers); ids = top-k of c; weights = s[ids] (the bias only chooses),
-    renormalized when `normalize`, then times `scale`. Softmax scoring with a bias chooses by
+    renormalized when `normalize`, then times `scale`. group_score="top2" scores a softmax
+    router's groups by the sum of their two largest p too (Mistral-Small-4's Mistral4TopkRouter;
+    the dropped groups' p become 0 as above); "max" is softmax's default, and sigmoid's groups are
+    always scored by their two best. Softmax scoring with a bias chooses by
     p + bias likewise; scoring "sqrtsoftplus" (DeepSeek-V4: s = sqrt(softplus(logits)), torch's
     softplus) chooses and weighs as sigmoid does, without groups.
     shared > 0 (compiler/passes/fold_shared_experts.py sets it): every token also
@@ -25,7 +28,7 @@ moe_route(logits[T, E], k, normalize, groups=1, topk_groups=1, scale=1.0, shared
     routed ones), in slots k .. k + shared - 1, with weight 1 (unscaled, unnormalized).
     Ties: transformers takes torch.topk(sorted=False), which promises no order among equal
     scores; here (reference and kernel alike) the lower id wins, for groups and experts.
-    groups, topk_groups, scale, shared and scoring are extra attrs and bias a keyword-only optional
+    groups, topk_groups, group_score, scale, shared and scoring are extra attrs and bias a keyword-only optional
     tensor (base.OpDef.extra_attrs / keyword_optional): a node carries them only where its spec
     gives them, so the plans of specs that don't are unchanged.
 moe_experts(x[T, H], weights, ids, gate[E, F, H], up[E, F, H], down[E, H, F],
@@ -89,6 +92,14 @@ def route_infer(types, attrs):
            "moe_route scoring sigmoid scores a group by its two best experts: groups need 2 experts or more")
     expect(not (bias and scoring == "softmax" and attrs.get("groups", 1) > 1),
            "moe_route: a bias with softmax scoring and groups is not a router any model defines")
+    group_score = attrs.get("group_score", "max")
+    expect(group_score in ("max", "top2"),
+           f"moe_route group_score must be 'max' (a group's best score) or 'top2' (the sum of its two "
+           f"best), got {group_score!r}")
+    expect(group_score == "max" or (scoring == "softmax" and attrs.get("groups", 1) > 1
+                                    and logits.shape[1] // attrs["groups"] >= 2),
+           "moe_route group_score='top2' applies to softmax scores in groups of 2 experts or more "
+           "(sigmoid groups are always scored by their two best)")
     expect(isinstance(k, int) and 0 < k <= logits.shape[1], f"top-k {k} not in 1..{logits.shape[1]}")
     groups, topk_groups = attrs.get("groups", 1), attrs.get("topk_groups", 1)
     expect(isinstance(groups, int) and groups > 0 and logits.shape[1] % groups == 0,
@@ -128,14 +139,16 @@ def with_shared(w, ids, num_experts: int, shared: int):
 
 
 def route(ctx, logits, *bias, k, normalize=False, groups=1, topk_groups=1, scale=1.0, shared=0,
-          scoring="softmax", has_bias=False):
+          scoring="softmax", has_bias=False, group_score="max"):
     p = scores(logits, scoring)
     c = p + bias[0].astype(np.float32) if bias else p      # the scores that choose
     if groups > 1:
         T, E = p.shape
         per = c.reshape(T, groups, E // groups)
-        # sigmoid (noaux_tc): a group scores its two best; softmax (group_limited_greedy): its best
-        best = np.sort(per, -1)[..., -2:].sum(-1) if scoring == "sigmoid" else per.max(-1)
+        # sigmoid (noaux_tc) and group_score top2: a group scores its two best; softmax
+        # (group_limited_greedy): its best
+        top2 = scoring == "sigmoid" or group_score == "top2"
+        best = np.sort(per, -1)[..., -2:].sum(-1) if top2 else per.max(-1)
         kept = np.argsort(-best, axis=-1, kind="stable")[:, :topk_groups]
         keep = np.zeros((T, groups), bool)
         np.put_along_axis(keep, kept, True, axis=-1)
@@ -323,7 +336,8 @@ def route_align(ctx, logits, *bias, k, normalize=False, experts=None, **route_at
     return (w, ids) + align(ctx, ids, experts if experts is not None else logits.shape[1])
 
 
-ROUTE_EXTRA = {"groups": 1, "topk_groups": 1, "scale": 1.0, "shared": 0, "scoring": "softmax"}
+ROUTE_EXTRA = {"groups": 1, "topk_groups": 1, "scale": 1.0, "shared": 0, "scoring": "softmax",
+               "group_score": "max"}
 op(name="moe_route", tensors=["logits"], attrs={"k": REQUIRED, "normalize": False}, extra_attrs=ROUTE_EXTRA,
    keyword_optional=["bias"],
    infer=route_infer, reference=route, n_outputs=2, templates={"triton": "moe_route"},

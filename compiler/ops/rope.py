@@ -42,12 +42,12 @@ def rope_type(scaling) -> str:
 
 
 def rotary_dims(head_dim: int, scaling=None, rotary_dim=None) -> int:
-    """R: rotary_dim, else int(head_dim * scaling's partial_rotary_factor), else head_dim."""
+    """R: rotary_dim, else int(head_dim * scaling's partial_rotary_factor), else head_dim. A given
+    rotary_dim wins: HF's factor is a fraction of its config's head_dim, which is not x's where x is
+    only the rotated part (Mistral-Small-4's MLA: partial_rotary_factor = rope / (nope + rope) of
+    the whole query head, x the [T, H, rope] part)."""
     factor = (scaling or {}).get("partial_rotary_factor")
     derived = int(head_dim * factor) if factor is not None else None
-    if rotary_dim is not None and derived is not None and derived != rotary_dim:
-        raise ValueError(f"rotary_dim {rotary_dim} disagrees with partial_rotary_factor {factor} "
-                         f"(x head_dim {head_dim} = {derived})")
     r = rotary_dim if rotary_dim is not None else derived if derived is not None else head_dim
     if not (0 < r <= head_dim and r % 2 == 0):
         raise ValueError(f"rotary_dim {r} must be even and in 1..head_dim ({head_dim})")

@@ -146,8 +146,10 @@ def test_rope_refuses_what_it_cannot_do(scaling, match):
     x = TensorType(("T", 4, 64), "bf16")
     if match is None:
         assert op.infer([x], {"theta": 1e4, "scaling": scaling, "rotary_dim": 32}) == [x]
-        with pytest.raises(ShapeError, match="disagrees with partial_rotary_factor"):
-            op.infer([x], {"theta": 1e4, "scaling": scaling, "rotary_dim": 16})
+        # a given rotary_dim wins over the factor (a fraction of HF's head_dim, not x's)
+        assert op.infer([x], {"theta": 1e4, "scaling": scaling, "rotary_dim": 16}) == [x]
+        from infc.compiler.ops.rope import rotary_dims
+        assert rotary_dims(64, scaling, 16) == 16 and rotary_dims(64, scaling, None) == 32
         with pytest.raises(ShapeError, match="must be even"):
             op.infer([x], {"theta": 1e4, "scaling": None, "rotary_dim": 33})
         return

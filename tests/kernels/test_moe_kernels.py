@@ -259,14 +259,17 @@ def test_moe_down_grouped(T, KT, ep, tune):
 # scaling factor, E not a power of two; (12, 3, 1, 5): k exceeds the kept group's 4 experts, so a
 # dropped expert (p = 0, the lowest such id) fills the last slot with weight 0, as in transformers.
 @pytest.mark.parametrize("T", [1, 5, 37])
-@pytest.mark.parametrize("E_,groups,topk_groups,K,normalize,scale", [
-    (16, 4, 2, 3, False, 1.0), (16, 4, 2, 3, True, 2.5), (12, 3, 2, 2, False, 16.0), (12, 3, 1, 5, False, 1.0),
-    (12, 1, 1, 3, False, 0.7)])
-def test_moe_route_grouped(T, E_, groups, topk_groups, K, normalize, scale):
+@pytest.mark.parametrize("E_,groups,topk_groups,K,normalize,scale,group_score", [
+    (16, 4, 2, 3, False, 1.0, None), (16, 4, 2, 3, True, 2.5, None), (12, 3, 2, 2, False, 16.0, None),
+    (12, 3, 1, 5, False, 1.0, None), (12, 1, 1, 3, False, 0.7, None),
+    # Mistral-Small-4's softmax groups, scored by their two best p
+    (16, 4, 2, 3, True, 1.0, "top2"), (12, 3, 2, 2, False, 16.0, "top2"), (12, 3, 1, 5, False, 1.0, "top2")])
+def test_moe_route_grouped(T, E_, groups, topk_groups, K, normalize, scale, group_score):
     from .test_norm_kernels import router_logits
     gen = np.random.default_rng(T * 31 + E_ + K)
     logits = router_logits(T, E_, gen, ties=[(0, 1), (K - 1, K)])
-    attrs = {"k": K, "normalize": normalize, "groups": groups, "topk_groups": topk_groups, "scale": scale}
+    attrs = {"k": K, "normalize": normalize, "groups": groups, "topk_groups": topk_groups, "scale": scale,
+             **({"group_score": group_score} if group_score else {})}
     k = render("moe_route", "moe_route", [("logits", ["T", E_], "bf16")],
                [("w", ["T", K], "f32"), ("ids", ["T", K], "i32")], attrs)
     w, ids = poison((T, K), "f32"), poison((T, K), "i32")
