@@ -277,7 +277,23 @@ class _Lowerer:
             for t, v in zip(s.targets, outs):
                 scope[t] = v
 
+    def choose(self, e, line, where):
+        """`a if cond else b` in a graph: cond is a config expression, decided here, at lowering;
+        only the chosen side is lowered (its weights and ops; the other side's may not exist)."""
+        while isinstance(e, ast.IfExp):
+            try:
+                cond = evaluate(e.test, self.env)
+            except Unknown as u:
+                raise self.err(f"{where}: the condition '{ast.unparse(e.test)}' must be a config "
+                               f"expression (decided when the spec is lowered), but '{u.name}' is not a "
+                               f"config symbol{did_you_mean(u.name, self.env)}", line) from None
+            except EvalError as x:
+                raise self.err(f"{where}: the condition '{ast.unparse(e.test)}': {x}", line) from None
+            e = e.body if cond else e.orelse
+        return e
+
     def tensor_arg(self, g, e, scope, line, op_name, param):
+        e = self.choose(e, line, op_name)
         if isinstance(e, ast.Call):
             (v,) = self.expr(g, e, scope, line, 1)
             return v
@@ -324,12 +340,15 @@ class _Lowerer:
     def present(self, e) -> bool:
         """Whether an optional tensor argument names a tensor: not left out, not None / none, not
         a weight whose `when` is false."""
+        if isinstance(e, ast.IfExp):
+            e = self.choose(e, None, "optional argument")
         return e is not None and not (isinstance(e, ast.Name) and e.id in self.absent) \
             and not (isinstance(e, ast.Constant) and e.value is None) \
             and not (isinstance(e, ast.Name) and e.id in ("none", "None"))
 
     def expr(self, g: Graph, e, scope, line, n_targets, names=None) -> list[str]:
         """Lower one call; its outputs are named after the statement's targets when given."""
+        e = self.choose(e, line, "assignment")
         if isinstance(e, ast.Name):
             return [self.tensor_arg(g, e, scope, line, "assignment", "value")]
         if not isinstance(e, ast.Call) or not isinstance(e.func, ast.Name):
@@ -402,6 +421,11 @@ class _Lowerer:
         return outs
 
     def is_tensor(self, g, e, scope) -> bool:
+        if isinstance(e, ast.IfExp):
+            try:
+                return self.is_tensor(g, e.body if evaluate(e.test, self.env) else e.orelse, scope)
+            except (Unknown, EvalError):
+                return True          # lowered as a tensor, where choose() names the problem
         if isinstance(e, ast.Call):
             return True
         if isinstance(e, ast.Name):
