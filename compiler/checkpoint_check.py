@@ -416,7 +416,9 @@ class Checker:
     # ---------------------------------------------------------------- (c) unused tensors
 
     def unused(self):
-        patterns = list(self.spec.ignore or []) + self.ignore
+        # config fields fill in as in weight names: "model.layers.{L}.*" (an MTP layer past the
+        # model's own, as published), "{prefix}vision_tower.*"
+        patterns = [weight_name(p, self.env, self.spec.path) for p in self.spec.ignore or []] + self.ignore
         # the MTP layer's tensors: read by speculation's own plan (Spec.mtp_section), not this one
         patterns += [weight_name(p, self.env) for p in getattr(self.spec, "mtp_ignore", None) or []]
         # KV cache scales (k_scale / v_scale) are read by --kv-cache-dtype fp8 (compiler/kv_scales.py)

@@ -390,3 +390,28 @@ def test_slice_contradicting_the_declared_shape(tmp_path):
     assert e.value.line == spec.weights["wq"].line
     assert ("weight 'wq': the slice [0, 6) of 'model.layers.0.qkv_proj.weight' gives shape [6, 4], but the "
             "declared shape is [8, 4]") in e.value.message, e.value.message
+
+
+def test_ignore_patterns_fill_in_config_fields(tiny_model, tmp_path):
+    """`ignore:` entries read config fields as weight names do: "model.layers.{L}.*" ignores an
+    MTP-style layer stored past the model's own L layers, and nothing else."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from infc.compiler.build import compile_model
+    d, _ = tiny_model("llama")
+    ck = tmp_path / "ckpt"
+    shutil.copytree(d, ck)
+    tensors = load_file(str(ck / "model.safetensors"))
+    tensors["model.layers.3.eh_proj.weight"] = np.ones((4, 4), np.float32)
+    save_file(tensors, str(ck / "model.safetensors"), metadata={"format": "pt"})
+    src = open("specs/llama.yaml").read()
+    ignore = '  - "model.layers.*.self_attn.rotary_emb.inv_freq"\n'
+    assert ignore in src
+    spec = tmp_path / "llama.yaml"
+    spec.write_text(src.replace(ignore, ignore + '  - "model.layers.{L}.*"\n'))
+    compile_model(spec_path=str(spec), model_dir=str(ck))          # L = 3: layer 3 is ignored
+    spec.write_text(src.replace(ignore, ignore + '  - "model.layers.{V}.*"\n'))
+    with pytest.raises(SpecError, match="model.layers.3.eh_proj.weight"):
+        compile_model(spec_path=str(spec), model_dir=str(ck))
