@@ -153,7 +153,7 @@ BREAKS = {
     # the correction bias read but zeroed: p alone chooses
     "correction_bias": ("stored_shape: [1, E], dtype: f32}", "stored_shape: [1, E], dtype: f32, scale: 0.0}"),
     # the chosen probabilities not renormalized
-    "renormalize": ("K, true, bias=router_bias", "K, false, bias=router_bias"),
+    "renormalize": ("K, true, bias=router_bias, norm_min=norm_min", "K, false, bias=router_bias"),
     # the shared experts' output dropped
     "shared_experts": ("we_gate, we_up, we_down), shared)", "we_gate, we_up, we_down), mul(shared, 0.0))"),
 }
@@ -252,12 +252,28 @@ def test_config_defaults_are_hf(models, tmp_path):
     assert [k != "dense" for k in schedule] == hf_schedule(hf)
 
 
-@pytest.mark.parametrize("key,value", [("moe_norm_min", 1e-3), ("moe_use_aux_free", False),
+def test_the_normalization_floor_bites_and_matches_hf(tmp_path):
+    """HF divides the chosen probabilities by max(their sum, moe_norm_min) (moe_route's norm_min):
+    with a floor of 0.9, above most rows' top-3 sums, the weights shrink as HF's do; the logits
+    match HF's at every position, and differ from a plain renormalization's."""
+    d = tmp_path / "floor"
+    hf = make("a3b", d, moe_norm_min=0.9)
+    plan, weights = plan_and_weights(d)
+    text = json.dumps(plan)
+    assert '"norm_min": 0.9' in text
+    assert_logits(plan, weights, hf_logits(hf, PROMPT), PROMPT)
+    broken = json.loads(text.replace('"norm_min": 0.9', '"norm_min": 0.0'))
+    a = ReferenceExecutor(plan, weights).step([SeqChunk(0, PROMPT, 0)])
+    b = ReferenceExecutor(broken, weights).step([SeqChunk(0, PROMPT, 0)])
+    assert np.abs(a - b).max() > 1e-3
+
+
+@pytest.mark.parametrize("key,value", [("moe_use_aux_free", False),
                                        ("moe_gate_act", "sigmoid"), ("hidden_act", "gelu")])
 def test_config_outside_the_spec_is_refused(models, tmp_path, key, value):
-    """Values whose math the spec does not compute fail the build naming the condition: a
-    normalization floor that could bite, and keys HF's port does not read whose published values
-    its math is (the bias-corrected choice, softmax scoring)."""
+    """Values whose math the spec does not compute fail the build naming the condition: keys
+    HF's port does not read whose published values its math is (the bias-corrected choice,
+    softmax scoring)."""
     from infc.compiler.contract.errors import SpecError
     d, _ = models["a3b"]
     c = json.loads((d / "config.json").read_text())

@@ -164,10 +164,11 @@ def test_the_router_features_bite_in_hf(models):
 
 
 BREAKS = {   # feature -> (variant, old spec text, the text that takes it out)
-    "expert_bias": ("bias", ', bias=expert_bias)', ')'),
+    "expert_bias": ("bias", ', bias=expert_bias, norm_eps=reps)', ', norm_eps=reps)'),
     "sigmoid_scores": ("plain", 'scoring="sigmoid", ', ''),
     "routed_scaling": ("bias", "scale=rsf, ", ""),
-    "renormalize": ("bias", "K, norm_topk,", "K, not norm_topk,"),
+    "renormalize": ("bias", 'K, norm_topk, scale=rsf, scoring="sigmoid", bias=expert_bias, norm_eps=reps)',
+                    'K, not norm_topk, scale=rsf, scoring="sigmoid", bias=expert_bias)'),
     "qk_norm": ("bias", "q = rms_norm(view(linear(h, wq), [T, Hq, D]), q_norm, eps)", "q = view(linear(h, wq), [T, Hq, D])"),
     # B and C swapped: C gating the conv's input, B its output
     "conv_gates": ("plain", "mul(cc, causal_conv1d(mul(cb, cx)", "mul(cb, causal_conv1d(mul(cc, cx)"),

@@ -4,7 +4,9 @@ moe_route(logits[T, E], k, normalize, groups=1, topk_groups=1, scale=1.0, shared
           scoring="softmax", bias=None)
         -> (weights f32[T, k + shared], ids i32[T, k + shared]):
     p = softmax(logits); ids = top-k of p (ties: lower expert id first); weights = p[ids],
-    renormalized to sum 1 when `normalize`, then times `scale`.
+    renormalized to sum 1 when `normalize`, then times `scale`. The renormalization divides by
+    max(sum + norm_eps, norm_min): ERNIE-4.5's moe_norm_min floor (norm_min), LFM2-MoE's + 1e-6
+    (norm_eps); both 0 unless a spec gives them.
     groups > 1 (DeepSeek-V2's group_limited_greedy, n_group / topk_group): the E experts form
     `groups` groups of E / groups consecutive ids; a group scores the largest p among its experts;
     only the `topk_groups` best groups are kept (ties: lower group id first), the other experts'
@@ -28,7 +30,7 @@ moe_route(logits[T, E], k, normalize, groups=1, topk_groups=1, scale=1.0, shared
     routed ones), in slots k .. k + shared - 1, with weight 1 (unscaled, unnormalized).
     Ties: transformers takes torch.topk(sorted=False), which promises no order among equal
     scores; here (reference and kernel alike) the lower id wins, for groups and experts.
-    groups, topk_groups, group_score, scale, shared and scoring are extra attrs and bias a keyword-only optional
+    groups, topk_groups, group_score, norm_eps, norm_min, scale, shared and scoring are extra attrs and bias a keyword-only optional
     tensor (base.OpDef.extra_attrs / keyword_optional): a node carries them only where its spec
     gives them, so the plans of specs that don't are unchanged.
 moe_experts(x[T, H], weights, ids, gate[E, F, H], up[E, F, H], down[E, H, F],
@@ -109,6 +111,12 @@ def route_infer(types, attrs):
     scale = attrs.get("scale", 1.0)
     expect(isinstance(scale, (int, float)) and not isinstance(scale, bool),
            f"moe_route scale must be a number, got {scale!r}")
+    for a in ("norm_eps", "norm_min"):
+        v = attrs.get(a, 0.0)
+        expect(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0,
+               f"moe_route {a} must be a non-negative number, got {v!r}")
+        expect(v == 0 or attrs.get("normalize", False),
+               f"moe_route {a} applies to the renormalization: give normalize true with it")
     shared = attrs.get("shared", 0)
     expect(isinstance(shared, int) and not isinstance(shared, bool) and shared >= 0,
            f"moe_route shared must be a non-negative int, got {shared!r}")
@@ -139,7 +147,7 @@ def with_shared(w, ids, num_experts: int, shared: int):
 
 
 def route(ctx, logits, *bias, k, normalize=False, groups=1, topk_groups=1, scale=1.0, shared=0,
-          scoring="softmax", has_bias=False, group_score="max"):
+          scoring="softmax", has_bias=False, group_score="max", norm_eps=0.0, norm_min=0.0):
     p = scores(logits, scoring)
     c = p + bias[0].astype(np.float32) if bias else p      # the scores that choose
     if groups > 1:
@@ -160,7 +168,7 @@ def route(ctx, logits, *bias, k, normalize=False, groups=1, topk_groups=1, scale
     ids = np.argsort(-c, axis=-1, kind="stable")[:, :k].astype(np.int32)
     w = np.take_along_axis(p, ids, axis=-1)
     if normalize:
-        w = w / w.sum(-1, keepdims=True)
+        w = w / np.maximum(w.sum(-1, keepdims=True) + np.float32(norm_eps), np.float32(norm_min))
     if scale != 1.0:
         w = w.astype(np.float32) * np.float32(scale)
     w, ids = with_shared(w.astype(np.float32), ids, p.shape[1], shared)
@@ -337,7 +345,7 @@ def route_align(ctx, logits, *bias, k, normalize=False, experts=None, **route_at
 
 
 ROUTE_EXTRA = {"groups": 1, "topk_groups": 1, "scale": 1.0, "shared": 0, "scoring": "softmax",
-               "group_score": "max"}
+               "group_score": "max", "norm_eps": 0.0, "norm_min": 0.0}
 op(name="moe_route", tensors=["logits"], attrs={"k": REQUIRED, "normalize": False}, extra_attrs=ROUTE_EXTRA,
    keyword_optional=["bias"],
    infer=route_infer, reference=route, n_outputs=2, templates={"triton": "moe_route"},

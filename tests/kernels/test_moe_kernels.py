@@ -478,3 +478,23 @@ def test_moe_route_sqrtsoftplus_tail():
     assert logits.float().max() < -5
     assert np.array_equal(ids.numpy(), ids_ref)
     assert np.allclose(w.numpy(), w_ref, rtol=1e-5, atol=1e-7)
+
+
+# the renormalization's divisor max(sum + norm_eps, norm_min): ERNIE-4.5's floor (0.9 bites on
+# most rows of a top-3 softmax over 12) and LFM2-MoE's + 1e-6 under its sigmoid scores
+@pytest.mark.parametrize("scoring,norm_eps,norm_min", [("softmax", 0.0, 0.9), ("sigmoid", 1e-6, 0.0),
+                                                       ("softmax", 0.05, 0.5)])
+def test_moe_route_norm_floor_and_eps(scoring, norm_eps, norm_min):
+    from .test_norm_kernels import router_logits
+    T, E_, K = 37, 12, 3
+    logits = router_logits(T, E_, np.random.default_rng(9), ties=[(0, 1)])
+    attrs = {"k": K, "normalize": True, "scoring": scoring, "norm_eps": norm_eps, "norm_min": norm_min}
+    k = render("moe_route", "moe_route", [("logits", ["T", E_], "bf16")],
+               [("w", ["T", K], "f32"), ("ids", ["T", K], "i32")], attrs)
+    w, ids = poison((T, K), "f32"), poison((T, K), "i32")
+    run(k, {"in:0": logits, "out:0": w, "out:1": ids}, {"T": T, "B": 1})
+    w_ref, ids_ref = REGISTRY["moe_route"].reference(None, logits.float().numpy(), **attrs)
+    assert np.array_equal(ids.numpy(), ids_ref)
+    assert np.allclose(w.numpy(), w_ref, rtol=1e-5, atol=1e-7)
+    plain, _ = REGISTRY["moe_route"].reference(None, logits.float().numpy(), k=K, normalize=True, scoring=scoring)
+    assert not np.allclose(w_ref, plain, rtol=1e-7, atol=0)      # the divisor is not the sum

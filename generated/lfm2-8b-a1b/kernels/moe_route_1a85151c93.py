@@ -1,11 +1,12 @@
-# moe_route: router logits [T, 64] (bf16) -> weights f32 [T, 8], ids i32 [T, 8]:
-#   p = softmax(logits[t])                       (fp32)
-#   c = p + bias   (bias f32 [64]: it chooses, it does not weigh)
-#   ids[t] = the 8 experts of largest c, in descending c; ties: lower expert id first
+# moe_route: router logits [T, 32] (bf16) -> weights f32 [T, 4], ids i32 [T, 4]:
+#   p = sigmoid(logits[t])                       (fp32)
+#   c = p + bias   (bias f32 [32]: it chooses, it does not weigh)
+#   ids[t] = the 4 experts of largest c, in descending c; ties: lower expert id first
 #   w[t] = p[ids[t]] / sum(p[ids[t]])   (normalize)
+#   (the renormalization divides by max(sum + 1e-06, 0.0))
 #   and, as moe_align: counts[e] = tokens that chose e, rows[e, 0 .. counts[e]-1] = those tokens
-#   (rows i32 [64, T], counts i32 [64]; arrival order).
-# One program per token: the row of E = 64 experts sits in registers; top-k is K rounds of
+#   (rows i32 [32, T], counts i32 [32]; arrival order).
+# One program per token: the row of E = 32 experts sits in registers; top-k is K rounds of
 # (max, lowest index holding it, knock it out).
 # Then the token joins each chosen expert's list at the place an atomic cursor gives it; the last
 # program to finish copies the cursors out as the counts and leaves its scratch zero.
@@ -47,8 +48,7 @@ def moe_route(logits_ptr, bias_ptr, w_ptr, ids_ptr, rows_ptr, counts_ptr, T, cur
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     l = tl.load(logits_ptr + t * E + e, mask=e < E, other=float("-inf")).to(tl.float32)
-    ex = tl.exp(l - tl.max(l, axis=0))
-    p = ex / tl.sum(ex, axis=0)
+    p = 1.0 / (1.0 + tl.exp(-l))
     # the choice scores; padding lanes -inf. A dropped group's experts get -3e38: after every
     # kept expert but before the ones already taken (-inf), lowest id first, as the reference's
     # stable sort of -inf puts them
@@ -64,7 +64,7 @@ def moe_route(logits_ptr, bias_ptr, w_ptr, ids_ptr, rows_ptr, counts_ptr, T, cur
         ids = tl.where(kk == j, idx, ids)
         cand = tl.where(e == idx, float("-inf"), cand)
     if NORMALIZE:
-        w = w / tl.sum(w, axis=0)
+        w = w / tl.maximum(tl.sum(w, axis=0) + 1e-06, 0.0)   # max(sum + eps, min)
     tl.store(w_ptr + t * K + kk, w, mask=kk < K)
     tl.store(ids_ptr + t * K + kk, ids, mask=kk < K)
     _align_add(ids, kk < K, t.to(tl.int32), rows_ptr, cur_ptr, T)   # a token's top-k ids are distinct
@@ -77,11 +77,11 @@ META = {
                ["ids_ptr", "*i32", "out:1"],
                ["rows_ptr", "*i32", "out:2"], ["counts_ptr", "*i32", "out:3"], ["T", "i32", "dim:T"],
                ["cur_ptr", "*i32", "scratch:counters"]],
-    "constexprs": {"E": 64, "K": 8, "BLOCK_E": 64, "BLOCK_K": 8, "NORMALIZE": True,
-                   "EX": 64, "BLOCK_EX": 64, "PDL": True},
+    "constexprs": {"E": 32, "K": 4, "BLOCK_E": 32, "BLOCK_K": 4, "NORMALIZE": True,
+                   "EX": 32, "BLOCK_EX": 32, "PDL": True},
     "pdl": True,
     "grid": ["T", 1, 1],
-    "scratch": {"counters": "260"},
+    "scratch": {"counters": "132"},
     "num_warps": 4,
     "num_stages": 1,
 }

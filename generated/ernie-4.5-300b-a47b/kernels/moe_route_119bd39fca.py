@@ -1,11 +1,11 @@
 # moe_route: router logits [T, 64] (bf16) -> weights f32 [T, 8], ids i32 [T, 8]:
 #   p = softmax(logits[t])                       (fp32)
 #   c = p + bias   (bias f32 [64]: it chooses, it does not weigh)
-#   ids[t] = the 6 experts of largest c, in descending c; ties: lower expert id first
+#   ids[t] = the 8 experts of largest c, in descending c; ties: lower expert id first
 #   w[t] = p[ids[t]] / sum(p[ids[t]])   (normalize)
-#   then the 2 shared experts, always on: ids[t, 6 + s] = 64 + s, w[t, 6 + s] = 1
+#   (the renormalization divides by max(sum + 0.0, 1e-12))
 #   and, as moe_align: counts[e] = tokens that chose e, rows[e, 0 .. counts[e]-1] = those tokens
-#   (rows i32 [66, T], counts i32 [66]; arrival order).
+#   (rows i32 [64, T], counts i32 [64]; arrival order).
 # One program per token: the row of E = 64 experts sits in registers; top-k is K rounds of
 # (max, lowest index holding it, knock it out).
 # Then the token joins each chosen expert's list at the place an atomic cursor gives it; the last
@@ -65,13 +65,10 @@ def moe_route(logits_ptr, bias_ptr, w_ptr, ids_ptr, rows_ptr, counts_ptr, T, cur
         ids = tl.where(kk == j, idx, ids)
         cand = tl.where(e == idx, float("-inf"), cand)
     if NORMALIZE:
-        w = w / tl.sum(w, axis=0)
-    shared = (kk >= K) & (kk < K + 2)
-    w = tl.where(shared, 1.0, w)
-    ids = tl.where(shared, E + kk - K, ids)
-    tl.store(w_ptr + t * 8 + kk, w, mask=kk < 8)
-    tl.store(ids_ptr + t * 8 + kk, ids, mask=kk < 8)
-    _align_add(ids, kk < 8, t.to(tl.int32), rows_ptr, cur_ptr, T)   # a token's ids are distinct
+        w = w / tl.maximum(tl.sum(w, axis=0) + 0.0, 1e-12)   # max(sum + eps, min)
+    tl.store(w_ptr + t * K + kk, w, mask=kk < K)
+    tl.store(ids_ptr + t * K + kk, ids, mask=kk < K)
+    _align_add(ids, kk < K, t.to(tl.int32), rows_ptr, cur_ptr, T)   # a token's top-k ids are distinct
     _align_close(cur_ptr, counts_ptr, EX, BLOCK_EX)
 
 
@@ -81,11 +78,11 @@ META = {
                ["ids_ptr", "*i32", "out:1"],
                ["rows_ptr", "*i32", "out:2"], ["counts_ptr", "*i32", "out:3"], ["T", "i32", "dim:T"],
                ["cur_ptr", "*i32", "scratch:counters"]],
-    "constexprs": {"E": 64, "K": 6, "BLOCK_E": 64, "BLOCK_K": 8, "NORMALIZE": True,
-                   "EX": 66, "BLOCK_EX": 128, "PDL": True},
+    "constexprs": {"E": 64, "K": 8, "BLOCK_E": 64, "BLOCK_K": 8, "NORMALIZE": True,
+                   "EX": 64, "BLOCK_EX": 64, "PDL": True},
     "pdl": True,
     "grid": ["T", 1, 1],
-    "scratch": {"counters": "516"},
+    "scratch": {"counters": "260"},
     "num_warps": 4,
     "num_stages": 1,
 }

@@ -3,6 +3,7 @@
 #   c = p + bias   (bias f32 [64]: it chooses, it does not weigh)
 #   ids[t] = the 8 experts of largest c, in descending c; ties: lower expert id first
 #   w[t] = p[ids[t]] / sum(p[ids[t]])   (normalize)
+#   (the renormalization divides by max(sum + 0.0, 1e-12))
 # One program per token: the row of E = 64 experts sits in registers; top-k is K rounds of
 # (max, lowest index holding it, knock it out).
 import triton
@@ -37,7 +38,7 @@ def moe_route(logits_ptr, bias_ptr, w_ptr, ids_ptr, E: tl.constexpr,
         ids = tl.where(kk == j, idx, ids)
         cand = tl.where(e == idx, float("-inf"), cand)
     if NORMALIZE:
-        w = w / tl.sum(w, axis=0)
+        w = w / tl.maximum(tl.sum(w, axis=0) + 0.0, 1e-12)   # max(sum + eps, min)
     tl.store(w_ptr + t * K + kk, w, mask=kk < K)
     tl.store(ids_ptr + t * K + kk, ids, mask=kk < K)
 

@@ -1,10 +1,10 @@
-# moe_route: router logits [T, 64] (bf16) -> weights f32 [T, 8], ids i32 [T, 8]:
-#   p = softmax(logits[t])                       (fp32)
-#   c = p + bias   (bias f32 [64]: it chooses, it does not weigh)
-#   ids[t] = the 6 experts of largest c, in descending c; ties: lower expert id first
+# moe_route: router logits [T, 32] (bf16) -> weights f32 [T, 4], ids i32 [T, 4]:
+#   p = sigmoid(logits[t])                       (fp32)
+#   c = p + bias   (bias f32 [32]: it chooses, it does not weigh)
+#   ids[t] = the 4 experts of largest c, in descending c; ties: lower expert id first
 #   w[t] = p[ids[t]] / sum(p[ids[t]])   (normalize)
-#   then the 2 shared experts, always on: ids[t, 6 + s] = 64 + s, w[t, 6 + s] = 1
-# One program per token: the row of E = 64 experts sits in registers; top-k is K rounds of
+#   (the renormalization divides by max(sum + 1e-06, 0.0))
+# One program per token: the row of E = 32 experts sits in registers; top-k is K rounds of
 # (max, lowest index holding it, knock it out).
 import triton
 import triton.language as tl
@@ -21,8 +21,7 @@ def moe_route(logits_ptr, bias_ptr, w_ptr, ids_ptr, E: tl.constexpr,
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     l = tl.load(logits_ptr + t * E + e, mask=e < E, other=float("-inf")).to(tl.float32)
-    ex = tl.exp(l - tl.max(l, axis=0))
-    p = ex / tl.sum(ex, axis=0)
+    p = 1.0 / (1.0 + tl.exp(-l))
     # the choice scores; padding lanes -inf. A dropped group's experts get -3e38: after every
     # kept expert but before the ones already taken (-inf), lowest id first, as the reference's
     # stable sort of -inf puts them
@@ -38,19 +37,16 @@ def moe_route(logits_ptr, bias_ptr, w_ptr, ids_ptr, E: tl.constexpr,
         ids = tl.where(kk == j, idx, ids)
         cand = tl.where(e == idx, float("-inf"), cand)
     if NORMALIZE:
-        w = w / tl.sum(w, axis=0)
-    shared = (kk >= K) & (kk < K + 2)
-    w = tl.where(shared, 1.0, w)
-    ids = tl.where(shared, E + kk - K, ids)
-    tl.store(w_ptr + t * 8 + kk, w, mask=kk < 8)
-    tl.store(ids_ptr + t * 8 + kk, ids, mask=kk < 8)
+        w = w / tl.maximum(tl.sum(w, axis=0) + 1e-06, 0.0)   # max(sum + eps, min)
+    tl.store(w_ptr + t * K + kk, w, mask=kk < K)
+    tl.store(ids_ptr + t * K + kk, ids, mask=kk < K)
 
 
 META = {
     "entry": "moe_route",
     "params": [["logits_ptr", "*bf16", "in:0"], ["bias_ptr", "*fp32", "in:1"], ["w_ptr", "*fp32", "out:0"],
                ["ids_ptr", "*i32", "out:1"]],
-    "constexprs": {"E": 64, "K": 6, "BLOCK_E": 64, "BLOCK_K": 8, "NORMALIZE": True, "PDL": True},
+    "constexprs": {"E": 32, "K": 4, "BLOCK_E": 32, "BLOCK_K": 4, "NORMALIZE": True, "PDL": True},
     "pdl": True,
     "grid": ["T", 1, 1],
     "num_warps": 4,
