@@ -282,14 +282,23 @@ def test_shared_size_in_a_granitemoe_config_is_ignored(models, tmp_path):
     assert np.abs(got - hf_logits(hf, PROMPT)).max() <= TOL
 
 
+def test_the_config_activation_runs_the_experts(tmp_path):
+    """HF's experts and shared MLP apply ACT2FN[hidden_act]: with gelu (tanh form), the spec's
+    moe_experts(act=act) and act() give HF's logits at every position."""
+    d = tmp_path / "gelu"
+    hf = make("bias", d, hidden_act="gelu_pytorch_tanh")
+    plan, weights = plan_and_weights(d)
+    assert '"act": "gelu_pytorch_tanh"' in json.dumps(plan["programs"]["prefill"])
+    got = ReferenceExecutor(plan, weights).step([SeqChunk(k, PROMPT[:k], 0) for k in range(1, len(PROMPT) + 1)])
+    assert np.abs(got - hf_logits(hf, PROMPT)).max() <= TOL
+
+
 @pytest.mark.parametrize("key,value,condition", [
-    ("hidden_act", "gelu", 'act == "silu"'),
     ("model_type", "granitemoe_swa", 'mtype in ["granitemoe", "granitemoeshared"]'),
     ("num_experts_per_tok", 9, "K <= E"),
 ])
 def test_config_outside_the_spec_is_refused(models, tmp_path, key, value, condition):
-    """A config the spec does not compute fails the build, naming the condition: another expert
-    activation (HF's ACT2FN[hidden_act]; moe_experts is SwiGLU), GraniteMoeSWA's model_type (attention
+    """A config the spec does not compute fails the build, naming the condition: GraniteMoeSWA's model_type (attention
     sinks, sliding windows, per-layer RoPE), a top-k over more experts than there are."""
     import re
     from infc.compiler.contract.errors import SpecError

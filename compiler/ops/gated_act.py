@@ -8,12 +8,16 @@
                                                                          limit = swiglu_limit;
                                                                          alpha unused)
 
+    any other activation of ops/activation.py, by its name or HF's hidden_act spelling (gelu,
+    gelu_pytorch_tanh, relu, relu2, sigmoid, softplus, swish, ...): act(g) * u (a GeGLU or
+    ReGLU expert; GraniteMoe and others run their experts with the config's hidden_act)
+
 An expert op names one by its `act` attr, with `alpha` and `limit` for the clamped form; the
-kernels' Triton half is codegen_templates/triton/_activation.j2's gated().
+kernels' Triton half is codegen_templates/triton/_gated.j2.
 """
 import numpy as np
 
-from .activation import sigmoid, silu
+from .activation import ACTIVATIONS, HF_NAMES, sigmoid, silu
 from .base import expect
 
 GATED = ("silu", "clamped_swiglu", "clamped_silu")
@@ -22,7 +26,9 @@ GATED_EXTRA = {"act": "silu", "alpha": 1.702, "limit": 7.0}
 
 def check(attrs, who):
     act = attrs.get("act", "silu")
-    expect(act in GATED, f"{who}: act must be one of {', '.join(GATED)}, got {act!r}")
+    expect(act in GATED or act in HF_NAMES,
+           f"{who}: act must be one of {', '.join(GATED)} or an activation "
+           f"({', '.join(sorted(HF_NAMES))}), got {act!r}")
     for a in ("alpha", "limit"):
         v = attrs.get(a, GATED_EXTRA[a])
         expect(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
@@ -34,6 +40,8 @@ def gated(g, u, act="silu", alpha=1.702, limit=7.0):
     g, u = np.asarray(g, np.float32), np.asarray(u, np.float32)
     if act == "silu":
         return silu(g) * u
+    if act not in GATED:
+        return (ACTIVATIONS[HF_NAMES[act]](g) * u).astype(np.float32)
     g = np.minimum(g, np.float32(limit))
     u = np.clip(u, np.float32(-limit), np.float32(limit))
     if act == "clamped_silu":

@@ -1,6 +1,7 @@
 """The expert kernels' extra forms under the interpreter, against the ops' numpy references:
 expert biases (moe_gate_up's [E, 2F] gate|up bias, moe_down's [E, H]) and the clamped SwiGLU
-(GPT-OSS: (min(u, l) clamped below at -l, + 1) * g' sigmoid(alpha g'), g' = min(g, l)), in the
+(GPT-OSS: (min(u, l) clamped below at -l, + 1) * g' sigmoid(alpha g'), g' = min(g, l)) and
+act(g) * u for other activations (GeGLU, ReGLU experts), in the
 decode kernels (CUDA-core and tensor-core paths) and the grouped prefill GEMMs (paired and two-dot
 gate|up tiles). The limit is small enough that the clamps bite on most elements; test_moe_kernels.py
 covers the plain SwiGLU forms and the shapes' edge cases (H=48, F=40, E=10: no block divides them).
@@ -31,6 +32,12 @@ GATE_UP = [
      {"BLOCK_M": 16, "BLOCK_F": 32, "BLOCK_K": 32, "PAIR": 0}, CLAMPED),
     pytest.param("moe_gate_up_grouped", "prefill", 37, 2, False, {"BLOCK_M": 16, "BLOCK_F": 16, "BLOCK_K": 16},
                  CLAMPED_SILU, marks=EXHAUSTIVE),     # the same _gated_act helper as the decode case's
+    # act(g) * u with the config's hidden_act (GeGLU / tanh-GeGLU / ReGLU experts), HF spellings
+    ("moe_gate_up", "decode", 3, 2, False, {"FMA_T": 2}, {"act": "gelu"}),
+    ("moe_gate_up_grouped", "prefill", 37, 2, False, {"BLOCK_M": 16, "BLOCK_F": 16, "BLOCK_K": 16},
+     {"act": "gelu_pytorch_tanh"}),
+    pytest.param("moe_gate_up", "decode", 37, 4, False, {"BLOCK_T": 16, "TC": 16}, {"act": "relu"},
+                 marks=EXHAUSTIVE),
 ]
 
 
