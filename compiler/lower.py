@@ -467,29 +467,40 @@ class _Lowerer:
         for c in carried:
             self.tensor_arg(g, ast.Name(c), scope, line, "layers", c)
         count = self.env.get("L")
-        schedule = self.schedule(count)
         kinds = spec.layer_kinds or {"layer": LayerKind("layer", {}, {}, None, line)}
-        bodies = {}
         top_env = self.env
-        for kind in dict.fromkeys(schedule):        # kinds in order of first use
+        # A kind's symbols may read the layer index i (`theta: layer_rope_theta[i]`): the layers of
+        # a kind whose symbol values differ get a body each, named kind, kind@1, kind@2, ...
+        schedule, of = [], {}               # per layer: body name; body name -> (kind, first layer)
+        seen: dict = {}
+        for i, kind in enumerate(self.schedule(count)):
+            values = repr(sorted(self.kind_env(top_env, kinds[kind], i).items())) if kinds[kind].symbols else ""
+            if (kind, values) not in seen:
+                n = sum(1 for kk, _ in seen if kk == kind)
+                seen[(kind, values)] = kind if n == 0 else f"{kind}@{n}"
+                of[seen[(kind, values)]] = (kind, i)
+            schedule.append(seen[(kind, values)])
+        bodies = {}
+        for name in dict.fromkeys(schedule):        # bodies in order of first use
+            kind, first = of[name]
             k = kinds[kind]
-            self.env = self.kind_env(top_env, k)
-            body = Graph("layer" if kind == "layer" else f"layer.{kind}", parent=g, env=self.env)
+            self.env = self.kind_env(top_env, k, first)
+            body = Graph("layer" if name == "layer" else f"layer.{name}", parent=g, env=self.env)
             self.weights(body, spec.layer_weights, list(range(count)), self.sources)
-            self.weights(body, k.weights, [i for i, s in enumerate(schedule) if s == kind], self.sources)
+            self.weights(body, k.weights, [i for i, s in enumerate(schedule) if s == name], self.sources)
             bscope = {}
             for c in carried:
                 body.add_value(Value(c, "input", line=line))
                 body.inputs.append(c)
                 bscope[c] = c
             self.statements(body, k.graph if k.graph is not None else spec.layer_graph, bscope)
-            self.drop_unread(body, [i for i, s in enumerate(schedule) if s == kind])
+            self.drop_unread(body, [i for i, s in enumerate(schedule) if s == name])
             body.outputs = [bscope[c] for c in carried]
             for o, i in body.carried.items():
                 if o == i:
                     raise self.err(f"the layer graph{'' if kind == 'layer' else ' of kind ' + repr(kind)} "
                                    f"never assigns carried value '{i}'", k.line if k.graph else line)
-            bodies[kind] = body
+            bodies[name] = body
         self.env = top_env
         outs = [g.fresh(c) for c in carried]
         for o in outs:
@@ -531,11 +542,14 @@ class _Lowerer:
             out.append(kind)
         return out
 
-    def kind_env(self, env: dict, k: LayerKind) -> dict:
+    def kind_env(self, env: dict, k: LayerKind, i: int | None = None) -> dict:
+        """The config symbols as a kind's layers see them; i: the layer whose values a symbol that
+        reads the layer index takes."""
         out = dict(env)
+        at = env if i is None else {**env, "i": i}
         for sym, (e, line) in k.symbols.items():
             try:
-                out[sym] = evaluate(e, env)
+                out[sym] = evaluate(e, at)
             except Unknown as u:
                 raise self.err(f"layer kind '{k.name}': symbol {sym} uses unknown symbol '{u.name}'"
                                f"{did_you_mean(u.name, env)}", line) from None

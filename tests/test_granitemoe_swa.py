@@ -8,6 +8,8 @@ experts of width 32, Granite's four scalars away from 1, a window of 5 tokens (t
         than rope_theta on the first, NoPE on the others), a 64-wide shared MLP
   bias: HF's default layer pattern (full, sliding), every layer RoPE at rope_theta 500 (no
         layer_rope_theta: HF fills it in), attention biases, an untied lm_head, no shared MLP
+  bases: four layers at RoPE bases 1000, 50, NoPE, 1000 (a kind's symbols read the layer index:
+        the sliding RoPE kind lowers to a body per base)
 Every RMSNorm weight, bias and sink is random (HF initializes them to 1, 0 and 0).
 
 The reference executor must give HF's (eager, float32) logits at every position of a 24-token
@@ -41,9 +43,15 @@ VARIANTS = {
                  layer_rope_theta=[1000.0, 0, 0]),
     "bias": dict(num_hidden_layers=2, attention_bias=True, tie_word_embeddings=False,
                  rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
+    # two RoPE bases and NoPE: a kind's symbols read the layer index (a body per base)
+    "bases": dict(num_hidden_layers=4, layer_types=["sliding_attention", "sliding_attention",
+                                                    "full_attention", "sliding_attention"],
+                  layer_rope_theta=[1000.0, 50.0, 0, 1000.0]),
 }
 SCHEDULES = {"nope": ["sliding_attention_rope_shared", "full_attention_nope_shared", "sliding_attention_nope_shared"],
-             "bias": ["full_attention_rope", "sliding_attention_rope"]}
+             "bias": ["full_attention_rope", "sliding_attention_rope"],
+             "bases": ["sliding_attention_rope", "sliding_attention_rope@1", "full_attention_nope",
+                       "sliding_attention_rope"]}
 
 
 def make(kind: str, d, **over):
@@ -83,7 +91,11 @@ def test_published_names_and_plan(models):
         assert repeat["schedule"] == SCHEDULES[kind]
         assert [s.startswith("full") for s in SCHEDULES[kind]] == \
             [t == "full_attention" for t in hf.config.layer_types]
-        assert plan["config"]["rope_theta_l"] == max(hf.config.layer_rope_theta)
+        body = repeat["kinds"]
+        for i, name in enumerate(repeat["schedule"]):   # each rotating layer at its own base
+            thetas = {json.dumps(l["attrs"].get("theta")) for l in body[name] if l["op"] in ("rope", "qk_norm_rope_cache")}
+            base = hf.config.layer_rope_theta[i]
+            assert thetas == ({json.dumps(base)} if base else set()), (i, name, thetas)
         assert plan["weights"]["sinks"]["dtype"] == "f32"
 
 
@@ -173,15 +185,12 @@ def test_config_defaults_are_hf(models, tmp_path):
 
 
 @pytest.mark.parametrize("key,value,match", [
-    # HF builds a rotary embedding per distinct base; the spec has one (a kind's symbols cannot
-    # depend on the layer index)
-    ("layer_rope_theta", [1000.0, 500.0, 0], "layer 1 has kind 'full_attention_second_rope_base_shared'"),
     ("layer_rope_theta", [1000.0, 0], "requirement '(len(layer_theta) == L) if layer_theta else true'"),
     ("layer_types", ["full_attention", "chunked_attention", "full_attention"], "layer 1 has kind 'chunked_attention"),
-], ids=["second-rope-base", "theta-list-length", "layer-type"])
+], ids=["theta-list-length", "layer-type"])
 def test_config_outside_the_spec_is_refused(models, tmp_path, key, value, match):
     """A config the spec does not compute fails the build, naming the layer or the condition: a
-    second non-zero RoPE base, a per-layer list of the wrong length, an attention type HF's
+    per-layer list of the wrong length, an attention type HF's
     GraniteMoeSWA does not have (another expert activation runs: tests/test_granitemoe.py)."""
     import re
     from infc.compiler.contract.errors import SpecError
