@@ -34,6 +34,29 @@ BASE = dict(vocab_size=VOCAB, max_position_embeddings=256, initializer_range=0.0
 _PLANS = {}
 
 
+def hf_greedy(hf, prompt, n, pad) -> list[int]:
+    """n greedy tokens after prompt from HF's generate() (min = max = n, so no early stop; an
+    explicit all-ones mask, or generate would mask a prompt token equal to pad as padding)."""
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                          min_new_tokens=n, do_sample=False, pad_token_id=pad)
+    return out[0, len(prompt):].tolist()
+
+
+def tiny_hf(model_cls, config_cls, config: dict, d, seed: int, randomize=None):
+    """transformers' own model of config: seeded, float32, eager attention (the reference's
+    softcaps and windows), randomized where HF's init is trivial, saved into d as save_pretrained
+    saves by default (the published names); returns it."""
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**config)).float().eval()
+    model.set_attn_implementation("eager")
+    if randomize is not None:
+        randomize(model)
+    model.save_pretrained(d)
+    return model
+
+
 def plan_and_weights(d, fuse=True):
     """(plan, float32 weights) of the tiny model saved in d, compiled once a session per (d, fuse)."""
     from infc.compiler.build import compile_model

@@ -35,7 +35,7 @@ from infc.compiler.contract.errors import SpecError
 from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
 
 from exhaustive import EXHAUSTIVE
-from families import hf_logits, plan_and_weights, reference_greedy
+from families import hf_greedy, hf_logits, plan_and_weights, reference_greedy, tiny_hf
 from interp_protocol import bf16_error, executors, sequences, through_kernels
 from test_qwen3_next import assert_break_bites, assert_logits
 
@@ -80,11 +80,8 @@ def randomize(model, seed=10):
 
 def make(kind, d):
     from transformers import Cohere2MoeConfig, Cohere2MoeForCausalLM
-    torch.manual_seed(2024)
-    model = Cohere2MoeForCausalLM(Cohere2MoeConfig(**BASE, **VARIANTS[kind])).float().eval()
-    model.set_attn_implementation("eager")
-    randomize(model)
-    model.save_pretrained(d)
+    model = tiny_hf(Cohere2MoeForCausalLM, Cohere2MoeConfig, {**BASE, **VARIANTS[kind]},
+                    d, 2024, randomize=randomize)
     if kind == "sum":          # the kinds from first_k_dense_replace and the patterns, as HF derives them
         c = json.loads((d / "config.json").read_text())
         del c["layer_types"], c["mlp_layer_types"]
@@ -141,10 +138,7 @@ def test_logits_and_greedy_match_hf(models, kind):
     plan, weights = plan_and_weights(d)
     assert_logits(plan, weights, want, PROMPT)
     assert np.abs(want[1:] - want[:-1]).max() > 0.1
-    with torch.no_grad():
-        ids = torch.tensor([PROMPT])
-        greedy = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
-                             min_new_tokens=16, do_sample=False, pad_token_id=0)[0, len(PROMPT):].tolist()
+    greedy = hf_greedy(hf, PROMPT, 16, 0)
     assert reference_greedy(plan, weights, PROMPT, 16) == greedy
 
 

@@ -28,7 +28,7 @@ from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
 from infc.compiler.contract.safetensors_io import Checkpoint
 from infc.runtime.weights.load import load_weights
 
-from families import reference_greedy
+from families import hf_greedy, reference_greedy, tiny_hf
 
 VOCAB = 320
 TOL = 1e-4
@@ -61,12 +61,8 @@ def make(kind: str, d, **over):
     """The tiny random model of this VARIANTS kind (BASE's fields replaced by over: the server
     suite's takes its real tokenizer's vocab_size), saved into d; returns the HF float32 model."""
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
-    torch.manual_seed(4321)
-    model = DeepseekV2ForCausalLM(DeepseekV2Config(**{**BASE, **VARIANTS[kind], **over})).float().eval()
-    model.set_attn_implementation("eager")
-    _randomize(model)
-    model.save_pretrained(d)
-    return model
+    return tiny_hf(DeepseekV2ForCausalLM, DeepseekV2Config, {**BASE, **VARIANTS[kind], **over},
+                   d, 4321, randomize=_randomize)
 
 
 def make_all(tmp_path_factory, family: str, variants, make_one) -> dict:
@@ -169,11 +165,7 @@ def test_logits_at_every_position(models, kind):
 @pytest.mark.parametrize("kind", list(VARIANTS))
 def test_greedy_16_tokens_match_hf(models, kind):
     d, hf = models[kind]
-    with torch.no_grad():
-        ids = torch.tensor([PROMPT])        # the prompt holds token 0: an explicit all-ones mask,
-        want = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
-                           min_new_tokens=16, do_sample=False,       # or generate masks it as padding
-                           pad_token_id=VOCAB - 1)[0, len(PROMPT):].tolist()
+    want = hf_greedy(hf, PROMPT, 16, VOCAB - 1)
     plan, weights = _plan(d)
     assert reference_greedy(plan, weights, PROMPT, 16) == want
 

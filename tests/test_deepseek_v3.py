@@ -19,7 +19,7 @@ from infc.compiler.contract.safetensors_io import Checkpoint
 from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
 from infc.runtime.weights.load import load_weights
 
-from families import reference_greedy
+from families import hf_greedy, reference_greedy
 from test_deepseek_v2 import BASE, PROMPT, TOL, VOCAB, _randomize, assert_logits, make_all
 
 VARIANTS = {
@@ -73,10 +73,7 @@ def test_logits_and_greedy_match_hf(models, kind):
     routes = [n for n in json.dumps(plan["programs"]["prefill"]).split('"op": ') if n.startswith('"moe_route')]
     assert routes and all('"scoring": "sigmoid"' in n and '"has_bias": true' in n for n in routes)
     assert_logits(plan, weights, want, PROMPT)
-    with torch.no_grad():
-        ids = torch.tensor([PROMPT])
-        greedy = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
-                             min_new_tokens=16, do_sample=False, pad_token_id=VOCAB - 1)[0, len(PROMPT):].tolist()
+    greedy = hf_greedy(hf, PROMPT, 16, VOCAB - 1)
     assert reference_greedy(plan, weights, PROMPT, 16) == greedy
 
 

@@ -30,7 +30,8 @@ from infc.compiler.build import compile_model
 from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
 
 from exhaustive import EXHAUSTIVE
-from families import checkpoint_tensors, hf_logits, plan_and_weights, reference_greedy
+from families import (checkpoint_tensors, hf_greedy, hf_logits, plan_and_weights, reference_greedy,
+                      tiny_hf)
 from test_deepseek_v2 import PROMPT, VOCAB, assert_logits, make_all
 from test_glm4_moe import check_kernels, hf_routes
 
@@ -78,11 +79,8 @@ def published_form(d):
 
 def make(kind: str, d, **over):
     from transformers import Dots1Config, Dots1ForCausalLM
-    torch.manual_seed(4330)
-    model = Dots1ForCausalLM(Dots1Config(**{**BASE, **VARIANTS[kind], **over})).float().eval()
-    model.set_attn_implementation("eager")
-    randomize(model)
-    model.save_pretrained(d)        # save_original_format=True (the default): the published names
+    model = tiny_hf(Dots1ForCausalLM, Dots1Config, {**BASE, **VARIANTS[kind], **over},
+                    d, 4330, randomize=randomize)
     if kind == "inst":
         published_form(d)
     return model
@@ -126,10 +124,7 @@ def test_logits_and_greedy_match_hf(models, kind):
     want = hf_logits(hf, PROMPT)
     plan, weights = plan_and_weights(d)
     assert_logits(plan, weights, want, PROMPT)
-    with torch.no_grad():
-        ids = torch.tensor([PROMPT])
-        greedy = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
-                             min_new_tokens=16, do_sample=False, pad_token_id=VOCAB - 1)[0, len(PROMPT):].tolist()
+    greedy = hf_greedy(hf, PROMPT, 16, VOCAB - 1)
     assert reference_greedy(plan, weights, PROMPT, 16) == greedy
 
 

@@ -29,7 +29,8 @@ import torch
 from infc.compiler.build import compile_model
 
 from exhaustive import EXHAUSTIVE
-from families import checkpoint_tensors, hf_logits, plan_and_weights, reference_greedy
+from families import (checkpoint_tensors, hf_greedy, hf_logits, plan_and_weights, reference_greedy,
+                      tiny_hf)
 from test_deepseek_v2 import PROMPT, VOCAB, assert_logits, make_all
 from test_dots1 import assert_break_bites
 from test_glm4_moe import check_kernels
@@ -62,11 +63,8 @@ def randomize(model, seed=7):
 
 def make(kind: str, d, **over):
     from transformers import FlexOlmoConfig, FlexOlmoForCausalLM
-    torch.manual_seed(4330)
-    model = FlexOlmoForCausalLM(FlexOlmoConfig(**{**BASE, **VARIANTS[kind], **over})).float().eval()
-    model.set_attn_implementation("eager")
-    randomize(model)
-    model.save_pretrained(d)        # save_original_format=True (the default): per-expert names
+    model = tiny_hf(FlexOlmoForCausalLM, FlexOlmoConfig, {**BASE, **VARIANTS[kind], **over},
+                    d, 4330, randomize=randomize)
     if kind == "plain":             # the published (transformers 4.x) form of config.json
         c = json.loads((d / "config.json").read_text())
         c["rope_theta"] = c.pop("rope_parameters")["rope_theta"]
@@ -106,10 +104,7 @@ def test_logits_and_greedy_match_hf(models, kind):
     want = hf_logits(hf, PROMPT)
     plan, weights = plan_and_weights(d)
     assert_logits(plan, weights, want, PROMPT)
-    with torch.no_grad():
-        ids = torch.tensor([PROMPT])
-        greedy = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
-                             min_new_tokens=16, do_sample=False, pad_token_id=VOCAB - 1)[0, len(PROMPT):].tolist()
+    greedy = hf_greedy(hf, PROMPT, 16, VOCAB - 1)
     assert reference_greedy(plan, weights, PROMPT, 16) == greedy
 
 

@@ -15,7 +15,7 @@ import torch
 from infc.compiler.build import compile_model
 from infc.compiler.contract.errors import SpecError
 
-from families import plan_and_weights, reference_greedy
+from families import hf_greedy, plan_and_weights, reference_greedy, tiny_hf
 from test_deepseek_v2 import PROMPT, VOCAB, assert_logits, make_all
 from test_deepseek_v3 import randomize_v3
 
@@ -30,12 +30,8 @@ VARIANTS = {"default": {}, "pattern": dict(mlp_layer_types=["sparse", "dense", "
 
 def make(kind, d):
     from transformers import Glm4MoeLiteConfig, Glm4MoeLiteForCausalLM
-    torch.manual_seed(4747)
-    model = Glm4MoeLiteForCausalLM(Glm4MoeLiteConfig(**{**BASE, **VARIANTS[kind]})).float().eval()
-    model.set_attn_implementation("eager")
-    randomize_v3(model, model.model.layers)
-    model.save_pretrained(d)
-    return model
+    return tiny_hf(Glm4MoeLiteForCausalLM, Glm4MoeLiteConfig, {**BASE, **VARIANTS[kind]},
+                   d, 4747, randomize=lambda m: randomize_v3(m, m.model.layers))
 
 
 @pytest.fixture(scope="module")
@@ -55,10 +51,7 @@ def test_logits_and_greedy_match_hf(models, kind):
     with torch.no_grad():
         want = hf(input_ids=torch.tensor([PROMPT])).logits[0].float().numpy()
     assert_logits(plan, weights, want, PROMPT)
-    with torch.no_grad():
-        ids = torch.tensor([PROMPT])
-        greedy = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
-                             min_new_tokens=16, do_sample=False, pad_token_id=VOCAB - 1)[0, len(PROMPT):].tolist()
+    greedy = hf_greedy(hf, PROMPT, 16, VOCAB - 1)
     assert reference_greedy(plan, weights, PROMPT, 16) == greedy
 
 

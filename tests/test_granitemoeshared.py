@@ -25,7 +25,7 @@ import torch
 from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
 
 from exhaustive import EXHAUSTIVE
-from families import checkpoint_tensors, hf_logits, plan_and_weights, reference_greedy
+from families import checkpoint_tensors, hf_greedy, hf_logits, plan_and_weights, reference_greedy
 from test_deepseek_v2 import PROMPT, TOL, VOCAB, assert_logits, make_all
 from test_glm4_moe import check_kernels
 from test_granitemoe import BASE, VARIANTS as MOE_VARIANTS, broken_logits, legacy_config, randomize
@@ -88,10 +88,7 @@ def test_logits_and_greedy_match_hf(models, kind):
     want = hf_logits(hf, PROMPT)
     plan, weights = plan_and_weights(d)
     assert_logits(plan, weights, want, PROMPT)
-    with torch.no_grad():
-        ids = torch.tensor([PROMPT])
-        greedy = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
-                             min_new_tokens=16, do_sample=False, pad_token_id=VOCAB - 1)[0, len(PROMPT):].tolist()
+    greedy = hf_greedy(hf, PROMPT, 16, VOCAB - 1)
     assert reference_greedy(plan, weights, PROMPT, 16) == greedy
 
 

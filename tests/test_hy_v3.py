@@ -26,7 +26,8 @@ import torch
 from infc.compiler.build import compile_model
 
 from exhaustive import EXHAUSTIVE
-from families import checkpoint_tensors, hf_logits, plan_and_weights, reference_greedy
+from families import (checkpoint_tensors, hf_greedy, hf_logits, plan_and_weights, reference_greedy,
+                      tiny_hf)
 from test_deepseek_v2 import PROMPT, VOCAB, assert_logits, make_all
 
 BASE = dict(vocab_size=VOCAB, hidden_size=96, intermediate_size=128, moe_intermediate_size=32,
@@ -58,12 +59,8 @@ def randomize(model, seed=7):
 
 def make(kind: str, d, **over):
     from transformers import HYV3Config, HYV3ForCausalLM
-    torch.manual_seed(4331)
-    model = HYV3ForCausalLM(HYV3Config(**{**BASE, **VARIANTS[kind], **over})).float().eval()
-    model.set_attn_implementation("eager")
-    randomize(model)
-    model.save_pretrained(d)        # save_original_format=True (the default): the published names
-    return model
+    return tiny_hf(HYV3ForCausalLM, HYV3Config, {**BASE, **VARIANTS[kind], **over},
+                   d, 4331, randomize=randomize)
 
 
 @pytest.fixture(scope="module")
@@ -102,10 +99,7 @@ def test_logits_and_greedy_match_hf(models, kind):
     plan, weights = plan_and_weights(d)
     assert_logits(plan, weights, want, PROMPT)
     assert np.abs(want[1:] - want[:-1]).max() > 0.1          # no near-constant model
-    with torch.no_grad():
-        ids = torch.tensor([PROMPT])
-        greedy = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
-                             min_new_tokens=16, do_sample=False, pad_token_id=VOCAB - 1)[0, len(PROMPT):].tolist()
+    greedy = hf_greedy(hf, PROMPT, 16, VOCAB - 1)
     assert reference_greedy(plan, weights, PROMPT, 16) == greedy
 
 

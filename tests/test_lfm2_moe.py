@@ -29,7 +29,7 @@ from infc.compiler.build import compile_model
 from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
 
 from exhaustive import EXHAUSTIVE
-from families import hf_logits, plan_and_weights, reference_greedy
+from families import hf_greedy, hf_logits, plan_and_weights, reference_greedy, tiny_hf
 from interp_protocol import bf16_error, executors, sequences, through_kernels
 from test_qwen3_next import assert_break_bites, assert_logits
 
@@ -68,11 +68,8 @@ def randomize(model, seed=7):
 
 def make(kind, d):
     from transformers import Lfm2MoeConfig, Lfm2MoeForCausalLM
-    torch.manual_seed(4321)
-    model = Lfm2MoeForCausalLM(Lfm2MoeConfig(**BASE, **VARIANTS[kind])).float().eval()
-    model.set_attn_implementation("eager")
-    randomize(model)
-    model.save_pretrained(d)            # the default: the published per-expert layout
+    model = tiny_hf(Lfm2MoeForCausalLM, Lfm2MoeConfig, {**BASE, **VARIANTS[kind]},
+                    d, 4321, randomize=randomize)
     if kind == "bias":                  # the published config.json's form
         c = json.loads((d / "config.json").read_text())
         c["tie_embedding"] = c.pop("tie_word_embeddings")
@@ -124,10 +121,7 @@ def test_logits_and_greedy_match_hf(models, kind):
     plan, weights = plan_and_weights(d)
     assert_logits(plan, weights, want, PROMPT)
     assert np.abs(want[1:] - want[:-1]).max() > 0.1
-    with torch.no_grad():
-        ids = torch.tensor([PROMPT])
-        greedy = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
-                             min_new_tokens=16, do_sample=False, pad_token_id=0)[0, len(PROMPT):].tolist()
+    greedy = hf_greedy(hf, PROMPT, 16, 0)
     assert reference_greedy(plan, weights, PROMPT, 16) == greedy
 
 

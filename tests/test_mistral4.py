@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from exhaustive import EXHAUSTIVE
-from families import hf_logits, plan_and_weights, reference_greedy
+from families import hf_greedy, hf_logits, plan_and_weights, reference_greedy
 from test_deepseek_v2 import PROMPT, VOCAB, _randomize, assert_logits, make_all
 
 ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 64.0, "original_max_position_embeddings": 8,
@@ -62,10 +62,7 @@ def test_logits_and_greedy_match_hf(models, kind):
     plan, weights = plan_and_weights(d)
     assert "experts.gate_up_proj" in str(plan["weights"])   # read as transformers saved it
     assert_logits(plan, weights, hf_logits(hf, PROMPT), PROMPT)
-    with torch.no_grad():
-        ids = torch.tensor([PROMPT])
-        greedy = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
-                             min_new_tokens=16, do_sample=False, pad_token_id=VOCAB - 1)[0, len(PROMPT):].tolist()
+    greedy = hf_greedy(hf, PROMPT, 16, VOCAB - 1)
     assert reference_greedy(plan, weights, PROMPT, 16) == greedy
 
 

@@ -30,7 +30,7 @@ from infc.compiler.contract.errors import SpecError
 from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
 
 from exhaustive import EXHAUSTIVE
-from families import hf_logits, plan_and_weights, reference_greedy
+from families import hf_greedy, hf_logits, plan_and_weights, reference_greedy, tiny_hf
 from interp_protocol import bf16_error, executors, sequences, through_kernels
 
 VOCAB = 320
@@ -77,11 +77,8 @@ def randomize(model, seed=5):
 
 def make(kind, d):
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-    torch.manual_seed(1234)
-    model = Qwen3NextForCausalLM(Qwen3NextConfig(**BASE, **VARIANTS[kind])).float().eval()
-    model.set_attn_implementation("eager")
-    randomize(model, SEEDS[kind])
-    model.save_pretrained(d)            # the default: the published per-expert layout
+    model = tiny_hf(Qwen3NextForCausalLM, Qwen3NextConfig, {**BASE, **VARIANTS[kind]},
+                    d, 1234, randomize=lambda m: randomize(m, SEEDS[kind]))
     if kind == "sparse":                # the kinds from full_attention_interval, not layer_types
         c = json.loads((d / "config.json").read_text())
         c.pop("layer_types")
@@ -160,10 +157,7 @@ def test_logits_and_greedy_match_hf(models, kind):
     plan, weights = plan_and_weights(d)
     assert_logits(plan, weights, want, PROMPT)
     assert np.abs(want[1:] - want[:-1]).max() > 0.1          # no near-constant model
-    with torch.no_grad():
-        ids = torch.tensor([PROMPT])
-        greedy = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
-                             min_new_tokens=16, do_sample=False, pad_token_id=0)[0, len(PROMPT):].tolist()
+    greedy = hf_greedy(hf, PROMPT, 16, 0)
     assert reference_greedy(plan, weights, PROMPT, 16) == greedy
 
 

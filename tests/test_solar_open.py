@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from exhaustive import EXHAUSTIVE
-from families import checkpoint_tensors, hf_logits, plan_and_weights, reference_greedy
+from families import checkpoint_tensors, hf_greedy, hf_logits, plan_and_weights, reference_greedy
 from test_deepseek_v2 import PROMPT, VOCAB, assert_logits
 from test_glm4_moe import check_kernels, randomize
 
@@ -52,10 +52,7 @@ def test_logits_and_greedy_match_hf(solar):
     d, hf = solar
     plan, weights = plan_and_weights(d)
     assert_logits(plan, weights, hf_logits(hf, PROMPT), PROMPT)
-    with torch.no_grad():
-        ids = torch.tensor([PROMPT])
-        greedy = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
-                             min_new_tokens=16, do_sample=False, pad_token_id=VOCAB - 1)[0, len(PROMPT):].tolist()
+    greedy = hf_greedy(hf, PROMPT, 16, VOCAB - 1)
     assert reference_greedy(plan, weights, PROMPT, 16) == greedy
 
 
