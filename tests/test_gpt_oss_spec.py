@@ -19,7 +19,8 @@ def _line(text: str, needle: str) -> int:
 
 
 @pytest.mark.parametrize("old,new,at,message", [
-    ('act="clamped_swiglu"', 'act="gelu"', "moe_experts(h,", "moe_experts: act must be one of silu, clamped_swiglu, clamped_silu, got 'gelu'"),
+    ('act="clamped_swiglu"', 'act="clamped_gelu"', "moe_experts(h,",
+     "moe_experts: act must be one of silu, clamped_swiglu, clamped_silu or an activation"),
     ("shape: [Hq], dtype: f32", "shape: [Hkv], dtype: f32", "a = attention(",
      "attention sinks must be [64] (one per query head)"),
     ("cols: [0, 2*F, 2]", "cols: [0, 2*F, 3]", "we_gate:",

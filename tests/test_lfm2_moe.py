@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from infc.compiler.build import compile_model
+from infc.compiler.contract import caches
 from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
 
 from exhaustive import EXHAUSTIVE
@@ -107,8 +108,9 @@ def test_checkpoint_names_and_plan(models):
         hf_kinds = [("conv" if t == "conv" else "attention") + ("_moe" if hasattr(l.feed_forward, "gate") else "_dense")
                     for t, l in zip(hf.config.layer_types, hf.model.layers)]
         assert schedule == hf_kinds == SCHEDULES[kind]
-        assert plan["caches"]["conv"]["kind"] == "slot" and plan["caches"]["conv"]["layers"] == [0, 2]
-        assert plan["caches"]["k"]["layers"] == [1, 3]
+        decl = caches.of_plan(plan)            # the cache contract's reading of the plan
+        assert decl["conv"]["kind"] == "slot" and decl["conv"]["layers"] == [0, 2]
+        assert decl["k"]["layers"] == [1, 3]
         assert ("tied" in plan["weights"]["lm_head"]["source"]) == (kind == "bias")
         if kind == "bias":
             assert plan["weights"]["expert_bias"]["dtype"] == "f32"

@@ -170,7 +170,8 @@ def test_spec_keyword_attrs():
     from infc.compiler.ops.moe import route_infer
     from infc.compiler.ir import TensorType
     op = REGISTRY["moe_route"]
-    assert op.extra_attrs == {"groups": 1, "topk_groups": 1, "scale": 1.0, "shared": 0, "scoring": "softmax"}
+    assert op.extra_attrs == {"groups": 1, "topk_groups": 1, "scale": 1.0, "shared": 0, "scoring": "softmax",
+                              "group_score": "max", "norm_eps": 0.0, "norm_min": 0.0}
     assert op.keyword_optional == ["bias"]
     lt = TensorType((4, 12), "f32")
     route_infer([lt], {"k": 2, "groups": 3, "topk_groups": 2, "scale": 16.0})

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from infc.compiler.build import compile_model
+from infc.compiler.contract import caches
 from infc.compiler.contract.errors import SpecError
 from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
 
@@ -146,8 +147,9 @@ def test_checkpoint_names_and_kinds(models):
         hf_kinds = [f"{t}_{'moe' if type(l.mlp).__name__.endswith('SparseMoeBlock') else 'dense'}"
                     for t, l in zip(hf.config.layer_types, hf.model.layers)]
         assert schedule == hf_kinds == SCHEDULES[kind], kind
-        assert plan["caches"]["recurrent"]["layers"] == [0, 2]
-        assert plan["caches"]["k"]["layers"] == [1, 3]
+        decl = caches.of_plan(plan)            # the cache contract's reading of the plan
+        assert decl["recurrent"]["layers"] == [0, 2]
+        assert decl["k"]["layers"] == [1, 3]
 
 
 @pytest.mark.parametrize("kind", list(VARIANTS))
