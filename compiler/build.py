@@ -10,7 +10,7 @@ from .contract.errors import ModelDirError, SpecError
 from .pipeline import compile_spec
 from .quant.formats import parse_quantization
 from .plan import dumps, emit_plan
-from .checkpoint_check import check_model_dir, checkpoint_dtypes
+from .checkpoint_check import check_model_dir, checkpoint_headers
 from .contract.safetensors_io import Checkpoint
 from .kv_scales import read_kv_scales
 from .spec import Spec, find_architecture, find_variant, load_spec
@@ -130,15 +130,15 @@ def compile_model(model=None, spec_path=None, model_dir=None, features=None, log
 
     # parallel: {"world", "rank", "tp", "ep"}, one rank's share (compiler/parallel.py)
     quant = parse_quantization(config, source, spec.nested)
-    # the checkpoint's tensor names and dtypes (headers only): its quantized tensors, and which of
-    # a weight's `or:` layouts it stores
-    stored = checkpoint_dtypes(model_dir) if model_dir is not None and check_checkpoint else None
-    if quant is not None and stored is not None:
-        quant.see_checkpoint(stored)
+    # the checkpoint's headers, read once: its quantized tensors' dtypes, which of a weight's `or:`
+    # layouts it stores, and the honesty check after emit
+    headers = checkpoint_headers(model_dir) if model_dir is not None and check_checkpoint else None
+    if quant is not None and headers is not None:
+        quant.see_checkpoint({name: h[0] for name, h in headers.items()})
     kv_cache = kv_cache_setting(kv_cache_dtype, model_dir, check_checkpoint)
     state = compile_spec(spec, env, name, features, observe=timed, skip=skip, parallel=parallel,
                          quant=quant, kv_cache=kv_cache, lora=lora, capture=capture,
-                         narrow_tokens=narrow_tokens, checkpoint_names=stored)
+                         narrow_tokens=narrow_tokens, checkpoint_names=headers)
     t0 = time.perf_counter()
     plan = emit_plan(state)
     if parallel:
@@ -149,7 +149,7 @@ def compile_model(model=None, spec_path=None, model_dir=None, features=None, log
             log(f"  load format dummy: checkpoint in {model_dir} not read, not checked")
     elif model_dir is not None:
         t0 = time.perf_counter()
-        if check_model_dir(plan, spec, model_dir, log, quant.unread if quant else ()):
+        if check_model_dir(plan, spec, model_dir, log, quant.unread if quant else (), headers=headers):
             stage("check checkpoint tensors", t0)
     return state, plan
 

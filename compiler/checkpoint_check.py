@@ -39,34 +39,34 @@ READABLE_DTYPES = ("BF16", "F16", "F32", "F64")     # what compiler/contract/saf
 INDEX_DTYPES = ("I32", "I64")                       # an i32 weight's (exact as floats below 2^24)
 
 
-def check_model_dir(plan: dict, spec, model_dir, log=None, ignore=()) -> bool:
+def check_model_dir(plan: dict, spec, model_dir, log=None, ignore=(), headers=None) -> bool:
     """Check DIR's safetensors headers against the plan. False when DIR has no checkpoint.
     ignore: glob patterns of tensors the checkpoint may hold unread (beside the spec's own: a
-    quantization format's bookkeeping, compiler/quant/format_base.py)."""
-    from infc.compiler.contract.safetensors_io import Checkpoint     # numpy: only when a directory is given
-    d = Path(model_dir)
-    if not (d / "model.safetensors.index.json").exists() and not any(d.glob("*.safetensors")):
+    quantization format's bookkeeping, compiler/quant/format_base.py); headers: DIR's
+    checkpoint_headers when the caller has read them already."""
+    tensors = headers if headers is not None else checkpoint_headers(model_dir)
+    if tensors is None:
         if log:
-            log(f"  no *.safetensors in {d}: checkpoint not checked (config.json only)")
+            log(f"  no *.safetensors in {model_dir}: checkpoint not checked (config.json only)")
         return False
-    ckpt = Checkpoint(d)
-    tensors = {}
-    for name, f in ckpt.where.items():
-        dtype, shape = f.info(name)
-        tensors[name] = (dtype, tuple(shape), str(f.path))
-    check_tensors(plan, spec, tensors, str(d), ignore)
+    check_tensors(plan, spec, tensors, str(Path(model_dir)), ignore)
     return True
 
 
-def checkpoint_dtypes(model_dir) -> dict | None:
-    """tensor name -> safetensors dtype of DIR's checkpoint, from its headers; None without one."""
-    from infc.compiler.contract.safetensors_io import Checkpoint
+def checkpoint_headers(model_dir) -> dict | None:
+    """tensor name -> (safetensors dtype, shape, file) of DIR's checkpoint, from its headers only;
+    None without one (a config.json alone)."""
+    from infc.compiler.contract.safetensors_io import Checkpoint     # numpy: only when a directory is given
     d = Path(model_dir)
     if not (d / "model.safetensors.index.json").exists() and not any(d.glob("*.safetensors")):
         return None
     ckpt = Checkpoint(d)
     try:
-        return {name: f.info(name)[0] for name, f in ckpt.where.items()}
+        out = {}
+        for name, f in ckpt.where.items():
+            dtype, shape = f.info(name)
+            out[name] = (dtype, tuple(shape), str(f.path))
+        return out
     finally:
         ckpt.close()
 
