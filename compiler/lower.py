@@ -471,20 +471,21 @@ class _Lowerer:
         top_env = self.env
         # A kind's symbols may read the layer index i (`theta: layer_rope_theta[i]`): the layers of
         # a kind whose symbol values differ get a body each, named kind, kind@1, kind@2, ...
-        schedule, of = [], {}               # per layer: body name; body name -> (kind, first layer)
-        seen: dict = {}
+        schedule, of = [], {}               # per layer: body name; body name -> (kind, its env)
         for i, kind in enumerate(self.schedule(count)):
-            values = repr(sorted(self.kind_env(top_env, kinds[kind], i).items())) if kinds[kind].symbols else ""
-            if (kind, values) not in seen:
-                n = sum(1 for kk, _ in seen if kk == kind)
-                seen[(kind, values)] = kind if n == 0 else f"{kind}@{n}"
-                of[seen[(kind, values)]] = (kind, i)
-            schedule.append(seen[(kind, values)])
+            env = self.kind_env(top_env, kinds[kind], i)
+            syms = kinds[kind].symbols
+            name = next((n for n, (kk, e) in of.items()
+                         if kk == kind and all(e[s] == env[s] for s in syms)), None)
+            if name is None:
+                n = sum(1 for kk, _ in of.values() if kk == kind)
+                name = kind if n == 0 else f"{kind}@{n}"
+                of[name] = (kind, env)
+            schedule.append(name)
         bodies = {}
         for name in dict.fromkeys(schedule):        # bodies in order of first use
-            kind, first = of[name]
+            kind, self.env = of[name]
             k = kinds[kind]
-            self.env = self.kind_env(top_env, k, first)
             body = Graph("layer" if name == "layer" else f"layer.{name}", parent=g, env=self.env)
             self.weights(body, spec.layer_weights, list(range(count)), self.sources)
             self.weights(body, k.weights, [i for i, s in enumerate(schedule) if s == name], self.sources)
