@@ -40,6 +40,7 @@ import numpy as np
 
 from ..contract import caches as cache_layout
 from .base import REQUIRED, expect, op
+from .pos_scale import factor as pos_factor
 from .quant import round_e4m3
 
 
@@ -70,13 +71,6 @@ def alibi_slopes(hq: int, max_bias: float = ALIBI_MAX) -> np.ndarray:
     h = np.arange(hq, dtype=np.float64)
     e = np.where(h < c, (h + 1) / c, (2 * (h - c) + 1) / (2 * c))
     return (2.0 ** (-max_bias * e)).astype(np.float32)
-
-
-def temperature(pos, floor, scale) -> np.ndarray:
-    """Llama-4's query scale at positions pos: log(floor((pos + 1) / F) + 1) * a + 1 (f32)."""
-    p = np.asarray(pos, np.float32)
-    return (np.log1p(np.floor((p + np.float32(1.0)) / np.float32(floor))) * np.float32(scale)
-            + np.float32(1.0)).astype(np.float32)
 
 
 def _check_attrs(attrs):
@@ -156,7 +150,8 @@ def attend_cached(ctx, q, scale=None, window=None, softcap=None, sinks=None, ali
         Vh = np.repeat(V, group, axis=1)
         qb = np.asarray(q[start:start + n], np.float32)
         if temp_floor is not None:
-            qb = qb * temperature(cached + np.arange(n), temp_floor, temp_scale)[:, None, None]
+            # Llama-4's query scale: log(floor((p + 1) / F) + 1) * a + 1, pos_scale's shift-1 form
+            qb = qb * pos_factor(cached + np.arange(n), temp_floor, temp_scale, shift=1)[:, None, None]
         s = np.einsum("ihd,jhd->hij", qb, Kh) * np.float32(scale)
         if softcap is not None:
             s = np.float32(softcap) * np.tanh(s / np.float32(softcap))

@@ -17,7 +17,8 @@ import torch
 
 from infc.compiler.ir import TensorType
 from infc.compiler.ops import REGISTRY, ShapeError
-from infc.compiler.ops.attention import alibi_slopes, temperature
+from infc.compiler.ops.attention import alibi_slopes
+from infc.compiler.ops.pos_scale import factor
 
 from exhaustive import EXHAUSTIVE
 from .harness import rel_err, render
@@ -72,7 +73,7 @@ def test_reference_mods_change_the_result():
     assert np.allclose(alibi[0], plain[0], atol=1e-6) and rel_err(alibi, plain) > 0.05
     hot = REF(page.ctx, q, None, kv_heads=1, temp_floor=4.0, temp_scale=0.5)
     tau = np.log1p(np.floor((np.arange(40) + 1.0) / 4.0)) * 0.5 + 1.0
-    assert np.allclose(temperature(np.arange(40), 4.0, 0.5), tau, rtol=1e-6)
+    assert np.allclose(factor(np.arange(40), 4.0, 0.5, shift=1), tau, rtol=1e-6)
     assert np.allclose(hot, REF(page.ctx, q * tau[:, None, None].astype(np.float32), None, kv_heads=1),
                        atol=1e-5)
     assert np.allclose(hot[:3], plain[:3], atol=1e-6) and rel_err(hot, plain) > 0.05

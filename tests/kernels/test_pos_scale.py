@@ -1,7 +1,8 @@
 """pos_scale (compiler/ops/pos_scale.py): the reference against transformers' own factor
-(get_llama_4_attn_scale, Mistral-Small-4's query scale) and Llama-4's attention temperature (the
-shift 1 form), and the kernel under the interpreter against the reference on random rows at
-positions that cross several floors (rows whose width is not a multiple of the block)."""
+(get_llama_4_attn_scale, Mistral-Small-4's query scale), and the kernel under the interpreter
+against the reference on random rows at positions that cross several floors (rows whose width is
+not a multiple of the block). Its shift-1 form is Llama-4's attention temperature, checked against
+Llama-4's formula in tests/kernels/test_attention_mods.py."""
 from types import SimpleNamespace
 
 import numpy as np
@@ -10,7 +11,6 @@ import torch
 
 from infc.compiler.ir import TensorType
 from infc.compiler.ops import REGISTRY, ShapeError
-from infc.compiler.ops.attention import temperature
 from infc.compiler.ops.pos_scale import factor
 
 from .harness import poison, rand, render, run
@@ -24,10 +24,6 @@ def test_factor_is_transformers_mistral4():
     for beta, floor in ((0.1, 8192), (0.5, 4), (1.3, 3)):
         want = get_llama_4_attn_scale(pos, beta, floor).reshape(-1).numpy()
         np.testing.assert_allclose(factor(POSITIONS, floor, beta), want, rtol=1e-6)
-
-
-def test_shift_one_is_llama4_temperature():
-    np.testing.assert_allclose(factor(POSITIONS, 4.0, 0.3, shift=1), temperature(POSITIONS, 4.0, 0.3), rtol=1e-6)
 
 
 @pytest.mark.parametrize("shape,tune", [(("T", 5, 24), None), (("T", 3, 40), {"BLOCK": 32}), (("T", 70), None)])
