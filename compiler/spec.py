@@ -52,6 +52,9 @@ class Binding:
     keys: list[str]          # alternatives, each a dotted path into config.json; [] = derived
     default: object | None   # ast of the default (of the value, when derived), or None
     line: int
+    # keys written `key?`: a null there is the value none (HF's "None: off", as a
+    # sliding_window of null), not an absent key that takes the default
+    null_is_value: frozenset = frozenset()
 
 
 @dataclass
@@ -135,7 +138,7 @@ class Spec:
             # a derived symbol has no keys: its default is its value
             for key in config_values.lookup_keys(b.keys, self.nested):
                 ok, cur = config_at(config, key)
-                if ok and (cur is not None or b.default is None):
+                if ok and (cur is not None or b.default is None or _null_kept(b, key)):
                     value, found = cur, True
                     self._check_config_value(sym, b, key, value, sym in sizes, source)
                     break
@@ -409,11 +412,20 @@ def _binding(sym, text, file, line) -> Binding:
         if not dflt.strip():
             raise SpecError(f"symbol '{sym}': nothing after '='", file, line)
         default = parse_expr(dflt, file, line)
-    keys = [k.strip() for k in text.split("|") if k.strip()]
-    if not keys and default is None:
+    written = [k.strip() for k in text.split("|") if k.strip()]
+    if not written and default is None:
         raise SpecError(f"symbol '{sym}' names no config key (write '{sym}: key' or a derived "
                         f"'{sym}: = expression')", file, line)
-    return Binding(sym, keys, default, line)
+    keys = [k.removesuffix("?").strip() for k in written]
+    if not all(keys):
+        raise SpecError(f"symbol '{sym}': '?' follows a config key ('{sym}: key? = default')", file, line)
+    kept = frozenset(k for k, w in zip(keys, written) if w.endswith("?"))
+    return Binding(sym, keys, default, line, kept)
+
+
+def _null_kept(b: Binding, key: str) -> bool:
+    """Whether a null at `key` (one of b's keys, or it under a nested object) is b's value."""
+    return any(key == k or key.endswith("." + k) for k in b.null_is_value)
 
 
 def _assign_at(text: str) -> int | None:
