@@ -29,6 +29,19 @@ def bf16_error(hf, ids) -> float:
     return rel(bf16, f32)
 
 
+def bf16_tolerance(hf):
+    """ids -> max(2e-2, 2 x HF's own bf16 error at the last position of ids): each checked
+    sequence's bound from its own noise (a prefix-cached sequence's can be 2-3x another's)."""
+    seen = {}
+
+    def tol(ids) -> float:
+        key = tuple(ids)
+        if key not in seen:
+            seen[key] = max(2e-2, 2 * bf16_error(hf, list(ids)))
+        return seen[key]
+    return tol
+
+
 def sequences(vocab: int) -> tuple[list, list]:
     """a (21 tokens) and b (a's first page, then 6 more)."""
     rng = np.random.default_rng(3)
@@ -38,11 +51,13 @@ def sequences(vocab: int) -> tuple[list, list]:
 
 def through_kernels(plan, run, ref, a, b, tol, wide=True, check_step=None):
     """The protocol on an InterpExecutor `run` and a ReferenceExecutor `ref` of the same plan: each
-    step's logits within `tol` (relative), and at least half the rows' argmax equal at the decode
-    steps. wide: the second decode step runs the wide program (plan["wide_tokens"] lowered to 2).
+    step's logits within `tol` (relative; a number, or ids -> a number: bf16_tolerance, each
+    sequence's rows against its own prompt's), and at least half the rows' argmax equal at the
+    decode steps. wide: the second decode step runs the wide program (plan["wide_tokens"] lowered to 2).
     check_step(run, step): more checks of a decode step's launches (run.program, run.templates)."""
+    bound = tol if callable(tol) else (lambda ids: tol)
     got, want = run.step([Chunk(0, a, 0)]), ref.step([SeqChunk(0, a, 0)])
-    assert rel(got, want) < tol, ("prefill", rel(got, want))
+    assert rel(got, want) < bound(a), ("prefill", rel(got, want))
     if any(c["kind"] == "slot" for c in plan["caches"].values()):
         # per-sequence state (linear attention) is no shared page: the engine never reuses a prefix
         # for such a plan, so the prefix is computed (a chunked prefill)
@@ -51,8 +66,9 @@ def through_kernels(plan, run, ref, a, b, tol, wide=True, check_step=None):
         run.ensure_pages(1, len(b), shared=run.pages[0][:1])
     ref.step([SeqChunk(1, b[:PAGE], 0)])          # the reference has no shared pages: give it the prefix
     got, want = run.step([Chunk(1, b[PAGE:], PAGE)]), ref.step([SeqChunk(1, b[PAGE:], PAGE)])
-    assert rel(got, want) < tol, ("prefix-cached prefill", rel(got, want))
+    assert rel(got, want) < bound(b), ("prefix-cached prefill", rel(got, want))
     toks, lens = [int(np.argmax(want[0]))] * 2, [len(a), len(b)]
+    fed = [list(a), list(b)]             # each row's ids so far: its bound is HF's noise there
     for step in range(2):
         if wide and step == 1:
             assert "wide" in plan["programs"] and plan["wide_tokens"] > 2
@@ -66,7 +82,9 @@ def through_kernels(plan, run, ref, a, b, tol, wide=True, check_step=None):
                 assert {t for op, t in run.templates if op == "linear"} == {"gemm"}, run.templates
         if check_step is not None:
             check_step(run, step)
-        assert rel(got, want) < tol, (f"decode {step}", rel(got, want))
+        for row in range(2):
+            fed[row].append(toks[row])
+            assert rel(got[row], want[row]) < bound(fed[row]), (f"decode {step}, row {row}", rel(got[row], want[row]))
         assert (np.argmax(got, -1) == np.argmax(want, -1)).mean() >= 0.5
         lens = [n + 1 for n in lens]
         toks = [int(t) for t in np.argmax(want, -1)]

@@ -219,10 +219,10 @@ def check_kernels(d, hf, tmp_path, fuse):
     """tests/test_families_interp.py's check: a 21-token prefill, a second sequence sharing its
     first page that prefills only its tail, then two batched decode steps (the second through the
     wide program); bf16 kernels within max(2e-2, twice HF's own bf16 error) of the reference."""
-    from interp_protocol import bf16_error, executors, sequences, through_kernels
+    from interp_protocol import bf16_tolerance, executors, sequences, through_kernels
     plan, run, ref = executors(d, tmp_path / "art", fuse)
     a, b = sequences(VOCAB)
-    through_kernels(plan, run, ref, a, b, max(2e-2, 2 * bf16_error(hf, a)))
+    through_kernels(plan, run, ref, a, b, bf16_tolerance(hf))
 
 
 @pytest.mark.parametrize("kind,fuse", [

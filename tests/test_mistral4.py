@@ -107,10 +107,10 @@ def check_kernels(d, hf, tmp_path, fuse):
     0.01; so does the 3-layer plain one at seed 4404). The check runs where no row flips: qlora's
     kinds (q_lora, a dense layer, groups scored by their two best, the query scale) at two layers;
     plain's q_proj form is DeepSeek-V2's, whose kernels tests/test_deepseek_v2_interp.py checks."""
-    from interp_protocol import bf16_error, executors, sequences, through_kernels
+    from interp_protocol import bf16_tolerance, executors, sequences, through_kernels
     plan, run, ref = executors(d, tmp_path / "art", fuse)
     a, b = sequences(VOCAB)
-    through_kernels(plan, run, ref, a, b, max(2e-2, 2 * bf16_error(hf, a)))
+    through_kernels(plan, run, ref, a, b, bf16_tolerance(hf))
 
 
 @pytest.mark.parametrize("kind,fuse", [

@@ -32,7 +32,7 @@ from infc.runtime.reference.executor import ReferenceExecutor, SeqChunk
 
 from exhaustive import EXHAUSTIVE
 from families import hf_logits, plan_and_weights, reference_greedy
-from interp_protocol import bf16_error, executors, sequences, through_kernels
+from interp_protocol import bf16_tolerance, executors, sequences, through_kernels
 
 VOCAB = 320
 TOL = 1e-4
@@ -280,5 +280,5 @@ def test_through_kernels(models, kind, fuse, tmp_path):
         moe = {t for op, t in run.templates if op in ("moe_gate_up", "moe_down")}
         assert moe == ({"moe_gate_up_grouped", "moe_down_grouped"} if run.program == "wide"
                        else {"moe_gate_up", "moe_down"}), run.templates
-    through_kernels(plan, run, ref, a, b, max(2e-2, 2 * bf16_error(hf, a)),
+    through_kernels(plan, run, ref, a, b, bf16_tolerance(hf),
                     check_step=experts_on_their_kernels)
