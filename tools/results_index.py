@@ -242,13 +242,16 @@ def run_date(d: dict, rel: str) -> str:
 
 
 def build(results: Path = RESULTS):
-    """(rows sorted, coverage {"files", "indexed", "unparsed": [rel...], "unrecognised": [rel...]})."""
-    rows, cov = [], {"files": 0, "indexed": 0, "unparsed": [], "unrecognised": []}
+    """(rows sorted, coverage {"files", "with_gpu" (results that name a GPU: every benchmark's; an
+    experiment's own JSON, such as a probe's, may not), "indexed", "unparsed": [rel...],
+    "unrecognised": [rel...]})."""
+    rows, cov = [], {"files": 0, "with_gpu": 0, "indexed": 0, "unparsed": [], "unrecognised": []}
     for rel, d in results_of(results):
         cov["files"] += 1
         if d is UNREADABLE:
             cov["unparsed"].append(rel)
             continue
+        cov["with_gpu"] += isinstance(d, dict) and "gpu" in d
         bench, parse = parser_for(d)
         if parse is None:
             cov["unrecognised"].append(rel)
