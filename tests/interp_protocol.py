@@ -19,25 +19,28 @@ def rel(a, b) -> float:
     return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
 
 
-def bf16_error(hf, ids) -> float:
+def bf16_error(hf, ids, hf_bf16=None) -> float:
     """How far HF's own bf16 forward is from its float32 forward at the last position of ids: the
-    noise floor of bf16 for this model."""
+    noise floor of bf16 for this model (hf_bf16: its bf16 copy, when the caller keeps one)."""
     import torch
+    if hf_bf16 is None:
+        hf_bf16 = copy.deepcopy(hf).to(torch.bfloat16)
     with torch.no_grad():
         f32 = hf(torch.tensor([ids])).logits[0, -1].numpy()
-        bf16 = copy.deepcopy(hf).to(torch.bfloat16)(torch.tensor([ids])).logits[0, -1].float().numpy()
+        bf16 = hf_bf16(torch.tensor([ids])).logits[0, -1].float().numpy()
     return rel(bf16, f32)
 
 
 def bf16_tolerance(hf):
     """ids -> max(2e-2, 2 x HF's own bf16 error at the last position of ids): each checked
     sequence's bound from its own noise (a prefix-cached sequence's can be 2-3x another's)."""
-    seen = {}
+    import torch
+    seen, hf_bf16 = {}, copy.deepcopy(hf).to(torch.bfloat16)
 
     def tol(ids) -> float:
         key = tuple(ids)
         if key not in seen:
-            seen[key] = max(2e-2, 2 * bf16_error(hf, list(ids)))
+            seen[key] = max(2e-2, 2 * bf16_error(hf, list(ids), hf_bf16))
         return seen[key]
     return tol
 

@@ -16,7 +16,7 @@ from infc.runtime.engine.step import Chunk
 from infc.runtime.weights.load import load_weights
 
 from interp_executor import InterpExecutor
-from interp_protocol import PAGE, bf16_error, rel as _rel
+from interp_protocol import PAGE, bf16_tolerance, rel as _rel
 from test_deepseek_v2 import VARIANTS, VOCAB, models  # noqa: F401  (the module fixture)
 
 
@@ -36,7 +36,7 @@ def check_through_kernels(d, hf, tmp_path, fuse=True):
     weights = load_weights(plan, Checkpoint(d))
     ref, run = ReferenceExecutor(plan, weights), InterpExecutor(plan, weights, page_size=PAGE)
     a = [int(t) for t in np.random.default_rng(3).integers(0, VOCAB, 21)]
-    tol = max(2e-2, 2 * bf16_error(hf, a))
+    tol = bf16_tolerance(hf)(a)
     got, want = run.step([Chunk(0, a, 0)]), ref.step([SeqChunk(0, a, 0)])
     assert _rel(got, want) < tol, ("prefill", _rel(got, want))
     tok, n = int(np.argmax(want[0])), len(a)
