@@ -3,10 +3,12 @@
 Prints the graph before and after fusion, the pass log, the launches of each phase (with the
 count per layer), and the routing table op -> pass -> template -> launch.
 """
+import json
 from collections import Counter
 
 from infc.compiler.contract.program import bodies, count_launches, is_repeat, launches, layer_counts
 
+from infc.compiler.contract.schema import nbytes
 from infc.compiler.contract.weight_roles import FILL_KINDS, fill_key
 
 from .build import compile_model
@@ -162,6 +164,15 @@ def _inspect_one(model, spec_path, model_dir, dot, phases, spec_dirs, parallel=N
     out += ["", "== graph after fusion"] + snapshots[list(snapshots)[-1]]
     a = plan["arena"]
     out += ["", f"== memory: arena = {a['bytes_per_token']}*T + {a['bytes_per_seq']}*B + {a['bytes']} bytes"]
+    stacks = {launch["outputs"][0] for program in plan["programs"].values() for launch, _ in launches(program)
+              if launch["op"] == "expert_upcast"}
+    if stacks:            # (plan_memory reuses one buffer for every layer's, gate|up's and down's)
+        held = {}
+        for b in stacks:
+            at = json.dumps(plan["buffers"][b]["offset"])
+            held[at] = max(held.get(at, 0), nbytes("bf16", plan["buffers"][b]["shape"]))
+        out += [f"  of the fixed bytes, {sum(held.values())} hold the bf16 expert stacks of many-token steps "
+                f"(compiler/passes/upcast_experts.py: {len(stacks)} stacks in {len(held)} buffer(s))"]
     absent = [p for p in phases or [] if p not in plan["programs"]]
     for p in absent:          # "wide", "short", "narrow" and "verify" exist only where they run differently
         out += ["", f"== launches: {p}  (none: this plan has no {p} program; its steps run "

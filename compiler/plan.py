@@ -131,6 +131,8 @@ def _launches(state, g: Graph, phase: str) -> list:
             continue
         if REGISTRY[n.op].view or n.id in merges or n.id in inside or n.id in tails:   # runs in another's launch
             continue
+        if n.id not in state.kernels[phase]:           # an op this program does not launch (OpDef.phases)
+            continue
         launch = _launch(state, g, n, phase)
         if n.id in into:
             p = g.nodes[into[n.id]]

@@ -170,6 +170,14 @@ DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE = 8
 # NARROW_TOKENS_MAX: the same launches rendered that wide (compiler/passes/select_kernels.py).
 NARROW_TOKENS = 1
 NARROW_TOKENS_MAX = 8
+# Quantized experts (compiler/passes/upcast_experts.py): a step whose routed experts get at least
+# this many tokens each on average dequantizes each layer's stacks to bf16 once and runs the bf16
+# grouped GEMMs; fewer, and the GEMMs dequantize tiles in registers. Break-even predicted at ~72
+# for GPT-OSS-20B on an H200 (0.5 ms a layer to upcast; the MXFP4 grouped GEMMs at ~166 TFLOP/s
+# against ~600 in bf16: bench/NOTES.md). A stack over UPCAST_MAX_BYTES in bf16 keeps its codes
+# (the buffer is taken from the KV cache; GPT-OSS-120B's gate|up is 3.96 GiB).
+UPCAST_TOKENS_PER_EXPERT = 64
+UPCAST_MAX_BYTES = 4 << 30
 # `infc tune prepare --phases verify`'s rows when --verify-rows is not given: verify(4)'s 5, the
 # issue-43 target (its entries are keyed per row count: compiler/codegen/render.py verify_key)
 DEFAULT_TUNE_VERIFY_ROWS = 5

@@ -119,3 +119,78 @@ def test_mxfp4_experts_over_expert_parallel_ranks(mxfp4_model):
     assert all(w["dtype"] == "e2m1" for p in plans for n, w in p["weights"].items()
                if n in ("we_gate_up", "we_down"))
     assert _check(many, one, [[SeqChunk(0, PROMPT[:9], 0)], [SeqChunk(1, PROMPT[9:], 0)]]) <= 1e-4
+
+
+def test_mxfp4_experts_upcast_once_in_many_token_steps(mxfp4_model, tmp_path, monkeypatch):
+    """compiler/passes/upcast_experts.py at 2 tokens an expert (4 experts, 2 a token: steps of 4
+    rows or more): the prefill and mixed programs dequantize each layer's stacks to bf16 once and
+    the grouped GEMMs read them; a step of fewer rows, and every decode step, reads the codes. The
+    logits through the interpreted kernels are those of a build whose threshold no step reaches
+    (bit for bit: the GEMMs' tile is the upcast value) and the reference's."""
+    import infc.config
+    from infc.compiler.contract.program import launches
+    d, _ = mxfp4_model
+    rel = lambda a, b: float(np.linalg.norm(a - b) / np.linalg.norm(b))      # noqa: E731
+    got = {}
+    for label, per_expert, rows in (("stack", 2, 4), ("codes", 10 ** 6, 2 * 10 ** 6)):
+        monkeypatch.setattr(infc.config, "UPCAST_TOKENS_PER_EXPERT", per_expert)
+        out = build(model_dir=str(d), out=tmp_path / label, compile=False, log=None, page_size=16)
+        plan = json.loads((out / "plan.json").read_text())
+        plan["_dir"] = str(out)
+        for p, prog in plan["programs"].items():
+            ups = [la for la, _ in launches(prog) if la["op"] == "expert_upcast"]
+            experts = [la for la, _ in launches(prog) if la["op"] in ("moe_gate_up", "moe_down")]
+            assert len(ups) == (len(experts) if p in ("prefill", "mixed", "short", "wide") else 0), p
+            assert all(la["attrs"]["rows"] == rows for la in ups)
+            if ups:
+                assert all(la["attrs"]["upcast_rows"] == rows and la["inputs"][-1] == up["outputs"][0]
+                           for la, up in zip(experts, ups))
+        weights = load_weights(plan, Checkpoint(d))
+        ref = ReferenceExecutor(plan, weights)
+        plan["short_tokens"] = 1                     # every prompt on the prefill program
+        run = InterpExecutor(plan, weights, page_size=16)
+        got[label] = run.step([Chunk(0, PROMPT, 0)])
+        upcasts = sum(op == "expert_upcast" for op, _ in run.templates)
+        assert run.program == "prefill" and upcasts == (2 * 3 if label == "stack" else 0), (label, upcasts)
+        assert rel(got[label], ref.step([SeqChunk(0, PROMPT, 0)])) < 2e-2
+        short = run.step([Chunk(1, PROMPT[:3], 0)])      # 3 rows: below 4, the codes
+        assert run.program == "prefill" and not any(op == "expert_upcast" for op, _ in run.templates)
+        assert rel(short, ref.step([SeqChunk(1, PROMPT[:3], 0)])) < 2e-2
+        tok = int(np.argmax(got[label][0]))
+        run.step([Chunk(0, [tok], len(PROMPT))])
+        assert run.program in ("decode", "narrow") and not any(op == "expert_upcast" for op, _ in run.templates)
+    assert np.array_equal(got["stack"], got["codes"])
+    # the stack's bf16 copy, the GEMMs' last input, is no weight: each weight keeps its role
+    from infc.compiler.contract.weight_roles import quant_roles
+    assert quant_roles(plan) == quant_roles(compile_model(model_dir=str(d), skip=("upcast_experts",))[1])
+    assert any(role == "w_scale" for role, _, _ in quant_roles(plan).values())
+
+
+def test_upcast_rows_count_the_models_experts_and_the_pass_keeps_its_bounds(mxfp4_model, monkeypatch):
+    """rows = 64 tokens an expert x 4 experts / 2 a token, the same on an expert-parallel rank
+    (which holds 2 of the 4 and whose ids name the model's; a data-parallel plan counts G, every
+    rank's rows); no upcast under --no-fuse, nor for a stack over UPCAST_MAX_BYTES."""
+    import infc.config
+    from infc.compiler.build import compile_ranks
+    from infc.compiler.contract.program import launches
+    from test_data_parallel import dp
+    from test_parallel import settings
+    d, _ = mxfp4_model
+
+    def upcasts(plan):
+        return [la["attrs"] for prog in plan["programs"].values() for la, _ in launches(prog)
+                if la["op"] == "expert_upcast"]
+
+    state, plan = compile_model(model_dir=str(d))
+    assert {(a["rows"], a["dim"]) for a in upcasts(plan)} == {(128, "T")}
+    ranks = compile_ranks(settings(**dp(2)), model_dir=str(d))
+    for _, p in ranks:
+        assert p["weights"]["we_gate_up"]["shape"][0] == 2
+        assert {(a["rows"], a["dim"]) for a in upcasts(p)} == {(128, "G")}
+    assert not upcasts(compile_model(model_dir=str(d), fuse=False)[1])
+    monkeypatch.setattr(infc.config, "UPCAST_MAX_BYTES", 4 * 96 * 64 * 2)   # down's bf16 stack fits, gate|up's not
+    state, plan = compile_model(model_dir=str(d))
+    assert {la["inputs"][0] for prog in plan["programs"].values() for la, _ in launches(prog)
+            if la["op"] == "expert_upcast"} == {"we_down"}
+    note = " ".join(m for p, m in state.log if p == "upcast_experts")
+    assert "kept on codes" in note and "we_gate_up" in note

@@ -5,7 +5,7 @@ A quantized launch (attrs["quant"]: the scheme, compiler/quant/scheme.py) reads 
 codes (the input whose dtype is the scheme's code dtype) and, as its last inputs, the scheme's
 companions in the order w_scale, w_zero, w_gidx, x_scale (the pass and the fusions keep them
 last, after the bias and any prologue's inputs; only ready activation codes' scales, has_a_scale,
-come after them). The plan's weight names are the fusions' own,
+and an expert stack's bf16 copy, has_w_upcast, come after them). The plan's weight names are the fusions' own,
 so the launches are the one place that says which weight is a scale of which codes.
 
 The fill kinds (plan["weight_init"] for bf16, plan["weight_init_<kind>"] for the others; the
@@ -47,8 +47,9 @@ def quant_roles(plan: dict) -> dict:
                 raise ValueError(f"launch {launch['op']} ({', '.join(launch['inputs'])}) is quantized "
                                  f"({scheme['codes']}) but reads no {scheme['codes']} weight")
             names = [c for c in COMPANIONS if launch["attrs"].get("has_" + c)]
-            # ready activation codes' scales (has_a_scale) come after the companions
-            end = len(launch["inputs"]) - (1 if launch["attrs"].get("has_a_scale") else 0)
+            # ready activation codes' scales (has_a_scale), then an expert stack's bf16 copy
+            # (has_w_upcast: compiler/passes/upcast_experts.py) come after the companions
+            end = len(launch["inputs"]) - sum(1 for a in ("has_a_scale", "has_w_upcast") if launch["attrs"].get(a))
             tail = launch["inputs"][end - len(names):end] if names else []
             out[codes] = ("codes", scheme, codes)
             for role, name in zip(names, tail):

@@ -16,4 +16,5 @@ from . import compressed_attention  # noqa: F401
 from . import quantize_act  # noqa: F401
 from . import hyper_connection  # noqa: F401
 from . import pos_scale  # noqa: F401
+from . import expert_upcast  # noqa: F401
 from .base import REGISTRY, REQUIRED, OpDef, ShapeError  # noqa: F401

@@ -65,6 +65,8 @@ class OpDef:
                                            # the per-sequence state it writes or reads
     collective: bool = False               # moves data between ranks (ops/collectives.py): its
                                            # reference reads ctx.exchange; launched by NCCL
+    phases: tuple | None = None            # the programs that launch it (None: every one); in the
+                                           # others its output is read by no launch (expert_upcast)
     doc: str = ""
 
     def template(self, backend: str, phase: str, inherit: bool = True) -> str | None:

@@ -66,14 +66,17 @@ moe_gate_up(x, ids, gate_up, rows, counts[, bias[E, 2F]]) / moe_down(act, weight
     scheme: the reference dequantizes them and quantizes the activations entering each
     projection (x for gate_up, each act row for down) as ops/quant.py defines. With ready codes
     (attrs.has_a_scale: compiler/passes/act_codes.py) x (or act) is the e4m3 codes a launch before
-    made, their f32 scales [..., groups] the last input; the outputs stay bf16.
+    made, their f32 scales [..., groups] after the companions; the outputs stay bf16. With
+    attrs.has_w_upcast (compiler/passes/upcast_experts.py) the stack dequantized to bf16 once
+    (ops/expert_upcast.py) is the last input: the grouped kernels read it in steps of at least
+    attrs.upcast_rows rows, the reference (and every other kernel) the codes.
 """
 import numpy as np
 
 from .activation import softplus
 from .base import REQUIRED, expect, op, tt
 from .gated_act import GATED_EXTRA, check as check_act, gated
-from .quant import QUANT_OPTIONAL, check_types, expert_operands
+from .quant import CODES_OPTIONAL, check_types, expert_operands
 
 
 SCORING = ("softmax", "sigmoid", "sqrtsoftplus")
@@ -246,8 +249,22 @@ def _check_bias(types, attrs, w, who):
     return 1
 
 
+def _check_upcast(types, attrs, w, who):
+    """The stack dequantized once (attrs.has_w_upcast: expert_upcast's bf16 [E, N, K], the last
+    input; compiler/passes/upcast_experts.py), read by the grouped GEMMs in steps of at least
+    attrs.upcast_rows rows."""
+    if not attrs.get("has_w_upcast"):
+        return
+    u = types[-1]
+    expect(attrs.get("quant") is not None and u.dtype == "bf16" and tuple(u.shape) == tuple(w.shape),
+           f"{who}: the upcast stack must be bf16 {list(w.shape)} beside quantized experts, got {u}")
+    expect(isinstance(attrs.get("upcast_rows"), int) and attrs["upcast_rows"] > 0,
+           f"{who}: upcast_rows must be a positive int, got {attrs.get('upcast_rows')!r}")
+
+
 def gate_up_infer(types, attrs):
     x, ids, gu = types[:3]
+    _check_upcast(types, attrs, gu, "moe_gate_up")
     _check_grouping(types[3:5], ids, gu.shape[0])
     check_act(attrs, "moe_gate_up")
     nb = _check_bias(types[5:], attrs, gu, "moe_gate_up")
@@ -276,6 +293,7 @@ def gate_up(ctx, x, ids, gu, expert_rows=None, expert_counts=None, *rest, **attr
 
 def down_infer(types, attrs):
     act, w, ids, down = types[:4]
+    _check_upcast(types, attrs, down, "moe_down")
     _check_grouping(types[4:6], ids, down.shape[0])
     nb = _check_bias(types[6:], attrs, down, "moe_down")
     check_types(types, attrs, 6 + nb, "moe_down", w_at=3)
@@ -362,17 +380,20 @@ op(name="moe_route_align", tensors=["logits"], attrs={"k": REQUIRED, "normalize"
    infer=route_align_infer, reference=route_align, n_outputs=4, internal=True,
    templates={"triton": "moe_route"},
    doc="moe_route + moe_align in one launch (prefill/mixed/wide; decode routes only)")
+# a quantized stack's companions, ready codes' scales (compiler/passes/act_codes.py), then the
+# stack dequantized once (compiler/passes/upcast_experts.py)
+EXPERT_PASS_INPUTS = CODES_OPTIONAL + ["w_upcast"]
 # decode (a few tokens): one program per (distinct chosen expert, row block), a GEMV over the
 # expert's rows for the tokens that chose it; prefill/mixed (and short, through mixed) and wide
 # decode steps (many sequences: compiler/passes/select_kernels.py WIDE_TOKENS_PER_EXPERT): grouped
 # tensor-core GEMMs over moe_align's per-expert token lists
 op(name="moe_gate_up", tensors=["x", "ids", "gate_up", "rows", "counts"], extra_optional=["bias"],
-   extra_attrs=GATED_EXTRA, pass_inputs=QUANT_OPTIONAL,
+   extra_attrs=GATED_EXTRA, pass_inputs=EXPERT_PASS_INPUTS,
    infer=gate_up_infer, reference=gate_up, internal=True, templates={"triton": {"prefill": "moe_gate_up_grouped", "mixed": "moe_gate_up_grouped",
                                         "decode": "moe_gate_up", "wide": "moe_gate_up_grouped"}},
    doc="per chosen expert: silu(x gate^T) * (x up^T)")
 op(name="moe_down", tensors=["act", "weights", "ids", "down", "rows", "counts"], extra_optional=["bias"],
-   pass_inputs=QUANT_OPTIONAL, extra_attrs={"unweighted": False},
+   pass_inputs=EXPERT_PASS_INPUTS, extra_attrs={"unweighted": False},
    infer=down_infer, reference=down, internal=True, templates={"triton": {"prefill": "moe_down_grouped", "mixed": "moe_down_grouped",
                                         "decode": "moe_down", "wide": "moe_down_grouped"}},
    doc="per token: routing-weighted sum of the chosen experts' down projections")

@@ -11,6 +11,7 @@ from ..contract.schema import DTYPE_BYTES
 from ..ir import Graph
 
 ALIGN = 256
+LARGE_FIXED = 1 << 20       # bytes
 
 
 def _size(t, world: int = 1) -> tuple[int, int, int]:
@@ -29,6 +30,10 @@ def _size(t, world: int = 1) -> tuple[int, int, int]:
         key, n = "T", n * world
     coef[key] = n
     return tuple(-(-coef[k] // ALIGN) * ALIGN for k in ("T", "B", ""))
+
+
+def _large_fixed(size: tuple) -> bool:
+    return size[0] == size[1] == 0 and size[2] >= LARGE_FIXED
 
 
 class _UF:
@@ -160,8 +165,13 @@ def plan_memory(state):
         start, stop = live[r]
         need = size[r]
         best = None
+        # a large value of fixed size (an upcast expert stack: passes/upcast_experts.py) and the
+        # others keep to slots of their own sort: in a slot sized by T its bytes would add to the
+        # T buffers' at every step size, and a T buffer in its slot would leave the next layer
+        # kind's stack none to reuse
+        fixed = _large_fixed(need)
         for i, (ssize, free_at) in enumerate(slots):
-            if free_at < start:
+            if free_at < start and fixed == _large_fixed(ssize):
                 grow = sum(max(0, a - b) for a, b in zip(need, ssize))
                 waste = sum(max(0, b - a) for a, b in zip(need, ssize))
                 cand = (grow, waste, i)

@@ -55,6 +55,8 @@ def select_kernels(state):
                 if n.op == "layers" or REGISTRY[n.op].view:
                     continue
                 op = REGISTRY[n.op]
+                if op.phases is not None and phase not in op.phases:
+                    continue             # not launched by this program (plan.py leaves it out)
                 if op.collective:        # between ranks: NCCL on the runner's stream, no template
                     table[n.id] = ("nccl", None)
                     continue

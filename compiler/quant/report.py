@@ -93,7 +93,13 @@ def weights_section(plan: dict, phases=None) -> list[str]:
     for phase in phases or list(plan["programs"]):
         program = plan["programs"][phase]
         rows, codes_all, comps_all, plain, experts = Counter(), 0, 0, 0, False
+        upcasts = Counter()
         for launch, mult in launches(program):
+            if launch["op"] == "expert_upcast":      # runs only in steps of attrs.rows rows or more
+                w, codes, comps = launch_reads(plan, launch)
+                out_bytes = nbytes("bf16", plan["weights"][w]["shape"])
+                upcasts[(w, launch["attrs"]["rows"], codes, comps, out_bytes)] += mult
+                continue
             got = launch_reads(plan, launch)
             if got is None:
                 plain += mult * sum(nbytes(plan["weights"][i]["dtype"], plan["weights"][i]["shape"])
@@ -118,4 +124,8 @@ def weights_section(plan: dict, phases=None) -> list[str]:
                        f"launches' weights: {_mib(plain)})")
             for (op, w, scheme, codes, comps, note), n in rows.items():
                 out.append(f"    {op:<14} {w:<16} {scheme:<40} {codes:>10} B codes {comps:>8} B scales  x{n}{note}")
+        for (w, at, codes, comps, wrote), n in upcasts.items():
+            out.append(f"    {'expert_upcast':<14} {w:<16} in steps of >= {at} rows: reads {codes} B codes + "
+                       f"{comps} B scales, writes {wrote} B bf16  x{n}  (then the grouped GEMMs read the bf16 "
+                       f"stack: compiler/passes/upcast_experts.py)")
     return out

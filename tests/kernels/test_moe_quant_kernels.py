@@ -77,17 +77,28 @@ def _bias(extra, n, gen):
     return [("bias", [E, n], "bf16", "weight")], (b,)
 
 
-def gate_up_case(s, T, KT, template, tune, seed, extra=None, ep=False):
+def _upcast_input(upcast, n, k, extra):
+    """([the w_upcast input spec], attrs) of a grouped launch given upcast = (rows, the bf16 stack)
+    (compiler/passes/upcast_experts.py), else ([], extra)."""
+    if upcast is None:
+        return [], extra
+    return [("w_upcast", [E, n, k], "bf16")], {**extra, "has_w_upcast": True, "upcast_rows": upcast[0]}
+
+
+def gate_up_case(s, T, KT, template, tune, seed, extra=None, ep=False, upcast=None, out=None):
     """extra: attrs beyond the scheme's (has_bias: an [E, 2F] bias after counts; act, alpha, limit);
-    ep: test_moe_kernels.routing's (slots of id -1, or "dup": expert 0 repeated in a token)."""
+    ep: test_moe_kernels.routing's (slots of id -1, or "dup": expert 0 repeated in a token);
+    upcast: (rows, bf16 [E, 2F, H]) the stack dequantized once, the last input; out: a dict that
+    gets the launch's output ("y") and the dequantized stack's values ("w")."""
     extra = extra or {}
+    u_in, extra = _upcast_input(upcast, 2 * F, H, extra)
     gen = np.random.default_rng(seed)
     ids, _ = routing(T, KT, E, gen, ep)
     x = rand((T, H), gen=gen, scale=1.5)
     w, values, comp = quantized_stack(s, 2 * F, H, gen)
     b_in, b = _bias(extra, 2 * F, gen)
     ins = [("x", ["T", H], "bf16"), ("ids", ["T", KT], "i32"), ("gate_up", [E, 2 * F, H], s.codes, "weight"),
-           ("rows", [E, "T"], "i32"), ("counts", [E], "i32")] + b_in + _specs(comp)
+           ("rows", [E, "T"], "i32"), ("counts", [E], "i32")] + b_in + _specs(comp) + u_in
     phase = "decode" if template == "moe_gate_up" else "prefill"
     attrs = {**_attrs(s), **extra}
     k = render(template, "moe_gate_up", ins, [("act", ["T", KT, F], "bf16")], attrs=attrs, phase=phase, tune=tune)
@@ -95,16 +106,22 @@ def gate_up_case(s, T, KT, template, tune, seed, extra=None, ep=False):
     act = poison((T, KT, F))
     bind = {"in:0": x, "in:1": ids, "in:2": w, "in:3": rows, "in:4": counts, "out:0": act}
     bind.update({f"in:{5 + i}": torch.as_tensor(a) for i, a in enumerate(b + tuple(comp.values()))})
+    if upcast is not None:
+        bind[f"in:{len(ins) - 1}"] = upcast[1]
     run(k, bind, {"T": T, "B": T if phase == "decode" else 1})
     want = REGISTRY["moe_gate_up"].reference(None, f32(x), ids.numpy(), values, None, None,
                                              *[f32(a) for a in b], *comp.values(), **attrs)
     assert rel_err(named(f32(act), ids), named(want, ids)) <= TOL
+    if out is not None:
+        out.update(y=named(f32(act), ids), w=(w, values, comp))
     return k
 
 
-def down_case(s, T, KT, template, tune, seed, extra=None, ep=False):
-    """extra: attrs beyond the scheme's (has_bias: an [E, H] bias after counts); ep: as gate_up_case."""
+def down_case(s, T, KT, template, tune, seed, extra=None, ep=False, upcast=None, out=None):
+    """extra: attrs beyond the scheme's (has_bias: an [E, H] bias after counts); ep, upcast, out:
+    as gate_up_case's (the stack [E, H, F])."""
     extra = extra or {}
+    u_in, extra = _upcast_input(upcast, H, F, extra)
     gen = np.random.default_rng(seed)
     ids, rw = routing(T, KT, E, gen, ep)
     act = rand((T, KT, F), gen=gen, scale=0.5)
@@ -112,7 +129,7 @@ def down_case(s, T, KT, template, tune, seed, extra=None, ep=False):
     b_in, b = _bias(extra, H, gen)
     ins = [("act", ["T", KT, F], "bf16"), ("weights", ["T", KT], "f32"), ("ids", ["T", KT], "i32"),
            ("down", [E, H, F], s.codes, "weight"), ("rows", [E, "T"], "i32"), ("counts", [E], "i32")] \
-        + b_in + _specs(comp)
+        + b_in + _specs(comp) + u_in
     phase = "decode" if template == "moe_down" else "prefill"
     attrs = {**_attrs(s), **extra}
     k = render(template, "moe_down", ins, [("y", ["T", H], "bf16")], attrs=attrs, phase=phase, tune=tune)
@@ -120,10 +137,14 @@ def down_case(s, T, KT, template, tune, seed, extra=None, ep=False):
     y = poison((T, H))
     bind = {"in:0": act, "in:1": rw, "in:2": ids, "in:3": w, "in:4": rows, "in:5": counts, "out:0": y}
     bind.update({f"in:{6 + i}": torch.as_tensor(a) for i, a in enumerate(b + tuple(comp.values()))})
+    if upcast is not None:
+        bind[f"in:{len(ins) - 1}"] = upcast[1]
     zero_counters(run(k, bind, {"T": T, "B": T if phase == "decode" else 1}))
     want = REGISTRY["moe_down"].reference(None, f32(act), rw.numpy(), ids.numpy(), values, None, None,
                                           *[f32(a) for a in b], *comp.values(), **attrs)
     assert rel_err(f32(y), want) <= TOL
+    if out is not None:
+        out.update(y=f32(y), w=(w, values, comp))
     return k
 
 

@@ -264,7 +264,52 @@ def _gate_up_tile(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid
 
 
 @triton.jit
-def moe_gate_up_grouped(x_ptr, ids_ptr, w_ptr, rows_ptr, counts_ptr, act_ptr, T, b_ptr, w_scale_ptr,
+def _gate_up_tile_bf16(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid_f, b_ptr, w_scale_ptr,
+                  H: tl.constexpr, F: tl.constexpr, KT: tl.constexpr, KTP: tl.constexpr, BM: tl.constexpr,
+                  BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, PAIR: tl.constexpr, EVEN_K: tl.constexpr,
+                  DOT_F32: tl.constexpr):
+    """The [BM tokens of expert e from list index i0, BLOCK_F gate + up columns] tile."""
+    i = i0 + tl.arange(0, BM)
+    ok = i < count
+    toks = tl.load(rows_ptr + e.to(tl.int64) * T + i, mask=ok, other=0)
+    x_rows = x_ptr + toks.to(tl.int64)[:, None] * H
+    w_e = w_ptr + e.to(tl.int64) * (2 * F * H)
+    offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
+    if PAIR:
+        # weight tile row r: gate row f (r even) or up row F + f (r odd), f = pid_f * BLOCK_F + r // 2
+        r = tl.arange(0, 2 * BLOCK_F)
+        fr = tl.minimum(pid_f * BLOCK_F + r // 2, F - 1)      # rows past F clamped for loading
+        w_rows = w_e + (fr + (r % 2) * F).to(tl.int64)[:, None] * H
+        acc = tl.zeros([BM, 2 * BLOCK_F], tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)[None, :]
+            a = _x_tile(x_rows, k, EVEN_K)
+            w = tl.load(_ptr(w_rows, k))
+            acc = _dot(a.to(tl.bfloat16), w.to(tl.bfloat16), acc, DOT_F32)
+        acc_g, acc_u = tl.split(tl.reshape(acc, [BM, BLOCK_F, 2]))
+    else:
+        # gate row f and up row F + f of expert e; rows past F are clamped for loading
+        g_rows = w_e + tl.minimum(offs_f, F - 1).to(tl.int64)[:, None] * H
+        u_rows = g_rows + F * H
+        acc_g = tl.zeros([BM, BLOCK_F], tl.float32)
+        acc_u = tl.zeros([BM, BLOCK_F], tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)[None, :]
+            a = _x_tile(x_rows, k, EVEN_K)
+            wg = tl.load(_ptr(g_rows, k))
+            wu = tl.load(_ptr(u_rows, k))
+            a, wg, wu = a.to(tl.bfloat16), wg.to(tl.bfloat16), wu.to(tl.bfloat16)
+            acc_g = _dot(a, wg, acc_g, DOT_F32)
+            acc_u = _dot(a, wu, acc_u, DOT_F32)
+    idt = _slot_ids(ids_ptr, toks, ok, KT, KTP)
+    b_m = offs_f < F
+    acc_g += tl.load(b_ptr + e.to(tl.int64) * (2 * F) + offs_f, mask=b_m, other=0.0).to(tl.float32)[None, :]
+    acc_u += tl.load(b_ptr + e.to(tl.int64) * (2 * F) + F + offs_f, mask=b_m, other=0.0).to(tl.float32)[None, :]
+    _store_act(act_ptr, _gated_act(acc_g, acc_u), toks, ok, idt, e, offs_f, F, KT, KTP)
+
+
+@triton.jit
+def moe_gate_up_grouped(x_ptr, ids_ptr, w_ptr, rows_ptr, counts_ptr, act_ptr, T, b_ptr, w_scale_ptr, wu_ptr,
                         H: tl.constexpr, F: tl.constexpr, KT: tl.constexpr, KTP: tl.constexpr, E: tl.constexpr,
                         BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr,
                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NF: tl.constexpr, PAIR: tl.constexpr,
@@ -272,16 +317,28 @@ def moe_gate_up_grouped(x_ptr, ids_ptr, w_ptr, rows_ptr, counts_ptr, act_ptr, T,
     pid_m, pid_f = _tile(tl.program_id(0), tl.cdiv(T * KT, BLOCK_M) + tl.minimum(E, T * KT), NF, GROUP_M)
     e, i0, count = _block_of(counts_ptr, pid_m, E, BLOCK_E, BLOCK_M)
     if e < E:
-        if HALF_TAIL:
-            if count - i0 <= BLOCK_M // 2:
-                _gate_up_tile(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid_f, b_ptr, w_scale_ptr, H, F, KT,
-                              KTP, BLOCK_M // 2, BLOCK_F, BLOCK_K, PAIR, EVEN_K, DOT_F32)
+        if T >= 512:
+            if HALF_TAIL:
+                if count - i0 <= BLOCK_M // 2:
+                    _gate_up_tile_bf16(x_ptr, ids_ptr, wu_ptr, rows_ptr, act_ptr, T, e, i0, count, pid_f, b_ptr, w_scale_ptr, H, F, KT,
+                                       KTP, BLOCK_M // 2, BLOCK_F, BLOCK_K, PAIR, EVEN_K, DOT_F32)
+                else:
+                    _gate_up_tile_bf16(x_ptr, ids_ptr, wu_ptr, rows_ptr, act_ptr, T, e, i0, count, pid_f, b_ptr, w_scale_ptr, H, F, KT,
+                                       KTP, BLOCK_M, BLOCK_F, BLOCK_K, PAIR, EVEN_K, DOT_F32)
             else:
-                _gate_up_tile(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid_f, b_ptr, w_scale_ptr, H, F, KT,
-                              KTP, BLOCK_M, BLOCK_F, BLOCK_K, PAIR, EVEN_K, DOT_F32)
+                _gate_up_tile_bf16(x_ptr, ids_ptr, wu_ptr, rows_ptr, act_ptr, T, e, i0, count, pid_f, b_ptr, w_scale_ptr, H, F, KT, KTP,
+                                   BLOCK_M, BLOCK_F, BLOCK_K, PAIR, EVEN_K, DOT_F32)
         else:
-            _gate_up_tile(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid_f, b_ptr, w_scale_ptr, H, F, KT, KTP,
-                          BLOCK_M, BLOCK_F, BLOCK_K, PAIR, EVEN_K, DOT_F32)
+            if HALF_TAIL:
+                if count - i0 <= BLOCK_M // 2:
+                    _gate_up_tile(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid_f, b_ptr, w_scale_ptr, H, F, KT,
+                                  KTP, BLOCK_M // 2, BLOCK_F, BLOCK_K, PAIR, EVEN_K, DOT_F32)
+                else:
+                    _gate_up_tile(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid_f, b_ptr, w_scale_ptr, H, F, KT,
+                                  KTP, BLOCK_M, BLOCK_F, BLOCK_K, PAIR, EVEN_K, DOT_F32)
+            else:
+                _gate_up_tile(x_ptr, ids_ptr, w_ptr, rows_ptr, act_ptr, T, e, i0, count, pid_f, b_ptr, w_scale_ptr, H, F, KT, KTP,
+                              BLOCK_M, BLOCK_F, BLOCK_K, PAIR, EVEN_K, DOT_F32)
 
 
 META = {
@@ -289,7 +346,7 @@ META = {
     "params": [["x_ptr", "*bf16", "in:0"], ["ids_ptr", "*i32", "in:1"],
                ["w_ptr", "*u8", "in:2"], ["rows_ptr", "*i32", "in:3"],
                ["counts_ptr", "*i32", "in:4"], ["act_ptr", "*bf16", "out:0"],
-               ["T", "i32", "dim:T"], ["b_ptr", "*bf16", "in:5"], ["w_scale_ptr", "*fp32", "in:6"]],
+               ["T", "i32", "dim:T"], ["b_ptr", "*bf16", "in:5"], ["w_scale_ptr", "*fp32", "in:6"], ["wu_ptr", "*bf16", "in:7"]],
     "constexprs": {"H": 2880, "F": 2880, "KT": 4, "KTP": 4, "E": 32, "BLOCK_E": 32,
                    "BLOCK_M": 128, "BLOCK_F": 128, "BLOCK_K": 64,
                    "GROUP_M": 8, "NF": 23, "PAIR": 1, "HALF_TAIL": 1,

@@ -293,7 +293,45 @@ def _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr,
 
 
 @triton.jit
-def moe_down_grouped(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, counts_ptr, y_ptr, T, part_ptr, cnt_ptr, w_scale_ptr, as_ptr,
+def _down_tile_bf16(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr, e, i0, count, nb, w_scale_ptr, as_ptr,
+               H: tl.constexpr, F: tl.constexpr, KT: tl.constexpr, KTP: tl.constexpr, BM: tl.constexpr,
+               BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, NB: tl.constexpr, CR: tl.constexpr,
+               EVEN_K: tl.constexpr, DOT_F32: tl.constexpr):
+    """The [BM tokens of expert e from list index i0, BLOCK_H output features] tile, its partials
+    parked, counted in, and the tokens it completes combined."""
+    i = i0 + tl.arange(0, BM)
+    ok = i < count
+    toks = tl.load(rows_ptr + e.to(tl.int64) * T + i, mask=ok, other=0)
+    t64 = toks.to(tl.int64)
+    a_row = (t64 * KT + _main_slot(_slot_ids(ids_ptr, toks, ok, KT, KTP),
+                                   _slot_rw(rw_ptr, toks, ok, KT, KTP), ok, e, KTP))[:, None]
+    a_rows = act_ptr + a_row * F
+    s_rows = as_ptr + a_row * 12
+    offs_h = nb * BLOCK_H + tl.arange(0, BLOCK_H)
+    # rows past H are clamped for loading; their sums are dropped at the stores
+    w_rows = w_ptr + e.to(tl.int64) * (H * F) + tl.minimum(offs_h, H - 1).to(tl.int64)[:, None] * F
+    acc = tl.zeros([BM, BLOCK_H], tl.float32)
+    for k0 in range(0, F, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)[None, :]
+        a = _a_ready(a_rows, s_rows, k0, k, k < F, BLOCK_K)
+        w = tl.load(_ptr(w_rows, k))
+        if DOT_F32:
+            acc = tl.dot(a.to(tl.bfloat16).to(tl.float32), tl.trans(w.to(tl.bfloat16).to(tl.float32)), acc,
+                         input_precision="ieee")
+        else:
+            acc = tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
+    # the slots' ids and weights again (L2 hits) rather than held in registers over the K loop
+    experts = _park(pp, acc, toks, ok, _slot_ids(ids_ptr, toks, ok, KT, KTP),
+                    _slot_rw(rw_ptr, toks, ok, KT, KTP), e, offs_h, H, KT, KTP)
+    tl.debug_barrier()   # every thread's partials are issued before the release below
+    arrived = tl.atomic_add(cnt_ptr + t64 * NB + nb, 1, mask=ok, sem="acq_rel")
+    last = ok & (arrived == experts - 1)
+    tl.debug_barrier()   # the whole program reads after the acquires above
+    _combine(pp, y_ptr, cnt_ptr, ids_ptr, toks, last, offs_h, nb, H, KT, NB, CR, BLOCK_H)
+
+
+@triton.jit
+def moe_down_grouped(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, counts_ptr, y_ptr, T, part_ptr, cnt_ptr, w_scale_ptr, as_ptr, wu_ptr,
                      H: tl.constexpr, F: tl.constexpr, KT: tl.constexpr, KTP: tl.constexpr, E: tl.constexpr,
                      BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NB: tl.constexpr, CR: tl.constexpr,
@@ -303,16 +341,28 @@ def moe_down_grouped(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, counts_ptr, y_pt
     # the scratch is untyped memory (the interpreter harness hands it over as int32): bf16 here
     pp = part_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True)
     if e < E:
-        if HALF_TAIL:
-            if count - i0 <= BLOCK_M // 2:
-                _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr, e, i0, count, nb, w_scale_ptr, as_ptr,
-                           H, F, KT, KTP, BLOCK_M // 2, BLOCK_H, BLOCK_K, NB, CR, EVEN_K, DOT_F32)
+        if T >= 2048:
+            if HALF_TAIL:
+                if count - i0 <= BLOCK_M // 2:
+                    _down_tile_bf16(act_ptr, rw_ptr, ids_ptr, wu_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr, e, i0, count, nb, w_scale_ptr, as_ptr,
+                                    H, F, KT, KTP, BLOCK_M // 2, BLOCK_H, BLOCK_K, NB, CR, EVEN_K, DOT_F32)
+                else:
+                    _down_tile_bf16(act_ptr, rw_ptr, ids_ptr, wu_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr, e, i0, count, nb, w_scale_ptr, as_ptr,
+                                    H, F, KT, KTP, BLOCK_M, BLOCK_H, BLOCK_K, NB, CR, EVEN_K, DOT_F32)
+            else:
+                _down_tile_bf16(act_ptr, rw_ptr, ids_ptr, wu_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr, e, i0, count, nb, w_scale_ptr, as_ptr,
+                                H, F, KT, KTP, BLOCK_M, BLOCK_H, BLOCK_K, NB, CR, EVEN_K, DOT_F32)
+        else:
+            if HALF_TAIL:
+                if count - i0 <= BLOCK_M // 2:
+                    _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr, e, i0, count, nb, w_scale_ptr, as_ptr,
+                               H, F, KT, KTP, BLOCK_M // 2, BLOCK_H, BLOCK_K, NB, CR, EVEN_K, DOT_F32)
+                else:
+                    _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr, e, i0, count, nb, w_scale_ptr, as_ptr,
+                               H, F, KT, KTP, BLOCK_M, BLOCK_H, BLOCK_K, NB, CR, EVEN_K, DOT_F32)
             else:
                 _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr, e, i0, count, nb, w_scale_ptr, as_ptr,
                            H, F, KT, KTP, BLOCK_M, BLOCK_H, BLOCK_K, NB, CR, EVEN_K, DOT_F32)
-        else:
-            _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr, e, i0, count, nb, w_scale_ptr, as_ptr,
-                       H, F, KT, KTP, BLOCK_M, BLOCK_H, BLOCK_K, NB, CR, EVEN_K, DOT_F32)
 
 
 META = {
@@ -321,7 +371,7 @@ META = {
                ["ids_ptr", "*i32", "in:2"], ["w_ptr", "*fp8e4nv", "in:3"],
                ["rows_ptr", "*i32", "in:4"], ["counts_ptr", "*i32", "in:5"],
                ["y_ptr", "*bf16", "out:0"], ["T", "i32", "dim:T"],
-               ["part_ptr", "*bf16", "scratch:partials"], ["cnt_ptr", "*i32", "scratch:counters"], ["w_scale_ptr", "*fp32", "in:6"], ["as_ptr", "*fp32", "in:7"]],
+               ["part_ptr", "*bf16", "scratch:partials"], ["cnt_ptr", "*i32", "scratch:counters"], ["w_scale_ptr", "*fp32", "in:6"], ["as_ptr", "*fp32", "in:7"], ["wu_ptr", "*bf16", "in:8"]],
     "constexprs": {"H": 3072, "F": 1536, "KT": 8, "KTP": 8, "E": 256,
                    "BLOCK_E": 256, "BLOCK_M": 128, "BLOCK_H": 256,
                    "BLOCK_K": 128, "GROUP_M": 8, "NB": 12, "CR": 16,

@@ -1,22 +1,22 @@
 # moe_down (grouped): y[t, h] = bf16(sum_j bf16(r[t, j] * sum_f act[t, j, f] * w[e, h, f])),  e = ids[t, j]
-#   act [T, 6, 2048] bf16, r f32 [T, 6], ids i32 [T, 6], w [256, 4096, 2048] bf16,
-#   rows i32 [256, T] / counts i32 [256] (moe_align: the tokens of each expert), y [T, 4096] bf16;
+#   act [T, 4, 2880] bf16, r f32 [T, 4], ids i32 [T, 4], w [128, 2880, 2880] bf16,
+#   rows i32 [128, T] / counts i32 [128] (moe_align: the tokens of each expert), y [T, 2880] bf16;
 #   fp32 sums; each slot's weighted sum is rounded to bf16 once, then the slots are added in fp32
-#   in slot order j = 0 .. 5.
+#   in slot order j = 0 .. 3.
 #
 # Grouped GEMM (moe_gate_up_grouped.py.j2's row blocks: BLOCK_M = 128 tokens of one expert, their act
 # rows gathered: token t's act[t, j] for the slot j that chose e, of largest weight if several
-# did) times 16 column tiles of BLOCK_H = 256 output features, a K loop of BLOCK_K = 64 over
-# F = 2048 (unmasked), software-pipelined over num_stages buffers; GROUP_M = 8 ordering.
+# did) times 12 column tiles of BLOCK_H = 256 output features, a K loop of BLOCK_K = 64 over
+# F = 2880 (unmasked), software-pipelined over num_stages buffers; GROUP_M = 8 ordering.
 # An expert's last block of at most 64 tokens runs a 64-row tile (a second copy of the tile).
 # Epilogue and combine, deterministic without float atomics: the routing weight multiplies the
-# fp32 tile, each (token, slot) row is parked once as bf16 in a scratch [T, 6, 4096], and the
+# fp32 tile, each (token, slot) row is parked once as bf16 in a scratch [T, 4, 2880], and the
 # program counts itself in at each token's tile (t, column tile) with an acq_rel atomic; the
-# program that completes a token's distinct experts adds its 6 partials in slot order and writes
+# program that completes a token's distinct experts adds its 4 partials in slot order and writes
 # y[t] (the same bits whatever order the experts finish in), leaving the counter zero. Those
-# rows are compacted COMBINE_ROWS = 16 at a time, so a chunk's 6 partial tiles are loaded together
+# rows are compacted COMBINE_ROWS = 16 at a time, so a chunk's 4 partial tiles are loaded together
 # (one memory round trip per chunk, not one per slot).
-# MXFP4 experts: e2m1 codes, a power-of-two scale per row and 32 columns (262144 an expert, stored
+# MXFP4 experts: e2m1 codes, a power-of-two scale per row and 32 columns (259200 an expert, stored
 #   as the float 2^(b - 127)). Swap-AB, the codes the dot's lhs (upcast in registers, Hopper's wgmma
 #   takes A from registers): each K step
 #   accT[h, m] += sum_f value(code[h, f]) * 2^(b[h, f // 32] - 127) * act[m, f]   (tl.dot_scaled with
@@ -157,7 +157,7 @@ def _combine(pp, y_ptr, cnt_ptr, ids_ptr, toks, last, offs_h, nb, H: tl.constexp
 @triton.jit
 def _w_raw(w_rows, k0, k_end, BK: tl.constexpr):
     """The stored codes of W[rows, k0 : k0 + BK], zero past k_end: w_rows [BN, 1] row pointers
-    (1024 bytes a row), k0 a multiple of BK -> bytes [BN, BK / 2], two codes each."""
+    (1440 bytes a row), k0 a multiple of BK -> bytes [BN, BK / 2], two codes each."""
     j = k0 // 2 + tl.arange(0, BK // 2)[None, :]
     p = w_rows + j
     p = tl.multiple_of(p, [1, 16])
@@ -179,17 +179,17 @@ def _w_values(raw):
 
 @triton.jit
 def _w_group(t_ptr, srow, k0, k_end, BK: tl.constexpr):
-    """t[srow, g(k)] (w_scale or w_zero: 64 groups a row) over the tile's columns
+    """t[srow, g(k)] (w_scale or w_zero: 90 groups a row) over the tile's columns
     k0 .. k0 + BK: srow [BN, 1] the W rows' scale rows -> [BN, 1] (the tile in one group),
     [BN, BK / 32] (one a group of the tile) or [BN, BK] (a group per column)."""
     if 32 % BK == 0:
-        return tl.load(t_ptr + srow * 64 + tl.minimum(k0 // 32, 63))
+        return tl.load(t_ptr + srow * 90 + tl.minimum(k0 // 32, 89))
     elif BK % 32 == 0:
-        g = tl.minimum(k0 // 32 + tl.arange(0, BK // 32), 63)[None, :]
-        return tl.load(t_ptr + srow * 64 + g)
+        g = tl.minimum(k0 // 32 + tl.arange(0, BK // 32), 89)[None, :]
+        return tl.load(t_ptr + srow * 90 + g)
     else:
         k = k0 + tl.arange(0, BK)[None, :]
-        return tl.load(t_ptr + srow * 64 + tl.minimum(k // 32, 63))
+        return tl.load(t_ptr + srow * 90 + tl.minimum(k // 32, 89))
 
 
 @triton.jit
@@ -220,15 +220,15 @@ def _w_deq(raw, srow, w_scale_ptr, k0, k_end, BK: tl.constexpr):
 def _w_e8m0(t_ptr, srow, k0, BK: tl.constexpr):
     """The e8m0 bytes of w_scale[srow, g] for the tile's BK / 32 groups from k0 -> u8 [BN, BK / 32]:
     the plan stores an MX scale as the float 2^(b - 127), whose exponent field is b (b = 0's
-    2^-127 a subnormal with field 0). Groups past the row's 64 read 127 (1.0): their codes
+    2^-127 a subnormal with field 0). Groups past the row's 90 read 127 (1.0): their codes
     are zero, and a NaN scale would make 0 * scale NaN."""
     g = k0 // 32 + tl.arange(0, BK // 32)[None, :]
-    s = tl.load(t_ptr + srow * 64 + g, mask=g < 64, other=1.0)
+    s = tl.load(t_ptr + srow * 90 + g, mask=g < 90, other=1.0)
     return ((s.to(tl.int32, bitcast=True) >> 23) & 255).to(tl.uint8)
 
 
 @triton.jit
-def _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr, e, i0, count, nb, w_scale_ptr,
+def _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr, e, i0, count, nb, b_ptr, w_scale_ptr,
                H: tl.constexpr, F: tl.constexpr, KT: tl.constexpr, KTP: tl.constexpr, BM: tl.constexpr,
                BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, NB: tl.constexpr, CR: tl.constexpr,
                EVEN_K: tl.constexpr, DOT_F32: tl.constexpr):
@@ -243,9 +243,9 @@ def _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr,
     offs_h = nb * BLOCK_H + tl.arange(0, BLOCK_H)
     # rows past H are clamped for loading; their sums are dropped at the stores
     h_rows = tl.minimum(offs_h, H - 1).to(tl.int64)[:, None]
-    w_rows = w_ptr + e.to(tl.int64) * 4194304 + h_rows * 1024
+    w_rows = w_ptr + e.to(tl.int64) * 4147200 + h_rows * 1440
     srow = h_rows // 1
-    ws = w_scale_ptr + e.to(tl.int64) * 262144   # expert e's scales
+    ws = w_scale_ptr + e.to(tl.int64) * 259200   # expert e's scales
 
     acc_t = tl.zeros([BLOCK_H, BM], tl.float32)
     for k0 in range(0, F, BLOCK_K):
@@ -258,6 +258,8 @@ def _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr,
                               tl.trans(a.to(tl.bfloat16)), None, "bf16", acc_t)
     acc = tl.trans(acc_t)
     # the slots' ids and weights again (L2 hits) rather than held in registers over the K loop
+    # expert e's bias row, added to its output before the routing weight
+    acc += tl.load(b_ptr + e.to(tl.int64) * H + offs_h, mask=offs_h < H, other=0.0).to(tl.float32)[None, :]
     experts = _park(pp, acc, toks, ok, _slot_ids(ids_ptr, toks, ok, KT, KTP),
                     _slot_rw(rw_ptr, toks, ok, KT, KTP), e, offs_h, H, KT, KTP)
     tl.debug_barrier()   # every thread's partials are issued before the release below
@@ -268,7 +270,48 @@ def _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr,
 
 
 @triton.jit
-def moe_down_grouped(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, counts_ptr, y_ptr, T, part_ptr, cnt_ptr, w_scale_ptr,
+def _down_tile_bf16(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr, e, i0, count, nb, b_ptr, w_scale_ptr,
+               H: tl.constexpr, F: tl.constexpr, KT: tl.constexpr, KTP: tl.constexpr, BM: tl.constexpr,
+               BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, NB: tl.constexpr, CR: tl.constexpr,
+               EVEN_K: tl.constexpr, DOT_F32: tl.constexpr):
+    """The [BM tokens of expert e from list index i0, BLOCK_H output features] tile, its partials
+    parked, counted in, and the tokens it completes combined."""
+    i = i0 + tl.arange(0, BM)
+    ok = i < count
+    toks = tl.load(rows_ptr + e.to(tl.int64) * T + i, mask=ok, other=0)
+    t64 = toks.to(tl.int64)
+    a_rows = act_ptr + ((t64 * KT + _main_slot(_slot_ids(ids_ptr, toks, ok, KT, KTP),
+                                               _slot_rw(rw_ptr, toks, ok, KT, KTP), ok, e, KTP)) * F)[:, None]
+    offs_h = nb * BLOCK_H + tl.arange(0, BLOCK_H)
+    # rows past H are clamped for loading; their sums are dropped at the stores
+    w_rows = w_ptr + e.to(tl.int64) * (H * F) + tl.minimum(offs_h, H - 1).to(tl.int64)[:, None] * F
+    acc = tl.zeros([BM, BLOCK_H], tl.float32)
+    for k0 in range(0, F, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)[None, :]
+        if EVEN_K:
+            a = tl.load(_ptr(a_rows, k))
+        else:
+            a = tl.load(_ptr(a_rows, k), mask=k < F, other=0.0)
+        w = tl.load(_ptr(w_rows, k))
+        if DOT_F32:
+            acc = tl.dot(a.to(tl.bfloat16).to(tl.float32), tl.trans(w.to(tl.bfloat16).to(tl.float32)), acc,
+                         input_precision="ieee")
+        else:
+            acc = tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
+    # the slots' ids and weights again (L2 hits) rather than held in registers over the K loop
+    # expert e's bias row, added to its output before the routing weight
+    acc += tl.load(b_ptr + e.to(tl.int64) * H + offs_h, mask=offs_h < H, other=0.0).to(tl.float32)[None, :]
+    experts = _park(pp, acc, toks, ok, _slot_ids(ids_ptr, toks, ok, KT, KTP),
+                    _slot_rw(rw_ptr, toks, ok, KT, KTP), e, offs_h, H, KT, KTP)
+    tl.debug_barrier()   # every thread's partials are issued before the release below
+    arrived = tl.atomic_add(cnt_ptr + t64 * NB + nb, 1, mask=ok, sem="acq_rel")
+    last = ok & (arrived == experts - 1)
+    tl.debug_barrier()   # the whole program reads after the acquires above
+    _combine(pp, y_ptr, cnt_ptr, ids_ptr, toks, last, offs_h, nb, H, KT, NB, CR, BLOCK_H)
+
+
+@triton.jit
+def moe_down_grouped(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, counts_ptr, y_ptr, T, part_ptr, cnt_ptr, b_ptr, w_scale_ptr, wu_ptr,
                      H: tl.constexpr, F: tl.constexpr, KT: tl.constexpr, KTP: tl.constexpr, E: tl.constexpr,
                      BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NB: tl.constexpr, CR: tl.constexpr,
@@ -278,16 +321,28 @@ def moe_down_grouped(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, counts_ptr, y_pt
     # the scratch is untyped memory (the interpreter harness hands it over as int32): bf16 here
     pp = part_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True)
     if e < E:
-        if HALF_TAIL:
-            if count - i0 <= BLOCK_M // 2:
-                _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr, e, i0, count, nb, w_scale_ptr,
-                           H, F, KT, KTP, BLOCK_M // 2, BLOCK_H, BLOCK_K, NB, CR, EVEN_K, DOT_F32)
+        if T >= 2048:
+            if HALF_TAIL:
+                if count - i0 <= BLOCK_M // 2:
+                    _down_tile_bf16(act_ptr, rw_ptr, ids_ptr, wu_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr, e, i0, count, nb, b_ptr, w_scale_ptr,
+                                    H, F, KT, KTP, BLOCK_M // 2, BLOCK_H, BLOCK_K, NB, CR, EVEN_K, DOT_F32)
+                else:
+                    _down_tile_bf16(act_ptr, rw_ptr, ids_ptr, wu_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr, e, i0, count, nb, b_ptr, w_scale_ptr,
+                                    H, F, KT, KTP, BLOCK_M, BLOCK_H, BLOCK_K, NB, CR, EVEN_K, DOT_F32)
             else:
-                _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr, e, i0, count, nb, w_scale_ptr,
-                           H, F, KT, KTP, BLOCK_M, BLOCK_H, BLOCK_K, NB, CR, EVEN_K, DOT_F32)
+                _down_tile_bf16(act_ptr, rw_ptr, ids_ptr, wu_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr, e, i0, count, nb, b_ptr, w_scale_ptr,
+                                H, F, KT, KTP, BLOCK_M, BLOCK_H, BLOCK_K, NB, CR, EVEN_K, DOT_F32)
         else:
-            _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr, e, i0, count, nb, w_scale_ptr,
-                       H, F, KT, KTP, BLOCK_M, BLOCK_H, BLOCK_K, NB, CR, EVEN_K, DOT_F32)
+            if HALF_TAIL:
+                if count - i0 <= BLOCK_M // 2:
+                    _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr, e, i0, count, nb, b_ptr, w_scale_ptr,
+                               H, F, KT, KTP, BLOCK_M // 2, BLOCK_H, BLOCK_K, NB, CR, EVEN_K, DOT_F32)
+                else:
+                    _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr, e, i0, count, nb, b_ptr, w_scale_ptr,
+                               H, F, KT, KTP, BLOCK_M, BLOCK_H, BLOCK_K, NB, CR, EVEN_K, DOT_F32)
+            else:
+                _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr, e, i0, count, nb, b_ptr, w_scale_ptr,
+                           H, F, KT, KTP, BLOCK_M, BLOCK_H, BLOCK_K, NB, CR, EVEN_K, DOT_F32)
 
 
 META = {
@@ -296,13 +351,13 @@ META = {
                ["ids_ptr", "*i32", "in:2"], ["w_ptr", "*u8", "in:3"],
                ["rows_ptr", "*i32", "in:4"], ["counts_ptr", "*i32", "in:5"],
                ["y_ptr", "*bf16", "out:0"], ["T", "i32", "dim:T"],
-               ["part_ptr", "*bf16", "scratch:partials"], ["cnt_ptr", "*i32", "scratch:counters"], ["w_scale_ptr", "*fp32", "in:6"]],
-    "constexprs": {"H": 4096, "F": 2048, "KT": 6, "KTP": 8, "E": 256,
-                   "BLOCK_E": 256, "BLOCK_M": 128, "BLOCK_H": 256,
-                   "BLOCK_K": 64, "GROUP_M": 8, "NB": 16, "CR": 16,
+               ["part_ptr", "*bf16", "scratch:partials"], ["cnt_ptr", "*i32", "scratch:counters"], ["b_ptr", "*bf16", "in:6"], ["w_scale_ptr", "*fp32", "in:7"], ["wu_ptr", "*bf16", "in:8"]],
+    "constexprs": {"H": 2880, "F": 2880, "KT": 4, "KTP": 4, "E": 128,
+                   "BLOCK_E": 128, "BLOCK_M": 128, "BLOCK_H": 256,
+                   "BLOCK_K": 64, "GROUP_M": 8, "NB": 12, "CR": 16,
                    "HALF_TAIL": 1, "EVEN_K": True, "DOT_F32": False},
-    "grid": ["(cdiv(T * 6, 128) + min(256, T * 6)) * 16", 1, 1],
-    "scratch": {"partials": "T * 49152", "counters": "T * 64"},
+    "grid": ["(cdiv(T * 4, 128) + min(128, T * 4)) * 12", 1, 1],
+    "scratch": {"partials": "T * 23040", "counters": "T * 48"},
     "num_warps": 8,
     "num_stages": 3,
 }

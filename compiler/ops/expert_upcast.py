@@ -1,0 +1,43 @@
+"""expert_upcast(codes[E, N, K], w_scale[, w_zero]) -> W bf16 [E, N, K]: a quantized expert stack
+dequantized once, by the scheme's definition (compiler/ops/quant.py dequantize), for the grouped
+expert GEMMs of a step with many tokens an expert (compiler/passes/upcast_experts.py).
+
+    W[e, n, k] = bf16((value(codes[e, n, k]) - zero[e, n // block_n, g(k)]) * scale[e, n // block_n, g(k)])
+
+which is the tile a grouped GEMM dequantizes in its registers, rounded to bf16 as that GEMM
+rounds it before its dot: a GEMM reading W here computes what it computes from the codes.
+attrs: quant (the scheme), rows (the launch runs only in steps of at least that many rows of the
+dim `dim`, T or a data-parallel plan's G; below it the GEMMs read the codes), as its consumer's
+upcast_rows. Internal: launched only by the programs whose expert launches are the grouped GEMMs
+(prefill, mixed, short, wide); in the others (decode, narrow, verify) no launch reads its output.
+"""
+from .base import REQUIRED, expect, op, tt
+from .quant import COMPANIONS, dequantize, scheme_of
+
+
+def infer(types, attrs):
+    w = types[0]
+    s = scheme_of(attrs)
+    expect(s is not None, "expert_upcast: needs attrs.quant (the stack's scheme)")
+    expect(len(w.shape) == 3 and w.dtype == s.codes, f"expert_upcast: codes must be {s.codes} [E, N, K], got {w}")
+    names = s.companions()
+    expect(not s.g_idx and not s.act == "static" and [c for c in COMPANIONS if attrs.get("has_" + c)] == names
+           and len(types) == 1 + len(names),
+           f"expert_upcast: scheme {s} needs inputs {names} after the codes (no g_idx, no x_scale)")
+    expect(isinstance(attrs.get("rows"), int) and attrs["rows"] > 0,
+           f"expert_upcast: rows must be a positive int, got {attrs.get('rows')!r}")
+    expect(attrs.get("dim") in ("T", "G"), f"expert_upcast: dim must be T or G, got {attrs.get('dim')!r}")
+    return [tt(w.shape, "bf16")]
+
+
+def reference(ctx, w, *rest, quant, **attrs):
+    s = scheme_of({"quant": quant})
+    got = dict(zip(s.companions(), rest))
+    return dequantize(w, s, got["w_scale"], got.get("w_zero"))
+
+
+op(name="expert_upcast", tensors=["codes"], pass_inputs=["w_scale", "w_zero"],
+   attrs={"quant": REQUIRED, "rows": REQUIRED, "dim": "T"}, infer=infer, reference=reference, internal=True,
+   templates={"triton": {"prefill": "expert_upcast", "mixed": "expert_upcast", "wide": "expert_upcast"}},
+   phases=("prefill", "mixed", "short", "wide"),
+   doc="a quantized expert stack dequantized to bf16 once, for the grouped GEMMs of a many-token step")

@@ -1,0 +1,75 @@
+"""Quantized experts dequantized once a layer for the grouped GEMMs of many-token steps.
+
+A grouped expert GEMM over quantized codes dequantizes each weight tile in its registers
+(tl.dot_scaled on sm_90 upcasts MXFP4 through shared memory) once per row block of an expert's
+tokens: at prefill sizes every expert has several blocks, and GPT-OSS-20B's gate|up ran at ~166
+TFLOP/s, a fifth of the bf16 tensor-core rate (H200, bench/NOTES.md). This pass gives each
+quantized moe_gate_up / moe_down a launch before it that writes the stack in bf16 once
+(ops/expert_upcast.py), read by the grouped GEMMs (the unquantized tile, at the bf16 rate) in
+steps of at least `rows` rows; below that the GEMMs read the codes as before, since an expert
+with a block or two of tokens dequantizes each tile about once anyway and the upcast's write and
+re-read of the bf16 stack would cost more than it saves:
+
+    moe_gate_up(x, ids, W:codes, rows, counts, ..., w_scale[, w_zero][, a_scale])
+ -> Wb = expert_upcast(W, w_scale[, w_zero])                   (rows = R, dim = T or G)
+    moe_gate_up(x, ids, W:codes, rows, counts, ..., w_scale[, w_zero][, a_scale], Wb)
+                attrs has_w_upcast, upcast_rows = R
+
+R = the step rows at which the routed experts get infc/config.py's UPCAST_TOKENS_PER_EXPERT
+tokens each on average (R k / E, E the model's routed experts, k the slots a token: under expert
+parallelism the ids name the whole model's experts). The decision is the step's: the upcast
+launch's grid is empty below R (runtime/cuda/runner.py skips it) and the GEMM branches on its T
+argument, so the one program serves both. Only the programs whose expert launches are grouped
+GEMMs launch it (OpDef.phases); Wb lives in the arena, one buffer reused by every layer and by
+gate|up and down in turn (liveness: plan_memory), E x N x K x 2 bytes for the larger stack,
+shown by `infc inspect`. A stack larger than UPCAST_MAX_BYTES keeps the codes at every size.
+"""
+from ..ir import Node, TensorType, Value
+from ..ops.quant import scheme_of
+from .quantize_experts import EXPERT_OPS
+
+
+def _routed(g, n) -> tuple[int, int]:
+    """(the model's routed experts, routed slots a token) of an expert launch (shared experts
+    folded in as always-on ones serve every token: they are not counted)."""
+    ids = g.values[n.inputs[1 if n.op == "moe_gate_up" else 2]].type
+    w = g.values[n.inputs[EXPERT_OPS[n.op]]].type
+    route = g.producer(n.inputs[1 if n.op == "moe_gate_up" else 2])
+    shared = route.attrs.get("shared", 0) if route is not None and route.op.startswith("moe_route") else 0
+    return w.shape[0] - shared, ids.shape[1] - shared
+
+
+def upcast_experts(state):
+    from infc.config import UPCAST_MAX_BYTES, UPCAST_TOKENS_PER_EXPERT
+    par = state.parallel or {}
+    ep = par.get("ep", 1) if par.get("world", 1) > 1 else 1
+    made, big = 0, []
+    for g in state.graph.walk():
+        for n in [n for n in g.ordered() if n.op in EXPERT_OPS and n.attrs.get("quant")]:
+            if n.attrs.get("has_w_upcast"):
+                continue
+            s = scheme_of(n.attrs)
+            w_name = n.inputs[EXPERT_OPS[n.op]]
+            w = g.values[w_name].type
+            nbytes = 2 * w.shape[0] * w.shape[1] * w.shape[2]
+            if nbytes > UPCAST_MAX_BYTES:
+                big.append(f"{w_name} ({nbytes / 2 ** 30:.1f} GiB)")
+                continue
+            E, k = _routed(g, n)
+            rows = max(1, -(-UPCAST_TOKENS_PER_EXPERT * E * ep // k))
+            first = EXPERT_OPS[n.op] + 3 + (1 if n.attrs.get("has_bias") else 0)
+            companions = dict(zip(s.companions(), n.inputs[first:]))
+            upcast = g.fresh(f"{w_name}_bf16")
+            g.add_value(Value(upcast, "act", TensorType(w.shape, "bf16"), line=n.line))
+            dim = g.values[n.inputs[1 if n.op == "moe_gate_up" else 2]].type.shape[0]
+            g.add_node(Node(g.new_node_id("expert_upcast"), "expert_upcast",
+                            [w_name] + [companions[c] for c in ("w_scale", "w_zero") if c in companions],
+                            [upcast], {"quant": n.attrs["quant"], "rows": rows, "dim": dim,
+                                       **{f"has_{c}": True for c in ("w_scale", "w_zero") if c in companions}},
+                            n.line, fused_from=[n.op]), before=n.id)
+            n.inputs.append(upcast)
+            n.attrs["has_w_upcast"] = True
+            n.attrs["upcast_rows"] = rows
+            made += 1
+    state.note("upcast_experts", f"{made} expert launches read a bf16 stack at many tokens"
+               + (f"; kept on codes (over {UPCAST_MAX_BYTES / 2 ** 30:.0f} GiB): {', '.join(big)}" if big else ""))
