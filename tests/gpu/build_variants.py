@@ -6,15 +6,36 @@ preloads: bench/NOTES.md).
         -> .cache/artifacts/NAME-<label> for each label of VARIANTS.json, and NAME-base (no overlay)
 
 VARIANTS.json: {"label": {template: {shape key: {tunable: value}}}, ...} (build.load_tuning's
-overlay form; a "narrow|..." key reaches the narrow program alone). Prints the ARTS line for
-run.sh ab-latency. Commit first: the artifacts name no commit of their own.
+overlay form; a "narrow|..." key reaches the narrow program alone). A label's "_config" entry
+sets infc/config.py constants for its build alone, e.g. {"_config": {"UPCAST_TOKENS_PER_EXPERT":
+1000000000}}: the MXFP4 experts read as codes at every step (compiler/passes/upcast_experts.py).
+Prints the ARTS line for run.sh ab-latency. Commit first: the artifacts name no commit of their own.
 """
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+@contextlib.contextmanager
+def config_overrides(config: dict):
+    """infc/config.py's constants set to config's values while a build runs (a variant's
+    "_config"; prepare.py records it in built_from.json for rerender.py)."""
+    import infc.config
+    unknown = sorted(k for k in config if not hasattr(infc.config, k))
+    if unknown:
+        raise ValueError(f"no infc/config.py constant named {', '.join(unknown)}")
+    saved = {k: getattr(infc.config, k) for k in config}
+    try:
+        for k, v in config.items():
+            setattr(infc.config, k, v)
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(infc.config, k, v)
 
 
 def main(argv=None):
@@ -31,9 +52,14 @@ def main(argv=None):
         sys.exit(f"{a.variants}: want {{label: overlay}}")
     names = []
     for label, overlay in {"base": {}, **variants}.items():
+        overlay = dict(overlay)
         out = REPO / ".cache/artifacts" / f"{a.name}-{label}"
-        build(out=str(out), gpu=a.gpu, log=None, model_dir=a.model_dir, tuning_overlay=overlay or None,
-              page_size=a.page_size)
+        try:
+            with config_overrides(overlay.pop("_config", {})):
+                build(out=str(out), gpu=a.gpu, log=None, model_dir=a.model_dir, tuning_overlay=overlay or None,
+                      page_size=a.page_size)
+        except ValueError as e:
+            sys.exit(f"{a.variants}: {label}: {e}")
         names.append(out.name)
         print(f"built {out.name}", flush=True)
     print('ARTS="' + " ".join(names) + '"')

@@ -97,13 +97,18 @@ def _both_tunings(what: str, out: Path, model_dir: str, **kw):
     import shutil
     import time
     from infc.compiler.build import build
+    sys.path.insert(0, str(REPO / "tests" / "gpu"))
+    from build_variants import config_overrides
     t0 = time.time()
     shutil.rmtree(out, ignore_errors=True)        # no stale cubins carried (they come from the cache)
-    for gpu in ("h100", "h200"):
-        build(out=out, gpu=gpu, log=None, model_dir=model_dir, **kw)
+    config = kw.pop("config", {})                 # infc/config.py constants for this build alone
+    with config_overrides(config):
+        for gpu in ("h100", "h200"):
+            build(out=out, gpu=gpu, log=None, model_dir=model_dir, **kw)
     d = Path(model_dir).resolve()              # relative to the repo where it is in it (carried)
     (Path(out) / "built_from.json").write_text(json.dumps(
-        {"model_dir": str(d.relative_to(REPO) if d.is_relative_to(REPO) else d), **kw}, indent=1) + "\n")
+        {"model_dir": str(d.relative_to(REPO) if d.is_relative_to(REPO) else d), **kw,
+         **({"config": config} if config else {})}, indent=1) + "\n")
     print(f"[prepare] {what}: {time.time() - t0:.1f} s, {_size(out)} -> {out}", flush=True)
 
 
@@ -411,6 +416,10 @@ def gptoss():
     d = gpu_families.write_config("gpt-oss-20b")
     _both_tunings("gpt-oss-20b (24 layers, MXFP4 experts, latency with dummy weights)",
                   gpu_families.artifact_dir("gpt-oss-20b"), model_dir=str(d))
+    # the same commit with the experts read as codes at every step (no expert_upcast launch runs):
+    # session.sh gptoss's A/B of compiler/passes/upcast_experts.py (GPTOSS_ARTS)
+    _both_tunings("gpt-oss-20b, experts on codes (the upcast A/B's other side)", GPU_CACHE / "gpt-oss-20b-codes-art",
+                  model_dir=str(d), config={"UPCAST_TOKENS_PER_EXPERT": 10 ** 9})
 
 
 def dsv4():

@@ -28,7 +28,10 @@ def rerender(art: Path, gpu: str | None = None) -> str:
     if built == gpu:
         return f"{art.name}: {gpu} plan already"
     how = json.loads((art / "built_from.json").read_text())     # prepare.py's _both_tunings
-    build(out=art, gpu=gpu, log=None, **{**how, "model_dir": str(REPO / how["model_dir"])})
+    sys.path.insert(0, str(REPO / "tests" / "gpu"))
+    from build_variants import config_overrides
+    with config_overrides(how.pop("config", {})):
+        build(out=art, gpu=gpu, log=None, **{**how, "model_dir": str(REPO / how["model_dir"])})
     return f"{art.name}: re-rendered {built} -> {gpu}"
 
 

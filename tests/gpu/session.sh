@@ -569,21 +569,29 @@ models.model_dir('$q')" 2>&1 | tail -3
     gptoss)
       # issue 45: GPT-OSS-20B at full depth (24 layers, MXFP4 experts, dummy weights, prepare.py
       # gptoss): batch-1 TPOT / TTFT against the active floor, the decode step per launch, and
-      # 1024/1024 throughput at GPTOSS_CONCURRENCY (TensorRT-LLM publishes 13,890 tok/s an H200)
-      art=.cache/gpu/gpt-oss-20b-art cfg=.cache/gpu/configs/gpt-oss-20b
-      python3 tests/gpu/rerender.py $art 2>&1 | tail -2
-      rm -rf "$OUT/gptoss"; mkdir -p "$OUT/gptoss"
-      timeout ${LATENCY_S:-240} python3 -m infc.cli bench latency --artifact $art --model-path $cfg \
-        --load-format dummy --no-hf --prompts 32,1024 --output-len 128 --out "$OUT/gptoss" 2>&1 | quiet | tail -8
-      for f in "$OUT/gptoss"/latency-*.json; do
-        [ -f "$f" ] && python3 -m infc.bench.active_floor --artifact $art --latency "$f" --output-len 128 2>&1 | tail -8
-      done
-      [ "${GPTOSS_PROFILE:-1}" != 0 ] && timeout ${PROFILE_S:-150} python3 -m infc.cli bench profile --artifact $art \
-        --model-path $cfg --load-format dummy --out "$OUT/gptoss" --steps ${GPTOSS_PROFILE_STEPS:-decode_b1} --reps 10 \
-        2>&1 | quiet | tail -60
-      [ "${GPTOSS_CONCURRENCY:-256}" != 0 ] && timeout ${THROUGHPUT_S:-300} python3 -m infc.cli bench throughput \
-        --artifact $art --model-path $cfg --load-format dummy --input-len 1024 --output-len 1024 \
-        --concurrency ${GPTOSS_CONCURRENCY:-256} --out "$OUT/gptoss" 2>&1 | quiet | grep -E "concurrency|wrote|rror" | tail -4 ;;
+      # 1024/1024 throughput at GPTOSS_CONCURRENCY (TensorRT-LLM publishes 13,890 tok/s an H200).
+      # GPTOSS_ARTS: the artifacts to run, in turn (prepare.py gptoss builds gpt-oss-20b-art and
+      # gpt-oss-20b-codes-art, the experts read as codes at every step: the upcast A/B), each
+      # into $OUT/gptoss/<artifact>; GPTOSS_PROFILE_ARGS: bench profile's own (e.g. "--mixed-chunk
+      # 4096 --mixed-prompts 4" with GPTOSS_PROFILE_STEPS=mixed_256: a many-token mixed step)
+      cfg=.cache/gpu/configs/gpt-oss-20b
+      rm -rf "$OUT/gptoss"
+      for art in ${GPTOSS_ARTS:-.cache/gpu/gpt-oss-20b-art}; do
+        o="$OUT/gptoss/$(basename $art)"; mkdir -p "$o"
+        python3 tests/gpu/rerender.py $art 2>&1 | tail -2
+        timeout ${LATENCY_S:-240} python3 -m infc.cli bench latency --artifact $art --model-path $cfg \
+          --load-format dummy --no-hf --prompts ${GPTOSS_PROMPTS:-32,1024} --output-len 128 --out "$o" 2>&1 | quiet | tail -8
+        for f in "$o"/latency-*.json; do
+          [ -f "$f" ] && python3 -m infc.bench.active_floor --artifact $art --latency "$f" --output-len 128 2>&1 | tail -8
+        done
+        [ "${GPTOSS_PROFILE:-1}" != 0 ] && timeout ${PROFILE_S:-150} python3 -m infc.cli bench profile --artifact $art \
+          --model-path $cfg --load-format dummy --out "$o" --steps ${GPTOSS_PROFILE_STEPS:-decode_b1} --reps 10 \
+          ${GPTOSS_PROFILE_ARGS:-} \
+          2>&1 | quiet | tail -60
+        [ "${GPTOSS_CONCURRENCY:-256}" != 0 ] && timeout ${THROUGHPUT_S:-300} python3 -m infc.cli bench throughput \
+          --artifact $art --model-path $cfg --load-format dummy --input-len 1024 --output-len 1024 \
+          --concurrency ${GPTOSS_CONCURRENCY:-256} --out "$o" 2>&1 | quiet | grep -E "concurrency|wrote|rror" | tail -4
+      done ;;
     tier-prefix)
       mkdir -p "$OUT/tier-prefix"
       p="python3 -m infc.cli bench prefix --model-path .cache/gpu/configs/qwen3-4b --load-format dummy --path engine
