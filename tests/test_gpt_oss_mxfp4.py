@@ -122,17 +122,18 @@ def test_mxfp4_experts_over_expert_parallel_ranks(mxfp4_model):
 
 
 def test_mxfp4_experts_upcast_once_in_many_token_steps(mxfp4_model, tmp_path, monkeypatch):
-    """compiler/passes/upcast_experts.py at 2 tokens an expert (4 experts, 2 a token: steps of 4
+    """compiler/passes/upcast_experts.py at 1 token an expert (4 experts, 2 a token: steps of 2
     rows or more): the prefill and mixed programs dequantize each layer's stacks to bf16 once and
-    the grouped GEMMs read them; a step of fewer rows, and every decode step, reads the codes. The
-    logits through the interpreted kernels are those of a build whose threshold no step reaches
-    (bit for bit: the GEMMs' tile is the upcast value) and the reference's."""
+    the grouped GEMMs read them; a step of fewer rows reads the codes, and so does every decode
+    step (the wide program's grouped GEMMs at 2 decodes too). The logits through the interpreted
+    kernels are those of a build whose threshold no step reaches (bit for bit: the GEMMs' tile is
+    the upcast value) and the reference's."""
     import infc.config
     from infc.compiler.contract.program import launches
     d, _ = mxfp4_model
     rel = lambda a, b: float(np.linalg.norm(a - b) / np.linalg.norm(b))      # noqa: E731
     got = {}
-    for label, per_expert, rows in (("stack", 2, 4), ("codes", 10 ** 6, 2 * 10 ** 6)):
+    for label, per_expert, rows in (("stack", 1, 2), ("codes", 10 ** 6, 2 * 10 ** 6)):
         monkeypatch.setattr(infc.config, "UPCAST_TOKENS_PER_EXPERT", per_expert)
         out = build(model_dir=str(d), out=tmp_path / label, compile=False, log=None, page_size=16)
         plan = json.loads((out / "plan.json").read_text())
@@ -140,25 +141,30 @@ def test_mxfp4_experts_upcast_once_in_many_token_steps(mxfp4_model, tmp_path, mo
         for p, prog in plan["programs"].items():
             ups = [la for la, _ in launches(prog) if la["op"] == "expert_upcast"]
             experts = [la for la, _ in launches(prog) if la["op"] in ("moe_gate_up", "moe_down")]
-            assert len(ups) == (len(experts) if p in ("prefill", "mixed", "short", "wide") else 0), p
+            assert len(ups) == (len(experts) if p in ("prefill", "mixed", "short") else 0), p
             assert all(la["attrs"]["rows"] == rows for la in ups)
             if ups:
                 assert all(la["attrs"]["upcast_rows"] == rows and la["inputs"][-1] == up["outputs"][0]
                            for la, up in zip(experts, ups))
         weights = load_weights(plan, Checkpoint(d))
         ref = ReferenceExecutor(plan, weights)
-        plan["short_tokens"] = 1                     # every prompt on the prefill program
+        plan["short_tokens"] = 0                     # every prompt on the prefill program
         run = InterpExecutor(plan, weights, page_size=16)
         got[label] = run.step([Chunk(0, PROMPT, 0)])
         upcasts = sum(op == "expert_upcast" for op, _ in run.templates)
         assert run.program == "prefill" and upcasts == (2 * 3 if label == "stack" else 0), (label, upcasts)
         assert rel(got[label], ref.step([SeqChunk(0, PROMPT, 0)])) < 2e-2
-        short = run.step([Chunk(1, PROMPT[:3], 0)])      # 3 rows: below 4, the codes
+        one = run.step([Chunk(1, PROMPT[:1], 0)])        # 1 row: below 2, the codes
         assert run.program == "prefill" and not any(op == "expert_upcast" for op, _ in run.templates)
-        assert rel(short, ref.step([SeqChunk(1, PROMPT[:3], 0)])) < 2e-2
-        tok = int(np.argmax(got[label][0]))
-        run.step([Chunk(0, [tok], len(PROMPT))])
-        assert run.program in ("decode", "narrow") and not any(op == "expert_upcast" for op, _ in run.templates)
+        assert rel(one, ref.step([SeqChunk(1, PROMPT[:1], 0)])) < 2e-2
+        plan["wide_tokens"] = 2                          # 2 decodes: the wide program, on the codes
+        toks = [int(np.argmax(got[label][0])), int(np.argmax(one[0]))]
+        dec = run.step([Chunk(0, [toks[0]], len(PROMPT)), Chunk(1, [toks[1]], 1)])
+        assert run.program == "wide" and not any(op == "expert_upcast" for op, _ in run.templates)
+        assert any(t == "moe_gate_up_grouped" for _, t in run.templates)
+        want = ref.step([SeqChunk(0, [toks[0]], len(PROMPT)), SeqChunk(1, [toks[1]], 1)])
+        assert rel(dec, want) < 2e-2
+        del plan["wide_tokens"]
     assert np.array_equal(got["stack"], got["codes"])
     # the stack's bf16 copy, the GEMMs' last input, is no weight: each weight keeps its role
     from infc.compiler.contract.weight_roles import quant_roles

@@ -8,11 +8,16 @@ which is the tile a grouped GEMM dequantizes in its registers, rounded to bf16 a
 rounds it before its dot: a GEMM reading W here computes what it computes from the codes.
 attrs: quant (the scheme), rows (the launch runs only in steps of at least that many rows of the
 dim `dim`, T or a data-parallel plan's G; below it the GEMMs read the codes), as its consumer's
-upcast_rows. Internal: launched only by the programs whose expert launches are the grouped GEMMs
-(prefill, mixed, short, wide); in the others (decode, narrow, verify) no launch reads its output.
+upcast_rows. Internal: launched only by the prefill and mixed programs (short runs mixed's
+launches); the decode programs (decode, narrow, verify, and wide, whose grouped GEMMs serve a
+decode step's one or two blocks of tokens an expert) read the codes, and the grouped templates
+render the branch for these phases alone.
 """
 from .base import REQUIRED, expect, op, tt
 from .quant import COMPANIONS, dequantize, scheme_of
+
+# the programs that launch it (the grouped templates' UP takes the same list)
+UPCAST_PHASES = ("prefill", "mixed", "short")
 
 
 def infer(types, attrs):
@@ -38,6 +43,6 @@ def reference(ctx, w, *rest, quant, **attrs):
 
 op(name="expert_upcast", tensors=["codes"], pass_inputs=["w_scale", "w_zero"],
    attrs={"quant": REQUIRED, "rows": REQUIRED, "dim": "T"}, infer=infer, reference=reference, internal=True,
-   templates={"triton": {"prefill": "expert_upcast", "mixed": "expert_upcast", "wide": "expert_upcast"}},
-   phases=("prefill", "mixed", "short", "wide"),
+   templates={"triton": {"prefill": "expert_upcast", "mixed": "expert_upcast"}},
+   phases=UPCAST_PHASES,
    doc="a quantized expert stack dequantized to bf16 once, for the grouped GEMMs of a many-token step")

@@ -19,8 +19,9 @@ R = the step rows at which the routed experts get infc/config.py's UPCAST_TOKENS
 tokens each on average (R k / E, E the model's routed experts, k the slots a token: under expert
 parallelism the ids name the whole model's experts). The decision is the step's: the upcast
 launch's grid is empty below R (runtime/cuda/runner.py skips it) and the GEMM branches on its T
-argument, so the one program serves both. Only the programs whose expert launches are grouped
-GEMMs launch it (OpDef.phases); Wb lives in the arena, one buffer reused by every layer and by
+argument, so the one program serves both. Only the prefill and mixed programs launch it
+(ops/expert_upcast.py UPCAST_PHASES; the decode programs, wide's grouped GEMMs included, read the
+codes); Wb lives in the arena, one buffer reused by every layer and by
 gate|up and down in turn (liveness: plan_memory), E x N x K x 2 bytes for the larger stack,
 shown by `infc inspect`. A stack larger than UPCAST_MAX_BYTES keeps the codes at every size.
 """
@@ -56,7 +57,8 @@ def upcast_experts(state):
                 big.append(f"{w_name} ({nbytes / 2 ** 30:.1f} GiB)")
                 continue
             E, k = _routed(g, n)
-            rows = max(1, -(-UPCAST_TOKENS_PER_EXPERT * E * ep // k))
+            # (at most int32's largest: the kernels compare it with their i32 T)
+            rows = min(max(1, -(-UPCAST_TOKENS_PER_EXPERT * E * ep // k)), 2 ** 31 - 1)
             first = EXPERT_OPS[n.op] + 3 + (1 if n.attrs.get("has_bias") else 0)
             companions = dict(zip(s.companions(), n.inputs[first:]))
             upcast = g.fresh(f"{w_name}_bf16")

@@ -419,7 +419,7 @@ def gptoss():
     # the same commit with the experts read as codes at every step (no expert_upcast launch runs):
     # session.sh gptoss's A/B of compiler/passes/upcast_experts.py (GPTOSS_ARTS)
     _both_tunings("gpt-oss-20b, experts on codes (the upcast A/B's other side)", GPU_CACHE / "gpt-oss-20b-codes-art",
-                  model_dir=str(d), config={"UPCAST_TOKENS_PER_EXPERT": 10 ** 9})
+                  model_dir=str(d), config={"UPCAST_TOKENS_PER_EXPERT": 10 ** 6})
 
 
 def dsv4():
