@@ -8,16 +8,17 @@ which is the tile a grouped GEMM dequantizes in its registers, rounded to bf16 a
 rounds it before its dot: a GEMM reading W here computes what it computes from the codes.
 attrs: quant (the scheme), rows (the launch runs only in steps of at least that many rows of the
 dim `dim`, T or a data-parallel plan's G; below it the GEMMs read the codes), as its consumer's
-upcast_rows. Internal: launched only by the prefill and mixed programs (short runs mixed's
-launches); the decode programs (decode, narrow, verify, and wide, whose grouped GEMMs serve a
-decode step's one or two blocks of tokens an expert) read the codes, and the grouped templates
-render the branch for these phases alone.
+upcast_rows. Internal: launched only by the prefill and mixed programs; the others read the
+codes: short (at most 64 tokens: below any rows but a model whose every expert is always on) and
+the decode programs (decode, narrow, verify, and wide, whose grouped GEMMs serve a decode step's
+one or two blocks of tokens an expert). The grouped templates render the branch for these phases
+alone.
 """
 from .base import REQUIRED, expect, op, tt
 from .quant import COMPANIONS, dequantize, scheme_of
 
 # the programs that launch it (the grouped templates' UP takes the same list)
-UPCAST_PHASES = ("prefill", "mixed", "short")
+UPCAST_PHASES = ("prefill", "mixed")
 
 
 def infer(types, attrs):
