@@ -191,6 +191,19 @@ for _ in range(600):
     prefix)
       timeout ${PREFIX_S:-480} python3 -m infc.cli bench prefix --model-path "$MODELS/qwen3-4b" \
         --out "$OUT" ${PREFIX_ARGS:-} 2>&1 | quiet | tail -24 ;;
+    serve-gil)
+      # issue 49 item 5: the warm +16 hit at 1k through `infc serve` (~8.8 ms) against the engine's
+      # (~4.7): the GIL-convoy reading (bench/NOTES.md, "the start and the serving path") at the
+      # default 5 ms switch interval, at 0.5 ms (a sitecustomize on PYTHONPATH, the server and the
+      # client), and without overlapped steps (the engine thread runs no Python while the GPU runs)
+      mkdir -p "$OUT/serve-gil" /tmp/infc-si && printf 'import sys\nsys.setswitchinterval(0.0005)\n' > /tmp/infc-si/sitecustomize.py
+      p="python3 -m infc.cli bench prefix --model-path $MODELS/qwen3-4b --path serve --lengths ${SERVE_GIL_LENGTHS:-1024}"
+      say "serve-gil: default switch interval"
+      timeout ${PREFIX_S:-180} $p --out "$OUT/serve-gil/si5" 2>&1 | quiet | grep -E "L=|wrote|rror"
+      say "serve-gil: 0.5 ms switch interval"
+      PYTHONPATH=/tmp/infc-si timeout ${PREFIX_S:-180} $p --out "$OUT/serve-gil/si05" 2>&1 | quiet | grep -E "L=|wrote|rror"
+      say "serve-gil: no overlapped steps"
+      timeout ${PREFIX_S:-180} $p --out "$OUT/serve-gil/nooverlap" -- --disable-overlap-schedule 2>&1 | quiet | grep -E "L=|wrote|rror" ;;
     generate)
       timeout 120 python3 -m infc.cli generate --model-path "$MODELS/qwen3-4b" --device cuda \
         --prompt "The capital of France is" --prompt "def fib(n):" --max-tokens 12 2>&1 | tee "$OUT/generate.log" | tail -4 ;;
@@ -576,7 +589,7 @@ models.model_dir('$q')" 2>&1 | tail -3
       # 4096 --mixed-prompts 4" with GPTOSS_PROFILE_STEPS=mixed_256: a many-token mixed step)
       cfg=.cache/gpu/configs/gpt-oss-20b
       rm -rf "$OUT/gptoss"
-      for art in ${GPTOSS_ARTS:-.cache/gpu/gpt-oss-20b-art}; do
+      for art in ${GPTOSS_ARTS:-.cache/gpu/gpt-oss-20b-art .cache/gpu/gpt-oss-20b-codes-art}; do
         o="$OUT/gptoss/$(basename $art)"; mkdir -p "$o"
         python3 tests/gpu/rerender.py $art 2>&1 | tail -2
         timeout ${LATENCY_S:-240} python3 -m infc.cli bench latency --artifact $art --model-path $cfg \
