@@ -22,7 +22,7 @@ from infc.compiler.ops.quant import act_codes
 
 from exhaustive import EXHAUSTIVE
 
-from .harness import poison, rand, rel_err, render, run
+from .harness import bf16, poison, rand, rel_err, render, run
 from .test_moe_kernels import E, F, H, TOL, f32, grouping, named, routing, zero_counters
 from .test_moe_quant_kernels import SCHEMES, _attrs, _specs, quantized_stack
 
@@ -31,8 +31,10 @@ def _e4m3(values: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.asarray(values, np.float32)).to(torch.float8_e4m3fn)
 
 
-def _launch(launch, s, T, KT, template, tune, seed, ready):
-    """(kernel, output float32, reference float32, ids) of one case; ready: A as codes + scales."""
+def _launch(launch, s, T, KT, template, tune, seed, ready, upcast=None):
+    """(kernel, output float32, reference float32, ids) of one case; ready: A as codes + scales;
+    upcast: the rows from which a grouped launch reads the stack dequantized once (its last
+    input, the definition in bf16: compiler/passes/upcast_experts.py)."""
     gen = np.random.default_rng(seed)
     ids, rw = routing(T, KT, E, gen)
     gate_up = launch == "gate_up"
@@ -51,6 +53,11 @@ def _launch(launch, s, T, KT, template, tune, seed, ready):
         ins.append(("a_scale", a_shape[:-1] + [scales.shape[-1]], "f32"))
         a_in, tail = _e4m3(codes), [scales]
         attrs = {**attrs, "has_a_scale": True}
+    if upcast is not None:
+        from infc.compiler.ops.quant import dequantize
+        ins.append(("w_upcast", [E, n, k], "bf16"))
+        tail = tail + [bf16(dequantize(values, s, comp["w_scale"], comp.get("w_zero")))]
+        attrs = {**attrs, "has_w_upcast": True, "upcast_rows": upcast}
     out_shape = ("T", KT, F) if gate_up else ("T", H)
     phase = "decode" if template in ("moe_gate_up", "moe_down") else "prefill"
     kern = render(template, "moe_" + launch, ins, [("y", list(out_shape), "bf16")], attrs=attrs, phase=phase,
@@ -65,6 +72,7 @@ def _launch(launch, s, T, KT, template, tune, seed, ready):
         zero_counters(done)
     ref_a = f32(a) if not ready else codes
     ref_in = [ref_a] + ([] if gate_up else [rw.numpy()]) + [ids.numpy(), values, None, None]
+    # (the reference reads the codes: a stack copy at the end of the inputs is the kernels' alone)
     want = REGISTRY["moe_" + launch].reference(None, *ref_in, *comp.values(), *tail, **attrs)
     got = f32(y)
     if gate_up:
@@ -119,3 +127,18 @@ def test_published_blocks_take_the_codes_form():
         kern, got, want = _launch(launch, s, 1, 8, template, {}, zlib.crc32(b"published" + launch.encode()), True)
         assert "tl.dot(_w_raw(" in kern.source and kern.meta["constexprs"]["BLOCK_K"] == 128
         assert np.isfinite(got).all() and rel_err(got, want) <= TOL
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=() if c == "down-grouped" else EXHAUSTIVE)
+                                  for c in ("gate_up-grouped", "down-grouped")])
+def test_ready_codes_on_the_upcast_stack(case):
+    """The grouped GEMMs reading ready codes and, in a step of at least upcast_rows rows, the
+    experts' stack dequantized once: the bits of the same launch on the codes."""
+    launch, template, T, KT, tune, _ = CASES[case]
+    s = SCHEMES["fp8-8x32-group32"]
+    seed = zlib.crc32(case.encode())
+    _, on_codes, want = _launch(launch, s, T, KT, template, tune, seed, True)
+    k, on_stack, _ = _launch(launch, s, T, KT, template, tune, seed, True, upcast=T)
+    assert f"if T >= {T}:" in k.source and "as_ptr" in k.source
+    np.testing.assert_array_equal(on_stack, on_codes)
+    assert rel_err(on_stack, want) <= TOL
