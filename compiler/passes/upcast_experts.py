@@ -68,7 +68,7 @@ def upcast_experts(state):
                             [w_name] + [companions[c] for c in ("w_scale", "w_zero") if c in companions],
                             [upcast], {"quant": n.attrs["quant"], "rows": rows, "dim": dim,
                                        **{f"has_{c}": True for c in ("w_scale", "w_zero") if c in companions}},
-                            n.line, fused_from=[n.op]), before=n.id)
+                            n.line, fused_from=list(n.fused_from)), before=n.id)
             n.inputs.append(upcast)
             n.attrs["has_w_upcast"] = True
             n.attrs["upcast_rows"] = rows
