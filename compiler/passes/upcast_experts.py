@@ -73,5 +73,6 @@ def upcast_experts(state):
             n.attrs["has_w_upcast"] = True
             n.attrs["upcast_rows"] = rows
             made += 1
-    state.note("upcast_experts", f"{made} expert launches read a bf16 stack at many tokens"
-               + (f"; kept on codes (over {UPCAST_MAX_BYTES / 2 ** 30:.0f} GiB): {', '.join(big)}" if big else ""))
+    if made or big:
+        state.note("upcast_experts", f"{made} expert launches read a bf16 stack at many tokens"
+                   + (f"; kept on codes (over {UPCAST_MAX_BYTES / 2 ** 30:.0f} GiB): {', '.join(big)}" if big else ""))
