@@ -120,12 +120,19 @@ def test_quantized_experts_equal_the_format_definition(case, moe, tmp_path):
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0, err_msg=case)
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=[] if c == "fp8-block-128" else [EXHAUSTIVE])
-                                  for c in ("fp8-block-128", "ct-w4a16-g32-sym", "mxfp4")])
-def test_quantized_moe_through_kernels(case, moe, tmp_path):
+# (case, upcast) run by default; the rest with --exhaustive
+FAST_KERNEL_CASES = {("fp8-block-128", False), ("fp8-block-128", True)}
+
+
+@pytest.mark.parametrize("case,upcast", [pytest.param(c, u, marks=[] if (c, u) in FAST_KERNEL_CASES else [EXHAUSTIVE],
+                                               id=f"{c}{'-upcast' if u else ''}")
+                                  for c in ("fp8-block-128", "ct-w4a16-g32-sym", "mxfp4") for u in (False, True)])
+def test_quantized_moe_through_kernels(case, upcast, moe, tmp_path, monkeypatch):
     """The quantized plan through its generated kernels (interpreted: tests/interp_executor.py)
     against the reference executor: a prefill (the grouped expert GEMMs), decode steps of two
-    sequences (the expert GEMVs) and a wide one (the grouped GEMMs again). fp8 quantizes the
+    sequences (the expert GEMVs) and a wide one (the grouped GEMMs again). With upcast, at one
+    token an expert (compiler/passes/upcast_experts.py): the prefills read the stacks dequantized
+    once (their rows at least the threshold), the decode steps the codes. fp8 quantizes the
     experts alone here: the kernels quantize bf16 activations where the reference quantizes
     float32 ones, which moves an e4m3 code by a step now and then; through the attention's fp8
     projections that alone takes this model 3e-2 from the reference (measured: experts alone
@@ -136,6 +143,9 @@ def test_quantized_moe_through_kernels(case, moe, tmp_path):
     writer, o = CASES[case]
     if writer == "fp8-block":
         o = {**o, "keep": [a.split(".")[1] for a in ATTENTION]}
+    if upcast:
+        import infc.config
+        monkeypatch.setattr(infc.config, "UPCAST_TOKENS_PER_EXPERT", 1)
     quantize_model(moe[0], tmp_path / "q", writer, **o)
     out = build(model_dir=str(tmp_path / "q"), out=tmp_path / "art", compile=False, log=None, page_size=16)
     plan = json.loads((out / "plan.json").read_text())
@@ -151,6 +161,7 @@ def test_quantized_moe_through_kernels(case, moe, tmp_path):
     for seq, toks in ((0, a), (1, b)):
         got, want = run.step([Chunk(seq, toks, 0)]), ref.step([SeqChunk(seq, toks, 0)])
         assert run.program == "prefill" and rel(got, want) < 2e-2
+        assert any(op == "expert_upcast" for op, _ in run.templates) == upcast
     lens, toks = [len(a), len(b)], [5, 9]
     for i in range(3):
         if i == 2:
