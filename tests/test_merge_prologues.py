@@ -107,14 +107,21 @@ def test_no_fuse_and_data_parallel_plans_have_no_narrow_program(tiny_model):
 
 
 def test_a_norm_read_twice_is_not_merged(tiny_model):
-    """The MoE layer's second norm feeds the router and the experts, so it stays a launch; and it
-    adds the attention norm's residual in place, so that norm cannot merge either (its residual
-    would be written over x while the GEMV reads x). q/k RoPE still merges into attention."""
+    """The MoE layer's second norm feeds the router and the experts, so it stays a launch. It adds
+    the attention norm's residual in place, which would put the merged qkv launch's residual over
+    the x every program of it reads: the second norm's residual takes a buffer of its own instead
+    (merge_prologues' IN_PLACE_OPTIONAL), so the attention norm merges into the qkv GEMV; q/k
+    RoPE into attention. No launch writes memory another of its inputs holds."""
     d, _ = tiny_model("qwen3_moe", hidden_size=96, head_dim=32, intermediate_size=160, num_hidden_layers=2)
     state, plan = compile_model(model_dir=str(d))
     merged = [l for l, _ in launches(plan["programs"]["narrow"]) if "prologue" in l]
-    assert [l["op"] for l in merged] == ["attention_cached"]
-    assert [l["op"] for l, _ in launches(plan["programs"]["narrow"])].count("add_rms_norm") == 2   # a layer
+    assert [(l["op"], l["prologue"]["op"]) for l in merged] == [("linear", "add_rms_norm"),
+                                                                ("attention_cached", "qk_norm_rope_cache")]
+    norms = [l for l, _ in launches(plan["programs"]["narrow"]) if l["op"] == "add_rms_norm"]
+    assert len(norms) == 1                                   # a layer: the second norm
+    residual, x = norms[0]["outputs"][0], norms[0]["inputs"][0]
+    assert plan["buffers"][residual].get("shares") != x and plan["buffers"][x].get("shares") != residual
+    _no_overlaps(plan)
 
 
 def test_row_parallel_fp32_partials_are_not_merged(tiny_model):
@@ -180,11 +187,16 @@ def _no_overlaps(plan):
                     assert (root == other and k >= merged) or a1 <= b0 or b1 <= a0, (phase, l["op"], o, other)
 
 
-def test_a_merge_whose_residual_would_stay_in_place_is_not_made():
+def test_a_merge_whose_residual_would_stay_in_place_frees_the_later_norm():
     """DeepSeek-V2-Lite's MoE layers: the attention norm's residual is read in place by the MoE
     norm, which is not merged (it feeds the router and the experts), and that one's output is the
-    layer's carried residual: merged, the residual would be written over x while the GEMV's other
-    programs read it. Only the dense layer's norms merge."""
+    layer's carried residual: merged as it was, the residual would be written over x while the
+    GEMV's other programs read it. The MoE norm's residual takes a buffer of its own, so the
+    attention norm merges into the latent attention's first GEMV in the MoE layers as in the
+    dense one; the MoE norm stays a launch; nothing a launch writes overlaps what it reads."""
     state, plan = compile_model("deepseek-v2-lite")
-    notes = [m for p, m in state.log if p == "merge_prologues" and "into" in m]
-    assert notes and all(m.startswith("layer.dense") for m in notes), notes
+    notes = [m for p, m in state.log if p == "merge_prologues" and "into" in m and "add_rms_norm" in m]
+    assert sorted(m.split(":")[0] for m in notes) == ["layer.dense", "layer.dense", "layer.moe"], notes
+    norms = [l for l, _ in launches(plan["programs"]["narrow"]) if l["op"] == "add_rms_norm"]
+    assert len(norms) == 1 and all(plan["buffers"][l["outputs"][0]].get("shares") != l["inputs"][0] for l in norms)
+    _no_overlaps(plan)

@@ -91,6 +91,22 @@ def _merge(state, g, p, fused: set) -> str | None:
     return c.id
 
 
+# ops whose in-place output is a memory saving only (their kernels write another buffer as well)
+IN_PLACE_OPTIONAL = {"add_rms_norm", "add_rms_norm_quant"}
+
+
+def _later_in_place(g, p, nodes) -> list:
+    """(graph, value) of the outputs that unmerged IN_PLACE_OPTIONAL launches write in place of
+    a value merge p writes."""
+    merged = {q.id for _, q, _ in nodes.values()}
+    out = []
+    for o in _written(p):
+        for u in g.users(o):
+            if u.op in IN_PLACE_OPTIONAL and u.id not in merged:
+                out += [(g, v) for v in u.outputs if g.values[v].alias_of == o]
+    return out
+
+
 def _written(p) -> list[str]:
     """The producer's outputs the merged launch writes (all but the one its consumer reads)."""
     return [o for k, o in enumerate(p.outputs) if k != PROLOGUES[p.op]]
@@ -114,16 +130,32 @@ def merge_prologues(state):
     for g, p, _ in nodes.values():
         for o in _written(p):
             g.values[o].alias_of = None
+    # A clash through a later unmerged add_rms_norm that writes its residual in place of the
+    # merged launch's (the MoE layer's second norm, whose h feeds the router and the experts: two
+    # readers, so it stays a launch of its own, and its in-place residual is the layer's carried
+    # value): that residual takes a buffer of its own first (one [T, H] buffer), and only a clash
+    # that remains drops the merge.
+    freed: dict[str, list] = {}                      # merge -> [(graph, value)] whose alias it dropped
     while True:
         roots = memory_classes(state.graph)
         clash = [pid for pid, (g, p, _) in nodes.items()
                  if {roots.find(o) for o in _written(p)} & {roots.find(i) for i in p.inputs}]
         if not clash:
             break
+        unalias = {pid: _later_in_place(g, p, nodes) for pid, (g, p, _) in nodes.items()
+                   if pid in clash and pid not in freed}
+        if any(unalias.values()):
+            for pid, vals in unalias.items():
+                freed[pid] = [(g, v, g.values[v].alias_of) for g, v in vals]
+                for g, v in vals:
+                    g.values[v].alias_of = None
+            continue
         for pid in clash:
             g, p, _ = nodes.pop(pid)
             for o in _written(p):
                 g.values[o].alias_of = original[o]
+            for g2, v, alias in freed.pop(pid, []):
+                g2.values[v].alias_of = alias
     for g, p, c in nodes.values():
         state.note("merge_prologues", f"{g.name}: {p.op} (line {p.line}) into {g.nodes[c].op} "
                                       f"(line {g.nodes[c].line}), {PHASE} phase")
