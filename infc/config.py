@@ -170,6 +170,11 @@ DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE = 8
 # NARROW_TOKENS_MAX: the same launches rendered that wide (compiler/passes/select_kernels.py).
 NARROW_TOKENS = 1
 NARROW_TOKENS_MAX = 8
+# merge_prologues (compiler/passes/merge_prologues.py): a merge that would put its residual over
+# an input through a later unmerged norm's in-place residual gives that residual a buffer of its
+# own (the MoE layers' attention norm then merges too); False keeps the older plans (an A/B switch
+# for tests/gpu/build_variants.py's "_config")
+NARROW_MERGE_FREES_RESIDUALS = True
 # Quantized experts (compiler/passes/upcast_experts.py): a step whose routed experts get at least
 # this many tokens each on average dequantizes each layer's stacks to bf16 once and runs the bf16
 # grouped GEMMs; fewer, and the GEMMs dequantize tiles in registers. Break-even predicted at ~72

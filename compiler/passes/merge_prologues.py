@@ -135,6 +135,8 @@ def merge_prologues(state):
     # readers, so it stays a launch of its own, and its in-place residual is the layer's carried
     # value): that residual takes a buffer of its own first (one [T, H] buffer), and only a clash
     # that remains drops the merge.
+    from infc import config
+    frees = config.NARROW_MERGE_FREES_RESIDUALS
     freed: dict[str, list] = {}                      # merge -> [(graph, value)] whose alias it dropped
     while True:
         roots = memory_classes(state.graph)
@@ -143,7 +145,7 @@ def merge_prologues(state):
         if not clash:
             break
         unalias = {pid: _later_in_place(g, p, nodes) for pid, (g, p, _) in nodes.items()
-                   if pid in clash and pid not in freed}
+                   if pid in clash and pid not in freed and frees}
         if any(unalias.values()):
             for pid, vals in unalias.items():
                 freed[pid] = [(g, v, g.values[v].alias_of) for g, v in vals]

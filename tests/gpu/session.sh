@@ -236,16 +236,21 @@ for _ in range(600):
       # config-only directory (no checkpoint, no tokenizer): weights filled on the device. The
       # artifact's plan.json is the H200 table's (prepare.py builds both tables' cubins): on another
       # card it is re-rendered with that card's table first, compiling nothing, as for qwen3-4b above.
-      # deepseek: DeepSeek-V2-Lite, 27 layers (issue 13); moe: qwen3-30b-a3b, 48 layers (issue 11)
+      # deepseek: DeepSeek-V2-Lite, 27 layers (issue 13); moe: qwen3-30b-a3b, 48 layers (issue 11).
+      # STAGE_ARTS: artifacts of the same model to run in turn instead (an A/B of builds:
+      # tests/gpu/build_variants.py, e.g. a "_config" variant), each into $OUT/<stage>/<artifact>
       if [ "$stage" = deepseek ]; then art=.cache/gpu/deepseek-v2-lite-art cfg=.cache/gpu/configs/deepseek-v2-lite
       else art=.cache/artifacts/qwen3-30b-a3b cfg=.cache/gpu/configs/qwen3-30b-a3b; fi
-      python3 tests/gpu/rerender.py $art 2>&1 | tail -2
       rm -rf "$OUT/$stage"; mkdir -p "$OUT/$stage"
-      timeout ${DEEPSEEK_S:-240} python3 -m infc.cli bench latency --artifact $art --model-path $cfg \
-        --load-format dummy --no-hf --prompts 32,1024 --output-len 128 --out "$OUT/$stage" \
-        ${DEEPSEEK_ARGS:-} 2>&1 | quiet | tail -12
-      for f in "$OUT/$stage"/latency-*.json; do     # bench latency's result
-        [ -f "$f" ] && python3 -m infc.bench.active_floor --artifact $art --latency "$f" --output-len 128 2>&1 | tail -8
+      for art in ${STAGE_ARTS:-$art}; do
+        o="$OUT/$stage"; [ -n "${STAGE_ARTS:-}" ] && o="$OUT/$stage/$(basename $art)" && mkdir -p "$o"
+        python3 tests/gpu/rerender.py $art 2>&1 | tail -2
+        timeout ${DEEPSEEK_S:-240} python3 -m infc.cli bench latency --artifact $art --model-path $cfg \
+          --load-format dummy --no-hf --prompts 32,1024 --output-len 128 --out "$o" \
+          ${DEEPSEEK_ARGS:-} 2>&1 | quiet | tail -12
+        for f in "$o"/latency-*.json; do     # bench latency's result
+          [ -f "$f" ] && python3 -m infc.bench.active_floor --artifact $art --latency "$f" --output-len 128 2>&1 | tail -8
+        done
       done ;;
     dsv4)
       # issue 47, after prepare.py dsv4, with .whl/ holding transformers 5.23 (tools/gpu_wheels.sh;
