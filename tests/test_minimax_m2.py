@@ -185,11 +185,12 @@ def test_through_kernels(models, kind, fuse, tmp_path):
     check_kernels(*models[kind], tmp_path, fuse)
 
 
-def test_no_narrow_program(models):
-    """The narrow program (one sequence's decode with the norms merged into the GEMVs) is not
-    built for this family (the whole-width q/k norms, as OLMoE's, and no dense layer), so the one-
-    and two-sequence decode steps run through the decode and wide programs test_through_kernels
-    checks; were a narrow program added, tests/test_deepseek_v2_interp.py's check_through_kernels
-    should be run here."""
+def test_narrow_program_through_kernels(models, tmp_path):
+    """One sequence's decode steps through the narrow program, then the wide one
+    (tests/test_deepseek_v2_interp.py's check): every layer is MoE, whose attention norm merges
+    into the qkv GEMV once the second norm's residual has a buffer of its own
+    (compiler/passes/merge_prologues.py)."""
+    from test_deepseek_v2_interp import check_through_kernels
     plan, _ = plan_and_weights(models["m2"][0])
-    assert "narrow" not in plan["programs"] and not plan.get("narrow_tokens")
+    assert "narrow" in plan["programs"]
+    check_through_kernels(*models["m2"], tmp_path)
