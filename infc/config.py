@@ -175,7 +175,7 @@ NARROW_TOKENS_MAX = 8
 # own (the MoE layers' attention norm then merges too); False keeps the older plans (an A/B switch
 # for tests/gpu/build_variants.py's "_config")
 NARROW_MERGE_FREES_RESIDUALS = True
-# Quantized experts (compiler/passes/upcast_experts.py): a step whose routed experts get at least
+# 4-bit quantized experts (compiler/passes/upcast_experts.py): a step whose routed experts get at least
 # this many tokens each on average dequantizes each layer's stacks to bf16 once and runs the bf16
 # grouped GEMMs; fewer, and the GEMMs dequantize tiles in registers. Break-even predicted at ~72
 # for GPT-OSS-20B on an H200 (0.5 ms a layer to upcast; the MXFP4 grouped GEMMs at ~166 TFLOP/s

@@ -1,6 +1,7 @@
 """expert_upcast(codes[E, N, K], w_scale[, w_zero]) -> W bf16 [E, N, K]: a quantized expert stack
 dequantized once, by the scheme's definition (compiler/ops/quant.py dequantize), for the grouped
-expert GEMMs of a step with many tokens an expert (compiler/passes/upcast_experts.py).
+expert GEMMs of a step with many tokens an expert (compiler/passes/upcast_experts.py, which uses
+it for weight-only 4-bit codes; the op and its kernel take any expert scheme).
 
     W[e, n, k] = bf16((value(codes[e, n, k]) - zero[e, n // block_n, g(k)]) * scale[e, n // block_n, g(k)])
 

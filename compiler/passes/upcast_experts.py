@@ -4,7 +4,8 @@ A grouped expert GEMM over quantized codes dequantizes each weight tile in its r
 (tl.dot_scaled on sm_90 upcasts MXFP4 through shared memory) once per row block of an expert's
 tokens: at prefill sizes every expert has several blocks, and GPT-OSS-20B's gate|up ran at ~166
 TFLOP/s, a fifth of the bf16 tensor-core rate (H200, bench/NOTES.md). This pass gives each
-quantized moe_gate_up / moe_down a launch before it that writes the stack in bf16 once
+quantized moe_gate_up / moe_down (weight-only 4-bit codes: `upcasts`) a launch before it that
+writes the stack in bf16 once
 (ops/expert_upcast.py), read by the grouped GEMMs (the unquantized tile, at the bf16 rate) in
 steps of at least `rows` rows; below that the GEMMs read the codes as before, since an expert
 with a block or two of tokens dequantizes each tile about once anyway and the upcast's write and
@@ -40,6 +41,17 @@ def _routed(g, n) -> tuple[int, int]:
     return w.shape[0] - shared, ids.shape[1] - shared
 
 
+def upcasts(s) -> bool:
+    """The schemes whose stacks this pass upcasts: weight-only 4-bit codes (MXFP4's e2m1, int4
+    groups), where a tile's dequantization costs most and the grouped GEMM's tiles keep their
+    bf16 defaults, so the kernel holding both tiles fits sm_90's shared memory (147,456 B for
+    GPT-OSS-20B's gate|up at 3 stages). Not 8-bit codes: with activations quantized in groups of
+    128 their K tiles are 128 deep, and the two tiles' pipelines (246,784 B for qwen3-30b-a3b's FP8
+    blocks) are past the 232,448 B a block may use; an fp8 stack is half a bf16 one's bytes anyway,
+    and its tile converts to bf16 at a conversion an element."""
+    return s.codes in ("u4", "e2m1") and s.act == "none"
+
+
 def upcast_experts(state):
     from infc.config import UPCAST_MAX_BYTES, UPCAST_TOKENS_PER_EXPERT
     par = state.parallel or {}
@@ -50,6 +62,8 @@ def upcast_experts(state):
             if n.attrs.get("has_w_upcast"):
                 continue
             s = scheme_of(n.attrs)
+            if not upcasts(s):
+                continue
             w_name = n.inputs[EXPERT_OPS[n.op]]
             w = g.values[w_name].type
             nbytes = 2 * w.shape[0] * w.shape[1] * w.shape[2]
