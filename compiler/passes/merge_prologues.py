@@ -144,8 +144,7 @@ def merge_prologues(state):
                  if {roots.find(o) for o in _written(p)} & {roots.find(i) for i in p.inputs}]
         if not clash:
             break
-        unalias = {pid: _later_in_place(g, p, nodes) for pid, (g, p, _) in nodes.items()
-                   if pid in clash and pid not in freed and frees}
+        unalias = {pid: _later_in_place(*nodes[pid][:2], nodes) for pid in clash if pid not in freed} if frees else {}
         if any(unalias.values()):
             for pid, vals in unalias.items():
                 freed[pid] = [(g, v, g.values[v].alias_of) for g, v in vals]

@@ -30,13 +30,15 @@ from ..ir import Node, TensorType, Value
 from ..ops.quant import scheme_of
 from .quantize_experts import EXPERT_OPS
 
+IDS = {"moe_gate_up": 1, "moe_down": 2}                # op -> the input index of its expert ids
+
 
 def _routed(g, n) -> tuple[int, int]:
     """(the model's routed experts, routed slots a token) of an expert launch (shared experts
     folded in as always-on ones serve every token: they are not counted)."""
-    ids = g.values[n.inputs[1 if n.op == "moe_gate_up" else 2]].type
+    ids = g.values[n.inputs[IDS[n.op]]].type
     w = g.values[n.inputs[EXPERT_OPS[n.op]]].type
-    route = g.producer(n.inputs[1 if n.op == "moe_gate_up" else 2])
+    route = g.producer(n.inputs[IDS[n.op]])
     shared = route.attrs.get("shared", 0) if route is not None and route.op.startswith("moe_route") else 0
     return w.shape[0] - shared, ids.shape[1] - shared
 
@@ -77,7 +79,7 @@ def upcast_experts(state):
             companions = dict(zip(s.companions(), n.inputs[first:]))
             upcast = g.fresh(f"{w_name}_bf16")
             g.add_value(Value(upcast, "act", TensorType(w.shape, "bf16"), line=n.line))
-            dim = g.values[n.inputs[1 if n.op == "moe_gate_up" else 2]].type.shape[0]
+            dim = g.values[n.inputs[IDS[n.op]]].type.shape[0]
             g.add_node(Node(g.new_node_id("expert_upcast"), "expert_upcast",
                             [w_name] + [companions[c] for c in ("w_scale", "w_zero") if c in companions],
                             [upcast], {"quant": n.attrs["quant"], "rows": rows, "dim": dim,
