@@ -153,7 +153,8 @@ def test_mxfp4_experts_upcast_once_in_many_token_steps(mxfp4_model, tmp_path, mo
         got[label] = run.step([Chunk(0, PROMPT, 0)])
         upcasts = sum(op == "expert_upcast" for op, _ in run.templates)
         assert run.program == "prefill" and upcasts == (2 * 3 if label == "stack" else 0), (label, upcasts)
-        assert rel(got[label], ref.step([SeqChunk(0, PROMPT, 0)])) < 2e-2
+        got["ref-" + label] = ref.step([SeqChunk(0, PROMPT, 0)])
+        assert rel(got[label], got["ref-" + label]) < 2e-2
         one = run.step([Chunk(1, PROMPT[:1], 0)])        # 1 row: below 2, the codes
         assert run.program == "prefill" and not any(op == "expert_upcast" for op, _ in run.templates)
         assert rel(one, ref.step([SeqChunk(1, PROMPT[:1], 0)])) < 2e-2
@@ -166,10 +167,41 @@ def test_mxfp4_experts_upcast_once_in_many_token_steps(mxfp4_model, tmp_path, mo
         assert rel(dec, want) < 2e-2
         del plan["wide_tokens"]
     assert np.array_equal(got["stack"], got["codes"])
+    # the reference reads the stack the upcast wrote as the kernels do: the same float32 values
+    assert np.array_equal(got["ref-stack"], got["ref-codes"])
     # the stack's bf16 copy, the GEMMs' last input, is no weight: each weight keeps its role
     from infc.compiler.contract.weight_roles import quant_roles
     assert quant_roles(plan) == quant_roles(compile_model(model_dir=str(d), skip=("upcast_experts",))[1])
     assert any(role == "w_scale" for role, _, _ in quant_roles(plan).values())
+
+
+def test_reference_reads_the_upcast_stack_at_its_rows_alone(mxfp4_model, tmp_path, monkeypatch):
+    """The reference executor runs an upcast plan as the GPU does: expert_upcast writes its stack
+    in steps of at least its rows only (below them its grid is empty, the buffer keeps the arena's
+    NaN poison), and the experts' references read that stack there and the codes below, so the
+    stack is dequantized once a step (not again by each expert op) and a plan whose stack buffer is
+    not live where the GEMMs read it shows up in the reference's logits."""
+    import infc.config
+    from infc.compiler.ops import REGISTRY
+    d, _ = mxfp4_model
+    monkeypatch.setattr(infc.config, "UPCAST_TOKENS_PER_EXPERT", 1)       # rows 2
+    out = build(model_dir=str(d), out=tmp_path / "art", compile=False, log=None, page_size=16)
+    plan = json.loads((out / "plan.json").read_text())
+    plan["short_tokens"] = 0                          # the prompts on the prefill program
+    weights = load_weights(plan, Checkpoint(d))
+    want = {n: ReferenceExecutor(plan, weights).step([SeqChunk(0, PROMPT[:n], 0)]) for n in (1, len(PROMPT))}
+    upcast = REGISTRY["expert_upcast"]
+    exact, calls = upcast.reference, []
+
+    def halved(ctx, *args, **attrs):              # a stack the experts would read wrongly
+        w = exact(ctx, *args, **attrs)
+        calls.append((ctx.T, w is None))
+        return None if w is None else w * 0.5
+    monkeypatch.setattr(upcast, "reference", halved)
+    got = {n: ReferenceExecutor(plan, weights).step([SeqChunk(0, PROMPT[:n], 0)]) for n in (1, len(PROMPT))}
+    assert np.array_equal(got[1], want[1])                 # 1 row: the codes, nothing written
+    assert not np.allclose(got[len(PROMPT)], want[len(PROMPT)], atol=1e-3)
+    assert set(calls) == {(1, True), (len(PROMPT), False)}
 
 
 def test_upcast_rows_count_the_models_experts_and_the_pass_keeps_its_bounds(mxfp4_model, monkeypatch):

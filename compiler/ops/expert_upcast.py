@@ -37,7 +37,20 @@ def infer(types, attrs):
     return [tt(w.shape, "bf16")]
 
 
-def reference(ctx, w, *rest, quant, **attrs):
+def stack_written(ctx, rows: int, attrs: dict) -> bool:
+    """Whether an expert op's reference reads the stack expert_upcast wrote this step (its attrs
+    has_w_upcast, upcast_rows; rows: the rows it is launched over, T or G): as its grouped kernel,
+    in the programs that launch the upcast and at its rows. ctx.program names the program the
+    executor runs (no ctx, or None, outside a plan's step: the codes)."""
+    return (bool(attrs.get("has_w_upcast")) and getattr(ctx, "program", None) in UPCAST_PHASES
+            and rows >= attrs["upcast_rows"])
+
+
+def reference(ctx, w, *rest, quant, rows, dim="T", **attrs):
+    # below its rows the launch's grid is empty: nothing is written (the buffer keeps whatever it
+    # held, the executor's NaN poison), and the experts' references read the codes, as the kernels
+    if ctx is not None and ctx.dim(dim) < rows:
+        return None
     s = scheme_of({"quant": quant})
     got = dict(zip(s.companions(), rest))
     return dequantize(w, s, got["w_scale"], got.get("w_zero"))

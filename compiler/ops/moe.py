@@ -75,6 +75,7 @@ import numpy as np
 
 from .activation import softplus
 from .base import REQUIRED, expect, op, tt
+from .expert_upcast import stack_written
 from .gated_act import GATED_EXTRA, check as check_act, gated
 from .quant import CODES_OPTIONAL, check_types, expert_operands
 
@@ -278,7 +279,7 @@ def gate_up(ctx, x, ids, gu, expert_rows=None, expert_counts=None, *rest, **attr
     # rows/counts (moe_align's grouping) only tell the prefill kernels where to look: the result
     # is defined by ids alone; the bias, then a quantized stack's companions follow them (ops/quant.py)
     bias, quant = (rest[0], rest[1:]) if attrs.get("has_bias") else (None, rest)
-    x, gu = expert_operands(x, gu, quant, attrs)
+    x, gu = expert_operands(x, gu, quant, attrs, stack_written(ctx, x.shape[0], attrs))
     act = {a: attrs.get(a, d) for a, d in GATED_EXTRA.items()}
     f = gu.shape[1] // 2
     out = np.zeros((x.shape[0], ids.shape[1], f), np.float32)
@@ -310,7 +311,7 @@ def down(ctx, act, w, ids, down_w, expert_rows=None, expert_counts=None, *rest, 
     bias, quant = (rest[0], rest[1:]) if attrs.get("has_bias") else (None, rest)
     if attrs.get("unweighted"):      # the weights went into the experts' input (weigh="input")
         w = np.where(np.asarray(ids) >= 0, np.float32(1), np.float32(0))
-    act, down_w = expert_operands(act, down_w, quant, attrs)
+    act, down_w = expert_operands(act, down_w, quant, attrs, stack_written(ctx, act.shape[0], attrs))
     y = np.zeros((act.shape[0], down_w.shape[1]), np.float32)
     for e in _chosen(ids):
         rows, slot = np.nonzero(ids == e)

@@ -162,14 +162,20 @@ def operands(x, w, rest: tuple, attrs: dict):
     return quantize_activations(x, s, got.get("x_scale")), w, bias
 
 
-def expert_operands(x, w, rest: tuple, attrs: dict):
+def expert_operands(x, w, rest: tuple, attrs: dict, upcast: bool = False):
     """(x, W) of an expert op's reference (moe_gate_up, moe_down): rest holds the scheme's
-    companions of the stacked codes w [E, N, K], each with a leading E axis."""
+    companions of the stacked codes w [E, N, K], each with a leading E axis. upcast: W is the
+    stack expert_upcast wrote this step (rest's last; ops/expert_upcast.py stack_written)."""
     s = scheme_of(attrs)
     if s is None:
         return x, w
     got = dict(zip(s.companions(), rest))
-    w = dequantize(w, s, got["w_scale"], got.get("w_zero"), got.get("w_gidx"))
+    if upcast:
+        # dequantized once this step, as the kernels read it: a plan whose stack buffer is not
+        # live here shows up in the reference's logits
+        w = rest[-1]
+    else:
+        w = dequantize(w, s, got["w_scale"], got.get("w_zero"), got.get("w_gidx"))
     if attrs.get("has_a_scale"):          # ready codes: their scales follow the companions
         return from_codes(x, rest[len(got)], s), w
     return quantize_activations(x, s, got.get("x_scale")), w

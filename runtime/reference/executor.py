@@ -107,6 +107,9 @@ class StepContext:
         # ranks (runtime/reference/ranks.py sets them): a collective's reference reads every
         # rank's inputs through `exchange`; alone, a plan is rank 0 of 1 and collectives are identity
         self.rank, self.world, self.exchange = 0, 1, None
+        # the program the step runs (program_name): what a kernel of some programs only reads
+        # (compiler/ops/expert_upcast.py stack_written); None outside a plan's step
+        self.program = None
 
     def dim(self, d):
         # G: a data-parallel plan's rows of every rank (world * T, the ranks' T being equal)
@@ -265,7 +268,8 @@ class ReferenceExecutor:
                                  f"{'none' if given is None else list(np.shape(given))}")
             views[name][...] = given
         # the short program where the GPU runs it: the same ops, so the same references
-        program = self.plan["programs"][program_name(self.plan, meta.phase, meta.T)]
+        ctx.program = program_name(self.plan, meta.phase, meta.T)
+        program = self.plan["programs"][ctx.program]
         self._run(program, views, ctx)
         # the plan's outputs besides the logits (an EAGLE-3 target's captured hidden states, a
         # head's own), read by whoever asks for them after the step

@@ -103,7 +103,8 @@ class RankExecutor:
             v["tokens"][...] = meta.tokens
             ctxs.append(ctx)
             views.append(v)
-            programs.append(unrolled(ex.plan["programs"][program_name(ex.plan, meta.phase, meta.T)]))
+            ctx.program = program_name(ex.plan, meta.phase, meta.T)
+            programs.append(unrolled(ex.plan["programs"][ctx.program]))
         for step in zip(*programs, strict=True):
             (launch, layer) = step[0]
             if any(l["op"] != launch["op"] or y != layer for l, y in step):
