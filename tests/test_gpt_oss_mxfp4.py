@@ -134,6 +134,7 @@ def test_mxfp4_experts_upcast_once_in_many_token_steps(mxfp4_model, tmp_path, mo
     rel = lambda a, b: float(np.linalg.norm(a - b) / np.linalg.norm(b))      # noqa: E731
     got = {}
     for label, per_expert, rows in (("stack", 1, 2), ("codes", 10 ** 6, 2 * 10 ** 6)):
+        monkeypatch.setattr(infc.config, "UPCAST_EXPERTS", True)
         monkeypatch.setattr(infc.config, "UPCAST_TOKENS_PER_EXPERT", per_expert)
         out = build(model_dir=str(d), out=tmp_path / label, compile=False, log=None, page_size=16)
         plan = json.loads((out / "plan.json").read_text())
@@ -184,6 +185,7 @@ def test_reference_reads_the_upcast_stack_at_its_rows_alone(mxfp4_model, tmp_pat
     import infc.config
     from infc.compiler.ops import REGISTRY
     d, _ = mxfp4_model
+    monkeypatch.setattr(infc.config, "UPCAST_EXPERTS", True)
     monkeypatch.setattr(infc.config, "UPCAST_TOKENS_PER_EXPERT", 1)       # rows 2
     out = build(model_dir=str(d), out=tmp_path / "art", compile=False, log=None, page_size=16)
     plan = json.loads((out / "plan.json").read_text())
@@ -207,7 +209,8 @@ def test_reference_reads_the_upcast_stack_at_its_rows_alone(mxfp4_model, tmp_pat
 def test_upcast_rows_count_the_models_experts_and_the_pass_keeps_its_bounds(mxfp4_model, monkeypatch):
     """rows = 64 tokens an expert x 4 experts / 2 a token, the same on an expert-parallel rank
     (which holds 2 of the 4 and whose ids name the model's; a data-parallel plan counts G, every
-    rank's rows); no upcast under --no-fuse, nor for a stack over UPCAST_MAX_BYTES."""
+    rank's rows); no upcast under --no-fuse, nor for a stack over UPCAST_MAX_BYTES, nor by default
+    (infc/config.py UPCAST_EXPERTS)."""
     import infc.config
     from infc.compiler.build import compile_ranks
     from infc.compiler.contract.program import launches
@@ -219,6 +222,8 @@ def test_upcast_rows_count_the_models_experts_and_the_pass_keeps_its_bounds(mxfp
         return [la["attrs"] for prog in plan["programs"].values() for la, _ in launches(prog)
                 if la["op"] == "expert_upcast"]
 
+    assert not upcasts(compile_model(model_dir=str(d))[1])
+    monkeypatch.setattr(infc.config, "UPCAST_EXPERTS", True)
     state, plan = compile_model(model_dir=str(d))
     assert {(a["rows"], a["dim"]) for a in upcasts(plan)} == {(128, "T")}
     ranks = compile_ranks(settings(**dp(2)), model_dir=str(d))

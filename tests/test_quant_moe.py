@@ -147,6 +147,7 @@ def test_quantized_moe_through_kernels(case, upcast, moe, tmp_path, monkeypatch)
         o = {**o, "keep": [a.split(".")[1] for a in ATTENTION]}
     if upcast:
         import infc.config
+        monkeypatch.setattr(infc.config, "UPCAST_EXPERTS", True)
         monkeypatch.setattr(infc.config, "UPCAST_TOKENS_PER_EXPERT", 1)
     quantize_model(moe[0], tmp_path / "q", writer, **o)
     out = build(model_dir=str(tmp_path / "q"), out=tmp_path / "art", compile=False, log=None, page_size=16)

@@ -55,7 +55,9 @@ def upcasts(s) -> bool:
 
 
 def upcast_experts(state):
-    from infc.config import UPCAST_MAX_BYTES, UPCAST_TOKENS_PER_EXPERT
+    from infc.config import UPCAST_EXPERTS, UPCAST_MAX_BYTES, UPCAST_TOKENS_PER_EXPERT
+    if not UPCAST_EXPERTS:              # off by default: infc/config.py says why
+        return
     par = state.parallel or {}
     ep = par.get("ep", 1) if par.get("world", 1) > 1 else 1
     made, big = 0, []

@@ -7,8 +7,8 @@ preloads: bench/NOTES.md).
 
 VARIANTS.json: {"label": {template: {shape key: {tunable: value}}}, ...} (build.load_tuning's
 overlay form; a "narrow|..." key reaches the narrow program alone). A label's "_config" entry
-sets infc/config.py constants for its build alone, e.g. {"_config": {"UPCAST_TOKENS_PER_EXPERT":
-1000000}}: the MXFP4 experts read as codes at every step (compiler/passes/upcast_experts.py).
+sets infc/config.py constants for its build alone, e.g. {"_config": {"UPCAST_EXPERTS": true}}: the
+MXFP4 experts upcast in many-token steps (compiler/passes/upcast_experts.py, off by default).
 Prints the ARTS line for run.sh ab-latency. Commit first: the artifacts name no commit of their own.
 """
 import argparse

@@ -420,10 +420,10 @@ def gptoss():
     d = gpu_families.write_config("gpt-oss-20b")
     _both_tunings("gpt-oss-20b (24 layers, MXFP4 experts, latency with dummy weights)",
                   gpu_families.artifact_dir("gpt-oss-20b"), model_dir=str(d))
-    # the same commit with the experts read as codes at every step (no expert_upcast launch runs):
-    # session.sh gptoss's A/B of compiler/passes/upcast_experts.py (GPTOSS_ARTS)
-    _both_tunings("gpt-oss-20b, experts on codes (the upcast A/B's other side)", GPU_CACHE / "gpt-oss-20b-codes-art",
-                  model_dir=str(d), config={"UPCAST_TOKENS_PER_EXPERT": 10 ** 6})
+    # the same commit with compiler/passes/upcast_experts.py on (infc/config.py UPCAST_EXPERTS, off
+    # by default): session.sh gptoss's A/B of the pass (GPTOSS_ARTS)
+    _both_tunings("gpt-oss-20b, experts upcast in many-token steps (the A/B's other side)",
+                  GPU_CACHE / "gpt-oss-20b-upcast-art", model_dir=str(d), config={"UPCAST_EXPERTS": True})
 
 
 def dsv4():
