@@ -152,3 +152,15 @@ def test_hf_quant_by_definition_equals_the_reference(tmp_path, fmt, options):
     quantize_model(src, q, fmt, **options)
     _, hf, ours = _hf_and_reference(q, [5, 17, 33, 2, 99, 250, 7, 8, 9])
     np.testing.assert_allclose(hf, ours, rtol=1e-4, atol=1e-5)
+
+
+def test_hf_quant_by_definition_fills_the_fused_experts(tiny_model, tmp_path):
+    """hf_quant.load on an MoE checkpoint in a format transformers is not given (compressed-tensors
+    int4 experts, group 32: the golden gate of qwen3-30b-a3b-l4-w4a16, Kimi-K2's expert format):
+    HF fuses the experts into one module, so each stored expert's definition goes into its rows of
+    the fused stacks; equal to the numpy reference at every position, in float32."""
+    import numpy as np
+    src, _ = tiny_model("qwen3_moe", moe_intermediate_size=128)
+    quantize_model(src, tmp_path, "ct-int", bits=4, group=32)
+    m, hf, ours = _hf_and_reference(tmp_path, [11, 200, 3, 77, 150, 9, 31, 260])
+    np.testing.assert_allclose(hf, ours, rtol=1e-4, atol=1e-5)

@@ -78,7 +78,7 @@ def _experts_forward(quantize):
 
 
 def set_experts(model, weights: dict, quantize, dtype) -> set:
-    """The per-expert modules of `weights` (name -> float32 [N, K], e.g.
+    """The per-expert modules of `weights` (name -> float32 [N, K], numpy or torch, e.g.
     model.layers.0.mlp.experts.3.gate_proj) written into the model's fused expert stacks, whose
     forward then quantizes each projection's input; returns the names set."""
     done, stacks = set(), {}
@@ -90,7 +90,7 @@ def set_experts(model, weights: dict, quantize, dtype) -> set:
         e, part = int(m.group(2)), m.group(3)
         f = experts.gate_up_proj.shape[1] // 2
         with torch.no_grad():
-            t = torch.from_numpy(w).to(experts.gate_up_proj.device, dtype)
+            t = (torch.from_numpy(w) if not isinstance(w, torch.Tensor) else w).to(experts.gate_up_proj.device, dtype)
             if part == "down":
                 experts.down_proj[e] = t
             else:
@@ -122,7 +122,16 @@ def load_by_definition(model_dir, q: dict, dtype):
     modules = stored_quantized(tensors, writer)
     if not modules:
         raise ValueError(f"{model_dir}: no tensor stored as {writer} ({q.get('quant_method')})")
-    for m in modules:
+    # transformers fuses a layer's experts into one module: their definitions go into its stacks
+    experts = [m for m in modules if _EXPERT.match(m)]
+    if experts:
+        acts = {m: _acts(writer, options, q, tensors, m) for m in experts}
+        if any(f"{m}.input_scale" in tensors for m in experts):
+            raise ValueError(f"{model_dir}: static activation scales per expert are not modelled here")
+        act = next(iter(acts.values()))       # dynamic or none: the same function for every expert
+        set_experts(model, {m: WEIGHT[writer](tensors, m, q).float() for m in experts},
+                    (lambda x: act(x.float()).to(x.dtype)) if act is not None else (lambda x: x), dtype)
+    for m in (m for m in modules if not _EXPERT.match(m)):
         linear = model.get_submodule(m)
         with torch.no_grad():
             linear.weight.data = WEIGHT[writer](tensors, m, q).to(linear.weight.device, dtype).contiguous()
