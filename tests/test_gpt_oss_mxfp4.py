@@ -206,6 +206,26 @@ def test_reference_reads_the_upcast_stack_at_its_rows_alone(mxfp4_model, tmp_pat
     assert set(calls) == {(1, True), (len(PROMPT), False)}
 
 
+def test_upcast_launches_keep_the_codes_gemms_tuning_keys(mxfp4_model, monkeypatch):
+    """The expert launches that read an upcast stack are keyed in the tuning tables as without it
+    (compiler/codegen/render.py tuning_key): the wide program's tuned tiles apply to them (on an
+    H200 the stack's input in the key lost GPT-OSS-20B's wide entry, 87.6 -> 114.4 us a decoded
+    token at 256 concurrent: bench/NOTES.md)."""
+    import infc.config
+    from infc.compiler.codegen.render import tuning_key
+    from infc.compiler.contract.program import launches
+    d, _ = mxfp4_model
+
+    def keys(plan):
+        return {p: [tuning_key(plan, la, p) for la, _ in launches(prog) if la["op"] in ("moe_gate_up", "moe_down")]
+                for p, prog in plan["programs"].items()}
+    codes = keys(compile_model(model_dir=str(d))[1])
+    monkeypatch.setattr(infc.config, "UPCAST_EXPERTS", True)
+    _, plan = compile_model(model_dir=str(d))
+    assert any(la["attrs"].get("has_w_upcast") for prog in plan["programs"].values() for la, _ in launches(prog))
+    assert keys(plan) == codes and codes["wide"]
+
+
 def test_upcast_rows_count_the_models_experts_and_the_pass_keeps_its_bounds(mxfp4_model, monkeypatch):
     """rows = 64 tokens an expert x 4 experts / 2 a token, the same on an expert-parallel rank
     (which holds 2 of the 4 and whose ids name the model's; a data-parallel plan counts G, every

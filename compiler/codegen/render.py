@@ -192,6 +192,10 @@ def tuning_key(plan: dict, launch: dict, phase: str, tensors=None) -> str:
     ins, outs = tensors or launch_tensors(plan, launch)
     if launch.get("lora"):          # a LoRA site in the GEMV (merge_lora): the GEMV's tiles
         ins = ins[:-launch["lora"]["inputs"]]
+    if launch["attrs"].get("has_w_upcast"):
+        # the stack dequantized once (compiler/passes/upcast_experts.py, the last input): the
+        # launch keeps the codes GEMM's entries (the wide program's tuned tiles among them)
+        ins = ins[:-1]
     epi = launch.get("epilogue")
     if epi is not None:             # a consumer in the producer's launch (merge_epilogues): the producer's
         outs = outs[:-epi["writes"]]
