@@ -175,12 +175,11 @@ NARROW_TOKENS_MAX = 8
 # own (the MoE layers' attention norm then merges too); False keeps the older plans (an A/B switch
 # for tests/gpu/build_variants.py's "_config")
 NARROW_MERGE_FREES_RESIDUALS = True
-# 4-bit quantized experts dequantized once a step (compiler/passes/upcast_experts.py), off: on an
-# H200 it cost GPT-OSS-20B 7 % of its 1024/1024 x 256 throughput (7,841 against 8,426 tok/s, one
-# call, f2185019), because the grouped GEMMs that hold both tiles take the bf16 tile's 147,456 B of
-# shared memory and 8 warps in the codes steps too (18,432 B and 4 warps alone): 6,882 tok/s with
-# no step upcasting. The many-token steps themselves gain (a 4,351-row mixed step 154.8 -> 87.8 ms);
-# the way on is two launches where the kernel now branches (bench/NOTES.md).
+# 4-bit quantized experts dequantized once a step (compiler/passes/upcast_experts.py), off until
+# measured again: on an H200 (f2185019) GPT-OSS-20B's mixed steps of its 1024/1024 x 256 run took
+# 16.3 -> 7.4 s with it, but the build lost its tuned wide-decode tiles (the stack's input was in
+# the tuning key, fixed since) and the run fell 8,426 -> 7,841 tok/s; predicted with the fix
+# ~9.8k (bench/NOTES.md, "Measured at f2185019").
 UPCAST_EXPERTS = False
 # With it on: a step whose routed experts get at least
 # this many tokens each on average dequantizes each layer's stacks to bf16 once and runs the bf16
