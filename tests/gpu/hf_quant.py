@@ -125,10 +125,9 @@ def load_by_definition(model_dir, q: dict, dtype):
     # transformers fuses a layer's experts into one module: their definitions go into its stacks
     experts = [m for m in modules if _EXPERT.match(m)]
     if experts:
-        acts = {m: _acts(writer, options, q, tensors, m) for m in experts}
         if any(f"{m}.input_scale" in tensors for m in experts):
             raise ValueError(f"{model_dir}: static activation scales per expert are not modelled here")
-        act = next(iter(acts.values()))       # dynamic or none: the same function for every expert
+        act = _acts(writer, options, q, tensors, experts[0])    # dynamic or none: every expert's
         set_experts(model, {m: WEIGHT[writer](tensors, m, q).float() for m in experts},
                     (lambda x: act(x.float()).to(x.dtype)) if act is not None else (lambda x: x), dtype)
     for m in (m for m in modules if not _EXPERT.match(m)):
