@@ -221,6 +221,15 @@ _MOE_SMALL_M = [{"BLOCK_M": 16, "num_warps": 4}, {"BLOCK_M": 32, "num_warps": 4}
                 {"BLOCK_M": 16, "num_warps": 4, "num_stages": 2}]
 _MOE_ALIGN = [{"TB": 16}, {"TB": 32}, {"TB": 128}, {"num_warps": 8}, {"num_warps": 2}]
 _MOE_ROUTE = [{"num_warps": 1}, {"num_warps": 2}, {"num_warps": 8}]
+# expert_upcast.py.j2 (a stream: codes in, bf16 out; GPT-OSS-20B's gate|up at the 32 x 256 default
+# moved 1.33 GB in 785 us on an H200, ~1.7 TB/s: bench/NOTES.md). Larger tiles a program, wider
+# stores, more warps to cover the dequantization's arithmetic. Not in DEFAULT_TEMPLATES: the
+# launch runs in upcast builds only (infc/config.py UPCAST_EXPERTS), at rows past its threshold:
+# prepare(model, phases=("prefill",), templates=["expert_upcast"], prefill_tokens=4096) with
+# UPCAST_EXPERTS set first (tests/test_tune.py does it)
+_UPCAST = [{"BLOCK_N": 64}, {"BLOCK_N": 16}, {"BLOCK_K": 512}, {"BLOCK_K": 128}, {"num_warps": 8},
+           {"BLOCK_N": 64, "num_warps": 8}, {"BLOCK_N": 16, "BLOCK_K": 512}, {"BLOCK_N": 8, "BLOCK_K": 1024},
+           {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8}, {"num_warps": 2}]
 
 
 def _moe_decode_grid(fma, dot, rows):
@@ -269,6 +278,7 @@ GRIDS = {
     ("triton", "moe_down_grouped"): lambda rows: _moe_grouped_grid(_MOE_DOWN_GROUPED, rows),
     ("triton", "moe_align"): lambda rows: _MOE_ALIGN,
     ("triton", "moe_route"): lambda rows: _MOE_ROUTE,
+    ("triton", "expert_upcast"): lambda rows: _UPCAST,
 }
 # i32 inputs whose contents must agree with another input's rather than be random: the grouped
 # MoE kernels' per-expert token lists (moe_align's outputs) follow the launch's routing ids.

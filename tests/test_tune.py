@@ -422,3 +422,30 @@ def test_prepare_verify_phase_times_the_verify_rows_on_their_own_keys(tmp_path, 
                      "--phases", "verify", "--verify-rows", bad]) == 2
         err = capsys.readouterr().err
         assert "--verify-rows" in err and "Traceback" not in err
+
+
+def test_prepare_times_the_expert_upcast_of_an_upcast_build(tmp_path, monkeypatch):
+    """expert_upcast has a candidate grid (a stream whose tile the tuner picks): an upcast build's
+    prefill at rows past the launch's threshold gets one manifest entry a stack shape, every
+    candidate rendered (or the same kernel as one that was)."""
+    import infc.config
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 512,
+        "hidden_size": 96, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "rms_norm_eps": 1e-5, "sliding_window": 5, "swiglu_limit": 7.0, "max_position_embeddings": 4096,
+        "layer_types": ["sliding_attention", "full_attention"], "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                            "original_max_position_embeddings": 4096},
+        "quantization_config": {"quant_method": "mxfp4"}}))
+    monkeypatch.setattr(infc.config, "UPCAST_EXPERTS", True)
+    out = prepare(model_dir=str(d), out=tmp_path / "tune", phases=("prefill",), templates=["expert_upcast"],
+                  prefill_tokens=256, compile=False, log=None)
+    m = json.loads((out / "manifest.json").read_text())
+    entries = [e for e in m["entries"] if e["template"] == "expert_upcast"]
+    assert len(entries) == 2 and len({e["shape_key"] for e in entries}) == 2     # gate|up's stack, down's
+    for e in entries:          # at these widths BLOCK_K past K renders the same kernel again
+        assert len(e["candidates"]) + len(e["skipped"]) == len(candidates("triton", "expert_upcast"))
+        assert len(e["candidates"]) >= 4 and all(s["why"].startswith("same kernel") for s in e["skipped"])
