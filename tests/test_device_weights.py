@@ -26,7 +26,13 @@ def model(tmp_path, family, dtype="bf16", **over):
     cfg = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
                num_key_value_heads=2, head_dim=16, vocab_size=300, max_position_embeddings=256,
                rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-    arch = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "llama": "LlamaForCausalLM"}[family]
+    arch = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "llama": "LlamaForCausalLM",
+            "deepseek_v2": "DeepseekV2ForCausalLM"}[family]
+    if family == "deepseek_v2":      # latent attention, experts reshaped
+        cfg.update(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                   moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                   first_k_dense_replace=1, routed_scaling_factor=1.0, topk_method="greedy", n_group=1,
+                   topk_group=1, norm_topk_prob=False, scoring_func="softmax")
     if family == "qwen3_moe":
         cfg.update(moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2, norm_topk_prob=True,
                    decoder_sparse_step=1, mlp_only_layers=[])
@@ -39,9 +45,17 @@ def model(tmp_path, family, dtype="bf16", **over):
 
 
 @pytest.mark.parametrize("family,dtype,staging", [("qwen3", "bf16", 4096), ("qwen3_moe", "bf16", 10_000),
-                                                  ("llama", "f32", 1 << 20), ("qwen3", "bf16", 1 << 20)])
+                                                  ("llama", "f32", 1 << 20), ("qwen3", "bf16", 1 << 20),
+                                                  ("deepseek_v2", "bf16", 10_000)])
 def test_streamed_weights_equal_the_plan(tmp_path, monkeypatch, family, dtype, staging):
     plan = model(tmp_path, family, dtype, **({"tie_word_embeddings": True} if family == "llama" else {}))
+    moved, bits = [], dw._bf16_moved
+
+    def counted(w, layer, ckpt):                    # the weights built on their bf16 bits
+        got = bits(w, layer, ckpt)
+        moved.append(got is not None)
+        return got
+    monkeypatch.setattr(dw, "_bf16_moved", counted)
     monkeypatch.setattr(dw, "STAGING", staging)
     monkeypatch.setattr(dw, "PIECE", 1000)          # many preads per buffer, unaligned
     ctx = FakeContext()
@@ -61,6 +75,9 @@ def test_streamed_weights_equal_the_plan(tmp_path, monkeypatch, family, dtype, s
     assert ctx.pinned_live == []                    # staging given back
     if staging < 1 << 20:
         assert ctx.num_copies > 4                        # tensors really were split across buffers
+    # moved on the bits: the MoE families' experts (gate|up concatenated along columns, reshaped);
+    # no weight of an f32 checkpoint, nothing in a dense bf16 one (every weight a run of file bytes)
+    assert any(moved) == (family in ("qwen3_moe", "deepseek_v2")), (family, moved)
 
 
 def test_broken_directories_name_the_tensor(tmp_path):

@@ -43,7 +43,7 @@ from infc.compiler.contract.weight_roles import (FILL_KINDS, fill_key, fill_kind
 from ..weights.dummy import check_load_format, chunks, fill_args, fill_elements
 from infc.compiler.contract.safetensors_io import Checkpoint, f32_to_bf16_bits
 from ..weights.quant_pack import to_storage
-from ..weights.recipes import CheckpointReader, build, name_at
+from ..weights.recipes import CheckpointReader, build, kind_of, name_at
 from ..weights.load import check_shape, layers_of
 
 ALIGN = 256
@@ -54,6 +54,46 @@ STORED_DTYPES = ("bf16", "f32", "i32", "f8e4m3", "u8", "u4", "e2m1")
 STREAMED = {"bf16": ("tensor", "BF16", 2), "f8e4m3": ("fp8", "F8_E4M3", 1)}
 STAGING = 256 << 20
 PIECE = 16 << 20                       # one pread
+# recipe kinds that only move elements: a bf16 weight built from bf16 tensors by these alone is
+# built on the tensors' bits (uint16), the bytes the float32 path rounds back to (bf16 -> float32
+# -> bf16 is exact; a NaN keeps its stored payload), without the float32 copies and the rounding
+# pass: 5.7x faster here for GPT-OSS's transposed experts (qwen3_moe's gate|up concatenated along
+# columns and DeepSeek's reshaped experts too; most of a golden-gate runner's load: bench/NOTES.md)
+MOVES = {"tensor", "stack", "concat", "slice", "reshape", "transpose"}
+
+
+def _moves_only(src) -> bool:
+    if isinstance(src, str):            # a stack's tensor name
+        return True
+    kind = kind_of(src)
+    if kind not in MOVES:
+        return False
+    inner = src[kind]
+    return kind == "tensor" or (all(map(_moves_only, inner)) if kind == "concat" else _moves_only(inner))
+
+
+class _NotBf16(Exception):
+    pass
+
+
+class _Bf16Bits(CheckpointReader):
+    """read(name) -> the tensor's bf16 bits as stored (uint16); another dtype raises _NotBf16."""
+
+    def __call__(self, name: str) -> np.ndarray:
+        if self.ckpt.dtype(name) != "BF16":
+            raise _NotBf16(name)
+        return self.ckpt.raw(name)
+
+
+def _bf16_moved(w: dict, layer, ckpt) -> tuple | None:
+    """(bytes, shape, what) of a bf16 weight whose recipe only moves bf16 tensors, else None."""
+    if w["dtype"] != "bf16" or not _moves_only(w["source"]):
+        return None
+    try:
+        a, what = build(w["source"], layer, _Bf16Bits(ckpt), str(ckpt.dir))
+    except _NotBf16:
+        return None
+    return np.ascontiguousarray(a).view(np.uint8).reshape(-1), a.shape, what
 
 
 def _cut(runs: list, lo: int, hi: int) -> list:
@@ -182,7 +222,12 @@ class DeviceWeights:
                     items.append((name, layer, nbytes(w["dtype"], w["shape"]), None))
                     continue
                 got = _runs(ckpt, w["source"], layer, w["dtype"]) if w["dtype"] in STREAMED else None
-                if got is None:
+                moved = _bf16_moved(w, layer, ckpt) if got is None else None
+                if moved is not None:
+                    data, shape, what = moved
+                    check_shape(ckpt, name, w, shape, what)
+                    items.append((name, layer, data, None))
+                elif got is None:
                     a, what = build(w["source"], layer, read, str(ckpt.dir))
                     check_shape(ckpt, name, w, a.shape, what)
                     _check_mx_scale(roles.get(name), a, f"{ckpt.dir}: weight '{name}' ({what})")
