@@ -86,7 +86,8 @@ class _Bf16Bits(CheckpointReader):
 
 
 def _bf16_moved(w: dict, layer, ckpt) -> tuple | None:
-    """(bytes, shape, what) of a bf16 weight whose recipe only moves bf16 tensors, else None."""
+    """(bytes, shape, what) of a bf16 weight whose recipe only moves bf16 tensors, else None
+    (the form of _runs' answer: the loader lays both out alike)."""
     if w["dtype"] != "bf16" or not _moves_only(w["source"]):
         return None
     try:
@@ -221,13 +222,10 @@ class DeviceWeights:
                 if dummy:                       # bytes only: filled on the device below
                     items.append((name, layer, nbytes(w["dtype"], w["shape"]), None))
                     continue
-                got = _runs(ckpt, w["source"], layer, w["dtype"]) if w["dtype"] in STREAMED else None
-                moved = _bf16_moved(w, layer, ckpt) if got is None else None
-                if moved is not None:
-                    data, shape, what = moved
-                    check_shape(ckpt, name, w, shape, what)
-                    items.append((name, layer, data, None))
-                elif got is None:
+                # file bytes as they lie, else bf16 bits moved on the host, else built in float32
+                got = (_runs(ckpt, w["source"], layer, w["dtype"]) if w["dtype"] in STREAMED else None) \
+                    or _bf16_moved(w, layer, ckpt)
+                if got is None:
                     a, what = build(w["source"], layer, read, str(ckpt.dir))
                     check_shape(ckpt, name, w, a.shape, what)
                     _check_mx_scale(roles.get(name), a, f"{ckpt.dir}: weight '{name}' ({what})")
