@@ -236,9 +236,9 @@ QUANT_FORMATS = {"qwen3-4b-fp8": ("qwen3-4b", "fp8-block", {}),
                  "qwen3-4b-l2-fp8": ("qwen3-4b-l2", "fp8-block", {}),
                  # Qwen3-8B-AWQ's shapes (GEMM packing, group 128, zero points), four layers
                  "qwen3-8b-l4-awq": ("qwen3-8b-l4", "awq", {"group": 128}),
-                 # the MoE cut with Kimi-K2's expert format (int4, symmetric, group 32): its batched
-                 # prefills (>= 1,024 rows) read the experts' bf16 stacks (compiler/passes/
-                 # upcast_experts.py), which the fp8 cut's never do
+                 # the MoE cut with Kimi-K2's expert format (int4, symmetric, group 32); with
+                 # compiler/passes/upcast_experts.py on (off by default) its batched prefills
+                 # (>= 1,024 rows) read the experts' bf16 stacks, which the fp8 cut's never do
                  "qwen3-30b-a3b-l4-w4a16": ("qwen3-30b-a3b-l4", "ct-int", {"bits": 4, "group": 32})}
 # whole models measured with --load-format dummy (no checkpoint: the GPU machine's disk cannot hold a
 # random bf16 Qwen3-30B-A3B and its fp8 copy): config.json with the writer's quantization_config
