@@ -224,9 +224,8 @@ _MOE_ROUTE = [{"num_warps": 1}, {"num_warps": 2}, {"num_warps": 8}]
 # expert_upcast.py.j2 (a stream: codes in, bf16 out; GPT-OSS-20B's gate|up at the 32 x 256 default
 # moved 1.33 GB in 785 us on an H200, ~1.7 TB/s: bench/NOTES.md). Larger tiles a program, wider
 # stores, more warps to cover the dequantization's arithmetic. Not in DEFAULT_TEMPLATES: the
-# launch runs in upcast builds only (infc/config.py UPCAST_EXPERTS), at rows past its threshold:
-# prepare(model, phases=("prefill",), templates=["expert_upcast"], prefill_tokens=4096) with
-# UPCAST_EXPERTS set first (tests/test_tune.py does it)
+# launch runs at rows past its threshold only (infc/config.py UPCAST_TOKENS_PER_EXPERT):
+# prepare(model, phases=("prefill",), templates=["expert_upcast"], prefill_tokens=4096)
 _UPCAST = [{"BLOCK_N": 64}, {"BLOCK_N": 16}, {"BLOCK_K": 512}, {"BLOCK_K": 128}, {"num_warps": 8},
            {"BLOCK_N": 64, "num_warps": 8}, {"BLOCK_N": 16, "BLOCK_K": 512}, {"BLOCK_N": 8, "BLOCK_K": 1024},
            {"BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8}, {"num_warps": 2}]

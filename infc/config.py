@@ -175,12 +175,11 @@ NARROW_TOKENS_MAX = 8
 # own (the MoE layers' attention norm then merges too); False keeps the older plans (an A/B switch
 # for tests/gpu/build_variants.py's "_config")
 NARROW_MERGE_FREES_RESIDUALS = True
-# 4-bit quantized experts dequantized once a step (compiler/passes/upcast_experts.py), off until
-# measured again: on an H200 (f2185019) GPT-OSS-20B's mixed steps of its 1024/1024 x 256 run took
-# 16.3 -> 7.4 s with it, but the build lost its tuned wide-decode tiles (the stack's input was in
-# the tuning key, fixed since) and the run fell 8,426 -> 7,841 tok/s; predicted with the fix
-# ~9.8k (bench/NOTES.md, "Measured at f2185019").
-UPCAST_EXPERTS = False
+# 4-bit quantized experts dequantized once a step (compiler/passes/upcast_experts.py). On an H100
+# (8d0cc031) GPT-OSS-20B's 1024/1024 x 256 went 6,644 -> 7,505 tok/s with it (the mixed steps
+# 16.5 -> 7.7 s, the decode steps unchanged); False builds the older plans (the A/B's other side:
+# tests/gpu/prepare.py gptoss, bench/NOTES.md "The upcast re-measured").
+UPCAST_EXPERTS = True
 # With it on: a step whose routed experts get at least
 # this many tokens each on average dequantizes each layer's stacks to bf16 once and runs the bf16
 # grouped GEMMs; fewer, and the GEMMs dequantize tiles in registers. Break-even predicted at ~72

@@ -229,8 +229,8 @@ def test_upcast_launches_keep_the_codes_gemms_tuning_keys(mxfp4_model, monkeypat
 def test_upcast_rows_count_the_models_experts_and_the_pass_keeps_its_bounds(mxfp4_model, monkeypatch):
     """rows = 64 tokens an expert x 4 experts / 2 a token, the same on an expert-parallel rank
     (which holds 2 of the 4 and whose ids name the model's; a data-parallel plan counts G, every
-    rank's rows); no upcast under --no-fuse, nor for a stack over UPCAST_MAX_BYTES, nor by default
-    (infc/config.py UPCAST_EXPERTS)."""
+    rank's rows); no upcast under --no-fuse, nor for a stack over UPCAST_MAX_BYTES, nor with
+    infc/config.py UPCAST_EXPERTS off; on by default."""
     import infc.config
     from infc.compiler.build import compile_ranks
     from infc.compiler.contract.program import launches
@@ -242,10 +242,11 @@ def test_upcast_rows_count_the_models_experts_and_the_pass_keeps_its_bounds(mxfp
         return [la["attrs"] for prog in plan["programs"].values() for la, _ in launches(prog)
                 if la["op"] == "expert_upcast"]
 
-    assert not upcasts(compile_model(model_dir=str(d))[1])
-    monkeypatch.setattr(infc.config, "UPCAST_EXPERTS", True)
     state, plan = compile_model(model_dir=str(d))
     assert {(a["rows"], a["dim"]) for a in upcasts(plan)} == {(128, "T")}
+    monkeypatch.setattr(infc.config, "UPCAST_EXPERTS", False)
+    assert not upcasts(compile_model(model_dir=str(d))[1])
+    monkeypatch.setattr(infc.config, "UPCAST_EXPERTS", True)
     ranks = compile_ranks(settings(**dp(2)), model_dir=str(d))
     for _, p in ranks:
         assert p["weights"]["we_gate_up"]["shape"][0] == 2

@@ -237,7 +237,7 @@ QUANT_FORMATS = {"qwen3-4b-fp8": ("qwen3-4b", "fp8-block", {}),
                  # Qwen3-8B-AWQ's shapes (GEMM packing, group 128, zero points), four layers
                  "qwen3-8b-l4-awq": ("qwen3-8b-l4", "awq", {"group": 128}),
                  # the MoE cut with Kimi-K2's expert format (int4, symmetric, group 32); with
-                 # compiler/passes/upcast_experts.py on (off by default) its batched prefills
+                 # compiler/passes/upcast_experts.py (on by default) its batched prefills
                  # (>= 1,024 rows) read the experts' bf16 stacks, which the fp8 cut's never do
                  "qwen3-30b-a3b-l4-w4a16": ("qwen3-30b-a3b-l4", "ct-int", {"bits": 4, "group": 32})}
 # whole models measured with --load-format dummy (no checkpoint: the GPU machine's disk cannot hold a
@@ -420,10 +420,10 @@ def gptoss():
     d = gpu_families.write_config("gpt-oss-20b")
     _both_tunings("gpt-oss-20b (24 layers, MXFP4 experts, latency with dummy weights)",
                   gpu_families.artifact_dir("gpt-oss-20b"), model_dir=str(d))
-    # the same commit with compiler/passes/upcast_experts.py on (infc/config.py UPCAST_EXPERTS, off
+    # the same commit with compiler/passes/upcast_experts.py off (infc/config.py UPCAST_EXPERTS, on
     # by default): session.sh gptoss's A/B of the pass (GPTOSS_ARTS)
-    _both_tunings("gpt-oss-20b, experts upcast in many-token steps (the A/B's other side)",
-                  GPU_CACHE / "gpt-oss-20b-upcast-art", model_dir=str(d), config={"UPCAST_EXPERTS": True})
+    _both_tunings("gpt-oss-20b, experts never upcast (the A/B's other side)",
+                  GPU_CACHE / "gpt-oss-20b-noup-art", model_dir=str(d), config={"UPCAST_EXPERTS": False})
 
 
 def dsv4():

@@ -589,12 +589,12 @@ models.model_dir('$q')" 2>&1 | tail -3
       # gptoss): batch-1 TPOT / TTFT against the active floor, the decode step per launch, and
       # 1024/1024 throughput at GPTOSS_CONCURRENCY (TensorRT-LLM publishes 13,890 tok/s an H200).
       # GPTOSS_ARTS: the artifacts to run, in turn (prepare.py gptoss builds gpt-oss-20b-art and
-      # gpt-oss-20b-upcast-art, compiler/passes/upcast_experts.py on: the upcast A/B), each
+      # gpt-oss-20b-noup-art, compiler/passes/upcast_experts.py off: the upcast A/B), each
       # into $OUT/gptoss/<artifact>; GPTOSS_PROFILE_ARGS: bench profile's own (e.g. "--mixed-chunk
       # 4096 --mixed-prompts 4" with GPTOSS_PROFILE_STEPS=mixed_256: a many-token mixed step)
       cfg=.cache/gpu/configs/gpt-oss-20b
       rm -rf "$OUT/gptoss"
-      for art in ${GPTOSS_ARTS:-.cache/gpu/gpt-oss-20b-art .cache/gpu/gpt-oss-20b-upcast-art}; do
+      for art in ${GPTOSS_ARTS:-.cache/gpu/gpt-oss-20b-art .cache/gpu/gpt-oss-20b-noup-art}; do
         o="$OUT/gptoss/$(basename $art)"; mkdir -p "$o"
         python3 tests/gpu/rerender.py $art 2>&1 | tail -2
         timeout ${LATENCY_S:-240} python3 -m infc.cli bench latency --artifact $art --model-path $cfg \
