@@ -175,10 +175,10 @@ NARROW_TOKENS_MAX = 8
 # own (the MoE layers' attention norm then merges too); False keeps the older plans (an A/B switch
 # for tests/gpu/build_variants.py's "_config")
 NARROW_MERGE_FREES_RESIDUALS = True
-# 4-bit quantized experts dequantized once a step (compiler/passes/upcast_experts.py). On an H100
-# (8d0cc031) GPT-OSS-20B's 1024/1024 x 256 went 6,644 -> 7,505 tok/s with it (the mixed steps
-# 16.5 -> 7.7 s, the decode steps unchanged); False builds the older plans (the A/B's other side:
-# tests/gpu/prepare.py gptoss, bench/NOTES.md "The upcast re-measured").
+# 4-bit quantized experts dequantized once a step (compiler/passes/upcast_experts.py). GPT-OSS-20B's
+# 1024/1024 x 256 went 6,644 -> 7,505 tok/s with it on an H100 (one commit, both builds: the mixed
+# steps 16.5 -> 7.7 s, the decode steps unchanged), and 8,426 -> 9,841 on an H200 (bench/NOTES.md,
+# "Measured at 8d0cc031"); False builds the older plans (the A/B's other side: prepare.py gptoss).
 UPCAST_EXPERTS = True
 # With it on: a step whose routed experts get at least
 # this many tokens each on average dequantizes each layer's stacks to bf16 once and runs the bf16
