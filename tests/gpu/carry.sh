@@ -5,6 +5,7 @@
 #   bash tests/gpu/run.sh $OUT STAGE ...     (run.sh unpacks the carried pieces itself)
 #   tests/gpu/carry.sh PATH...       # paths under .cache/gpu or .cache/artifacts, e.g.
 #   tests/gpu/carry.sh gpu/configs gpu/ranks/configs artifacts/qwen3-4b
+#   tests/gpu/carry.sh --table h200 PATH...   # only the H200 table's cubins (a call naming nvidia-h200)
 # Artifacts' cubins go into one pool (.cache/carry/binpool, each file once: a cubin's name holds
 # its source hash), so builds that differ in a few kernels (an A/B, leave-one-out variants) cost
 # only those kernels; each artifact keeps the list of its bin/ (bin.list) to be rebuilt from it.
@@ -24,6 +25,10 @@ if [ "${1:-}" = --unpack ]; then        # on the GPU machine: put the pieces whe
   done
   exit 0
 fi
+# --table h200|h100 first: only the cubins that table's plans name (tests/gpu/carry_table.py), for a
+# call that names its card
+table=
+if [ "${1:-}" = --table ]; then table=$2; shift 2; fi
 rm -rf .cache/carry
 mkdir -p .cache/carry/binpool
 for p in "$@"; do
@@ -36,8 +41,10 @@ for p in "$@"; do
     rm -rf "$b"
   done
 done
-# the device tool's 64 MiB counts bytes as they lie (the checkout's own ~29 MB included): every file
+# the device tool's 64 MiB counts the files as they lie on disk, the checkout's own included (~51 MiB
+# of 4 KiB blocks at c4b8fadb, against ~42 MiB of bytes: measured by which calls it refused): every file
 # over 16 KiB travels gzipped (the tokenizer's JSON, kernel sources, cubins: 33 -> 19 MB for a
 # 22-variant sweep), and --unpack restores them
 find .cache/carry -type f -size +16k ! -name '*.gz' -print0 | xargs -0 -r gzip -9
+if [ -n "$table" ]; then python3 tests/gpu/carry_table.py .cache/carry "$table"; fi
 du -sh .cache/carry
