@@ -165,7 +165,7 @@ def _inspect_one(model, spec_path, model_dir, dot, phases, spec_dirs, parallel=N
     a = plan["arena"]
     out += ["", f"== memory: arena = {a['bytes_per_token']}*T + {a['bytes_per_seq']}*B + {a['bytes']} bytes"]
     stacks = {launch["outputs"][0] for program in plan["programs"].values() for launch, _ in launches(program)
-              if launch["op"] == "expert_upcast"}
+              if launch["op"] == "expert_upcast" and launch["outputs"][0] in plan["buffers"]}
     if stacks:            # (plan_memory reuses one buffer for every layer's, gate|up's and down's)
         held = {}
         for b in stacks:
@@ -173,6 +173,11 @@ def _inspect_one(model, spec_path, model_dir, dot, phases, spec_dirs, parallel=N
             held[at] = max(held.get(at, 0), nbytes("bf16", plan["buffers"][b]["shape"]))
         out += [f"  of the fixed bytes, {sum(held.values())} hold the bf16 expert stacks of many-token steps "
                 f"(compiler/passes/upcast_experts.py: {len(stacks)} stacks in {len(held)} buffer(s))"]
+    resident = [n for n, w in plan["weights"].items() if "derived" in w["source"]]
+    if resident:          # (compiler/passes/upcast_experts.py resident mode: weights, not arena)
+        size = sum(nbytes(plan["weights"][n]["dtype"], plan["weights"][n]["shape"])
+                   * len(plan["weights"][n]["layers"] or [None]) for n in resident)
+        out += [f"  derived weights (written once by the load program): {', '.join(resident)}, {size} bytes"]
     absent = [p for p in phases or [] if p not in plan["programs"]]
     for p in absent:          # "wide", "short", "narrow" and "verify" exist only where they run differently
         out += ["", f"== launches: {p}  (none: this plan has no {p} program; its steps run "
@@ -188,8 +193,10 @@ def _inspect_one(model, spec_path, model_dir, dot, phases, spec_dirs, parallel=N
                 "wide": f"; decode steps of >= {plan.get('wide_tokens')} sequences",
                 "narrow": f"; decode steps of <= {plan.get('narrow_tokens')} tokens",
                 "verify": f"; decode steps of {plan.get('narrow_tokens', 0) + 1}-{plan.get('verify_tokens')} "
-                          f"tokens: the narrow launches {plan.get('verify_tokens')} rows wide"}.get(phase, "")
-        out += ["", f"== launches: {phase}  ({per_layer} per layer, {total} per step{when})"]
+                          f"tokens: the narrow launches {plan.get('verify_tokens')} rows wide",
+                "load": "; once, after the weights, before any step: it writes the derived weights"}.get(phase, "")
+        per = "in all" if phase == "load" else "per step"
+        out += ["", f"== launches: {phase}  ({per_layer} per layer, {total} {per}{when})"]
         out += _launch_table(plan, plan["programs"][phase], bin_dir)
     if plan.get("sampler"):
         out += ["", "== sampler: after each step, on the logits, outside the decode graph (runtime/cuda/sampler.py)"]

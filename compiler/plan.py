@@ -10,7 +10,11 @@
                 a data-parallel plan's buffers over every rank's rows have the dim G = world * T
                 (counted in the offsets' T coefficient; compiler/contract/bind.py step_dims)
     programs    phase -> ordered launches; {"repeat": "layers", "schedule": [kind per layer],
-                "kinds": {kind: launches}} runs layer i with the launches of its kind
+                "kinds": {kind: launches}} runs layer i with the launches of its kind.
+                programs["load"] (only where a pass marks launches for it): run once after the
+                weights are in place, before any step or graph capture, never captured; its
+                launches write derived weights (source {"derived": ...}), which no other
+                program writes (compiler/passes/select_kernels.py LOAD)
     short_tokens  a prefill or mixed step of at most this many tokens runs programs["short"]
                 (compiler/contract/program.py `program_name`)
     wide_tokens   a decode step of at least this many tokens runs programs["wide"]: the GEMVs'
@@ -70,7 +74,7 @@ def _buffers(state) -> dict:
         for n in g.ordered():
             for o in n.outputs:
                 v = g.values[o]
-                if v.type is None:
+                if v.type is None or v.kind == "weight":   # a derived weight the load program writes
                     continue
                 out[o] = _buffer(state, g, o)
         for i in g.inputs:          # step inputs, and a layer body's carried inputs

@@ -161,7 +161,7 @@ def parser() -> argparse.ArgumentParser:
     add_spec_dir_arg(i)
     i.add_argument("--model-path")
     i.add_argument("--dot", help="write the fused graph as Graphviz DOT to this file")
-    i.add_argument("--phase", action="append", choices=["prefill", "decode", "mixed", "short", "wide", "narrow", "verify"],
+    i.add_argument("--phase", action="append", choices=["prefill", "decode", "mixed", "short", "wide", "narrow", "verify", "load"],
                    help="phases to list launches for (default: all; wide: decode steps of many sequences)")
     _add_parallel_args(i)
     i.add_argument("--rank", type=int, help="with --tensor-parallel-size: show only this rank")

@@ -45,6 +45,24 @@ class InterpExecutor:
         self.slots: dict[int, int] = {}
         self.free_slots = list(range(num_slots))
         self.scratch = {}
+        self._load()
+
+    def _load(self):
+        """The plan's load program once, through its kernels (as runtime/cuda/runner.py before its
+        first step): its launches write the derived weights in place. Grids at one row."""
+        dims = {"T": 1, "B": 1}
+        resolver = Resolver(tensor=lambda name, layer: at(self.plan, self.weights, name, layer),
+                            scratch=lambda k, name: torch.zeros(scratch_sizes(k.meta, dims)[name] // 4 + 1,
+                                                                dtype=torch.int32),
+                            dim=dims.__getitem__)
+        self.loaded = []                     # the load program's launched templates (tests)
+        for launch, layer in unrolled(self.plan["programs"].get("load", [])):
+            k = self.kernels[launch["kernel_id"]]
+            g = grid(k.meta, dims)
+            assert g[0] * g[1] * g[2], f"the load program's {launch['op']} has an empty grid"
+            self.loaded.append((launch["op"], launch["kernel"]))
+            args = resolver.values(k.meta, launch["inputs"], launch["outputs"], layer, k)
+            getattr(load(k), k.meta["entry"])[g](*args, **interpreter_constexprs(k.meta))
 
     def ensure_pages(self, seq_id: int, tokens: int, shared: list[int] | None = None):
         pages = self.pages.setdefault(seq_id, list(shared or []))

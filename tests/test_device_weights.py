@@ -2,10 +2,12 @@
 is host bytes. The streamed bytes of every weight (direct preads, stacked experts, fused
 concatenations, f32 checkpoints converted in numpy, tiny staging buffers that split tensors)
 equal the plan's weights as the numpy loader builds them; staging memory is given back; a broken
-directory is a clear error."""
+directory is a clear error; a derived weight (the load program's) is allocated, never built or
+copied."""
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from infc.compiler.build import compile_model
@@ -92,3 +94,36 @@ def test_broken_directories_name_the_tensor(tmp_path):
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     with pytest.raises(ModelDirError, match="truncated|not a readable"):
         dw.DeviceWeights(FakeContext(), plan, tmp_path, progress=False)
+
+
+def test_derived_weights_are_allocated_not_built(tmp_path, monkeypatch):
+    """A derived weight (source {"derived": ...}: the load program writes it) gets its aligned room
+    past every other weight, and nothing is built on the host, read or copied for it (GPT-OSS-20B's
+    resident bf16 stacks are 38 GB); the others stream as before and the bytes count it."""
+    from fake_cuda import POISON
+    plan = model(tmp_path, "qwen3_moe")
+    base = dw.DeviceWeights(FakeContext(), plan, tmp_path, progress=False)
+    stack = next(n for n, w in plan["weights"].items() if len(w["shape"]) == 3 and w["layers"])
+    w = plan["weights"][stack]
+    plan = {**plan, "weights": {**plan["weights"], "wd_bf16": {
+        "shape": w["shape"], "dtype": "bf16", "layers": w["layers"],
+        "source": {"derived": {"by": "expert_upcast", "from": [stack], "shape": w["shape"]}}}}}
+    built, build = [], dw.build
+
+    def counted(src, *a, **kw):
+        built.append(src)
+        return build(src, *a, **kw)
+    monkeypatch.setattr(dw, "build", counted)
+    ctx = FakeContext()
+    got = dw.DeviceWeights(ctx, plan, tmp_path, progress=False)
+    assert not any("derived" in s for s in built)
+    size = 2 * int(np.prod(w["shape"]))
+    assert got.bytes == base.bytes + size * len(w["layers"])
+    others = max(p for n, ps in got.ptrs.items() if n != "wd_bf16" for p in (ps if isinstance(ps, list) else [ps]))
+    for layer in w["layers"]:
+        ptr = got.ptr("wd_bf16", layer)
+        assert ptr % dw.ALIGN == 0 and ptr > others
+        assert ctx.read(ptr, size) == bytes([POISON]) * size       # untouched: no copy reached it
+    for name in base.ptrs:                                          # the rest as without it
+        for layer in plan["weights"][name]["layers"] or [None]:
+            assert got.ptr(name, layer) - got.base == base.ptr(name, layer) - base.base, name

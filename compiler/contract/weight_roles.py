@@ -92,5 +92,6 @@ def fill_kinds(plan: dict) -> list[str]:
     weight of another dtype gets none (the loader refuses it, naming it)."""
     roles = quant_roles(plan)
     kinds = {fill_kind(w, roles.get(n)) for n, w in plan.get("weights", {}).items()
-             if "tied" not in w["source"] and w.get("dtype", "bf16") in FILLED}
+             if "tied" not in w["source"] and "derived" not in w["source"]     # (the load program's)
+             and w.get("dtype", "bf16") in FILLED}
     return ["bf16"] + sorted(kinds - {"bf16"})

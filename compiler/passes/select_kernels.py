@@ -45,17 +45,31 @@ WIDE_TOKENS_PER_EXPERT = 8
 # decodes the two are even, the wide GEMVs take ~1.4 ms less a step at 128 and ~3.5 ms at 256).
 ROW_TILED = frozenset({"gemv", "gemv_act_mul", "gemv_gated", "lm_head_last"})
 WIDE_DENSE_TOKENS = 128
+# "load": launches run once, after the weights are in place and before any step or graph capture
+# (runtime/cuda/runner.py, runtime/reference/executor.py), never captured: they write derived
+# weights (a weight source {"derived": ...}, runtime/weights/recipes.py). Only a node a pass marks
+# with attrs[LOAD_ATTR] is launched there, and such a node by no other program; a plan without
+# one has no load program (every other plan unchanged).
+LOAD = "load"
+LOAD_ATTR = "at_load"
+
+
+def at_load(n) -> bool:
+    """Whether node n runs in the load program alone."""
+    return bool(n.attrs.get(LOAD_ATTR))
 
 
 def select_kernels(state):
-    for phase in PHASES:
+    for phase in PHASES + (LOAD,):
         table = {}
         for g in state.graph.walk():
             for n in g.ordered():
                 if n.op == "layers" or REGISTRY[n.op].view:
                     continue
                 op = REGISTRY[n.op]
-                if op.phases is not None and phase not in op.phases:
+                if at_load(n) != (phase == LOAD):
+                    continue             # the load program's launches, and only those, run there
+                if phase != LOAD and op.phases is not None and phase not in op.phases:
                     continue             # not launched by this program (plan.py leaves it out)
                 if op.collective:        # between ranks: NCCL on the runner's stream, no template
                     table[n.id] = ("nccl", None)
@@ -92,6 +106,8 @@ def select_kernels(state):
     ready_codes = any(n.attrs.get("has_a_scale") for g in state.graph.walk() for n in g.ordered())
     if not state.merges.get("narrow") and not state.lora_sites.get("narrow") and not ready_codes:
         del state.kernels["narrow"]
+    if not state.kernels[LOAD]:
+        del state.kernels[LOAD]                   # nothing to run at load: no program
     if "narrow" in state.kernels and state.narrow_tokens > NARROW_TOKENS:
         state.kernels["verify"] = dict(state.kernels["narrow"])
     state.note("select_kernels", ", ".join(f"{p}: {len(t)} launches" for p, t in state.kernels.items()))

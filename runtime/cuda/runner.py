@@ -5,7 +5,8 @@ step metadata buffers (plan["step_metadata"]), per-kernel scratch, and the plan'
 (compiler/contract/caches.py lays them out) from what gpu_memory_utilization leaves. Buffers sit at the plan's offsets evaluated at the maximum T and
 B, so every pointer is fixed for the runner's life: each phase's launches are packed once and a
 step only rewrites the T/B scalars and the grid. Decode steps replay a CUDA Graph captured per
-batch bucket, padded with rows that write only a reserved page.
+batch bucket, padded with rows that write only a reserved page. A plan's load program
+(plan["programs"]["load"]: its derived weights) runs once before the first capture or step.
 """
 from dataclasses import dataclass
 from pathlib import Path
@@ -227,9 +228,13 @@ class CudaRunner:
                                    self.staging) if plan.get("sampler") else None)
         self._events = [self.ctx.event() for _ in range(4)]      # start / end of two steps in flight
         self._launched = 0
-        self.ctx.sync()
         self.place = dims                          # where buffers live: fixed for every step
         self.programs = {}                         # phase -> packed launches (bound once)
+        if "load" in plan["programs"]:
+            # the derived weights (runtime/cuda/weights.py leaves them unwritten), once, before
+            # any step or capture; never captured, and not kept bound
+            self._launch_all(self.bind("load"), dims)
+        self.ctx.sync()
         self.graphs: dict[int, tuple] = {}
         self.buckets = sorted(self._bucket_list or default_buckets(self.max_seqs, plan))
         if self._cuda_graphs:

@@ -43,7 +43,7 @@ from infc.compiler.contract.weight_roles import (FILL_KINDS, fill_key, fill_kind
 from ..weights.dummy import check_load_format, chunks, fill_args, fill_elements
 from infc.compiler.contract.safetensors_io import Checkpoint, f32_to_bf16_bits
 from ..weights.quant_pack import to_storage
-from ..weights.recipes import CheckpointReader, build, kind_of, name_at
+from ..weights.recipes import CheckpointReader, build, is_derived, kind_of, name_at
 from ..weights.load import check_shape, layers_of
 
 ALIGN = 256
@@ -204,6 +204,7 @@ class DeviceWeights:
         self.bytes = 0
         self.layers = {}               # per-layer weight -> its global layer indices
         items, tied = [], []           # (name, layer, runs | array | bytes, NaN check name)
+        derived = []                   # (name, layer, bytes, None): laid out after the rest
         for name, w in plan["weights"].items():
             if name in shared:
                 if w["layers"] is not None:
@@ -219,6 +220,9 @@ class DeviceWeights:
             if w["layers"] is not None:
                 self.layers[name] = list(w["layers"])
             for layer in layers_of(w):
+                if is_derived(w["source"]):     # the load program writes it: only its room, last
+                    derived.append((name, layer, nbytes(w["dtype"], w["shape"]), None))
+                    continue
                 if dummy:                       # bytes only: filled on the device below
                     items.append((name, layer, nbytes(w["dtype"], w["shape"]), None))
                     continue
@@ -250,6 +254,13 @@ class DeviceWeights:
                 pos += n
             self.bytes += pos - start
             pos = -(-pos // ALIGN) * ALIGN
+        # the derived weights lie past every streamed or filled byte: neither reads nor copies
+        # reach them (GPT-OSS-20B's resident bf16 stacks are 38 GB the load program writes)
+        streamed = pos
+        for name, layer, n, _ in derived:
+            placed.append((name, layer, pos))
+            self.bytes += n
+            pos = -(-(pos + n) // ALIGN) * ALIGN
         self.base = ctx.alloc(max(pos, 1))
         for name, layer, off in placed:
             if layer is None:
@@ -262,10 +273,10 @@ class DeviceWeights:
                 self.layers[name] = self.layers[target]
         t0 = time.perf_counter()
         if dummy:
-            self._fill(ctx, plan, placed, fills, roles, seed)
+            self._fill(ctx, plan, placed[:len(items)], fills, roles, seed)
         else:
             try:
-                self._stream(ctx, segs, pos, threads, progress)
+                self._stream(ctx, segs, streamed, threads, progress)
             finally:
                 ckpt.close()
         self.load_s = time.perf_counter() - t0

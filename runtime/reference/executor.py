@@ -188,6 +188,18 @@ class ReferenceExecutor:
         self.oracle = SeqPages(self.decl, page_size)
         self.paged = None                       # storage for step_paged (allocate_pages)
         self.outputs = {}                       # the last step's outputs besides the logits
+        self._load()
+
+    def _load(self):
+        """Run the plan's load program once (its launches write the derived weights in place, as
+        the GPU runner's do before its first step). Its references get no step context (None:
+        outside a step), and read and write weights only."""
+        for launch, layer in unrolled(self.plan["programs"].get("load", [])):
+            args = [at(self.plan, self.weights, n, layer) for n in launch["inputs"]]
+            for name, r in zip(launch["outputs"], launch_results(None, launch, args)):
+                if r is not None:
+                    dst = at(self.plan, self.weights, name, layer)
+                    np.copyto(dst, np.asarray(r).reshape(dst.shape), casting="unsafe")
 
     def free(self, seq_id: int):
         self.oracle.free(seq_id)

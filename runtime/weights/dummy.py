@@ -214,7 +214,10 @@ def dummy_weights(plan: dict, seed: int = 0) -> dict:
         if "tied" in w["source"]:
             tied.append((name, w["source"]["tied"]))
             continue
-        arrays = [weight_values(name, w, layer, seed, roles.get(name)) for layer in layers_of(w)]
+        if "derived" in w["source"]:       # the load program writes it: zeros until then
+            arrays = [np.zeros(w["shape"], np.float32) for _ in layers_of(w)]
+        else:
+            arrays = [weight_values(name, w, layer, seed, roles.get(name)) for layer in layers_of(w)]
         out[name] = arrays[0] if w["layers"] is None else arrays
     for name, target in tied:
         out[name] = out[target]

@@ -23,6 +23,12 @@ a weight the plan declares f32):
     {"scale": src, "by": x}                  w * x
     {"offset": src, "by": x}                 w + x (RMSNorm weights stored for x * (1 + w))
     {"zeros": [shape...]}                    zeros (a bias a fused concat needs but the model lacks)
+    {"derived": {"by": op, "from": [weight, ...], "shape": [...]}}   no checkpoint tensor: the
+                                             plan's load program (launches of `by` reading the
+                                             plan weights `from`) writes it once before the first
+                                             step; loaders only allocate it (zeros here; the GPU
+                                             loader builds nothing on the host) and
+                                             compiler/checkpoint_check.py expects no tensor
 
 build(src, layer, read) returns (array, what): `what` names the checkpoint tensors for errors.
 read(name) -> float32 array (a CheckpointReader, whose raw() and dtype() the quantized formats'
@@ -154,6 +160,17 @@ def _offset(src, layer, read, where):
 @recipe("zeros")
 def _zeros(src, layer, read, where):
     return np.zeros(src["zeros"], np.float32), f"zeros{list(src['zeros'])}"
+
+
+@recipe("derived")
+def _derived(src, layer, read, where):
+    d = src["derived"]
+    return np.zeros(d["shape"], np.float32), f"derived by {d['by']} from {', '.join(d['from'])}"
+
+
+def is_derived(src: dict) -> bool:
+    """Whether a weight source is written by the plan's load program (no checkpoint tensor)."""
+    return "derived" in src
 
 
 # the quantized formats' recipes register into the same registry
