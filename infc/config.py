@@ -188,6 +188,15 @@ UPCAST_EXPERTS = True
 # (the buffer is taken from the KV cache; GPT-OSS-120B's gate|up is 3.96 GiB).
 UPCAST_TOKENS_PER_EXPERT = 64
 UPCAST_MAX_BYTES = 4 << 30
+# The experts' bf16 stacks kept resident (compiler/passes/upcast_experts.py, resident mode): when
+# every upcast stack of the model in bf16, all layers together, fits under this many bytes, each
+# is made once by the plan's load program (a derived weight a layer) instead of once a step, and
+# the grouped GEMMs of the prefill, mixed, short and wide programs read it in steps whose routed
+# experts get at least RESIDENT_TOKENS_PER_EXPERT tokens each on average (the decode GEMVs keep
+# the codes). 0 = off: not yet measured on a GPU end to end (the design's prediction for
+# GPT-OSS-20B, 38 GB of stacks: wide steps -27 % on an H100, bench/NOTES.md "kept resident").
+RESIDENT_EXPERT_STACKS_MAX_BYTES = 0
+RESIDENT_TOKENS_PER_EXPERT = 4
 # `infc tune prepare --phases verify`'s rows when --verify-rows is not given: verify(4)'s 5, the
 # issue-43 target (its entries are keyed per row count: compiler/codegen/render.py verify_key)
 DEFAULT_TUNE_VERIFY_ROWS = 5

@@ -14,12 +14,26 @@ codes: short (at most 64 tokens: below any rows but a model whose every expert i
 the decode programs (decode, narrow, verify, and wide, whose grouped GEMMs serve a decode step's
 one or two blocks of tokens an expert). The grouped templates render the branch for these phases
 alone.
+Resident mode (attrs at_load; its consumers' upcast_resident): launched by the load program alone,
+once, rows 1, writing a derived weight (compiler/passes/upcast_experts.py); the grouped GEMMs of
+RESIDENT_PHASES read it at their upcast_rows and above, the decode, narrow and verify GEMVs the
+codes.
 """
 from .base import REQUIRED, expect, op, tt
 from .quant import COMPANIONS, dequantize, scheme_of
 
 # the programs that launch it (the grouped templates' UP takes the same list)
 UPCAST_PHASES = ("prefill", "mixed")
+# the programs whose grouped GEMMs read a resident stack (attrs upcast_resident): every program
+# that runs the grouped templates (short through mixed's, wide its own)
+RESIDENT_PHASES = ("prefill", "mixed", "short", "wide")
+
+
+def reading_phases(attrs: dict) -> tuple:
+    """The programs whose grouped GEMMs read an expert op's bf16 stack (attrs has_w_upcast) at
+    its upcast_rows and above: stack_written below asks this, and the grouped templates' UP
+    (triton/moe_*_grouped.py.j2) spell the same two lists."""
+    return RESIDENT_PHASES if attrs.get("upcast_resident") else UPCAST_PHASES
 
 
 def infer(types, attrs):
@@ -42,13 +56,14 @@ def stack_written(ctx, rows: int, attrs: dict) -> bool:
     has_w_upcast, upcast_rows; rows: the rows it is launched over, T or G): as its grouped kernel,
     in the programs that launch the upcast and at its rows. ctx.program names the program the
     executor runs (no ctx, or None, outside a plan's step: the codes)."""
-    return (bool(attrs.get("has_w_upcast")) and getattr(ctx, "program", None) in UPCAST_PHASES
+    return (bool(attrs.get("has_w_upcast")) and getattr(ctx, "program", None) in reading_phases(attrs)
             and rows >= attrs["upcast_rows"])
 
 
 def reference(ctx, w, *rest, quant, rows, dim="T", **attrs):
     # below its rows the launch's grid is empty: nothing is written (the buffer keeps whatever it
     # held, the executor's NaN poison), and the experts' references read the codes, as the kernels
+    # (the load program's launch: no ctx, rows 1, always written)
     if ctx is not None and ctx.dim(dim) < rows:
         return None
     s = scheme_of({"quant": quant})
@@ -58,6 +73,6 @@ def reference(ctx, w, *rest, quant, rows, dim="T", **attrs):
 
 op(name="expert_upcast", tensors=["codes"], pass_inputs=["w_scale", "w_zero"],
    attrs={"quant": REQUIRED, "rows": REQUIRED, "dim": "T"}, infer=infer, reference=reference, internal=True,
-   templates={"triton": {"prefill": "expert_upcast", "mixed": "expert_upcast"}},
+   templates={"triton": {"prefill": "expert_upcast", "mixed": "expert_upcast", "load": "expert_upcast"}},
    phases=UPCAST_PHASES,
    doc="a quantized expert stack dequantized to bf16 once, for the grouped GEMMs of a many-token step")
