@@ -239,3 +239,20 @@ def test_cuda_runner_runs_the_load_program_once_before_the_graphs(mxfp4_model, t
     assert float(np.linalg.norm(got - want) / np.linalg.norm(want)) < 2e-2
     assert order.count("expert_upcast") == len(ups)                  # never again
     r.close()
+
+
+def test_resident_stacks_over_expert_parallel_ranks(mxfp4_model, monkeypatch):
+    """Each data-parallel, expert-parallel rank makes the bf16 stacks of its own experts in its load
+    program (the derived weights take the rank's slice of the codes): the ranks' logits equal the
+    single-rank codes plan's, whose steps the ranks' grouped GEMMs serve from the stacks."""
+    from test_data_parallel import _check, dp
+    from test_parallel import ranked, single
+    d, _ = mxfp4_model
+    _resident(monkeypatch, on=False)
+    one = single(d)
+    _resident(monkeypatch)
+    many, plans = ranked(d, **dp(2))
+    for p in plans:
+        assert {la["op"] for la, _ in launches(p["programs"]["load"])} == {"expert_upcast"}
+        assert p["weights"]["we_gate_up_bf16"]["shape"] == p["weights"]["we_gate_up"]["shape"] == [2, 128, 96]
+    assert _check(many, one, [[SeqChunk(0, PROMPT[:9], 0)], [SeqChunk(1, PROMPT[9:], 0)]]) <= 1e-4
