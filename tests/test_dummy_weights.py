@@ -2,7 +2,7 @@
 with the fill kernel (on tests/fake_cuda.py's fake driver, whose memory is host bytes) and loads
 the numbers the CPU backend makes; a directory with only config.json runs `LLM`, `infc generate`
 and `infc serve`, deterministically, with its checkpoint (even a broken one) neither read nor
-checked."""
+checked; a derived weight (the load program's) is neither filled nor drawn."""
 import json
 import math
 import os
@@ -228,3 +228,26 @@ def test_generate_serve_and_bench_commands(tmp_path, capsys):
         assert "load format dummy" in out and "make random weights" in out, out
         s, _, body = request(port, "POST", "/v1/completions", {"model": str(d), "prompt": "Hi", "max_tokens": 2})
         assert s == 200 and json.loads(body)["usage"]["completion_tokens"] == 2, body
+
+
+def test_derived_weights_are_left_to_the_load_program(tmp_path, fake_driver):
+    """A derived weight (source {"derived": ...}: the plan's load program writes it) gets no fill
+    launch on the device and zeros on the CPU: neither backend spends random numbers on it."""
+    from fake_cuda import POISON
+    d = config_only(tmp_path / "m", "Qwen3MoeForCausalLM", moe_intermediate_size=32, num_experts=6,
+                    num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    _, plan = compile_model(model_dir=str(d), check_checkpoint=False)
+    stack = next(n for n, w in plan["weights"].items() if len(w["shape"]) == 3 and w["layers"])
+    w = plan["weights"][stack]
+    plan["weights"]["wd_bf16"] = {"shape": w["shape"], "dtype": "bf16", "layers": w["layers"],
+                                  "source": {"derived": {"by": "expert_upcast", "from": [stack], "shape": w["shape"]}}}
+    ctx, kernel = fake_driver.Context(), fill_kernel(fake_driver)
+    fake_driver.on_launch = lambda launch: None
+    got = dw.DeviceWeights(ctx, plan, d, progress=False, load_format="dummy", fill=kernel)
+    size = 2 * math.prod(w["shape"])
+    starts = [launch.values[0] for launch in fake_driver.launches]
+    for layer in w["layers"]:
+        ptr = got.ptr("wd_bf16", layer)
+        assert not any(ptr <= p < ptr + size for p in starts)
+        assert ctx.read(ptr, size) == bytes([POISON]) * size
+    assert all(not a.any() and a.shape == tuple(w["shape"]) for a in dwv.dummy_weights(plan)["wd_bf16"])
