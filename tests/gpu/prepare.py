@@ -424,6 +424,12 @@ def gptoss():
     # by default): session.sh gptoss's A/B of the pass (GPTOSS_ARTS)
     _both_tunings("gpt-oss-20b, experts never upcast (the A/B's other side)",
                   GPU_CACHE / "gpt-oss-20b-noup-art", model_dir=str(d), config={"UPCAST_EXPERTS": False})
+    # the experts' bf16 stacks made once by the load program and kept (infc/config.py
+    # RESIDENT_EXPERT_STACKS_MAX_BYTES, 0 = off by default; GPT-OSS-20B's are 35.6 GiB): the A/B's
+    # third side (GPTOSS_ARTS=".cache/gpu/gpt-oss-20b-art .cache/gpu/gpt-oss-20b-resident-art")
+    _both_tunings("gpt-oss-20b, experts' bf16 stacks resident (the load program)",
+                  GPU_CACHE / "gpt-oss-20b-resident-art", model_dir=str(d),
+                  config={"RESIDENT_EXPERT_STACKS_MAX_BYTES": 48 << 30})
 
 
 def dsv4():
