@@ -29,6 +29,7 @@ import re
 from fnmatch import fnmatchcase
 from pathlib import Path
 
+from .contract.weight_roles import is_derived
 from .kv_scales import is_kv_scale
 from .contract.errors import SpecError, did_you_mean
 from .expr import EvalError, Unknown, evaluate
@@ -121,7 +122,7 @@ def recipe_names(src: dict, subs: dict):
                 yield from recipe_names(src["stack"], dict(subs, e=e))
             else:
                 yield Checker.subst(src["stack"], dict(subs, e=e))
-    elif "tied" not in src and "derived" not in src:    # (derived: the load program's, no tensor)
+    elif "tied" not in src and not is_derived(src):     # (derived: the load program's, no tensor)
         for v in src.values():
             for x in (v if isinstance(v, list) else [v]):
                 if isinstance(x, dict):
@@ -237,7 +238,7 @@ class Checker:
                 self.fail(f"{self.who(decl, wname)}: checkpoint tensor '{name}' (shape {_fmt(stored)}) "
                           f"holds a {_fmt(got)} quantized weight, the spec expects {_fmt(want)}", decl)
             return got
-        if "derived" in src:            # written by the load program: no checkpoint tensor
+        if is_derived(src):             # written by the load program: no checkpoint tensor
             return tuple(src["derived"]["shape"])
         if "tied" in src:
             self.tied(wname, w, want, subs)

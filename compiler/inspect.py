@@ -9,7 +9,7 @@ from collections import Counter
 from infc.compiler.contract.program import bodies, count_launches, is_repeat, launches, layer_counts
 
 from infc.compiler.contract.schema import nbytes
-from infc.compiler.contract.weight_roles import FILL_KINDS, fill_key
+from infc.compiler.contract.weight_roles import FILL_KINDS, fill_key, is_derived
 
 from .build import compile_model
 from .ir import Graph
@@ -173,7 +173,7 @@ def _inspect_one(model, spec_path, model_dir, dot, phases, spec_dirs, parallel=N
             held[at] = max(held.get(at, 0), nbytes("bf16", plan["buffers"][b]["shape"]))
         out += [f"  of the fixed bytes, {sum(held.values())} hold the bf16 expert stacks of many-token steps "
                 f"(compiler/passes/upcast_experts.py: {len(stacks)} stacks in {len(held)} buffer(s))"]
-    resident = [n for n, w in plan["weights"].items() if "derived" in w["source"]]
+    resident = [n for n, w in plan["weights"].items() if is_derived(w["source"])]
     if resident:          # (compiler/passes/upcast_experts.py resident mode: weights, not arena)
         size = sum(nbytes(plan["weights"][n]["dtype"], plan["weights"][n]["shape"])
                    * len(plan["weights"][n]["layers"] or [None]) for n in resident)

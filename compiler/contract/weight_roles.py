@@ -87,11 +87,16 @@ def fill_key(kind: str) -> str:
 FILLED = ("bf16", "f32", "i32", "f8e4m3") + BYTE_CODES     # the weight dtypes a fill kernel makes
 
 
+def is_derived(src: dict) -> bool:
+    """Whether a weight source is written by the plan's load program ({"derived": ...}: no
+    checkpoint tensor; runtime/weights/recipes.py)."""
+    return "derived" in src
+
+
 def fill_kinds(plan: dict) -> list[str]:
     """The fill kinds a plan's (untied) weights need, bf16 always (older plans have only it); a
     weight of another dtype gets none (the loader refuses it, naming it)."""
     roles = quant_roles(plan)
     kinds = {fill_kind(w, roles.get(n)) for n, w in plan.get("weights", {}).items()
-             if "tied" not in w["source"] and "derived" not in w["source"]     # (the load program's)
-             and w.get("dtype", "bf16") in FILLED}
+             if "tied" not in w["source"] and not is_derived(w["source"]) and w.get("dtype", "bf16") in FILLED}
     return ["bf16"] + sorted(kinds - {"bf16"})

@@ -31,8 +31,8 @@ RESIDENT_PHASES = ("prefill", "mixed", "short", "wide")
 
 def reading_phases(attrs: dict) -> tuple:
     """The programs whose grouped GEMMs read an expert op's bf16 stack (attrs has_w_upcast) at
-    its upcast_rows and above: stack_written below asks this, and the grouped templates' UP
-    (triton/moe_*_grouped.py.j2) spell the same two lists."""
+    its upcast_rows and above: stack_written below, and the grouped templates' UP
+    (triton/moe_*_grouped.py.j2, through compiler/codegen/render.py's `upcast_reads` filter)."""
     return RESIDENT_PHASES if attrs.get("upcast_resident") else UPCAST_PHASES
 
 

@@ -38,12 +38,12 @@ from infc.compiler.contract.errors import ModelDirError
 
 from infc.compiler.contract.bind import Resolver, grid
 from infc.compiler.contract.schema import DTYPE_BYTES, nbytes
-from infc.compiler.contract.weight_roles import (FILL_KINDS, fill_key, fill_kind, fill_kinds, is_mx_scale,
-                                                quant_roles)
+from infc.compiler.contract.weight_roles import (FILL_KINDS, fill_key, fill_kind, fill_kinds, is_derived,
+                                                is_mx_scale, quant_roles)
 from ..weights.dummy import check_load_format, chunks, fill_args, fill_elements
 from infc.compiler.contract.safetensors_io import Checkpoint, f32_to_bf16_bits
 from ..weights.quant_pack import to_storage
-from ..weights.recipes import CheckpointReader, build, is_derived, kind_of, name_at
+from ..weights.recipes import CheckpointReader, build, kind_of, name_at
 from ..weights.load import check_shape, layers_of
 
 ALIGN = 256

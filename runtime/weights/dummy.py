@@ -44,7 +44,7 @@ import numpy as np
 
 from infc.compiler.contract.safetensors_io import E4M3, f32_to_bf16_bits
 from infc.compiler.contract.schema import nbytes
-from infc.compiler.contract.weight_roles import fill_kind, is_mx_scale, quant_roles
+from infc.compiler.contract.weight_roles import fill_kind, is_derived, is_mx_scale, quant_roles
 from .quant_pack import E2M1, unpack_nibbles
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -214,7 +214,7 @@ def dummy_weights(plan: dict, seed: int = 0) -> dict:
         if "tied" in w["source"]:
             tied.append((name, w["source"]["tied"]))
             continue
-        if "derived" in w["source"]:       # the load program writes it: zeros until then
+        if is_derived(w["source"]):        # the load program writes it: zeros until then
             arrays = [np.zeros(w["shape"], np.float32) for _ in layers_of(w)]
         else:
             arrays = [weight_values(name, w, layer, seed, roles.get(name)) for layer in layers_of(w)]

@@ -168,10 +168,5 @@ def _derived(src, layer, read, where):
     return np.zeros(d["shape"], np.float32), f"derived by {d['by']} from {', '.join(d['from'])}"
 
 
-def is_derived(src: dict) -> bool:
-    """Whether a weight source is written by the plan's load program (no checkpoint tensor)."""
-    return "derived" in src
-
-
 # the quantized formats' recipes register into the same registry
 from . import quant_int_recipes, quant_mx_recipes, quant_recipes  # noqa: E402,F401
