@@ -65,6 +65,11 @@ def upcasts(s) -> bool:
     return s.codes in ("u4", "e2m1") and s.act == "none"
 
 
+def _stack_bytes(t: TensorType) -> int:
+    """A stack [E, N, K]'s bytes in bf16."""
+    return 2 * t.shape[0] * t.shape[1] * t.shape[2]
+
+
 def _qualifying(state):
     """(graph, node, scheme) of each expert launch this pass may give a bf16 stack, and the
     stacks' names past UPCAST_MAX_BYTES (kept on codes)."""
@@ -78,8 +83,7 @@ def _qualifying(state):
             if not upcasts(s):
                 continue
             w_name = n.inputs[EXPERT_OPS[n.op]]
-            w = g.values[w_name].type
-            nbytes = 2 * w.shape[0] * w.shape[1] * w.shape[2]
+            nbytes = _stack_bytes(g.values[w_name].type)
             if nbytes > UPCAST_MAX_BYTES:
                 big.append(f"{w_name} ({nbytes / 2 ** 30:.1f} GiB)")
                 continue
@@ -93,9 +97,8 @@ def _resident_bytes(state, found) -> int:
     seen = {}
     for g, n, _ in found:
         w_name = n.inputs[EXPERT_OPS[n.op]]
-        w = g.values[w_name].type
         layers = state.weights[w_name]["layers"] if w_name in state.weights else None
-        seen[w_name] = 2 * w.shape[0] * w.shape[1] * w.shape[2] * (1 if layers is None else len(layers))
+        seen[w_name] = _stack_bytes(g.values[w_name].type) * (1 if layers is None else len(layers))
     return sum(seen.values())
 
 
