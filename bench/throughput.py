@@ -36,9 +36,11 @@ class StepClock:
         self.own = self.name in vars(self.runner)   # an instance attribute to put back
         self.steps: dict[str, list] = {}        # phase -> [(T, B, seconds)]
         # every step in order: (phase, T, ms, the host tier's bytes saved and steps made to wait
-        # so far), the per-step view of a tier's cost (`--step-series`)
+        # so far, the engine thread's ms in the tier's flushes so far, ms since the clock started
+        # when the step was read back), the per-step view of a tier's cost (`--step-series`)
         self.series: list[tuple] = []
         self.tiers = getattr(engine, "tiers", None)
+        self.flush_s = 0.0
         # INFC_COLLECTIVE_CLOCK=1 on ranks: rank 0's time in its collectives (eager steps)
         self.collectives = getattr(getattr(self.runner, "runner", self.runner), "collective_clock", None)
 
@@ -46,7 +48,8 @@ class StepClock:
         self.steps.setdefault(meta.phase, []).append((meta.T, meta.B, seconds))
         st = self.tiers.stats if self.tiers is not None else None
         self.series.append((meta.phase, meta.T, round(seconds * 1e3, 3),
-                            st.bytes_to_host if st else 0, st.step_waits if st else 0))
+                            st.bytes_to_host if st else 0, st.step_waits if st else 0,
+                            round(self.flush_s * 1e3, 3), round((time.perf_counter() - self.t0) * 1e3, 3)))
 
     def __enter__(self):
         def executed(meta, rows):
@@ -61,12 +64,25 @@ class StepClock:
             self._add(mine.meta, mine.gpu_ms() / 1e3)
             return out
         setattr(self.runner, self.name, collected if self.name.startswith("collect") else executed)
+        if self.tiers is not None:                # the engine thread's time issuing the tier's copies
+            flush = self.tiers.flush
+
+            def timed_flush(*a, **k):
+                t0 = time.perf_counter()
+                try:
+                    return flush(*a, **k)
+                finally:
+                    self.flush_s += time.perf_counter() - t0
+            self.tiers.flush = timed_flush
+        self.t0 = time.perf_counter()
         self.waits0 = self.tiers.stats.step_waits if self.tiers is not None else 0
         if self.collectives is not None:
             self.collectives.report()            # from this point's first step on
         return self
 
     def __exit__(self, *exc):
+        if self.tiers is not None:
+            del self.tiers.flush                  # the class's method again
         if self.own:
             setattr(self.runner, self.name, self.inner)
         else:
@@ -91,7 +107,8 @@ def run_point(engine, vocab: int, concurrency: int, in_len: int, out_len: int, r
               params=None, loras: tuple = (), series: bool = False):
     """params: every request's SamplingParams (default: greedy, out_len tokens, EOS ignored).
     loras: adapter names the requests take in turn (request i the (i mod n)-th; none: the base).
-    series: the point keeps every step's (phase, T, ms, tier bytes saved, tier waits) in order."""
+    series: the point keeps every step's (phase, T, ms, tier bytes saved, tier waits, tier flush ms,
+    ms since the point's steps began) in order."""
     from infc.runtime.engine.sampling import SamplingParams
     params = params or SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
     total = total or max(4, 2 * concurrency)

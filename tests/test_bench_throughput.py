@@ -123,7 +123,8 @@ def test_requests_take_the_adapters_in_turn():
 
 def test_the_step_series_is_every_step_in_order_with_the_tiers_copies():
     """--step-series: one entry a step, in the order run, (phase, T, ms, the host tier's bytes saved
-    and steps made to wait by then); its tokens and times add up to the phases'; the tier's counts
+    and steps made to wait, the engine thread's ms in the tier's flushes, the clock's ms by then);
+    its tokens and times add up to the phases'; the tier's counts
     never fall and the point's wait count is the series' last minus what came before the point."""
     from test_kv_tier import OffloadConfig, TieredFake, _blocks_gib
     runner = TieredFake(48, late=True)
@@ -142,4 +143,8 @@ def test_the_step_series_is_every_step_in_order_with_the_tiers_copies():
     assert saved == sorted(saved) and waits == sorted(waits) and saved[-1] > 0
     assert p["steps"]["tier_step_waits"] == engine.tiers.stats.step_waits - before > 0
     assert waits[-1] - waits[0] <= p["steps"]["tier_step_waits"]
+    flushed, clock = [s[5] for s in series], [s[6] for s in series]
+    assert flushed == sorted(flushed) and 0 < flushed[-1] < clock[-1]
+    assert clock == sorted(clock) and clock[-1] <= p["wall_s"] * 1e3
+    assert engine.tiers.flush.__func__ is type(engine.tiers).flush     # the clock's timer removed
     assert "step_series" not in run_point(engine, runner.vocab_size, 2, 8, 2, rng, total=2)
