@@ -1,13 +1,22 @@
 """KVTiers: the host pool and the disk store behind the block manager's prefix cache.
 
-The block manager calls `offer` when a hashed page's last reference goes, `reusing` when it
-hands a page out, and at admission `find` (is this block in a tier?), `fetch` (pin its host
+The block manager calls `computed` when a step has been issued that fills a block (its hash now
+known), `offer` when a hashed page's last reference goes, `reusing` when it hands a page out, and
+at admission `find` (is this block in a tier?), `fetch` (pin its host
 row, reading it from disk first) and `restore` (this fresh page gets it); the engine calls
 `flush` before it launches a step and after each step. A flush issues the offered blocks'
 device-to-host copies (each into a row the pool gives, spilling its least recently used block
 to disk when it is full), then the restores' host-to-device copies, and makes the next step
 wait for what it must: the restores, and a save whose page was handed out again since it was
 offered. Everything else overlaps the steps (on the GPU: the runner's copy stream).
+
+A block is copied out once the step that computes it is issued (`computed`, at the flush after
+it), not when its sequence ends: a prompt's blocks move beside its own prefill chunks, which are
+long, and a finished sequence has little or nothing left to save. Saved at release instead
+(INFC_KV_SAVE_AT_RELEASE, the form before), every sequence that ends in a decode step saves all its
+blocks at once: on an H200, qwen3-4b's last decode steps at 1024/128 x 256 each issued ~2.5 GB of
+saves and ran 46-49 ms instead of 4-12 (bench/NOTES.md, issue 44). The set of blocks saved is the
+same (every block hashed in the cache is offered when it is released), only earlier.
 
 Fences are the runner's (runtime/cuda/kv_copies.py: ordered ints, a copy stream is in order, so
 waiting on the latest covers the earlier ones; None on the CPU, whose copies are done at once).
@@ -16,6 +25,8 @@ import hashlib
 import json
 import time
 from dataclasses import dataclass, field
+
+from infc import envs
 
 from ..kv_events import MEDIUM_HOST
 from ..metrics import Histogram
@@ -83,6 +94,7 @@ class KVTiers:
         # KV events (kv_events.py): called with each block entering or leaving the host pool,
         # medium "CPU" (as vLLM's CPU offloading reports them: no tokens, no parent); None: off
         self.on_event = None
+        self.at_compute = not envs.value("INFC_KV_SAVE_AT_RELEASE")
 
     @property
     def capacity_rows(self) -> int:
@@ -96,6 +108,12 @@ class KVTiers:
         if self.disk is not None and self.disk.touch(h):
             return
         self.saves[h] = page
+
+    def computed(self, h: bytes, page: int):
+        """A step filling block h on `page` has been issued (the page still held by the sequence
+        computing it): copy it out at the next flush, after that step on the stream."""
+        if self.at_compute:
+            self.offer(h, page)
 
     def released(self, page: int, h: bytes | None):
         """A page lost its last reference (and with a hash, its block is offered)."""
@@ -200,7 +218,7 @@ class KVTiers:
         """Copy offered blocks into rows. A row being filled is pinned until its copy is issued
         (spilling it would write what it held before); a pool smaller than the batch takes it
         in chunks, each evicting the one before."""
-        pages, rows = [], []
+        hashes, pages, rows = [], [], []
         # by page: consecutive pages take consecutive rows where free rows run on, so the GPU
         # copies them (and later restores them) as one run a (cache, layer)
         for h, page in sorted(saves.items(), key=lambda kv: kv[1]):
@@ -208,28 +226,31 @@ class KVTiers:
                 continue
             row = self._free_row()
             if row is None and pages:
-                self._copy_out(pages, rows, blocks, always_wait)
-                pages, rows = [], []
+                self._copy_out(hashes, pages, rows, blocks, always_wait)
+                hashes, pages, rows = [], [], []
                 row = self._free_row()
             if row is None:                      # every row pinned by restores: not kept
                 break
             self._pool_add(h, row)
             self.pool.pin(row)
+            hashes.append(h)
             pages.append(page)
             rows.append(row)
         if pages:
-            self._copy_out(pages, rows, blocks, always_wait)
+            self._copy_out(hashes, pages, rows, blocks, always_wait)
 
-    def _copy_out(self, pages, rows, blocks, always_wait: bool):
+    def _copy_out(self, hashes, pages, rows, blocks, always_wait: bool):
         fence = self.copies.save(pages, rows)
         self.stats.bytes_to_host += len(pages) * self.block_bytes
-        for page, row in zip(pages, rows):
+        for h, page, row in zip(hashes, pages, rows):
             self.pool.unpin(row)
             self.pool.fence[row] = fence
             if fence is not None:
                 self.page_fence[page] = fence
-            # handed out again since it was offered: the step about to write it waits
-            if always_wait or (blocks is not None and (blocks[page].ref or blocks[page].hash is None)):
+            # the page no longer holds h (handed out again since it was offered): the step about
+            # to write it waits. A page still holding h (its sequence runs on, or a prefix hit took
+            # it) is only read by the steps: the save runs beside them.
+            if always_wait or (blocks is not None and blocks[page].hash != h):
                 self.step_fence = _max(self.step_fence, fence)
 
     def flush(self, blocks, before_launch: bool = False):
