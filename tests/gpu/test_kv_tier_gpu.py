@@ -2,7 +2,10 @@
 the same bytes as the driver's 2D copies (one per (cache, layer) and run), saves and restores, for
 qwen3-4b's caches (36 layers of K and V, 16-token pages), caches of odd sizes (2-byte words) and
 Qwen3.5's state snapshot pool; and what a batch costs the engine thread (host µs to issue it) and
-the copy stream, each way, printed. The kernel is compiled here (compiler/codegen/aot.py)."""
+the copy stream, each way, printed. The kernel is compiled here (compiler/codegen/aot.py). And the
+engine with the host tier on (qwen3-4b's served build, block_copy in its plan): a prefix restored
+from the host tier gives the tokens and logprobs the same prefix gave from the KV cache, bit for
+bit."""
 import time
 
 import numpy as np
@@ -84,3 +87,49 @@ def test_one_launch_moves_what_the_2d_copies_move(ctx, tmp_path, decl, ps, num_p
           f"2d save {plain.last_ms(True):.2f} load {plain.last_ms(False):.2f}")
     fast.close()
     plain.close()
+
+
+@pytest.mark.parametrize("at_release", [False, True])
+def test_a_host_tier_hit_equals_the_kv_cache_hit(monkeypatch, at_release):
+    """qwen3-4b (dummy weights) served with --kv-offloading-size: prompt P (whole blocks) is
+    computed, then P + a quarter block decodes 6 tokens on P's blocks from the KV cache; P's
+    blocks are then demoted to the host tier (the KV cache forgets them) and the same prompt again
+    restores them from there: the same steps on the same KV bytes, so the same tokens and logprobs
+    exactly. Blocks saved as their step is issued (the default) and when their sequence ends (the
+    form before)."""
+    import models
+    from infc.backend import load_backend
+    from infc.runtime.engine.sampling import SamplingParams
+    if at_release:
+        monkeypatch.setenv("INFC_KV_SAVE_AT_RELEASE", "1")
+    b = load_backend(models.REPO / ".cache" / "gpu" / "configs" / "qwen3-4b", device="cuda", load_format="dummy",
+                     enable_prefix_caching=True, kv_offloading_size=2, max_model_len=4096, asynchronous=False,
+                     log=None)
+    e = b.engine
+    try:
+        assert e.tiers is not None and e.tiers.copies.kernel is not None     # the staged saves
+        rng = np.random.default_rng(12)
+        ps = b.page_size
+        p = rng.integers(0, b.vocab_size, 24 * ps).tolist()
+        q = p + rng.integers(0, b.vocab_size, ps // 4).tolist()       # with its 6 tokens, in one block
+        params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=3)
+
+        def run(prompt, rid):
+            e.add_request(prompt, params, rid)
+            got = []
+            while e.has_unfinished():
+                got += [(t, lp["logprob"]) for o in e.step() for t, lp in zip(o.token_ids, o.logprobs)]
+            return got
+
+        run(p, "p")
+        hbm = run(q, "q-hbm")
+        st = e.tiers.stats
+        saved = st.bytes_to_host
+        assert saved >= 24 * e.tiers.block_bytes            # P's blocks, whenever they were saved
+        e.tiers.demote(e.bm)
+        host = run(q, "q-host")
+        assert st.host_hit_tokens >= 24 * ps, st.host_hit_tokens
+        assert host == hbm
+        e.bm.check()
+    finally:
+        getattr(e.runner, "close", lambda: None)()
