@@ -66,9 +66,10 @@ REGISTRY = {v.name: v for v in (
     Var("INFC_KV_SAVE_HALVES", "int", 2, "parts of the staging buffer a host KV tier save's "
         "gathers fill in turn on their own stream (1: each gather waits for the copy out of the "
         "chunk before it, the chained form's pacing off the copy stream; an A/B switch)"),
-    Var("INFC_KV_SAVE_AT_RELEASE", "flag", False, "the host KV tier copies a block out when its "
-        "last reference goes, not once the step that computed it is issued (1: on, the form before; "
-        "an A/B switch: finished sequences' saves then arrive in bursts beside the last decode steps)"),
+    Var("INFC_KV_SAVE_AT_COMPUTE", "flag", False, "the host KV tier copies a block out once, when "
+        "the step computing it is issued (as vLLM's offloading connector stores blocks), instead of "
+        "when its last reference goes (1: on; an A/B switch: on an H200 it moved the saves but did "
+        "not spare the steps beside them, bench/NOTES.md issue 44)"),
     Var("INFC_STEP_STREAM_PRIORITY", "flag", False, "the steps' stream at the device's greatest "
         "priority, the KV tiers' copy and gather streams at the least, so their blocks yield SMs "
         "to a step (1: on; an A/B switch: no change to 1024/128 x 256 throughput on an H200)"),

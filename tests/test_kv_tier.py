@@ -375,16 +375,16 @@ def _serve(engine, prompts, params, per_wave=8):
     return [outs[f"r{i}"][0] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("disk,late,at_release", [(False, False, False), (True, False, False), (True, True, False),
+@pytest.mark.parametrize("disk,late,at_compute", [(False, False, False), (True, False, False), (True, True, False),
                                                   (True, True, True)])
-def test_outputs_with_tiers_equal_outputs_without(tmp_path, monkeypatch, disk, late, at_release):
+def test_outputs_with_tiers_equal_outputs_without(tmp_path, monkeypatch, disk, late, at_compute):
     """200 requests over 12 shared prefixes with a KV cache of 24 pages: evicted prefixes come
     back from the host pool (and, with a pool of 8 blocks, from the disk), outputs unchanged;
-    late: copies that land only when waited for (the GPU's copy stream, LateCopies); at_release:
-    blocks saved when their sequence lets them go (INFC_KV_SAVE_AT_RELEASE), so pages handed out
-    again before their save is issued."""
-    if at_release:
-        monkeypatch.setenv("INFC_KV_SAVE_AT_RELEASE", "1")
+    late: copies that land only when waited for (the GPU's copy stream, LateCopies: a page handed
+    out again before its save is issued makes the step wait); at_compute: blocks saved once, as
+    the step computing them is issued (INFC_KV_SAVE_AT_COMPUTE)."""
+    if at_compute:
+        monkeypatch.setenv("INFC_KV_SAVE_AT_COMPUTE", "1")
     rng = np.random.default_rng(11)
     prompts = _shared_prefix_prompts(rng, 200)
     params = SamplingParams(max_tokens=6, **GREEDY)
@@ -625,11 +625,10 @@ def test_a_restore_into_pages_of_the_step_in_flight_waits_for_it():
 
 def test_the_tier_host_bench_times_the_tiers_python():
     """bench/tier_host.py (issue 44's CPU measurement) at a tiny size: every sequence finishes,
-    each one's full computed blocks are saved once (a pool that holds them all: a smaller one
-    evicts blocks saved as they were computed, and their release saves them again), and the driver
-    calls it counts for the staged saves are an upload and, a chunk, a launch and at least one copy."""
+    each finished one's full computed blocks are saved once, and the driver calls it counts for
+    the staged saves are an upload and, a chunk, a launch and at least one copy."""
     from infc.bench.tier_host import run
-    kw = dict(page_size=4, num_pages=None, host_rows=64, concurrency=4, in_len=15, out_len=6)
+    kw = dict(page_size=4, num_pages=None, host_rows=None, concurrency=4, in_len=15, out_len=6)
     r = run(True, **kw)
     assert r["sequences"] == 8 and r["tier_s"] > 0
     # 20 of 21 tokens computed (the last sampled one never is): 5 full blocks of 4 a sequence
@@ -639,39 +638,45 @@ def test_the_tier_host_bench_times_the_tiers_python():
     assert "blocks_saved" not in run(False, **kw)
 
 
-@pytest.mark.parametrize("at_release", [False, True])
-def test_blocks_are_saved_once_the_step_computing_them_is_issued(monkeypatch, at_release):
-    """A block goes to the host tier at the flush after the step that computes it (the prompt's
-    blocks beside its prefill, each decode block after its step), so a sequence that ends leaves
-    at most its last block to save, and saves of blocks their sequence still holds never make a
-    step wait (copies that land late: LateCopies). INFC_KV_SAVE_AT_RELEASE=1 (the form before)
-    saves all of them when the sequence ends. Either way each block is saved once and the
-    outputs are the tier-free run's."""
-    if at_release:
-        monkeypatch.setenv("INFC_KV_SAVE_AT_RELEASE", "1")
+@pytest.mark.parametrize("at_compute", [False, True])
+def test_blocks_are_saved_when_released_or_once_as_computed(monkeypatch, at_compute):
+    """By default a block goes to the host tier when its sequence lets it go: all 13 of a
+    sequence's blocks in the step it ends. Under INFC_KV_SAVE_AT_COMPUTE it goes at the flush after
+    the step that computes it (the prompt's 10 blocks after its prefill, each decode block after
+    its step), never again at release, even from a pool too small to keep them all (so each block is
+    copied once), and its saves never make a step wait (the pages are only read: copies that land
+    late, LateCopies). Either way the outputs are the tier-free run's."""
+    if at_compute:
+        monkeypatch.setenv("INFC_KV_SAVE_AT_COMPUTE", "1")
     rng = np.random.default_rng(5)
-    prompt, params = rng.integers(0, 97, 41).tolist(), SamplingParams(max_tokens=13, **GREEDY)
+    params = SamplingParams(max_tokens=13, **GREEDY)
+    prompts = [rng.integers(0, 97, 41).tolist() for _ in range(3)]
     base = make_engine(FakeRunner(48))
-    base.add_request(prompt, params, "r")
-    want = drain(base)["r"][0]
+    want = []
+    for i, p in enumerate(prompts):
+        base.add_request(p, params, f"r{i}")
+        want.append(drain(base)[f"r{i}"][0])
     r = TieredFake(48, late=True)
-    e = make_engine(r, kv_offloading=OffloadConfig(_blocks_gib(100)))
+    e = make_engine(r, kv_offloading=OffloadConfig(_blocks_gib(8)))      # 8 rows: fewer than a sequence holds
     log, save = [], r.copies.save
     r.copies.save = lambda pages, rows: log.append(len(pages)) or save(pages, rows)
-    e.add_request(prompt, params, "r")
-    by_step, got = [], []
-    while e.has_unfinished():
-        n = len(log)
-        outs = e.step()
-        got += [t for o in outs for t in o.token_ids]
-        by_step.append((sum(log[n:]), any(o.request_finished for o in outs)))
-    assert got == want
-    # 41 + 13 tokens, the last never computed: 53 computed, 13 full blocks of 4
-    assert sum(n for n, _ in by_step) == 13 and e.metrics.kv_offload.bytes_to_host == 13 * r.copies.block_bytes
-    last = next(n for n, done in by_step if done)
-    if at_release:
-        assert last == 13 and sum(n for n, done in by_step if not done) == 0
-    else:
-        assert last <= 1 and by_step[0][0] == 10          # the prompt's 10 blocks after its prefill
-        assert e.metrics.kv_offload.step_waits == 0       # held blocks are only read by the steps
+    for i, p in enumerate(prompts):
+        e.add_request(p, params, f"r{i}")
+        by_step, got = [], []
+        while e.has_unfinished():
+            n = len(log)
+            outs = e.step()
+            got += [t for o in outs for t in o.token_ids]
+            by_step.append((sum(log[n:]), any(o.request_finished for o in outs)))
+        assert got == want[i]
+        # 41 + 13 tokens, the last never computed: 53 computed, 13 full blocks of 4
+        assert sum(n for n, _ in by_step) == 13
+        last = next(n for n, done in by_step if done)
+        if at_compute:
+            assert last <= 1 and by_step[0][0] == 10          # the prompt's 10 blocks after its prefill
+        else:
+            assert last == 13 and sum(n for n, done in by_step if not done) == 0
+    st = e.metrics.kv_offload
+    assert st.bytes_to_host == 3 * 13 * r.copies.block_bytes        # each block once
+    assert not at_compute or st.step_waits == 0                    # held blocks are only read
     assert_all_free(e)

@@ -17,9 +17,9 @@ back with its pages (finish, abort, preemption). A preempted sequence is recompu
 (or, with state snapshots, from its last snapshot still cached), and kernels treat a sequence with
 nothing cached as zero state, so a slot needs no reset.
 
-KV tiers (`tiers`, kv_tier/tiers.py: --kv-offloading-size): a block is offered to them once the
-step computing it is issued (commit), and again when its page's last reference goes (kept if the
-pool evicted it meanwhile), and the prefix lookup goes on past the device's hits into them: a
+KV tiers (`tiers`, kv_tier/tiers.py: --kv-offloading-size): a hashed page whose last reference
+goes is offered to them (or, under INFC_KV_SAVE_AT_COMPUTE, its block once the step computing it
+is issued: `computed`), and the prefix lookup goes on past the device's hits into them: a
 block found there takes a fresh page, registered under its hash at once, and the engine's
 flush copies it in before the step that reads it.
 
@@ -282,7 +282,7 @@ class BlockManager:
                 self.cached[h] = b.id
                 b.hash = h
                 stored.append(i)
-                if self.tiers is not None:        # copied out after the step that computes it
+                if self.tiers is not None:        # (saved now under INFC_KV_SAVE_AT_COMPUTE)
                     self.tiers.computed(h, b.id)
         seq.num_committed_blocks = full
         if stored and self.events is not None:

@@ -89,19 +89,19 @@ def test_one_launch_moves_what_the_2d_copies_move(ctx, tmp_path, decl, ps, num_p
     plain.close()
 
 
-@pytest.mark.parametrize("at_release", [False, True])
-def test_a_host_tier_hit_equals_the_kv_cache_hit(monkeypatch, at_release):
+@pytest.mark.parametrize("at_compute", [False, True])
+def test_a_host_tier_hit_equals_the_kv_cache_hit(monkeypatch, at_compute):
     """qwen3-4b (dummy weights) served with --kv-offloading-size: prompt P (whole blocks) is
     computed, then P + a quarter block decodes 6 tokens on P's blocks from the KV cache; P's
     blocks are then demoted to the host tier (the KV cache forgets them) and the same prompt again
     restores them from there: the same steps on the same KV bytes, so the same tokens and logprobs
-    exactly. Blocks saved as their step is issued (the default) and when their sequence ends (the
-    form before)."""
+    exactly. Blocks saved when their sequence ends (the default) and as their step is issued
+    (INFC_KV_SAVE_AT_COMPUTE)."""
     import models
     from infc.backend import load_backend
     from infc.runtime.engine.sampling import SamplingParams
-    if at_release:
-        monkeypatch.setenv("INFC_KV_SAVE_AT_RELEASE", "1")
+    if at_compute:
+        monkeypatch.setenv("INFC_KV_SAVE_AT_COMPUTE", "1")
     b = load_backend(models.REPO / ".cache" / "gpu" / "configs" / "qwen3-4b", device="cuda", load_format="dummy",
                      enable_prefix_caching=True, kv_offloading_size=2, max_model_len=4096, asynchronous=False,
                      log=None)

@@ -1,8 +1,8 @@
 """KVTiers: the host pool and the disk store behind the block manager's prefix cache.
 
-The block manager calls `computed` when a step has been issued that fills a block (its hash now
-known), `offer` when a hashed page's last reference goes, `reusing` when it hands a page out, and
-at admission `find` (is this block in a tier?), `fetch` (pin its host
+The block manager calls `offer` when a hashed page's last reference goes (and, under
+INFC_KV_SAVE_AT_COMPUTE, `computed` once a step that fills a block is issued), `reusing` when it
+hands a page out, and at admission `find` (is this block in a tier?), `fetch` (pin its host
 row, reading it from disk first) and `restore` (this fresh page gets it); the engine calls
 `flush` before it launches a step and after each step. A flush issues the offered blocks'
 device-to-host copies (each into a row the pool gives, spilling its least recently used block
@@ -10,13 +10,12 @@ to disk when it is full), then the restores' host-to-device copies, and makes th
 wait for what it must: the restores, and a save whose page was handed out again since it was
 offered. Everything else overlaps the steps (on the GPU: the runner's copy stream).
 
-A block is copied out once the step that computes it is issued (`computed`, at the flush after
-it), not when its sequence ends: a prompt's blocks move beside its own prefill chunks, which are
-long, and a finished sequence has little or nothing left to save. Saved at release instead
-(INFC_KV_SAVE_AT_RELEASE, the form before), every sequence that ends in a decode step saves all its
-blocks at once: on an H200, qwen3-4b's last decode steps at 1024/128 x 256 each issued ~2.5 GB of
-saves and ran 46-49 ms instead of 4-12 (bench/NOTES.md, issue 44). The set of blocks saved is the
-same (every block hashed in the cache is offered when it is released), only earlier.
+When a block is saved: at release by default; under INFC_KV_SAVE_AT_COMPUTE once, at the flush
+after the step that computes it (a prompt's blocks beside its own prefill, as vLLM's offloading
+connector stores them), and not again when its sequence lets it go, even if the pool has dropped
+it since (saved at both, a pool smaller than the run's blocks copied each block twice: 160 GB
+against 81 at qwen3-4b 1024/128 x 256 with 32 GiB). On an H200 neither timing spared the steps
+that run beside a large save (bench/NOTES.md, issue 44): the default stays the one measured first.
 
 Fences are the runner's (runtime/cuda/kv_copies.py: ordered ints, a copy stream is in order, so
 waiting on the latest covers the earlier ones; None on the CPU, whose copies are done at once).
@@ -94,7 +93,8 @@ class KVTiers:
         # KV events (kv_events.py): called with each block entering or leaving the host pool,
         # medium "CPU" (as vLLM's CPU offloading reports them: no tokens, no parent); None: off
         self.on_event = None
-        self.at_compute = not envs.value("INFC_KV_SAVE_AT_RELEASE")
+        self.at_compute = envs.value("INFC_KV_SAVE_AT_COMPUTE")
+        self.saved_at_compute: set[bytes] = set()    # held blocks saved once, not again at release
 
     @property
     def capacity_rows(self) -> int:
@@ -111,15 +111,23 @@ class KVTiers:
 
     def computed(self, h: bytes, page: int):
         """A step filling block h on `page` has been issued (the page still held by the sequence
-        computing it): copy it out at the next flush, after that step on the stream."""
+        computing it): under INFC_KV_SAVE_AT_COMPUTE, copy it out at the next flush, after that
+        step on the stream."""
         if self.at_compute:
             self.offer(h, page)
+            self.saved_at_compute.add(h)
 
     def released(self, page: int, h: bytes | None):
-        """A page lost its last reference (and with a hash, its block is offered)."""
+        """A page lost its last reference (and with a hash, its block is offered, unless it was
+        saved when computed: then it is only marked recently used, where the pool still has it)."""
         self.freed.add(page)
-        if h is not None:
-            self.offer(h, page)
+        if h is None:
+            return
+        if h in self.saved_at_compute:
+            self.saved_at_compute.discard(h)
+            self.pool.get(h)
+            return
+        self.offer(h, page)
 
     def reusing(self, page: int):
         """A page is handed out again: the step that writes it waits for a save still reading it."""
