@@ -208,7 +208,7 @@ def build(model=None, spec_path=None, model_dir=None, out=None, features=None, l
           reuse_bins=False, fuse=True, spec_dirs=None, check_checkpoint=True,
           tensor_parallel_size=1, enable_expert_parallel=False, data_parallel_size=1,
           tuning_overlay=None, kv_cache_dtype=DEFAULT_KV_CACHE_DTYPE, lora=None, kv_offloading=False,
-          capture=None, narrow_tokens=None) -> Path:
+          capture=None, narrow_tokens=None, section=None) -> Path:
     """reuse_bins: when out/bin already holds a cubin for every kernel id (an id is the digest of
     its source), compile nothing. The serving path uses it so that a machine with another (or no)
     Triton runs the cubins built elsewhere rather than recompiling them.
@@ -220,14 +220,16 @@ def build(model=None, spec_path=None, model_dir=None, out=None, features=None, l
     kv_cache_dtype: --kv-cache-dtype, auto or fp8 (the plan's K/V caches, passes/quantize_kv_cache.py).
     lora: --enable-lora's adapter tables (compile_model); capture: a speculation head's target
     layers (compile_model; one GPU only).
+    section: "mtp" builds the spec's MTP layer (compile_model; one GPU only): the artifact
+    infc/backend.py runs beside the target's for MTP speculation on cuda.
     kv_offloading: a build for serving with the host KV tier (--kv-offloading-size): the plan
     gets the tiers' copy kernel (plan["block_copy"]); one-GPU builds only (tiers are)."""
     page_size = page_size or default_page_size(gpu)
     par = settings(tensor_parallel_size, enable_expert_parallel, data_parallel_size=data_parallel_size)
     if par is not None and tuning_overlay:
         raise SpecError("a tuning overlay applies to one-GPU builds only", None)
-    if par is not None and capture:
-        raise SpecError("a speculation head's hidden-state outputs: one-GPU builds only", None)
+    if par is not None and (capture or section):
+        raise SpecError("a speculation head's hidden-state outputs or MTP layer: one-GPU builds only", None)
     if par is not None:
         return build_ranks(par, model, spec_path, model_dir, out, features, log, gpu, target,
                            page_size, compile, jobs, fuse, spec_dirs, check_checkpoint=check_checkpoint,
@@ -240,7 +242,7 @@ def build(model=None, spec_path=None, model_dir=None, out=None, features=None, l
                                 (lambda m: None) if log is None else log, fuse=fuse,
                                 spec_dirs=spec_dirs, check_checkpoint=check_checkpoint,
                                 kv_cache_dtype=kv_cache_dtype, lora=lora, capture=capture,
-                                narrow_tokens=narrow_tokens)
+                                narrow_tokens=narrow_tokens, section=section)
     out = Path(out) if out else GENERATED / state.model
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)

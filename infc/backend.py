@@ -200,11 +200,12 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, on_de
     eagle3 = s is not None and s.method == "eagle3"
     if eagle3:
         _check_eagle3(c, par, artifact)
-    if s is not None and s.method == "mtp":
-        _check_mtp(c, par)                     # (cpu, one rank: the capture below is for both heads)
+    mtp = s is not None and s.method == "mtp"
+    if mtp:
+        _check_mtp(c, par, artifact)           # (one rank: the capture below is for both heads)
     # the target layers a speculation head reads, as a plan output
     capture = eagle3_layers(s, model_dir) if eagle3 else \
-        mtp_layers(c, model_dir, spec_dirs) if s is not None and s.method == "mtp" else None
+        mtp_layers(c, model_dir, spec_dirs) if mtp else None
     if par is not None and lora is not None:
         raise ValueError("--enable-lora with --tensor-parallel-size / --data-parallel-size / "
                          "--enable-expert-parallel: not supported yet")
@@ -228,14 +229,18 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, on_de
                                        before_build=device_work)
         elif log:
             log(f"  artifact {artifact} as built (not rebuilt)")
-        if drafting or eagle3:
+        if drafting or eagle3 or mtp:
             device_work()                       # their artifacts may build
+        from infc.mtp_cuda import cuda_mtp_artifact, cuda_mtp_weights
         draft = (_cuda_draft_artifact(st, c, spec_dirs, dummy, kv_dtype, model_dir, artifact)
-                 if drafting else _cuda_head_artifact(st, c, artifact) if eagle3 else None)
+                 if drafting else _cuda_head_artifact(st, c, artifact) if eagle3 else
+                 cuda_mtp_artifact(st, c, spec_dirs, model_dir, artifact) if mtp else None)
         from infc.runtime.cuda.runner import CudaRunner  # noqa: F401 - cuda-bindings' import is Python
         device_work()
         runner, draft_runner = _cuda_runners(st, c, artifact, model_dir, draft, log,
-                                             head=_cuda_head_weights if eagle3 else None)
+                                             head=_cuda_head_weights if eagle3 else
+                                             cuda_mtp_weights if mtp else None,
+                                             what="MTP" if mtp else "EAGLE-3 head" if eagle3 else "draft")
         plan = runner.plan
         name = plan.get("model") or model or model_dir.name
         model_len = int(getattr(runner, "max_model_len", None) or plan_max_len(plan))
@@ -245,7 +250,7 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, on_de
         draft_runner = _draft_runner(st, c, par, spec_dirs, dummy, kv_dtype, model_dir)
     if eagle3 and device == "cpu":
         draft_runner = _eagle3_runner(st, c, spec_dirs, dummy, runner)
-    if s is not None and s.method == "mtp":
+    if mtp and device == "cpu":
         draft_runner = _mtp_runner(st, c, spec_dirs, dummy, runner, model_dir)
     tokenizer, tok_config = None, {}
     if tokenizing is not None:
@@ -483,14 +488,21 @@ def _eagle3_runner(st, c: EngineConfig, spec_dirs, dummy: bool, target):
     return runner
 
 
-def _check_mtp(c: EngineConfig, par):
-    """What can be refused of MTP speculation before anything loads."""
+def _check_mtp(c: EngineConfig, par, artifact=None):
+    """What can be refused of MTP speculation before anything loads: parallel ranks (the MTP
+    layer would need the target's hidden states gathered from its ranks, and a rank build of its
+    own), and an --artifact built without the hidden state the layer reads."""
     where = "--speculative-config: method 'mtp'"
     if par is not None:
-        raise ValueError(f"{where}: with parallel ranks is not supported yet")
-    if c.device.device != "cpu":
-        raise ValueError(f"{where}: MTP runs on --device cpu only so far (the MTP layer's runner "
-                         f"beside the target's on the GPU is not built yet; EAGLE-3's is)")
+        raise ValueError(f"{where}: with parallel ranks (tensor, data or expert parallel) is not "
+                         f"supported yet (the target's hidden states are one rank's)")
+    if artifact is not None:
+        import json
+        plan = json.loads((Path(artifact) / "plan.json").read_text())
+        if "aux_hidden" not in plan.get("outputs", {}):
+            raise ValueError(f"{where}: the --artifact {artifact} was built without the hidden state "
+                             f"the MTP layer reads (rebuild it with it, or leave --artifact out: the "
+                             f"serving build adds it)")
 
 
 def mtp_layers(c: EngineConfig, model_dir: Path, spec_dirs) -> list[int]:
@@ -650,10 +662,13 @@ def _cuda_draft_artifact(st, c: EngineConfig, spec_dirs, dummy: bool, kv_dtype, 
     return Path(art), path
 
 
-def _cuda_runners(st, c: EngineConfig, artifact: Path, model_dir: Path, draft, log, head=None):
+def _cuda_runners(st, c: EngineConfig, artifact: Path, model_dir: Path, draft, log, head=None,
+                  what: str = "draft"):
     """The target's CudaRunner, and the draft model's beside it (draft: (artifact, directory) or
-    None); head: for an EAGLE-3 head as the draft, head(c, target runner, head artifact) ->
-    (shared_weights, d2t) (_cuda_head_weights: the target's embedding, its own d2t). Both load
+    None); head: for an EAGLE-3 head or an MTP layer as the draft, head(c, target runner, head
+    artifact) -> (shared_weights, d2t) (_cuda_head_weights: the target's embedding, its own d2t;
+    infc/mtp_cuda.py cuda_mtp_weights: the target's embedding, final norm and lm_head); what:
+    the draft's name in the startup stages ("draft", "EAGLE-3 head", "MTP"). Both load
     their weights, arena and scratch first; then the cache budget left is split so that both
     caches hold the same tokens (compiler/memory_budget.draft_pages), and each
     allocates its caches and captures its own graphs. Each runner has its own stream, staging
@@ -673,8 +688,8 @@ def _cuda_runners(st, c: EngineConfig, artifact: Path, model_dir: Path, draft, l
     from infc.compiler.memory_budget import draft_pages, draft_split_line
     try:
         shared, d2t = head(c, runner, draft[0]) if head is not None else ({}, None)
-        d = st.run("load EAGLE-3 head weights" if head else "load draft weights", CudaRunner, draft[0],
-                   draft[1], defer_cache=True, shared_weights=shared, **dict(settings, num_state_snapshots=0))
+        d = st.run(f"load {what} weights", CudaRunner, draft[0], draft[1], defer_cache=True,
+                   shared_weights=shared, **dict(settings, num_state_snapshots=0))
         if head is not None:
             d.d2t = d2t
         try:
@@ -687,7 +702,7 @@ def _cuda_runners(st, c: EngineConfig, artifact: Path, model_dir: Path, draft, l
             if log:
                 log("  " + draft_split_line(tc, dc, runner.page_size, pages, budget))
             st.run("KV cache, graphs", runner.start_cache, pages)
-            st.run("draft KV cache, graphs", d.start_cache, pages)
+            st.run(f"{what} KV cache, graphs", d.start_cache, pages)
         except BaseException:
             d.close()
             raise

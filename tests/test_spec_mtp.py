@@ -11,7 +11,8 @@ weights' definition with HF's own modules for every part HF has (the decoder lay
 embedding, the RMSNorms): its drafts over every proposal the engine makes must be the engine's.
 Then: greedy output identical to plain decoding (with a prefix hit and an abort mid-speculation),
 every draft accepted by a construction that makes the MTP layer agree with its target, and the
-errors: a checkpoint without MTP weights, a config that declares none, --device cuda.
+errors: a checkpoint without MTP weights, a config that declares none. On the CUDA runner:
+tests/test_spec_mtp_cuda.py.
 """
 import json
 
@@ -345,8 +346,8 @@ def test_constructed_mtp_accepts_every_draft(models, fam, tmp_path):
 
 def test_a_checkpoint_without_mtp_is_refused(models, tmp_path):
     """Refused at startup, naming what is missing: a config.json that declares no MTP layer, a
-    checkpoint that declares one but lacks its weights, a family whose spec has none; and
-    --device cuda (the CUDA runner cannot hand the target's hidden states back yet)."""
+    checkpoint that declares one but lacks its weights, a family whose spec has none (what cuda
+    still refuses: tests/test_spec_mtp_cuda.py)."""
     from infc.backend import load_backend
     from infc.config import speculative_config
     d, _ = models["deepseek_v3"]
@@ -357,8 +358,6 @@ def test_a_checkpoint_without_mtp_is_refused(models, tmp_path):
     lacking = _edited(d, tmp_path / "mtp-deepseek_v3-lacking", {"x": lambda n: ".eh_proj." in n})
     with pytest.raises(ValueError, match=f"tensor 'model.layers.{L}.eh_proj.weight' is missing"):
         _engine(lacking, MTP)
-    with pytest.raises(ValueError, match="MTP runs on --device cpu only so far"):
-        load_backend(d, device="cuda", log=None, speculative_config=MTP)
     from transformers import LlamaConfig, LlamaForCausalLM          # a family with no MTP layer
     LlamaForCausalLM(LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                                  vocab_size=V, intermediate_size=48)).save_pretrained(tmp_path / "llama")
