@@ -52,6 +52,12 @@ qwen3-4b (tools/make_eagle3_head.head_config, a draft vocabulary of 32000) in
 .cache/gpu/configs/eagle3-qwen3-4b, built from specs/eagle3.yaml into
 .cache/artifacts/eagle3-qwen3-4b-eagle3, and qwen3-4b built with the head's hidden states as a
 plan output into .cache/artifacts/qwen3-4b-eagle3-<layers>: the artifacts infc/backend.py reuses).
+mtp (issue 43, tests/gpu/test_spec_mtp_gpu.py, `-m mtp`: DeepSeek-V3's 5-layer cut declaring one
+MTP layer, config-only in .cache/gpu/configs/deepseek-v3-l5-mtp, and the three artifacts
+infc/backend.py reuses for it on cuda, named as it names them: the plain build
+(.cache/artifacts/deepseek-v3-l5-mtp), the speculative one with the last hidden state as a plan
+output (deepseek-v3-l5-mtp-eagle3-5, -narrow4 first under INFC_VERIFY_PROGRAM=1) and the MTP layer's
+own (deepseek-v3-l5-mtp-mtp)). Not in the default: the cut is at the published widths.
 Default: base, nofuse, families, draft and eagle3.
 
 The tiny qwen3_moe and the
@@ -82,7 +88,7 @@ TINY_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
 GPU_CACHE = REPO / ".cache" / "gpu"
 SERVED = ("qwen3-4b", "llama-3.2-1b")          # model directories LLM / infc serve load on the GPU
 PARTS = ("base", "nofuse", "families", "qwen35", "ranks", "deepseek", "twogpu", "server", "attnvar", "hlvar", "kvfp8",
-         "quant", "lora", "draft", "eagle3", "gptoss", "dsv4")
+         "quant", "lora", "draft", "eagle3", "mtp", "gptoss", "dsv4")
 DEFAULT_PARTS = ("base", "nofuse", "families", "draft", "eagle3")
 
 
@@ -163,6 +169,8 @@ def main(parts=DEFAULT_PARTS):
         draft()
     if "eagle3" in parts:
         eagle3()
+    if "mtp" in parts:
+        mtp()
     if "gptoss" in parts:
         gptoss()
     if "dsv4" in parts:
@@ -378,6 +386,34 @@ def eagle3():
     # the head's page size: each table's default, as the target's (backend: the target's own)
     _both_tunings(f"{EAGLE3_HEAD} (an EAGLE-3 head for qwen3-4b)", arts / (EAGLE3_HEAD + "-eagle3"),
                   model_dir=str(head), spec_path=str(SPECS_DIR / "eagle3.yaml"), check_checkpoint=False)
+
+
+MTP_CUT = "deepseek-v3-l5-mtp"   # tests/gpu/test_spec_mtp_gpu.py's MTP_CUT
+MTP_K = 3                        # and its MTP_K
+
+
+def mtp():
+    """deepseek-v3-l5 (gpu_families) with num_nextn_predict_layers 1, config-only, and the builds
+    `LLM(..., device="cuda", load_format="dummy")` makes of it, plain and with --speculative-config
+    method mtp (k = MTP_K): the target with the hidden state after its last layer as an output
+    (infc/backend.py mtp_layers, artifact_tag) and the MTP layer (compile_model section "mtp",
+    infc/mtp_cuda.py). The kernel cache compiles the shared kernels once."""
+    from types import SimpleNamespace
+    from infc.backend import SERVED_ARTIFACTS
+    from infc.config import artifact_tag, narrow_tokens_for
+    from infc.mtp_cuda import mtp_artifact_dir
+    sys.path.insert(0, str(REPO / "tests" / "gpu"))
+    import gpu_families
+    d = gpu_families.write_config("deepseek-v3-l5", out=GPU_CACHE / "configs" / MTP_CUT, num_nextn_predict_layers=1)
+    L = json.loads((d / "config.json").read_text())["num_hidden_layers"]
+    # 1 (no verify program) unless INFC_VERIFY_PROGRAM=1 here and on the GPU machine
+    n = narrow_tokens_for(SimpleNamespace(num_speculative_tokens=MTP_K))
+    _both_tunings(f"{MTP_CUT} (plain)", SERVED_ARTIFACTS / MTP_CUT, model_dir=str(d), check_checkpoint=False)
+    _both_tunings(f"{MTP_CUT} with the hidden state after layer {L}, k = {MTP_K}",
+                  SERVED_ARTIFACTS / (MTP_CUT + artifact_tag(narrow=n, capture=[L])), model_dir=str(d),
+                  capture=[L], narrow_tokens=n, check_checkpoint=False)
+    _both_tunings(f"{MTP_CUT}'s MTP layer", mtp_artifact_dir(MTP_CUT), model_dir=str(d), section="mtp",
+                  check_checkpoint=False)
 
 
 def nofuse():

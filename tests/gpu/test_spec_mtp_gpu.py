@@ -1,0 +1,65 @@
+"""MTP speculation on the CUDA runner (issue 43): DeepSeek-V3's 5-layer cut at its published widths
+(gpu_families' deepseek-v3-l5: 3 dense + 2 MoE layers, 32 routed experts) declaring one MTP layer
+(num_nextn_predict_layers 1: an MoE layer at index 5 with enorm / hnorm / eh_proj / shared_head),
+config-only with --load-format dummy. infc/backend.py builds (here: reuses, after
+tests/gpu/prepare.py mtp) the target with its last hidden state as a plan output and the MTP
+layer's own artifact, and runs the layer on a CudaRunner of its own beside the target's, its
+embedding, final norm and lm_head the target's device copies. Random weights draft near chance,
+so the case checks exactness and the machinery's cost, not speedup.
+
+Opt-in (`-m mtp`, tests/gpu/conftest.py): its artifacts are not in prepare.py's default parts."""
+import pytest
+
+from infc.runtime.engine.sampling import SamplingParams
+from test_spec_gpu import acceptance, config_dir, decode_all, draft_prompts, time_per_token
+
+MTP_CUT = "deepseek-v3-l5-mtp"          # tests/gpu/prepare.py's MTP_CUT
+MTP_K = 3                               # prepare.py builds the target for this k (narrow_tokens_for)
+SHARED = ("embed", "final_norm", "lm_head")
+GREEDY = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)]
+
+
+@pytest.mark.mtp
+def test_mtp_outputs_are_plain_decodings():
+    """Greedy outputs with the MTP layer are plain decoding's on the same target; the layer's
+    runner its own (its pages the target's count), its shared tensors the target's pointers,
+    nothing held after; then the batch-1 time per token, plain and with the layer at k = 1..3."""
+    from infc import LLM
+    from infc.config import speculative_config
+    from infc.runtime.engine.engine import Engine
+    d = config_dir(MTP_CUT)
+    if not (d / "config.json").is_file():
+        raise FileNotFoundError(f"{d}: no config-only directory: run tests/gpu/prepare.py mtp and carry "
+                                f".cache/gpu/configs/{MTP_CUT} and its artifacts (.cache/artifacts/{MTP_CUT}*)")
+    kw = dict(device="cuda", load_format="dummy", max_num_seqs=8, gpu_memory_utilization=0.5)
+    spec = {"method": "mtp", "num_speculative_tokens": MTP_K}
+    with LLM(d, **kw) as llm:
+        prompts = draft_prompts(llm.runner.vocab_size)
+        plain = decode_all(llm.engine, prompts, GREEDY)
+    lines = []
+    with LLM(d, speculative_config=spec, log=lines.append, **kw) as llm:
+        e, mr = llm.engine, llm.engine.spec.draft.runner
+        print("\n".join(x for x in lines if "split" in x or "speculative" in x or "MTP" in x))
+        assert "aux_hidden" in llm.runner.plan["outputs"] and mr is not llm.runner
+        assert mr.artifact.name == MTP_CUT + "-mtp"
+        for name in SHARED:
+            assert mr.weights.ptr(name, None) == llm.runner.weights.ptr(name, None), name
+        got = decode_all(e, prompts, GREEDY)
+        m = e.metrics
+        print(f"MTP layer: acceptance {acceptance(e):.3f} ({m.spec_decode_num_accepted_tokens_total} of "
+              f"{m.spec_decode_num_draft_tokens_total}), forwards {e.spec.draft.forwards}")
+        assert got == plain and m.spec_decode_num_draft_tokens_total > 0
+        assert mr.num_pages == llm.runner.num_pages
+        assert e.bm.num_free_pages == llm.runner.num_pages and e.spec.draft.held_pages() == 0
+        prompt = [(1000 + i) % llm.runner.vocab_size for i in range(32)]
+        rows = []
+        for k in range(MTP_K + 1):
+            extra = {} if k == 0 else dict(draft_runner=mr, speculative_config=speculative_config(
+                dict(spec, num_speculative_tokens=k)))
+            time_per_token(Engine(llm.runner, None, (), llm.max_len, max_num_seqs=8, **extra), prompt, 16)
+            t = Engine(llm.runner, None, (), llm.max_len, max_num_seqs=8, **extra)
+            rows.append((k, 1e3 * time_per_token(t, prompt, 128), acceptance(t) if k else None))
+        print(f"batch-1 time per token, {MTP_CUT} (dummy weights), MTP layer (random):")
+        for k, ms, rate in rows:
+            print(f"  k={k}: {ms:.3f} ms/token" + ("" if rate is None else f", acceptance {rate:.3f}")
+                  + f", {ms / rows[0][1]:.2f}x plain")
