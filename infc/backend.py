@@ -688,8 +688,15 @@ def _cuda_runners(st, c: EngineConfig, artifact: Path, model_dir: Path, draft, l
     from infc.compiler.memory_budget import draft_pages, draft_split_line
     try:
         shared, d2t = head(c, runner, draft[0]) if head is not None else ({}, None)
-        d = st.run(f"load {what} weights", CudaRunner, draft[0], draft[1], defer_cache=True,
-                   shared_weights=shared, **dict(settings, num_state_snapshots=0))
+        try:
+            d = st.run(f"load {what} weights", CudaRunner, draft[0], draft[1], defer_cache=True,
+                       shared_weights=shared, **dict(settings, num_state_snapshots=0))
+        except ModelDirError as e:
+            if what != "MTP":
+                raise
+            # as on the cpu (_mtp_runner): the config.json that declared the layer is not at fault
+            raise ValueError(f"--speculative-config: method 'mtp': the checkpoint's MTP layer cannot "
+                             f"be read ({e}): its config.json declares one, its weights lack it") from None
         if head is not None:
             d.d2t = d2t
         try:

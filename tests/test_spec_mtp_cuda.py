@@ -11,7 +11,8 @@ over test_spec_mtp.py's tiny DeepSeek-V3 and Qwen3.5 checkpoints with an MTP lay
 - The backend's cuda path (the target built with its last hidden state as an output, the MTP
   artifact beside it, both runners on one device with the cache split): greedy output is plain
   decoding's on the same target runner, nothing held after.
-- Parallel ranks and an --artifact without the hidden state are refused before anything loads."""
+- Parallel ranks and an --artifact without the hidden state are refused before anything loads; a
+  checkpoint lacking an MTP tensor when the layer's runner loads, naming it."""
 import json
 import shutil
 import sys
@@ -245,3 +246,35 @@ def test_what_mtp_on_cuda_still_refuses(models, tmp_path):  # noqa: F811
     with pytest.raises(ValueError, match="built without the hidden state the MTP layer reads"):
         load_backend(d, EngineConfig.from_settings(device="cuda", artifact=str(art), speculative_config=MTP),
                      log=None)
+
+
+def test_a_checkpoint_lacking_the_mtp_weights_is_refused_on_cuda(fake_device, monkeypatch, models,  # noqa: F811
+                                                                  tmp_path):
+    """A config.json declaring the MTP layer over a checkpoint without one of its tensors: the
+    MTP runner's load fails naming the tensor, as the cpu's does, and the target's runner is
+    closed (nothing held)."""
+    from infc import backend
+    from infc.compiler.build import build
+    from infc.config import EngineConfig
+    from infc.mtp_cuda import cuda_mtp_weights
+    from test_spec_mtp import _edited
+    d, _ = models["deepseek_v3"]
+    lacking = _edited(d, tmp_path / "mtp-deepseek_v3-lacking", {"x": lambda n: ".eh_proj." in n})
+    kw = dict(model_dir=str(lacking), spec_path=str(SPECS_DIR / "deepseek_v2.yaml"), compile=False, log=None,
+              page_size=16)
+    art, mart = build(out=tmp_path / "t", capture=[L], **kw), build(out=tmp_path / "m", section="mtp",
+                                                                   check_checkpoint=False, **kw)
+    ctx = FakeCtx(24 << 20)
+    closed = []
+    real = fake_device.runner.CudaRunner.close
+    runner = type("Runner", (fake_device.runner.CudaRunner,),
+                  {"close": lambda self: closed.append(self) or real(self)})
+    c = backend.resolve(EngineConfig.from_settings(device="cuda", max_num_seqs=2, max_num_batched_tokens=24,
+                                                   speculative_config=MTP))
+    monkeypatch.setattr(fake_device.runner, "CudaRunner", runner)
+    monkeypatch.setattr(fake_device.runner, "Context", lambda: ctx)
+    with pytest.raises(ValueError, match=rf"method 'mtp': the checkpoint's MTP layer cannot be read .*"
+                                            rf"tensor 'model.layers.{L}.eh_proj.weight' is missing"):
+        backend._cuda_runners(backend._Stages(None), c, art, lacking, (mart, lacking), None,
+                              head=cuda_mtp_weights, what="MTP")
+    assert len(closed) == 1                          # the target's, loaded first
