@@ -181,10 +181,11 @@ def test_the_mtp_layer_on_the_cuda_runner_proposes_the_cpu_drafts(fake_device, m
 # -- the backend's path: both runners on one fake device ------------------------------------------
 @pytest.mark.parametrize("fam", ["qwen3_5", pytest.param("deepseek_v3", marks=EXHAUSTIVE)])
 def test_mtp_on_the_cuda_runner_is_plain_decoding(fake_device, monkeypatch, models, fam, tmp_path, rng):  # noqa: F811
-    """load_backend's cuda path up to the runners (the builds into a temporary .cache): the
-    target's artifact outputs aux_hidden (layer L), the MTP artifact is built beside it under
-    <name>-mtp and shares the target's tensors, the caches split; then plain and MTP decoding on
-    the same target runner, greedy: the same tokens, drafts made, every page back."""
+    """load_backend on cuda (the builds into a temporary .cache): the target's artifact outputs
+    aux_hidden (layer L), the MTP artifact is built beside it under <name>-mtp, its runner a
+    CudaRunner (not the cpu's) sharing the target's tensors, the caches split; then plain and MTP
+    decoding on the same target runner, greedy and seeded sampled (the GPU verifies coupled draws
+    by exact match): the same tokens, drafts made, every page back."""
     import infc.compiler.build as build_mod
     from infc import backend
     from infc.config import EngineConfig, speculative_config
@@ -199,33 +200,28 @@ def test_mtp_on_the_cuda_runner_is_plain_decoding(fake_device, monkeypatch, mode
     monkeypatch.setattr(sys.modules["infc.runtime.cuda.sampler"], "launch", fake_launch)
     ctx = FakeCtx(32 << 20)
     monkeypatch.setattr(fake_device.runner, "Context", lambda: ctx)
-    spec = str(SPECS_DIR / FAMILIES[fam][2])
-    c = backend.resolve(EngineConfig.from_settings(
+    b = backend.load_backend(d, EngineConfig.from_settings(
         device="cuda", max_num_seqs=4, max_num_batched_tokens=24, block_size=16, gpu_memory_utilization=0.5,
-        speculative_config=MTP, spec=spec))
-    st = backend._Stages(None)
-    capture = backend.mtp_layers(c, d, None)
-    assert capture == [L]
-    art = backend.served_artifact(st, c, d, None, False, backend.DEFAULT_KV_CACHE_DTYPE, None, None, capture)
-    assert "aux_hidden" in json.loads((art / "plan.json").read_text())["outputs"]
-    from infc.mtp_cuda import cuda_mtp_artifact, cuda_mtp_weights
-    draft = cuda_mtp_artifact(st, c, None, d, art)
-    assert draft[0] == tmp_path / ".cache" / "artifacts" / (d.name + "-mtp")
-    t, mr = backend._cuda_runners(st, c, art, d, draft, None, head=cuda_mtp_weights, what="MTP")
+        speculative_config=dict(MTP, num_speculative_tokens=2), spec=str(SPECS_DIR / FAMILIES[fam][2]),
+        asynchronous=False), log=None)
+    e = getattr(b.engine, "engine", b.engine)
+    t, mr = e.runner, e.spec.draft.runner
     try:
+        assert isinstance(mr, fake_device.runner.CudaRunner) and mr is not t
+        assert t.artifact.name == d.name + f"-eagle3-{L}" and "aux_hidden" in t.plan["outputs"]
+        assert mr.artifact == tmp_path / ".cache" / "artifacts" / (d.name + "-mtp")
         assert all(mr.weights.ptr(n, None) == t.weights.ptr(n, None) for n in SHARED)
         assert t.num_pages == mr.num_pages
         prompts = [rng.integers(0, V, n).tolist() for n in (11, 4)]
-        params = [SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)]
-        common = dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=24)
-        plain = _decode(Engine(t, **common), prompts, params)
-        e = Engine(t, **common, draft_runner=mr,
-                   speculative_config=speculative_config(dict(MTP, num_speculative_tokens=2)))
+        params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+                  SamplingParams(max_tokens=5, temperature=0.9, top_k=40, seed=3, ignore_eos=True)]
         got = _decode(e, prompts, params)
-        assert got == plain and [len(got["r0"]), len(got["r1"])] == [5, 5]
+        plain = _decode(Engine(t, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=24), prompts, params)
+        assert got == plain and [len(got["r0"]), len(got["r1"])] == [6, 5]
         assert e.metrics.spec_decode_num_draft_tokens_total > 0 and e.spec.draft.forwards >= 2
         assert e.bm.num_free_pages == t.num_pages and e.spec.draft.held_pages() == 0
     finally:
+        e.close()
         t.close()
         mr.close()
 
