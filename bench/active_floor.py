@@ -36,6 +36,7 @@ from pathlib import Path
 from infc.compiler.contract import caches
 from infc.compiler.contract.program import unrolled
 from infc.compiler.contract.schema import nbytes
+from infc.compiler.contract.weight_roles import is_derived
 from infc.compiler.quant.report import routed_k, weight_bytes as _weight_bytes
 
 from .cache_bytes import read_bytes
@@ -96,6 +97,10 @@ def active_bytes(plan: dict) -> dict:
                 continue
             name = stored(name)
             w = weights[name]
+            if is_derived(w["source"]):
+                # a copy the load program makes (upcast_experts' resident bf16 stacks): the grouped
+                # kernels read it at many tokens an expert only, a batch-1 step the codes beside it
+                continue
             experts = _stacked(w["source"])
             if launch["op"] == "embedding" or (launch["op"] == "moe_route_table" and name == launch["inputs"][1]):
                 frac = 1 / w["shape"][0]        # one token's row (of the ids' table, or of the hash table)

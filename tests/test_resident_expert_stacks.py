@@ -79,6 +79,19 @@ def test_the_load_program_holds_the_upcasts(mxfp4_model, monkeypatch):
     assert "== launches: load  (2 per layer, 6 in all; once" in shown and "derived weights" in shown
 
 
+def test_a_batch_1_step_reads_the_codes_not_the_stacks(mxfp4_model, monkeypatch):
+    """bench/active_floor.py: a batch-1 decode step of the resident build reads what the codes
+    build's does (the stacks are read at many tokens an expert only), so its floor is the same."""
+    from infc.bench.active_floor import active_bytes
+    d, _ = mxfp4_model
+    _resident(monkeypatch, on=False)
+    _, codes = compile_model(model_dir=str(d))
+    _resident(monkeypatch)
+    _, resident = compile_model(model_dir=str(d))
+    assert any("derived" in w["source"] for w in resident["weights"].values())
+    assert active_bytes(resident) == active_bytes(codes)
+
+
 def test_feature_off_leaves_the_plan_as_it_was(mxfp4_model, monkeypatch):
     """Off (0 bytes, the default) or over its budget, the plan is the per-step upcast's (or the
     codes'): no load program, no derived weight."""
