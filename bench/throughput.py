@@ -28,7 +28,9 @@ class StepClock:
     every rank's step in one execute_ranks / launch_ranks + collect_ranks: rank 0's is timed
     (the ranks' T and phase are the same)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, marks: bool = False):
+        """marks: a CUDA runner records events inside each step, and the series carries the
+        step's parts (runtime/cuda/runner.py InFlight.parts_ms)."""
         self.runner = engine.runner
         ranks = "_ranks" if engine.dp > 1 else ""
         self.name = ("collect" if engine.overlap else "execute") + ranks
@@ -37,19 +39,22 @@ class StepClock:
         self.steps: dict[str, list] = {}        # phase -> [(T, B, seconds)]
         # every step in order: (phase, T, ms, the host tier's bytes saved and steps made to wait
         # so far, the engine thread's ms in the tier's flushes so far, ms since the clock started
-        # when the step was read back), the per-step view of a tier's cost (`--step-series`)
+        # when the step was read back, with marks the step's parts in ms or None), the per-step
+        # view of a tier's cost (`--step-series`)
         self.series: list[tuple] = []
+        self.marks = marks and hasattr(self.runner, "step_marks")
         self.tiers = getattr(engine, "tiers", None)
         self.flush_s = 0.0
         # INFC_COLLECTIVE_CLOCK=1 on ranks: rank 0's time in its collectives (eager steps)
         self.collectives = getattr(getattr(self.runner, "runner", self.runner), "collective_clock", None)
 
-    def _add(self, meta, seconds):
+    def _add(self, meta, seconds, parts=None):
         self.steps.setdefault(meta.phase, []).append((meta.T, meta.B, seconds))
         st = self.tiers.stats if self.tiers is not None else None
         self.series.append((meta.phase, meta.T, round(seconds * 1e3, 3),
                             st.bytes_to_host if st else 0, st.step_waits if st else 0,
-                            round(self.flush_s * 1e3, 3), round((time.perf_counter() - self.t0) * 1e3, 3)))
+                            round(self.flush_s * 1e3, 3), round((time.perf_counter() - self.t0) * 1e3, 3),
+                            {k: round(v, 3) for k, v in parts.items()} if parts else None))
 
     def __enter__(self):
         def executed(meta, rows):
@@ -61,9 +66,12 @@ class StepClock:
         def collected(step):
             out = self.inner(step)
             mine = getattr(step, "mine", step)       # data-parallel: rank 0's launched step
-            self._add(mine.meta, mine.gpu_ms() / 1e3)
+            parts = mine.parts_ms() if self.marks and getattr(mine, "marks", None) else None
+            self._add(mine.meta, mine.gpu_ms() / 1e3, parts)
             return out
         setattr(self.runner, self.name, collected if self.name.startswith("collect") else executed)
+        if self.marks:
+            self.runner.step_marks = True
         if self.tiers is not None:                # the engine thread's time issuing the tier's copies
             flush = self.tiers.flush
 
@@ -81,6 +89,8 @@ class StepClock:
         return self
 
     def __exit__(self, *exc):
+        if self.marks:
+            self.runner.step_marks = False
         if self.tiers is not None:
             del self.tiers.flush                  # the class's method again
         if self.own:
@@ -108,7 +118,8 @@ def run_point(engine, vocab: int, concurrency: int, in_len: int, out_len: int, r
     """params: every request's SamplingParams (default: greedy, out_len tokens, EOS ignored).
     loras: adapter names the requests take in turn (request i the (i mod n)-th; none: the base).
     series: the point keeps every step's (phase, T, ms, tier bytes saved, tier waits, tier flush ms,
-    ms since the point's steps began) in order."""
+    ms since the point's steps began, its parts on a CUDA runner: upload / forward / host_wait /
+    sample ms, else None) in order."""
     from infc.runtime.engine.sampling import SamplingParams
     params = params or SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
     total = total or max(4, 2 * concurrency)
@@ -126,7 +137,7 @@ def run_point(engine, vocab: int, concurrency: int, in_len: int, out_len: int, r
     t0 = time.perf_counter()
     for _ in range(min(concurrency, total)):
         add()
-    with StepClock(engine) as clock:
+    with StepClock(engine, marks=series) as clock:
         while engine.has_unfinished():
             outs = engine.step()
             now = time.perf_counter()

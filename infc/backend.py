@@ -231,7 +231,7 @@ def load_backend(model_dir, config: EngineConfig | None = None, log=print, on_de
             log(f"  artifact {artifact} as built (not rebuilt)")
         if drafting or eagle3 or mtp:
             device_work()                       # their artifacts may build
-        from infc.mtp_cuda import cuda_mtp_artifact, cuda_mtp_weights
+        from infc.mtp_cuda import cuda_mtp_weights
         draft = (_cuda_draft_artifact(st, c, spec_dirs, dummy, kv_dtype, model_dir, artifact)
                  if drafting else _cuda_head_artifact(st, c, artifact) if eagle3 else
                  cuda_mtp_artifact(st, c, spec_dirs, model_dir, artifact) if mtp else None)
@@ -572,6 +572,32 @@ def _head_d2t(s, ckpt, Vd: int):
         raise ValueError(f"--speculative-config: EAGLE-3 head {s.model!r}: d2t has shape "
                          f"{list(d2t.shape)}, its lm_head {Vd} rows")
     return d2t
+
+
+def mtp_artifact_dir(name: str) -> Path:
+    """Where the MTP layer of the target served under `name` is built."""
+    from infc.mtp_cuda import MTP_TAG
+    return SERVED_ARTIFACTS / (name + MTP_TAG)
+
+
+def cuda_mtp_artifact(st, c: EngineConfig, spec_dirs, model_dir: Path, target_artifact: Path) -> tuple[Path, Path]:
+    """(artifact, model directory) of the MTP layer: the family spec's `mtp:` section over the
+    target's config.json, built or reused like every served build, with the target's page size (the
+    split gives both caches the same pages). The checkpoint is not checked against the plan here
+    (the target's tensors are all unread by it, as on the cpu); its MTP tensors are read at load,
+    and a missing one is named then. KV cache dtype: the model's (the cpu's MTP runner's too)."""
+    import json
+    from infc.compiler.contract.errors import SpecError
+    page_size = json.loads((Path(target_artifact) / "plan.json").read_text())["build"]["page_size"]
+    out = mtp_artifact_dir(c.load.model or model_dir.name)
+    try:
+        art = built_or_reused(st, "MTP artifact", dict(
+            model=c.load.model, spec_path=c.load.spec, model_dir=str(model_dir), spec_dirs=spec_dirs,
+            out=str(out), page_size=page_size, gpu=gpu_tuning(), reuse_bins=True, check_checkpoint=False,
+            section="mtp"))
+    except SpecError as e:                      # str(e) names the spec's line
+        raise ValueError(f"--speculative-config: method 'mtp': {e}") from None
+    return Path(art), model_dir
 
 
 def _cuda_head_artifact(st, c: EngineConfig, target_artifact: Path) -> tuple[Path, Path]:

@@ -14,7 +14,7 @@ import prepare  # noqa: E402
 def test_prepare_mtp_builds_what_the_backend_asks_for(tmp_path, monkeypatch):
     from infc import backend
     from infc.config import EngineConfig
-    from infc.mtp_cuda import cuda_mtp_artifact
+    from infc.backend import cuda_mtp_artifact
     prepared = {}
 
     def one_table(what, out, model_dir, **kw):       # its arguments, not a build: the names are the point

@@ -87,10 +87,25 @@ class InFlight:
     start: object                       # events around the step on the stream
     end: object
     T: int = 0                          # the step's token bucket (its programs' T)
+    marks: dict | None = None           # CudaRunner.step_marks: events inside the step (MARKS)
 
     def gpu_ms(self) -> float:
         """The step's time on the stream, from its first upload to its sampled tokens' copy."""
         return self.end.ms_since(self.start)
+
+    def parts_ms(self) -> dict | None:
+        """With marks: the step's time on the stream by part (they add up to gpu_ms): its uploads
+        and fed tokens, its program, the stream's wait for the host to issue the sampling (an
+        overlapped step's deferred sampling), and the sampling with its copies to the host."""
+        if self.marks is None:
+            return None
+        at = [self.start] + [self.marks[m] for m in MARKS] + [self.end]
+        return {part: b.ms_since(a) for part, a, b in zip(PARTS, at, at[1:])}
+
+
+# the events CudaRunner.step_marks records inside a step, and the parts of the step between them
+MARKS = ("uploaded", "forward", "sampling")
+PARTS = ("upload", "forward", "host_wait", "sample")
 
 
 def ab_programs(plan: dict) -> dict:
@@ -227,6 +242,10 @@ class CudaRunner:
         self.sampler = (GpuSampler(self.ctx, self.kernels, plan["sampler"], self.max_seqs, self.vocab_size,
                                    self.staging) if plan.get("sampler") else None)
         self._events = [self.ctx.event() for _ in range(4)]      # start / end of two steps in flight
+        # bench throughput --step-series: events inside each step (InFlight.parts_ms), made on
+        # first use
+        self.step_marks = False
+        self._marks: list[dict] | None = None
         self._launched = 0
         self.place = dims                          # where buffers live: fixed for every step
         self.programs = {}                         # phase -> packed launches (bound once)
@@ -441,8 +460,8 @@ class CudaRunner:
             arr.update(input_arrays(self.plan, meta.inputs, T, meta.T))
         return arr
 
-    def _run_step(self, meta: StepMeta, feed=()) -> tuple[int, int]:
-        """feed: (row, prev_row) pairs, see launch."""
+    def _run_step(self, meta: StepMeta, feed=(), marks: dict | None = None) -> tuple[int, int]:
+        """feed: (row, prev_row) pairs, see launch; marks: InFlight.marks to record."""
         self.ctx.ensure_current()
         T, B = step_shape(meta, self.buckets, self.graphs)
         dims = step_dims(self.plan, T, B)
@@ -451,6 +470,8 @@ class CudaRunner:
             tokens, sampled = self._buffer_ptr("tokens", dims), self.sampler.dev["token"]
             for row, prev, n in pair_runs(sorted(feed)):     # after the upload, in stream order
                 self.ctx.dtod(tokens + 4 * row, sampled + 4 * prev, 4 * n)
+        if marks is not None:
+            marks["uploaded"].record()
         if meta.phase == "decode" and T in self.graphs:
             self.graphs[T][0].launch()
         else:
@@ -460,6 +481,8 @@ class CudaRunner:
             self._launch_all(self.program(name), dims)
             if self.collective_clock is not None:
                 self.collective_clock.phase = None
+        if marks is not None:
+            marks["forward"].record()
         self._keep = keep
         self._outputs = StepOutputs(self, {"T": meta.T, "B": meta.B})
         return T, B
@@ -556,15 +579,23 @@ class CudaRunner:
         """Issue a step (as launch) without its sampling: the logits wait on the device until
         launch_sampling issues it, with rows' masks computed meanwhile (grammars: the masks need
         the tokens of the step launched before, read back after this launch)."""
-        start, end = self._events[2 * (self._launched % 2): 2 * (self._launched % 2) + 2]
+        parity = self._launched % 2
+        start, end = self._events[2 * parity: 2 * parity + 2]
         self._launched += 1
+        marks = None
+        if self.step_marks:
+            if self._marks is None:
+                self._marks = [{m: self.ctx.event() for m in MARKS} for _ in range(2)]
+            marks = self._marks[parity]
         start.record()
-        T, _ = self._run_step(meta, feed)
-        return InFlight(meta, None, start, end, T)
+        T, _ = self._run_step(meta, feed, marks)
+        return InFlight(meta, None, start, end, T, marks)
 
     def launch_sampling(self, step: InFlight, sampling: list[RowSampling | None]):
         """Issue the sampling of a step from launch_forward (its rows' bitmasks set), then the
         scoring of its prompt rows (after the sampler's reads of the logits, in stream order)."""
+        if step.marks is not None:
+            step.marks["sampling"].record()
         step.sampled = self.sampler.start(self.logits_device, list(sampling[: step.meta.B]))
         self._score_rows(step.meta, step.T)
         step.end.record()

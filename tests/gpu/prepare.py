@@ -397,11 +397,10 @@ def mtp():
     `LLM(..., device="cuda", load_format="dummy")` makes of it, plain and with --speculative-config
     method mtp (k = MTP_K): the target with the hidden state after its last layer as an output
     (infc/backend.py mtp_layers, artifact_tag) and the MTP layer (compile_model section "mtp",
-    infc/mtp_cuda.py). The kernel cache compiles the shared kernels once."""
+    infc/backend.py cuda_mtp_artifact). The kernel cache compiles the shared kernels once."""
     from types import SimpleNamespace
-    from infc.backend import SERVED_ARTIFACTS
+    from infc.backend import SERVED_ARTIFACTS, mtp_artifact_dir
     from infc.config import artifact_tag, narrow_tokens_for
-    from infc.mtp_cuda import mtp_artifact_dir
     sys.path.insert(0, str(REPO / "tests" / "gpu"))
     import gpu_families
     d = gpu_families.write_config("deepseek-v3-l5", out=GPU_CACHE / "configs" / MTP_CUT, num_nextn_predict_layers=1)
