@@ -402,10 +402,9 @@ def _cpu_runner(st, plan: dict, model_dir: Path, dummy: bool, c: EngineConfig, w
                   c.scheduler.max_num_seqs, num_state_snapshots)
 
 
-def _check_eagle3(c: EngineConfig, par, artifact=None):
-    """What can be refused of an EAGLE-3 head before anything loads."""
-    s = c.speculative.speculative_config
-    where = f"--speculative-config: EAGLE-3 head {s.model!r}"
+def _check_hidden_state_target(where: str, par, artifact, what: str):
+    """A head that reads the target's hidden states (EAGLE-3, an MTP layer) needs one rank (they
+    are one rank's) and, given an --artifact, one built with them as a plan output."""
     if par is not None:
         raise ValueError(f"{where}: with parallel ranks (tensor, data or expert parallel) is not "
                          f"supported yet (the target's hidden states are one rank's)")
@@ -413,9 +412,15 @@ def _check_eagle3(c: EngineConfig, par, artifact=None):
         import json
         plan = json.loads((Path(artifact) / "plan.json").read_text())
         if "aux_hidden" not in plan.get("outputs", {}):
-            raise ValueError(f"{where}: the --artifact {artifact} was built without the head's hidden "
-                             f"states (rebuild it with them, or leave --artifact out: the serving "
-                             f"build adds them)")
+            raise ValueError(f"{where}: the --artifact {artifact} was built without {what} (rebuild "
+                             f"it with them, or leave --artifact out: the serving build adds them)")
+
+
+def _check_eagle3(c: EngineConfig, par, artifact=None):
+    """What can be refused of an EAGLE-3 head before anything loads."""
+    s = c.speculative.speculative_config
+    where = f"--speculative-config: EAGLE-3 head {s.model!r}"
+    _check_hidden_state_target(where, par, artifact, "the head's hidden states")
     if not (Path(s.model) / "config.json").is_file():
         raise ValueError(f"{where} is not a directory with a config.json")
 
@@ -492,17 +497,8 @@ def _check_mtp(c: EngineConfig, par, artifact=None):
     """What can be refused of MTP speculation before anything loads: parallel ranks (the MTP
     layer would need the target's hidden states gathered from its ranks, and a rank build of its
     own), and an --artifact built without the hidden state the layer reads."""
-    where = "--speculative-config: method 'mtp'"
-    if par is not None:
-        raise ValueError(f"{where}: with parallel ranks (tensor, data or expert parallel) is not "
-                         f"supported yet (the target's hidden states are one rank's)")
-    if artifact is not None:
-        import json
-        plan = json.loads((Path(artifact) / "plan.json").read_text())
-        if "aux_hidden" not in plan.get("outputs", {}):
-            raise ValueError(f"{where}: the --artifact {artifact} was built without the hidden state "
-                             f"the MTP layer reads (rebuild it with it, or leave --artifact out: the "
-                             f"serving build adds it)")
+    _check_hidden_state_target("--speculative-config: method 'mtp'", par, artifact,
+                               "the hidden state the MTP layer reads")
 
 
 def mtp_layers(c: EngineConfig, model_dir: Path, spec_dirs) -> list[int]:

@@ -23,6 +23,7 @@ import pytest
 from exhaustive import EXHAUSTIVE
 from infc.compiler.spec import SPECS_DIR
 from infc.runtime.engine.sampling import SamplingParams
+from spec_rounds import same_drafts_each_round
 from test_cuda_ranks import FakeCtx, FakeGraph, cuda_mods, fake_device, fake_launch  # noqa: F401
 from test_spec_mtp import FAMILIES, L, MTP, V, _save, _tensors, models  # noqa: F401
 
@@ -144,35 +145,8 @@ def test_the_mtp_layer_on_the_cuda_runner_proposes_the_cpu_drafts(fake_device, m
     seqs = [[Sequence(i, f"r{i}", 0, list(p), params, 0) for i, p in enumerate(prompts)] for _ in props]
     # the target's residual stream after its last layer, as bf16 (what the device's buffer holds)
     aux = [_bf16(rng.standard_normal((32, H)).astype(np.float32)) for _ in range(2)]
-    for prop, ss in zip(props, seqs):
-        for s in ss:
-            s.token_ids.append(7)
-        prop.observe([(s.seq_id, 0, len(s.token_ids) - 1) for s in ss],
-                     np.concatenate([aux[s.seq_id][:len(s.token_ids) - 1] for s in ss]))
-    k, replays = 2, FakeGraph.replays
     try:
-        for rnd in range(rounds):
-            drafts = [prop.propose([(s, k) for s in ss]) for prop, ss in zip(props, seqs)]
-            assert len(seen[0]) == len(seen[1]) == k
-            for a, b in zip(*seen):                   # the same steps' logits, within bf16
-                assert a.shape == b.shape and np.abs(a - b).max() <= 3e-2 * np.abs(a).max(), rnd
-            seen[0].clear(), seen[1].clear()
-            assert drafts[0] == drafts[1] and len(drafts[0]) == 2 and all(len(x) == k for x in drafts[0].values())
-            want, got = cpu.outputs()["hidden_out"], gpu.outputs()["hidden_out"]
-            assert got.shape == want.shape == (2, H)
-            assert np.abs(got - want).max() <= 3e-2 * np.abs(want).max(), rnd
-            for prop, ss in zip(props, seqs):      # one draft accepted, then a bonus token
-                for s in ss:
-                    p, dr = len(s.token_ids) - 1, drafts[0][s.seq_id]
-                    prop.observe([(s.seq_id, p, 1)] + [(s.seq_id, p + 1 + j, 1) for j in range(k)],
-                                 aux[s.seq_id][p:p + k + 1])
-                    s.token_ids += [dr[0], 11]
-                    prop.settle(s, 1)
-        assert FakeGraph.replays - replays == rounds * (k - 1)     # the chained steps replay the graph
-        for prop, ss in zip(props, seqs):
-            for s in ss:
-                prop.release(s)
-            assert prop.held_pages() == 0
+        same_drafts_each_round(props, seqs, seen, aux, cpu, gpu, H, rounds, FakeGraph)
     finally:
         gpu.close()
         target.close()
