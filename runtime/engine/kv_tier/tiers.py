@@ -94,7 +94,9 @@ class KVTiers:
         # medium "CPU" (as vLLM's CPU offloading reports them: no tokens, no parent); None: off
         self.on_event = None
         self.at_compute = envs.value("INFC_KV_SAVE_AT_COMPUTE")
-        self.saved_at_compute: set[bytes] = set()    # held blocks saved once, not again at release
+        # page -> the block saved from it when computed, while a sequence holds it (not saved
+        # again at release); by page, so a page released without its hash (reset) forgets it too
+        self.saved_at_compute: dict[int, bytes] = {}
 
     @property
     def capacity_rows(self) -> int:
@@ -115,16 +117,16 @@ class KVTiers:
         step on the stream."""
         if self.at_compute:
             self.offer(h, page)
-            self.saved_at_compute.add(h)
+            self.saved_at_compute[page] = h
 
     def released(self, page: int, h: bytes | None):
         """A page lost its last reference (and with a hash, its block is offered, unless it was
         saved when computed: then it is only marked recently used, where the pool still has it)."""
         self.freed.add(page)
+        saved = self.saved_at_compute.pop(page, None)
         if h is None:
             return
-        if h in self.saved_at_compute:
-            self.saved_at_compute.discard(h)
+        if saved == h:
             self.pool.get(h)
             return
         self.offer(h, page)
