@@ -369,7 +369,8 @@ def eagle3():
     """A config-only EAGLE-3 head for qwen3-4b and the two artifacts infc/backend.py builds for
     it on cuda (names as it gives them): the head's (specs/eagle3.yaml, the target's page size)
     and qwen3-4b's with aux_hidden at the head's layers (infc.config.eagle3_default_layers)."""
-    from infc.config import artifact_tag
+    from types import SimpleNamespace
+    from infc.config import artifact_tag, narrow_tokens_for
     from infc.compiler.build import REPO as BUILD_REPO
     from infc.compiler.spec import SPECS_DIR
     from infc.config import eagle3_default_layers
@@ -379,10 +380,12 @@ def eagle3():
     head = _write_config(EAGLE3_HEAD, head_config(cfg, draft_vocab=32000))
     layers = eagle3_default_layers(cfg["num_hidden_layers"])
     arts = BUILD_REPO / ".cache" / "artifacts"
-    # the GPU test's k = 4: the target's speculative build (verify program of 5 rows)
+    # the GPU test's k = 4: the target's speculative build (a verify program of 5 rows only under
+    # INFC_VERIFY_PROGRAM=1, here and on the GPU machine: infc/config.py narrow_tokens_for)
+    n = narrow_tokens_for(SimpleNamespace(num_speculative_tokens=4))
     _both_tunings(f"qwen3-4b with the hidden states of layers {list(layers)}, k = 4",
-                  arts / ("qwen3-4b" + artifact_tag(narrow=5, capture=layers)), model_dir=str(target),
-                  capture=list(layers), narrow_tokens=5, check_checkpoint=False)
+                  arts / ("qwen3-4b" + artifact_tag(narrow=n, capture=layers)), model_dir=str(target),
+                  capture=list(layers), narrow_tokens=n, check_checkpoint=False)
     # the head's page size: each table's default, as the target's (backend: the target's own)
     _both_tunings(f"{EAGLE3_HEAD} (an EAGLE-3 head for qwen3-4b)", arts / (EAGLE3_HEAD + "-eagle3"),
                   model_dir=str(head), spec_path=str(SPECS_DIR / "eagle3.yaml"), check_checkpoint=False)
