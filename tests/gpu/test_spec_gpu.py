@@ -231,21 +231,22 @@ def test_eagle3_outputs_are_plain_decodings():
         assert got == plain and m.spec_decode_num_draft_tokens_total > 0
         assert hr.num_pages == llm.runner.num_pages
         assert e.bm.num_free_pages == llm.runner.num_pages and e.spec.draft.held_pages() == 0
-        eagle3_timings(llm.runner, hr, llm.max_len, spec)
+        head_timings(llm.runner, hr, llm.max_len, spec, f"{DRAFT_TARGET} (dummy weights), EAGLE-3 head (random)")
 
 
-def eagle3_timings(runner, head_runner, max_len: int, spec: dict, n: int = 128):
-    """Batch-1 ms per token, plain and with the head at k = 1..4 (each after a warm-up run)."""
+def head_timings(runner, head_runner, max_len: int, spec: dict, what: str, n: int = 128):
+    """Batch-1 ms per token, plain and with the head (an EAGLE-3 head, an MTP layer) at k = 1 to
+    spec's k (each after a warm-up run), printed under `what`."""
     from infc.config import speculative_config
     prompt = [(1000 + i) % runner.vocab_size for i in range(32)]
     rows = []
-    for k in (0, 1, 2, 3, 4):
+    for k in range(spec["num_speculative_tokens"] + 1):
         kw = {} if k == 0 else dict(speculative_config=speculative_config(dict(spec, num_speculative_tokens=k)),
                                     draft_runner=head_runner)
         time_per_token(Engine(runner, None, (), max_len, max_num_seqs=8, **kw), prompt, 16)   # warm
         e = Engine(runner, None, (), max_len, max_num_seqs=8, **kw)
         rows.append((k, 1e3 * time_per_token(e, prompt, n), acceptance(e) if k else None))
-    print(f"batch-1 time per token, {DRAFT_TARGET} (dummy weights), EAGLE-3 head (random):")
+    print(f"batch-1 time per token, {what}:")
     for k, ms, rate in rows:
         print(f"  k={k}: {ms:.3f} ms/token" + ("" if rate is None else f", acceptance {rate:.3f}")
               + f", {ms / rows[0][1]:.2f}x plain")

@@ -11,7 +11,7 @@ Opt-in (`-m mtp`, tests/gpu/conftest.py): its artifacts are not in prepare.py's 
 import pytest
 
 from infc.runtime.engine.sampling import SamplingParams
-from test_spec_gpu import acceptance, config_dir, decode_all, draft_prompts, time_per_token
+from test_spec_gpu import acceptance, config_dir, decode_all, draft_prompts, head_timings
 
 MTP_CUT = "deepseek-v3-l5-mtp"          # tests/gpu/prepare.py's MTP_CUT
 MTP_K = 3                               # prepare.py builds the target for this k (narrow_tokens_for)
@@ -25,8 +25,6 @@ def test_mtp_outputs_are_plain_decodings():
     runner its own (its pages the target's count), its shared tensors the target's pointers,
     nothing held after; then the batch-1 time per token, plain and with the layer at k = 1..3."""
     from infc import LLM
-    from infc.config import speculative_config
-    from infc.runtime.engine.engine import Engine
     d = config_dir(MTP_CUT)
     if not (d / "config.json").is_file():
         raise FileNotFoundError(f"{d}: no config-only directory: run tests/gpu/prepare.py mtp and carry "
@@ -51,15 +49,4 @@ def test_mtp_outputs_are_plain_decodings():
         assert got == plain and m.spec_decode_num_draft_tokens_total > 0
         assert mr.num_pages == llm.runner.num_pages
         assert e.bm.num_free_pages == llm.runner.num_pages and e.spec.draft.held_pages() == 0
-        prompt = [(1000 + i) % llm.runner.vocab_size for i in range(32)]
-        rows = []
-        for k in range(MTP_K + 1):
-            extra = {} if k == 0 else dict(draft_runner=mr, speculative_config=speculative_config(
-                dict(spec, num_speculative_tokens=k)))
-            time_per_token(Engine(llm.runner, None, (), llm.max_len, max_num_seqs=8, **extra), prompt, 16)
-            t = Engine(llm.runner, None, (), llm.max_len, max_num_seqs=8, **extra)
-            rows.append((k, 1e3 * time_per_token(t, prompt, 128), acceptance(t) if k else None))
-        print(f"batch-1 time per token, {MTP_CUT} (dummy weights), MTP layer (random):")
-        for k, ms, rate in rows:
-            print(f"  k={k}: {ms:.3f} ms/token" + ("" if rate is None else f", acceptance {rate:.3f}")
-                  + f", {ms / rows[0][1]:.2f}x plain")
+        head_timings(llm.runner, mr, llm.max_len, spec, f"{MTP_CUT} (dummy weights), MTP layer (random)")
