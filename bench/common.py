@@ -1,6 +1,7 @@
 """What every benchmark records: the GPU, the commit, the date, and the copy bandwidth measured
 in the same run (the floor of every latency is bytes over that bandwidth)."""
 import datetime
+import time
 from pathlib import Path
 
 import numpy as np
@@ -62,3 +63,29 @@ def finish(fig, ax, path: Path, title: str, res: dict):
     ax.set_title(f"{title}\n({res['commit']}, {res['date']})", fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
+
+
+class TimedCalls:
+    """Seconds and calls spent inside some methods of one object (wrapped on the instance, so the
+    class's own come back with restore): the engine thread's time in the KV tier's entry points."""
+
+    def __init__(self, obj, names):
+        self.obj, self.names = obj, tuple(names)
+        self.seconds = 0.0
+        self.calls = 0
+        for name in self.names:
+            setattr(obj, name, self._wrap(getattr(obj, name)))
+
+    def _wrap(self, fn):
+        def timed(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.seconds += time.perf_counter() - t0
+                self.calls += 1
+        return timed
+
+    def restore(self):
+        for name in self.names:
+            delattr(self.obj, name)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .common import TimedCalls
+
 
 class StepClock:
     """Times every engine step while it is installed, by phase: where a point's wall time goes,
@@ -44,7 +46,7 @@ class StepClock:
         self.series: list[tuple] = []
         self.marks = marks and hasattr(self.runner, "step_marks")
         self.tiers = getattr(engine, "tiers", None)
-        self.flush_s = 0.0
+        self.flushes = None                     # the engine thread's time in the tier's flushes
         # INFC_COLLECTIVE_CLOCK=1 on ranks: rank 0's time in its collectives (eager steps)
         self.collectives = getattr(getattr(self.runner, "runner", self.runner), "collective_clock", None)
 
@@ -53,7 +55,8 @@ class StepClock:
         st = self.tiers.stats if self.tiers is not None else None
         self.series.append((meta.phase, meta.T, round(seconds * 1e3, 3),
                             st.bytes_to_host if st else 0, st.step_waits if st else 0,
-                            round(self.flush_s * 1e3, 3), round((time.perf_counter() - self.t0) * 1e3, 3),
+                            round(self.flushes.seconds * 1e3 if self.flushes else 0.0, 3),
+                            round((time.perf_counter() - self.t0) * 1e3, 3),
                             {k: round(v, 3) for k, v in parts.items()} if parts else None))
 
     def __enter__(self):
@@ -73,15 +76,7 @@ class StepClock:
         if self.marks:
             self.runner.step_marks = True
         if self.tiers is not None:                # the engine thread's time issuing the tier's copies
-            flush = self.tiers.flush
-
-            def timed_flush(*a, **k):
-                t0 = time.perf_counter()
-                try:
-                    return flush(*a, **k)
-                finally:
-                    self.flush_s += time.perf_counter() - t0
-            self.tiers.flush = timed_flush
+            self.flushes = TimedCalls(self.tiers, ("flush",))
         self.t0 = time.perf_counter()
         self.waits0 = self.tiers.stats.step_waits if self.tiers is not None else 0
         if self.collectives is not None:
@@ -91,8 +86,8 @@ class StepClock:
     def __exit__(self, *exc):
         if self.marks:
             self.runner.step_marks = False
-        if self.tiers is not None:
-            del self.tiers.flush                  # the class's method again
+        if self.flushes is not None:
+            self.flushes.restore()
         if self.own:
             setattr(self.runner, self.name, self.inner)
         else:

@@ -20,6 +20,8 @@ import time
 
 import numpy as np
 
+from .common import TimedCalls
+
 
 # qwen3-4b's KV bytes a token (36 layers, K and V, 8 heads of 128, bf16) and its paged regions
 QWEN3_4B_TOKEN_BYTES, QWEN3_4B_REGIONS = 36 * 2 * 8 * 128 * 2, 36 * 2
@@ -84,26 +86,6 @@ def _runner(num_pages: int, page_size: int):
     return NullRunner()
 
 
-class _Timed:
-    """Seconds spent inside the tier's entry points (wrapped on the instance)."""
-
-    def __init__(self, tiers):
-        self.seconds = 0.0
-        self.calls = 0
-        for name in ("flush", "released", "reusing"):
-            setattr(tiers, name, self._wrap(getattr(tiers, name)))
-
-    def _wrap(self, fn):
-        def timed(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                self.seconds += time.perf_counter() - t0
-                self.calls += 1
-        return timed
-
-
 def run(tier: bool, page_size: int, num_pages: int | None, host_rows: int | None,
         concurrency: int = 256, in_len: int = 1024, out_len: int = 128, total: int | None = None,
         seed: int = 0) -> dict:
@@ -118,7 +100,7 @@ def run(tier: bool, page_size: int, num_pages: int | None, host_rows: int | None
     runner = _runner(num_pages, page_size)
     eng = Engine(runner, max_num_seqs=concurrency, max_num_batched_tokens=16384,
                  max_model_len=1 << 20, kv_offloading=config)
-    clock = _Timed(eng.tiers) if tier else None
+    clock = TimedCalls(eng.tiers, ("flush", "released", "reusing")) if tier else None
     rng = np.random.default_rng(seed)
     params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
     prompts = [rng.integers(0, 1000, in_len).tolist() for _ in range(total)]
