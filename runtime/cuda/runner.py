@@ -79,6 +79,11 @@ def step_shape(meta: StepMeta, buckets: list[int], graphs: dict) -> tuple[int, i
     return meta.T, meta.B
 
 
+# the events CudaRunner.step_marks records inside a step, and the parts of the step between them
+MARKS = ("uploaded", "forward", "sampling")
+PARTS = ("upload", "forward", "host_wait", "sample")
+
+
 @dataclass
 class InFlight:
     """A step issued by CudaRunner.launch whose samples have not been read back yet."""
@@ -101,11 +106,6 @@ class InFlight:
             return None
         at = [self.start] + [self.marks[m] for m in MARKS] + [self.end]
         return {part: b.ms_since(a) for part, a, b in zip(PARTS, at, at[1:])}
-
-
-# the events CudaRunner.step_marks records inside a step, and the parts of the step between them
-MARKS = ("uploaded", "forward", "sampling")
-PARTS = ("upload", "forward", "host_wait", "sample")
 
 
 def ab_programs(plan: dict) -> dict:

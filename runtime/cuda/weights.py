@@ -204,7 +204,7 @@ class DeviceWeights:
         self.bytes = 0
         self.layers = {}               # per-layer weight -> its global layer indices
         items, tied = [], []           # (name, layer, runs | array | bytes, NaN check name)
-        derived = []                   # (name, layer, bytes, None): laid out after the rest
+        derived = []                   # (name, layer, bytes): laid out after the rest
         for name, w in plan["weights"].items():
             if name in shared:
                 if w["layers"] is not None:
@@ -221,7 +221,7 @@ class DeviceWeights:
                 self.layers[name] = list(w["layers"])
             for layer in layers_of(w):
                 if is_derived(w["source"]):     # the load program writes it: only its room, last
-                    derived.append((name, layer, nbytes(w["dtype"], w["shape"]), None))
+                    derived.append((name, layer, nbytes(w["dtype"], w["shape"])))
                     continue
                 if dummy:                       # bytes only: filled on the device below
                     items.append((name, layer, nbytes(w["dtype"], w["shape"]), None))
@@ -257,7 +257,7 @@ class DeviceWeights:
         # the derived weights lie past every streamed or filled byte: neither reads nor copies
         # reach them (GPT-OSS-20B's resident bf16 stacks are 38 GB the load program writes)
         streamed = pos
-        for name, layer, n, _ in derived:
+        for name, layer, n in derived:
             placed.append((name, layer, pos))
             self.bytes += n
             pos = -(-(pos + n) // ALIGN) * ALIGN
