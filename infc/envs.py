@@ -70,6 +70,9 @@ REGISTRY = {v.name: v for v in (
         "the step computing it is issued (as vLLM's offloading connector stores blocks), instead of "
         "when its last reference goes (1: on; an A/B switch: on an H200 it moved the saves but did "
         "not spare the steps beside them, bench/NOTES.md issue 44)"),
+    Var("INFC_SAMPLED_TOKENS_COPY", "flag", False, "a step's sampled token ids reach the host by "
+        "a copy on the step's stream (a copy engine) instead of the sampler kernels' writes into "
+        "mapped host memory (1: the copy, as before; an A/B switch for the KV tier's saves)"),
     Var("INFC_STEP_STREAM_PRIORITY", "flag", False, "the steps' stream at the device's greatest "
         "priority, the KV tiers' copy and gather streams at the least, so their blocks yield SMs "
         "to a step (1: on; an A/B switch: no change to 1024/128 x 256 throughput on an H200)"),

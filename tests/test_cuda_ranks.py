@@ -134,6 +134,7 @@ class FakeCtx:
         self.top = 0
         self.stream = "fake-stream"
         self.copies = 0
+        self.mapped = {}                 # pinned(mapped=True): host address -> device pointer
 
     def _at(self, ptr, n):
         off = int(ptr) - BASE
@@ -178,8 +179,17 @@ class FakeCtx:
         self._at(dst, n).copy_(self._at(src, n).clone())
         self.copies += 1
 
-    def pinned(self, n):
-        return np.zeros(n, np.uint8)
+    def pinned(self, n, mapped=False):
+        """mapped: device memory the host sees too (a numpy view of it), as under UVA."""
+        if not mapped:
+            return np.zeros(n, np.uint8)
+        ptr = self.alloc(n)
+        host = self._at(ptr, n).numpy()
+        self.mapped[host.ctypes.data] = ptr
+        return host
+
+    def device_ptr(self, host):
+        return self.mapped[host.ctypes.data]
 
     def free_pinned(self, host):
         pass

@@ -117,9 +117,10 @@ def test_cuda_runner_restores_blocks_from_the_host_tier(fake_device, artifact, m
 
 def test_step_series_splits_each_step_by_its_events(fake_device, artifact, monkeypatch):
     """bench throughput --step-series on the CUDA runner: the runner records its marks inside each
-    overlapped step, in stream order start, (the step's uploads) uploaded, forward, sampling, (its
-    tokens' copy to the host) end, so a part is the time between two of them (InFlight.parts_ms),
-    and every step of the series carries its parts."""
+    overlapped step, in stream order start, (the step's uploads) uploaded, forward, sampling, (the
+    sampler's kernels, which write the tokens where the host reads them: no copy) end, so a part is
+    the time between two of them (InFlight.parts_ms), and every step of the series carries its
+    parts."""
     from infc.bench.throughput import run_point
     from infc.runtime.cuda.runner import MARKS, PARTS
     e = engine(fake_device, artifact, monkeypatch, overlap=True)
@@ -129,6 +130,10 @@ def test_step_series_splits_each_step_by_its_events(fake_device, artifact, monke
             r.ctx.log.append((_name, None, "main"))
             return _f(*a)
         monkeypatch.setattr(r.ctx, name, logged)
+    sampler_launch = r.sampler._launch
+    monkeypatch.setattr(r.sampler, "_launch", lambda *a: (r.ctx.log.append(("kernel", None, "main")),
+                                                           sampler_launch(*a)))
+    assert r.sampler.token_writes
     p = run_point(e, r.vocab_size, 2, 6, 3, np.random.default_rng(3), total=2, series=True)
     assert r.step_marks is False and r._marks is not None           # on for the point only
     series = p["step_series"]
@@ -136,13 +141,13 @@ def test_step_series_splits_each_step_by_its_events(fake_device, artifact, monke
     names = {id(ev): m for marks in r._marks for m, ev in marks.items()}
     names.update({id(ev): ("start", "end")[i % 2] for i, ev in enumerate(r._events)})
     order = [names[id(x[1])] if x[0] == "record" else x[0] for x in r.ctx.log
-             if x[2] == "main" and (x[0] in ("htod", "dtoh") or id(x[1]) in names)]
+             if x[2] == "main" and (x[0] in ("htod", "dtoh", "kernel") or id(x[1]) in names)]
     steps = " ".join(order).split("start")[1:]
     assert steps
     for s in steps:
-        marks = [w for w in s.split() if w not in ("htod", "dtoh")]
+        marks = [w for w in s.split() if w not in ("htod", "dtoh", "kernel")]
         assert marks == [*MARKS, "end"], s
         up, rest = s.split("uploaded")
-        assert "htod" in up and "dtoh" not in up and "htod" not in rest, s
-        assert "dtoh" in rest.split("sampling")[1] and "dtoh" not in rest.split("sampling")[0], s
+        assert "htod" in up and "dtoh" not in s and "htod" not in rest, s
+        assert "kernel" in rest.split("sampling")[1] and "kernel" not in rest.split("sampling")[0], s
     r.close()

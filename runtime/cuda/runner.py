@@ -95,13 +95,13 @@ class InFlight:
     marks: dict | None = None           # CudaRunner.step_marks: events inside the step (MARKS)
 
     def gpu_ms(self) -> float:
-        """The step's time on the stream, from its first upload to its sampled tokens' copy."""
+        """The step's time on the stream, from its first upload to its sampled tokens' arrival."""
         return self.end.ms_since(self.start)
 
     def parts_ms(self) -> dict | None:
         """With marks: the step's time on the stream by part (they add up to gpu_ms): its uploads
         and fed tokens, its program, the stream's wait for the host to issue the sampling (an
-        overlapped step's deferred sampling), and the sampling with its copies to the host."""
+        overlapped step's deferred sampling), and the sampling with what it sends the host."""
         if self.marks is None:
             return None
         at = [self.start] + [self.marks[m] for m in MARKS] + [self.end]

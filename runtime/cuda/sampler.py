@@ -2,7 +2,10 @@
 
 After a step the logits (f32 [B, V]) stay on the device; per row the host uploads the request's
 parameters (temperature, top-k, top-p, min-p, seed, step: a few bytes) and gets back one token
-id. Only rows that asked for logprobs copy a row back, of log-softmax values computed on the
+id: the sampler kernels write it to device memory (the next step's tokens are copied from there)
+and into mapped host memory, where the host reads it once the step's end event has passed. A copy
+would queue on a copy engine, behind whatever the KV tier's saves have queued there (an artifact
+rendered before the host output, or INFC_SAMPLED_TOKENS_COPY=1, copies). Only rows that asked for logprobs copy a row back, of log-softmax values computed on the
 device. A row's logits processing (penalties, logit_bias, banned ids, bitmasks: engine/
 logits_process.py) runs in place after the log-softmax, so a logprob is always of the model's
 distribution, as on the CPU: the logits_process kernel over the rows that have any, their sparse
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from infc import envs
 from infc.compiler.contract.bind import Resolver, dim_slots, grid
 from ..engine.runner import RowSampling, Sample
 from .driver import PackedArgs, launch
@@ -28,11 +32,17 @@ SEED_MASK = (1 << 63) - 1          # the kernel's seed is an i64; a Python seed 
 PROCESS_ARGS = ["rows", "rep", "freq", "pres", "start", "tok", "count", "flag", "bias", "mask_row", "masks"]
 
 
+def outputs(meta: dict) -> list[str]:
+    """A kernel's out:N parameters, by name (a sampler kernel rendered before the host output
+    has one)."""
+    return [name for name, _, source in meta["params"] if source.startswith("out:")]
+
+
 @dataclass
 class SamplerPending:
     """Sampling issued on the stream (GpuSampler.start), its tokens not read yet."""
     rows: list
-    tokens: np.ndarray          # page-locked: where the copy of the sampled ids lands
+    tokens: np.ndarray          # page-locked: where the sampled ids land (written or copied)
     lp_rows: dict               # row -> its page-locked log-softmax row (rows that asked)
     keep: list                  # host arrays the stream still reads
 
@@ -47,8 +57,13 @@ class GpuSampler:
         self.dev = {"temperature": ctx.alloc(4 * n), "top_k": ctx.alloc(4 * n), "top_p": ctx.alloc(4 * n),
                     "min_p": ctx.alloc(4 * n), "seed": ctx.alloc(8 * n), "step": ctx.alloc(4 * n),
                     "token": ctx.alloc(4 * n), "logprobs": ctx.alloc(4 * n * vocab)}
-        # two: a step's tokens land in one while the other step's are still to be read
-        self.tokens_host = [ctx.pinned(4 * n).view(np.int32), ctx.pinned(4 * n).view(np.int32)]
+        # two: a step's tokens land in one while the other step's are still to be read. Mapped
+        # where the kernels write them there (a second output), else the copies' destination
+        mapped = all(len(outputs(self.k[name].meta)) == 2 for name in ("argmax", "sample") if name in self.k)
+        self.token_writes = mapped and not envs.value("INFC_SAMPLED_TOKENS_COPY")
+        pinned = [ctx.pinned(4 * n, mapped=mapped) for _ in range(2)]
+        self.tokens_host = [p.view(np.int32) for p in pinned]
+        self.tokens_dev = [ctx.device_ptr(p) for p in pinned] if mapped else [None, None]
         self._started = 0
         # per step parity, the page-locked rows the asked-for log-softmax rows are copied into,
         # packed: made on first use (most runs never ask) and grown to the most rows asked
@@ -62,26 +77,28 @@ class GpuSampler:
         self.proc_offs: dict[str, int] = {}
         self.proc_staging: Staging | None = None
 
-    def _packed(self, name: str, logits_ptr: int) -> PackedArgs:
-        """Arguments bound once per (kernel, logits buffer); B is rewritten per call."""
-        key = (name, logits_ptr)
+    def _packed(self, name: str, logits_ptr: int, parity: int = 0) -> PackedArgs:
+        """Arguments bound once per (kernel, logits buffer, step parity: the host buffer a token
+        lands in); B is rewritten per call."""
+        key = (name, logits_ptr, parity)
         if key not in self._args:
             k = self.k[name]
-            ptrs = dict(self.dev, logits=logits_ptr, **{n: p for n, (p, _) in self.proc_dev.items()})
+            ptrs = dict(self.dev, logits=logits_ptr, token_host=self.tokens_dev[parity],
+                        **{n: p for n, (p, _) in self.proc_dev.items()})
             if name == "logits_process":
                 ins, outs = ["logits", *PROCESS_ARGS], []
             else:
                 ins = ["logits", "temperature", "top_k", "top_p", "min_p", "seed", "step"]
-                outs = ["logprobs" if name == "log_softmax" else "token"]
+                outs = ["logprobs"] if name == "log_softmax" else ["token", "token_host"][: len(outputs(k.meta))]
             resolver = Resolver(tensor=lambda n, layer: ptrs[n], dim=lambda d: 0)
             values = resolver.values(k.meta, ins, outs, kernel=k.id)
             slot = next((i for i, d in dim_slots(k.meta) if d == "B"), None)
             self._args[key] = (k.pack(values), slot)
         return self._args[key]
 
-    def _launch(self, name: str, logits_ptr: int, B: int):
+    def _launch(self, name: str, logits_ptr: int, B: int, parity: int = 0):
         k = self.k[name]
-        args, slot = self._packed(name, logits_ptr)
+        args, slot = self._packed(name, logits_ptr, parity)
         if slot is not None:                      # argmax and log_softmax take B from the grid only
             args.set(slot, B)
         launch(self.ctx, k.fn, grid(k.meta, {"B": B, "T": B}), k.block, k.shared, args)
@@ -118,9 +135,11 @@ class GpuSampler:
         if want_lp:
             self._launch("log_softmax", logits_ptr, B)
         keep += self._process(logits_ptr, rows)
+        parity = self._started % 2
+        self._started += 1
         greedy = all(s is None or s.params.temperature == 0 or s.params.top_k == 1 for s in rows)
         if greedy:
-            self._launch("argmax", logits_ptr, B)
+            self._launch("argmax", logits_ptr, B, parity)
         else:
             host = self.packed_params(rows)
             if self.staging is not None:
@@ -128,11 +147,10 @@ class GpuSampler:
             keep += [ctx.htod(self.dev[n], a) for n, a in host.items()]
             if self.staging is not None:
                 self.staging.done()
-            self._launch("sample", logits_ptr, B)
-        parity = self._started % 2
-        self._started += 1
+            self._launch("sample", logits_ptr, B, parity)
         tokens = self.tokens_host[parity][:B]
-        ctx.dtoh(tokens, self.dev["token"])
+        if not self.token_writes:
+            ctx.dtoh(tokens, self.dev["token"])
         lp_rows = {}
         if want_lp:
             host = self._lp_rows(parity, len(want_lp))

@@ -32,10 +32,11 @@ def test_sample_argmax(B, V, block):
     if B > 2:
         logits[2, [V - 1, 1]] = logits[2].max() + 1.0
     k = sampling_kernel("sample_argmax", V, **({"BLOCK": block} if block else {}))
-    out = poison((B,), "i32")
-    run(k, {"in:0": logits, "out:0": out}, {"T": B, "B": B})
+    out, host = poison((B,), "i32"), poison((B,), "i32")
+    run(k, {"in:0": logits, "out:0": out, "out:1": host}, {"T": B, "B": B})
     assert np.array_equal(out.numpy(), np.argmax(logits.numpy(), axis=1))
     assert out[0] == 7
+    assert np.array_equal(host.numpy(), out.numpy())       # the host's copy of the ids
 
 
 @pytest.mark.parametrize("B,V,block", [(3, 50, None), (4, 1000, 256), (1, 151936, None)])
@@ -60,12 +61,14 @@ def sample_bindings(logits, params, seeds, steps):
             "in:4": torch.tensor([p.min_p for p in params], dtype=torch.float32),
             "in:5": torch.as_tensor(np.asarray(seeds, np.int64)),
             "in:6": torch.as_tensor(np.asarray(steps, np.int32)),
-            "out:0": poison((B,), "i32")}
+            "out:0": poison((B,), "i32"), "out:1": poison((B,), "i32")}
 
 
 def draw(kernel, logits, params, seeds, steps):
+    """The drawn ids; the kernel's two outputs (device ids, the host's copy) must agree."""
     b = sample_bindings(logits, params, seeds, steps)
     run(kernel, b, {"T": logits.shape[0], "B": logits.shape[0]})
+    assert np.array_equal(b["out:1"].numpy(), b["out:0"].numpy())
     return b["out:0"].numpy()
 
 
