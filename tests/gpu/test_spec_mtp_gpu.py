@@ -19,11 +19,38 @@ SHARED = ("embed", "final_norm", "lm_head")
 GREEDY = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)]
 
 
+NEAR_TIE = 0.2        # nat: the golden gates' argmax regret bound (tests/gpu/test_golden.py LIMITS)
+
+
+def first_divergences(runner, prompts, plain: dict, got: dict) -> list:
+    """For each request whose tokens leave plain decoding's: (request, first differing position,
+    (regret of plain's token, regret of the speculative token), a random token's median regret),
+    regrets from the target's own batch-1 logits over the prompt and the tokens both share (the
+    engine's pages are all free by then: this borrows the first ones)."""
+    import numpy as np
+    from infc.runtime.engine.step import Chunk, build_step
+    out = []
+    for i, prompt in enumerate(prompts):
+        rid = f"r{i}"
+        a, b = plain[rid], got[rid]
+        if a == b:
+            continue
+        at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert at < min(len(a), len(b)), (rid, len(a), len(b))        # one is not a prefix of the other
+        ctx = prompt + a[:at]
+        pages = list(range(-(-len(ctx) // runner.page_size)))
+        logits = runner.logits(build_step([Chunk(0, ctx, 0)], lambda _: pages, runner.page_size))[0].astype(np.float64)
+        top = logits.max()
+        out.append((rid, at, (float(top - logits[a[at]]), float(top - logits[b[at]])), float(np.median(top - logits))))
+    return out
+
+
 @pytest.mark.mtp
 def test_mtp_outputs_are_plain_decodings():
-    """Greedy outputs with the MTP layer are plain decoding's on the same target; the layer's
-    runner its own (its pages the target's count), its shared tensors the target's pointers,
-    nothing held after; then the batch-1 time per token, plain and with the layer at k = 1..3."""
+    """Greedy outputs with the MTP layer are plain decoding's on the same target (up to near-ties
+    that a verify step's row count tips: first_divergences); the layer's runner its own (its pages
+    the target's count), its shared tensors the target's pointers, nothing held after; then the
+    batch-1 time per token, plain and with the layer at k = 1..3."""
     from infc import LLM
     d = config_dir(MTP_CUT)
     if not (d / "config.json").is_file():
@@ -46,7 +73,14 @@ def test_mtp_outputs_are_plain_decodings():
         m = e.metrics
         print(f"MTP layer: acceptance {acceptance(e):.3f} ({m.spec_decode_num_accepted_tokens_total} of "
               f"{m.spec_decode_num_draft_tokens_total}), forwards {e.spec.draft.forwards}")
-        assert got == plain and m.spec_decode_num_draft_tokens_total > 0
+        assert m.spec_decode_num_draft_tokens_total > 0
         assert mr.num_pages == llm.runner.num_pages
         assert e.bm.num_free_pages == llm.runner.num_pages and e.spec.draft.held_pages() == 0
+        # the same tokens, but where a verify step's rows (another T: other kernels, another sum
+        # order in bf16) tip a near-tie of this MoE model's random logits the other way
+        for rid, at, regrets, chance in first_divergences(llm.runner, prompts, plain, got):
+            print(f"{rid} leaves plain decoding at token {at}: regret plain / speculative "
+                  f"{regrets[0]:.3f} / {regrets[1]:.3f} nat (a random token's median {chance:.2f})")
+            assert chance > 5 * NEAR_TIE, "the logits are too flat for this check to catch a wrong token"
+            assert max(regrets) <= NEAR_TIE, (rid, at, regrets)
         head_timings(llm.runner, mr, llm.max_len, spec, f"{MTP_CUT} (dummy weights), MTP layer (random)")
