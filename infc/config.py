@@ -16,6 +16,10 @@ from typing import Callable
 # The KV cache's tokens a page when neither the user nor the GPU's tuning table names one
 # (vLLM's block size). A table's `page_size` wins on its GPU (compiler/build.py default_page_size).
 DEFAULT_PAGE_SIZE = 16
+# The host KV tier saves a released block once it is among the pages this many steps' allocations
+# could take next (each step at most max_num_batched_tokens / page_size + max_num_seqs pages): its
+# copy is done before its page is handed out, and a block that is never evicted is never copied.
+KV_SAVE_AHEAD_STEPS = 4
 DEFAULT_MAX_NUM_SEQS = 256
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 # LLM(...) on the CPU (the numpy reference): a small cache and batch unless asked (infc/llm.py)

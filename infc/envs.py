@@ -66,6 +66,9 @@ REGISTRY = {v.name: v for v in (
     Var("INFC_KV_SAVE_HALVES", "int", 2, "parts of the staging buffer a host KV tier save's "
         "gathers fill in turn on their own stream (1: each gather waits for the copy out of the "
         "chunk before it, the chained form's pacing off the copy stream; an A/B switch)"),
+    Var("INFC_KV_SAVE_EAGER", "flag", False, "the host KV tier copies out every cached block "
+        "when its last reference goes, instead of only the blocks the next few steps' allocations "
+        "may evict (1: on, the form measured before; an A/B switch)"),
     Var("INFC_KV_SAVE_AT_COMPUTE", "flag", False, "the host KV tier copies a block out once, when "
         "the step computing it is issued (as vLLM's offloading connector stores blocks), instead of "
         "when its last reference goes (1: on; an A/B switch: on an H200 it moved the saves but did "

@@ -170,9 +170,13 @@ def test_engine_path_from_a_kv_tier_on_cpu(model_dir, tmp_path, small_cpu, tier)
         bench.main(["--model-path", str(model_dir), "--tier", "host", "--path", "both"])
 
 
-def test_hbm_hits_with_the_tier_on_on_cpu(model_dir, tmp_path, small_cpu):
-    """--tier hbm with --kv-offloading-size: the tier saves (bytes to host) while every warm hit
-    still comes from the device's pages (nothing restored), in a file apart from a tier-off run's."""
+@pytest.mark.parametrize("eager", [False, True])
+def test_hbm_hits_with_the_tier_on_on_cpu(model_dir, tmp_path, small_cpu, monkeypatch, eager):
+    """--tier hbm with --kv-offloading-size: every warm hit still comes from the device's pages
+    (nothing restored), in a file apart from a tier-off run's; the KV cache has room, so the
+    tier saves nothing (write-back) unless INFC_KV_SAVE_EAGER=1 saves every finished request."""
+    if eager:
+        monkeypatch.setenv("INFC_KV_SAVE_EAGER", "1")
     res = bench.main(["--model-path", str(model_dir), "--load-format", "dummy", "--device", "cpu",
                       "--path", "engine", "--lengths", "32,64", "--reps", "2", "--cold-reps", "1",
                       "--kv-offloading-size", "0.01", "--settle-s", "0.01", "--out", str(tmp_path)])
@@ -180,5 +184,5 @@ def test_hbm_hits_with_the_tier_on_on_cpu(model_dir, tmp_path, small_cpu):
     assert rec["tier"] == "hbm" and rec["kv_offloading_size_gib"] == 0.01 and res["settings"]["settle_s"] == 0.01
     assert (tmp_path / "prefix-tier-on-tiny-prefix-cpu.json").exists()
     check_path(rec, [32, 64], reps=2, cold_reps=1)
-    assert rec["tier_bytes"]["to_host"] > 0 and rec["tier_bytes"]["to_device"] == 0
+    assert (rec["tier_bytes"]["to_host"] > 0) == eager and rec["tier_bytes"]["to_device"] == 0
     assert bench.tier_pool_gib("hbm", None) is None and bench.tier_pool_gib("host", None) == bench.TIER_POOL_GIB

@@ -680,3 +680,73 @@ def test_blocks_are_saved_when_released_or_once_as_computed(monkeypatch, at_comp
     assert st.bytes_to_host == 3 * 13 * r.copies.block_bytes        # each block once
     assert not at_compute or st.step_waits == 0                    # held blocks are only read
     assert_all_free(e)
+
+
+def _one_by_one(e, prompts, params, tag):
+    """Each prompt served alone, in turn: its tokens, and bytes saved after each."""
+    got, saved = [], []
+    for i, p in enumerate(prompts):
+        e.add_request(p, params, f"{tag}{i}")
+        got.append(drain(e)[f"{tag}{i}"][0])
+        saved.append(e.tiers.stats.bytes_to_host if e.tiers is not None else 0)
+    return got, saved
+
+
+def test_write_back_saves_only_blocks_the_next_allocations_may_evict(monkeypatch):
+    """The default timing (write-back): a finished sequence's blocks stay on their pages, not
+    copied, while the free queue has `ahead` other pages before them (here 4 steps of at most 8
+    tokens / 4 per page + 1 sequence = 12 pages); as later sequences take pages and their blocks
+    come within 12 of the front they are copied out, so no step waits for a save (copies that land
+    only two steps late, LateCopies) and the first prompt is restored from the host, outputs the
+    tier-free run's. INFC_KV_SAVE_EAGER=1 copies every block at release."""
+    rng = np.random.default_rng(8)
+    params = SamplingParams(max_tokens=5, **GREEDY)
+    prompts = [rng.integers(0, 97, 37).tolist() for _ in range(8)]        # 10 blocks a sequence
+    again = [prompts[0] + [5, 6, 7]]
+    kw = dict(max_num_seqs=1, max_num_batched_tokens=8)
+    base = make_engine(FakeRunner(64), **kw)
+    want, _ = _one_by_one(base, prompts + again, params, "r")
+    r = TieredFake(64, late=True)
+    e = make_engine(r, kv_offloading=OffloadConfig(_blocks_gib(100)), **kw)
+    assert e.tiers.ahead == 4 * (8 // 4 + 1)
+    stalls, wait = [], r.copies.step_waits
+    # a step stalls when a copy it waits for has not landed yet (a wait on a landed one is free)
+    r.copies.step_waits = lambda f: stalls.append(any(q[0] <= f for q in r.copies.queue)) or wait(f)
+    got, saved = _one_by_one(e, prompts, params, "r")
+    # sequences 1-4 take the 64 never-used pages (10 or 11 each) and no block comes near the front
+    assert saved[:4] == [0, 0, 0, 0]
+    assert saved[-1] > 0 and not any(stalls)
+    got += _one_by_one(e, again, params, "a")[0]
+    assert got == want
+    assert e.metrics.kv_offload.host_hit_tokens > 0
+    assert_all_free(e)
+    monkeypatch.setenv("INFC_KV_SAVE_EAGER", "1")
+    eager = make_engine(TieredFake(64, late=True), kv_offloading=OffloadConfig(_blocks_gib(100)), **kw)
+    assert eager.tiers.ahead == 0
+    _, saved = _one_by_one(eager, prompts[:1], params, "r")
+    assert saved == [10 * 16 * 4]                                          # all 10 blocks at release
+
+
+def test_a_dirty_block_handed_out_before_its_save_is_saved_first():
+    """A step that takes more pages than the tier looks ahead (a 64-token chunk: 16 pages, ahead
+    12) reaches dirty blocks the flush never saw: each is copied out before that step writes its
+    page, the step waiting for the copy (copies land late unless waited for, so a missing wait
+    would save the new KV under the old block's hash), and the old prompt comes back from the
+    host as it was."""
+    rng = np.random.default_rng(9)
+    params = SamplingParams(max_tokens=3, **GREEDY)
+    first = rng.integers(0, 97, 40).tolist()
+    rest = [rng.integers(0, 97, 60).tolist() for _ in range(3)]
+    again = [first + [1, 2]]
+    base = make_engine(FakeRunner(32), max_num_seqs=1, max_num_batched_tokens=64)
+    want, _ = _one_by_one(base, [first] + rest + again, params, "r")
+    r = TieredFake(32, late=True)
+    e = make_engine(r, kv_offloading=OffloadConfig(_blocks_gib(100)), max_num_seqs=1, max_num_batched_tokens=64)
+    e.tiers.write_back(12)
+    stalls, wait = [], r.copies.step_waits
+    r.copies.step_waits = lambda f: stalls.append(any(q[0] <= f for q in r.copies.queue)) or wait(f)
+    got, _ = _one_by_one(e, [first] + rest + again, params, "r")
+    assert got == want
+    # every one of the first prompt's 10 blocks came back from the host, some saved by a stall
+    assert any(stalls) and e.metrics.kv_offload.host_hit_tokens == 40
+    assert_all_free(e)

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from infc import envs
+from infc.config import KV_SAVE_AHEAD_STEPS
 
 from . import bad_words, fault_inject, kv_events, prompt_logprobs, state_snapshots
 from .block_manager import BlockManager
@@ -179,6 +180,9 @@ class Engine:
             enable_prefix_caching = copies is not None
         kv_offloading, snap_offloading = state_snapshots.split_offloading(runner, copies, kv_offloading)
         self.tiers = kv_tiers.for_engine(runner, kv_offloading, enable_prefix_caching, self.dp, log)
+        if self.tiers is not None:          # write-back: the pages the next steps may take
+            self.tiers.write_back(KV_SAVE_AHEAD_STEPS * (-(-max_num_batched_tokens // runner.page_size)
+                                                         + max_num_seqs))
         self.snapshots = None if copies is None else \
             state_snapshots.for_engine(runner, copies, snap_offloading, self.tiers, log)
         # one block manager and scheduler a data-parallel rank (each its own pages and budget)
@@ -432,7 +436,7 @@ class Engine:
             batches = [[(seq, n) for seq, n in b if not seq.finished] for b in batches]   # ended in it
         try:
             if self.tiers is not None:          # before the step: its restores, the saves it overwrites
-                self.tiers.flush(self.bm.blocks, before_launch=True)
+                self.tiers.flush(self.bm.blocks, before_launch=True, free_queue=self.bm.free)
             if self.snapshots is not None:      # the admitted sequences' state, where their hits end
                 self.snapshots.before_launch()
             launched = self._launch_any(batches) if any(batches) else None
@@ -464,7 +468,7 @@ class Engine:
             if self.in_flight is not None:
                 outputs += self._drain_in_flight(e)
         if self.tiers is not None:              # the blocks this step released go to the host now
-            self.tiers.flush(self.bm.blocks)
+            self.tiers.flush(self.bm.blocks, free_queue=self.bm.free)
         if self.snapshots is not None:
             self.snapshots.after_step()
         self._gauges()

@@ -10,12 +10,19 @@ to disk when it is full), then the restores' host-to-device copies, and makes th
 wait for what it must: the restores, and a save whose page was handed out again since it was
 offered. Everything else overlaps the steps (on the GPU: the runner's copy stream).
 
-When a block is saved: at release by default; under INFC_KV_SAVE_AT_COMPUTE once, at the flush
-after the step that computes it (a prompt's blocks beside its own prefill, as vLLM's offloading
-connector stores them), and not again when its sequence lets it go, even if the pool has dropped
-it since (saved at both, a pool smaller than the run's blocks copied each block twice: 160 GB
-against 81 at qwen3-4b 1024/128 x 256 with 32 GiB). On an H200 neither timing spared the steps
-that run beside a large save (bench/NOTES.md, issue 44): the default stays the one measured first.
+When a block is saved: ahead of its eviction by default (write-back, as SGLang's hierarchical
+cache can): a released block stays dirty, on its page, until the flush finds its page among the
+`ahead` pages at the front of the block manager's free queue (the pages the next steps'
+allocations take first; infc/config.py KV_SAVE_AHEAD_STEPS steps' worth), or until its page is
+handed out before that (then the step that writes the page waits for the save). A block that is
+hit again, or never evicted, is never copied: saves cost nothing while HBM has room (a prefix hit
+beside the saves of every finished request took 8-10 % longer, bench/NOTES.md issue 44).
+INFC_KV_SAVE_EAGER=1 saves at release; INFC_KV_SAVE_AT_COMPUTE=1 once, at the flush after the
+step that computes the block (as vLLM's offloading connector stores them), and not again when its
+sequence lets it go, even if the pool has dropped it since (saved at both, a pool smaller than the
+run's blocks copied each block twice: 160 GB against 81 at qwen3-4b 1024/128 x 256 with 32 GiB).
+The tiers of state snapshots (state_snapshots.py) offer a snapshot when it is evicted: no
+write-back there (ahead 0).
 
 Fences are the runner's (runtime/cuda/kv_copies.py: ordered ints, a copy stream is in order, so
 waiting on the latest covers the earlier ones; None on the CPU, whose copies are done at once).
@@ -24,6 +31,7 @@ import hashlib
 import json
 import time
 from dataclasses import dataclass, field
+from itertools import islice
 
 from infc import envs
 
@@ -97,10 +105,21 @@ class KVTiers:
         # page -> the block saved from it when computed, while a sequence holds it (not saved
         # again at release); by page, so a page released without its hash (reset) forgets it too
         self.saved_at_compute: dict[int, bytes] = {}
+        # write-back (write_back()): released blocks not copied yet, page -> hash; each page holds
+        # its block until it is handed out again (reusing), so the copy may come any time before
+        self.ahead = 0
+        self.dirty: dict[int, bytes] = {}
 
     @property
     def capacity_rows(self) -> int:
         return self.pool.num_rows
+
+    def write_back(self, ahead: int):
+        """Save released blocks only once their pages are among the first `ahead` of the free
+        queue a flush is given (unless INFC_KV_SAVE_EAGER or INFC_KV_SAVE_AT_COMPUTE asks for
+        another timing)."""
+        if not (self.at_compute or envs.value("INFC_KV_SAVE_EAGER")):
+            self.ahead = max(0, int(ahead))
 
     # -- the block manager's hooks --------------------------------------------------------------
     def offer(self, h: bytes, page: int):
@@ -129,10 +148,17 @@ class KVTiers:
         if saved == h:
             self.pool.get(h)
             return
+        if self.ahead:
+            self.dirty[page] = h
+            return
         self.offer(h, page)
 
     def reusing(self, page: int):
-        """A page is handed out again: the step that writes it waits for a save still reading it."""
+        """A page is handed out again: the step that writes it waits for a save still reading it
+        (or, a dirty block, for the save issued now: before the step, at the flush)."""
+        h = self.dirty.pop(page, None)
+        if h is not None:
+            self.offer(h, page)
         f = self.page_fence.pop(page, None)
         if f is not None:
             self.step_fence = _max(self.step_fence, f)
@@ -263,15 +289,22 @@ class KVTiers:
             if always_wait or (blocks is not None and blocks[page].hash != h):
                 self.step_fence = _max(self.step_fence, fence)
 
-    def flush(self, blocks, before_launch: bool = False):
+    def flush(self, blocks, before_launch: bool = False, free_queue=None):
         """Issue the pending saves, then the pending restores (blocks: the block manager's, to
         skip a restore whose page was freed and handed out again meanwhile); the next step waits
-        for what it reads or overwrites.
+        for what it reads or overwrites. free_queue: the block manager's free pages, the next
+        to be handed out first: under write-back, the dirty blocks among the first `ahead` of
+        them are saved now.
 
         Restores overlap the step in flight unless one writes a page freed since the last flush
         before a launch (a sequence that ended while that step ran may still be in it); the
         engine's flush before a launch (before_launch) starts the count again. Saves always wait
         for the steps issued before them (their blocks may be that step's output)."""
+        if self.dirty and free_queue is not None:
+            for page in islice(free_queue, self.ahead):
+                h = self.dirty.pop(page, None)
+                if h is not None:
+                    self.offer(h, page)
         if self.saves:
             saves, self.saves = self.saves, {}
             self._issue_saves(saves, blocks)
@@ -306,6 +339,7 @@ class KVTiers:
         next prefix hit comes from that tier (`infc bench prefix --tier`)."""
         for page in bm.free:
             b = bm.blocks[page]
+            self.dirty.pop(page, None)
             if b.hash is not None:
                 self.offer(b.hash, page)
                 del bm.cached[b.hash]
@@ -324,7 +358,7 @@ class KVTiers:
 
     def check(self):
         """Accounting (tests): rows, pins and files agree; nothing pending between steps but
-        saves (offered blocks whose copy waits for the next flush)."""
+        saves (offered blocks whose copy waits for the next flush) and dirty blocks."""
         self.pool.check()
         assert not self.loads and not self.pool.pins, (self.loads, self.pool.pins)
         if self.disk is not None:
