@@ -742,11 +742,40 @@ def test_a_dirty_block_handed_out_before_its_save_is_saved_first():
     want, _ = _one_by_one(base, [first] + rest + again, params, "r")
     r = TieredFake(32, late=True)
     e = make_engine(r, kv_offloading=OffloadConfig(_blocks_gib(100)), max_num_seqs=1, max_num_batched_tokens=64)
-    e.tiers.write_back(12)
+    e.tiers.write_back(12, 32)
     stalls, wait = [], r.copies.step_waits
     r.copies.step_waits = lambda f: stalls.append(any(q[0] <= f for q in r.copies.queue)) or wait(f)
     got, _ = _one_by_one(e, [first] + rest + again, params, "r")
     assert got == want
     # every one of the first prompt's 10 blocks came back from the host, some saved by a stall
     assert any(stalls) and e.metrics.kv_offload.host_hit_tokens == 40
+    assert_all_free(e)
+
+
+def test_write_back_counts_each_dirty_pages_place_in_the_free_queue():
+    """Write-back finds the dirty blocks near the free queue's front by counting (tickets, the
+    front, the holes prefix hits leave), not by walking the queue: under shared prefixes (hits
+    take pages from the middle) the counted place of every dirty page is its place in the queue
+    after every step, and the outputs are the tier-free run's."""
+    rng = np.random.default_rng(13)
+    prompts = _shared_prefix_prompts(rng, 80, stems=6)
+    params = SamplingParams(max_tokens=5, **GREEDY)
+    want = _serve(make_engine(FakeRunner(64)), prompts, params)
+    e = make_engine(TieredFake(64, late=True), kv_offloading=OffloadConfig(_blocks_gib(40)))
+    e.tiers.write_back(10, 64)
+    checked = holes = 0
+    outs = {}
+    for w in range(0, len(prompts), 8):
+        for i in range(w, min(w + 8, len(prompts))):
+            e.add_request(prompts[i], params, f"r{i}")
+        while e.has_unfinished():
+            for o in e.step():
+                outs.setdefault(o.request_id, []).extend(o.token_ids)
+            places = {page: i for i, page in enumerate(e.bm.free)}
+            for page, (_, t) in e.tiers.dirty.items():
+                assert e.tiers._place(t) == places[page], (page, e.tiers._place(t), places[page])
+                checked += 1
+            holes = max(holes, len(e.tiers._holes))
+    assert [outs[f"r{i}"] for i in range(len(prompts))] == want
+    assert checked > 100 and holes > 0 and e.metrics.kv_offload.host_hit_tokens > 0
     assert_all_free(e)

@@ -165,6 +165,8 @@ class BlockManager:
         b = self.blocks[page]
         if b.ref == 0:
             del self.free[page]
+            if self.tiers is not None:
+                self.tiers.taken(page)
         b.ref += 1
 
     def _new_page(self) -> int:
@@ -352,5 +354,6 @@ class BlockManager:
         assert all(0 <= s < self.num_slots for s in self.free_slots), self.free_slots
         if self.tiers is not None:
             self.tiers.check()
+            self.tiers.check_places(self.free)
         if self.snapshots is not None:
             self.snapshots.check()

@@ -182,7 +182,7 @@ class Engine:
         self.tiers = kv_tiers.for_engine(runner, kv_offloading, enable_prefix_caching, self.dp, log)
         if self.tiers is not None:          # write-back: the pages the next steps may take
             self.tiers.write_back(KV_SAVE_AHEAD_STEPS * (-(-max_num_batched_tokens // runner.page_size)
-                                                         + max_num_seqs))
+                                                         + max_num_seqs), runner.num_pages)
         self.snapshots = None if copies is None else \
             state_snapshots.for_engine(runner, copies, snap_offloading, self.tiers, log)
         # one block manager and scheduler a data-parallel rank (each its own pages and budget)
@@ -436,7 +436,7 @@ class Engine:
             batches = [[(seq, n) for seq, n in b if not seq.finished] for b in batches]   # ended in it
         try:
             if self.tiers is not None:          # before the step: its restores, the saves it overwrites
-                self.tiers.flush(self.bm.blocks, before_launch=True, free_queue=self.bm.free)
+                self.tiers.flush(self.bm.blocks, before_launch=True)
             if self.snapshots is not None:      # the admitted sequences' state, where their hits end
                 self.snapshots.before_launch()
             launched = self._launch_any(batches) if any(batches) else None
@@ -468,7 +468,7 @@ class Engine:
             if self.in_flight is not None:
                 outputs += self._drain_in_flight(e)
         if self.tiers is not None:              # the blocks this step released go to the host now
-            self.tiers.flush(self.bm.blocks, free_queue=self.bm.free)
+            self.tiers.flush(self.bm.blocks)
         if self.snapshots is not None:
             self.snapshots.after_step()
         self._gauges()

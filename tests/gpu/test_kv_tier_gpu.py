@@ -89,19 +89,21 @@ def test_one_launch_moves_what_the_2d_copies_move(ctx, tmp_path, decl, ps, num_p
     plain.close()
 
 
-@pytest.mark.parametrize("at_compute", [False, True])
-def test_a_host_tier_hit_equals_the_kv_cache_hit(monkeypatch, at_compute):
+@pytest.mark.parametrize("timing", ["write-back", "eager", "at-compute"])
+def test_a_host_tier_hit_equals_the_kv_cache_hit(monkeypatch, timing):
     """qwen3-4b (dummy weights) served with --kv-offloading-size: prompt P (whole blocks) is
     computed, then P + a quarter block decodes 6 tokens on P's blocks from the KV cache; P's
     blocks are then demoted to the host tier (the KV cache forgets them) and the same prompt again
     restores them from there: the same steps on the same KV bytes, so the same tokens and logprobs
-    exactly. Blocks saved when their sequence ends (the default) and as their step is issued
-    (INFC_KV_SAVE_AT_COMPUTE)."""
+    exactly. Blocks saved when their pages near eviction (write-back, the default: here only by the
+    demotion, the cache having room), when their sequence ends (INFC_KV_SAVE_EAGER) and as their
+    step is issued (INFC_KV_SAVE_AT_COMPUTE)."""
     import models
     from infc.backend import load_backend
     from infc.runtime.engine.sampling import SamplingParams
-    if at_compute:
-        monkeypatch.setenv("INFC_KV_SAVE_AT_COMPUTE", "1")
+    env = {"eager": "INFC_KV_SAVE_EAGER", "at-compute": "INFC_KV_SAVE_AT_COMPUTE"}.get(timing)
+    if env:
+        monkeypatch.setenv(env, "1")
     b = load_backend(models.REPO / ".cache" / "gpu" / "configs" / "qwen3-4b", device="cuda", load_format="dummy",
                      enable_prefix_caching=True, kv_offloading_size=2, max_model_len=4096, asynchronous=False,
                      log=None)
@@ -124,9 +126,12 @@ def test_a_host_tier_hit_equals_the_kv_cache_hit(monkeypatch, at_compute):
         run(p, "p")
         hbm = run(q, "q-hbm")
         st = e.tiers.stats
-        saved = st.bytes_to_host
-        assert saved >= 24 * e.tiers.block_bytes            # P's blocks, whenever they were saved
+        if timing == "write-back":
+            assert st.bytes_to_host == 0                    # nothing near eviction yet
+        else:
+            assert st.bytes_to_host >= 24 * e.tiers.block_bytes      # P's blocks, saved already
         e.tiers.demote(e.bm)
+        assert st.bytes_to_host >= 24 * e.tiers.block_bytes
         host = run(q, "q-host")
         assert st.host_hit_tokens >= 24 * ps, st.host_hit_tokens
         assert host == hbm

@@ -11,10 +11,14 @@ wait for what it must: the restores, and a save whose page was handed out again 
 offered. Everything else overlaps the steps (on the GPU: the runner's copy stream).
 
 When a block is saved: ahead of its eviction by default (write-back, as SGLang's hierarchical
-cache can): a released block stays dirty, on its page, until the flush finds its page among the
+cache can): a released block stays dirty, on its page, until a flush finds its page among the
 `ahead` pages at the front of the block manager's free queue (the pages the next steps'
 allocations take first; infc/config.py KV_SAVE_AHEAD_STEPS steps' worth), or until its page is
-handed out before that (then the step that writes the page waits for the save). A block that is
+handed out before that (then the step that writes the page waits for the save). The queue is in
+release order, so a page's place in it is counted, not walked: each page entering it takes the
+next ticket (the initial pages their ids), pages leave from the front in ticket order (`reusing`)
+or from the middle (`taken`: a prefix hit; a hole), and a page's place is its ticket less the
+front's and the holes before it. A block that is
 hit again, or never evicted, is never copied: saves cost nothing while HBM has room (a prefix hit
 beside the saves of every finished request took 8-10 % longer, bench/NOTES.md issue 44).
 INFC_KV_SAVE_EAGER=1 saves at release; INFC_KV_SAVE_AT_COMPUTE=1 once, at the flush after the
@@ -31,7 +35,7 @@ import hashlib
 import json
 import time
 from dataclasses import dataclass, field
-from itertools import islice
+from bisect import bisect_left, insort
 
 from infc import envs
 
@@ -105,21 +109,32 @@ class KVTiers:
         # page -> the block saved from it when computed, while a sequence holds it (not saved
         # again at release); by page, so a page released without its hash (reset) forgets it too
         self.saved_at_compute: dict[int, bytes] = {}
-        # write-back (write_back()): released blocks not copied yet, page -> hash; each page holds
-        # its block until it is handed out again (reusing), so the copy may come any time before
+        # write-back (write_back()): released blocks not copied yet, page -> (hash, ticket), in
+        # ticket order; each page holds its block until it is handed out again (reusing), so the
+        # copy may come any time before
         self.ahead = 0
-        self.dirty: dict[int, bytes] = {}
+        self.dirty: dict[int, tuple[bytes, int]] = {}
+        self._ticket: dict[int, int] = {}        # page -> its place in the free queue's order
+        self._next_ticket = 0
+        self._front = 0                          # every page ticketed below this has left the queue
+        self._holes: list[int] = []              # sorted tickets >= _front of pages taken from the middle
 
     @property
     def capacity_rows(self) -> int:
         return self.pool.num_rows
 
-    def write_back(self, ahead: int):
-        """Save released blocks only once their pages are among the first `ahead` of the free
-        queue a flush is given (unless INFC_KV_SAVE_EAGER or INFC_KV_SAVE_AT_COMPUTE asks for
-        another timing)."""
+    def write_back(self, ahead: int, num_pages: int):
+        """Save released blocks only once their pages are among the first `ahead` of the block
+        manager's free queue (num_pages pages, initially in id order), unless INFC_KV_SAVE_EAGER
+        or INFC_KV_SAVE_AT_COMPUTE asks for another timing."""
         if not (self.at_compute or envs.value("INFC_KV_SAVE_EAGER")):
             self.ahead = max(0, int(ahead))
+            self._next_ticket = num_pages
+
+    def _place(self, ticket: int) -> int:
+        """At most how many free pages stand before the page with this ticket (exact unless pages
+        went to the front: spec decoding's truncate; then it saves early, never late)."""
+        return ticket - self._front - bisect_left(self._holes, ticket)
 
     # -- the block manager's hooks --------------------------------------------------------------
     def offer(self, h: bytes, page: int):
@@ -140,8 +155,12 @@ class KVTiers:
 
     def released(self, page: int, h: bytes | None):
         """A page lost its last reference (and with a hash, its block is offered, unless it was
-        saved when computed: then it is only marked recently used, where the pool still has it)."""
+        saved when computed: then it is only marked recently used, where the pool still has it;
+        under write-back it stays dirty)."""
         self.freed.add(page)
+        if self.ahead:                           # to the free queue's tail
+            self._ticket[page] = self._next_ticket
+            self._next_ticket += 1
         saved = self.saved_at_compute.pop(page, None)
         if h is None:
             return
@@ -149,19 +168,32 @@ class KVTiers:
             self.pool.get(h)
             return
         if self.ahead:
-            self.dirty[page] = h
+            self.dirty.pop(page, None)           # (in ticket order: to the end)
+            self.dirty[page] = (h, self._ticket[page])
             return
         self.offer(h, page)
 
     def reusing(self, page: int):
         """A page is handed out again: the step that writes it waits for a save still reading it
         (or, a dirty block, for the save issued now: before the step, at the flush)."""
-        h = self.dirty.pop(page, None)
-        if h is not None:
-            self.offer(h, page)
+        if self.ahead:                           # from the free queue's front
+            self._front = max(self._front, self._ticket.get(page, page) + 1)
+            del self._holes[:bisect_left(self._holes, self._front)]
+            dirty = self.dirty.pop(page, None)
+            if dirty is not None:
+                self.offer(dirty[0], page)
         f = self.page_fence.pop(page, None)
         if f is not None:
             self.step_fence = _max(self.step_fence, f)
+
+    def taken(self, page: int):
+        """A free page was taken from the middle of the queue (a prefix hit on its block): a hole
+        in the queue's order; its block, if dirty, is dirty again when released."""
+        if self.ahead:
+            t = self._ticket.get(page, page)
+            if t >= self._front:
+                insort(self._holes, t)
+            self.dirty.pop(page, None)
 
     def find(self, h: bytes) -> bool:
         return h in self.pool or h in self.saves or (self.disk is not None and h in self.disk)
@@ -289,22 +321,22 @@ class KVTiers:
             if always_wait or (blocks is not None and blocks[page].hash != h):
                 self.step_fence = _max(self.step_fence, fence)
 
-    def flush(self, blocks, before_launch: bool = False, free_queue=None):
-        """Issue the pending saves, then the pending restores (blocks: the block manager's, to
-        skip a restore whose page was freed and handed out again meanwhile); the next step waits
-        for what it reads or overwrites. free_queue: the block manager's free pages, the next
-        to be handed out first: under write-back, the dirty blocks among the first `ahead` of
-        them are saved now.
+    def flush(self, blocks, before_launch: bool = False):
+        """Issue the pending saves (under write-back, first the dirty blocks now among the first
+        `ahead` pages of the free queue), then the pending restores (blocks: the block manager's,
+        to skip a restore whose page was freed and handed out again meanwhile); the next step
+        waits for what it reads or overwrites.
 
         Restores overlap the step in flight unless one writes a page freed since the last flush
         before a launch (a sequence that ended while that step ran may still be in it); the
         engine's flush before a launch (before_launch) starts the count again. Saves always wait
         for the steps issued before them (their blocks may be that step's output)."""
-        if self.dirty and free_queue is not None:
-            for page in islice(free_queue, self.ahead):
-                h = self.dirty.pop(page, None)
-                if h is not None:
-                    self.offer(h, page)
+        while self.dirty:
+            page, (h, t) = next(iter(self.dirty.items()))
+            if self._place(t) >= self.ahead:
+                break
+            del self.dirty[page]
+            self.offer(h, page)
         if self.saves:
             saves, self.saves = self.saves, {}
             self._issue_saves(saves, blocks)
@@ -355,6 +387,16 @@ class KVTiers:
                 self._pool_drop(h)
                 self._spill(h, row)
                 self.pool.release(row)
+
+    def check_places(self, free_queue):
+        """Write-back's counting (tests): every dirty page is free, and its counted place is at most
+        its place in the queue (never saved late), exactly it without pages sent to the front."""
+        places = {page: i for i, page in enumerate(free_queue)}
+        tickets = [t for _, t in self.dirty.values()]
+        assert tickets == sorted(tickets), "dirty blocks out of ticket order"
+        for page, (_, t) in self.dirty.items():
+            assert page in places, f"dirty page {page} is not free"
+            assert self._place(t) <= places[page], (page, self._place(t), places[page])
 
     def check(self):
         """Accounting (tests): rows, pins and files agree; nothing pending between steps but
