@@ -5,12 +5,13 @@ parameters (temperature, top-k, top-p, min-p, seed, step: a few bytes) and gets 
 id: the sampler kernels write it to device memory (the next step's tokens are copied from there)
 and into mapped host memory, where the host reads it once the step's end event has passed. A copy
 would queue on a copy engine, behind whatever the KV tier's saves have queued there (an artifact
-rendered before the host output, or INFC_SAMPLED_TOKENS_COPY=1, copies). Only rows that asked for logprobs copy a row back, of log-softmax values computed on the
-device. A row's logits processing (penalties, logit_bias, banned ids, bitmasks: engine/
-logits_process.py) runs in place after the log-softmax, so a logprob is always of the model's
-distribution, as on the CPU: the logits_process kernel over the rows that have any, their sparse
-entries and bitmask rows uploaded through this sampler's own page-locked staging (they grow with
-the prompts, unlike the runner's fixed uploads).
+rendered before the host output, or INFC_SAMPLED_TOKENS_COPY=1, copies). Only rows that asked
+for logprobs copy a row back, of log-softmax values computed on the device. A row's logits
+processing (penalties, logit_bias, banned ids, bitmasks: engine/logits_process.py) runs in place
+after the log-softmax, so a logprob is always of the model's distribution, as on the CPU: the
+logits_process kernel over the rows that have any, their sparse entries and bitmask rows uploaded
+through this sampler's own page-locked staging (they grow with the prompts, unlike the runner's
+fixed uploads).
 
 All-greedy steps use the argmax kernel (one pass over V); any other row needs `sample`, which
 takes temperature 0 as greedy (lowest index on ties, the same token argmax gives).

@@ -18,9 +18,9 @@ handed out before that (then the step that writes the page waits for the save). 
 release order, so a page's place in it is counted, not walked: each page entering it takes the
 next ticket (the initial pages their ids), pages leave from the front in ticket order (`reusing`)
 or from the middle (`taken`: a prefix hit; a hole), and a page's place is its ticket less the
-front's and the holes before it. A block that is
-hit again, or never evicted, is never copied: saves cost nothing while HBM has room (a prefix hit
-beside the saves of every finished request took 8-10 % longer, bench/NOTES.md issue 44).
+front's and the holes before it. A block that is hit again, or never evicted, is never copied:
+saves cost nothing while HBM has room (a prefix hit beside the saves of every finished request
+took 8-10 % longer, bench/NOTES.md issue 44).
 INFC_KV_SAVE_EAGER=1 saves at release; INFC_KV_SAVE_AT_COMPUTE=1 once, at the flush after the
 step that computes the block (as vLLM's offloading connector stores them), and not again when its
 sequence lets it go, even if the pool has dropped it since (saved at both, a pool smaller than the
@@ -158,7 +158,7 @@ class KVTiers:
         saved when computed: then it is only marked recently used, where the pool still has it;
         under write-back it stays dirty)."""
         self.freed.add(page)
-        if self.ahead:                           # to the free queue's tail
+        if self.ahead:                           # every page, hashed or not, joins the queue's tail
             self._ticket[page] = self._next_ticket
             self._next_ticket += 1
         saved = self.saved_at_compute.pop(page, None)
