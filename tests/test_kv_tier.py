@@ -779,3 +779,41 @@ def test_write_back_counts_each_dirty_pages_place_in_the_free_queue():
     assert [outs[f"r{i}"] for i in range(len(prompts))] == want
     assert checked > 100 and holes > 0 and e.metrics.kv_offload.host_hit_tokens > 0
     assert_all_free(e)
+
+
+def test_write_back_beside_speculation():
+    """n-gram speculation hands rejected drafts' pages back to the free queue's front (truncate),
+    which the write-back count does not see: it may then place a dirty page before its real place
+    (saving early), never after it; under shared prefixes, a small KV cache and rejections, every
+    output is the model's own, and the first prompt comes back from the host."""
+    from infc.config import speculative_config
+    from test_scheduler import solo
+
+    def next_token(ctx):              # repeats itself 5 back (drafts land), but not every 9th token
+        return int(ctx[-5]) if len(ctx) >= 5 and len(ctx) % 9 else int(len(ctx) % 97)
+    rng = np.random.default_rng(21)
+    stems = [rng.integers(0, 97, 14).tolist() for _ in range(3)]
+    prompts = [stems[i % 3] + rng.integers(0, 97, 3).tolist() for i in range(6)]     # hits on stems
+    prompts += [rng.integers(0, 97, 17).tolist() for _ in range(6)] + [stems[0] + [1, 2, 3]]
+    spec = speculative_config({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
+                               "prompt_lookup_max": 3})
+    r = TieredFake(24, late=True, next_token=next_token)
+    e = make_engine(r, kv_offloading=OffloadConfig(_blocks_gib(60)), speculative_config=spec)
+    e.tiers.write_back(6, 24)
+    got, early = [], 0
+    for i, p in enumerate(prompts):
+        e.add_request(p, SamplingParams(max_tokens=16, **GREEDY), f"r{i}")
+        out = []
+        while e.has_unfinished():
+            for o in e.step():
+                out += o.token_ids
+            e.tiers.check_places(e.bm.free)          # never later than the page's real place
+            places = {page: j for j, page in enumerate(e.bm.free)}
+            early += sum(e.tiers._place(t) < places[page] for page, (_, t) in e.tiers.dirty.items())
+        got.append(out)
+    assert got == [solo(r, p, 16) for p in prompts]
+    m = e.metrics
+    assert m.spec_decode_num_accepted_tokens_total > 0 and m.spec_decode_num_draft_tokens_total > \
+        m.spec_decode_num_accepted_tokens_total                     # some drafts rejected: truncated
+    assert early > 0 and m.kv_offload.host_hit_tokens > 0
+    assert_all_free(e)
