@@ -34,8 +34,8 @@ waiting on the latest covers the earlier ones; None on the CPU, whose copies are
 import hashlib
 import json
 import time
-from dataclasses import dataclass, field
 from bisect import bisect_left, insort
+from dataclasses import dataclass, field
 
 from infc import envs
 
@@ -131,6 +131,9 @@ class KVTiers:
             self.ahead = max(0, int(ahead))
             self._next_ticket = num_pages
 
+    def _ticket_of(self, page: int) -> int:
+        return self._ticket.get(page, page)      # a page never released: its id (the initial order)
+
     def _place(self, ticket: int) -> int:
         """At most how many free pages stand before the page with this ticket (exact unless pages
         went to the front: spec decoding's truncate; then it saves early, never late)."""
@@ -159,7 +162,7 @@ class KVTiers:
         under write-back it stays dirty)."""
         self.freed.add(page)
         if self.ahead:                           # every page, hashed or not, joins the queue's tail
-            self._ticket[page] = self._next_ticket
+            ticket = self._ticket[page] = self._next_ticket
             self._next_ticket += 1
         saved = self.saved_at_compute.pop(page, None)
         if h is None:
@@ -169,7 +172,7 @@ class KVTiers:
             return
         if self.ahead:
             self.dirty.pop(page, None)           # (in ticket order: to the end)
-            self.dirty[page] = (h, self._ticket[page])
+            self.dirty[page] = (h, ticket)
             return
         self.offer(h, page)
 
@@ -177,7 +180,7 @@ class KVTiers:
         """A page is handed out again: the step that writes it waits for a save still reading it
         (or, a dirty block, for the save issued now: before the step, at the flush)."""
         if self.ahead:                           # from the free queue's front
-            self._front = max(self._front, self._ticket.get(page, page) + 1)
+            self._front = max(self._front, self._ticket_of(page) + 1)
             del self._holes[:bisect_left(self._holes, self._front)]
             dirty = self.dirty.pop(page, None)
             if dirty is not None:
@@ -190,7 +193,7 @@ class KVTiers:
         """A free page was taken from the middle of the queue (a prefix hit on its block): a hole
         in the queue's order; its block, if dirty, is dirty again when released."""
         if self.ahead:
-            t = self._ticket.get(page, page)
+            t = self._ticket_of(page)
             if t >= self._front:
                 insort(self._holes, t)
             self.dirty.pop(page, None)
@@ -388,15 +391,19 @@ class KVTiers:
                 self._spill(h, row)
                 self.pool.release(row)
 
-    def check_places(self, free_queue):
+    def check_places(self, free_queue) -> int:
         """Write-back's counting (tests): every dirty page is free, and its counted place is at most
-        its place in the queue (never saved late), exactly it without pages sent to the front."""
+        its place in the queue (never saved late), exactly it without pages sent to the front.
+        Returns how many are counted early (before their place)."""
         places = {page: i for i, page in enumerate(free_queue)}
         tickets = [t for _, t in self.dirty.values()]
         assert tickets == sorted(tickets), "dirty blocks out of ticket order"
+        early = 0
         for page, (_, t) in self.dirty.items():
             assert page in places, f"dirty page {page} is not free"
             assert self._place(t) <= places[page], (page, self._place(t), places[page])
+            early += self._place(t) < places[page]
+        return early
 
     def check(self):
         """Accounting (tests): rows, pins and files agree; nothing pending between steps but
