@@ -14,15 +14,21 @@ from logits_rows import mixed_rows
 V = 300
 
 
-def sampler(drv, max_seqs=8):
+def sampler(drv, max_seqs=8, edit=None):
+    """A GpuSampler over freshly rendered sampler kernels on the fake device; edit: source ->
+    source, applied to each kernel first (a kernel as an older renderer wrote it)."""
+    from infc.compiler.codegen.render import parse_meta
     from infc.runtime.cuda.artifact import KernelFn
     from infc.runtime.cuda.sampler import GpuSampler
     from infc.runtime.cuda.staging import Staging
     plan = {"buffers": {"logits": {"shape": [max_seqs, V]}}, "outputs": {"logits": "logits"}, "config": {}}
     ctx = drv.Context()
-    kernels = {kid: KernelFn(kid, k.meta, {"num_warps": k.meta["num_warps"]},
-                             drv.Module(k.source.encode()).function(k.meta["entry"]))
-               for kid, k in render_sampler(plan, {}).items()}
+    kernels = {}
+    for kid, k in render_sampler(plan, {}).items():
+        source = edit(k.source) if edit else k.source
+        meta = parse_meta(source, "triton") if edit else k.meta
+        kernels[kid] = KernelFn(kid, meta, {"num_warps": meta["num_warps"]},
+                                drv.Module(source.encode()).function(meta["entry"]))
     return GpuSampler(ctx, kernels, plan["sampler"], max_seqs, V, staging=Staging(ctx, 1 << 16))
 
 

@@ -7,33 +7,25 @@ import re
 
 import numpy as np
 
-from infc.compiler.codegen.render import render_sampler
 from infc.runtime.engine.runner import RowSampling
 from infc.runtime.engine.sampling import SamplingParams
+from test_cuda_logits_process import V, sampler as make_sampler
 
-V, MAX_SEQS = 300, 4
+MAX_SEQS = 4
+
+
+def without_host_output(source: str) -> str:
+    """A sampler kernel as rendered before the host output (no token_host parameter)."""
+    source = re.sub(r',\s*\["token_host", "\*i32", "out:1"\]', "", source)
+    return source.replace(", token_host", "").replace("token_host +", "token_ptr +")
 
 
 def sampler(drv, old_kernels=False):
     """A GpuSampler over freshly rendered sampler kernels; old_kernels: as rendered before the
-    host output (the kernels' source without their token_host parameter)."""
-    from infc.runtime.cuda.artifact import KernelFn
-    from infc.runtime.cuda.sampler import GpuSampler
-    from infc.runtime.cuda.staging import Staging
-    from infc.compiler.codegen.render import parse_meta
-    plan = {"buffers": {"logits": {"shape": [MAX_SEQS, V]}}, "outputs": {"logits": "logits"}, "config": {}}
-    ctx = drv.Context()
-    kernels = {}
-    for kid, k in render_sampler(plan, {}).items():
-        source, meta = k.source, k.meta
-        if old_kernels and "token_host" in source:
-            source = re.sub(r',\s*\["token_host", "\*i32", "out:1"\]', "", source)
-            source = source.replace(", token_host", "").replace("token_host +", "token_ptr +")
-            meta = parse_meta(source, "triton")
-            assert [p[0] for p in meta["params"]].count("token_host") == 0
-        kernels[kid] = KernelFn(kid, meta, {"num_warps": meta["num_warps"]},
-                                drv.Module(source.encode()).function(meta["entry"]))
-    return GpuSampler(ctx, kernels, plan["sampler"], MAX_SEQS, V, staging=Staging(ctx, 1 << 16))
+    host output."""
+    s = make_sampler(drv, MAX_SEQS, edit=without_host_output if old_kernels else None)
+    assert all("token_host" not in [p[0] for p in k.meta["params"]] for k in s.k.values()) == old_kernels
+    return s
 
 
 def rows(temperature):
