@@ -2,7 +2,7 @@
 (tests/gpu/run.sh ab-latency) of kernel tiles that `infc tune` cannot judge alone (PDL overlap,
 preloads: bench/NOTES.md).
 
-    python tests/gpu/build_variants.py VARIANTS.json MODEL_DIR NAME [--gpu h200] [--page-size N]
+    python tests/gpu/build_variants.py VARIANTS.json MODEL_DIR NAME [--gpu h200] [--page-size N] [--narrow-tokens R]
         -> .cache/artifacts/NAME-<label> for each label of VARIANTS.json, and NAME-base (no overlay)
 
 VARIANTS.json: {"label": {template: {shape key: {tunable: value}}}, ...} (build.load_tuning's
@@ -45,6 +45,8 @@ def main(argv=None):
     ap.add_argument("name")
     ap.add_argument("--gpu", default="h200", choices=["h100", "h200"])
     ap.add_argument("--page-size", type=int, help="KV cache page size of every variant (default: the build's for --gpu)")
+    ap.add_argument("--narrow-tokens", type=int,
+                    help="a speculative build's verify rows (k + 1; its verify program's keys are verify|S|r<N>)")
     a = ap.parse_args(argv)
     from infc.compiler.build import build
     variants = json.loads(Path(a.variants).read_text())
@@ -57,7 +59,7 @@ def main(argv=None):
         try:
             with config_overrides(overlay.pop("_config", {})):
                 build(out=str(out), gpu=a.gpu, log=None, model_dir=a.model_dir, tuning_overlay=overlay or None,
-                      page_size=a.page_size)
+                      page_size=a.page_size, narrow_tokens=a.narrow_tokens)
         except ValueError as e:
             sys.exit(f"{a.variants}: {label}: {e}")
         names.append(out.name)

@@ -1,6 +1,7 @@
 """A verify program's GEMVs (issue 43; codegen_templates/triton/gemv.py.j2 VERIFY_ROWS): a
 speculative build's k + 1 rows on the CUDA-core path together, each W tile read once for all R
-rows (ROW_SUMS "tile": the tile's products reduced per row as they are made), with no
+rows (ROW_SUMS "lanes": each tile's products summed within a thread, across threads after the
+loop; "tile", a tuning choice: reduced across threads per tile), with no
 tensor-core path in the kernel. Under the interpreter against the ops' numpy references: plain,
 gated, act_mul, lm_head_last, the merged add_rms_norm prologue (plain and gated) and quantized W, R in
 {2, 5, 8}, a step of fewer live rows than R (the rest masked), N and K not multiples of the
@@ -39,7 +40,7 @@ def _cuda_core_only(k, R):
     """The kernel is the multi-row CUDA-core form: R rows on it, no tensor-core path."""
     assert k.meta["constexprs"]["FMA_T"] == R and k.meta["constexprs"]["FMA_ROWS"] == R
     assert "tl.dot(" not in k.source
-    assert "tl.sum(wf * a" in k.source                     # ROW_SUMS "tile"
+    assert "tl.sum(tl.reshape(wf * a" in k.source          # ROW_SUMS "lanes"
     assert "if M > 1:" in k.source                         # dead rows skip their FMAs
 
 
@@ -51,6 +52,21 @@ def test_plain_verify_gemv(R, T):
     k = render("gemv", "linear", [("x", ["T", K], "bf16"), ("w", [N, K], "bf16", "weight")],
                [("y", ["T", N], "bf16")], attrs={"has_bias": False}, narrow=R, tune=TUNE)
     _cuda_core_only(k, R)
+    y = poison((T, N))
+    run(k, {"in:0": x, "in:1": w, "out:0": y}, {"T": T, "B": T})
+    assert rel_err(f32(y), REGISTRY["linear"].reference(None, f32(x), f32(w))) <= TOL
+
+
+@pytest.mark.parametrize("sums", ["tile", "end"])
+def test_verify_gemv_row_sums_forms(sums):
+    """The tuner's other row-sum forms (the default is "lanes"): the same outputs on a masked
+    step, K ragged against the tile."""
+    N, K, R, T = 100, 200, 5, 3
+    gen = np.random.default_rng(len(sums))
+    x, w = rand((T, K), gen=gen), rand((N, K), gen=gen, scale=K ** -0.5)
+    k = render("gemv", "linear", [("x", ["T", K], "bf16"), ("w", [N, K], "bf16", "weight")],
+               [("y", ["T", N], "bf16")], attrs={"has_bias": False}, narrow=R, tune={**TUNE, "ROW_SUMS": sums})
+    assert "tl.reshape(wf * a" not in k.source and ("tl.sum(wf * a" in k.source) == (sums == "tile")
     y = poison((T, N))
     run(k, {"in:0": x, "in:1": w, "out:0": y}, {"T": T, "B": T})
     assert rel_err(f32(y), REGISTRY["linear"].reference(None, f32(x), f32(w))) <= TOL
