@@ -53,7 +53,7 @@ def test_the_speculative_plan_is_the_one_token_plan_and_a_verify_program(plans):
     narrow = {l["op"]: k_spec[l["kernel_id"]].source for l, _ in launches(spec["programs"]["narrow"])}
     for op in ("linear", "linear_gated", "lm_head_last"):      # k + 1 rows on the CUDA-core path together
         assert "tensor-core path: rows" not in verify[op] + narrow[op], op
-        assert "tl.sum(wf * a4" in verify[op] and "tl.sum(wf * a" not in narrow[op], op
+        assert "tl.sum(tl.reshape(wf * a4" in verify[op] and "tl.reshape(wf * a" not in narrow[op], op
     assert "a verify step: the K/V" in verify["attention_cached"]
     assert "a verify step: the K/V" not in narrow["attention_cached"]
 
