@@ -244,6 +244,11 @@ def run_engine(a, lengths, rec: dict, save_point):
                      gpu_memory_utilization=a.gpu_memory_utilization, asynchronous=False,
                      load_format=a.load_format, enable_prefix_caching=True, block_size=a.page_size, **kw)
     engine, runner = b.engine, b.engine.runner
+    from infc.runtime.engine.gc_freeze import freeze_startup
+    # as `infc serve` does once it is loaded: a collection during a timed hit walks only what the
+    # requests made, not the plan's and the weights' records (unfrozen, the hits' p50 moved by
+    # milliseconds between processes, and more with the host tier's per-page objects: NOTES)
+    rec["gc_frozen"] = freeze_startup()
     if not engine.bm.enable_prefix_caching:      # e.g. a model with per-sequence state (slot caches)
         raise ValueError(f"{a.model_path}: the engine runs this model without prefix caching: no warm hit to time")
     rec.update({"device": b.device, "plan_model": b.model_name, "max_model_len": b.max_model_len,

@@ -811,3 +811,42 @@ def test_write_back_beside_speculation():
         m.spec_decode_num_accepted_tokens_total                     # some drafts rejected: truncated
     assert early > 0 and m.kv_offload.host_hit_tokens > 0
     assert_all_free(e)
+
+
+def test_write_back_bookkeeping_is_one_call_a_sequence_and_no_object_a_page(monkeypatch):
+    """A prefix hit's pages reach the tiers in one call (taken) and a finished sequence's in one
+    call (released), and under write-back neither makes an object the garbage collector tracks
+    for each page: a 32k prompt is 2,048 pages, and per-page calls and tuples were most of an HBM
+    hit's extra host time with the tier on (collections walking the process; bench/NOTES.md)."""
+    import gc
+    from infc.runtime.engine.kv_tier.tiers import KVTiers
+    calls = {"taken": [], "released": []}
+    for name in calls:
+        orig = getattr(KVTiers, name)
+
+        def spy(self, pages, *rest, _orig=orig, _name=name):
+            calls[_name].append(len(pages))
+            return _orig(self, pages, *rest)
+        monkeypatch.setattr(KVTiers, name, spy)
+    params = SamplingParams(max_tokens=2, **GREEDY)
+    prompt = np.random.default_rng(5).integers(0, 97, 4 * 300 + 2).tolist()   # 300 full blocks
+    e = make_engine(TieredFake(5000), kv_offloading=OffloadConfig(_blocks_gib(900)),
+                    max_num_batched_tokens=2048, max_num_seqs=8)
+    assert e.tiers.ahead == 4 * (2048 // 4 + 8)
+    for i in range(2):                                       # cold, then a hit on its 300 blocks
+        e.add_request(prompt, params, f"r{i}")
+        drain(e)
+    assert calls["released"] == [301, 301] and calls["taken"] == [300]
+    assert len(e.tiers.dirty) == 300                         # nothing near the front: none saved
+    # the collector's count of tracked objects made by one release and one take of 300 pages
+    seq_pages = list(e.bm.free)[-301:]
+    gc.disable()
+    try:
+        before = gc.get_count()[0]
+        e.tiers.taken(seq_pages)
+        e.tiers.released(seq_pages, [e.bm.blocks[p].hash for p in seq_pages])
+        made = gc.get_count()[0] - before
+    finally:
+        gc.enable()
+    assert made < 20, made
+    e.bm.check()

@@ -161,13 +161,14 @@ class BlockManager:
         return len(self._cached_prefix(seq))
 
     # -- allocation ----------------------------------------------------------------------------
-    def _take(self, page: int):
+    def _take(self, page: int) -> bool:
+        """One more reference to a cached page; True when it left the free queue."""
         b = self.blocks[page]
-        if b.ref == 0:
-            del self.free[page]
-            if self.tiers is not None:
-                self.tiers.taken(page)
         b.ref += 1
+        if b.ref == 1:
+            del self.free[page]
+            return True
+        return False
 
     def _new_page(self) -> int:
         page, _ = self.free.popitem(last=False)   # least recently freed: evict its hash
@@ -218,9 +219,9 @@ class BlockManager:
             seq.slot = self.free_slots.pop()
         if snap is not None:
             self.snapshots.restore(snap, seq)
-        for p in hits:
-            if p is not None:
-                self._take(p)
+        taken = [p for p in hits if p is not None and self._take(p)]
+        if taken and self.tiers is not None:     # one call a hit: a 32k prompt's is 2,048 pages
+            self.tiers.taken(taken)
         if rows:
             tier = [i for i, p in enumerate(hits) if p is None]
             hits = self._restored(seq.block_hashes, hits, rows)
@@ -324,14 +325,19 @@ class BlockManager:
 
     def release(self, seq: Sequence):
         """Drop the sequence's references, each page once; its KV is gone from its view."""
+        freed, hashes = [], []                    # for the tiers: one call a sequence, not a page
+        tiers = self.tiers is not None
         for page in reversed(seq.pages):
             b = self.blocks[page]
             assert b.ref > 0, f"page {page} of {seq} has no reference"
             b.ref -= 1
             if b.ref == 0:
                 self.free[page] = None            # to the LRU tail; stays cached if hashed
-                if self.tiers is not None:
-                    self.tiers.released(page, b.hash)
+                if tiers:
+                    freed.append(page)
+                    hashes.append(b.hash)
+        if freed:
+            self.tiers.released(freed, hashes)
         seq.pages = []
         seq.num_computed_tokens = 0
         seq.num_committed_blocks = 0

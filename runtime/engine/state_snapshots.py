@@ -64,7 +64,7 @@ class StateSnapshots:
         del self.lru[h]
         self.blocks[snap].hash = None
         if self.tiers is not None:
-            self.tiers.released(snap, h)
+            self.tiers.released([snap], [h])
 
     def forget(self, h: bytes):
         """Block h left the prefix cache (and no tier keeps it): its snapshot can never be used."""

@@ -76,6 +76,8 @@ def run(model_dir: str, variant: str, lengths: list[int], reps: int, new: int = 
     b = load_backend(model_dir, load_format="dummy", enable_prefix_caching=True, asynchronous=False,
                      log=lambda *a: None, **kw, **({"device": device} if device else {}))
     engine, runner = b.engine, b.engine.runner
+    from infc.runtime.engine.gc_freeze import freeze_startup
+    freeze_startup()                            # as `infc serve` and `bench prefix` do once loaded
     launches, gpu = [], []
     orig_launch, orig_collect = runner.launch_forward, runner.collect
 
@@ -166,7 +168,10 @@ def run(model_dir: str, variant: str, lengths: list[int], reps: int, new: int = 
             ms = engine.tiers.copies.last_ms(True) or 0.0
             nbytes = (L + new) // b.page_size * engine.tiers.block_bytes
             r["save_ms"], r["save_GBps"] = ms, nbytes / ms / 1e6 if ms else None
-            print(f"{variant:7s} L={L}: a cold prompt's save {ms:.1f} ms, {r['save_GBps']:.1f} GB/s", flush=True)
+            if ms:
+                print(f"{variant:7s} L={L}: a cold prompt's save {ms:.1f} ms, {r['save_GBps']:.1f} GB/s", flush=True)
+            else:                               # write-back: its blocks stay dirty on their pages
+                print(f"{variant:7s} L={L}: a cold prompt's blocks not saved (write-back)", flush=True)
     if engine.tiers is not None:
         st = engine.tiers.stats
         out["bytes_to_host"] = st.bytes_to_host

@@ -34,7 +34,7 @@ waiting on the latest covers the earlier ones; None on the CPU, whose copies are
 import hashlib
 import json
 import time
-from bisect import bisect_left, insort
+from bisect import bisect_left
 from dataclasses import dataclass, field
 
 from infc import envs
@@ -109,11 +109,12 @@ class KVTiers:
         # page -> the block saved from it when computed, while a sequence holds it (not saved
         # again at release); by page, so a page released without its hash (reset) forgets it too
         self.saved_at_compute: dict[int, bytes] = {}
-        # write-back (write_back()): released blocks not copied yet, page -> (hash, ticket), in
-        # ticket order; each page holds its block until it is handed out again (reusing), so the
-        # copy may come any time before
+        # write-back (write_back()): released blocks not copied yet, page -> hash, in ticket order
+        # (its ticket in _ticket); each page holds its block until it is handed out again
+        # (reusing), so the copy may come any time before. No tuple a page: a 32k prompt's release
+        # is 2,048 pages, and objects the collector tracks trigger its collections
         self.ahead = 0
-        self.dirty: dict[int, tuple[bytes, int]] = {}
+        self.dirty: dict[int, bytes] = {}
         self._ticket: dict[int, int] = {}        # page -> its place in the free queue's order
         self._next_ticket = 0
         self._front = 0                          # every page ticketed below this has left the queue
@@ -156,25 +157,29 @@ class KVTiers:
             self.offer(h, page)
             self.saved_at_compute[page] = h
 
-    def released(self, page: int, h: bytes | None):
-        """A page lost its last reference (and with a hash, its block is offered, unless it was
-        saved when computed: then it is only marked recently used, where the pool still has it;
-        under write-back it stays dirty)."""
-        self.freed.add(page)
+    def released(self, pages: list[int], hashes: list):
+        """Pages lost their last reference, in the order they joined the free queue, with their
+        blocks' hashes (None: no block). A hashed block is offered, unless it was saved when
+        computed (then it is only marked recently used, where the pool still has it); under
+        write-back it stays dirty. One call a sequence's release: the per-page calls and their
+        objects were most of a prefix hit's host time with the tier on (bench/NOTES.md, issue 44)."""
+        self.freed.update(pages)
         if self.ahead:                           # every page, hashed or not, joins the queue's tail
-            ticket = self._ticket[page] = self._next_ticket
-            self._next_ticket += 1
-        saved = self.saved_at_compute.pop(page, None)
-        if h is None:
-            return
-        if saved == h:
-            self.pool.get(h)
-            return
-        if self.ahead:
-            self.dirty.pop(page, None)           # (in ticket order: to the end)
-            self.dirty[page] = (h, ticket)
-            return
-        self.offer(h, page)
+            first = self._next_ticket
+            self._ticket.update(zip(pages, range(first, first + len(pages))))
+            self._next_ticket += len(pages)
+        at_compute, dirty = self.saved_at_compute, self.dirty
+        for page, h in zip(pages, hashes):
+            saved = at_compute.pop(page, None) if at_compute else None
+            if h is None:
+                continue
+            if saved == h:
+                self.pool.get(h)
+            elif self.ahead:
+                dirty.pop(page, None)            # (in ticket order: to the end)
+                dirty[page] = h
+            else:
+                self.offer(h, page)
 
     def reusing(self, page: int):
         """A page is handed out again: the step that writes it waits for a save still reading it
@@ -182,21 +187,28 @@ class KVTiers:
         if self.ahead:                           # from the free queue's front
             self._front = max(self._front, self._ticket_of(page) + 1)
             del self._holes[:bisect_left(self._holes, self._front)]
-            dirty = self.dirty.pop(page, None)
-            if dirty is not None:
-                self.offer(dirty[0], page)
+            h = self.dirty.pop(page, None)
+            if h is not None:
+                self.offer(h, page)
         f = self.page_fence.pop(page, None)
         if f is not None:
             self.step_fence = _max(self.step_fence, f)
 
-    def taken(self, page: int):
-        """A free page was taken from the middle of the queue (a prefix hit on its block): a hole
-        in the queue's order; its block, if dirty, is dirty again when released."""
-        if self.ahead:
-            t = self._ticket_of(page)
-            if t >= self._front:
-                insort(self._holes, t)
-            self.dirty.pop(page, None)
+    def taken(self, pages: list):
+        """Free pages were taken from the middle of the queue (a prefix hit on their blocks):
+        holes in the queue's order; a dirty block among them is dirty again when released."""
+        if not self.ahead:
+            return
+        tickets, front, dirty = self._ticket, self._front, self.dirty
+        new = sorted(t for t in (tickets.get(p, p) for p in pages) if t >= front)
+        holes = self._holes
+        if new and holes and new[0] < holes[-1]:
+            holes += new
+            holes.sort()                         # two sorted runs: merged in linear time
+        else:
+            holes += new
+        for p in pages:
+            dirty.pop(p, None)
 
     def find(self, h: bytes) -> bool:
         return h in self.pool or h in self.saves or (self.disk is not None and h in self.disk)
@@ -335,8 +347,8 @@ class KVTiers:
         engine's flush before a launch (before_launch) starts the count again. Saves always wait
         for the steps issued before them (their blocks may be that step's output)."""
         while self.dirty:
-            page, (h, t) = next(iter(self.dirty.items()))
-            if self._place(t) >= self.ahead:
+            page, h = next(iter(self.dirty.items()))
+            if self._place(self._ticket[page]) >= self.ahead:
                 break
             del self.dirty[page]
             self.offer(h, page)
@@ -396,10 +408,11 @@ class KVTiers:
         its place in the queue (never saved late), exactly it without pages sent to the front.
         Returns how many are counted early (before their place)."""
         places = {page: i for i, page in enumerate(free_queue)}
-        tickets = [t for _, t in self.dirty.values()]
+        tickets = [self._ticket[page] for page in self.dirty]
         assert tickets == sorted(tickets), "dirty blocks out of ticket order"
         early = 0
-        for page, (_, t) in self.dirty.items():
+        for page in self.dirty:
+            t = self._ticket[page]
             assert page in places, f"dirty page {page} is not free"
             assert self._place(t) <= places[page], (page, self._place(t), places[page])
             early += self._place(t) < places[page]
