@@ -201,7 +201,7 @@ for _ in range(600):
       say "serve-gil: default switch interval"
       timeout ${PREFIX_S:-180} $p --out "$OUT/serve-gil/si5" 2>&1 | quiet | grep -E "L=|wrote|rror"
       say "serve-gil: 0.5 ms switch interval"
-      PYTHONPATH=/tmp/infc-si timeout ${PREFIX_S:-180} $p --out "$OUT/serve-gil/si05" 2>&1 | quiet | grep -E "L=|wrote|rror"
+      PYTHONPATH=/tmp/infc-si${PYTHONPATH:+:$PYTHONPATH} timeout ${PREFIX_S:-180} $p --out "$OUT/serve-gil/si05" 2>&1 | quiet | grep -E "L=|wrote|rror"
       say "serve-gil: no overlapped steps"
       timeout ${PREFIX_S:-180} $p --out "$OUT/serve-gil/nooverlap" -- --disable-overlap-schedule 2>&1 | quiet | grep -E "L=|wrote|rror" ;;
     generate)

@@ -169,6 +169,10 @@ class KVTiers:
             self._ticket.update(zip(pages, range(first, first + len(pages))))
             self._next_ticket += len(pages)
         at_compute, dirty = self.saved_at_compute, self.dirty
+        if self.ahead and not at_compute:        # write-back's common case: each hashed page dirty
+            # (a page being released was held, so not dirty: taken and reusing take it out)
+            dirty.update((page, h) for page, h in zip(pages, hashes) if h is not None)
+            return
         for page, h in zip(pages, hashes):
             saved = at_compute.pop(page, None) if at_compute else None
             if h is None:
