@@ -389,6 +389,10 @@ def spawned_server(a, timeout_s: float):
     if a.max_num_batched_tokens is not None:
         cmd += ["--max-num-batched-tokens", str(a.max_num_batched_tokens)]
     cmd += a.serve_args
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if getattr(a, "trace_file", None):          # --trace-server
+        from .server_trace import server_env
+        env = server_env(env, a.trace_file)
     log = tempfile.TemporaryFile("w+")        # a file, not a pipe: a full pipe would block the server
     # `timeout` (tests/gpu/session.sh) sends SIGTERM, which ends Python without `finally`: make it
     # an exception while the server runs, so the server never outlives us holding the GPU
@@ -403,7 +407,7 @@ def spawned_server(a, timeout_s: float):
             restore = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         t0 = time.perf_counter()
         p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
-                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                             env=env)
         while not healthy(port):
             if p.poll() is not None:
                 raise RuntimeError(f"infc serve exited with {p.returncode}:\n{tail()}")
@@ -430,7 +434,10 @@ def spawned_server(a, timeout_s: float):
             signal.signal(signal.SIGTERM, restore)
 
 
-def _stream_ttft(url: str, body: dict, timeout: float) -> tuple[float, dict | None]:
+def _stream_ttft(url: str, body: dict, timeout: float, span: list | None = None) -> tuple[float, dict | None]:
+    """The time to the first token's chunk, and the usage the stream ended with; span: a list that
+    gets (send, first token) as perf_counter times (--trace-server lines the server's marks up
+    with them)."""
     from .serve import post_stream
 
     async def go():
@@ -448,6 +455,8 @@ def _stream_ttft(url: str, body: dict, timeout: float) -> tuple[float, dict | No
                 usage = ev["usage"]
         if first is None:
             raise RuntimeError(f"{url}: the stream ended without a token")
+        if span is not None:
+            span.append((t0, first))
         return first - t0, usage
 
     return asyncio.run(go())
@@ -506,18 +515,30 @@ def run_serve(a, lengths, rec: dict, save_point):
             body = {"model": card["id"], "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
                     "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
             before = prefix_cache_hits(base)
-            ttft, usage = _stream_ttft(url, body, a.timeout_s)
+            span = [] if a.trace_file else None
+            ttft, usage = _stream_ttft(url, body, a.timeout_s, span)
+            spans[n] = spans.get(n, []) + (span or [])
             cached = prefix_cache_hits(base) - before
             got = (usage or {}).get("prompt_tokens")
             if got != n:
                 raise RuntimeError(f"serve: a {prompts.kind} prompt meant as {n} tokens was {got} tokens to the server")
             return {"ttft": ttft, "cached": int(cached)}
 
+        spans: dict[int, list] = {}             # prompt tokens -> (send, first token) of each request
         submit(prompts.make(32), 32)            # the server's first request, untimed
         rec["results"] = {}
 
         def on_length(res):
             rec["results"] = res
+            if a.trace_file:                    # the warm requests' passage through the server
+                from .server_trace import breakdown, describe, read_marks
+                time.sleep(0.5)                 # its marks reach the file every 0.2 s
+                marks = read_marks(a.trace_file)
+                for L, r in res.items():
+                    warm = spans.get(int(r["prompt_tokens"]), [])[-a.reps:]
+                    r["server_trace_ms"] = b = breakdown(marks, warm)
+                    print(f"serve L={int(L):6d}: warm requests in the server, median ms after the send: "
+                          f"{describe(b)}", flush=True)
             save_point()
 
         sweep(submit, prompts, lengths, a.new_tokens, a.reps, a.cold_reps, a.page_size, "serve", on_length)
@@ -618,6 +639,9 @@ def main(argv=None):
     ap.add_argument("--prompt-format", choices=["auto", "text", "ids"], default="auto",
                     help="serve path: text needs the directory's tokenizer.json (auto: text if it has one)")
     ap.add_argument("--base-url", help="serve path: a running server instead of spawning `infc serve`")
+    ap.add_argument("--trace-server", action="store_true",
+                    help="serve path: where each warm request's time goes inside the spawned server "
+                         "(bench/server_trace: connection, routing, parsing, engine, chunk), as medians")
     ap.add_argument("--timeout-s", type=float, default=600.0, help="server start, and each request")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--gpu", help="the GPU's name for the record (default: nvidia-smi's on cuda, else cpu)")
@@ -629,6 +653,9 @@ def main(argv=None):
         ap.error("--lengths, --new-tokens, --reps and --cold-reps must be positive")
     if a.base_url and a.serve_args:
         ap.error("extra `infc serve` flags need a spawned server, not --base-url")
+    if a.trace_server and (a.base_url or a.path not in ("serve", "both")):
+        ap.error("--trace-server traces a spawned server: the serve path without --base-url")
+    a.trace_file = tempfile.mkstemp(prefix="infc-server-trace-", suffix=".txt")[1] if a.trace_server else None
     if a.tier != "hbm" and a.path != "engine":
         ap.error(f"--tier {a.tier} times the engine path only: add --path engine")
     from .common import header, save
@@ -660,12 +687,16 @@ def main(argv=None):
         out["path"] = save(kind, res, a.out)
 
     order = ["serve", "engine"] if a.path == "both" else [a.path]    # the server exits before the engine loads
-    for name in order:
-        rec = res["paths"][name] = {}
-        (run_serve if name == "serve" else run_engine)(a, lengths, rec, save_point)
-        if "copy_GBps" in rec:
-            res["copy_GBps"] = rec["copy_GBps"]
-        save_point()
+    try:
+        for name in order:
+            rec = res["paths"][name] = {}
+            (run_serve if name == "serve" else run_engine)(a, lengths, rec, save_point)
+            if "copy_GBps" in rec:
+                res["copy_GBps"] = rec["copy_GBps"]
+            save_point()
+    finally:
+        if a.trace_file:
+            Path(a.trace_file).unlink(missing_ok=True)
     res["paths"] = {k: res["paths"][k] for k in ("engine", "serve") if k in res["paths"]}
     path = save(kind, res, a.out)
     if plot(res, path.with_suffix(".png")):

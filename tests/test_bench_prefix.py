@@ -186,3 +186,31 @@ def test_hbm_hits_with_the_tier_on_on_cpu(model_dir, tmp_path, small_cpu, monkey
     check_path(rec, [32, 64], reps=2, cold_reps=1)
     assert (rec["tier_bytes"]["to_host"] > 0) == eager and rec["tier_bytes"]["to_device"] == 0
     assert bench.tier_pool_gib("hbm", None) is None and bench.tier_pool_gib("host", None) == bench.TIER_POOL_GIB
+
+
+def test_the_server_trace_follows_each_warm_request_through_the_server(model_dir, tmp_path, small_cpu):
+    """--trace-server (bench/server_trace): each warm request's marks inside the spawned server,
+    every one of them, in the order a request passes them, all after the client's send and before
+    its first token."""
+    from infc.bench.server_trace import ORDER
+    bench.main(["--model-path", str(model_dir), "--load-format", "dummy", "--device", "cpu",
+                "--path", "serve", "--lengths", "32", "--reps", "3", "--cold-reps", "1", "--trace-server",
+                "--timeout-s", "120", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "prefix-tiny-prefix-cpu.json").read_text())
+    b = saved["paths"]["serve"]["results"]["32"]["server_trace_ms"]
+    assert list(b) == list(ORDER) + ["first"], b
+    assert 0 < b["conn"] and all(x <= y for x, y in zip(b.values(), list(b.values())[1:])), b
+    assert b["first"] == pytest.approx(saved["paths"]["serve"]["results"]["32"]["warm"]["p50_ms"], abs=1e-3)
+
+
+def test_the_server_trace_breakdown_takes_each_requests_first_pass():
+    """breakdown: a mark's time is the first within each request's span, as ms after its send;
+    medians over the spans; a mark seen in fewer than half of them is left out."""
+    from infc.bench.server_trace import breakdown
+    marks = [(1.0001, "conn"), (1.0020, "step>"), (1.0030, "step>"), (1.0100, "chunk"),
+             (2.0002, "conn"), (2.0040, "step>"), (2.0200, "chunk"), (2.0210, "put"),
+             (3.0003, "conn"), (3.0050, "step>"), (3.0150, "chunk"), (5.0, "add")]
+    spans = [(1.0, 1.011), (2.0, 2.0205), (3.0, 3.016)]
+    b = breakdown(marks, spans)
+    assert b == {"conn": pytest.approx(0.2), "step>": pytest.approx(4.0), "chunk": pytest.approx(15.0),
+                 "first": pytest.approx(16.0)}

@@ -191,6 +191,14 @@ for _ in range(600):
     prefix)
       timeout ${PREFIX_S:-480} python3 -m infc.cli bench prefix --model-path "$MODELS/qwen3-4b" \
         --out "$OUT" ${PREFIX_ARGS:-} 2>&1 | quiet | tail -24 ;;
+    serve-trace)
+      # issue 49 item 5: where the warm +16 hit's time goes inside `infc serve` (bench prefix
+      # --trace-server: connection, routing, the worker pool's parse, the engine's step, the chunk;
+      # medians after the client's send) beside the engine path, at SERVE_TRACE_LENGTHS
+      mkdir -p "$OUT/serve-trace"
+      timeout ${PREFIX_S:-240} python3 -m infc.cli bench prefix --model-path $MODELS/qwen3-4b --path both \
+        --lengths ${SERVE_TRACE_LENGTHS:-1024,16384} --trace-server --out "$OUT/serve-trace" 2>&1 | quiet \
+        | grep -E "L=|wrote|rror" ;;
     serve-gil)
       # issue 49 item 5: the warm +16 hit at 1k through `infc serve` (~8.8 ms) against the engine's
       # (~4.7): the GIL-convoy reading (bench/NOTES.md, "the start and the serving path") at the

@@ -1,0 +1,46 @@
+"""Where a request's time goes inside `infc serve` (`bench prefix --trace-server`): the server runs
+with sitecustomize.py here on its PYTHONPATH, which writes a time for each mark a request passes;
+`breakdown` lines those up with the client's own send and first-token times."""
+import os
+import statistics
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+# a request's marks, in the order it passes them (sitecustomize.py's docstring); "first" is the
+# client's first token
+ORDER = ("conn", "asgi", "body", "pool>", "pool<", "send", "add", "step>", "step<", "put", "chunk")
+
+
+def server_env(env: dict, out: str) -> dict:
+    """env with the trace on: sitecustomize.py first on PYTHONPATH, marks into `out`."""
+    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")])),
+            "SERVER_TRACE_OUT": out}
+
+
+def read_marks(path: str) -> list[tuple[float, str]]:
+    marks = []
+    for line in Path(path).read_text().splitlines():
+        t, name = line.split(" ", 1)
+        marks.append((float(t), name))
+    return sorted(marks)
+
+
+def breakdown(marks: list[tuple[float, str]], spans: list[tuple[float, float]]) -> dict:
+    """Per mark, the median ms after the client's send of the first time each request (a span:
+    the client's send and first-token times) passed it within its span; a mark met in fewer than
+    half the spans is left out. Also "first": the client's first token."""
+    at: dict[str, list[float]] = {}
+    for t0, t1 in spans:
+        seen = set()
+        for t, name in marks:
+            if t0 <= t <= t1 and name not in seen:
+                seen.add(name)
+                at.setdefault(name, []).append((t - t0) * 1e3)
+        at.setdefault("first", []).append((t1 - t0) * 1e3)
+    keep = [n for n in ORDER + ("first",) if len(at.get(n, ())) * 2 >= len(spans)]
+    return {n: round(statistics.median(at[n]), 3) for n in keep}
+
+
+def describe(b: dict) -> str:
+    """One line: each mark's median ms after the send, in order."""
+    return ", ".join(f"{n} {v:.2f}" for n, v in b.items())

@@ -1,0 +1,109 @@
+"""`infc bench prefix --path serve --trace-server`: put on the server's PYTHONPATH, this marks the
+moments a request passes through the server (time.perf_counter, which is system-wide, so the
+benchmark lines them up with its own send and first-token times) and writes them to
+$SERVER_TRACE_OUT as "<time> <mark>" lines, every 0.2 s. The marks, in a request's order:
+
+    conn      the HTTP connection accepted (server/connection.py)
+    asgi      the request reaches the app (Starlette)
+    body      its body read (server/http.py read_body)
+    pool>     on the worker pool (server/offload.py off_loop): parse, tokenize, check
+    pool<     back on the event loop
+    send      handed to the engine thread (AsyncEngine._send)
+    add       the engine adds it (Engine.add_request)
+    step>     the engine's steps, each
+    step<
+    put       an output handed back to the event loop (AsyncEngine._put)
+    chunk     an SSE chunk made (server/generation.py Generation.chunk)
+
+Then the sitecustomize this one shadows, if any, runs as it would have."""
+import functools
+import importlib
+import os
+import sys
+import threading
+import time
+
+_OUT = os.environ.get("SERVER_TRACE_OUT")
+
+
+def _install(path: str):
+    marks: list = []
+    clock = time.perf_counter
+
+    def mark(name: str):
+        marks.append((clock(), name))
+
+    def flush():
+        while True:
+            time.sleep(0.2)
+            with open(path, "w") as f:
+                f.write("".join(f"{t:.6f} {n}\n" for t, n in list(marks)))
+
+    def at_entry(owner, attr: str, name: str, leave: str | None = None):
+        f = getattr(owner, attr)
+        if hasattr(f, "__wrapped_by_trace__"):
+            return
+        if asyncio_function(f):
+            @functools.wraps(f)
+            async def g(*a, **k):
+                mark(name)
+                try:
+                    return await f(*a, **k)
+                finally:
+                    if leave:
+                        mark(leave)
+        else:
+            @functools.wraps(f)
+            def g(*a, **k):
+                mark(name)
+                try:
+                    return f(*a, **k)
+                finally:
+                    if leave:
+                        mark(leave)
+        g.__wrapped_by_trace__ = True
+        setattr(owner, attr, g)
+
+    import inspect
+    asyncio_function = inspect.iscoroutinefunction
+    from infc.runtime.engine import async_engine, engine
+    from infc.server import app, connection, generation, offload
+    at_entry(connection.NoDelayH11Protocol, "connection_made", "conn")
+    at_entry(app, "read_body", "body")
+    at_entry(async_engine.AsyncEngine, "_send", "send")
+    at_entry(engine.Engine, "add_request", "add")
+    at_entry(engine.Engine, "step", "step>", "step<")
+    at_entry(async_engine.AsyncEngine, "_put", "put")
+    at_entry(generation.Generation, "chunk", "chunk")
+    off = offload.off_loop
+
+    async def off_loop(fn, *a, **k):
+        def on_pool(*a2, **k2):
+            mark("pool>")
+            return fn(*a2, **k2)
+        try:
+            return await off(on_pool, *a, **k)
+        finally:
+            mark("pool<")
+    app.off_loop = off_loop
+    import starlette.applications as sa
+    call = sa.Starlette.__call__
+
+    async def asgi(self, scope, receive, send):
+        if scope.get("type") == "http":
+            mark("asgi")
+        return await call(self, scope, receive, send)
+    sa.Starlette.__call__ = asgi
+    threading.Thread(target=flush, name="server-trace", daemon=True).start()
+
+
+if _OUT:
+    _install(_OUT)
+
+_here = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
+del sys.modules["sitecustomize"]
+try:
+    importlib.import_module("sitecustomize")
+except ImportError:
+    pass
