@@ -9,6 +9,15 @@ import numpy as np
 from infc.records import commit, results_dir, save    # noqa: F401 (the benchmarks import them from here)
 
 RESULTS = results_dir()
+# the hooks a spawned server may run (site_hooks/sitecustomize.py: GIL stalls, a request's marks)
+SITE_HOOKS = Path(__file__).resolve().parent / "site_hooks"
+
+
+def with_site_hooks(env: dict, var: str, out: str) -> dict:
+    """env for a spawned server with site_hooks/ first on its PYTHONPATH and the hook that `var`
+    (GIL_WATCH_OUT, SERVER_TRACE_OUT) turns on writing to `out`."""
+    import os
+    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(SITE_HOOKS), env.get("PYTHONPATH")])), var: out}
 
 
 def copy_bandwidth(ctx, nbytes: int = 2 << 30, reps: int = 10) -> float:

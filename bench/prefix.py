@@ -641,7 +641,7 @@ def main(argv=None):
     ap.add_argument("--base-url", help="serve path: a running server instead of spawning `infc serve`")
     ap.add_argument("--trace-server", action="store_true",
                     help="serve path: where each warm request's time goes inside the spawned server "
-                         "(bench/server_trace: connection, routing, parsing, engine, chunk), as medians")
+                         "(bench/server_trace.py: connection, routing, parsing, engine, chunk), as medians")
     ap.add_argument("--timeout-s", type=float, default=600.0, help="server start, and each request")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--gpu", help="the GPU's name for the record (default: nvidia-smi's on cuda, else cpu)")

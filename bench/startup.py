@@ -56,18 +56,15 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-GIL_WATCH = Path(__file__).resolve().parent / "gil_watch"
-
-
 def server_env(gil_watch: str | None = None) -> dict:
     """The server's environment: this one, with bytecode kept (under .cache/pycache where none
-    may be written beside the sources); gil_watch: a file for gil_watch/sitecustomize.py's stalls."""
+    may be written beside the sources); gil_watch: a file for site_hooks/sitecustomize.py's GIL stalls."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if env.pop("PYTHONDONTWRITEBYTECODE", None) is not None:
         env.setdefault("PYTHONPYCACHEPREFIX", str(Path(__file__).resolve().parent.parent / ".cache" / "pycache"))
     if gil_watch:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(GIL_WATCH), env.get("PYTHONPATH")]))
-        env["GIL_WATCH_OUT"] = gil_watch
+        from .common import with_site_hooks
+        env = with_site_hooks(env, "GIL_WATCH_OUT", gil_watch)
     return env
 
 
@@ -152,7 +149,7 @@ def main(argv=None):
     ap.add_argument("--timeout-s", type=float, default=300.0)
     ap.add_argument("--out")
     ap.add_argument("--gil-watch", action="store_true", help="record the server's GIL stalls over 20 ms "
-                    "(bench/gil_watch/sitecustomize.py on its PYTHONPATH)")
+                    "(bench/site_hooks/sitecustomize.py on its PYTHONPATH)")
     from infc.server.args import add_load_format_arg
     add_load_format_arg(ap)       # dummy: ready time without the read (the fill is on the device)
     ap.add_argument("serve_args", nargs="*", help="extra `infc serve` flags (after --)")

@@ -189,7 +189,7 @@ def test_hbm_hits_with_the_tier_on_on_cpu(model_dir, tmp_path, small_cpu, monkey
 
 
 def test_the_server_trace_follows_each_warm_request_through_the_server(model_dir, tmp_path, small_cpu):
-    """--trace-server (bench/server_trace): each warm request's marks inside the spawned server,
+    """--trace-server (bench/server_trace.py): each warm request's marks inside the spawned server,
     every one of them, in the order a request passes them, all after the client's send and before
     its first token."""
     from infc.bench.server_trace import ORDER

@@ -5,11 +5,10 @@ instructions by opcode (the shuffles a row's sums cost inside the loop).
 
     .venv/bin/python tools/experiments/verify_sass_count.py [R] [qkv o gate_up down]
 """
-import re
 import sys
 
 from infc.compiler.codegen.render import render_template
-from w4_sass_count import PROLOGUE, loops, sass
+from w4_sass_count import PROLOGUE, loops, usage
 
 
 def render(tpl, op, ins, outs, attrs, tune, rows, prologue):
@@ -49,14 +48,11 @@ def main():
                                   ("lanes", R, {"ROW_SUMS": "lanes"})):
             k = kernel(name, rows, tune)
             c = k.meta["constexprs"]
-            text, res = sass(k)
-            regs, stack = re.search(r"REG:(\d+)", res), re.search(r"STACK:(\d+)", res)
-            body = max(loops(text), default=(0, {}), key=lambda b: b[0])
-            n, ops = body
-            top = ", ".join(f"{o} {m}" for o, m in ops.most_common(9))
-            print(f"{name:8s} {label:8s} R={c['FMA_T']} BN={c['BLOCK_N']:3d} BK={c['FMA_BLOCK_K']:5d} "
-                  f"regs {regs.group(1) if regs else '?':>4s} stack {stack.group(1) if stack else '?':>3s} "
-                  f"SHFL in kernel {text.count('SHFL'):4d}  loop {n:5d} [{top}]", flush=True)
+            text, regs, stack = usage(k)
+            n, ops = max(loops(text), default=(0, {}), key=lambda b: b[0])     # the K loop
+            print(f"{name:8s} {label:8s} R={c['FMA_T']} BN={c['BLOCK_N']:3d} BK={c['FMA_BLOCK_K']:5d} regs {regs:>4s} "
+                  f"stack {stack:>3s} SHFL in kernel {text.count('SHFL'):4d}  loop {n:5d} "
+                  f"[{', '.join(f'{o} {m}' for o, m in ops.most_common(9))}]", flush=True)
 
 
 if __name__ == "__main__":

@@ -65,6 +65,13 @@ def sass(k):
     return text, res
 
 
+def usage(k):
+    """k compiled for sm_90: its SASS, registers and stack bytes (as strings, "?" where unread)."""
+    text, res = sass(k)
+    regs, stack = re.search(r"REG:(\d+)", res), re.search(r"STACK:(\d+)", res)
+    return text, regs.group(1) if regs else "?", stack.group(1) if stack else "?"
+
+
 def loop_body(text):
     """The largest backward branch's body (the K loop): (instruction count, opcode counts)."""
     ins = []
@@ -112,14 +119,12 @@ def main():
         for form in ("elementwise", "groupsum", "dot"):
             k = kernel(name, form)
             c = k.meta["constexprs"]
-            text, res = sass(k)
-            regs = re.search(r"REG:(\d+)", res)
-            spill = re.search(r"STACK:(\d+)", res)
+            text, regs, spill = usage(k)
             n, ops = loop_body(text)
             per = n / (c["BLOCK_N"] * c["FMA_BLOCK_K"])
             top = ", ".join(f"{o} {m}" for o, m in ops.most_common(8))
-            print(f"{name:8s} {form:12s} BN={c['BLOCK_N']:3d} BK={c['FMA_BLOCK_K']:4d} regs {regs.group(1) if regs else '?':>4s} "
-                  f"stack {spill.group(1) if spill else '?':>3s}  loop {n:5d} SASS / {c['BLOCK_N'] * c['FMA_BLOCK_K']} weights "
+            print(f"{name:8s} {form:12s} BN={c['BLOCK_N']:3d} BK={c['FMA_BLOCK_K']:4d} regs {regs:>4s} "
+                  f"stack {spill:>3s}  loop {n:5d} SASS / {c['BLOCK_N'] * c['FMA_BLOCK_K']} weights "
                   f"= {per * 128:.2f} a warp-weight x128 threads  [{top}]", flush=True)
 
 

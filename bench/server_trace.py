@@ -1,20 +1,18 @@
 """Where a request's time goes inside `infc serve` (`bench prefix --trace-server`): the server runs
-with sitecustomize.py here on its PYTHONPATH, which writes a time for each mark a request passes;
+with site_hooks/sitecustomize.py on its PYTHONPATH, which writes a time for each mark a request passes;
 `breakdown` lines those up with the client's own send and first-token times."""
-import os
 import statistics
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-# a request's marks, in the order it passes them (sitecustomize.py's docstring); "first" is the
+# a request's marks, in the order it passes them (site_hooks/sitecustomize.py); "first" is the
 # client's first token
 ORDER = ("conn", "asgi", "body", "pool>", "pool<", "send", "add", "step>", "step<", "put", "chunk")
 
 
 def server_env(env: dict, out: str) -> dict:
-    """env with the trace on: sitecustomize.py first on PYTHONPATH, marks into `out`."""
-    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), env.get("PYTHONPATH")])),
-            "SERVER_TRACE_OUT": out}
+    """env with the trace on: the site hooks first on PYTHONPATH, marks into `out`."""
+    from .common import with_site_hooks
+    return with_site_hooks(env, "SERVER_TRACE_OUT", out)
 
 
 def read_marks(path: str) -> list[tuple[float, str]]:

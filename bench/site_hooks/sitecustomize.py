@@ -1,7 +1,17 @@
-"""`infc bench prefix --path serve --trace-server`: put on the server's PYTHONPATH, this marks the
-moments a request passes through the server (time.perf_counter, which is system-wide, so the
-benchmark lines them up with its own send and first-token times) and writes them to
-$SERVER_TRACE_OUT as "<time> <mark>" lines, every 0.2 s. The marks, in a request's order:
+"""Hooks the benchmarks put into a spawned `infc serve` (this folder first on its PYTHONPATH),
+each on only when its variable names a file; then the sitecustomize this one shadows, if any, runs
+as it would have.
+
+GIL_WATCH_OUT (`infc bench startup --gil-watch`): a thread that sleeps 1 ms at a time. A wake-up
+more than 20 ms late means another thread held the GIL all along (a C call that never lets it go:
+a Rust tokenizer's load, a large dict built in one call), which stalls every other thread, the
+loading one too. Each stall is written as "<time.perf_counter() when it began> <seconds>" (the
+clock is system-wide: the benchmark subtracts its spawn time). Nothing of infc is imported.
+
+SERVER_TRACE_OUT (`infc bench prefix --path serve --trace-server`, bench/server_trace.py): marks
+the moments a request passes through the server, as "<time> <mark>" lines written every 0.2 s
+(the same system-wide clock, so the benchmark lines them up with its own send and first-token
+times). The marks, in a request's order:
 
     conn      the HTTP connection accepted (server/connection.py)
     asgi      the request reaches the app (Starlette)
@@ -14,16 +24,25 @@ $SERVER_TRACE_OUT as "<time> <mark>" lines, every 0.2 s. The marks, in a request
     step<
     put       an output handed back to the event loop (AsyncEngine._put)
     chunk     an SSE chunk made (server/generation.py Generation.chunk)
-
-Then the sitecustomize this one shadows, if any, runs as it would have."""
+"""
 import functools
 import importlib
+import inspect
 import os
 import sys
 import threading
 import time
 
-_OUT = os.environ.get("SERVER_TRACE_OUT")
+
+def _watch(path: str, limit_s: float = 60.0):
+    t0 = last = time.perf_counter()
+    with open(path, "a", buffering=1) as f:
+        while last - t0 < limit_s:
+            time.sleep(0.001)
+            now = time.perf_counter()
+            if now - last > 0.02:
+                f.write(f"{last:.4f} {now - last:.4f}\n")
+            last = now
 
 
 def _install(path: str):
@@ -43,7 +62,7 @@ def _install(path: str):
         f = getattr(owner, attr)
         if hasattr(f, "__wrapped_by_trace__"):
             return
-        if asyncio_function(f):
+        if inspect.iscoroutinefunction(f):
             @functools.wraps(f)
             async def g(*a, **k):
                 mark(name)
@@ -64,8 +83,6 @@ def _install(path: str):
         g.__wrapped_by_trace__ = True
         setattr(owner, attr, g)
 
-    import inspect
-    asyncio_function = inspect.iscoroutinefunction
     from infc.runtime.engine import async_engine, engine
     from infc.server import app, connection, generation, offload
     at_entry(connection.NoDelayH11Protocol, "connection_made", "conn")
@@ -97,8 +114,10 @@ def _install(path: str):
     threading.Thread(target=flush, name="server-trace", daemon=True).start()
 
 
-if _OUT:
-    _install(_OUT)
+if os.environ.get("GIL_WATCH_OUT"):
+    threading.Thread(target=_watch, args=(os.environ["GIL_WATCH_OUT"],), name="gil-watch", daemon=True).start()
+if os.environ.get("SERVER_TRACE_OUT"):
+    _install(os.environ["SERVER_TRACE_OUT"])
 
 _here = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
