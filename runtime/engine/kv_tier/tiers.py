@@ -35,6 +35,9 @@ import hashlib
 import json
 import time
 from bisect import bisect_left
+from collections import deque
+from itertools import compress, repeat
+from operator import is_
 from dataclasses import dataclass, field
 
 from infc import envs
@@ -170,8 +173,11 @@ class KVTiers:
             self._next_ticket += len(pages)
         at_compute, dirty = self.saved_at_compute, self.dirty
         if self.ahead and not at_compute:        # write-back's common case: each hashed page dirty
-            # (a page being released was held, so not dirty: taken and reusing take it out)
-            dirty.update((page, h) for page, h in zip(pages, hashes) if h is not None)
+            # (a page being released was held, so not dirty: taken and reusing take it out); in
+            # C loops: a hit's release is thousands of pages, a partial last block at most a few
+            dirty.update(zip(pages, hashes))
+            if None in hashes:
+                deque(map(dirty.pop, compress(pages, map(is_, hashes, repeat(None)))), 0)
             return
         for page, h in zip(pages, hashes):
             saved = at_compute.pop(page, None) if at_compute else None
@@ -203,16 +209,16 @@ class KVTiers:
         holes in the queue's order; a dirty block among them is dirty again when released."""
         if not self.ahead:
             return
-        tickets, front, dirty = self._ticket, self._front, self.dirty
-        new = sorted(t for t in (tickets.get(p, p) for p in pages) if t >= front)
+        new = sorted(map(self._ticket.get, pages, pages))      # (a never-released page: its id)
+        if new and new[0] < self._front:
+            new = new[bisect_left(new, self._front):]
         holes = self._holes
         if new and holes and new[0] < holes[-1]:
             holes += new
             holes.sort()                         # two sorted runs: merged in linear time
         else:
             holes += new
-        for p in pages:
-            dirty.pop(p, None)
+        deque(map(self.dirty.pop, pages, repeat(None)), 0)
 
     def find(self, h: bytes) -> bool:
         return h in self.pool or h in self.saves or (self.disk is not None and h in self.disk)
