@@ -25,9 +25,7 @@ times). The marks, in a request's order:
     put       an output handed back to the event loop (AsyncEngine._put)
     chunk     an SSE chunk made (server/generation.py Generation.chunk)
 """
-import functools
 import importlib
-import inspect
 import os
 import sys
 import threading
@@ -46,6 +44,8 @@ def _watch(path: str, limit_s: float = 60.0):
 
 
 def _install(path: str):
+    import functools                            # (here: the GIL watch times a start; it imports neither)
+    import inspect
     marks: list = []
     clock = time.perf_counter
 
