@@ -517,7 +517,7 @@ def run_serve(a, lengths, rec: dict, save_point):
             before = prefix_cache_hits(base)
             span = [] if a.trace_file else None
             ttft, usage = _stream_ttft(url, body, a.timeout_s, span)
-            spans[n] = spans.get(n, []) + (span or [])
+            spans.setdefault(n, []).extend(span or ())
             cached = prefix_cache_hits(base) - before
             got = (usage or {}).get("prompt_tokens")
             if got != n:

@@ -36,9 +36,9 @@ import json
 import time
 from bisect import bisect_left
 from collections import deque
+from dataclasses import dataclass, field
 from itertools import compress, repeat
 from operator import is_
-from dataclasses import dataclass, field
 
 from infc import envs
 
@@ -167,27 +167,24 @@ class KVTiers:
         write-back it stays dirty. One call a sequence's release: the per-page calls and their
         objects were most of a prefix hit's host time with the tier on (bench/NOTES.md, issue 44)."""
         self.freed.update(pages)
-        if self.ahead:                           # every page, hashed or not, joins the queue's tail
+        if self.ahead:                           # write-back (write_back() leaves at-compute saves off)
+            # every page, hashed or not, joins the queue's tail; each hashed page is dirty (a page
+            # being released was held, so not dirty: taken and reusing take it out). In C loops: a
+            # hit's release is thousands of pages, a partial last block at most a few
             first = self._next_ticket
             self._ticket.update(zip(pages, range(first, first + len(pages))))
             self._next_ticket += len(pages)
-        at_compute, dirty = self.saved_at_compute, self.dirty
-        if self.ahead and not at_compute:        # write-back's common case: each hashed page dirty
-            # (a page being released was held, so not dirty: taken and reusing take it out); in
-            # C loops: a hit's release is thousands of pages, a partial last block at most a few
-            dirty.update(zip(pages, hashes))
+            self.dirty.update(zip(pages, hashes))
             if None in hashes:
-                deque(map(dirty.pop, compress(pages, map(is_, hashes, repeat(None)))), 0)
+                deque(map(self.dirty.pop, compress(pages, map(is_, hashes, repeat(None)))), 0)
             return
+        at_compute = self.saved_at_compute
         for page, h in zip(pages, hashes):
             saved = at_compute.pop(page, None) if at_compute else None
             if h is None:
                 continue
             if saved == h:
                 self.pool.get(h)
-            elif self.ahead:
-                dirty.pop(page, None)            # (in ticket order: to the end)
-                dirty[page] = h
             else:
                 self.offer(h, page)
 
@@ -209,7 +206,7 @@ class KVTiers:
         holes in the queue's order; a dirty block among them is dirty again when released."""
         if not self.ahead:
             return
-        new = sorted(map(self._ticket.get, pages, pages))      # (a never-released page: its id)
+        new = sorted(map(self._ticket.get, pages, pages))      # _ticket_of, in a C loop
         if new and new[0] < self._front:
             new = new[bisect_left(new, self._front):]
         holes = self._holes
