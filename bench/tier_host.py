@@ -9,11 +9,17 @@ allocation) and the two flushes a step. Both are timed where they are called (pe
 each), so the per-sequence figure does not depend on the wall time of a shared CPU.
 
     python -m infc.bench.tier_host [--page-size N] [--pages N] [--host-rows N] [--reps 3]
+    python -m infc.bench.tier_host --hits 16384,32768 [--cold 4] [--pages 28402] [--profile]
 
 --pages: the device's pages (default: room for every sequence twice, as on an H200, where freed
 pages are not handed out again for a while); fewer puts the cache under pressure, so saved pages
 are reused at once and steps wait for their saves. --host-rows: the pool (default: a third of the
 blocks the run saves, so most saves evict, as 32 GiB does for qwen3-4b's 9.4 MB blocks).
+
+--hits: `bench prefix --tier hbm`'s requests instead (--cold prompts of each length, one of them
+again, then warm hits: that prompt + 16 tokens), each hit timed from add_request to its first
+token: the host time a warm HBM hit spends in the engine, scheduler and block manager, tier off
+and on (write-back: no block is saved while the device has room). Pages: qwen3-4b's on an H200.
 """
 import argparse
 import time
@@ -25,6 +31,7 @@ from .common import TimedCalls
 
 # qwen3-4b's KV bytes a token (36 layers, K and V, 8 heads of 128, bf16) and its paged regions
 QWEN3_4B_TOKEN_BYTES, QWEN3_4B_REGIONS = 36 * 2 * 8 * 128 * 2, 36 * 2
+QWEN3_4B_H200_PAGES = 28402                  # its KV pool on an H200 at the default settings
 
 
 class _NullCopies:
@@ -130,6 +137,46 @@ def run(tier: bool, page_size: int, num_pages: int | None, host_rows: int | None
     return out
 
 
+def hits(tier: bool, lengths, page_size: int, num_pages: int, cold: int = 4, warm: int = 5,
+         seed: int = 0) -> dict:
+    """Median host seconds of warm +16 hits at each length (see the module's doc)."""
+    from infc.runtime.engine.engine import Engine
+    from infc.runtime.engine.gc_freeze import freeze_startup
+    from infc.runtime.engine.kv_tier.tiers import GIB, OffloadConfig
+    from infc.runtime.engine.sampling import SamplingParams
+    config = OffloadConfig(host_gib=num_pages * _NullCopies.block_bytes / GIB) if tier else None
+    runner = _runner(num_pages, page_size)
+    eng = Engine(runner, max_num_seqs=64, max_num_batched_tokens=16384, max_model_len=1 << 20,
+                 kv_offloading=config)
+    freeze_startup()                            # as bench prefix does after loading
+    rng = np.random.default_rng(seed)
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    n = 0
+
+    def first_token(prompt) -> float:
+        nonlocal n
+        t0 = time.perf_counter()
+        eng.add_request(prompt, one, f"r{n}")
+        n += 1
+        while eng.has_unfinished():
+            eng.step()
+        return time.perf_counter() - t0
+
+    out = {"tier": tier}
+    for length in lengths:
+        prompts = [rng.integers(0, 1000, length).tolist() for _ in range(cold)]
+        for p in prompts:
+            first_token(p)
+        base = prompts[0]
+        out[length] = float(np.median([first_token(base + rng.integers(0, 1000, 16).tolist())
+                                       for _ in range(warm)]))
+    eng.bm.check()
+    out["hit_tokens"] = eng.bm.hit_tokens
+    if tier:
+        out["blocks_saved"] = runner.copies.saved
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--page-size", type=int, help="default: the H200 tuning table's")
@@ -138,10 +185,28 @@ def main(argv=None):
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="cProfile one tier-on run instead")
+    ap.add_argument("--hits", default=None, help="prompt lengths (comma-separated): time warm hits")
+    ap.add_argument("--cold", type=int, default=4, help="--hits: cold prompts of each length first")
     a = ap.parse_args(argv)
     if a.page_size is None:
         from infc.compiler.tuning_table import default_page_size
         a.page_size = default_page_size("h200")
+    if a.hits:
+        lengths = [int(x) for x in a.hits.split(",")]
+        kw = dict(page_size=a.page_size, num_pages=a.pages or QWEN3_4B_H200_PAGES, cold=a.cold)
+        if a.profile:
+            import cProfile
+            import pstats
+            cProfile.runctx("hits(True, lengths, **kw)", globals(), {"hits": hits, "lengths": lengths, "kw": kw},
+                            "/tmp/tier_hits.prof")
+            pstats.Stats("/tmp/tier_hits.prof").sort_stats("tottime").print_stats(25)
+            return
+        for rep in range(a.reps):
+            for tier in (False, True):
+                r = hits(tier, lengths, **kw)
+                print(f"rep {rep} tier {'on ' if tier else 'off'}: " + ", ".join(
+                    f"{n}: {r[n] * 1e3:.2f} ms" for n in lengths), flush=True)
+        return
     kw = dict(page_size=a.page_size, num_pages=a.pages, host_rows=a.host_rows, concurrency=a.concurrency)
     if a.profile:
         import cProfile

@@ -641,6 +641,18 @@ def test_the_tier_host_bench_times_the_tiers_python():
     assert "blocks_saved" not in run(False, **kw)
 
 
+def test_the_tier_host_bench_times_warm_hbm_hits():
+    """bench/tier_host.py --hits: every warm request hits its prompt's whole cached prefix on the
+    device (the 64-token prompt's 4 blocks of 16: the hit is 80 tokens long), and with
+    the tier on (write-back, pages to spare) no block is copied to the host."""
+    from infc.bench.tier_host import hits
+    kw = dict(page_size=16, num_pages=6000, cold=2, warm=3)
+    for tier in (False, True):
+        r = hits(tier, [64], **kw)
+        assert r[64] > 0 and r["hit_tokens"] == 3 * 4 * 16, r
+    assert r["blocks_saved"] == 0
+
+
 @pytest.mark.parametrize("at_compute", [False, True])
 def test_blocks_are_saved_when_released_or_once_as_computed(monkeypatch, at_compute):
     """By default a block goes to the host tier when its sequence lets it go: all 13 of a
