@@ -5,8 +5,10 @@ import statistics
 from pathlib import Path
 
 # a request's marks, in the order it passes them (site_hooks/sitecustomize.py); "first" is the
-# client's first token
-ORDER = ("conn", "asgi", "body", "pool>", "pool<", "send", "add", "step>", "step<", "put", "chunk")
+# client's first token. BESIDE: marks off that path: the loop takes the request back from the
+# worker pool ("pool<") while the engine already runs it (the pool queues it: server/app.py)
+ORDER = ("conn", "asgi", "body", "pool>", "send", "add", "step>", "step<", "put", "chunk")
+BESIDE = ("pool<",)
 
 
 def server_env(env: dict, out: str) -> dict:
@@ -35,10 +37,12 @@ def breakdown(marks: list[tuple[float, str]], spans: list[tuple[float, float]]) 
                 seen.add(name)
                 at.setdefault(name, []).append((t - t0) * 1e3)
         at.setdefault("first", []).append((t1 - t0) * 1e3)
-    keep = [n for n in ORDER + ("first",) if len(at.get(n, ())) * 2 >= len(spans)]
+    keep = [n for n in ORDER + ("first",) + BESIDE if len(at.get(n, ())) * 2 >= len(spans)]
     return {n: round(statistics.median(at[n]), 3) for n in keep}
 
 
 def describe(b: dict) -> str:
-    """One line: each mark's median ms after the send, in order."""
-    return ", ".join(f"{n} {v:.2f}" for n, v in b.items())
+    """One line: each mark's median ms after the send, in order (then those beside the path)."""
+    path = ", ".join(f"{n} {v:.2f}" for n, v in b.items() if n not in BESIDE)
+    beside = ", ".join(f"{n} {v:.2f}" for n, v in b.items() if n in BESIDE)
+    return path + (f" (beside: {beside})" if beside else "")

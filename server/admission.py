@@ -23,19 +23,22 @@ def capacity(config) -> int:
 
 
 def admit(state, req: GenRequest):
-    """Count the request in, or raise the 429; returns its release (idempotent)."""
+    """Count the request in, or raise the 429; returns its release (idempotent). Either runs on
+    the event loop or on the worker pool (a checked request is admitted and queued there)."""
     limit = capacity(state.config)
     seqs = min(cost(req, state.backend.engine if state.backend is not None else None), limit)
-    if state.inflight_seqs + seqs > limit:
-        raise APIError(429, f"the server is at capacity ({state.inflight_seqs} sequences running or "
-                            f"queued, at most {limit}; this request needs {seqs}): retry later", "requests",
-                       code="rate_limit_exceeded", headers={"Retry-After": "1"})
-    state.inflight_seqs += seqs
+    with state.admission_lock:
+        if state.inflight_seqs + seqs > limit:
+            raise APIError(429, f"the server is at capacity ({state.inflight_seqs} sequences running or "
+                                f"queued, at most {limit}; this request needs {seqs}): retry later", "requests",
+                           code="rate_limit_exceeded", headers={"Retry-After": "1"})
+        state.inflight_seqs += seqs
     released = False
 
     def release():
         nonlocal released
-        if not released:
-            released = True
-            state.inflight_seqs -= seqs
+        with state.admission_lock:
+            if not released:
+                released = True
+                state.inflight_seqs -= seqs
     return release

@@ -13,7 +13,9 @@ backend are state.py's. What runs when, and where its KV lives, is the engine's 
 The event loop only routes (docs/architecture.md, contract 17): a JSON route reads its bounded body on the
 loop, then parses it, templates, tokenizes and checks every id and the engine's rules on the
 worker pool (offload.py; the cheap bounds in protocol.py refuse what can never fit before
-anything is tokenized), then admits it by cost (admission.py) and relays the engine's outputs.
+anything is tokenized), admits it by cost (admission.py) and queues it to the engine in the same
+hop (AsyncEngine.open: the step starts while the loop sets up the reply), and the loop relays the
+engine's outputs. A request with a grammar is admitted and queued by the loop, once compiled.
 /tokenize and /detokenize run on the same pool; like vLLM's, /tokenize is not bounded by the
 context (only by the body cap): a long text costs a worker for a while, never the loop. The
 server talks to the engine only through AsyncEngine's methods.
@@ -35,10 +37,11 @@ route (and no request id) exists yet. A header block that arrives whole is measu
 Guard and answered 431 in OpenAI's shape.
 
 Streams are written by SSEResponse, which always races the generator against the client's
-http.disconnect: a disconnect cancels the generator, and AsyncEngine.generate aborts the request
-when its consumer is cancelled, so the KV is freed at the next step. Non-streaming requests get
-the same race (`until_disconnect`).
+http.disconnect: a disconnect cancels the generator, and a queued engine request whose consumer
+is cancelled or never came (the reply's close, Generation.close) is aborted, so the KV is freed at
+the next step. Non-streaming requests get the same race (`until_disconnect`).
 """
+import asyncio
 import inspect
 import json
 
@@ -56,7 +59,7 @@ from . import admission, metrics, outputs, protocol, responses, scoring, structu
 from .generation import Generation, engine_error
 from .http import (ClientGone, Guard, SSEResponse, dumps, error_response, json_bytes_response, json_response,
                    read_body, require_json, until_disconnect)
-from .offload import off_loop
+from .offload import off_loop, off_loop_owned
 from .protocol import APIError, bad
 from .state import ServerConfig, ServerState
 
@@ -150,9 +153,13 @@ def make_app(state: ServerState) -> Starlette:
                 raise bad(str(e)) from None
 
     async def checked(request: Request, parse):
-        """(GenRequest, model): the body read here, everything that grows with it on the pool."""
+        """(GenRequest, model, started): the body read here, everything that grows with it on
+        the pool. A request without a grammar to compile is admitted and queued to the engine
+        there too, once checked (started: its Generation and admission release), so its first
+        step runs while the loop sets up the reply; others are started by serve."""
         b = backend()
         raw = await body_of(request)
+        loop = asyncio.get_running_loop()
 
         def structured_of(req):
             return req.params.structured_outputs if req.params is not None else None
@@ -161,22 +168,45 @@ def make_app(state: ServerState) -> Starlette:
             body = protocol.parse_json(raw)
             model = model_of(body)
             req = parse(body, b)
-            if structured_of(req) is None:
-                engine_check(b, req)      # in the same hop: one worker round trip a request
-            return req, model
-        req, model = await off_loop(work)
-        if structured_of(req) is not None:
+            if structured_of(req) is not None:
+                return req, model, None
+            engine_check(b, req)          # in the same hop: one worker round trip a request
+            return req, model, start(req, model, loop)
+
+        def dropped(result):
+            if result[2] is not None:
+                g, release = result[2]
+                g.close()
+                release()
+        req, model, started = await off_loop_owned(work, dropped)
+        if started is None:
             # compiled in the engine's worker, within its time limit; then found compiled below
             await structured.check(b.engine, req.params.structured_outputs)
             await off_loop(engine_check, b, req)
-        return req, model
+        return req, model, started
 
-    async def serve(request: Request, req: protocol.GenRequest, model: str, render=None):
-        """render(body) -> the reply's body (/v1/responses: the chat completion as a Response)."""
+    def start(req: protocol.GenRequest, model: str, loop):
+        """Admit the request (429 past capacity) and queue its engine requests: (Generation, the
+        admission's release). Runs on the loop or the pool."""
         release = admission.admit(state, req)
         g = Generation(state, req, model)
+        try:
+            g.start(loop)
+        except BaseException:
+            release()
+            raise
+        return g, release
+
+    async def serve(request: Request, req: protocol.GenRequest, model: str, started=None, render=None):
+        """render(body) -> the reply's body (/v1/responses: the chat completion as a Response).
+        started: checked's (Generation, release), or None to admit and queue the request here."""
+        g, release = started or start(req, model, asyncio.get_running_loop())
+
+        def done():
+            g.close()                     # its engine requests, if the reply never read them
+            release()
         if req.stream:
-            return SSEResponse(g.stream(), release)
+            return SSEResponse(g.stream(), done)
         try:
             body = await until_disconnect(request, g.collect())
             return json_response(render(body) if render else body)
@@ -187,7 +217,7 @@ def make_app(state: ServerState) -> Starlette:
         except Exception as e:  # noqa: BLE001
             raise engine_error(e) from None
         finally:
-            release()
+            done()
 
     async def guarded(request: Request, handler):
         try:
@@ -198,19 +228,19 @@ def make_app(state: ServerState) -> Starlette:
     @app.post("/v1/completions")
     async def completions(request: Request):
         async def go():
-            req, model = await checked(request, lambda body, b: outputs.completion(
+            req, model, started = await checked(request, lambda body, b: outputs.completion(
                 body, lambda: protocol.parse_completion(body, state.limits, b.tokenizer)))
-            return await serve(request, req, model)
+            return await serve(request, req, model, started)
         return await guarded(request, go)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         async def go():
-            req, model = await checked(request, lambda body, b: outputs.chat(
+            req, model, started = await checked(request, lambda body, b: outputs.chat(
                 body, state, b.tokenizer, lambda: protocol.parse_chat(
                     body, state.limits, b.tokenizer, state.template, state.special,
                     cfg.trust_request_chat_template)))
-            return await serve(request, req, model)
+            return await serve(request, req, model, started)
         return await guarded(request, go)
 
     @app.post("/v1/responses")
@@ -222,8 +252,8 @@ def make_app(state: ServerState) -> Starlette:
                 seen["body"] = body
                 return protocol.parse_chat(responses.chat_body(body), state.limits, b.tokenizer,
                                            state.template, state.special, cfg.trust_request_chat_template)
-            req, model = await checked(request, parse)
-            return await serve(request, req, model, lambda chat: responses.response(seen["body"], chat))
+            req, model, started = await checked(request, parse)
+            return await serve(request, req, model, started, lambda chat: responses.response(seen["body"], chat))
         return await guarded(request, go)
 
     @app.post("/v1/embeddings")

@@ -17,25 +17,35 @@ from .state import ServerState
 
 
 # -- the engine's outputs -----------------------------------------------------------------------
-async def merged(engine, jobs):
-    """(job index, StepOutput) from several engine requests at once; cancelling the consumer
-    cancels every request (each aborts in the engine). jobs: Generation.jobs, whose prompts and
-    params app.checked has checked (AsyncEngine.check_request, on the worker pool)."""
+async def merged(opened: list):
+    """(job index, StepOutput) from several opened engine requests (AsyncEngine.open) at once;
+    closing or cancelling the consumer closes every request (each aborts in the engine). One
+    request (most: one prompt, n choices in one request) is read directly: no task, no second
+    queue on each output's way to the client."""
+    if len(opened) == 1:
+        req = opened[0]
+        try:
+            async for out in req:
+                yield 0, out
+        finally:
+            req.close()
+        return
     q: asyncio.Queue = asyncio.Queue()
 
-    async def pump(k, ids, params, rid, lora):
+    async def pump(k, req):
         try:
-            # app.checked ran the engine's check on every prompt of the request before replying
-            async for out in engine.generate(ids, params, rid, checked=True, lora=lora):
+            async for out in req:
                 q.put_nowait((k, out))
         except asyncio.CancelledError:
             raise
         except BaseException as e:   # noqa: BLE001 - handed to the consumer
             q.put_nowait((k, e))
             return
+        finally:
+            req.close()
         q.put_nowait((k, None))
 
-    tasks = [asyncio.create_task(pump(*job)) for job in jobs]
+    tasks = [asyncio.create_task(pump(k, req)) for k, req in enumerate(opened)]
     try:
         left = len(tasks)
         while left:
@@ -50,6 +60,8 @@ async def merged(engine, jobs):
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for req in opened:
+            req.close()
 
 
 async def run_all(*coros):
@@ -114,6 +126,7 @@ class Generation:
         self.prompt_tokens = sum(len(p) for p in req.prompts)
         self.params = scoring.engine_params(self.engine, req)
         self.in_engine = scoring.in_engine(self.engine, req)
+        self.opened: list | None = None       # its engine requests, once queued (start)
 
     # engine requests
     def jobs(self):
@@ -121,6 +134,29 @@ class Generation:
             return []
         params = best_of.candidates(self.params)
         return [(k, ids, params, f"{self.id}-{k}", self.lora) for k, ids in enumerate(self.req.prompts)]
+
+    def start(self, loop: asyncio.AbstractEventLoop):
+        """Queue the request's engine requests (their prompts and params checked: app.checked),
+        from the event loop or the worker pool; outputs() reads them on `loop`. The caller closes."""
+        self.opened = []
+        try:
+            for _, ids, params, rid, lora in self.jobs():
+                # app.checked ran the engine's check on every prompt of the request before replying
+                self.opened.append(self.engine.open(ids, params, rid, loop, lora=lora))
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self):
+        """Abort whichever engine requests of this one still run (idempotent, any thread)."""
+        for req in self.opened or ():
+            req.close()
+
+    def outputs(self):
+        """(job index, StepOutput) as they come, the engine requests queued now if not yet."""
+        if self.opened is None:
+            self.start(asyncio.get_running_loop())
+        return merged(self.opened)
 
     def index(self, k: int, i: int) -> int:
         return k * self.req.n + i
@@ -210,7 +246,7 @@ class Generation:
         choices = {(k, i): _Choice() for k in range(len(self.req.prompts)) for i in range(drawn)}
 
         async def gen():
-            async for k, out in merged(self.engine, self.jobs()):
+            async for k, out in self.outputs():
                 if not self.seen(k, out):
                     continue
                 c = choices[(k, out.index)]
@@ -266,8 +302,9 @@ class Generation:
         req, done_tokens = self.req, 0
         offsets: dict[int, int] = {}
         answers: dict = {}                     # chat: each choice's AnswerStream
-        outs = merged(self.engine, self.jobs())
+        outs = None
         try:
+            outs = self.outputs()
             live = self.usage(0) if req.continuous_usage else None
             if self.chat:
                 yield self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -327,5 +364,7 @@ class Generation:
             err = e if isinstance(e, APIError) else engine_error(e)
             yield sse(err.body())
         finally:
-            await outs.aclose()            # its engine requests abort if they still run
+            if outs is not None:
+                await outs.aclose()        # its engine requests abort if they still run
+            self.close()                   # (also those queued before a never-started outs)
         yield b"data: [DONE]\n\n"

@@ -37,3 +37,18 @@ POOL = ThreadPoolExecutor(WORKERS, thread_name_prefix="infc-offload")
 async def off_loop(fn, *args, **kw):
     """fn(*args, **kw) on the worker pool; its result or its exception, here."""
     return await asyncio.get_running_loop().run_in_executor(POOL, functools.partial(fn, *args, **kw))
+
+
+async def off_loop_owned(fn, dropped):
+    """off_loop(fn) for a fn whose result holds something to give back (an admitted, queued
+    request): if the awaiting task is cancelled (shutdown, a client gone), dropped(result) runs
+    once fn is done, on the pool thread, instead of the result being lost with its holdings."""
+    cf = POOL.submit(fn)
+    try:
+        return await asyncio.wrap_future(cf)
+    except asyncio.CancelledError:
+        def give_back(f):
+            if not f.cancelled() and f.exception() is None:
+                dropped(f.result())
+        cf.add_done_callback(give_back)
+        raise

@@ -1,6 +1,7 @@
 """The server's state: the limits it enforces, and the backend it serves once attached (until then
 /health answers 503), with the chat template and token strings it renders. Its configuration,
 ServerConfig, lives in args.py."""
+import threading
 import time
 
 from . import chat, protocol, reasoning, tool_parsers
@@ -13,6 +14,7 @@ class ServerState:
         self.backend = None
         self.error: BaseException | None = None     # the startup failure, if any
         self.inflight_seqs = 0                        # sequences of requests being served
+        self.admission_lock = threading.Lock()        # admission runs on the worker pool too
         self.created = int(time.time())
         self.template, self.special, self.limits = None, {}, None
         self.tool_parser, self.reasoning_parser = None, None

@@ -191,15 +191,17 @@ def test_hbm_hits_with_the_tier_on_on_cpu(model_dir, tmp_path, small_cpu, monkey
 def test_the_server_trace_follows_each_warm_request_through_the_server(model_dir, tmp_path, small_cpu):
     """--trace-server (bench/server_trace.py): each warm request's marks inside the spawned server,
     every one of them, in the order a request passes them, all after the client's send and before
-    its first token."""
-    from infc.bench.server_trace import ORDER
+    its first token; the engine has the request before the loop takes it back from the pool."""
+    from infc.bench.server_trace import BESIDE, ORDER
     bench.main(["--model-path", str(model_dir), "--load-format", "dummy", "--device", "cpu",
                 "--path", "serve", "--lengths", "32", "--reps", "3", "--cold-reps", "1", "--trace-server",
                 "--timeout-s", "120", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "prefix-tiny-prefix-cpu.json").read_text())
     b = saved["paths"]["serve"]["results"]["32"]["server_trace_ms"]
-    assert list(b) == list(ORDER) + ["first"], b
-    assert 0 < b["conn"] and all(x <= y for x, y in zip(b.values(), list(b.values())[1:])), b
+    assert list(b) == list(ORDER) + ["first"] + list(BESIDE), b
+    path = [b[n] for n in list(ORDER) + ["first"]]
+    assert 0 < b["conn"] and all(x <= y for x, y in zip(path, path[1:])), b
+    assert b["send"] <= b["pool<"] <= b["first"], b
     assert b["first"] == pytest.approx(saved["paths"]["serve"]["results"]["32"]["warm"]["p50_ms"], abs=1e-3)
 
 

@@ -356,6 +356,44 @@ def test_async_cancel_and_early_exit_abort_and_free_pages():
         ae.shutdown()
 
 
+def test_a_request_opened_on_another_thread_runs_and_one_never_read_is_aborted():
+    """AsyncEngine.open from a worker thread (the server's pool): the engine starts the request at
+    once, its outputs wait on the loop's queue until read, and the same tokens come as through
+    generate; an opened request closed without being read (a reply that never started) is
+    aborted, its pages freed."""
+    r = SlowFake(64, delay=0.005)
+    ae = AsyncEngine(make_engine(r, max_num_seqs=4))
+    params = SamplingParams(max_tokens=5, **GREEDY)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        read = await asyncio.to_thread(ae.open, [1, 2, 3], params, "read", loop)
+        dropped = await asyncio.to_thread(ae.open, [4, 5, 6], SamplingParams(max_tokens=10**6, **GREEDY),
+                                          "dropped", loop)
+        for _ in range(500):              # both running, outputs queued before anyone reads them
+            if "dropped" in ae.engine.requests and read.queue.qsize():
+                break
+            await asyncio.sleep(0.01)
+        assert "dropped" in ae.engine.requests and read.queue.qsize()
+        toks = [t async for out in read for t in out.token_ids]
+        await asyncio.to_thread(dropped.close)
+        dropped.close()                   # idempotent
+        once = ae.open([1], params, "twice", loop)
+        with pytest.raises(ValueError, match="already in use"):
+            ae.open([1], params, "twice", loop)
+        once.close()
+        return toks
+
+    try:
+        assert run_async(main()) == solo(r, [1, 2, 3], 5)
+        assert wait_until(lambda: not ae.engine.has_unfinished())
+        assert ae.engine.metrics.request_success_total.get("abort", 0) >= 1    # (twice: maybe done)
+        assert "dropped" not in ae.engine.requests
+        assert_all_free(ae.engine)
+    finally:
+        ae.shutdown()
+
+
 def test_async_engine_death_is_an_error_not_a_hang():
     ae = AsyncEngine(make_engine(SlowFake(64, fail_after=3)))
 

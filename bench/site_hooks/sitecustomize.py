@@ -16,9 +16,9 @@ times). The marks, in a request's order:
     conn      the HTTP connection accepted (server/connection.py)
     asgi      the request reaches the app (Starlette)
     body      its body read (server/http.py read_body)
-    pool>     on the worker pool (server/offload.py off_loop): parse, tokenize, check
-    pool<     back on the event loop
-    send      handed to the engine thread (AsyncEngine._send)
+    pool>     on the worker pool (server/offload.py off_loop): parse, tokenize, check, admit
+    send      handed to the engine thread (AsyncEngine._send), from the pool
+    pool<     back on the event loop (beside the engine's work from here on)
     add       the engine adds it (Engine.add_request)
     step>     the engine's steps, each
     step<
@@ -92,17 +92,26 @@ def _install(path: str):
     at_entry(engine.Engine, "step", "step>", "step<")
     at_entry(async_engine.AsyncEngine, "_put", "put")
     at_entry(generation.Generation, "chunk", "chunk")
-    off = offload.off_loop
+    def on_pool(fn):
+        def run(*a, **k):
+            mark("pool>")
+            return fn(*a, **k)
+        return run
+
+    off, owned = offload.off_loop, offload.off_loop_owned
 
     async def off_loop(fn, *a, **k):
-        def on_pool(*a2, **k2):
-            mark("pool>")
-            return fn(*a2, **k2)
         try:
-            return await off(on_pool, *a, **k)
+            return await off(on_pool(fn), *a, **k)
         finally:
             mark("pool<")
-    app.off_loop = off_loop
+
+    async def off_loop_owned(fn, dropped):
+        try:
+            return await owned(on_pool(fn), dropped)
+        finally:
+            mark("pool<")
+    app.off_loop, app.off_loop_owned = off_loop, off_loop_owned
     import starlette.applications as sa
     call = sa.Starlette.__call__
 

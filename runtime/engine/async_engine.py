@@ -36,6 +36,38 @@ def _failed(e: Exception) -> RequestFailedError:
     return RequestFailedError(f"the request failed in the engine: {type(e).__name__}: {e}")
 
 
+class Opened:
+    """One queued engine request: iterate it (once, on its loop) for its StepOutputs until all its
+    sequences are finished; close() (idempotent, any thread) forgets it and, unfinished, aborts it,
+    so its KV is freed at the next step boundary."""
+
+    def __init__(self, engine: "AsyncEngine", request_id: str, queue: asyncio.Queue):
+        self.engine, self.request_id, self.queue = engine, request_id, queue
+        self.done = self.closed = False
+
+    async def __aiter__(self):
+        try:
+            while not self.done:
+                out = await self.queue.get()
+                if isinstance(out, BaseException):
+                    self.done = True
+                    raise out
+                self.done = out.request_finished
+                yield out
+        finally:
+            self.close()
+
+    def close(self):
+        if self.closed:
+            return
+        self.closed = True
+        eng = self.engine
+        with eng._lock:
+            eng._queues.pop(self.request_id, None)
+        if not self.done:
+            eng._send(("abort", self.request_id))
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -62,7 +94,21 @@ class AsyncEngine:
             if params.structured_outputs is not None:      # compiled off the loop, then cached
                 await self.check_structured(params.structured_outputs)
             prompt_ids = self.engine.checked_ids(prompt_ids, params)   # a bad request fails here, at once
-        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        req = self.open(prompt_ids, params, request_id, asyncio.get_running_loop(), counted, lora)
+        try:
+            async for out in req:
+                yield out
+        finally:
+            req.close()
+
+    def open(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+             loop: asyncio.AbstractEventLoop, counted: bool = True, lora: str | None = None) -> "Opened":
+        """Queue a checked request (see generate) from any thread: the engine takes it at its next
+        step boundary, and its outputs go to `loop`, where the returned Opened yields them. The
+        server opens a request on its worker pool as soon as the request is checked, so the step
+        starts while the event loop still sets up the reply. Whoever opens must close."""
+        self._raise_if_dead()
+        queue = asyncio.Queue()                  # bound to `loop` when first awaited there
         with self._lock:
             if request_id in self._queues:
                 raise ValueError(f"request id {request_id!r} is already in use")
@@ -74,20 +120,7 @@ class AsyncEngine:
                 self._queues.pop(request_id, None)
             raise
         self._send(("add", list(prompt_ids), params, request_id, counted, lora))
-        done = False
-        try:
-            while not done:
-                out = await queue.get()
-                if isinstance(out, BaseException):
-                    done = True
-                    raise out
-                done = out.request_finished
-                yield out
-        finally:
-            with self._lock:
-                self._queues.pop(request_id, None)
-            if not done:                 # the consumer left early: free the request's KV
-                self._send(("abort", request_id))
+        return Opened(self, request_id, queue)
 
     async def check_structured(self, so: StructuredOutputs) -> None:
         """Compile a request's structured output (or find it compiled) in a worker thread, within

@@ -72,7 +72,7 @@ def run(model_dir: str, variant: str, lengths: list[int], reps: int, new: int = 
         _patch_copies(variant)
     from infc.backend import load_backend
     from infc.runtime.engine.sampling import SamplingParams
-    kw = {} if variant == "off" else {"kv_offloading_size": 16}
+    kw = {} if variant == "off" else {"kv_offloading_size": float(os.environ.get("TIER_PROBE_GIB", 16))}
     b = load_backend(model_dir, load_format="dummy", enable_prefix_caching=True, asynchronous=False,
                      log=lambda *a: None, **kw, **({"device": device} if device else {}))
     engine, runner = b.engine, b.engine.runner
