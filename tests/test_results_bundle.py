@@ -52,6 +52,22 @@ def test_pack_indexes_the_same_rows_and_unpack_restores_the_files(tmp_path):
     assert results_index.build(res) == (before, cov_before)
 
 
+def test_a_spaced_bundle_compacts_to_the_same_rows_in_fewer_bytes(tmp_path):
+    """`compact`: a bundle packed with json.dumps' spaced separators (before 2026-12-06) rewritten
+    compactly indexes the same rows; packing writes the compact form already."""
+    res = tmp_path / "results"
+    run = _run(res)
+    results_bundle.pack(run)
+    bundle = run / results_index.BUNDLE
+    packed = bundle.read_text()
+    rows = results_index.build(res)
+    spaced = "".join(json.dumps(json.loads(x), ensure_ascii=False) + "\n" for x in packed.splitlines())
+    bundle.write_text(spaced)
+    assert results_bundle.compact(bundle) and bundle.read_text() == packed
+    assert len(packed) < len(spaced) and results_index.build(res) == rows
+    assert not results_bundle.compact(bundle)
+
+
 def test_pack_adds_to_a_bundle_and_refuses_a_result_it_holds(tmp_path):
     run = _run(tmp_path / "results")
     results_bundle.pack(run)
