@@ -192,8 +192,10 @@ def make_app(state: ServerState) -> Starlette:
         g = Generation(state, req, model)
         try:
             g.start(loop)
-        except BaseException:
+        except BaseException as e:
             release()
+            if isinstance(e, EngineDeadError):   # died since backend() looked: 503, as there
+                raise engine_error(e) from None
             raise
         return g, release
 

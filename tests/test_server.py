@@ -14,7 +14,7 @@ import socket
 import openai
 import pytest
 
-from infc.runtime.engine.async_engine import AsyncEngine
+from infc.runtime.engine.async_engine import AsyncEngine, EngineDeadError
 from infc.runtime.engine.engine import Engine
 from infc.runtime.engine.runner import Sample
 from infc.server.app import ServerConfig, ServerState, make_app
@@ -546,7 +546,10 @@ def _scripted_server(script, fail_at=None):
     engine = AsyncEngine(Engine(runner, tok, {2}, 256, max_num_seqs=8))
     b = Backend(engine, tok, real.model_dir, "scripted", "cpu", 256, real.vocab_size, 1024, 16, {2},
                 tok.config)
-    return ServerThread(make_app(ServerState(ServerConfig(served_model_names=["s"]), b))).start(), engine
+    state = ServerState(ServerConfig(served_model_names=["s"]), b)
+    srv = ServerThread(make_app(state)).start()
+    srv.state = state                                   # (admission's count, for the tests)
+    return srv, engine
 
 
 def _sse_events(raw: bytes) -> list:
@@ -588,6 +591,30 @@ def test_engine_death_mid_stream_then_health_503():
         assert s == 503 and "retry-after" in {k.lower() for k in h}
         s, _, body = request(t.port, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 2})
         assert s == 503 and json.loads(body)["error"]["code"] == "engine_dead"
+    finally:
+        t.stop()
+        engine.shutdown()
+
+
+def test_an_engine_that_dies_as_a_request_is_queued_answers_503_and_holds_nothing(monkeypatch):
+    """The worker pool queues a checked request (AsyncEngine.open); an engine found dead there
+    (after the route's own health look) is a 503 engine_dead, as a dead engine is before, and the
+    request's admission is given back."""
+    tok = backend().tokenizer
+    t, engine = _scripted_server(tok.encode(" hello"))
+
+    def dead(*a, **k):
+        raise EngineDeadError("the engine died: scripted")
+    monkeypatch.setattr(engine, "open", dead)
+    try:
+        for stream in (False, True):
+            s, _, body = request(t.port, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 2,
+                                                                    "stream": stream})
+            assert s == 503 and json.loads(body)["error"]["code"] == "engine_dead", body
+            assert t.state.inflight_seqs == 0
+        monkeypatch.undo()
+        s, _, body = request(t.port, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert s == 200 and t.state.inflight_seqs == 0, body   # every admission given back
     finally:
         t.stop()
         engine.shutdown()
