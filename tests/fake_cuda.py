@@ -240,6 +240,9 @@ class FakeContext:
         self._issue("sync")
         self.num_syncs += 1
 
+    def sync_stream(self, stream):
+        """The fake runs every copy at once: nothing to wait for."""
+
     def event(self) -> "FakeEvent":
         return FakeEvent(self)
 

@@ -71,6 +71,40 @@ def test_cuda_runner_overlapped_steps_give_the_synchronous_tokens(fake_device, a
     assert all(len(lp["top"]) == 3 for lp in got[True][1]["r3"])
 
 
+def test_weights_streamed_beside_the_graph_capture_give_the_same_tokens(fake_device, artifact, monkeypatch, rng):
+    """INFC_LOAD_OVERLAP=1: the checkpoint streams in a thread of its own while the runner
+    allocates its caches and captures its graphs; the runner waits for it after the captures and
+    only then runs its load program (the derived weights), and the tokens equal a runner that
+    loaded first."""
+    from infc.runtime.cuda import weights as dw
+    prompts = [rng.integers(0, 320, n).tolist() for n in (9, 30, 3)]
+    runner_cls = fake_device.runner.CudaRunner
+    order = []
+    for owner, name in ((runner_cls, "_capture"), (runner_cls, "_derive_weights"), (dw.DeviceWeights, "wait")):
+        orig = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda self, *a, _o=orig, _n=name: order.append(_n) or _o(self, *a))
+    got = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("INFC_LOAD_OVERLAP", flag)
+        order.clear()
+        e = engine(fake_device, artifact, monkeypatch, overlap=True)
+        assert not e.runner.weights.loading
+        first = order.index("_derive_weights")
+        if flag == "1":
+            assert order[first - 1] == "wait" and order.index("_capture") < first, order
+        else:
+            assert first == 0 and "wait" not in order, order
+        for i, p in enumerate(prompts):
+            e.add_request(p, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), f"r{i}")
+        outs = {}
+        while e.has_unfinished():
+            for o in e.step():
+                outs.setdefault(o.request_id, []).extend(o.token_ids)
+        got[flag] = outs
+        e.runner.close()
+    assert got["1"] == got["0"] and all(len(t) == 5 for t in got["1"].values())
+
+
 def test_staging_alternates_two_buffers_and_waits_for_their_copies():
     """Each step writes the other buffer, 64-byte aligned, refuses more than it holds, and waits
     for the copies from a buffer (its event) before it writes that buffer again."""

@@ -116,7 +116,7 @@ def test_nccl_library_without_a_gpu(monkeypatch):
 
 # -- a fake device: one torch byte tensor, kernels under the Triton interpreter ---------------------
 class FakeEvent:
-    def record(self):
+    def record(self, stream=None):
         pass
 
     def wait(self):
@@ -168,7 +168,7 @@ class FakeCtx:
             self.htod(ptr + i * pitch, row)
         return host
 
-    def htod_raw(self, ptr, host_addr, n):
+    def htod_raw(self, ptr, host_addr, n, stream=None):
         self._at(ptr, n).copy_(torch.frombuffer(bytearray(ctypes.string_at(host_addr, n)), dtype=torch.uint8))
 
     def dtoh(self, host, ptr):
@@ -198,6 +198,15 @@ class FakeCtx:
         return FakeEvent()
 
     def sync(self):
+        pass
+
+    def sync_stream(self, stream):
+        pass
+
+    def new_stream(self):
+        return object()
+
+    def wait_event(self, event, stream=None):
         pass
 
     def ensure_current(self):

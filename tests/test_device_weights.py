@@ -4,7 +4,9 @@ concatenations, f32 checkpoints converted in numpy, tiny staging buffers that sp
 equal the plan's weights as the numpy loader builds them; staging memory is given back; a broken
 directory is a clear error; a derived weight (the load program's) is allocated, never built or
 copied."""
+import os
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +14,7 @@ import pytest
 
 from infc.compiler.build import compile_model
 from infc.compiler.contract.errors import ModelDirError
+from infc.compiler.contract.schema import nbytes
 from infc.runtime.cuda import weights as dw
 from infc.compiler.contract.safetensors_io import Checkpoint, f32_to_bf16_bits
 from infc.runtime.weights.load import iter_weights
@@ -80,6 +83,49 @@ def test_streamed_weights_equal_the_plan(tmp_path, monkeypatch, family, dtype, s
     # moved on the bits: the MoE families' experts (gate|up concatenated along columns, reshaped);
     # no weight of an f32 checkpoint, nothing in a dense bf16 one (every weight a run of file bytes)
     assert any(moved) == (family in ("qwen3_moe", "deepseek_v2")), (family, moved)
+
+
+def test_a_background_load_writes_the_same_bytes_after_zeroing_and_raises_at_wait(tmp_path, monkeypatch):
+    """background=True (INFC_LOAD_OVERLAP): the allocation is zeroed first (kernels run meanwhile
+    read finite values: a derived weight's room reads 0, not the fake's poison), the checkpoint's
+    bytes stream in a thread of their own and after wait() equal the foreground load's, staging
+    given back; a truncated shard is the same ModelDirError, raised by wait(); cancel() stops a
+    load early."""
+    from fake_cuda import POISON
+    plan = model(tmp_path, "qwen3_moe")
+    stack = next(n for n, w in plan["weights"].items() if len(w["shape"]) == 3 and w["layers"])
+    w = plan["weights"][stack]
+    plan = {**plan, "weights": {**plan["weights"], "wd_bf16": {
+        "shape": w["shape"], "dtype": "bf16", "layers": w["layers"],
+        "source": {"derived": {"by": "expert_upcast", "from": [stack], "shape": w["shape"]}}}}}
+    monkeypatch.setattr(dw, "STAGING", 4096)
+    fg_ctx, bg_ctx = FakeContext(), FakeContext()
+    fg = dw.DeviceWeights(fg_ctx, plan, tmp_path, progress=False)
+    bg = dw.DeviceWeights(bg_ctx, plan, tmp_path, progress=False, background=True)
+    bg.wait()
+    assert not bg.loading and bg_ctx.pinned_live == []
+    for name, ws in plan["weights"].items():
+        size = nbytes(ws["dtype"], ws["shape"])
+        for layer in ws["layers"] or [None]:
+            got = bg_ctx.read(bg.ptr(name, layer), size)
+            if name == "wd_bf16":
+                assert fg_ctx.read(fg.ptr(name, layer), size) == bytes([POISON]) * size
+                assert got == bytes(size), "a derived weight's room is zeroed"
+            else:
+                assert got == fg_ctx.read(fg.ptr(name, layer), size), (name, layer)
+    full, real = fg_ctx.num_copies, os.preadv
+    monkeypatch.setattr(dw.os, "preadv", lambda fd, bufs, off: 0)     # the file ends mid-read
+    broken = dw.DeviceWeights(FakeContext(), plan, tmp_path, progress=False, background=True)
+    with pytest.raises(ModelDirError, match="truncated"):
+        broken.wait()
+    gate = threading.Event()
+    monkeypatch.setattr(dw.os, "preadv", lambda *a: gate.wait(5) and real(*a))
+    ctx = FakeContext()
+    stopped = dw.DeviceWeights(ctx, plan, tmp_path, progress=False, background=True)
+    stopped._stop.set()                 # (as cancel() does, before the first piece is read)
+    gate.set()
+    stopped.cancel()
+    assert not stopped.loading and ctx.num_copies < full and ctx.pinned_live == []
 
 
 def test_broken_directories_name_the_tensor(tmp_path):

@@ -177,6 +177,10 @@ class Context:
     def sync(self):
         check(cu.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
 
+    def sync_stream(self, stream):
+        """The host waits for another stream's work (new_stream's)."""
+        check(cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
+
     def pinned(self, nbytes: int, mapped: bool = False) -> np.ndarray:
         """Page-locked host memory; mapped: into the device's address space too, so a kernel can
         read and write it (at device_ptr(host))."""

@@ -180,8 +180,6 @@ class CudaRunner:
         self.kernels = load_kernels(self.artifact, plan)
         # the fill kernel of each kind the plan has (none in older artifacts)
         fill = {kind: self.kernels.get(plan.get(fill_key(kind))) for kind in FILL_KINDS}
-        self.weights = DeviceWeights(self.ctx, plan, Path(model_dir), load_format=load_format, fill=fill,
-                                     shared=shared_weights)
         dims = step_dims(plan, self.max_tokens, self.max_seqs)
         a = plan["arena"]
         self.arena_bytes = a["bytes_per_token"] * dims["T"] + a["bytes_per_seq"] * dims["B"] + a["bytes"]
@@ -214,9 +212,18 @@ class CudaRunner:
         self.num_snapshots = (self.max_seqs if asked is None else asked) if self.num_slots else 0
         self._utilization, self._agree = gpu_memory_utilization, agree_num_pages
         self._cuda_graphs, self._bucket_list, self._dims = cuda_graphs, buckets, dims
+        # last, so nothing here fails while a background load runs (INFC_LOAD_OVERLAP: the
+        # checkpoint streams in while start_cache allocates the caches and captures the graphs,
+        # which need the weights' addresses, not their values)
+        self.weights = DeviceWeights(self.ctx, plan, Path(model_dir), load_format=load_format, fill=fill,
+                                     shared=shared_weights, background=envs.value("INFC_LOAD_OVERLAP"))
         self.num_pages = None                      # start_cache sets it
         if not defer_cache:
-            self.start_cache(num_pages)
+            try:
+                self.start_cache(num_pages)
+            except BaseException:
+                self.weights.cancel()
+                raise
 
     def cache_budget(self) -> int:
         """The bytes gpu_memory_utilization leaves for caches now: its share of the card less
@@ -249,16 +256,24 @@ class CudaRunner:
         self._launched = 0
         self.place = dims                          # where buffers live: fixed for every step
         self.programs = {}                         # phase -> packed launches (bound once)
-        if "load" in plan["programs"]:
-            # the derived weights (runtime/cuda/weights.py leaves them unwritten), once, before
-            # any step or capture; never captured, and not kept bound
-            self._launch_all(self.bind("load"), dims)
-        self.ctx.sync()
+        background = self.weights.loading
+        if not background:
+            self._derive_weights(dims)
         self.graphs: dict[int, tuple] = {}
         self.buckets = sorted(self._bucket_list or default_buckets(self.max_seqs, plan))
         if self._cuda_graphs:
             for b in self.buckets:
                 self._capture(b)
+        if background:                           # the graphs kept addresses; now the values
+            self.weights.wait()
+            self._derive_weights(dims)
+
+    def _derive_weights(self, dims: dict):
+        """The derived weights (runtime/cuda/weights.py leaves them unwritten), once the others
+        are on the device, before any step; never captured, and not kept bound."""
+        if "load" in self.plan["programs"]:
+            self._launch_all(self.bind("load"), dims)
+        self.ctx.sync()
 
     def close(self, graceful: bool = True):
         """Give back the device memory (weights, arena, caches, scratch, sampler, graphs): a
@@ -269,6 +284,9 @@ class CudaRunner:
         NCCL's teardown can wait for. (The first two-GPU runs released the communicator first and
         no close finished within 10 s; in this order every close of the two-GPU tests and
         benchmarks finished, on 2 x H100 and 2 x H200.)"""
+        weights = getattr(self, "weights", None)
+        if weights is not None:
+            weights.cancel()                     # a background load still writing them
         if self.ctx.stream is not None:
             self.ctx.close()
         self.graphs, self.programs = {}, {}

@@ -28,6 +28,7 @@ without any host staging.
 import bisect
 import os
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -184,11 +185,16 @@ class DeviceWeights:
     """name -> device pointer (or a list of per-layer pointers); `bytes` is their total size."""
 
     def __init__(self, ctx, plan: dict, model_dir: Path, progress: bool = True, threads: int = 8,
-                 load_format: str = "auto", fill=None, seed: int = 0, shared: dict | None = None):
+                 load_format: str = "auto", fill=None, seed: int = 0, shared: dict | None = None,
+                 background: bool = False):
         """fill: the loaded weight_init kernel (or {fill kind: kernel}: plan["weight_init"] for
         bf16, plan["weight_init_<kind>"] for the others), needed for load_format="dummy".
         shared: model-level weight name -> the device pointer of another runner's copy, used as
-        it is (neither read nor filled here; the caller checked its shape and dtype)."""
+        it is (neither read nor filled here; the caller checked its shape and dtype).
+        background: read and copy a checkpoint's bytes in a thread of their own, on a stream of
+        their own, while the caller allocates its caches and captures its graphs; the
+        allocation is zeroed first, so kernels run meanwhile read finite values. wait() before
+        anything whose result is kept reads a weight (the runner: before its load program)."""
         shared = shared or {}
         dummy = check_load_format(load_format) == "dummy"
         fills = fill if isinstance(fill, dict) else {"bf16": fill}
@@ -272,14 +278,54 @@ class DeviceWeights:
             if target in self.layers:
                 self.layers[name] = self.layers[target]
         t0 = time.perf_counter()
+        self._loader, self._failure, self._stop = None, None, threading.Event()
         if dummy:
             self._fill(ctx, plan, placed[:len(items)], fills, roles, seed)
+        elif background:
+            ctx.memset(self.base, max(pos, 1))
+            zeroed = ctx.event()
+            zeroed.record()
+            stream = ctx.new_stream()
+            ctx.wait_event(zeroed, stream)
+
+            def load():
+                try:
+                    ctx.ensure_current()
+                    self._stream(ctx, segs, streamed, threads, False, stream)
+                except BaseException as e:      # noqa: BLE001 - raised again by wait()
+                    self._failure = e
+                finally:
+                    ckpt.close()
+                    self.load_s = time.perf_counter() - t0
+            self._loader = threading.Thread(target=load, name="infc-weights", daemon=True)
+            self._loader.start()
+            return
         else:
             try:
                 self._stream(ctx, segs, streamed, threads, progress)
             finally:
                 ckpt.close()
         self.load_s = time.perf_counter() - t0
+
+    @property
+    def loading(self) -> bool:
+        """A background load not yet waited for."""
+        return self._loader is not None
+
+    def wait(self):
+        """Every weight's bytes on the device (a background load joined: its error raised here)."""
+        if self._loader is not None:
+            self._loader.join()
+            self._loader = None
+            if self._failure is not None:
+                raise self._failure
+
+    def cancel(self):
+        """Stop a background load at its next piece and wait for it (a runner closing early)."""
+        if self._loader is not None:
+            self._stop.set()
+            self._loader.join()
+            self._loader = None
 
     def ptr(self, name: str, layer) -> int:
         """Device pointer of weight `name` at global layer `layer` (ignored for model-level ones)."""
@@ -307,7 +353,14 @@ class DeviceWeights:
                 _launch(ctx, kernel, grid(kernel.meta, {"N": n}), kernel.pack(values))
         ctx.sync()
 
-    def _stream(self, ctx, segs, total: int, threads: int, progress: bool):
+    def _stream(self, ctx, segs, total: int, threads: int, progress: bool, stream=None):
+        """The checkpoint's byte runs into two pinned buffers in turn, each copied to the device on
+        `stream` (default: the context's) while the other fills."""
+        def sync():
+            if stream is None:
+                ctx.sync()
+            else:
+                ctx.sync_stream(stream)
         starts = [s[0] for s in segs]
         size = min(STAGING, max(total, 1))
         bufs = [ctx.pinned(size), ctx.pinned(size)]
@@ -334,6 +387,8 @@ class DeviceWeights:
         try:
             with ThreadPoolExecutor(threads) as pool:
                 for k, lo in enumerate(range(0, total, size)):
+                    if self._stop.is_set():
+                        break
                     hi = min(lo + size, total)
                     b = k % 2
                     if done[b] is not None:
@@ -354,17 +409,17 @@ class DeviceWeights:
                                 bufs[b][a - lo: z - lo] = src[a - dst: z - dst]
                         i += 1
                     list(pool.map(read, jobs))
-                    ctx.htod_raw(self.base + lo, bufs[b].ctypes.data, hi - lo)
+                    ctx.htod_raw(self.base + lo, bufs[b].ctypes.data, hi - lo, stream)
                     done[b] = ctx.event()
-                    done[b].record()
+                    done[b].record(stream)
                     if progress and sys.stderr.isatty():
                         sys.stderr.write(f"\r  weights {hi / 2**30:6.2f} / {total / 2**30:.2f} GiB "
                                          f"{time.perf_counter() - t0:5.1f} s")
-            ctx.sync()
+            sync()
         finally:
             for f in fds.values():
                 os.close(f)
-            ctx.sync()
+            sync()
             for buf in bufs:
                 ctx.free_pinned(buf)
         if progress and sys.stderr.isatty():
