@@ -6,7 +6,9 @@ step metadata buffers (plan["step_metadata"]), per-kernel scratch, and the plan'
 B, so every pointer is fixed for the runner's life: each phase's launches are packed once and a
 step only rewrites the T/B scalars and the grid. Decode steps replay a CUDA Graph captured per
 batch bucket, padded with rows that write only a reserved page. A plan's load program
-(plan["programs"]["load"]: its derived weights) runs once before the first capture or step.
+(plan["programs"]["load"]: its derived weights) runs once before the first step: before the
+graphs are captured, or after under INFC_LOAD_OVERLAP (the checkpoint streams in meanwhile:
+the graphs keep the weights' addresses, not their values).
 """
 from dataclasses import dataclass
 from pathlib import Path
