@@ -47,7 +47,7 @@ class Opened:
 
     async def __aiter__(self):
         try:
-            while not self.done:
+            while not (self.done or self.closed):     # closed: aborted, its outputs stale
                 out = await self.queue.get()
                 if isinstance(out, BaseException):
                     self.done = True
