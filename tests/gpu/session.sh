@@ -157,6 +157,20 @@ for stage in $STAGES; do
     startup)
       timeout ${STARTUP_S:-150} python3 -m infc.cli bench startup --model-path "$MODELS/qwen3-4b" \
         --out "$OUT" 2>&1 | quiet | tail -8 ;;
+    startup-overlap)
+      # issue 49 item 6: `bench startup` with the checkpoint streamed beside the caches and the
+      # graph capture (INFC_LOAD_OVERLAP=1) against the default, alternating STARTUP_OVERLAP_RUNS
+      # (default 2) times, then the golden gate with it on (graphs captured over loading weights)
+      for run in $(seq ${STARTUP_OVERLAP_RUNS:-2}); do
+        for v in 0 1; do
+          say "startup-overlap: INFC_LOAD_OVERLAP=$v (run $run)"
+          mkdir -p "$OUT/startup-overlap/$v-run$run"
+          INFC_LOAD_OVERLAP=$v timeout ${STARTUP_S:-150} python3 -m infc.cli bench startup --model-path "$MODELS/qwen3-4b" \
+            --out "$OUT/startup-overlap/$v-run$run" 2>&1 | quiet | tail -2
+        done
+      done
+      INFC_LOAD_OVERLAP=1 INFC_GPU_FAMILIES=none timeout ${SUITE_S:-300} python3 -m pytest tests/gpu/test_golden.py -q -s \
+        -p no:cacheprovider 2>&1 | quiet | tee "$OUT/pytest-golden-overlap.log" | grep -E "passed|failed|error|^E " | tail -20 ;;
     server)
       INFC_SERVER_MODEL="$MODELS/qwen3-4b" INFC_SERVER_DEVICE=cuda timeout ${SERVER_S:-240} python3 -m pytest \
         tests/test_server.py tests/test_server_disconnect.py tests/test_server_fuzz.py -q -p no:cacheprovider \
