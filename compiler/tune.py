@@ -113,19 +113,21 @@ LORA_GEMV_TILES = 4         # of the GEMV's own grid, the first few beside the L
 # a verify step's GEMVs (a speculative build's k + 1 rows, all on the CUDA-core path: gemv.py.j2
 # VERIFY_ROWS; their own key, render.verify_key, over the one-row narrow entry): W tiles against the
 # R rows' sums (ROW_SUMS "lanes", the default, sums each tile's products within a thread and across
-# threads once at the end; "tile" reduces them across threads every tile; "end" keeps R fp32 tiles
+# threads once at the end; "chain" as lanes, a run's products one FFMA chain; "tile" reduces them
+# across threads every tile; "end" keeps R fp32 tiles
 # in registers, so only small tiles; VERIFY_TILE 8192: the one-row 16 x 512 tiles whole), the preloaded tiles, programs in flight, and FMA_T 1: the
 # tensor-core path for the rows, the kernel the verify program ran before (bench/NOTES.md, issue 43)
 _GEMV_VERIFY = [{"BLOCK_N": 16, "FMA_BLOCK_K": 256}, {"BLOCK_N": 8, "FMA_BLOCK_K": 512},
                 {"BLOCK_N": 32, "FMA_BLOCK_K": 128}, {"BLOCK_N": 4, "FMA_BLOCK_K": 1024, "SPLIT_K": 1},
                 {"ROW_SUMS": "end", "BLOCK_N": 8, "FMA_BLOCK_K": 128},
-                {"ROW_SUMS": "end", "BLOCK_N": 4, "FMA_BLOCK_K": 256}, {"ROW_SUMS": "tile"}, {"PRELOAD": 2}, {"PRELOAD": 1},
+                {"ROW_SUMS": "end", "BLOCK_N": 4, "FMA_BLOCK_K": 256}, {"ROW_SUMS": "tile"}, {"ROW_SUMS": "chain"},
+                {"PRELOAD": 2}, {"PRELOAD": 1},
                 {"num_warps": 8}, {"TARGET_CTAS": 528}, {"TARGET_CTAS": 264}, {"FMA_T": 1},
                 {"FMA_T": 1, "BLOCK_K": 128}, {"VERIFY_TILE": 8192}]
 # lm_head_last cannot split K
 _LM_VERIFY = [{"BLOCK_N": 8}, {"BLOCK_N": 32, "FMA_BLOCK_K": 256}, {"FMA_BLOCK_K": 256}, {"num_warps": 8},
-              {"ROW_SUMS": "end", "BLOCK_N": 8, "FMA_BLOCK_K": 128}, {"ROW_SUMS": "tile"}, {"FMA_T": 1},
-              {"VERIFY_TILE": 8192}]
+              {"ROW_SUMS": "end", "BLOCK_N": 8, "FMA_BLOCK_K": 128}, {"ROW_SUMS": "tile"}, {"ROW_SUMS": "chain"},
+              {"FMA_T": 1}, {"VERIFY_TILE": 8192}]
 VERIFY_GRIDS = {("triton", "gemv"): _GEMV_VERIFY, ("triton", "gemv_act_mul"): _GEMV_VERIFY,
                 ("triton", "gemv_gated"): _GEMV_VERIFY, ("triton", "lm_head_last"): _LM_VERIFY}
 _GEMV_FMA_T = [{"FMA_T": 2, "FMA_BLOCK_K": 128}, {"FMA_T": 4, "BLOCK_N": 16, "FMA_BLOCK_K": 128}]

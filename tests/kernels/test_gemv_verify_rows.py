@@ -57,7 +57,7 @@ def test_plain_verify_gemv(R, T):
     assert rel_err(f32(y), REGISTRY["linear"].reference(None, f32(x), f32(w))) <= TOL
 
 
-@pytest.mark.parametrize("sums", ["tile", "end"])
+@pytest.mark.parametrize("sums", ["tile", "end", "chain"])
 def test_verify_gemv_row_sums_forms(sums):
     """The tuner's other row-sum forms (the default is "lanes"): the same outputs on a masked
     step, K ragged against the tile."""
@@ -67,6 +67,7 @@ def test_verify_gemv_row_sums_forms(sums):
     k = render("gemv", "linear", [("x", ["T", K], "bf16"), ("w", [N, K], "bf16", "weight")],
                [("y", ["T", N], "bf16")], attrs={"has_bias": False}, narrow=R, tune={**TUNE, "ROW_SUMS": sums})
     assert "tl.reshape(wf * a" not in k.source and ("tl.sum(wf * a" in k.source) == (sums == "tile")
+    assert ("= _lanes_fma(acc" in k.source) == (sums == "chain")
     y = poison((T, N))
     run(k, {"in:0": x, "in:1": w, "out:0": y}, {"T": T, "B": T})
     assert rel_err(f32(y), REGISTRY["linear"].reference(None, f32(x), f32(w))) <= TOL
@@ -155,6 +156,63 @@ def test_lm_head_last_verify_rows():
     want = REGISTRY["lm_head_last"].reference(SimpleNamespace(last_rows=rows.astype(np.int64)), f32(x), f32(norm),
                                               f32(w), eps=1e-6, has_bias=False, residual=False, softcap=None)
     assert rel_err(y.numpy(), want) <= TOL
+
+
+@pytest.mark.parametrize("case", ["gated-prologue", "lm_head_last", "u8-g64", "fk8"])
+def test_chain_row_sums_on_every_form(case):
+    """ROW_SUMS "chain" (a run's products one FFMA chain from the row's sums: _lanes_fma) on the
+    merged prologue's gated kernel, lm_head_last's norm rows, a quantized W, and a tile of 8
+    columns (one run): the references' outputs."""
+    R, T = 5, 4
+    chain = {"ROW_SUMS": "chain"}
+    if case == "u8-g64":                 # (u4 codes take W4_FORM's loops, not these sums)
+        from .test_quant_linear_kernels import SCHEMES, _case
+        k, _, _ = _case("gemv", SCHEMES[case], "plain", 3, {"BLOCK_N": 16, "FMA_BLOCK_K": 128, **chain}, "decode",
+                        7, narrow=R)
+        assert "= _lanes_fma(acc" in k.source
+        return
+    if case == "lm_head_last":
+        B, V, K = 4, 70, 200
+        gen = np.random.default_rng(12)
+        x, norm, w = rand((T + 2, K), gen=gen), rand((K,), gen=gen, scale=0.3), rand((V, K), gen=gen, scale=K ** -0.5)
+        rows_ = np.array([5, 0, 3, 2], np.int32)
+        k = render("lm_head_last", "lm_head_last", [("x", ["T", K], "bf16"), ("norm", [K], "bf16", "weight"),
+                                                    ("w", [V, K], "bf16", "weight")],
+                   [("logits", ["B", V], "f32")], attrs={"eps": 1e-6, "has_bias": False, "residual": False},
+                   narrow=R, tune={"BLOCK_N": 16, "FMA_BLOCK_K": 64, **chain})
+        assert "= _lanes_fma(acc" in k.source
+        y = poison((B, V), "f32")
+        run(k, {"in:0": x, "in:1": norm, "in:2": w, "out:0": y, "meta:last_rows": torch.from_numpy(rows_)},
+            {"T": T + 2, "B": B})
+        want = REGISTRY["lm_head_last"].reference(SimpleNamespace(last_rows=rows_.astype(np.int64)), f32(x),
+                                                  f32(norm), f32(w), eps=1e-6, has_bias=False, residual=False,
+                                                  softcap=None)
+        assert rel_err(y.numpy(), want) <= TOL
+        return
+    if case == "fk8":
+        N, K = 40, 100
+        gen = np.random.default_rng(13)
+        x, w = rand((T, K), gen=gen), rand((N, K), gen=gen, scale=K ** -0.5)
+        k = render("gemv", "linear", [("x", ["T", K], "bf16"), ("w", [N, K], "bf16", "weight")],
+                   [("y", ["T", N], "bf16")], attrs={"has_bias": False}, narrow=R,
+                   tune={"BLOCK_N": 16, "FMA_BLOCK_K": 8, **chain})
+        assert "= _lanes_fma(acc" in k.source
+        y = poison((T, N))
+        run(k, {"in:0": x, "in:1": w, "out:0": y}, {"T": T, "B": T})
+        assert rel_err(f32(y), REGISTRY["linear"].reference(None, f32(x), f32(w))) <= TOL
+        return
+    N, K = 100, 1100
+    x, d, norm, w = _inputs(N // 2, K, "bf16", N, R + T + 1, T)
+    k = render("gemv_gated", "linear_gated", *_tensors(K, N, N // 2, "bf16"), attrs={"fn": "silu", "has_bias": False},
+               narrow=R, tune={"BLOCK_N": 32, "FMA_BLOCK_K": 128, **chain}, prologue=PROLOGUE)
+    assert "= _lanes_fma(acc" in k.source
+    res, y = poison((T, K)), poison((T, N // 2))
+    check_scratch_zero(run(k, {"in:0": x, "in:1": d, "in:2": norm, "in:3": w, "out:0": res, "out:1": y},
+                           {"T": T, "B": T}))
+    s, h = _want_h(x, d, norm, "bf16")
+    assert np.array_equal(f32(res), s)
+    want = REGISTRY["linear_gated"].reference(None, h, f32(w), fn="silu", has_bias=False)
+    assert rel_err(f32(y), want) <= TOL
 
 
 def test_the_verify_form_is_the_one_row_kernels_otherwise():

@@ -45,7 +45,7 @@ def main():
     R = int(args.pop(0)) if args and args[0].isdigit() else 5
     for name in (args or LAUNCHES):
         for label, rows, tune in (("one row", 1, {}), ("tile", R, {"ROW_SUMS": "tile"}),
-                                  ("lanes", R, {"ROW_SUMS": "lanes"})):
+                                  ("lanes", R, {"ROW_SUMS": "lanes"}), ("chain", R, {"ROW_SUMS": "chain"})):
             k = kernel(name, rows, tune)
             c = k.meta["constexprs"]
             text, regs, stack = usage(k)
