@@ -45,6 +45,8 @@ REGISTRY = {v.name: v for v in (
     Var("INFC_LOAD_OVERLAP", "flag", False, "a checkpoint's weights stream to the GPU in a thread "
         "of their own while the runner allocates its caches and captures its graphs (a shorter "
         "start; off until measured on a GPU)"),
+    Var("INFC_SHORT_GRAPHS", "flag", False, "replay a one-sequence short step (a prefix hit's few "
+        "new tokens) from a CUDA Graph captured on its first run (off until measured on a GPU)"),
     Var("INFC_WIDE", "flag", True, "run large decode batches on the plan's wide program "
         "(0: every decode step on the decode program, for A/B timing)"),
     Var("INFC_NARROW", "flag", True, "run small decode batches on the plan's narrow program "

@@ -105,6 +105,45 @@ def test_weights_streamed_beside_the_graph_capture_give_the_same_tokens(fake_dev
     assert got["1"] == got["0"] and all(len(t) == 5 for t in got["1"].values())
 
 
+def test_a_short_step_of_one_sequence_replays_its_graph(fake_device, artifact, monkeypatch, rng):
+    """INFC_SHORT_GRAPHS=1: the first short step of one sequence at a given T runs eagerly and is
+    captured; the next at that T replays the graph (the same greedy tokens as with the flag off:
+    a prefix hit's few new tokens over another cached prompt); a short step of two sequences
+    stays eager."""
+    base = rng.integers(0, 320, 16).tolist()
+    hits = [base + rng.integers(0, 320, 5).tolist() for _ in range(3)]   # 16 cached + 5 new: T = 5
+    greedy = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    got = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("INFC_SHORT_GRAPHS", flag)
+        e = engine(fake_device, artifact, monkeypatch, overlap=False)
+        outs = []
+        for i, p in enumerate([base] + hits):
+            e.add_request(p, greedy, f"r{i}")
+            replays = FakeGraph.replays
+            toks = []
+            while e.has_unfinished():
+                for o in e.step():
+                    toks += o.token_ids
+            outs.append((toks, FakeGraph.replays - replays))
+        keys = set(e.runner.short_graphs)
+        e.add_request(rng.integers(0, 320, 7).tolist(), greedy, "a")       # two prompts in one step
+        e.add_request(rng.integers(0, 320, 6).tolist(), greedy, "b")
+        while e.has_unfinished():
+            e.step()
+        assert set(e.runner.short_graphs) == keys           # B = 2: not captured
+        got[flag] = [t for t, _ in outs]
+        if flag == "1":
+            assert keys == {(5, 1), (16, 1)}, keys               # the first prompt's step, the hits'
+            # each request's decode steps replay the decode graphs (2 a request); the 2nd and 3rd
+            # hits' short step replays its graph too
+            assert [n for _, n in outs] == [2, 2, 3, 3], outs
+        else:
+            assert keys == set()
+        e.runner.close()
+    assert got["1"] == got["0"] and all(len(t) == 3 for t in got["1"])
+
+
 def test_staging_alternates_two_buffers_and_waits_for_their_copies():
     """Each step writes the other buffer, 64-byte aligned, refuses more than it holds, and waits
     for the copies from a buffer (its event) before it writes that buffer again."""

@@ -262,6 +262,7 @@ class CudaRunner:
         if not background:
             self._derive_weights(dims)
         self.graphs: dict[int, tuple] = {}
+        self.short_graphs: dict[tuple, object] = {}     # (T, B) -> Graph (_short_graph_key)
         self.buckets = sorted(self._bucket_list or default_buckets(self.max_seqs, plan))
         if self._cuda_graphs:
             for b in self.buckets:
@@ -291,7 +292,7 @@ class CudaRunner:
             weights.cancel()                     # a background load still writing them
         if self.ctx.stream is not None:
             self.ctx.close()
-        self.graphs, self.programs = {}, {}
+        self.graphs, self.programs, self.short_graphs = {}, {}, {}
         close = getattr(self.collectives, "close", None)
         if close is not None:
             close(graceful)
@@ -496,15 +497,33 @@ class CudaRunner:
             self.graphs[T][0].launch()
         else:
             name = program_name(self.plan, meta.phase, T)
-            if self.collective_clock is not None:
-                self.collective_clock.phase = name
-            self._launch_all(self.program(name), dims)
-            if self.collective_clock is not None:
-                self.collective_clock.phase = None
+            key = self._short_graph_key(name, T, B)
+            if key in self.short_graphs:
+                self.short_graphs[key].launch()
+            else:
+                if self.collective_clock is not None:
+                    self.collective_clock.phase = name
+                self._launch_all(self.program(name), dims)
+                if self.collective_clock is not None:
+                    self.collective_clock.phase = None
+                if key is not None:              # every kernel of it launched once: capture it
+                    self.short_graphs[key] = Graph(self.ctx, lambda: self._launch_all(self.program(name), dims))
         if marks is not None:
             marks["forward"].record()
         self._keep = keep
         self._outputs = StepOutputs(self, {"T": meta.T, "B": meta.B})
+        return T, B
+
+    def _short_graph_key(self, name: str, T: int, B: int):
+        """(T, B) when a step of the short program is replayed from a CUDA Graph (INFC_SHORT_GRAPHS:
+        one sequence's few new tokens, a prefix hit's step: its ~300 launches cost ~2 ms of host
+        Python eagerly, shared with the server's event loop), captured the first time it runs
+        eagerly; None otherwise. Its grids and scalars depend on T and B only, every other input
+        is in the fixed metadata buffers. Not with collectives (the ranks would have to capture
+        together) or LoRA (its tables' segments vary by step)."""
+        if (name != "short" or B != 1 or not self._cuda_graphs or self.collectives is not None
+                or "lora_slots" in self.meta or not envs.value("INFC_SHORT_GRAPHS")):
+            return None
         return T, B
 
     def logits(self, meta: StepMeta) -> np.ndarray:

@@ -16,7 +16,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."   # the repository root
 
 SESSION_STAGES="suite families baseline latency profile profile-moe throughput startup startup-overlap server serve
   prefix generate hardening structured qwen35 ranks p2p deepseek dsv4 moe twogpu twogpu-allreduce server-families
-  twogpu-nccl-env twogpu-server twogpu-bench overlap-ab ab tune quant kv-fp8 lora lora-profile lora-tune qwen35-prefix tier-throughput tier-prefix tier-probe gptoss cut-latency serve-gil serve-trace"
+  twogpu-nccl-env twogpu-server twogpu-bench overlap-ab ab tune quant kv-fp8 lora lora-profile lora-tune qwen35-prefix tier-throughput tier-prefix tier-probe gptoss cut-latency serve-gil serve-trace short-graphs"
 RUN_STAGES="ab-latency ab-profile ab-throughput timeline find-time table-ab attn-variants by-card
   saturation pair"
 

@@ -213,6 +213,23 @@ for _ in range(600):
       timeout ${PREFIX_S:-240} python3 -m infc.cli bench prefix --model-path $MODELS/qwen3-4b --path both \
         --lengths ${SERVE_TRACE_LENGTHS:-1024,16384} --trace-server --out "$OUT/serve-trace" 2>&1 | quiet \
         | grep -E "L=|wrote|rror" ;;
+    short-graphs)
+      # issue 49 item 5: the warm +16 hit with its short step replayed from a CUDA Graph
+      # (INFC_SHORT_GRAPHS=1) against eager launches, in the engine and through `infc serve`
+      # (traced), alternating SHORT_GRAPHS_RUNS (default 2) times, then the golden gate (its prefix
+      # replays run short steps) and the engine tests with it on
+      for run in $(seq ${SHORT_GRAPHS_RUNS:-2}); do
+        for v in 0 1; do
+          say "short-graphs: INFC_SHORT_GRAPHS=$v (run $run)"
+          mkdir -p "$OUT/short-graphs/$v-run$run"
+          INFC_SHORT_GRAPHS=$v timeout ${PREFIX_S:-200} python3 -m infc.cli bench prefix --model-path $MODELS/qwen3-4b \
+            --path both --lengths ${SHORT_GRAPHS_LENGTHS:-1024,16384} --trace-server --out "$OUT/short-graphs/$v-run$run" \
+            2>&1 | quiet | grep -E "L=|rror"
+        done
+      done
+      INFC_SHORT_GRAPHS=1 INFC_GPU_FAMILIES=none timeout ${SUITE_S:-300} python3 -m pytest tests/gpu/test_golden.py \
+        tests/gpu/test_engine_gpu.py -q -s -p no:cacheprovider 2>&1 | quiet | tee "$OUT/pytest-short-graphs.log" \
+        | grep -E "passed|failed|error|^E " | tail -20 ;;
     serve-gil)
       # issue 49 item 5: the warm +16 hit at 1k through `infc serve` (~8.8 ms) against the engine's
       # (~4.7): the GIL-convoy reading (bench/NOTES.md, "the start and the serving path") at the
