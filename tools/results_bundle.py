@@ -42,7 +42,7 @@ def line(path: str, result) -> str:
 def compact(bundle: Path) -> bool:
     """Rewrite a bundle's lines compactly (the same JSON); whether it changed."""
     text = bundle.read_text()
-    out = "".join(line(e["file"], e["result"]) for e in map(json.loads, text.splitlines()) if e)
+    out = "".join(line(e["file"], e["result"]) for e in (json.loads(x) for x in text.splitlines() if x.strip()))
     if out == text:
         return False
     bundle.write_text(out)
