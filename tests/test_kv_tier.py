@@ -789,6 +789,29 @@ def test_write_back_counts_each_dirty_pages_place_in_the_free_queue():
     assert_all_free(e)
 
 
+def test_write_back_holes_stay_bounded_under_repeated_hits():
+    """Every hit on one long prefix takes its pages from the middle of the free queue (holes in
+    its tickets) and its release tickets them again at the tail: the holes are renumbered away
+    once they outnumber the queue (before, 60 hits of 40 blocks left 2,360 against a queue of
+    600), and every counted place stays exact."""
+    rng = np.random.default_rng(17)
+    prefix = rng.integers(0, 97, 4 * 40).tolist()                # 40 full blocks of 4
+    e = make_engine(TieredFake(600), kv_offloading=OffloadConfig(_blocks_gib(100)),
+                    max_num_batched_tokens=256, max_num_seqs=4)
+    e.tiers.write_back(8, 600)
+    params = SamplingParams(max_tokens=2, **GREEDY)
+    most = 0
+    for i in range(60):
+        e.add_request(prefix + rng.integers(0, 97, 3).tolist(), params, f"r{i}")
+        while e.has_unfinished():
+            e.step()
+            assert e.tiers.check_places(e.bm.free) == 0
+            most = max(most, len(e.tiers._holes))
+    assert 40 <= most <= len(e.bm.free) + 40, most               # a hit's holes, never hits' worth
+    assert e.bm.hit_tokens == 59 * 160                           # every later request hit the prefix
+    assert_all_free(e)
+
+
 def test_write_back_beside_speculation():
     """n-gram speculation hands rejected drafts' pages back to the free queue's front (truncate),
     which the write-back count does not see: it may then place a dirty page before its real place
@@ -855,7 +878,7 @@ def test_write_back_bookkeeping_is_one_call_a_sequence_and_no_object_a_page(monk
     gc.disable()
     try:
         before = gc.get_count()[0]
-        e.tiers.taken(seq_pages)
+        e.tiers.taken(seq_pages, e.bm.free)
         e.tiers.released(seq_pages, [e.bm.blocks[p].hash for p in seq_pages])
         made = gc.get_count()[0] - before
     finally:

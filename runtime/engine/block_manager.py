@@ -221,7 +221,7 @@ class BlockManager:
             self.snapshots.restore(snap, seq)
         taken = [p for p in hits if p is not None and self._take(p)]
         if taken and self.tiers is not None:     # one call a hit: a 32k prompt's is 2,048 pages
-            self.tiers.taken(taken)
+            self.tiers.taken(taken, self.free)
         if rows:
             tier = [i for i, p in enumerate(hits) if p is None]
             hits = self._restored(seq.block_hashes, hits, rows)

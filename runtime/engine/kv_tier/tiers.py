@@ -201,9 +201,11 @@ class KVTiers:
         if f is not None:
             self.step_fence = _max(self.step_fence, f)
 
-    def taken(self, pages: list):
+    def taken(self, pages: list, queue):
         """Free pages were taken from the middle of the queue (a prefix hit on their blocks):
-        holes in the queue's order; a dirty block among them is dirty again when released."""
+        holes in the queue's order; a dirty block among them is dirty again when released.
+        queue: the free queue without them (the block manager's), renumbered once the holes
+        outnumber it."""
         if not self.ahead:
             return
         new = sorted(map(self._ticket.get, pages, pages))      # _ticket_of, in a C loop
@@ -216,6 +218,15 @@ class KVTiers:
         else:
             holes += new
         deque(map(self.dirty.pop, pages, repeat(None)), 0)
+        if len(holes) > len(queue):
+            self._renumber(queue)
+
+    def _renumber(self, queue):
+        """Tickets from the free queue's order as it stands: no holes, every place exact. A hit's
+        pages leave holes that only the front's passing clears, while their release tickets them
+        anew at the tail: an 8k prefix hit on qwen3-4b left 512 more every hit, without bound."""
+        self._ticket = dict(zip(queue, range(len(queue))))
+        self._front, self._next_ticket, self._holes = 0, len(queue), []
 
     def find(self, h: bytes) -> bool:
         return h in self.pool or h in self.saves or (self.disk is not None and h in self.disk)
