@@ -9,7 +9,7 @@ loading one too. Each stall is written as "<time.perf_counter() when it began> <
 clock is system-wide: the benchmark subtracts its spawn time). Nothing of infc is imported.
 
 SERVER_TRACE_OUT (`infc bench prefix --path serve --trace-server`, bench/server_trace.py): marks
-the moments a request passes through the server, as "<time> <mark>" lines written every 0.2 s
+the moments a request passes through the server, as "<time> <mark>" lines appended every 0.2 s
 (the same system-wide clock, so the benchmark lines them up with its own send and first-token
 times). The marks, in a request's order:
 
@@ -52,11 +52,15 @@ def _install(path: str):
     def mark(name: str):
         marks.append((clock(), name))
 
-    def flush():
+    def flush():                                # only the marks since the last flush: a long run's
+        done = 0                                # whole list, rewritten, held the GIL for milliseconds
+        open(path, "w").close()
         while True:
             time.sleep(0.2)
-            with open(path, "w") as f:
-                f.write("".join(f"{t:.6f} {n}\n" for t, n in list(marks)))
+            new = marks[done:len(marks)]
+            done += len(new)
+            with open(path, "a") as f:
+                f.write("".join(f"{t:.6f} {n}\n" for t, n in new))
 
     def at_entry(owner, attr: str, name: str, leave: str | None = None):
         f = getattr(owner, attr)
@@ -130,8 +134,8 @@ if os.environ.get("SERVER_TRACE_OUT"):
 
 _here = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
-del sys.modules["sitecustomize"]
+_me = sys.modules.pop("sitecustomize")
 try:
     importlib.import_module("sitecustomize")
-except ImportError:
-    pass
+except ImportError:                            # none shadowed: the import system finds this one back
+    sys.modules["sitecustomize"] = _me
