@@ -202,11 +202,65 @@ def test_growing_chat_history(qwen_dir, smol_dir):
                 assert tok.fast.stats["piece_hits"] > before["piece_hits"]
 
 
+def test_a_cached_piece_is_the_head_of_the_next_prompts_piece(qwen_dir):
+    """A prompt that extends an earlier one (bench prefix's warm hit): the earlier prompt's last
+    piece, cached, heads this prompt's piece at the same place, and only the new words after it
+    are encoded."""
+    tok = InfcTokenizer(qwen_dir)
+    p = bench_text_prompts(tok)
+    for L in (1024, 4096):
+        prefix = p.make(L)
+        tok.encode(prefix)
+        last = prefix[tok.fast.cuts(prefix)[-1]:]                   # the prefix's last piece
+        before = dict(tok.fast.stats)
+        full = prefix + p.make(16, start=False)
+        assert tok.encode(full) == tok.fast.plain(full)
+        assert tok.fast.stats["head_hits"] == before["head_hits"] + 1
+        assert tok.fast.stats["head_chars"] - before["head_chars"] == len(last)
+
+
+def extensions(tk, seed: int, n: int) -> list[tuple[str, str]]:
+    """(earlier, later) texts where later = earlier + more: the join falls after words, inside a
+    word, at spaces and newlines, and beside, inside and across added tokens."""
+    rng = random.Random(seed)
+    added = sorted({t.content for t in tk.get_added_tokens_decoder().values()})[:8]
+    base = random_texts(tk, n, seed, max_parts=60)
+    joins = [" next words here", "tail of a word", "  two spaces", "\n new line", " ", "",
+             "x", ".", " 12 34", " 中文 字", "'s more"]
+    out = []
+    for text in base:
+        tok = rng.choice(added)
+        k = rng.randint(1, len(tok) - 1)
+        earlier = rng.choice([text, text + " " + tok[:k], text + tok, text + " word", text + " word "])
+        more = rng.choice(joins + [" " + tok, tok, tok[k:] + " after", " " + tok + " after", tok + tok])
+        out.append((earlier, earlier + more + rng.choice(["", " end of it", " " + rng.choice(WORDS)])))
+    return out
+
+
+@pytest.mark.parametrize("name", ["qwen", "smol"])
+def test_heads_exact_at_every_kind_of_join(name, qwen, smol, monkeypatch):
+    """Exact wherever the later text continues the earlier one: across a word, a whitespace run or
+    an added token the head is refused, and where it is taken the ids are the plain call's (short
+    pieces and heads, so that most texts have several)."""
+    tk = {"qwen": qwen, "smol": smol}[name]
+    monkeypatch.setattr(ft, "HEAD_CHARS", 4)
+    fe = FastEncoder(tk, chunk_chars=48, min_chars=0)
+    for earlier, later in extensions(tk, seed=5 if name == "qwen" else 6, n=700):
+        assert fe.encode(earlier) == tk.encode(earlier, add_special_tokens=False).ids
+        assert fe.encode(later) == tk.encode(later, add_special_tokens=False).ids, (repr(earlier[-40:]), repr(later[len(earlier):]))
+    assert fe.stats["head_hits"] > 100            # the head path ran, not only refusals
+
+
 def test_cache_budget(qwen):
     fe = FastEncoder(qwen, chunk_chars=256, min_chars=0, cache_chars=4000)
     for text in random_texts(qwen, 60, seed=3, max_parts=200):
         assert fe.encode(text) == qwen.encode(text, add_special_tokens=False).ids
         assert fe._cached_chars <= 4000 and fe._cached_chars == sum(len(s) for s in fe._cache)
+        heads = {}
+        for piece in fe._cache:
+            if len(piece) >= ft.HEAD_CHARS:
+                heads.setdefault(piece[:ft.HEAD_CHARS], set()).add(len(piece))
+        assert fe._heads == heads                  # evictions leave no head behind
     off = FastEncoder(qwen, chunk_chars=256, min_chars=0, cache_chars=0)
     text = "word " * 2000
     assert off.encode(text) == off.encode(text) == qwen.encode(text, add_special_tokens=False).ids
@@ -231,6 +285,42 @@ def test_added_tokens_with_spaces_and_strip_flags(qwen):
     fe = FastEncoder(tk, chunk_chars=1, min_chars=0)
     fe._near_added_token = lambda text, p: False                        # the check removed
     assert any(fe.encode(t) != tk.encode(t, add_special_tokens=False).ids for t in texts)
+
+
+def test_heads_never_split_an_added_token(qwen, monkeypatch):
+    """A cached piece ending where a later text completes an added token that holds a space
+    ("... hello" then " world", the token "hello world"): the head would cut the token in two;
+    the window check refuses it (without it, these texts differ)."""
+    monkeypatch.setattr(ft, "HEAD_CHARS", 4)
+    tk = Tokenizer.from_str(qwen.to_str())
+    tk.add_special_tokens([AddedToken("hello world", normalized=False)])
+    rng = random.Random(3)
+    pairs = []
+    for _ in range(300):
+        earlier = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 12))) + " hello"
+        pairs.append((earlier, earlier + " world" + rng.choice(["", " and more", "!"])))
+
+    def run(fe):
+        bad = 0
+        for earlier, later in pairs:
+            assert fe.encode(earlier) == tk.encode(earlier, add_special_tokens=False).ids
+            bad += fe.encode(later) != tk.encode(later, add_special_tokens=False).ids
+        return bad
+    for chunk in (8, 16, 24):
+        assert run(FastEncoder(tk, chunk_chars=chunk, min_chars=0)) == 0
+    fe = FastEncoder(tk, chunk_chars=16, min_chars=0)
+    near = fe._near_added_token
+    fe._near_added_token = lambda text, p: near(text, p) if fe._cuts_running else False
+    cuts = fe.cuts
+
+    def cuts_checked(*a, **k):                    # the check kept for cuts, removed for heads
+        fe._cuts_running = True
+        try:
+            return cuts(*a, **k)
+        finally:
+            fe._cuts_running = False
+    fe._cuts_running, fe.cuts = False, cuts_checked
+    assert run(fe) > 0
 
 
 # -- SentencePiece / Metaspace style -----------------------------------------------------------

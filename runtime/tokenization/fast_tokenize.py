@@ -58,6 +58,12 @@ after the previous cut, so the cuts depend only on the text before them (plus a 
 after): a prompt that extends an earlier one has the same first pieces, found in the piece cache
 (keyed by the piece's text: the ids of a piece are a function of its text alone). Texts shorter
 than `min_chars` take the plain call.
+
+A piece the cache lacks may still begin with one it holds: the last piece of an earlier prompt
+that this one extends (a warm prefix hit's new words, a chat's next turn) is the start of this
+prompt's piece at the same place. Where the cached piece ends at a valid cut of this text, only
+the rest is encoded: ids(piece) = ids(cached head) + encode(rest), by the same rule as any cut.
+Cached pieces are found as heads by their first HEAD_CHARS characters.
 """
 from __future__ import annotations
 
@@ -75,6 +81,7 @@ log = logging.getLogger("infc.tokenizer")
 CHUNK_CHARS = 1024          # a piece: ~150-250 tokens of prose (a 1k-token prompt ~7 pieces, 32k ~230)
 MIN_CHARS = 2048            # below this one plain call (too little work to split)
 CACHE_CHARS = 4 << 20       # piece cache budget, characters of piece text (~1M tokens, ~40 MB with their ids)
+HEAD_CHARS = 64             # a cached piece this long or longer can be found as a longer piece's head
 
 # Pre-tokenizer regexes whose splits are proven above (as tokenizer.json spells them).
 GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -184,9 +191,10 @@ class FastEncoder:
         self.chunk_chars, self.min_chars, self.cache_chars = chunk_chars, min_chars, cache_chars
         self._batch = getattr(tk, "encode_batch_fast", None) or tk.encode_batch
         self._cache: OrderedDict[str, tuple] = OrderedDict()     # piece text -> its ids
+        self._heads: dict[str, set[int]] = {}    # a cached piece's first HEAD_CHARS -> their lengths
         self._cached_chars = 0
         self._lock = threading.Lock()
-        self.stats = {"fast": 0, "plain": 0, "pieces": 0, "piece_hits": 0}
+        self.stats = {"fast": 0, "plain": 0, "pieces": 0, "piece_hits": 0, "head_hits": 0, "head_chars": 0}
         contents = sorted({t.content for t in tk.get_added_tokens_decoder().values() if t.content})
         self._by_first: dict[str, list[str]] = {}
         for c in contents:
@@ -263,8 +271,9 @@ class FastEncoder:
         return out
 
     # -- encoding ---------------------------------------------------------------------------
-    def encode_pieces(self, pieces: list[str]) -> list[int]:
-        """Concatenated ids of pieces cut at valid cuts, from the cache where it has them."""
+    def encode_pieces(self, pieces: list[str], text: str | None = None, starts: list[int] | None = None) -> list[int]:
+        """Concatenated ids of pieces cut at valid cuts, from the cache where it has them; with the
+        text they were cut from and their starts in it, a missing piece's cached head too."""
         cache, lock = self._cache, self._lock
         got: list[tuple | None] = [None] * len(pieces)
         with lock:
@@ -275,23 +284,51 @@ class FastEncoder:
                     got[i] = a
         miss = [i for i, a in enumerate(got) if a is None]
         if miss:
-            encs = self._batch([pieces[i] for i in miss], add_special_tokens=False)
+            heads = [self._head(pieces[i], text, starts[i]) if text is not None else (0, ()) for i in miss]
+            encs = self._batch([pieces[i][n:] for i, (n, _) in zip(miss, heads)], add_special_tokens=False)
             with lock:
-                for i, e in zip(miss, encs):
-                    a = got[i] = tuple(e.ids)
+                for i, (n, head), e in zip(miss, heads, encs):
+                    a = got[i] = head + tuple(e.ids)
+                    if n:
+                        self.stats["head_hits"] += 1
+                        self.stats["head_chars"] += n
                     s = pieces[i]
                     if self.cache_chars and s not in cache:
                         cache[s] = a
                         self._cached_chars += len(s)
+                        if len(s) >= HEAD_CHARS:
+                            self._heads.setdefault(s[:HEAD_CHARS], set()).add(len(s))
                 while self._cached_chars > self.cache_chars and cache:
                     s, _ = cache.popitem(last=False)
                     self._cached_chars -= len(s)
+                    if len(s) >= HEAD_CHARS:
+                        lengths = self._heads[s[:HEAD_CHARS]]
+                        lengths.discard(len(s))
+                        if not lengths:
+                            del self._heads[s[:HEAD_CHARS]]
         self.stats["pieces"] += len(pieces)
         self.stats["piece_hits"] += len(pieces) - len(miss)
         ids: list[int] = []
         for a in got:
             ids.extend(a)
         return ids
+
+    def _head(self, s: str, text: str, start: int) -> tuple[int, tuple]:
+        """(n, ids): the longest cached piece that s (at text[start:]) begins with and that ends
+        at a valid cut of text (printable ASCII, then a space; no added token near), and its ids;
+        (0, ()) where none does."""
+        with self._lock:
+            lengths = sorted(self._heads.get(s[:HEAD_CHARS], ()), reverse=True)
+        for n in lengths:
+            if n >= len(s) or s[n] != " " or not "!" <= s[n - 1] <= "~":
+                continue
+            with self._lock:
+                a = self._cache.get(s[:n])
+                if a is not None:
+                    self._cache.move_to_end(s[:n])
+            if a is not None and not self._near_added_token(text, start + n):
+                return n, a
+        return 0, ()
 
     def encode(self, text: str) -> list[int]:
         if (self.rule is None or len(text) < self.min_chars or self.tk.truncation is not None
@@ -304,11 +341,12 @@ class FastEncoder:
             return self.plain(text)
         self.stats["fast"] += 1
         bounds = [0, *cuts, len(text)]
-        return self.encode_pieces([text[a:b] for a, b in zip(bounds, bounds[1:])])
+        return self.encode_pieces([text[a:b] for a, b in zip(bounds, bounds[1:])], text, bounds)
 
     def clear_cache(self):
         with self._lock:
             self._cache.clear()
+            self._heads.clear()
             self._cached_chars = 0
 
     # -- the load-time check ----------------------------------------------------------------
