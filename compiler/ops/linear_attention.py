@@ -28,6 +28,11 @@ gated_delta_rule(q[T, Hk, Dk], k[T, Hk, Dk], v[T, Hv, Dv], g[T, Hv], beta[T, Hv]
     any float dtype (Qwen3.5's are f32, as HF's; the kernels compute in fp32 either way). The
     initial S is the sequence's slot of cache `recurrent` [Hv, Dk, Dv] (f32) when it has tokens
     cached before this step, else zeros; the final S is written back.
+    attrs.gates (set by compiler/passes/fuse_delta_gates.py, never by a spec): the op makes its
+    own gates from their projections, and inputs g, beta are those raw a, b with two more after
+    them, dt_bias[Hv] and A[Hv] (f32):
+        g = A * softplus(a + dt_bias)     f32, as the add / softplus / mul chain it replaces
+        beta = sigmoid(b)                 rounded to attrs.gates (the sigmoid's output dtype)
 
 Slot caches: a sequence with `cached` tokens before the step (ctx.seqs) reads its slot only when
 cached > 0, so a new sequence needs no reset launch. The slot of batch row b is
@@ -35,6 +40,7 @@ ctx.meta.state_slots[b] (step metadata `state_slots` [B] i32; kernels take meta:
 """
 import numpy as np
 
+from .activation import sigmoid, softplus
 from .base import expect, op, tt
 
 ACTIVATIONS = (None, "silu")
@@ -152,7 +158,12 @@ def _recurrent_caches(types, attrs):
 
 
 def gated_delta_rule_infer(types, attrs):
-    q, k, v, g, beta = types
+    q, k, v, g, beta = types[:5]
+    if attrs.get("gates") is not None:
+        expect(len(types) == 7 and attrs["gates"] in ("bf16", "f16", "f32"),
+               f"gated_delta_rule with its gates takes a, b, dt_bias, A and a beta dtype; got {types[3:]}")
+        for name, t in (("dt_bias", types[5]), ("A", types[6])):
+            expect(t.shape == v.shape[1:2] and t.dtype == "f32", f"gated_delta_rule {name} must be f32 [Hv], got {t}")
     expect(len(q.shape) == 3 and q.shape == k.shape, f"gated_delta_rule expects q, k [T, Hk, Dk]; got {q}, {k}")
     expect(len(v.shape) == 3 and v.shape[0] == q.shape[0], f"gated_delta_rule expects v [T, Hv, Dv], got {v}")
     expect(v.shape[1] % q.shape[1] == 0, f"v heads {v.shape[1]} not a multiple of q/k heads {q.shape[1]}")
@@ -163,9 +174,12 @@ def gated_delta_rule_infer(types, attrs):
     return [tt(v.shape, v.dtype)]
 
 
-def gated_delta_rule(ctx, q, k, v, g, beta, scale=None):
+def gated_delta_rule(ctx, q, k, v, g, beta, *gate_weights, scale=None, gates=None, **_):
     q, k, v = (np.asarray(a, np.float32) for a in (q, k, v))
     g, beta = np.asarray(g, np.float32), np.asarray(beta, np.float32)
+    if gates is not None:               # g, beta are the raw a, b (the chain fuse_delta_gates took)
+        dt_bias, A = (np.asarray(w, np.float32) for w in gate_weights)
+        g, beta = softplus(g + dt_bias) * A, sigmoid(beta)
     T, hk, dk = q.shape
     hv, dv = v.shape[1:]
     rep = hv // hk
@@ -191,5 +205,5 @@ op(name="gated_delta_rule", tensors=["q", "k", "v", "g", "beta"], attrs={"scale"
    infer=gated_delta_rule_infer, reference=gated_delta_rule, caches=_recurrent_caches,
    templates={"triton": {"prefill": "gated_delta_rule_chunk", "mixed": "gated_delta_rule_chunk",
                          "decode": "gated_delta_rule_decode"}},
-   strided=True,
+   strided=True, pass_inputs=["dt_bias", "A"],
    doc="gated delta rule (Gated DeltaNet) with per-sequence fp32 state in slot cache recurrent")

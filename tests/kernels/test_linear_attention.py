@@ -572,3 +572,59 @@ def test_references_through_the_oracle_context():
     two = run_steps([[(i, 0, s) for i, s in enumerate(split)], [(i, s, n) for i, (s, n) in enumerate(zip(split, lens))]])
     for a, b in zip(one, two):
         assert np.abs(a - b).max() < 1e-5
+
+
+# the gates made inside the delta rule (compiler/passes/fuse_delta_gates.py): raw a, b as strided
+# views of one projection output, dt_bias and A f32
+def _gate_inputs(gen, T, hv, width=None):
+    """a, b (bf16 [T, Hv] views of a [T, width] projection), dt_bias, A, and the row stride."""
+    width = width or 3 * hv + 5
+    proj = torch.from_numpy(gen.standard_normal((T, width)).astype(np.float32) * 2).to(torch.bfloat16)
+    a, b = proj[:, 1:1 + hv], proj[:, 2 + hv:2 + 2 * hv]
+    dt_bias = torch.from_numpy(gen.standard_normal(hv).astype(np.float32) * 0.5)
+    A = torch.from_numpy(-np.exp(gen.uniform(-2, 0.5, hv)).astype(np.float32))
+    return a, b, dt_bias, A, width
+
+
+def _gated_launch(phase, hk, hv, dk, dv, width, tune=None, beta_dtype="bf16"):
+    ins = [("q", ["T", hk, dk], "f32"), ("k", ["T", hk, dk], "f32"), ("v", ["T", hv, dv], "bf16"),
+           ("a", ["T", hv], "bf16", "buffer", {"row_stride": width}), ("b", ["T", hv], "bf16", "buffer", {"row_stride": width}),
+           ("dt_bias", [hv], "f32", "weight"), ("A", [hv], "f32", "weight")]
+    caches = {"recurrent": {"kind": "slot", "shape": [hv, dk, dv], "dtype": "f32", "layers": [0]}}
+    template = "gated_delta_rule_decode" if phase == "decode" else "gated_delta_rule_chunk"
+    return render(template, "gated_delta_rule", ins, [("o", ["T", hv, dv], "bf16")],
+                  {"gates": beta_dtype, "has_dt_bias": True, "has_A": True}, phase=phase, caches=caches, tune=tune)
+
+
+@pytest.mark.parametrize("phase,tune,specs,slots", [
+    ("prefill", {"BT": 16}, [(0, 37), (0, 5)], [3, 0]),          # ragged chunks: rows past the end
+    ("mixed", {}, [(0, 70), (12, 1), (3, 9)], [1, 4, 2]),          # BT = 64
+    ("decode", None, [(5, 1), (0, 1), (12, 1)], [2, 5, 0]),
+])
+def test_gated_delta_rule_makes_its_gates(phase, tune, specs, slots):
+    """g = A softplus(a + dt_bias) in fp32 and beta = sigmoid(b) rounded to bf16 inside the kernel,
+    from strided bf16 views, as the chain's launches computed and stored them; and the fused op's
+    reference is the chain's, bit for bit."""
+    gen = np.random.default_rng(len(specs) * 7 + len(phase))
+    hk, hv, dk, dv = 2, 4, 24, 20
+    T = sum(n for _, n in specs)
+    q, k, v, _, _ = _rule_inputs(gen, T, hk, hv, dk, dv, qk=F32_QK)
+    a, b, dt_bias, A, width = _gate_inputs(gen, T, hv)
+    store, ref = poisoned_slots((hv, dk, dv), specs, slots, gen, torch.float32)
+    before = ref.copy()
+    kern = _gated_launch(phase, hk, hv, dk, dv, width, tune)
+    out = poison((T, hv, dv))
+    run(kern, {"in:0": q, "in:1": k, "in:2": v, "in:3": a, "in:4": b, "in:5": dt_bias, "in:6": A, "out:0": out,
+               "cache:recurrent": store, **meta_bindings(specs, slots)}, {"T": T, "B": len(specs)})
+    rule = REGISTRY["gated_delta_rule"]
+    q_, k_, v_, a_, b_, dt_, A_ = (x.float().numpy() for x in (q, k, v, a, b, dt_bias, A))
+    g = REGISTRY["mul"].reference(None, REGISTRY["softplus"].reference(None, REGISTRY["add"].reference(None, a_, dt_)), A_)
+    beta = REGISTRY["sigmoid"].reference(None, b_)
+    rounded = torch.from_numpy(beta).to(torch.bfloat16).float().numpy()       # the sigmoid launch's store
+    want = rule.reference(Ctx(specs, slots, {"recurrent": ref}), q_, k_, v_, g, rounded)
+    _check_rule(out.float().numpy(), want, store, ref, specs, slots)
+    chain, fused = before.copy(), before.copy()
+    want_chain = rule.reference(Ctx(specs, slots, {"recurrent": chain}), q_, k_, v_, g, beta)
+    got_fused = rule.reference(Ctx(specs, slots, {"recurrent": fused}), q_, k_, v_, a_, b_, dt_, A_, gates="bf16",
+                               has_dt_bias=True, has_A=True)
+    assert np.array_equal(got_fused, want_chain) and np.array_equal(fused, chain, equal_nan=True)

@@ -5,13 +5,15 @@
 #   S = S * exp(g);  S = S + k^T (beta (v - k S));  o = (q * scale) S        scale = 0.08838834764831845
 # then S is written back. Grid (B, Hv, cdiv(Dv, BV=32)): a program holds S[:, its BV columns] (BK=128 rows)
 # in registers (the v columns are independent), fp32 math, one rounding of o to bf16.
+# The gates made here from their projections (compiler/passes/fuse_delta_gates.py): g = A[h] * softplus(a + dt_bias[h])
+# in fp32, beta = sigmoid(b) rounded to bf16 as the launch it replaces stored it.
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
-def gated_delta_rule_decode(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state, context_lens, state_slots,
+def gated_delta_rule_decode(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, dt_bias_ptr, A_ptr, o_ptr, state, context_lens, state_slots,
                             HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                             BK: tl.constexpr, BV: tl.constexpr, SCALE: tl.constexpr,
                             Q_STRIDE: tl.constexpr, K_STRIDE: tl.constexpr, V_STRIDE: tl.constexpr,
@@ -40,6 +42,9 @@ def gated_delta_rule_decode(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state, 
     v = tl.load(v_ptr + row * V_STRIDE + h * DV + vv, mask=vm, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + row * G_STRIDE + h).to(tl.float32)
     beta = tl.load(beta_ptr + row * B_STRIDE + h).to(tl.float32)
+    a = g + tl.load(dt_bias_ptr + h)
+    g = tl.where(a > 20.0, a, tl.maximum(a, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(a)))) * tl.load(A_ptr + h)
+    beta = (1.0 / (1.0 + tl.exp(-beta))).to(tl.bfloat16).to(tl.float32)
 
     S = S * tl.exp(g)
     delta = (v - tl.sum(S * k[:, None], 0)) * beta
@@ -55,8 +60,10 @@ META = {
         ["q_ptr", "*fp32", "in:0"],
         ["k_ptr", "*fp32", "in:1"],
         ["v_ptr", "*bf16", "in:2"],
-        ["g_ptr", "*fp32", "in:3"],
+        ["g_ptr", "*bf16", "in:3"],
         ["beta_ptr", "*bf16", "in:4"],
+        ["dt_bias_ptr", "*fp32", "in:5"],
+        ["A_ptr", "*fp32", "in:6"],
         ["o_ptr", "*bf16", "out:0"],
         ["state", "*fp32", "cache:recurrent"],
         ["context_lens", "*i32", "meta:context_lens"],
@@ -64,7 +71,7 @@ META = {
     ],
     "constexprs": {"HK": 16, "HV": 32, "DK": 128, "DV": 128, "BK": 128, "BV": 32,
                    "SCALE": 0.08838834764831845, "Q_STRIDE": 2048, "K_STRIDE": 2048,
-                   "V_STRIDE": 8192, "G_STRIDE": 32, "B_STRIDE": 32, "PDL": True},
+                   "V_STRIDE": 8192, "G_STRIDE": 12352, "B_STRIDE": 12352, "PDL": True},
     "pdl": True,
     "grid": ["B", 32, 4],
     "num_warps": 4,

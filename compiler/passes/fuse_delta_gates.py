@@ -1,0 +1,65 @@
+"""The gated delta rule makes its own gates (Qwen3.5, Qwen3-Next):
+
+    beta = sigmoid(b)
+    g = mul(softplus(add(a, dt_bias)), A)        a, b: the gate projections' [T, Hv] outputs
+    o = gated_delta_rule(q, k, v, g, beta)
+ -> o = gated_delta_rule(q, k, v, a, b, dt_bias, A, gates=<beta's dtype>)
+
+Six launches a layer fewer (the sigmoid, the add, the softplus, the mul, and the two copies that
+made a and b contiguous for them: the delta rule's kernels read a and b as the strided views of
+the fused projection they are). The same arithmetic in the same order: g's chain is f32 from the
+add on (dt_bias is f32) and is fused only where it is, and beta is rounded to the sigmoid's
+output dtype inside the kernel, as that launch's store did (compiler/ops/linear_attention.py).
+"""
+from ..ops.activation import ACTIVATIONS, resolve
+from .fuse_ops import _single_user
+
+
+def _fn(node) -> str | None:
+    if node is None:
+        return None
+    if node.op in ACTIVATIONS:
+        return node.op
+    return resolve(node.attrs["fn"]) if node.op == "act" else None
+
+
+def _gate_weight(g, name: str, heads) -> bool:
+    """A per-head f32 weight [Hv] (dt_bias, A)."""
+    v = g.values[name]
+    return v.kind == "weight" and v.type is not None and v.type.dtype == "f32" and tuple(v.type.shape) == heads
+
+
+def _f32(g, value: str) -> bool:
+    t = g.values[value].type
+    return t is not None and t.dtype == "f32"
+
+
+def fuse_delta_gates(state):
+    for g in state.graph.walk():
+        for rule in [n for n in g.ordered() if n.op == "gated_delta_rule" and n.attrs.get("gates") is None]:
+            gv, bv = rule.inputs[3], rule.inputs[4]
+            heads = tuple(g.values[rule.inputs[2]].type.shape[1:2])
+            sig = g.producer(bv)
+            if _fn(sig) != "sigmoid" or _single_user(g, bv) is None:
+                continue
+            mul = g.producer(gv)
+            if mul is None or mul.op != "mul" or _single_user(g, gv) is None or not _f32(g, gv):
+                continue
+            sp, A = next(((x, w) for x, w in (mul.inputs, mul.inputs[::-1])
+                          if _fn(g.producer(x)) == "softplus" and _gate_weight(g, w, heads)), (None, None))
+            if sp is None or _single_user(g, sp) is None or not _f32(g, sp):
+                continue
+            soft = g.producer(sp)
+            add = g.producer(soft.inputs[0])
+            if add is None or add.op != "add" or _single_user(g, soft.inputs[0]) is None or not _f32(g, soft.inputs[0]):
+                continue
+            a, dt_bias = next(((x, w) for x, w in (add.inputs, add.inputs[::-1]) if _gate_weight(g, w, heads)),
+                              (None, None))
+            if a is None:
+                continue
+            rule.inputs = rule.inputs[:3] + [a, sig.inputs[0], dt_bias, A] + rule.inputs[5:]
+            rule.attrs.update(gates=g.values[bv].type.dtype, has_dt_bias=True, has_A=True)
+            rule.fused_from = rule.fused_from + ["sigmoid", "add", "softplus", "mul"]
+            for n in (sig, mul, soft, add):
+                g.remove_node(n.id)
+            state.note("fuse_delta_gates", f"{g.name}: line {rule.line}")
