@@ -13,7 +13,7 @@ from .passes.eliminate_dead import eliminate_dead
 from .passes.fuse_ops import (fuse_add_rms_norm, fuse_linear_epilogue, fuse_linear_prologue,
                               fuse_lm_head, fuse_qk_norm_rope_cache, fuse_act_mul)
 from .passes.fold_shared_experts import fold_shared_experts
-from .passes.fuse_delta_gates import fuse_delta_gates
+from .passes.fuse_delta_rule import fuse_delta_gates, fuse_delta_norms
 from .passes.fuse_latent import fuse_latent_prologue
 from .passes.fuse_weights import fuse_weights
 from .passes.fuse_moe import fuse_route_align
@@ -63,6 +63,7 @@ PIPELINE = [
     ("fuse_lm_head", fuse_lm_head),                # final add + norm + lm_head on last tokens only
     ("fuse_route_align", fuse_route_align),        # MoE router + token grouping by expert in one launch
     ("fuse_delta_gates", fuse_delta_gates),        # Gated DeltaNet: beta and g made in the delta rule
+    ("fuse_delta_norms", fuse_delta_norms),        # ... and its q / k l2 norms
     ("act_codes", make_act_codes),                 # fp8 linears' activation codes made once, by
                                                    # their producer (or a quantize_act launch)
     ("upcast_experts", upcast_experts),            # quantized experts: a bf16 stack made once a layer
@@ -82,7 +83,7 @@ PIPELINE = [
 FUSIONS = {"fold_shared_experts", "fuse_weights", "rotate_residual", "fuse_add_rms_norm",
            "fuse_qk_norm_rope_cache", "fuse_latent_prologue", "fuse_act_mul", "fuse_lora_act",
            "fuse_linear_epilogue", "fuse_linear_prologue", "fuse_lm_head", "fuse_route_align",
-           "fuse_delta_gates", "act_codes", "upcast_experts", "merge_lora", "merge_prologues", "merge_epilogues"}
+           "fuse_delta_gates", "fuse_delta_norms", "act_codes", "upcast_experts", "merge_lora", "merge_prologues", "merge_epilogues"}
 # (merge_prologues rewrites no node; its dropped in-place aliases would come back with the types)
 REWRITES = FUSIONS - {"merge_prologues", "merge_lora", "merge_epilogues"} | {"split_attention", "split_compression", "shard_ranks", "lower_experts",
                                             "quantize_weights", "eliminate_dead", "materialize_views",

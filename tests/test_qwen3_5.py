@@ -245,15 +245,17 @@ def test_build_variant_no_compile(tmp_path):
     # q and k l2-normalized into f32, beta = sigmoid(b) rounded to bf16; the f32 weights' fill kernel
     assert plan["weights"]["A"]["dtype"] == plan["weights"]["dt_bias"]["dtype"] == "f32"
     assert plan["weight_init_f32"] and plan["weight_init_f32"] != plan["weight_init"]
-    # ... made inside the delta rule (compiler/passes/fuse_delta_gates.py): it reads the raw a, b
-    # (bf16 views of the fused projection), dt_bias and A, and rounds beta to bf16 itself
+    # ... made inside the delta rule (compiler/passes/fuse_delta_rule.py): it reads the raw q, k (bf16
+    # views of the conv's output) and a, b (of the fused projection), dt_bias and A, normalizes q and
+    # k in f32 and rounds beta to bf16 itself
     for phase in ("decode", "prefill", "narrow"):
         rule = next(ln for ln, _ in _launches(plan["programs"][phase]) if ln["op"] == "gated_delta_rule")
         q, k, _, a, b = (plan["buffers"][n]["dtype"] for n in rule["inputs"][:5])
-        assert (q, k, a, b) == ("f32", "f32", "bf16", "bf16") and rule["inputs"][5:] == ["dt_bias", "A"]
-        assert rule["attrs"]["gates"] == "bf16"
+        assert (q, k, a, b) == ("bf16",) * 4 and rule["inputs"][5:] == ["dt_bias", "A"]
+        assert rule["attrs"]["gates"] == "bf16" and rule["attrs"]["qk_norm"] == 1e-6
         assert not [ln["op"] for ln, _ in _launches(plan["programs"][phase])
-                    if ln["op"] in ("softplus", "sigmoid", "add", "mul", "copy") and ln.get("line") == rule.get("line")]
+                    if ln["op"] in ("softplus", "sigmoid", "add", "mul", "copy", "l2_norm")
+                    and ln.get("line") == rule.get("line")]
     r = subprocess.run([sys.executable, "-m", "infc.cli", "build", "--model", "qwen3.5-4b", "--no-fuse",
                         "--no-compile", "--out", str(tmp_path / "b")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
@@ -267,14 +269,17 @@ def test_build_variant_no_compile(tmp_path):
     assert all(plain["buffers"][ln["outputs"][0]]["dtype"] == "f32" for ln in chain)
 
 
-def test_gates_made_in_the_delta_rule_change_no_logit(models, monkeypatch):
-    """fuse_delta_gates (the sigmoid, add, softplus and mul in the delta rule's launch): the
-    reference gives the same logits, bit for bit, as the same build without that pass, in prefill
-    and decode; six launches fewer in a linear-attention layer."""
+@pytest.mark.parametrize("off,fewer", [(("fuse_delta_gates",), 6), (("fuse_delta_norms",), 2),
+                                       (("fuse_delta_gates", "fuse_delta_norms"), 8)])
+def test_inputs_made_in_the_delta_rule_change_no_logit(models, monkeypatch, off, fewer):
+    """fuse_delta_gates (the sigmoid, add, softplus and mul in the delta rule's launch) and
+    fuse_delta_norms (q and k's l2 norms there too): the reference gives the same logits, bit for
+    bit, as the same build without them, in prefill and decode; 6 and 2 launches fewer in a
+    linear-attention layer."""
     from infc.compiler import pipeline
     d = models["causal"][0]
     fused = plan_and_weights(d)
-    monkeypatch.setattr(pipeline, "PIPELINE", [p for p in pipeline.PIPELINE if p[0] != "fuse_delta_gates"])
+    monkeypatch.setattr(pipeline, "PIPELINE", [p for p in pipeline.PIPELINE if p[0] not in off])
     _, plan = compile_model(model_dir=str(d))
     plain = (plan, fused[1])
     counts = []
@@ -286,7 +291,7 @@ def test_gates_made_in_the_delta_rule_change_no_logit(models, monkeypatch):
         counts[-1] = (counts[-1], np.stack(got))
     (n_fused, a), (n_plain, b) = counts
     assert np.array_equal(a, b)
-    assert n_plain - n_fused == 6                        # in the linear-attention layers' body
+    assert n_plain - n_fused == fewer                    # in the linear-attention layers' body
 
 
 def test_dummy_weights_keep_the_state_decaying(models):

@@ -62,13 +62,16 @@ def test_family_binds_real_shapes_and_declares_slot_caches(tmp_path):
     assert decl["recurrent"]["shape"] == [32, 128, 128] and decl["recurrent"]["dtype"] == "f32"
     assert decl["conv"]["shape"] == [3, 2 * 2048 + 4096]
     assert "state_slots" in plan["step_metadata"]
-    templates = set()
+    templates, rules = set(), []
     for phase in ("prefill", "decode", "mixed"):
         for e in plan["programs"][phase]:
             for body in e.get("kinds", {}).values():
                 templates |= {launch["kernel"] for launch in body}
-    assert {"causal_conv1d", "gated_delta_rule_chunk", "gated_delta_rule_decode", "l2_norm",
-            "gated_rms_norm"} <= templates
+                rules += [launch["attrs"] for launch in body if launch["op"] == "gated_delta_rule"]
+    assert {"causal_conv1d", "gated_delta_rule_chunk", "gated_delta_rule_decode", "gated_rms_norm"} <= templates
+    # q / k's l2 norms and the gates in the delta rule's launch (compiler/passes/fuse_delta_rule.py)
+    assert rules and all(a.get("qk_norm") == 1e-6 and a.get("gates") == "bf16" for a in rules)
+    assert "l2_norm" not in templates
 
 
 def test_latency_config_is_the_full_model(tmp_path):

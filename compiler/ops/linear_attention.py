@@ -28,11 +28,13 @@ gated_delta_rule(q[T, Hk, Dk], k[T, Hk, Dk], v[T, Hv, Dv], g[T, Hv], beta[T, Hv]
     any float dtype (Qwen3.5's are f32, as HF's; the kernels compute in fp32 either way). The
     initial S is the sequence's slot of cache `recurrent` [Hv, Dk, Dv] (f32) when it has tokens
     cached before this step, else zeros; the final S is written back.
-    attrs.gates (set by compiler/passes/fuse_delta_gates.py, never by a spec): the op makes its
+    attrs.gates (set by compiler/passes/fuse_delta_rule.py, never by a spec): the op makes its
     own gates from their projections, and inputs g, beta are those raw a, b with two more after
     them, dt_bias[Hv] and A[Hv] (f32):
         g = A * softplus(a + dt_bias)     f32, as the add / softplus / mul chain it replaces
         beta = sigmoid(b)                 rounded to attrs.gates (the sigmoid's output dtype)
+    attrs.qk_norm (compiler/passes/fuse_delta_rule.py too): q and k arrive raw and the op applies
+    l2_norm(x, eps=qk_norm) to each first (f32, as the launches it replaces wrote them).
 
 Slot caches: a sequence with `cached` tokens before the step (ctx.seqs) reads its slot only when
 cached > 0, so a new sequence needs no reset launch. The slot of batch row b is
@@ -171,10 +173,13 @@ def gated_delta_rule_infer(types, attrs):
         expect(t.shape == v.shape[:2], f"gated_delta_rule {name} must be [T, Hv] = {list(v.shape[:2])}, got {t}")
     scale = attrs.get("scale")
     expect(scale is None or scale > 0, f"gated_delta_rule scale must be positive, got {scale}")
+    expect(attrs.get("qk_norm") is None or attrs["qk_norm"] >= 0, f"gated_delta_rule qk_norm (an eps) must be >= 0")
     return [tt(v.shape, v.dtype)]
 
 
-def gated_delta_rule(ctx, q, k, v, g, beta, *gate_weights, scale=None, gates=None, **_):
+def gated_delta_rule(ctx, q, k, v, g, beta, *gate_weights, scale=None, gates=None, qk_norm=None, **_):
+    if qk_norm is not None:             # q, k raw (the l2 norms fuse_delta_norms took)
+        q, k = l2_norm(ctx, q, qk_norm), l2_norm(ctx, k, qk_norm)
     q, k, v = (np.asarray(a, np.float32) for a in (q, k, v))
     g, beta = np.asarray(g, np.float32), np.asarray(beta, np.float32)
     if gates is not None:               # g, beta are the raw a, b (the chain fuse_delta_gates took)

@@ -574,7 +574,7 @@ def test_references_through_the_oracle_context():
         assert np.abs(a - b).max() < 1e-5
 
 
-# the gates made inside the delta rule (compiler/passes/fuse_delta_gates.py): raw a, b as strided
+# the gates made inside the delta rule (compiler/passes/fuse_delta_rule.py): raw a, b as strided
 # views of one projection output, dt_bias and A f32
 def _gate_inputs(gen, T, hv, width=None):
     """a, b (bf16 [T, Hv] views of a [T, width] projection), dt_bias, A, and the row stride."""
@@ -586,14 +586,57 @@ def _gate_inputs(gen, T, hv, width=None):
     return a, b, dt_bias, A, width
 
 
-def _gated_launch(phase, hk, hv, dk, dv, width, tune=None, beta_dtype="bf16"):
-    ins = [("q", ["T", hk, dk], "f32"), ("k", ["T", hk, dk], "f32"), ("v", ["T", hv, dv], "bf16"),
+def _gated_launch(phase, hk, hv, dk, dv, width, tune=None, beta_dtype="bf16", qk_norm=None, qk_width=None):
+    """qk_norm: q, k raw bf16 views of a [T, qk_width] row (the conv's output), normalized inside."""
+    qk = ("f32", {}) if qk_norm is None else ("bf16", {"row_stride": qk_width})
+    ins = [("q", ["T", hk, dk], qk[0], "buffer", qk[1]), ("k", ["T", hk, dk], qk[0], "buffer", qk[1]),
+           ("v", ["T", hv, dv], "bf16"),
            ("a", ["T", hv], "bf16", "buffer", {"row_stride": width}), ("b", ["T", hv], "bf16", "buffer", {"row_stride": width}),
            ("dt_bias", [hv], "f32", "weight"), ("A", [hv], "f32", "weight")]
     caches = {"recurrent": {"kind": "slot", "shape": [hv, dk, dv], "dtype": "f32", "layers": [0]}}
     template = "gated_delta_rule_decode" if phase == "decode" else "gated_delta_rule_chunk"
-    return render(template, "gated_delta_rule", ins, [("o", ["T", hv, dv], "bf16")],
-                  {"gates": beta_dtype, "has_dt_bias": True, "has_A": True}, phase=phase, caches=caches, tune=tune)
+    attrs = {"gates": beta_dtype, "has_dt_bias": True, "has_A": True, **({"qk_norm": qk_norm} if qk_norm else {})}
+    return render(template, "gated_delta_rule", ins, [("o", ["T", hv, dv], "bf16")], attrs, phase=phase,
+                  caches=caches, tune=tune)
+
+
+@pytest.mark.parametrize("phase,tune,specs,slots", [
+    ("prefill", {"BT": 16}, [(0, 37), (0, 5)], [3, 0]),
+    ("mixed", {}, [(0, 70), (12, 1), (3, 9)], [1, 4, 2]),
+    ("decode", None, [(5, 1), (0, 1), (12, 1)], [2, 5, 0]),
+])
+def test_gated_delta_rule_normalizes_its_q_and_k(phase, tune, specs, slots):
+    """q, k raw bf16 strided views (not unit rows, of another scale each), l2-normalized inside the
+    kernel in fp32: the plain rule on the l2_norm reference's rows, and the fused reference is
+    that chain bit for bit."""
+    gen = np.random.default_rng(len(specs) * 11 + len(phase))
+    hk, hv, dk, dv = 2, 4, 24, 20
+    T = sum(n for _, n in specs)
+    width = 2 * hk * dk + 7
+    conv = torch.from_numpy(gen.standard_normal((T, width)).astype(np.float32) * 3).to(torch.bfloat16)
+    q = conv[:, 3:3 + hk * dk].view(T, hk, dk)
+    k = conv[:, 5 + hk * dk:5 + 2 * hk * dk].view(T, hk, dk)
+    _, _, v, _, _ = _rule_inputs(gen, T, hk, hv, dk, dv)
+    a, b, dt_bias, A, gw = _gate_inputs(gen, T, hv)
+    store, ref = poisoned_slots((hv, dk, dv), specs, slots, gen, torch.float32)
+    before = ref.copy()
+    kern = _gated_launch(phase, hk, hv, dk, dv, gw, tune, qk_norm=1e-6, qk_width=width)
+    out = poison((T, hv, dv))
+    run(kern, {"in:0": q, "in:1": k, "in:2": v, "in:3": a, "in:4": b, "in:5": dt_bias, "in:6": A, "out:0": out,
+               "cache:recurrent": store, **meta_bindings(specs, slots)}, {"T": T, "B": len(specs)})
+    rule = REGISTRY["gated_delta_rule"]
+    q_, k_, v_, a_, b_, dt_, A_ = (x.float().numpy() for x in (q, k, v, a, b, dt_bias, A))
+    qn, kn = (REGISTRY["l2_norm"].reference(None, x, eps=1e-6) for x in (q_, k_))
+    g = REGISTRY["mul"].reference(None, REGISTRY["softplus"].reference(None, REGISTRY["add"].reference(None, a_, dt_)), A_)
+    beta = REGISTRY["sigmoid"].reference(None, b_)
+    rounded = torch.from_numpy(beta).to(torch.bfloat16).float().numpy()
+    want = rule.reference(Ctx(specs, slots, {"recurrent": ref}), qn, kn, v_, g, rounded)
+    _check_rule(out.float().numpy(), want, store, ref, specs, slots)
+    chain, fused = before.copy(), before.copy()
+    want_chain = rule.reference(Ctx(specs, slots, {"recurrent": chain}), qn, kn, v_, g, beta)
+    got_fused = rule.reference(Ctx(specs, slots, {"recurrent": fused}), q_, k_, v_, a_, b_, dt_, A_, gates="bf16",
+                               qk_norm=1e-6, has_dt_bias=True, has_A=True)
+    assert np.array_equal(got_fused, want_chain) and np.array_equal(fused, chain, equal_nan=True)
 
 
 @pytest.mark.parametrize("phase,tune,specs,slots", [

@@ -1,15 +1,21 @@
-"""The gated delta rule makes its own gates (Qwen3.5, Qwen3-Next):
+"""The gated delta rule takes in its own launch what Qwen3.5 and Qwen3-Next compute before it:
 
+fuse_delta_gates, its gates:
     beta = sigmoid(b)
     g = mul(softplus(add(a, dt_bias)), A)        a, b: the gate projections' [T, Hv] outputs
     o = gated_delta_rule(q, k, v, g, beta)
  -> o = gated_delta_rule(q, k, v, a, b, dt_bias, A, gates=<beta's dtype>)
-
 Six launches a layer fewer (the sigmoid, the add, the softplus, the mul, and the two copies that
 made a and b contiguous for them: the delta rule's kernels read a and b as the strided views of
 the fused projection they are). The same arithmetic in the same order: g's chain is f32 from the
 add on (dt_bias is f32) and is fused only where it is, and beta is rounded to the sigmoid's
-output dtype inside the kernel, as that launch's store did (compiler/ops/linear_attention.py).
+output dtype inside the kernel, as that launch's store did.
+
+fuse_delta_norms, its q and k norms:
+    o = gated_delta_rule(l2_norm(q, eps), l2_norm(k, eps), ...)     (f32 outputs: never rounded)
+ -> o = gated_delta_rule(q, k, ..., qk_norm=eps)
+Two launches a layer fewer; each row's x * rsqrt(sum(x^2) + eps) as the l2_norm kernel computes it
+(its sum's order is the kernel's own). compiler/ops/linear_attention.py defines both forms.
 """
 from ..ops.activation import ACTIVATIONS, resolve
 from .fuse_ops import _single_user
@@ -63,3 +69,18 @@ def fuse_delta_gates(state):
             for n in (sig, mul, soft, add):
                 g.remove_node(n.id)
             state.note("fuse_delta_gates", f"{g.name}: line {rule.line}")
+
+
+def fuse_delta_norms(state):
+    for g in state.graph.walk():
+        for rule in [n for n in g.ordered() if n.op == "gated_delta_rule" and n.attrs.get("qk_norm") is None]:
+            norms = [g.producer(x) for x in rule.inputs[:2]]
+            if any(n is None or n.op != "l2_norm" or _single_user(g, x) is None or not _f32(g, x)
+                   for n, x in zip(norms, rule.inputs[:2])) or norms[0].attrs["eps"] != norms[1].attrs["eps"]:
+                continue
+            rule.inputs = [norms[0].inputs[0], norms[1].inputs[0]] + rule.inputs[2:]
+            rule.attrs["qk_norm"] = norms[0].attrs["eps"]
+            rule.fused_from = rule.fused_from + ["l2_norm", "l2_norm"]
+            for n in norms:
+                g.remove_node(n.id)
+            state.note("fuse_delta_norms", f"{g.name}: line {rule.line}")

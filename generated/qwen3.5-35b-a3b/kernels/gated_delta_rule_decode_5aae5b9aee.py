@@ -5,7 +5,9 @@
 #   S = S * exp(g);  S = S + k^T (beta (v - k S));  o = (q * scale) S        scale = 0.08838834764831845
 # then S is written back. Grid (B, Hv, cdiv(Dv, BV=32)): a program holds S[:, its BV columns] (BK=128 rows)
 # in registers (the v columns are independent), fp32 math, one rounding of o to bf16.
-# The gates made here from their projections (compiler/passes/fuse_delta_gates.py): g = A[h] * softplus(a + dt_bias[h])
+# q and k arrive raw and are l2-normalized here in fp32: x * rsqrt(sum(x^2) + 1e-06)
+# (compiler/passes/fuse_delta_rule.py; the l2_norm launches it replaces wrote them as f32).
+# The gates made here from their projections (compiler/passes/fuse_delta_rule.py): g = A[h] * softplus(a + dt_bias[h])
 # in fp32, beta = sigmoid(b) rounded to bf16 as the launch it replaces stored it.
 import triton
 import triton.language as tl
@@ -37,8 +39,10 @@ def gated_delta_rule_decode(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, dt_bias_ptr, A
     s_m = km[:, None] & vm[None, :]
     S = tl.load(state + s_off, mask=s_m & ((tl.zeros([BK], tl.int32) + cached) > 0)[:, None], other=0.0)
 
-    q = tl.load(q_ptr + row * Q_STRIDE + hk * DK + kk, mask=km, other=0.0).to(tl.float32) * SCALE
+    q = tl.load(q_ptr + row * Q_STRIDE + hk * DK + kk, mask=km, other=0.0).to(tl.float32)
+    q = q * tl.math.rsqrt(tl.sum(q * q, 0) + 1e-06) * SCALE
     k = tl.load(k_ptr + row * K_STRIDE + hk * DK + kk, mask=km, other=0.0).to(tl.float32)
+    k = k * tl.math.rsqrt(tl.sum(k * k, 0) + 1e-06)
     v = tl.load(v_ptr + row * V_STRIDE + h * DV + vv, mask=vm, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + row * G_STRIDE + h).to(tl.float32)
     beta = tl.load(beta_ptr + row * B_STRIDE + h).to(tl.float32)
@@ -57,8 +61,8 @@ def gated_delta_rule_decode(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, dt_bias_ptr, A
 META = {
     "entry": "gated_delta_rule_decode",
     "params": [
-        ["q_ptr", "*fp32", "in:0"],
-        ["k_ptr", "*fp32", "in:1"],
+        ["q_ptr", "*bf16", "in:0"],
+        ["k_ptr", "*bf16", "in:1"],
         ["v_ptr", "*bf16", "in:2"],
         ["g_ptr", "*bf16", "in:3"],
         ["beta_ptr", "*bf16", "in:4"],
@@ -70,7 +74,7 @@ META = {
         ["state_slots", "*i32", "meta:state_slots"],
     ],
     "constexprs": {"HK": 16, "HV": 32, "DK": 128, "DV": 128, "BK": 128, "BV": 32,
-                   "SCALE": 0.08838834764831845, "Q_STRIDE": 2048, "K_STRIDE": 2048,
+                   "SCALE": 0.08838834764831845, "Q_STRIDE": 8192, "K_STRIDE": 8192,
                    "V_STRIDE": 8192, "G_STRIDE": 12352, "B_STRIDE": 12352, "PDL": True},
     "pdl": True,
     "grid": ["B", 32, 4],

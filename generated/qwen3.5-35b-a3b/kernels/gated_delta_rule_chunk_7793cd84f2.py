@@ -14,10 +14,12 @@
 #   o   = scale (q exp(G)) S0 + scale (q k^T . D) V'    (D with its diagonal)
 #   S   = exp(G_last) S0 + (k exp(G_last - G))^T V'
 # Rows past the sequence's end are zeros (k = v = beta = g = 0): they change nothing.
-# The gates made here from their projections (compiler/passes/fuse_delta_gates.py): g = A[h] * softplus(a + dt_bias[h])
+# q and k arrive raw and are l2-normalized here, a row at a time in fp32: x * rsqrt(sum(x^2) + 1e-06)
+# (compiler/passes/fuse_delta_rule.py; the l2_norm launches it replaces wrote them as f32).
+# The gates made here from their projections (compiler/passes/fuse_delta_rule.py): g = A[h] * softplus(a + dt_bias[h])
 # in fp32, beta = sigmoid(b) rounded to bf16 as the launch it replaces stored it; zero past the end, as above.
 # Grid (B, Hv, cdiv(Dv, BV=64)): a program carries S [BK=128, BV] in registers across its sequence's chunks
-# (the v columns are independent). k/q dots take q, k as they come (f32, f32);
+# (the v columns are independent). k/q dots take q, k as they come (bf16, bf16);
 # fp32 operand dots use input_precision tf32.
 import triton
 import triton.language as tl
@@ -64,9 +66,10 @@ def gated_delta_rule_chunk(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, dt_bias_ptr, A_
         a = g + dt_bias
         g = tl.where(tm, tl.where(a > 20.0, a, tl.maximum(a, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(a)))) * A, 0.0)
         beta = tl.where(tm, (1.0 / (1.0 + tl.exp(-beta))).to(tl.bfloat16).to(tl.float32), 0.0)
-        if DOT_F32:
-            q = q.to(tl.float32)
-            k = k.to(tl.float32)
+        q = q.to(tl.float32)
+        q = q * tl.math.rsqrt(tl.sum(q * q, 1) + 1e-06)[:, None]
+        k = k.to(tl.float32)
+        k = k * tl.math.rsqrt(tl.sum(k * k, 1) + 1e-06)[:, None]
         G = tl.cumsum(g, 0)
         D = tl.exp(tl.where(causal, G[:, None] - G[None, :], float("-inf")))
         # A^T (At[j, i] = A[i, j]) so that row i of A comes out indexed along axis 0
@@ -97,8 +100,8 @@ def gated_delta_rule_chunk(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, dt_bias_ptr, A_
 META = {
     "entry": "gated_delta_rule_chunk",
     "params": [
-        ["q_ptr", "*fp32", "in:0"],
-        ["k_ptr", "*fp32", "in:1"],
+        ["q_ptr", "*bf16", "in:0"],
+        ["k_ptr", "*bf16", "in:1"],
         ["v_ptr", "*bf16", "in:2"],
         ["g_ptr", "*bf16", "in:3"],
         ["beta_ptr", "*bf16", "in:4"],
@@ -113,7 +116,7 @@ META = {
         ["B", "i32", "dim:B"],
     ],
     "constexprs": {"HK": 16, "HV": 32, "DK": 128, "DV": 128, "BK": 128, "BV": 64,
-                   "BT": 64, "SCALE": 0.08838834764831845, "Q_STRIDE": 2048, "K_STRIDE": 2048,
+                   "BT": 64, "SCALE": 0.08838834764831845, "Q_STRIDE": 8192, "K_STRIDE": 8192,
                    "V_STRIDE": 8192, "G_STRIDE": 12352, "B_STRIDE": 12352, "DOT_F32": False},
     "grid": ["B", 32, 2],
     "num_warps": 8,
