@@ -179,6 +179,10 @@ NARROW_TOKENS_MAX = 8
 # own (the MoE layers' attention norm then merges too); False keeps the older plans (an A/B switch
 # for tests/gpu/build_variants.py's "_config")
 NARROW_MERGE_FREES_RESIDUALS = True
+# Gated DeltaNet's delta rule makes its own gates and q / k norms in its launch (compiler/passes/
+# fuse_delta_rule.py: 8 launches fewer a linear-attention layer, 192 a Qwen3.5-4B decode step);
+# False builds the older plans (an A/B switch for tests/gpu/build_variants.py's "_config")
+FUSE_DELTA_RULE = True
 # 4-bit quantized experts dequantized once a step (compiler/passes/upcast_experts.py). GPT-OSS-20B's
 # 1024/1024 x 256 went 6,644 -> 7,505 tok/s with it on an H100 (one commit, both builds: the mixed
 # steps 16.5 -> 7.7 s, the decode steps unchanged), and 8,426 -> 9,841 on an H200 (bench/NOTES.md,

@@ -519,3 +519,15 @@ def test_cuda_runner_pads_state_slots_with_the_spare_slot(fake_driver, models):
     r.meta.pop("state_slots")                           # a plan without it gets none
     assert "state_slots" not in r._metadata(meta, 2, 2)
     assert caches.has_slots(plan["caches"]) and r.num_slots == 8
+
+
+def test_fuse_delta_rule_off_builds_the_chain(models, monkeypatch):
+    """infc/config.py FUSE_DELTA_RULE = False (the A/B's other side): the gates' and norms' launches
+    are back, and the delta rule takes g and beta made."""
+    import infc.config
+    monkeypatch.setattr(infc.config, "FUSE_DELTA_RULE", False)
+    _, plan = compile_model(model_dir=str(models["causal"][0]))
+    ops = [ln["op"] for ln, _ in _launches(plan["programs"]["decode"])]
+    assert {"l2_norm", "softplus", "sigmoid"} <= set(ops)
+    rule = next(ln for ln, _ in _launches(plan["programs"]["decode"]) if ln["op"] == "gated_delta_rule")
+    assert len(rule["inputs"]) == 5 and "gates" not in rule["attrs"] and "qk_norm" not in rule["attrs"]

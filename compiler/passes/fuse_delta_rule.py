@@ -40,7 +40,14 @@ def _f32(g, value: str) -> bool:
     return t is not None and t.dtype == "f32"
 
 
+def _on() -> bool:
+    from infc.config import FUSE_DELTA_RULE
+    return FUSE_DELTA_RULE
+
+
 def fuse_delta_gates(state):
+    if not _on():
+        return
     for g in state.graph.walk():
         for rule in [n for n in g.ordered() if n.op == "gated_delta_rule" and n.attrs.get("gates") is None]:
             gv, bv = rule.inputs[3], rule.inputs[4]
@@ -72,6 +79,8 @@ def fuse_delta_gates(state):
 
 
 def fuse_delta_norms(state):
+    if not _on():
+        return
     for g in state.graph.walk():
         for rule in [n for n in g.ordered() if n.op == "gated_delta_rule" and n.attrs.get("qk_norm") is None]:
             norms = [g.producer(x) for x in rule.inputs[:2]]
