@@ -1,4 +1,7 @@
-"""qk_norm_rope_cache(qkv[T, (Hq + 2 Hkv) D], [q_norm[D]], [k_norm[D]]) -> (q[T, Hq, D], cache).
+"""qk_norm_rope_cache(qkv[T, W], [q_norm[D]], [k_norm[D]]) -> (q[T, Hq, D], cache).
+
+qkv's first (Hq + 2 Hkv) D columns are [q | k | v]; a wider row (W more) holds other columns of
+the same fused projection after them (Qwen3.5's output gate), which this op does not read.
 
 The fused attention prologue (made by fuse_qk_norm_rope_cache from split -> view -> [rms_norm]
 -> rope of q and k, view of v, and kv_write): for each token t at position p with slot s,
@@ -18,7 +21,8 @@ from .rope import rotate
 def infer(types, attrs):
     qkv = types[0]
     hq, hkv, d = attrs["q_heads"], attrs["kv_heads"], attrs["head_dim"]
-    expect(qkv.shape[-1] == (hq + 2 * hkv) * d, f"qkv width {qkv.shape[-1]} != (Hq + 2 Hkv) D")
+    expect(isinstance(qkv.shape[-1], int) and qkv.shape[-1] >= (hq + 2 * hkv) * d,
+           f"qkv width {qkv.shape[-1]} < (Hq + 2 Hkv) D")
     check_rope(d, attrs)
     return [tt((qkv.shape[0], hq, d), qkv.dtype), None]
 
@@ -28,7 +32,7 @@ def reference(ctx, qkv, *norms, q_heads, kv_heads, head_dim, eps, theta, scaling
     T, d = qkv.shape[0], head_dim
     q = qkv[:, : q_heads * d].reshape(T, q_heads, d)
     k = qkv[:, q_heads * d: (q_heads + kv_heads) * d].reshape(T, kv_heads, d)
-    v = qkv[:, (q_heads + kv_heads) * d:].reshape(T, kv_heads, d)
+    v = qkv[:, (q_heads + kv_heads) * d:(q_heads + 2 * kv_heads) * d].reshape(T, kv_heads, d)
     norms = list(norms)
     if q_norm:
         q = rms(q, norms.pop(0), eps)

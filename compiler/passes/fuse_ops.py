@@ -67,7 +67,8 @@ def _trace(g, value, ops):
 
 def fuse_qk_norm_rope_cache(state):
     """q/k: split -> view -> [rms_norm] -> rope, v: split -> view, into kv_write + attention_cached:
-    becomes qk_norm_rope_cache(qkv) writing the KV cache, then attention_cached."""
+    becomes qk_norm_rope_cache(qkv) writing the KV cache, then attention_cached. The split's first
+    three parts are q, k, v; a part after them (an output gate) stays the split's, read by others."""
     fused_attrs = REGISTRY["qk_norm_rope_cache"].attrs
     for g in state.graph.walk():
         for kvw in [n for n in g.ordered() if n.op == "kv_write"]:
@@ -82,7 +83,7 @@ def fuse_qk_norm_rope_cache(state):
                     or "view" not in vn or not all(has_weight(n["rms_norm"]) for n in (qn, kn) if "rms_norm" in n):
                 continue
             split = g.producer(q_src)
-            if split is None or split.op != "split" or split.outputs != [q_src, k_src, v_src]:
+            if split is None or split.op != "split" or split.outputs[:3] != [q_src, k_src, v_src]:
                 continue
             rq, rk = qn["rope"], kn["rope"]
             if rq.attrs != rk.attrs or any(a not in fused_attrs and val is not None
@@ -112,7 +113,8 @@ def fuse_qk_norm_rope_cache(state):
             for nodes in (qn, kn, vn):
                 for n in nodes.values():
                     g.remove_node(n.id)
-            g.remove_node(split.id)
+            if all(g.uses(o) == 0 and o not in g.outputs for o in split.outputs):
+                g.remove_node(split.id)
             state.note("fuse_qk_norm_rope_cache", f"{g.name}: line {att.line} "
                                                   f"({'with' if norms else 'without'} q/k norm)")
 

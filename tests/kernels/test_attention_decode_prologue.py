@@ -32,7 +32,8 @@ CASES = [
 
 
 @pytest.mark.parametrize("hq,hkv,d,lens,qk,tune,extra", CASES)
-def test_merged_attention_decode(hq, hkv, d, lens, qk, tune, extra):
+def test_merged_attention_decode(hq, hkv, d, lens, qk, tune, extra, gate=0):
+    """gate: columns after [q | k | v] in each row (Qwen3.5's output gate), never read."""
     gen = np.random.default_rng(hq * 31 + d + len(lens))
     B = len(lens)
     qk_attrs = {"q_heads": hq, "kv_heads": hkv, "head_dim": d, "eps": 1e-6,
@@ -50,11 +51,12 @@ def test_merged_attention_decode(hq, hkv, d, lens, qk, tune, extra):
     for s in slots:                           # the new token's key and value: the launch writes them
         page.k_cache.view(-1, hkv, d)[s] = float("nan")
         page.v_cache.view(-1, hkv, d)[s] = float("nan")
-    qkv = rand((B, (hq + 2 * hkv) * d), gen=gen, scale=3.0)
+    qkv = rand((B, (hq + 2 * hkv) * d + gate), gen=gen, scale=3.0)
+    qkv[:, (hq + 2 * hkv) * d:] = float("nan")
     norms = [(1 + 0.3 * rand((d,), gen=gen).float()).to(torch.bfloat16) for _ in range(qk["q_norm"] + qk["k_norm"])]
     meta = {"meta:positions": torch.tensor([L - 1 for L in lens], dtype=torch.int32),
             "meta:slot_mapping": torch.tensor(slots, dtype=torch.int32)}
-    qk_in = [("qkv", ["T", (hq + 2 * hkv) * d], "bf16")]
+    qk_in = [("qkv", ["T", (hq + 2 * hkv) * d + gate], "bf16")]
     qk_in += [("q_norm", [d], "bf16", "weight")] * qk["q_norm"] + [("k_norm", [d], "bf16", "weight")] * qk["k_norm"]
     norm_b = {f"in:{i + 1}": w for i, w in enumerate(norms)}
     dims = {"T": B, "B": B}
@@ -95,6 +97,13 @@ def test_merged_attention_decode(hq, hkv, d, lens, qk, tune, extra):
                                                           **qk_attrs)
     want = REGISTRY["attention_cached"].reference(ctx, want_q, None, *[t.numpy() for t in sinks], **attn_attrs)
     assert rel_err(o.float().numpy(), want) <= TOL
+
+
+@pytest.mark.parametrize("case", [0, 2])
+def test_merged_attention_decode_reads_q_k_v_of_a_wider_row(case):
+    """The merged prologue on rows of [q | k | v | gate] (Qwen3.5): the same as on [q | k | v]."""
+    hq, hkv, d, lens, qk, tune, extra = CASES[case]
+    test_merged_attention_decode(hq, hkv, d, lens, qk, tune, extra, gate=hq * d)
 
 
 def test_the_merged_attention_needs_a_narrow_step():

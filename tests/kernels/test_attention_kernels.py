@@ -267,12 +267,15 @@ def _slots(gen, starts_lens, n_pages):
      [(5, 6), (3000, 2)]),                                                    # R from the scaling dict
     (2, 1, 128, False, False, YARN_MSCALE, 80, {"BLOCK_H": 2}, [(0, 4), (100000, 1)]),   # no norms, R < D
 ])
-def test_qk_norm_rope_cache(hq, hkv, d, q_norm, k_norm, scaling, rot, tune, seqs):
+def test_qk_norm_rope_cache(hq, hkv, d, q_norm, k_norm, scaling, rot, tune, seqs, extra=0):
+    """extra: columns after [q | k | v] in each row (another part of the fused projection, Qwen3.5's
+    output gate), never read."""
     gen = np.random.default_rng(hq * 100 + d)
     theta = 500000.0 if scaling else 1000000
     attrs = {"q_heads": hq, "kv_heads": hkv, "head_dim": d, "eps": 1e-6, "theta": theta, "scaling": scaling,
              "rotary_dim": rot, "q_norm": q_norm, "k_norm": k_norm}
-    inputs = [("qkv", ["T", (hq + 2 * hkv) * d], "bf16")]
+    W = (hq + 2 * hkv) * d + extra
+    inputs = [("qkv", ["T", W], "bf16")]
     inputs += [("q_norm", [d], "bf16", "weight")] * q_norm + [("k_norm", [d], "bf16", "weight")] * k_norm
     k = render("qk_norm_rope_cache", "qk_norm_rope_cache", inputs,
                [("q", ["T", hq, d], "bf16"), ("cache", [], "", "cache")], attrs=attrs,
@@ -280,7 +283,8 @@ def test_qk_norm_rope_cache(hq, hkv, d, q_norm, k_norm, scaling, rot, tune, seqs
     # one extra padding row (slot -1) after the sequences: it must not touch the cache
     T = sum(n for _, n in seqs) + 1
     GUARD = 5          # rows past T in every per-token buffer: a program must not touch them
-    qkv = rand((T + GUARD, (hq + 2 * hkv) * d), gen=gen, scale=3.0)
+    qkv = rand((T + GUARD, W), gen=gen, scale=3.0)
+    qkv[:, (hq + 2 * hkv) * d:] = float("nan")                   # the columns it must not read
     norms = [1 + 0.3 * rand((d,), gen=gen).float() for _ in range(q_norm + k_norm)]
     norms = [w.to(torch.bfloat16) for w in norms]
     n_pages = sum(cdiv(n, PS) + 1 for _, n in seqs) + 4
@@ -317,6 +321,16 @@ def test_qk_norm_rope_cache(hq, hkv, d, q_norm, k_norm, scaling, rot, tune, seqs
     if r < d and not q_norm:                                     # pass-through dims: copied exactly
         src = qkv[:, :hq * d].reshape(T, hq, d)[..., int(r):]
         assert torch.equal(q[..., int(r):], src)
+
+
+@pytest.mark.parametrize("hq,hkv,d,q_norm,k_norm,scaling,rot,tune,seqs", [
+    (4, 2, 64, True, True, None, 16, {"BLOCK_H": 2, "BLOCK_T": 4}, [(0, 17), (4090, 12)]),   # Qwen3.5-like
+    (2, 1, 128, False, False, YARN_MSCALE, 80, {"BLOCK_H": 2}, [(0, 4), (100000, 1)]),
+])
+def test_qk_norm_rope_cache_reads_q_k_v_of_a_wider_row(hq, hkv, d, q_norm, k_norm, scaling, rot, tune, seqs):
+    """A row of [q | k | v | gate] (Qwen3.5's fused projection): q, k, v as from [q | k | v] alone,
+    the gate's columns (NaN here) never read."""
+    test_qk_norm_rope_cache(hq, hkv, d, q_norm, k_norm, scaling, rot, tune, seqs, extra=hq * d)
 
 
 @pytest.mark.parametrize("wdtype", ["bf16", "f32"])
