@@ -269,13 +269,13 @@ def test_build_variant_no_compile(tmp_path):
     assert all(plain["buffers"][ln["outputs"][0]]["dtype"] == "f32" for ln in chain)
 
 
-@pytest.mark.parametrize("off,fewer", [(("fuse_delta_gates",), 6), (("fuse_delta_norms",), 2),
-                                       (("fuse_delta_gates", "fuse_delta_norms"), 8)])
+@pytest.mark.parametrize("off,fewer", [(("fuse_delta_gates",), 5), (("fuse_delta_norms",), 2),
+                                       (("fuse_delta_gates", "fuse_delta_norms"), 7)])
 def test_inputs_made_in_the_delta_rule_change_no_logit(models, monkeypatch, off, fewer):
     """fuse_delta_gates (the sigmoid, add, softplus and mul in the delta rule's launch) and
     fuse_delta_norms (q and k's l2 norms there too): the reference gives the same logits, bit for
-    bit, as the same build without them, in prefill and decode; 6 and 2 launches fewer in a
-    linear-attention layer."""
+    bit, as the same build without them, in prefill and decode; 5 (the sigmoid, the add, the
+    softplus, the mul, and the copy the add needs) and 2 launches fewer in a linear-attention layer."""
     from infc.compiler import pipeline
     d = models["causal"][0]
     fused = plan_and_weights(d)

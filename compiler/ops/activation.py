@@ -94,7 +94,7 @@ def _one(types, attrs):
 
 for _name, _fn in ACTIVATIONS.items():
     op(name=_name, tensors=["x"], infer=_one, reference=lambda ctx, x, _f=_fn: _f(x),
-       templates={"triton": "act"}, doc=f"{_name} activation, elementwise")
+       templates={"triton": "act"}, strided=True, doc=f"{_name} activation, elementwise")
 
 
 def clamp(x, min=None, max=None):
@@ -114,7 +114,7 @@ def _clamp_infer(types, attrs):
 
 # clamp(x, min, max): GPT-OSS's limits, Gemma's soft caps' hard cousins, any family's bounds
 op(name="clamp", tensors=["x"], attrs={"min": None, "max": None}, infer=_clamp_infer,
-   reference=lambda ctx, x, min=None, max=None: clamp(x, min, max), templates={"triton": "act"},
+   reference=lambda ctx, x, min=None, max=None: clamp(x, min, max), templates={"triton": "act"}, strided=True,
    doc="torch.clamp(x, min, max), elementwise")
 
 
@@ -136,7 +136,7 @@ def _threshold_infer(types, attrs):
 # `threshold` weigh `value` (0: a threshold-masked router from moe_route's all-expert scores)
 op(name="threshold", tensors=["x"], attrs={"threshold": REQUIRED, "value": REQUIRED}, infer=_threshold_infer,
    reference=_threshold,
-   templates={"triton": "act"}, doc="F.threshold(x, threshold, value), elementwise")
+   templates={"triton": "act"}, strided=True, doc="F.threshold(x, threshold, value), elementwise")
 
 
 def _act_infer(types, attrs):
@@ -149,7 +149,7 @@ def _act_infer(types, attrs):
 
 # act(x, fn): the activation a config names (fn = hidden_act); lowered to the named op.
 op(name="act", tensors=["x"], attrs={"fn": REQUIRED}, infer=_act_infer,
-   reference=lambda ctx, x, fn: ACTIVATIONS[resolve(fn)](x), templates={"triton": "act"},
+   reference=lambda ctx, x, fn: ACTIVATIONS[resolve(fn)](x), templates={"triton": "act"}, strided=True,
    doc="the activation named by fn (an HF hidden_act string)")
 
 

@@ -5,9 +5,9 @@ fuse_delta_gates, its gates:
     g = mul(softplus(add(a, dt_bias)), A)        a, b: the gate projections' [T, Hv] outputs
     o = gated_delta_rule(q, k, v, g, beta)
  -> o = gated_delta_rule(q, k, v, a, b, dt_bias, A, gates=<beta's dtype>)
-Six launches a layer fewer (the sigmoid, the add, the softplus, the mul, and the two copies that
-made a and b contiguous for them: the delta rule's kernels read a and b as the strided views of
-the fused projection they are). The same arithmetic in the same order: g's chain is f32 from the
+Five launches a layer fewer (the sigmoid, the add, the softplus, the mul, and the copy that made
+a contiguous for the add: the delta rule's kernels read a and b as the strided views of the fused
+projection they are). The same arithmetic in the same order: g's chain is f32 from the
 add on (dt_bias is f32) and is fused only where it is, and beta is rounded to the sigmoid's
 output dtype inside the kernel, as that launch's store did.
 

@@ -101,6 +101,24 @@ def test_activation(fn, shape, lead, out_dtype, block):
     check(out, REGISTRY[fn].reference(None, x.float().numpy()), out_dtype)
 
 
+@pytest.mark.parametrize("fn,shape,width,block", [("sigmoid", (5, 97), 301, None), ("gelu_tanh", (3, 1000), 1020, 512),
+                                               ("silu", (7, 2, 48), 200, 64)])
+def test_activation_of_a_column_slice(fn, shape, width, block):
+    """x a column slice of wider rows (a split part of a fused projection, row_stride = width): the
+    kernel reads it in place (no copy before it); the columns around it (NaN) are never read."""
+    gen = np.random.default_rng(width)
+    row = int(np.prod(shape[1:]))
+    wide = poison((shape[0], width), "bf16")
+    wide[:, 11:11 + row] = rand((shape[0], row), scale=3.0, gen=gen)
+    s = sym(shape, "T")
+    k = render("act", fn, [("x", s, "bf16", "buffer", {"row_stride": width})], [("y", s, "bf16")],
+               tune={"BLOCK": block} if block else None)
+    out = poison(shape, "bf16")
+    run(k, {"in:0": wide[:, 11:], "out:0": out}, {"T": shape[0]})
+    want = REGISTRY[fn].reference(None, wide[:, 11:11 + row].float().numpy().reshape(shape))
+    check(out, want, "bf16")
+
+
 @pytest.mark.parametrize("hf", sorted(HF_NAMES))
 def test_act_hf_spellings(hf):
     gen = np.random.default_rng(len(hf))

@@ -1,6 +1,6 @@
-# sigmoid elementwise over [T, 4096]: out = (1.0 / (1.0 + tl.exp(-x)))
+# sigmoid elementwise over [T, 1]: out = (1.0 / (1.0 + tl.exp(-x)))
 # fp32 math, one rounding to bf16. One program per BLOCK elements of the flattened
-# tensor; int64 offsets.
+# tensor; int64 offsets. x's rows are 257 elements apart (a column slice).
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -15,7 +15,7 @@ def sigmoid(x_ptr, out_ptr, T, ROW: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.c
     n = T.to(tl.int64) * ROW
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    x = tl.load(x_ptr + offs, mask=mask).to(tl.float32)
+    x = tl.load(x_ptr + (offs // ROW) * 257 + offs % ROW, mask=mask).to(tl.float32)
     tl.store(out_ptr + offs, (1.0 / (1.0 + tl.exp(-x))).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -23,9 +23,9 @@ META = {
     "entry": "sigmoid",
     "params": [["x_ptr", "*bf16", "in:0"],
                ["out_ptr", "*bf16", "out:0"], ["T", "i32", "dim:T"]],
-    "constexprs": {"ROW": 4096, "BLOCK": 1024, "PDL": True},
+    "constexprs": {"ROW": 1, "BLOCK": 1024, "PDL": True},
     "pdl": True,
-    "grid": ["cdiv(T * 4096, 1024)", 1, 1],
+    "grid": ["cdiv(T * 1, 1024)", 1, 1],
     "num_warps": 4,
     "num_stages": 1,
 }

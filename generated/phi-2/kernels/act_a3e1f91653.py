@@ -1,6 +1,6 @@
 # gelu_tanh elementwise over [T, 10240]: out = (0.5 * x * (1.0 + _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))))
 # fp32 math, one rounding to bf16. One program per BLOCK elements of the flattened
-# tensor; int64 offsets.
+# tensor; int64 offsets. x's rows are 17920 elements apart (a column slice).
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -27,7 +27,7 @@ def gelu_tanh(x_ptr, out_ptr, T, ROW: tl.constexpr, BLOCK: tl.constexpr, PDL: tl
     n = T.to(tl.int64) * ROW
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    x = tl.load(x_ptr + offs, mask=mask).to(tl.float32)
+    x = tl.load(x_ptr + (offs // ROW) * 17920 + offs % ROW, mask=mask).to(tl.float32)
     tl.store(out_ptr + offs, (0.5 * x * (1.0 + _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))).to(out_ptr.dtype.element_ty), mask=mask)
 
 
