@@ -173,7 +173,8 @@ def gated_delta_rule_infer(types, attrs):
         expect(t.shape == v.shape[:2], f"gated_delta_rule {name} must be [T, Hv] = {list(v.shape[:2])}, got {t}")
     scale = attrs.get("scale")
     expect(scale is None or scale > 0, f"gated_delta_rule scale must be positive, got {scale}")
-    expect(attrs.get("qk_norm") is None or attrs["qk_norm"] >= 0, f"gated_delta_rule qk_norm (an eps) must be >= 0")
+    expect(attrs.get("qk_norm") is None or attrs["qk_norm"] >= 0,
+           f"gated_delta_rule qk_norm (an eps) must be >= 0, got {attrs.get('qk_norm')}")
     return [tt(v.shape, v.dtype)]
 
 

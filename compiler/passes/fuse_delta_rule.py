@@ -17,16 +17,7 @@ fuse_delta_norms, its q and k norms:
 Two launches a layer fewer; each row's x * rsqrt(sum(x^2) + eps) as the l2_norm kernel computes it
 (its sum's order is the kernel's own). compiler/ops/linear_attention.py defines both forms.
 """
-from ..ops.activation import ACTIVATIONS, resolve
-from .fuse_ops import _single_user
-
-
-def _fn(node) -> str | None:
-    if node is None:
-        return None
-    if node.op in ACTIVATIONS:
-        return node.op
-    return resolve(node.attrs["fn"]) if node.op == "act" else None
+from .fuse_ops import _activation, _single_user
 
 
 def _gate_weight(g, name: str, heads) -> bool:
@@ -53,13 +44,13 @@ def fuse_delta_gates(state):
             gv, bv = rule.inputs[3], rule.inputs[4]
             heads = tuple(g.values[rule.inputs[2]].type.shape[1:2])
             sig = g.producer(bv)
-            if _fn(sig) != "sigmoid" or _single_user(g, bv) is None:
+            if _activation(sig) != "sigmoid" or _single_user(g, bv) is None:
                 continue
             mul = g.producer(gv)
             if mul is None or mul.op != "mul" or _single_user(g, gv) is None or not _f32(g, gv):
                 continue
             sp, A = next(((x, w) for x, w in (mul.inputs, mul.inputs[::-1])
-                          if _fn(g.producer(x)) == "softplus" and _gate_weight(g, w, heads)), (None, None))
+                          if _activation(g.producer(x)) == "softplus" and _gate_weight(g, w, heads)), (None, None))
             if sp is None or _single_user(g, sp) is None or not _f32(g, sp):
                 continue
             soft = g.producer(sp)
