@@ -579,9 +579,9 @@ MIXED_CASES = [
      {"BLOCK_M": 16, "BLOCK_N": 16, "SPLIT_BLOCK_N": 16, "NUM_SPLITS": 4}, {"softcap": 5.0}),
     (2, 1, 128, [(150, 4), (50, 9)], "mixed", {"BLOCK_M": 16, "BLOCK_N": 32, "QMAX": 4, "NUM_SPLITS": 2},
      {"softcap": 50.0, "window": 48, "scale": 0.1}),                                          # Gemma 2-like
-    # many query heads a kv head (G = 48): the short step's default QMAX is 256 // 48 = 5, so the
-    # 16- and 9-token suffixes take the flash role and the 5- and 3-token ones the split role
-    (48, 1, 32, [(120, 16), (40, 5), (0, 9), (70, 3)], "short", {"BLOCK_M": 64, "BLOCK_N": 16, "SPLIT_BLOCK_N": 16}, {}),
+    # many query heads a kv head (G = 48, D = 64): the short step's default QMAX is 512 // 48 = 10,
+    # so the 16- and 11-token suffixes take the flash role and the 9- and 3-token ones the split role
+    (48, 1, 64, [(120, 16), (40, 9), (0, 11), (70, 3)], "short", {"BLOCK_M": 64, "BLOCK_N": 16, "SPLIT_BLOCK_N": 16}, {}),
     # whole prompts beside a few decodes (a saturated server's step): more flash programs than
     # split ones, each split role program one whole sequence
     (8, 2, 64, [(0, 61), (130, 1), (20, 45), (77, 1)], "mixed",
@@ -606,15 +606,17 @@ def test_attention_mixed(hq, hkv, d, specs, phase, tune, extra):
     assert _attention("attention_mixed", phase, page, hq, d, tune, dims, q_scale=q_scale, **extra) <= TOL
 
 
-def test_a_short_steps_split_role_keeps_its_q_tile_within_256_rows():
-    """QMAX x G rows, padded: Falcon-7B's G = 71 gave 2,048 rows at QMAX 16 (295 KB of shared
-    memory, past an sm_90 SM's 227 KB: its build failed); G <= 16 keeps 16 tokens."""
-    def qmax(hq, hkv):
-        k = render("attention_mixed", "attention_cached", [("q", ["T", hq, 64], "bf16"), ("cache", [], "", "cache")],
-                   [("o", ["T", hq, 64], "bf16")], attrs={"kv_heads": hkv, "scale": None, "window": None,
-                                                          "softcap": None}, phase="short", caches=kv_caches(hkv, 64))
+def test_a_short_steps_split_role_keeps_its_q_tile_within_32k_elements():
+    """QMAX x G rows (padded) of next_pow2(D) columns: Falcon-7B's G = 71 at D = 64 gave 2,048 rows
+    at QMAX 16 (295 KB of shared memory, past an sm_90 SM's 227 KB: its build failed), Qwen3.5-397B's
+    G = 16 at D = 256 262 KB; G x D <= 2,048 keeps 16 tokens."""
+    def qmax(hq, hkv, d):
+        k = render("attention_mixed", "attention_cached", [("q", ["T", hq, d], "bf16"), ("cache", [], "", "cache")],
+                   [("o", ["T", hq, d], "bf16")], attrs={"kv_heads": hkv, "scale": None, "window": None,
+                                                         "softcap": None}, phase="short", caches=kv_caches(hkv, d))
         return int(re.search(r"q_len <= QMAX=(\d+)", k.source).group(1))
-    assert [qmax(32, 8), qmax(32, 2), qmax(64, 4), qmax(71, 1), qmax(128, 1)] == [16, 16, 16, 3, 2]
+    assert [qmax(32, 8, 128), qmax(32, 2, 128), qmax(64, 4, 128), qmax(71, 1, 64), qmax(32, 2, 256),
+            qmax(64, 1, 512)] == [16, 16, 16, 7, 8, 1]
 
 
 # The flash role's K/V by TMA (KV_TMA, on where a tile lies in one page: PS % BLOCK_N == 0) against

@@ -1,26 +1,26 @@
-# attention_prefill: variable-length causal GQA attention over the paged KV cache, Hq=71,
-# Hkv=1 (group G=71), D=64. Sequence b's new tokens are q rows seq_starts[b] ..
+# attention_prefill: variable-length causal GQA attention over the paged KV cache, Hq=32,
+# Hkv=2 (group G=16), D=256. Sequence b's new tokens are q rows seq_starts[b] ..
 # seq_starts[b+1]-1 (q_len of them) and the last q_len of its L = context_lens[b] cached keys, so
 # new token i sits at position P + i, P = L - q_len (a cached prefix, maybe shared, comes first):
 #   s_j = q[t, h] . K[b, j, h // G] * scale
 #   o[t, h] = sum_j softmax_j(s) V[b, j, h // G],  j <= P + i
-# K[b, j] = k_cache[block_tables[b, j // 16], j % 16], scale = 0.125.
-# Flash attention: a program owns BLOCK_M=128 rows = TOK=1 consecutive tokens x the G query
+# K[b, j] = k_cache[block_tables[b, j // 16], j % 16], scale = 0.0625.
+# Flash attention: a program owns BLOCK_M=64 rows = TOK=4 consecutive tokens x the G query
 # heads of one kv head (GQA packing: K/V tiles are loaded once for the group, and a decode token
 # in a mixed step fills G rows, not 1), and streams BLOCK_N=64-key tiles gathered through
 # the block table with an online softmax (exp2 of log2-scaled scores). Tiles entirely below the
 # block's first position need no mask; the rest are masked causally.
 # attention_mixed (the short phase): one launch, two roles. Programs [0, (cdiv(T, TOK) + B) * Hkv)
 # are the flash role above, program p on kv head p % Hkv and block p // Hkv, for the sequences of
-# more than QMAX=3 new tokens only (sequence b has cdiv(q_len_b, TOK) blocks if q_len_b > QMAX,
+# more than QMAX=8 new tokens only (sequence b has cdiv(q_len_b, TOK) blocks if q_len_b > QMAX,
 # else none, numbered after those of sequences < b; surplus programs exit). The split-KV role
 # below (the programs after them) serves the sequences of at most QMAX new tokens.
 import triton
 import triton.language as tl
-# Split-KV role (sequences with q_len <= QMAX=3): one program per (sequence b, kv head, split),
+# Split-KV role (sequences with q_len <= QMAX=8): one program per (sequence b, kv head, split),
 # ns = min(NUM_SPLITS=32, max(1, cdiv(TARGET_CTAS=264, B * Hkv))) splits. Its rows are
 # r = i * G + g for new token i < q_len (position P + i, P = L - q_len) and query head kvh * G + g
-# (QMAX * G = 213 rows, padded to 256 for tl.dot), so the K/V of a split are read once for all of them.
+# (QMAX * G = 128 rows, padded to 128 for tl.dot), so the K/V of a split are read once for all of them.
 # A split takes at least SPLIT_MIN_KEYS=256 keys: below that, its partials and the merge cost more than
 # the keys it saves the others.
 # Split s owns keys [s * kps, (s + 1) * kps), kps = max(ceil(ceil(L / ns) / BLOCK_N) * BLOCK_N, MIN) (MIN =
@@ -36,16 +36,16 @@ import triton.language as tl
 @triton.jit
 def _attend_split(pid, q_ptr, k_cache, v_cache, o_ptr, block_tables, context_lens, seq_starts,
                   max_pages, B, part_o, part_ml, counter, DOT_F32: tl.constexpr):
-    HQ: tl.constexpr = 71
-    HKV: tl.constexpr = 1
-    G: tl.constexpr = 71
-    D: tl.constexpr = 64
-    BLOCK_D: tl.constexpr = 64
+    HQ: tl.constexpr = 32
+    HKV: tl.constexpr = 2
+    G: tl.constexpr = 16
+    D: tl.constexpr = 256
+    BLOCK_D: tl.constexpr = 256
     PS: tl.constexpr = 16
     BLOCK_N: tl.constexpr = 64
-    ROWS: tl.constexpr = 213
-    M: tl.constexpr = 256
-    MM: tl.constexpr = 256
+    ROWS: tl.constexpr = 128
+    M: tl.constexpr = 128
+    MM: tl.constexpr = 128
     CHUNK: tl.constexpr = 2
     ns = tl.minimum(32, tl.maximum(1, tl.cdiv(264, B * HKV)))
     bh = pid // ns
@@ -56,7 +56,7 @@ def _attend_split(pid, q_ptr, k_cache, v_cache, o_ptr, block_tables, context_len
         return
     q_start = tl.load(seq_starts + b)
     q_len = tl.load(seq_starts + b + 1) - q_start
-    if q_len > 3:
+    if q_len > 8:
         return                                                     # the flash role's
     L = tl.load(context_lens + b)
     P = L - q_len
@@ -94,7 +94,7 @@ def _attend_split(pid, q_ptr, k_cache, v_cache, o_ptr, block_tables, context_len
         if DOT_F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        sc = tl.dot(q, tl.trans(k)) * 0.18033688011112042            # log2 units
+        sc = tl.dot(q, tl.trans(k)) * 0.09016844005556021            # log2 units
         seen = jm[None, :] & (jj[None, :] <= qpos[:, None])
         sc = tl.where(seen, sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))
@@ -174,7 +174,7 @@ def attention_mixed(q_ptr, k_cache, v_cache, o_ptr, block_tables, context_lens, 
         bm = bi < B
         lo = tl.load(seq_starts + bi, mask=bm, other=0)
         hi = tl.load(seq_starts + bi + 1, mask=bm, other=0)
-        nblk = tl.where(hi - lo > 3, (hi - lo + TOK - 1) // TOK, 0)
+        nblk = tl.where(hi - lo > 8, (hi - lo + TOK - 1) // TOK, 0)
         before = (tl.cumsum(nblk, 0) + carry <= pid) & bm
         seq += tl.sum(before.to(tl.int32), 0)
         first_blk += tl.sum(tl.where(before, nblk, 0), 0)
@@ -265,14 +265,14 @@ META = {
         ["part_ml", "*fp32", "scratch:partial_ml"],
         ["counter", "*i32", "scratch:counter"],
     ],
-    "constexprs": {"HQ": 71, "HKV": 1, "G": 71, "D": 64, "BLOCK_D": 64,
-                   "PS": 16, "BLOCK_M": 128, "TOK": 1, "BLOCK_N": 64,
-                   "BLOCK_B": 256, "QK_SCALE": 0.18033688011112042,
+    "constexprs": {"HQ": 32, "HKV": 2, "G": 16, "D": 256, "BLOCK_D": 256,
+                   "PS": 16, "BLOCK_M": 64, "TOK": 4, "BLOCK_N": 64,
+                   "BLOCK_B": 256, "QK_SCALE": 0.09016844005556021,
                    "DOT_F32": False},
-    "grid": ["(cdiv(T, 1) + B) * 1 + B * 1 * min(32, max(1, cdiv(264, B * 1)))", 1, 1],
-    "scratch": {"partial_o": "28790784",
-                "partial_ml": "899712",
+    "grid": ["(cdiv(T, 4) + B) * 2 + B * 2 * min(32, max(1, cdiv(264, B * 2)))", 1, 1],
+    "scratch": {"partial_o": "69206016",
+                "partial_ml": "540672",
                 "counter": "1056"},
-    "num_warps": 4,
+    "num_warps": 8,
     "num_stages": 3,
 }

@@ -1,33 +1,30 @@
-# attention_prefill: variable-length causal GQA attention over the paged KV cache, Hq=64,
-# Hkv=1 (group G=64), D=512. Sequence b's new tokens are q rows seq_starts[b] ..
+# attention_prefill: variable-length causal GQA attention over the paged KV cache, Hq=71,
+# Hkv=1 (group G=71), D=64. Sequence b's new tokens are q rows seq_starts[b] ..
 # seq_starts[b+1]-1 (q_len of them) and the last q_len of its L = context_lens[b] cached keys, so
 # new token i sits at position P + i, P = L - q_len (a cached prefix, maybe shared, comes first):
 #   s_j = q[t, h] . K[b, j, h // G] * scale
-#   o[t, h] = sum_j softmax_j(s) V[b, j, h // G],  j <= P + i and P + i - j < window (window = 128, HF's sliding window)
-# K[b, j] = k_cache[block_tables[b, j // 16], j % 16], scale = 0.04419417382415922.
-# Attention sinks: head h's logit sinks[h] joins each row's softmax denominator (no value row).
-# Flash attention: a program owns BLOCK_M=64 rows = TOK=1 consecutive tokens x the G query
+#   o[t, h] = sum_j softmax_j(s) V[b, j, h // G],  j <= P + i
+# K[b, j] = k_cache[block_tables[b, j // 16], j % 16], scale = 0.125.
+# Flash attention: a program owns BLOCK_M=128 rows = TOK=1 consecutive tokens x the G query
 # heads of one kv head (GQA packing: K/V tiles are loaded once for the group, and a decode token
 # in a mixed step fills G rows, not 1), and streams BLOCK_N=64-key tiles gathered through
 # the block table with an online softmax (exp2 of log2-scaled scores). Tiles entirely below the
-# block's first position and at or above its last position's window start need no mask; the
-# tiles before (window) and after (causal) them are masked, and keys below the first position's
-# window start are never read (their tiles are not visited, nor loaded in the first visited one).
+# block's first position need no mask; the rest are masked causally.
 # attention_mixed (the short phase): one launch, two roles. Programs [0, (cdiv(T, TOK) + B) * Hkv)
 # are the flash role above, program p on kv head p % Hkv and block p // Hkv, for the sequences of
-# more than QMAX=4 new tokens only (sequence b has cdiv(q_len_b, TOK) blocks if q_len_b > QMAX,
+# more than QMAX=7 new tokens only (sequence b has cdiv(q_len_b, TOK) blocks if q_len_b > QMAX,
 # else none, numbered after those of sequences < b; surplus programs exit). The split-KV role
 # below (the programs after them) serves the sequences of at most QMAX new tokens.
 import triton
 import triton.language as tl
-# Split-KV role (sequences with q_len <= QMAX=4): one program per (sequence b, kv head, split),
+# Split-KV role (sequences with q_len <= QMAX=7): one program per (sequence b, kv head, split),
 # ns = min(NUM_SPLITS=32, max(1, cdiv(TARGET_CTAS=264, B * Hkv))) splits. Its rows are
 # r = i * G + g for new token i < q_len (position P + i, P = L - q_len) and query head kvh * G + g
-# (QMAX * G = 256 rows, padded to 256 for tl.dot), so the K/V of a split are read once for all of them.
+# (QMAX * G = 497 rows, padded to 512 for tl.dot), so the K/V of a split are read once for all of them.
 # A split takes at least SPLIT_MIN_KEYS=256 keys: below that, its partials and the merge cost more than
 # the keys it saves the others.
-# Keys from lo0 = floor(lo / BLOCK_N) * BLOCK_N, lo = max(P - WINDOW + 1, 0) (the first row's window
-# start); split s owns lo0 + [s * kps, (s + 1) * kps); row r sees P + i - WINDOW < j <= P + i.
+# Split s owns keys [s * kps, (s + 1) * kps), kps = max(ceil(ceil(L / ns) / BLOCK_N) * BLOCK_N, MIN) (MIN =
+# SPLIT_MIN_KEYS rounded up to BLOCK_N); only the cdiv(L, kps) non-empty splits run; row r sees keys j <= P + i.
 # Each split runs the online softmax; with more than one non-empty split, the partial (acc, m, l)
 # go to scratch and the split that arrives last merges them (attention_decode's protocol: a CTA
 # barrier, one acq_rel atomic on the (b, kv head) counter, .cg loads, counter back to 0):
@@ -38,17 +35,17 @@ import triton.language as tl
 
 @triton.jit
 def _attend_split(pid, q_ptr, k_cache, v_cache, o_ptr, block_tables, context_lens, seq_starts,
-                  max_pages, B, part_o, part_ml, counter, sinks_ptr, DOT_F32: tl.constexpr):
-    HQ: tl.constexpr = 64
+                  max_pages, B, part_o, part_ml, counter, DOT_F32: tl.constexpr):
+    HQ: tl.constexpr = 71
     HKV: tl.constexpr = 1
-    G: tl.constexpr = 64
-    D: tl.constexpr = 512
-    BLOCK_D: tl.constexpr = 512
+    G: tl.constexpr = 71
+    D: tl.constexpr = 64
+    BLOCK_D: tl.constexpr = 64
     PS: tl.constexpr = 16
     BLOCK_N: tl.constexpr = 64
-    ROWS: tl.constexpr = 256
-    M: tl.constexpr = 256
-    MM: tl.constexpr = 256
+    ROWS: tl.constexpr = 497
+    M: tl.constexpr = 512
+    MM: tl.constexpr = 512
     CHUNK: tl.constexpr = 2
     ns = tl.minimum(32, tl.maximum(1, tl.cdiv(264, B * HKV)))
     bh = pid // ns
@@ -59,12 +56,11 @@ def _attend_split(pid, q_ptr, k_cache, v_cache, o_ptr, block_tables, context_len
         return
     q_start = tl.load(seq_starts + b)
     q_len = tl.load(seq_starts + b + 1) - q_start
-    if q_len > 4:
+    if q_len > 7:
         return                                                     # the flash role's
     L = tl.load(context_lens + b)
     P = L - q_len
-    lo = tl.maximum(P - 128 + 1, 0)
-    lo0 = (lo // BLOCK_N) * BLOCK_N
+    lo0 = 0
     kps = tl.maximum(tl.cdiv(tl.cdiv(L - lo0, ns), BLOCK_N) * BLOCK_N, 256)
     n_act = tl.cdiv(L - lo0, kps)
     if s >= tl.maximum(n_act, 1):
@@ -89,7 +85,7 @@ def _attend_split(pid, q_ptr, k_cache, v_cache, o_ptr, block_tables, context_len
     acc = tl.zeros([M, BLOCK_D], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         jj = n0 + tl.arange(0, BLOCK_N)
-        jm = (jj < end) & (jj >= lo)                               # no row sees a key below lo
+        jm = jj < end
         page = tl.load(bt + jj // PS, mask=jm, other=0).to(tl.int64)
         kv_off = (((page * PS + jj % PS) * HKV + kvh) * D)[:, None] + d[None, :]
         kv_m = jm[:, None] & dm[None, :]
@@ -98,8 +94,8 @@ def _attend_split(pid, q_ptr, k_cache, v_cache, o_ptr, block_tables, context_len
         if DOT_F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        sc = tl.dot(q, tl.trans(k)) * 0.06375871541229934            # log2 units
-        seen = jm[None, :] & (jj[None, :] <= qpos[:, None]) & (jj[None, :] > qpos[:, None] - 128)
+        sc = tl.dot(q, tl.trans(k)) * 0.18033688011112042            # log2 units
+        seen = jm[None, :] & (jj[None, :] <= qpos[:, None])
         sc = tl.where(seen, sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -110,10 +106,6 @@ def _attend_split(pid, q_ptr, k_cache, v_cache, o_ptr, block_tables, context_len
 
     out_m = row_ok[:, None] & dm[None, :]
     if n_act <= 1:
-        sink = tl.load(sinks_ptr + kvh * G + r % G, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
-        m_f = tl.maximum(m_i, sink)
-        l_i = l_i * tl.exp2(m_i - m_f) + tl.exp2(sink - m_f)
-        acc = acc * tl.exp2(m_i - m_f)[:, None]
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(o_ptr + o_rows, out.to(o_ptr.dtype.element_ty), mask=out_m)
     else:
@@ -150,10 +142,6 @@ def _attend_split(pid, q_ptr, k_cache, v_cache, o_ptr, block_tables, context_len
                 l_t = l_t * alpha + tl.sum(l_s * w, 0)
                 acc_t = acc_t * alpha[:, None] + tl.sum(o_s * w[:, :, None], 0)
                 m_t = m_new
-            sink = tl.load(sinks_ptr + kvh * G + rr % G, mask=rk, other=0.0).to(tl.float32) * 1.4426950408889634
-            m_f = tl.maximum(m_t, sink)
-            l_t = l_t * tl.exp2(m_t - m_f) + tl.exp2(sink - m_f)
-            acc_t = acc_t * tl.exp2(m_t - m_f)[:, None]
             merged = acc_t / tl.where(l_t > 0, l_t, 1.0)[:, None]
             out_rows = ((q_start + rr // G).to(tl.int64) * HQ + kvh * G + rr % G)[:, None] * D + d[None, :]
             tl.store(o_ptr + out_rows, merged.to(o_ptr.dtype.element_ty), mask=rk[:, None] & dm[None, :])
@@ -164,17 +152,15 @@ def _attend_split(pid, q_ptr, k_cache, v_cache, o_ptr, block_tables, context_len
 def attention_mixed(q_ptr, k_cache, v_cache, o_ptr, block_tables, context_lens, seq_starts, max_pages,
                       T, B,
                       part_o, part_ml, counter,
-                      sinks_ptr,
                       HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                       BLOCK_D: tl.constexpr, PS: tl.constexpr, BLOCK_M: tl.constexpr, TOK: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, QK_SCALE: tl.constexpr,
-                      WINDOW: tl.constexpr,
                       DOT_F32: tl.constexpr):
     pid = tl.program_id(0)
     n_flash = (tl.cdiv(T, TOK) + B) * HKV
     if pid >= n_flash:
         _attend_split(pid - n_flash, q_ptr, k_cache, v_cache, o_ptr, block_tables, context_lens,
-                      seq_starts, max_pages, B, part_o, part_ml, counter, sinks_ptr, DOT_F32)
+                      seq_starts, max_pages, B, part_o, part_ml, counter, DOT_F32)
         return
     kvh = pid % HKV
     pid = pid // HKV
@@ -188,7 +174,7 @@ def attention_mixed(q_ptr, k_cache, v_cache, o_ptr, block_tables, context_lens, 
         bm = bi < B
         lo = tl.load(seq_starts + bi, mask=bm, other=0)
         hi = tl.load(seq_starts + bi + 1, mask=bm, other=0)
-        nblk = tl.where(hi - lo > 4, (hi - lo + TOK - 1) // TOK, 0)
+        nblk = tl.where(hi - lo > 7, (hi - lo + TOK - 1) // TOK, 0)
         before = (tl.cumsum(nblk, 0) + carry <= pid) & bm
         seq += tl.sum(before.to(tl.int32), 0)
         first_blk += tl.sum(tl.where(before, nblk, 0), 0)
@@ -219,36 +205,10 @@ def attention_mixed(q_ptr, k_cache, v_cache, o_ptr, block_tables, context_lens, 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # positions of the block's rows: [prefix + t0, kv_end - 1]. Keys every row sees: [kv_end - WINDOW,
-    # prefix + t0] (unmasked tiles [mid_lo, full_end)); below, back to the first row's window start
-    # prefix + t0 - WINDOW + 1, and above, up to kv_end - 1, tiles are masked
-    kv_end = prefix + tl.minimum(t0 + TOK, q_len)
+    # keys every row of the block sees: [0, prefix + t0]; the block's last token sees up to kv_end - 1
     full_end = ((prefix + t0 + 1) // BLOCK_N) * BLOCK_N
-    full_lo = tl.cdiv(tl.maximum(kv_end - WINDOW, 0), BLOCK_N) * BLOCK_N
-    mid_lo = tl.minimum(full_lo, full_end)
-    lo = tl.maximum(prefix + t0 - WINDOW + 1, 0)
-    lo_tile = (lo // BLOCK_N) * BLOCK_N
-    for n0 in range(lo_tile, mid_lo, BLOCK_N):
-        jj = n0 + tl.arange(0, BLOCK_N)
-        jm = (jj < kv_end) & (jj >= lo)                              # keys below lo: no row sees them
-        page = tl.load(bt + jj // PS, mask=jm, other=0).to(tl.int64)
-        kv_off = (((page * PS + jj % PS) * HKV + kvh) * D)[:, None] + d[None, :]
-        kv_m = jm[:, None] & dm[None, :]
-        k = tl.load(k_cache + kv_off, mask=kv_m, other=0.0)
-        v = tl.load(v_cache + kv_off, mask=kv_m, other=0.0)
-        if DOT_F32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        sc = tl.dot(q, tl.trans(k)) * QK_SCALE
-        sc = tl.where(jm[None, :] & (jj[None, :] <= qpos[:, None]) & (jj[None, :] > qpos[:, None] - WINDOW),
-                      sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(sc - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    for n0 in range(mid_lo, full_end, BLOCK_N):
+    kv_end = prefix + tl.minimum(t0 + TOK, q_len)
+    for n0 in range(0, full_end, BLOCK_N):
         jj = n0 + tl.arange(0, BLOCK_N)
         page = tl.load(bt + jj // PS).to(tl.int64)
         kv_off = (((page * PS + jj % PS) * HKV + kvh) * D)[:, None] + d[None, :]
@@ -266,7 +226,7 @@ def attention_mixed(q_ptr, k_cache, v_cache, o_ptr, block_tables, context_lens, 
         m_i = m_new
     for n0 in range(full_end, kv_end, BLOCK_N):
         jj = n0 + tl.arange(0, BLOCK_N)
-        jm = (jj < kv_end) & (jj >= lo)                              # keys below lo: no row sees them
+        jm = jj < kv_end
         page = tl.load(bt + jj // PS, mask=jm, other=0).to(tl.int64)
         kv_off = (((page * PS + jj % PS) * HKV + kvh) * D)[:, None] + d[None, :]
         kv_m = jm[:, None] & dm[None, :]
@@ -276,8 +236,7 @@ def attention_mixed(q_ptr, k_cache, v_cache, o_ptr, block_tables, context_lens, 
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         sc = tl.dot(q, tl.trans(k)) * QK_SCALE
-        sc = tl.where(jm[None, :] & (jj[None, :] <= qpos[:, None]) & (jj[None, :] > qpos[:, None] - WINDOW),
-                      sc, float("-inf"))
+        sc = tl.where(jm[None, :] & (jj[None, :] <= qpos[:, None]), sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(sc - m_new[:, None])
@@ -285,10 +244,6 @@ def attention_mixed(q_ptr, k_cache, v_cache, o_ptr, block_tables, context_lens, 
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
-    sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
-    m_f = tl.maximum(m_i, sink)
-    l_i = l_i * tl.exp2(m_i - m_f) + tl.exp2(sink - m_f)
-    acc = acc * tl.exp2(m_i - m_f)[:, None]
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + o_off, out.to(o_ptr.dtype.element_ty), mask=q_m)
 
@@ -309,17 +264,15 @@ META = {
         ["part_o", "*fp32", "scratch:partial_o"],
         ["part_ml", "*fp32", "scratch:partial_ml"],
         ["counter", "*i32", "scratch:counter"],
-        ["sinks_ptr", "*fp32", "in:2"],
     ],
-    "constexprs": {"HQ": 64, "HKV": 1, "G": 64, "D": 512, "BLOCK_D": 512,
-                   "PS": 16, "BLOCK_M": 64, "TOK": 1, "BLOCK_N": 64,
-                   "BLOCK_B": 256, "QK_SCALE": 0.06375871541229934,
-                   "WINDOW": 128,
+    "constexprs": {"HQ": 71, "HKV": 1, "G": 71, "D": 64, "BLOCK_D": 64,
+                   "PS": 16, "BLOCK_M": 128, "TOK": 1, "BLOCK_N": 64,
+                   "BLOCK_B": 256, "QK_SCALE": 0.18033688011112042,
                    "DOT_F32": False},
     "grid": ["(cdiv(T, 1) + B) * 1 + B * 1 * min(32, max(1, cdiv(264, B * 1)))", 1, 1],
-    "scratch": {"partial_o": "276824064",
-                "partial_ml": "1081344",
+    "scratch": {"partial_o": "67178496",
+                "partial_ml": "2099328",
                 "counter": "1056"},
-    "num_warps": 8,
+    "num_warps": 4,
     "num_stages": 3,
 }
