@@ -197,10 +197,7 @@ class FakeCtx:
     def event(self):
         return FakeEvent()
 
-    def sync(self):
-        pass
-
-    def sync_stream(self, stream):
+    def sync(self, stream=None):
         pass
 
     def new_stream(self):

@@ -174,12 +174,9 @@ class Context:
         record, on the device (the host does not wait)."""
         check(cu.cuStreamWaitEvent(self.stream if stream is None else stream, event.ev, 0), "cuStreamWaitEvent")
 
-    def sync(self):
-        check(cu.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
-
-    def sync_stream(self, stream):
-        """The host waits for another stream's work (new_stream's)."""
-        check(cu.cuStreamSynchronize(stream), "cuStreamSynchronize")
+    def sync(self, stream=None):
+        """The host waits for the context's stream's work (or another stream's: new_stream's)."""
+        check(cu.cuStreamSynchronize(self.stream if stream is None else stream), "cuStreamSynchronize")
 
     def pinned(self, nbytes: int, mapped: bool = False) -> np.ndarray:
         """Page-locked host memory; mapped: into the device's address space too, so a kernel can

@@ -356,11 +356,6 @@ class DeviceWeights:
     def _stream(self, ctx, segs, total: int, threads: int, progress: bool, stream=None):
         """The checkpoint's byte runs into two pinned buffers in turn, each copied to the device on
         `stream` (default: the context's) while the other fills."""
-        def sync():
-            if stream is None:
-                ctx.sync()
-            else:
-                ctx.sync_stream(stream)
         starts = [s[0] for s in segs]
         size = min(STAGING, max(total, 1))
         bufs = [ctx.pinned(size), ctx.pinned(size)]
@@ -415,11 +410,11 @@ class DeviceWeights:
                     if progress and sys.stderr.isatty():
                         sys.stderr.write(f"\r  weights {hi / 2**30:6.2f} / {total / 2**30:.2f} GiB "
                                          f"{time.perf_counter() - t0:5.1f} s")
-            sync()
+            ctx.sync(stream)
         finally:
             for f in fds.values():
                 os.close(f)
-            sync()
+            ctx.sync(stream)
             for buf in bufs:
                 ctx.free_pinned(buf)
         if progress and sys.stderr.isatty():
