@@ -155,7 +155,7 @@ def make_app(state: ServerState) -> Starlette:
     async def checked(request: Request, parse):
         """(GenRequest, model, started): the body read here, everything that grows with it on
         the pool. A request without a grammar to compile is admitted and queued to the engine
-        there too, once checked (started: its Generation and admission release), so its first
+        there too, once checked (started: its Generation and finish), so its first
         step runs while the loop sets up the reply; others are started by serve."""
         b = backend()
         raw = await body_of(request)
@@ -175,9 +175,7 @@ def make_app(state: ServerState) -> Starlette:
 
         def dropped(result):
             if result[2] is not None:
-                g, release = result[2]
-                g.close()
-                release()
+                result[2][1]()            # its finish: the engine requests closed, the admission given back
         req, model, started = await off_loop_owned(work, dropped)
         if started is None:
             # compiled in the engine's worker, within its time limit; then found compiled below
@@ -186,8 +184,9 @@ def make_app(state: ServerState) -> Starlette:
         return req, model, started
 
     def start(req: protocol.GenRequest, model: str, loop):
-        """Admit the request (429 past capacity) and queue its engine requests: (Generation, the
-        admission's release). Runs on the loop or the pool."""
+        """Admit the request (429 past capacity) and queue its engine requests: (Generation, its
+        finish: close the engine requests the reply never read, give the admission back; both
+        idempotent). Runs on the loop or the pool."""
         release = admission.admit(state, req)
         g = Generation(state, req, model)
         try:
@@ -197,16 +196,16 @@ def make_app(state: ServerState) -> Starlette:
             if isinstance(e, EngineDeadError):   # died since backend() looked: 503, as there
                 raise engine_error(e) from None
             raise
-        return g, release
+
+        def finish():
+            g.close()
+            release()
+        return g, finish
 
     async def serve(request: Request, req: protocol.GenRequest, model: str, started=None, render=None):
         """render(body) -> the reply's body (/v1/responses: the chat completion as a Response).
-        started: checked's (Generation, release), or None to admit and queue the request here."""
-        g, release = started or start(req, model, asyncio.get_running_loop())
-
-        def done():
-            g.close()                     # its engine requests, if the reply never read them
-            release()
+        started: checked's (Generation, finish), or None to admit and queue the request here."""
+        g, done = started or start(req, model, asyncio.get_running_loop())
         if req.stream:
             return SSEResponse(g.stream(), done)
         try:
