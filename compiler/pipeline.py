@@ -33,6 +33,7 @@ from .passes.select_kernels import select_kernels
 from .passes.shard_ranks import shard_ranks
 from .passes.split_attention import split_attention
 from .passes.split_compression import split_compression
+from .passes.split_delta_rule import split_delta_rule
 from .passes.upcast_experts import upcast_experts
 from .spec import Spec
 from .state import CompileState
@@ -64,6 +65,8 @@ PIPELINE = [
     ("fuse_route_align", fuse_route_align),        # MoE router + token grouping by expert in one launch
     ("fuse_delta_gates", fuse_delta_gates),        # Gated DeltaNet: beta and g made in the delta rule
     ("fuse_delta_norms", fuse_delta_norms),        # ... and its q / k l2 norms
+    ("split_delta_rule", split_delta_rule),        # ... and its chunks' WY form solved all at once,
+                                                   # before the pass over them in order
     ("act_codes", make_act_codes),                 # fp8 linears' activation codes made once, by
                                                    # their producer (or a quantize_act launch)
     ("upcast_experts", upcast_experts),            # quantized experts: a bf16 stack made once a layer
@@ -83,7 +86,7 @@ PIPELINE = [
 FUSIONS = {"fold_shared_experts", "fuse_weights", "rotate_residual", "fuse_add_rms_norm",
            "fuse_qk_norm_rope_cache", "fuse_latent_prologue", "fuse_act_mul", "fuse_lora_act",
            "fuse_linear_epilogue", "fuse_linear_prologue", "fuse_lm_head", "fuse_route_align",
-           "fuse_delta_gates", "fuse_delta_norms", "act_codes", "upcast_experts", "merge_lora", "merge_prologues", "merge_epilogues"}
+           "fuse_delta_gates", "fuse_delta_norms", "split_delta_rule", "act_codes", "upcast_experts", "merge_lora", "merge_prologues", "merge_epilogues"}
 # (merge_prologues rewrites no node; its dropped in-place aliases would come back with the types)
 REWRITES = FUSIONS - {"merge_prologues", "merge_lora", "merge_epilogues"} | {"split_attention", "split_compression", "shard_ranks", "lower_experts",
                                             "quantize_weights", "eliminate_dead", "materialize_views",

@@ -183,6 +183,14 @@ NARROW_MERGE_FREES_RESIDUALS = True
 # fuse_delta_rule.py: 8 launches fewer a linear-attention layer, 192 a Qwen3.5-4B decode step);
 # False builds the older plans (an A/B switch for tests/gpu/build_variants.py's "_config")
 FUSE_DELTA_RULE = True
+# Gated DeltaNet's chunked (prefill / mixed / short) delta rule in two launches
+# (compiler/passes/split_delta_rule.py): every chunk's WY form solved at once (delta_rule_wy), then
+# the pass over the chunks in order with only matrix products left in it; DELTA_CHUNK rows a chunk
+# (16, 32 or 64). Qwen3.5-4B's TTFT on an H100 at 1k / 8k: one launch 42.6 / 329.6 ms, two with
+# chunks of 64 24.5 / 176.9, of 32 21.6 / 158.4 (bench/NOTES.md). False: one launch that solves
+# each chunk on its sequential path (an A/B switch for tests/gpu/build_variants.py's "_config").
+DELTA_WY = True
+DELTA_CHUNK = 32
 # 4-bit quantized experts dequantized once a step (compiler/passes/upcast_experts.py). GPT-OSS-20B's
 # 1024/1024 x 256 went 6,644 -> 7,505 tok/s with it on an H100 (one commit, both builds: the mixed
 # steps 16.5 -> 7.7 s, the decode steps unchanged), and 8,426 -> 9,841 on an H200 (bench/NOTES.md,

@@ -138,7 +138,10 @@ def _check_early_reads(variant: str, plan: dict, metas: dict, checked: dict):
                 elif kind == "cache":
                     # every launch of the layer that writes this cache (lists it as an output)
                     assert launch.get("caches"), (where, name)
-                    writers = [other for other, lay in order if lay == layer and "cache" in other["outputs"]
+                    # a paged cache's writer outputs the `cache` marker; a slot cache (a sequence's
+                    # state) is read and written by every launch that names it
+                    slot = all(plan["caches"][c]["kind"] == "slot" for c in launch["caches"])
+                    writers = [other for other, lay in order if lay == layer and ("cache" in other["outputs"] or slot)
                                and other.get("caches") == launch["caches"]]
                     assert writers == [launch], (where, name, [w["op"] for w in writers])
                 checked[kind] += 1
@@ -147,9 +150,10 @@ def _check_early_reads(variant: str, plan: dict, metas: dict, checked: dict):
 def test_reads_before_the_wait_are_step_invariant():
     """Every launch of a kernel that reads parameters before its wait binds them to what no kernel
     of the step writes before it, in every spec variant's plan: weights (immutable for the whole
-    run), the step's metadata (uploaded before its first kernel), or a KV cache that only this
+    run), the step's metadata (uploaded before its first kernel), or a cache that only this
     launch writes in its layer (the narrow attention with its cache write merged in: it reads the
-    keys of earlier steps before the wait and its own token's after its own barrier)."""
+    keys of earlier steps before the wait and its own token's after its own barrier; the decode
+    delta rule: its sequences' state slots, which it alone reads and writes in its layer)."""
     checked = {"in": 0, "meta": 0, "cache": 0}
     for variant, plan, metas in _generated():
         _check_early_reads(variant, plan, metas, checked)

@@ -42,3 +42,28 @@ def test_family_through_kernels(family, fuse, family_model, tmp_path):
 
     a, b = sequences(VOCAB)                 # b shares a's first page
     through_kernels(plan, run, ref, a, b, bf16_tolerance(hf))
+
+
+
+@pytest.mark.parametrize("wy,chunk", [(True, 16), (False, 32)], ids=["two-launches-chunk16", "one-launch"])
+def test_qwen3_5_delta_rule_forms_through_kernels(wy, chunk, family_model, tmp_path, monkeypatch):
+    """infc/config.py DELTA_WY / DELTA_CHUNK (compiler/passes/split_delta_rule.py): the prefill, mixed
+    and short programs solve the chunks' WY form in delta_rule_wy's launch before each delta rule,
+    which reads it; the decode programs launch no maker of W and U. The default (two launches,
+    chunks of 32) runs in the fused family case above; here chunks of 16, and the one-launch form
+    (DELTA_WY off), through the same protocol."""
+    import infc.config
+    from infc.compiler.contract.program import launches
+    monkeypatch.setattr(infc.config, "DELTA_WY", wy)
+    monkeypatch.setattr(infc.config, "DELTA_CHUNK", chunk)
+    d, hf = family_model("qwen3_5")
+    plan, run, ref = executors(d, tmp_path / "art", True)
+    for phase in plan["programs"]:
+        ops = [ln["op"] for ln, _ in launches(plan["programs"][phase])]
+        rules = [ln for ln, _ in launches(plan["programs"][phase]) if ln["op"] == "gated_delta_rule"]
+        solved = wy and phase in ("prefill", "mixed", "short")
+        assert ops.count("delta_rule_wy") == (len(rules) if solved else 0), phase
+        wys = [ln for ln, _ in launches(plan["programs"][phase]) if ln["op"] == "delta_rule_wy"]
+        assert all(r["inputs"][-2:] == w["outputs"] and w["attrs"]["chunk"] == chunk for r, w in zip(rules, wys))
+    a, b = sequences(VOCAB)
+    through_kernels(plan, run, ref, a, b, bf16_tolerance(hf))

@@ -251,8 +251,16 @@ def test_build_variant_no_compile(tmp_path):
     for phase in ("decode", "prefill", "narrow"):
         rule = next(ln for ln, _ in _launches(plan["programs"][phase]) if ln["op"] == "gated_delta_rule")
         q, k, _, a, b = (plan["buffers"][n]["dtype"] for n in rule["inputs"][:5])
-        assert (q, k, a, b) == ("bf16",) * 4 and rule["inputs"][5:] == ["dt_bias", "A"]
+        assert (q, k, a, b) == ("bf16",) * 4 and rule["inputs"][5:7] == ["dt_bias", "A"]
         assert rule["attrs"]["gates"] == "bf16" and rule["attrs"]["qk_norm"] == 1e-6
+        # ... and in two launches where it runs chunked (compiler/passes/split_delta_rule.py): the
+        # chunks' W, U made first from the same inputs; the decode programs' kernel reads neither
+        wy = [ln for ln, _ in _launches(plan["programs"][phase]) if ln["op"] == "delta_rule_wy"]
+        if phase == "prefill":
+            assert len(wy) == 1 and wy[0]["inputs"] == rule["inputs"][1:7] and rule["inputs"][7:] == wy[0]["outputs"]
+            assert rule["attrs"]["chunk"] == wy[0]["attrs"]["chunk"] == 32
+        else:
+            assert not wy
         assert not [ln["op"] for ln, _ in _launches(plan["programs"][phase])
                     if ln["op"] in ("softplus", "sigmoid", "add", "mul", "copy", "l2_norm")
                     and ln.get("line") == rule.get("line")]
@@ -530,4 +538,24 @@ def test_fuse_delta_rule_off_builds_the_chain(models, monkeypatch):
     ops = [ln["op"] for ln, _ in _launches(plan["programs"]["decode"])]
     assert {"l2_norm", "softplus", "sigmoid"} <= set(ops)
     rule = next(ln for ln, _ in _launches(plan["programs"]["decode"]) if ln["op"] == "gated_delta_rule")
-    assert len(rule["inputs"]) == 5 and "gates" not in rule["attrs"] and "qk_norm" not in rule["attrs"]
+    assert "gates" not in rule["attrs"] and "qk_norm" not in rule["attrs"]
+    assert len(rule["inputs"]) == 5 + 2 and rule["inputs"][5].startswith("wy_w")    # W, U (split_delta_rule)
+
+
+def test_the_executor_skips_the_delta_rules_wy_launch(models, monkeypatch):
+    """delta_rule_wy's outputs are read only by kernels (OpDef.unread): the reference executor's
+    prefill runs no reference of it (the rule's own recomputes what W and U hold), and the logits
+    are those of the plan without the split."""
+    import infc.config
+    from infc.compiler.ops import REGISTRY
+
+    def refused(*a, **kw):
+        raise AssertionError("delta_rule_wy's reference ran in a step")
+    d = models["causal"][0]
+    plan, weights = plan_and_weights(d)
+    assert any(ln["op"] == "delta_rule_wy" for ln, _ in _launches(plan["programs"]["prefill"]))
+    monkeypatch.setattr(REGISTRY["delta_rule_wy"], "reference", refused)
+    got = ReferenceExecutor(plan, weights).step([SeqChunk(0, PROMPT[:30], 0)])[0]
+    monkeypatch.setattr(infc.config, "DELTA_WY", False)
+    _, one = compile_model(model_dir=str(d))
+    assert np.array_equal(got, ReferenceExecutor(one, weights).step([SeqChunk(0, PROMPT[:30], 0)])[0])

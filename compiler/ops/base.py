@@ -67,6 +67,8 @@ class OpDef:
                                            # reference reads ctx.exchange; launched by NCCL
     phases: tuple | None = None            # the programs that launch it (None: every one); in the
                                            # others its output is read by no launch (expert_upcast)
+    unread: bool = False                   # only kernels read its outputs (their ops' references
+                                           # compute what they hold): the executors skip its launch
     doc: str = ""
 
     def template(self, backend: str, phase: str, inherit: bool = True) -> str | None:

@@ -1,7 +1,8 @@
-"""Gated DeltaNet (Qwen3.5's linear-attention layers): four ops, one home.
+"""Gated DeltaNet (Qwen3.5's linear-attention layers): its ops, one home.
 
 Semantics are transformers' modeling_qwen3_5.py (Qwen3_5GatedDeltaNet and the functions it
-calls); tests/kernels/test_linear_attention.py checks each reference against them.
+calls); tests/kernels/test_linear_attention.py checks each reference against them (delta_rule_wy,
+a form of the rule's own, against the rule: tests/kernels/test_delta_rule_wy.py).
 
 l2_norm(x[..., D], eps=1e-6, dtype=None) -> x * rsqrt(sum(x^2) + eps) over the last axis, fp32 math
     (HF's l2norm, which FLA matches; note it is not x / max(||x||, eps)). The output is x's dtype
@@ -35,6 +36,18 @@ gated_delta_rule(q[T, Hk, Dk], k[T, Hk, Dk], v[T, Hv, Dv], g[T, Hv], beta[T, Hv]
         beta = sigmoid(b)                 rounded to attrs.gates (the sigmoid's output dtype)
     attrs.qk_norm (compiler/passes/fuse_delta_rule.py too): q and k arrive raw and the op applies
     l2_norm(x, eps=qk_norm) to each first (f32, as the launches it replaces wrote them).
+    attrs.has_wy_w / has_wy_u and chunk (compiler/passes/split_delta_rule.py): two inputs more,
+    last, W[T, Hv, Dk] and U[T, Hv, Dv] (f32), delta_rule_wy's outputs for the same chunks of
+    `chunk` rows; the chunked kernels read them instead of solving each chunk themselves. The
+    rule's value is the same: the reference ignores them.
+delta_rule_wy(k, v, g, beta[, dt_bias, A], chunk, gates=None, qk_norm=None) -> W[T, Hv, Dk],
+    U[T, Hv, Dv] (f32; internal, made by compiler/passes/split_delta_rule.py): the WY form of each
+    chunk of the delta rule, per sequence in chunks of `chunk` rows from its first new row, per
+    v-head, with G_i = g_1 + .. + g_i the chunk's cumulative log decay:
+        A = strict_lower(beta_i k_i . k_j exp(G_i - G_j))     [L, L]
+        W = (I + A)^-1 (beta k exp(G)),   U = (I + A)^-1 (beta v)
+    (gates and qk_norm as the rule's). A chunk's W and U depend on no state, so every chunk of
+    every sequence is solved at once, before the rule's pass over the chunks in order.
 
 Slot caches: a sequence with `cached` tokens before the step (ctx.seqs) reads its slot only when
 cached > 0, so a new sequence needs no reset launch. The slot of batch row b is
@@ -154,6 +167,24 @@ op(name="causal_conv1d", tensors=["x", "weight"], optional=["bias"],
 
 # -- gated_delta_rule --------------------------------------------------------------------------
 
+CHUNKS = (16, 32, 64)          # the chunk sizes the chunked kernels take (powers of two, >= 16)
+
+
+def _chunk_ok(c) -> bool:
+    return isinstance(c, int) and not isinstance(c, bool) and c in CHUNKS
+
+
+def _gates_check(name, types, attrs):
+    """types: q|k.., v, g, beta[, dt_bias, A] as the op takes them (attrs.gates: the two weights)."""
+    if attrs.get("gates") is not None:
+        expect(len(types) == 7 and attrs["gates"] in ("bf16", "f16", "f32"),
+               f"{name} with its gates takes a, b, dt_bias, A and a beta dtype; got {types[3:]}")
+        for wname, t in (("dt_bias", types[5]), ("A", types[6])):
+            expect(t.shape == types[2].shape[1:2] and t.dtype == "f32", f"{name} {wname} must be f32 [Hv], got {t}")
+    else:
+        expect(len(types) == 5, f"{name} takes q, k, v, g, beta; got {len(types)} inputs")
+
+
 def _recurrent_caches(types, attrs):
     q, v = types[0], types[2]
     return {"recurrent": {"kind": "slot", "shape": [v.shape[1], q.shape[2], v.shape[2]], "dtype": "f32"}}
@@ -161,11 +192,15 @@ def _recurrent_caches(types, attrs):
 
 def gated_delta_rule_infer(types, attrs):
     q, k, v, g, beta = types[:5]
-    if attrs.get("gates") is not None:
-        expect(len(types) == 7 and attrs["gates"] in ("bf16", "f16", "f32"),
-               f"gated_delta_rule with its gates takes a, b, dt_bias, A and a beta dtype; got {types[3:]}")
-        for name, t in (("dt_bias", types[5]), ("A", types[6])):
-            expect(t.shape == v.shape[1:2] and t.dtype == "f32", f"gated_delta_rule {name} must be f32 [Hv], got {t}")
+    wy = bool(attrs.get("has_wy_w"))
+    expect(wy == bool(attrs.get("has_wy_u")), "gated_delta_rule takes W and U together (has_wy_w, has_wy_u)")
+    _gates_check("gated_delta_rule", types[:len(types) - 2 * wy], attrs)
+    if wy:
+        W, U = types[-2:]
+        expect(_chunk_ok(attrs.get("chunk")), f"gated_delta_rule with W, U needs attrs.chunk in {CHUNKS}, "
+               f"got {attrs.get('chunk')!r}")
+        expect(W == tt([q.shape[0], v.shape[1], q.shape[2]], "f32") and U == tt(v.shape, "f32"),
+               f"gated_delta_rule W, U must be f32 [T, Hv, Dk], [T, Hv, Dv]; got {W}, {U}")
     expect(len(q.shape) == 3 and q.shape == k.shape, f"gated_delta_rule expects q, k [T, Hk, Dk]; got {q}, {k}")
     expect(len(v.shape) == 3 and v.shape[0] == q.shape[0], f"gated_delta_rule expects v [T, Hv, Dv], got {v}")
     expect(v.shape[1] % q.shape[1] == 0, f"v heads {v.shape[1]} not a multiple of q/k heads {q.shape[1]}")
@@ -178,14 +213,22 @@ def gated_delta_rule_infer(types, attrs):
     return [tt(v.shape, v.dtype)]
 
 
-def gated_delta_rule(ctx, q, k, v, g, beta, *gate_weights, scale=None, gates=None, qk_norm=None, **_):
+def _gated_inputs(ctx, q, k, g, beta, gate_weights, gates, qk_norm):
+    """q, k normalized (qk_norm) and the gates made (gates) as the fused forms define them; f32."""
     if qk_norm is not None:             # q, k raw (the l2 norms fuse_delta_norms took)
-        q, k = l2_norm(ctx, q, qk_norm), l2_norm(ctx, k, qk_norm)
-    q, k, v = (np.asarray(a, np.float32) for a in (q, k, v))
+        q, k = (None if x is None else l2_norm(ctx, x, qk_norm) for x in (q, k))
+    q, k = (None if x is None else np.asarray(x, np.float32) for x in (q, k))
     g, beta = np.asarray(g, np.float32), np.asarray(beta, np.float32)
     if gates is not None:               # g, beta are the raw a, b (the chain fuse_delta_gates took)
-        dt_bias, A = (np.asarray(w, np.float32) for w in gate_weights)
+        dt_bias, A = (np.asarray(w, np.float32) for w in gate_weights[:2])
         g, beta = softplus(g + dt_bias) * A, sigmoid(beta)
+    return q, k, g, beta
+
+
+def gated_delta_rule(ctx, q, k, v, g, beta, *gate_weights, scale=None, gates=None, qk_norm=None, **_):
+    # gate_weights: dt_bias, A (gates), then W, U (has_wy_*), which change nothing here
+    q, k, g, beta = _gated_inputs(ctx, q, k, g, beta, gate_weights, gates, qk_norm)
+    v = np.asarray(v, np.float32)
     T, hk, dk = q.shape
     hv, dv = v.shape[1:]
     rep = hv // hk
@@ -211,5 +254,52 @@ op(name="gated_delta_rule", tensors=["q", "k", "v", "g", "beta"], attrs={"scale"
    infer=gated_delta_rule_infer, reference=gated_delta_rule, caches=_recurrent_caches,
    templates={"triton": {"prefill": "gated_delta_rule_chunk", "mixed": "gated_delta_rule_chunk",
                          "decode": "gated_delta_rule_decode"}},
-   strided=True, pass_inputs=["dt_bias", "A"],
+   strided=True, pass_inputs=["dt_bias", "A", "wy_w", "wy_u"],
    doc="gated delta rule (Gated DeltaNet) with per-sequence fp32 state in slot cache recurrent")
+
+
+# -- delta_rule_wy ------------------------------------------------------------------------------
+
+# the programs that launch it: those whose delta rule runs the chunked kernel
+WY_PHASES = ("prefill", "mixed", "short")
+
+
+def delta_rule_wy_infer(types, attrs):
+    k, v = types[0], types[1]
+    _gates_check("delta_rule_wy", [k, *types], attrs)
+    expect(_chunk_ok(attrs.get("chunk")), f"delta_rule_wy chunk must be one of {CHUNKS}, got {attrs.get('chunk')!r}")
+    expect(len(k.shape) == 3 and len(v.shape) == 3 and v.shape[0] == k.shape[0] and v.shape[1] % k.shape[1] == 0,
+           f"delta_rule_wy expects k [T, Hk, Dk], v [T, Hv, Dv] with Hv a multiple of Hk; got {k}, {v}")
+    return [tt([k.shape[0], v.shape[1], k.shape[2]], "f32"), tt(v.shape, "f32")]
+
+
+def delta_rule_wy(ctx, k, v, g, beta, *gate_weights, chunk, gates=None, qk_norm=None, **_):
+    _, k, g, beta = _gated_inputs(ctx, None, k, g, beta, gate_weights, gates, qk_norm)
+    v = np.asarray(v, np.float32)
+    hv = v.shape[1]
+    kh = np.repeat(k, hv // k.shape[1], axis=1)          # [T, Hv, Dk]
+    W = np.zeros(kh.shape, np.float32)
+    U = np.zeros(v.shape, np.float32)
+    for _b, start, n, _cached in ctx.seqs:
+        for c0 in range(0, n, chunk):
+            rows = slice(start + c0, start + min(n, c0 + chunk))
+            kc, vc = kh[rows].transpose(1, 0, 2), v[rows].transpose(1, 0, 2)     # [Hv, L, D]
+            gc, bc = g[rows].T, beta[rows].T                                      # [Hv, L]
+            G = np.cumsum(gc, axis=1, dtype=np.float32)
+            L = G.shape[1]
+            lower = np.tril(np.ones((L, L), bool), -1)
+            D = np.exp(np.where(lower, G[:, :, None] - G[:, None, :], -np.inf)).astype(np.float32)
+            A = bc[:, :, None] * (kc @ kc.transpose(0, 2, 1)) * D
+            X = np.linalg.inv(np.eye(L, dtype=np.float32) + A).astype(np.float32)
+            W[rows] = (X @ (kc * (bc * np.exp(G))[:, :, None])).transpose(1, 0, 2)
+            U[rows] = (X @ (vc * bc[:, :, None])).transpose(1, 0, 2)
+    return W, U
+
+
+# unread: the rule's reference recomputes W and U's content token by token, so a step's executor
+# skips this launch (tests/kernels/test_delta_rule_wy.py checks this reference and its kernel)
+op(name="delta_rule_wy", tensors=["k", "v", "g", "beta"], attrs={"chunk": None},
+   infer=delta_rule_wy_infer, reference=delta_rule_wy, n_outputs=2, internal=True, unread=True,
+   templates={"triton": {"prefill": "delta_rule_wy", "mixed": "delta_rule_wy"}},
+   strided=True, pass_inputs=["dt_bias", "A"], phases=WY_PHASES,
+   doc="the delta rule's chunks in WY form (W, U), every chunk at once, for the chunked rule")

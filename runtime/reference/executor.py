@@ -52,7 +52,10 @@ def launch_results(ctx, launch: dict, args: list) -> tuple:
     launch["prologue"].get("feeds", 0), and the producer's other outputs come first. A LoRA site in
     the linear's launch (launch["lora"]) takes the tables A, B, scale last and runs the shrink and
     expand references after the linear's. A merged epilogue (launch["epilogue"]) runs its consumer's
-    reference on the launch's output number epilogue["output"], its outputs last."""
+    reference on the launch's output number epilogue["output"], its outputs last. An op whose
+    outputs only kernels read (OpDef.unread) writes nothing: None for each."""
+    if REGISTRY[launch["op"]].unread:
+        return (None,) * len(launch["outputs"])
     pro = launch.get("prologue")
     lora = launch.get("lora")
     attrs = launch["attrs"]

@@ -586,6 +586,19 @@ def _gate_inputs(gen, T, hv, width=None):
     return a, b, dt_bias, A, width
 
 
+def raw_rule_inputs(gen, T, hk, hv, dk, dv):
+    """The fused rule's inputs as a layer makes them: q, k raw bf16 views of the conv's [T, qk_width]
+    output (not unit rows), v, a, b (views of a [T, gate_width] projection), dt_bias, A; then
+    gate_width and qk_width."""
+    qk_width = 2 * hk * dk + 7
+    conv = torch.from_numpy(gen.standard_normal((T, qk_width)).astype(np.float32) * 3).to(torch.bfloat16)
+    q = conv[:, 3:3 + hk * dk].view(T, hk, dk)
+    k = conv[:, 5 + hk * dk:5 + 2 * hk * dk].view(T, hk, dk)
+    _, _, v, _, _ = _rule_inputs(gen, T, hk, hv, dk, dv)
+    a, b, dt_bias, A, gate_width = _gate_inputs(gen, T, hv)
+    return q, k, v, a, b, dt_bias, A, gate_width, qk_width
+
+
 def _gated_launch(phase, hk, hv, dk, dv, width, tune=None, beta_dtype="bf16", qk_norm=None, qk_width=None):
     """qk_norm: q, k raw bf16 views of a [T, qk_width] row (the conv's output), normalized inside."""
     qk = ("f32", {}) if qk_norm is None else ("bf16", {"row_stride": qk_width})
@@ -612,12 +625,7 @@ def test_gated_delta_rule_normalizes_its_q_and_k(phase, tune, specs, slots):
     gen = np.random.default_rng(len(specs) * 11 + len(phase))
     hk, hv, dk, dv = 2, 4, 24, 20
     T = sum(n for _, n in specs)
-    width = 2 * hk * dk + 7
-    conv = torch.from_numpy(gen.standard_normal((T, width)).astype(np.float32) * 3).to(torch.bfloat16)
-    q = conv[:, 3:3 + hk * dk].view(T, hk, dk)
-    k = conv[:, 5 + hk * dk:5 + 2 * hk * dk].view(T, hk, dk)
-    _, _, v, _, _ = _rule_inputs(gen, T, hk, hv, dk, dv)
-    a, b, dt_bias, A, gw = _gate_inputs(gen, T, hv)
+    q, k, v, a, b, dt_bias, A, gw, width = raw_rule_inputs(gen, T, hk, hv, dk, dv)
     store, ref = poisoned_slots((hv, dk, dv), specs, slots, gen, torch.float32)
     before = ref.copy()
     kern = _gated_launch(phase, hk, hv, dk, dv, gw, tune, qk_norm=1e-6, qk_width=width)

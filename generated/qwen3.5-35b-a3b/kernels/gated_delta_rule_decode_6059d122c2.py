@@ -22,8 +22,6 @@ def gated_delta_rule_decode(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, dt_bias_ptr, A
                             G_STRIDE: tl.constexpr, B_STRIDE: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_launch_dependents()
-    if PDL:
-        gdc_wait()   # earlier kernels' writes are visible from here on
     b = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // (HV // HK)
@@ -37,7 +35,11 @@ def gated_delta_rule_decode(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, dt_bias_ptr, A
     vm = vv < DV
     s_off = ((slot * HV + h) * DK + kk[:, None]) * DV + vv[None, :]
     s_m = km[:, None] & vm[None, :]
+    # the slot's state before the wait: only this launch writes it in its layer, after the wait, and the step's
+    # snapshot restores are copies issued before its first kernel (META reads_before_wait)
     S = tl.load(state + s_off, mask=s_m & ((tl.zeros([BK], tl.int32) + cached) > 0)[:, None], other=0.0)
+    if PDL:
+        gdc_wait()   # earlier kernels' writes are visible from here on
 
     q = tl.load(q_ptr + row * Q_STRIDE + hk * DK + kk, mask=km, other=0.0).to(tl.float32)
     q = q * tl.math.rsqrt(tl.sum(q * q, 0) + 1e-06) * SCALE
@@ -77,6 +79,7 @@ META = {
                    "SCALE": 0.08838834764831845, "Q_STRIDE": 8192, "K_STRIDE": 8192,
                    "V_STRIDE": 8192, "G_STRIDE": 12352, "B_STRIDE": 12352, "PDL": True},
     "pdl": True,
+    "reads_before_wait": ["state", "context_lens", "state_slots"],
     "grid": ["B", 32, 4],
     "num_warps": 4,
     "num_stages": 1,

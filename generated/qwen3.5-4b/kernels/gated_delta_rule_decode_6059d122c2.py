@@ -1,5 +1,5 @@
-# gated_delta_rule, one token per sequence (decode): row b of q, k [B, Hk=16, Dk=128], v [B, Hv=64, Dv=128],
-# g, beta [B, Hv] -> o [B, Hv, Dv]; v-head h reads q/k head h // 4. One recurrent step on the sequence's state
+# gated_delta_rule, one token per sequence (decode): row b of q, k [B, Hk=16, Dk=128], v [B, Hv=32, Dv=128],
+# g, beta [B, Hv] -> o [B, Hv, Dv]; v-head h reads q/k head h // 2. One recurrent step on the sequence's state
 # S = state[state_slots[b], h] [Dk, Dv] (f32; zeros when nothing is cached before this token,
 # context_lens[b] <= 1, as a padding row's 0), as HF's torch_recurrent_gated_delta_rule:
 #   S = S * exp(g);  S = S + k^T (beta (v - k S));  o = (q * scale) S        scale = 0.08838834764831845
@@ -22,8 +22,6 @@ def gated_delta_rule_decode(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, dt_bias_ptr, A
                             G_STRIDE: tl.constexpr, B_STRIDE: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_launch_dependents()
-    if PDL:
-        gdc_wait()   # earlier kernels' writes are visible from here on
     b = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // (HV // HK)
@@ -37,7 +35,11 @@ def gated_delta_rule_decode(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, dt_bias_ptr, A
     vm = vv < DV
     s_off = ((slot * HV + h) * DK + kk[:, None]) * DV + vv[None, :]
     s_m = km[:, None] & vm[None, :]
+    # the slot's state before the wait: only this launch writes it in its layer, after the wait, and the step's
+    # snapshot restores are copies issued before its first kernel (META reads_before_wait)
     S = tl.load(state + s_off, mask=s_m & ((tl.zeros([BK], tl.int32) + cached) > 0)[:, None], other=0.0)
+    if PDL:
+        gdc_wait()   # earlier kernels' writes are visible from here on
 
     q = tl.load(q_ptr + row * Q_STRIDE + hk * DK + kk, mask=km, other=0.0).to(tl.float32)
     q = q * tl.math.rsqrt(tl.sum(q * q, 0) + 1e-06) * SCALE
@@ -73,11 +75,12 @@ META = {
         ["context_lens", "*i32", "meta:context_lens"],
         ["state_slots", "*i32", "meta:state_slots"],
     ],
-    "constexprs": {"HK": 16, "HV": 64, "DK": 128, "DV": 128, "BK": 128, "BV": 32,
-                   "SCALE": 0.08838834764831845, "Q_STRIDE": 12288, "K_STRIDE": 12288,
-                   "V_STRIDE": 12288, "G_STRIDE": 20608, "B_STRIDE": 20608, "PDL": True},
+    "constexprs": {"HK": 16, "HV": 32, "DK": 128, "DV": 128, "BK": 128, "BV": 32,
+                   "SCALE": 0.08838834764831845, "Q_STRIDE": 8192, "K_STRIDE": 8192,
+                   "V_STRIDE": 8192, "G_STRIDE": 12352, "B_STRIDE": 12352, "PDL": True},
     "pdl": True,
-    "grid": ["B", 64, 4],
+    "reads_before_wait": ["state", "context_lens", "state_slots"],
+    "grid": ["B", 32, 4],
     "num_warps": 4,
     "num_stages": 1,
 }

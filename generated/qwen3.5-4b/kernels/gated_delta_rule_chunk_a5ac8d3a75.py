@@ -4,7 +4,7 @@
 #   S = S * exp(g_t);  S = S + k_t^T (beta_t (v_t - k_t S));  o_t = (q_t * scale) S        scale = 0.08838834764831845
 # S starts as the sequence's slot state[state_slots[b], h] (f32, storage [num_slots + 1, Hv, Dk, Dv])
 # when cached > 0, else zeros; the final S is written back there.
-# The same in chunks of BT=64 tokens (the WY / UT-transform form of DeltaNet; flash-linear-attention's
+# The same in chunks of BT=32 tokens (the WY / UT-transform form of DeltaNet; flash-linear-attention's
 # chunk_gated_delta_rule and HF's torch_chunk_gated_delta_rule compute it this way). Within a chunk, with
 # G_i = g_1 + .. + g_i (cumulative log decay), D_ij = exp(G_i - G_j) for i >= j (0 above), S0 the state before it:
 #   A   = strict_lower(beta_i k_i . k_j D_ij)          [BT, BT]
@@ -14,6 +14,9 @@
 #   o   = scale (q exp(G)) S0 + scale (q k^T . D) V'    (D with its diagonal)
 #   S   = exp(G_last) S0 + (k exp(G_last - G))^T V'
 # Rows past the sequence's end are zeros (k = v = beta = g = 0): they change nothing.
+# W and U arrive made (delta_rule_wy, every chunk at once, for these chunks of BT rows: compiler/passes/
+# split_delta_rule.py), so the walk over the chunks in order keeps only the products with the state: v and beta
+# are not read here.
 # q and k arrive raw and are l2-normalized here, a row at a time in fp32: x * rsqrt(sum(x^2) + 1e-06)
 # (compiler/passes/fuse_delta_rule.py; the l2_norm launches it replaces wrote them as f32).
 # The gates made here from their projections (compiler/passes/fuse_delta_rule.py): g = A[h] * softplus(a + dt_bias[h])
@@ -26,7 +29,7 @@ import triton.language as tl
 
 
 @triton.jit
-def gated_delta_rule_chunk(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, dt_bias_ptr, A_ptr, o_ptr, state, seq_starts, context_lens, state_slots, T, B,
+def gated_delta_rule_chunk(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, dt_bias_ptr, A_ptr, w_ptr, u_ptr, o_ptr, state, seq_starts, context_lens, state_slots, T, B,
                            HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                            BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, SCALE: tl.constexpr,
                            Q_STRIDE: tl.constexpr, K_STRIDE: tl.constexpr, V_STRIDE: tl.constexpr,
@@ -51,7 +54,6 @@ def gated_delta_rule_chunk(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, dt_bias_ptr, A_
     A = tl.load(A_ptr + h)
     r = tl.arange(0, BT)
     causal = r[:, None] >= r[None, :]
-    eye = (r[:, None] == r[None, :]).to(tl.float32)
     for c0 in range(0, n, BT):
         t = c0 + r
         tm = t < n
@@ -59,31 +61,20 @@ def gated_delta_rule_chunk(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, dt_bias_ptr, A_
         qk_m = tm[:, None] & km[None, :]
         q = tl.load(q_ptr + row[:, None] * Q_STRIDE + hk * DK + kk[None, :], mask=qk_m, other=0.0)
         k = tl.load(k_ptr + row[:, None] * K_STRIDE + hk * DK + kk[None, :], mask=qk_m, other=0.0)
-        v = tl.load(v_ptr + row[:, None] * V_STRIDE + h * DV + vv[None, :], mask=tm[:, None] & vm[None, :],
-                    other=0.0).to(tl.float32)
         g = tl.load(g_ptr + row * G_STRIDE + h, mask=tm, other=0.0).to(tl.float32)
-        beta = tl.load(beta_ptr + row * B_STRIDE + h, mask=tm, other=0.0).to(tl.float32)
         a = g + dt_bias
         g = tl.where(tm, tl.where(a > 20.0, a, tl.maximum(a, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(a)))) * A, 0.0)
-        beta = tl.where(tm, (1.0 / (1.0 + tl.exp(-beta))).to(tl.bfloat16).to(tl.float32), 0.0)
         q = q.to(tl.float32)
         q = q * tl.math.rsqrt(tl.sum(q * q, 1) + 1e-06)[:, None]
         k = k.to(tl.float32)
         k = k * tl.math.rsqrt(tl.sum(k * k, 1) + 1e-06)[:, None]
         G = tl.cumsum(g, 0)
         D = tl.exp(tl.where(causal, G[:, None] - G[None, :], float("-inf")))
-        # A^T (At[j, i] = A[i, j]) so that row i of A comes out indexed along axis 0
-        kkt = tl.dot(k, tl.trans(k), input_precision="tf32")
-        At = tl.where(r[:, None] < r[None, :], tl.trans(kkt * D) * beta[None, :], 0.0)
-        X = eye
-        for i in range(1, tl.minimum(n - c0, BT)):
-            a = tl.sum(tl.where(r[None, :] == i, At, 0.0), 1)             # A[i, :]
-            xi = -tl.sum(a[:, None] * X, 0)                                # -sum_j A[i, j] X[j, :]
-            X = tl.where(r[:, None] == i, X + xi[None, :], X)
         eG = tl.exp(G)
         kf = k.to(tl.float32)
-        W = tl.dot(X, kf * (beta * eG)[:, None], input_precision="tf32")          # [BT, BK]
-        U = tl.dot(X, v * beta[:, None], input_precision="tf32")                  # [BT, BV]
+        W = tl.load(w_ptr + row[:, None] * (HV * DK) + h * DK + kk[None, :], mask=qk_m, other=0.0)   # [BT, BK]
+        U = tl.load(u_ptr + row[:, None] * (HV * DV) + h * DV + vv[None, :], mask=tm[:, None] & vm[None, :],
+                    other=0.0)                                                                    # [BT, BV]
         vn = U - tl.dot(W, S, input_precision="tf32")
         qkt = tl.dot(q, tl.trans(k), input_precision="tf32") * D
         o = tl.dot(q.to(tl.float32) * eG[:, None], S, input_precision="tf32") + \
@@ -107,6 +98,8 @@ META = {
         ["beta_ptr", "*bf16", "in:4"],
         ["dt_bias_ptr", "*fp32", "in:5"],
         ["A_ptr", "*fp32", "in:6"],
+        ["w_ptr", "*fp32", "in:7"],
+        ["u_ptr", "*fp32", "in:8"],
         ["o_ptr", "*bf16", "out:0"],
         ["state", "*fp32", "cache:recurrent"],
         ["seq_starts", "*i32", "meta:seq_starts"],
@@ -116,7 +109,7 @@ META = {
         ["B", "i32", "dim:B"],
     ],
     "constexprs": {"HK": 16, "HV": 32, "DK": 128, "DV": 128, "BK": 128, "BV": 64,
-                   "BT": 64, "SCALE": 0.08838834764831845, "Q_STRIDE": 8192, "K_STRIDE": 8192,
+                   "BT": 32, "SCALE": 0.08838834764831845, "Q_STRIDE": 8192, "K_STRIDE": 8192,
                    "V_STRIDE": 8192, "G_STRIDE": 12352, "B_STRIDE": 12352, "DOT_F32": False},
     "grid": ["B", 32, 2],
     "num_warps": 8,
