@@ -42,11 +42,15 @@ REGISTRY = {v.name: v for v in (
     # the GPU runtime
     Var("INFC_PDL", "flag", True, "programmatic dependent launch: a kernel's prologue overlaps "
         "the tail of the one before (0: off, for A/B timing)"),
-    Var("INFC_LOAD_OVERLAP", "flag", False, "a checkpoint's weights stream to the GPU in a thread "
+    Var("INFC_LOAD_OVERLAP", "flag", True, "a checkpoint's weights stream to the GPU in a thread "
         "of their own while the runner allocates its caches and captures its graphs (a shorter "
-        "start; off until measured on a GPU)"),
+        "start: qwen3-4b ready 0.2-0.3 s sooner on an H100; 0: loaded first, for A/B timing)"),
     Var("INFC_SHORT_GRAPHS", "flag", False, "replay a one-sequence short step (a prefix hit's few "
-        "new tokens) from a CUDA Graph captured on its first run (off until measured on a GPU)"),
+        "new tokens) from a CUDA Graph captured on its first run (off: measured faster through the "
+        "server at 1k, slower at 16k after 1k hits in the same process, bench/NOTES.md)"),
+    Var("INFC_SHORT_GRAPHS_BY_CONTEXT", "flag", False, "with INFC_SHORT_GRAPHS, one graph a power of "
+        "two of the context as well as a step size (the A/B of whether the context a graph was "
+        "captured at slows its replays at another)"),
     Var("INFC_WIDE", "flag", True, "run large decode batches on the plan's wide program "
         "(0: every decode step on the decode program, for A/B timing)"),
     Var("INFC_NARROW", "flag", True, "run small decode batches on the plan's narrow program "

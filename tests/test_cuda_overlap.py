@@ -268,3 +268,28 @@ def test_cuda_runner_samples_grammar_rows_with_their_masks_overlapped(fake_devic
         ids, reason = got[True][rid]
         assert reason == "stop" and re.fullmatch(REGEX, tok.decode(ids)), (ids, tok.decode(ids))
     assert got[True]["r2"][1] == "length"
+
+
+def test_short_graphs_by_context_keep_a_graph_a_context_range(fake_device, artifact, monkeypatch, rng):
+    """INFC_SHORT_GRAPHS_BY_CONTEXT=1: a prefix hit's short step at the same T over a short and a
+    long cached prompt captures two graphs (the context's power of two in the key), each replayed
+    by a later hit of its range; the tokens are those of eager steps."""
+    greedy = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    bases = [rng.integers(0, 320, 16).tolist(), rng.integers(0, 320, 48).tolist()]
+    prompts = bases + [b + rng.integers(0, 320, 5).tolist() for b in bases for _ in range(2)]
+    got = {}
+    for by in ("0", "1"):
+        monkeypatch.setenv("INFC_SHORT_GRAPHS", "1")
+        monkeypatch.setenv("INFC_SHORT_GRAPHS_BY_CONTEXT", by)
+        e = engine(fake_device, artifact, monkeypatch, overlap=False)
+        outs = []
+        for i, p in enumerate(prompts):
+            e.add_request(p, greedy, f"r{i}")
+            while e.has_unfinished():
+                for o in e.step():
+                    outs += o.token_ids
+        got[by] = outs
+        hits = {k for k in e.runner.short_graphs if k[0] == 5}
+        assert hits == ({(5, 1, 5), (5, 1, 6)} if by == "1" else {(5, 1)}), hits   # contexts 21, 53
+        e.runner.close()
+    assert got["1"] == got["0"]

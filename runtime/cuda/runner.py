@@ -497,7 +497,7 @@ class CudaRunner:
             self.graphs[T][0].launch()
         else:
             name = program_name(self.plan, meta.phase, T)
-            key = self._short_graph_key(name, T, B)
+            key = self._short_graph_key(name, T, B, meta)
             if key in self.short_graphs:
                 self.short_graphs[key].launch()
             else:
@@ -514,16 +514,21 @@ class CudaRunner:
         self._outputs = StepOutputs(self, {"T": meta.T, "B": meta.B})
         return T, B
 
-    def _short_graph_key(self, name: str, T: int, B: int):
+    def _short_graph_key(self, name: str, T: int, B: int, meta: StepMeta):
         """(T, B) when a step of the short program is replayed from a CUDA Graph (INFC_SHORT_GRAPHS:
         one sequence's few new tokens, a prefix hit's step: its ~300 launches cost ~2 ms of host
         Python eagerly, shared with the server's event loop), captured the first time it runs
         eagerly; None otherwise. Its grids and scalars depend on T and B only, every other input
         is in the fixed metadata buffers. Not with collectives (the ranks would have to capture
-        together) or LoRA (its tables' segments vary by step)."""
+        together) or LoRA (its tables' segments vary by step). INFC_SHORT_GRAPHS_BY_CONTEXT adds
+        the context's power of two to the key: a graph a context range (an H100 replayed 16k hits
+        ~1 ms slower from a graph captured during 1k hits than from one captured at 16k, cause
+        not found: the A/B that says whether the capture's context is it)."""
         if (name != "short" or B != 1 or not self._cuda_graphs or self.collectives is not None
                 or "lora_slots" in self.meta or not envs.value("INFC_SHORT_GRAPHS")):
             return None
+        if envs.value("INFC_SHORT_GRAPHS_BY_CONTEXT"):
+            return T, B, int(max(meta.context_lens[: meta.B])).bit_length()
         return T, B
 
     def logits(self, meta: StepMeta) -> np.ndarray:
