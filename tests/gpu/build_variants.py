@@ -38,6 +38,15 @@ def config_overrides(config: dict):
             setattr(infc.config, k, v)
 
 
+def unmatched(plan: dict, overlay: dict) -> list[str]:
+    """The overlay's "template / key" entries that no launch of the plan renders with."""
+    from infc.compiler.codegen.render import tuning_keys
+    from infc.compiler.contract.program import launches
+    used = {(ln["kernel"], key) for phase, program in plan["programs"].items()
+            for ln, _ in launches(program) for key in tuning_keys(plan, ln, phase)}
+    return [f"{t} / {k}" for t, entries in overlay.items() for k in entries if (t, k) not in used]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="tests/gpu/build_variants.py")
     ap.add_argument("variants")
@@ -62,6 +71,10 @@ def main(argv=None):
                       page_size=a.page_size, narrow_tokens=a.narrow_tokens)
         except ValueError as e:
             sys.exit(f"{a.variants}: {label}: {e}")
+        stray = unmatched(json.loads((out / "plan.json").read_text()), overlay)
+        if stray:        # an A/B whose variant is its base: the keys name launches the plan no longer has
+            sys.exit(f"{a.variants}: {label}: no launch of the plan renders with " + ", ".join(stray)
+                     + " (its keys: infc inspect, or compiler/codegen/render.py tuning_keys)")
         names.append(out.name)
         print(f"built {out.name}", flush=True)
     print('ARTS="' + " ".join(names) + '"')

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Gather the pieces of .cache one GPU call needs into .cache/carry (the whole .cache/gpu is too big
 # for the device tool's 64 MiB carry limit). Run after tests/gpu/prepare.py, then carry
-# [".cache/carry", ".whl"] and start the device command with
+# [".cache/carry.tar", ".whl"] (the same pieces in one file) and start the device command with
 #   bash tests/gpu/run.sh $OUT STAGE ...     (run.sh unpacks the carried pieces itself)
 #   tests/gpu/carry.sh PATH...       # paths under .cache/gpu or .cache/artifacts, e.g.
 #   tests/gpu/carry.sh gpu/configs gpu/ranks/configs artifacts/qwen3-4b
@@ -13,6 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 if [ "${1:-}" = --unpack ]; then        # on the GPU machine: put the pieces where prepare.py left them
   mkdir -p .cache/gpu .cache/artifacts
+  if [ -f .cache/carry.tar ]; then rm -rf .cache/carry; tar xf .cache/carry.tar -C .cache && rm .cache/carry.tar; fi
   find .cache/carry -name '*.gz' -exec gunzip -f {} +      # the large files, packed below
   (cd .cache/carry && find . -path ./binpool -prune -o -type f -print) | while read -r f; do
     mkdir -p ".cache/$(dirname "$f")"
@@ -47,4 +48,7 @@ done
 # 22-variant sweep), and --unpack restores them
 find .cache/carry -type f -size +16k ! -name '*.gz' -print0 | xargs -0 -r gzip -9
 if [ -n "$table" ]; then python3 tests/gpu/carry_table.py .cache/carry "$table"; fi
-du -sh .cache/carry
+# ... and as one file: hundreds of small ones would each take a block (carry [".cache/carry.tar"])
+rm -f .cache/carry.tar
+tar cf .cache/carry.tar -C .cache carry
+ls -la .cache/carry.tar | awk '{print $5 " bytes: .cache/carry.tar"}'

@@ -443,7 +443,7 @@ for s in "$@"; do
   fi
 done
 # the carried .cache pieces put back where prepare.py left them (tests/gpu/carry.sh), once
-if [ -z "$dry" ] && [ -d .cache/carry ]; then bash tests/gpu/carry.sh --unpack || exit 1; fi
+if [ -z "$dry" ] && { [ -d .cache/carry ] || [ -f .cache/carry.tar ]; }; then bash tests/gpu/carry.sh --unpack || exit 1; fi
 rc=0
 for g in "${groups[@]}"; do
   out=$OUT_ROOT
@@ -457,4 +457,10 @@ for g in "${groups[@]}"; do
     "run_${first//-/_}" "$out" || rc=$?
   fi
 done
+# everything OUT holds, also as one archive first in its listing: the device tool brings back only
+# a few files a call (tar xzf OUT/0-results.tgz on this side)
+if [ -z "$dry" ] && [ -d "$OUT_ROOT" ]; then
+  tmp=$(mktemp /tmp/results.XXXXXX.tgz)
+  tar czf "$tmp" -C "$OUT_ROOT" --exclude=./0-results.tgz . && mv "$tmp" "$OUT_ROOT/0-results.tgz"
+fi
 exit $rc

@@ -217,7 +217,8 @@ for _ in range(600):
       # issue 49 item 5: the warm +16 hit with its short step replayed from a CUDA Graph
       # (INFC_SHORT_GRAPHS=1) against eager launches, in the engine and through `infc serve`
       # (traced), alternating SHORT_GRAPHS_RUNS (default 2) times, then the golden gate (its prefix
-      # replays run short steps) and the engine tests with it on
+      # replays run short steps) and the engine tests with it on (INFC_SHORT_GRAPHS_BY_CONTEXT=1 in
+      # the environment: a graph a context range, the A/B of 1k hits' graphs replayed at 16k)
       for run in $(seq ${SHORT_GRAPHS_RUNS:-2}); do
         for v in 0 1; do
           say "short-graphs: INFC_SHORT_GRAPHS=$v (run $run)"
