@@ -37,6 +37,9 @@ REGISTRY = {v.name: v for v in (
         "collector's walks (0: leave the collector alone, for A/B runs)"),
     Var("INFC_FAST_TOKENIZE", "flag", True, "encode long prompts in parallel pieces split at "
         "proven pre-token boundaries (0: the tokenizer's plain encode)"),
+    Var("INFC_TOKENIZER_CACHE", "path", _REPO / ".cache" / "tokenizers", "where a tokenizer's "
+        "first load keeps what it derives from the vocabulary (the longest token, the fast "
+        "encoder's probe), so a restart reads it instead (runtime/tokenization/facts.py)"),
     Var("INFC_CPU_KV_CACHE_BYTES", "int", 1 << 30, "the CPU backend's KV cache budget in bytes "
         "(float32 pages) when --kv-cache-memory-bytes is not given"),
     # the GPU runtime

@@ -26,6 +26,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ.setdefault(_var, "1")
 os.environ["TRITON_INTERPRET"] = "1"
+# A tokenizer's load keeps its derived facts (runtime/tokenization/facts.py) keyed by its files'
+# paths: the suite's tokenizers live in temporary folders, so their facts go to one of the run's
+# own (its xdist workers and servers inherit it) instead of piling up under .cache.
+if "INFC_TOKENIZER_CACHE" not in os.environ:
+    import tempfile
+    os.environ["INFC_TOKENIZER_CACHE"] = tempfile.mkdtemp(prefix="infc-tokenizer-facts-")
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 import numpy as np

@@ -186,7 +186,10 @@ class FastEncoder:
     """encode(text) == tk.encode(text, add_special_tokens=False).ids, faster on long texts."""
 
     def __init__(self, tk, *, chunk_chars: int = CHUNK_CHARS, min_chars: int = MIN_CHARS,
-                 cache_chars: int = CACHE_CHARS, probe: bool = True):
+                 cache_chars: int = CACHE_CHARS, probe: bool | str = True):
+        """probe: True runs the load-time probe, False trusts the rule; a string is an earlier
+        probe's outcome for this tokenizer (runtime/tokenization/facts.py): "ok", or why the fast
+        path is off. self.probed: this load's outcome, or None where no probe ran."""
         self.tk = tk
         self.chunk_chars, self.min_chars, self.cache_chars = chunk_chars, min_chars, cache_chars
         self._batch = getattr(tk, "encode_batch_fast", None) or tk.encode_batch
@@ -209,15 +212,21 @@ class FastEncoder:
                 self.rule, self.reason = derive_rule(tk)
             except Exception as e:  # noqa: BLE001 - a component this module cannot read: plain calls
                 self.rule, self.reason = None, f"cannot read the tokenizer's configuration ({e!r})"
-        if self.rule is not None and probe:
+        self.probed = None
+        if self.rule is not None and isinstance(probe, str):
+            if probe != "ok":
+                self.rule, self.reason = None, f"{probe} (an earlier load's probe)"
+        elif self.rule is not None and probe:
             try:
                 bad = self._probe()
             except Exception as e:  # noqa: BLE001 - a probe the library rejects: plain calls
                 bad = f"(the probe raised {e!r})"
+            self.probed = "ok"
             if bad is not None:
                 log.warning("fast tokenization off: the split encoding differs from the plain one on a "
                             "probe text (%r...); using the plain call", bad[:60])
                 self.rule, self.reason = None, f"probe mismatch on {bad[:60]!r}"
+                self.probed = self.reason
         if self.rule is None:
             log.info("fast tokenization off: %s", self.reason)
         else:

@@ -10,6 +10,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from infc.compiler.contract.errors import ModelDirError
 
+from . import facts
 from .fast_tokenize import FastEncoder
 
 
@@ -27,7 +28,18 @@ class Tokenizer:
         self.add_bos = bool(self.config.get("add_bos_token", False))
         bos = self.config.get("bos_token")
         self.bos_id = self.tk.token_to_id(bos["content"] if isinstance(bos, dict) else bos) if bos else None
-        self.fast = FastEncoder(self.tk)
+        # the facts an earlier load derived from these files (facts.py): its probe's outcome here,
+        # the longest token in max_token_chars; what this load derives is kept for the next
+        self._facts_key = facts.key(model_dir)
+        self._facts = facts.read(self._facts_key)
+        probed = self._facts.get("probe")
+        self.fast = FastEncoder(self.tk, probe=probed if isinstance(probed, str) and probed else True)
+        if self.fast.probed is not None:
+            self._keep(probe=self.fast.probed)
+
+    def _keep(self, **new):
+        self._facts = {**self._facts, **new}
+        facts.write(self._facts_key, self._facts)
 
     def encode_text(self, text: str) -> list[int]:
         """Exactly self.tk.encode(text, add_special_tokens=False).ids (no BOS), fast on long texts."""
@@ -49,8 +61,13 @@ class Tokenizer:
         a text character is at least one byte; a SentencePiece token spells each character as
         itself (byte-fallback pieces, "<0xE4>", spell one byte with six). So a text of more than
         n x this many characters has more than n tokens. Holds the GIL ~0.1-0.2 s at 151k tokens:
-        the backend reads it on the tokenizer's loading thread."""
-        return max(map(len, self.tk.get_vocab(with_added_tokens=True)), default=1)
+        the backend reads it on the tokenizer's loading thread, and a restart reads it from the
+        facts the first load kept."""
+        n = self._facts.get("max_token_chars")
+        if not isinstance(n, int) or n < 1:
+            n = max(map(len, self.tk.get_vocab(with_added_tokens=True)), default=1)
+            self._keep(max_token_chars=n)
+        return n
 
     @property
     def vocab_size(self) -> int:
