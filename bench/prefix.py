@@ -44,6 +44,10 @@ hit counters). Per L the warm requests' restore copies go into the JSON: restore
 alone: the copy stream's events on the GPU) and restore_GBps (the blocks' bytes over it), beside
 the TTFTs they are part of. --tier hbm (the default) is the device's own prefix cache.
 
+--alternate INFC_VAR (engine path): an A/B of a flag the runtime reads at each step, inside one
+process (the GPU host gives each process its own speed, NOTES): the timed requests alternate the
+variable between 0 and 1, and each mode's statistics are also given per value (`by_variant`).
+
 The serve path runs first: its server process owns the GPU until it exits, then the engine path
 loads its own. On the GPU the engine path also measures the copy bandwidth, and records the floor
 of a warm hit: (weight bytes + KV bytes of L + new tokens) / bandwidth.
@@ -179,19 +183,29 @@ def stats(ttfts: list[float]) -> dict:
 
 
 def sweep(submit, prompts, lengths, new, reps, cold_reps, page_size, label, on_length=None,
-          settle_s: float = 0.0) -> dict:
+          settle_s: float = 0.0, alternate=None) -> dict:
     """submit(prompt, n_tokens) -> {"ttft": s, "cached": tokens}; returns per str(L) the cold and
     warm statistics, samples and cached-token counts. Raises on a warm miss or a cold hit.
     settle_s: a pause after the prefix is cached, before the warm requests (with a KV tier on,
-    so that its saves of the requests before are done: the hits alone, not the hits beside them)."""
+    so that its saves of the requests before are done: the hits alone, not the hits beside them).
+    alternate(v): set variant v (0 or 1) before a request: the timed requests take 0 and 1 in
+    turn (the untimed warm-up hit takes 1, so what its first run sets up is not timed), and each
+    mode's statistics are also given by variant (`by_variant`): an A/B inside one process."""
     out = {}
+
+    def run(prompt, n, v=None):
+        if alternate is None:
+            return submit(prompt, n)
+        alternate(v)
+        return {**submit(prompt, n), "variant": v}
+
     for L in lengths:
         want = L // page_size * page_size
         n_cold = cold_reps_for(L, reps, cold_reps)
-        submit(prompts.make(L + new), L + new)                          # untimed
-        cold = [submit(prompts.make(L + new), L + new) for _ in range(n_cold)]
+        run(prompts.make(L + new), L + new, 1)                          # untimed
+        cold = [run(prompts.make(L + new), L + new, i % 2) for i in range(n_cold)]
         prefix = prompts.make(L)
-        submit(prefix, L)                                               # fills the cache
+        run(prefix, L, 0)                                               # fills the cache
         if settle_s:
             time.sleep(settle_s)
         tok_times = None
@@ -199,7 +213,7 @@ def sweep(submit, prompts, lengths, new, reps, cold_reps, page_size, label, on_l
             full = prefix + prompts.make(new, start=False)
             prompts.check_prefix(prefix, full, L, L + new)
             tok_times = prompts.tokenize_times(prefix, new)
-        warm = [submit(prefix + prompts.make(new, start=False), L + new) for _ in range(reps + 1)][1:]
+        warm = [run(prefix + prompts.make(new, start=False), L + new, (i + 1) % 2) for i in range(reps + 1)][1:]
         for mode, rs, ok in (("cold", cold, lambda c: c == 0), ("warm", warm, lambda c: c == want)):
             bad = [r["cached"] for r in rs if not ok(r["cached"])]
             if bad:
@@ -213,12 +227,18 @@ def sweep(submit, prompts, lengths, new, reps, cold_reps, page_size, label, on_l
             out[str(L)][mode] = {**stats([r["ttft"] for r in rs]),
                                  "samples_ms": [r["ttft"] * 1e3 for r in rs],
                                  "cached_tokens": [r["cached"] for r in rs]}
+            if alternate is not None:
+                out[str(L)][mode]["variants"] = [r["variant"] for r in rs]
+                out[str(L)][mode]["by_variant"] = {str(v): stats([r["ttft"] for r in rs if r["variant"] == v])
+                                                   for v in (0, 1) if any(r["variant"] == v for r in rs)}
         c, w = out[str(L)]["cold"], out[str(L)]["warm"]
         print(f"{label} L={L:6d}: cold p50 {c['p50_ms']:9.2f} p99 {c['p99_ms']:9.2f} ms (n={c['n']}), "
               f"warm +{new} p50 {w['p50_ms']:7.2f} p99 {w['p99_ms']:7.2f} ms (n={w['n']}, {want} cached)"
               + (f"; tokenizing the prompt alone: {tok_times['tokenize_ms']:.2f} ms warm, "
                  f"{tok_times['tokenize_cold_ms']:.2f} cold, {tok_times['tokenize_plain_ms']:.2f} plain"
-                 if tok_times is not None else ""),
+                 if tok_times is not None else "")
+              + ("; warm p50 by variant " + ", ".join(f"{v}: {st['p50_ms']:.2f}" for v, st in w["by_variant"].items())
+                 if alternate is not None else ""),
               flush=True)
         if on_length:
             on_length(out)
@@ -303,8 +323,14 @@ def run_engine(a, lengths, rec: dict, save_point):
         save_point()
 
     timed = submit if tier == "hbm" else tier_submit(engine, tier, submit, restores, a.new_tokens)
+    alternate = None
+    if a.alternate:
+        rec["alternate"] = a.alternate
+
+        def alternate(v):      # read where the runtime next reads it (envs.value at its use)
+            os.environ[a.alternate] = str(v)
     sweep(timed, prompts, lengths, a.new_tokens, a.reps, a.cold_reps, b.page_size, "engine", on_length,
-          settle_s=a.settle_s)
+          settle_s=a.settle_s, alternate=alternate)
     if bw:
         kv = caches.token_bytes(caches.of_plan(runner.plan))
         for L, r in rec["results"].items():
@@ -634,6 +660,10 @@ def main(argv=None):
     ap.add_argument("--settle-s", type=float, default=0.0,
                     help="engine path: seconds of pause between caching the prefix and the warm "
                          "requests (with a KV tier: its saves of the requests before finish first)")
+    ap.add_argument("--alternate", metavar="INFC_VAR",
+                    help="engine path: an A/B inside one process: the timed requests alternate the "
+                         "flag INFC_VAR between 0 and 1 (one the runtime reads at each step, e.g. "
+                         "INFC_SHORT_GRAPHS), each value's statistics apart (by_variant)")
     ap.add_argument("--kv-offloading-disk", help="--tier disk: the folder (default: a temporary one)")
     ap.add_argument("--kv-offloading-disk-size", type=float, help="--tier disk: GiB (default: twice the host pool)")
     ap.add_argument("--prompt-format", choices=["auto", "text", "ids"], default="auto",
@@ -656,6 +686,13 @@ def main(argv=None):
     if a.trace_server and (a.base_url or a.path not in ("serve", "both")):
         ap.error("--trace-server traces a spawned server: the serve path without --base-url")
     a.trace_file = tempfile.mkstemp(prefix="infc-server-trace-", suffix=".txt")[1] if a.trace_server else None
+    if a.alternate is not None:
+        from infc import envs
+        var = envs.REGISTRY.get(a.alternate)
+        if var is None or var.kind != "flag":
+            ap.error(f"--alternate {a.alternate}: not a registered INFC_ flag (infc/envs.py)")
+        if a.path != "engine":
+            ap.error("--alternate switches a variable in this process: add --path engine")
     if a.tier != "hbm" and a.path != "engine":
         ap.error(f"--tier {a.tier} times the engine path only: add --path engine")
     from .common import header, save

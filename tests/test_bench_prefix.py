@@ -7,6 +7,7 @@ import importlib
 import importlib.util
 import itertools
 import json
+import os
 import string
 from pathlib import Path
 
@@ -123,6 +124,46 @@ def test_a_warm_miss_fails_loudly(model_dir, tmp_path, small_cpu, monkeypatch):
     monkeypatch.setattr(infc.backend, "load_backend", forgetful)
     with pytest.raises(RuntimeError, match="warm requests at L=32 found .* cached tokens, expected 32"):
         bench.main(argv)
+
+
+def test_alternate_switches_a_flag_before_each_timed_request(model_dir, tmp_path, small_cpu, monkeypatch):
+    """--alternate VAR: each request runs with VAR as its record says (0 / 1 in turn, the untimed
+    warm-up hit 1), and each value's statistics are its own samples'."""
+    import infc.backend
+    import numpy as np
+    real, seen = infc.backend.load_backend, []
+
+    def spying(*a, **kw):
+        b = real(*a, **kw)
+        add = b.engine.add_request
+        b.engine.add_request = lambda prompt, *r, **k: (seen.append((len(prompt), os.environ.get("INFC_SHORT_GRAPHS"))),
+                                                         add(prompt, *r, **k))[1]
+        return b
+
+    monkeypatch.setattr(infc.backend, "load_backend", spying)
+    monkeypatch.delenv("INFC_SHORT_GRAPHS", raising=False)
+    res = bench.main(["--model-path", str(model_dir), "--load-format", "dummy", "--device", "cpu",
+                      "--path", "engine", "--lengths", "32", "--reps", "5", "--cold-reps", "3",
+                      "--alternate", "INFC_SHORT_GRAPHS", "--out", str(tmp_path)])
+    rec = res["paths"]["engine"]
+    assert rec["alternate"] == "INFC_SHORT_GRAPHS"
+    check_path(rec, [32], reps=5, cold_reps=3)
+    r = rec["results"]["32"]
+    # the first request (the engine's first step) is not the sweep's; then: untimed cold, 3 cold,
+    # the prefix, the untimed warm hit, 5 warm
+    assert [v for _, v in seen[1:]] == list("1010" + "0" + "1" + "01010"), seen
+    for mode, want in (("cold", [0, 1, 0]), ("warm", [0, 1, 0, 1, 0])):
+        m = r[mode]
+        assert m["variants"] == want
+        for v, st in m["by_variant"].items():
+            mine = [t for t, w in zip(m["samples_ms"], m["variants"]) if w == int(v)]
+            assert st["n"] == len(mine) and st["p50_ms"] == pytest.approx(float(np.percentile(mine, 50)))
+    for bad in (["--alternate", "INFC_NOT_A_VARIABLE"], ["--alternate", "INFC_CACHE"],
+                ["--alternate", "INFC_SHORT_GRAPHS", "--path", "both"]):
+        with pytest.raises(SystemExit) as e:
+            bench.main(["--model-path", str(model_dir), "--load-format", "dummy", "--device", "cpu",
+                        "--path", "engine", *bad])
+        assert e.value.code == 2, bad
 
 
 def test_serve_path_against_infc_serve_on_cpu(model_dir, tmp_path, small_cpu):

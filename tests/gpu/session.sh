@@ -228,6 +228,16 @@ for _ in range(600):
             2>&1 | quiet | grep -E "L=|rror"
         done
       done
+      # the same hits in one process, eager and graph in turn (each process runs at its own speed
+      # on the GPU machine): graphs keyed by (T, B), then by context range as well
+      for by in 0 1; do
+        say "short-graphs: one process, INFC_SHORT_GRAPHS alternating, INFC_SHORT_GRAPHS_BY_CONTEXT=$by"
+        mkdir -p "$OUT/short-graphs/alternate-by-context$by"
+        INFC_SHORT_GRAPHS_BY_CONTEXT=$by timeout ${PREFIX_S:-200} python3 -m infc.cli bench prefix \
+          --model-path $MODELS/qwen3-4b --path engine --lengths ${SHORT_GRAPHS_LENGTHS:-1024,16384} \
+          --reps ${SHORT_GRAPHS_REPS:-20} --alternate INFC_SHORT_GRAPHS --out "$OUT/short-graphs/alternate-by-context$by" \
+          2>&1 | quiet | grep -E "L=|rror"
+      done
       INFC_SHORT_GRAPHS=1 INFC_GPU_FAMILIES=none timeout ${SUITE_S:-300} python3 -m pytest tests/gpu/test_golden.py \
         tests/gpu/test_engine_gpu.py -q -s -p no:cacheprovider 2>&1 | quiet | tee "$OUT/pytest-short-graphs.log" \
         | grep -E "passed|failed|error|^E " | tail -20 ;;
