@@ -53,6 +53,7 @@ from starlette.routing import Route
 
 from infc.runtime.engine.async_engine import EngineDeadError
 from infc.runtime.engine.sampling import SamplingParams
+from infc.runtime.engine.sequence import PromptIds
 from infc.runtime.engine.structured.request import StructuredOutputError
 
 from . import admission, metrics, outputs, protocol, responses, scoring, structured
@@ -144,13 +145,16 @@ def make_app(state: ServerState) -> Starlette:
         """The engine's own rules for every prompt, before any reply (echo alone: its scoring asks
         one token after the prompt, or after each prefix of it)."""
         params = scoring.engine_params(b.engine, req) or SamplingParams(max_tokens=1)
-        for ids in req.prompts:
+        for k, ids in enumerate(req.prompts):
             try:
-                b.engine.check_request(ids, params)
+                checked = b.engine.check_request(ids, params)
             except StructuredOutputError as e:
                 raise structured.refusal(e, params.structured_outputs) from None
             except ValueError as e:
                 raise bad(str(e)) from None
+            # the ids are ints (the tokenizer's, or the protocol's checked JSON): the array the
+            # check made goes with them, so the engine thread does not convert them again
+            req.prompts[k] = PromptIds(ids, checked)
 
     async def checked(request: Request, parse):
         """(GenRequest, model, started): the body read here, everything that grows with it on

@@ -125,3 +125,82 @@ def test_grow_and_no_prefix_cache():
     with pytest.raises(AssertionError):              # a second release finds no reference
         b.pages = [0]
         bm.release(b)
+
+
+def _want(tokens, n, lora=None):
+    """Block i's hash from scratch: sha256 of the adapter's id (if any), then the tokens to its end."""
+    import hashlib
+    import numpy as np
+    h = hashlib.sha256()
+    if lora is not None:
+        h.update(b"lora" + int(lora[1]).to_bytes(8, "little"))
+    out = []
+    for i in range(n):
+        h.update(np.asarray(tokens[i * PS:(i + 1) * PS], np.int64).tobytes())
+        out.append(h.copy().digest())
+    return out
+
+
+def test_a_prompt_that_begins_as_a_recent_one_takes_its_hashes():
+    """recent_hashes.py: a prompt sharing a recent prompt's first tokens takes those blocks'
+    hashes (counted), the running hasher then goes on from there; any divergence (inside a block,
+    at a block's edge, none at all, a different adapter) gives the hashes of the tokens."""
+    import random
+    from infc.runtime.engine.sequence import PromptIds
+    import numpy as np
+    rng = random.Random(5)
+    bm = BlockManager(64, PS)
+    base = [rng.randrange(1000) for _ in range(60)]
+    sid = iter(range(1000))
+    cases = [(base, None, 0), (base, None, 14), (base[:37] + [7] * 11, None, 9),    # 9 full blocks shared
+             (base[:36] + [5] * 12, None, 9), (base[:2] + [3] * 30, None, 0),      # inside block 0: none
+             (base + [1, 2, 3, 4, 5], None, 9),     # the last kept: the one just above (base, ("a", 3), 0), (base[:20], ("a", 3), 5),
+             (base[:20], ("b", 4), 0)]
+    for tokens, lora, reused in cases:
+        for make in (list, lambda t: PromptIds(t, np.asarray(t, np.int64))):
+            before = bm.recent.reused_blocks
+            s = seq(make(tokens), next(sid))
+            s.lora = lora
+            n = (len(tokens) - 1) // PS
+            assert bm._hashes(s, n) == _want(tokens, n, lora), (len(tokens), lora)
+            assert bm.recent.reused_blocks - before == (min(reused, n) if make is list else n), (len(tokens), lora)
+            s.token_ids += [9, 8, 7, 6, 5, 4, 3, 2]          # grows: the hasher goes on past the taken ones
+            m = len(s.token_ids) // PS
+            assert bm._hashes(s, m) == _want(s.token_ids, m, lora)
+
+
+def test_recent_prompts_are_kept_up_to_the_capacity():
+    from infc.config import RECENT_PROMPT_HASHES
+    bm = BlockManager(64, PS)
+    prompts = [[i] * 9 for i in range(RECENT_PROMPT_HASHES + 1)]     # each its own first block
+    for i, p in enumerate(prompts):
+        bm._hashes(seq(p, i), 2)
+    assert bm.recent.reused_blocks == 0 and len(bm.recent.prompts) == RECENT_PROMPT_HASHES
+    bm._hashes(seq(prompts[0], 100), 2)                   # the least recent was dropped
+    assert bm.recent.reused_blocks == 0
+    bm._hashes(seq(prompts[-1], 101), 2)
+    assert bm.recent.reused_blocks == 2
+    bm.recent.capacity = 0                                 # none kept: every block hashed
+    bm._hashes(seq(prompts[-1], 102), 2)
+    assert bm.recent.reused_blocks == 2
+
+
+def test_hits_and_misses_agree_with_and_without_recent_hashes():
+    """The same admissions with the store off and on: the same hits, pages and hashes."""
+    import random
+    runs = []
+    for capacity in (0, 16):
+        bm, r = BlockManager(256, PS), random.Random(2)
+        bm.recent.capacity = capacity
+        base = [r.randrange(50) for _ in range(80)]
+        got = []
+        for i in range(40):
+            cut = r.randrange(0, 81)
+            s = seq(base[:cut] + [r.randrange(50) for _ in range(r.randrange(1, 12))], i)
+            run(bm, s)
+            got.append((s.num_cached_tokens, list(s.pages), list(s.block_hashes)))
+            if r.random() < 0.7:
+                bm.release(s)
+            bm.check()
+        runs.append(got)
+    assert runs[0] == runs[1]

@@ -292,5 +292,6 @@ class AsyncEngine:
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams):
         """The engine's own rules for a request (ValueError if it can never run), from any thread:
-        the server runs it on its worker pool, then generate(..., checked=True)."""
-        self.engine.check_request(prompt_ids, params)
+        the server runs it on its worker pool, then generate(..., checked=True). Returns the
+        prompt as the int64 array it checked (Engine.check_request)."""
+        return self.engine.check_request(prompt_ids, params)

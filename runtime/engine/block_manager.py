@@ -3,7 +3,8 @@
 A full block is named by the hash of the whole prefix up to its end, sha256 of the token ids
 (int64) from token 0, so two sequences whose hashes agree on block i agree on every token before
 it. A sequence keeps the running hasher, so each token is hashed once (a 16k-token prompt in
-~0.35 ms: chaining sha256(parent hash + block) a block at a time cost 3x that). A new sequence
+~0.35 ms: chaining sha256(parent hash + block) a block at a time cost 3x that), and a prompt that
+begins as a recent one did takes that prompt's hashes for those blocks (recent_hashes.py). A new sequence
 takes the longest chain of cached blocks (a reference each) and computes only the rest; its very
 last token is always computed, since the step must produce logits to sample from.
 
@@ -44,8 +45,9 @@ from collections import OrderedDict
 
 import numpy as np
 
-from infc.config import DEFAULT_PAGE_SIZE
+from infc.config import DEFAULT_PAGE_SIZE, RECENT_PROMPT_HASHES
 from .kv_events import MEDIUM_DEVICE
+from .recent_hashes import RecentHashes
 from .sequence import Sequence
 
 
@@ -80,6 +82,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_pages)]
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_pages))
         self.cached: dict[bytes, int] = {}        # hash -> page holding that block
+        self.recent = RecentHashes(RECENT_PROMPT_HASHES, page_size)   # the last prompts' hashes
         self.query_tokens = 0                     # prompt tokens looked up at admission
         self.hit_tokens = 0                       # of those, found in the cache
         self.num_slots = num_slots
@@ -112,17 +115,27 @@ class BlockManager:
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """The prefix hashes of seq's first num_blocks full blocks (extended as tokens arrive):
         prefix_hash's bytes, the new blocks' tokens converted in one numpy call and fed to the
-        sequence's running hasher (a 16k-token prompt is 1,024 blocks at admission)."""
+        sequence's running hasher (a 16k-token prompt is 1,024 blocks at admission). A sequence's
+        first hashes are a recent prompt's where its tokens begin as that prompt's did
+        (recent_hashes.py), the hasher brought past them in one update."""
         hs, ps = seq.block_hashes, self.page_size
         first = len(hs)
         if first < num_blocks:
-            raw = memoryview(np.asarray(seq.token_ids[first * ps:num_blocks * ps], np.int64).tobytes())
+            prompt = seq.prompt_array             # the check's array (PromptIds), where it covers
+            tokens = prompt[:num_blocks * ps] if first == 0 and prompt is not None and \
+                len(prompt) >= num_blocks * ps else np.asarray(seq.token_ids[first * ps:num_blocks * ps], np.int64)
+            raw = memoryview(tokens).cast("B")
             width = ps * 8
             h = seq.block_hasher or _hasher(seq)
-            for j in range(num_blocks - first):
+            done = self.recent.reuse(seq.lora, tokens, hs, num_blocks) if first == 0 else 0
+            if done:
+                h.update(raw[:done * width])
+            for j in range(done, num_blocks - first):
                 h.update(raw[j * width:(j + 1) * width])
                 hs.append(h.copy().digest())
             seq.block_hasher = h
+            if first == 0:
+                self.recent.remember(seq.lora, tokens, hs)
         return hs[:num_blocks]
 
     def block_hash(self, seq: Sequence, i: int) -> bytes:
@@ -134,12 +147,15 @@ class BlockManager:
         # too skips the prefix cache for prompt logprobs); its blocks still enter the cache
         if not self.enable_prefix_caching or seq.scores_prompt:
             return []
-        hits = []
-        for h in self._hashes(seq, (seq.num_tokens - 1) // self.page_size):
-            page = self.cached.get(h)
-            if page is None and (self.tiers is None or not self.tiers.find(h)):
-                break
-            hits.append(page)                     # None: in a tier
+        hashes = self._hashes(seq, (seq.num_tokens - 1) // self.page_size)
+        pages = list(map(self.cached.get, hashes))   # the device's pages, in one C loop
+        n = pages.index(None) if None in pages else len(pages)
+        hits = pages[:n]
+        if self.tiers is not None:                # past the device's hits, on into the tiers
+            for h, page in zip(hashes[n:], pages[n:]):
+                if page is None and not self.tiers.find(h):
+                    break
+                hits.append(page)                 # None: in a tier
         if self.snapshots is not None:            # the state must be restorable where the hit ends
             del hits[self.snapshots.longest(seq.block_hashes, len(hits)):]
         return hits
@@ -161,15 +177,6 @@ class BlockManager:
         return len(self._cached_prefix(seq))
 
     # -- allocation ----------------------------------------------------------------------------
-    def _take(self, page: int) -> bool:
-        """One more reference to a cached page; True when it left the free queue."""
-        b = self.blocks[page]
-        b.ref += 1
-        if b.ref == 1:
-            del self.free[page]
-            return True
-        return False
-
     def _new_page(self) -> int:
         page, _ = self.free.popitem(last=False)   # least recently freed: evict its hash
         b = self.blocks[page]
@@ -205,8 +212,10 @@ class BlockManager:
         cached = len(hits) * self.page_size
         n = self.chunk(seq, cached, min(seq.num_tokens - cached, budget))
         new = self.pages_for(cached + n) - len(hits)
-        # evictable hits leave `free`; a tier block takes a page of it
-        revived = sum(1 for p in hits if p is None or self.blocks[p].ref == 0)
+        # evictable hits (unreferenced: in `free`) leave it; a tier block takes a page of it
+        device = [p for p in hits if p is not None] if None in hits else hits
+        leaving = self.free.keys() & device       # a set, made in C (a 16k hit: 1,024 pages)
+        revived = len(leaving) + (len(hits) - len(device))
         # the adapter's slot is asked for last: only once the pages and state slot are there
         if n <= 0 or new + revived > len(self.free) or (self.num_slots and not self.free_slots) \
                 or (self.lora is not None and not self.lora.admit(seq)):
@@ -219,9 +228,13 @@ class BlockManager:
             seq.slot = self.free_slots.pop()
         if snap is not None:
             self.snapshots.restore(snap, seq)
-        taken = [p for p in hits if p is not None and self._take(p)]
-        if taken and self.tiers is not None:     # one call a hit: a 32k prompt's is 2,048 pages
-            self.tiers.taken(taken, self.free)
+        blocks = self.blocks
+        for p in device:                          # a reference more to each cached page
+            blocks[p].ref += 1
+        for p in leaving:
+            del self.free[p]
+        if leaving and self.tiers is not None:   # one call a hit: a 32k prompt's is 2,048 pages
+            self.tiers.taken([p for p in device if p in leaving], self.free)
         if rows:
             tier = [i for i, p in enumerate(hits) if p is None]
             hits = self._restored(seq.block_hashes, hits, rows)

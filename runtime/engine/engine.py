@@ -61,7 +61,7 @@ from .row_processing import RowProcessing
 from .runner import RowSampling, sample_rows
 from .sampling import SamplingParams
 from .scheduler import Scheduler
-from .sequence import Sequence
+from .sequence import PromptIds, Sequence
 from .speculative.eagle_runner import eagle_proposer
 from .speculative.speculator import (DraftProposer, Speculator, check_draft_runner, merge_outputs,
                                     refuse_slot_caches)
@@ -248,15 +248,16 @@ class Engine:
         return DraftProposer(draft_runner, max_num_batched_tokens, max_model_len, enable_prefix_caching)
 
     # -- requests in ----------------------------------------------------------------------------
-    def check_request(self, prompt_ids, params: SamplingParams):
+    def check_request(self, prompt_ids, params: SamplingParams) -> np.ndarray:
         """Raise ValueError for a request that can never run (pure: safe from any thread).
-        prompt_ids: a list of int, or the int64 array token_array made of one."""
+        prompt_ids: a list of int, or the int64 array token_array made of one. Returns that
+        array (PromptIds carries it to the block manager)."""
         n = len(prompt_ids)
         if n == 0:
             raise ValueError("the prompt is empty")
         vocab = getattr(self.runner, "vocab_size", None)
+        ids = prompt_ids if isinstance(prompt_ids, np.ndarray) else token_array(prompt_ids)
         if vocab is not None:
-            ids = prompt_ids if isinstance(prompt_ids, np.ndarray) else token_array(prompt_ids)
             if ids.min() < 0 or ids.max() >= vocab:
                 raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if n >= self.max_model_len:
@@ -278,6 +279,7 @@ class Engine:
             raise ValueError(f"a sequence of up to {longest} tokens ({n} prompt + "
                              f"{'unbounded' if params.max_tokens is None else params.max_tokens} "
                              f"new) can never fit in the KV cache of {kv} tokens: lower max_tokens")
+        return ids
 
     def _check_processing(self, params: SamplingParams, vocab: int | None):
         if params.bad_words and self.tokenizer is None:
@@ -286,12 +288,12 @@ class Engine:
             if vocab is not None and any(not 0 <= t < vocab for t in ids):
                 raise ValueError(f"{name} holds token ids outside the vocabulary [0, {vocab})")
 
-    def checked_ids(self, prompt_ids, params: SamplingParams) -> list[int]:
+    def checked_ids(self, prompt_ids, params: SamplingParams) -> PromptIds:
         """The prompt as a list of int, once check_request has accepted it with these params
-        (ValueError otherwise): one conversion serves both."""
+        (ValueError otherwise): one conversion serves both, and the block manager's hashing."""
         ids = token_array(prompt_ids)
         self.check_request(ids, params)
-        return ids.tolist()
+        return PromptIds(ids.tolist(), ids)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     arrival_time: float | None = None, checked: bool = False, counted: bool = True,

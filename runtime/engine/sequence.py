@@ -15,6 +15,17 @@ import time
 from .sampling import SamplingParams
 
 
+class PromptIds(list):
+    """A prompt's token ids with the int64 array the engine's check made of them (`array`): the
+    server checks a request on its worker pool, and the block manager hashes that array on the
+    engine thread instead of converting the list again (~0.27 ms at 16k tokens)."""
+    __slots__ = ("array",)
+
+    def __init__(self, ids, array):
+        super().__init__(ids)
+        self.array = array
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -26,6 +37,7 @@ class Sequence:
                  params: SamplingParams, seed: int, decoder=None, arrival_time: float | None = None):
         self.seq_id, self.request_id, self.index = seq_id, request_id, index
         self.token_ids = list(prompt_ids)          # prompt, then outputs
+        self.prompt_array = getattr(prompt_ids, "array", None)   # PromptIds': the prompt as int64
         self.num_prompt_tokens = len(prompt_ids)
         self.params, self.seed = params, seed
         self.status = Status.WAITING
