@@ -44,7 +44,7 @@ hit counters). Per L the warm requests' restore copies go into the JSON: restore
 alone: the copy stream's events on the GPU) and restore_GBps (the blocks' bytes over it), beside
 the TTFTs they are part of. --tier hbm (the default) is the device's own prefix cache.
 
---alternate INFC_VAR (engine path): an A/B of a flag the runtime reads at each step, inside one
+--alternate FLAG (engine path): an A/B of a flag the runtime reads at each step, inside one
 process (the GPU host gives each process its own speed, NOTES): the timed requests alternate the
 variable between 0 and 1, and each mode's statistics are also given per value (`by_variant`).
 
@@ -660,9 +660,9 @@ def main(argv=None):
     ap.add_argument("--settle-s", type=float, default=0.0,
                     help="engine path: seconds of pause between caching the prefix and the warm "
                          "requests (with a KV tier: its saves of the requests before finish first)")
-    ap.add_argument("--alternate", metavar="INFC_VAR",
+    ap.add_argument("--alternate", metavar="FLAG",
                     help="engine path: an A/B inside one process: the timed requests alternate the "
-                         "flag INFC_VAR between 0 and 1 (one the runtime reads at each step, e.g. "
+                         "flag FLAG between 0 and 1 (one the runtime reads at each step, e.g. "
                          "INFC_SHORT_GRAPHS), each value's statistics apart (by_variant)")
     ap.add_argument("--kv-offloading-disk", help="--tier disk: the folder (default: a temporary one)")
     ap.add_argument("--kv-offloading-disk-size", type=float, help="--tier disk: GiB (default: twice the host pool)")
