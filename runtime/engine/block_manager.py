@@ -3,10 +3,10 @@
 A full block is named by the hash of the whole prefix up to its end, sha256 of the token ids
 (int64) from token 0, so two sequences whose hashes agree on block i agree on every token before
 it. A sequence keeps the running hasher, so each token is hashed once (a 16k-token prompt in
-~0.35 ms: chaining sha256(parent hash + block) a block at a time cost 3x that), and a prompt that
-begins as a recent one did takes that prompt's hashes for those blocks (recent_hashes.py). A new sequence
-takes the longest chain of cached blocks (a reference each) and computes only the rest; its very
-last token is always computed, since the step must produce logits to sample from.
+~0.35 ms: chaining sha256(parent hash + block) a block at a time cost 3x that), and a prompt
+that begins as a recent one did takes that prompt's hashes for those blocks (recent_hashes.py).
+A new sequence takes the longest chain of cached blocks (a reference each) and computes only the
+rest; its very last token is always computed, since the step must produce logits to sample from.
 
 Every page is either referenced (ref > 0) or in `free`, an LRU queue. A page freed with a hash
 stays findable there until an allocation takes it from the front and evicts its hash. A
@@ -122,8 +122,10 @@ class BlockManager:
         first = len(hs)
         if first < num_blocks:
             prompt = seq.prompt_array             # the check's array (PromptIds), where it covers
-            tokens = prompt[:num_blocks * ps] if first == 0 and prompt is not None and \
-                len(prompt) >= num_blocks * ps else np.asarray(seq.token_ids[first * ps:num_blocks * ps], np.int64)
+            if first == 0 and prompt is not None and len(prompt) >= num_blocks * ps:
+                tokens = prompt[:num_blocks * ps]
+            else:
+                tokens = np.asarray(seq.token_ids[first * ps:num_blocks * ps], np.int64)
             raw = memoryview(tokens).cast("B")
             width = ps * 8
             h = seq.block_hasher or _hasher(seq)
