@@ -151,20 +151,23 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | None = None,
                  lora_request=None) -> list[RequestOutput]:
-        """lora_request: a loaded adapter's name, or vLLM's LoRARequest (anything with lora_name
-        and lora_path), loaded on first use."""
+        """prompts: a text, a list of token ids, vLLM's prompt dict ({"prompt": text} or
+        {"prompt_token_ids": ids}, with an optional "cache_salt": only prompts of the same salt
+        share cached KV), or a list of these. lora_request: a loaded adapter's name, or vLLM's
+        LoRARequest (anything with lora_name and lora_path), loaded on first use."""
         lora = self._lora(lora_request)
         asked = sampling_params or SamplingParams()
         params = best_of.candidates(asked)
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         requests = {}
         try:
             for prompt in prompts:
+                prompt, salt = _prompt_and_salt(prompt)
                 ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
                 rid = f"llm-{self._next_id}"
                 self._next_id += 1
-                self.engine.add_request(ids, params, rid, lora=lora)
+                self.engine.add_request(ids, params, rid, lora=lora, cache_salt=salt)
                 requests[rid] = RequestOutput(prompt if isinstance(prompt, str) else None, ids,
                                               [CompletionOutput(i, "", []) for i in range(params.n)])
             while self.engine.has_unfinished():
@@ -194,3 +197,14 @@ class LLM:
                     if asked.logprobs is None:
                         c.logprobs = None
         return list(requests.values())
+
+
+def _prompt_and_salt(prompt) -> tuple:
+    """(text or ids, cache salt) of one prompt of LLM.generate: vLLM's prompt dicts too."""
+    if not isinstance(prompt, dict):
+        return prompt, None
+    unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+    if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError("a prompt dict holds one of 'prompt' (text) and 'prompt_token_ids', and "
+                         f"optionally 'cache_salt'; got keys {sorted(prompt)}")
+    return prompt.get("prompt", prompt.get("prompt_token_ids")), prompt.get("cache_salt")

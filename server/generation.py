@@ -133,16 +133,17 @@ class Generation:
         if self.params is None:
             return []
         params = best_of.candidates(self.params)
-        return [(k, ids, params, f"{self.id}-{k}", self.lora) for k, ids in enumerate(self.req.prompts)]
+        return [(k, ids, params, f"{self.id}-{k}") for k, ids in enumerate(self.req.prompts)]
 
     def start(self, loop: asyncio.AbstractEventLoop):
         """Queue the request's engine requests (their prompts and params checked: app.checked),
         from the event loop or the worker pool; outputs() reads them on `loop`. The caller closes."""
         self.opened = []
         try:
-            for _, ids, params, rid, lora in self.jobs():
+            for _, ids, params, rid in self.jobs():
                 # app.checked ran the engine's check on every prompt of the request before replying
-                self.opened.append(self.engine.open(ids, params, rid, loop, lora=lora))
+                self.opened.append(self.engine.open(ids, params, rid, loop, lora=self.lora,
+                                                    cache_salt=self.req.cache_salt))
         except BaseException:
             self.close()
             raise
@@ -178,7 +179,8 @@ class Generation:
 
         async def one(k, ids):
             self.prompt_logprobs[k] = await scoring.forced_token_logprobs(
-                self.engine, ids, self.req.logprobs, self.b.vocab_size, f"{self.id}-{k}", lora=self.lora)
+                self.engine, ids, self.req.logprobs, self.b.vocab_size, f"{self.id}-{k}", lora=self.lora,
+                cache_salt=self.req.cache_salt)
 
         await run_all(*(one(k, ids) for k, ids in enumerate(self.req.prompts)))
 

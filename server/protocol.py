@@ -178,6 +178,7 @@ class GenRequest:
     max_tokens: int | None = None
     answer: object = None              # chat: its chat_output.AnswerPlan (outputs.py)
     prompt_logprobs: int | None = None # vLLM's: the prompt's logprobs with the top k (server/scoring.py)
+    cache_salt: str | None = None      # vLLM's: only requests with the same salt share cached KV
 
 
 @dataclass
@@ -210,6 +211,17 @@ def _reject_unsupported(body: dict):
                 _is_num(v) and float(v) == float(neutral[0]):
             continue
         raise bad(f"'{name}' is not supported by this server", name)
+
+
+def _cache_salt(f: Fields) -> str | None:
+    """vLLM's cache_salt: the request's cached KV is shared only with requests of the same salt
+    (the block manager names its blocks with it); vLLM's words where it is not a string."""
+    v = f.get("cache_salt")
+    if v is None:
+        return None
+    if not isinstance(v, str) or not v:
+        raise bad("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+    return check_text(v, "cache_salt")
 
 
 def _prompt_logprobs(f: Fields, lim: Limits, stream: bool) -> int | None:
@@ -410,7 +422,8 @@ def parse_completion(body: dict, lim: Limits, tokenizer) -> GenRequest:
         _check_context(lim, len(ids), max_tokens, "prompt")
         prompts.append(ids)
     return GenRequest("completion", prompts, texts, params, n, echo, logprobs, stream, include_usage,
-                      continuous, max_tokens, prompt_logprobs=_prompt_logprobs(f, lim, stream))
+                      continuous, max_tokens, prompt_logprobs=_prompt_logprobs(f, lim, stream),
+                      cache_salt=_cache_salt(f))
 
 
 def encode(tokenizer, text: str, param: str) -> list[int]:
@@ -560,4 +573,5 @@ def parse_chat(body: dict, lim: Limits, tokenizer, template: str | None, special
         raise bad("the rendered chat is empty", "messages")
     _check_context(lim, len(ids), max_tokens, "messages")
     return GenRequest("chat", [ids], [text], params, n, False, logprobs, stream, include_usage,
-                      continuous, max_tokens, prompt_logprobs=_prompt_logprobs(f, lim, stream))
+                      continuous, max_tokens, prompt_logprobs=_prompt_logprobs(f, lim, stream),
+                      cache_salt=_cache_salt(f))

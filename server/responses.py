@@ -26,7 +26,7 @@ def embeddings_unsupported() -> APIError:
 
 
 SAMPLING = ("temperature", "top_p", "seed", "top_k", "min_p", "stop", "ignore_eos", "min_tokens",
-            "user", "chat_template_kwargs")
+            "user", "chat_template_kwargs", "cache_salt")
 REFUSED = {"stream": "streaming Responses events", "tools": "tools", "previous_response_id":
            "stored responses (previous_response_id)", "background": "background responses"}
 

@@ -80,10 +80,10 @@ def _all_but(vocab_size: int, keep: int) -> list[int]:
 
 
 async def forced_token_logprobs(engine, ids: list[int], top: int, vocab_size: int, request_id: str,
-                                lora: str | None = None) -> list:
+                                lora: str | None = None, cache_salt: str | None = None) -> list:
     """The old path: [None, {"token", "logprob", "top": [(id, logprob)]}, ...], one entry per
     prompt token (the first has no context, hence None), one engine request each (with the
-    request's LoRA adapter, if any)."""
+    request's LoRA adapter and cache salt, if any)."""
     result: list = [None] * len(ids)
 
     async def score(i: int):
@@ -92,7 +92,7 @@ async def forced_token_logprobs(engine, ids: list[int], top: int, vocab_size: in
                                 skip_special_tokens=False)
         # a prefix of a prompt the server checked, with max_tokens 1: it fits where the prompt did
         async for out in engine.generate(ids[:i], params, f"{request_id}-score-{i}", checked=True,
-                                         counted=False, lora=lora):
+                                         counted=False, lora=lora, cache_salt=cache_salt):
             if out.token_ids and out.logprobs:
                 lp = out.logprobs[0]
                 if out.token_ids[0] != ids[i]:       # the ban did not hold: a bug, say so

@@ -21,6 +21,7 @@ import threading
 
 from .engine import Engine, StepOutput, is_fatal
 from .sampling import SamplingParams
+from .sequence import PromptIds
 from .structured.request import StructuredOutputs
 
 
@@ -84,17 +85,19 @@ class AsyncEngine:
 
     # -- the door -------------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                       checked: bool = False, counted: bool = True, lora: str | None = None):
+                       checked: bool = False, counted: bool = True, lora: str | None = None,
+                       cache_salt: str | None = None):
         """Yield this request's StepOutputs until all its sequences are finished. checked: the
         caller ran engine.check_request on these ids (a list of int) and params already (the
         server does, for every prompt of a request before it replies). counted=False: a request
-        the server makes for itself, left out of the metrics. lora: a loaded adapter's name."""
+        the server makes for itself, left out of the metrics. lora: a loaded adapter's name.
+        cache_salt: Engine.add_request's."""
         self._raise_if_dead()
         if not checked:
             if params.structured_outputs is not None:      # compiled off the loop, then cached
                 await self.check_structured(params.structured_outputs)
             prompt_ids = self.engine.checked_ids(prompt_ids, params)   # a bad request fails here, at once
-        req = self.open(prompt_ids, params, request_id, asyncio.get_running_loop(), counted, lora)
+        req = self.open(prompt_ids, params, request_id, asyncio.get_running_loop(), counted, lora, cache_salt)
         try:
             async for out in req:
                 yield out
@@ -102,11 +105,13 @@ class AsyncEngine:
             req.close()
 
     def open(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-             loop: asyncio.AbstractEventLoop, counted: bool = True, lora: str | None = None) -> "Opened":
+             loop: asyncio.AbstractEventLoop, counted: bool = True, lora: str | None = None,
+             cache_salt: str | None = None) -> "Opened":
         """Queue a checked request (see generate) from any thread: the engine takes it at its next
         step boundary, and its outputs go to `loop`, where the returned Opened yields them. The
         server opens a request on its worker pool as soon as the request is checked, so the step
-        starts while the event loop still sets up the reply. Whoever opens must close."""
+        starts while the event loop still sets up the reply. Whoever opens must close.
+        cache_salt: Engine.add_request's."""
         self._raise_if_dead()
         queue = asyncio.Queue()                  # bound to `loop` when first awaited there
         with self._lock:
@@ -119,7 +124,9 @@ class AsyncEngine:
             with self._lock:
                 self._queues.pop(request_id, None)
             raise
-        self._send(("add", list(prompt_ids), params, request_id, counted, lora))
+        # a copy (the caller's list is its own), with the check's array where the ids carry one
+        ids = PromptIds(prompt_ids, prompt_ids.array) if isinstance(prompt_ids, PromptIds) else list(prompt_ids)
+        self._send(("add", ids, params, request_id, counted, lora, cache_salt))
         return Opened(self, request_id, queue)
 
     async def check_structured(self, so: StructuredOutputs) -> None:
@@ -233,13 +240,13 @@ class AsyncEngine:
             except Exception as e:              # noqa: BLE001 - the caller's to report
                 fut.set_exception(e)
             return
-        _, prompt_ids, params, request_id, counted, lora = cmd
+        _, prompt_ids, params, request_id, counted, lora, cache_salt = cmd
         with self._lock:
             if request_id not in self._queues:    # its consumer already left
                 return
         try:
             self.engine.add_request(prompt_ids, params, request_id, checked=True, counted=counted,
-                                    lora=lora)
+                                    lora=lora, cache_salt=cache_salt)
         except ValueError as e:                 # one bad request, not a dead engine
             self._put(request_id, e)
         except Exception as e:                  # noqa: BLE001 - nor one that fails on its way in

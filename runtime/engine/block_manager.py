@@ -57,12 +57,24 @@ def prefix_hash(tokens) -> bytes:
 
 
 def _hasher(seq: Sequence):
-    """A sequence's first hasher: its adapter's id first, in 12 bytes, so an adapter's hashed
-    bytes are never a whole number of int64 tokens and never name a base model's block."""
+    """A sequence's first hasher: its adapter's id first, in 12 bytes, then its cache salt
+    (vLLM's cache_salt: "salt", its length, its UTF-8 bytes, zero padding), so that the bytes
+    before the tokens are 4 bytes past a whole number of int64 tokens: an adapter's or a salted
+    block never has a plain block's name, nor one of another adapter or salt."""
     h = hashlib.sha256()
-    if seq.lora is not None:
-        h.update(b"lora" + int(seq.lora[1]).to_bytes(8, "little"))
+    head = b"" if seq.lora is None else b"lora" + int(seq.lora[1]).to_bytes(8, "little")
+    if seq.cache_salt is not None:
+        salt = seq.cache_salt.encode()
+        head += b"salt" + len(salt).to_bytes(8, "little") + salt
+        head += bytes((4 - len(head)) % 8)
+    if head:
+        h.update(head)
     return h
+
+
+def _owner(seq: Sequence) -> tuple:
+    """Whose blocks a sequence's hashes name (its adapter, its salt): recent_hashes.py's key."""
+    return None if seq.lora is None else int(seq.lora[1]), seq.cache_salt
 
 
 class Block:
@@ -129,7 +141,7 @@ class BlockManager:
             raw = memoryview(tokens).cast("B")
             width = ps * 8
             h = seq.block_hasher or _hasher(seq)
-            done = self.recent.reuse(seq.lora, tokens, hs, num_blocks) if first == 0 else 0
+            done = self.recent.reuse(_owner(seq), tokens, hs, num_blocks) if first == 0 else 0
             if done:
                 h.update(raw[:done * width])
             for j in range(done, num_blocks - first):
@@ -137,7 +149,7 @@ class BlockManager:
                 hs.append(h.copy().digest())
             seq.block_hasher = h
             if first == 0:
-                self.recent.remember(seq.lora, tokens, hs)
+                self.recent.remember(_owner(seq), tokens, hs)
         return hs[:num_blocks]
 
     def block_hash(self, seq: Sequence, i: int) -> bytes:

@@ -297,15 +297,19 @@ class Engine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                     arrival_time: float | None = None, checked: bool = False, counted: bool = True,
-                    lora: str | None = None) -> str:
+                    lora: str | None = None, cache_salt: str | None = None) -> str:
         """checked: prompt_ids is a list of int that check_request already accepted with these
         params (AsyncEngine.generate's door, or the server's before it): at 16k tokens, the int
         conversion and the vocabulary check cost ~0.5 ms each, once per request is enough.
         counted=False: a request the server makes for itself, left out of the metrics.
-        lora: the name of a loaded LoRA adapter to run the request with (None: the base model)."""
+        lora: the name of a loaded LoRA adapter to run the request with (None: the base model).
+        cache_salt: vLLM's: a non-empty string; only requests with the same salt share the
+        prefix cache's blocks with this one (block_manager._hasher)."""
         if params.best_of is not None and params.best_of != params.n:
             raise ValueError("best_of > n is chosen among the engine's outputs by the caller "
                              "(best_of.candidates: the engine draws n = best_of)")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError("cache_salt must be a non-empty string")
         if not checked:
             prompt_ids = self.checked_ids(prompt_ids, params)
         if request_id is None:
@@ -320,6 +324,8 @@ class Engine:
             seed = params.seed + i if params.seed is not None else _seeds.getrandbits(63)
             dec = IncrementalDecoder(self.tokenizer, params.skip_special_tokens) if self.tokenizer else None
             seqs.append(Sequence(self._next_seq, request_id, i, prompt_ids, params, seed, dec, arrival))
+            # its adapter and salt name its blocks: set before any hash is made (_rank_for's too)
+            seqs[-1].lora, seqs[-1].cache_salt = adapter, cache_salt
             if params.structured_outputs is not None:
                 seqs[-1].grammar = self.grammars.grammar(params.structured_outputs)
             seqs[-1].processing = RowProcessing.for_request(
@@ -328,7 +334,7 @@ class Engine:
             self._next_seq += 1
         rank = self._rank_for(seqs[0])
         for s in seqs:                    # siblings share the prompt's cached blocks: one rank
-            s.rank, s.lora = rank, adapter
+            s.rank = rank
         self.requests[request_id] = Request(request_id, prompt_ids, params, seqs, arrival,
                                             self.metrics if counted else Metrics())
         self.schedulers[rank].add(seqs[0])

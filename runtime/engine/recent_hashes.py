@@ -9,8 +9,8 @@ up to its end (and the adapter's id), so where a new prompt's tokens equal an ea
 up to some full block, its hashes up to there are that prompt's: found by one array comparison,
 and the running hasher brought to that block by one update over those tokens' bytes.
 
-The prompts are found by their first block's tokens and adapter: a prompt whose first block
-differs from every kept one shares no hash with them. The most recent prompt with that first
+The prompts are found by their first block's tokens and owner (adapter, cache salt): a prompt
+whose first block or owner differs from every kept one shares no hash with them. The most recent prompt with that first
 block is kept (RECENT_PROMPT_HASHES of them in all, the least recently admitted dropped first):
 a shared system prompt, then each new prompt compared with the last.
 """
@@ -25,13 +25,14 @@ class RecentHashes:
         self.prompts: OrderedDict[tuple, tuple[np.ndarray, list[bytes]]] = OrderedDict()
         self.reused_blocks = 0                 # blocks whose hash was taken, not computed
 
-    def _key(self, lora, tokens: np.ndarray) -> tuple:
-        return (None if lora is None else int(lora[1]), tokens[: self.page_size].tobytes())
+    def _key(self, owner, tokens: np.ndarray) -> tuple:
+        return owner, tokens[: self.page_size].tobytes()
 
-    def reuse(self, lora, tokens: np.ndarray, hashes: list[bytes], num_blocks: int) -> int:
+    def reuse(self, owner, tokens: np.ndarray, hashes: list[bytes], num_blocks: int) -> int:
         """Append to the (empty) hashes the first of num_blocks block hashes of the prompt whose
-        tokens (int64, from token 0) begin as a kept prompt's did; how many."""
-        kept = self.prompts.get(self._key(lora, tokens)) if self.capacity else None
+        tokens (int64, from token 0) begin as a kept prompt of the same owner's did (its adapter
+        and cache salt: block_manager._owner); how many."""
+        kept = self.prompts.get(self._key(owner, tokens)) if self.capacity else None
         if kept is None:
             return 0
         prev, prev_hashes = kept
@@ -43,11 +44,11 @@ class RecentHashes:
         self.reused_blocks += k
         return k
 
-    def remember(self, lora, tokens: np.ndarray, hashes: list[bytes]):
+    def remember(self, owner, tokens: np.ndarray, hashes: list[bytes]):
         """Keep a prompt's tokens (its whole blocks') and their hashes (a copy: ~3 us at 1,024)."""
         if not self.capacity or len(tokens) < self.page_size:
             return
-        key = self._key(lora, tokens)
+        key = self._key(owner, tokens)
         self.prompts[key] = (tokens, hashes[: len(tokens) // self.page_size])
         self.prompts.move_to_end(key)
         while len(self.prompts) > self.capacity:

@@ -53,6 +53,9 @@ class Sequence:
         self.pending_row = -1                      # that step's row for this sequence
         self.rank = 0                              # data-parallel ranks: the rank whose KV it has
         self.lora = None                           # (name, lora_id) of its LoRA adapter, or None
+        self.cache_salt: str | None = None         # vLLM's cache_salt: its blocks' names start
+                                                   # with it, so only requests with the same salt
+                                                   # share its cached KV (block_manager._hasher)
         self.lora_slot = 0                         # the adapter's slot while admitted (0: none)
         self.processing = None                     # its rows' logits processing (row_processing.py)
         self.final = False                         # its pending token is its last: schedule no more

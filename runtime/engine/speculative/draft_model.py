@@ -157,6 +157,7 @@ class DraftProposer:
         if params.logprobs is not None or params.prompt_logprobs is not None:
             params = replace(params, logprobs=None, prompt_logprobs=None)   # the draft's draws only
         shadow = Sequence(seq.seq_id, seq.request_id, seq.index, seq.token_ids, params, seq.seed)
+        shadow.cache_salt = seq.cache_salt            # the draft's cached blocks are salted alike
         while self.bm.admit(shadow, budget) == 0:
             if not self._evict(busy):
                 return None, 0
