@@ -91,14 +91,15 @@ def _cached(s, body, path="/v1/completions") -> int:
 
 def test_the_server_takes_cache_salt_as_vllm_does(srv):
     """Completions and chat: a salted request hits only its salt's cache; a bad salt is vLLM's 400."""
-    s = live(enable_prompt_tokens_details=True)
+    s = live(enable_prompt_tokens_details=True)      # shared with other tests: prompts of its own
     page = backend().page_size
-    ids = backend().tokenizer.encode(TEXT)[:3 * page + 5]
+    ids = backend().tokenizer.encode("On salted caches. " + TEXT)[:3 * page + 5]
     full = (len(ids) - 1) // page * page
     body = {"model": "smol", "prompt": ids, "max_tokens": 1, "temperature": 0}
     assert [_cached(s, dict(body, cache_salt="a")), _cached(s, dict(body, cache_salt="a")),
             _cached(s, dict(body, cache_salt="b")), _cached(s, body), _cached(s, body)] == [0, full, 0, 0, full]
-    chat = {"model": "smol", "messages": [{"role": "user", "content": TEXT}], "max_tokens": 1, "temperature": 0}
+    chat = {"model": "smol", "messages": [{"role": "user", "content": "On salted chats. " + TEXT}],
+            "max_tokens": 1, "temperature": 0}
     to_chat = "/v1/chat/completions"
     first = _cached(s, dict(chat, cache_salt="c"), to_chat)
     assert first == 0 and _cached(s, dict(chat, cache_salt="c"), to_chat) > 0
