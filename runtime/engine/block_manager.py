@@ -61,15 +61,12 @@ def _hasher(seq: Sequence):
     (vLLM's cache_salt: "salt", its length, its UTF-8 bytes, zero padding), so that the bytes
     before the tokens are 4 bytes past a whole number of int64 tokens: an adapter's or a salted
     block never has a plain block's name, nor one of another adapter or salt."""
-    h = hashlib.sha256()
     head = b"" if seq.lora is None else b"lora" + int(seq.lora[1]).to_bytes(8, "little")
     if seq.cache_salt is not None:
         salt = seq.cache_salt.encode()
         head += b"salt" + len(salt).to_bytes(8, "little") + salt
         head += bytes((4 - len(head)) % 8)
-    if head:
-        h.update(head)
-    return h
+    return hashlib.sha256(head)
 
 
 def _owner(seq: Sequence) -> tuple:

@@ -5,14 +5,15 @@ block at a time by a Python loop: a 16k-token prompt's 1,024 blocks took ~0.75 m
 engine thread on the build machine, on every admission, while the device waits for the step.
 Most long prompts begin as a recent one did: a warm prefix hit re-sends its prefix, a chat's
 next turn its history, an agent its tools and context. Block i's hash depends only on the tokens
-up to its end (and the adapter's id), so where a new prompt's tokens equal an earlier prompt's
-up to some full block, its hashes up to there are that prompt's: found by one array comparison,
-and the running hasher brought to that block by one update over those tokens' bytes.
+up to its end and the sequence's owner (its adapter, its cache salt), so where a new prompt's
+tokens equal an earlier prompt's of the same owner up to some full block, its hashes up to there
+are that prompt's: found by one array comparison, and the running hasher brought to that block
+by one update over those tokens' bytes.
 
-The prompts are found by their first block's tokens and owner (adapter, cache salt): a prompt
-whose first block or owner differs from every kept one shares no hash with them. The most recent prompt with that first
-block is kept (RECENT_PROMPT_HASHES of them in all, the least recently admitted dropped first):
-a shared system prompt, then each new prompt compared with the last.
+The prompts are found by their first block's tokens and their owner: a prompt whose first block
+or owner differs from every kept one shares no hash with them. The most recent prompt with that
+first block and owner is kept (RECENT_PROMPT_HASHES of them in all, the least recently admitted
+dropped first): a shared system prompt, then each new prompt compared with the last.
 """
 from collections import OrderedDict
 
