@@ -67,3 +67,42 @@ def test_qwen3_5_delta_rule_forms_through_kernels(wy, chunk, family_model, tmp_p
         assert all(r["inputs"][-2:] == w["outputs"] and w["attrs"]["chunk"] == chunk for r, w in zip(rules, wys))
     a, b = sequences(VOCAB)
     through_kernels(plan, run, ref, a, b, bf16_tolerance(hf))
+
+
+def test_qwen3_5_narrow_steps_convolve_in_the_qkv_gemv(family_model, tmp_path):
+    """compiler/passes/merge_epilogues.py: a one-token narrow step's q|k|v GEMV convolves its
+    channels (the conv's launch gone from the narrow program alone), reading the conv cache the
+    prefill left and shifting it, step after step, against the reference; then a two-sequence
+    decode step (the conv's own launch) reads the cache the narrow steps left."""
+    from infc.compiler.contract.program import launches
+    from infc.runtime.reference.executor import SeqChunk
+    from infc.runtime.engine.step import Chunk
+    from interp_protocol import rel
+    import numpy as np
+    d, hf = family_model("qwen3_5")
+    plan, run, ref = executors(d, tmp_path / "art", True)
+    narrow = [ln for ln, _ in launches(plan["programs"]["narrow"])]
+    merged = [ln for ln in narrow if ln.get("epilogue", {}).get("op") == "causal_conv1d"]
+    layers = sum(1 for ln, _ in launches(plan["programs"]["decode"]) if ln["op"] == "causal_conv1d")
+    assert layers and len(merged) == layers and all(ln["op"] == "linear" for ln in merged)
+    assert not any(ln["op"] == "causal_conv1d" for ln in narrow)
+    tol = bf16_tolerance(hf)
+    a, b = sequences(VOCAB)
+    for s, ids in enumerate((a, b)):
+        got, want = run.step([Chunk(s, ids, 0)]), ref.step([SeqChunk(s, ids, 0)])
+        assert rel(got, want) < tol(ids)
+    fed, lens = [list(a), list(b)], [len(a), len(b)]
+    for step in range(4):
+        t = int(np.argmax(want[-1] if want.ndim > 1 else want))
+        got, want = run.step([Chunk(0, [t], lens[0])]), ref.step([SeqChunk(0, [t], lens[0])])
+        assert run.program == "narrow"
+        fed[0].append(t)
+        lens[0] += 1
+        assert rel(got, want) < tol(fed[0]), (step, rel(got, want))
+        assert np.argmax(got, -1) == np.argmax(want, -1)
+    toks = [int(np.argmax(want[-1] if want.ndim > 1 else want)), fed[1][-1]]
+    got = run.step([Chunk(0, [toks[0]], lens[0]), Chunk(1, [toks[1]], lens[1])])
+    want = ref.step([SeqChunk(0, [toks[0]], lens[0]), SeqChunk(1, [toks[1]], lens[1])])
+    assert run.program == "decode"
+    for row in range(2):
+        assert rel(got[row], want[row]) < tol(fed[row] + [toks[row]]), row

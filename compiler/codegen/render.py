@@ -202,6 +202,7 @@ def tuning_key(plan: dict, launch: dict, phase: str, tensors=None) -> str:
     epi = launch.get("epilogue")
     if epi is not None:             # a consumer in the producer's launch (merge_epilogues): the producer's
         outs = outs[:-epi["writes"]]
+        ins = ins[:len(ins) - epi.get("reads", 0)]
     pro = launch.get("prologue")
     if pro is not None:
         ins = ins[pro["inputs"]:]

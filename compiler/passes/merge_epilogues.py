@@ -30,6 +30,19 @@ there but written at the producer's), as for a merged prologue.
 Not merged (left to its launch): activation groups other than head_dim, per-token or static
 scales (a row-wide amax spans every head's programs), data-parallel plans (rows are G), and a
 feature backend that takes either launch.
+
+A linear-attention layer's short conv, in a one-token narrow step: the conv over one new token is
+per channel (the channel's K - 1 cached inputs and the new one, then the cache shifted by one),
+and the q|k|v GEMV's program that stores a channel holds it, so that program convolves it, writes
+the conv's output and shifts the channel's slot (each channel has one writer: no race on the
+cache, where a program of the delta rule would share its q / k channels with the other v-heads'):
+
+    narrow:  [y = linear(x, W); qkv, ... = split(y); c = causal_conv1d(qkv, w_conv)]
+             -> linear(x, W, w_conv) -> (y, c), launch["epilogue"] = {op: causal_conv1d,
+                columns: qkv's first column in y, reads: 1 (+1 with a bias), ...}
+Only a one-token narrow step (its GEMV has one row on the CUDA-core path, unsplit); a bf16 W
+without a LoRA site; the decode, wide and verify programs keep the conv's launch (their rows are
+several sequences').
 """
 from infc.config import NARROW_TOKENS
 
@@ -38,14 +51,16 @@ from ..ops.quant import scheme_of
 
 # the phases whose attention is decode attention (select_kernels: wide inherits decode's template)
 PHASES = ("narrow", "decode", "wide")
-# producer op -> the templates that write a consumer's outputs in their epilogue
-# (codegen_templates/triton/attention_decode.py.j2, gemv.py.j2's gated narrow codes path)
-PRODUCER_TEMPLATES = {"attention_cached": {"attention_decode"}, "linear_gated": {"gemv_gated"}}
+# consumer op -> producer op -> the templates that write the consumer's outputs in their epilogue
+# (codegen_templates/triton/attention_decode.py.j2, gemv.py.j2's gated narrow codes path and its
+# narrow conv)
+PRODUCER_TEMPLATES = {"quantize_act": {"attention_cached": {"attention_decode"}, "linear_gated": {"gemv_gated"}},
+                      "causal_conv1d": {"linear": {"gemv"}}}
 # the gated GEMV's narrow codes path stores BLOCK_N / 2 = 32 act columns a program (its default
 # tile): groups of a multiple of that hold whole programs (a tuned BLOCK_N that splits a group
 # fails the render, as a K tile that splits one does)
 GATED_COLUMNS = 32
-CONSUMERS = ("quantize_act",)
+CONSUMERS = tuple(PRODUCER_TEMPLATES)
 
 
 def _producer(g, c):
@@ -55,13 +70,30 @@ def _producer(g, c):
     while p is not None and p.op == "view":
         x = p.inputs[0]
         p = g.producer(x)
-    if p is None or p.op not in PRODUCER_TEMPLATES:
+    if p is None or p.op not in PRODUCER_TEMPLATES[c.op]:
         return None
     return p, p.outputs.index(x)
 
 
+def _column_source(g, value):
+    """(producer node, its output index, first column) of a 2-D value that is a split's part of
+    (or is) a node's [T, N] output; else None."""
+    p = g.producer(value)
+    column = 0
+    if p is not None and p.op == "split":
+        i = p.outputs.index(value)
+        column = sum(p.attrs["sizes"][:i])
+        value = p.inputs[0]
+        p = g.producer(value)
+    if p is None:
+        return None
+    return p, p.outputs.index(value), column
+
+
 def _merge(state, g, c, phase):
     """The producer node c runs inside in this phase, or None (why not: see each test)."""
+    if c.op == "causal_conv1d":
+        return _merge_conv(state, g, c, phase)
     found = _producer(g, c)
     if found is None:
         return None
@@ -76,11 +108,32 @@ def _merge(state, g, c, phase):
             return None
     elif not _gated_codes(state, p, phase) or s.act_group % GATED_COLUMNS:
         return None
-    if REGISTRY[p.op].template(state.backend, phase) not in PRODUCER_TEMPLATES[p.op]:
+    if REGISTRY[p.op].template(state.backend, phase) not in PRODUCER_TEMPLATES[c.op][p.op]:
         return None
     if any(REGISTRY[n.op].template(b, phase, inherit=False) for n in (p, c) for b in state.features):
         return None
     # adjacent launches (views only between): the merged one writes the codes at the producer's place
+    between = g.order[g.order.index(p.id) + 1:g.order.index(c.id)]
+    if any(not REGISTRY[g.nodes[n].op].view for n in between):
+        return None
+    return p.id
+
+
+def _merge_conv(state, g, c, phase):
+    """The linear whose output's columns causal_conv1d c reads, where its one-token narrow GEMV
+    convolves them (see the docstring), or None."""
+    found = _column_source(g, c.inputs[0])
+    if found is None or phase != "narrow" or min(state.narrow_tokens, NARROW_TOKENS) != 1:
+        return None
+    p, out, _ = found
+    if p.op not in PRODUCER_TEMPLATES[c.op] or out != 0 or p.attrs.get("quant") or p.attrs.get("out_dtype"):
+        return None
+    if p.id in state.lora_sites.get(phase, {}) or g.values[c.inputs[0]].type.shape[:1] != ("T",):
+        return None
+    if REGISTRY[p.op].template(state.backend, phase) not in PRODUCER_TEMPLATES[c.op][p.op]:
+        return None
+    if any(REGISTRY[n.op].template(b, phase, inherit=False) for n in (p, c) for b in state.features):
+        return None
     between = g.order[g.order.index(p.id) + 1:g.order.index(c.id)]
     if any(not REGISTRY[g.nodes[n].op].view for n in between):
         return None
@@ -122,12 +175,21 @@ def epilogue_launch(g, p, c, producer_launch: dict, consumer_launch: dict) -> di
     out = dict(producer_launch)
     value = c.inputs[0]
     out["outputs"] = producer_launch["outputs"] + consumer_launch["outputs"]
-    _, src = _producer(g, c)
+    if c.op == "causal_conv1d":
+        _, src, column = _column_source(g, value)
+    else:
+        (_, src), column = _producer(g, c), 0
     # the index of the producer's output the consumer reads, within the launch's outputs (after a
     # merged prologue's writes)
     writes = len(producer_launch["outputs"]) - len(p.outputs)
+    # the consumer's other inputs (a conv's weight and bias) after the producer's, and its caches
+    reads = consumer_launch["inputs"][1:]
+    out["inputs"] = producer_launch["inputs"] + reads
+    if consumer_launch.get("caches"):
+        out["caches"] = sorted(set(producer_launch.get("caches", [])) | set(consumer_launch["caches"]))
     out["epilogue"] = {"op": c.op, "output": writes + src, "value": value,
                        "shape": list(g.values[value].type.shape),
+                       **({"column": column, "reads": len(reads)} if c.op == "causal_conv1d" else {}),
                        "writes": len(c.outputs), "attrs": consumer_launch["attrs"],
                        "fuses": c.fused_from, "line": c.line}
     out["fuses"] = producer_launch["fuses"] + c.fused_from

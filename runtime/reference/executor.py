@@ -62,6 +62,10 @@ def launch_results(ctx, launch: dict, args: list) -> tuple:
     if lora is not None:        # a LoRA site in the linear's launch (compiler/passes/merge_lora.py)
         args, tables = list(args[:-lora["inputs"]]), args[-lora["inputs"]:]
         attrs = {k: v for k, v in attrs.items() if k != "fn" or lora["ops"][1] != "lora_expand_act"}
+    epi = launch.get("epilogue")
+    reads = ()
+    if epi is not None and epi.get("reads"):   # the consumer's other inputs (a conv's weight) last
+        args, reads = list(args[:-epi["reads"]]), args[-epi["reads"]:]
     written = ()
     if pro is not None:
         produced = REGISTRY[pro["op"]].reference(ctx, *args[:pro["inputs"]], **pro["attrs"])
@@ -71,11 +75,13 @@ def launch_results(ctx, launch: dict, args: list) -> tuple:
         args = list(args[pro["inputs"]:])
         args.insert(pro.get("feeds", 0), produced[feed])        # the consumer's input it was
     result = REGISTRY[launch["op"]].reference(ctx, *args, **attrs)
-    epi = launch.get("epilogue")
     if epi is not None:         # a consumer in the producer's launch (compiler/passes/merge_epilogues.py)
         result = result if isinstance(result, tuple) else (result,)
         x = (written + result)[epi["output"]]
-        tail = REGISTRY[epi["op"]].reference(ctx, x.reshape([ctx.dim(d) for d in epi["shape"]]), **epi["attrs"])
+        shape = [ctx.dim(d) for d in epi["shape"]]
+        if "column" in epi:     # the columns of the producer's output the consumer reads (a split's part)
+            x = x[..., epi["column"]:epi["column"] + shape[-1]]
+        tail = REGISTRY[epi["op"]].reference(ctx, x.reshape(shape), *reads, **epi["attrs"])
         result = result + (tail if isinstance(tail, tuple) else (tail,))
     if lora is not None:        # the linear's output, then the shrink of its input and the expand
         (shrink, s_attrs), (expand, e_attrs) = zip(lora["ops"], lora["attrs"])

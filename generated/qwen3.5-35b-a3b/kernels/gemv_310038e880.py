@@ -1,10 +1,10 @@
 
    # gemv: y[t, n] = sum_k x[t, k] * w[n, k]  for t < T
-#   x [T, 2560] bf16, w [12352, 2560] bf16, y [T, 12352] bf16; fp32 accumulate.
+#   x [T, 2048] bf16, w [12352, 2048] bf16, y [T, 12352] bf16; fp32 accumulate.
 # With add_rms_norm merged in front (the narrow phase), x is the A operand before the norm:
 #   s = bf16(x + d) -> res (out:0), written by program (0, 0, 0) alone,
 #   h = bf16(s * rsqrt(mean(s^2) + eps) * norm)          (eps = 1e-06; f32 norm)
-#   and the GEMV reads h. Every program sums s^2 over the whole row first (2 x 2560 bf16 from L2,
+#   and the GEMV reads h. Every program sums s^2 over the whole row first (2 x 2048 bf16 from L2,
 #   while its preloaded W tiles are in flight), then rebuilds h tile by tile. res must not be x's
 #   memory (merge_prologues drops add_rms_norm's in-place alias): other programs still read x.
 #
@@ -45,7 +45,7 @@ def _ptr(base, offs):
 @triton.jit
 def _row_start(r, mask):
     """Element offset of each row's first element in the A operand: r [R] -> int64 [R]."""
-    return r.to(tl.int64) * 2560
+    return r.to(tl.int64) * 2048
 
 
 @triton.jit
@@ -60,22 +60,22 @@ def _row_inv(x_ptr, d_ptr, res_ptr, row_off, ok, store, BLOCK: tl.constexpr):
     """rsqrt(mean(s^2) + eps) over the row at row_off (s = _residual); s is stored in res where
     store (one program of the launch)."""
     ss = tl.zeros([BLOCK], tl.float32)
-    for k0 in tl.static_range(0, 2560, BLOCK):     # unrolled: every chunk's loads in flight together
+    for k0 in tl.static_range(0, 2048, BLOCK):     # unrolled: every chunk's loads in flight together
         k = k0 + tl.arange(0, BLOCK)
-        m = ok & (k < 2560)
+        m = ok & (k < 2048)
         s = _residual(x_ptr, d_ptr, row_off + k, m)
         if store:
             tl.store(_ptr(res_ptr, row_off + k), s, mask=m)
         s = s.to(tl.float32)
         ss += s * s
-    return tl.math.rsqrt(tl.sum(ss, axis=0) / 2560 + 1e-06)
+    return tl.math.rsqrt(tl.sum(ss, axis=0) / 2048 + 1e-06)
 
 
 @triton.jit
 def _a_load(x_ptr, d_ptr, norm_ptr, row_off, k, mask):
     """The prologue's inputs at [row, k]: s (fp32 of the rounded residual) and norm's weight."""
     s = _residual(x_ptr, d_ptr, row_off + k, mask).to(tl.float32)
-    return s, tl.load(_ptr(norm_ptr, k), mask=k < 2560, other=0.0).to(tl.float32)
+    return s, tl.load(_ptr(norm_ptr, k), mask=k < 2048, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -93,6 +93,38 @@ def _a_tile(a_ptr, d_ptr, norm_ptr, inv, row_off, k, mask):
     return _a_norm(a_ptr, s, nw, inv)
 
 
+
+
+@triton.jit
+def _conv_tail(y, offs_n, n_mask, M, cw_ptr, cout_ptr, conv_state, context_lens, state_slots,
+               COL: tl.constexpr, C: tl.constexpr, KC: tl.constexpr):
+    """The causal conv of the step's one token over this tile's columns COL .. COL + C of y (fp32 sums
+    [BLOCK_N]), as causal_conv1d.py.j2's decode form: u = [the slot's K - 1 inputs (zeros when
+    nothing is cached), bf16(y)]; out = silu(bf16(sum_k w[c, k] u[k])); the slot keeps u's last K - 1."""
+    c = offs_n - COL
+    # a tensor, not a scalar bool (the interpreter mis-types those in a mask)
+    cm = n_mask & (c >= 0) & (c < C) & ((tl.zeros_like(c) + M) > 0)
+    cc = tl.where(cm, c, 0)
+    x = y.to(cout_ptr.dtype.element_ty).to(tl.float32)      # the bf16 value y stores
+    cached = tl.load(context_lens) - 1
+    slot = tl.load(state_slots).to(tl.int64)
+    st = conv_state + slot * ((KC - 1) * C)
+    old = cm & ((tl.zeros_like(cc) + cached) > 0)
+    acc = tl.zeros_like(x)
+    u0 = tl.load(st + 0 * C + cc, mask=old, other=0.0).to(tl.float32)
+    acc += tl.load(cw_ptr + cc * KC + 0, mask=cm, other=0.0).to(tl.float32) * u0
+    u1 = tl.load(st + 1 * C + cc, mask=old, other=0.0).to(tl.float32)
+    acc += tl.load(cw_ptr + cc * KC + 1, mask=cm, other=0.0).to(tl.float32) * u1
+    u2 = tl.load(st + 2 * C + cc, mask=old, other=0.0).to(tl.float32)
+    acc += tl.load(cw_ptr + cc * KC + 2, mask=cm, other=0.0).to(tl.float32) * u2
+    acc += tl.load(cw_ptr + cc * KC + 3, mask=cm, other=0.0).to(tl.float32) * x
+    acc = acc.to(cout_ptr.dtype.element_ty).to(tl.float32)    # HF: the conv's output is rounded, then silu
+    acc = acc / (1.0 + tl.exp(-acc))
+    tl.store(cout_ptr + cc, acc.to(cout_ptr.dtype.element_ty), mask=cm)
+    tl.debug_barrier()       # every thread's reads of the old slot are done
+    tl.store(st + 0 * C + cc, u1.to(conv_state.dtype.element_ty), mask=cm)
+    tl.store(st + 1 * C + cc, u2.to(conv_state.dtype.element_ty), mask=cm)
+    tl.store(st + 2 * C + cc, x.to(conv_state.dtype.element_ty), mask=cm)
 @triton.jit
 def _w_tile(w_rows, k, k_end):
     """W[n, k] tile, zero at k >= k_end; w_rows [BN, 1] row pointers (rows clamped in range),
@@ -133,7 +165,7 @@ def _finish(y_ptr, part_ptr, cnt_ptr, acc, offs, mask, tile, SPLIT: tl.constexpr
 
 
 @triton.jit
-def gemv(a_ptr, d_ptr, norm_ptr, res_ptr, w_ptr, y_ptr, M,
+def gemv(a_ptr, d_ptr, norm_ptr, res_ptr, w_ptr, y_ptr, M, cw_ptr, cout_ptr, conv_state, context_lens, state_slots,
         N: tl.constexpr, K: tl.constexpr, BLOCK_N: tl.constexpr, FMA_BLOCK_K: tl.constexpr,
         FMA_T: tl.constexpr, FMA_ROWS: tl.constexpr, BLOCK_N_DOT: tl.constexpr, BLOCK_K: tl.constexpr,
         BLOCK_T: tl.constexpr, KU: tl.constexpr, SPLIT: tl.constexpr, SLOT: tl.constexpr,
@@ -204,12 +236,15 @@ def gemv(a_ptr, d_ptr, norm_ptr, res_ptr, w_ptr, y_ptr, M,
         out = tl.where(rows[:, None] == 0, tl.sum(acc0, axis=1)[None, :], out)
         offs_f = rows.to(tl.int64)[:, None] * N + offs_n[None, :]
         _finish(y_ptr, y_ptr, y_ptr, out, offs_f, (rows[:, None] < M) & n_mask[None, :], tile, SPLIT, SLOT, ZMAX)
+        # the conv of this tile's channels (the step's one token, row 0)
+        _conv_tail(tl.sum(out, axis=0), offs_n, n_mask, M, cw_ptr, cout_ptr,
+                   conv_state, context_lens, state_slots, 0, 8192, 4)
 
 
 META = {
     "entry": "gemv",
-    "params": [["a_ptr", "*bf16", "in:0"], ["d_ptr", "*bf16", "in:1"], ["norm_ptr", "*fp32", "in:2"], ["res_ptr", "*bf16", "out:0"], ["w_ptr", "*bf16", "in:3"], ["y_ptr", "*bf16", "out:1"], ["M", "i32", "dim:T"]],
-    "constexprs": {"N": 12352, "K": 2560, "BLOCK_N": 32, "FMA_BLOCK_K": 256,
+    "params": [["a_ptr", "*bf16", "in:0"], ["d_ptr", "*bf16", "in:1"], ["norm_ptr", "*fp32", "in:2"], ["res_ptr", "*bf16", "out:0"], ["w_ptr", "*bf16", "in:3"], ["y_ptr", "*bf16", "out:1"], ["M", "i32", "dim:T"], ["cw_ptr", "*bf16", "in:4"], ["cout_ptr", "*bf16", "out:2"], ["conv_state", "*bf16", "cache:conv"], ["context_lens", "*i32", "meta:context_lens"], ["state_slots", "*i32", "meta:state_slots"]],
+    "constexprs": {"N": 12352, "K": 2048, "BLOCK_N": 32, "FMA_BLOCK_K": 256,
                    "FMA_T": 1, "FMA_ROWS": 1, "BLOCK_N_DOT": 64, "BLOCK_K": 64,
                    "BLOCK_T": 32, "KU": 256, "SPLIT": False, "SLOT": 12352,
                    "ZMAX": 1,
