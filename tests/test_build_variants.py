@@ -23,3 +23,6 @@ def test_an_overlay_key_no_launch_renders_with_is_named():
     assert unmatched(plan, {"gated_delta_rule_chunk": {key: {"BV": 32}, stale: {"BT": 16}}}) == \
         [f"gated_delta_rule_chunk / {stale}"]
     assert unmatched(plan, {"gemv": {key: {}}}) == [f"gemv / {key}"]      # the key, not another template's
+    # a "default" entry reaches every launch of its template: named only where none launches it
+    assert unmatched(plan, {"gemv": {"default": {"FP8_FORM": "fma"}}}) == []
+    assert unmatched(plan, {"moe_down": {"default": {}}}) == ["moe_down / default"]

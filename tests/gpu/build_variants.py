@@ -39,11 +39,12 @@ def config_overrides(config: dict):
 
 
 def unmatched(plan: dict, overlay: dict) -> list[str]:
-    """The overlay's "template / key" entries that no launch of the plan renders with."""
+    """The overlay's "template / key" entries that no launch of the plan renders with (a "default"
+    entry reaches every launch of its template)."""
     from infc.compiler.codegen.render import tuning_keys
     from infc.compiler.contract.program import launches
     used = {(ln["kernel"], key) for phase, program in plan["programs"].items()
-            for ln, _ in launches(program) for key in tuning_keys(plan, ln, phase)}
+            for ln, _ in launches(program) for key in tuning_keys(plan, ln, phase) + ("default",)}
     return [f"{t} / {k}" for t, entries in overlay.items() for k in entries if (t, k) not in used]
 
 
