@@ -76,19 +76,20 @@ _GEMV_WIDE = [{"BLOCK_T": 128, "num_warps": 8}, {"BLOCK_T": 128, "num_warps": 8,
               # 128 W rows a tile: A's re-reads from L2 halve (qwen3-4b's gate|up at 247 rows on
               # an H200: 67 -> 58 us)
               {"BLOCK_T": 128, "BLOCK_N_DOT": 128, "num_warps": 8, "num_stages": 3}]
-# the narrow codes path (triton/_gemv_narrow_codes.j2: a narrow step's fp8 GEMV on tensor cores):
-# W rows a program (fewer programs make A's codes fewer times), pipeline depth, W tiles read
-# before the A pass, programs in flight, and the CUDA-core path it replaced. Timed before the
-# grid's for a narrow step's quantized launch (one that does not take the path renders the same
-# kernel for these and is not timed twice). FP8_FORM "fma": the same codes path on CUDA cores
-# (triton/_gemv_fp8_fma.j2), at its default tile and at the tiles the sm_90 SASS ranked next
-# (bench/NOTES.md, issue 42, "the narrow FP8 codes on CUDA cores").
-_GEMV_NARROW_CODES = [{"BLOCK_N": 128}, {"BLOCK_N": 32}, {"NDOT_STAGES": 3}, {"NDOT_STAGES": 6},
-                      {"PRELOAD": 2}, {"PRELOAD": 5}, {"TARGET_CTAS": 528}, {"TARGET_CTAS": 792},
-                      {"BLOCK_N": 128, "TARGET_CTAS": 528}, {"num_warps": 8}, {"NARROW_DOT": 0},
-                      {"FP8_FORM": "fma"}, {"FP8_FORM": "fma", "BLOCK_N": 32, "FMA_BLOCK_K": 512},
-                      {"FP8_FORM": "fma", "BLOCK_N": 16, "FMA_BLOCK_K": 1024},
-                      {"FP8_FORM": "fma", "num_warps": 8}]
+# the narrow codes path (triton/_gemv_narrow_codes.j2: a narrow step's fp8 GEMV): FP8_FORM "fma"
+# (the default, on CUDA cores: triton/_gemv_fp8_fma.j2) at the tiles the sm_90 SASS ranked next to
+# its default, then "dot" (tensor cores) at its W rows a program (fewer programs make A's codes fewer
+# times), pipeline depths, W tiles read before the A pass and programs in flight, and the CUDA-core
+# path the codes path replaced. Timed before the grid's for a narrow step's quantized launch (one
+# that does not take the path renders the same kernel for these and is not timed twice).
+# (bench/NOTES.md, issue 42, "the narrow FP8 codes on CUDA cores", "the FP8 narrow GEMVs' fma form
+# measured").
+_DOT = {"FP8_FORM": "dot"}
+_GEMV_NARROW_CODES = [{"BLOCK_N": 32, "FMA_BLOCK_K": 512}, {"BLOCK_N": 16, "FMA_BLOCK_K": 1024}, {"num_warps": 8},
+                      _DOT, {**_DOT, "BLOCK_N": 128}, {**_DOT, "BLOCK_N": 32}, {**_DOT, "NDOT_STAGES": 3},
+                      {**_DOT, "NDOT_STAGES": 6}, {**_DOT, "PRELOAD": 2}, {**_DOT, "PRELOAD": 5},
+                      {**_DOT, "TARGET_CTAS": 528}, {**_DOT, "TARGET_CTAS": 792},
+                      {**_DOT, "BLOCK_N": 128, "TARGET_CTAS": 528}, {**_DOT, "num_warps": 8}, {"NARROW_DOT": 0}]
 # a u4 weight's CUDA-core loop (triton/_gemv_w4.j2, W4_FORM; groupsum by default): the other two
 # forms, then groupsum's tile shapes (rows a thread against A's rebuild, preloaded tiles against
 # registers: bench/NOTES.md, issue 42). fp8 launches render these as their default and are not

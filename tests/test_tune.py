@@ -366,14 +366,15 @@ def test_prepare_narrow_phase_tunes_the_narrow_codes_path(tmp_path):
     for e in m["entries"]:
         assert e["shape_key"].startswith("narrow|")
         tunes = [c["tune"] for c in e["candidates"]]
-        assert {"NDOT_STAGES": 3} in tunes, e["shape_key"]
+        assert {"FP8_FORM": "dot", "NDOT_STAGES": 3} in tunes, e["shape_key"]
         assert len({c["kernel"] for c in e["candidates"]}) == len(tunes)
-        # the default is the narrow codes path (e4m3 x e4m3 dots; the codes are the act_codes pass's,
-        # made once a step, so no scratch of its own); NARROW_DOT 0 is the CUDA-core loop, which the
-        # gated launch carrying down's codes as its epilogue (merge_epilogues) cannot take
+        # the default is the narrow codes path's fma form (the e4m3 products on CUDA cores; the
+        # codes are the act_codes pass's, made once a step, so no scratch of its own), the dot form
+        # (e4m3 x e4m3 dots) a candidate; NARROW_DOT 0 is the CUDA-core loop, which the gated launch
+        # carrying down's codes as its epilogue (merge_epilogues) cannot take
         by_tune = {json.dumps(c["tune"], sort_keys=True): (out / c["source"]).read_text() for c in e["candidates"]}
         narrow_loop = "acc += tl.dot(raw, tl.trans(ac)) * (_w_group(w_scale_ptr, srow, k0"
-        assert narrow_loop in by_tune["{}"]
+        assert narrow_loop in by_tune['{"FP8_FORM": "dot"}'] and "_run_sums(" in by_tune["{}"]
         if e["template"] == "gemv_gated":
             assert {"NARROW_DOT": 0} not in tunes
             assert any(s["tune"] == {"NARROW_DOT": 0} and "refuses" in s["why"] for s in e["skipped"])

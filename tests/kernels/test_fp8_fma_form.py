@@ -88,16 +88,17 @@ def test_fp8_fma_form_gated_epilogue_writes_downs_codes():
 
 
 def test_fp8_form_choice():
-    """dot by default (the kernel as shipped); an unknown form, or a K step that splits an
-    activation group, fails the render naming the tunable."""
+    """fma by default (faster in the model: bench/NOTES.md, issue 42), dot on request; an unknown
+    form, or a K step that splits an activation group, fails the render naming the tunable."""
     scheme, mode, tune = CASES["group64-plain"]
     s = tq.SCHEMES[scheme]
     ins = [("x", ["T", 128], "bf16"), ("w", [64, 128], s.codes, "weight"), ("w_scale", [2, 2], "f32", "weight")]
 
     def source(t):
         return render("gemv", "linear", ins, [("y", ["T", 64], "bf16")], attrs=tq._attrs(s), tune=t, narrow=True).source
-    assert "tl.dot(raw, tl.trans(ac))" in source({}) and "_run_sums(" not in source({})
-    assert "_run_sums(" in source(FMA)
+    dot = source({"FP8_FORM": "dot"})
+    assert "tl.dot(raw, tl.trans(ac))" in dot and "_run_sums(" not in dot
+    assert "_run_sums(" in source({}) and source({}) == source(FMA)
     with pytest.raises(TemplateError, match="FP8_FORM"):
         source({"FP8_FORM": "mma"})
     for bad in (96, 192):          # splits a group of 64; not a power of two (the tile's aranges)

@@ -52,7 +52,9 @@ def _launch(tune, epilogue):
     return k, act, got_codes, got_scales, scratch
 
 
-@pytest.mark.parametrize("tune", [{"BLOCK_N": 16}, {"BLOCK_N": 16, "SPLIT_K": 2}], ids=["one", "split"])
+# the dot form (the fma form's case: tests/kernels/test_fp8_fma_form.py)
+@pytest.mark.parametrize("tune", [{"BLOCK_N": 16, "FP8_FORM": "dot"}, {"BLOCK_N": 16, "SPLIT_K": 2, "FP8_FORM": "dot"}],
+                         ids=["one", "split"])
 def test_gated_gemv_writes_downs_codes(tune):
     _, plain, _, _, _ = _launch(tune, False)
     k, act, codes, scales, scratch = _launch(tune, True)

@@ -253,8 +253,10 @@ def test_quantized_gemm_defaults_fit_sm90(phase, rows):
 # activations dots e4m3 codes on tensor cores after making A's codes once a program. Each
 # activation quantizer, plain / gated / the merged add_rms_norm prologue, with and without split-K
 # (a split's K range starts inside the row: its codes slot must hold that range's groups alone)
-NARROW_CODES = {"one": {"BLOCK_N": 16}, "split": {"BLOCK_N": 32, "SPLIT_K": 2},
-                "passes": {"BLOCK_N": 16, "CODE_GROUPS": 2}}      # 3 groups of 64 in two passes
+# the dot form of the narrow codes path (FP8_FORM "dot"; "fma", the default, has its own tests:
+# tests/kernels/test_fp8_fma_form.py)
+NARROW_CODES = {"one": {"BLOCK_N": 16, "FP8_FORM": "dot"}, "split": {"BLOCK_N": 32, "SPLIT_K": 2, "FP8_FORM": "dot"},
+                "passes": {"BLOCK_N": 16, "CODE_GROUPS": 2, "FP8_FORM": "dot"}}      # 3 groups of 64 in two passes
 NARROW_FAST = {("fp8-32x64-group64", "prologue", "split"), ("fp8-channel-token", "gated", "one"),
                ("fp8-32x64-group64", "plain", "passes"),
                ("fp8-tensor-static", "plain", "split"), ("fp8-32x64-group64", "gated", "one")}
