@@ -39,6 +39,7 @@ test-all: $(VENV)/.dev
 generated: $(VENV)/.run
 	for m in $$($(PY) -c "from infc.compiler.spec import all_variants; print(' '.join(all_variants()))"); do \
 	  $(VENV)/bin/infc build --model $$m --no-compile || exit 1; done
+	$(PY) tools/generated_pool.py
 
 clean:
 	rm -rf $(VENV) .cache generated/*/bin

@@ -1,0 +1,115 @@
+# gemm_silu_gated: y[t, f] = bf16(bf16(silu(g)) * u),  g = bf16(sum_k x[t, k] * w[f, k]),
+#   u = bf16(sum_k x[t, k] * w[10944 + f, k]), silu in fp32 (compiler/ops/activation.py): HF's MLP
+#   rounds at each of these steps.  x [T, 2048] bf16, w [21888, 2048] bf16 (gate rows, then
+#   up rows), y [T, 10944] bf16; fp32 accumulate. A tile's W rows are
+#   BLOCK_N / 2 gate rows f0.. then the matching up rows 10944 + f0..: one dot per K step, and the
+#   accumulator's two halves split in registers in the epilogue; the [T, 21888] gate|up never
+#   goes to memory.
+#
+# Tiled tensor-core GEMM for many rows: 132 persistent programs, each looping over
+# [BLOCK_M, BLOCK_N] output tiles, a K loop of BLOCK_K steps whose A and W tiles
+# arrive by TMA (descriptors made on the device), software-pipelined over num_stages
+# shared-memory buffers (wgmma on sm_90). Tiles go in groups of GROUP_M row tiles per column tile
+# sweep, so a group's A rows and W columns stay in L2. Edges: TMA reads zeros past T, N and K;
+# the store is masked.
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _ptr(base, offs):
+    """base + offs, with the 16-byte alignment of each contiguous run of 8 bf16 made known to the
+    compiler (rows are multiples of 8 elements and buffers 16-byte aligned), for vector loads."""
+    p = base + offs
+    p = tl.multiple_of(p, [1, 16])
+    return p
+
+
+@triton.jit
+def _a_tile(a_ptr, row_off, k):
+    """A operand a[row, k] as bf16, row_off [BM, 1] (int64 element offsets), k [1, BK]."""
+    return tl.load(_ptr(a_ptr, row_off + k), mask=k < 2048, other=0.0)
+
+
+@triton.jit
+def _write(y_ptr, bias_ptr, acc, offs, offs_n, mask, N: tl.constexpr):
+    """The fp32 tile, rounded once to the output dtype."""
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _write_gated(y_ptr, bias_ptr, acc, offs_m, offs_w, pid_n, T, N: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """The fp32 [BLOCK_M, BLOCK_N] tile over W rows offs_w (gate rows, then their up rows) -> bf16(bf16(act(g)) * u) on its BLOCK_N / 2 output columns."""
+    g, u = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, BLOCK_N // 2]), (0, 2, 1)))
+    g = g.to(tl.bfloat16).to(tl.float32)
+    u = u.to(tl.bfloat16).to(tl.float32)
+    a = ((g / (1.0 + tl.exp(-g)))).to(tl.bfloat16).to(tl.float32)
+    offs_f = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    offs = offs_m.to(tl.int64)[:, None] * N + offs_f[None, :]
+    mask = (offs_m[:, None] < T) & (offs_f[None, :] < N)
+    tl.store(y_ptr + offs, (a * u).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gated_rows(pid_n, N: tl.constexpr, BLOCK_N: tl.constexpr):
+    """W rows of column tile pid_n: gate rows f0 + r (r < BLOCK_N / 2), then up rows N + f0 + r,
+    f0 = pid_n * BLOCK_N / 2; f clamped below N for loading (the store masks f >= N)."""
+    r = tl.arange(0, BLOCK_N)
+    return tl.minimum(pid_n * (BLOCK_N // 2) + r % (BLOCK_N // 2), N - 1) + (r // (BLOCK_N // 2)) * N
+
+
+@triton.jit
+def _tile_of(t, num_m, num_n: tl.constexpr, GROUP_M: tl.constexpr):
+    """Tile t's (row tile, column tile) in grouped order: GROUP_M row tiles walk the column tiles
+    together."""
+    group = t // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    group_size = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (t % (GROUP_M * num_n)) % group_size, (t % (GROUP_M * num_n)) // group_size
+
+
+@triton.jit
+def _tma_tile(a_desc, w_desc, y_ptr, bias_ptr, T, pid_m, pid_n, N: tl.constexpr, K: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] output tile (before its gated epilogue): the K loop over TMA tiles, then the store."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K):
+        a = a_desc.load([pid_m * BLOCK_M, k0])
+        # W seen as [2, N, K]: a [2, BLOCK_N / 2, BLOCK_K] box is the gate rows, then their up rows
+        w = tl.reshape(w_desc.load([0, pid_n * (BLOCK_N // 2), k0]), [BLOCK_N, BLOCK_K])
+        if DOT_F32:
+            acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(w), acc)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_w = _gated_rows(pid_n, N, BLOCK_N)
+    _write_gated(y_ptr, bias_ptr, acc, offs_m, offs_w, pid_n, T, N, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def gemm_silu_gated(a_ptr, w_ptr, y_ptr, T,        N: tl.constexpr, K: tl.constexpr, A_STRIDE: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        SPLIT: tl.constexpr, ZMAX: tl.constexpr, SLOT: tl.constexpr, DOT_F32: tl.constexpr):
+    bias_ptr = y_ptr
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[T, K], strides=[A_STRIDE, 1], block_shape=[BLOCK_M, BLOCK_K])
+    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[2, N, K], strides=[N * K, K, 1],
+                                       block_shape=[2, BLOCK_N // 2, BLOCK_K])
+    num_m = tl.cdiv(T, BLOCK_M)
+    num_n: tl.constexpr = 86
+    for t in tl.range(tl.program_id(0), num_m * num_n, 132, flatten=True):
+        pid_m, pid_n = _tile_of(t, num_m, num_n, GROUP_M)
+        _tma_tile(a_desc, w_desc, y_ptr, bias_ptr, T, pid_m, pid_n, N, K, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+
+
+META = {
+    "entry": "gemm_silu_gated",
+    "params": [["a_ptr", "*bf16", "in:0"], ["w_ptr", "*bf16", "in:1"],
+               ["y_ptr", "*bf16", "out:0"], ["T", "i32", "dim:T"]],
+    "constexprs": {"N": 10944, "K": 2048, "A_STRIDE": 2048, "BLOCK_M": 128,
+                   "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8,
+                   "SPLIT": False, "ZMAX": 1, "SLOT": 22544384, "DOT_F32": False},
+    "grid": ["min(132, cdiv(T, 128) * 86)", 1, 1],
+    "num_warps": 8,
+    "num_stages": 3,
+}

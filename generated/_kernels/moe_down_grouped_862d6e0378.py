@@ -1,0 +1,333 @@
+# moe_down (grouped): y[t, h] = bf16(sum_j bf16(r[t, j] * sum_f act[t, j, f] * w[e, h, f])),  e = ids[t, j]
+#   act [T, 8, 1536] bf16, r f32 [T, 8], ids i32 [T, 8], w [256, 3072, 1536] bf16,
+#   rows i32 [256, T] / counts i32 [256] (moe_align: the tokens of each expert), y [T, 3072] bf16;
+#   fp32 sums; each slot's weighted sum is rounded to bf16 once, then the slots are added in fp32
+#   in slot order j = 0 .. 7.
+#
+# Grouped GEMM (moe_gate_up_grouped.py.j2's row blocks: BLOCK_M = 128 tokens of one expert, their act
+# rows gathered: token t's act[t, j] for the slot j that chose e, of largest weight if several
+# did) times 12 column tiles of BLOCK_H = 256 output features, a K loop of BLOCK_K = 128 over
+# F = 1536 (unmasked), software-pipelined over num_stages buffers; GROUP_M = 8 ordering.
+# An expert's last block of at most 64 tokens runs a 64-row tile (a second copy of the tile).
+# Epilogue and combine, deterministic without float atomics: the routing weight multiplies the
+# fp32 tile, each (token, slot) row is parked once as bf16 in a scratch [T, 8, 3072], and the
+# program counts itself in at each token's tile (t, column tile) with an acq_rel atomic; the
+# program that completes a token's distinct experts adds its 8 partials in slot order and writes
+# y[t] (the same bits whatever order the experts finish in), leaving the counter zero. Those
+# rows are compacted COMBINE_ROWS = 16 at a time, so a chunk's 8 partial tiles are loaded together
+# (one memory round trip per chunk, not one per slot).
+# Quantized experts: f8e4m3 codes, scales per 128 rows x 128 columns (288 an
+#   expert, expert e's from e * 288 on), each weight tile dequantized in registers; act rows quantized dynamic_group (groups of 128: K tiles hold whole groups);
+#   the tiles dotted in bf16.
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _ptr(base, offs):
+    """base + offs, with the 16-byte alignment of each contiguous run of 8 bf16 made known to the
+    compiler (rows are multiples of 8 elements and buffers 16-byte aligned), for vector loads."""
+    p = base + offs
+    p = tl.multiple_of(p, [1, 16])
+    return p
+
+
+@triton.jit
+def _tile(pid, num_m, NUM_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program pid -> (row block, column tile), GROUP_M row blocks per sweep of the NUM_N column
+    tiles: a group's rows (one or two experts' tokens) and its experts' weight tiles stay in L2."""
+    group = pid // (GROUP_M * NUM_N)
+    first_m = group * GROUP_M
+    size = tl.minimum(num_m - first_m, GROUP_M)
+    r = pid % (GROUP_M * NUM_N)
+    return first_m + r % size, r // size
+
+
+@triton.jit
+def _block_of(counts_ptr, pid_m, E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Row block pid_m of the experts' token lists cut in BLOCK_M blocks (expert 0's blocks first):
+    (expert, first list index of the block, tokens of the expert); expert == E past the last block
+    (the grid is a bound on the blocks: those programs exit)."""
+    ex = tl.arange(0, BLOCK_E)
+    cnt = tl.load(counts_ptr + ex, mask=ex < E, other=0)
+    nblk = (cnt + BLOCK_M - 1) // BLOCK_M
+    end = tl.cumsum(nblk, 0)
+    e = tl.sum((end <= pid_m).to(tl.int32), 0)
+    sel = ex == e
+    first = tl.sum(tl.where(sel, end - nblk, 0), 0)
+    return e, (pid_m - first) * BLOCK_M, tl.sum(tl.where(sel, cnt, 0), 0)
+
+
+@triton.jit
+def _slot_ids(ids_ptr, toks, ok, KT: tl.constexpr, KTP: tl.constexpr):
+    """The block's token rows of ids, [BLOCK_M, KTP] in one vector load (-1 past KT and in the
+    rows that are not ok)."""
+    j = tl.arange(0, KTP)
+    return tl.load(ids_ptr + toks.to(tl.int64)[:, None] * KT + j[None, :],
+                   mask=ok[:, None] & (j[None, :] < KT), other=-1)
+
+
+@triton.jit
+def _col(m, jj, KTP: tl.constexpr):
+    """Column jj of a [BLOCK_M, KTP] tile (a reduction within the row: no data leaves the row)."""
+    j = tl.arange(0, KTP)
+    return tl.sum(tl.where(j[None, :] == jj, m, tl.zeros_like(m)), 1)
+
+
+@triton.jit
+def _slot_rw(rw_ptr, toks, ok, KT: tl.constexpr, KTP: tl.constexpr):
+    """The block's token rows of the routing weights, [BLOCK_M, KTP] (0 past KT and where not ok)."""
+    j = tl.arange(0, KTP)
+    return tl.load(rw_ptr + toks.to(tl.int64)[:, None] * KT + j[None, :],
+                   mask=ok[:, None] & (j[None, :] < KT), other=0.0)
+
+
+@triton.jit
+def _main_slot(idt, rwt, ok, e, KTP: tl.constexpr):
+    """For each token row that chose expert e, the slot whose act row the down projection reads:
+    the one of largest routing weight among the slots naming e (the first on ties); 0 in the rows
+    that are not ok. A token names an expert in several slots only where its ids were not
+    moe_route's; the extra slots weigh 0 and add nothing whichever row they are given."""
+    j = tl.arange(0, KTP)
+    mine = idt == e
+    best = tl.max(tl.where(mine, rwt, -1.0), 1)
+    main = tl.min(tl.where(mine & (rwt == best[:, None]), j[None, :], KTP), 1)
+    return tl.where(ok & (main < KTP), main, 0)
+
+
+@triton.jit
+def _park(pp, acc, toks, ok, idt, rwt, e, offs_h, H: tl.constexpr, KT: tl.constexpr,
+          KTP: tl.constexpr):
+    """Park bf16(r[t, j] * acc) as the partial of every slot j of token t that names e: one store
+    to the first such slot and, only where a row names e twice, a pass over the other slots (their
+    own weights). Returns how many distinct experts each row's token chose (its partials' writers)."""
+    j = tl.arange(0, KTP)
+    t64 = toks.to(tl.int64)
+    h_mask = offs_h < H
+    mine = idt == e
+    first = tl.min(tl.where(mine, j[None, :], KTP), 1)
+    r = tl.sum(tl.where(j[None, :] == first[:, None], rwt, 0.0), 1)
+    tl.store(pp + (t64 * KT + first)[:, None] * H + offs_h[None, :], (acc * r[:, None]).to(tl.bfloat16),
+             mask=ok[:, None] & h_mask[None, :])
+    if tl.max(tl.sum(mine.to(tl.int32), 1), 0) > 1:
+        for jj in tl.static_range(1, KT):
+            more = ok & (_col(idt, jj, KTP) == e) & (first < jj)
+            rj = _col(rwt, jj, KTP)
+            tl.store(pp + (t64 * KT + jj)[:, None] * H + offs_h[None, :],
+                     (acc * rj[:, None]).to(tl.bfloat16), mask=more[:, None] & h_mask[None, :])
+    # the token's distinct experts: slots that no earlier slot of the token repeats
+    n = tl.zeros_like(toks)
+    for jj in tl.static_range(KT):
+        ej = _col(idt, jj, KTP)
+        seen = tl.max(((j[None, :] < jj) & (idt == ej[:, None])).to(tl.int32), 1)
+        n += (ok & (seen == 0) & (ej >= 0)).to(tl.int32)
+    return n
+
+
+@triton.jit
+def _combine(pp, y_ptr, cnt_ptr, ids_ptr, toks, last, offs_h, nb, H: tl.constexpr, KT: tl.constexpr,
+             NB: tl.constexpr, CR: tl.constexpr, BLOCK_H: tl.constexpr):
+    """For the rows whose token this program completed (last): y[t] = bf16(sum over j = 0 .. KT-1
+    of the parked partials, in fp32, in slot order: the same bits whichever expert came last; a
+    slot of id -1, no expert on this rank, has none: its scratch is stale and is not read), and
+    the tile's counter back to 0. The last rows are compacted CR at a time (on average BLOCK_M /
+    KT of them, all of them in the last experts' blocks), so the KT partial tiles of a chunk are
+    loaded together, unrolled: one memory round trip per CR rows instead of KT per block."""
+    lv = last.to(tl.int32)
+    n_last = tl.sum(lv, 0)
+    pos = tl.cumsum(lv, 0) - 1
+    c = tl.arange(0, CR)
+    h_mask = offs_h < H
+    for c0 in range(0, n_last, CR):
+        sel = (lv[None, :] > 0) & (pos[None, :] == (c0 + c)[:, None])     # [CR, BLOCK_M]
+        live = tl.max(sel.to(tl.int32), 1) > 0
+        tk = tl.sum(tl.where(sel, toks[None, :], 0), 1).to(tl.int64)
+        m2 = live[:, None] & h_mask[None, :]
+        total = tl.zeros([CR, BLOCK_H], tl.float32)
+        for jj in tl.static_range(KT):
+            named = tl.load(ids_ptr + tk * KT + jj, mask=live, other=-1) >= 0
+            total += tl.load(pp + (tk * KT + jj)[:, None] * H + offs_h[None, :],
+                             mask=m2 & named[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
+        tl.store(y_ptr + tk[:, None] * H + offs_h[None, :], total.to(y_ptr.dtype.element_ty), mask=m2)
+        tl.store(cnt_ptr + tk * NB + nb, 0, mask=live)
+
+
+@triton.jit
+def _w_raw(w_rows, k0, k_end, BK: tl.constexpr):
+    """The stored codes of W[rows, k0 : k0 + BK], zero past k_end: w_rows [BN, 1] row pointers
+    (1536 bytes a row), k0 a multiple of BK -> f8e4m3 [BN, BK]."""
+    k = k0 + tl.arange(0, BK)[None, :]
+    p = w_rows + k
+    p = tl.multiple_of(p, [1, 16])
+    return tl.load(p, mask=k < k_end, other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _w_values(raw):
+    """The codes' values (fp32) in K order: [BN, BK]."""
+    return raw.to(tl.float32)
+
+
+@triton.jit
+def _w_group(t_ptr, srow, k0, k_end, BK: tl.constexpr):
+    """t[srow, g(k)] (w_scale or w_zero: 12 groups a row) over the tile's columns
+    k0 .. k0 + BK: srow [BN, 1] the W rows' scale rows -> [BN, 1] (the tile in one group),
+    [BN, BK / 128] (one a group of the tile) or [BN, BK] (a group per column)."""
+    if 128 % BK == 0:
+        return tl.load(t_ptr + srow * 12 + tl.minimum(k0 // 128, 11))
+    elif BK % 128 == 0:
+        g = tl.minimum(k0 // 128 + tl.arange(0, BK // 128), 11)[None, :]
+        return tl.load(t_ptr + srow * 12 + g)
+    else:
+        k = k0 + tl.arange(0, BK)[None, :]
+        return tl.load(t_ptr + srow * 12 + tl.minimum(k // 128, 11))
+
+
+@triton.jit
+def _w_deq_unmasked(raw, srow, w_scale_ptr, k0, k_end, BK: tl.constexpr):
+    """W[rows, k0 : k0 + BK] in fp32 from the raw tile (_w_raw); past k_end whatever the zero codes
+    give ((0 - zero) * scale for integers): for a caller whose A is zero there."""
+    v = _w_values(raw)
+    s = _w_group(w_scale_ptr, srow, k0, k_end, BK)
+    z = 0.0
+    if s.shape[1] == 1 or s.shape[1] == BK:
+        w = v * s
+    else:
+        # a scale (and zero) per group of the tile's 128 columns: the tile seen as [BN, groups, 128]
+        v = tl.reshape(v, [v.shape[0], s.shape[1], 128])
+        w = tl.reshape(v * s[:, :, None], [v.shape[0], BK])
+    return w
+
+
+@triton.jit
+def _w_deq(raw, srow, w_scale_ptr, k0, k_end, BK: tl.constexpr):
+    """W[rows, k0 : k0 + BK] in fp32 from the raw tile (_w_raw), zero past k_end."""
+    w = _w_deq_unmasked(raw, srow, w_scale_ptr, k0, k_end, BK)
+    k = k0 + tl.arange(0, BK)[None, :]
+    return tl.where(k < k_end, w, 0.0)
+
+
+@triton.jit
+def _a_scale(amax):
+    """An activation group's scale: amax / 448, 1 where the group is all zeros."""
+    return tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
+
+
+@triton.jit
+def _a_quant(a):
+    """The A tile, [BK] or [R, BK], as the dynamic_group activation quantizer leaves it: e4m3(x / s) * s in
+    fp32."""
+    x = a.to(tl.float32)
+    # each group's amax by a masked reduction in a's own layout (a reshape to [.., groups, act_group]
+    # costs the CUDA-core path its registers: 255 and spills on sm_90)
+    col = tl.arange(0, x.shape[len(x.shape) - 1]) // 128
+    s = tl.zeros_like(x)
+    for g in tl.static_range(x.shape[len(x.shape) - 1] // 128):
+        amax = tl.max(tl.where(col == g, tl.abs(x), 0.0), axis=len(x.shape) - 1, keep_dims=True)
+        s = tl.where(col == g, _a_scale(amax), s)
+    return tl.math.div_rn(x, s).to(tl.float8e4nv).to(tl.float32) * s
+
+
+@triton.jit
+def _a_codes(a):
+    """(e4m3 codes [R, BK], scales [R]) of an A tile holding one activation group a row."""
+    x = a.to(tl.float32)
+    s = _a_scale(tl.max(tl.abs(x), axis=1))
+    return tl.math.div_rn(x, s[:, None]).to(tl.float8e4nv), s
+
+
+@triton.jit
+def _a_ready(code_rows, scale_rows, k0, k, mask, BK: tl.constexpr):
+    """A[rows, k] in fp32 from ready codes: code_rows / scale_rows the rows' first code and scale
+    ([R, 1] pointers with k [1, BK], or one row's with k [BK]), k = k0 + 0 .. BK - 1 (k0 a multiple
+    of BK); zero where masked. A tile inside one group loads one scale a row (a scale an element
+    would be staged in shared memory beside the codes: 4x their bytes)."""
+    c = tl.load(code_rows + k, mask=mask, other=0.0).to(tl.float32)
+    if 128 % BK == 0:
+        s = tl.load(scale_rows + k0 // 128)
+    else:
+        s = tl.load(scale_rows + tl.minimum(k // 128, 11), mask=mask, other=0.0)
+    return tl.where(mask, c * s, 0.0)
+
+
+@triton.jit
+def _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr, e, i0, count, nb, w_scale_ptr, as_ptr,
+               H: tl.constexpr, F: tl.constexpr, KT: tl.constexpr, KTP: tl.constexpr, BM: tl.constexpr,
+               BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, NB: tl.constexpr, CR: tl.constexpr,
+               EVEN_K: tl.constexpr, DOT_F32: tl.constexpr):
+    """The [BM tokens of expert e from list index i0, BLOCK_H output features] tile, its partials
+    parked, counted in, and the tokens it completes combined."""
+    i = i0 + tl.arange(0, BM)
+    ok = i < count
+    toks = tl.load(rows_ptr + e.to(tl.int64) * T + i, mask=ok, other=0)
+    t64 = toks.to(tl.int64)
+    a_row = (t64 * KT + _main_slot(_slot_ids(ids_ptr, toks, ok, KT, KTP),
+                                   _slot_rw(rw_ptr, toks, ok, KT, KTP), ok, e, KTP))[:, None]
+    a_rows = act_ptr + a_row * F
+    s_rows = as_ptr + a_row * 12
+    offs_h = nb * BLOCK_H + tl.arange(0, BLOCK_H)
+    # rows past H are clamped for loading; their sums are dropped at the stores
+    h_rows = tl.minimum(offs_h, H - 1).to(tl.int64)[:, None]
+    w_rows = w_ptr + e.to(tl.int64) * 4718592 + h_rows * 1536
+    srow = h_rows // 128
+    ws = w_scale_ptr + e.to(tl.int64) * 288   # expert e's scales
+
+    acc = tl.zeros([BM, BLOCK_H], tl.float32)
+    for k0 in range(0, F, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)[None, :]
+        a = _a_ready(a_rows, s_rows, k0, k, k < F, BLOCK_K)
+        w = _w_deq(_w_raw(w_rows, k0, F, BLOCK_K), srow, ws, k0, F, BLOCK_K)
+        if DOT_F32:
+            acc = tl.dot(a.to(tl.bfloat16).to(tl.float32), tl.trans(w.to(tl.bfloat16).to(tl.float32)), acc,
+                         input_precision="ieee")
+        else:
+            acc = tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
+    # the slots' ids and weights again (L2 hits) rather than held in registers over the K loop
+    experts = _park(pp, acc, toks, ok, _slot_ids(ids_ptr, toks, ok, KT, KTP),
+                    _slot_rw(rw_ptr, toks, ok, KT, KTP), e, offs_h, H, KT, KTP)
+    tl.debug_barrier()   # every thread's partials are issued before the release below
+    arrived = tl.atomic_add(cnt_ptr + t64 * NB + nb, 1, mask=ok, sem="acq_rel")
+    last = ok & (arrived == experts - 1)
+    tl.debug_barrier()   # the whole program reads after the acquires above
+    _combine(pp, y_ptr, cnt_ptr, ids_ptr, toks, last, offs_h, nb, H, KT, NB, CR, BLOCK_H)
+
+
+@triton.jit
+def moe_down_grouped(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, counts_ptr, y_ptr, T, part_ptr, cnt_ptr, w_scale_ptr, as_ptr,
+                     H: tl.constexpr, F: tl.constexpr, KT: tl.constexpr, KTP: tl.constexpr, E: tl.constexpr,
+                     BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NB: tl.constexpr, CR: tl.constexpr,
+                     HALF_TAIL: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr):
+    pid_m, nb = _tile(tl.program_id(0), tl.cdiv(T * KT, BLOCK_M) + tl.minimum(E, T * KT), NB, GROUP_M)
+    e, i0, count = _block_of(counts_ptr, pid_m, E, BLOCK_E, BLOCK_M)
+    # the scratch is untyped memory (the interpreter harness hands it over as int32): bf16 here
+    pp = part_ptr.to(tl.pointer_type(tl.bfloat16), bitcast=True)
+    if e < E:
+        if HALF_TAIL:
+            if count - i0 <= BLOCK_M // 2:
+                _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr, e, i0, count, nb, w_scale_ptr, as_ptr,
+                           H, F, KT, KTP, BLOCK_M // 2, BLOCK_H, BLOCK_K, NB, CR, EVEN_K, DOT_F32)
+            else:
+                _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr, e, i0, count, nb, w_scale_ptr, as_ptr,
+                           H, F, KT, KTP, BLOCK_M, BLOCK_H, BLOCK_K, NB, CR, EVEN_K, DOT_F32)
+        else:
+            _down_tile(act_ptr, rw_ptr, ids_ptr, w_ptr, rows_ptr, y_ptr, T, pp, cnt_ptr, e, i0, count, nb, w_scale_ptr, as_ptr,
+                       H, F, KT, KTP, BLOCK_M, BLOCK_H, BLOCK_K, NB, CR, EVEN_K, DOT_F32)
+
+
+META = {
+    "entry": "moe_down_grouped",
+    "params": [["act_ptr", "*fp8e4nv", "in:0"], ["rw_ptr", "*fp32", "in:1"],
+               ["ids_ptr", "*i32", "in:2"], ["w_ptr", "*fp8e4nv", "in:3"],
+               ["rows_ptr", "*i32", "in:4"], ["counts_ptr", "*i32", "in:5"],
+               ["y_ptr", "*bf16", "out:0"], ["T", "i32", "dim:T"],
+               ["part_ptr", "*bf16", "scratch:partials"], ["cnt_ptr", "*i32", "scratch:counters"], ["w_scale_ptr", "*fp32", "in:6"], ["as_ptr", "*fp32", "in:7"]],
+    "constexprs": {"H": 3072, "F": 1536, "KT": 8, "KTP": 8, "E": 256,
+                   "BLOCK_E": 256, "BLOCK_M": 128, "BLOCK_H": 256,
+                   "BLOCK_K": 128, "GROUP_M": 8, "NB": 12, "CR": 16,
+                   "HALF_TAIL": 1, "EVEN_K": True, "DOT_F32": False},
+    "grid": ["(cdiv(T * 8, 128) + min(256, T * 8)) * 12", 1, 1],
+    "scratch": {"partials": "T * 49152", "counters": "T * 48"},
+    "num_warps": 8,
+    "num_stages": 3,
+}

@@ -1,0 +1,1 @@
+../../_kernels/gemv_33302857bd.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_616cd2c890.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_e2e2c2208d.py

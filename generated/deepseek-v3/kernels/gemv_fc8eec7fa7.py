@@ -1,0 +1,1 @@
+../../_kernels/gemv_fc8eec7fa7.py

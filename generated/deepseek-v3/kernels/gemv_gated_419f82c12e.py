@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_419f82c12e.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_407a9c76a5.py

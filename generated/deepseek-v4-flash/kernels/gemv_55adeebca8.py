@@ -1,0 +1,1 @@
+../../_kernels/gemv_55adeebca8.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_59cbd25807.py

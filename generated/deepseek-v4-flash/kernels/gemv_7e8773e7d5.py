@@ -1,0 +1,1 @@
+../../_kernels/gemv_7e8773e7d5.py

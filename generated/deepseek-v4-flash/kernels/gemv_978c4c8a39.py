@@ -1,0 +1,1 @@
+../../_kernels/gemv_978c4c8a39.py

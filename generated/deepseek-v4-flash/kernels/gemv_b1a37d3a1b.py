@@ -1,0 +1,1 @@
+../../_kernels/gemv_b1a37d3a1b.py

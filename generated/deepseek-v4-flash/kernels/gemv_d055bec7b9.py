@@ -1,0 +1,1 @@
+../../_kernels/gemv_d055bec7b9.py

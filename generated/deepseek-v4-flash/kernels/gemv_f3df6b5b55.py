@@ -1,0 +1,1 @@
+../../_kernels/gemv_f3df6b5b55.py

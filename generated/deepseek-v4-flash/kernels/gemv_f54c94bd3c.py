@@ -1,0 +1,1 @@
+../../_kernels/gemv_f54c94bd3c.py

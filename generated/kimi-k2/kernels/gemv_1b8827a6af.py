@@ -1,0 +1,1 @@
+../../_kernels/gemv_1b8827a6af.py

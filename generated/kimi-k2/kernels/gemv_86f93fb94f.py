@@ -1,0 +1,1 @@
+../../_kernels/gemv_86f93fb94f.py

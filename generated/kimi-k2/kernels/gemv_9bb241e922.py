@@ -1,0 +1,1 @@
+../../_kernels/gemv_9bb241e922.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_a1e441a465.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_efb24a4eda.py

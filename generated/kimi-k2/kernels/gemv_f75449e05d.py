@@ -1,0 +1,1 @@
+../../_kernels/gemv_f75449e05d.py

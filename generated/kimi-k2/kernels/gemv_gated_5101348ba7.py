@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_5101348ba7.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_00bf73c955.py
