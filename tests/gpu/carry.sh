@@ -43,7 +43,8 @@ for p in "$@"; do
   done
 done
 # the device tool's 64 MiB counts the files as they lie on disk, the checkout's own included (~51 MiB
-# of 4 KiB blocks at c4b8fadb, against ~42 MiB of bytes: measured by which calls it refused): every file
+# of 4 KiB blocks at c4b8fadb, against ~42 MiB of bytes: measured by which calls it refused; ~44 MiB
+# since generated/ keeps each kernel source once, tools/generated_pool.py): every file
 # over 16 KiB travels gzipped (the tokenizer's JSON, kernel sources, cubins: 33 -> 19 MB for a
 # 22-variant sweep), and --unpack restores them
 find .cache/carry -type f -size +16k ! -name '*.gz' -print0 | xargs -0 -r gzip -9
