@@ -6,7 +6,8 @@ prepare.py builds each artifact for both tables (bin/ holds the H100's and the H
 plan is the last table's) so that one carry serves either card. When the card is known (a call
 that names nvidia-h200), the other table's cubins are dead weight against the device tool's
 64 MiB, which counts the checkout's files as they lie on disk (~51 MiB of 4 KiB blocks at
-c4b8fadb, ~44 MiB since generated/'s kernels are pooled): for qwen3-4b's artifact 24 of 106 files. An artifact rendered for another table (a tiny
+c4b8fadb, ~44 MiB since generated/'s kernels are pooled): for qwen3-4b's artifact 24 of 106
+files. An artifact rendered for another table (a tiny
 model whose plan prepare.py left on the H100's) is kept whole: on the card it re-renders from
 its own cubins (tests/gpu/rerender.py), which this cannot know it will not need.
 """
