@@ -108,15 +108,18 @@ def _merge(state, g, c, phase):
             return None
     elif not _gated_codes(state, p, phase) or s.act_group % GATED_COLUMNS:
         return None
+    return p.id if _one_launch(state, g, p, c, phase) else None
+
+
+def _one_launch(state, g, p, c, phase) -> bool:
+    """Whether producer p's template in this phase writes c's outputs, neither op is a feature
+    backend's, and only views lie between them (the merged launch writes c's outputs at p's place)."""
     if REGISTRY[p.op].template(state.backend, phase) not in PRODUCER_TEMPLATES[c.op][p.op]:
-        return None
+        return False
     if any(REGISTRY[n.op].template(b, phase, inherit=False) for n in (p, c) for b in state.features):
-        return None
-    # adjacent launches (views only between): the merged one writes the codes at the producer's place
+        return False
     between = g.order[g.order.index(p.id) + 1:g.order.index(c.id)]
-    if any(not REGISTRY[g.nodes[n].op].view for n in between):
-        return None
-    return p.id
+    return all(REGISTRY[g.nodes[n].op].view for n in between)
 
 
 def _merge_conv(state, g, c, phase):
@@ -130,14 +133,7 @@ def _merge_conv(state, g, c, phase):
         return None
     if p.id in state.lora_sites.get(phase, {}) or g.values[c.inputs[0]].type.shape[:1] != ("T",):
         return None
-    if REGISTRY[p.op].template(state.backend, phase) not in PRODUCER_TEMPLATES[c.op][p.op]:
-        return None
-    if any(REGISTRY[n.op].template(b, phase, inherit=False) for n in (p, c) for b in state.features):
-        return None
-    between = g.order[g.order.index(p.id) + 1:g.order.index(c.id)]
-    if any(not REGISTRY[g.nodes[n].op].view for n in between):
-        return None
-    return p.id
+    return p.id if _one_launch(state, g, p, c, phase) else None
 
 
 def _gated_codes(state, p, phase) -> bool:
