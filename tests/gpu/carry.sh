@@ -6,6 +6,7 @@
 #   tests/gpu/carry.sh PATH...       # paths under .cache/gpu or .cache/artifacts, e.g.
 #   tests/gpu/carry.sh gpu/configs gpu/ranks/configs artifacts/qwen3-4b
 #   tests/gpu/carry.sh --table h200 PATH...   # only the H200 table's cubins (a call naming nvidia-h200)
+#   tests/gpu/carry.sh --with .whl PATH...     # and check the call's size with the wheels it carries
 # Artifacts' cubins go into one pool (.cache/carry/binpool, each file once: a cubin's name holds
 # its source hash), so builds that differ in a few kernels (an A/B, leave-one-out variants) cost
 # only those kernels; each artifact keeps the list of its bin/ (bin.list) to be rebuilt from it.
@@ -28,8 +29,14 @@ if [ "${1:-}" = --unpack ]; then        # on the GPU machine: put the pieces whe
 fi
 # --table h200|h100 first: only the cubins that table's plans name (tests/gpu/carry_table.py), for a
 # call that names its card
+# --with DIR (repeatable): a folder the call carries beside .cache/carry.tar (the wheels, e.g. .whl):
+# counted into the call's size below, which must stay under the device tool's 64 MiB
 table=
-if [ "${1:-}" = --table ]; then table=$2; shift 2; fi
+with=()
+while [ "${1:-}" = --table ] || [ "${1:-}" = --with ]; do
+  if [ "$1" = --table ]; then table=$2; else with+=("$2"); fi
+  shift 2
+done
 rm -rf .cache/carry
 mkdir -p .cache/carry/binpool
 for p in "$@"; do
@@ -53,3 +60,14 @@ if [ -n "$table" ]; then python3 tests/gpu/carry_table.py .cache/carry "$table";
 rm -f .cache/carry.tar
 tar cf .cache/carry.tar -C .cache carry
 ls -la .cache/carry.tar | awk '{print $5 " bytes: .cache/carry.tar"}'
+# what the call sends, as the device tool counts it (files on disk, in KiB): the checkout's tracked
+# and untracked-not-ignored files, the tar and the --with folders (a call over the limit is refused
+# at once; one whose wheels were left out to fit fails on the machine, after its start)
+tree=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | du -c --files0-from=- 2>/dev/null | tail -1 | cut -f1)
+extra=$(du -sk .cache/carry.tar ${with[@]+"${with[@]}"} | awk '{s += $1} END {print s}')
+total=$((tree + extra))
+echo "the call: $((total / 1024)) MiB of 64 (checkout $((tree / 1024)), carry.tar and --with $((extra / 1024)))"
+if [ "$total" -gt 65536 ]; then
+  echo "carry.sh: over the device tool's 64 MiB: carry fewer pieces (--table, fewer artifacts) or fewer wheels" >&2
+  exit 1
+fi
