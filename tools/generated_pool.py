@@ -26,8 +26,6 @@ def pool(generated: Path = GENERATED) -> tuple[int, int]:
     store.mkdir(exist_ok=True)
     linked, made = set(), 0
     for kdir in sorted(generated.glob("*/kernels")):
-        if kdir.parent == store:
-            continue
         for f in sorted(kdir.iterdir()):
             target = store / f.name
             if f.is_symlink():
