@@ -8,6 +8,9 @@ repeated (median of --reps):
                     "short": compiler/contract/program.py program_name)
     decode_b1       one decode token at batch 1 after it, eager (the bound decode program)
     decode_b1_graph the same step replayed from the CUDA Graph of bucket 1 (what serving runs)
+    verify_b1       with --verify-drafts k (k > 0): one sequence's k + 1 rows at positions 32 ..
+                    32 + k, eager: a speculative verify step at batch 1 (issue 43; the "verify"
+                    program on a build with one), beside decode_b1's one row
     prefill_1024    a 1024-token prompt (the cold side of the prefix hit below)
     prefix_hit      a second sequence sharing the first 64 pages (1024 tokens) of that prompt,
                     with 16 new tokens (phase mixed: start > 0, more than one token)
@@ -392,17 +395,17 @@ def put_random_adapters(runner, n: int, rng) -> dict:
 
 
 def pages_needed(page_size: int, short=32, prefix=1024, new=16, decodes=255, context=1024, chunk=256,
-                 prompts=1) -> int:
-    """The short prompt (+1 decode token), the long prompt, the hit's own pages, the mixed step's
+                 prompts=1, verify=0) -> int:
+    """The short prompt (+1 decode token, or + k + 1 verify rows), the long prompt, the hit's own pages, the mixed step's
     decoders (context + 1 each) and its prefill chunk's prompts, and a margin."""
     need = lambda n: -(-n // page_size)  # noqa: E731
-    return (need(short + 1) + need(prefix) + need(prefix + new) - prefix // page_size
+    return (need(short + 1 + verify) + need(prefix) + need(prefix + new) - prefix // page_size
             + decodes * need(context + 1) + prompts * need(-(-chunk // prompts)) + 16)
 
 
 def run(artifact, model_dir, reps=20, warmup=3, short=32, prefix=1024, new=16, decodes=255,
         context=1024, chunk=256, steps=None, max_model_len=None, bandwidth=True, seed=0,
-        load_format="auto", isolate=(), prompts=1, loras=0) -> dict:
+        load_format="auto", isolate=(), prompts=1, loras=0, verify=0) -> dict:
     from infc.runtime.cuda.artifact import load_plan
     from infc.runtime.cuda.runner import CudaRunner
     from infc.runtime.engine.step import Chunk
@@ -412,11 +415,11 @@ def run(artifact, model_dir, reps=20, warmup=3, short=32, prefix=1024, new=16, d
         raise ValueError(f"--prefix-tokens {prefix} is not a whole number of {page_size}-token pages")
     if not 1 <= prompts <= chunk:
         raise ValueError(f"--mixed-prompts {prompts} must be between 1 and the chunk's {chunk} tokens")
-    num_pages = pages_needed(page_size, short, prefix, new, decodes, context, chunk, prompts)
+    num_pages = pages_needed(page_size, short, prefix, new, decodes, context, chunk, prompts, verify)
     want = lambda name: steps is None or name in steps  # noqa: E731
     rng = np.random.default_rng(seed)
     r = CudaRunner(artifact, model_dir, max_num_batched_tokens=max(short, prefix, new, decodes + chunk),
-                   max_num_seqs=decodes + prompts, max_model_len=max_model_len, buckets=[1], num_pages=num_pages,
+                   max_num_seqs=max(decodes + prompts, verify + 1), max_model_len=max_model_len, buckets=[1], num_pages=num_pages,
                    load_format=load_format)
     try:
         res = header(r.ctx, r.plan["model"])
@@ -435,7 +438,7 @@ def run(artifact, model_dir, reps=20, warmup=3, short=32, prefix=1024, new=16, d
         out = res["steps"]
 
         # 1. a short prompt, then batch-1 decode after it (eager, and from the bucket-1 graph)
-        pages.ensure(0, short + 1)
+        pages.ensure(0, short + 1 + verify)
         if want("prefill_32"):
             out.append(prof.step("prefill_32", f"a {short}-token prompt, one sequence",
                                  [Chunk(0, toks(short), 0)], pages))
@@ -447,6 +450,11 @@ def run(artifact, model_dir, reps=20, warmup=3, short=32, prefix=1024, new=16, d
             out.append(prof.step("decode_b1_graph", f"batch-1 decode at {short + 1} tokens of context, "
                                  "CUDA Graph bucket 1", dec, pages, mode="graph",
                                  launches_from="decode_b1" if want("decode_b1") else None))
+        if verify and want("verify_b1"):
+            # the rows a verify step of k drafts writes: the sequence's next k + 1 positions
+            out.append(prof.step("verify_b1", f"{verify} drafts verified at batch 1 ({verify + 1} rows at "
+                                 f"{short + 1} tokens of context), eager",
+                                 [Chunk(0, toks(1), short + j) for j in range(verify + 1)], pages))
         # 2. a long prompt, then a warm prefix hit on its first pages
         pages.ensure(1, prefix)
         if want("prefill_1024"):
@@ -514,6 +522,8 @@ def main(argv=None):
     ap.add_argument("--no-bandwidth", action="store_true", help="skip the copy-bandwidth run (no floors)")
     ap.add_argument("--isolate", help="comma list of ops (e.g. attention_cached,linear): each eager step "
                     "re-times its first launch of each of their groups alone, after the step, on its data")
+    ap.add_argument("--verify-drafts", type=int, default=0,
+                    help="add verify_b1: a verify step of this many drafts at batch 1 (issue 43)")
     ap.add_argument("--loras", type=int, default=0,
                     help="a LoRA artifact: random adapters in slots 1..N, sequences take them in turn")
     from infc.server.args import add_load_format_arg
@@ -521,12 +531,15 @@ def main(argv=None):
     a = ap.parse_args(argv)
     if a.reps < 1:
         ap.error("--reps must be at least 1")
+    if a.verify_drafts < 0:
+        ap.error("--verify-drafts must be 0 or more")
     from .common import save
     steps = set(a.steps.split(",")) if a.steps else None
     res = run(a.artifact, a.model_path, reps=a.reps, warmup=a.warmup, short=a.short_prompt, prefix=a.prefix_tokens,
               new=a.prefix_new, decodes=a.mixed_decodes, context=a.mixed_context, chunk=a.mixed_chunk, prompts=a.mixed_prompts,
               steps=steps, max_model_len=a.max_model_len, bandwidth=not a.no_bandwidth,
-              load_format=a.load_format, isolate=a.isolate.split(",") if a.isolate else (), loras=a.loras)
+              load_format=a.load_format, isolate=a.isolate.split(",") if a.isolate else (), loras=a.loras,
+              verify=a.verify_drafts)
     path = save("profile", res, a.out)
     text = report(res, a.top)
     path.with_suffix(".md").write_text(text)

@@ -123,6 +123,8 @@ def test_pages_needed_and_page_table():
     assert n == 3 + 64 + 1 + 255 * 65 + 16 + 16
     # a chunk of several prompts: each prompt's own pages (7 of 2401 tokens: 150 pages, not 1051 / 16)
     assert prof.pages_needed(16, decodes=0, chunk=16807, prompts=7) == 3 + 64 + 1 + 7 * 151 + 16
+    # verify rows past the short prompt: 32 + 1 + 15 tokens still fit 3 pages, + 16 need a fourth
+    assert prof.pages_needed(16, verify=15) == n and prof.pages_needed(16, verify=16) == n + 1
     pt = prof.PageTable(n, 16)
     a = pt.ensure(1, 1024)
     b = pt.ensure(2, 1040, shared=a[:64])
