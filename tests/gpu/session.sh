@@ -58,7 +58,7 @@
 # of the LoRA build with random adapters in its 8 slots).
 # lora-tune (issue 46, after tools/experiments/lora_gemv_probe.py prepare: `infc tune run` of the
 # base qwen3-4b's narrow GEMVs and of the LoRA build's four sites over the shrink's schedule grid,
-# then the probe's report, per launch, into OUT/lora-tune.txt).
+# then the probe's report, per launch, into OUT/lora-tune.txt; TUNE_ARGS=--any-gpu times them on an H100).
 # kv-fp8 (issue 42, after prepare.py base kvfp8: batch-1 TPOT at 1k and 32k of context with
 # --kv-cache-dtype fp8 beside the bf16 KV cache, same model; KV_FP8_PROMPTS sets the prompts).
 # overlap-ab (overlapped engine steps against INFC_OVERLAP=0, alternating: latency and throughput);
@@ -687,7 +687,7 @@ models.model_dir('$q')" 2>&1 | tail -3
       for d in qwen3-4b-narrow-h200 qwen3-4b-lora8r16-narrow-h200; do
         say "lora-tune: infc tune run $d"
         timeout ${TUNE_S:-300} python3 -m infc.cli tune run --dir ".cache/tune/$d" --results-dir "$OUT/$d" \
-          --write "$OUT/$d/h200.json" > "$OUT/$d.log" 2>&1; tail -12 "$OUT/$d.log"
+          --write "$OUT/$d/h200.json" ${TUNE_ARGS:-} > "$OUT/$d.log" 2>&1; tail -12 "$OUT/$d.log"
       done
       python3 tools/experiments/lora_gemv_probe.py report "$OUT" 2>&1 | tee "$OUT/lora-tune.txt" ;;
     *)
