@@ -53,3 +53,20 @@ def test_gated_128_deep_tiles_against_the_reference():
     run(k, {"in:0": x, "in:1": w, "out:0": y}, {"T": 1, "B": 1})
     want = REGISTRY["linear_gated"].reference(None, f32(x), f32(w), fn="silu", has_bias=False)
     assert rel_err(f32(y), want) <= TOL
+
+
+def test_a_split_count_that_leaves_ranges_empty_is_trimmed():
+    """K splits are whole FMA_BLOCK_K steps, ceil(steps / SPLIT_K) each: 38 steps of 256 (the fp8
+    down's K 9728) in 9 splits are 8 ranges of 5 and an empty ninth, which the kernel no longer
+    launches; the sums stay the reference's."""
+    k = _plain(2560, 9728, tune={"BLOCK_N": 32, "FMA_BLOCK_K": 256, "SPLIT_K": 9})
+    assert k.meta["constexprs"]["ZMAX"] == 8 and k.meta["grid"][2].startswith("1 + 7 * ")
+    assert _plain(2560, 9728, tune={"BLOCK_N": 32, "FMA_BLOCK_K": 256, "SPLIT_K": 2}).meta["constexprs"]["ZMAX"] == 2
+    N, K = 42, 300                  # 10 steps of 32 in 6 splits: 5 ranges of 2 (the sixth would be empty)
+    gen = np.random.default_rng(9)
+    x, w = rand((1, K), gen=gen), rand((N, K), gen=gen, scale=K ** -0.5)
+    k = _plain(N, K, tune={"FMA_BLOCK_K": 32, "SPLIT_K": 6})
+    assert k.meta["constexprs"]["ZMAX"] == 5
+    y = poison((1, N))
+    run(k, {"in:0": x, "in:1": w, "out:0": y}, {"T": 1, "B": 1})
+    assert rel_err(f32(y), REGISTRY["linear"].reference(None, f32(x), f32(w))) <= TOL

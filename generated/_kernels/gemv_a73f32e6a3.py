@@ -1,6 +1,6 @@
 
    # gemv: y[t, n] = sum_k x[t, k] * w[n, k]  for t < T
-#   x [T, 7168] bf16, w [1536, 7168] f8e4m3, y [T, 1536] bf16; fp32 accumulate.
+#   x [T, 4096] bf16, w [4352, 4096] f8e4m3, y [T, 4352] bf16; fp32 accumulate.
 # Quantized W (triton/_quant.j2): f8e4m3 codes, scales per 128 rows x 128 columns,
 #   activations dynamic_group (groups of 128): w = (value - zero) * scale dequantized in registers
 #   from one byte an element (the bytes streamed are the speedup). The CUDA-core path multiplies in
@@ -30,6 +30,13 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
+def _halves(x):
+    """[R, S, 2C] -> its even and odd columns, [R, S, C] each (a thread's own registers): the FFMA
+    chains' column split (_lanes_fma here, _fp8_fma.j2's _run_sums)."""
+    return tl.split(tl.reshape(x, [x.shape[0], x.shape[1], x.shape[2] // 2, 2]))
+
+
+@triton.jit
 def _ptr(base, offs):
     """base + offs, with the 16-byte alignment of each contiguous run of 8 bf16 made known to the
     compiler (rows are multiples of 8 elements and buffers 16-byte aligned), for vector loads."""
@@ -44,7 +51,7 @@ def _ptr(base, offs):
 @triton.jit
 def _row_start(r, mask):
     """Element offset of each row's first element in the A operand: r [R] -> int64 [R]."""
-    return r.to(tl.int64) * 7168
+    return r.to(tl.int64) * 4096
 
 
 @triton.jit
@@ -54,14 +61,14 @@ def _a_tile(a_ptr, as_ptr, row_off, k, mask):
     row_off [R, 1] and k [1, BK] -> [R, BK], or row_off [1] and k [BK] -> [BK]."""
     # ready codes: code * its group's scale, the value the activation quantizer leaves (fp32)
     c = tl.load(a_ptr + row_off + k, mask=mask, other=0.0).to(tl.float32)
-    g = row_off // 7168 * 56 + k // 128
+    g = row_off // 4096 * 32 + k // 128
     return c * tl.load(as_ptr + g, mask=mask, other=0.0)
 
 
 @triton.jit
 def _w_raw(w_rows, k0, k_end, BK: tl.constexpr):
     """The stored codes of W[rows, k0 : k0 + BK], zero past k_end: w_rows [BN, 1] row pointers
-    (7168 bytes a row), k0 a multiple of BK -> f8e4m3 [BN, BK]."""
+    (4096 bytes a row), k0 a multiple of BK -> f8e4m3 [BN, BK]."""
     k = k0 + tl.arange(0, BK)[None, :]
     p = w_rows + k
     p = tl.multiple_of(p, [1, 16])
@@ -76,17 +83,17 @@ def _w_values(raw):
 
 @triton.jit
 def _w_group(t_ptr, srow, k0, k_end, BK: tl.constexpr):
-    """t[srow, g(k)] (w_scale or w_zero: 56 groups a row) over the tile's columns
+    """t[srow, g(k)] (w_scale or w_zero: 32 groups a row) over the tile's columns
     k0 .. k0 + BK: srow [BN, 1] the W rows' scale rows -> [BN, 1] (the tile in one group),
     [BN, BK / 128] (one a group of the tile) or [BN, BK] (a group per column)."""
     if 128 % BK == 0:
-        return tl.load(t_ptr + srow * 56 + tl.minimum(k0 // 128, 55))
+        return tl.load(t_ptr + srow * 32 + tl.minimum(k0 // 128, 31))
     elif BK % 128 == 0:
-        g = tl.minimum(k0 // 128 + tl.arange(0, BK // 128), 55)[None, :]
-        return tl.load(t_ptr + srow * 56 + g)
+        g = tl.minimum(k0 // 128 + tl.arange(0, BK // 128), 31)[None, :]
+        return tl.load(t_ptr + srow * 32 + g)
     else:
         k = k0 + tl.arange(0, BK)[None, :]
-        return tl.load(t_ptr + srow * 56 + tl.minimum(k // 128, 55))
+        return tl.load(t_ptr + srow * 32 + tl.minimum(k // 128, 31))
 
 
 @triton.jit
@@ -144,6 +151,89 @@ def _a_codes(a):
 
 
 @triton.jit
+def _fp8_tile(w3, k0, k_end, FK: tl.constexpr, MASKED: tl.constexpr):
+    """W's e4m3 codes of columns k0 .. k0 + FK as [BN, FK / 16, 16] (run s, byte b: column
+    k0 + 16 s + b); w3 [BN, 1, 1] the rows' first bytes; a zero code at k_end and past. MASKED
+    False: the step lies inside k_end (K a multiple of FK: ranges are whole steps), and the
+    loads need no mask (no registers zeroed for it: CS2R, 1/8 an instruction a weight)."""
+    kk = k0 + 16 * tl.arange(0, FK // 16)[None, :, None] + tl.arange(0, 16)[None, None, :]
+    p = w3 + kk
+    p = tl.multiple_of(p, [1, 1, 16])
+    if MASKED:
+        return tl.load(p, mask=kk < k_end, other=0.0, eviction_policy="evict_first")
+    else:
+        return tl.load(p, eviction_policy="evict_first")
+
+
+@triton.jit
+def _fp8_run_scales(w_scale_ptr, srow3, a_scales, k0, k_lo, k_end, FK: tl.constexpr, BK: tl.constexpr):
+    """w_scale[n, g] * a_scale[g] for each run of 16 columns of the K step from k0 (g: the run's
+    group): [BN, FK / 16, 1]; srow3 [BN, 1, 1] the rows' scale rows; a_scales from the range's
+    first column k_lo, one a BK-column group; 0 past k_end (those runs' codes are zero too)."""
+    # (the indices as quotients: no run of contiguous scales for the compiler to vectorize, so
+    # the loads keep the code tile's thread order and need no layout conversion)
+    kc2 = k0 + 16 * tl.arange(0, FK // 16)[:, None]       # [runs, 1]: A's scales as A's codes (a slice of the tile's layout)
+    kc = kc2[None, :, :]
+    ws = tl.load(w_scale_ptr + srow3 * 32 + tl.minimum(kc // 128, 31))
+    a_s = tl.load(a_scales + (kc2 - k_lo) // BK, mask=kc2 < k_end, other=0.0)[None, :, :]
+    return ws * a_s
+
+
+@triton.jit
+def _run_sums(w, a):
+    """sum_b w[n, s, b] * a[0, s, b] over a run's 16 columns -> [R, S, 1], as one chain of 16 FFMAs
+    a run (tl.sum's tree took a multiply and an add for half the products: 1.6 instructions a
+    product against 1). The columns taken apart by four rounds of halves (gemv.py.j2's _halves),
+    in the same order for both operands."""
+    w1_0, w1_1 = _halves(w)
+    a1_0, a1_1 = _halves(a)
+    w2_0, w2_1 = _halves(w1_0)
+    a2_0, a2_1 = _halves(a1_0)
+    w2_2, w2_3 = _halves(w1_1)
+    a2_2, a2_3 = _halves(a1_1)
+    w3_0, w3_1 = _halves(w2_0)
+    a3_0, a3_1 = _halves(a2_0)
+    w3_2, w3_3 = _halves(w2_1)
+    a3_2, a3_3 = _halves(a2_1)
+    w3_4, w3_5 = _halves(w2_2)
+    a3_4, a3_5 = _halves(a2_2)
+    w3_6, w3_7 = _halves(w2_3)
+    a3_6, a3_7 = _halves(a2_3)
+    w4_0, w4_1 = _halves(w3_0)
+    a4_0, a4_1 = _halves(a3_0)
+    w4_2, w4_3 = _halves(w3_1)
+    a4_2, a4_3 = _halves(a3_1)
+    w4_4, w4_5 = _halves(w3_2)
+    a4_4, a4_5 = _halves(a3_2)
+    w4_6, w4_7 = _halves(w3_3)
+    a4_6, a4_7 = _halves(a3_3)
+    w4_8, w4_9 = _halves(w3_4)
+    a4_8, a4_9 = _halves(a3_4)
+    w4_10, w4_11 = _halves(w3_5)
+    a4_10, a4_11 = _halves(a3_5)
+    w4_12, w4_13 = _halves(w3_6)
+    a4_12, a4_13 = _halves(a3_6)
+    w4_14, w4_15 = _halves(w3_7)
+    a4_14, a4_15 = _halves(a3_7)
+    s = w4_0 * a4_0
+    s = s + w4_1 * a4_1
+    s = s + w4_2 * a4_2
+    s = s + w4_3 * a4_3
+    s = s + w4_4 * a4_4
+    s = s + w4_5 * a4_5
+    s = s + w4_6 * a4_6
+    s = s + w4_7 * a4_7
+    s = s + w4_8 * a4_8
+    s = s + w4_9 * a4_9
+    s = s + w4_10 * a4_10
+    s = s + w4_11 * a4_11
+    s = s + w4_12 * a4_12
+    s = s + w4_13 * a4_13
+    s = s + w4_14 * a4_14
+    s = s + w4_15 * a4_15
+    return s
+
+@triton.jit
 def _finish(y_ptr, part_ptr, cnt_ptr, acc, offs, mask, tile, SPLIT: tl.constexpr, SLOT: tl.constexpr,
             ZMAX: tl.constexpr):
     """Write an fp32 output tile. Under split-K each program parks its partial sums in its own
@@ -196,77 +286,62 @@ def gemv(a_ptr, w_ptr, w_scale_ptr, as_ptr, y_ptr, M, part_ptr, cnt_ptr,
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < N
         # out-of-range rows re-read row N-1 (unmasked, vectorized loads); results are dropped
-        w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * 7168
+        w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * 4096
         srow = (tl.minimum(offs_n, N - 1) // 128)[:, None]
-        # the first W tiles are read before the wait (weights are immutable): their loads are in
-        # flight while the kernel before drains, instead of starting when it is done
-        kf = k_lo + 0 * FMA_BLOCK_K + tl.arange(0, FMA_BLOCK_K)
-        w_first0 = _w_raw(w_rows, k_lo + 0 * FMA_BLOCK_K, k_hi, FMA_BLOCK_K)   # k_hi: a short range has fewer tiles
-        kf = k_lo + 1 * FMA_BLOCK_K + tl.arange(0, FMA_BLOCK_K)
-        w_first1 = _w_raw(w_rows, k_lo + 1 * FMA_BLOCK_K, k_hi, FMA_BLOCK_K)   # k_hi: a short range has fewer tiles
+        w3 = w_rows[:, :, None]
+        # the first K step's codes (before the wait where PRELOAD: weights are immutable), masked
+        # always: a split past K (K's steps fewer than the splits' whole steps) has an empty range
+        w_first = _fp8_tile(w3, k_lo, k_hi, FMA_BLOCK_K, True)
         if PDL:
             gdc_wait()   # earlier kernels' writes are visible from here on
-        r0 = tl.full([1], 0, tl.int32)
-        ok0 = r0 < M
-        row0 = _row_start(r0, ok0)
-        acc0 = tl.zeros([BLOCK_N, FMA_BLOCK_K], tl.float32)
-        kf = k_lo + 0 * FMA_BLOCK_K + tl.arange(0, FMA_BLOCK_K)
-        wf = _w_deq_unmasked(w_first0, srow, w_scale_ptr, k_lo + 0 * FMA_BLOCK_K, k_hi, FMA_BLOCK_K)
-        a0 = _a_tile(a_ptr, as_ptr, row0, kf, ok0 & (kf < k_hi))
-        acc0 += wf * a0.to(tl.float32)[None, :]
+        # ready codes: the row's (row 0's: a narrow step has one) from column k_lo, its group scales
+        a_codes = a_ptr + k_lo
+        a_scales = as_ptr + k_lo // BLOCK_K
+        runs2 = tl.arange(0, FMA_BLOCK_K // 16)[:, None]
+        b2 = tl.arange(0, 16)[None, :]
+        srow3 = srow[:, :, None]
+        acc = tl.zeros([BLOCK_N, FMA_BLOCK_K // 16, 1], tl.float32)
+        # the first K step on the tile read before the wait (its range has one: ranges are whole
+        # K steps, K > 0), the rest loaded at the top of their step. Not a loop-carried next tile:
+        # a tile carried through the loop is 16 bytes a register no more (a byte a register, and
+        # a PRMT a byte to unpack and repack it: 6.5 instructions a weight on sm_90)
+        # A's codes as [runs, 16], broadcast over the rows: a slice of the code tile's layout, so each
+        # thread loads and converts its own columns once (a 3-D load of [1, runs, 16] took a layout
+        # of its own and a conversion through shared memory a K step)
+        ka = k_lo + 16 * runs2 + b2
+        a = tl.load(a_codes + (ka - k_lo), mask=ka < k_hi, other=0.0).to(tl.float32)[None, :, :]
+        run = _run_sums(w_first.to(tl.float32), tl.broadcast_to(a, w_first.shape))    # exact products, fp32 sums
+        acc += run * _fp8_run_scales(w_scale_ptr, srow3, a_scales, k_lo, k_lo, k_hi, FMA_BLOCK_K, BLOCK_K)
 
-        kf = k_lo + 1 * FMA_BLOCK_K + tl.arange(0, FMA_BLOCK_K)
-        wf = _w_deq_unmasked(w_first1, srow, w_scale_ptr, k_lo + 1 * FMA_BLOCK_K, k_hi, FMA_BLOCK_K)
-        a0 = _a_tile(a_ptr, as_ptr, row0, kf, ok0 & (kf < k_hi))
-        acc0 += wf * a0.to(tl.float32)[None, :]
+        for k0 in range(k_lo + FMA_BLOCK_K, k_hi, FMA_BLOCK_K):
+            w = _fp8_tile(w3, k0, k_hi, FMA_BLOCK_K, False)
+            # A's codes as [runs, 16], broadcast over the rows: a slice of the code tile's layout, so each
+            # thread loads and converts its own columns once (a 3-D load of [1, runs, 16] took a layout
+            # of its own and a conversion through shared memory a K step)
+            ka = k0 + 16 * runs2 + b2
+            a = tl.load(a_codes + (ka - k_lo), mask=ka < k_hi, other=0.0).to(tl.float32)[None, :, :]
+            run = _run_sums(w.to(tl.float32), tl.broadcast_to(a, w.shape))    # exact products, fp32 sums
+            acc += run * _fp8_run_scales(w_scale_ptr, srow3, a_scales, k0, k_lo, k_hi, FMA_BLOCK_K, BLOCK_K)
 
-        for k0 in range(k_lo + 2 * FMA_BLOCK_K, k_hi, FMA_BLOCK_K):
-            kf = k0 + tl.arange(0, FMA_BLOCK_K)
-            wf = _w_deq_unmasked(_w_raw(w_rows, k0, K, FMA_BLOCK_K), srow, w_scale_ptr, k0, K, FMA_BLOCK_K)
-            a0 = _a_tile(a_ptr, as_ptr, row0, kf, ok0 & (kf < K))
-            acc0 += wf * a0.to(tl.float32)[None, :]
-
-        rows = tl.arange(0, FMA_T)
-        out = tl.zeros([FMA_T, BLOCK_N], tl.float32)
-        out = tl.where(rows[:, None] == 0, tl.sum(acc0, axis=1)[None, :], out)
+        rows = tl.arange(0, 1)
+        out = tl.sum(tl.sum(acc, axis=2), axis=1)[None, :]
         offs_f = rows.to(tl.int64)[:, None] * N + offs_n[None, :]
         _finish(y_ptr, part_ptr, cnt_ptr, out, offs_f, (rows[:, None] < M) & n_mask[None, :], tile, SPLIT, SLOT, ZMAX)
-    elif pid_n * BLOCK_N_DOT < N:
-        # ---- tensor-core path: rows pid_t*BLOCK_T .. +BLOCK_T, acc[n, t] = W @ A^T ----
-        offs_nd = pid_n * BLOCK_N_DOT + tl.arange(0, BLOCK_N_DOT)
-        n_maskd = offs_nd < N
-        w_rowsd = w_ptr + tl.minimum(offs_nd, N - 1).to(tl.int64)[:, None] * 7168
-        srowd = (tl.minimum(offs_nd, N - 1) // 128)[:, None]
-        if PDL:
-            gdc_wait()   # earlier kernels' writes are visible from here on
-        offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-        t_mask = offs_t < M
-        row = _row_start(offs_t, t_mask)[:, None]
-        acc = tl.zeros([BLOCK_N_DOT, BLOCK_T], tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)[None, :]
-            raw = _w_raw(w_rowsd, k0, K, BLOCK_K)
-            # the ready codes of A (a launch before made them) and their scales
-            ac = tl.load(a_ptr + row + k, mask=t_mask[:, None] & (k < K), other=0.0)
-            a_s = tl.load(as_ptr + offs_t * 56 + k0 // 128, mask=t_mask, other=0.0)
-            acc += tl.dot(raw, tl.trans(ac)) * _w_group(w_scale_ptr, srowd, k0, K, BLOCK_K) * a_s[None, :]
-        offs = offs_t.to(tl.int64)[None, :] * N + offs_nd[:, None]
-        _finish(y_ptr, part_ptr, cnt_ptr, acc, offs, t_mask[None, :] & n_maskd[:, None], tile, SPLIT, SLOT, ZMAX)
 
 
 META = {
     "entry": "gemv",
     "params": [["a_ptr", "*fp8e4nv", "in:0"], ["w_ptr", "*fp8e4nv", "in:1"], ["w_scale_ptr", "*fp32", "in:2"], ["as_ptr", "*fp32", "in:3"], ["y_ptr", "*bf16", "out:0"], ["M", "i32", "dim:T"], ["part_ptr", "*fp32", "scratch:partials"], ["cnt_ptr", "*i32", "scratch:counters"]],
-    "constexprs": {"N": 1536, "K": 7168, "BLOCK_N": 32, "FMA_BLOCK_K": 256,
+    "constexprs": {"N": 4352, "K": 4096, "BLOCK_N": 64, "FMA_BLOCK_K": 256,
                    "FMA_T": 1, "FMA_ROWS": 1, "BLOCK_N_DOT": 64, "BLOCK_K": 128,
-                   "BLOCK_T": 32, "KU": 256, "SPLIT": True, "SLOT": 147456,
-                   "ZMAX": 8,
+                   "BLOCK_T": 32, "KU": 256, "SPLIT": True, "SLOT": 4352,
+                   "ZMAX": 4,
                    "DOT_F32": False, "PDL": True},
     "pdl": True,
     "reads_before_wait": ["w_ptr"],
-    "grid": ["cdiv(T, 32)", 48, "8 * max(0, min(1, 2 - T)) + max(1, 7 // cdiv(T, 32)) * (1 - max(0, min(1, 2 - T)))"],
-    "scratch": {"partials": "8 * 589824",
-                "counters": "min(cdiv(T, 32), 3) * 192"},
+    "grid": ["cdiv(T, 32)", 68, "1 + 3 * max(0, min(1, 2 - T))"],
+    "scratch": {"partials": "4 * 17408",
+                "counters": "min(cdiv(T, 32), 1) * 272"},
     "num_warps": 4,
     "num_stages": 4,
 }

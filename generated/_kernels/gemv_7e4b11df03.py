@@ -1,6 +1,6 @@
 
    # gemv: y[t, n] = sum_k x[t, k] * w[n, k]  for t < T
-#   x [T, 4864] bf16, w [896, 4864] bf16, y [T, 896] bf16; fp32 accumulate.
+#   x [T, 5120] bf16, w [2048, 5120] bf16, y [T, 2048] bf16; fp32 accumulate.
 #
 # Memory-bound: W is streamed once, in [BLOCK_N, *] tiles of 16-byte vector loads (evict_first, so
 # the small activations stay in L2). Grid (cdiv(T, BLOCK_T), N blocks, splits):
@@ -39,7 +39,7 @@ def _ptr(base, offs):
 @triton.jit
 def _row_start(r, mask):
     """Element offset of each row's first element in the A operand: r [R] -> int64 [R]."""
-    return r.to(tl.int64) * 4864
+    return r.to(tl.int64) * 5120
 
 
 @triton.jit
@@ -170,16 +170,16 @@ def gemv(a_ptr, w_ptr, y_ptr, M, part_ptr, cnt_ptr,
 META = {
     "entry": "gemv",
     "params": [["a_ptr", "*bf16", "in:0"], ["w_ptr", "*bf16", "in:1"], ["y_ptr", "*bf16", "out:0"], ["M", "i32", "dim:T"], ["part_ptr", "*fp32", "scratch:partials"], ["cnt_ptr", "*i32", "scratch:counters"]],
-    "constexprs": {"N": 896, "K": 4864, "BLOCK_N": 32, "FMA_BLOCK_K": 256,
+    "constexprs": {"N": 2048, "K": 5120, "BLOCK_N": 32, "FMA_BLOCK_K": 256,
                    "FMA_T": 1, "FMA_ROWS": 1, "BLOCK_N_DOT": 64, "BLOCK_K": 64,
-                   "BLOCK_T": 32, "KU": 256, "SPLIT": True, "SLOT": 57344,
-                   "ZMAX": 9,
+                   "BLOCK_T": 32, "KU": 256, "SPLIT": True, "SLOT": 131072,
+                   "ZMAX": 5,
                    "DOT_F32": False, "PDL": True},
     "pdl": True,
     "reads_before_wait": ["w_ptr"],
-    "grid": ["cdiv(T, 32)", 28, "9 * max(0, min(1, 2 - T)) + max(1, 4 // cdiv(T, 32)) * (1 - max(0, min(1, 2 - T)))"],
-    "scratch": {"partials": "9 * 229376",
-                "counters": "min(cdiv(T, 32), 2) * 112"},
+    "grid": ["cdiv(T, 32)", 64, "5 * max(0, min(1, 2 - T)) + max(1, 5 // cdiv(T, 32)) * (1 - max(0, min(1, 2 - T)))"],
+    "scratch": {"partials": "5 * 524288",
+                "counters": "min(cdiv(T, 32), 2) * 256"},
     "num_warps": 4,
     "num_stages": 4,
 }

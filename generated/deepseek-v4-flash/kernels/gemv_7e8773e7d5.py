@@ -1,1 +1,0 @@
-../../_kernels/gemv_7e8773e7d5.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_a73f32e6a3.py

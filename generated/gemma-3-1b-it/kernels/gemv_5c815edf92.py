@@ -1,1 +1,0 @@
-../../_kernels/gemv_5c815edf92.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_b02b16c47c.py

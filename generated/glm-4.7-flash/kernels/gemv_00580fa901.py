@@ -1,1 +1,0 @@
-../../_kernels/gemv_00580fa901.py

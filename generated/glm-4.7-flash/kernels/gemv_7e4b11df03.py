@@ -1,0 +1,1 @@
+../../_kernels/gemv_7e4b11df03.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_19b3bfc13b.py

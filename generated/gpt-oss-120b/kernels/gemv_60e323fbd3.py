@@ -1,0 +1,1 @@
+../../_kernels/gemv_60e323fbd3.py

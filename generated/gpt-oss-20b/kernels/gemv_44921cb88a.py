@@ -1,0 +1,1 @@
+../../_kernels/gemv_44921cb88a.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_fcda4197b1.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_4e1c4cf858.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_e06b21d5b8.py

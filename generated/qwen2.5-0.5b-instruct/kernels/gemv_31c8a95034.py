@@ -1,1 +1,0 @@
-../../_kernels/gemv_31c8a95034.py
