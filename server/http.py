@@ -126,8 +126,8 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 class Guard:
     """Pure ASGI middleware: the header size cap, and the API key (constant-time, on hashes so
-    that not even the key's length leaks). h11 bounds only a header block that arrives in pieces;
-    one that arrives whole is measured here."""
+    that not even the key's length leaks). The connection bounds only a header block still
+    incomplete past the cap (server/connection.py); one that arrives whole is measured here."""
 
     def __init__(self, app, state):
         self.app, self.state = app, state

@@ -5,8 +5,8 @@ port once the backend's device work (or a build) has begun; /health answers 503 
 is attached, 200 once the engine is ready (each phase printed with its time as it finishes;
 docs/serving.md, "Start"). Unknown flags are errors (argparse, with abbreviations off). Each accepted connection gets TCP_NODELAY, so an SSE
 event leaves when it is written rather than after the peer's delayed ACK (asyncio sets it too;
-this states it where it matters). Headers over --max-header-bytes are answered 431 (or 400 by
-h11, when an oversized block arrives in pieces); a request whose headers or body do not arrive
+this states it where it matters). Headers over --max-header-bytes are answered 431 (or 400 when
+they are still incomplete past it: connection.py); a request whose headers or body do not arrive
 within --request-header-timeout / --request-body-timeout seconds is answered 408 and its
 connection closed (connection.py).
 
@@ -34,9 +34,10 @@ def uvicorn_config(app, host="127.0.0.1", port=8000, log_level="info", access_lo
                    max_header_bytes=16 << 10, header_timeout=HEADER_TIMEOUT_S,
                    body_timeout=BODY_TIMEOUT_S):
     import uvicorn
-    from .connection import NoDelayH11Protocol
+    from .connection import protocol_class
     from .lifecycle import END_MARGIN_S
-    http = functools.partial(NoDelayH11Protocol, header_timeout=header_timeout, body_timeout=body_timeout)
+    http = functools.partial(protocol_class(), header_timeout=header_timeout, body_timeout=body_timeout,
+                             max_header_bytes=max_header_bytes)
     return uvicorn.Config(app, host=host, port=port, http=http, lifespan="off",
                           log_level=log_level, access_log=access_log,
                           h11_max_incomplete_event_size=max_header_bytes, timeout_keep_alive=5,

@@ -1,5 +1,5 @@
 """Issue 39, HTTP: JSON routes refuse every non-JSON Content-Type (and none at all) with 415 in
-OpenAI's error shape, the CSRF vector of a cross-origin text/plain or form POST; what h11 itself
+OpenAI's error shape, the CSRF vector of a cross-origin text/plain or form POST; what the HTTP parser itself
 answers for a malformed request (documented in server/app.py); and admission by cost: an
 echo + logprobs request counts the engine requests that score its prompt. Against the real
 SmolLM2 on the CPU."""
@@ -55,8 +55,8 @@ def test_json_content_types_are_served(content_type):
         assert status == 200, (path, content_type, status, raw[:200])
 
 
-def test_h11_rejections_are_plain_text_400():
-    """What app.py's docstring says a client sees when h11 rejects the request itself."""
+def test_parser_rejections_are_plain_text_400():
+    """What app.py's docstring says a client sees when the HTTP parser rejects the request itself."""
     s = live()
     unfinished_big_header = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (2 * s.config.max_header_bytes)
     for raw in (b"GARBAGE\r\n\r\n", b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",

@@ -89,7 +89,7 @@ def _install(path: str):
 
     from infc.runtime.engine import async_engine, engine
     from infc.server import app, connection, generation, offload
-    at_entry(connection.NoDelayH11Protocol, "connection_made", "conn")
+    at_entry(connection.Guarded, "connection_made", "conn")
     at_entry(app, "read_body", "body")
     at_entry(async_engine.AsyncEngine, "_send", "send")
     at_entry(engine.Engine, "add_request", "add")
