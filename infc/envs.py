@@ -29,6 +29,8 @@ REGISTRY = {v.name: v for v in (
     # serving and the engine
     Var("INFC_HTTP_PARSER", "str", "httptools", "the HTTP/1.1 parser of `infc serve`'s connections: "
         "httptools (C; h11 where it is not installed) or h11 (pure Python; server/connection.py)"),
+    Var("INFC_EVENT_LOOP", "str", "uvloop", "the event loop `infc serve` runs: uvloop (asyncio's "
+        "where it is not installed) or asyncio (server/connection.py)"),
     Var("INFC_API_KEY", "str", None, "the API key `infc serve` requires (Authorization: Bearer) "
         "when --api-key is not given"),
     Var("INFC_OVERLAP", "flag", True, "overlapped steps: the engine prepares the next step while "

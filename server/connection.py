@@ -13,9 +13,11 @@
   (httptools buffers without a bound); complete headers over it reach the app, which answers
   431 (server/http.py).
 
-Which parser: INFC_HTTP_PARSER (infc/envs.py). A small POST's round trip through a bare Starlette
-route on the build machine: h11 258 us, httptools 171 us (bench/NOTES.md, session 2026-12-06 #9);
-each streamed event is framed by the parser's side of the protocol too.
+Which parser: INFC_HTTP_PARSER; which event loop: INFC_EVENT_LOOP (uvloop, as vLLM's server runs,
+else asyncio's; infc/envs.py). A small POST's round trip through a bare Starlette route on the
+build machine (tools/experiments/http_parser_probe.py): h11 240-305 us, httptools 149-171, httptools
+on uvloop 105-144 (bench/NOTES.md, session 2026-12-06 #9); each streamed event is framed by the
+parser's side of the protocol too.
 """
 import json
 import logging
@@ -133,3 +135,19 @@ def protocol_class():
     if want == "httptools" and GuardedHttpToolsProtocol is not None:
         return GuardedHttpToolsProtocol
     return GuardedH11Protocol
+
+
+def event_loop() -> str:
+    """uvicorn's loop setting for INFC_EVENT_LOOP: "uvloop" (the default; asyncio's where uvloop is
+    not installed) or "asyncio". Named, not uvicorn's "auto", so a machine's installed packages do
+    not pick it silently."""
+    from infc import envs
+    want = envs.value("INFC_EVENT_LOOP")
+    if want not in ("uvloop", "asyncio"):
+        raise ValueError(f"INFC_EVENT_LOOP={want!r}: use uvloop or asyncio")
+    if want == "uvloop":
+        try:
+            import uvloop  # noqa: F401
+        except ImportError:
+            return "asyncio"
+    return want

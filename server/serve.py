@@ -34,11 +34,11 @@ def uvicorn_config(app, host="127.0.0.1", port=8000, log_level="info", access_lo
                    max_header_bytes=16 << 10, header_timeout=HEADER_TIMEOUT_S,
                    body_timeout=BODY_TIMEOUT_S):
     import uvicorn
-    from .connection import protocol_class
+    from .connection import event_loop, protocol_class
     from .lifecycle import END_MARGIN_S
     http = functools.partial(protocol_class(), header_timeout=header_timeout, body_timeout=body_timeout,
                              max_header_bytes=max_header_bytes)
-    return uvicorn.Config(app, host=host, port=port, http=http, lifespan="off",
+    return uvicorn.Config(app, host=host, port=port, http=http, loop=event_loop(), lifespan="off",
                           log_level=log_level, access_log=access_log,
                           h11_max_incomplete_event_size=max_header_bytes, timeout_keep_alive=5,
                           timeout_graceful_shutdown=END_MARGIN_S)

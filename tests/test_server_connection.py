@@ -1,8 +1,9 @@
-"""server/connection.py under each HTTP parser (INFC_HTTP_PARSER: httptools, the default, and h11),
-on a bare route: a request is served; headers still incomplete past max_header_bytes are a 400
+"""server/connection.py under each HTTP parser (INFC_HTTP_PARSER: httptools, the default, and h11)
+and event loop (INFC_EVENT_LOOP: uvloop, the default, and asyncio), on a bare route: a request is served; headers still incomplete past max_header_bytes are a 400
 and a closed connection (h11 bounds them itself, the httptools protocol by counting); headers or a
 body that do not arrive in time are a 408 in the API's error shape."""
 import json
+import os
 import socket
 import time
 
@@ -16,17 +17,22 @@ from infc.server.serve import ServerThread
 
 
 async def _echo(request):
-    return JSONResponse({"n": len(await request.body())})
+    import asyncio
+    return JSONResponse({"n": len(await request.body())},
+                        headers={"x-loop": type(asyncio.get_running_loop()).__module__.split(".")[0]})
 
 
 APP = Starlette(routes=[Route("/echo", _echo, methods=["POST"])])
 
 
-@pytest.fixture(params=["httptools", "h11"])
+@pytest.fixture(params=[("httptools", "uvloop"), ("h11", "asyncio")])
 def server(request, monkeypatch):
-    monkeypatch.setenv("INFC_HTTP_PARSER", request.param)
+    parser, loop = request.param
+    monkeypatch.setenv("INFC_HTTP_PARSER", parser)
+    monkeypatch.setenv("INFC_EVENT_LOOP", loop)
     cls = connection.protocol_class()
-    assert cls.__name__ == {"httptools": "GuardedHttpToolsProtocol", "h11": "GuardedH11Protocol"}[request.param]
+    assert cls.__name__ == {"httptools": "GuardedHttpToolsProtocol", "h11": "GuardedH11Protocol"}[parser]
+    assert connection.event_loop() == loop
     s = ServerThread(APP, max_header_bytes=4096, header_timeout=0.5, body_timeout=0.5).start()
     yield s
     s.stop()
@@ -57,6 +63,7 @@ def _post(body: bytes, extra=b"") -> bytes:
 def test_a_request_is_served(server):
     got = _exchange(server.port, [_post(b'{"a": 1}')])
     assert got.startswith(b"HTTP/1.1 200") and got.endswith(b'{"n":8}')
+    assert f"x-loop: {os.environ['INFC_EVENT_LOOP']}".encode() in got.lower()     # the loop named runs it
 
 
 def test_headers_incomplete_past_the_bound_are_a_400(server):
@@ -76,7 +83,10 @@ def test_a_body_that_stops_arriving_is_a_408(server):
     assert got.startswith(b"HTTP/1.1 408") and b"body" in got
 
 
-def test_an_unknown_parser_is_refused(monkeypatch):
+def test_an_unknown_parser_or_loop_is_refused(monkeypatch):
     monkeypatch.setenv("INFC_HTTP_PARSER", "picohttp")
+    monkeypatch.setenv("INFC_EVENT_LOOP", "trio")
     with pytest.raises(ValueError, match="INFC_HTTP_PARSER"):
         connection.protocol_class()
+    with pytest.raises(ValueError, match="INFC_EVENT_LOOP"):
+        connection.event_loop()

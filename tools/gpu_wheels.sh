@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Wheels the GPU machine lacks (it reaches no package registry), for its Python 3.12, into .whl/
 # (git-ignored; carry it with the device call). tests/gpu/session.sh installs them from there.
-# The versions are the ones the dev venv resolves (pyproject pins fastapi/uvicorn/httptools; fastapi
+# The versions are the ones the dev venv resolves (pyproject pins fastapi/uvicorn/httptools/uvloop; fastapi
 # imports opentelemetry-api for its telemetry hooks; openai 3.x speaks through httpx2; llguidance
 # 1.9.1 is built for manylinux_2_31 only; jsonschema and its dependencies validate structured
 # outputs in the tests; prometheus-client: /metrics; compressed-tensors and loguru: the golden gate's
@@ -18,7 +18,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl
-pkgs="fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 uvicorn==0.54.0 httptools==0.9.0
+pkgs="fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 uvicorn==0.54.0 httptools==0.9.0 uvloop==0.23.0
       annotated-types==0.8.0 typing-inspection==0.4.5 openai==3.54.0 jiter==0.19.0 distro sniffio==1.3.1
       annotated-doc opentelemetry-api==1.45.2 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5
       llguidance==1.9.1 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0
