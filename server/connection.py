@@ -25,7 +25,7 @@ import socket
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .args import BODY_TIMEOUT_S, HEADER_TIMEOUT_S
+from .args import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, http_env
 
 log = logging.getLogger("uvicorn.error")
 
@@ -128,11 +128,7 @@ else:
 def protocol_class():
     """The connection class INFC_HTTP_PARSER names: "httptools" (the default; h11 where
     httptools is not installed) or "h11"."""
-    from infc import envs
-    want = envs.value("INFC_HTTP_PARSER")
-    if want not in ("httptools", "h11"):
-        raise ValueError(f"INFC_HTTP_PARSER={want!r}: use httptools or h11")
-    if want == "httptools" and GuardedHttpToolsProtocol is not None:
+    if http_env()[0] == "httptools" and GuardedHttpToolsProtocol is not None:
         return GuardedHttpToolsProtocol
     return GuardedH11Protocol
 
@@ -141,10 +137,7 @@ def event_loop() -> str:
     """uvicorn's loop setting for INFC_EVENT_LOOP: "uvloop" (the default; asyncio's where uvloop is
     not installed) or "asyncio". Named, not uvicorn's "auto", so a machine's installed packages do
     not pick it silently."""
-    from infc import envs
-    want = envs.value("INFC_EVENT_LOOP")
-    if want not in ("uvloop", "asyncio"):
-        raise ValueError(f"INFC_EVENT_LOOP={want!r}: use uvloop or asyncio")
+    want = http_env()[1]
     if want == "uvloop":
         try:
             import uvloop  # noqa: F401

@@ -2,6 +2,7 @@
 flags rejected, the real command starting on 127.0.0.1 (stages with timings, KV capacity, maximum
 concurrency, /health), and the serving benchmark against a live server writing its JSON."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -73,6 +74,12 @@ def test_serve_command_fails_loudly(tmp_path):
     r = subprocess.run([sys.executable, "-m", "infc.cli", "serve", "--model-path", str(tmp_path / "absent"),
                         "--port", "0"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 2 and "not a directory" in r.stderr, r.stderr[-500:]
+    # a bad INFC_HTTP_PARSER / INFC_EVENT_LOOP is named, without a traceback
+    for var, val in (("INFC_HTTP_PARSER", "picohttp"), ("INFC_EVENT_LOOP", "trio")):
+        r = subprocess.run([sys.executable, "-m", "infc.cli", "serve", "--model-path", str(tmp_path / "absent"),
+                            "--port", "0"], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                           env={**os.environ, var: val})
+        assert r.returncode == 2 and f"{var}={val!r}" in r.stderr and "Traceback" not in r.stderr, r.stderr[-500:]
 
 
 def test_bench_serve_against_live_server(srv, tmp_path):
