@@ -1,11 +1,11 @@
 """server/connection.py under each HTTP parser (INFC_HTTP_PARSER: httptools, the default, and h11)
-and event loop (INFC_EVENT_LOOP: uvloop, the default, and asyncio), on a bare route: a request is served; headers still incomplete past max_header_bytes are a 400
-and a closed connection (h11 bounds them itself, the httptools protocol by counting); headers or a
+and event loop (INFC_EVENT_LOOP: uvloop, the default, and asyncio), on a bare route: a request is
+served; headers still incomplete past max_header_bytes are a 400 and a closed connection (h11 bounds them itself, the httptools protocol by counting); headers or a
 body that do not arrive in time are a 408 in the API's error shape."""
+import asyncio
 import json
 import os
 import socket
-import time
 
 import pytest
 from starlette.applications import Starlette
@@ -17,7 +17,6 @@ from infc.server.serve import ServerThread
 
 
 async def _echo(request):
-    import asyncio
     return JSONResponse({"n": len(await request.body())},
                         headers={"x-loop": type(asyncio.get_running_loop()).__module__.split(".")[0]})
 
@@ -38,12 +37,11 @@ def server(request, monkeypatch):
     s.stop()
 
 
-def _exchange(port, chunks, pause=0.0) -> bytes:
+def _exchange(port, chunks) -> bytes:
     """What the server sends back (until it closes, or 5 s of silence) for these chunks."""
     with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
         for c in chunks:
             sock.sendall(c)
-            time.sleep(pause)
         got = b""
         try:
             while chunk := sock.recv(65536):
@@ -55,8 +53,8 @@ def _exchange(port, chunks, pause=0.0) -> bytes:
     return got
 
 
-def _post(body: bytes, extra=b"") -> bytes:
-    return (b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + extra
+def _post(body: bytes) -> bytes:
+    return (b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             + b"Content-Length: %d\r\n\r\n" % len(body) + body)
 
 
