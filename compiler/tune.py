@@ -124,11 +124,19 @@ _GEMV_VERIFY = [{"BLOCK_N": 16, "FMA_BLOCK_K": 256}, {"BLOCK_N": 8, "FMA_BLOCK_K
                 {"ROW_SUMS": "end", "BLOCK_N": 4, "FMA_BLOCK_K": 256}, {"ROW_SUMS": "tile"}, {"ROW_SUMS": "chain"},
                 {"PRELOAD": 2}, {"PRELOAD": 1},
                 {"num_warps": 8}, {"TARGET_CTAS": 528}, {"TARGET_CTAS": 264}, {"FMA_T": 1},
-                {"FMA_T": 1, "BLOCK_K": 128}, {"VERIFY_TILE": 8192}]
+                {"FMA_T": 1, "BLOCK_K": 128}, {"VERIFY_TILE": 8192}] + [
+    # the tensor-core path's own tiles at k + 1 rows: on an H100 FMA_T 1 won o, down and gate|up
+    # (BLOCK_K 128: 18.4 -> 11.7 us, 41.1 -> 22.0, 66.9 -> 48.0) and lost q|k|v (23.3 -> 30.1), whose
+    # 96 row blocks of 64 leave SMs idle (bench/NOTES.md, session #10): 16-row A blocks for the few
+    # rows, narrower W blocks or more K splits for more programs
+    {"FMA_T": 1, "BLOCK_K": 128, "BLOCK_T": 16}, {"FMA_T": 1, "BLOCK_K": 128, "BLOCK_N_DOT": 32},
+    {"FMA_T": 1, "BLOCK_K": 128, "BLOCK_N_DOT": 32, "BLOCK_T": 16}, {"FMA_T": 1, "BLOCK_K": 128, "SPLIT_K_DOT": 4},
+    {"FMA_T": 1, "BLOCK_K": 128, "num_stages": 3}, {"FMA_T": 1, "BLOCK_K": 256, "BLOCK_T": 16}]
 # lm_head_last cannot split K
 _LM_VERIFY = [{"BLOCK_N": 8}, {"BLOCK_N": 32, "FMA_BLOCK_K": 256}, {"FMA_BLOCK_K": 256}, {"num_warps": 8},
               {"ROW_SUMS": "end", "BLOCK_N": 8, "FMA_BLOCK_K": 128}, {"ROW_SUMS": "tile"}, {"ROW_SUMS": "chain"},
-              {"FMA_T": 1}, {"VERIFY_TILE": 8192}]
+              {"FMA_T": 1}, {"VERIFY_TILE": 8192}, {"FMA_T": 1, "BLOCK_T": 16}, {"FMA_T": 1, "BLOCK_K": 128},
+              {"FMA_T": 1, "BLOCK_K": 128, "BLOCK_T": 16}, {"FMA_T": 1, "BLOCK_N_DOT": 64}]
 VERIFY_GRIDS = {("triton", "gemv"): _GEMV_VERIFY, ("triton", "gemv_act_mul"): _GEMV_VERIFY,
                 ("triton", "gemv_gated"): _GEMV_VERIFY, ("triton", "lm_head_last"): _LM_VERIFY}
 _GEMV_FMA_T = [{"FMA_T": 2, "FMA_BLOCK_K": 128}, {"FMA_T": 4, "BLOCK_N": 16, "FMA_BLOCK_K": 128}]
