@@ -127,8 +127,10 @@ _GEMV_VERIFY = [{"BLOCK_N": 16, "FMA_BLOCK_K": 256}, {"BLOCK_N": 8, "FMA_BLOCK_K
                 {"FMA_T": 1, "BLOCK_K": 128}, {"VERIFY_TILE": 8192}] + [
     # the tensor-core path's own tiles at k + 1 rows: on an H100 FMA_T 1 won o, down and gate|up
     # (BLOCK_K 128: 18.4 -> 11.7 us, 41.1 -> 22.0, 66.9 -> 48.0) and lost q|k|v (23.3 -> 30.1), whose
-    # 96 row blocks of 64 leave SMs idle (bench/NOTES.md, session #10): 16-row A blocks for the few
-    # rows, narrower W blocks or more K splits for more programs
+    # 96 row blocks of 64 leave SMs idle: 16-row A blocks for the few rows, narrower W blocks or more
+    # K splits for more programs. These won alone by 4-8 % and lost in the model (verify(4) 4.6-4.8
+    # -> 5.0-5.6 ms on an H100, bench/NOTES.md session #10): a verify entry is confirmed by `bench
+    # spec-verify` A/B before it is stored
     {"FMA_T": 1, "BLOCK_K": 128, "BLOCK_T": 16}, {"FMA_T": 1, "BLOCK_K": 128, "BLOCK_N_DOT": 32},
     {"FMA_T": 1, "BLOCK_K": 128, "BLOCK_N_DOT": 32, "BLOCK_T": 16}, {"FMA_T": 1, "BLOCK_K": 128, "SPLIT_K_DOT": 4},
     {"FMA_T": 1, "BLOCK_K": 128, "num_stages": 3}, {"FMA_T": 1, "BLOCK_K": 256, "BLOCK_T": 16}]
