@@ -1,4 +1,4 @@
-"""Pack a run folder's JSON results into one file, `<run>/results.jsonl`, and unpack it again.
+"""Pack a run folder's JSON results into one file, `<run>/results.jsonl.gz`, and unpack it again.
 
     python tools/results_bundle.py pack bench/results/RUN [RUN ...]
     python tools/results_bundle.py unpack bench/results/RUN [RUN ...]
@@ -8,18 +8,21 @@ A GPU session's run folder holds a JSON result per call and step, in nested per-
 hundreds of small files, each taking at least a 4 KB block on a checkout (with their folders,
 bench/results took 15 MB on disk for 7.9 MB of text). `pack` writes every JSON file under the run
 into its bundle, one line per file (`{"file": path in the run folder, "result": its JSON}`, sorted
-by path; entries already in the bundle stay), then removes those files and the folders left empty.
-`unpack` writes each entry back to its path (the same JSON, re-indented) and removes the bundle.
-`compact` rewrites a bundle packed with spaced separators (before 2026-12-06) compactly.
-tools/results_index.py reads a bundle's entries as the files they were.
+by path; entries already in the bundle stay), gzipped (the JSON is a sixth of itself there: the
+plain bundles of 2026-12-06 filled the tree's 5 MiB), then removes those files and the folders
+left empty. `unpack` writes each entry back to its path (the same JSON, re-indented) and removes
+the bundle. `compact` rewrites an older bundle (a plain `results.jsonl`, or one packed with spaced
+separators) in the current form. tools/results_index.py reads a bundle's entries as the files
+they were.
 """
 import argparse
+import gzip
 import json
 import sys
 from pathlib import Path, PurePosixPath
 
 import results_index
-from results_index import BUNDLE
+from results_index import BUNDLE, PLAIN_BUNDLE
 
 
 class PackError(Exception):
@@ -39,13 +42,32 @@ def line(path: str, result) -> str:
     return json.dumps({"file": path, "result": result}, ensure_ascii=False, separators=(",", ":")) + "\n"
 
 
-def compact(bundle: Path) -> bool:
-    """Rewrite a bundle's lines compactly (the same JSON); whether it changed."""
-    text = bundle.read_text()
-    out = "".join(line(e["file"], e["result"]) for e in (json.loads(x) for x in text.splitlines() if x.strip()))
-    if out == text:
+def write_bundle(bundle: Path, text: str):
+    """The bundle's lines, gzipped with no timestamp (the same results, the same bytes), whole
+    before it replaces what was there."""
+    tmp = bundle.with_name(bundle.name + ".tmp")
+    tmp.write_bytes(gzip.compress(text.encode(), compresslevel=9, mtime=0))
+    tmp.replace(bundle)
+
+
+def existing(run: Path) -> Path | None:
+    """The run's bundle: the gzipped one, else an older plain one, else None."""
+    return next((b for b in (run / BUNDLE, run / PLAIN_BUNDLE) if b.exists()), None)
+
+
+def compact(run: Path) -> bool:
+    """Rewrite a run's bundle in the current form (compact lines, gzipped: a plain or spaced one
+    from before); whether it changed."""
+    old = existing(run)
+    if old is None:
         return False
-    bundle.write_text(out)
+    text = results_index.bundle_text(old)
+    out = "".join(line(e["file"], e["result"]) for e in (json.loads(x) for x in text.splitlines() if x.strip()))
+    if old.name == BUNDLE and out == text:
+        return False
+    write_bundle(run / BUNDLE, out)
+    if old.name != BUNDLE:
+        old.unlink()
     return True
 
 
@@ -53,8 +75,8 @@ def pack(run: Path) -> int:
     """Bundle every JSON file under `run`; the number packed."""
     if not run.is_dir():
         raise PackError(f"{run}: not a run folder")
-    bundle = run / BUNDLE
-    entries = dict(results_index.bundle_entries(bundle)) if bundle.exists() else {}
+    old, bundle = existing(run), run / BUNDLE
+    entries = dict(results_index.bundle_entries(old)) if old else {}
     files = sorted(run.rglob("*.json"))
     for f in files:
         rel = f.relative_to(run).as_posix()
@@ -66,9 +88,9 @@ def pack(run: Path) -> int:
             raise PackError(f"{f}: not JSON ({err}); nothing packed") from None
     if not files:
         return 0
-    tmp = bundle.with_suffix(".tmp")
-    tmp.write_text("".join(line(k, entries[k]) for k in sorted(entries)))
-    tmp.replace(bundle)                    # the bundle is whole before any file goes
+    write_bundle(bundle, "".join(line(k, entries[k]) for k in sorted(entries)))
+    if old is not None and old != bundle:  # an older plain bundle's entries are in the new one
+        old.unlink()
     for f in files:
         f.unlink()
     for d in sorted((d for d in run.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts)):
@@ -79,8 +101,8 @@ def pack(run: Path) -> int:
 
 def unpack(run: Path) -> int:
     """Write each entry of the run's bundle back to its file and remove the bundle."""
-    bundle = run / BUNDLE
-    if not bundle.exists():
+    bundle = existing(run)
+    if bundle is None:
         raise PackError(f"{run}: no {BUNDLE} to unpack")
     entries = list(results_index.bundle_entries(bundle))
     targets = [(_entry_path(run, file), result) for file, result in entries]
@@ -102,7 +124,7 @@ def main(argv=None):
     try:
         for run in a.runs:
             if a.action == "compact":
-                changed = (run / BUNDLE).exists() and compact(run / BUNDLE)
+                changed = compact(run)
                 print(f"{run}: {'compacted' if changed else 'unchanged'}")
                 continue
             n = (pack if a.action == "pack" else unpack)(run)

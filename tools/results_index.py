@@ -15,12 +15,14 @@ the benchmarks' JSON grew fields over time, so each file is read by what it hold
 a parser per benchmark recognises its keys. Files no parser recognises (tuning tables, kernel
 timelines, one-off experiments) are counted, not indexed.
 
-A run folder's results may be packed into one file, `<run>/results.jsonl` (tools/results_bundle.py:
-one line per result file, `{"file": its path in the run folder, "result": its JSON}`); each entry is
-read as the file it was, its source `<run>/results.jsonl#<file>`.
+A run folder's results may be packed into one file, `<run>/results.jsonl.gz` (tools/results_bundle.py:
+one line per result file, `{"file": its path in the run folder, "result": its JSON}`, gzipped); each
+entry is read as the file it was, its source `<run>/results.jsonl.gz#<file>`. A plain
+`<run>/results.jsonl` (bundles before 2026-12-06 #10) is read the same way.
 """
 import argparse
 import csv
+import gzip
 import io
 import json
 import re
@@ -32,16 +34,27 @@ RESULTS = REPO / "bench" / "results"
 INDEX = REPO / "bench" / "index.csv"
 COLUMNS = ["date", "commit", "gpu", "model", "benchmark", "settings", "metric", "value", "source"]
 DATE_IN_PATH = re.compile(r"(20\d\d-\d\d-\d\d)")
-BUNDLE = "results.jsonl"
+BUNDLE = "results.jsonl.gz"
+PLAIN_BUNDLE = "results.jsonl"     # the ungzipped form, still read
 
 
 class BundleError(ValueError):
     """A line of a results bundle that is not one {"file", "result"} entry."""
 
 
+def bundle_text(path: Path) -> str:
+    """A bundle's lines, gunzipped where it is gzipped (a .gz that is not gzip raises BundleError)."""
+    if path.name.endswith(".gz"):
+        try:
+            return gzip.decompress(path.read_bytes()).decode()
+        except (OSError, EOFError) as err:
+            raise BundleError(f"{path}: not gzip ({err})") from None
+    return path.read_text()
+
+
 def bundle_entries(path: Path):
     """(file, result) of each line of a bundle; a bad line raises BundleError naming it."""
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(bundle_text(path).splitlines(), 1):
         try:
             e = json.loads(line)
         except ValueError as err:
@@ -63,7 +76,7 @@ def results_of(results: Path):
         except (ValueError, UnicodeDecodeError):
             d = UNREADABLE
         yield f.relative_to(results).as_posix(), d
-    for b in sorted(results.rglob(BUNDLE)):
+    for b in sorted([*results.rglob(BUNDLE), *results.rglob(PLAIN_BUNDLE)]):
         rel = b.relative_to(results).as_posix()
         try:
             entries = list(bundle_entries(b))
