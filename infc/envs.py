@@ -7,7 +7,8 @@ else. `infc env` prints the registry and docs/configuration.md lists it (generat
 
 Kinds: "flag" is on unless set to 0/false/off/no (or off unless set to 1/true/on/yes when its
 default is off); "int" a number; "str" text; "path" a filesystem path; "paths" a list of paths
-joined by the platform's separator (':' on Linux).
+joined by the platform's separator (':' on Linux). A "str" variable with `choices` takes only
+those values (value() names the variable and them otherwise).
 """
 import os
 from dataclasses import dataclass
@@ -23,14 +24,16 @@ class Var:
     kind: str               # flag | int | str | path | paths
     default: object         # the value when unset (None: no value, or the code's fallback says)
     meaning: str
+    choices: tuple = ()     # a "str" variable's allowed values (none: any text)
 
 
 REGISTRY = {v.name: v for v in (
     # serving and the engine
     Var("INFC_HTTP_PARSER", "str", "httptools", "the HTTP/1.1 parser of `infc serve`'s connections: "
-        "httptools (C; h11 where it is not installed) or h11 (pure Python; server/connection.py)"),
+        "httptools (C; h11 where it is not installed) or h11 (pure Python; server/connection.py)",
+        ("httptools", "h11")),
     Var("INFC_EVENT_LOOP", "str", "uvloop", "the event loop `infc serve` runs: uvloop (asyncio's "
-        "where it is not installed) or asyncio (server/connection.py)"),
+        "where it is not installed) or asyncio (server/connection.py)", ("uvloop", "asyncio")),
     Var("INFC_API_KEY", "str", None, "the API key `infc serve` requires (Authorization: Bearer) "
         "when --api-key is not given"),
     Var("INFC_OVERLAP", "flag", True, "overlapped steps: the engine prepares the next step while "
@@ -139,6 +142,8 @@ def value(name: str):
         return Path(raw).expanduser() if raw else var.default
     if var.kind == "paths":
         return tuple(p for p in raw.split(os.pathsep) if p)
+    if var.choices and raw not in var.choices:
+        raise ValueError(f"{name}={raw!r}: use one of {', '.join(var.choices)}")
     return raw
 
 

@@ -214,21 +214,12 @@ class ServerConfig:
     allow_runtime_lora_updating: bool = False    # POST /v1/load_lora_adapter, /v1/unload_lora_adapter
 
 
-# INFC_HTTP_PARSER / INFC_EVENT_LOOP's values (infc/envs.py; server/connection.py uses them)
-HTTP_PARSERS = ("httptools", "h11")
-EVENT_LOOPS = ("uvloop", "asyncio")
-
-
 def http_env() -> tuple[str, str]:
-    """(parser, loop) as INFC_HTTP_PARSER and INFC_EVENT_LOOP name them, checked here so that a bad
-    value fails `infc serve` before anything loads."""
+    """(parser, loop) as INFC_HTTP_PARSER and INFC_EVENT_LOOP name them (server/connection.py);
+    read when the flags are, so that a bad value (infc/envs.py checks their choices) fails
+    `infc serve` before anything loads."""
     from infc import envs
-    parser, loop = envs.value("INFC_HTTP_PARSER"), envs.value("INFC_EVENT_LOOP")
-    if parser not in HTTP_PARSERS:
-        raise ValueError(f"INFC_HTTP_PARSER={parser!r}: use one of {', '.join(HTTP_PARSERS)}")
-    if loop not in EVENT_LOOPS:
-        raise ValueError(f"INFC_EVENT_LOOP={loop!r}: use one of {', '.join(EVENT_LOOPS)}")
-    return parser, loop
+    return envs.value("INFC_HTTP_PARSER"), envs.value("INFC_EVENT_LOOP")
 
 
 def config_from_args(args):
