@@ -31,9 +31,9 @@ server without an API key (the CSRF vector). `curl -d` sends a form type: add
 
 What a client sees for a request the HTTP parser itself rejects, before any of this runs (a
 malformed request line or header, a header block still incomplete past --max-header-bytes, an
-invalid Content-Length: server/connection.py): uvicorn's plain `400 Bad Request`, Content-Type text/plain, the body
-"Invalid HTTP request received.", and the connection closed; not OpenAI's JSON shape, since no
-route (and no request id) exists yet. A header block that arrives whole is measured by http.py's
+invalid Content-Length: server/connection.py): uvicorn's plain `400 Bad Request`, Content-Type
+text/plain, the body "Invalid HTTP request received.", and the connection closed; not OpenAI's
+JSON shape, since no route (and no request id) exists yet. A header block that arrives whole is measured by http.py's
 Guard and answered 431 in OpenAI's shape.
 
 Streams are written by SSEResponse, which always races the generator against the client's
