@@ -70,3 +70,35 @@ def test_a_mixed_adapter_batch_through_the_kernels(tiny_model, tmp_path, rng):
     # (adapters 1 / 3), so the bound, not the merge, was tight (bench/NOTES.md, issue 46, lorafuse)
     assert run.program == "narrow" and _rel(got, want) < 3e-2, _rel(got, want)
     assert ("linear", "gemv_gated") in run.templates and not [o for o, _ in run.templates if o.startswith("lora")]
+
+
+def test_a_decode_step_of_several_row_blocks_k_ranges_and_splits_takes_the_sites_in_its_gemvs(tiny_model, tmp_path, rng):
+    """The decode program's LoRA sites inside their GEMVs (codegen_templates/triton/_lora_rows.j2)
+    at tiles that give a 20-row step two row blocks, several shrink ranges a block and a K split:
+    the claims, the fixed-order sum, the per-slot delta and split 0's single add all run."""
+    d, hf = tiny_model("qwen3")
+    tiles = {"BLOCK_T": 16, "BLOCK_K": 16, "FMA_BLOCK_K": 16, "SPLIT_K_DOT": 4, "LORA_KS": 32, "LORA_STEP": 16}
+    out = build(model_dir=str(d), out=tmp_path / "art", compile=False, log=None, page_size=16,
+                lora=lora_build(4, 16), tuning_overlay={t: {"default": tiles} for t in ("gemv", "gemv_gated")})
+    plan = json.loads((out / "plan.json").read_text())
+    plan["_dir"] = str(out)
+    plan["narrow_tokens"] = min(plan.get("narrow_tokens", 0), 1)
+    src = "".join(p.read_text() for p in (out / "kernels").glob("gemv*.py"))
+    assert "_lora_rows_claim" in src and "\"BLOCK_T\": 16" in src
+    weights = load_weights(plan, Checkpoint(d))
+    put = tables.numpy_put(plan, weights)
+    for slot, (rank, leaves) in enumerate([(16, ALL), (8, ("q_proj", "v_proj")), (12, ALL[4:]),
+                                           (16, ("k_proj", "o_proj"))], 1):
+        tables.write(plan, put, slot, random_adapter(hf, f"a{slot}", rank, leaves, slot))
+    ref, run = ReferenceExecutor(plan, weights), InterpExecutor(plan, weights, page_size=16, num_pages=64)
+    n = 20
+    prompts = [[int(t) for t in rng.integers(0, 320, 2 + i % 3)] for i in range(n)]
+    slots = [i % 5 for i in range(n)]
+    want = ref.step([SeqChunk(i, p, 0) for i, p in enumerate(prompts)], lora=slots)
+    run.step([Chunk(i, p, 0) for i, p in enumerate(prompts)], lora=slots)
+    toks = [int(np.argmax(w)) for w in want]
+    got = run.step([Chunk(b, [toks[b]], len(prompts[b])) for b in range(n)], lora=slots)
+    want = ref.step([SeqChunk(b, [toks[b]], len(prompts[b])) for b in range(n)], lora=slots)
+    assert run.program == "decode" and not [o for o, _ in run.templates if o.startswith("lora")]
+    assert ("linear", "gemv_gated") in run.templates
+    assert _rel(got, want) < 2e-2, _rel(got, want)

@@ -67,15 +67,15 @@ def test_fused_linears_take_their_pieces_side_by_side(tiny_model):
     assert plan["weights"][t["scale"]] == {"shape": [4, 3], "dtype": "f32", "layers": t["layers"],
                                            "source": {"zeros": [4, 3]}}
     ops = _ops(plan, prologues=True)
-    # one shrink and one expand a target linear, in every program but the narrow one (below);
-    # gate|up's expand takes the activation (passes/fuse_lora_act.py)
+    # one shrink and one expand a target linear, in every program but the narrow and decode ones
+    # (below); gate|up's expand takes the activation (passes/fuse_lora_act.py)
     assert ops.count("lora_shrink") == ops.count("lora_expand") + ops.count("lora_expand_act") \
-        == 4 * (len(plan["programs"]) - 1)
+        == 4 * (len(plan["programs"]) - 2)
     # a narrow step runs each site inside its linear's GEMV (merge_lora): the tables A, B, scale
     # after the GEMV's inputs, the expand's output its own; the residual add + RMSNorm merged in
     # front of q|k|v and gate|up as in the base plan, so the layer is as many launches as the base's
-    layer = lambda p: [l for launch in p["programs"]["narrow"] for body in launch.get("kinds", {}).values()  # noqa: E731
-                       for l in body]
+    layer = lambda p, prog="narrow": [l for launch in p["programs"][prog]  # noqa: E731
+                                      for body in launch.get("kinds", {}).values() for l in body]
     narrow = layer(plan)
     sites = [l for l in narrow if "lora" in l]
     assert not [l for l in narrow if l["op"].startswith("lora")] and len(sites) == 4
@@ -85,7 +85,14 @@ def test_fused_linears_take_their_pieces_side_by_side(tiny_model):
     assert [l.get("prologue", {}).get("op") for l in sites] == ["add_rms_norm", None, "add_rms_norm", None]
     assert len(narrow) == len(layer(base))
     assert ops.count("lora_shrink") - _ops(plan).count("lora_shrink") == 0
-    assert ops.count("lora_expand_act") == len(plan["programs"]) - 1 and "act_mul" not in ops   # narrow: in the gated GEMV
+    assert ops.count("lora_expand_act") == len(plan["programs"]) - 2 and "act_mul" not in ops   # narrow: in the gated GEMV
+    # a decode step's sites are in its GEMVs too (their rows as a block: triton/_lora_rows.j2), with
+    # no prologue (the decode program merges none)
+    decode = layer(plan, "decode")
+    sites = [l for l in decode if "lora" in l]
+    assert not [l for l in decode if l["op"].startswith("lora")] and len(sites) == 4
+    assert [l["kernel"] for l in sites] == ["gemv", "gemv", "gemv_gated", "gemv"]
+    assert not [l for l in sites if "prologue" in l] and len(decode) == len(layer(base, "decode"))
     # weights other than the tables are the base plan's
     assert {w: m for w, m in plan["weights"].items() if "_lora_" not in w} == base["weights"]
 
@@ -154,11 +161,16 @@ def test_a_rewritten_slot_serves_the_new_adapter_and_zeros_serve_the_base(tiny_m
 def test_inspect_shows_the_lora_launches_and_their_kernels(tiny_model):
     from infc.compiler.inspect import inspect
     d, _ = tiny_model("qwen3")
-    text = inspect(model_dir=d, lora=lora_build(2, 8), phases=["decode"])
+    text = inspect(model_dir=d, lora=lora_build(2, 8), phases=["wide"])
     assert "not rendered" not in text
     launches = [line for line in text.splitlines() if line.strip().startswith(("lora_shrink ", "lora_expand ", "lora_expand_act "))]
     assert len(launches) == 8 and all("lora_shrink_" in line or "lora_expand_" in line for line in launches)
     assert "add_lora" in text and "model.layers.{i}.self_attn.q_proj" in text
+    # a decode step's sites run in their GEMVs (merge_lora): the tables among the GEMV's inputs
+    text = inspect(model_dir=d, lora=lora_build(2, 8), phases=["decode"])
+    launch = [line for line in text.splitlines() if line.strip().startswith("linear ") and "(" in line]
+    assert not [line for line in text.splitlines() if line.strip().startswith(("lora_shrink ", "lora_expand"))]
+    assert len(launch) == 4 and all("_lora_a, " in line and " gemv" in line for line in launch)
 
 
 def test_what_lora_does_not_serve_yet_is_refused_at_build(tiny_model, fp8_pair):

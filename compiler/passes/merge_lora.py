@@ -1,4 +1,4 @@
-"""A narrow step's LoRA sites in the base GEMV's launch (--enable-lora; compiler/passes/add_lora.py
+"""A narrow or decode step's LoRA sites in the base GEMV's launch (--enable-lora; compiler/passes/add_lora.py
 makes the sites): [y0 = linear(x, W); xa = lora_shrink(x, A); y = lora_expand(y0, xa, B, scale)]
 -> one GEMV launch (codegen_templates/triton/gemv.py.j2, `lora`), and a gate|up site's
 lora_expand_act -> one gated GEMV launch (act(gate + dg) * (up + du) in its epilogue).
@@ -18,8 +18,14 @@ deadlock, whatever order the GPU starts programs in (_lora_tiles.j2's ticket rul
 claims). The schedule (LORA_KS, LORA_PROGRAMS, LORA_EARLY) is tunable per launch: `infc tune`'s
 narrow grid times it under the site's own table key (codegen/render.py lora_key).
 
+A decode step (2 up to the wide program's rows) takes its sites the same way, on the GEMV's
+tensor-core path with the rows as a block (codegen_templates/triton/_lora_rows.j2): there the
+separate launches cost 8 a layer over tables of every slot the step's rows use. Its scratch is
+sized by the wide program's row count, so a plan without a wide program keeps the decode phase's
+separate launches (compiler/passes/select_kernels.py drops its sites).
+
 The graph keeps the three nodes (every other phase launches them as before); this pass records
-the sites, state.lora_sites["narrow"] = {linear id: [shrink id, expand id]}, and plan.py builds
+the sites, state.lora_sites[phase] = {linear id: [shrink id, expand id]}, and plan.py builds
 the one launch (lora_launch). merge_prologues then still merges the residual add + RMSNorm into
 the linear (the site's shrink reads the same normalized x, in the same launch), so a LoRA layer
 of a narrow step is as many launches as the base model's.
@@ -32,9 +38,12 @@ rows are T. Without --enable-lora there is no lora_shrink: the pass does nothing
 from ..ops import REGISTRY
 
 PHASE = "narrow"
+# the phases whose GEMVs take the site: a narrow step's rows one at a time (the CUDA-core path), a
+# decode step's as a block (the tensor-core path: codegen_templates/triton/_lora_rows.j2)
+PHASES = (PHASE, "decode")
 
 
-def _site(state, g, s) -> tuple | None:
+def _site(state, g, s, phase: str = PHASE) -> tuple | None:
     xa = s.outputs[0]
     users = g.users(xa)
     if len(users) != 1 or g.uses(xa) != 1:
@@ -47,9 +56,9 @@ def _site(state, g, s) -> tuple | None:
         return None
     if lin.attrs.get("out_dtype") == "f32" or lin.attrs.get("quant") is not None:
         return None
-    if REGISTRY[lin.op].template(state.backend, PHASE) != "gemv":
+    if REGISTRY[lin.op].template(state.backend, phase) != "gemv":
         return None
-    if any(REGISTRY[n.op].template(b, PHASE, inherit=False) for n in (lin, s, e) for b in state.features):
+    if any(REGISTRY[n.op].template(b, phase, inherit=False) for n in (lin, s, e) for b in state.features):
         return None
     i0, i1 = g.order.index(lin.id), g.order.index(e.id)
     if any(n != s.id and not REGISTRY[g.nodes[n].op].view for n in g.order[i0 + 1:i1]) \
@@ -63,15 +72,16 @@ def _site(state, g, s) -> tuple | None:
 def merge_lora(state):
     if state.lora_plan is None or (state.parallel or {}).get("dp", 1) > 1:
         return
-    sites = {}
-    for g in state.graph.walk():
-        for s in g.ordered():
-            if s.op == "lora_shrink" and (site := _site(state, g, s)) is not None:
-                sites[site[0]] = [s.id, site[1]]
-                state.note("merge_lora", f"{g.name}: line {s.line}: {g.nodes[site[1]].op} in the "
-                                         f"GEMV's launch, {PHASE} phase")
-    if sites:
-        state.lora_sites[PHASE] = sites
+    for phase in PHASES:
+        sites = {}
+        for g in state.graph.walk():
+            for s in g.ordered():
+                if s.op == "lora_shrink" and (site := _site(state, g, s, phase)) is not None:
+                    sites[site[0]] = [s.id, site[1]]
+                    state.note("merge_lora", f"{g.name}: line {s.line}: {g.nodes[site[1]].op} in the "
+                                             f"GEMV's launch, {phase} phase")
+        if sites:
+            state.lora_sites[phase] = sites
 
 
 def fused_shrinks(state, phase: str = PHASE) -> set:

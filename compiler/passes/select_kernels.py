@@ -103,6 +103,9 @@ def select_kernels(state):
     if state.kernels["wide"] == state.kernels["decode"] and \
             not any(t in ROW_TILED for _, t in state.kernels["wide"].values()):
         del state.kernels["wide"]                 # nothing runs differently: no program of its own
+        # a decode launch's LoRA site sizes its scratch by the rows below the wide program's
+        # (codegen_templates/triton/_lora_rows.j2): without one, the separate launches
+        state.lora_sites.pop("decode", None)
     ready_codes = any(n.attrs.get("has_a_scale") for g in state.graph.walk() for n in g.ordered())
     if not state.merges.get("narrow") and not state.lora_sites.get("narrow") and not ready_codes:
         del state.kernels["narrow"]
