@@ -232,6 +232,12 @@ def tuning_keys(plan: dict, launch: dict, phase: str, tensors=None) -> tuple:
     return keys
 
 
+def row_cap(plan: dict, phase: str) -> int:
+    """The most rows a decode launch takes (the wide program's start less one), 0 where the plan
+    bounds none (a kernel that sizes scratch by it refuses)."""
+    return plan["wide_tokens"] - 1 if phase == "decode" and plan.get("wide_tokens") else 0
+
+
 def launch_context(plan: dict, launch: dict, phase: str, tuning: dict, page_size: int) -> dict:
     ins, outs = launch_tensors(plan, launch)
     caches = {n: {**c, "page_size": page_size} for n, c in plan.get("caches", {}).items()}
@@ -239,8 +245,7 @@ def launch_context(plan: dict, launch: dict, phase: str, tuning: dict, page_size
     narrow = phase in NARROW_ROWS
     return {"op": launch["op"], "phase": AS_PHASE.get(phase, phase), "narrow": narrow,
             "narrow_rows": plan.get(NARROW_ROWS[phase], 1) if narrow else 0,
-            # the most rows a decode launch takes: the wide program's start, less one
-            "row_cap": plan["wide_tokens"] - 1 if phase == "decode" and plan.get("wide_tokens") else 0,
+            "row_cap": row_cap(plan, phase),
             "inputs": ins, "outputs": outs, "attrs": launch["attrs"], "prologue": launch.get("prologue"),
             "epilogue": launch.get("epilogue"),
             "lora": launch.get("lora"), "config": plan["config"], "caches": caches, "page_size": page_size,

@@ -141,21 +141,22 @@ def interpreter_constexprs(meta: dict) -> dict:
 
 
 def render(template, op, inputs, outputs, attrs=None, phase="decode", config=None, caches=None, page_size=16,
-           tune=None, backend="triton", prologue=None, narrow=False, lora=None, epilogue=None):
+           tune=None, backend="triton", prologue=None, narrow=False, lora=None, epilogue=None, row_cap=0):
     """Render with a launch context built from (name, shape, dtype[, kind[, extra keys]]) tensor
     specs (extra keys: e.g. {"row_stride": n}); caches as the plan declares them (page_size is
     added to each entry, as launch_context does); prologue: a merged launch's launch["prologue"];
     narrow: a narrow step's launch (phase "decode", as launch_context renders it): True for the
     one-token narrow program, N for a speculative build's verify program of N rows
     (plan["verify_tokens"]); lora: a LoRA site's launch["lora"] (compiler/passes/merge_lora.py);
-    epilogue: a launch["epilogue"] (compiler/passes/merge_epilogues.py)."""
+    epilogue: a launch["epilogue"] (compiler/passes/merge_epilogues.py); row_cap: the most rows a
+    decode launch takes (render.row_cap)."""
     def t(spec):
         name, shape, dtype = spec[:3]
         kind = spec[3] if len(spec) > 3 else "buffer"
         return {"name": name, "shape": list(shape), "dtype": dtype, "kind": kind, **(spec[4] if len(spec) > 4 else {})}
     ctx = {"op": op, "phase": phase, "narrow": bool(narrow), "narrow_rows": int(narrow), "inputs": [t(s) for s in inputs], "outputs": [t(s) for s in outputs],
            "attrs": attrs or {}, "prologue": prologue, "lora": lora,
-           "epilogue": epilogue, "config": config or {},
+           "epilogue": epilogue, "config": config or {}, "row_cap": row_cap,
            "caches": {n: {**c, "page_size": page_size} for n, c in (caches or {}).items()},
            "page_size": page_size, "tune": tune or {}}
     return render_template(backend, template, ctx)

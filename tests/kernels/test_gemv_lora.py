@@ -54,11 +54,44 @@ def reversed_columns(monkeypatch):
     monkeypatch.setattr(type(b), "set_grid_idx", lambda self, x, y, z: set_idx(self, x, self.grid_dim[1] - 1 - y, z))
 
 
+# A decode step's site (triton/_lora_rows.j2: every row on the tensor-core path, the shrink's items
+# row blocks x K ranges, the delta per slot chunk): rows of four slots (slot 0 among them) in turn over several row
+# blocks (16-row blocks: 37 rows are three, the last ragged), K ranges of 64 walked 32 (or 16) at a
+# time, ragged K and pieces, split-K, the shrink's own programs few or many
+CASES_ROWS = [
+    ([i % 4 for i in range(37)], [40, 36, 24], 200, 16, False, {"BLOCK_T": 16, "LORA_KS": 64, "LORA_STEP": 32}),
+    ([1, 0, 3, 2, 3, 1], [70, 70], 136, 8, True, {"LORA_KS": 32, "LORA_STEP": 16, "SPLIT_K_DOT": 2, "BLOCK_K": 32}),
+    ([i % 4 for i in range(20)], [100], 520, 16, False, {"BLOCK_T": 16, "LORA_PROGRAMS": 1, "SPLIT_K_DOT": 4}),
+    pytest.param([2, 2, 2], [70, 70], 200, 16, True, {}, marks=EXHAUSTIVE),
+    pytest.param([i % 4 for i in range(33)], [40, 36, 24], 136, 8, False, {"LORA_KS": 64}, marks=EXHAUSTIVE),
+]
+
+
 @pytest.mark.parametrize("order", ["grid", "reversed"])
 @pytest.mark.parametrize("slots,pieces,K,R,gated,pro,tune", CASES)
 def test_gemv_lora_site(slots, pieces, K, R, gated, pro, tune, order, request):
     if order == "reversed":
         request.getfixturevalue("reversed_columns")
+    _check(slots, pieces, K, R, gated, pro, tune, narrow=8 if len(slots) > 1 else True)
+
+
+@pytest.mark.parametrize("order", ["grid", "reversed"])
+@pytest.mark.parametrize("slots,pieces,K,R,gated,tune", CASES_ROWS)
+def test_gemv_lora_site_of_a_decode_step(slots, pieces, K, R, gated, tune, order, request):
+    if order == "reversed":
+        request.getfixturevalue("reversed_columns")
+    _check(slots, pieces, K, R, gated, False, tune, narrow=False, row_cap=64)
+
+
+def test_a_decode_site_needs_a_row_cap():
+    with pytest.raises(Exception, match="row_capped_decode"):
+        render("gemv", "linear", [("x", ["T", 64], "bf16"), ("w", [32, 64], "bf16", "weight"),
+                                  ("a", [4, 16, 64], "bf16", "weight"), ("b", [4, 32, 16], "bf16", "weight"),
+                                  ("scale", [4, 1], "f32", "weight")],
+               [("y", ["T", 32], "bf16")], lora={"inputs": 3, "pieces": [32], "rank": 16})
+
+
+def _check(slots, pieces, K, R, gated, pro, tune, narrow, row_cap=0):
     gen = np.random.default_rng(K + R + len(slots))
     T, S, P, NY = len(slots), 4, len(pieces), sum(pieces)
     x, d = rand((T, K), gen=gen), rand((T, K), gen=gen, scale=0.5)
@@ -76,7 +109,7 @@ def test_gemv_lora_site(slots, pieces, K, R, gated, pro, tune, order, request):
     N = NY // 2 if gated else NY
     outs = ([("res", ["T", K], "bf16")] if pro else []) + [("y", ["T", N], "bf16")]
     k = render("gemv_gated" if gated else "gemv", "linear", ins, outs, attrs={"fn": "silu"} if gated else {},
-               prologue=PROLOGUE if pro else None, narrow=8 if T > 1 else True, lora=lora, tune=tune)
+               prologue=PROLOGUE if pro else None, narrow=narrow, lora=lora, tune=tune, row_cap=row_cap)
     tensors = ([x, d, norm] if pro else [x]) + [w, a, b, scale]
     got = poison((T, N))
     bind = {f"in:{i}": t for i, t in enumerate(tensors)}
