@@ -62,6 +62,7 @@ CASES_ROWS = [
     ([i % 4 for i in range(37)], [40, 36, 24], 200, 16, False, {"BLOCK_T": 16, "LORA_KS": 64, "LORA_STEP": 32}),
     ([1, 0, 3, 2, 3, 1], [70, 70], 136, 8, True, {"LORA_KS": 32, "LORA_STEP": 16, "SPLIT_K_DOT": 2, "BLOCK_K": 32}),
     ([i % 4 for i in range(20)], [100], 520, 16, False, {"BLOCK_T": 16, "LORA_PROGRAMS": 1, "SPLIT_K_DOT": 4}),
+    ([i % 4 for i in range(18)], [40, 36, 24], 136, 48, False, {"BLOCK_T": 16, "LORA_KS": 64}),
     pytest.param([2, 2, 2], [70, 70], 200, 16, True, {}, marks=EXHAUSTIVE),
     pytest.param([i % 4 for i in range(33)], [40, 36, 24], 136, 8, False, {"LORA_KS": 64}, marks=EXHAUSTIVE),
 ]
