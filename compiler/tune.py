@@ -110,6 +110,12 @@ _GEMV_LORA = [{"LORA_KS": ks} for ks in (64, 128, 256, 512)] \
     + [{"LORA_KS": ks, "LORA_PROGRAMS": n} for ks in (128, 256, 512) for n in (8, 16, 32)] \
     + [{"LORA_EARLY": 1}, {"LORA_EARLY": 1, "LORA_PROGRAMS": 32}]
 NARROW_LORA = {("triton", t): _GEMV_LORA for t in ("gemv", "gemv_gated")}
+# a decode step's site (triton/_lora_rows.j2): the items' K range (LORA_KS, default ~K / 16) and the
+# columns a dot of it takes (LORA_STEP), the slot chunks in flight (LORA_STAGES), the shrink's own
+# programs; LORA_EARLY has no decode form
+_GEMV_LORA_ROWS = [{"LORA_KS": ks} for ks in (128, 256, 512)] + [{"LORA_STEP": 32}, {"LORA_STEP": 128}] \
+    + [{"LORA_STAGES": n} for n in (1, 2, 4)] + [{"LORA_PROGRAMS": n} for n in (8, 48)]
+DECODE_LORA = {("triton", t): _GEMV_LORA_ROWS for t in ("gemv", "gemv_gated")}
 LORA_GEMV_TILES = 4         # of the GEMV's own grid, the first few beside the LoRA grid
 # a verify step's GEMVs (a speculative build's k + 1 rows, all on the CUDA-core path: gemv.py.j2
 # VERIFY_ROWS; their own key, render.verify_key, over the one-row narrow entry): W tiles against the
@@ -468,8 +474,9 @@ def prepare(model=None, gpu="h200", out=None, phases=("decode", "prefill"), temp
         if e["phase"] == "narrow" and e["ctx"]["attrs"].get("quant"):
             grid = [c for c, _ in cands]
             cands[1:1] = [(c, "grid") for c in NARROW_QUANT.get((backend, tpl), []) if c not in grid]
-        if e["ctx"].get("lora") and (backend, tpl) in NARROW_LORA:
-            cands = cands[:1] + [(c, "grid") for c in NARROW_LORA[(backend, tpl)]] + cands[1:1 + LORA_GEMV_TILES]
+        lora_grid = DECODE_LORA if e["phase"] == "decode" else NARROW_LORA
+        if e["ctx"].get("lora") and (backend, tpl) in lora_grid:
+            cands = cands[:1] + [(c, "grid") for c in lora_grid[(backend, tpl)]] + cands[1:1 + LORA_GEMV_TILES]
         if current and current not in [c for c, _ in cands]:
             cands.insert(1, (dict(current), "current"))
         rendered, skipped, seen = [], [], {}

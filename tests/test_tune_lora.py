@@ -8,7 +8,7 @@ from infc.compiler import build as build_mod
 from infc.compiler import tuning_table
 from infc.compiler.codegen.render import launch_context, render_template, tuning_keys
 from infc.compiler.contract.program import launches
-from infc.compiler.tune import NARROW_LORA, prepare
+from infc.compiler.tune import DECODE_LORA, NARROW_LORA, prepare
 from infc.config import lora_build
 from infc.runtime.cuda.tune_run import dump_table, merge_table, step_metadata
 
@@ -63,6 +63,24 @@ def test_lora_sites_have_their_own_key_and_grid(tmp_path, monkeypatch):
     assert _narrow_ids(plan, loaded) != _narrow_ids(plan, table)
     assert e["candidates"][0]["kernel"] in _narrow_ids(plan, table)
     assert e["candidates"][0]["kernel"] not in _narrow_ids(plan, loaded)
+
+
+def test_a_decode_steps_sites_take_the_decode_grid(tmp_path):
+    """A decode step's sites (triton/_lora_rows.j2) are timed over their own schedule's grid
+    (DECODE_LORA: no LORA_EARLY, which has no decode form), each candidate its own kernel."""
+    out = prepare(MODEL, "h200", out=tmp_path / "d", phases=("decode",), templates=("gemv", "gemv_gated"),
+                  compile=False, log=None, lora=LORA)
+    m = json.loads((out / "manifest.json").read_text())
+    sites = [e for e in m["entries"] if "|lora" in e["shape_key"]]
+    assert len(sites) == 4 and all(e["shape_key"].startswith("decode|") for e in sites)
+    for e in sites:
+        tunes = [c["tune"] for c in e["candidates"]]
+        assert {"LORA_STAGES": 1} in tunes and {"LORA_STEP": 32} in tunes
+        assert not any("LORA_EARLY" in t for t in tunes)
+        assert len({c["kernel"] for c in e["candidates"]}) == len(tunes)
+    for (backend, template), grid in DECODE_LORA.items():
+        text = _template_text(backend, template)
+        assert all(f'tune.get("{k}"' in text for c in grid for k in c)
 
 
 def test_tune_steps_give_every_row_an_adapter():
