@@ -183,6 +183,10 @@ NARROW_TOKENS_MAX = 8
 # own (the MoE layers' attention norm then merges too); False keeps the older plans (an A/B switch
 # for tests/gpu/build_variants.py's "_config")
 NARROW_MERGE_FREES_RESIDUALS = True
+# merge_lora (compiler/passes/merge_lora.py): a decode step's LoRA sites inside their GEMVs, the
+# rows as a block (codegen_templates/triton/_lora_rows.j2); False keeps that step's separate
+# shrink / expand launches (an A/B switch: tests/gpu/prepare.py's lora-split part)
+LORA_DECODE_SITES = True
 # Gated DeltaNet's delta rule makes its own gates and q / k norms in its launch (compiler/passes/
 # fuse_delta_rule.py: 8 launches fewer a linear-attention layer, 192 a Qwen3.5-4B decode step);
 # False builds the older plans (an A/B switch for tests/gpu/build_variants.py's "_config")

@@ -201,3 +201,18 @@ def test_layer_kinds_share_their_tables(family_model):
     second = ex.step([SeqChunk(0, prompt[-2:], len(prompt) - 2)], lora=[1])[0]
     for got, want in zip((first, second), _oracle_logits(d, hf, base, adapter, prompt, True)):
         assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
+
+
+def test_decode_sites_switch_off_to_separate_launches(tiny_model, monkeypatch):
+    """infc/config.py LORA_DECODE_SITES False (the A/B side of tests/gpu/prepare.py's lora-split):
+    a decode step's sites are separate launches again, the narrow step's stay in their GEMVs."""
+    import infc.config
+    _, _, _, on = _plans(tiny_model, max_loras=2, max_lora_rank=8)
+    monkeypatch.setattr(infc.config, "LORA_DECODE_SITES", False)
+    _, _, _, off = _plans(tiny_model, max_loras=2, max_lora_rank=8)
+    layer = lambda p, prog: [l["op"] for launch in p["programs"][prog]  # noqa: E731
+                             for body in launch.get("kinds", {}).values() for l in body]
+    assert not [o for o in layer(on, "decode") if o.startswith("lora")]
+    split = [o for o in layer(off, "decode") if o.startswith("lora")]
+    assert sorted(split) == ["lora_expand"] * 3 + ["lora_expand_act"] + ["lora_shrink"] * 4, split
+    assert layer(off, "narrow") == layer(on, "narrow")

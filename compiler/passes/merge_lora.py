@@ -72,7 +72,8 @@ def _site(state, g, s, phase: str = PHASE) -> tuple | None:
 def merge_lora(state):
     if state.lora_plan is None or (state.parallel or {}).get("dp", 1) > 1:
         return
-    for phase in PHASES:
+    from infc import config       # read at the pass's run: a variant build sets it (prepare.py)
+    for phase in PHASES if config.LORA_DECODE_SITES else (PHASE,):
         sites = {}
         for g in state.graph.walk():
             for s in g.ordered():

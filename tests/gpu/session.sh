@@ -55,7 +55,7 @@
 # qwen35-prefix (issue 44, after prepare.py qwen35: Qwen3.5-4B warm prefix hits at 1k / 16k
 # against its cold prefill, engine and infc serve, dummy weights).
 # lora-profile (issue 46, after prepare.py base lora: bench profile per launch of the base model and
-# of the LoRA build with random adapters in its 8 slots).
+# of the LoRA build with random adapters in its 8 slots; LORA_PROFILE_ARTS, LORA_PROFILE_ARGS).
 # lora-tune (issue 46, after tools/experiments/lora_gemv_probe.py prepare: `infc tune run` of the
 # base qwen3-4b's narrow GEMVs and of the LoRA build's four sites over the shrink's schedule grid,
 # then the probe's report, per launch, into OUT/lora-tune.txt; TUNE_ARGS=--any-gpu times them on an H100).
@@ -570,15 +570,19 @@ models.model_dir('$q')" 2>&1 | tail -3
       done ;;
     lora-profile)
       # issue 46: bench profile (per launch) of the base qwen3-4b and of qwen3-4b --enable-lora with
-      # random rank-16 adapters in its 8 slots, the sequences taking them in turn (LORA_PROFILE_STEPS)
-      python3 tests/gpu/rerender.py .cache/artifacts/qwen3-4b-lora8r16 2>&1 | tail -1
+      # random rank-16 adapters in its 8 slots, the sequences taking them in turn (LORA_PROFILE_STEPS;
+      # LORA_PROFILE_ARTS: the LoRA builds, default qwen3-4b-lora8r16, e.g. "qwen3-4b-lora8r16
+      # qwen3-4b-lora8r16-split" after prepare.py lora lora-split; LORA_PROFILE_ARGS: more flags,
+      # e.g. "--mixed-decodes 32" for a 32-sequence decode step)
+      arts=${LORA_PROFILE_ARTS:-qwen3-4b-lora8r16}
+      for a in $arts; do python3 tests/gpu/rerender.py .cache/artifacts/$a 2>&1 | tail -1; done
       mkdir -p "$OUT/lora-profile"
-      for spec in ".cache/artifacts/qwen3-4b 0" ".cache/artifacts/qwen3-4b-lora8r16 8"; do
-        set -- $spec
+      for spec in "qwen3-4b 0" $(for a in $arts; do echo "$a:8"; done); do
+        set -- ${spec/:/ }
         say "lora-profile: $1 with $2 adapters"
-        timeout ${PROFILE_S:-200} python3 -m infc.cli bench profile --artifact $1 --model-path "$MODELS/qwen3-4b" \
+        timeout ${PROFILE_S:-200} python3 -m infc.cli bench profile --artifact .cache/artifacts/$1 --model-path "$MODELS/qwen3-4b" \
           --loras $2 --reps 10 --steps ${LORA_PROFILE_STEPS:-decode_b1,decode_b1_graph,mixed_256,decode_wide} \
-          --out "$OUT/lora-profile" 2>&1 | quiet | grep -vE "^\|" | tail -12
+          ${LORA_PROFILE_ARGS:-} --out "$OUT/lora-profile/$1" 2>&1 | quiet | grep -vE "^\|" | tail -12
       done ;;
     tier-throughput)
       # issue 44: 1024/128 throughput of qwen3-4b (dummy weights) at TIER_CONCURRENCY (default 256)
