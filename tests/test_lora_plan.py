@@ -216,3 +216,17 @@ def test_decode_sites_switch_off_to_separate_launches(tiny_model, monkeypatch):
     split = [o for o in layer(off, "decode") if o.startswith("lora")]
     assert sorted(split) == ["lora_expand"] * 3 + ["lora_expand_act"] + ["lora_shrink"] * 4, split
     assert layer(off, "narrow") == layer(on, "narrow")
+
+
+def test_wide_off_refuses_a_decode_program_with_lora_sites(tiny_model, monkeypatch, fake_driver):
+    """INFC_WIDE=0 (A/B timing) would run steps of any width on the decode program, past the rows
+    its LoRA sites' scratch holds: refused naming why; a plan with the sites split runs it."""
+    import infc.config
+    from infc.runtime.cuda import runner as runner_mod
+    _, _, _, on = _plans(tiny_model, max_loras=2, max_lora_rank=8)
+    monkeypatch.setenv("INFC_WIDE", "0")
+    with pytest.raises(ValueError, match="LoRA sites take at most 127 rows"):
+        runner_mod.ab_programs(on)
+    monkeypatch.setattr(infc.config, "LORA_DECODE_SITES", False)
+    _, _, _, off = _plans(tiny_model, max_loras=2, max_lora_rank=8)
+    assert "wide" not in runner_mod.ab_programs(off)["programs"]

@@ -18,7 +18,7 @@ import numpy as np
 from infc import envs
 from infc.compiler.contract import caches
 from infc.compiler.contract.bind import Resolver, dim_slots, eval_int, scratch_sizes, step_dims
-from infc.compiler.contract.program import program_name, unrolled
+from infc.compiler.contract.program import launches, program_name, unrolled
 from infc.compiler.contract.schema import plan_max_len
 from ..engine.prompt_logprobs import rows_to_score, score_block
 from ..engine.runner import RowSampling, Sample, sample_row
@@ -116,6 +116,11 @@ def ab_programs(plan: dict) -> dict:
     with them."""
     for name, drop in (("wide", {"wide"}), ("narrow", {"narrow", "verify"})):
         if not envs.value(f"INFC_{name.upper()}") and drop & set(plan["programs"]):
+            if name == "wide" and any(l.get("lora") for l, _ in launches(plan["programs"].get("decode", []))):
+                # its LoRA sites' scratch holds the rows below the wide program's (render.row_cap)
+                raise ValueError("INFC_WIDE=0 runs every decode step on the decode program, whose LoRA "
+                                 f"sites take at most {plan['wide_tokens'] - 1} rows: rebuild with "
+                                 "infc/config.py LORA_DECODE_SITES = False to time it")
             plan = dict(plan, programs={p: v for p, v in plan["programs"].items() if p not in drop})
     return plan
 
