@@ -468,6 +468,9 @@ def prepare(model=None, gpu="h200", out=None, phases=("decode", "prefill"), temp
             inherited.update(entry_table.get(k, {}))
         current = entry_table.get(e["shape_key"])
         rows = [d[rows_dim(tpl, e["inputs"])] for d in dims[e["phase"]]]
+        if e["ctx"].get("lora") and e["ctx"].get("row_cap") and max(rows) > e["ctx"]["row_cap"]:
+            raise SpecError(f"--decode-batches {max(rows)}: a decode step's LoRA sites take at most "
+                            f"{e['ctx']['row_cap']} rows (wider steps run the wide program: --phases wide)", None)
         cands = [(c, "default" if not c else "grid") for c in candidates(backend, tpl, rows)]
         if e["phase"] == "verify" and (backend, tpl) in VERIFY_GRIDS:
             cands = cands[:1] + [(c, "grid") for c in VERIFY_GRIDS[(backend, tpl)]]

@@ -4,9 +4,12 @@ LORA_PROGRAMS, LORA_EARLY), an entry there changes the LoRA kernels and never th
 `tune run`'s steps give every row an adapter."""
 import json
 
+import pytest
+
 from infc.compiler import build as build_mod
 from infc.compiler import tuning_table
 from infc.compiler.codegen.render import launch_context, render_template, tuning_keys
+from infc.compiler.contract.errors import SpecError
 from infc.compiler.contract.program import launches
 from infc.compiler.tune import DECODE_LORA, NARROW_LORA, prepare
 from infc.config import lora_build
@@ -81,6 +84,10 @@ def test_a_decode_steps_sites_take_the_decode_grid(tmp_path):
     for (backend, template), grid in DECODE_LORA.items():
         text = _template_text(backend, template)
         assert all(f'tune.get("{k}"' in text for c in grid for k in c)
+    # a step wider than the sites' scratch holds is the wide program's: refused
+    with pytest.raises(SpecError, match="take at most 127 rows"):
+        prepare(MODEL, "h200", out=tmp_path / "w", phases=("decode",), templates=("gemv",), compile=False,
+                log=None, lora=LORA, decode_batches=(128,))
 
 
 def test_tune_steps_give_every_row_an_adapter():
