@@ -75,7 +75,7 @@ PIPELINE = [
                                                    # logits tail, keep its inputs live to the end
     ("eliminate_dead", eliminate_dead),
     ("materialize_views", materialize_views),      # copy strided views before kernels that need it
-    ("merge_lora", merge_lora),                    # narrow decode steps: LoRA in the GEMV's launch
+    ("merge_lora", merge_lora),                    # narrow / decode steps: LoRA in the GEMV's launch
     ("merge_prologues", merge_prologues),          # narrow decode steps: add + RMSNorm in the GEMV
     ("merge_epilogues", merge_epilogues),          # decode steps: o_proj's codes in attention's launch
     ("plan_memory", plan_memory),                  # liveness-based arena offsets

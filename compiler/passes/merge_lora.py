@@ -22,7 +22,8 @@ A decode step (2 up to the wide program's rows) takes its sites the same way, on
 tensor-core path with the rows as a block (codegen_templates/triton/_lora_rows.j2): there the
 separate launches cost 8 a layer over tables of every slot the step's rows use. Its scratch is
 sized by the wide program's row count, so a plan without a wide program keeps the decode phase's
-separate launches (compiler/passes/select_kernels.py drops its sites).
+separate launches (compiler/passes/select_kernels.py drops its sites), as does a build with
+infc/config.py LORA_DECODE_SITES off (the A/B switch).
 
 The graph keeps the three nodes (every other phase launches them as before); this pass records
 the sites, state.lora_sites[phase] = {linear id: [shrink id, expand id]}, and plan.py builds
