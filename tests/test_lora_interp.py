@@ -23,13 +23,13 @@ def _rel(a, b):
     return float(np.abs(a - b).max() / np.abs(b).max())
 
 
-def test_a_mixed_adapter_batch_through_the_kernels(tiny_model, tmp_path, rng):
-    d, hf = tiny_model("qwen3")
-    out = build(model_dir=str(d), out=tmp_path / "art", compile=False, log=None, page_size=16,
-                lora=lora_build(4, 16))
+def _four_adapters(d, hf, out, **build_kw) -> tuple[dict, dict]:
+    """The tiny model built with 4 adapter slots into out, and its weights with four random
+    adapters of ranks 16, 8, 12 and 16 over different targets in slots 1-4."""
+    out = build(model_dir=str(d), out=out, compile=False, log=None, page_size=16, lora=lora_build(4, 16),
+                **build_kw)
     plan = json.loads((out / "plan.json").read_text())
     plan["_dir"] = str(out)
-    plan["short_tokens"] = 16
     # the decode and wide programs at 2+ sequences: the narrow one (decode steps of up to 8 tokens)
     # has its own tests (tests/test_interp_models.py, tests/test_merge_prologues.py)
     plan["narrow_tokens"] = min(plan.get("narrow_tokens", 0), 1)
@@ -38,6 +38,13 @@ def test_a_mixed_adapter_batch_through_the_kernels(tiny_model, tmp_path, rng):
     for slot, (rank, leaves) in enumerate([(16, ALL), (8, ("q_proj", "v_proj")), (12, ALL[4:]),
                                            (16, ("k_proj", "o_proj"))], 1):
         tables.write(plan, put, slot, random_adapter(hf, f"a{slot}", rank, leaves, slot))
+    return plan, weights
+
+
+def test_a_mixed_adapter_batch_through_the_kernels(tiny_model, tmp_path, rng):
+    d, hf = tiny_model("qwen3")
+    plan, weights = _four_adapters(d, hf, tmp_path / "art")
+    plan["short_tokens"] = 16
     ref, run = ReferenceExecutor(plan, weights), InterpExecutor(plan, weights, page_size=16)
     prompts = [[int(t) for t in rng.integers(0, 320, n)] for n in (9, 5, 12, 7, 6)]
     slots = [2, 0, 4, 1, 3]
@@ -78,18 +85,10 @@ def test_a_decode_step_of_several_row_blocks_k_ranges_and_splits_takes_the_sites
     the claims, the fixed-order sum, the per-slot delta and split 0's single add all run."""
     d, hf = tiny_model("qwen3")
     tiles = {"BLOCK_T": 16, "BLOCK_K": 16, "FMA_BLOCK_K": 16, "SPLIT_K_DOT": 4, "LORA_KS": 32, "LORA_STEP": 16}
-    out = build(model_dir=str(d), out=tmp_path / "art", compile=False, log=None, page_size=16,
-                lora=lora_build(4, 16), tuning_overlay={t: {"default": tiles} for t in ("gemv", "gemv_gated")})
-    plan = json.loads((out / "plan.json").read_text())
-    plan["_dir"] = str(out)
-    plan["narrow_tokens"] = min(plan.get("narrow_tokens", 0), 1)
-    src = "".join(p.read_text() for p in (out / "kernels").glob("gemv*.py"))
+    plan, weights = _four_adapters(d, hf, tmp_path / "art",
+                                   tuning_overlay={t: {"default": tiles} for t in ("gemv", "gemv_gated")})
+    src = "".join(p.read_text() for p in (tmp_path / "art" / "kernels").glob("gemv*.py"))
     assert "_lora_rows_claim" in src and "\"BLOCK_T\": 16" in src
-    weights = load_weights(plan, Checkpoint(d))
-    put = tables.numpy_put(plan, weights)
-    for slot, (rank, leaves) in enumerate([(16, ALL), (8, ("q_proj", "v_proj")), (12, ALL[4:]),
-                                           (16, ("k_proj", "o_proj"))], 1):
-        tables.write(plan, put, slot, random_adapter(hf, f"a{slot}", rank, leaves, slot))
     ref, run = ReferenceExecutor(plan, weights), InterpExecutor(plan, weights, page_size=16, num_pages=64)
     n = 20
     prompts = [[int(t) for t in rng.integers(0, 320, 2 + i % 3)] for i in range(n)]

@@ -25,6 +25,11 @@ def _plans(tiny_model, family="qwen3", fuse=True, **kw):
     return d, hf, base, lora
 
 
+def _layer(plan, prog="narrow") -> list[dict]:
+    """The launches of a program's layer kind(s)."""
+    return [l for launch in plan["programs"][prog] for body in launch.get("kinds", {}).values() for l in body]
+
+
 def _ops(plan, prologues=False) -> list[str]:
     """The launches' ops; prologues: a merged launch's producer too (merge_prologues)."""
     out = []
@@ -74,25 +79,23 @@ def test_fused_linears_take_their_pieces_side_by_side(tiny_model):
     # a narrow step runs each site inside its linear's GEMV (merge_lora): the tables A, B, scale
     # after the GEMV's inputs, the expand's output its own; the residual add + RMSNorm merged in
     # front of q|k|v and gate|up as in the base plan, so the layer is as many launches as the base's
-    layer = lambda p, prog="narrow": [l for launch in p["programs"][prog]  # noqa: E731
-                                      for body in launch.get("kinds", {}).values() for l in body]
-    narrow = layer(plan)
+    narrow = _layer(plan)
     sites = [l for l in narrow if "lora" in l]
     assert not [l for l in narrow if l["op"].startswith("lora")] and len(sites) == 4
     assert [l["kernel"] for l in sites] == ["gemv", "gemv", "gemv_gated", "gemv"]
     assert all(l["inputs"][-3:] == [a, t["b"], t["scale"]] for l in sites for a, t in lora["linears"].items()
                if l["inputs"][-4] == a[:-len("_lora_a")])
     assert [l.get("prologue", {}).get("op") for l in sites] == ["add_rms_norm", None, "add_rms_norm", None]
-    assert len(narrow) == len(layer(base))
+    assert len(narrow) == len(_layer(base))
     assert ops.count("lora_shrink") - _ops(plan).count("lora_shrink") == 0
     assert ops.count("lora_expand_act") == len(plan["programs"]) - 2 and "act_mul" not in ops   # narrow: in the gated GEMV
     # a decode step's sites are in its GEMVs too (their rows as a block: triton/_lora_rows.j2), with
     # no prologue (the decode program merges none)
-    decode = layer(plan, "decode")
+    decode = _layer(plan, "decode")
     sites = [l for l in decode if "lora" in l]
     assert not [l for l in decode if l["op"].startswith("lora")] and len(sites) == 4
     assert [l["kernel"] for l in sites] == ["gemv", "gemv", "gemv_gated", "gemv"]
-    assert not [l for l in sites if "prologue" in l] and len(decode) == len(layer(base, "decode"))
+    assert not [l for l in sites if "prologue" in l] and len(decode) == len(_layer(base, "decode"))
     # weights other than the tables are the base plan's
     assert {w: m for w, m in plan["weights"].items() if "_lora_" not in w} == base["weights"]
 
@@ -210,12 +213,11 @@ def test_decode_sites_switch_off_to_separate_launches(tiny_model, monkeypatch):
     _, _, _, on = _plans(tiny_model, max_loras=2, max_lora_rank=8)
     monkeypatch.setattr(infc.config, "LORA_DECODE_SITES", False)
     _, _, _, off = _plans(tiny_model, max_loras=2, max_lora_rank=8)
-    layer = lambda p, prog: [l["op"] for launch in p["programs"][prog]  # noqa: E731
-                             for body in launch.get("kinds", {}).values() for l in body]
-    assert not [o for o in layer(on, "decode") if o.startswith("lora")]
-    split = [o for o in layer(off, "decode") if o.startswith("lora")]
+    ops = lambda p, prog: [l["op"] for l in _layer(p, prog)]  # noqa: E731
+    assert not [o for o in ops(on, "decode") if o.startswith("lora")]
+    split = [o for o in ops(off, "decode") if o.startswith("lora")]
     assert sorted(split) == ["lora_expand"] * 3 + ["lora_expand_act"] + ["lora_shrink"] * 4, split
-    assert layer(off, "narrow") == layer(on, "narrow")
+    assert ops(off, "narrow") == ops(on, "narrow")
 
 
 def test_wide_off_refuses_a_decode_program_with_lora_sites(tiny_model, monkeypatch, fake_driver):
