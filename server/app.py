@@ -33,8 +33,8 @@ What a client sees for a request the HTTP parser itself rejects, before any of t
 malformed request line or header, a header block still incomplete past --max-header-bytes, an
 invalid Content-Length: server/connection.py): uvicorn's plain `400 Bad Request`, Content-Type
 text/plain, the body "Invalid HTTP request received.", and the connection closed; not OpenAI's
-JSON shape, since no route (and no request id) exists yet. A header block that arrives whole is measured by http.py's
-Guard and answered 431 in OpenAI's shape.
+JSON shape, since no route (and no request id) exists yet. A header block that arrives whole is
+measured by http.py's Guard and answered 431 in OpenAI's shape.
 
 Streams are written by SSEResponse, which always races the generator against the client's
 http.disconnect: a disconnect cancels the generator, and a queued engine request whose consumer

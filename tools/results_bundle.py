@@ -10,10 +10,10 @@ bench/results took 15 MB on disk for 7.9 MB of text). `pack` writes every JSON f
 into its bundle, one line per file (`{"file": path in the run folder, "result": its JSON}`, sorted
 by path; entries already in the bundle stay), gzipped (a fifth of the plain JSON: 3.76 -> 0.74 MB
 over every run; the plain bundles of 2026-12-06 filled the tree's 5 MiB), then removes those
-files and the folders left empty. `unpack` writes each entry back to its path (the same JSON, re-indented) and removes
-the bundle. `compact` rewrites an older bundle (a plain `results.jsonl`, or one packed with spaced
-separators) in the current form. tools/results_index.py reads a bundle's entries as the files
-they were.
+files and the folders left empty. `unpack` writes each entry back to its path (the same JSON,
+re-indented) and removes the bundle. `compact` rewrites an older bundle (a plain `results.jsonl`,
+or one packed with spaced separators) in the current form. tools/results_index.py reads a bundle's
+entries as the files they were.
 """
 import argparse
 import gzip
