@@ -15,7 +15,7 @@ that add the delta (split 0's, in their epilogue) wait for that sum. Those look 
 after their W stream and, where it is not ready, claim until none is left before they wait, so
 every range is held by a program that is running and never waits before finishing it: no
 deadlock, whatever order the GPU starts programs in (_lora_tiles.j2's ticket rule, here by
-claims). The schedule (LORA_KS, LORA_PROGRAMS, LORA_EARLY) is tunable per launch: `infc tune`'s
+claims). The schedule (LORA_KS, LORA_PROGRAMS, LORA_EARLY, LORA_PARTS, LORA_FIRST) is tunable per launch: `infc tune`'s
 narrow grid times it under the site's own table key (codegen/render.py lora_key).
 
 A decode step (2 up to the wide program's rows) takes its sites the same way, on the GEMV's
