@@ -16,9 +16,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def rerender(art: Path, gpu: str | None = None) -> str:
-    """Re-render `art` for `gpu` (default: this machine's table) if its plan is another table's."""
+def rerender(art: Path, gpu: str | None = None, patched: bool = False) -> str:
+    """Re-render `art` for `gpu` (default: this machine's table) if its plan is another table's.
+    An artifact tools/experiments/lora_site_probe.py built from a patched template is re-rendered
+    by that tool (patched=True), never here: the tree's template would give other kernels."""
     from infc.backend import gpu_tuning
+    if (art / "lora_site_probe").exists() and not patched:
+        return f"{art.name}: built by tools/experiments/lora_site_probe.py: re-render it with that tool"
     from infc.compiler.build import build
     plan = art / "plan.json" if (art / "plan.json").exists() else art / "plan.rank0.json"
     if not plan.exists():

@@ -575,7 +575,13 @@ models.model_dir('$q')" 2>&1 | tail -3
       # qwen3-4b-lora8r16-split" after prepare.py lora lora-split; LORA_PROFILE_ARGS: more flags,
       # e.g. "--mixed-decodes 32" for a 32-sequence decode step)
       arts=${LORA_PROFILE_ARTS:-qwen3-4b-lora8r16}
-      for a in $arts; do python3 tests/gpu/rerender.py .cache/artifacts/$a 2>&1 | tail -1; done
+      for a in $arts; do
+        if [ -f .cache/artifacts/$a/lora_site_probe ]; then   # a patched template's build: its own re-render
+          python3 tools/experiments/lora_site_probe.py rerender $(cat .cache/artifacts/$a/lora_site_probe) 2>&1 | tail -1
+        else
+          python3 tests/gpu/rerender.py .cache/artifacts/$a 2>&1 | tail -1
+        fi
+      done
       mkdir -p "$OUT/lora-profile"
       for spec in "qwen3-4b 0" $(for a in $arts; do echo "$a:8"; done); do
         set -- ${spec/:/ }
