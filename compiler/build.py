@@ -208,7 +208,7 @@ def build(model=None, spec_path=None, model_dir=None, out=None, features=None, l
           reuse_bins=False, fuse=True, spec_dirs=None, check_checkpoint=True,
           tensor_parallel_size=1, enable_expert_parallel=False, data_parallel_size=1,
           tuning_overlay=None, kv_cache_dtype=DEFAULT_KV_CACHE_DTYPE, lora=None, kv_offloading=False,
-          capture=None, narrow_tokens=None, section=None) -> Path:
+          capture=None, narrow_tokens=None, section=None, skip=()) -> Path:
     """reuse_bins: when out/bin already holds a cubin for every kernel id (an id is the digest of
     its source), compile nothing. The serving path uses it so that a machine with another (or no)
     Triton runs the cubins built elsewhere rather than recompiling them.
@@ -223,11 +223,19 @@ def build(model=None, spec_path=None, model_dir=None, out=None, features=None, l
     section: "mtp" builds the spec's MTP layer (compile_model; one GPU only): the artifact
     infc/backend.py runs beside the target's for MTP speculation on cuda.
     kv_offloading: a build for serving with the host KV tier (--kv-offloading-size): the plan
-    gets the tiers' copy kernel (plan["block_copy"]); one-GPU builds only (tiers are)."""
+    gets the tiers' copy kernel (plan["block_copy"]); one-GPU builds only (tiers are).
+    skip: optional passes left out (compiler/pipeline.py FUSIONS; one-GPU builds only): an A/B of
+    one fusion in the model (tests/gpu/prepare.py's builds record it for the GPU's re-render)."""
     page_size = page_size or default_page_size(gpu)
     par = settings(tensor_parallel_size, enable_expert_parallel, data_parallel_size=data_parallel_size)
     if par is not None and tuning_overlay:
         raise SpecError("a tuning overlay applies to one-GPU builds only", None)
+    if par is not None and skip:
+        raise SpecError("skipping passes applies to one-GPU builds only", None)
+    from .pipeline import FUSIONS
+    if set(skip) - FUSIONS:
+        raise SpecError(f"skip: {', '.join(sorted(set(skip) - FUSIONS))} is not an optional pass "
+                        f"(compiler/pipeline.py FUSIONS)", None)
     if par is not None and (capture or section):
         raise SpecError("a speculation head's hidden-state outputs or MTP layer: one-GPU builds only", None)
     if par is not None:
@@ -242,12 +250,14 @@ def build(model=None, spec_path=None, model_dir=None, out=None, features=None, l
                                 (lambda m: None) if log is None else log, fuse=fuse,
                                 spec_dirs=spec_dirs, check_checkpoint=check_checkpoint,
                                 kv_cache_dtype=kv_cache_dtype, lora=lora, capture=capture,
-                                narrow_tokens=narrow_tokens, section=section)
+                                narrow_tokens=narrow_tokens, section=section, skip=tuple(skip))
     out = Path(out) if out else GENERATED / state.model
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     kernels = generate(plan, out, gpu, page_size, target, spec_path=state.spec.path,
                        tuning_overlay=tuning_overlay, kv_offloading=kv_offloading)
+    if skip:
+        plan["build"]["skip"] = sorted(skip)
     (out / "plan.json").write_text(dumps(plan))
     if log:
         log(f"  {'render ' + str(len(kernels)) + ' kernels + write plan':<28} "

@@ -167,6 +167,23 @@ def test_a_tuning_overlay_changes_only_its_kernels_and_is_recorded(tmp_path):
               tensor_parallel_size=2, tuning_overlay=overlay)
 
 
+def test_a_build_can_leave_out_one_fusion_and_records_it(tmp_path):
+    """build(skip=...) (an in-model A/B of one fusion: tests/gpu/prepare.py records it for the
+    GPU's re-render): the plan says which passes it left out and lacks their ops; a name that is
+    not an optional pass, or a parallel build, is refused."""
+    from infc.compiler.contract.errors import SpecError
+    plan = json.loads((build(model="qwen3-4b", out=tmp_path / "a", log=None, compile=False, gpu="h200",
+                             skip=("fuse_add_rms_norm",)) / "plan.json").read_text())
+    assert plan["build"]["skip"] == ["fuse_add_rms_norm"]
+    ops = {l["op"] for l, _ in launches(plan["programs"]["decode"])}
+    assert "add_rms_norm" not in ops and "rms_norm" in ops
+    with pytest.raises(SpecError, match="lower_experts is not an optional pass"):
+        build(model="qwen3-4b", out=tmp_path / "b", log=None, compile=False, skip=("lower_experts",))
+    with pytest.raises(SpecError, match="one-GPU"):
+        build(model="qwen3-30b-a3b", out=tmp_path / "c", log=None, compile=False,
+              tensor_parallel_size=2, skip=("act_codes",))
+
+
 def test_the_page_size_defaults_to_the_gpu_tables_and_a_flag_overrides_it(tmp_path):
     """The H200 table names 64-token pages, where attention_mixed's flash tiles (128 x 64) lie in
     one page and take their K/V by TMA; the H100 table names none (16, vLLM's); --page-size wins.
