@@ -183,6 +183,11 @@ NARROW_TOKENS_MAX = 8
 # own (the MoE layers' attention norm then merges too); False keeps the older plans (an A/B switch
 # for tests/gpu/build_variants.py's "_config")
 NARROW_MERGE_FREES_RESIDUALS = True
+# merge_prologues: an fp8 linear's norm with its activation codes (add_rms_norm_quant, the act_codes
+# pass's) merged into the narrow GEMV, whose programs then make their K range's codes themselves;
+# False keeps the norm a launch of its own (issue 42: 72 a qwen3-4b step; an A/B switch until the
+# GPU's timing decides, tests/gpu/prepare.py's fp8-merge build)
+NARROW_MERGE_QUANT_NORMS = False
 # merge_lora (compiler/passes/merge_lora.py): a decode step's LoRA sites inside their GEMVs, the
 # rows as a block (codegen_templates/triton/_lora_rows.j2); False keeps that step's separate
 # shrink / expand launches (an A/B switch: tests/gpu/prepare.py's lora-split part)

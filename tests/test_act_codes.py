@@ -35,15 +35,39 @@ def _rendered(plan, out):
 
 
 @pytest.fixture(scope="module")
-def fp8_plans(tiny_model, tmp_path_factory):
-    """(plan with the pass, plan without it, weights), as compiled (rendering is the interpreted
-    test's: it costs seconds)."""
+def fp8_dir(tiny_model, tmp_path_factory):
     d, _ = tiny_model("qwen3")
     q = tmp_path_factory.mktemp("fp8")
     quantize_model(d, q, "fp8-block", block=(32, 32))     # act groups of 32: several a row
-    plan, plain = (json.loads(dumps(compile_model(model_dir=str(q), skip=skip, log=None)[1]))
+    return q
+
+
+@pytest.fixture(scope="module")
+def fp8_plans(fp8_dir):
+    """(plan with the pass, plan without it, weights), as compiled (rendering is the interpreted
+    test's: it costs seconds)."""
+    plan, plain = (json.loads(dumps(compile_model(model_dir=str(fp8_dir), skip=skip, log=None)[1]))
                    for skip in ((), ("act_codes",)))
-    return plan, plain, load_weights(plan, Checkpoint(q))
+    return plan, plain, load_weights(plan, Checkpoint(fp8_dir))
+
+
+@pytest.fixture(scope="module")
+def merged_plans(tiny_model, tmp_path_factory):
+    """(plan, the same with infc/config.py NARROW_MERGE_QUANT_NORMS on, weights) of a tiny qwen3
+    whose q, k and v rows are whole blocks (head_dim 32), so q|k|v is one linear as in the served
+    models: with the switch its narrow step's norms are in the q|k|v and gate|up GEMVs."""
+    import infc.config
+    d, _ = tiny_model("qwen3", head_dim=32)
+    q = tmp_path_factory.mktemp("fp8-hd32")
+    quantize_model(d, q, "fp8-block", block=(32, 32))
+    plan = json.loads(dumps(compile_model(model_dir=str(q), log=None)[1]))
+    mp = pytest.MonkeyPatch()
+    mp.setattr(infc.config, "NARROW_MERGE_QUANT_NORMS", True)
+    try:
+        merged = json.loads(dumps(compile_model(model_dir=str(q), log=None)[1]))
+    finally:
+        mp.undo()
+    return plan, merged, load_weights(plan, Checkpoint(q))
 
 
 def _launches(plan, program):
@@ -89,8 +113,7 @@ def test_kernels_logits_do_not_move(fp8_plans, tmp_path):
     plan, plain, weights = fp8_plans
     plan, plain = _rendered(plan, tmp_path / "a"), _rendered(plain, tmp_path / "b")
     narrow = [launch["kernel_id"] for launch in _launches(plan, "narrow") if launch["op"] in ("linear", "linear_gated")]
-    assert narrow and all("tl.dot(raw, tl.trans(ac))" in (Path(plan["_dir"]) / plan["kernels"][k]["source"]).read_text()
-                          for k in narrow)          # the narrow codes path
+    assert narrow and all(_codes_path(plan, k) for k in narrow)
     rng = np.random.default_rng(3)
     a, b = [int(t) for t in rng.integers(0, 300, 21)], [int(t) for t in rng.integers(0, 300, 9)]
     runs = []
@@ -112,6 +135,62 @@ def test_kernels_logits_do_not_move(fp8_plans, tmp_path):
     # the decode GEMV's CUDA-core loop: the same products, summed in another order
     assert runs[0][4] == "narrow" and runs[1][4] == "decode"
     assert np.isfinite(runs[0][3]).all() and rel(runs[0][3], runs[1][3]) < 2e-2
+
+
+def _codes_path(plan, kid) -> bool:
+    """Whether kernel kid is a narrow codes path (gemv.py.j2 NDOT), in either FP8_FORM."""
+    src = (Path(plan["_dir"]) / plan["kernels"][kid]["source"]).read_text()
+    return "_run_sums(" in src or "tl.dot(raw, tl.trans(ac))" in src
+
+
+def test_the_narrow_norms_merge_into_the_gemvs_when_switched_on(merged_plans):
+    """NARROW_MERGE_QUANT_NORMS: the narrow step has no add_rms_norm_quant; q|k|v and gate|up take
+    the plain norm as their prologue and read h, not codes (no has_a_scale, no scales input);
+    o and down keep their ready codes. Off (the default) the narrow step is as before; the other
+    programs are the same either way."""
+    plan, merged_plan, _ = merged_plans
+    ops = lambda p, prog: [launch["op"] for launch in _launches(p, prog)]  # noqa: E731
+    assert ops(plan, "narrow").count("add_rms_norm_quant") == 6 and "add_rms_norm_quant" not in ops(merged_plan, "narrow")
+    merged = [launch for launch in _launches(merged_plan, "narrow") if launch.get("prologue")
+              and launch["prologue"]["op"] == "add_rms_norm"]
+    assert sorted(launch["op"] for launch in merged) == ["linear"] * 3 + ["linear_gated"] * 3
+    for launch in merged:
+        assert not launch["attrs"].get("has_a_scale") and launch["attrs"]["quant"]
+        assert merged_plan["buffers"][launch["prologue"]["value"]]["dtype"] == "bf16"
+        assert len(launch["inputs"]) == 3 + 2 and merged_plan["buffers"][launch["outputs"][0]]["dtype"] == "bf16"
+    ready = [launch for launch in _launches(merged_plan, "narrow") if launch["op"] == "linear" and not launch.get("prologue")]
+    assert len(ready) == 6 and all(launch["attrs"].get("has_a_scale") for launch in ready)
+    for program in ("prefill", "decode", "wide"):
+        assert merged_plan["programs"][program] == plan["programs"][program]
+
+
+def test_the_merged_narrow_step_gives_the_same_logits(merged_plans, tmp_path):
+    """The merged narrow launches make the codes the norm made (the same definition): the
+    reference's narrow steps are bit for bit the unmerged plan's, and every kernel interpreted
+    (the per-program codes of the narrow codes path) too."""
+    from interp_executor import InterpExecutor
+    plan, merged_plan, weights = merged_plans
+    rng = np.random.default_rng(4)
+    a = [int(t) for t in rng.integers(0, 300, 19)]
+    steps = [[Chunk(0, a, 0)], [Chunk(0, [7], len(a))], [Chunk(0, [11], len(a) + 1)]]
+    ref = []
+    for p in (plan, merged_plan):
+        run = ReferenceExecutor(p, weights)
+        ref.append([run.step(chunks) for chunks in steps])
+    for got, want in zip(*ref):
+        assert np.isfinite(got).all() and np.array_equal(got, want)
+    out = []
+    for p, d in ((plan, tmp_path / "a"), (merged_plan, tmp_path / "b")):
+        p = _rendered(p, d)
+        run = InterpExecutor(p, weights, page_size=16)
+        logits = [run.step(chunks) for chunks in steps]
+        assert run.program == "narrow"
+        out.append(logits)
+    narrow = [launch["kernel_id"] for launch in _launches(p, "narrow") if launch.get("prologue")
+              and launch["op"] in ("linear", "linear_gated")]
+    assert len(narrow) == 6 and all(_codes_path(p, k) for k in narrow)
+    for got, want in zip(*out):
+        assert np.isfinite(got).all() and np.array_equal(got, want)
 
 
 def rel(a, b):

@@ -33,6 +33,14 @@ its sequence's earlier rows it reads.
     narrow:  [x', h = add_rms_norm(x, d, w); y = linear(h, W)]  ->  one launch
              linear(x, d, w, W) -> (x', y), launch["prologue"] = {op, inputs: 3, output: 1, value: h, ...}
 
+An fp8 linear's norm that makes its activation codes (add_rms_norm_quant: compiler/passes/act_codes.py)
+merges the same way where infc/config.py NARROW_MERGE_QUANT_NORMS says so: the launch is the plain
+norm's merge, and the linear reads h as a linear without ready codes does (its programs quantize
+their K range: codegen_templates/triton/_gemv_narrow_codes.j2), so the codes, their scales and h
+must have no other reader:
+
+    [x', h, c, s = add_rms_norm_quant(x, d, w); y = linear(c, W, Ws, s)]  ->  linear(x, d, w, W, Ws) -> (x', y)
+
 The merged launch's residual output x' is written by one program while every program reads x,
 so x' must not share x's memory: the producer's in-place alias is dropped here, before
 plan_memory (x' gets a buffer of its own in every phase; the unmerged kernel writes it there),
@@ -45,12 +53,13 @@ from .plan_memory import memory_classes
 from infc.config import NARROW_TOKENS_MAX
 # producer op -> the index of its output that the consumer reads (the others are written by the
 # merged launch as they were)
-PROLOGUES = {"add_rms_norm": 1, "qk_norm_rope_cache": 0, "lora_shrink": 0}
+PROLOGUES = {"add_rms_norm": 1, "add_rms_norm_quant": 2, "qk_norm_rope_cache": 0, "lora_shrink": 0}
 # producer op -> the consumer's input that output feeds (0 where not named)
 FEEDS = {"lora_shrink": 1}
 # producer op -> the consumer's narrow templates that take it as a prologue
 # (codegen_templates/triton/gemv.py.j2, attention_decode.py.j2)
-CONSUMER_TEMPLATES = {"add_rms_norm": {"gemv", "gemv_gated"}, "qk_norm_rope_cache": {"attention_decode"},
+CONSUMER_TEMPLATES = {"add_rms_norm": {"gemv", "gemv_gated"}, "add_rms_norm_quant": {"gemv", "gemv_gated"},
+                      "qk_norm_rope_cache": {"attention_decode"},
                       "lora_shrink": {"lora_expand", "lora_expand_act"}}
 PHASE = "narrow"
 # the merged LoRA launch keeps the partials of at most 16 rows in its scratch (_lora_tiles.j2 MAX_ROWS)
@@ -88,7 +97,19 @@ def _merge(state, g, p, fused: set) -> str | None:
         return None
     if g.values[h].type.shape[:1] != ("T",):
         return None
+    if p.op == "add_rms_norm_quant" and not _codes_merge(g, p, c, inside):
+        return None
     return c.id
+
+
+def _codes_merge(g, p, c, inside) -> bool:
+    """Whether the narrow launch may make add_rms_norm_quant's codes in its consumer's programs:
+    the switch is on, and c (a linear on those ready codes) is the only reader of the codes and
+    their scales (its last input), and nothing reads the bf16 h."""
+    from infc import config
+    _, h, _, scales = p.outputs
+    return (config.NARROW_MERGE_QUANT_NORMS and not inside and c.attrs.get("has_a_scale")
+            and g.uses(h) == 0 and g.uses(scales) == 1 and c.inputs[-1] == scales)
 
 
 # ops whose in-place output is a memory saving only (their kernels write another buffer as well)
@@ -108,7 +129,10 @@ def _later_in_place(g, p, nodes) -> list:
 
 
 def _written(p) -> list[str]:
-    """The producer's outputs the merged launch writes (all but the one its consumer reads)."""
+    """The producer's outputs the merged launch writes (all but the one its consumer reads; of
+    add_rms_norm_quant's, the residual alone: the codes are made in the consumer's programs)."""
+    if p.op == "add_rms_norm_quant":
+        return p.outputs[:1]
     return [o for k, o in enumerate(p.outputs) if k != PROLOGUES[p.op]]
 
 
@@ -169,6 +193,8 @@ def merged_launch(p, c, prologue_launch: dict, consumer_launch: dict) -> dict:
     the producer's inputs, then the consumer's other inputs (all but input FEEDS[p.op], default 0,
     which prologue["feeds"] names where it is not 0); the producer's outputs but the one the
     consumer read, then the consumer's."""
+    if p.op == "add_rms_norm_quant":
+        return _codes_merged_launch(p, c, prologue_launch, consumer_launch)
     feed, into = PROLOGUES[p.op], FEEDS.get(p.op, 0)
     h = p.outputs[feed]
     out = dict(consumer_launch)
@@ -177,6 +203,23 @@ def merged_launch(p, c, prologue_launch: dict, consumer_launch: dict) -> dict:
     out["prologue"] = {"op": p.op, "inputs": len(p.inputs), "output": feed, "value": h,
                        "writes": len(p.outputs) - 1, **({"feeds": into} if into else {}),
                        "attrs": prologue_launch["attrs"], "fuses": p.fused_from, "line": p.line}
+    out["fuses"] = p.fused_from + c.fused_from
+    out["pass"] = "merge_prologues"
+    return out
+
+
+def _codes_merged_launch(p, c, prologue_launch: dict, consumer_launch: dict) -> dict:
+    """add_rms_norm_quant's merge (_codes_merge): the plain norm's merged launch, whose linear reads
+    h (bf16) and makes its codes itself (no has_a_scale, no scales input): the same codes and
+    scales bit for bit (compiler/passes/act_codes.py), so the same sums."""
+    x_out, h = p.outputs[:2]
+    out = dict(consumer_launch)
+    out["inputs"] = prologue_launch["inputs"] + consumer_launch["inputs"][1:-1]
+    out["outputs"] = [x_out] + consumer_launch["outputs"]
+    out["attrs"] = {k: v for k, v in consumer_launch["attrs"].items() if k != "has_a_scale"}
+    attrs = {k: v for k, v in prologue_launch["attrs"].items() if k != "act_quant"}
+    out["prologue"] = {"op": "add_rms_norm", "inputs": len(p.inputs), "output": 1, "value": h,
+                       "writes": 1, "attrs": attrs, "fuses": p.fused_from, "line": p.line}
     out["fuses"] = p.fused_from + c.fused_from
     out["pass"] = "merge_prologues"
     return out

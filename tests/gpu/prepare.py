@@ -43,6 +43,9 @@ gpu_families.DSV4_CUT, its config.json as transformers writes it into .cache/gpu
 its artifact in .cache/gpu/<cut>-art, for the golden gate and bench latency with dummy weights).
 lora (issue 46, session.sh's `lora` stage: qwen3-4b built with --enable-lora, 8 slots of rank 16,
 into .cache/artifacts/qwen3-4b-lora8r16, beside base's qwen3-4b).
+fp8-ab (issue 42: qwen3-4b-fp8's config, config-only, built three ways for a narrow-step A/B with
+dummy weights: .cache/artifacts/qwen3-4b-fp8 as served, -merge with the norms merged into the narrow
+GEMVs (infc/config.py NARROW_MERGE_QUANT_NORMS), -noac without the act_codes pass).
 draft (issue 43, tests/gpu/test_spec_gpu.py's draft-model case: qwen3-4b's first two layers as a
 draft model, config-only in .cache/gpu/configs/qwen3-4b-l2, built into
 .cache/artifacts/qwen3-4b-l2, the artifact infc/backend.py reuses for a draft directory of that
@@ -88,7 +91,7 @@ TINY_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
 GPU_CACHE = REPO / ".cache" / "gpu"
 SERVED = ("qwen3-4b", "llama-3.2-1b")          # model directories LLM / infc serve load on the GPU
 PARTS = ("base", "nofuse", "families", "qwen35", "ranks", "deepseek", "twogpu", "server", "attnvar", "hlvar", "kvfp8",
-         "quant", "lora", "lora-split", "draft", "eagle3", "mtp", "gptoss", "dsv4")
+         "quant", "lora", "lora-split", "fp8-ab", "draft", "eagle3", "mtp", "gptoss", "dsv4")
 DEFAULT_PARTS = ("base", "nofuse", "families", "draft", "eagle3")
 
 
@@ -167,6 +170,8 @@ def main(parts=DEFAULT_PARTS):
         lora()
     if "lora-split" in parts:
         lora(split=True)
+    if "fp8-ab" in parts:
+        fp8_ab()
     if "draft" in parts:
         draft()
     if "eagle3" in parts:
@@ -344,6 +349,18 @@ def lora(split: bool = False):
     _both_tunings("qwen3-4b --enable-lora (8 slots, rank 16)" + (", decode sites split" if split else ""), out,
                   model_dir=str(served_config("qwen3-4b")), lora=lora, check_checkpoint=False,
                   **({"config": {"LORA_DECODE_SITES": False}} if split else {}))
+
+
+def fp8_ab():
+    """qwen3-4b-fp8 (config only: `--load-format dummy` on the GPU) as served, with its narrow norms
+    merged into the GEMVs (NARROW_MERGE_QUANT_NORMS), and without act_codes (build skip), into
+    .cache/artifacts/qwen3-4b-fp8[-merge|-noac]: `bench profile --artifact` of each."""
+    from infc.backend import SERVED_ARTIFACTS
+    d = str(quant_config("qwen3-4b-fp8"))
+    for tag, kw in (("", {}), ("-merge", {"config": {"NARROW_MERGE_QUANT_NORMS": True}}),
+                    ("-noac", {"skip": ["act_codes"]})):
+        _both_tunings(f"qwen3-4b-fp8{tag}", SERVED_ARTIFACTS / f"qwen3-4b-fp8{tag}", model_dir=d,
+                      check_checkpoint=False, **kw)
 
 
 DRAFT_CUT = "qwen3-4b-l2"      # tests/gpu/test_spec_gpu.py's DRAFT_CUT
