@@ -105,20 +105,21 @@ NARROW_QUANT = {("triton", t): _GEMV_NARROW_CODES + _GEMV_NARROW_W4 for t in ("g
 # issue 46: qwen3-4b's o and down waited on it at 128 x 16), then the GEMV tiles that most often
 # won at batch 1, timed with the site in the launch. Timed before the GEMV grid, in place of most of it.
 # LORA_EARLY: the delta's tables loaded before the stream (a round trip less at the tail, registers
-# through the stream: sm_90, qwen3-4b's o 80 -> 96, q|k|v and gate|up unchanged). LORA_PARTS: the
-# waiters sum the parked ranges (no summing program, no ready flag); LORA_FIRST: the shrink's
-# programs first in the grid. Both act on the launch's place in a PDL chain more than alone, so an
-# entry of theirs wants the in-model A/B (bench/NOTES.md, issue 46) before it is stored.
+# through the stream: sm_90, qwen3-4b's o 80 -> 96, q|k|v and gate|up unchanged). LORA_PARTS 0: a
+# summing program and a ready flag (the default 1: the waiters sum the parked ranges); LORA_FIRST 0:
+# the shrink's programs after the GEMV's blocks (the default 1: first in the grid). Both act on the
+# launch's place in a PDL chain more than alone, so an entry of theirs wants the in-model A/B
+# (bench/NOTES.md, issue 46) before it is stored.
 _GEMV_LORA = [{"LORA_KS": ks} for ks in (64, 128, 256, 512)] \
     + [{"LORA_KS": ks, "LORA_PROGRAMS": n} for ks in (128, 256, 512) for n in (8, 16, 32)] \
     + [{"LORA_EARLY": 1}, {"LORA_EARLY": 1, "LORA_PROGRAMS": 32}] \
-    + [{"LORA_PARTS": 1}, {"LORA_FIRST": 1}, {"LORA_PARTS": 1, "LORA_FIRST": 1}]
+    + [{"LORA_PARTS": 0}, {"LORA_FIRST": 0}, {"LORA_PARTS": 0, "LORA_FIRST": 0}]
 NARROW_LORA = {("triton", t): _GEMV_LORA for t in ("gemv", "gemv_gated")}
 # a decode step's site (triton/_lora_rows.j2): the items' K range (LORA_KS, default ~K / 16) and the
 # columns a dot of it takes (LORA_STEP), the slot chunks in flight (LORA_STAGES), the shrink's own
-# programs, and those first in the grid (LORA_FIRST); LORA_EARLY and LORA_PARTS have no decode form
+# programs, and those after the GEMV's blocks (LORA_FIRST 0); LORA_EARLY and LORA_PARTS have no decode form
 _GEMV_LORA_ROWS = [{"LORA_KS": ks} for ks in (128, 256, 512)] + [{"LORA_STEP": 32}, {"LORA_STEP": 128}] \
-    + [{"LORA_STAGES": n} for n in (1, 2, 4)] + [{"LORA_PROGRAMS": n} for n in (8, 48)] + [{"LORA_FIRST": 1}]
+    + [{"LORA_STAGES": n} for n in (1, 2, 4)] + [{"LORA_PROGRAMS": n} for n in (8, 48)] + [{"LORA_FIRST": 0}]
 DECODE_LORA = {("triton", t): _GEMV_LORA_ROWS for t in ("gemv", "gemv_gated")}
 LORA_GEMV_TILES = 4         # of the GEMV's own grid, the first few beside the LoRA grid
 # a verify step's GEMVs (a speculative build's k + 1 rows, all on the CUDA-core path: gemv.py.j2

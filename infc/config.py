@@ -189,9 +189,12 @@ NARROW_MERGE_FREES_RESIDUALS = True
 # GPU's timing decides, tests/gpu/prepare.py's fp8-merge build)
 NARROW_MERGE_QUANT_NORMS = False
 # merge_lora (compiler/passes/merge_lora.py): a decode step's LoRA sites inside their GEMVs, the
-# rows as a block (codegen_templates/triton/_lora_rows.j2); False keeps that step's separate
-# shrink / expand launches (an A/B switch: tests/gpu/prepare.py's lora-split part)
-LORA_DECODE_SITES = True
+# rows as a block (codegen_templates/triton/_lora_rows.j2); False (the default) keeps that step's
+# separate shrink / expand launches: at 32 decodes with 8 adapters on an H100 the step took 9.67 ms
+# with the sites in the GEMVs against 7.69 separate (base 6.25; gate|up 72.5 us against 38.4 and
+# its two LoRA launches: bench/NOTES.md, "Issue 46: the probes measured"). True builds the other
+# side of that A/B (tests/gpu/prepare.py's lora-rows part).
+LORA_DECODE_SITES = False
 # Gated DeltaNet's delta rule makes its own gates and q / k norms in its launch (compiler/passes/
 # fuse_delta_rule.py: 8 launches fewer a linear-attention layer, 192 a Qwen3.5-4B decode step);
 # False builds the older plans (an A/B switch for tests/gpu/build_variants.py's "_config")

@@ -79,10 +79,14 @@ def test_a_mixed_adapter_batch_through_the_kernels(tiny_model, tmp_path, rng):
     assert ("linear", "gemv_gated") in run.templates and not [o for o, _ in run.templates if o.startswith("lora")]
 
 
-def test_a_decode_step_of_several_row_blocks_k_ranges_and_splits_takes_the_sites_in_its_gemvs(tiny_model, tmp_path, rng):
-    """The decode program's LoRA sites inside their GEMVs (codegen_templates/triton/_lora_rows.j2)
-    at tiles that give a 20-row step two row blocks, several shrink ranges a block and a K split:
-    the claims, the fixed-order sum, the per-slot delta and split 0's single add all run."""
+def test_a_decode_step_of_several_row_blocks_k_ranges_and_splits_takes_the_sites_in_its_gemvs(tiny_model, tmp_path, rng,
+                                                                                              monkeypatch):
+    """The decode program's LoRA sites inside their GEMVs (codegen_templates/triton/_lora_rows.j2,
+    infc/config.py LORA_DECODE_SITES) at tiles that give a 20-row step two row blocks, several
+    shrink ranges a block and a K split: the claims, the fixed-order sum, the per-slot delta and
+    split 0's single add all run."""
+    import infc.config
+    monkeypatch.setattr(infc.config, "LORA_DECODE_SITES", True)
     d, hf = tiny_model("qwen3")
     tiles = {"BLOCK_T": 16, "BLOCK_K": 16, "FMA_BLOCK_K": 16, "SPLIT_K_DOT": 4, "LORA_KS": 32, "LORA_STEP": 16}
     plan, weights = _four_adapters(d, hf, tmp_path / "art",

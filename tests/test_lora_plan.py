@@ -72,10 +72,10 @@ def test_fused_linears_take_their_pieces_side_by_side(tiny_model):
     assert plan["weights"][t["scale"]] == {"shape": [4, 3], "dtype": "f32", "layers": t["layers"],
                                            "source": {"zeros": [4, 3]}}
     ops = _ops(plan, prologues=True)
-    # one shrink and one expand a target linear, in every program but the narrow and decode ones
-    # (below); gate|up's expand takes the activation (passes/fuse_lora_act.py)
+    # one shrink and one expand a target linear, in every program but the narrow one (below);
+    # gate|up's expand takes the activation (passes/fuse_lora_act.py)
     assert ops.count("lora_shrink") == ops.count("lora_expand") + ops.count("lora_expand_act") \
-        == 4 * (len(plan["programs"]) - 2)
+        == 4 * (len(plan["programs"]) - 1)
     # a narrow step runs each site inside its linear's GEMV (merge_lora): the tables A, B, scale
     # after the GEMV's inputs, the expand's output its own; the residual add + RMSNorm merged in
     # front of q|k|v and gate|up as in the base plan, so the layer is as many launches as the base's
@@ -88,14 +88,12 @@ def test_fused_linears_take_their_pieces_side_by_side(tiny_model):
     assert [l.get("prologue", {}).get("op") for l in sites] == ["add_rms_norm", None, "add_rms_norm", None]
     assert len(narrow) == len(_layer(base))
     assert ops.count("lora_shrink") - _ops(plan).count("lora_shrink") == 0
-    assert ops.count("lora_expand_act") == len(plan["programs"]) - 2 and "act_mul" not in ops   # narrow: in the gated GEMV
-    # a decode step's sites are in its GEMVs too (their rows as a block: triton/_lora_rows.j2), with
-    # no prologue (the decode program merges none)
+    assert ops.count("lora_expand_act") == len(plan["programs"]) - 1 and "act_mul" not in ops   # narrow: in the gated GEMV
+    # a decode step's sites are separate launches (infc/config.py LORA_DECODE_SITES: in the GEMVs,
+    # test_decode_sites_switch_on_into_the_gemvs), 8 a layer more than the base's
     decode = _layer(plan, "decode")
-    sites = [l for l in decode if "lora" in l]
-    assert not [l for l in decode if l["op"].startswith("lora")] and len(sites) == 4
-    assert [l["kernel"] for l in sites] == ["gemv", "gemv", "gemv_gated", "gemv"]
-    assert not [l for l in sites if "prologue" in l] and len(decode) == len(_layer(base, "decode"))
+    assert not [l for l in decode if "lora" in l]
+    assert len(decode) == len(_layer(base, "decode")) + 8
     # weights other than the tables are the base plan's
     assert {w: m for w, m in plan["weights"].items() if "_lora_" not in w} == base["weights"]
 
@@ -161,7 +159,8 @@ def test_a_rewritten_slot_serves_the_new_adapter_and_zeros_serve_the_base(tiny_m
     np.testing.assert_allclose(got, base_logits, rtol=0, atol=1e-5 * np.abs(base_logits).max())
 
 
-def test_inspect_shows_the_lora_launches_and_their_kernels(tiny_model):
+def test_inspect_shows_the_lora_launches_and_their_kernels(tiny_model, monkeypatch):
+    import infc.config
     from infc.compiler.inspect import inspect
     d, _ = tiny_model("qwen3")
     text = inspect(model_dir=d, lora=lora_build(2, 8), phases=["wide"])
@@ -169,7 +168,9 @@ def test_inspect_shows_the_lora_launches_and_their_kernels(tiny_model):
     launches = [line for line in text.splitlines() if line.strip().startswith(("lora_shrink ", "lora_expand ", "lora_expand_act "))]
     assert len(launches) == 8 and all("lora_shrink_" in line or "lora_expand_" in line for line in launches)
     assert "add_lora" in text and "model.layers.{i}.self_attn.q_proj" in text
-    # a decode step's sites run in their GEMVs (merge_lora): the tables among the GEMV's inputs
+    # with LORA_DECODE_SITES a decode step's sites run in their GEMVs (merge_lora): the tables
+    # among the GEMV's inputs
+    monkeypatch.setattr(infc.config, "LORA_DECODE_SITES", True)
     text = inspect(model_dir=d, lora=lora_build(2, 8), phases=["decode"])
     launch = [line for line in text.splitlines() if line.strip().startswith("linear ") and "(" in line]
     assert not [line for line in text.splitlines() if line.strip().startswith(("lora_shrink ", "lora_expand"))]
@@ -206,17 +207,22 @@ def test_layer_kinds_share_their_tables(family_model):
         assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
 
 
-def test_decode_sites_switch_off_to_separate_launches(tiny_model, monkeypatch):
-    """infc/config.py LORA_DECODE_SITES False (the A/B side of tests/gpu/prepare.py's lora-split):
-    a decode step's sites are separate launches again, the narrow step's stay in their GEMVs."""
+def test_decode_sites_switch_on_into_the_gemvs(tiny_model, monkeypatch):
+    """infc/config.py LORA_DECODE_SITES True (the A/B side of tests/gpu/prepare.py's lora-rows): a
+    decode step's sites run in their GEMVs (their rows as a block: triton/_lora_rows.j2), with no
+    prologue (the decode program merges none); the narrow step is the same either way."""
     import infc.config
+    _, _, base, off = _plans(tiny_model, max_loras=2, max_lora_rank=8)
+    monkeypatch.setattr(infc.config, "LORA_DECODE_SITES", True)
     _, _, _, on = _plans(tiny_model, max_loras=2, max_lora_rank=8)
-    monkeypatch.setattr(infc.config, "LORA_DECODE_SITES", False)
-    _, _, _, off = _plans(tiny_model, max_loras=2, max_lora_rank=8)
     ops = lambda p, prog: [l["op"] for l in _layer(p, prog)]  # noqa: E731
-    assert not [o for o in ops(on, "decode") if o.startswith("lora")]
     split = [o for o in ops(off, "decode") if o.startswith("lora")]
     assert sorted(split) == ["lora_expand"] * 3 + ["lora_expand_act"] + ["lora_shrink"] * 4, split
+    decode = _layer(on, "decode")
+    sites = [l for l in decode if "lora" in l]
+    assert not [l for l in decode if l["op"].startswith("lora")] and len(sites) == 4
+    assert [l["kernel"] for l in sites] == ["gemv", "gemv", "gemv_gated", "gemv"]
+    assert not [l for l in sites if "prologue" in l] and len(decode) == len(_layer(base, "decode"))
     assert ops(off, "narrow") == ops(on, "narrow")
 
 
@@ -225,10 +231,10 @@ def test_wide_off_refuses_a_decode_program_with_lora_sites(tiny_model, monkeypat
     its LoRA sites' scratch holds: refused naming why; a plan with the sites split runs it."""
     import infc.config
     from infc.runtime.cuda import runner as runner_mod
+    _, _, _, off = _plans(tiny_model, max_loras=2, max_lora_rank=8)
+    monkeypatch.setattr(infc.config, "LORA_DECODE_SITES", True)
     _, _, _, on = _plans(tiny_model, max_loras=2, max_lora_rank=8)
     monkeypatch.setenv("INFC_WIDE", "0")
     with pytest.raises(ValueError, match="LoRA sites take at most 127 rows"):
         runner_mod.ab_programs(on)
-    monkeypatch.setattr(infc.config, "LORA_DECODE_SITES", False)
-    _, _, _, off = _plans(tiny_model, max_loras=2, max_lora_rank=8)
     assert "wide" not in runner_mod.ab_programs(off)["programs"]

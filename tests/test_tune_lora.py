@@ -68,9 +68,12 @@ def test_lora_sites_have_their_own_key_and_grid(tmp_path, monkeypatch):
     assert e["candidates"][0]["kernel"] not in _narrow_ids(plan, loaded)
 
 
-def test_a_decode_steps_sites_take_the_decode_grid(tmp_path):
-    """A decode step's sites (triton/_lora_rows.j2) are timed over their own schedule's grid
-    (DECODE_LORA: no LORA_EARLY, which has no decode form), each candidate its own kernel."""
+def test_a_decode_steps_sites_take_the_decode_grid(tmp_path, monkeypatch):
+    """A decode step's sites in its GEMVs (infc/config.py LORA_DECODE_SITES, triton/_lora_rows.j2)
+    are timed over their own schedule's grid (DECODE_LORA: no LORA_EARLY, which has no decode
+    form), each candidate its own kernel."""
+    import infc.config
+    monkeypatch.setattr(infc.config, "LORA_DECODE_SITES", True)
     out = prepare(MODEL, "h200", out=tmp_path / "d", phases=("decode",), templates=("gemv", "gemv_gated"),
                   compile=False, log=None, lora=LORA)
     m = json.loads((out / "manifest.json").read_text())

@@ -120,7 +120,7 @@ def ab_programs(plan: dict) -> dict:
                 # its LoRA sites' scratch holds the rows below the wide program's (render.row_cap)
                 raise ValueError("INFC_WIDE=0 runs every decode step on the decode program, whose LoRA "
                                  f"sites take at most {plan['wide_tokens'] - 1} rows: rebuild with "
-                                 "infc/config.py LORA_DECODE_SITES = False to time it")
+                                 "infc/config.py LORA_DECODE_SITES = False (the default) to time it")
             plan = dict(plan, programs={p: v for p, v in plan["programs"].items() if p not in drop})
     return plan
 

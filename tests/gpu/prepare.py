@@ -91,7 +91,7 @@ TINY_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
 GPU_CACHE = REPO / ".cache" / "gpu"
 SERVED = ("qwen3-4b", "llama-3.2-1b")          # model directories LLM / infc serve load on the GPU
 PARTS = ("base", "nofuse", "families", "qwen35", "ranks", "deepseek", "twogpu", "server", "attnvar", "hlvar", "kvfp8",
-         "quant", "lora", "lora-split", "fp8-ab", "draft", "eagle3", "mtp", "gptoss", "dsv4")
+         "quant", "lora", "lora-rows", "fp8-ab", "draft", "eagle3", "mtp", "gptoss", "dsv4")
 DEFAULT_PARTS = ("base", "nofuse", "families", "draft", "eagle3")
 
 
@@ -168,8 +168,8 @@ def main(parts=DEFAULT_PARTS):
         kvfp8()
     if "lora" in parts:
         lora()
-    if "lora-split" in parts:
-        lora(split=True)
+    if "lora-rows" in parts:
+        lora(rows=True)
     if "fp8-ab" in parts:
         fp8_ab()
     if "draft" in parts:
@@ -334,21 +334,21 @@ def kvfp8():
                   check_checkpoint=False)     # (the random model has no k_scale / v_scale: 1.0, as here)
 
 
-def lora(split: bool = False):
+def lora(rows: bool = False):
     """qwen3-4b with --enable-lora --max-loras 8 --max-lora-rank 16, from the served qwen3-4b's
     config.json, into .cache/artifacts/qwen3-4b-lora8r16: the directory `infc serve --enable-lora`
     and `bench throughput --enable-lora` reuse for $MODELS/qwen3-4b with those flags (infc/backend.py
     names it), and tests/gpu/test_lora_gpu.py's artifact (session.sh's `lora` stage).
-    split: the same with a decode step's sites as separate launches (infc/config.py
-    LORA_DECODE_SITES False), into qwen3-4b-lora8r16-split: the other side of that A/B
-    (session.sh's `lora-profile` with LORA_PROFILE_ARTS)."""
+    rows: the same with a decode step's sites inside its GEMVs (infc/config.py LORA_DECODE_SITES
+    True), into qwen3-4b-lora8r16-rows: the other side of that A/B (session.sh's `lora-profile`
+    with LORA_PROFILE_ARTS)."""
     from infc.backend import SERVED_ARTIFACTS
     from infc.config import artifact_tag, lora_build
     lora = lora_build(8, 16)
-    out = SERVED_ARTIFACTS / ("qwen3-4b" + artifact_tag(lora) + ("-split" if split else ""))
-    _both_tunings("qwen3-4b --enable-lora (8 slots, rank 16)" + (", decode sites split" if split else ""), out,
+    out = SERVED_ARTIFACTS / ("qwen3-4b" + artifact_tag(lora) + ("-rows" if rows else ""))
+    _both_tunings("qwen3-4b --enable-lora (8 slots, rank 16)" + (", decode sites in the GEMVs" if rows else ""), out,
                   model_dir=str(served_config("qwen3-4b")), lora=lora, check_checkpoint=False,
-                  **({"config": {"LORA_DECODE_SITES": False}} if split else {}))
+                  **({"config": {"LORA_DECODE_SITES": True}} if rows else {}))
 
 
 def fp8_ab():

@@ -572,7 +572,7 @@ models.model_dir('$q')" 2>&1 | tail -3
       # issue 46: bench profile (per launch) of the base qwen3-4b and of qwen3-4b --enable-lora with
       # random rank-16 adapters in its 8 slots, the sequences taking them in turn (LORA_PROFILE_STEPS;
       # LORA_PROFILE_ARTS: the LoRA builds, default qwen3-4b-lora8r16, e.g. "qwen3-4b-lora8r16
-      # qwen3-4b-lora8r16-split" after prepare.py lora lora-split; LORA_PROFILE_ARGS: more flags,
+      # qwen3-4b-lora8r16-rows" after prepare.py lora lora-rows; LORA_PROFILE_ARGS: more flags,
       # e.g. "--mixed-decodes 32" for a 32-sequence decode step)
       arts=${LORA_PROFILE_ARTS:-qwen3-4b-lora8r16}
       for a in $arts; do

@@ -28,17 +28,18 @@ def _f(t):
 
 # (rows' slots, pieces, K, R, gated, prologue, tune): K = 200 in ranges of 64 (the last ragged),
 # 130-wide column tiles of 32 / 64, split-K, slot 0 rows among adapters' rows; the shrink's schedule
-# at its defaults (48 rank rows: 128-column ranges, two of them, a program each) and at
-# non-default ones (9 ranges of 64 over 3 programs, the delta's tables loaded before the W stream;
-# the waiters summing the ranges themselves; the shrink's programs first in the grid)
+# at its defaults (48 rank rows: 128-column ranges, two of them, a program each; the shrink's
+# programs first in the grid, the waiters summing the ranges themselves) and at non-default ones
+# (9 ranges of 64 over 3 programs, the delta's tables loaded before the W stream; a summing
+# program and its ready flag; the shrink's programs after the GEMV's blocks)
 CASES = [
     ([3], [40, 36, 24], 200, 16, False, True, {}),
     ([1], [70, 70], 520, 16, True, False, {"LORA_KS": 64, "LORA_PROGRAMS": 3, "LORA_EARLY": 1}),
     ([3], [40, 36, 24], 200, 8, False, False, {"LORA_KS": 64, "BLOCK_N": 32, "FMA_BLOCK_K": 64}),
     ([2, 0, 3, 2, 1], [40, 36, 24], 200, 16, False, True, {"LORA_KS": 64, "SPLIT_K_DOT": 2, "BLOCK_K": 32}),
     ([1], [70, 70], 200, 16, True, True, {"LORA_KS": 64, "SPLIT_K": 2, "FMA_BLOCK_K": 64}),
-    ([0, 3, 1], [40, 36, 24], 520, 16, False, True, {"LORA_KS": 64, "LORA_PROGRAMS": 3, "LORA_PARTS": 1}),
-    ([2], [70, 70], 200, 16, True, False, {"LORA_KS": 64, "LORA_FIRST": 1, "LORA_PARTS": 1, "SPLIT_K": 2}),
+    ([0, 3, 1], [40, 36, 24], 520, 16, False, True, {"LORA_KS": 64, "LORA_PROGRAMS": 3, "LORA_PARTS": 0}),
+    ([2], [70, 70], 200, 16, True, False, {"LORA_KS": 64, "LORA_FIRST": 0, "LORA_PARTS": 0, "SPLIT_K": 2}),
     pytest.param([2], [40, 36, 24], 200, 16, False, True, {"FMA_BLOCK_K": 64}, marks=EXHAUSTIVE),
     pytest.param([0, 2, 1], [70, 70], 136, 8, True, False, {"LORA_KS": 32}, marks=EXHAUSTIVE),
     pytest.param([0], [100], 200, 16, False, True, {"LORA_KS": 64}, marks=EXHAUSTIVE),
@@ -65,7 +66,7 @@ CASES_ROWS = [
     ([i % 4 for i in range(37)], [40, 36, 24], 200, 16, False, {"BLOCK_T": 16, "LORA_KS": 64, "LORA_STEP": 32}),
     ([1, 0, 3, 2, 3, 1], [70, 70], 136, 8, True, {"LORA_KS": 32, "LORA_STEP": 16, "SPLIT_K_DOT": 2, "BLOCK_K": 32}),
     ([i % 4 for i in range(20)], [100], 520, 16, False, {"BLOCK_T": 16, "LORA_PROGRAMS": 1, "SPLIT_K_DOT": 4}),
-    ([i % 4 for i in range(20)], [70, 70], 200, 16, True, {"BLOCK_T": 16, "LORA_KS": 64, "LORA_FIRST": 1}),
+    ([i % 4 for i in range(20)], [70, 70], 200, 16, True, {"BLOCK_T": 16, "LORA_KS": 64, "LORA_FIRST": 0}),
     ([i % 4 for i in range(18)], [40, 36, 24], 136, 48, False, {"BLOCK_T": 16, "LORA_KS": 64}),
     pytest.param([2, 2, 2], [70, 70], 200, 16, True, {}, marks=EXHAUSTIVE),
     pytest.param([i % 4 for i in range(33)], [40, 36, 24], 136, 8, False, {"LORA_KS": 64}, marks=EXHAUSTIVE),

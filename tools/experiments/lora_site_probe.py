@@ -2,9 +2,9 @@
 rank 16) built several ways, each a directory beside prepare.py's qwen3-4b-lora8r16, for
 `bench profile --steps decode_b1_graph --loras 8` in one device call:
 
-    first  LORA_FIRST 1 (the shrink's programs first in the grid)          } the schedules, as the
-    parts  LORA_PARTS 1 (the waiting programs sum the parked ranges)       } template's defaults
-    both   both
+    first  LORA_FIRST 1 alone (the shrink's programs first in the grid)    } the schedules against
+    parts  LORA_PARTS 1 alone (the waiting programs sum the parked ranges) } the template's
+    none   neither (the defaults before 2026-12-07's H100 A/B)             } defaults (both 1)
     p1     probe: the GEMV's programs never look at ready nor wait (the delta reads whatever sums are there)
     p2     probe: the whole handshake, no delta
     p3     probe: no shrink, no claims, no departures: only the delta, on stale sums
@@ -15,7 +15,7 @@ machine re-renders them through this tool too (tests/gpu/rerender.py refuses the
 lora-profile stage calls this tool for them):
 
     # build machine (after tests/gpu/prepare.py base lora):
-    .venv/bin/python tools/experiments/lora_site_probe.py prepare [first parts both p1 p2 p3]
+    .venv/bin/python tools/experiments/lora_site_probe.py prepare [first parts none p1 p2 p3]
     tests/gpu/carry.sh artifacts/qwen3-4b artifacts/qwen3-4b-lora8r16 artifacts/qwen3-4b-lora8r16-first ... gpu/configs
     # GPU machine (a no-op where the plans are already this GPU's table), then the profiles:
     LORA_PROFILE_ARTS="qwen3-4b-lora8r16 qwen3-4b-lora8r16-first ..." LORA_PROFILE_STEPS=decode_b1_graph \
@@ -29,10 +29,10 @@ TEMPLATE = "triton/gemv.py.j2"
 
 _NO_WAIT = [("            if _lora_ready(lslot_ptr, lsync_ptr, M).to(tl.int32) == 0:\n", "            if 0 == 1:\n")]
 VARIANTS = {
-    "first": [('tune.get("LORA_FIRST", 0)', 'tune.get("LORA_FIRST", 1)')],
-    "parts": [('tune.get("LORA_PARTS", 0)', 'tune.get("LORA_PARTS", 1)')],
-    "both": [('tune.get("LORA_FIRST", 0)', 'tune.get("LORA_FIRST", 1)'),
-             ('tune.get("LORA_PARTS", 0)', 'tune.get("LORA_PARTS", 1)')],
+    "first": [('tune.get("LORA_PARTS", 1)', 'tune.get("LORA_PARTS", 0)')],
+    "parts": [('tune.get("LORA_FIRST", 1)', 'tune.get("LORA_FIRST", 0)')],
+    "none": [('tune.get("LORA_FIRST", 1)', 'tune.get("LORA_FIRST", 0)'),
+             ('tune.get("LORA_PARTS", 1)', 'tune.get("LORA_PARTS", 0)')],
     "p1": _NO_WAIT,
     "p2": [("{% if not LORA_EARLY %}\n            # the tables that need no shrink sum", "{% if False %}\n            #"),
            ("{% for r in range(FMA_T) %}\n            out = tl.where(rows[:, None] == {{ r }}, out + _lora_apply(",
