@@ -65,9 +65,13 @@ def merged_plans(tiny_model, tmp_path_factory):
     mp.setattr(infc.config, "NARROW_MERGE_QUANT_NORMS", True)
     try:
         merged = json.loads(dumps(compile_model(model_dir=str(q), log=None)[1]))
+        # a speculative build's verify program runs the narrow launches 3 rows wide
+        verify = [json.loads(dumps(compile_model(model_dir=str(q), log=None, narrow_tokens=3)[1]))]
+        mp.setattr(infc.config, "NARROW_MERGE_QUANT_NORMS", False)
+        verify.insert(0, json.loads(dumps(compile_model(model_dir=str(q), log=None, narrow_tokens=3)[1])))
     finally:
         mp.undo()
-    return plan, merged, load_weights(plan, Checkpoint(q))
+    return plan, merged, load_weights(plan, Checkpoint(q)), verify
 
 
 def _launches(plan, program):
@@ -137,6 +141,24 @@ def test_kernels_logits_do_not_move(fp8_plans, tmp_path):
     assert np.isfinite(runs[0][3]).all() and rel(runs[0][3], runs[1][3]) < 2e-2
 
 
+@EXHAUSTIVE     # ~10 s interpreted
+def test_the_merged_verify_rows_give_the_same_logits(merged_plans, tmp_path):
+    """A verify step (3 rows of one sequence) through the interpreted verify kernels with the
+    switch on and off: each row's codes made by the GEMV's programs are the norm's, so the same
+    logits bit for bit."""
+    from interp_executor import InterpExecutor
+    *_, weights, verify = merged_plans
+    assert any(launch.get("prologue", {}).get("op") == "add_rms_norm" and launch["op"] == "linear_gated"
+               for launch in _launches(verify[1], "verify"))
+    rows = [Chunk(0, [int(t)], j) for j, t in enumerate(np.random.default_rng(5).integers(0, 300, 3))]
+    out = []
+    for p, d in zip(verify, (tmp_path / "a", tmp_path / "b")):
+        run = InterpExecutor(_rendered(p, d), weights, page_size=16)
+        out.append(run.step(rows))
+        assert run.program == "verify"
+    assert np.isfinite(out[1]).all() and np.array_equal(out[0], out[1])
+
+
 def _codes_path(plan, kid) -> bool:
     """Whether kernel kid is a narrow codes path (gemv.py.j2 NDOT), in either FP8_FORM."""
     src = (Path(plan["_dir"]) / plan["kernels"][kid]["source"]).read_text()
@@ -148,7 +170,7 @@ def test_the_narrow_norms_merge_into_the_gemvs_when_switched_on(merged_plans):
     the plain norm as their prologue and read h, not codes (no has_a_scale, no scales input);
     o and down keep their ready codes. Off (the default) the narrow step is as before; the other
     programs are the same either way."""
-    plan, merged_plan, _ = merged_plans
+    plan, merged_plan, _, _ = merged_plans
     ops = lambda p, prog: [launch["op"] for launch in _launches(p, prog)]  # noqa: E731
     assert ops(plan, "narrow").count("add_rms_norm_quant") == 6 and "add_rms_norm_quant" not in ops(merged_plan, "narrow")
     merged = [launch for launch in _launches(merged_plan, "narrow") if launch.get("prologue")
@@ -169,7 +191,7 @@ def test_the_merged_narrow_step_gives_the_same_logits(merged_plans, tmp_path):
     reference's narrow steps are bit for bit the unmerged plan's, and every kernel interpreted
     (the per-program codes of the narrow codes path) too."""
     from interp_executor import InterpExecutor
-    plan, merged_plan, weights = merged_plans
+    plan, merged_plan, weights, _ = merged_plans
     rng = np.random.default_rng(4)
     a = [int(t) for t in rng.integers(0, 300, 19)]
     steps = [[Chunk(0, a, 0)], [Chunk(0, [7], len(a))], [Chunk(0, [11], len(a) + 1)]]
