@@ -185,8 +185,10 @@ NARROW_TOKENS_MAX = 8
 NARROW_MERGE_FREES_RESIDUALS = True
 # merge_prologues: an fp8 linear's norm with its activation codes (add_rms_norm_quant, the act_codes
 # pass's) merged into the narrow GEMV, whose programs then make their K range's codes themselves;
-# False keeps the norm a launch of its own (issue 42: 72 a qwen3-4b step; an A/B switch until the
-# GPU's timing decides, tests/gpu/prepare.py's fp8-merge build)
+# False (the default) keeps the norm a launch of its own: merged, qwen3-4b-fp8's step took 2.44-2.48
+# ms against 2.36-2.40 on an H100 (72 launches fewer, but q|k|v +2.8 and gate|up +5.1 us a launch for
+# the codes made in every program: bench/NOTES.md, "Issue 42: the FP8 narrow norms measured"); the
+# A/B side of tests/gpu/prepare.py's fp8-ab part
 NARROW_MERGE_QUANT_NORMS = False
 # merge_lora (compiler/passes/merge_lora.py): a decode step's LoRA sites inside their GEMVs, the
 # rows as a block (codegen_templates/triton/_lora_rows.j2); False (the default) keeps that step's
