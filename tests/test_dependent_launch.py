@@ -225,7 +225,8 @@ def lora_kernels():
 def test_the_lora_build_waits_and_its_decode_step_is_dependent(lora_kernels):
     """The LoRA build's kernels keep the wait contract, its early reads bind to weights (the
     narrow GEMVs' W, not the adapter tables), and its decode steps have no plain launch: the
-    shrink / expand launches of a wide step and the merged sites of the narrow and decode ones."""
+    shrink / expand launches of a wide and a decode step (infc/config.py LORA_DECODE_SITES off)
+    and the merged sites of the narrow one."""
     plan, kernels = lora_kernels
     for k in kernels.values():
         _check_waits(k.source)
@@ -234,9 +235,10 @@ def test_the_lora_build_waits_and_its_decode_step_is_dependent(lora_kernels):
     _check_early_reads("qwen3-0.6b+lora", plan, metas, checked)
     assert checked["in"] > 0, checked
     from infc.compiler.contract.program import unrolled
-    ops = {kernels[launch["kernel_id"]].template for launch, _ in unrolled(plan["programs"]["wide"])}
-    assert {"lora_shrink", "lora_expand", "lora_expand_act"} <= ops, ops
-    ops = {kernels[launch["kernel_id"]].template for launch, _ in unrolled(plan["programs"]["decode"])}
+    for program in ("wide", "decode"):
+        ops = {kernels[launch["kernel_id"]].template for launch, _ in unrolled(plan["programs"][program])}
+        assert {"lora_shrink", "lora_expand", "lora_expand_act"} <= ops, (program, ops)
+    ops = {kernels[launch["kernel_id"]].template for launch, _ in unrolled(plan["programs"]["narrow"])}
     assert not {"lora_shrink", "lora_expand", "lora_expand_act"} & ops, ops
     assert _plain_launches(plan, metas, STEP_PROGRAMS + ("wide",)) == {"decode": [], "narrow": [], "wide": []}
 
