@@ -109,7 +109,8 @@ NARROW_QUANT = {("triton", t): _GEMV_NARROW_CODES + _GEMV_NARROW_W4 for t in ("g
 # summing program and a ready flag (the default 1: the waiters sum the parked ranges); LORA_FIRST 0:
 # the shrink's programs after the GEMV's blocks (the default 1: first in the grid). Both act on the
 # launch's place in a PDL chain more than alone, so an entry of theirs wants the in-model A/B
-# (bench/NOTES.md, issue 46) before it is stored.
+# (bench/NOTES.md, issue 46) before it is stored. LORA_SETS is no candidate: the build decides it
+# (compiler/codegen/lora_sets.py), and the departures it replaces lost in the model.
 _GEMV_LORA = [{"LORA_KS": ks} for ks in (64, 128, 256, 512)] \
     + [{"LORA_KS": ks, "LORA_PROGRAMS": n} for ks in (128, 256, 512) for n in (8, 16, 32)] \
     + [{"LORA_EARLY": 1}, {"LORA_EARLY": 1, "LORA_PROGRAMS": 32}] \

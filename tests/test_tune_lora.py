@@ -3,6 +3,7 @@ table key (render.lora_key) over its GEMV's, the narrow grid times the shrink's 
 LORA_PROGRAMS, LORA_EARLY), an entry there changes the LoRA kernels and never the base model's, and
 `tune run`'s steps give every row an adapter."""
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -122,3 +123,30 @@ def test_run_times_the_lora_sites_and_stores_their_own_keys(tmp_path, fake_drive
     for e in m["entries"]:
         assert stored[e["shape_key"]] == e["candidates"][1]["tune"]
     assert all(r["stored"] for r in res["entries"])
+
+
+def test_a_sites_sets_of_sync_words_may_keep_the_last_launchs_only():
+    """tune run's check after timing (tune_run._Cand.counters_clear): counters zero, and of a LoRA
+    site's sets of sync words (gemv.py.j2 LORA_SETS) only the last launch's set non-zero."""
+    import numpy as np
+
+    from infc.runtime.cuda.tune_run import LORA_SETS, _Cand
+    words = {LORA_SETS: np.zeros(64 * 4, np.int32), "counters": np.zeros(8, np.int32)}
+
+    class Ctx:
+        def dtoh(self, raw, name):
+            raw[:] = words[name].view(np.uint8)
+
+        def sync(self):
+            pass
+
+    cand = SimpleNamespace(scratch={n: n for n in words}, scratch_bytes={n: w.nbytes for n, w in words.items()},
+                           case=SimpleNamespace(ctx=Ctx()))
+    assert _Cand.counters_clear(cand)
+    words[LORA_SETS][4 * 5 + 1] = 3                   # the last launch's set
+    assert _Cand.counters_clear(cand)
+    words[LORA_SETS][4 * 9] = 1                       # and another
+    assert not _Cand.counters_clear(cand)
+    words[LORA_SETS][4 * 9] = 0
+    words["counters"][2] = 1
+    assert not _Cand.counters_clear(cand)

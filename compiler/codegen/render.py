@@ -340,18 +340,35 @@ def render_plan(plan: dict, tuning: dict, page_size: int, spec_path: str | None 
     kernels: dict[str, Kernel] = {}
 
     from infc.compiler.contract.program import launches
-    for phase, program in plan["programs"].items():
-        for launch, _ in launches(program):
-            if launch["backend"] == "nccl":      # a collective: the runtime's communicator runs it
-                continue
-            ctx = launch_context(plan, launch, phase, tuning, page_size)
-            try:
-                k = render_template(launch["backend"], launch["kernel"], ctx, env)
-            except TemplateError as e:     # name the spec statement, not the kernel alone
-                raise TemplateError(f"{spec_path or 'spec'}:{launch.get('line')}: {launch['op']} "
-                                    f"({phase}): {e}") from None
-            kernels.setdefault(k.id, k)
-            launch["kernel_id"] = k.id
+    from . import lora_sets
+
+    def render_launches(only=None):
+        for phase, program in plan["programs"].items():
+            for launch, _ in launches(program):
+                if launch["backend"] == "nccl":      # a collective: the runtime's communicator runs it
+                    continue
+                if only is not None:
+                    if launch.get("kernel_id") not in only:
+                        continue
+                    launch["lora"] = {**launch["lora"], "sets": False}
+                ctx = launch_context(plan, launch, phase, tuning, page_size)
+                try:
+                    k = render_template(launch["backend"], launch["kernel"], ctx, env)
+                except TemplateError as e:     # name the spec statement, not the kernel alone
+                    raise TemplateError(f"{spec_path or 'spec'}:{launch.get('line')}: {launch['op']} "
+                                        f"({phase}): {e}") from None
+                kernels.setdefault(k.id, k)
+                launch["kernel_id"] = k.id
+
+    render_launches()
+    # LoRA sites whose launches could meet their own sync words again: the departure form
+    # (lora_sets.py); taking launches out of a kernel can make what is left of it clash, so again
+    bad = lora_sets.clashing(plan, kernels)
+    while bad:
+        render_launches(only=bad)
+        for kid in bad:
+            del kernels[kid]
+        bad = lora_sets.clashing(plan, kernels)
     if plan["outputs"].get("logits") in plan["buffers"]:
         for kid, k in render_sampler(plan, tuning, env).items():
             kernels.setdefault(kid, k)

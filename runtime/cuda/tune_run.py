@@ -33,6 +33,7 @@ from ..engine.step import Chunk, build_step
 
 THRESHOLD = 0.03          # store an entry only when it beats the baseline by more than this
 ROUNDS = 5                # timing rounds, interleaved over candidates
+LORA_SETS = "lora_sets"    # a LoRA site's sets of sync words (compiler/codegen/lora_sets.py SCRATCH)
 COLD_FACTOR = 3           # rotating weight/KV copies total at least this many L2 sizes
 TARGET_GRAPH_US = 500.0   # a timed graph replay lasts about this long
 _PERIOD = 1_048_573       # random data repeats with a prime period: never aligned with rows
@@ -342,8 +343,10 @@ class _Case:
             meta=lambda n: self.width if n == "max_pages" else self.meta[n],
             scratch=lambda k, n: scratch[n], dim=self.dims.__getitem__,
             scale=lambda name, layer: 1.0)          # an FP8 cache's scale: the timing is the same
+        # layer: the copy's index, so launches back to back differ in it as a program's do (a LoRA
+        # site's sets of sync words, gemv.py.j2 LORA_SETS); the tensors and caches ignore it here
         return resolver.values(meta, [t["name"] for t in self.entry["inputs"]],
-                               [t["name"] for t in self.entry["outputs"]], kernel=kid)
+                               [t["name"] for t in self.entry["outputs"]], layer=copy, kernel=kid)
 
     def free(self):
         self.ctx.sync()
@@ -371,8 +374,11 @@ class _Cand:
             self.scratch[name] = case._alloc(self.scratch_bytes[name])
             ctx.memset(self.scratch[name], self.scratch_bytes[name], 0)
         gscratch = case._alloc(k.global_scratch_bytes(case.dims)) if k.global_scratch else 0
+        # at least two argument sets where the layer is a parameter (values: launches back to back
+        # at different layers)
+        n_args = max(case.copies, 2 if any(src == "layer:" for _, _, src in meta["params"]) else 1)
         self.args = [drv.PackedArgs(*k.arg_lists(case.values(meta, self.scratch, c, kid), gscratch))
-                     for c in range(case.copies)]
+                     for c in range(n_args)]
         self.samples: list[float] = []
         self.graph = None
         self.e0, self.e1 = ctx.event(), ctx.event()
@@ -383,14 +389,18 @@ class _Cand:
                         self.args[copy % len(self.args)])
 
     def counters_clear(self) -> bool:
-        """Scratch counters must be left zero (the kernel's contract: graphs replay it)."""
+        """Scratch counters must be left zero (the kernel's contract: graphs replay it); a LoRA
+        site's sets of sync words all but the last launch's (gemv.py.j2 LORA_SETS)."""
         for name, p in self.scratch.items():
-            if "counter" not in name:
+            if "counter" not in name and name != LORA_SETS:
                 continue
             raw = np.empty(self.scratch_bytes[name], np.uint8)
             self.case.ctx.dtoh(raw, p)
             self.case.ctx.sync()
-            if raw.any():
+            if name == LORA_SETS:
+                if np.count_nonzero(raw[: len(raw) // 16 * 16].reshape(-1, 16).any(axis=1)) > 1:
+                    return False
+            elif raw.any():
                 return False
         return True
 

@@ -105,13 +105,16 @@ def _nan_bits(n, dtype):
     return torch.full((n,), -1, dtype=dtype)         # 0xFFFFFFFF: NaN as f32, NaN pairs as bf16
 
 
-def run(kernel, bindings: dict, dims: dict, layer=None):
+def run(kernel, bindings: dict, dims: dict, layer=None, scratch=None):
+    """scratch: an earlier run's (this kernel's launches sharing it, as the runtime's do), else
+    new: counters (and a LoRA site's sets of sync words) zero, the rest NaN bits."""
     meta = kernel.meta
     # counters start zero (the runtime zeroes them once; kernels leave them zero); any other
     # scratch (partial sums) holds what earlier launches left there: NaN bits here, so that a
     # kernel reading a partial it never wrote fails
-    scratch = {n: (torch.zeros if n.startswith("counter") else _nan_bits)(max(b, 4) // 4 + 1, dtype=torch.int32)
-               for n, b in scratch_sizes(meta, dims).items()}
+    if scratch is None:
+        scratch = {n: (torch.zeros if n.startswith(("counter", "lora_sets")) else _nan_bits)(
+                   max(b, 4) // 4 + 1, dtype=torch.int32) for n, b in scratch_sizes(meta, dims).items()}
 
     # the launch's inputs/outputs are named by their sources here: bindings["in:0"] is input 0
     n = len(meta["params"])

@@ -31,15 +31,17 @@ def _f(t):
 # at its defaults (48 rank rows: 128-column ranges, two of them, a program each; the shrink's
 # programs first in the grid, the waiters summing the ranges themselves) and at non-default ones
 # (9 ranges of 64 over 3 programs, the delta's tables loaded before the W stream; a summing
-# program and its ready flag; the shrink's programs after the GEMV's blocks)
+# program and its ready flag; the shrink's programs after the GEMV's blocks; LORA_SETS 0: every
+# program departs and the last zeroes the one set of words, left zero as the harness asserts)
 CASES = [
     ([3], [40, 36, 24], 200, 16, False, True, {}),
     ([1], [70, 70], 520, 16, True, False, {"LORA_KS": 64, "LORA_PROGRAMS": 3, "LORA_EARLY": 1}),
     ([3], [40, 36, 24], 200, 8, False, False, {"LORA_KS": 64, "BLOCK_N": 32, "FMA_BLOCK_K": 64}),
     ([2, 0, 3, 2, 1], [40, 36, 24], 200, 16, False, True, {"LORA_KS": 64, "SPLIT_K_DOT": 2, "BLOCK_K": 32}),
     ([1], [70, 70], 200, 16, True, True, {"LORA_KS": 64, "SPLIT_K": 2, "FMA_BLOCK_K": 64}),
-    ([0, 3, 1], [40, 36, 24], 520, 16, False, True, {"LORA_KS": 64, "LORA_PROGRAMS": 3, "LORA_PARTS": 0}),
+    ([0, 3, 1], [40, 36, 24], 520, 16, False, True, {"LORA_KS": 64, "LORA_PROGRAMS": 3, "LORA_PARTS": 0, "LORA_SETS": 0}),
     ([2], [70, 70], 200, 16, True, False, {"LORA_KS": 64, "LORA_FIRST": 0, "LORA_PARTS": 0, "SPLIT_K": 2}),
+    ([1, 0, 2], [70, 70], 200, 16, True, True, {"LORA_KS": 64, "LORA_SETS": 0}),
     pytest.param([2], [40, 36, 24], 200, 16, False, True, {"FMA_BLOCK_K": 64}, marks=EXHAUSTIVE),
     pytest.param([0, 2, 1], [70, 70], 136, 8, True, False, {"LORA_KS": 32}, marks=EXHAUSTIVE),
     pytest.param([0], [100], 200, 16, False, True, {"LORA_KS": 64}, marks=EXHAUSTIVE),
@@ -89,6 +91,31 @@ def test_gemv_lora_site_of_a_decode_step(slots, pieces, K, R, gated, tune, order
     _check(slots, pieces, K, R, gated, False, tune, narrow=False, row_cap=64)
 
 
+# LORA_SETS: launches of one kernel sharing its scratch at layers that follow each other as a
+# program's would (and a step's wrap from the last layer back to the first), different inputs each
+# time: every launch finds its set zero, and leaves only its own set's words non-zero
+SETS_CASES = [
+    ([3], [40, 36, 24], 200, 16, False, True, {"LORA_KS": 64}),
+    ([2, 0, 1], [70, 70], 200, 16, True, False, {"LORA_KS": 64, "LORA_PROGRAMS": 2}),
+    ([0, 3, 1], [40, 36, 24], 520, 16, False, True, {"LORA_KS": 64, "LORA_PROGRAMS": 3, "LORA_PARTS": 0}),
+]
+
+
+@pytest.mark.parametrize("order", ["grid", "reversed"])
+@pytest.mark.parametrize("slots,pieces,K,R,gated,pro,tune", SETS_CASES)
+def test_gemv_lora_sets_over_layers(slots, pieces, K, R, gated, pro, tune, order, request):
+    if order == "reversed":
+        request.getfixturevalue("reversed_columns")
+    scratch = None
+    for i, layer in enumerate([0, 1, 2, 0, 1]):
+        scratch = _check(slots, pieces, K, R, gated, pro, dict(tune, LORA_SETS=1), narrow=8 if len(slots) > 1 else True,
+                         layer=layer, scratch=scratch, seed=i)
+        words = scratch["lora_sets"][: 4 * 64].reshape(64, 4)     # a set's words a row
+        own = (layer + 1) % 64
+        assert int(words[own, 1]) >= 1          # this launch's arrivals are counted in its own set
+        assert int(words[np.arange(64) != own].abs().sum()) == 0, f"launch {i}: another set's words left"
+
+
 def test_a_decode_site_needs_a_row_cap():
     with pytest.raises(Exception, match="row_capped_decode"):
         render("gemv", "linear", [("x", ["T", 64], "bf16"), ("w", [32, 64], "bf16", "weight"),
@@ -97,8 +124,10 @@ def test_a_decode_site_needs_a_row_cap():
                [("y", ["T", 32], "bf16")], lora={"inputs": 3, "pieces": [32], "rank": 16})
 
 
-def _check(slots, pieces, K, R, gated, pro, tune, narrow, row_cap=0):
-    gen = np.random.default_rng(K + R + len(slots))
+def _check(slots, pieces, K, R, gated, pro, tune, narrow, row_cap=0, layer=None, scratch=None, seed=0):
+    """One launch against the references; layer / scratch: the launch's layer and an earlier
+    launch's scratch (LORA_SETS), returned for the next."""
+    gen = np.random.default_rng(K + R + len(slots) + seed)
     T, S, P, NY = len(slots), 4, len(pieces), sum(pieces)
     x, d = rand((T, K), gen=gen), rand((T, K), gen=gen, scale=0.5)
     norm = rand((K,), gen=gen, scale=0.3)
@@ -122,7 +151,7 @@ def _check(slots, pieces, K, R, gated, pro, tune, narrow, row_cap=0):
     bind.update({"out:%d" % (1 if pro else 0): got, "meta:lora_slots": lora_slots})
     if pro:
         bind["out:0"] = poison((T, K))
-    run(k, bind, {"T": T, "B": T})                       # asserts the sync words are left zero
+    scratch = run(k, bind, {"T": T, "B": T}, layer=layer, scratch=scratch)   # asserts counters are left zero
     ctx = SimpleNamespace(meta=SimpleNamespace(lora_slots=np.asarray(slots)))
     h = _f(x)
     if pro:
@@ -144,3 +173,4 @@ def _check(slots, pieces, K, R, gated, pro, tune, narrow, row_cap=0):
         assert np.abs(want - base)[hit].max() > 0.05 * np.abs(base).max()
     if not hit.all():  # no adapter: the base GEMV's output
         assert rel_err(_f(got)[~hit], base[~hit]) < 1e-2
+    return scratch

@@ -8,6 +8,8 @@ rank 16) built several ways, each a directory beside prepare.py's qwen3-4b-lora8
     p1     probe: the GEMV's programs never look at ready nor wait (the delta reads whatever sums are there)
     p2     probe: the whole handshake, no delta
     p3     probe: no shrink, no claims, no departures: only the delta, on stale sums
+    departures  LORA_SETS 0 (every program departs, the last zeroes the words: the form before sets)
+    relaxed  LORA_SETS 0 with the departures relaxed instead of acq_rel (their fences, not their count)
 
 The probes give wrong results by design (timing only). Each is codegen_templates/triton/gemv.py.j2
 with a few lines replaced while this process renders (nothing in the tree changes), so the GPU
@@ -28,6 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 TEMPLATE = "triton/gemv.py.j2"
 
 _NO_WAIT = [("            if _lora_ready(lslot_ptr, lsync_ptr, M).to(tl.int32) == 0:\n", "            if 0 == 1:\n")]
+_DEPARTURES = ('tune.get("LORA_SETS", 1)', 'tune.get("LORA_SETS", 0)')
 VARIANTS = {
     "first": [('tune.get("LORA_PARTS", 1)', 'tune.get("LORA_PARTS", 0)')],
     "parts": [('tune.get("LORA_FIRST", 1)', 'tune.get("LORA_FIRST", 0)')],
@@ -37,12 +40,14 @@ VARIANTS = {
     "p2": [("{% if not LORA_EARLY %}\n            # the tables that need no shrink sum", "{% if False %}\n            #"),
            ("{% for r in range(FMA_T) %}\n            out = tl.where(rows[:, None] == {{ r }}, out + _lora_apply(",
             "{% for r in range(0) %}\n            out = tl.where(rows[:, None] == {{ r }}, out + _lora_apply(")],
+    "departures": [_DEPARTURES],
+    "relaxed": [_DEPARTURES, ('tl.atomic_add(lsync_ptr + 3, 1, sem="acq_rel")', 'tl.atomic_add(lsync_ptr + 3, 1, sem="relaxed")')],
     "p3": _NO_WAIT + [
         ("        if pid_t == 0:\n            rr = tl.arange(0, {{ LROWS }})", "        if 0 == 1:\n            rr = tl.arange(0, {{ LROWS }})"),
-        ("_lora_leave(lsync_ptr, _lora_depart(lsync_ptr))", "pass"),
+        ("_lora_leave(lsync_ptr, _lora_depart(lsync_ptr), lsets_ptr, lset)", "pass"),
         ("            done = _lora_depart(lsync_ptr)     # in flight while the delta's sums load\n", "            done = 0\n"),
         ("        else:\n            done = _lora_depart(lsync_ptr)\n", "        else:\n            done = 0\n"),
-        ("        _lora_leave(lsync_ptr, done)\n", "        pass\n")],
+        ("        _lora_leave(lsync_ptr, done, lsets_ptr, lset)\n", "        pass\n")],
 }
 
 
