@@ -32,7 +32,10 @@ def _f(t):
 # programs first in the grid, the waiters summing the ranges themselves) and at non-default ones
 # (9 ranges of 64 over 3 programs, the delta's tables loaded before the W stream; a summing
 # program and its ready flag; the shrink's programs after the GEMV's blocks; LORA_SETS 0: every
-# program departs and the last zeroes the one set of words, left zero as the harness asserts)
+# program departs and the last zeroes the one set of words, left zero as the harness asserts;
+# LORA_MID (the default): the look in the W stream, which in grid order finds every range arrived
+# (the shrink's programs ran first) and in reversed order not for the first programs (their tail
+# claims them); 0: the look at the tail only)
 CASES = [
     ([3], [40, 36, 24], 200, 16, False, True, {}),
     ([1], [70, 70], 520, 16, True, False, {"LORA_KS": 64, "LORA_PROGRAMS": 3, "LORA_EARLY": 1}),
@@ -42,6 +45,10 @@ CASES = [
     ([0, 3, 1], [40, 36, 24], 520, 16, False, True, {"LORA_KS": 64, "LORA_PROGRAMS": 3, "LORA_PARTS": 0, "LORA_SETS": 0}),
     ([2], [70, 70], 200, 16, True, False, {"LORA_KS": 64, "LORA_FIRST": 0, "LORA_PARTS": 0, "SPLIT_K": 2}),
     ([1, 0, 2], [70, 70], 200, 16, True, True, {"LORA_KS": 64, "LORA_SETS": 0}),
+    ([3], [40, 36, 24], 520, 16, False, True, {"LORA_KS": 64, "FMA_BLOCK_K": 64}),
+    ([0, 2, 1], [70, 70], 520, 16, True, False, {"LORA_KS": 128, "LORA_MID_AT": 2, "FMA_BLOCK_K": 64, "LORA_EARLY": 1}),
+    ([2], [70, 70], 520, 16, True, True, {"LORA_KS": 64, "LORA_MID_AT": 3, "FMA_BLOCK_K": 64, "SPLIT_K": 2}),
+    ([1, 3, 0], [40, 36, 24], 520, 16, False, False, {"LORA_KS": 64, "LORA_MID": 0, "FMA_BLOCK_K": 64}),
     pytest.param([2], [40, 36, 24], 200, 16, False, True, {"FMA_BLOCK_K": 64}, marks=EXHAUSTIVE),
     pytest.param([0, 2, 1], [70, 70], 136, 8, True, False, {"LORA_KS": 32}, marks=EXHAUSTIVE),
     pytest.param([0], [100], 200, 16, False, True, {"LORA_KS": 64}, marks=EXHAUSTIVE),

@@ -10,6 +10,7 @@ rank 16) built several ways, each a directory beside prepare.py's qwen3-4b-lora8
     p3     probe: no shrink, no claims, no departures: only the delta, on stale sums
     departures  LORA_SETS 0 (every program departs, the last zeroes the words: the form before sets)
     relaxed  LORA_SETS 0 with the departures relaxed instead of acq_rel (their fences, not their count)
+    nomid  LORA_MID 0 (the look at the tail only: the form before 2026-12-07 #14)
 
 The probes give wrong results by design (timing only). Each is codegen_templates/triton/gemv.py.j2
 with a few lines replaced while this process renders (nothing in the tree changes), so the GPU
@@ -41,6 +42,7 @@ VARIANTS = {
            ("{% for r in range(FMA_T) %}\n            out = tl.where(rows[:, None] == {{ r }}, out + _lora_apply(",
             "{% for r in range(0) %}\n            out = tl.where(rows[:, None] == {{ r }}, out + _lora_apply(")],
     "departures": [_DEPARTURES],
+    "nomid": [('tune.get("LORA_MID", 1)', 'tune.get("LORA_MID", 0)')],
     "relaxed": [_DEPARTURES, ('tl.atomic_add(lsync_ptr + 3, 1, sem="acq_rel")', 'tl.atomic_add(lsync_ptr + 3, 1, sem="relaxed")')],
     "p3": _NO_WAIT + [
         ("        if pid_t == 0:\n            rr = tl.arange(0, {{ LROWS }})", "        if 0 == 1:\n            rr = tl.arange(0, {{ LROWS }})"),
