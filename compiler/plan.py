@@ -123,6 +123,7 @@ def _launches(state, g: Graph, phase: str) -> list:
     epilogues = state.epilogues.get(phase, {})       # producer -> the consumer in its launch
     tails = set(epilogues.values())
     sites = state.lora_sites.get(merged_as, {})      # LoRA in the GEMV's launch (merge_lora)
+    apart = merged_as in state.lora_apart             # the shrinks launched on their own, before it
     inside = {i for site in sites.values() for i in site}
     out = []
     for n in g.ordered():
@@ -145,7 +146,10 @@ def _launches(state, g: Graph, phase: str) -> list:
             c = g.nodes[epilogues[n.id]]
             launch = epilogue_launch(g, n, c, launch, _launch(state, g, c, phase))
         if n.id in sites:
-            launch = lora_launch(*(g.nodes[i] for i in sites[n.id]), launch)
+            s, e = (g.nodes[i] for i in sites[n.id])
+            if apart:          # the shrink reads only the linear's x: its launch goes first
+                out.append(_launch(state, g, s, phase))
+            launch = lora_launch(s, e, launch, apart)
         out.append(launch)
     return out
 

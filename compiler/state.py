@@ -23,6 +23,7 @@ class CompileState:
     epilogues: dict = field(default_factory=dict)  # phase -> producer node id -> consumer node id
                                                    # (merge_epilogues: the consumer in its producer's launch)
     lora_sites: dict = field(default_factory=dict)  # phase -> linear id -> [lora_shrink id, expand id]
+    lora_apart: set = field(default_factory=set)    # the phases whose sites keep the shrink's own launch
                                                     # (merge_lora: the site in the GEMV's launch)
     parallel: dict | None = None     # {"world", "rank", "tp", "ep"}: this plan is rank r's share
     row_logits: dict | None = None   # set by row_logits: the logits tail to re-run at other rows

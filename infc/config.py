@@ -197,6 +197,16 @@ NARROW_MERGE_QUANT_NORMS = False
 # its two LoRA launches: bench/NOTES.md, "Issue 46: the probes measured"). True builds the other
 # side of that A/B (tests/gpu/prepare.py's lora-rows part).
 LORA_DECODE_SITES = False
+# merge_lora: a decode step's LoRA expands inside their GEMVs (the delta in the epilogue, rows as a
+# block: codegen_templates/triton/_lora_rows.j2, gemv.py.j2 LAPART), their shrinks launches of their
+# own just before: 4 launches a layer fewer than the separate form, none of the in-launch shrink's
+# claims and waits. Taken where LORA_DECODE_SITES is off. Off (the default) keeps the separate
+# launches: at 32 decodes with 8 adapters on an H100 the step took 8.32-8.38 ms with the expands in
+# the GEMVs against 7.56-7.57 separate (base 6.14-6.21; gate|up 58.2 us against 38.2 and its expand's
+# 8.8): the delta's B rows of every slot at the GEMV's tail cost more than the launch it saves
+# (bench/NOTES.md, "Issue 46: a decode step's expands in the GEMVs"). True builds the other side of
+# that A/B (tests/gpu/prepare.py's lora-expand part).
+LORA_DECODE_EXPAND = False
 # Gated DeltaNet's delta rule makes its own gates and q / k norms in its launch (compiler/passes/
 # fuse_delta_rule.py: 8 launches fewer a linear-attention layer, 192 a Qwen3.5-4B decode step);
 # False builds the older plans (an A/B switch for tests/gpu/build_variants.py's "_config")

@@ -4,6 +4,7 @@ the reference executor: the prefill, short, decode, wide and narrow programs."""
 import json
 
 import numpy as np
+import pytest
 
 from infc.compiler.build import build
 from infc.compiler.contract.safetensors_io import Checkpoint
@@ -79,20 +80,27 @@ def test_a_mixed_adapter_batch_through_the_kernels(tiny_model, tmp_path, rng):
     assert ("linear", "gemv_gated") in run.templates and not [o for o, _ in run.templates if o.startswith("lora")]
 
 
+@pytest.mark.parametrize("switch", ["LORA_DECODE_SITES", "LORA_DECODE_EXPAND"])
 def test_a_decode_step_of_several_row_blocks_k_ranges_and_splits_takes_the_sites_in_its_gemvs(tiny_model, tmp_path, rng,
-                                                                                              monkeypatch):
+                                                                                              monkeypatch, switch):
     """The decode program's LoRA sites inside their GEMVs (codegen_templates/triton/_lora_rows.j2,
     infc/config.py LORA_DECODE_SITES) at tiles that give a 20-row step two row blocks, several
     shrink ranges a block and a K split: the claims, the fixed-order sum, the per-slot delta and
-    split 0's single add all run."""
+    split 0's single add all run. LORA_DECODE_EXPAND: only the expands in the GEMVs, each shrink
+    its own launch just before (gemv.py.j2 LAPART)."""
     import infc.config
-    monkeypatch.setattr(infc.config, "LORA_DECODE_SITES", True)
+    monkeypatch.setattr(infc.config, switch, True)
     d, hf = tiny_model("qwen3")
     tiles = {"BLOCK_T": 16, "BLOCK_K": 16, "FMA_BLOCK_K": 16, "SPLIT_K_DOT": 4, "LORA_KS": 32, "LORA_STEP": 16}
     plan, weights = _four_adapters(d, hf, tmp_path / "art",
                                    tuning_overlay={t: {"default": tiles} for t in ("gemv", "gemv_gated")})
-    src = "".join(p.read_text() for p in (tmp_path / "art" / "kernels").glob("gemv*.py"))
-    assert "_lora_rows_claim" in src and "\"BLOCK_T\": 16" in src
+    from infc.compiler.contract.program import launches
+    sites = [l for l, _ in launches(plan["programs"]["decode"]) if l.get("lora")]
+    apart = switch == "LORA_DECODE_EXPAND"
+    assert len(sites) == 4 and all((l["lora"].get("shrink") == "apart") is apart for l in sites)
+    for launch in sites:
+        meta = plan["kernels"][launch["kernel_id"]]
+        assert ("lora_part" in meta.get("scratch", {})) is not apart and meta["constexprs"]["BLOCK_T"] == 16
     ref, run = ReferenceExecutor(plan, weights), InterpExecutor(plan, weights, page_size=16, num_pages=64)
     n = 20
     prompts = [[int(t) for t in rng.integers(0, 320, 2 + i % 3)] for i in range(n)]
@@ -102,6 +110,7 @@ def test_a_decode_step_of_several_row_blocks_k_ranges_and_splits_takes_the_sites
     toks = [int(np.argmax(w)) for w in want]
     got = run.step([Chunk(b, [toks[b]], len(prompts[b])) for b in range(n)], lora=slots)
     want = ref.step([SeqChunk(b, [toks[b]], len(prompts[b])) for b in range(n)], lora=slots)
-    assert run.program == "decode" and not [o for o, _ in run.templates if o.startswith("lora")]
+    lora_ops = sorted({o for o, _ in run.templates if o.startswith("lora")})
+    assert run.program == "decode" and lora_ops == (["lora_shrink"] if apart else [])
     assert ("linear", "gemv_gated") in run.templates
     assert _rel(got, want) < 2e-2, _rel(got, want)

@@ -226,6 +226,27 @@ def test_decode_sites_switch_on_into_the_gemvs(tiny_model, monkeypatch):
     assert ops(off, "narrow") == ops(on, "narrow")
 
 
+def test_decode_expands_switch_on_into_the_gemvs_with_their_shrinks_apart(tiny_model, monkeypatch):
+    """infc/config.py LORA_DECODE_EXPAND: a decode step's expands run in their GEMVs (gemv.py.j2
+    LAPART), each site's shrink a launch of its own right before its GEMV, which reads the
+    shrink's output where the in-launch form reads A; the narrow step is the same either way."""
+    import infc.config
+    _, _, _, off = _plans(tiny_model, max_loras=2, max_lora_rank=8)
+    monkeypatch.setattr(infc.config, "LORA_DECODE_EXPAND", True)
+    _, _, _, on = _plans(tiny_model, max_loras=2, max_lora_rank=8)
+    decode = _layer(on, "decode")
+    ops = [l["op"] for l in decode]
+    assert "lora_expand" not in ops and "lora_expand_act" not in ops and ops.count("lora_shrink") == 4
+    sites = [i for i, l in enumerate(decode) if "lora" in l]
+    assert len(sites) == 4 and [decode[i]["kernel"] for i in sites] == ["gemv", "gemv", "gemv_gated", "gemv"]
+    for i in sites:
+        shrink, site = decode[i - 1], decode[i]
+        assert shrink["op"] == "lora_shrink" and site["lora"]["shrink"] == "apart"
+        assert site["inputs"][-3] == shrink["outputs"][0] and site["inputs"][0] == shrink["inputs"][0]
+    assert len(decode) == len(_layer(off, "decode")) - 4
+    assert [l["op"] for l in _layer(off, "narrow")] == [l["op"] for l in _layer(on, "narrow")]
+
+
 def test_wide_off_refuses_a_decode_program_with_lora_sites(tiny_model, monkeypatch, fake_driver):
     """INFC_WIDE=0 (A/B timing) would run steps of any width on the decode program, past the rows
     its LoRA sites' scratch holds: refused naming why; a plan with the sites split runs it."""
@@ -238,3 +259,8 @@ def test_wide_off_refuses_a_decode_program_with_lora_sites(tiny_model, monkeypat
     with pytest.raises(ValueError, match="LoRA sites take at most 127 rows"):
         runner_mod.ab_programs(on)
     assert "wide" not in runner_mod.ab_programs(off)["programs"]
+    # the expands alone in the GEMVs (LORA_DECODE_EXPAND) keep no rows in scratch: any width runs
+    monkeypatch.setattr(infc.config, "LORA_DECODE_SITES", False)
+    monkeypatch.setattr(infc.config, "LORA_DECODE_EXPAND", True)
+    _, _, _, apart = _plans(tiny_model, max_loras=2, max_lora_rank=8)
+    assert "wide" not in runner_mod.ab_programs(apart)["programs"]

@@ -23,7 +23,10 @@ tensor-core path with the rows as a block (codegen_templates/triton/_lora_rows.j
 separate launches cost 8 a layer over tables of every slot the step's rows use. Its scratch is
 sized by the wide program's row count, so a plan without a wide program keeps the decode phase's
 separate launches (compiler/passes/select_kernels.py drops its sites), as does a build with
-infc/config.py LORA_DECODE_SITES off (the A/B switch).
+infc/config.py LORA_DECODE_SITES off (the A/B switch). With it off, LORA_DECODE_EXPAND takes a
+decode step's expands alone into their GEMVs (state.lora_apart): the shrink stays a launch of its
+own, emitted just before the GEMV (it reads only the linear's x), whose epilogue adds the delta from
+the shrink's output: 4 launches a layer fewer than the separate form, and no in-launch shrink.
 
 The graph keeps the three nodes (every other phase launches them as before); this pass records
 the sites, state.lora_sites[phase] = {linear id: [shrink id, expand id]}, and plan.py builds
@@ -74,7 +77,8 @@ def merge_lora(state):
     if state.lora_plan is None or (state.parallel or {}).get("dp", 1) > 1:
         return
     from infc import config       # read at the pass's run: a variant build sets it (prepare.py)
-    for phase in PHASES if config.LORA_DECODE_SITES else (PHASE,):
+    decode = config.LORA_DECODE_SITES or config.LORA_DECODE_EXPAND
+    for phase in PHASES if decode else (PHASE,):
         sites = {}
         for g in state.graph.walk():
             for s in g.ordered():
@@ -84,6 +88,8 @@ def merge_lora(state):
                                              f"GEMV's launch, {phase} phase")
         if sites:
             state.lora_sites[phase] = sites
+            if phase != PHASE and not config.LORA_DECODE_SITES:
+                state.lora_apart.add(phase)
 
 
 def fused_shrinks(state, phase: str = PHASE) -> set:
@@ -91,18 +97,21 @@ def fused_shrinks(state, phase: str = PHASE) -> set:
     return {s for s, _ in state.lora_sites.get(phase, {}).values()}
 
 
-def lora_launch(s, e, launch: dict) -> dict:
+def lora_launch(s, e, launch: dict, apart: bool = False) -> dict:
     """The linear's launch (with its merged prologue, if any) taking site (shrink s, expand e):
-    the tables A, B, scale after its inputs, the expand's output in place of the linear's; a
-    lora_expand_act site renders the gated GEMV (gemv_gated: fn in its attrs)."""
+    the tables A, B, scale after its inputs (apart: the shrink's output in place of A, lora.shrink
+    "apart"), the expand's output in place of the linear's; a lora_expand_act site renders the
+    gated GEMV (gemv_gated: fn in its attrs)."""
     out = dict(launch)
-    out["inputs"] = launch["inputs"] + [s.inputs[1], e.inputs[2], e.inputs[3]]
+    out["inputs"] = launch["inputs"] + [s.outputs[0] if apart else s.inputs[1], e.inputs[2], e.inputs[3]]
     out["outputs"] = launch["outputs"][:-1] + [e.outputs[0]]
     if e.op == "lora_expand_act":
         out["kernel"] = "gemv_gated"
         out["attrs"] = {**launch["attrs"], "fn": e.attrs["fn"]}
     out["lora"] = {"inputs": 3, "pieces": list(e.attrs["pieces"]), "rank": e.attrs["rank"],
                    "ops": [s.op, e.op], "attrs": [dict(s.attrs), dict(e.attrs)], "value": launch["outputs"][-1], "lines": [s.line, e.line]}
-    out["fuses"] = launch["fuses"] + s.fused_from + e.fused_from
+    if apart:
+        out["lora"]["shrink"] = "apart"
+    out["fuses"] = launch["fuses"] + ([] if apart else s.fused_from) + e.fused_from
     out["pass"] = "merge_lora"
     return out

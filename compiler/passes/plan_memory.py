@@ -100,10 +100,13 @@ def plan_memory(state):
     # a LoRA site in its GEMV's launch (merge_lora) writes the expand's output where the linear
     # runs: what that launch reads (the linear's, the shrink's and a merged prologue's inputs)
     # stays live until the expand's place, where the output is defined
+    # (a shrink launched apart, state.lora_apart, runs at its own place: its output is live from
+    # there to the expand's; only the nodes in between, views, run between it and the GEMV)
     for phase, sites in state.lora_sites.items():
         for lin, (shrink, expand) in sites.items():
             merged_into.setdefault(expand, []).extend(
-                [lin, shrink] + [p for p, c in state.merges.get(phase, {}).items() if c == lin])
+                [lin] + ([] if phase in state.lora_apart else [shrink])
+                + [p for p, c in state.merges.get(phase, {}).items() if c == lin])
 
     def visit(g: Graph):
         for v in g.values.values():

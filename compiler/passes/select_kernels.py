@@ -106,6 +106,7 @@ def select_kernels(state):
         # a decode launch's LoRA site sizes its scratch by the rows below the wide program's
         # (codegen_templates/triton/_lora_rows.j2): without one, the separate launches
         state.lora_sites.pop("decode", None)
+        state.lora_apart.discard("decode")
     ready_codes = any(n.attrs.get("has_a_scale") for g in state.graph.walk() for n in g.ordered())
     if not state.merges.get("narrow") and not state.lora_sites.get("narrow") and not ready_codes:
         del state.kernels["narrow"]

@@ -116,7 +116,8 @@ def ab_programs(plan: dict) -> dict:
     with them."""
     for name, drop in (("wide", {"wide"}), ("narrow", {"narrow", "verify"})):
         if not envs.value(f"INFC_{name.upper()}") and drop & set(plan["programs"]):
-            if name == "wide" and any(l.get("lora") for l, _ in launches(plan["programs"].get("decode", []))):
+            if name == "wide" and any(l.get("lora") and l["lora"].get("shrink") != "apart"
+                                      for l, _ in launches(plan["programs"].get("decode", []))):
                 # its LoRA sites' scratch holds the rows below the wide program's (render.row_cap)
                 raise ValueError("INFC_WIDE=0 runs every decode step on the decode program, whose LoRA "
                                  f"sites take at most {plan['wide_tokens'] - 1} rows: rebuild with "

@@ -85,7 +85,8 @@ def launch_results(ctx, launch: dict, args: list) -> tuple:
         result = result + (tail if isinstance(tail, tuple) else (tail,))
     if lora is not None:        # the linear's output, then the shrink of its input and the expand
         (shrink, s_attrs), (expand, e_attrs) = zip(lora["ops"], lora["attrs"])
-        xa = REGISTRY[shrink].reference(ctx, args[0], tables[0], **s_attrs)
+        # (a shrink launched apart, before: its output is the table's place)
+        xa = tables[0] if lora.get("shrink") == "apart" else REGISTRY[shrink].reference(ctx, args[0], tables[0], **s_attrs)
         result = REGISTRY[expand].reference(ctx, result, xa, *tables[1:], **e_attrs)
     return written + (result if isinstance(result, tuple) else (result,))
 

@@ -42,7 +42,8 @@ dsv4 (issue 47, session.sh's `dsv4` stage: DeepSeek-V4-Flash's 3-layer cut at re
 gpu_families.DSV4_CUT, its config.json as transformers writes it into .cache/gpu/configs/<cut>/ and
 its artifact in .cache/gpu/<cut>-art, for the golden gate and bench latency with dummy weights).
 lora (issue 46, session.sh's `lora` stage: qwen3-4b built with --enable-lora, 8 slots of rank 16,
-into .cache/artifacts/qwen3-4b-lora8r16, beside base's qwen3-4b).
+into .cache/artifacts/qwen3-4b-lora8r16, beside base's qwen3-4b); lora-rows / lora-expand: the same
+with a decode step's sites / expands in its GEMVs (-rows, -expand: A/B sides).
 fp8-ab (issue 42: qwen3-4b-fp8's config, config-only, built three ways for a narrow-step A/B with
 dummy weights: .cache/artifacts/qwen3-4b-fp8 as served, -merge with the norms merged into the narrow
 GEMVs (infc/config.py NARROW_MERGE_QUANT_NORMS), -noac without the act_codes pass).
@@ -91,7 +92,7 @@ TINY_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
 GPU_CACHE = REPO / ".cache" / "gpu"
 SERVED = ("qwen3-4b", "llama-3.2-1b")          # model directories LLM / infc serve load on the GPU
 PARTS = ("base", "nofuse", "families", "qwen35", "ranks", "deepseek", "twogpu", "server", "attnvar", "hlvar", "kvfp8",
-         "quant", "lora", "lora-rows", "fp8-ab", "draft", "eagle3", "mtp", "gptoss", "dsv4")
+         "quant", "lora", "lora-rows", "lora-expand", "fp8-ab", "draft", "eagle3", "mtp", "gptoss", "dsv4")
 DEFAULT_PARTS = ("base", "nofuse", "families", "draft", "eagle3")
 
 
@@ -170,6 +171,8 @@ def main(parts=DEFAULT_PARTS):
         lora()
     if "lora-rows" in parts:
         lora(rows=True)
+    if "lora-expand" in parts:
+        lora(expand=True)
     if "fp8-ab" in parts:
         fp8_ab()
     if "draft" in parts:
@@ -334,21 +337,25 @@ def kvfp8():
                   check_checkpoint=False)     # (the random model has no k_scale / v_scale: 1.0, as here)
 
 
-def lora(rows: bool = False):
+def lora(rows: bool = False, expand: bool = False):
     """qwen3-4b with --enable-lora --max-loras 8 --max-lora-rank 16, from the served qwen3-4b's
     config.json, into .cache/artifacts/qwen3-4b-lora8r16: the directory `infc serve --enable-lora`
     and `bench throughput --enable-lora` reuse for $MODELS/qwen3-4b with those flags (infc/backend.py
     names it), and tests/gpu/test_lora_gpu.py's artifact (session.sh's `lora` stage).
     rows: the same with a decode step's sites inside its GEMVs (infc/config.py LORA_DECODE_SITES
     True), into qwen3-4b-lora8r16-rows: the other side of that A/B (session.sh's `lora-profile`
-    with LORA_PROFILE_ARTS)."""
+    with LORA_PROFILE_ARTS). expand: a decode step's expands alone in its GEMVs, the shrinks launched
+    apart (LORA_DECODE_EXPAND), into qwen3-4b-lora8r16-expand."""
     from infc.backend import SERVED_ARTIFACTS
     from infc.config import artifact_tag, lora_build
     lora = lora_build(8, 16)
-    out = SERVED_ARTIFACTS / ("qwen3-4b" + artifact_tag(lora) + ("-rows" if rows else ""))
-    _both_tunings("qwen3-4b --enable-lora (8 slots, rank 16)" + (", decode sites in the GEMVs" if rows else ""), out,
+    variant = "-rows" if rows else "-expand" if expand else ""
+    what = {"-rows": ", decode sites in the GEMVs", "-expand": ", decode expands in the GEMVs"}.get(variant, "")
+    config = {"-rows": {"LORA_DECODE_SITES": True}, "-expand": {"LORA_DECODE_EXPAND": True}}.get(variant)
+    out = SERVED_ARTIFACTS / ("qwen3-4b" + artifact_tag(lora) + variant)
+    _both_tunings("qwen3-4b --enable-lora (8 slots, rank 16)" + what, out,
                   model_dir=str(served_config("qwen3-4b")), lora=lora, check_checkpoint=False,
-                  **({"config": {"LORA_DECODE_SITES": True}} if rows else {}))
+                  **({"config": config} if config else {}))
 
 
 def fp8_ab():

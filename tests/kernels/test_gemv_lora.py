@@ -181,3 +181,51 @@ def _check(slots, pieces, K, R, gated, pro, tune, narrow, row_cap=0, layer=None,
     if not hit.all():  # no adapter: the base GEMV's output
         assert rel_err(_f(got)[~hit], base[~hit]) < 1e-2
     return scratch
+
+
+# A decode site whose shrink is a launch of its own (merge_lora with infc/config.py
+# LORA_DECODE_EXPAND; gemv.py.j2 LAPART): the GEMV takes the shrink's output (split 0 the sum; the
+# other splits NaN here: never read) and adds only the delta; rows of four slots over row blocks,
+# ragged pieces, split-K, plain and gated, no row cap (no scratch)
+CASES_APART = [
+    ([i % 4 for i in range(37)], [40, 36, 24], 200, 16, False, {"BLOCK_T": 16}),
+    ([1, 0, 3, 2, 3, 1], [70, 70], 136, 8, True, {"SPLIT_K_DOT": 2, "BLOCK_K": 32}),
+    ([i % 4 for i in range(20)], [100], 520, 48, False, {"BLOCK_T": 16}),
+]
+
+
+@pytest.mark.parametrize("slots,pieces,K,R,gated,tune", CASES_APART)
+def test_gemv_lora_site_with_its_shrink_apart(slots, pieces, K, R, gated, tune):
+    gen = np.random.default_rng(K + R + len(slots))
+    T, S, P, NY, SPLITS = len(slots), 4, len(pieces), sum(pieces), 3
+    x = rand((T, K), gen=gen)
+    w = rand((NY, K), gen=gen, scale=K ** -0.5)
+    a = rand((S, P * R, K), gen=gen, scale=0.3 * K ** -0.5)
+    b = rand((S, NY, R), gen=gen, scale=0.5)
+    scale = torch.from_numpy(gen.uniform(0.5, 2.0, (S, P)).astype(np.float32))
+    a[0], b[0], scale[0] = 0, 0, 0
+    ctx = SimpleNamespace(meta=SimpleNamespace(lora_slots=np.asarray(slots)))
+    xa_sum = REGISTRY["lora_shrink"].reference(ctx, _f(x), _f(a), split=1, prefill_split=1)
+    xa = torch.full((T, SPLITS, P * R), float("nan"), dtype=torch.float32)
+    xa[:, 0] = torch.from_numpy(np.asarray(xa_sum, np.float32).reshape(T, P * R))
+    xa = xa.reshape(T, SPLITS * P * R)                     # the plan's layout of lora_shrink's output
+    N = NY // 2 if gated else NY
+    k = render("gemv_gated" if gated else "gemv", "linear",
+               [("x", ["T", K], "bf16"), ("w", [NY, K], "bf16", "weight"), ("xa", ["T", SPLITS * P * R], "f32"),
+                ("b", [S, NY, R], "bf16", "weight"), ("scale", [S, P], "f32", "weight")],
+               [("y", ["T", N], "bf16")], attrs={"fn": "silu"} if gated else {}, narrow=False,
+               lora={"inputs": 3, "pieces": pieces, "rank": R, "shrink": "apart"}, tune=tune)
+    assert "lora_part" not in k.meta.get("scratch", {}) and "counters_lora" not in k.meta.get("scratch", {})
+    got = poison((T, N))
+    run(k, {"in:0": x, "in:1": w, "in:2": xa, "in:3": b, "in:4": scale, "out:0": got,
+            "meta:lora_slots": torch.tensor(slots, dtype=torch.int32)}, {"T": T, "B": T})
+    y0 = _f(x) @ _f(w).T
+    attrs = {"pieces": pieces, "rank": R, "split": 1, "prefill_split": 1}
+    if gated:
+        want = REGISTRY["lora_expand_act"].reference(ctx, bf16(y0), bf16(xa_sum), _f(b), scale.numpy(), fn="silu", **attrs)
+    else:
+        want = REGISTRY["lora_expand"].reference(ctx, y0, bf16(xa_sum), _f(b), scale.numpy(), **attrs)
+    assert rel_err(_f(got), want) < 2e-2
+    hit = np.asarray(slots) != 0
+    base = REGISTRY["act_mul"].reference(ctx, bf16(y0), fn="silu") if gated else y0
+    assert rel_err((_f(got) - base)[hit], (want - base)[hit]) < 6e-2
