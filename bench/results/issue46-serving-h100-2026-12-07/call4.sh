@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# issue 46: with sets and the look in the stream the defaults, 1024/128 throughput at 1, 32, 256 concurrent of
+# qwen3-4b and of qwen3-4b --enable-lora with 8 rank-16 adapters in turn (dummy weights both), two rounds
+# alternating; decode_wide eager per launch (the 32-row step's LoRA launches); the LoRA golden gate in the time left
+OUT=$1; mkdir -p $OUT; export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1 NCCL_NVLS_ENABLE=0
+t0=$(date +%s); say() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a $OUT/log.txt; }
+bash tests/gpu/carry.sh --unpack
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl-b/*.whl > $OUT/wheels.log 2>&1
+export PYTHONPATH=/tmp/site
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > $OUT/install.log 2>&1 || { cat $OUT/install.log; exit 1; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee $OUT/gpu.txt
+A=.cache/artifacts; C=.cache/gpu/configs
+python3 tests/gpu/rerender.py $A/qwen3-4b $A/qwen3-4b-lora8r16 2>&1 | tail -2 | tee -a $OUT/log.txt
+for a in qwen3-4b qwen3-4b-lora8r16; do
+  say "profile $a decode_wide"
+  timeout 90 python3 -m infc.cli bench profile --artifact $A/$a --model-path $C/qwen3-4b --load-format dummy --no-bandwidth \
+    --loras $([ $a = qwen3-4b ] && echo 0 || echo 8) --reps 10 --steps decode_wide --mixed-decodes 32 --out /tmp/p-w-$a 2>&1 \
+    | grep -vE "Loading weights|it/s\]|^\s*$" | grep -E "^\| [0-9]+ \||GPU|wall|rror|Trace" | head -24 >> $OUT/log.txt
+done
+say "random qwen3-4b"
+M=$(cd tests/gpu && python3 -c "import models; print(models.model_dir('qwen3-4b'))" 2>>$OUT/log.txt | tail -1)
+mods=""
+for i in 1 2 3 4 5 6 7 8; do
+  python3 tools/make_lora_adapter.py --model $M --out /tmp/infc-adapters/r16-$i --rank 16 --alpha 32 --seed $i --dtype bf16 >/dev/null
+  mods="$mods a$i=/tmp/infc-adapters/r16-$i"
+done
+say "adapters"
+tp() {  # tag extra-args
+  [ $(( $(date +%s) - t0 )) -gt ${LIMIT:-420} ] && { say "skipped $1: time"; return; }
+  say "throughput $1"
+  timeout 170 python3 -m infc.cli bench throughput --model-path $M --load-format dummy --concurrency 1,32,256 \
+    --out /tmp/t-$1 "${@:2}" 2>&1 | grep -vE "it/s\]" | grep -E "concurrency|tok/s|TPOT|rror|Trace" | tail -8 | tee -a $OUT/log.txt
+}
+tp lora8-r1 --enable-lora --max-loras 8 --max-lora-rank 16 --lora-modules $mods
+tp base-r1
+tp lora8-r2 --enable-lora --max-loras 8 --max-lora-rank 16 --lora-modules $mods
+tp base-r2
+(cd /tmp && tar czf $OUT/results.tgz p-w-* t-*)
+left=$(( ${BUDGET:-560} - ($(date +%s) - t0) ))
+say "lora gate ($left s left)"
+[ $left -gt 60 ] && timeout $left python3 -m pytest tests/gpu/test_lora_gpu.py -q -s -p no:cacheprovider 2>&1 \
+  | tee $OUT/pytest-lora.log | grep -E "passed|failed|error|regret|^E " | tail -20 | tee -a $OUT/log.txt
+say done

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# issue 46: a decode step's LoRA expands in their GEMVs with the shrinks launched apart (LORA_DECODE_EXPAND,
+# artifact -expand) against the separate launches (the default) and the base: decode_wide eager per launch,
+# two rounds; 1024/128 throughput at 1 and 32 concurrent of the three (8 rank-16 adapters in turn), two rounds
+OUT=$1; mkdir -p $OUT; export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1 NCCL_NVLS_ENABLE=0
+t0=$(date +%s); say() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a $OUT/log.txt; }
+bash tests/gpu/carry.sh --unpack
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl-b/*.whl > $OUT/wheels.log 2>&1
+export PYTHONPATH=/tmp/site
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > $OUT/install.log 2>&1 || { cat $OUT/install.log; exit 1; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee $OUT/gpu.txt
+A=.cache/artifacts; C=.cache/gpu/configs
+python3 tests/gpu/rerender.py $A/qwen3-4b $A/qwen3-4b-lora8r16 $A/qwen3-4b-lora8r16-expand 2>&1 | tail -3 | tee -a $OUT/log.txt
+prof() {  # art loras steps tag
+  say "profile $1 loras $2 steps $3 ($4)"
+  timeout 90 python3 -m infc.cli bench profile --artifact $A/$1 --model-path $C/qwen3-4b --load-format dummy --no-bandwidth \
+    --loras $2 --reps 10 --steps $3 --mixed-decodes 32 --out /tmp/p-$4-$1 2>&1 \
+    | grep -vE "Loading weights|it/s\]|^\s*$" | grep -E "^\| [0-9]+ \||^decode|rror|Trace" | head -24 >> $OUT/log.txt
+}
+prof qwen3-4b 0 decode_wide w1
+prof qwen3-4b-lora8r16 8 decode_wide w1
+prof qwen3-4b-lora8r16-expand 8 decode_wide,decode_b1_graph w1
+prof qwen3-4b 0 decode_wide w2
+prof qwen3-4b-lora8r16 8 decode_wide w2
+prof qwen3-4b-lora8r16-expand 8 decode_wide w2
+say "random qwen3-4b"
+M=$(cd tests/gpu && python3 -c "import models; print(models.model_dir('qwen3-4b'))" 2>>$OUT/log.txt | tail -1)
+mods=""
+for i in 1 2 3 4 5 6 7 8; do
+  python3 tools/make_lora_adapter.py --model $M --out /tmp/infc-adapters/r16-$i --rank 16 --alpha 32 --seed $i --dtype bf16 >/dev/null
+  mods="$mods a$i=/tmp/infc-adapters/r16-$i"
+done
+say "adapters"
+tp() {  # tag extra-args
+  [ $(( $(date +%s) - t0 )) -gt ${LIMIT:-480} ] && { say "skipped $1: time"; return; }
+  say "throughput $1"
+  timeout 120 python3 -m infc.cli bench throughput --model-path $M --load-format dummy --concurrency 1,32 \
+    --out /tmp/t-$1 "${@:2}" 2>&1 | grep -vE "it/s\]" | grep -E "concurrency|tok/s|TPOT|rror|Trace" | tail -6 | tee -a $OUT/log.txt
+}
+L="--enable-lora --max-loras 8 --max-lora-rank 16 --lora-modules $mods"
+tp expand-r1 $L --artifact $A/qwen3-4b-lora8r16-expand
+tp lora8-r1 $L
+tp base-r1
+tp expand-r2 $L --artifact $A/qwen3-4b-lora8r16-expand
+tp lora8-r2 $L
+tp base-r2
+(cd /tmp && tar czf $OUT/results.tgz p-* t-*)
+say done
