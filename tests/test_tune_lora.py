@@ -150,3 +150,43 @@ def test_a_sites_sets_of_sync_words_may_keep_the_last_launchs_only():
     words[LORA_SETS][4 * 9] = 0
     words["counters"][2] = 1
     assert not _Cand.counters_clear(cand)
+
+
+def test_a_candidates_launches_never_take_one_argument_set_twice_in_a_row():
+    """tune run's launches of a candidate (the check launch, the warm-up, the timed graph replayed
+    after itself) walk its argument sets in turn, the graph a whole number of rounds: a LoRA site's
+    launches back to back are at different layers, as a program's are (gemv.py.j2 LORA_SETS)."""
+    from infc.runtime.cuda.tune_run import _Cand
+    order = []
+
+    class Graph:
+        def __init__(self, ctx, fn):
+            start = len(order)
+            fn()                                   # capture: the launches it records
+            self.body = order[start:]
+            del order[start:]
+
+        def launch(self):
+            order.extend(self.body)
+
+    class Event:
+        def record(self):
+            pass
+
+        def ms_since(self, other):
+            return 1.0
+
+    drv = SimpleNamespace(launch=lambda ctx, fn, grid, block, shared, args: order.append(args), Graph=Graph)
+    for n_args, inner in ((2, 5), (3, 7), (2, 4)):
+        cand = SimpleNamespace(drv=drv, case=SimpleNamespace(ctx=SimpleNamespace(sync=lambda: None)), fn=None,
+                               grid=None, block=None, shared=0, args=list(range(n_args)), issued=0,
+                               e0=Event(), e1=Event(), samples=[])
+        for name in ("launch", "graph_launches", "warm", "capture", "sample"):
+            setattr(cand, name, getattr(_Cand, name).__get__(cand))
+        order.clear()
+        cand.launch(0)
+        cand.warm(3)
+        cand.capture(cand.graph_launches(inner))
+        cand.sample(3)
+        assert len(order) == 1 + 3 + 4 * cand.graph_launches(inner)
+        assert all(a != b for a, b in zip(order, order[1:])), (n_args, inner, order)

@@ -380,13 +380,22 @@ class _Cand:
         self.args = [drv.PackedArgs(*k.arg_lists(case.values(meta, self.scratch, c, kid), gscratch))
                      for c in range(n_args)]
         self.samples: list[float] = []
+        self.issued = 0
         self.graph = None
         self.e0, self.e1 = ctx.event(), ctx.event()
         ctx.sync()
 
-    def launch(self, copy: int = 0):
-        self.drv.launch(self.case.ctx, self.fn, self.grid, self.block, self.shared,
-                        self.args[copy % len(self.args)])
+    def launch(self, copy: int | None = None):
+        """Launch with argument set `copy`, or the one after the last launch's: launches follow
+        each other through the sets (a LoRA site's layer differs back to back, as in a program)."""
+        i = self.issued if copy is None else copy
+        self.drv.launch(self.case.ctx, self.fn, self.grid, self.block, self.shared, self.args[i % len(self.args)])
+        self.issued = i + 1
+
+    def graph_launches(self, inner: int) -> int:
+        """inner rounded up to whole rounds of the argument sets: a graph replayed after itself
+        then never launches one set twice in a row."""
+        return -(-inner // len(self.args)) * len(self.args)
 
     def counters_clear(self) -> bool:
         """Scratch counters must be left zero (the kernel's contract: graphs replay it); a LoRA
@@ -407,14 +416,14 @@ class _Cand:
     def warm(self, n: int) -> float:
         """n eager launches; returns a rough per-launch time (us) to size the timed graph."""
         self.e0.record()
-        for i in range(n):
-            self.launch(i)
+        for _ in range(n):
+            self.launch()
         self.e1.record()
         return self.e1.ms_since(self.e0) * 1e3 / max(n, 1)
 
     def capture(self, inner: int):
         self.inner = inner
-        self.graph = self.drv.Graph(self.case.ctx, lambda: [self.launch(i) for i in range(inner)])
+        self.graph = self.drv.Graph(self.case.ctx, lambda: [self.launch() for _ in range(inner)])
         self.graph.launch()                 # one untimed replay
         self.case.ctx.sync()
 
@@ -480,7 +489,7 @@ def bench_entry(drv, ctx, manifest: dict, entry: dict, bin_dir: Path, reps: int,
                         continue
                 est = k.warm(max(warmup, case.copies))
                 inner = int(min(256, max(case.copies, math.ceil(TARGET_GRAPH_US / max(est, 0.5)))))
-                k.capture(inner)
+                k.capture(k.graph_launches(inner))
                 timed.append(k)
             per_round = max(1, reps // ROUNDS)
             for _ in range(ROUNDS):
