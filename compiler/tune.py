@@ -85,7 +85,11 @@ _GEMV_WIDE = [{"BLOCK_T": 128, "num_warps": 8}, {"BLOCK_T": 128, "num_warps": 8,
 # (bench/NOTES.md, issue 42, "the narrow FP8 codes on CUDA cores", "the FP8 narrow GEMVs' fma form
 # measured").
 _DOT = {"FP8_FORM": "dot"}
+# 32 x 256 and 64 x 128 W tiles: 72 and 86-96 registers on sm_90 against the default's (and 32 x
+# 512's) 164, so 7 and 5 programs an SM where 3 fit (qwen3-4b-fp8's gate|up: 304 programs on 132
+# SMs at 3 an SM; compiled, not yet timed: bench/NOTES.md, issue 42, #14)
 _GEMV_NARROW_CODES = [{"BLOCK_N": 32, "FMA_BLOCK_K": 512}, {"BLOCK_N": 16, "FMA_BLOCK_K": 1024}, {"num_warps": 8},
+                      {"BLOCK_N": 32, "FMA_BLOCK_K": 256}, {"BLOCK_N": 64, "FMA_BLOCK_K": 128},
                       _DOT, {**_DOT, "BLOCK_N": 128}, {**_DOT, "BLOCK_N": 32}, {**_DOT, "NDOT_STAGES": 3},
                       {**_DOT, "NDOT_STAGES": 6}, {**_DOT, "PRELOAD": 2}, {**_DOT, "PRELOAD": 5},
                       {**_DOT, "TARGET_CTAS": 528}, {**_DOT, "TARGET_CTAS": 792},

@@ -360,12 +360,17 @@ def lora(rows: bool = False, expand: bool = False):
 
 def fp8_ab():
     """qwen3-4b-fp8 (config only: `--load-format dummy` on the GPU) as served, with its narrow norms
-    merged into the GEMVs (NARROW_MERGE_QUANT_NORMS), and without act_codes (build skip), into
-    .cache/artifacts/qwen3-4b-fp8[-merge|-noac]: `bench profile --artifact` of each."""
+    merged into the GEMVs (NARROW_MERGE_QUANT_NORMS), without act_codes (build skip), and with every
+    GEMV (-n32) or gate|up alone (-gu32) at 32 W rows x 256 columns a step (72 registers on sm_90
+    against the default's 164: 7 programs an SM, not 3), into
+    .cache/artifacts/qwen3-4b-fp8[-merge|-noac|-n32|-gu32]: `bench profile --artifact` of each."""
     from infc.backend import SERVED_ARTIFACTS
     d = str(quant_config("qwen3-4b-fp8"))
+    n32 = {"BLOCK_N": 32, "FMA_BLOCK_K": 256}
     for tag, kw in (("", {}), ("-merge", {"config": {"NARROW_MERGE_QUANT_NORMS": True}}),
-                    ("-noac", {"skip": ["act_codes"]})):
+                    ("-noac", {"skip": ["act_codes"]}),
+                    ("-n32", {"tuning_overlay": {t: {"default": n32} for t in ("gemv", "gemv_gated")}}),
+                    ("-gu32", {"tuning_overlay": {"gemv_gated": {"default": n32}}})):
         _both_tunings(f"qwen3-4b-fp8{tag}", SERVED_ARTIFACTS / f"qwen3-4b-fp8{tag}", model_dir=d,
                       check_checkpoint=False, **kw)
 
