@@ -9,10 +9,8 @@ of every program to the first of every program (itself included: the next step).
 fails gets its launches rendered with lora.sets false (the departures), which changes the kernel
 (render.py repeats this until every kernel holds).
 """
+from infc.compiler.contract.bind import LORA_SET_COUNT as SETS, LORA_SETS as SCRATCH
 from infc.compiler.contract.program import unrolled
-
-SETS = 64           # gemv.py.j2's LNSETS
-SCRATCH = "lora_sets"
 
 
 def set_of(layer) -> int:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import jinja2
 
+from infc.compiler.contract.bind import LORA_SET_COUNT, LORA_SET_WORDS, LORA_SETS
 from infc.compiler.contract.errors import TemplateError
 from infc.compiler.ops.expert_upcast import reading_phases
 from infc.compiler.contract.weight_roles import FILL_KINDS, fill_key, fill_kinds
@@ -70,6 +71,8 @@ def _env_for(folder: str) -> jinja2.Environment:
     env.filters["ctype"] = lambda d: C_DTYPE[d]
     env.filters["json"] = lambda v: json.dumps(v)
     env.filters["next_pow2"] = next_pow2
+    # a narrow LoRA site's sets of sync words (compiler/contract/bind.py: the runtime's side too)
+    env.globals.update(LORA_SETS=LORA_SETS, LORA_SET_COUNT=LORA_SET_COUNT, LORA_SET_WORDS=LORA_SET_WORDS)
     # the programs whose grouped expert GEMMs read the bf16 stack (the references ask the same)
     env.filters["upcast_reads"] = reading_phases
     return env

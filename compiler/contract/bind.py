@@ -43,6 +43,14 @@ SOURCES = ("in", "out", "dim", "meta", "cache", "scratch", "const", "arg", "scal
 # CACHE_MARKER (schema.py), the value a launch lists among its inputs/outputs to order cache
 # writes before reads, has no buffer, so no parameter may bind it.
 
+# A narrow LoRA site's sync words (codegen_templates/triton/gemv.py.j2 LORA_SETS, whose LNSETS is
+# LORA_SET_COUNT): scratch LORA_SETS holds LORA_SET_COUNT sets of LORA_SET_WORDS i32, a launch's set
+# (layer + 1) % LORA_SET_COUNT; a launch leaves its own set non-zero and every other zero
+# (compiler/codegen/lora_sets.py says where that holds). Every launcher starts them zero.
+LORA_SETS = "lora_sets"
+LORA_SET_COUNT = 64
+LORA_SET_WORDS = 4
+
 
 def split_source(source: str) -> tuple[str, str]:
     kind, _, what = source.partition(":")

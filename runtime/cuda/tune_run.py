@@ -27,13 +27,13 @@ from pathlib import Path
 import numpy as np
 
 from infc.compiler.contract import caches
-from infc.compiler.contract.bind import CACHE_MARKER, KernelInfo, Resolver, eval_int, grid as launch_grid, scratch_sizes
+from infc.compiler.contract.bind import (CACHE_MARKER, LORA_SET_WORDS, LORA_SETS, KernelInfo, Resolver, eval_int,
+                                         grid as launch_grid, scratch_sizes)
 from infc.compiler.contract.schema import TUNE_MANIFEST_VERSION as MANIFEST_VERSION, nbytes as dtype_nbytes
 from ..engine.step import Chunk, build_step
 
 THRESHOLD = 0.03          # store an entry only when it beats the baseline by more than this
 ROUNDS = 5                # timing rounds, interleaved over candidates
-LORA_SETS = "lora_sets"    # a LoRA site's sets of sync words (compiler/codegen/lora_sets.py SCRATCH)
 COLD_FACTOR = 3           # rotating weight/KV copies total at least this many L2 sizes
 TARGET_GRAPH_US = 500.0   # a timed graph replay lasts about this long
 _PERIOD = 1_048_573       # random data repeats with a prime period: never aligned with rows
@@ -407,7 +407,8 @@ class _Cand:
             self.case.ctx.dtoh(raw, p)
             self.case.ctx.sync()
             if name == LORA_SETS:
-                if np.count_nonzero(raw[: len(raw) // 16 * 16].reshape(-1, 16).any(axis=1)) > 1:
+                n = 4 * LORA_SET_WORDS           # bytes a set
+                if np.count_nonzero(raw[: len(raw) // n * n].reshape(-1, n).any(axis=1)) > 1:
                     return False
             elif raw.any():
                 return False

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from infc.compiler.codegen.render import render_template
-from infc.compiler.contract.bind import Resolver, grid, scratch_sizes
+from infc.compiler.contract.bind import LORA_SETS, Resolver, grid, scratch_sizes
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py sets TRITON_INTERPRET=1"
 
@@ -113,7 +113,7 @@ def run(kernel, bindings: dict, dims: dict, layer=None, scratch=None):
     # scratch (partial sums) holds what earlier launches left there: NaN bits here, so that a
     # kernel reading a partial it never wrote fails
     if scratch is None:
-        scratch = {n: (torch.zeros if n.startswith(("counter", "lora_sets")) else _nan_bits)(
+        scratch = {n: (torch.zeros if n.startswith(("counter", LORA_SETS)) else _nan_bits)(
                    max(b, 4) // 4 + 1, dtype=torch.int32) for n, b in scratch_sizes(meta, dims).items()}
 
     # the launch's inputs/outputs are named by their sources here: bindings["in:0"] is input 0

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from infc.compiler.contract.bind import LORA_SET_COUNT, LORA_SET_WORDS, LORA_SETS
 from infc.compiler.ops import REGISTRY
 
 from exhaustive import EXHAUSTIVE
@@ -117,10 +118,10 @@ def test_gemv_lora_sets_over_layers(slots, pieces, K, R, gated, pro, tune, order
     for i, layer in enumerate([0, 1, 2, 0, 1]):
         scratch = _check(slots, pieces, K, R, gated, pro, dict(tune, LORA_SETS=1), narrow=8 if len(slots) > 1 else True,
                          layer=layer, scratch=scratch, seed=i)
-        words = scratch["lora_sets"][: 4 * 64].reshape(64, 4)     # a set's words a row
-        own = (layer + 1) % 64
+        words = scratch[LORA_SETS][: LORA_SET_COUNT * LORA_SET_WORDS].reshape(LORA_SET_COUNT, -1)   # a set a row
+        own = (layer + 1) % LORA_SET_COUNT
         assert int(words[own, 1]) >= 1          # this launch's arrivals are counted in its own set
-        assert int(words[np.arange(64) != own].abs().sum()) == 0, f"launch {i}: another set's words left"
+        assert int(words[np.arange(LORA_SET_COUNT) != own].abs().sum()) == 0, f"launch {i}: another set's words left"
 
 
 def test_a_decode_site_needs_a_row_cap():
