@@ -349,13 +349,13 @@ def lora(rows: bool = False, expand: bool = False):
     from infc.backend import SERVED_ARTIFACTS
     from infc.config import artifact_tag, lora_build
     lora = lora_build(8, 16)
-    variant = "-rows" if rows else "-expand" if expand else ""
-    what = {"-rows": ", decode sites in the GEMVs", "-expand": ", decode expands in the GEMVs"}.get(variant, "")
-    config = {"-rows": {"LORA_DECODE_SITES": True}, "-expand": {"LORA_DECODE_EXPAND": True}}.get(variant)
+    # (directory suffix, what the build is, its infc/config.py switch)
+    variant, what, config = (("-rows", ", decode sites in the GEMVs", {"LORA_DECODE_SITES": True}) if rows else
+                             ("-expand", ", decode expands in the GEMVs", {"LORA_DECODE_EXPAND": True}) if expand else
+                             ("", "", {}))
     out = SERVED_ARTIFACTS / ("qwen3-4b" + artifact_tag(lora) + variant)
     _both_tunings("qwen3-4b --enable-lora (8 slots, rank 16)" + what, out,
-                  model_dir=str(served_config("qwen3-4b")), lora=lora, check_checkpoint=False,
-                  **({"config": config} if config else {}))
+                  model_dir=str(served_config("qwen3-4b")), lora=lora, check_checkpoint=False, config=config)
 
 
 def fp8_ab():
