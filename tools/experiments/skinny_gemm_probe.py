@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-SHAPES = {"q|k|v": (6144, 2560), "o": (2560, 4096), "gate|up": (19456, 2560), "down": (2560, 9728)}
+SHAPES = {"gate|up": (19456, 2560), "q|k|v": (6144, 2560), "o": (2560, 4096), "down": (2560, 9728)}
 
 
 def kernels():
@@ -169,7 +169,7 @@ def main(out_dir: Path, rows: int):
         res["shapes"][name] = rec
         del ws
         torch.cuda.empty_cache()
-    (out_dir / "skinny_gemm_probe.json").write_text(json.dumps(res, indent=1))
+        (out_dir / "skinny_gemm_probe.json").write_text(json.dumps(res, indent=1))   # each shape as it ends
 
 
 if __name__ == "__main__":
