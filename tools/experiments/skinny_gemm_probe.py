@@ -5,7 +5,8 @@ The verify program's GEMVs at 5 rows cost 1.05-1.6x their one-row time on an H10
 probe times a bare skinny GEMM, out[t, n] = sum_k x[t, k] W[n, k] with W as the MMA's M operand
 (acc[BN, BT] += W[BN, BK] @ x^T[BK, BT]) and the rows padded to BT = 16, at qwen3-4b's four linear
 shapes, over a grid of W tiles, pipeline depths, K splits and W read by pointers or by a TMA
-descriptor made in the kernel; beside it the same kernel at one row and a copy's bandwidth (the floor). x is already
+descriptor made in the kernel, or A's tile made in registers
+(x * g * 1/rms, the verify program's merged prologue) before the dot; beside it the same kernel at one row and a copy's bandwidth (the floor). x is already
 normalized (a separate norm's output): the question is the W stream alone. Not a kernel of infc's:
 a measurement to decide whether the template's tensor-core path can reach the bound (1.15x a decode
 step at verify(4)) by its tiles or needs another form.
@@ -48,6 +49,33 @@ def kernels():
             tl.store(o, acc, mask=m)
 
     @triton.jit
+    def skinny_norm(w_ptr, x_ptr, out_ptr, N, K, T, K_PER, g_ptr, inv_ptr, BN: tl.constexpr, BK: tl.constexpr,
+                    BT: tl.constexpr, STAGES: tl.constexpr, ATOMIC: tl.constexpr):
+        # the verify program's merged prologue: A's tile made in registers (x * g * inv) before the dot
+        pid_n = tl.program_id(0)
+        pid_s = tl.program_id(1)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        offs_t = tl.arange(0, BT)
+        inv = tl.load(inv_ptr + offs_t, mask=offs_t < T, other=0.0)
+        k_lo = pid_s * K_PER
+        k_hi = tl.minimum(k_lo + K_PER, K)
+        acc = tl.zeros([BN, BT], tl.float32)
+        for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
+            k = k0 + tl.arange(0, BK)
+            w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + k[None, :], mask=k[None, :] < k_hi, other=0.0)
+            x = tl.load(x_ptr + offs_t[None, :] * K + k[:, None], mask=(offs_t[None, :] < T) & (k[:, None] < k_hi),
+                        other=0.0)
+            g = tl.load(g_ptr + k, mask=k < k_hi, other=0.0)
+            a = (x.to(tl.float32) * g.to(tl.float32)[:, None] * inv[None, :]).to(x.dtype)
+            acc = tl.dot(w, a, acc)
+        o = out_ptr + offs_t[None, :] * N + offs_n[:, None]
+        m = offs_t[None, :] < T
+        if ATOMIC:
+            tl.atomic_add(o, acc, mask=m, sem="relaxed")
+        else:
+            tl.store(o, acc, mask=m)
+
+    @triton.jit
     def skinny_tma(w_ptr, x_ptr, out_ptr, N, K, T, K_PER, BN: tl.constexpr, BK: tl.constexpr,
                    BT: tl.constexpr, STAGES: tl.constexpr, ATOMIC: tl.constexpr):
         # the descriptor made in the kernel, as codegen_templates/triton/gemm.py.j2 makes its own
@@ -72,13 +100,13 @@ def kernels():
         else:
             tl.store(o, acc, mask=m)
 
-    return skinny, skinny_tma
+    return skinny, skinny_tma, skinny_norm
 
 
 def main(out_dir: Path, rows: int):
     import torch
     import triton
-    skinny, skinny_tma = kernels()
+    skinny, skinny_tma, skinny_norm = kernels()
     dev = torch.device("cuda")
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=dev))
     props = torch.cuda.get_device_properties(dev)
@@ -129,12 +157,16 @@ def main(out_dir: Path, rows: int):
         ncopy = max(2, int(400e6 // (N * K * 2)) + 1)
         ws = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) for _ in range(ncopy)]
         x = torch.randn(16, K, device=dev, dtype=torch.bfloat16)
+        g = torch.ones(K, device=dev, dtype=torch.bfloat16)       # the norm form's weight and 1/rms: ones,
+        inv = torch.ones(16, device=dev, dtype=torch.float32)     # so every form has the same reference
         out = torch.zeros(16, N, device=dev, dtype=torch.float32)
         ref = (x[:rows].float() @ ws[0].float().t())
         floor_us = N * K * 2 / bw * 1e6
         rec = {"N": N, "K": K, "floor_us": floor_us, "runs": []}
-        for form in ("ptr", "tma"):
+        for form in ("ptr", "tma", "norm"):
             for bn, bk, st in grid_cfg:
+                if form == "norm" and st != 4:
+                    continue
                 for split in (1, 2, 4, 8):
                     progs = (N // bn) * split
                     if progs < sms // 2 or progs > 8 * sms or (K // split) < bk:
@@ -142,18 +174,19 @@ def main(out_dir: Path, rows: int):
                     k_per = -(-K // split // bk) * bk
                     grid = (triton.cdiv(N, bn), split)
                     for t in (rows, 1):
-                        def fn(i, t=t):
-                            if split > 1:
-                                out.zero_()
-                            (skinny_tma if form == "tma" else skinny)[grid](
-                                ws[i], x, out, N, K, t, k_per, BN=bn, BK=bk, BT=16, STAGES=st,
-                                ATOMIC=split > 1, num_warps=4)
+                        def fn(i, t=t):     # split > 1 adds onto out: zeroed only for the check below
+                            kw = dict(BN=bn, BK=bk, BT=16, STAGES=st, ATOMIC=split > 1, num_warps=4)
+                            if form == "norm":
+                                skinny_norm[grid](ws[i], x, out, N, K, t, k_per, g, inv, **kw)
+                            else:
+                                (skinny_tma if form == "tma" else skinny)[grid](ws[i], x, out, N, K, t, k_per, **kw)
                         try:
                             us = timed(fn, ws)
                         except Exception as e:    # a config the compiler refuses: say so, go on
                             print(f"{name} {form} {bn}x{bk} st{st} s{split}: {type(e).__name__}: {str(e)[:120]}")
                             break
                         if t == rows:
+                            out.zero_()
                             fn(0)
                             torch.cuda.synchronize()
                             err = (out[:rows] - ref).abs().max().item() / ref.abs().max().item()
@@ -161,9 +194,10 @@ def main(out_dir: Path, rows: int):
                                             "rows": t, "us": us, "rel_err": err if t == rows else None})
         runs = rec["runs"]
         for t in (rows, 1):
-            best = min((r for r in runs if r["rows"] == t), key=lambda r: r["us"], default=None)
+          for form in ("ptr", "tma", "norm"):
+            best = min((r for r in runs if r["rows"] == t and r["form"] == form), key=lambda r: r["us"], default=None)
             if best:
-                print(f"{name:8s} rows {t}: best {best['us']:.2f} us ({best['form']} {best['BN']}x{best['BK']} "
+                print(f"{name:8s} rows {t} {form:4s}: best {best['us']:.2f} us ({best['form']} {best['BN']}x{best['BK']} "
                       f"st{best['stages']} s{best['split']}, err {best['rel_err']}) floor {floor_us:.2f} "
                       f"({floor_us / best['us']:.0%})", flush=True)
         res["shapes"][name] = rec
