@@ -78,8 +78,17 @@ def test_dispatch_and_graph_buckets(plans, fake_driver, monkeypatch):
     assert set(runner_mod.ab_programs(spec)["programs"]) == set(spec["programs"]) - {"narrow", "verify"}
 
 
-@EXHAUSTIVE     # ~12 s interpreted; the fast representative: tests/test_interp_models.py's verify step
-def test_a_verify_step_through_the_verify_program_is_the_decode_programs(tiny_model, tmp_path, rng):
+# the verify GEMVs' forms: the default (their rows on the CUDA-core path together), and the
+# tensor-core path (FMA_T 1, the H100 table's verify entries) with each row pass of its merged norm
+VERIFY_FORMS = {"lanes": None,
+                "dot-rows": {t: {"default": {"FMA_T": 1, "ROW_PASS": "rows"}} for t in ("gemv", "gemv_gated")},
+                "dot-block": {t: {"default": {"FMA_T": 1, "ROW_PASS": "block"}} for t in ("gemv", "gemv_gated")}}
+
+
+# ~12 s each interpreted; the fast suite runs the tensor-core form with the unrolled row pass (the
+# lanes form's fast representative: tests/test_interp_models.py's verify step)
+@pytest.mark.parametrize("form", [f if f == "dot-rows" else pytest.param(f, marks=EXHAUSTIVE) for f in VERIFY_FORMS])
+def test_a_verify_step_through_the_verify_program_is_the_decode_programs(tiny_model, tmp_path, rng, form):
     """K + 1 one-token rows of one sequence (its next token and K drafts) through the interpreted
     verify kernels, then the same rows through the decode program's: the same logits."""
     from infc.compiler.contract.safetensors_io import Checkpoint
@@ -87,8 +96,11 @@ def test_a_verify_step_through_the_verify_program_is_the_decode_programs(tiny_mo
     from interp_executor import InterpExecutor
     d, _ = tiny_model("qwen3", **DIMS)          # tests/test_interp_models.py's (tile-sized heads)
     out = build(model_dir=str(d), out=tmp_path / "art", compile=False, log=None, page_size=16,
-                narrow_tokens=K + 1)
+                narrow_tokens=K + 1, tuning_overlay=VERIFY_FORMS[form])
     plan = json.loads((out / "plan.json").read_text())
+    verify_srcs = [(out / "kernels" / f"{l['kernel_id']}.py").read_text()
+                   for l, _ in launches(plan["programs"]["verify"]) if l["kernel"].startswith("gemv")]
+    assert verify_srcs and all(("tl.dot(" in src) == (form != "lanes") for src in verify_srcs)
     plan["_dir"] = str(out)
     run = InterpExecutor(plan, load_weights(plan, Checkpoint(d)), page_size=16)
     # a sequence's first K + 1 tokens as one-token rows: each row's context is the keys its

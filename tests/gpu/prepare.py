@@ -41,6 +41,8 @@ kvfp8 (issue 42, session.sh's `kv-fp8` stage: qwen3-4b built with --kv-cache-dty
 dsv4 (issue 47, session.sh's `dsv4` stage: DeepSeek-V4-Flash's 3-layer cut at real widths,
 gpu_families.DSV4_CUT, its config.json as transformers writes it into .cache/gpu/configs/<cut>/ and
 its artifact in .cache/gpu/<cut>-art, for the golden gate and bench latency with dummy weights).
+verify-ab (issue 43: qwen3-4b's verify program (5 rows) with its GEMVs in each form of VERIFY_AB,
+into .cache/artifacts/qwen3-4b-v5-<form>, for `bench spec-verify` / `bench profile` A/Bs).
 lora (issue 46, session.sh's `lora` stage: qwen3-4b built with --enable-lora, 8 slots of rank 16,
 into .cache/artifacts/qwen3-4b-lora8r16, beside base's qwen3-4b); lora-rows / lora-expand: the same
 with a decode step's sites / expands in its GEMVs (-rows, -expand: A/B sides).
@@ -92,7 +94,8 @@ TINY_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
 GPU_CACHE = REPO / ".cache" / "gpu"
 SERVED = ("qwen3-4b", "llama-3.2-1b")          # model directories LLM / infc serve load on the GPU
 PARTS = ("base", "nofuse", "families", "qwen35", "ranks", "deepseek", "twogpu", "server", "attnvar", "hlvar", "kvfp8",
-         "quant", "lora", "lora-rows", "lora-expand", "fp8-ab", "draft", "eagle3", "mtp", "gptoss", "dsv4")
+         "quant", "lora", "lora-rows", "lora-expand", "fp8-ab", "verify-ab", "draft", "eagle3", "mtp", "gptoss",
+         "dsv4")
 DEFAULT_PARTS = ("base", "nofuse", "families", "draft", "eagle3")
 
 
@@ -175,6 +178,8 @@ def main(parts=DEFAULT_PARTS):
         lora(expand=True)
     if "fp8-ab" in parts:
         fp8_ab()
+    if "verify-ab" in parts:
+        verify_ab()
     if "draft" in parts:
         draft()
     if "eagle3" in parts:
@@ -373,6 +378,41 @@ def fp8_ab():
                     ("-gu32", {"tuning_overlay": {"gemv_gated": {"default": n32}}})):
         _both_tunings(f"qwen3-4b-fp8{tag}", SERVED_ARTIFACTS / f"qwen3-4b-fp8{tag}", model_dir=d,
                       check_checkpoint=False, **kw)
+
+
+# issue 43's verify GEMVs (qwen3-4b, 5 rows: k = 4) in each form of the A/B, the same on both tables:
+# "old" the H100 table's entries before the row pass was unrolled (gate|up's rows in one loop over
+# [BLOCK_T, 128] chunks); "rows" the same with the unrolled row pass; "rowsq" q|k|v on the
+# tensor-core path too; "probe" every GEMV at the bare skinny GEMM's best tiles on an H100
+# (tools/experiments/skinny_gemm_probe.py: 64 W rows, BLOCK_K / K splits / stages per shape). q|k|v's
+# one-row CUDA-core tile (never taken by a verify step, compiled into its kernel) at 16 x 256, not
+# 16 x 512: its 167 registers would set the tensor-core path's occupancy
+_VQ, _VO = "verify|Tx2560;6144x2560;Tx6144|r5", "verify|Tx4096;2560x4096;Tx2560|r5"
+_VD, _VGU = "verify|Tx9728;2560x9728;Tx2560|r5", "verify|Tx2560;19456x2560;Tx9728|r5"
+_V_OLD = {"gemv": {_VQ: {"ROW_SUMS": "chain"}, _VO: {"BLOCK_K": 128, "FMA_T": 1}, _VD: {"BLOCK_K": 128, "FMA_T": 1}},
+          "gemv_gated": {_VGU: {"FMA_T": 1, "ROW_PASS": "block"}}}
+_TC = {"FMA_T": 1, "ROW_SUMS": "end", "BLOCK_T": 16}
+VERIFY_AB = {
+    "old": _V_OLD,
+    "rows": {**_V_OLD, "gemv_gated": {_VGU: {"FMA_T": 1, "ROW_PASS": "rows"}}},
+    "rowsq": {"gemv": {**_V_OLD["gemv"], _VQ: {"FMA_T": 1, "ROW_SUMS": "end", "FMA_BLOCK_K": 256}},
+              "gemv_gated": {_VGU: {"FMA_T": 1, "ROW_PASS": "rows"}}},
+    "probe": {"gemv": {_VQ: {**_TC, "BLOCK_K": 128, "SPLIT_K_DOT": 4, "num_stages": 3, "FMA_BLOCK_K": 256},
+                       _VO: {**_TC, "BLOCK_K": 64, "SPLIT_K_DOT": 8, "num_stages": 4},
+                       _VD: {**_TC, "BLOCK_K": 64, "SPLIT_K_DOT": 8, "num_stages": 4}},
+              "gemv_gated": {_VGU: {**_TC, "ROW_PASS": "rows", "BLOCK_K": 128, "SPLIT_K_DOT": 2, "num_stages": 3}}},
+}
+
+
+def verify_ab():
+    """qwen3-4b with a verify program of 5 rows (k = 4) for each VERIFY_AB form, config-only
+    (dummy weights on the GPU), into .cache/artifacts/qwen3-4b-v5-<form>: `bench spec-verify` and
+    `bench profile --steps verify_b1` of each."""
+    from infc.backend import SERVED_ARTIFACTS
+    for tag, overlay in VERIFY_AB.items():
+        _both_tunings(f"qwen3-4b-v5-{tag}", SERVED_ARTIFACTS / f"qwen3-4b-v5-{tag}",
+                      model_dir=str(served_config("qwen3-4b")), narrow_tokens=5, check_checkpoint=False,
+                      tuning_overlay=overlay)
 
 
 DRAFT_CUT = "qwen3-4b-l2"      # tests/gpu/test_spec_gpu.py's DRAFT_CUT
