@@ -82,12 +82,14 @@ def test_dispatch_and_graph_buckets(plans, fake_driver, monkeypatch):
 # tensor-core path (FMA_T 1, the H100 table's verify entries) with each row pass of its merged norm
 VERIFY_FORMS = {"lanes": None,
                 "dot-rows": {t: {"default": {"FMA_T": 1, "ROW_PASS": "rows"}} for t in ("gemv", "gemv_gated")},
-                "dot-block": {t: {"default": {"FMA_T": 1, "ROW_PASS": "block"}} for t in ("gemv", "gemv_gated")}}
+                "dot-block": {t: {"default": {"FMA_T": 1, "ROW_PASS": "block"}} for t in ("gemv", "gemv_gated")},
+                # two W tiles read before the PDL wait (the tiny model's K of 96 and 160: one range)
+                "dot-pre": {t: {"default": {"FMA_T": 1, "DOT_PRE": 2, "BLOCK_K": 32}} for t in ("gemv", "gemv_gated")}}
 
 
-# ~12 s each interpreted; the fast suite runs the tensor-core form with the unrolled row pass (the
+# ~8 s each interpreted; the fast suite runs the tensor-core forms with the unrolled row pass (the
 # lanes form's fast representative: tests/test_interp_models.py's verify step)
-@pytest.mark.parametrize("form", [f if f == "dot-rows" else pytest.param(f, marks=EXHAUSTIVE) for f in VERIFY_FORMS])
+@pytest.mark.parametrize("form", [f if f in ("dot-rows", "dot-pre") else pytest.param(f, marks=EXHAUSTIVE) for f in VERIFY_FORMS])
 def test_a_verify_step_through_the_verify_program_is_the_decode_programs(tiny_model, tmp_path, rng, form):
     """K + 1 one-token rows of one sequence (its next token and K drafts) through the interpreted
     verify kernels, then the same rows through the decode program's: the same logits."""

@@ -402,6 +402,8 @@ VERIFY_AB = {
                        _VD: {**_TC, "BLOCK_K": 64, "SPLIT_K_DOT": 8, "num_stages": 4}},
               "gemv_gated": {_VGU: {**_TC, "ROW_PASS": "rows", "BLOCK_K": 128, "SPLIT_K_DOT": 2, "num_stages": 3}}},
 }
+# "pre": the probe's tiles with two W tiles read before the PDL wait (DOT_PRE)
+VERIFY_AB["pre"] = {t: {k: {**v, "DOT_PRE": 2} for k, v in e.items()} for t, e in VERIFY_AB["probe"].items()}
 
 
 def verify_ab():
