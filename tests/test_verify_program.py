@@ -84,15 +84,19 @@ VERIFY_FORMS = {"lanes": None,
                 "dot-rows": {t: {"default": {"FMA_T": 1, "ROW_PASS": "rows"}} for t in ("gemv", "gemv_gated")},
                 "dot-block": {t: {"default": {"FMA_T": 1, "ROW_PASS": "block"}} for t in ("gemv", "gemv_gated")},
                 # two W tiles read before the PDL wait (the tiny model's K of 96 and 160: one range)
-                "dot-pre": {t: {"default": {"FMA_T": 1, "DOT_PRE": 2, "BLOCK_K": 32}} for t in ("gemv", "gemv_gated")}}
+                "dot-pre": {t: {"default": {"FMA_T": 1, "DOT_PRE": 2, "BLOCK_K": 32}} for t in ("gemv", "gemv_gated")},
+                # K split in two, the partials parked by plain stores (PARK)
+                "dot-park": {t: {"default": {"FMA_T": 1, "BLOCK_K": 32, "FMA_BLOCK_K": 32, "SPLIT_K_DOT": 2,
+                                             "PARK": "store"}} for t in ("gemv", "gemv_gated")}}
 
 
 # ~8 s each interpreted; the fast suite runs the tensor-core forms with the unrolled row pass (the
 # lanes form's fast representative: tests/test_interp_models.py's verify step)
-@pytest.mark.parametrize("form", [f if f in ("dot-rows", "dot-pre") else pytest.param(f, marks=EXHAUSTIVE) for f in VERIFY_FORMS])
+@pytest.mark.parametrize("form", [f if f in ("dot-rows", "dot-pre", "dot-park") else pytest.param(f, marks=EXHAUSTIVE) for f in VERIFY_FORMS])
 def test_a_verify_step_through_the_verify_program_is_the_decode_programs(tiny_model, tmp_path, rng, form):
     """K + 1 one-token rows of one sequence (its next token and K drafts) through the interpreted
-    verify kernels, then the same rows through the decode program's: the same logits."""
+    verify kernels, then the same rows through the decode program of a build at the table's
+    defaults (the form's "default" entries reach the decode launches too): the same logits."""
     from infc.compiler.contract.safetensors_io import Checkpoint
     from infc.runtime.weights.load import load_weights
     from interp_executor import InterpExecutor
@@ -103,6 +107,8 @@ def test_a_verify_step_through_the_verify_program_is_the_decode_programs(tiny_mo
     verify_srcs = [(out / "kernels" / f"{l['kernel_id']}.py").read_text()
                    for l, _ in launches(plan["programs"]["verify"]) if l["kernel"].startswith("gemv")]
     assert verify_srcs and all(("tl.dot(" in src) == (form != "lanes") for src in verify_srcs)
+    if form == "dot-park":
+        assert all('"SPLIT": True' in src for src in verify_srcs)
     plan["_dir"] = str(out)
     run = InterpExecutor(plan, load_weights(plan, Checkpoint(d)), page_size=16)
     # a sequence's first K + 1 tokens as one-token rows: each row's context is the keys its
@@ -110,9 +116,14 @@ def test_a_verify_step_through_the_verify_program_is_the_decode_programs(tiny_mo
     rows = [Chunk(0, [int(t)], j) for j, t in enumerate(rng.integers(0, 320, K + 1))]
     verify = run.step(rows)
     assert run.program == "verify" and verify.shape[0] == K + 1
-    plan["verify_tokens"] = 0                      # the same step, the same keys, on decode
-    decode = run.step(rows)
-    assert run.program == "decode"
+    ref = build(model_dir=str(d), out=tmp_path / "ref", compile=False, log=None, page_size=16,
+                narrow_tokens=K + 1)
+    ref_plan = json.loads((ref / "plan.json").read_text())
+    ref_plan["_dir"] = str(ref)
+    ref_plan["verify_tokens"] = 0                  # the same step, the same keys, on decode
+    ref_run = InterpExecutor(ref_plan, load_weights(ref_plan, Checkpoint(d)), page_size=16)
+    decode = ref_run.step(rows)
+    assert ref_run.program == "decode"
     assert float(np.linalg.norm(verify - decode) / np.linalg.norm(decode)) < 2e-2
     assert (np.argmax(verify, -1) == np.argmax(decode, -1)).all()
 
