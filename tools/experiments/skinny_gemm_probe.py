@@ -11,6 +11,9 @@ normalized (a separate norm's output): the question is the W stream alone. Not a
 a measurement to decide whether the template's tensor-core path can reach the bound (1.15x a decode
 step at verify(4)) by its tiles or needs another form.
 
+The figures of bench/results/issue42-43-h100-2026-12-07 (call 1) came from its first form, three
+kernels of the same lines, one a form (commit c1e54420 and the next).
+
     # GPU machine (torch + triton; JIT, ~1-2 min of compiles):
     python3 tools/experiments/skinny_gemm_probe.py OUT_DIR [--rows 5]
 """
@@ -26,20 +29,34 @@ def kernels():
     import triton.language as tl
 
     @triton.jit
-    def skinny(w_ptr, x_ptr, out_ptr, N, K, T, K_PER, BN: tl.constexpr, BK: tl.constexpr,
-               BT: tl.constexpr, STAGES: tl.constexpr, ATOMIC: tl.constexpr):
+    def skinny(w_ptr, x_ptr, out_ptr, N, K, T, K_PER, g_ptr, inv_ptr, FORM: tl.constexpr, BN: tl.constexpr,
+               BK: tl.constexpr, BT: tl.constexpr, STAGES: tl.constexpr, ATOMIC: tl.constexpr):
+        """FORM "ptr": W by pointers; "tma": W by a descriptor made in the kernel, as
+        codegen_templates/triton/gemm.py.j2 makes its own; "norm": the verify program's merged
+        prologue, A's tile made in registers (x * g * inv) before the dot (g_ptr / inv_ptr read only there)."""
         pid_n = tl.program_id(0)
         pid_s = tl.program_id(1)
         offs_n = pid_n * BN + tl.arange(0, BN)
         offs_t = tl.arange(0, BT)
+        if FORM == "tma":
+            w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[K, 1], block_shape=[BN, BK])
+        if FORM == "norm":
+            inv = tl.load(inv_ptr + offs_t, mask=offs_t < T, other=0.0)
         k_lo = pid_s * K_PER
         k_hi = tl.minimum(k_lo + K_PER, K)
         acc = tl.zeros([BN, BT], tl.float32)
         for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
             k = k0 + tl.arange(0, BK)
-            w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + k[None, :], mask=k[None, :] < k_hi, other=0.0)
+            if FORM == "tma":
+                w = w_desc.load([pid_n * BN, k0])      # out-of-range columns read as zero
+            else:
+                w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + k[None, :], mask=k[None, :] < k_hi,
+                            other=0.0)
             x = tl.load(x_ptr + offs_t[None, :] * K + k[:, None], mask=(offs_t[None, :] < T) & (k[:, None] < k_hi),
                         other=0.0)
+            if FORM == "norm":
+                g = tl.load(g_ptr + k, mask=k < k_hi, other=0.0)
+                x = (x.to(tl.float32) * g.to(tl.float32)[:, None] * inv[None, :]).to(x_ptr.dtype.element_ty)
             acc = tl.dot(w, x, acc)
         o = out_ptr + offs_t[None, :] * N + offs_n[:, None]
         m = offs_t[None, :] < T
@@ -48,65 +65,13 @@ def kernels():
         else:
             tl.store(o, acc, mask=m)
 
-    @triton.jit
-    def skinny_norm(w_ptr, x_ptr, out_ptr, N, K, T, K_PER, g_ptr, inv_ptr, BN: tl.constexpr, BK: tl.constexpr,
-                    BT: tl.constexpr, STAGES: tl.constexpr, ATOMIC: tl.constexpr):
-        # the verify program's merged prologue: A's tile made in registers (x * g * inv) before the dot
-        pid_n = tl.program_id(0)
-        pid_s = tl.program_id(1)
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        offs_t = tl.arange(0, BT)
-        inv = tl.load(inv_ptr + offs_t, mask=offs_t < T, other=0.0)
-        k_lo = pid_s * K_PER
-        k_hi = tl.minimum(k_lo + K_PER, K)
-        acc = tl.zeros([BN, BT], tl.float32)
-        for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
-            k = k0 + tl.arange(0, BK)
-            w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + k[None, :], mask=k[None, :] < k_hi, other=0.0)
-            x = tl.load(x_ptr + offs_t[None, :] * K + k[:, None], mask=(offs_t[None, :] < T) & (k[:, None] < k_hi),
-                        other=0.0)
-            g = tl.load(g_ptr + k, mask=k < k_hi, other=0.0)
-            a = (x.to(tl.float32) * g.to(tl.float32)[:, None] * inv[None, :]).to(x.dtype)
-            acc = tl.dot(w, a, acc)
-        o = out_ptr + offs_t[None, :] * N + offs_n[:, None]
-        m = offs_t[None, :] < T
-        if ATOMIC:
-            tl.atomic_add(o, acc, mask=m, sem="relaxed")
-        else:
-            tl.store(o, acc, mask=m)
-
-    @triton.jit
-    def skinny_tma(w_ptr, x_ptr, out_ptr, N, K, T, K_PER, BN: tl.constexpr, BK: tl.constexpr,
-                   BT: tl.constexpr, STAGES: tl.constexpr, ATOMIC: tl.constexpr):
-        # the descriptor made in the kernel, as codegen_templates/triton/gemm.py.j2 makes its own
-        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[K, 1], block_shape=[BN, BK])
-        pid_n = tl.program_id(0)
-        pid_s = tl.program_id(1)
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        offs_t = tl.arange(0, BT)
-        k_lo = pid_s * K_PER
-        k_hi = tl.minimum(k_lo + K_PER, K)
-        acc = tl.zeros([BN, BT], tl.float32)
-        for k0 in tl.range(k_lo, k_hi, BK, num_stages=STAGES):
-            k = k0 + tl.arange(0, BK)
-            w = w_desc.load([pid_n * BN, k0])      # out-of-range columns read as zero
-            x = tl.load(x_ptr + offs_t[None, :] * K + k[:, None], mask=(offs_t[None, :] < T) & (k[:, None] < k_hi),
-                        other=0.0)
-            acc = tl.dot(w, x, acc)
-        o = out_ptr + offs_t[None, :] * N + offs_n[:, None]
-        m = offs_t[None, :] < T
-        if ATOMIC:
-            tl.atomic_add(o, acc, mask=m, sem="relaxed")
-        else:
-            tl.store(o, acc, mask=m)
-
-    return skinny, skinny_tma, skinny_norm
+    return skinny
 
 
 def main(out_dir: Path, rows: int):
     import torch
     import triton
-    skinny, skinny_tma, skinny_norm = kernels()
+    skinny = kernels()
     dev = torch.device("cuda")
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=dev))
     props = torch.cuda.get_device_properties(dev)
@@ -175,11 +140,8 @@ def main(out_dir: Path, rows: int):
                     grid = (triton.cdiv(N, bn), split)
                     for t in (rows, 1):
                         def fn(i, t=t):     # split > 1 adds onto out: zeroed only for the check below
-                            kw = dict(BN=bn, BK=bk, BT=16, STAGES=st, ATOMIC=split > 1, num_warps=4)
-                            if form == "norm":
-                                skinny_norm[grid](ws[i], x, out, N, K, t, k_per, g, inv, **kw)
-                            else:
-                                (skinny_tma if form == "tma" else skinny)[grid](ws[i], x, out, N, K, t, k_per, **kw)
+                            skinny[grid](ws[i], x, out, N, K, t, k_per, g, inv, FORM=form, BN=bn, BK=bk, BT=16,
+                                         STAGES=st, ATOMIC=split > 1, num_warps=4)
                         try:
                             us = timed(fn, ws)
                         except Exception as e:    # a config the compiler refuses: say so, go on
