@@ -134,6 +134,7 @@ LORA_GEMV_TILES = 4         # of the GEMV's own grid, the first few beside the L
 # across threads every tile; "end" keeps R fp32 tiles
 # in registers, so only small tiles; VERIFY_TILE 8192: the one-row 16 x 512 tiles whole), the preloaded tiles, programs in flight, and FMA_T 1: the
 # tensor-core path for the rows, the kernel the verify program ran before (bench/NOTES.md, issue 43)
+_VT = {"FMA_T": 1, "BLOCK_T": 16, "DOT_PRE": 2}
 _GEMV_VERIFY = [{"BLOCK_N": 16, "FMA_BLOCK_K": 256}, {"BLOCK_N": 8, "FMA_BLOCK_K": 512},
                 {"BLOCK_N": 32, "FMA_BLOCK_K": 128}, {"BLOCK_N": 4, "FMA_BLOCK_K": 1024, "SPLIT_K": 1},
                 {"ROW_SUMS": "end", "BLOCK_N": 8, "FMA_BLOCK_K": 128},
@@ -149,7 +150,13 @@ _GEMV_VERIFY = [{"BLOCK_N": 16, "FMA_BLOCK_K": 256}, {"BLOCK_N": 8, "FMA_BLOCK_K
     # spec-verify` A/B before it is stored
     {"FMA_T": 1, "BLOCK_K": 128, "BLOCK_T": 16}, {"FMA_T": 1, "BLOCK_K": 128, "BLOCK_N_DOT": 32},
     {"FMA_T": 1, "BLOCK_K": 128, "BLOCK_N_DOT": 32, "BLOCK_T": 16}, {"FMA_T": 1, "BLOCK_K": 128, "SPLIT_K_DOT": 4},
-    {"FMA_T": 1, "BLOCK_K": 128, "num_stages": 3}, {"FMA_T": 1, "BLOCK_K": 256, "BLOCK_T": 16}]
+    {"FMA_T": 1, "BLOCK_K": 128, "num_stages": 3}, {"FMA_T": 1, "BLOCK_K": 256, "BLOCK_T": 16}] + [
+    # the H100 table's entries of 2026-12-07, measured in the model (verify(4) 4.61 -> 4.05 ms): the
+    # skinny-GEMM probe's tiles with two W tiles before the PDL wait (DOT_PRE), gate|up unsplit, and
+    # the split ones with their partials parked by plain stores (PARK) beside them
+    {**_VT, "BLOCK_K": 128, "SPLIT_K_DOT": 1, "num_stages": 3}, {**_VT, "BLOCK_K": 128, "SPLIT_K_DOT": 4, "num_stages": 3},
+    {**_VT, "BLOCK_K": 64, "SPLIT_K_DOT": 8, "num_stages": 4},
+    {**_VT, "BLOCK_K": 64, "SPLIT_K_DOT": 8, "num_stages": 4, "PARK": "store"}]
 # lm_head_last cannot split K
 _LM_VERIFY = [{"BLOCK_N": 8}, {"BLOCK_N": 32, "FMA_BLOCK_K": 256}, {"FMA_BLOCK_K": 256}, {"num_warps": 8},
               {"ROW_SUMS": "end", "BLOCK_N": 8, "FMA_BLOCK_K": 128}, {"ROW_SUMS": "tile"}, {"ROW_SUMS": "chain"},
