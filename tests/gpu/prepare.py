@@ -367,15 +367,17 @@ def fp8_ab():
     """qwen3-4b-fp8 (config only: `--load-format dummy` on the GPU) as served, with its narrow norms
     merged into the GEMVs (NARROW_MERGE_QUANT_NORMS), without act_codes (build skip), and with every
     GEMV (-n32) or gate|up alone (-gu32) at 32 W rows x 256 columns a step (72 registers on sm_90
-    against the default's 164: 7 programs an SM, not 3), into
-    .cache/artifacts/qwen3-4b-fp8[-merge|-noac|-n32|-gu32]: `bench profile --artifact` of each."""
+    against the default's 164: 7 programs an SM, not 3), and with split-K partials parked by plain
+    stores (-park: gemv.py.j2 PARK), into .cache/artifacts/qwen3-4b-fp8[-merge|-noac|-n32|-gu32|-park]:
+    `bench profile --artifact` of each."""
     from infc.backend import SERVED_ARTIFACTS
     d = str(quant_config("qwen3-4b-fp8"))
     n32 = {"BLOCK_N": 32, "FMA_BLOCK_K": 256}
     for tag, kw in (("", {}), ("-merge", {"config": {"NARROW_MERGE_QUANT_NORMS": True}}),
                     ("-noac", {"skip": ["act_codes"]}),
                     ("-n32", {"tuning_overlay": {t: {"default": n32} for t in ("gemv", "gemv_gated")}}),
-                    ("-gu32", {"tuning_overlay": {"gemv_gated": {"default": n32}}})):
+                    ("-gu32", {"tuning_overlay": {"gemv_gated": {"default": n32}}}),
+                    ("-park", {"tuning_overlay": {t: {"default": {"PARK": "store"}} for t in ("gemv", "gemv_gated")}})):
         _both_tunings(f"qwen3-4b-fp8{tag}", SERVED_ARTIFACTS / f"qwen3-4b-fp8{tag}", model_dir=d,
                       check_checkpoint=False, **kw)
 
@@ -402,8 +404,11 @@ VERIFY_AB = {
                        _VD: {**_TC, "BLOCK_K": 64, "SPLIT_K_DOT": 8, "num_stages": 4}},
               "gemv_gated": {_VGU: {**_TC, "ROW_PASS": "rows", "BLOCK_K": 128, "SPLIT_K_DOT": 2, "num_stages": 3}}},
 }
-# "pre": the probe's tiles with two W tiles read before the PDL wait (DOT_PRE)
+# "pre": the probe's tiles with two W tiles read before the PDL wait (DOT_PRE); "best": pre with
+# gate|up unsplit (the H100 table's verify entries since 2026-12-07: verify(4) 4.04-4.06 ms on an H100)
 VERIFY_AB["pre"] = {t: {k: {**v, "DOT_PRE": 2} for k, v in e.items()} for t, e in VERIFY_AB["probe"].items()}
+VERIFY_AB["best"] = {"gemv": VERIFY_AB["pre"]["gemv"],
+                     "gemv_gated": {_VGU: {**VERIFY_AB["pre"]["gemv_gated"][_VGU], "SPLIT_K_DOT": 1}}}
 
 
 def verify_ab():
