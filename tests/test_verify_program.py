@@ -4,6 +4,7 @@ a one-token build's; the verify rows run the CUDA-core path together (one W pass
 The plan's shape of it, the dispatch (compiler/contract/program.py program_name) and the graph
 buckets, a verify step through the interpreted kernels, and greedy speculation over it."""
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -90,40 +91,48 @@ VERIFY_FORMS = {"lanes": None,
                                              "PARK": "store"}} for t in ("gemv", "gemv_gated")}}
 
 
-# ~8 s each interpreted; the fast suite runs the tensor-core forms with the unrolled row pass (the
-# lanes form's fast representative: tests/test_interp_models.py's verify step)
-@pytest.mark.parametrize("form", [f if f in ("dot-rows", "dot-pre", "dot-park") else pytest.param(f, marks=EXHAUSTIVE) for f in VERIFY_FORMS])
-def test_a_verify_step_through_the_verify_program_is_the_decode_programs(tiny_model, tmp_path, rng, form):
-    """K + 1 one-token rows of one sequence (its next token and K drafts) through the interpreted
-    verify kernels, then the same rows through the decode program of a build at the table's
-    defaults (the form's "default" entries reach the decode launches too): the same logits."""
+def _interp(d, out: Path, **build_kw):
+    """The plan built into `out` (no cubins) and an interpreting executor over it."""
     from infc.compiler.contract.safetensors_io import Checkpoint
     from infc.runtime.weights.load import load_weights
     from interp_executor import InterpExecutor
-    d, _ = tiny_model("qwen3", **DIMS)          # tests/test_interp_models.py's (tile-sized heads)
-    out = build(model_dir=str(d), out=tmp_path / "art", compile=False, log=None, page_size=16,
-                narrow_tokens=K + 1, tuning_overlay=VERIFY_FORMS[form])
+    build(model_dir=str(d), out=out, compile=False, log=None, page_size=16, narrow_tokens=K + 1, **build_kw)
     plan = json.loads((out / "plan.json").read_text())
+    plan["_dir"] = str(out)
+    return plan, InterpExecutor(plan, load_weights(plan, Checkpoint(d)), page_size=16)
+
+
+@pytest.fixture(scope="module")
+def decode_reference(tiny_model, tmp_path_factory):
+    """A sequence's first K + 1 tokens as one-token rows (each row's context is the keys its
+    step's earlier rows write: the prologue's cache write, and no prefill to interpret), and their
+    logits through the decode program of a build at the table's defaults: once for every form."""
+    d, _ = tiny_model("qwen3", **DIMS)          # tests/test_interp_models.py's (tile-sized heads)
+    rows = [Chunk(0, [int(t)], j) for j, t in enumerate(np.random.default_rng(0).integers(0, 320, K + 1))]
+    plan, run = _interp(d, tmp_path_factory.mktemp("verify-ref") / "art")
+    plan["verify_tokens"] = 0                   # the same step, the same keys, on decode
+    decode = run.step(rows)
+    assert run.program == "decode"
+    return d, rows, decode
+
+
+# ~8 s each interpreted; the fast suite runs the tensor-core forms with the unrolled row pass (the
+# lanes form's fast representative: tests/test_interp_models.py's verify step)
+@pytest.mark.parametrize("form", [f if f in ("dot-rows", "dot-pre", "dot-park") else pytest.param(f, marks=EXHAUSTIVE) for f in VERIFY_FORMS])
+def test_a_verify_step_through_the_verify_program_is_the_decode_programs(decode_reference, tmp_path, form):
+    """K + 1 one-token rows of one sequence (its next token and K drafts) through the interpreted
+    verify kernels, then the same rows through the decode program of a build at the table's
+    defaults (the form's "default" entries reach the decode launches too): the same logits."""
+    d, rows, decode = decode_reference
+    plan, run = _interp(d, tmp_path / "art", tuning_overlay=VERIFY_FORMS[form])
+    out = Path(plan["_dir"])
     verify_srcs = [(out / "kernels" / f"{l['kernel_id']}.py").read_text()
                    for l, _ in launches(plan["programs"]["verify"]) if l["kernel"].startswith("gemv")]
     assert verify_srcs and all(("tl.dot(" in src) == (form != "lanes") for src in verify_srcs)
     if form == "dot-park":
         assert all('"SPLIT": True' in src for src in verify_srcs)
-    plan["_dir"] = str(out)
-    run = InterpExecutor(plan, load_weights(plan, Checkpoint(d)), page_size=16)
-    # a sequence's first K + 1 tokens as one-token rows: each row's context is the keys its
-    # step's earlier rows write (the prologue's cache write), and no prefill to interpret
-    rows = [Chunk(0, [int(t)], j) for j, t in enumerate(rng.integers(0, 320, K + 1))]
     verify = run.step(rows)
     assert run.program == "verify" and verify.shape[0] == K + 1
-    ref = build(model_dir=str(d), out=tmp_path / "ref", compile=False, log=None, page_size=16,
-                narrow_tokens=K + 1)
-    ref_plan = json.loads((ref / "plan.json").read_text())
-    ref_plan["_dir"] = str(ref)
-    ref_plan["verify_tokens"] = 0                  # the same step, the same keys, on decode
-    ref_run = InterpExecutor(ref_plan, load_weights(ref_plan, Checkpoint(d)), page_size=16)
-    decode = ref_run.step(rows)
-    assert ref_run.program == "decode"
     assert float(np.linalg.norm(verify - decode) / np.linalg.norm(decode)) < 2e-2
     assert (np.argmax(verify, -1) == np.argmax(decode, -1)).all()
 
