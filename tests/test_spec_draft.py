@@ -215,14 +215,18 @@ def copy_prompts(seed, n=3):
     return [rng.integers(0, 320, int(rng.integers(6, 14))).tolist() for _ in range(n)]
 
 
-def test_tiny_self_draft_accepts_everything_sampled(models):
+@pytest.mark.parametrize("rule", ["rejection", "coupled"])
+def test_tiny_self_draft_accepts_everything_sampled(models, rule):
     """Draft = target, sampled with logprobs: the draft draws with the target's (seed, index)
-    randomness, so it draws the target's very tokens: acceptance 1, output plain decoding's."""
+    randomness, so it draws the target's very tokens: acceptance 1, output plain decoding's. Under
+    either rule: rejection sampling (q = p), and the exact match of coupled draws that a runner
+    whose logits stay on the device gets (the CUDA runner's), where a draft row sampled at another
+    output index than the target row it is checked against would draw another token."""
     plan, target, _ = models
     prompts = copy_prompts(21, 2)
     params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=3, logprobs=2, ignore_eos=True)
     want = flat(outputs(tiny(plan, target), prompts, params))
-    e = tiny(plan, target, draft=target, k=4)
+    e = tiny(plan, target, draft=target, k=4, coupled=rule == "coupled")
     got = flat(outputs(e, prompts, params))
     assert {k: v[0] for k, v in got.items()} == {k: v[0] for k, v in want.items()}
     for key, (_, _, lps, _, _) in got.items():
