@@ -451,6 +451,15 @@ def draft():
                   model_dir=str(served_config("qwen3-4b")), narrow_tokens=n, check_checkpoint=False)
     _both_tunings(f"{DRAFT_CUT} (a draft model for qwen3-4b)", BUILD_REPO / ".cache" / "artifacts" / DRAFT_CUT,
                   model_dir=str(base_config(DRAFT_CUT)), check_checkpoint=False)
+    # the trained model's verify program (test_self_draft_on_a_trained_model_is_exact sets
+    # INFC_VERIFY_PROGRAM=1 itself: built whatever this machine's setting)
+    sys.path.insert(0, str(REPO / "tests" / "gpu"))
+    from trained_model import config_json
+    cfg_dir = GPU_CACHE / "skipgram"
+    cfg_dir.mkdir(parents=True, exist_ok=True)
+    (cfg_dir / "config.json").write_text(json.dumps(config_json(), indent=1))
+    _both_tunings("skipgram for --speculative-config k = 4 under INFC_VERIFY_PROGRAM=1 (narrow_tokens 5)",
+                  SERVED_ARTIFACTS / ("skipgram" + artifact_tag(narrow=5)), model_dir=str(cfg_dir), narrow_tokens=5)
 
 
 EAGLE3_HEAD = "eagle3-qwen3-4b"  # tests/gpu/test_spec_gpu.py's EAGLE3_HEAD
