@@ -79,6 +79,34 @@ def test_dispatch_and_graph_buckets(plans, fake_driver, monkeypatch):
     assert set(runner_mod.ab_programs(spec)["programs"]) == set(spec["programs"]) - {"narrow", "verify"}
 
 
+def test_a_gemv_launches_the_programs_of_the_path_its_rows_take(plans):
+    """A GEMV with both paths under tune GRID "paths" launches as many column programs as the path
+    the step's rows take has blocks: one row the CUDA-core path's cdiv(N, BLOCK_N), the verify
+    step's k + 1 rows the tensor-core path's cdiv(N, BLOCK_N_DOT); GRID "max" (the default) the
+    wider count for both (the extra programs only exit, but each is dispatched)."""
+    import copy
+    from infc.compiler.contract.bind import grid
+    from infc.compiler.tuning_table import load_tuning
+    _, _, spec = plans
+    seen = 0
+    for form in ("paths", "max"):
+        plan = copy.deepcopy(spec)
+        overlay = {t: {"default": {"FMA_T": 1, "BLOCK_N": 4, "BLOCK_N_DOT": 16, "GRID": form}}
+                   for t in ("gemv", "gemv_gated")}
+        kernels = render_plan(plan, load_tuning("h200", overlay), 16)
+        for launch, _ in launches(plan["programs"]["verify"]):
+            if launch["kernel"] not in ("gemv", "gemv_gated") or launch["op"] == "lm_head_last":
+                continue
+            w = plan["weights"][launch["inputs"][-1]]["shape"]
+            cols = w[0]                                  # a gated W's rows: gate and up, interleaved
+            meta = kernels[launch["kernel_id"]].meta
+            one, rows = (grid(meta, {"T": t, "B": t})[1] for t in (1, K + 1))
+            assert one == -(-cols // 4), (form, launch["op"], meta["grid"])
+            assert rows == (-(-cols // 16) if form == "paths" else one), (form, launch["op"], meta["grid"])
+            seen += 1
+    assert seen >= 8
+
+
 # the verify GEMVs' forms: the default (their rows on the CUDA-core path together), and the
 # tensor-core path (FMA_T 1, the H100 table's verify entries) with each row pass of its merged norm
 VERIFY_FORMS = {"lanes": None,

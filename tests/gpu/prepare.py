@@ -417,6 +417,10 @@ VERIFY_AB = {
 VERIFY_AB["pre"] = {t: {k: {**v, "DOT_PRE": 2} for k, v in e.items()} for t, e in VERIFY_AB["probe"].items()}
 VERIFY_AB["best"] = {"gemv": VERIFY_AB["pre"]["gemv"],
                      "gemv_gated": {_VGU: {**VERIFY_AB["pre"]["gemv_gated"][_VGU], "SPLIT_K_DOT": 1}}}
+# "best-paths": best with every GEMV's grid the taken path's blocks (GRID "paths"; the "default"
+# entries reach the decode program's GEMVs too, whose steps of more rows than FMA_T take the
+# tensor-core path)
+VERIFY_AB["best-paths"] = {t: {**e, "default": {"GRID": "paths"}} for t, e in VERIFY_AB["best"].items()}
 
 
 def verify_ab():
