@@ -1,1 +1,0 @@
-../../_kernels/gemv_14b1ab508e.py

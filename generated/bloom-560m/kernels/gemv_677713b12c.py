@@ -1,1 +1,0 @@
-../../_kernels/gemv_677713b12c.py

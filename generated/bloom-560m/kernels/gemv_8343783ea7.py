@@ -1,1 +1,0 @@
-../../_kernels/gemv_8343783ea7.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_85c035e81f.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_de7a319c9f.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_75aff8139d.py

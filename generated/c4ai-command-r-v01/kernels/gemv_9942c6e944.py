@@ -1,0 +1,1 @@
+../../_kernels/gemv_9942c6e944.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_acbe24082d.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_b015d2ebbf.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_ba9b3d3b67.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_c5b8da02af.py

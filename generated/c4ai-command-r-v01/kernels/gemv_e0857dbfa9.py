@@ -1,1 +1,0 @@
-../../_kernels/gemv_e0857dbfa9.py

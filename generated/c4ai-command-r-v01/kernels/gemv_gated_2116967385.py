@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_2116967385.py

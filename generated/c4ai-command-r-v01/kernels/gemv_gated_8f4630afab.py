@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_8f4630afab.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_bad1883e8a.py

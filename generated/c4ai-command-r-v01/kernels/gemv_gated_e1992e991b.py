@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_e1992e991b.py

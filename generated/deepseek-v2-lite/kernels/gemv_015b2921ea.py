@@ -1,1 +1,0 @@
-../../_kernels/gemv_015b2921ea.py

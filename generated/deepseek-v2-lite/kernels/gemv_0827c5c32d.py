@@ -1,0 +1,1 @@
+../../_kernels/gemv_0827c5c32d.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_23fae7295d.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_31b46f0ade.py

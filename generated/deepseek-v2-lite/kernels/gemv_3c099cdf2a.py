@@ -1,0 +1,1 @@
+../../_kernels/gemv_3c099cdf2a.py

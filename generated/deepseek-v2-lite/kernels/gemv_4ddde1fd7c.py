@@ -1,1 +1,0 @@
-../../_kernels/gemv_4ddde1fd7c.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_d593f5fb32.py

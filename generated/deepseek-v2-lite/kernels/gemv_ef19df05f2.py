@@ -1,0 +1,1 @@
+../../_kernels/gemv_ef19df05f2.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_f4ae0d0613.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_6b08cca8a3.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_b0ad086b9b.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_c9b68f74f2.py

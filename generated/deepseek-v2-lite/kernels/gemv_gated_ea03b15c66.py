@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_ea03b15c66.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_fdc40a72d9.py

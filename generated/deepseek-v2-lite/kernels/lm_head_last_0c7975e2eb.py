@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_0c7975e2eb.py

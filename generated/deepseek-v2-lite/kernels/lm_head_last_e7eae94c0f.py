@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_e7eae94c0f.py

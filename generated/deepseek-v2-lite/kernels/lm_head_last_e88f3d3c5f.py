@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_e88f3d3c5f.py

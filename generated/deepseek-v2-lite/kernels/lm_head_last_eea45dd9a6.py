@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_eea45dd9a6.py

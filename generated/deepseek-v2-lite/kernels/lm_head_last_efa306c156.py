@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_efa306c156.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_00aa31c983.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_114aaa6f8d.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_1b8827a6af.py

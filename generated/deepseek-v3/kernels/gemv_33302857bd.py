@@ -1,1 +1,0 @@
-../../_kernels/gemv_33302857bd.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_33726b4c85.py

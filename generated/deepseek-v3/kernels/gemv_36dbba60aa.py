@@ -1,1 +1,0 @@
-../../_kernels/gemv_36dbba60aa.py

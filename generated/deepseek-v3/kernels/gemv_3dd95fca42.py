@@ -1,0 +1,1 @@
+../../_kernels/gemv_3dd95fca42.py

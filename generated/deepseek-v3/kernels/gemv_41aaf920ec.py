@@ -1,1 +1,0 @@
-../../_kernels/gemv_41aaf920ec.py

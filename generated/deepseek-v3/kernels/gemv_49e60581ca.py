@@ -1,0 +1,1 @@
+../../_kernels/gemv_49e60581ca.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_4e1c4cf858.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_79c0731c1b.py

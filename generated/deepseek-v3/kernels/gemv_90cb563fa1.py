@@ -1,0 +1,1 @@
+../../_kernels/gemv_90cb563fa1.py

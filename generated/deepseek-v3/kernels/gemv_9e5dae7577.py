@@ -1,0 +1,1 @@
+../../_kernels/gemv_9e5dae7577.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_a1e441a465.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_a82af1b787.py

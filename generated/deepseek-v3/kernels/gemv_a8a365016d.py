@@ -1,0 +1,1 @@
+../../_kernels/gemv_a8a365016d.py

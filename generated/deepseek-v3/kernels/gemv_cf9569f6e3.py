@@ -1,0 +1,1 @@
+../../_kernels/gemv_cf9569f6e3.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_dd4b59fed6.py

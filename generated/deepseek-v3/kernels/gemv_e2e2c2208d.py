@@ -1,1 +1,0 @@
-../../_kernels/gemv_e2e2c2208d.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_fc8eec7fa7.py

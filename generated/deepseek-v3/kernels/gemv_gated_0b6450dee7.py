@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_0b6450dee7.py

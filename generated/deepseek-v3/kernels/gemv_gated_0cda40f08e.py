@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_0cda40f08e.py

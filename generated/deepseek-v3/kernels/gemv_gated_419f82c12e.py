@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_419f82c12e.py

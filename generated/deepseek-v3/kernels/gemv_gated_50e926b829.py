@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_50e926b829.py

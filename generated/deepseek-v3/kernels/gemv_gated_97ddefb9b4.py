@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_97ddefb9b4.py

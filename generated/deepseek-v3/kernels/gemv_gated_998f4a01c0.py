@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_998f4a01c0.py

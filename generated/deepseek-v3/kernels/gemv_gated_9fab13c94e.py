@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_9fab13c94e.py

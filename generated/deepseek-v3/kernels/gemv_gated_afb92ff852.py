@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_afb92ff852.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_ac2d265da1.py

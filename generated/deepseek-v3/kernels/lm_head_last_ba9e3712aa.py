@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_ba9e3712aa.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_e86ad5903e.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_ed0f2d7ffe.py

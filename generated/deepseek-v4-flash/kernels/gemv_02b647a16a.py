@@ -1,0 +1,1 @@
+../../_kernels/gemv_02b647a16a.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_06a5c11495.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_0c1c9525c8.py

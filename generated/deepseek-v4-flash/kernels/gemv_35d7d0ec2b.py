@@ -1,0 +1,1 @@
+../../_kernels/gemv_35d7d0ec2b.py

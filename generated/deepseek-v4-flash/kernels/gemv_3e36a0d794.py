@@ -1,1 +1,0 @@
-../../_kernels/gemv_3e36a0d794.py

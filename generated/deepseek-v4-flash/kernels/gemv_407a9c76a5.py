@@ -1,1 +1,0 @@
-../../_kernels/gemv_407a9c76a5.py

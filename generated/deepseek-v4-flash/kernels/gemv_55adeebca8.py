@@ -1,1 +1,0 @@
-../../_kernels/gemv_55adeebca8.py

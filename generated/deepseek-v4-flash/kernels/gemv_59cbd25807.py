@@ -1,1 +1,0 @@
-../../_kernels/gemv_59cbd25807.py

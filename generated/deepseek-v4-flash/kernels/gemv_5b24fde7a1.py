@@ -1,1 +1,0 @@
-../../_kernels/gemv_5b24fde7a1.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_6657745da1.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_6a6ff14f4f.py

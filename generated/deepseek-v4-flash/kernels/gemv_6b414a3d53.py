@@ -1,1 +1,0 @@
-../../_kernels/gemv_6b414a3d53.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_6f977f2281.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_747ec4954f.py

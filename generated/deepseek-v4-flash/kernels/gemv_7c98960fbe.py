@@ -1,0 +1,1 @@
+../../_kernels/gemv_7c98960fbe.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_8b36f525cf.py

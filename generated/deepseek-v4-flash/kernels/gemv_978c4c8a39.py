@@ -1,1 +1,0 @@
-../../_kernels/gemv_978c4c8a39.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_a73f32e6a3.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_aa7bbee248.py

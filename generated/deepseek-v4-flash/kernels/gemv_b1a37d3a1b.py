@@ -1,1 +1,0 @@
-../../_kernels/gemv_b1a37d3a1b.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_b22e558308.py

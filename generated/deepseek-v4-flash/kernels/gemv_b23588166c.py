@@ -1,0 +1,1 @@
+../../_kernels/gemv_b23588166c.py

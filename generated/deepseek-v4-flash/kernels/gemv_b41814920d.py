@@ -1,0 +1,1 @@
+../../_kernels/gemv_b41814920d.py

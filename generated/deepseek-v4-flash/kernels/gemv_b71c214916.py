@@ -1,0 +1,1 @@
+../../_kernels/gemv_b71c214916.py

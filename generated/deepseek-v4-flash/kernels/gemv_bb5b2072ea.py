@@ -1,0 +1,1 @@
+../../_kernels/gemv_bb5b2072ea.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_c5b4b4e2b8.py

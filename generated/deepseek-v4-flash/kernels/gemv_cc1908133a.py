@@ -1,0 +1,1 @@
+../../_kernels/gemv_cc1908133a.py

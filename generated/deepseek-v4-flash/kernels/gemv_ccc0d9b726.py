@@ -1,1 +1,0 @@
-../../_kernels/gemv_ccc0d9b726.py

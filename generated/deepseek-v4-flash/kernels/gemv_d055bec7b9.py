@@ -1,1 +1,0 @@
-../../_kernels/gemv_d055bec7b9.py

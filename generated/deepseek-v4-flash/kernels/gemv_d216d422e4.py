@@ -1,0 +1,1 @@
+../../_kernels/gemv_d216d422e4.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_db95973599.py

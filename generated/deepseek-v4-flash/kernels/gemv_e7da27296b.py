@@ -1,0 +1,1 @@
+../../_kernels/gemv_e7da27296b.py

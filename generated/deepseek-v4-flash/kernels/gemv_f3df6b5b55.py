@@ -1,1 +1,0 @@
-../../_kernels/gemv_f3df6b5b55.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_f54c94bd3c.py

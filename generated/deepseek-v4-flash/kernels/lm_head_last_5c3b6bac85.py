@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_5c3b6bac85.py

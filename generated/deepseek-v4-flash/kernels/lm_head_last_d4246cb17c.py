@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_d4246cb17c.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_fce5453325.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_6b221758e0.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_ae8a5197ce.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_cfebf3aa57.py

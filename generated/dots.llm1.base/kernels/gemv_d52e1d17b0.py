@@ -1,0 +1,1 @@
+../../_kernels/gemv_d52e1d17b0.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_d96981b12d.py

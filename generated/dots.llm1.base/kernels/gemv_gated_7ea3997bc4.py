@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_7ea3997bc4.py

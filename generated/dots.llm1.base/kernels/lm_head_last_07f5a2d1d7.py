@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_07f5a2d1d7.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_1909c22d9f.py

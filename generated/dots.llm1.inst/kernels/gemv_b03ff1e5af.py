@@ -1,1 +1,0 @@
-../../_kernels/gemv_b03ff1e5af.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_c78d1d2e4e.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_e6b7510c34.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_bbe7de9915.py

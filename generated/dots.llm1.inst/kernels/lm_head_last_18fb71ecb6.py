@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_18fb71ecb6.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_4a0a8740f7.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_1353ac4510.py

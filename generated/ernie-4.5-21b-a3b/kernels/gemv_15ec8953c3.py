@@ -1,1 +1,0 @@
-../../_kernels/gemv_15ec8953c3.py

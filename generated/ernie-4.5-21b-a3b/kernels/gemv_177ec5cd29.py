@@ -1,0 +1,1 @@
+../../_kernels/gemv_177ec5cd29.py

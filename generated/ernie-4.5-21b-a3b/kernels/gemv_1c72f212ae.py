@@ -1,0 +1,1 @@
+../../_kernels/gemv_1c72f212ae.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_1f58afefe8.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_53c39b4f98.py

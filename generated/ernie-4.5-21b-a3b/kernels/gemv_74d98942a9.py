@@ -1,0 +1,1 @@
+../../_kernels/gemv_74d98942a9.py

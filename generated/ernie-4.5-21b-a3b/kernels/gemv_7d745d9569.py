@@ -1,0 +1,1 @@
+../../_kernels/gemv_7d745d9569.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_8597c5e380.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_90b431b5be.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_aa856cd7fb.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_bb2f85bd45.py

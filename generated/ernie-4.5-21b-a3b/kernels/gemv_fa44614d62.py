@@ -1,1 +1,0 @@
-../../_kernels/gemv_fa44614d62.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_fc5a432978.py

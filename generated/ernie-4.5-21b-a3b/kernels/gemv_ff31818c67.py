@@ -1,0 +1,1 @@
+../../_kernels/gemv_ff31818c67.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_119edf684c.py

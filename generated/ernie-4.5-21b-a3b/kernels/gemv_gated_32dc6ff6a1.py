@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_32dc6ff6a1.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_5e2f907660.py

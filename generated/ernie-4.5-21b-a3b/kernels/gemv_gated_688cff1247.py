@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_688cff1247.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_82ecc7badf.py

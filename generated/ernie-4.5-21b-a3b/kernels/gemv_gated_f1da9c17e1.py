@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_f1da9c17e1.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_0570e6e571.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_10ccd76014.py

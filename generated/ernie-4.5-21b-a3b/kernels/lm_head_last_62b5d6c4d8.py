@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_62b5d6c4d8.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_b2f139408a.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_dd1203d73e.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_f455011eb9.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_0bd0b041a3.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_271bf61108.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_4436e86c6a.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_4d9475eb9c.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_558d57e0a2.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_6b798076c2.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_7159dfe091.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_88cb34cefd.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_aeee45b7a5.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_bc0f1c97dc.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_c24d7d310a.py

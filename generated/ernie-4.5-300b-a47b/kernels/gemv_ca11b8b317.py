@@ -1,1 +1,0 @@
-../../_kernels/gemv_ca11b8b317.py

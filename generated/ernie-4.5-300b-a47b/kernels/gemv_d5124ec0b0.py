@@ -1,0 +1,1 @@
+../../_kernels/gemv_d5124ec0b0.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_dcb40c5f84.py

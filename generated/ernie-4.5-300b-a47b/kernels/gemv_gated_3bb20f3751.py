@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_3bb20f3751.py

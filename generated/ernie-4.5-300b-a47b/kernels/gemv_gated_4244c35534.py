@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_4244c35534.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_44e9ee4cc1.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_58d58dd6d6.py

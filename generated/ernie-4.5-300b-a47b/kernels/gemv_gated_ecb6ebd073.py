@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_ecb6ebd073.py

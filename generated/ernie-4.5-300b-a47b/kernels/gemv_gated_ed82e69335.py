@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_ed82e69335.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_2d4187d8e4.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_71d345a5dc.py

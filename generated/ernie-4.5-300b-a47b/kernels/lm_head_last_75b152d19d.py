@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_75b152d19d.py

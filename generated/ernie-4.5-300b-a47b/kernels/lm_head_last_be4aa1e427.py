@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_be4aa1e427.py

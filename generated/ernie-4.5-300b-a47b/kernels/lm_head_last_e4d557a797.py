@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_e4d557a797.py

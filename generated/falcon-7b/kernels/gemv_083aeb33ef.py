@@ -1,0 +1,1 @@
+../../_kernels/gemv_083aeb33ef.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_107aea8c63.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_233256ae56.py

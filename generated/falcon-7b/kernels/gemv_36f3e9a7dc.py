@@ -1,0 +1,1 @@
+../../_kernels/gemv_36f3e9a7dc.py

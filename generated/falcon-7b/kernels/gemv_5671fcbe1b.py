@@ -1,0 +1,1 @@
+../../_kernels/gemv_5671fcbe1b.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_627eb1bfdf.py

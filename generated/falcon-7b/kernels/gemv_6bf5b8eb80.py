@@ -1,1 +1,0 @@
-../../_kernels/gemv_6bf5b8eb80.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_6d869fb5b1.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_85b00ca9b2.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_a9e64c8da2.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_afe38b5493.py

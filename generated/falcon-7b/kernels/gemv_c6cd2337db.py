@@ -1,1 +1,0 @@
-../../_kernels/gemv_c6cd2337db.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_e2c06b2716.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_edf0222686.py

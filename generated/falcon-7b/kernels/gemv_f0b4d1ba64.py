@@ -1,0 +1,1 @@
+../../_kernels/gemv_f0b4d1ba64.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_f9a91be0f6.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_19a16d9cb8.py

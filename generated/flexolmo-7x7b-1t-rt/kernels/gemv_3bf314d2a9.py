@@ -1,0 +1,1 @@
+../../_kernels/gemv_3bf314d2a9.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_ffac4cd9ea.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_153a39eb7b.py

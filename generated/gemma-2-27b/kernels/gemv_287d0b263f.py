@@ -1,1 +1,0 @@
-../../_kernels/gemv_287d0b263f.py

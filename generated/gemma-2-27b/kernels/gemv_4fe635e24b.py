@@ -1,1 +1,0 @@
-../../_kernels/gemv_4fe635e24b.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_588bfed012.py

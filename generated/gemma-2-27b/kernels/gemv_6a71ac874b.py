@@ -1,0 +1,1 @@
+../../_kernels/gemv_6a71ac874b.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_807c0dfa3a.py

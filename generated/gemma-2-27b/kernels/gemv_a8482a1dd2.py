@@ -1,0 +1,1 @@
+../../_kernels/gemv_a8482a1dd2.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_c2216839bf.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_d52751a0ec.py

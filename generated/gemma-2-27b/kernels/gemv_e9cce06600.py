@@ -1,1 +1,0 @@
-../../_kernels/gemv_e9cce06600.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_f6c22dc533.py

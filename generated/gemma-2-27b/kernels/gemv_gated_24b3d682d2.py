@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_24b3d682d2.py

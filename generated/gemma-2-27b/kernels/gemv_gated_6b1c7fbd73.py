@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_6b1c7fbd73.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_9c829ccce2.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_a3b722b43c.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_e7b54ce9c9.py

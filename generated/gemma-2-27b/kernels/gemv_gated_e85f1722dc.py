@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_e85f1722dc.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_44c47270dd.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_6b01b6a3d7.py

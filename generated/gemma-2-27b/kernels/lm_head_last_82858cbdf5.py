@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_82858cbdf5.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_deffc529d9.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_106f7f43c7.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_45f880a139.py

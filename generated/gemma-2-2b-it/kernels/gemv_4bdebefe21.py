@@ -1,0 +1,1 @@
+../../_kernels/gemv_4bdebefe21.py

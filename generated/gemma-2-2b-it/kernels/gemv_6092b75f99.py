@@ -1,1 +1,0 @@
-../../_kernels/gemv_6092b75f99.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_6ddb96605b.py

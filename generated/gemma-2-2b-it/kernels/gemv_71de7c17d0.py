@@ -1,0 +1,1 @@
+../../_kernels/gemv_71de7c17d0.py

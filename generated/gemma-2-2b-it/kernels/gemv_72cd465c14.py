@@ -1,1 +1,0 @@
-../../_kernels/gemv_72cd465c14.py

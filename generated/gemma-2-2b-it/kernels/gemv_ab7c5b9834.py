@@ -1,1 +1,0 @@
-../../_kernels/gemv_ab7c5b9834.py

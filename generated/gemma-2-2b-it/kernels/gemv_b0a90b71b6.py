@@ -1,0 +1,1 @@
+../../_kernels/gemv_b0a90b71b6.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_b3a4a92915.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_d866e97b30.py

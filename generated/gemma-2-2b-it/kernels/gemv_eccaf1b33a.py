@@ -1,1 +1,0 @@
-../../_kernels/gemv_eccaf1b33a.py

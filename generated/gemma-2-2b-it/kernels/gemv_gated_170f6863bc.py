@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_170f6863bc.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_2fd2aa3a14.py

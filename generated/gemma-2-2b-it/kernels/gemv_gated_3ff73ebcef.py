@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_3ff73ebcef.py

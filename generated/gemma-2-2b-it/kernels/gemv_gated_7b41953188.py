@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_7b41953188.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_b7f284949f.py

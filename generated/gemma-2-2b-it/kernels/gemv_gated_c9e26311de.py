@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_c9e26311de.py

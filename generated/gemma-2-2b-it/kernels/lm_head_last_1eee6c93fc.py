@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_1eee6c93fc.py

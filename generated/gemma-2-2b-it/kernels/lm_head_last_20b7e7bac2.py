@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_20b7e7bac2.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_21d7c242ac.py

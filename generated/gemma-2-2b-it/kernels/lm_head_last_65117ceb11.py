@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_65117ceb11.py

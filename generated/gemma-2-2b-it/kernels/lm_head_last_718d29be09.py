@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_718d29be09.py

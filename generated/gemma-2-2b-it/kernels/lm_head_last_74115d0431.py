@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_74115d0431.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_148ac72c31.py

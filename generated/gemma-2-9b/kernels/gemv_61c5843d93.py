@@ -1,0 +1,1 @@
+../../_kernels/gemv_61c5843d93.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_64b671587e.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_7b1527a163.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_a3bb713ada.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_dc19487dc1.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_e48f3820ae.py

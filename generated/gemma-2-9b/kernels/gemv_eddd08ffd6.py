@@ -1,1 +1,0 @@
-../../_kernels/gemv_eddd08ffd6.py

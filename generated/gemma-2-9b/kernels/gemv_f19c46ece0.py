@@ -1,1 +1,0 @@
-../../_kernels/gemv_f19c46ece0.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_fbc1a01114.py

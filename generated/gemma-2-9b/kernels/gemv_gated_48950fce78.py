@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_48950fce78.py

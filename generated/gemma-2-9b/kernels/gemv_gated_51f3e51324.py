@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_51f3e51324.py

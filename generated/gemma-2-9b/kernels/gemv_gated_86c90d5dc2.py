@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_86c90d5dc2.py

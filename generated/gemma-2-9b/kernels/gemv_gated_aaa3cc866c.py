@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_aaa3cc866c.py

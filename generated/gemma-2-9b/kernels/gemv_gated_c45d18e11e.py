@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_c45d18e11e.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_ff33f9742b.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_0b283cc19a.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_7719574966.py

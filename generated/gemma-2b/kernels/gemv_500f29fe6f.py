@@ -1,1 +1,0 @@
-../../_kernels/gemv_500f29fe6f.py

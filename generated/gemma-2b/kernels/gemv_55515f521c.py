@@ -1,0 +1,1 @@
+../../_kernels/gemv_55515f521c.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_980af4d1bf.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_994d8c0150.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_a0ed224ceb.py

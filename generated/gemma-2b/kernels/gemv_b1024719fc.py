@@ -1,1 +1,0 @@
-../../_kernels/gemv_b1024719fc.py

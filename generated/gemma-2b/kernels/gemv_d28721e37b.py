@@ -1,0 +1,1 @@
+../../_kernels/gemv_d28721e37b.py

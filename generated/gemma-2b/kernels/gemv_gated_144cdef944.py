@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_144cdef944.py

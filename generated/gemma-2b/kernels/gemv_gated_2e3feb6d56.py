@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_2e3feb6d56.py

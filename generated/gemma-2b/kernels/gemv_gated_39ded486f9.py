@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_39ded486f9.py

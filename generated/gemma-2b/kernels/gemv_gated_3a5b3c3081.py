@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_3a5b3c3081.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_aa262a874e.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_ecf106f51b.py

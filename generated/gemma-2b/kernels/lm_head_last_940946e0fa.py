@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_940946e0fa.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_960a9de408.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_98d009d2c8.py

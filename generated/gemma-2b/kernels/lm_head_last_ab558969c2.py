@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_ab558969c2.py

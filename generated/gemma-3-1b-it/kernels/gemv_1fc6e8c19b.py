@@ -1,1 +1,0 @@
-../../_kernels/gemv_1fc6e8c19b.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_41952bcea3.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_4745e03ce9.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_7da2da15ea.py

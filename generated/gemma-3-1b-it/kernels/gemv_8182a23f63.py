@@ -1,1 +1,0 @@
-../../_kernels/gemv_8182a23f63.py

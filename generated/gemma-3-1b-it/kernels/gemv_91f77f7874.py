@@ -1,0 +1,1 @@
+../../_kernels/gemv_91f77f7874.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_b02b16c47c.py

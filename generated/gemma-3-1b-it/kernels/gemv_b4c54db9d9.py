@@ -1,0 +1,1 @@
+../../_kernels/gemv_b4c54db9d9.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_cf58239767.py

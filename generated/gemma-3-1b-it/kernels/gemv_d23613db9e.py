@@ -1,1 +1,0 @@
-../../_kernels/gemv_d23613db9e.py

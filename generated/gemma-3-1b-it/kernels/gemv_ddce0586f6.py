@@ -1,0 +1,1 @@
+../../_kernels/gemv_ddce0586f6.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_160dd14d1f.py

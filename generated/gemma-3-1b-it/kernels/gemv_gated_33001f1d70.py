@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_33001f1d70.py

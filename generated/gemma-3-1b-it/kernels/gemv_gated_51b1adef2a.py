@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_51b1adef2a.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_afd02bd0dd.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_b930dab618.py

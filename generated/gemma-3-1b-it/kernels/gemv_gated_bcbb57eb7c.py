@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_bcbb57eb7c.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_3b1f98fdd3.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_844f7c4f4e.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_91008795d0.py

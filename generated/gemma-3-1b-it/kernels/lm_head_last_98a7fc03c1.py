@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_98a7fc03c1.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_f34c24d6de.py

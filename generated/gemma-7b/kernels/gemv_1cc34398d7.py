@@ -1,0 +1,1 @@
+../../_kernels/gemv_1cc34398d7.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_241c26960d.py

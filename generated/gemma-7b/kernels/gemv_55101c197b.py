@@ -1,1 +1,0 @@
-../../_kernels/gemv_55101c197b.py

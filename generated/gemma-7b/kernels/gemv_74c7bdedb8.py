@@ -1,0 +1,1 @@
+../../_kernels/gemv_74c7bdedb8.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_9832db860a.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_b034397ceb.py

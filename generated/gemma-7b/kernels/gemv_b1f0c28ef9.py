@@ -1,1 +1,0 @@
-../../_kernels/gemv_b1f0c28ef9.py

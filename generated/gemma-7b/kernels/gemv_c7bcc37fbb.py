@@ -1,1 +1,0 @@
-../../_kernels/gemv_c7bcc37fbb.py

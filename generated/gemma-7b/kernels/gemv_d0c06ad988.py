@@ -1,0 +1,1 @@
+../../_kernels/gemv_d0c06ad988.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_db4ba8aa96.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_eacaaa673c.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_25665cd66e.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_784cd15c8a.py

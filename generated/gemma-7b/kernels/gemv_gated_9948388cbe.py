@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_9948388cbe.py

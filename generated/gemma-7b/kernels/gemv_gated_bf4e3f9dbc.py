@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_bf4e3f9dbc.py

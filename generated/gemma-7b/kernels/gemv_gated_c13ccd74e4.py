@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_c13ccd74e4.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_c3b9eba9c2.py

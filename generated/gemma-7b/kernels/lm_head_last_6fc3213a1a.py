@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_6fc3213a1a.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_dd09b205b4.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_e728066bd9.py

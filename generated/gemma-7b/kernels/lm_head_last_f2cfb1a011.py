@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_f2cfb1a011.py

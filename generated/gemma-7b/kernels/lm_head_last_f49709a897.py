@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_f49709a897.py

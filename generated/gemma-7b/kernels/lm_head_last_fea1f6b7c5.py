@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_fea1f6b7c5.py

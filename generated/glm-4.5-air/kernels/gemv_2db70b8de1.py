@@ -1,1 +1,0 @@
-../../_kernels/gemv_2db70b8de1.py

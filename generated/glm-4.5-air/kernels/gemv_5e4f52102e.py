@@ -1,1 +1,0 @@
-../../_kernels/gemv_5e4f52102e.py

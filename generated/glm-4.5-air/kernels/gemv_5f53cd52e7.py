@@ -1,0 +1,1 @@
+../../_kernels/gemv_5f53cd52e7.py

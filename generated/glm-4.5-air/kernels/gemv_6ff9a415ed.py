@@ -1,0 +1,1 @@
+../../_kernels/gemv_6ff9a415ed.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_80b480e054.py

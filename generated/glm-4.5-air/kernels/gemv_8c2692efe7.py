@@ -1,1 +1,0 @@
-../../_kernels/gemv_8c2692efe7.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_cdb9abf111.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_e210495d98.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_899d6d8787.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_8e94e4f26b.py

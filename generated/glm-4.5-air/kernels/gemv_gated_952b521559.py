@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_952b521559.py

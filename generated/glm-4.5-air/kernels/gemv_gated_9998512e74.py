@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_9998512e74.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_501c6a58f8.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_7ddb37df52.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_9ed54e46da.py

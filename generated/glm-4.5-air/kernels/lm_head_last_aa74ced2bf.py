@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_aa74ced2bf.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_eb6b4c00ab.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_12c021edeb.py

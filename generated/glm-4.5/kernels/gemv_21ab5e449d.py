@@ -1,0 +1,1 @@
+../../_kernels/gemv_21ab5e449d.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_4148d19a21.py

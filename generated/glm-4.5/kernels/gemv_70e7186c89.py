@@ -1,0 +1,1 @@
+../../_kernels/gemv_70e7186c89.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_737763ee28.py

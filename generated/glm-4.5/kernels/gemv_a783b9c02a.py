@@ -1,1 +1,0 @@
-../../_kernels/gemv_a783b9c02a.py

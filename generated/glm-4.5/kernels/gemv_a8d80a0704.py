@@ -1,1 +1,0 @@
-../../_kernels/gemv_a8d80a0704.py

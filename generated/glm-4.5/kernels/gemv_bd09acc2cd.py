@@ -1,1 +1,0 @@
-../../_kernels/gemv_bd09acc2cd.py

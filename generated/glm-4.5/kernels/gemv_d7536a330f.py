@@ -1,1 +1,0 @@
-../../_kernels/gemv_d7536a330f.py

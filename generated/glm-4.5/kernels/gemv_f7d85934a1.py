@@ -1,0 +1,1 @@
+../../_kernels/gemv_f7d85934a1.py

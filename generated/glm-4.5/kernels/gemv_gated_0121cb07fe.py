@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_0121cb07fe.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_472566e1fa.py

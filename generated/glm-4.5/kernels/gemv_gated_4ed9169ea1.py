@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_4ed9169ea1.py

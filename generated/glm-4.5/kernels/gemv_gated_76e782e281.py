@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_76e782e281.py

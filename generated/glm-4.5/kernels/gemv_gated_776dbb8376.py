@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_776dbb8376.py

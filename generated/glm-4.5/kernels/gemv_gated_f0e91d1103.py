@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_f0e91d1103.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_0da32880b5.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_23e59a7260.py

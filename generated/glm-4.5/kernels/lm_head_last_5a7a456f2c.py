@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_5a7a456f2c.py

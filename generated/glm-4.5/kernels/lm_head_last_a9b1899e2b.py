@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_a9b1899e2b.py

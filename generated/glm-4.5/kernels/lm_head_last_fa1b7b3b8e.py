@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_fa1b7b3b8e.py

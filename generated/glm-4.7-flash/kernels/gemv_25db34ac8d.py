@@ -1,0 +1,1 @@
+../../_kernels/gemv_25db34ac8d.py

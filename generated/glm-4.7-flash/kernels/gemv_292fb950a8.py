@@ -1,1 +1,0 @@
-../../_kernels/gemv_292fb950a8.py

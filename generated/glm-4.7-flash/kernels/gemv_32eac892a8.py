@@ -1,1 +1,0 @@
-../../_kernels/gemv_32eac892a8.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_54252f6d2d.py

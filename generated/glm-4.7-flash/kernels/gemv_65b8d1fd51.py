@@ -1,0 +1,1 @@
+../../_kernels/gemv_65b8d1fd51.py

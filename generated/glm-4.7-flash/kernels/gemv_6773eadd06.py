@@ -1,0 +1,1 @@
+../../_kernels/gemv_6773eadd06.py

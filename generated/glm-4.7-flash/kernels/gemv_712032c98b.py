@@ -1,0 +1,1 @@
+../../_kernels/gemv_712032c98b.py

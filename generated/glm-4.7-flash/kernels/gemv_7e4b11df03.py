@@ -1,1 +1,0 @@
-../../_kernels/gemv_7e4b11df03.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_9cbe410478.py

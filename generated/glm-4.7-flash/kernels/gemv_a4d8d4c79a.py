@@ -1,1 +1,0 @@
-../../_kernels/gemv_a4d8d4c79a.py

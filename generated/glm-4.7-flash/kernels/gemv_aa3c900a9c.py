@@ -1,0 +1,1 @@
+../../_kernels/gemv_aa3c900a9c.py

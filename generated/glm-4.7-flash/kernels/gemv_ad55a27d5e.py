@@ -1,1 +1,0 @@
-../../_kernels/gemv_ad55a27d5e.py

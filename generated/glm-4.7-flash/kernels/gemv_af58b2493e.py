@@ -1,1 +1,0 @@
-../../_kernels/gemv_af58b2493e.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_b69aff0adf.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_cbce1de6cb.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_d6e260586c.py

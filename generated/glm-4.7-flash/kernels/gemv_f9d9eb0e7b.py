@@ -1,0 +1,1 @@
+../../_kernels/gemv_f9d9eb0e7b.py

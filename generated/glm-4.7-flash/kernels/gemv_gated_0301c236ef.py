@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_0301c236ef.py

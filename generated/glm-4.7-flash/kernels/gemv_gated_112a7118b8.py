@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_112a7118b8.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_782cec7ea9.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_b29cc225a2.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_d384f54211.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_ea963eb9f7.py

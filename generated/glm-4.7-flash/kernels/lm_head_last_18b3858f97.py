@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_18b3858f97.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_3f9859aad7.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_c8a4454ab3.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_d846754ef5.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_fa273f638a.py

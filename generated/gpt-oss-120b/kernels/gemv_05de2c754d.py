@@ -1,0 +1,1 @@
+../../_kernels/gemv_05de2c754d.py

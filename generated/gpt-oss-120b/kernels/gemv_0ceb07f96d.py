@@ -1,1 +1,0 @@
-../../_kernels/gemv_0ceb07f96d.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_15810576ee.py

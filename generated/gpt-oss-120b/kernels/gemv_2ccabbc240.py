@@ -1,0 +1,1 @@
+../../_kernels/gemv_2ccabbc240.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_60e323fbd3.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_720d2dcf82.py

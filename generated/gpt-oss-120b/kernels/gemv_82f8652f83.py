@@ -1,0 +1,1 @@
+../../_kernels/gemv_82f8652f83.py

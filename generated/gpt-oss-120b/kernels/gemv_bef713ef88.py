@@ -1,0 +1,1 @@
+../../_kernels/gemv_bef713ef88.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_e0e7234832.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_1a74c52896.py

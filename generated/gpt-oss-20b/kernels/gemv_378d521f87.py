@@ -1,0 +1,1 @@
+../../_kernels/gemv_378d521f87.py

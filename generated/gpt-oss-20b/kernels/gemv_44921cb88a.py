@@ -1,1 +1,0 @@
-../../_kernels/gemv_44921cb88a.py

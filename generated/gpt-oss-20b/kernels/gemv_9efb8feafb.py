@@ -1,0 +1,1 @@
+../../_kernels/gemv_9efb8feafb.py

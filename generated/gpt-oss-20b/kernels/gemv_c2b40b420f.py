@@ -1,1 +1,0 @@
-../../_kernels/gemv_c2b40b420f.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_c9212cf4f6.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_d398272f0d.py

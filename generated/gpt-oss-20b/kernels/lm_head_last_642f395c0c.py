@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_642f395c0c.py

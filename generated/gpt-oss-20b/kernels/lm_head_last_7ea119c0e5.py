@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_7ea119c0e5.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_ad2aecf607.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_cbde1780a1.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_fa27f00334.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_3965ccab88.py

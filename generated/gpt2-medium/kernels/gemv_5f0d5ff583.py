@@ -1,0 +1,1 @@
+../../_kernels/gemv_5f0d5ff583.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_8aa564be6f.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_8f2889023d.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_ba61ba9f62.py

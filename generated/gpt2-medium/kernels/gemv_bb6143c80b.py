@@ -1,1 +1,0 @@
-../../_kernels/gemv_bb6143c80b.py

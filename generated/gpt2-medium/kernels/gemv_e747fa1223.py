@@ -1,1 +1,0 @@
-../../_kernels/gemv_e747fa1223.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_213360eed5.py

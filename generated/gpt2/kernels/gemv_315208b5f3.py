@@ -1,1 +1,0 @@
-../../_kernels/gemv_315208b5f3.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_98fdecadae.py

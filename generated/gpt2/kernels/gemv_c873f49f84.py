@@ -1,0 +1,1 @@
+../../_kernels/gemv_c873f49f84.py

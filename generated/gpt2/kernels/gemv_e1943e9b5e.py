@@ -1,0 +1,1 @@
+../../_kernels/gemv_e1943e9b5e.py

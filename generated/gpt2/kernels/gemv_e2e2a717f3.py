@@ -1,0 +1,1 @@
+../../_kernels/gemv_e2e2a717f3.py

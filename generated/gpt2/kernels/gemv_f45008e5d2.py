@@ -1,1 +1,0 @@
-../../_kernels/gemv_f45008e5d2.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_fb43c3a8fb.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_fcb796f3c7.py

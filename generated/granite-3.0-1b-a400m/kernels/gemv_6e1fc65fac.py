@@ -1,0 +1,1 @@
+../../_kernels/gemv_6e1fc65fac.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_8f4ffe4a13.py

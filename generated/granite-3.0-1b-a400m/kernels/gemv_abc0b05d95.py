@@ -1,1 +1,0 @@
-../../_kernels/gemv_abc0b05d95.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_bec589aa52.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_1ed08358a2.py

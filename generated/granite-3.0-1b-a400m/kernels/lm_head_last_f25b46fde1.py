@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_f25b46fde1.py

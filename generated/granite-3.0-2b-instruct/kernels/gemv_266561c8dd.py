@@ -1,0 +1,1 @@
+../../_kernels/gemv_266561c8dd.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_4a656496e1.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_a28a2efa92.py

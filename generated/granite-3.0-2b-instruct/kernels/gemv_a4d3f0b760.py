@@ -1,1 +1,0 @@
-../../_kernels/gemv_a4d3f0b760.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_dccacc8fba.py

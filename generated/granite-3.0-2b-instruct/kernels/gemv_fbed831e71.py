@@ -1,0 +1,1 @@
+../../_kernels/gemv_fbed831e71.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_4c1600fabb.py

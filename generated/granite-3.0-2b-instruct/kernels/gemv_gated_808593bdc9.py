@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_808593bdc9.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_a656d9baa7.py

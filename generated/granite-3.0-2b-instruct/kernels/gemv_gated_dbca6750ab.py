@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_dbca6750ab.py

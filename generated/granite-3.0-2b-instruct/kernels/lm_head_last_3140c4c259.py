@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_3140c4c259.py

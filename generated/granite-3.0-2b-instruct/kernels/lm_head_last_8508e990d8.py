@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_8508e990d8.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_99633b16e7.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_c2cd714681.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_305db15d08.py

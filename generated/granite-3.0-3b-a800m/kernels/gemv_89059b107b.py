@@ -1,1 +1,0 @@
-../../_kernels/gemv_89059b107b.py

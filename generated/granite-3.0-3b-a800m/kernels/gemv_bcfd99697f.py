@@ -1,1 +1,0 @@
-../../_kernels/gemv_bcfd99697f.py

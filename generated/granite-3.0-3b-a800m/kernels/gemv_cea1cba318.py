@@ -1,0 +1,1 @@
+../../_kernels/gemv_cea1cba318.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_dd2d92696a.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_f7f49aa4e3.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_fdf82aacf0.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_1253c955f6.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_8c9df5193f.py

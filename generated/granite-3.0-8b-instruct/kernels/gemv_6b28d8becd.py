@@ -1,1 +1,0 @@
-../../_kernels/gemv_6b28d8becd.py

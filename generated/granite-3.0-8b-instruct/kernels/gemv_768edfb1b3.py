@@ -1,0 +1,1 @@
+../../_kernels/gemv_768edfb1b3.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_91466f357e.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_b4c92b9e66.py

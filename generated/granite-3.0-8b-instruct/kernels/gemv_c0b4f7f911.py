@@ -1,0 +1,1 @@
+../../_kernels/gemv_c0b4f7f911.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_cd07450e87.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_2d38dcc3ee.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_6129147523.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_658f133399.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_74a62c45da.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_781f6fa1b0.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_f57c88ea9b.py

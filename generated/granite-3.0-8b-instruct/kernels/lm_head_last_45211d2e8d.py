@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_45211d2e8d.py

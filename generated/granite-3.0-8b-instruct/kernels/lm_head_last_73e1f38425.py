@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_73e1f38425.py

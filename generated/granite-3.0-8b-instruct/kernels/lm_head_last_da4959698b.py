@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_da4959698b.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_df6faec0f5.py

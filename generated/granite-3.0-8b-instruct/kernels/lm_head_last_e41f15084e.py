@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_e41f15084e.py

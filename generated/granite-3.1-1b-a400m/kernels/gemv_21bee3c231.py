@@ -1,0 +1,1 @@
+../../_kernels/gemv_21bee3c231.py

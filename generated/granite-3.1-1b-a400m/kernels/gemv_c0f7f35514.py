@@ -1,1 +1,0 @@
-../../_kernels/gemv_c0f7f35514.py

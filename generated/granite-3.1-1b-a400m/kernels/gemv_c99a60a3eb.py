@@ -1,1 +1,0 @@
-../../_kernels/gemv_c99a60a3eb.py

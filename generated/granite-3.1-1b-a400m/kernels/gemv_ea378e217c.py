@@ -1,0 +1,1 @@
+../../_kernels/gemv_ea378e217c.py

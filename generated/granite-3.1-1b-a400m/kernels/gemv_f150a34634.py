@@ -1,1 +1,0 @@
-../../_kernels/gemv_f150a34634.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_f33ba3e3ee.py

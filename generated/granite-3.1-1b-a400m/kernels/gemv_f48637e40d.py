@@ -1,0 +1,1 @@
+../../_kernels/gemv_f48637e40d.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_053f8d73d4.py

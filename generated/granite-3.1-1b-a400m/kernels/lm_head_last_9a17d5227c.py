@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_9a17d5227c.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_315babdffa.py

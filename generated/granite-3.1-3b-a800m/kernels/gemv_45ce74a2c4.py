@@ -1,0 +1,1 @@
+../../_kernels/gemv_45ce74a2c4.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_9aecaf4ea2.py

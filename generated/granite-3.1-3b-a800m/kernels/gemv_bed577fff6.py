@@ -1,1 +1,0 @@
-../../_kernels/gemv_bed577fff6.py

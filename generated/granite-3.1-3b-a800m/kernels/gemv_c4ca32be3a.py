@@ -1,1 +1,0 @@
-../../_kernels/gemv_c4ca32be3a.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_346250db6c.py

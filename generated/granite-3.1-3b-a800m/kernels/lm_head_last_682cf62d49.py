@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_682cf62d49.py

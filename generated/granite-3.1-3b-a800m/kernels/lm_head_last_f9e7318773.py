@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_f9e7318773.py

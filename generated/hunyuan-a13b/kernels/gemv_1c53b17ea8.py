@@ -1,1 +1,0 @@
-../../_kernels/gemv_1c53b17ea8.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_39f7d63631.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_5db6e8f127.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_8375a0440d.py

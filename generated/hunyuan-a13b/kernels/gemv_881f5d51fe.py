@@ -1,1 +1,0 @@
-../../_kernels/gemv_881f5d51fe.py

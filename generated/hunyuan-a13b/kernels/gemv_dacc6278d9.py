@@ -1,0 +1,1 @@
+../../_kernels/gemv_dacc6278d9.py

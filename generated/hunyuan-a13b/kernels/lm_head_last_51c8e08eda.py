@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_51c8e08eda.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_755403abb6.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_229073b6ed.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_4076e77d2f.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_61f8b746e0.py

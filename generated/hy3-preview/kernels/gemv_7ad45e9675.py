@@ -1,0 +1,1 @@
+../../_kernels/gemv_7ad45e9675.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_817d5a38eb.py

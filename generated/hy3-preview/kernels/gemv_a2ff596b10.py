@@ -1,0 +1,1 @@
+../../_kernels/gemv_a2ff596b10.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_b243e50104.py

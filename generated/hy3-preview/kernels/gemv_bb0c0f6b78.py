@@ -1,0 +1,1 @@
+../../_kernels/gemv_bb0c0f6b78.py

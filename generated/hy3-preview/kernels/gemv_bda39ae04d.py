@@ -1,1 +1,0 @@
-../../_kernels/gemv_bda39ae04d.py

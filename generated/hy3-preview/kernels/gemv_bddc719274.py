@@ -1,1 +1,0 @@
-../../_kernels/gemv_bddc719274.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_ca61d6f9ee.py

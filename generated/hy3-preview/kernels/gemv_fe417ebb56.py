@@ -1,0 +1,1 @@
+../../_kernels/gemv_fe417ebb56.py

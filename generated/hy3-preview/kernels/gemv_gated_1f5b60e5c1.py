@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_1f5b60e5c1.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_38a7b97324.py

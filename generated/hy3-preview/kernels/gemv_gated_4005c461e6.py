@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_4005c461e6.py

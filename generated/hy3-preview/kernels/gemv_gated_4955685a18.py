@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_4955685a18.py

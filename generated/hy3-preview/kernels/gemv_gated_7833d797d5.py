@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_7833d797d5.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_b6b3274cc1.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_2ed314f954.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_4ec8df5c90.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_5c2877e14d.py

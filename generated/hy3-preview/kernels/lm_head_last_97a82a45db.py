@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_97a82a45db.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_de10056294.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_19d988d31a.py

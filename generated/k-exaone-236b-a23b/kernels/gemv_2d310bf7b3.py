@@ -1,1 +1,0 @@
-../../_kernels/gemv_2d310bf7b3.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_3fca2839d1.py

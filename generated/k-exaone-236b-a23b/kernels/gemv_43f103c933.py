@@ -1,1 +1,0 @@
-../../_kernels/gemv_43f103c933.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_46b2cbe026.py

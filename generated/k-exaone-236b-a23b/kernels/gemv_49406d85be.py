@@ -1,0 +1,1 @@
+../../_kernels/gemv_49406d85be.py

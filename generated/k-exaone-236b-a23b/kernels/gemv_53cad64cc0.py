@@ -1,0 +1,1 @@
+../../_kernels/gemv_53cad64cc0.py

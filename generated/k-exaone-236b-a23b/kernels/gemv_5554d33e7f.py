@@ -1,0 +1,1 @@
+../../_kernels/gemv_5554d33e7f.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_5b730eaa02.py

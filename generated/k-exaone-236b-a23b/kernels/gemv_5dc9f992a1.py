@@ -1,0 +1,1 @@
+../../_kernels/gemv_5dc9f992a1.py

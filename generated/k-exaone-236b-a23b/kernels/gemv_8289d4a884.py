@@ -1,0 +1,1 @@
+../../_kernels/gemv_8289d4a884.py

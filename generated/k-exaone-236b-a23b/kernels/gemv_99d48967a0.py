@@ -1,1 +1,0 @@
-../../_kernels/gemv_99d48967a0.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_9be5aabc86.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_c64d0ebc4f.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_cb4f73a90b.py

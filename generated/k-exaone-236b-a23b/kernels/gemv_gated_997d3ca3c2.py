@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_997d3ca3c2.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_9a5c56c402.py

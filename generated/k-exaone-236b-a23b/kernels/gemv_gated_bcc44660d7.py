@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_bcc44660d7.py

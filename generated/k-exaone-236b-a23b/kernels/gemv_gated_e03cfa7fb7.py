@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_e03cfa7fb7.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_f013232abb.py

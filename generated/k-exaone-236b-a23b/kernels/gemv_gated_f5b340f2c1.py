@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_f5b340f2c1.py

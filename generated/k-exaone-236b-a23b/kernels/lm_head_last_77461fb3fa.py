@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_77461fb3fa.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_8432258f59.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_a1a661edab.py

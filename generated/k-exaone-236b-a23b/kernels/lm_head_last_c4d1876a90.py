@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_c4d1876a90.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_02e805bb84.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_17dae0221a.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_348685dc81.py

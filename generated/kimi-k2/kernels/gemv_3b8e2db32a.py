@@ -1,0 +1,1 @@
+../../_kernels/gemv_3b8e2db32a.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_41d2cc50cc.py

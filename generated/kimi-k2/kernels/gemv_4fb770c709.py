@@ -1,0 +1,1 @@
+../../_kernels/gemv_4fb770c709.py

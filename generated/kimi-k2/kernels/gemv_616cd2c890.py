@@ -1,1 +1,0 @@
-../../_kernels/gemv_616cd2c890.py

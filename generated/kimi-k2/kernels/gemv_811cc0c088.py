@@ -1,0 +1,1 @@
+../../_kernels/gemv_811cc0c088.py

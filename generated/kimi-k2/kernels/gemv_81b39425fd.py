@@ -1,1 +1,0 @@
-../../_kernels/gemv_81b39425fd.py

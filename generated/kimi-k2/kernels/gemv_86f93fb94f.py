@@ -1,1 +1,0 @@
-../../_kernels/gemv_86f93fb94f.py

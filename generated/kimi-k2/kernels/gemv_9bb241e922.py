@@ -1,1 +1,0 @@
-../../_kernels/gemv_9bb241e922.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_d0d5ae581d.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_da76cd3703.py

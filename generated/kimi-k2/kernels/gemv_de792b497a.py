@@ -1,1 +1,0 @@
-../../_kernels/gemv_de792b497a.py

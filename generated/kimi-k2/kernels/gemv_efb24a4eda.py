@@ -1,1 +1,0 @@
-../../_kernels/gemv_efb24a4eda.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_f1633d01cf.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_f1d9fd0683.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_f75449e05d.py

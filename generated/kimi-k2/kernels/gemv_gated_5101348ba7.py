@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_5101348ba7.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_7f335a2f73.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_f62be0173b.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_fdec93cf27.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_84653b621f.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_e784b9fda6.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_44108aebce.py

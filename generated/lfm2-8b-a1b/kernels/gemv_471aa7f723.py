@@ -1,0 +1,1 @@
+../../_kernels/gemv_471aa7f723.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_49decc8b4b.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_7b638a238a.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_99ab5e8de9.py

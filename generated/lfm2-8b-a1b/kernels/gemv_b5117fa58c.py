@@ -1,1 +1,0 @@
-../../_kernels/gemv_b5117fa58c.py

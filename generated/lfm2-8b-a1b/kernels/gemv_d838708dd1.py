@@ -1,0 +1,1 @@
+../../_kernels/gemv_d838708dd1.py

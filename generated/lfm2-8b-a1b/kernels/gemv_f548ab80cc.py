@@ -1,1 +1,0 @@
-../../_kernels/gemv_f548ab80cc.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_41a1f9df09.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_4fb0600ff1.py

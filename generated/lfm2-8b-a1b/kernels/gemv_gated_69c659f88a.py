@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_69c659f88a.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_8ab452c348.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_e35783c9e7.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_ff8c695367.py

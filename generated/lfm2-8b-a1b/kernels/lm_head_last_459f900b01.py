@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_459f900b01.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_4790e75921.py

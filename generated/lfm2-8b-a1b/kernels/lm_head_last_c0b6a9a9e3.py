@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_c0b6a9a9e3.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_f6c73c4631.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_24dda794ad.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_48b0c2d7aa.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_4f6d65ed60.py

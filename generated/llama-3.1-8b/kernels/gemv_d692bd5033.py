@@ -1,1 +1,0 @@
-../../_kernels/gemv_d692bd5033.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_edf141407f.py

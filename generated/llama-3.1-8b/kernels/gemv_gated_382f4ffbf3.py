@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_382f4ffbf3.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_485bb643d1.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_75aa48b6c4.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_9051da0fc0.py

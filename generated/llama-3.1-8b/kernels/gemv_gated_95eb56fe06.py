@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_95eb56fe06.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_c4d893d7e1.py

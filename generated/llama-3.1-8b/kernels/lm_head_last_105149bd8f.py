@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_105149bd8f.py

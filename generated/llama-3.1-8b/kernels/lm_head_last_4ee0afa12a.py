@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_4ee0afa12a.py

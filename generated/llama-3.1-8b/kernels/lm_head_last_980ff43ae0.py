@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_980ff43ae0.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_c3b2f86dda.py

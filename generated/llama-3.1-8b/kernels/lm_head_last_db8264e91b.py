@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_db8264e91b.py

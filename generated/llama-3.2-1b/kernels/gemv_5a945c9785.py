@@ -1,0 +1,1 @@
+../../_kernels/gemv_5a945c9785.py

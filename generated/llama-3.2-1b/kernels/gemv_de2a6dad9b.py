@@ -1,0 +1,1 @@
+../../_kernels/gemv_de2a6dad9b.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_5923698e81.py

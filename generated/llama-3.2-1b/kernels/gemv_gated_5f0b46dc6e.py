@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_5f0b46dc6e.py

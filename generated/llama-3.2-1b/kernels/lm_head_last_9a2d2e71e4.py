@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_9a2d2e71e4.py

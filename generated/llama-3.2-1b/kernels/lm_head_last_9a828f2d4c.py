@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_9a828f2d4c.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_dcdc733061.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_ff8fa2621a.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_27ddc66276.py

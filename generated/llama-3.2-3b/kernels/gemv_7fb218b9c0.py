@@ -1,1 +1,0 @@
-../../_kernels/gemv_7fb218b9c0.py

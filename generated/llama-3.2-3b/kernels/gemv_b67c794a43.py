@@ -1,0 +1,1 @@
+../../_kernels/gemv_b67c794a43.py

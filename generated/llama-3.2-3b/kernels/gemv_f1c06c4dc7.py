@@ -1,1 +1,0 @@
-../../_kernels/gemv_f1c06c4dc7.py

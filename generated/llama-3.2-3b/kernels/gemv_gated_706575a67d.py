@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_706575a67d.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_bf281ea777.py

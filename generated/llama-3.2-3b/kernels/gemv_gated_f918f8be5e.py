@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_f918f8be5e.py

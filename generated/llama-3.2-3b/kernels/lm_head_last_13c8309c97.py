@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_13c8309c97.py

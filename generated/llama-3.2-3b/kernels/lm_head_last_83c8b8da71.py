@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_83c8b8da71.py

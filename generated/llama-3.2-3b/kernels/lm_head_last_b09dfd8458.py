@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_b09dfd8458.py

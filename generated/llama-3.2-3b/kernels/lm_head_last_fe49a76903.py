@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_fe49a76903.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_12a023d965.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_13bec16778.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_1bae964e1d.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_2ac7b9c9a3.py

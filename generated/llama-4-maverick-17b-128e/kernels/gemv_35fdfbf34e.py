@@ -1,0 +1,1 @@
+../../_kernels/gemv_35fdfbf34e.py

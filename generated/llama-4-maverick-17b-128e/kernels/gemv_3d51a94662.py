@@ -1,0 +1,1 @@
+../../_kernels/gemv_3d51a94662.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_51e60005d0.py

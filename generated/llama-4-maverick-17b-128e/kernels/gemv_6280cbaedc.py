@@ -1,1 +1,0 @@
-../../_kernels/gemv_6280cbaedc.py

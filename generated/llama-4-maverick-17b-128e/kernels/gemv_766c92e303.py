@@ -1,0 +1,1 @@
+../../_kernels/gemv_766c92e303.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_8d3380bcb8.py

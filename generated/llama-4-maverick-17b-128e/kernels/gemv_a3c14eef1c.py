@@ -1,1 +1,0 @@
-../../_kernels/gemv_a3c14eef1c.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_a483e3c179.py

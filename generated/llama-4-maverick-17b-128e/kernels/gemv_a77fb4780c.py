@@ -1,0 +1,1 @@
+../../_kernels/gemv_a77fb4780c.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_cef15a7eb0.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_0c4d1050dc.py

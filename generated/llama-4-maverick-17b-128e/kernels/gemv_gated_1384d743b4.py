@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_1384d743b4.py

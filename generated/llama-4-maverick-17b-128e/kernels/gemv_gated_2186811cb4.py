@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_2186811cb4.py

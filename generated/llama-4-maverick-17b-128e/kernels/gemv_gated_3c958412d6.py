@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_3c958412d6.py

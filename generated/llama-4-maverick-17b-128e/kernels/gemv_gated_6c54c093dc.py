@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_6c54c093dc.py

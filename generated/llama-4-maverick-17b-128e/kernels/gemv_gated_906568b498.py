@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_906568b498.py

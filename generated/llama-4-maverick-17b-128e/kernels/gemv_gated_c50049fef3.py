@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_c50049fef3.py

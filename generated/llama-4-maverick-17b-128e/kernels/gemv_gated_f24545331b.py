@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_f24545331b.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_175afe34a8.py

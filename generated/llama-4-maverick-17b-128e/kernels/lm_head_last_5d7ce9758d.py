@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_5d7ce9758d.py

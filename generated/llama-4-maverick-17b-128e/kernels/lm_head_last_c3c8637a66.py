@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_c3c8637a66.py

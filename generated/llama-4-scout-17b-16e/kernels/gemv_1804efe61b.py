@@ -1,1 +1,0 @@
-../../_kernels/gemv_1804efe61b.py

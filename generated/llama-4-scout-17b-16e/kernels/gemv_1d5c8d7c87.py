@@ -1,0 +1,1 @@
+../../_kernels/gemv_1d5c8d7c87.py

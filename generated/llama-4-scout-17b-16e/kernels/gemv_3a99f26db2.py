@@ -1,0 +1,1 @@
+../../_kernels/gemv_3a99f26db2.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_56cad17b4d.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_a45be712db.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_c5b26392f6.py

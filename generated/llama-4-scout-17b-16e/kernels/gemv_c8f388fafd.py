@@ -1,1 +1,0 @@
-../../_kernels/gemv_c8f388fafd.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_f30d1aedfc.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_44a3754091.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_7ba73ae0ac.py

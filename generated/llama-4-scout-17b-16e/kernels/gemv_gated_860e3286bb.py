@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_860e3286bb.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_c31cf008d5.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_3862d7995c.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_5fe6e86b36.py

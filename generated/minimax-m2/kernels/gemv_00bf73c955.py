@@ -1,1 +1,0 @@
-../../_kernels/gemv_00bf73c955.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_1ab713fa0a.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_1ee544c12f.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_2e6ea83047.py

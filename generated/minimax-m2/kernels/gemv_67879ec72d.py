@@ -1,1 +1,0 @@
-../../_kernels/gemv_67879ec72d.py

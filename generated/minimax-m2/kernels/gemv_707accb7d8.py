@@ -1,0 +1,1 @@
+../../_kernels/gemv_707accb7d8.py

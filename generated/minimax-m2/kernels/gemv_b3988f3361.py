@@ -1,0 +1,1 @@
+../../_kernels/gemv_b3988f3361.py

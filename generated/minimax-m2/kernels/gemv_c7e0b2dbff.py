@@ -1,0 +1,1 @@
+../../_kernels/gemv_c7e0b2dbff.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_e0508690b7.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_3bc7815959.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_5b456e20d1.py

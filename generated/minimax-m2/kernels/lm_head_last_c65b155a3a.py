@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_c65b155a3a.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_e3c22ca175.py

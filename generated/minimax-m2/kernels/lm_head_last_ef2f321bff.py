@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_ef2f321bff.py

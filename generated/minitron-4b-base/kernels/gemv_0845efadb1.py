@@ -1,1 +1,0 @@
-../../_kernels/gemv_0845efadb1.py

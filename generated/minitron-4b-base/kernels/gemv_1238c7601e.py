@@ -1,1 +1,0 @@
-../../_kernels/gemv_1238c7601e.py

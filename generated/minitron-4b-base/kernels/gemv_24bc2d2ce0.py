@@ -1,0 +1,1 @@
+../../_kernels/gemv_24bc2d2ce0.py

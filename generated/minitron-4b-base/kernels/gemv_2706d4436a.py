@@ -1,0 +1,1 @@
+../../_kernels/gemv_2706d4436a.py

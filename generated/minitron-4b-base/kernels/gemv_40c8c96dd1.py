@@ -1,0 +1,1 @@
+../../_kernels/gemv_40c8c96dd1.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_421bf4b53e.py

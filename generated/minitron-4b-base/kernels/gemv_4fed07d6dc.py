@@ -1,1 +1,0 @@
-../../_kernels/gemv_4fed07d6dc.py

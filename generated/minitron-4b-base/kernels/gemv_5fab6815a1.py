@@ -1,0 +1,1 @@
+../../_kernels/gemv_5fab6815a1.py

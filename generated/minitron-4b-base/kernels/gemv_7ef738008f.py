@@ -1,0 +1,1 @@
+../../_kernels/gemv_7ef738008f.py

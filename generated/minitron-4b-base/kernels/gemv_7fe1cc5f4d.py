@@ -1,0 +1,1 @@
+../../_kernels/gemv_7fe1cc5f4d.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_a86a3f4905.py

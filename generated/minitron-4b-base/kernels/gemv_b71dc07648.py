@@ -1,0 +1,1 @@
+../../_kernels/gemv_b71dc07648.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_b78e72402f.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_fd7edc31b9.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_fdf5b1c65d.py

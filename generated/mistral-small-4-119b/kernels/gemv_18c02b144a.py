@@ -1,1 +1,0 @@
-../../_kernels/gemv_18c02b144a.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_4507e75dc9.py

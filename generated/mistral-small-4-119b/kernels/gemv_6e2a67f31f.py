@@ -1,1 +1,0 @@
-../../_kernels/gemv_6e2a67f31f.py

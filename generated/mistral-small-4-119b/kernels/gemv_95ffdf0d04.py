@@ -1,0 +1,1 @@
+../../_kernels/gemv_95ffdf0d04.py

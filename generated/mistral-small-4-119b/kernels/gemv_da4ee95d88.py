@@ -1,1 +1,0 @@
-../../_kernels/gemv_da4ee95d88.py

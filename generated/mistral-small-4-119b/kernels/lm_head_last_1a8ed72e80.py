@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_1a8ed72e80.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_7794c967de.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_8205bdd83a.py

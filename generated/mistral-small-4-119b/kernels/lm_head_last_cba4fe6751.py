@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_cba4fe6751.py

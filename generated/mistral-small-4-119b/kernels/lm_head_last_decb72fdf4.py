@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_decb72fdf4.py

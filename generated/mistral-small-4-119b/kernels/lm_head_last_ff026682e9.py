@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_ff026682e9.py

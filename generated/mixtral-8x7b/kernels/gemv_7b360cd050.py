@@ -1,0 +1,1 @@
+../../_kernels/gemv_7b360cd050.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_b7af7912e4.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_d1a90497d0.py

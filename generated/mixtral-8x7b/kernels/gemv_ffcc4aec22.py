@@ -1,0 +1,1 @@
+../../_kernels/gemv_ffcc4aec22.py

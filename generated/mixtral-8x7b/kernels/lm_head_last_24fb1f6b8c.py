@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_24fb1f6b8c.py

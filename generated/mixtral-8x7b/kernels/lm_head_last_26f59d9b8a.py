@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_26f59d9b8a.py

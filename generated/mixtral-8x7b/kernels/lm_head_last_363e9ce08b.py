@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_363e9ce08b.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_3b1cd30c41.py

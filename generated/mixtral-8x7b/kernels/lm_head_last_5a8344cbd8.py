@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_5a8344cbd8.py

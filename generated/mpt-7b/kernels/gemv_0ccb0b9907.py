@@ -1,0 +1,1 @@
+../../_kernels/gemv_0ccb0b9907.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_158c165c65.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_a26d777298.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_cab32b4a4a.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_f195fd6485.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_f5a6dfd338.py

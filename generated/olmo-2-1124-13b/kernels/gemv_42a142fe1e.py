@@ -1,0 +1,1 @@
+../../_kernels/gemv_42a142fe1e.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_c2fdd0d784.py

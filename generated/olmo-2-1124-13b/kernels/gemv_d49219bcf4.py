@@ -1,0 +1,1 @@
+../../_kernels/gemv_d49219bcf4.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_fb0de96933.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_26288505d2.py

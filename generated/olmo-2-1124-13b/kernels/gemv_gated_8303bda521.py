@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_8303bda521.py

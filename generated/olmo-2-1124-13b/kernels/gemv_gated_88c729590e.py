@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_88c729590e.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_80fb5b2a37.py

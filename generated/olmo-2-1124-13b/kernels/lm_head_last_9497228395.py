@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_9497228395.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_d7b4116c23.py

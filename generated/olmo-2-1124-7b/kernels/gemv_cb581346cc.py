@@ -1,0 +1,1 @@
+../../_kernels/gemv_cb581346cc.py

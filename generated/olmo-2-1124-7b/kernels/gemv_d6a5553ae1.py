@@ -1,1 +1,0 @@
-../../_kernels/gemv_d6a5553ae1.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_3800bbc437.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_3ca65fe413.py

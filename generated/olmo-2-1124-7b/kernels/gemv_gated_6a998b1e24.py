@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_6a998b1e24.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_f1db89b4d0.py

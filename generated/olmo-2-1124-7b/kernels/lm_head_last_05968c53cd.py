@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_05968c53cd.py

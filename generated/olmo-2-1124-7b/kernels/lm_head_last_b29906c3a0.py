@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_b29906c3a0.py

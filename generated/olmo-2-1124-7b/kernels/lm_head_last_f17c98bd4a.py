@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_f17c98bd4a.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_48b34c9c13.py

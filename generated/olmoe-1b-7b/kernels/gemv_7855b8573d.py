@@ -1,0 +1,1 @@
+../../_kernels/gemv_7855b8573d.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_7ea12a9824.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_b3fc6ec3e6.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_b4b78006e5.py

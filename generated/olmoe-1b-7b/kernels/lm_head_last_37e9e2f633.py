@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_37e9e2f633.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_5e5501d5c0.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_ea7dc335dc.py

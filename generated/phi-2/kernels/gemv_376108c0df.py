@@ -1,1 +1,0 @@
-../../_kernels/gemv_376108c0df.py

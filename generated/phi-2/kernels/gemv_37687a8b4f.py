@@ -1,1 +1,0 @@
-../../_kernels/gemv_37687a8b4f.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_4b0f5fee95.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_5f83efb4ca.py

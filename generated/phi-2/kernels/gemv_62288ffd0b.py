@@ -1,0 +1,1 @@
+../../_kernels/gemv_62288ffd0b.py

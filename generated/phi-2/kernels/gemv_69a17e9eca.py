@@ -1,0 +1,1 @@
+../../_kernels/gemv_69a17e9eca.py

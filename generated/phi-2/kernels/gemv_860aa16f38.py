@@ -1,1 +1,0 @@
-../../_kernels/gemv_860aa16f38.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_9ea4413f74.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_a4a221aec7.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_a776d21305.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_b7d0aeb660.py

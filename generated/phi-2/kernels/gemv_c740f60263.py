@@ -1,0 +1,1 @@
+../../_kernels/gemv_c740f60263.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_d4ff8dca10.py

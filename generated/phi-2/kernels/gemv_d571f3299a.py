@@ -1,0 +1,1 @@
+../../_kernels/gemv_d571f3299a.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_e968da023b.py

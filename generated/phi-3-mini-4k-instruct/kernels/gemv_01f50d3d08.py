@@ -1,1 +1,0 @@
-../../_kernels/gemv_01f50d3d08.py

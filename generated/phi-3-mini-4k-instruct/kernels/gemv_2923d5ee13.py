@@ -1,0 +1,1 @@
+../../_kernels/gemv_2923d5ee13.py

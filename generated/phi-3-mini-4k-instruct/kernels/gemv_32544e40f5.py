@@ -1,0 +1,1 @@
+../../_kernels/gemv_32544e40f5.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_8c94c5cd72.py

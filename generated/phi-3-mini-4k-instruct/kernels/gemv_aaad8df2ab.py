@@ -1,1 +1,0 @@
-../../_kernels/gemv_aaad8df2ab.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_b9a7d36707.py

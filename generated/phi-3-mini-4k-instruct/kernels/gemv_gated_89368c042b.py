@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_89368c042b.py

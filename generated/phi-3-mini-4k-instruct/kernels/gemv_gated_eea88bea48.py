@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_eea88bea48.py

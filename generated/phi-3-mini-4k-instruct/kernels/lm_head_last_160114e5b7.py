@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_160114e5b7.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_1b7c9443fb.py

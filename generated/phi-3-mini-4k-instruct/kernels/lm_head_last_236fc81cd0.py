@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_236fc81cd0.py

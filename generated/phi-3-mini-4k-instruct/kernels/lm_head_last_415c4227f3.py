@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_415c4227f3.py

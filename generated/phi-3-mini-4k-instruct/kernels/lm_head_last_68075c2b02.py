@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_68075c2b02.py

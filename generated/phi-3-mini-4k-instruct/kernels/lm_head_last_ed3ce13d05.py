@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_ed3ce13d05.py

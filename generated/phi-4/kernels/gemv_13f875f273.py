@@ -1,1 +1,0 @@
-../../_kernels/gemv_13f875f273.py

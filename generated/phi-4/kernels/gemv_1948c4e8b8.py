@@ -1,0 +1,1 @@
+../../_kernels/gemv_1948c4e8b8.py

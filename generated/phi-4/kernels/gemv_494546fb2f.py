@@ -1,1 +1,0 @@
-../../_kernels/gemv_494546fb2f.py

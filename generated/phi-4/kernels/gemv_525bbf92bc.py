@@ -1,1 +1,0 @@
-../../_kernels/gemv_525bbf92bc.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_5ad49204b6.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_95ba3382ba.py

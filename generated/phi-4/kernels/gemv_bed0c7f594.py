@@ -1,0 +1,1 @@
+../../_kernels/gemv_bed0c7f594.py

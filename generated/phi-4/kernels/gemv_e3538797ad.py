@@ -1,0 +1,1 @@
+../../_kernels/gemv_e3538797ad.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_e5d25404c5.py

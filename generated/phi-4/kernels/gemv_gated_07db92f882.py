@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_07db92f882.py

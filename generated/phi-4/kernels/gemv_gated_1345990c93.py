@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_1345990c93.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_1e4692e7bd.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_60e876fdc7.py

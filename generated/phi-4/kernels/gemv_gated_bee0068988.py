@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_bee0068988.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_c03cbf0fed.py

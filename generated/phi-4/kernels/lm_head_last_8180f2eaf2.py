@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_8180f2eaf2.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_8db6d4bc32.py

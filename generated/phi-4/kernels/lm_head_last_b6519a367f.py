@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_b6519a367f.py

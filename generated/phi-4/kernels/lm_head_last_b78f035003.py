@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_b78f035003.py

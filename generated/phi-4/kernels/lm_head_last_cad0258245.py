@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_cad0258245.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_1c5f9df240.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_579bcb1411.py

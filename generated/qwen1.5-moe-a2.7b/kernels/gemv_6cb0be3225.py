@@ -1,0 +1,1 @@
+../../_kernels/gemv_6cb0be3225.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_72ac3834d0.py

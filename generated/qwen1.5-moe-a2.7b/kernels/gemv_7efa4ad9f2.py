@@ -1,1 +1,0 @@
-../../_kernels/gemv_7efa4ad9f2.py

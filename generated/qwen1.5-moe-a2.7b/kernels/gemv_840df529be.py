@@ -1,1 +1,0 @@
-../../_kernels/gemv_840df529be.py

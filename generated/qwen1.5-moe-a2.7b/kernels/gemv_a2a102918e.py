@@ -1,0 +1,1 @@
+../../_kernels/gemv_a2a102918e.py

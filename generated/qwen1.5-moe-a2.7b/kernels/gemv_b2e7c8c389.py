@@ -1,0 +1,1 @@
+../../_kernels/gemv_b2e7c8c389.py

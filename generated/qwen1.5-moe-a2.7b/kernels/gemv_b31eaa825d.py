@@ -1,1 +1,0 @@
-../../_kernels/gemv_b31eaa825d.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_3dd63cee62.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_8bf77c67ec.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_e885a03aa7.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_e0daa38a3b.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_095cc27482.py

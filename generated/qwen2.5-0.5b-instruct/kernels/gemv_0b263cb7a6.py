@@ -1,0 +1,1 @@
+../../_kernels/gemv_0b263cb7a6.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_324488f76a.py

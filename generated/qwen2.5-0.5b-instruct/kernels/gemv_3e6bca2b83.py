@@ -1,0 +1,1 @@
+../../_kernels/gemv_3e6bca2b83.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_63b01f02fc.py

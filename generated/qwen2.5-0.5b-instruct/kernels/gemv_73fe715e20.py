@@ -1,0 +1,1 @@
+../../_kernels/gemv_73fe715e20.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_8bed046212.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_a0f8de3825.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_a679ea51c9.py

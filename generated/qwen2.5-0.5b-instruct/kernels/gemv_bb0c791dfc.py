@@ -1,1 +1,0 @@
-../../_kernels/gemv_bb0c791dfc.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_ebdd513b7a.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_fc6e1caece.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_44752f43e1.py

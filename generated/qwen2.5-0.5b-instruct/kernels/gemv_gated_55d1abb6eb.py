@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_55d1abb6eb.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_7c8f530206.py

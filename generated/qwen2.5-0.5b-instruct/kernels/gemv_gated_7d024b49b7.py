@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_7d024b49b7.py

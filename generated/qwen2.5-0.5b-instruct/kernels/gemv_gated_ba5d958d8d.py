@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_ba5d958d8d.py

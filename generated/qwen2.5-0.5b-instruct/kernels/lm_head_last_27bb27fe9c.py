@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_27bb27fe9c.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_46aea49537.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_9634f258e9.py

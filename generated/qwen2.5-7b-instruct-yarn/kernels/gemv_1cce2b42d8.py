@@ -1,1 +1,0 @@
-../../_kernels/gemv_1cce2b42d8.py

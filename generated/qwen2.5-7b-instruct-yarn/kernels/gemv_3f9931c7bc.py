@@ -1,0 +1,1 @@
+../../_kernels/gemv_3f9931c7bc.py

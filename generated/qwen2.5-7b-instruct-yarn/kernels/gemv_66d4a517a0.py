@@ -1,1 +1,0 @@
-../../_kernels/gemv_66d4a517a0.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_c99c3b2c7f.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_db8ab58fbc.py

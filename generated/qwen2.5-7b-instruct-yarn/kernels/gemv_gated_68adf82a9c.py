@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_68adf82a9c.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_f3f90e8f8e.py

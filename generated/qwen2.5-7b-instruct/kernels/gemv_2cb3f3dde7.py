@@ -1,0 +1,1 @@
+../../_kernels/gemv_2cb3f3dde7.py

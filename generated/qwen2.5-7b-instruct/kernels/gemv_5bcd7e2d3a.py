@@ -1,1 +1,0 @@
-../../_kernels/gemv_5bcd7e2d3a.py

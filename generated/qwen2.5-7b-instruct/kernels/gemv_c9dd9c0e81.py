@@ -1,0 +1,1 @@
+../../_kernels/gemv_c9dd9c0e81.py

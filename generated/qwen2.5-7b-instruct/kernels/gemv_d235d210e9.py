@@ -1,0 +1,1 @@
+../../_kernels/gemv_d235d210e9.py

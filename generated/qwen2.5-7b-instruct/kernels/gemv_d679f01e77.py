@@ -1,1 +1,0 @@
-../../_kernels/gemv_d679f01e77.py

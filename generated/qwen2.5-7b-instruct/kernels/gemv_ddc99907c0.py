@@ -1,0 +1,1 @@
+../../_kernels/gemv_ddc99907c0.py

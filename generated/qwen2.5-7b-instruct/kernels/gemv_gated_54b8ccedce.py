@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_54b8ccedce.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_5aec904982.py

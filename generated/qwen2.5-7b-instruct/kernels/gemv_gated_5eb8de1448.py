@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_5eb8de1448.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_d1331e1db4.py

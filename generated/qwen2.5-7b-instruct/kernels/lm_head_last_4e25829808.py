@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_4e25829808.py

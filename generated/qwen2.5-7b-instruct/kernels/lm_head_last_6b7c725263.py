@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_6b7c725263.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_8dc02d3272.py

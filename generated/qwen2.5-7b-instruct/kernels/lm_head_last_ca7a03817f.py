@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_ca7a03817f.py

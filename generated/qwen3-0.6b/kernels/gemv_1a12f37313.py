@@ -1,0 +1,1 @@
+../../_kernels/gemv_1a12f37313.py

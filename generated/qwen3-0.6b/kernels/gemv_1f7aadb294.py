@@ -1,1 +1,0 @@
-../../_kernels/gemv_1f7aadb294.py

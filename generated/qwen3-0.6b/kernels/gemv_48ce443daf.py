@@ -1,0 +1,1 @@
+../../_kernels/gemv_48ce443daf.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_4c9a968693.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_5eba24b9aa.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_64db59275d.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_943a00c722.py

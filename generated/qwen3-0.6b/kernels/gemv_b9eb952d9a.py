@@ -1,0 +1,1 @@
+../../_kernels/gemv_b9eb952d9a.py

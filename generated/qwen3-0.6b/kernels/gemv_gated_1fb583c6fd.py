@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_1fb583c6fd.py

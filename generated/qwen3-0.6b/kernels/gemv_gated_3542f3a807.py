@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_3542f3a807.py

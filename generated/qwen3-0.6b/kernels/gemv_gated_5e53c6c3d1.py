@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_5e53c6c3d1.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_c1cd373e7f.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_46fa649106.py

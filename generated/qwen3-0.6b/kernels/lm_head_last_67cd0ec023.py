@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_67cd0ec023.py

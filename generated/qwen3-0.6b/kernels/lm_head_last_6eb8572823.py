@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_6eb8572823.py

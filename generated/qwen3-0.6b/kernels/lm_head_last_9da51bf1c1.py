@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_9da51bf1c1.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_b8f14089ed.py

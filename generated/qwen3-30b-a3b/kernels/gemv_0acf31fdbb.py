@@ -1,0 +1,1 @@
+../../_kernels/gemv_0acf31fdbb.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_1b73565efa.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_1e5543b6ab.py

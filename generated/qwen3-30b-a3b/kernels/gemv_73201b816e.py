@@ -1,1 +1,0 @@
-../../_kernels/gemv_73201b816e.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_7c1231e875.py

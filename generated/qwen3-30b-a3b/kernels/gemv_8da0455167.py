@@ -1,1 +1,0 @@
-../../_kernels/gemv_8da0455167.py

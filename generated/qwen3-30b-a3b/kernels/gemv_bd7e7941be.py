@@ -1,1 +1,0 @@
-../../_kernels/gemv_bd7e7941be.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_d37dc93844.py

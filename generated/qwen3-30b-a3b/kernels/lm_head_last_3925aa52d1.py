@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_3925aa52d1.py

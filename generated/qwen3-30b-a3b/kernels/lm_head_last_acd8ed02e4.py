@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_acd8ed02e4.py

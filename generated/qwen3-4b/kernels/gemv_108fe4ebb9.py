@@ -1,0 +1,1 @@
+../../_kernels/gemv_108fe4ebb9.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_10d3c27e68.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_1200ce82dc.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_44ebf49842.py

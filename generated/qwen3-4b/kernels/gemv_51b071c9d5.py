@@ -1,1 +1,0 @@
-../../_kernels/gemv_51b071c9d5.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_549bcd7ea3.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_6e2a306328.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_7a193bfc4d.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_8b02ea117c.py

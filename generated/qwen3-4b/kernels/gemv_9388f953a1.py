@@ -1,1 +1,0 @@
-../../_kernels/gemv_9388f953a1.py

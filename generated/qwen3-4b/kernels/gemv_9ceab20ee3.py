@@ -1,1 +1,0 @@
-../../_kernels/gemv_9ceab20ee3.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_9fd2163087.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_a169e62c7d.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_6b154faf75.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_7ddc9f5709.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_8e93378ae2.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_b1a72fa5e0.py

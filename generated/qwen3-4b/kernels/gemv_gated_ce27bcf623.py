@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_ce27bcf623.py

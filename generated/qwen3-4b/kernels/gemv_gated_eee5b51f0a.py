@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_eee5b51f0a.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_1ac132f229.py

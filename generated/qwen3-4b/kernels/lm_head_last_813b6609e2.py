@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_813b6609e2.py

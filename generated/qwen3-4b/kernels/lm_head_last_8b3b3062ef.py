@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_8b3b3062ef.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_8be8219573.py

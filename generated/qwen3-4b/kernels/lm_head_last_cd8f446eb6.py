@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_cd8f446eb6.py

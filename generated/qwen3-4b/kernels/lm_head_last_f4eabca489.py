@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_f4eabca489.py

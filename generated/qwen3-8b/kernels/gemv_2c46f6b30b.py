@@ -1,1 +1,0 @@
-../../_kernels/gemv_2c46f6b30b.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_2d272a3bc7.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_5ce889f7cf.py

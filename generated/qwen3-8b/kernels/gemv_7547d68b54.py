@@ -1,0 +1,1 @@
+../../_kernels/gemv_7547d68b54.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_f2ef4d77a8.py

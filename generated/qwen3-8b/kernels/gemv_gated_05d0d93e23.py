@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_05d0d93e23.py

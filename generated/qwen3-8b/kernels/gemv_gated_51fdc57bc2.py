@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_51fdc57bc2.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_541bc08877.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_714706d36d.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_7d3c86b780.py

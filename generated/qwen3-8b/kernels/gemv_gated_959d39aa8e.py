@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_959d39aa8e.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_1bbe3dae43.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_8f047b2e88.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_e88c57b318.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_f62f774f8e.py

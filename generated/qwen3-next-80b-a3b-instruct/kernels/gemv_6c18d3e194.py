@@ -1,0 +1,1 @@
+../../_kernels/gemv_6c18d3e194.py

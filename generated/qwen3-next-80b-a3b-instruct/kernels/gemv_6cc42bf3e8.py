@@ -1,1 +1,0 @@
-../../_kernels/gemv_6cc42bf3e8.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_8cd9bb2008.py

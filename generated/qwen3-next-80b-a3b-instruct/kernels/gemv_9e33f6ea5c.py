@@ -1,1 +1,0 @@
-../../_kernels/gemv_9e33f6ea5c.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_a787cfbe4a.py

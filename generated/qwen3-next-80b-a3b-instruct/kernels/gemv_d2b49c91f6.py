@@ -1,1 +1,0 @@
-../../_kernels/gemv_d2b49c91f6.py

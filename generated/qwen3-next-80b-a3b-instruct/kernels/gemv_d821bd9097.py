@@ -1,0 +1,1 @@
+../../_kernels/gemv_d821bd9097.py

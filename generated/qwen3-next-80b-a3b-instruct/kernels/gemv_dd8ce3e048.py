@@ -1,1 +1,0 @@
-../../_kernels/gemv_dd8ce3e048.py

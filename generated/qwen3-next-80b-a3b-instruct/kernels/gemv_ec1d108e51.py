@@ -1,0 +1,1 @@
+../../_kernels/gemv_ec1d108e51.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_f04e190fa4.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_f200eb8fe2.py

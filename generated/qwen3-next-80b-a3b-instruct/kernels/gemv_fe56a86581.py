@@ -1,1 +1,0 @@
-../../_kernels/gemv_fe56a86581.py

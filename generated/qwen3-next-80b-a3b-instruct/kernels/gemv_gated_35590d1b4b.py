@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_35590d1b4b.py

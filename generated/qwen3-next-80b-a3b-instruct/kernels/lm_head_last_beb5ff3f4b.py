@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_beb5ff3f4b.py

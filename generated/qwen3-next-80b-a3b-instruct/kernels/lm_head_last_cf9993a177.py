@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_cf9993a177.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_d21a07df47.py

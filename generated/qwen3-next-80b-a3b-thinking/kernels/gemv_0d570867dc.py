@@ -1,1 +1,0 @@
-../../_kernels/gemv_0d570867dc.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_18ed093933.py

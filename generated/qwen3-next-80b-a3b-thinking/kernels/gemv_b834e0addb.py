@@ -1,0 +1,1 @@
+../../_kernels/gemv_b834e0addb.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_f14bdec446.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_047c481f90.py

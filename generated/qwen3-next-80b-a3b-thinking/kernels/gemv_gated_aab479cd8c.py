@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_aab479cd8c.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_dd272d4f0b.py

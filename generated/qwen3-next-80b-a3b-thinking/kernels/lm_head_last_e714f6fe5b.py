@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_e714f6fe5b.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_10d2e2d792.py

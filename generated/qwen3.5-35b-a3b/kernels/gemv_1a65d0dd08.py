@@ -1,0 +1,1 @@
+../../_kernels/gemv_1a65d0dd08.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_22b6f8a4c4.py

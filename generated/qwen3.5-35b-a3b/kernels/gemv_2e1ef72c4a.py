@@ -1,0 +1,1 @@
+../../_kernels/gemv_2e1ef72c4a.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_4fd46230d6.py

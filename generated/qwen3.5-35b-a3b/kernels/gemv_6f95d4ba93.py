@@ -1,1 +1,0 @@
-../../_kernels/gemv_6f95d4ba93.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_b00056bd6e.py

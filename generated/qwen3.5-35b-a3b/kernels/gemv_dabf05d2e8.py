@@ -1,1 +1,0 @@
-../../_kernels/gemv_dabf05d2e8.py

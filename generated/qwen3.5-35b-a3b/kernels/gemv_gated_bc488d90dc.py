@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_bc488d90dc.py

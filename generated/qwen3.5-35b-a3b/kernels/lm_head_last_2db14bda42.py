@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_2db14bda42.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_355335ad45.py

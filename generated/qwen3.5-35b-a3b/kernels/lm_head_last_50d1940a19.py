@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_50d1940a19.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_93a7d2a542.py

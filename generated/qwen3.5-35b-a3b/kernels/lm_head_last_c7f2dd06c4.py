@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_c7f2dd06c4.py

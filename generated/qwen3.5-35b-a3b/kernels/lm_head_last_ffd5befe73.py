@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_ffd5befe73.py

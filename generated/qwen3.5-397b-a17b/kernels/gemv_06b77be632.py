@@ -1,0 +1,1 @@
+../../_kernels/gemv_06b77be632.py

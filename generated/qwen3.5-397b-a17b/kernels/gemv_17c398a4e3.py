@@ -1,0 +1,1 @@
+../../_kernels/gemv_17c398a4e3.py

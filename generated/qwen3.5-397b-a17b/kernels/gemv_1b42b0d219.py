@@ -1,0 +1,1 @@
+../../_kernels/gemv_1b42b0d219.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_27b6faf548.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_49b6ac7bf3.py

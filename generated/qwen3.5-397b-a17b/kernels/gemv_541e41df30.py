@@ -1,1 +1,0 @@
-../../_kernels/gemv_541e41df30.py

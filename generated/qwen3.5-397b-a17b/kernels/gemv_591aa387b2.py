@@ -1,0 +1,1 @@
+../../_kernels/gemv_591aa387b2.py

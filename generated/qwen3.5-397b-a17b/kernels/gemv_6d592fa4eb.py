@@ -1,1 +1,0 @@
-../../_kernels/gemv_6d592fa4eb.py

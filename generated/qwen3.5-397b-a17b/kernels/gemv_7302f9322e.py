@@ -1,1 +1,0 @@
-../../_kernels/gemv_7302f9322e.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_9d26e3d160.py

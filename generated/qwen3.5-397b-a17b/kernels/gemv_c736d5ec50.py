@@ -1,0 +1,1 @@
+../../_kernels/gemv_c736d5ec50.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_c7b2c2d96e.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_cf95ce6ead.py

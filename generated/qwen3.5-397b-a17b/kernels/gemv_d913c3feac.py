@@ -1,0 +1,1 @@
+../../_kernels/gemv_d913c3feac.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_e44352a43e.py

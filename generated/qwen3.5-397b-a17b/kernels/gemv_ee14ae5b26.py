@@ -1,1 +1,0 @@
-../../_kernels/gemv_ee14ae5b26.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_1e004d69e6.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_6caf112a65.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_77780896e2.py

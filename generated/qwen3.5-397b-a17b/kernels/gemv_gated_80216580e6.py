@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_80216580e6.py

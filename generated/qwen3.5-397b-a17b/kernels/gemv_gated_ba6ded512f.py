@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_ba6ded512f.py

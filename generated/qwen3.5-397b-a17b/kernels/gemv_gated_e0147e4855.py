@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_e0147e4855.py

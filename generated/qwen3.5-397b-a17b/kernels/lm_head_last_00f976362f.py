@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_00f976362f.py

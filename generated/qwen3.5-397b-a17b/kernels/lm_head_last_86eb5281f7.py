@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_86eb5281f7.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_b14e79b723.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_cdd1b23f0e.py

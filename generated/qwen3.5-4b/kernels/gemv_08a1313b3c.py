@@ -1,1 +1,0 @@
-../../_kernels/gemv_08a1313b3c.py

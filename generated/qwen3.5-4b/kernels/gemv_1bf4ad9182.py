@@ -1,0 +1,1 @@
+../../_kernels/gemv_1bf4ad9182.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_211216ff80.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_2a1d1e129a.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_68c11ac33e.py

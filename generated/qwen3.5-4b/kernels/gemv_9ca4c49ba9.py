@@ -1,1 +1,0 @@
-../../_kernels/gemv_9ca4c49ba9.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_a3c27f446e.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_a8d282c631.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_b096c2b63d.py

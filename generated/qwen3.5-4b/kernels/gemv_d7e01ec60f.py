@@ -1,0 +1,1 @@
+../../_kernels/gemv_d7e01ec60f.py

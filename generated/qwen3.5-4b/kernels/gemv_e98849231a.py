@@ -1,1 +1,0 @@
-../../_kernels/gemv_e98849231a.py

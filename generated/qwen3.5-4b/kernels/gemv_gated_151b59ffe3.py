@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_151b59ffe3.py

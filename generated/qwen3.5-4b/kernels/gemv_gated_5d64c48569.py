@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_5d64c48569.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_71ef46474b.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_da5813227e.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_e16f6dc861.py

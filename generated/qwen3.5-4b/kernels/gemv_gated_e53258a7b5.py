@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_e53258a7b5.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_2c738b6a02.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_8e0d2780e9.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_c35cd4f483.py

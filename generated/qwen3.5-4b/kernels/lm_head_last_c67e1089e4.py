@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_c67e1089e4.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_cf6ea96f7f.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_13abf9e785.py

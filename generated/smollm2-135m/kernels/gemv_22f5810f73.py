@@ -1,1 +1,0 @@
-../../_kernels/gemv_22f5810f73.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_28ed8233ae.py

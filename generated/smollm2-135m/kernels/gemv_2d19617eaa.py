@@ -1,0 +1,1 @@
+../../_kernels/gemv_2d19617eaa.py

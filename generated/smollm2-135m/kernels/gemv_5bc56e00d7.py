@@ -1,0 +1,1 @@
+../../_kernels/gemv_5bc56e00d7.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_64bb051521.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_982713c6b8.py

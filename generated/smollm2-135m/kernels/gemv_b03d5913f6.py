@@ -1,1 +1,0 @@
-../../_kernels/gemv_b03d5913f6.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_c09eef30c4.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_1183ef0b70.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_26fb89ae34.py

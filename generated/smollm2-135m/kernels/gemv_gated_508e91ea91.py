@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_508e91ea91.py

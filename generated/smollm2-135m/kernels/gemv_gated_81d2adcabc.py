@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_81d2adcabc.py

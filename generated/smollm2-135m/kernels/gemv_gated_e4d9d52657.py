@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_e4d9d52657.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_eb51626962.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_0e7f7579bf.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_2eed962a35.py

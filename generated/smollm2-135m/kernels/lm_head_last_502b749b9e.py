@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_502b749b9e.py

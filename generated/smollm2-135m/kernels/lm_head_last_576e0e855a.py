@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_576e0e855a.py

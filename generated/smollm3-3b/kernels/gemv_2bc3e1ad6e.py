@@ -1,0 +1,1 @@
+../../_kernels/gemv_2bc3e1ad6e.py

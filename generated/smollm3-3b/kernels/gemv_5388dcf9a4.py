@@ -1,1 +1,0 @@
-../../_kernels/gemv_5388dcf9a4.py

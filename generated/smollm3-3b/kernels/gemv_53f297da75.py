@@ -1,1 +1,0 @@
-../../_kernels/gemv_53f297da75.py

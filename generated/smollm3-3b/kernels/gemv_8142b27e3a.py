@@ -1,0 +1,1 @@
+../../_kernels/gemv_8142b27e3a.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_8b4ca61d01.py

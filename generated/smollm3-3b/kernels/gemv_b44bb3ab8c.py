@@ -1,1 +1,0 @@
-../../_kernels/gemv_b44bb3ab8c.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_39e34e676f.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_3b4fb710f2.py

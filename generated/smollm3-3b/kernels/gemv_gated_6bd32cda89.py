@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_6bd32cda89.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_8d382cb29b.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_9b3ea6912d.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_c54f34a290.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_2a4cbc37e6.py

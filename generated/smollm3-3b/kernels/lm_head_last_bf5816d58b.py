@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_bf5816d58b.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_13db173683.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_bbf8883b14.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_f5a162bb6b.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_ff08e5d668.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_18ee1efbb9.py

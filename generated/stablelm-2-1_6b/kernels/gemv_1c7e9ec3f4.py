@@ -1,0 +1,1 @@
+../../_kernels/gemv_1c7e9ec3f4.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_4cd040cc6a.py

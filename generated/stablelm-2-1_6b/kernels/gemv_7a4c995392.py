@@ -1,1 +1,0 @@
-../../_kernels/gemv_7a4c995392.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_c53cd880a0.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_c6c884a997.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_fbeb1577ce.py

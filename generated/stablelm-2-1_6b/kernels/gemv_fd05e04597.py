@@ -1,0 +1,1 @@
+../../_kernels/gemv_fd05e04597.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_580e0db854.py

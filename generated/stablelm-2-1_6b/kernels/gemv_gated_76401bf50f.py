@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_76401bf50f.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_8f23a0966c.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_1be37270e6.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_21f2ad540b.py

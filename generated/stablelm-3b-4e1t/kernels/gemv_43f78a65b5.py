@@ -1,1 +1,0 @@
-../../_kernels/gemv_43f78a65b5.py

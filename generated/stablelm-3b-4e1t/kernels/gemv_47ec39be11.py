@@ -1,0 +1,1 @@
+../../_kernels/gemv_47ec39be11.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_563ad4e51b.py

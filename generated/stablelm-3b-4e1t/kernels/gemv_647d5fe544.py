@@ -1,1 +1,0 @@
-../../_kernels/gemv_647d5fe544.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_8e5c846183.py

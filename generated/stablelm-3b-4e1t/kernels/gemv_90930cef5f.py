@@ -1,0 +1,1 @@
+../../_kernels/gemv_90930cef5f.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_9481b48cce.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_af8b10c061.py

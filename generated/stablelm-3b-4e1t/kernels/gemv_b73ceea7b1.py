@@ -1,0 +1,1 @@
+../../_kernels/gemv_b73ceea7b1.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_c160bb9fad.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_7260f0f515.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_7ef8c47dc8.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_a159b27e38.py

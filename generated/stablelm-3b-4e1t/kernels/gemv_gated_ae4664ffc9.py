@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_ae4664ffc9.py

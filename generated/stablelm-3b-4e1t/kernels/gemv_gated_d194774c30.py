@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_d194774c30.py

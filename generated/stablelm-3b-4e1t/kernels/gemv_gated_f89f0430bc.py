@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_f89f0430bc.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_0063bd97fd.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_00bda3bbc2.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_09ddb0b199.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_0f664ab3b5.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_217d4e9cc6.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_2642731ebc.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_3f72e608cb.py

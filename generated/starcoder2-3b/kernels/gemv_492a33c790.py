@@ -1,1 +1,0 @@
-../../_kernels/gemv_492a33c790.py

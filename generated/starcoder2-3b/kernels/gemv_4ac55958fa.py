@@ -1,0 +1,1 @@
+../../_kernels/gemv_4ac55958fa.py

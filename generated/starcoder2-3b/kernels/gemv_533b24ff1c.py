@@ -1,1 +1,0 @@
-../../_kernels/gemv_533b24ff1c.py

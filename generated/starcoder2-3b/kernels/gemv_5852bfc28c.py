@@ -1,0 +1,1 @@
+../../_kernels/gemv_5852bfc28c.py

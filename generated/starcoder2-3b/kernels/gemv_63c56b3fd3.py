@@ -1,1 +1,0 @@
-../../_kernels/gemv_63c56b3fd3.py

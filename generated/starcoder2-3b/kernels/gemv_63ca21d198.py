@@ -1,0 +1,1 @@
+../../_kernels/gemv_63ca21d198.py

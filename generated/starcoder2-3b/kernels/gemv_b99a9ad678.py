@@ -1,0 +1,1 @@
+../../_kernels/gemv_b99a9ad678.py

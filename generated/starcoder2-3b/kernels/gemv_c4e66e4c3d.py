@@ -1,1 +1,0 @@
-../../_kernels/gemv_c4e66e4c3d.py

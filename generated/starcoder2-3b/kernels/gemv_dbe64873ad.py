@@ -1,1 +1,0 @@
-../../_kernels/gemv_dbe64873ad.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_e1b7cc0ac5.py

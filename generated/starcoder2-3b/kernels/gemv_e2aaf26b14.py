@@ -1,1 +1,0 @@
-../../_kernels/gemv_e2aaf26b14.py

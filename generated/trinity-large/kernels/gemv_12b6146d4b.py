@@ -1,0 +1,1 @@
+../../_kernels/gemv_12b6146d4b.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_19818f06c5.py

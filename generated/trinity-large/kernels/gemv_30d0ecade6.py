@@ -1,0 +1,1 @@
+../../_kernels/gemv_30d0ecade6.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_44fedef3a3.py

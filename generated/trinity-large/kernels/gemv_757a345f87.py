@@ -1,0 +1,1 @@
+../../_kernels/gemv_757a345f87.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_8da63bcecb.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_9be2155050.py

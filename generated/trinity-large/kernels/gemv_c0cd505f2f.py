@@ -1,0 +1,1 @@
+../../_kernels/gemv_c0cd505f2f.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_c93f5e458b.py

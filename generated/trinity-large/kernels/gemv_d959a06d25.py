@@ -1,0 +1,1 @@
+../../_kernels/gemv_d959a06d25.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_dacee7a754.py

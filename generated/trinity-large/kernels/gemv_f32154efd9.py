@@ -1,1 +1,0 @@
-../../_kernels/gemv_f32154efd9.py

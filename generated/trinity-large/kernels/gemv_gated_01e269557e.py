@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_01e269557e.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_148d52cbe1.py

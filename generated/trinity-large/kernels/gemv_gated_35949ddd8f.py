@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_35949ddd8f.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_4278254753.py

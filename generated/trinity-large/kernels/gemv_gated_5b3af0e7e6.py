@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_5b3af0e7e6.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_9f4f7387d6.py

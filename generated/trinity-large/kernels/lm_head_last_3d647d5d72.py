@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_3d647d5d72.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_62ef217d71.py

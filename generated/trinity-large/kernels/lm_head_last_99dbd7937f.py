@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_99dbd7937f.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_fe0289b7c2.py

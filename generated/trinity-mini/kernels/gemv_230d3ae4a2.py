@@ -1,1 +1,0 @@
-../../_kernels/gemv_230d3ae4a2.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_32094ad976.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_3542ac33ac.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_4f4c4fe3ee.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_71cae607a4.py

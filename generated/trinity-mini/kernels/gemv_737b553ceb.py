@@ -1,1 +1,0 @@
-../../_kernels/gemv_737b553ceb.py

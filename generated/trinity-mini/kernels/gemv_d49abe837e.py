@@ -1,0 +1,1 @@
+../../_kernels/gemv_d49abe837e.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_dacbeece5b.py

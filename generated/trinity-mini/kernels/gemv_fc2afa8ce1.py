@@ -1,1 +1,0 @@
-../../_kernels/gemv_fc2afa8ce1.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_623eef0eee.py

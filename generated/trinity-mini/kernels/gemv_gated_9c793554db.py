@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_9c793554db.py

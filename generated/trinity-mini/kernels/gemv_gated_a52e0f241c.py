@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_a52e0f241c.py

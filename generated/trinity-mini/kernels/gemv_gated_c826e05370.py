@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_c826e05370.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_eb22e13069.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_fe8863cd77.py

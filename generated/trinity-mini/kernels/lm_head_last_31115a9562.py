@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_31115a9562.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_97edfa01c8.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_a967eb4974.py

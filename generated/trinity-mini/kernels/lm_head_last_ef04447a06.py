@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_ef04447a06.py

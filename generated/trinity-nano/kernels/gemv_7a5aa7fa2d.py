@@ -1,1 +1,0 @@
-../../_kernels/gemv_7a5aa7fa2d.py

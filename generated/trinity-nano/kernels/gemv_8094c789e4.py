@@ -1,0 +1,1 @@
+../../_kernels/gemv_8094c789e4.py

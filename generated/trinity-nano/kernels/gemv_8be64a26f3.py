@@ -1,1 +1,0 @@
-../../_kernels/gemv_8be64a26f3.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_a68a83c124.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_cbc39ab5fb.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_dc4dbf1459.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_e39fc22605.py

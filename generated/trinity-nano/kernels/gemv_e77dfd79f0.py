@@ -1,0 +1,1 @@
+../../_kernels/gemv_e77dfd79f0.py

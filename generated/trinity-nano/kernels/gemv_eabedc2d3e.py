@@ -1,1 +1,0 @@
-../../_kernels/gemv_eabedc2d3e.py

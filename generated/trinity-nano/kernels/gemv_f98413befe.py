@@ -1,1 +1,0 @@
-../../_kernels/gemv_f98413befe.py

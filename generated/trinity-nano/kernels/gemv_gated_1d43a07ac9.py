@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_1d43a07ac9.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_3e3ea15263.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_841a4547b4.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_9b2cfeeb2b.py

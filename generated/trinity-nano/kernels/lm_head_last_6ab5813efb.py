@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_6ab5813efb.py

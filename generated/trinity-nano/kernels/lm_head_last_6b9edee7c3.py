@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_6b9edee7c3.py

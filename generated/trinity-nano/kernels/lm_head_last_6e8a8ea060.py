@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_6e8a8ea060.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_9a89f58dc4.py

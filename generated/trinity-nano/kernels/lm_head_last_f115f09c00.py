@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_f115f09c00.py
