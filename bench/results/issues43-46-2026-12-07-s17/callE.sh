@@ -7,7 +7,7 @@ source tests/gpu/call_preamble.sh "$1"
 A=.cache/artifacts; C=.cache/gpu/configs
 python3 tests/gpu/rerender.py $A/qwen3-4b-v5-best $A/qwen3-4b-v5-best-paths 2>&1 | tail -2 | tee -a $OUT/log.txt
 sv() {
-  [ $(( $(date +%s) - t0 )) -gt 260 ] && { say "skipped $1 $2: time"; return; }
+  [ $(( $(date +%s) - t0 )) -gt 330 ] && { say "skipped $1 $2: time"; return; }
   say "spec-verify $1 ($2)"
   timeout 100 python3 -m infc.cli bench spec-verify --artifact $A/$1 --model-path $C/qwen3-4b --load-format dummy \
     --batches 1,32 --drafts 0,4 --out /tmp/sv-$1-$2 2>&1 | grep -E "drafts|batch|rror|Trace" | tail -6 | tee -a $OUT/log.txt
