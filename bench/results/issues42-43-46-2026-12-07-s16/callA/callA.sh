@@ -33,7 +33,7 @@ if grep -q H200 $OUT/gpu.txt; then
   tp lora8-r2 $L
   tp base-r2
   (cd /tmp && tar czf $OUT/results.tgz t-*)
-  left=$(( 575 - ($(date +%s) - t0) ))
+  left=$(( ${GATE_END:-575} - ($(date +%s) - t0) ))
   say "lora gate ($left s left)"
   [ $left -gt 60 ] && timeout $left python3 -m pytest tests/gpu/test_lora_gpu.py -q -s -p no:cacheprovider 2>&1 \
     | tee $OUT/pytest-lora.log | grep -E "passed|failed|error|regret|p99|^E " | tail -30 | tee -a $OUT/log.txt
