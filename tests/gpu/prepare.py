@@ -457,13 +457,9 @@ def draft():
                   model_dir=str(base_config(DRAFT_CUT)), check_checkpoint=False)
     # the trained model's verify program (test_self_draft_on_a_trained_model_is_exact sets
     # INFC_VERIFY_PROGRAM=1 itself: built whatever this machine's setting)
-    sys.path.insert(0, str(REPO / "tests" / "gpu"))
-    from trained_model import config_json
-    cfg_dir = GPU_CACHE / "skipgram"
-    cfg_dir.mkdir(parents=True, exist_ok=True)
-    (cfg_dir / "config.json").write_text(json.dumps(config_json(), indent=1))
     _both_tunings("skipgram for --speculative-config k = 4 under INFC_VERIFY_PROGRAM=1 (narrow_tokens 5)",
-                  SERVED_ARTIFACTS / ("skipgram" + artifact_tag(narrow=5)), model_dir=str(cfg_dir), narrow_tokens=5)
+                  SERVED_ARTIFACTS / ("skipgram" + artifact_tag(narrow=5)), model_dir=str(skipgram_config()),
+                  narrow_tokens=5)
 
 
 EAGLE3_HEAD = "eagle3-qwen3-4b"  # tests/gpu/test_spec_gpu.py's EAGLE3_HEAD
@@ -767,6 +763,17 @@ def server():
     qwen_tokenizer()
 
 
+def skipgram_config() -> Path:
+    """The tiny trained Llama's config-only directory (.cache/gpu/skipgram): it is trained on the
+    GPU machine (tests/gpu/trained_model.py), its artifacts built here from this config.json."""
+    sys.path.insert(0, str(REPO / "tests" / "gpu"))
+    from trained_model import config_json
+    cfg_dir = GPU_CACHE / "skipgram"
+    cfg_dir.mkdir(parents=True, exist_ok=True)
+    (cfg_dir / "config.json").write_text(json.dumps(config_json(), indent=1))
+    return cfg_dir
+
+
 def base():
     from infc.compiler.build import REPO as BUILD_REPO, build
     from make_random_model import write_tokenizer
@@ -774,11 +781,7 @@ def base():
     cfg_dir.mkdir(parents=True, exist_ok=True)
     (cfg_dir / "config.json").write_text(json.dumps(TINY_MOE, indent=1))
     build(model_dir=str(cfg_dir), out=GPU_CACHE / "tiny-moe-art")
-    sys.path.insert(0, str(REPO / "tests" / "gpu"))
-    from trained_model import config_json                 # trained on the GPU machine
-    cfg_dir = GPU_CACHE / "skipgram"
-    cfg_dir.mkdir(parents=True, exist_ok=True)
-    (cfg_dir / "config.json").write_text(json.dumps(config_json(), indent=1))
+    cfg_dir = skipgram_config()
     build(model_dir=str(cfg_dir), out=GPU_CACHE / "skipgram-art")
     _both_tunings("skipgram (LLM(device=\"cuda\") on it)", BUILD_REPO / ".cache" / "artifacts" / "skipgram",
                   model_dir=str(cfg_dir))
