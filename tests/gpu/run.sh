@@ -40,6 +40,33 @@ install_here() {
   if grep -q H200 "$OUT/gpu.txt"; then suffix=""; fi
 }
 
+# A one-off call's script (bench/results/*/call*.sh) starts the way the stages do by sourcing this
+# file from the repository root:
+#   source tests/gpu/run.sh --preamble "$1" [WHEELS]
+# start and install_here, after the carried .cache pieces are unpacked and the wheels the GPU
+# machine lacks (WHEELS, default .whl-b, if carried) are installed into /tmp/site on PYTHONPATH;
+# then `say` (a line stamped with the seconds since the start, also into $OUT/log.txt) and `on_h200`
+# are defined, the commit and any uncommitted tracked change go to $OUT/log.txt, and the script
+# goes on with its shell options as they were.
+if [ "${1:-}" = --preamble ]; then
+  start "$2"
+  export TRITON_DEFAULT_FP_FUSION=1 NCCL_NVLS_ENABLE=0
+  t0=$(date +%s)
+  say() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$OUT/log.txt"; }
+  on_h200() { grep -q H200 "$OUT/gpu.txt"; }
+  if [ -d .cache/carry ] || [ -f .cache/carry.tar ]; then bash tests/gpu/carry.sh --unpack || exit 1; fi
+  WHEELS=${3:-.whl-b}
+  if [ -d "$WHEELS" ] && [ ! -f /tmp/site/.installed ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHEELS"/*.whl \
+      > "$OUT/wheels.log" 2>&1 && touch /tmp/site/.installed
+  fi
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  install_here
+  { git log --oneline -1; git status --short --untracked-files=no; } | tee -a "$OUT/log.txt"
+  set +u +o pipefail
+  return 0
+fi
+
 # The run stages: one function each, run in a subshell (its settings and working directory stay
 # its own). Their bodies are not indented: the heredocs in them end at column 0.
 

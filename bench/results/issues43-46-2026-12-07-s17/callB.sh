@@ -2,7 +2,7 @@
 # Session #17, call B. Any card: issue 43's exactness on the trained model
 # (test_self_draft_on_a_trained_model_is_exact: a self-draft through the decode and the verify
 # program). H200 then: session #16's callD.sh (the verify forms against the plain build).
-source tests/gpu/call_preamble.sh "$1"
+source tests/gpu/run.sh --preamble "$1"
 A=.cache/artifacts; C=.cache/gpu/configs
 python3 tests/gpu/rerender.py $A/skipgram $A/skipgram-narrow5 2>&1 | tail -2 | tee -a $OUT/log.txt
 say "trained-model self-draft, both builds"

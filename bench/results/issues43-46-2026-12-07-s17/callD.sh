@@ -2,7 +2,7 @@
 # Session #17 call D (H100): ncu on the verify program's GEMVs (qwen3-4b-v5-best, verify_b1 eager,
 # one sequence at k = 4: 5 rows), where the q|k|v and o launches take 23.0 / 15.6 µs against the
 # bare skinny GEMM's 12.7 / 9.3: speed of light, warp stalls, launch and occupancy, per kernel.
-source tests/gpu/call_preamble.sh "$1"
+source tests/gpu/run.sh --preamble "$1"
 A=.cache/artifacts; C=.cache/gpu/configs
 python3 tests/gpu/rerender.py $A/qwen3-4b-v5-best 2>&1 | tail -1 | tee -a $OUT/log.txt
 python3 - <<'PY' | tee $OUT/kernels.txt

@@ -3,7 +3,7 @@
 # qwen3-4b-v5-best (each GEMV's grid the wider path's blocks, GRID "max", the default) against
 # -best-paths (the taken path's blocks, GRID "paths", in the verify and the decode programs),
 # `bench spec-verify` batches 1 and 32, k = 0 and 4, A B B A.
-source tests/gpu/call_preamble.sh "$1"
+source tests/gpu/run.sh --preamble "$1"
 A=.cache/artifacts; C=.cache/gpu/configs
 python3 tests/gpu/rerender.py $A/qwen3-4b-v5-best $A/qwen3-4b-v5-best-paths 2>&1 | tail -2 | tee -a $OUT/log.txt
 sv() {

@@ -1,0 +1,1 @@
+../../_kernels/gemv_0abe6d128f.py

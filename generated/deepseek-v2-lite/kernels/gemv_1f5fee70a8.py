@@ -1,0 +1,1 @@
+../../_kernels/gemv_1f5fee70a8.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_3c099cdf2a.py

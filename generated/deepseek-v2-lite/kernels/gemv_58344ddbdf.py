@@ -1,0 +1,1 @@
+../../_kernels/gemv_58344ddbdf.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_65b8d1fd51.py

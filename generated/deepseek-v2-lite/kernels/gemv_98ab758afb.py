@@ -1,0 +1,1 @@
+../../_kernels/gemv_98ab758afb.py

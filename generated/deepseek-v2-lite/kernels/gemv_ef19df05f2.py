@@ -1,1 +1,0 @@
-../../_kernels/gemv_ef19df05f2.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_1c27b2b59f.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_b0ad086b9b.py

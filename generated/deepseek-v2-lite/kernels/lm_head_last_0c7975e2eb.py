@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_0c7975e2eb.py

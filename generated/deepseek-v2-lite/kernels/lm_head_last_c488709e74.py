@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_c488709e74.py

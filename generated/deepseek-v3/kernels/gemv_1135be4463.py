@@ -1,0 +1,1 @@
+../../_kernels/gemv_1135be4463.py

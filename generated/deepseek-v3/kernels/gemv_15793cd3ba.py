@@ -1,0 +1,1 @@
+../../_kernels/gemv_15793cd3ba.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_49e60581ca.py

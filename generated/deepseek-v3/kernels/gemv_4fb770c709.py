@@ -1,1 +1,0 @@
-../../_kernels/gemv_4fb770c709.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_79c0731c1b.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_8ae3b3cd1e.py

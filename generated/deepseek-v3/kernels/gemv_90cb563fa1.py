@@ -1,1 +1,0 @@
-../../_kernels/gemv_90cb563fa1.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_a82af1b787.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_e487afa76f.py

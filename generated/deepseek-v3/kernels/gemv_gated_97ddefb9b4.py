@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_97ddefb9b4.py

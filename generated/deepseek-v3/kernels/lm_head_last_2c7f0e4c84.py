@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_2c7f0e4c84.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_06a5c11495.py

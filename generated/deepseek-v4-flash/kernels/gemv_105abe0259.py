@@ -1,0 +1,1 @@
+../../_kernels/gemv_105abe0259.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_35d7d0ec2b.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_405a3a1308.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_4e95aab788.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_58114fa3b1.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_6cdb8f3c3f.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_6f977f2281.py

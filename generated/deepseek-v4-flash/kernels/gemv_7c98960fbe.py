@@ -1,1 +1,0 @@
-../../_kernels/gemv_7c98960fbe.py

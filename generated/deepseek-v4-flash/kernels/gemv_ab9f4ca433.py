@@ -1,0 +1,1 @@
+../../_kernels/gemv_ab9f4ca433.py

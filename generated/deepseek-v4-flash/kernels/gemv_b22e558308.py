@@ -1,1 +1,0 @@
-../../_kernels/gemv_b22e558308.py

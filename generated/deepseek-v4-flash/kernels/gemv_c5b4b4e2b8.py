@@ -1,1 +1,0 @@
-../../_kernels/gemv_c5b4b4e2b8.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_cc1908133a.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_d216d422e4.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_d43355d71f.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_d5a4ec473c.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_f26e0ae72d.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_e518c29216.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_e8c2254f89.py

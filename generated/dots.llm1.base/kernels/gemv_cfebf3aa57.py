@@ -1,1 +1,0 @@
-../../_kernels/gemv_cfebf3aa57.py

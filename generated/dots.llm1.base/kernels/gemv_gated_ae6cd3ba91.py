@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_ae6cd3ba91.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_103751dc29.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_40c5fc7242.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_568528ee35.py

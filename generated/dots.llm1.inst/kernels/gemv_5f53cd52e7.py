@@ -1,1 +1,0 @@
-../../_kernels/gemv_5f53cd52e7.py

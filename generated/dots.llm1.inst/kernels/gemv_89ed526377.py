@@ -1,0 +1,1 @@
+../../_kernels/gemv_89ed526377.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_ae8a5197ce.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_177ec5cd29.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_1c72f212ae.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_7d745d9569.py

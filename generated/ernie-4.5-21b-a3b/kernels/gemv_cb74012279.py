@@ -1,0 +1,1 @@
+../../_kernels/gemv_cb74012279.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_d23dda9698.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_da62f1cbdb.py

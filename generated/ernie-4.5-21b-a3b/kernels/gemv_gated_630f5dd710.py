@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_630f5dd710.py

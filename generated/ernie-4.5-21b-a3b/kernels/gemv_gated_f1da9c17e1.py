@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_f1da9c17e1.py

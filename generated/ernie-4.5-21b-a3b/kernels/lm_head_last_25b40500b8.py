@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_25b40500b8.py

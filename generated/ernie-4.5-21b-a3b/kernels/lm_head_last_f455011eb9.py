@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_f455011eb9.py

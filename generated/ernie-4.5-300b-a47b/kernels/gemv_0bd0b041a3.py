@@ -1,1 +1,0 @@
-../../_kernels/gemv_0bd0b041a3.py

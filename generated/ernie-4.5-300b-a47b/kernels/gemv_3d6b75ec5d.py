@@ -1,0 +1,1 @@
+../../_kernels/gemv_3d6b75ec5d.py

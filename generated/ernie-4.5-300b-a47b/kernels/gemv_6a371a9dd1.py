@@ -1,0 +1,1 @@
+../../_kernels/gemv_6a371a9dd1.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_6a940036df.py

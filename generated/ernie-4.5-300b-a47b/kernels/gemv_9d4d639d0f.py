@@ -1,0 +1,1 @@
+../../_kernels/gemv_9d4d639d0f.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_bc0f1c97dc.py

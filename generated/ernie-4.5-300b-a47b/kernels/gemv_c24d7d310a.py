@@ -1,1 +1,0 @@
-../../_kernels/gemv_c24d7d310a.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_f91d5fef6c.py

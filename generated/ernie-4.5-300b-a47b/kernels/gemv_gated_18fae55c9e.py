@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_18fae55c9e.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_3bb20f3751.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_4f2e65027c.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_083aeb33ef.py

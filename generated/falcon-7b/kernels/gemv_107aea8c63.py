@@ -1,1 +1,0 @@
-../../_kernels/gemv_107aea8c63.py

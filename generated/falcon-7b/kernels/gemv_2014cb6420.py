@@ -1,0 +1,1 @@
+../../_kernels/gemv_2014cb6420.py

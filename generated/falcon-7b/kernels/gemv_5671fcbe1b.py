@@ -1,1 +1,0 @@
-../../_kernels/gemv_5671fcbe1b.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_671d4acdc8.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_e11aa2bc38.py

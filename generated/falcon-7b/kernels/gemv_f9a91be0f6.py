@@ -1,1 +1,0 @@
-../../_kernels/gemv_f9a91be0f6.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_588bfed012.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_807c0dfa3a.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_9425cf3b10.py

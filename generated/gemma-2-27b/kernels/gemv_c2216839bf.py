@@ -1,1 +1,0 @@
-../../_kernels/gemv_c2216839bf.py

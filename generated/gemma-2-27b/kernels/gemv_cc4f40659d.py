@@ -1,0 +1,1 @@
+../../_kernels/gemv_cc4f40659d.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_edb6b760bf.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_24b3d682d2.py

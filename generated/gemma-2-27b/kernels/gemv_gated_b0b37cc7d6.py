@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_b0b37cc7d6.py

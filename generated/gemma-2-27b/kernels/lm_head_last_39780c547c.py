@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_39780c547c.py

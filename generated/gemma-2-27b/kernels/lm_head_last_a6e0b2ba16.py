@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_a6e0b2ba16.py

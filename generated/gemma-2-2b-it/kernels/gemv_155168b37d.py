@@ -1,0 +1,1 @@
+../../_kernels/gemv_155168b37d.py

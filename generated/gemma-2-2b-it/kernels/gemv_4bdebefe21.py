@@ -1,1 +1,0 @@
-../../_kernels/gemv_4bdebefe21.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_6ddb96605b.py

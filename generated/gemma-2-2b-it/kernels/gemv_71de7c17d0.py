@@ -1,1 +1,0 @@
-../../_kernels/gemv_71de7c17d0.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_93f5b50aee.py

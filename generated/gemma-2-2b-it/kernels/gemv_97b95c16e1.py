@@ -1,0 +1,1 @@
+../../_kernels/gemv_97b95c16e1.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_3ff73ebcef.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_d938ae2ad1.py

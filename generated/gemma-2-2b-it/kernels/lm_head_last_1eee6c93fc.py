@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_1eee6c93fc.py

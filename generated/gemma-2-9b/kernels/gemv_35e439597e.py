@@ -1,0 +1,1 @@
+../../_kernels/gemv_35e439597e.py

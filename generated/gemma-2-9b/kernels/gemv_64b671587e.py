@@ -1,1 +1,0 @@
-../../_kernels/gemv_64b671587e.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_6a1fedc747.py

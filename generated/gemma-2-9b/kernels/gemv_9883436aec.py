@@ -1,0 +1,1 @@
+../../_kernels/gemv_9883436aec.py

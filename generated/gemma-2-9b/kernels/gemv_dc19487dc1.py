@@ -1,1 +1,0 @@
-../../_kernels/gemv_dc19487dc1.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_fbc1a01114.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_aaa3cc866c.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_f460cf6404.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_37e611e367.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_4d44b2d34e.py

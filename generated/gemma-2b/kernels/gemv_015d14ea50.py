@@ -1,0 +1,1 @@
+../../_kernels/gemv_015d14ea50.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_55515f521c.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_e1e593d109.py

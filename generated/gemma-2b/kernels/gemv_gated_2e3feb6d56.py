@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_2e3feb6d56.py

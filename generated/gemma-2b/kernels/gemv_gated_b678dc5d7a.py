@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_b678dc5d7a.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_940946e0fa.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_2f62c1fe96.py

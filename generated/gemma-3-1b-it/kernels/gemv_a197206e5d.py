@@ -1,0 +1,1 @@
+../../_kernels/gemv_a197206e5d.py

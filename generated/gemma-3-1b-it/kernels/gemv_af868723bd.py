@@ -1,0 +1,1 @@
+../../_kernels/gemv_af868723bd.py

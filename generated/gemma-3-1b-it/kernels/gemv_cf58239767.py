@@ -1,1 +1,0 @@
-../../_kernels/gemv_cf58239767.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_ddce0586f6.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_51ba0f3973.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_bcbb57eb7c.py

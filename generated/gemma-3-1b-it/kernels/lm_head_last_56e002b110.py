@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_56e002b110.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_98a7fc03c1.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_74c7bdedb8.py

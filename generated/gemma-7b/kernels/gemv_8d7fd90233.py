@@ -1,0 +1,1 @@
+../../_kernels/gemv_8d7fd90233.py

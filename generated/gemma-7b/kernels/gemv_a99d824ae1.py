@@ -1,0 +1,1 @@
+../../_kernels/gemv_a99d824ae1.py

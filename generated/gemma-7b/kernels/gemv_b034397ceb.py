@@ -1,1 +1,0 @@
-../../_kernels/gemv_b034397ceb.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_d0c06ad988.py

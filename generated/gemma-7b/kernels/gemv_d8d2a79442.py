@@ -1,0 +1,1 @@
+../../_kernels/gemv_d8d2a79442.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_25665cd66e.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_5b141fe99e.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_68a3335cb4.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_fea1f6b7c5.py

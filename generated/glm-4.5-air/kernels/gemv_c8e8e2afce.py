@@ -1,0 +1,1 @@
+../../_kernels/gemv_c8e8e2afce.py

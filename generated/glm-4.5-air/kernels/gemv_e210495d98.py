@@ -1,1 +1,0 @@
-../../_kernels/gemv_e210495d98.py

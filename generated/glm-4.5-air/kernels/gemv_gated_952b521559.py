@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_952b521559.py

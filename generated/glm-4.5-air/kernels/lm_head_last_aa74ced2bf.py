@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_aa74ced2bf.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_b58eea32b2.py

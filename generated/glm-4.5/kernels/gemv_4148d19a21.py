@@ -1,1 +1,0 @@
-../../_kernels/gemv_4148d19a21.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_63dcaec4c9.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_70e7186c89.py

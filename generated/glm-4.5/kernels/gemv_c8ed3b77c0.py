@@ -1,0 +1,1 @@
+../../_kernels/gemv_c8ed3b77c0.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_e2e370ed5d.py

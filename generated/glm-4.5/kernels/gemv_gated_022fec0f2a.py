@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_022fec0f2a.py

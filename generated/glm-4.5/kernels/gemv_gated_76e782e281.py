@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_76e782e281.py

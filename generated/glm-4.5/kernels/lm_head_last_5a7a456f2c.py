@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_5a7a456f2c.py

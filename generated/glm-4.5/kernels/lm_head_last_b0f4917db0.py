@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_b0f4917db0.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_0921e2d502.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_2054ca39b5.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_25db34ac8d.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_aa3c900a9c.py

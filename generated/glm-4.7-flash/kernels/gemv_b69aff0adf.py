@@ -1,1 +1,0 @@
-../../_kernels/gemv_b69aff0adf.py

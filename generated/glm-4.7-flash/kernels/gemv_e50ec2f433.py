@@ -1,0 +1,1 @@
+../../_kernels/gemv_e50ec2f433.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_f9d9eb0e7b.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_782cec7ea9.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_ea0bebc787.py

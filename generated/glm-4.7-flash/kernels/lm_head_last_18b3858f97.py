@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_18b3858f97.py

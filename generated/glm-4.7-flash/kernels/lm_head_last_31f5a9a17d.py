@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_31f5a9a17d.py

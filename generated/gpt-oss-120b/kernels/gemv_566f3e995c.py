@@ -1,0 +1,1 @@
+../../_kernels/gemv_566f3e995c.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_57e223b895.py

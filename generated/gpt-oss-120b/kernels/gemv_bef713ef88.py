@@ -1,1 +1,0 @@
-../../_kernels/gemv_bef713ef88.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_30ca46db64.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_ad2aecf607.py

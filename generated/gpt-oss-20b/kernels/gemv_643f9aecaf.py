@@ -1,0 +1,1 @@
+../../_kernels/gemv_643f9aecaf.py

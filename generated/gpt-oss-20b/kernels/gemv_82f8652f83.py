@@ -1,1 +1,0 @@
-../../_kernels/gemv_82f8652f83.py

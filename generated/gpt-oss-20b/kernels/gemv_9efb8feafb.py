@@ -1,1 +1,0 @@
-../../_kernels/gemv_9efb8feafb.py

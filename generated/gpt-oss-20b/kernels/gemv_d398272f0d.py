@@ -1,1 +1,0 @@
-../../_kernels/gemv_d398272f0d.py

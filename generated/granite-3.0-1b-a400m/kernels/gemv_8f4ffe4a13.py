@@ -1,1 +1,0 @@
-../../_kernels/gemv_8f4ffe4a13.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_ea378e217c.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_4e0abf6a4a.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_9bb47d2902.py

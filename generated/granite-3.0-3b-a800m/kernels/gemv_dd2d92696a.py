@@ -1,1 +1,0 @@
-../../_kernels/gemv_dd2d92696a.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_f7f49aa4e3.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_9268d133c4.py

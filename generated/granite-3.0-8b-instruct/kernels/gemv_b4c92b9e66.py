@@ -1,1 +1,0 @@
-../../_kernels/gemv_b4c92b9e66.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_c0b4f7f911.py

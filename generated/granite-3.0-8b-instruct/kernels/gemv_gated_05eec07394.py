@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_05eec07394.py

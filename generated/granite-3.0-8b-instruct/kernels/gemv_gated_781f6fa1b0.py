@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_781f6fa1b0.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_90ce41b26d.py

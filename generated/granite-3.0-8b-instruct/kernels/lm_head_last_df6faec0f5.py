@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_df6faec0f5.py

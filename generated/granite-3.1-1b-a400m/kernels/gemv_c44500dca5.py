@@ -1,0 +1,1 @@
+../../_kernels/gemv_c44500dca5.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_a1938192f1.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_2d07a4ed43.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_377a750fba.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_45ce74a2c4.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_9d97c4620c.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_8c9df5193f.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_f08384ec2f.py

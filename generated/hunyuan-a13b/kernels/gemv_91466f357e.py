@@ -1,1 +1,0 @@
-../../_kernels/gemv_91466f357e.py

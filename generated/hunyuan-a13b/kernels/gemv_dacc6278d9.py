@@ -1,1 +1,0 @@
-../../_kernels/gemv_dacc6278d9.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_f97c0b1f71.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_57bd83b1b1.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_fef63c1b50.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_17f94ef51b.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_4076e77d2f.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_7ad45e9675.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_81f4d32073.py

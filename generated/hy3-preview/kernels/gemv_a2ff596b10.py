@@ -1,1 +1,0 @@
-../../_kernels/gemv_a2ff596b10.py

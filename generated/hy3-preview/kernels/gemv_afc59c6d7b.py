@@ -1,0 +1,1 @@
+../../_kernels/gemv_afc59c6d7b.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_b99d5f1b75.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_38a7b97324.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_a3e659eb5d.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_31cebf3d9d.py

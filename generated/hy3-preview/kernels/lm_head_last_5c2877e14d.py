@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_5c2877e14d.py

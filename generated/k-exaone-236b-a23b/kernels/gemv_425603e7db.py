@@ -1,0 +1,1 @@
+../../_kernels/gemv_425603e7db.py

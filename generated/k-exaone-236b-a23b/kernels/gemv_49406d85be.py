@@ -1,1 +1,0 @@
-../../_kernels/gemv_49406d85be.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_53cad64cc0.py

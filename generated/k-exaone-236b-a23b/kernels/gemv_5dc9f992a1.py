@@ -1,1 +1,0 @@
-../../_kernels/gemv_5dc9f992a1.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_61f6bf7670.py

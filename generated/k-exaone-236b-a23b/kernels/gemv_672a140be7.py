@@ -1,0 +1,1 @@
+../../_kernels/gemv_672a140be7.py

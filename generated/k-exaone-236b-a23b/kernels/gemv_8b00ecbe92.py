@@ -1,0 +1,1 @@
+../../_kernels/gemv_8b00ecbe92.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_c64d0ebc4f.py

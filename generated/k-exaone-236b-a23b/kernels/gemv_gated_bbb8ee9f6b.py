@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_bbb8ee9f6b.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_f013232abb.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_2a41e2a1d9.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_c1813f5efa.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_3b8e2db32a.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_46d3320f71.py

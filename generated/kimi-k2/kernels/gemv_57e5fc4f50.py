@@ -1,0 +1,1 @@
+../../_kernels/gemv_57e5fc4f50.py

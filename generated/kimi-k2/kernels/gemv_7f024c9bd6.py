@@ -1,0 +1,1 @@
+../../_kernels/gemv_7f024c9bd6.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_a126ed1316.py

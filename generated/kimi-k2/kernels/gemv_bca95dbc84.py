@@ -1,0 +1,1 @@
+../../_kernels/gemv_bca95dbc84.py

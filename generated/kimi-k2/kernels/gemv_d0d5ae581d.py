@@ -1,1 +1,0 @@
-../../_kernels/gemv_d0d5ae581d.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_da76cd3703.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_0cda40f08e.py

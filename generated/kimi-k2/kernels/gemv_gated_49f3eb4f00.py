@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_49f3eb4f00.py

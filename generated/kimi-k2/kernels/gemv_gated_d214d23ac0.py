@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_d214d23ac0.py

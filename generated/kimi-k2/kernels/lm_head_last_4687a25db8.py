@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_4687a25db8.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_7370a3f73c.py

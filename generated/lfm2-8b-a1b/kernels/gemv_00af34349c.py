@@ -1,0 +1,1 @@
+../../_kernels/gemv_00af34349c.py

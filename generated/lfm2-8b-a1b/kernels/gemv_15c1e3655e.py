@@ -1,0 +1,1 @@
+../../_kernels/gemv_15c1e3655e.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_44108aebce.py

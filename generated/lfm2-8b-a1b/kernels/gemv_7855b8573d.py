@@ -1,1 +1,0 @@
-../../_kernels/gemv_7855b8573d.py

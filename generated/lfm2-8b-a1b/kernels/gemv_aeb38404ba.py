@@ -1,0 +1,1 @@
+../../_kernels/gemv_aeb38404ba.py

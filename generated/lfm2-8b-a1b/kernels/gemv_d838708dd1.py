@@ -1,1 +1,0 @@
-../../_kernels/gemv_d838708dd1.py

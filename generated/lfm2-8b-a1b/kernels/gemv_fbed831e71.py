@@ -1,1 +1,0 @@
-../../_kernels/gemv_fbed831e71.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_39861943d7.py

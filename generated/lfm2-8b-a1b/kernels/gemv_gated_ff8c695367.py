@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_ff8c695367.py

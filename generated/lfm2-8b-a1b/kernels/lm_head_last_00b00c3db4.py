@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_00b00c3db4.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_bdc18e0d92.py

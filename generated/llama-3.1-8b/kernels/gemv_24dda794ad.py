@@ -1,1 +1,0 @@
-../../_kernels/gemv_24dda794ad.py

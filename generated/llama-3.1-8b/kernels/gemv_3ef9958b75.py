@@ -1,0 +1,1 @@
+../../_kernels/gemv_3ef9958b75.py

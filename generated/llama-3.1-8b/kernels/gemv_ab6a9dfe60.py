@@ -1,0 +1,1 @@
+../../_kernels/gemv_ab6a9dfe60.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_75aa48b6c4.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_af2c4d44e5.py

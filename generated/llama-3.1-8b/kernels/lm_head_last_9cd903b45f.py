@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_9cd903b45f.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_dc00c1d38e.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_5a945c9785.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_b3fc6ec3e6.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_48329014e4.py

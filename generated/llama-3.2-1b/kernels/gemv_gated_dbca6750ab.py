@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_dbca6750ab.py

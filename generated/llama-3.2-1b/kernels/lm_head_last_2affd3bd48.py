@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_2affd3bd48.py

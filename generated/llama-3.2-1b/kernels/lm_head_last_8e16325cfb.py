@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_8e16325cfb.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_18ab81a769.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_32544e40f5.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_b67c794a43.py

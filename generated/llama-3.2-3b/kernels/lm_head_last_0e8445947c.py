@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_0e8445947c.py

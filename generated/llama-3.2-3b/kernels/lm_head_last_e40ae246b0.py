@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_e40ae246b0.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_1bae964e1d.py

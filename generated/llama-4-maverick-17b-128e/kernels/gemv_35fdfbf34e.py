@@ -1,1 +1,0 @@
-../../_kernels/gemv_35fdfbf34e.py

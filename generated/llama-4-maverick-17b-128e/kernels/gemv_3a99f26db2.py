@@ -1,1 +1,0 @@
-../../_kernels/gemv_3a99f26db2.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_3d51a94662.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_6c2ed51746.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_766c92e303.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_a7f5afb6bd.py

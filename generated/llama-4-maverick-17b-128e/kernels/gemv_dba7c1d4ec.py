@@ -1,0 +1,1 @@
+../../_kernels/gemv_dba7c1d4ec.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_2186811cb4.py

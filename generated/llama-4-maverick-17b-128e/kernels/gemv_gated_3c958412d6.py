@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_3c958412d6.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_d4acbc62ff.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_00306f36b7.py

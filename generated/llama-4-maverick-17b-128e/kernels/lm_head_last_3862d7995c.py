@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_3862d7995c.py

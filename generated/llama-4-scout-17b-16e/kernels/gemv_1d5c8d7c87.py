@@ -1,1 +1,0 @@
-../../_kernels/gemv_1d5c8d7c87.py

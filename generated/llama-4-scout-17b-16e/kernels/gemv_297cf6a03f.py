@@ -1,0 +1,1 @@
+../../_kernels/gemv_297cf6a03f.py

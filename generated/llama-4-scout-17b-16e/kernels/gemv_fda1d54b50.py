@@ -1,0 +1,1 @@
+../../_kernels/gemv_fda1d54b50.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_adbe72775f.py

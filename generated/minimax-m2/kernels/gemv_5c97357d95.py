@@ -1,0 +1,1 @@
+../../_kernels/gemv_5c97357d95.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_707accb7d8.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_be21e06b0d.py

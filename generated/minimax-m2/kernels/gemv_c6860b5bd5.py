@@ -1,0 +1,1 @@
+../../_kernels/gemv_c6860b5bd5.py

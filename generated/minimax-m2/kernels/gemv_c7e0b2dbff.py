@@ -1,1 +1,0 @@
-../../_kernels/gemv_c7e0b2dbff.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_e0508690b7.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_5b456e20d1.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_b35621b459.py

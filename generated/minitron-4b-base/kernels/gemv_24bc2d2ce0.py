@@ -1,1 +1,0 @@
-../../_kernels/gemv_24bc2d2ce0.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_2706d4436a.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_40116e64e4.py

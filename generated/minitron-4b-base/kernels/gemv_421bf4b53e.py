@@ -1,1 +1,0 @@
-../../_kernels/gemv_421bf4b53e.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_4ae92cb2dc.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_7ef738008f.py

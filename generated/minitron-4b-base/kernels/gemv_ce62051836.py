@@ -1,0 +1,1 @@
+../../_kernels/gemv_ce62051836.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_e02c49d50c.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_e99a951869.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_17c398a4e3.py

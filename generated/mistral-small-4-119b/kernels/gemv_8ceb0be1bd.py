@@ -1,0 +1,1 @@
+../../_kernels/gemv_8ceb0be1bd.py

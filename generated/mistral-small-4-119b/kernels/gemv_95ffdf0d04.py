@@ -1,1 +1,0 @@
-../../_kernels/gemv_95ffdf0d04.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_f190c15ab0.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_f457683eec.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_17241de3eb.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_8205bdd83a.py

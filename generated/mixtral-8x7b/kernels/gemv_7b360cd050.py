@@ -1,1 +1,0 @@
-../../_kernels/gemv_7b360cd050.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_5fbe6c7c04.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_8c7565a1e3.py

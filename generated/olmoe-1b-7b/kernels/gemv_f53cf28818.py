@@ -1,0 +1,1 @@
+../../_kernels/gemv_f53cf28818.py

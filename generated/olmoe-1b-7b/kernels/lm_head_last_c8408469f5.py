@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_c8408469f5.py

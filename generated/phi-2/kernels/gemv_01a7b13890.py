@@ -1,0 +1,1 @@
+../../_kernels/gemv_01a7b13890.py

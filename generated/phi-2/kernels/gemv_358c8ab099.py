@@ -1,0 +1,1 @@
+../../_kernels/gemv_358c8ab099.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_6a3b22c39a.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_7058d00f7c.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_9ea4413f74.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_a776d21305.py

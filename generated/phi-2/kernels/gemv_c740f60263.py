@@ -1,1 +1,0 @@
-../../_kernels/gemv_c740f60263.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_d4ff8dca10.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_0079c81da0.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_80ed2531dd.py

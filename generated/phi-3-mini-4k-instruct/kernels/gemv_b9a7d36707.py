@@ -1,1 +1,0 @@
-../../_kernels/gemv_b9a7d36707.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_fdf5b1c65d.py

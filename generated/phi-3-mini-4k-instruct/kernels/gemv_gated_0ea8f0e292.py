@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_0ea8f0e292.py

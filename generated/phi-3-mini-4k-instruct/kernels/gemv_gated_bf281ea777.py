@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_bf281ea777.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_415c4227f3.py

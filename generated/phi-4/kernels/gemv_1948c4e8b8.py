@@ -1,1 +1,0 @@
-../../_kernels/gemv_1948c4e8b8.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_1c288f79b8.py

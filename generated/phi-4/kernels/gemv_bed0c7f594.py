@@ -1,1 +1,0 @@
-../../_kernels/gemv_bed0c7f594.py

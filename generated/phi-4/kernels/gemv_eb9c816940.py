@@ -1,0 +1,1 @@
+../../_kernels/gemv_eb9c816940.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_0a8968b923.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_60e876fdc7.py

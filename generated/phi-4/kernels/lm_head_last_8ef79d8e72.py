@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_8ef79d8e72.py

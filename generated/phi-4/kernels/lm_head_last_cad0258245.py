@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_cad0258245.py

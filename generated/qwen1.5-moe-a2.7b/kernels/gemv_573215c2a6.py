@@ -1,0 +1,1 @@
+../../_kernels/gemv_573215c2a6.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_6cb0be3225.py

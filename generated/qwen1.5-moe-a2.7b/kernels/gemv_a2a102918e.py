@@ -1,1 +1,0 @@
-../../_kernels/gemv_a2a102918e.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_f451b0b0a4.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_76401bf50f.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_c095df113c.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_5863eeab90.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_0b263cb7a6.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_283f128d01.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_546af7a400.py

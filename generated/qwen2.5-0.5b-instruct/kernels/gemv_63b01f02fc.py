@@ -1,1 +1,0 @@
-../../_kernels/gemv_63b01f02fc.py

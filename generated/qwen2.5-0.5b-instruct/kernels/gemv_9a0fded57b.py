@@ -1,0 +1,1 @@
+../../_kernels/gemv_9a0fded57b.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_a679ea51c9.py

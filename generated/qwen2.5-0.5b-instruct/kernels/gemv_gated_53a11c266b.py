@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_53a11c266b.py

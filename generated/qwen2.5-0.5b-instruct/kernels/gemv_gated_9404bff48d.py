@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_9404bff48d.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_26b17a3b05.py

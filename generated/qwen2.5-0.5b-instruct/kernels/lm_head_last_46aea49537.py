@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_46aea49537.py

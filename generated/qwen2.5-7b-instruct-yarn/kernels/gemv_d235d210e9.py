@@ -1,1 +1,0 @@
-../../_kernels/gemv_d235d210e9.py

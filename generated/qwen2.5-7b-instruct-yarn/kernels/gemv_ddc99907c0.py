@@ -1,1 +1,0 @@
-../../_kernels/gemv_ddc99907c0.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_68adf82a9c.py

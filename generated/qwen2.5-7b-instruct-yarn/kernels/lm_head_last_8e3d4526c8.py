@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_8e3d4526c8.py

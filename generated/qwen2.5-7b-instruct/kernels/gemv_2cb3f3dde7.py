@@ -1,1 +1,0 @@
-../../_kernels/gemv_2cb3f3dde7.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_3322eb222d.py

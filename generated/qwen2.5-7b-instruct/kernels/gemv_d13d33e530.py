@@ -1,0 +1,1 @@
+../../_kernels/gemv_d13d33e530.py

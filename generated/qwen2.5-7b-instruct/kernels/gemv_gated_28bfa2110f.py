@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_28bfa2110f.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_49d42bb5be.py

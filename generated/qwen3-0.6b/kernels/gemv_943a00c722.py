@@ -1,1 +1,0 @@
-../../_kernels/gemv_943a00c722.py

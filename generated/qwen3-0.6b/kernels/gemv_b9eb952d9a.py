@@ -1,1 +1,0 @@
-../../_kernels/gemv_b9eb952d9a.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_d0bbb4eb2b.py

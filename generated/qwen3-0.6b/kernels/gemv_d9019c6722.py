@@ -1,0 +1,1 @@
+../../_kernels/gemv_d9019c6722.py

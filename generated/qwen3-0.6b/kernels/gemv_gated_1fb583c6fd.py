@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_1fb583c6fd.py

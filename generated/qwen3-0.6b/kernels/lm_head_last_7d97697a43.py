@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_7d97697a43.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_1e5543b6ab.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_8af0e55d29.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_3925aa52d1.py

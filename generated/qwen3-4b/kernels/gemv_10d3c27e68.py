@@ -1,1 +1,0 @@
-../../_kernels/gemv_10d3c27e68.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_6bb8d5512c.py

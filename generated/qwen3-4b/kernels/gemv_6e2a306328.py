@@ -1,1 +1,0 @@
-../../_kernels/gemv_6e2a306328.py

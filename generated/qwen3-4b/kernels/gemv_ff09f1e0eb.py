@@ -1,0 +1,1 @@
+../../_kernels/gemv_ff09f1e0eb.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_2f7e6ac620.py

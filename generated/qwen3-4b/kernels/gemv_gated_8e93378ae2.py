@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_8e93378ae2.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_63b8ee2cd3.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_dc51feadd6.py

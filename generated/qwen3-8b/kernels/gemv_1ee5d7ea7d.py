@@ -1,0 +1,1 @@
+../../_kernels/gemv_1ee5d7ea7d.py

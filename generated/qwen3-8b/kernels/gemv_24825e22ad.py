@@ -1,0 +1,1 @@
+../../_kernels/gemv_24825e22ad.py

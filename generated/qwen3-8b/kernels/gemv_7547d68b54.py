@@ -1,1 +1,0 @@
-../../_kernels/gemv_7547d68b54.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_b7b187bd85.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_f2ef4d77a8.py

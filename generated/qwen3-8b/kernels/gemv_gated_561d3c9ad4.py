@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_561d3c9ad4.py

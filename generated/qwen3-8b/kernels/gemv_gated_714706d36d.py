@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_714706d36d.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_c8a017780a.py

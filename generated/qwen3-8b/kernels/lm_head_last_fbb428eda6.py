@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_fbb428eda6.py

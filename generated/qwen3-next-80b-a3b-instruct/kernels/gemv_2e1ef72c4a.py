@@ -1,1 +1,0 @@
-../../_kernels/gemv_2e1ef72c4a.py

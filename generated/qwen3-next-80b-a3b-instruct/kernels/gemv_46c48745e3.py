@@ -1,0 +1,1 @@
+../../_kernels/gemv_46c48745e3.py

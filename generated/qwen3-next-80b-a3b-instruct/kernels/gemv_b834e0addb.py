@@ -1,1 +1,0 @@
-../../_kernels/gemv_b834e0addb.py

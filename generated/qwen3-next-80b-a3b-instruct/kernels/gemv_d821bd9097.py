@@ -1,1 +1,0 @@
-../../_kernels/gemv_d821bd9097.py

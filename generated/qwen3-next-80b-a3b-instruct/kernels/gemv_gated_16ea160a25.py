@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_16ea160a25.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_34623c826b.py

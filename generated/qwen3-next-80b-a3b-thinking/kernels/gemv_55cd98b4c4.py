@@ -1,0 +1,1 @@
+../../_kernels/gemv_55cd98b4c4.py

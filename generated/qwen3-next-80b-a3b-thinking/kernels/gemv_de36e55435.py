@@ -1,0 +1,1 @@
+../../_kernels/gemv_de36e55435.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_f200eb8fe2.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_a0be45128c.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_1a65d0dd08.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_22b6f8a4c4.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_91fc1feb31.py

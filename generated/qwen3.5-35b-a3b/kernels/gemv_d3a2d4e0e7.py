@@ -1,0 +1,1 @@
+../../_kernels/gemv_d3a2d4e0e7.py

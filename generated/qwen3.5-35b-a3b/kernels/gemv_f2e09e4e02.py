@@ -1,0 +1,1 @@
+../../_kernels/gemv_f2e09e4e02.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_aab479cd8c.py

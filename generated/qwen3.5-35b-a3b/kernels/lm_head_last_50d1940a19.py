@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_50d1940a19.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_06b77be632.py

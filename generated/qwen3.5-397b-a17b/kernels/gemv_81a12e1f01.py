@@ -1,0 +1,1 @@
+../../_kernels/gemv_81a12e1f01.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_9d26e3d160.py

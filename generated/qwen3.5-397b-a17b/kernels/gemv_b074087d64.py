@@ -1,0 +1,1 @@
+../../_kernels/gemv_b074087d64.py

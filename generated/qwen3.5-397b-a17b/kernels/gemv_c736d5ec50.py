@@ -1,1 +1,0 @@
-../../_kernels/gemv_c736d5ec50.py

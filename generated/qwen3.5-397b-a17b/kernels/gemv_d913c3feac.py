@@ -1,1 +1,0 @@
-../../_kernels/gemv_d913c3feac.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_f3196f4624.py

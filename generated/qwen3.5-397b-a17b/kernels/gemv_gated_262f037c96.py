@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_262f037c96.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_ba6ded512f.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_242b3421fc.py

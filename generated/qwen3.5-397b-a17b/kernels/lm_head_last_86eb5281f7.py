@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_86eb5281f7.py

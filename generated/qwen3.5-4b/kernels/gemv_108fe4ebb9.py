@@ -1,1 +1,0 @@
-../../_kernels/gemv_108fe4ebb9.py

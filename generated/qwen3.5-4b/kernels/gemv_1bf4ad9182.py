@@ -1,1 +1,0 @@
-../../_kernels/gemv_1bf4ad9182.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_4fddfcc2b8.py

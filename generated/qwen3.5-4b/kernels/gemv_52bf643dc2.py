@@ -1,0 +1,1 @@
+../../_kernels/gemv_52bf643dc2.py

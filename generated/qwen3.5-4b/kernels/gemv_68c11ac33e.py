@@ -1,1 +1,0 @@
-../../_kernels/gemv_68c11ac33e.py

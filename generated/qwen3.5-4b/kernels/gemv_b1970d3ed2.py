@@ -1,0 +1,1 @@
+../../_kernels/gemv_b1970d3ed2.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_b4eeb08a13.py

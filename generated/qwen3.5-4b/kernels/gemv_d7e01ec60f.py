@@ -1,1 +1,0 @@
-../../_kernels/gemv_d7e01ec60f.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_5d64c48569.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_d470ef1ea8.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_615bae4b89.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_c35cd4f483.py

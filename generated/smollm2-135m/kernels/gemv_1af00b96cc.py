@@ -1,0 +1,1 @@
+../../_kernels/gemv_1af00b96cc.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_2a822d06d9.py

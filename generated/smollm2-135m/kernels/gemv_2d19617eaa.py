@@ -1,1 +1,0 @@
-../../_kernels/gemv_2d19617eaa.py

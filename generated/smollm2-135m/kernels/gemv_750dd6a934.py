@@ -1,0 +1,1 @@
+../../_kernels/gemv_750dd6a934.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_c09eef30c4.py

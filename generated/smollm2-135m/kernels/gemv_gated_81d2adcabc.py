@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_81d2adcabc.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_e2ea483b91.py

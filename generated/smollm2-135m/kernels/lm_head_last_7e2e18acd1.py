@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_7e2e18acd1.py

@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_cd672c38b9.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_0af9d437a5.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_8142b27e3a.py

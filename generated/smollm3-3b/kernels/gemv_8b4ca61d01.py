@@ -1,1 +1,0 @@
-../../_kernels/gemv_8b4ca61d01.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_c8eeeb5c33.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_aaea3afec6.py

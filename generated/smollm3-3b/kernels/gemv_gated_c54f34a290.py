@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_c54f34a290.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_a65bb41901.py

@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_74b75586b4.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_1c7e9ec3f4.py

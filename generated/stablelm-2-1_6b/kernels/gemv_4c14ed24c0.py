@@ -1,0 +1,1 @@
+../../_kernels/gemv_4c14ed24c0.py

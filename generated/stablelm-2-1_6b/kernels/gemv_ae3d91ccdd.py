@@ -1,0 +1,1 @@
+../../_kernels/gemv_ae3d91ccdd.py

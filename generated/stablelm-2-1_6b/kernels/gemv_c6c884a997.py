@@ -1,1 +1,0 @@
-../../_kernels/gemv_c6c884a997.py

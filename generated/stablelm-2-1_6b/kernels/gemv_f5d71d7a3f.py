@@ -1,0 +1,1 @@
+../../_kernels/gemv_f5d71d7a3f.py

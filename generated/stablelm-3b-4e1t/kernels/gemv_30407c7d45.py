@@ -1,0 +1,1 @@
+../../_kernels/gemv_30407c7d45.py

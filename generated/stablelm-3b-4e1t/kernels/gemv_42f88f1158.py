@@ -1,0 +1,1 @@
+../../_kernels/gemv_42f88f1158.py

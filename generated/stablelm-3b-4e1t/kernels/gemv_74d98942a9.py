@@ -1,1 +1,0 @@
-../../_kernels/gemv_74d98942a9.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_af8b10c061.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_b73ceea7b1.py

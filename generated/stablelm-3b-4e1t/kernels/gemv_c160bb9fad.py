@@ -1,1 +1,0 @@
-../../_kernels/gemv_c160bb9fad.py

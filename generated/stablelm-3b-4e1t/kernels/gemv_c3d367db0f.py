@@ -1,0 +1,1 @@
+../../_kernels/gemv_c3d367db0f.py

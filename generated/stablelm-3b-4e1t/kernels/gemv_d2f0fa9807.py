@@ -1,0 +1,1 @@
+../../_kernels/gemv_d2f0fa9807.py

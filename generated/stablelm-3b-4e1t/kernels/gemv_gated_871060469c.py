@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_871060469c.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_d194774c30.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_217d4e9cc6.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_21eb57ee67.py

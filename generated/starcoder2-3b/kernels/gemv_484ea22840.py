@@ -1,0 +1,1 @@
+../../_kernels/gemv_484ea22840.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_4ac55958fa.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_5852bfc28c.py

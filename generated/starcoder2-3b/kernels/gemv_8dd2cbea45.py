@@ -1,0 +1,1 @@
+../../_kernels/gemv_8dd2cbea45.py

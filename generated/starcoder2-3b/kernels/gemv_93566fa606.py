@@ -1,0 +1,1 @@
+../../_kernels/gemv_93566fa606.py

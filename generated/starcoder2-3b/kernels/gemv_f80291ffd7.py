@@ -1,0 +1,1 @@
+../../_kernels/gemv_f80291ffd7.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_19818f06c5.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_69aab625fa.py

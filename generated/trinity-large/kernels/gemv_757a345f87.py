@@ -1,1 +1,0 @@
-../../_kernels/gemv_757a345f87.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_ce3ab79739.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_d959a06d25.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_fc969ba8fc.py

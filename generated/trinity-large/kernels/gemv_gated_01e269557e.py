@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_01e269557e.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_e80f324055.py

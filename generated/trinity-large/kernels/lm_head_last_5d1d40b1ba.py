@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_5d1d40b1ba.py

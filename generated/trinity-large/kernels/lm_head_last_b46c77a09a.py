@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_b46c77a09a.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_41a1b4c28a.py

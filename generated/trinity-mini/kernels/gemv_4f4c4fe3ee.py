@@ -1,1 +1,0 @@
-../../_kernels/gemv_4f4c4fe3ee.py

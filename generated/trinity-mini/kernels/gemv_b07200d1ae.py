@@ -1,0 +1,1 @@
+../../_kernels/gemv_b07200d1ae.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_c44017e615.py

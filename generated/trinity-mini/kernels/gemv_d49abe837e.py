@@ -1,1 +1,0 @@
-../../_kernels/gemv_d49abe837e.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_dacbeece5b.py

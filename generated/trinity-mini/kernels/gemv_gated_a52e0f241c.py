@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_a52e0f241c.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_d107711da8.py

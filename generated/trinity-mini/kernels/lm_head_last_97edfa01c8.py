@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_97edfa01c8.py

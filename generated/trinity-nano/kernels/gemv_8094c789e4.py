@@ -1,1 +1,0 @@
-../../_kernels/gemv_8094c789e4.py

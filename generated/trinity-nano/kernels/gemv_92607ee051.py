@@ -1,0 +1,1 @@
+../../_kernels/gemv_92607ee051.py

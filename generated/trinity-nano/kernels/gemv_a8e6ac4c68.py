@@ -1,0 +1,1 @@
+../../_kernels/gemv_a8e6ac4c68.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_c3ad759030.py

@@ -1,1 +1,0 @@
-../../_kernels/gemv_e39fc22605.py

@@ -1,0 +1,1 @@
+../../_kernels/gemv_e6bbbdfaf3.py

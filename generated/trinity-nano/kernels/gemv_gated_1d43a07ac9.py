@@ -1,1 +1,0 @@
-../../_kernels/gemv_gated_1d43a07ac9.py

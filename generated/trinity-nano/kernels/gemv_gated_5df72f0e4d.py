@@ -1,0 +1,1 @@
+../../_kernels/gemv_gated_5df72f0e4d.py

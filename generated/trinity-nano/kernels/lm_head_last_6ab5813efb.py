@@ -1,1 +1,0 @@
-../../_kernels/lm_head_last_6ab5813efb.py

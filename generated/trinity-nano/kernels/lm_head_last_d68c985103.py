@@ -1,0 +1,1 @@
+../../_kernels/lm_head_last_d68c985103.py
