@@ -27,6 +27,12 @@ start() {
   export PYTHONUNBUFFERED=1
 }
 
+# unpack_carry: the carried .cache pieces put back where prepare.py left them (tests/gpu/carry.sh),
+# if any were carried
+unpack_carry() {
+  if [ -d .cache/carry ] || [ -f .cache/carry.tar ]; then bash tests/gpu/carry.sh --unpack || exit 1; fi
+}
+
 # install_here [EXTRA_FIELDS]: the editable install, the card in $OUT/gpu.txt (nvidia-smi's fields,
 # plus EXTRA_FIELDS, e.g. power.limit), the environment every GPU run sets, and `suffix`: "" on an
 # H200 and "-h100" otherwise (tests/gpu/build_at.py builds NAME for the H200's table, NAME-h100).
@@ -50,11 +56,10 @@ install_here() {
 # goes on with its shell options as they were.
 if [ "${1:-}" = --preamble ]; then
   start "$2"
-  export TRITON_DEFAULT_FP_FUSION=1 NCCL_NVLS_ENABLE=0
   t0=$(date +%s)
   say() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$OUT/log.txt"; }
   on_h200() { grep -q H200 "$OUT/gpu.txt"; }
-  if [ -d .cache/carry ] || [ -f .cache/carry.tar ]; then bash tests/gpu/carry.sh --unpack || exit 1; fi
+  unpack_carry
   WHEELS=${3:-.whl-b}
   if [ -d "$WHEELS" ] && [ ! -f /tmp/site/.installed ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHEELS"/*.whl \
@@ -469,8 +474,8 @@ for s in "$@"; do
     groups+=("$s")
   fi
 done
-# the carried .cache pieces put back where prepare.py left them (tests/gpu/carry.sh), once
-if [ -z "$dry" ] && { [ -d .cache/carry ] || [ -f .cache/carry.tar ]; }; then bash tests/gpu/carry.sh --unpack || exit 1; fi
+# the carried pieces unpacked once for every stage
+[ -z "$dry" ] && unpack_carry
 rc=0
 for g in "${groups[@]}"; do
   out=$OUT_ROOT
