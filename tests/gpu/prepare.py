@@ -43,6 +43,9 @@ gpu_families.DSV4_CUT, its config.json as transformers writes it into .cache/gpu
 its artifact in .cache/gpu/<cut>-art, for the golden gate and bench latency with dummy weights).
 verify-ab (issue 43: qwen3-4b's verify program (5 rows) with its GEMVs in each form of VERIFY_AB,
 into .cache/artifacts/qwen3-4b-v5-<form>, for `bench spec-verify` / `bench profile` A/Bs).
+grid-ab (issues 43 and 49: qwen3-4b as served with every GEMV's grid the blocks of the path its rows
+take (tune GRID "paths", lm_head_last's too) into .cache/artifacts/qwen3-4b-paths, beside base's
+qwen3-4b, for `bench throughput` / `bench profile` A/Bs of plain serving).
 lora (issue 46, session.sh's `lora` stage: qwen3-4b built with --enable-lora, 8 slots of rank 16,
 into .cache/artifacts/qwen3-4b-lora8r16, beside base's qwen3-4b); lora-rows / lora-expand: the same
 with a decode step's sites / expands in its GEMVs (-rows, -expand: A/B sides).
@@ -94,7 +97,7 @@ TINY_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
 GPU_CACHE = REPO / ".cache" / "gpu"
 SERVED = ("qwen3-4b", "llama-3.2-1b")          # model directories LLM / infc serve load on the GPU
 PARTS = ("base", "nofuse", "families", "qwen35", "ranks", "deepseek", "twogpu", "server", "attnvar", "hlvar", "kvfp8",
-         "quant", "lora", "lora-rows", "lora-expand", "fp8-ab", "verify-ab", "draft", "eagle3", "mtp", "gptoss",
+         "quant", "lora", "lora-rows", "lora-expand", "fp8-ab", "verify-ab", "grid-ab", "draft", "eagle3", "mtp", "gptoss",
          "dsv4")
 DEFAULT_PARTS = ("base", "nofuse", "families", "draft", "eagle3")
 
@@ -180,6 +183,8 @@ def main(parts=DEFAULT_PARTS):
         fp8_ab()
     if "verify-ab" in parts:
         verify_ab()
+    if "grid-ab" in parts:
+        grid_ab()
     if "draft" in parts:
         draft()
     if "eagle3" in parts:
@@ -432,6 +437,15 @@ def verify_ab():
         _both_tunings(f"qwen3-4b-v5-{tag}", SERVED_ARTIFACTS / f"qwen3-4b-v5-{tag}",
                       model_dir=str(served_config("qwen3-4b")), narrow_tokens=5, check_checkpoint=False,
                       tuning_overlay=overlay)
+
+
+def grid_ab():
+    """qwen3-4b as served, with GRID "paths" on every GEMV-based template (gemv, gemv_gated,
+    lm_head_last), into .cache/artifacts/qwen3-4b-paths: the A/B side of base's qwen3-4b."""
+    from infc.backend import SERVED_ARTIFACTS
+    overlay = {t: {"default": {"GRID": "paths"}} for t in ("gemv", "gemv_gated", "lm_head_last")}
+    _both_tunings("qwen3-4b-paths", SERVED_ARTIFACTS / "qwen3-4b-paths", model_dir=str(served_config("qwen3-4b")),
+                  check_checkpoint=False, tuning_overlay=overlay)
 
 
 DRAFT_CUT = "qwen3-4b-l2"      # tests/gpu/test_spec_gpu.py's DRAFT_CUT
