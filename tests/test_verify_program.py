@@ -114,9 +114,11 @@ VERIFY_FORMS = {"lanes": None,
                 "dot-block": {t: {"default": {"FMA_T": 1, "ROW_PASS": "block"}} for t in ("gemv", "gemv_gated")},
                 # two W tiles read before the PDL wait (the tiny model's K of 96 and 160: one range)
                 "dot-pre": {t: {"default": {"FMA_T": 1, "DOT_PRE": 2, "BLOCK_K": 32}} for t in ("gemv", "gemv_gated")},
-                # K split in two, the partials parked by plain stores (PARK)
-                "dot-park": {t: {"default": {"FMA_T": 1, "BLOCK_K": 32, "FMA_BLOCK_K": 32, "SPLIT_K_DOT": 2,
-                                             "PARK": "store"}} for t in ("gemv", "gemv_gated")}}
+                # K split in two, the partials parked by plain stores (PARK), each launch's grid the
+                # taken path's blocks (GRID "paths", lm_head_last's too)
+                "dot-park": {**{t: {"default": {"FMA_T": 1, "BLOCK_K": 32, "FMA_BLOCK_K": 32, "SPLIT_K_DOT": 2,
+                                                "PARK": "store", "GRID": "paths"}} for t in ("gemv", "gemv_gated")},
+                             "lm_head_last": {"default": {"GRID": "paths"}}}}
 
 
 def _interp(d, out: Path, **build_kw):
