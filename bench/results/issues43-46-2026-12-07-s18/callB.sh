@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Session #18 call B, branching on the card. H200: issue 43's verify cost on qwen3-4b with the H100
+# table's best verify forms laid over the H200 table (prepare.py verify-ab): `bench spec-verify` of
+# qwen3-4b-v5-best-paths at batches 1, 8, 32 and k = 0..7, then the grid A/B at batch 1, k = 0 and 4
+# (v5-best, v5-best-paths). H100: the GPU gates on the default build (golden gates of qwen3-4b,
+# llama-3.2-1b, tiny-moe and qwen3-4b --no-fuse against HF bf16, the engine tests, no torch).
+# Copied to the repository root to run.
+source tests/gpu/run.sh --preamble "$1"
+A=.cache/artifacts; C=.cache/gpu/configs
+if on_h200; then
+  python3 tests/gpu/rerender.py $A/qwen3-4b-v5-best $A/qwen3-4b-v5-best-paths 2>&1 | tail -2 | tee -a $OUT/log.txt
+  sv() {
+    [ $(( $(date +%s) - t0 )) -gt $3 ] && { say "skipped $1 $2: time"; return; }
+    say "spec-verify $1 ($2)"
+    timeout 150 python3 -m infc.cli bench spec-verify --artifact $A/$1 --model-path $C/qwen3-4b --load-format dummy \
+      "${@:4}" --out /tmp/sv-$1-$2 2>&1 | grep -E "drafts|batch|rror|Trace" | tail -30 | tee -a $OUT/log.txt
+  }
+  sv qwen3-4b-v5-best-paths table 200 --batches 1,8,32 --drafts 0,1,2,3,4,5,6,7
+  sv qwen3-4b-v5-best r1 400 --batches 1 --drafts 0,4
+  sv qwen3-4b-v5-best-paths r1 450 --batches 1 --drafts 0,4
+  sv qwen3-4b-v5-best r2 500 --batches 1 --drafts 0,4
+  (cd /tmp && tar czf $OUT/runs.tgz sv-* 2>/dev/null)
+else
+  INFC_GPU_FAMILIES=none SUITE_S=470 SUITE_PATHS="tests/gpu/test_golden.py tests/gpu/test_engine_gpu.py tests/gpu/test_no_torch.py" \
+    bash tests/gpu/run.sh $OUT/gates suite 2>&1 | tail -40 | tee -a $OUT/log.txt
+fi
+say done
