@@ -311,6 +311,8 @@ def speculative_config(value) -> SpeculativeConfig | None:
     method = value.get("method")
     if method is None:
         raise ValueError(f"{where}: 'method' is required (one of {', '.join(SPEC_METHODS)})")
+    if not isinstance(method, str):
+        raise ValueError(f"{where}: 'method' must be a string (one of {', '.join(SPEC_METHODS)}), got {method!r}")
     method = SPEC_METHOD_ALIASES.get(method, method)
     if method in SPEC_METHODS_NOT_BUILT:
         raise ValueError(f"{where}: method {method!r} is not supported yet (built: "
@@ -318,6 +320,8 @@ def speculative_config(value) -> SpeculativeConfig | None:
     if method not in SPEC_METHODS:
         raise ValueError(f"{where}: unknown method {method!r} (built: {', '.join(SPEC_METHODS)})")
     model = value.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ValueError(f"{where}: 'model' must be a string (a directory or variant name), got {model!r}")
     if method == "eagle3":
         if not isinstance(model, str) or not model:
             raise ValueError(f"{where}: method 'eagle3' needs 'model': the EAGLE-3 head's directory "

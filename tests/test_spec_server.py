@@ -61,6 +61,9 @@ def test_the_flag_reaches_the_engine_config():
      r"'prompt_lookup_min' is for method 'ngram'; 'mtp' takes none"),
     ('{"method": "medium", "num_speculative_tokens": 1}', r"unknown method 'medium'"),
     ('{"num_speculative_tokens": 1}', r"'method' is required"),
+    ('{"method": ["ngram"], "num_speculative_tokens": 1}', r"'method' must be a string .*got \['ngram'\]"),
+    ('{"method": {"name": "ngram"}, "num_speculative_tokens": 1}', r"'method' must be a string"),
+    ('{"method": "draft_model", "num_speculative_tokens": 1, "model": ["d"]}', r"'model' must be a string"),
     ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', r"'model' is for a draft model"),
 ])
 def test_malformed_configs_are_refused_by_name(value, message):
