@@ -453,7 +453,25 @@ class LoraConfig:
             if self.lora_modules or self.allow_runtime_lora_updating:
                 raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
             return None
-        return lora_build(self.max_loras, self.max_lora_rank, self.lora_target_modules)
+        build = lora_build(self.max_loras, self.max_lora_rank, self.lora_target_modules)
+        check_lora_modules(self.lora_modules)
+        # here, before the model loads: LoraSlots would take 0 for the default and fail on -1 late
+        if self.max_cpu_loras is not None and self.max_cpu_loras < build["max_loras"]:
+            raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras}) must be at least --max-loras "
+                             f"({build['max_loras']})")
+        return build
+
+
+def check_lora_modules(pairs):
+    """--lora-modules' (name, path) pairs: each name once and non-empty, before the model loads
+    (the second 'a' would otherwise fail the start after it, as 'already loaded; unload it')."""
+    seen = set()
+    for name, path in pairs:
+        if not name or not path:
+            raise ValueError(f"--lora-modules: an adapter needs a name and a path, got {name!r}={path!r}")
+        if name in seen:
+            raise ValueError(f"--lora-modules: adapter name '{name}' is given twice")
+        seen.add(name)
 
 
 GROUPS = {"load": LoadConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,

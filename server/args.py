@@ -112,9 +112,14 @@ def lora_module(text: str) -> tuple[str, str]:
     if text.lstrip().startswith("{"):
         try:
             d = json.loads(text)
-            return str(d["name"]), str(d["path"])
-        except (ValueError, KeyError, TypeError):
+            name, path = d["name"], d["path"]
+        except (ValueError, KeyError, TypeError, RecursionError):
             raise argparse.ArgumentTypeError(f"--lora-modules {text!r}: JSON items need 'name' and 'path'") from None
+        # str() of a number or null would serve an adapter named '5' from a directory 'None'
+        if not (isinstance(name, str) and name and isinstance(path, str) and path):
+            raise argparse.ArgumentTypeError(f"--lora-modules {text!r}: 'name' and 'path' must be non-empty "
+                                             f"strings")
+        return name, path
     name, eq, path = text.partition("=")
     if not eq or not name or not path:
         raise argparse.ArgumentTypeError(f"--lora-modules {text!r}: expected name=path")

@@ -429,18 +429,23 @@ class Engine:
         StepOutput carries the error (finish_reason "error"). What is fatal (is_fatal: the device
         or the ranks are gone) is raised: the engine is dead."""
         batches = [s.schedule() for s in self.schedulers]
+        failed = self._fail_lora_waiters()
+        if failed:                              # a sibling of an ended request may sit in a batch
+            batches = [[(seq, n) for seq, n in b if not seq.finished] for b in batches]
         if self.spec is not None:
             self.spec.begin()
             batches = [self.spec.extend(b, s, s.bm, self._speculates, self._row)
                        for b, s in zip(batches, self.schedulers)]
         self.metrics.num_preemptions_total = sum(s.num_preemptions for s in self.schedulers)
         if not any(batches) and self.in_flight is None:
-            if any(s.has_work() for s in self.schedulers):
+            if not failed and any(s.has_work() for s in self.schedulers):
                 raise RuntimeError("the scheduler made no progress with work waiting (a bug)")
-            return []
-        launched, outputs = None, []
+            if failed:
+                self._gauges()
+            return failed
+        launched, outputs = None, failed
         if self.in_flight is not None and self._reads_first(batches):
-            outputs = self._drain_in_flight()
+            outputs += self._drain_in_flight()
             batches = [[(seq, n) for seq, n in b if not seq.finished] for b in batches]   # ended in it
         try:
             if self.tiers is not None:          # before the step: its restores, the saves it overwrites
@@ -481,6 +486,15 @@ class Engine:
             self.snapshots.after_step()
         self._gauges()
         return outputs
+
+    def _fail_lora_waiters(self) -> list[StepOutput]:
+        """End the requests whose adapter could not take a slot when they were admitted
+        (LoraSlots.admit): unloaded while they waited, or no longer readable from its directory
+        (the host cache had dropped it). Their failure, named, not the engine's."""
+        if self.loras is None or not self.loras.failed:
+            return []
+        failed, self.loras.failed = self.loras.failed, []
+        return [out for seq, e in failed if (out := self._fail_request(seq.request_id, e)) is not None]
 
     def _batches_of(self, launched) -> list:
         """A launched step's batches, one a data-parallel rank."""

@@ -43,6 +43,7 @@ class LoraSlots:
         self.holders: dict[int, int] = {}                         # lora_id -> running requests
         self._next_id = count(1)
         self.loads = 0                                            # slot writes (metrics, tests)
+        self.failed: list = []                                    # (seq, AdapterError): admit()
         for slot in range(self.max_loras + 1):    # zeros everywhere, whatever the loader filled
             write(plan, put, slot, None, clear=True)
 
@@ -122,11 +123,21 @@ class LoraSlots:
             self._forget(lora_id)
 
     # the block manager's gate (runtime/engine/block_manager.py): a sequence naming an adapter
-    # (seq.lora = (name, lora_id)) is admitted with a slot (seq.lora_slot) or waits
+    # (seq.lora = (name, lora_id)) is admitted with a slot (seq.lora_slot) or waits. One whose
+    # adapter cannot take a slot (unloaded while it waited, or its directory no longer reads: the
+    # host cache had dropped it) is not admitted and goes to `failed`: the engine ends its request
+    # with that error (Engine._fail_lora_waiters) rather than dying of it.
     def admit(self, seq) -> bool:
         if seq.lora is None or seq.lora_slot:
             return True
-        slot = self.acquire_id(seq.lora[1])
+        name, lora_id = seq.lora
+        try:
+            if lora_id not in self.slot_of and self.ids.get(name) != lora_id:
+                raise AdapterError(f"LoRA adapter '{name}' was unloaded while this request waited for a slot")
+            slot = self.acquire_id(lora_id)
+        except AdapterError as e:
+            self.failed.append((seq, e))
+            return False
         if slot is None:
             return False
         seq.lora_slot = slot

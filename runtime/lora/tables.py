@@ -14,6 +14,9 @@ from ..weights.load import at
 from .adapter import Adapter
 
 
+F32_MAX = float(np.finfo(np.float32).max)
+
+
 class AdapterError(ModelDirError, ValueError):
     """An adapter that does not fit the plan: its path and what is wrong (a ValueError: a bad
     request's, where a server loads it)."""
@@ -56,8 +59,9 @@ def check(plan: dict, adapter: Adapter, modules: dict | None = None):
         if d.b.shape[0] != N:
             raise AdapterError(f"{where}: '{m}.lora_B.weight' is {list(d.b.shape)}, the model's module "
                                f"has N = {N} outputs: [{N}, {d.rank}] expected")
-        if not np.isfinite(d.scale) or not (np.isfinite(d.a).all() and np.isfinite(d.b).all()):
-            raise AdapterError(f"{where}: '{m}' has a non-finite scale or weight")
+        # the scale table is float32: a scale past its range (alpha 1e300) would be inf there
+        if not abs(d.scale) <= F32_MAX or not (np.isfinite(d.a).all() and np.isfinite(d.b).all()):
+            raise AdapterError(f"{where}: '{m}' has a non-finite scale or weight (scale {d.scale:g})")
 
 
 def numpy_put(plan: dict, weights: dict):
