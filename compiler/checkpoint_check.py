@@ -238,6 +238,8 @@ class Checker:
                 self.fail(f"{self.who(decl, wname)}: checkpoint tensor '{name}' (shape {_fmt(stored)}) "
                           f"holds a {_fmt(got)} quantized weight, the spec expects {_fmt(want)}", decl)
             return got
+        if "rows" in src:               # a per-tensor scale, one element, read for every row
+            return self.per_tensor(src, subs, wname, w)
         if is_derived(src):             # written by the load program: no checkpoint tensor
             return tuple(src["derived"]["shape"])
         if "tied" in src:
@@ -316,11 +318,21 @@ class Checker:
                     self.shape_of(s, None, subs, wname, w)
         return None
 
+    def per_tensor(self, src, subs, wname, w):
+        """{"rows": src, "count": n}: the stored scale must hold one element (the load recipe
+        refuses any other; here it fails the build, from the headers)."""
+        s = self.shape_of(src["rows"], None, subs, wname, w)
+        if s is not None and any(d != 1 for d in s):
+            name, decl = self.leaf_name(src["rows"], subs, wname)
+            self.fail(f"{self.who(decl, wname)}: checkpoint tensor '{name}' has shape {_fmt(s)}: a "
+                      f"per-tensor scale has one element ({self.where})", decl)
+        return int(src["count"]), 1
+
     def leaf_name(self, src, subs, wname):
         """(first checkpoint tensor name under src, its declaration) for messages."""
         while isinstance(src, dict):
-            if "tensor" in src:
-                pattern = src["tensor"]
+            if "tensor" in src or _quant_leaf(src):         # a quantized tensor names itself too
+                pattern = src["tensor"] if "tensor" in src else src[_quant_leaf(src)]
                 break
             if "stack" in src and isinstance(src["stack"], str):
                 pattern = src["stack"]

@@ -6,6 +6,9 @@ import re
 from ..contract.errors import ModelDirError
 
 _MISSING = object()
+# the largest group / block size read: the kernels and the numpy reference index in int32 / int64,
+# and a size past a weight's dimension means one group anyway (a larger one is a typo, not a format)
+MAX_SIZE = 2**31 - 1
 
 
 class ConfigKeys:
@@ -46,6 +49,8 @@ class ConfigKeys:
             return None
         if not isinstance(v, int) or isinstance(v, bool) or (positive and v <= 0):
             raise self.bad(key, f"{_show(v)}: must be a {'positive ' if positive else ''}integer")
+        if v > MAX_SIZE:
+            raise self.bad(key, f"{v}: too large (at most {MAX_SIZE})")
         if choices is not None and v not in choices:
             raise self.bad(key, f"{v}: must be one of {', '.join(map(str, choices))}")
         return v
@@ -56,9 +61,19 @@ class ConfigKeys:
             raise self.bad(key, f"{_show(v)}: must be true or false")
         return v
 
+    def block(self, key):
+        """A [rows, columns] block size (fp8's weight_block_size, compressed-tensors'
+        block_structure), as a tuple; None where the key is absent or null."""
+        v = self.get(key, None)
+        if v is not None and not (isinstance(v, list) and len(v) == 2 and all(
+                isinstance(b, int) and not isinstance(b, bool) and 0 < b <= MAX_SIZE for b in v)):
+            raise self.bad(key, f"{v!r}: must be [rows, columns], two positive integers (at most {MAX_SIZE})")
+        return None if v is None else tuple(v)
+
     def names(self, key) -> list:
         """A list of module names / patterns (each a valid regex where the format allows one)."""
-        v = self.d.get(key) or []
+        v = self.d.get(key)
+        v = [] if v is None else v              # null is no list; "" or false is not a list either
         if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
             raise self.bad(key, f"{_show(v)}: must be a list of module names")
         for s in v:

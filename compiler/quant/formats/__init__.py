@@ -36,7 +36,7 @@ def parse_quantization(config: dict, where: str, nested=()) -> QuantFormat | Non
         return None
     if not isinstance(q, dict):
         raise ModelDirError(f"{where}: quantization_config must be an object, got {type(q).__name__}")
-    method = q.get("quant_method")
+    method = _method(q, where)
     top = config.get("expert_dtype")
     if top is not None and method == "fp8":
         # DeepSeek-V4 ships its experts' format beside the quantization_config, not in it (V4.1
@@ -47,8 +47,22 @@ def parse_quantization(config: dict, where: str, nested=()) -> QuantFormat | Non
         if top not in ("fp8", "fp4"):
             raise ModelDirError(f"{where}: expert_dtype {top!r}: must be one of 'fp8', 'fp4'")
         q = {**q, "expert_dtype": top}
-    if method not in FORMATS:
-        raise ModelDirError(f"{where}: quantization_config.quant_method {method!r} is not a format "
-                            f"infc reads (it reads: {', '.join(sorted(FORMATS))})")
     return FORMATS[method](q, where)
 
+
+def _method(q: dict, where: str) -> str:
+    """quantization_config.quant_method, one of FORMATS (a list or an object is no format name:
+    it would not even look up)."""
+    method = q.get("quant_method")
+    key = f"{where}: quantization_config.quant_method"
+    if method is None:
+        raise ModelDirError(f"{key}: missing (it names the format: {', '.join(sorted(FORMATS))})")
+    if not isinstance(method, str):
+        raise ModelDirError(f"{key}: {type(method).__name__}: must be a string, one of "
+                            f"{', '.join(sorted(FORMATS))}")
+    if method not in FORMATS:
+        # the published configs spell it in lowercase, and so do transformers' quantizers
+        hint = f"; did you mean {method.lower()!r}?" if method.lower() in FORMATS else ""
+        raise ModelDirError(f"{key} {method!r} is not a format infc reads (it reads: "
+                            f"{', '.join(sorted(FORMATS))}){hint}")
+    return method

@@ -44,6 +44,15 @@ def _matches(module: str, target: str) -> bool:
     return target == "Linear" or target == module
 
 
+def _specificity(target: str) -> tuple:
+    """How compressed-tensors (match_targets) ranks the targets a module matches, the first
+    winning: a module name, then a regex (both by their text), then the class `Linear`; so a
+    group naming `re:.*down_proj` takes down_proj from a group of every `Linear`, wherever the
+    two stand in config_groups. Of groups naming the same target the last wins (its
+    target -> scheme map)."""
+    return (target == "Linear", target.startswith("re:"), target)
+
+
 class CompressedTensors(QuantFormat):
     method = "compressed-tensors"
     keeps_output_head = False                # its ignore list decides (llm-compressor lists lm_head)
@@ -55,7 +64,9 @@ class CompressedTensors(QuantFormat):
     def _group(self, module: str):
         if any(_matches(module, t) and t != "Linear" for t in self.ignore):
             return None
-        return next((g for g in self.groups if any(_matches(module, t) for t in g.targets)), None)
+        matched = [(_specificity(t), -i) for i, g in enumerate(self.groups) for t in g.targets
+                   if _matches(module, t)]
+        return self.groups[-min(matched)[1]] if matched else None
 
     def scheme_for(self, module):
         g = self._group(module)
@@ -109,13 +120,10 @@ def _weights(w: ConfigKeys, fmt: str, fmt_key: str, top: ConfigKeys):
     if (strategy == "group") != (group is not None):
         raise w.bad("group_size", f"{group!r} with strategy {strategy!r}: a group size is given exactly "
                                   f"for strategy 'group'")
-    block = w.get("block_structure", None)
+    block = w.block("block_structure")
     if (strategy == "block") != (block is not None):
-        raise w.bad("block_structure", f"{block!r} with strategy {strategy!r}: a block structure is "
-                                       f"given exactly for strategy 'block'")
-    if block is not None and not (isinstance(block, list) and len(block) == 2 and all(
-            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
-        raise w.bad("block_structure", f"{block!r}: must be [rows, columns], two positive integers")
+        raise w.bad("block_structure", f"{list(block) if block else None!r} with strategy {strategy!r}: a "
+                                       f"block structure is given exactly for strategy 'block'")
     if not sym and strategy not in ("channel", "group"):
         raise w.bad("symmetric", f"false with strategy {strategy!r}: zero points are read per channel "
                                  f"or per group")
@@ -168,6 +176,8 @@ def parse(q: dict, where: str) -> CompressedTensors:
     status = top.get("quantization_status", "compressed")
     if status != "compressed":
         raise top.bad("quantization_status", f"{status!r}: infc reads checkpoints saved 'compressed'")
+    # an object or null: --kv-cache-dtype fp8 reads the KV scales from the tensors (compiler/kv_scales.py)
+    top.sub("kv_cache_scheme", None)
     for key in ("sparsity_config", "transform_config"):
         if top.d.get(key):
             raise top.bad(key, "sparse or transformed checkpoints are not read")

@@ -93,13 +93,10 @@ def parse(q: dict, where: str) -> Fp8Block:
     # torch's dtype name for the same OCP e4m3 (finite, NaN only): MiniMax-M2's config.json spells it so
     c.get("fmt", "e4m3", choices=("e4m3", "float8_e4m3fn"))
     act = c.get("activation_scheme", "dynamic", choices=("dynamic", "static"))
-    block = c.get("weight_block_size", None)
+    block = c.block("weight_block_size")
     scale_fmt = c.get("scale_fmt", "float", choices=SCALE_FMTS)
     expert_dtype = c.get("expert_dtype", "fp8", choices=EXPERT_DTYPES)
     if block is not None:
-        if not (isinstance(block, list) and len(block) == 2
-                and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
-            raise c.bad("weight_block_size", f"{block!r}: must be [rows, columns], two positive integers")
         if act == "static":
             raise c.bad("activation_scheme", "'static' with weight_block_size: block-quantized "
                                              "checkpoints quantize activations dynamically")
@@ -110,5 +107,5 @@ def parse(q: dict, where: str) -> Fp8Block:
                                     "activation scale")
     if c.get("dequantize", False) is not False:
         raise c.bad("dequantize", "a checkpoint to be dequantized at load is not an fp8 checkpoint to serve")
-    return Fp8Block(tuple(block) if block else None, act,
+    return Fp8Block(block, act,
                     c.names("modules_to_not_convert") + c.names("ignored_layers"), scale_fmt, expert_dtype)

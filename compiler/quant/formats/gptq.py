@@ -21,7 +21,7 @@ from ..format_base import QuantFormat, format_parser
 from ..scheme import QuantScheme
 
 _KEYS = {"quant_method", "bits", "group_size", "desc_act", "sym", "checkpoint_format", "format",
-         "modules_to_not_convert", "lm_head", "is_marlin_format", "pack_dtype"}
+         "modules_to_not_convert", "lm_head", "is_marlin_format", "pack_dtype", "dynamic"}
 # what the GPTQ tools record about how they quantized: nothing the stored tensors' meaning depends on
 _META = {"damp_percent", "damp_auto_increment", "true_sequential", "static_groups", "model_name_or_path",
          "model_file_base_name", "quantizer", "meta", "act_group_aware", "mse", "v2", "v2_alpha",
@@ -30,7 +30,7 @@ _META = {"damp_percent", "damp_auto_increment", "true_sequential", "static_group
          "model_seqlen", "block_name_to_quantize", "module_name_preceding_first_block", "batch_size",
          "pad_token_id", "modules_in_block_to_quantize", "hyb_act", "offload_to_disk",
          "offload_to_disk_path", "mock_quantization", "gptaq", "foem", "fail_safe",
-         "dynamic", "hessian", "gar"}
+         "hessian", "gar"}
 
 
 def _t(src: dict) -> dict:
@@ -63,6 +63,22 @@ class Gptq(QuantFormat):
         return out
 
 
+def _layout(c: ConfigKeys) -> str:
+    """The qzeros layout, 'gptq' (v1) or 'gptq_v2': `checkpoint_format` (transformers' and
+    optimum's key) or `format` (GPTQModel's older one); where both are given they must agree."""
+    got = {}
+    for key in ("checkpoint_format", "format"):
+        if c.has(key):
+            v = c.get(key)
+            if not isinstance(v, str) or v.lower() not in ("gptq", "gptq_v2"):
+                raise c.bad(key, f"{v!r}: the GPTQ layouts read are 'gptq' (v1) and 'gptq_v2'")
+            got[key] = v.lower()
+    if len(set(got.values())) > 1:
+        raise c.bad("format", f"{c.d['format']!r} and checkpoint_format {c.d['checkpoint_format']!r} "
+                              f"disagree: which layout the qzeros are stored in is unknown")
+    return next(iter(got.values()), "gptq")
+
+
 @format_parser("gptq")
 def parse(q: dict, where: str) -> Gptq:
     c = ConfigKeys(q, where).only(_KEYS, _META)
@@ -72,14 +88,16 @@ def parse(q: dict, where: str) -> Gptq:
         raise c.bad("group_size", f"{group}: must be positive, or -1 for one group per row")
     act_order = c.bool("desc_act", False)
     sym = c.bool("sym", True)
-    fmt_key = "checkpoint_format" if c.has("checkpoint_format") else "format"
-    fmt = c.get(fmt_key, "gptq")
-    if not isinstance(fmt, str) or fmt.lower() not in ("gptq", "gptq_v2"):
-        raise c.bad(fmt_key, f"{fmt!r}: the GPTQ layouts read are 'gptq' (v1) and 'gptq_v2'")
+    fmt = _layout(c)
     if c.get("is_marlin_format", False) is not False:
         raise c.bad("is_marlin_format", f"{q['is_marlin_format']!r}: Marlin-repacked GPTQ weights are not read")
     c.get("pack_dtype", "int32", choices=("int32",))
     if c.get("lm_head", False) is not False:
         raise c.bad("lm_head", f"{q['lm_head']!r}: a quantized lm_head is not read")
-    return Gptq(bits, None if group == -1 else group, act_order, sym, fmt.lower() == "gptq",
+    # GPTQModel's per-module overrides (`+:regex`: other bits / group_size / desc_act / sym,
+    # `-:regex`: left unquantized): the stored tensors of those modules mean something else
+    if c.get("dynamic", {}) != {}:
+        raise c.bad("dynamic", "per-module overrides (GPTQModel's dynamic) are not read: every module "
+                               "is read with the top-level bits, group_size, desc_act and sym")
+    return Gptq(bits, None if group == -1 else group, act_order, sym, fmt == "gptq",
                 c.names("modules_to_not_convert"))
