@@ -8,6 +8,7 @@
 # (qwen3-4b against qwen3-4b-paths, prepare.py grid-ab: 1024/128 throughput at 256 concurrent, A B B A
 # as time allows). Copied to the repository root to run.
 source tests/gpu/run.sh --preamble "$1"
+END=${2:-575}    # the second the call's work must end by (the device time left, less the start)
 A=.cache/artifacts; C=.cache/gpu/configs
 if on_h200; then
   python3 tests/gpu/rerender.py $A/qwen3-4b $A/qwen3-4b-lora8r16 2>&1 | tail -2 | tee -a $OUT/log.txt
@@ -19,7 +20,7 @@ if on_h200; then
   done
   say "model and adapters"
   tp() {
-    [ $(( $(date +%s) - t0 )) -gt 400 ] && { say "skipped $1: time"; return; }
+    [ $(( $(date +%s) - t0 )) -gt $((END - 175)) ] && { say "skipped $1: time"; return; }
     say "throughput $1"
     timeout 150 python3 -m infc.cli bench throughput --model-path $M --load-format dummy --concurrency 1,32,256 \
       --out /tmp/t-$1 "${@:2}" 2>&1 | grep -vE "it/s\]" | grep -E "concurrency|tok/s|TPOT|rror|Trace" | tail -8 | tee -a $OUT/log.txt
@@ -30,14 +31,14 @@ if on_h200; then
   tp lora8-r2 $L
   tp base-r2
   (cd /tmp && tar czf $OUT/results.tgz t-*)
-  left=$(( ${GATE_END:-575} - ($(date +%s) - t0) ))
+  left=$(( END - ($(date +%s) - t0) ))
   say "lora gate ($left s left)"
   [ $left -gt 60 ] && timeout $left python3 -m pytest tests/gpu/test_lora_gpu.py -q -s -p no:cacheprovider 2>&1 \
     | tee $OUT/pytest-lora.log | grep -E "passed|failed|error|regret|p99|^E " | tail -30 | tee -a $OUT/log.txt
 else
   python3 tests/gpu/rerender.py $A/qwen3-4b-v5-best $A/qwen3-4b-v5-best-paths 2>&1 | tail -2 | tee -a $OUT/log.txt
   sv() {
-    [ $(( $(date +%s) - t0 )) -gt 300 ] && { say "skipped $1 $2: time"; return; }
+    [ $(( $(date +%s) - t0 )) -gt $((END / 2)) ] && { say "skipped $1 $2: time"; return; }
     say "spec-verify $1 ($2)"
     timeout 110 python3 -m infc.cli bench spec-verify --artifact $A/$1 --model-path $C/qwen3-4b --load-format dummy \
       --batches 1,32 --drafts 0,4 --out /tmp/sv-$1-$2 2>&1 | grep -E "drafts|batch|rror|Trace" | tail -6 | tee -a $OUT/log.txt
@@ -48,7 +49,7 @@ else
   sv qwen3-4b-v5-best r2
   python3 tests/gpu/rerender.py $A/qwen3-4b $A/qwen3-4b-paths 2>&1 | tail -2 | tee -a $OUT/log.txt
   tp() {
-    [ $(( $(date +%s) - t0 )) -gt 470 ] && { say "skipped $1 $2: time"; return; }
+    [ $(( $(date +%s) - t0 )) -gt $((END - 100)) ] && { say "skipped $1 $2: time"; return; }
     say "throughput $1 ($2)"
     timeout 100 python3 -m infc.cli bench throughput --artifact $A/$1 --model-path $C/qwen3-4b --load-format dummy \
       --concurrency 256 --out /tmp/tp-$1-$2 2>&1 | grep -vE "it/s\]" | grep -E "concurrency|tok/s|rror|Trace" | tail -4 | tee -a $OUT/log.txt
