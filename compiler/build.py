@@ -9,6 +9,7 @@ from infc.config import kv_cache_dtype as plan_kv_dtype
 from .contract.errors import ModelDirError, SpecError
 from .pipeline import compile_spec
 from .quant.formats import parse_quantization
+from .quant.kernel_limits import check_kernel_schemes
 from .plan import dumps, emit_plan
 from .checkpoint_check import check_model_dir, checkpoint_headers
 from .contract.safetensors_io import Checkpoint
@@ -149,7 +150,7 @@ def compile_model(model=None, spec_path=None, model_dir=None, features=None, log
             log(f"  load format dummy: checkpoint in {model_dir} not read, not checked")
     elif model_dir is not None:
         t0 = time.perf_counter()
-        if check_model_dir(plan, spec, model_dir, log, quant.unread if quant else (), headers=headers):
+        if check_model_dir(plan, spec, model_dir, log, quant.unread if quant else (), headers=headers, quant=quant):
             stage("check checkpoint tensors", t0)
     return state, plan
 
@@ -251,6 +252,8 @@ def build(model=None, spec_path=None, model_dir=None, out=None, features=None, l
                                 spec_dirs=spec_dirs, check_checkpoint=check_checkpoint,
                                 kv_cache_dtype=kv_cache_dtype, lora=lora, capture=capture,
                                 narrow_tokens=narrow_tokens, section=section, skip=tuple(skip))
+    # a scheme the kernels refuse fails naming its config key, before any kernel is rendered
+    check_kernel_schemes(state.quant, plan)
     out = Path(out) if out else GENERATED / state.model
     t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
@@ -297,6 +300,8 @@ def build_ranks(par: dict, model=None, spec_path=None, model_dir=None, out=None,
                           features=features, log=(lambda m: None) if log is None else log, fuse=fuse,
                           spec_dirs=spec_dirs, **kw)
     state = ranks[0][0]
+    for _, plan in ranks:
+        check_kernel_schemes(state.quant, plan)
     tag = f"dp{par['dp']}" if par.get("dp", 1) > 1 else f"tp{par['tp']}" if par["tp"] > 1 else ""
     tag += f"{'-' if tag else ''}ep{par['ep']}" if par["ep"] > 1 else ""
     out = Path(out) if out else GENERATED / f"{state.model}-{tag}"

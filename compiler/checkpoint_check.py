@@ -40,17 +40,18 @@ READABLE_DTYPES = ("BF16", "F16", "F32", "F64")     # what compiler/contract/saf
 INDEX_DTYPES = ("I32", "I64")                       # an i32 weight's (exact as floats below 2^24)
 
 
-def check_model_dir(plan: dict, spec, model_dir, log=None, ignore=(), headers=None) -> bool:
+def check_model_dir(plan: dict, spec, model_dir, log=None, ignore=(), headers=None, quant=None) -> bool:
     """Check DIR's safetensors headers against the plan. False when DIR has no checkpoint.
     ignore: glob patterns of tensors the checkpoint may hold unread (beside the spec's own: a
     quantization format's bookkeeping, compiler/quant/format_base.py); headers: DIR's
-    checkpoint_headers when the caller has read them already."""
+    checkpoint_headers when the caller has read them already; quant: the checkpoint's
+    QuantFormat, which says which of its schemes expected a missing tensor (missing_note)."""
     tensors = headers if headers is not None else checkpoint_headers(model_dir)
     if tensors is None:
         if log:
             log(f"  no *.safetensors in {model_dir}: checkpoint not checked (config.json only)")
         return False
-    check_tensors(plan, spec, tensors, str(Path(model_dir)), ignore)
+    check_tensors(plan, spec, tensors, str(Path(model_dir)), ignore, quant)
     return True
 
 
@@ -72,9 +73,9 @@ def checkpoint_headers(model_dir) -> dict | None:
         ckpt.close()
 
 
-def check_tensors(plan: dict, spec, tensors: dict, where: str, ignore=()) -> None:
+def check_tensors(plan: dict, spec, tensors: dict, where: str, ignore=(), quant=None) -> None:
     """tensors: checkpoint name -> (dtype, shape, file). Raises SpecError on the first problem."""
-    Checker(plan, spec, tensors, where, ignore).run()
+    Checker(plan, spec, tensors, where, ignore, quant).run()
 
 
 def _natural(name: str):
@@ -130,9 +131,10 @@ def recipe_names(src: dict, subs: dict):
 
 
 class Checker:
-    def __init__(self, plan, spec, tensors, where, ignore=()):
+    def __init__(self, plan, spec, tensors, where, ignore=(), quant=None):
         self.plan, self.spec, self.tensors, self.where = plan, spec, tensors, where
         self.ignore = list(ignore)
+        self.quant = quant
         self.env = plan.get("config", {})
         self.used: set = set()
         self.slicing = None                     # (axis, start, stop) while inside a slice recipe
@@ -187,7 +189,8 @@ class Checker:
     def run(self):
         read = {n for w in self.plan["weights"].values() for layer in self.layers(w)
                 for n in recipe_names(w["source"], {"i": layer})}
-        self.unread = [n for n in self.tensors if n not in read]     # what a misspelling may be
+        # what a misspelling may be (not a format's bookkeeping, which nothing reads: weight_shape)
+        self.unread = [n for n in self.tensors if n not in read and not any(fnmatchcase(n, p) for p in self.ignore)]
         for wname, w in self.plan["weights"].items():
             for layer in self.layers(w):
                 self.shape_of(w["source"], tuple(w["shape"]), {"i": layer}, wname, w)
@@ -354,8 +357,12 @@ class Checker:
             others = [a for a in getattr(main, "alternatives", ()) if a is not decl]
             also = ("; nor is its other layout whole (" + ", ".join(f"'{a.name}'" for a in others) + ")"
                     if others else "")
+            # a quantized checkpoint: the scheme that expected it (or none, where the config leaves
+            # the module unquantized and the checkpoint stores it quantized: no misspelling then)
+            note, suggest = (self.quant.missing_note(name) if self.quant is not None else None) or ("", True)
             self.fail(f"{self.who(decl, wname)}: checkpoint tensor '{name}'{layer} is missing from "
-                      f"{self.where}{did_you_mean(name, self.unread)}{also}", decl)
+                      f"{self.where}{': ' + note if note else ''}"
+                      f"{did_you_mean(name, self.unread) if suggest else ''}{also}", decl)
         dtype, shape, file = self.tensors[name]
         self.used.add(name)
         if dtype not in dtypes:

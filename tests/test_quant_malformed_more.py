@@ -162,3 +162,152 @@ def test_undamaged_per_tensor_checkpoints_still_build(src, capsys, monkeypatch, 
                      lambda dt, a: (dt, a.reshape(())), None)
         rc, out, err = build_dir(capsys, monkeypatch, tmp_path, q)
         assert rc == 0, err
+
+
+# ---------------------------------------------------------------- NaN / infinite scales at load
+
+from fake_cuda import FakeContext  # noqa: E402
+from infc.compiler.build import compile_model  # noqa: E402
+from infc.compiler.quant.kernel_limits import act_group_refusal  # noqa: E402
+from infc.runtime.cuda.weights import DeviceWeights  # noqa: E402
+from infc.runtime.weights.load import load_weights  # noqa: E402
+from test_checkpoint_honesty import BASE  # noqa: E402
+
+
+def _poison(value):
+    """A scale tensor's last element made `value` (NaN, +-inf), in its stored dtype."""
+    def damage(dt, a):
+        a = np.array(a)
+        flat = a.reshape(-1)
+        flat[-1] = np.array([value], np.float32).view(np.uint32)[0] >> 16 if dt == "BF16" else value
+        return dt, a
+    return damage
+
+
+# (id, writer, options, scale tensor, value): every float scale a format reads, the codes' NaN
+# check's neighbours (runtime/weights/quant_recipes.py check_finite)
+SCALE_CASES = [
+    ("fp8-block-scale-nan", "fp8-block", dict(block=(32, 32)), f"{D}.weight_scale_inv", np.nan),
+    ("fp8-tensor-scale-inf", "fp8-tensor", {}, f"{D}.weight_scale_inv", np.inf),
+    ("fp8-tensor-input-scale-nan", "fp8-tensor", dict(act="static"), f"{D}.input_scale", np.nan),
+    ("ct-fp8-channel-scale-neg-inf", "ct-fp8", dict(strategy="channel", act="none"), f"{D}.weight_scale", -np.inf),
+    ("ct-int-group-scale-nan", "ct-int", dict(group=32), f"{Q}.weight_scale", np.nan),
+    ("awq-scales-inf", "awq", dict(group=32), f"{D}.scales", np.inf),
+    ("gptq-scales-nan", "gptq", dict(group=32), f"{Q}.scales", np.nan),
+]
+
+
+@pytest.mark.parametrize("writer,o,name,value", [pytest.param(*c[1:], id=c[0]) for c in SCALE_CASES])
+def test_nan_or_infinite_scale_fails_the_load_naming_it(writer, o, name, value, src, tmp_path):
+    """NaN e4m3 codes were refused at load, NaN or infinite scales loaded silently (every weight
+    they scale NaN): both loaders, the numpy one and the device one, refuse them by name."""
+    q = _damaged(src, tmp_path / "q", writer, o, name, _poison(value))
+    _, plan = compile_model(spec_path=str(BASE), model_dir=str(q))      # the headers are honest
+    ckpt = Checkpoint(q)
+    try:
+        with pytest.raises(ModelDirError, match=rf"'{name}' holds 1 NaN or infinite scale\(s\)"):
+            load_weights(plan, ckpt)
+    finally:
+        ckpt.close()
+    with pytest.raises(ModelDirError, match=rf"'{name}' holds 1 NaN or infinite scale\(s\)"):
+        DeviceWeights(FakeContext(), plan, q, progress=False)
+
+
+def test_finite_scales_still_load(src, tmp_path):
+    for writer, o in [("fp8-block", dict(block=(32, 32))), ("fp8-tensor", dict(act="static")),
+                      ("gptq", dict(group=32))]:
+        q = _damaged(src, tmp_path / writer, writer, o, None, None)
+        _, plan = compile_model(spec_path=str(BASE), model_dir=str(q))
+        ckpt = Checkpoint(q)
+        try:
+            weights = load_weights(plan, ckpt)
+        finally:
+            ckpt.close()
+        scales = [n for n in weights if n.endswith(("_qscale", "_xscale"))]
+        assert scales and all(np.isfinite(a).all() for n in scales for a in weights[n]), writer
+
+
+# ---------------------------------------------------------------- block sizes the kernels take
+
+def test_fp8_block_size_the_kernels_refuse_names_the_key(src, capsys, monkeypatch, tmp_path):
+    """[48, 48] built (the CPU backend computes any block) and then failed with exit 2 at a
+    kernel's refusal of one launch (gemv: FMA_BLOCK_K a multiple of the act group); `infc build`
+    now refuses it naming weight_block_size and what the kernels take."""
+    for block in [(48, 48), (8, 8)]:
+        q = _damaged(src, tmp_path / f"q{block[0]}", "fp8-block", dict(block=block), None, None)
+        rc, out, err = build_dir(capsys, monkeypatch, tmp_path, q)
+        assert rc == 2 and err.startswith("error: "), err
+        assert f"config.json: quantization_config.weight_block_size {list(block)}:" in err, err
+        assert "a power of two of at least 16 columns" in err and "[128, 128]" in err, err
+        assert "kernel refuses" not in err, err
+
+
+def test_fp8_block_sizes_in_use_still_build(src, capsys, monkeypatch, tmp_path):
+    """The published 128 x 128 and the tests' kernel-built blocks build; the CPU backend's
+    (compile_model: 16 x 48, 8 x 8) still compile there."""
+    for block in [(128, 128), (64, 32), (32, 64), (32, 32), (32, 16), (16, 16), (24, 32)]:
+        q = _damaged(src, tmp_path / f"q{block[0]}x{block[1]}", "fp8-block", dict(block=block), None, None)
+        rc, out, err = build_dir(capsys, monkeypatch, tmp_path, q)
+        assert rc == 0, (block, err)
+    for block in [(16, 48), (8, 8)]:
+        q = _damaged(src, tmp_path / f"c{block[0]}x{block[1]}", "fp8-block", dict(block=block), None, None)
+        assert compile_model(spec_path=str(BASE), model_dir=str(q))[1]["weights"]
+
+
+def test_kernel_act_group_rule():
+    """compiler/quant/kernel_limits.py states the templates' refusals: gemv / gemm (a power of
+    two, at least 16) and the MoE experts' expert_setup (16 to 512)."""
+    assert all(act_group_refusal(g, expert=False) is None for g in (16, 32, 128, 1024, 2048))
+    assert all(act_group_refusal(g, expert=True) is None for g in (16, 128, 512))
+    assert all(act_group_refusal(g, expert=False) for g in (8, 24, 48, 96, 384))
+    assert "16 to 512" in act_group_refusal(1024, expert=True)
+
+
+def test_compressed_tensors_act_group_the_kernels_refuse_names_its_group():
+    q = CONFIGS["ct-fp8"](dict(strategy="block", block=(128, 48), act="group"))
+    fmt = parse_quantization({"quantization_config": q}, "config.json")
+    s = fmt.scheme_for("model.layers.0.mlp.down_proj")
+    msg = str(fmt.act_group_error(s, act_group_refusal(s.act_group, False)))
+    assert msg.startswith(f"config.json: {G0}.input_activations.group_size: 48: "), msg
+
+
+# ---------------------------------------------------------------- compressed-tensors targets
+
+def _retarget(targets):
+    return lambda q: q["config_groups"]["group_0"].update(targets=targets)
+
+
+@pytest.mark.parametrize("targets", [["re:.*nothing$"], ["LlamaDecoderLayer"]], ids=["regex", "class"])
+def test_compressed_tensors_targets_matching_no_linear(targets, src, capsys, monkeypatch, tmp_path):
+    """compressed-tensors skips a target that matches no module, with a warning
+    (match_named_modules(warn_on_fail=True) in apply_quantization_config): a legal config, so not
+    refused at parse. Here no group quantizes the linears while the checkpoint stores them
+    quantized: the missing plain weight was named with "did you mean '...weight_shape'?"; now the
+    message says no scheme expected it quantized, which targets missed, and what is stored."""
+    q = _damaged(src, tmp_path / "q", "ct-int", dict(group=32), None, None, _retarget(targets))
+    rc, out, err = build_dir(capsys, monkeypatch, tmp_path, q)
+    assert rc == 2 and err.startswith("error: "), err
+    assert "with no scheme (no target of quantization_config.config_groups matches it: group_0: " \
+           f"{targets}" in err, err
+    assert "stores it quantized: 'model.layers.0.self_attn.o_proj.weight_packed' (I32)" in err, err
+    assert "did you mean" not in err and "weight_shape" not in err, err
+
+
+def test_compressed_tensors_target_matching_nothing_beside_one_that_matches_builds(src, capsys, monkeypatch,
+                                                                                   tmp_path):
+    q = _damaged(src, tmp_path / "q", "ct-int", dict(group=32), None, None,
+                 _retarget(["re:.*experts.*", "Linear"]))
+    rc, out, err = build_dir(capsys, monkeypatch, tmp_path, q)
+    assert rc == 0, err
+
+
+def test_missing_quantized_tensor_names_the_scheme_that_reads_it(src, capsys, monkeypatch, tmp_path):
+    q = _damaged(src, tmp_path / "q", "ct-int", dict(group=32), None, None)
+    ckpt = Checkpoint(q)
+    tensors = {n: (ckpt.dtype(n), np.array(ckpt.raw(n))) for n in ckpt.where if n != f"{D}.weight_scale"}
+    ckpt.close()
+    write_safetensors(q / "model.safetensors", tensors)
+    rc, out, err = build_dir(capsys, monkeypatch, tmp_path, q)
+    assert rc == 2, err
+    assert f"'{D}.weight_scale' (layer 0) is missing from {q}: {G0}'s scheme (u4 [1x32]" in err, err
+    assert "pack-quantized) reads it" in err and "weight_shape" not in err, err

@@ -1,14 +1,26 @@
 """What a quantization format module provides (compiler/quant/formats/): a parser registered for
 its quant_method, returning a QuantFormat."""
 import re
+from fnmatch import fnmatchcase
+
+from ..contract.errors import ModelDirError
+from .config_keys import not_converted
 
 FORMATS: dict = {}          # quant_method -> parser(config: dict, where: str) -> QuantFormat
 _INDEX = re.compile(r"\.(?:\d+|\{[ie]\})(?=\.)")
+_FLOATS = ("BF16", "F16", "F32", "F64")          # a plain tensor's dtypes (not codes)
 
 
 def any_layer(name: str) -> str:
     """A tensor name (or a {i} / {e} pattern) with each layer and expert index made `#`."""
     return _INDEX.sub(".#", name)
+
+
+def scale_tensor(name: str) -> dict:
+    """The recipe of a float scale tensor of a quantized weight (its w_scale, a static x_scale):
+    read as any tensor, and refused at load where it holds NaN or infinity, as NaN e4m3 codes are
+    (runtime/weights/quant_recipes.py check_finite); the formats' sources() read scales so."""
+    return {"tensor": name, "finite": True}
 
 
 def format_parser(*methods: str):
@@ -21,6 +33,7 @@ def format_parser(*methods: str):
 
 class QuantFormat:
     method: str = ""
+    where: str = "config.json"          # the config's path, for errors (parse_quantization sets it)
     # glob patterns of tensors the format stores but infc does not read (bookkeeping such as
     # compressed-tensors' weight_shape): checkpoint honesty does not count them as unread
     unread: tuple = ()
@@ -46,6 +59,48 @@ class QuantFormat:
 
     def scheme_for(self, module: str):
         raise NotImplementedError
+
+    def missing_note(self, tensor: str) -> tuple[str, bool] | None:
+        """For checkpoint honesty's message of a missing checkpoint tensor: which scheme expected it,
+        as (text, whether a did-you-mean suggestion still helps), else None. A quantized module's
+        tensor is its scheme's; a module's plain `weight` is expected where the config quantizes
+        the module with no scheme, which says why where the checkpoint stores the module
+        quantized after all (its other tensors are then no misspelling of the weight)."""
+        module, _, leaf = tensor.rpartition(".")
+        if not module:
+            return None
+        # (a routed expert's projection, `...experts.3.w1`, may be stored apart: expert_scheme_for)
+        s = self.expert_scheme_for(module) if ".experts." in module else self.scheme_for(module)
+        if s is not None:
+            if tensor not in self.tensors(module, s):
+                return None
+            return f"{self.scheme_name(module, s)} reads it", True
+        if leaf != "weight" or self.stored is None:
+            return None
+        # the module's codes: a tensor of its in an integer or fp8 dtype (a bias is float)
+        codes = sorted(n for n, dt in self.stored.items() if n.startswith(module + ".") and dt not in _FLOATS
+                       and not any(fnmatchcase(n, p) for p in self.unread))
+        if not codes:
+            return None
+        return (f"quantization_config quantizes '{module}' with no scheme ({self.unquantized_why(module)}), "
+                f"so its weight is read unquantized, but the checkpoint stores it quantized: "
+                f"{', '.join(f'{n!r} ({self.stored[n]})' for n in codes[:3])}", False)
+
+    def scheme_name(self, module: str, scheme) -> str:
+        """The scheme a module's tensors are read in, as the config names it (for messages)."""
+        return f"quantization_config's {self.method} scheme ({scheme})"
+
+    def unquantized_why(self, module: str) -> str:
+        """Why the config quantizes `module` with no scheme (for messages)."""
+        if not_converted(module, getattr(self, "skip", ())):
+            return "its modules_to_not_convert / ignore list names it"
+        return "the config leaves it unquantized"
+
+    def act_group_error(self, scheme, why: str):
+        """The error naming the config key that sets `scheme`'s activation group, which the GPU
+        kernels refuse (`why`: compiler/quant/kernel_limits.py)."""
+        return ModelDirError(f"{self.where}: quantization_config: activations quantized in groups of "
+                             f"{scheme.act_group} columns ({scheme}): {why}")
 
     def expert_scheme_for(self, module: str):
         """The scheme of a routed MoE expert's projection (module: one expert's, `...experts.3.w1`):

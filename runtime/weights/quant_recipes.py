@@ -4,6 +4,10 @@ float32, group indices as integers (float32 in the numpy loader). The device loa
 to their storage dtype (runtime/weights/quant_pack.py).
 
     {"fp8": name}                 e4m3 weights (F8_E4M3), as their values
+    {"tensor": name, "finite": true}   a float scale of a quantized weight (w_scale, x_scale: the
+                                  formats mark them, compiler/quant/format_base.py scale_tensor),
+                                  read as any tensor (runtime/weights/recipes.py) and refused when
+                                  it holds NaN or infinity, as NaN codes are (check_finite)
     {"rows": src, "count": n}     a per-tensor scale ([] or [1]) repeated for n rows: [n, 1]
     {"row_blocks": src, "block": b, "rows_of": name}   block scales [ceil(N / b), G] repeated to
                                   one row each ([N, G], N the rows of tensor `name`): a quantized
@@ -31,6 +35,19 @@ def _fp8(src, layer, read, where):
     if not np.isfinite(a).all():
         raise ModelDirError(f"{where}: tensor '{name}' holds NaN codes (e4m3 0x7f/0xff)")
     return a, name
+
+
+def check_finite(a: np.ndarray, name: str, where: str):
+    """A quantized weight's float scale (the `tensor` recipe's `finite` mark): a NaN or an infinity
+    in it makes every weight it scales NaN or infinite, which no quantizer writes; refused naming
+    the tensor, as NaN codes are. Scales are small (a value a block, group or row): one pass."""
+    bad = ~np.isfinite(a)
+    if bad.any():
+        flat = a.reshape(-1)
+        i = int(np.flatnonzero(bad.reshape(-1))[0])
+        at = [int(j) for j in np.unravel_index(i, a.shape)] if a.ndim else []
+        raise ModelDirError(f"{where}: tensor '{name}' holds {int(bad.sum())} NaN or infinite scale(s) of "
+                            f"{a.size} (first {flat[i]} at {at}): a quantized weight's scales must be finite")
 
 
 @recipe("rows")

@@ -6,6 +6,8 @@ from the files and builds everything else here, then rounds once to bf16, or kee
 a weight the plan declares f32):
 
     {"tensor": name}                         a checkpoint tensor ({i} layer, {e} expert)
+    {"tensor": name, "finite": true}         the same, NaN or infinity refused (a quantized
+                                             weight's scale: runtime/weights/quant_recipes.py)
     {"tied": weight}                         the same storage as another plan weight (loaders alias it)
     {"stack": name, "count": E}              E tensors ({e} = 0..E-1) stacked on a new axis 0
     {"stack": src, "count": E}               E recipes (src with {e} = 0..E-1) stacked on axis 0:
@@ -45,7 +47,10 @@ from .recipe_registry import RECIPES, CheckpointReader, build, kind_of, name_at,
 @recipe("tensor")
 def _tensor(src, layer, read, where):
     name = name_at(src["tensor"], layer)
-    return read(name), name
+    a = read(name)
+    if src.get("finite"):           # a quantized weight's scale (runtime/weights/quant_recipes.py)
+        check_finite(a, name, where)
+    return a, name
 
 
 @recipe("tied")
@@ -170,3 +175,4 @@ def _derived(src, layer, read, where):
 
 # the quantized formats' recipes register into the same registry
 from . import quant_int_recipes, quant_mx_recipes, quant_recipes  # noqa: E402,F401
+from .quant_recipes import check_finite  # noqa: E402

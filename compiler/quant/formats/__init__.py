@@ -47,7 +47,9 @@ def parse_quantization(config: dict, where: str, nested=()) -> QuantFormat | Non
         if top not in ("fp8", "fp4"):
             raise ModelDirError(f"{where}: expert_dtype {top!r}: must be one of 'fp8', 'fp4'")
         q = {**q, "expert_dtype": top}
-    return FORMATS[method](q, where)
+    fmt = FORMATS[method](q, where)
+    fmt.where = where
+    return fmt
 
 
 def _method(q: dict, where: str) -> str:

@@ -11,7 +11,7 @@ transposed ([K, N] like the GEMM's B operand):
     W[n, k] = (qweight[k, n] - qzeros[k // g, n]) * scales[k // g, n]
 """
 from ..config_keys import ConfigKeys, not_converted
-from ..format_base import QuantFormat, format_parser
+from ..format_base import QuantFormat, format_parser, scale_tensor
 from ..scheme import QuantScheme
 
 _KEYS = {"quant_method", "bits", "group_size", "zero_point", "version", "modules_to_not_convert"}
@@ -34,7 +34,7 @@ class Awq(QuantFormat):
     def sources(self, module, scheme, n, k):
         return {"codes": _t({"unpack": f"{module}.qweight", "bits": 4, "axis": 1, "count": n, "order": "awq"}),
                 "w_zero": _t({"unpack": f"{module}.qzeros", "bits": 4, "axis": 1, "count": n, "order": "awq"}),
-                "w_scale": _t({"tensor": f"{module}.scales"})}
+                "w_scale": _t(scale_tensor(f"{module}.scales"))}
 
 
 @format_parser("awq")

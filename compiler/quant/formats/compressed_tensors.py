@@ -21,8 +21,9 @@ implied zero point is that offset (compiler/quant/scheme.py).
 """
 import re
 
+from ...contract.errors import ModelDirError
 from ..config_keys import ConfigKeys
-from ..format_base import QuantFormat, format_parser
+from ..format_base import QuantFormat, format_parser, scale_tensor
 from ..scheme import QuantScheme
 
 _TOP = {"quant_method", "config_groups", "format", "ignore", "quantization_status", "kv_cache_scheme",
@@ -34,8 +35,8 @@ _FORMATS = ("float-quantized", "pack-quantized", "naive-quantized", "int-quantiz
 
 
 class _Group:
-    def __init__(self, targets, scheme: QuantScheme, fmt: str, strategy: str):
-        self.targets, self.scheme, self.fmt, self.strategy = targets, scheme, fmt, strategy
+    def __init__(self, targets, scheme: QuantScheme, fmt: str, strategy: str, name: str = ""):
+        self.targets, self.scheme, self.fmt, self.strategy, self.name = targets, scheme, fmt, strategy, name
 
 
 def _matches(module: str, target: str) -> bool:
@@ -72,6 +73,25 @@ class CompressedTensors(QuantFormat):
         g = self._group(module)
         return None if g is None else g.scheme
 
+    def scheme_name(self, module, scheme):
+        g = self._group(module)
+        return f"quantization_config.config_groups.{g.name}'s scheme ({scheme}, {g.fmt})"
+
+    def unquantized_why(self, module):
+        hit = next((t for t in self.ignore if _matches(module, t) and t != "Linear"), None)
+        if hit is not None:
+            return f"quantization_config.ignore lists it ({hit!r})"
+        targets = "; ".join(f"{g.name}: {g.targets}" for g in self.groups)
+        return (f"no target of quantization_config.config_groups matches it: {targets}; compressed-tensors "
+                f"skips a target that matches no module, with a warning")
+
+    def act_group_error(self, scheme, why):
+        g = next((g for g in self.groups if g.scheme == scheme), None)
+        if g is None:
+            return super().act_group_error(scheme, why)
+        return ModelDirError(f"{self.where}: quantization_config.config_groups.{g.name}.input_activations."
+                             f"group_size: {scheme.act_group}: {why}")
+
     def sources(self, module, scheme, n, k):
         g = self._group(module)
         bits = scheme.bits
@@ -81,7 +101,7 @@ class CompressedTensors(QuantFormat):
             codes = {"unpack": f"{module}.weight_packed", "bits": bits, "axis": 1, "count": k}
         else:
             codes = {"signed": f"{module}.weight", "bits": bits}
-        scale = {"tensor": f"{module}.weight_scale"}
+        scale = scale_tensor(f"{module}.weight_scale")
         out = {"codes": codes, "w_scale": {"rows": scale, "count": n} if g.strategy == "tensor" else scale}
         if scheme.zeros:
             zp = f"{module}.weight_zero_point"
@@ -90,7 +110,7 @@ class CompressedTensors(QuantFormat):
         if scheme.g_idx:
             out["w_gidx"] = {"index": f"{module}.weight_g_idx", "groups": scheme.groups(k)}
         if scheme.act == "static":
-            out["x_scale"] = {"tensor": f"{module}.input_scale"}
+            out["x_scale"] = scale_tensor(f"{module}.input_scale")
         return out
 
 
@@ -201,5 +221,5 @@ def parse(q: dict, where: str) -> CompressedTensors:
         codes, bn, bk, zeros, g_idx, strategy = _weights(g.sub("weights"), fmt_name, fmt, fmt_keys)
         act, act_group = _activations(g.sub("input_activations", None), codes)
         scheme = QuantScheme(codes, bn, bk, zeros=zeros, g_idx=g_idx, act=act, act_group=act_group)
-        groups.append(_Group(targets, scheme, fmt_name, strategy))
+        groups.append(_Group(targets, scheme, fmt_name, strategy, gname))
     return CompressedTensors(groups, ignore)

@@ -25,8 +25,9 @@ from its model class; infc reads them from the checkpoint, which says it of itse
 Without weight_block_size the checkpoint is per-tensor fp8 (`weight_scale_inv` [1]), stored per
 row in the canonical form.
 """
+from ...contract.errors import ModelDirError
 from ..config_keys import ConfigKeys, not_converted
-from ..format_base import QuantFormat, any_layer, format_parser
+from ..format_base import QuantFormat, any_layer, format_parser, scale_tensor
 from ..scheme import MX_BLOCK, QuantScheme
 
 _KEYS = {"quant_method", "fmt", "activation_scheme", "weight_block_size", "modules_to_not_convert",
@@ -60,6 +61,13 @@ class Fp8Block(QuantFormat):
         return QuantScheme("f8e4m3", bn, bk, act="dynamic_group" if self.act == "dynamic" else "static",
                            act_group=bk if self.act == "dynamic" else None)
 
+    def act_group_error(self, scheme, why):
+        if self.block is None:
+            return super().act_group_error(scheme, why)
+        return ModelDirError(f"{self.where}: quantization_config.weight_block_size {list(self.block)}: its "
+                             f"columns are the activations' quantization group, and {why}; e.g. [128, 128], "
+                             f"as published (the rows may be any number)")
+
     def expert_scheme_for(self, module: str):
         if self.expert_dtype == "fp8" or not_converted(module, self.skip) or self._plain_in_checkpoint(module):
             return self.scheme_for(module)
@@ -74,7 +82,7 @@ class Fp8Block(QuantFormat):
 
     def _scale(self, module: str) -> dict:
         name = self._scale_name(module)
-        return {"e8m0": name} if self.scale_fmt == "ue8m0" else {"tensor": name}
+        return {"e8m0": name} if self.scale_fmt == "ue8m0" else scale_tensor(name)
 
     def sources(self, module, scheme, n, k):
         if scheme.codes == "e2m1":
@@ -83,7 +91,7 @@ class Fp8Block(QuantFormat):
         out = {"codes": {"fp8": f"{module}.weight"},
                "w_scale": scale if self.block else {"rows": scale, "count": n}}
         if scheme.act == "static":
-            out["x_scale"] = {"tensor": f"{module}.input_scale"}
+            out["x_scale"] = scale_tensor(f"{module}.input_scale")
         return out
 
 

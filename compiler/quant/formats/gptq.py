@@ -17,7 +17,7 @@ group_size -1 is one group per row. Without desc_act the groups are k // group_s
 is not read.
 """
 from ..config_keys import ConfigKeys, not_converted
-from ..format_base import QuantFormat, format_parser
+from ..format_base import QuantFormat, format_parser, scale_tensor
 from ..scheme import QuantScheme
 
 _KEYS = {"quant_method", "bits", "group_size", "desc_act", "sym", "checkpoint_format", "format",
@@ -54,7 +54,7 @@ class Gptq(QuantFormat):
     def sources(self, module, scheme, n, k):
         b = self.bits
         out = {"codes": _t({"unpack": f"{module}.qweight", "bits": b, "axis": 0, "count": k}),
-               "w_scale": _t({"tensor": f"{module}.scales"})}
+               "w_scale": _t(scale_tensor(f"{module}.scales"))}
         if scheme.zeros:
             z = _t({"unpack": f"{module}.qzeros", "bits": b, "axis": 1, "count": n})
             out["w_zero"] = {"offset": z, "by": 1} if self.v1 else z
