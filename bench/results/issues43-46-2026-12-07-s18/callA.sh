@@ -7,6 +7,8 @@
 # `bench spec-verify` batches 1 and 32 at k = 0 and 4, A B B A), then plain serving's
 # (qwen3-4b against qwen3-4b-paths, prepare.py grid-ab: 1024/128 throughput at 256 concurrent, A B B A
 # as time allows). Copied to the repository root to run.
+# the committed tree only (the build machine's uncommitted edits do not travel)
+git checkout -q HEAD -- compiler runtime infc server codegen_templates
 source tests/gpu/run.sh --preamble "$1"
 END=${2:-575}    # the second the call's work must end by (the device time left, less the start)
 A=.cache/artifacts; C=.cache/gpu/configs

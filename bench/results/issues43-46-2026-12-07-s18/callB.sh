@@ -5,6 +5,8 @@
 # (v5-best, v5-best-paths). H100: the GPU gates on the default build (golden gates of qwen3-4b,
 # llama-3.2-1b, tiny-moe and qwen3-4b --no-fuse against HF bf16, the engine tests, no torch).
 # Copied to the repository root to run.
+# the committed tree only (the build machine's uncommitted edits do not travel)
+git checkout -q HEAD -- compiler runtime infc server codegen_templates
 source tests/gpu/run.sh --preamble "$1"
 A=.cache/artifacts; C=.cache/gpu/configs
 if on_h200; then
