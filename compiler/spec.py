@@ -46,6 +46,14 @@ WEIGHT_DTYPES = {"bf16", "f16", "f32", "i32"}      # i32: an index table (ops/mo
 DYNAMIC_SYMBOLS = ("T", "B")
 
 
+
+def _values_in(node, env: dict) -> str:
+    """' (L = 30, act = "gelu")': the values a failed requirement read, so its message says
+    which of the checkpoint's settings the family does not take."""
+    names = sorted({n.id for n in ast.walk(node) if isinstance(n, ast.Name) and n.id in env})
+    vals = ", ".join(f"{n} = {env[n]!r}" for n in names if not callable(env[n]))
+    return f" ({vals})" if vals else ""
+
 @dataclass
 class Binding:
     symbol: str
@@ -176,7 +184,8 @@ class Spec:
             except EvalError as e:
                 raise self.err(f"requirement '{text}' cannot be evaluated: {e.reason}", line) from None
             if not ok:
-                raise self.err(f"unsupported configuration{where}: requirement '{text}' does not hold", line)
+                raise self.err(f"unsupported configuration{where}: requirement '{text}' does not hold"
+                               f"{_values_in(node, env)}", line)
         if self.section == "mtp":
             env["L"] = 1                       # the MTP layer is the section's one layer
         return env

@@ -32,7 +32,7 @@ CASES = {
     "nested_config_not_a_list": (4, "'nested_config' must be a list of config.json object names, like [text_config]"),
     "variant_not_mapping": (22, "variant 'tiny2' must be a mapping of config.json keys to values"),
     # requires
-    "requires_fails": (19, "requirement 'act == \"gelu\"' does not hold"),
+    "requires_fails": (19, "requirement 'act == \"gelu\"' does not hold (act = 'silu')"),
     "requires_unknown_symbol": (19, "requirement 'activation == \"silu\"' uses unknown symbol 'activation'"),
     "requires_syntax": (19, "cannot parse expression 'act === \"silu\"'"),
     "requires_type": (19, "requirement 'act > 2' cannot be evaluated: '>' not supported"),
