@@ -3,7 +3,9 @@
 # table's best verify forms laid over the H200 table (prepare.py verify-ab): `bench spec-verify` of
 # qwen3-4b-v5-best-paths at batches 1, 8, 32 and k = 0..7, then the grid A/B at batch 1, k = 0 and 4
 # (v5-best, v5-best-paths). H100: the GPU gates on the default build (golden gates of qwen3-4b,
-# llama-3.2-1b, tiny-moe and qwen3-4b --no-fuse against HF bf16, the engine tests, no torch).
+# llama-3.2-1b, tiny-moe and qwen3-4b --no-fuse against HF bf16, the engine tests, no torch), and
+# the trained model's self-draft through both builds (the verify program's GEMVs in gemv.py.j2's
+# VERIFY_DOT default since bdd7d944: prepare.py draft's skipgram-narrow5).
 # Copied to the repository root to run.
 # the committed tree only (the build machine's uncommitted edits do not travel)
 git checkout -q HEAD -- compiler runtime infc server codegen_templates
@@ -23,7 +25,7 @@ if on_h200; then
   sv qwen3-4b-v5-best r2 500 --batches 1 --drafts 0,4
   (cd /tmp && tar czf $OUT/runs.tgz sv-* 2>/dev/null)
 else
-  INFC_GPU_FAMILIES=none SUITE_S=470 SUITE_PATHS="tests/gpu/test_golden.py tests/gpu/test_engine_gpu.py tests/gpu/test_no_torch.py" \
+  INFC_GPU_FAMILIES=none SUITE_S=470 SUITE_PATHS="tests/gpu/test_golden.py tests/gpu/test_engine_gpu.py tests/gpu/test_no_torch.py tests/gpu/test_spec_gpu.py::test_self_draft_on_a_trained_model_is_exact" \
     bash tests/gpu/run.sh $OUT/gates suite 2>&1 | tail -40 | tee -a $OUT/log.txt
 fi
 say done
