@@ -255,8 +255,9 @@ def make_app(state: ServerState) -> Starlette:
 
             def parse(body, b):
                 seen["body"] = body
-                return protocol.parse_chat(responses.chat_body(body), state.limits, b.tokenizer,
-                                           state.template, state.special, cfg.trust_request_chat_template)
+                return outputs.response(body, lambda: protocol.parse_chat(
+                    responses.chat_body(body), state.limits, b.tokenizer, state.template, state.special,
+                    cfg.trust_request_chat_template))
             req, model, started = await checked(request, parse)
             return await serve(request, req, model, started, lambda chat: responses.response(seen["body"], chat))
         return await guarded(request, go)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from infc.runtime.engine import best_of
 from infc.runtime.engine.async_engine import EngineDeadError
+from infc.runtime.lora.tables import AdapterNotLoaded
 
 from . import protocol, scoring
 from .chat_output import AnswerPlan
@@ -81,6 +82,9 @@ def engine_error(e: BaseException) -> APIError:
     if isinstance(e, EngineDeadError):
         return APIError(503, f"the engine is not running: {e}", "server_error", code="engine_dead",
                         headers={"Retry-After": "5"})
+    if isinstance(e, AdapterNotLoaded):        # unloaded after the model check: unknown now, as there
+        return APIError(404, f"The model `{e.name}` does not exist: {e}.", "invalid_request_error", "model",
+                        "model_not_found")
     if isinstance(e, ValueError):
         return bad(str(e))
     return APIError(500, f"internal error: {type(e).__name__}: {e}", "server_error")

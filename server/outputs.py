@@ -4,7 +4,7 @@ calling (tools.py) and reasoning (reasoning.py). The tool fields are checked bef
 renders them; the engine compiles the constraint before anything is queued (app.checked)."""
 import dataclasses
 
-from . import protocol, reasoning, structured, tools
+from . import protocol, reasoning, responses, structured, tools
 from .chat_output import AnswerPlan
 
 
@@ -17,6 +17,13 @@ def _with_constraint(req: protocol.GenRequest, so) -> protocol.GenRequest:
 def completion(body: dict, parse) -> protocol.GenRequest:
     """parse(): protocol.parse_completion of this body."""
     so = structured.constraint(body)
+    return _with_constraint(parse(), so)
+
+
+def response(body: dict, parse) -> protocol.GenRequest:
+    """A /v1/responses request; parse(): protocol.parse_chat of the chat body it runs as. Its
+    text.format is its structured output, as response_format is chat's."""
+    so = structured.text_format(responses.text_format(body))
     return _with_constraint(parse(), so)
 
 

@@ -8,16 +8,17 @@ it does the same: /v1/embeddings is that 400, and /v1/responses is served over t
 A Responses request becomes a chat request: `instructions` the system message, `input` a string
 (one user message) or a list of messages whose content is a string or input_text / output_text
 parts; max_output_tokens, temperature, top_p, seed and the rest of the sampling fields as chat
-takes them. Its answer is vLLM's Response object: one output message with one output_text part,
-status "completed" (or "incomplete" with incomplete_details.reason "max_output_tokens" where the
-length ran out), usage in input / output tokens. What this server does not do is refused with a
-400 that names it: streaming events, tools, stored responses (previous_response_id, background),
-non-text input (images, files, function-call items).
+takes them; text.format (json_schema, json_object) its structured output, as chat's
+response_format (server/outputs.py). Its answer is vLLM's Response object: one output message
+with one output_text part, status "completed" (or "incomplete" with incomplete_details.reason
+"max_output_tokens" where the length ran out), usage in input / output tokens. What this server
+does not do is refused with a 400 that names it: streaming events, tools, stored responses
+(previous_response_id, background), non-text input (images, files, function-call items).
 """
 import time
 import uuid
 
-from .protocol import APIError, bad
+from .protocol import APIError, Fields, bad
 
 
 
@@ -70,9 +71,21 @@ def chat_body(body: dict) -> dict:
         raise bad("'input' must be a string or a non-empty list of messages", "input")
     chat = {k: body[k] for k in SAMPLING if k in body}
     chat["messages"] = messages
-    if body.get("max_output_tokens") is not None:
-        chat["max_completion_tokens"] = body["max_output_tokens"]
+    # checked here: chat's check would name max_completion_tokens, a field the client never sent
+    max_output = Fields(body).int("max_output_tokens", None, 1)
+    if max_output is not None:
+        chat["max_completion_tokens"] = max_output
     return chat
+
+
+def text_format(body: dict):
+    """The request's text.format (its structured output: structured.text_format), None if absent."""
+    text = body.get("text")
+    if text is None:
+        return None
+    if not isinstance(text, dict):
+        raise bad("'text' must be an object", "text")
+    return text.get("format")
 
 
 def response(body: dict, chat: dict) -> dict:
@@ -92,7 +105,7 @@ def response(body: dict, chat: dict) -> dict:
         "parallel_tool_calls": body.get("parallel_tool_calls", True), "tool_choice": "auto", "tools": [],
         "temperature": body.get("temperature"), "top_p": body.get("top_p"),
         "max_output_tokens": body.get("max_output_tokens"), "previous_response_id": None,
-        "reasoning": None, "text": {"format": {"type": "text"}}, "truncation": "disabled",
+        "reasoning": None, "text": {"format": text_format(body) or {"type": "text"}}, "truncation": "disabled",
         "background": False, "service_tier": "auto", "user": body.get("user"),
         "usage": {"input_tokens": usage["prompt_tokens"],
                   "input_tokens_details": {"cached_tokens": (usage.get("prompt_tokens_details") or {})

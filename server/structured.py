@@ -50,29 +50,38 @@ def _one(kind: str, v, where: str, field: str) -> StructuredOutputs:
     return StructuredOutputs(**{kind: v}, field=field)
 
 
-def _response_format(rf) -> StructuredOutputs | None:
+def _format(rf, where: str, field: str, flat: bool) -> StructuredOutputs | None:
+    """A response format: chat's response_format, or the Responses API's text.format, whose
+    json_schema's name, schema and strict sit in the format itself (flat; vLLM reads it so)."""
     if not isinstance(rf, dict):
-        raise bad(f"'response_format' must be an object, got {_show(rf)}", "response_format")
+        raise bad(f"'{where}' must be an object, got {_show(rf)}", field)
     kind = rf.get("type")
     if kind == "text":
         return None
     if kind == "json_object":
-        return StructuredOutputs(json_object=True, field="response_format")
+        return StructuredOutputs(json_object=True, field=field)
     if kind == "json_schema":
-        js = rf.get("json_schema")
+        js, at = (rf, where) if flat else (rf.get("json_schema"), f"{where}.json_schema")
         if not isinstance(js, dict):
-            raise bad("'response_format.json_schema' must be an object", "response_format")
+            raise bad(f"'{at}' must be an object", field)
         if "schema" not in js:
-            raise bad("'response_format.json_schema.schema' is required", "response_format")
+            raise bad(f"'{at}.schema' is required", field)
         strict = js.get("strict")
         if strict is not None and not isinstance(strict, bool):
-            raise bad(f"'response_format.json_schema.strict' must be a boolean, got {_show(strict)}",
-                      "response_format")
-        so = _one("json", js["schema"], "response_format.json_schema.schema", "response_format")
+            raise bad(f"'{at}.strict' must be a boolean, got {_show(strict)}", field)
+        so = _one("json", js["schema"], f"{at}.schema", field)
         # strict false (OpenAI's): keywords the grammar library lacks are ignored, not refused
         return dataclasses.replace(so, strict=strict is not False)
-    raise bad("'response_format.type' must be \"text\", \"json_object\" or \"json_schema\", got "
-              + _show(kind), "response_format")
+    raise bad(f"'{where}.type' must be \"text\", \"json_object\" or \"json_schema\", got " + _show(kind), field)
+
+
+def _response_format(rf) -> StructuredOutputs | None:
+    return _format(rf, "response_format", "response_format", flat=False)
+
+
+def text_format(fmt) -> StructuredOutputs | None:
+    """The constraint of a Responses request's text.format (None: free text); a 400 names 'text'."""
+    return None if fmt is None else _format(fmt, "text.format", "text", flat=True)
 
 
 def _structured_outputs(so) -> StructuredOutputs | None:

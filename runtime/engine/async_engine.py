@@ -23,6 +23,7 @@ from .engine import Engine, StepOutput, is_fatal
 from .sampling import SamplingParams
 from .sequence import PromptIds
 from .structured.request import StructuredOutputs
+from ..lora.tables import AdapterNotLoaded
 
 
 class EngineDeadError(RuntimeError):
@@ -33,7 +34,12 @@ class RequestFailedError(RuntimeError):
     """The engine failed this request (not the client's fault; the engine lives on)."""
 
 
-def _failed(e: Exception) -> RequestFailedError:
+def _failed(e: Exception) -> Exception:
+    """What the consumer of a request the engine ended with e raises: e itself where it is about
+    the request, not the engine (its adapter unloaded while it waited: the server answers an
+    unknown model's 404), else RequestFailedError."""
+    if isinstance(e, AdapterNotLoaded):
+        return e
     return RequestFailedError(f"the request failed in the engine: {type(e).__name__}: {e}")
 
 

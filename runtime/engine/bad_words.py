@@ -1,9 +1,11 @@
 """bad_words as vLLM reads them: each word's token sequences, and which ids a row must not take.
 
 A word is tokenized as it stands (left-stripped) and with one leading space, as it would appear
-mid-text; the spaced form is kept when it is a different word token of the same length (vLLM's
-rule). A sequence's last token is banned when the tokens before it were just generated (the
-output's tail; a one-token word is banned always).
+mid-text; the spaced form is kept when it starts with another token. vLLM also asks it to be as
+long as the plain form, and so lets the word through mid-text wherever the space makes one token
+of several (Qwen's " exaggerated" is one token, "exaggerated" three: vLLM issues 23886, 32557);
+here it is banned. A sequence's last token is banned when the tokens before it were just generated
+(the output's tail; a one-token word is banned always).
 """
 
 
@@ -15,7 +17,7 @@ def token_sequences(tokenizer, words: list[str]) -> list[list[int]]:
             continue
         out.append(plain)
         spaced = tokenizer.encode_text(" " + word.lstrip())
-        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+        if spaced and spaced[0] != plain[0]:
             out.append(spaced)
     return out
 

@@ -69,6 +69,7 @@ from .structured.cache import GrammarCache
 from .step import Chunk, build_step, pad_ranks
 from ..tokenization.tokenizer import IncrementalDecoder
 from ..lora.slots import LoraSlots
+from ..lora.tables import AdapterNotLoaded
 
 _seeds = random.SystemRandom()
 
@@ -349,7 +350,7 @@ class Engine:
             raise ValueError(f"LoRA adapter '{name}': this model serves no adapters (build and serve "
                              f"it with --enable-lora)")
         if name not in self.loras.ids:
-            raise ValueError(f"LoRA adapter '{name}' is not loaded")
+            raise AdapterNotLoaded(name, f"LoRA adapter '{name}' is not loaded")
         return name, self.loras.ids[name]
 
     def _rank_for(self, seq: Sequence) -> int:

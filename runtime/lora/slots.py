@@ -21,7 +21,7 @@ from pathlib import Path
 
 from .adapter import Adapter
 from .peft_dir import check_targets, load_peft, read_config
-from .tables import AdapterError, check, module_map, write
+from .tables import AdapterError, AdapterNotLoaded, check, module_map, write
 
 
 class LoraSlots:
@@ -133,7 +133,8 @@ class LoraSlots:
         name, lora_id = seq.lora
         try:
             if lora_id not in self.slot_of and self.ids.get(name) != lora_id:
-                raise AdapterError(f"LoRA adapter '{name}' was unloaded while this request waited for a slot")
+                raise AdapterNotLoaded(name, f"LoRA adapter '{name}' was unloaded while this request waited "
+                                             "for a slot")
             slot = self.acquire_id(lora_id)
         except AdapterError as e:
             self.failed.append((seq, e))

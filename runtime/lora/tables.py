@@ -22,6 +22,16 @@ class AdapterError(ModelDirError, ValueError):
     request's, where a server loads it)."""
 
 
+class AdapterNotLoaded(AdapterError):
+    """A request's adapter is not loaded (any more): unloaded after the server took the request,
+    before it ran. The model the request names is gone, as if it had never been loaded (the
+    server's 404), which is not the engine failing the request (its 500)."""
+
+    def __init__(self, name: str, message: str):
+        super().__init__(message)
+        self.name = name
+
+
 def module_map(plan: dict) -> dict[str, tuple]:
     """concrete module name -> (A table, piece index, layer, K, N of the piece)."""
     out = {}
