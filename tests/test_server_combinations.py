@@ -23,8 +23,7 @@ from infc.backend import load_backend
 from infc.server.app import ServerConfig
 
 from make_lora_adapter import make_adapter
-from test_server_support import (Live, _qwen_token_ids, _qwen_tokenizer_into, assert_clean,  # noqa: F401
-                                 one_blas_thread, request)
+from test_server_support import Live, assert_clean, one_blas_thread, request, tiny_qwen3_dir  # noqa: F401
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 PROMPT = [785, 6722, 315, 9625, 374, 264, 3283]
@@ -34,15 +33,7 @@ PROMPT = [785, 6722, 315, 9625, 374, 264, 3283]
 def live(tmp_path_factory):
     """A tiny Qwen3 (the real Qwen tokenizer) served with speculation, one LoRA slot and adapter
     `a` loaded; the load and unload endpoints open."""
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-    d = tmp_path_factory.mktemp("qwen3-combinations")
-    vocab = _qwen_tokenizer_into(d)
-    torch.manual_seed(11)
-    Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                 max_position_embeddings=512, tie_word_embeddings=True)).float().save_pretrained(d)
-    _qwen_token_ids(d)
+    d = tiny_qwen3_dir(tmp_path_factory.mktemp("qwen3-combinations"), seed=11, max_len=512)
     adapters = tmp_path_factory.mktemp("adapters")
     for i, name in enumerate("ac"):
         make_adapter(d, adapters / name, rank=8, alpha=16, seed=i, std=0.3)

@@ -11,22 +11,14 @@ from infc.backend import load_backend
 from infc.server.app import ServerConfig
 
 from make_lora_adapter import make_adapter
-from test_server_support import Live, _qwen_token_ids, _qwen_tokenizer_into, request, run_together, wait_idle
+from test_server_support import Live, request, run_together, tiny_qwen3_dir, wait_idle
 
 PROMPT = [785, 6722, 315, 9625, 374, 264, 3283]
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-    d = tmp_path_factory.mktemp("qwen3-lora")
-    vocab = _qwen_tokenizer_into(d)
-    torch.manual_seed(7)
-    Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                 max_position_embeddings=256, tie_word_embeddings=True)).float().save_pretrained(d)
-    _qwen_token_ids(d)
+    d = tiny_qwen3_dir(tmp_path_factory.mktemp("qwen3-lora"), seed=7, max_len=256)
     adapters = tmp_path_factory.mktemp("adapters")
     for i, (name, rank) in enumerate([("a", 8), ("b", 16), ("big", 32)]):
         make_adapter(d, adapters / name, rank=rank, alpha=2 * rank, seed=i, std=0.3)

@@ -99,6 +99,20 @@ def _qwen_token_ids(d: Path):
                                                           "pad_token_id": endoftext}))
 
 
+def tiny_qwen3_dir(d: Path, seed: int, max_len: int) -> Path:
+    """A 2-layer float32 Qwen3 of the repo's Qwen tokenizer (its vocabulary, its chat token ids)
+    saved into d: the server's LoRA and feature-combination fixtures."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    vocab = _qwen_tokenizer_into(d)
+    torch.manual_seed(seed)
+    Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                 max_position_embeddings=max_len, tie_word_embeddings=True)).float().save_pretrained(d)
+    _qwen_token_ids(d)
+    return d
+
+
 def _tmp_dir(name: str) -> Path:
     d = Path(tempfile.mkdtemp(prefix=f"infc-server-{name}-"))
     atexit.register(shutil.rmtree, d, True)
