@@ -6,6 +6,7 @@ from pathlib import Path
 from infc.config import DEFAULT_KV_CACHE_DTYPE
 from infc.config import kv_cache_dtype as plan_kv_dtype
 
+from .contract import json_file
 from .contract.errors import ModelDirError, SpecError
 from .pipeline import compile_spec
 from .quant.formats import parse_quantization
@@ -24,14 +25,14 @@ GENERATED = REPO / "generated"
 
 def read_config(model_dir: Path) -> dict:
     path = Path(model_dir) / "config.json"
+    json_file.check_regular(path)
     try:
-        config = json.loads(path.read_text())
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise ModelDirError(f"{model_dir}: no config.json (is this an HF model directory?)") from None
-    except json.JSONDecodeError as e:
-        raise ModelDirError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from None
-    except (OSError, UnicodeDecodeError) as e:
+    except OSError as e:
         raise ModelDirError(f"{path}: cannot read ({e})") from None
+    config = json_file.loads(raw, path)     # any parse failure (too deep, 5000 digits) names the file
     if not isinstance(config, dict):
         raise ModelDirError(f"{path}: a JSON {type(config).__name__}, not an object of config keys")
     archs = config.get("architectures")

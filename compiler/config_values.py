@@ -8,7 +8,8 @@ A spec does not declare types; what each symbol needs is read from the spec itse
   2. A size is a symbol the spec uses as a dimension: a name in a weight's shape (in arithmetic
      or as the dimension itself, not inside a condition), a weight's `experts` count, or L, the
      layer count. It must be a positive integer below 2**31 (kernels index with int32): not a
-     bool, not a float (2.5 or 30.0 layers), not a string. Derived sizes (D = H // Hq) too.
+     bool, not a float (2.5 or 30.0 layers), not a string. Derived sizes (D = H // Hq) too. L is
+     at most MAX_LAYERS (the build is linear in it).
      Null stays allowed except for L: it sizes only weights a `when:` leaves out (DeepSeek's
      q_lora_rank), and a weight it would size is refused by lowering, naming the spec's line.
   3. A symbol takes a value of the kind (number, boolean, string, list, object) of its literal
@@ -22,6 +23,10 @@ import math
 
 MAX_SIZE = 2**31 - 1
 LAYERS = "L"                 # the layer-count symbol (compiler/lower.py)
+# The most layers a model may have. Lowering, the checkpoint check and the plan are linear in L
+# (about 0.2 ms and 2 KB of memory a layer): num_hidden_layers 10**6 took 30 s to fail and 2**31
+# would run for days. No published model has more than a few hundred (Llama-3.1-405B: 126).
+MAX_LAYERS = 4096
 
 _SIZE_FUNCS = ("max", "min")
 
@@ -131,6 +136,18 @@ def shown(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+MAX_LEN = "max_len"          # the context-length symbol (compiler/contract/schema.py plan_max_len)
+
+
+def max_len_problem(value) -> str | None:
+    """Why value cannot be the model's context length (max_len), or None: a negative length
+    would refuse every prompt at serve time without saying where it came from. Null and 0 keep
+    meaning "not set" (plan_max_len)."""
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None                         # the kind check (rule 3) speaks for other kinds
+    return f"{value} is negative: a context length is a number of tokens" if value < 0 else None
+
+
 def size_problem(value, symbol: str) -> str | None:
     """Why value cannot be size `symbol`, or None."""
     if value is None and symbol != LAYERS:
@@ -139,4 +156,6 @@ def size_problem(value, symbol: str) -> str | None:
         return f"{shown(value)} is {kind_of(value) or 'null'}, not an integer"
     if not 1 <= value <= MAX_SIZE:
         return f"{value} is not in 1..{MAX_SIZE}"
+    if symbol == LAYERS and value > MAX_LAYERS:
+        return f"{value} layers is more than infc builds ({MAX_LAYERS}; the largest models have a few hundred)"
     return None

@@ -157,6 +157,8 @@ def _evaluate(node: ast.expr, env: dict, budget: _Budget):
     if isinstance(node, (ast.List, ast.Tuple)):
         return [_evaluate(e, env, budget) for e in node.elts]
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _FUNCS:
+        if node.keywords:          # int('10', base=16) would silently ignore base: 10
+            raise EvalError(f"{node.func.id}() takes no keyword arguments in '{_shown(node)}'")
         return check_result(_FUNCS[node.func.id](*[_evaluate(a, env, budget) for a in node.args]))
     if isinstance(node, ast.Subscript):
         return _evaluate(node.value, env, budget)[_evaluate(node.slice, env, budget)]

@@ -459,6 +459,9 @@ class _Lowerer:
         spec = self.spec
         if not spec.layer_graph and not spec.layer_kinds:
             raise self.err("layers(...) is used but the spec has no 'layer' section", line)
+        if g.is_body:       # the layer graph calling layers(...) would lower itself forever
+            raise self.err("layers(...) repeats the layer graph; the layer graph itself cannot call it "
+                           "(use it in the top-level graph)", line)
         if e.keywords or not e.args or not all(isinstance(a, ast.Name) for a in e.args):
             raise self.err("layers(...) takes the names of the values carried through the layers", line)
         if n_targets != len(e.args):
@@ -537,6 +540,9 @@ class _Lowerer:
                                line) from None
             except EvalError as x:
                 raise self.err(f"layer kind at layer {i}: {x}", line) from None
+            if not isinstance(kind, str):       # `1`, `[...]`: kinds are named by strings
+                raise self.err(f"layer {i}: the kind expression gives {kind!r}, not the name of a "
+                               f"kind (a string; defined: {', '.join(spec.layer_kinds)})", line)
             if kind not in spec.layer_kinds:
                 raise self.err(f"layer {i} has kind {kind!r}, which 'layer.kinds' does not define "
                                f"(defined: {', '.join(spec.layer_kinds)})", line)
@@ -585,6 +591,12 @@ def lower(spec: Spec, env: dict, checkpoint_names=None) -> tuple[Graph, dict]:
     if missing:
         raise spec.err(f"outputs: '{missing[0]}' is not a value the graph assigns"
                        f"{did_you_mean(missing[0], scope)}", spec.raw.key_lines.get("outputs", 1))
+    if "logits" not in names:      # what the runtime samples from: a plan without it fails every request
+        where = "'outputs' names" if spec.outputs is not None else "the graph's last statement assigns"
+        raise spec.err(f"{where} {', '.join(names)}, not 'logits': the model's output must be "
+                       f"assigned to 'logits' (e.g. 'logits = linear(...)')",
+                       spec.raw.key_lines.get("outputs", 1) if spec.outputs is not None
+                       else spec.graph[-1].line)
     g.outputs = [scope[t] for t in names]
     g.output_names = list(names)
     return g, lw.sources

@@ -11,7 +11,7 @@ from pathlib import Path
 from . import config_values, spec_paths
 from .contract.errors import SpecError, did_you_mean
 from .expr import EvalError, Unknown, evaluate, parse_expr, parse_statement
-from .yaml_lines import LDict, line_of, load_yaml
+from .yaml_lines import LDict, item_line, line_of, load_yaml
 
 SPECS_DIR = spec_paths.SPECS_DIR
 
@@ -183,6 +183,11 @@ class Spec:
                                f"{did_you_mean(e.name, env)}", line) from None
             except EvalError as e:
                 raise self.err(f"requirement '{text}' cannot be evaluated: {e.reason}", line) from None
+            if ok is not None and not isinstance(ok, bool):
+                # `- act` for `- act == "silu"`: a value is no condition (a null one, an absent
+                # optional flag, does not hold)
+                raise self.err(f"requirement '{text}' is {config_values.shown(ok)}{where}, not true "
+                               f"or false: write a condition", line)
             if not ok:
                 raise self.err(f"unsupported configuration{where}: requirement '{text}' does not hold"
                                f"{_values_in(node, env)}", line)
@@ -214,10 +219,12 @@ class Spec:
         bindings = dict(self.bindings)
         for sym, v in cfg.items():
             bindings.pop(sym, None)
+            _check_symbol_name(sym, file, cfg.key_lines.get(sym))
             bindings[sym] = _binding(sym, v, file, cfg.key_lines.get(sym))
         requires = list(self.requires)
-        for r in m.get("requires", []) or []:
-            requires.append((parse_expr(str(r), file, line_of(r)), str(r), line_of(r)))
+        if not isinstance(m.get("requires", []) or [], list):
+            raise self.err("'mtp.requires' must be a list of conditions", m.key_lines.get("requires"))
+        requires += _requires(m.get("requires", []) or [], file, "mtp.requires")
         count = m.get("count")
         if not isinstance(count, str) or count not in bindings:
             raise self.err("'mtp.count' must name the config symbol of the MTP layers the checkpoint "
@@ -252,10 +259,13 @@ class Spec:
         compiler/config_values.py: the error names the file and the key (its line there)."""
         bad = config_values.non_finite(value)
         size = config_values.size_problem(value, sym) if is_size else None
+        length = config_values.max_len_problem(value) if sym == config_values.MAX_LEN else None
         if bad is not None:
             problem = f"{'is' if not bad[0] else f'holds at {bad[0]}'} {bad[1]}: not a finite number"
         elif size:
             problem = f"must be a positive integer (symbol {sym} is a size): {size}"
+        elif length:
+            problem = f"must not be negative (symbol {sym}, the context length): {length}"
         else:
             kinds = config_values.expected_kinds(self, b)
             kind = config_values.kind_of(value)
@@ -328,8 +338,15 @@ def _weights(section, file, where) -> dict[str, WeightDecl]:
                             f"{did_you_mean(first, WEIGHT_KEYS)}", file, fields.get(first, line))
         if "name" not in decl:
             raise SpecError(f"weight '{key}' has no 'name'", file, line)
+        _check_name_field(key, decl, fields, line, file)
         if "shape" not in decl or not isinstance(decl["shape"], list) or not decl["shape"]:
             raise SpecError(f"weight '{key}' needs a 'shape' list", file, line)
+        for f, what in (("tied_to", "another weight"), ("when", "a config symbol"),
+                        ("experts", "the config symbol of the expert count"), ("dtype", "a dtype")):
+            v = decl.get(f)
+            if v is not None and not isinstance(v, str):   # a list/number would be looked up as a name
+                raise SpecError(f"weight '{key}': '{f}' must name {what}, got {v!r}", file,
+                                fields.get(f, line))
         dtype = decl.get("dtype")
         if dtype is not None and dtype not in WEIGHT_DTYPES:
             raise SpecError(f"weight '{key}' has unknown dtype '{dtype}' (one of {sorted(WEIGHT_DTYPES)})",
@@ -355,12 +372,22 @@ def _weights(section, file, where) -> dict[str, WeightDecl]:
                                     file, afields.get(first, aline))
                 if "name" not in a:
                     raise SpecError(f"weight '{key}': its 'or' layout has no 'name'", file, aline)
+                _check_name_field(key, a, afields, aline, file)
                 alternatives.append(WeightDecl(key, str(a["name"]), shape, afields.get("name", aline),
                                                None, decl.get("when"), decl.get("experts"), dtype,
                                                _transforms(key, a, afields, aline, file)))
         out[key] = WeightDecl(key, str(decl["name"]), shape, line, decl.get("tied_to"),
                               decl.get("when"), decl.get("experts"), dtype, transforms, alternatives)
     return out
+
+
+def _check_name_field(key, decl, fields, line, file):
+    """A weight's (or layout's) `name` is the checkpoint tensor's name: a non-empty string (a
+    number or null would become the name '5' / 'None', found missing only with a checkpoint)."""
+    v = decl["name"]
+    if not isinstance(v, str) or not v.strip():
+        raise SpecError(f"weight '{key}': 'name' must be the checkpoint tensor's name (a non-empty "
+                        f"string), got {v!r}", file, fields.get("name", line))
 
 
 def _transforms(key, decl, fields, line, file) -> dict:
@@ -400,12 +427,45 @@ def _statements(section, file, where) -> list[Statement]:
     if not isinstance(section, list) or not section:
         raise SpecError(f"'{where}' must be a non-empty list of statements", file, line_of(section))
     out = []
-    for item in section:
-        line = line_of(item)
+    for k, item in enumerate(section):
+        line = item_line(section, k, line_of(section))
         if not isinstance(item, str):
             raise SpecError(f"statement in '{where}' must be a string 'name = op(...)'", file, line)
         targets, expr = parse_statement(item, file, line)
         out.append(Statement(targets, expr, str(item), line))
+    return out
+
+
+# Names the expression language gives a meaning of its own: a config symbol named so would change
+# every expression that says `none`, `true`, ... (symbols are looked up first), or be shadowed by
+# the layer index i (layer.kind, a kind's symbols) and the expert index e (weight names' {e}).
+RESERVED_NAMES = {"none": "a constant", "None": "a constant", "true": "a constant",
+                  "True": "a constant", "false": "a constant", "False": "a constant",
+                  "i": "the layer index", "e": "the expert index"}
+
+
+def _check_symbol_name(sym, file, line):
+    """A config symbol is an identifier the expression language does not already give a meaning."""
+    if not isinstance(sym, str) or not re.fullmatch(r"[A-Za-z_]\w*", sym):
+        raise SpecError(f"symbol {sym!r} must be an identifier (letters, digits, _), as the "
+                        f"expressions that use it are written", file, line)
+    if sym in RESERVED_NAMES:
+        raise SpecError(f"symbol '{sym}' is reserved ({RESERVED_NAMES[sym]} in spec expressions)",
+                        file, line)
+
+
+def _requires(section, file, where) -> list:
+    """`requires` entries: each a condition written as an expression string (a YAML `true` is
+    one too). A number, list or empty entry is a mistake, not a condition that holds."""
+    out = []
+    for k, r in enumerate(section):
+        line = item_line(section, k)
+        if isinstance(r, bool):
+            r = "true" if r else "false"
+        if not isinstance(r, str) or not r.strip():
+            raise SpecError(f"'{where}' entry {k + 1} must be a condition like 'act == \"silu\"', "
+                            f"got {r!r}", file, line)
+        out.append((parse_expr(r, file, line), str(r), line))
     return out
 
 
@@ -453,10 +513,14 @@ def _assign_at(text: str) -> int | None:
 def load_spec(path: str | Path) -> Spec:
     path = Path(path)
     file = str(path)
+    if path.exists() and not path.is_file():    # a FIFO would block the read forever
+        raise SpecError("cannot read spec: not a regular file", file)
     try:
         text = path.read_text()
     except OSError as e:
         raise SpecError(f"cannot read spec: {e.strerror}", file) from None
+    except UnicodeDecodeError as e:       # a binary file, or another encoding: YAML is UTF-8
+        raise SpecError(f"cannot read spec: not UTF-8 text (byte {e.start}: {e.reason})", file) from None
     doc = load_yaml(text, file)
     if not isinstance(doc, dict):
         raise SpecError("a spec is a YAML mapping with family, config, weights, layer, graph", file, 1)
@@ -466,21 +530,21 @@ def load_spec(path: str | Path) -> Spec:
                             f"(expected one of {sorted(TOP_KEYS)})", file, doc.key_lines.get(key))
     family = _require(doc, "family", str, file, 1)
     archs = doc.get("architectures", [])
-    if not isinstance(archs, list):
-        raise SpecError("'architectures' must be a list like [Qwen3ForCausalLM]", file,
-                        doc.key_lines.get("architectures"))
+    if not isinstance(archs, list) or not all(isinstance(a, str) and a for a in archs):
+        raise SpecError(f"'architectures' must be a list of class names like [Qwen3ForCausalLM], "
+                        f"got {archs!r}", file, doc.key_lines.get("architectures"))
     cfg = _require(doc, "config", dict, file, 1)
     bindings = {sym: _binding(sym, v, file, cfg.key_lines.get(sym)) for sym, v in cfg.items()}
     for sym in DYNAMIC_SYMBOLS:
         if sym in bindings:
             raise SpecError(f"symbol '{sym}' is reserved (tokens/sequences in a step)", file,
                             cfg.key_lines.get(sym))
-    requires = []
+    for sym in bindings:
+        _check_symbol_name(sym, file, cfg.key_lines.get(sym))
     if not isinstance(doc.get("requires", []) or [], list):
         raise SpecError("'requires' must be a list of conditions like '- act == \"silu\"'", file,
                         doc.key_lines.get("requires"))
-    for r in doc.get("requires", []) or []:
-        requires.append((parse_expr(str(r), file, line_of(r)), str(r), line_of(r)))
+    requires = _requires(doc.get("requires", []) or [], file, "requires")
     variants = doc.get("variants", {}) or {}
     if not isinstance(variants, dict):
         raise SpecError("'variants' must map a variant name to its config.json values", file,
@@ -650,14 +714,39 @@ def spec_files(spec_dirs=None) -> list[Path]:
     return spec_paths.spec_files(spec_dirs)
 
 
+def _first_claim(spec_dirs, claims, what: str) -> tuple[Spec | None, list]:
+    """The first spec along the search path that `claims(spec)`, and every spec's claims list
+    seen on the way (for the error that names the known ones). A user's directory is read whole
+    once it has a match: two of its specs claiming the same thing are ambiguous (which one wins
+    would be the files' sort order), while across directories the earlier one wins, as
+    documented. specs/ claims each name once (tests/test_inputs_malformed_more.py checks it), so
+    its search stops at the match: no build pays for loading every built-in spec."""
+    known, found = [], None
+    for d in spec_paths.search_path(spec_dirs):
+        builtin = d.resolve() == SPECS_DIR.resolve()
+        for f in sorted(d.glob("*.yaml")):
+            if found is not None and builtin:
+                break
+            spec = load_spec(f)
+            hit = claims(spec)
+            if hit and found is not None:
+                raise SpecError(f"{what} {hit} is claimed by two specs in {d}: {Path(found.path).name} "
+                                f"and {f.name}; remove or rename one", spec.path,
+                                spec.raw.key_lines.get("architectures" if what == "architecture" else "variants"))
+            if hit:
+                found = spec
+            known.append(spec)
+        if found is not None:
+            return found, known
+    return None, known
+
+
 def find_variant(name: str, spec_dirs=None) -> tuple[Spec, dict]:
     """The spec and config values of a named variant, searched along the spec path."""
-    known = []
-    for f in spec_files(spec_dirs):
-        spec = load_spec(f)
-        if name in spec.variants:
-            return spec, dict(spec.variants[name])
-        known += list(spec.variants)
+    spec, seen = _first_claim(spec_dirs, lambda s: repr(name) if name in s.variants else None, "variant")
+    if spec is not None:
+        return spec, dict(spec.variants[name])
+    known = [v for s in seen for v in s.variants]
     raise SpecError(f"unknown variant '{name}'{did_you_mean(name, known)} "
                     f"(known: {', '.join(sorted(known))}; searched {spec_paths.describe(spec_dirs)}); "
                     f"for a model of your own, {spec_paths.HOW_TO_POINT}", "specs/")
@@ -667,12 +756,13 @@ def find_architecture(architectures: list[str], spec_dirs=None, where: str = "co
                       line: int | None = None) -> Spec:
     """The spec whose `architectures` names one of a config.json's architectures (the first
     on the search path). `where`/`line` locate the config.json for the error."""
-    known = []
-    for f in spec_files(spec_dirs):
-        spec = load_spec(f)
-        if set(spec.architectures) & set(architectures or []):
-            return spec
-        known += spec.architectures
+    def claims(s):
+        both = [a for a in s.architectures if a in (architectures or [])]
+        return repr(both[0]) if both else None
+    spec, seen = _first_claim(spec_dirs, claims, "architecture")
+    if spec is not None:
+        return spec
+    known = [a for s in seen for a in s.architectures]
     what = (f"no spec implements architectures {list(architectures)}" if architectures
             else "names no 'architectures' to pick a spec by")
     raise SpecError(f"{what}; known architectures: "

@@ -391,6 +391,7 @@ def _cpu_runner(st, plan: dict, model_dir: Path, dummy: bool, c: EngineConfig, w
     --load-format dummy) and the KV pages the budget holds (_cpu_pages); `what` names it in the
     startup stages ("" the target, "draft " a draft model)."""
     from infc.runtime.engine.runner import CPURunner
+    _check_cpu_memory(plan, model_dir)
     if dummy:
         from infc.runtime.weights.dummy import dummy_weights
         weights = st.run(f"make {what}random weights", dummy_weights, plan)
@@ -400,6 +401,25 @@ def _cpu_runner(st, plan: dict, model_dir: Path, dummy: bool, c: EngineConfig, w
         weights = st.run(f"load {what}weights", lambda: load_weights(plan, Checkpoint(model_dir)))
     return st.run(f"allocate {what}KV cache", CPURunner, plan, weights, _cpu_pages(plan, c), c.cache.page_size,
                   c.scheduler.max_num_seqs, num_state_snapshots)
+
+
+def _check_cpu_memory(plan: dict, model_dir: Path):
+    """The CPU backend holds every weight as float32: refuse a plan whose weights cannot fit this
+    machine's memory (a config.json of hidden_size 10**6 under --load-format dummy) before the
+    first allocation fails deep in numpy, or the kernel kills the process."""
+    import math
+    import os
+    from infc.runtime.weights.load import layers_of
+    try:
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return                                   # unknown: nothing to say
+    need = sum(4 * math.prod(w["shape"]) * len(layers_of(w))
+               for w in plan["weights"].values() if "tied" not in w["source"])
+    if need > memory:
+        raise ValueError(f"{model_dir}: the CPU backend holds the weights in float32, {need / 2**30:,.1f} "
+                         f"GiB for this config.json's sizes, more than this machine's "
+                         f"{memory / 2**30:,.1f} GiB of memory")
 
 
 def _check_hidden_state_target(where: str, par, artifact, what: str):
@@ -426,25 +446,27 @@ def _check_eagle3(c: EngineConfig, par, artifact=None):
 
 
 def _head_config(s) -> dict:
-    import json
-    return json.loads((Path(s.model) / "config.json").read_text())
+    from infc.compiler.contract import json_file     # a broken file: ModelDirError naming it
+    return json_file.read_object(Path(s.model) / "config.json")
 
 
 def eagle3_layers(s, target_dir: Path) -> list[int]:
     """The target layers an EAGLE-3 head reads: its config's eagle_aux_hidden_state_layer_ids (at
     the top or in eagle_config), else infc.config.eagle3_default_layers of the target's depth."""
-    import json
+    from infc.compiler.contract import json_file
     from infc.config import eagle3_default_layers
     head = _head_config(s)
+    nested = head.get("eagle_config")
     ids = head.get("eagle_aux_hidden_state_layer_ids") or \
-        (head.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        (nested.get("eagle_aux_hidden_state_layer_ids") if isinstance(nested, dict) else None)
     if ids:
         if not isinstance(ids, list) or len(ids) != 3 or not all(isinstance(i, int) for i in ids):
             raise ValueError(f"--speculative-config: EAGLE-3 head {s.model!r}: "
                              f"eagle_aux_hidden_state_layer_ids must be three layer indices, got {ids!r}")
         return list(ids)
-    target = json.loads((Path(target_dir) / "config.json").read_text())
-    L = target.get("num_hidden_layers") or (target.get("text_config") or {}).get("num_hidden_layers")
+    target = json_file.read_object(Path(target_dir) / "config.json")
+    text = target.get("text_config")
+    L = target.get("num_hidden_layers") or (text.get("num_hidden_layers") if isinstance(text, dict) else None)
     if not isinstance(L, int) or L < 4:
         raise ValueError(f"--speculative-config: EAGLE-3 head {s.model!r} names no target layers and "
                          f"the target's num_hidden_layers ({L!r}) has no default choice (2, L/2, L-3)")

@@ -52,6 +52,8 @@ def read_header(path) -> tuple[dict, int]:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
         raise ModelDirError(f"{path}: the header is not valid UTF-8 JSON ({e})") from None
+    except RecursionError:          # `[[[[...` thousands deep
+        raise ModelDirError(f"{path}: the header is not valid UTF-8 JSON (nested too deeply)") from None
     if not isinstance(header, dict):
         raise ModelDirError(f"{path}: the header is a JSON {type(header).__name__}, not an object")
     meta = header.pop("__metadata__", {})
@@ -67,7 +69,7 @@ def _nbytes(path, name: str, info) -> int:
     if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
         raise ModelDirError(f"{path}: tensor '{name}': an entry needs dtype, shape and data_offsets")
     dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-    if dtype not in DTYPE_BITS:
+    if not isinstance(dtype, str) or dtype not in DTYPE_BITS:    # a list would be unhashable
         raise ModelDirError(f"{path}: tensor '{name}' has unknown dtype {dtype!r}")
     if not isinstance(shape, list) or not all(_count(d) for d in shape):
         raise ModelDirError(f"{path}: tensor '{name}' has shape {shape!r}, not a list of "

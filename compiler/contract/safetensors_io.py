@@ -14,6 +14,7 @@ import numpy as np
 
 from infc.compiler.contract.errors import ModelDirError
 
+from . import json_file
 from .safetensors_header import read_header
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "I32": np.int32,
@@ -135,12 +136,15 @@ class Checkpoint:
         index = self.dir / "model.safetensors.index.json"
         self.where: dict[str, SafetensorsFile] = {}
         if index.exists():
+            json_file.check_regular(index)      # a FIFO would block the read forever
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
                 if not isinstance(weight_map, dict):
                     raise ValueError("'weight_map' is not an object")
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise ModelDirError(f"{index}: invalid index ({e})") from None
+            except RecursionError:      # `[[[[...` thousands deep
+                raise ModelDirError(f"{index}: invalid index (JSON nested too deeply)") from None
             files = {}
             for name, shard in weight_map.items():
                 if not isinstance(shard, str):
@@ -157,6 +161,11 @@ class Checkpoint:
             for p in shards:
                 f = SafetensorsFile(shard_path(self.dir, p.name, self.dir))
                 for name in f.names():
+                    if name in self.where:      # a stale or second copy: which one is the model's?
+                        raise ModelDirError(f"{self.dir}: tensor '{name}' is in both "
+                                            f"{self.where[name].path.name} and {p.name}, and no "
+                                            f"model.safetensors.index.json says which to read "
+                                            f"(remove the file that does not belong)")
                     self.where[name] = f
 
     def __contains__(self, name: str) -> bool:

@@ -117,5 +117,13 @@ def expect(cond: bool, msg: str):
         raise ShapeError(msg)
 
 
+def expect_eps(op_name: str, eps):
+    """A norm's epsilon: a finite number >= 0 (a negative one takes the root of a negative
+    variance: NaN logits; a string or list fails only when the step runs)."""
+    import math
+    ok = isinstance(eps, (int, float)) and not isinstance(eps, bool) and math.isfinite(eps) and eps >= 0
+    expect(ok, f"{op_name}: eps must be a number >= 0 (the config's norm epsilon), got {eps!r}")
+
+
 def tt(shape, dtype) -> TensorType:
     return TensorType(tuple(shape), dtype)

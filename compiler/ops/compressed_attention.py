@@ -53,7 +53,7 @@ import numpy as np
 
 from ..contract import caches as cache_layout
 from .base import REQUIRED, expect, op, tt
-from .rope import rope_parameters
+from .rope import CHECK_DIM, check_parameters, rope_parameters
 from .latent_attention import read_rows, write_rows
 
 
@@ -87,8 +87,9 @@ def _check_rope(head_dim, attrs):
     r = attrs.get("rotary_dim")
     expect(isinstance(r, int) and 0 < r <= head_dim and r % 2 == 0,
            f"rotary_dim must be an even int in 1..{head_dim}, got {r!r}")
-    try:
-        rope_parameters(r, attrs["theta"], _own(attrs.get("scaling")))
+    try:        # as rope.check: the parameters by name, the values at a bounded dim
+        check_parameters(attrs["theta"], _own(attrs.get("scaling")))
+        rope_parameters(min(r, CHECK_DIM), attrs["theta"], _own(attrs.get("scaling")))
     except ValueError as e:
         expect(False, str(e))
 

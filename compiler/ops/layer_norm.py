@@ -9,11 +9,12 @@ bias (`layer_norm(x, eps=e)`: OLMo's non-parametric LayerNorm, F.layer_norm(x, s
 None, eps)) the normalized row is the result; a left-out weight sets attrs has_weight False."""
 import numpy as np
 
-from .base import REQUIRED, expect, op
+from .base import REQUIRED, expect, expect_eps, op
 
 
 def infer(types, attrs):
     has_w, has_b = attrs.get("has_weight", True), attrs.get("has_bias", False)
+    expect_eps("layer_norm", attrs.get("eps"))
     x = types[0]
     expect(len(types) == 1 + has_w + has_b,
            f"layer_norm: {len(types)} tensors for has_weight={has_w}, has_bias={has_b}")

@@ -11,11 +11,12 @@ that fold a norm's weight into another launch (add_rms_norm, qk_norm_rope_cache,
 latent_prologue) take only norms with a weight; a weightless one runs this op's kernel."""
 import numpy as np
 
-from .base import REQUIRED, expect, op
+from .base import REQUIRED, expect, expect_eps, op
 
 
 def infer(types, attrs):
     x, *w = types
+    expect_eps("rms_norm", attrs.get("eps"))
     expect(len(w) == (1 if attrs.get("has_weight", True) else 0),
            f"rms_norm: {len(types)} tensors for has_weight={attrs.get('has_weight', True)}")
     expect(not w or (len(w[0].shape) == 1 and w[0].shape[0] == x.shape[-1]),

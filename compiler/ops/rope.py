@@ -54,6 +54,42 @@ def rotary_dims(head_dim: int, scaling=None, rotary_dim=None) -> int:
     return r
 
 
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# The scaling parameters each rope type reads, and what a value must be: HF computes with them
+# unchecked, so a 0 or negative factor, theta <= 0 (NaN / infinite frequencies) or a string
+# ('2' / 'x', a TypeError deep in numpy) would otherwise be silently wrong numbers or a traceback.
+_POSITIVE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+             "attention_factor")
+_NUMBER = ("mscale", "mscale_all_dim", "beta_fast", "beta_slow")    # HF reads a beta of 0 as unset
+
+
+def check_parameters(theta, scaling):
+    """Refuse (ValueError naming the key) a theta or scaling parameter rope cannot compute with."""
+    if not _number(theta) or theta <= 0:
+        raise ValueError(f"theta (the config's rope_theta) must be a positive number, got {theta!r}")
+    if scaling is None:
+        return
+    if not isinstance(scaling, dict):
+        raise ValueError(f"scaling (the config's rope_scaling) must be an object of rope "
+                         f"parameters or none, got {scaling!r}")
+    kind = rope_type(scaling)
+    for k in _POSITIVE + _NUMBER:
+        v = scaling.get(k)
+        if v is not None and (not _number(v) or (k in _POSITIVE and v <= 0)):
+            need = "a positive number" if k in _POSITIVE else "a number"
+            raise ValueError(f"rope_scaling's '{k}' must be {need}, got {v!r}")
+    f = scaling.get("partial_rotary_factor")
+    if f is not None and (not _number(f) or not 0 < f <= 1):
+        raise ValueError(f"rope_scaling's 'partial_rotary_factor' must be a number in (0, 1], got {f!r}")
+    if scaling.get("truncate") not in (None, True, False):
+        raise ValueError(f"rope_scaling's 'truncate' must be true or false, got {scaling['truncate']!r}")
+    if kind == "yarn" and theta == 1:         # its correction dims divide by log(theta)
+        raise ValueError("rope_type 'yarn' needs theta (rope_theta) other than 1")
+
+
 def _need(scaling, kind, *keys):
     for k in keys:
         if scaling.get(k) is None:
@@ -142,12 +178,26 @@ def rotate(x, positions, theta, scaling=None, rotary_dim=None, interleaved=None)
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., r:]], axis=-1)
 
 
+# The rotary dim the check computes inv_freq at. Its errors (a missing key, a domain error) and
+# its range of values do not depend on the dim (more dims sample the same curve more finely), and
+# a config's head_dim may be anything up to 2**31: an array of head_dim / 2 floats per rope node
+# (GBs, minutes) is not how to refuse or accept it.
+CHECK_DIM = 128
+
+
 def check(head_dim, attrs):
     """Refuse an unsupported rope (a ShapeError naming it) at type inference."""
     try:
         scaling = attrs.get("scaling")
-        r = rotary_dims(head_dim, scaling, attrs.get("rotary_dim"))
-        rope_parameters(r, attrs["theta"], scaling)
+        check_parameters(attrs["theta"], scaling)
+        rd = attrs.get("rotary_dim")
+        if rd is not None and (isinstance(rd, bool) or not isinstance(rd, int)):
+            raise ValueError(f"rotary_dim must be an integer, got {rd!r}")
+        r = rotary_dims(head_dim, scaling, rd)
+        freq, _ = rope_parameters(min(r, CHECK_DIM), attrs["theta"], scaling)
+        if not np.isfinite(freq).all():
+            raise ValueError(f"theta {attrs['theta']!r} with scaling {scaling!r} gives non-finite "
+                             f"rotary frequencies")
         if attrs.get("interleaved") not in (None, True, False):
             raise ValueError(f"interleaved must be true or false, got {attrs['interleaved']!r}")
     except ValueError as e:

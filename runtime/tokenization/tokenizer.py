@@ -3,12 +3,13 @@ emits half a UTF-8 character (a token that ends mid-character waits for the next
 are encoded by fast_tokenize.FastEncoder: the same ids as the library's own `encode`, split at
 proven boundaries across threads, with the ids of recently seen text reused."""
 import functools
-import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from infc.compiler.contract import json_file
 from infc.compiler.contract.errors import ModelDirError
+from infc.compiler.spec_paths import json_key_line
 
 from . import facts
 from .fast_tokenize import FastEncoder
@@ -19,15 +20,15 @@ class Tokenizer:
         path = Path(model_dir) / "tokenizer.json"
         if not path.exists():
             raise ModelDirError(f"{model_dir}: no tokenizer.json")
+        json_file.check_regular(path)
         try:
             self.tk = HFTokenizer.from_file(str(path))
         except Exception as e:  # the tokenizers library raises its own exception types
             raise ModelDirError(f"{path}: cannot load tokenizer ({e})") from None
         cfg_path = Path(model_dir) / "tokenizer_config.json"
-        self.config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        self.config = json_file.read_object(cfg_path) if cfg_path.exists() else {}
         self.add_bos = bool(self.config.get("add_bos_token", False))
-        bos = self.config.get("bos_token")
-        self.bos_id = self.tk.token_to_id(bos["content"] if isinstance(bos, dict) else bos) if bos else None
+        self.bos_id = self._bos_id(cfg_path)
         # the facts an earlier load derived from these files (facts.py): its probe's outcome here,
         # the longest token in max_token_chars; what this load derives is kept for the next
         self._facts_key = facts.key(model_dir)
@@ -36,6 +37,19 @@ class Tokenizer:
         self.fast = FastEncoder(self.tk, probe=probed if isinstance(probed, str) and probed else True)
         if self.fast.probed is not None:
             self._keep(probe=self.fast.probed)
+
+    def _bos_id(self, cfg_path) -> int | None:
+        """bos_token's id: the token as a string or an AddedToken {"content": ...}; None when absent
+        or not in the vocabulary (as before: no BOS is added then)."""
+        bos = self.config.get("bos_token")
+        if isinstance(bos, dict):
+            bos = bos.get("content")
+        if bos is None or bos == "":
+            return None
+        if not isinstance(bos, str):        # token_to_id would raise a TypeError deep in the library
+            raise ModelDirError(f"{cfg_path}: 'bos_token' must be a token string or "
+                                f"{{\"content\": token}}, got {self.config.get('bos_token')!r}")
+        return self.tk.token_to_id(bos)
 
     def _keep(self, **new):
         self._facts = {**self._facts, **new}
@@ -97,14 +111,24 @@ class IncrementalDecoder:
 
 
 def eos_ids(model_dir: Path) -> set[int]:
-    """generation_config.json's eos_token_id (else config.json's): one id or a list."""
+    """generation_config.json's eos_token_id (else config.json's): one id or a list.
+
+    A file that is there but broken (not JSON, not an object, an id that is a string or a list of
+    lists) is an error naming it: skipping it would stop generation at the wrong tokens, or never
+    (a "2" never equals the sampled 2)."""
     for name in ("generation_config.json", "config.json"):
         p = Path(model_dir) / name
         if p.exists():
-            try:
-                e = json.loads(p.read_text()).get("eos_token_id")
-            except (OSError, ValueError):
-                continue
+            e = json_file.read_object(p).get("eos_token_id")
             if e is not None:
-                return set(e if isinstance(e, list) else [e])
+                return _token_ids(e, p)
     return set()
+
+
+def _token_ids(e, path) -> set[int]:
+    ids = e if isinstance(e, list) else [e]
+    bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < 2**31]
+    if bad:
+        raise ModelDirError(f"{path}:{json_key_line(path, 'eos_token_id')}: 'eos_token_id' must be a "
+                            f"token id or a list of them (integers >= 0), got {e!r}")
+    return set(ids)
