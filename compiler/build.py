@@ -17,7 +17,7 @@ from .contract.safetensors_io import Checkpoint
 from .kv_scales import read_kv_scales
 from .spec import Spec, find_architecture, find_variant, load_spec
 from .parallel import check_used, rank_plan_path, settings
-from .spec_paths import json_key_line
+from .contract.json_file import json_key_line
 
 REPO = Path(__file__).resolve().parent.parent
 GENERATED = REPO / "generated"

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from . import config_values, spec_paths
+from .contract import json_file
 from .contract.errors import SpecError, did_you_mean
 from .expr import EvalError, Unknown, evaluate, parse_expr, parse_statement
 from .yaml_lines import LDict, item_line, line_of, load_yaml
@@ -274,7 +275,7 @@ class Spec:
             problem = f"must be {' or '.join(sorted(kinds))} (symbol {sym}), got {config_values.shown(value)}"
         msg = f"config key '{key}' {problem}"
         if source and source.endswith(".json") and Path(source).is_file():
-            raise SpecError(msg, source, spec_paths.json_key_line(Path(source), key.split(".")[-1]))
+            raise SpecError(msg, source, json_file.json_key_line(Path(source), key.split(".")[-1]))
         raise self.err(f"{msg}{f' (in {source})' if source else ''}", self.raw.key_lines.get("variants")
                        if isinstance(self.raw, LDict) else None)
 

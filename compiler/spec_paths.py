@@ -52,17 +52,6 @@ def describe(spec_dirs=None) -> str:
     return ", ".join(str(d) for d in search_path(spec_dirs))
 
 
-def json_key_line(path: Path, key: str) -> int | None:
-    """The 1-based line of `"key":` in a JSON file (for file:line in messages), or None."""
-    try:
-        for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-            if f'"{key}"' in line:
-                return n
-    except OSError:
-        pass
-    return None
-
-
 def add_spec_dir_arg(p) -> None:
     """The `--spec-dir DIR` flag (repeatable) of build, inspect, generate and serve."""
     p.add_argument("--spec-dir", action="append", metavar="DIR",

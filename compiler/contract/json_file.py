@@ -55,3 +55,14 @@ def read_object(path: Path) -> dict:
 def _kind(v) -> str:
     return {list: "list", str: "string", type(None): "null", bool: "boolean", int: "number",
             float: "number"}.get(type(v), type(v).__name__)
+
+
+def json_key_line(path: Path, key: str) -> int | None:
+    """The 1-based line of `"key":` in a JSON file (for file:line in messages), or None."""
+    try:
+        for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+            if f'"{key}"' in line:
+                return n
+    except OSError:
+        pass
+    return None

@@ -9,7 +9,6 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from infc.compiler.contract import json_file
 from infc.compiler.contract.errors import ModelDirError
-from infc.compiler.spec_paths import json_key_line
 
 from . import facts
 from .fast_tokenize import FastEncoder
@@ -129,6 +128,6 @@ def _token_ids(e, path) -> set[int]:
     ids = e if isinstance(e, list) else [e]
     bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < 2**31]
     if bad:
-        raise ModelDirError(f"{path}:{json_key_line(path, 'eos_token_id')}: 'eos_token_id' must be a "
+        raise ModelDirError(f"{path}:{json_file.json_key_line(path, 'eos_token_id')}: 'eos_token_id' must be a "
                             f"token id or a list of them (integers >= 0), got {e!r}")
     return set(ids)
