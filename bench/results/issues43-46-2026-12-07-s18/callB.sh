@@ -4,8 +4,7 @@
 # qwen3-4b-v5-best-paths at batches 1, 8, 32 and k = 0..7, then the grid A/B at batch 1, k = 0 and 4
 # (v5-best, v5-best-paths). H100: the GPU gates on the default build (golden gates of qwen3-4b,
 # llama-3.2-1b, tiny-moe and qwen3-4b --no-fuse against HF bf16, the engine tests, no torch), and
-# the trained model's self-draft through both builds (the verify program's GEMVs in gemv.py.j2's
-# VERIFY_DOT default since bdd7d944: prepare.py draft's skipgram-narrow5).
+# the trained model's self-draft through both builds (prepare.py draft's skipgram-narrow5).
 # Copied to the repository root to run.
 # the committed tree only (the build machine's uncommitted edits do not travel)
 git checkout -q HEAD -- compiler runtime infc server codegen_templates
