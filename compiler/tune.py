@@ -127,41 +127,46 @@ _GEMV_LORA_ROWS = [{"LORA_KS": ks} for ks in (128, 256, 512)] + [{"LORA_STEP": 3
     + [{"LORA_STAGES": n} for n in (1, 2, 4)] + [{"LORA_PROGRAMS": n} for n in (8, 48)] + [{"LORA_FIRST": 0}]
 DECODE_LORA = {("triton", t): _GEMV_LORA_ROWS for t in ("gemv", "gemv_gated")}
 LORA_GEMV_TILES = 4         # of the GEMV's own grid, the first few beside the LoRA grid
-# a verify step's GEMVs (a speculative build's k + 1 rows, all on the CUDA-core path: gemv.py.j2
-# VERIFY_ROWS; their own key, render.verify_key, over the one-row narrow entry): W tiles against the
-# R rows' sums (ROW_SUMS "lanes", the default, sums each tile's products within a thread and across
-# threads once at the end; "chain" as lanes, a run's products one FFMA chain; "tile" reduces them
-# across threads every tile; "end" keeps R fp32 tiles
-# in registers, so only small tiles; VERIFY_TILE 8192: the one-row 16 x 512 tiles whole), the preloaded tiles, programs in flight, and FMA_T 1: the
-# tensor-core path for the rows, the kernel the verify program ran before (bench/NOTES.md, issue 43)
+# a verify step's GEMVs (a speculative build's k + 1 rows; their own key, render.verify_key, over
+# the one-row narrow entry). The default is the tensor-core path in the form an H100 measured best
+# (gemv.py.j2 VERIFY_DOT); "FMA_T": "rows" puts the rows on the CUDA-core path together ("lanes"),
+# around which: W tiles against the R rows' sums (ROW_SUMS "lanes" sums each tile's products within
+# a thread and across threads once at the end; "chain" as lanes, a run's products one FFMA chain;
+# "tile" reduces them across threads every tile; "end" keeps R fp32 tiles in registers, so only
+# small tiles; VERIFY_TILE 8192: the one-row 16 x 512 tiles whole), the preloaded tiles, programs in
+# flight (bench/NOTES.md, issue 43)
+_VL = {"FMA_T": "rows"}
 _VT = {"FMA_T": 1, "BLOCK_T": 16, "DOT_PRE": 2}
-_GEMV_VERIFY = [{"BLOCK_N": 16, "FMA_BLOCK_K": 256}, {"BLOCK_N": 8, "FMA_BLOCK_K": 512},
+_GEMV_VERIFY = [_VL] + [{**_VL, **c} for c in (
+                {"BLOCK_N": 16, "FMA_BLOCK_K": 256}, {"BLOCK_N": 8, "FMA_BLOCK_K": 512},
                 {"BLOCK_N": 32, "FMA_BLOCK_K": 128}, {"BLOCK_N": 4, "FMA_BLOCK_K": 1024, "SPLIT_K": 1},
                 {"ROW_SUMS": "end", "BLOCK_N": 8, "FMA_BLOCK_K": 128},
                 {"ROW_SUMS": "end", "BLOCK_N": 4, "FMA_BLOCK_K": 256}, {"ROW_SUMS": "tile"}, {"ROW_SUMS": "chain"},
-                {"PRELOAD": 2}, {"PRELOAD": 1},
-                {"num_warps": 8}, {"TARGET_CTAS": 528}, {"TARGET_CTAS": 264}, {"FMA_T": 1},
-                {"FMA_T": 1, "BLOCK_K": 128}, {"VERIFY_TILE": 8192}] + [
+                {"PRELOAD": 2}, {"PRELOAD": 1}, {"num_warps": 8}, {"TARGET_CTAS": 528}, {"TARGET_CTAS": 264},
+                {"VERIFY_TILE": 8192})] + [
     # the tensor-core path's own tiles at k + 1 rows: on an H100 FMA_T 1 won o, down and gate|up
     # (BLOCK_K 128: 18.4 -> 11.7 us, 41.1 -> 22.0, 66.9 -> 48.0) and lost q|k|v (23.3 -> 30.1), whose
     # 96 row blocks of 64 leave SMs idle: 16-row A blocks for the few rows, narrower W blocks or more
     # K splits for more programs. These won alone by 4-8 % and lost in the model (verify(4) 4.6-4.8
     # -> 5.0-5.6 ms on an H100, bench/NOTES.md session #10): a verify entry is confirmed by `bench
     # spec-verify` A/B before it is stored
-    {"FMA_T": 1, "BLOCK_K": 128, "BLOCK_T": 16}, {"FMA_T": 1, "BLOCK_K": 128, "BLOCK_N_DOT": 32},
+    {"FMA_T": 1, "BLOCK_K": 128, "BLOCK_T": 32, "DOT_PRE": 0}, {"FMA_T": 1, "BLOCK_K": 128, "BLOCK_N_DOT": 32},
     {"FMA_T": 1, "BLOCK_K": 128, "BLOCK_N_DOT": 32, "BLOCK_T": 16}, {"FMA_T": 1, "BLOCK_K": 128, "SPLIT_K_DOT": 4},
     {"FMA_T": 1, "BLOCK_K": 128, "num_stages": 3}, {"FMA_T": 1, "BLOCK_K": 256, "BLOCK_T": 16}] + [
     # the H100 table's entries of 2026-12-07, measured in the model (verify(4) 4.61 -> 4.05 ms): the
     # skinny-GEMM probe's tiles with two W tiles before the PDL wait (DOT_PRE), gate|up unsplit, and
-    # the split ones with their partials parked by plain stores (PARK) beside them
+    # the split ones with their partials parked by plain stores (PARK) beside them; the grid of the
+    # path the rows take (GRID "paths")
     {**_VT, "BLOCK_K": 128, "SPLIT_K_DOT": 1, "num_stages": 3}, {**_VT, "BLOCK_K": 128, "SPLIT_K_DOT": 4, "num_stages": 3},
     {**_VT, "BLOCK_K": 64, "SPLIT_K_DOT": 8, "num_stages": 4},
-    {**_VT, "BLOCK_K": 64, "SPLIT_K_DOT": 8, "num_stages": 4, "PARK": "store"}]
+    {**_VT, "BLOCK_K": 64, "SPLIT_K_DOT": 8, "num_stages": 4, "PARK": "store"}, {"GRID": "paths"}]
 # lm_head_last cannot split K
-_LM_VERIFY = [{"BLOCK_N": 8}, {"BLOCK_N": 32, "FMA_BLOCK_K": 256}, {"FMA_BLOCK_K": 256}, {"num_warps": 8},
+_LM_VERIFY = [_VL] + [{**_VL, **c} for c in (
+              {"BLOCK_N": 8}, {"BLOCK_N": 32, "FMA_BLOCK_K": 256}, {"FMA_BLOCK_K": 256}, {"num_warps": 8},
               {"ROW_SUMS": "end", "BLOCK_N": 8, "FMA_BLOCK_K": 128}, {"ROW_SUMS": "tile"}, {"ROW_SUMS": "chain"},
-              {"FMA_T": 1}, {"VERIFY_TILE": 8192}, {"FMA_T": 1, "BLOCK_T": 16}, {"FMA_T": 1, "BLOCK_K": 128},
-              {"FMA_T": 1, "BLOCK_K": 128, "BLOCK_T": 16}, {"FMA_T": 1, "BLOCK_N_DOT": 64}]
+              {"VERIFY_TILE": 8192})] + [
+              {"FMA_T": 1, "BLOCK_T": 16}, {"FMA_T": 1, "BLOCK_K": 128},
+              {"FMA_T": 1, "BLOCK_K": 128, "BLOCK_T": 16}, {"FMA_T": 1, "BLOCK_N_DOT": 64}, {"GRID": "paths"}]
 VERIFY_GRIDS = {("triton", "gemv"): _GEMV_VERIFY, ("triton", "gemv_act_mul"): _GEMV_VERIFY,
                 ("triton", "gemv_gated"): _GEMV_VERIFY, ("triton", "lm_head_last"): _LM_VERIFY}
 _GEMV_FMA_T = [{"FMA_T": 2, "FMA_BLOCK_K": 128}, {"FMA_T": 4, "BLOCK_N": 16, "FMA_BLOCK_K": 128}]

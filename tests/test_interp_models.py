@@ -116,7 +116,8 @@ def test_tiny_model_through_kernels(family, fuse, tiny_model, tmp_path, rng):
     # drafts as one-token rows, the rows in reverse so each runs before the rows that write the
     # keys it reads (the merged cache write: tests/kernels/test_attention_decode_prologue.py),
     # beside sequence 1's decode row; the verify program (the narrow launches 8 rows wide), its
-    # GEMVs' 8-row CUDA-core form with 4 live rows (tests/test_verify_program.py: against the decode program)
+    # GEMVs' default tensor-core form with 4 live rows (tests/test_verify_program.py: every form
+    # against the decode program)
     plan["verify_tokens"] = verify_tokens
     lens[0] += 1
     t0, d0, d1 = int(np.argmax(want[0])), toks[1], toks[0]

@@ -50,17 +50,22 @@ def test_qwen3_4b_narrow_program_merges_the_norms_and_qk_rope():
 def test_a_one_token_narrow_program_leaves_the_tensor_core_path_out():
     """The narrow GEMVs of a one-token narrow program are the CUDA-core path alone: the tensor-core
     path that 2+ rows need, in the same kernel, slowed the one-token step 16 % on an H200. A
-    speculative build's verify GEMVs (k + 1 <= 8 rows) are the CUDA-core path too, every row
-    through each W tile at once, and its decode attention writes a verify step's other rows' keys."""
+    speculative build's verify GEMVs (k + 1 <= 8 rows) take the tensor-core path by default
+    (gemv.py.j2 VERIFY_DOT), or the CUDA-core path with every row through each W tile at once
+    (tune FMA_T "rows"); its decode attention writes a verify step's other rows' keys."""
     from infc.compiler.codegen.render import render_plan
-    for n, program, verify in ((1, "narrow", False), (8, "narrow", False), (8, "verify", True)):
+    lanes = {"templates": {t: {"default": {"FMA_T": "rows"}} for t in ("gemv", "gemv_gated", "lm_head_last")}}
+    for n, program, verify, table in ((1, "narrow", False, {}), (8, "narrow", False, {}), (8, "verify", True, {}),
+                                      (8, "verify", True, lanes)):
         _, plan = compile_model("qwen3-4b", narrow_tokens=n)
-        kernels = render_plan(plan, {}, 16)
+        kernels = render_plan(plan, table, 16)
         narrow = {l["op"]: kernels[l["kernel_id"]] for l, _ in launches(plan["programs"][program])}
         for op in ("linear", "linear_gated", "lm_head_last"):
-            assert "tensor-core path: rows" not in narrow[op].source, (n, program, op)
+            dot = verify and not table
+            assert ("tensor-core path: rows" in narrow[op].source) == dot, (n, program, op)
             if op != "lm_head_last":        # gemv.py.j2's own line for its rows on CUDA cores
-                assert ("T <= FMA_ROWS = 8: CUDA-core path" in narrow[op].source) == verify, (n, program, op)
+                assert ("T <= FMA_ROWS = 8: CUDA-core path" in narrow[op].source) == (verify and not dot), \
+                    (n, program, op)
         assert ("a verify step: the K/V" in narrow["attention_cached"].source) == verify, (n, program)
 
 
@@ -68,13 +73,13 @@ def test_the_narrow_program_renders_the_decode_kernels_but_the_gemvs():
     """Templates see a narrow launch as a decode one (phase "decode", narrow = True): attention,
     qk-norm and the rest are the decode program's kernels, not kernels of their own."""
     from infc.compiler.codegen.render import render_plan
-    for n, program, own in ((1, "narrow", {"lm_head_last"}), (8, "verify", {"lm_head_last"})):
+    for n, program, own in ((1, "narrow", {"lm_head_last"}), (8, "verify", set())):
         _, plan = compile_model("qwen3-4b", narrow_tokens=n)
         render_plan(plan, {}, 16)
         ids = {p: {(l["op"], l["kernel_id"]) for l, _ in launches(plan["programs"][p])} for p in ("decode", program)}
         only_narrow = {op for op, _ in ids[program] - ids["decode"]}
-        # the merged launches; lm_head_last (no prologue) is its own CUDA-core kernel in both: one
-        # row in a one-token program, the k + 1 rows together in a speculative build's verify program
+        # the merged launches; lm_head_last (no prologue) is its own CUDA-core kernel in a one-token
+        # program, and the decode program's tensor-core kernel in a speculative build's verify program
         assert only_narrow == {"linear", "linear_gated", "attention_cached"} | own, n
 
 

@@ -400,9 +400,10 @@ def test_prepare_verify_phase_times_the_verify_rows_on_their_own_keys(tmp_path, 
         assert e["phase"] == "verify" and e["shape_key"].startswith("verify|") and e["shape_key"].endswith("|r3")
         assert [k.split("|")[0] for k in e["inherits"]] == ["decode", "narrow"]
         tunes = [c["tune"] for c in e["candidates"]]
-        assert tunes[0] == {} and {"FMA_T": 1} in tunes and len({c["kernel"] for c in e["candidates"]}) == len(tunes)
+        assert tunes[0] == {} and {"FMA_T": "rows"} in tunes and len({c["kernel"] for c in e["candidates"]}) == len(tunes)
         by_tune = {json.dumps(c["tune"], sort_keys=True): (out / c["source"]).read_text() for c in e["candidates"]}
-        assert "tl.dot(" not in by_tune["{}"] and "tl.dot(" in by_tune['{"FMA_T": 1}']
+        # the default: the tensor-core path (gemv.py.j2 VERIFY_DOT); "rows": the CUDA-core rows
+        assert "tl.dot(" in by_tune["{}"] and "tl.dot(" not in by_tune['{"FMA_T": "rows"}']
     for (backend, template), grid in VERIFY_GRIDS.items():
         text = _template_text(backend, template)
         assert all(f'tune.get("{k}"' in text for c in grid for k in c)

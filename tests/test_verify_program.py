@@ -45,16 +45,18 @@ def test_the_speculative_plan_is_the_one_token_plan_and_a_verify_program(plans):
     # every program but verify runs the one-token build's kernels (ids are source digests)
     for p in one["programs"]:
         assert _ids(spec, p) == _ids(one, p), p
-    # the verify program's own: its merged GEMVs, lm_head_last (k + 1 rows on the CUDA-core path) and attention
+    # the verify program's own: its merged GEMVs (k + 1 rows on the tensor-core path by default:
+    # gemv.py.j2 VERIFY_DOT) and attention; its lm_head_last is the decode program's kernel
     assert k_one.keys() <= k_spec.keys()
-    assert {k_spec[i].template for i in k_spec.keys() - k_one.keys()} == \
-        {"gemv", "gemv_gated", "lm_head_last", "attention_decode"}
+    assert {k_spec[i].template for i in k_spec.keys() - k_one.keys()} == {"gemv", "gemv_gated", "attention_decode"}
     assert k_spec.keys() - k_one.keys() <= set(_ids(spec, "verify")) - set(_ids(spec, "narrow"))
     verify = {l["op"]: k_spec[l["kernel_id"]].source for l, _ in launches(spec["programs"]["verify"])}
     narrow = {l["op"]: k_spec[l["kernel_id"]].source for l, _ in launches(spec["programs"]["narrow"])}
-    for op in ("linear", "linear_gated", "lm_head_last"):      # k + 1 rows on the CUDA-core path together
-        assert "tensor-core path: rows" not in verify[op] + narrow[op], op
-        assert "tl.sum(tl.reshape(wf * a4" in verify[op] and "tl.reshape(wf * a" not in narrow[op], op
+    decode = {l["op"]: k_spec[l["kernel_id"]].source for l, _ in launches(spec["programs"]["decode"])}
+    for op in ("linear", "linear_gated"):
+        assert "tl.dot(" in verify[op] and "tl.dot(" not in narrow[op], op
+        assert "tl.sum(tl.reshape(wf * a4" not in verify[op], op      # no CUDA-core rows ("lanes")
+    assert verify["lm_head_last"] == decode["lm_head_last"]
     assert "a verify step: the K/V" in verify["attention_cached"]
     assert "a verify step: the K/V" not in narrow["attention_cached"]
 
@@ -107,9 +109,11 @@ def test_a_gemv_launches_the_programs_of_the_path_its_rows_take(plans):
     assert seen >= 8
 
 
-# the verify GEMVs' forms: the default (their rows on the CUDA-core path together), and the
-# tensor-core path (FMA_T 1, the H100 table's verify entries) with each row pass of its merged norm
-VERIFY_FORMS = {"lanes": None,
+# the verify GEMVs' forms: the default (the tensor-core path: gemv.py.j2 VERIFY_DOT), their rows on
+# the CUDA-core path together ("lanes": FMA_T "rows"), and the tensor-core path with each row pass
+# of its merged norm
+VERIFY_FORMS = {"default": None,
+                "lanes": {t: {"default": {"FMA_T": "rows"}} for t in ("gemv", "gemv_gated", "lm_head_last")},
                 "dot-rows": {t: {"default": {"FMA_T": 1, "ROW_PASS": "rows"}} for t in ("gemv", "gemv_gated")},
                 "dot-block": {t: {"default": {"FMA_T": 1, "ROW_PASS": "block"}} for t in ("gemv", "gemv_gated")},
                 # two W tiles read before the PDL wait (the tiny model's K of 96 and 160: one range)
@@ -146,9 +150,9 @@ def decode_reference(tiny_model, tmp_path_factory):
     return d, rows, decode
 
 
-# ~8 s each interpreted; the fast suite runs the tensor-core forms with the unrolled row pass (the
-# lanes form's fast representative: tests/test_interp_models.py's verify step)
-@pytest.mark.parametrize("form", [f if f in ("dot-rows", "dot-pre", "dot-park") else pytest.param(f, marks=EXHAUSTIVE) for f in VERIFY_FORMS])
+# ~8 s each interpreted; the fast suite runs the default (also tests/test_interp_models.py's verify
+# step), the CUDA-core rows and the split tensor-core form
+@pytest.mark.parametrize("form", [f if f in ("default", "lanes", "dot-park") else pytest.param(f, marks=EXHAUSTIVE) for f in VERIFY_FORMS])
 def test_a_verify_step_through_the_verify_program_is_the_decode_programs(decode_reference, tmp_path, form):
     """K + 1 one-token rows of one sequence (its next token and K drafts) through the interpreted
     verify kernels, then the same rows through the decode program of a build at the table's

@@ -27,7 +27,10 @@ def test_the_tiles_each_launch_takes():
     assert _tiles(_plain(300, 256))[:2] == (32, 256)              # K <= N: q|k|v keeps its tiles
     assert _tiles(_plain(42, 2100, narrow=False))[:2] == (32, 256)  # the decode program's launch
     assert _tiles(_plain(42, 2100, tune={"BLOCK_N": 16}))[:2] == (16, 1024)  # an entry wins
-    assert _tiles(_plain(42, 2100, narrow=5))[0] == 32            # a verify program's rows
+    # a verify program's launch: its rows on the tensor-core path (VERIFY_DOT), the one-row tile
+    # the narrow one (at most VERIFY_TILE elements); its rows on the CUDA-core path: 32-row tiles
+    assert _tiles(_plain(42, 2100, narrow=5))[:2] == (4, 1024)
+    assert _tiles(_plain(42, 2100, narrow=5, tune={"FMA_T": "rows"}))[0] == 32
     gated = render("gemv_gated", "linear_gated", [("x", ["T", 96], "bf16"), ("w", [2 * 40, 96], "bf16", "weight")],
                    [("y", ["T", 40], "bf16")], attrs={"fn": "silu", "has_bias": False}, narrow=True)
     assert _tiles(gated)[:2] == (32, 128)

@@ -121,13 +121,13 @@ def test_the_narrow_gemv_takes_the_cuda_core_path_at_one_row_only():
     args = ([("x", ["T", 72], "bf16"), ("w", [100, 72], "bf16", "weight")], [("y", ["T", 100], "bf16")])
     assert "tl.dot(" in render("gemv", "linear", *args).source
     # a one-token narrow program: the CUDA-core path alone; a speculative build's verify program
-    # (8 rows) too, its rows together (tests/kernels/test_gemv_verify_rows.py), unless its entry
-    # sets FMA_T below its rows: then the tensor-core path takes them
+    # (8 rows) the tensor-core path for its rows (VERIFY_DOT), unless its entry sets FMA_T "rows":
+    # then its rows together on the CUDA-core path (tests/kernels/test_gemv_verify_rows.py)
     one = render("gemv", "linear", *args, narrow=True)
     assert "tl.dot(" not in one.source and one.meta["constexprs"]["FMA_ROWS"] == 1
-    verify = render("gemv", "linear", *args, narrow=8)
+    verify = render("gemv", "linear", *args, narrow=8, tune={"FMA_T": "rows"})
     assert "tl.dot(" not in verify.source and verify.meta["constexprs"]["FMA_ROWS"] == 8
-    narrow = render("gemv", "linear", *args, narrow=8, tune={"FMA_T": 1})
+    narrow = render("gemv", "linear", *args, narrow=8)
     assert "tl.dot(" in narrow.source and narrow.meta["constexprs"]["FMA_ROWS"] == 1
     # an fp32 output (a row-parallel rank's partials) keeps the tensor-core path in every phase
     f32_out = ([("x", ["T", 72], "bf16"), ("w", [100, 72], "bf16", "weight")], [("y", ["T", 100], "f32")])

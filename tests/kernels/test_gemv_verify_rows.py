@@ -1,5 +1,6 @@
-"""A verify program's GEMVs (issue 43; codegen_templates/triton/gemv.py.j2 VERIFY_ROWS): a
-speculative build's k + 1 rows on the CUDA-core path together, each W tile read once for all R
+"""A verify program's GEMVs on the CUDA-core rows (issue 43; codegen_templates/triton/gemv.py.j2
+VERIFY_ROWS, a tune entry's FMA_T "rows": a bf16 verify launch's default is the tensor-core path,
+VERIFY_DOT, tests/test_verify_program.py): a speculative build's k + 1 rows on the CUDA-core path together, each W tile read once for all R
 rows (ROW_SUMS "lanes": each tile's products summed within a thread, across threads after the
 loop; "tile", a tuning choice: reduced across threads per tile), with no
 tensor-core path in the kernel. Under the interpreter against the ops' numpy references: plain,
@@ -32,8 +33,8 @@ def rows(fast):
 
 # 100 x 200: two 16-row blocks short of the tile, K three 64-deep tiles with a ragged last one
 # (two preloaded, one in the loop); SPLIT_K 2 on 96 x 1100 (two 256-deep K ranges a program)
-TUNE = {"FMA_BLOCK_K": 64, "BLOCK_N": 16}
-SPLIT = {"FMA_BLOCK_K": 256, "SPLIT_K": 2}
+TUNE = {"FMA_BLOCK_K": 64, "BLOCK_N": 16, "FMA_T": "rows"}
+SPLIT = {"FMA_BLOCK_K": 256, "SPLIT_K": 2, "FMA_T": "rows"}
 
 
 def _cuda_core_only(k, R):
@@ -128,7 +129,7 @@ def test_verify_gemv_with_add_rms_norm_prologue(R, T, gated):
     tpl, op = ("gemv_gated", "linear_gated") if gated else ("gemv", "linear")
     attrs = {"fn": "silu", "has_bias": False} if gated else {"has_bias": False}
     k = render(tpl, op, *_tensors(K, N, cols, "bf16"), attrs=attrs, narrow=R,
-               tune={"BLOCK_N": 32, "FMA_BLOCK_K": 128} if gated else SPLIT, prologue=PROLOGUE)
+               tune={"BLOCK_N": 32, "FMA_BLOCK_K": 128, "FMA_T": "rows"} if gated else SPLIT, prologue=PROLOGUE)
     _cuda_core_only(k, R)
     res, y = poison((T, K)), poison((T, cols))
     check_scratch_zero(run(k, {"in:0": x, "in:1": d, "in:2": norm, "in:3": w, "out:0": res, "out:1": y},
@@ -148,7 +149,7 @@ def test_lm_head_last_verify_rows():
     k = render("lm_head_last", "lm_head_last", [("x", ["T", K], "bf16"), ("norm", [K], "bf16", "weight"),
                                                 ("w", [V, K], "bf16", "weight")],
                [("logits", ["B", V], "f32")], attrs={"eps": 1e-6, "has_bias": False, "residual": False},
-               narrow=R, tune={"BLOCK_N": 16, "FMA_BLOCK_K": 64})
+               narrow=R, tune={"BLOCK_N": 16, "FMA_BLOCK_K": 64, "FMA_T": "rows"})
     _cuda_core_only(k, R)
     y = poison((B, V), "f32")
     run(k, {"in:0": x, "in:1": norm, "in:2": w, "out:0": y, "meta:last_rows": torch.from_numpy(rows)},
@@ -164,7 +165,7 @@ def test_chain_row_sums_on_every_form(case):
     merged prologue's gated kernel, lm_head_last's norm rows, a quantized W, and a tile of 8
     columns (one run): the references' outputs."""
     R, T = 5, 4
-    chain = {"ROW_SUMS": "chain"}
+    chain = {"ROW_SUMS": "chain", "FMA_T": "rows"}
     if case == "u8-g64":                 # (u4 codes take W4_FORM's loops, not these sums)
         from .test_quant_linear_kernels import SCHEMES, _case
         k, _, _ = _case("gemv", SCHEMES[case], "plain", 3, {"BLOCK_N": 16, "FMA_BLOCK_K": 128, **chain}, "decode",
@@ -216,20 +217,25 @@ def test_chain_row_sums_on_every_form(case):
 
 
 def test_the_verify_form_is_the_one_row_kernels_otherwise():
-    """The one-token narrow kernel and a verify launch tuned FMA_T 1 keep their forms: the one-row
-    sums (ROW_SUMS "end"), and the tensor-core path for a verify step's rows."""
+    """The one-token narrow kernel keeps its one-row sums (ROW_SUMS "end"); a verify launch takes
+    the tensor-core path for its rows by default (VERIFY_DOT) or when tuned FMA_T 1, and the
+    CUDA-core rows when tuned FMA_T "rows" or a row count."""
     args = ([("x", ["T", 72], "bf16"), ("w", [100, 72], "bf16", "weight")], [("y", ["T", 100], "bf16")])
     one = render("gemv", "linear", *args, narrow=True)
     assert "tl.dot(" not in one.source and "tl.sum(wf * a" not in one.source
     assert one.meta["constexprs"]["FMA_T"] == 1
-    dot = render("gemv", "linear", *args, narrow=5, tune={"FMA_T": 1})
-    assert "tl.dot(" in dot.source and dot.meta["constexprs"]["FMA_ROWS"] == 1
+    for tune in ({}, {"FMA_T": 1}):
+        dot = render("gemv", "linear", *args, narrow=5, tune=tune)
+        assert "tl.dot(" in dot.source and dot.meta["constexprs"]["FMA_ROWS"] == 1
+    for rows_ in ("rows", 5):
+        k = render("gemv", "linear", *args, narrow=5, tune={"FMA_T": rows_})
+        assert "tl.dot(" not in k.source and k.meta["constexprs"]["FMA_T"] == 5
     # a verify tile holds at most VERIFY_TILE (4096) elements: the one-row 16 x 512 tile halves in K
     tile = {"BLOCK_N": 16, "FMA_BLOCK_K": 512}
     assert render("gemv", "linear", *args, narrow=5, tune=tile).meta["constexprs"]["FMA_BLOCK_K"] == 256
     assert render("gemv", "linear", *args, narrow=5, tune={**tile, "VERIFY_TILE": 8192}).meta["constexprs"]["FMA_BLOCK_K"] == 512
     assert render("gemv", "linear", *args, narrow=True, tune=tile).meta["constexprs"]["FMA_BLOCK_K"] == 512
-    ends = render("gemv", "linear", *args, narrow=5, tune={"ROW_SUMS": "end"})
+    ends = render("gemv", "linear", *args, narrow=5, tune={"ROW_SUMS": "end", "FMA_T": "rows"})
     assert "tl.dot(" not in ends.source and "tl.sum(wf * a" not in ends.source
     assert ends.meta["constexprs"]["FMA_T"] == 5
 
