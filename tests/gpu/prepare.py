@@ -426,6 +426,11 @@ VERIFY_AB["best"] = {"gemv": VERIFY_AB["pre"]["gemv"],
 # entries reach the decode program's GEMVs too, whose steps of more rows than FMA_T take the
 # tensor-core path)
 VERIFY_AB["best-paths"] = {t: {**e, "default": {"GRID": "paths"}} for t, e in VERIFY_AB["best"].items()}
+# "default": the committed table as it is (on a table without verify entries, the H200's, the
+# template's VERIFY_DOT form); "lanes": every verify launch on the CUDA-core rows (FMA_T "rows"), the
+# form a table without verify entries ran before VERIFY_DOT
+VERIFY_AB["default"] = {}
+VERIFY_AB["lanes"] = {t: {"default": {"FMA_T": "rows"}} for t in ("gemv", "gemv_gated", "lm_head_last")}
 
 
 def verify_ab():
