@@ -12,11 +12,11 @@ save but a LoRA slot cannot hold (DoRA's magnitudes, trained biases, modules_to_
 copies, embedding adapters, fan_in_fan_out weights) is refused naming the key, as is anything
 malformed: a bad adapter never reaches a slot.
 """
-import json
 import math
 import re
 from pathlib import Path
 
+from infc.compiler.contract import json_file
 from infc.compiler.contract.errors import ModelDirError
 from infc.compiler.contract.safetensors_io import SafetensorsFile
 
@@ -94,9 +94,9 @@ def _read_json(path: Path, where: str) -> dict:
     if raw is None:
         raise AdapterError(f"{where}: no {CONFIG} (a PEFT LoRA adapter directory has one)")
     try:
-        cfg = json.loads(raw)
-    except (ValueError, RecursionError) as e:            # UnicodeDecodeError is a ValueError
-        raise AdapterError(f"{where}: {CONFIG} is not JSON: {e}") from None
+        cfg = json_file.loads(raw, CONFIG)
+    except ModelDirError as e:           # the adapter's own class: the server answers it with a 400
+        raise AdapterError(f"{where}: {CONFIG} is not JSON ({e})") from None
     if not isinstance(cfg, dict):
         raise AdapterError(f"{where}: {CONFIG} must be a JSON object")
     return cfg
