@@ -42,7 +42,8 @@ dsv4 (issue 47, session.sh's `dsv4` stage: DeepSeek-V4-Flash's 3-layer cut at re
 gpu_families.DSV4_CUT, its config.json as transformers writes it into .cache/gpu/configs/<cut>/ and
 its artifact in .cache/gpu/<cut>-art, for the golden gate and bench latency with dummy weights).
 verify-ab (issue 43: qwen3-4b's verify program (5 rows) with its GEMVs in each form of VERIFY_AB,
-into .cache/artifacts/qwen3-4b-v5-<form>, for `bench spec-verify` / `bench profile` A/Bs).
+into .cache/artifacts/qwen3-4b-v5-<form>, for `bench spec-verify` / `bench profile` A/Bs);
+verify-8b: qwen3-8b's, as the committed tables render it, into .cache/artifacts/qwen3-8b-v5.
 grid-ab (issues 43 and 49: qwen3-4b as served with every GEMV's grid the blocks of the path its rows
 take (tune GRID "paths", lm_head_last's too) into .cache/artifacts/qwen3-4b-paths, beside base's
 qwen3-4b, for `bench throughput` / `bench profile` A/Bs of plain serving).
@@ -97,7 +98,7 @@ TINY_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
 GPU_CACHE = REPO / ".cache" / "gpu"
 SERVED = ("qwen3-4b", "llama-3.2-1b")          # model directories LLM / infc serve load on the GPU
 PARTS = ("base", "nofuse", "families", "qwen35", "ranks", "deepseek", "twogpu", "server", "attnvar", "hlvar", "kvfp8",
-         "quant", "lora", "lora-rows", "lora-expand", "fp8-ab", "verify-ab", "grid-ab", "draft", "eagle3", "mtp", "gptoss",
+         "quant", "lora", "lora-rows", "lora-expand", "fp8-ab", "verify-ab", "verify-8b", "grid-ab", "draft", "eagle3", "mtp", "gptoss",
          "dsv4")
 DEFAULT_PARTS = ("base", "nofuse", "families", "draft", "eagle3")
 
@@ -183,6 +184,8 @@ def main(parts=DEFAULT_PARTS):
         fp8_ab()
     if "verify-ab" in parts:
         verify_ab()
+    if "verify-8b" in parts:
+        verify_8b()
     if "grid-ab" in parts:
         grid_ab()
     if "draft" in parts:
@@ -442,6 +445,14 @@ def verify_ab():
         _both_tunings(f"qwen3-4b-v5-{tag}", SERVED_ARTIFACTS / f"qwen3-4b-v5-{tag}",
                       model_dir=str(served_config("qwen3-4b")), narrow_tokens=5, check_checkpoint=False,
                       tuning_overlay=overlay)
+
+
+def verify_8b():
+    """qwen3-8b with a verify program of 5 rows (k = 4), config-only, into
+    .cache/artifacts/qwen3-8b-v5: issue 43's verify table for its second model (`bench spec-verify`)."""
+    from infc.backend import SERVED_ARTIFACTS
+    _both_tunings("qwen3-8b-v5", SERVED_ARTIFACTS / "qwen3-8b-v5", model_dir=str(served_config("qwen3-8b")),
+                  narrow_tokens=5, check_checkpoint=False)
 
 
 def grid_ab():
