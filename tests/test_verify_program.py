@@ -122,7 +122,9 @@ VERIFY_FORMS = {"default": None,
                 # taken path's blocks (GRID "paths", lm_head_last's too)
                 "dot-park": {**{t: {"default": {"FMA_T": 1, "BLOCK_K": 32, "FMA_BLOCK_K": 32, "SPLIT_K_DOT": 2,
                                                 "PARK": "store", "GRID": "paths"}} for t in ("gemv", "gemv_gated")},
-                             "lm_head_last": {"default": {"GRID": "paths"}}}}
+                             "lm_head_last": {"default": {"GRID": "paths"}}},
+                # 16-row W blocks on the tensor-core path, unsplit (prepare.py verify-ab's n16u)
+                "dot-n16": {t: {"default": {"FMA_T": 1, "BLOCK_N_DOT": 16, "SPLIT_K_DOT": 1}} for t in ("gemv", "gemv_gated")}}
 
 
 def _interp(d, out: Path, **build_kw):

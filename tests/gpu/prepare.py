@@ -429,6 +429,15 @@ VERIFY_AB["best"] = {"gemv": VERIFY_AB["pre"]["gemv"],
 # entries reach the decode program's GEMVs too, whose steps of more rows than FMA_T take the
 # tensor-core path)
 VERIFY_AB["best-paths"] = {t: {**e, "default": {"GRID": "paths"}} for t, e in VERIFY_AB["best"].items()}
+# "n16": best with q|k|v, o and down on 16-row W blocks for the tensor-core path (BLOCK_N_DOT 16),
+# q|k|v unsplit (384 programs) and o / down in 2 splits (320): fewer K splits, so less of the split
+# finish (a parked partial, the counter, the last program's sum) that cost gate|up ~7 us (#15's call
+# 3), with as many programs; "n16u": all three unsplit (o and down 160 programs)
+_N16 = {_VQ: {"BLOCK_N_DOT": 16, "SPLIT_K_DOT": 1}, _VO: {"BLOCK_N_DOT": 16, "SPLIT_K_DOT": 2},
+        _VD: {"BLOCK_N_DOT": 16, "SPLIT_K_DOT": 2}}
+VERIFY_AB["n16"] = {**VERIFY_AB["best"], "gemv": {k: {**v, **_N16[k]} for k, v in VERIFY_AB["best"]["gemv"].items()}}
+VERIFY_AB["n16u"] = {**VERIFY_AB["best"], "gemv": {k: {**v, **_N16[k], "SPLIT_K_DOT": 1}
+                                                   for k, v in VERIFY_AB["best"]["gemv"].items()}}
 # "default": the committed table as it is (on a table without verify entries, the H200's, the
 # template's VERIFY_DOT form); "lanes": every verify launch on the CUDA-core rows (FMA_T "rows"), the
 # form a table without verify entries ran before VERIFY_DOT

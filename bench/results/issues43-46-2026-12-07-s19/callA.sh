@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Session #18 call A (carried to #19 unchanged), branching on the card (kind nvidia-h200 lands either). H200: issue 46's
+# Session #19 call A (#18's, the H100 branch with prepare.py verify-ab's n16 forms), branching on the card (kind nvidia-h200 lands either). H200: issue 46's
 # acceptance run, session #16's H200 branch (1024/128 throughput at 1, 32, 256 concurrent of
 # qwen3-4b and of qwen3-4b --enable-lora with 8 rank-16 adapters in turn, dummy weights, two rounds
 # alternating; then the LoRA golden gate against HF + PEFT). H100: issue 43's grid A/B
-# (session #17's callE: qwen3-4b-v5-best, GRID "max", against -best-paths, GRID "paths",
-# `bench spec-verify` batches 1 and 32 at k = 0 and 4, A B B A), then plain serving's
+# (session #17's callE: qwen3-4b-v5-best, GRID "max", against -best-paths, GRID "paths", and
+# prepare.py verify-ab's n16 / n16u, `bench spec-verify` batches 1 and 32 at k = 0 and 4, two
+# rounds in mirrored order), then plain serving's
 # (qwen3-4b against qwen3-4b-paths, prepare.py grid-ab: 1024/128 throughput at 256 concurrent, A B B A
 # as time allows). Copied to the repository root to run.
 # the committed tree only (the build machine's uncommitted edits do not travel)
@@ -38,17 +39,15 @@ if on_h200; then
   [ $left -gt 60 ] && timeout $left python3 -m pytest tests/gpu/test_lora_gpu.py -q -s -p no:cacheprovider 2>&1 \
     | tee $OUT/pytest-lora.log | grep -E "passed|failed|error|regret|p99|^E " | tail -30 | tee -a $OUT/log.txt
 else
-  python3 tests/gpu/rerender.py $A/qwen3-4b-v5-best $A/qwen3-4b-v5-best-paths 2>&1 | tail -2 | tee -a $OUT/log.txt
+  python3 tests/gpu/rerender.py $A/qwen3-4b-v5-best $A/qwen3-4b-v5-best-paths $A/qwen3-4b-v5-n16 $A/qwen3-4b-v5-n16u 2>&1 | tail -2 | tee -a $OUT/log.txt
   sv() {
-    [ $(( $(date +%s) - t0 )) -gt $((END / 2)) ] && { say "skipped $1 $2: time"; return; }
+    [ $(( $(date +%s) - t0 )) -gt $((END - 260)) ] && { say "skipped $1 $2: time"; return; }
     say "spec-verify $1 ($2)"
     timeout 110 python3 -m infc.cli bench spec-verify --artifact $A/$1 --model-path $C/qwen3-4b --load-format dummy \
       --batches 1,32 --drafts 0,4 --out /tmp/sv-$1-$2 2>&1 | grep -E "drafts|batch|rror|Trace" | tail -6 | tee -a $OUT/log.txt
   }
-  sv qwen3-4b-v5-best r1
-  sv qwen3-4b-v5-best-paths r1
-  sv qwen3-4b-v5-best-paths r2
-  sv qwen3-4b-v5-best r2
+  for v in best best-paths n16 n16u; do sv qwen3-4b-v5-$v r1; done
+  for v in n16u n16 best-paths best; do sv qwen3-4b-v5-$v r2; done
   python3 tests/gpu/rerender.py $A/qwen3-4b $A/qwen3-4b-paths 2>&1 | tail -2 | tee -a $OUT/log.txt
   tp() {
     [ $(( $(date +%s) - t0 )) -gt $((END - 100)) ] && { say "skipped $1 $2: time"; return; }
