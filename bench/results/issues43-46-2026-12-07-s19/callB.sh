@@ -8,7 +8,7 @@
 # the trained model's self-draft through both builds (prepare.py draft's skipgram-narrow5).
 # Copied to the repository root to run.
 # the committed tree only (the build machine's uncommitted edits do not travel)
-git checkout -q HEAD -- compiler runtime infc server codegen_templates
+# (no git checkout: the device copy's git metadata is stale, HEAD an older commit)
 source tests/gpu/run.sh --preamble "$1"
 A=.cache/artifacts; C=.cache/gpu/configs
 if on_h200; then

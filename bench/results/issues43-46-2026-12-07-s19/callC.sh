@@ -3,7 +3,7 @@
 # committed tables render it (prepare.py verify-8b: on the H200 table the template's VERIFY_DOT
 # form, on the H100's too since its verify entries are qwen3-4b's shapes): `bench spec-verify` at
 # batches 1, 8, 32 and k = 0..7, then batch 1 at k = 0 and 4 twice more. Copied to the root to run.
-git checkout -q HEAD -- compiler runtime infc server codegen_templates
+# (no git checkout: the device copy's git metadata is stale, HEAD an older commit)
 source tests/gpu/run.sh --preamble "$1"
 A=.cache/artifacts; C=.cache/gpu/configs
 python3 tests/gpu/rerender.py $A/qwen3-8b-v5 2>&1 | tail -2 | tee -a $OUT/log.txt
