@@ -166,9 +166,11 @@ DEFAULT_PROMPT_LOOKUP_MIN = 5
 DEFAULT_PROMPT_LOOKUP_MAX = 5
 # No drafts while more than this many sequences run (vLLM's disable_by_batch_size): verifying k
 # drafts for B sequences costs B (k + 1) rows, which stops paying once the decode GEMVs are no
-# longer weight-bound. A conservative placeholder: the GPU measurement of verify(k) against a
-# decode step at batch 1, 8, 32 (issue 43) is to set it; until then speculation runs only while
-# the batch is small.
+# longer weight-bound. Measured on an H200 (bench/NOTES.md, "Issues 43 and 46 measured on an
+# H200"; qwen3-4b and qwen3-8b, `bench spec-verify`): at batch 8, verify(k <= 3) costs 1.07-1.14x a
+# decode step (and verify(4) 1.5x), so k = 3 pays from an acceptance rate of ~0.12; at batch 32
+# verify(1) already costs 1.23-1.26x and verify(4) 1.87-2.14x, which pays only past ~0.5-0.55.
+# Batch 8 is the last measured batch where speculation pays at any useful acceptance.
 DEFAULT_SPEC_DISABLE_BY_BATCH_SIZE = 8
 # The narrow program (compiler/passes/merge_prologues.py) takes decode steps of at most this many
 # tokens. One by default: its GEMVs are then the CUDA-core path alone; the tensor-core path that
