@@ -443,6 +443,10 @@ VERIFY_AB["n16u"] = {**VERIFY_AB["best"], "gemv": {k: {**v, **_N16[k], "SPLIT_K_
 # form a table without verify entries ran before VERIFY_DOT
 VERIFY_AB["default"] = {}
 VERIFY_AB["lanes"] = {t: {"default": {"FMA_T": "rows"}} for t in ("gemv", "gemv_gated", "lm_head_last")}
+# "default-paths": the table as it is with every GEMV's grid the taken path's blocks (GRID "paths":
+# in the verify program every step's rows take the tensor-core path, so the CUDA-core path's extra
+# column programs only enter and exit; #17's ncu count)
+VERIFY_AB["default-paths"] = {t: {"default": {"GRID": "paths"}} for t in ("gemv", "gemv_gated", "lm_head_last")}
 
 
 def verify_ab():
