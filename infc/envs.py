@@ -67,9 +67,10 @@ REGISTRY = {v.name: v for v in (
         "and a speculative build's verify program (0: every decode step on the decode program, "
         "for A/B timing)"),
     Var("INFC_VERIFY_PROGRAM", "flag", False, "build a speculative server's verify steps (2..k + 1 "
-        "rows) as a program of their own, the narrow launches rendered k + 1 rows wide, their GEMVs' "
-        "rows together on the CUDA-core path (off: the decode program runs them, 1.5x a decode step "
-        "on an H200, until the verify program is measured against it; bench/NOTES.md, issue 43)"),
+        "rows) as a program of their own, the narrow launches rendered k + 1 rows wide (off: the "
+        "decode program runs them. verify(4) at batch 1 on an H100 1.25x a decode step against the "
+        "decode program's 1.45x; on an H200 1.51-1.52x against 1.52x, not yet in one run; "
+        "bench/NOTES.md, issue 43)"),
     Var("INFC_P2P", "flag", True, "one-shot peer-to-peer all-reduces for small messages where "
         "the GPUs can map each other's memory (0: NCCL only)"),
     Var("INFC_P2P_BYTES", "int", 64 << 10, "the largest all-reduce the P2P path takes, in bytes "
