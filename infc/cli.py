@@ -196,7 +196,7 @@ def parser() -> argparse.ArgumentParser:
 
     bn = sub.add_parser("bench", help="benchmarks (results go to bench/results/)")
     bn.add_argument("which", choices=["latency", "throughput", "startup", "serve", "profile", "prefix", "allreduce",
-                                       "structured", "quant-accuracy", "spec-verify"])
+                                       "structured", "quant-accuracy", "spec-verify", "spec-e2e"])
     bn.add_argument("rest", nargs=argparse.REMAINDER)
     bn.set_defaults(fn=_bench)
 
