@@ -122,6 +122,8 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.4,
+                    help="each engine's share of the GPU (both are open at once; the draft's within its engine's)")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     try:
@@ -132,7 +134,8 @@ def main(argv=None):
     except ValueError as e:
         sys.exit(f"infc bench spec-e2e: {e}")
     from infc import LLM
-    kw = dict(device=a.device, load_format=a.load_format, max_num_seqs=8)
+    kw = dict(device=a.device, load_format=a.load_format, max_num_seqs=8,
+              gpu_memory_utilization=a.gpu_memory_utilization)
     try:
         with LLM(a.model_path, **kw) as plain, LLM(a.model_path, speculative_config=spec, **kw) as llm:
             ctx = getattr(llm.runner, "ctx", None)

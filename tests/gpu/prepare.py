@@ -44,6 +44,7 @@ its artifact in .cache/gpu/<cut>-art, for the golden gate and bench latency with
 verify-ab (issue 43: qwen3-4b's verify program (5 rows) with its GEMVs in each form of VERIFY_AB,
 into .cache/artifacts/qwen3-4b-v5-<form>, for `bench spec-verify` / `bench profile` A/Bs);
 verify-8b: qwen3-8b's, as the committed tables render it, into .cache/artifacts/qwen3-8b-v5.
+draft-8b (issue 43: qwen3-8b drafted by qwen3-0.6b, config-only, for `bench spec-e2e`).
 grid-ab (issues 43 and 49: qwen3-4b as served with every GEMV's grid the blocks of the path its rows
 take (tune GRID "paths", lm_head_last's too) into .cache/artifacts/qwen3-4b-paths, beside base's
 qwen3-4b, for `bench throughput` / `bench profile` A/Bs of plain serving).
@@ -98,7 +99,7 @@ TINY_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
 GPU_CACHE = REPO / ".cache" / "gpu"
 SERVED = ("qwen3-4b", "llama-3.2-1b")          # model directories LLM / infc serve load on the GPU
 PARTS = ("base", "nofuse", "families", "qwen35", "ranks", "deepseek", "twogpu", "server", "attnvar", "hlvar", "kvfp8",
-         "quant", "lora", "lora-rows", "lora-expand", "fp8-ab", "verify-ab", "verify-8b", "grid-ab", "draft", "eagle3", "mtp", "gptoss",
+         "quant", "lora", "lora-rows", "lora-expand", "fp8-ab", "verify-ab", "verify-8b", "grid-ab", "draft", "draft-8b", "eagle3", "mtp", "gptoss",
          "dsv4")
 DEFAULT_PARTS = ("base", "nofuse", "families", "draft", "eagle3")
 
@@ -190,6 +191,8 @@ def main(parts=DEFAULT_PARTS):
         grid_ab()
     if "draft" in parts:
         draft()
+    if "draft-8b" in parts:
+        draft_8b()
     if "eagle3" in parts:
         eagle3()
     if "mtp" in parts:
@@ -503,6 +506,21 @@ def draft():
     _both_tunings("skipgram for --speculative-config k = 4 under INFC_VERIFY_PROGRAM=1 (narrow_tokens 5)",
                   SERVED_ARTIFACTS / ("skipgram" + artifact_tag(narrow=5)), model_dir=str(skipgram_config()),
                   narrow_tokens=5)
+
+
+def draft_8b():
+    """qwen3-8b as a draft-model target (k = 4) and qwen3-0.6b as its draft, config-only, for
+    `bench spec-e2e` on the GPU: the target's speculative build both ways (the plain build, and
+    the verify program of 5 rows INFC_VERIFY_PROGRAM=1 builds) and the draft's one-token build,
+    into the directories infc/backend.py names for them."""
+    from infc.backend import SERVED_ARTIFACTS
+    from infc.config import artifact_tag
+    for n in (1, 5):
+        _both_tunings(f"qwen3-8b for --speculative-config k = 4 (narrow_tokens {n})",
+                      SERVED_ARTIFACTS / ("qwen3-8b" + artifact_tag(narrow=n)),
+                      model_dir=str(served_config("qwen3-8b")), narrow_tokens=n, check_checkpoint=False)
+    _both_tunings("qwen3-0.6b (a draft model for qwen3-8b)", SERVED_ARTIFACTS / "qwen3-0.6b",
+                  model_dir=str(served_config("qwen3-0.6b")), check_checkpoint=False)
 
 
 EAGLE3_HEAD = "eagle3-qwen3-4b"  # tests/gpu/test_spec_gpu.py's EAGLE3_HEAD
