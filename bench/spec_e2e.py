@@ -11,8 +11,9 @@ verify rows), and only the greedy verdict is rewritten before the speculator set
 step's cost is the real one while its tokens become the drafts (meaningless text, by design).
 Expected tokens a step with k drafts: (1 - a^(k+1)) / (1 - a), k + 1 at a = 1. Reported per rate:
 ms per output token after the first, tokens a step, the acceptance measured by vLLM's counters,
-and the speedup over the plain engine's ms per token, timed in the same process (plain, then the
-rates, then plain again; the plain figure is the two runs' mean).
+and the speedup over plain decoding's ms per token: an engine without speculation over the same
+runner (the same kernels and weights; the two engines use its pages one request at a time), timed
+before the rates and after (the mean of the two).
 """
 import argparse
 import json
@@ -70,13 +71,15 @@ def _counters(engine) -> tuple[int, int]:
     return m.spec_decode_num_draft_tokens_total, m.spec_decode_num_accepted_tokens_total
 
 
-def measure(plain, llm, rates, prompt_len: int, max_tokens: int, seed: int = 0) -> dict:
-    """plain, llm: infc.LLM without and with speculation over the same model. Each run is warmed
-    up by a short one of its own."""
+def measure(llm, rates, prompt_len: int, max_tokens: int, seed: int = 0) -> dict:
+    """llm: an infc.LLM with speculation; plain decoding runs on its runner in an engine of its
+    own. Each run is warmed up by a short one of its own."""
+    from infc.runtime.engine.engine import Engine
+    plain = Engine(llm.runner, None, (), llm.max_len, max_num_seqs=8)
     vocab = llm.runner.vocab_size
     prompt = np.random.default_rng(seed).integers(0, vocab, prompt_len).tolist()
-    time_per_token(plain.engine, prompt, 8)
-    base = [time_per_token(plain.engine, prompt, max_tokens)[0]]
+    time_per_token(plain, prompt, 8)
+    base = [time_per_token(plain, prompt, max_tokens)[0]]
     k = llm.engine.spec.k
     rows = []
     for r in rates:
@@ -94,7 +97,7 @@ def measure(plain, llm, rates, prompt_len: int, max_tokens: int, seed: int = 0) 
                      "tokens_per_step": (got - 1) / steps if steps else None, "expected_tokens_per_step": expected,
                      "drafted": drafted, "accepted": accepted,
                      "acceptance": accepted / drafted if drafted else None})
-    base.append(time_per_token(plain.engine, prompt, max_tokens)[0])
+    base.append(time_per_token(plain, prompt, max_tokens)[0])
     plain_ms = 1e3 * float(np.mean(base))
     for row in rows:
         row["speedup"] = plain_ms / row["ms_per_token"]
@@ -122,8 +125,6 @@ def main(argv=None):
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.4,
-                    help="each engine's share of the GPU (both are open at once; the draft's within its engine's)")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     try:
@@ -134,13 +135,12 @@ def main(argv=None):
     except ValueError as e:
         sys.exit(f"infc bench spec-e2e: {e}")
     from infc import LLM
-    kw = dict(device=a.device, load_format=a.load_format, max_num_seqs=8,
-              gpu_memory_utilization=a.gpu_memory_utilization)
+    kw = dict(device=a.device, load_format=a.load_format, max_num_seqs=8)
     try:
-        with LLM(a.model_path, **kw) as plain, LLM(a.model_path, speculative_config=spec, **kw) as llm:
+        with LLM(a.model_path, speculative_config=spec, **kw) as llm:
             ctx = getattr(llm.runner, "ctx", None)
             res = header(ctx if ctx is not None else "cpu", llm.runner.plan["model"])
-            res.update(measure(plain, llm, rates, a.prompt_len, a.max_tokens, a.seed))
+            res.update(measure(llm, rates, a.prompt_len, a.max_tokens, a.seed))
     except (ValueError, OSError) as e:
         sys.exit(f"infc bench spec-e2e: {e}")
     res.update({"speculative_config": spec, "load_format": a.load_format})

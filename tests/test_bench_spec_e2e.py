@@ -17,14 +17,14 @@ def engines(tmp_path_factory):
     target, draft = config_only(root / "target"), config_only(root / "draft", num_hidden_layers=1)
     spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
     kw = dict(device="cpu", load_format="dummy", max_num_seqs=8)
-    with LLM(target, **kw) as plain, LLM(target, speculative_config=spec, **kw) as llm:
-        yield plain, llm
+    with LLM(target, speculative_config=spec, **kw) as llm:
+        yield llm
 
 
 def test_forced_rates(engines):
-    plain, llm = engines
+    llm = engines
     settle = llm.engine.spec.settle
-    res = spec_e2e.measure(plain, llm, [1.0, 0.0, 0.5], prompt_len=6, max_tokens=25)
+    res = spec_e2e.measure(llm, [1.0, 0.0, 0.5], prompt_len=6, max_tokens=25)
     assert llm.engine.spec.settle == settle                   # the wrapper came off
     one, none, half = res["results"]
     assert res["k"] == 3 and res["plain_ms_per_token"] > 0
