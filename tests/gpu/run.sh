@@ -52,8 +52,8 @@ install_here() {
 # start and install_here, after the carried .cache pieces are unpacked and the wheels the GPU
 # machine lacks (WHEELS, default .whl-b, if carried) are installed into /tmp/site on PYTHONPATH;
 # then `say` (a line stamped with the seconds since the start, also into $OUT/log.txt) and `on_h200`
-# are defined, the commit and any uncommitted tracked change go to $OUT/log.txt, and the script
-# goes on with its shell options as they were.
+# are defined, INFC_COMMIT is exported (the carried stamp where unset) and written to $OUT/log.txt,
+# and the script goes on with its shell options as they were.
 if [ "${1:-}" = --preamble ]; then
   start "$2"
   t0=$(date +%s)
@@ -67,7 +67,10 @@ if [ "${1:-}" = --preamble ]; then
   fi
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   install_here
-  { git log --oneline -1; git status --short --untracked-files=no; } | tee -a "$OUT/log.txt"
+  # the commit: INFC_COMMIT, else the stamp prepare.py left beside the carried configs (the GPU
+  # machine's git metadata can be an older commit's: 2026-12-07 #19 found HEAD a day behind)
+  export INFC_COMMIT=${INFC_COMMIT:-$(cat .cache/gpu/configs/COMMIT 2>/dev/null || echo unknown)}
+  echo "commit $INFC_COMMIT (the carried artifacts' stamp)" | tee -a "$OUT/log.txt"
   set +u +o pipefail
   return 0
 fi

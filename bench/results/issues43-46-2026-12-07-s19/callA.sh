@@ -10,7 +10,7 @@
 # as time allows). Copied to the repository root to run.
 # the committed tree only (the build machine's uncommitted edits do not travel)
 # (#19: this line ran, and put back the device copy's stale HEAD, cede78c0, for compiler, runtime, infc, server and codegen_templates: the LoRA runs used cede78c0's runtime and server with the kernels carried from 0a9322d1; removed from calls B-E)
-git checkout -q HEAD -- compiler runtime infc server codegen_templates
+# git checkout -q HEAD -- compiler runtime infc server codegen_templates   (ran in #19; off for any rerun)
 source tests/gpu/run.sh --preamble "$1"
 END=${2:-575}    # the second the call's work must end by (the device time left, less the start)
 A=.cache/artifacts; C=.cache/gpu/configs
