@@ -222,10 +222,7 @@ class Spec:
             bindings.pop(sym, None)
             _check_symbol_name(sym, file, cfg.key_lines.get(sym))
             bindings[sym] = _binding(sym, v, file, cfg.key_lines.get(sym))
-        requires = list(self.requires)
-        if not isinstance(m.get("requires", []) or [], list):
-            raise self.err("'mtp.requires' must be a list of conditions", m.key_lines.get("requires"))
-        requires += _requires(m.get("requires", []) or [], file, "mtp.requires")
+        requires = list(self.requires) + _requires(m, file, "mtp.requires")
         count = m.get("count")
         if not isinstance(count, str) or count not in bindings:
             raise self.err("'mtp.count' must name the config symbol of the MTP layers the checkpoint "
@@ -455,9 +452,14 @@ def _check_symbol_name(sym, file, line):
                         file, line)
 
 
-def _requires(section, file, where) -> list:
-    """`requires` entries: each a condition written as an expression string (a YAML `true` is
-    one too). A number, list or empty entry is a mistake, not a condition that holds."""
+def _requires(parent, file, where) -> list:
+    """The `requires` list of a mapping (the spec's, or its mtp section's; `where` names it):
+    each entry a condition written as an expression string (a YAML `true` is one too). A number,
+    list or empty entry is a mistake, not a condition that holds."""
+    section = parent.get("requires", []) or []
+    if not isinstance(section, list):
+        raise SpecError(f"'{where}' must be a list of conditions like '- act == \"silu\"'", file,
+                        parent.key_lines.get("requires"))
     out = []
     for k, r in enumerate(section):
         line = item_line(section, k)
@@ -542,10 +544,7 @@ def load_spec(path: str | Path) -> Spec:
                             cfg.key_lines.get(sym))
     for sym in bindings:
         _check_symbol_name(sym, file, cfg.key_lines.get(sym))
-    if not isinstance(doc.get("requires", []) or [], list):
-        raise SpecError("'requires' must be a list of conditions like '- act == \"silu\"'", file,
-                        doc.key_lines.get("requires"))
-    requires = _requires(doc.get("requires", []) or [], file, "requires")
+    requires = _requires(doc, file, "requires")
     variants = doc.get("variants", {}) or {}
     if not isinstance(variants, dict):
         raise SpecError("'variants' must map a variant name to its config.json values", file,
