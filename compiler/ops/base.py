@@ -117,12 +117,17 @@ def expect(cond: bool, msg: str):
         raise ShapeError(msg)
 
 
+def finite_number(v) -> bool:
+    """v is an int or float (not a bool) and finite: an attribute a kernel computes with."""
+    import math
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
 def expect_eps(op_name: str, eps):
     """A norm's epsilon: a finite number >= 0 (a negative one takes the root of a negative
     variance: NaN logits; a string or list fails only when the step runs)."""
-    import math
-    ok = isinstance(eps, (int, float)) and not isinstance(eps, bool) and math.isfinite(eps) and eps >= 0
-    expect(ok, f"{op_name}: eps must be a number >= 0 (the config's norm epsilon), got {eps!r}")
+    expect(finite_number(eps) and eps >= 0,
+           f"{op_name}: eps must be a number >= 0 (the config's norm epsilon), got {eps!r}")
 
 
 def tt(shape, dtype) -> TensorType:

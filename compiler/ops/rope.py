@@ -25,7 +25,7 @@ import math
 
 import numpy as np
 
-from .base import REQUIRED, expect, op
+from .base import REQUIRED, expect, finite_number, op
 
 SUPPORTED = ("default", "linear", "llama3", "yarn")
 
@@ -54,10 +54,6 @@ def rotary_dims(head_dim: int, scaling=None, rotary_dim=None) -> int:
     return r
 
 
-def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
 # The scaling parameters each rope type reads, and what a value must be: HF computes with them
 # unchecked, so a 0 or negative factor, theta <= 0 (NaN / infinite frequencies) or a string
 # ('2' / 'x', a TypeError deep in numpy) would otherwise be silently wrong numbers or a traceback.
@@ -68,7 +64,7 @@ _NUMBER = ("mscale", "mscale_all_dim", "beta_fast", "beta_slow")    # HF reads a
 
 def check_parameters(theta, scaling):
     """Refuse (ValueError naming the key) a theta or scaling parameter rope cannot compute with."""
-    if not _number(theta) or theta <= 0:
+    if not finite_number(theta) or theta <= 0:
         raise ValueError(f"theta (the config's rope_theta) must be a positive number, got {theta!r}")
     if scaling is None:
         return
@@ -78,11 +74,11 @@ def check_parameters(theta, scaling):
     kind = rope_type(scaling)
     for k in _POSITIVE + _NUMBER:
         v = scaling.get(k)
-        if v is not None and (not _number(v) or (k in _POSITIVE and v <= 0)):
+        if v is not None and (not finite_number(v) or (k in _POSITIVE and v <= 0)):
             need = "a positive number" if k in _POSITIVE else "a number"
             raise ValueError(f"rope_scaling's '{k}' must be {need}, got {v!r}")
     f = scaling.get("partial_rotary_factor")
-    if f is not None and (not _number(f) or not 0 < f <= 1):
+    if f is not None and (not finite_number(f) or not 0 < f <= 1):
         raise ValueError(f"rope_scaling's 'partial_rotary_factor' must be a number in (0, 1], got {f!r}")
     if scaling.get("truncate") not in (None, True, False):
         raise ValueError(f"rope_scaling's 'truncate' must be true or false, got {scaling['truncate']!r}")
