@@ -393,6 +393,12 @@ def fp8_ab():
                       check_checkpoint=False, **kw)
 
 
+def _every_gemv(entry: dict) -> dict:
+    """A tuning overlay that gives every GEMV-based template (gemv, gemv_gated, lm_head_last) the
+    tunables `entry` in its "default" entry."""
+    return {t: {"default": dict(entry)} for t in ("gemv", "gemv_gated", "lm_head_last")}
+
+
 # issue 43's verify GEMVs (qwen3-4b, 5 rows: k = 4) in each form of the A/B, the same on both tables:
 # "old" the H100 table's entries before the row pass was unrolled (gate|up's rows in one loop over
 # [BLOCK_T, 128] chunks); "rows" the same with the unrolled row pass; "rowsq" q|k|v on the
@@ -445,11 +451,11 @@ VERIFY_AB["n16u"] = {**VERIFY_AB["best"], "gemv": {k: {**v, **_N16[k], "SPLIT_K_
 # template's VERIFY_DOT form); "lanes": every verify launch on the CUDA-core rows (FMA_T "rows"), the
 # form a table without verify entries ran before VERIFY_DOT
 VERIFY_AB["default"] = {}
-VERIFY_AB["lanes"] = {t: {"default": {"FMA_T": "rows"}} for t in ("gemv", "gemv_gated", "lm_head_last")}
+VERIFY_AB["lanes"] = _every_gemv({"FMA_T": "rows"})
 # "default-paths": the table as it is with every GEMV's grid the taken path's blocks (GRID "paths":
 # in the verify program every step's rows take the tensor-core path, so the CUDA-core path's extra
 # column programs only enter and exit; #17's ncu count)
-VERIFY_AB["default-paths"] = {t: {"default": {"GRID": "paths"}} for t in ("gemv", "gemv_gated", "lm_head_last")}
+VERIFY_AB["default-paths"] = _every_gemv({"GRID": "paths"})
 
 
 def verify_ab():
@@ -475,7 +481,7 @@ def grid_ab():
     """qwen3-4b as served, with GRID "paths" on every GEMV-based template (gemv, gemv_gated,
     lm_head_last), into .cache/artifacts/qwen3-4b-paths: the A/B side of base's qwen3-4b."""
     from infc.backend import SERVED_ARTIFACTS
-    overlay = {t: {"default": {"GRID": "paths"}} for t in ("gemv", "gemv_gated", "lm_head_last")}
+    overlay = _every_gemv({"GRID": "paths"})
     _both_tunings("qwen3-4b-paths", SERVED_ARTIFACTS / "qwen3-4b-paths", model_dir=str(served_config("qwen3-4b")),
                   check_checkpoint=False, tuning_overlay=overlay)
 
