@@ -111,16 +111,10 @@ def decode_all(engine, prompts, params) -> dict:
 
 
 def time_per_token(engine, prompt, n: int) -> float:
-    """Batch-1 seconds per output token after the first (the prefill's step left out)."""
-    import time
-    engine.add_request(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), "t")
-    got, t0 = 0, None
-    while engine.has_unfinished():
-        for o in engine.step():
-            got += len(o.token_ids)
-            if t0 is None:
-                t0, first = time.perf_counter(), got
-    return (time.perf_counter() - t0) / max(got - first, 1)
+    """Batch-1 seconds per output token after the first (the prefill's step left out): `infc bench
+    spec-e2e`'s timing."""
+    from infc.bench.spec_e2e import time_per_token as timed
+    return timed(engine, prompt, n)[0]
 
 
 def acceptance(engine) -> float:
