@@ -60,15 +60,8 @@ def _waiting_adapters(srv) -> str:
 
 def _streamed(srv, body) -> list:
     """The data events of a streamed completion, [DONE] included."""
-    import http.client
-    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=120)
-    try:
-        conn.request("POST", "/v1/completions", body=json.dumps(dict(body, stream=True)),
-                     headers={"Content-Type": "application/json"})
-        text = conn.getresponse().read().decode()
-    finally:
-        conn.close()
-    return [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    _, _, raw = request(srv.port, "POST", "/v1/completions", dict(body, stream=True), timeout=120)
+    return [line[6:] for line in raw.decode().splitlines() if line.startswith("data: ")]
 
 
 @pytest.mark.parametrize("stream", [False, True])
